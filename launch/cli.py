@@ -1,0 +1,158 @@
+"""The `megapar` command: plan a layout, inspect the environment, run the demo and benchmarks.
+
+    megapar groups --world-size 16 --tp 4 --pcp 2 --dcp 2     # rank layout, no processes started
+    megapar env                                               # what is available here
+    megapar demo [...]                                        # the main job (see launch/demo.py)
+    megapar bench SUITE [--quick] [--device cpu|cuda]         # benchmarks -> bench/results/
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import shlex
+import sys
+
+SUITES = ("gemm", "quant", "route", "moe", "ep", "cp", "merge", "sp", "mhc", "ubatch", "eplb")
+
+
+def _add_layout_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--world-size", type=int, required=True)
+    for axis in ("tp", "pp", "pcp", "dcp"):
+        p.add_argument(f"--{axis}", type=int, default=1)
+    p.add_argument("--dp", type=int, default=None)
+    p.add_argument("--ep", type=int, default=None)
+
+
+def cmd_groups(args: argparse.Namespace) -> int:
+    from parallel.config import ParallelConfig
+    from parallel.layout import format_layout
+
+    try:
+        cfg = ParallelConfig(world_size=args.world_size, tp=args.tp, pp=args.pp, pcp=args.pcp, dcp=args.dcp,
+                             dp=args.dp, ep=args.ep)
+    except ValueError as e:
+        print(f"megapar groups: {e}", file=sys.stderr)
+        return 2
+    print(format_layout(cfg))
+    return 0
+
+
+def _probe(module: str) -> str:
+    try:
+        mod = importlib.import_module(module)
+    except Exception as e:  # missing or broken
+        return f"not available ({type(e).__name__})"
+    return str(getattr(mod, "__version__", "available"))
+
+
+def cmd_env(args: argparse.Namespace) -> int:
+    import torch
+    import torch.distributed as dist
+
+    rows = [("torch", torch.__version__)]
+    if torch.cuda.is_available():
+        rows.append(("cuda", f"{torch.version.cuda}, {torch.cuda.device_count()} device(s)"))
+        for i in range(torch.cuda.device_count()):
+            p = torch.cuda.get_device_properties(i)
+            rows.append((f"  cuda:{i}", f"{p.name}, sm_{p.major}{p.minor}, {p.total_memory / 2**30:.0f} GiB"))
+    else:
+        rows.append(("cuda", "not available"))
+    rows.append(("gloo", str(dist.is_gloo_available())))
+    nccl = dist.is_nccl_available()
+    if nccl and torch.cuda.is_available():
+        try:
+            nccl = ".".join(map(str, torch.cuda.nccl.version()))
+        except Exception:
+            pass
+    rows.append(("nccl", str(nccl)))
+    try:
+        from torch.distributed import _symmetric_memory as symm
+
+        rows.append(("symmetric memory (torch)", "available" + (
+            f", nvshmem: {symm.is_nvshmem_available()}" if hasattr(symm, "is_nvshmem_available") else "")))
+    except Exception as e:
+        rows.append(("symmetric memory (torch)", f"not available ({type(e).__name__})"))
+    for label, module in (("triton", "triton"), ("nvshmem4py", "nvshmem.core"), ("deep_ep", "deep_ep"),
+                          ("deep_gemm", "deep_gemm"), ("ray", "ray")):
+        rows.append((label, _probe(module)))
+    width = max(len(r[0]) for r in rows)
+    for k, v in rows:
+        print(f"{k:<{width}}  {v}")
+    return 0
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    import torch
+
+    from launch.bench.common import BenchContext, write_results
+
+    suites = SUITES if args.suite == "all" else (args.suite,)
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    command = "megapar " + " ".join(shlex.quote(a) for a in sys.argv[1:])
+    failed = []
+    for name in suites:
+        print(f"== bench {name} on {device}{' (quick)' if args.quick else ''}", flush=True)
+        try:
+            module = importlib.import_module(f"launch.bench.{name}")
+        except ModuleNotFoundError as e:
+            print(f"   suite {name!r} is not available: {e}", file=sys.stderr)
+            failed.append(name)
+            continue
+        ctx = BenchContext(suite=name, device=device, quick=args.quick,
+                           options={k: v for k, v in vars(args).items() if k not in ("func",)})
+        try:
+            module.run(ctx)
+        except Exception:
+            import traceback
+
+            traceback.print_exc()
+            failed.append(name)
+        if ctx.rows or ctx.notes:
+            path = write_results(ctx, args.out, command)
+            print(f"   wrote {path}")
+            if args.plot and hasattr(module, "plot"):
+                module.plot(ctx, path.with_suffix(".png"))
+    if failed:
+        print(f"megapar bench: failed suites: {', '.join(failed)}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def cmd_demo(args: list[str]) -> int:
+    from launch.demo import main as demo_main
+
+    return demo_main(args)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="megapar", description=__doc__.split("\n\n")[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    p = sub.add_parser("groups", help="print the rank layout of a job without starting it")
+    _add_layout_args(p)
+    p.set_defaults(func=cmd_groups)
+    p = sub.add_parser("env", help="print what is available: torch, CUDA, NCCL, NVSHMEM, triton, deep_ep, ...")
+    p.set_defaults(func=cmd_env)
+    p = sub.add_parser("bench", help="run a benchmark suite and write bench/results/")
+    p.add_argument("suite", choices=SUITES + ("all",))
+    p.add_argument("--quick", action="store_true", help="tiny sizes (seconds on CPU)")
+    p.add_argument("--device", choices=("cpu", "cuda"), default=None)
+    p.add_argument("--out", default=None, help="result folder (default bench/results)")
+    p.add_argument("--plot", action="store_true", help="also write a PNG where the suite supports it")
+    p.add_argument("--world-size", type=int, default=None, help="ranks for multi-process cases")
+    p.set_defaults(func=cmd_bench)
+    sub.add_parser("demo", help="the main job: prefill + decode on a small DeepSeek-V4-style model",
+                   add_help=False)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] == "demo":
+        return cmd_demo(argv[1:])
+    args = build_parser().parse_args(argv)
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,271 @@
+"""MoE routing: gate logits -> (expert ids, weights) per token, DeepSeek V2/V3/V4 style.
+
+`route()` is the function form (SPEC §2); `Router` is the module holding the gate weight
+(fp32 logits), the `e_score_correction_bias` buffer and, for V4 hash layers, the
+`tid2eid` table. The one idea: the *biased* score picks the experts, the *unbiased*
+score weights them.
+
+    scores  = softmax(l) | sigmoid(l) | sqrt(softplus(l))           [T, E] fp32
+    select  = scores + bias                                          (bias only for selection)
+    groups  : keep the `topk_group` best of `n_group` contiguous groups
+              (group score = sum of its top-2 biased scores; max of scores without bias)
+    ids     = top-k of select over surviving experts (ties: lowest expert index)
+    weights = scores[ids]; / sum (if renormalize and sum > 0); * scaling
+    hash    : ids = tid2eid[input_ids], no top-k and no bias; weights as above
+    padding : tokens with token_mask False get id -1 and weight 0
+
+The torch path below is the specification and runs anywhere with autograd; on CUDA the
+fused Triton kernel (`moe/kernels/routing.py`) does the whole thing in one launch and is
+used when no gradient is needed (`backend="auto"`). Expert ids are int64.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+log = logging.getLogger(__name__)
+
+Scoring = Literal["softmax", "sigmoid", "sqrt_softplus"]
+SCORING_FUNCS: tuple[str, ...] = ("softmax", "sigmoid", "sqrt_softplus")
+ROUTE_BACKENDS: tuple[str, ...] = ("auto", "torch", "triton")
+
+
+@dataclass
+class RouteResult:
+    """Routing of T tokens to K experts each."""
+
+    topk_ids: torch.Tensor  # [T, K] int64; -1 = padding token (no expert)
+    topk_weights: torch.Tensor  # [T, K] float32; 0 for padding tokens
+
+
+def route(
+    logits: torch.Tensor,
+    *,
+    top_k: int,
+    scoring: Scoring = "softmax",
+    bias: torch.Tensor | None = None,
+    n_group: int | None = None,
+    topk_group: int | None = None,
+    renormalize: bool = True,
+    scaling: float = 1.0,
+    input_ids: torch.Tensor | None = None,
+    tid2eid: torch.Tensor | None = None,
+    token_mask: torch.Tensor | None = None,
+    backend: str = "auto",
+) -> RouteResult:
+    """Route tokens to experts (SPEC §2).
+
+    logits:     [T, E] float (computed in fp32; other dtypes are upcast)
+    bias:       [E] float32 `e_score_correction_bias`, selection only; ignored by hash layers
+    n_group, topk_group: grouped top-k (V3); None or 1 = no group limit
+    input_ids:  [T] int, token ids of a hash layer (required when `tid2eid` is given)
+    tid2eid:    [vocab, K] int, hash-layer table token id -> expert ids
+    token_mask: [T] bool, False = padding token (id -1, weight 0); None = all real
+    backend:    "auto" (fused Triton on CUDA when no gradient is needed), "torch", "triton"
+    """
+    _check_route_args(logits, top_k, scoring, bias, n_group, topk_group, input_ids, tid2eid, token_mask, backend)
+    if n_group is not None and n_group <= 1:
+        n_group = topk_group = None
+    use_triton = backend == "triton" or (
+        backend == "auto" and logits.is_cuda and not (torch.is_grad_enabled() and logits.requires_grad)
+        and _triton_available()
+    )
+    if use_triton:
+        from moe.kernels.routing import route_triton
+
+        return route_triton(logits, top_k=top_k, scoring=scoring, bias=bias, n_group=n_group,
+                            topk_group=topk_group, renormalize=renormalize, scaling=scaling,
+                            input_ids=input_ids, tid2eid=tid2eid, token_mask=token_mask)
+    return route_torch(logits, top_k=top_k, scoring=scoring, bias=bias, n_group=n_group,
+                       topk_group=topk_group, renormalize=renormalize, scaling=scaling,
+                       input_ids=input_ids, tid2eid=tid2eid, token_mask=token_mask)
+
+
+def route_torch(
+    logits: torch.Tensor,
+    *,
+    top_k: int,
+    scoring: str,
+    bias: torch.Tensor | None,
+    n_group: int | None,
+    topk_group: int | None,
+    renormalize: bool,
+    scaling: float,
+    input_ids: torch.Tensor | None,
+    tid2eid: torch.Tensor | None,
+    token_mask: torch.Tensor | None,
+) -> RouteResult:
+    """Eager torch routing (the reference; differentiable in the weights). Arguments are
+    assumed checked by `route()`."""
+    scores = score_logits(logits.float(), scoring)  # [T, E] fp32
+    num_tokens, num_experts = scores.shape
+    if tid2eid is not None:
+        safe_ids = input_ids if token_mask is None else input_ids.masked_fill(~token_mask, 0)
+        topk_ids = tid2eid[safe_ids.long()].long()  # [T, K]
+    else:
+        select = scores.detach() if bias is None else scores.detach() + bias.float()
+        if n_group is not None:
+            grouped = select.view(num_tokens, n_group, num_experts // n_group)
+            if bias is not None:
+                group_scores = grouped.topk(min(2, grouped.shape[-1]), dim=-1).values.sum(-1)
+            else:
+                group_scores = grouped.amax(dim=-1)  # [T, G]
+            keep = torch.zeros_like(group_scores, dtype=torch.bool)
+            keep.scatter_(1, _topk_lowest_index(group_scores, topk_group), True)
+            keep = keep.repeat_interleave(num_experts // n_group, dim=1)  # [T, E]
+            select = select.masked_fill(~keep, float("-inf"))
+        topk_ids = _topk_lowest_index(select, top_k)
+    weights = scores.gather(1, topk_ids)  # [T, K] fp32
+    if renormalize:
+        total = weights.sum(dim=-1, keepdim=True)
+        weights = weights / torch.where(total > 0, total, torch.ones_like(total))
+    if scaling != 1.0:
+        weights = weights * scaling
+    if token_mask is not None:
+        topk_ids = topk_ids.masked_fill(~token_mask[:, None], -1)
+        weights = weights.masked_fill(~token_mask[:, None], 0.0)
+    return RouteResult(topk_ids=topk_ids, topk_weights=weights)
+
+
+def score_logits(logits: torch.Tensor, scoring: str) -> torch.Tensor:
+    """Scores from fp32 logits: softmax over experts, sigmoid, or sqrt(softplus) (softplus(x) =
+    x above 20)."""
+    if scoring == "softmax":
+        return logits.softmax(dim=-1)
+    if scoring == "sigmoid":
+        return logits.sigmoid()
+    if scoring == "sqrt_softplus":
+        return F.softplus(logits, beta=1.0, threshold=20.0).sqrt()
+    raise ValueError(f"unknown scoring {scoring!r}; valid: {', '.join(SCORING_FUNCS)}")
+
+
+def _topk_lowest_index(x: torch.Tensor, k: int) -> torch.Tensor:
+    """Indices of the k largest values along the last dim; ties go to the lowest index.
+    (`torch.topk` does not promise an order among equal values; a stable sort does.)"""
+    return torch.sort(x, dim=-1, descending=True, stable=True).indices[..., :k]
+
+
+@functools.lru_cache(maxsize=1)
+def _triton_available() -> bool:
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        log.info("triton not importable: routing uses the torch path")
+        return False
+    return True
+
+
+def _check_route_args(logits, top_k, scoring, bias, n_group, topk_group, input_ids, tid2eid, token_mask,
+                      backend) -> None:
+    if logits.dim() != 2 or not logits.is_floating_point():
+        raise ValueError(f"logits must be a float [T, E] tensor; got shape {tuple(logits.shape)} dtype {logits.dtype}")
+    num_tokens, num_experts = logits.shape
+    if scoring not in SCORING_FUNCS:
+        raise ValueError(f"unknown scoring {scoring!r}; valid: {', '.join(SCORING_FUNCS)}")
+    if backend not in ROUTE_BACKENDS:
+        raise ValueError(f"unknown routing backend {backend!r}; valid: {', '.join(ROUTE_BACKENDS)}")
+    if not 1 <= top_k <= num_experts:
+        raise ValueError(f"top_k ({top_k}) must be in [1, num_experts={num_experts}]")
+    if bias is not None and tuple(bias.shape) != (num_experts,):
+        raise ValueError(f"bias must have shape [{num_experts}] (num_experts); got {tuple(bias.shape)}")
+    if token_mask is not None and (token_mask.dtype != torch.bool or tuple(token_mask.shape) != (num_tokens,)):
+        raise ValueError(f"token_mask must be a bool [{num_tokens}] tensor; got {token_mask.dtype} {tuple(token_mask.shape)}")
+    if tid2eid is not None:
+        if tid2eid.dim() != 2 or tid2eid.shape[1] != top_k or tid2eid.is_floating_point():
+            raise ValueError(f"tid2eid must be an int [vocab, top_k={top_k}] table; got {tid2eid.dtype} {tuple(tid2eid.shape)}")
+        if input_ids is None:
+            raise ValueError("a hash layer (tid2eid given) needs input_ids: [T] token ids")
+        if tuple(input_ids.shape) != (num_tokens,) or input_ids.is_floating_point():
+            raise ValueError(f"input_ids must be an int [{num_tokens}] tensor; got {input_ids.dtype} {tuple(input_ids.shape)}")
+        if num_tokens:
+            ids = input_ids if token_mask is None else input_ids.masked_fill(~token_mask, 0)
+            lo, hi = (int(v) for v in torch.aminmax(ids))
+            if lo < 0 or hi >= tid2eid.shape[0]:
+                raise ValueError(f"input_ids range [{lo}, {hi}] is outside the hash table's vocab [0, {tid2eid.shape[0]})")
+        return
+    if (n_group is None) != (topk_group is None):
+        raise ValueError(f"n_group ({n_group}) and topk_group ({topk_group}) must be given together")
+    if n_group is not None and n_group > 1:
+        if num_experts % n_group:
+            raise ValueError(f"n_group ({n_group}) must divide num_experts ({num_experts})")
+        if not 1 <= topk_group <= n_group:
+            raise ValueError(f"topk_group ({topk_group}) must be in [1, n_group={n_group}]")
+        if top_k > topk_group * (num_experts // n_group):
+            raise ValueError(f"top_k ({top_k}) exceeds the experts in the kept groups "
+                             f"(topk_group {topk_group} x {num_experts // n_group} experts per group)")
+
+
+class Router(nn.Module):
+    """Gate of one MoE layer: `x [T, H] -> RouteResult`.
+
+    Parameters/buffers use DeepSeek checkpoint names: `weight` [E, H] (the gate linear,
+    logits computed in fp32), `e_score_correction_bias` [E] fp32 (when `use_bias`), and
+    `tid2eid` [vocab, K] int32 for a hash layer (`hash_vocab` given).
+    """
+
+    def __init__(
+        self,
+        hidden: int,
+        num_experts: int,
+        top_k: int,
+        *,
+        scoring: Scoring = "softmax",
+        use_bias: bool = False,
+        n_group: int | None = None,
+        topk_group: int | None = None,
+        renormalize: bool = True,
+        scaling: float = 1.0,
+        hash_vocab: int | None = None,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str | None = None,
+    ) -> None:
+        super().__init__()
+        if scoring not in SCORING_FUNCS:
+            raise ValueError(f"unknown scoring {scoring!r}; valid: {', '.join(SCORING_FUNCS)}")
+        if not 1 <= top_k <= num_experts:
+            raise ValueError(f"top_k ({top_k}) must be in [1, num_experts={num_experts}]")
+        self.hidden, self.num_experts, self.top_k = hidden, num_experts, top_k
+        self.scoring, self.renormalize, self.scaling = scoring, renormalize, scaling
+        self.n_group, self.topk_group = n_group, topk_group
+        self.weight = nn.Parameter(torch.empty(num_experts, hidden, dtype=dtype, device=device))
+        nn.init.normal_(self.weight, std=hidden ** -0.5)
+        if use_bias:
+            self.register_buffer("e_score_correction_bias", torch.zeros(num_experts, dtype=torch.float32, device=device))
+        else:
+            self.e_score_correction_bias = None
+        if hash_vocab is not None:
+            table = torch.randint(0, num_experts, (hash_vocab, top_k), dtype=torch.int32, device=device)
+            self.register_buffer("tid2eid", table)
+        else:
+            self.tid2eid = None
+
+    @property
+    def is_hash(self) -> bool:
+        return self.tid2eid is not None
+
+    def logits(self, x: torch.Tensor) -> torch.Tensor:
+        """x: [T, H] any float -> [T, E] fp32 gate logits."""
+        if x.shape[-1] != self.hidden:
+            raise ValueError(f"router hidden size mismatch: x has {x.shape[-1]}, gate expects {self.hidden}")
+        return F.linear(x.to(self.weight.dtype), self.weight).float()
+
+    def forward(self, x: torch.Tensor, input_ids: torch.Tensor | None = None,
+                token_mask: torch.Tensor | None = None, backend: str = "auto") -> RouteResult:
+        """x: [T, H]; input_ids: [T] int (hash layers); token_mask: [T] bool (False = padding)."""
+        if self.is_hash and input_ids is None:
+            raise ValueError("this Router is a hash layer (tid2eid) and needs input_ids: [T] token ids")
+        return route(self.logits(x), top_k=self.top_k, scoring=self.scoring, bias=self.e_score_correction_bias,
+                     n_group=self.n_group, topk_group=self.topk_group, renormalize=self.renormalize,
+                     scaling=self.scaling, input_ids=input_ids if self.is_hash else None, tid2eid=self.tid2eid,
+                     token_mask=token_mask, backend=backend)
+
+    def extra_repr(self) -> str:
+        return (f"hidden={self.hidden}, num_experts={self.num_experts}, top_k={self.top_k}, scoring={self.scoring}, "
+                f"n_group={self.n_group}, topk_group={self.topk_group}, scaling={self.scaling}, hash={self.is_hash}")

@@ -1,0 +1,7 @@
+"""megapar.parallel: process groups and the communication primitives built on them."""
+
+from .config import ParallelConfig
+from .groups import Group, ParallelGroups, destroy_parallel, get_groups, get_optional_groups, init_parallel
+
+__all__ = ["ParallelConfig", "Group", "ParallelGroups", "init_parallel", "destroy_parallel", "get_groups",
+           "get_optional_groups"]

@@ -1,0 +1,223 @@
+"""Thin collectives shared by every primitive.
+
+Uneven all-gather / reduce-scatter along any dim (padding handled inside), all-to-all with
+per-rank split sizes, async variants returning a handle, and uint8 transport of low-precision
+tensors (gloo rejects fp8; packed fp4 is uint8 already). A group argument may be a
+`parallel.groups.Group`, a raw `ProcessGroup`, or None (the world, or a single process when
+torch.distributed is not initialized); size-1 groups never communicate.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+
+from .groups import Group
+
+
+def resolve_group(group: Group | dist.ProcessGroup | None) -> tuple[dist.ProcessGroup | None, int, int]:
+    """(process group or None, rank in group, group size)."""
+    if isinstance(group, Group):
+        return group.group, group.rank, group.size
+    if not (dist.is_available() and dist.is_initialized()):
+        if group is not None:
+            raise ValueError("a ProcessGroup was given but torch.distributed is not initialized")
+        return None, 0, 1
+    return group, dist.get_rank(group), dist.get_world_size(group)
+
+
+def group_ranks(group: Group | dist.ProcessGroup | None) -> list[int]:
+    """Global ranks of the group in group-rank order."""
+    if isinstance(group, Group):
+        return list(group.ranks)
+    pg, _, size = resolve_group(group)
+    if pg is None:
+        return list(range(size))
+    return [dist.get_global_rank(pg, i) for i in range(size)]
+
+
+_WIRE_DTYPES = {torch.float8_e4m3fn, torch.float8_e5m2, torch.bool}
+for _name in ("float8_e8m0fnu", "float4_e2m1fn_x2", "float8_e4m3fnuz", "float8_e5m2fnuz"):
+    if hasattr(torch, _name):
+        _WIRE_DTYPES.add(getattr(torch, _name))
+
+
+def needs_wire(dtype: torch.dtype) -> bool:
+    """True when collectives cannot carry `dtype` directly (fp8/fp4/bool): send it as uint8."""
+    return dtype in _WIRE_DTYPES
+
+
+def to_wire(t: torch.Tensor) -> torch.Tensor:
+    """A uint8 view of `t` (last dim scaled by the element size); a no-op for plain dtypes."""
+    if not needs_wire(t.dtype):
+        return t
+    return t.contiguous().view(torch.uint8)
+
+
+def from_wire(u8: torch.Tensor, dtype: torch.dtype, shape: torch.Size | tuple[int, ...] | None = None) -> torch.Tensor:
+    """Inverse of `to_wire`."""
+    if u8.dtype == dtype:
+        return u8 if shape is None else u8.reshape(shape)
+    out = u8.view(dtype)
+    return out if shape is None else out.reshape(shape)
+
+
+@dataclass
+class CommHandle:
+    """An in-flight collective. `wait()` returns its result tensor (post-processed)."""
+
+    work: Any
+    finish: Callable[[], Any]
+    _done: bool = False
+    _result: Any = None
+
+    def wait(self) -> Any:
+        if not self._done:
+            if self.work is not None:
+                for w in (self.work if isinstance(self.work, (list, tuple)) else [self.work]):
+                    w.wait()
+            self._result = self.finish()
+            self._done = True
+        return self._result
+
+
+def _done_handle(value: Any) -> CommHandle:
+    return CommHandle(work=None, finish=lambda: value)
+
+
+def _check_dim(x: torch.Tensor, dim: int) -> int:
+    if not -x.dim() <= dim < x.dim():
+        raise ValueError(f"dim ({dim}) out of range for a tensor of {x.dim()} dims")
+    return dim % x.dim()
+
+
+def gather_sizes(n: int, group: Group | dist.ProcessGroup | None, device: torch.device | None = None) -> list[int]:
+    """Every rank's `n`, in group-rank order."""
+    pg, _, size = resolve_group(group)
+    if size == 1:
+        return [n]
+    t = torch.tensor([n], dtype=torch.int64, device=device)
+    out = torch.empty(size, dtype=torch.int64, device=device)
+    dist.all_gather_into_tensor(out, t, group=pg)
+    return out.tolist()
+
+
+def all_gather_uneven(x: torch.Tensor, group: Group | dist.ProcessGroup | None, dim: int = 0, *,
+                      sizes: list[int] | None = None, async_op: bool = False) -> torch.Tensor | CommHandle:
+    """Concatenate every rank's `x` along `dim`; ranks may hold different sizes there.
+
+    sizes: every rank's size along `dim` when known (saves one small collective).
+    """
+    pg, _, size = resolve_group(group)
+    dim = _check_dim(x, dim)
+    if size == 1:
+        return _done_handle(x) if async_op else x
+    if sizes is None:
+        sizes = gather_sizes(x.shape[dim], group, x.device)
+    if len(sizes) != size:
+        raise ValueError(f"sizes has {len(sizes)} entries for a group of {size}")
+    dtype = x.dtype
+    wire = to_wire(x.movedim(dim, 0).contiguous())
+    longest = max(sizes)
+    if wire.shape[0] < longest:
+        pad = wire.new_zeros((longest - wire.shape[0],) + tuple(wire.shape[1:]))
+        wire = torch.cat([wire, pad])
+    out = wire.new_empty((size * longest,) + tuple(wire.shape[1:]))
+    work = dist.all_gather_into_tensor(out, wire, group=pg, async_op=async_op)
+
+    def finish() -> torch.Tensor:
+        chunks = out.view(size, longest, *wire.shape[1:])
+        parts = torch.cat([chunks[i, :n] for i, n in enumerate(sizes)])
+        return from_wire(parts, dtype).movedim(0, dim)
+
+    if async_op:
+        return CommHandle(work, finish)
+    return finish()
+
+
+def _supports_reduce_scatter(pg: dist.ProcessGroup | None) -> bool:
+    return dist.get_backend(pg) != "gloo"
+
+
+def reduce_scatter_uneven(x: torch.Tensor, sizes: list[int], group: Group | dist.ProcessGroup | None,
+                          dim: int = 0, *, async_op: bool = False) -> torch.Tensor | CommHandle:
+    """Sum `x` over the group, then give rank i the i-th slice (of `sizes[i]`) along `dim`."""
+    pg, rank, size = resolve_group(group)
+    dim = _check_dim(x, dim)
+    if len(sizes) != size or sum(sizes) != x.shape[dim]:
+        raise ValueError(f"sizes {sizes} must have {size} entries summing to x.shape[{dim}] = {x.shape[dim]}")
+    if size == 1:
+        return _done_handle(x) if async_op else x
+    if needs_wire(x.dtype):
+        raise ValueError(f"cannot sum {x.dtype} tensors; reduce in a wider dtype")
+    xt = x.movedim(dim, 0)
+    offset = sum(sizes[:rank])
+    if not _supports_reduce_scatter(pg):
+        # gloo has no reduce-scatter: all-reduce and keep our slice (more bytes, same result).
+        buf = xt.contiguous().clone()
+        work = dist.all_reduce(buf, group=pg, async_op=async_op)
+        finish = lambda: buf[offset:offset + sizes[rank]].movedim(0, dim)
+    else:
+        longest = max(sizes)
+        parts = []
+        start = 0
+        for n in sizes:
+            piece = xt[start:start + n]
+            if n < longest:
+                piece = torch.cat([piece, piece.new_zeros((longest - n,) + tuple(piece.shape[1:]))])
+            parts.append(piece)
+            start += n
+        inp = torch.cat(parts).contiguous()
+        out = inp.new_empty((longest,) + tuple(inp.shape[1:]))
+        work = dist.reduce_scatter_tensor(out, inp, group=pg, async_op=async_op)
+        finish = lambda: out[:sizes[rank]].movedim(0, dim)
+    if async_op:
+        return CommHandle(work, finish)
+    return finish()
+
+
+def all_to_all_uneven(x: torch.Tensor, send_splits: list[int], group: Group | dist.ProcessGroup | None,
+                      recv_splits: list[int] | None = None, *, async_op: bool = False
+                      ) -> tuple[torch.Tensor, list[int]] | CommHandle:
+    """Send rows `x[sum(send_splits[:j]) : ...+send_splits[j]]` to rank j; receive from every rank.
+
+    x: [N, ...] any dtype (fp8/fp4 travel as uint8). recv_splits: rows coming from each rank,
+    exchanged with one small all-to-all when not given. Returns (received [sum(recv), ...],
+    recv_splits), or a handle whose wait() returns that pair.
+    """
+    pg, _, size = resolve_group(group)
+    if len(send_splits) != size or sum(send_splits) != x.shape[0]:
+        raise ValueError(f"send_splits {send_splits} must have {size} entries summing to x.shape[0] = {x.shape[0]}")
+    if size == 1:
+        result = (x, list(send_splits))
+        return _done_handle(result) if async_op else result
+    if recv_splits is None:
+        send_t = torch.tensor(send_splits, dtype=torch.int64, device=x.device)
+        recv_t = torch.empty_like(send_t)
+        dist.all_to_all_single(recv_t, send_t, group=pg)
+        recv_splits = recv_t.tolist()
+    dtype = x.dtype
+    wire = to_wire(x.contiguous())
+    out = wire.new_empty((sum(recv_splits),) + tuple(wire.shape[1:]))
+    work = dist.all_to_all_single(out, wire, output_split_sizes=list(recv_splits),
+                                  input_split_sizes=list(send_splits), group=pg, async_op=async_op)
+    rs = list(recv_splits)
+    finish = lambda: (from_wire(out, dtype), rs)
+    if async_op:
+        return CommHandle(work, finish)
+    return finish()
+
+
+def all_reduce(x: torch.Tensor, group: Group | dist.ProcessGroup | None, op: dist.ReduceOp = dist.ReduceOp.SUM,
+               *, async_op: bool = False) -> torch.Tensor | CommHandle:
+    """In-place all-reduce that is a no-op on size-1 groups; returns `x` (or a handle)."""
+    pg, _, size = resolve_group(group)
+    if size == 1:
+        return _done_handle(x) if async_op else x
+    work = dist.all_reduce(x, op=op, group=pg, async_op=async_op)
+    if async_op:
+        return CommHandle(work, lambda: x)
+    return x

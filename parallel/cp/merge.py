@@ -1,0 +1,160 @@
+"""Merging partial attention results by their log-sum-exp (SPEC §7).
+
+Attention over disjoint key sets gives partial states `(o_i, lse_i)`; the attention over the
+union is `o = sum_i w_i o_i / sum_i w_i` with `w_i = exp(lse_i - max lse)` and
+`lse = max + log(sum w_i)`. Kernels mark rows that saw no key with `lse = +inf` or NaN; such
+rows count as empty (`-inf`), and a row empty in every partial gives `o = 0, lse = -inf`.
+Math is fp32 whatever the storage dtype; the scale `w_i / S` is formed first, so `o * exp(lse)`
+(which overflows) never appears. `base="2"` treats every LSE as a base-2 log (FlashInfer).
+
+Layout: outs `[..., T, H, D]`, lses `[..., T, H]` (token-major, like the attention functions of
+this package). The torch reference below is the specification and is differentiable; on CUDA
+(without autograd) the Triton kernel of `triton_merge.py` runs instead.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Literal, NamedTuple, Sequence
+
+import torch
+from torch import Tensor
+
+Base = Literal["e", "2"]
+MergeBackend = Literal["auto", "torch", "triton"]
+
+
+class AttnState(NamedTuple):
+    """A (partial) attention result: `out [..., T, H, D]` and `lse [..., T, H]` fp32."""
+
+    out: Tensor
+    lse: Tensor
+
+
+def _check_base(base: str) -> None:
+    if base not in ("e", "2"):
+        raise ValueError(f"base must be 'e' or '2', got {base!r}")
+
+
+def _check_state(out: Tensor, lse: Tensor, what: str) -> None:
+    if out.dim() < 2 or tuple(out.shape[:-1]) != tuple(lse.shape):
+        raise ValueError(f"{what}: out {tuple(out.shape)} must be lse {tuple(lse.shape)} plus a head-dim axis")
+    if out.device != lse.device:
+        raise ValueError(f"{what}: out on {out.device} but lse on {lse.device}")
+
+
+def _use_triton(backend: str, outs: Sequence[Tensor], lses: Sequence[Tensor]) -> bool:
+    if backend not in ("auto", "torch", "triton"):
+        raise ValueError(f"backend must be 'auto', 'torch' or 'triton', got {backend!r}")
+    if backend == "torch":
+        return False
+    needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (*outs, *lses))
+    if backend == "triton":
+        if needs_grad:
+            raise ValueError("backend='triton' has no autograd; use backend='torch' for differentiable merges")
+        return True
+    if not outs[0].is_cuda or needs_grad:
+        return False
+    if any(t.dtype not in (torch.float32, torch.float16, torch.bfloat16) for t in outs):
+        return False
+    from .triton_merge import triton_available
+
+    return triton_available()
+
+
+def combine_lse(lses: Sequence[Tensor], base: Base = "e") -> tuple[Tensor, Tensor, list[Tensor]]:
+    """The LSE part of a merge: (lse [...], nonempty [...] bool, scales w_i / S per input).
+
+    lses: each [...] (any float dtype; NaN and +inf mean empty). Returns fp32 tensors; the
+    merged lse is -inf and every scale 0 on rows empty in all inputs.
+    """
+    exp = torch.exp2 if base == "2" else torch.exp
+    log = torch.log2 if base == "2" else torch.log
+    clean = [torch.where(torch.isnan(x) | (x == math.inf), -math.inf, x.float()) for x in lses]
+    m = clean[0]
+    for x in clean[1:]:
+        m = torch.maximum(m, x)
+    m = torch.where(m == -math.inf, 0.0, m).detach()   # any finite shift works; 0 for all-empty rows
+    weights = [exp(x - m) for x in clean]
+    total = weights[0]
+    for w in weights[1:]:
+        total = total + w
+    nonempty = total > 0
+    safe_total = torch.where(nonempty, total, 1.0)
+    lse = torch.where(nonempty, m + log(safe_total), -math.inf)
+    return lse, nonempty, [w / safe_total for w in weights]
+
+
+def _merge_torch(outs: Sequence[Tensor], lses: Sequence[Tensor], base: Base) -> AttnState:
+    """Reference merge: fp32 out [..., D] and lse [...]."""
+    lse, _, scales = combine_lse(lses, base)
+    acc = None
+    for o, s in zip(outs, scales):
+        s = s.unsqueeze(-1)
+        # where() keeps NaN/inf of an empty partial out of the sum (and out of the gradient).
+        term = torch.where(s > 0, o.float(), 0.0) * s
+        acc = term if acc is None else acc + term
+    return AttnState(acc, lse)
+
+
+def _finish(result: AttnState, dtype: torch.dtype, out: Tensor | None, out_lse: Tensor | None) -> AttnState:
+    if out is None:
+        o = result.out.to(dtype)
+    else:
+        o = out.copy_(result.out)
+    if out_lse is None:
+        lse = result.lse
+    else:
+        lse = out_lse.copy_(result.lse)
+    return AttnState(o, lse)
+
+
+def _check_out(out: Tensor | None, out_lse: Tensor | None, shape: torch.Size, lse_shape: torch.Size) -> None:
+    if out is not None and tuple(out.shape) != tuple(shape):
+        raise ValueError(f"out has shape {tuple(out.shape)}, expected {tuple(shape)}")
+    if out_lse is not None:
+        if tuple(out_lse.shape) != tuple(lse_shape):
+            raise ValueError(f"out_lse has shape {tuple(out_lse.shape)}, expected {tuple(lse_shape)}")
+        if out_lse.dtype != torch.float32:
+            raise ValueError(f"out_lse must be float32, got {out_lse.dtype}")
+
+
+def merge_attn_states(outs: Tensor | Sequence[Tensor], lses: Tensor | Sequence[Tensor], *, base: Base = "e",
+                      out: Tensor | None = None, out_lse: Tensor | None = None,
+                      backend: MergeBackend = "auto") -> AttnState:
+    """N-way merge of partial attention states over disjoint key sets.
+
+    outs: [N, ..., T, H, D] (or a sequence of N [..., T, H, D]) fp32/bf16/fp16.
+    lses: [N, ..., T, H] (or a sequence), any float dtype; NaN/+inf = empty partial.
+    base: "e" (PyTorch/FlashAttention) or "2" (FlashInfer); the result lse has the same base.
+    out / out_lse: optional destinations ([..., T, H, D] any float dtype, [..., T, H] fp32);
+        `out` may alias one of the inputs (in-place accumulation).
+    Returns AttnState(out [..., T, H, D] in outs' dtype (or out's), lse [..., T, H] fp32).
+    """
+    _check_base(base)
+    out_list = list(outs.unbind(0)) if isinstance(outs, Tensor) else list(outs)
+    lse_list = list(lses.unbind(0)) if isinstance(lses, Tensor) else list(lses)
+    if not out_list or len(out_list) != len(lse_list):
+        raise ValueError(f"need N >= 1 outs and as many lses, got {len(out_list)} and {len(lse_list)}")
+    for i, (o, l) in enumerate(zip(out_list, lse_list)):
+        _check_state(o, l, f"input {i}")
+        if o.shape != out_list[0].shape or o.dtype != out_list[0].dtype:
+            raise ValueError(f"input {i} is {tuple(o.shape)} {o.dtype}, input 0 is "
+                             f"{tuple(out_list[0].shape)} {out_list[0].dtype}; all must match")
+    _check_out(out, out_lse, out_list[0].shape, lse_list[0].shape)
+    if _use_triton(backend, out_list, lse_list):
+        from .triton_merge import merge_states_triton
+
+        return merge_states_triton(out_list, lse_list, base=base, out=out, out_lse=out_lse)
+    return _finish(_merge_torch(out_list, lse_list, base), out_list[0].dtype, out, out_lse)
+
+
+def merge_two_attn_states(out_a: Tensor, lse_a: Tensor, out_b: Tensor, lse_b: Tensor, *, base: Base = "e",
+                          out: Tensor | None = None, out_lse: Tensor | None = None,
+                          backend: MergeBackend = "auto") -> AttnState:
+    """Two-way merge; `out=out_a, out_lse=lse_a` accumulates in place (what a ring step does).
+
+    out_a, out_b: [..., T, H, D]; lse_a, lse_b: [..., T, H]. Same rules as `merge_attn_states`.
+    """
+    return merge_attn_states([out_a, out_b], [lse_a, lse_b], base=base, out=out, out_lse=out_lse,
+                             backend=backend)

@@ -1,0 +1,237 @@
+"""EPLB weight migration: move expert weights between EP ranks after a new placement.
+
+`rearrange_weights(old_phy2log, new_phy2log, tensors, group)` moves one layer. Every rank
+derives the same transfer plan from the two maps (no plan exchange): a slot whose expert
+does not change is skipped; a slot whose new expert the rank already held is a local copy;
+anything else is received once per expert from one rank that held it (spread over holders by
+destination rank) and copied into each slot that needs it. All tensors of an expert (bf16
+weights, packed fp4/fp8 data, scales) travel as raw bytes in ONE buffer per peer pair,
+exchanged with one `torch.distributed.batch_isend_irecv`, so dtype does not matter (gloo
+rejects fp8) and results are bit-exact.
+
+All-or-nothing: the new rows are staged in fresh buffers built from the OLD weights; only when
+an all-reduce of the per-rank failure flags says every rank succeeded are they copied into
+the caller's tensors (in place, so parameters keep their identity and addresses). A failure
+in preparation is agreed on before any transfer; a failure after the transfer is agreed on
+before the commit; either way every rank raises `MigrationError` naming the failed ranks and
+no tensor is touched. (A transport that dies during the final agreement itself cannot be
+made atomic; the error then propagates from the collective.) `fault_hook(stage)` is called at
+stages "prepare" and "unpack" so tests can inject failures.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+import torch
+import torch.distributed as dist
+
+from ..comm import group_ranks, resolve_group
+from ..groups import Group
+
+__all__ = ["MigrationError", "MigrationStats", "rearrange_weights", "migration_plan"]
+
+
+class MigrationError(RuntimeError):
+    """A migration was abandoned on every rank; `failed_ranks` are the group ranks that failed."""
+
+    def __init__(self, message: str, failed_ranks: list[int]) -> None:
+        super().__init__(message)
+        self.failed_ranks = failed_ranks
+
+
+@dataclass
+class MigrationStats:
+    """What one rank did for one layer's migration (bytes over all tensors)."""
+
+    slots_changed: int = 0
+    """local slots whose expert changed"""
+    slots_received: int = 0
+    """changed local slots filled from another rank"""
+    bytes_sent: int = 0
+    bytes_received: int = 0
+    bytes_copied_locally: int = 0
+    peers: int = 0
+    """ranks exchanged with (send or receive)"""
+    seconds: float = 0.0
+
+    def __iadd__(self, other: "MigrationStats") -> "MigrationStats":
+        for name in self.__dataclass_fields__:
+            setattr(self, name, getattr(self, name) + getattr(other, name))
+        return self
+
+
+@dataclass
+class _Plan:
+    """One rank's share of the migration of one layer (local slot indices)."""
+
+    changed: list[int]
+    """local slots to rewrite, ascending"""
+    local: list[tuple[int, int]]
+    """(dst slot, src slot) copies of old local rows"""
+    recv: dict[int, list[list[int]]]
+    """src rank -> for each expert received (ascending id): the dst slots it fills"""
+    send: dict[int, list[int]]
+    """dst rank -> src slot of each expert sent (ascending expert id)"""
+
+
+def migration_plan(old: Sequence[int], new: Sequence[int], num_ranks: int, rank: int) -> _Plan:
+    """Rank `rank`'s transfers for one layer; every rank derives the others' plans identically."""
+    slots = len(old) // num_ranks
+    old_by_rank = [list(old[r * slots : (r + 1) * slots]) for r in range(num_ranks)]
+    holders: dict[int, list[int]] = {}
+    for r, experts in enumerate(old_by_rank):
+        for e in experts:
+            if not holders.get(e) or holders[e][-1] != r:
+                holders.setdefault(e, []).append(r)
+    plan = _Plan(changed=[], local=[], recv={}, send={})
+    for dst in range(num_ranks):
+        needs: dict[int, list[int]] = {}
+        for j in range(slots):
+            p = dst * slots + j
+            if new[p] != old[p]:
+                needs.setdefault(new[p], []).append(j)
+        if dst == rank:
+            plan.changed = sorted(j for js in needs.values() for j in js)
+        for e in sorted(needs):
+            if e in old_by_rank[dst]:
+                if dst == rank:
+                    src_slot = old_by_rank[dst].index(e)
+                    plan.local += [(j, src_slot) for j in needs[e]]
+                continue
+            src = holders[e][dst % len(holders[e])]
+            if dst == rank:
+                plan.recv.setdefault(src, []).append(needs[e])
+            if src == rank:
+                plan.send.setdefault(dst, []).append(old_by_rank[rank].index(e))
+    return plan
+
+
+def _check_maps(old_phy2log: torch.Tensor, new_phy2log: torch.Tensor, num_ranks: int) -> tuple[list[int], list[int]]:
+    if old_phy2log.dim() != 1 or new_phy2log.shape != old_phy2log.shape:
+        raise ValueError(f"old_phy2log and new_phy2log must both be [P] for one layer; got "
+                         f"{tuple(old_phy2log.shape)} and {tuple(new_phy2log.shape)}")
+    num_physical = old_phy2log.shape[0]
+    if num_physical % num_ranks != 0:
+        raise ValueError(f"num_physical ({num_physical}) must be divisible by the group size ({num_ranks})")
+    old, new = old_phy2log.tolist(), new_phy2log.tolist()
+    if min(old + new) < 0:
+        raise ValueError("phy2log values must be >= 0 (logical expert ids)")
+    missing = sorted(set(new) - set(old))
+    if missing:
+        raise ValueError(f"new_phy2log places experts {missing[:8]} that no slot of old_phy2log holds; "
+                         f"a migration can only move experts that exist")
+    return old, new
+
+
+def _byte_rows(t: torch.Tensor, slots_per_rank: int, index: int) -> torch.Tensor:
+    """[slots_per_rank, bytes_per_slot] uint8 view sharing t's storage."""
+    if t.dim() == 0 or t.shape[0] != slots_per_rank:
+        raise ValueError(f"tensors[{index}] has shape {tuple(t.shape)}; its first dim must be the "
+                         f"{slots_per_rank} local slots (num_physical / group size)")
+    if not t.is_contiguous():
+        raise ValueError(f"tensors[{index}] must be contiguous (shape {tuple(t.shape)}, stride {t.stride()})")
+    t = t.detach()
+    return t.reshape(slots_per_rank, -1).view(torch.uint8)
+
+
+def _agree(failed: bool, rank: int, size: int, pg: dist.ProcessGroup | None, device: torch.device) -> list[int]:
+    """All-reduce of per-rank failure flags; returns the failed group ranks (same on all ranks)."""
+    flags = torch.zeros(size, dtype=torch.int32, device=device)
+    flags[rank] = int(failed)
+    if size > 1:
+        dist.all_reduce(flags, group=pg)
+    return flags.nonzero().flatten().tolist()
+
+
+def rearrange_weights(old_phy2log: torch.Tensor, new_phy2log: torch.Tensor, tensors: list[torch.Tensor],
+                      group: Group | dist.ProcessGroup | None = None, *,
+                      fault_hook: Callable[[str], None] | None = None) -> MigrationStats:
+    """Move one layer's expert rows so that local slot j holds expert new_phy2log[rank * S + j].
+
+    old_phy2log, new_phy2log: [P] int, the layer's placement before and after (same on every
+        rank of `group`); P must divide by the group size; S = P / group size.
+    tensors: this rank's per-slot tensors, each [S, ...] contiguous, any dtype (bf16 weights,
+        uint8 packed fp4, fp8 data, scales); modified in place only if every rank succeeds.
+    group: the EP group (Group, ProcessGroup, or None = world / single process).
+    fault_hook: test hook called with "prepare" and "unpack"; an exception it raises counts as
+        this rank's failure.
+    Returns this rank's MigrationStats; raises MigrationError on every rank if any rank failed.
+    """
+    pg, rank, size = resolve_group(group)
+    old, new = _check_maps(old_phy2log, new_phy2log, size)
+    slots_per_rank = len(old) // size
+    rows = [_byte_rows(t, slots_per_rank, i) for i, t in enumerate(tensors)]
+    device = tensors[0].device if tensors else torch.device("cpu")
+    stats = MigrationStats()
+    if old == new:
+        return stats
+    start = time.perf_counter()
+    plan = migration_plan(old, new, size, rank)
+    peers = group_ranks(group) if size > 1 else [0]
+
+    failure: BaseException | None = None
+    try:
+        if fault_hook is not None:
+            fault_hook("prepare")
+        pos = {slot: i for i, slot in enumerate(plan.changed)}
+        staged = [torch.empty(len(plan.changed), r.shape[1], dtype=torch.uint8, device=device) for r in rows]
+        send_bufs = {dst: torch.cat([r[src_slots] for r in rows], dim=1) if rows else None
+                     for dst, src_slots in plan.send.items()}
+        bytes_per_expert = sum(r.shape[1] for r in rows)
+        recv_bufs = {src: torch.empty(len(slot_lists), bytes_per_expert, dtype=torch.uint8, device=device)
+                     for src, slot_lists in plan.recv.items()}
+    except Exception as exc:  # noqa: BLE001 - any local failure must be agreed on, not raised alone
+        failure = exc
+    failed = _agree(failure is not None, rank, size, pg, device)
+    if failed:
+        raise MigrationError(f"EPLB migration abandoned before transfer: group ranks {failed} failed "
+                             f"(this rank: {failure!r})", failed) from failure
+
+    try:
+        ops = []
+        if rows:
+            ops += [dist.P2POp(dist.isend, buf, peer=peers[dst], group=pg) for dst, buf in send_bufs.items()]
+            ops += [dist.P2POp(dist.irecv, buf, peer=peers[src], group=pg) for src, buf in recv_bufs.items()]
+        if ops:
+            for work in dist.batch_isend_irecv(ops):
+                work.wait()
+        if fault_hook is not None:
+            fault_hook("unpack")
+        if plan.local:
+            to_row = torch.tensor([pos[dst] for dst, _ in plan.local], device=device)
+            from_slot = torch.tensor([src for _, src in plan.local], device=device)
+            for r, stage in zip(rows, staged):
+                stage[to_row] = r[from_slot]
+        offsets = [0]
+        for r in rows:
+            offsets.append(offsets[-1] + r.shape[1])
+        for src, slot_lists in plan.recv.items():
+            # received expert k fills every slot in slot_lists[k]
+            from_row = torch.tensor([k for k, js in enumerate(slot_lists) for _ in js], device=device)
+            to_row = torch.tensor([pos[j] for js in slot_lists for j in js], device=device)
+            for i, stage in enumerate(staged):
+                stage[to_row] = recv_bufs[src][from_row, offsets[i] : offsets[i + 1]]
+    except Exception as exc:  # noqa: BLE001
+        failure = exc
+    failed = _agree(failure is not None, rank, size, pg, device)
+    if failed:
+        raise MigrationError(f"EPLB migration abandoned after transfer, old weights kept: group ranks "
+                             f"{failed} failed (this rank: {failure!r})", failed) from failure
+
+    changed = torch.tensor(plan.changed, dtype=torch.int64, device=device)
+    with torch.no_grad():
+        for r, stage in zip(rows, staged):
+            r.index_copy_(0, changed, stage)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    stats.slots_changed = len(plan.changed)
+    stats.slots_received = sum(len(js) for lists in plan.recv.values() for js in lists)
+    stats.bytes_sent = sum(b.numel() for b in send_bufs.values() if b is not None)
+    stats.bytes_received = sum(b.numel() for b in recv_bufs.values()) if rows else 0
+    stats.bytes_copied_locally = len(plan.local) * sum(r.shape[1] for r in rows)
+    stats.peers = len(set(plan.send) | set(plan.recv))
+    stats.seconds = time.perf_counter() - start
+    return stats

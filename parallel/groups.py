@@ -1,0 +1,188 @@
+"""Process-group manager: one torch.distributed group per axis of the rank layout.
+
+`init_parallel(cfg)` initializes torch.distributed from the torchrun environment when it is
+not yet initialized (and reuses it when it is), then creates every group of every axis with
+an explicit timeout and a description, in the same order on every rank, followed by one
+small all-reduce per group so that a bad layout fails at start rather than at the first
+collective. Axes with identical rank lists share one communicator.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import logging
+import os
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from .config import ParallelConfig
+from .layout import AXES, group_of, rank_groups, rank_grid
+
+log = logging.getLogger("megapar")
+
+DEFAULT_TIMEOUT = _dt.timedelta(seconds=float(os.environ.get("MEGAPAR_PG_TIMEOUT", "300")))
+
+
+@dataclass(frozen=True)
+class Group:
+    """One axis as seen from this rank."""
+
+    name: str
+    group: dist.ProcessGroup | None
+    """The communicator; None only when torch.distributed is not initialized (1 rank)."""
+    rank: int
+    """This rank's index inside the group."""
+    size: int
+    ranks: tuple[int, ...]
+    """Global ranks of the group, in group-rank order."""
+
+    def __repr__(self) -> str:
+        return f"Group({self.name}, rank {self.rank}/{self.size}, ranks={list(self.ranks)})"
+
+
+@dataclass
+class ParallelGroups:
+    """Every axis of the job, seen from this rank. Usable as a context manager."""
+
+    config: ParallelConfig
+    rank: int
+    world: Group
+    tp: Group
+    dcp: Group
+    pcp: Group
+    pp: Group
+    dp: Group
+    ep: Group
+    edp: Group
+    backend: str
+    _mesh: object | None = field(default=None, repr=False)
+
+    def axis(self, name: str) -> Group:
+        if name not in AXES and name != "world":
+            raise ValueError(f"unknown axis {name!r}; valid: world, {', '.join(AXES)}")
+        return getattr(self, name)
+
+    def device_mesh(self):
+        """A DeviceMesh over the same ranks with dims (dp, pp, pcp, tp) (ext_dp folded into dp)."""
+        if self._mesh is None:
+            from torch.distributed.device_mesh import DeviceMesh
+
+            cfg = self.config
+            mesh = rank_grid(cfg).reshape(cfg.ext_dp * cfg.dp, cfg.pp, cfg.pcp, cfg.tp)
+            device_type = "cuda" if self.backend == "nccl" else "cpu"
+            self._mesh = DeviceMesh(device_type, mesh, mesh_dim_names=("dp", "pp", "pcp", "tp"))
+        return self._mesh
+
+    def destroy(self) -> None:
+        destroy_parallel()
+
+    def __enter__(self) -> "ParallelGroups":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.destroy()
+
+
+_GROUPS: ParallelGroups | None = None
+_OWNS_DIST = False
+
+
+def get_groups() -> ParallelGroups:
+    """The groups made by `init_parallel`; raises when there are none."""
+    if _GROUPS is None:
+        raise RuntimeError("megapar parallel groups are not initialized; call parallel.init_parallel() first")
+    return _GROUPS
+
+
+def get_optional_groups() -> ParallelGroups | None:
+    return _GROUPS
+
+
+def _env_int(name: str, default: int | None = None) -> int:
+    value = os.environ.get(name)
+    if value is None:
+        if default is None:
+            raise ValueError(f"environment variable {name} is not set (expected a torchrun environment)")
+        return default
+    return int(value)
+
+
+def default_backend() -> str:
+    return "nccl" if torch.cuda.is_available() and dist.is_nccl_available() else "gloo"
+
+
+def _probe_device(backend: str) -> torch.device:
+    if backend == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def init_parallel(cfg: ParallelConfig | None = None, *, backend: str | None = None,
+                  timeout: _dt.timedelta | float | None = None) -> ParallelGroups:
+    """Create (or reuse) torch.distributed and build every axis group.
+
+    cfg: sizes; None reads WORLD_SIZE from the environment and uses dp only.
+    backend: "nccl" / "gloo"; default nccl when CUDA is present, else gloo.
+    """
+    global _GROUPS, _OWNS_DIST
+    if _GROUPS is not None:
+        raise RuntimeError("init_parallel() was already called; call destroy_parallel() first")
+    if isinstance(timeout, (int, float)):
+        timeout = _dt.timedelta(seconds=timeout)
+    timeout = timeout or DEFAULT_TIMEOUT
+    if dist.is_available() and dist.is_initialized():
+        world_size, rank = dist.get_world_size(), dist.get_rank()
+        backend = dist.get_backend()
+    else:
+        world_size = _env_int("WORLD_SIZE", 1)
+        rank = _env_int("RANK", 0)
+        backend = backend or os.environ.get("MEGAPAR_BACKEND") or default_backend()
+    if cfg is None:
+        cfg = ParallelConfig(world_size=world_size)
+    if cfg.world_size != world_size:
+        raise ValueError(f"ParallelConfig.world_size ({cfg.world_size}) != the job's world size ({world_size})")
+    layout = rank_groups(cfg)  # validated before anything is created
+
+    if world_size > 1 and not dist.is_initialized():
+        if backend == "nccl":
+            torch.cuda.set_device(_env_int("LOCAL_RANK", rank % max(torch.cuda.device_count(), 1)))
+        dist.init_process_group(backend=backend, rank=rank, world_size=world_size, timeout=timeout)
+        _OWNS_DIST = True
+
+    made: dict[tuple[int, ...], dist.ProcessGroup | None] = {}
+
+    def make(axis: str) -> Group:
+        mine = group_of(layout[axis], rank)
+        for ranks in layout[axis]:  # every rank creates every group, in the same order
+            key = tuple(ranks)
+            if key in made:
+                continue
+            if world_size == 1:
+                made[key] = None
+            elif len(ranks) == world_size:
+                made[key] = dist.group.WORLD
+            else:
+                made[key] = dist.new_group(list(ranks), timeout=timeout, group_desc=f"megapar_{axis}",
+                                           sort_ranks=False)
+        return Group(axis, made[tuple(mine)], mine.index(rank), len(mine), tuple(mine))
+
+    groups = {axis: make(axis) for axis in AXES}
+    world = Group("world", dist.group.WORLD if world_size > 1 else None, rank, world_size, tuple(range(world_size)))
+    if world_size > 1:
+        probe = torch.ones(1, device=_probe_device(backend))
+        for g in {id(x.group): x for x in groups.values() if x.size > 1}.values():
+            dist.all_reduce(probe, group=g.group)
+    _GROUPS = ParallelGroups(config=cfg, rank=rank, world=world, backend=backend, **groups)
+    log.debug("[rank %d] parallel groups ready: %s", rank, cfg.sizes())
+    return _GROUPS
+
+
+def destroy_parallel() -> None:
+    """Drop the groups; tear down torch.distributed if `init_parallel` created it."""
+    global _GROUPS, _OWNS_DIST
+    _GROUPS = None
+    if _OWNS_DIST and dist.is_initialized():
+        dist.destroy_process_group()
+    _OWNS_DIST = False

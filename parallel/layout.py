@@ -1,0 +1,90 @@
+"""Rank layout: which global ranks form each group of each axis (pure, no torch.distributed).
+
+vLLM-compatible: `grid = arange(world).reshape(ext_dp, dp, pp, pcp, tp)`; the groups of one
+axis come from swapping that axis with the last one and reshaping to `(-1, size)` (vLLM's
+`transpose(axis, 4)`, which fixes the order in which groups are listed).
+DCP: contiguous sub-blocks of each TP group when pcp == 1; with pcp > 1 the PCP x TP block of
+each (dp, pp) cell is walked PCP-first and cut into contiguous DCP groups.
+EP: the DP x PCP x TP ranks of one PP stage (`transpose(dp, pp)`), cut into contiguous blocks
+of `ep`; EDP joins the ranks at the same position of those blocks (same experts).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .config import ParallelConfig
+
+AXES = ("tp", "dcp", "pcp", "pp", "dp", "ep", "edp")
+_GRID_DIM = {"dp": 1, "pp": 2, "pcp": 3, "tp": 4}
+
+
+def rank_grid(cfg: ParallelConfig) -> torch.Tensor:
+    """[ext_dp, dp, pp, pcp, tp] int64 tensor of global ranks."""
+    return torch.arange(cfg.world_size).reshape(-1, cfg.dp, cfg.pp, cfg.pcp, cfg.tp)
+
+
+def _axis_groups(grid: torch.Tensor, dim: int) -> torch.Tensor:
+    return grid.transpose(dim, 4).reshape(-1, grid.shape[dim])
+
+
+def rank_groups(cfg: ParallelConfig) -> dict[str, list[list[int]]]:
+    """Rank lists per axis: keys tp, dcp, pcp, pp, dp, ep, edp. Each axis partitions the world."""
+    grid = rank_grid(cfg)
+    out: dict[str, list[list[int]]] = {}
+    for axis, dim in _GRID_DIM.items():
+        out[axis] = _axis_groups(grid, dim).tolist()
+    # DCP: PCP x TP block of each (ext, dp, pp) cell, PCP-fastest, cut into dcp-sized pieces.
+    cp_block = grid.transpose(3, 4) if cfg.pcp > 1 else grid
+    out["dcp"] = cp_block.reshape(-1, cfg.dcp).tolist()
+    # EP: the dp x pcp x tp ranks of one pp stage, in rank order, cut into contiguous ep blocks.
+    stage = grid.transpose(1, 2).reshape(-1, cfg.dp * cfg.pcp * cfg.tp)
+    ep_blocks = stage.reshape(stage.shape[0], -1, cfg.ep)          # [stages, edp, ep]
+    out["ep"] = ep_blocks.reshape(-1, cfg.ep).tolist()
+    out["edp"] = ep_blocks.transpose(1, 2).reshape(-1, cfg.edp).tolist()
+    return {axis: out[axis] for axis in AXES}
+
+
+def group_of(groups: list[list[int]], rank: int) -> list[int]:
+    """The group (rank list) of one axis that holds `rank`."""
+    for g in groups:
+        if rank in g:
+            return g
+    raise ValueError(f"rank {rank} is in no group of {groups[:4]}...")
+
+
+def coords(cfg: ParallelConfig, rank: int) -> dict[str, int]:
+    """Position of `rank` on every axis: grid coordinates plus its index in its dcp/ep/edp group."""
+    if not 0 <= rank < cfg.world_size:
+        raise ValueError(f"rank ({rank}) must be in [0, {cfg.world_size})")
+    tp = rank % cfg.tp
+    pcp = rank // cfg.tp % cfg.pcp
+    pp = rank // (cfg.tp * cfg.pcp) % cfg.pp
+    dp = rank // (cfg.tp * cfg.pcp * cfg.pp) % cfg.dp
+    ext = rank // (cfg.tp * cfg.pcp * cfg.pp * cfg.dp)
+    out = {"ext_dp": ext, "dp": dp, "pp": pp, "pcp": pcp, "tp": tp}
+    # Position inside the pp stage in (dp, pcp, tp) order -> ep/edp indices.
+    stage_pos = (dp * cfg.pcp + pcp) * cfg.tp + tp
+    out["ep"] = stage_pos % cfg.ep
+    out["edp"] = stage_pos // cfg.ep
+    cp_pos = tp * cfg.pcp + pcp if cfg.pcp > 1 else tp
+    out["dcp"] = cp_pos % cfg.dcp
+    return out
+
+
+def format_layout(cfg: ParallelConfig, max_groups: int = 16) -> str:
+    """Human-readable table of the layout (used by `megapar groups`)."""
+    groups = rank_groups(cfg)
+    sizes = cfg.sizes()
+    lines = ["sizes: " + "  ".join(f"{k}={v}" for k, v in sizes.items()) + f"  world={cfg.world_size}", ""]
+    lines.append(f"{'axis':<5} {'size':>4} {'groups':>6}  ranks")
+    for axis in AXES:
+        gl = groups[axis]
+        shown = "  ".join(str(g) for g in gl[:max_groups]) + ("  ..." if len(gl) > max_groups else "")
+        lines.append(f"{axis:<5} {len(gl[0]):>4} {len(gl):>6}  {shown}")
+    if cfg.world_size <= 64:
+        lines += ["", f"{'rank':>4}  " + " ".join(f"{a:>4}" for a in ("dp", "pp", "pcp", "tp", "dcp", "ep", "edp"))]
+        for r in range(cfg.world_size):
+            c = coords(cfg, r)
+            lines.append(f"{r:>4}  " + " ".join(f"{c[a]:>4}" for a in ("dp", "pp", "pcp", "tp", "dcp", "ep", "edp")))
+    return "\n".join(lines)

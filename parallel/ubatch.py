@@ -1,0 +1,450 @@
+"""Micro-batch overlap (dual-batch overlap): one micro-batch communicates while another computes.
+
+`UBatchRunner.run(fn, *token_inputs)` splits the token inputs along dim 0 into micro-batches
+and calls `fn` once per micro-batch, each in its own thread. The threads and the calling
+thread meet at a `threading.Barrier(n + 1)` before and after; in between, exactly one
+micro-batch thread holds *the turn* and issues work, and the turn moves in a fixed cyclic
+order 0, 1, ..., n-1, 0, ... only at the yield points below. Because the order of every
+collective a rank issues is then fixed by the program, all ranks issue the same collectives
+in the same order (the precondition for gloo and NCCL), while the communication of one
+micro-batch is in flight during another's compute.
+
+Yield points, called by layers (all of them are no-ops outside a runner, so a layer calls
+them unconditionally):
+
+    ubatch_yield(recv_hook=None)      hand the turn to the next micro-batch; when it comes back,
+                                      run `recv_hook()` and return its result. Outside a runner
+                                      the hook runs at once (so `ubatch_yield(work.wait)` is
+                                      "wait for my async collective", overlapped or not).
+    register_recv_hook(hook)          queue a hook to run when this micro-batch next resumes
+                                      (at its next yield, or when it finishes).
+    yield_and_switch_to_comm()        CUDA: record this micro-batch's compute so far, yield, then
+                                      continue on the comm stream after that compute.
+    yield_and_switch_to_compute()     CUDA: record the communication issued so far, yield, then
+                                      continue on the compute stream after that communication.
+    switch_to_comm() / switch_to_compute()   the same stream switch without yielding.
+
+How the MoE layer uses them (EP dispatch / combine):
+
+    yield_and_switch_to_comm()                       # let the other micro-batch compute
+    handle = dispatcher.dispatch(x, ids, w)          # on the comm stream (CUDA)
+    yield_and_switch_to_compute()                    # the other one issues its comm meanwhile
+    y = experts(handle.x)                            # on the compute stream
+    ...the same pair around combine...
+
+With an asynchronous collective (gloo/NCCL `async_op=True`), launch it and yield with its
+wait as the receive hook: `out = ubatch_yield(recv_hook=work.wait)`. That is what makes the
+overlap real on CPU/gloo, where a synchronous collective blocks the thread holding the turn.
+
+Streams (CUDA): the compute stream is the caller's current stream when `run` is called (so
+the outputs are ordered after the micro-batches without extra synchronization); one comm
+stream per device is shared by all micro-batches. An event is recorded *before* yielding,
+never after: after the turn comes back the stream also holds the other micro-batch's work,
+and waiting on that would serialize the two. Tensors made on one stream and freed after use
+on the other should be kept alive until the next switch back (or call `record_stream`), as
+with any multi-stream code.
+
+Splitting: only when the batch has at least `min_tokens` tokens (defaults: 32 for decode,
+512 for prefill); below that `fn` runs once on the calling thread with no runner active.
+In a multi-rank job every rank of the group must take the same decision and have the same
+number of micro-batches (pass `split=` computed from a max over ranks); micro-batches may
+then be empty on some ranks and still take part in the collectives.
+
+Failure: an exception in any micro-batch aborts the barrier and wakes every waiting thread,
+which unwinds; the caller gets `UBatchError` (with `.ubatch_id`, the original exception as
+`__cause__`), no thread is left behind, and the runner can be used again.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field
+from typing import Any, Callable, Literal, Sequence
+
+import torch
+
+__all__ = [
+    "UBatchRunner",
+    "UBatchContext",
+    "UBatchError",
+    "split_tokens",
+    "get_ubatch",
+    "get_optional_ubatch",
+    "ubatch_yield",
+    "register_recv_hook",
+    "yield_and_switch_to_comm",
+    "yield_and_switch_to_compute",
+    "switch_to_comm",
+    "switch_to_compute",
+    "record_stream",
+]
+
+Mode = Literal["decode", "prefill"]
+_MODES = ("decode", "prefill")
+
+
+class UBatchError(RuntimeError):
+    """A micro-batch raised. `ubatch_id` names it; the original exception is `__cause__`."""
+
+    def __init__(self, ubatch_id: int, num_ubatches: int, error: BaseException) -> None:
+        super().__init__(f"micro-batch {ubatch_id} of {num_ubatches} failed: {type(error).__name__}: {error}")
+        self.ubatch_id = ubatch_id
+        self.error = error
+
+
+class _Aborted(BaseException):
+    """Unwinds a micro-batch thread after another one failed (BaseException: user code that
+    catches Exception must not swallow it and go on issuing work out of turn)."""
+
+
+@dataclass
+class UBatchContext:
+    """What a layer may ask about the micro-batch it runs in (`get_ubatch()`)."""
+
+    ubatch_id: int
+    """0-based index; the turn order."""
+    num_ubatches: int
+    token_offset: int
+    """First token of this micro-batch in the full batch."""
+    num_tokens: int
+    total_tokens: int
+    """Tokens of the full batch."""
+    _runner: UBatchRunner = field(repr=False)
+    _hooks: list[Callable[[], Any]] = field(default_factory=list, repr=False)
+    _on_comm: bool = field(default=False, repr=False)
+
+    @property
+    def token_slice(self) -> slice:
+        """Rows of this micro-batch in full-batch tensors (e.g. per-token metadata)."""
+        return slice(self.token_offset, self.token_offset + self.num_tokens)
+
+
+_local = threading.local()
+
+
+def get_optional_ubatch() -> UBatchContext | None:
+    """The micro-batch the calling thread runs, or None outside a runner."""
+    return getattr(_local, "ctx", None)
+
+
+def get_ubatch() -> UBatchContext:
+    """The micro-batch the calling thread runs; raises RuntimeError outside a runner."""
+    ctx = get_optional_ubatch()
+    if ctx is None:
+        raise RuntimeError("get_ubatch() called outside a UBatchRunner micro-batch")
+    return ctx
+
+
+def split_tokens(num_tokens: int, num_ubatches: int) -> list[int]:
+    """Near-equal micro-batch sizes, earlier ones larger: split_tokens(7, 2) == [4, 3]."""
+    if num_tokens < 0 or num_ubatches < 1:
+        raise ValueError(f"need num_tokens >= 0 and num_ubatches >= 1, got {num_tokens} and {num_ubatches}")
+    base, extra = divmod(num_tokens, num_ubatches)
+    return [base + (1 if i < extra else 0) for i in range(num_ubatches)]
+
+
+# ---- yield points (no-ops outside a runner) -------------------------------------------------
+
+def ubatch_yield(recv_hook: Callable[[], Any] | None = None) -> Any:
+    """Hand the turn to the next micro-batch; on return run `recv_hook` (and queued hooks).
+
+    Returns `recv_hook()`'s result (None without a hook). Outside a runner: runs the hook now.
+    """
+    ctx = get_optional_ubatch()
+    if ctx is None:
+        return recv_hook() if recv_hook is not None else None
+    if recv_hook is not None:
+        ctx._hooks.append(recv_hook)
+    ctx._runner._yield_turn(ctx)
+    return _run_hooks(ctx)
+
+
+def register_recv_hook(hook: Callable[[], Any]) -> None:
+    """Queue `hook` to run when this micro-batch next resumes (next yield, or when it ends).
+
+    Outside a runner nothing will resume later, so the hook runs now.
+    """
+    ctx = get_optional_ubatch()
+    if ctx is None:
+        hook()
+    else:
+        ctx._hooks.append(hook)
+
+
+def switch_to_comm() -> None:
+    """Continue on the comm stream, after everything issued so far on the compute stream."""
+    ctx = get_optional_ubatch()
+    if ctx is not None and not ctx._on_comm:
+        ctx._runner._switch(ctx, to_comm=True, event=ctx._runner._record())
+
+
+def switch_to_compute() -> None:
+    """Continue on the compute stream, after everything issued so far on the comm stream."""
+    ctx = get_optional_ubatch()
+    if ctx is not None and ctx._on_comm:
+        ctx._runner._switch(ctx, to_comm=False, event=ctx._runner._record())
+
+
+def yield_and_switch_to_comm() -> None:
+    """Yield (another micro-batch computes meanwhile), then continue on the comm stream."""
+    _yield_and_switch(to_comm=True)
+
+
+def yield_and_switch_to_compute() -> None:
+    """Yield (another micro-batch communicates meanwhile), then continue on the compute stream."""
+    _yield_and_switch(to_comm=False)
+
+
+def record_stream(*tensors: torch.Tensor) -> None:
+    """Tell the CUDA caching allocator that `tensors` are used on the current stream (so
+    freeing them on their allocation stream waits for that use). No-op off CUDA/outside a runner."""
+    ctx = get_optional_ubatch()
+    if ctx is None or ctx._runner._streams is None:
+        return
+    stream = torch.cuda.current_stream()
+    for t in tensors:
+        if t.is_cuda:
+            t.record_stream(stream)
+
+
+def _yield_and_switch(*, to_comm: bool) -> None:
+    ctx = get_optional_ubatch()
+    if ctx is None:
+        return
+    runner = ctx._runner
+    event = runner._record()  # before yielding: only this micro-batch's work (see docstring)
+    runner._yield_turn(ctx)
+    runner._switch(ctx, to_comm=to_comm, event=event)
+    _run_hooks(ctx)
+
+
+def _run_hooks(ctx: UBatchContext) -> Any:
+    result = None
+    while ctx._hooks:
+        result = ctx._hooks.pop(0)()
+    return result
+
+
+# ---- the runner -----------------------------------------------------------------------------
+
+@dataclass
+class _Streams:
+    device: torch.device
+    compute: Any  # torch.cuda.Stream
+    comm: Any
+
+
+class UBatchRunner:
+    """Runs a forward over `num_ubatches` micro-batches with strict turn-taking.
+
+    num_ubatches: micro-batches per split batch (>= 1; 1 never splits).
+    min_tokens: split only batches of at least this many tokens; overrides the two below.
+    decode_min_tokens / prefill_min_tokens: the thresholds per `mode` when min_tokens is None.
+    """
+
+    def __init__(self, num_ubatches: int = 2, *, min_tokens: int | None = None,
+                 decode_min_tokens: int = 32, prefill_min_tokens: int = 512) -> None:
+        if num_ubatches < 1:
+            raise ValueError(f"num_ubatches must be >= 1, got {num_ubatches}")
+        for name, value in (("min_tokens", min_tokens), ("decode_min_tokens", decode_min_tokens),
+                            ("prefill_min_tokens", prefill_min_tokens)):
+            if value is not None and value < 1:
+                raise ValueError(f"{name} must be >= 1, got {value}")
+        self.num_ubatches = num_ubatches
+        self.min_tokens = min_tokens
+        self.decode_min_tokens = decode_min_tokens
+        self.prefill_min_tokens = prefill_min_tokens
+        self._barrier = threading.Barrier(num_ubatches + 1)
+        self._cond = threading.Condition()
+        self._lock = threading.Lock()  # one run at a time
+        self._comm_streams: dict[torch.device, Any] = {}
+        self._reset()
+
+    def _reset(self) -> None:
+        self._turn = 0
+        self._finished = [False] * self.num_ubatches
+        self._aborted = False
+        self._error: tuple[int, BaseException] | None = None
+        self._streams: _Streams | None = None
+
+    # -- splitting --
+
+    def threshold(self, mode: Mode = "prefill") -> int:
+        """Smallest batch (tokens) that is split in `mode`."""
+        if mode not in _MODES:
+            raise ValueError(f"mode must be one of {_MODES}, got {mode!r}")
+        if self.min_tokens is not None:
+            return self.min_tokens
+        return self.decode_min_tokens if mode == "decode" else self.prefill_min_tokens
+
+    def should_split(self, num_tokens: int, mode: Mode = "prefill") -> bool:
+        """True when a batch of `num_tokens` is split into micro-batches."""
+        return self.num_ubatches > 1 and num_tokens >= max(self.threshold(mode), self.num_ubatches)
+
+    # -- running --
+
+    def run(self, fn: Callable[..., Any], *token_inputs: torch.Tensor, mode: Mode = "prefill",
+            split: bool | None = None, **kwargs: Any) -> Any:
+        """Call `fn(*slices, **kwargs)` per micro-batch and concatenate the outputs along dim 0.
+
+        token_inputs: tensors [T, ...] sharing T; each micro-batch gets rows of its token range.
+        kwargs: passed unchanged to every call. split: force the decision (same on all ranks);
+        None = `should_split(T, mode)`. fn returns a tensor [t, ...], a tuple/list of them,
+        or None; the result has the same structure over the whole batch.
+        """
+        if not token_inputs:
+            raise ValueError("run() needs at least one token input tensor [T, ...]")
+        num_tokens = token_inputs[0].shape[0]
+        for i, t in enumerate(token_inputs):
+            if t.dim() == 0 or t.shape[0] != num_tokens:
+                raise ValueError(f"token input {i} has shape {tuple(t.shape)}; every token input needs "
+                                 f"dim 0 = {num_tokens} (the token count of input 0)")
+        if split is None:
+            split = self.should_split(num_tokens, mode)
+        if not split or self.num_ubatches == 1:
+            return fn(*token_inputs, **kwargs)
+        if get_optional_ubatch() is not None:
+            raise RuntimeError("UBatchRunner.run() cannot be nested inside a micro-batch")
+        with self._lock:
+            return self._run_split(fn, token_inputs, kwargs, token_inputs[0].device)
+
+    def _run_split(self, fn: Callable[..., Any], token_inputs: Sequence[torch.Tensor], kwargs: dict[str, Any],
+                   device: torch.device) -> Any:
+        n = self.num_ubatches
+        num_tokens = token_inputs[0].shape[0]
+        sizes = split_tokens(num_tokens, n)
+        self._reset()
+        if device.type == "cuda":
+            if device.index is None:
+                device = torch.device("cuda", torch.cuda.current_device())
+            self._streams = _Streams(device, torch.cuda.current_stream(device), self._comm_stream(device))
+        results: list[Any] = [None] * n
+        modes = _thread_modes()
+        threads = []
+        offset = 0
+        for i, size in enumerate(sizes):
+            ctx = UBatchContext(ubatch_id=i, num_ubatches=n, token_offset=offset, num_tokens=size,
+                                total_tokens=num_tokens, _runner=self)
+            slices = tuple(t[offset:offset + size] for t in token_inputs)
+            threads.append(threading.Thread(target=self._worker, args=(ctx, fn, slices, kwargs, results, modes),
+                                            name=f"ubatch-{i}", daemon=True))
+            offset += size
+        for t in threads:
+            t.start()
+        try:
+            self._barrier.wait()  # every micro-batch is set up
+            self._barrier.wait()  # every micro-batch is done
+        except threading.BrokenBarrierError:
+            pass
+        for t in threads:
+            t.join()
+        error = self._error
+        self._barrier.reset()
+        self._streams = None
+        if error is not None:
+            ubatch_id, exc = error
+            raise UBatchError(ubatch_id, n, exc) from exc
+        return _concat(results)
+
+    def _worker(self, ctx: UBatchContext, fn: Callable[..., Any], slices: tuple[torch.Tensor, ...],
+                kwargs: dict[str, Any], results: list[Any], modes: dict[str, Any]) -> None:
+        _local.ctx = ctx
+        torch.set_grad_enabled(modes["grad"])  # grad mode is thread-local: copy the caller's
+        try:
+            with torch.inference_mode(modes["inference"]):
+                if self._streams is not None:
+                    torch.cuda.set_device(self._streams.device)
+                    torch.cuda.set_stream(self._streams.compute)
+                self._barrier.wait()
+                self._wait_turn(ctx.ubatch_id)
+                results[ctx.ubatch_id] = fn(*slices, **kwargs)
+                _run_hooks(ctx)
+                switch_to_compute()
+        except (_Aborted, threading.BrokenBarrierError):
+            pass
+        except BaseException as exc:  # surfaces in the caller as UBatchError
+            self._abort(ctx.ubatch_id, exc)
+        finally:
+            _local.ctx = None
+            self._finish(ctx.ubatch_id)
+        try:
+            self._barrier.wait()
+        except threading.BrokenBarrierError:
+            pass
+
+    def _wait_turn(self, ubatch_id: int) -> None:
+        with self._cond:
+            while self._turn != ubatch_id and not self._aborted:
+                self._cond.wait()
+            if self._aborted:
+                raise _Aborted()
+
+    def _next_live(self, ubatch_id: int) -> int:
+        n = self.num_ubatches
+        for step in range(1, n + 1):
+            j = (ubatch_id + step) % n
+            if not self._finished[j]:
+                return j
+        return ubatch_id
+
+    def _yield_turn(self, ctx: UBatchContext) -> None:
+        with self._cond:
+            if self._aborted:
+                raise _Aborted()
+            self._turn = self._next_live(ctx.ubatch_id)
+            self._cond.notify_all()
+        self._wait_turn(ctx.ubatch_id)
+
+    def _finish(self, ubatch_id: int) -> None:
+        with self._cond:
+            self._finished[ubatch_id] = True
+            if self._turn == ubatch_id:
+                self._turn = self._next_live(ubatch_id)
+            self._cond.notify_all()
+
+    def _abort(self, ubatch_id: int, exc: BaseException) -> None:
+        with self._cond:
+            if self._error is None:
+                self._error = (ubatch_id, exc)
+            self._aborted = True
+            self._cond.notify_all()
+        self._barrier.abort()
+
+    # -- CUDA streams --
+
+    def _comm_stream(self, device: torch.device) -> Any:
+        if device not in self._comm_streams:
+            self._comm_streams[device] = torch.cuda.Stream(device)
+        return self._comm_streams[device]
+
+    def _record(self) -> Any:
+        """An event at the end of the current stream's work (None off CUDA)."""
+        if self._streams is None:
+            return None
+        event = torch.cuda.Event()
+        event.record(torch.cuda.current_stream())
+        return event
+
+    def _switch(self, ctx: UBatchContext, *, to_comm: bool, event: Any) -> None:
+        ctx._on_comm = to_comm
+        if self._streams is None:
+            return
+        stream = self._streams.comm if to_comm else self._streams.compute
+        stream.wait_event(event)
+        torch.cuda.set_stream(stream)
+
+
+def _thread_modes() -> dict[str, Any]:
+    """Thread-local torch modes of the caller, to be reproduced in the micro-batch threads."""
+    return {"grad": torch.is_grad_enabled(), "inference": torch.is_inference_mode_enabled()}
+
+
+def _concat(results: list[Any]) -> Any:
+    first = results[0]
+    if first is None:
+        return None
+    if isinstance(first, torch.Tensor):
+        return torch.cat(results, dim=0)
+    if isinstance(first, (tuple, list)):
+        return type(first)(_concat([r[k] for r in results]) for k in range(len(first)))
+    raise TypeError(f"micro-batch fn must return a tensor, a tuple/list of tensors, or None; got {type(first).__name__}")

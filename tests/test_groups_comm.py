@@ -1,0 +1,167 @@
+"""Process groups and thin collectives on real gloo processes."""
+
+from __future__ import annotations
+
+import os
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from launch.local import RankError, launch_local
+from parallel import ParallelConfig, destroy_parallel, get_groups, init_parallel
+from parallel import comm
+from parallel.layout import AXES, rank_groups
+
+
+def _groups_and_collectives(rank: int, cfg_kwargs: dict) -> dict:
+    cfg = ParallelConfig(**cfg_kwargs)
+    groups = init_parallel(cfg)
+    assert get_groups() is groups
+    layout = rank_groups(cfg)
+    out = {}
+    for axis in AXES:
+        g = groups.axis(axis)
+        mine = [grp for grp in layout[axis] if rank in grp][0]
+        assert list(g.ranks) == mine and g.rank == mine.index(rank) and g.size == len(mine), (axis, g)
+        # sum of (global rank + 1) over the group, and each group rank's position agrees
+        t = torch.tensor([float(rank + 1)])
+        comm.all_reduce(t, g)
+        out[axis] = t.item()
+        if g.size > 1:
+            who = torch.zeros(g.size)
+            who[g.rank] = rank
+            dist.all_reduce(who, group=g.group)
+            assert who.tolist() == [float(r) for r in g.ranks], (axis, who, g.ranks)
+    mesh = groups.device_mesh()
+    assert mesh.mesh_dim_names == ("dp", "pp", "pcp", "tp")
+    # tp coordinate of the mesh group equals our layout's tp group
+    assert sorted(mesh.get_group("tp").__class__.__name__ for _ in range(1)) == ["ProcessGroup"]
+    tp_ranks = dist.get_process_group_ranks(mesh.get_group("tp"))
+    assert tp_ranks == list(groups.tp.ranks)
+    pcp_ranks = dist.get_process_group_ranks(mesh.get_group("pcp"))
+    assert pcp_ranks == list(groups.pcp.ranks)
+
+    # comm: uneven all-gather / reduce-scatter / all-to-all on the world and on the tp group
+    res = {}
+    w = groups.world
+    n = rank + 1 if rank % 3 else 0                      # rank 0, 3, 6 send nothing
+    x = torch.full((n, 3), float(rank)) + torch.arange(3.0)
+    gathered = comm.all_gather_uneven(x, w, dim=0)
+    res["ag"] = gathered
+    gathered_d1 = comm.all_gather_uneven(x.t().contiguous(), w, dim=1)
+    res["ag_dim1"] = gathered_d1
+    h = comm.all_gather_uneven(x, w, dim=0, async_op=True)
+    res["ag_async_equal"] = torch.equal(h.wait(), gathered)
+    # fp8 through the uint8 wire
+    f8 = (torch.randn(2, 4, generator=torch.Generator().manual_seed(rank)) ).to(torch.float8_e4m3fn)
+    g8 = comm.all_gather_uneven(f8, w, dim=0)
+    res["fp8"] = (g8.dtype, g8.view(torch.uint8))
+    # reduce-scatter with uneven sizes
+    sizes = [(i % 3) + 1 for i in range(w.size)]
+    full = torch.arange(sum(sizes) * 2, dtype=torch.float32).reshape(-1, 2) * (rank + 1)
+    res["rs"] = comm.reduce_scatter_uneven(full, sizes, w, dim=0)
+    # all-to-all: send (j + 1) rows to rank j, row value = 100 * src + dst
+    send = [j + 1 if (rank + j) % 4 else 0 for j in range(w.size)]
+    rows = torch.cat([torch.full((send[j], 2), 100.0 * rank + j) for j in range(w.size)])
+    recv, rsplits = comm.all_to_all_uneven(rows, send, w)
+    res["a2a"] = (recv, rsplits)
+    h = comm.all_to_all_uneven(rows, send, w, recv_splits=rsplits, async_op=True)
+    res["a2a_async_equal"] = torch.equal(h.wait()[0], recv)
+    out["comm"] = res
+    destroy_parallel()
+    return out
+
+
+def test_eight_rank_groups_match_layout_and_collectives_sum_right():
+    cfg_kwargs = dict(world_size=8, tp=2, pcp=2, dcp=2, ep=4)
+    results = launch_local(_groups_and_collectives, 8, args=(cfg_kwargs,), timeout=180)
+    layout = rank_groups(ParallelConfig(**cfg_kwargs))
+    world = 8
+    for rank, out in enumerate(results):
+        for axis in AXES:
+            mine = [g for g in layout[axis] if rank in g][0]
+            assert out[axis] == sum(r + 1 for r in mine), axis
+        res = out["comm"]
+        sizes = [(r + 1 if r % 3 else 0) for r in range(world)]
+        expect = torch.cat([torch.full((sizes[r], 3), float(r)) + torch.arange(3.0) for r in range(world)])
+        assert torch.equal(res["ag"], expect)
+        assert torch.equal(res["ag_dim1"], expect.t())
+        assert res["ag_async_equal"] and res["a2a_async_equal"]
+        dtype, u8 = res["fp8"]
+        assert dtype == torch.float8_e4m3fn
+        exp8 = torch.cat([torch.randn(2, 4, generator=torch.Generator().manual_seed(r)).to(torch.float8_e4m3fn)
+                          .view(torch.uint8) for r in range(world)])
+        assert torch.equal(u8, exp8)
+        rs_sizes = [(i % 3) + 1 for i in range(world)]
+        total = sum(range(1, world + 1))
+        full = torch.arange(sum(rs_sizes) * 2, dtype=torch.float32).reshape(-1, 2) * total
+        off = sum(rs_sizes[:rank])
+        assert torch.equal(res["rs"], full[off:off + rs_sizes[rank]])
+        recv, rsplits = res["a2a"]
+        exp_rows, exp_splits = [], []
+        for src in range(world):
+            k = rank + 1 if (src + rank) % 4 else 0
+            exp_splits.append(k)
+            exp_rows.append(torch.full((k, 2), 100.0 * src + rank))
+        assert rsplits == exp_splits
+        assert torch.equal(recv, torch.cat(exp_rows))
+
+
+def _single_rank(rank: int) -> tuple:
+    g = init_parallel(ParallelConfig(world_size=1))
+    x = torch.randn(3, 2)
+    same = comm.all_gather_uneven(x, g.world) is x
+    y, s = comm.all_to_all_uneven(x, [3], g.ep)
+    destroy_parallel()
+    return same, torch.equal(y, x), s, g.tp.size, g.ep.ranks
+
+
+def test_one_rank_needs_no_communication():
+    assert launch_local(_single_rank, 1) == [(True, True, [3], 1, (0,))]
+    # and in-process too, without torch.distributed at all
+    for k in ("RANK", "WORLD_SIZE"):
+        os.environ.pop(k, None)
+    g = init_parallel()
+    assert g.world.size == 1 and g.ep.group is None
+    destroy_parallel()
+
+
+def _misbehave(rank: int, mode: str):
+    init_parallel(ParallelConfig(world_size=3))
+    if rank == 1:
+        if mode == "raise":
+            raise KeyError("boom on purpose")
+        if mode == "exit":
+            os._exit(7)
+        if mode == "hang":
+            time.sleep(1000)
+    # the others block in a collective that rank 1 never joins
+    t = torch.ones(1)
+    dist.all_reduce(t)
+    return rank
+
+
+@pytest.mark.parametrize("mode,needle", [("raise", "rank 1 failed"), ("exit", "rank 1 exited with code 7"),
+                                         ("hang", "timed out")])
+def test_launch_local_fails_fast_and_leaves_no_process(mode, needle):
+    import multiprocessing as mp
+
+    t0 = time.monotonic()
+    with pytest.raises(RankError) as err:
+        launch_local(_misbehave, 3, args=(mode,), timeout=6 if mode == "hang" else 60)
+    elapsed = time.monotonic() - t0
+    assert needle in str(err.value)
+    if mode == "raise":
+        assert "boom on purpose" in str(err.value) and err.value.rank == 1
+    assert elapsed < 25, elapsed
+    time.sleep(0.2)
+    assert [p for p in mp.active_children() if p.name.startswith("megapar-rank")] == []
+
+
+def test_bad_group_arguments_raise_clearly():
+    with pytest.raises(ValueError, match="send_splits"):
+        comm.all_to_all_uneven(torch.zeros(3, 2), [1, 1], None)
+    with pytest.raises(ValueError, match="world_size must be >= 1"):
+        launch_local(_single_rank, 0)

@@ -1,0 +1,115 @@
+"""Rank layout and config validation (pure, no processes)."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+
+from parallel.config import ParallelConfig
+from parallel.layout import AXES, coords, rank_groups
+
+
+def test_dcp_carved_from_tp_example():
+    g = rank_groups(ParallelConfig(world_size=8, dp=2, tp=4, dcp=2))
+    assert g["tp"] == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    assert g["dcp"] == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    assert g["dp"] == [[0, 4], [1, 5], [2, 6], [3, 7]]
+    assert g["ep"] == [list(range(8))]
+    assert g["edp"] == [[r] for r in range(8)]
+
+
+def test_pp_pcp_tp_example():
+    g = rank_groups(ParallelConfig(world_size=8, pp=2, pcp=2, tp=2))
+    assert g["pcp"] == [[0, 2], [1, 3], [4, 6], [5, 7]]
+    assert g["pp"] == [[0, 4], [2, 6], [1, 5], [3, 7]]
+    assert g["ep"] == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    assert g["tp"] == [[0, 1], [2, 3], [4, 5], [6, 7]]
+
+
+def test_world_alone_means_dp_and_ep_everywhere():
+    cfg = ParallelConfig(world_size=4)
+    assert cfg.dp == 4 and cfg.ep == 4
+    g = rank_groups(cfg)
+    assert g["ep"] == [[0, 1, 2, 3]] and g["dp"] == [[0, 1, 2, 3]]
+
+
+def test_dcp_over_pcp_first_when_pcp_gt_1():
+    g = rank_groups(ParallelConfig(world_size=8, pcp=2, tp=2, dcp=4))
+    # (pcp, tp) block 0..3 walked pcp-fastest: 0, 2, 1, 3
+    assert g["dcp"] == [[0, 2, 1, 3], [4, 6, 5, 7]]
+    g = rank_groups(ParallelConfig(world_size=8, pcp=2, tp=2, dcp=2))
+    assert g["dcp"] == [[0, 2], [1, 3], [4, 6], [5, 7]]
+
+
+def test_smaller_ep_makes_contiguous_blocks_and_edp_joins_same_experts():
+    g = rank_groups(ParallelConfig(world_size=8, tp=2, ep=4))
+    assert g["ep"] == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    assert g["edp"] == [[0, 4], [1, 5], [2, 6], [3, 7]]
+
+
+def _brute_force_groups(cfg: ParallelConfig, axis: str) -> list[list[int]]:
+    """Independent construction from per-rank coordinates (loops, no tensor reshapes)."""
+    def rank_of(e, d, p, c, t):
+        return (((e * cfg.dp + d) * cfg.pp + p) * cfg.pcp + c) * cfg.tp + t
+    ranges = {"e": range(cfg.ext_dp), "d": range(cfg.dp), "p": range(cfg.pp), "c": range(cfg.pcp), "t": range(cfg.tp)}
+    fixed = {"tp": "edpc", "pcp": "edpt", "pp": "edct", "dp": "epct"}[axis]
+    vary = {"tp": "t", "pcp": "c", "pp": "p", "dp": "d"}[axis]
+    groups = set()
+    for combo in itertools.product(*(ranges[k] for k in fixed)):
+        env = dict(zip(fixed, combo))
+        members = []
+        for v in ranges[vary]:
+            env[vary] = v
+            members.append(rank_of(env["e"], env["d"], env["p"], env["c"], env["t"]))
+        groups.add(tuple(members))
+    return sorted(list(g) for g in groups)
+
+
+@pytest.mark.parametrize("world,tp,pp,pcp,dcp,ep", [
+    (1, 1, 1, 1, 1, None), (16, 4, 1, 2, 2, None), (64, 8, 2, 2, 4, 8), (4096, 8, 4, 4, 8, 64),
+    (2048, 4, 2, 1, 4, 16), (24, 2, 3, 2, 1, 4),
+])
+def test_every_axis_partitions_the_world(world, tp, pp, pcp, dcp, ep):
+    cfg = ParallelConfig(world_size=world, tp=tp, pp=pp, pcp=pcp, dcp=dcp, ep=ep)
+    g = rank_groups(cfg)
+    sizes = cfg.sizes()
+    for axis in AXES:
+        flat = sorted(r for grp in g[axis] for r in grp)
+        assert flat == list(range(world)), axis
+        assert all(len(grp) == sizes[axis] for grp in g[axis]), axis
+    for axis in ("tp", "pcp", "pp", "dp"):
+        assert sorted(g[axis]) == _brute_force_groups(cfg, axis)
+    # EP groups stay inside one PP stage; every DCP group lies inside one (dp, pp) cell's PCP x TP block
+    pp_stage = {r: coords(cfg, r)["pp"] for r in range(world)}
+    for grp in g["ep"]:
+        assert len({pp_stage[r] for r in grp}) == 1
+    for grp in g["dcp"]:
+        cells = {(coords(cfg, r)["ext_dp"], coords(cfg, r)["dp"], coords(cfg, r)["pp"]) for r in grp}
+        assert len(cells) == 1
+    # coords agree with the group position
+    for axis in ("tp", "pcp", "pp", "dp", "dcp", "ep", "edp"):
+        for grp in g[axis][:50]:
+            for i, r in enumerate(grp):
+                assert coords(cfg, r)[axis] == i, (axis, r)
+
+
+@pytest.mark.parametrize("kwargs,needles", [
+    (dict(world_size=6, tp=4), ["tp (4)", "pp (1)", "pcp (1)", "world_size (6)", "1, 2, 3, 6"]),
+    (dict(world_size=8, tp=4, dcp=3), ["dcp (3)", "tp (4)", "valid dcp: 1, 2, 4"]),
+    (dict(world_size=8, tp=2, ep=3), ["ep (3)", "dp (4)", "= 8", "valid ep: 1, 2, 4, 8"]),
+    (dict(world_size=8, tp=2, dp=3), ["dp (3)", "valid dp: 1, 2, 4"]),
+    (dict(world_size=8, tp=0), ["tp must be a positive int"]),
+])
+def test_bad_sizes_name_every_factor(kwargs, needles):
+    with pytest.raises(ValueError) as err:
+        ParallelConfig(**kwargs)
+    for n in needles:
+        assert n in str(err.value), (n, str(err.value))
+
+
+def test_config_is_frozen():
+    cfg = ParallelConfig(world_size=2)
+    with pytest.raises(Exception):
+        cfg.tp = 2  # type: ignore[misc]

@@ -1,0 +1,319 @@
+"""Routing (moe.router) against an independent plain-Python implementation of SPEC §2, on
+the torch path and on the fused Triton kernel (TRITON_INTERPRET=1 on CPU, real on CUDA)."""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from moe.router import Router, route, score_logits
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+# ---------------------------------------------------------------- independent reference
+def plain_route(scores: np.ndarray, *, top_k, bias=None, n_group=None, topk_group=None, renormalize=True,
+                scaling=1.0, input_ids=None, tid2eid=None, token_mask=None):
+    """SPEC §2 with loops over tokens; `scores` [T, E] float32 numpy (already scored).
+    All arithmetic in numpy float32 so that equal inputs compare exactly like the device path."""
+    T, E = scores.shape
+    f32 = np.float32
+    ids_out = np.full((T, top_k), -1, dtype=np.int64)
+    w_out = np.zeros((T, top_k), dtype=np.float32)
+    for t in range(T):
+        if token_mask is not None and not token_mask[t]:
+            continue
+        s = [f32(v) for v in scores[t]]
+        if tid2eid is not None:
+            chosen = [int(e) for e in tid2eid[int(input_ids[t])]]
+        else:
+            sel = [s[e] + f32(bias[e]) if bias is not None else s[e] for e in range(E)]
+            allowed = set(range(E))
+            if n_group is not None and n_group > 1:
+                size = E // n_group
+                gscore = []
+                for g in range(n_group):
+                    vals = sorted((sel[e] for e in range(g * size, (g + 1) * size)), reverse=True)
+                    gscore.append(f32(vals[0] + vals[1]) if (bias is not None and size > 1) else vals[0])
+                groups = sorted(range(n_group), key=lambda g: (-gscore[g], g))[:topk_group]
+                allowed = {e for g in groups for e in range(g * size, (g + 1) * size)}
+            chosen = sorted(allowed, key=lambda e: (-sel[e], e))[:top_k]
+        w = [s[e] for e in chosen]
+        if renormalize:
+            total = f32(0)
+            for v in w:
+                total = f32(total + v)
+            if total > 0:
+                w = [f32(v / total) for v in w]
+        ids_out[t] = chosen
+        w_out[t] = [f32(v * f32(scaling)) for v in w]
+    return ids_out, w_out
+
+
+def plain_scores(logits: np.ndarray, scoring: str) -> np.ndarray:
+    """float64 math, per element."""
+    out = np.zeros_like(logits, dtype=np.float64)
+    for t, row in enumerate(logits.astype(np.float64)):
+        if scoring == "softmax":
+            m = max(row)
+            ex = [math.exp(v - m) for v in row]
+            out[t] = [v / sum(ex) for v in ex]
+        elif scoring == "sigmoid":
+            out[t] = [1 / (1 + math.exp(-v)) for v in row]
+        else:
+            out[t] = [math.sqrt(v if v > 20 else math.log1p(math.exp(v))) for v in row]
+    return out
+
+
+@pytest.fixture(scope="module")
+def interpreted_routing():
+    """A private copy of moe/kernels/routing.py compiled for the Triton interpreter, so the
+    environment switch does not leak into other kernels."""
+    pytest.importorskip("triton")
+    mp = pytest.MonkeyPatch()
+    mp.setenv("TRITON_INTERPRET", "1")
+    spec = importlib.util.spec_from_file_location("_routing_interpreted", ROOT / "moe/kernels/routing.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    yield module
+    mp.undo()
+
+
+# ---------------------------------------------------------------- strategies
+@st.composite
+def routing_cases(draw, max_tokens=10):
+    n_group = draw(st.sampled_from([1, 2, 4, 8]))
+    group_size = draw(st.integers(1, 8 if n_group <= 2 else 4))
+    E = n_group * group_size
+    grouped = n_group > 1 and draw(st.booleans())
+    topk_group = draw(st.integers(1, n_group)) if grouped else None
+    max_k = min(8, (topk_group * group_size) if grouped else E)
+    K = draw(st.integers(1, max_k))
+    T = draw(st.integers(1, max_tokens))
+    # coarse grid: many exact ties, no near-ties
+    logits = np.array(draw(st.lists(st.integers(-12, 12), min_size=T * E, max_size=T * E)), dtype=np.float32)
+    logits = logits.reshape(T, E) / 4
+    use_bias = draw(st.booleans())
+    bias = np.array(draw(st.lists(st.integers(-4, 4), min_size=E, max_size=E)), dtype=np.float32) / 8 if use_bias else None
+    mask = np.array(draw(st.lists(st.booleans(), min_size=T, max_size=T))) if draw(st.booleans()) else None
+    return dict(logits=logits, top_k=K, scoring=draw(st.sampled_from(["softmax", "sigmoid", "sqrt_softplus"])),
+                bias=bias, n_group=n_group if grouped else None, topk_group=topk_group,
+                renormalize=draw(st.booleans()), scaling=draw(st.sampled_from([1.0, 2.5])), token_mask=mask)
+
+
+def _torch_kwargs(case):
+    kw = {k: v for k, v in case.items() if k != "logits"}
+    if kw["bias"] is not None:
+        kw["bias"] = torch.from_numpy(kw["bias"])
+    if kw["token_mask"] is not None:
+        kw["token_mask"] = torch.from_numpy(kw["token_mask"])
+    for name in ("input_ids", "tid2eid"):
+        if kw.get(name) is not None:
+            kw[name] = torch.from_numpy(kw[name])
+    return kw
+
+
+def _check_against_plain(result, case):
+    logits = torch.from_numpy(case["logits"])
+    scores = score_logits(logits, case["scoring"]).numpy()
+    ref_ids, ref_w = plain_route(scores, **{k: v for k, v in case.items() if k not in ("logits", "scoring")})
+    np.testing.assert_array_equal(result.topk_ids.numpy(), ref_ids)
+    assert result.topk_ids.dtype == torch.int64 and result.topk_weights.dtype == torch.float32
+    np.testing.assert_allclose(result.topk_weights.numpy(), ref_w, rtol=2e-6, atol=1e-7)
+
+
+# ---------------------------------------------------------------- torch path
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(routing_cases())
+def test_route_torch_matches_plain_reference(case):
+    _check_against_plain(route(torch.from_numpy(case["logits"]), backend="torch", **_torch_kwargs(case)), case)
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(routing_cases(max_tokens=6))
+def test_route_triton_interpreted_matches_plain_reference(interpreted_routing, case):
+    kw = _torch_kwargs(case)
+    result = interpreted_routing.route_triton(torch.from_numpy(case["logits"]), **kw)
+    _check_against_plain(result, case)
+
+
+@st.composite
+def hash_cases(draw):
+    E = draw(st.integers(2, 16))
+    K = draw(st.integers(1, min(E, 6)))
+    vocab = draw(st.integers(1, 20))
+    T = draw(st.integers(1, 8))
+    rng = np.random.default_rng(draw(st.integers(0, 2**31)))
+    return dict(logits=rng.normal(size=(T, E)).astype(np.float32) * 3, top_k=K,
+                scoring=draw(st.sampled_from(["softmax", "sigmoid", "sqrt_softplus"])),
+                bias=None, n_group=None, topk_group=None, renormalize=draw(st.booleans()),
+                scaling=draw(st.sampled_from([1.0, 2.5])),
+                token_mask=(rng.random(T) > 0.3) if draw(st.booleans()) else None,
+                input_ids=rng.integers(0, vocab, T), tid2eid=rng.integers(0, E, (vocab, K)).astype(np.int32))
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(hash_cases())
+def test_hash_routing_matches_plain_reference(interpreted_routing, case):
+    logits = torch.from_numpy(case["logits"])
+    _check_against_plain(route(logits, backend="torch", **_torch_kwargs(case)), case)
+    _check_against_plain(interpreted_routing.route_triton(logits, **_torch_kwargs(case)), case)
+
+
+def test_hash_routing_ignores_bias_and_uses_unbiased_scores():
+    logits = torch.tensor([[0.0, 1.0, 2.0, 3.0]])
+    table = torch.tensor([[0, 1], [2, 3]], dtype=torch.int32)
+    res = route(logits, top_k=2, scoring="sigmoid", bias=torch.tensor([9.0, 9.0, -9.0, -9.0]), tid2eid=table,
+                input_ids=torch.tensor([0]), renormalize=False, scaling=2.0)
+    assert res.topk_ids.tolist() == [[0, 1]]
+    torch.testing.assert_close(res.topk_weights, 2.0 * torch.sigmoid(torch.tensor([[0.0, 1.0]])))
+
+
+# ---------------------------------------------------------------- hand-made cases
+def test_scoring_functions_match_float64_math():
+    logits = torch.tensor([[-40.0, -17.0, -3.0, -1e-3, 0.0, 0.7, 5.0, 19.9, 20.0, 20.5, 60.0]])
+    for scoring in ("softmax", "sigmoid", "sqrt_softplus"):
+        got = score_logits(logits, scoring).double().numpy()
+        np.testing.assert_allclose(got, plain_scores(logits.numpy(), scoring), rtol=2e-6, atol=1e-30)
+
+
+def test_all_equal_logits_pick_lowest_indices(interpreted_routing):
+    logits = torch.zeros(3, 16)
+    for fn in (lambda **kw: route(logits, backend="torch", **kw), lambda **kw: interpreted_routing.route_triton(logits, **kw)):
+        res = fn(top_k=4, scoring="sigmoid", n_group=4, topk_group=2)
+        assert res.topk_ids.tolist() == [[0, 1, 2, 3]] * 3
+        torch.testing.assert_close(res.topk_weights, torch.full((3, 4), 0.25))
+        res = fn(top_k=6, scoring="softmax")
+        assert res.topk_ids.tolist() == [[0, 1, 2, 3, 4, 5]] * 3
+
+
+def test_bias_flips_selection_but_not_weights():
+    logits = torch.tensor([[2.0, 1.0, 0.0, -1.0]])
+    plain = route(logits, top_k=2, scoring="sigmoid", renormalize=False)
+    assert plain.topk_ids.tolist() == [[0, 1]]
+    biased = route(logits, top_k=2, scoring="sigmoid", bias=torch.tensor([0.0, 0.0, 0.5, 0.9]), renormalize=False)
+    assert biased.topk_ids.tolist() == [[3, 0]]  # 0.269 + 0.9 > 0.881 > 0.5 + 0.5 > 0.731
+    torch.testing.assert_close(biased.topk_weights, torch.sigmoid(torch.tensor([[-1.0, 2.0]])))
+
+
+def test_group_limit_excludes_experts_of_weak_groups():
+    # group 0 = {0,1}: one huge expert; group 1 = {2,3}: two good ones. With bias the group score
+    # is the top-2 sum, so group 1 wins; without bias it is the max, so group 0 wins.
+    logits = torch.tensor([[4.0, -4.0, 1.5, 1.5]])
+    no_bias = route(logits, top_k=2, scoring="sigmoid", n_group=2, topk_group=1)
+    assert no_bias.topk_ids.tolist() == [[0, 1]]
+    with_bias = route(logits, top_k=2, scoring="sigmoid", n_group=2, topk_group=1, bias=torch.zeros(4))
+    assert with_bias.topk_ids.tolist() == [[2, 3]]
+
+
+def test_padding_tokens_get_minus_one_and_zero_weight():
+    logits = torch.randn(4, 8)
+    mask = torch.tensor([True, False, True, False])
+    res = route(logits, top_k=3, scoring="softmax", token_mask=mask)
+    assert (res.topk_ids[~mask] == -1).all() and (res.topk_weights[~mask] == 0).all()
+    full = route(logits, top_k=3, scoring="softmax")
+    assert torch.equal(res.topk_ids[mask], full.topk_ids[mask])
+
+
+def test_zero_weight_sum_is_not_renormalized():
+    res = route(torch.full((1, 4), -200.0), top_k=2, scoring="sqrt_softplus", scaling=2.0)
+    assert torch.isfinite(res.topk_weights).all() and (res.topk_weights == 0).all()
+
+
+def test_router_module_matches_route_and_passes_gradients():
+    torch.manual_seed(0)
+    router = Router(32, 16, 4, scoring="sigmoid", use_bias=True, n_group=4, topk_group=2, scaling=2.5)
+    router.e_score_correction_bias.normal_()
+    x = torch.randn(10, 32, dtype=torch.bfloat16)
+    res = router(x)
+    logits = x.float() @ router.weight.detach().float().t()
+    ref = route(logits, top_k=4, scoring="sigmoid", bias=router.e_score_correction_bias, n_group=4, topk_group=2,
+                scaling=2.5)
+    assert torch.equal(res.topk_ids, ref.topk_ids)
+    torch.testing.assert_close(res.topk_weights, ref.topk_weights)
+    res.topk_weights.sum().backward()
+    assert router.weight.grad is not None and router.weight.grad.abs().sum() > 0
+
+
+def test_hash_router_needs_and_uses_input_ids():
+    router = Router(8, 6, 2, scoring="sqrt_softplus", hash_vocab=10)
+    x = torch.randn(5, 8)
+    with pytest.raises(ValueError, match="input_ids"):
+        router(x)
+    ids = torch.tensor([0, 3, 9, 3, 1])
+    res = router(x, input_ids=ids)
+    assert torch.equal(res.topk_ids, router.tid2eid[ids].long())
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(top_k=2, scoring="relu"), "unknown scoring 'relu'; valid: softmax, sigmoid, sqrt_softplus"),
+    (dict(top_k=9), r"top_k \(9\) must be in \[1, num_experts=8\]"),
+    (dict(top_k=2, n_group=3, topk_group=1), r"n_group \(3\) must divide num_experts \(8\)"),
+    (dict(top_k=2, n_group=4, topk_group=5), r"topk_group \(5\) must be in \[1, n_group=4\]"),
+    (dict(top_k=5, n_group=4, topk_group=2), r"top_k \(5\) exceeds"),
+    (dict(top_k=2, bias=torch.zeros(7)), r"bias must have shape \[8\]"),
+    (dict(top_k=2, tid2eid=torch.zeros(5, 2, dtype=torch.int32)), "needs input_ids"),
+    (dict(top_k=2, tid2eid=torch.zeros(5, 2, dtype=torch.int32), input_ids=torch.tensor([0, 5, 1])),
+     r"input_ids range \[0, 5\] is outside the hash table's vocab \[0, 5\)"),
+    (dict(top_k=2, backend="cuda"), "unknown routing backend"),
+])
+def test_route_rejects_bad_input(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        route(torch.randn(3, 8), **kwargs)
+
+
+def test_router_rejects_hidden_mismatch():
+    with pytest.raises(ValueError, match="hidden size mismatch: x has 12, gate expects 8"):
+        Router(8, 4, 2)(torch.randn(3, 12))
+
+
+# ---------------------------------------------------------------- GPU
+def _assert_same_routing(a, b, select_scores):
+    """ids equal, except where two candidates' selection scores are within float rounding."""
+    diff = (a.topk_ids != b.topk_ids).any(dim=1)
+    if diff.any():
+        rows = diff.nonzero().flatten()
+        sa = select_scores[rows].gather(1, a.topk_ids[rows]).sort(dim=1).values
+        sb = select_scores[rows].gather(1, b.topk_ids[rows]).sort(dim=1).values
+        torch.testing.assert_close(sa, sb, rtol=1e-5, atol=1e-6)
+        assert diff.float().mean() < 1e-3
+    torch.testing.assert_close(a.topk_weights[~diff], b.topk_weights[~diff], rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("T", [1, 7, 128, 4096, 16384])
+@pytest.mark.parametrize("preset", ["v3", "v4", "v4pro", "softmax"])
+def test_route_triton_matches_torch_on_gpu(T, preset):
+    torch.manual_seed(T)
+    E, kw = {"v3": (256, dict(top_k=8, scoring="sigmoid", n_group=8, topk_group=4, scaling=2.5)),
+             "v4": (256, dict(top_k=6, scoring="sqrt_softplus", scaling=1.5)),
+             "v4pro": (384, dict(top_k=6, scoring="sqrt_softplus", scaling=2.5)),
+             "softmax": (64, dict(top_k=6, scoring="softmax", renormalize=False))}[preset]
+    bias = torch.randn(E, device="cuda") * 0.1 if preset != "softmax" else None
+    mask = torch.rand(T, device="cuda") > 0.1
+    for logits in (torch.randn(T, E, device="cuda") * 2, torch.randint(-8, 9, (T, E), device="cuda").float() / 4):
+        fast = route(logits, bias=bias, token_mask=mask, backend="triton", **kw)
+        ref = route(logits, bias=bias, token_mask=mask, backend="torch", **kw)
+        scores = score_logits(logits, kw["scoring"])
+        _assert_same_routing(fast, ref, scores + (bias if bias is not None else 0))
+        assert (fast.topk_ids[~mask] == -1).all()
+
+
+@pytest.mark.gpu
+def test_hash_route_triton_matches_torch_on_gpu():
+    torch.manual_seed(1)
+    T, E, K, V = 3000, 256, 6, 1000
+    logits = torch.randn(T, E, device="cuda")
+    table = torch.randint(0, E, (V, K), device="cuda", dtype=torch.int32)
+    ids = torch.randint(0, V, (T,), device="cuda")
+    kw = dict(top_k=K, scoring="sqrt_softplus", tid2eid=table, input_ids=ids, scaling=2.5)
+    fast, ref = route(logits, backend="triton", **kw), route(logits, backend="torch", **kw)
+    assert torch.equal(fast.topk_ids, ref.topk_ids)
+    torch.testing.assert_close(fast.topk_weights, ref.topk_weights, rtol=1e-5, atol=1e-6)
