@@ -1,0 +1,161 @@
+"""launch_on_ray: one Ray actor per rank, torchrun variables on each, fail fast.
+
+Reserve a placement group (one bundle per rank), start one actor per bundle, sort the actors
+by (node, GPU), take rank 0's address and a free port there as the rendezvous, export the
+torchrun variables on every actor, run `init_parallel` on all at once (when a config is
+given), then `fn(rank, *args)`. Results come back by rank. The first exception or dead actor
+kills every actor, removes the placement group and raises `RankError` with the rank and its
+traceback; a startup timeout and a global timeout turn hangs into errors.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from typing import Any, Callable, Literal
+
+from parallel import ParallelConfig
+
+from .local import RankError, free_port, torchrun_env
+
+
+def _require_ray():
+    try:
+        import ray
+    except ImportError as e:  # pragma: no cover - depends on the environment
+        raise ImportError("launch_on_ray needs Ray: pip install 'megapar[ray]' (or 'ray[default]')") from e
+    return ray
+
+
+class _RankWorker:
+    """The body of one actor (wrapped by ray.remote at launch time)."""
+
+    def node_info(self) -> tuple[str, list[int]]:
+        import ray
+
+        ctx = ray.get_runtime_context()
+        gpus = [int(g) for g in ray.get_gpu_ids()] if hasattr(ray, "get_gpu_ids") else []
+        return ctx.get_node_id(), ray.util.get_node_ip_address(), gpus
+
+    def free_port(self) -> int:
+        return free_port()
+
+    def setup(self, env: dict[str, str]) -> None:
+        os.environ.update(env)
+
+    def run(self, fn: Callable[..., Any], rank: int, args: tuple, config: ParallelConfig | None,
+            backend: str | None) -> Any:
+        from parallel import destroy_parallel, init_parallel
+
+        try:
+            if config is not None:
+                if backend == "nccl":
+                    import torch
+
+                    torch.cuda.set_device(0)  # Ray exposes exactly this actor's GPU as device 0
+                init_parallel(config, backend=backend)
+            return fn(rank, *args)
+        finally:
+            destroy_parallel()
+
+    def pid(self) -> int:
+        return os.getpid()
+
+
+def launch_on_ray(fn: Callable[..., Any], num_workers: int, *, parallel_config: ParallelConfig | None = None,
+                  resources_per_worker: dict[str, float] | None = None,
+                  placement: Literal["pack", "spread"] = "pack", args: tuple = (), backend: str | None = None,
+                  timeout: float = 600.0, startup_timeout: float = 120.0, address: str | None = None,
+                  ray_init_kwargs: dict[str, Any] | None = None) -> list[Any]:
+    """Run `fn(rank, *args)` on `num_workers` Ray actors; return the results by rank.
+
+    parallel_config: when given, every actor runs `init_parallel(parallel_config)` before fn
+    (its world_size must equal num_workers). resources_per_worker: the bundle of one rank,
+    default {"CPU": 1} (add "GPU": 1 for one GPU per actor; backend then defaults to nccl).
+    """
+    if num_workers < 1:
+        raise ValueError(f"num_workers must be >= 1, got {num_workers}")
+    if placement not in ("pack", "spread"):
+        raise ValueError(f"placement must be 'pack' or 'spread', got {placement!r}")
+    if parallel_config is not None and parallel_config.world_size != num_workers:
+        raise ValueError(f"parallel_config.world_size ({parallel_config.world_size}) != num_workers ({num_workers})")
+    ray = _require_ray()
+    from ray.util.placement_group import placement_group, remove_placement_group
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    bundle = dict(resources_per_worker or {"CPU": 1})
+    if backend is None:
+        backend = "nccl" if bundle.get("GPU", 0) > 0 else "gloo"
+    if not ray.is_initialized():
+        ray.init(address=address, include_dashboard=False, log_to_driver=True, **(ray_init_kwargs or {}))
+    pg = placement_group([bundle] * num_workers, strategy=placement.upper())
+    actors: list = []
+    try:
+        ready, _ = ray.wait([pg.ready()], timeout=startup_timeout)
+        if not ready:
+            raise RankError(f"Ray could not reserve {num_workers} x {bundle} within {startup_timeout:.0f}s "
+                            f"(cluster resources: {ray.cluster_resources()})")
+        pythonpath = os.pathsep.join(p for p in sys.path if p and os.path.isdir(p))
+        worker_cls = ray.remote(_RankWorker)
+        for i in range(num_workers):
+            actors.append(worker_cls.options(
+                num_cpus=bundle.get("CPU", 0), num_gpus=bundle.get("GPU", 0),
+                resources={k: v for k, v in bundle.items() if k not in ("CPU", "GPU")},
+                scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=i),
+                runtime_env={"env_vars": {"PYTHONPATH": pythonpath}}, max_restarts=0,
+            ).remote())
+        infos = _get_all(ray, [a.node_info.remote() for a in actors], startup_timeout, "starting actors")
+        order = sorted(range(num_workers), key=lambda i: (infos[i][0], infos[i][2], i))
+        actors = [actors[i] for i in order]
+        infos = [infos[i] for i in order]
+        master_addr = infos[0][1]
+        port = ray.get(actors[0].free_port.remote(), timeout=startup_timeout)
+        node_ranks: dict[str, list[int]] = {}
+        for rank, (node, _, _) in enumerate(infos):
+            node_ranks.setdefault(node, []).append(rank)
+        setups = []
+        for rank, actor in enumerate(actors):
+            node = infos[rank][0]
+            env = torchrun_env(rank, num_workers, port, addr=master_addr, local_world_size=len(node_ranks[node]))
+            env["LOCAL_RANK"] = str(node_ranks[node].index(rank))
+            env["GROUP_RANK"] = str(list(node_ranks).index(node))
+            env["MEGAPAR_BACKEND"] = backend
+            setups.append(actor.setup.remote(env))
+        _get_all(ray, setups, startup_timeout, "exporting the torchrun environment")
+        refs = [a.run.remote(fn, rank, args, parallel_config, backend) for rank, a in enumerate(actors)]
+        return _get_all(ray, refs, timeout, "running fn")
+    finally:
+        for a in actors:
+            try:
+                ray.kill(a, no_restart=True)
+            except Exception:
+                pass
+        try:
+            remove_placement_group(pg)
+        except Exception:
+            pass
+
+
+def _get_all(ray, refs: list, timeout: float, what: str) -> list[Any]:
+    """Results by position; the first failure (in completion order) raises RankError."""
+    index = {ref: i for i, ref in enumerate(refs)}
+    results: dict[int, Any] = {}
+    pending = list(refs)
+    deadline = time.monotonic() + timeout
+    while pending:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            missing = sorted(index[r] for r in pending)
+            raise RankError(f"timed out after {timeout:.0f}s {what}; ranks still running: {missing}")
+        done, pending = ray.wait(pending, num_returns=1, timeout=min(left, 1.0))
+        for ref in done:
+            rank = index[ref]
+            try:
+                results[rank] = ray.get(ref)
+            except ray.exceptions.RayActorError as e:
+                raise RankError(f"rank {rank}: its actor died while {what}: {e}", rank=rank) from None
+            except ray.exceptions.RayTaskError as e:
+                text = str(e)
+                raise RankError(f"rank {rank} failed while {what}:\n{text}", rank=rank, remote_traceback=text) from None
+    return [results[i] for i in range(len(refs))]
