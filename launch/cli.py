@@ -113,6 +113,10 @@ def cmd_bench(args: argparse.Namespace) -> int:
             print(f"   wrote {path}")
             if args.plot and hasattr(module, "plot"):
                 module.plot(ctx, path.with_suffix(".png"))
+    if args.out is None:
+        from launch.bench.summary import write_summary
+
+        write_summary()
     if failed:
         print(f"megapar bench: failed suites: {', '.join(failed)}", file=sys.stderr)
         return 1

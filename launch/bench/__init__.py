@@ -1,0 +1,1 @@
+"""Benchmark suites of `megapar bench`; one module per suite, each with `run(ctx)`."""
