@@ -83,13 +83,14 @@ def cmd_env(args: argparse.Namespace) -> int:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
+    """Run the suites; the recorded command is rebuilt from the parsed arguments."""
     import torch
 
     from launch.bench.common import BenchContext, write_results
 
     suites = SUITES if args.suite == "all" else (args.suite,)
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    command = "megapar " + " ".join(shlex.quote(a) for a in sys.argv[1:])
+    command = "megapar " + " ".join(shlex.quote(a) for a in args.argv)
     failed = []
     for name in suites:
         print(f"== bench {name} on {device}{' (quick)' if args.quick else ''}", flush=True)
@@ -100,7 +101,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
             failed.append(name)
             continue
         ctx = BenchContext(suite=name, device=device, quick=args.quick,
-                           options={k: v for k, v in vars(args).items() if k not in ("func",)})
+                           options={k: v for k, v in vars(args).items() if k not in ("func", "argv")})
         try:
             module.run(ctx)
         except Exception:
@@ -155,6 +156,7 @@ def main(argv: list[str] | None = None) -> int:
     if argv and argv[0] == "demo":
         return cmd_demo(argv[1:])
     args = build_parser().parse_args(argv)
+    args.argv = argv
     return args.func(args)
 
 

@@ -43,6 +43,11 @@ def torchrun_env(rank: int, world_size: int, port: int, *, local_world_size: int
 
 def _worker(fn: Callable[..., Any], rank: int, args: tuple, env: dict[str, str], results: "mp.Queue") -> None:
     os.environ.update(env)
+    import torch
+
+    # Ranks share the cores: intra-op threads beyond a fair share make gloo transfers crawl.
+    world = int(env.get("WORLD_SIZE", "1"))
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
     try:
         value = fn(rank, *args)
         # Plain pickle: multiprocessing's pickler would pass tensors as shared-memory handles

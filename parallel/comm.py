@@ -88,6 +88,45 @@ def _done_handle(value: Any) -> CommHandle:
     return CommHandle(work=None, finish=lambda: value)
 
 
+# torch >= 2.13 renamed the flat-tensor collectives; 2.11 (the GPU machine) has the old names.
+_all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+_NO_REDUCE_SCATTER: set[str] = set()
+
+
+def all_gather_flat(out: torch.Tensor, inp: torch.Tensor, group: dist.ProcessGroup | None, async_op: bool = False):
+    """`out[i * n:(i + 1) * n] = inp` of rank i (equal sizes), under either torch name."""
+    return _all_gather_flat(out, inp, group=group, async_op=async_op)
+
+
+def reduce_scatter_flat(out: torch.Tensor, inp: torch.Tensor, group: dist.ProcessGroup | None,
+                        async_op: bool = False):
+    """Sum `inp` over the group and keep this rank's equal slice in `out`. Backends without a
+    reduce-scatter (gloo before torch 2.13) all-reduce a copy and slice it."""
+    backend = str(dist.get_backend(group))
+    if backend not in _NO_REDUCE_SCATTER:
+        try:
+            return _reduce_scatter_flat(out, inp, group=group, async_op=async_op)
+        except RuntimeError as e:
+            if "not supported" not in str(e) and "unsupported" not in str(e).lower():
+                raise
+            _NO_REDUCE_SCATTER.add(backend)
+    buf = inp.clone()
+    work = dist.all_reduce(buf, group=group, async_op=async_op)
+    rank, n = dist.get_rank(group), out.shape[0]
+    if not async_op:
+        out.copy_(buf[rank * n:(rank + 1) * n])
+        return None
+
+    class _Sliced:
+        def wait(self_inner):
+            work.wait()
+            out.copy_(buf[rank * n:(rank + 1) * n])
+            return True
+
+    return _Sliced()
+
+
 def _check_dim(x: torch.Tensor, dim: int) -> int:
     if not -x.dim() <= dim < x.dim():
         raise ValueError(f"dim ({dim}) out of range for a tensor of {x.dim()} dims")
@@ -101,7 +140,7 @@ def gather_sizes(n: int, group: Group | dist.ProcessGroup | None, device: torch.
         return [n]
     t = torch.tensor([n], dtype=torch.int64, device=device)
     out = torch.empty(size, dtype=torch.int64, device=device)
-    dist.all_gather_into_tensor(out, t, group=pg)
+    all_gather_flat(out, t, pg)
     return out.tolist()
 
 
@@ -126,7 +165,7 @@ def all_gather_uneven(x: torch.Tensor, group: Group | dist.ProcessGroup | None, 
         pad = wire.new_zeros((longest - wire.shape[0],) + tuple(wire.shape[1:]))
         wire = torch.cat([wire, pad])
     out = wire.new_empty((size * longest,) + tuple(wire.shape[1:]))
-    work = dist.all_gather_into_tensor(out, wire, group=pg, async_op=async_op)
+    work = all_gather_flat(out, wire, pg, async_op=async_op)
 
     def finish() -> torch.Tensor:
         chunks = out.view(size, longest, *wire.shape[1:])
@@ -136,10 +175,6 @@ def all_gather_uneven(x: torch.Tensor, group: Group | dist.ProcessGroup | None, 
     if async_op:
         return CommHandle(work, finish)
     return finish()
-
-
-def _supports_reduce_scatter(pg: dist.ProcessGroup | None) -> bool:
-    return dist.get_backend(pg) != "gloo"
 
 
 def reduce_scatter_uneven(x: torch.Tensor, sizes: list[int], group: Group | dist.ProcessGroup | None,
@@ -154,26 +189,19 @@ def reduce_scatter_uneven(x: torch.Tensor, sizes: list[int], group: Group | dist
     if needs_wire(x.dtype):
         raise ValueError(f"cannot sum {x.dtype} tensors; reduce in a wider dtype")
     xt = x.movedim(dim, 0)
-    offset = sum(sizes[:rank])
-    if not _supports_reduce_scatter(pg):
-        # gloo has no reduce-scatter: all-reduce and keep our slice (more bytes, same result).
-        buf = xt.contiguous().clone()
-        work = dist.all_reduce(buf, group=pg, async_op=async_op)
-        finish = lambda: buf[offset:offset + sizes[rank]].movedim(0, dim)
-    else:
-        longest = max(sizes)
-        parts = []
-        start = 0
-        for n in sizes:
-            piece = xt[start:start + n]
-            if n < longest:
-                piece = torch.cat([piece, piece.new_zeros((longest - n,) + tuple(piece.shape[1:]))])
-            parts.append(piece)
-            start += n
-        inp = torch.cat(parts).contiguous()
-        out = inp.new_empty((longest,) + tuple(inp.shape[1:]))
-        work = dist.reduce_scatter_tensor(out, inp, group=pg, async_op=async_op)
-        finish = lambda: out[:sizes[rank]].movedim(0, dim)
+    longest = max(sizes)
+    parts = []
+    start = 0
+    for n in sizes:
+        piece = xt[start:start + n]
+        if n < longest:
+            piece = torch.cat([piece, piece.new_zeros((longest - n,) + tuple(piece.shape[1:]))])
+        parts.append(piece)
+        start += n
+    inp = torch.cat(parts).contiguous()
+    out = inp.new_empty((longest,) + tuple(inp.shape[1:]))
+    work = reduce_scatter_flat(out, inp, pg, async_op=async_op)
+    finish = lambda: out[:sizes[rank]].movedim(0, dim)
     if async_op:
         return CommHandle(work, finish)
     return finish()

@@ -279,9 +279,10 @@ def plan_from_phy2log(phy2log: torch.Tensor, num_logical: int) -> EplbPlan:
 
     phy2log: [L, P] (or [P]) integer, values in [0, num_logical); every expert must have a slot.
     """
-    p2l = phy2log.detach().to("cpu", torch.int64)
-    if p2l.dim() == 1:
-        p2l = p2l.unsqueeze(0)
+    if phy2log.dim() not in (1, 2):
+        raise ValueError(f"phy2log must be [L, P] or [P], got shape {tuple(phy2log.shape)}")
+    p2l = phy2log if phy2log.dim() == 2 else phy2log.unsqueeze(0)
+    p2l = _check_phy2log(p2l, p2l.shape[0], num_logical, p2l.shape[1], name="phy2log")
     num_layers, num_physical = p2l.shape
     logcnt = torch.zeros(num_layers, num_logical, dtype=torch.int64)
     logcnt.scatter_add_(1, p2l, torch.ones_like(p2l))

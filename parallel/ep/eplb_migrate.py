@@ -165,8 +165,10 @@ def rearrange_weights(old_phy2log: torch.Tensor, new_phy2log: torch.Tensor, tens
     slots_per_rank = len(old) // size
     rows = [_byte_rows(t, slots_per_rank, i) for i, t in enumerate(tensors)]
     device = tensors[0].device if tensors else torch.device("cpu")
+    if any(t.device != device for t in tensors):
+        raise ValueError(f"tensors must share one device; got {sorted({str(t.device) for t in tensors})}")
     stats = MigrationStats()
-    if old == new:
+    if old == new or not tensors:  # nothing to move (maps alone are the caller's business)
         return stats
     start = time.perf_counter()
     plan = migration_plan(old, new, size, rank)
@@ -178,8 +180,7 @@ def rearrange_weights(old_phy2log: torch.Tensor, new_phy2log: torch.Tensor, tens
             fault_hook("prepare")
         pos = {slot: i for i, slot in enumerate(plan.changed)}
         staged = [torch.empty(len(plan.changed), r.shape[1], dtype=torch.uint8, device=device) for r in rows]
-        send_bufs = {dst: torch.cat([r[src_slots] for r in rows], dim=1) if rows else None
-                     for dst, src_slots in plan.send.items()}
+        send_bufs = {dst: torch.cat([r[src_slots] for r in rows], dim=1) for dst, src_slots in plan.send.items()}
         bytes_per_expert = sum(r.shape[1] for r in rows)
         recv_bufs = {src: torch.empty(len(slot_lists), bytes_per_expert, dtype=torch.uint8, device=device)
                      for src, slot_lists in plan.recv.items()}
@@ -191,10 +192,8 @@ def rearrange_weights(old_phy2log: torch.Tensor, new_phy2log: torch.Tensor, tens
                              f"(this rank: {failure!r})", failed) from failure
 
     try:
-        ops = []
-        if rows:
-            ops += [dist.P2POp(dist.isend, buf, peer=peers[dst], group=pg) for dst, buf in send_bufs.items()]
-            ops += [dist.P2POp(dist.irecv, buf, peer=peers[src], group=pg) for src, buf in recv_bufs.items()]
+        ops = [dist.P2POp(dist.isend, buf, peer=peers[dst], group=pg) for dst, buf in send_bufs.items()]
+        ops += [dist.P2POp(dist.irecv, buf, peer=peers[src], group=pg) for src, buf in recv_bufs.items()]
         if ops:
             for work in dist.batch_isend_irecv(ops):
                 work.wait()
@@ -229,8 +228,8 @@ def rearrange_weights(old_phy2log: torch.Tensor, new_phy2log: torch.Tensor, tens
         torch.cuda.synchronize(device)
     stats.slots_changed = len(plan.changed)
     stats.slots_received = sum(len(js) for lists in plan.recv.values() for js in lists)
-    stats.bytes_sent = sum(b.numel() for b in send_bufs.values() if b is not None)
-    stats.bytes_received = sum(b.numel() for b in recv_bufs.values()) if rows else 0
+    stats.bytes_sent = sum(b.numel() for b in send_bufs.values())
+    stats.bytes_received = sum(b.numel() for b in recv_bufs.values())
     stats.bytes_copied_locally = len(plan.local) * sum(r.shape[1] for r in rows)
     stats.peers = len(set(plan.send) | set(plan.recv))
     stats.seconds = time.perf_counter() - start

@@ -1,0 +1,303 @@
+"""All-gather-matmul and matmul-reduce-scatter (async tensor parallelism), with autograd.
+
+    all_gather_matmul(x_shard, [w1, w2], tp)   == [all_gather(x_shard) @ w1, all_gather(x_shard) @ w2]
+    matmul_reduce_scatter(x, w, tp)            == reduce_scatter(x @ w)
+
+They sit on both sides of a sequence-parallel region: the column-parallel linear that
+follows it gathers the token shards, the row-parallel linear that precedes it scatters its
+partial sums. Decomposing each collective into one block per rank lets the matmul of one
+block run while the next block is on the wire.
+
+Backends (`backend=`):
+- "decomposed": the ring engines of `ring.py` (P2P send/recv, a comm stream on CUDA); any
+  torch.distributed backend, gloo included; this is what the CPU tests run.
+- "symm_mem": PyTorch's `torch.ops.symm_mem.fused_all_gather_matmul` /
+  `fused_matmul_reduce_scatter` (symmetric memory; CUDA, NCCL group, >= 2 ranks on distinct GPUs).
+- "reference": one plain collective and one matmul, nothing overlapped (the specification).
+- "auto": "symm_mem" where it is available, else "decomposed".
+A size-1 group never communicates (one matmul).
+
+Shapes: the gathered / scattered dim is any dim but the last (K); every rank holds the same
+shard shape, so uneven token counts are padded first (`sp_shard`). Autograd: the backward
+of one op is the other (grad of the input of all_gather_matmul is a matmul-reduce-scatter,
+and vice versa); the gathered input is not kept for the weight gradient but gathered again
+in backward (sequence parallelism exists to save that memory) unless it was returned.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import warnings
+from typing import Callable, Literal, Sequence
+
+import torch
+import torch.distributed as dist
+
+from ..comm import all_gather_uneven, reduce_scatter_uneven, resolve_group
+from ..groups import Group
+from .ring import ring_all_gather, ring_reduce_scatter
+
+log = logging.getLogger("megapar")
+
+Backend = Literal["auto", "decomposed", "symm_mem", "reference"]
+BACKENDS: tuple[str, ...] = ("auto", "decomposed", "symm_mem", "reference")
+
+_LOGGED: set[str] = set()
+
+
+def _log_once(msg: str) -> None:
+    if msg not in _LOGGED:
+        _LOGGED.add(msg)
+        rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+        log.info("[rank %d] %s", rank, msg)
+
+
+def symm_mem_unavailable_reason(x: torch.Tensor, pg: dist.ProcessGroup | None, size: int) -> str | None:
+    """Why the symmetric-memory backend cannot run these operands (None when it can)."""
+    if not x.is_cuda:
+        return f"the tensors are on {x.device.type}, not CUDA"
+    if size < 2:
+        return "the group has a single rank"
+    backend = str(dist.get_backend(pg))
+    if "nccl" not in backend:
+        return f"the group's backend is {backend}, not nccl"
+    try:
+        import torch.distributed._symmetric_memory  # noqa: F401  (registers torch.ops.symm_mem)
+    except Exception as e:  # pragma: no cover - depends on the torch build
+        return f"torch.distributed._symmetric_memory does not import ({type(e).__name__}: {e})"
+    if not hasattr(torch.ops.symm_mem, "fused_all_gather_matmul"):
+        return "this torch has no torch.ops.symm_mem.fused_all_gather_matmul"
+    return None
+
+
+def resolve_backend(backend: str, x: torch.Tensor, group: Group | dist.ProcessGroup | None) -> str:
+    """The backend that will run: one of BACKENDS minus "auto", or "local" for a size-1 group."""
+    if backend not in BACKENDS:
+        raise ValueError(f"backend {backend!r} is not one of {', '.join(BACKENDS)}")
+    pg, _, size = resolve_group(group)
+    if size == 1:
+        return "local"
+    if backend in ("decomposed", "reference"):
+        return backend
+    reason = symm_mem_unavailable_reason(x, pg, size)
+    if backend == "symm_mem":
+        if reason is not None:
+            raise ValueError(f"backend 'symm_mem' is not available: {reason}. It needs torch built with CUDA "
+                             "symmetric memory, CUDA tensors and an NCCL group of >= 2 ranks on distinct GPUs; "
+                             "use backend='decomposed' (any backend) or 'reference'")
+        return "symm_mem"
+    if reason is not None:
+        if x.is_cuda:
+            _log_once(f"symm_mem all-gather-matmul unavailable ({reason}); using the decomposed ring")
+        return "decomposed"
+    return "symm_mem"
+
+
+def symm_mem_group_name(group: Group | dist.ProcessGroup | None) -> str:
+    """The group's name, with symmetric memory enabled for it (needed by older torch)."""
+    pg, _, _ = resolve_group(group)
+    pg = pg if pg is not None else dist.group.WORLD
+    from torch.distributed import _symmetric_memory as symm
+
+    name = pg.group_name
+    if hasattr(symm, "enable_symm_mem_for_group"):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", FutureWarning)  # deprecated (a no-op need) in newer torch
+            symm.enable_symm_mem_for_group(name)
+    return name
+
+
+def check_dim(x: torch.Tensor, dim: int, name: str) -> int:
+    """`dim` normalized; it must not be the last (contraction) dim."""
+    nd = x.dim()
+    if not -nd <= dim < nd or dim % nd == nd - 1:
+        raise ValueError(f"{name} ({dim}) out of range for x of shape {tuple(x.shape)}: valid {name} are "
+                         f"0..{x.dim() - 2} or {-x.dim()}..-2 (the last dim is K, the contraction dim)")
+    return dim % x.dim()
+
+
+def check_matmul_operands(op: str, x: torch.Tensor, weights: Sequence[torch.Tensor]) -> None:
+    """x [..., K] and weights [K, N_i] of one dtype and device."""
+    if x.dim() < 2:
+        raise ValueError(f"{op}: x must have at least 2 dims [..., K], got shape {tuple(x.shape)}")
+    if len(weights) == 0:
+        raise ValueError(f"{op}: at least one weight [K, N] is needed")
+    k = x.shape[-1]
+    for i, w in enumerate(weights):
+        if w.dim() != 2 or w.shape[0] != k:
+            raise ValueError(f"{op}: weight {i} has shape {tuple(w.shape)}, expected [K={k}, N] "
+                             f"to multiply x of shape {tuple(x.shape)}")
+        if w.dtype != x.dtype:
+            raise ValueError(f"{op}: dtype mismatch, x is {x.dtype} and weight {i} is {w.dtype}; cast one "
+                             "of them (fp8 activations go through parallel.sp.fp8)")
+        if w.device != x.device:
+            raise ValueError(f"{op}: x is on {x.device} and weight {i} on {w.device}")
+
+
+# ---------------------------------------------------------------------------------------------
+# Forward implementations (no autograd): N-D shapes are moved to a 2D [rows, K] view whose
+# row blocks are the per-rank shards, so the ring engines only ever see contiguous blocks.
+
+
+def rows_view(x: torch.Tensor, dim: int) -> tuple[torch.Tensor, Callable[[torch.Tensor], torch.Tensor]]:
+    """x [..., K] as contiguous rows [R, K] with `dim` outermost (copies only when dim != 0), and the
+    inverse for a result [R', C] whose outermost (moved) dim was gathered or scattered."""
+    moved = x.movedim(dim, 0)
+    inner = tuple(moved.shape[1:-1])
+    rows = moved.reshape(-1, moved.shape[-1]).contiguous()
+
+    def unflatten(t: torch.Tensor) -> torch.Tensor:
+        return t.view((t.shape[0] // max(math.prod(inner), 1),) + inner + (t.shape[-1],)).movedim(0, dim)
+
+    return rows, unflatten
+
+
+def _all_gather_matmul_impl(x_shard: torch.Tensor, weights: Sequence[torch.Tensor],
+                            group: Group | dist.ProcessGroup | None, gather_dim: int, backend: str,
+                            need_gathered: bool) -> tuple[torch.Tensor | None, list[torch.Tensor]]:
+    _, _, size = resolve_group(group)
+    if backend == "local":
+        return x_shard, [x_shard @ w for w in weights]
+    if backend == "symm_mem":
+        gathered, outs = torch.ops.symm_mem.fused_all_gather_matmul(
+            x_shard, list(weights), gather_dim, symm_mem_group_name(group), return_A=need_gathered)
+        return gathered, list(outs)
+    x2d, unflatten = rows_view(x_shard, gather_dim)  # [m, K]
+    if backend == "reference" or x2d.numel() == 0:
+        gathered2d = all_gather_uneven(x2d, group, 0, sizes=[x2d.shape[0]] * size)
+        outs2d = [gathered2d @ w for w in weights]
+    elif backend == "decomposed":
+        outs2d = [x2d.new_empty((size * x2d.shape[0], w.shape[1])) for w in weights]
+        out_blocks = [o.view(size, x2d.shape[0], w.shape[1]) for o, w in zip(outs2d, weights)]
+
+        def consume(src: int, blocks: list[torch.Tensor]) -> None:
+            for w, ob in zip(weights, out_blocks):
+                torch.mm(blocks[0], w, out=ob[src])
+
+        (gathered2d,) = ring_all_gather([x2d], group, consume)
+    else:
+        raise AssertionError(backend)
+    return (unflatten(gathered2d) if need_gathered else None), [unflatten(o) for o in outs2d]
+
+
+def _matmul_reduce_scatter_impl(x: torch.Tensor, w: torch.Tensor, group: Group | dist.ProcessGroup | None,
+                                scatter_dim: int, backend: str) -> torch.Tensor:
+    _, _, size = resolve_group(group)
+    if backend == "local":
+        return x @ w
+    if backend == "symm_mem":
+        return torch.ops.symm_mem.fused_matmul_reduce_scatter(x, w, "sum", scatter_dim, symm_mem_group_name(group))
+    x2d, unflatten = rows_view(x, scatter_dim)  # [P * m, K], block d goes to rank d
+    m = x2d.shape[0] // size
+    if backend == "reference" or x2d.numel() == 0:
+        y2d = reduce_scatter_uneven(x2d @ w, [m] * size, group, 0)
+    elif backend == "decomposed":
+        y2d = ring_reduce_scatter(lambda d: x2d[d * m:(d + 1) * m] @ w, group, x.device)
+    else:
+        raise AssertionError(backend)
+    return unflatten(y2d)
+
+
+def _gather(x_shard: torch.Tensor, group: Group | dist.ProcessGroup | None, dim: int) -> torch.Tensor:
+    _, _, size = resolve_group(group)
+    return all_gather_uneven(x_shard, group, dim, sizes=[x_shard.shape[dim]] * size)
+
+
+def _weight_grad(inp: torch.Tensor, grad_out: torch.Tensor) -> torch.Tensor:
+    """sum over all rows of inp[..., K]^T grad_out[..., N] -> [K, N]."""
+    return inp.reshape(-1, inp.shape[-1]).t() @ grad_out.reshape(-1, grad_out.shape[-1])
+
+
+class _AllGatherMatmul(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x_shard: torch.Tensor, group, gather_dim: int, return_gathered: bool, backend: str,
+                *weights: torch.Tensor):
+        gathered, outs = _all_gather_matmul_impl(x_shard, weights, group, gather_dim, backend, return_gathered)
+        ctx.group, ctx.gather_dim, ctx.backend, ctx.return_gathered = group, gather_dim, backend, return_gathered
+        ctx.set_materialize_grads(False)  # an unused output's gradient stays None: no work for it
+        ctx.save_for_backward(gathered if return_gathered else x_shard, *weights)
+        return (gathered, *outs) if return_gathered else tuple(outs)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        saved, *weights = ctx.saved_tensors
+        g_gathered = grads[0] if ctx.return_gathered else None
+        g_outs = grads[1:] if ctx.return_gathered else grads
+        gd, group = ctx.gather_dim, ctx.group
+        grad_ws: list[torch.Tensor | None] = [None] * len(weights)
+        if any(ctx.needs_input_grad[5:]):
+            gathered = saved if ctx.return_gathered else _gather(saved, group, gd)
+            for i, g in enumerate(g_outs):
+                if g is not None and ctx.needs_input_grad[5 + i]:
+                    grad_ws[i] = _weight_grad(gathered, g)
+        grad_x = None
+        if ctx.needs_input_grad[0]:
+            used = [(g, w) for g, w in zip(g_outs, weights) if g is not None]
+            _, _, size = resolve_group(group)
+            if used:
+                g_cat = torch.cat([g for g, _ in used], dim=-1) if len(used) > 1 else used[0][0]
+                w_cat = torch.cat([w for _, w in used], dim=1) if len(used) > 1 else used[0][1]
+            if g_gathered is not None:  # both flow into x: sum locally, then one reduce-scatter
+                local = g_gathered + (g_cat @ w_cat.t() if used else 0)
+                m = local.shape[gd] // size
+                grad_x = local if size == 1 else reduce_scatter_uneven(local, [m] * size, group, gd)
+            elif used:
+                grad_x = _matmul_reduce_scatter_impl(g_cat, w_cat.t(), group, gd, ctx.backend)
+        return (grad_x, None, None, None, None, *grad_ws)
+
+
+class _MatmulReduceScatter(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, w: torch.Tensor, group, scatter_dim: int, backend: str):
+        ctx.group, ctx.scatter_dim, ctx.backend = group, scatter_dim, backend
+        ctx.save_for_backward(x, w)
+        return _matmul_reduce_scatter_impl(x, w, group, scatter_dim, backend)
+
+    @staticmethod
+    def backward(ctx, grad_out: torch.Tensor):
+        x, w = ctx.saved_tensors
+        if ctx.needs_input_grad[0]:
+            g_full, outs = _all_gather_matmul_impl(grad_out, [w.t()], ctx.group, ctx.scatter_dim, ctx.backend,
+                                                   need_gathered=True)
+            grad_x = outs[0]
+        else:
+            g_full, grad_x = _gather(grad_out, ctx.group, ctx.scatter_dim), None
+        grad_w = _weight_grad(x, g_full) if ctx.needs_input_grad[1] else None
+        return grad_x, grad_w, None, None, None
+
+
+def all_gather_matmul(x_shard: torch.Tensor, weights: Sequence[torch.Tensor],
+                      group: Group | dist.ProcessGroup | None, *, gather_dim: int = 0,
+                      return_gathered: bool = False, backend: Backend = "auto") -> list[torch.Tensor]:
+    """`[all_gather(x_shard, gather_dim) @ w for w in weights]`, the gather overlapped with the matmuls.
+
+    x_shard: [..., m, ..., K] this rank's shard (m along `gather_dim`, the same on every rank).
+    weights: [K, N_i] each, x_shard's dtype (e.g. the Q, K, V or gate/up shards of this rank;
+    several weights share one gather). Returns [..., P * m, ..., N_i] per weight, preceded by
+    the gathered input [..., P * m, ..., K] when `return_gathered`. Differentiable.
+    """
+    weights = list(weights)
+    check_matmul_operands("all_gather_matmul", x_shard, weights)
+    gather_dim = check_dim(x_shard, gather_dim, "gather_dim")
+    chosen = resolve_backend(backend, x_shard, group)
+    return list(_AllGatherMatmul.apply(x_shard, group, gather_dim, return_gathered, chosen, *weights))
+
+
+def matmul_reduce_scatter(x: torch.Tensor, w: torch.Tensor, group: Group | dist.ProcessGroup | None, *,
+                          scatter_dim: int = 0, backend: Backend = "auto") -> torch.Tensor:
+    """`reduce_scatter(x @ w, scatter_dim)` (sum), each block's partial product sent while the next is computed.
+
+    x: [..., M, ..., K] this rank's partial-sum input (M along `scatter_dim`, divisible by
+    the group size P; pad tokens with `sp_shard`/`sp_reduce_scatter` otherwise).
+    w: [K, N], x's dtype. Returns [..., M / P, ..., N]: rank r gets block r. Differentiable.
+    """
+    check_matmul_operands("matmul_reduce_scatter", x, [w])
+    scatter_dim = check_dim(x, scatter_dim, "scatter_dim")
+    _, _, size = resolve_group(group)
+    if x.shape[scatter_dim] % size:
+        raise ValueError(f"matmul_reduce_scatter: x.shape[{scatter_dim}] = {x.shape[scatter_dim]} is not "
+                         f"divisible by the group size {size}; pad it to a multiple of {size} first "
+                         "(parallel.sp.sp_pad)")
+    chosen = resolve_backend(backend, x, group)
+    return _MatmulReduceScatter.apply(x, w, group, scatter_dim, chosen)

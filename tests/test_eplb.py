@@ -1,0 +1,331 @@
+"""EPLB algorithm, replica routing, metrics, tracker and single-process state (no processes).
+
+The vectorized `rebalance_experts` is checked against `reference_placement`, a per-layer loop
+over Python lists written straight from SPEC §6, and against invariants and hand-solved cases.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from parallel.ep.eplb import (
+    KNUTH_HASH,
+    balancedness,
+    default_phy2log,
+    logical_to_physical,
+    plan_from_phy2log,
+    rank_loads,
+    rebalance_experts,
+)
+from parallel.ep.eplb_migrate import MigrationError, rearrange_weights
+from parallel.ep.eplb_state import Eplb, EplbConfig, ExpertLoadTracker
+
+# ---------------------------------------------------------------------------------------
+# independent reference (one layer, Python lists)
+
+
+def ref_pack(loads: list[float], num_packs: int) -> tuple[list[int], list[int]]:
+    cap = len(loads) // num_packs
+    pack_load, pack_count = [0.0] * num_packs, [0] * num_packs
+    pack, pos = [0] * len(loads), [0] * len(loads)
+    for i in sorted(range(len(loads)), key=lambda i: (-loads[i], i)):
+        best = min((p for p in range(num_packs) if pack_count[p] < cap), key=lambda p: (pack_load[p], p))
+        pack[i], pos[i] = best, pack_count[best]
+        pack_load[best] += loads[i]
+        pack_count[best] += 1
+    return pack, pos
+
+
+def ref_replicate(loads: list[float], num_slots: int) -> tuple[list[int], list[int]]:
+    slots, count = list(range(len(loads))), [1] * len(loads)
+    while len(slots) < num_slots:
+        hottest = max(range(len(loads)), key=lambda e: (loads[e] / count[e], -e))
+        slots.append(hottest)
+        count[hottest] += 1
+    return slots, count
+
+
+def reference_placement(w: list[float], num_physical: int, groups: int, nodes: int, ranks: int) -> list[int]:
+    if groups % nodes:
+        groups, nodes = 1, 1
+    per_group = len(w) // groups
+    group_pack, group_pos = ref_pack([sum(w[g * per_group:(g + 1) * per_group]) for g in range(groups)], nodes)
+    slots_per_node, slots_per_rank = num_physical // nodes, num_physical // ranks
+    phy2log = [-1] * num_physical
+    for node in range(nodes):
+        mine = sorted((g for g in range(groups) if group_pack[g] == node), key=lambda g: group_pos[g])
+        experts = [g * per_group + j for g in mine for j in range(per_group)]
+        loads = [w[e] for e in experts]
+        slots, count = ref_replicate(loads, slots_per_node)
+        rank_of, pos_of = ref_pack([loads[s] / count[s] for s in slots], ranks // nodes)
+        for i, s in enumerate(slots):
+            phy2log[node * slots_per_node + rank_of[i] * slots_per_rank + pos_of[i]] = experts[s]
+    return phy2log
+
+
+def zipf_loads(num_layers: int, num_experts: int, seed: int, exponent: float = 1.0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    base = 1e5 / torch.arange(1, num_experts + 1, dtype=torch.float64) ** exponent
+    return torch.stack([base[torch.randperm(num_experts, generator=g)] for _ in range(num_layers)]).round()
+
+
+def check_plan_consistent(plan, num_logical: int) -> None:
+    """log2phy / logcnt say exactly what phy2log says; every expert has a replica."""
+    for layer in range(plan.num_layers):
+        p2l = plan.phy2log[layer].tolist()
+        for e in range(num_logical):
+            slots = [p for p, x in enumerate(p2l) if x == e]
+            assert slots, f"expert {e} of layer {layer} has no replica"
+            assert plan.logcnt[layer, e].item() == len(slots)
+            row = plan.log2phy[layer, e].tolist()
+            assert row[: len(slots)] == slots and all(x == -1 for x in row[len(slots):])
+    assert plan.log2phy.shape[2] == plan.logcnt.max().item()
+
+
+# ---------------------------------------------------------------------------------------
+# algorithm
+
+
+@pytest.mark.parametrize("num_logical,num_physical,groups,nodes,ranks", [
+    (16, 16, 4, 2, 4),    # hierarchical, no redundancy
+    (16, 24, 4, 2, 4),    # hierarchical with redundancy
+    (16, 20, 1, 1, 4),    # global
+    (12, 18, 3, 2, 6),    # 3 % 2 != 0: global fallback
+    (8, 16, 2, 2, 2),     # one rank per node
+    (10, 30, 5, 1, 1),    # single rank
+])
+def test_rebalance_matches_reference_and_invariants(num_logical, num_physical, groups, nodes, ranks):
+    g = torch.Generator().manual_seed(num_physical * 7 + ranks)
+    wide = torch.randint(0, 10_000, (5, num_logical), generator=g).double()
+    ties = torch.randint(0, 3, (3, num_logical), generator=g).double()  # many equal loads
+    weight = torch.cat([wide, ties, torch.zeros(1, num_logical)])
+    plan = rebalance_experts(weight, num_physical, groups, nodes, ranks)
+    assert plan.phy2log.shape == (weight.shape[0], num_physical)
+    for layer in range(weight.shape[0]):
+        expected = reference_placement(weight[layer].tolist(), num_physical, groups, nodes, ranks)
+        assert plan.phy2log[layer].tolist() == expected, f"layer {layer}"
+    check_plan_consistent(plan, num_logical)
+
+
+def test_hierarchical_keeps_whole_groups_on_a_node_and_balances_groups():
+    # 4 groups of 2 experts, 2 nodes x 2 ranks; group loads 10, 1, 1, 10
+    weight = torch.tensor([[5.0, 5.0, 0.5, 0.5, 0.5, 0.5, 5.0, 5.0]])
+    plan = rebalance_experts(weight, 8, num_groups=4, num_nodes=2, num_ranks=4)
+    node0, node1 = set(plan.phy2log[0, :4].tolist()), set(plan.phy2log[0, 4:].tolist())
+    assert node0 == {0, 1, 2, 3} and node1 == {4, 5, 6, 7}  # groups (0, 1) and (3, 2)
+    assert rank_loads(weight, plan.phy2log, 4).tolist() == [[5.5, 5.5, 5.5, 5.5]]
+
+
+def test_hand_solved_cases_are_optimal():
+    # 4 experts on 2 ranks: {4, 1} and {3, 2} -> both ranks carry 5
+    plan = rebalance_experts(torch.tensor([[4.0, 3.0, 2.0, 1.0]]), 4, 1, 1, 2)
+    assert plan.phy2log.tolist() == [[0, 3, 1, 2]]
+    assert balancedness(torch.tensor([[4.0, 3.0, 2.0, 1.0]]), plan.phy2log, 2).overall == 1.0
+    # 2 experts, 4 slots: the hot one gets 3 replicas, every slot carries 1
+    plan = rebalance_experts(torch.tensor([[3.0, 1.0]]), 4, 1, 1, 2)
+    assert plan.logcnt.tolist() == [[3, 1]]
+    assert rank_loads(torch.tensor([[3.0, 1.0]]), plan.phy2log, 2).tolist() == [[2.0, 2.0]]
+    # a single hot expert among uniform ones: its replicas land on different ranks
+    weight = torch.tensor([[8.0] + [1.0] * 7])
+    plan = rebalance_experts(weight, 12, 1, 1, 4)
+    assert plan.logcnt[0, 0].item() == 5
+    hot_ranks = [p // 3 for p in plan.log2phy[0, 0, :5].tolist()]
+    assert sorted(set(hot_ranks)) == [0, 1, 2, 3]
+
+
+def test_global_fallback_when_groups_do_not_divide_over_nodes():
+    weight = zipf_loads(3, 24, seed=1)
+    fallback = rebalance_experts(weight, 32, num_groups=3, num_nodes=2, num_ranks=4)
+    explicit = rebalance_experts(weight, 32, num_groups=1, num_nodes=1, num_ranks=4)
+    assert torch.equal(fallback.phy2log, explicit.phy2log)
+    hierarchical = rebalance_experts(weight, 32, num_groups=4, num_nodes=2, num_ranks=4)
+    assert not torch.equal(hierarchical.phy2log, explicit.phy2log)
+
+
+def test_balance_improves_on_skewed_loads_at_full_size():
+    weight = zipf_loads(61, 256, seed=2)
+    old = default_phy2log(61, 256, 288)
+    for groups, nodes in ((1, 1), (8, 4)):
+        plan = rebalance_experts(weight, 288, groups, nodes, 32, old_phy2log=old)
+        check_plan_consistent(plan, 256)
+        before, after = balancedness(weight, old, 32), balancedness(weight, plan.phy2log, 32)
+        assert (after.per_layer > before.per_layer).all()
+        assert after.overall > 2 * before.overall
+    # global with 32 redundant slots handles Zipf(1) almost perfectly
+    assert balancedness(weight, rebalance_experts(weight, 288, 1, 1, 32).phy2log, 32).overall > 0.95
+
+
+def test_rebalance_is_deterministic():
+    weight = zipf_loads(4, 64, seed=3)
+    old = rebalance_experts(zipf_loads(4, 64, seed=4), 80, 8, 2, 8).phy2log
+    a = rebalance_experts(weight, 80, 8, 2, 8, old_phy2log=old)
+    b = rebalance_experts(weight.clone(), 80, 8, 2, 8, old_phy2log=old.clone())
+    assert torch.equal(a.phy2log, b.phy2log) and torch.equal(a.log2phy, b.log2phy)
+
+
+def test_same_load_again_keeps_the_placement():
+    weight = zipf_loads(3, 64, seed=5)
+    for groups, nodes in ((1, 1), (8, 2)):
+        plan = rebalance_experts(weight, 80, groups, nodes, 8)
+        again = rebalance_experts(weight, 80, groups, nodes, 8, old_phy2log=plan.phy2log)
+        assert torch.equal(again.phy2log, plan.phy2log)
+
+
+@pytest.mark.parametrize("groups,nodes", [(1, 1), (8, 2)])
+def test_experts_staying_on_a_rank_keep_their_slot(groups, nodes):
+    num_layers, num_logical, num_physical, ranks = 4, 64, 80, 8
+    slots = num_physical // ranks
+    old = rebalance_experts(zipf_loads(num_layers, num_logical, seed=6), num_physical, groups, nodes, ranks).phy2log
+    weight = zipf_loads(num_layers, num_logical, seed=7)
+    fresh = rebalance_experts(weight, num_physical, groups, nodes, ranks)
+    kept = rebalance_experts(weight, num_physical, groups, nodes, ranks, old_phy2log=old)
+    check_plan_consistent(kept, num_logical)
+    for layer in range(num_layers):
+        # relabeling ranks and reordering slots leaves the balance untouched
+        assert sorted(rank_loads(weight, kept.phy2log, ranks)[layer].tolist()) == \
+            sorted(rank_loads(weight, fresh.phy2log, ranks)[layer].tolist())
+        for r in range(ranks):
+            o = old[layer, r * slots:(r + 1) * slots].tolist()
+            n = kept.phy2log[layer, r * slots:(r + 1) * slots].tolist()
+            for e in set(n):
+                same_slot = sum(1 for j in range(slots) if o[j] == n[j] == e)
+                assert same_slot == min(o.count(e), n.count(e)), (layer, r, e)
+    moved_kept = (kept.phy2log != old).sum().item()
+    moved_fresh = (fresh.phy2log != old).sum().item()
+    assert moved_kept < moved_fresh
+
+
+@pytest.mark.parametrize("call,message", [
+    (lambda: rebalance_experts(torch.ones(2, 8), 10, 1, 1, 4), "divisible by num_ranks"),
+    (lambda: rebalance_experts(torch.ones(2, 8), 4, 1, 1, 2), "must be >= num_logical"),
+    (lambda: rebalance_experts(torch.tensor([[1.0, -1.0]]), 2, 1, 1, 1), "non-negative"),
+    (lambda: rebalance_experts(torch.tensor([[1.0, float("nan")]]), 2, 1, 1, 1), "finite"),
+    (lambda: rebalance_experts(torch.ones(8), 8, 1, 1, 1), "num_layers, num_logical"),
+    (lambda: rebalance_experts(torch.ones(1, 8), 8, 3, 1, 2), "must divide the number of logical experts"),
+    (lambda: rebalance_experts(torch.ones(1, 8), 8, 2, 2, 3), "divisible by num_ranks"),
+    (lambda: rebalance_experts(torch.ones(1, 12), 12, 2, 2, 3), "num_nodes (2) must divide num_ranks (3)"),
+    (lambda: rebalance_experts(torch.ones(1, 8), 8, 1, 1, 2, old_phy2log=torch.zeros(1, 9, dtype=torch.long)),
+     "old_phy2log has shape"),
+    (lambda: rebalance_experts(torch.ones(1, 4), 4, 1, 1, 2, old_phy2log=torch.tensor([[0, 1, 2, 4]])),
+     "values must lie in [0, 4)"),
+    (lambda: plan_from_phy2log(torch.tensor([[0, 0, 1, 1]]), 3), "logical expert 2 of layer 0 without"),
+])
+def test_bad_input_raises_value_error(call, message):
+    with pytest.raises(ValueError) as err:
+        call()
+    assert message in str(err.value)
+
+
+# ---------------------------------------------------------------------------------------
+# routing and metrics
+
+
+def test_logical_to_physical_hashes_token_index_over_replicas():
+    plan = plan_from_phy2log(torch.tensor([0, 1, 2, 0, 0, 2, 3, 3]), 4)
+    log2phy, logcnt = plan.log2phy[0], plan.logcnt[0]  # expert 0: slots 0, 3, 4; 2: 2, 5; 3: 6, 7
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(-1, 4, (200, 3), generator=g, dtype=torch.int32)
+    index = torch.randint(0, 2**40, (200,), generator=g)
+    for token_index in (None, index):
+        out = logical_to_physical(ids, log2phy, logcnt, token_index)
+        assert out.dtype == torch.int32 and out.shape == ids.shape
+        for t in range(200):
+            i = t if token_index is None else int(index[t])
+            h = (i * KNUTH_HASH) % 2**32
+            for k in range(3):
+                e = int(ids[t, k])
+                want = -1 if e < 0 else plan.log2phy[0, e, h % int(logcnt[e])].item()
+                assert out[t, k].item() == want
+    # consecutive tokens spread evenly over the three replicas of expert 0
+    out = logical_to_physical(torch.zeros(3000, 1, dtype=torch.long), log2phy, logcnt)
+    per_replica = torch.bincount(out.flatten(), minlength=8)[[0, 3, 4]]
+    assert per_replica.sum().item() == 3000 and (per_replica - 1000).abs().max().item() <= 5
+
+
+def test_balancedness_per_layer_and_overall_by_hand():
+    weight = torch.tensor([[4.0, 3.0, 2.0, 1.0], [1.0, 1.0, 1.0, 1.0], [0.0, 0.0, 0.0, 0.0]])
+    phy2log = torch.tensor([[0, 1, 2, 3]] * 3)  # rank 0: {0, 1}, rank 1: {2, 3}
+    b = balancedness(weight, phy2log, 2)
+    assert b.per_layer.tolist() == pytest.approx([5 / 7, 1.0, 1.0])
+    assert b.overall == pytest.approx((5 + 2) / (7 + 2))
+    assert b.max_over_mean == pytest.approx(9 / 7)
+    # replicas split an expert's load evenly
+    assert rank_loads(torch.tensor([[6.0, 2.0]]), torch.tensor([0, 1, 0, 0]), 2).tolist() == [[4.0, 4.0]]
+
+
+# ---------------------------------------------------------------------------------------
+# tracker and the state object (one process)
+
+
+def test_tracker_folds_steps_into_a_logical_window():
+    tracker = ExpertLoadTracker(2, 3, 4, window=2, interval=3)
+    p2l_a = torch.tensor([[0, 1, 2, 0], [2, 1, 0, 0]])
+    p2l_b = torch.tensor([[1, 1, 2, 0], [0, 1, 2, 2]])
+    tracker.record(0, torch.tensor([[0, 3], [3, -1], [1, 2]]))          # slots 0:1, 1:1, 2:1, 3:2
+    tracker.record_counts(1, torch.tensor([5, 0, 1, 2]))
+    assert tracker.end_step(p2l_a) is False
+    assert tracker.window_load().tolist() == [[3, 1, 1], [3, 0, 5]]
+    tracker.record(0, torch.tensor([[1, 1]]))
+    assert tracker.end_step(p2l_b) is False
+    assert tracker.window_load().tolist() == [[3, 3, 1], [3, 0, 5]]
+    tracker.record(1, torch.tensor([[3]]))                           # step 3 replaces step 1
+    assert tracker.end_step(p2l_b) is True
+    assert tracker.window_load().tolist() == [[0, 2, 0], [0, 0, 1]]
+
+
+def test_eplb_single_rank_rebalances_maps_and_weights_together():
+    num_layers, num_logical, hidden = 2, 6, 4
+    eplb = Eplb(num_layers, num_logical, config=EplbConfig(num_redundant=2, window=4, interval=2))
+    assert eplb.num_physical == 8 and eplb.slots_per_rank == 8
+    canonical = torch.randn(num_layers, num_logical, hidden).to(torch.bfloat16)
+    weights = [canonical[layer][eplb.local_experts(layer)].clone() for layer in range(num_layers)]
+    for layer in range(num_layers):
+        eplb.register_weights(layer, [weights[layer]])
+    ids = torch.tensor([[4, 5]] * 50 + [[2, -1]] * 5)  # the default map replicates 0 and 1 instead
+    for step in range(2):
+        for layer in range(num_layers):
+            physical = eplb.route(layer, ids)
+            assert torch.equal(eplb.phy2log[layer][physical.clamp(min=0)][ids >= 0], ids[ids >= 0])
+        report = eplb.step()
+    assert report is not None and report.layers_moved == [0, 1] and report.layers_failed == []
+    assert report.overall_after >= report.overall_before
+    for layer in range(num_layers):
+        assert eplb.logcnt[layer].tolist() == [1, 1, 1, 1, 2, 2]
+        assert torch.equal(weights[layer], canonical[layer][eplb.phy2log[layer]])
+    assert "balancedness" in report.summary()
+
+
+def test_eplb_and_migration_reject_mismatched_shapes():
+    from parallel.groups import Group
+
+    with pytest.raises(ValueError, match="divisible by the EP size"):
+        Eplb(1, 6, config=EplbConfig(num_redundant=1), group=Group("ep", None, 0, 4, (0, 1, 2, 3)))
+    eplb = Eplb(1, 4)
+    with pytest.raises(ValueError, match="dim 0 must be the 4 local slots"):
+        eplb.register_weights(0, [torch.zeros(3, 2)])
+    with pytest.raises(ValueError, match="first dim must be the 4 local slots"):
+        rearrange_weights(torch.tensor([0, 1, 2, 3]), torch.tensor([1, 0, 2, 3]), [torch.zeros(5, 2)])
+    with pytest.raises(ValueError, match="both be \\[P\\]"):
+        rearrange_weights(torch.tensor([0, 1, 2, 3]), torch.tensor([1, 0, 2]), [torch.zeros(4, 2)])
+    with pytest.raises(ValueError, match="no slot of old_phy2log holds"):
+        rearrange_weights(torch.tensor([0, 1, 2, 2]), torch.tensor([0, 1, 2, 3]), [torch.zeros(4, 2)])
+    with pytest.raises(ValueError, match="must be contiguous"):
+        rearrange_weights(torch.tensor([0, 1]), torch.tensor([1, 0]), [torch.zeros(2, 4)[:, ::2]])
+    with pytest.raises(ValueError, match="window"):
+        EplbConfig(window=0)
+
+
+def test_single_rank_failure_keeps_old_weights():
+    weights = torch.arange(8, dtype=torch.uint8).view(4, 2).clone()
+    before = weights.clone()
+
+    def fail(stage: str) -> None:
+        if stage == "unpack":
+            raise RuntimeError("injected")
+
+    with pytest.raises(MigrationError) as err:
+        rearrange_weights(torch.tensor([0, 1, 2, 3]), torch.tensor([3, 2, 1, 0]), [weights], fault_hook=fail)
+    assert err.value.failed_ranks == [0] and torch.equal(weights, before)
+    stats = rearrange_weights(torch.tensor([0, 1, 2, 3]), torch.tensor([3, 2, 1, 1]), [weights])
+    assert weights.tolist() == [[6, 7], [4, 5], [2, 3], [2, 3]] and stats.slots_changed == 4

@@ -1,0 +1,238 @@
+"""Sequence-parallel pieces that need no second process: FP8 formats and their tolerance,
+size-1 groups, argument checking; plus the CUDA tests the GPU machine runs.
+
+Multi-rank behaviour (gloo, 1/2/4 ranks) is in test_sp_multirank.py.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from parallel.sp import (
+    FP8_REL_TOL,
+    ColumnParallelLinear,
+    RowParallelLinear,
+    all_gather_matmul,
+    all_gather_matmul_fp8,
+    matmul_reduce_scatter,
+    quantize_fp8_per_token,
+    quantize_fp8_weight,
+    rms_norm_quantize_fp8,
+    scaled_matmul,
+    sp_all_gather,
+    sp_pad,
+    sp_shard,
+)
+from parallel.sp.fp8 import Fp8Activation
+
+
+def _e4m3_grid() -> torch.Tensor:
+    """Every finite non-negative E4M3 value, decoded from its bits (independent of torch's cast)."""
+    vals = []
+    for e in range(16):
+        for mant in range(8):
+            if e == 15 and mant == 7:
+                continue  # NaN
+            vals.append(mant / 8 * 2.0 ** -6 if e == 0 else (1 + mant / 8) * 2.0 ** (e - 7))
+    return torch.tensor(sorted(vals), dtype=torch.float64)
+
+
+def test_per_token_fp8_rounds_each_value_to_the_nearest_e4m3_point_of_its_token_scale():
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(6, 40, generator=g) * torch.tensor([1e-3, 1.0, 30.0, 1e4, 0.5, 2.0])[:, None]
+    x[4] = 0.0  # an all-zero token
+    q = quantize_fp8_per_token(x)
+    assert q.data.dtype == torch.float8_e4m3fn and q.scale.shape == (6, 1) and q.scale.dtype == torch.float32
+    amax = x.abs().amax(-1, keepdim=True)
+    torch.testing.assert_close(q.scale[[0, 1, 2, 3, 5]], (amax / 448)[[0, 1, 2, 3, 5]])
+    assert torch.equal(q.dequantize()[4], torch.zeros(40))
+    grid = _e4m3_grid()
+    scaled = (x.double() / q.scale.double()).abs()
+    nearest = grid[(scaled[..., None] - grid).abs().argmin(-1)]
+    got = q.data.double().abs()
+    # ties may round either way only where two grid points are equally near
+    tie = ((scaled[..., None] - grid).abs().sort(-1).values[..., :2].diff(dim=-1).squeeze(-1) < 1e-9)
+    assert torch.equal(got[~tie], nearest[~tie])
+    assert torch.equal(q.data.double().sign(), x.double().sign() * (got > 0))
+    assert q.data.double().abs().amax(-1)[[0, 1, 2, 3, 5]].eq(448).all()  # the largest value maps to 448
+
+
+def test_fp8_weight_is_column_major_with_one_scale_per_output_column():
+    w = torch.randn(64, 48, generator=torch.Generator().manual_seed(1)) * torch.linspace(0.1, 10, 48)
+    qw = quantize_fp8_weight(w)
+    assert qw.data.shape == (64, 48) and qw.data.t().is_contiguous() and qw.scale.shape == (1, 48)
+    torch.testing.assert_close(qw.scale, w.abs().amax(0, keepdim=True) / 448)
+    rel = (qw.dequantize() - w).abs() / w.abs().amax(0, keepdim=True)
+    assert rel.max() <= 2.0 ** -4 + 1e-6
+
+
+@pytest.mark.parametrize("shape,spread", [((128, 256, 64), 1.0), ((33, 512, 48), 20.0)])
+def test_fp8_product_error_against_fp32_is_within_the_documented_tolerance(shape, spread):
+    M, K, N = shape
+    g = torch.Generator().manual_seed(M)
+    x = torch.randn(M, K, generator=g) * torch.exp(torch.randn(M, 1, generator=g) * spread / 10)
+    x[:, :4] *= spread  # outlier channels
+    w = torch.randn(K, N, generator=g)
+    out = scaled_matmul(quantize_fp8_per_token(x), quantize_fp8_weight(w), torch.float32)
+    err = ((out - x @ w).norm() / (x @ w).norm()).item()
+    assert 0.005 < err < FP8_REL_TOL, err  # fp8 is lossy, but within the bound
+
+
+def test_rms_norm_quantize_matches_separate_norm_then_quantize():
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(10, 32, generator=g, dtype=torch.float64).to(torch.bfloat16)
+    w = torch.rand(32, generator=g) + 0.5
+    xd = x.double()
+    normed = xd / torch.sqrt(xd.pow(2).mean(-1, keepdim=True) + 1e-5) * w.double()
+    q = rms_norm_quantize_fp8(x, w, eps=1e-5)
+    err = ((q.dequantize().double() - normed).norm() / normed.norm()).item()
+    assert err < FP8_REL_TOL / 2, err
+    torch.testing.assert_close(q.scale.double(), normed.abs().amax(-1, keepdim=True) / 448, rtol=1e-5, atol=0)
+
+
+def test_single_rank_ops_and_gradients_equal_plain_matmuls():
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(5, 7, generator=g, dtype=torch.float64, requires_grad=True)
+    w1 = torch.randn(7, 3, generator=g, dtype=torch.float64, requires_grad=True)
+    w2 = torch.randn(7, 2, generator=g, dtype=torch.float64, requires_grad=True)
+    gathered, o1, o2 = all_gather_matmul(x, [w1, w2], None, return_gathered=True)
+    y = matmul_reduce_scatter(o1, torch.ones(3, 4, dtype=torch.float64), None)
+    assert torch.equal(gathered, x) and torch.equal(o1, x @ w1) and torch.equal(o2, x @ w2)
+    (y.sum() + (o2 ** 2).sum() + gathered.sum()).backward()
+    xd, w1d, w2d = (t.detach().clone().requires_grad_() for t in (x, w1, w2))
+    ((xd @ w1d).sum(-1, keepdim=True) * 4).sum().add(((xd @ w2d) ** 2).sum()).add(xd.sum()).backward()
+    for a, b in ((x, xd), (w1, w1d), (w2, w2d)):
+        torch.testing.assert_close(a.grad, b.grad)
+    q = all_gather_matmul_fp8(x.detach().float(), [quantize_fp8_weight(w1.detach().float())], None,
+                              out_dtype=torch.float32, return_gathered=True)
+    assert q.gathered is not None and q.outputs[0].shape == (5, 3)
+
+
+def test_single_rank_parallel_linears_equal_nn_linear():
+    torch.manual_seed(4)
+    lin1, lin2 = torch.nn.Linear(6, 8), torch.nn.Linear(8, 6)
+    x = torch.randn(5, 6)
+    for sp in (True, False):
+        col = ColumnParallelLinear.from_full(lin1.weight.detach(), lin1.bias.detach(), None, sequence_parallel=sp)
+        row = RowParallelLinear.from_full(lin2.weight.detach(), lin2.bias.detach(), None, sequence_parallel=sp)
+        torch.testing.assert_close(row(torch.relu(col(x))), lin2(torch.relu(lin1(x))))
+
+
+def test_sp_helpers_on_one_rank_are_identity_and_pad_with_zeros():
+    x = torch.randn(5, 3)
+    assert torch.equal(sp_shard(x, None), x) and torch.equal(sp_all_gather(x, None, num_tokens=5), x)
+    assert torch.equal(sp_pad(x, None), x)
+
+
+def test_bad_arguments_name_the_values_and_the_choices():
+    x, w = torch.randn(4, 6), torch.randn(6, 2)
+    with pytest.raises(ValueError, match="backend 'ring' is not one of auto, decomposed, symm_mem, reference"):
+        all_gather_matmul(x, [w], None, backend="ring")
+    with pytest.raises(ValueError, match=r"scatter_dim \(-1\) out of range.*0\.\.0 or -2\.\.-2"):
+        matmul_reduce_scatter(x, w, None, scatter_dim=-1)
+    with pytest.raises(ValueError, match=r"gather_dim \(2\) out of range"):
+        all_gather_matmul(x, [w], None, gather_dim=2)
+    with pytest.raises(ValueError, match="at least 2 dims"):
+        all_gather_matmul(torch.randn(6), [w], None)
+    with pytest.raises(ValueError, match="at least one weight"):
+        all_gather_matmul(x, [], None)
+    with pytest.raises(ValueError, match=r"torch.bfloat16 and weight 0 is torch.float32"):
+        matmul_reduce_scatter(x.bfloat16(), w, None)
+    with pytest.raises(ValueError, match="must be an Fp8Weight"):
+        all_gather_matmul_fp8(x, [w], None)
+    with pytest.raises(ValueError, match=r"expected \[K=6, N\]"):
+        all_gather_matmul_fp8(x, [quantize_fp8_weight(torch.randn(5, 2))], None)
+    with pytest.raises(ValueError, match="float8_e4m3fn"):
+        all_gather_matmul_fp8(Fp8Activation(x, torch.ones(4, 1)), [quantize_fp8_weight(w)], None)
+    with pytest.raises(ValueError, match=r"weight has shape \(5,\), expected \[6\]"):
+        rms_norm_quantize_fp8(x, torch.ones(5))
+    with pytest.raises(ValueError, match=r"full weight has shape \(8, 5\), expected \[8, 6\]"):
+        RowParallelLinear(6, 8, None).load_full_weight(torch.randn(8, 5))
+    with pytest.raises(ValueError, match="bias given: True, layer has a bias: False"):
+        ColumnParallelLinear(6, 8, None).load_full_weight(torch.randn(8, 6), torch.randn(8))
+    with pytest.raises(ValueError, match=r"num_tokens \(7\).*valid num_tokens are 5\.\.5"):
+        sp_all_gather(torch.randn(5, 2), None, num_tokens=7)
+
+
+# ---------------------------------------------------------------------------------------------
+# GPU machine
+
+
+@pytest.mark.gpu
+def test_cuda_scaled_matmul_matches_the_dequantized_reference():
+    g = torch.Generator().manual_seed(5)
+    x, w = torch.randn(96, 256, generator=g), torch.randn(256, 128, generator=g)
+    q, qw = quantize_fp8_per_token(x.cuda()), quantize_fp8_weight(w.cuda())
+    out = scaled_matmul(q, qw, torch.bfloat16)
+    ref = q.dequantize() @ qw.dequantize()
+    assert out.dtype == torch.bfloat16
+    torch.testing.assert_close(out.float(), ref, rtol=1e-2, atol=1e-2 * ref.abs().max().item())
+    into = torch.empty(96, 128, device="cuda", dtype=torch.bfloat16)
+    assert scaled_matmul(q, qw, torch.bfloat16, out=into) is into
+    torch.testing.assert_close(into, out)
+
+
+@pytest.mark.gpu
+def test_cuda_single_rank_ops_equal_plain_matmuls():
+    x = torch.randn(64, 128, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(128, 96, device="cuda", dtype=torch.bfloat16)
+    (out,) = all_gather_matmul(x, [w], None)
+    assert torch.equal(out, x @ w) and torch.equal(matmul_reduce_scatter(x, w, None), x @ w)
+
+
+def _multigpu_rank(rank: int) -> dict[str, float]:
+    """2 ranks, NCCL: every backend against the dense product (max relative error per check)."""
+    from parallel import ParallelConfig, destroy_parallel, init_parallel
+
+    tp = init_parallel(ParallelConfig(world_size=2, tp=2)).tp
+    dev = torch.device("cuda", torch.cuda.current_device())
+    g = torch.Generator().manual_seed(6)
+    P, m, K, N = 2, 256, 512, 384
+    x_full = torch.randn(P * m, K, generator=g).to(dev, torch.bfloat16)
+    ws = [torch.randn(K, N, generator=g).to(dev, torch.bfloat16) for _ in range(2)]
+    xs = torch.randn(P, P * m, K, generator=g).to(dev, torch.bfloat16)
+    rs_w = torch.randn(P, K, N, generator=g).to(dev, torch.bfloat16)
+    n = 192
+    W1 = torch.randn(K, P * n, generator=g).to(dev) / K ** 0.5
+    W2 = torch.randn(P * n, 256, generator=g).to(dev) / n ** 0.5
+    x = x_full[rank * m:(rank + 1) * m]
+
+    def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+        return ((a.float() - b.float()).norm() / b.float().norm()).item()
+
+    out: dict[str, float] = {}
+    rs_expect = sum(xs[q].float() @ rs_w[q].float() for q in range(P))[rank * m:(rank + 1) * m]
+    for backend in ("decomposed", "symm_mem", "reference"):
+        gathered, o1, o2 = all_gather_matmul(x, ws, tp, return_gathered=True, backend=backend)
+        out[f"{backend} ag gathered"] = rel(gathered, x_full)
+        out[f"{backend} ag out"] = max(rel(o1, x_full.float() @ ws[0].float()), rel(o2, x_full.float() @ ws[1].float()))
+        out[f"{backend} rs"] = rel(matmul_reduce_scatter(xs[rank], rs_w[rank], tp, backend=backend), rs_expect)
+        # a TP MLP in fp32 (column shard of W1, row shard of W2): gradients against the dense one
+        xg = x.float().clone().requires_grad_()
+        w1 = W1[:, rank * n:(rank + 1) * n].clone().requires_grad_()
+        (h,) = all_gather_matmul(xg, [w1], tp, backend=backend)
+        y = matmul_reduce_scatter(h, W2[rank * n:(rank + 1) * n], tp, backend=backend)
+        y.square().sum().backward()
+        xd, w1d = x_full.float().clone().requires_grad_(), W1.clone().requires_grad_()
+        (xd @ w1d @ W2).square().sum().backward()
+        out[f"{backend} mlp out"] = rel(y, (x_full.float() @ W1 @ W2)[rank * m:(rank + 1) * m])
+        out[f"{backend} grad x"] = rel(xg.grad, xd.grad[rank * m:(rank + 1) * m])
+        out[f"{backend} grad w"] = rel(w1.grad, w1d.grad[:, rank * n:(rank + 1) * n])
+        qres = all_gather_matmul_fp8(x, [quantize_fp8_weight(ws[0])], tp, return_gathered=True, backend=backend)
+        q_full = quantize_fp8_per_token(x_full)
+        out[f"{backend} fp8 ag"] = rel(qres.outputs[0], q_full.dequantize() @ quantize_fp8_weight(ws[0]).dequantize())
+        out[f"{backend} fp8 gathered scale"] = rel(qres.gathered.scale, q_full.scale)
+    torch.cuda.synchronize()
+    destroy_parallel()
+    return out
+
+
+@pytest.mark.gpu
+@pytest.mark.multigpu
+def test_two_gpu_backends_match_dense_products_and_gradients():
+    from launch.local import launch_local
+
+    for rank, res in enumerate(launch_local(_multigpu_rank, 2, backend="nccl", timeout=300)):
+        bad = {k: v for k, v in res.items() if v > (0.03 if "fp8" in k else 1e-2)}
+        assert not bad, f"rank {rank}: {bad}"

@@ -1,0 +1,378 @@
+"""Sequence parallelism and overlapped TP ops on real gloo processes (1, 2 and 4 ranks).
+
+One launch per world size runs every case (spawning is the slow part); each case returns
+None or the failure's traceback, and one pytest item per (world size, case) reports it.
+Every rank builds the same full tensors from a shared seed and checks its own slice of an
+independent dense computation (plain matmuls over the full tensors, loops over ranks).
+"""
+
+from __future__ import annotations
+
+import functools
+import traceback
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from launch.local import launch_local
+from parallel import ParallelConfig, destroy_parallel, init_parallel
+from parallel.sp import (
+    FP8_REL_TOL,
+    ColumnParallelLinear,
+    RowParallelLinear,
+    all_gather_matmul,
+    all_gather_matmul_fp8,
+    matmul_reduce_scatter,
+    matmul_reduce_scatter_fp8,
+    quantize_fp8_per_token,
+    quantize_fp8_weight,
+    rms_norm_quantize_all_gather,
+    rms_norm_quantize_fp8,
+    sp_all_gather,
+    sp_reduce_scatter,
+    sp_shard,
+)
+
+WORLD_SIZES = (1, 2, 4)
+OURS = ("decomposed", "reference")
+
+
+def _gen(seed: int) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+def _close(actual: torch.Tensor, expected: torch.Tensor, what: str, tol: float = 1e-5) -> None:
+    torch.testing.assert_close(actual, expected.to(actual.dtype), rtol=tol, atol=tol, msg=lambda m: f"{what}: {m}")
+
+
+# ---------------------------------------------------------------------------------------------
+# cases: (tp group, rank, world size) -> raises AssertionError on a wrong value
+
+
+def all_gather_matmul_matches_dense_product_for_several_weights(tp, r, P):
+    m, K = 3, 8
+    g = _gen(1)
+    x_full = torch.randn(P * m, K, generator=g)
+    ws = [torch.randn(K, 5, generator=g), torch.randn(K, 2, generator=g)]
+    x = x_full[r * m:(r + 1) * m]
+    for backend in OURS:
+        outs = all_gather_matmul(x, ws, tp, backend=backend)
+        assert len(outs) == 2
+        for i, (o, w) in enumerate(zip(outs, ws)):
+            _close(o, x_full @ w, f"{backend} output {i}")
+        gathered, *outs2 = all_gather_matmul(x, ws, tp, return_gathered=True, backend=backend)
+        assert torch.equal(gathered, x_full), backend
+        for o, o2 in zip(outs, outs2):
+            assert torch.equal(o, o2)
+    dec = all_gather_matmul(x, ws, tp, backend="decomposed")
+    ref = all_gather_matmul(x, ws, tp, backend="reference")
+    for a, b in zip(dec, ref):
+        _close(a, b, "decomposed vs reference", 1e-6)
+    # a raw ProcessGroup (None for the world of a 1-process job) works as well as a Group
+    raw = all_gather_matmul(x, ws, tp.group, backend="decomposed")
+    for a, b in zip(raw, dec):
+        assert torch.equal(a, b)
+
+
+def all_gather_matmul_gathers_along_a_middle_dim(tp, r, P):
+    B, m, K, N = 2, 3, 6, 4
+    g = _gen(2)
+    x_full = torch.randn(B, P * m, K, generator=g)
+    w = torch.randn(K, N, generator=g)
+    x = x_full[:, r * m:(r + 1) * m]  # non-contiguous shard
+    for backend in OURS:
+        for dim in (1, -2):
+            gathered, out = all_gather_matmul(x, [w], tp, gather_dim=dim, return_gathered=True, backend=backend)
+            assert torch.equal(gathered, x_full), (backend, dim)
+            _close(out, torch.einsum("bsk,kn->bsn", x_full, w), f"{backend} gather_dim={dim}")
+        # gather_dim 0 of a 3D shard: [m, B, K] shards concatenated along dim 0
+        y_full = torch.randn(P * m, B, K, generator=_gen(3))
+        (out,) = all_gather_matmul(y_full[r * m:(r + 1) * m], [w], tp, backend=backend)
+        _close(out, y_full @ w, f"{backend} 3D gather_dim=0")
+
+
+def matmul_reduce_scatter_matches_sum_of_rank_products(tp, r, P):
+    m, K, N = 2, 5, 7
+    g = _gen(4)
+    xs = torch.randn(P, P * m, K, generator=g)   # rank q's partial-sum input
+    ws = torch.randn(P, K, N, generator=g)       # rank q's weight shard
+    expected = sum(xs[q] @ ws[q] for q in range(P))[r * m:(r + 1) * m]
+    results = {}
+    for backend in OURS:
+        results[backend] = matmul_reduce_scatter(xs[r], ws[r], tp, backend=backend)
+        _close(results[backend], expected, f"{backend} scatter_dim=0")
+        # scatter along dim 1 of [B, P*m, K]
+        x3 = torch.stack([xs[r], 2 * xs[r]])
+        out = matmul_reduce_scatter(x3, ws[r], tp, scatter_dim=1, backend=backend)
+        _close(out, torch.stack([expected, 2 * expected]), f"{backend} scatter_dim=1")
+    _close(results["decomposed"], results["reference"], "decomposed vs reference (sum order differs)", 1e-5)
+
+
+def all_gather_matmul_gradients_match_dense(tp, r, P):
+    m, K, n1, n2 = 3, 6, 2, 3
+    g = _gen(5)
+    X = torch.randn(P * m, K, generator=g, dtype=torch.float64)
+    W1 = torch.randn(K, P * n1, generator=g, dtype=torch.float64)   # column-parallel: rank r holds cols
+    W2 = torch.randn(K, P * n2, generator=g, dtype=torch.float64)
+    G1 = torch.randn(P * m, P * n1, generator=g, dtype=torch.float64)
+    G2 = torch.randn(P * m, P * n2, generator=g, dtype=torch.float64)
+    H = torch.randn(P, P * m, K, generator=g, dtype=torch.float64)   # rank q's weight on the gathered x
+    Xd, W1d, W2d = (t.clone().requires_grad_() for t in (X, W1, W2))
+    dense = ((Xd @ W1d) * G1).sum() + ((Xd @ W2d) * G2).sum() + (Xd * H.sum(0)).sum()
+    dense.backward()
+    c1, c2 = slice(r * n1, (r + 1) * n1), slice(r * n2, (r + 1) * n2)
+    rows = slice(r * m, (r + 1) * m)
+    for backend in OURS:
+        x = X[rows].clone().requires_grad_()
+        w1, w2 = W1[:, c1].clone().requires_grad_(), W2[:, c2].clone().requires_grad_()
+        gathered, o1, o2 = all_gather_matmul(x, [w1, w2], tp, return_gathered=True, backend=backend)
+        ((o1 * G1[:, c1]).sum() + (o2 * G2[:, c2]).sum() + (gathered * H[r]).sum()).backward()
+        _close(x.grad, Xd.grad[rows], f"{backend} grad x (gathered used)")
+        _close(w1.grad, W1d.grad[:, c1], f"{backend} grad w1")
+        _close(w2.grad, W2d.grad[:, c2], f"{backend} grad w2")
+        # without return_gathered (the weight gradient re-gathers x), and an output left unused
+        x = X[rows].clone().requires_grad_()
+        w1, w2 = W1[:, c1].clone().requires_grad_(), W2[:, c2].clone().requires_grad_()
+        o1, _ = all_gather_matmul(x, [w1, w2], tp, backend=backend)
+        (o1 * G1[:, c1]).sum().backward()
+        assert w2.grad is None, backend
+        Xd1 = X.clone().requires_grad_()
+        ((Xd1 @ W1) * G1).sum().backward()
+        _close(x.grad, Xd1.grad[rows], f"{backend} grad x")
+        _close(w1.grad, W1d.grad[:, c1], f"{backend} grad w1 (re-gathered)")
+
+
+def matmul_reduce_scatter_gradients_match_dense(tp, r, P):
+    m, k, N = 2, 3, 4
+    g = _gen(6)
+    X = torch.randn(P * m, P * k, generator=g, dtype=torch.float64)  # row-parallel: rank r holds K cols
+    W = torch.randn(P * k, N, generator=g, dtype=torch.float64)
+    G = torch.randn(P * m, N, generator=g, dtype=torch.float64)
+    Xd, Wd = X.clone().requires_grad_(), W.clone().requires_grad_()
+    ((Xd @ Wd) * G).sum().backward()
+    ks, rows = slice(r * k, (r + 1) * k), slice(r * m, (r + 1) * m)
+    for backend in OURS:
+        x, w = X[:, ks].clone().requires_grad_(), W[ks].clone().requires_grad_()
+        out = matmul_reduce_scatter(x, w, tp, backend=backend)
+        _close(out, (X @ W)[rows], f"{backend} forward")
+        (out * G[rows]).sum().backward()
+        _close(x.grad, Xd.grad[:, ks], f"{backend} grad x")
+        _close(w.grad, Wd.grad[ks], f"{backend} grad w")
+
+
+def sp_helpers_round_trip_uneven_tokens_with_gradients(tp, r, P):
+    H = 3
+    for T in sorted({1, P + 1, 2 * P - 1, 13, 2 * P}):
+        m = -(-T // P)
+        g = _gen(100 + T)
+        x = torch.randn(T, H, generator=g, dtype=torch.float64)
+        padded = torch.cat([x, torch.zeros(P * m - T, H, dtype=torch.float64)])
+        # shard of a replicated tensor; backward all-gathers the shard gradients
+        xl = x.clone().requires_grad_()
+        s = sp_shard(xl, tp)
+        assert s.shape == (m, H) and torch.equal(s, padded[r * m:(r + 1) * m]), T
+        Gs = torch.randn(P * m, H, generator=g, dtype=torch.float64)
+        (s * Gs[r * m:(r + 1) * m]).sum().backward()
+        _close(xl.grad, Gs[:T], f"T={T} sp_shard grad")
+        # gather drops the padding; backward reduce-scatters (tensor-parallel consumers) or slices
+        for reduce_grad in (True, False):
+            sl = s.detach().clone().requires_grad_()
+            y = sp_all_gather(sl, tp, num_tokens=T, reduce_grad=reduce_grad)
+            assert torch.equal(y, x), T
+            Gq = torch.randn(P, T, H, generator=_gen(7 + T), dtype=torch.float64)  # rank q's loss weights
+            (y * (Gq[r] if reduce_grad else Gq[0])).sum().backward()
+            exp = torch.cat([Gq.sum(0) if reduce_grad else Gq[0], torch.zeros(P * m - T, H, dtype=torch.float64)])
+            _close(sl.grad, exp[r * m:(r + 1) * m], f"T={T} sp_all_gather grad reduce_grad={reduce_grad}")
+        # reduce-scatter of per-rank partial sums
+        parts = torch.randn(P, T, H, generator=_gen(9 + T), dtype=torch.float64)
+        pl = parts[r].clone().requires_grad_()
+        out = sp_reduce_scatter(pl, tp)
+        summed = torch.cat([parts.sum(0), torch.zeros(P * m - T, H, dtype=torch.float64)])
+        _close(out, summed[r * m:(r + 1) * m], f"T={T} sp_reduce_scatter")
+        (out * Gs[r * m:(r + 1) * m]).sum().backward()
+        _close(pl.grad, Gs[:T], f"T={T} sp_reduce_scatter grad")
+
+
+def parallel_linears_match_dense_mlp_with_uneven_tokens(tp, r, P):
+    T, Hd, F_ = 13, 8, 12
+    torch.manual_seed(11)
+    lin1 = torch.nn.Linear(Hd, 2 * F_, dtype=torch.float64)   # fused [gate; up]
+    lin2 = torch.nn.Linear(F_, Hd, dtype=torch.float64)
+    x = torch.randn(T, Hd, dtype=torch.float64)
+    G = torch.randn(T, Hd, dtype=torch.float64)
+
+    def mlp(gate, up, row):
+        return row(F.silu(gate) * up)
+
+    xd = x.clone().requires_grad_()
+    gd, ud = lin1(xd).split(F_, dim=-1)
+    yd = lin2(F.silu(gd) * ud)
+    (yd * G).sum().backward()
+    f = F_ // P
+    own = torch.cat([torch.arange(r * f, (r + 1) * f), F_ + torch.arange(r * f, (r + 1) * f)])
+    for sp in (True, False):
+        for overlap in ((True, False) if sp else (True,)):
+            what = f"sequence_parallel={sp} overlap={overlap}"
+            col = ColumnParallelLinear.from_full(lin1.weight.detach(), lin1.bias.detach(), tp, out_features=[F_, F_],
+                                                 sequence_parallel=sp, overlap=overlap)
+            row = RowParallelLinear.from_full(lin2.weight.detach(), lin2.bias.detach(), tp,
+                                              sequence_parallel=sp, overlap=overlap)
+            assert col.weight.shape == (2 * f, Hd) and row.weight.shape == (Hd, f), what
+            xl = x.clone().requires_grad_()
+            if sp:
+                gate, up = col(sp_shard(xl, tp))
+                y = sp_all_gather(mlp(gate, up, row), tp, num_tokens=T, reduce_grad=False)
+            else:
+                gate, up = col(xl)
+                y = mlp(gate, up, row)
+            _close(y, yd.detach(), f"{what} forward")
+            (y * G).sum().backward()
+            _close(xl.grad, xd.grad, f"{what} grad x")
+            _close(col.weight.grad, lin1.weight.grad[own], f"{what} grad column weight")
+            _close(col.bias.grad, lin1.bias.grad[own], f"{what} grad column bias")
+            _close(row.weight.grad, lin2.weight.grad[:, r * f:(r + 1) * f], f"{what} grad row weight")
+            row_bias_grad = row.bias.grad.clone()
+            if sp:  # per-rank partial: the trainer all-reduces it over TP (see modules.py)
+                assert getattr(row.bias, "sequence_parallel", False)
+                if P > 1:
+                    torch.distributed.all_reduce(row_bias_grad, group=tp.group)
+            _close(row_bias_grad, lin2.bias.grad, f"{what} grad row bias")
+
+
+def fp8_all_gather_matmul_matches_dequantized_and_fp32_products(tp, r, P):
+    m, K = 4, 32
+    g = _gen(12)
+    x_full = torch.randn(P * m, K, generator=g)
+    ws = [torch.randn(K, 16, generator=g), torch.randn(K, 8, generator=g)]
+    qws = [quantize_fp8_weight(w) for w in ws]
+    x = x_full[r * m:(r + 1) * m]
+    q_full = quantize_fp8_per_token(x_full)  # per-token: quantizing the full tensor = quantizing shards
+    for backend in OURS:
+        for given in ("float", "fp8"):
+            arg = x if given == "float" else quantize_fp8_per_token(x)
+            res = all_gather_matmul_fp8(arg, qws, tp, return_gathered=True, out_dtype=torch.float32,
+                                        backend=backend)
+            assert torch.equal(res.gathered.data.view(torch.uint8), q_full.data.view(torch.uint8)), backend
+            assert torch.equal(res.gathered.scale, q_full.scale), backend
+            for i, (o, w, qw) in enumerate(zip(res.outputs, ws, qws)):
+                _close(o, q_full.dequantize() @ qw.dequantize(), f"{backend} {given} output {i} vs dequantized")
+                err = ((o - x_full @ w).norm() / (x_full @ w).norm()).item()
+                assert err < FP8_REL_TOL, f"{backend} output {i} fp8 error {err:.4f} >= {FP8_REL_TOL}"
+        # gather along dim 1 of [B, P*m, K]
+        x3 = torch.stack([x_full, -x_full])
+        res = all_gather_matmul_fp8(x3[:, r * m:(r + 1) * m], qws[:1], tp, gather_dim=1, out_dtype=torch.float32,
+                                    backend=backend)
+        q3 = quantize_fp8_per_token(x3)
+        _close(res.outputs[0], q3.dequantize() @ qws[0].dequantize(), f"{backend} fp8 gather_dim=1")
+        assert res.gathered is None
+
+
+def fp8_rms_norm_quantize_all_gather_equals_quantized_full_norm(tp, r, P):
+    m, Hd = 3, 16
+    g = _gen(13)
+    x_full = torch.randn(P * m, Hd, generator=g) * 3
+    nw = torch.rand(Hd, generator=g) + 0.5
+    eps = 1e-6
+    normed = x_full / torch.sqrt((x_full ** 2).mean(-1, keepdim=True) + eps) * nw
+    expect = quantize_fp8_per_token(normed)
+    got = rms_norm_quantize_all_gather(x_full[r * m:(r + 1) * m], nw, tp, eps=eps)
+    assert got.data.dtype == torch.float8_e4m3fn
+    # same fp8 bytes except where fp32 rounding of the norm flips a rounding decision
+    mismatch = (got.data.view(torch.uint8) != expect.data.view(torch.uint8)).float().mean().item()
+    assert mismatch < 0.02, mismatch
+    _close(got.scale, expect.scale, "scales", 1e-5)
+    err = ((got.dequantize() - normed).norm() / normed.norm()).item()
+    assert err < FP8_REL_TOL, err
+    # the SP-region sequence feeding an fp8 column-parallel matmul
+    w = torch.randn(Hd, 16, generator=g)
+    q_shard = rms_norm_quantize_fp8(x_full[r * m:(r + 1) * m], nw, eps)
+    (out,) = all_gather_matmul_fp8(q_shard, [quantize_fp8_weight(w)], tp, out_dtype=torch.float32).outputs
+    err = ((out - normed @ w).norm() / (normed @ w).norm()).item()
+    assert err < FP8_REL_TOL, err
+
+
+def fp8_matmul_reduce_scatter_matches_dequantized_sum(tp, r, P):
+    m, K, N = 2, 32, 16
+    g = _gen(14)
+    xs = torch.randn(P, P * m, K, generator=g)
+    ws = torch.randn(P, K, N, generator=g)
+    qws = [quantize_fp8_weight(ws[q]) for q in range(P)]
+    deq = sum(quantize_fp8_per_token(xs[q]).dequantize() @ qws[q].dequantize() for q in range(P))
+    exact = sum(xs[q] @ ws[q] for q in range(P))
+    rows = slice(r * m, (r + 1) * m)
+    outs = {}
+    for backend in OURS:
+        outs[backend] = matmul_reduce_scatter_fp8(xs[r], qws[r], tp, out_dtype=torch.float32, backend=backend)
+        _close(outs[backend], deq[rows], f"{backend} vs dequantized")
+        err = ((outs[backend] - exact[rows]).norm() / exact[rows].norm()).item()
+        assert err < FP8_REL_TOL, err
+    _close(outs["decomposed"], outs["reference"], "decomposed vs reference (sum order differs)", 1e-5)
+
+
+def bad_inputs_raise_value_errors_naming_the_values(tp, r, P):
+    def expect(fn, *needles):
+        try:
+            fn()
+        except ValueError as e:
+            for n in needles:
+                assert n in str(e), (n, str(e))
+            return
+        raise AssertionError(f"no ValueError (expected one mentioning {needles})")
+
+    x = torch.randn(P * 2 + (1 if P > 1 else 0), 4)
+    w = torch.randn(4, 3)
+    if P > 1:
+        expect(lambda: matmul_reduce_scatter(x, w, tp), f"= {x.shape[0]}", f"group size {P}")
+        expect(lambda: ColumnParallelLinear(4, 4 * P + 1, tp), f"({4 * P + 1})", f"size {P}")
+        expect(lambda: RowParallelLinear(4 * P + 1, 4, tp), "in_features", f"multiples of {P}")
+        expect(lambda: sp_all_gather(torch.randn(2, 3), tp, num_tokens=2 * P + 1), f"({2 * P + 1})")
+    expect(lambda: all_gather_matmul(x, [w], tp, gather_dim=1), "gather_dim (1)", "0..0")
+    expect(lambda: all_gather_matmul(x, [torch.randn(5, 3)], tp), "(5, 3)", "K=4")
+    expect(lambda: all_gather_matmul(x, [w.double()], tp), "torch.float64", "torch.float32")
+    expect(lambda: all_gather_matmul(x, [w], tp, backend="nccl"), "'nccl'", "decomposed")
+    col = ColumnParallelLinear(4, [2 * P, 2 * P], tp)
+    expect(lambda: col.load_full_weight(torch.randn(4 * P, 5)), f"({4 * P}, 5)", f"[{4 * P}, 4]")
+    if P > 1:  # on CPU the symmetric-memory backend is named as unavailable, with the alternatives
+        expect(lambda: all_gather_matmul(torch.randn(2, 4), [w], tp, backend="symm_mem"), "not CUDA", "decomposed")
+
+
+CASES = [f for name, f in sorted(globals().items()) if callable(f) and getattr(f, "__module__", None) == __name__
+         and not name.startswith(("_", "test")) and f.__code__.co_varnames[:3] == ("tp", "r", "P")]
+
+
+def _run_cases(rank: int, world_size: int) -> dict[str, str | None]:
+    torch.set_num_threads(1)
+    groups = init_parallel(ParallelConfig(world_size=world_size, tp=world_size))
+    tp = groups.tp
+    out: dict[str, str | None] = {}
+    try:
+        for case in CASES:
+            try:
+                case(tp, tp.rank, tp.size)
+                out[case.__name__] = None
+            except AssertionError:
+                out[case.__name__] = traceback.format_exc()
+            if tp.size > 1:  # a failed case leaves no collective half-done for the next one
+                torch.distributed.barrier(group=tp.group)
+    finally:
+        destroy_parallel()
+    return out
+
+
+@functools.lru_cache(maxsize=None)
+def _results(world_size: int) -> tuple[dict[str, str | None], ...] | str:
+    """Every rank's case results, or the launch's error (kept, so a crash is not relaunched per case)."""
+    try:
+        return tuple(launch_local(_run_cases, world_size, args=(world_size,), timeout=120))
+    except Exception as e:  # RankError with the failing rank's traceback, or a timeout
+        return f"{type(e).__name__}: {e}"
+
+
+@pytest.mark.parametrize("case", [c.__name__ for c in CASES])
+@pytest.mark.parametrize("world_size", WORLD_SIZES)
+def test_sp(world_size: int, case: str) -> None:
+    results = _results(world_size)
+    assert not isinstance(results, str), results
+    failures = [f"rank {r}:\n{res[case]}" for r, res in enumerate(results) if res[case]]
+    assert not failures, "\n".join(failures)
