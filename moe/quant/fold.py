@@ -58,7 +58,7 @@ def mxfp4_fold_plan(scale: torch.Tensor, group: int = 128, *, tile_rows: int = 1
     pad = -nb % blocks_per_group
     e_pad = torch.nn.functional.pad(e, (0, pad), value=-127)
     nan_pad = torch.nn.functional.pad(nan, (0, pad), value=False)
-    grouped = e_pad.reshape(*e.shape[:-1], -1, blocks_per_group)
+    grouped = e_pad.reshape(*e.shape[:-1], e_pad.shape[-1] // blocks_per_group, blocks_per_group)
     e_max = grouped.amax(-1)                                          # [..., N, G]
     nan_g = nan_pad.reshape(grouped.shape).any(-1)
     if tile_rows == 128:
@@ -67,8 +67,9 @@ def mxfp4_fold_plan(scale: torch.Tensor, group: int = 128, *, tile_rows: int = 1
         e_max = torch.nn.functional.pad(e_max.transpose(-1, -2), (0, rpad), value=-127).transpose(-1, -2)
         nan_g = torch.nn.functional.pad(nan_g.transpose(-1, -2), (0, rpad), value=False).transpose(-1, -2)
         tiles = e_max.shape[-2] // 128
-        e_max = e_max.reshape(*e_max.shape[:-2], tiles, 128, -1).amax(-2)   # [..., Nt, G]
-        nan_g = nan_g.reshape(*nan_g.shape[:-2], tiles, 128, -1).any(-2)
+        groups = e_max.shape[-1]
+        e_max = e_max.reshape(*e_max.shape[:-2], tiles, 128, groups).amax(-2)   # [..., Nt, G]
+        nan_g = nan_g.reshape(*nan_g.shape[:-2], tiles, 128, groups).any(-2)
     e_ref = (e_max - 6).clamp(min=-126)
     group_scale = torch.where(nan_g, float("nan"), _pow2_f32(e_ref))
     # e_ref per block: [..., N, B]

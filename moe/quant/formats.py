@@ -84,7 +84,8 @@ class QuantizedTensor:
     scale: per-block scales, layout per format (module docstring).
     fmt: one of FORMATS.
     shape: logical shape of the original tensor.
-    global_scale: nvfp4 only: fp32 0-d tensor; dequant multiplies by it.
+    global_scale: nvfp4 only: fp32 0-d tensor (or one per matrix, shape[:-2], e.g. [E] for
+        stacked experts); dequant multiplies by it.
     """
 
     data: torch.Tensor
@@ -96,6 +97,12 @@ class QuantizedTensor:
     def __post_init__(self) -> None:
         get_format(self.fmt)
         self.shape = torch.Size(self.shape)
+        # torch's own fp4 / e8m0 / e4m3 dtypes are accepted as views of the uint8 storage
+        if self.fmt in FP4_FORMATS:
+            if self.data.dtype == getattr(torch, "float4_e2m1fn_x2", None):
+                self.data = self.data.view(torch.uint8)
+            if self.scale.dtype in (getattr(torch, "float8_e8m0fnu", None), torch.float8_e4m3fn):
+                self.scale = self.scale.view(torch.uint8)
 
     @property
     def device(self) -> torch.device:
@@ -138,7 +145,9 @@ class QuantizedTensor:
         return self.scale.view(torch.float8_e4m3fn)
 
     def __repr__(self) -> str:
-        gs = "" if self.global_scale is None else f", global_scale={float(self.global_scale):.6g}"
+        gs = self.global_scale
+        gs = "" if gs is None else (f", global_scale={float(gs):.6g}" if gs.numel() == 1
+                                    else f", global_scale=fp32{tuple(gs.shape)}")
         return (f"QuantizedTensor(fmt={self.fmt!r}, shape={tuple(self.shape)}, data={self.data.dtype}"
                 f"{tuple(self.data.shape)}, scale={self.scale.dtype}{tuple(self.scale.shape)}{gs}, "
                 f"device={self.device})")
@@ -170,7 +179,7 @@ def pack_fp4(codes: torch.Tensor) -> torch.Tensor:
         raise ValueError(f"pack_fp4 needs uint8 codes, got {codes.dtype}")
     if codes.shape[-1] % 2:
         raise ValueError(f"pack_fp4 needs an even last dim, got {codes.shape[-1]}")
-    pairs = codes.reshape(*codes.shape[:-1], -1, 2)
+    pairs = codes.reshape(*codes.shape[:-1], codes.shape[-1] // 2, 2)
     return (pairs[..., 0] & 0xF) | ((pairs[..., 1] & 0xF) << 4)
 
 

@@ -10,8 +10,12 @@ so a Triton kernel doing the same steps gives the same bits:
   e = floor(log2(a)) - 2 instead (values in (6, 8) * 2^e saturate to 6), as found in
   checkpoints; dequantization accepts any byte. y = x * 2^-e (exact), then E2M1 round to
   nearest even, saturating at 6, sign kept (so -0.0 and tiny negatives give code 8 = -0).
-- nvfp4: g = amax(|x|) / 2688 (= 448 * 6) unless given; s = e4m3(min(a / 6 / g, 448)) per
-  16; y = x / (float(s) * g) (y = x * 0 where that is 0); dequant (e2m1 * s) * g.
+  Finite inputs never need byte > 253; an inf gives 253 and saturates (dequantizes to inf);
+  |x| above ~2^127.5 may round up to 4 or 6 * 2^126, which is inf in fp32.
+- nvfp4: g = amax(|x|) / 2688 (= 448 * 6) per tensor (or per matrix, or given); s =
+  e4m3(min(a / 6 / g, 448)) per 16 (0 where g is not > 0); y = x / (float(s) * g) (y = x * 0
+  where that is not > 0); dequant (e2m1 * s) * g. A NaN block gets s = NaN (0x7F) when g is
+  finite; a NaN anywhere in a tensor-scaled x makes g NaN, so everything dequantizes to NaN.
 - fp8_*: a' = max(a, amax_floor); scale = a' / 448 (or, with ue8m0=True, 2^ceil(log2(a'/448))
   read off the bits); y = clamp(x / scale, -448, 448) -> e4m3 round to nearest even.
 Dequantization computes in fp32 and casts to the requested dtype at the end.
@@ -88,7 +92,7 @@ def e8m0_to_float(scale: torch.Tensor) -> torch.Tensor:
 
 def _blocks(x: torch.Tensor, size: int) -> torch.Tensor:
     """[..., K] -> [..., K/size, size] fp32."""
-    return x.float().reshape(*x.shape[:-1], x.shape[-1] // size, size)
+    return x.float().reshape(*x.shape[:-1], x.shape[-1] // size, size)  # (no -1: x may be empty)
 
 
 def quantize_mxfp4(x: torch.Tensor, *, scale_rule: str = "ceil") -> QuantizedTensor:
@@ -112,22 +116,50 @@ def dequantize_mxfp4(q: QuantizedTensor) -> torch.Tensor:
     return (vals * e8m0_to_float(q.scale).unsqueeze(-1)).reshape(q.shape)
 
 
-def nvfp4_global_scale(x: torch.Tensor) -> torch.Tensor:
-    """fp32 0-d tensor amax(|x|) / (448 * 6)."""
-    return x.float().abs().amax() / NVFP4_GLOBAL_DIVISOR
+def nvfp4_global_scale(x: torch.Tensor, per_matrix: bool = False) -> torch.Tensor:
+    """amax(|x|) / (448 * 6) in fp32: 0-d, or per matrix [...] of x [..., N, K]."""
+    a = x.float().abs()
+    if a.numel() == 0:
+        return torch.zeros(x.shape[:-2] if per_matrix else (), dtype=torch.float32, device=x.device)
+    return (a.amax(dim=(-2, -1)) if per_matrix else a.amax()) / NVFP4_GLOBAL_DIVISOR
 
 
-def quantize_nvfp4(x: torch.Tensor, *, global_scale: torch.Tensor | float | None = None) -> QuantizedTensor:
-    """x: [..., K] float, K % 16 == 0 -> nvfp4 QuantizedTensor (global scale computed unless given)."""
+def _nvfp4_gs(x: torch.Tensor, global_scale: torch.Tensor | float | str | None) -> torch.Tensor:
+    if global_scale is None or isinstance(global_scale, str):
+        if global_scale not in (None, "tensor", "matrix"):
+            raise ValueError(f"nvfp4 global_scale {global_scale!r}; valid: None/'tensor', 'matrix', or a tensor")
+        if global_scale == "matrix" and x.dim() < 2:
+            raise ValueError(f"global_scale='matrix' needs x with >= 2 dims, got {tuple(x.shape)}")
+        return nvfp4_global_scale(x, per_matrix=global_scale == "matrix")
+    gs = torch.as_tensor(global_scale, dtype=torch.float32).to(x.device)
+    if gs.numel() == 1:
+        return gs.reshape(())
+    if x.dim() >= 2 and tuple(gs.shape) == tuple(x.shape[:-2]):
+        return gs
+    raise ValueError(f"nvfp4 global_scale has shape {tuple(gs.shape)}; valid: one element or "
+                     f"one per matrix {tuple(x.shape[:-2])} for x {tuple(x.shape)}")
+
+
+def gs_per_row(gs: torch.Tensor, ndim: int) -> torch.Tensor:
+    """nvfp4 global scale () or [...] -> broadcastable against [..., N, X] (ndim dims)."""
+    return gs if gs.dim() == 0 else gs.reshape(*gs.shape, *([1] * (ndim - gs.dim())))
+
+
+def quantize_nvfp4(x: torch.Tensor, *, global_scale: torch.Tensor | float | str | None = None) -> QuantizedTensor:
+    """x: [..., K] float, K % 16 == 0 -> nvfp4 QuantizedTensor.
+
+    global_scale: None/"tensor" (amax/2688 of all of x, 0-d), "matrix" (one per [N, K] matrix,
+    shape x.shape[:-2]), or given (one element or x.shape[:-2]).
+    """
     check_quantizable(x, "nvfp4")
-    gs = nvfp4_global_scale(x) if global_scale is None else torch.as_tensor(global_scale, dtype=torch.float32)
-    gs = gs.to(device=x.device, dtype=torch.float32).reshape(())
+    gs = _nvfp4_gs(x, global_scale).float()
     blk = _blocks(x, 16)                                        # [..., K/16, 16]
-    amax = blk.abs().amax(-1)
+    amax = blk.abs().amax(-1)                                   # [..., K/16]
     amax = torch.where(torch.isnan(blk).any(-1), float("nan"), amax)
-    s = torch.where(gs > 0, amax / 6.0 / gs, torch.zeros_like(amax))
-    s8 = s.clamp(max=E4M3_MAX).to(torch.float8_e4m3fn)          # [..., K/16]
-    denom = (s8.float() * gs).unsqueeze(-1)
+    g = gs_per_row(gs, amax.dim())
+    s = torch.where(g > 0, amax / 6.0 / g, torch.zeros_like(amax))
+    s8 = _to_e4m3(s)                                            # [..., K/16]
+    denom = (s8.float() * g).unsqueeze(-1)
     y = torch.where(denom > 0, blk / denom, blk * 0.0)
     codes = round_to_e2m1(y).reshape(x.shape)
     return QuantizedTensor(pack_fp4(codes), s8.view(torch.uint8), "nvfp4", x.shape, gs)
@@ -135,11 +167,10 @@ def quantize_nvfp4(x: torch.Tensor, *, global_scale: torch.Tensor | float | None
 
 def dequantize_nvfp4(q: QuantizedTensor) -> torch.Tensor:
     """-> fp32 of q.shape: (e2m1 * block scale) * global scale."""
-    if q.global_scale is None:
-        raise ValueError("nvfp4 QuantizedTensor needs global_scale (fp32 0-d tensor)")
-    vals = _blocks(e2m1_to_float(unpack_fp4(q.data)), 16)
+    vals = _blocks(e2m1_to_float(unpack_fp4(q.data)), 16)      # [..., K/16, 16]
     s = q.scale.view(torch.float8_e4m3fn).float().unsqueeze(-1)
-    return ((vals * s) * q.global_scale.float()).reshape(q.shape)
+    g = gs_per_row(q.global_scale.float(), vals.dim())
+    return ((vals * s) * g).reshape(q.shape)
 
 
 def fp8_scale(amax: torch.Tensor, *, ue8m0: bool = False, amax_floor: float = DEFAULT_AMAX_FLOOR) -> torch.Tensor:
@@ -154,7 +185,9 @@ def fp8_scale(amax: torch.Tensor, *, ue8m0: bool = False, amax_floor: float = DE
 
 
 def _to_e4m3(y: torch.Tensor) -> torch.Tensor:
-    return y.clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
+    """fp32 -> e4m3 round to nearest even, saturating at +-448; NaN -> 0x7F whatever its sign."""
+    y = torch.where(torch.isnan(y), float("nan"), y.clamp(-E4M3_MAX, E4M3_MAX))
+    return y.to(torch.float8_e4m3fn)
 
 
 def _check_floor(amax_floor: float) -> None:
@@ -185,7 +218,7 @@ def quantize_fp8_group(x: torch.Tensor, *, ue8m0: bool = False,
     k = x.shape[-1]
     grp = _blocks(_pad_last(x.float(), 128), 128)               # [..., G, 128]
     scale = fp8_scale(grp.abs().amax(-1), ue8m0=ue8m0, amax_floor=amax_floor)
-    y = (grp / scale.unsqueeze(-1)).reshape(*x.shape[:-1], -1)[..., :k]
+    y = (grp / scale.unsqueeze(-1)).reshape(*x.shape[:-1], grp.shape[-2] * 128)[..., :k]
     return QuantizedTensor(_to_e4m3(y), scale, "fp8_group", x.shape)
 
 
@@ -273,5 +306,8 @@ def check_storage(q: QuantizedTensor) -> None:
     if tuple(q.scale.shape) != scale_shape or q.scale.dtype != scale_dtype:
         raise ValueError(f"{q.fmt} of shape {tuple(q.shape)} needs scale {scale_dtype}{scale_shape}, "
                          f"got {q.scale.dtype}{tuple(q.scale.shape)}")
-    if q.fmt == "nvfp4" and (q.global_scale is None or q.global_scale.numel() != 1):
-        raise ValueError("nvfp4 needs global_scale, an fp32 tensor with one element")
+    if q.fmt == "nvfp4":
+        gs = q.global_scale
+        if gs is None or gs.dtype != torch.float32 or (gs.dim() and tuple(gs.shape) != tuple(q.shape[:-2])):
+            raise ValueError(f"nvfp4 needs global_scale, an fp32 0-d tensor or one per matrix "
+                             f"{tuple(q.shape[:-2])}, got {None if gs is None else (gs.dtype, tuple(gs.shape))}")

@@ -1,0 +1,240 @@
+"""Triton quantize/dequantize kernels: bit-identical to the torch reference.
+
+CPU: the kernels run under the Triton interpreter on small fp32 inputs (a private copy of
+moe.quant.triton_quant is loaded with TRITON_INTERPRET=1, so the rest of the test session is
+unaffected). GPU (`-m gpu`): the real kernels through the public API, fp32/bf16/fp16 inputs,
+poisoned allocator, empty and odd shapes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from moe.quant import QuantizedTensor, dequantize, pack_fp4, quantize
+from moe.quant.formats import FORMATS
+
+_PATH = os.path.join(os.path.dirname(__file__), "..", "moe", "quant", "triton_quant.py")
+
+
+# The interpreter only works when TRITON_INTERPRET=1 was set before triton was first imported
+# (triton.language's own helpers are jitted at import), so without it the interpreter cases
+# run in one subprocess that has it (test_interpreter_cases_in_subprocess).
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+interp = pytest.mark.skipif(not INTERPRET, reason="runs in the TRITON_INTERPRET=1 subprocess")
+# the interpreter evaluates masked-off lanes too (x / 0 there): numpy warns, the result is unused
+pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")
+
+
+@pytest.fixture(scope="module")
+def tq():
+    pytest.importorskip("triton")
+    from moe.quant import triton_quant
+    return triton_quant
+
+
+@pytest.mark.skipif(INTERPRET, reason="already interpreting")
+def test_interpreter_cases_in_subprocess():
+    pytest.importorskip("triton")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {**os.environ, "TRITON_INTERPRET": "1",
+           "PYTHONPATH": os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH", "")) if p)}
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider",
+                           os.path.abspath(__file__), "-m", "not gpu", "-k", "not subprocess"],
+                          cwd=root, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-3000:]
+    assert " passed" in proc.stdout and " skipped" not in proc.stdout.split("\n")[-2], proc.stdout[-2000:]
+
+
+def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Equal bit patterns; for floats NaN must sit at the same places (its payload may differ:
+    CUDA makes canonical NaNs)."""
+    if a.dtype != b.dtype or a.shape != b.shape:
+        return False
+    if a.dtype.is_floating_point and a.element_size() > 1:
+        nan_a, nan_b = torch.isnan(a), torch.isnan(b)
+        ints = {2: torch.int16, 4: torch.int32, 8: torch.int64}[a.element_size()]
+        return torch.equal(nan_a, nan_b) and torch.equal(a.view(ints)[~nan_a], b.view(ints)[~nan_b])
+    if a.element_size() == 1:
+        return torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+    return torch.equal(a, b)
+
+
+def _assert_same_q(a: QuantizedTensor, b: QuantizedTensor) -> None:
+    assert a.fmt == b.fmt and a.shape == b.shape
+    assert _same_bits(a.data, b.data), f"{a.fmt} data differs at {(a.data.view(torch.uint8) != b.data.view(torch.uint8)).nonzero()[:5].tolist()}"
+    assert _same_bits(a.scale, b.scale), f"{a.fmt} scale differs"
+    if a.global_scale is not None or b.global_scale is not None:
+        assert _same_bits(a.global_scale, b.global_scale)
+
+
+def _awkward(shape: tuple[int, ...], seed: int) -> torch.Tensor:
+    """Random fp32 with per-row magnitudes over a wide range, plus the cases the rules care about."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(shape, generator=g) * torch.exp2(torch.randint(-20, 20, (*shape[:-1], 1), generator=g).float())
+    flat = x.view(-1, shape[-1])
+    flat[0, :32] = 0.0                                               # all-zero block
+    if shape[-1] >= 64:
+        flat[0, 32] = -0.0
+        flat[0, 33] = 6.0                                            # exactly at 6 * 2^0
+        flat[0, 34] = torch.nextafter(torch.tensor(6.0), torch.tensor(7.0))
+    if flat.shape[0] > 1:
+        flat[-1, :16] = torch.tensor([3 * 2.0**-128, 2.0**-149, -(2.0**-130), 1e-40] * 4)   # subnormals
+    if flat.shape[0] > 2:
+        flat[1, 5] = 2.0**120                                        # very large values
+        flat[2, :] *= 2.0**-100                                      # tiny row
+    return x
+
+
+def _e4m3_probe_row() -> torch.Tensor:
+    """448 (so ue8m0 gives scale 1), every E4M3 value and every midpoint, both signs."""
+    vals = torch.arange(127, dtype=torch.int32).to(torch.uint8).view(torch.float8_e4m3fn).float()
+    mids = (vals[1:] + vals[:-1]) / 2
+    row = torch.cat([torch.tensor([448.0]), vals, mids, -vals, -mids, torch.tensor([1e-5, 2.0**-10 * 0.75])])
+    return torch.nn.functional.pad(row, (0, -row.numel() % 128)).reshape(1, -1)
+
+
+# ------------------------------------------------------------------ interpreter (CPU)
+
+
+@interp
+@pytest.mark.parametrize("fmt", ["mxfp4", "nvfp4"])
+def test_fp4_quantize_matches_reference_bits(tq, fmt):
+    x = _awkward((5, 96), 0)
+    _assert_same_q(tq.quantize(x, fmt), quantize(x, fmt, backend="torch"))
+    empty = torch.empty(0, 64)
+    _assert_same_q(tq.quantize(empty, fmt), quantize(empty, fmt, backend="torch"))
+    assert tq.dequantize(tq.quantize(empty, fmt)).shape == (0, 64)
+    y = x.clone()
+    y[3, 40] = float("nan")
+    _assert_same_q(tq.quantize(y, fmt), quantize(y, fmt, backend="torch"))
+    if fmt == "nvfp4":
+        w = _awkward((3, 4, 64), 1)
+        for gs in ("matrix", torch.tensor([1e-3, 0.0, 2.0]), 0.0, 1e-30):
+            _assert_same_q(tq.quantize(w, fmt, global_scale=gs), quantize(w, fmt, backend="torch", global_scale=gs))
+        z = torch.zeros(2, 32)
+        _assert_same_q(tq.quantize(z, fmt), quantize(z, fmt, backend="torch"))
+
+
+@interp
+@pytest.mark.parametrize("fmt", ["mxfp4", "nvfp4"])
+def test_fp4_dequantize_matches_reference_bits_for_every_scale_byte(tq, fmt):
+    g = torch.Generator().manual_seed(2)
+    bs = FORMATS[fmt].block[1]
+    codes = torch.randint(0, 16, (256, bs), generator=g, dtype=torch.uint8)
+    scale = torch.arange(256, dtype=torch.int32).to(torch.uint8).reshape(256, 1)
+    gs = torch.tensor(0.37) if fmt == "nvfp4" else None
+    q = QuantizedTensor(pack_fp4(codes), scale, fmt, torch.Size((256, bs)), gs)
+    for dtype in (torch.float32, torch.float16, torch.float64):
+        assert _same_bits(tq.dequantize(q, dtype), dequantize(q, dtype, backend="torch")), dtype
+    if fmt == "nvfp4":
+        qm = quantize(_awkward((3, 4, 64), 3), fmt, global_scale="matrix")
+        assert _same_bits(tq.dequantize(qm), dequantize(qm, backend="torch"))
+
+
+@interp
+@pytest.mark.parametrize("ue8m0", [False, True])
+def test_fp8_quantize_matches_reference_bits(tq, ue8m0):
+    x = _awkward((4, 200), 4)
+    x[1, 7] = float("nan")
+    for fmt in ("fp8_token", "fp8_group"):
+        _assert_same_q(tq.quantize(x, fmt, ue8m0=ue8m0), quantize(x, fmt, backend="torch", ue8m0=ue8m0))
+    w = _awkward((2, 130, 260), 5)
+    _assert_same_q(tq.quantize(w, "fp8_block", ue8m0=ue8m0), quantize(w, "fp8_block", backend="torch", ue8m0=ue8m0))
+    long_rows = _awkward((2, 9000), 6)                               # the two-pass row kernel
+    _assert_same_q(tq.quantize(long_rows, "fp8_token", ue8m0=ue8m0),
+                   quantize(long_rows, "fp8_token", backend="torch", ue8m0=ue8m0))
+    probe = _e4m3_probe_row()                                        # every rounding case of E4M3
+    for fmt in ("fp8_token", "fp8_group"):
+        _assert_same_q(tq.quantize(probe, fmt, ue8m0=True), quantize(probe, fmt, backend="torch", ue8m0=True))
+
+
+@interp
+def test_fp8_dequantize_matches_reference_bits(tq):
+    g = torch.Generator().manual_seed(7)
+    for fmt, shape in (("fp8_token", (3, 5, 70)), ("fp8_group", (4, 300)), ("fp8_block", (2, 130, 260))):
+        q = quantize(torch.randn(shape, generator=g), fmt)
+        q.data = torch.randint(0, 256, shape, generator=g, dtype=torch.int32).to(torch.uint8).view(torch.float8_e4m3fn)
+        for dtype in (torch.float32, torch.float16):
+            assert _same_bits(tq.dequantize(q, dtype), dequantize(q, dtype, backend="torch")), (fmt, dtype)
+
+
+def test_backend_choice():
+    x = torch.randn(4, 64)
+    ref = quantize(x, "mxfp4", backend="torch")
+    assert _same_bits(quantize(x, "mxfp4").data, ref.data)          # auto on CPU: torch
+    if INTERPRET:                                                    # triton on CPU tensors only when interpreting
+        assert _same_bits(quantize(x, "mxfp4", backend="triton").data, ref.data)
+    else:
+        with pytest.raises(ValueError, match="CUDA tensor"):
+            quantize(x, "mxfp4", backend="triton")
+
+
+# ------------------------------------------------------------------ GPU
+
+
+def _poison_allocator(nbytes: int = 1 << 28) -> None:
+    """Leave NaN-filled blocks in the CUDA caching allocator so unwritten outputs show up."""
+    junk = torch.full((nbytes // 4,), float("nan"), device="cuda")
+    del junk
+
+
+GPU_CASES = [
+    ("mxfp4", (7, 512)), ("mxfp4", (4, 256, 7168)), ("mxfp4", (3, 32)),
+    ("nvfp4", (5, 48)), ("nvfp4", (4, 256, 7168)),
+    ("fp8_token", (33, 7168)), ("fp8_token", (5, 20000)), ("fp8_token", (3, 100)),
+    ("fp8_group", (33, 7168)), ("fp8_group", (17, 300)),
+    ("fp8_block", (2, 1024, 7168)), ("fp8_block", (3, 130, 260)),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("fmt,shape", GPU_CASES)
+def test_gpu_quantize_and_dequantize_bit_identical(fmt, shape, dtype):
+    x = _awkward(shape, GPU_CASES.index((fmt, shape))).to(dtype)
+    x = torch.where(torch.isfinite(x), x, 0).to(dtype)
+    if fmt != "nvfp4":                                               # (a NaN makes the nvfp4 tensor scale NaN)
+        x.view(-1)[x.numel() // 2] = float("nan")
+    ref = quantize(x, fmt, backend="torch")
+    _poison_allocator()
+    got = quantize(x.cuda(), fmt)                                    # auto -> triton on CUDA
+    _assert_same_q(got.to("cpu"), ref)
+    for out_dtype in (torch.float32, torch.bfloat16):
+        _poison_allocator()
+        deq = dequantize(got, out_dtype)
+        assert deq.is_cuda
+        assert _same_bits(deq.cpu(), dequantize(ref, out_dtype, backend="torch")), out_dtype
+
+
+@pytest.mark.gpu
+def test_gpu_options_and_empty_tensors():
+    x = _awkward((4, 64, 256), 11).to(torch.bfloat16)
+    for fmt, opts in (("nvfp4", {"global_scale": "matrix"}), ("nvfp4", {"global_scale": 0.01}),
+                      ("fp8_group", {"ue8m0": True}), ("fp8_token", {"ue8m0": True, "amax_floor": 1e-4}),
+                      ("fp8_block", {"ue8m0": True}), ("mxfp4", {"scale_rule": "floor"})):
+        _assert_same_q(quantize(x.cuda(), fmt, **opts).to("cpu"), quantize(x, fmt, backend="torch", **opts))
+    for fmt in ("mxfp4", "nvfp4", "fp8_token", "fp8_group", "fp8_block"):
+        e = torch.empty(0, 128, device="cuda", dtype=torch.bfloat16)
+        q = quantize(e, fmt)
+        assert dequantize(q, torch.bfloat16).shape == (0, 128)
+
+
+@pytest.mark.gpu
+def test_gpu_large_weight_relative_error():
+    """117M-element bf16 weight: bits equal the reference on a slice, error vs fp32 sane."""
+    w = torch.randn(8, 4096, 3584, device="cuda", dtype=torch.bfloat16)
+    for fmt, bound in (("mxfp4", 0.13), ("nvfp4", 0.11), ("fp8_block", 0.035)):  # CPU: 0.115, 0.095, 0.026
+        q = quantize(w, fmt, **({"global_scale": "matrix"} if fmt == "nvfp4" else {}))
+        deq = dequantize(q, torch.float32)
+        rel = ((deq - w.float()).norm() / w.float().norm()).item()
+        assert 0.01 < rel < bound, (fmt, rel)
+        part = QuantizedTensor(q.data[:1].cpu(), q.scale[:1].cpu(), fmt, torch.Size((1, *w.shape[1:])),
+                               None if q.global_scale is None else q.global_scale[:1].cpu())
+        assert _same_bits(deq[:1].cpu(), dequantize(part, backend="torch"))
