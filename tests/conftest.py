@@ -8,6 +8,9 @@ import pytest
 import torch
 
 os.environ.setdefault("MEGAPAR_PG_TIMEOUT", "60")
+# Without a GPU, Triton kernels run in its interpreter; Triton reads this once, at first import.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 def pytest_collection_modifyitems(config, items):

@@ -1,0 +1,283 @@
+"""This rank's routed experts (`Experts`) and the shared expert (`SharedExpert`).
+
+`Experts` holds S local expert slots (S = num_experts / EP size, or the EPLB slots of this
+rank) as two stacked weights, in one of EXPERT_FORMATS:
+
+    w13: [S, 2I, H]  gate (W1) and up (W3) rows, "split" (W1 then W3) or "interleaved"
+    w2:  [S, H, I]
+
+"bf16"/"fp32" keep them as trainable `nn.Parameter`s (gradients flow); "fp8_block",
+"mxfp4" and "nvfp4" keep `QuantizedTensor` storage as buffers (data, scale, global scale;
+nvfp4 with one global scale per expert matrix). `forward(x, counts)` runs the fused expert
+FFN of `moe.kernels` (SPEC §3) on rows grouped by slot:
+
+    h = act(x @ W1^T, x @ W3^T);  y = h @ W2^T
+    act(g, u) = g' * sigmoid(alpha * g') * (u' + beta),  g' = min(g, L),  u' = clamp(u, -L, L)
+
+Loading (`load_deepseek`) reads DeepSeek checkpoint names relative to the MoE module,
+`experts.{e}.w1/w2/w3.weight`, keeping only the slots' experts: bf16/fp32 tensors (quantized
+here when the format asks), pre-quantized FP4 tensors (`weight` packed uint8 + `weight_scale`
+[+ `weight_scale_2` for NVFP4]) or DeepSeek-V3 FP8 (`weight` e4m3 + `weight_scale_inv`
+128x128). A pre-quantized tensor in another format than the module's is converted by
+`moe.quant.prepare_weight`.
+"""
+
+from __future__ import annotations
+
+from typing import Literal, Mapping, Sequence
+
+import torch
+from torch import nn
+
+from moe.kernels import PreparedWeight, expert_ffn, prepare_weights, swiglu
+from moe.quant import QuantizedTensor, dequantize, load_fp4_checkpoint, prepare_weight, quantize
+
+EXPERT_FORMATS: tuple[str, ...] = ("bf16", "fp32", "fp8_block", "mxfp4", "nvfp4")
+GATE_UP_LAYOUTS: tuple[str, ...] = ("split", "interleaved")
+_DENSE = {"bf16": torch.bfloat16, "fp32": torch.float32}
+_QUANT_OPTS = {"nvfp4": {"global_scale": "matrix"}}
+
+
+def fuse_gate_up(w1: torch.Tensor, w3: torch.Tensor, layout: str) -> torch.Tensor:
+    """w1, w3: [..., I, H] -> w13 [..., 2I, H] in `layout` (works for packed rows too)."""
+    if layout == "split":
+        return torch.cat([w1, w3], dim=-2)
+    return torch.stack([w1, w3], dim=-2).reshape(*w1.shape[:-2], 2 * w1.shape[-2], w1.shape[-1])
+
+
+def _stack_quantized(parts: list[QuantizedTensor]) -> QuantizedTensor:
+    """[N, K] QuantizedTensors of one format -> one [S, N, K]."""
+    gs = None
+    if parts[0].global_scale is not None:
+        gs = torch.stack([p.global_scale.reshape(()) for p in parts])
+    return QuantizedTensor(torch.stack([p.data for p in parts]), torch.stack([p.scale for p in parts]),
+                           parts[0].fmt, torch.Size((len(parts), *parts[0].shape)), gs)
+
+
+def _fuse_quantized(q1: QuantizedTensor, q3: QuantizedTensor, layout: str) -> QuantizedTensor:
+    """Quantized w1, w3 [I, H] -> w13 [2I, H]. NVFP4 halves with different tensor scales share the
+    larger one; the other half's E4M3 block scales are rescaled (rounded once more)."""
+    shape = torch.Size((2 * q1.shape[0], q1.shape[1]))
+    if q1.fmt == "fp8_block":
+        if layout != "split" or q1.shape[0] % 128:
+            raise ValueError(f"fp8_block w1/w3 ({q1.shape[0]} rows) fuse only with gate_up='split' and a row "
+                             "count that is a multiple of 128 (the scale tiles); load them as bf16 instead")
+        return QuantizedTensor(torch.cat([q1.data, q3.data]), torch.cat([q1.scale, q3.scale]), q1.fmt, shape)
+    s1, s3, gs = q1.scale, q3.scale, None
+    if q1.fmt == "nvfp4":
+        g1, g3 = q1.global_scale.float().reshape(()), q3.global_scale.float().reshape(())
+        gs = torch.maximum(g1, g3)
+        if not torch.equal(g1, g3):
+            s1 = (s1.view(torch.float8_e4m3fn).float() * (g1 / gs)).to(torch.float8_e4m3fn).view(torch.uint8)
+            s3 = (s3.view(torch.float8_e4m3fn).float() * (g3 / gs)).to(torch.float8_e4m3fn).view(torch.uint8)
+    return QuantizedTensor(fuse_gate_up(q1.data, q3.data, layout), fuse_gate_up(s1, s3, layout), q1.fmt, shape, gs)
+
+
+class Experts(nn.Module):
+    """S routed expert slots of one MoE layer on this rank (see module docstring)."""
+
+    def __init__(
+        self,
+        num_experts: int,
+        hidden: int,
+        inter: int,
+        *,
+        fmt: str = "bf16",
+        local_experts: Sequence[int] | None = None,
+        swiglu_limit: float | None = None,
+        alpha: float = 1.0,
+        beta: float = 0.0,
+        gate_up: Literal["split", "interleaved"] = "split",
+        device: torch.device | str | None = None,
+        backend: str = "auto",
+        init_std: float = 0.02,
+    ) -> None:
+        """num_experts: logical experts of the layer; local_experts: the logical expert of each
+        local slot (default: all of them); backend: `moe.kernels.expert_ffn` backend. Weights start
+        random (normal, `init_std`) until loaded. Activations may be any float dtype."""
+        super().__init__()
+        if fmt not in EXPERT_FORMATS:
+            raise ValueError(f"unknown expert format {fmt!r}; valid: {', '.join(EXPERT_FORMATS)}")
+        if gate_up not in GATE_UP_LAYOUTS:
+            raise ValueError(f"unknown gate_up layout {gate_up!r}; valid: {', '.join(GATE_UP_LAYOUTS)}")
+        if fmt == "fp8_block" and gate_up != "split":
+            raise ValueError("fp8_block experts support gate_up='split' only (128-row scale tiles)")
+        local = list(range(num_experts)) if local_experts is None else [int(e) for e in local_experts]
+        bad = [e for e in local if not 0 <= e < num_experts]
+        if bad:
+            raise ValueError(f"local_experts {bad} outside [0, num_experts={num_experts})")
+        self.num_experts, self.hidden, self.inter = num_experts, hidden, inter
+        self.local_experts = local
+        self.fmt, self.gate_up, self.backend = fmt, gate_up, backend
+        self.swiglu_limit, self.alpha, self.beta = swiglu_limit, alpha, beta
+        self._prepared: tuple[PreparedWeight, PreparedWeight] | None = None
+        self._prepared_key: tuple | None = None
+        s = len(local)
+        w13 = torch.randn(s, 2 * inter, hidden, device=device) * init_std
+        w2 = torch.randn(s, hidden, inter, device=device) * init_std
+        self._set_weights(w13, w2)
+
+    # ---- storage ------------------------------------------------------------------------
+
+    @property
+    def num_slots(self) -> int:
+        return len(self.local_experts)
+
+    @property
+    def quantized(self) -> bool:
+        return self.fmt not in _DENSE
+
+    def _set_weights(self, w13: torch.Tensor | QuantizedTensor, w2: torch.Tensor | QuantizedTensor) -> None:
+        """w13 [S, 2I, H], w2 [S, H, I]: float (quantized here if needed) or QuantizedTensor in self.fmt."""
+        for name, w in (("w13", w13), ("w2", w2)):
+            if self.quantized:
+                q = w if isinstance(w, QuantizedTensor) else quantize(w.float(), self.fmt, **_QUANT_OPTS.get(self.fmt, {}))
+                if q.fmt != self.fmt:
+                    raise ValueError(f"{name} is {q.fmt}; this Experts module holds {self.fmt}")
+                for part in ("data", "scale", "global_scale"):
+                    self.register_buffer(f"{name}_{part}", getattr(q, part))
+                setattr(self, f"_{name}_shape", q.shape)
+                continue
+            dense = w.to(_DENSE[self.fmt]).contiguous()
+            current = self._parameters.get(name)
+            if current is not None and current.shape == dense.shape and current.device == dense.device:
+                with torch.no_grad():
+                    current.copy_(dense)  # keep the Parameter object (optimizers hold it)
+            else:
+                self.register_parameter(name, nn.Parameter(dense))
+
+    def weight(self, name: Literal["w13", "w2"]) -> torch.Tensor | QuantizedTensor:
+        """The stacked weight: a Parameter (dense formats) or a QuantizedTensor view of the buffers."""
+        if not self.quantized:
+            return getattr(self, name)
+        return QuantizedTensor(getattr(self, f"{name}_data"), getattr(self, f"{name}_scale"), self.fmt,
+                               getattr(self, f"_{name}_shape"), getattr(self, f"{name}_global_scale"))
+
+    def slot_tensors(self) -> list[torch.Tensor]:
+        """Every per-slot tensor ([S, ...]), e.g. for EPLB weight migration."""
+        if not self.quantized:
+            return [self.w13.data, self.w2.data]
+        out = []
+        for name in ("w13", "w2"):
+            for part in ("data", "scale", "global_scale"):
+                t = getattr(self, f"{name}_{part}")
+                if t is not None:
+                    out.append(t)
+        return out
+
+    def dequantized(self, dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
+        """(w13 [S, 2I, H], w2 [S, H, I]) as dense `dtype` (what the kernels compute with)."""
+        out = []
+        for name in ("w13", "w2"):
+            w = self.weight(name)
+            out.append(dequantize(w, dtype) if isinstance(w, QuantizedTensor) else w.detach().to(dtype))
+        return out[0], out[1]
+
+    # ---- loading ------------------------------------------------------------------------
+
+    def load_deepseek(self, state: Mapping[str, torch.Tensor], prefix: str = "experts.") -> None:
+        """Load the slots' experts from DeepSeek-named tensors `{prefix}{e}.w{1,2,3}.weight` (+ scales).
+        Missing experts raise KeyError naming the first missing key."""
+        w13_parts, w2_parts = [], []
+        for e in self.local_experts:
+            w1 = self._read(state, f"{prefix}{e}.w1")
+            w3 = self._read(state, f"{prefix}{e}.w3")
+            w2 = self._read(state, f"{prefix}{e}.w2")
+            for name, w, shape in (("w1", w1, (self.inter, self.hidden)), ("w3", w3, (self.inter, self.hidden)),
+                                   ("w2", w2, (self.hidden, self.inter))):
+                if tuple(w.shape) != shape:
+                    raise ValueError(f"{prefix}{e}.{name}.weight has logical shape {tuple(w.shape)}; "
+                                     f"expected {shape} (hidden={self.hidden}, inter={self.inter})")
+            w1, w3 = self._convert(w1), self._convert(w3)
+            if isinstance(w1, QuantizedTensor) and isinstance(w3, QuantizedTensor):
+                w13_parts.append(_fuse_quantized(w1, w3, self.gate_up))
+            else:  # mixed storage: fuse the values (quantized again below when the format asks)
+                w1, w3 = (dequantize(w, torch.float32) if isinstance(w, QuantizedTensor) else w for w in (w1, w3))
+                w13_parts.append(fuse_gate_up(w1.float(), w3.float(), self.gate_up))
+            w2_parts.append(w2)
+        device = self._device()
+        self._set_weights(self._stack(w13_parts, device), self._stack(w2_parts, device))
+
+    def _device(self) -> torch.device:
+        t = self.w13 if not self.quantized else self.w13_data
+        return t.device
+
+    def _read(self, state: Mapping[str, torch.Tensor], key: str) -> torch.Tensor | QuantizedTensor:
+        weight = state[f"{key}.weight"]
+        if weight.is_floating_point() and weight.element_size() >= 2:
+            return weight
+        if weight.dtype == torch.float8_e4m3fn:
+            scale = state.get(f"{key}.weight_scale_inv", state.get(f"{key}.weight_scale"))
+            if scale is None:
+                raise KeyError(f"{key}.weight_scale_inv")
+            return QuantizedTensor(weight, scale.float(), "fp8_block", weight.shape)
+        scale = state.get(f"{key}.weight_scale", state.get(f"{key}.scale"))
+        if scale is None:
+            raise KeyError(f"{key}.weight_scale")
+        return load_fp4_checkpoint(weight, scale, state.get(f"{key}.weight_scale_2"))
+
+    def _convert(self, w: torch.Tensor | QuantizedTensor) -> torch.Tensor | QuantizedTensor:
+        if isinstance(w, QuantizedTensor) and w.fmt != self.fmt:
+            return prepare_weight(w, self.fmt if self.quantized else "fp32", **_QUANT_OPTS.get(self.fmt, {}))
+        return w
+
+    def _stack(self, parts: list, device: torch.device) -> torch.Tensor | QuantizedTensor:
+        parts = [self._convert(p) for p in parts]
+        if all(isinstance(p, QuantizedTensor) for p in parts):
+            return _stack_quantized(parts).to(device)
+        dense = [dequantize(p, torch.float32) if isinstance(p, QuantizedTensor) else p.float() for p in parts]
+        return torch.stack(dense).to(device)
+
+    # ---- compute ------------------------------------------------------------------------
+
+    def prepared(self) -> tuple[torch.Tensor | PreparedWeight, torch.Tensor | PreparedWeight]:
+        """(w13, w2) as `moe.kernels.expert_ffn` takes them. Quantized weights are prepared once per
+        device and storage version (FP4 nibbles paired for the CUDA kernels: a second copy of the
+        packed data there); in-place changes (EPLB migration, loading) invalidate the copy."""
+        if not self.quantized:
+            return self.w13, self.w2
+        tensors = [t for t in self.slot_tensors()]
+        key = (tensors[0].device, tuple((t.data_ptr(), t._version) for t in tensors))
+        if self._prepared_key != key:
+            packing = "paired" if tensors[0].is_cuda else "natural"
+            self._prepared = (prepare_weights(self.weight("w13"), packing=packing, gate_up=self.gate_up),
+                              prepare_weights(self.weight("w2"), packing=packing))
+            self._prepared_key = key
+        return self._prepared
+
+    def forward(self, x: torch.Tensor, counts: torch.Tensor | Sequence[int],
+                offsets: torch.Tensor | None = None) -> torch.Tensor:
+        """x: [N, H] rows grouped by slot in slot order; counts: [S] int rows per slot; offsets:
+        [S + 1] int block starts when blocks are padded (padding rows must be zero) -> [N, H] in
+        x's dtype, through the fused expert FFN (`moe.kernels.expert_ffn`, backend `self.backend`)."""
+        if x.dim() != 2 or x.shape[1] != self.hidden:
+            raise ValueError(f"Experts input must be [N, hidden={self.hidden}]; got {tuple(x.shape)}")
+        if len(counts) != self.num_slots:
+            raise ValueError(f"counts has {len(counts)} entries; this rank holds {self.num_slots} expert slots")
+        w13, w2 = self.prepared()
+        if not isinstance(counts, torch.Tensor):
+            counts = torch.tensor(list(counts), dtype=torch.int64, device=x.device)
+        rows = dict(offsets=offsets) if offsets is not None else dict(counts=counts)
+        return expert_ffn(x, w13, w2, **rows, swiglu_limit=self.swiglu_limit, alpha=self.alpha, beta=self.beta,
+                          gate_up=self.gate_up, backend=self.backend)
+
+    def extra_repr(self) -> str:
+        return (f"slots={self.num_slots} of {self.num_experts}, hidden={self.hidden}, inter={self.inter}, "
+                f"fmt={self.fmt}, gate_up={self.gate_up}, swiglu_limit={self.swiglu_limit}")
+
+
+class SharedExpert(nn.Module):
+    """The always-on expert: a SwiGLU MLP (`w1` gate, `w3` up, `w2` down; DeepSeek names), with
+    its own optional clamp. inter = num_shared * the per-expert intermediate size."""
+
+    def __init__(self, hidden: int, inter: int, *, swiglu_limit: float | None = None,
+                 dtype: torch.dtype = torch.bfloat16, device: torch.device | str | None = None) -> None:
+        super().__init__()
+        self.swiglu_limit = swiglu_limit
+        self.w1 = nn.Linear(hidden, inter, bias=False, dtype=dtype, device=device)
+        self.w3 = nn.Linear(hidden, inter, bias=False, dtype=dtype, device=device)
+        self.w2 = nn.Linear(inter, hidden, bias=False, dtype=dtype, device=device)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x: [T, H] -> [T, H]."""
+        return self.w2(swiglu(self.w1(x), self.w3(x), limit=self.swiglu_limit).to(x.dtype))
