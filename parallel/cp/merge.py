@@ -57,8 +57,10 @@ def _use_triton(backend: str, outs: Sequence[Tensor], lses: Sequence[Tensor]) ->
         return False
     if any(t.dtype not in (torch.float32, torch.float16, torch.bfloat16) for t in outs):
         return False
-    from .triton_merge import triton_available
-
+    try:
+        from .triton_merge import triton_available
+    except ImportError:   # no Triton installed: the torch path serves
+        return False
     return triton_available()
 
 
@@ -124,12 +126,13 @@ def merge_attn_states(outs: Tensor | Sequence[Tensor], lses: Tensor | Sequence[T
                       backend: MergeBackend = "auto") -> AttnState:
     """N-way merge of partial attention states over disjoint key sets.
 
-    outs: [N, ..., T, H, D] (or a sequence of N [..., T, H, D]) fp32/bf16/fp16.
+    outs: [N, ..., T, H, D] (or a sequence of N [..., T, H, D]) fp32/bf16/fp16; the inputs of a
+        sequence may differ in dtype (an fp32 accumulator merged with a bf16 block).
     lses: [N, ..., T, H] (or a sequence), any float dtype; NaN/+inf = empty partial.
     base: "e" (PyTorch/FlashAttention) or "2" (FlashInfer); the result lse has the same base.
     out / out_lse: optional destinations ([..., T, H, D] any float dtype, [..., T, H] fp32);
         `out` may alias one of the inputs (in-place accumulation).
-    Returns AttnState(out [..., T, H, D] in outs' dtype (or out's), lse [..., T, H] fp32).
+    Returns AttnState(out [..., T, H, D] in the first input's dtype (or out's), lse [..., T, H] fp32).
     """
     _check_base(base)
     out_list = list(outs.unbind(0)) if isinstance(outs, Tensor) else list(outs)
@@ -138,14 +141,15 @@ def merge_attn_states(outs: Tensor | Sequence[Tensor], lses: Tensor | Sequence[T
         raise ValueError(f"need N >= 1 outs and as many lses, got {len(out_list)} and {len(lse_list)}")
     for i, (o, l) in enumerate(zip(out_list, lse_list)):
         _check_state(o, l, f"input {i}")
-        if o.shape != out_list[0].shape or o.dtype != out_list[0].dtype:
-            raise ValueError(f"input {i} is {tuple(o.shape)} {o.dtype}, input 0 is "
-                             f"{tuple(out_list[0].shape)} {out_list[0].dtype}; all must match")
+        if o.shape != out_list[0].shape or o.device != out_list[0].device:
+            raise ValueError(f"input {i} is {tuple(o.shape)} on {o.device}, input 0 is "
+                             f"{tuple(out_list[0].shape)} on {out_list[0].device}; shapes and devices must match")
     _check_out(out, out_lse, out_list[0].shape, lse_list[0].shape)
     if _use_triton(backend, out_list, lse_list):
         from .triton_merge import merge_states_triton
 
-        return merge_states_triton(out_list, lse_list, base=base, out=out, out_lse=out_lse)
+        return merge_states_triton(outs if isinstance(outs, Tensor) else out_list,
+                                   lses if isinstance(lses, Tensor) else lse_list, base=base, out=out, out_lse=out_lse)
     return _finish(_merge_torch(out_list, lse_list, base), out_list[0].dtype, out, out_lse)
 
 

@@ -1,0 +1,222 @@
+"""`megapar bench cp`: context-parallel attention costs.
+
+1. Ring compute path on one GPU. Every rank's ring steps for a causal zigzag-sharded sequence of
+   S tokens (P = 4; also 2 and 8 at 32K): the attention over each KV block plus the in-place LSE
+   merges, exactly as `ring_attention` runs them but without communication
+   (`simulate_ring_forward`), against ONE attention call over the whole sequence (the anchor,
+   `aten._scaled_dot_product_flash_attention`). Target: <= 1.15x at S = 32K, P = 4. The floor is
+   the causal attention FLOPs at the bf16 matmul ceiling. At 32K the backward is timed too.
+2. DCP decode step breakdown on one GPU: one rank's local attention over 1/N of the paged KV,
+   the combine (LSE rescale of ag_rs; N-way merge of a2a), against the local attention over the
+   whole cache (what one GPU without DCP does). Collectives are not in these numbers.
+3. With >= 2 GPUs (NCCL): ring attention over P GPUs against one GPU's attention over the whole
+   sequence (efficiency = T1 / (P * TP); target >= 85%) for both variants, and the DCP decode
+   latency with both combine modes. Without them the section is skipped with a note; on CPU it
+   runs as a 2-rank gloo smoke test (numbers say nothing about GPUs).
+--quick: tiny CPU sizes for every section.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from launch.bench.common import H200_BF16_TFLOPS, BenchContext, copy_ceiling_gbps
+from parallel.cp import PagedKVCache, attention_with_lse, dcp_kv_insert, zigzag_shard
+from parallel.cp.dcp import DCPLayout, local_decode_attention, write_kv_slots
+from parallel.cp.merge import combine_lse, merge_attn_states
+from parallel.cp.ring import simulate_ring_backward, simulate_ring_forward
+
+RING_TARGET = 1.15
+SCALING_TARGET = 0.85
+
+
+def _causal_flops(s: int, heads: int, d: int) -> float:
+    return 4.0 * s * s * heads * d / 2          # QK^T and PV, half the matrix
+
+
+def _flop_floor_us(ctx: BenchContext, flops: float) -> float | None:
+    return flops / (H200_BF16_TFLOPS * 1e12) * 1e6 if ctx.is_cuda else None
+
+
+def _one_call(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """The anchor: one causal attention over the whole sequence (PyTorch's flash kernel on CUDA)."""
+    if q.is_cuda:
+        return torch.ops.aten._scaled_dot_product_flash_attention(q.transpose(1, 2), k.transpose(1, 2),
+                                                                  v.transpose(1, 2), 0.0, True, False)[0]
+    return attention_with_lse(q, k, v, causal=True).out
+
+
+def _ring_compute(ctx: BenchContext) -> None:
+    if ctx.quick:
+        cases, heads, d = [(64, 2), (128, 4)], 2, 16
+    elif ctx.is_cuda:
+        cases, heads, d = [(8192, 4), (16384, 4), (32768, 2), (32768, 4), (32768, 8), (65536, 4), (131072, 4)], 32, 128
+    else:
+        cases, heads, d = [(1024, 4)], 4, 64
+    dtype = torch.bfloat16 if ctx.is_cuda else torch.float32
+    for s, p in cases:
+        torch.manual_seed(s + p)
+        q, k, v = (torch.randn(1, s, heads, d, device=ctx.device, dtype=dtype) for _ in range(3))
+        shards = [[zigzag_shard(x, r, p, dim=1) for r in range(p)] for x in (q, k, v)]
+        iters = 5 if s >= 65536 else None
+        anchor_us = ctx.time_fn(lambda: _one_call(q, k, v), iters=iters)
+        ours_us = ctx.time_fn(lambda: simulate_ring_forward(*shards, causal=True), iters=iters)
+        flops = _causal_flops(s, heads, d)
+        ctx.record(f"ring compute fwd S={s} P={p} H={heads} D={d}", ours_us, anchor="one attention call, whole sequence",
+                   anchor_us=anchor_us, floor_us=_flop_floor_us(ctx, flops), ratio_vs_one_call=ours_us / anchor_us,
+                   target_ratio=RING_TARGET if (s, p) == (32768, 4) else None, tflops=flops / ours_us / 1e6)
+        if (s, p) in ((32768, 4), (128, 4), (1024, 4)):
+            _ring_backward_row(ctx, q, k, v, shards, s, p, heads, d, iters)
+        del q, k, v, shards
+
+
+def _ring_backward_row(ctx, q, k, v, shards, s, p, heads, d, iters) -> None:
+    states = simulate_ring_forward(*shards, causal=True)
+    dout = torch.randn_like(q)
+    dout_shards = [zigzag_shard(dout, r, p, dim=1) for r in range(p)]
+    qr, kr, vr = (x.detach().clone().requires_grad_() for x in (q, k, v))
+    out = attention_with_lse(qr, kr, vr, causal=True).out
+    anchor_us = ctx.time_fn(lambda: torch.autograd.grad(out, (qr, kr, vr), dout, retain_graph=True), iters=iters)
+    ours_us = ctx.time_fn(lambda: simulate_ring_backward(dout_shards, *shards, states, causal=True), iters=iters)
+    flops = 2.5 * _causal_flops(s, heads, d)
+    ctx.record(f"ring compute bwd S={s} P={p} H={heads} D={d}", ours_us, anchor="one attention backward, whole sequence",
+               anchor_us=anchor_us, floor_us=_flop_floor_us(ctx, flops), ratio_vs_one_call=ours_us / anchor_us,
+               tflops=flops / ours_us / 1e6)
+
+
+def _decode_setup(batch: int, context: int, heads: int, kv_heads: int, d: int, block: int, size: int,
+                  device: torch.device, cache_dtype: torch.dtype):
+    """Rank 0's paged cache (of a DCP group of `size`) holding its share of `batch` sequences."""
+    layout = DCPLayout(size=size, rank=0, block_size=block)
+    per_seq = -(-context // (block * size))
+    table = torch.arange(batch * per_seq, device=device, dtype=torch.int32).view(batch, per_seq)
+    cache = PagedKVCache.allocate(batch * per_seq, block, kv_heads, d, dtype=cache_dtype, device=device)
+    torch.manual_seed(size)
+    chunk = 8192
+    for s in range(batch):
+        for lo in range(0, context, chunk):
+            positions = torch.arange(lo, min(context, lo + chunk), device=device)
+            kv = torch.randn(positions.shape[0], kv_heads, d, device=device)
+            write_kv_slots(cache, kv, kv, layout.slot_mapping(positions, table[s]))
+    q = torch.randn(batch, heads, d, device=device, dtype=torch.bfloat16 if device.type == "cuda" else torch.float32)
+    return cache, table, q, layout.local_lengths(torch.full((batch,), context, device=device))
+
+
+def _dcp_breakdown(ctx: BenchContext) -> None:
+    if ctx.quick:
+        batch, context, heads, kv_heads, d, block, n = 2, 256, 4, 1, 16, 16, 4
+    elif ctx.is_cuda:
+        batch, context, heads, kv_heads, d, block, n = 32, 32768, 32, 4, 128, 64, 4
+    else:
+        batch, context, heads, kv_heads, d, block, n = 4, 4096, 8, 2, 64, 16, 4
+    scale = d ** -0.5
+    ceiling = copy_ceiling_gbps(ctx.device)
+    dtypes = [torch.bfloat16, torch.float8_e4m3fn] if ctx.is_cuda else [torch.float32]
+    for cache_dtype in dtypes:
+        tag = str(cache_dtype).replace("torch.", "")
+        full = _decode_setup(batch, context, heads, kv_heads, d, block, 1, ctx.device, cache_dtype)
+        shard = _decode_setup(batch, context, heads, kv_heads, d, block, n, ctx.device, cache_dtype)
+        anchor_us = ctx.time_fn(lambda: local_decode_attention(full[2], full[0], full[1], full[3], scale))
+        local_us = ctx.time_fn(lambda: local_decode_attention(shard[2], shard[0], shard[1], shard[3], scale))
+        kv_bytes = 2 * batch * (context // n) * kv_heads * d * shard[0].k.element_size()
+        ctx.record(f"dcp decode local attention over 1/{n} of the KV ({tag} cache, B={batch}, L={context}, "
+                   f"Hq={heads}, Hkv={kv_heads})", local_us, anchor="local attention over the whole KV (no DCP)",
+                   anchor_us=anchor_us, floor_us=kv_bytes / (ceiling * 1e3), ideal_speedup=n)
+        del full, shard
+    # combine: the math both modes run after their collective (fp32 states of every rank)
+    outs = torch.randn(n, batch, heads, d, device=ctx.device)
+    lses = torch.randn(n, batch, heads, device=ctx.device)
+
+    def ag_rs_math():
+        _, _, scales = combine_lse(list(lses.unbind(0)))
+        return outs[0] * scales[0].unsqueeze(-1)
+
+    ctx.record(f"dcp combine ag_rs math (LSE merge + rescale), N={n}", ctx.time_fn(ag_rs_math),
+               anchor="a2a local merge", anchor_us=ctx.time_fn(lambda: merge_attn_states(outs, lses)))
+    ctx.note("dcp breakdown: the all-gather of q and the combine collectives need >= 2 GPUs (section 3)")
+
+
+# ---------------------------------------------------------------------------------------------
+# multi-GPU section
+
+
+def _multi_rank(rank: int, seq: int, heads: int, d: int, batch: int, context: int, quick: bool) -> list[dict]:
+    from parallel import ParallelConfig, destroy_parallel, init_parallel
+    from parallel.cp import dcp_decode_attention, ring_attention
+
+    world = int(os.environ["WORLD_SIZE"])
+    groups = init_parallel(ParallelConfig(world_size=world, pcp=world, dcp=world))
+    device = torch.device("cuda", torch.cuda.current_device()) if groups.backend == "nccl" else torch.device("cpu")
+    ctx = BenchContext(suite="cp", device=device, quick=quick)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    if device.type == "cpu":
+        torch.set_num_threads(1)
+    pg = groups.pcp.group
+    rows: list[dict] = []
+
+    def timed(fn, iters=None) -> float:
+        torch.distributed.barrier(group=pg)
+        return ctx.time_fn(fn, iters=iters)
+
+    torch.manual_seed(0)      # the same sequence on every rank
+    q, k, v = (torch.randn(1, seq, heads, d, device=device, dtype=dtype) for _ in range(3))
+    one_us = ctx.time_fn(lambda: _one_call(q, k, v), iters=5 if seq >= 65536 else None)
+    local = [zigzag_shard(x, groups.pcp.rank, world, dim=1) for x in (q, k, v)]
+    del q, k, v
+    for variant in ("ring", "allgather"):
+        us = timed(lambda: ring_attention(*local, groups.pcp, causal=True, variant=variant))
+        rows.append(dict(case=f"{variant} attention fwd S={seq} P={world} H={heads} D={d}", time_us=us,
+                         anchor="one GPU, whole sequence", anchor_us=one_us, scaling_efficiency=one_us / (world * us),
+                         target_efficiency=SCALING_TARGET))
+    # DCP decode latency
+    cache_dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    block = 64 if device.type == "cuda" else 16
+    layout = DCPLayout(size=world, rank=groups.dcp.rank, block_size=block)
+    per_seq = -(-context // (block * world))
+    table = torch.arange(batch * per_seq, device=device, dtype=torch.int32).view(batch, per_seq)
+    cache = PagedKVCache.allocate(batch * per_seq, block, 1, d, dtype=cache_dtype, device=device)
+    for s in range(batch):
+        kv = torch.randn(context, 1, d, device=device)
+        dcp_kv_insert(cache, kv, kv, torch.arange(context, device=device), table[s], groups.dcp)
+    qd = torch.randn(batch, max(1, heads // world), d, device=device, dtype=dtype)
+    lens = torch.full((batch,), context, device=device)
+    for comm in ("ag_rs", "a2a"):
+        us = timed(lambda: dcp_decode_attention(qd, cache, table, lens, groups.dcp, comm=comm))
+        rows.append(dict(case=f"dcp decode {comm} N={world} B={batch} L={context} Hq/rank={qd.shape[1]}", time_us=us,
+                         local_len=int(layout.local_lengths(context))))
+    destroy_parallel()
+    return rows if rank == 0 else []
+
+
+def _multi_gpu(ctx: BenchContext) -> None:
+    from launch.local import launch_local
+
+    if ctx.is_cuda:
+        available = torch.cuda.device_count()
+        if available < 2:
+            ctx.note(f"multi-GPU ring scaling and DCP latency skipped: they need >= 2 GPUs (found {available}); "
+                     "`megapar bench cp --device cuda` on a multi-GPU machine runs them for P = 2, 4, 8")
+            return
+        sizes = [p for p in (2, 4, 8) if p <= available]
+        backend, seq, heads, d, batch, context = "nccl", 65536, 32, 128, 32, 32768
+    else:
+        sizes, backend = [2], "gloo"
+        seq, heads, d, batch, context = (64, 2, 16, 2, 64) if ctx.quick else (1024, 4, 64, 4, 2048)
+        ctx.note("CPU: the multi-rank section runs on 2 gloo processes as a smoke test; the numbers say nothing "
+                 "about GPUs")
+    for p in sizes:
+        rows = launch_local(_multi_rank, p, backend=backend, args=(seq, heads, d, batch, context, ctx.quick),
+                            timeout=600)[0]
+        for row in rows:
+            case = row.pop("case")
+            ctx.record(case, row.pop("time_us"), anchor=row.pop("anchor", None), anchor_us=row.pop("anchor_us", None),
+                       **row)
+
+
+def run(ctx: BenchContext) -> None:
+    _ring_compute(ctx)
+    with torch.no_grad():
+        _dcp_breakdown(ctx)
+    _multi_gpu(ctx)

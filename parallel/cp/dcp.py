@@ -1,0 +1,301 @@
+"""Decode context parallelism (DCP): the KV cache of every sequence is sharded over the DCP ranks.
+
+Layout (SPEC §8, vLLM's): with N ranks, interleave I and block size B, tokens go round-robin in
+runs of I (position p lives on rank `(p // I) % N`), and each rank packs its tokens densely into
+its own paged cache. The block table is shared: virtual block `p // (B*N)` (B*N tokens, B per
+rank) maps to the same physical block id on every rank. `DCPLayout` holds these formulas.
+
+Decode step (`dcp_decode_attention`): each rank holds the query heads of its TP slice, but all
+ranks of a DCP group share the same KV heads; so (1) all-gather q over the group (heads), (2)
+attend every gathered head over the local KV shard -> (o, lse), (3) combine, either
+  "ag_rs": all-gather the LSEs, rescale the local o by exp(lse_local - lse_global), and
+           reduce-scatter over heads (each rank keeps its own heads), or
+  "a2a":   one all-to-all of (o, lse) per destination head slice, then a local N-way merge.
+Shards without tokens give lse = -inf and drop out. The combine runs in fp32.
+
+Cache: `PagedKVCache` with k/v `[num_blocks, B, Hkv, D]`, optionally fp8 (e4m3) with one fp32
+scale per (token, kv head). The local attention here is exact torch math over gathered pages
+(one query token per sequence); a paged-attention kernel can replace it behind the same call.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from ..comm import all_gather_uneven, all_to_all_uneven, reduce_scatter_uneven, resolve_group
+from ..groups import Group
+from .local_attn import masked_attention_math
+from .merge import AttnState, combine_lse, merge_attn_states
+
+DCPComm = Literal["ag_rs", "a2a"]
+GroupLike = Group | dist.ProcessGroup | None
+
+FP8_MAX = 448.0   # largest float8_e4m3fn
+
+
+# ---------------------------------------------------------------------------------------------
+# layout
+
+
+@dataclass(frozen=True)
+class DCPLayout:
+    """Where each token of a sequence lives in a KV cache sharded over `size` DCP ranks."""
+
+    size: int
+    """DCP group size N."""
+    rank: int
+    """This rank's index in the DCP group."""
+    block_size: int
+    """Tokens per physical cache block B (per rank)."""
+    interleave: int = 1
+    """Consecutive tokens per rank before moving to the next I; B % I == 0."""
+
+    def __post_init__(self) -> None:
+        if self.size < 1 or not 0 <= self.rank < self.size:
+            raise ValueError(f"rank ({self.rank}) must be in [0, size) with size ({self.size}) >= 1")
+        if self.block_size < 1 or self.interleave < 1:
+            raise ValueError(f"block_size ({self.block_size}) and interleave ({self.interleave}) must be >= 1")
+        if self.block_size % self.interleave != 0:
+            valid = [i for i in range(1, self.block_size + 1) if self.block_size % i == 0]
+            raise ValueError(f"block_size ({self.block_size}) must be a multiple of interleave "
+                             f"({self.interleave}); valid interleave: {valid}")
+
+    @property
+    def virtual_block(self) -> int:
+        """Tokens per virtual block (B*N): one physical block on every rank."""
+        return self.block_size * self.size
+
+    def owner(self, positions: Tensor | int) -> Tensor | int:
+        """DCP rank holding each position."""
+        return ((positions % self.virtual_block) // self.interleave) % self.size
+
+    def local_offset(self, positions: Tensor | int) -> Tensor | int:
+        """Offset inside the owner's physical block."""
+        o = positions % self.virtual_block
+        return (o // (self.size * self.interleave)) * self.interleave + o % self.interleave
+
+    def slot_mapping(self, positions: Tensor, block_table: Tensor) -> Tensor:
+        """Cache slots [T] int64 of `positions` on THIS rank; -1 where another rank owns it.
+
+        positions: [T] int; block_table: [T, max_blocks] (each token's sequence row) or
+        [max_blocks] (one sequence), int32/int64 physical block ids.
+        """
+        positions = positions.long()
+        table = block_table.long()
+        vblock = positions // self.virtual_block
+        if table.dim() == 1:
+            blocks = table[vblock]
+        else:
+            blocks = table.gather(1, vblock.unsqueeze(1)).squeeze(1)
+        slots = blocks * self.block_size + self.local_offset(positions)
+        return torch.where(self.owner(positions) == self.rank, slots, -1)
+
+    def local_lengths(self, seq_lens: Tensor | int) -> Tensor | int:
+        """Tokens of each sequence held by this rank (`seq_lens` = global lengths)."""
+        per_round = self.interleave * self.size
+        base = (seq_lens // per_round) * self.interleave
+        rem = seq_lens - base * self.size - self.rank * self.interleave
+        if isinstance(rem, Tensor):
+            return base + rem.clamp(0, self.interleave)
+        return base + min(max(rem, 0), self.interleave)
+
+
+def _layout(group: GroupLike, block_size: int, interleave: int) -> DCPLayout:
+    _, rank, size = resolve_group(group)
+    return DCPLayout(size=size, rank=rank, block_size=block_size, interleave=interleave)
+
+
+# ---------------------------------------------------------------------------------------------
+# cache
+
+
+@dataclass
+class PagedKVCache:
+    """One rank's paged KV cache. fp8 caches carry per-(token, kv head) fp32 scales."""
+
+    k: Tensor
+    """[num_blocks, block_size, kv_heads, head_dim]; fp32/bf16/fp16 or float8_e4m3fn."""
+    v: Tensor
+    """[num_blocks, block_size, kv_heads, head_dim_v]; same dtype as k."""
+    k_scale: Tensor | None = None
+    """[num_blocks, block_size, kv_heads] fp32 when fp8, else None."""
+    v_scale: Tensor | None = None
+
+    @classmethod
+    def allocate(cls, num_blocks: int, block_size: int, kv_heads: int, head_dim: int, *,
+                 dtype: torch.dtype = torch.bfloat16, device: torch.device | str | None = None,
+                 head_dim_v: int | None = None) -> "PagedKVCache":
+        """Zeroed cache; `dtype=torch.float8_e4m3fn` adds the scale tensors."""
+        dv = head_dim if head_dim_v is None else head_dim_v
+        k = torch.zeros(num_blocks, block_size, kv_heads, head_dim, dtype=dtype, device=device)
+        v = torch.zeros(num_blocks, block_size, kv_heads, dv, dtype=dtype, device=device)
+        if dtype == torch.float8_e4m3fn:
+            ones = torch.ones(num_blocks, block_size, kv_heads, dtype=torch.float32, device=device)
+            return cls(k, v, ones, ones.clone())
+        return cls(k, v)
+
+    def __post_init__(self) -> None:
+        if self.k.dim() != 4 or self.v.dim() != 4 or self.k.shape[:3] != self.v.shape[:3]:
+            raise ValueError(f"k {tuple(self.k.shape)} and v {tuple(self.v.shape)} must be "
+                             f"[num_blocks, block_size, kv_heads, head_dim] with equal leading dims")
+        if self.is_fp8 != (self.k_scale is not None and self.v_scale is not None):
+            raise ValueError("an fp8 cache needs k_scale and v_scale; other dtypes take none")
+
+    @property
+    def is_fp8(self) -> bool:
+        return self.k.dtype == torch.float8_e4m3fn
+
+    @property
+    def block_size(self) -> int:
+        return self.k.shape[1]
+
+    @property
+    def kv_heads(self) -> int:
+        return self.k.shape[2]
+
+
+def _quantize_fp8(x: Tensor) -> tuple[Tensor, Tensor]:
+    """Per-(token, head) scale: x [T, H, D] -> (fp8 [T, H, D], scale [T, H] fp32)."""
+    scale = x.float().abs().amax(-1).clamp_min(1e-12) / FP8_MAX
+    return (x.float() / scale.unsqueeze(-1)).to(torch.float8_e4m3fn), scale
+
+
+def dcp_kv_insert(cache: PagedKVCache, k: Tensor, v: Tensor, positions: Tensor, block_table: Tensor,
+                  group: GroupLike = None, *, interleave: int = 1) -> Tensor:
+    """Write the K/V of new tokens into this rank's shard of the cache (tokens it owns only).
+
+    k: [T, Hkv, D], v: [T, Hkv, Dv] (every DCP rank passes the same new tokens); positions: [T]
+    int global positions; block_table: [T, max_blocks] or [max_blocks]. fp8 caches quantize with
+    a per-(token, head) scale. Returns the slots used [T] int64 (-1 = owned elsewhere).
+    """
+    if k.dim() != 3 or v.dim() != 3 or k.shape[:2] != v.shape[:2]:
+        raise ValueError(f"k {tuple(k.shape)} and v {tuple(v.shape)} must be [T, kv_heads, head_dim]")
+    if k.shape[1:] != cache.k.shape[2:] or v.shape[1:] != cache.v.shape[2:]:
+        raise ValueError(f"new k/v heads and dims {tuple(k.shape[1:])}/{tuple(v.shape[1:])} do not match the "
+                         f"cache's {tuple(cache.k.shape[2:])}/{tuple(cache.v.shape[2:])}")
+    if positions.shape != k.shape[:1]:
+        raise ValueError(f"positions {tuple(positions.shape)} must be [T] with T = {k.shape[0]}")
+    if k.device != cache.k.device:
+        raise ValueError(f"new k/v on {k.device} but the cache is on {cache.k.device}")
+    layout = _layout(group, cache.block_size, interleave)
+    slots = layout.slot_mapping(positions.to(k.device), block_table.to(k.device))
+    write_kv_slots(cache, k, v, slots)
+    return slots
+
+
+def write_kv_slots(cache: PagedKVCache, k: Tensor, v: Tensor, slots: Tensor) -> None:
+    """Store k [T, Hkv, D] / v [T, Hkv, Dv] at cache slots [T] int64 (-1 = skip); fp8 quantizes."""
+    mine = slots >= 0
+    idx = slots[mine]
+    k_flat = cache.k.view(-1, *cache.k.shape[2:])
+    v_flat = cache.v.view(-1, *cache.v.shape[2:])
+    if cache.is_fp8:   # fp8 indexing kernels are patchy across devices: move the bytes as uint8
+        kq, ks = _quantize_fp8(k[mine])
+        vq, vs = _quantize_fp8(v[mine])
+        k_flat.view(torch.uint8)[idx] = kq.view(torch.uint8)
+        v_flat.view(torch.uint8)[idx] = vq.view(torch.uint8)
+        cache.k_scale.view(-1, cache.kv_heads)[idx] = ks
+        cache.v_scale.view(-1, cache.kv_heads)[idx] = vs
+    else:
+        k_flat[idx] = k[mine].to(cache.k.dtype)
+        v_flat[idx] = v[mine].to(cache.v.dtype)
+
+
+# ---------------------------------------------------------------------------------------------
+# decode
+
+
+def gather_local_kv(cache: PagedKVCache, block_table: Tensor, local_lens: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """This rank's KV of each sequence, densely: k [S, L, Hkv, D], v [S, L, Hkv, Dv] (dequantized
+    to fp32 for fp8 caches), valid [S, L] bool; L = max local length."""
+    s = local_lens.shape[0]
+    longest = int(local_lens.max().item()) if s > 0 else 0
+    dev = cache.k.device
+    idx = torch.arange(longest, device=dev)
+    valid = idx.unsqueeze(0) < local_lens.unsqueeze(1)
+    table = block_table.long()
+    if longest > 0:
+        blocks = table[:, : (longest - 1) // cache.block_size + 1]
+        slots = blocks.gather(1, (idx // cache.block_size).unsqueeze(0).expand(s, -1)) * cache.block_size
+        slots = torch.where(valid, slots + idx % cache.block_size, 0)
+    else:
+        slots = torch.zeros(s, 0, dtype=torch.long, device=dev)
+    k_flat = cache.k.view(-1, *cache.k.shape[2:])
+    v_flat = cache.v.view(-1, *cache.v.shape[2:])
+    if cache.is_fp8:
+        k = k_flat.view(torch.uint8)[slots].view(cache.k.dtype).float()
+        v = v_flat.view(torch.uint8)[slots].view(cache.v.dtype).float()
+        k = k * cache.k_scale.view(-1, cache.kv_heads)[slots].unsqueeze(-1)
+        v = v * cache.v_scale.view(-1, cache.kv_heads)[slots].unsqueeze(-1)
+    else:
+        k, v = k_flat[slots], v_flat[slots]
+    return k, v, valid
+
+
+def local_decode_attention(q: Tensor, cache: PagedKVCache, block_table: Tensor, local_lens: Tensor,
+                           scale: float) -> AttnState:
+    """Attention of one query token per sequence over this rank's cached tokens.
+
+    q: [S, Hq, D]; block_table: [S, max_blocks]; local_lens: [S] tokens held here. Returns
+    AttnState(out [S, Hq, Dv] fp32, lse [S, Hq] fp32), lse -inf where a sequence has no token here.
+    """
+    k, v, valid = gather_local_kv(cache, block_table, local_lens)
+    out, lse = masked_attention_math(q.float().unsqueeze(2), k.transpose(1, 2), v.transpose(1, 2), scale,
+                                     valid[:, None, None, None, :])
+    return AttnState(out.squeeze(2), lse.squeeze(2))
+
+
+def dcp_decode_attention(q: Tensor, cache: PagedKVCache, block_table: Tensor, seq_lens: Tensor,
+                         group: GroupLike = None, *, interleave: int = 1, comm: DCPComm = "ag_rs",
+                         scale: float | None = None, return_lse: bool = False) -> Tensor | AttnState:
+    """One decode step over a DCP-sharded KV cache.
+
+    q: [S, Hq_local, D], this rank's query heads (one token per sequence); the group's gathered
+    heads (N * Hq_local) must be a multiple of the cache's kv heads. block_table: [S, max_blocks]
+    int; seq_lens: [S] int global lengths (including the token being decoded, already inserted).
+    comm: "ag_rs" (all-gather LSE + reduce-scatter) or "a2a" (all-to-all + local merge).
+    Returns out [S, Hq_local, Dv] in q's dtype (or AttnState with lse [S, Hq_local] fp32).
+    """
+    if comm not in ("ag_rs", "a2a"):
+        raise ValueError(f"comm must be 'ag_rs' or 'a2a', got {comm!r}")
+    if q.dim() != 3 or q.shape[-1] != cache.k.shape[-1]:
+        raise ValueError(f"q {tuple(q.shape)} must be [S, heads, head_dim] with head_dim {cache.k.shape[-1]}")
+    if q.device != cache.k.device:
+        raise ValueError(f"q on {q.device} but the cache is on {cache.k.device}")
+    if block_table.shape[0] != q.shape[0] or seq_lens.shape != q.shape[:1]:
+        raise ValueError(f"block_table {tuple(block_table.shape)} and seq_lens {tuple(seq_lens.shape)} must "
+                         f"have one row per sequence ({q.shape[0]})")
+    layout = _layout(group, cache.block_size, interleave)
+    rank, size = layout.rank, layout.size
+    heads = q.shape[1]
+    if (heads * size) % cache.kv_heads != 0:
+        raise ValueError(f"gathered query heads ({heads} x dcp {size} = {heads * size}) must be a multiple of the "
+                         f"cache's kv heads ({cache.kv_heads})")
+    scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
+    q_all = all_gather_uneven(q.contiguous(), group, dim=1, sizes=[heads] * size)       # [S, N*Hq, D]
+    local = local_decode_attention(q_all, cache, block_table.to(q.device),
+                                   layout.local_lengths(seq_lens.to(q.device).long()), scale)
+    if size == 1:
+        state = local
+    elif comm == "ag_rs":
+        lses = all_gather_uneven(local.lse.unsqueeze(0).contiguous(), group, dim=0, sizes=[1] * size)
+        lse_all, _, scales = combine_lse(list(lses.unbind(0)))
+        mine = scales[rank].unsqueeze(-1)
+        scaled = torch.where(mine > 0, local.out, 0.0) * mine
+        out = reduce_scatter_uneven(scaled, [heads] * size, group, dim=1)
+        state = AttnState(out, lse_all[:, rank * heads:(rank + 1) * heads])
+    else:
+        s, dv = q.shape[0], local.out.shape[-1]
+        packed = torch.cat([local.out, local.lse.unsqueeze(-1)], dim=-1)                  # [S, N*Hq, Dv+1]
+        send = packed.view(s, size, heads, dv + 1).transpose(0, 1).reshape(size * s, heads, dv + 1)
+        recv, _ = all_to_all_uneven(send, [s] * size, group, recv_splits=[s] * size)
+        recv = recv.view(size, s, heads, dv + 1)
+        state = merge_attn_states(recv[..., :dv], recv[..., dv])
+    out = state.out.to(q.dtype)
+    return AttnState(out, state.lse) if return_lse else out
+

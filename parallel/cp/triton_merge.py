@@ -1,0 +1,203 @@
+"""Triton kernels for the LSE merge of `merge.py` (CUDA, or TRITON_INTERPRET=1 in tests).
+
+One program merges BLOCK_R rows (a row = one token x head) over the whole head dim, so it reads
+every input of its rows before writing: the output may alias an input (in-place ring
+accumulation). Two kernels: a pair kernel with two input pointers (no stacking copy, what a
+ring step uses) and an N-way kernel over a stacked `[N, M, H, D]` tensor. Both are pure
+bandwidth: N*D reads + D writes per row, fp32 math, two passes over the tiny LSE vectors.
+Inputs may be strided (PyTorch's fused attention returns `[B, T, H, D]` views of `[B, H, T, D]`
+memory); only the head dim is expected to be unit-stride for full speed.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Sequence
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from .merge import AttnState
+
+
+@functools.lru_cache(maxsize=1)
+def triton_available() -> bool:
+    """True when Triton can launch here (a CUDA device, or the CPU interpreter)."""
+    import os
+
+    return torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1"
+
+
+@triton.jit
+def _clean_lse(lse):
+    # NaN and +inf mark empty partials: treat them as -inf.
+    return tl.where((lse != lse) | (lse == float("inf")), float("-inf"), lse)
+
+
+@triton.jit
+def _pow(x, BASE2: tl.constexpr):
+    if BASE2:
+        return tl.exp2(x)
+    else:
+        return tl.exp(x)
+
+
+@triton.jit
+def _store_merged(y_ptr, ly_ptr, m_idx, h_idx, d, rmask, mask2, acc, mx, total, sy_m, sy_h, sy_d, sly_m, sly_h,
+                  BASE2: tl.constexpr):
+    """Write the merged rows: out = acc, lse = mx + log(total) (-inf where every partial is empty)."""
+    tl.store(y_ptr + m_idx[:, None] * sy_m + h_idx[:, None] * sy_h + d[None, :] * sy_d,
+             acc.to(y_ptr.dtype.element_ty), mask=mask2)
+    safe = tl.where(total > 0, total, 1.0)
+    if BASE2:
+        lse = mx + tl.log2(safe)
+    else:
+        lse = mx + tl.log(safe)
+    tl.store(ly_ptr + m_idx * sly_m + h_idx * sly_h, tl.where(total > 0, lse, float("-inf")), mask=rmask)
+
+
+@triton.jit
+def _merge_pair_kernel(
+    a_ptr, la_ptr, b_ptr, lb_ptr, y_ptr, ly_ptr,
+    M, H,
+    sa_m, sa_h, sa_d, sla_m, sla_h,
+    sb_m, sb_h, sb_d, slb_m, slb_h,
+    sy_m, sy_h, sy_d, sly_m, sly_h,
+    D: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr, BASE2: tl.constexpr,
+):
+    rows = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R).to(tl.int64)
+    rmask = rows < M * H
+    m_idx = rows // H
+    h_idx = rows % H
+    la = _clean_lse(tl.load(la_ptr + m_idx * sla_m + h_idx * sla_h, mask=rmask, other=float("-inf")).to(tl.float32))
+    lb = _clean_lse(tl.load(lb_ptr + m_idx * slb_m + h_idx * slb_h, mask=rmask, other=float("-inf")).to(tl.float32))
+    mx = tl.maximum(la, lb)
+    mx = tl.where(mx == float("-inf"), 0.0, mx)
+    wa = _pow(la - mx, BASE2)
+    wb = _pow(lb - mx, BASE2)
+    total = wa + wb
+    safe = tl.where(total > 0, total, 1.0)
+    sa = wa / safe
+    sb = wb / safe
+    d = tl.arange(0, BLOCK_D)
+    mask2 = rmask[:, None] & (d[None, :] < D)
+    oa = tl.load(a_ptr + m_idx[:, None] * sa_m + h_idx[:, None] * sa_h + d[None, :] * sa_d, mask=mask2, other=0.0)
+    ob = tl.load(b_ptr + m_idx[:, None] * sb_m + h_idx[:, None] * sb_h + d[None, :] * sb_d, mask=mask2, other=0.0)
+    acc = tl.where(sa[:, None] > 0, oa.to(tl.float32), 0.0) * sa[:, None]
+    acc += tl.where(sb[:, None] > 0, ob.to(tl.float32), 0.0) * sb[:, None]
+    _store_merged(y_ptr, ly_ptr, m_idx, h_idx, d, rmask, mask2, acc, mx, total, sy_m, sy_h, sy_d, sly_m, sly_h,
+                  BASE2)
+
+
+@triton.jit
+def _merge_n_kernel(
+    x_ptr, lx_ptr, y_ptr, ly_ptr,
+    M, H,
+    sx_n, sx_m, sx_h, sx_d, slx_n, slx_m, slx_h,
+    sy_m, sy_h, sy_d, sly_m, sly_h,
+    N: tl.constexpr, D: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr, BASE2: tl.constexpr,
+):
+    rows = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R).to(tl.int64)
+    rmask = rows < M * H
+    m_idx = rows // H
+    h_idx = rows % H
+    lse_off = m_idx * slx_m + h_idx * slx_h
+    # pass 1 (LSE vectors only): max, then the sum of weights
+    mx = tl.full([BLOCK_R], float("-inf"), tl.float32)
+    for i in tl.static_range(N):
+        li = _clean_lse(tl.load(lx_ptr + i * slx_n + lse_off, mask=rmask, other=float("-inf")).to(tl.float32))
+        mx = tl.maximum(mx, li)
+    mx = tl.where(mx == float("-inf"), 0.0, mx)
+    total = tl.full([BLOCK_R], 0.0, tl.float32)
+    for i in tl.static_range(N):
+        li = _clean_lse(tl.load(lx_ptr + i * slx_n + lse_off, mask=rmask, other=float("-inf")).to(tl.float32))
+        total += _pow(li - mx, BASE2)
+    safe = tl.where(total > 0, total, 1.0)
+    # pass 2: the weighted sum of the outs
+    d = tl.arange(0, BLOCK_D)
+    mask2 = rmask[:, None] & (d[None, :] < D)
+    x_off = m_idx[:, None] * sx_m + h_idx[:, None] * sx_h + d[None, :] * sx_d
+    acc = tl.full([BLOCK_R, BLOCK_D], 0.0, tl.float32)
+    for i in tl.static_range(N):
+        li = _clean_lse(tl.load(lx_ptr + i * slx_n + lse_off, mask=rmask, other=float("-inf")).to(tl.float32))
+        si = _pow(li - mx, BASE2) / safe
+        oi = tl.load(x_ptr + i * sx_n + x_off, mask=mask2, other=0.0)
+        acc += tl.where(si[:, None] > 0, oi.to(tl.float32), 0.0) * si[:, None]
+    _store_merged(y_ptr, ly_ptr, m_idx, h_idx, d, rmask, mask2, acc, mx, total, sy_m, sy_h, sy_d, sly_m, sly_h,
+                  BASE2)
+
+
+def _rows(x: Tensor, width: int) -> Tensor:
+    """View `x [..., H(, D)]` as `[M, H(, D)]` (a copy only when the leading dims do not merge)."""
+    return x.reshape((-1,) + tuple(x.shape[x.dim() - width:]))
+
+
+CONFIG = {"block_elems": 4096, "num_warps": 4}
+"""Tile of one program (rows x padded head dim, in elements) and its warps; `megapar bench merge`
+sweeps both on the GPU."""
+
+
+def _launch_config(D: int) -> tuple[int, int, int]:
+    block_d = triton.next_power_of_2(D)
+    block_r = max(1, min(128, CONFIG["block_elems"] // block_d))
+    return block_r, block_d, CONFIG["num_warps"]
+
+
+def merge_states_triton(outs: Tensor | Sequence[Tensor], lses: Tensor | Sequence[Tensor], *, base: str = "e",
+                        out: Tensor | None = None, out_lse: Tensor | None = None) -> AttnState:
+    """Triton version of `merge_attn_states` (inputs already validated there).
+
+    outs: [N, ..., T, H, D] stacked or a sequence of N [..., T, H, D]; lses likewise.
+    """
+    stacked = isinstance(outs, Tensor)
+    first = outs[0]
+    shape, lse_shape = first.shape, first.shape[:-1]
+    H, D = shape[-2], shape[-1]
+    y = out if out is not None else torch.empty(shape, dtype=first.dtype, device=first.device)
+    ly = out_lse if out_lse is not None else torch.empty(lse_shape, dtype=torch.float32, device=first.device)
+    # Destinations must be written through views; fall back to a temporary when they do not merge.
+    try:
+        y_rows = y.view(-1, H, D)
+    except RuntimeError:
+        y_rows = None
+    try:
+        ly_rows = ly.view(-1, H)
+    except RuntimeError:
+        ly_rows = None
+    y_k = y_rows if y_rows is not None else torch.empty((y.numel() // max(H * D, 1), H, D), dtype=y.dtype,
+                                                        device=y.device)
+    ly_k = ly_rows if ly_rows is not None else torch.empty((ly.numel() // max(H, 1), H), dtype=torch.float32,
+                                                           device=ly.device)
+    M = y_k.shape[0]
+    block_r, block_d, num_warps = _launch_config(D)
+    grid = (triton.cdiv(M * H, block_r),)
+    n = outs.shape[0] if stacked else len(outs)
+    if not stacked and n == 2:
+        a, b = _rows(outs[0], 2), _rows(outs[1], 2)
+        la, lb = _rows(lses[0], 1), _rows(lses[1], 1)
+        _merge_pair_kernel[grid](
+            a, la, b, lb, y_k, ly_k, M, H,
+            *a.stride(), *la.stride(), *b.stride(), *lb.stride(), *y_k.stride(), *ly_k.stride(),
+            D=D, BLOCK_R=block_r, BLOCK_D=block_d, BASE2=(base == "2"), num_warps=num_warps)
+    else:
+        x = outs if stacked else torch.stack(list(outs))
+        lx = lses if isinstance(lses, Tensor) else torch.stack(list(lses))
+        x = x.reshape(n, -1, H, D)
+        lx = lx.reshape(n, -1, H)
+        _merge_n_kernel[grid](
+            x, lx, y_k, ly_k, M, H,
+            *x.stride(), *lx.stride(), *y_k.stride(), *ly_k.stride(),
+            N=n, D=D, BLOCK_R=block_r, BLOCK_D=block_d, BASE2=(base == "2"), num_warps=num_warps)
+    if y_rows is None:
+        y.copy_(y_k.view(shape))
+    if ly_rows is None:
+        ly.copy_(ly_k.view(lse_shape))
+    return AttnState(y, ly)
+
+
+def merge_bytes(n: int, rows: int, head_dim: int, elem_bytes: int) -> int:
+    """Bytes a merge of `n` states moves: n outs + n lses read, one out + one lse written."""
+    return n * rows * (head_dim * elem_bytes + 4) + rows * (head_dim * elem_bytes + 4)
+

@@ -1,0 +1,228 @@
+"""Local attention with LSE, its fused-kernel block decomposition, zigzag layout, and the ring
+compute path on one process (size-1 groups and the all-ranks simulation)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from parallel.cp import (attention_with_lse, merge_attn_states, ring_attention, zigzag_positions, zigzag_shard,
+                         zigzag_unshard)
+from parallel.cp.local_attn import _FusedBlock, _offset_causal_by_blocks
+from parallel.cp.ring import simulate_ring_backward, simulate_ring_forward
+from test_cp_reference import reference_attention
+
+
+def _qkv(seed: int, tq: int, tk: int, hq: int, hkv: int, d: int, dv: int, *, batch: int | None = None,
+         dtype=torch.float32, device="cpu"):
+    gen = torch.Generator().manual_seed(seed)
+    lead = () if batch is None else (batch,)
+    q = torch.randn(*lead, tq, hq, d, generator=gen)
+    k = torch.randn(*lead, tk, hkv, d, generator=gen)
+    v = torch.randn(*lead, tk, hkv, dv, generator=gen)
+    return (x.to(device=device, dtype=dtype) for x in (q, k, v))
+
+
+def _loss_weights(out: torch.Tensor, lse: torch.Tensor, seed: int):
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randn(out.shape, generator=gen, dtype=torch.float64), torch.randn(lse.shape, generator=gen,
+                                                                                 dtype=torch.float64)
+
+
+def _loss(out, lse, w_out, w_lse):
+    finite = torch.isfinite(lse)
+    return (out.double() * w_out.to(out.device)).sum() + torch.where(finite, lse.double(), 0.0).mul(
+        w_lse.to(lse.device)).sum()
+
+
+CASES = [  # (tq, tk, hq, hkv, d, dv, causal, q_offset, k_offset)
+    (7, 9, 6, 2, 8, 5, False, 0, 0),
+    (8, 8, 4, 4, 8, 8, True, 0, 0),
+    (7, 9, 3, 1, 8, 8, True, 3, 0),      # every query sees a prefix plus a diagonal
+    (7, 9, 6, 3, 8, 4, True, 0, 4),      # first rows see nothing
+    (5, 6, 2, 1, 8, 8, True, 20, 0),     # every key visible
+    (5, 6, 2, 2, 8, 8, True, 0, 30),     # nothing visible
+    (6, 10, 4, 2, 8, 8, True, 5, 7),
+]
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_math_attention_with_offsets_and_gqa_matches_reference_with_grads(case):
+    tq, tk, hq, hkv, d, dv, causal, qo, ko = case
+    q, k, v = _qkv(sum(case[:6]), tq, tk, hq, hkv, d, dv)
+    qa, ka, va = (x.clone().requires_grad_() for x in (q, k, v))
+    out, lse = attention_with_lse(qa, ka, va, causal=causal, q_offset=qo, k_offset=ko, backend="math")
+    qr, kr, vr = (x.double().requires_grad_() for x in (q, k, v))
+    ref_out, ref_lse = reference_attention(qr, kr, vr, causal=causal, q_pos=torch.arange(tq) + qo,
+                                           k_pos=torch.arange(tk) + ko)
+    torch.testing.assert_close(out.double(), ref_out, rtol=0, atol=1e-6)
+    assert torch.equal(torch.isinf(lse), torch.isinf(ref_lse))
+    torch.testing.assert_close(lse.double(), ref_lse, rtol=0, atol=1e-6)
+    w_out, w_lse = _loss_weights(out, lse, 0)
+    _loss(out, lse, w_out, w_lse).backward()
+    _loss(ref_out, ref_lse, w_out, w_lse).backward()
+    for ours, ref in ((qa, qr), (ka, kr), (va, vr)):
+        torch.testing.assert_close(ours.grad.double(), ref.grad, rtol=0, atol=2e-5)
+
+
+def test_batched_inputs_match_per_sequence_attention():
+    q, k, v = _qkv(3, 6, 6, 4, 2, 8, 8, batch=3)
+    out, lse = attention_with_lse(q, k, v, causal=True, q_offset=2, k_offset=1)
+    assert out.shape == (3, 6, 4, 8) and lse.shape == (3, 6, 4)
+    for b in range(3):
+        ref_out, ref_lse = reference_attention(q[b], k[b], v[b], causal=True, q_pos=torch.arange(6) + 2,
+                                               k_pos=torch.arange(6) + 1)
+        torch.testing.assert_close(out[b].double(), ref_out, rtol=0, atol=1e-6)
+        torch.testing.assert_close(lse[b].double(), ref_lse, rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize("case", [c for c in CASES if c[6]])
+def test_block_decomposition_for_fused_kernels_matches_masked_math(case):
+    """The cut of an offset causal mask into square-causal and unmasked blocks (what the fused
+    kernels run), and the two-call lse gradient of `_FusedBlock`, both evaluated with math blocks."""
+    tq, tk, hq, hkv, d, dv, causal, qo, ko = case
+    q, k, v = _qkv(7 + tq, tq, tk, hq, hkv, d, dv, batch=2)
+    qa, ka, va = (x.clone().requires_grad_() for x in (q, k, v))
+    state = _offset_causal_by_blocks(qa, ka, va, qo - ko, d ** -0.5, "math")
+    qr, kr, vr = (x.clone().requires_grad_() for x in (q, k, v))
+    ref = attention_with_lse(qr, kr, vr, causal=True, q_offset=qo, k_offset=ko, backend="math")
+    torch.testing.assert_close(state.out, ref.out, rtol=0, atol=1e-6)
+    torch.testing.assert_close(state.lse, ref.lse, rtol=0, atol=1e-6)
+    if not state.out.requires_grad:   # no row sees a key: nothing depends on the inputs
+        assert torch.isinf(ref.lse).all()
+        return
+    w_out, w_lse = _loss_weights(ref.out, ref.lse, 1)
+    _loss(*state, w_out, w_lse).backward()
+    _loss(*ref, w_out, w_lse).backward()
+    for ours, theirs in ((qa, qr), (ka, kr), (va, vr)):
+        torch.testing.assert_close(ours.grad, theirs.grad, rtol=0, atol=2e-5)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_fused_block_autograd_handles_gradients_through_lse(causal):
+    q, k, v = _qkv(11, 6, 6, 4, 2, 8, 8, batch=2)
+    qa, ka, va = (x.clone().requires_grad_() for x in (q, k, v))
+    out, lse = _FusedBlock.apply(qa, ka, va, causal, 0.3, "math")
+    qr, kr, vr = (x.clone().requires_grad_() for x in (q, k, v))
+    ref = attention_with_lse(qr, kr, vr, causal=causal, scale=0.3, backend="math")
+    w_out, w_lse = _loss_weights(out, lse, 2)
+    for use_out, use_lse in ((True, False), (False, True), (True, True)):
+        for t in (qa, ka, va, qr, kr, vr):
+            t.grad = None
+        out, lse = _FusedBlock.apply(qa, ka, va, causal, 0.3, "math")
+        sel = lambda o, l: (o.double() * w_out).sum() * use_out + (l.double() * w_lse).sum() * use_lse
+        sel(out, lse).backward()
+        sel(*ref).backward(retain_graph=True)
+        for ours, theirs in ((qa, qr), (ka, kr), (va, vr)):
+            torch.testing.assert_close(ours.grad, theirs.grad, rtol=0, atol=2e-5)
+
+
+def test_attention_over_key_chunks_merged_equals_full_causal_attention():
+    """The ring's building block: per-chunk attention with offsets, merged by LSE."""
+    q, k, v = _qkv(5, 12, 12, 4, 2, 8, 8)
+    parts = [attention_with_lse(q, k[i:i + 4], v[i:i + 4], causal=True, k_offset=i) for i in (0, 4, 8)]
+    out, lse = merge_attn_states(torch.stack([p.out for p in parts]), torch.stack([p.lse for p in parts]))
+    ref_out, ref_lse = reference_attention(q, k, v, causal=True)
+    torch.testing.assert_close(out.double(), ref_out, rtol=0, atol=1e-6)
+    torch.testing.assert_close(lse.double(), ref_lse, rtol=0, atol=1e-6)
+
+
+def test_attention_rejects_bad_input():
+    q, k, v = _qkv(0, 4, 4, 6, 4, 8, 8)
+    with pytest.raises(ValueError, match=r"query heads \(6\) must be a multiple of kv heads \(4\)"):
+        attention_with_lse(q, k, v)
+    q, k, v = _qkv(0, 4, 4, 4, 2, 8, 8)
+    with pytest.raises(ValueError, match="dtypes differ"):
+        attention_with_lse(q, k.double(), v)
+    with pytest.raises(ValueError, match="head dim"):
+        attention_with_lse(q[..., :4], k, v)
+    with pytest.raises(ValueError, match="backend"):
+        attention_with_lse(q, k, v, backend="cudnn")
+    with pytest.raises(ValueError, match="CUDA"):
+        attention_with_lse(q, k, v, backend="flash")
+    with pytest.raises(ValueError, match=r"\[T, H, D\]"):
+        attention_with_lse(q[0], k, v)
+
+
+def test_zigzag_shard_unshard_and_positions():
+    x = torch.arange(16).view(16, 1)
+    shards = [zigzag_shard(x, r, 4) for r in range(4)]
+    assert shards[1].view(-1).tolist() == [2, 3, 12, 13]
+    assert zigzag_positions(16, 3, 4).tolist() == [6, 7, 8, 9]
+    assert torch.equal(zigzag_unshard(shards), x)
+    y = torch.randn(2, 12, 3)
+    assert torch.equal(zigzag_unshard([zigzag_shard(y, r, 3, dim=1) for r in range(3)], dim=1), y)
+    with pytest.raises(ValueError, match=r"2\*P = 6 .*pad it by 2 to 12"):
+        zigzag_shard(torch.zeros(10), 0, 3)
+
+
+@pytest.mark.parametrize("variant", ["ring", "allgather"])
+def test_ring_attention_on_a_single_rank_is_plain_causal_attention(variant):
+    q, k, v = _qkv(9, 10, 10, 6, 3, 8, 4)
+    qa, ka, va = (x.clone().requires_grad_() for x in (q, k, v))
+    out, lse = ring_attention(qa, ka, va, None, causal=True, variant=variant, return_lse=True)
+    qr, kr, vr = (x.double().requires_grad_() for x in (q, k, v))
+    ref_out, ref_lse = reference_attention(qr, kr, vr, causal=True)
+    torch.testing.assert_close(out.double(), ref_out, rtol=0, atol=1e-6)
+    torch.testing.assert_close(lse.double(), ref_lse, rtol=0, atol=1e-6)
+    w = torch.randn(out.shape, dtype=torch.float64)
+    (out.double() * w).sum().backward()
+    (ref_out * w).sum().backward()
+    for ours, ref in ((qa, qr), (ka, kr), (va, vr)):
+        torch.testing.assert_close(ours.grad.double(), ref.grad, rtol=0, atol=2e-5)
+
+
+def _simulated_ring_check(size: int, causal: bool, backend: str, device: str, dtype, atol: float, d: int = 16):
+    q, k, v = _qkv(size, 8 * size, 8 * size, 4, 2, d, d, batch=1, dtype=dtype, device=device)
+    dout = torch.randn(q.shape[:-1] + (d,), device=device, dtype=dtype)
+    shard = lambda x: [zigzag_shard(x, r, size, dim=1) for r in range(size)]
+    qs, ks, vs, dos = shard(q), shard(k), shard(v), shard(dout)
+    states = simulate_ring_forward(qs, ks, vs, causal=causal, backend=backend)
+    grads = simulate_ring_backward(dos, qs, ks, vs, states, causal=causal, backend=backend)
+    out = zigzag_unshard([s.out for s in states], dim=1)
+    qr, kr, vr = (x[0].double().cpu().requires_grad_() for x in (q, k, v))
+    ref_out, ref_lse = reference_attention(qr, kr, vr, causal=causal)
+    (ref_out * dout[0].double().cpu()).sum().backward()
+    torch.testing.assert_close(out[0].double().cpu(), ref_out, rtol=0, atol=atol)
+    torch.testing.assert_close(zigzag_unshard([s.lse for s in states], dim=1)[0].double().cpu(), ref_lse,
+                               rtol=0, atol=atol)
+    for i, ref in enumerate((qr, kr, vr)):
+        got = zigzag_unshard([g[i] for g in grads], dim=1)[0].double().cpu()
+        torch.testing.assert_close(got, ref.grad, rtol=0, atol=atol * 5)
+
+
+def test_simulated_ring_of_four_ranks_matches_full_attention():
+    _simulated_ring_check(4, True, "math", "cpu", torch.float32, 1e-5)
+    _simulated_ring_check(3, False, "math", "cpu", torch.float32, 1e-5)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend,dtype,atol", [("flash", torch.bfloat16, 3e-2), ("efficient", torch.float32, 2e-4),
+                                                ("efficient", torch.bfloat16, 3e-2)])
+def test_fused_attention_matches_math_on_cuda(backend, dtype, atol):
+    for tq, tk, hq, hkv, d, dv, causal, qo, ko in CASES + [(300, 520, 8, 2, 128, 128, True, 220, 0)]:
+        if backend == "flash" and d != dv:
+            continue
+        d, dv = max(d, 64), max(dv, 64)
+        q, k, v = _qkv(1, tq, tk, hq, hkv, d, dv, batch=2, dtype=dtype, device="cuda")
+        qa, ka, va = (x.clone().requires_grad_() for x in (q, k, v))
+        got = attention_with_lse(qa, ka, va, causal=causal, q_offset=qo, k_offset=ko, backend=backend)
+        qr, kr, vr = (x.float().clone().requires_grad_() for x in (q, k, v))
+        ref = attention_with_lse(qr, kr, vr, causal=causal, q_offset=qo, k_offset=ko, backend="math")
+        torch.testing.assert_close(got.out.float(), ref.out, rtol=0, atol=atol)
+        torch.testing.assert_close(got.lse, ref.lse, rtol=0, atol=atol)
+        if not got.out.requires_grad:   # no row sees a key
+            continue
+        w_out, w_lse = _loss_weights(ref.out, ref.lse, 3)
+        _loss(*got, w_out, w_lse).backward()
+        _loss(*ref, w_out, w_lse).backward()
+        for ours, theirs in ((qa, qr), (ka, kr), (va, vr)):
+            torch.testing.assert_close(ours.grad.float(), theirs.grad, rtol=0, atol=atol * 10)
+
+
+@pytest.mark.gpu
+def test_simulated_ring_with_flash_matches_full_attention_on_cuda():
+    _simulated_ring_check(4, True, "flash", "cuda", torch.bfloat16, 3e-2, d=64)
+    _simulated_ring_check(2, False, "auto", "cuda", torch.bfloat16, 3e-2, d=128)

@@ -1,0 +1,180 @@
+"""Context parallelism on real gloo process groups (2 and 4 ranks, fp32, tight tolerances):
+ring and all-gather attention forward/backward, DCP decode with both combine modes, and the
+attention module, all against the independent full-attention reference."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from launch.local import launch_local
+from test_cp_reference import reference_attention
+
+ATOL = 2e-6
+GRAD_ATOL = 2e-5
+
+# (seq_len, hq, hkv, d, dv, causal, variant, batch)
+RING_CASES = [
+    (16, 4, 2, 8, 8, True, "ring", None),
+    (16, 6, 2, 8, 4, True, "ring", 2),         # GQA ratio 3, dv != d, batched
+    (24, 3, 1, 8, 8, True, "ring", None),      # MQA
+    (16, 4, 4, 8, 6, False, "ring", None),
+    (24, 6, 3, 8, 8, True, "allgather", None),
+    (16, 4, 1, 8, 8, False, "allgather", 2),
+]
+
+# (interleave, block_size, seq_lens, local q heads, kv heads, comm, cache dtype, atol)
+DCP_CASES = [
+    (1, 4, [1, 2, 3, 17, 40], 2, 2, "ag_rs", torch.float32, ATOL),
+    (1, 4, [1, 2, 3, 17, 40], 2, 2, "a2a", torch.float32, ATOL),
+    (2, 4, [1, 5, 33], 1, 1, "ag_rs", torch.float32, ATOL),
+    (2, 4, [1, 5, 33], 2, 4, "a2a", torch.float32, ATOL),
+    (4, 8, [3, 7, 64], 2, 1, "a2a", torch.float32, ATOL),
+    (1, 1, [2, 9], 2, 2, "ag_rs", torch.float32, ATOL),
+    (2, 4, [6, 31], 2, 2, "a2a", torch.float8_e4m3fn, 8e-2),
+]
+
+
+def _close(got: torch.Tensor, expect: torch.Tensor, atol: float, msg: str) -> None:
+    """assert_close for the ranks (torch.testing imports DTensor in every process: seconds)."""
+    got, expect = got.detach().double().cpu(), expect.detach().double().cpu()
+    assert got.shape == expect.shape, f"{msg}: shape {tuple(got.shape)} != {tuple(expect.shape)}"
+    inf = torch.isinf(expect)
+    assert torch.equal(torch.isinf(got), inf) and torch.equal(got[inf], expect[inf]), f"{msg}: inf mismatch"
+    err = (got - expect)[~inf].abs().max().item() if (~inf).any() else 0.0
+    assert err <= atol, f"{msg}: max abs error {err:.3g} > {atol:g}"
+
+
+def _shard(x: torch.Tensor, rank: int, size: int, dim: int) -> torch.Tensor:
+    from parallel.cp import zigzag_shard
+
+    return zigzag_shard(x, rank, size, dim=dim)
+
+
+def _check_ring(groups, case, group_arg, seed: int, device: torch.device, tol: float) -> None:
+    from parallel.cp import ring_attention
+
+    seq, hq, hkv, d, dv, causal, variant, batch = case
+    rank, size = groups.pcp.rank, groups.pcp.size
+    gen = torch.Generator().manual_seed(seed)
+    b = batch or 1
+    q, k, v = torch.randn(b, seq, hq, d, generator=gen), torch.randn(b, seq, hkv, d, generator=gen), \
+        torch.randn(b, seq, hkv, dv, generator=gen)
+    dout = torch.randn(b, seq, hq, dv, generator=gen)
+    squeeze = (lambda x: x[0]) if batch is None else (lambda x: x)
+    local = [squeeze(_shard(x, rank, size, 1)).to(device).requires_grad_() for x in (q, k, v)]
+    out, lse = ring_attention(*local, group_arg, causal=causal, variant=variant, return_lse=True)
+    out.backward(squeeze(_shard(dout, rank, size, 1)).to(device))
+    for i in range(b):
+        ref = [x[i].double().requires_grad_() for x in (q, k, v)]
+        ref_out, ref_lse = reference_attention(*ref, causal=causal)
+        (ref_out * dout[i].double()).sum().backward()
+        bi = (lambda x: x) if batch is None else (lambda x: x[i])
+        msg = f"rank {rank}/{size} case {case} batch {i}"
+        _close(bi(out), _shard(ref_out, rank, size, 0), ATOL * tol, f"{msg} out")
+        _close(bi(lse), _shard(ref_lse, rank, size, 0), ATOL * tol, f"{msg} lse")
+        for name, ours, theirs in zip("qkv", local, ref):
+            _close(bi(ours.grad), _shard(theirs.grad, rank, size, 0), GRAD_ATOL * tol, f"{msg} d{name}")
+
+
+def _fill_cache(cache, attn_insert, ks, vs, table, split_last: bool) -> None:
+    for s in range(len(ks)):
+        n = ks[s].shape[0]
+        cut = n - 1 if split_last else n
+        for lo, hi in ((0, cut), (cut, n)):
+            if hi > lo:
+                attn_insert(cache, ks[s][lo:hi], vs[s][lo:hi], torch.arange(lo, hi, device=table.device),
+                            table[s].expand(hi - lo, -1))
+
+
+def _check_dcp(groups, case, seed: int, device: torch.device, tol: float) -> None:
+    from parallel.cp import PagedKVCache, dcp_decode_attention, dcp_kv_insert
+
+    interleave, block, lens, hl, hkv, comm, cache_dtype, atol = case
+    rank, size = groups.dcp.rank, groups.dcp.size
+    gen = torch.Generator().manual_seed(seed)
+    d, dv = 8, 6
+    q = torch.randn(len(lens), hl * size, d, generator=gen)
+    ks = [torch.randn(n, hkv, d, generator=gen) for n in lens]
+    vs = [torch.randn(n, hkv, dv, generator=gen) for n in lens]
+    per_block = block * size
+    width = max(-(-n // per_block) for n in lens)
+    ids = torch.randperm(len(lens) * width + 3, generator=gen)
+    table = ids[: len(lens) * width].view(len(lens), width).to(torch.int32)
+    cache = PagedKVCache.allocate(len(lens) * width + 3, block, hkv, d, head_dim_v=dv, dtype=cache_dtype,
+                                  device=device)
+    insert = lambda c, k, v, p, t: dcp_kv_insert(c, k.to(device), v.to(device), p, t, groups.dcp,
+                                                 interleave=interleave)
+    _fill_cache(cache, insert, ks, vs, table.to(device), split_last=True)
+    mine = slice(rank * hl, (rank + 1) * hl)
+    out, lse = dcp_decode_attention(q[:, mine].contiguous().to(device), cache, table.to(device),
+                                    torch.tensor(lens, device=device), groups.dcp, interleave=interleave, comm=comm,
+                                    return_lse=True)
+    for s, n in enumerate(lens):
+        ref_out, ref_lse = reference_attention(q[s:s + 1], ks[s], vs[s], causal=False)
+        msg = f"rank {rank}/{size} case {case} seq {s}"
+        _close(out[s], ref_out[0, mine], atol * tol, f"{msg} out")
+        _close(lse[s], ref_lse[0, mine], atol * tol, f"{msg} lse")
+
+
+def _check_module(groups, seed: int, device: torch.device, tol: float) -> None:
+    from parallel.cp import ContextParallelAttention, PagedKVCache
+
+    attn = ContextParallelAttention(groups, interleave=2, dcp_comm="a2a")
+    rank, size = groups.pcp.rank, groups.pcp.size
+    gen = torch.Generator().manual_seed(seed)
+    seq = 4 * size
+    q, k, v = torch.randn(seq, 4, 8, generator=gen), torch.randn(seq, 2, 8, generator=gen), \
+        torch.randn(seq, 2, 8, generator=gen)
+    out = attn(*(attn.shard(x).to(device) for x in (q, k, v)))
+    ref_out, _ = reference_attention(q, k, v, causal=True)
+    _close(attn.unshard(out), ref_out, ATOL * tol, f"rank {rank} module prefill")
+    assert torch.equal(attn.positions(seq), _shard(torch.arange(seq), rank, size, 0))
+    # decode: the module's DCP group shards the cache; each rank decodes its own heads
+    cache = PagedKVCache.allocate(8, 2, 2, 8, dtype=torch.float32, device=device)
+    table = torch.tensor([[5, 1, 6, 7]], dtype=torch.int32, device=device)
+    attn.insert_kv(cache, k.to(device), v.to(device), torch.arange(seq, device=device), table[0])
+    heads = 4 // size if size <= 4 else 1
+    mine = slice(groups.dcp.rank * heads, (groups.dcp.rank + 1) * heads)
+    qd = torch.randn(1, heads * groups.dcp.size, 8, generator=gen)
+    got = attn.decode(qd[:, mine].contiguous().to(device), cache, table, torch.tensor([seq], device=device))
+    _close(got, reference_attention(qd, k, v, causal=False)[0][:, mine], ATOL * tol, f"rank {rank} module decode")
+
+
+def _cp_rank(rank: int, world: int) -> str:
+    torch.set_num_threads(1)
+    from parallel import ParallelConfig, init_parallel
+    from parallel.cp import ring_attention
+
+    groups = init_parallel(ParallelConfig(world_size=world, pcp=world, dcp=world))
+    if groups.backend == "nccl":   # fused fp32 kernels on the GPU: looser than exact math
+        device, tol = torch.device("cuda", torch.cuda.current_device()), 50.0
+    else:
+        device, tol = torch.device("cpu"), 1.0
+    group_args = [groups.pcp, dist.group.WORLD, None]
+    for i, case in enumerate(RING_CASES):
+        if case[0] % (2 * world) == 0:
+            _check_ring(groups, case, group_args[i % 3], i, device, tol)
+    for i, case in enumerate(DCP_CASES):
+        _check_dcp(groups, case, 100 + i, device, tol)
+    _check_module(groups, 7, device, tol)
+    try:
+        ring_attention(torch.randn(3, 2, 8), torch.randn(3, 2, 8), torch.randn(3, 2, 8), groups.pcp)
+    except ValueError as e:
+        assert "must be even" in str(e) and f"2*P = {2 * world}" in str(e), e
+    else:
+        raise AssertionError("odd local length was accepted")
+    return "ok"
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_context_parallel_attention_on_gloo_ranks(world):
+    assert launch_local(_cp_rank, world, args=(world,), timeout=120) == ["ok"] * world
+
+
+@pytest.mark.gpu
+@pytest.mark.multigpu
+def test_context_parallel_attention_on_nccl_ranks():
+    world = min(torch.cuda.device_count(), 4)
+    assert launch_local(_cp_rank, world, args=(world,), backend="nccl", timeout=300) == ["ok"] * world

@@ -1,0 +1,185 @@
+"""LSE merging (SPEC §7): torch reference, and the Triton kernel (interpreter here, CUDA on GPU)."""
+
+from __future__ import annotations
+
+import importlib
+import math
+
+import pytest
+import torch
+
+from parallel.cp import merge_attn_states, merge_two_attn_states
+from test_cp_reference import reference_attention
+
+LN2 = math.log(2.0)
+
+
+def _partials_over_key_splits(seed: int, splits: list[int], *, t: int = 5, h: int = 3, d: int = 8):
+    """Partial attentions over disjoint key sets (one set may be empty) and the full attention."""
+    gen = torch.Generator().manual_seed(seed)
+    sk = sum(splits)
+    q = torch.randn(t, h, d, generator=gen)
+    k = torch.randn(sk, h, d, generator=gen) * 2
+    v = torch.randn(sk, h, d, generator=gen)
+    outs, lses, start = [], [], 0
+    for n in splits:
+        o, l = reference_attention(q, k[start:start + n], v[start:start + n], causal=False)
+        if n == 0:   # empty key set: what kernels report
+            o, l = torch.full_like(o, float("nan")), torch.full_like(l, float("inf"))
+        outs.append(o.float())
+        lses.append(l.float())
+        start += n
+    full = reference_attention(q, k, v, causal=False)
+    return torch.stack(outs), torch.stack(lses), full
+
+
+@pytest.mark.parametrize("base", ["e", "2"])
+def test_merge_equals_one_softmax_over_all_keys(base):
+    outs, lses, (full_out, full_lse) = _partials_over_key_splits(0, [3, 0, 7, 1])
+    if base == "2":
+        lses = lses / LN2
+    out, lse = merge_attn_states(outs, lses, base=base)
+    torch.testing.assert_close(out.double(), full_out, rtol=0, atol=2e-6)
+    expect_lse = full_lse / LN2 if base == "2" else full_lse
+    torch.testing.assert_close(lse.double(), expect_lse, rtol=0, atol=2e-6)
+    assert out.dtype == torch.float32 and lse.dtype == torch.float32
+
+
+def test_two_way_merge_equals_n_way_and_accumulates_in_place():
+    outs, lses, _ = _partials_over_key_splits(1, [4, 5])
+    expect = merge_attn_states(outs, lses)
+    acc, acc_lse = outs[0].clone(), lses[0].clone()
+    res = merge_two_attn_states(acc, acc_lse, outs[1], lses[1], out=acc, out_lse=acc_lse)
+    assert res.out.data_ptr() == acc.data_ptr() and res.lse.data_ptr() == acc_lse.data_ptr()
+    torch.testing.assert_close(acc, expect.out, rtol=0, atol=1e-6)
+    torch.testing.assert_close(acc_lse, expect.lse, rtol=0, atol=1e-6)
+
+
+def test_nan_and_plus_inf_lse_count_as_empty_and_all_empty_rows_give_zero():
+    gen = torch.Generator().manual_seed(2)
+    outs = torch.randn(3, 4, 2, 6, generator=gen)
+    lses = torch.randn(3, 4, 2, generator=gen)
+    lses[1, 0, 0] = float("nan")
+    outs[1, 0, 0] = float("nan")          # garbage out of an empty partial must not leak
+    lses[2, 1, 1] = float("inf")
+    outs[2, 1, 1] = float("inf")
+    lses[:, 3, :] = torch.tensor([float("nan"), float("inf"), -float("inf")])[:, None]   # row empty everywhere
+    outs[:, 3, :] = float("nan")
+    out, lse = merge_attn_states(outs, lses)
+    keep = merge_attn_states(outs[[0, 2]], lses[[0, 2]])
+    torch.testing.assert_close(out[0, 0], keep.out[0, 0], rtol=0, atol=1e-6)
+    torch.testing.assert_close(lse[0, 0], keep.lse[0, 0], rtol=0, atol=1e-6)
+    keep = merge_attn_states(outs[[0, 1]], lses[[0, 1]])
+    torch.testing.assert_close(out[1, 1], keep.out[1, 1], rtol=0, atol=1e-6)
+    assert torch.equal(out[3], torch.zeros(2, 6)) and (lse[3] == -math.inf).all()
+    assert torch.isfinite(out[:3]).all()
+
+
+def test_large_lse_values_do_not_overflow_and_one_partial_passes_through():
+    outs = torch.randn(2, 3, 1, 4)
+    lses = torch.tensor([[[9000.0], [-60.0], [100.0]], [[-float("inf")], [-60.0 + math.log(3.0)], [100.0]]])
+    out, lse = merge_attn_states(outs, lses)
+    torch.testing.assert_close(out[0], outs[0, 0], rtol=0, atol=0)        # the other partial is empty
+    assert lse[0, 0].item() == 9000.0
+    torch.testing.assert_close(out[1], 0.25 * outs[0, 1] + 0.75 * outs[1, 1], rtol=0, atol=2e-5)
+    torch.testing.assert_close(lse[1, 0], torch.tensor(-60.0 + math.log(4.0)), rtol=0, atol=1e-5)
+    torch.testing.assert_close(out[2], 0.5 * (outs[0, 2] + outs[1, 2]), rtol=0, atol=1e-6)
+    assert lse[2, 0].item() == pytest.approx(100.0 + math.log(2.0), abs=1e-5)
+
+
+def test_low_precision_outs_keep_their_dtype_with_fp32_lse():
+    outs, lses, (full_out, _) = _partials_over_key_splits(3, [6, 6])
+    out, lse = merge_attn_states(outs.bfloat16(), lses)
+    assert out.dtype == torch.bfloat16 and lse.dtype == torch.float32
+    torch.testing.assert_close(out.double(), full_out, rtol=0, atol=2e-2)
+
+
+def test_fp32_accumulator_merges_with_a_low_precision_block():
+    outs, lses, _ = _partials_over_key_splits(4, [5, 6])
+    block = outs[1].bfloat16()
+    expect = merge_two_attn_states(outs[0], lses[0], block.float(), lses[1])
+    acc = outs[0].clone()
+    merge_two_attn_states(acc, lses[0].clone(), block, lses[1], out=acc)
+    assert acc.dtype == torch.float32
+    torch.testing.assert_close(acc, expect.out, rtol=0, atol=1e-6)
+
+
+def test_merge_rejects_bad_input():
+    outs, lses = torch.randn(2, 3, 4, 5), torch.randn(2, 3, 4)
+    with pytest.raises(ValueError, match="base"):
+        merge_attn_states(outs, lses, base="10")
+    with pytest.raises(ValueError, match="lse"):
+        merge_attn_states(outs, lses[:, :2])
+    with pytest.raises(ValueError, match="out has shape"):
+        merge_attn_states(outs, lses, out=torch.empty(3, 4, 4))
+    with pytest.raises(ValueError, match="backend"):
+        merge_attn_states(outs, lses, backend="cuda")
+
+
+def _triton_merge_module(monkeypatch):
+    pytest.importorskip("triton")
+    if torch.cuda.is_available():
+        pytest.skip("the CUDA test covers the kernel on this machine")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    import sys
+
+    sys.modules.pop("parallel.cp.triton_merge", None)   # decorate the kernels in interpreter mode
+    mod = importlib.import_module("parallel.cp.triton_merge")
+    mod.triton_available.cache_clear()
+    return mod
+
+
+def _edge_case_states(seed: int, n: int, t: int = 6, h: int = 3, d: int = 20):
+    gen = torch.Generator().manual_seed(seed)
+    outs = torch.randn(n, t, h, d, generator=gen)
+    lses = torch.randn(n, t, h, generator=gen) * 4
+    lses[0, 0, 0] = float("nan")
+    lses[-1, 1, 2] = float("inf")
+    outs[-1, 1, 2] = float("nan")
+    lses[:, 2, 1] = -float("inf")
+    outs[:, 2, 1] = float("nan")
+    return outs, lses
+
+
+@pytest.mark.parametrize("base", ["e", "2"])
+def test_triton_merge_matches_torch_under_interpreter(monkeypatch, base):
+    mod = _triton_merge_module(monkeypatch)
+    for n in (1, 2, 3):
+        outs, lses = _edge_case_states(n, n)
+        expect = merge_attn_states(outs, lses, base=base, backend="torch")
+        got = mod.merge_states_triton(outs, lses, base=base)                      # stacked (N-way kernel)
+        torch.testing.assert_close(got.out, expect.out, rtol=0, atol=1e-6, equal_nan=False)
+        torch.testing.assert_close(got.lse, expect.lse, rtol=0, atol=1e-6)
+    # pair kernel, strided inputs ([T, H, D] views of [H, T, D] memory), in place into the first
+    outs, lses = _edge_case_states(7, 2)
+    a = outs[0].transpose(0, 1).contiguous().transpose(0, 1)
+    la = lses[0].t().contiguous().t()
+    expect = merge_two_attn_states(outs[0], lses[0], outs[1], lses[1], base=base, backend="torch")
+    merge_two_attn_states(a, la, outs[1], lses[1], base=base, backend="triton", out=a, out_lse=la)
+    torch.testing.assert_close(a, expect.out, rtol=0, atol=1e-6)
+    torch.testing.assert_close(la, expect.lse, rtol=0, atol=1e-6)
+    # fp32 accumulator + fp16 block (the interpreter mishandles bf16), as the ring merges
+    block = outs[1].half()
+    expect = merge_two_attn_states(outs[0], lses[0], block.float(), lses[1], base=base, backend="torch")
+    acc = outs[0].clone()
+    merge_two_attn_states(acc, lses[0].clone(), block, lses[1], base=base, backend="triton", out=acc)
+    torch.testing.assert_close(acc, expect.out, rtol=0, atol=1e-6)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_triton_merge_matches_torch_on_cuda(dtype):
+    for n, (t, h, d), base in ((2, (1000, 16, 128), "e"), (4, (333, 8, 64), "2"), (3, (64, 5, 96), "e")):
+        outs, lses = _edge_case_states(n, n, t, h, d)
+        outs, lses = outs.cuda().to(dtype), lses.cuda()
+        expect = merge_attn_states(outs, lses, base=base, backend="torch")
+        got = merge_attn_states(outs, lses, base=base)          # auto picks Triton on CUDA
+        torch.testing.assert_close(got.out.float(), expect.out.float(), rtol=1e-2 if dtype != torch.float32 else 0,
+                                   atol=1e-2 if dtype != torch.float32 else 1e-5)
+        torch.testing.assert_close(got.lse, expect.lse, rtol=0, atol=1e-5)
+        # the ring's step: fp32 accumulator, block in the attention dtype, in place
+        ref2 = merge_two_attn_states(outs[0].float(), lses[0], outs[1].float(), lses[1], base=base, backend="torch")
+        acc, acc_lse = outs[0].float().clone(), lses[0].clone()
+        merge_two_attn_states(acc, acc_lse, outs[1], lses[1], base=base, out=acc, out_lse=acc_lse)
+        torch.testing.assert_close(acc, ref2.out, rtol=0, atol=1e-5)
+        torch.testing.assert_close(acc_lse, ref2.lse, rtol=0, atol=1e-5)
