@@ -14,7 +14,9 @@ ids of the rows a rank holds into positions in the layout the expert GEMMs consu
 Within an expert, rows keep the order of the rows they come from, then the top-k slot: by
 source rank, then token index, then k. The two data movers, `gather_rows` (permute) and
 `gather_reduce` (weighted unpermute, fp32 accumulation), have a torch reference here and a
-Triton kernel (`parallel.ep.triton_permute`) used for CUDA tensors.
+Triton kernel (`parallel.ep.triton_permute`) used for CUDA tensors (MEGAPAR_EP_TRITON=0 turns
+it off). `plan_layout` synchronizes the device only for a host value it was not given; the
+Triton movers never do (the torch ones use `nonzero`, a sync on CUDA without Triton).
 """
 
 from __future__ import annotations
@@ -83,6 +85,13 @@ def check_layout_args(layout: str, align: int, capacity: int | None, drop_policy
             raise ValueError(f"drop_policy ({drop_policy!r}) applies to layout='slab' only (layout={layout!r})")
 
 
+def count_values(key: torch.Tensor, num_bins: int) -> torch.Tensor:
+    """key: [N] int64 in [0, num_bins) -> [num_bins] int64 counts. Unlike torch.bincount on
+    CUDA, no device-to-host sync (bincount reads the max first)."""
+    counts = torch.zeros(num_bins, dtype=torch.int64, device=key.device)
+    return counts.scatter_add_(0, key, torch.ones_like(key))
+
+
 def local_expert_ids(topk_ids: torch.Tensor, rank: int, experts_per_rank: int) -> torch.Tensor:
     """topk_ids: [n, K] int, global expert ids, -1 = none -> [n, K] int64 ids local to `rank`, -1 elsewhere."""
     ids = topk_ids.long()
@@ -107,12 +116,12 @@ def plan_layout(local_ids: torch.Tensor, num_local_experts: int, *, layout: str 
     num_e = num_local_experts
     flat = local_ids.reshape(-1)
     key = torch.where(flat >= 0, flat, torch.full_like(flat, num_e))  # invalid pairs sort last
-    order = torch.sort(key, stable=True).indices  # pairs by expert, then (row, k)
-    all_counts = torch.bincount(key, minlength=num_e + 1)  # [E_local + 1] int64
+    sorted_key, order = torch.sort(key, stable=True)  # pairs by expert, then (row, k)
+    all_counts = count_values(key, num_e + 1)  # [E_local + 1] int64
     counts = all_counts[:num_e]
     starts = torch.cumsum(all_counts, 0) - all_counts  # exclusive prefix sum
     rank_in_expert = torch.empty_like(key)
-    rank_in_expert[order] = torch.arange(n * k, device=device) - starts[key[order]]
+    rank_in_expert[order] = torch.arange(n * k, device=device) - starts[sorted_key]
 
     num_dropped: int | None = None
     if layout == "slab":
@@ -140,14 +149,14 @@ def plan_layout(local_ids: torch.Tensor, num_local_experts: int, *, layout: str 
         kept_counts = counts
 
     pos = torch.where(kept, pos, torch.full_like(pos, -1))
+    # scatter kept pairs into the layout rows; dropped/invalid ones land in a spare last row
+    # (no boolean indexing: that would sync the device)
+    target = torch.where(kept, pos, torch.full_like(pos, num_rows))
     pair = torch.arange(n * k, device=device)
-    kept_idx = pos[kept]
-    row_src = torch.full((num_rows,), -1, dtype=torch.int64, device=device)
-    row_slot = torch.full((num_rows,), -1, dtype=torch.int64, device=device)
-    expert_ids = torch.full((num_rows,), -1, dtype=torch.int32, device=device)
-    row_src[kept_idx] = pair[kept] // k
-    row_slot[kept_idx] = pair[kept] % k
-    expert_ids[kept_idx] = key[kept].to(torch.int32)
+    row_src = torch.full((num_rows + 1,), -1, dtype=torch.int64, device=device).scatter_(0, target, pair // k)
+    row_slot = torch.full((num_rows + 1,), -1, dtype=torch.int64, device=device).scatter_(0, target, pair % k)
+    expert_ids = torch.full((num_rows + 1,), -1, dtype=torch.int64, device=device).scatter_(0, target, key)
+    row_src, row_slot, expert_ids = row_src[:num_rows], row_slot[:num_rows], expert_ids[:num_rows].to(torch.int32)
     return LayoutPlan(
         pair_pos=pos.view(n, k),
         row_src=row_src,
@@ -165,27 +174,61 @@ def plan_layout(local_ids: torch.Tensor, num_local_experts: int, *, layout: str 
 # Data movers: torch reference + Triton on CUDA.
 
 
+_triton_ok: bool | None = None
+
+
 def _use_triton(t: torch.Tensor) -> bool:
+    """Triton movers for CUDA tensors, unless MEGAPAR_EP_TRITON=0; without triton, fall back
+    to torch and say so once."""
+    global _triton_ok
     if t.device.type != "cuda" or os.environ.get("MEGAPAR_EP_TRITON", "1") == "0":
         return False
-    try:
-        import triton  # noqa: F401
-    except ImportError:
-        return False
-    return True
+    if _triton_ok is None:
+        try:
+            import triton  # noqa: F401
+
+            _triton_ok = True
+        except ImportError:
+            _triton_ok = False
+            log.warning("parallel.ep: triton is not importable; EP permute/unpermute use torch (pip install triton)")
+    return _triton_ok
 
 
-def gather_rows_torch(src: torch.Tensor, idx: torch.Tensor, row_scale: torch.Tensor | None = None) -> torch.Tensor:
+def word_size(*tensors: torch.Tensor, widest: int = 4) -> int:
+    """Widest word (8, 4, 2 or 1 bytes, at most `widest`) dividing the row bytes, row strides
+    and storage offsets of every [N, C] tensor given (all with unit last stride)."""
+    for size in (8, 4, 2):
+        if size <= widest and all(
+                t.shape[1] * t.element_size() % size == 0 and t.stride(0) * t.element_size() % size == 0
+                and t.storage_offset() * t.element_size() % size == 0 for t in tensors):
+            return size
+    return 1
+
+
+def as_words(t: torch.Tensor, size: int) -> torch.Tensor:
+    """[N, C] with unit last stride -> the same bytes as [N, C'] integer words of `size` bytes."""
+    word = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}[size]
+    return t if t.dtype == word else t.view(torch.uint8).view(word)
+
+
+def gather_rows_torch(src: torch.Tensor, idx: torch.Tensor, row_scale: torch.Tensor | None = None,
+                      out: torch.Tensor | None = None) -> torch.Tensor:
     """Reference permute. src: [N, C] any dtype; idx: [M] int, -1 = zero row;
-    row_scale: [M] fp32 or None (multiplies each output row, in fp32) -> [M, C] in src's dtype."""
-    valid = idx >= 0
+    row_scale: [M] fp32 or None (multiplies each output row, in fp32); out: [M, C] to write
+    into or None -> [M, C] in src's dtype."""
+    moved = src
+    if row_scale is None and src.dim() == 2 and src.stride(-1) == 1 and src.shape[1] > 0:
+        moved = as_words(src, word_size(src, widest=8))  # whole words, whatever the payload dtype
     if src.shape[0] == 0:
-        out = src.new_zeros((idx.shape[0], src.shape[1]))
+        rows = moved.new_zeros((idx.shape[0], moved.shape[1]))
     else:
-        out = src.index_select(0, idx.clamp(min=0))
+        rows = moved.index_select(0, idx.clamp(min=0))
+    padding = (idx < 0).nonzero().reshape(-1)
+    rows.index_fill_(0, padding, 0)  # exact zeros whatever src row 0 holds
+    rows = rows.view(torch.uint8).view(src.dtype) if moved is not src else rows
     if row_scale is not None:
-        out = (out.float() * row_scale[:, None]).to(src.dtype)
-    return out.masked_fill(~valid[:, None], 0)  # padding rows are exact zeros whatever src row 0 holds
+        rows = (rows.float() * row_scale[:, None]).to(src.dtype)
+    return rows if out is None else out.copy_(rows)
 
 
 def gather_reduce_torch(src: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor | None = None,
@@ -193,27 +236,26 @@ def gather_reduce_torch(src: torch.Tensor, idx: torch.Tensor, weights: torch.Ten
     """Reference weighted unpermute: out[m] = sum_k weights[m, k] * src[idx[m, k]] over idx >= 0,
     accumulated in fp32. src: [N, C] float; idx: [M, K] int, -1 = skip; weights: [M, K] fp32 or
     None (= 1) -> [M, C] in `out_dtype` (default src's dtype)."""
-    m, k = idx.shape
-    out = torch.zeros(m, src.shape[1], dtype=torch.float32, device=src.device)
-    if src.shape[0] > 0:
-        for j in range(k):
-            col = idx[:, j]
-            valid = col >= 0
-            rows = src.index_select(0, col.clamp(min=0)).float()
-            if weights is not None:
-                rows = rows * weights[:, j, None].float()
-            out += torch.where(valid[:, None], rows, torch.zeros((), device=src.device))
+    out = torch.zeros(idx.shape[0], src.shape[1], dtype=torch.float32, device=src.device)
+    rows_of, slots = (idx >= 0).nonzero(as_tuple=True)  # valid (m, k) in m-major order
+    if rows_of.numel():
+        picked = src.index_select(0, idx[rows_of, slots]).float()  # skipped slots are never read
+        if weights is not None:
+            picked *= weights[rows_of, slots, None].float()
+        out.index_add_(0, rows_of, picked)
     return out.to(out_dtype or src.dtype)
 
 
-def gather_rows(src: torch.Tensor, idx: torch.Tensor, row_scale: torch.Tensor | None = None) -> torch.Tensor:
+def gather_rows(src: torch.Tensor, idx: torch.Tensor, row_scale: torch.Tensor | None = None,
+                out: torch.Tensor | None = None) -> torch.Tensor:
     """Permute: out[m] = src[idx[m]] (zero where idx == -1), times row_scale[m] when given.
-    src: [N, C]; idx: [M] int; row_scale: [M] fp32 or None -> [M, C] in src's dtype."""
-    if _use_triton(src) and src.stride(-1) == 1:
+    src: [N, C]; idx: [M] int; row_scale: [M] fp32 or None; out: [M, C] of src's dtype with
+    unit last stride to write into (e.g. columns of a packed buffer) -> [M, C] in src's dtype."""
+    if _use_triton(src) and src.stride(-1) == 1 and (out is None or out.stride(-1) == 1):
         from parallel.ep import triton_permute
 
-        return triton_permute.gather_rows(src, idx, row_scale)
-    return gather_rows_torch(src, idx, row_scale)
+        return triton_permute.gather_rows(src, idx, row_scale, out)
+    return gather_rows_torch(src, idx, row_scale, out)
 
 
 def gather_reduce(src: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor | None = None,

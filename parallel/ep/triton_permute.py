@@ -13,6 +13,8 @@ import torch
 import triton
 import triton.language as tl
 
+from parallel.ep.layout import as_words, word_size
+
 _BLOCK_C = 1024
 
 
@@ -31,7 +33,7 @@ def _gather_rows_kernel(src_ptr, idx_ptr, scale_ptr, out_ptr, C, src_stride, out
             vals = (vals.to(tl.float32) * scale).to(out_ptr.dtype.element_ty)
         tl.store(out_ptrs, vals, mask=mask)
     else:
-        tl.store(out_ptrs, tl.zeros([BLOCK_C], dtype=out_ptr.dtype.element_ty), mask=mask)
+        tl.store(out_ptrs, tl.full([BLOCK_C], 0, out_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -40,38 +42,33 @@ def _gather_reduce_kernel(src_ptr, idx_ptr, w_ptr, out_ptr, C, src_stride, out_s
     row = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
     mask = cols < C
-    acc = tl.zeros([BLOCK_C], dtype=tl.float32)
+    acc = tl.full([BLOCK_C], 0.0, tl.float32)
+    # masked loads rather than branches, so the K row loads can all be in flight at once
     for j in tl.static_range(K):
         src_row = tl.load(idx_ptr + row * K + j).to(tl.int64)
-        if src_row >= 0:
-            vals = tl.load(src_ptr + src_row * src_stride + cols, mask=mask, other=0.0).to(tl.float32)
-            if HAS_W:
-                vals = vals * tl.load(w_ptr + row * K + j)
-            acc += vals
+        ok = src_row >= 0
+        vals = tl.load(src_ptr + tl.maximum(src_row, 0) * src_stride + cols, mask=mask & ok, other=0.0)
+        vals = vals.to(tl.float32)
+        if HAS_W:
+            vals = vals * tl.load(w_ptr + row * K + j)
+        acc += tl.where(ok, vals, 0.0)
     tl.store(out_ptr + row.to(tl.int64) * out_stride + cols, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-def _word_view(t: torch.Tensor) -> torch.Tensor:
-    """[N, C] with unit last stride -> the same bytes as [N, C'] int32/int16/uint8 words."""
-    row_bytes = t.shape[1] * t.element_size()
-    for word in (torch.int32, torch.int16):
-        size = torch.empty((), dtype=word).element_size()
-        if (row_bytes % size == 0 and (t.stride(0) * t.element_size()) % size == 0
-                and (t.storage_offset() * t.element_size()) % size == 0):
-            return t.view(torch.uint8).view(word) if t.element_size() != 1 else t.view(word)
-    return t.view(torch.uint8)
-
-
-def gather_rows(src: torch.Tensor, idx: torch.Tensor, row_scale: torch.Tensor | None = None) -> torch.Tensor:
+def gather_rows(src: torch.Tensor, idx: torch.Tensor, row_scale: torch.Tensor | None = None,
+                out: torch.Tensor | None = None) -> torch.Tensor:
     """out[m] = src[idx[m]] (zero row where idx == -1), times row_scale[m] (fp32) when given.
-    src: [N, C], unit last stride; idx: [M] int32/int64; row_scale: [M] fp32 or None -> [M, C]."""
+    src: [N, C], unit last stride; idx: [M] int32/int64; row_scale: [M] fp32 or None;
+    out: [M, C] of src's dtype with unit last stride (e.g. columns of a packed buffer) or None."""
     m, c = idx.shape[0], src.shape[1]
-    out = torch.empty((m, c), dtype=src.dtype, device=src.device)
+    if out is None:
+        out = torch.empty((m, c), dtype=src.dtype, device=src.device)
     if m == 0 or c == 0:
         return out
     idx = idx.contiguous()
     if row_scale is None:
-        src_w, out_w = _word_view(src), _word_view(out)
+        size = word_size(src, out)
+        src_w, out_w = as_words(src, size), as_words(out, size)
     else:
         src_w, out_w, row_scale = src, out, row_scale.float().contiguous()
     cw = src_w.shape[1]

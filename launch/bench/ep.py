@@ -1,0 +1,218 @@
+"""`megapar bench ep`: EP dispatch/combine time and bandwidth.
+
+1. Local permute/unpermute (EP = 1, one device): on a GPU at T=4096, H=7168, K=8, E=256 bf16
+   (ANCHORS.md target: >= 60% of the copy ceiling), small sizes on CPU. Rows: the data
+   movers alone (Triton on CUDA) against the torch eager movers (anchor) and the copy floor
+   ((T + R) * H * 2 bytes, each source row read once, each layout row written once), then
+   the whole `dispatch` / `combine` (routing plan + movers + the one host sync).
+2. Multi-rank dispatch + combine for T tokens per rank: gloo ranks on CPU (launch_local), or
+   NCCL with one rank per GPU when >= 2 GPUs exist (else a note). World size:
+   `--world-size N` or MEGAPAR_BENCH_EP_WORLD (default 2 with --quick, 4 on CPU, all GPUs).
+   Anchor: what a user would write with torch alone (every (token, k) pair sent on its own
+   with all_to_all_single, combined with index_add_). Bandwidth: logical bytes = valid
+   pairs * H * 2 each way; physical = bytes this rank sends to other ranks (deduplicated
+   rows, packed with scales/ids/weights) in dispatch plus the partial rows of combine.
+   GPU target (8 ranks, 4K tokens): >= 80% of 450 GB/s NVLink per direction.
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import time
+
+import torch
+
+from launch.bench.common import BenchContext, copy_ceiling_gbps
+
+NVLINK_GBPS = 450.0
+
+
+def _routing(t: int, e: int, k: int, device: torch.device, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """[T, K] int64 distinct experts per token (uniform), [T, K] fp32 softmax weights."""
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    ids = torch.rand(t, e, generator=g).topk(k, dim=1).indices
+    w = torch.softmax(torch.randn(t, k, generator=g), -1)
+    return ids.to(device), w.to(device)
+
+
+def _local_cases(ctx: BenchContext) -> None:
+    from parallel.ep import gather_reduce, gather_rows, make_dispatcher
+    from parallel.ep.layout import gather_reduce_torch, gather_rows_torch
+
+    if ctx.quick:
+        t, h, k, e = 64, 256, 4, 16
+    elif ctx.is_cuda:
+        t, h, k, e = 4096, 7168, 8, 256
+    else:
+        t, h, k, e = 512, 1024, 8, 64
+    dev = ctx.device
+    x = torch.randn(t, h, device=dev).to(torch.bfloat16)
+    ids, w = _routing(t, e, k, dev, 0)
+    ceiling = copy_ceiling_gbps(dev)
+    for align in (1, 128):
+        d = make_dispatcher(None, e, h, align=align)
+        res = d.dispatch(x, ids, w)
+        plan = res.handle.plan
+        rows = plan.num_rows
+        nbytes = (t + rows) * h * x.element_size()
+        floor = nbytes / (ceiling * 1e3)
+        shape = f"T={t} H={h} K={k} E={e} align={align}"
+        flush = ctx.is_cuda
+        copy_src = torch.empty(nbytes // 4, dtype=torch.int16, device=dev)
+        copy_us = ctx.time_fn(lambda: copy_src.clone(), flush_l2=flush)  # same bytes read + written
+        ours = ctx.time_fn(lambda: gather_rows(x, plan.row_src), flush_l2=flush)
+        eager = ctx.time_fn(lambda: gather_rows_torch(x, plan.row_src), flush_l2=flush)
+        ctx.record(f"local permute rows {shape}", ours, anchor="torch index_select + mask", anchor_us=eager,
+                   floor_us=floor, gbps=nbytes / ours / 1e3, copy_same_bytes_us=copy_us, rows=rows)
+        full = ctx.time_fn(lambda: d.dispatch(x, ids, w), flush_l2=flush)
+        ctx.record(f"local dispatch (plan + permute) {shape}", full, anchor="permute rows only", anchor_us=ours,
+                   floor_us=floor, gbps=nbytes / full / 1e3)
+        y = res.x
+        wf = w.float()
+        ours = ctx.time_fn(lambda: gather_reduce(y, plan.pair_pos, wf), flush_l2=flush)
+        eager = ctx.time_fn(lambda: gather_reduce_torch(y, plan.pair_pos, wf), flush_l2=flush)
+        ctx.record(f"local unpermute rows {shape}", ours, anchor="torch K x (index_select, mul, add)",
+                   anchor_us=eager, floor_us=floor, gbps=nbytes / ours / 1e3, copy_same_bytes_us=copy_us)
+        full = ctx.time_fn(lambda: d.combine(y, res.handle), flush_l2=flush)
+        ctx.record(f"local combine {shape}", full, anchor="unpermute rows only", anchor_us=ours, floor_us=floor,
+                   gbps=nbytes / full / 1e3)
+        if not ctx.is_cuda:
+            ctx.note("CPU: the movers are the torch reference itself (Triton runs on CUDA), so ours vs anchor "
+                     "is 1x up to noise; the GPU rows are the ones that count")
+            break  # align only matters for GPU grouped GEMMs
+
+
+# ---------------------------------------------------------------------------------------------
+# Multi-rank: runs inside launch_local ranks (module-level so it pickles).
+
+
+def _naive_dispatch_combine(x, ids, w, group, world: int, experts_per_rank: int) -> torch.Tensor:
+    """Anchor: each (token, k) pair sent on its own with torch collectives, identity experts."""
+    import torch.distributed as dist
+
+    t, k = ids.shape
+    flat = ids.reshape(-1)
+    dest = torch.where(flat >= 0, flat // experts_per_rank, torch.full_like(flat, world))
+    order = torch.sort(dest, stable=True).indices
+    send_counts = torch.bincount(dest, minlength=world + 1)[:world]
+    recv_counts = torch.empty_like(send_counts)
+    dist.all_to_all_single(recv_counts, send_counts, group=group)
+    send, recv = send_counts.tolist(), recv_counts.tolist()
+    pairs = order[: sum(send)]
+    payload = x.index_select(0, pairs // k)
+    got = payload.new_empty(sum(recv), x.shape[1])
+    dist.all_to_all_single(got, payload, recv, send, group=group)
+    back = payload.new_empty(payload.shape)
+    dist.all_to_all_single(back, got, send, recv, group=group)
+    out = torch.zeros(t, x.shape[1], dtype=torch.float32, device=x.device)
+    out.index_add_(0, pairs // k, back.float() * w.reshape(-1)[pairs, None])
+    return out.to(x.dtype)
+
+
+def _rank_bench(rank: int, world: int, cases: list[dict], iters: int, warmup: int) -> list[dict]:
+    import torch.distributed as dist
+
+    from parallel import ParallelConfig, init_parallel
+    from parallel.ep import make_dispatcher
+
+    groups = init_parallel(ParallelConfig(world_size=world))
+    cuda = groups.backend == "nccl"
+    dev = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
+    probe = torch.zeros(1, device=dev)
+
+    def sync() -> None:
+        if cuda:
+            torch.cuda.synchronize()
+
+    def timed(fn) -> float:
+        samples = []
+        for i in range(warmup + iters):
+            dist.all_reduce(probe, group=groups.ep.group)  # start together
+            sync()
+            t0 = time.perf_counter()
+            fn()
+            sync()
+            if i >= warmup:
+                samples.append((time.perf_counter() - t0) * 1e6)
+        return statistics.median(samples)
+
+    out = []
+    for case in cases:
+        t, h, k, e = case["t"], case["h"], case["k"], case["e"]
+        x = torch.randn(t, h, device=dev).to(torch.bfloat16)
+        ids, w = _routing(t, e, k, dev, 100 + rank)
+        row = {"case": case, "pairs": int((ids >= 0).sum())}
+        for backend in ("all_to_all", "allgather"):
+            d = make_dispatcher(groups.ep, e, h, backend=backend)
+            res = d.dispatch(x, ids, w)
+            route = res.handle.route
+            packed_row = _aligned(h * 2) + 2 * _aligned(k * 4)  # x, ids, weights as sent
+            if backend == "all_to_all":  # deduplicated rows to other ranks, partial rows back
+                remote_rows = sum(route.send_splits) - route.send_splits[rank]
+                row["a2a_phys_bytes"] = remote_rows * (packed_row + h * 2)
+            else:  # every token to every other rank; fp32 partial sums reduce-scattered back
+                row["ag_phys_bytes"] = (world - 1) * t * (packed_row + h * 4)
+            row[f"{backend}_dispatch_us"] = timed(lambda: d.dispatch(x, ids, w))
+            row[f"{backend}_combine_us"] = timed(lambda: d.combine(res.x, res.handle))
+            row[f"{backend}_us"] = timed(lambda: _round_trip(d, x, ids, w))
+        row["naive_us"] = timed(lambda: _naive_dispatch_combine(x, ids, w, groups.ep.group, world, e // world))
+        out.append(row)
+    return out
+
+
+def _aligned(nbytes: int) -> int:
+    return -(-nbytes // 16) * 16
+
+
+def _round_trip(d, x, ids, w) -> torch.Tensor:
+    res = d.dispatch(x, ids, w)
+    return d.combine(res.x, res.handle)
+
+
+def _world_size(ctx: BenchContext, default: int) -> int:
+    value = ctx.options.get("world_size") or os.environ.get("MEGAPAR_BENCH_EP_WORLD")
+    return int(value) if value else default
+
+
+def _multirank_cases(ctx: BenchContext) -> None:
+    from launch.local import launch_local
+
+    if ctx.is_cuda:
+        gpus = torch.cuda.device_count()
+        if gpus < 2:
+            ctx.note(f"multi-GPU NCCL dispatch/combine skipped: {gpus} GPU here (needs >= 2; "
+                     "run `megapar bench ep --device cuda --world-size 8` on an 8-GPU host)")
+            return
+        world = _world_size(ctx, gpus)
+        if world > gpus:
+            ctx.note(f"--world-size {world} > {gpus} GPUs; using {gpus}")
+            world = gpus
+        cases = [dict(t=4096, h=7168, k=8, e=256), dict(t=128, h=7168, k=8, e=256)]
+        backend, iters, warmup, link = "nccl", 20, 5, NVLINK_GBPS
+    else:
+        world = _world_size(ctx, 2 if ctx.quick else 4)
+        cases = [dict(t=32, h=128, k=4, e=16)] if ctx.quick else [dict(t=256, h=1024, k=8, e=64),
+                                                                    dict(t=32, h=1024, k=8, e=64)]
+        backend, iters, warmup, link = "gloo", (3 if ctx.quick else 10), 1, None
+    per_rank = launch_local(_rank_bench, world, backend=backend, args=(world, cases, iters, warmup), timeout=600)
+    for ci, case in enumerate(cases):
+        rows = [r[ci] for r in per_rank]
+        naive = max(r["naive_us"] for r in rows)
+        logical = max(2 * r["pairs"] * case["h"] * 2 for r in rows)
+        for backend_name, key in (("all_to_all", "a2a_phys_bytes"), ("allgather", "ag_phys_bytes")):
+            total = max(r[f"{backend_name}_us"] for r in rows)
+            phys = max(r[key] for r in rows)
+            extra = {}
+            if link:
+                extra["link_fraction"] = phys / total / 1e3 / link
+            ctx.record(f"{backend_name} dispatch+combine W={world} T={case['t']}/rank H={case['h']} K={case['k']} "
+                       f"E={case['e']} ({backend})", total, anchor="torch all_to_all_single per (token, k) pair",
+                       anchor_us=naive, dispatch_us=max(r[f"{backend_name}_dispatch_us"] for r in rows),
+                       combine_us=max(r[f"{backend_name}_combine_us"] for r in rows),
+                       logical_gbps=logical / total / 1e3, physical_gbps=phys / total / 1e3, **extra)
+
+
+def run(ctx: BenchContext) -> None:
+    _local_cases(ctx)
+    _multirank_cases(ctx)

@@ -1,0 +1,444 @@
+"""`megapar demo`: the main job. A small DeepSeek-V4-style model (model/) prefills a batch of
+prompts and decodes N tokens on every parallel axis at once, and every step's logits are
+checked against a dense single-process reference built from the same seed and weights.
+
+    megapar demo                                   # 4 local gloo ranks: tp 2, pcp 2, dcp 2, ep 4, MXFP4
+    megapar demo --world-size 2 --tp 2 --sp        # sequence parallel
+    megapar demo --ubatch --eplb                   # micro-batch overlap, EPLB rebalancing after prefill
+    python -m launch.demo ...                      # the same
+    torchrun --nproc-per-node 4 -m launch.demo --tp 2 --pcp 2 --dcp 2 --device cuda
+    megapar demo --launcher ray --world-size 4     # one Ray actor per rank
+
+Flow on each rank: build the full state dict from the seed and keep its part (TP heads and
+vocab rows, EP experts quantized at load), prefill its data-parallel replica's prompts, then
+decode greedily (the next tokens are broadcast from the first rank of the replica so that all
+ranks feed the same ones). The reference (model/reference.py, float64, no KV cache) then runs
+the whole sequence that was decoded, in the parent process (local, Ray) or on rank 0
+(torchrun), and the logits of the prefill and of every decode step are compared: PASS when
+max |logits - reference| / max |reference| <= tolerance. Exit code 0 on PASS, 1 on FAIL.
+
+Unset layout flags: tp 2, pcp 2, dcp 2 when none of them is given and 4 divides the world
+size, else 1. The batch defaults to 2 prompts per data-parallel replica. The printed timings
+are rank 0's: phases between barriers, and per primitive (see model/profile.py).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from model.config import QUANT_FORMATS, ModelConfig, check_layout
+from parallel.config import ParallelConfig
+
+# Max relative logit error. The model runs in fp32 (the reference in fp64) and the parallel
+# paths only reorder sums (ring/DCP merges, reduce-scatters): ~4e-7 is typical on CPU; CUDA
+# kernels (SDPA, Triton mHC with tf32x3 dots) get some slack.
+DEFAULT_TOLERANCE = {"cpu": 1e-4, "cuda": 1e-3}
+LAUNCHERS = ("auto", "local", "torchrun", "ray")
+
+
+@dataclass(frozen=True)
+class DemoSpec:
+    """Everything a rank needs (picklable)."""
+
+    model: ModelConfig
+    parallel: ParallelConfig
+    batch: int
+    """prompts over all data-parallel replicas (each takes an equal slice)"""
+    prompt_len: int
+    new_tokens: int
+    """decode steps after the prefill"""
+    seed: int = 0
+    device: str = "cpu"
+    """"cpu" (gloo) or "cuda" (NCCL, one GPU per rank)"""
+    overlap: bool = True
+    """overlapped all-gather-matmul / matmul-reduce-scatter in the TP linears"""
+    ubatch: int = 1
+    """micro-batches of the MoE call (1 = none)"""
+    eplb_redundant: int | None = None
+    """EPLB extra expert slots; None = no EPLB"""
+    corrupt_rank: int | None = None
+    """perturb one weight on this rank (tests that the check can fail)"""
+
+
+@dataclass
+class RankResult:
+    """What one rank sends back (CPU tensors)."""
+
+    rank: int
+    replica: int
+    batch_slice: tuple[int, int]
+    tokens: torch.Tensor          # [b, S + N] int64: prompts + the tokens fed to decode steps
+    logits: torch.Tensor          # [N + 1, b, V] fp32: prefill, then every decode step
+    phase_seconds: dict[str, float]
+    primitives: dict[str, dict[str, tuple[float, int]]]
+    eplb: str | None = None
+
+
+@dataclass
+class CheckResult:
+    passed: bool
+    max_abs_error: float
+    max_rel_error: float
+    step_errors: list[float]
+    tolerance: float
+    tokens_matching: int
+    tokens_total: int
+    rank_disagreement: float
+    notes: list[str] = field(default_factory=list)
+
+
+# ---------------------------------------------------------------------------------------------
+# one rank
+
+
+def replica_of(pcfg: ParallelConfig, rank: int) -> int:
+    """Index of the data-parallel replica that `rank` belongs to."""
+    from parallel.layout import coords
+
+    c = coords(pcfg, rank)
+    return c["ext_dp"] * pcfg.dp + c["dp"]
+
+
+def make_prompts(spec: DemoSpec) -> torch.Tensor:
+    """[batch, prompt_len] int64 token ids from the seed (the same everywhere)."""
+    g = torch.Generator().manual_seed(spec.seed + 1)
+    return torch.randint(spec.model.vocab, (spec.batch, spec.prompt_len), generator=g)
+
+
+def _barrier() -> None:
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+
+
+def _broadcast_first(t: torch.Tensor, groups) -> torch.Tensor:
+    """Make every rank of the replica hold the first rank's `t` (TP, then PCP)."""
+    import torch.distributed as dist
+
+    for g in (groups.tp, groups.pcp):
+        if g.size > 1:
+            dist.broadcast(t, src=g.ranks[0], group=g.group)
+    return t
+
+
+def run_rank(groups, spec: DemoSpec) -> RankResult:
+    """Prefill + decode on this rank of an initialized job."""
+    from model.model import DemoModel
+    from model.profile import Timer
+    from model.weights import make_state_dict
+
+    device = torch.device(f"cuda:{torch.cuda.current_device()}" if spec.device == "cuda" else "cpu")
+    rank, pcfg = groups.rank, spec.parallel
+    replicas = pcfg.dp * pcfg.ext_dp
+    replica = replica_of(pcfg, rank)
+    per_replica = spec.batch // replicas
+    lo, hi = replica * per_replica, (replica + 1) * per_replica
+    timer = Timer(sync_cuda=device.type == "cuda")
+    model = DemoModel(spec.model, groups, overlap=spec.overlap, ubatch=spec.ubatch,
+                      eplb_redundant=spec.eplb_redundant, timer=timer, device=device)
+    model.load_full(make_state_dict(spec.model, spec.seed))
+    if spec.corrupt_rank == rank:
+        model.corrupt(spec.seed)
+    prompts = make_prompts(spec)[lo:hi].to(device)
+    phases: dict[str, float] = {}
+    max_len = spec.prompt_len + spec.new_tokens
+
+    _barrier()
+    timer.phase = "prefill"
+    start = time.perf_counter()
+    logits = [model.prefill(prompts, max_len)]
+    _barrier()
+    phases["prefill"] = time.perf_counter() - start
+
+    eplb_summary = None
+    if model.eplb is not None:
+        timer.phase = "eplb"
+        start = time.perf_counter()
+        report = model.rebalance_experts()
+        phases["eplb"] = time.perf_counter() - start
+        eplb_summary = report.summary()
+
+    timer.phase = "decode"
+    fed = []
+    start = time.perf_counter()
+    for _ in range(spec.new_tokens):
+        nxt = _broadcast_first(logits[-1].argmax(-1), groups)
+        fed.append(nxt)
+        logits.append(model.decode_step(nxt))
+    _barrier()
+    phases["decode"] = time.perf_counter() - start
+    tokens = torch.cat([prompts] + [t[:, None] for t in fed], dim=1)
+    return RankResult(rank=rank, replica=replica, batch_slice=(lo, hi), tokens=tokens.cpu(),
+                      logits=torch.stack(logits).cpu(), phase_seconds=phases, primitives=timer.as_dict(),
+                      eplb=eplb_summary)
+
+
+def _rank_entry(rank: int, spec: DemoSpec) -> RankResult:
+    """launch_local / Ray entry: init the groups (unless the launcher did), run, tear down."""
+    from parallel import destroy_parallel, get_optional_groups, init_parallel
+
+    groups = get_optional_groups()
+    owned = groups is None
+    if owned:
+        groups = init_parallel(spec.parallel)
+    try:
+        return run_rank(groups, spec)
+    finally:
+        if owned:
+            destroy_parallel()
+
+
+# ---------------------------------------------------------------------------------------------
+# the check
+
+
+def check_results(spec: DemoSpec, results: list[RankResult], tolerance: float) -> CheckResult:
+    """Compare every rank's logits with the reference on the tokens that were decoded."""
+    from model.reference import reference_logits
+    from model.weights import make_state_dict
+
+    firsts: dict[int, RankResult] = {}
+    disagreement = 0.0
+    for r in results:
+        first = firsts.setdefault(r.replica, r)
+        if r is not first:
+            disagreement = max(disagreement, (r.logits - first.logits).abs().max().item())
+            if not torch.equal(r.tokens, first.tokens):
+                disagreement = float("inf")
+    replicas = [firsts[i] for i in sorted(firsts)]
+    tokens = torch.cat([r.tokens for r in replicas])                              # [B, S + N]
+    logits = torch.cat([r.logits for r in replicas], dim=1).double()              # [N + 1, B, V]
+    ref = reference_logits(make_state_dict(spec.model, spec.seed), spec.model, tokens)
+    s = spec.prompt_len
+    ref_steps = ref[:, s - 1:s + spec.new_tokens].transpose(0, 1)                 # [N + 1, B, V]
+    errors = (logits - ref_steps).abs()
+    step_errors = errors.flatten(1).amax(1).tolist()
+    max_abs = max(step_errors)
+    max_rel = max_abs / ref_steps.abs().max().item()
+    greedy_ref = ref_steps.argmax(-1)[:-1]                                        # tokens the reference picks
+    fed = tokens[:, s:].T                                                         # [N, B]
+    matching = int((greedy_ref == fed).sum())
+    passed = max_rel <= tolerance and disagreement <= tolerance * ref_steps.abs().max().item()
+    notes = []
+    if matching < fed.numel():
+        notes.append("greedy tokens differ from the reference's argmax where logits nearly tie; the reference "
+                     "is fed the decoded tokens, so the logits comparison is unaffected")
+    return CheckResult(passed, max_abs, max_rel, step_errors, tolerance, matching, fed.numel(), disagreement, notes)
+
+
+# ---------------------------------------------------------------------------------------------
+# report
+
+
+def format_timings(spec: DemoSpec, result: RankResult) -> str:
+    phases = result.phase_seconds
+    b, s, n = spec.batch, spec.prompt_len, spec.new_tokens
+    lines = [f"{'phase':<10} {'ms':>10} {'tokens':>7} {'tokens/s':>10}"]
+    rows = [("prefill", b * s), ("eplb", 0), ("decode", b * n)]
+    for name, count in rows:
+        if name in phases:
+            secs = phases[name]
+            rate = f"{count / secs:>10.1f}" if count and secs > 0 else f"{'-':>10}"
+            lines.append(f"{name:<10} {secs * 1e3:>10.2f} {count or '-':>7} {rate}")
+    lines.append("")
+    names = sorted({k for ph in result.primitives.values() for k in ph if ph})
+    shown = [ph for ph in ("prefill", "eplb", "decode") if ph in result.primitives]
+    lines.append(f"{'primitive (rank ' + str(result.rank) + ')':<22}" + "".join(
+        f" {ph + ' ms':>12} {'calls':>6} {'%':>5}" for ph in shown))
+    for name in names:
+        row = f"{name:<22}"
+        for ph in shown:
+            secs, calls = result.primitives[ph].get(name, (0.0, 0))
+            total = phases.get(ph, 0.0)
+            pct = f"{100 * secs / total:>5.1f}" if total > 0 and calls else f"{'':>5}"
+            row += f" {secs * 1e3:>12.2f} {calls:>6} {pct}" if calls else f" {'':>12} {'':>6} {pct}"
+        lines.append(row)
+    lines.append("(moe = gate + dispatch + experts + combine + shared; micro-batch threads overlap in wall time)")
+    return "\n".join(lines)
+
+
+def format_report(spec: DemoSpec, launcher: str, backend: str, results: list[RankResult], check: CheckResult) -> str:
+    from parallel.layout import format_layout
+
+    pcfg, cfg = spec.parallel, spec.model
+    out = [f"megapar demo: {pcfg.world_size} rank(s), launcher {launcher}, backend {backend}, device {spec.device}",
+           f"model: {cfg.layers} layers, hidden {cfg.hidden}, heads {cfg.heads}/{cfg.kv_heads} kv, "
+           f"{cfg.experts} experts top-{cfg.top_k} ({cfg.quant}), mHC M={cfg.mhc_streams}, vocab {cfg.vocab}",
+           f"run: batch {spec.batch}, prompt {spec.prompt_len}, {spec.new_tokens} new tokens, seed {spec.seed}, "
+           f"sp {'on' if pcfg.sequence_parallel else 'off'}, overlap {'on' if spec.overlap else 'off'}, "
+           f"ubatch {spec.ubatch}, eplb {'off' if spec.eplb_redundant is None else f'+{spec.eplb_redundant} slots'}"
+           + (f", CORRUPTED weight on rank {spec.corrupt_rank}" if spec.corrupt_rank is not None else ""),
+           "", format_layout(pcfg), "", format_timings(spec, results[0]), ""]
+    if results[0].eplb:
+        out += [results[0].eplb, ""]
+    steps = " ".join(f"{e:.2e}" for e in check.step_errors)
+    out.append(f"max |logits - reference| per step (prefill, decode 1..{spec.new_tokens}): {steps}")
+    out.append(f"greedy tokens equal to the reference's argmax: {check.tokens_matching}/{check.tokens_total}; "
+               f"ranks of a replica agree to {check.rank_disagreement:.2e}")
+    out += [f"note: {n}" for n in check.notes]
+    verdict = "PASS" if check.passed else "FAIL"
+    out.append(f"{verdict}: max error {check.max_abs_error:.3e} (relative {check.max_rel_error:.3e}, "
+               f"tolerance {check.tolerance:g})")
+    return "\n".join(out)
+
+
+# ---------------------------------------------------------------------------------------------
+# command line
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="megapar demo", description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--world-size", type=int, default=None, help="ranks (default 4; torchrun: from the environment)")
+    p.add_argument("--tp", type=int, default=None, help="tensor-parallel size")
+    p.add_argument("--pcp", type=int, default=None, help="prefill context-parallel size (ring attention)")
+    p.add_argument("--dcp", type=int, default=None, help="decode context-parallel size (sharded KV cache)")
+    p.add_argument("--ep", type=int, default=None, help="expert-parallel size (default: all ranks)")
+    p.add_argument("--dp", type=int, default=None, help="data-parallel size (default: world / (tp * pcp))")
+    p.add_argument("--sp", action="store_true", help="sequence parallelism over the TP group")
+    p.add_argument("--no-overlap", action="store_true", help="plain collectives in the TP linears")
+    p.add_argument("--quant", choices=QUANT_FORMATS, default="mxfp4", help="routed expert weight format")
+    p.add_argument("--launcher", choices=LAUNCHERS, default="auto",
+                   help="auto: torchrun when its environment is set, else local processes")
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="cuda: NCCL, one GPU per rank")
+    p.add_argument("--layers", type=int, default=2, help="transformer layers (attention + MoE each)")
+    p.add_argument("--hidden", type=int, default=64, help="hidden size (a multiple of the quant block, 32 for mxfp4)")
+    p.add_argument("--heads", type=int, default=4, help="query heads (split over TP)")
+    p.add_argument("--kv-heads", type=int, default=2, help="KV heads (GQA; replicated when fewer than tp)")
+    p.add_argument("--experts", type=int, default=8, help="routed experts (split over EP)")
+    p.add_argument("--top-k", type=int, default=2, help="experts per token")
+    p.add_argument("--vocab", type=int, default=512, help="vocabulary (split over TP in the lm_head)")
+    p.add_argument("--batch", type=int, default=None, help="prompts in all (default 2 per data-parallel replica)")
+    p.add_argument("--prompt-len", type=int, default=16, help="prompt tokens (a multiple of 2 * pcp)")
+    p.add_argument("--new-tokens", type=int, default=8, help="decode steps")
+    p.add_argument("--seed", type=int, default=0, help="weights and prompts")
+    p.add_argument("--ubatch", type=int, nargs="?", const=2, default=1,
+                   help="micro-batches around the MoE dispatch/combine (flag alone: 2)")
+    p.add_argument("--eplb", type=int, nargs="?", const=-1, default=None, metavar="REDUNDANT",
+                   help="EPLB with REDUNDANT extra expert slots (flag alone: one per EP rank); rebalances after prefill")
+    p.add_argument("--tolerance", type=float, default=None,
+                   help=f"max relative logit error (default {DEFAULT_TOLERANCE['cpu']:g} cpu, "
+                        f"{DEFAULT_TOLERANCE['cuda']:g} cuda)")
+    p.add_argument("--timeout", type=float, default=600.0, help="seconds before a hung job is stopped")
+    p.add_argument("--corrupt-rank", type=int, default=None, help=argparse.SUPPRESS)  # tests: prove FAIL works
+    return p
+
+
+def _torchrun_env() -> bool:
+    return all(v in os.environ for v in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"))
+
+
+def spec_from_args(args: argparse.Namespace, world_size: int) -> DemoSpec:
+    axes = (args.tp, args.pcp, args.dcp)
+    demo_layout = all(a is None for a in axes) and world_size % 4 == 0
+    tp, pcp, dcp = (2, 2, 2) if demo_layout else tuple(a or 1 for a in axes)
+    pcfg = ParallelConfig(world_size=world_size, tp=tp, pcp=pcp, dcp=dcp, dp=args.dp, ep=args.ep,
+                          sequence_parallel=args.sp)
+    cfg = ModelConfig(vocab=args.vocab, hidden=args.hidden, layers=args.layers, heads=args.heads,
+                      kv_heads=args.kv_heads, experts=args.experts, top_k=args.top_k, quant=args.quant)
+    replicas = pcfg.dp * pcfg.ext_dp
+    batch = args.batch if args.batch is not None else 2 * replicas
+    redundant = args.eplb
+    if redundant == -1:
+        redundant = pcfg.ep
+    if args.new_tokens < 0:
+        raise ValueError(f"--new-tokens ({args.new_tokens}) must be >= 0")
+    if args.ubatch < 1:
+        raise ValueError(f"--ubatch ({args.ubatch}) must be >= 1 (1 = no micro-batches)")
+    if args.corrupt_rank is not None and not 0 <= args.corrupt_rank < world_size:
+        raise ValueError(f"--corrupt-rank ({args.corrupt_rank}) must be in [0, {world_size})")
+    check_layout(cfg, pcfg, prompt_len=args.prompt_len, batch=batch, redundant_experts=redundant or 0)
+    return DemoSpec(model=cfg, parallel=pcfg, batch=batch, prompt_len=args.prompt_len, new_tokens=args.new_tokens,
+                    seed=args.seed, device=args.device, overlap=not args.no_overlap, ubatch=args.ubatch,
+                    eplb_redundant=redundant, corrupt_rank=args.corrupt_rank)
+
+
+def _run_torchrun(spec: DemoSpec, tolerance: float) -> int:
+    import torch.distributed as dist
+
+    from launch.env import init_from_env
+    from parallel import destroy_parallel
+
+    groups = init_from_env(spec.parallel, backend="nccl" if spec.device == "cuda" else "gloo")
+    try:
+        result = run_rank(groups, spec)
+        gathered: list[Any] = [None] * groups.world.size
+        if groups.world.size > 1:
+            dist.all_gather_object(gathered, result)
+        else:
+            gathered = [result]
+        verdict = [None]
+        if groups.rank == 0:
+            check = check_results(spec, gathered, tolerance)
+            print(format_report(spec, "torchrun", groups.backend, gathered, check), flush=True)
+            verdict = [check.passed]
+        if groups.world.size > 1:
+            dist.broadcast_object_list(verdict, src=0)
+        return 0 if verdict[0] else 1
+    finally:
+        destroy_parallel()
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`megapar demo ARGS`; returns the exit code (0 PASS, 1 FAIL, 2 bad arguments)."""
+    args = build_parser().parse_args(sys.argv[1:] if argv is None else argv)
+    launcher = args.launcher
+    if launcher == "auto":
+        launcher = "torchrun" if _torchrun_env() else "local"
+    if launcher == "torchrun":
+        if not _torchrun_env():
+            print("megapar demo: --launcher torchrun needs the torchrun environment (RANK, WORLD_SIZE, MASTER_ADDR, "
+                  "MASTER_PORT); run it as: torchrun --nproc-per-node N -m launch.demo ...", file=sys.stderr)
+            return 2
+        env_world = int(os.environ["WORLD_SIZE"])
+        if args.world_size not in (None, env_world):
+            print(f"megapar demo: --world-size ({args.world_size}) != torchrun's WORLD_SIZE ({env_world})",
+                  file=sys.stderr)
+            return 2
+        world = env_world
+    else:
+        world = args.world_size or 4
+    if args.device == "cuda":
+        if not torch.cuda.is_available():
+            print("megapar demo: --device cuda but CUDA is not available", file=sys.stderr)
+            return 2
+        if launcher == "local" and world > torch.cuda.device_count():
+            print(f"megapar demo: --device cuda runs one rank per GPU; world size {world} > "
+                  f"{torch.cuda.device_count()} GPU(s) here (NCCL refuses two ranks on one GPU)", file=sys.stderr)
+            return 2
+    try:
+        spec = spec_from_args(args, world)
+    except ValueError as e:
+        print(f"megapar demo: {e}", file=sys.stderr)
+        return 2
+    tolerance = args.tolerance if args.tolerance is not None else DEFAULT_TOLERANCE[args.device]
+    backend = "nccl" if args.device == "cuda" else "gloo"
+    if launcher == "torchrun":
+        return _run_torchrun(spec, tolerance)
+    if launcher == "ray":
+        from launch.ray_launcher import launch_on_ray
+
+        resources = {"CPU": 1, "GPU": 1} if args.device == "cuda" else {"CPU": 1}
+        results = launch_on_ray(_rank_entry, world, parallel_config=spec.parallel, resources_per_worker=resources,
+                                args=(spec,), backend=backend, timeout=args.timeout)
+    elif world == 1:
+        results = [_rank_entry(0, spec)]
+    else:
+        from launch.local import launch_local
+
+        results = launch_local(_rank_entry, world, backend=backend, args=(spec,), timeout=args.timeout)
+    check = check_results(spec, results, tolerance)
+    print(format_report(spec, launcher, backend, results, check), flush=True)
+    return 0 if check.passed else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

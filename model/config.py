@@ -1,0 +1,152 @@
+"""ModelConfig: the shape of the small DeepSeek-V4-style model, and the checks it needs per layout.
+
+The model is DeepSeek-V4 in miniature where it matters for parallelism: mHC residual
+streams (M = 4, Sinkhorn-mixed), a GQA attention whose heads are split over TP, and an MoE
+with sqrt(softplus) routing + correction bias, a shared expert and FP4/FP8 routed experts.
+(V4's compressed attention is replaced by plain GQA with RoPE: the parallel structure, TP
+heads, ring prefill and DCP decode, is the same.) Defaults are tiny so that `megapar demo`
+runs in seconds per step on 2 CPU cores with 4 gloo processes. Activations are fp32: the
+demo compares every logit against a reference, and a bf16 run would flip near-tied routing
+decisions (a top-k choice is discontinuous) and make the check meaningless.
+
+`check_layout(cfg, pcfg)` raises ValueError for layouts the model cannot run, naming the
+values and the valid choices: heads over TP, KV-head replication, vocab over TP, and DCP
+groups that must hold the same KV heads (SPEC §8: with pcp == 1, (tp // kv_heads) % dcp == 0).
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Literal
+
+from parallel.config import ParallelConfig
+from parallel.layout import coords, rank_groups
+
+Quant = Literal["mxfp4", "nvfp4", "fp8_block", "bf16"]
+QUANT_FORMATS: tuple[str, ...] = ("mxfp4", "nvfp4", "fp8_block", "bf16")
+Scoring = Literal["softmax", "sigmoid", "sqrt_softplus"]
+
+# K-dim block of each routed-expert format: hidden and moe_inter must be multiples of it.
+_QUANT_BLOCK = {"mxfp4": 32, "nvfp4": 16, "fp8_block": 1, "bf16": 1}
+
+
+@dataclass(kw_only=True, frozen=True)
+class ModelConfig:
+    """Sizes of the demo model (tiny defaults)."""
+
+    vocab: int = 512
+    """vocabulary size (embedding rows, lm_head rows); a multiple of tp"""
+    hidden: int = 64
+    """model hidden size H"""
+    layers: int = 2
+    """transformer layers, each attention + MoE"""
+    heads: int = 4
+    """query heads (split over TP)"""
+    kv_heads: int = 2
+    """key/value heads (GQA); replicated when fewer than tp"""
+    head_dim: int = 16
+    """dimension of one head (even: RoPE rotates pairs)"""
+    rope_theta: float = 10000.0
+    """RoPE base; pairs (2i, 2i+1) rotate by pos * theta^(-2i/head_dim) (DeepSeek's interleaved form)"""
+    norm_eps: float = 1e-6
+    """RMSNorm epsilon"""
+    mhc_streams: int = 4
+    """mHC residual streams M"""
+    sinkhorn_iters: int = 20
+    """Sinkhorn-Knopp iterations of the mHC mixing matrix"""
+    mhc_eps: float = 1e-6
+    """mHC epsilon (coefficients and Sinkhorn denominators); its RMS epsilon is norm_eps"""
+    experts: int = 8
+    """routed experts E"""
+    top_k: int = 2
+    """experts per token"""
+    moe_inter: int = 32
+    """intermediate size of one routed expert"""
+    shared_inter: int = 32
+    """intermediate size of the shared expert (0 = none)"""
+    scoring: Scoring = "sqrt_softplus"
+    """router score function (V4: sqrt(softplus))"""
+    routed_scaling: float = 1.5
+    """routed_scaling_factor on the renormalized top-k weights"""
+    swiglu_limit: float | None = 10.0
+    """clamp of the routed experts' SwiGLU (V4: 10); None = no clamp"""
+    quant: Quant = "mxfp4"
+    """routed expert weight format"""
+
+    def __post_init__(self) -> None:
+        for name in ("vocab", "hidden", "layers", "heads", "kv_heads", "head_dim", "mhc_streams", "sinkhorn_iters",
+                     "experts", "top_k", "moe_inter"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"ModelConfig.{name} ({getattr(self, name)}) must be >= 1")
+        if self.shared_inter < 0:
+            raise ValueError(f"ModelConfig.shared_inter ({self.shared_inter}) must be >= 0")
+        if self.head_dim % 2:
+            raise ValueError(f"head_dim ({self.head_dim}) must be even (RoPE rotates pairs)")
+        if self.heads % self.kv_heads:
+            raise ValueError(f"heads ({self.heads}) must be a multiple of kv_heads ({self.kv_heads}); "
+                             f"valid kv_heads: {_divisors(self.heads)}")
+        if self.top_k > self.experts:
+            raise ValueError(f"top_k ({self.top_k}) must be <= experts ({self.experts})")
+        if self.quant not in QUANT_FORMATS:
+            raise ValueError(f"unknown quant {self.quant!r}; valid: {', '.join(QUANT_FORMATS)}")
+        block = _QUANT_BLOCK[self.quant]
+        for name in ("hidden", "moe_inter"):
+            if getattr(self, name) % block:
+                raise ValueError(f"{self.quant} experts need {name} ({getattr(self, name)}) to be a multiple of "
+                                 f"{block} (the format's block along K)")
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def kv_heads_of_tp_rank(cfg: ModelConfig, tp: int, tp_rank: int) -> tuple[int, ...]:
+    """The KV heads a TP rank holds: kv_heads / tp of them, or one replicated head when kv_heads < tp."""
+    if cfg.kv_heads >= tp:
+        n = cfg.kv_heads // tp
+        return tuple(range(tp_rank * n, (tp_rank + 1) * n))
+    return (tp_rank // (tp // cfg.kv_heads),)
+
+
+def check_layout(cfg: ModelConfig, pcfg: ParallelConfig, *, prompt_len: int | None = None,
+                 batch: int | None = None, redundant_experts: int = 0) -> None:
+    """Raise ValueError when the model cannot run on this layout (every rank checks the same).
+
+    prompt_len / batch: also check the run's shapes. redundant_experts: EPLB's extra slots."""
+    tp = pcfg.tp
+    if pcfg.pp != 1:
+        raise ValueError(f"the demo model has no pipeline stages; pp ({pcfg.pp}) must be 1")
+    if cfg.heads % tp:
+        raise ValueError(f"heads ({cfg.heads}) must be a multiple of tp ({tp}); valid tp: {_divisors(cfg.heads)}")
+    if cfg.kv_heads % tp and tp % cfg.kv_heads:
+        raise ValueError(f"kv_heads ({cfg.kv_heads}) and tp ({tp}) must divide one another (KV heads are split "
+                         f"over TP, or replicated when fewer than tp)")
+    if cfg.vocab % tp:
+        raise ValueError(f"vocab ({cfg.vocab}) must be a multiple of tp ({tp}) (the lm_head is vocab-parallel)")
+    slots = cfg.experts + redundant_experts
+    if slots % pcfg.ep:
+        what = f"experts ({cfg.experts}) + EPLB redundant slots ({redundant_experts})" if redundant_experts else \
+            f"experts ({cfg.experts})"
+        raise ValueError(f"{what} = {slots} must be a multiple of ep ({pcfg.ep}); "
+                         f"valid ep: {[d for d in _divisors(slots) if (pcfg.dp * pcfg.pcp * tp) % d == 0]}")
+    for group in rank_groups(pcfg)["dcp"]:
+        held = {r: kv_heads_of_tp_rank(cfg, tp, coords(pcfg, r)["tp"]) for r in group}
+        if len(set(held.values())) > 1:
+            raise ValueError(
+                f"dcp ({pcfg.dcp}) group {group} holds different KV heads {held}: a DCP group shards the tokens "
+                f"of the same KV heads. With pcp == 1 that needs (tp // kv_heads) % dcp == 0 (tp {tp}, kv_heads "
+                f"{cfg.kv_heads}); with pcp > 1, dcp <= pcp keeps each DCP group on one TP rank")
+    if prompt_len is not None:
+        if prompt_len < 1:
+            raise ValueError(f"prompt_len ({prompt_len}) must be >= 1")
+        if pcfg.pcp > 1 and prompt_len % (2 * pcfg.pcp):
+            pad = -prompt_len % (2 * pcfg.pcp)
+            raise ValueError(f"prompt_len ({prompt_len}) must be a multiple of 2 * pcp = {2 * pcfg.pcp} (zigzag "
+                             f"chunks); e.g. {prompt_len + pad}")
+    replicas = pcfg.dp * pcfg.ext_dp
+    if batch is not None and (batch < 1 or batch % replicas):
+        raise ValueError(f"batch ({batch}) must be a positive multiple of the data-parallel replicas ({replicas}); "
+                         f"e.g. {2 * replicas}")

@@ -1,0 +1,341 @@
+"""mHC: DeepSeek-V4's M parallel residual streams, mixed before and after every sublayer.
+
+The residual is `[T, M, H]` (M streams, M = 4). Before a sublayer, `mhc_pre` projects the
+flattened residual of each token (`[M*H]`, RMS-scaled) onto `(2+M)*M` numbers, which give
+the input weights `pre [M]`, the output weights `post [M]` and a mixing matrix `comb [M, M]`
+made nearly doubly stochastic by Sinkhorn-Knopp; the sublayer sees `sum_i pre_i x_i`.
+After it, `mhc_post` writes `new_j = sum_i comb[i, j] x_i + post_j * f(x)` (SPEC §11).
+Everything is per token, so a token shard (sequence parallelism) needs nothing special.
+
+Paths, sharing signatures (`backend="auto"|"torch"|"triton"`):
+- torch (fp32 math, results in the residual's dtype): the specification; differentiable.
+- Triton (model/triton_mhc.py, CUDA, inference): the projection + coefficients in a split-K
+  kernel and a coefficient kernel, the weighted stream sum in a third; `mhc_post_pre` fuses
+  one sublayer's post with the next one's projection (the new residual is projected while
+  still in registers, saving one read of `[T, M, H]`).
+
+`auto` takes Triton for CUDA tensors without autograd when triton imports, else torch.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Callable, Literal, NamedTuple
+
+import torch
+from torch import nn
+
+__all__ = [
+    "MHCPre",
+    "MHC",
+    "MHCHead",
+    "mhc_pre",
+    "mhc_post",
+    "mhc_post_pre",
+    "mhc_broadcast",
+    "mhc_pre_broadcast",
+    "mhc_head",
+    "sinkhorn",
+]
+
+log = logging.getLogger(__name__)
+Backend = Literal["auto", "torch", "triton"]
+_BACKENDS = ("auto", "torch", "triton")
+
+
+class MHCPre(NamedTuple):
+    """What `mhc_pre` returns (unpacks as `layer_input, post, comb`)."""
+
+    layer_input: torch.Tensor
+    """[T, H], residual dtype: sum_i pre_i * residual_i, the sublayer's input (before its norm)."""
+    post: torch.Tensor
+    """[T, M] fp32: weight of the sublayer output in each new stream, in (0, 2)."""
+    comb: torch.Tensor
+    """[T, M, M] fp32: comb[t, i, j] is the weight of old stream i in new stream j."""
+
+
+# ---- shapes -----------------------------------------------------------------------------------
+
+def _num_streams(residual: torch.Tensor) -> tuple[int, int, int]:
+    if residual.dim() != 3:
+        raise ValueError(f"residual must be [T, M, H], got shape {tuple(residual.shape)}")
+    return residual.shape[0], residual.shape[1], residual.shape[2]
+
+
+def _check_params(fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, m: int, h: int,
+                  *, rows: int, num_scales: int) -> None:
+    want = {"fn": (rows, m * h), "base": (rows,), "scale": (num_scales,)}
+    for name, t in (("fn", fn), ("base", base), ("scale", scale)):
+        if tuple(t.shape) != want[name]:
+            raise ValueError(f"{name} must have shape {want[name]} for M={m}, H={h}; got {tuple(t.shape)}")
+
+
+def _check_sinkhorn(iters: int) -> None:
+    if iters < 1:
+        raise ValueError(f"sinkhorn_iters must be >= 1, got {iters}")
+
+
+# ---- torch reference --------------------------------------------------------------------------
+
+def sinkhorn(comb: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
+    """Sinkhorn-Knopp as in DeepSeek-V4: normalize columns, then (iters - 1) times rows and
+    columns. comb: [..., M, M] positive fp32 (softmax + eps); each division adds eps."""
+    comb = comb / (comb.sum(-2, keepdim=True) + eps)
+    for _ in range(iters - 1):
+        comb = comb / (comb.sum(-1, keepdim=True) + eps)
+        comb = comb / (comb.sum(-2, keepdim=True) + eps)
+    return comb
+
+
+def _coefficients(mix: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, m: int, iters: int,
+                  eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """mix: [T, (2+M)M] fp32, already RMS-scaled -> pre [T, M], post [T, M], comb [T, M, M]."""
+    base = base.float()
+    scale = scale.float()
+    pre = torch.sigmoid(mix[:, :m] * scale[0] + base[:m]) + eps
+    post = 2 * torch.sigmoid(mix[:, m:2 * m] * scale[1] + base[m:2 * m])
+    logits = mix[:, 2 * m:].reshape(-1, m, m) * scale[2] + base[2 * m:].reshape(m, m)
+    comb = sinkhorn(torch.softmax(logits, dim=-1) + eps, iters, eps)
+    return pre, post, comb
+
+
+def _rms_mix(xf: torch.Tensor, fn: torch.Tensor, rms_eps: float) -> torch.Tensor:
+    """xf: [T, K] fp32 -> (xf @ fn^T) * rsqrt(mean(xf^2) + rms_eps), [T, rows] fp32."""
+    rstd = torch.rsqrt(xf.square().mean(-1, keepdim=True) + rms_eps)
+    return (xf @ fn.float().t()) * rstd
+
+
+def _weighted_streams(weights: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+    """sum_i weights[:, i] * residual[:, i] in fp32: [T, M], [T, M, H] -> [T, H] residual dtype."""
+    return torch.einsum("tm,tmh->th", weights, residual.float()).to(residual.dtype)
+
+
+def _pre_torch(residual: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor,
+               iters: int, eps: float, rms_eps: float) -> MHCPre:
+    t, m, h = residual.shape
+    mix = _rms_mix(residual.reshape(t, m * h).float(), fn, rms_eps)
+    pre, post, comb = _coefficients(mix, base, scale, m, iters, eps)
+    return MHCPre(_weighted_streams(pre, residual), post, comb)
+
+
+def _post_torch(out: torch.Tensor, residual: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
+    mixed = torch.bmm(comb.float().transpose(1, 2), residual.float())  # [T, M(j), H] = sum_i comb[i, j] x_i
+    return (mixed + post.float().unsqueeze(-1) * out.float().unsqueeze(1)).to(residual.dtype)
+
+
+# ---- backend choice ---------------------------------------------------------------------------
+
+_warned: set[str] = set()
+
+
+def _use_triton(backend: Backend, *tensors: torch.Tensor) -> bool:
+    if backend not in _BACKENDS:
+        raise ValueError(f"backend must be one of {_BACKENDS}, got {backend!r}")
+    if backend == "torch" or tensors[0].numel() == 0:
+        return False  # (no tokens: nothing to launch; the torch path handles empty tensors)
+    if backend == "triton":
+        try:
+            import triton  # noqa: F401
+        except ImportError as exc:
+            raise ImportError("backend='triton' needs triton: pip install 'megapar[triton]'") from exc
+        return True
+    if not tensors[0].is_cuda:
+        return False
+    if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
+        return False  # the kernels are forward-only
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        if "triton" not in _warned:
+            _warned.add("triton")
+            log.warning("mHC: triton is not importable; using the torch reference on CUDA")
+        return False
+    return True
+
+
+# ---- public functions -------------------------------------------------------------------------
+
+def mhc_pre(residual: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, *,
+            sinkhorn_iters: int = 20, eps: float = 1e-6, rms_eps: float = 1e-6,
+            backend: Backend = "auto") -> MHCPre:
+    """Mix the streams into one sublayer input.
+
+    residual: [T, M, H] bf16/fp16/fp32. fn: [(2+M)M, M*H] fp32. base: [(2+M)M] fp32.
+    scale: [3] fp32 (pre, post, comb). Returns MHCPre(layer_input [T, H], post [T, M], comb [T, M, M]).
+    """
+    t, m, h = _num_streams(residual)
+    _check_params(fn, base, scale, m, h, rows=(2 + m) * m, num_scales=3)
+    _check_sinkhorn(sinkhorn_iters)
+    if _use_triton(backend, residual, fn, base, scale):
+        from . import triton_mhc
+
+        return MHCPre(*triton_mhc.pre(residual, fn, base, scale, sinkhorn_iters, eps, rms_eps))
+    return _pre_torch(residual, fn, base, scale, sinkhorn_iters, eps, rms_eps)
+
+
+def mhc_post(out: torch.Tensor, residual: torch.Tensor, post: torch.Tensor, comb: torch.Tensor, *,
+             backend: Backend = "auto") -> torch.Tensor:
+    """New residual [T, M, H] (residual dtype): new_j = sum_i comb[i, j] residual_i + post_j * out.
+
+    out: [T, H] the sublayer output. residual: [T, M, H]. post: [T, M] fp32. comb: [T, M, M] fp32.
+    """
+    t, m, h = _num_streams(residual)
+    if tuple(out.shape) != (t, h) or tuple(post.shape) != (t, m) or tuple(comb.shape) != (t, m, m):
+        raise ValueError(f"for residual [T={t}, M={m}, H={h}] need out [{t}, {h}], post [{t}, {m}], "
+                         f"comb [{t}, {m}, {m}]; got {tuple(out.shape)}, {tuple(post.shape)}, {tuple(comb.shape)}")
+    if _use_triton(backend, out, residual, post, comb):
+        from . import triton_mhc
+
+        return triton_mhc.post(out, residual, post, comb)
+    return _post_torch(out, residual, post, comb)
+
+
+def mhc_post_pre(out: torch.Tensor, residual: torch.Tensor, post: torch.Tensor, comb: torch.Tensor,
+                 fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, *, sinkhorn_iters: int = 20,
+                 eps: float = 1e-6, rms_eps: float = 1e-6, backend: Backend = "auto"
+                 ) -> tuple[torch.Tensor, MHCPre]:
+    """`mhc_post` of one sublayer followed by `mhc_pre` of the next (fn/base/scale are the next
+    sublayer's). Returns (new residual [T, M, H], MHCPre of the next sublayer). On Triton the
+    new residual is projected while it is written, one read of [T, M, H] fewer."""
+    if _use_triton(backend, out, residual, post, comb, fn, base, scale):
+        t, m, h = _num_streams(residual)
+        _check_params(fn, base, scale, m, h, rows=(2 + m) * m, num_scales=3)
+        _check_sinkhorn(sinkhorn_iters)
+        from . import triton_mhc
+
+        new, layer_input, post2, comb2 = triton_mhc.post_pre(out, residual, post, comb, fn, base, scale,
+                                                             sinkhorn_iters, eps, rms_eps)
+        return new, MHCPre(layer_input, post2, comb2)
+    new = mhc_post(out, residual, post, comb, backend="torch")
+    return new, mhc_pre(new, fn, base, scale, sinkhorn_iters=sinkhorn_iters, eps=eps, rms_eps=rms_eps,
+                        backend="torch")
+
+
+def mhc_broadcast(x: torch.Tensor, num_streams: int) -> torch.Tensor:
+    """First layer: the embedding x [T, H] as M equal streams [T, M, H] (a stride-0 view)."""
+    if x.dim() != 2 or num_streams < 1:
+        raise ValueError(f"need x [T, H] and num_streams >= 1; got shape {tuple(x.shape)}, num_streams={num_streams}")
+    return x.unsqueeze(1).expand(x.shape[0], num_streams, x.shape[1])
+
+
+def mhc_pre_broadcast(x: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, *,
+                      sinkhorn_iters: int = 20, eps: float = 1e-6, rms_eps: float = 1e-6,
+                      backend: Backend = "auto") -> MHCPre:
+    """`mhc_pre(mhc_broadcast(x, M), ...)` without materializing the M copies.
+
+    x: [T, H] (the embedding). M is read from fn [(2+M)M, M*H]. With equal streams,
+    mean(xf^2) = mean(x^2), xf @ fn^T = x @ (sum_m fn[:, m*H:(m+1)*H])^T and the layer input
+    is (sum_i pre_i) x. On Triton the general kernels read the stride-0 view instead.
+    """
+    if x.dim() != 2:
+        raise ValueError(f"x must be [T, H], got shape {tuple(x.shape)}")
+    t, h = x.shape
+    if fn.dim() != 2 or fn.shape[1] % h:
+        raise ValueError(f"fn must be [(2+M)M, M*H] with H={h}; got shape {tuple(fn.shape)}")
+    m = fn.shape[1] // h
+    if _use_triton(backend, x, fn, base, scale):
+        return mhc_pre(mhc_broadcast(x, m), fn, base, scale, sinkhorn_iters=sinkhorn_iters, eps=eps,
+                       rms_eps=rms_eps, backend="triton")
+    _check_params(fn, base, scale, m, h, rows=(2 + m) * m, num_scales=3)
+    _check_sinkhorn(sinkhorn_iters)
+    folded = fn.float().reshape(fn.shape[0], m, h).sum(1)  # [(2+M)M, H]
+    mix = _rms_mix(x.float(), folded, rms_eps)
+    pre, post, comb = _coefficients(mix, base, scale, m, sinkhorn_iters, eps)
+    return MHCPre((pre.sum(-1, keepdim=True) * x.float()).to(x.dtype), post, comb)
+
+
+def mhc_head(residual: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, *,
+             eps: float = 1e-6, rms_eps: float = 1e-6, backend: Backend = "auto") -> torch.Tensor:
+    """Collapse the streams after the last layer: h = sum_i pre_i residual_i, [T, H] residual dtype,
+    pre = sigmoid(rmsnorm(xf) @ fn^T * scale + base) + eps.
+
+    residual: [T, M, H]. fn: [M, M*H] fp32. base: [M] fp32. scale: [1] fp32.
+    """
+    t, m, h = _num_streams(residual)
+    _check_params(fn, base, scale, m, h, rows=m, num_scales=1)
+    if _use_triton(backend, residual, fn, base, scale):
+        from . import triton_mhc
+
+        return triton_mhc.head(residual, fn, base, scale, eps, rms_eps)
+    mix = _rms_mix(residual.reshape(t, m * h).float(), fn, rms_eps)
+    pre = torch.sigmoid(mix * scale.float()[0] + base.float()) + eps
+    return _weighted_streams(pre, residual)
+
+
+# ---- modules ----------------------------------------------------------------------------------
+
+class MHC(nn.Module):
+    """The mHC parameters of one sublayer (attention or MoE) and its pre/post mixing.
+
+    fn: [(2+M)M, M*H] fp32, base: [(2+M)M] fp32, scale: [3] fp32 (checkpoint names in
+    DeepSeek-V4: hc_*_fn, hc_*_base, hc_*_scale). The initial values (small fn, zero base,
+    unit scale) are arbitrary; real weights come from a checkpoint.
+    """
+
+    def __init__(self, hidden_size: int, num_streams: int = 4, *, sinkhorn_iters: int = 20, eps: float = 1e-6,
+                 rms_eps: float = 1e-6, backend: Backend = "auto", device: torch.device | str | None = None) -> None:
+        super().__init__()
+        if hidden_size < 1 or num_streams < 1:
+            raise ValueError(f"need hidden_size >= 1 and num_streams >= 1, got {hidden_size}, {num_streams}")
+        _check_sinkhorn(sinkhorn_iters)
+        if backend not in _BACKENDS:
+            raise ValueError(f"backend must be one of {_BACKENDS}, got {backend!r}")
+        m = num_streams
+        self.hidden_size, self.num_streams = hidden_size, m
+        self.sinkhorn_iters, self.eps, self.rms_eps, self.backend = sinkhorn_iters, eps, rms_eps, backend
+        self.fn = nn.Parameter(torch.empty((2 + m) * m, m * hidden_size, dtype=torch.float32, device=device))
+        self.base = nn.Parameter(torch.zeros((2 + m) * m, dtype=torch.float32, device=device))
+        self.scale = nn.Parameter(torch.ones(3, dtype=torch.float32, device=device))
+        nn.init.normal_(self.fn, std=0.02)
+
+    def _kw(self) -> dict:
+        return dict(sinkhorn_iters=self.sinkhorn_iters, eps=self.eps, rms_eps=self.rms_eps, backend=self.backend)
+
+    def pre(self, residual: torch.Tensor) -> MHCPre:
+        """residual [T, M, H] -> MHCPre(layer_input [T, H], post [T, M], comb [T, M, M])."""
+        return mhc_pre(residual, self.fn, self.base, self.scale, **self._kw())
+
+    def pre_broadcast(self, x: torch.Tensor) -> MHCPre:
+        """First sublayer: x [T, H] (the embedding) stands for M equal streams."""
+        return mhc_pre_broadcast(x, self.fn, self.base, self.scale, **self._kw())
+
+    def post(self, out: torch.Tensor, residual: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
+        """out [T, H] (sublayer output) -> new residual [T, M, H]."""
+        return mhc_post(out, residual, post, comb, backend=self.backend)
+
+    def post_pre(self, out: torch.Tensor, residual: torch.Tensor, post: torch.Tensor, comb: torch.Tensor,
+                 next_mhc: MHC) -> tuple[torch.Tensor, MHCPre]:
+        """This sublayer's post fused with `next_mhc`'s pre: (new residual, next MHCPre)."""
+        return mhc_post_pre(out, residual, post, comb, next_mhc.fn, next_mhc.base, next_mhc.scale,
+                            **next_mhc._kw())
+
+    def forward(self, residual: torch.Tensor, sublayer: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+        """residual [T, M, H] -> new residual after `sublayer` ([T, H] -> [T, H])."""
+        layer_input, post, comb = self.pre(residual)
+        return self.post(sublayer(layer_input), residual, post, comb)
+
+
+class MHCHead(nn.Module):
+    """Collapses the M streams into one hidden state after the last layer.
+
+    fn: [M, M*H] fp32, base: [M] fp32, scale: [1] fp32.
+    """
+
+    def __init__(self, hidden_size: int, num_streams: int = 4, *, eps: float = 1e-6, rms_eps: float = 1e-6,
+                 backend: Backend = "auto", device: torch.device | str | None = None) -> None:
+        super().__init__()
+        if hidden_size < 1 or num_streams < 1:
+            raise ValueError(f"need hidden_size >= 1 and num_streams >= 1, got {hidden_size}, {num_streams}")
+        if backend not in _BACKENDS:
+            raise ValueError(f"backend must be one of {_BACKENDS}, got {backend!r}")
+        m = num_streams
+        self.hidden_size, self.num_streams, self.eps, self.rms_eps, self.backend = hidden_size, m, eps, rms_eps, backend
+        self.fn = nn.Parameter(torch.empty(m, m * hidden_size, dtype=torch.float32, device=device))
+        self.base = nn.Parameter(torch.zeros(m, dtype=torch.float32, device=device))
+        self.scale = nn.Parameter(torch.ones(1, dtype=torch.float32, device=device))
+        nn.init.normal_(self.fn, std=0.02)
+
+    def forward(self, residual: torch.Tensor) -> torch.Tensor:
+        """residual [T, M, H] -> [T, H] (residual dtype)."""
+        return mhc_head(residual, self.fn, self.base, self.scale, eps=self.eps, rms_eps=self.rms_eps,
+                        backend=self.backend)

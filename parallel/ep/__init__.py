@@ -1,0 +1,16 @@
+"""Expert parallelism: token dispatch/combine across EP ranks (and EPLB in `parallel.ep.eplb`).
+
+    from parallel.ep import make_dispatcher
+    d = make_dispatcher(groups.ep, num_experts=256, hidden=7168)        # backend="auto"
+    res = d.dispatch(x, topk_ids, topk_weights)    # res.x grouped by local expert, res.counts
+    y = d.combine(expert_out, res.handle)          # [T, H], sum_k w_k * y_k in fp32
+
+Modules: `dispatch` (the Dispatcher, autograd), `backends` (transports and the census),
+`layout` (local permute plan and the torch data movers), `triton_permute` (CUDA kernels).
+"""
+
+from parallel.ep.dispatch import CombineHandle, DispatchResult, Dispatcher, make_dispatcher
+from parallel.ep.layout import LayoutPlan, gather_reduce, gather_rows, plan_layout
+
+__all__ = ["make_dispatcher", "Dispatcher", "DispatchResult", "CombineHandle", "LayoutPlan", "plan_layout",
+           "gather_rows", "gather_reduce"]

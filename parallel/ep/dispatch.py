@@ -1,0 +1,374 @@
+"""Expert-parallel dispatch and combine: the public `Dispatcher`.
+
+``dispatch`` sends each (token, expert) pair to the rank owning the expert
+(``rank = expert // experts_per_rank``; ids are generic, so physical-slot ids after EPLB work
+the same) and lays the received rows out for grouped GEMMs (`parallel.ep.layout`);
+``combine`` brings expert outputs back and sums ``w_k * y_k`` per token in fp32.
+
+The flow of one dispatch: check inputs -> census (one all-gather of a few ints; every rank
+learns split sizes, per-expert totals and every rank's errors, so all raise together before
+any payload moves) -> payload transfer (one collective: x, its scales, ids and weights packed
+as uint8 rows; fp8/fp4 travel as bytes) -> local layout. ``async_op=True`` returns once the
+payload is in flight; ``wait()`` finishes the layout. Combine reduces each received row's
+pairs locally (weighted or not) in fp32, sends one partial row per (token, rank) back (in
+expert_out's dtype, as DeepEP does; fp32 for `allgather`, whose collective does the sum), and
+sums the partials in fp32.
+
+The census is the one device-to-host sync of a dispatch (split sizes must be known on the
+host); combine has none. On one rank with ``layout="slab"``, a ``drop_policy`` and
+``check_ids=False`` nothing needs a host value, the census is skipped, and dispatch + combine
+can be captured in a CUDA graph. (Multi-rank graph capture needs a symmetric-memory backend.)
+
+Autograd: dispatch's backward is an unweighted combine (plus the weight gradients of each
+pair sent home); combine's backward is a dispatch of the output gradient. All ranks must run
+backward for the same dispatches in the same order, with the same inputs requiring grad
+(the backward passes are collectives too).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from parallel import comm
+from parallel.ep.backends import Backend, Census, LocalRoute, Route, routing_info, select_backend, take_census
+from parallel.ep.layout import LayoutPlan, check_layout_args, gather_reduce, gather_rows, local_expert_ids, plan_layout
+
+_PLAIN_FLOATS = (torch.float32, torch.bfloat16, torch.float16)
+
+
+@dataclass
+class CombineHandle:
+    """Everything `combine` needs from one dispatch (routing is not recomputed)."""
+
+    route: Route
+    plan: LayoutPlan
+    row_weights: torch.Tensor  # [R] fp32: DispatchResult.topk_weights, flattened (autograd-connected)
+    out_dtype: torch.dtype | None  # dtype combine returns; None = expert_out's dtype (quantized x)
+    hidden: int
+    owner: int  # id() of the Dispatcher that made it
+
+
+@dataclass
+class DispatchResult:
+    """What this rank's experts receive. R = layout rows (see `parallel.ep.layout`)."""
+
+    x: torch.Tensor  # contiguous: [R, H]; slab: [E_local, capacity, H]; dtype of the dispatched x
+    x_scale: torch.Tensor | None  # [R, S] / [E_local, capacity, S], the scales dispatched with x
+    counts: torch.Tensor  # [E_local] int32: rows per local expert (without padding)
+    offsets: torch.Tensor  # [E_local + 1] int32: first row of each expert's block (contiguous: padded)
+    topk_weights: torch.Tensor  # [R] / [E_local, capacity] fp32: router weight of each row's pair, 0 on padding
+    expert_ids: torch.Tensor  # [R] / [E_local, capacity] int32: local expert of each row, -1 = padding
+    handle: CombineHandle
+    num_recv_tokens: int  # distinct token rows received (a token is sent once per rank)
+    num_dropped: int | None  # slab with drop_policy="drop": pairs dropped on this rank
+
+    @property
+    def counts_list(self) -> list[int]:
+        """counts on the host (a device sync on CUDA)."""
+        return self.counts.tolist()
+
+
+def _take(values: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+    """values: [N] flat; idx: any shape int, -1 = 0.0 -> values[idx] with zeros where idx < 0."""
+    if values.numel() == 0:
+        return torch.zeros(idx.shape, dtype=values.dtype, device=values.device)
+    picked = values[idx.clamp(min=0)]
+    return torch.where(idx >= 0, picked, torch.zeros((), dtype=values.dtype, device=values.device))
+
+
+def _gather_payload(src: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+    """gather_rows for any payload dtype: fp8/fp4 move as bytes."""
+    if comm.needs_wire(src.dtype):
+        return gather_rows(src.view(torch.uint8), idx).view(src.dtype)
+    return gather_rows(src, idx)
+
+
+class _DispatchOp:
+    """One dispatch between its payload transfer and its layout."""
+
+    def __init__(self, owner: "Dispatcher", route: Route, pending: comm.CommHandle, counts_host: list[int] | None,
+                 x_dtype: torch.dtype, has_scale: bool) -> None:
+        self.owner, self.route, self.pending = owner, route, pending
+        self.counts_host, self.x_dtype, self.has_scale = counts_host, x_dtype, has_scale
+        self.result: DispatchResult | None = None
+
+    def finish(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Wait for the payload and build the layout -> (x layout, row weights)."""
+        d = self.owner
+        received = self.pending.wait()
+        recv_x, recv_ids, recv_w = received[0], received[-2], received[-1]
+        local_ids = local_expert_ids(recv_ids, d.rank, d.experts_per_rank)  # [n_recv, K]
+        plan = plan_layout(local_ids, d.experts_per_rank, layout=d.layout, align=d.align, capacity=d.capacity,
+                           drop_policy=d.drop_policy, counts_host=self.counts_host)
+        k = local_ids.shape[1]
+        x_layout = _gather_payload(recv_x, plan.row_src)
+        x_scale = _gather_payload(received[1], plan.row_src) if self.has_scale else None
+        pair = torch.where(plan.row_src >= 0, plan.row_src * k + plan.row_slot, plan.row_src)
+        row_weights = _take(recv_w.reshape(-1).float(), pair)  # [R]
+        self.plan = plan
+        out_dtype = self.x_dtype if self.x_dtype in _PLAIN_FLOATS else None
+        shape = plan.shape
+        self.result = DispatchResult(
+            x=x_layout.view(shape(x_layout.shape[1])),
+            x_scale=x_scale.view(shape(x_scale.shape[1])) if x_scale is not None else None,
+            counts=plan.counts, offsets=plan.offsets,
+            topk_weights=row_weights.view(shape()),
+            expert_ids=plan.expert_ids.view(shape()),
+            handle=CombineHandle(self.route, plan, row_weights, out_dtype, d.hidden, id(d)),
+            num_recv_tokens=self.route.num_recv,
+            num_dropped=plan.num_dropped,
+        )
+        return self.result.x, self.result.topk_weights
+
+
+class _DispatchFn(torch.autograd.Function):
+    """x, topk_weights -> (x layout, row weights); backward = unweighted combine + weight grads."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, topk_weights: torch.Tensor, op: _DispatchOp
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        x_layout, row_weights = op.finish()
+        ctx.op = op
+        ctx.x_dtype, ctx.w_dtype = x.dtype, topk_weights.dtype
+        if not ctx.needs_input_grad[0]:
+            ctx.mark_non_differentiable(x_layout)
+        return x_layout, row_weights
+
+    @staticmethod
+    def backward(ctx: Any, grad_x_layout: torch.Tensor, grad_row_weights: torch.Tensor):
+        op: _DispatchOp = ctx.op
+        plan, route = op.plan, op.route
+        pieces = []
+        if ctx.needs_input_grad[0]:
+            grad_rows = grad_x_layout.reshape(plan.num_rows, grad_x_layout.shape[-1])
+            pieces.append(gather_reduce(grad_rows, plan.pair_pos, None,
+                                        route.reduce_dtype(grad_rows.dtype, ctx.x_dtype)))
+        if ctx.needs_input_grad[1]:
+            pieces.append(_take(grad_row_weights.reshape(-1).float(), plan.pair_pos))  # [n_recv, K]
+        back = route.reduce(pieces).wait()
+        grad_x = back.pop(0).to(ctx.x_dtype) if ctx.needs_input_grad[0] else None
+        grad_w = back.pop(0).to(ctx.w_dtype) if ctx.needs_input_grad[1] else None
+        return grad_x, grad_w, None
+
+
+class _CombineOp:
+    """One combine between its return transfer and the final sum."""
+
+    def __init__(self, handle: CombineHandle, pending: comm.CommHandle, out_dtype: torch.dtype) -> None:
+        self.handle, self.pending, self.out_dtype = handle, pending, out_dtype
+
+    def finish(self) -> torch.Tensor:
+        return self.pending.wait()[0].to(self.out_dtype)
+
+
+class _CombineFn(torch.autograd.Function):
+    """expert_out rows, row weights -> [T, H]; backward = dispatch of the output gradient."""
+
+    @staticmethod
+    def forward(ctx: Any, rows: torch.Tensor, row_weights: torch.Tensor, op: _CombineOp,
+                weighted: bool) -> torch.Tensor:
+        ctx.op, ctx.weighted = op, weighted
+        ctx.save_for_backward(rows, row_weights)
+        return op.finish()
+
+    @staticmethod
+    def backward(ctx: Any, grad_out: torch.Tensor):
+        rows, row_weights = ctx.saved_tensors
+        handle: CombineHandle = ctx.op.handle
+        plan = handle.plan
+        grad_recv = handle.route.send([grad_out.contiguous()]).wait()[0]  # [n_recv, H]
+        grad_rows = grad_w = None
+        if ctx.needs_input_grad[0]:
+            scale = None if ctx.weighted else row_weights.detach().float()
+            grad_rows = gather_rows(grad_recv, plan.row_src, scale).to(rows.dtype)
+        if ctx.needs_input_grad[1] and not ctx.weighted:
+            grad_w = (gather_rows(grad_recv, plan.row_src).float() * rows.float()).sum(1)
+        return grad_rows, grad_w, None, None
+
+
+class Dispatcher:
+    """Dispatch/combine for one EP group, expert count, hidden size and layout."""
+
+    def __init__(self, group: Any, num_experts: int, hidden: int, *, backend: str = "auto",
+                 layout: str = "contiguous", align: int = 1, capacity: int | None = None,
+                 drop_policy: str | None = None, check_ids: bool = True) -> None:
+        pg, rank, size = comm.resolve_group(group)
+        if not isinstance(num_experts, int) or num_experts < 1 or num_experts % size:
+            valid = [m * size for m in range(1, 5)]
+            raise ValueError(f"num_experts ({num_experts}) must be a positive multiple of the EP group size "
+                             f"({size}); e.g. {', '.join(map(str, valid))}, ...")
+        if not isinstance(hidden, int) or hidden < 1:
+            raise ValueError(f"hidden ({hidden!r}) must be a positive int")
+        check_layout_args(layout, align, capacity, drop_policy)
+        self.group, self.rank, self.size = pg, rank, size
+        self.num_experts, self.hidden = num_experts, hidden
+        self.experts_per_rank = num_experts // size
+        self.layout, self.align, self.capacity, self.drop_policy = layout, align, capacity, drop_policy
+        self.check_ids = check_ids
+        self.backend: Backend = select_backend(backend, size=size)(pg, rank, size)
+        # one rank, a slab that drops overflow and no id check: nothing needs a host value, so
+        # dispatch/combine never synchronize the device (CUDA-graph capturable)
+        self._graph_safe = size == 1 and layout == "slab" and drop_policy is not None and not check_ids
+
+    def __repr__(self) -> str:
+        return (f"Dispatcher(rank {self.rank}/{self.size}, experts={self.num_experts} "
+                f"({self.experts_per_rank}/rank), hidden={self.hidden}, backend={self.backend.name}, "
+                f"layout={self.layout})")
+
+    # -- checks -----------------------------------------------------------------------------
+
+    def _input_error(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
+                     x_scale: torch.Tensor | None) -> str | None:
+        """Why these inputs cannot be dispatched (checked on the host), or None."""
+        if x.dim() != 2:
+            return f"x must be [T, H], got shape {tuple(x.shape)}"
+        t, width = x.shape
+        packed = x.dtype == torch.uint8 and width * 2 == self.hidden
+        if width != self.hidden and not packed:
+            return (f"x hidden size {width} != the dispatcher's hidden ({self.hidden}) "
+                    f"(uint8 packed fp4 may have hidden/2 = {self.hidden / 2:g})")
+        if topk_ids.dim() != 2 or topk_ids.shape[0] != t:
+            return f"topk_ids must be [T={t}, K], got shape {tuple(topk_ids.shape)}"
+        if topk_ids.dtype not in (torch.int32, torch.int64):
+            return f"topk_ids dtype {topk_ids.dtype} is not int32 or int64"
+        if topk_weights.shape != topk_ids.shape:
+            return f"topk_weights shape {tuple(topk_weights.shape)} != topk_ids shape {tuple(topk_ids.shape)}"
+        if not topk_weights.dtype.is_floating_point:
+            return f"topk_weights dtype {topk_weights.dtype} is not floating point (fp32 expected)"
+        if x_scale is not None and (x_scale.dim() != 2 or x_scale.shape[0] != t):
+            return f"x_scale must be [T={t}, S] (S = 1 per token or ceil(H/128)), got {tuple(x_scale.shape)}"
+        devices = {x.device, topk_ids.device, topk_weights.device}
+        if x_scale is not None:
+            devices.add(x_scale.device)
+        if len(devices) > 1:
+            return f"x, topk_ids, topk_weights and x_scale must be on one device, got {sorted(map(str, devices))}"
+        return None
+
+    def _check_census(self, census: Census, own_error: str | None) -> None:
+        """Raise the same error on every rank when any rank's input is bad or a slab overflows."""
+        bad = [r for r, e in enumerate(census.errors) if e]
+        if bad:
+            if own_error is not None:
+                raise ValueError(f"[rank {self.rank}] EP dispatch: {own_error}")
+            if census.errors[self.rank]:
+                raise ValueError(f"[rank {self.rank}] EP dispatch: topk_ids has {census.errors[self.rank]} "
+                                 f"ids outside [-1, {self.num_experts}) (num_experts={self.num_experts}; "
+                                 "-1 = no expert; check_ids=False skips this check)")
+            raise ValueError(f"[rank {self.rank}] EP dispatch aborted before sending: EP rank(s) {bad} "
+                             "reported invalid input (see their error)")
+        if self.layout == "slab" and self.drop_policy is None:
+            per_expert = census.expert_pairs
+            worst = max(range(self.num_experts), key=per_expert.__getitem__)
+            if per_expert[worst] > self.capacity:  # type: ignore[operator]
+                owner = worst // self.experts_per_rank
+                raise ValueError(f"[rank {self.rank}] slab capacity ({self.capacity}) is too small: expert "
+                                 f"{worst} (rank {owner}) receives {per_expert[worst]} rows; pass capacity >= "
+                                 f"{per_expert[worst]}, or drop_policy='drop' to drop the overflow")
+
+    # -- dispatch ---------------------------------------------------------------------------
+
+    def dispatch(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, *,
+                 x_scale: torch.Tensor | None = None, async_op: bool = False
+                 ) -> DispatchResult | comm.CommHandle:
+        """Send each (token, expert) pair to its expert's rank.
+
+        x: [T, H] bf16/fp16/fp32, fp8 e4m3 (with x_scale), or uint8 packed fp4 [T, H/2].
+        topk_ids: [T, K] int32/int64, -1 = no expert. topk_weights: [T, K] fp32.
+        x_scale: [T, S] (fp32: S = 1 per token or ceil(H/128) per 128 channels) or None.
+        Returns a DispatchResult, or with async_op a handle whose wait() returns it.
+        """
+        error = self._input_error(x, topk_ids, topk_weights, x_scale)
+        if error is not None and self.size == 1:
+            raise ValueError(f"EP dispatch: {error}")
+        with torch.no_grad():
+            if self._graph_safe:
+                route: Route = LocalRoute(x.shape[0])
+                counts_host = None
+            else:
+                info = routing_info(topk_ids, self.num_experts, self.size) if error is None else None
+                census = take_census(topk_ids if error is None else None, info, self.num_experts,
+                                     group=self.group, size=self.size, device=x.device,
+                                     local_error=error is not None, check_ids=self.check_ids)
+                self._check_census(census, error)
+                assert info is not None
+                route = self.backend.route(info, census)
+                counts_host = census.expert_totals(self.rank * self.experts_per_rank, self.experts_per_rank)
+            ids = topk_ids if self.size == 1 else topk_ids.to(torch.int32)
+            pieces = [x] + ([x_scale] if x_scale is not None else []) + [ids, topk_weights.float()]
+            pending = route.send(pieces, async_op=async_op)
+        op = _DispatchOp(self, route, pending, counts_host, x.dtype, x_scale is not None)
+        needs_grad = torch.is_grad_enabled() and (x.requires_grad or topk_weights.requires_grad)
+
+        def finish() -> DispatchResult:
+            if needs_grad:
+                x_layout, row_weights = _DispatchFn.apply(x, topk_weights, op)
+                assert op.result is not None
+                op.result.x, op.result.topk_weights = x_layout, row_weights
+                op.result.handle.row_weights = row_weights.reshape(-1)
+            else:
+                with torch.no_grad():
+                    op.finish()
+            assert op.result is not None
+            return op.result
+
+        return comm.CommHandle(work=None, finish=finish) if async_op else finish()
+
+    # -- combine ----------------------------------------------------------------------------
+
+    def combine(self, expert_out: torch.Tensor, handle: CombineHandle, *, weighted: bool = False,
+                async_op: bool = False) -> torch.Tensor | comm.CommHandle:
+        """Return expert outputs to their tokens and sum them in fp32.
+
+        expert_out: the dispatched layout's shape with last dim H ([R, H] or [E_local, capacity, H]),
+        bf16/fp16/fp32. weighted: True when the rows are already multiplied by their router
+        weight (then they are summed as they are); False multiplies by DispatchResult.topk_weights.
+        Returns [T, H] in the dispatched x's dtype (expert_out's dtype for quantized x), or with
+        async_op a handle whose wait() returns it.
+        """
+        if not isinstance(handle, CombineHandle):
+            raise ValueError(f"handle must be the CombineHandle of a DispatchResult, got {type(handle).__name__}")
+        if handle.owner != id(self):
+            raise ValueError("this handle was made by another Dispatcher; combine with the one that dispatched")
+        plan = handle.plan
+        expected = plan.shape(self.hidden)
+        if tuple(expert_out.shape) != expected and tuple(expert_out.shape) != (plan.num_rows, self.hidden):
+            raise ValueError(f"expert_out shape {tuple(expert_out.shape)} != the dispatched layout {expected} "
+                             f"(hidden={self.hidden})")
+        if not expert_out.dtype.is_floating_point or comm.needs_wire(expert_out.dtype):
+            raise ValueError(f"expert_out dtype {expert_out.dtype} must be bf16, fp16 or fp32")
+        rows = expert_out.reshape(plan.num_rows, self.hidden)
+        row_weights = handle.row_weights
+        out_dtype = handle.out_dtype or expert_out.dtype
+        route = handle.route
+        with torch.no_grad():
+            pair_w = None if weighted else _take(row_weights.detach(), plan.pair_pos)  # [n_recv, K]
+            partial = gather_reduce(rows, plan.pair_pos, pair_w, route.reduce_dtype(rows.dtype, out_dtype))
+            op = _CombineOp(handle, route.reduce([partial], async_op=async_op), out_dtype)
+        needs_grad = torch.is_grad_enabled() and (rows.requires_grad or (not weighted and row_weights.requires_grad))
+
+        def finish() -> torch.Tensor:
+            if needs_grad:
+                return _CombineFn.apply(rows, row_weights, op, weighted)
+            return op.finish()
+
+        return comm.CommHandle(work=None, finish=finish) if async_op else finish()
+
+
+def make_dispatcher(group: Any, num_experts: int, hidden: int, *, backend: str = "auto",
+                    layout: str = "contiguous", align: int = 1, capacity: int | None = None,
+                    drop_policy: str | None = None, check_ids: bool = True) -> Dispatcher:
+    """A `Dispatcher` for `group` (a parallel.groups.Group, a ProcessGroup, or None = world).
+
+    num_experts: expert slots over the whole group (physical slots when EPLB replicates);
+    rank r owns ids [r * E_local, (r + 1) * E_local), E_local = num_experts // group size.
+    backend: "auto" | "all_to_all" | "allgather" | "symm_mem" | "deepep" | "nvshmem"
+    (a group of one never communicates). layout: "contiguous" (blocks padded to `align`) or
+    "slab" ([E_local, capacity, H]; overflow raises unless drop_policy="drop").
+    check_ids: count ids outside [-1, num_experts) and raise (rides on the census; with False
+    such ids are treated as -1).
+    """
+    return Dispatcher(group, num_experts, hidden, backend=backend, layout=layout, align=align,
+                      capacity=capacity, drop_policy=drop_policy, check_ids=check_ids)

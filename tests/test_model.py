@@ -1,0 +1,161 @@
+"""The demo model (model/) in one process: the distributed model at world size 1 against the
+float64 reference, the reference's pieces against independent formulas, and layout checks."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from model import reference as ref
+from model.config import ModelConfig, check_layout
+from model.mhc import mhc_head, mhc_post, mhc_pre
+from model.model import DemoModel, apply_rope
+from model.weights import make_state_dict, round_to_format, served_expert_weights
+from parallel import ParallelConfig, destroy_parallel, init_parallel
+
+
+def _generate(cfg: ModelConfig, state: dict, prompts: torch.Tensor, new_tokens: int
+              ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Greedy decode at world size 1; returns (tokens fed [B, S + N], logits [N + 1, B, V])."""
+    groups = init_parallel(ParallelConfig(world_size=1))
+    try:
+        model = DemoModel(cfg, groups)
+        model.load_full(state)
+        logits = [model.prefill(prompts, prompts.shape[1] + new_tokens)]
+        fed = []
+        for _ in range(new_tokens):
+            fed.append(logits[-1].argmax(-1))
+            logits.append(model.decode_step(fed[-1]))
+    finally:
+        destroy_parallel()
+    return torch.cat([prompts] + [t[:, None] for t in fed], dim=1), torch.stack(logits)
+
+
+@pytest.mark.parametrize("quant", ["mxfp4", "nvfp4", "fp8_block", "bf16"])
+def test_world1_model_matches_reference_every_step(quant):
+    cfg = ModelConfig(quant=quant, layers=2, vocab=128, hidden=64, kv_heads=1)
+    state = make_state_dict(cfg, seed=3)
+    prompts = torch.randint(cfg.vocab, (2, 5), generator=torch.Generator().manual_seed(4))  # odd length
+    tokens, logits = _generate(cfg, state, prompts, new_tokens=4)
+    expected = ref.reference_logits(state, cfg, tokens)[:, 4:9].transpose(0, 1)
+    assert logits.shape == (5, 2, cfg.vocab)
+    err = (logits.double() - expected).abs().max().item()
+    assert err < 1e-4 * expected.abs().max().item(), f"{quant}: max error {err:.3g}"
+    # The logits are not degenerate: positions and batch rows differ.
+    assert (logits[0, 0] - logits[0, 1]).abs().max() > 0.1 and (logits[0] - logits[1]).abs().max() > 0.1
+
+
+def test_world1_model_detects_a_changed_expert_weight():
+    cfg = ModelConfig(layers=1, vocab=64)
+    state = make_state_dict(cfg, seed=0)
+    prompts = torch.randint(cfg.vocab, (2, 6), generator=torch.Generator().manual_seed(1))
+    tokens, logits = _generate(cfg, state, prompts, new_tokens=2)
+    altered = dict(state)
+    for e in range(cfg.experts):  # every expert, so that whichever the tokens picked, it changed
+        altered[f"layers.0.moe.experts.{e}.w2.weight"] = state[f"layers.0.moe.experts.{e}.w2.weight"] * 1.5
+    expected = ref.reference_logits(altered, cfg, tokens)[:, 5:8].transpose(0, 1)
+    assert (logits.double() - expected).abs().max() > 1e-2
+
+
+def test_reference_attention_equals_sdpa_with_rope_and_gqa():
+    cfg = ModelConfig(hidden=32, heads=4, kv_heads=2, head_dim=8, vocab=16)
+    state = make_state_dict(cfg, seed=5)
+    torch.manual_seed(0)
+    h = torch.randn(2, 7, cfg.hidden, dtype=torch.float64)
+    out = ref.attention(h, state, cfg, "layers.0.attn")
+    w = {n: state[f"layers.0.attn.{n}.weight"].double() for n in ("wq", "wk", "wv", "wo")}
+    pos = torch.arange(7)
+    q = apply_rope((h @ w["wq"].T).view(2, 7, 4, 8).float(), pos, cfg.rope_theta).double()
+    k = apply_rope((h @ w["wk"].T).view(2, 7, 2, 8).float(), pos, cfg.rope_theta).double()
+    v = (h @ w["wv"].T).view(2, 7, 2, 8)
+    o = F.scaled_dot_product_attention(q.transpose(1, 2), k.repeat_interleave(2, 2).transpose(1, 2),
+                                       v.repeat_interleave(2, 2).transpose(1, 2), is_causal=True)
+    expected = o.transpose(1, 2).reshape(2, 7, 32) @ w["wo"].T
+    torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+
+
+def test_rope_keeps_norms_and_makes_scores_depend_on_offset_only():
+    torch.manual_seed(1)
+    x = torch.randn(1, 5, 2, 8, dtype=torch.float64)
+    pos = torch.tensor([0, 3, 7, 11, 20])
+    rotated = ref.rope(x, pos, 10000.0)
+    torch.testing.assert_close(rotated.norm(dim=-1), x.norm(dim=-1))
+    q, k = torch.randn(8, dtype=torch.float64), torch.randn(8, dtype=torch.float64)
+    qk = lambda pq, pk: (ref.rope(q.view(1, 1, 1, 8), torch.tensor([pq]), 10000.0)
+                         * ref.rope(k.view(1, 1, 1, 8), torch.tensor([pk]), 10000.0)).sum()
+    torch.testing.assert_close(qk(9, 4), qk(25, 20))
+    # the model's real-arithmetic RoPE agrees with the reference's complex form
+    torch.testing.assert_close(apply_rope(x.float(), pos, 10000.0).double(), rotated, atol=1e-5, rtol=1e-5)
+
+
+def test_reference_mhc_sublayer_matches_model_mhc_functions():
+    cfg = ModelConfig(hidden=16, vocab=16, quant="bf16")
+    state = make_state_dict(cfg, seed=2)
+    torch.manual_seed(2)
+    streams = torch.randn(2, 3, cfg.mhc_streams, cfg.hidden, dtype=torch.float64)
+    sub = lambda x: torch.tanh(x) * 3
+    out = ref.mhc_sublayer(streams, state, cfg, "layers.0.attn_mhc", "layers.0.attn_norm.weight", sub)
+    flat = streams.reshape(6, cfg.mhc_streams, cfg.hidden)
+    p = {n: state[f"layers.0.attn_mhc.{n}"].double() for n in ("fn", "base", "scale")}
+    x, post, comb = mhc_pre(flat, p["fn"], p["base"], p["scale"], backend="torch")
+    x = ref.rms_norm(x, state["layers.0.attn_norm.weight"].double(), cfg.norm_eps)
+    expected = mhc_post(sub(x), flat, post.double(), comb.double(), backend="torch")
+    # model/mhc.py computes in fp32, the reference in fp64
+    torch.testing.assert_close(out.reshape(6, cfg.mhc_streams, cfg.hidden), expected, atol=2e-5, rtol=2e-5)
+    h = {n: state[f"head_mhc.{n}"].double() for n in ("fn", "base", "scale")}
+    head = mhc_head(flat, h["fn"], h["base"], h["scale"], backend="torch")
+    mix = ref.rms_norm(flat.reshape(6, -1), None, cfg.norm_eps) @ h["fn"].T
+    pre = torch.sigmoid(mix * h["scale"][0] + h["base"]) + cfg.mhc_eps
+    torch.testing.assert_close(head, (pre[..., None] * flat).sum(1), atol=2e-5, rtol=2e-5)
+
+
+def test_reference_moe_routes_by_biased_score_and_weights_by_unbiased_one():
+    cfg = ModelConfig(hidden=32, experts=4, top_k=1, moe_inter=32, shared_inter=0, routed_scaling=2.0, vocab=16)
+    state = make_state_dict(cfg, seed=1)
+    state["layers.0.moe.gate.e_score_correction_bias"] = torch.tensor([0.0, 0.0, 100.0, 0.0])  # expert 2 wins
+    h = torch.randn(3, cfg.hidden, dtype=torch.float64, generator=torch.Generator().manual_seed(3))
+    w1, w3, w2 = (w.double() for w in served_expert_weights(state, cfg, 0, 2))
+    g, u = (h @ w1.T).clamp(max=10.0), (h @ w3.T).clamp(-10.0, 10.0)
+    expected = 2.0 * (g * torch.sigmoid(g) * u) @ w2.T  # top-1 renormalized weight is 1, times scaling
+    torch.testing.assert_close(ref.moe(h, state, cfg, 0), expected)
+
+
+def test_served_expert_weights_round_w13_as_one_matrix():
+    cfg = ModelConfig(quant="nvfp4", hidden=32, moe_inter=16, vocab=16)
+    state = make_state_dict(cfg, seed=0)
+    state["layers.0.moe.experts.0.w3.weight"] = state["layers.0.moe.experts.0.w3.weight"] * 40  # W3 sets the scale
+    w1, w3, _ = served_expert_weights(state, cfg, 0, 0)
+    w13 = torch.cat([state["layers.0.moe.experts.0.w1.weight"], state["layers.0.moe.experts.0.w3.weight"]])
+    assert torch.equal(torch.cat([w1, w3]), round_to_format(w13, "nvfp4"))
+    assert not torch.equal(w1, round_to_format(state["layers.0.moe.experts.0.w1.weight"], "nvfp4"))
+
+
+@pytest.mark.parametrize("kwargs, sizes, match", [
+    ({"heads": 6}, dict(tp=4), "heads"),
+    ({"kv_heads": 4, "heads": 8}, dict(tp=8), None),
+    ({"kv_heads": 2}, dict(tp=2, dcp=2), "KV heads"),
+    ({"kv_heads": 1}, dict(tp=2, dcp=2), None),
+    ({"vocab": 99}, dict(tp=2), "vocab"),
+    ({"experts": 6}, dict(), "ep"),
+])
+def test_check_layout_names_the_problem(kwargs, sizes, match):
+    cfg = ModelConfig(**kwargs)
+    pcfg = ParallelConfig(world_size=8, **sizes)
+    if match is None:
+        check_layout(cfg, pcfg)
+    else:
+        with pytest.raises(ValueError, match=match):
+            check_layout(cfg, pcfg)
+
+
+def test_check_layout_run_shapes():
+    pcfg = ParallelConfig(world_size=4, pcp=2, dcp=2)  # dp 2
+    check_layout(ModelConfig(), pcfg, prompt_len=8, batch=2)
+    with pytest.raises(ValueError, match="2 \\* pcp"):
+        check_layout(ModelConfig(), pcfg, prompt_len=6)
+    with pytest.raises(ValueError, match="replicas"):
+        check_layout(ModelConfig(), pcfg, batch=3)
+    with pytest.raises(ValueError, match="mxfp4"):
+        ModelConfig(hidden=48)
+    check_layout(ModelConfig(experts=6), ParallelConfig(world_size=4), redundant_experts=2)
