@@ -106,9 +106,14 @@ def _root_cause(procs: list, results: "mp.Queue", done: dict, rank: int, text: s
     for r, p in enumerate(procs):
         if r not in reported and not p.is_alive() and p.exitcode not in (0, None):
             return RankError(f"rank {r} exited with code {p.exitcode} before returning a result", rank=r)
-    primary = [(r, t) for r, t in errors if not any(s in t for s in _SECONDARY)]
-    r, t = (primary or errors)[0]
+    r, t = pick_primary(errors)
     return RankError(f"rank {r} failed:\n{t}", rank=r, remote_traceback=t)
+
+
+def pick_primary(errors: list[tuple[int, str]]) -> tuple[int, str]:
+    """Of several ranks' errors, the first that is not a peer-disconnect consequence."""
+    primary = [(r, t) for r, t in errors if not any(s in t for s in _SECONDARY)]
+    return (primary or errors)[0]
 
 
 def launch_local(fn: Callable[..., Any], world_size: int, *, backend: str = "gloo", args: tuple = (),

@@ -17,7 +17,7 @@ from typing import Any, Callable, Literal
 
 from parallel import ParallelConfig
 
-from .local import RankError, free_port, torchrun_env
+from .local import RankError, free_port, pick_primary, torchrun_env
 
 
 def _require_ray():
@@ -149,13 +149,28 @@ def _get_all(ray, refs: list, timeout: float, what: str) -> list[Any]:
             missing = sorted(index[r] for r in pending)
             raise RankError(f"timed out after {timeout:.0f}s {what}; ranks still running: {missing}")
         done, pending = ray.wait(pending, num_returns=1, timeout=min(left, 1.0))
+        failures: list[tuple[int, str, bool]] = []   # (rank, text, actor died)
         for ref in done:
-            rank = index[ref]
-            try:
-                results[rank] = ray.get(ref)
-            except ray.exceptions.RayActorError as e:
-                raise RankError(f"rank {rank}: its actor died while {what}: {e}", rank=rank) from None
-            except ray.exceptions.RayTaskError as e:
-                text = str(e)
-                raise RankError(f"rank {rank} failed while {what}:\n{text}", rank=rank, remote_traceback=text) from None
+            _collect(ray, ref, index[ref], results, failures)
+        if failures:
+            # Peers of a failed rank fail too (broken connections): give them a moment, then
+            # report a dead actor first, else the first error that is not such a consequence.
+            more, pending = ray.wait(pending, num_returns=len(pending), timeout=1.0)
+            for ref in more:
+                _collect(ray, ref, index[ref], results, failures)
+            died = [(r, t) for r, t, dead in failures if dead]
+            if died:
+                r, t = died[0]
+                raise RankError(f"rank {r}: its actor died while {what}: {t}", rank=r)
+            r, t = pick_primary([(r, t) for r, t, _ in failures])
+            raise RankError(f"rank {r} failed while {what}:\n{t}", rank=r, remote_traceback=t)
     return [results[i] for i in range(len(refs))]
+
+
+def _collect(ray, ref, rank: int, results: dict[int, Any], failures: list[tuple[int, str, bool]]) -> None:
+    try:
+        results[rank] = ray.get(ref)
+    except ray.exceptions.RayActorError as e:
+        failures.append((rank, str(e), True))
+    except ray.exceptions.RayTaskError as e:
+        failures.append((rank, str(e), False))

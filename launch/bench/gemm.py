@@ -1,0 +1,446 @@
+"""`megapar bench gemm`: FP4 grouped expert GEMMs of one EP=8 shard against torch's grouped GEMMs.
+
+Shapes (ANCHORS.md): V3 (32 local experts, H=7168, I=2048) and V4-Flash (32, H=4096,
+I=2048); L1 = x[M, H] @ W13[E, 2I, H]^T, L2 = h[M, I] @ W2[E, H, I]^T; 1..2048 tokens per
+expert, M = 32 x tokens. Weights are random MXFP4 (random E2M1 codes, block exponents
+spread over 7 values); the anchors use the same values in bf16 and as rowwise FP8.
+
+Per case, in the same run: torch bf16 `_grouped_mm` and torch fp8 rowwise
+`_scaled_grouped_mm` (pre-quantized activations), and ours: `triton_w4a16` and `triton_w4a8`
+through the public `grouped_gemm` (activation quantization and FP4 expansion included).
+Every timing is a CUDA-graph replay (the serving setting: no Python launch overhead),
+median of many. The fp4 floor is the MXFP4 weight + bf16 activation bytes at the measured
+copy bandwidth; rel_err is ||ours - ref|| / ||ref|| against an fp32 reference (W4A8: the
+reference with the same fp8 activations). Targets: decode (<= 32 tok/expert) >= 75% of the
+floor's speed and >= 4x torch bf16; prefill (2048) W4A8 >= 1.0x torch fp8, W4A16 >= 0.9x bf16.
+
+`python -m launch.bench.gemm --probe --out DIR` runs the kernel-tuning probe instead (variants
+and launch configs side by side, correctness of each) and writes DIR/gemm-probe.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import math
+import os
+import sys
+import time
+import traceback
+import zlib
+from typing import Any, Callable
+
+import torch
+
+from launch.bench.common import BenchContext, H200_FP8_TFLOPS, copy_ceiling_gbps
+
+SHAPES = {"v3": (32, 7168, 2048), "v4flash": (32, 4096, 2048)}
+TOKENS = (1, 8, 32, 128, 512, 2048)
+
+
+# ---- data ---------------------------------------------------------------------------------------
+
+def random_mxfp4(E: int, N: int, K: int, device: torch.device, seed: int):
+    """A random MXFP4 weight [E, N, K] (QuantizedTensor) with block exponents in [-9, -3]."""
+    from moe.quant import QuantizedTensor
+
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    data = torch.randint(0, 256, (E, N, K // 2), generator=g, dtype=torch.uint8).to(device)
+    scale = torch.randint(118, 125, (E, N, K // 32), generator=g, dtype=torch.uint8).to(device)
+    return QuantizedTensor(data, scale, "mxfp4", torch.Size((E, N, K)))
+
+
+def fp4_floor_us(E: int, N: int, K: int, M: int, device: torch.device) -> float:
+    nbytes = E * N * K // 2 + E * N * K // 32 + M * K * 2 + M * N * 2
+    return nbytes / (copy_ceiling_gbps(device) * 1e3)
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.float(), b.float()
+    if not torch.isfinite(a).all():
+        return float("nan")
+    return float((a - b).norm() / b.norm().clamp_min(1e-30))
+
+
+def graph_time(ctx: BenchContext, fn: Callable[[], Any], iters: int | None = None) -> tuple[float, str]:
+    """Median µs of fn as a CUDA-graph replay (eager on CPU or when capture fails)."""
+    fn()
+    if not ctx.is_cuda:
+        return ctx.time_fn(fn, iters=iters), "eager"
+    torch.cuda.synchronize()
+    try:
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            fn()
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            fn()
+        us = ctx.time_fn(graph.replay, iters=iters)
+        del graph
+        return us, "graph"
+    except Exception as e:  # noqa: BLE001 - fall back, and say so
+        torch.cuda.synchronize()
+        return ctx.time_fn(fn, iters=iters), f"eager ({type(e).__name__})"
+
+
+@contextlib.contextmanager
+def precompile():
+    """Inside: Triton launches only compile (16 threads, in parallel) and do not run; on exit
+    every compile has finished and sits in the in-memory kernel cache."""
+    try:
+        from concurrent.futures import ThreadPoolExecutor
+
+        from triton.runtime._async_compile import AsyncCompileMode
+        from triton.runtime.jit import JITFunction
+    except Exception:  # noqa: BLE001 - older triton: compile lazily
+        yield
+        return
+    orig = JITFunction.run
+
+    def run(self, *args, grid, warmup, **kwargs):
+        return orig(self, *args, grid=grid, warmup=True, **kwargs)
+
+    JITFunction.run = run
+    try:
+        with ThreadPoolExecutor(16) as pool, AsyncCompileMode(pool, ignore_errors=True):
+            yield
+    finally:
+        JITFunction.run = orig
+
+
+# ---- the suite ----------------------------------------------------------------------------------
+
+class Case:
+    """One (shape, gemm, tokens) problem with its data on the device."""
+
+    def __init__(self, ctx: BenchContext, shape: str, gemm: str, tok: int, w: dict[str, Any]):
+        self.shape, self.gemm, self.tok = shape, gemm, tok
+        self.E, self.N, self.K = w["shape"]
+        self.M = self.E * tok
+        g = torch.Generator(device="cpu").manual_seed(tok * 7 + self.K)
+        self.x = torch.randn(self.M, self.K, generator=g).to(ctx.device, torch.bfloat16)
+        self.counts = torch.full((self.E,), tok, dtype=torch.int32, device=ctx.device)
+        self.offs = torch.cumsum(self.counts, 0).to(torch.int32)
+        self.w = w
+
+    def reference(self, x: torch.Tensor | None = None) -> torch.Tensor:
+        x = (self.x if x is None else x).float().view(self.E, self.tok, self.K)
+        return torch.bmm(x, self.w["f32"].transpose(1, 2)).reshape(self.M, self.N)
+
+
+def _weights(ctx: BenchContext, E: int, N: int, K: int, seed: int) -> dict[str, Any]:
+    from moe.kernels import prepare_weights
+    from moe.kernels.triton_w4a16 import expand_fp4
+
+    q = random_mxfp4(E, N, K, ctx.device, seed)
+    pw = prepare_weights(q)
+    if ctx.is_cuda or os.environ.get("TRITON_INTERPRET") == "1":
+        bf16 = expand_fp4(pw, torch.bfloat16)
+        fp8, fp8_scale = expand_fp4(pw, fold="row")
+    else:
+        from moe.kernels.prepare import dequantize_prepared
+        bf16 = dequantize_prepared(pw, torch.bfloat16)
+        fp8, fp8_scale = None, None
+    return {"shape": (E, N, K), "pw": pw, "bf16": bf16, "f32": bf16.float(), "fp8": fp8, "fp8_scale": fp8_scale}
+
+
+def _gemms(E: int, H: int, inter: int) -> dict[str, tuple[int, int, int]]:
+    return {"L1": (E, 2 * inter, H), "L2": (E, H, inter)}
+
+
+def run(ctx: BenchContext) -> None:
+    from moe.kernels import grouped_gemm
+
+    if ctx.quick or not ctx.is_cuda:
+        shapes = {"tiny": (4, 256, 128)}
+        tokens = (1, 8) if ctx.quick else (1, 8, 64)
+        ctx.note("CPU / quick: tiny shapes through the torch reference and torch._grouped_mm (kernels need CUDA)")
+    else:
+        shapes, tokens = SHAPES, TOKENS
+    ctx.note("times: CUDA-graph replays, median; ours include activation quantization and FP4 expansion")
+    for shape, (E, H, inter) in shapes.items():
+        for gemm, (e, n, k) in _gemms(E, H, inter).items():
+            w = _weights(ctx, e, n, k, seed=zlib.crc32(f"{shape}{gemm}".encode()) % 1000)
+            cases = [Case(ctx, shape, gemm, tok, w) for tok in tokens]
+            if ctx.is_cuda:
+                with precompile():
+                    for c in cases:
+                        for backend in ("triton_w4a16", "triton_w4a8"):
+                            with contextlib.suppress(Exception):
+                                grouped_gemm(c.x, w["pw"], counts=c.counts, backend=backend)
+            for c in cases:
+                _run_case(ctx, c, grouped_gemm)
+            del w, cases
+            if ctx.is_cuda:
+                torch.cuda.empty_cache()
+    if ctx.is_cuda and not ctx.quick:
+        _targets(ctx)
+
+
+def _run_case(ctx: BenchContext, c: Case, grouped_gemm) -> None:
+    w = c.w
+    flops = 2.0 * c.M * c.N * c.K
+    floor = fp4_floor_us(c.E, c.N, c.K, c.M, ctx.device)
+    fp8_floor = max(flops / (H200_FP8_TFLOPS * 1e6), floor)
+    ref = c.reference()
+    anchors: dict[str, float] = {}
+    try:
+        anchors["bf16"], _ = graph_time(ctx, lambda: torch._grouped_mm(c.x, w["bf16"].transpose(1, 2), offs=c.offs))
+    except Exception as e:  # noqa: BLE001
+        ctx.note(f"{c.shape} {c.gemm} tok={c.tok}: torch bf16 _grouped_mm failed: {type(e).__name__}: {e}")
+    if ctx.is_cuda:
+        from moe.kernels.triton_w4a8 import quantize_act, torch_scaled_grouped_mm
+        xq, xs = quantize_act(c.x)
+        try:
+            anchors["fp8"], _ = graph_time(ctx, lambda: torch_scaled_grouped_mm(xq, xs, w["fp8"], w["fp8_scale"], c.counts))
+        except Exception as e:  # noqa: BLE001
+            ctx.note(f"{c.shape} {c.gemm} tok={c.tok}: torch fp8 _scaled_grouped_mm failed: {type(e).__name__}: {e}")
+        ref8 = c.reference(xq.float() * xs)
+    impls = ("triton_w4a16", "triton_w4a8") if ctx.is_cuda else ("torch", "torch_grouped_mm")
+    for impl in impls:
+        fn = (lambda impl=impl: grouped_gemm(c.x, w["pw"], counts=c.counts, backend=impl))
+        try:
+            out = fn()
+            err = rel_err(out, ref8 if impl == "triton_w4a8" else ref)
+            us, how = graph_time(ctx, fn)
+        except Exception as e:  # noqa: BLE001
+            ctx.note(f"{c.shape} {c.gemm} tok={c.tok} {impl}: failed: {type(e).__name__}: {e}")
+            continue
+        ctx.record(f"{c.shape} {c.gemm} tok={c.tok} {impl}", us, anchor="torch bf16 _grouped_mm",
+                   anchor_us=anchors.get("bf16"), floor_us=floor, shape=c.shape, gemm=c.gemm, tok_per_expert=c.tok,
+                   impl=impl, M=c.M, N=c.N, K=c.K, tflops=flops / us / 1e6,
+                   fp8_anchor_us=anchors.get("fp8"),
+                   speedup_vs_fp8=(anchors["fp8"] / us) if "fp8" in anchors else None,
+                   w4a8_floor_us=round(fp8_floor, 2), rel_err=err, timing=how)
+
+
+def _targets(ctx: BenchContext) -> None:
+    """Notes: which ANCHORS.md targets are met, with the numbers."""
+    rows = [r for r in ctx.rows if r.get("impl", "").startswith("triton")]
+    for r in rows:
+        tok, impl = r["tok_per_expert"], r["impl"]
+        name = r["case"]
+        if tok <= 32 and impl == "triton_w4a16":
+            frac, speed = r.get("roofline_fraction"), r.get("speedup_vs_anchor")
+            ok = frac is not None and speed is not None and frac >= 0.75 and speed >= 4
+            ctx.note(f"decode target {'MET' if ok else 'missed'}: {name}: {frac:.2f} of the fp4 floor (>= 0.75), "
+                     f"{speed:.2f}x torch bf16 (>= 4)")
+        if tok == 2048 and impl == "triton_w4a8" and r.get("speedup_vs_fp8") is not None:
+            ok = r["speedup_vs_fp8"] >= 1.0
+            ctx.note(f"prefill W4A8 target {'MET' if ok else 'missed'}: {name}: {r['speedup_vs_fp8']:.2f}x torch fp8 "
+                     f"(>= 1.0)")
+        if tok == 2048 and impl == "triton_w4a16" and r.get("speedup_vs_anchor") is not None:
+            ok = r["speedup_vs_anchor"] >= 0.9
+            ctx.note(f"prefill W4A16 target {'MET' if ok else 'missed'}: {name}: {r['speedup_vs_anchor']:.2f}x torch "
+                     f"bf16 (>= 0.9)")
+
+
+# ---- probe: variants and launch configs side by side ----------------------------------------------
+
+def probe(out_dir: str, sections: list[str]) -> None:
+    from moe.kernels import expert_rows, prepare_weights
+    from moe.kernels.prepare import repack
+    from moe.kernels.triton_w4a16 import W4A16Config, expand_fp4, launch_w4a16, launch_w4a16_dot_scaled
+    from moe.kernels.triton_w4a8 import FP8Config, fp8_grouped_gemm, quantize_act, torch_scaled_grouped_mm
+
+    dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    ctx = BenchContext(suite="gemm-probe", device=dev, quick=not ctx_is_cuda(dev))
+    tiny = dev.type != "cuda"   # dry run of the probe's own code under TRITON_INTERPRET=1
+    shape_l1 = (32, 4096, 7168) if not tiny else (2, 64, 512)
+    shape_l2 = (32, 7168, 2048) if not tiny else (2, 64, 256)
+    results: list[dict[str, Any]] = []
+    path = f"{out_dir}/gemm-probe.json"
+
+    def save() -> None:
+        with open(path, "w") as f:
+            json.dump({"versions": _versions(), "results": results}, f, indent=1)
+
+    variants: list[tuple[str, str, Callable[[], Any], Callable[[Any], float] | None, dict]] = []
+
+    def add(section: str, name: str, fn, check=None, **info) -> None:
+        variants.append((section, name, fn, check, info))
+
+    t0 = time.time()
+    cache: dict[tuple, Any] = {}
+    if ctx.is_cuda:   # compile the expansion kernels the data setup uses, in parallel
+        with precompile():
+            _weights(ctx, 2, 64, 512, seed=0)
+
+    def weights(E, N, K):
+        key = (E, N, K)
+        if key not in cache:
+            cache.clear()
+            torch.cuda.empty_cache()
+            cache[key] = _weights(ctx, E, N, K, seed=N + K)
+        return cache[key]
+
+    def problem(E, N, K, tok):
+        w = weights(E, N, K)
+        M = E * tok
+        x = torch.randn(M, K, device=dev, dtype=torch.bfloat16)
+        counts = torch.full((E,), tok, dtype=torch.int32, device=dev)
+        rows = expert_rows(x, E, counts, None, "contiguous")
+        ref = torch.bmm(x.float().view(E, tok, K), w["f32"].transpose(1, 2)).reshape(M, N)
+        return w, x, counts, rows, ref
+
+    def err_of(ref):
+        return lambda out: rel_err(out, ref)
+
+    # -- decode: W4A16 variants (V3 L1 at 1 and 32 tok/expert, V3 L2 at 8) --
+    if "decode" in sections:
+        for (E, N, K, tok) in ((*shape_l1, 1), (*shape_l1, 32), (*shape_l2, 8)):
+            w, x, counts, rows, ref = problem(E, N, K, tok)
+            pw = w["pw"]
+            natural = repack(pw, "natural")
+            floor = fp4_floor_us(E, N, K, E * tok, dev)
+            bm = 16 if tok <= 16 else 32
+            oct_w = repack(pw, "oct")
+            cfgs = [("f16asm", "oct", 128, bm, 1, 4, 4), ("f16asm_swap", "oct", 128, bm, 1, 4, 4),
+                    ("f16asm", "oct", 256, bm, 1, 8, 3), ("f16asm", "oct", 64, bm, 1, 4, 4),
+                    ("f16asm", "oct", 128, bm, 1, 4, 3), ("f16asm", "oct", 128, bm, 2, 4, 3),
+                    ("f16", "oct", 128, bm, 1, 4, 4), ("f16", "paired", 128, bm, 2, 4, 4),
+                    ("bf16", "paired", 128, bm, 2, 4, 4)]
+            if K == shape_l2[2] or tok > 16:
+                cfgs = [c for i, c in enumerate(cfgs) if i in (0, 1, 2, 7)]
+            if tiny:   # the interpreter has no inline asm; small tiles
+                cfgs = [("f16", "oct", 32, 16, 1, 4, 1), ("f16", "paired", 32, 16, 2, 4, 1)]
+            for mode, packing, bn, bm_, ch, nw, ns in cfgs:
+                cfg = W4A16Config(block_n=bn, block_m=bm_, chunks=ch, num_warps=nw, num_stages=ns, mode=mode,
+                                  packing=packing)
+                wt = oct_w if packing == "oct" else pw
+                add("decode", f"N{N} K{K} tok{tok} w4a16 {mode} {packing} bn{bn} bm{bm_} ch{ch} w{nw} s{ns}",
+                    (lambda x=x, wt=wt, rows=rows, cfg=cfg: launch_w4a16(x, wt, rows, out_dtype=torch.bfloat16,
+                                                                         config=cfg)),
+                    err_of(ref), floor_us=floor, anchor="floor")
+            if K != shape_l2[2] and not tiny:
+                for bn, bk, nw, ns in ((128, 128, 4, 4),):
+                    add("decode", f"N{N} K{K} tok{tok} dot_scaled bn{bn} bm{bm} bk{bk} w{nw} s{ns}",
+                        (lambda x=x, nat=natural, rows=rows, bn=bn, bk=bk, nw=nw, ns=ns: launch_w4a16_dot_scaled(
+                            x, nat, rows, out_dtype=torch.bfloat16, block_n=bn, block_m=bm, block_k=bk, num_warps=nw,
+                            num_stages=ns)), err_of(ref), floor_us=floor, anchor="floor")
+            offs = torch.cumsum(counts, 0).to(torch.int32)
+            add("decode", f"N{N} K{K} tok{tok} torch bf16 _grouped_mm",
+                (lambda x=x, wb=w["bf16"], offs=offs: torch._grouped_mm(x, wb.transpose(1, 2), offs=offs)),
+                err_of(ref), floor_us=floor)
+            _run_variants(ctx, variants, results, save)
+            variants.clear()
+
+    # -- prefill: V3 L1 at 2048 tok/expert --
+    if "prefill" in sections:
+        for (E, N, K, tok) in ((*shape_l1, 2048 if not tiny else 64), (*shape_l1, 128 if not tiny else 16)):
+            w, x, counts, rows, ref = problem(E, N, K, tok)
+            pw = w["pw"]
+            offs = torch.cumsum(counts, 0).to(torch.int32)
+            xq, xs = quantize_act(x)
+            ref8 = torch.bmm((xq.float() * xs).view(E, tok, K), w["f32"].transpose(1, 2)).reshape(E * tok, N)
+            b_row, s_row = w["fp8"], w["fp8_scale"]
+            b_grp, s_grp = expand_fp4(pw, fold="group")
+            tag = f"N{N} K{K} tok{tok}"
+            add("prefill", f"{tag} torch bf16 _grouped_mm",
+                lambda: torch._grouped_mm(x, w["bf16"].transpose(1, 2), offs=offs), err_of(ref))
+            add("prefill", f"{tag} torch fp8 rowwise _scaled_grouped_mm (gemm only)",
+                lambda: torch_scaled_grouped_mm(xq, xs, b_row, s_row, counts), err_of(ref8))
+            add("prefill", f"{tag} expand fp4->bf16", lambda: expand_fp4(pw, torch.bfloat16), None,
+                bytes=E * N * K * 2.5)
+            add("prefill", f"{tag} expand fp4->fp8 row", lambda: expand_fp4(pw, fold="row"), None, bytes=E * N * K * 1.5)
+            add("prefill", f"{tag} expand fp4->fp8 group", lambda: expand_fp4(pw, fold="group"), None,
+                bytes=E * N * K * 1.5)
+            add("prefill", f"{tag} act quant fp8 token", lambda: quantize_act(x), None, bytes=E * tok * K * 3)
+            add("prefill", f"{tag} w4a16 expand+_grouped_mm",
+                lambda: torch._grouped_mm(x, expand_fp4(pw, torch.bfloat16).transpose(1, 2), offs=offs), err_of(ref))
+            add("prefill", f"{tag} w4a8 quant+expand+torch scaled_grouped_mm",
+                lambda: torch_scaled_grouped_mm(*quantize_act(x), *expand_fp4(pw, fold="row"), counts), err_of(ref8))
+            fp8_cfgs = [(128, 128, 8, 4), (128, 256, 8, 3), (64, 256, 4, 4), (256, 128, 8, 3)]
+            if tok <= 128:
+                fp8_cfgs = [(64, 128, 4, 4), (128, 128, 8, 4)]
+            if tiny:
+                fp8_cfgs = [(16, 32, 4, 1)]
+            for bm, bn, nw, ns in fp8_cfgs:
+                cfg = FP8Config(block_m=bm, block_n=bn, num_warps=nw, num_stages=ns)
+                add("prefill", f"{tag} triton fp8 gemm only row bm{bm} bn{bn} w{nw} s{ns}",
+                    (lambda cfg=cfg: fp8_grouped_gemm(xq, xs, b_row, s_row, rows, out_dtype=torch.bfloat16,
+                                                      config=cfg)), err_of(ref8))
+            cfg = FP8Config(*fp8_cfgs[0][:2], num_warps=fp8_cfgs[0][2], num_stages=3)
+            add("prefill", f"{tag} triton fp8 gemm only group-promote bm{cfg.block_m} bn{cfg.block_n} s3",
+                lambda: fp8_grouped_gemm(xq, xs, b_grp, s_grp, rows, out_dtype=torch.bfloat16, config=cfg),
+                err_of(ref8))
+            if tok <= 128 and not tiny:
+                oct_w = repack(pw, "oct")
+                for bm, nw in ((64, 4), (128, 8)):
+                    cfg16 = W4A16Config(block_n=128, block_m=bm, chunks=1, num_warps=nw, num_stages=3, mode="f16asm",
+                                        packing="oct")
+                    add("prefill", f"{tag} w4a16 fused f16asm oct bm{bm} w{nw}",
+                        (lambda cfg16=cfg16: launch_w4a16(x, oct_w, rows, out_dtype=torch.bfloat16, config=cfg16)),
+                        err_of(ref))
+            _run_variants(ctx, variants, results, save)
+            variants.clear()
+            del b_grp, s_grp
+    print(f"probe done in {time.time() - t0:.0f} s")
+    save()
+    _print_table(results)
+
+
+def ctx_is_cuda(dev: torch.device) -> bool:
+    return dev.type == "cuda"
+
+
+def _run_variants(ctx, variants, results, save) -> None:
+    t = time.time()
+    with (precompile() if ctx.is_cuda else contextlib.nullcontext()):
+        for _, _, fn, _, _ in variants:
+            with contextlib.suppress(Exception):
+                fn()
+    print(f"  precompiled {len(variants)} variants in {time.time() - t:.1f} s", flush=True)
+    for section, name, fn, check, info in variants:
+        row: dict[str, Any] = {"section": section, "name": name, **info}
+        try:
+            out = fn()
+            if ctx.is_cuda:
+                torch.cuda.synchronize()
+            if check is not None:
+                row["rel_err"] = check(out[0] if isinstance(out, tuple) else out)
+            row["us"], row["timing"] = graph_time(ctx, fn, iters=30 if ctx.is_cuda else 1)
+            if "floor_us" in info:
+                row["floor_frac"] = round(info["floor_us"] / row["us"], 3)
+            if "bytes" in info:
+                row["gbps"] = round(info["bytes"] / row["us"] / 1e3, 1)
+        except Exception as e:  # noqa: BLE001
+            row["error"] = f"{type(e).__name__}: {str(e)[:400]}"
+            traceback.print_exc(limit=2)
+            if ctx.is_cuda:
+                torch.cuda.synchronize()
+        results.append(row)
+        print("  " + "  ".join(f"{k}={v}" for k, v in row.items()), flush=True)
+        save()
+
+
+def _print_table(results) -> None:
+    print("\n| variant | µs | rel_err | floor frac / GB/s |")
+    for r in results:
+        extra = r.get("floor_frac", r.get("gbps", ""))
+        print(f"| {r['name']} | {r.get('us', r.get('error', '')[:60])} | {r.get('rel_err', '')} | {extra} |")
+
+
+def _versions() -> dict[str, str]:
+    from launch.bench.common import versions
+    return versions()
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--probe", action="store_true")
+    p.add_argument("--sections", default="decode,prefill")
+    p.add_argument("--out", default="bench/results")
+    args = p.parse_args(argv)
+    if args.probe:
+        probe(args.out, args.sections.split(","))
+        return 0
+    from launch.cli import main as cli_main
+    return cli_main(["bench", "gemm", "--out", args.out])
+
+
+if __name__ == "__main__":
+    sys.exit(main())

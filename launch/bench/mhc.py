@@ -1,0 +1,80 @@
+"""`megapar bench mhc`: the mHC pre/post mixing against the copy ceiling and the torch reference.
+
+Cases (M = 4 streams, bf16 residual [T, M, H], fp32 parameters, 20 Sinkhorn iterations):
+- pre: read the residual (and fn, from L2 after the first programs), write the layer input.
+- post: read the residual and the sublayer output, write the new residual.
+- post+pre fused (`mhc_post_pre`) against post followed by pre (our kernels, unfused), the
+  saving being one read of the residual.
+Floor = bytes read + written / the measured copy ceiling (4264 GB/s on the H200). Anchor =
+the torch reference (`backend="torch"`) on the same inputs. L2 is flushed before each timed
+call (small cases would otherwise be served from L2 and beat the HBM floor).
+T = 1 .. 16384 and H = 4096 (V4-Flash), 7168 (V4-Pro) on CUDA; `--quick`: tiny, CPU, the
+torch reference only (Triton needs CUDA).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from launch.bench.common import BenchContext, copy_ceiling_gbps
+
+M = 4
+
+
+def _params(m: int, h: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    n = (2 + m) * m
+    fn = (torch.randn(n, m * h, generator=g) / (m * h) ** 0.5).to(device)
+    base = (torch.randn(n, generator=g) * 0.1).to(device)
+    scale = torch.tensor([1.0, 1.0, 1.0], device=device)
+    return fn, base, scale
+
+
+def run(ctx: BenchContext) -> None:
+    from model.mhc import mhc_post, mhc_post_pre, mhc_pre
+
+    if ctx.quick:
+        tokens, hiddens = (1, 8), (64,)
+    elif ctx.is_cuda:
+        tokens, hiddens = (1, 16, 128, 1024, 4096, 16384), (4096, 7168)
+    else:
+        tokens, hiddens = (1, 16, 128), (1024,)
+    dtype = torch.bfloat16
+    ours = "triton" if ctx.is_cuda else "torch"
+    if not ctx.is_cuda:
+        ctx.note("CPU: the torch reference only (the Triton kernels need CUDA); no anchor")
+    gbps = copy_ceiling_gbps(ctx.device)
+    time_kw = dict(flush_l2=ctx.is_cuda)
+    for h in hiddens:
+        fn, base, scale = _params(M, h, ctx.device)
+        for t in tokens:
+            g = torch.Generator().manual_seed(t)
+            residual = torch.randn(t, M, h, generator=g).to(ctx.device, dtype)
+            out = torch.randn(t, h, generator=g).to(ctx.device, dtype)
+            with torch.no_grad():
+                first = mhc_pre(residual, fn, base, scale, backend=ours)
+                post_w, comb = first.post, first.comb
+                res_bytes, row_bytes = t * M * h * 2, t * h * 2
+                cases = {
+                    "pre": (lambda b: mhc_pre(residual, fn, base, scale, backend=b), res_bytes + row_bytes),
+                    "post": (lambda b: mhc_post(out, residual, post_w, comb, backend=b), 2 * res_bytes + row_bytes),
+                    "post+pre fused": (lambda b: mhc_post_pre(out, residual, post_w, comb, fn, base, scale, backend=b),
+                                       3 * res_bytes + 2 * row_bytes),
+                }
+                shape = dict(T=t, H=h, M=M)
+                for name, (call, nbytes) in cases.items():
+                    us = ctx.time_fn(lambda: call(ours), **time_kw)
+                    floor = nbytes / (gbps * 1e9) * 1e6
+                    if ctx.is_cuda:
+                        anchor_us = ctx.time_fn(lambda: call("torch"), **time_kw)
+                        ctx.record(f"{name} T={t} H={h}", us, anchor="torch reference", anchor_us=anchor_us,
+                                   floor_us=floor, gbps=nbytes / us / 1e3, **shape)
+                    else:
+                        ctx.record(f"{name} T={t} H={h} (torch)", us, floor_us=floor, gbps=nbytes / us / 1e3, **shape)
+                if ctx.is_cuda:
+                    unfused = ctx.time_fn(lambda: mhc_pre(mhc_post(out, residual, post_w, comb, backend=ours),
+                                                          fn, base, scale, backend=ours), **time_kw)
+                    fused = ctx.time_fn(lambda: mhc_post_pre(out, residual, post_w, comb, fn, base, scale,
+                                                             backend=ours), **time_kw)
+                    ctx.record(f"post+pre fused vs unfused T={t} H={h}", fused, anchor="our post then our pre",
+                               anchor_us=unfused, **shape)
