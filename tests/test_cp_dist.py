@@ -88,14 +88,14 @@ def _fill_cache(cache, attn_insert, ks, vs, table, split_last: bool) -> None:
                             table[s].expand(hi - lo, -1))
 
 
-def _check_dcp(groups, case, seed: int, device: torch.device, tol: float) -> None:
+def _check_dcp(groups, case, seed: int, device: torch.device, tol: float, same_heads: bool = False) -> None:
     from parallel.cp import PagedKVCache, dcp_decode_attention, dcp_kv_insert
 
     interleave, block, lens, hl, hkv, comm, cache_dtype, atol = case
     rank, size = groups.dcp.rank, groups.dcp.size
     gen = torch.Generator().manual_seed(seed)
     d, dv = 8, 6
-    q = torch.randn(len(lens), hl * size, d, generator=gen)
+    q = torch.randn(len(lens), hl * (1 if same_heads else size), d, generator=gen)
     ks = [torch.randn(n, hkv, d, generator=gen) for n in lens]
     vs = [torch.randn(n, hkv, dv, generator=gen) for n in lens]
     per_block = block * size
@@ -107,10 +107,10 @@ def _check_dcp(groups, case, seed: int, device: torch.device, tol: float) -> Non
     insert = lambda c, k, v, p, t: dcp_kv_insert(c, k.to(device), v.to(device), p, t, groups.dcp,
                                                  interleave=interleave)
     _fill_cache(cache, insert, ks, vs, table.to(device), split_last=True)
-    mine = slice(rank * hl, (rank + 1) * hl)
+    mine = slice(0, hl) if same_heads else slice(rank * hl, (rank + 1) * hl)
     out, lse = dcp_decode_attention(q[:, mine].contiguous().to(device), cache, table.to(device),
                                     torch.tensor(lens, device=device), groups.dcp, interleave=interleave, comm=comm,
-                                    return_lse=True)
+                                    return_lse=True, same_heads=same_heads)
     for s, n in enumerate(lens):
         ref_out, ref_lse = reference_attention(q[s:s + 1], ks[s], vs[s], causal=False)
         msg = f"rank {rank}/{size} case {case} seq {s}"
@@ -158,6 +158,8 @@ def _cp_rank(rank: int, world: int) -> str:
             _check_ring(groups, case, group_args[i % 3], i, device, tol)
     for i, case in enumerate(DCP_CASES):
         _check_dcp(groups, case, 100 + i, device, tol)
+        if case[3] % case[4] == 0:   # every rank holds the same query heads (DCP carved from PCP)
+            _check_dcp(groups, case, 200 + i, device, tol, same_heads=True)
     _check_module(groups, 7, device, tol)
     try:
         ring_attention(torch.randn(3, 2, 8), torch.randn(3, 2, 8), torch.randn(3, 2, 8), groups.pcp)

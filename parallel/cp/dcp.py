@@ -252,13 +252,18 @@ def local_decode_attention(q: Tensor, cache: PagedKVCache, block_table: Tensor, 
 
 def dcp_decode_attention(q: Tensor, cache: PagedKVCache, block_table: Tensor, seq_lens: Tensor,
                          group: GroupLike = None, *, interleave: int = 1, comm: DCPComm = "ag_rs",
-                         scale: float | None = None, return_lse: bool = False) -> Tensor | AttnState:
+                         scale: float | None = None, return_lse: bool = False, same_heads: bool = False
+                         ) -> Tensor | AttnState:
     """One decode step over a DCP-sharded KV cache.
 
     q: [S, Hq_local, D], this rank's query heads (one token per sequence); the group's gathered
     heads (N * Hq_local) must be a multiple of the cache's kv heads. block_table: [S, max_blocks]
     int; seq_lens: [S] int global lengths (including the token being decoded, already inserted).
     comm: "ag_rs" (all-gather LSE + reduce-scatter) or "a2a" (all-to-all + local merge).
+    same_heads: every rank of the group holds the SAME query heads (DCP carved from PCP, so the
+    ranks differ only in which tokens their cache holds); each rank's Hq_local heads then map
+    onto the cache's kv heads by themselves. False (vLLM's TP-carved DCP): the group's gathered
+    heads are consecutive global heads sharing the cache's kv heads.
     Returns out [S, Hq_local, Dv] in q's dtype (or AttnState with lse [S, Hq_local] fp32).
     """
     if comm not in ("ag_rs", "a2a"):
@@ -273,13 +278,24 @@ def dcp_decode_attention(q: Tensor, cache: PagedKVCache, block_table: Tensor, se
     layout = _layout(group, cache.block_size, interleave)
     rank, size = layout.rank, layout.size
     heads = q.shape[1]
+    if same_heads and heads % cache.kv_heads != 0:
+        raise ValueError(f"with same_heads, local query heads ({heads}) must be a multiple of the cache's "
+                         f"kv heads ({cache.kv_heads})")
     if (heads * size) % cache.kv_heads != 0:
         raise ValueError(f"gathered query heads ({heads} x dcp {size} = {heads * size}) must be a multiple of the "
                          f"cache's kv heads ({cache.kv_heads})")
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
     q_all = all_gather_uneven(q.contiguous(), group, dim=1, sizes=[heads] * size)       # [S, N*Hq, D]
+    s_len, hkv = q.shape[0], cache.kv_heads
+    if same_heads and hkv > 1 and size > 1:
+        # [S, N, Hkv, G, D] -> kv-head-major so the plain GQA mapping (head // (N*G)) picks kv head j.
+        q_all = q_all.view(s_len, size, hkv, heads // hkv, -1).transpose(1, 2).reshape(s_len, size * heads, -1)
     local = local_decode_attention(q_all, cache, block_table.to(q.device),
                                    layout.local_lengths(seq_lens.to(q.device).long()), scale)
+    if same_heads and hkv > 1 and size > 1:
+        back = lambda t: t.view(s_len, hkv, size, heads // hkv, *t.shape[2:]).transpose(1, 2).reshape(
+            s_len, size * heads, *t.shape[2:])
+        local = AttnState(back(local.out), back(local.lse))
     if size == 1:
         state = local
     elif comm == "ag_rs":
