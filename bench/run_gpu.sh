@@ -13,7 +13,7 @@ what=$1; shift
 case "$what" in
   tests)
     python3 -c 'import torch; print(torch.__version__, torch.cuda.get_device_name(0))'
-    timeout ${TEST_TIMEOUT:-400} python3 -m pytest -q -m gpu -p no:cacheprovider -x --timeout 120 \
+    timeout ${TEST_TIMEOUT:-400} python3 -m pytest -q -m gpu -p no:cacheprovider --timeout 120 -rf \
       --junitxml="$OUT/gpu-tests.xml" "$@" 2>&1 | tee "$OUT/gpu-tests.log" | tail -40
     ;;
   bench)

@@ -82,8 +82,19 @@ def cmd_env(args: argparse.Namespace) -> int:
     return 0
 
 
+class _Stopped(Exception):
+    """SIGTERM (e.g. from `timeout`) during a suite: keep and write the rows measured so far."""
+
+
+def _stop_on_sigterm(signum, frame):
+    raise _Stopped("SIGTERM")
+
+
 def cmd_bench(args: argparse.Namespace) -> int:
     """Run the suites; the recorded command is rebuilt from the parsed arguments."""
+    import signal
+
+    signal.signal(signal.SIGTERM, _stop_on_sigterm)
     import torch
 
     from launch.bench.common import BenchContext, write_results
@@ -104,6 +115,9 @@ def cmd_bench(args: argparse.Namespace) -> int:
                            options={k: v for k, v in vars(args).items() if k not in ("func", "argv")})
         try:
             module.run(ctx)
+        except _Stopped as e:
+            ctx.note(f"stopped by {e} before the suite finished: the rows above are partial")
+            failed.append(name)
         except Exception:
             import traceback
 
