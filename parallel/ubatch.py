@@ -10,39 +10,45 @@ in the same order (the precondition for gloo and NCCL), while the communication 
 micro-batch is in flight during another's compute.
 
 Yield points, called by layers (all of them are no-ops outside a runner, so a layer calls
-them unconditionally):
+them unconditionally; a `recv_hook` then simply runs at once):
 
-    ubatch_yield(recv_hook=None)      hand the turn to the next micro-batch; when it comes back,
-                                      run `recv_hook()` and return its result. Outside a runner
-                                      the hook runs at once (so `ubatch_yield(work.wait)` is
-                                      "wait for my async collective", overlapped or not).
-    register_recv_hook(hook)          queue a hook to run when this micro-batch next resumes
-                                      (at its next yield, or when it finishes).
-    yield_and_switch_to_comm()        CUDA: record this micro-batch's compute so far, yield, then
-                                      continue on the comm stream after that compute.
-    yield_and_switch_to_compute()     CUDA: record the communication issued so far, yield, then
-                                      continue on the compute stream after that communication.
-    switch_to_comm() / switch_to_compute()   the same stream switch without yielding.
+    ubatch_yield(recv_hook=None)          hand the turn to the next micro-batch; when it comes
+                                          back, run `recv_hook()` and return its result.
+    register_recv_hook(hook)              queue a hook for when this micro-batch next resumes
+                                          (its next yield, or its end).
+    switch_to_comm() / switch_to_compute()
+                                          CUDA: continue on the other stream, after the work
+                                          issued so far on this one (an event).
+    yield_and_switch_to_comm(recv_hook=None) / yield_and_switch_to_compute(recv_hook=None)
+                                          record, yield, then switch; the hook runs after the
+                                          switch and its result is returned.
 
-How the MoE layer uses them (EP dispatch / combine):
+How the MoE layer yields around EP dispatch and combine (`parallel.ep` dispatchers take
+`async_op=True` and return a handle whose `wait()` gives the result):
 
-    yield_and_switch_to_comm()                       # let the other micro-batch compute
-    handle = dispatcher.dispatch(x, ids, w)          # on the comm stream (CUDA)
-    yield_and_switch_to_compute()                    # the other one issues its comm meanwhile
-    y = experts(handle.x)                            # on the compute stream
-    ...the same pair around combine...
+    pending = dispatcher.dispatch(x, topk_ids, topk_weights, async_op=True)
+    res = ubatch_yield(recv_hook=pending.wait)         # the other micro-batch computes meanwhile
+    expert_out = experts(res)
+    pending = dispatcher.combine(expert_out, res.handle, async_op=True)
+    y = ubatch_yield(recv_hook=pending.wait)
 
-With an asynchronous collective (gloo/NCCL `async_op=True`), launch it and yield with its
-wait as the receive hook: `out = ubatch_yield(recv_hook=work.wait)`. That is what makes the
-overlap real on CPU/gloo, where a synchronous collective blocks the thread holding the turn.
+Collectives of torch.distributed (gloo, NCCL) run on their own threads/streams once launched
+asynchronously, so this needs no stream switch and is where the overlap comes from (a
+synchronous collective would block the thread that holds the turn). Communication issued
+as kernels on the current stream (symmetric memory, DeepEP-style) goes on the comm stream:
+
+    switch_to_comm()
+    pending = launch_dispatch_kernels(...)
+    res = yield_and_switch_to_compute(recv_hook=pending.wait)
 
 Streams (CUDA): the compute stream is the caller's current stream when `run` is called (so
 the outputs are ordered after the micro-batches without extra synchronization); one comm
 stream per device is shared by all micro-batches. An event is recorded *before* yielding,
 never after: after the turn comes back the stream also holds the other micro-batch's work,
-and waiting on that would serialize the two. Tensors made on one stream and freed after use
-on the other should be kept alive until the next switch back (or call `record_stream`), as
-with any multi-stream code.
+and waiting on that would serialize the two. The tensors a hook returns to
+`yield_and_switch_to_compute` are marked as used on the compute stream; any other tensor
+made on one stream and used on the other needs `record_stream(...)` (or to stay alive until
+the next switch back), as in any multi-stream code.
 
 Splitting: only when the batch has at least `min_tokens` tokens (defaults: 32 for decode,
 512 for prefill); below that `fn` runs once on the calling thread with no runner active.
@@ -57,6 +63,7 @@ which unwinds; the caller gets `UBatchError` (with `.ubatch_id`, the original ex
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 from dataclasses import dataclass, field
 from typing import Any, Callable, Literal, Sequence
@@ -185,14 +192,21 @@ def switch_to_compute() -> None:
         ctx._runner._switch(ctx, to_comm=False, event=ctx._runner._record())
 
 
-def yield_and_switch_to_comm() -> None:
-    """Yield (another micro-batch computes meanwhile), then continue on the comm stream."""
-    _yield_and_switch(to_comm=True)
+def yield_and_switch_to_comm(recv_hook: Callable[[], Any] | None = None) -> Any:
+    """Yield (another micro-batch computes meanwhile), then continue on the comm stream.
+
+    Returns `recv_hook()`'s result, run after the switch (None without a hook)."""
+    return _yield_and_switch(to_comm=True, recv_hook=recv_hook)
 
 
-def yield_and_switch_to_compute() -> None:
-    """Yield (another micro-batch communicates meanwhile), then continue on the compute stream."""
-    _yield_and_switch(to_comm=False)
+def yield_and_switch_to_compute(recv_hook: Callable[[], Any] | None = None) -> Any:
+    """Yield (another micro-batch issues work meanwhile), then continue on the compute stream.
+
+    `recv_hook` (e.g. the `wait` of an async dispatch) runs after the switch, so a collective's
+    `wait()` orders the compute stream after it; tensors it returns (directly, in a tuple or in
+    a dataclass) are marked as used on the compute stream (`record_stream`). Returns its result.
+    """
+    return _yield_and_switch(to_comm=False, recv_hook=recv_hook)
 
 
 def record_stream(*tensors: torch.Tensor) -> None:
@@ -207,15 +221,33 @@ def record_stream(*tensors: torch.Tensor) -> None:
             t.record_stream(stream)
 
 
-def _yield_and_switch(*, to_comm: bool) -> None:
+def _yield_and_switch(*, to_comm: bool, recv_hook: Callable[[], Any] | None) -> Any:
     ctx = get_optional_ubatch()
     if ctx is None:
-        return
+        return recv_hook() if recv_hook is not None else None
     runner = ctx._runner
     event = runner._record()  # before yielding: only this micro-batch's work (see docstring)
+    if recv_hook is not None:
+        ctx._hooks.append(recv_hook)
     runner._yield_turn(ctx)
     runner._switch(ctx, to_comm=to_comm, event=event)
-    _run_hooks(ctx)
+    result = _run_hooks(ctx)
+    if runner._streams is not None and not to_comm:
+        _record_tensors(result, torch.cuda.current_stream(), depth=2)
+    return result
+
+
+def _record_tensors(obj: Any, stream: Any, depth: int) -> None:
+    """record_stream on the CUDA tensors in obj (a tensor, tuple/list or dataclass, nested `depth` deep)."""
+    if isinstance(obj, torch.Tensor):
+        if obj.is_cuda:
+            obj.record_stream(stream)
+    elif depth > 0 and isinstance(obj, (tuple, list)):
+        for item in obj:
+            _record_tensors(item, stream, depth - 1)
+    elif depth > 0 and dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        for f in dataclasses.fields(obj):
+            _record_tensors(getattr(obj, f.name), stream, depth - 1)
 
 
 def _run_hooks(ctx: UBatchContext) -> Any:
@@ -350,6 +382,7 @@ class UBatchRunner:
                 kwargs: dict[str, Any], results: list[Any], modes: dict[str, Any]) -> None:
         _local.ctx = ctx
         torch.set_grad_enabled(modes["grad"])  # grad mode is thread-local: copy the caller's
+        torch.set_num_threads(modes["threads"])  # OpenMP's count is per OS thread; a new one uses every core
         try:
             with torch.inference_mode(modes["inference"]):
                 if self._streams is not None:
@@ -436,7 +469,8 @@ class UBatchRunner:
 
 def _thread_modes() -> dict[str, Any]:
     """Thread-local torch modes of the caller, to be reproduced in the micro-batch threads."""
-    return {"grad": torch.is_grad_enabled(), "inference": torch.is_inference_mode_enabled()}
+    return {"grad": torch.is_grad_enabled(), "inference": torch.is_inference_mode_enabled(),
+            "threads": torch.get_num_threads()}
 
 
 def _concat(results: list[Any]) -> Any:

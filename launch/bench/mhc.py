@@ -31,6 +31,19 @@ def _params(m: int, h: int, device: torch.device) -> tuple[torch.Tensor, torch.T
 
 
 def run(ctx: BenchContext) -> None:
+    if ctx.is_cuda:
+        _run(ctx)
+        return
+    # CPU: one thread, a reproducible number (tiny OpenMP regions on a shared box stall for ms).
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        _run(ctx)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _run(ctx: BenchContext) -> None:
     from model.mhc import mhc_post, mhc_post_pre, mhc_pre
 
     if ctx.quick:
@@ -42,7 +55,7 @@ def run(ctx: BenchContext) -> None:
     dtype = torch.bfloat16
     ours = "triton" if ctx.is_cuda else "torch"
     if not ctx.is_cuda:
-        ctx.note("CPU: the torch reference only (the Triton kernels need CUDA); no anchor")
+        ctx.note("CPU: the torch reference only, one thread (the Triton kernels need CUDA); no anchor")
     gbps = copy_ceiling_gbps(ctx.device)
     time_kw = dict(flush_l2=ctx.is_cuda)
     for h in hiddens:

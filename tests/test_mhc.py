@@ -1,0 +1,377 @@
+"""mHC (model/mhc.py): torch reference against plain per-token loops, Sinkhorn, broadcast entry,
+head, sequence-parallel sharding; Triton kernels under the interpreter (CPU) and on CUDA."""
+
+from __future__ import annotations
+
+import importlib
+import math
+import os
+
+import pytest
+import torch
+
+from model.mhc import (MHC, MHCHead, mhc_broadcast, mhc_head, mhc_post, mhc_post_pre, mhc_pre, mhc_pre_broadcast,
+                       sinkhorn)
+
+EPS = 1e-6
+
+if not torch.cuda.is_available():
+    # Triton decides at import whether kernels are interpreted; without a GPU nothing else can run
+    # them, so ask for the interpreter before anything imports triton.
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+def make_params(m: int, h: int, *, seed: int = 0, device: str = "cpu", spread: float = 1.0):
+    g = torch.Generator().manual_seed(seed)
+    n = (2 + m) * m
+    fn = (torch.randn(n, m * h, generator=g) * 0.5 / math.sqrt(m * h) * 8 * spread).to(device)
+    base = (torch.randn(n, generator=g) * 0.5).to(device)
+    scale = torch.tensor([0.7, 1.3, 0.9 * spread]).to(device)
+    return fn, base, scale
+
+
+# ---- an independent plain implementation: per token, python loops, float64 ----
+
+def plain_pre(residual, fn, base, scale, iters=20, eps=EPS, rms_eps=EPS):
+    t_count, m, h = residual.shape
+    res = residual.double()
+    fn, base, scale = fn.double(), base.double(), scale.double()
+    sig = lambda v: 1.0 / (1.0 + math.exp(-v))
+    layer_input = torch.zeros(t_count, h, dtype=torch.float64)
+    posts = torch.zeros(t_count, m, dtype=torch.float64)
+    combs = torch.zeros(t_count, m, m, dtype=torch.float64)
+    for t in range(t_count):
+        flat = torch.cat([res[t, i] for i in range(m)])
+        rstd = 1.0 / math.sqrt(float((flat * flat).sum()) / (m * h) + rms_eps)
+        mix = [float(torch.dot(flat, fn[r])) * rstd for r in range(fn.shape[0])]
+        pre = [sig(mix[i] * scale[0].item() + base[i].item()) + eps for i in range(m)]
+        for j in range(m):
+            posts[t, j] = 2 * sig(mix[m + j] * scale[1].item() + base[m + j].item())
+        c = [[0.0] * m for _ in range(m)]
+        for i in range(m):
+            row = [mix[2 * m + i * m + j] * scale[2].item() + base[2 * m + i * m + j].item() for j in range(m)]
+            top = max(row)
+            ex = [math.exp(v - top) for v in row]
+            for j in range(m):
+                c[i][j] = ex[j] / sum(ex) + eps
+
+        def norm_cols():
+            for j in range(m):
+                s = sum(c[i][j] for i in range(m)) + eps
+                for i in range(m):
+                    c[i][j] /= s
+
+        def norm_rows():
+            for i in range(m):
+                s = sum(c[i]) + eps
+                c[i] = [v / s for v in c[i]]
+
+        norm_cols()
+        for _ in range(iters - 1):
+            norm_rows()
+            norm_cols()
+        combs[t] = torch.tensor(c, dtype=torch.float64)
+        for i in range(m):
+            layer_input[t] += pre[i] * res[t, i]
+    return layer_input, posts, combs
+
+
+def plain_post(out, residual, post, comb):
+    t_count, m, h = residual.shape
+    new = torch.zeros(t_count, m, h, dtype=torch.float64)
+    for t in range(t_count):
+        for j in range(m):
+            new[t, j] = post[t, j].double() * out[t].double()
+            for i in range(m):
+                new[t, j] += comb[t, i, j].double() * residual[t, i].double()
+    return new
+
+
+# ---- torch reference ----
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_pre_matches_plain_loops(dtype):
+    torch.manual_seed(1)
+    t, m, h = 5, 4, 24
+    residual = torch.randn(t, m, h).to(dtype)
+    fn, base, scale = make_params(m, h)
+    got = mhc_pre(residual, fn, base, scale, backend="torch")
+    want_x, want_post, want_comb = plain_pre(residual, fn, base, scale)
+    assert got.layer_input.dtype == dtype and got.post.dtype == torch.float32 and got.comb.dtype == torch.float32
+    torch.testing.assert_close(got.post.double(), want_post, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(got.comb.double(), want_comb, rtol=1e-5, atol=1e-6)
+    tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=8e-3, atol=8e-3)
+    torch.testing.assert_close(got.layer_input.double(), want_x, **tol)
+
+
+def test_pre_with_three_streams_and_few_iterations_matches_plain_loops():
+    torch.manual_seed(2)
+    residual = torch.randn(3, 3, 10)
+    fn, base, scale = make_params(3, 10, seed=3)
+    got = mhc_pre(residual, fn, base, scale, sinkhorn_iters=3, eps=1e-3, rms_eps=1e-4)
+    want = plain_pre(residual, fn, base, scale, iters=3, eps=1e-3, rms_eps=1e-4)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a.double(), b, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_post_matches_plain_loops_with_transposed_comb(dtype):
+    torch.manual_seed(3)
+    t, m, h = 4, 4, 16
+    residual = torch.randn(t, m, h).to(dtype)
+    out = torch.randn(t, h).to(dtype)
+    post = torch.rand(t, m) * 2
+    comb = torch.rand(t, m, m)  # not symmetric: a missing transpose fails
+    got = mhc_post(out, residual, post, comb, backend="torch")
+    assert got.dtype == dtype and got.shape == (t, m, h)
+    tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=8e-3, atol=2e-2)
+    torch.testing.assert_close(got.double(), plain_post(out, residual, post, comb), **tol)
+
+
+def test_comb_is_doubly_stochastic_after_the_iterations():
+    torch.manual_seed(4)
+    m, h = 4, 32
+    residual = torch.randn(64, m, h)
+    fn, base, scale = make_params(m, h, spread=0.5)  # logits of std ~2: columns far from stochastic
+    comb = mhc_pre(residual, fn, base, scale).comb
+    assert (comb > 0).all()
+    torch.testing.assert_close(comb.sum(-2), torch.ones(64, m), rtol=0, atol=1e-5)
+    torch.testing.assert_close(comb.sum(-1), torch.ones(64, m), rtol=0, atol=1e-4)
+    # One iteration only normalizes columns: the rows are visibly off, so the check above means something.
+    one = mhc_pre(residual, fn, base, scale, sinkhorn_iters=1).comb
+    torch.testing.assert_close(one.sum(-2), torch.ones(64, m), rtol=0, atol=1e-5)
+    assert (one.sum(-1) - 1).abs().max() > 0.05
+
+
+def test_sinkhorn_leaves_a_doubly_stochastic_matrix_almost_unchanged():
+    perm = torch.eye(4)[[2, 0, 3, 1]] * 0.7 + 0.3 / 4  # rows and columns sum to 1
+    torch.testing.assert_close(sinkhorn(perm[None], 20, 1e-9)[0], perm, rtol=0, atol=1e-6)
+
+
+def test_broadcast_entry_equals_general_path_on_equal_streams():
+    torch.manual_seed(5)
+    t, m, h = 6, 4, 20
+    x = torch.randn(t, h)
+    fn, base, scale = make_params(m, h, seed=6)
+    streams = mhc_broadcast(x, m)
+    assert streams.shape == (t, m, h) and torch.equal(streams[:, 2], x)
+    general = mhc_pre(streams.contiguous(), fn, base, scale)
+    entry = mhc_pre_broadcast(x, fn, base, scale)
+    for a, b in zip(entry, general):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    out = torch.randn(t, h)
+    torch.testing.assert_close(mhc_post(out, streams, entry.post, entry.comb),
+                               mhc_post(out, streams.contiguous(), entry.post, entry.comb), rtol=0, atol=0)
+
+
+def test_head_is_the_weighted_stream_sum():
+    torch.manual_seed(7)
+    t, m, h = 5, 4, 12
+    residual = torch.randn(t, m, h)
+    fn = torch.randn(m, m * h) * 0.2
+    base = torch.randn(m)
+    scale = torch.tensor([0.6])
+    got = mhc_head(residual, fn, base, scale)
+    want = torch.zeros(t, h, dtype=torch.float64)
+    for k in range(t):
+        flat = residual[k].reshape(-1).double()
+        rstd = 1 / math.sqrt(float((flat * flat).mean()) + EPS)
+        for i in range(m):
+            w = 1 / (1 + math.exp(-(float(fn[i].double() @ flat) * rstd * 0.6 + float(base[i])))) + EPS
+            want[k] += w * residual[k, i].double()
+    torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5)
+    # With fn = 0 the weights are the constants sigmoid(base) + eps.
+    const = mhc_head(residual, torch.zeros_like(fn), base, scale)
+    torch.testing.assert_close(const, ((torch.sigmoid(base) + EPS)[None, :, None] * residual).sum(1),
+                               rtol=1e-6, atol=1e-6)
+
+
+def test_sequence_parallel_shards_give_the_full_result():
+    torch.manual_seed(8)
+    t, m, h = 37, 4, 48
+    residual = torch.randn(t, m, h).bfloat16()
+    out = torch.randn(t, h).bfloat16()
+    fn, base, scale = make_params(m, h, seed=9)
+    full = mhc_pre(residual, fn, base, scale)
+    new_full = mhc_post(out, residual, full.post, full.comb)
+    bounds = [(0, 1), (1, 20), (20, 37)]  # uneven shards, one of a single token
+    shards = [mhc_pre(residual[a:b], fn, base, scale) for a, b in bounds]
+    for k in range(3):
+        # Per token; only the BLAS blocking of x @ fn^T may differ with the shard size.
+        torch.testing.assert_close(torch.cat([s[k] for s in shards]), full[k], rtol=1e-6, atol=1e-6)
+    new_shards = torch.cat([mhc_post(out[a:b], residual[a:b], full.post[a:b], full.comb[a:b]) for a, b in bounds])
+    assert torch.equal(new_shards, new_full)
+    empty = mhc_pre(residual[:0], fn, base, scale)  # a rank may hold no tokens
+    assert empty.layer_input.shape == (0, h) and empty.comb.shape == (0, m, m)
+
+
+def test_bad_shapes_and_backend_raise_value_error():
+    fn, base, scale = make_params(4, 8)
+    with pytest.raises(ValueError, match="residual must be"):
+        mhc_pre(torch.randn(3, 32), fn, base, scale)
+    with pytest.raises(ValueError, match="fn must have shape"):
+        mhc_pre(torch.randn(3, 4, 9), fn, base, scale)
+    with pytest.raises(ValueError, match="sinkhorn_iters"):
+        mhc_pre(torch.randn(3, 4, 8), fn, base, scale, sinkhorn_iters=0)
+    with pytest.raises(ValueError, match="backend"):
+        mhc_pre(torch.randn(3, 4, 8), fn, base, scale, backend="cuda")
+    with pytest.raises(ValueError, match="out"):
+        mhc_post(torch.randn(3, 7), torch.randn(3, 4, 8), torch.rand(3, 4), torch.rand(3, 4, 4))
+
+
+def test_module_forward_post_pre_and_gradients():
+    torch.manual_seed(10)
+    t, m, h = 4, 4, 16
+    first, second = MHC(h, m), MHC(h, m)
+    head = MHCHead(h, m)
+    x = torch.randn(t, h, requires_grad=True)
+    lin = torch.nn.Linear(h, h)
+    pre1 = first.pre_broadcast(x)
+    residual = mhc_broadcast(x, m)
+    new_fused, pre2 = first.post_pre(lin(pre1.layer_input), residual, pre1.post, pre1.comb, second)
+    new_plain = first.post(lin(pre1.layer_input), residual, pre1.post, pre1.comb)
+    torch.testing.assert_close(new_fused, new_plain, rtol=0, atol=0)
+    for a, b in zip(pre2, second.pre(new_plain)):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    final = second(new_plain, torch.tanh)
+    li, po, co = second.pre(new_plain)
+    torch.testing.assert_close(final, second.post(torch.tanh(li), new_plain, po, co), rtol=0, atol=0)
+    head(final).square().sum().backward()
+    for p in (x, first.fn, first.base, first.scale, second.fn, head.fn, lin.weight):
+        assert p.grad is not None and p.grad.abs().sum() > 0
+
+
+# ---- Triton, under the interpreter on CPU ----
+
+@pytest.fixture(scope="module")
+def interpreted_kernels():
+    if torch.cuda.is_available():
+        pytest.skip("interpreter tests run where there is no GPU; the gpu tests cover CUDA")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("TRITON_INTERPRET", "1")  # before triton is first imported: it decides at import
+        pytest.importorskip("triton")
+        import model.triton_mhc as kernels
+        from triton.runtime.interpreter import InterpretedFunction
+
+        import triton.language.standard as tl_standard
+
+        if not isinstance(tl_standard.zeros, InterpretedFunction):
+            pytest.skip("triton was imported without TRITON_INTERPRET=1 earlier in this session")
+        if not isinstance(kernels._mix_kernel, InterpretedFunction):
+            importlib.reload(kernels)
+        yield kernels
+
+
+def _check_triton_against_torch(residual, out, fn, base, scale, fn_head, base_head, scale_head, tol):
+    kw = dict(sinkhorn_iters=20)
+    want = mhc_pre(residual, fn, base, scale, backend="torch", **kw)
+    got = mhc_pre(residual, fn, base, scale, backend="triton", **kw)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a.float(), b.float(), **tol)
+    new_want = mhc_post(out, residual, want.post, want.comb, backend="torch")
+    new_got = mhc_post(out, residual, want.post, want.comb, backend="triton")
+    torch.testing.assert_close(new_got.float(), new_want.float(), **tol)
+    fused_new, fused_pre = mhc_post_pre(out, residual, want.post, want.comb, fn, base, scale, backend="triton", **kw)
+    torch.testing.assert_close(fused_new.float(), new_want.float(), **tol)
+    for a, b in zip(fused_pre, mhc_pre(new_want, fn, base, scale, backend="torch", **kw)):
+        torch.testing.assert_close(a.float(), b.float(), **tol)
+    torch.testing.assert_close(mhc_head(residual, fn_head, base_head, scale_head, backend="triton").float(),
+                               mhc_head(residual, fn_head, base_head, scale_head, backend="torch").float(), **tol)
+
+
+@pytest.mark.parametrize("t,m,h", [(1, 4, 40), (37, 4, 72), (5, 2, 24)])
+def test_triton_kernels_match_reference_in_interpreter(interpreted_kernels, t, m, h):
+    torch.manual_seed(t + h)
+    residual = torch.randn(t, m, h)
+    out = torch.randn(t, h)
+    fn, base, scale = make_params(m, h, seed=t)
+    fn_head, base_head, scale_head = torch.randn(m, m * h) * 0.1, torch.randn(m), torch.tensor([0.8])
+    _check_triton_against_torch(residual, out, fn, base, scale, fn_head, base_head, scale_head,
+                                dict(rtol=2e-5, atol=2e-5))
+
+
+def test_triton_many_hidden_splits_match_reference_in_interpreter(interpreted_kernels, monkeypatch):
+    # As on a GPU with many SMs: ~20 splits of H, more than one step of the coefficient kernel's loop.
+    monkeypatch.setattr(interpreted_kernels, "_num_sms", lambda device: 64)
+    t, m, h = 3, 4, 1280
+    assert triton_splits(interpreted_kernels, t, m, h) > 16
+    torch.manual_seed(13)
+    residual = torch.randn(t, m, h)
+    fn, base, scale = make_params(m, h, seed=14)
+    for a, b in zip(mhc_pre(residual, fn, base, scale, backend="triton"),
+                    mhc_pre(residual, fn, base, scale, backend="torch")):
+        torch.testing.assert_close(a, b, rtol=2e-5, atol=2e-5)
+
+
+def triton_splits(kernels, t, m, h):
+    _, _, h_per_split = kernels._mix_config(t, m, h, torch.device("cpu"))
+    return -(-h // h_per_split)
+
+
+def test_triton_handles_strided_and_broadcast_residual_in_interpreter(interpreted_kernels):
+    torch.manual_seed(11)
+    t, m, h = 6, 4, 24
+    fn, base, scale = make_params(m, h, seed=12)
+    strided = torch.randn(t, h, m).transpose(1, 2)  # [T, M, H] with H not innermost
+    for a, b in zip(mhc_pre(strided, fn, base, scale, backend="triton"),
+                    mhc_pre(strided.contiguous(), fn, base, scale, backend="torch")):
+        torch.testing.assert_close(a, b, rtol=2e-5, atol=2e-5)
+    x = torch.randn(t, h)
+    for a, b in zip(mhc_pre_broadcast(x, fn, base, scale, backend="triton"),
+                    mhc_pre_broadcast(x, fn, base, scale, backend="torch")):
+        torch.testing.assert_close(a, b, rtol=2e-5, atol=2e-5)
+    with pytest.raises(ValueError, match="power-of-two"):
+        fn3, base3, scale3 = make_params(3, h)
+        mhc_pre(torch.randn(t, 3, h), fn3, base3, scale3, backend="triton")
+
+
+# ---- Triton on CUDA ----
+
+@pytest.fixture
+def fp32_matmul():
+    """The reference's x @ fn^T in true fp32, whatever another test left set (TF32 is ~1e-3)."""
+    saved = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = False
+    yield
+    torch.backends.cuda.matmul.allow_tf32 = saved
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("t", [1, 7, 300, 4096])
+@pytest.mark.parametrize("h", [4096, 7168])
+def test_triton_kernels_match_reference_on_gpu(fp32_matmul, t, h):
+    m = 4
+    torch.manual_seed(t + h)
+    residual = torch.randn(t, m, h, device="cuda").bfloat16()
+    out = torch.randn(t, h, device="cuda").bfloat16()
+    fn, base, scale = make_params(m, h, seed=t, device="cuda")
+    fn_head = torch.randn(m, m * h, device="cuda") * 0.01
+    base_head, scale_head = torch.randn(m, device="cuda"), torch.tensor([0.8], device="cuda")
+    # bf16 outputs (2^-8 relative spacing): fp32 sums that differ in the last bits may round apart.
+    _check_triton_against_torch(residual, out, fn, base, scale, fn_head, base_head, scale_head,
+                                dict(rtol=2e-2, atol=2e-2))
+    got = mhc_pre(residual, fn, base, scale, backend="triton")
+    want = mhc_pre(residual, fn, base, scale, backend="torch")
+    torch.testing.assert_close(got.comb, want.comb, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(got.post, want.post, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.gpu
+def test_auto_backend_uses_triton_on_gpu_and_torch_under_autograd(fp32_matmul, monkeypatch):
+    import model.triton_mhc as kernels
+
+    calls = []
+    real_pre = kernels.pre
+    monkeypatch.setattr(kernels, "pre", lambda *a: calls.append(1) or real_pre(*a))
+    m, h = 4, 256
+    module = MHC(h, m, device="cuda")
+    residual = torch.randn(8, m, h, device="cuda").bfloat16()
+    with torch.no_grad():
+        fast = module.pre(residual)
+    assert calls == [1]
+    slow = mhc_pre(residual, module.fn.detach(), module.base.detach(), module.scale.detach(), backend="torch")
+    torch.testing.assert_close(fast.comb, slow.comb, rtol=1e-4, atol=1e-5)
+    graded = module.pre(residual)  # parameters require grad: torch path, differentiable
+    assert calls == [1]
+    graded.post.sum().backward()
+    assert module.fn.grad is not None

@@ -1,0 +1,382 @@
+"""Micro-batch overlap runner (parallel/ubatch.py): splitting, strict turn order, hooks, failure
+handling and reuse in one process; EP dispatch/combine and collectives at 2 gloo ranks; the
+CUDA stream path on one GPU."""
+
+from __future__ import annotations
+
+import random
+import threading
+import time
+import traceback
+
+import pytest
+import torch
+
+from parallel.ubatch import (
+    UBatchError,
+    UBatchRunner,
+    get_optional_ubatch,
+    get_ubatch,
+    register_recv_hook,
+    split_tokens,
+    switch_to_comm,
+    ubatch_yield,
+    yield_and_switch_to_comm,
+    yield_and_switch_to_compute,
+)
+
+
+def _live_ubatch_threads() -> list[str]:
+    return [t.name for t in threading.enumerate() if t.name.startswith("ubatch-")]
+
+
+def test_split_tokens_is_near_equal_and_ordered():
+    assert split_tokens(7, 2) == [4, 3]
+    assert split_tokens(10, 3) == [4, 3, 3]
+    assert split_tokens(1, 2) == [1, 0]
+    assert split_tokens(0, 2) == [0, 0]
+    with pytest.raises(ValueError, match="num_ubatches"):
+        split_tokens(4, 0)
+
+
+def test_thresholds_for_decode_and_prefill():
+    runner = UBatchRunner(2)
+    assert (runner.threshold("decode"), runner.threshold("prefill")) == (32, 512)
+    assert not runner.should_split(31, "decode") and runner.should_split(32, "decode")
+    assert not runner.should_split(511, "prefill") and runner.should_split(512, "prefill")
+    custom = UBatchRunner(2, decode_min_tokens=4, prefill_min_tokens=100)
+    assert custom.should_split(4, "decode") and not custom.should_split(99)
+    forced = UBatchRunner(3, min_tokens=1)
+    assert forced.should_split(3, "decode") and not forced.should_split(2, "prefill")  # fewer tokens than ubatches
+    assert not UBatchRunner(1, min_tokens=1).should_split(1000)
+    with pytest.raises(ValueError, match="mode"):
+        runner.should_split(10, "train")
+    with pytest.raises(ValueError, match="num_ubatches"):
+        UBatchRunner(0)
+
+
+def test_below_threshold_runs_once_on_the_calling_thread():
+    runner = UBatchRunner(2, decode_min_tokens=8)
+    seen = []
+
+    def fn(x):
+        seen.append((threading.current_thread() is threading.main_thread(), get_optional_ubatch(), x.shape[0]))
+        return x + ubatch_yield(lambda: 1.0)  # outside a runner the hook runs at once
+
+    out = runner.run(fn, torch.zeros(7), mode="decode")
+    assert seen == [(True, None, 7)] and torch.equal(out, torch.ones(7))
+    seen.clear()
+    runner.run(fn, torch.zeros(8), mode="decode")
+    assert [(main, ctx.ubatch_id, n) for main, ctx, n in seen] == [(False, 0, 4), (False, 1, 4)]
+
+
+def _token_fn(x, idx, *, weight):
+    """Per-token work with yields; float64 on small integers, so every order gives exact results."""
+    ctx = get_optional_ubatch()
+    offset = ctx.token_offset if ctx is not None else 0
+    h = x @ weight
+    h = ubatch_yield(lambda: h + 1)
+    pos = torch.arange(offset, offset + x.shape[0], dtype=x.dtype)[:, None]
+    yield_and_switch_to_comm()
+    h = h * 2 + pos
+    register_recv_hook(lambda: None)
+    h = yield_and_switch_to_compute(lambda: h - idx[:, None])
+    return h @ weight.T, idx * 10
+
+
+@pytest.mark.parametrize("num_ubatches,num_tokens", [(2, 9), (3, 10), (4, 4)])
+def test_results_equal_with_and_without_microbatching(num_ubatches, num_tokens):
+    g = torch.Generator().manual_seed(num_tokens)
+    x = torch.randint(-5, 6, (num_tokens, 6), generator=g).double()
+    idx = torch.arange(num_tokens, dtype=torch.float64) * 3
+    weight = torch.randint(-3, 4, (6, 5), generator=g).double()
+    want_h, want_i = _token_fn(x, idx, weight=weight)
+    got_h, got_i = UBatchRunner(num_ubatches, min_tokens=1).run(_token_fn, x, idx, weight=weight)
+    assert torch.equal(got_h, want_h) and torch.equal(got_i, want_i)
+
+
+def test_per_ubatch_metadata():
+    runner = UBatchRunner(3, min_tokens=1)
+    metas = []
+
+    def fn(x):
+        ctx = get_ubatch()
+        metas.append((ctx.ubatch_id, ctx.num_ubatches, ctx.token_offset, ctx.num_tokens, ctx.total_tokens))
+        assert torch.equal(x, torch.arange(11)[ctx.token_slice])
+        return x
+
+    assert torch.equal(runner.run(fn, torch.arange(11)), torch.arange(11))
+    assert sorted(metas) == [(0, 3, 0, 4, 11), (1, 3, 4, 4, 11), (2, 3, 8, 3, 11)]
+    with pytest.raises(RuntimeError, match="outside"):
+        get_ubatch()
+
+
+def test_forced_split_runs_empty_ubatches_too():
+    # In an EP group every rank must run every micro-batch (collectives), even with no tokens.
+    runner = UBatchRunner(3)
+    seen = []
+
+    def fn(x):
+        seen.append((get_ubatch().ubatch_id, x.shape[0]))
+        return ubatch_yield(lambda: x + 1)
+
+    out = runner.run(fn, torch.zeros(2, 3), split=True)
+    assert torch.equal(out, torch.ones(2, 3)) and seen == [(0, 1), (1, 1), (2, 0)]
+
+
+def test_interleaving_order_is_strict_and_deterministic():
+    yields = [3, 1, 2]  # micro-batches that finish early drop out of the rotation
+    runner = UBatchRunner(3, min_tokens=1)
+
+    def fn(x):
+        me = get_ubatch().ubatch_id
+        for step in range(yields[me] + 1):
+            time.sleep(random.random() * 2e-3)  # perturb the OS scheduling; the order must not move
+            trace.append((me, step))
+            if step < yields[me]:
+                ubatch_yield()
+        return x
+
+    expected = [(0, 0), (1, 0), (2, 0), (0, 1), (1, 1), (2, 1), (0, 2), (2, 2), (0, 3)]
+    for _ in range(5):
+        trace: list[tuple[int, int]] = []
+        runner.run(fn, torch.zeros(3))
+        assert trace == expected
+
+
+@pytest.mark.parametrize("failing", [0, 1])
+@pytest.mark.parametrize("where", ["before_first_yield", "between_yields", "after_last_yield", "in_recv_hook"])
+def test_exception_in_a_ubatch_surfaces_with_its_id_and_releases_everyone(failing, where):
+    runner = UBatchRunner(2, min_tokens=1)
+
+    def boom():
+        raise KeyError(f"ubatch {failing} at {where}")
+
+    def fn(x):
+        me = get_ubatch().ubatch_id
+        fail = me == failing
+        if fail and where == "before_first_yield":
+            boom()
+        ubatch_yield(boom if fail and where == "in_recv_hook" else None)
+        if fail and where == "between_yields":
+            boom()
+        yield_and_switch_to_comm()
+        yield_and_switch_to_compute()
+        if fail and where == "after_last_yield":
+            boom()
+        return x * 2
+
+    with pytest.raises(UBatchError, match=f"micro-batch {failing} of 2") as info:
+        runner.run(fn, torch.ones(6))
+    assert info.value.ubatch_id == failing
+    assert isinstance(info.value.__cause__, KeyError) and where in str(info.value.__cause__)
+    assert _live_ubatch_threads() == []
+    # The runner is usable again.
+    assert torch.equal(runner.run(lambda x: x * 3, torch.ones(6)), torch.full((6,), 3.0))
+
+
+def test_exception_swallowing_code_cannot_keep_running_after_an_abort():
+    runner = UBatchRunner(2, min_tokens=1)
+    after_abort = []
+
+    def fn(x):
+        me = get_ubatch().ubatch_id
+        if me == 1:
+            raise ValueError("first")
+        try:
+            ubatch_yield()
+            ubatch_yield()
+        except Exception:  # the abort is not an Exception: this must not catch it
+            after_abort.append(me)
+        return x
+
+    with pytest.raises(UBatchError) as info:
+        runner.run(fn, torch.ones(4))
+    assert info.value.ubatch_id == 1 and after_abort == []
+
+
+def test_runner_is_reusable_and_leaves_no_threads():
+    runner = UBatchRunner(2, min_tokens=1)
+    for i in range(30):
+        x = torch.arange(float(i + 2))
+        out = runner.run(lambda t: ubatch_yield(lambda: t * 2) + 1, x)
+        assert torch.equal(out, x * 2 + 1)
+    assert _live_ubatch_threads() == []
+
+
+def test_recv_hooks_run_in_their_own_ubatch_when_it_resumes():
+    runner = UBatchRunner(2, min_tokens=1)
+    log: list[str] = []
+
+    def fn(x):
+        me = get_ubatch().ubatch_id
+        register_recv_hook(lambda: log.append(f"hook{me}@{get_ubatch().ubatch_id}"))
+        log.append(f"yield{me}")
+        ubatch_yield()
+        log.append(f"resume{me}")
+        register_recv_hook(lambda: log.append(f"end{me}"))  # pending at the end: runs before finishing
+        return x
+
+    runner.run(fn, torch.zeros(2))
+    assert log == ["yield0", "yield1", "hook0@0", "resume0", "end0", "hook1@1", "resume1", "end1"]
+    outside: list[int] = []
+    register_recv_hook(lambda: outside.append(1))
+    assert outside == [1]
+
+
+def test_grad_mode_reaches_ubatch_threads_and_backward_works():
+    runner = UBatchRunner(2, min_tokens=1)
+    w = torch.randn(4, 3, requires_grad=True)
+    x = torch.randn(6, 4)
+    with torch.no_grad():
+        assert not runner.run(lambda t: t @ w, x).requires_grad
+    out = runner.run(lambda t: ubatch_yield(lambda: t @ w), x)
+    out.square().sum().backward()
+    torch.testing.assert_close(w.grad, 2 * x.T @ (x @ w.detach()))
+
+
+def test_bad_inputs_raise_value_error():
+    runner = UBatchRunner(2, min_tokens=1)
+    with pytest.raises(ValueError, match="dim 0 = 4"):
+        runner.run(lambda a, b: a, torch.zeros(4), torch.zeros(5))
+    with pytest.raises(ValueError, match="at least one"):
+        runner.run(lambda: None)
+    with pytest.raises(UBatchError) as info:
+        runner.run(lambda x: runner.run(lambda y: y, x), torch.zeros(4))
+    assert isinstance(info.value.__cause__, RuntimeError) and "nested" in str(info.value.__cause__)
+
+
+# ---- two gloo ranks: real collectives issued from micro-batch threads ----
+
+def _ep_forward(x, topk_ids, topk_weights, *, dispatcher, w_up, w_down, group):
+    """A MoE-like forward: dispatch -> per-expert matmuls -> combine, plus an all-reduce."""
+    from parallel import comm
+
+    res = ubatch_yield(dispatcher.dispatch(x, topk_ids, topk_weights, async_op=True).wait)
+    rows = []
+    start = 0
+    for e, n in enumerate(res.counts.tolist()):
+        rows.append(torch.relu(res.x[start:start + n] @ w_up[e]) @ w_down[e])
+        start += n
+    y = ubatch_yield(dispatcher.combine(torch.cat(rows), res.handle, async_op=True).wait)
+    ctx = get_optional_ubatch()
+    tag = torch.full((1,), float(ctx.ubatch_id + 1 if ctx else 0))
+    total = ubatch_yield(comm.all_reduce(tag, group, async_op=True).wait)  # matched across ranks only in order
+    return y, total.expand(x.shape[0])
+
+
+def _rank_ep_cases(rank: int) -> list[str | None]:
+    from parallel import ParallelConfig, init_parallel
+    from parallel.ep import make_dispatcher
+
+    groups = init_parallel(ParallelConfig(world_size=2))
+    failures: list[str | None] = []
+    try:
+        hidden, inter, experts, top_k, tokens = 16, 8, 4, 2, 13 + rank  # ranks hold different token counts
+        g = torch.Generator().manual_seed(100)
+        w_up = torch.randint(-2, 3, (experts, hidden, inter), generator=g).float()
+        w_down = torch.randint(-2, 3, (experts, inter, hidden), generator=g).float()
+        lo = rank * (experts // 2)
+        g_rank = torch.Generator().manual_seed(rank)
+        x = torch.randint(-3, 4, (tokens, hidden), generator=g_rank).float()
+        topk_ids = torch.stack([torch.randperm(experts, generator=g_rank)[:top_k] for _ in range(tokens)])
+        topk_weights = torch.tensor([0.5, 0.25]).expand(tokens, top_k).contiguous()
+        dispatcher = make_dispatcher(groups.ep, num_experts=experts, hidden=hidden)
+        kw = dict(dispatcher=dispatcher, w_up=w_up[lo:lo + 2], w_down=w_down[lo:lo + 2], group=groups.world)
+        want_y, _ = _ep_forward(x, topk_ids, topk_weights, **kw)
+        for n in (2, 3):
+            runner = UBatchRunner(n, min_tokens=1)
+            for _ in range(3):
+                try:
+                    got_y, tags = runner.run(_ep_forward, x, topk_ids, topk_weights, split=True, **kw)
+                    assert torch.equal(got_y, want_y), f"{n} ubatches: EP output differs"
+                    sizes = split_tokens(tokens, n)
+                    want_tags = torch.cat([torch.full((s,), 2.0 * (i + 1)) for i, s in enumerate(sizes)])
+                    assert torch.equal(tags, want_tags), f"{n} ubatches: all-reduces matched out of order: {tags}"
+                    failures.append(None)
+                except Exception:
+                    failures.append(traceback.format_exc())
+    finally:
+        from parallel import destroy_parallel
+
+        destroy_parallel()
+    return failures
+
+
+def test_ep_forward_at_two_ranks_equals_unsplit_with_collectives_in_order():
+    from launch.local import launch_local
+
+    results = launch_local(_rank_ep_cases, 2, timeout=90)
+    for rank, failures in enumerate(results):
+        errors = [f for f in failures if f is not None]
+        assert not errors, f"rank {rank}:\n{errors[0]}"
+        assert len(failures) == 6
+
+
+# ---- CUDA streams, one GPU ----
+
+@pytest.mark.gpu
+def test_cuda_streams_order_comm_after_compute_and_back():
+    torch.manual_seed(0)
+    dev = torch.device("cuda")
+    x = torch.randn(4096, 1024, device=dev)
+    w = torch.randn(1024, 1024, device=dev) / 32
+    streams_seen = []
+
+    def fn(t):
+        torch.cuda._sleep(20_000_000)  # a long kernel first: a missing event wait reads h too early
+        h = t @ w
+        switch_to_comm()
+        streams_seen.append(("comm", torch.cuda.current_stream()))
+        sent = h * 2  # stand-in for communication kernels on the comm stream
+        got = yield_and_switch_to_compute(lambda: sent)
+        streams_seen.append(("compute", torch.cuda.current_stream()))
+        yield_and_switch_to_comm()
+        back = got + 1
+        out = yield_and_switch_to_compute(lambda: back)
+        return out @ w
+
+    want = ((x @ w) * 2 + 1) @ w
+    runner = UBatchRunner(2, min_tokens=1)
+    main_stream = torch.cuda.current_stream()
+    for _ in range(3):
+        streams_seen.clear()
+        got = runner.run(fn, x)
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    assert len(streams_seen) == 4
+    for kind, stream in streams_seen:
+        assert (stream == main_stream) == (kind == "compute"), kind
+    assert torch.cuda.current_stream() == main_stream
+
+
+@pytest.mark.gpu
+def test_cuda_runner_with_ep1_dispatcher_on_the_comm_stream_equals_unsplit():
+    from parallel.ep import make_dispatcher
+
+    torch.manual_seed(1)
+    dev = torch.device("cuda")
+    tokens, hidden, inter, experts, top_k = 1000, 512, 256, 4, 2
+    x = torch.randn(tokens, hidden, device=dev)
+    topk_ids = torch.stack([torch.randperm(experts)[:top_k] for _ in range(tokens)]).to(dev)
+    topk_weights = torch.rand(tokens, top_k, device=dev)
+    w_up = torch.randn(experts, hidden, inter, device=dev) / hidden ** 0.5
+    w_down = torch.randn(experts, inter, hidden, device=dev) / inter ** 0.5
+    dispatcher = make_dispatcher(None, num_experts=experts, hidden=hidden)
+
+    def forward(t, ids, w):
+        h = torch.tanh(t)
+        switch_to_comm()  # the documented pattern for communication issued on the current stream
+        res = yield_and_switch_to_compute(dispatcher.dispatch(h, ids, w, async_op=True).wait)
+        outs, start = [], 0
+        for e, n in enumerate(res.counts.tolist()):
+            outs.append(torch.relu(res.x[start:start + n] @ w_up[e]) @ w_down[e])
+            start += n
+        switch_to_comm()
+        y = yield_and_switch_to_compute(dispatcher.combine(torch.cat(outs), res.handle, async_op=True).wait)
+        return t + y
+
+    with torch.no_grad():
+        want = forward(x, topk_ids, topk_weights)
+        runner = UBatchRunner(2, min_tokens=1)
+        for _ in range(3):
+            torch.testing.assert_close(runner.run(forward, x, topk_ids, topk_weights), want, rtol=1e-4, atol=1e-4)
