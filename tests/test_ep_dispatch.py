@@ -318,8 +318,38 @@ def pipelined_cases(group, rank: int, world: int) -> int:
             res = d.dispatch(inp["x"], inp["ids"], inp["w"])
             assert torch.equal(got, d.combine(res.x * factor, res.handle)), (rank, backend)
         assert torch.equal(res_a.x, d.dispatch(a["x"], a["ids"], a["w"]).x)
+        if world > 1:
+            nonblocking_cases(d, group, rank, a)
         checked += 1
     return checked
+
+
+def nonblocking_cases(d, group, rank: int, inp: dict) -> None:
+    """On CPU, async dispatch/combine return before the peers arrive (the census runs on the
+    communication thread), and a collective the caller issues on the same group while they
+    are in flight does not get mixed up with theirs (the thread uses a private group)."""
+    import time
+
+    import torch.distributed as dist
+
+    from parallel.comm import resolve_group
+
+    pg, _, _ = resolve_group(group)
+    want = d.combine(*(lambda r: (r.x * 2, r.handle))(d.dispatch(inp["x"], inp["ids"], inp["w"])))
+    if rank == 1:
+        time.sleep(0.4)  # the others' dispatch() must not wait for this rank
+    start = time.perf_counter()
+    pending = d.dispatch(inp["x"], inp["ids"], inp["w"], async_op=True)
+    launched = time.perf_counter() - start
+    assert rank == 1 or launched < 0.2, f"async dispatch blocked the caller for {launched:.3f} s"
+    tag = torch.full((3,), float(rank + 1))
+    dist.all_reduce(tag, group=pg)  # the caller's own collective while the dispatch is in flight
+    res = pending.wait()
+    out = d.combine(res.x * 2, res.handle, async_op=True)
+    dist.all_reduce(tag, group=pg)
+    assert torch.equal(out.wait(), want)
+    size = dist.get_world_size(pg)
+    assert torch.equal(tag, torch.full((3,), float(size * size * (size + 1) // 2)))
 
 
 def error_cases(group, rank: int, world: int) -> list[str]:

@@ -34,7 +34,7 @@ import torch
 import torch.distributed as dist
 
 from parallel import comm
-from parallel.ep.layout import count_values, gather_reduce, gather_rows
+from parallel.ep.layout import count_values, gather_reduce, gather_rows, scatter_add_rows
 
 log = logging.getLogger(__name__)
 
@@ -134,6 +134,10 @@ def _pack_rows(pieces: list[torch.Tensor], index: torch.Tensor | None = None) ->
     Alignment bytes are left unwritten: no reader looks at them."""
     row_bytes, specs = _layout_rows(pieces)
     n = pieces[0].shape[0] if index is None else index.shape[0]
+    only = pieces[0]
+    if index is None and len(pieces) == 1 and only.is_contiguous() and only.numel() \
+            and only.shape[1] * only.element_size() == row_bytes and not comm.needs_wire(only.dtype):
+        return only.view(torch.uint8).view(n, row_bytes), specs  # already one packed row each: no copy
     buf = torch.empty(n, row_bytes, dtype=torch.uint8, device=pieces[0].device)
     for p, spec in zip(pieces, specs):
         nbytes = p.shape[1] * p.element_size()
@@ -247,6 +251,9 @@ class AllToAllRoute(Route):
 
         def finish(result: tuple[torch.Tensor, list[int]]) -> list[torch.Tensor]:
             back = _unpack_rows(result[0], specs)  # [n_send, C_i]
+            if back and back[0].device.type == "cpu":  # each send row belongs to one token: no atomics
+                return [scatter_add_rows(piece, self.send_token, self.num_tokens, None, torch.float32)
+                        for piece in back]
             return [gather_reduce(piece, self.slot, None, torch.float32) for piece in back]
 
         handle = _then(pending, finish)

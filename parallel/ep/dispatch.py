@@ -14,6 +14,21 @@ pairs locally (weighted or not) in fp32, sends one partial row per (token, rank)
 expert_out's dtype, as DeepEP does; fp32 for `allgather`, whose collective does the sum), and
 sums the partials in fp32.
 
+Async on CPU (gloo): ``async_op=True`` returns at once. The census, the payload collective and
+the layout run on one communication thread per EP group (FIFO: jobs run in submission order),
+and ``wait()`` joins the job. Collectives issued from two threads on one process group would
+reach the group in an order that differs between ranks, so the thread communicates over a
+*private* process group with the same ranks (created once, on first use, by the group's
+members only: ``new_group(..., use_local_synchronization=True)``). The constraint this sets:
+every collective on that private group goes through the thread, in submission order - the
+dispatcher does so for async dispatch/combine, for a synchronous combine of an async dispatch
+and for their backward passes (which submit and wait). Synchronous dispatches stay on the
+caller's thread and the caller's group, ordered with the caller's own collectives as before.
+Jobs are submitted in program order, identical on every rank (the micro-batch runner fixes
+it), so the FIFO keeps ranks agreeing. As with any async collective, inputs must not be
+modified in place before ``wait()``. On CUDA the payload collectives are already async on
+their own stream and the caller's thread is used (``comm_thread=False`` forces that on CPU).
+
 The census is the one device-to-host sync of a dispatch (split sizes must be known on the
 host); combine has none. On one rank with ``layout="slab"``, a ``drop_policy`` and
 ``check_ids=False`` nothing needs a host value, the census is skipped, and dispatch + combine
@@ -27,16 +42,110 @@ backward for the same dispatches in the same order, with the same inputs requiri
 
 from __future__ import annotations
 
+import queue
+import threading
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 import torch
+import torch.distributed as dist
 
 from parallel import comm
 from parallel.ep.backends import Backend, Census, LocalRoute, Route, routing_info, select_backend, take_census
-from parallel.ep.layout import LayoutPlan, check_layout_args, gather_reduce, gather_rows, local_expert_ids, plan_layout
+from parallel.ep.layout import (LayoutPlan, check_layout_args, gather_reduce, gather_rows, local_expert_ids,
+                                plan_layout, scatter_add_rows)
 
 _PLAIN_FLOATS = (torch.float32, torch.bfloat16, torch.float16)
+
+
+class _Job:
+    """One function run on a `_CommWorker`; `wait()` joins it and re-raises its exception."""
+
+    def __init__(self, fn: Callable[[], Any]) -> None:
+        self.fn = fn
+        self.threads = torch.get_num_threads()  # OpenMP's count is per OS thread: copy the caller's
+        self.inference = torch.is_inference_mode_enabled()
+        self.done = threading.Event()
+        self.result: Any = None
+        self.error: BaseException | None = None
+
+    def run(self) -> None:
+        try:
+            if torch.get_num_threads() != self.threads:
+                torch.set_num_threads(self.threads)
+            with torch.no_grad(), torch.inference_mode(self.inference):
+                self.result = self.fn()
+        except BaseException as exc:  # re-raised by wait() on the caller's thread
+            self.error = exc
+        finally:
+            self.fn = None  # type: ignore[assignment]
+            self.done.set()
+
+    def wait(self) -> Any:
+        self.done.wait()
+        if self.error is not None:
+            raise self.error
+        return self.result
+
+
+class _CommWorker:
+    """One thread running jobs in submission order over a private process group (see the module
+    docstring: every collective on `group` must be a job here)."""
+
+    def __init__(self, group: dist.ProcessGroup, ranks: tuple[int, ...]) -> None:
+        self.group, self.ranks = group, ranks
+        self._jobs: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._loop, name=f"ep-comm-{'-'.join(map(str, ranks))}", daemon=True)
+        self._thread.start()
+
+    def _loop(self) -> None:
+        while (job := self._jobs.get()) is not None:
+            job.run()
+
+    def submit(self, fn: Callable[[], Any]) -> _Job:
+        job = _Job(fn)
+        self._jobs.put(job)
+        return job
+
+    def call(self, fn: Callable[[], Any]) -> Any:
+        """Run `fn` in order with the queued jobs and return its result."""
+        return self.submit(fn).wait()
+
+    def stop(self) -> None:
+        self._jobs.put(None)
+
+
+_workers: dict[tuple[int, ...], _CommWorker] = {}
+_workers_lock = threading.Lock()
+
+
+def _live(group: dist.ProcessGroup) -> bool:
+    """False once torch.distributed was torn down (or re-initialized) under the group."""
+    try:
+        return dist.is_initialized() and group in dist.distributed_c10d._world.pg_names
+    except AttributeError:  # private registry moved: assume alive
+        return dist.is_initialized()
+
+
+def _comm_worker(group: dist.ProcessGroup | None) -> _CommWorker:
+    """The communication thread of the ranks of `group` (one per rank set, shared by every
+    dispatcher on them), creating its private group on first use. Called in program order on
+    every member (it is a collective among them the first time)."""
+    ranks = tuple(comm.group_ranks(group))
+    with _workers_lock:
+        worker = _workers.get(ranks)
+        if worker is not None and _live(worker.group):
+            return worker
+        if worker is not None:
+            worker.stop()
+        private = dist.new_group(list(ranks), use_local_synchronization=True, group_desc="megapar_ep_comm")
+        worker = _workers[ranks] = _CommWorker(private, ranks)
+        return worker
+
+
+def _joined(job: _Job) -> comm.CommHandle:
+    """A handle whose wait() joins `job` (and returns its result)."""
+    return comm.CommHandle(work=None, finish=job.wait)
 
 
 @dataclass
@@ -49,6 +158,7 @@ class CombineHandle:
     out_dtype: torch.dtype | None  # dtype combine returns; None = expert_out's dtype (quantized x)
     hidden: int
     owner: int  # id() of the Dispatcher that made it
+    worker: _CommWorker | None = None  # route on the worker's private group: its collectives go there
 
 
 @dataclass
@@ -90,13 +200,20 @@ class _DispatchOp:
     """One dispatch between its payload transfer and its layout."""
 
     def __init__(self, owner: "Dispatcher", route: Route, pending: comm.CommHandle, counts_host: list[int] | None,
-                 x_dtype: torch.dtype, has_scale: bool) -> None:
+                 x_dtype: torch.dtype, has_scale: bool, worker: _CommWorker | None = None) -> None:
         self.owner, self.route, self.pending = owner, route, pending
         self.counts_host, self.x_dtype, self.has_scale = counts_host, x_dtype, has_scale
+        self.worker = worker
         self.result: DispatchResult | None = None
+
+    def collective(self, fn: Callable[[], Any]) -> Any:
+        """Run `fn` (a collective on this op's route) in order on its group."""
+        return self.worker.call(fn) if self.worker is not None else fn()
 
     def finish(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Wait for the payload and build the layout -> (x layout, row weights)."""
+        if self.result is not None:  # built already (on the communication thread)
+            return self.result.x, self.result.topk_weights
         d = self.owner
         received = self.pending.wait()
         recv_x, recv_ids, recv_w = received[0], received[-2], received[-1]
@@ -117,7 +234,7 @@ class _DispatchOp:
             counts=plan.counts, offsets=plan.offsets,
             topk_weights=row_weights.view(shape()),
             expert_ids=plan.expert_ids.view(shape()),
-            handle=CombineHandle(self.route, plan, row_weights, out_dtype, d.hidden, id(d)),
+            handle=CombineHandle(self.route, plan, row_weights, out_dtype, d.hidden, id(d), self.worker),
             num_recv_tokens=self.route.num_recv,
             num_dropped=plan.num_dropped,
         )
@@ -148,7 +265,7 @@ class _DispatchFn(torch.autograd.Function):
                                         route.reduce_dtype(grad_rows.dtype, ctx.x_dtype)))
         if ctx.needs_input_grad[1]:
             pieces.append(_take(grad_row_weights.reshape(-1).float(), plan.pair_pos))  # [n_recv, K]
-        back = route.reduce(pieces).wait()
+        back = op.collective(lambda: route.reduce(pieces).wait())
         grad_x = back.pop(0).to(ctx.x_dtype) if ctx.needs_input_grad[0] else None
         grad_w = back.pop(0).to(ctx.w_dtype) if ctx.needs_input_grad[1] else None
         return grad_x, grad_w, None
@@ -179,7 +296,9 @@ class _CombineFn(torch.autograd.Function):
         rows, row_weights = ctx.saved_tensors
         handle: CombineHandle = ctx.op.handle
         plan = handle.plan
-        grad_recv = handle.route.send([grad_out.contiguous()]).wait()[0]  # [n_recv, H]
+        grad_out = grad_out.contiguous()
+        send = lambda: handle.route.send([grad_out]).wait()[0]  # noqa: E731
+        grad_recv = handle.worker.call(send) if handle.worker is not None else send()  # [n_recv, H]
         grad_rows = grad_w = None
         if ctx.needs_input_grad[0]:
             scale = None if ctx.weighted else row_weights.detach().float()
@@ -194,7 +313,7 @@ class Dispatcher:
 
     def __init__(self, group: Any, num_experts: int, hidden: int, *, backend: str = "auto",
                  layout: str = "contiguous", align: int = 1, capacity: int | None = None,
-                 drop_policy: str | None = None, check_ids: bool = True) -> None:
+                 drop_policy: str | None = None, check_ids: bool = True, comm_thread: bool = True) -> None:
         pg, rank, size = comm.resolve_group(group)
         if not isinstance(num_experts, int) or num_experts < 1 or num_experts % size:
             valid = [m * size for m in range(1, 5)]
@@ -208,7 +327,9 @@ class Dispatcher:
         self.experts_per_rank = num_experts // size
         self.layout, self.align, self.capacity, self.drop_policy = layout, align, capacity, drop_policy
         self.check_ids = check_ids
+        self.comm_thread = comm_thread
         self.backend: Backend = select_backend(backend, size=size)(pg, rank, size)
+        self._worker_backend: Backend | None = None  # self.backend's class on the worker's private group
         # one rank, a slab that drops overflow and no id check: nothing needs a host value, so
         # dispatch/combine never synchronize the device (CUDA-graph capturable)
         self._graph_safe = size == 1 and layout == "slab" and drop_policy is not None and not check_ids
@@ -283,38 +404,70 @@ class Dispatcher:
         error = self._input_error(x, topk_ids, topk_weights, x_scale)
         if error is not None and self.size == 1:
             raise ValueError(f"EP dispatch: {error}")
-        with torch.no_grad():
-            if self._graph_safe:
-                route: Route = LocalRoute(x.shape[0])
-                counts_host = None
-            else:
-                info = routing_info(topk_ids, self.num_experts, self.size) if error is None else None
-                census = take_census(topk_ids if error is None else None, info, self.num_experts,
-                                     group=self.group, size=self.size, device=x.device,
-                                     local_error=error is not None, check_ids=self.check_ids)
-                self._check_census(census, error)
-                assert info is not None
-                route = self.backend.route(info, census)
-                counts_host = census.expert_totals(self.rank * self.experts_per_rank, self.experts_per_rank)
-            ids = topk_ids if self.size == 1 else topk_ids.to(torch.int32)
-            pieces = [x] + ([x_scale] if x_scale is not None else []) + [ids, topk_weights.float()]
-            pending = route.send(pieces, async_op=async_op)
-        op = _DispatchOp(self, route, pending, counts_host, x.dtype, x_scale is not None)
         needs_grad = torch.is_grad_enabled() and (x.requires_grad or topk_weights.requires_grad)
-
-        def finish() -> DispatchResult:
-            if needs_grad:
-                x_layout, row_weights = _DispatchFn.apply(x, topk_weights, op)
-                assert op.result is not None
-                op.result.x, op.result.topk_weights = x_layout, row_weights
-                op.result.handle.row_weights = row_weights.reshape(-1)
-            else:
-                with torch.no_grad():
+        worker = self._worker(x.device) if async_op else None
+        if worker is not None:
+            # census, payload and (without autograd) the layout on the communication thread
+            def job() -> _DispatchOp:
+                op = self._launch(x, topk_ids, topk_weights, x_scale, error, worker, async_op=False)
+                if not needs_grad:
                     op.finish()
-            assert op.result is not None
-            return op.result
+                return op
 
-        return comm.CommHandle(work=None, finish=finish) if async_op else finish()
+            ready = worker.submit(job)
+            return comm.CommHandle(work=None, finish=lambda: self._dispatch_result(ready.wait(), x, topk_weights,
+                                                                                  needs_grad))
+        with torch.no_grad():
+            op = self._launch(x, topk_ids, topk_weights, x_scale, error, None, async_op=async_op)
+        if async_op:
+            return comm.CommHandle(work=None, finish=lambda: self._dispatch_result(op, x, topk_weights, needs_grad))
+        return self._dispatch_result(op, x, topk_weights, needs_grad)
+
+    def _worker(self, device: torch.device) -> _CommWorker | None:
+        """The communication thread for an async op on `device`, or None (caller's thread)."""
+        if not self.comm_thread or self.size == 1 or device.type == "cuda" or self._graph_safe:
+            return None
+        worker = _comm_worker(self.group)
+        if self._worker_backend is None or self._worker_backend.group is not worker.group:
+            self._worker_backend = type(self.backend)(worker.group, self.rank, self.size)
+        return worker
+
+    def _launch(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
+                x_scale: torch.Tensor | None, error: str | None, worker: _CommWorker | None, *,
+                async_op: bool) -> _DispatchOp:
+        """Census, route and payload transfer (on the worker's group when given) -> the op."""
+        backend = self.backend if worker is None else self._worker_backend
+        assert backend is not None
+        if self._graph_safe:
+            route: Route = LocalRoute(x.shape[0])
+            counts_host = None
+        else:
+            info = routing_info(topk_ids, self.num_experts, self.size) if error is None else None
+            census = take_census(topk_ids if error is None else None, info, self.num_experts,
+                                 group=backend.group, size=self.size, device=x.device,
+                                 local_error=error is not None, check_ids=self.check_ids)
+            self._check_census(census, error)
+            assert info is not None
+            route = backend.route(info, census)
+            counts_host = census.expert_totals(self.rank * self.experts_per_rank, self.experts_per_rank)
+        ids = topk_ids if self.size == 1 else topk_ids.to(torch.int32)
+        pieces = [x] + ([x_scale] if x_scale is not None else []) + [ids, topk_weights.float()]
+        pending = route.send(pieces, async_op=async_op)
+        return _DispatchOp(self, route, pending, counts_host, x.dtype, x_scale is not None, worker)
+
+    @staticmethod
+    def _dispatch_result(op: _DispatchOp, x: torch.Tensor, topk_weights: torch.Tensor,
+                         needs_grad: bool) -> DispatchResult:
+        if needs_grad:
+            x_layout, row_weights = _DispatchFn.apply(x, topk_weights, op)
+            assert op.result is not None
+            op.result.x, op.result.topk_weights = x_layout, row_weights
+            op.result.handle.row_weights = row_weights.reshape(-1)
+        else:
+            with torch.no_grad():
+                op.finish()
+        assert op.result is not None
+        return op.result
 
     # -- combine ----------------------------------------------------------------------------
 
@@ -343,10 +496,25 @@ class Dispatcher:
         row_weights = handle.row_weights
         out_dtype = handle.out_dtype or expert_out.dtype
         route = handle.route
-        with torch.no_grad():
-            pair_w = None if weighted else _take(row_weights.detach(), plan.pair_pos)  # [n_recv, K]
-            partial = gather_reduce(rows, plan.pair_pos, pair_w, route.reduce_dtype(rows.dtype, out_dtype))
-            op = _CombineOp(handle, route.reduce([partial], async_op=async_op), out_dtype)
+        worker = handle.worker
+        reduce_dtype = route.reduce_dtype(rows.dtype, out_dtype)
+        rows_in, weights_in = rows.detach(), None if weighted else row_weights.detach()
+
+        def launch(async_launch: bool) -> comm.CommHandle:
+            """Local weighted reduction per received row, then the return transfer."""
+            if rows_in.device.type == "cpu":  # one pass over the layout rows (each has one source row)
+                partial = scatter_add_rows(rows_in, plan.row_src, route.num_recv, weights_in, reduce_dtype)
+            else:
+                pair_w = None if weights_in is None else _take(weights_in, plan.pair_pos)  # [n_recv, K]
+                partial = gather_reduce(rows_in, plan.pair_pos, pair_w, reduce_dtype)
+            return route.reduce([partial], async_op=async_launch)
+
+        if worker is not None:  # the route lives on the worker's group: the transfer goes there
+            job = worker.submit(lambda: launch(False).wait())
+            op = _CombineOp(handle, _joined(job), out_dtype)
+        else:
+            with torch.no_grad():
+                op = _CombineOp(handle, launch(async_op), out_dtype)
         needs_grad = torch.is_grad_enabled() and (rows.requires_grad or (not weighted and row_weights.requires_grad))
 
         def finish() -> torch.Tensor:
@@ -359,7 +527,7 @@ class Dispatcher:
 
 def make_dispatcher(group: Any, num_experts: int, hidden: int, *, backend: str = "auto",
                     layout: str = "contiguous", align: int = 1, capacity: int | None = None,
-                    drop_policy: str | None = None, check_ids: bool = True) -> Dispatcher:
+                    drop_policy: str | None = None, check_ids: bool = True, comm_thread: bool = True) -> Dispatcher:
     """A `Dispatcher` for `group` (a parallel.groups.Group, a ProcessGroup, or None = world).
 
     num_experts: expert slots over the whole group (physical slots when EPLB replicates);
@@ -369,6 +537,8 @@ def make_dispatcher(group: Any, num_experts: int, hidden: int, *, backend: str =
     "slab" ([E_local, capacity, H]; overflow raises unless drop_policy="drop").
     check_ids: count ids outside [-1, num_experts) and raise (rides on the census; with False
     such ids are treated as -1).
+    comm_thread: with async_op on CPU, run census, transfer and layout on the group's
+    communication thread (see the module docstring); False keeps them on the caller's thread.
     """
     return Dispatcher(group, num_experts, hidden, backend=backend, layout=layout, align=align,
-                      capacity=capacity, drop_policy=drop_policy, check_ids=check_ids)
+                      capacity=capacity, drop_policy=drop_policy, check_ids=check_ids, comm_thread=comm_thread)

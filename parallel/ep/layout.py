@@ -246,6 +246,21 @@ def gather_reduce_torch(src: torch.Tensor, idx: torch.Tensor, weights: torch.Ten
     return out.to(out_dtype or src.dtype)
 
 
+def scatter_add_rows(src: torch.Tensor, dst: torch.Tensor, num_out: int, row_scale: torch.Tensor | None = None,
+                     out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """The inverse-map form of `gather_reduce` (torch, for CPU): out[dst[j]] += row_scale[j] * src[j],
+    accumulated in fp32. src: [N, C] float; dst: [N] int, -1 = skip; row_scale: [N] fp32 or None
+    (= 1) -> [num_out, C] in `out_dtype` (default src's dtype). When every output row's sources
+    are given by `gather_reduce`'s idx, the two agree, except that sums of more than two terms
+    add in `dst` order: one pass over src and no [M, K, C] staging copy."""
+    out = torch.zeros(num_out + 1, src.shape[1], dtype=torch.float32, device=src.device)
+    if src.shape[0]:
+        rows = src.float() if row_scale is None else src.float() * row_scale[:, None].float()
+        out.index_add_(0, torch.where(dst >= 0, dst, torch.full_like(dst, num_out)), rows)
+    out = out[:num_out]
+    return out if (out_dtype or src.dtype) == torch.float32 else out.to(out_dtype or src.dtype)
+
+
 def gather_rows(src: torch.Tensor, idx: torch.Tensor, row_scale: torch.Tensor | None = None,
                 out: torch.Tensor | None = None) -> torch.Tensor:
     """Permute: out[m] = src[idx[m]] (zero where idx == -1), times row_scale[m] when given.
