@@ -164,8 +164,8 @@ def init_parallel(cfg: ParallelConfig | None = None, *, backend: str | None = No
             elif len(ranks) == world_size:
                 made[key] = dist.group.WORLD
             else:
-                made[key] = dist.new_group(list(ranks), timeout=timeout, group_desc=f"megapar_{axis}",
-                                           sort_ranks=False)
+                # Rank lists are ascending (layout.py), so torch's sorted group order is ours.
+                made[key] = dist.new_group(list(ranks), timeout=timeout, group_desc=f"megapar_{axis}")
         return Group(axis, made[tuple(mine)], mine.index(rank), len(mine), tuple(mine))
 
     groups = {axis: make(axis) for axis in AXES}

@@ -5,6 +5,9 @@ axis come from swapping that axis with the last one and reshaping to `(-1, size)
 `transpose(axis, 4)`, which fixes the order in which groups are listed).
 DCP: contiguous sub-blocks of each TP group when pcp == 1; with pcp > 1 the PCP x TP block of
 each (dp, pp) cell is walked PCP-first and cut into contiguous DCP groups.
+Every group's rank list is ascending, which is the order torch.distributed gives a new group's
+ranks (older torch has no way to ask for another), so a rank's index in the list is its rank
+in the communicator.
 EP: the DP x PCP x TP ranks of one PP stage (`transpose(dp, pp)`), cut into contiguous blocks
 of `ep`; EDP joins the ranks at the same position of those blocks (same experts).
 """
@@ -36,7 +39,7 @@ def rank_groups(cfg: ParallelConfig) -> dict[str, list[list[int]]]:
         out[axis] = _axis_groups(grid, dim).tolist()
     # DCP: PCP x TP block of each (ext, dp, pp) cell, PCP-fastest, cut into dcp-sized pieces.
     cp_block = grid.transpose(3, 4) if cfg.pcp > 1 else grid
-    out["dcp"] = cp_block.reshape(-1, cfg.dcp).tolist()
+    out["dcp"] = cp_block.reshape(-1, cfg.dcp).sort(dim=1).values.tolist()
     # EP: the dp x pcp x tp ranks of one pp stage, in rank order, cut into contiguous ep blocks.
     stage = grid.transpose(1, 2).reshape(-1, cfg.dp * cfg.pcp * cfg.tp)
     ep_blocks = stage.reshape(stage.shape[0], -1, cfg.ep)          # [stages, edp, ep]
@@ -67,8 +70,13 @@ def coords(cfg: ParallelConfig, rank: int) -> dict[str, int]:
     stage_pos = (dp * cfg.pcp + pcp) * cfg.tp + tp
     out["ep"] = stage_pos % cfg.ep
     out["edp"] = stage_pos // cfg.ep
-    cp_pos = tp * cfg.pcp + pcp if cfg.pcp > 1 else tp
-    out["dcp"] = cp_pos % cfg.dcp
+    if cfg.pcp > 1:   # members of our dcp group: consecutive PCP-first positions of the block
+        cp_pos = tp * cfg.pcp + pcp
+        first = cp_pos - cp_pos % cfg.dcp
+        members = sorted((p % cfg.pcp) * cfg.tp + p // cfg.pcp for p in range(first, first + cfg.dcp))
+        out["dcp"] = members.index(pcp * cfg.tp + tp)
+    else:
+        out["dcp"] = tp % cfg.dcp
     return out
 
 

@@ -37,8 +37,12 @@ def test_world_alone_means_dp_and_ep_everywhere():
 
 def test_dcp_over_pcp_first_when_pcp_gt_1():
     g = rank_groups(ParallelConfig(world_size=8, pcp=2, tp=2, dcp=4))
-    # (pcp, tp) block 0..3 walked pcp-fastest: 0, 2, 1, 3
-    assert g["dcp"] == [[0, 2, 1, 3], [4, 6, 5, 7]]
+    # (pcp, tp) block 0..3 walked pcp-fastest: 0, 2, 1, 3 -> one group, listed ascending
+    assert g["dcp"] == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    g = rank_groups(ParallelConfig(world_size=8, pcp=4, tp=2, dcp=4))
+    assert g["dcp"] == [[0, 2, 4, 6], [1, 3, 5, 7]]
+    g = rank_groups(ParallelConfig(world_size=8, pcp=2, tp=4, dcp=4))
+    assert g["dcp"] == [[0, 1, 4, 5], [2, 3, 6, 7]]
     g = rank_groups(ParallelConfig(world_size=8, pcp=2, tp=2, dcp=2))
     assert g["dcp"] == [[0, 2], [1, 3], [4, 6], [5, 7]]
 
@@ -76,6 +80,7 @@ def test_every_axis_partitions_the_world(world, tp, pp, pcp, dcp, ep):
     g = rank_groups(cfg)
     sizes = cfg.sizes()
     for axis in AXES:
+        assert all(grp == sorted(grp) for grp in g[axis]), axis
         flat = sorted(r for grp in g[axis] for r in grp)
         assert flat == list(range(world)), axis
         assert all(len(grp) == sizes[axis] for grp in g[axis]), axis
