@@ -1,5 +1,6 @@
 """Sequence-parallel pieces that need no second process: FP8 formats and their tolerance,
-size-1 groups, argument checking; plus the CUDA tests the GPU machine runs.
+size-1 groups, argument checking, the decomposed engines' compute schedule on a loopback
+peer set (what `megapar bench sp` times on one device); plus the CUDA tests the GPU machine runs.
 
 Multi-rank behaviour (gloo, 1/2/4 ranks) is in test_sp_multirank.py.
 """
@@ -236,3 +237,116 @@ def test_two_gpu_backends_match_dense_products_and_gradients():
     for rank, res in enumerate(launch_local(_multigpu_rank, 2, backend="nccl", timeout=300)):
         bad = {k: v for k, v in res.items() if v > (0.03 if "fp8" in k else 1e-2)}
         assert not bad, f"rank {rank}: {bad}"
+
+
+# ---------------------------------------------------------------------------------------------
+# The decomposed engines' compute schedule (what `megapar bench sp` times on one device)
+
+
+class _KernelLog(torch.utils._python_dispatch.TorchDispatchMode):
+    """Records every aten op that does arithmetic or moves data (not views / allocations)."""
+
+    SKIP = ("empty", "new_empty", "view", "slice", "select", "alias", "_unsafe_view", "detach", "t", "transpose",
+            "expand")
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: list[tuple[str, tuple[int, ...]]] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        name = func.overloadpacket.__name__
+        if name not in self.SKIP:
+            self.ops.append((name, tuple(out.shape) if isinstance(out, torch.Tensor) else ()))
+        return out
+
+
+@pytest.mark.parametrize("P,rank", [(2, 1), (4, 0), (4, 3), (8, 5)])
+def test_loopback_all_gather_matmul_runs_one_matmul_per_block_into_the_output_and_no_copy(P, rank):
+    from parallel.sp.ops import decomposed_all_gather_matmul
+    from parallel.sp.ring import RingPeers
+
+    m, K, N = 3, 5, 4
+    x, w = torch.randn(m, K), torch.randn(K, N)
+    peers = RingPeers.loopback_of(rank, P)
+    with _KernelLog() as log:
+        _, (out,) = decomposed_all_gather_matmul(x, [w], peers, need_gathered=False)
+    assert log.ops == [("mm", (m, N))] * P, log.ops
+    torch.testing.assert_close(out[rank * m:(rank + 1) * m], x @ w)  # the own block, from the input itself
+    with _KernelLog() as log:
+        gathered, _ = decomposed_all_gather_matmul(x, [w], peers, need_gathered=True)
+    assert log.ops == [("mm", (m, N))] * P + [("copy_", (m, K))], log.ops
+    assert torch.equal(gathered[rank * m:(rank + 1) * m], x)
+    # with a receive buffer that already holds the other blocks, every block lands in its rows
+    received = torch.randn(P * m, K)
+    expect = received.clone()
+    expect[rank * m:(rank + 1) * m] = x
+    gathered, (out,) = decomposed_all_gather_matmul(x, [w], peers, need_gathered=True, gathered=received)
+    assert gathered is received and torch.equal(gathered, expect)
+    torch.testing.assert_close(out, torch.stack([expect[i * m:(i + 1) * m] @ w for i in range(P)]).flatten(0, 1))
+    with pytest.raises(ValueError, match=r"out buffer \(5, 5\) torch.float32 does not fit"):
+        decomposed_all_gather_matmul(x, [w], peers, need_gathered=False, gathered=torch.randn(5, K))
+
+
+@pytest.mark.parametrize("P,rank", [(2, 0), (4, 2), (8, 7)])
+def test_loopback_matmul_reduce_scatter_produces_each_destination_once_own_last_then_one_reduction(P, rank):
+    from parallel.sp.ops import decomposed_matmul_reduce_scatter
+    from parallel.sp.ring import RingPeers, pairwise_reduce_scatter
+
+    m, K, N = 2, 3, 5
+    x, w = torch.randn(P * m, K), torch.randn(K, N)
+    peers = RingPeers.loopback_of(rank, P)
+    with _KernelLog() as log:
+        y = decomposed_matmul_reduce_scatter(x, w, peers)
+    assert log.ops == [("mm", (m, N))] * P + [("sum", (m, N))], log.ops
+    assert y.shape == (m, N)
+    order, buffers = [], []
+
+    def produce(d: int, out: torch.Tensor) -> None:
+        order.append(d)
+        buffers.append(out.data_ptr())
+        out.fill_(d)
+
+    pairwise_reduce_scatter(produce, peers, x, (m, N))
+    assert order == [(rank + s) % P for s in range(1, P)] + [rank]
+    assert len(set(buffers)) == P  # every partial has its own buffer until the sends are done
+
+
+def test_loopback_peers_reject_a_rank_outside_the_group():
+    from parallel.sp.ring import RingPeers
+
+    with pytest.raises(ValueError, match="loopback rank 4 is out of range for size 4: valid ranks are 0..3"):
+        RingPeers.loopback_of(4, 4)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("lanes", [1, 2])
+def test_cuda_loopback_engines_on_compute_lanes_are_ordered_before_the_results_are_read(lanes):
+    """Read on the current stream without synchronizing: a missing join would show up as a race."""
+    from parallel.sp.ops import decomposed_all_gather_matmul, decomposed_matmul_reduce_scatter
+    from parallel.sp.ring import RingPeers, pairwise_reduce_scatter
+
+    P, m, K, N = 4, 1024, 2048, 1536
+    dev, bf16 = torch.device("cuda"), torch.bfloat16
+    peers = RingPeers.loopback_of(1, P)
+    x, w = torch.randn(m, K, device=dev, dtype=bf16), torch.randn(K, N, device=dev, dtype=bf16) / K ** 0.5
+    received = torch.randn(P * m, K, device=dev, dtype=bf16)
+    expect_in = received.clone()
+    expect_in[m:2 * m] = x
+    gathered, (out,) = decomposed_all_gather_matmul(x, [w], peers, need_gathered=True, gathered=received,
+                                                    lanes=lanes)
+    assert torch.equal(gathered, expect_in)
+    ref = torch.cat([expect_in[i * m:(i + 1) * m].float() @ w.float() for i in range(P)])
+    torch.testing.assert_close(out.float(), ref, rtol=2e-2, atol=2e-2)
+    xs = torch.randn(P * m, K, device=dev, dtype=bf16)
+    seen: dict[int, torch.Tensor] = {}
+
+    def produce(d: int, o: torch.Tensor) -> None:
+        torch.mm(xs[d * m:(d + 1) * m], w, out=o)
+        seen[d] = o
+
+    pairwise_reduce_scatter(produce, peers, xs, (m, N), lanes=lanes)
+    assert sorted(seen) == list(range(P))
+    for d, o in seen.items():
+        torch.testing.assert_close(o.float(), xs[d * m:(d + 1) * m].float() @ w.float(), rtol=2e-2, atol=2e-2)
+    assert decomposed_matmul_reduce_scatter(xs, w, peers, lanes=lanes).shape == (m, N)

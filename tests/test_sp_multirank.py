@@ -337,6 +337,19 @@ def bad_inputs_raise_value_errors_naming_the_values(tp, r, P):
         expect(lambda: all_gather_matmul(torch.randn(2, 4), [w], tp, backend="symm_mem"), "not CUDA", "decomposed")
 
 
+def bench_overlap_rows_time_every_backend_on_gloo(tp, r, P):
+    """The overlap code of `megapar bench sp` (not run by `--quick`), on tiny shapes."""
+    if P == 1:
+        return
+    from launch.bench.sp import overlap_rows
+
+    rows = overlap_rows(tp, 4 * P, 8, 2 * P, quick=True)
+    assert [row["case"] for row in rows] == [f"{op} tp={P} {b}" for op in ("all_gather_matmul", "matmul_reduce_scatter")
+                                             for b in OURS], rows
+    for row in rows:
+        assert row["time_us"] > 0 and row["comm_us"] > 0 and row["gemm_us"] > 0, row
+
+
 CASES = [f for name, f in sorted(globals().items()) if callable(f) and getattr(f, "__module__", None) == __name__
          and not name.startswith(("_", "test")) and f.__code__.co_varnames[:3] == ("tp", "r", "P")]
 

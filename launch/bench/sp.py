@@ -1,32 +1,52 @@
 """`megapar bench sp`: what decomposing the TP collectives costs, and how much of them it hides.
 
-1. Decomposition cost (one device; ANCHORS.md target <= 1.05x). The decomposed ops replace one
-   matmul by P block matmuls: all-gather-matmul multiplies each rank's [M/P, K] block into its
-   rows of the output (after copying the own shard into the gathered buffer);
-   matmul-reduce-scatter multiplies each destination's [M/P, K'] block and adds the running
-   sum that arrived. Measured at the FFN of the issue: M = 8192 tokens, K = 8192, N = 28672/P
-   (column-parallel up projection; the row-parallel down projection is [M, 28672/P] @
-   [28672/P, 8192]) for P = 2, 4, 8, against one matmul of the same total size, with the
-   GEMM roofline (bf16 at the measured 799 TFLOP/s).
+1. Decomposition cost (one device; ANCHORS.md target <= 1.05x). The "decomposed" backend
+   replaces one matmul by P block matmuls. Measured by running the op's own engines
+   (`parallel.sp.ops.decomposed_all_gather_matmul` / `decomposed_matmul_reduce_scatter`,
+   what `all_gather_matmul` / `matmul_reduce_scatter` call) on a loopback peer set
+   (`RingPeers.loopback_of`): the same allocations and kernels, sends and receives skipped
+   (the gather's receive buffer is passed in holding random data, so the block matmuls see
+   realistic operands: GEMM clocks depend on the data). all-gather-matmul: this rank's
+   [M/P, K] shard multiplied straight from the input, then each arriving block into its
+   rows of the output. matmul-reduce-scatter: P partials [M/P, K'] @ [K', N] into the send
+   / receive buffers, then one reduction over the [P, M/P, N] receive buffer. Shapes: the
+   FFN of the issue, M = 8192 tokens, K = 8192, N = 28672/P (column-parallel up projection;
+   the row-parallel down projection is [M, 28672/P] @ [28672/P, 8192]) for P = 2, 4, 8,
+   against one matmul of the same total size, with the GEMM roofline (bf16 at the measured
+   799 TFLOP/s). `blocks_ratio`: the P block matmuls alone on one stream (the GEMM part of
+   the cost; the rest is the reduction of matmul-reduce-scatter). On CUDA the op also runs
+   with the other number of compute lanes (`parallel.sp.ops.COMPUTE_LANES`; rows
+   "... lanes=2": block matmuls rotated over 2 streams, so one's last partial wave overlaps
+   the next). Everything of one shape is timed interleaved (a, b, c, c, b, a, ...), several
+   calls a sample, after a GPU sleep that lets the host queue them, so clock drift and host
+   launch latency count the same for all.
 2. Overlap (>= 2 GPUs, NCCL; target: >= 80% of the smaller of comm and GEMM time hidden).
    For each op and backend: time of the op, of its collective alone and of its GEMM alone;
    hidden fraction = (comm + gemm - op) / min(comm, gemm). The anchor is the plain
    un-overlapped collective + matmul ("reference"). PyTorch's symmetric-memory ops run as
    another backend. With fewer than 2 GPUs these cases are skipped with a note.
-`--quick`: tiny shapes on CPU, plus the overlap cases on 2 gloo processes (a smoke test of
-this code path; CPU times say nothing about GPUs).
+`--quick`: tiny shapes on CPU, decomposition cost only (the overlap code runs on 2 gloo
+processes in tests/test_sp_multirank.py; `megapar bench sp` on CPU without --quick runs it
+too, a smoke test whose CPU times say nothing about GPUs).
 """
 
 from __future__ import annotations
 
 import os
+import statistics
+import time
+from typing import TYPE_CHECKING, Callable
 
 import torch
 import torch.distributed as dist
 
 from launch.bench.common import H200_BF16_TFLOPS, BenchContext
 
+if TYPE_CHECKING:
+    from parallel.groups import Group
+
 FFN_HIDDEN, FFN_INTER = 8192, 28672
+_SLEEP_CYCLES = 2_000_000  # ~1 ms of GPU spin before each timed sample: the host queues the calls meanwhile
 
 
 def _gemm_floor_us(ctx: BenchContext, m: int, k: int, n: int) -> float | None:
@@ -42,61 +62,131 @@ def _shapes(ctx: BenchContext) -> tuple[int, int, int, tuple[int, ...]]:
     return 8192, FFN_HIDDEN, FFN_INTER, (2, 4, 8)
 
 
+def time_interleaved(ctx: BenchContext, fns: list[Callable[[], object]], *, samples: int | None = None,
+                     calls: int | None = None) -> list[float]:
+    """Median µs per call of each fn, sampled in rotation (fn0, fn1, ..., fn1, fn0, ...).
+
+    One sample = `calls` back-to-back calls between two CUDA events (perf_counter on CPU);
+    on CUDA a spin kernel runs first so the host has queued the calls before the start
+    event fires (host overhead is not counted unless it exceeds the GPU time of a call).
+    """
+    samples = (3 if ctx.quick else (30 if ctx.is_cuda else 10)) if samples is None else samples
+    calls = (1 if ctx.quick or not ctx.is_cuda else 3) if calls is None else calls
+    for fn in fns:  # warm up: allocator, cuBLAS handles and heuristics
+        for _ in range(2 if ctx.quick else 3):
+            fn()
+    if ctx.is_cuda:
+        torch.cuda.synchronize(ctx.device)
+    got: list[list[float]] = [[] for _ in fns]
+    sleep = getattr(torch.cuda, "_sleep", None)
+    for i in range(samples):
+        order = list(range(len(fns))) if i % 2 == 0 else list(reversed(range(len(fns))))
+        for j in order:
+            if ctx.is_cuda:
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                if sleep is not None:
+                    sleep(_SLEEP_CYCLES)
+                start.record()
+                for _ in range(calls):
+                    fns[j]()
+                end.record()
+                end.synchronize()
+                got[j].append(start.elapsed_time(end) * 1e3 / calls)
+            else:
+                t0 = time.perf_counter()
+                for _ in range(calls):
+                    fns[j]()
+                got[j].append((time.perf_counter() - t0) * 1e6 / calls)
+    return [statistics.median(g) for g in got]
+
+
+def _record_pair(ctx: BenchContext, op: str, P: int, ours: Callable[[int], Callable[[], object]],
+                 one: Callable[[], object], blocks: Callable[[], object], floor_us: float | None,
+                 shape: dict[str, int]) -> None:
+    """Time the op (default lanes; on CUDA also 2 lanes), one matmul and the bare block matmuls, interleaved."""
+    from parallel.sp.ops import COMPUTE_LANES
+
+    variants = [COMPUTE_LANES] + ([2 if COMPUTE_LANES == 1 else 1] if ctx.is_cuda else [])
+    times = time_interleaved(ctx, [one, blocks] + [ours(lanes) for lanes in variants])
+    one_us, blocks_us = times[0], times[1]
+    for lanes, us in zip(variants, times[2:]):
+        suffix = "" if lanes == COMPUTE_LANES else f" lanes={lanes}"
+        ctx.record(f"decomposition {op} tp={P}{suffix}", us, anchor="one matmul", anchor_us=one_us, floor_us=floor_us,
+                   ratio_vs_one=us / one_us, blocks_ratio=blocks_us / one_us, target_ratio=1.05, lanes=lanes,
+                   **shape)
+
+
 def _decomposition_cost(ctx: BenchContext) -> None:
+    from parallel.sp.ops import decomposed_all_gather_matmul, decomposed_matmul_reduce_scatter
+    from parallel.sp.ring import RingPeers
+
     M, H, inter, tps = _shapes(ctx)
     dtype = torch.bfloat16 if ctx.is_cuda else torch.float32
     g = torch.Generator().manual_seed(0)
     for P in tps:
-        n = inter // P
-        # all-gather-matmul: x [M, H] gathered block by block, w [H, n]
-        x = torch.randn(M, H, generator=g).to(ctx.device, dtype)
-        w = torch.randn(H, n, generator=g).to(ctx.device, dtype) / H ** 0.5
-        gathered = torch.empty_like(x).view(P, M // P, H)
-        out = torch.empty(M, n, device=ctx.device, dtype=dtype).view(P, M // P, n)
-        own = x[: M // P].clone()
+        n, m = inter // P, M // P
+        peers = RingPeers.loopback_of(0, P)  # every rank runs the same kernels; rank 0 stands for all
+        # all-gather-matmul: this rank's x_shard [M/P, H], w [H, n]; anchor: the gathered [M, H] @ w
+        x_full = torch.randn(M, H, generator=g).to(ctx.device, dtype)
+        w = (torch.randn(H, n, generator=g) / H ** 0.5).to(ctx.device, dtype)
+        x_shard = x_full[:m].clone()
+        received = x_full.clone()  # what the ring would have received (loopback receives nothing)
+        out_blocks = torch.empty(M, n, device=ctx.device, dtype=dtype).view(P, m, n)
 
         def ag_blocks() -> None:
-            gathered[0].copy_(own)
             for src in range(P):
-                torch.mm(gathered[src], w, out=out[src])
+                torch.mm(x_full[src * m:(src + 1) * m], w, out=out_blocks[src])
 
-        one_us = ctx.time_fn(lambda: torch.mm(x, w))
-        ours_us = ctx.time_fn(ag_blocks)
-        ctx.record(f"decomposition all_gather_matmul tp={P}", ours_us, anchor="one matmul", anchor_us=one_us,
-                   floor_us=_gemm_floor_us(ctx, M, H, n), ratio_vs_one=ours_us / one_us, target_ratio=1.05,
-                   M=M, K=H, N=n)
-        # matmul-reduce-scatter: x [M, n] @ w [n, H], block d then += the arriving running sum
+        def ag_op(lanes: int) -> Callable[[], object]:
+            return lambda: decomposed_all_gather_matmul(x_shard, [w], peers, need_gathered=False, gathered=received,
+                                                        lanes=lanes)
+
+        _record_pair(ctx, "all_gather_matmul", P, ag_op, lambda: torch.mm(x_full, w), ag_blocks,
+                     _gemm_floor_us(ctx, M, H, n), dict(M=M, K=H, N=n))
+        del x_full, w, x_shard, received, out_blocks
+        # matmul-reduce-scatter: x [M, n] @ w [n, H], P destination blocks, then the reduction
         x2 = torch.randn(M, n, generator=g).to(ctx.device, dtype)
-        w2 = torch.randn(n, H, generator=g).to(ctx.device, dtype) / n ** 0.5
-        incoming = torch.randn(M // P, H, generator=g).to(ctx.device, dtype)
-        m = M // P
+        w2 = (torch.randn(n, H, generator=g) / n ** 0.5).to(ctx.device, dtype)
+        parts = torch.empty(P, m, H, device=ctx.device, dtype=dtype)
 
         def rs_blocks() -> None:
             for d in range(P):
-                part = x2[d * m:(d + 1) * m] @ w2
-                if d:
-                    part.add_(incoming)
+                torch.mm(x2[d * m:(d + 1) * m], w2, out=parts[d])
 
-        one_us = ctx.time_fn(lambda: x2 @ w2)
-        ours_us = ctx.time_fn(rs_blocks)
-        ctx.record(f"decomposition matmul_reduce_scatter tp={P}", ours_us, anchor="one matmul", anchor_us=one_us,
-                   floor_us=_gemm_floor_us(ctx, M, n, H), ratio_vs_one=ours_us / one_us, target_ratio=1.05,
-                   M=M, K=n, N=H)
-        del x, w, gathered, out, x2, w2
+        def rs_op(lanes: int) -> Callable[[], object]:
+            return lambda: decomposed_matmul_reduce_scatter(x2, w2, peers, lanes=lanes)
+
+        _record_pair(ctx, "matmul_reduce_scatter", P, rs_op, lambda: torch.mm(x2, w2), rs_blocks,
+                     _gemm_floor_us(ctx, M, n, H), dict(M=M, K=n, N=H))
+        del x2, w2, parts
 
 
 def _overlap_rank(rank: int, M: int, H: int, inter: int, quick: bool) -> list[dict]:
     """One rank of the overlap cases; returns rank 0's rows (times are per-rank medians)."""
     from parallel import ParallelConfig, destroy_parallel, init_parallel
+
+    world = int(os.environ["WORLD_SIZE"])
+    groups = init_parallel(ParallelConfig(world_size=world, tp=world))
+    try:
+        rows = overlap_rows(groups.tp, M, H, inter, quick=quick)
+    finally:
+        destroy_parallel()
+    return rows if rank == 0 else []
+
+
+def overlap_rows(tp: Group, M: int, H: int, inter: int, *, quick: bool) -> list[dict]:
+    """The overlap cases on an initialized TP group (a `Group`): one row dict per op and backend.
+
+    Every rank must call it (it times collectives); rows carry case, time_us, anchor, ... or
+    case and error.
+    """
     from parallel.comm import resolve_group
     from parallel.sp import all_gather_matmul, matmul_reduce_scatter
     from parallel.sp.ops import symm_mem_unavailable_reason
 
-    world = int(os.environ["WORLD_SIZE"])
-    groups = init_parallel(ParallelConfig(world_size=world, tp=world))
-    tp = groups.tp
-    pg, _, P = resolve_group(tp)
-    device = torch.device("cuda", torch.cuda.current_device()) if groups.backend == "nccl" else torch.device("cpu")
+    pg, rank, P = resolve_group(tp)
+    backend_name = str(dist.get_backend(pg))
+    device = torch.device("cuda", torch.cuda.current_device()) if "nccl" in backend_name else torch.device("cpu")
     ctx = BenchContext(suite="sp", device=device, quick=quick)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     g = torch.Generator().manual_seed(rank)
@@ -144,8 +234,7 @@ def _overlap_rank(rank: int, M: int, H: int, inter: int, quick: bool) -> list[di
                                  hidden_fraction=hidden, target_hidden=0.8, **shape))
     if reason is not None and device.type == "cuda":
         rows.append(dict(case=f"symm_mem tp={P}", error=f"not run: {reason}"))
-    destroy_parallel()
-    return rows if rank == 0 else []
+    return rows
 
 
 def _overlap(ctx: BenchContext) -> None:
@@ -176,5 +265,17 @@ def _overlap(ctx: BenchContext) -> None:
 
 
 def run(ctx: BenchContext) -> None:
+    if ctx.quick and not ctx.is_cuda:
+        # Tiny matmuls gain nothing from threads, and on a loaded CI machine a descheduled
+        # worker thread turns each into a ~10 ms wait: one thread keeps the smoke run short.
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)
+        try:
+            _decomposition_cost(ctx)
+        finally:
+            torch.set_num_threads(threads)
+        ctx.note("--quick on CPU: overlap cases not run (tests/test_sp_multirank.py runs their code on 2 gloo "
+                 "processes; `megapar bench sp` without --quick runs them here)")
+        return
     _decomposition_cost(ctx)
     _overlap(ctx)

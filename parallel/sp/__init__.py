@@ -4,7 +4,7 @@
   group, padded so uneven token counts still give every rank the same shard (`shard.py`).
 - `all_gather_matmul` / `matmul_reduce_scatter`: the collectives around TP linears,
   decomposed so each rank's block is multiplied while the next one travels; backends
-  "decomposed" (ring P2P, any torch.distributed backend), "symm_mem" (PyTorch's fused
+  "decomposed" (P2P ring / pairwise sends, any torch.distributed backend), "symm_mem" (PyTorch's fused
   symmetric-memory ops, CUDA), "reference" (plain collectives); with autograd (`ops.py`).
 - FP8: quantize the token shard before the gather and run scaled matmuls (`fp8.py`).
 - `ColumnParallelLinear` / `RowParallelLinear` with `sequence_parallel` and `overlap`

@@ -33,7 +33,7 @@ import torch.distributed as dist
 from ..comm import all_gather_uneven, reduce_scatter_uneven, resolve_group, to_wire
 from ..groups import Group
 from .ops import Backend, check_dim, resolve_backend, rows_view, symm_mem_group_name
-from .ring import ring_all_gather, ring_reduce_scatter
+from .ring import RingPeers, pairwise_reduce_scatter, ring_all_gather
 
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = 448.0
@@ -215,7 +215,8 @@ def all_gather_matmul_fp8(x_shard: torch.Tensor | Fp8Activation, weights: Sequen
             for w, ob in zip(weights, out_blocks):
                 scaled_matmul(a, w, out_dtype, out=ob[src])
 
-        wire, full_scale = ring_all_gather([to_wire(data2d), scale2d], group, consume)
+        wire, full_scale = ring_all_gather([to_wire(data2d), scale2d], RingPeers.of(group), consume,
+                                           fill_own=return_gathered)
         full_data = wire.view(FP8_DTYPE)
     gathered = Fp8Activation(unflatten(full_data), unflatten(full_scale)) if return_gathered else None
     return Fp8GatherMatmulResult([unflatten(o) for o in outs2d], gathered)
@@ -247,9 +248,12 @@ def matmul_reduce_scatter_fp8(x: torch.Tensor | Fp8Activation, weight: Fp8Weight
         y2d = scaled_matmul(Fp8Activation(data2d, scale2d), weight, out_dtype)
         y2d = reduce_scatter_uneven(y2d, [m] * size, group, 0)
     else:
-        y2d = ring_reduce_scatter(
-            lambda d: scaled_matmul(Fp8Activation(data2d[d * m:(d + 1) * m], scale2d[d * m:(d + 1) * m]),
-                                    weight, out_dtype), group, data2d.device)
+        def produce(d: int, out: torch.Tensor) -> None:
+            scaled_matmul(Fp8Activation(data2d[d * m:(d + 1) * m], scale2d[d * m:(d + 1) * m]), weight, out_dtype,
+                          out=out)
+
+        y2d = pairwise_reduce_scatter(produce, RingPeers.of(group), data2d.new_empty((), dtype=out_dtype),
+                                      (m, weight.data.shape[1]))
     return unflatten(y2d)
 
 

@@ -9,8 +9,11 @@ partial sums. Decomposing each collective into one block per rank lets the matmu
 block run while the next block is on the wire.
 
 Backends (`backend=`):
-- "decomposed": the ring engines of `ring.py` (P2P send/recv, a comm stream on CUDA); any
-  torch.distributed backend, gloo included; this is what the CPU tests run.
+- "decomposed": the P2P engines of `ring.py` (a ring for the gather, pairwise sends and one
+  final reduction for the scatter; a comm stream on CUDA); any torch.distributed backend,
+  gloo included; this is what the CPU tests run. Every block matmul writes straight into
+  its slice of a preallocated output (`torch.mm(..., out=)`), no concatenation, no copy of
+  the own shard unless the gathered input is wanted.
 - "symm_mem": PyTorch's `torch.ops.symm_mem.fused_all_gather_matmul` /
   `fused_matmul_reduce_scatter` (symmetric memory; CUDA, NCCL group, >= 2 ranks on distinct GPUs).
 - "reference": one plain collective and one matmul, nothing overlapped (the specification).
@@ -36,7 +39,7 @@ import torch.distributed as dist
 
 from ..comm import all_gather_uneven, reduce_scatter_uneven, resolve_group
 from ..groups import Group
-from .ring import ring_all_gather, ring_reduce_scatter
+from .ring import RingPeers, pairwise_reduce_scatter, ring_all_gather
 
 log = logging.getLogger("megapar")
 
@@ -153,6 +156,55 @@ def rows_view(x: torch.Tensor, dim: int) -> tuple[torch.Tensor, Callable[[torch.
     return rows, unflatten
 
 
+COMPUTE_LANES = 1
+"""Compute streams the decomposed backend rotates its block matmuls over on CUDA (`ring.ComputeLanes`).
+2 lets a block's matmul fill the SMs the previous one's last wave leaves idle; `megapar bench
+sp` times both ("... lanes=2" rows) on one GPU."""
+
+
+def decomposed_all_gather_matmul(x2d: torch.Tensor, weights: Sequence[torch.Tensor], peers: RingPeers,
+                                 need_gathered: bool, gathered: torch.Tensor | None = None, *,
+                                 lanes: int | None = None) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """The "decomposed" backend on 2D rows: x2d [m, K] contiguous -> (gathered [P * m, K], [P * m, N_i] each).
+
+    One matmul per rank block, written by `torch.mm(..., out=)` straight into that block's
+    rows of the output (the own block first, from x2d itself, while the first remote block
+    travels). The gathered buffer's own block is filled only when `need_gathered`.
+    gathered: the receive buffer [P * m, K] (allocated here when None; the loopback
+    benchmark passes one holding random data, so its matmuls see realistic operands).
+    lanes: compute streams (default COMPUTE_LANES).
+    """
+    size, m = peers.size, x2d.shape[0]
+    outs2d = [x2d.new_empty((size * m, w.shape[1])) for w in weights]
+    out_blocks = [o.view(size, m, w.shape[1]) for o, w in zip(outs2d, weights)]
+
+    def consume(src: int, blocks: list[torch.Tensor]) -> None:
+        for w, ob in zip(weights, out_blocks):
+            torch.mm(blocks[0], w, out=ob[src])
+
+    (gathered2d,) = ring_all_gather([x2d], peers, consume, fill_own=need_gathered,
+                                    out=None if gathered is None else [gathered],
+                                    lanes=COMPUTE_LANES if lanes is None else lanes)
+    return gathered2d, outs2d
+
+
+def decomposed_matmul_reduce_scatter(x2d: torch.Tensor, w: torch.Tensor, peers: RingPeers, *,
+                                     lanes: int | None = None) -> torch.Tensor:
+    """The "decomposed" backend on 2D rows: x2d [P * m, K] contiguous, w [K, N] -> [m, N] (block `rank` of the sum).
+
+    Each destination's partial [m, K] @ [K, N] is written by `torch.mm(..., out=)` into the
+    buffer it is sent from (or, for the own block, received into); one reduction ends it.
+    lanes: compute streams (default COMPUTE_LANES).
+    """
+    m = x2d.shape[0] // peers.size
+
+    def produce(d: int, out: torch.Tensor) -> None:
+        torch.mm(x2d[d * m:(d + 1) * m], w, out=out)
+
+    return pairwise_reduce_scatter(produce, peers, x2d, (m, w.shape[1]),
+                                   lanes=COMPUTE_LANES if lanes is None else lanes)
+
+
 def _all_gather_matmul_impl(x_shard: torch.Tensor, weights: Sequence[torch.Tensor],
                             group: Group | dist.ProcessGroup | None, gather_dim: int, backend: str,
                             need_gathered: bool) -> tuple[torch.Tensor | None, list[torch.Tensor]]:
@@ -168,14 +220,7 @@ def _all_gather_matmul_impl(x_shard: torch.Tensor, weights: Sequence[torch.Tenso
         gathered2d = all_gather_uneven(x2d, group, 0, sizes=[x2d.shape[0]] * size)
         outs2d = [gathered2d @ w for w in weights]
     elif backend == "decomposed":
-        outs2d = [x2d.new_empty((size * x2d.shape[0], w.shape[1])) for w in weights]
-        out_blocks = [o.view(size, x2d.shape[0], w.shape[1]) for o, w in zip(outs2d, weights)]
-
-        def consume(src: int, blocks: list[torch.Tensor]) -> None:
-            for w, ob in zip(weights, out_blocks):
-                torch.mm(blocks[0], w, out=ob[src])
-
-        (gathered2d,) = ring_all_gather([x2d], group, consume)
+        gathered2d, outs2d = decomposed_all_gather_matmul(x2d, weights, RingPeers.of(group), need_gathered)
     else:
         raise AssertionError(backend)
     return (unflatten(gathered2d) if need_gathered else None), [unflatten(o) for o in outs2d]
@@ -193,7 +238,7 @@ def _matmul_reduce_scatter_impl(x: torch.Tensor, w: torch.Tensor, group: Group |
     if backend == "reference" or x2d.numel() == 0:
         y2d = reduce_scatter_uneven(x2d @ w, [m] * size, group, 0)
     elif backend == "decomposed":
-        y2d = ring_reduce_scatter(lambda d: x2d[d * m:(d + 1) * m] @ w, group, x.device)
+        y2d = decomposed_matmul_reduce_scatter(x2d, w, RingPeers.of(group))
     else:
         raise AssertionError(backend)
     return unflatten(y2d)
