@@ -59,6 +59,7 @@ def route(
     tid2eid: torch.Tensor | None = None,
     token_mask: torch.Tensor | None = None,
     backend: str = "auto",
+    check_ids: bool | None = None,
 ) -> RouteResult:
     """Route tokens to experts (SPEC §2).
 
@@ -69,20 +70,25 @@ def route(
     tid2eid:    [vocab, K] int, hash-layer table token id -> expert ids
     token_mask: [T] bool, False = padding token (id -1, weight 0); None = all real
     backend:    "auto" (fused Triton on CUDA when no gradient is needed), "torch", "triton"
+    check_ids:  range-check a hash layer's input_ids against the table. It reads values, so on
+                CUDA it is a device->host sync: None (default) checks CPU tensors only; True
+                always; False never. Out-of-range ids are undefined behaviour when unchecked.
+
+    Only shapes, dtypes and options are checked per call (no tensor values, no host sync), so
+    the fused path costs one kernel launch plus two `torch.empty`.
     """
     _check_route_args(logits, top_k, scoring, bias, n_group, topk_group, input_ids, tid2eid, token_mask, backend)
+    if tid2eid is not None and (not input_ids.is_cuda if check_ids is None else check_ids):
+        _check_hash_ids(input_ids, tid2eid, token_mask)
     if n_group is not None and n_group <= 1:
         n_group = topk_group = None
-    use_triton = backend == "triton" or (
-        backend == "auto" and logits.is_cuda and not (torch.is_grad_enabled() and logits.requires_grad)
+    if backend == "triton" or (
+        backend == "auto" and logits.is_cuda and not (logits.requires_grad and torch.is_grad_enabled())
         and _triton_available()
-    )
-    if use_triton:
-        from moe.kernels.routing import route_triton
-
-        return route_triton(logits, top_k=top_k, scoring=scoring, bias=bias, n_group=n_group,
-                            topk_group=topk_group, renormalize=renormalize, scaling=scaling,
-                            input_ids=input_ids, tid2eid=tid2eid, token_mask=token_mask)
+    ):
+        return _route_triton()(logits, top_k=top_k, scoring=scoring, bias=bias, n_group=n_group,
+                               topk_group=topk_group, renormalize=renormalize, scaling=scaling,
+                               input_ids=input_ids, tid2eid=tid2eid, token_mask=token_mask)
     return route_torch(logits, top_k=top_k, scoring=scoring, bias=bias, n_group=n_group,
                        topk_group=topk_group, renormalize=renormalize, scaling=scaling,
                        input_ids=input_ids, tid2eid=tid2eid, token_mask=token_mask)
@@ -184,11 +190,6 @@ def _check_route_args(logits, top_k, scoring, bias, n_group, topk_group, input_i
             raise ValueError("a hash layer (tid2eid given) needs input_ids: [T] token ids")
         if tuple(input_ids.shape) != (num_tokens,) or input_ids.is_floating_point():
             raise ValueError(f"input_ids must be an int [{num_tokens}] tensor; got {input_ids.dtype} {tuple(input_ids.shape)}")
-        if num_tokens:
-            ids = input_ids if token_mask is None else input_ids.masked_fill(~token_mask, 0)
-            lo, hi = (int(v) for v in torch.aminmax(ids))
-            if lo < 0 or hi >= tid2eid.shape[0]:
-                raise ValueError(f"input_ids range [{lo}, {hi}] is outside the hash table's vocab [0, {tid2eid.shape[0]})")
         return
     if (n_group is None) != (topk_group is None):
         raise ValueError(f"n_group ({n_group}) and topk_group ({topk_group}) must be given together")
@@ -200,6 +201,24 @@ def _check_route_args(logits, top_k, scoring, bias, n_group, topk_group, input_i
         if top_k > topk_group * (num_experts // n_group):
             raise ValueError(f"top_k ({top_k}) exceeds the experts in the kept groups "
                              f"(topk_group {topk_group} x {num_experts // n_group} experts per group)")
+
+
+def _check_hash_ids(input_ids: torch.Tensor, tid2eid: torch.Tensor, token_mask: torch.Tensor | None) -> None:
+    """input_ids of real tokens must index the hash table (a value check: syncs on CUDA)."""
+    if input_ids.numel() == 0:
+        return
+    ids = input_ids if token_mask is None else input_ids.masked_fill(~token_mask, 0)
+    lo, hi = (int(v) for v in torch.aminmax(ids))
+    if lo < 0 or hi >= tid2eid.shape[0]:
+        raise ValueError(f"input_ids range [{lo}, {hi}] is outside the hash table's vocab [0, {tid2eid.shape[0]})")
+
+
+@functools.lru_cache(maxsize=1)
+def _route_triton():
+    """`moe.kernels.routing.route_triton`, imported on first use (it imports triton)."""
+    from moe.kernels.routing import route_triton
+
+    return route_triton
 
 
 class Router(nn.Module):

@@ -227,9 +227,10 @@ def test_micro_batched_forward_equals_plain():
     cfg = small_config(expert_format="nvfp4")
     layer = MoELayer(cfg)
     layer.load_deepseek(make_state(cfg, seed=8))
-    x = torch.randn(21, H)
+    x = torch.randn(21, H, generator=torch.Generator().manual_seed(21))
     out = UBatchRunner(2, min_tokens=4).run(layer, x)
-    torch.testing.assert_close(out, layer(x), rtol=1e-6, atol=1e-6)
+    # Not bit for bit: the CPU matmul blocks 10 and 11 rows differently from 21.
+    torch.testing.assert_close(out, layer(x), rtol=1e-5, atol=1e-5)
 
 
 def test_gradients_match_reference_fp32_and_flow_in_bf16():

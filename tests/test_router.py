@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 import os
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -276,6 +277,171 @@ def test_router_rejects_hidden_mismatch():
         Router(8, 4, 2)(torch.randn(3, 12))
 
 
+def test_hash_id_range_check_is_behind_a_flag():
+    table = torch.zeros(5, 2, dtype=torch.int32)
+    bad = torch.tensor([0, 5, 1])
+    for check in (None, True):  # None: checked because the ids are on the CPU (no sync needed)
+        with pytest.raises(ValueError, match="outside the hash table's vocab"):
+            route(torch.randn(3, 8), top_k=2, tid2eid=table, input_ids=bad, check_ids=check)
+    with pytest.raises(IndexError):  # unchecked: the torch path's own indexing fails instead
+        route(torch.randn(3, 8), top_k=2, tid2eid=table, input_ids=bad, check_ids=False, backend="torch")
+    # a padding token's id is never used, so it may be anything
+    res = route(torch.randn(3, 8), top_k=2, tid2eid=table, input_ids=bad, token_mask=torch.tensor([True, False, True]))
+    assert res.topk_ids.tolist() == [[0, 0], [-1, -1], [0, 0]]
+
+
+# ---------------------------------------------------------------- fused path: host side
+def _captured_launches(routing, monkeypatch, calls):
+    """route_triton's launches as (cfg_key, cfg, grid0, args, direct), without running the kernel."""
+    launches = []
+    monkeypatch.setattr(routing, "_launch", lambda *a: launches.append(a))
+    for kw in calls:
+        routing.route_triton(**kw)
+    monkeypatch.undo()
+    return launches
+
+
+def _launch_cases():
+    g = torch.Generator().manual_seed(5)
+    big = torch.randn(40, 70, generator=g)
+    table = torch.randint(0, 64, (11, 3), generator=g, dtype=torch.int32)
+    ids = torch.randint(0, 11, (40,), generator=g)
+    mask = torch.rand(40, generator=g) > 0.3
+    return [
+        dict(logits=big[:1, :64], top_k=8, scoring="sigmoid", bias=torch.randn(64, generator=g), n_group=8,
+             topk_group=4, scaling=2.5),
+        dict(logits=big[:17, 1:65], top_k=6, scoring="sqrt_softplus", token_mask=mask[:17]),
+        dict(logits=big[:32, 4:68].to(torch.bfloat16), top_k=6, scoring="softmax", renormalize=False,
+             bias=torch.randn(64, generator=g).half()),
+        dict(logits=big[:40, :64], top_k=3, scoring="sqrt_softplus", tid2eid=table, input_ids=ids,
+             token_mask=mask, scaling=1.5),
+        dict(logits=big[:16, 3:35], top_k=2, scoring="softmax", tid2eid=(table % 32)[:, 1:], input_ids=ids[1:17],
+             n_group=4, topk_group=2),
+    ]
+
+
+def test_fused_launch_arguments_follow_the_kernel_signature(interpreted_routing, monkeypatch):
+    """The direct launch passes all arguments positionally; bound to the kernel's signature they
+    must be exactly what the keyword launch passes, for every kind of routing setup."""
+    import triton.runtime.jit as tjit
+    from triton.backends.compiler import BaseBackend
+
+    routing = interpreted_routing
+    jit_fn = tjit.JITFunction(routing._route_kernel.fn)
+    assert list(jit_fn.signature.parameters)[11:] == list(routing._CONSTEXPR_NAMES)
+    bind = tjit.create_function_from_signature(jit_fn.signature, jit_fn.params, BaseBackend)
+    launches = _captured_launches(routing, monkeypatch, _launch_cases())
+    assert len(launches) == 5
+    for cfg_key, cfg, grid0, args, direct in launches:
+        assert direct is False  # CPU tensors: the interpreter path
+        positional, _, _ = bind(*args, num_warps=cfg.num_warps)
+        keyword, _, options = bind(*args[:11], **cfg.kwargs)
+        assert list(positional) == list(keyword) and options == {"num_warps": cfg.num_warps}
+        assert len(args) == len(jit_fn.params)
+        assert grid0 == -(-args[0].shape[0] // cfg.kwargs["BLOCK_T"])
+
+
+def test_direct_launch_key_separates_exactly_what_triton_specializes(interpreted_routing):
+    """A compiled kernel is reused only for arguments that Triton's own binder specializes the
+    same way: `_spec_key` must split argument lists exactly as the binder's specialization does."""
+    import triton.runtime.jit as tjit
+    from triton.backends.compiler import BaseBackend
+
+    routing = interpreted_routing
+    jit_fn = tjit.JITFunction(routing._route_kernel.fn)
+    bind = tjit.create_function_from_signature(jit_fn.signature, jit_fn.params, BaseBackend)
+    buf = torch.empty(256, dtype=torch.float32)
+    tensors = [buf, buf[1:], buf[3:], buf[4:], buf[8:], buf.to(torch.bfloat16), buf.to(torch.bfloat16)[8:],
+               buf.to(torch.bfloat16)[4:], torch.empty(40, dtype=torch.int64), torch.empty(40, dtype=torch.int32)[1:],
+               torch.empty(40, dtype=torch.bool), torch.empty(40, dtype=torch.bool)[16:],
+               torch.empty(40, dtype=torch.bool)[3:]]
+    ints = [0, 1, 2, 7, 15, 16, 17, 32, 256, 260, 384, 2**31 - 16, 2**31 - 1, 2**31, 2**31 + 16, 2**40 + 1]
+    base = (buf,) * 7 + (16, 16, 16, 2.5)
+    constexprs = dict(zip(routing._CONSTEXPR_NAMES, (64, 8, 8, 64, 8, 1, True, 8, 4, 8, True, False, True)))
+    cases = []
+    for pos in range(10):  # both are per-argument, so vary one argument at a time over its classes
+        for value in (tensors if pos < 7 else ints):
+            args = base[:pos] + (value,) + base[pos + 1:]
+            _, spec, _ = bind(*args, **constexprs)
+            cases.append((routing._spec_key(args), tuple(spec)))
+    by_key: dict = {}
+    by_spec: dict = {}
+    for key, spec in cases:
+        by_key.setdefault(key, set()).add(spec)
+        by_spec.setdefault(spec, set()).add(key)
+    assert all(len(v) == 1 for v in by_key.values()), "one direct-launch key covers two Triton specializations"
+    assert all(len(v) == 1 for v in by_spec.values()), "one Triton specialization has two direct-launch keys"
+    assert len(by_key) > 40  # many classes: alignments, dtypes, 1 / multiple of 16 / other, i32 / i64
+
+
+def test_direct_launch_reuses_a_compiled_kernel_only_for_the_same_specialization(interpreted_routing, monkeypatch):
+    """With a stand-in for the compiled kernel: the first launch of a specialization goes through
+    `JITFunction.run` (and is cached), later ones call the launcher directly with the same
+    arguments; a new alignment or a launch hook goes back through `JITFunction.run`."""
+    routing = interpreted_routing
+    events = []
+    hooks = SimpleNamespace(launch_enter_hook=None, launch_exit_hook=None)
+
+    class Compiled:
+        packed_metadata, function = "packed", "function"
+
+        def run(self, *a):
+            events.append(("direct",) + a)
+
+    class Jit:
+        def __getitem__(self, grid):
+            return lambda *a, **kw: events.append(("jit", grid, a, kw)) or Compiled()
+
+    launches = _captured_launches(routing, monkeypatch, _launch_cases())
+    monkeypatch.setattr(routing, "_route_kernel", Jit())
+    monkeypatch.setattr(routing, "_KERNELS", {})
+    monkeypatch.setattr(routing, "_driver_hooks", lambda: ((lambda: 3), (lambda dev: 1000 + dev), hooks))
+    cfg_key, cfg, grid0, args, _ = launches[1]  # misaligned logits view, mask
+    routing._launch(cfg_key, cfg, grid0, args, True)
+    assert events[-1] == ("jit", (grid0,), args[:11], cfg.kwargs)
+    routing._launch(cfg_key, cfg, grid0, args, True)
+    assert events[-1] == ("direct", grid0, 1, 1, 1003, "function", "packed", None, None, None) + args
+    same_spec = args[:5] + (torch.empty_like(args[5]), torch.empty_like(args[6])) + args[7:]  # new outputs
+    routing._launch(cfg_key, cfg, grid0, same_spec, True)
+    assert events[-1][0] == "direct" and events[-1][10:] == same_spec
+    aligned = (args[0].contiguous(),) + args[1:]  # 16-byte aligned: another specialization
+    routing._launch(cfg_key, cfg, grid0, aligned, True)
+    assert events[-1][0] == "jit"
+    hooks.launch_enter_hook = print
+    routing._launch(cfg_key, cfg, grid0, args, True)
+    assert events[-1][0] == "jit"
+    hooks.launch_enter_hook = None
+    routing._launch(cfg_key, cfg, grid0, args, False)  # direct=False (CPU): never cached or reused
+    assert events[-1][0] == "jit" and len(routing._KERNELS) == 2
+
+
+def test_fused_path_takes_views_and_low_precision_inputs_as_they_are(interpreted_routing):
+    """route_triton reads strided logits views, bf16 logits and fp16 bias without converting them
+    first; results equal the torch path (which upcasts)."""
+    from moe.router import route_torch
+
+    for case in _launch_cases():
+        got = interpreted_routing.route_triton(**case)
+        kw = {k: v for k, v in case.items() if k != "logits"}
+        kw = {**dict(bias=None, n_group=None, topk_group=None, renormalize=True, scaling=1.0, input_ids=None,
+                     tid2eid=None, token_mask=None), **kw}
+        if kw["tid2eid"] is not None or (kw["n_group"] or 1) <= 1:
+            kw["n_group"] = kw["topk_group"] = None
+        ref = route_torch(case["logits"], **kw)
+        assert torch.equal(got.topk_ids, ref.topk_ids)
+        torch.testing.assert_close(got.topk_weights, ref.topk_weights, rtol=2e-6, atol=1e-7)
+
+
+def test_launch_configs_are_cached_and_match_the_heuristic(interpreted_routing, monkeypatch):
+    routing = interpreted_routing
+    launches = _captured_launches(routing, monkeypatch, _launch_cases() + _launch_cases())
+    for (key_a, cfg_a, *_), (key_b, cfg_b, *_) in zip(launches[:5], launches[5:]):
+        assert key_a == key_b and cfg_a is cfg_b
+    for T, E, want in [(1, 256, (1, 1)), (3, 256, (4, 2)), (4096, 256, (8, 4)), (4096, 384, (4, 4)), (9, 64, (16, 2))]:
+        assert routing._launch_config(T, routing._next_pow2(E), None, None) == want
+    assert [routing._next_pow2(n) for n in (1, 2, 3, 4, 5, 255, 256, 257, 384)] == [1, 2, 4, 4, 8, 256, 256, 512, 512]
+
+
 # ---------------------------------------------------------------- GPU
 def _assert_same_routing(a, b, select_scores):
     """ids equal, except where two candidates' selection scores are within float rounding."""
@@ -319,3 +485,79 @@ def test_hash_route_triton_matches_torch_on_gpu():
     fast, ref = route(logits, backend="triton", **kw), route(logits, backend="torch", **kw)
     assert torch.equal(fast.topk_ids, ref.topk_ids)
     torch.testing.assert_close(fast.topk_weights, ref.topk_weights, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.gpu
+def test_direct_launch_matches_torch_on_gpu():
+    """Second and later launches of a specialization skip `JITFunction.run`: they must run the
+    same binary, across aligned and misaligned views, bf16 logits, T=1 (compiled in as a
+    constant), T a multiple of 16 or not, masks and hash layers."""
+    from moe.kernels import routing
+
+    torch.manual_seed(3)
+    E = 256
+    kw = dict(top_k=8, scoring="sigmoid", n_group=8, topk_group=4, scaling=2.5)
+    bias = torch.randn(E, device="cuda") * 0.1
+    big = torch.randn(64, E + 4, device="cuda") * 2
+    cases = [big[:T, :E].contiguous() for T in (1, 16, 17)]
+    cases += [big[:17, 1:E + 1], big[:16, 4:E + 4], big[:1, 3:E + 3], big[:16, :E].to(torch.bfloat16)]
+    table = torch.randint(0, E, (100, 6), device="cuda", dtype=torch.int32)
+    for rep in range(3):
+        for logits in cases:
+            T = logits.shape[0]
+            mask = torch.rand(T, device="cuda") > 0.2
+            for m in (None, mask):
+                fast = route(logits, bias=bias, token_mask=m, backend="triton", **kw)
+                ref = route(logits.float(), bias=bias, token_mask=m, backend="torch", **kw)
+                _assert_same_routing(fast, ref, score_logits(logits.float(), kw["scoring"]) + bias)
+            ids = torch.randint(0, 100, (T,), device="cuda")
+            hkw = dict(top_k=6, scoring="sqrt_softplus", tid2eid=table, input_ids=ids, token_mask=mask, scaling=1.5)
+            fast, ref = route(logits, backend="triton", **hkw), route(logits.float(), backend="torch", **hkw)
+            assert torch.equal(fast.topk_ids, ref.topk_ids)
+            torch.testing.assert_close(fast.topk_weights, ref.topk_weights, rtol=1e-5, atol=1e-6)
+    if routing._DIRECT_LAUNCH:
+        assert len(routing._KERNELS) >= 8  # the cases above took several distinct specializations
+
+
+@pytest.mark.gpu
+def test_route_triton_runs_in_a_cuda_graph_without_host_syncs():
+    """The fused path makes no host sync (not even for hash layers: their id range check is off
+    for CUDA ids by default), so it captures into a CUDA graph; replays follow new inputs."""
+    torch.manual_seed(4)
+    T, E = 64, 256
+    logits = torch.randn(T, E, device="cuda")
+    bias = torch.randn(E, device="cuda") * 0.1
+    table = torch.randint(0, E, (50, 6), device="cuda", dtype=torch.int32)
+    ids = torch.randint(0, 50, (T,), device="cuda")
+    mask = torch.rand(T, device="cuda") > 0.2
+    kw = dict(top_k=6, scoring="sqrt_softplus", scaling=1.5, bias=bias, token_mask=mask)
+    hkw = dict(top_k=6, scoring="sqrt_softplus", tid2eid=table, input_ids=ids, token_mask=mask)
+    for _ in range(2):  # compile and cache outside the checks
+        route(logits, backend="triton", **kw), route(logits, backend="triton", **hkw)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        route(logits, backend="triton", **kw), route(logits, **hkw)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    with pytest.raises(ValueError, match="outside the hash table's vocab"):  # on request, CUDA ids are checked too
+        route(logits, check_ids=True, **{**hkw, "input_ids": torch.full((T,), 50, device="cuda")})
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        route(logits, backend="triton", **kw), route(logits, backend="triton", **hkw)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = route(logits, backend="triton", **kw)
+        hout = route(logits, backend="triton", **hkw)
+    for _ in range(3):
+        logits.copy_(torch.randn(T, E, device="cuda") * 2)
+        ids.copy_(torch.randint(0, 50, (T,), device="cuda"))
+        out.topk_ids.fill_(-7), hout.topk_weights.fill_(float("nan"))
+        graph.replay()
+        ref = route(logits, backend="torch", **kw)
+        _assert_same_routing(out, ref, score_logits(logits, "sqrt_softplus") + bias)
+        href = route(logits, backend="torch", **hkw)
+        assert torch.equal(hout.topk_ids, href.topk_ids)
+        torch.testing.assert_close(hout.topk_weights, href.topk_weights, rtol=1e-5, atol=1e-6)

@@ -9,9 +9,17 @@ experts. Hash layers gather their K ids from `tid2eid` and read the scores at th
 
 Only imported when used (CUDA, or CPU tensors under TRITON_INTERPRET=1). Ids are int64,
 weights fp32; differences from the torch path are last-ulp rounding of exp/log/sum.
+
+Host side (the part that dominates at decode sizes): per call two `torch.empty`, a few
+shape/stride reads, two dict lookups and one launch; no conversions, no syncs, so it can be
+captured in a CUDA graph. See "host side" below for the cached configs and the direct launch.
 """
 
 from __future__ import annotations
+
+import functools
+import os
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -60,7 +68,7 @@ def _route_kernel(
     ids_tile = tl.zeros([BLOCK_T, BLOCK_K], dtype=tl.int64)
     w_tile = tl.zeros([BLOCK_T, BLOCK_K], dtype=tl.float32)
     if HAS_MASK:
-        valid = tl.load(mask_ptr + rows, mask=row_ok, other=0) != 0
+        valid = tl.load(mask_ptr + rows, mask=row_ok, other=0) != 0  # bool mask, read as bytes
     else:
         valid = row_ok
 
@@ -130,12 +138,106 @@ def _route_kernel(
     tl.store(out_w_ptr + out_offs, w_tile, mask=out_mask)
 
 
+# ---------------------------------------------------------------- host side
+#
+# The kernel takes a few µs; everything around it is host overhead, which is what a decode
+# step sees. So the per-call host work is kept to: two `torch.empty`, a handful of shape/stride
+# reads, two dict lookups and one launch. The constexpr configuration is cached per routing
+# setup (`_CONFIGS`), and after the first launch of a specialization its compiled kernel is
+# launched directly (`_KERNELS`), skipping `JITFunction.run`'s argument binding, option
+# parsing and cache-key building. The direct launch is keyed on everything Triton specializes
+# a compiled kernel on (see `_spec_key`), so it launches exactly the binary Triton would pick.
+# Set MEGAPAR_ROUTE_DIRECT_LAUNCH=0 to always go through `JITFunction.run`.
+
+_MAX_TILE = 2048  # default BLOCK_T * BLOCK_E (elements of the score tile one program holds)
+_INT32_MAX = (1 << 31) - 1
+_DIRECT_LAUNCH = os.environ.get("MEGAPAR_ROUTE_DIRECT_LAUNCH", "1") != "0"
+
+
+@dataclass(frozen=True)
+class _Config:
+    """Launch configuration of one routing setup (cached; built once per key)."""
+
+    block_t: int
+    num_warps: int
+    constexprs: tuple  # E, K, BLOCK_T, BLOCK_E, BLOCK_K, SCORING, HAS_BIAS, N_GROUP, TOPK_GROUP, BLOCK_G, RENORM, HASH, HAS_MASK
+    kwargs: dict  # the same as keyword arguments (+ num_warps), for `_route_kernel[grid](...)`
+
+
+_CONSTEXPR_NAMES = ("E", "K", "BLOCK_T", "BLOCK_E", "BLOCK_K", "SCORING", "HAS_BIAS", "N_GROUP", "TOPK_GROUP",
+                    "BLOCK_G", "RENORM", "HASH", "HAS_MASK")
+_CONFIGS: dict[tuple, _Config] = {}
+_KERNELS: dict[tuple, tuple] = {}  # (config key, device, _spec_key) -> (launcher, function, packed metadata)
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << (n - 1).bit_length() if n > 1 else 1
+
+
 def _launch_config(num_tokens: int, block_e: int, block_t: int | None, num_warps: int | None) -> tuple[int, int]:
+    """(BLOCK_T, num_warps): up to `_MAX_TILE` scores per program, 1-4 warps by tile size."""
     if block_t is None:
-        block_t = min(triton.next_power_of_2(max(num_tokens, 1)), max(1, 2048 // block_e))
+        block_t = min(_next_pow2(max(num_tokens, 1)), max(1, _MAX_TILE // block_e))
     if num_warps is None:
-        num_warps = 1 if block_t * block_e <= 512 else (2 if block_t * block_e <= 1024 else 4)
+        tile = block_t * block_e
+        num_warps = 1 if tile <= 512 else (2 if tile <= 1024 else 4)
     return block_t, num_warps
+
+
+def _make_config(key: tuple) -> _Config:
+    num_experts, top_k, scoring, has_bias, n_group, topk_group, renormalize, hashed, has_mask, t_bits, block_t, \
+        num_warps = key
+    block_e = _next_pow2(num_experts)
+    bt, warps = _launch_config(1 << t_bits, block_e, block_t, num_warps)
+    values = (num_experts, top_k, bt, block_e, max(2, _next_pow2(top_k)), _SCORING_CODE[scoring], has_bias,
+              n_group, topk_group, max(2, _next_pow2(n_group)), renormalize, hashed, has_mask)
+    cfg = _Config(block_t=bt, num_warps=warps, constexprs=values,
+                  kwargs=dict(zip(_CONSTEXPR_NAMES, values), num_warps=warps))
+    _CONFIGS[key] = cfg
+    return cfg
+
+
+def _spec_key(args: tuple) -> tuple:
+    """What Triton specializes a compiled kernel on, for the runtime arguments of `_route_kernel`
+    (7 tensors, then 3 non-negative ints; the float `scaling` is not specialized): a tensor's
+    dtype and whether its address is a multiple of 16; an int's type (i32 or i64), whether it
+    equals 1 (then it is compiled in as a constant) and whether it is a multiple of 16."""
+    a0, a1, a2, a3, a4, a5, a6, n0, n1, n2 = args[:10]
+    return (a0.dtype, a0.data_ptr() & 15 == 0, a1.dtype, a1.data_ptr() & 15 == 0, a2.dtype, a2.data_ptr() & 15 == 0,
+            a3.dtype, a3.data_ptr() & 15 == 0, a4.dtype, a4.data_ptr() & 15 == 0, a5.dtype, a5.data_ptr() & 15 == 0,
+            a6.dtype, a6.data_ptr() & 15 == 0,
+            n0 == 1, n0 & 15 == 0, n0 <= _INT32_MAX, n1 == 1, n1 & 15 == 0, n1 <= _INT32_MAX,
+            n2 == 1, n2 & 15 == 0, n2 <= _INT32_MAX)
+
+
+@functools.lru_cache(maxsize=1)
+def _driver_hooks():
+    """(current device fn, current stream fn, knobs.runtime) of the active Triton driver, as
+    `JITFunction.run` uses them."""
+    from triton import knobs
+    from triton.runtime import driver
+
+    return driver.active.get_current_device, driver.active.get_current_stream, knobs.runtime
+
+
+def _launch(cfg_key: tuple, cfg: _Config, grid0: int, args: tuple, direct: bool) -> None:
+    """Launch `_route_kernel` on `grid0` programs; `args` = the 11 runtime arguments followed by
+    `cfg.constexprs` (the kernel's parameter order). `direct`: reuse the compiled kernel of an
+    earlier launch with the same specialization (CUDA only; the interpreter compiles nothing)."""
+    if direct:
+        get_device, get_stream, runtime = _driver_hooks()
+        device = get_device()
+        key = (cfg_key, device, _spec_key(args))
+        hit = _KERNELS.get(key)
+        if hit is not None and runtime.launch_enter_hook is None and runtime.launch_exit_hook is None:
+            run, function, packed_metadata = hit
+            run(grid0, 1, 1, get_stream(device), function, packed_metadata, None, None, None, *args)
+            return
+    kernel = _route_kernel[(grid0,)](*args[:11], **cfg.kwargs)
+    if direct and kernel is not None and hasattr(kernel, "packed_metadata"):  # compiled (not interpreted)
+        if hasattr(kernel, "result"):
+            kernel = kernel.result()
+        _KERNELS[key] = (kernel.run, kernel.function, kernel.packed_metadata)
 
 
 def route_triton(
@@ -155,34 +257,36 @@ def route_triton(
     num_warps: int | None = None,
 ) -> RouteResult:
     """Fused routing; same arguments and result as `moe.router.route_torch` (checked by
-    `moe.router.route`). logits: [T, E] fp32/bf16 (scores are fp32). No autograd."""
+    `moe.router.route`). logits: [T, E] fp32/bf16 (scores are fp32); bias: [E] any float dtype
+    (upcast to fp32 in the kernel); token_mask: [T] bool. One kernel launch, no host sync,
+    no autograd."""
     num_tokens, num_experts = logits.shape
+    if logits.stride(1) != 1:
+        logits = logits.contiguous()
     device = logits.device
-    logits = logits if logits.stride(1) == 1 else logits.contiguous()
-    topk_ids = torch.empty(num_tokens, top_k, dtype=torch.int64, device=device)
-    topk_weights = torch.empty(num_tokens, top_k, dtype=torch.float32, device=device)
+    topk_ids = torch.empty((num_tokens, top_k), dtype=torch.int64, device=device)
+    topk_weights = torch.empty((num_tokens, top_k), dtype=torch.float32, device=device)
     if num_tokens == 0:
         return RouteResult(topk_ids=topk_ids, topk_weights=topk_weights)
     hashed = tid2eid is not None
+    has_bias = bias is not None and not hashed
     grouped = not hashed and n_group is not None and n_group > 1
-    block_e = triton.next_power_of_2(num_experts)
-    bt, warps = _launch_config(num_tokens, block_e, block_t, num_warps)
+    has_mask = token_mask is not None
+    cfg_key = (num_experts, top_k, scoring, has_bias, n_group if grouped else 1, topk_group if grouped else 1,
+               bool(renormalize), hashed, has_mask, min((num_tokens - 1).bit_length(), 11), block_t, num_warps)
+    cfg = _CONFIGS.get(cfg_key) or _make_config(cfg_key)
     dummy = topk_weights  # any pointer for the arguments a specialization does not read
-    table = tid2eid.contiguous() if hashed else None
-    grid = (triton.cdiv(num_tokens, bt),)
-    _route_kernel[grid](
-        logits,
-        bias.float().contiguous() if (bias is not None and not hashed) else dummy,
-        input_ids.contiguous() if hashed else dummy,
-        table if hashed else dummy,
-        token_mask.contiguous().view(torch.uint8) if token_mask is not None else dummy,
-        topk_ids, topk_weights,
-        num_tokens, logits.stride(0), table.stride(0) if hashed else 0, float(scaling),
-        E=num_experts, K=top_k, BLOCK_T=bt, BLOCK_E=block_e, BLOCK_K=max(2, triton.next_power_of_2(top_k)),
-        SCORING=_SCORING_CODE[scoring], HAS_BIAS=bias is not None and not hashed,
-        N_GROUP=n_group if grouped else 1, TOPK_GROUP=topk_group if grouped else 1,
-        BLOCK_G=max(2, triton.next_power_of_2(n_group if grouped else 1)),
-        RENORM=renormalize, HASH=hashed, HAS_MASK=token_mask is not None,
-        num_warps=warps,
-    )
+    if has_bias and bias.stride(0) != 1:
+        bias = bias.contiguous()
+    if hashed:
+        if input_ids.stride(0) != 1:
+            input_ids = input_ids.contiguous()
+        if tid2eid.stride(1) != 1:
+            tid2eid = tid2eid.contiguous()
+    if has_mask and token_mask.stride(0) != 1:
+        token_mask = token_mask.contiguous()
+    args = (logits, bias if has_bias else dummy, input_ids if hashed else dummy, tid2eid if hashed else dummy,
+            token_mask if has_mask else dummy, topk_ids, topk_weights,
+            num_tokens, logits.stride(0), tid2eid.stride(0) if hashed else 0, float(scaling)) + cfg.constexprs
+    _launch(cfg_key, cfg, -(-num_tokens // cfg.block_t), args, _DIRECT_LAUNCH and logits.is_cuda)
     return RouteResult(topk_ids=topk_ids, topk_weights=topk_weights)
