@@ -9,10 +9,12 @@ Everything is per token, so a token shard (sequence parallelism) needs nothing s
 
 Paths, sharing signatures (`backend="auto"|"torch"|"triton"`):
 - torch (fp32 math, results in the residual's dtype): the specification; differentiable.
-- Triton (model/triton_mhc.py, CUDA, inference): the projection + coefficients in a split-K
-  kernel and a coefficient kernel, the weighted stream sum in a third; `mhc_post_pre` fuses
-  one sublayer's post with the next one's projection (the new residual is projected while
-  still in registers, saving one read of `[T, M, H]`).
+- Triton (model/triton_mhc.py, CUDA, inference): the projection (split-K over H), the
+  coefficients with all Sinkhorn iterations and the weighted stream sum in one launch up to
+  4096 tokens (the last split of each token block finishes it), the weighted sum as a second
+  launch above. `mhc_post_pre` fuses one sublayer's post with the next one's pre in one launch
+  up to 2048 tokens (the new residual is projected while still in registers, saving one read
+  of `[T, M, H]` and a launch); above that it runs post then pre, which is faster there.
 
 `auto` takes Triton for CUDA tensors without autograd when triton imports, else torch.
 """
@@ -195,8 +197,9 @@ def mhc_post_pre(out: torch.Tensor, residual: torch.Tensor, post: torch.Tensor, 
                  eps: float = 1e-6, rms_eps: float = 1e-6, backend: Backend = "auto"
                  ) -> tuple[torch.Tensor, MHCPre]:
     """`mhc_post` of one sublayer followed by `mhc_pre` of the next (fn/base/scale are the next
-    sublayer's). Returns (new residual [T, M, H], MHCPre of the next sublayer). On Triton the
-    new residual is projected while it is written, one read of [T, M, H] fewer."""
+    sublayer's). Returns (new residual [T, M, H], MHCPre of the next sublayer). On Triton, up
+    to 2048 tokens, one launch projects the new residual while it is written (one read of
+    [T, M, H] and a launch fewer); above, post then pre (the fused kernel is slower there)."""
     if _use_triton(backend, out, residual, post, comb, fn, base, scale):
         t, m, h = _num_streams(residual)
         _check_params(fn, base, scale, m, h, rows=(2 + m) * m, num_scales=3)

@@ -303,6 +303,44 @@ def test_triton_many_hidden_splits_match_reference_in_interpreter(interpreted_ke
         torch.testing.assert_close(a, b, rtol=2e-5, atol=2e-5)
 
 
+def test_triton_two_launch_path_and_unfused_post_pre_in_interpreter(interpreted_kernels, monkeypatch):
+    # Above SINGLE_LAUNCH_MAX_TOKENS: 64-token blocks, coefficients in the projection launch, the
+    # layer input in a second kernel; post_pre runs post then pre. Lowered here to reach it cheaply.
+    monkeypatch.setattr(interpreted_kernels, "SINGLE_LAUNCH_MAX_TOKENS", 8)
+    monkeypatch.setattr(interpreted_kernels, "FUSE_MAX_TOKENS", 8)
+    monkeypatch.setattr(interpreted_kernels, "_num_sms", lambda device: 16)
+    t, m, h = 70, 4, 72  # two token blocks, the second partial; 2 splits of H
+    assert interpreted_kernels._mix_config(t, m, h, torch.device("cpu"))[0] == 64 and triton_splits(
+        interpreted_kernels, t, m, h) == 2
+    torch.manual_seed(15)
+    residual, out = torch.randn(t, m, h), torch.randn(t, h)
+    fn, base, scale = make_params(m, h, seed=16)
+    fn_head, base_head, scale_head = torch.randn(m, m * h) * 0.1, torch.randn(m), torch.tensor([0.8])
+    _check_triton_against_torch(residual, out, fn, base, scale, fn_head, base_head, scale_head,
+                                dict(rtol=2e-5, atol=2e-5))
+    # Every launch leaves the per-block counters of the last-split election at zero.
+    assert interpreted_kernels._counters and all(int(c.abs().sum()) == 0 for c in interpreted_kernels._counters.values())
+
+
+def test_triton_bf16_residual_in_interpreter(interpreted_kernels):
+    torch.manual_seed(17)
+    t, m, h = 9, 4, 72
+    residual, out = torch.randn(t, m, h).bfloat16(), torch.randn(t, h).bfloat16()
+    fn, base, scale = make_params(m, h, seed=18)
+    got = mhc_pre(residual, fn, base, scale, backend="triton")
+    want = mhc_pre(residual, fn, base, scale, backend="torch")
+    assert got.layer_input.dtype == torch.bfloat16
+    torch.testing.assert_close(got.post, want.post, rtol=2e-5, atol=2e-5)
+    torch.testing.assert_close(got.comb, want.comb, rtol=2e-5, atol=2e-5)
+    torch.testing.assert_close(got.layer_input.float(), want.layer_input.float(), rtol=1e-2, atol=1e-2)
+    new, nxt = mhc_post_pre(out, residual, want.post, want.comb, fn, base, scale, backend="triton")
+    new_want = mhc_post(out, residual, want.post, want.comb, backend="torch")
+    torch.testing.assert_close(new.float(), new_want.float(), rtol=1e-2, atol=1e-2)
+    nxt_want = mhc_pre(new, fn, base, scale, backend="torch")  # from our new residual: same bf16 inputs
+    torch.testing.assert_close(nxt.comb, nxt_want.comb, rtol=2e-5, atol=2e-5)
+    torch.testing.assert_close(nxt.layer_input.float(), nxt_want.layer_input.float(), rtol=1e-2, atol=1e-2)
+
+
 def triton_splits(kernels, t, m, h):
     _, _, h_per_split = kernels._mix_config(t, m, h, torch.device("cpu"))
     return -(-h // h_per_split)
@@ -337,7 +375,7 @@ def fp32_matmul():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("t", [1, 7, 300, 4096])
+@pytest.mark.parametrize("t", [1, 7, 300, 4096, 4133])  # 4133: the two-launch pre, unfused post_pre
 @pytest.mark.parametrize("h", [4096, 7168])
 def test_triton_kernels_match_reference_on_gpu(fp32_matmul, t, h):
     m = 4
@@ -375,3 +413,39 @@ def test_auto_backend_uses_triton_on_gpu_and_torch_under_autograd(fp32_matmul, m
     assert calls == [1]
     graded.post.sum().backward()
     assert module.fn.grad is not None
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("t", [1, 16, 2048, 2049, 4096, 4097])
+def test_triton_is_deterministic_and_replays_in_a_cuda_graph(fp32_matmul, t):
+    # The last split of a token block finishes it (atomic counter): a missing barrier or a stale
+    # read would show as results that move between identical calls, or differ under graph replay.
+    m, h = 4, 7168
+    torch.manual_seed(t)
+    residual = torch.randn(t, m, h, device="cuda").bfloat16()
+    out = torch.randn(t, h, device="cuda").bfloat16()
+    fn, base, scale = make_params(m, h, seed=t, device="cuda")
+    first = mhc_pre(residual, fn, base, scale, backend="triton")
+    want = mhc_pre(residual, fn, base, scale, backend="torch")
+    torch.testing.assert_close(first.comb, want.comb, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(first.layer_input.float(), want.layer_input.float(), rtol=2e-2, atol=2e-2)
+    fused = mhc_post_pre(out, residual, first.post, first.comb, fn, base, scale, backend="triton")
+    for _ in range(3):
+        again = mhc_pre(residual, fn, base, scale, backend="triton")
+        for a, b in zip(again, first):
+            assert torch.equal(a, b)
+        fused2 = mhc_post_pre(out, residual, first.post, first.comb, fn, base, scale, backend="triton")
+        assert torch.equal(fused2[0], fused[0]) and all(torch.equal(a, b) for a, b in zip(fused2[1], fused[1]))
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        mhc_pre(residual, fn, base, scale, backend="triton")
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = mhc_pre(residual, fn, base, scale, backend="triton")
+    for _ in range(3):
+        graph.replay()
+        torch.cuda.synchronize()
+        for a, b in zip(captured, first):
+            assert torch.equal(a, b)

@@ -4,7 +4,12 @@ Cases (M = 4 streams, bf16 residual [T, M, H], fp32 parameters, 20 Sinkhorn iter
 - pre: read the residual (and fn, from L2 after the first programs), write the layer input.
 - post: read the residual and the sublayer output, write the new residual.
 - post+pre fused (`mhc_post_pre`) against post followed by pre (our kernels, unfused), the
-  saving being one read of the residual.
+  saving being one read of the residual and one launch. Above FUSE_MAX_TOKENS (2048)
+  `mhc_post_pre` itself runs post then pre (the fused projection loses there), so both rows
+  time the same code.
+- CUDA graph (T <= 128): pre, post and post+pre captured once and replayed, against the same
+  calls launched eagerly. At small T the eager numbers are host launch time (Python + Triton's
+  launcher); inside a decode CUDA graph only the GPU time remains.
 Floor = bytes read + written / the measured copy ceiling (4264 GB/s on the H200). Anchor =
 the torch reference (`backend="torch"`) on the same inputs. L2 is flushed before each timed
 call (small cases would otherwise be served from L2 and beat the HBM floor).
@@ -13,6 +18,8 @@ torch reference only (Triton needs CUDA).
 """
 
 from __future__ import annotations
+
+from typing import Callable
 
 import torch
 
@@ -56,6 +63,12 @@ def _run(ctx: BenchContext) -> None:
     ours = "triton" if ctx.is_cuda else "torch"
     if not ctx.is_cuda:
         ctx.note("CPU: the torch reference only, one thread (the Triton kernels need CUDA); no anchor")
+    if ctx.is_cuda:
+        from model import triton_mhc
+
+        ctx.note(f"Triton pre: one launch up to T={triton_mhc.SINGLE_LAUNCH_MAX_TOKENS} (projection, Sinkhorn "
+                 f"and layer input; the last split of each token block finishes it), two above; "
+                 f"mhc_post_pre fused up to T={triton_mhc.FUSE_MAX_TOKENS}, post then pre above")
     gbps = copy_ceiling_gbps(ctx.device)
     time_kw = dict(flush_l2=ctx.is_cuda)
     for h in hiddens:
@@ -91,3 +104,54 @@ def _run(ctx: BenchContext) -> None:
                                                              backend=ours), **time_kw)
                     ctx.record(f"post+pre fused vs unfused T={t} H={h}", fused, anchor="our post then our pre",
                                anchor_us=unfused, **shape)
+                    if t in SWITCH_CHECK_TOKENS:
+                        _record_switch(ctx, t, h, cases["pre"][0], cases["pre"][1], gbps, time_kw, shape)
+                    if t <= GRAPH_MAX_TOKENS:
+                        for name, (call, nbytes) in cases.items():
+                            try:
+                                replay = _graph_replay(lambda: call(ours))
+                            except RuntimeError as exc:  # keep the eager rows of a run that cannot capture
+                                ctx.note(f"{name} T={t} H={h}: CUDA graph capture failed: {exc}")
+                                continue
+                            eager = ctx.time_fn(lambda: call(ours), **time_kw)
+                            us = ctx.time_fn(replay, **time_kw)
+                            ctx.record(f"{name} T={t} H={h} (CUDA graph)", us, anchor="same call, eager",
+                                       anchor_us=eager, floor_us=nbytes / (gbps * 1e9) * 1e6,
+                                       gbps=nbytes / us / 1e3, **shape)
+
+
+GRAPH_MAX_TOKENS = 128
+SWITCH_CHECK_TOKENS = (1024, 4096)
+
+
+def _record_switch(ctx: BenchContext, t: int, h: int, call: Callable[[str], object], nbytes: int, gbps: float,
+                   time_kw: dict, shape: dict) -> None:
+    """Where pre switches from one launch to two (triton_mhc.SINGLE_LAUNCH_MAX_TOKENS): time the
+    other path at the same T, to place the switch from measurements."""
+    from model import triton_mhc
+
+    saved = triton_mhc.SINGLE_LAUNCH_MAX_TOKENS
+    single = t <= saved
+    try:
+        triton_mhc.SINGLE_LAUNCH_MAX_TOKENS = t - 1 if single else t
+        other = ctx.time_fn(lambda: call("triton"), **time_kw)
+    finally:
+        triton_mhc.SINGLE_LAUNCH_MAX_TOKENS = saved
+    default = ctx.time_fn(lambda: call("triton"), **time_kw)
+    ctx.record(f"pre T={t} H={h} {'two launches' if single else 'one launch'} (not the default)", other,
+               anchor=f"default: {'one launch' if single else 'two launches'}", anchor_us=default,
+               floor_us=nbytes / (gbps * 1e9) * 1e6, gbps=nbytes / other / 1e3, **shape)
+
+
+def _graph_replay(call: Callable[[], object]) -> Callable[[], None]:
+    """Capture `call` (already compiled: warmed up on a side stream first) and return the replay."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            call()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        call()
+    return graph.replay
