@@ -232,16 +232,18 @@ class Experts(nn.Module):
 
     def prepared(self) -> tuple[torch.Tensor | PreparedWeight, torch.Tensor | PreparedWeight]:
         """(w13, w2) as `moe.kernels.expert_ffn` takes them. Quantized weights are prepared once per
-        device and storage version (FP4 nibbles paired for the CUDA kernels: a second copy of the
+        device and storage version (FP4 nibbles repacked for the CUDA kernels: a second copy of the
         packed data there); in-place changes (EPLB migration, loading) invalidate the copy."""
         if not self.quantized:
             return self.w13, self.w2
         tensors = [t for t in self.slot_tensors()]
         key = (tensors[0].device, tuple((t.data_ptr(), t._version) for t in tensors))
         if self._prepared_key != key:
-            packing = "paired" if tensors[0].is_cuda else "natural"
-            self._prepared = (prepare_weights(self.weight("w13"), packing=packing, gate_up=self.gate_up),
-                              prepare_weights(self.weight("w2"), packing=packing))
+            # CUDA: the kernels' default packing ("oct", falling back where K does not divide);
+            # CPU: checkpoint order, nothing to repack for the reference path.
+            packing = {"packing": "natural"} if not tensors[0].is_cuda else {}
+            self._prepared = (prepare_weights(self.weight("w13"), gate_up=self.gate_up, **packing),
+                              prepare_weights(self.weight("w2"), **packing))
             self._prepared_key = key
         return self._prepared
 

@@ -45,9 +45,9 @@ def random_mxfp4(E: int, N: int, K: int, device: torch.device, seed: int):
     """A random MXFP4 weight [E, N, K] (QuantizedTensor) with block exponents in [-9, -3]."""
     from moe.quant import QuantizedTensor
 
-    g = torch.Generator(device="cpu").manual_seed(seed)
-    data = torch.randint(0, 256, (E, N, K // 2), generator=g, dtype=torch.uint8).to(device)
-    scale = torch.randint(118, 125, (E, N, K // 32), generator=g, dtype=torch.uint8).to(device)
+    g = torch.Generator(device=device).manual_seed(seed)
+    data = torch.randint(0, 256, (E, N, K // 2), generator=g, dtype=torch.uint8, device=device)
+    scale = torch.randint(118, 125, (E, N, K // 32), generator=g, dtype=torch.uint8, device=device)
     return QuantizedTensor(data, scale, "mxfp4", torch.Size((E, N, K)))
 
 
@@ -120,8 +120,8 @@ class Case:
         self.shape, self.gemm, self.tok = shape, gemm, tok
         self.E, self.N, self.K = w["shape"]
         self.M = self.E * tok
-        g = torch.Generator(device="cpu").manual_seed(tok * 7 + self.K)
-        self.x = torch.randn(self.M, self.K, generator=g).to(ctx.device, torch.bfloat16)
+        g = torch.Generator(device=ctx.device).manual_seed(tok * 7 + self.K)
+        self.x = torch.randn(self.M, self.K, generator=g, device=ctx.device).to(torch.bfloat16)
         self.counts = torch.full((self.E,), tok, dtype=torch.int32, device=ctx.device)
         self.offs = torch.cumsum(self.counts, 0).to(torch.int32)
         self.w = w
@@ -154,6 +154,14 @@ def _gemms(E: int, H: int, inter: int) -> dict[str, tuple[int, int, int]]:
 def run(ctx: BenchContext) -> None:
     from moe.kernels import grouped_gemm
 
+    tuning_path = os.environ.get("MEGAPAR_GEMM_TUNING")
+    if tuning_path:
+        from moe.kernels.triton_w4a16 import apply_tuning
+        with open(tuning_path) as f:
+            tuning = json.load(f)
+        apply_tuning(tuning)
+        ctx.options["tuning"] = tuning
+        ctx.note(f"launch settings from the probe of the same run: {json.dumps(tuning)}")
     if ctx.quick or not ctx.is_cuda:
         shapes = {"tiny": (4, 256, 128)}
         tokens = (1, 8) if ctx.quick else (1, 8, 64)
@@ -191,7 +199,8 @@ def _run_case(ctx: BenchContext, c: Case, grouped_gemm) -> None:
         anchors["bf16"], _ = graph_time(ctx, lambda: torch._grouped_mm(c.x, w["bf16"].transpose(1, 2), offs=c.offs))
     except Exception as e:  # noqa: BLE001
         ctx.note(f"{c.shape} {c.gemm} tok={c.tok}: torch bf16 _grouped_mm failed: {type(e).__name__}: {e}")
-    if ctx.is_cuda:
+    interp = os.environ.get("MEGAPAR_BENCH_INTERP") == "1"   # dry run of the GPU code under TRITON_INTERPRET=1
+    if ctx.is_cuda or interp:
         from moe.kernels.triton_w4a8 import quantize_act, torch_scaled_grouped_mm
         xq, xs = quantize_act(c.x)
         try:
@@ -199,7 +208,7 @@ def _run_case(ctx: BenchContext, c: Case, grouped_gemm) -> None:
         except Exception as e:  # noqa: BLE001
             ctx.note(f"{c.shape} {c.gemm} tok={c.tok}: torch fp8 _scaled_grouped_mm failed: {type(e).__name__}: {e}")
         ref8 = c.reference(xq.float() * xs)
-    impls = ("triton_w4a16", "triton_w4a8") if ctx.is_cuda else ("torch", "torch_grouped_mm")
+    impls = ("triton_w4a16", "triton_w4a8") if ctx.is_cuda or interp else ("torch", "torch_grouped_mm")
     for impl in impls:
         fn = (lambda impl=impl: grouped_gemm(c.x, w["pw"], counts=c.counts, backend=impl))
         try:
@@ -215,11 +224,39 @@ def _run_case(ctx: BenchContext, c: Case, grouped_gemm) -> None:
                    fp8_anchor_us=anchors.get("fp8"),
                    speedup_vs_fp8=(anchors["fp8"] / us) if "fp8" in anchors else None,
                    w4a8_floor_us=round(fp8_floor, 2), rel_err=err, timing=how)
+    if (ctx.is_cuda or interp) and c.tok >= (128 if ctx.is_cuda else 8):
+        # W4A8 under the anchor's conditions: activations already fp8 (as when the previous op
+        # quantizes them); and the GEMM alone (weights expanded once beforehand).
+        from moe.kernels.triton_w4a16 import expand_fp4
+        from moe.kernels.triton_w4a8 import fp8_grouped_gemm, fp8_weight
+        rows = expert_rows_of(c)
+        parts = {"triton_w4a8 x pre-quantized": lambda: fp8_grouped_gemm(xq, xs, *fp8_weight(w["pw"]), rows,
+                                                                         out_dtype=torch.bfloat16),
+                 "triton_w4a8 gemm only": lambda: fp8_grouped_gemm(xq, xs, w["fp8"], w["fp8_scale"], rows,
+                                                                   out_dtype=torch.bfloat16)}
+        for impl, fn in parts.items():
+            try:
+                err = rel_err(fn(), ref8)
+                us, how = graph_time(ctx, fn)
+            except Exception as e:  # noqa: BLE001
+                ctx.note(f"{c.shape} {c.gemm} tok={c.tok} {impl}: failed: {type(e).__name__}: {e}")
+                continue
+            ctx.record(f"{c.shape} {c.gemm} tok={c.tok} {impl}", us, anchor="torch fp8 rowwise _scaled_grouped_mm",
+                       anchor_us=anchors.get("fp8"), floor_us=floor, shape=c.shape, gemm=c.gemm,
+                       tok_per_expert=c.tok, impl=impl, M=c.M, N=c.N, K=c.K, tflops=flops / us / 1e6,
+                       fp8_anchor_us=anchors.get("fp8"),
+                       speedup_vs_fp8=(anchors["fp8"] / us) if "fp8" in anchors else None,
+                       w4a8_floor_us=round(fp8_floor, 2), rel_err=err, timing=how)
+
+
+def expert_rows_of(c: Case):
+    from moe.kernels import expert_rows
+    return expert_rows(c.x, c.E, c.counts, None, "contiguous")
 
 
 def _targets(ctx: BenchContext) -> None:
     """Notes: which ANCHORS.md targets are met, with the numbers."""
-    rows = [r for r in ctx.rows if r.get("impl", "").startswith("triton")]
+    rows = [r for r in ctx.rows if str(r.get("impl", "")).startswith("triton")]
     for r in rows:
         tok, impl = r["tok_per_expert"], r["impl"]
         name = r["case"]
@@ -228,7 +265,7 @@ def _targets(ctx: BenchContext) -> None:
             ok = frac is not None and speed is not None and frac >= 0.75 and speed >= 4
             ctx.note(f"decode target {'MET' if ok else 'missed'}: {name}: {frac:.2f} of the fp4 floor (>= 0.75), "
                      f"{speed:.2f}x torch bf16 (>= 4)")
-        if tok == 2048 and impl == "triton_w4a8" and r.get("speedup_vs_fp8") is not None:
+        if tok == 2048 and impl.startswith("triton_w4a8") and r.get("speedup_vs_fp8") is not None:
             ok = r["speedup_vs_fp8"] >= 1.0
             ctx.note(f"prefill W4A8 target {'MET' if ok else 'missed'}: {name}: {r['speedup_vs_fp8']:.2f}x torch fp8 "
                      f"(>= 1.0)")
@@ -243,7 +280,7 @@ def _targets(ctx: BenchContext) -> None:
 def probe(out_dir: str, sections: list[str]) -> None:
     from moe.kernels import expert_rows, prepare_weights
     from moe.kernels.prepare import repack
-    from moe.kernels.triton_w4a16 import W4A16Config, expand_fp4, launch_w4a16, launch_w4a16_dot_scaled
+    from moe.kernels.triton_w4a16 import W4A16Config, expand_fp4, launch_w4a16
     from moe.kernels.triton_w4a8 import FP8Config, fp8_grouped_gemm, quantize_act, torch_scaled_grouped_mm
 
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -252,6 +289,7 @@ def probe(out_dir: str, sections: list[str]) -> None:
     shape_l1 = (32, 4096, 7168) if not tiny else (2, 64, 512)
     shape_l2 = (32, 7168, 2048) if not tiny else (2, 64, 256)
     results: list[dict[str, Any]] = []
+    os.makedirs(out_dir, exist_ok=True)
     path = f"{out_dir}/gemm-probe.json"
 
     def save() -> None:
@@ -315,18 +353,71 @@ def probe(out_dir: str, sections: list[str]) -> None:
                     (lambda x=x, wt=wt, rows=rows, cfg=cfg: launch_w4a16(x, wt, rows, out_dtype=torch.bfloat16,
                                                                          config=cfg)),
                     err_of(ref), floor_us=floor, anchor="floor")
-            if K != shape_l2[2] and not tiny:
-                for bn, bk, nw, ns in ((128, 128, 4, 4),):
-                    add("decode", f"N{N} K{K} tok{tok} dot_scaled bn{bn} bm{bm} bk{bk} w{nw} s{ns}",
-                        (lambda x=x, nat=natural, rows=rows, bn=bn, bk=bk, nw=nw, ns=ns: launch_w4a16_dot_scaled(
-                            x, nat, rows, out_dtype=torch.bfloat16, block_n=bn, block_m=bm, block_k=bk, num_warps=nw,
-                            num_stages=ns)), err_of(ref), floor_us=floor, anchor="floor")
             offs = torch.cumsum(counts, 0).to(torch.int32)
             add("decode", f"N{N} K{K} tok{tok} torch bf16 _grouped_mm",
                 (lambda x=x, wb=w["bf16"], offs=offs: torch._grouped_mm(x, wb.transpose(1, 2), offs=offs)),
                 err_of(ref), floor_us=floor)
             _run_variants(ctx, variants, results, save)
             variants.clear()
+
+    # -- decode, round 2: row-tiled weights, warps/stages, and subtraction diagnostics --
+    if "decode2" in sections:
+        probs = [((*shape_l1, 1), "all"), ((*shape_l1, 32), "some"), ((*shape_l2, 8), "some"),
+                 (((32, 4096, 4096) if not tiny else (2, 64, 512)) + (1,), "few")]
+        for (E, N, K, tok), which in probs:
+            w, x, counts, rows, ref = problem(E, N, K, tok)
+            pw = w["pw"]
+            floor = fp4_floor_us(E, N, K, E * tok, dev)
+            bm = 16 if tok <= 16 else 32
+            asm = "f16asm" if not tiny else "f16"
+            # (label, tile_n, mode, bn, warps, stages, diag)
+            cfgs = [("untiled", 0, asm, 128, 4, 3, 0), ("tiled", 128, asm, 128, 4, 3, 0),
+                    ("tiled", 128, asm, 128, 4, 4, 0), ("tiled", 128, asm, 128, 8, 3, 0),
+                    ("tiled", 128, asm, 128, 4, 6, 0), ("tiled", 64, asm, 64, 4, 4, 0),
+                    ("tiled", 256, asm, 256, 8, 3, 0), ("DIAG loads-only untiled", 0, asm, 128, 4, 3, 1),
+                    ("DIAG loads-only tiled", 128, asm, 128, 4, 3, 1), ("DIAG no-scale tiled", 128, asm, 128, 4, 3, 2),
+                    ("tiled arith", 128, "f16", 128, 4, 3, 0)]
+            keep = {"all": (0, 1, 2, 3, 5, 8), "some": (1, 3, 5), "few": (1, 5)}[which]
+            if tiny:
+                cfgs = [("tiled", 32, "f16", 32, 4, 1, 0), ("DIAG loads-only tiled", 32, "f16", 32, 4, 1, 1)]
+                keep = (0, 1)
+            wts: dict[int, Any] = {}
+            for i in keep:
+                label, tile_n, mode, bn, nw, ns, diag = cfgs[i]
+                if tile_n not in wts:
+                    wts[tile_n] = repack(pw, "oct", tile_n=tile_n)
+                cfg = W4A16Config(block_n=bn, block_m=bm, chunks=1, num_warps=nw, num_stages=ns, mode=mode,
+                                  packing="oct")
+                add("decode2", f"N{N} K{K} tok{tok} {label} T{tile_n} {mode} bn{bn} bm{bm} w{nw} s{ns}",
+                    (lambda x=x, wt=wts[tile_n], rows=rows, cfg=cfg, diag=diag: launch_w4a16(
+                        x, wt, rows, out_dtype=torch.bfloat16, config=cfg, diag=diag)),
+                    err_of(ref) if diag == 0 else None, floor_us=floor, cfg=dict(cfg.__dict__), tile_n=tile_n,
+                    diag=diag, problem=f"{N}x{K} tok{tok}")
+            if which == "all" and os.environ.get("MEGAPAR_PROBE_AUX") == "1":   # expansion / act-quant sweeps
+                for tile_n in (0, 128 if not tiny else 32):
+                    if tile_n not in wts:
+                        wts[tile_n] = repack(pw, "oct", tile_n=tile_n)
+                    for rp, nw in ((16, 4), (32, 4), (64, 8)):
+                        add("decode2", f"N{N} K{K} expand bf16 T{tile_n} rows{rp} w{nw}",
+                            (lambda wt=wts[tile_n], rp=rp, nw=nw: expand_fp4(wt, torch.bfloat16, rows_per_program=rp,
+                                                                            num_warps=nw)),
+                            None, bytes=E * N * K * 2.5, expand=dict(rows_per_program=rp, num_warps=nw), tile_n=tile_n)
+                        add("decode2", f"N{N} K{K} expand fp8-row T{tile_n} rows{rp} w{nw}",
+                            (lambda wt=wts[tile_n], rp=rp, nw=nw: expand_fp4(wt, fold="row", rows_per_program=rp,
+                                                                            num_warps=nw)),
+                            None, bytes=E * N * K * 1.5)
+                xa = torch.randn(E * (64 if tiny else 2048), K, device=dev, dtype=torch.bfloat16)
+                for nw in (4, 8, 16):
+                    add("decode2", f"act quant K{K} M{xa.shape[0]} w{nw}",
+                        (lambda nw=nw, xa=xa: quantize_act(xa, num_warps=nw)), None, bytes=xa.numel() * 3,
+                        act_quant_warps=nw)
+            _run_variants(ctx, variants, results, save)
+            variants.clear()
+            del wts
+        tuning = _tuning_from(results, shape_l1)
+        with open(f"{out_dir}/gemm-tuning.json", "w") as f:
+            json.dump(tuning, f, indent=1)
+        print("tuning:", json.dumps(tuning), flush=True)
 
     # -- prefill: V3 L1 at 2048 tok/expert --
     if "prefill" in sections:
@@ -383,6 +474,33 @@ def probe(out_dir: str, sections: list[str]) -> None:
     _print_table(results)
 
 
+def _tuning_from(results: list[dict[str, Any]], shape_l1: tuple[int, int, int]) -> dict[str, Any]:
+    """Best measured settings: the decode tiling and config (V3 L1 at 1 tok/expert decides the
+    tiling), configs per block_m bucket with that tiling, expansion and act-quant launch sizes."""
+    ok = [r for r in results if "us" in r and r.get("diag") == 0 and "cfg" in r and (r.get("rel_err") or 1) < 1e-2]
+    main = f"{shape_l1[1]}x{shape_l1[2]} tok1"
+    tuning: dict[str, Any] = {"w4a16": {}}
+    first = [r for r in ok if r["problem"] == main]
+    if first:
+        best = min(first, key=lambda r: r["us"])
+        tuning["tile_n"] = best["tile_n"]
+        for bucket in (16, 32):
+            cands = [r for r in ok if r["cfg"]["block_m"] == bucket and r["tile_n"] == best["tile_n"]]
+            if cands:
+                by_cfg: dict[str, list[float]] = {}
+                for r in cands:   # rank configs by their mean time relative to each problem's fastest
+                    fastest = min(c["us"] for c in cands if c["problem"] == r["problem"])
+                    by_cfg.setdefault(json.dumps(r["cfg"], sort_keys=True), []).append(r["us"] / fastest)
+                tuning["w4a16"][bucket] = json.loads(min(by_cfg, key=lambda k: sum(by_cfg[k]) / len(by_cfg[k])))
+    exp = [r for r in results if "expand" in r and "us" in r and r["tile_n"] == tuning.get("tile_n", 0)]
+    if exp:
+        tuning["expand"] = min(exp, key=lambda r: r["us"])["expand"]
+    aq = [r for r in results if "act_quant_warps" in r and "us" in r]
+    if aq:
+        tuning["act_quant_warps"] = min(aq, key=lambda r: r["us"])["act_quant_warps"]
+    return tuning
+
+
 def ctx_is_cuda(dev: torch.device) -> bool:
     return dev.type == "cuda"
 
@@ -432,7 +550,7 @@ def _versions() -> dict[str, str]:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--probe", action="store_true")
-    p.add_argument("--sections", default="decode,prefill")
+    p.add_argument("--sections", default="decode2")
     p.add_argument("--out", default="bench/results")
     args = p.parse_args(argv)
     if args.probe:

@@ -1,0 +1,370 @@
+"""Expert weights in the layout the grouped-GEMM kernels read, prepared once at load time.
+
+One idea: FP4 bytes are *paired* by scale block. Inside each chunk of two scale blocks
+(2 x 32 elements for MXFP4, 2 x 16 for NVFP4), byte j holds element j (low nibble) and
+element j + block (high nibble), instead of elements 2j and 2j + 1. A kernel then expands
+the low nibbles of a [rows, block] byte tile into block 2c and the high nibbles into block
+2c + 1: two dense operands with exactly one scale per row each, and no register shuffles
+to interleave nibbles. The bytes and scales are the checkpoint's, only reordered.
+
+Other preparation done here, once:
+- W13 with interleaved gate/up rows (row 2i gate, 2i + 1 up) is reordered to split halves
+  (rows [0, I) gate, [I, 2I) up), so a kernel reads the gate and up tiles at a fixed offset.
+- fp8_block (128x128 fp32 scales) is kept as E4M3 data with one scale per (row, 128 along K),
+  which survives row reordering and is what the fp8 kernel reads.
+- For MXFP4 the exact W4A8 fold (SPEC §4, moe.quant.fold) is planned (`fold_plan`): per row,
+  the largest block exponent; `rowwise_exact` says whether one fp32 scale per row keeps every
+  element exact in E4M3 (then a rowwise fp8 GEMM applies), `group_exact` the same for one
+  scale per 1x128 group.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field, replace
+from typing import Any, Literal
+
+import torch
+
+from moe.quant import QuantizedTensor, dequantize, load_fp4_checkpoint, quantize
+
+_log = logging.getLogger(__name__)
+
+WeightFmt = Literal["bf16", "fp16", "fp32", "mxfp4", "nvfp4", "fp8"]
+Packing = Literal["natural", "paired", "oct"]
+GateUp = Literal["split", "interleaved"]
+
+DENSE_DTYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
+FP4_BLOCK = {"mxfp4": 32, "nvfp4": 16}
+FOLD_SPREAD = 14   # e_max - e_block <= 14 keeps every E2M1 value exact in E4M3 (moe.quant.fold)
+# FP4 rows are stored in tiles of this many rows (see PreparedWeight.tile_n) unless asked otherwise;
+# measured on the H200 (bench/gemm-notes.md): 64-row tiles + 64-row programs were the fastest decode.
+DEFAULT_TILE_N = 64
+
+
+@dataclass(frozen=True, kw_only=True)
+class PreparedWeight:
+    """Stacked expert weights [E, N, K] (y = x @ w[e]^T) ready for the grouped GEMMs.
+
+    data: bf16/fp16/fp32 [E, N, K]; mxfp4/nvfp4: uint8 [E, N, K/2] (`packing` says the nibble
+        order); fp8: float8_e4m3fn [E, N, K].
+    scale: mxfp4: uint8 E8M0 [E, N, K/32]; nvfp4: uint8 E4M3 bits [E, N, K/16];
+        fp8: fp32 [E, N, ceil(K/128)]; dense: None.
+    global_scale: nvfp4: fp32 [E] (one per expert); else None.
+    tile_n: FP4 only: 0 = rows in order; T > 0 = the rows come in tiles of T, and within a tile
+        the T rows' bytes of one packing unit are contiguous (one program's load is one block).
+    cache: derived data computed once (the W4A8 fold plan, `fold_plan`), never part of equality.
+    """
+
+    fmt: WeightFmt
+    shape: tuple[int, int, int]
+    data: torch.Tensor
+    scale: torch.Tensor | None = None
+    global_scale: torch.Tensor | None = None
+    packing: Packing = "natural"
+    tile_n: int = 0
+    gate_up: GateUp | None = None
+    cache: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
+
+    @property
+    def num_experts(self) -> int:
+        return self.shape[0]
+
+    @property
+    def n(self) -> int:
+        return self.shape[1]
+
+    @property
+    def k(self) -> int:
+        return self.shape[2]
+
+    @property
+    def device(self) -> torch.device:
+        return self.data.device
+
+    @property
+    def is_fp4(self) -> bool:
+        return self.fmt in FP4_BLOCK
+
+    @property
+    def block(self) -> int:
+        """Elements per scale along K (32 mxfp4, 16 nvfp4, 128 fp8, 0 dense)."""
+        return FP4_BLOCK.get(self.fmt, 128 if self.fmt == "fp8" else 0)
+
+    @property
+    def nbytes(self) -> int:
+        parts = (self.data, self.scale, self.global_scale)
+        return sum(t.numel() * t.element_size() for t in parts if t is not None)
+
+    def to(self, device: torch.device | str) -> PreparedWeight:
+        move = (lambda t: None if t is None else t.to(device))
+        return replace(self, data=move(self.data), scale=move(self.scale), global_scale=move(self.global_scale),
+                       cache={})
+
+
+# ---- nibble orders ------------------------------------------------------------------------------
+
+def _codes(data: torch.Tensor) -> torch.Tensor:
+    """Natural packing uint8 [..., K/2] -> codes uint8 [..., K]."""
+    return torch.stack((data & 0xF, data >> 4), dim=-1).reshape(*data.shape[:-1], 2 * data.shape[-1])
+
+
+def _natural(codes: torch.Tensor) -> torch.Tensor:
+    return codes[..., 0::2] | (codes[..., 1::2] << 4)
+
+
+def pair_fp4(data: torch.Tensor, block: int) -> torch.Tensor:
+    """Natural packing (element 2i low, 2i+1 high) -> paired packing (byte j of each 2*block
+    chunk: element j low, element j + block high). data: uint8 [..., K/2]."""
+    codes = _codes(data).reshape(*data.shape[:-1], -1, 2, block)                   # [..., K/2B, 2, B]
+    return (codes[..., 0, :] | (codes[..., 1, :] << 4)).reshape(data.shape)
+
+
+def unpair_fp4(data: torch.Tensor, block: int) -> torch.Tensor:
+    """Inverse of `pair_fp4`: paired packing -> natural packing. data: uint8 [..., K/2]."""
+    chunks = data.reshape(*data.shape[:-1], -1, block)                             # [..., K/2B, B]
+    codes = torch.stack((chunks & 0xF, chunks >> 4), dim=-2)                       # [..., K/2B, 2, B]
+    return _natural(codes.reshape(*data.shape[:-1], -1))
+
+
+def oct_fp4(data: torch.Tensor, block: int) -> torch.Tensor:
+    """Natural packing -> "oct" packing: in each chunk of 8 scale blocks, 32-bit word q
+    (little endian) holds element i*block + q in nibble i (bits 4i..4i+3), i = 0..7.
+    data: uint8 [..., K/2] -> uint8 [..., K/2] (view as int32 for the kernel)."""
+    codes = _codes(data).reshape(*data.shape[:-1], -1, 8, block)                   # [..., K/8B, i, q]
+    words = codes.transpose(-1, -2)                                                # [..., K/8B, q, i]
+    return (words[..., 0::2] | (words[..., 1::2] << 4)).reshape(data.shape)         # byte k = nibbles 2k, 2k+1
+
+
+def unoct_fp4(data: torch.Tensor, block: int) -> torch.Tensor:
+    """Inverse of `oct_fp4`."""
+    b = data.reshape(*data.shape[:-1], -1, block, 4)                               # [..., K/8B, q, byte]
+    words = torch.stack((b & 0xF, b >> 4), dim=-1).reshape(*b.shape[:-1], 8)       # [..., K/8B, q, i]
+    return _natural(words.transpose(-1, -2).reshape(*data.shape[:-1], -1))
+
+
+def unit_bytes(packing: str, block: int) -> int:
+    """Bytes of one row in one packing unit."""
+    return {"natural": block // 2, "paired": block, "oct": 4 * block}[packing]
+
+
+def tile_fp4(data: torch.Tensor, tile_n: int, unit: int) -> torch.Tensor:
+    """[E, N, Kb] bytes, rows in order -> rows in tiles of tile_n, each (tile, unit) block contiguous."""
+    E, N, Kb = data.shape
+    if N % tile_n or Kb % unit:
+        raise ValueError(f"tiling needs N ({N}) divisible by tile_n ({tile_n}) and K/2 ({Kb}) by {unit}")
+    return data.view(E, N // tile_n, tile_n, Kb // unit, unit).permute(0, 1, 3, 2, 4).contiguous().view(E, N, Kb)
+
+
+def untile_fp4(data: torch.Tensor, tile_n: int, unit: int) -> torch.Tensor:
+    E, N, Kb = data.shape
+    return data.view(E, N // tile_n, Kb // unit, tile_n, unit).permute(0, 1, 3, 2, 4).contiguous().view(E, N, Kb)
+
+
+def natural_data(w: PreparedWeight) -> torch.Tensor:
+    """The FP4 bytes of `w` in checkpoint order (rows in order, natural nibbles)."""
+    data = untile_fp4(w.data, w.tile_n, unit_bytes(w.packing, w.block)) if w.tile_n else w.data
+    return _FROM[w.packing](data, w.block)
+
+
+_TO = {"natural": lambda d, b: d, "paired": pair_fp4, "oct": oct_fp4}
+_FROM = {"natural": lambda d, b: d, "paired": unpair_fp4, "oct": unoct_fp4}
+CHUNK_BLOCKS = {"natural": 1, "paired": 2, "oct": 8}   # scale blocks per packing unit along K
+
+
+def _split_rows(t: torch.Tensor | None, n: int) -> torch.Tensor | None:
+    """Rows (dim 1) from interleaved gate/up order (g0 u0 g1 u1 ...) to split (g0 g1 ... u0 u1 ...)."""
+    if t is None:
+        return None
+    order = torch.cat((torch.arange(0, n, 2), torch.arange(1, n, 2))).to(t.device)
+    return t.index_select(1, order).contiguous()
+
+
+# ---- W4A8 fold plan -----------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class FoldPlan:
+    """MXFP4 -> exact FP8 (W4A8) plan of one weight.
+
+    e_ref: int32 [E, N], the row's reference exponent (max block exponent - 6, >= -126);
+        row n is stored as E4M3 v * 2^(e_block - e_ref) with fp32 scale 2^e_ref.
+    rowwise_exact / group_exact: every nonzero block is within FOLD_SPREAD exponents of the
+        row's (resp. its 1x128 group's) largest, so the fold loses nothing.
+    """
+
+    e_ref: torch.Tensor
+    rowwise_exact: bool
+    group_exact: bool
+
+
+def fold_plan(w: PreparedWeight) -> FoldPlan:
+    """The W4A8 fold plan of an mxfp4 weight (computed once, cached on `w`; syncs once)."""
+    if w.fmt != "mxfp4":
+        raise ValueError(f"an exact FP8 fold needs mxfp4 (power-of-two scales), got {w.fmt!r}")
+    if "fold_plan" not in w.cache:
+        data = natural_data(w)
+        e = torch.where(w.scale == 255, -127, w.scale.to(torch.int32) - 127)       # [E, N, B]
+        codes = torch.stack((data & 0x7, (data >> 4) & 0x7), dim=-1)               # magnitudes only
+        blk_nz = (codes.reshape(*data.shape[:-1], -1, 32) != 0).any(-1)            # [E, N, B]
+        e_row_max = e.amax(-1)                                                      # [E, N]
+        row_ok = ((e_row_max.unsqueeze(-1) - e) <= FOLD_SPREAD) | ~blk_nz
+        nb = e.shape[-1]
+        eg = torch.nn.functional.pad(e, (0, -nb % 4), value=-127).reshape(*e.shape[:-1], -1, 4)
+        g_max = eg.amax(-1).repeat_interleave(4, dim=-1)[..., :nb]
+        grp_ok = ((g_max - e) <= FOLD_SPREAD) | ~blk_nz
+        e_ref = (e_row_max - 6).clamp(min=-126).to(torch.int32).contiguous()
+        w.cache["fold_plan"] = FoldPlan(e_ref, bool(row_ok.all()), bool(grp_ok.all()))
+    return w.cache["fold_plan"]
+
+
+# ---- preparation ------------------------------------------------------------------------------
+
+def prepare_weights(w: torch.Tensor | QuantizedTensor | PreparedWeight | dict[str, torch.Tensor], *,
+                    fmt: str | None = None, packing: Packing = "oct", gate_up: GateUp | None = None,
+                    device: torch.device | str | None = None, dtype: torch.dtype = torch.bfloat16,
+                    tile_n: int | None = None) -> PreparedWeight:
+    """Expert weights -> PreparedWeight, once at load time.
+
+    w: float [E, N, K]; a QuantizedTensor [E, N, K] ("mxfp4", "nvfp4", "fp8_block"); a
+        checkpoint dict {"weight", "weight_scale"[, "weight_scale_2"]} (moe.quant.load_fp4_checkpoint);
+        or a PreparedWeight (re-packed if `packing` differs).
+    fmt: quantize a float weight to "mxfp4" / "nvfp4" / "fp8_block" first; None keeps it dense
+        (cast to `dtype`).
+    packing: FP4 nibble order: "oct" (default: 8 nibbles of one 32-bit word = 8 scale blocks,
+        what the fused W4A16 kernel's inline-PTX expansion reads), "paired" (K only divisible
+        by two blocks) or "natural" (checkpoint order). A K that the unit does not divide falls
+        back to "paired", then "natural".
+    gate_up: for a W13 weight, "interleaved" reorders its rows to "split"; "split" records it.
+    tile_n: FP4 row tiling (PreparedWeight.tile_n); None = DEFAULT_TILE_N where it divides N
+        (and, for W13, I), else rows in order.
+    """
+    if packing not in _TO:
+        raise ValueError(f"packing must be one of {list(_TO)}, got {packing!r}")
+    if gate_up not in (None, "split", "interleaved"):
+        raise ValueError(f"gate_up must be 'split', 'interleaved' or None, got {gate_up!r}")
+    if isinstance(w, PreparedWeight):
+        if gate_up == "interleaved" and w.gate_up != "split":
+            raise ValueError("an already prepared weight cannot be re-ordered; prepare from the raw weight")
+        out = w.to(device) if device is not None else w
+        return repack(out, packing)
+    if isinstance(w, dict):
+        missing = {"weight", "weight_scale"} - set(w)
+        if missing:
+            raise ValueError(f"checkpoint dict needs keys 'weight', 'weight_scale' (+ 'weight_scale_2' for nvfp4); "
+                             f"missing {sorted(missing)}")
+        w = load_fp4_checkpoint(w["weight"], w["weight_scale"], w.get("weight_scale_2"))
+    if device is not None:
+        w = w.to(device)
+    if isinstance(w, torch.Tensor):
+        if w.dim() != 3 or not w.is_floating_point():
+            raise ValueError(f"expert weight must be a float tensor [E, N, K], got {w.dtype}{tuple(w.shape)}")
+        if fmt is None:
+            if dtype not in DENSE_DTYPES:
+                raise ValueError(f"dense dtype must be one of {list(DENSE_DTYPES)}, got {dtype}")
+            data = w.to(dtype).contiguous()
+            if gate_up == "interleaved":
+                data = _split_rows(data, data.shape[1])
+            return PreparedWeight(fmt=DENSE_DTYPES[dtype], shape=tuple(data.shape), data=data,
+                                  gate_up="split" if gate_up else None)
+        if fmt not in ("mxfp4", "nvfp4", "fp8_block"):
+            raise ValueError(f"fmt must be 'mxfp4', 'nvfp4', 'fp8_block' or None, got {fmt!r}")
+        opts = {"global_scale": "matrix"} if fmt == "nvfp4" else {}
+        w = quantize(w.contiguous(), fmt, **opts)
+    if not isinstance(w, QuantizedTensor):
+        raise ValueError(f"cannot prepare a {type(w).__name__}; valid: tensor, QuantizedTensor, checkpoint dict")
+    out = _from_quantized(w, packing=packing, gate_up=gate_up)
+    if out.is_fp4:
+        want = DEFAULT_TILE_N if tile_n is None else tile_n
+        n_unit = out.n // 2 if out.gate_up else out.n          # W13: the up half starts on a tile boundary
+        if want and n_unit % want == 0 and out.packing != "natural":
+            out = repack(out, out.packing, tile_n=want)
+        elif tile_n:
+            raise ValueError(f"tile_n={tile_n} must divide the rows ({out.n}{', per half' if out.gate_up else ''})")
+    if out.fmt == "mxfp4":
+        fold_plan(out)   # plan the exact W4A8 fold now, at load time
+    return out
+
+
+def _from_quantized(q: QuantizedTensor, *, packing: Packing, gate_up: GateUp | None) -> PreparedWeight:
+    if len(q.shape) != 3:
+        raise ValueError(f"expert weight must be [E, N, K], got shape {tuple(q.shape)}")
+    E, N, K = q.shape
+    if gate_up == "interleaved" and N % 2:
+        raise ValueError(f"interleaved gate/up needs an even number of rows, got N={N}")
+    split = gate_up == "interleaved"
+    if q.fmt in FP4_BLOCK:
+        block = FP4_BLOCK[q.fmt]
+        for fallback in (packing, "paired", "natural"):   # the widest unit that divides K
+            if K % (CHUNK_BLOCKS[fallback] * block) == 0:
+                packing = fallback
+                break
+        data, scale = q.data.contiguous(), q.scale.contiguous()
+        if split:
+            data, scale = _split_rows(data, N), _split_rows(scale, N)
+        gs = None
+        if q.fmt == "nvfp4":
+            gs = q.global_scale.float()
+            gs = gs.expand(E).contiguous() if gs.dim() == 0 else gs.reshape(E).contiguous()
+        data = _TO[packing](data, block)
+        return PreparedWeight(fmt=q.fmt, shape=(E, N, K), data=data, scale=scale, global_scale=gs,
+                              packing=packing, gate_up="split" if gate_up else None)
+    if q.fmt == "fp8_block":
+        scale = q.scale.float().repeat_interleave(128, dim=-2)[:, :N].contiguous()   # [E, N, ceil(K/128)]
+        data = q.data.contiguous()
+        if split:
+            data, scale = _split_rows(data, N), _split_rows(scale, N)
+        return PreparedWeight(fmt="fp8", shape=(E, N, K), data=data, scale=scale,
+                              gate_up="split" if gate_up else None)
+    raise ValueError(f"expert weights in {q.fmt!r} are not supported; valid: mxfp4, nvfp4, fp8_block")
+
+
+def repack(w: PreparedWeight, packing: Packing, tile_n: int | None = None) -> PreparedWeight:
+    """The same weight with FP4 nibbles in `packing` order and rows tiled by `tile_n` (None: keep
+    the current tiling; 0: rows in order). Dense/fp8 weights are returned as is."""
+    if not w.is_fp4:
+        return w
+    tile_n = w.tile_n if tile_n is None else tile_n
+    if w.packing == packing and w.tile_n == tile_n:
+        return w
+    if packing not in _TO:
+        raise ValueError(f"packing must be one of {list(_TO)}, got {packing!r}")
+    if w.k % (CHUNK_BLOCKS[packing] * w.block):
+        raise ValueError(f"{packing!r} packing needs K ({w.k}) divisible by {CHUNK_BLOCKS[packing] * w.block}")
+    data = _TO[packing](natural_data(w), w.block)
+    if tile_n:
+        data = tile_fp4(data, tile_n, unit_bytes(packing, w.block))
+    keep = {"fold_plan": w.cache["fold_plan"]} if "fold_plan" in w.cache else {}
+    return replace(w, data=data, packing=packing, tile_n=tile_n, cache=keep)
+
+
+def as_prepared(w: torch.Tensor | QuantizedTensor | PreparedWeight) -> PreparedWeight:
+    """Wrap what grouped_gemm was given, without copying where possible (natural packing)."""
+    if isinstance(w, PreparedWeight):
+        return w
+    if isinstance(w, torch.Tensor):
+        if w.dim() != 3 or not w.is_floating_point():
+            raise ValueError(f"expert weight must be a float tensor [E, N, K], got {w.dtype}{tuple(w.shape)}")
+        if w.dtype not in DENSE_DTYPES:
+            w = w.float()
+        return PreparedWeight(fmt=DENSE_DTYPES[w.dtype], shape=tuple(w.shape), data=w)
+    if isinstance(w, QuantizedTensor):
+        return _from_quantized(w, packing="natural", gate_up=None)
+    raise ValueError(f"expert weight must be a tensor, QuantizedTensor or PreparedWeight, got {type(w).__name__}")
+
+
+def to_quantized(w: PreparedWeight) -> QuantizedTensor:
+    """A quantized PreparedWeight as a moe.quant QuantizedTensor (natural packing, fp8 as fp8_group
+    with one scale per row and 128 along K)."""
+    if w.is_fp4:
+        data = natural_data(w)
+        return QuantizedTensor(data, w.scale, w.fmt, torch.Size(w.shape), w.global_scale)
+    if w.fmt == "fp8":
+        return QuantizedTensor(w.data, w.scale, "fp8_group", torch.Size(w.shape))
+    raise ValueError(f"to_quantized needs a quantized weight, got fmt {w.fmt!r}")
+
+
+def dequantize_prepared(w: PreparedWeight, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """The weight's values as a dense [E, N, K] tensor (fp32 math, one rounding to `dtype`)."""
+    if w.fmt in ("bf16", "fp16", "fp32"):
+        return w.data.to(dtype)
+    return dequantize(to_quantized(w), dtype)

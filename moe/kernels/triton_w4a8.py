@@ -1,0 +1,257 @@
+"""W4A8 grouped expert GEMM in Triton for Hopper: FP8 activations x exact FP8 weights.
+
+For many tokens per expert (prefill) the GEMM is bound by tensor-core rate, and FP8 doubles
+it over bf16. MXFP4 weights become FP8 without loss (SPEC §4): inside a row (or a 1x128
+group) every block exponent is folded against the largest, e_ref = e_max - 6, and an E2M1
+value times 2^(e_block - e_ref) is exact in E4M3 while e_max - e_block <= 14
+(prepare.fold_plan checks this at load time). The expansion runs once per call as its own
+bandwidth-bound pass (triton_w4a16.expand_fp4): in a compute-bound GEMM every weight tile
+is reused by M / BLOCK_M token tiles, and expanding it inside the main loop would repeat the
+conversion that many times on the same ALUs that feed the tensor cores.
+
+`_fp8_gemm_kernel` computes acc[tokens, n] over K with scales of two kinds on each side:
+per row (activations: per token; weights: per output row) - applied once in the epilogue -
+or per 128 along K (fp8_group activations, fp8_block / 1x128-folded weights) - applied to
+each 128-deep partial product ("promotion", as DeepGEMM does). The epilogue can apply SwiGLU
+over gate and up tiles (W13 in split order) and quantize the result to fp8_group for L2.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from moe.kernels.prepare import PreparedWeight, fold_plan
+from moe.kernels.triton_w4a16 import (
+    AMAX_FLOOR,
+    FP8_MAX,
+    _layout_args,
+    expand_fp4,
+    expert_tile,
+    fp8_group_quant,
+    swiglu_tile,
+    to_e4m3,
+)
+
+
+ACT_QUANT_WARPS: int | None = None   # measured best (apply_tuning); None = by row length
+
+
+# ---- activation quantization (bit-identical to moe.quant fp8_token / fp8_group) ---------------------
+
+@triton.jit
+def _act_quant_kernel(x_ptr, q_ptr, s_ptr, K, stride_xm, stride_qm, stride_sm,
+                      BLOCK_K: tl.constexpr, GROUP: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    if GROUP:
+        g = tl.program_id(1)
+        offs = g * 128 + tl.arange(0, 128)
+    else:
+        offs = tl.arange(0, BLOCK_K)
+    mask = offs < K
+    v = tl.load(x_ptr + row * stride_xm + offs, mask=mask, other=0.0).to(tl.float32)
+    amax = tl.max(tl.abs(v), axis=0)
+    scale = tl.math.div_rn(tl.maximum(amax, AMAX_FLOOR), FP8_MAX)
+    q = to_e4m3(tl.clamp(tl.math.div_rn(v, scale), -FP8_MAX, FP8_MAX))
+    tl.store(q_ptr + row * stride_qm + offs, q, mask=mask)
+    if GROUP:
+        tl.store(s_ptr + row * stride_sm + g, scale)
+    else:
+        tl.store(s_ptr + row * stride_sm, scale)
+
+
+def quantize_act(x: torch.Tensor, group: bool = False, num_warps: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """x: [M, K] float -> (e4m3 [M, K], fp32 scale [M, 1] (per token) or [M, ceil(K/128)])."""
+    M, K = x.shape
+    q = torch.empty(M, K, dtype=torch.float8_e4m3fn, device=x.device)
+    groups = triton.cdiv(K, 128)
+    scale = torch.empty(M, groups if group else 1, dtype=torch.float32, device=x.device)
+    if M == 0:
+        return q, scale
+    block_k = triton.next_power_of_2(K)
+    _act_quant_kernel[(M, groups) if group else (M,)](
+        x, q, scale, K, x.stride(0), q.stride(0), scale.stride(0), BLOCK_K=block_k, GROUP=group,
+        num_warps=num_warps or ACT_QUANT_WARPS or (4 if group or block_k <= 2048 else 16))   # H200: 16 > 8 > 4
+    return q, scale
+
+
+# ---- the fp8 grouped GEMM ---------------------------------------------------------------------------
+
+@triton.jit
+def _fp8_gemm_kernel(
+    a_ptr, as_ptr, b_ptr, bs_ptr, out_ptr, out_scale_ptr, counts_ptr, offsets_ptr,
+    N, num_experts, tiles_per_expert, capacity, up_rows, num_pid_n,
+    stride_am, stride_asm, stride_be, stride_bn, stride_bse, stride_bsn, stride_om, stride_osm,
+    limit, alpha, beta,
+    K: tl.constexpr, E_POW2: tl.constexpr, SLAB: tl.constexpr, HAS_OFFSETS: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    A_GROUP: tl.constexpr, B_GROUP: tl.constexpr,
+    SWIGLU: tl.constexpr, HAS_LIMIT: tl.constexpr, QUANT_OUT: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    pid_n = pid % num_pid_n          # n fastest: one token tile's programs run together (x reuse in L2)
+    pid_t = pid // num_pid_n
+    e, row0, rows, store_rows = expert_tile(pid_t, counts_ptr, offsets_ptr, num_experts, tiles_per_expert,
+                                            capacity, E_POW2, BLOCK_M, SLAB, HAS_OFFSETS)
+    offs_m = tl.arange(0, BLOCK_M)
+    m_mask = offs_m < rows
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < N
+    offs_k = tl.arange(0, BLOCK_K)
+    e64 = e.to(tl.int64)
+    a_rows = (row0 + offs_m).to(tl.int64)
+    a_ptrs = a_ptr + a_rows[:, None] * stride_am + offs_k[None, :]
+    b_ptrs = b_ptr + e64 * stride_be + offs_n.to(tl.int64)[None, :] * stride_bn + offs_k[:, None]
+    as_rows = as_ptr + a_rows * stride_asm
+    bs_rows = bs_ptr + e64 * stride_bse + offs_n.to(tl.int64) * stride_bsn
+    acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+    acc_u = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+    if rows > 0:   # (not a dynamic loop bound: the interpreter cannot range over a reduction)
+        for k0 in range(0, K, BLOCK_K):
+            k_ok = (k0 + offs_k) < K
+            a = tl.load(a_ptrs + k0, mask=m_mask[:, None] & k_ok[None, :], other=0.0)
+            b = tl.load(b_ptrs + k0, mask=k_ok[:, None] & n_mask[None, :], other=0.0)
+            if SWIGLU:
+                b_u = tl.load(b_ptrs + up_rows * stride_bn + k0, mask=k_ok[:, None] & n_mask[None, :], other=0.0)
+            if A_GROUP or B_GROUP:
+                if A_GROUP:
+                    sa = tl.load(as_rows + k0 // 128, mask=m_mask, other=0.0)
+                else:
+                    sa = tl.load(as_rows, mask=m_mask, other=0.0)
+                if B_GROUP:
+                    sb = tl.load(bs_rows + k0 // 128, mask=n_mask, other=0.0)
+                else:
+                    sb = tl.load(bs_rows, mask=n_mask, other=0.0)
+                acc += tl.dot(a, b) * (sa[:, None] * sb[None, :])
+                if SWIGLU:
+                    if B_GROUP:
+                        sb_u = tl.load(bs_rows + up_rows * stride_bsn + k0 // 128, mask=n_mask, other=0.0)
+                    else:
+                        sb_u = tl.load(bs_rows + up_rows * stride_bsn, mask=n_mask, other=0.0)
+                    acc_u += tl.dot(a, b_u) * (sa[:, None] * sb_u[None, :])
+            else:
+                acc = tl.dot(a, b, acc)
+                if SWIGLU:
+                    acc_u = tl.dot(a, b_u, acc_u)
+    if not (A_GROUP or B_GROUP):
+        sa = tl.load(as_rows, mask=m_mask, other=0.0)
+        sb = tl.load(bs_rows, mask=n_mask, other=0.0)
+        acc = acc * (sa[:, None] * sb[None, :])
+        if SWIGLU:
+            sb_u = tl.load(bs_rows + up_rows * stride_bsn, mask=n_mask, other=0.0)
+            acc_u = acc_u * (sa[:, None] * sb_u[None, :])
+    if SWIGLU:
+        acc = swiglu_tile(acc, acc_u, limit, alpha, beta, HAS_LIMIT)
+    row_ok = offs_m < store_rows
+    mask = row_ok[:, None] & n_mask[None, :]
+    ptrs = out_ptr + a_rows[:, None] * stride_om + offs_n[None, :]
+    if QUANT_OUT:
+        q, scale = fp8_group_quant(acc, 1)
+        tl.store(ptrs, q, mask=mask)
+        tl.store(out_scale_ptr + a_rows * stride_osm + pid_n, scale, mask=row_ok)
+    else:
+        tl.store(ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@dataclass(frozen=True)
+class FP8Config:
+    block_m: int = 128
+    block_n: int = 128
+    num_warps: int = 8
+    num_stages: int = 4
+
+
+def pick_fp8_config(rows_per_expert: float, promote: bool, swiglu: bool = False) -> FP8Config:
+    """Tile shape by tokens per expert, from the H200 probe (bench/gemm-notes.md): V3 L1 at 2048
+    tok/expert 128x256 3073 µs < 256x128 3182 < 128x128 3458; at 128 tok/expert 128x128 282 µs <
+    64x128 340. Two accumulators (SwiGLU) or per-128 rescaling: 128x128 (registers)."""
+    if rows_per_expert <= 32:
+        return FP8Config(block_m=64, block_n=128, num_warps=4, num_stages=4)
+    if rows_per_expert <= 256 or promote or swiglu:
+        return FP8Config(block_m=128, block_n=128, num_warps=8, num_stages=4 if not promote else 3)
+    return FP8Config(block_m=128, block_n=256, num_warps=8, num_stages=3)
+
+
+def fp8_grouped_gemm(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scale: torch.Tensor, rows, *,
+                     out_dtype: torch.dtype, swiglu: tuple[float | None, float, float] | None = None,
+                     quant_out: bool = False, config: FP8Config | None = None
+                     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """a: e4m3 [M, K] (slab rows flattened), a_scale fp32 [M, 1] or [M, K/128];
+    b: e4m3 [E, N, K], b_scale fp32 [E, N] / [E, N, 1] (per row) or [E, N, K/128].
+    Returns [M, N] (or [M, N/2] with swiglu) in out_dtype, or (e4m3, fp32 [M, N/256]) with quant_out."""
+    M, K = a.shape
+    E, N, _ = b.shape
+    a_group = a_scale.shape[-1] > 1
+    b_scale = b_scale.reshape(E, N, -1)
+    b_group = b_scale.shape[-1] > 1
+    if (a_group or b_group) and K % 128:
+        raise ValueError(f"per-128 scales need K % 128 == 0, got K={K}")
+    hint = rows.capacity if rows.layout == "slab" else M / max(E, 1)
+    cfg = config or pick_fp8_config(hint, a_group or b_group, swiglu is not None)
+    n_out = N // 2 if swiglu is not None else N
+    if quant_out:
+        if swiglu is None or n_out % 128:
+            raise ValueError(f"fp8 group output needs swiglu and I % 128 == 0, got I={n_out}")
+        cfg = FP8Config(**{**cfg.__dict__, "block_n": 128})
+    slots, tpe, cap, counts, offs, has_offs = _layout_args(rows, a, cfg.block_m)
+    if quant_out:
+        out = torch.empty(M, n_out, dtype=torch.float8_e4m3fn, device=a.device)
+        out_scale = torch.empty(M, n_out // 128, dtype=torch.float32, device=a.device)
+    else:
+        out = torch.empty(M, n_out, dtype=out_dtype, device=a.device)
+        out_scale = out
+    num_pid_n = triton.cdiv(n_out, cfg.block_n)
+    if slots == 0 or n_out == 0:
+        return (out, out_scale) if quant_out else out
+    limit, alpha, beta = swiglu if swiglu is not None else (None, 1.0, 0.0)
+    _fp8_gemm_kernel[(slots * num_pid_n,)](
+        a, a_scale, b, b_scale, out, out_scale, counts, offs,
+        n_out, E, tpe, cap, n_out, num_pid_n,
+        a.stride(0), a_scale.stride(0), b.stride(0), b.stride(1), b_scale.stride(0), b_scale.stride(1),
+        out.stride(0), out_scale.stride(0),
+        float(limit) if limit is not None else 0.0, float(alpha), float(beta),
+        K=K, E_POW2=triton.next_power_of_2(max(E, 2)), SLAB=rows.layout == "slab", HAS_OFFSETS=has_offs,
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=128, A_GROUP=a_group, B_GROUP=b_group,
+        SWIGLU=swiglu is not None, HAS_LIMIT=limit is not None, QUANT_OUT=quant_out,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+    return (out, out_scale) if quant_out else out
+
+
+def fp8_weight(w: PreparedWeight) -> tuple[torch.Tensor, torch.Tensor]:
+    """(e4m3 [E, N, K], fp32 scale [E, N] or [E, N, K/128]) for the W4A8 GEMM: an fp8 weight as
+    it is; an mxfp4 weight expanded now (rowwise fold when exact, else 1x128)."""
+    if w.fmt == "fp8":
+        return w.data, w.scale
+    plan = fold_plan(w)
+    if plan.rowwise_exact:
+        return expand_fp4(w, fold="row")
+    if plan.group_exact:
+        return expand_fp4(w, fold="group")
+    raise ValueError("this mxfp4 weight has blocks more than 14 exponents below their group's largest, so "
+                     "it has no exact FP8 form; use backend='triton_w4a16'")
+
+
+def w4a8_grouped_gemm(x: torch.Tensor, w: PreparedWeight, rows, *, out_dtype: torch.dtype,
+                      config: FP8Config | None = None) -> torch.Tensor:
+    """grouped_gemm's triton_w4a8 path: x quantized per token, weight to exact FP8, fp8 GEMM."""
+    K = w.k
+    x2 = x.reshape(-1, K)
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    a, a_scale = quantize_act(x2, group=False)
+    b, b_scale = fp8_weight(w)
+    y = fp8_grouped_gemm(a, a_scale, b, b_scale, rows, out_dtype=out_dtype, config=config)
+    return y.reshape(*x.shape[:-1], y.shape[-1])
+
+
+def torch_scaled_grouped_mm(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scale: torch.Tensor,
+                            counts: torch.Tensor, out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """Rowwise fp8 grouped GEMM through torch._scaled_grouped_mm (contiguous rows; per-token and
+    per-row scales only): the anchor of the W4A8 target, also usable when the fold is rowwise."""
+    offs = torch.cumsum(counts, 0).to(torch.int32)
+    return torch._scaled_grouped_mm(a, b.transpose(-2, -1), a_scale.reshape(-1), b_scale.reshape(b.shape[0], -1),
+                                    offs=offs, out_dtype=out_dtype)

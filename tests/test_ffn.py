@@ -1,0 +1,168 @@
+"""Fused expert FFN: the reference against an independent float64 loop (SwiGLU with clamp,
+alpha, beta; split and interleaved W13), the fused kernels under the interpreter (CPU), and
+every backend on the GPU (`-m gpu`)."""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+import torch
+
+from moe.kernels import expert_ffn, expert_rows, prepare_weights
+from moe.quant import quantize
+
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")
+
+
+def _values(q) -> np.ndarray:
+    from tests.test_gemm import weight_values
+    return weight_values(q)
+
+
+def loop_ffn(x: np.ndarray, w13: np.ndarray, w2: np.ndarray, counts: list[int], *, limit, alpha, beta,
+             interleaved: bool, round_h=None) -> np.ndarray:
+    """Token by token, float64: gate/up rows picked by the W13 layout."""
+    inter = w13.shape[1] // 2
+    out = np.zeros((x.shape[0], w2.shape[1]))
+    ends = np.cumsum(counts)
+    for r in range(x.shape[0]):
+        e = int(np.searchsorted(ends, r, side="right"))
+        y = w13[e] @ x[r]
+        g, u = (y[0::2], y[1::2]) if interleaved else (y[:inter], y[inter:])
+        if limit is not None:
+            g = np.minimum(g, limit)
+            u = np.clip(u, -limit, limit)
+        h = g / (1 + np.exp(-alpha * g)) * (u + beta)
+        if round_h is not None:
+            h = round_h(h)
+        out[r] = w2[e] @ h
+    return out
+
+
+def _rel(a, b) -> float:
+    a = torch.as_tensor(a).double().cpu()
+    b = torch.as_tensor(b).double().cpu()
+    assert torch.isfinite(a).all()
+    return float((a - b).norm() / b.norm())
+
+
+def _weights(fmt, E, H, inter, seed):
+    g = torch.Generator().manual_seed(seed)
+    w13 = torch.randn(E, 2 * inter, H, generator=g) / H ** 0.5
+    w2 = torch.randn(E, H, inter, generator=g) / inter ** 0.5
+    opts = {"global_scale": "matrix"} if fmt == "nvfp4" else {}
+    q13, q2 = quantize(w13, fmt, **opts), quantize(w2, fmt, **opts)
+    return q13, q2, _values(q13), _values(q2)
+
+
+ACTS = [dict(limit=None, alpha=1.0, beta=0.0), dict(limit=7.0, alpha=1.702, beta=1.0), dict(limit=0.5, alpha=1.0, beta=0.0)]
+
+
+@pytest.mark.parametrize("fmt", ["mxfp4", "nvfp4"])
+@pytest.mark.parametrize("gate_up", ["split", "interleaved"])
+def test_reference_ffn_matches_token_loop(fmt, gate_up):
+    E, H, inter = 4, 64, 32
+    counts = [3, 0, 6, 1]
+    q13, q2, v13, v2 = _weights(fmt, E, H, inter, seed=1)
+    x = torch.randn(sum(counts), H, generator=torch.Generator().manual_seed(2)) * 3
+    for act in ACTS:
+        y = expert_ffn(x, q13, q2, counts=torch.tensor(counts), gate_up=gate_up, backend="torch",
+                       swiglu_limit=act["limit"], alpha=act["alpha"], beta=act["beta"])
+        ref = loop_ffn(x.double().numpy(), v13, v2, counts, interleaved=gate_up == "interleaved", **act)
+        assert _rel(y, ref) < 1e-5, act
+
+
+def test_prepared_interleaved_w13_equals_split_and_slab_rows_stay_zero():
+    E, H, inter, C = 3, 64, 32, 5
+    q13, q2, v13, v2 = _weights("mxfp4", E, H, inter, seed=3)
+    p13 = prepare_weights(q13, gate_up="interleaved")
+    counts = torch.tensor([2, 5, 0])
+    x = torch.randn(E, C, H, generator=torch.Generator().manual_seed(4))
+    x[0, 2:] = float("nan")
+    y = expert_ffn(x, p13, q2, counts=counts, layout="slab", swiglu_limit=2.0)
+    assert (y[0, 2:] == 0).all() and (y[2] == 0).all() and torch.isfinite(y).all()
+    ref = loop_ffn(x[1].double().numpy(), v13[1:2], v2[1:2], [5], limit=2.0, alpha=1.0, beta=0.0, interleaved=True)
+    assert _rel(y[1], ref) < 1e-5
+    with pytest.raises(ValueError, match="gate_up"):
+        expert_ffn(x, q13, q2, counts=counts, layout="slab", gate_up="fused")
+    with pytest.raises(ValueError, match="disagree"):
+        expert_ffn(x, q13, q13, counts=counts, layout="slab")
+    with pytest.raises(ValueError, match="interleaved"):
+        expert_ffn(x, prepare_weights(q13), q2, counts=counts, layout="slab", gate_up="interleaved")
+
+
+@pytest.mark.skipif(not INTERPRET, reason="needs TRITON_INTERPRET=1 (set by conftest on CPU)")
+@pytest.mark.parametrize("fmt", ["mxfp4", "nvfp4"])
+def test_interp_fused_swiglu_epilogue_and_fp8_group_output(fmt):
+    from moe.kernels.triton_w4a16 import W4A16Config, launch_w4a16
+    from moe.kernels.triton_w4a8 import FP8Config, fp8_grouped_gemm
+
+    E, H, inter = 3, 256, 128
+    counts = [5, 0, 12]
+    q13, q2, v13, v2 = _weights(fmt, E, H, inter, seed=5)
+    p13 = prepare_weights(q13, packing="oct")
+    x = torch.randn(sum(counts), H, generator=torch.Generator().manual_seed(6)) * 4
+    rows = expert_rows(x, E, torch.tensor(counts), None, "contiguous")
+    act = ACTS[1]
+    y1 = loop_ffn(x.double().numpy(), v13, np.stack([np.eye(inter)] * E), counts, interleaved=False, **act)
+    cfg = W4A16Config(block_n=128, block_m=16, chunks=1, num_warps=4, num_stages=1, mode="f32", packing="oct")
+    h = launch_w4a16(x, p13, rows, out_dtype=torch.float32, swiglu=(act["limit"], act["alpha"], act["beta"]),
+                     config=cfg)
+    assert _rel(h, y1) < 1e-5
+    hq, hs = launch_w4a16(x, p13, rows, out_dtype=torch.float32, swiglu=(act["limit"], act["alpha"], act["beta"]),
+                          quant_out=True, config=cfg)
+    assert hs.shape == (sum(counts), 1)
+    assert _rel(hq.float() * hs, y1) < 0.1             # fp8 rounding of h (the interpreter's cast is coarse)
+    ref_s = torch.as_tensor(np.abs(y1).max(axis=1, keepdims=True) / 448).float()
+    assert torch.allclose(hs, ref_s, rtol=1e-5)
+    if fmt == "mxfp4":                                  # the fp8 GEMM's SwiGLU epilogue, on exact fp8 inputs
+        from moe.kernels.triton_w4a16 import expand_fp4
+        b, bs = expand_fp4(p13, fold="row")
+        xq = quantize(x, "fp8_token", backend="torch")
+        h8 = fp8_grouped_gemm(xq.data, xq.scale, b, bs, rows, out_dtype=torch.float32,
+                              swiglu=(act["limit"], act["alpha"], act["beta"]),
+                              config=FP8Config(block_m=16, block_n=128, num_warps=4, num_stages=1))
+        ref8 = loop_ffn((xq.data.float() * xq.scale).double().numpy(), v13, np.stack([np.eye(inter)] * E), counts,
+                        interleaved=False, **act)
+        assert _rel(h8, ref8) < 1e-5
+
+
+# ---- GPU -----------------------------------------------------------------------------------------
+
+def _bf16(a: np.ndarray) -> np.ndarray:
+    return torch.as_tensor(a).to(torch.bfloat16).double().numpy()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", ["triton_w4a16", "triton_w4a8", "torch_grouped_mm", "auto"])
+@pytest.mark.parametrize("layout", ["contiguous", "slab"])
+def test_gpu_ffn_backends_match_reference(backend, layout):
+    from moe.kernels import expert_ffn_reference
+
+    E, H, inter = 5, 512, 256
+    counts = [9, 0, 1, 40, 17]
+    q13, q2, _, _ = _weights("mxfp4", E, H, inter, seed=7)
+    tile = 128 if layout == "slab" else 0          # row-tiled weights (the decode layout) on one of the two
+    p13 = prepare_weights(q13.to("cuda"), gate_up="interleaved", tile_n=tile)
+    p2 = prepare_weights(q2.to("cuda"), tile_n=tile)
+    c = torch.tensor(counts, device="cuda")
+    if layout == "slab":
+        x = torch.randn(E, 48, H, device="cuda").to(torch.bfloat16)
+    else:
+        x = torch.randn(sum(counts), H, device="cuda").to(torch.bfloat16)
+    rows = expert_rows(x, E, c, None, layout)
+    for act in ACTS[:2]:
+        w4a8 = backend == "triton_w4a8"
+        ref = expert_ffn_reference(x, p13, p2, rows, swiglu_limit=act["limit"], alpha=act["alpha"], beta=act["beta"],
+                                   act_quant="fp8_token" if w4a8 else None, h_quant="fp8_token" if w4a8 else None)
+        torch.full((1 << 26,), float("nan"), device="cuda")   # poison the allocator's free blocks
+        y = expert_ffn(x, p13, p2, counts=c, layout=layout, swiglu_limit=act["limit"], alpha=act["alpha"],
+                       beta=act["beta"], backend=backend)
+        assert y.shape == x.shape and y.dtype == torch.bfloat16
+        tol = 3e-2 if w4a8 else 1e-2       # W4A8: h's bf16/fp8 roundings can differ where h lands near a tie
+        assert _rel(y, ref) < tol, (backend, act)
+        if layout == "slab":
+            assert (y[1] == 0).all() and (y[2, 1:] == 0).all()
