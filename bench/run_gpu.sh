@@ -19,7 +19,7 @@ case "$what" in
   bench)
     for suite in "$@"; do
       echo "=== $suite"
-      timeout ${BENCH_TIMEOUT:-240} python3 -m launch.cli bench "$suite" --device cuda --out "$OUT/results" \
+      timeout ${BENCH_TIMEOUT:-240} python3 -m launch.cli bench "$suite" --device ${BENCH_DEVICE:-cuda} --out "$OUT/results" \
         > "$OUT/bench-$suite.log" 2>&1
       echo "rc=$?"; tail -${BENCH_TAIL:-15} "$OUT/bench-$suite.log"
     done
