@@ -126,8 +126,10 @@ def cmd_bench(args: argparse.Namespace) -> int:
         if ctx.rows or ctx.notes:
             path = write_results(ctx, args.out, command)
             print(f"   wrote {path}")
-            if args.plot and hasattr(module, "plot"):
-                module.plot(ctx, path.with_suffix(".png"))
+            if args.plot:
+                from launch.bench.plot import plot_results
+
+                print(f"   wrote {plot_results(path)}")
     if args.out is None:
         from launch.bench.summary import write_summary
 

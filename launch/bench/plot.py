@@ -1,0 +1,87 @@
+"""`megapar bench SUITE --plot`: a PNG beside the JSON.
+
+gemm: the grouped-GEMM roofline per (shape, gemm) panel: time against tokens per expert for our
+kernels, torch bf16 `_grouped_mm`, torch fp8 `_scaled_grouped_mm` and the FP4 floor (log-log).
+Other suites: our time over the anchor's per case (speedup bars), with 1.0 marked.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+
+def _pyplot():
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError as e:
+        raise ImportError("--plot needs matplotlib: pip install 'megapar[plot]'") from e
+    return plt
+
+
+def plot_gemm(rows: list[dict], out: Path, title: str) -> Path:
+    plt = _pyplot()
+    panels = sorted({(r["shape"], r["gemm"]) for r in rows if "tok_per_expert" in r})
+    fig, axes = plt.subplots(1, max(1, len(panels)), figsize=(5 * max(1, len(panels)), 4), squeeze=False)
+    for ax, (shape, gemm) in zip(axes[0], panels):
+        mine = [r for r in rows if r.get("shape") == shape and r.get("gemm") == gemm]
+        impls = sorted({r["impl"] for r in mine})
+        for impl in impls:
+            pts = sorted((r["tok_per_expert"], r["time_us"]) for r in mine if r["impl"] == impl)
+            ax.plot(*zip(*pts), marker="o", label=f"ours: {impl}")
+        for key, label, style in (("anchor_us", "torch bf16 _grouped_mm", "k--"),
+                                  ("fp8_anchor_us", "torch fp8 _scaled_grouped_mm", "k:"),
+                                  ("floor_us", "FP4 floor (bytes / copy bw)", "g-")):
+            pts = sorted({(r["tok_per_expert"], r[key]) for r in mine
+                          if key in r and (key != "anchor_us" or r.get("anchor", "").startswith("torch bf16"))})
+            if pts:
+                ax.plot(*zip(*pts), style, label=label)
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xlabel("tokens per expert")
+        ax.set_ylabel("µs (median)")
+        ax.set_title(f"{shape} {gemm}")
+        ax.grid(True, which="both", alpha=0.3)
+    axes[0][0].legend(fontsize=7)
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+    return out
+
+
+def plot_speedups(rows: list[dict], out: Path, title: str) -> Path:
+    plt = _pyplot()
+    pts = [(r["case"], r["speedup_vs_anchor"]) for r in rows if r.get("speedup_vs_anchor")]
+    fig, ax = plt.subplots(figsize=(8, max(2.5, 0.25 * len(pts))))
+    ax.barh([p[0][:70] for p in pts], [p[1] for p in pts])
+    ax.axvline(1.0, color="k", lw=1)
+    ax.set_xscale("log")
+    ax.set_xlabel("anchor time / our time")
+    ax.invert_yaxis()
+    ax.tick_params(axis="y", labelsize=6)
+    ax.set_title(title)
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+    return out
+
+
+def plot_results(json_path: str | Path, out: str | Path | None = None) -> Path:
+    json_path = Path(json_path)
+    data = json.loads(json_path.read_text())
+    out = Path(out) if out else json_path.with_suffix(".png")
+    title = f"{data.get('suite')} on {data.get('device')}"
+    if data.get("suite") == "gemm":
+        return plot_gemm(data["rows"], out, title)
+    return plot_speedups(data["rows"], out, title)
+
+
+if __name__ == "__main__":
+    import sys
+
+    for p in sys.argv[1:]:
+        print(plot_results(p))
