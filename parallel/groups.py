@@ -9,6 +9,7 @@ collective. Axes with identical rank lists share one communicator.
 
 from __future__ import annotations
 
+import atexit
 import datetime as _dt
 import logging
 import os
@@ -150,6 +151,9 @@ def init_parallel(cfg: ParallelConfig | None = None, *, backend: str | None = No
             torch.cuda.set_device(_env_int("LOCAL_RANK", rank % max(torch.cuda.device_count(), 1)))
         dist.init_process_group(backend=backend, rank=rank, world_size=world_size, timeout=timeout)
         _OWNS_DIST = True
+        # A process that exits with live communicator threads can abort ("terminate called
+        # without an active exception"): tear down at exit if the user did not.
+        atexit.register(destroy_parallel, sync=True)
 
     made: dict[tuple[int, ...], dist.ProcessGroup | None] = {}
 
@@ -179,10 +183,21 @@ def init_parallel(cfg: ParallelConfig | None = None, *, backend: str | None = No
     return _GROUPS
 
 
-def destroy_parallel() -> None:
-    """Drop the groups; tear down torch.distributed if `init_parallel` created it."""
+def destroy_parallel(*, sync: bool = False) -> None:
+    """Drop the groups; tear down torch.distributed if `init_parallel` created it.
+
+    sync: first wait (at most 10 s, gloo) until every rank gets here; used at interpreter exit.
+    Not after an error, where a peer stuck in a collective would make everyone wait.
+    """
     global _GROUPS, _OWNS_DIST
     _GROUPS = None
     if _OWNS_DIST and dist.is_initialized():
+        # Leave together: a rank that tears down while a peer still talks to the store it hosts
+        # (rank 0) can abort the peer. Bounded, so a dead peer cannot hang the exit.
+        try:
+            if sync and dist.get_backend() == "gloo":
+                dist.monitored_barrier(timeout=_dt.timedelta(seconds=10))
+        except Exception:
+            pass
         dist.destroy_process_group()
     _OWNS_DIST = False

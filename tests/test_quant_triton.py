@@ -31,11 +31,44 @@ interp = pytest.mark.skipif(not INTERPRET, reason="runs in the TRITON_INTERPRET=
 # the interpreter evaluates masked-off lanes too (x / 0 there): numpy warns, the result is unused
 pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")
 
+if INTERPRET:
+    # The interpreter's fma rounds twice (x * y in fp32, then + z); the kernels' division needs
+    # a real fma (its remainder must be exact). fp64 gives that for fp32 operands (the rare
+    # double rounding of the final correction aside, which these small inputs do not hit).
+    # The `tq` fixture installs it per test.
+    import numpy as np
+    from triton.runtime import interpreter as _interp
 
-@pytest.fixture(scope="module")
-def tq():
+    def _fma_fp64(self, x, y, z):
+        out = x.data.astype(np.float64) * y.data.astype(np.float64) + z.data.astype(np.float64)
+        return _interp.TensorHandle(out.astype(z.data.dtype), z.dtype.scalar)
+
+    import triton
+    import triton.language as tl
+
+    from moe.quant import triton_quant as _tqk
+
+    @triton.jit
+    def _helpers_kernel(y_ptr, d_ptr, e2m1_ptr, e4m3_ptr, div_ptr, val_ptr, N: tl.constexpr):
+        """The device helpers applied elementwise."""
+        i = tl.arange(0, N)
+        y = tl.load(y_ptr + i)
+        d = tl.load(d_ptr + i)
+        tl.store(e2m1_ptr + i, _tqk.e2m1_code(y))
+        tl.store(e4m3_ptr + i, _tqk.e4m3_byte(y).to(tl.int32))
+        tl.store(div_ptr + i, _tqk._div_abs_fast(y, d, tl.div_rn(1.0, d)))
+        tl.store(val_ptr + i, _tqk.e2m1_value(i % 16))
+
+
+@pytest.fixture
+def tq(monkeypatch):
+    """moe.quant.triton_quant; under the interpreter with an exact fma and the fma division on
+    (as on GPU), for this test only."""
     pytest.importorskip("triton")
     from moe.quant import triton_quant
+    if INTERPRET:
+        monkeypatch.setattr(_interp.InterpreterBuilder, "create_fma", _fma_fp64)
+        monkeypatch.setattr(triton_quant, "FMA_DIVISION", triton_quant.tl.constexpr(True))
     return triton_quant
 
 
@@ -120,6 +153,13 @@ def test_fp4_quantize_matches_reference_bits(tq, fmt):
             _assert_same_q(tq.quantize(w, fmt, global_scale=gs), quantize(w, fmt, backend="torch", global_scale=gs))
         z = torch.zeros(2, 32)
         _assert_same_q(tq.quantize(z, fmt), quantize(z, fmt, backend="torch"))
+        w = _awkward((2, 64, 128), 13)                                 # amax kernel: whole chunks (EVEN)
+        w[1, 3, 5] = -(2.0**100)
+        for gs in (None, "matrix"):
+            _assert_same_q(tq.quantize(w, fmt, global_scale=gs), quantize(w, fmt, backend="torch", global_scale=gs))
+        w[0, 7, 9] = float("nan")                                      # NaN tensor / matrix scale
+        for gs in (None, "matrix"):
+            _assert_same_q(tq.quantize(w, fmt, global_scale=gs), quantize(w, fmt, backend="torch", global_scale=gs))
 
 
 @interp
@@ -153,6 +193,78 @@ def test_fp8_quantize_matches_reference_bits(tq, ue8m0):
     probe = _e4m3_probe_row()                                        # every rounding case of E4M3
     for fmt in ("fp8_token", "fp8_group"):
         _assert_same_q(tq.quantize(probe, fmt, ue8m0=True), quantize(probe, fmt, backend="torch", ue8m0=True))
+
+
+@interp
+def test_device_helpers_match_reference_on_every_bf16_and_random_fp32(tq):
+    """e2m1_code / e4m3_byte on all 65536 bf16 patterns (every exponent, ties, inf, NaN) and
+    random fp32 bits near the grids; _div_abs_fast against IEEE fp32 division; e2m1_value on all codes."""
+    from moe.quant.formats import e2m1_to_float
+    from moe.quant.reference import _to_e4m3
+
+    n = 1 << 17
+    g = torch.Generator().manual_seed(8)
+    bf16 = (torch.arange(1 << 16, dtype=torch.int32) << 16).view(torch.float32)
+    near = (torch.randint(0, 1 << 23, (n // 2,), generator=g, dtype=torch.int32)
+            | ((torch.randint(100, 140, (n // 2,), generator=g, dtype=torch.int32)) << 23)
+            | (torch.randint(0, 2, (n // 2,), generator=g, dtype=torch.int32) << 31)).view(torch.float32)
+    y = torch.cat([bf16, near])
+    d = torch.exp2(torch.randint(-64, 64, (n,), generator=g).float()) * (1 + torch.rand(n, generator=g))
+    d = d.clamp(2.0**-64, 2.0**64)
+    e2m1, e4m3, val = (torch.empty(n, dtype=torch.int32) for _ in range(3))
+    val = torch.empty(n)
+    div = torch.empty(n)
+    _helpers_kernel[(1,)](y, d, e2m1, e4m3, div, val, N=n)
+    assert torch.equal(e2m1, quantize_ref_e2m1(y)), (y[e2m1 != quantize_ref_e2m1(y)][:5])
+    ref8 = _to_e4m3(y).view(torch.uint8).int()
+    assert torch.equal(e4m3, ref8), y[e4m3 != ref8][:5]
+    ok = torch.isfinite(y) & (y.abs() >= 2.0**-90) & ((y.abs() / d) <= 2.0**64)
+    # (for |x| < 2^-90 the remainder may underflow and the quotient differ in its last bits;
+    # with d >= 2^-64 such quotients are below 2^-26, and no E4M3 / E2M1 code depends on
+    # those bits: the kernel tests cover tiny inputs through the codes)
+    want = torch.from_numpy(y.abs().numpy() / d.numpy())            # IEEE fp32 division
+    assert ok.sum() > n // 2
+    assert _same_bits(div[ok], want[ok]), y[ok][div[ok].view(torch.int32) != want[ok].view(torch.int32)][:5]
+    assert _same_bits(val[:16], e2m1_to_float(torch.arange(16, dtype=torch.uint8)))
+
+
+def quantize_ref_e2m1(y: torch.Tensor) -> torch.Tensor:
+    from moe.quant.reference import round_to_e2m1
+    return round_to_e2m1(y).int()
+
+
+@interp
+def test_full_partial_clean_and_nonfinite_tiles_match_reference(tq, monkeypatch):
+    """Tiny tiles, so one launch mixes unmasked (EVEN) and masked launches, fast tiles and the
+    per-program fallbacks (NaN, inf, scales beyond 2^+-64, zero / tiny nvfp4 scales)."""
+    for name, cfg in (("fp4_quant", (4, 4)), ("fp4_dequant", (4, 4)), ("fp8_group", (2, 4)), ("fp8_dequant", (2, 4))):
+        monkeypatch.setitem(tq.CONFIG, name, cfg)
+    g = torch.Generator().manual_seed(9)
+    clean = [torch.randn(8, 256, generator=g) * 3, torch.randn(5, 96, generator=g), torch.randn(3, 2, 64, generator=g)]
+    dirty = torch.randn(6, 128, generator=g)
+    dirty[0, 3] = float("nan")
+    dirty[2, 40] = float("inf")
+    dirty[3, 70] = -(2.0**120)
+    dirty[4, :] *= 2.0**-90
+    dirty[5, 100:] = 0.0
+    cases = [(x, {}) for x in (*clean, clean[0].to(torch.bfloat16), clean[1].to(torch.float16), dirty)]
+    for x, _ in list(cases):
+        if x.dim() == 3:
+            cases += [(x, {"global_scale": "matrix"})]
+    for fmt in ("mxfp4", "nvfp4", "fp8_token", "fp8_group", "fp8_block"):
+        for x, opts in cases:
+            if fmt != "nvfp4" and opts or fmt == "fp8_block" and x.dim() < 2:
+                continue
+            optsets = [opts]
+            if fmt == "nvfp4" and not opts:
+                optsets += [{"global_scale": 0.01}, {"global_scale": 1e-30}, {"global_scale": 0.0}]
+            if fmt.startswith("fp8"):
+                optsets += [{"ue8m0": True}]
+            for o in optsets:
+                got = tq.quantize(x, fmt, **o)
+                ref = quantize(x, fmt, backend="torch", **o)
+                _assert_same_q(got, ref)
+                assert _same_bits(tq.dequantize(got, torch.float16), dequantize(ref, torch.float16, backend="torch")), (fmt, o)
 
 
 @interp
@@ -238,3 +350,20 @@ def test_gpu_large_weight_relative_error():
         part = QuantizedTensor(q.data[:1].cpu(), q.scale[:1].cpu(), fmt, torch.Size((1, *w.shape[1:])),
                                None if q.global_scale is None else q.global_scale[:1].cpu())
         assert _same_bits(deq[:1].cpu(), dequantize(part, backend="torch"))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt,opts", [("mxfp4", {}), ("nvfp4", {}), ("nvfp4", {"global_scale": "matrix"}),
+                                      ("fp8_block", {}), ("fp8_token", {}), ("fp8_group", {}),
+                                      ("fp8_group", {"ue8m0": True})])
+def test_gpu_fast_path_bits_on_many_clean_values(fmt, opts):
+    """7M finite bf16 values (mostly fast-path tiles: fma division, no NaN branch), from randn
+    and from rows spread over 2^+-30, against the CPU reference."""
+    g = torch.Generator().manual_seed(12)
+    x = torch.randn(2, 512, 7168, generator=g)
+    x[1] *= torch.exp2(torch.randint(-30, 30, (512, 1), generator=g).float())
+    x = x.to(torch.bfloat16)
+    ref = quantize(x, fmt, backend="torch", **opts)
+    got = quantize(x.cuda(), fmt, **opts)
+    _assert_same_q(got.to("cpu"), ref)
+    assert _same_bits(dequantize(got, torch.bfloat16).cpu(), dequantize(ref, torch.bfloat16, backend="torch"))

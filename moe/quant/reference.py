@@ -116,12 +116,18 @@ def dequantize_mxfp4(q: QuantizedTensor) -> torch.Tensor:
     return (vals * e8m0_to_float(q.scale).unsqueeze(-1)).reshape(q.shape)
 
 
+def _div(a: torch.Tensor, divisor: float) -> torch.Tensor:
+    """a / divisor, correctly rounded on every device: CUDA turns division by a Python float
+    into a multiply by its reciprocal, which is off by one ulp for some values."""
+    return a / torch.full_like(a, divisor)
+
+
 def nvfp4_global_scale(x: torch.Tensor, per_matrix: bool = False) -> torch.Tensor:
     """amax(|x|) / (448 * 6) in fp32: 0-d, or per matrix [...] of x [..., N, K]."""
     a = x.float().abs()
     if a.numel() == 0:
         return torch.zeros(x.shape[:-2] if per_matrix else (), dtype=torch.float32, device=x.device)
-    return (a.amax(dim=(-2, -1)) if per_matrix else a.amax()) / NVFP4_GLOBAL_DIVISOR
+    return _div(a.amax(dim=(-2, -1)) if per_matrix else a.amax(), NVFP4_GLOBAL_DIVISOR)
 
 
 def _nvfp4_gs(x: torch.Tensor, global_scale: torch.Tensor | float | str | None) -> torch.Tensor:
@@ -157,7 +163,7 @@ def quantize_nvfp4(x: torch.Tensor, *, global_scale: torch.Tensor | float | str 
     amax = blk.abs().amax(-1)                                   # [..., K/16]
     amax = torch.where(torch.isnan(blk).any(-1), float("nan"), amax)
     g = gs_per_row(gs, amax.dim())
-    s = torch.where(g > 0, amax / 6.0 / g, torch.zeros_like(amax))
+    s = torch.where(g > 0, _div(amax, 6.0) / g, torch.zeros_like(amax))
     s8 = _to_e4m3(s)                                            # [..., K/16]
     denom = (s8.float() * g).unsqueeze(-1)
     y = torch.where(denom > 0, blk / denom, blk * 0.0)
@@ -177,7 +183,7 @@ def fp8_scale(amax: torch.Tensor, *, ue8m0: bool = False, amax_floor: float = DE
     """amax: fp32 -> fp32 scale with amax / scale <= 448: amax/448, or the next power of two."""
     a = amax.clamp(min=amax_floor)
     if not ue8m0:
-        return a / E4M3_MAX
+        return _div(a, E4M3_MAX)
     expo, mant = _f32_bits(a)
     # 448 = 1.75 * 2^8: a = m 2^E <= 448 * 2^e  <=>  e >= E - 8 (+1 when m > 1.75).
     e = (expo - 127 - 8 + (mant > 0x600000).int()).clamp(-126, 127)
