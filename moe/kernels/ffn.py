@@ -23,6 +23,7 @@ from __future__ import annotations
 import torch
 
 from moe.kernels.grouped_gemm import (
+    fused_fp4_fits,
     EXPAND_MIN_ROWS,
     ExpertRows,
     _gemm_grouped_mm,
@@ -96,6 +97,8 @@ def expert_ffn(x: torch.Tensor, w13: torch.Tensor | QuantizedTensor | PreparedWe
     act = dict(limit=swiglu_limit, alpha=alpha, beta=beta)
     if chosen == "triton_w4a8" and backend == "auto" and not _w4a8_ok(p2):
         chosen = "triton_w4a16"
+    if chosen.startswith("triton") and backend == "auto" and not fused_fp4_fits(p2):
+        chosen = "torch"
     if chosen == "torch":
         y = expert_ffn_reference(x, p13, p2, rows, swiglu_limit=swiglu_limit, alpha=alpha, beta=beta)
         return y.to(out_dtype)

@@ -220,6 +220,8 @@ def resolve_backend(backend: str, x: torch.Tensor, w: PreparedWeight, rows_per_e
         return "torch"
     if w.fmt == "fp8":
         return "triton_w4a8"
+    if not fused_fp4_fits(w):
+        return "torch"
     if rows_per_expert <= FUSED_MAX_ROWS:
         return "triton_w4a16"
     if w.fmt == "mxfp4":
@@ -227,6 +229,12 @@ def resolve_backend(backend: str, x: torch.Tensor, w: PreparedWeight, rows_per_e
         if plan.rowwise_exact or plan.group_exact:
             return "triton_w4a8"
     return "triton_w4a16"
+
+
+def fused_fp4_fits(w: PreparedWeight) -> bool:
+    """The Triton FP4 kernels expand two scale blocks per step: K must hold a whole number of them
+    (tiny test shapes may not; "auto" then takes the dequantizing torch path)."""
+    return not w.is_fp4 or w.k % (2 * w.block) == 0
 
 
 def grouped_gemm(x: torch.Tensor, w: torch.Tensor | QuantizedTensor | PreparedWeight, *,
