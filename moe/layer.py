@@ -285,6 +285,9 @@ class MoELayer(nn.Module):
         cfg = self.config
         if x.shape[-1] != cfg.hidden:
             raise ValueError(f"MoE hidden size mismatch: x has {x.shape[-1]}, the layer expects {cfg.hidden}")
+        if self.shared_experts is not None and x.dtype != self.shared_experts.w1.weight.dtype:
+            raise ValueError(f"x is {x.dtype} but the layer's dense weights are {self.shared_experts.w1.weight.dtype}; "
+                             f"pass activations in that dtype (or .to() the layer)")
         if cfg.hash_layer and input_ids is None:
             raise ValueError("this MoE layer is a hash layer (tid2eid routing) and needs input_ids: [T] token ids")
         shape = x.shape

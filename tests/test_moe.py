@@ -459,3 +459,12 @@ def test_layer_on_gpu_chunked_equals_plain_and_trains_in_bf16():
     for name, p in [("x", xg), ("w13", plain.experts.w13), ("w2", plain.experts.w2), ("gate", plain.gate.weight),
                     ("shared", plain.shared_experts.w1.weight)]:
         assert p.grad is not None and torch.isfinite(p.grad).all() and p.grad.abs().sum() > 0, name
+
+
+def test_activation_dtype_mismatch_is_a_clear_error():
+    cfg = small_config(expert_format="bf16")
+    layer = MoELayer(cfg)
+    dense = layer.shared_experts.w1.weight.dtype
+    other = torch.float64 if dense != torch.float64 else torch.float32
+    with pytest.raises(ValueError, match="dense weights are"):
+        layer(torch.randn(3, H, dtype=other))
