@@ -8,6 +8,7 @@ command line, versions and device. Times are medians in microseconds.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import platform
@@ -93,6 +94,17 @@ class BenchContext:
         self.rows.append(row)
         print("  " + "  ".join(f"{k}={v}" for k, v in row.items()), flush=True)
         return row
+
+    @contextlib.contextmanager
+    def single_thread(self):
+        """One intra-op thread for the block: tiny CPU ops on a shared box stall for ms in
+        OpenMP regions, so one thread gives shorter and more reproducible numbers."""
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)
+        try:
+            yield
+        finally:
+            torch.set_num_threads(threads)
 
     def note(self, text: str) -> None:
         self.notes.append(text)

@@ -41,13 +41,8 @@ def run(ctx: BenchContext) -> None:
     if ctx.is_cuda:
         _run(ctx)
         return
-    # CPU: one thread, a reproducible number (tiny OpenMP regions on a shared box stall for ms).
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
+    with ctx.single_thread():
         _run(ctx)
-    finally:
-        torch.set_num_threads(threads)
 
 
 def _run(ctx: BenchContext) -> None:

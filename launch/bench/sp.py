@@ -266,14 +266,8 @@ def _overlap(ctx: BenchContext) -> None:
 
 def run(ctx: BenchContext) -> None:
     if ctx.quick and not ctx.is_cuda:
-        # Tiny matmuls gain nothing from threads, and on a loaded CI machine a descheduled
-        # worker thread turns each into a ~10 ms wait: one thread keeps the smoke run short.
-        threads = torch.get_num_threads()
-        torch.set_num_threads(1)
-        try:
+        with ctx.single_thread():   # a descheduled worker thread makes tiny matmuls wait ms
             _decomposition_cost(ctx)
-        finally:
-            torch.set_num_threads(threads)
         ctx.note("--quick on CPU: overlap cases not run (tests/test_sp_multirank.py runs their code on 2 gloo "
                  "processes; `megapar bench sp` without --quick runs them here)")
         return
