@@ -8,8 +8,9 @@ import math
 import pytest
 import torch
 
-from parallel.cp import (attention_with_lse, merge_attn_states, ring_attention, zigzag_positions, zigzag_shard,
-                         zigzag_unshard)
+from parallel.cp import (attention_with_lse, merge_attn_states, ring_attention, zigzag_positions,
+                         zigzag_positions_varlen, zigzag_shard, zigzag_shard_varlen, zigzag_unshard,
+                         zigzag_unshard_varlen)
 from parallel.cp.local_attn import _FusedBlock, _offset_causal_by_blocks
 from parallel.cp.ring import simulate_ring_backward, simulate_ring_forward
 from test_cp_reference import reference_attention
@@ -158,6 +159,91 @@ def test_zigzag_shard_unshard_and_positions():
         zigzag_shard(torch.zeros(10), 0, 3)
 
 
+def test_zigzag_varlen_shards_every_sequence_and_round_trips():
+    cu = [0, 4, 16, 24]   # P = 2: chunks of 1, 3 and 2 tokens
+    x = torch.arange(24)
+    expect = {0: [0, 3, 4, 5, 6, 13, 14, 15, 16, 17, 22, 23], 1: [1, 2, 7, 8, 9, 10, 11, 12, 18, 19, 20, 21]}
+    for rank in (0, 1):
+        assert zigzag_shard_varlen(x, cu, rank, 2).tolist() == expect[rank]
+        assert zigzag_shard_varlen(x, torch.tensor(cu), rank, 2).tolist() == expect[rank]
+    assert zigzag_positions_varlen(cu, 1, 2).tolist() == [1, 2, 3, 4, 5, 6, 7, 8, 2, 3, 4, 5]
+    y = torch.randn(3, 48, 2)
+    cu = torch.tensor([0, 6, 6, 30, 48])   # P = 3, incl. an empty sequence
+    shards = [zigzag_shard_varlen(y, cu, r, 3, dim=1) for r in range(3)]
+    assert all(s.shape == (3, 16, 2) for s in shards)
+    assert torch.equal(zigzag_unshard_varlen(shards, cu, dim=1), y)
+    one = torch.randn(16, 2)   # a single sequence is plain zigzag
+    assert torch.equal(zigzag_shard_varlen(one, [0, 16], 1, 4), zigzag_shard(one, 1, 4))
+
+
+def test_zigzag_varlen_rejects_bad_lengths_and_offsets():
+    pad_message = r"2\*P = 4 .*sequence\(s\) \[1\] have lengths \[6\].*padded lengths \[4, 8, 8\]"
+    with pytest.raises(ValueError, match=pad_message):
+        zigzag_shard_varlen(torch.zeros(18), [0, 4, 10, 18], 0, 2)
+    with pytest.raises(ValueError, match="covers 16 tokens but x has 18"):
+        zigzag_shard_varlen(torch.zeros(18), [0, 8, 16], 0, 2)
+    with pytest.raises(ValueError, match="non-decreasing"):
+        zigzag_shard_varlen(torch.zeros(8), [0, 8, 4], 0, 1)
+    with pytest.raises(ValueError, match="1-D integer"):
+        zigzag_shard_varlen(torch.zeros(8), torch.tensor([0.0, 8.0]), 0, 1)
+    with pytest.raises(ValueError, match=r"rank \(2\)"):
+        zigzag_shard_varlen(torch.zeros(8), [0, 8], 2, 2)
+    with pytest.raises(ValueError, match="must hold 8 tokens"):
+        zigzag_unshard_varlen([torch.zeros(8), torch.zeros(6)], [0, 8, 16])
+    q = torch.randn(10, 2, 8)
+    with pytest.raises(ValueError, match="full packed batch"):
+        ring_attention(q, q, q, None, cu_seqlens=[0, 4, 8])
+    with pytest.raises(ValueError, match=r"packed \[T, H, D\]"):
+        ring_attention(q[None], q[None], q[None], None, cu_seqlens=[0, 10])
+
+
+def _per_sequence_reference(q, k, v, dout, cu, causal):
+    """Full attention of each packed sequence on its own (float64), with gradients."""
+    ref = [x.double().requires_grad_() for x in (q, k, v)]
+    parts = [reference_attention(*(x[a:b] for x in ref), causal=causal) for a, b in zip(cu[:-1], cu[1:])]
+    out, lse = torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
+    (out * dout.double()).sum().backward()
+    return out, lse, [x.grad for x in ref]
+
+
+@pytest.mark.parametrize("variant", ["ring", "allgather"])
+def test_packed_ring_attention_on_a_single_rank_attends_within_each_sequence(variant):
+    cu = [0, 3, 10, 10, 16]   # one rank: any lengths (odd ones, an empty one)
+    q, k, v = _qkv(4, 16, 16, 6, 2, 8, 4)
+    dout = torch.randn(16, 6, 4)
+    for causal in (True, False):
+        local = [x.clone().requires_grad_() for x in (q, k, v)]
+        out, lse = ring_attention(*local, None, causal=causal, variant=variant, return_lse=True, cu_seqlens=cu)
+        out.backward(dout)
+        ref_out, ref_lse, ref_grads = _per_sequence_reference(q, k, v, dout, cu, causal)
+        torch.testing.assert_close(out.double(), ref_out, rtol=0, atol=1e-6)
+        torch.testing.assert_close(lse.double(), ref_lse, rtol=0, atol=1e-6)
+        for ours, ref in zip(local, ref_grads):
+            torch.testing.assert_close(ours.grad.double(), ref, rtol=0, atol=2e-5)
+
+
+def _simulated_packed_ring_check(size: int, lengths: list[int], backend: str, device: str, dtype, atol: float,
+                                 grad_atol: float, d: int = 8) -> None:
+    cu = torch.tensor([0] + lengths).cumsum(0).tolist()
+    q, k, v = _qkv(size, cu[-1], cu[-1], 4, 2, d, d, batch=1, dtype=dtype, device=device)
+    dout = torch.randn(q.shape, dtype=dtype, device=device)
+    shard = lambda x: [zigzag_shard_varlen(x, cu, r, size, dim=1) for r in range(size)]
+    for causal in (True, False):
+        states = simulate_ring_forward(shard(q), shard(k), shard(v), causal=causal, backend=backend, cu_seqlens=cu)
+        grads = simulate_ring_backward(shard(dout), shard(q), shard(k), shard(v), states, causal=causal,
+                                       backend=backend, cu_seqlens=cu)
+        ref_out, ref_lse, ref_grads = _per_sequence_reference(*(x[0].cpu() for x in (q, k, v, dout)), cu, causal)
+        unshard = lambda xs: zigzag_unshard_varlen(xs, cu, dim=1)[0].double().cpu()
+        torch.testing.assert_close(unshard([s.out for s in states]), ref_out, rtol=0, atol=atol)
+        torch.testing.assert_close(unshard([s.lse for s in states]), ref_lse, rtol=0, atol=atol)
+        for i, ref in enumerate(ref_grads):
+            torch.testing.assert_close(unshard([g[i] for g in grads]), ref, rtol=0, atol=grad_atol)
+
+
+def test_simulated_packed_ring_of_three_ranks_matches_per_sequence_attention():
+    _simulated_packed_ring_check(3, [6, 18, 12], "math", "cpu", torch.float32, 1e-6, 2e-5)  # first: exactly 2P
+
+
 @pytest.mark.parametrize("variant", ["ring", "allgather"])
 def test_ring_attention_on_a_single_rank_is_plain_causal_attention(variant):
     q, k, v = _qkv(9, 10, 10, 6, 3, 8, 4)
@@ -226,3 +312,10 @@ def test_fused_attention_matches_math_on_cuda(backend, dtype, atol):
 def test_simulated_ring_with_flash_matches_full_attention_on_cuda():
     _simulated_ring_check(4, True, "flash", "cuda", torch.bfloat16, 3e-2, d=64)
     _simulated_ring_check(2, False, "auto", "cuda", torch.bfloat16, 3e-2, d=128)
+
+
+@pytest.mark.gpu
+def test_simulated_packed_ring_with_fused_kernels_matches_per_sequence_attention_on_cuda():
+    """Packed batches on CUDA run the fused kernels once per sequence and ring step."""
+    _simulated_packed_ring_check(4, [8, 24, 72], "flash", "cuda", torch.bfloat16, 3e-2, 1.5e-1, d=64)
+    _simulated_packed_ring_check(2, [4, 12, 100], "efficient", "cuda", torch.float32, 2e-4, 1e-3, d=64)

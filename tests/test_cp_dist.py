@@ -1,6 +1,7 @@
 """Context parallelism on real gloo process groups (2 and 4 ranks, fp32, tight tolerances):
-ring and all-gather attention forward/backward, DCP decode with both combine modes, and the
-attention module, all against the independent full-attention reference."""
+ring and all-gather attention forward/backward (also on packed variable-length batches), DCP
+decode with both combine modes, and the attention module, all against the independent
+full-attention reference."""
 
 from __future__ import annotations
 
@@ -22,6 +23,14 @@ RING_CASES = [
     (16, 4, 4, 8, 6, False, "ring", None),
     (24, 6, 3, 8, 8, True, "allgather", None),
     (16, 4, 1, 8, 8, False, "allgather", 2),
+]
+
+# packed batches: (sequence lengths in units of 2P, hq, hkv, d, dv, causal, variant)
+VARLEN_CASES = [
+    ((1, 3, 2), 4, 2, 8, 8, True, "ring"),       # the first sequence is exactly 2P tokens
+    ((2, 1, 3), 6, 2, 8, 4, False, "ring"),
+    ((3, 2, 1), 3, 1, 8, 8, True, "allgather"),  # MQA
+    ((1, 2, 1), 6, 3, 8, 6, False, "allgather"),
 ]
 
 # (interleave, block_size, seq_lens, local q heads, kv heads, comm, cache dtype, atol)
@@ -76,6 +85,36 @@ def _check_ring(groups, case, group_arg, seed: int, device: torch.device, tol: f
         _close(bi(lse), _shard(ref_lse, rank, size, 0), ATOL * tol, f"{msg} lse")
         for name, ours, theirs in zip("qkv", local, ref):
             _close(bi(ours.grad), _shard(theirs.grad, rank, size, 0), GRAD_ATOL * tol, f"{msg} d{name}")
+
+
+def _check_ring_varlen(groups, case, group_arg, seed: int, device: torch.device, tol: float) -> None:
+    """Packed batch of three sequences: each rank's rows of the output and of the gradients equal
+    per-sequence full attention (no attention across sequences)."""
+    from parallel.cp import ring_attention, zigzag_shard_varlen
+
+    units, hq, hkv, d, dv, causal, variant = case
+    rank, size = groups.pcp.rank, groups.pcp.size
+    lengths = [u * 2 * size for u in units]
+    cu = torch.tensor([0] + lengths).cumsum(0)
+    gen = torch.Generator().manual_seed(seed)
+    total = sum(lengths)
+    q, k, v = torch.randn(total, hq, d, generator=gen), torch.randn(total, hkv, d, generator=gen), \
+        torch.randn(total, hkv, dv, generator=gen)
+    dout = torch.randn(total, hq, dv, generator=gen)
+    shard = lambda x: zigzag_shard_varlen(x, cu, rank, size)
+    local = [shard(x).to(device).requires_grad_() for x in (q, k, v)]
+    cu_arg = cu.tolist() if seed % 2 else cu.to(device)
+    out, lse = ring_attention(*local, group_arg, causal=causal, variant=variant, return_lse=True, cu_seqlens=cu_arg)
+    out.backward(shard(dout).to(device))
+    ref = [x.double().requires_grad_() for x in (q, k, v)]
+    per_seq = [reference_attention(*(x[a:b] for x in ref), causal=causal) for a, b in zip(cu[:-1], cu[1:])]
+    ref_out, ref_lse = (torch.cat([p[i] for p in per_seq]) for i in (0, 1))
+    (ref_out * dout.double()).sum().backward()
+    msg = f"rank {rank}/{size} varlen case {case}"
+    _close(out, shard(ref_out), ATOL * tol, f"{msg} out")
+    _close(lse, shard(ref_lse), ATOL * tol, f"{msg} lse")
+    for name, ours, theirs in zip("qkv", local, ref):
+        _close(ours.grad, shard(theirs.grad), GRAD_ATOL * tol, f"{msg} d{name}")
 
 
 def _fill_cache(cache, attn_insert, ks, vs, table, split_last: bool) -> None:
@@ -156,6 +195,8 @@ def _cp_rank(rank: int, world: int) -> str:
     for i, case in enumerate(RING_CASES):
         if case[0] % (2 * world) == 0:
             _check_ring(groups, case, group_args[i % 3], i, device, tol)
+    for i, case in enumerate(VARLEN_CASES):
+        _check_ring_varlen(groups, case, group_args[i % 3], 50 + i, device, tol)
     for i, case in enumerate(DCP_CASES):
         _check_dcp(groups, case, 100 + i, device, tol)
         if case[3] % case[4] == 0:   # every rank holds the same query heads (DCP carved from PCP)
@@ -167,6 +208,13 @@ def _cp_rank(rank: int, world: int) -> str:
         assert "must be even" in str(e) and f"2*P = {2 * world}" in str(e), e
     else:
         raise AssertionError("odd local length was accepted")
+    x = torch.randn(2 * world, 2, 8)
+    try:   # cu_seqlens must describe the full packed batch, not this rank's shard
+        ring_attention(x, x, x, groups.pcp, cu_seqlens=[0, 2, 2 * world])
+    except ValueError as e:
+        assert "full packed batch" in str(e), e
+    else:
+        raise AssertionError("local cu_seqlens were accepted")
     return "ok"
 
 

@@ -3,7 +3,8 @@
 Tensor layout everywhere: `[T, H, D]` (packed tokens) or `[B, T, H, D]`; LSEs `[.., T, H]` fp32.
 - `merge_attn_states` / `merge_two_attn_states`: combine partial attention results (SPEC §7).
 - `attention_with_lse`: local attention returning (out, lse), with offset causal masks and GQA.
-- `ring_attention`, `zigzag_shard` / `zigzag_unshard`: PCP prefill over a zigzag-sharded sequence.
+- `ring_attention`, `zigzag_shard` / `zigzag_unshard`: PCP prefill over a zigzag-sharded sequence;
+  `zigzag_*_varlen` shard packed batches (cu_seqlens) sequence by sequence for `ring_attention(cu_seqlens=)`.
 - `DCPLayout`, `PagedKVCache`, `dcp_kv_insert`, `dcp_decode_attention`: DCP decode (SPEC §8).
 - `ContextParallelAttention`: the module a model layer uses (ring / DCP / plain).
 """
@@ -12,10 +13,12 @@ from .dcp import DCPLayout, PagedKVCache, dcp_decode_attention, dcp_kv_insert
 from .local_attn import attention_with_lse
 from .merge import AttnState, merge_attn_states, merge_two_attn_states
 from .module import ContextParallelAttention
-from .ring import ring_attention, zigzag_positions, zigzag_shard, zigzag_unshard
+from .ring import (ring_attention, zigzag_positions, zigzag_positions_varlen, zigzag_shard, zigzag_shard_varlen,
+                   zigzag_unshard, zigzag_unshard_varlen)
 
 __all__ = [
     "AttnState", "merge_attn_states", "merge_two_attn_states", "attention_with_lse", "ring_attention",
-    "zigzag_shard", "zigzag_unshard", "zigzag_positions", "DCPLayout", "PagedKVCache", "dcp_kv_insert",
+    "zigzag_shard", "zigzag_unshard", "zigzag_positions", "zigzag_shard_varlen", "zigzag_unshard_varlen",
+    "zigzag_positions_varlen", "DCPLayout", "PagedKVCache", "dcp_kv_insert",
     "dcp_decode_attention", "ContextParallelAttention",
 ]
