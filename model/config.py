@@ -11,7 +11,13 @@ decisions (a top-k choice is discontinuous) and make the check meaningless.
 
 `check_layout(cfg, pcfg)` raises ValueError for layouts the model cannot run, naming the
 values and the valid choices: heads over TP, KV-head replication, vocab over TP, and DCP
-groups that must hold the same KV heads (SPEC §8: with pcp == 1, (tp // kv_heads) % dcp == 0).
+groups that must hold the same KV heads (the ranks of a group split the tokens of one cache).
+DCP carved from TP (pcp == 1) then needs vLLM's GQA rule: kv_heads < tp and dcp divides the
+tp // kv_heads ranks replicating each KV head, so every rank holds one KV head and the group's
+gathered query heads all map onto it (`same_heads=False`). DCP carved from PCP keeps a group on
+one TP rank when dcp divides pcp: its ranks hold the same query and KV heads (`same_heads=True`,
+any number of KV heads per rank). A group spanning TP ranks with pcp > 1 again needs one shared
+KV head.
 """
 
 from __future__ import annotations
@@ -111,6 +117,16 @@ def kv_heads_of_tp_rank(cfg: ModelConfig, tp: int, tp_rank: int) -> tuple[int, .
     return (tp_rank // (tp // cfg.kv_heads),)
 
 
+def _dcp_group_with_mixed_kv_heads(cfg: ModelConfig, pcfg: ParallelConfig
+                                   ) -> tuple[list[int], dict[int, tuple[int, ...]]] | None:
+    """The first DCP group whose ranks hold different KV heads, with the heads of each rank; None if none."""
+    for group in rank_groups(pcfg)["dcp"]:
+        held = {r: kv_heads_of_tp_rank(cfg, pcfg.tp, coords(pcfg, r)["tp"]) for r in group}
+        if len(set(held.values())) > 1:
+            return group, held
+    return None
+
+
 def check_layout(cfg: ModelConfig, pcfg: ParallelConfig, *, prompt_len: int | None = None,
                  batch: int | None = None, redundant_experts: int = 0) -> None:
     """Raise ValueError when the model cannot run on this layout (every rank checks the same).
@@ -132,13 +148,26 @@ def check_layout(cfg: ModelConfig, pcfg: ParallelConfig, *, prompt_len: int | No
             f"experts ({cfg.experts})"
         raise ValueError(f"{what} = {slots} must be a multiple of ep ({pcfg.ep}); "
                          f"valid ep: {[d for d in _divisors(slots) if (pcfg.dp * pcfg.pcp * tp) % d == 0]}")
-    for group in rank_groups(pcfg)["dcp"]:
-        held = {r: kv_heads_of_tp_rank(cfg, tp, coords(pcfg, r)["tp"]) for r in group}
-        if len(set(held.values())) > 1:
-            raise ValueError(
-                f"dcp ({pcfg.dcp}) group {group} holds different KV heads {held}: a DCP group shards the tokens "
-                f"of the same KV heads. With pcp == 1 that needs (tp // kv_heads) % dcp == 0 (tp {tp}, kv_heads "
-                f"{cfg.kv_heads}); with pcp > 1, dcp <= pcp keeps each DCP group on one TP rank")
+    mixed = _dcp_group_with_mixed_kv_heads(cfg, pcfg)
+    if mixed is not None:
+        group, held = mixed
+        valid = []
+        for d in _divisors(tp * pcfg.pcp):
+            try:
+                other = ParallelConfig(world_size=pcfg.world_size, tp=tp, pp=pcfg.pp, pcp=pcfg.pcp, dcp=d,
+                                       dp=pcfg.dp, ep=pcfg.ep)
+            except ValueError:
+                continue
+            if _dcp_group_with_mixed_kv_heads(cfg, other) is None:
+                valid.append(d)
+        if pcfg.pcp == 1:
+            rule = (f"DCP carved from TP needs kv_heads < tp and (tp // kv_heads) % dcp == 0 (vLLM's GQA rule; "
+                    f"tp {tp}, kv_heads {cfg.kv_heads})")
+        else:
+            rule = (f"With pcp > 1, pcp % dcp == 0 keeps each DCP group on one TP rank (pcp {pcfg.pcp}); a group "
+                    f"spanning TP ranks needs them to share one KV head (kv_heads {cfg.kv_heads}, tp {tp})")
+        raise ValueError(f"dcp ({pcfg.dcp}) group {group} holds different KV heads {held}: the ranks of a DCP group "
+                         f"split the tokens of the same KV heads. {rule}. valid dcp: {valid}")
     if prompt_len is not None:
         if prompt_len < 1:
             raise ValueError(f"prompt_len ({prompt_len}) must be >= 1")

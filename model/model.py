@@ -22,10 +22,18 @@ Where each token lives (per data-parallel replica; replicas split the batch):
   one PCP rank (the one holding chunk 2P-1) and is all-reduced from there.
 
 KV heads: split over TP when kv_heads >= tp; otherwise each is replicated on tp // kv_heads
-ranks by repeating its rows in the full wk/wv before the column split (vLLM's rule). The cache
-keeps one `PagedKVCache` per local KV head: `dcp_decode_attention` all-gathers q heads over the
-DCP group and maps gathered head h to cache head h // (gathered / kv_heads), which is right only
-for one KV head per call (with several, the gathered order is rank-major, not KV-group-major).
+ranks by repeating its rows in the full wk/wv before the column split (vLLM's rule). Each rank
+keeps ONE `PagedKVCache` holding its local KV heads, and a decode step is one
+`dcp_decode_attention` call. Every rank of a DCP group holds the same KV heads (`check_layout`).
+When the group's ranks also share their TP rank (DCP carved from PCP) they hold the same query
+heads too, and `same_heads=True` maps each rank's heads onto the cache's KV heads by themselves;
+when the group spans TP ranks (carved from TP, or from PCP x TP with dcp > pcp) the ranks hold
+different query heads over one shared KV head, and the gathered heads all map onto it
+(`same_heads=False`).
+
+mHC between sublayers: `mhc_post_pre` fuses one sublayer's mHC post with the next one's pre
+(attention -> MoE inside a layer, MoE -> the next layer's attention); the first pre and the
+last post (before the head) stand alone.
 
 Options: `sequence_parallel` (from the ParallelConfig), `overlap` (async-TP linears), `ubatch`
 (micro-batches of the MoE call through `UBatchRunner`: dispatch/combine of one overlap the
@@ -35,6 +43,8 @@ moves the experts by the load seen so far, between prefill and decode in the dem
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -43,11 +53,12 @@ from moe import MoEConfig, MoELayer
 from parallel import comm
 from parallel.cp import ContextParallelAttention, PagedKVCache
 from parallel.groups import ParallelGroups
+from parallel.layout import coords
 from parallel.sp import ColumnParallelLinear, RowParallelLinear, sp_all_gather, sp_local_tokens, sp_shard
 from parallel.ubatch import UBatchRunner
 
 from .config import ModelConfig, check_layout, kv_heads_of_tp_rank
-from .mhc import mhc_broadcast, mhc_head, mhc_post, mhc_pre
+from .mhc import mhc_broadcast, mhc_head, mhc_post, mhc_post_pre, mhc_pre
 from .profile import Timer
 
 
@@ -88,7 +99,6 @@ class Attention(nn.Module):
         super().__init__()
         tp = groups.tp
         self.cfg, self.groups, self.timer = cfg, groups, timer
-        self.local_heads = cfg.heads // tp.size
         self.kv_heads = kv_heads_of_tp_rank(cfg, tp.size, tp.rank)
         self.replicated_kv = max(tp.size // cfg.kv_heads, 1)      # ranks holding each KV head
         d = cfg.head_dim
@@ -97,7 +107,9 @@ class Attention(nn.Module):
         self.qkv = ColumnParallelLinear(cfg.hidden, [cfg.heads * d, kv_rows, kv_rows], tp, **kw)
         self.wo = RowParallelLinear(cfg.heads * d, cfg.hidden, tp, **kw)
         self.cp = ContextParallelAttention(groups)
-        self.caches: list[PagedKVCache] = []
+        # DCP carved from PCP: the group's ranks share one TP rank, hence the same query heads.
+        self.dcp_same_heads = len({coords(groups.config, r)["tp"] for r in groups.dcp.ranks}) == 1
+        self.cache: PagedKVCache | None = None
 
     def load_full(self, state: dict[str, torch.Tensor], prefix: str) -> None:
         wk, wv = state[f"{prefix}.wk.weight"], state[f"{prefix}.wv.weight"]
@@ -109,8 +121,8 @@ class Attention(nn.Module):
         self.wo.load_full_weight(state[f"{prefix}.wo.weight"])
 
     def allocate_cache(self, num_blocks: int, block_size: int, device: torch.device) -> None:
-        self.caches = [PagedKVCache.allocate(num_blocks, block_size, 1, self.cfg.head_dim, dtype=torch.float32,
-                                             device=device) for _ in self.kv_heads]
+        self.cache = PagedKVCache.allocate(num_blocks, block_size, len(self.kv_heads), self.cfg.head_dim,
+                                           dtype=torch.float32, device=device)
 
     def _project(self, h: torch.Tensor, num_tokens: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """h: [T_in, H] -> q [T, Hq_local, D], k, v [T, Hkv_local, D] over the T real tokens."""
@@ -143,9 +155,7 @@ class Attention(nn.Module):
             k_full, v_full = self.cp.unshard(k, dim=1), self.cp.unshard(v, dim=1)  # [B, S, Hkv_l, D]
             pos = torch.arange(seq_len, device=h.device).repeat(batch)
             table = block_table.repeat_interleave(seq_len, dim=0)
-            for j, cache in enumerate(self.caches):
-                self.cp.insert_kv(cache, k_full[:, :, j:j + 1].flatten(0, 1), v_full[:, :, j:j + 1].flatten(0, 1),
-                                  pos, table)
+            self.cp.insert_kv(self.cache, k_full.flatten(0, 1), v_full.flatten(0, 1), pos, table)
         return self._output(o.reshape(batch * local_len, -1), padded_rows)
 
     def decode(self, h: torch.Tensor, batch: int, padded_rows: int, positions: torch.Tensor,
@@ -155,16 +165,11 @@ class Attention(nn.Module):
         with self.timer.span("attn.rope"):
             q = apply_rope(q, positions, self.cfg.rope_theta)
             k = apply_rope(k, positions, self.cfg.rope_theta)
-        seq_lens = positions + 1
-        per_kv = self.local_heads // len(self.kv_heads)
-        outs = []
-        for j, cache in enumerate(self.caches):
-            with self.timer.span("attn.kv_insert"):
-                self.cp.insert_kv(cache, k[:, j:j + 1], v[:, j:j + 1], positions, block_table)
-            with self.timer.span("attn.dcp" if self.groups.dcp.size > 1 else "attn.paged"):
-                outs.append(self.cp.decode(q[:, j * per_kv:(j + 1) * per_kv].contiguous(), cache, block_table,
-                                           seq_lens))
-        return self._output(torch.cat(outs, dim=1).reshape(batch, -1), padded_rows)
+        with self.timer.span("attn.kv_insert"):
+            self.cp.insert_kv(self.cache, k, v, positions, block_table)
+        with self.timer.span("attn.dcp" if self.groups.dcp.size > 1 else "attn.paged"):
+            o = self.cp.decode(q, self.cache, block_table, positions + 1, same_heads=self.dcp_same_heads)
+        return self._output(o.reshape(batch, -1), padded_rows)
 
 
 class MoEBlock(nn.Module):
@@ -210,13 +215,12 @@ class MoEBlock(nn.Module):
 
 
 class Block(nn.Module):
-    """One layer: mHC-wrapped attention and mHC-wrapped MoE."""
+    """One layer's weights: mHC-wrapped attention and mHC-wrapped MoE (`DemoModel._trunk` runs them)."""
 
     def __init__(self, cfg: ModelConfig, groups: ParallelGroups, layer: int, *, sequence_parallel: bool,
                  overlap: bool, ubatch: UBatchRunner | None, eplb, timer: Timer, device: torch.device) -> None:
         super().__init__()
         m, h = cfg.mhc_streams, cfg.hidden
-        self.cfg, self.timer = cfg, timer
         self.attn_mhc = MHCParams((2 + m) * m, m, h, 3)
         self.attn_norm = nn.Parameter(torch.ones(h), requires_grad=False)
         self.attn = Attention(cfg, groups, sequence_parallel=sequence_parallel, overlap=overlap, timer=timer,
@@ -236,21 +240,13 @@ class Block(nn.Module):
         self.attn.load_full(state, f"{prefix}.attn")
         self.moe.moe.load_deepseek(state, prefix=f"{prefix}.moe.")
 
-    def _mhc(self, residual: torch.Tensor, site: MHCParams, norm: torch.Tensor, sublayer) -> torch.Tensor:
-        cfg = self.cfg
-        with self.timer.span("mhc"):
-            x, post, comb = mhc_pre(residual, site.fn, site.base, site.scale, sinkhorn_iters=cfg.sinkhorn_iters,
-                                    eps=cfg.mhc_eps, rms_eps=cfg.norm_eps)
-        with self.timer.span("norm"):
-            x = rms_norm(x, norm, cfg.norm_eps)
-        out = sublayer(x)
-        with self.timer.span("mhc"):
-            return mhc_post(out, residual, post, comb)
+    def sublayers(self, attention: Callable[[torch.Tensor], torch.Tensor], num_tokens: int
+                  ) -> list[tuple[MHCParams, torch.Tensor, Callable[[torch.Tensor], torch.Tensor]]]:
+        """(mHC site, norm weight, sublayer h [T_in, H] -> [T_in, H]) of the attention, then the MoE.
 
-    def forward(self, residual: torch.Tensor, attention, num_tokens: int) -> torch.Tensor:
-        """residual: [T_in, M, H]; attention: h [T_in, H] -> [T_in, H] (prefill or decode)."""
-        residual = self._mhc(residual, self.attn_mhc, self.attn_norm, attention)
-        return self._mhc(residual, self.ffn_mhc, self.ffn_norm, lambda x: self.moe(x, num_tokens))
+        attention: this layer's prefill or decode attention; the model chains the mHC around them."""
+        return [(self.attn_mhc, self.attn_norm, attention),
+                (self.ffn_mhc, self.ffn_norm, lambda x: self.moe(x, num_tokens))]
 
 
 class DemoModel(nn.Module):
@@ -325,8 +321,23 @@ class DemoModel(nn.Module):
         with self.timer.span("embed"):
             x = self._tokens_in(F.embedding(tokens, self.embed))
             residual = mhc_broadcast(x, cfg.mhc_streams).contiguous()
-        for i, layer in enumerate(self.layers):
-            residual = layer(residual, lambda h, i=i: attention(self.layers[i].attn, h), num_tokens)
+        sublayers = [sub for layer in self.layers
+                     for sub in layer.sublayers(lambda h, attn=layer.attn: attention(attn, h), num_tokens)]
+        mhc_kw = dict(sinkhorn_iters=cfg.sinkhorn_iters, eps=cfg.mhc_eps, rms_eps=cfg.norm_eps)
+        site = sublayers[0][0]
+        with self.timer.span("mhc"):
+            pre = mhc_pre(residual, site.fn, site.base, site.scale, **mhc_kw)
+        for j, (_, norm, sublayer) in enumerate(sublayers):
+            with self.timer.span("norm"):
+                x = rms_norm(pre.layer_input, norm, cfg.norm_eps)
+            out = sublayer(x)
+            with self.timer.span("mhc"):   # this sublayer's post, fused with the next one's pre
+                if j + 1 < len(sublayers):
+                    nxt = sublayers[j + 1][0]
+                    residual, pre = mhc_post_pre(out, residual, pre.post, pre.comb, nxt.fn, nxt.base, nxt.scale,
+                                                 **mhc_kw)
+                else:
+                    residual = mhc_post(out, residual, pre.post, pre.comb)
         with self.timer.span("head"):
             h = mhc_head(residual, self.head_mhc.fn, self.head_mhc.base, self.head_mhc.scale, eps=cfg.mhc_eps,
                          rms_eps=cfg.norm_eps)

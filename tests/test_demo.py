@@ -1,8 +1,9 @@
 """`megapar demo` end to end: real gloo ranks, every step checked against the reference.
 
-Three multi-rank runs (each spawns processes): the default layout (tp 2, pcp 2, dcp 2, ep 4,
-MXFP4), sequence parallelism with micro-batches and EPLB on 2 ranks, and a corrupted weight on
-one rank that must turn the verdict into FAIL. The rest runs in this process."""
+Four multi-rank runs (each spawns processes): the default layout (tp 2, pcp 2, dcp 2, ep 4,
+MXFP4), two KV heads per rank in one DCP cache (DCP carved from PCP, `same_heads`), sequence
+parallelism with micro-batches and EPLB on 2 ranks, and a corrupted weight on one rank that must
+turn the verdict into FAIL. The rest runs in this process."""
 
 from __future__ import annotations
 
@@ -28,6 +29,15 @@ def test_demo_default_layout_passes(capsys):
         assert f"\n{primitive} " in out, primitive
     assert "tokens/s" in out and "\nprefill " in out and "\ndecode " in out
     assert "greedy tokens equal to the reference's argmax" in out
+
+
+def test_demo_dcp_cache_with_several_kv_heads_per_rank_passes(capsys):
+    # tp 2 x 4 KV heads: each rank's one cache holds 2 KV heads, decoded in one DCP call over PCP ranks
+    # that hold the same query heads (the old per-rank GQA mapping of gathered heads got this wrong).
+    code, out = _run(capsys, "--world-size", "4", "--tp", "2", "--pcp", "2", "--dcp", "2", "--kv-heads", "4",
+                     "--heads", "8", "--layers", "1", "--new-tokens", "2")
+    assert code == 0, out
+    assert "\nattn.dcp " in out and "PASS: max error" in out
 
 
 def test_demo_sequence_parallel_with_ubatch_and_eplb_passes(capsys):

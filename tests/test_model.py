@@ -136,6 +136,11 @@ def test_served_expert_weights_round_w13_as_one_matrix():
     ({"kv_heads": 4, "heads": 8}, dict(tp=8), None),
     ({"kv_heads": 2}, dict(tp=2, dcp=2), "KV heads"),
     ({"kv_heads": 1}, dict(tp=2, dcp=2), None),
+    ({"kv_heads": 4}, dict(tp=4, dcp=2), r"\(tp // kv_heads\) % dcp == 0.*valid dcp: \[1\]"),
+    ({"kv_heads": 1}, dict(tp=4, dcp=4), None),
+    ({"kv_heads": 8, "heads": 8}, dict(tp=2, pcp=2, dcp=2), None),    # same_heads: 4 KV heads per rank
+    ({"kv_heads": 2}, dict(tp=2, pcp=2, dcp=4), r"pcp % dcp == 0.*valid dcp: \[1, 2\]"),
+    ({"kv_heads": 1}, dict(tp=2, pcp=2, dcp=4), None),                # spans TP ranks sharing one KV head
     ({"vocab": 99}, dict(tp=2), "vocab"),
     ({"experts": 6}, dict(), "ep"),
 ])

@@ -78,10 +78,13 @@ class ContextParallelAttention(torch.nn.Module):
         """Store new tokens' k/v [T, Hkv, D] at `positions` [T] (this rank keeps the ones it owns)."""
         return dcp_kv_insert(cache, k, v, positions, block_table, self.dcp, interleave=self.interleave)
 
-    def decode(self, q: Tensor, cache: PagedKVCache, block_table: Tensor, seq_lens: Tensor) -> Tensor:
-        """One decode step. q [S, Hq_local, D] -> [S, Hq_local, Dv]."""
+    def decode(self, q: Tensor, cache: PagedKVCache, block_table: Tensor, seq_lens: Tensor, *,
+               same_heads: bool = False) -> Tensor:
+        """One decode step. q [S, Hq_local, D] -> [S, Hq_local, Dv].
+
+        same_heads: every DCP rank holds the same query heads (see `dcp_decode_attention`)."""
         return dcp_decode_attention(q, cache, block_table, seq_lens, self.dcp, interleave=self.interleave,
-                                    comm=self.dcp_comm, scale=self.scale)
+                                    comm=self.dcp_comm, scale=self.scale, same_heads=same_heads)
 
     def extra_repr(self) -> str:
         return (f"pcp={self.pcp.size}, dcp={self.dcp.size}, ring={self.ring_variant}, dcp_comm={self.dcp_comm}, "
