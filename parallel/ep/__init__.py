@@ -10,7 +10,10 @@ Modules: `dispatch` (the Dispatcher, autograd), `backends` (transports and the c
 """
 
 from parallel.ep.dispatch import CombineHandle, DispatchResult, Dispatcher, make_dispatcher
+from parallel.ep.eplb import (Eplb, EplbConfig, EplbPlan, balancedness, logical_to_physical, rearrange_weights,
+                              rebalance_experts)
 from parallel.ep.layout import LayoutPlan, gather_reduce, gather_rows, plan_layout
 
 __all__ = ["make_dispatcher", "Dispatcher", "DispatchResult", "CombineHandle", "LayoutPlan", "plan_layout",
-           "gather_rows", "gather_reduce"]
+           "gather_rows", "gather_reduce", "rebalance_experts", "EplbPlan", "logical_to_physical",
+           "rearrange_weights", "balancedness", "Eplb", "EplbConfig"]
