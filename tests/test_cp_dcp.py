@@ -130,3 +130,32 @@ def test_module_without_groups_is_plain_attention_and_plain_paged_decode():
     attn.insert_kv(cache, k, v, torch.arange(6), table[0])
     out = attn.decode(q[5:6], cache, table, torch.tensor([6]))
     torch.testing.assert_close(out.double(), reference_attention(q[5:6], k, v, causal=False)[0], rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize("ring_variant", ["ring", "allgather"])
+def test_module_without_groups_attends_within_each_packed_sequence(ring_variant):
+    attn = ContextParallelAttention(None, ring_variant=ring_variant)
+    cu = [0, 5, 5, 12, 15]   # one rank: any lengths (odd ones, an empty one)
+    gen = torch.Generator().manual_seed(11)
+    q, k, v = torch.randn(15, 6, 8, generator=gen), torch.randn(15, 2, 8, generator=gen), \
+        torch.randn(15, 2, 4, generator=gen)
+    dout = torch.randn(15, 6, 4, generator=gen)
+    for causal, cu_arg in ((True, cu), (False, torch.tensor(cu))):
+        local = [attn.shard(x, cu_seqlens=cu_arg).clone().requires_grad_() for x in (q, k, v)]
+        out = attn(*local, causal=causal, cu_seqlens=cu_arg)
+        out.backward(dout)
+        ref = [x.double().requires_grad_() for x in (q, k, v)]
+        ref_out = torch.cat([reference_attention(*(x[a:b] for x in ref), causal=causal)[0]
+                             for a, b in zip(cu[:-1], cu[1:])])
+        (ref_out * dout.double()).sum().backward()
+        torch.testing.assert_close(attn.unshard(out, cu_seqlens=cu_arg).double(), ref_out, rtol=0, atol=1e-6)
+        for ours, theirs in zip(local, ref):
+            torch.testing.assert_close(ours.grad.double(), theirs.grad, rtol=0, atol=2e-5)
+    assert attn.positions(cu_seqlens=cu).tolist() == [0, 1, 2, 3, 4, 0, 1, 2, 3, 4, 5, 6, 0, 1, 2]
+    assert torch.equal(attn.positions(15, cu_seqlens=torch.tensor(cu)), attn.positions(cu_seqlens=cu))
+    with pytest.raises(ValueError, match="covers 15 tokens"):
+        attn.shard(q[:14], cu_seqlens=cu)
+    with pytest.raises(ValueError, match="covers 15 tokens"):
+        attn.positions(16, cu_seqlens=cu)
+    with pytest.raises(ValueError, match="must start at 0"):
+        attn(q, k, v, cu_seqlens=[1, 15])

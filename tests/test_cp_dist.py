@@ -170,6 +170,24 @@ def _check_module(groups, seed: int, device: torch.device, tol: float) -> None:
     ref_out, _ = reference_attention(q, k, v, causal=True)
     _close(attn.unshard(out), ref_out, ATOL * tol, f"rank {rank} module prefill")
     assert torch.equal(attn.positions(seq), _shard(torch.arange(seq), rank, size, 0))
+    # packed batch of three sequences (global offsets, the same on every rank): no attention across them
+    lengths = [2 * size, 6 * size, 4 * size]
+    cu = [0, lengths[0], lengths[0] + lengths[1], sum(lengths)]
+    mine = torch.cat([torch.arange(a + r * (b - a) // (2 * size), a + (r + 1) * (b - a) // (2 * size))
+                      for a, b in zip(cu[:-1], cu[1:]) for r in (rank, 2 * size - 1 - rank)])
+    qp, kp, vp = torch.randn(cu[-1], 4, 8, generator=gen), torch.randn(cu[-1], 2, 8, generator=gen), \
+        torch.randn(cu[-1], 2, 6, generator=gen)
+    assert torch.equal(attn.shard(qp, cu_seqlens=cu), qp[mine]), f"rank {rank} module varlen shard"
+    assert torch.equal(attn.positions(cu_seqlens=torch.tensor(cu)), mine - torch.tensor(cu[:-1]).repeat_interleave(
+        torch.tensor(lengths))[mine]), f"rank {rank} module varlen positions"
+    for causal, variant in ((True, "ring"), (False, "allgather")):
+        packed = ContextParallelAttention(groups, ring_variant=variant)
+        out = packed(*(packed.shard(x, cu_seqlens=cu).to(device) for x in (qp, kp, vp)), causal=causal,
+                     cu_seqlens=torch.tensor(cu))
+        ref_out = torch.cat([reference_attention(qp[a:b], kp[a:b], vp[a:b], causal=causal)[0]
+                             for a, b in zip(cu[:-1], cu[1:])])
+        _close(out, ref_out[mine], ATOL * tol, f"rank {rank} module varlen {variant} causal={causal}")
+        _close(packed.unshard(out, cu_seqlens=cu), ref_out, ATOL * tol, f"rank {rank} module varlen unshard")
     # decode: the module's DCP group shards the cache; each rank decodes its own heads
     cache = PagedKVCache.allocate(8, 2, 2, 8, dtype=torch.float32, device=device)
     table = torch.tensor([[5, 1, 6, 7]], dtype=torch.int32, device=device)

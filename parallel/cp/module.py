@@ -4,6 +4,8 @@
 with `positions()` when PCP shards the sequence), then calls
 - `forward(q, k, v)` for prefill/training: ring attention over the PCP group when pcp > 1
   (inputs are this rank's zigzag shard, see `shard()`), plain local attention otherwise;
+  packed variable-length batches pass `cu_seqlens` (the FULL batch's offsets, the same on every
+  rank) to `shard`/`unshard`/`positions`/`forward`, and attention stays within each sequence;
 - `insert_kv(cache, k, v, positions, block_table)` to store new tokens in the (DCP-sharded)
   paged cache, and `decode(q, cache, block_table, seq_lens)` for one decode step: DCP attention
   over the DCP group when dcp > 1, plain paged attention otherwise.
@@ -12,6 +14,8 @@ Tensors use this package's layout: `[T, H, D]` (packed tokens) or `[B, T, H, D]`
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 from torch import Tensor
 
@@ -19,11 +23,22 @@ from ..comm import all_gather_uneven
 from ..groups import Group, ParallelGroups
 from .dcp import DCPComm, PagedKVCache, dcp_decode_attention, dcp_kv_insert
 from .local_attn import AttnBackend, attention_with_lse
-from .ring import RingVariant, ring_attention, zigzag_positions, zigzag_shard, zigzag_unshard
+from .ring import (RingVariant, _seq_lengths, ring_attention, zigzag_positions, zigzag_positions_varlen,
+                   zigzag_shard, zigzag_shard_varlen, zigzag_unshard, zigzag_unshard_varlen)
+
+CuSeqlens = Tensor | Sequence[int]   # [N+1] int offsets of the full packed batch (host ints or a tensor)
 
 
 def _single(name: str) -> Group:
     return Group(name, None, 0, 1, (0,))
+
+
+def _check_total(cu_seqlens: CuSeqlens, total: int | None, what: str) -> list[int]:
+    """Sequence lengths of `cu_seqlens`; ValueError unless they cover `total` tokens (None: any)."""
+    lengths = _seq_lengths(cu_seqlens)
+    if total is not None and sum(lengths) != total:
+        raise ValueError(f"cu_seqlens covers {sum(lengths)} tokens but {what}")
+    return lengths
 
 
 class ContextParallelAttention(torch.nn.Module):
@@ -48,28 +63,58 @@ class ContextParallelAttention(torch.nn.Module):
 
     # prefill -----------------------------------------------------------------------------
 
-    def shard(self, x: Tensor, *, dim: int = 0) -> Tensor:
-        """This rank's zigzag shard of a full sequence along `dim` (identity when pcp == 1)."""
+    def shard(self, x: Tensor, *, dim: int = 0, cu_seqlens: CuSeqlens | None = None) -> Tensor:
+        """This rank's zigzag shard of a full sequence along `dim` (identity when pcp == 1).
+
+        cu_seqlens: [N+1] offsets of a packed batch in x (each length a multiple of 2*pcp when
+        pcp > 1): every sequence is sharded on its own (`zigzag_shard_varlen`)."""
+        if cu_seqlens is not None:
+            if self.pcp.size == 1:
+                _check_total(cu_seqlens, x.shape[dim], f"x has {x.shape[dim]} tokens along dim {dim}")
+                return x
+            return zigzag_shard_varlen(x, cu_seqlens, self.pcp.rank, self.pcp.size, dim=dim)
         return x if self.pcp.size == 1 else zigzag_shard(x, self.pcp.rank, self.pcp.size, dim=dim)
 
-    def unshard(self, x: Tensor, *, dim: int = 0) -> Tensor:
-        """The full sequence from every PCP rank's shard (all-gather + zigzag reorder)."""
+    def unshard(self, x: Tensor, *, dim: int = 0, cu_seqlens: CuSeqlens | None = None) -> Tensor:
+        """The full sequence from every PCP rank's shard (all-gather + zigzag reorder).
+
+        cu_seqlens: [N+1] offsets of the FULL packed batch (as given to `shard`)."""
         if self.pcp.size == 1:
+            if cu_seqlens is not None:
+                _check_total(cu_seqlens, x.shape[dim], f"x has {x.shape[dim]} tokens along dim {dim}")
             return x
         gathered = all_gather_uneven(x.contiguous(), self.pcp, dim=dim, sizes=[x.shape[dim]] * self.pcp.size)
-        return zigzag_unshard(gathered.chunk(self.pcp.size, dim=dim), dim=dim)
+        shards = gathered.chunk(self.pcp.size, dim=dim)
+        if cu_seqlens is not None:
+            return zigzag_unshard_varlen(shards, cu_seqlens, dim=dim)
+        return zigzag_unshard(shards, dim=dim)
 
-    def positions(self, seq_len: int, *, device: torch.device | str | None = None) -> Tensor:
-        """Global positions [seq_len / pcp] of this rank's tokens (for RoPE)."""
+    def positions(self, seq_len: int | None = None, *, device: torch.device | str | None = None,
+                  cu_seqlens: CuSeqlens | None = None) -> Tensor:
+        """Global positions [seq_len / pcp] int64 of this rank's tokens (for RoPE).
+
+        cu_seqlens: [N+1] offsets of the FULL packed batch instead of seq_len (seq_len may be
+        omitted or must equal cu_seqlens[-1]): each token's position within its own sequence."""
+        if cu_seqlens is not None:
+            lengths = _check_total(cu_seqlens, seq_len, f"seq_len is {seq_len}")
+            if self.pcp.size == 1:
+                return torch.cat([torch.arange(n, device=device) for n in lengths])
+            return zigzag_positions_varlen(cu_seqlens, self.pcp.rank, self.pcp.size, device=device)
+        if seq_len is None:
+            raise ValueError("positions() needs seq_len or cu_seqlens")
         if self.pcp.size == 1:
             return torch.arange(seq_len, device=device)
         return zigzag_positions(seq_len, self.pcp.rank, self.pcp.size, device=device)
 
-    def forward(self, q: Tensor, k: Tensor, v: Tensor, *, causal: bool = True) -> Tensor:
-        """Prefill attention. q [.., T, Hq, D], k [.., T, Hkv, D], v [.., T, Hkv, Dv] -> [.., T, Hq, Dv]."""
-        if self.pcp.size > 1:
+    def forward(self, q: Tensor, k: Tensor, v: Tensor, *, causal: bool = True,
+                cu_seqlens: CuSeqlens | None = None) -> Tensor:
+        """Prefill attention. q [.., T, Hq, D], k [.., T, Hkv, D], v [.., T, Hkv, Dv] -> [.., T, Hq, Dv].
+
+        cu_seqlens: [N+1] offsets of the FULL packed batch (packed [T, H, D] inputs, sharded with
+        `shard(x, cu_seqlens=...)`); attention stays within each sequence."""
+        if self.pcp.size > 1 or cu_seqlens is not None:   # one rank: ring_attention runs no communication
             return ring_attention(q, k, v, self.pcp, causal=causal, scale=self.scale, variant=self.ring_variant,
-                                  backend=self.backend)
+                                  backend=self.backend, cu_seqlens=cu_seqlens)
         return attention_with_lse(q, k, v, causal=causal, scale=self.scale, backend=self.backend).out
 
     # decode ------------------------------------------------------------------------------
