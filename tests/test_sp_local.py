@@ -17,8 +17,10 @@ from parallel.sp import (
     all_gather_matmul,
     all_gather_matmul_fp8,
     matmul_reduce_scatter,
+    matmul_reduce_scatter_fp8,
     quantize_fp8_per_token,
     quantize_fp8_weight,
+    rms_norm_quantize_all_gather,
     rms_norm_quantize_fp8,
     scaled_matmul,
     sp_all_gather,
@@ -110,6 +112,60 @@ def test_single_rank_ops_and_gradients_equal_plain_matmuls():
     assert q.gathered is not None and q.outputs[0].shape == (5, 3)
 
 
+def _deq_e4m3(v: torch.Tensor, dim: int) -> torch.Tensor:
+    """deq(q(v)): nearest E4M3 grid point at one scale (amax / 448) per slice along dim (seeded data: no ties)."""
+    v = v.detach().double()
+    scale = v.abs().amax(dim=dim, keepdim=True) / 448.0
+    grid = _e4m3_grid()
+    a = (v / scale).abs()
+    idx = torch.searchsorted(grid, a.clamp(max=448.0)).clamp(1, len(grid) - 1)
+    lo, hi = grid[idx - 1], grid[idx]
+    return torch.where(a - lo <= hi - a, lo, hi) * v.sign() * scale
+
+
+def test_single_rank_fp8_ops_backward_is_straight_through_in_the_input_dtype():
+    g = torch.Generator().manual_seed(21)
+    x = torch.randn(2, 5, 32, generator=g, dtype=torch.float64, requires_grad=True)
+    w1 = torch.randn(32, 16, generator=g, dtype=torch.float64, requires_grad=True)
+    w2 = torch.randn(32, 8, generator=g, dtype=torch.float64, requires_grad=True)
+    g1, g2 = torch.randn(2, 5, 16, generator=g), torch.randn(2, 5, 8, generator=g)
+    res = all_gather_matmul_fp8(x, [w1, w2], None, gather_dim=1, out_dtype=torch.float32)
+    ((res.outputs[0] * g1).sum() + (res.outputs[1] * g2).sum()).backward()
+    xq, w1q, w2q = _deq_e4m3(x, -1), _deq_e4m3(w1, 0), _deq_e4m3(w2, 0)
+    torch.testing.assert_close(res.outputs[0], (xq @ w1q).float(), rtol=1e-5, atol=1e-5)
+    # STE: d out / d x uses the dequantized weights, d out / d w the dequantized activations, in float64
+    assert x.grad.dtype == w1.grad.dtype == torch.float64
+    torch.testing.assert_close(x.grad, g1.double() @ w1q.t() + g2.double() @ w2q.t(), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(w1.grad, xq.reshape(-1, 32).t() @ g1.double().reshape(-1, 16), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(w2.grad, xq.reshape(-1, 32).t() @ g2.double().reshape(-1, 8), rtol=1e-5, atol=1e-5)
+    # no gradient needed: the plain forward, same values, nothing recorded
+    with torch.no_grad():
+        plain = all_gather_matmul_fp8(x, [w1], None, gather_dim=1, out_dtype=torch.float32).outputs[0]
+    assert not plain.requires_grad and torch.equal(plain, res.outputs[0])
+
+    xr = torch.randn(6, 32, generator=g, requires_grad=True)
+    w = torch.randn(32, 16, generator=g, requires_grad=True)
+    out = matmul_reduce_scatter_fp8(xr, w, None, out_dtype=torch.bfloat16)
+    gy = torch.randn(6, 16, generator=g)
+    (out.float() * gy).sum().backward()
+    gb = gy.bfloat16().double()  # the output gradient arrives in bf16, then is computed in fp32
+    assert xr.grad.dtype == w.grad.dtype == torch.float32
+    torch.testing.assert_close(xr.grad.double(), gb @ _deq_e4m3(w, 0).t(), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(w.grad.double(), _deq_e4m3(xr, -1).t() @ gb, rtol=1e-5, atol=1e-5)
+
+    xn = torch.randn(4, 16, generator=g, requires_grad=True)
+    nw = (torch.rand(16, generator=g) + 0.5).requires_grad_()
+    q = rms_norm_quantize_all_gather(xn, nw, None)
+    assert q.ste is not None and torch.equal(q.dequantize(), q.data.float() * q.scale)
+    gq = torch.randn(4, 16, generator=g)
+    (q.dequantize() * gq).sum().backward()
+    xd, nwd = xn.detach().double().requires_grad_(), nw.detach().double().requires_grad_()
+    (xd / (xd.pow(2).mean(-1, keepdim=True) + 1e-6).sqrt() * nwd * gq).sum().backward()  # quantizer = identity
+    torch.testing.assert_close(xn.grad.double(), xd.grad, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(nw.grad.double(), nwd.grad, rtol=1e-5, atol=1e-5)
+    assert rms_norm_quantize_all_gather(xn.detach(), nw.detach(), None).ste is None
+
+
 def test_single_rank_parallel_linears_equal_nn_linear():
     torch.manual_seed(4)
     lin1, lin2 = torch.nn.Linear(6, 8), torch.nn.Linear(8, 6)
@@ -140,8 +196,8 @@ def test_bad_arguments_name_the_values_and_the_choices():
         all_gather_matmul(x, [], None)
     with pytest.raises(ValueError, match=r"torch.bfloat16 and weight 0 is torch.float32"):
         matmul_reduce_scatter(x.bfloat16(), w, None)
-    with pytest.raises(ValueError, match="must be an Fp8Weight"):
-        all_gather_matmul_fp8(x, [w], None)
+    with pytest.raises(ValueError, match="must be an Fp8Weight .* or a float"):
+        all_gather_matmul_fp8(x, [w.to(torch.int32)], None)
     with pytest.raises(ValueError, match=r"expected \[K=6, N\]"):
         all_gather_matmul_fp8(x, [quantize_fp8_weight(torch.randn(5, 2))], None)
     with pytest.raises(ValueError, match="float8_e4m3fn"):
@@ -180,6 +236,29 @@ def test_cuda_single_rank_ops_equal_plain_matmuls():
     w = torch.randn(128, 96, device="cuda", dtype=torch.bfloat16)
     (out,) = all_gather_matmul(x, [w], None)
     assert torch.equal(out, x @ w) and torch.equal(matmul_reduce_scatter(x, w, None), x @ w)
+
+
+@pytest.mark.gpu
+def test_cuda_fp8_ops_backward_is_straight_through_in_bf16():
+    """torch._scaled_mm forward (bf16 out), bf16 backward from the dequantized fp8 operands."""
+    g = torch.Generator(device="cuda").manual_seed(22)
+    x = torch.randn(64, 128, device="cuda", dtype=torch.bfloat16, generator=g).requires_grad_()
+    w = torch.randn(128, 96, device="cuda", dtype=torch.bfloat16, generator=g).requires_grad_()
+    gy = torch.randn(64, 96, device="cuda", dtype=torch.bfloat16, generator=g)
+    xq = quantize_fp8_per_token(x.detach()).dequantize()
+    wq = quantize_fp8_weight(w.detach()).dequantize()
+    for op in ("all_gather_matmul_fp8", "matmul_reduce_scatter_fp8"):
+        x.grad = w.grad = None
+        if op == "all_gather_matmul_fp8":
+            (out,) = all_gather_matmul_fp8(x, [w], None).outputs
+        else:
+            out = matmul_reduce_scatter_fp8(x, w, None)
+        assert out.dtype == torch.bfloat16
+        (out * gy).sum().backward()
+        assert x.grad.dtype == w.grad.dtype == torch.bfloat16
+        for got, want in ((out, xq @ wq), (x.grad, gy.float() @ wq.t()), (w.grad, xq.t() @ gy.float())):
+            err = ((got.float() - want).norm() / want.norm()).item()
+            assert err < 1e-2, (op, err)  # bf16 rounding of operands and result
 
 
 def _multigpu_rank(rank: int) -> dict[str, float]:

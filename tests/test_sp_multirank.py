@@ -310,6 +310,133 @@ def fp8_matmul_reduce_scatter_matches_dequantized_sum(tp, r, P):
     _close(outs["decomposed"], outs["reference"], "decomposed vs reference (sum order differs)", 1e-5)
 
 
+FP8_GRAD_TOL = 2e-5
+"""fp8 gradient checks: both sides multiply the same dequantized fp8 values (STE backward in
+fp32), so they differ only by fp32 summation order (block matmuls, reduce-scatter sums)."""
+
+
+def _fake_fp8(v: torch.Tensor, dim: int) -> torch.Tensor:
+    """deq(q(v)) in fp32 with one scale per slice along `dim` (amax / 448), written independently of fp8.py."""
+    scale = v.detach().abs().amax(dim=dim, keepdim=True) / 448.0
+    return (v.detach() / scale).to(torch.float8_e4m3fn).float() * scale
+
+
+def _ste(v: torch.Tensor, dim: int) -> torch.Tensor:
+    """Forward value deq(q(v)) exactly; backward the identity (straight-through estimator)."""
+    return _fake_fp8(v, dim) + (v - v.detach())
+
+
+def fp8_all_gather_matmul_gradients_match_dense_ste(tp, r, P):
+    m, K, n1, n2 = 3, 32, 16, 8
+    g = _gen(15)
+    X = torch.randn(P * m, K, generator=g)
+    W1 = torch.randn(K, P * n1, generator=g)  # column-parallel: rank r holds columns; per-column scales
+    W2 = torch.randn(K, P * n2, generator=g)
+    G1 = torch.randn(P * m, P * n1, generator=g)
+    G2 = torch.randn(P * m, P * n2, generator=g)
+    Xd, W1d, W2d = (t.clone().requires_grad_() for t in (X, W1, W2))
+    Xs = _ste(Xd, -1)
+    (((Xs @ _ste(W1d, 0)) * G1).sum() + ((Xs @ _ste(W2d, 0)) * G2).sum()).backward()
+    X1 = X.clone().requires_grad_()  # only output 1 used
+    ((_ste(X1, -1) @ _fake_fp8(W1, 0)) * G1).sum().backward()
+    c1, c2, rows = slice(r * n1, (r + 1) * n1), slice(r * n2, (r + 1) * n2), slice(r * m, (r + 1) * m)
+    for backend in OURS:
+        x = X[rows].clone().requires_grad_()
+        w1, w2 = W1[:, c1].clone().requires_grad_(), W2[:, c2].clone().requires_grad_()
+        o1, o2 = all_gather_matmul_fp8(x, [w1, w2], tp, out_dtype=torch.float32, backend=backend).outputs
+        _close(o1, _fake_fp8(X, -1) @ _fake_fp8(W1, 0)[:, c1], f"{backend} fp8 forward", FP8_GRAD_TOL)
+        ((o1 * G1[:, c1]).sum() + (o2 * G2[:, c2]).sum()).backward()
+        _close(x.grad, Xd.grad[rows], f"{backend} fp8 grad x", FP8_GRAD_TOL)
+        _close(w1.grad, W1d.grad[:, c1], f"{backend} fp8 grad w1 (re-gathered fp8)", FP8_GRAD_TOL)
+        _close(w2.grad, W2d.grad[:, c2], f"{backend} fp8 grad w2", FP8_GRAD_TOL)
+        # return_gathered (its fp8 reused for the weight gradient), one output unused
+        x = X[rows].clone().requires_grad_()
+        w1, w2 = W1[:, c1].clone().requires_grad_(), W2[:, c2].clone().requires_grad_()
+        res = all_gather_matmul_fp8(x, [w1, w2], tp, return_gathered=True, out_dtype=torch.float32, backend=backend)
+        _close(res.gathered.dequantize(), _fake_fp8(X, -1), f"{backend} fp8 gathered", 0)
+        (res.outputs[0] * G1[:, c1]).sum().backward()
+        assert w2.grad is None, backend
+        _close(x.grad, X1.grad[rows], f"{backend} fp8 grad x (one output)", FP8_GRAD_TOL)
+        _close(w1.grad, W1d.grad[:, c1], f"{backend} fp8 grad w1 (returned gathered)", FP8_GRAD_TOL)
+        # pre-quantized operands get no gradient: fp8 x with float w, float x with fp8 w
+        w1 = W1[:, c1].clone().requires_grad_()
+        (o1,) = all_gather_matmul_fp8(quantize_fp8_per_token(X[rows]), [w1], tp, out_dtype=torch.float32,
+                                      backend=backend).outputs
+        (o1 * G1[:, c1]).sum().backward()
+        _close(w1.grad, W1d.grad[:, c1], f"{backend} fp8 grad w1 (fp8 x)", FP8_GRAD_TOL)
+        x = X[rows].clone().requires_grad_()
+        (o1,) = all_gather_matmul_fp8(x, [quantize_fp8_weight(W1[:, c1])], tp, out_dtype=torch.float32,
+                                      backend=backend).outputs
+        (o1 * G1[:, c1]).sum().backward()
+        _close(x.grad, X1.grad[rows], f"{backend} fp8 grad x (fp8 w)", FP8_GRAD_TOL)
+    # gather along dim 1 of [B, P*m, K], bf16 outputs: the gradients stay fp32 (the input's dtype)
+    X3 = torch.randn(2, P * m, K, generator=g)
+    G3 = torch.randn(2, P * m, P * n1, generator=g).bfloat16().float()
+    X3d, W1d = X3.clone().requires_grad_(), W1.clone().requires_grad_()
+    ((_ste(X3d, -1) @ _ste(W1d, 0)) * G3).sum().backward()
+    for backend in OURS:
+        x = X3[:, rows].clone().requires_grad_()
+        w1 = W1[:, c1].clone().requires_grad_()
+        (o1,) = all_gather_matmul_fp8(x, [w1], tp, gather_dim=1, backend=backend).outputs
+        assert o1.dtype == torch.bfloat16, o1.dtype
+        (o1.float() * G3[..., c1]).sum().backward()
+        assert x.grad.dtype == torch.float32 and w1.grad.dtype == torch.float32
+        _close(x.grad, X3d.grad[:, rows], f"{backend} fp8 grad x gather_dim=1", FP8_GRAD_TOL)
+        _close(w1.grad, W1d.grad[:, c1], f"{backend} fp8 grad w1 gather_dim=1", FP8_GRAD_TOL)
+
+
+def fp8_matmul_reduce_scatter_gradients_match_dense_ste(tp, r, P):
+    m, k, N = 2, 32, 16
+    g = _gen(16)
+    X = torch.randn(P * m, P * k, generator=g)  # row-parallel: rank r holds K columns of x, K rows of w
+    W = torch.randn(P * k, N, generator=g)
+    G = torch.randn(P * m, N, generator=g).bfloat16().float()
+    Xd, Wd = X.clone().requires_grad_(), W.clone().requires_grad_()
+    dense = sum(_ste(Xd[:, q * k:(q + 1) * k], -1) @ _ste(Wd[q * k:(q + 1) * k], 0) for q in range(P))
+    (dense * G).sum().backward()
+    ks, rows = slice(r * k, (r + 1) * k), slice(r * m, (r + 1) * m)
+    for backend in OURS:
+        for out_dtype in (torch.float32, torch.bfloat16):
+            x, w = X[:, ks].clone().requires_grad_(), W[ks].clone().requires_grad_()
+            out = matmul_reduce_scatter_fp8(x, w, tp, out_dtype=out_dtype, backend=backend)
+            if out_dtype == torch.float32:
+                _close(out, dense.detach()[rows], f"{backend} fp8 forward", FP8_GRAD_TOL)
+            else:  # partial sums travel (and are rounded) in bf16: 8 bits a partial
+                err = ((out.float() - dense.detach()[rows]).norm() / dense.detach()[rows].norm()).item()
+                assert err < 1e-2, f"{backend} bf16 fp8 forward error {err}"
+            (out.float() * G[rows]).sum().backward()
+            _close(x.grad, Xd.grad[:, ks], f"{backend} {out_dtype} fp8 grad x", FP8_GRAD_TOL)
+            _close(w.grad, Wd.grad[ks], f"{backend} {out_dtype} fp8 grad w", FP8_GRAD_TOL)
+        # weight gradient alone (the output gradient is only gathered, no matmul)
+        w = W[ks].clone().requires_grad_()
+        out = matmul_reduce_scatter_fp8(X[:, ks], w, tp, out_dtype=torch.float32, backend=backend)
+        (out * G[rows]).sum().backward()
+        _close(w.grad, Wd.grad[ks], f"{backend} fp8 grad w alone", FP8_GRAD_TOL)
+
+
+def fp8_rms_norm_quantize_all_gather_gradients_match_dense_ste(tp, r, P):
+    m, Hd, eps = 3, 16, 1e-6
+    g = _gen(17)
+    X = torch.randn(P * m, Hd, generator=g) * 2
+    NW = torch.rand(Hd, generator=g) + 0.5
+    Hs = torch.randn(P, P * m, Hd, generator=g)  # rank q's weighting of the gathered values
+    Xd, NWd = X.clone().requires_grad_(), NW.clone().requires_grad_()
+    normed = Xd / torch.sqrt((Xd ** 2).mean(-1, keepdim=True) + eps) * NWd
+    (_ste(normed, -1) * Hs.sum(0)).sum().backward()
+    rows = slice(r * m, (r + 1) * m)
+    x, nw = X[rows].clone().requires_grad_(), NW.clone().requires_grad_()
+    got = rms_norm_quantize_all_gather(x, nw, tp, eps=eps)
+    plain = rms_norm_quantize_all_gather(X[rows], NW, tp, eps=eps)  # no grad: the same fp8 bytes
+    assert torch.equal(got.data.view(torch.uint8), plain.data.view(torch.uint8)) and torch.equal(got.scale, plain.scale)
+    _close(got.dequantize(), plain.dequantize(), "ste value = dequantized", 0)
+    (got.dequantize() * Hs[r]).sum().backward()
+    _close(x.grad, Xd.grad[rows], "rms_norm_quantize_all_gather grad x", FP8_GRAD_TOL)
+    nw_grad = nw.grad.clone()  # this rank's tokens only: the SP region all-reduces it
+    if P > 1:
+        torch.distributed.all_reduce(nw_grad, group=tp.group)
+    _close(nw_grad, NWd.grad, "rms_norm_quantize_all_gather grad norm weight (all-reduced)", FP8_GRAD_TOL)
+
+
 def bad_inputs_raise_value_errors_naming_the_values(tp, r, P):
     def expect(fn, *needles):
         try:

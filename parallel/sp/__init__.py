@@ -6,7 +6,8 @@
   decomposed so each rank's block is multiplied while the next one travels; backends
   "decomposed" (P2P ring / pairwise sends, any torch.distributed backend), "symm_mem" (PyTorch's fused
   symmetric-memory ops, CUDA), "reference" (plain collectives); with autograd (`ops.py`).
-- FP8: quantize the token shard before the gather and run scaled matmuls (`fp8.py`).
+- FP8: quantize the token shard before the gather and run scaled matmuls; differentiable
+  with a straight-through, high-precision backward (`fp8.py`).
 - `ColumnParallelLinear` / `RowParallelLinear` with `sequence_parallel` and `overlap`
   options, loadable from full weights (`modules.py`).
 """

@@ -19,7 +19,24 @@ Tolerance: E4M3 keeps 3 mantissa bits (relative rounding error <= 2^-4, ~2^-4/sq
 rms), so a product of quantized activations and weights differs from the fp32 product by a
 relative Frobenius error of about 0.035 on random data; the tests bound it by `FP8_REL_TOL`.
 Against a reference computed from the same quantized values the backends agree to fp32
-rounding. No autograd here (inference / forward of FP8 training recipes).
+rounding.
+
+Autograd (the recipe of Float8 training, e.g. torchao's Float8Linear, with a high-precision
+backward): `all_gather_matmul_fp8`, `matmul_reduce_scatter_fp8` and
+`rms_norm_quantize_all_gather` are differentiable when given high-precision tensors that
+require grad (x as a float tensor; weights as float [K, N] tensors, quantized here with
+`quantize_fp8_weight`). The forward is exactly the fp8 forward above. The backward treats
+each quantize -> dequantize as the identity (straight-through estimator, STE) and computes
+in the input's high-precision dtype from the *dequantized* fp8 operands saved by the
+forward (1 byte a value kept, not the float input):
+    y = deq(q(x)) @ deq(q(w))   =>   dx = dy @ deq(q(w))^T,   dw = deq(q(x))^T @ dy.
+The input gradient of all-gather-matmul is a (high-precision) matmul-reduce-scatter of the
+output gradient, and that of matmul-reduce-scatter an all-gather-matmul, both run by the
+engines of `ops.py` (same backend choice; "symm_mem" where available). The weight gradient
+of all-gather-matmul re-gathers the fp8 shard (half the bytes) unless it was returned.
+Inputs given already quantized (`Fp8Activation`, `Fp8Weight`) receive no gradient; the
+quantizers themselves (`quantize_fp8_per_token`, ...) are not differentiable. Calls with no
+gradient needed (no_grad, or nothing requires grad) run the plain forward, unchanged.
 """
 
 from __future__ import annotations
@@ -32,7 +49,16 @@ import torch.distributed as dist
 
 from ..comm import all_gather_uneven, reduce_scatter_uneven, resolve_group, to_wire
 from ..groups import Group
-from .ops import Backend, check_dim, resolve_backend, rows_view, symm_mem_group_name
+from .ops import (
+    Backend,
+    _all_gather_matmul_impl,
+    _matmul_reduce_scatter_impl,
+    _weight_grad,
+    check_dim,
+    resolve_backend,
+    rows_view,
+    symm_mem_group_name,
+)
 from .ring import RingPeers, pairwise_reduce_scatter, ring_all_gather
 
 FP8_DTYPE = torch.float8_e4m3fn
@@ -51,8 +77,15 @@ class Fp8Activation:
     """[..., K] float8_e4m3fn"""
     scale: torch.Tensor
     """[..., 1] float32, one scale per token"""
+    ste: torch.Tensor | None = None
+    """[..., K] float32 equal to data * scale and attached to the autograd graph of the
+    high-precision input through the straight-through estimator; set only by a differentiable
+    producer (`rms_norm_quantize_all_gather` with an input that requires grad), else None"""
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """data * scale in dtype; differentiable (STE) when `ste` is set."""
+        if self.ste is not None:
+            return self.ste.to(dtype)
         return (self.data.float() * self.scale).to(dtype)
 
 
@@ -104,12 +137,16 @@ def quantize_fp8_weight(w: torch.Tensor) -> Fp8Weight:
 
 def rms_norm_quantize_fp8(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6) -> Fp8Activation:
     """RMSNorm (fp32 math) then per-token FP8: x [..., H] float, weight [H] -> Fp8Activation [..., H]."""
+    return quantize_fp8_per_token(_rms_norm_fp32("rms_norm_quantize_fp8", x, weight, eps))
+
+
+def _rms_norm_fp32(op: str, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """x [..., H] float, weight [H] -> RMSNorm(x) * weight [..., H] float32 (differentiable torch ops)."""
     if weight.shape != x.shape[-1:]:
-        raise ValueError(f"rms_norm_quantize_fp8: weight has shape {tuple(weight.shape)}, expected "
+        raise ValueError(f"{op}: weight has shape {tuple(weight.shape)}, expected "
                          f"[{x.shape[-1]}] for x of shape {tuple(x.shape)}")
     xf = x.float()
-    normed = xf * torch.rsqrt(xf.pow(2).mean(dim=-1, keepdim=True) + eps) * weight.float()
-    return quantize_fp8_per_token(normed)
+    return xf * torch.rsqrt(xf.pow(2).mean(dim=-1, keepdim=True) + eps) * weight.float()
 
 
 def scaled_matmul(a: Fp8Activation, w: Fp8Weight, out_dtype: torch.dtype = torch.bfloat16,
@@ -140,7 +177,8 @@ def _check_fp8_operands(op: str, a: Fp8Activation, weights: Sequence[Fp8Weight])
     k = a.data.shape[-1]
     for i, w in enumerate(weights):
         if not isinstance(w, Fp8Weight) or w.data.dtype != FP8_DTYPE:
-            raise ValueError(f"{op}: weight {i} must be an Fp8Weight (see quantize_fp8_weight)")
+            raise ValueError(f"{op}: weight {i} must be an Fp8Weight (see quantize_fp8_weight) or a float "
+                             f"[K, N] tensor, got {type(w).__name__} {getattr(w, 'dtype', '')}")
         if w.data.dim() != 2 or w.data.shape[0] != k:
             raise ValueError(f"{op}: weight {i} has shape {tuple(w.data.shape)}, expected [K={k}, N]")
         if a.data.is_cuda and (k % 16 or w.data.shape[1] % 16):
@@ -148,7 +186,24 @@ def _check_fp8_operands(op: str, a: Fp8Activation, weights: Sequence[Fp8Weight])
 
 
 def _as_fp8(x: torch.Tensor | Fp8Activation) -> Fp8Activation:
-    return x if isinstance(x, Fp8Activation) else quantize_fp8_per_token(x)
+    return x if isinstance(x, Fp8Activation) else quantize_fp8_per_token(x.detach())
+
+
+def _as_fp8_weight(w: torch.Tensor | Fp8Weight) -> Fp8Weight | torch.Tensor:
+    """A float [K, N] tensor quantized (per output column); anything else returned for the checks to name."""
+    if isinstance(w, torch.Tensor) and w.is_floating_point() and w.element_size() >= 2 and w.dim() == 2:
+        return quantize_fp8_weight(w.detach())
+    return w
+
+
+def _wants_grad(*args: object) -> bool:
+    """Autograd is recorded: grad mode is on and a high-precision tensor argument requires grad."""
+    return torch.is_grad_enabled() and any(isinstance(a, torch.Tensor) and a.requires_grad for a in args)
+
+
+def _gather_hp(x: torch.Tensor, group: GroupLike, dim: int) -> torch.Tensor:
+    _, _, size = resolve_group(group)
+    return all_gather_uneven(x, group, dim, sizes=[x.shape[dim]] * size)
 
 
 def all_gather_fp8(q_shard: Fp8Activation, group: GroupLike, *, gather_dim: int = 0) -> Fp8Activation:
@@ -160,30 +215,56 @@ def all_gather_fp8(q_shard: Fp8Activation, group: GroupLike, *, gather_dim: int 
     return Fp8Activation(data, scale)
 
 
+class _QuantizeAllGather(torch.autograd.Function):
+    """normed shard [.., m, .., H] float32 -> deq(q(all_gather)) [.., P * m, .., H] float32; STE backward.
+
+    The fp8 bytes and scales of the gather are handed out through `box` (not autograd outputs).
+    """
+
+    @staticmethod
+    def forward(ctx, normed: torch.Tensor, group, gather_dim: int, box: dict):
+        gathered = all_gather_fp8(quantize_fp8_per_token(normed.detach()), group, gather_dim=gather_dim)
+        ctx.group, ctx.gather_dim = group, gather_dim
+        box["gathered"] = gathered
+        return gathered.dequantize()
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        # d deq(q(v)) / dv := identity (STE); the gather's adjoint is a reduce-scatter (sum) in fp32
+        _, _, size = resolve_group(ctx.group)
+        if size > 1:
+            m = grad.shape[ctx.gather_dim] // size
+            grad = reduce_scatter_uneven(grad.contiguous(), [m] * size, ctx.group, ctx.gather_dim)
+        return grad, None, None, None
+
+
 def rms_norm_quantize_all_gather(x_shard: torch.Tensor, norm_weight: torch.Tensor, group: GroupLike, *,
                                  eps: float = 1e-6, gather_dim: int = 0) -> Fp8Activation:
     """The SP-region sequence: RMSNorm and quantize this rank's tokens, then gather the fp8 bytes.
 
     x_shard: [..., m, ..., H] float; norm_weight: [H] -> Fp8Activation [..., P * m, ..., H].
+
+    Gradients: when x_shard or norm_weight requires grad (and grad mode is on), the result
+    also carries `ste`, the gathered values deq(q(RMSNorm(x))) [..., P * m, ..., H] float32
+    on the autograd graph, which `dequantize()` returns. Backward: the gradient reaching
+    `ste` is reduce-scattered (sum over ranks, fp32) to this rank's tokens, passed through
+    the quantizer unchanged (STE) and through the fp32 RMSNorm to x_shard and norm_weight
+    (norm_weight's gradient is this rank's partial sum over its tokens, as for any SP-region
+    parameter: all-reduce it over the group). The fp8 bytes are the same as without grad.
     """
-    q = rms_norm_quantize_fp8(x_shard, norm_weight, eps)
-    return all_gather_fp8(q, group, gather_dim=check_dim(q.data, gather_dim, "gather_dim"))
+    if not _wants_grad(x_shard, norm_weight):
+        q = rms_norm_quantize_fp8(x_shard, norm_weight, eps)
+        return all_gather_fp8(q, group, gather_dim=check_dim(q.data, gather_dim, "gather_dim"))
+    normed = _rms_norm_fp32("rms_norm_quantize_all_gather", x_shard, norm_weight, eps)
+    box: dict = {}
+    ste = _QuantizeAllGather.apply(normed, group, check_dim(normed, gather_dim, "gather_dim"), box)
+    gathered = box["gathered"]
+    return Fp8Activation(gathered.data, gathered.scale, ste)
 
 
-def all_gather_matmul_fp8(x_shard: torch.Tensor | Fp8Activation, weights: Sequence[Fp8Weight], group: GroupLike,
-                          *, gather_dim: int = 0, return_gathered: bool = False,
-                          out_dtype: torch.dtype = torch.bfloat16, backend: Backend = "auto") -> Fp8GatherMatmulResult:
-    """`[all_gather(q) @ w for w in weights]` with q the per-token FP8 of x_shard, gathered in fp8.
-
-    x_shard: [..., m, ..., K] float (quantized here, before the gather) or an Fp8Activation
-    (e.g. from `rms_norm_quantize_fp8`). weights: Fp8Weight [K, N_i] each. Backends as in
-    `all_gather_matmul` ("symm_mem" uses `torch.ops.symm_mem.fused_all_gather_scaled_matmul`).
-    """
-    q = _as_fp8(x_shard)
-    weights = list(weights)
-    _check_fp8_operands("all_gather_matmul_fp8", q, weights)
-    gather_dim = check_dim(q.data, gather_dim, "gather_dim")
-    chosen = resolve_backend(backend, q.data, group)
+def _all_gather_matmul_fp8_impl(q: Fp8Activation, weights: list[Fp8Weight], group: GroupLike, gather_dim: int,
+                                return_gathered: bool, out_dtype: torch.dtype, chosen: str) -> Fp8GatherMatmulResult:
+    """The forward of `all_gather_matmul_fp8` on checked, quantized operands, backend `chosen` resolved."""
     _, _, size = resolve_group(group)
     if chosen == "local":
         outs = [_scaled_matmul_nd(q, w, out_dtype) for w in weights]
@@ -222,23 +303,79 @@ def all_gather_matmul_fp8(x_shard: torch.Tensor | Fp8Activation, weights: Sequen
     return Fp8GatherMatmulResult([unflatten(o) for o in outs2d], gathered)
 
 
-def matmul_reduce_scatter_fp8(x: torch.Tensor | Fp8Activation, weight: Fp8Weight, group: GroupLike, *,
-                              scatter_dim: int = 0, out_dtype: torch.dtype = torch.bfloat16,
-                              backend: Backend = "auto") -> torch.Tensor:
-    """`reduce_scatter(q @ weight)` with q the per-token FP8 of x; partial sums travel in out_dtype.
+class _AllGatherMatmulFp8(torch.autograd.Function):
+    """Forward: the fp8 all-gather-matmul. Backward (STE, high precision): dx = matmul-reduce-scatter of
+    dy @ deq(w)^T, dw_i = deq(all_gather(q))^T @ dy_i. x_in / weights are the caller's high-precision
+    tensors (graph inputs only); q / qws their fp8 forms; the result's gathered input goes out via `box`."""
 
-    x: [..., M, ..., K] float or Fp8Activation, M divisible by P; weight: Fp8Weight [K, N].
-    Backends "decomposed" and "reference" ("auto" and "symm_mem" run "decomposed": the fused
-    symmetric-memory scaled variant is not wired here).
+    @staticmethod
+    def forward(ctx, q: Fp8Activation, qws: list[Fp8Weight], group, gather_dim: int, return_gathered: bool,
+                out_dtype: torch.dtype, chosen: str, bw_backend: str, box: dict, x_in, *weights):
+        res = _all_gather_matmul_fp8_impl(q, qws, group, gather_dim, return_gathered, out_dtype, chosen)
+        box["gathered"] = res.gathered
+        ctx.set_materialize_grads(False)  # an unused output's gradient stays None: no work for it
+        ctx.q, ctx.qws, ctx.gathered = q, qws, res.gathered  # fp8: 1 byte a value kept for backward
+        ctx.group, ctx.gather_dim, ctx.bw_backend = group, gather_dim, bw_backend
+        ctx.x_dtype = x_in.dtype if isinstance(x_in, torch.Tensor) else None
+        ctx.w_dtypes = [w.dtype if isinstance(w, torch.Tensor) else None for w in weights]
+        return tuple(res.outputs)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        first_w = 10  # index of the first weight among forward's inputs
+        group, gd = ctx.group, ctx.gather_dim
+        grad_x = None
+        if ctx.needs_input_grad[first_w - 1]:
+            hp = ctx.x_dtype
+            used = [(g, qw) for g, qw in zip(grads, ctx.qws) if g is not None]
+            if used:
+                g_cat = torch.cat([g.to(hp) for g, _ in used], dim=-1).contiguous()          # [.., P*m, .., sum N]
+                w_cat = torch.cat([qw.dequantize(hp) for _, qw in used], dim=1)             # [K, sum N]
+                grad_x = _matmul_reduce_scatter_impl(g_cat, w_cat.t(), group, gd, ctx.bw_backend)
+        grad_ws: list[torch.Tensor | None] = [None] * len(ctx.qws)
+        if any(ctx.needs_input_grad[first_w:]):
+            full = ctx.gathered if ctx.gathered is not None else all_gather_fp8(ctx.q, group, gather_dim=gd)
+            for i, g in enumerate(grads):
+                if g is not None and ctx.needs_input_grad[first_w + i]:
+                    dt = ctx.w_dtypes[i]
+                    grad_ws[i] = _weight_grad(full.dequantize(dt), g.to(dt))
+        return (None,) * (first_w - 1) + (grad_x, *grad_ws)
+
+
+def all_gather_matmul_fp8(x_shard: torch.Tensor | Fp8Activation, weights: Sequence[Fp8Weight | torch.Tensor],
+                          group: GroupLike, *, gather_dim: int = 0, return_gathered: bool = False,
+                          out_dtype: torch.dtype = torch.bfloat16, backend: Backend = "auto") -> Fp8GatherMatmulResult:
+    """`[all_gather(q) @ w for w in weights]` with q the per-token FP8 of x_shard, gathered in fp8.
+
+    x_shard: [..., m, ..., K] float (quantized here, before the gather) or an Fp8Activation
+    (e.g. from `rms_norm_quantize_fp8`). weights: Fp8Weight [K, N_i] each, or float [K, N_i]
+    tensors (quantized here per output column). Backends as in `all_gather_matmul`
+    ("symm_mem" uses `torch.ops.symm_mem.fused_all_gather_scaled_matmul`).
+
+    Gradients (when a float x_shard or weight requires grad): straight-through estimator,
+    computed in the high-precision dtype of each input: grad x_shard = reduce_scatter(
+    sum_i dy_i @ deq(q(w_i))^T) (one matmul-reduce-scatter of the concatenated output
+    gradients, `ops.py` engines), grad w_i = deq(all_gather(q(x)))^T @ dy_i (the fp8 shard
+    is re-gathered in backward unless `return_gathered`). `gathered` carries no gradient.
     """
-    q = _as_fp8(x)
-    _check_fp8_operands("matmul_reduce_scatter_fp8", q, [weight])
-    scatter_dim = check_dim(q.data, scatter_dim, "scatter_dim")
-    chosen = resolve_backend("decomposed" if backend in ("auto", "symm_mem") else backend, q.data, group)
+    weights = list(weights)
+    q = _as_fp8(x_shard)
+    qws = [_as_fp8_weight(w) for w in weights]
+    _check_fp8_operands("all_gather_matmul_fp8", q, qws)
+    gather_dim = check_dim(q.data, gather_dim, "gather_dim")
+    chosen = resolve_backend(backend, q.data, group)
+    if not _wants_grad(x_shard, *weights):
+        return _all_gather_matmul_fp8_impl(q, qws, group, gather_dim, return_gathered, out_dtype, chosen)
+    box: dict = {}
+    outs = _AllGatherMatmulFp8.apply(q, qws, group, gather_dim, return_gathered, out_dtype, chosen, chosen, box,
+                                     x_shard, *weights)
+    return Fp8GatherMatmulResult(list(outs), box["gathered"])
+
+
+def _matmul_reduce_scatter_fp8_impl(q: Fp8Activation, weight: Fp8Weight, group: GroupLike, scatter_dim: int,
+                                    out_dtype: torch.dtype, chosen: str) -> torch.Tensor:
+    """The forward of `matmul_reduce_scatter_fp8` on checked, quantized operands, backend `chosen` resolved."""
     _, _, size = resolve_group(group)
-    if q.data.shape[scatter_dim] % size:
-        raise ValueError(f"matmul_reduce_scatter_fp8: x.shape[{scatter_dim}] = {q.data.shape[scatter_dim]} is not "
-                         f"divisible by the group size {size}; pad it first (parallel.sp.sp_pad)")
     if chosen == "local":
         return _scaled_matmul_nd(q, weight, out_dtype)
     data2d, unflatten = rows_view(q.data, scatter_dim)
@@ -255,6 +392,64 @@ def matmul_reduce_scatter_fp8(x: torch.Tensor | Fp8Activation, weight: Fp8Weight
         y2d = pairwise_reduce_scatter(produce, RingPeers.of(group), data2d.new_empty((), dtype=out_dtype),
                                       (m, weight.data.shape[1]))
     return unflatten(y2d)
+
+
+class _MatmulReduceScatterFp8(torch.autograd.Function):
+    """Forward: the fp8 matmul-reduce-scatter. Backward (STE, high precision): dx = all-gather-matmul of
+    dy with deq(w)^T (which also returns the gathered dy), dw = deq(q(x))^T @ all_gather(dy)."""
+
+    @staticmethod
+    def forward(ctx, q: Fp8Activation, qw: Fp8Weight, group, scatter_dim: int, out_dtype: torch.dtype,
+                chosen: str, bw_backend: str, x_in, w_in):
+        ctx.q, ctx.qw = q, qw
+        ctx.group, ctx.scatter_dim, ctx.bw_backend = group, scatter_dim, bw_backend
+        ctx.x_dtype = x_in.dtype if isinstance(x_in, torch.Tensor) else None
+        ctx.w_dtype = w_in.dtype if isinstance(w_in, torch.Tensor) else None
+        return _matmul_reduce_scatter_fp8_impl(q, qw, group, scatter_dim, out_dtype, chosen)
+
+    @staticmethod
+    def backward(ctx, grad_out: torch.Tensor):
+        group, sd = ctx.group, ctx.scatter_dim
+        grad_x = grad_w = None
+        if ctx.needs_input_grad[7]:
+            g_full, (grad_x,) = _all_gather_matmul_impl(grad_out.to(ctx.x_dtype).contiguous(),
+                                                        [ctx.qw.dequantize(ctx.x_dtype).t()], group, sd,
+                                                        ctx.bw_backend, need_gathered=True)
+        else:
+            g_full = _gather_hp(grad_out.contiguous(), group, sd)
+        if ctx.needs_input_grad[8]:
+            grad_w = _weight_grad(ctx.q.dequantize(ctx.w_dtype), g_full.to(ctx.w_dtype))
+        return None, None, None, None, None, None, None, grad_x, grad_w
+
+
+def matmul_reduce_scatter_fp8(x: torch.Tensor | Fp8Activation, weight: Fp8Weight | torch.Tensor, group: GroupLike,
+                              *, scatter_dim: int = 0, out_dtype: torch.dtype = torch.bfloat16,
+                              backend: Backend = "auto") -> torch.Tensor:
+    """`reduce_scatter(q @ weight)` with q the per-token FP8 of x; partial sums travel in out_dtype.
+
+    x: [..., M, ..., K] float or Fp8Activation, M divisible by P; weight: Fp8Weight [K, N] or a
+    float [K, N] tensor (quantized here per output column). Backends "decomposed" and
+    "reference" ("auto" and "symm_mem" run "decomposed": the fused symmetric-memory scaled
+    variant is not wired here).
+
+    Gradients (when a float x or weight requires grad): straight-through estimator, in the
+    high-precision dtype of each input: grad x = all_gather(dy) @ deq(q(w))^T (one
+    all-gather-matmul of the output gradient, `ops.py` engines; `backend` as given, so
+    "auto" may use the symmetric-memory op there), grad w = deq(q(x))^T @ all_gather(dy).
+    """
+    q = _as_fp8(x)
+    qw = _as_fp8_weight(weight)
+    _check_fp8_operands("matmul_reduce_scatter_fp8", q, [qw])
+    scatter_dim = check_dim(q.data, scatter_dim, "scatter_dim")
+    chosen = resolve_backend("decomposed" if backend in ("auto", "symm_mem") else backend, q.data, group)
+    _, _, size = resolve_group(group)
+    if q.data.shape[scatter_dim] % size:
+        raise ValueError(f"matmul_reduce_scatter_fp8: x.shape[{scatter_dim}] = {q.data.shape[scatter_dim]} is not "
+                         f"divisible by the group size {size}; pad it first (parallel.sp.sp_pad)")
+    if not _wants_grad(x, weight):
+        return _matmul_reduce_scatter_fp8_impl(q, qw, group, scatter_dim, out_dtype, chosen)
+    bw_backend = resolve_backend(backend, q.data, group)
+    return _MatmulReduceScatterFp8.apply(q, qw, group, scatter_dim, out_dtype, chosen, bw_backend, x, weight)
 
 
 def _scaled_matmul_nd(q: Fp8Activation, w: Fp8Weight, out_dtype: torch.dtype) -> torch.Tensor:
