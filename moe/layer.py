@@ -24,8 +24,27 @@ Expert load: every forward counts the tokens per logical expert with one scatter
 (`layer.expert_counts`, [E] int64, this rank's tokens); with `eplb=` the ids are mapped to
 physical slots through `Eplb.route`, which records the per-slot counts for rebalancing.
 
-Backends: "python" (this module: router -> parallel.ep -> moe.kernels); "mega_moe" is the
-seam for DeepGEMM's fused Blackwell kernel (checked and refused with the reason for now).
+Forward paths (`path=`):
+- "device": every shape fixed by the token count, counts and offsets on the device, no host
+  synchronization, so `torch.cuda.graph` can capture a forward (see `moe.graphs` for a helper
+  that captures several batch sizes). Routing (one launch), the permutation of the T*K pairs
+  by local expert (`parallel.ep.static.plan_static`: one launch at decode sizes), one gather of
+  the rows, the two grouped GEMMs (SwiGLU in the first one's epilogue; grids sized from T*K,
+  experts without rows skipped on the device), one gather-reduce for the fp32 weighted top-k
+  sum; the shared expert runs on a side stream on CUDA, overlapped with the routed experts.
+  Runs at EP = 1, in the "replicated" token mode (one all-reduce), and at EP > 1 in
+  "sequence_parallel" mode through the fixed-size all-gather transport (`max_tokens` per rank).
+- "host": the `parallel.ep` Dispatcher (a census per dispatch learns the split sizes on the
+  host), with autograd and the overlapped chunk pipeline; needed for all-to-all at EP > 1.
+- "auto" (default): "host" when autograd needs the forward (the device path is inference
+  only), when EP > 1 in sequence_parallel mode has no `max_tokens`, when the transport asked
+  for is "all_to_all", or when T exceeds `ALLGATHER_MAX_TOKENS` per rank at EP > 1 (large
+  prefill is cheaper with the all-to-all, which moves each token only to the ranks it needs);
+  "device" otherwise, at every T at EP = 1.
+
+Ids outside the expert range (a corrupted hash table or EPLB map) are routed nowhere on the
+device path and counted in `layer.bad_ids` (int32 [1], on the device); `layer.raise_on_bad_ids()`
+reads it (one sync) and raises, naming the count. The host path checks them at dispatch.
 
 Loading: `load_deepseek(state)` takes DeepSeek names relative to the MoE module
 (`gate.weight`, `gate.e_score_correction_bias`, `gate.tid2eid`, `experts.{e}.w1/w2/w3.weight`
@@ -34,6 +53,8 @@ Loading: `load_deepseek(state)` takes DeepSeek names relative to the MoE module
 
 from __future__ import annotations
 
+import os
+import warnings
 from dataclasses import dataclass, replace
 from typing import Any, Literal, Mapping
 
@@ -44,27 +65,20 @@ from torch import nn
 from moe.experts import EXPERT_FORMATS, GATE_UP_LAYOUTS, Experts, SharedExpert
 from moe.router import SCORING_FUNCS, Router, Scoring
 from parallel import comm
+from parallel.ep import static
+from parallel.ep.layout import gather_reduce, gather_rows
 from parallel.groups import Group
 from parallel.ubatch import ubatch_yield
 
 TOKEN_MODES: tuple[str, ...] = ("replicated", "sequence_parallel")
-LAYER_BACKENDS: tuple[str, ...] = ("python", "mega_moe")
-
-
-def _check_mega_moe() -> None:
-    """The seam for DeepGEMM's fused MegaMoE (`deep_gemm.fp8_fp4_mega_moe`: dispatch, FP8 x FP4
-    expert GEMMs and combine in one kernel; Blackwell only). Not wired yet: says why."""
-    try:
-        import deep_gemm
-    except ImportError:
-        raise ValueError("backend='mega_moe' needs DeepGEMM (pip install deepinfer-gemm) on a Blackwell "
-                         "(sm_100) GPU; use backend='python'") from None
-    if not hasattr(deep_gemm, "fp8_fp4_mega_moe"):
-        raise ValueError("this deep_gemm has no fp8_fp4_mega_moe; use backend='python'")
-    if not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] < 10:
-        raise ValueError("backend='mega_moe' runs on Blackwell (sm_100) GPUs only; use backend='python'")
-    raise ValueError("backend='mega_moe' is not wired into MoELayer yet (no Blackwell machine to test it); "
-                     "use backend='python'")
+PATHS: tuple[str, ...] = ("auto", "device", "host")
+TRANSPORTS: tuple[str, ...] = ("auto", "all_to_all", "allgather")
+# At EP > 1 (sequence_parallel tokens), "auto" takes the device path's all-gather transport up to
+# this many tokens per rank and the host path's all-to-all above it. Users of vLLM, SGLang and
+# Megatron report all-gather/reduce-scatter winning at decode sizes for EP <= 8; the crossover
+# has not been measured by megapar yet (it needs a multi-GPU machine: `megapar bench moe
+# --device cuda --world-size 8`). MEGAPAR_ALLGATHER_MAX_TOKENS overrides it.
+ALLGATHER_MAX_TOKENS = int(os.environ.get("MEGAPAR_ALLGATHER_MAX_TOKENS", "256"))
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -204,26 +218,53 @@ class MoELayer(nn.Module):
         ep_group: Group | dist.ProcessGroup | None = None,
         *,
         tokens: Literal["replicated", "sequence_parallel"] = "sequence_parallel",
+        path: Literal["auto", "device", "host"] = "auto",
+        transport: Literal["auto", "all_to_all", "allgather"] = "auto",
+        kernels: str = "auto",
+        max_tokens: int | None = None,
         overlap_chunks: int | None = None,
-        dispatcher_backend: str = "auto",
         align: int = 1,
-        backend: Literal["python", "mega_moe"] = "python",
-        kernel_backend: str = "auto",
         eplb: Any = None,
         layer_index: int = 0,
         device: torch.device | str | None = None,
+        dispatcher_backend: str | None = None,
+        kernel_backend: str | None = None,
+        backend: str | None = None,
     ) -> None:
         """ep_group: a parallel Group, a ProcessGroup, or None for EP = 1 (no communication, even
-        when torch.distributed is initialized). dispatcher_backend / align: `parallel.ep`
-        make_dispatcher options; kernel_backend: `moe.kernels.expert_ffn` backend. eplb: a `parallel.ep.eplb_state.Eplb` shared by the
-        model's MoE layers (physical slots, load tracking), with `layer_index` this layer's row."""
+        when torch.distributed is initialized).
+        path: which forward runs (module docstring). transport: how tokens reach other EP ranks
+        ("allgather": fixed-size all-gather + reduce-scatter, device path; "all_to_all": the
+        host-synced dispatcher; "auto" picks by token count). kernels: the expert GEMM
+        implementation (`moe.kernels.expert_ffn` backend: "auto", "torch", "torch_grouped_mm",
+        "triton_w4a16", "triton_w4a8"). max_tokens: the most tokens one rank brings to one call
+        (static shapes of the all-gather transport at EP > 1). overlap_chunks / align: host path
+        options (chunked dispatch overlap; expert block padding). eplb: a
+        `parallel.ep.eplb_state.Eplb` shared by the model's MoE layers (physical slots, load
+        tracking), with `layer_index` this layer's row.
+        Deprecated names: dispatcher_backend (= transport), kernel_backend (= kernels), backend
+        ("python", the only layer implementation)."""
         super().__init__()
+        if dispatcher_backend is not None:
+            warnings.warn("MoELayer(dispatcher_backend=) is deprecated; use transport=", DeprecationWarning, stacklevel=2)
+            transport = dispatcher_backend  # type: ignore[assignment]
+        if kernel_backend is not None:
+            warnings.warn("MoELayer(kernel_backend=) is deprecated; use kernels=", DeprecationWarning, stacklevel=2)
+            kernels = kernel_backend
+        if backend is not None:
+            if backend != "python":
+                raise ValueError(f"MoELayer backend={backend!r} is not implemented; the layer has one implementation "
+                                 "(omit backend=; choose kernels= and transport= instead)")
+            warnings.warn("MoELayer(backend='python') is deprecated; omit it", DeprecationWarning, stacklevel=2)
         if tokens not in TOKEN_MODES:
             raise ValueError(f"unknown tokens mode {tokens!r}; valid: {', '.join(TOKEN_MODES)}")
-        if backend not in LAYER_BACKENDS:
-            raise ValueError(f"unknown MoE layer backend {backend!r}; valid: {', '.join(LAYER_BACKENDS)}")
-        if backend == "mega_moe":
-            _check_mega_moe()
+        if path not in PATHS:
+            raise ValueError(f"unknown MoE forward path {path!r}; valid: {', '.join(PATHS)}")
+        if transport not in TRANSPORTS:
+            raise ValueError(f"unknown EP transport {transport!r}; valid: {', '.join(TRANSPORTS)}")
+        if max_tokens is not None and (not isinstance(max_tokens, int) or isinstance(max_tokens, bool)
+                                       or max_tokens < 1):
+            raise ValueError(f"max_tokens ({max_tokens!r}) must be an int >= 1 or None")
         if ep_group is None:
             pg, rank, size = None, 0, 1
         else:
@@ -233,13 +274,23 @@ class MoELayer(nn.Module):
             valid = [d for d in range(1, num_slots_total + 1) if num_slots_total % d == 0]
             raise ValueError(f"num_experts ({num_slots_total}{' physical' if eplb is not None else ''}) is not "
                              f"divisible by the EP size ({size}); valid EP sizes: {', '.join(map(str, valid))}")
+        distributed = size > 1 and tokens == "sequence_parallel"
+        if path == "device" and distributed:
+            if transport == "all_to_all":
+                raise ValueError("path='device' at EP > 1 runs on transport='allgather' (or 'auto'); all_to_all "
+                                 "needs host-known split sizes (path='host')")
+            if max_tokens is None:
+                raise ValueError(f"path='device' at EP > 1 (EP size {size}, sequence_parallel tokens) needs "
+                                 "max_tokens: the most tokens one rank brings to a call (every rank pads to it)")
         if overlap_chunks is None:
             overlap_chunks = 1 if size == 1 else 2
         if overlap_chunks < 1:
             raise ValueError(f"overlap_chunks ({overlap_chunks}) must be >= 1")
         self.config, self.tokens, self.overlap_chunks = config, tokens, overlap_chunks
+        self.path, self.transport, self.max_tokens = path, transport, max_tokens
         self.ep_group, self.ep_rank, self.ep_size = pg, rank, size
         self.eplb, self.layer_index = eplb, layer_index
+        self.num_slots_total = num_slots_total
         self.num_slots = num_slots_total // size
         if eplb is not None:
             if eplb.ep_size != size:
@@ -256,7 +307,7 @@ class MoELayer(nn.Module):
         self.experts = Experts(config.num_experts, config.hidden, config.inter, fmt=config.expert_format,
                                local_experts=local, swiglu_limit=config.swiglu_limit, alpha=config.swiglu_alpha,
                                beta=config.swiglu_beta, gate_up=config.gate_up, device=device,
-                               backend=kernel_backend)
+                               backend=kernels)
         if config.num_shared > 0:
             self.shared_experts = SharedExpert(config.hidden, config.num_shared * (config.shared_inter or config.inter),
                                                swiglu_limit=config.shared_swiglu_limit, dtype=config.dtype,
@@ -268,13 +319,22 @@ class MoELayer(nn.Module):
 
         from parallel.ep import make_dispatcher
 
-        distributed = size > 1 and tokens == "sequence_parallel"
         local_group = Group(name="ep_local", group=None, rank=0, size=1, ranks=(rank,))
+        host_transport = "all_to_all" if transport == "auto" else transport
         self.dispatcher = make_dispatcher(ep_group if distributed else local_group,
                                           num_slots_total if distributed else self.num_slots, config.hidden,
-                                          backend=dispatcher_backend if distributed else "auto", align=align)
+                                          backend=host_transport if distributed else "auto", align=align)
+        if not distributed:
+            self._device_transport: Any = (static.ReplicatedTransport(pg) if size > 1
+                                           else static.LocalTransport())
+        elif max_tokens is not None and transport != "all_to_all":
+            self._device_transport = static.AllGatherTransport(pg, size, max_tokens)
+        else:
+            self._device_transport = None
         self.register_buffer("expert_counts", torch.zeros(config.num_experts, dtype=torch.int64, device=device),
                              persistent=False)
+        self.register_buffer("bad_ids", torch.zeros(1, dtype=torch.int32, device=device), persistent=False)
+        self._side_streams: dict[torch.device, Any] = {}
 
     # ---- forward ------------------------------------------------------------------------
 
@@ -288,32 +348,99 @@ class MoELayer(nn.Module):
         if self.shared_experts is not None and x.dtype != self.shared_experts.w1.weight.dtype:
             raise ValueError(f"x is {x.dtype} but the layer's dense weights are {self.shared_experts.w1.weight.dtype}; "
                              f"pass activations in that dtype (or .to() the layer)")
+        if x.device != self.expert_counts.device:
+            raise ValueError(f"x is on {x.device} but the layer's weights are on {self.expert_counts.device}")
         if cfg.hash_layer and input_ids is None:
             raise ValueError("this MoE layer is a hash layer (tid2eid routing) and needs input_ids: [T] token ids")
         shape = x.shape
         x = x.reshape(-1, cfg.hidden)
         if input_ids is not None:
             input_ids = input_ids.reshape(-1)
+        path = self.choose_path(x)
+        side = self._side_stream(x) if self.shared_experts is not None and path == "device" else None
+        shared = None
+        if side is not None:  # the shared expert overlaps the routed experts on a second stream
+            main = torch.cuda.current_stream(x.device)
+            side.wait_stream(main)
+            with torch.cuda.stream(side):
+                shared = self.shared_experts(x)
+            x.record_stream(side)
         routing = self.gate(x, input_ids=input_ids, token_mask=token_mask)
         topk_ids, topk_weights = routing.topk_ids, routing.topk_weights
         self.count_experts(topk_ids)
         if self.eplb is not None:
             topk_ids = self.eplb.route(self.layer_index, topk_ids)
-        if self.tokens == "replicated" and self.ep_size > 1:
+        if path == "device":
+            out = self._routed_device(x, topk_ids, topk_weights)
+        elif self.tokens == "replicated" and self.ep_size > 1:
             out = self._routed_replicated(x, topk_ids, topk_weights)
         else:
             out = self._routed_dispatched(x, topk_ids, topk_weights)
-        if self.shared_experts is not None:
+        if side is not None:
+            main.wait_stream(side)
+            shared.record_stream(main)
+            out = out + shared
+        elif self.shared_experts is not None:
             out = out + self.shared_experts(x)
         return out.reshape(shape)
 
+    def choose_path(self, x: torch.Tensor) -> str:
+        """"device" or "host" for a forward on x [T, H] (see the module docstring)."""
+        if self.path == "host":
+            return "host"
+        needs_grad = torch.is_grad_enabled() and (x.requires_grad or any(p.requires_grad for p in self.parameters()))
+        if self.path == "device":
+            if needs_grad:
+                raise ValueError("path='device' is inference only (no autograd): call it under torch.no_grad() / "
+                                 "inference_mode, or use path='host' (or 'auto') for training")
+            return "device"
+        if needs_grad or self._device_transport is None:
+            return "host"
+        if isinstance(self._device_transport, static.AllGatherTransport):
+            if self.transport == "auto" and x.shape[0] > ALLGATHER_MAX_TOKENS:
+                return "host"
+            if x.shape[0] > self.max_tokens:  # type: ignore[operator]
+                raise ValueError(f"{x.shape[0]} tokens exceed max_tokens ({self.max_tokens}) of this layer's "
+                                 "allgather transport; build it with a larger max_tokens")
+        return "device"
+
+    def _side_stream(self, x: torch.Tensor) -> Any:
+        if not x.is_cuda:
+            return None
+        stream = self._side_streams.get(x.device)
+        if stream is None:
+            stream = self._side_streams[x.device] = torch.cuda.Stream(x.device)
+        return stream
+
+    def _routed_device(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
+        """Routed experts with static shapes and no host sync (module docstring)."""
+        transport = self._device_transport
+        batch = transport.dispatch(x, topk_ids, topk_weights)
+        local_only = isinstance(transport, static.LocalTransport) and not isinstance(transport,
+                                                                                     static.ReplicatedTransport)
+        first = 0 if self.ep_size == 1 else self.ep_rank * self.num_slots
+        plan = static.plan_static(batch.topk_ids, self.num_slots, first_slot=first,
+                                  num_slots_total=self.num_slots_total, bad_ids=self.bad_ids)
+        rows = gather_rows(batch.x, plan.row_token)  # [T*K, H]; rows after the last block are zero
+        y = self.experts(rows, plan.counts)
+        partial = gather_reduce(y, plan.pair_pos, batch.topk_weights, x.dtype if local_only else torch.float32)
+        return transport.combine(partial, batch).to(x.dtype)
+
+    def raise_on_bad_ids(self) -> None:
+        """Raise if a device-path forward since the last call routed ids outside the expert range
+        (see the module docstring); reads a device flag (one sync)."""
+        static.raise_on_bad_ids(self.bad_ids, self.num_slots_total, what=f"MoE layer {self.layer_index}")
+
     def count_experts(self, topk_ids: torch.Tensor) -> torch.Tensor:
-        """Tokens per logical expert of this forward into `expert_counts` ([E] int64; -1 ids skipped).
-        One scatter-add on the device: no host sync (unlike bincount on CUDA), graph-capturable."""
-        ids = (topk_ids.reshape(-1) + 1).long()  # -1 -> bin 0, dropped below
-        counts = torch.zeros(self.config.num_experts + 1, dtype=torch.int64, device=ids.device)
-        counts.scatter_add_(0, ids, torch.ones_like(ids))
-        self.expert_counts.copy_(counts[1:])
+        """Tokens per logical expert of this forward into `expert_counts` ([E] int64; ids outside
+        [0, E), -1 included, are skipped). One scatter-add on the device: no host sync (unlike
+        bincount on CUDA), graph-capturable."""
+        e = self.config.num_experts
+        ids = topk_ids.reshape(-1).long()
+        key = torch.where((ids >= 0) & (ids < e), ids, torch.full_like(ids, e))  # the rest -> a spare bin
+        counts = torch.zeros(e + 1, dtype=torch.int64, device=ids.device)
+        counts.scatter_add_(0, key, torch.ones_like(key))
+        self.expert_counts.copy_(counts[:e])
         return self.expert_counts
 
     def _experts(self, res: Any) -> torch.Tensor:
@@ -393,5 +520,5 @@ class MoELayer(nn.Module):
                 t.copy_(src.to(t.dtype))
 
     def extra_repr(self) -> str:
-        return (f"ep={self.ep_rank}/{self.ep_size}, tokens={self.tokens}, overlap_chunks={self.overlap_chunks}, "
-                f"slots={self.num_slots}")
+        return (f"ep={self.ep_rank}/{self.ep_size}, tokens={self.tokens}, path={self.path}, "
+                f"transport={self.transport}, overlap_chunks={self.overlap_chunks}, slots={self.num_slots}")

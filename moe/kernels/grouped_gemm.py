@@ -2,7 +2,9 @@
 
 Two row layouts (SPEC §5):
 - "contiguous": x [M, K], rows grouped by expert; `counts` [E] (rows per expert, in order)
-  or `offsets` [E+1] (offsets[0] = 0, offsets[E] = M). Output [M, N].
+  or `offsets` [E+1] (offsets[0] = 0, offsets[E] <= M). Rows after the last expert's block
+  are not computed (a static upper bound M with counts on the device, as the device-driven MoE
+  path uses): their output is unspecified (zero in the reference). Output [M, N].
 - "slab": x [E, C, K] with `counts` [E]; rows >= counts[e] are ignored and their outputs are
   zero (fixed shapes, CUDA-graph friendly). Output [E, C, N].
 
@@ -85,11 +87,11 @@ class ExpertRows:
             return [(e * self.capacity, c) for e, c in enumerate(counts)]
         if self.offsets is not None:
             offs = [int(o) for o in self.offsets.tolist()]
-            if offs[0] != 0 or offs[-1] != num_rows or any(b < a for a, b in zip(offs, offs[1:])):
-                raise ValueError(f"offsets must rise from 0 to M={num_rows}, got {offs}")
+            if offs[0] != 0 or offs[-1] > num_rows or any(b < a for a, b in zip(offs, offs[1:])):
+                raise ValueError(f"offsets must rise from 0 to at most M={num_rows}, got {offs}")
             return [(offs[e], offs[e + 1] - offs[e]) for e in range(self.num_experts)]
-        if sum(counts) != num_rows:
-            raise ValueError(f"contiguous layout: counts sum to {sum(counts)} but x has {num_rows} rows")
+        if sum(counts) > num_rows:
+            raise ValueError(f"contiguous layout: counts sum to {sum(counts)} but x has only {num_rows} rows")
         starts = [sum(counts[:e]) for e in range(len(counts))]
         return list(zip(starts, counts))
 
