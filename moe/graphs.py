@@ -53,7 +53,7 @@ class GraphedMoE:
         self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor, torch.Tensor | None,
                                       torch.Tensor]] = {}
         pool = None
-        with torch.inference_mode():
+        with torch.no_grad():  # (not inference_mode: the static inputs must stay writable outside it)
             for t in counts:  # largest first: the smaller graphs fit in its pool
                 x = torch.zeros(t, self.hidden, dtype=self.dtype, device=device)
                 mask = torch.ones(t, dtype=torch.bool, device=device)
@@ -93,12 +93,13 @@ class GraphedMoE:
         if t == 0:
             return x.new_zeros(0, self.hidden)
         graph, x_static, mask, ids_static, out = self._graphs[self.size_for(t)]
-        x_static[:t].copy_(x)
-        x_static[t:].zero_()
-        mask[:t].fill_(True)
-        mask[t:].fill_(False)
-        if ids_static is not None:
-            ids_static[:t].copy_(input_ids)
-            ids_static[t:].zero_()
-        graph.replay()
+        with torch.no_grad():
+            x_static[:t].copy_(x)
+            x_static[t:].zero_()
+            mask[:t].fill_(True)
+            mask[t:].fill_(False)
+            if ids_static is not None:
+                ids_static[:t].copy_(input_ids)
+                ids_static[t:].zero_()
+            graph.replay()
         return out[:t]

@@ -335,6 +335,9 @@ class MoELayer(nn.Module):
                              persistent=False)
         self.register_buffer("bad_ids", torch.zeros(1, dtype=torch.int32, device=device), persistent=False)
         self._side_streams: dict[torch.device, Any] = {}
+        self._graphed: Any = None  # enable_cuda_graphs()
+        self._graph_counts: tuple[int, ...] = ()
+        self._graph_key: tuple | None = None
 
     # ---- forward ------------------------------------------------------------------------
 
@@ -356,6 +359,8 @@ class MoELayer(nn.Module):
         x = x.reshape(-1, cfg.hidden)
         if input_ids is not None:
             input_ids = input_ids.reshape(-1)
+        if self._graphed is not None and token_mask is None and self._replayable(x):
+            return self._graphed(x, input_ids).clone().reshape(shape)
         path = self.choose_path(x)
         side = self._side_stream(x) if self.shared_experts is not None and path == "device" else None
         shared = None
@@ -403,6 +408,38 @@ class MoELayer(nn.Module):
                 raise ValueError(f"{x.shape[0]} tokens exceed max_tokens ({self.max_tokens}) of this layer's "
                                  "allgather transport; build it with a larger max_tokens")
         return "device"
+
+    def enable_cuda_graphs(self, token_counts: Any = (1, 2, 4, 8, 16, 32, 64)) -> None:
+        """Serve eager inference calls of up to max(token_counts) tokens from CUDA graphs of this
+        layer captured now (`moe.graphs.GraphedMoE`): a call then costs one replay plus a copy in
+        and out, instead of Python launching every kernel. The result is a fresh tensor, as with a
+        plain call. Calls that need autograd, pass a token_mask, have more tokens, or run while a
+        graph is being captured take the normal path; if the layer's tensors are replaced
+        (loading, `.to()`), the graphs are dropped and recaptured on the next call."""
+        from moe.graphs import GraphedMoE
+
+        self._graphed = None
+        self._graph_counts = tuple(sorted({int(t) for t in token_counts}))
+        self._graphed = GraphedMoE(self, self._graph_counts)
+        self._graph_key = self._tensor_key()
+
+    def disable_cuda_graphs(self) -> None:
+        self._graphed, self._graph_counts, self._graph_key = None, (), None
+
+    def _tensor_key(self) -> tuple:
+        return tuple(t.data_ptr() for t in (*self.parameters(), *self.buffers()))
+
+    def _replayable(self, x: torch.Tensor) -> bool:
+        g = self._graphed
+        if (not x.is_cuda or x.shape[0] == 0 or x.shape[0] > g.sizes[-1] or x.dtype != g.dtype
+                or torch.cuda.is_current_stream_capturing() or self.path == "host"):
+            return False
+        if torch.is_grad_enabled() and (x.requires_grad or any(p.requires_grad for p in self.parameters())):
+            return False
+        if self._tensor_key() != self._graph_key:  # weights were replaced: recapture
+            counts, self._graphed = self._graph_counts, None
+            self.enable_cuda_graphs(counts)
+        return True
 
     def _side_stream(self, x: torch.Tensor) -> Any:
         if not x.is_cuda:

@@ -137,11 +137,13 @@ def _fp8_gemm_kernel(
                 if SWIGLU:
                     acc_u = tl.dot(a, b_u, acc_u)
     if not (A_GROUP or B_GROUP):
+        # a tile slot past the last expert's tiles has e == num_experts: read no scale there
+        has_e = e < num_experts
         sa = tl.load(as_rows, mask=m_mask, other=0.0)
-        sb = tl.load(bs_rows, mask=n_mask, other=0.0)
+        sb = tl.load(bs_rows, mask=n_mask & has_e, other=0.0)
         acc = acc * (sa[:, None] * sb[None, :])
         if SWIGLU:
-            sb_u = tl.load(bs_rows + up_rows * stride_bsn, mask=n_mask, other=0.0)
+            sb_u = tl.load(bs_rows + up_rows * stride_bsn, mask=n_mask & has_e, other=0.0)
             acc_u = acc_u * (sa[:, None] * sb_u[None, :])
     if SWIGLU:
         acc = swiglu_tile(acc, acc_u, limit, alpha, beta, HAS_LIMIT)
