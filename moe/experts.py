@@ -29,6 +29,8 @@ from typing import Literal, Mapping, Sequence
 import torch
 from torch import nn
 
+from parallel import impl
+
 from moe.kernels import PreparedWeight, expert_ffn, prepare_weights, swiglu
 from moe.quant import QuantizedTensor, dequantize, load_fp4_checkpoint, prepare_weight, quantize
 
@@ -281,5 +283,11 @@ class SharedExpert(nn.Module):
         self.w2 = nn.Linear(inter, hidden, bias=False, dtype=dtype, device=device)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """x: [T, H] -> [T, H]."""
-        return self.w2(swiglu(self.w1(x), self.w3(x), limit=self.swiglu_limit).to(x.dtype))
+        """x: [T, H] -> [T, H]. On CUDA without autograd the SwiGLU is one Triton launch (same fp32
+        arithmetic, `moe.kernels.triton_swiglu`)."""
+        g, u = self.w1(x), self.w3(x)
+        if g.is_cuda and not (torch.is_grad_enabled() and g.requires_grad) and impl.triton_importable():
+            from moe.kernels import triton_swiglu
+
+            return self.w2(triton_swiglu.swiglu(g, u, limit=self.swiglu_limit, out_dtype=x.dtype))
+        return self.w2(swiglu(g, u, limit=self.swiglu_limit).to(x.dtype))

@@ -372,7 +372,10 @@ class MoELayer(nn.Module):
             x.record_stream(side)
         routing = self.gate(x, input_ids=input_ids, token_mask=token_mask)
         topk_ids, topk_weights = routing.topk_ids, routing.topk_weights
-        self.count_experts(topk_ids)
+        # EP = 1 without EPLB: the device plan's per-slot counts are the expert counts (one copy)
+        counts_from_plan = path == "device" and self.ep_size == 1 and self.eplb is None
+        if not counts_from_plan:
+            self.count_experts(topk_ids)
         if self.eplb is not None:
             topk_ids = self.eplb.route(self.layer_index, topk_ids)
         if path == "device":
@@ -458,6 +461,8 @@ class MoELayer(nn.Module):
         first = 0 if self.ep_size == 1 else self.ep_rank * self.num_slots
         plan = static.plan_static(batch.topk_ids, self.num_slots, first_slot=first,
                                   num_slots_total=self.num_slots_total, bad_ids=self.bad_ids)
+        if self.ep_size == 1 and self.eplb is None:
+            self.expert_counts.copy_(plan.counts)
         rows = gather_rows(batch.x, plan.row_token)  # [T*K, H]; rows after the last block are zero
         y = self.experts(rows, plan.counts)
         partial = gather_reduce(y, plan.pair_pos, batch.topk_weights, x.dtype if local_only else torch.float32)

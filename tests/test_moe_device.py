@@ -422,3 +422,19 @@ def test_gpu_enable_cuda_graphs_serves_eager_calls_with_fresh_results():
         ref = layer(xs[1])
     assert layer._graphed_before is not layer._graphed_after
     assert torch.equal(y, ref)
+
+
+def test_triton_swiglu_matches_torch(monkeypatch):
+    pytest.importorskip("triton")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    from moe.kernels.ffn import swiglu as torch_swiglu
+    from moe.kernels.triton_swiglu import swiglu
+
+    gen = torch.Generator().manual_seed(3)
+    g, u = torch.randn(37, 19, generator=gen) * 4, torch.randn(37, 19, generator=gen) * 4
+    for limit, alpha, beta in ((None, 1.0, 0.0), (0.5, 1.702, 1.0), (7.0, 1.0, 0.0)):
+        out = swiglu(g, u, limit=limit, alpha=alpha, beta=beta)
+        ref = torch_swiglu(g, u, limit=limit, alpha=alpha, beta=beta)
+        assert torch.allclose(out, ref, atol=1e-6, rtol=1e-6), (limit, alpha, beta)
+    with pytest.raises(ValueError, match="must have one shape"):
+        swiglu(g, u[:3])
