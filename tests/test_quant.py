@@ -446,7 +446,7 @@ def test_bad_inputs_raise_value_errors_naming_choices():
         quantize(torch.ones(4, 32, dtype=torch.int32), "mxfp4")
     with pytest.raises(ValueError, match="2 dims"):
         quantize(torch.randn(32), "fp8_block")
-    with pytest.raises(ValueError, match="valid: auto, torch, triton"):
+    with pytest.raises(ValueError, match="valid: auto, triton, torch"):
         quantize(torch.randn(4, 32), "mxfp4", backend="cuda")
     with pytest.raises(ValueError, match="scale_rule"):
         quantize(torch.randn(4, 32), "mxfp4", scale_rule="round")
