@@ -170,11 +170,13 @@ def _gemm_grouped_mm(x: torch.Tensor, w: PreparedWeight, rows: ExpertRows, out_d
 
 # ---- dispatch ---------------------------------------------------------------------------------
 # One op in parallel.impl. The checks read the facts `weight` (PreparedWeight), `rows_per_expert`
-# and `asked` (named explicitly): a named backend needs only what it can run on; "auto" also
+# and `asked` (named explicitly; absent in impl.report(), where only capabilities count): a named backend needs only what it can run on; "auto" also
 # applies the preferences of the module docstring (the order below is the order of preference).
 
 def _w4a8_check(f: impl.Facts) -> impl.Unusable | None:
-    w: PreparedWeight = f.weight
+    w: PreparedWeight | None = f.weight
+    if w is None:                        # (impl.report(): no inputs, only capabilities)
+        return None
     if w.fmt not in ("mxfp4", "fp8"):
         return impl.Unusable(f"triton_w4a8 needs mxfp4 or fp8_block weights (exact FP8), got {w.fmt!r}")
     if f.asked or w.fmt == "fp8":
@@ -189,7 +191,9 @@ def _w4a8_check(f: impl.Facts) -> impl.Unusable | None:
 
 
 def _w4a16_check(f: impl.Facts) -> impl.Unusable | None:
-    w: PreparedWeight = f.weight
+    w: PreparedWeight | None = f.weight
+    if w is None:                        # (impl.report(): no inputs, only capabilities)
+        return None
     if not w.is_fp4 and w.fmt != "bf16":
         return impl.Unusable(f"triton_w4a16 needs mxfp4/nvfp4 (or bf16) weights, got {w.fmt!r}")
     if f.asked:
@@ -204,8 +208,8 @@ def _w4a16_check(f: impl.Facts) -> impl.Unusable | None:
 def _grouped_mm_check(f: impl.Facts) -> impl.Unusable | None:
     if not hasattr(torch, "_grouped_mm"):
         return impl.Unusable(f"torch {torch.__version__} has no torch._grouped_mm; use backend='torch'")
-    w: PreparedWeight = f.weight
-    if f.asked or w.fmt in ("bf16", "fp16"):
+    w: PreparedWeight | None = f.weight
+    if w is None or f.asked or w.fmt in ("bf16", "fp16"):
         return None
     if w.fmt != "fp32" and not impl.triton_importable():   # quantized weights without Triton: dequantize
         return None

@@ -51,7 +51,7 @@ TRITON_FORMATS = ("mxfp4", "nvfp4", "fp8_token", "fp8_group", "fp8_block")
 
 
 def _has_kernel(f: impl.Facts) -> impl.Unusable | None:
-    if f.fmt in TRITON_FORMATS:
+    if f.fmt is None or f.fmt in TRITON_FORMATS:      # (None: impl.report(), no inputs)
         return None
     return impl.Unusable(f"no triton kernel for {f.fmt!r}; triton formats: {', '.join(TRITON_FORMATS)}")
 
