@@ -496,7 +496,7 @@ def test_sp_and_dcp_fp8_quantizers_are_the_fp8_token_format():
     assert torch.equal(a.scale, scale) and torch.equal(a.data.view(torch.uint8), data.view(torch.uint8))
     kq, ks = _quantize_fp8(x)
     assert torch.equal(ks, scale[..., 0]) and torch.equal(kq.view(torch.uint8), data.view(torch.uint8))
-    assert float(ks[2, 1]) == DEFAULT_AMAX_FLOOR / E4M3_MAX and (kq[2, 1].float() == 0).all()
+    assert torch.equal(ks[2, 1], torch.tensor(DEFAULT_AMAX_FLOOR) / E4M3_MAX) and (kq[2, 1].float() == 0).all()
     w = x[:, 0].t()                                                # [K=64, N=6]: one scale per column
     qw = quantize_fp8_weight(w)
     assert qw.scale.shape == (1, 6) and torch.equal(qw.scale[0], scale[:, 0, 0]) and qw.data.t().is_contiguous()
