@@ -1,6 +1,6 @@
 """MoE routing: gate logits -> (expert ids, weights) per token, DeepSeek V2/V3/V4 style.
 
-`route()` is the function form (SPEC §2); `Router` is the module holding the gate weight
+`route()` is the function form (docs/numerics.md); `Router` is the module holding the gate weight
 (fp32 logits), the `e_score_correction_bias` buffer and, for V4 hash layers, the
 `tid2eid` table. The one idea: the *biased* score picks the experts, the *unbiased*
 score weights them.
@@ -23,26 +23,31 @@ from __future__ import annotations
 
 import functools
 import logging
-from dataclasses import dataclass
 from typing import Literal
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from moe.kernels.route_result import RouteResult
+from parallel import impl
+
 log = logging.getLogger(__name__)
 
 Scoring = Literal["softmax", "sigmoid", "sqrt_softplus"]
 SCORING_FUNCS: tuple[str, ...] = ("softmax", "sigmoid", "sqrt_softplus")
-ROUTE_BACKENDS: tuple[str, ...] = ("auto", "torch", "triton")
 
 
-@dataclass
-class RouteResult:
-    """Routing of T tokens to K experts each."""
+def _auto_forward_only(f: impl.Facts) -> impl.Unusable | None:
+    """"auto" keeps autograd on the torch path; the fused kernel named explicitly runs anyway."""
+    return None if f.asked else impl.forward_only(f)
 
-    topk_ids: torch.Tensor  # [T, K] int64; -1 = padding token (no expert)
-    topk_weights: torch.Tensor  # [T, K] float32; 0 for padding tokens
+
+ROUTE = impl.Op("moe.route", [
+    impl.Impl("triton", impl.triton_kernel(impl.cuda_unless_asked, _auto_forward_only)),
+    impl.Impl("torch"),
+])
+ROUTE_BACKENDS: tuple[str, ...] = ROUTE.names
 
 
 def route(
@@ -61,7 +66,7 @@ def route(
     backend: str = "auto",
     check_ids: bool | None = None,
 ) -> RouteResult:
-    """Route tokens to experts (SPEC §2).
+    """Route tokens to experts (docs/numerics.md).
 
     logits:     [T, E] float (computed in fp32; other dtypes are upcast)
     bias:       [E] float32 `e_score_correction_bias`, selection only; ignored by hash layers
@@ -82,10 +87,8 @@ def route(
         _check_hash_ids(input_ids, tid2eid, token_mask)
     if n_group is not None and n_group <= 1:
         n_group = topk_group = None
-    if backend == "triton" or (
-        backend == "auto" and logits.is_cuda and not (logits.requires_grad and torch.is_grad_enabled())
-        and _triton_available()
-    ):
+    if backend != "torch" and ROUTE.resolve(backend, device=logits.device, needs_grad=impl.grad_needed(logits),
+                                            asked=backend != "auto") == "triton":
         return _route_triton()(logits, top_k=top_k, scoring=scoring, bias=bias, n_group=n_group,
                                topk_group=topk_group, renormalize=renormalize, scaling=scaling,
                                input_ids=input_ids, tid2eid=tid2eid, token_mask=token_mask)
@@ -156,16 +159,6 @@ def _topk_lowest_index(x: torch.Tensor, k: int) -> torch.Tensor:
     """Indices of the k largest values along the last dim; ties go to the lowest index.
     (`torch.topk` does not promise an order among equal values; a stable sort does.)"""
     return torch.sort(x, dim=-1, descending=True, stable=True).indices[..., :k]
-
-
-@functools.lru_cache(maxsize=1)
-def _triton_available() -> bool:
-    try:
-        import triton  # noqa: F401
-    except ImportError:
-        log.info("triton not importable: routing uses the torch path")
-        return False
-    return True
 
 
 def _check_route_args(logits, top_k, scoring, bias, n_group, topk_group, input_ids, tid2eid, token_mask,

@@ -123,6 +123,15 @@ def needs_cuda_tensor(f: Facts) -> Unusable | None:
     return Unusable(f"needs CUDA tensors, got {f.device}")
 
 
+def cuda_unless_asked(f: Facts) -> Unusable | None:
+    """CUDA tensors; other tensors only when the implementation is asked for by name (callers pass
+    `asked=backend != "auto"`): "auto" never sends CPU tensors through the Triton interpreter
+    (slow, for tests), while a test naming the backend under TRITON_INTERPRET=1 still can."""
+    if (f.device is not None and f.device.type == "cuda") or f.asked:
+        return None
+    return Unusable(f"chosen by 'auto' for CUDA tensors only, got {f.device}")
+
+
 def forward_only(f: Facts) -> Unusable | None:
     if f.needs_grad:
         return Unusable("has no backward (inputs require grad); the torch path is differentiable")

@@ -231,8 +231,10 @@ def test_bad_arguments_raise_value_errors_naming_the_choices():
             grouped_gemm(x, w, counts=c, backend="triton_w4a16")
     with pytest.raises(ValueError, match="mxfp4 or fp8_block"):
         grouped_gemm(x, prepare_weights(torch.randn(2, 16, 64), fmt="nvfp4"), counts=c, backend="triton_w4a8")
-    with pytest.raises(ValueError, match="deep_gemm"):
+    with pytest.raises(ValueError, match="unknown implementation 'deep_gemm'"):   # not implemented: not a name
         grouped_gemm(x, w, counts=c, backend="deep_gemm")
+    from moe.kernels import BACKENDS
+    assert set(BACKENDS) == {"auto", "torch", "torch_grouped_mm", "triton_w4a16", "triton_w4a8"}
 
 
 def test_auto_backend_on_cpu_is_the_reference():
@@ -320,3 +322,44 @@ def test_interp_fp8_gemm_with_row_and_group_scales():
         # the interpreter's fp32 -> e4m3 cast is not round-to-nearest-even (bits are checked on the GPU)
         same = a.view(torch.uint8) == ref.data.view(torch.uint8)
         assert same.float().mean() > 0.8
+
+
+def test_prepared_weight_knows_its_kernel_layout():
+    q, _ = random_weight("mxfp4", 2, 128, 256, seed=21)
+    pw = prepare_weights(q)
+    assert pw.packing == "oct" and pw.tile_n == 64 and pw.fused_fp4_fits and pw.kernel_packing == "oct"
+    assert pw.fp8_fold in ("row", "group") and pw.fp8_exact
+    st = pw.strides()
+    assert (st.expert, st.tile, st.row, st.chunk, st.tile_n) == (128 * 32, 64 * 32, 32, 64 * 32, 64)
+    assert st.row_offset(64) == 64 * 32
+    assert pw.in_layout("oct") is pw                          # already in the kernels' layout: no copy
+    natural = prepare_weights(q, packing="natural")
+    with pytest.raises(ValueError, match="paired/oct"):
+        natural.strides()
+    paired = natural.in_layout("paired")                      # one-time copy, cached on the weight
+    assert paired is natural.in_layout("paired") and paired.packing == "paired"
+    assert torch.equal(dequantize_prepared(paired), dequantize_prepared(natural))
+    nv = prepare_weights(random_weight("nvfp4", 2, 16, 64, seed=22)[0])
+    assert nv.fp8_fold is None and not nv.fp8_exact
+    assert prepare_weights(torch.randn(2, 16, 64)).fp8_fold is None
+
+
+@interp
+def test_interp_launch_does_not_repack_a_prepared_weight(monkeypatch):
+    from moe.kernels import prepare
+    from moe.kernels.triton_w4a16 import launch_w4a16
+
+    def no_repack(*a, **k):
+        raise AssertionError("repack at call time")
+
+    E, N, K = 2, 64, 256
+    q, wv = random_weight("mxfp4", E, N, K, seed=23)
+    pw = prepare_weights(q)
+    monkeypatch.setattr(prepare, "repack", no_repack)
+    counts = [3, 4]
+    x = torch.randn(7, K, generator=torch.Generator().manual_seed(24))
+    rows = expert_rows(x, E, torch.tensor(counts), None, "contiguous")
+    from dataclasses import replace
+    for cfg in (None, replace(_f32_config(), packing="oct", chunks=1)):   # heuristic and explicit configs
+        y = launch_w4a16(x, pw, rows, out_dtype=torch.float32, config=cfg)
+        assert rel_err(y, loop_gemm(x.double().numpy(), wv, counts, "contiguous")) < 1e-5

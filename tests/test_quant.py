@@ -446,7 +446,7 @@ def test_bad_inputs_raise_value_errors_naming_choices():
         quantize(torch.ones(4, 32, dtype=torch.int32), "mxfp4")
     with pytest.raises(ValueError, match="2 dims"):
         quantize(torch.randn(32), "fp8_block")
-    with pytest.raises(ValueError, match="valid: auto, torch, triton"):
+    with pytest.raises(ValueError, match="valid: auto, triton, torch"):
         quantize(torch.randn(4, 32), "mxfp4", backend="cuda")
     with pytest.raises(ValueError, match="scale_rule"):
         quantize(torch.randn(4, 32), "mxfp4", scale_rule="round")
@@ -468,3 +468,36 @@ def test_quantized_tensor_helpers():
     q = quantize(x, "mxfp4")
     assert q.nbytes == 2 * 8 * 32 + 2 * 8 * 2
     assert quantize(x, "nvfp4").nbytes == 2 * 8 * 32 + 2 * 8 * 4 + 4
+
+
+def test_formats_live_in_parallel_quant_and_moe_quant_reexports_them():
+    import moe.quant
+    import parallel.quant
+    from moe.quant import reference as mref
+    from parallel.quant import reference as pref
+
+    for name in ("quantize", "dequantize", "QuantizedTensor", "mxfp4_to_fp8_block", "E4M3_MAX", "FORMATS"):
+        assert getattr(moe.quant, name) is getattr(parallel.quant, name)
+    assert mref is pref
+
+
+def test_sp_and_dcp_fp8_quantizers_are_the_fp8_token_format():
+    from parallel.cp.dcp import _quantize_fp8
+    from parallel.quant import DEFAULT_AMAX_FLOOR, E4M3_MAX
+    from parallel.sp.fp8 import quantize_fp8_per_token, quantize_fp8_weight
+
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(6, 4, 64, generator=g) * torch.logspace(-3, 3, 6)[:, None, None]
+    x[2, 1] = 0.0
+    amax = x.abs().amax(-1, keepdim=True).clamp(min=DEFAULT_AMAX_FLOOR)
+    scale = amax / E4M3_MAX                                        # independent of parallel.quant's code
+    data = (x / scale).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
+    a = quantize_fp8_per_token(x)
+    assert torch.equal(a.scale, scale) and torch.equal(a.data.view(torch.uint8), data.view(torch.uint8))
+    kq, ks = _quantize_fp8(x)
+    assert torch.equal(ks, scale[..., 0]) and torch.equal(kq.view(torch.uint8), data.view(torch.uint8))
+    assert torch.equal(ks[2, 1], torch.tensor(DEFAULT_AMAX_FLOOR) / E4M3_MAX) and (kq[2, 1].float() == 0).all()
+    w = x[:, 0].t()                                                # [K=64, N=6]: one scale per column
+    qw = quantize_fp8_weight(w)
+    assert qw.scale.shape == (1, 6) and torch.equal(qw.scale[0], scale[:, 0, 0]) and qw.data.t().is_contiguous()
+    assert torch.equal(qw.data.view(torch.uint8), data[:, 0].t().view(torch.uint8))

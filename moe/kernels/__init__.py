@@ -5,9 +5,11 @@
     w2 = prepare_weights(w2_bf16, fmt="mxfp4")
     y = expert_ffn(x, w13, w2, counts=counts, swiglu_limit=10.0)          # x [M, H], rows grouped by expert
 
-Triton kernels live in `triton_w4a16` / `triton_w4a8`, imported only when a CUDA (or
-TRITON_INTERPRET=1) path runs; importing this package needs torch alone. `routing.py` (the
-fused top-k kernel) belongs to the router.
+Triton kernels live in `triton_w4a16` / `triton_w4a8` / `triton_expand` (their shared device
+helpers in `triton_common`; none imports another kernel module), imported only when a CUDA
+(or TRITON_INTERPRET=1) path runs; importing this package needs torch alone. `routing.py`
+(the fused top-k kernel) belongs to the router; `RouteResult` lives in `route_result.py` so
+that the kernel does not import the router.
 """
 
 from moe.kernels.ffn import expert_ffn, expert_ffn_reference, swiglu

@@ -1,4 +1,4 @@
-"""Fused expert FFN: y = (SwiGLU(x @ W1^T, x @ W3^T)) @ W2^T per expert (SPEC §3).
+"""Fused expert FFN: y = (SwiGLU(x @ W1^T, x @ W3^T)) @ W2^T per expert (docs/numerics.md).
 
 W13 is one [E, 2I, H] weight; its gate and up rows are either split halves (rows [0, I) gate,
 [I, 2I) up) or interleaved (row 2i gate, 2i + 1 up); `prepare_weights(w13,
@@ -23,7 +23,6 @@ from __future__ import annotations
 import torch
 
 from moe.kernels.grouped_gemm import (
-    fused_fp4_fits,
     EXPAND_MIN_ROWS,
     ExpertRows,
     _gemm_grouped_mm,
@@ -32,13 +31,13 @@ from moe.kernels.grouped_gemm import (
     quantize_dequantize_act,
     resolve_backend,
 )
-from moe.kernels.prepare import PreparedWeight, as_prepared, dequantize_prepared, fold_plan, prepare_weights
-from moe.quant import QuantizedTensor
+from moe.kernels.prepare import PreparedWeight, as_prepared, dequantize_prepared, prepare_weights
+from parallel.quant import QuantizedTensor
 
 
 def swiglu(gate: torch.Tensor, up: torch.Tensor, *, limit: float | None = None, alpha: float = 1.0,
            beta: float = 0.0) -> torch.Tensor:
-    """g * sigmoid(alpha g) * (u + beta) after the clamp (SPEC §3), computed in fp32."""
+    """g * sigmoid(alpha g) * (u + beta) after the clamp (docs/numerics.md), computed in fp32."""
     g, u = gate.float(), up.float()
     if limit is not None:
         g = g.clamp(max=limit)
@@ -95,9 +94,9 @@ def expert_ffn(x: torch.Tensor, w13: torch.Tensor | QuantizedTensor | PreparedWe
     hint = rows.capacity if layout == "slab" else x.shape[0] / max(E, 1)
     chosen = resolve_backend(backend, x, p13, hint)
     act = dict(limit=swiglu_limit, alpha=alpha, beta=beta)
-    if chosen == "triton_w4a8" and backend == "auto" and not _w4a8_ok(p2):
+    if chosen == "triton_w4a8" and backend == "auto" and not p2.fp8_exact:
         chosen = "triton_w4a16"
-    if chosen.startswith("triton") and backend == "auto" and not fused_fp4_fits(p2):
+    if chosen.startswith("triton") and backend == "auto" and not p2.fused_fp4_fits:
         chosen = "torch"
     if chosen == "torch":
         y = expert_ffn_reference(x, p13, p2, rows, swiglu_limit=swiglu_limit, alpha=alpha, beta=beta)
@@ -115,20 +114,11 @@ def expert_ffn(x: torch.Tensor, w13: torch.Tensor | QuantizedTensor | PreparedWe
     return _gemm_grouped_mm(h, p2, rows, out_dtype)
 
 
-def _w4a8_ok(w: PreparedWeight) -> bool:
-    if w.fmt == "fp8":
-        return True
-    if w.fmt != "mxfp4":
-        return False
-    plan = fold_plan(w)
-    return plan.rowwise_exact or plan.group_exact
-
-
 def _ffn_w4a8(x: torch.Tensor, p13: PreparedWeight, p2: PreparedWeight, rows: ExpertRows, act: dict,
               out_dtype: torch.dtype) -> torch.Tensor:
     from moe.kernels.triton_w4a8 import fp8_grouped_gemm, fp8_weight, quantize_act
 
-    if not (_w4a8_ok(p13) and _w4a8_ok(p2)):
+    if not (p13.fp8_exact and p2.fp8_exact):
         raise ValueError("triton_w4a8 needs both weights in mxfp4 with an exact FP8 fold, or fp8_block")
     H = p13.k
     x2 = x.reshape(-1, H)

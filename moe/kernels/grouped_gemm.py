@@ -1,6 +1,6 @@
 """Grouped expert GEMM: y[rows of expert e] = x[rows of expert e] @ w[e]^T, one entry point.
 
-Two row layouts (SPEC §5):
+Two row layouts (docs/numerics.md):
 - "contiguous": x [M, K], rows grouped by expert; `counts` [E] (rows per expert, in order)
   or `offsets` [E+1] (offsets[0] = 0, offsets[E] <= M). Rows after the last expert's block
   are not computed (a static upper bound M with counts on the device, as the device-driven MoE
@@ -19,7 +19,6 @@ Backends (`backend=`):
   torch._grouped_mm runs (the expanded tile is then reused by every token tile).
 - "triton_w4a8": activations quantized to FP8 (per token), MXFP4 weights expanded exactly to
   FP8 (or fp8_block weights), FP8 tensor-core products (moe/kernels/triton_w4a8.py).
-- "deep_gemm": not wired (ANCHORS.md: the probe crashed); asking for it raises.
 - "auto": CPU -> torch; CUDA: dense -> torch_grouped_mm; FP4 with <= FUSED_MAX_ROWS rows per
   expert (decode) -> triton_w4a16; MXFP4 with more -> triton_w4a8 when the FP8 fold is exact,
   else triton_w4a16; fp8 -> triton_w4a8. (Rows per expert are known on the host without a
@@ -30,35 +29,24 @@ GPU paths never synchronize with the host (counts stay on the device); the refer
 
 from __future__ import annotations
 
-import logging
 import os
 from dataclasses import dataclass
 from typing import Literal
 
 import torch
 
-from moe.kernels.prepare import PreparedWeight, as_prepared, dequantize_prepared, fold_plan
-from moe.quant import QuantizedTensor, dequantize, quantize
-from moe.quant import _interpreting, _triton_importable as _triton_ok
-
-_log = logging.getLogger(__name__)
-_warned: set[str] = set()
+from moe.kernels.prepare import PreparedWeight, as_prepared, dequantize_prepared
+from parallel import impl
+from parallel.quant import QuantizedTensor, dequantize, quantize
 
 Layout = Literal["contiguous", "slab"]
 LAYOUTS = ("contiguous", "slab")
-BACKENDS = ("auto", "torch", "torch_grouped_mm", "triton_w4a16", "triton_w4a8", "deep_gemm")
 # Above this many rows per expert, "auto" leaves the fused W4A16 kernel (weight-bandwidth bound)
 # for the compute-bound paths (set from `megapar bench gemm`; bench/gemm-notes.md).
 FUSED_MAX_ROWS = int(os.environ.get("MEGAPAR_W4A16_FUSED_MAX_ROWS", "64"))
 # triton_w4a16 with more rows per expert than this expands the weight once to bf16 and runs
 # torch._grouped_mm (the expanded tile is then reused by every token tile).
 EXPAND_MIN_ROWS = int(os.environ.get("MEGAPAR_W4A16_EXPAND_MIN_ROWS", "64"))
-
-
-def warn_once(key: str, msg: str) -> None:
-    if key not in _warned:
-        _warned.add(key)
-        _log.warning(msg)
 
 
 @dataclass(frozen=True)
@@ -159,7 +147,7 @@ def dense_weight(w: PreparedWeight, dtype: torch.dtype = torch.bfloat16) -> torc
     """[E, N, K] in `dtype`: the weight itself when dense, else expanded (Triton on CUDA)."""
     if w.fmt in ("bf16", "fp16", "fp32"):
         return w.data if w.data.dtype == dtype else w.data.to(dtype)
-    if w.device.type == "cuda" and w.is_fp4 and _triton_ok():
+    if w.device.type == "cuda" and w.is_fp4 and impl.triton_importable():
         from moe.kernels.triton_w4a16 import expand_fp4
         return expand_fp4(w, dtype)
     return dequantize_prepared(w, dtype)
@@ -183,60 +171,71 @@ def _gemm_grouped_mm(x: torch.Tensor, w: PreparedWeight, rows: ExpertRows, out_d
 
 
 # ---- dispatch ---------------------------------------------------------------------------------
+# One op in parallel.impl. The checks read the facts `weight` (PreparedWeight), `rows_per_expert`
+# and `asked` (named explicitly; absent in impl.report(), where only capabilities count): a named backend needs only what it can run on; "auto" also
+# applies the preferences of the module docstring (the order below is the order of preference).
 
-def resolve_backend(backend: str, x: torch.Tensor, w: PreparedWeight, rows_per_expert: float) -> str:
-    """The backend that `backend` means for these inputs (ValueError for impossible requests)."""
-    if backend not in BACKENDS:
-        raise ValueError(f"unknown backend {backend!r}; valid: {', '.join(BACKENDS)}")
-    if backend == "deep_gemm":
-        try:
-            import deep_gemm  # noqa: F401
-        except ImportError:
-            raise ValueError("backend='deep_gemm' needs DeepGEMM (pip install deepinfer-gemm; on the H200 "
-                             "`source .device-pkgs/install.sh deep_gemm`)") from None
-        raise ValueError("backend='deep_gemm' is not wired in this build (its first grouped call crashed "
-                         "on the H200 probe, ANCHORS.md); use 'triton_w4a8'")
-    if backend in ("triton_w4a16", "triton_w4a8"):
-        if backend == "triton_w4a16" and not w.is_fp4 and w.fmt != "bf16":
-            raise ValueError(f"triton_w4a16 needs mxfp4/nvfp4 (or bf16) weights, got {w.fmt!r}")
-        if backend == "triton_w4a8" and w.fmt not in ("mxfp4", "fp8"):
-            raise ValueError(f"triton_w4a8 needs mxfp4 or fp8_block weights (exact FP8), got {w.fmt!r}")
-        if not _triton_ok():
-            raise ValueError(f"backend={backend!r} needs the triton package (pip install triton)")
-        if x.device.type != "cuda" and not _interpreting():
-            raise ValueError(f"backend={backend!r} needs CUDA tensors (or TRITON_INTERPRET=1), got {x.device}")
-        return backend
-    if backend == "torch_grouped_mm" and not hasattr(torch, "_grouped_mm"):
-        raise ValueError(f"torch {torch.__version__} has no torch._grouped_mm; use backend='torch'")
-    if backend != "auto":
-        return backend
-    if x.device.type != "cuda":
-        return "torch"
-    if w.fmt in ("bf16", "fp16"):
-        return "torch_grouped_mm" if hasattr(torch, "_grouped_mm") else "torch"
-    if w.fmt == "fp32" or not _triton_ok():
-        if w.fmt != "fp32":
-            warn_once("no-triton", "moe.kernels: triton not importable; quantized expert GEMMs dequantize + "
-                                   "torch._grouped_mm")
-            return "torch_grouped_mm"
-        return "torch"
-    if w.fmt == "fp8":
-        return "triton_w4a8"
-    if not fused_fp4_fits(w):
-        return "torch"
-    if rows_per_expert <= FUSED_MAX_ROWS:
-        return "triton_w4a16"
-    if w.fmt == "mxfp4":
-        plan = fold_plan(w)
-        if plan.rowwise_exact or plan.group_exact:
-            return "triton_w4a8"
-    return "triton_w4a16"
+def _w4a8_check(f: impl.Facts) -> impl.Unusable | None:
+    w: PreparedWeight | None = f.weight
+    if w is None:                        # (impl.report(): no inputs, only capabilities)
+        return None
+    if w.fmt not in ("mxfp4", "fp8"):
+        return impl.Unusable(f"triton_w4a8 needs mxfp4 or fp8_block weights (exact FP8), got {w.fmt!r}")
+    if f.asked or w.fmt == "fp8":
+        return None
+    if not w.fused_fp4_fits:
+        return impl.Unusable(f"K ({w.k}) is not a whole number of scale-block pairs")
+    if f.rows_per_expert <= FUSED_MAX_ROWS:
+        return impl.Unusable(f"{f.rows_per_expert:g} rows per expert <= {FUSED_MAX_ROWS}: the fused W4A16 kernel")
+    if not w.fp8_exact:
+        return impl.Unusable("this mxfp4 weight has no exact FP8 fold")
+    return None
+
+
+def _w4a16_check(f: impl.Facts) -> impl.Unusable | None:
+    w: PreparedWeight | None = f.weight
+    if w is None:                        # (impl.report(): no inputs, only capabilities)
+        return None
+    if not w.is_fp4 and w.fmt != "bf16":
+        return impl.Unusable(f"triton_w4a16 needs mxfp4/nvfp4 (or bf16) weights, got {w.fmt!r}")
+    if f.asked:
+        return None
+    if not w.is_fp4:
+        return impl.Unusable("dense weights take torch._grouped_mm")
+    if not w.fused_fp4_fits:
+        return impl.Unusable(f"K ({w.k}) is not a whole number of scale-block pairs")
+    return None
+
+
+def _grouped_mm_check(f: impl.Facts) -> impl.Unusable | None:
+    if not hasattr(torch, "_grouped_mm"):
+        return impl.Unusable(f"torch {torch.__version__} has no torch._grouped_mm; use backend='torch'")
+    w: PreparedWeight | None = f.weight
+    if w is None or f.asked or w.fmt in ("bf16", "fp16"):
+        return None
+    if w.fmt != "fp32" and not impl.triton_importable():   # quantized weights without Triton: dequantize
+        return None
+    return impl.Unusable(f"{w.fmt} weights take the {'torch reference' if w.fmt == 'fp32' else 'Triton kernels'}")
+
+
+GEMM = impl.Op("moe.grouped_gemm", [
+    impl.Impl("triton_w4a8", impl.all_of(_w4a8_check, impl.triton_kernel(impl.cuda_unless_asked))),
+    impl.Impl("triton_w4a16", impl.all_of(_w4a16_check, impl.triton_kernel(impl.cuda_unless_asked))),
+    impl.Impl("torch_grouped_mm", impl.all_of(_grouped_mm_check, impl.cuda_unless_asked)),
+    impl.Impl("torch"),
+])
+BACKENDS = GEMM.names
 
 
 def fused_fp4_fits(w: PreparedWeight) -> bool:
-    """The Triton FP4 kernels expand two scale blocks per step: K must hold a whole number of them
-    (tiny test shapes may not; "auto" then takes the dequantizing torch path)."""
-    return not w.is_fp4 or w.k % (2 * w.block) == 0
+    """Deprecated alias of `PreparedWeight.fused_fp4_fits`."""
+    return w.fused_fp4_fits
+
+
+def resolve_backend(backend: str, x: torch.Tensor, w: PreparedWeight, rows_per_expert: float) -> str:
+    """The backend that `backend` means for these inputs (ValueError for impossible requests)."""
+    return GEMM.resolve(backend, device=x.device, weight=w, rows_per_expert=rows_per_expert,
+                        asked=backend != "auto")
 
 
 def grouped_gemm(x: torch.Tensor, w: torch.Tensor | QuantizedTensor | PreparedWeight, *,

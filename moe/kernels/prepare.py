@@ -12,7 +12,7 @@ Other preparation done here, once:
   (rows [0, I) gate, [I, 2I) up), so a kernel reads the gate and up tiles at a fixed offset.
 - fp8_block (128x128 fp32 scales) is kept as E4M3 data with one scale per (row, 128 along K),
   which survives row reordering and is what the fp8 kernel reads.
-- For MXFP4 the exact W4A8 fold (SPEC §4, moe.quant.fold) is planned (`fold_plan`): per row,
+- For MXFP4 the exact W4A8 fold (docs/numerics.md, parallel.quant.fold) is planned (`fold_plan`): per row,
   the largest block exponent; `rowwise_exact` says whether one fp32 scale per row keeps every
   element exact in E4M3 (then a rowwise fp8 GEMM applies), `group_exact` the same for one
   scale per 1x128 group.
@@ -26,7 +26,7 @@ from typing import Any, Literal
 
 import torch
 
-from moe.quant import QuantizedTensor, dequantize, load_fp4_checkpoint, quantize
+from parallel.quant import QuantizedTensor, dequantize, load_fp4_checkpoint, quantize
 
 _log = logging.getLogger(__name__)
 
@@ -53,7 +53,12 @@ class PreparedWeight:
     global_scale: nvfp4: fp32 [E] (one per expert); else None.
     tile_n: FP4 only: 0 = rows in order; T > 0 = the rows come in tiles of T, and within a tile
         the T rows' bytes of one packing unit are contiguous (one program's load is one block).
-    cache: derived data computed once (the W4A8 fold plan, `fold_plan`), never part of equality.
+    cache: derived data computed once (the W4A8 fold plan, the per-row fold scale, copies in
+        another kernel layout made by `in_layout`), never part of equality.
+
+    Everything a kernel needs to choose and launch is read off this object: `fused_fp4_fits`,
+    `fp8_fold` (the exact FP8 form, if any), `strides()` (addressing of packing, tiles and rows)
+    and `in_layout(packing, tile_n)` (the weight in a kernel's layout, prepared once).
     """
 
     fmt: WeightFmt
@@ -100,6 +105,104 @@ class PreparedWeight:
         move = (lambda t: None if t is None else t.to(device))
         return replace(self, data=move(self.data), scale=move(self.scale), global_scale=move(self.global_scale),
                        cache={})
+
+    @property
+    def fused_fp4_fits(self) -> bool:
+        """The Triton FP4 kernels expand two scale blocks per step: K must hold a whole number of
+        them (tiny test shapes may not; "auto" then takes the dequantizing torch path)."""
+        return not self.is_fp4 or self.k % (2 * self.block) == 0
+
+    @property
+    def fold(self) -> FoldPlan | None:
+        """The W4A8 fold plan (mxfp4; planned at load time), else None."""
+        return fold_plan(self) if self.fmt == "mxfp4" else None
+
+    @property
+    def fp8_fold(self) -> Literal["fp8", "row", "group"] | None:
+        """How the W4A8 GEMM gets exact FP8 weights: "fp8" (already fp8), "row" / "group" (mxfp4
+        folded with one scale per row / per 1x128 group), None (no exact FP8 form)."""
+        if self.fmt == "fp8":
+            return "fp8"
+        plan = self.fold
+        if plan is None:
+            return None
+        return "row" if plan.rowwise_exact else "group" if plan.group_exact else None
+
+    @property
+    def fp8_exact(self) -> bool:
+        return self.fp8_fold is not None
+
+    @property
+    def kernel_packing(self) -> Packing:
+        """The packing the fused FP4 kernels read for this weight: its own, unless natural (then
+        the widest unit that divides K)."""
+        if self.packing != "natural":
+            return self.packing
+        return "oct" if self.k % (8 * self.block) == 0 else "paired"
+
+    def in_layout(self, packing: Packing, tile_n: int | None = None) -> PreparedWeight:
+        """This weight with FP4 nibbles in `packing` and rows tiled by `tile_n` (None: as now; 0:
+        rows in order): itself when it already is, else a copy made once and cached (load time
+        is the place for it: `prepare_weights(packing=..., tile_n=...)`)."""
+        if not self.is_fp4:
+            return self
+        tile_n = self.tile_n if tile_n is None else tile_n
+        if self.packing == packing and self.tile_n == tile_n:
+            return self
+        key = ("layout", packing, tile_n)
+        if key not in self.cache:
+            _log.info("moe.kernels: re-laying out a %s weight %s -> %s/tile %d once (prepare it in this layout "
+                      "at load time to avoid the copy)", self.fmt, self.packing, packing, tile_n)
+            self.cache[key] = repack(self, packing, tile_n=tile_n)
+        return self.cache[key]
+
+    def strides(self) -> WeightStrides:
+        """How the kernels address this FP4 weight (see WeightStrides)."""
+        if not self.is_fp4 or self.packing == "natural":
+            raise ValueError(f"kernel strides need an FP4 weight in paired/oct packing, got {self.fmt} "
+                             f"{self.packing}; use in_layout() or prepare_weights()")
+        E, N, K = self.shape
+        oct = self.packing == "oct"
+        data = self.data.view(torch.int32) if oct else self.data
+        per_row = K // 8 if oct else K // 2                 # data elements per row
+        unit = self.block                                    # data elements per packing unit and row
+        if self.tile_n:
+            T = self.tile_n
+            return WeightStrides(data, N * per_row, T * per_row, unit, T * unit, T)
+        return WeightStrides(data, N * per_row, 0, per_row, unit, UNTILED)
+
+    def row_fold_scale(self) -> torch.Tensor:
+        """fp32 [E, N]: 2^e_ref per row (NaN where the row has a NaN block scale), cached (mxfp4)."""
+        if "row_fold_scale" not in self.cache:
+            e_ref = fold_plan(self).e_ref
+            scale = ((e_ref + 127) << 23).view(torch.float32)
+            scale = torch.where((self.scale == 255).any(-1), float("nan"), scale)
+            self.cache["row_fold_scale"] = scale.contiguous()
+        return self.cache["row_fold_scale"]
+
+
+UNTILED = 1 << 30   # WeightStrides.tile_n of a weight whose rows are in order
+
+
+@dataclass(frozen=True)
+class WeightStrides:
+    """How the kernels address a prepared FP4 weight: data (uint8, or int32 words for oct) and
+    the strides of expert, row tile, row inside the tile, and packing unit, in data elements."""
+
+    data: torch.Tensor
+    expert: int
+    tile: int
+    row: int
+    chunk: int
+    tile_n: int
+
+    def row_offset(self, rows: int) -> int:
+        """Data offset of row n + rows from row n (rows a multiple of the tile height when tiled)."""
+        if self.tile_n < UNTILED:
+            if rows % self.tile_n:
+                raise ValueError(f"row offset {rows} is not a multiple of the weight tile height {self.tile_n}")
+            return rows // self.tile_n * self.tile
+        return rows * self.row
 
 
 # ---- nibble orders ------------------------------------------------------------------------------

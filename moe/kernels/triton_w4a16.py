@@ -36,81 +36,26 @@ import torch
 import triton
 import triton.language as tl
 
-from moe.kernels.prepare import PreparedWeight, fold_plan, repack
+from moe.kernels import prepare
+from moe.kernels.prepare import PreparedWeight, WeightStrides  # noqa: F401  (WeightStrides: re-export)
+from moe.kernels.triton_common import (  # noqa: F401  (FP8_MAX, AMAX_FLOOR, expert_tile, ...: re-exports)
+    AMAX_FLOOR,
+    FP8_MAX,
+    block_scale,
+    chunks_for,
+    e2m1_pair,
+    expert_tile,
+    fp8_group_quant,
+    layout_args,
+    nibble_operand,
+    swiglu_tile,
+    to_e4m3,
+)
+from moe.kernels.triton_expand import EXPAND_DEFAULTS, expand_fp4  # noqa: F401  (expand_fp4: re-export)
+from parallel import impl
 
-FP8_MAX = tl.constexpr(448.0)
-AMAX_FLOOR = tl.constexpr(1e-12)   # moe.quant's fp8 amax floor
 MODES = {"f16": 0, "bf16": 1, "f32": 2, "f16asm": 3, "f16asm_swap": 4}
 PACKS = {"paired": 0, "oct": 1}
-
-
-# ---- shared device helpers (also used by triton_w4a8 and ffn) --------------------------------------
-
-@triton.jit
-def expert_tile(pid_t, counts_ptr, offsets_ptr, num_experts, tiles_per_expert, capacity,
-                E_POW2: tl.constexpr, BLOCK_M: tl.constexpr, SLAB: tl.constexpr, HAS_OFFSETS: tl.constexpr):
-    """Tile slot -> (expert, first row, rows to compute (<= 0: none), rows to store)."""
-    if SLAB:
-        e = pid_t // tiles_per_expert
-        j = pid_t - e * tiles_per_expert
-        count = tl.minimum(tl.load(counts_ptr + e).to(tl.int32), capacity)
-        row0 = e * capacity + j * BLOCK_M
-        rows = count - j * BLOCK_M
-        store_rows = capacity - j * BLOCK_M
-    else:
-        idx = tl.arange(0, E_POW2)
-        cnt = tl.load(counts_ptr + idx, mask=idx < num_experts, other=0).to(tl.int32)
-        tiles = (cnt + BLOCK_M - 1) // BLOCK_M
-        tile_end = tl.cumsum(tiles, 0)
-        e = tl.sum((tile_end <= pid_t).to(tl.int32), 0)
-        sel = idx == e
-        tile_begin = tl.sum(tl.where(sel, tile_end - tiles, 0), 0)
-        count = tl.sum(tl.where(sel, cnt, 0), 0)
-        if HAS_OFFSETS:
-            start = tl.load(offsets_ptr + e, mask=e < num_experts, other=0).to(tl.int32)
-        else:
-            start = tl.sum(tl.where(sel, tl.cumsum(cnt, 0) - cnt, 0), 0)
-        j = pid_t - tile_begin
-        row0 = start + j * BLOCK_M
-        rows = count - j * BLOCK_M
-        store_rows = rows
-    return e, row0, rows, store_rows
-
-
-@triton.jit
-def e2m1_pair(wb, MODE: tl.constexpr):
-    """Paired bytes uint8 [R, B] -> (low-nibble operand, high-nibble operand) [R, B].
-
-    MODE 0: fp16 v * 2^-14; MODE 1: bf16 v; MODE 2: fp32 v (v the E2M1 value, exact)."""
-    b = wb.to(tl.int32)
-    if MODE == 0:
-        lo = ((b << 12) & 0x8000) | ((b << 9) & 0x0E00)
-        hi = ((b << 8) & 0x8000) | ((b << 5) & 0x0E00)
-        return lo.to(tl.int16).to(tl.float16, bitcast=True), hi.to(tl.int16).to(tl.float16, bitcast=True)
-    else:
-        sign = -2147483648  # 0x80000000 as int32
-        lo = ((b << 28) & sign) | ((b << 22) & 0x01C00000)
-        hi = ((b << 24) & sign) | ((b << 18) & 0x01C00000)
-        lo = lo.to(tl.float32, bitcast=True) * 8.507059173023462e37  # 2^126: the bits hold v * 2^-126
-        hi = hi.to(tl.float32, bitcast=True) * 8.507059173023462e37
-        if MODE == 1:
-            return lo.to(tl.bfloat16), hi.to(tl.bfloat16)
-        else:
-            return lo, hi
-
-
-@triton.jit
-def block_scale(s, NVFP4: tl.constexpr, MODE: tl.constexpr):
-    """Scale bytes (uint8 [R]) -> fp32 multipliers for the partial products of their blocks."""
-    if NVFP4:
-        f = s.to(tl.float8e4nv, bitcast=True).to(tl.float32)
-    else:
-        f = (s.to(tl.int32) << 23).to(tl.float32, bitcast=True)   # 2^(s-127); byte 0 -> 0 (2^-127)
-        f = tl.where(s == 255, float("nan"), f)
-    if MODE == 0 or MODE >= 3:
-        f = f * 4194304.0   # 2^22 = 2^14 (fp16 weight bits) * 2^8 (activation pre-scale)
-    return f
-
 
 @triton.jit
 def act_operand(x, MODE: tl.constexpr):
@@ -128,38 +73,6 @@ def mma(a, b, MODE: tl.constexpr):
         return tl.dot(a, b, input_precision="ieee")
     else:
         return tl.dot(a, b)
-
-
-@triton.jit
-def swiglu_tile(g, u, limit, alpha, beta, HAS_LIMIT: tl.constexpr):
-    """SPEC §3: g = min(g, L), u = clamp(u, -L, L), g * sigmoid(alpha g) * (u + beta); NaN propagates."""
-    if HAS_LIMIT:
-        g = tl.minimum(g, limit, propagate_nan=tl.PropagateNan.ALL)
-        u = tl.minimum(tl.maximum(u, -limit, propagate_nan=tl.PropagateNan.ALL), limit,
-                       propagate_nan=tl.PropagateNan.ALL)
-    return g * tl.sigmoid(alpha * g) * (u + beta)
-
-
-@triton.jit
-def to_e4m3(y):
-    """fp32 y, |y| <= 448 -> e4m3 with ONE round-to-nearest-even, done in fp32 (Triton's own cast
-    can round twice, through fp16, and then differs from torch by an ulp). Signed zeros kept."""
-    bits = y.to(tl.int32, bitcast=True)
-    q = tl.maximum(((bits >> 23) & 0xFF) - 127, -6) - 3          # exponent of the E4M3 quantum
-    m = y * ((127 - q) << 23).to(tl.float32, bitcast=True)         # exact: |m| < 16
-    m = (m + 12582912.0) - 12582912.0                             # 1.5 * 2^23: RNE to an integer
-    r = m * ((127 + q) << 23).to(tl.float32, bitcast=True)
-    r = tl.where(r == 0.0, y * 0.0, r)
-    return r.to(tl.float8e4nv)                                    # exact: r is an E4M3 value
-
-
-@triton.jit
-def fp8_group_quant(v, AXIS: tl.constexpr):
-    """v fp32 (one 128-group along AXIS) -> (e4m3 values, fp32 scale per group) as moe.quant fp8_group."""
-    amax = tl.max(tl.abs(v), axis=AXIS)
-    scale = tl.math.div_rn(tl.maximum(amax, AMAX_FLOOR), FP8_MAX)
-    q = to_e4m3(tl.clamp(tl.math.div_rn(v, tl.expand_dims(scale, AXIS)), -FP8_MAX, FP8_MAX))
-    return q, scale
 
 
 @triton.jit
@@ -211,23 +124,6 @@ def _oct_operands_asm(w, SWAP: tl.constexpr):
 
 
 @triton.jit
-def _nibble_operand(w, i: tl.constexpr, MODE: tl.constexpr):
-    """int32 words [R, Q] -> operand [R, Q] of nibble i of each word (MODE 0 / 1 / 2 encodings)."""
-    b = (w >> (4 * i)) & 0xF
-    if MODE == 0:
-        v = ((b << 12) & 0x8000) | ((b << 9) & 0x0E00)
-        return v.to(tl.int16).to(tl.float16, bitcast=True)
-    else:
-        sign = -2147483648
-        v = ((b << 28) & sign) | ((b << 22) & 0x01C00000)
-        v = v.to(tl.float32, bitcast=True) * 8.507059173023462e37
-        if MODE == 1:
-            return v.to(tl.bfloat16)
-        else:
-            return v
-
-
-@triton.jit
 def _fp4_oct(acc, w_rows, wk, s_rows, kc, offs_q, n_mask, x_rows, m_mask,
              BLOCK: tl.constexpr, NVFP4: tl.constexpr, MODE: tl.constexpr, DIAG: tl.constexpr):
     """acc [BN, BM] += 8 scale blocks of W rows (oct packing: int32 words at word offset wk) @
@@ -249,7 +145,7 @@ def _fp4_oct(acc, w_rows, wk, s_rows, kc, offs_q, n_mask, x_rows, m_mask,
             if MODE >= 3:
                 op = ops[i]
             else:
-                op = _nibble_operand(w, i, MODE)
+                op = nibble_operand(w, i, MODE)
             if DIAG == 2:
                 acc = tl.dot(op, act_operand(x_i, MODE), acc)
             else:
@@ -352,13 +248,12 @@ USE_ASM = True
 # Launch configs measured best on the H200, by tokens-per-expert bucket (block_m); they override
 # the heuristic below when their packing matches (`apply_tuning`, `megapar bench gemm`).
 TUNED: dict[int, W4A16Config] = {}
-EXPAND_DEFAULTS: dict[str, int] = {"rows_per_program": 16, "num_warps": 4}   # H200: 3.08 TB/s (bf16 out)
 
 
 def apply_tuning(tuning: dict) -> None:
     """Install measured launch settings: {"w4a16": {bucket: config fields}, "expand": {...},
     "tile_n": int, "act_quant_warps": int} (as written by `python -m launch.bench.gemm --probe`)."""
-    from moe.kernels import prepare, triton_w4a8
+    from moe.kernels import triton_common
 
     for bucket, fields in tuning.get("w4a16", {}).items():
         TUNED[int(bucket)] = W4A16Config(**fields)
@@ -366,18 +261,16 @@ def apply_tuning(tuning: dict) -> None:
     if "tile_n" in tuning:
         prepare.DEFAULT_TILE_N = int(tuning["tile_n"])
     if tuning.get("act_quant_warps"):
-        triton_w4a8.ACT_QUANT_WARPS = int(tuning["act_quant_warps"])
+        triton_common.ACT_QUANT_WARPS = int(tuning["act_quant_warps"])
 
 
 def pick_config(rows_per_expert: float, dtype: torch.dtype, packing: str = "oct", swiglu: bool = False) -> W4A16Config:
     """Heuristic launch config by tokens per expert (tuned with `megapar bench gemm`, notes in
     bench/gemm-notes.md), for a weight in `packing`."""
-    import os
-
     if dtype == torch.float32:   # fp32 operands: exact products, small tiles (registers)
         return W4A16Config(block_n=64, block_m=16 if rows_per_expert <= 16 else 32, chunks=1, num_warps=4,
                            num_stages=2, mode="f32", packing=packing)
-    asm = USE_ASM and packing == "oct" and os.environ.get("TRITON_INTERPRET", "0") != "1"
+    asm = USE_ASM and packing == "oct" and not impl.interpreting()
     mode = "f16asm" if asm else "f16"
     bucket = 16 if rows_per_expert <= 16 else 32 if rows_per_expert <= 32 else 64 if rows_per_expert <= 64 else 128
     tuned = TUNED.get(bucket)
@@ -399,18 +292,6 @@ def pick_config(rows_per_expert: float, dtype: torch.dtype, packing: str = "oct"
                        mode=mode, packing=packing)   # (two weight tiles with swiglu: smem)
 
 
-def _layout_args(rows, x: torch.Tensor, block_m: int) -> tuple[int, int, int, torch.Tensor, torch.Tensor, bool]:
-    """(tile slots, tiles per expert, capacity, counts, offsets-or-counts, has offsets)."""
-    E = rows.num_experts
-    if rows.layout == "slab":
-        tpe = triton.cdiv(rows.capacity, block_m)
-        return E * tpe, tpe, rows.capacity, rows.counts, rows.counts, False
-    M = x.shape[0]
-    slots = triton.cdiv(M, block_m) + E
-    offs = rows.offsets if rows.offsets is not None else rows.counts
-    return slots, 1, 0, rows.counts, offs, rows.offsets is not None
-
-
 def launch_w4a16(x: torch.Tensor, w: PreparedWeight, rows, *, out_dtype: torch.dtype,
                  swiglu: tuple[float | None, float, float] | None = None, quant_out: bool = False,
                  config: W4A16Config | None = None, diag: int = 0) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
@@ -427,16 +308,17 @@ def launch_w4a16(x: torch.Tensor, w: PreparedWeight, rows, *, out_dtype: torch.d
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
     hint = rows.capacity if rows.layout == "slab" else x2.shape[0] / max(E, 1)
-    packing = w.packing if w.packing != "natural" else "oct"
+    packing = w.kernel_packing
     cfg = config or pick_config(hint, x.dtype, packing if K % (8 * w.block) == 0 else "paired", swiglu is not None)
     if cfg.mode.startswith("f16asm") and cfg.packing != "oct":
         raise ValueError(f"mode {cfg.mode!r} needs packing 'oct', got {cfg.packing!r}")
     if cfg.packing == "oct" and K % (8 * w.block):
         cfg = W4A16Config(**{**cfg.__dict__, "packing": "paired", "mode": "f16" if cfg.mode.startswith("f16") else cfg.mode})
-    if swiglu is not None and w.tile_n and (N // 2) % w.tile_n:
-        w = repack(w, cfg.packing, tile_n=0)   # the up half must start on a tile boundary
-    w = repack(w, cfg.packing)
-    st = weight_strides(w)
+    # the weight as this launch reads it: itself when prepared so (the usual case), else a copy
+    # made once and cached on it; with swiglu the up half must start on a tile boundary
+    tile_n = 0 if swiglu is not None and w.tile_n and (N // 2) % w.tile_n else None
+    w = w.in_layout(cfg.packing, tile_n)
+    st = w.strides()
     n_out = N // 2 if swiglu is not None else N
     if swiglu is not None and N % 2:
         raise ValueError(f"swiglu needs an even number of W13 rows, got {N}")
@@ -444,7 +326,7 @@ def launch_w4a16(x: torch.Tensor, w: PreparedWeight, rows, *, out_dtype: torch.d
         if swiglu is None or n_out % 128:
             raise ValueError(f"fp8 group output needs swiglu and I % 128 == 0, got I={n_out}")
         cfg = W4A16Config(**{**cfg.__dict__, "block_n": 128})
-    slots, tpe, cap, counts, offs, has_offs = _layout_args(rows, x2, cfg.block_m)
+    slots, tpe, cap, counts, offs, has_offs = layout_args(rows, x2, cfg.block_m)
     lead = x.shape[:-1]
     if quant_out:
         out = torch.empty(*lead, n_out, dtype=torch.float8_e4m3fn, device=x.device)
@@ -461,60 +343,18 @@ def launch_w4a16(x: torch.Tensor, w: PreparedWeight, rows, *, out_dtype: torch.d
     grid = (triton.cdiv(n_out, cfg.block_n), slots)
     _w4a16_kernel[grid](
         x2, st.data, sdata, gs, out, out_scale, counts, offs,
-        n_out, E, tpe, cap, n_out, _row_offset(st, n_out),
+        n_out, E, tpe, cap, n_out, st.row_offset(n_out),
         x2.stride(0), st.expert, st.tile, st.row, st.chunk, sdata.stride(0), sdata.stride(1),
         out.stride(-2), out_scale.stride(-2),
         float(limit) if limit is not None else 0.0, float(alpha), float(beta),
         K=K, E_POW2=triton.next_power_of_2(max(E, 2)), SLAB=rows.layout == "slab", HAS_OFFSETS=has_offs,
         BLOCK_N=cfg.block_n, BLOCK_M=cfg.block_m, BLOCK=w.block,
-        CHUNKS=_chunks(K, w.block * (8 if cfg.packing == "oct" else 2), cfg.chunks),
+        CHUNKS=chunks_for(K, w.block * (8 if cfg.packing == "oct" else 2), cfg.chunks),
         NVFP4=w.fmt == "nvfp4", MODE=MODES[cfg.mode], SWIGLU=swiglu is not None, HAS_LIMIT=limit is not None,
         QUANT_OUT=quant_out, PACK=PACKS[cfg.packing], TILE=st.tile_n, DIAG=diag,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return (out, out_scale) if quant_out else out
-
-
-@dataclass(frozen=True)
-class WeightStrides:
-    """How the kernels address a prepared FP4 weight: data (uint8, or int32 words for oct) and
-    the strides of expert, row tile, row inside the tile, and packing unit, in data elements."""
-
-    data: torch.Tensor
-    expert: int
-    tile: int
-    row: int
-    chunk: int
-    tile_n: int
-
-
-def weight_strides(w: PreparedWeight) -> WeightStrides:
-    E, N, K = w.shape
-    oct = w.packing == "oct"
-    data = w.data.view(torch.int32) if oct else w.data
-    per_row = K // 8 if oct else K // 2                 # data elements per row
-    unit = w.block                                       # data elements per packing unit and row (B words or B bytes)
-    if w.tile_n:
-        T = w.tile_n
-        return WeightStrides(data, N * per_row, T * per_row, unit, T * unit, T)
-    return WeightStrides(data, N * per_row, 0, per_row, unit, 1 << 30)
-
-
-def _row_offset(st: WeightStrides, rows: int) -> int:
-    """Data offset of row n + rows from row n (rows a multiple of the tile height when tiled)."""
-    if st.tile_n < (1 << 30):
-        if rows % st.tile_n:
-            raise ValueError(f"row offset {rows} is not a multiple of the weight tile height {st.tile_n}")
-        return rows // st.tile_n * st.tile
-    return rows * st.row
-
-
-def _chunks(K: int, unit: int, want: int) -> int:
-    """Largest power-of-two c <= want with K divisible by unit * c (unit: elements per packing unit)."""
-    c = max(1, want)
-    while c > 1 and K % (unit * c):
-        c //= 2
-    return c
 
 
 def w4a16_grouped_gemm(x: torch.Tensor, w: PreparedWeight, rows, *, out_dtype: torch.dtype,
@@ -523,133 +363,6 @@ def w4a16_grouped_gemm(x: torch.Tensor, w: PreparedWeight, rows, *, out_dtype: t
     return launch_w4a16(x, w, rows, out_dtype=out_dtype, config=config)
 
 
-# ---- weight expansion (bandwidth-bound, once per call on the many-token paths) -----------------------
-
-@triton.jit
-def _fold_ref(s_ptr, row_base, blk, r_mask):
-    """e_ref of the 1x128 group holding block `blk` (mxfp4): max block exponent - 6, >= -126;
-    and whether the group has a NaN scale."""
-    g0 = row_base + (blk // 4) * 4
-    e_max = tl.full(r_mask.shape, -127, tl.int32)
-    has_nan = r_mask & False
-    for t in tl.static_range(4):
-        st = tl.load(s_ptr + g0 + t, mask=r_mask, other=0)
-        e_max = tl.maximum(e_max, tl.where(st == 255, -127, st.to(tl.int32) - 127))
-        has_nan = has_nan | (st == 255)
-    return tl.maximum(e_max - 6, -126), has_nan
-
-
-@triton.jit
-def _expand_block(vals, s_ptr, gs_ptr, ref_ptr, out_ptr, out_scale_ptr, r64, r_mask, N, K, blk, offs_b,
-                  BLOCK: tl.constexpr, NVFP4: tl.constexpr, OUT: tl.constexpr):
-    """One scale block of rows: vals fp32 [ROWS, BLOCK] E2M1 values -> out[r, blk*BLOCK + j]."""
-    nblk = K // BLOCK
-    s = tl.load(s_ptr + r64 * nblk + blk, mask=r_mask, other=0)
-    if OUT == 0:
-        vals = vals * block_scale(s, NVFP4, 2)[:, None]
-        if NVFP4:
-            vals = vals * tl.load(gs_ptr + r64 // N, mask=r_mask, other=1.0)[:, None]
-    else:
-        if OUT == 1:
-            e_ref = tl.load(ref_ptr + r64, mask=r_mask, other=0)
-        else:
-            e_ref, has_nan = _fold_ref(s_ptr, r64 * nblk, blk, r_mask)
-            gscale = tl.where(has_nan, float("nan"), ((e_ref + 127) << 23).to(tl.float32, bitcast=True))
-            first = (blk % 4) == 0
-            tl.store(out_scale_ptr + r64 * (K // 128) + blk // 4, gscale, mask=r_mask & first)
-        e_b = tl.where(s == 255, -127, s.to(tl.int32) - 127)
-        shift = tl.maximum(e_b - e_ref, -126)
-        vals = vals * ((shift + 127) << 23).to(tl.float32, bitcast=True)[:, None]
-    tl.store(out_ptr + r64[:, None] * K + (blk * BLOCK + offs_b)[None, :], vals.to(out_ptr.dtype.element_ty),
-             mask=r_mask[:, None])
-
-
-@triton.jit
-def _expand_kernel(w_ptr, s_ptr, gs_ptr, ref_ptr, out_ptr, out_scale_ptr, total_rows, N, K,
-                   stride_we, stride_wtile, stride_wn, stride_wchunk,
-                   ROWS: tl.constexpr, CHUNKS: tl.constexpr, BLOCK: tl.constexpr, NVFP4: tl.constexpr,
-                   OUT: tl.constexpr, PACK: tl.constexpr, TILE: tl.constexpr):
-    """FP4 rows (paired bytes, or oct int32 words) -> natural-order rows. OUT 0: dense
-    (e2m1 * scale [* global]) in out's dtype; OUT 1: E4M3 v * 2^(e_block - e_ref[row])
-    (rowwise fold); OUT 2: the same with e_ref per 1x128 group, group scales 2^e_ref written."""
-    pid_r = tl.program_id(0)
-    pid_k = tl.program_id(1)
-    r = pid_r * ROWS + tl.arange(0, ROWS)
-    r_mask = r < total_rows
-    r64 = r.to(tl.int64)
-    n64 = r64 % N
-    w_rows = w_ptr + (r64 // N) * stride_we + (n64 // TILE) * stride_wtile + (n64 % TILE) * stride_wn
-    offs_b = tl.arange(0, BLOCK)
-    for c in tl.static_range(CHUNKS):
-        unit = pid_k * CHUNKS + c
-        if PACK == 1:
-            kc = unit * 8 * BLOCK
-            w = tl.load(w_rows[:, None] + (unit * stride_wchunk + offs_b)[None, :], mask=r_mask[:, None], other=0)
-            for i in tl.static_range(8):
-                _expand_block(_nibble_operand(w, i, 2), s_ptr, gs_ptr, ref_ptr, out_ptr, out_scale_ptr, r64, r_mask,
-                              N, K, kc // BLOCK + i, offs_b, BLOCK, NVFP4, OUT)
-        else:
-            kc = unit * 2 * BLOCK
-            wb = tl.load(w_rows[:, None] + (unit * stride_wchunk + offs_b)[None, :], mask=r_mask[:, None], other=0)
-            lo, hi = e2m1_pair(wb, 2)
-            _expand_block(lo, s_ptr, gs_ptr, ref_ptr, out_ptr, out_scale_ptr, r64, r_mask, N, K, kc // BLOCK,
-                          offs_b, BLOCK, NVFP4, OUT)
-            _expand_block(hi, s_ptr, gs_ptr, ref_ptr, out_ptr, out_scale_ptr, r64, r_mask, N, K, kc // BLOCK + 1,
-                          offs_b, BLOCK, NVFP4, OUT)
-
-
-def expand_fp4(w: PreparedWeight, dtype: torch.dtype = torch.bfloat16, *, fold: str | None = None,
-               out: torch.Tensor | None = None, rows_per_program: int | None = None, units: int | None = None,
-               num_warps: int | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-    """FP4 weight [E, N, K] -> dense natural-order copy.
-
-    fold=None: `dtype` values equal to moe.quant.dequantize(w, dtype).
-    fold="row" / "group" (mxfp4): exact E4M3 data plus fp32 scales [E, N] (2^e_ref per row) /
-    [E, N, K/128] (per 1x128 group, bit-identical to moe.quant.mxfp4_to_fp8_block(tile_rows=1)).
-    """
-    if not w.is_fp4:
-        raise ValueError(f"expand_fp4 needs an mxfp4/nvfp4 weight, got {w.fmt!r}")
-    if w.packing == "natural":
-        w = repack(w, "paired")
-    E, N, K = w.shape
-    rows_total = E * N
-    kind = {None: 0, "row": 1, "group": 2}
-    if fold not in kind:
-        raise ValueError(f"fold must be None, 'row' or 'group', got {fold!r}")
-    if fold is not None and w.fmt != "mxfp4":
-        raise ValueError(f"an exact FP8 fold needs mxfp4 (power-of-two scales), got {w.fmt!r}")
-    if fold == "group" and K % 128:
-        raise ValueError(f"the 1x128 fold needs K % 128 == 0, got K={K}")
-    out_dtype = torch.float8_e4m3fn if fold else dtype
-    if out is None:
-        out = torch.empty(E, N, K, dtype=out_dtype, device=w.device)
-    scale_out = out
-    ref = w.scale
-    if fold == "row":
-        ref = fold_plan(w).e_ref
-        scale_out = row_fold_scale(w)
-    elif fold == "group":
-        scale_out = torch.empty(E, N, K // 128, dtype=torch.float32, device=w.device)
-    oct = w.packing == "oct"
-    unit = (8 if oct else 2) * w.block
-    chunks = _chunks(K, unit, units or (1 if oct else 4))
-    rows_per = rows_per_program or EXPAND_DEFAULTS["rows_per_program"]
-    num_warps = num_warps or EXPAND_DEFAULTS["num_warps"]
-    grid = (triton.cdiv(rows_total, rows_per), K // (unit * chunks))
-    gs = w.global_scale if w.global_scale is not None else w.scale
-    st = weight_strides(w)
-    _expand_kernel[grid](st.data, w.scale, gs, ref, out, scale_out, rows_total, N, K,
-                         st.expert, st.tile, st.row, st.chunk,
-                         ROWS=rows_per, CHUNKS=chunks, BLOCK=w.block, NVFP4=w.fmt == "nvfp4", OUT=kind[fold],
-                         PACK=1 if oct else 0, TILE=st.tile_n, num_warps=num_warps)
-    return (out, scale_out) if fold else out
-
-
-def row_fold_scale(w: PreparedWeight) -> torch.Tensor:
-    """fp32 [E, N]: 2^e_ref per row (NaN where the row has a NaN block scale), cached on w."""
-    if "row_fold_scale" not in w.cache:
-        e_ref = fold_plan(w).e_ref
-        scale = ((e_ref + 127) << 23).view(torch.float32)
-        scale = torch.where((w.scale == 255).any(-1), float("nan"), scale)
-        w.cache["row_fold_scale"] = scale.contiguous()
-    return w.cache["row_fold_scale"]
+def weight_strides(w: PreparedWeight) -> WeightStrides:
+    """Deprecated alias of `PreparedWeight.strides()`."""
+    return w.strides()

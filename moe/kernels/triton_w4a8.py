@@ -1,11 +1,11 @@
 """W4A8 grouped expert GEMM in Triton for Hopper: FP8 activations x exact FP8 weights.
 
 For many tokens per expert (prefill) the GEMM is bound by tensor-core rate, and FP8 doubles
-it over bf16. MXFP4 weights become FP8 without loss (SPEC §4): inside a row (or a 1x128
+it over bf16. MXFP4 weights become FP8 without loss (docs/numerics.md): inside a row (or a 1x128
 group) every block exponent is folded against the largest, e_ref = e_max - 6, and an E2M1
 value times 2^(e_block - e_ref) is exact in E4M3 while e_max - e_block <= 14
-(prepare.fold_plan checks this at load time). The expansion runs once per call as its own
-bandwidth-bound pass (triton_w4a16.expand_fp4): in a compute-bound GEMM every weight tile
+(PreparedWeight.fp8_fold, planned at load time). The expansion runs once per call as its own
+bandwidth-bound pass (triton_expand.expand_fp4): in a compute-bound GEMM every weight tile
 is reused by M / BLOCK_M token tiles, and expanding it inside the main loop would repeat the
 conversion that many times on the same ALUs that feed the tensor cores.
 
@@ -24,20 +24,10 @@ import torch
 import triton
 import triton.language as tl
 
-from moe.kernels.prepare import PreparedWeight, fold_plan
-from moe.kernels.triton_w4a16 import (
-    AMAX_FLOOR,
-    FP8_MAX,
-    _layout_args,
-    expand_fp4,
-    expert_tile,
-    fp8_group_quant,
-    swiglu_tile,
-    to_e4m3,
-)
-
-
-ACT_QUANT_WARPS: int | None = None   # measured best (apply_tuning); None = by row length
+from moe.kernels import triton_common
+from moe.kernels.prepare import PreparedWeight
+from moe.kernels.triton_common import AMAX_FLOOR, FP8_MAX, expert_tile, fp8_group_quant, layout_args, swiglu_tile, to_e4m3
+from moe.kernels.triton_expand import expand_fp4
 
 
 # ---- activation quantization (bit-identical to moe.quant fp8_token / fp8_group) ---------------------
@@ -74,7 +64,7 @@ def quantize_act(x: torch.Tensor, group: bool = False, num_warps: int | None = N
     block_k = triton.next_power_of_2(K)
     _act_quant_kernel[(M, groups) if group else (M,)](
         x, q, scale, K, x.stride(0), q.stride(0), scale.stride(0), BLOCK_K=block_k, GROUP=group,
-        num_warps=num_warps or ACT_QUANT_WARPS or (4 if group or block_k <= 2048 else 16))   # H200: 16 > 8 > 4
+        num_warps=num_warps or triton_common.ACT_QUANT_WARPS or (4 if group or block_k <= 2048 else 16))   # H200: 16 > 8 > 4
     return q, scale
 
 
@@ -198,7 +188,7 @@ def fp8_grouped_gemm(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_
         if swiglu is None or n_out % 128:
             raise ValueError(f"fp8 group output needs swiglu and I % 128 == 0, got I={n_out}")
         cfg = FP8Config(**{**cfg.__dict__, "block_n": 128})
-    slots, tpe, cap, counts, offs, has_offs = _layout_args(rows, a, cfg.block_m)
+    slots, tpe, cap, counts, offs, has_offs = layout_args(rows, a, cfg.block_m)
     if quant_out:
         out = torch.empty(M, n_out, dtype=torch.float8_e4m3fn, device=a.device)
         out_scale = torch.empty(M, n_out // 128, dtype=torch.float32, device=a.device)
@@ -226,13 +216,13 @@ def fp8_grouped_gemm(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_
 def fp8_weight(w: PreparedWeight) -> tuple[torch.Tensor, torch.Tensor]:
     """(e4m3 [E, N, K], fp32 scale [E, N] or [E, N, K/128]) for the W4A8 GEMM: an fp8 weight as
     it is; an mxfp4 weight expanded now (rowwise fold when exact, else 1x128)."""
-    if w.fmt == "fp8":
+    fold = w.fp8_fold
+    if fold == "fp8":
         return w.data, w.scale
-    plan = fold_plan(w)
-    if plan.rowwise_exact:
-        return expand_fp4(w, fold="row")
-    if plan.group_exact:
-        return expand_fp4(w, fold="group")
+    if fold is not None:
+        return expand_fp4(w, fold=fold)
+    if w.fmt != "mxfp4":
+        raise ValueError(f"triton_w4a8 needs mxfp4 or fp8_block weights (exact FP8), got {w.fmt!r}")
     raise ValueError("this mxfp4 weight has blocks more than 14 exponents below their group's largest, so "
                      "it has no exact FP8 form; use backend='triton_w4a16'")
 

@@ -29,13 +29,13 @@ from torch import Tensor
 
 from ..comm import all_gather_uneven, all_to_all_uneven, reduce_scatter_uneven, resolve_group
 from ..groups import Group
+from ..quant import quantize
 from .local_attn import masked_attention_math
 from .merge import AttnState, combine_lse, merge_attn_states
 
 DCPComm = Literal["ag_rs", "a2a"]
 GroupLike = Group | dist.ProcessGroup | None
 
-FP8_MAX = 448.0   # largest float8_e4m3fn
 
 
 # ---------------------------------------------------------------------------------------------
@@ -160,9 +160,10 @@ class PagedKVCache:
 
 
 def _quantize_fp8(x: Tensor) -> tuple[Tensor, Tensor]:
-    """Per-(token, head) scale: x [T, H, D] -> (fp8 [T, H, D], scale [T, H] fp32)."""
-    scale = x.float().abs().amax(-1).clamp_min(1e-12) / FP8_MAX
-    return (x.float() / scale.unsqueeze(-1)).to(torch.float8_e4m3fn), scale
+    """Per-(token, head) scale (parallel.quant "fp8_token" over D): x [T, H, D] -> (fp8 [T, H, D],
+    scale [T, H] fp32)."""
+    q = quantize(x, "fp8_token", backend="torch")
+    return q.data, q.scale.squeeze(-1)
 
 
 def dcp_kv_insert(cache: PagedKVCache, k: Tensor, v: Tensor, positions: Tensor, block_table: Tensor,

@@ -12,8 +12,8 @@ column, which is what `torch._scaled_mm`'s row-wise mode takes. On CUDA the matm
 `torch._scaled_mm` (bf16 output); elsewhere the reference: dequantize both to fp32 and
 multiply (bit-for-bit the same products the decomposed and reference backends see).
 
-This tiny quantizer lives here, not in `moe.quant` (which has an "fp8_token" format too),
-because dependencies point `moe -> parallel`: `parallel` may not import `moe`.
+The quantizer is `parallel.quant`'s "fp8_token" format (one amax floor, one E4M3_MAX for every
+package): activations are fp8_token of x, weights fp8_token of w^T (one scale per output column).
 
 Tolerance: E4M3 keeps 3 mantissa bits (relative rounding error <= 2^-4, ~2^-4/sqrt(3)
 rms), so a product of quantized activations and weights differs from the fp32 product by a
@@ -49,6 +49,8 @@ import torch.distributed as dist
 
 from ..comm import all_gather_uneven, reduce_scatter_uneven, resolve_group, to_wire
 from ..groups import Group
+from ..quant import E4M3_MAX as FP8_MAX  # noqa: F401  (the old name)
+from ..quant import quantize
 from .ops import (
     Backend,
     _all_gather_matmul_impl,
@@ -62,7 +64,6 @@ from .ops import (
 from .ring import RingPeers, pairwise_reduce_scatter, ring_all_gather
 
 FP8_DTYPE = torch.float8_e4m3fn
-FP8_MAX = 448.0
 FP8_REL_TOL = 0.06
 """Relative Frobenius error bound of an fp8 product against fp32 used by the tests (documented above)."""
 
@@ -112,27 +113,21 @@ class Fp8GatherMatmulResult:
     """the gathered fp8 input, when asked for"""
 
 
-def _amax_scale(amax: torch.Tensor) -> torch.Tensor:
-    return (amax.float() / FP8_MAX).clamp(min=torch.finfo(torch.float32).tiny)
-
-
 def quantize_fp8_per_token(x: torch.Tensor) -> Fp8Activation:
-    """x: [..., K] float -> E4M3 data [..., K] and fp32 scales [..., 1] (all-zero tokens get a tiny scale)."""
+    """x: [..., K] float -> E4M3 data [..., K] and fp32 scales [..., 1] (parallel.quant "fp8_token";
+    all-zero tokens get the amax floor's scale)."""
     if not x.is_floating_point() or x.element_size() < 2:
         raise ValueError(f"quantize_fp8_per_token: x must be fp16/bf16/fp32/fp64, got {x.dtype}")
-    xf = x.float()
-    scale = _amax_scale(xf.abs().amax(dim=-1, keepdim=True))
-    return Fp8Activation((xf / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE), scale)
+    q = quantize(x, "fp8_token", backend="torch")
+    return Fp8Activation(q.data, q.scale)
 
 
 def quantize_fp8_weight(w: torch.Tensor) -> Fp8Weight:
     """w: [K, N] float -> E4M3 [K, N] column-major with fp32 scales [1, N] (amax of each column / 448)."""
     if w.dim() != 2 or not w.is_floating_point():
         raise ValueError(f"quantize_fp8_weight: w must be a float [K, N] matrix, got {w.dtype} {tuple(w.shape)}")
-    wt = w.t().float()  # [N, K]; quantized contiguous, so data = wt_q.t() is column-major
-    scale = _amax_scale(wt.abs().amax(dim=1, keepdim=True))  # [N, 1]
-    data = (wt / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE).contiguous().t()
-    return Fp8Weight(data, scale.t().contiguous())
+    q = quantize(w.t(), "fp8_token", backend="torch")   # [N, K], scale [N, 1]: one per output column
+    return Fp8Weight(q.data.contiguous().t(), q.scale.t().contiguous())
 
 
 def rms_norm_quantize_fp8(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6) -> Fp8Activation:

@@ -1,0 +1,542 @@
+"""Triton quantize/dequantize kernels, bit-identical to `parallel.quant.reference`.
+
+Imported only on CUDA (or under TRITON_INTERPRET=1 in tests). Each kernel repeats the
+reference's fp32 steps exactly: divisions are correctly rounded (`tl.div_rn`, or per element
+`_div_abs_fast`: a per-block reciprocal and two fma remainder steps, same bits; plain `/` is
+approximate on NVIDIA), power-of-two scales are built from bits, and E4M3 / E2M1 rounding is
+done on the integer bits (no E2M1 cast on sm_90; the interpreter rounds E4M3 subnormals wrongly).
+Layout: a row-major [..., K] input is viewed as [rows, K] (fp4: [blocks, 32|16], since K is a
+multiple of the block); one program handles a tile of rows x one block/group, with 16-byte
+loads and stores per thread. On the H200 these kernels are bound by integer ALU work per
+element, not by memory: the helpers below are written for few ops per element, the NaN/inf
+handling runs only in tiles that hold one (a branch per program), and the fp8 dequantize uses
+the hardware E4M3 conversion (exact).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from parallel import impl
+from parallel.quant.formats import FP4_FORMATS, QuantizedTensor, check_quantizable, get_format
+from parallel.quant.reference import DEFAULT_AMAX_FLOOR, _check_floor, check_storage
+
+# The interpreter's fma rounds twice, so there `_div_abs_fast` is plain tl.div_rn; the tests swap
+# in an exact fma and set this to run the fma path (the only one on GPU). Read once, at import:
+# triton itself decides at import whether it interprets.
+FMA_DIVISION = tl.constexpr(not impl.interpreting())
+
+# Tile sizes (rows of blocks per program, warps); bench `megapar bench quant` sweeps them.
+CONFIG: dict[str, tuple[int, int]] = {
+    "fp4_quant": (128, 4),     # 128 blocks of 32 (or 256 of 16): 4096 elements per program
+    "fp4_dequant": (128, 4),
+    "fp8_group": (32, 4),      # 32 rows x 128
+    "fp8_dequant": (32, 4),    # 32 rows x 128 columns
+}
+
+
+# ------------------------------------------------------------------ bit helpers (device)
+# Public for other kernels (e.g. the expert GEMMs) that must produce parallel.quant's exact bits in registers.
+# The kernels are ALU-bound, not memory-bound (the old versions ran ~38 SASS instructions per
+# element for mxfp4): every helper is written for few integer ops per element.
+
+
+@triton.jit
+def _minifloat_bits(a, MAN: tl.constexpr, BIAS: tl.constexpr, MAX: tl.constexpr, SUB_SCALE: tl.constexpr):
+    """non-NaN fp32 a >= 0 -> int32 bits (exponent | MAN-bit mantissa, no sign) of a minifloat
+    with exponent bias BIAS, round to nearest even, subnormals included, saturating at bits MAX.
+    SUB_SCALE = 2^(BIAS - 1 + MAN): subnormals are integer multiples of 1 / SUB_SCALE."""
+    a_bits = a.to(tl.int32, bitcast=True)
+    # normal range: round the mantissa to MAN bits and rebias 127 -> BIAS in one add
+    drop: tl.constexpr = 23 - MAN
+    normal = tl.minimum((a_bits + (((a_bits >> drop) & 1) + ((1 << (drop - 1)) - 1 - ((127 - BIAS) << 23)))) >> drop, MAX)
+    # subnormal range: adding 2^23 to a * SUB_SCALE rounds it to an integer (nearest even)
+    sub = (a * SUB_SCALE + 8388608.0).to(tl.int32, bitcast=True) - 0x4B000000
+    return tl.where(a_bits >= ((128 - BIAS) << 23), normal, sub)
+
+
+@triton.jit
+def _e4m3_magnitude(a):
+    """non-NaN fp32 a >= 0 -> int32 E4M3 bits of a, round to nearest even, saturating at 448 (0x7E)."""
+    return _minifloat_bits(a, 3, 7, 0x7E, 512.0)
+
+
+@triton.jit
+def _sign_at(x, BIT: tl.constexpr):
+    """The sign of fp32 x moved to bit BIT (E4M3: 7, E2M1: 3), as int32."""
+    return (x.to(tl.int32, bitcast=True) >> (31 - BIT)) & (1 << BIT)
+
+
+@triton.jit
+def _e4m3_byte_finite(y):
+    """non-NaN fp32 y -> int32 E4M3 bits, round to nearest even, saturating at +-448."""
+    return _e4m3_magnitude(tl.abs(y)) | _sign_at(y, 7)
+
+
+@triton.jit
+def e4m3_byte(y):
+    """fp32 y -> uint8 E4M3 bits, round to nearest even, saturating at +-448; NaN -> 0x7F."""
+    return tl.where(y != y, 0x7F, _e4m3_byte_finite(y)).to(tl.uint8)
+
+
+@triton.jit
+def e4m3_value(byte):
+    """uint8 E4M3 bits -> fp32 (exact; 0x7F/0xFF are NaN)."""
+    b = byte.to(tl.int32)
+    mag = b & 0x7F
+    exp = mag >> 3
+    man = mag & 7
+    normal = ((exp + 120) << 23) | (man << 20)
+    val = tl.where(exp == 0, man.to(tl.float32) * 0.001953125, normal.to(tl.float32, bitcast=True))
+    val = tl.where(mag == 0x7F, float("nan"), val)
+    return (val.to(tl.int32, bitcast=True) | ((b & 0x80) << 24)).to(tl.float32, bitcast=True)  # keeps -0.0
+
+
+@triton.jit
+def _e2m1_index(a):
+    """non-NaN fp32 a >= 0 -> int32 E2M1 magnitude index of a, round to nearest even, saturating at 6."""
+    return _minifloat_bits(a, 1, 1, 7, 2.0)
+
+
+@triton.jit
+def _e2m1_code_finite(y):
+    """non-NaN fp32 y -> int32 E2M1 code (sign<<3 | index), round to nearest even, saturating."""
+    return _e2m1_index(tl.abs(y)) | _sign_at(y, 3)
+
+
+@triton.jit
+def e2m1_code(y):
+    """fp32 -> E2M1 code (sign<<3 | index), round to nearest even, saturating; NaN -> 0."""
+    return tl.where(y != y, 0, _e2m1_code_finite(y))
+
+
+@triton.jit
+def e2m1_value(code):
+    """E2M1 code (int32 in [0, 16)) -> fp32 (exact; code 8 is -0.0).
+
+    The code's bits placed at fp32 bit 22 are the value times 2^-126 (1.0 -> exponent field 1,
+    0.5 -> the subnormal 2^-127), so one exact multiply finishes it (fp32 subnormals are kept)."""
+    bits = ((code & 7) << 22) | ((code & 8) << 28)
+    return bits.to(tl.float32, bitcast=True) * 8.507059173023462e37     # 2^126
+
+
+@triton.jit
+def e8m0_value(byte):
+    """uint8 E8M0 -> fp32 2^(byte - 127); 0 -> 2^-127 (subnormal), 255 -> NaN."""
+    b = byte.to(tl.int32)
+    bits = tl.where(b == 0, 0x00400000, b << 23)
+    bits = tl.where(b == 255, 0x7FC00000, bits)
+    return bits.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def fp8_scale(amax, amax_floor, UE8M0: tl.constexpr):
+    """Block amax -> fp32 scale (amax/448 or the next power of two), as reference.fp8_scale."""
+    a = tl.where(amax < amax_floor, amax_floor, amax)
+    if UE8M0:
+        bits = a.to(tl.int32, bitcast=True)
+        e = ((bits >> 23) & 0xFF) - 135 + ((bits & 0x7FFFFF) > 0x600000).to(tl.int32)
+        e = tl.minimum(tl.maximum(e, -126), 127)
+        s = ((e + 127) << 23).to(tl.float32, bitcast=True)
+        return tl.where(a != a, a, s)
+    else:
+        return tl.div_rn(a, 448.0)
+
+
+@triton.jit
+def fp8_quant(x, scale):
+    """fp32 x / scale -> uint8 E4M3 bits (clamped to +-448; NaN -> 0x7F), as the reference."""
+    return e4m3_byte(tl.div_rn(x, scale))
+
+
+@triton.jit
+def _abs_max_bits(x, axis: tl.constexpr):
+    """max of |x| along `axis` as fp32 bits (int32): a NaN anywhere gives a NaN pattern
+    (> 0x7F800000), since non-negative floats order like their bits."""
+    return tl.max(x.to(tl.int32, bitcast=True) & 0x7FFFFFFF, axis=axis)
+
+
+@triton.jit
+def _div_abs_fast(x, d, r):
+    """|x| / d rounded to nearest even (= |tl.div_rn(x, d)|) for d in [2^-64, 2^64], r = RN(1 / d)
+    and |x| / d <= 2^64. q = |x| r is within 2 ulp; two remainder steps, each remainder exact
+    by fma, make it correctly rounded (Markstein). 5 ops per element instead of div.rn's
+    reciprocal, range check and branch. Callers take the sign from x (so -0.0 keeps it)."""
+    a = tl.abs(x)
+    if FMA_DIVISION:
+        nd = -d                      # per block (negating q per element would cost an op each)
+        q = a * r
+        q = tl.fma(tl.fma(q, nd, a), r, q)
+        q = tl.fma(tl.fma(q, nd, a), r, q)
+    else:
+        q = tl.div_rn(a, d)
+    return q
+
+
+@triton.jit
+def _fast_div_ok(d):
+    """Per-block divisors for which `_div_abs_fast` is exact (with quotients bounded by 2^64)."""
+    return (d >= 5.421010862427522e-20) & (d <= 1.8446744073709552e19)      # 2^-64, 2^64
+
+
+@triton.jit
+def _fp8_tile(x, scale, slow, UE8M0: tl.constexpr):
+    """x: fp32 tile, scale: fp32 per block broadcastable to it -> int32 E4M3 bits of x / scale.
+    `slow` (a scalar): some block of the tile has an inf/NaN (x / scale may be NaN -> 0x7F) or
+    a scale outside [2^-64, 2^64]; the tile then takes the reference's plain steps."""
+    r = tl.div_rn(1.0, scale)
+    if UE8M0:          # a power of two: |x| * (1 / scale) is |x| / scale exactly (one rounding)
+        a = tl.abs(x) * r
+    else:              # scale >= amax / 448: quotients <= 448, only the range of scale matters
+        a = _div_abs_fast(x, scale, r)
+    byte = _e4m3_magnitude(a) | _sign_at(x, 7)
+    if slow:
+        byte = e4m3_byte(tl.div_rn(x, scale)).to(tl.int32)
+    return byte
+
+
+# ------------------------------------------------------------------ FP4 kernels
+
+
+@triton.jit
+def _fp4_quant_kernel(x_ptr, data_ptr, scale_ptr, gs_ptr, n_blocks, blocks_per_gs,
+                      IS_NV: tl.constexpr, GS_PER_MATRIX: tl.constexpr, BS: tl.constexpr,
+                      ROWS: tl.constexpr, EVEN: tl.constexpr):
+    """One program: ROWS whole blocks of BS (a [ROWS * BS] contiguous slice of x). Each thread
+    loads 16 bytes, stores its packed bytes in one store; EVEN (n_blocks % ROWS == 0) drops masks."""
+    rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)    # block index
+    cols = tl.arange(0, BS)
+    pcols = tl.arange(0, BS // 2)
+    if EVEN:
+        x = tl.load(x_ptr + rows[:, None] * BS + cols[None, :])
+    else:
+        x = tl.load(x_ptr + rows[:, None] * BS + cols[None, :], mask=(rows < n_blocks)[:, None], other=0.0)
+    x = x.to(tl.float32)
+    abits = _abs_max_bits(x, 1)                                          # [ROWS] block amax bits
+    if IS_NV:
+        if GS_PER_MATRIX:
+            g = tl.load(gs_ptr + rows.to(tl.int32) // blocks_per_gs, mask=rows < n_blocks, other=1.0)
+        else:
+            g = tl.load(gs_ptr)
+        amax = abits.to(tl.float32, bitcast=True)                        # NaN when the block has one
+        s = tl.where(g > 0, tl.div_rn(tl.div_rn(amax, 6.0), g), 0.0)
+        s = tl.where(s > 448.0, 448.0, s)
+        sbyte = e4m3_byte(s)
+        denom = e4m3_value(sbyte) * g
+        r = tl.div_rn(1.0, denom)
+        codes = _e2m1_index(_div_abs_fast(x, denom[:, None], r[:, None])) | _sign_at(x, 3)
+        # rare tiles: a zero/NaN/extreme denominator (y = x * 0 when not > 0), a quotient over
+        # 2^64 (s clamped at 448), or an inf/NaN input (a NaN y -> code 0): the plain steps
+        fast = _fast_div_ok(denom) & (amax * r <= 1.8446744073709552e19)
+        if tl.min(fast.to(tl.int32)) == 0:
+            y = tl.where(denom[:, None] > 0, tl.div_rn(x, denom[:, None]), x * 0.0)
+            codes = e2m1_code(y)
+    else:
+        byte = (abits >> 23) - 2 + ((abits & 0x7FFFFF) > 0x400000).to(tl.int32)
+        byte = tl.minimum(tl.maximum(byte, 0), 254)
+        byte = tl.where(abits > 0x7F800000, 255, byte)
+        inv = (tl.maximum(254 - byte, 1) << 23).to(tl.float32, bitcast=True)  # 2^-e, exact multiply
+        codes = _e2m1_index(tl.abs(x) * inv[:, None]) | _sign_at(x, 3)
+        if tl.max(abits) > 0x7F800000:                                   # a NaN: its code is +0
+            codes = tl.where(x != x, 0, codes)
+        sbyte = byte.to(tl.uint8)
+    even, odd = tl.split(tl.reshape(codes, (ROWS, BS // 2, 2)))
+    packed = (even | (odd << 4)).to(tl.uint8)
+    if EVEN:
+        tl.store(data_ptr + rows[:, None] * (BS // 2) + pcols[None, :], packed)
+        tl.store(scale_ptr + rows, sbyte)
+    else:
+        tl.store(data_ptr + rows[:, None] * (BS // 2) + pcols[None, :], packed, mask=(rows < n_blocks)[:, None])
+        tl.store(scale_ptr + rows, sbyte, mask=rows < n_blocks)
+
+
+@triton.jit
+def _fp4_dequant_kernel(data_ptr, scale_ptr, gs_ptr, out_ptr, n_blocks, blocks_per_gs,
+                        IS_NV: tl.constexpr, GS_PER_MATRIX: tl.constexpr, BS: tl.constexpr,
+                        ROWS: tl.constexpr, EVEN: tl.constexpr):
+    rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
+    pcols = tl.arange(0, BS // 2)
+    cols = tl.arange(0, BS)
+    if EVEN:
+        packed = tl.load(data_ptr + rows[:, None] * (BS // 2) + pcols[None, :])
+        sbyte = tl.load(scale_ptr + rows)
+    else:
+        packed = tl.load(data_ptr + rows[:, None] * (BS // 2) + pcols[None, :], mask=(rows < n_blocks)[:, None], other=0)
+        sbyte = tl.load(scale_ptr + rows, mask=rows < n_blocks, other=0)
+    packed = packed.to(tl.int32)
+    lo = e2m1_value(packed & 0xF)
+    hi = e2m1_value(packed >> 4)
+    if IS_NV:
+        s = e4m3_value(sbyte)[:, None]
+        if GS_PER_MATRIX:
+            g = tl.load(gs_ptr + rows.to(tl.int32) // blocks_per_gs, mask=rows < n_blocks, other=1.0)[:, None]
+        else:
+            g = tl.load(gs_ptr)
+        lo = (lo * s) * g
+        hi = (hi * s) * g
+    else:
+        s = e8m0_value(sbyte)[:, None]
+        lo = lo * s
+        hi = hi * s
+    vals = tl.reshape(tl.join(lo, hi), (ROWS, BS)).to(out_ptr.dtype.element_ty)
+    if EVEN:
+        tl.store(out_ptr + rows[:, None] * BS + cols[None, :], vals)
+    else:
+        tl.store(out_ptr + rows[:, None] * BS + cols[None, :], vals, mask=(rows < n_blocks)[:, None])
+
+
+@triton.jit
+def _abs_max_kernel(x_ptr, out_ptr, per_mat, BLOCK: tl.constexpr, EVEN: tl.constexpr):
+    """out[mat, c] = max |x| (as fp32 bits) over chunk c of BLOCK elements of matrix mat:
+    the nvfp4 tensor / matrix amax in one read of x (the host takes the max over chunks)."""
+    mat = tl.program_id(1).to(tl.int64)
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    if EVEN:
+        x = tl.load(x_ptr + mat * per_mat + offs)
+    else:
+        x = tl.load(x_ptr + mat * per_mat + offs, mask=offs < per_mat, other=0.0)
+    tl.store(out_ptr + mat * tl.num_programs(0) + tl.program_id(0), _abs_max_bits(x.to(tl.float32), 0))
+
+
+# ------------------------------------------------------------------ FP8 kernels
+
+
+@triton.jit
+def _fp8_group_quant_kernel(x_ptr, data_ptr, scale_ptr, n_rows, k, n_groups, amax_floor,
+                            UE8M0: tl.constexpr, ROWS: tl.constexpr, GROUP: tl.constexpr):
+    """One program: ROWS rows x one group of GROUP columns (fp8_group; fp8_token with GROUP >= K)."""
+    rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
+    grp = tl.program_id(1)
+    cols = grp * GROUP + tl.arange(0, GROUP)
+    mask = (rows < n_rows)[:, None] & (cols < k)[None, :]
+    offs = rows[:, None] * k + cols[None, :]
+    x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    abits = _abs_max_bits(x, 1)
+    scale = fp8_scale(abits.to(tl.float32, bitcast=True), amax_floor, UE8M0)
+    slow = (tl.max(abits) >= 0x7F800000) | (tl.min(_fast_div_ok(scale).to(tl.int32)) == 0)
+    byte = _fp8_tile(x, scale[:, None], slow, UE8M0)
+    tl.store(data_ptr + offs, byte.to(tl.uint8), mask=mask)
+    tl.store(scale_ptr + rows * n_groups + grp, scale, mask=rows < n_rows)
+
+
+@triton.jit
+def _fp8_row_quant_kernel(x_ptr, data_ptr, scale_ptr, n_rows, k, amax_floor,
+                          UE8M0: tl.constexpr, CHUNK: tl.constexpr, NUM_CHUNKS: tl.constexpr):
+    """fp8_token for long rows: one program per row, two passes over CHUNK columns.
+    (NUM_CHUNKS is constexpr: the interpreter cannot loop to a runtime bound.)"""
+    row = tl.program_id(0).to(tl.int64)
+    base = row * k
+    abits = tl.zeros((CHUNK,), dtype=tl.int32)
+    for c in range(NUM_CHUNKS):
+        cols = c * CHUNK + tl.arange(0, CHUNK)
+        x = tl.load(x_ptr + base + cols, mask=cols < k, other=0.0).to(tl.float32)
+        abits = tl.maximum(abits, x.to(tl.int32, bitcast=True) & 0x7FFFFFFF)
+    a = tl.max(abits, axis=0)
+    scale = fp8_scale(a.to(tl.float32, bitcast=True), amax_floor, UE8M0)
+    slow = (a >= 0x7F800000) | (_fast_div_ok(scale) == 0)
+    for c in range(NUM_CHUNKS):
+        cols = c * CHUNK + tl.arange(0, CHUNK)
+        x = tl.load(x_ptr + base + cols, mask=cols < k, other=0.0).to(tl.float32)
+        tl.store(data_ptr + base + cols, _fp8_tile(x, scale, slow, UE8M0).to(tl.uint8), mask=cols < k)
+    tl.store(scale_ptr + row, scale)
+
+
+@triton.jit
+def _fp8_block_quant_kernel(x_ptr, data_ptr, scale_ptr, n, k, nb, kb, amax_floor,
+                            UE8M0: tl.constexpr, SUB: tl.constexpr):
+    """fp8_block: one program per 128x128 tile of one matrix, two passes of SUB rows."""
+    mat = tl.program_id(0).to(tl.int64)
+    tr = tl.program_id(1)
+    tc = tl.program_id(2)
+    cols = tc * 128 + tl.arange(0, 128)
+    cmask = cols < k
+    base = mat * n * k
+    abits = tl.zeros((SUB, 128), dtype=tl.int32)
+    for r0 in range(0, 128, SUB):
+        rows = tr * 128 + r0 + tl.arange(0, SUB)
+        mask = (rows < n)[:, None] & cmask[None, :]
+        x = tl.load(x_ptr + base + rows[:, None] * k + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        abits = tl.maximum(abits, x.to(tl.int32, bitcast=True) & 0x7FFFFFFF)
+    a = tl.max(tl.max(abits, axis=1), axis=0)
+    scale = fp8_scale(a.to(tl.float32, bitcast=True), amax_floor, UE8M0)
+    slow = (a >= 0x7F800000) | (_fast_div_ok(scale) == 0)
+    for r0 in range(0, 128, SUB):
+        rows = tr * 128 + r0 + tl.arange(0, SUB)
+        mask = (rows < n)[:, None] & cmask[None, :]
+        offs = base + rows[:, None] * k + cols[None, :]
+        x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        tl.store(data_ptr + offs, _fp8_tile(x, scale, slow, UE8M0).to(tl.uint8), mask=mask)
+    tl.store(scale_ptr + mat * nb * kb + tr * kb + tc, scale)
+
+
+@triton.jit
+def _fp8_dequant_kernel(data_ptr, scale_ptr, out_ptr, n_rows, k, rows_per_mat, s_mat, s_row, s_col,
+                        ROW_BLOCK: tl.constexpr, ROWS: tl.constexpr, FIX_NAN: tl.constexpr):
+    """out[r, c] = e4m3(data[r, c]) * scale[(r // N) * s_mat + (r % N // RB) * s_row + (c // 128) * s_col].
+    One program: ROWS rows x the 128 columns of one scale group, so the scale is one load per row.
+    data is read as float8e4nv (the hardware conversion is exact); FIX_NAN (interpreter only,
+    whose conversion misses E4M3 NaN) re-marks 0x7F/0xFF as NaN."""
+    rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
+    grp = tl.program_id(1)
+    cols = grp * 128 + tl.arange(0, 128)
+    rmask = rows < n_rows
+    mask = rmask[:, None] & (cols < k)[None, :]
+    offs = rows[:, None] * k + cols[None, :]
+    d = tl.load(data_ptr + offs, mask=mask, other=0.0)
+    v = d.to(tl.float32)
+    if FIX_NAN:
+        v = tl.where((d.to(tl.uint8, bitcast=True) & 0x7F) == 0x7F, float("nan"), v)
+    if ROW_BLOCK == 1:                                                   # fp8_token / fp8_group
+        sidx = rows * s_row + grp * s_col
+    else:                                                                # fp8_block: [mats, N, K]
+        r32 = rows.to(tl.int32)
+        mat = r32 // rows_per_mat
+        sidx = mat.to(tl.int64) * s_mat + ((r32 - mat * rows_per_mat) // ROW_BLOCK) * s_row + grp * s_col
+    s = tl.load(scale_ptr + sidx, mask=rmask, other=1.0)
+    tl.store(out_ptr + offs, (v * s[:, None]).to(out_ptr.dtype.element_ty), mask=mask)
+
+
+# ------------------------------------------------------------------ host wrappers
+
+_OUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def _tensor_amax(x: torch.Tensor, per_matrix: bool) -> torch.Tensor:
+    """max |x| (0-d, or per matrix of contiguous [..., N, K]) in fp32, NaN if x has one."""
+    shape = x.shape[:-2] if per_matrix else ()
+    if x.numel() == 0:
+        return torch.zeros(shape, dtype=torch.float32, device=x.device)
+    per_mat = x.shape[-2] * x.shape[-1] if per_matrix else x.numel()
+    mats = x.numel() // per_mat
+    block = 8192
+    chunks = triton.cdiv(per_mat, block)
+    partial = torch.empty((mats, chunks), dtype=torch.int32, device=x.device)   # amax bits per chunk
+    _abs_max_kernel[(chunks, mats)](x, partial, per_mat, BLOCK=block, EVEN=per_mat % block == 0, num_warps=8)
+    return partial.amax(dim=-1).view(torch.float32).reshape(shape)
+
+
+def _nvfp4_global(x: torch.Tensor, global_scale) -> torch.Tensor:
+    from parallel.quant.reference import NVFP4_GLOBAL_DIVISOR, _nvfp4_gs
+
+    if global_scale is None or (isinstance(global_scale, str) and global_scale in ("tensor", "matrix")):
+        per_matrix = global_scale == "matrix"
+        if per_matrix and x.dim() < 2:
+            raise ValueError(f"global_scale='matrix' needs x with >= 2 dims, got {tuple(x.shape)}")
+        amax = _tensor_amax(x, per_matrix)
+        # divide by a tensor: CUDA torch turns `t / python_float` into t * (1 / float), not IEEE a / b
+        return amax / torch.full_like(amax, NVFP4_GLOBAL_DIVISOR)
+    return _nvfp4_gs(x, global_scale)
+
+
+def quantize(x: torch.Tensor, fmt: str, **opts) -> QuantizedTensor:
+    """Same contract as `parallel.quant.quantize` (opts per format)."""
+    info = check_quantizable(x, fmt)
+    x = x.contiguous()
+    if fmt in FP4_FORMATS:
+        return _quantize_fp4(x, fmt, info.block[1], **opts)
+    return _quantize_fp8(x, fmt, **opts)
+
+
+def _fp4_launch_args(n_blocks: int, bs: int, gs: torch.Tensor | None, shape: torch.Size, cfg: str) -> tuple:
+    """(grid, blocks_per_gs, meta) for the fp4 kernels: ROWS blocks of bs per program."""
+    rows, warps = CONFIG[cfg]
+    rows = rows * 32 // bs
+    per_matrix = gs is not None and gs.dim() > 0
+    blocks_per_gs = shape[-2] * (shape[-1] // bs) if per_matrix else max(n_blocks, 1)
+    meta = dict(IS_NV=gs is not None, GS_PER_MATRIX=per_matrix, BS=bs, ROWS=rows,
+                EVEN=n_blocks % rows == 0, num_warps=warps)
+    return (triton.cdiv(n_blocks, rows),), blocks_per_gs, meta
+
+
+def _quantize_fp4(x: torch.Tensor, fmt: str, bs: int, *, scale_rule: str = "ceil",
+                  global_scale=None) -> QuantizedTensor:
+    if fmt == "mxfp4" and scale_rule != "ceil":
+        if scale_rule == "floor":                                   # checkpoint emulation: torch path
+            from parallel.quant.reference import quantize_mxfp4
+            return quantize_mxfp4(x, scale_rule="floor")
+        raise ValueError(f"unknown mxfp4 scale_rule {scale_rule!r}; valid: 'ceil', 'floor'")
+    *lead, k = x.shape
+    n_blocks = x.numel() // bs
+    data = torch.empty((*lead, k // 2), dtype=torch.uint8, device=x.device)
+    scale = torch.empty((*lead, k // bs), dtype=torch.uint8, device=x.device)
+    gs = _nvfp4_global(x, global_scale).to(torch.float32).contiguous() if fmt == "nvfp4" else None
+    if n_blocks:
+        grid, blocks_per_gs, meta = _fp4_launch_args(n_blocks, bs, gs, x.shape, "fp4_quant")
+        _fp4_quant_kernel[grid](x, data, scale, scale if gs is None else gs, n_blocks, blocks_per_gs, **meta)
+    return QuantizedTensor(data, scale, fmt, x.shape, gs)
+
+
+def _quantize_fp8(x: torch.Tensor, fmt: str, *, ue8m0: bool = False,
+                  amax_floor: float = DEFAULT_AMAX_FLOOR) -> QuantizedTensor:
+    _check_floor(amax_floor)
+    k = x.shape[-1]
+    data = torch.empty(x.shape, dtype=torch.float8_e4m3fn, device=x.device)
+    d8 = data.view(torch.uint8)
+    if fmt == "fp8_block":
+        *lead, n, _ = x.shape
+        mats = x.numel() // max(n * k, 1)
+        nb, kb = triton.cdiv(n, 128), triton.cdiv(k, 128)
+        scale = torch.empty((*lead, nb, kb), dtype=torch.float32, device=x.device)
+        if x.numel():
+            _fp8_block_quant_kernel[(mats, nb, kb)](x, d8, scale, n, k, nb, kb, amax_floor,
+                                                    UE8M0=ue8m0, SUB=16, num_warps=4)
+        return QuantizedTensor(data, scale, fmt, x.shape)
+    n_rows = x.numel() // k if k else 0
+    rows, warps = CONFIG["fp8_group"]
+    if fmt == "fp8_group":
+        n_groups = triton.cdiv(k, 128)
+        scale = torch.empty((*x.shape[:-1], n_groups), dtype=torch.float32, device=x.device)
+        if x.numel():
+            _fp8_group_quant_kernel[(triton.cdiv(n_rows, rows), n_groups)](
+                x, d8, scale, n_rows, k, n_groups, amax_floor, UE8M0=ue8m0, ROWS=rows, GROUP=128, num_warps=warps)
+        return QuantizedTensor(data, scale, fmt, x.shape)
+    scale = torch.empty((*x.shape[:-1], 1), dtype=torch.float32, device=x.device)
+    if x.numel():
+        width = triton.next_power_of_2(k)
+        if width <= 8192:                                            # whole row in one tile
+            r = max(1, min(16, 4096 // width))
+            _fp8_group_quant_kernel[(triton.cdiv(n_rows, r), 1)](
+                x, d8, scale, n_rows, k, 1, amax_floor, UE8M0=ue8m0, ROWS=r, GROUP=width,
+                num_warps=8 if width >= 4096 else 4)
+        else:
+            _fp8_row_quant_kernel[(n_rows,)](x, d8, scale, n_rows, k, amax_floor, UE8M0=ue8m0,
+                                             CHUNK=4096, NUM_CHUNKS=triton.cdiv(k, 4096), num_warps=8)
+    return QuantizedTensor(data, scale, fmt, x.shape)
+
+
+def dequantize(q: QuantizedTensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Same contract as `parallel.quant.dequantize`."""
+    check_storage(q)
+    info = get_format(q.fmt)
+    out_dtype = dtype if dtype in _OUT_DTYPES else torch.float32
+    out = torch.empty(q.shape, dtype=out_dtype, device=q.device)
+    data = q.data.contiguous()
+    scale = q.scale.contiguous()
+    if q.fmt in FP4_FORMATS:
+        bs = info.block[1]
+        n_blocks = out.numel() // bs
+        gs = None
+        if q.fmt == "nvfp4":
+            gs = q.global_scale.to(device=q.device, dtype=torch.float32).contiguous()
+        if n_blocks:
+            grid, blocks_per_gs, meta = _fp4_launch_args(n_blocks, bs, gs, q.shape, "fp4_dequant")
+            _fp4_dequant_kernel[grid](data, scale, scale if gs is None else gs, out, n_blocks, blocks_per_gs, **meta)
+    else:
+        k = q.shape[-1]
+        n_rows = out.numel() // k if k else 0
+        if q.fmt == "fp8_token":
+            args = (n_rows, 0, 1, 0, 1)                     # rows_per_mat, s_mat, s_row, s_col, ROW_BLOCK
+        elif q.fmt == "fp8_group":
+            args = (n_rows, 0, scale.shape[-1], 1, 1)
+        else:
+            n = q.shape[-2]
+            nb, kb = scale.shape[-2:]
+            args = (n, nb * kb, kb, 1, 128)
+        rows, warps = CONFIG["fp8_dequant"]
+        if out.numel():
+            _fp8_dequant_kernel[(triton.cdiv(n_rows, rows), triton.cdiv(k, 128))](
+                data, scale, out, n_rows, k, *args[:4], ROW_BLOCK=args[4], ROWS=rows,
+                FIX_NAN=impl.interpreting(), num_warps=warps)
+    return out if out_dtype == dtype else out.to(dtype)
