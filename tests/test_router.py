@@ -1,4 +1,4 @@
-"""Routing (moe.router) against an independent plain-Python implementation of SPEC §2, on
+"""Routing (moe.router) against an independent plain-Python implementation of docs/numerics.md §2, on
 the torch path and on the fused Triton kernel (TRITON_INTERPRET=1 on CPU, real on CUDA)."""
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from moe.router import Router, route, score_logits  # noqa: E402
 # ---------------------------------------------------------------- independent reference
 def plain_route(scores: np.ndarray, *, top_k, bias=None, n_group=None, topk_group=None, renormalize=True,
                 scaling=1.0, input_ids=None, tid2eid=None, token_mask=None):
-    """SPEC §2 with loops over tokens; `scores` [T, E] float32 numpy (already scored).
+    """docs/numerics.md §2 with loops over tokens; `scores` [T, E] float32 numpy (already scored).
     All arithmetic in numpy float32 so that equal inputs compare exactly like the device path."""
     T, E = scores.shape
     f32 = np.float32
