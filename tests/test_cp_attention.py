@@ -13,7 +13,7 @@ from parallel.cp import (attention_with_lse, merge_attn_states, ring_attention, 
                          zigzag_unshard_varlen)
 from parallel.cp.local_attn import _FusedBlock, _offset_causal_by_blocks
 from parallel.cp.ring import simulate_ring_backward, simulate_ring_forward
-from test_cp_reference import reference_attention
+from tests.helpers import reference_attention
 
 
 def _qkv(seed: int, tq: int, tk: int, hq: int, hkv: int, d: int, dv: int, *, batch: int | None = None,

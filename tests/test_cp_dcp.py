@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from parallel.cp import ContextParallelAttention, DCPLayout, PagedKVCache, dcp_decode_attention, dcp_kv_insert
-from test_cp_reference import reference_attention
+from tests.helpers import reference_attention
 
 
 def _brute_force(num_tokens: int, size: int, interleave: int, block_size: int, table: list[int]):

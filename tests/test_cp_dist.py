@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 
 from launch.local import launch_local
-from test_cp_reference import reference_attention
+from tests.helpers import reference_attention
 
 ATOL = 2e-6
 GRAD_ATOL = 2e-5

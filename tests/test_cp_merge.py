@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from parallel.cp import merge_attn_states, merge_two_attn_states
-from test_cp_reference import reference_attention
+from tests.helpers import reference_attention
 
 LN2 = math.log(2.0)
 

@@ -1,8 +1,7 @@
-"""The independent full-attention reference the context-parallel tests compare against.
-
-Written differently from `parallel.cp` on purpose: float64, one head at a time, torch.softmax
-and torch.logsumexp, masks from explicit position vectors. It is itself checked against
-PyTorch's scaled_dot_product_attention below.
+"""Checks of the independent full-attention reference (`tests.helpers.reference_attention`) that
+the context-parallel tests compare against: written differently from `parallel.cp` on purpose
+(float64, one head at a time, torch.softmax and torch.logsumexp, masks from explicit position
+vectors), and checked here against PyTorch's scaled_dot_product_attention.
 """
 
 from __future__ import annotations
@@ -12,31 +11,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-
-def reference_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool,
-                        q_pos: torch.Tensor | None = None, k_pos: torch.Tensor | None = None,
-                        scale: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """q [Sq, Hq, D], k [Sk, Hkv, D], v [Sk, Hkv, Dv] -> (out [Sq, Hq, Dv], lse [Sq, Hq]) in float64.
-
-    causal: key j visible from query i iff k_pos[j] <= q_pos[i] (positions default to arange).
-    Rows with no visible key: out 0, lse -inf. Differentiable.
-    """
-    sq, hq, d = q.shape
-    sk, hkv, _ = k.shape
-    scale = d ** -0.5 if scale is None else scale
-    q_pos = torch.arange(sq) if q_pos is None else q_pos
-    k_pos = torch.arange(sk) if k_pos is None else k_pos
-    hidden = k_pos[None, :] > q_pos[:, None]
-    outs, lses = [], []
-    for h in range(hq):
-        kv_head = h * hkv // hq
-        scores = (q[:, h].double() @ k[:, kv_head].double().T) * scale
-        if causal:
-            scores = scores.masked_fill(hidden, -math.inf)
-        probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)
-        outs.append(probs @ v[:, kv_head].double())
-        lses.append(torch.logsumexp(scores, dim=-1))
-    return torch.stack(outs, 1), torch.stack(lses, 1)
+from tests.helpers import reference_attention
 
 
 def test_reference_matches_torch_sdpa_with_gqa_and_causal_mask():

@@ -12,13 +12,13 @@ import torch
 
 from moe.kernels import expert_ffn, expert_rows, prepare_weights
 from moe.quant import quantize
+from tests.helpers import weight_values
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")
 
 
 def _values(q) -> np.ndarray:
-    from tests.test_gemm import weight_values
     return weight_values(q)
 
 

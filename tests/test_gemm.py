@@ -16,42 +16,13 @@ import torch
 from moe.kernels import expert_rows, grouped_gemm, grouped_gemm_reference, prepare_weights
 from moe.kernels.prepare import dequantize_prepared, fold_plan, pair_fp4, to_quantized, unpair_fp4
 from moe.quant import QuantizedTensor, quantize
+from tests.helpers import weight_values
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 interp = pytest.mark.skipif(not INTERPRET, reason="needs TRITON_INTERPRET=1 from the start (conftest sets it on CPU)")
 pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")
 
-# ---- independent float64 implementation (numpy, SPEC §4 tables written out) ---------------------
-
-E2M1 = np.array([0, .5, 1, 1.5, 2, 3, 4, 6, -0., -.5, -1, -1.5, -2, -3, -4, -6])
-
-
-def e4m3_values(b: np.ndarray) -> np.ndarray:
-    b = b.astype(np.int64)
-    sign = np.where(b & 0x80, -1.0, 1.0)
-    e, m = (b >> 3) & 0xF, b & 7
-    val = np.where(e == 0, m / 8 * 2.0 ** -6, (1 + m / 8) * 2.0 ** (e - 7))
-    return sign * np.where((e == 15) & (m == 7), np.nan, val)
-
-
-def weight_values(q: QuantizedTensor) -> np.ndarray:
-    """[E, N, K] float64 values of an mxfp4 / nvfp4 / fp8_block weight."""
-    if q.fmt in ("mxfp4", "nvfp4"):
-        d = q.data.numpy().astype(np.int64)
-        codes = np.empty((*d.shape[:-1], 2 * d.shape[-1]), dtype=np.int64)
-        codes[..., 0::2], codes[..., 1::2] = d & 15, d >> 4
-        vals = E2M1[codes]
-        s = q.scale.numpy().astype(np.int64)
-        if q.fmt == "mxfp4":
-            return vals * np.repeat(np.ldexp(1.0, s - 127), 32, axis=-1)
-        gs = q.global_scale.numpy().astype(np.float64).reshape(-1, 1, 1)
-        return vals * np.repeat(e4m3_values(s), 16, axis=-1) * gs
-    assert q.fmt == "fp8_block"
-    vals = e4m3_values(q.data.view(torch.uint8).numpy())
-    s = q.scale.numpy().astype(np.float64)
-    s = np.repeat(np.repeat(s, 128, axis=-2), 128, axis=-1)[..., :vals.shape[-2], :vals.shape[-1]]
-    return vals * s
-
+# ---- independent float64 implementation (numpy; tables in tests/helpers.py, docs/numerics.md §4) ----
 
 def loop_gemm(x: np.ndarray, wv: np.ndarray, counts: list[int], layout: str) -> np.ndarray:
     """Row by row: find the row's expert, multiply; rows without an expert stay 0."""

@@ -1,0 +1,143 @@
+"""Independent references shared by several test modules (test modules never import each other).
+
+Everything here is written from the conventions in docs/numerics.md, on purpose differently from
+the library code it checks: float64, explicit tables, one head / one token at a time where that
+keeps the formula visible.
+
+- `reference_attention`: full attention with LSE (docs/numerics.md §7), for the CP tests.
+- `E2M1`, `e4m3_values`, `weight_values`: the bit meaning of the low-precision weight formats
+  (docs/numerics.md §4), for the GEMM and FFN tests.
+- `plain_moe_reference`: one MoE layer (routing §2, SwiGLU §3, shared expert) in plain torch
+  float64, differentiable, for gradient checks of `moe.MoELayer`.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+# ---------------------------------------------------------------------------- attention
+
+
+def reference_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool,
+                        q_pos: torch.Tensor | None = None, k_pos: torch.Tensor | None = None,
+                        scale: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """q [Sq, Hq, D], k [Sk, Hkv, D], v [Sk, Hkv, Dv] -> (out [Sq, Hq, Dv], lse [Sq, Hq]) in float64.
+
+    causal: key j visible from query i iff k_pos[j] <= q_pos[i] (positions default to arange).
+    Rows with no visible key: out 0, lse -inf. Differentiable. Checked against PyTorch's
+    scaled_dot_product_attention in tests/test_cp_reference.py.
+    """
+    sq, hq, d = q.shape
+    sk, hkv, _ = k.shape
+    scale = d ** -0.5 if scale is None else scale
+    q_pos = torch.arange(sq) if q_pos is None else q_pos
+    k_pos = torch.arange(sk) if k_pos is None else k_pos
+    hidden = k_pos[None, :] > q_pos[:, None]
+    outs, lses = [], []
+    for h in range(hq):
+        kv_head = h * hkv // hq
+        scores = (q[:, h].double() @ k[:, kv_head].double().T) * scale
+        if causal:
+            scores = scores.masked_fill(hidden, -math.inf)
+        probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)
+        outs.append(probs @ v[:, kv_head].double())
+        lses.append(torch.logsumexp(scores, dim=-1))
+    return torch.stack(outs, 1), torch.stack(lses, 1)
+
+
+# ---------------------------------------------------------------------------- formats
+
+# E2M1 code -> value: bit 3 is the sign, bits 0-2 index the magnitudes.
+E2M1 = np.array([0, .5, 1, 1.5, 2, 3, 4, 6, -0., -.5, -1, -1.5, -2, -3, -4, -6])
+
+
+def e4m3_values(b: np.ndarray) -> np.ndarray:
+    """FP8 E4M3 bytes -> float64 values (bias 7, subnormals below exponent 1, 0x7F/0xFF NaN)."""
+    b = b.astype(np.int64)
+    sign = np.where(b & 0x80, -1.0, 1.0)
+    e, m = (b >> 3) & 0xF, b & 7
+    val = np.where(e == 0, m / 8 * 2.0 ** -6, (1 + m / 8) * 2.0 ** (e - 7))
+    return sign * np.where((e == 15) & (m == 7), np.nan, val)
+
+
+def weight_values(q) -> np.ndarray:
+    """[E, N, K] float64 values of an mxfp4 / nvfp4 / fp8_block `moe.quant.QuantizedTensor`."""
+    if q.fmt in ("mxfp4", "nvfp4"):
+        d = q.data.numpy().astype(np.int64)
+        codes = np.empty((*d.shape[:-1], 2 * d.shape[-1]), dtype=np.int64)
+        codes[..., 0::2], codes[..., 1::2] = d & 15, d >> 4  # element 2i in the low nibble
+        vals = E2M1[codes]
+        s = q.scale.numpy().astype(np.int64)
+        if q.fmt == "mxfp4":
+            return vals * np.repeat(np.ldexp(1.0, s - 127), 32, axis=-1)  # E8M0: 2^(byte - 127)
+        gs = q.global_scale.numpy().astype(np.float64).reshape(-1, 1, 1)
+        return vals * np.repeat(e4m3_values(s), 16, axis=-1) * gs
+    assert q.fmt == "fp8_block", q.fmt
+    vals = e4m3_values(q.data.view(torch.uint8).numpy())
+    s = q.scale.numpy().astype(np.float64)
+    s = np.repeat(np.repeat(s, 128, axis=-2), 128, axis=-1)[..., :vals.shape[-2], :vals.shape[-1]]
+    return vals * s
+
+
+# ---------------------------------------------------------------------------- MoE layer
+
+
+def plain_moe_reference(x: torch.Tensor, params: dict[str, torch.Tensor], *, top_k: int, scoring: str,
+                        n_group: int | None = None, topk_group: int | None = None, renormalize: bool = True,
+                        scaling: float = 1.0, swiglu_limit: float | None = None) -> torch.Tensor:
+    """One MoE layer in plain torch, in the dtype of `x` (use float64), differentiable.
+
+    x: [T, H]. params: DeepSeek names -> tensors of x's dtype: gate.weight [E, H], optional
+    gate.e_score_correction_bias [E], experts.{e}.w1/w3.weight [I, H], experts.{e}.w2.weight [H, I],
+    optional shared_experts.w1/w3.weight [S, H] and w2.weight [H, S]. Returns [T, H].
+
+    Routing (docs/numerics.md §2) token by token: the bias only selects; grouped top-k keeps the
+    `topk_group` groups with the largest sum of their top-2 biased scores; weights are the unbiased
+    scores, renormalized, times `scaling`. Selection happens on detached values (it is a
+    discrete choice); the weights carry the gradient to the gate.
+    """
+    logits = x @ params["gate.weight"].t()  # [T, E]
+    if scoring == "softmax":
+        scores = torch.softmax(logits, dim=-1)
+    elif scoring == "sigmoid":
+        scores = torch.sigmoid(logits)
+    elif scoring == "sqrt_softplus":
+        scores = torch.sqrt(torch.where(logits > 20, logits, torch.log1p(torch.exp(logits.clamp(max=20)))))
+    else:
+        raise ValueError(f"unknown scoring {scoring!r}")
+    bias = params.get("gate.e_score_correction_bias")
+    num_tokens, num_experts = scores.shape
+    rows = []
+    for t in range(num_tokens):
+        select = (scores[t] + bias if bias is not None else scores[t]).detach().tolist()
+        allowed = list(range(num_experts))
+        if n_group is not None and n_group > 1:
+            size = num_experts // n_group
+            group_score = []
+            for g in range(n_group):
+                members = sorted(select[g * size:(g + 1) * size], reverse=True)
+                group_score.append(sum(members[:2]) if bias is not None else members[0])
+            kept = sorted(range(n_group), key=lambda g: (-group_score[g], g))[:topk_group]
+            allowed = [e for e in allowed if e // size in kept]
+        chosen = sorted(allowed, key=lambda e: (-select[e], e))[:top_k]
+        w = scores[t, chosen]
+        if renormalize:
+            w = w / w.sum()
+        w = w * scaling
+        row = torch.zeros_like(x[t])
+        for weight, e in zip(w, chosen):
+            g = x[t] @ params[f"experts.{e}.w1.weight"].t()
+            u = x[t] @ params[f"experts.{e}.w3.weight"].t()
+            if swiglu_limit is not None:
+                g, u = g.clamp(max=swiglu_limit), u.clamp(-swiglu_limit, swiglu_limit)
+            row = row + weight * ((F.silu(g) * u) @ params[f"experts.{e}.w2.weight"].t())
+        rows.append(row)
+    out = torch.stack(rows) if rows else torch.zeros_like(x)
+    if "shared_experts.w1.weight" in params:
+        s1, s3, s2 = (params[f"shared_experts.{n}.weight"] for n in ("w1", "w3", "w2"))
+        out = out + (F.silu(x @ s1.t()) * (x @ s3.t())) @ s2.t()
+    return out
