@@ -70,6 +70,7 @@ class GraphedMoE:
                 pool = graph.pool()
                 self._graphs[t] = (graph, x, mask, ids, out)
         layer.expert_counts.zero_()
+        self._filled: dict[int, int] = {t: t for t in counts}  # rows of real tokens the static input was set up for
 
     def size_for(self, num_tokens: int) -> int:
         """The captured size a batch of `num_tokens` replays."""
@@ -92,12 +93,15 @@ class GraphedMoE:
         t = x.shape[0]
         if t == 0:
             return x.new_zeros(0, self.hidden)
-        graph, x_static, mask, ids_static, out = self._graphs[self.size_for(t)]
+        size = self.size_for(t)
+        graph, x_static, mask, ids_static, out = self._graphs[size]
         with torch.no_grad():
             x_static[:t].copy_(x)
-            x_static[t:].zero_()
-            mask[:t].fill_(True)
-            mask[t:].fill_(False)
+            if self._filled.get(size) != t:  # the padding rows and the mask change only with T
+                x_static[t:].zero_()
+                mask[:t].fill_(True)
+                mask[t:].fill_(False)
+                self._filled[size] = t
             if ids_static is not None:
                 ids_static[:t].copy_(input_ids)
                 ids_static[t:].zero_()

@@ -43,7 +43,9 @@ Layout = Literal["contiguous", "slab"]
 LAYOUTS = ("contiguous", "slab")
 # Above this many rows per expert, "auto" leaves the fused W4A16 kernel (weight-bandwidth bound)
 # for the compute-bound paths (set from `megapar bench gemm`; bench/gemm-notes.md).
-FUSED_MAX_ROWS = int(os.environ.get("MEGAPAR_W4A16_FUSED_MAX_ROWS", "64"))
+# H200, MoE layer (bench/results/moe-h200.md, 2026-12-01): the fused kernel at 48-64 rows per
+# expert took 3.1 ms (V4-Flash T=256) and 7.9 ms (V3 T=256) where W4A8 at 192 rows took 1.2 / 2.1 ms.
+FUSED_MAX_ROWS = int(os.environ.get("MEGAPAR_W4A16_FUSED_MAX_ROWS", "32"))
 # triton_w4a16 with more rows per expert than this expands the weight once to bf16 and runs
 # torch._grouped_mm (the expanded tile is then reused by every token tile).
 EXPAND_MIN_ROWS = int(os.environ.get("MEGAPAR_W4A16_EXPAND_MIN_ROWS", "64"))
