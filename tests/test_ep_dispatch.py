@@ -550,15 +550,31 @@ def test_single_rank_bad_input_raises_value_error_naming_values():
         make_dispatcher(None, 8, 16, backend="nccl")
 
 
-def test_seam_backends_raise_with_install_hint_or_not_implemented():
-    for name, hint in (("deepep", "deepinfer-ep"), ("nvshmem", "nvshmem4py")):
-        try:
-            __import__("deep_ep" if name == "deepep" else "nvshmem.core")
-            expected = NotImplementedError
-        except Exception:
-            expected = ValueError
-        with pytest.raises(expected, match=hint if expected is ValueError else "not written yet"):
+def test_only_implemented_transports_are_listed_and_unknown_names_raise():
+    from parallel.ep import backends
+
+    assert backends.BACKENDS == ("auto", "all_to_all", "allgather")
+    for name in ("deepep", "nvshmem", "symm_mem"):  # not written yet: not offered
+        with pytest.raises(ValueError, match=r"valid backends: auto, all_to_all, allgather"):
             make_dispatcher(None, 8, 16, backend=name)
+    assert backends.select_backend("auto", size=4) is backends.AllToAllBackend
+    assert backends.select_backend("allgather", size=4) is backends.AllGatherBackend
+
+
+def test_registered_transport_joins_the_auto_order_with_its_check(monkeypatch):
+    from parallel import impl
+    from parallel.ep import backends
+
+    class Fake(backends.AllToAllBackend):
+        name = "fake"
+
+    monkeypatch.setattr(backends, "_REGISTRY", dict(backends._REGISTRY))
+    monkeypatch.setattr(backends, "TRANSPORT", impl.Op("test.ep.transport", list(backends.TRANSPORT.impls)))
+    backends.register_backend("fake", Fake, check=impl.needs_cuda_tensor, before="all_to_all")
+    assert backends.select_backend("auto", size=2, device=torch.device("cpu")) is backends.AllToAllBackend
+    assert backends.select_backend("auto", size=2, device=torch.device("cuda")) is Fake
+    with pytest.raises(ValueError, match="needs CUDA tensors"):
+        backends.select_backend("fake", size=2, device=torch.device("cpu"))
 
 
 def test_multirank_dispatch_combine_gradients_and_errors_2_and_4_ranks():

@@ -20,8 +20,8 @@ is left waiting on a partner. The census is the one host synchronization of a di
 Backends: ``local`` (group of one: no communication), ``all_to_all`` (payload through
 ``all_to_all_single``; gloo and NCCL), ``allgather`` (all-gather tokens and routing, select
 locally, reduce-scatter partial sums in fp32 on combine; simple, for small decode batches and
-DP attention). ``symm_mem``, ``deepep`` and ``nvshmem`` are seams: `register_backend` plugs in
-an implementation of `Backend`; asking for one that is absent raises with the install hint.
+DP attention). Only these exist; `register_backend` plugs in another implementation of `Backend`
+(torch symmetric memory, NVSHMEM and DeepEP transports are not written yet).
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-from parallel import comm
+from parallel import comm, impl
 from parallel.ep.layout import count_values, gather_reduce, gather_rows, scatter_add_rows
 
 log = logging.getLogger(__name__)
@@ -327,60 +327,33 @@ class AllGatherBackend(Backend):
         return AllGatherRoute(census, group=self.group, rank=self.rank)
 
 
-@dataclass(frozen=True)
-class _Seam:
-    module: str  # what must import
-    hint: str  # how to get it
-
-
-_SEAMS: dict[str, _Seam] = {
-    "symm_mem": _Seam("torch.distributed._symmetric_memory",
-                      "needs torch >= 2.6 built with CUDA, NVSHMEM (pip install nvidia-nvshmem-cu12 / -cu13) "
-                      "and >= 2 GPUs on one host"),
-    "deepep": _Seam("deep_ep", "pip install deepinfer-ep (import deep_ep; needs CUDA >= 13.1, NCCL >= 2.32.3)"),
-    "nvshmem": _Seam("nvshmem.core", "pip install nvshmem4py-cu12 (or -cu13) and nvidia-nvshmem-cu12/-cu13"),
-}
-
 _REGISTRY: dict[str, type[Backend]] = {"all_to_all": AllToAllBackend, "allgather": AllGatherBackend}
-BACKENDS: tuple[str, ...] = ("auto", "all_to_all", "allgather", *_SEAMS)
-_AUTO_ORDER: tuple[str, ...] = ("deepep", "symm_mem", "nvshmem", "all_to_all")
-_logged_auto: set[str] = set()
+
+# Which transport "auto" means: the host-synced dispatcher's all-to-all (each token goes only to the
+# ranks that hold its experts); "allgather" is asked for by name (or chosen by MoELayer's device path).
+# Only implemented transports are listed; a device-initiated one (e.g. NVSHMEM) joins with
+# `register_backend(name, cls, before="all_to_all")`.
+TRANSPORT = impl.Op("ep.transport", [impl.Impl("all_to_all"), impl.Impl("allgather", auto=False)])
+BACKENDS: tuple[str, ...] = TRANSPORT.names
 
 
-def register_backend(name: str, cls: type[Backend]) -> None:
-    """Plug in an implementation (e.g. of a seam: "symm_mem", "deepep", "nvshmem")."""
+def register_backend(name: str, cls: type[Backend], *, check: impl.Check | None = None,
+                     before: str | None = None, auto: bool = True) -> None:
+    """Plug in a transport implementation (a `Backend` subclass); `check` says when it can run,
+    `before` places it in the "auto" order."""
+    global BACKENDS
     _REGISTRY[name] = cls
-
-
-def _importable(module: str) -> bool:
-    import importlib
-
-    try:
-        importlib.import_module(module)
-        return True
-    except Exception:
-        return False
+    TRANSPORT.register(impl.Impl(name, check, auto=auto), before=before)
+    BACKENDS = TRANSPORT.names
 
 
 def select_backend(name: str, *, size: int, device: torch.device | None = None) -> type[Backend]:
     """The backend class for `name` on a group of `size` ranks; a group of one never communicates."""
-    if name not in BACKENDS:
-        raise ValueError(f"backend={name!r} is not known; valid backends: {', '.join(BACKENDS)}")
-    if name in _SEAMS and name not in _REGISTRY:
-        seam = _SEAMS[name]
-        if not _importable(seam.module):
-            raise ValueError(f"EP backend {name!r} needs `{seam.module}`, which is not importable here: {seam.hint}")
-        raise NotImplementedError(f"EP backend {name!r}: `{seam.module}` is present but megapar's {name} transport "
-                                  "is not written yet (plug one in with parallel.ep.backends.register_backend); "
-                                  "use backend='all_to_all' or 'allgather'")
+    if name not in TRANSPORT.names:
+        raise ValueError(f"backend={name!r} is not known; valid backends: {', '.join(TRANSPORT.names)}")
+    chosen = TRANSPORT.resolve(name, device=device)
     if size == 1:
         return LocalBackend
-    if name != "auto":
-        return _REGISTRY[name]
-    chosen = next(n for n in _AUTO_ORDER if n in _REGISTRY and _REGISTRY[n].available())
-    if chosen not in _logged_auto:
-        _logged_auto.add(chosen)
-        skipped = [n for n in _AUTO_ORDER[:_AUTO_ORDER.index(chosen)]]
-        log.info("[rank %d] EP backend auto -> %s (not available here: %s)",
-                 dist.get_rank() if dist.is_initialized() else 0, chosen, ", ".join(skipped) or "none")
+    if name == "auto":
+        log.debug("EP backend auto -> %s", chosen)
     return _REGISTRY[chosen]
