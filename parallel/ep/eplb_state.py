@@ -32,18 +32,14 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
-import torch.distributed as dist
 
-from ..comm import all_reduce, resolve_group
-from ..groups import Group
+from ..comm import GroupLike, all_reduce, resolve_group
 from .eplb import Balance, balancedness, default_phy2log, logical_to_physical, plan_from_phy2log, rebalance_experts
 from .eplb_migrate import MigrationError, MigrationStats, rearrange_weights
 
 log = logging.getLogger("megapar")
 
 __all__ = ["EplbConfig", "ExpertLoadTracker", "Eplb", "EplbReport"]
-
-GroupLike = Group | dist.ProcessGroup | None
 
 
 @dataclass(kw_only=True, frozen=True)

@@ -45,10 +45,8 @@ from dataclasses import dataclass
 from typing import Sequence
 
 import torch
-import torch.distributed as dist
 
-from ..comm import all_gather_uneven, reduce_scatter_uneven, resolve_group, to_wire
-from ..groups import Group
+from ..comm import GroupLike, all_gather_uneven, reduce_scatter_uneven, resolve_group, to_wire
 from .ops import (
     Backend,
     _all_gather_matmul_impl,
@@ -66,7 +64,6 @@ FP8_MAX = 448.0
 FP8_REL_TOL = 0.06
 """Relative Frobenius error bound of an fp8 product against fp32 used by the tests (documented above)."""
 
-GroupLike = Group | dist.ProcessGroup | None
 
 
 @dataclass

@@ -38,8 +38,7 @@ import torch
 import torch.distributed as dist
 
 from .. import impl
-from ..comm import all_gather_uneven, reduce_scatter_uneven, resolve_group
-from ..groups import Group
+from ..comm import GroupLike, all_gather_uneven, reduce_scatter_uneven, resolve_group
 from .ring import RingPeers, pairwise_reduce_scatter, ring_all_gather
 
 Backend = Literal["auto", "decomposed", "symm_mem", "reference"]
@@ -50,21 +49,26 @@ def symm_mem_unavailable_reason(x: torch.Tensor, pg: dist.ProcessGroup | None, s
     return None if why is None else why.reason
 
 
+_SYMM_MEM_NEEDS = ("it needs CUDA tensors, an NCCL group of >= 2 ranks on distinct GPUs and torch built with "
+                   "symmetric memory; backend='decomposed' runs on any backend, 'reference' is the plain collective")
+
+
 def _symm_mem_check(f: impl.Facts) -> impl.Unusable | None:
     """Facts: device, pg (the group), size (its ranks)."""
+    def no(reason: str, installable: bool = False) -> impl.Unusable:
+        return impl.Unusable(reason, installable=installable, hint=_SYMM_MEM_NEEDS)
+
     if f.device is None or f.device.type != "cuda":
-        return impl.Unusable(f"the tensors are on {getattr(f.device, 'type', None)}, not CUDA")
+        return no(f"the tensors are on {getattr(f.device, 'type', None)}, not CUDA")
     if f.size < 2:
-        return impl.Unusable("the group has a single rank")
+        return no("the group has a single rank")
     backend = str(dist.get_backend(f.pg))
     if "nccl" not in backend:
-        return impl.Unusable(f"the group's backend is {backend}, not nccl")
-    hint = "needs torch built with CUDA symmetric memory"
+        return no(f"the group's backend is {backend}, not nccl")
     if not impl.importable("torch.distributed._symmetric_memory"):  # registers torch.ops.symm_mem
-        return impl.Unusable("torch.distributed._symmetric_memory does not import", installable=True, hint=hint)
+        return no("torch.distributed._symmetric_memory does not import", installable=True)
     if not hasattr(torch.ops.symm_mem, "fused_all_gather_matmul"):
-        return impl.Unusable("this torch has no torch.ops.symm_mem.fused_all_gather_matmul", installable=True,
-                             hint=hint)
+        return no("this torch has no torch.ops.symm_mem.fused_all_gather_matmul", installable=True)
     return None
 
 
@@ -78,7 +82,7 @@ decomposed P2P engines (any backend), the plain collective (named only: the spec
 BACKENDS: tuple[str, ...] = MATMUL.names
 
 
-def resolve_backend(backend: str, x: torch.Tensor, group: Group | dist.ProcessGroup | None) -> str:
+def resolve_backend(backend: str, x: torch.Tensor, group: GroupLike) -> str:
     """The backend that will run: one of BACKENDS minus "auto", or "local" for a size-1 group."""
     if backend != "auto":
         MATMUL.get(backend)  # ValueError naming the valid choices, whatever the group size
@@ -88,7 +92,7 @@ def resolve_backend(backend: str, x: torch.Tensor, group: Group | dist.ProcessGr
     return MATMUL.resolve(backend, device=x.device, pg=pg, size=size)
 
 
-def symm_mem_group_name(group: Group | dist.ProcessGroup | None) -> str:
+def symm_mem_group_name(group: GroupLike) -> str:
     """The group's name, with symmetric memory enabled for it (needed by older torch)."""
     pg, _, _ = resolve_group(group)
     pg = pg if pg is not None else dist.group.WORLD
@@ -197,7 +201,7 @@ def decomposed_matmul_reduce_scatter(x2d: torch.Tensor, w: torch.Tensor, peers: 
 
 
 def _all_gather_matmul_impl(x_shard: torch.Tensor, weights: Sequence[torch.Tensor],
-                            group: Group | dist.ProcessGroup | None, gather_dim: int, backend: str,
+                            group: GroupLike, gather_dim: int, backend: str,
                             need_gathered: bool) -> tuple[torch.Tensor | None, list[torch.Tensor]]:
     _, _, size = resolve_group(group)
     if backend == "local":
@@ -217,7 +221,7 @@ def _all_gather_matmul_impl(x_shard: torch.Tensor, weights: Sequence[torch.Tenso
     return (unflatten(gathered2d) if need_gathered else None), [unflatten(o) for o in outs2d]
 
 
-def _matmul_reduce_scatter_impl(x: torch.Tensor, w: torch.Tensor, group: Group | dist.ProcessGroup | None,
+def _matmul_reduce_scatter_impl(x: torch.Tensor, w: torch.Tensor, group: GroupLike,
                                 scatter_dim: int, backend: str) -> torch.Tensor:
     _, _, size = resolve_group(group)
     if backend == "local":
@@ -235,7 +239,7 @@ def _matmul_reduce_scatter_impl(x: torch.Tensor, w: torch.Tensor, group: Group |
     return unflatten(y2d)
 
 
-def _gather(x_shard: torch.Tensor, group: Group | dist.ProcessGroup | None, dim: int) -> torch.Tensor:
+def _gather(x_shard: torch.Tensor, group: GroupLike, dim: int) -> torch.Tensor:
     _, _, size = resolve_group(group)
     return all_gather_uneven(x_shard, group, dim, sizes=[x_shard.shape[dim]] * size)
 
@@ -304,7 +308,7 @@ class _MatmulReduceScatter(torch.autograd.Function):
 
 
 def all_gather_matmul(x_shard: torch.Tensor, weights: Sequence[torch.Tensor],
-                      group: Group | dist.ProcessGroup | None, *, gather_dim: int = 0,
+                      group: GroupLike, *, gather_dim: int = 0,
                       return_gathered: bool = False, backend: Backend = "auto") -> list[torch.Tensor]:
     """`[all_gather(x_shard, gather_dim) @ w for w in weights]`, the gather overlapped with the matmuls.
 
@@ -320,7 +324,7 @@ def all_gather_matmul(x_shard: torch.Tensor, weights: Sequence[torch.Tensor],
     return list(_AllGatherMatmul.apply(x_shard, group, gather_dim, return_gathered, chosen, *weights))
 
 
-def matmul_reduce_scatter(x: torch.Tensor, w: torch.Tensor, group: Group | dist.ProcessGroup | None, *,
+def matmul_reduce_scatter(x: torch.Tensor, w: torch.Tensor, group: GroupLike, *,
                           scatter_dim: int = 0, backend: Backend = "auto") -> torch.Tensor:
     """`reduce_scatter(x @ w, scatter_dim)` (sum), each block's partial product sent while the next is computed.
 
