@@ -105,14 +105,20 @@ class P2PExchanger:
         """Send each `(group rank, tensor)` of `sends`, receive into each of `recvs`, as one batch.
 
         Tensors: contiguous, any dtype the backend carries (fp8 as a uint8 view for gloo); the
-        receiver's buffer has the sender's shape and dtype. after_compute: (comm stream only)
+        receiver's buffer has the sender's shape and dtype. Messages to this rank itself are
+        copied here, in order (a size-1 ring is a copy). after_compute: (comm stream only)
         the sends were just written on the current stream.
         """
         p = self.peers
-        if p.loopback or not (sends or recvs):
+        if p.loopback:
             return P2PWork(done=True)
-        ops = [dist.P2POp(dist.isend, t, p.ranks[dst], group=p.pg) for dst, t in sends]
-        ops += [dist.P2POp(dist.irecv, t, p.ranks[src], group=p.pg) for src, t in recvs]
+        # messages to this rank itself are local copies, matched in order
+        for (_, t), (_, r) in zip([m for m in sends if m[0] == p.rank], [m for m in recvs if m[0] == p.rank]):
+            r.copy_(t)
+        ops = [dist.P2POp(dist.isend, t, p.ranks[dst], group=p.pg) for dst, t in sends if dst != p.rank]
+        ops += [dist.P2POp(dist.irecv, t, p.ranks[src], group=p.pg) for src, t in recvs if src != p.rank]
+        if not ops:
+            return P2PWork(done=True)
         if self.stream is None:
             work = P2PWork(dist.batch_isend_irecv(ops))
         else:
