@@ -31,7 +31,6 @@ from __future__ import annotations
 from typing import Literal, Sequence
 
 import torch
-import torch.distributed as dist
 from torch import Tensor
 
 from ..comm import GroupLike, all_gather_uneven, reduce_scatter_uneven, resolve_group
