@@ -255,7 +255,8 @@ def test_launch_env_reads_torchrun_and_slurm_names(monkeypatch):
     from parallel.groups import read_launch_env
 
     for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID"):
-        monkeypatch.delenv(k, raising=False)
+        monkeypatch.setenv(k, "0")   # so that monkeypatch restores the original state, RANK copied below included
+        monkeypatch.delenv(k)
     env = read_launch_env()
     assert (env.rank, env.world_size, env.local_rank) == (0, 1, None)
     monkeypatch.setenv("SLURM_PROCID", "5")
