@@ -4,7 +4,7 @@ The residual is `[T, M, H]` (M streams, M = 4). Before a sublayer, `mhc_pre` pro
 flattened residual of each token (`[M*H]`, RMS-scaled) onto `(2+M)*M` numbers, which give
 the input weights `pre [M]`, the output weights `post [M]` and a mixing matrix `comb [M, M]`
 made nearly doubly stochastic by Sinkhorn-Knopp; the sublayer sees `sum_i pre_i x_i`.
-After it, `mhc_post` writes `new_j = sum_i comb[i, j] x_i + post_j * f(x)` (SPEC §11).
+After it, `mhc_post` writes `new_j = sum_i comb[i, j] x_i + post_j * f(x)` (docs/numerics.md).
 Everything is per token, so a token shard (sequence parallelism) needs nothing special.
 
 Paths, sharing signatures (`backend="auto"|"torch"|"triton"`):
@@ -16,16 +16,18 @@ Paths, sharing signatures (`backend="auto"|"torch"|"triton"`):
   up to 2048 tokens (the new residual is projected while still in registers, saving one read
   of `[T, M, H]` and a launch); above that it runs post then pre, which is faster there.
 
-`auto` takes Triton for CUDA tensors without autograd when triton imports, else torch.
+`auto` takes Triton for CUDA tensors without autograd when triton imports, else torch (op
+"model.mhc" of `parallel.impl`); `backend="triton"` also runs CPU tensors under TRITON_INTERPRET=1.
 """
 
 from __future__ import annotations
 
-import logging
 from typing import Callable, Literal, NamedTuple
 
 import torch
 from torch import nn
+
+from parallel import impl
 
 __all__ = [
     "MHCPre",
@@ -40,9 +42,7 @@ __all__ = [
     "sinkhorn",
 ]
 
-log = logging.getLogger(__name__)
 Backend = Literal["auto", "torch", "triton"]
-_BACKENDS = ("auto", "torch", "triton")
 
 
 class MHCPre(NamedTuple):
@@ -127,32 +127,24 @@ def _post_torch(out: torch.Tensor, residual: torch.Tensor, post: torch.Tensor, c
 
 # ---- backend choice ---------------------------------------------------------------------------
 
-_warned: set[str] = set()
+MHC_OP = impl.Op("model.mhc", [
+    impl.Impl("triton", impl.all_of(impl.needs_triton, impl.needs_gpu_tensor_named, impl.forward_only)),
+    impl.Impl("torch"),
+])
+"""The Triton kernels (CUDA, inference; the interpreter when named), then the torch reference."""
+
+
+def _check_backend(backend: str) -> None:
+    if backend != "auto":
+        MHC_OP.get(backend)  # ValueError naming the valid choices
 
 
 def _use_triton(backend: Backend, *tensors: torch.Tensor) -> bool:
-    if backend not in _BACKENDS:
-        raise ValueError(f"backend must be one of {_BACKENDS}, got {backend!r}")
-    if backend == "torch" or tensors[0].numel() == 0:
-        return False  # (no tokens: nothing to launch; the torch path handles empty tensors)
-    if backend == "triton":
-        try:
-            import triton  # noqa: F401
-        except ImportError as exc:
-            raise ImportError("backend='triton' needs triton: pip install 'megapar[triton]'") from exc
-        return True
-    if not tensors[0].is_cuda:
+    if tensors[0].numel() == 0:  # no tokens: nothing to launch; the torch path handles empty tensors
+        _check_backend(backend)
         return False
-    if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
-        return False  # the kernels are forward-only
-    try:
-        import triton  # noqa: F401
-    except ImportError:
-        if "triton" not in _warned:
-            _warned.add("triton")
-            log.warning("mHC: triton is not importable; using the torch reference on CUDA")
-        return False
-    return True
+    return MHC_OP.resolve(backend, device=tensors[0].device, needs_grad=impl.grad_needed(*tensors),
+                          named=backend != "auto") == "triton"
 
 
 # ---- public functions -------------------------------------------------------------------------
@@ -281,8 +273,7 @@ class MHC(nn.Module):
         if hidden_size < 1 or num_streams < 1:
             raise ValueError(f"need hidden_size >= 1 and num_streams >= 1, got {hidden_size}, {num_streams}")
         _check_sinkhorn(sinkhorn_iters)
-        if backend not in _BACKENDS:
-            raise ValueError(f"backend must be one of {_BACKENDS}, got {backend!r}")
+        _check_backend(backend)
         m = num_streams
         self.hidden_size, self.num_streams = hidden_size, m
         self.sinkhorn_iters, self.eps, self.rms_eps, self.backend = sinkhorn_iters, eps, rms_eps, backend
@@ -329,8 +320,7 @@ class MHCHead(nn.Module):
         super().__init__()
         if hidden_size < 1 or num_streams < 1:
             raise ValueError(f"need hidden_size >= 1 and num_streams >= 1, got {hidden_size}, {num_streams}")
-        if backend not in _BACKENDS:
-            raise ValueError(f"backend must be one of {_BACKENDS}, got {backend!r}")
+        _check_backend(backend)
         m = num_streams
         self.hidden_size, self.num_streams, self.eps, self.rms_eps, self.backend = hidden_size, m, eps, rms_eps, backend
         self.fn = nn.Parameter(torch.empty(m, m * hidden_size, dtype=torch.float32, device=device))

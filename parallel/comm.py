@@ -4,7 +4,12 @@ Uneven all-gather / reduce-scatter along any dim (padding handled inside), all-t
 per-rank split sizes, async variants returning a handle, and uint8 transport of low-precision
 tensors (gloo rejects fp8; packed fp4 is uint8 already). A group argument may be a
 `parallel.groups.Group`, a raw `ProcessGroup`, or None (the world, or a single process when
-torch.distributed is not initialized); size-1 groups never communicate.
+torch.distributed is not initialized); size-1 groups never communicate. Groups are resolved
+(`resolve_group`) at these public entry points, never further down.
+
+Also here: the copy-to-region / reduce-from-region autograd pair (identity one way, sum over the
+group the other) that tensor- and expert-parallel layers wrap their per-rank work in, and
+`even_split`, the one near-equal split of a count (micro-batches, overlap chunks).
 """
 
 from __future__ import annotations
@@ -17,8 +22,12 @@ import torch.distributed as dist
 
 from .groups import Group
 
+GroupLike = Group | dist.ProcessGroup | None
+"""What every public function takes as a group: a `Group`, a raw `ProcessGroup`, or None (the
+world, or one process when torch.distributed is not initialized)."""
 
-def resolve_group(group: Group | dist.ProcessGroup | None) -> tuple[dist.ProcessGroup | None, int, int]:
+
+def resolve_group(group: GroupLike) -> tuple[dist.ProcessGroup | None, int, int]:
     """(process group or None, rank in group, group size)."""
     if isinstance(group, Group):
         return group.group, group.rank, group.size
@@ -29,7 +38,7 @@ def resolve_group(group: Group | dist.ProcessGroup | None) -> tuple[dist.Process
     return group, dist.get_rank(group), dist.get_world_size(group)
 
 
-def group_ranks(group: Group | dist.ProcessGroup | None) -> list[int]:
+def group_ranks(group: GroupLike) -> list[int]:
     """Global ranks of the group in group-rank order."""
     if isinstance(group, Group):
         return list(group.ranks)
@@ -133,7 +142,7 @@ def _check_dim(x: torch.Tensor, dim: int) -> int:
     return dim % x.dim()
 
 
-def gather_sizes(n: int, group: Group | dist.ProcessGroup | None, device: torch.device | None = None) -> list[int]:
+def gather_sizes(n: int, group: GroupLike, device: torch.device | None = None) -> list[int]:
     """Every rank's `n`, in group-rank order."""
     pg, _, size = resolve_group(group)
     if size == 1:
@@ -144,7 +153,7 @@ def gather_sizes(n: int, group: Group | dist.ProcessGroup | None, device: torch.
     return out.tolist()
 
 
-def all_gather_uneven(x: torch.Tensor, group: Group | dist.ProcessGroup | None, dim: int = 0, *,
+def all_gather_uneven(x: torch.Tensor, group: GroupLike, dim: int = 0, *,
                       sizes: list[int] | None = None, async_op: bool = False) -> torch.Tensor | CommHandle:
     """Concatenate every rank's `x` along `dim`; ranks may hold different sizes there.
 
@@ -177,7 +186,7 @@ def all_gather_uneven(x: torch.Tensor, group: Group | dist.ProcessGroup | None, 
     return finish()
 
 
-def reduce_scatter_uneven(x: torch.Tensor, sizes: list[int], group: Group | dist.ProcessGroup | None,
+def reduce_scatter_uneven(x: torch.Tensor, sizes: list[int], group: GroupLike,
                           dim: int = 0, *, async_op: bool = False) -> torch.Tensor | CommHandle:
     """Sum `x` over the group, then give rank i the i-th slice (of `sizes[i]`) along `dim`."""
     pg, rank, size = resolve_group(group)
@@ -207,7 +216,7 @@ def reduce_scatter_uneven(x: torch.Tensor, sizes: list[int], group: Group | dist
     return finish()
 
 
-def all_to_all_uneven(x: torch.Tensor, send_splits: list[int], group: Group | dist.ProcessGroup | None,
+def all_to_all_uneven(x: torch.Tensor, send_splits: list[int], group: GroupLike,
                       recv_splits: list[int] | None = None, *, async_op: bool = False
                       ) -> tuple[torch.Tensor, list[int]] | CommHandle:
     """Send rows `x[sum(send_splits[:j]) : ...+send_splits[j]]` to rank j; receive from every rank.
@@ -239,7 +248,7 @@ def all_to_all_uneven(x: torch.Tensor, send_splits: list[int], group: Group | di
     return finish()
 
 
-def all_reduce(x: torch.Tensor, group: Group | dist.ProcessGroup | None, op: dist.ReduceOp = dist.ReduceOp.SUM,
+def all_reduce(x: torch.Tensor, group: GroupLike, op: dist.ReduceOp = dist.ReduceOp.SUM,
                *, async_op: bool = False) -> torch.Tensor | CommHandle:
     """In-place all-reduce that is a no-op on size-1 groups; returns `x` (or a handle)."""
     pg, _, size = resolve_group(group)
@@ -249,3 +258,56 @@ def all_reduce(x: torch.Tensor, group: Group | dist.ProcessGroup | None, op: dis
     if async_op:
         return CommHandle(work, lambda: x)
     return x
+
+
+# ---- autograd regions --------------------------------------------------------------------------
+
+
+class _CopyToRegion(torch.autograd.Function):
+    """Identity forward; the gradient summed over the group backward."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, group: GroupLike) -> torch.Tensor:
+        ctx.group = group
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor):
+        return all_reduce(grad.contiguous().clone(), ctx.group), None
+
+
+class _ReduceFromRegion(torch.autograd.Function):
+    """Sum over the group forward; the gradient passes through backward."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, group: GroupLike) -> torch.Tensor:
+        return all_reduce(x.contiguous().clone(), group)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor):
+        return grad, None
+
+
+def copy_to_region(x: torch.Tensor, group: GroupLike) -> torch.Tensor:
+    """A tensor replicated over `group` entering per-rank work (a column-parallel layer's input,
+    the tokens every EP rank sends to its experts): `x` itself forward; backward, the per-rank
+    gradients are summed over the group, so every rank gets the gradient of the replicated x."""
+    return _CopyToRegion.apply(x, group)
+
+
+def reduce_from_region(x: torch.Tensor, group: GroupLike) -> torch.Tensor:
+    """Per-rank partial results leaving that work (a row-parallel layer's output, EP partial
+    outputs): their sum on every rank forward (a new tensor; `x` is untouched); the gradient
+    passes through unchanged backward (each partial contributed to the sum with weight 1)."""
+    return _ReduceFromRegion.apply(x, group)
+
+
+# ---- sizes ---------------------------------------------------------------------------------------
+
+
+def even_split(total: int, parts: int) -> list[int]:
+    """`total` items in `parts` near-equal sizes, earlier ones larger: even_split(7, 3) == [3, 2, 2]."""
+    if total < 0 or parts < 1:
+        raise ValueError(f"need total >= 0 and parts >= 1, got total={total} and parts={parts}")
+    base, extra = divmod(total, parts)
+    return [base + (1 if i < extra else 0) for i in range(parts)]

@@ -1,7 +1,7 @@
 """Process-group manager: one torch.distributed group per axis of the rank layout.
 
-`init_parallel(cfg)` initializes torch.distributed from the torchrun environment when it is
-not yet initialized (and reuses it when it is), then creates every group of every axis with
+`init_parallel(cfg)` initializes torch.distributed from the torchrun environment
+(`read_launch_env`, the one reader of it, Slurm included) when it is not yet initialized (and reuses it when it is), then creates every group of every axis with
 an explicit timeout and a description, in the same order on every rank, followed by one
 small all-reduce per group so that a bad layout fails at start rather than at the first
 collective. Axes with identical rank lists share one communicator.
@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import atexit
 import datetime as _dt
-import logging
 import os
 from dataclasses import dataclass, field
 
@@ -20,8 +19,11 @@ import torch.distributed as dist
 
 from .config import ParallelConfig
 from .layout import AXES, group_of, rank_groups, rank_grid
+from .log import get_logger
 
-log = logging.getLogger("megapar")
+log = get_logger(__name__)
+
+_SLURM = {"RANK": "SLURM_PROCID", "LOCAL_RANK": "SLURM_LOCALID", "WORLD_SIZE": "SLURM_NTASKS"}
 
 DEFAULT_TIMEOUT = _dt.timedelta(seconds=float(os.environ.get("MEGAPAR_PG_TIMEOUT", "300")))
 
@@ -101,13 +103,40 @@ def get_optional_groups() -> ParallelGroups | None:
     return _GROUPS
 
 
-def _env_int(name: str, default: int | None = None) -> int:
-    value = os.environ.get(name)
-    if value is None:
-        if default is None:
-            raise ValueError(f"environment variable {name} is not set (expected a torchrun environment)")
-        return default
-    return int(value)
+@dataclass(frozen=True)
+class LaunchEnv:
+    """Where this process sits in the job, as the launcher's environment says."""
+
+    rank: int
+    world_size: int
+    local_rank: int | None
+    """rank on this node (LOCAL_RANK); None when the launcher did not say"""
+
+
+def read_launch_env() -> LaunchEnv:
+    """RANK / WORLD_SIZE / LOCAL_RANK as torchrun sets them (default: one process). Under Slurm
+    without torchrun, SLURM_PROCID / SLURM_NTASKS / SLURM_LOCALID are copied onto those names
+    first (into os.environ: torch.distributed's env:// reads them; MASTER_ADDR/PORT must still be
+    exported by the job script)."""
+    for var, slurm in _SLURM.items():
+        if var not in os.environ and slurm in os.environ:
+            os.environ[var] = os.environ[slurm]
+    values = {}
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
+        raw = os.environ.get(name)
+        try:
+            values[name] = None if raw is None else int(raw)
+        except ValueError:
+            raise ValueError(f"environment variable {name}={raw!r} is not an integer") from None
+    return LaunchEnv(rank=values["RANK"] or 0, world_size=1 if values["WORLD_SIZE"] is None else values["WORLD_SIZE"],
+                     local_rank=values["LOCAL_RANK"])
+
+
+def set_local_device(env: LaunchEnv) -> None:
+    """Make this process's GPU (LOCAL_RANK, else the global rank, modulo the GPUs) the current one."""
+    count = torch.cuda.device_count()
+    if count:
+        torch.cuda.set_device((env.rank if env.local_rank is None else env.local_rank) % count)
 
 
 def default_backend() -> str:
@@ -137,8 +166,8 @@ def init_parallel(cfg: ParallelConfig | None = None, *, backend: str | None = No
         world_size, rank = dist.get_world_size(), dist.get_rank()
         backend = dist.get_backend()
     else:
-        world_size = _env_int("WORLD_SIZE", 1)
-        rank = _env_int("RANK", 0)
+        env = read_launch_env()
+        world_size, rank = env.world_size, env.rank
         backend = backend or os.environ.get("MEGAPAR_BACKEND") or default_backend()
     if cfg is None:
         cfg = ParallelConfig(world_size=world_size)
@@ -148,7 +177,7 @@ def init_parallel(cfg: ParallelConfig | None = None, *, backend: str | None = No
 
     if world_size > 1 and not dist.is_initialized():
         if backend == "nccl":
-            torch.cuda.set_device(_env_int("LOCAL_RANK", rank % max(torch.cuda.device_count(), 1)))
+            set_local_device(env)
         dist.init_process_group(backend=backend, rank=rank, world_size=world_size, timeout=timeout)
         _OWNS_DIST = True
         # A process that exits with live communicator threads can abort ("terminate called
@@ -179,7 +208,7 @@ def init_parallel(cfg: ParallelConfig | None = None, *, backend: str | None = No
         for g in {id(x.group): x for x in groups.values() if x.size > 1}.values():
             dist.all_reduce(probe, group=g.group)
     _GROUPS = ParallelGroups(config=cfg, rank=rank, world=world, backend=backend, **groups)
-    log.debug("[rank %d] parallel groups ready: %s", rank, cfg.sizes())
+    log.debug("parallel groups ready: %s", cfg.sizes())
     return _GROUPS
 
 

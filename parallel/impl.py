@@ -117,6 +117,16 @@ def needs_gpu_tensor(f: Facts) -> Unusable | None:
     return Unusable(f"needs CUDA tensors (or TRITON_INTERPRET=1), got {f.device}")
 
 
+def needs_gpu_tensor_named(f: Facts) -> Unusable | None:
+    """CUDA tensors; CPU tensors under the Triton interpreter only when the implementation was
+    asked for by name (pass ``named=backend != "auto"`` to `Op.resolve`): tests turn the
+    interpreter on for whole modules, and "auto" must keep CPU work on the torch path there."""
+    if (f.device is not None and f.device.type == "cuda") or (f.named and interpreting()):
+        return None
+    return Unusable(f"needs CUDA tensors (or TRITON_INTERPRET=1 and the implementation asked for by name), "
+                    f"got {f.device}")
+
+
 def needs_cuda_tensor(f: Facts) -> Unusable | None:
     if f.device is not None and f.device.type == "cuda":
         return None

@@ -70,6 +70,8 @@ from typing import Any, Callable, Literal, Sequence
 
 import torch
 
+from .comm import even_split
+
 __all__ = [
     "UBatchRunner",
     "UBatchContext",
@@ -143,11 +145,10 @@ def get_ubatch() -> UBatchContext:
 
 
 def split_tokens(num_tokens: int, num_ubatches: int) -> list[int]:
-    """Near-equal micro-batch sizes, earlier ones larger: split_tokens(7, 2) == [4, 3]."""
-    if num_tokens < 0 or num_ubatches < 1:
-        raise ValueError(f"need num_tokens >= 0 and num_ubatches >= 1, got {num_tokens} and {num_ubatches}")
-    base, extra = divmod(num_tokens, num_ubatches)
-    return [base + (1 if i < extra else 0) for i in range(num_ubatches)]
+    """Near-equal micro-batch sizes, earlier ones larger: split_tokens(7, 2) == [4, 3] (`comm.even_split`)."""
+    if num_ubatches < 1:
+        raise ValueError(f"need num_ubatches >= 1, got {num_ubatches}")
+    return even_split(num_tokens, num_ubatches)
 
 
 # ---- yield points (no-ops outside a runner) -------------------------------------------------

@@ -221,3 +221,18 @@ def test_triton_kernels_full_size_bf16_on_gpu(triton_permute):
     ref = gather_reduce_torch(y, res.handle.plan.pair_pos, w.float())
     assert torch.allclose(out.float(), ref.float(), atol=2e-2, rtol=2e-2)
     assert torch.allclose(out.float(), (x.float() * 0.5), atol=3e-2, rtol=3e-2)
+
+
+def test_movers_choose_triton_only_for_cuda_rows_and_honour_the_switch(monkeypatch):
+    from parallel import impl
+    from parallel.ep.layout import GATHER_REDUCE, GATHER_ROWS
+
+    cuda = torch.device("cuda")
+    for op in (GATHER_ROWS, GATHER_REDUCE):
+        assert op.resolve(device=torch.device("cpu"), unit_stride=True) == "torch"
+        monkeypatch.setenv("MEGAPAR_EP_TRITON", "0")
+        assert op.usable(device=cuda, unit_stride=True)["triton"] == "turned off by MEGAPAR_EP_TRITON=0"
+        assert op.resolve(device=cuda, unit_stride=True) == "torch"
+        monkeypatch.setenv("MEGAPAR_EP_TRITON", "1")
+        assert "unit last stride" in op.usable(device=cuda, unit_stride=False)["triton"]
+        assert (op.usable(device=cuda, unit_stride=True)["triton"] is None) == impl.triton_importable()

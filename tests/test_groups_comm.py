@@ -165,3 +165,107 @@ def test_bad_group_arguments_raise_clearly():
         comm.all_to_all_uneven(torch.zeros(3, 2), [1, 1], None)
     with pytest.raises(ValueError, match="world_size must be >= 1"):
         launch_local(_single_rank, 0)
+
+
+# ---- shared pieces: the P2P exchanger, the autograd region pair, even_split --------------------------
+
+
+def _p2p_and_regions(rank: int, world: int) -> dict:
+    from parallel.p2p import P2PExchanger, Peers
+    from parallel.sp.ring import ring_all_gather
+
+    g = init_parallel(ParallelConfig(world_size=world))
+    peers = Peers.of(g.world)
+    ex = P2PExchanger(peers, torch.device("cpu"))
+    out: dict = {}
+    # ring shifts by +1 and +2, two tensors (one bf16) in one step
+    for offset in (1, 2):
+        send = [torch.arange(6, dtype=torch.float32).view(2, 3) + 10 * rank,
+                torch.full((4,), rank + 0.5, dtype=torch.bfloat16)]
+        recv = [torch.empty_like(t) for t in send]
+        ex.shift(send, recv, send_offset=offset, recv_offset=-offset).wait()
+        out[f"shift{offset}"] = [t.float() for t in recv]
+    # all-pairs exchange with per-pair sizes, uint8 payload (how EPLB moves raw bytes)
+    sends = [(dst, torch.full((dst + 1, 2), 16 * rank + dst, dtype=torch.uint8)) for dst in range(world)]
+    recvs = [(src, torch.empty((rank + 1, 2), dtype=torch.uint8)) for src in range(world)]
+    ex.post(sends, recvs).wait()
+    out["pairs"] = [t.clone() for _, t in recvs]
+    # two steps in flight, waited for in reverse order
+    a_recv, b_recv = torch.empty(3), torch.empty(5)
+    a = ex.shift([torch.full((3,), float(rank))], [a_recv])
+    b = ex.shift([torch.full((5,), float(-rank))], [b_recv], send_offset=-1, recv_offset=1)
+    b.wait()
+    a.wait()
+    out["two"] = (a_recv.clone(), b_recv.clone())
+    # the sp ring engine on top of it: consume order and the gathered tensor
+    seen: list[int] = []
+    (gathered,) = ring_all_gather([torch.full((2, 3), float(rank))], peers, lambda src, blocks: seen.append(src))
+    out["ring"] = (seen, gathered)
+    # copy_to_region / reduce_from_region: z = sum_r (r + 1) * x, gradients against the closed form
+    x = torch.linspace(-1, 1, 6).view(2, 3).requires_grad_()
+    c = torch.arange(6.0).view(2, 3)
+    y = comm.copy_to_region(x, g.world) * (rank + 1)
+    z = comm.reduce_from_region(y, g.world)
+    (z * c).sum().backward()
+    out["region"] = (z.detach(), x.grad.clone(), y.detach())
+    destroy_parallel()
+    return out
+
+
+@pytest.mark.parametrize("world", [1, 2, 4])
+def test_p2p_exchanger_and_region_pair_match_references_on_gloo(world):
+    results = launch_local(_p2p_and_regions, world, args=(world,), timeout=180)
+    total = sum(r + 1 for r in range(world))
+    x = torch.linspace(-1, 1, 6).view(2, 3)
+    for rank, res in enumerate(results):
+        for offset in (1, 2):
+            src = (rank - offset) % world
+            assert torch.equal(res[f"shift{offset}"][0], torch.arange(6.0).view(2, 3) + 10 * src)
+            assert torch.equal(res[f"shift{offset}"][1], torch.full((4,), src + 0.5))
+        for src, got in enumerate(res["pairs"]):
+            assert torch.equal(got, torch.full((rank + 1, 2), 16 * src + rank, dtype=torch.uint8)), (rank, src)
+        a_recv, b_recv = res["two"]
+        assert torch.equal(a_recv, torch.full((3,), float((rank - 1) % world)))
+        assert torch.equal(b_recv, torch.full((5,), float(-((rank + 1) % world))))
+        seen, gathered = res["ring"]
+        assert seen == [(rank - s) % world for s in range(world)]
+        assert torch.equal(gathered, torch.cat([torch.full((2, 3), float(r)) for r in range(world)]))
+        z, grad, y = res["region"]
+        torch.testing.assert_close(z, x * total)
+        torch.testing.assert_close(y, x * (rank + 1))        # reduce_from_region left its input alone
+        torch.testing.assert_close(grad, torch.arange(6.0).view(2, 3) * total)
+
+
+def test_even_split_on_awkward_sizes():
+    assert comm.even_split(7, 3) == [3, 2, 2]
+    assert comm.even_split(0, 3) == [0, 0, 0]
+    assert comm.even_split(2, 5) == [1, 1, 0, 0, 0]
+    assert comm.even_split(5, 1) == [5]
+    for total, parts in ((10**6 + 7, 16), (31, 8), (1, 7), (64, 64)):
+        sizes = comm.even_split(total, parts)
+        assert len(sizes) == parts and sum(sizes) == total
+        assert max(sizes) - min(sizes) <= 1 and sizes == sorted(sizes, reverse=True)
+    with pytest.raises(ValueError, match=r"total=5 and parts=0"):
+        comm.even_split(5, 0)
+    with pytest.raises(ValueError, match=r"total=-1"):
+        comm.even_split(-1, 2)
+
+
+def test_launch_env_reads_torchrun_and_slurm_names(monkeypatch):
+    from parallel.groups import read_launch_env
+
+    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID"):
+        monkeypatch.setenv(k, "0")   # so that monkeypatch restores the original state, RANK copied below included
+        monkeypatch.delenv(k)
+    env = read_launch_env()
+    assert (env.rank, env.world_size, env.local_rank) == (0, 1, None)
+    monkeypatch.setenv("SLURM_PROCID", "5")
+    monkeypatch.setenv("SLURM_NTASKS", "8")
+    monkeypatch.setenv("SLURM_LOCALID", "1")
+    monkeypatch.setenv("WORLD_SIZE", "16")      # torchrun's names win over Slurm's
+    env = read_launch_env()
+    assert (env.rank, env.world_size, env.local_rank) == (5, 16, 1)
+    assert os.environ["RANK"] == "5"           # copied for torch.distributed's env:// init
+    monkeypatch.setenv("RANK", "x")
+    with pytest.raises(ValueError, match="RANK='x'"):
+        read_launch_env()

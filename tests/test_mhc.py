@@ -213,7 +213,7 @@ def test_bad_shapes_and_backend_raise_value_error():
         mhc_pre(torch.randn(3, 4, 9), fn, base, scale)
     with pytest.raises(ValueError, match="sinkhorn_iters"):
         mhc_pre(torch.randn(3, 4, 8), fn, base, scale, sinkhorn_iters=0)
-    with pytest.raises(ValueError, match="backend"):
+    with pytest.raises(ValueError, match="unknown implementation 'cuda'; valid: auto, triton, torch"):
         mhc_pre(torch.randn(3, 4, 8), fn, base, scale, backend="cuda")
     with pytest.raises(ValueError, match="out"):
         mhc_post(torch.randn(3, 7), torch.randn(3, 4, 8), torch.rand(3, 4), torch.rand(3, 4, 4))

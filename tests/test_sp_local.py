@@ -184,7 +184,7 @@ def test_sp_helpers_on_one_rank_are_identity_and_pad_with_zeros():
 
 def test_bad_arguments_name_the_values_and_the_choices():
     x, w = torch.randn(4, 6), torch.randn(6, 2)
-    with pytest.raises(ValueError, match="backend 'ring' is not one of auto, decomposed, symm_mem, reference"):
+    with pytest.raises(ValueError, match="unknown implementation 'ring'; valid: auto, symm_mem, decomposed, reference"):
         all_gather_matmul(x, [w], None, backend="ring")
     with pytest.raises(ValueError, match=r"scatter_dim \(-1\) out of range.*0\.\.0 or -2\.\.-2"):
         matmul_reduce_scatter(x, w, None, scatter_dim=-1)

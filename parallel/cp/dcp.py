@@ -24,17 +24,14 @@ from dataclasses import dataclass
 from typing import Literal
 
 import torch
-import torch.distributed as dist
 from torch import Tensor
 
-from ..comm import all_gather_uneven, all_to_all_uneven, reduce_scatter_uneven, resolve_group
-from ..groups import Group
+from ..comm import GroupLike, all_gather_uneven, all_to_all_uneven, reduce_scatter_uneven, resolve_group
 from ..quant import quantize
 from .local_attn import masked_attention_math
 from .merge import AttnState, combine_lse, merge_attn_states
 
 DCPComm = Literal["ag_rs", "a2a"]
-GroupLike = Group | dist.ProcessGroup | None
 
 
 

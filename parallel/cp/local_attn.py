@@ -15,6 +15,7 @@ through autograd (out and lse): it is the specification. On CUDA, `flash` (bf16/
 (`aten._scaled_dot_product_flash_attention` / `_efficient_attention`); those only know "no mask"
 and square top-left causal, so an offset mask is cut into at most three blocks (rows that see
 nothing, a band = full prefix + square causal block, rows that see everything) merged by LSE.
+"auto" takes the first that fits (op "cp.attention" of `parallel.impl`).
 
 `block_attention_forward` / `block_attention_backward` are the kernel-level pair the ring uses
 (`[B, H, T, D]` views, square causal only): the backward takes the final (merged) `out` and `lse`,
@@ -23,19 +24,17 @@ which is what makes per-block gradients of a ring exact (FlashAttention's `D = r
 
 from __future__ import annotations
 
-import logging
 import math
 from typing import Literal
 
 import torch
 from torch import Tensor
 
-from .merge import AttnState, merge_two_attn_states
-
-log = logging.getLogger("megapar")
+from .. import impl
+from .merge import merge_two_attn_states
+from .state import AttnState
 
 AttnBackend = Literal["auto", "math", "flash", "efficient"]
-_BACKENDS = ("auto", "math", "flash", "efficient")
 
 _LSE_ALIGN = 32   # the efficient kernel pads its LSE rows to a multiple of 32
 
@@ -67,37 +66,34 @@ def check_qkv(q: Tensor, k: Tensor, v: Tensor) -> None:
         raise ValueError(f"query heads ({hq}) must be a multiple of kv heads ({hkv}); valid kv heads: {valid}")
 
 
-def _fused_ok(backend: str, q: Tensor, k: Tensor, v: Tensor) -> bool:
-    if not q.is_cuda:
-        return False
-    d, dv = q.shape[-1], v.shape[-1]
-    if backend == "flash":
-        return q.dtype in (torch.float16, torch.bfloat16) and d == dv and d % 8 == 0 and d <= 256
-    return q.dtype in (torch.float16, torch.bfloat16, torch.float32) and d % 8 == 0 and dv % 8 == 0
+def _flash_fits(f: impl.Facts) -> impl.Unusable | None:
+    d, dv = f.head_dim, f.v_head_dim
+    if f.dtype in (torch.float16, torch.bfloat16) and d == dv and d % 8 == 0 and d <= 256:
+        return None
+    return impl.Unusable(f"needs bf16/fp16 and equal head dims, a multiple of 8 up to 256; got {f.dtype} "
+                         f"head dims {d}/{dv}")
 
 
-_warned: set[str] = set()
+def _efficient_fits(f: impl.Facts) -> impl.Unusable | None:
+    d, dv = f.head_dim, f.v_head_dim
+    if f.dtype in (torch.float16, torch.bfloat16, torch.float32) and d % 8 == 0 and dv % 8 == 0:
+        return None
+    return impl.Unusable(f"needs fp32/bf16/fp16 and head dims that are multiples of 8; got {f.dtype} "
+                         f"head dims {d}/{dv}")
+
+
+ATTENTION = impl.Op("cp.attention", [
+    impl.Impl("flash", impl.all_of(impl.needs_cuda_tensor, _flash_fits)),
+    impl.Impl("efficient", impl.all_of(impl.needs_cuda_tensor, _efficient_fits)),
+    impl.Impl("math"),
+])
+"""PyTorch's fused kernels that return the LSE, then the exact torch math (runs anywhere)."""
 
 
 def resolve_backend(backend: str, q: Tensor, k: Tensor, v: Tensor) -> str:
     """'auto' -> flash, else efficient, else math; a fused backend asked for by name must fit."""
-    if backend not in _BACKENDS:
-        raise ValueError(f"backend must be one of {', '.join(_BACKENDS)}; got {backend!r}")
-    if backend == "math":
-        return backend
-    if backend != "auto":
-        if not _fused_ok(backend, q, k, v):
-            raise ValueError(f"backend {backend!r} needs CUDA tensors of a supported dtype/head dim; got "
-                             f"{q.device} {q.dtype} head dims {q.shape[-1]}/{v.shape[-1]}")
-        return backend
-    for name in ("flash", "efficient"):
-        if _fused_ok(name, q, k, v):
-            return name
-    if q.is_cuda and "math" not in _warned:
-        _warned.add("math")
-        log.warning("attention_with_lse: no fused kernel for %s head dims %d/%d; using the math path",
-                    q.dtype, q.shape[-1], v.shape[-1])
-    return "math"
+    return ATTENTION.resolve(backend, device=q.device, dtype=q.dtype, head_dim=q.shape[-1],
+                             v_head_dim=v.shape[-1])
 
 
 def _compute_dtype(dtype: torch.dtype) -> torch.dtype:

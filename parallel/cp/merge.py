@@ -1,4 +1,4 @@
-"""Merging partial attention results by their log-sum-exp (SPEC §7).
+"""Merging partial attention results by their log-sum-exp (docs/numerics.md).
 
 Attention over disjoint key sets gives partial states `(o_i, lse_i)`; the attention over the
 union is `o = sum_i w_i o_i / sum_i w_i` with `w_i = exp(lse_i - max lse)` and
@@ -9,26 +9,38 @@ Math is fp32 whatever the storage dtype; the scale `w_i / S` is formed first, so
 
 Layout: outs `[..., T, H, D]`, lses `[..., T, H]` (token-major, like the attention functions of
 this package). The torch reference below is the specification and is differentiable; on CUDA
-(without autograd) the Triton kernel of `triton_merge.py` runs instead.
+(without autograd) the Triton kernel of `triton_merge.py` runs instead (op "cp.merge" of
+`parallel.impl`; the interpreter runs it for CPU tensors when asked for by name).
 """
 
 from __future__ import annotations
 
 import math
-from typing import Literal, NamedTuple, Sequence
+from typing import Literal, Sequence
 
 import torch
 from torch import Tensor
 
+from .. import impl
+from .state import AttnState
+
 Base = Literal["e", "2"]
 MergeBackend = Literal["auto", "torch", "triton"]
 
+_KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
-class AttnState(NamedTuple):
-    """A (partial) attention result: `out [..., T, H, D]` and `lse [..., T, H]` fp32."""
 
-    out: Tensor
-    lse: Tensor
+def _kernel_dtypes(f: impl.Facts) -> impl.Unusable | None:
+    if f.float_outs:
+        return None
+    return impl.Unusable("the kernel reads fp32/fp16/bf16 outs only")
+
+
+MERGE = impl.Op("cp.merge", [
+    impl.Impl("triton", impl.all_of(impl.needs_triton, impl.needs_gpu_tensor_named, impl.forward_only,
+                                    _kernel_dtypes)),
+    impl.Impl("torch"),
+])
 
 
 def _check_base(base: str) -> None:
@@ -43,25 +55,9 @@ def _check_state(out: Tensor, lse: Tensor, what: str) -> None:
         raise ValueError(f"{what}: out on {out.device} but lse on {lse.device}")
 
 
-def _use_triton(backend: str, outs: Sequence[Tensor], lses: Sequence[Tensor]) -> bool:
-    if backend not in ("auto", "torch", "triton"):
-        raise ValueError(f"backend must be 'auto', 'torch' or 'triton', got {backend!r}")
-    if backend == "torch":
-        return False
-    needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (*outs, *lses))
-    if backend == "triton":
-        if needs_grad:
-            raise ValueError("backend='triton' has no autograd; use backend='torch' for differentiable merges")
-        return True
-    if not outs[0].is_cuda or needs_grad:
-        return False
-    if any(t.dtype not in (torch.float32, torch.float16, torch.bfloat16) for t in outs):
-        return False
-    try:
-        from .triton_merge import triton_available
-    except ImportError:   # no Triton installed: the torch path serves
-        return False
-    return triton_available()
+def _backend(backend: str, outs: Sequence[Tensor], lses: Sequence[Tensor]) -> str:
+    return MERGE.resolve(backend, device=outs[0].device, needs_grad=impl.grad_needed(*outs, *lses),
+                         named=backend != "auto", float_outs=all(t.dtype in _KERNEL_DTYPES for t in outs))
 
 
 def combine_lse(lses: Sequence[Tensor], base: Base = "e") -> tuple[Tensor, Tensor, list[Tensor]]:
@@ -145,7 +141,7 @@ def merge_attn_states(outs: Tensor | Sequence[Tensor], lses: Tensor | Sequence[T
             raise ValueError(f"input {i} is {tuple(o.shape)} on {o.device}, input 0 is "
                              f"{tuple(out_list[0].shape)} on {out_list[0].device}; shapes and devices must match")
     _check_out(out, out_lse, out_list[0].shape, lse_list[0].shape)
-    if _use_triton(backend, out_list, lse_list):
+    if _backend(backend, out_list, lse_list) == "triton":
         from .triton_merge import merge_states_triton
 
         return merge_states_triton(outs if isinstance(outs, Tensor) else out_list,

@@ -1,4 +1,4 @@
-"""Ring attention for prefill/training context parallelism (PCP), SPEC §8.
+"""Ring attention for prefill/training context parallelism (PCP), docs/numerics.md.
 
 A sequence of S tokens is cut into 2P chunks; rank r holds chunks r and 2P-1-r (zigzag), so
 every rank does the same causal work. Local tensors are `[T, H, D]` or `[B, T, H, D]` with
@@ -31,17 +31,15 @@ from __future__ import annotations
 from typing import Literal, Sequence
 
 import torch
-import torch.distributed as dist
 from torch import Tensor
 
-from ..comm import all_gather_uneven, group_ranks, reduce_scatter_uneven, resolve_group
-from ..groups import Group
+from ..comm import GroupLike, all_gather_uneven, reduce_scatter_uneven, resolve_group
+from ..p2p import P2PExchanger, P2PWork, Peers
 from .local_attn import (AttnBackend, attention_with_lse, block_attention_backward, block_attention_forward,
                          check_qkv, resolve_backend)
 from .merge import AttnState, merge_two_attn_states
 
 RingVariant = Literal["ring", "allgather"]
-GroupLike = Group | dist.ProcessGroup | None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -211,25 +209,6 @@ def _bounds(t_local: int, size: int, cu_seqlens: Tensor | Sequence[int] | None) 
 # ring communication
 
 
-class _Ring:
-    """Asynchronous send-to-next / receive-from-previous of one flat buffer."""
-
-    def __init__(self, group: GroupLike) -> None:
-        self.pg, self.rank, self.size = resolve_group(group)
-        ranks = group_ranks(group)
-        self.next = ranks[(self.rank + 1) % self.size]
-        self.prev = ranks[(self.rank - 1) % self.size]
-
-    def start(self, send: Tensor, recv: Tensor) -> list:
-        ops = [dist.P2POp(dist.isend, send, self.next, self.pg), dist.P2POp(dist.irecv, recv, self.prev, self.pg)]
-        return dist.batch_isend_irecv(ops)
-
-
-def _wait(works: list | None) -> None:
-    for w in works or ():
-        w.wait()
-
-
 def _pack(*tensors: Tensor) -> Tensor:
     """One flat buffer holding `tensors` (one message per ring hop instead of one per tensor)."""
     return torch.cat([t.reshape(-1) for t in tensors])
@@ -285,7 +264,18 @@ def _backward_step(grads: tuple[Tensor, Tensor, Tensor], dout: Tensor, q: Tensor
         dv[:, keys] += dv_b.transpose(1, 2)
 
 
-def ring_forward(q: Tensor, k: Tensor, v: Tensor, ring: _Ring | None, rank: int, size: int, *, causal: bool,
+def _ring(group: GroupLike, device: torch.device) -> P2PExchanger:
+    """The KV ring: posted from the current stream, so a send is ordered after the compute that
+    wrote it (`parallel.p2p`, on_comm_stream=False)."""
+    return P2PExchanger(Peers.of(group), device)
+
+
+def _wait(work: P2PWork | None) -> None:
+    if work is not None:
+        work.wait()
+
+
+def ring_forward(q: Tensor, k: Tensor, v: Tensor, ring: P2PExchanger | None, rank: int, size: int, *, causal: bool,
                  scale: float, backend: str, bounds: Bounds | None = None) -> AttnState:
     """Ring attention forward. q [B, T, Hq, D], k [B, T, Hkv, D], v [B, T, Hkv, Dv] (zigzag shards).
     bounds: local (start, end) of each packed sequence (None: one sequence, all T rows).
@@ -297,7 +287,7 @@ def ring_forward(q: Tensor, k: Tensor, v: Tensor, ring: _Ring | None, rank: int,
     state = None
     for step in range(size):
         cur = bufs[step % 2]
-        works = ring.start(cur, bufs[(step + 1) % 2]) if step + 1 < size else None
+        works = ring.shift([cur], [bufs[(step + 1) % 2]]) if step + 1 < size else None
         kb, vb = _unpack(cur, (k, v))
         state = _forward_step(state, q, kb, vb, rank, (rank - step) % size, step, causal=causal, scale=scale,
                               backend=backend, bounds=bounds)
@@ -305,7 +295,8 @@ def ring_forward(q: Tensor, k: Tensor, v: Tensor, ring: _Ring | None, rank: int,
     return state
 
 
-def ring_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, ring: _Ring | None,
+def ring_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
+                  ring: P2PExchanger | None,
                   rank: int, size: int, *, causal: bool, scale: float, backend: str,
                   bounds: Bounds | None = None) -> tuple[Tensor, Tensor, Tensor]:
     """Ring attention backward from the final out [B, T, Hq, Dv] and lse [B, T, Hq] (bounds as in
@@ -324,13 +315,13 @@ def ring_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, ls
     dkv_works = None
     for step in range(size):
         cur = kv_bufs[step % 2]
-        kv_works = ring.start(cur, kv_bufs[(step + 1) % 2]) if step + 1 < size else None
+        kv_works = ring.shift([cur], [kv_bufs[(step + 1) % 2]]) if step + 1 < size else None
         kb, vb = _unpack(cur, (k, v))
         _wait(dkv_works)                       # the accumulator of this block (zeros at step 0)
         acc = dkv_bufs[step % 2]
         _backward_step((dq, *_unpack(acc, (k, v))), dout, q, kb, vb, out, lse_bht, rank, (rank - step) % size, step,
                        causal=causal, scale=scale, backend=backend, bounds=bounds)
-        dkv_works = ring.start(acc, dkv_bufs[(step + 1) % 2]) if size > 1 else None
+        dkv_works = ring.shift([acc], [dkv_bufs[(step + 1) % 2]]) if size > 1 else None
         _wait(kv_works)
     _wait(dkv_works)                           # our own block's gradient, back after P hops
     dk, dv = _unpack(dkv_bufs[size % len(dkv_bufs)], (k, v))
@@ -388,7 +379,7 @@ class _RingAttention(torch.autograd.Function):
     def forward(ctx, q: Tensor, k: Tensor, v: Tensor, group: GroupLike, causal: bool, scale: float, backend: str,
                 bounds: Bounds):
         _, rank, size = resolve_group(group)
-        ring = _Ring(group) if size > 1 else None
+        ring = _ring(group, q.device) if size > 1 else None
         out, lse = ring_forward(q, k, v, ring, rank, size, causal=causal, scale=scale, backend=backend,
                                 bounds=bounds)
         out = out.to(q.dtype)
@@ -401,7 +392,7 @@ class _RingAttention(torch.autograd.Function):
     def backward(ctx, dout: Tensor, _dlse: Tensor | None):
         q, k, v, out, lse = ctx.saved_tensors
         group, rank, size, causal, scale, backend, bounds = ctx.args
-        ring = _Ring(group) if size > 1 else None
+        ring = _ring(group, q.device) if size > 1 else None
         dq, dk, dv = ring_backward(dout.to(q.dtype), q, k, v, out, lse, ring, rank, size, causal=causal,
                                    scale=scale, backend=backend, bounds=bounds)
         return dq, dk, dv, None, None, None, None, None

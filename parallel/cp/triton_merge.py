@@ -1,5 +1,7 @@
 """Triton kernels for the LSE merge of `merge.py` (CUDA, or TRITON_INTERPRET=1 in tests).
 
+`merge.py` chooses them (op "cp.merge" of `parallel.impl`); this module imports nothing of it.
+
 One program merges BLOCK_R rows (a row = one token x head) over the whole head dim, so it reads
 every input of its rows before writing: the output may alias an input (in-place ring
 accumulation). Two kernels: a pair kernel with two input pointers (no stacking copy, what a
@@ -11,7 +13,6 @@ memory); only the head dim is expected to be unit-stride for full speed.
 
 from __future__ import annotations
 
-import functools
 from typing import Sequence
 
 import torch
@@ -19,15 +20,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from .merge import AttnState
-
-
-@functools.lru_cache(maxsize=1)
-def triton_available() -> bool:
-    """True when Triton can launch here (a CUDA device, or the CPU interpreter)."""
-    import os
-
-    return torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1"
+from .state import AttnState
 
 
 @triton.jit

@@ -6,8 +6,8 @@ does not change is skipped; a slot whose new expert the rank already held is a l
 anything else is received once per expert from one rank that held it (spread over holders by
 destination rank) and copied into each slot that needs it. All tensors of an expert (bf16
 weights, packed fp4/fp8 data, scales) travel as raw bytes in ONE buffer per peer pair,
-exchanged with one `torch.distributed.batch_isend_irecv`, so dtype does not matter (gloo
-rejects fp8) and results are bit-exact.
+exchanged in one batch (`parallel.p2p.P2PExchanger`, posted from the current stream), so dtype
+does not matter (gloo rejects fp8) and results are bit-exact.
 
 All-or-nothing: the new rows are staged in fresh buffers built from the OLD weights; only when
 an all-reduce of the per-rank failure flags says every rank succeeded are they copied into
@@ -28,8 +28,8 @@ from typing import Callable, Sequence
 import torch
 import torch.distributed as dist
 
-from ..comm import group_ranks, resolve_group
-from ..groups import Group
+from ..comm import GroupLike, resolve_group
+from ..p2p import P2PExchanger, Peers
 
 __all__ = ["MigrationError", "MigrationStats", "rearrange_weights", "migration_plan"]
 
@@ -147,7 +147,7 @@ def _agree(failed: bool, rank: int, size: int, pg: dist.ProcessGroup | None, dev
 
 
 def rearrange_weights(old_phy2log: torch.Tensor, new_phy2log: torch.Tensor, tensors: list[torch.Tensor],
-                      group: Group | dist.ProcessGroup | None = None, *,
+                      group: GroupLike = None, *,
                       fault_hook: Callable[[str], None] | None = None) -> MigrationStats:
     """Move one layer's expert rows so that local slot j holds expert new_phy2log[rank * S + j].
 
@@ -172,7 +172,7 @@ def rearrange_weights(old_phy2log: torch.Tensor, new_phy2log: torch.Tensor, tens
         return stats
     start = time.perf_counter()
     plan = migration_plan(old, new, size, rank)
-    peers = group_ranks(group) if size > 1 else [0]
+    peers = Peers.of(group)
 
     failure: BaseException | None = None
     try:
@@ -192,11 +192,7 @@ def rearrange_weights(old_phy2log: torch.Tensor, new_phy2log: torch.Tensor, tens
                              f"(this rank: {failure!r})", failed) from failure
 
     try:
-        ops = [dist.P2POp(dist.isend, buf, peer=peers[dst], group=pg) for dst, buf in send_bufs.items()]
-        ops += [dist.P2POp(dist.irecv, buf, peer=peers[src], group=pg) for src, buf in recv_bufs.items()]
-        if ops:
-            for work in dist.batch_isend_irecv(ops):
-                work.wait()
+        P2PExchanger(peers, device).post(list(send_bufs.items()), list(recv_bufs.items())).wait()
         if fault_hook is not None:
             fault_hook("unpack")
         if plan.local:

@@ -26,24 +26,20 @@ all ranks of the EP group in the same order.
 
 from __future__ import annotations
 
-import logging
 import time
 from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
-import torch.distributed as dist
 
-from ..comm import all_reduce, resolve_group
-from ..groups import Group
-from .eplb import Balance, balancedness, default_phy2log, logical_to_physical, plan_from_phy2log, rebalance_experts
+from ..comm import GroupLike, all_reduce, resolve_group
+from .eplb_placement import Balance, balancedness, default_phy2log, logical_to_physical, plan_from_phy2log, rebalance_experts
+from ..log import get_logger
 from .eplb_migrate import MigrationError, MigrationStats, rearrange_weights
 
-log = logging.getLogger("megapar")
+log = get_logger(__name__)
 
 __all__ = ["EplbConfig", "ExpertLoadTracker", "Eplb", "EplbReport"]
-
-GroupLike = Group | dist.ProcessGroup | None
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -248,7 +244,7 @@ class Eplb:
                     report.migration += rearrange_weights(old[layer], plan.phy2log[layer], self.weights[layer],
                                                           self.group, fault_hook=self.fault_hook)
                 except MigrationError as exc:
-                    log.warning("[rank %d] EPLB: layer %d keeps its placement: %s", self.rank, layer, exc)
+                    log.warning("EPLB: layer %d keeps its placement: %s", layer, exc)
                     report.layers_failed.append(layer)
                     continue
             committed[layer] = plan.phy2log[layer]
@@ -259,7 +255,7 @@ class Eplb:
         report.seconds = time.perf_counter() - start
         self.reports.append(report)
         if self.config.log_balance:
-            log.info("[rank %d] %s", self.rank, report.summary())
+            log.info("%s", report.summary())
         return report
 
     # ---- persistence -------------------------------------------------------------------

@@ -14,21 +14,21 @@ ids of the rows a rank holds into positions in the layout the expert GEMMs consu
 Within an expert, rows keep the order of the rows they come from, then the top-k slot: by
 source rank, then token index, then k. The two data movers, `gather_rows` (permute) and
 `gather_reduce` (weighted unpermute, fp32 accumulation), have a torch reference here and a
-Triton kernel (`parallel.ep.triton_permute`) used for CUDA tensors (MEGAPAR_EP_TRITON=0 turns
-it off). `plan_layout` synchronizes the device only for a host value it was not given; the
+Triton kernel (`parallel.ep.triton_permute`) used for CUDA tensors (ops "ep.gather_rows" and
+"ep.gather_reduce" of `parallel.impl`; MEGAPAR_EP_TRITON=0 turns them off). `plan_layout` synchronizes the device only for a host value it was not given; the
 Triton movers never do (the torch ones use `nonzero`, a sync on CUDA without Triton).
 """
 
 from __future__ import annotations
 
-import logging
 import os
 from dataclasses import dataclass
 from typing import Literal
 
 import torch
 
-log = logging.getLogger(__name__)
+from .. import impl
+from .words import as_words, word_size
 
 LayoutName = Literal["contiguous", "slab"]
 LAYOUTS: tuple[str, ...] = ("contiguous", "slab")
@@ -174,41 +174,19 @@ def plan_layout(local_ids: torch.Tensor, num_local_experts: int, *, layout: str 
 # Data movers: torch reference + Triton on CUDA.
 
 
-_triton_ok: bool | None = None
+def _ep_triton_on(f: impl.Facts) -> impl.Unusable | None:
+    if os.environ.get("MEGAPAR_EP_TRITON", "1") == "0":
+        return impl.Unusable("turned off by MEGAPAR_EP_TRITON=0")
+    return None
 
 
-def _use_triton(t: torch.Tensor) -> bool:
-    """Triton movers for CUDA tensors, unless MEGAPAR_EP_TRITON=0; without triton, fall back
-    to torch and say so once."""
-    global _triton_ok
-    if t.device.type != "cuda" or os.environ.get("MEGAPAR_EP_TRITON", "1") == "0":
-        return False
-    if _triton_ok is None:
-        try:
-            import triton  # noqa: F401
-
-            _triton_ok = True
-        except ImportError:
-            _triton_ok = False
-            log.warning("parallel.ep: triton is not importable; EP permute/unpermute use torch (pip install triton)")
-    return _triton_ok
+def _unit_stride(f: impl.Facts) -> impl.Unusable | None:
+    return None if f.unit_stride else impl.Unusable("the kernel needs rows with unit last stride")
 
 
-def word_size(*tensors: torch.Tensor, widest: int = 4) -> int:
-    """Widest word (8, 4, 2 or 1 bytes, at most `widest`) dividing the row bytes, row strides
-    and storage offsets of every [N, C] tensor given (all with unit last stride)."""
-    for size in (8, 4, 2):
-        if size <= widest and all(
-                t.shape[1] * t.element_size() % size == 0 and t.stride(0) * t.element_size() % size == 0
-                and t.storage_offset() * t.element_size() % size == 0 for t in tensors):
-            return size
-    return 1
-
-
-def as_words(t: torch.Tensor, size: int) -> torch.Tensor:
-    """[N, C] with unit last stride -> the same bytes as [N, C'] integer words of `size` bytes."""
-    word = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}[size]
-    return t if t.dtype == word else t.view(torch.uint8).view(word)
+_TRITON_MOVER = impl.all_of(impl.needs_cuda_tensor, _ep_triton_on, _unit_stride, impl.needs_triton)
+GATHER_ROWS = impl.Op("ep.gather_rows", [impl.Impl("triton", _TRITON_MOVER), impl.Impl("torch")])
+GATHER_REDUCE = impl.Op("ep.gather_reduce", [impl.Impl("triton", _TRITON_MOVER), impl.Impl("torch")])
 
 
 def gather_rows_torch(src: torch.Tensor, idx: torch.Tensor, row_scale: torch.Tensor | None = None,
@@ -266,7 +244,8 @@ def gather_rows(src: torch.Tensor, idx: torch.Tensor, row_scale: torch.Tensor | 
     """Permute: out[m] = src[idx[m]] (zero where idx == -1), times row_scale[m] when given.
     src: [N, C]; idx: [M] int; row_scale: [M] fp32 or None; out: [M, C] of src's dtype with
     unit last stride to write into (e.g. columns of a packed buffer) -> [M, C] in src's dtype."""
-    if _use_triton(src) and src.stride(-1) == 1 and (out is None or out.stride(-1) == 1):
+    unit = src.stride(-1) == 1 and (out is None or out.stride(-1) == 1)
+    if GATHER_ROWS.resolve(device=src.device, unit_stride=unit) == "triton":
         from parallel.ep import triton_permute
 
         return triton_permute.gather_rows(src, idx, row_scale, out)
@@ -277,7 +256,7 @@ def gather_reduce(src: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor | 
                   out_dtype: torch.dtype | None = None) -> torch.Tensor:
     """Unpermute: out[m] = sum_k weights[m, k] * src[idx[m, k]] over idx >= 0, fp32 accumulation.
     src: [N, C] float; idx: [M, K] int (-1 = skip); weights: [M, K] fp32 or None -> [M, C]."""
-    if _use_triton(src) and src.stride(-1) == 1:
+    if GATHER_REDUCE.resolve(device=src.device, unit_stride=src.stride(-1) == 1) == "triton":
         from parallel.ep import triton_permute
 
         return triton_permute.gather_reduce(src, idx, weights, out_dtype)

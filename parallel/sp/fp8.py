@@ -45,10 +45,8 @@ from dataclasses import dataclass
 from typing import Sequence
 
 import torch
-import torch.distributed as dist
 
-from ..comm import all_gather_uneven, reduce_scatter_uneven, resolve_group, to_wire
-from ..groups import Group
+from ..comm import GroupLike, all_gather_uneven, reduce_scatter_uneven, resolve_group, to_wire
 from ..quant import E4M3_MAX as FP8_MAX  # noqa: F401  (the old name)
 from ..quant import quantize
 from .ops import (
@@ -67,7 +65,6 @@ FP8_DTYPE = torch.float8_e4m3fn
 FP8_REL_TOL = 0.06
 """Relative Frobenius error bound of an fp8 product against fp32 used by the tests (documented above)."""
 
-GroupLike = Group | dist.ProcessGroup | None
 
 
 @dataclass

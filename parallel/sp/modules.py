@@ -27,39 +27,10 @@ from __future__ import annotations
 from typing import Sequence
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
-from ..comm import all_reduce, resolve_group
-from ..groups import Group
+from ..comm import GroupLike, copy_to_region, reduce_from_region, resolve_group
 from .ops import Backend, all_gather_matmul, matmul_reduce_scatter
-
-GroupLike = Group | dist.ProcessGroup | None
-
-
-class _CopyToTP(torch.autograd.Function):
-    """Identity forward, all-reduce of the gradient backward (input of a column-parallel layer)."""
-
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, group):
-        ctx.group = group
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        return all_reduce(grad.clone(), ctx.group), None
-
-
-class _AllReduceFromTP(torch.autograd.Function):
-    """All-reduce forward, identity backward (output of a row-parallel layer)."""
-
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, group):
-        return all_reduce(x.clone(), group)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        return grad, None
 
 
 def _shard_len(total: int, size: int, what: str) -> int:
@@ -123,7 +94,7 @@ class ColumnParallelLinear(nn.Module):
         if self.sequence_parallel:
             (y,) = all_gather_matmul(x, [self.weight.t()], self.group, backend=self.backend)
         else:
-            y = _CopyToTP.apply(x, self.group) @ self.weight.t()
+            y = copy_to_region(x, self.group) @ self.weight.t()
         if self.bias is not None:
             y = y + self.bias
         return list(y.split(self.local_parts, dim=-1)) if self.is_fused else y
@@ -179,7 +150,7 @@ class RowParallelLinear(nn.Module):
         if self.sequence_parallel:
             y = matmul_reduce_scatter(x, self.weight.t(), self.group, backend=self.backend)
         else:
-            y = _AllReduceFromTP.apply(x @ self.weight.t(), self.group)
+            y = reduce_from_region(x @ self.weight.t(), self.group)
         if self.bias is not None:
             y = y + self.bias
         return y

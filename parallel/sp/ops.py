@@ -17,7 +17,8 @@ Backends (`backend=`):
 - "symm_mem": PyTorch's `torch.ops.symm_mem.fused_all_gather_matmul` /
   `fused_matmul_reduce_scatter` (symmetric memory; CUDA, NCCL group, >= 2 ranks on distinct GPUs).
 - "reference": one plain collective and one matmul, nothing overlapped (the specification).
-- "auto": "symm_mem" where it is available, else "decomposed".
+- "auto": "symm_mem" where it is available, else "decomposed" (op "sp.matmul" of `parallel.impl`;
+  it warns once when only the torch build stands in the way).
 A size-1 group never communicates (one matmul).
 
 Shapes: the gathered / scattered dim is any dim but the last (K); every rank holds the same
@@ -29,7 +30,6 @@ in backward (sequence parallelism exists to save that memory) unless it was retu
 
 from __future__ import annotations
 
-import logging
 import math
 import warnings
 from typing import Callable, Literal, Sequence
@@ -37,67 +37,62 @@ from typing import Callable, Literal, Sequence
 import torch
 import torch.distributed as dist
 
-from ..comm import all_gather_uneven, reduce_scatter_uneven, resolve_group
-from ..groups import Group
+from .. import impl
+from ..comm import GroupLike, all_gather_uneven, reduce_scatter_uneven, resolve_group
 from .ring import RingPeers, pairwise_reduce_scatter, ring_all_gather
 
-log = logging.getLogger("megapar")
-
 Backend = Literal["auto", "decomposed", "symm_mem", "reference"]
-BACKENDS: tuple[str, ...] = ("auto", "decomposed", "symm_mem", "reference")
-
-_LOGGED: set[str] = set()
-
-
-def _log_once(msg: str) -> None:
-    if msg not in _LOGGED:
-        _LOGGED.add(msg)
-        rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
-        log.info("[rank %d] %s", rank, msg)
-
 
 def symm_mem_unavailable_reason(x: torch.Tensor, pg: dist.ProcessGroup | None, size: int) -> str | None:
     """Why the symmetric-memory backend cannot run these operands (None when it can)."""
-    if not x.is_cuda:
-        return f"the tensors are on {x.device.type}, not CUDA"
-    if size < 2:
-        return "the group has a single rank"
-    backend = str(dist.get_backend(pg))
+    why = _symm_mem_check(impl.Facts(x.device, extra={"pg": pg, "size": size}))
+    return None if why is None else why.reason
+
+
+_SYMM_MEM_NEEDS = ("it needs CUDA tensors, an NCCL group of >= 2 ranks on distinct GPUs and torch built with "
+                   "symmetric memory; backend='decomposed' runs on any backend, 'reference' is the plain collective")
+
+
+def _symm_mem_check(f: impl.Facts) -> impl.Unusable | None:
+    """Facts: device, pg (the group), size (its ranks)."""
+    def no(reason: str, installable: bool = False) -> impl.Unusable:
+        return impl.Unusable(reason, installable=installable, hint=_SYMM_MEM_NEEDS)
+
+    if f.device is None or f.device.type != "cuda":
+        return no(f"the tensors are on {getattr(f.device, 'type', None)}, not CUDA")
+    if f.size < 2:
+        return no("the group has a single rank")
+    backend = str(dist.get_backend(f.pg))
     if "nccl" not in backend:
-        return f"the group's backend is {backend}, not nccl"
-    try:
-        import torch.distributed._symmetric_memory  # noqa: F401  (registers torch.ops.symm_mem)
-    except Exception as e:  # pragma: no cover - depends on the torch build
-        return f"torch.distributed._symmetric_memory does not import ({type(e).__name__}: {e})"
+        return no(f"the group's backend is {backend}, not nccl")
+    if not impl.importable("torch.distributed._symmetric_memory"):  # registers torch.ops.symm_mem
+        return no("torch.distributed._symmetric_memory does not import", installable=True)
     if not hasattr(torch.ops.symm_mem, "fused_all_gather_matmul"):
-        return "this torch has no torch.ops.symm_mem.fused_all_gather_matmul"
+        return no("this torch has no torch.ops.symm_mem.fused_all_gather_matmul", installable=True)
     return None
 
 
-def resolve_backend(backend: str, x: torch.Tensor, group: Group | dist.ProcessGroup | None) -> str:
+MATMUL = impl.Op("sp.matmul", [
+    impl.Impl("symm_mem", _symm_mem_check),
+    impl.Impl("decomposed"),
+    impl.Impl("reference", auto=False),
+])
+"""All-gather-matmul and matmul-reduce-scatter: symmetric memory (CUDA, NCCL, >= 2 ranks), the
+decomposed P2P engines (any backend), the plain collective (named only: the specification)."""
+BACKENDS: tuple[str, ...] = MATMUL.names
+
+
+def resolve_backend(backend: str, x: torch.Tensor, group: GroupLike) -> str:
     """The backend that will run: one of BACKENDS minus "auto", or "local" for a size-1 group."""
-    if backend not in BACKENDS:
-        raise ValueError(f"backend {backend!r} is not one of {', '.join(BACKENDS)}")
+    if backend != "auto":
+        MATMUL.get(backend)  # ValueError naming the valid choices, whatever the group size
     pg, _, size = resolve_group(group)
     if size == 1:
         return "local"
-    if backend in ("decomposed", "reference"):
-        return backend
-    reason = symm_mem_unavailable_reason(x, pg, size)
-    if backend == "symm_mem":
-        if reason is not None:
-            raise ValueError(f"backend 'symm_mem' is not available: {reason}. It needs torch built with CUDA "
-                             "symmetric memory, CUDA tensors and an NCCL group of >= 2 ranks on distinct GPUs; "
-                             "use backend='decomposed' (any backend) or 'reference'")
-        return "symm_mem"
-    if reason is not None:
-        if x.is_cuda:
-            _log_once(f"symm_mem all-gather-matmul unavailable ({reason}); using the decomposed ring")
-        return "decomposed"
-    return "symm_mem"
+    return MATMUL.resolve(backend, device=x.device, pg=pg, size=size)
 
 
-def symm_mem_group_name(group: Group | dist.ProcessGroup | None) -> str:
+def symm_mem_group_name(group: GroupLike) -> str:
     """The group's name, with symmetric memory enabled for it (needed by older torch)."""
     pg, _, _ = resolve_group(group)
     pg = pg if pg is not None else dist.group.WORLD
@@ -206,7 +201,7 @@ def decomposed_matmul_reduce_scatter(x2d: torch.Tensor, w: torch.Tensor, peers: 
 
 
 def _all_gather_matmul_impl(x_shard: torch.Tensor, weights: Sequence[torch.Tensor],
-                            group: Group | dist.ProcessGroup | None, gather_dim: int, backend: str,
+                            group: GroupLike, gather_dim: int, backend: str,
                             need_gathered: bool) -> tuple[torch.Tensor | None, list[torch.Tensor]]:
     _, _, size = resolve_group(group)
     if backend == "local":
@@ -226,7 +221,7 @@ def _all_gather_matmul_impl(x_shard: torch.Tensor, weights: Sequence[torch.Tenso
     return (unflatten(gathered2d) if need_gathered else None), [unflatten(o) for o in outs2d]
 
 
-def _matmul_reduce_scatter_impl(x: torch.Tensor, w: torch.Tensor, group: Group | dist.ProcessGroup | None,
+def _matmul_reduce_scatter_impl(x: torch.Tensor, w: torch.Tensor, group: GroupLike,
                                 scatter_dim: int, backend: str) -> torch.Tensor:
     _, _, size = resolve_group(group)
     if backend == "local":
@@ -244,7 +239,7 @@ def _matmul_reduce_scatter_impl(x: torch.Tensor, w: torch.Tensor, group: Group |
     return unflatten(y2d)
 
 
-def _gather(x_shard: torch.Tensor, group: Group | dist.ProcessGroup | None, dim: int) -> torch.Tensor:
+def _gather(x_shard: torch.Tensor, group: GroupLike, dim: int) -> torch.Tensor:
     _, _, size = resolve_group(group)
     return all_gather_uneven(x_shard, group, dim, sizes=[x_shard.shape[dim]] * size)
 
@@ -313,7 +308,7 @@ class _MatmulReduceScatter(torch.autograd.Function):
 
 
 def all_gather_matmul(x_shard: torch.Tensor, weights: Sequence[torch.Tensor],
-                      group: Group | dist.ProcessGroup | None, *, gather_dim: int = 0,
+                      group: GroupLike, *, gather_dim: int = 0,
                       return_gathered: bool = False, backend: Backend = "auto") -> list[torch.Tensor]:
     """`[all_gather(x_shard, gather_dim) @ w for w in weights]`, the gather overlapped with the matmuls.
 
@@ -329,7 +324,7 @@ def all_gather_matmul(x_shard: torch.Tensor, weights: Sequence[torch.Tensor],
     return list(_AllGatherMatmul.apply(x_shard, group, gather_dim, return_gathered, chosen, *weights))
 
 
-def matmul_reduce_scatter(x: torch.Tensor, w: torch.Tensor, group: Group | dist.ProcessGroup | None, *,
+def matmul_reduce_scatter(x: torch.Tensor, w: torch.Tensor, group: GroupLike, *,
                           scatter_dim: int = 0, backend: Backend = "auto") -> torch.Tensor:
     """`reduce_scatter(x @ w, scatter_dim)` (sum), each block's partial product sent while the next is computed.
 

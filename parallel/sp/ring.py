@@ -20,13 +20,13 @@ that consumes or produces one step's block runs while the next step is on the wi
 only for its own block's arrival), so one matmul's last, partly filled wave can overlap the
 next; `parallel.sp.ops.COMPUTE_LANES` picks the count (1: everything on the current stream).
 
-Transport is `torch.distributed.batch_isend_irecv`, so any backend works (gloo runs it in
-its own threads, which is what the CPU tests use). On CUDA the P2P work is issued from a
-dedicated communication stream that waits only for what the step really depends on (the
-input shard, or the partial just computed), not for every matmul queued after it; the
-compute stream then waits for each step's arrival. Buffers are allocated on the compute
-stream and stay referenced until the compute stream has waited for the step that used
-them, so the caching allocator cannot hand them out early.
+Transport is `parallel.p2p.P2PExchanger` on its communication stream (`on_comm_stream=True`):
+any torch.distributed backend works (gloo runs it in its own threads, which is what the CPU
+tests use); on CUDA each step waits only for what it really depends on (the input shard, or
+the partial just computed), not for every matmul queued after it, and the compute stream then
+waits for each step's arrival. Buffers are allocated on the compute stream and stay
+referenced until the compute stream has waited for the step that used them, so the caching
+allocator cannot hand them out early.
 
 `RingPeers.loopback_of(rank, size)` runs the same schedule with no transport at all (receive
 buffers keep whatever they held): the single-device benchmark of what the decomposition
@@ -36,25 +36,18 @@ costs in compute (`launch/bench/sp.py`) measures exactly the kernels the op laun
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Callable, Sequence
 
 import torch
-import torch.distributed as dist
 
-from ..comm import group_ranks, resolve_group
-from ..groups import Group
+from ..p2p import P2PExchanger, Peers, comm_stream
 
-_COMM_STREAMS: dict[int, "torch.cuda.Stream"] = {}
+RingPeers = Peers
+"""This rank's place in the group (`parallel.p2p.Peers`; the old name stays)."""
+
+__all__ = ["RingPeers", "ComputeLanes", "comm_stream", "side_stream", "ring_all_gather", "pairwise_reduce_scatter"]
+
 _SIDE_STREAMS: dict[tuple[int, int], "torch.cuda.Stream"] = {}
-
-
-def comm_stream(device: torch.device) -> "torch.cuda.Stream":
-    """The communication stream of a CUDA device (one per device, created on first use)."""
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    if index not in _COMM_STREAMS:
-        _COMM_STREAMS[index] = torch.cuda.Stream(device=index)
-    return _COMM_STREAMS[index]
 
 
 def side_stream(device: torch.device, index: int) -> "torch.cuda.Stream":
@@ -96,77 +89,6 @@ class ComputeLanes:
             self.streams[0].wait_stream(s)
 
 
-@dataclass(frozen=True)
-class RingPeers:
-    """This rank's place in a group (peer ranks are global, as P2P wants them)."""
-
-    pg: dist.ProcessGroup | None
-    rank: int
-    size: int
-    ranks: tuple[int, ...]
-    """global rank of each group rank"""
-    loopback: bool = False
-    """no transport: a single-device stand-in that runs only the compute schedule"""
-
-    @classmethod
-    def of(cls, group: Group | dist.ProcessGroup | None) -> "RingPeers":
-        pg, rank, size = resolve_group(group)
-        return cls(pg, rank, size, tuple(group_ranks(group)))
-
-    @classmethod
-    def loopback_of(cls, rank: int, size: int) -> "RingPeers":
-        """Group rank `rank` of `size` with every send and receive skipped (benchmarks only)."""
-        if not 0 <= rank < size:
-            raise ValueError(f"loopback rank {rank} is out of range for size {size}: valid ranks are 0..{size - 1}")
-        return cls(None, rank, size, tuple(range(size)), loopback=True)
-
-    def peer(self, offset: int) -> int:
-        """Global rank of the group rank `rank + offset` (mod size)."""
-        return self.ranks[(self.rank + offset) % self.size]
-
-
-class RingExchanger:
-    """Posts P2P steps (on the comm stream on CUDA) and makes the compute side wait for them."""
-
-    def __init__(self, peers: RingPeers, device: torch.device) -> None:
-        self.peers = peers
-        self.stream = comm_stream(device) if device.type == "cuda" and not peers.loopback else None
-        self._works: list[Any] = []
-
-    def start(self, send: Sequence[torch.Tensor], recv: Sequence[torch.Tensor], *, after_compute: bool,
-              send_offset: int = 1, recv_offset: int = -1) -> None:
-        """Post one step: `send` to group rank `rank + send_offset`, `recv` from `rank + recv_offset`.
-
-        after_compute: the send blocks were just written on the current stream (the comm
-        stream waits for it). Steps in flight accumulate until `finish()`.
-        """
-        p = self.peers
-        if p.loopback:
-            return
-        to, frm = p.peer(send_offset), p.peer(recv_offset)
-        ops = [dist.P2POp(dist.isend, t, to, group=p.pg) for t in send]
-        ops += [dist.P2POp(dist.irecv, t, frm, group=p.pg) for t in recv]
-        if self.stream is None:
-            self._works += dist.batch_isend_irecv(ops)
-            return
-        compute = torch.cuda.current_stream(self.stream.device)
-        with torch.cuda.stream(self.stream):
-            if after_compute:
-                self.stream.wait_stream(compute)
-            self._works += dist.batch_isend_irecv(ops)
-
-    def finish(self) -> None:
-        """Every posted step's received blocks are ready for the current stream (or the host on CPU)."""
-        works, self._works = self._works, []
-        if self.stream is not None:
-            # The comm stream must also be past these steps before it forwards what arrived.
-            with torch.cuda.stream(self.stream):
-                for w in works:
-                    w.wait()
-        for w in works:
-            w.wait()
-
-
 def ring_all_gather(shards: Sequence[torch.Tensor], peers: RingPeers,
                     consume: Callable[[int, list[torch.Tensor]], None], *, fill_own: bool = True,
                     out: Sequence[torch.Tensor] | None = None, lanes: int = 1) -> list[torch.Tensor]:
@@ -192,7 +114,7 @@ def ring_all_gather(shards: Sequence[torch.Tensor], peers: RingPeers,
                 raise ValueError(f"ring_all_gather: out buffer {tuple(g.shape)} {g.dtype} does not fit {size} shards "
                                  f"{tuple(s.shape)} {s.dtype} (contiguous [P * m, ...] of the shard dtype)")
     blocks = [g.view((size,) + tuple(s.shape)) for g, s in zip(gathered, shards)]
-    exchanger = RingExchanger(peers, shards[0].device)
+    exchanger = P2PExchanger(peers, shards[0].device, on_comm_stream=True)
     compute = ComputeLanes(shards[0].device, lanes)
     for step in range(size):
         src = (rank - step) % size
@@ -201,7 +123,7 @@ def ring_all_gather(shards: Sequence[torch.Tensor], peers: RingPeers,
                 exchanger.finish()  # this lane waits for the arrival, the others run on
             held = list(shards) if step == 0 else [b[src] for b in blocks]
             if step < size - 1:
-                exchanger.start(held, [b[(src - 1) % size] for b in blocks], after_compute=step == 0)
+                exchanger.shift(held, [b[(src - 1) % size] for b in blocks], after_compute=step == 0)
             consume(src, held)
     compute.join()
     if fill_own:
@@ -223,12 +145,12 @@ def pairwise_reduce_scatter(produce: Callable[[int, torch.Tensor], None], peers:
     shape = tuple(shape)
     received = like.new_empty((size,) + shape)  # [0]: own partial, [s]: from rank - s
     outgoing = like.new_empty((size - 1,) + shape)  # [s - 1]: to rank + s, kept alive until finish()
-    exchanger = RingExchanger(peers, like.device)
+    exchanger = P2PExchanger(peers, like.device, on_comm_stream=True)
     compute = ComputeLanes(like.device, lanes)
     for step in range(1, size):
         with compute.lane(step - 1):  # the send waits for this lane only
             produce((rank + step) % size, outgoing[step - 1])
-            exchanger.start([outgoing[step - 1]], [received[step]], after_compute=True,
+            exchanger.shift([outgoing[step - 1]], [received[step]], after_compute=True,
                             send_offset=step, recv_offset=-step)
     with compute.lane(size - 1):
         produce(rank, received[0])  # overlaps the last step in flight

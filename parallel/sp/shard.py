@@ -21,13 +21,10 @@ this rank's slice when they are replicated (`reduce_grad=False`, e.g. the model 
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 
-from ..comm import all_gather_uneven, reduce_scatter_uneven, resolve_group
-from ..groups import Group
+from ..comm import GroupLike, all_gather_uneven, reduce_scatter_uneven, resolve_group
 
-GroupLike = Group | dist.ProcessGroup | None
 
 
 def sp_local_tokens(num_tokens: int, group: GroupLike | int) -> int:
