@@ -175,40 +175,6 @@ class MoEConfig:
 PRESETS = {"v3": MoEConfig.deepseek_v3, "v4_flash": MoEConfig.deepseek_v4_flash, "v4_pro": MoEConfig.deepseek_v4_pro}
 
 
-class _CopyToEP(torch.autograd.Function):
-    """Replicated tokens entering per-rank expert work: identity; gradient all-reduced."""
-
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
-        ctx.group = group
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor):
-        grad = grad.contiguous().clone()
-        dist.all_reduce(grad, group=ctx.group)
-        return grad, None
-
-
-class _ReduceFromEP(torch.autograd.Function):
-    """Per-rank partial outputs -> their sum on every rank; gradient passes through."""
-
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
-        out = x.contiguous().clone()
-        dist.all_reduce(out, group=group)
-        return out
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor):
-        return grad, None
-
-
-def _chunk_sizes(num_tokens: int, chunks: int) -> list[int]:
-    base, extra = divmod(num_tokens, chunks)
-    return [base + (1 if i < extra else 0) for i in range(chunks)]
-
-
 class MoELayer(nn.Module):
     """Router -> dispatch -> experts -> combine -> + shared expert (see module docstring)."""
 
@@ -495,7 +461,7 @@ class MoELayer(nn.Module):
             res = ubatch_yield(d.dispatch(x, topk_ids, topk_weights, async_op=True).wait)
             y = self._experts(res)
             return ubatch_yield(d.combine(y, res.handle, async_op=True).wait)
-        sizes = _chunk_sizes(x.shape[0], self.overlap_chunks)
+        sizes = comm.even_split(x.shape[0], self.overlap_chunks)
         xs, ids, ws = x.split(sizes), topk_ids.split(sizes), topk_weights.split(sizes)
         pending = d.dispatch(xs[0], ids[0], ws[0], async_op=True)
         combines = []
@@ -518,12 +484,12 @@ class MoELayer(nn.Module):
         needs_grad = torch.is_grad_enabled() and (x.requires_grad or topk_weights.requires_grad
                                                   or any(p.requires_grad for p in self.experts.parameters()))
         if needs_grad:  # every rank ends with the full gradient of x and of the router weights
-            xin, win = _CopyToEP.apply(x, group), _CopyToEP.apply(topk_weights, group)
+            xin, win = comm.copy_to_region(x, group), comm.copy_to_region(topk_weights, group)
             res = d.dispatch(xin, local_ids, win)
             partial = d.combine(self._experts(res), res.handle)
-            return _ReduceFromEP.apply(partial, group)
+            return comm.reduce_from_region(partial, group)
         outs = []
-        for xc, ic, wc in zip(*(t.split(_chunk_sizes(x.shape[0], self.overlap_chunks)) for t in (x, local_ids, topk_weights))):
+        for xc, ic, wc in zip(*(t.split(comm.even_split(x.shape[0], self.overlap_chunks)) for t in (x, local_ids, topk_weights))):
             res = d.dispatch(xc, ic, wc)
             partial = d.combine(self._experts(res), res.handle).contiguous()
             outs.append(comm.all_reduce(partial, group, async_op=True))  # in flight while the next chunk computes
