@@ -411,6 +411,8 @@ def _timeout_error(ranks: list[_Rank], timeout: float) -> RankError:
     elif outside:
         head += f": none is in a collective (slow, or stuck in its own code: rank {outside[0]} is at " \
                 f"{_where(stacks[outside[0]])})"
+    elif not stacks:
+        head += " (none answered with its Python stack: still starting up?)"
     shown = outside or in_coll
     body = "".join(f"\n--- rank {rank} stack (most recent call first):\n{_trim(stacks[rank])}" for rank in shown)
     return RankError(head + body, rank=culprit, stacks=stacks)
