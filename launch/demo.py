@@ -470,7 +470,9 @@ def _main(args: argparse.Namespace) -> int:
     if launcher == "ray":
         from launch.ray_launcher import launch_on_ray
 
-        resources = {"CPU": 1, "GPU": 1} if args.device == "cuda" else {"CPU": 1}
+        # CPU ranks share the cores anyway: a fraction lets a small machine hold the job
+        cpus = max(0.01, min(1.0, int(100 * (os.cpu_count() or 1) / world) / 100))
+        resources = {"CPU": 1, "GPU": 1} if args.device == "cuda" else {"CPU": cpus}
         say(f"starting {world} Ray actor(s), backend {backend} ...")
         try:
             results = launch_on_ray(_rank_entry, world, parallel_config=spec.parallel,

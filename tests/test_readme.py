@@ -83,3 +83,11 @@ def test_readme_ray_snippet_as_a_script(tmp_path):
     (tmp_path / "ray_job.py").write_text(_find("launch_on_ray(fn"))
     proc = _run([sys.executable, "ray_job.py"], tmp_path, timeout=240)
     assert proc.stdout.strip().splitlines()[-1] == "[6.0, 6.0, 6.0, 6.0]", proc.stdout[-2000:]
+
+
+def test_numpy_is_a_base_dependency():
+    # without numpy, torch prints "Failed to initialize NumPy" at every import (the first README command)
+    import tomllib
+
+    deps = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["dependencies"]
+    assert any(re.match(r"numpy\b", d) for d in deps), deps

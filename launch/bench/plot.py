@@ -54,6 +54,13 @@ def plot_gemm(rows: list[dict], out: Path, title: str) -> Path:
 
 
 def plot_speedups(rows: list[dict], out: Path, title: str) -> Path:
+    fig = speedup_figure(rows, title)
+    fig.savefig(out, dpi=110)
+    _pyplot().close(fig)
+    return out
+
+
+def speedup_figure(rows: list[dict], title: str):
     """One bar per case from 1.0 (parity) to its speedup on a log axis, so that a bar's length
     is the factor won or lost; the value is printed at the bar's end; labels wrap, not clip."""
     import textwrap
@@ -81,9 +88,7 @@ def plot_speedups(rows: list[dict], out: Path, title: str) -> Path:
     ax.tick_params(axis="y", labelsize=7)
     ax.set_title(title)
     fig.tight_layout()
-    fig.savefig(out, dpi=110)
-    plt.close(fig)
-    return out
+    return fig
 
 
 def plot_results(json_path: str | Path, out: str | Path | None = None) -> Path:
