@@ -109,13 +109,14 @@ def check_entry(fn: Any, who: str = "launch_local") -> None:
     _check_main_guard(who)
 
 
-def _guarded_lines(path: str) -> list[tuple[int, int]]:
-    """Line ranges of the top-level `if __name__ == "__main__":` blocks of a script."""
+def _guarded_lines(path: str) -> list[tuple[int, int]] | None:
+    """Line ranges of the top-level `if __name__ == "__main__":` blocks of a script (None when
+    its source cannot be read, e.g. a .pyc)."""
     try:
         with open(path, encoding="utf-8") as f:
             tree = ast.parse(f.read())
     except (OSError, SyntaxError, ValueError):
-        return []
+        return None
     out = []
     for node in tree.body:
         if isinstance(node, ast.If) and "__name__" in ast.unparse(node.test) and "__main__" in ast.unparse(node.test):
@@ -133,8 +134,8 @@ def _check_main_guard(who: str) -> None:
     frame = sys._getframe(1)
     while frame is not None:
         if frame.f_code.co_name == "<module>" and frame.f_globals is vars(main):
-            line = frame.f_lineno
-            if not any(lo <= line <= hi for lo, hi in _guarded_lines(path)):
+            line, guarded = frame.f_lineno, _guarded_lines(path)
+            if guarded is not None and not any(lo <= line <= hi for lo, hi in guarded):
                 raise ValueError(
                     f"{who} is called at the top level of {path} (line {line}) without an "
                     f"`if __name__ == \"__main__\":` guard: every rank re-imports this script and would call it "
