@@ -3,7 +3,7 @@
     megapar groups --world-size 16 --tp 4 --pcp 2 --dcp 2     # rank layout, no processes started
     megapar env                                               # what is available here
     megapar demo [...]                                        # the main job (see launch/demo.py)
-    megapar bench SUITE [--quick] [--device cpu|cuda]         # benchmarks -> bench/results/
+    megapar bench SUITE [--quick] [--device cpu|cuda] [--out DIR] [--summary]   # benchmarks -> DIR
 """
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ import argparse
 import importlib
 import shlex
 import sys
+from pathlib import Path
 
 SUITES = ("gemm", "quant", "route", "moe", "ep", "cp", "merge", "sp", "mhc", "ubatch", "eplb")
 
@@ -94,12 +95,23 @@ def cmd_bench(args: argparse.Namespace) -> int:
     """Run the suites; the recorded command is rebuilt from the parsed arguments."""
     import signal
 
-    signal.signal(signal.SIGTERM, _stop_on_sigterm)
     import torch
 
-    from launch.bench.common import BenchContext, write_results
+    from launch.bench.common import BenchContext, columns, default_out_dir, format_table, write_results
 
-    suites = SUITES if args.suite == "all" else (args.suite,)
+    if args.suite is None and args.summary is None:
+        print("megapar bench: give a suite (" + ", ".join(SUITES + ("all",)) + ") or --summary", file=sys.stderr)
+        return 2
+    if args.device == "cuda" and not torch.cuda.is_available():
+        print("megapar bench: --device cuda but CUDA is not available here (torch.cuda.is_available() is False); "
+              "use --device cpu", file=sys.stderr)
+        return 2
+    if args.world_size is not None and args.world_size < 1:
+        print(f"megapar bench: --world-size must be >= 1, got {args.world_size}", file=sys.stderr)
+        return 2
+    out = Path(args.out) if args.out else default_out_dir()
+    signal.signal(signal.SIGTERM, _stop_on_sigterm)
+    suites = () if args.suite is None else SUITES if args.suite == "all" else (args.suite,)
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     command = "megapar " + " ".join(shlex.quote(a) for a in args.argv)
     failed = []
@@ -123,17 +135,19 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
             traceback.print_exc()
             failed.append(name)
+        if ctx.rows:
+            print("\n" + format_table(ctx.rows, columns(ctx.rows, extra=4)) + "\n", flush=True)
         if ctx.rows or ctx.notes:
-            path = write_results(ctx, args.out, command)
+            path = write_results(ctx, out, command)
             print(f"   wrote {path}")
             if args.plot:
                 from launch.bench.plot import plot_results
 
                 print(f"   wrote {plot_results(path)}")
-    if args.out is None:
+    if args.summary is not None:
         from launch.bench.summary import write_summary
 
-        write_summary()
+        print(f"   wrote {write_summary(out, args.summary or None)}")
     if failed:
         print(f"megapar bench: failed suites: {', '.join(failed)}", file=sys.stderr)
         return 1
@@ -154,11 +168,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_groups)
     p = sub.add_parser("env", help="print what is available: torch, CUDA, NCCL, NVSHMEM, triton, deep_ep, ...")
     p.set_defaults(func=cmd_env)
-    p = sub.add_parser("bench", help="run a benchmark suite and write bench/results/")
-    p.add_argument("suite", choices=SUITES + ("all",))
+    p = sub.add_parser("bench", help="run a benchmark suite and write its results to --out")
+    p.add_argument("suite", nargs="?", choices=SUITES + ("all",), help="the suite (optional with --summary)")
     p.add_argument("--quick", action="store_true", help="tiny sizes (seconds on CPU)")
     p.add_argument("--device", choices=("cpu", "cuda"), default=None)
-    p.add_argument("--out", default=None, help="result folder (default bench/results)")
+    p.add_argument("--out", default=None, help="result folder, the only place written (default $MEGAPAR_BENCH_DIR, "
+                                              "else ./megapar-bench; the recorded results: --out bench/results)")
+    p.add_argument("--summary", nargs="?", const="", default=None, metavar="PATH",
+                   help="also regenerate the summary of the folder's results (default PATH: OUT/BENCHMARKS.md)")
     p.add_argument("--plot", action="store_true", help="also write a PNG where the suite supports it")
     p.add_argument("--world-size", type=int, default=None, help="ranks for multi-process cases")
     p.set_defaults(func=cmd_bench)

@@ -15,7 +15,9 @@ decode greedily (the next tokens are broadcast from the first rank of the replic
 ranks feed the same ones). The reference (model/reference.py, float64, no KV cache) then runs
 the whole sequence that was decoded, in the parent process (local, Ray) or on rank 0
 (torchrun), and the logits of the prefill and of every decode step are compared: PASS when
-max |logits - reference| / max |reference| <= tolerance. Exit code 0 on PASS, 1 on FAIL.
+max |logits - reference| / max |reference| <= tolerance. Exit code 0 on PASS, 1 on FAIL, 2 for
+bad arguments, 3 when the job itself failed (a rank raised, died or timed out: one message naming
+the rank, no traceback of the launcher). Each phase is printed as it happens.
 
 Unset layout flags: tp 2, pcp 2, dcp 2 when none of them is given and 4 divides the world
 size, else 1. The batch defaults to 2 prompts per data-parallel replica. The printed timings
@@ -25,6 +27,7 @@ are rank 0's: phases between barriers, and per primitive (see model/profile.py).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import sys
 import time
@@ -65,6 +68,8 @@ class DemoSpec:
     """EPLB extra expert slots; None = no EPLB"""
     corrupt_rank: int | None = None
     """perturb one weight on this rank (tests that the check can fail)"""
+    progress: bool = False
+    """rank 0 prints each phase as it happens (the command line turns this on)"""
 
 
 @dataclass
@@ -129,6 +134,16 @@ def _broadcast_first(t: torch.Tensor, groups) -> torch.Tensor:
     return t
 
 
+def say(text: str) -> None:
+    """One progress line of the demo (stdout, flushed: the ranks share the terminal)."""
+    print(f"megapar demo: {text}", flush=True)
+
+
+def _decode_marks(n: int) -> set[int]:
+    """The decode steps after which progress is shown: every step up to 8, else about 8 marks."""
+    return set(range(1, n + 1)) if n <= 8 else {min(n, round(n * i / 8)) for i in range(1, 9)}
+
+
 def run_rank(groups, spec: DemoSpec) -> RankResult:
     """Prefill + decode on this rank of an initialized job."""
     from model.model import DemoModel
@@ -142,6 +157,8 @@ def run_rank(groups, spec: DemoSpec) -> RankResult:
     per_replica = spec.batch // replicas
     lo, hi = replica * per_replica, (replica + 1) * per_replica
     timer = Timer(sync_cuda=device.type == "cuda")
+    show = spec.progress and rank == 0
+    t0 = time.perf_counter()
     model = DemoModel(spec.model, groups, overlap=spec.overlap, ubatch=spec.ubatch,
                       eplb_redundant=spec.eplb_redundant, timer=timer, device=device)
     model.load_full(make_state_dict(spec.model, spec.seed))
@@ -152,11 +169,16 @@ def run_rank(groups, spec: DemoSpec) -> RankResult:
     max_len = spec.prompt_len + spec.new_tokens
 
     _barrier()
+    if show:
+        say(f"rank 0: model built, weights loaded ({time.perf_counter() - t0:.1f}s); prefill of "
+            f"{spec.batch} x {spec.prompt_len} tokens ...")
     timer.phase = "prefill"
     start = time.perf_counter()
     logits = [model.prefill(prompts, max_len)]
     _barrier()
     phases["prefill"] = time.perf_counter() - start
+    if show:
+        say(f"rank 0: prefill done ({phases['prefill']:.2f}s)")
 
     eplb_summary = None
     if model.eplb is not None:
@@ -165,14 +187,19 @@ def run_rank(groups, spec: DemoSpec) -> RankResult:
         report = model.rebalance_experts()
         phases["eplb"] = time.perf_counter() - start
         eplb_summary = report.summary()
+        if show:
+            say(f"rank 0: EPLB rebalanced ({phases['eplb']:.2f}s)")
 
     timer.phase = "decode"
     fed = []
     start = time.perf_counter()
-    for _ in range(spec.new_tokens):
+    marks = _decode_marks(spec.new_tokens)
+    for step in range(1, spec.new_tokens + 1):
         nxt = _broadcast_first(logits[-1].argmax(-1), groups)
         fed.append(nxt)
         logits.append(model.decode_step(nxt))
+        if show and step in marks:
+            say(f"rank 0: decode step {step}/{spec.new_tokens} ({time.perf_counter() - start:.2f}s)")
     _barrier()
     phases["decode"] = time.perf_counter() - start
     tokens = torch.cat([prompts] + [t[:, None] for t in fed], dim=1)
@@ -187,6 +214,8 @@ def _rank_entry(rank: int, spec: DemoSpec) -> RankResult:
 
     groups = get_optional_groups()
     owned = groups is None
+    if spec.progress and rank == 0:
+        say("rank 0: started" + ("; creating the process groups ..." if owned else ""))
     if owned:
         groups = init_parallel(spec.parallel)
     try:
@@ -388,8 +417,21 @@ def _run_torchrun(spec: DemoSpec, tolerance: float) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """`megapar demo ARGS`; returns the exit code (0 PASS, 1 FAIL, 2 bad arguments)."""
+    """`megapar demo ARGS`; returns the exit code (0 PASS, 1 FAIL, 2 bad arguments, 3 job failed)."""
+    from launch.local import RankError
+
     args = build_parser().parse_args(sys.argv[1:] if argv is None else argv)
+    if not args.timeout > 0:
+        print(f"megapar demo: --timeout must be > 0 seconds, got {args.timeout:g}", file=sys.stderr)
+        return 2
+    try:
+        return _main(args)
+    except RankError as e:
+        print(f"megapar demo: the job failed: {e}", file=sys.stderr)
+        return 3
+
+
+def _main(args: argparse.Namespace) -> int:
     launcher = args.launcher
     if launcher == "auto":
         launcher = "torchrun" if _torchrun_env() else "local"
@@ -421,20 +463,34 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     tolerance = args.tolerance if args.tolerance is not None else DEFAULT_TOLERANCE[args.device]
     backend = "nccl" if args.device == "cuda" else "gloo"
+    spec = dataclasses.replace(spec, progress=True)
     if launcher == "torchrun":
         return _run_torchrun(spec, tolerance)
+    start = time.perf_counter()
     if launcher == "ray":
         from launch.ray_launcher import launch_on_ray
 
-        resources = {"CPU": 1, "GPU": 1} if args.device == "cuda" else {"CPU": 1}
-        results = launch_on_ray(_rank_entry, world, parallel_config=spec.parallel, resources_per_worker=resources,
-                                args=(spec,), backend=backend, timeout=args.timeout)
+        # CPU ranks share the cores anyway: a fraction lets a small machine hold the job
+        cpus = max(0.01, min(1.0, int(100 * (os.cpu_count() or 1) / world) / 100))
+        resources = {"CPU": 1, "GPU": 1} if args.device == "cuda" else {"CPU": cpus}
+        say(f"starting {world} Ray actor(s), backend {backend} ...")
+        try:
+            results = launch_on_ray(_rank_entry, world, parallel_config=spec.parallel,
+                                    resources_per_worker=resources, args=(spec,), backend=backend,
+                                    timeout=args.timeout)
+        except ValueError as e:   # the cluster cannot hold the job
+            print(f"megapar demo: {e}", file=sys.stderr)
+            return 2
     elif world == 1:
+        say("one rank, in this process ...")
         results = [_rank_entry(0, spec)]
     else:
         from launch.local import launch_local
 
+        say(f"starting {world} local processes, backend {backend} (timeout {args.timeout:g}s) ...")
         results = launch_local(_rank_entry, world, backend=backend, args=(spec,), timeout=args.timeout)
+    say(f"ranks finished ({time.perf_counter() - start:.1f}s); checking every step against the float64 "
+        f"reference ...")
     check = check_results(spec, results, tolerance)
     print(format_report(spec, launcher, backend, results, check), flush=True)
     return 0 if check.passed else 1

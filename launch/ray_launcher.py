@@ -17,7 +17,7 @@ from typing import Any, Callable, Literal
 
 from parallel import ParallelConfig
 
-from .local import RankError, free_port, pick_primary, torchrun_env
+from .local import RankError, check_timeout, check_world_size, free_port, pick_primary, torchrun_env
 
 
 def _require_ray():
@@ -72,10 +72,13 @@ def launch_on_ray(fn: Callable[..., Any], num_workers: int, *, parallel_config: 
 
     parallel_config: when given, every actor runs `init_parallel(parallel_config)` before fn
     (its world_size must equal num_workers). resources_per_worker: the bundle of one rank,
-    default {"CPU": 1} (add "GPU": 1 for one GPU per actor; backend then defaults to nccl).
+    default {"CPU": 1} (add "GPU": 1 for one GPU per actor; backend then defaults to nccl;
+    fractions such as {"CPU": 0.5} share a core). A job that the cluster's resources cannot hold
+    is refused at once (ValueError saying what to pass) instead of waiting for startup_timeout.
     """
-    if num_workers < 1:
-        raise ValueError(f"num_workers must be >= 1, got {num_workers}")
+    check_world_size(num_workers, "num_workers")
+    timeout = check_timeout(timeout)
+    startup_timeout = check_timeout(startup_timeout, "startup_timeout")
     if placement not in ("pack", "spread"):
         raise ValueError(f"placement must be 'pack' or 'spread', got {placement!r}")
     if parallel_config is not None and parallel_config.world_size != num_workers:
@@ -89,10 +92,15 @@ def launch_on_ray(fn: Callable[..., Any], num_workers: int, *, parallel_config: 
         backend = "nccl" if bundle.get("GPU", 0) > 0 else "gloo"
     if not ray.is_initialized():
         ray.init(address=address, include_dashboard=False, log_to_driver=True, **(ray_init_kwargs or {}))
+    check_resources(ray.cluster_resources(), bundle, num_workers)
     pg = placement_group([bundle] * num_workers, strategy=placement.upper())
     actors: list = []
     try:
-        ready, _ = ray.wait([pg.ready()], timeout=startup_timeout)
+        ready, _ = ray.wait([pg.ready()], timeout=min(5.0, startup_timeout))
+        if not ready and startup_timeout > 5.0:
+            print(f"launch_on_ray: waiting up to {startup_timeout:.0f}s for Ray to reserve {num_workers} x {bundle} "
+                  f"(available now: {ray.available_resources()})", file=sys.stderr, flush=True)
+            ready, _ = ray.wait([pg.ready()], timeout=startup_timeout - 5.0)
         if not ready:
             raise RankError(f"Ray could not reserve {num_workers} x {bundle} within {startup_timeout:.0f}s "
                             f"(cluster resources: {ray.cluster_resources()})")
@@ -135,6 +143,26 @@ def launch_on_ray(fn: Callable[..., Any], num_workers: int, *, parallel_config: 
             remove_placement_group(pg)
         except Exception:
             pass
+
+
+def check_resources(cluster: dict[str, float], bundle: dict[str, float], num_workers: int) -> None:
+    """Refuse a job larger than the whole cluster, saying what would fit."""
+    short = {k: (v * num_workers, cluster.get(k, 0.0)) for k, v in bundle.items() if v * num_workers > cluster.get(k, 0.0)}
+    if not short:
+        return
+    need = ", ".join(f"{k}: {n:g} needed, {h:g} in the cluster" for k, (n, h) in short.items())
+    missing = [k for k, (_, h) in short.items() if h == 0]
+    if missing:
+        hint = f"the cluster has no {', '.join(missing)}: drop it from resources_per_worker or use a cluster that has it"
+    elif "GPU" in short:    # one GPU per rank: fewer workers, not fractions
+        hint = f"use at most {int(short['GPU'][1] // bundle['GPU'])} workers (one GPU each)"
+    else:
+        fit = {k: (v if k not in short else int(h / num_workers * 100) / 100)
+               for k, v, h in ((k, v, short.get(k, (0, 0))[1]) for k, v in bundle.items())}
+        hint = (f"pass resources_per_worker={fit} (fractions share a core), or start Ray with more "
+                f"(ray.init(num_cpus=...))")
+    raise ValueError(f"launch_on_ray: {num_workers} workers x resources_per_worker={bundle} do not fit in this Ray "
+                     f"cluster ({need}; cluster resources: {cluster}): {hint}")
 
 
 def _get_all(ray, refs: list, timeout: float, what: str) -> list[Any]:

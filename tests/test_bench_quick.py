@@ -1,4 +1,6 @@
-"""Every `megapar bench` suite runs at a tiny size on CPU and writes its result files."""
+"""Every `megapar bench` suite runs at a tiny size on CPU and writes its result files; results go
+only into the output folder, the summary only when asked, reduced sizes are tagged -quick, the
+console shows aligned tables, and the speedup plot's bars mean something."""
 
 from __future__ import annotations
 
@@ -38,3 +40,104 @@ def test_plot_writes_a_png_for_gemm_roofline_and_for_speedups(tmp_path):
         path.write_text(json.dumps({"suite": suite, "device": "h200", "rows": rows}))
         png = plot_results(path)
         assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 5000
+
+
+# ---------------------------------------------------------------- where results go, and how they look
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def _files(root: Path) -> list[str]:
+    return sorted(p.relative_to(root).as_posix() for p in root.rglob("*") if p.is_file())
+
+
+def test_bench_without_out_writes_only_its_output_folder(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("MEGAPAR_BENCH_DIR", raising=False)
+    assert cli_main(["bench", "route", "--quick", "--device", "cpu"]) == 0
+    assert _files(tmp_path) == ["megapar-bench/route-cpu-quick.json", "megapar-bench/route-cpu-quick.md"]
+    out = capsys.readouterr().out
+    # an aligned table, not key=value lines: every table line starts its time_us column at the same place
+    header = next(ln for ln in out.splitlines() if ln.startswith("case ") and "time_us" in ln)
+    assert "time_us=" not in out and "case=" not in out
+    rows = json.loads((tmp_path / "megapar-bench/route-cpu-quick.json").read_text())["rows"]
+    body = out[out.index(header):].splitlines()[2:2 + len(rows)]
+    col = header.index("time_us") + len("time_us")              # numbers right-aligned under the header
+    assert len(body) == len(rows) and all(ln[col - 1] != " " and ln[col] == " " for ln in body), (header, body)
+
+
+def test_bench_summary_only_when_asked(tmp_path):
+    out = tmp_path / "res"
+    assert cli_main(["bench", "route", "--quick", "--device", "cpu", "--out", str(out)]) == 0
+    assert not (out / "BENCHMARKS.md").exists()
+    assert cli_main(["bench", "--out", str(out), "--summary"]) == 0          # no suite: the summary alone
+    text = (out / "BENCHMARKS.md").read_text()
+    rows = json.loads((out / "route-cpu-quick.json").read_text())["rows"]
+    assert "## route on cpu-quick ([route-cpu-quick.json](route-cpu-quick.json))" in text
+    assert f"| {rows[0]['case']} | {rows[0]['time_us']} |" in text
+    elsewhere = tmp_path / "docs" / "SUMMARY.md"
+    assert cli_main(["bench", "--out", str(out), "--summary", str(elsewhere)]) == 0
+    assert "(../res/route-cpu-quick.json)" in elsewhere.read_text()
+
+
+def test_reduced_sizes_without_quick_are_labelled_quick(tmp_path, monkeypatch):
+    from launch.bench import gemm
+    from launch.bench.common import BenchContext, write_results
+
+    sizes = []
+    monkeypatch.setattr(gemm, "_weights", lambda ctx, e, n, k, seed: {"shape": (e, n, k)})
+    monkeypatch.setattr(gemm, "Case", lambda ctx, shape, g, tok, w: (shape, tok, w["shape"]))
+    monkeypatch.setattr(gemm, "_run_case", lambda ctx, c, fn: (sizes.append(c), ctx.record(str(c), 1.0)))
+    ctx = BenchContext(suite="gemm", device=torch.device("cpu"), quick=False)
+    gemm.run(ctx)
+    assert sizes and all(shape == "tiny" for shape, _, _ in sizes)     # CPU has no full size
+    path = write_results(ctx, tmp_path, "megapar bench gemm --device cpu")
+    assert path.name == "gemm-cpu-quick.json"
+    assert any("results tagged -quick" in n for n in json.loads(path.read_text())["notes"])
+    full = BenchContext(suite="x", device=torch.device("cpu"))
+    full.record("a", 1.0)
+    assert write_results(full, tmp_path).name == "x-cpu.json"
+
+
+def test_gemm_quick_without_triton_runs_the_rows_it_can(tmp_path):
+    hide = tmp_path / "hide" / "triton"
+    hide.mkdir(parents=True)
+    (hide / "__init__.py").write_text("raise ImportError('triton is hidden by the test')\n")
+    env = dict(os.environ, PYTHONPATH=f"{hide.parent}{os.pathsep}{REPO}", TRITON_INTERPRET="1")
+    proc = subprocess.run([sys.executable, "-m", "launch.cli", "bench", "gemm", "--quick", "--device", "cpu",
+                           "--out", str(tmp_path / "out")], capture_output=True, text=True, timeout=300, env=env,
+                          cwd=tmp_path)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    rows = json.loads((tmp_path / "out" / "gemm-cpu-quick.json").read_text())["rows"]
+    assert {r["impl"] for r in rows} == {"torch", "torch_grouped_mm"} and all(r["rel_err"] < 1e-2 for r in rows)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message without CUDA")
+def test_bench_device_cuda_without_cuda_is_one_line(capsys):
+    assert cli_main(["bench", "route", "--quick", "--device", "cuda"]) == 2
+    err = capsys.readouterr().err
+    assert err.strip() == ("megapar bench: --device cuda but CUDA is not available here "
+                           "(torch.cuda.is_available() is False); use --device cpu")
+
+
+def test_speedup_bars_start_at_parity_and_show_their_values():
+    pytest.importorskip("matplotlib")
+    from launch.bench.plot import speedup_figure
+
+    long = "a case label that is much longer than seventy characters, so the old plot cut it off"
+    rows = [{"case": long, "speedup_vs_anchor": 4.0}, {"case": "slow", "speedup_vs_anchor": 0.5},
+            {"case": "no anchor", "time_us": 1.0}]
+    fig = speedup_figure(rows, "t")
+    ax = fig.axes[0]
+    spans = sorted((round(min(b.get_x(), b.get_x() + b.get_width()), 6), round(max(b.get_x(), b.get_x() + b.get_width()), 6))
+                   for b in ax.patches)
+    assert spans == [(0.5, 1.0), (1.0, 4.0)]
+    assert {t.get_text() for t in ax.texts} == {"4.00x", "0.50x"}
+    labels = [t.get_text().replace("\n", " ") for t in ax.get_yticklabels()]
+    assert labels == [long, "slow"]

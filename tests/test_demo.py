@@ -13,6 +13,7 @@ from launch.demo import main
 
 
 def _run(capsys, *argv: str) -> tuple[int, str]:
+    """capsys, or capfd to see what the rank processes print too."""
     code = main(list(argv))
     captured = capsys.readouterr()
     return code, captured.out + captured.err
@@ -49,18 +50,32 @@ def test_demo_sequence_parallel_with_ubatch_and_eplb_passes(capsys):
     assert "PASS: max error" in out
 
 
-def test_demo_fails_when_one_rank_holds_a_corrupted_weight(capsys):
-    code, out = _run(capsys, "--world-size", "2", "--pcp", "2", "--dcp", "2", "--new-tokens", "2",
+def test_demo_fails_when_one_rank_holds_a_corrupted_weight(capfd):
+    code, out = _run(capfd, "--world-size", "2", "--pcp", "2", "--dcp", "2", "--new-tokens", "2",
                      "--corrupt-rank", "1")
     assert code == 1, out
     assert "CORRUPTED weight on rank 1" in out
     assert "FAIL: max error" in out and "PASS" not in out
+    # the phases were shown as they happened (rank 0 prints them), before the report
+    marks = ["starting 2 local processes", "rank 0: started", "rank 0: prefill done", "rank 0: decode step 1/2",
+             "rank 0: decode step 2/2", "ranks finished", "megapar demo: 2 rank(s)"]
+    at = [out.find(m) for m in marks]
+    assert -1 not in at and at == sorted(at), list(zip(marks, at))
+
+
+def test_demo_timeout_is_one_message_not_a_traceback(capsys):
+    code, out = _run(capsys, "--world-size", "2", "--pcp", "2", "--dcp", "2", "--timeout", "1")
+    assert code == 3, out
+    assert "megapar demo: the job failed: timed out after 1s waiting for ranks [0, 1]" in out
+    assert "Traceback" not in out and "During handling" not in out
 
 
 def test_demo_world1_runs_in_process(capsys):
     code, out = _run(capsys, "--world-size", "1", "--quant", "fp8_block", "--new-tokens", "2", "--layers", "1")
     assert code == 0, out
     assert "attn.local" in out and "attn.paged" in out and "PASS" in out
+    for line in ("rank 0: prefill done", "rank 0: decode step 1/2", "rank 0: decode step 2/2", "ranks finished"):
+        assert f"megapar demo: {line}" in out, line
 
 
 @pytest.mark.parametrize("argv, message", [
@@ -68,6 +83,8 @@ def test_demo_world1_runs_in_process(capsys):
     (["--world-size", "4", "--prompt-len", "6"], "multiple of 2 * pcp"),
     (["--world-size", "3", "--experts", "8"], "multiple of ep"),
     (["--launcher", "torchrun"], "torchrun environment"),
+    (["--timeout", "0"], "--timeout must be > 0 seconds, got 0"),
+    (["--timeout", "-5"], "--timeout must be > 0 seconds, got -5"),
 ])
 def test_demo_rejects_bad_arguments_before_starting(capsys, argv, message):
     code, out = _run(capsys, *argv)

@@ -1,18 +1,24 @@
-"""Launchers: torchrun entry, Ray actors, the CLI's layout and env commands."""
+"""Launchers: torchrun entry, Ray actors, the CLI's layout and env commands, and launch_local
+under injected faults (gloo): the root-cause rank is named, a hang names the ranks outside the
+collective, ranks die with their parent, and bad arguments are refused before anything starts."""
 
 from __future__ import annotations
 
+import math
+import multiprocessing as mp
 import os
 import re
+import signal
 import subprocess
 import sys
+import textwrap
 import time
 
 import pytest
 import torch
 
 from launch.cli import main as cli_main
-from launch.local import RankError, free_port
+from launch.local import RankError, free_port, launch_local
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -55,6 +61,167 @@ def test_torchrun_two_processes(tmp_path):
     lines = sorted(re.findall(r"RESULT rank=\d tp_rank=\d sum=[\d.]+", proc.stdout))
     assert lines == ["RESULT rank=0 tp_rank=0 sum=3.0", "RESULT rank=1 tp_rank=1 sum=3.0"]
     assert "terminate called" not in proc.stderr
+
+
+# ---------------------------------------------------------------- launch_local under faults
+def _fault(rank: int, mode: str, faulty: int):
+    """All ranks meet in one all_reduce; then `faulty` misbehaves while the others enter a second."""
+    import torch.distributed as dist
+
+    from parallel import ParallelConfig, init_parallel
+
+    init_parallel(ParallelConfig(world_size=int(os.environ["WORLD_SIZE"])))
+    t = torch.ones(1)
+    dist.all_reduce(t)
+    if rank == faulty:
+        if mode == "exit0":
+            os._exit(0)        # leaves in the middle of the job with a "success" code
+        if mode == "hang":
+            time.sleep(1000)   # never reaches the collective below
+    dist.all_reduce(t)
+    return t.item()
+
+
+def _no_stray_ranks() -> list:
+    time.sleep(0.2)
+    return [p for p in mp.active_children() if p.name.startswith("megapar-rank")]
+
+
+@pytest.mark.parametrize("world, faulty", [(3, 1), (2, 0)])
+def test_launch_local_blames_the_rank_that_exited_with_code_0(world, faulty):
+    t0 = time.monotonic()
+    with pytest.raises(RankError) as err:
+        launch_local(_fault, world, args=("exit0", faulty), timeout=60)
+    assert err.value.rank == faulty, str(err.value)[:2000]
+    assert f"rank {faulty} exited with code 0 before returning a result" in str(err.value)
+    assert time.monotonic() - t0 < 20
+    assert _no_stray_ranks() == []
+
+
+def test_launch_local_timeout_names_the_rank_that_never_reached_the_collective():
+    t0 = time.monotonic()
+    with pytest.raises(RankError) as err:
+        launch_local(_fault, 3, args=("hang", 1), timeout=12)   # start-up takes seconds on a busy box
+    msg = str(err.value)
+    assert time.monotonic() - t0 < 25
+    assert "timed out after 12s" in msg
+    assert err.value.rank == 1, msg[:3000]
+    assert "ranks [1] never reached the collective that ranks [0, 2] wait in (all_reduce" in msg, msg[:3000]
+    assert "--- rank 1 stack" in msg and "in _fault" in msg          # where it hangs, from its own stack
+    assert sorted(err.value.stacks) == [0, 1, 2] and "all_reduce" in err.value.stacks[0]
+    assert _no_stray_ranks() == []
+
+
+def _ok(rank: int) -> int:
+    return rank * 10
+
+
+def _nested_fn():
+    def inner(rank):
+        return rank
+    return inner
+
+
+@pytest.mark.parametrize("kwargs, needle", [
+    (dict(timeout=0), "timeout must be a number of seconds > 0"),
+    (dict(timeout=-1), "got -1"),
+    (dict(timeout="5"), "got '5'"),
+    (dict(timeout=math.nan), "got nan"),
+    (dict(world_size="2"), "world_size must be an int >= 1, got '2'"),
+    (dict(fn=lambda rank: rank), "fn is a lambda"),
+    (dict(fn=_nested_fn()), "is defined inside a function"),
+    (dict(fn=_ok, args=(lambda: 0,)), "args must be picklable"),
+])
+def test_launch_local_refuses_bad_arguments_before_starting(kwargs, needle):
+    call = dict(fn=_ok, world_size=2, timeout=30) | kwargs
+    with pytest.raises(ValueError, match="module-level function|timeout|world_size|picklable") as err:
+        launch_local(call.pop("fn"), call.pop("world_size"), **call)
+    assert needle in str(err.value)
+    assert _no_stray_ranks() == []
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message without CUDA")
+def test_launch_local_nccl_without_cuda_is_a_clear_error():
+    with pytest.raises(ValueError, match="backend='nccl' needs CUDA"):
+        launch_local(_ok, 2, backend="nccl")
+
+
+def _script_env() -> dict[str, str]:
+    env = dict(os.environ, PYTHONPATH=REPO)
+    for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(k, None)
+    return env
+
+
+@pytest.mark.parametrize("how", ["python -c", "no main guard"])
+def test_launch_local_from_a_script_the_ranks_cannot_import_is_one_message(how, tmp_path):
+    code = textwrap.dedent("""
+        from launch import launch_local
+        def fn(rank):
+            return rank
+        print(launch_local(fn, 2, timeout=30))
+    """)
+    args = [sys.executable, "-c", code] if how == "python -c" else [sys.executable, str(tmp_path / "job.py")]
+    (tmp_path / "job.py").write_text(code)
+    proc = subprocess.run(args, capture_output=True, text=True, timeout=60, env=_script_env(), cwd=tmp_path)
+    assert proc.returncode == 1
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last.startswith("ValueError: launch_")
+    needle = "__main__ of `python -c`" if how == "python -c" else 'without an `if __name__ == "__main__":` guard'
+    assert needle in last, proc.stderr[-2000:]
+    assert len(proc.stderr.splitlines()) < 15, proc.stderr      # one traceback, not one per rank
+    assert "bootstrapping phase" not in proc.stderr
+
+
+_PARENT_SCRIPT = """
+import os, sys, time
+from launch import launch_local
+
+def fn(rank, folder):
+    open(os.path.join(folder, f"{rank}.pid"), "w").write(str(os.getpid()))
+    time.sleep(1000)
+
+if __name__ == "__main__":
+    launch_local(fn, 2, args=(sys.argv[1],), timeout=300)
+"""
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"     # a zombie is dead
+    except FileNotFoundError:
+        return False
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL])
+def test_ranks_die_with_their_parent(sig, tmp_path):
+    (tmp_path / "job.py").write_text(_PARENT_SCRIPT)
+    parent = subprocess.Popen([sys.executable, str(tmp_path / "job.py"), str(tmp_path)], env=_script_env(),
+                              cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 60
+        while len(list(tmp_path.glob("*.pid"))) < 2:
+            assert time.monotonic() < deadline and parent.poll() is None, "the ranks did not start"
+            time.sleep(0.2)
+        time.sleep(0.2)
+        pids = [int(p.read_text()) for p in tmp_path.glob("*.pid")]
+        assert all(_alive(pid) for pid in pids)
+        parent.send_signal(sig)
+        parent.wait(10)
+        deadline = time.monotonic() + 5
+        while any(_alive(pid) for pid in pids) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert [pid for pid in pids if _alive(pid)] == []
+    finally:
+        if parent.poll() is None:
+            parent.kill()
+        for p in tmp_path.glob("*.pid"):
+            try:
+                os.kill(int(p.read_text()), signal.SIGKILL)
+            except (ProcessLookupError, ValueError):
+                pass
 
 
 # ---------------------------------------------------------------- Ray
@@ -112,3 +279,20 @@ def test_launch_on_ray_runs_and_fails_fast(ray_cluster):
     assert ray_cluster.available_resources().get("CPU", 0) == 2
     alive = [a for a in ray_state.actors().values() if a.get("State") == "ALIVE"]
     assert alive == []
+
+
+def test_launch_on_ray_refuses_at_once_what_the_cluster_cannot_hold(ray_cluster):
+    from launch import launch_on_ray
+    from parallel import ParallelConfig
+
+    t0 = time.monotonic()
+    with pytest.raises(ValueError) as err:      # 4 x 1 CPU on a 2-CPU cluster
+        launch_on_ray(_ray_job, 4, parallel_config=ParallelConfig(world_size=4), args=("ok",))
+    assert time.monotonic() - t0 < 5
+    assert "CPU: 4 needed, 2 in the cluster" in str(err.value)
+    assert "pass resources_per_worker={'CPU': 0.5}" in str(err.value)
+    with pytest.raises(ValueError, match="the cluster has no GPU"):
+        launch_on_ray(_ray_job, 2, resources_per_worker={"CPU": 1, "GPU": 1})
+    for kwargs in (dict(timeout=0), dict(startup_timeout=-1), dict(timeout="5")):
+        with pytest.raises(ValueError, match="must be a number of seconds > 0"):
+            launch_on_ray(_ray_job, 2, **kwargs)

@@ -2,8 +2,10 @@
 
 A suite is a module `launch.bench.<name>` with `run(ctx: BenchContext) -> None`. It times
 our code and its anchor in the same run (`ctx.time_fn`) and records one row per case
-(`ctx.record`). The runner writes `bench/results/<suite>-<device>.json` and `.md` with the
-command line, versions and device. Times are medians in microseconds.
+(`ctx.record`). The runner writes `<out>/<suite>-<device>[-quick].json` and `.md` with the
+command line, versions and device, and prints the rows as an aligned table. Times are medians
+in microseconds. A run at reduced sizes (`--quick`, or a suite that has no full size on this
+device: `ctx.label_quick`) is tagged `-quick`.
 """
 
 from __future__ import annotations
@@ -43,6 +45,19 @@ class BenchContext:
     rows: list[dict[str, Any]] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
     options: dict[str, Any] = field(default_factory=dict)
+    sizes_quick: bool = False
+    """the suite ran reduced sizes without --quick (no full size on this device)"""
+
+    @property
+    def tag(self) -> str:
+        """'h200', 'cpu-quick', ...: the device, and '-quick' for reduced sizes."""
+        return device_tag(self.device) + ("-quick" if self.quick or self.sizes_quick else "")
+
+    def label_quick(self, why: str) -> None:
+        """Mark the results as reduced sizes (tagged -quick) although --quick was not given."""
+        if not self.quick and not self.sizes_quick:
+            self.sizes_quick = True
+            self.note(f"reduced sizes ({why}): results tagged -quick")
 
     @property
     def is_cuda(self) -> bool:
@@ -92,7 +107,7 @@ class BenchContext:
         for k, v in extra.items():
             row[k] = round(v, 4) if isinstance(v, float) else v
         self.rows.append(row)
-        print("  " + "  ".join(f"{k}={v}" for k, v in row.items()), flush=True)
+        print("  " + progress_line(row), flush=True)
         return row
 
     @contextlib.contextmanager
@@ -111,7 +126,7 @@ class BenchContext:
         print(f"  note: {text}", flush=True)
 
 
-# Measured ceilings of the H200 test machine (ANCHORS.md); used for roofline fractions.
+# Measured ceilings of the H200 test machine; used for roofline fractions.
 H200_COPY_GBPS = 4264.0
 H200_BF16_TFLOPS = 799.0
 H200_FP8_TFLOPS = 1459.0
@@ -120,6 +135,15 @@ H200_FP8_TFLOPS = 1459.0
 def copy_ceiling_gbps(device: torch.device) -> float:
     """Bytes read + written per second that a device-to-device copy reaches (GB/s)."""
     return H200_COPY_GBPS if device.type == "cuda" else 10.0
+
+
+DEFAULT_OUT = "megapar-bench"
+"""the output folder when neither --out nor MEGAPAR_BENCH_DIR is given (the recorded results in
+a checkout's bench/results are written only when asked: --out bench/results)"""
+
+
+def default_out_dir() -> Path:
+    return Path(os.environ.get("MEGAPAR_BENCH_DIR") or DEFAULT_OUT)
 
 
 def versions() -> dict[str, str]:
@@ -135,18 +159,57 @@ def versions() -> dict[str, str]:
     return out
 
 
+MAIN_COLUMNS = ("case", "time_us", "anchor", "anchor_us", "speedup_vs_anchor", "floor_us", "roofline_fraction")
+
+
+def columns(rows: list[dict[str, Any]], *, extra: int | None = None) -> list[str]:
+    """The main columns that occur, then the suite's own (at most `extra` of them; None: all)."""
+    cols = [c for c in MAIN_COLUMNS if any(c in r for r in rows)]
+    more: list[str] = []
+    for r in rows:
+        for k in r:
+            if k not in MAIN_COLUMNS and k not in more:
+                more.append(k)
+    return cols + (more if extra is None else more[:extra])
+
+
+def _cell(v: Any) -> str:
+    if v is None:
+        return ""
+    if isinstance(v, float):
+        return f"{v:.0f}" if abs(v) >= 1000 else f"{v:.4g}"
+    return str(v)
+
+
+def format_table(rows: list[dict[str, Any]], cols: list[str], *, markdown: bool = False) -> str:
+    """Rows as a Markdown table, or as aligned text (numbers right-aligned) for the console."""
+    if markdown:   # the recorded values as they are
+        cells = [["" if r.get(c) is None else str(r.get(c)) for c in cols] for r in rows]
+        return "\n".join(["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+                         + ["| " + " | ".join(row) + " |" for row in cells])
+    cells = [[_cell(r.get(c)) for c in cols] for r in rows]
+    width = [max([len(c)] + [len(row[i]) for row in cells]) for i, c in enumerate(cols)]
+    numeric = [all(isinstance(r.get(c), (int, float)) or r.get(c) is None for r in rows) for c in cols]
+    fmt = lambda row: "  ".join(v.rjust(w) if num else v.ljust(w)    # noqa: E731
+                                for v, w, num in zip(row, width, numeric)).rstrip()
+    return "\n".join([fmt(cols), fmt(["-" * w for w in width])] + [fmt(row) for row in cells])
+
+
+def progress_line(row: dict[str, Any]) -> str:
+    """One short line per recorded case while a suite runs (the full table comes at the end)."""
+    parts = [f"{str(row.get('case', '')):<44}", f"{_cell(row.get('time_us')):>10} us"]
+    if row.get("anchor_us") is not None:
+        parts.append(f"anchor {_cell(row['anchor_us']):>10} us")
+    if row.get("speedup_vs_anchor") is not None:
+        parts.append(f"x{_cell(row['speedup_vs_anchor'])}")
+    return "  ".join(parts)
+
+
 def _markdown(ctx: BenchContext, command: str) -> str:
-    cols: list[str] = []
-    for row in ctx.rows:
-        for k in row:
-            if k not in cols:
-                cols.append(k)
-    lines = [f"# bench {ctx.suite} on {device_tag(ctx.device)}", "", f"Command: `{command}`", ""]
+    cols = columns(ctx.rows)
+    lines = [f"# bench {ctx.suite} on {ctx.tag}", "", f"Command: `{command}`", ""]
     if cols:
-        lines.append("| " + " | ".join(cols) + " |")
-        lines.append("|" + "---|" * len(cols))
-        for row in ctx.rows:
-            lines.append("| " + " | ".join(str(row.get(c, "")) for c in cols) + " |")
+        lines.append(format_table(ctx.rows, cols, markdown=True))
     if ctx.notes:
         lines += ["", "Notes:"] + [f"- {n}" for n in ctx.notes]
     return "\n".join(lines) + "\n"
@@ -154,11 +217,11 @@ def _markdown(ctx: BenchContext, command: str) -> str:
 
 def write_results(ctx: BenchContext, out_dir: str | os.PathLike | None = None,
                   command: str | None = None) -> Path:
-    """Write `<suite>-<device>.json` and `.md`; return the JSON path."""
-    out = Path(out_dir or os.environ.get("MEGAPAR_BENCH_DIR", "bench/results"))
+    """Write `<suite>-<tag>.json` and `.md` into the output folder; return the JSON path."""
+    out = Path(out_dir or default_out_dir())
     out.mkdir(parents=True, exist_ok=True)
     command = command or "megapar " + " ".join(sys.argv[1:])
-    tag = device_tag(ctx.device) + ("-quick" if ctx.quick else "")
+    tag = ctx.tag
     payload = {
         "suite": ctx.suite,
         "command": command,

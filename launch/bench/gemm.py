@@ -133,11 +133,12 @@ class Case:
 
 def _weights(ctx: BenchContext, E: int, N: int, K: int, seed: int) -> dict[str, Any]:
     from moe.kernels import prepare_weights
-    from moe.kernels.triton_w4a16 import expand_fp4
+    from parallel.impl import triton_importable
 
     q = random_mxfp4(E, N, K, ctx.device, seed)
     pw = prepare_weights(q)
-    if ctx.is_cuda or os.environ.get("TRITON_INTERPRET") == "1":
+    if (ctx.is_cuda or os.environ.get("TRITON_INTERPRET") == "1") and triton_importable():
+        from moe.kernels.triton_w4a16 import expand_fp4
         bf16 = expand_fp4(pw, torch.bfloat16)
         fp8, fp8_scale = expand_fp4(pw, fold="row")
     else:
@@ -166,6 +167,7 @@ def run(ctx: BenchContext) -> None:
         shapes = {"tiny": (4, 256, 128)}
         tokens = (1, 8) if ctx.quick else (1, 8, 64)
         ctx.note("CPU / quick: tiny shapes through the torch reference and torch._grouped_mm (kernels need CUDA)")
+        ctx.label_quick("not the GPU sizes")
     else:
         shapes, tokens = SHAPES, TOKENS
     ctx.note("times: CUDA-graph replays, median; ours include activation quantization and FP4 expansion")

@@ -2,7 +2,7 @@
 
 gemm: the grouped-GEMM roofline per (shape, gemm) panel: time against tokens per expert for our
 kernels, torch bf16 `_grouped_mm`, torch fp8 `_scaled_grouped_mm` and the FP4 floor (log-log).
-Other suites: our time over the anchor's per case (speedup bars), with 1.0 marked.
+Other suites: the speedup over the anchor per case, bars from 1.0 with the values printed.
 """
 
 from __future__ import annotations
@@ -54,20 +54,41 @@ def plot_gemm(rows: list[dict], out: Path, title: str) -> Path:
 
 
 def plot_speedups(rows: list[dict], out: Path, title: str) -> Path:
+    fig = speedup_figure(rows, title)
+    fig.savefig(out, dpi=110)
+    _pyplot().close(fig)
+    return out
+
+
+def speedup_figure(rows: list[dict], title: str):
+    """One bar per case from 1.0 (parity) to its speedup on a log axis, so that a bar's length
+    is the factor won or lost; the value is printed at the bar's end; labels wrap, not clip."""
+    import textwrap
+
     plt = _pyplot()
-    pts = [(r["case"], r["speedup_vs_anchor"]) for r in rows if r.get("speedup_vs_anchor")]
-    fig, ax = plt.subplots(figsize=(8, max(2.5, 0.25 * len(pts))))
-    ax.barh([p[0][:70] for p in pts], [p[1] for p in pts])
+    pts = [(str(r["case"]), float(r["speedup_vs_anchor"])) for r in rows if r.get("speedup_vs_anchor")]
+    labels = ["\n".join(textwrap.wrap(c, 48)) or c for c, _ in pts]
+    lines = sum(label.count("\n") + 1 for label in labels)
+    fig, ax = plt.subplots(figsize=(10, max(2.5, 0.5 + 0.22 * lines + 0.12 * len(pts))))
+    values = [v for _, v in pts]
+    y = list(range(len(pts)))
+    colors = ["tab:green" if v >= 1 else "tab:red" for v in values]
+    ax.barh(y, [v - 1.0 for v in values], left=1.0, color=colors, height=0.6)
     ax.axvline(1.0, color="k", lw=1)
     ax.set_xscale("log")
-    ax.set_xlabel("anchor time / our time")
+    if values:
+        lo, hi = min(values + [1.0]), max(values + [1.0])
+        ax.set_xlim(lo / 1.8, hi * 1.8)   # room for the printed values
+    for yi, v in zip(y, values):
+        ax.text(v * (1.05 if v >= 1 else 1 / 1.05), yi, f"{v:.2f}x", va="center",
+                ha="left" if v >= 1 else "right", fontsize=7)
+    ax.set_yticks(y, labels)
+    ax.set_xlabel("anchor time / our time (log; bars start at 1.0 = parity)")
     ax.invert_yaxis()
-    ax.tick_params(axis="y", labelsize=6)
+    ax.tick_params(axis="y", labelsize=7)
     ax.set_title(title)
     fig.tight_layout()
-    fig.savefig(out, dpi=110)
-    plt.close(fig)
-    return out
+    return fig
 
 
 def plot_results(json_path: str | Path, out: str | Path | None = None) -> Path:
