@@ -80,6 +80,21 @@ def cmd_env(args: argparse.Namespace) -> int:
     width = max(len(r[0]) for r in rows)
     for k, v in rows:
         print(f"{k:<{width}}  {v}")
+    # every op with several implementations: which can run here (for this machine's default device)
+    import moe.kernels.ffn  # noqa: F401  (importing the modules registers their ops)
+    import model.mhc  # noqa: F401
+    import parallel.cp  # noqa: F401
+    import parallel.ep  # noqa: F401
+    import parallel.ep.static  # noqa: F401
+    import parallel.sp  # noqa: F401
+    from parallel import impl
+
+    print(f"\nimplementations ({'cuda' if torch.cuda.is_available() else 'cpu'} tensors; '-' = cannot run here):")
+    for op, usable in impl.report().items():
+        if op.startswith("test."):
+            continue
+        parts = [name if why is None else f"-{name} ({why})" for name, why in usable.items()]
+        print(f"  {op:<18} {'; '.join(parts)}")
     return 0
 
 

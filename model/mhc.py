@@ -128,7 +128,7 @@ def _post_torch(out: torch.Tensor, residual: torch.Tensor, post: torch.Tensor, c
 # ---- backend choice ---------------------------------------------------------------------------
 
 MHC_OP = impl.Op("model.mhc", [
-    impl.Impl("triton", impl.all_of(impl.needs_triton, impl.needs_gpu_tensor_named, impl.forward_only)),
+    impl.Impl("triton", impl.all_of(impl.needs_triton, impl.needs_gpu_tensor, impl.forward_only)),
     impl.Impl("torch"),
 ])
 """The Triton kernels (CUDA, inference; the interpreter when named), then the torch reference."""
@@ -143,8 +143,7 @@ def _use_triton(backend: Backend, *tensors: torch.Tensor) -> bool:
     if tensors[0].numel() == 0:  # no tokens: nothing to launch; the torch path handles empty tensors
         _check_backend(backend)
         return False
-    return MHC_OP.resolve(backend, device=tensors[0].device, needs_grad=impl.grad_needed(*tensors),
-                          named=backend != "auto") == "triton"
+    return MHC_OP.resolve(backend, device=tensors[0].device, needs_grad=impl.grad_needed(*tensors)) == "triton"
 
 
 # ---- public functions -------------------------------------------------------------------------

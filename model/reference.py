@@ -14,7 +14,7 @@ Pieces, each the textbook form:
 - MoE: for every expert, the tokens that picked it, with the expert's weights as the
   distributed model holds them after quantization (`served_expert_weights`); routing is
   sqrt(softplus) scores, top-k of score + bias, weights = unbiased scores renormalized.
-- mHC (SPEC §11) with explicit Sinkhorn loops over [B, L, M, M].
+- mHC (docs/numerics.md §11) with explicit Sinkhorn loops over [B, L, M, M].
 """
 
 from __future__ import annotations
@@ -113,7 +113,7 @@ def _sinkhorn(c: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
 
 def mhc_sublayer(streams: torch.Tensor, state: dict[str, torch.Tensor], cfg: ModelConfig, prefix: str, norm: str,
                  sublayer) -> torch.Tensor:
-    """streams: [B, L, M, H]. One mHC-wrapped sublayer (SPEC §11): pre-mix, norm, f, post-mix."""
+    """streams: [B, L, M, H]. One mHC-wrapped sublayer (docs/numerics.md §11): pre-mix, norm, f, post-mix."""
     b, length, m, hdim = streams.shape
     flat = streams.reshape(b, length, m * hdim)
     mix = (flat @ _w(state, f"{prefix}.fn").T) / torch.sqrt((flat * flat).mean(-1, keepdim=True) + cfg.norm_eps)

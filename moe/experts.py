@@ -9,7 +9,7 @@ rank) as two stacked weights, in one of EXPERT_FORMATS:
 "bf16"/"fp32" keep them as trainable `nn.Parameter`s (gradients flow); "fp8_block",
 "mxfp4" and "nvfp4" keep `QuantizedTensor` storage as buffers (data, scale, global scale;
 nvfp4 with one global scale per expert matrix). `forward(x, counts)` runs the fused expert
-FFN of `moe.kernels` (SPEC §3) on rows grouped by slot:
+FFN of `moe.kernels` (docs/numerics.md §3) on rows grouped by slot:
 
     h = act(x @ W1^T, x @ W3^T);  y = h @ W2^T
     act(g, u) = g' * sigmoid(alpha * g') * (u' + beta),  g' = min(g, L),  u' = clamp(u, -L, L)

@@ -83,7 +83,7 @@ ALLGATHER_MAX_TOKENS = int(os.environ.get("MEGAPAR_ALLGATHER_MAX_TOKENS", "256")
 
 @dataclass(kw_only=True, frozen=True)
 class MoEConfig:
-    """Shape and behaviour of one MoE layer (SPEC §1-3)."""
+    """Shape and behaviour of one MoE layer (docs/numerics.md §1-3)."""
 
     hidden: int
     """model hidden size H"""

@@ -87,8 +87,8 @@ def route(
         _check_hash_ids(input_ids, tid2eid, token_mask)
     if n_group is not None and n_group <= 1:
         n_group = topk_group = None
-    if backend != "torch" and ROUTE.resolve(backend, device=logits.device, needs_grad=impl.grad_needed(logits),
-                                            asked=backend != "auto") == "triton":
+    if backend != "torch" and ROUTE.resolve(backend, device=logits.device,
+                                            needs_grad=impl.grad_needed(logits)) == "triton":
         return _route_triton()(logits, top_k=top_k, scoring=scoring, bias=bias, n_group=n_group,
                                topk_group=topk_group, renormalize=renormalize, scaling=scaling,
                                input_ids=input_ids, tid2eid=tid2eid, token_mask=token_mask)

@@ -61,6 +61,8 @@ class Facts:
     device: torch.device | None = None
     needs_grad: bool = False
     extra: dict[str, Any] = field(default_factory=dict)
+    asked: bool = False
+    """the implementation was asked for by name (not chosen by "auto"); set by `Op.resolve`"""
 
     def __getattr__(self, name: str) -> Any:
         if name.startswith("__"):
@@ -111,17 +113,10 @@ def needs_triton(f: Facts) -> Unusable | None:
 
 
 def needs_gpu_tensor(f: Facts) -> Unusable | None:
-    """CUDA tensors, or any tensors under the Triton interpreter."""
-    if (f.device is not None and f.device.type == "cuda") or interpreting():
-        return None
-    return Unusable(f"needs CUDA tensors (or TRITON_INTERPRET=1), got {f.device}")
-
-
-def needs_gpu_tensor_named(f: Facts) -> Unusable | None:
-    """CUDA tensors; CPU tensors under the Triton interpreter only when the implementation was
-    asked for by name (pass ``named=backend != "auto"`` to `Op.resolve`): tests turn the
-    interpreter on for whole modules, and "auto" must keep CPU work on the torch path there."""
-    if (f.device is not None and f.device.type == "cuda") or (f.named and interpreting()):
+    """CUDA tensors; other tensors under the Triton interpreter only when the implementation was
+    asked for by name: tests turn the interpreter on for whole modules, and "auto" keeps CPU work
+    on the torch path there."""
+    if (f.device is not None and f.device.type == "cuda") or (f.asked and interpreting()):
         return None
     return Unusable(f"needs CUDA tensors (or TRITON_INTERPRET=1 and the implementation asked for by name), "
                     f"got {f.device}")
@@ -134,9 +129,7 @@ def needs_cuda_tensor(f: Facts) -> Unusable | None:
 
 
 def cuda_unless_asked(f: Facts) -> Unusable | None:
-    """CUDA tensors; other tensors only when the implementation is asked for by name (callers pass
-    `asked=backend != "auto"`): "auto" never sends CPU tensors through the Triton interpreter
-    (slow, for tests), while a test naming the backend under TRITON_INTERPRET=1 still can."""
+    """CUDA tensors for "auto"; any tensors when the implementation is asked for by name."""
     if (f.device is not None and f.device.type == "cuda") or f.asked:
         return None
     return Unusable(f"chosen by 'auto' for CUDA tensors only, got {f.device}")
@@ -230,7 +223,10 @@ class Op:
     def resolve(self, requested: str = "auto", *, device: torch.device | str | None = None,
                 needs_grad: bool = False, **facts: Any) -> str:
         """The implementation that runs for `requested` ("auto" or a name) and these facts."""
-        f = Facts(torch.device(device) if isinstance(device, str) else device, needs_grad, facts)
+        facts.pop("asked", None)
+        facts.pop("named", None)
+        f = Facts(torch.device(device) if isinstance(device, str) else device, needs_grad, facts,
+                  asked=requested != "auto")
         if requested != "auto":
             why = self.get(requested).why_not(f)
             if why is not None:

@@ -1,4 +1,4 @@
-"""LSE merging (SPEC §7): torch reference, and the Triton kernel (interpreter here, CUDA on GPU)."""
+"""LSE merging (docs/numerics.md §7): torch reference, and the Triton kernel (interpreter here, CUDA on GPU)."""
 
 from __future__ import annotations
 

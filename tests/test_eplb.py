@@ -1,7 +1,7 @@
 """EPLB algorithm, replica routing, metrics, tracker and single-process state (no processes).
 
 The vectorized `rebalance_experts` is checked against `reference_placement`, a per-layer loop
-over Python lists written straight from SPEC §6, and against invariants and hand-solved cases.
+over Python lists written straight from docs/numerics.md §6, and against invariants and hand-solved cases.
 """
 
 from __future__ import annotations

@@ -55,9 +55,13 @@ def test_forward_only_and_register_order(monkeypatch):
 
 def test_interpreter_is_read_at_call_time(monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "1")
-    assert impl.needs_gpu_tensor(impl.Facts(torch.device("cpu"))) is None
+    assert impl.needs_gpu_tensor(impl.Facts(torch.device("cpu"), asked=True)) is None
+    assert impl.needs_gpu_tensor(impl.Facts(torch.device("cpu"))) is not None  # "auto" keeps CPU on torch
     monkeypatch.setenv("TRITON_INTERPRET", "0")
-    assert impl.needs_gpu_tensor(impl.Facts(torch.device("cpu"))) is not None
+    assert impl.needs_gpu_tensor(impl.Facts(torch.device("cpu"), asked=True)) is not None
+    op = impl.Op("test.op5", [impl.Impl("kernel", impl.needs_gpu_tensor), impl.Impl("torch")])
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert op.resolve("auto", device="cpu") == "torch" and op.resolve("kernel", device="cpu") == "kernel"
 
 
 def test_no_usable_and_report():

@@ -1,7 +1,7 @@
 """`megapar bench ep`: EP dispatch/combine time and bandwidth.
 
 1. Local permute/unpermute (EP = 1, one device): on a GPU at T=4096, H=7168, K=8, E=256 bf16
-   (ANCHORS.md target: >= 60% of the copy ceiling), small sizes on CPU. Rows: the data
+   (docs/performance.md target: >= 60% of the copy ceiling), small sizes on CPU. Rows: the data
    movers alone (Triton on CUDA) against the torch eager movers (anchor) and the copy floor
    ((T + R) * H * 2 bytes, each source row read once, each layout row written once), then
    the whole `dispatch` / `combine` (routing plan + movers + the one host sync).

@@ -1,6 +1,6 @@
 """`megapar bench gemm`: FP4 grouped expert GEMMs of one EP=8 shard against torch's grouped GEMMs.
 
-Shapes (ANCHORS.md): V3 (32 local experts, H=7168, I=2048) and V4-Flash (32, H=4096,
+Shapes (docs/performance.md): V3 (32 local experts, H=7168, I=2048) and V4-Flash (32, H=4096,
 I=2048); L1 = x[M, H] @ W13[E, 2I, H]^T, L2 = h[M, I] @ W2[E, H, I]^T; 1..2048 tokens per
 expert, M = 32 x tokens. Weights are random MXFP4 (random E2M1 codes, block exponents
 spread over 7 values); the anchors use the same values in bf16 and as rowwise FP8.
@@ -257,7 +257,7 @@ def expert_rows_of(c: Case):
 
 
 def _targets(ctx: BenchContext) -> None:
-    """Notes: which ANCHORS.md targets are met, with the numbers."""
+    """Notes: which docs/performance.md targets are met, with the numbers."""
     rows = [r for r in ctx.rows if str(r.get("impl", "")).startswith("triton")]
     for r in rows:
         tok, impl = r["tok_per_expert"], r["impl"]

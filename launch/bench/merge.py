@@ -1,7 +1,7 @@
 """`megapar bench merge`: the LSE merge kernel against the copy ceiling, with the torch anchor.
 
 Cases (full GPU run): N-way merges of bf16 outs `[N, T, H, D]` with fp32 LSEs at the anchor
-shape of ANCHORS.md (N=4, T=8192, H=128, D=128; eager torch 3855 µs there) and neighbours, plus
+shape of docs/performance.md (N=4, T=8192, H=128, D=128; eager torch 3855 µs there) and neighbours, plus
 the ring's in-place two-way merge (fp32 accumulator + bf16 block). Ours is `merge_attn_states`
 (Triton on CUDA); the anchor is the torch reference on the same device; the floor is the bytes
 that must move (N outs + N LSEs read, one out + one LSE written) at the copy ceiling; target

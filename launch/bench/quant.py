@@ -3,7 +3,7 @@
 Inputs (full run): a 117M-element bf16 weight [4, 4096, 7168] (four V3 W13 experts) for
 mxfp4 / nvfp4 / fp8_block, and a 117M-element bf16 activation [16384, 7168] for fp8_token /
 fp8_group. Ours is the Triton backend; the anchor is the torch reference on the same device
-(ANCHORS.md: 22.9 ms for MXFP4 on the H200). The floor is the bytes that must move (input
+(docs/performance.md: 22.9 ms for MXFP4 on the H200). The floor is the bytes that must move (input
 read + data and scales written, or the reverse) at the copy ceiling; target >= 70% of it.
 Each case also checks that the Triton bits equal the reference's. NVFP4 with a computed
 tensor scale reads the input twice (amax pass); its floor counts one read.

@@ -1,8 +1,8 @@
 """`megapar bench route`: the fused Triton routing kernel against the torch eager path.
 
-Presets (SPEC §1-2): V3 (E=256, K=8, sigmoid + bias, 8 groups keep 4, scale 2.5),
+Presets (docs/numerics.md §1-2): V3 (E=256, K=8, sigmoid + bias, 8 groups keep 4, scale 2.5),
 V4-Flash (E=256, K=6, sqrt(softplus) + bias), V4-Pro (E=384, K=6, sqrt(softplus) + bias,
-scale 2.5). fp32 logits. Targets (ANCHORS.md): V4 <= 10 µs and V3 grouped <= 15 µs for
+scale 2.5). fp32 logits. Targets (docs/performance.md): V4 <= 10 µs and V3 grouped <= 15 µs for
 T <= 4096. The floor is the logits read + ids/weights written at the copy ceiling. On CPU only
 the torch path runs (the kernel needs CUDA).
 

@@ -1,6 +1,6 @@
 """`megapar bench sp`: what decomposing the TP collectives costs, and how much of them it hides.
 
-1. Decomposition cost (one device; ANCHORS.md target <= 1.05x). The "decomposed" backend
+1. Decomposition cost (one device; docs/performance.md target <= 1.05x). The "decomposed" backend
    replaces one matmul by P block matmuls. Measured by running the op's own engines
    (`parallel.sp.ops.decomposed_all_gather_matmul` / `decomposed_matmul_reduce_scatter`,
    what `all_gather_matmul` / `matmul_reduce_scatter` call) on a loopback peer set

@@ -236,8 +236,7 @@ def fused_fp4_fits(w: PreparedWeight) -> bool:
 
 def resolve_backend(backend: str, x: torch.Tensor, w: PreparedWeight, rows_per_expert: float) -> str:
     """The backend that `backend` means for these inputs (ValueError for impossible requests)."""
-    return GEMM.resolve(backend, device=x.device, weight=w, rows_per_expert=rows_per_expert,
-                        asked=backend != "auto")
+    return GEMM.resolve(backend, device=x.device, weight=w, rows_per_expert=rows_per_expert)
 
 
 def grouped_gemm(x: torch.Tensor, w: torch.Tensor | QuantizedTensor | PreparedWeight, *,

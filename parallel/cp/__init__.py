@@ -1,11 +1,11 @@
 """Context parallelism: LSE merging, local attention with LSE, ring attention (PCP), DCP decode.
 
 Tensor layout everywhere: `[T, H, D]` (packed tokens) or `[B, T, H, D]`; LSEs `[.., T, H]` fp32.
-- `merge_attn_states` / `merge_two_attn_states`: combine partial attention results (SPEC §7).
+- `merge_attn_states` / `merge_two_attn_states`: combine partial attention results (docs/numerics.md §7).
 - `attention_with_lse`: local attention returning (out, lse), with offset causal masks and GQA.
 - `ring_attention`, `zigzag_shard` / `zigzag_unshard`: PCP prefill over a zigzag-sharded sequence;
   `zigzag_*_varlen` shard packed batches (cu_seqlens) sequence by sequence for `ring_attention(cu_seqlens=)`.
-- `DCPLayout`, `PagedKVCache`, `dcp_kv_insert`, `dcp_decode_attention`: DCP decode (SPEC §8).
+- `DCPLayout`, `PagedKVCache`, `dcp_kv_insert`, `dcp_decode_attention`: DCP decode (docs/numerics.md §8).
 - `ContextParallelAttention`: the module a model layer uses (ring / DCP / plain).
 """
 

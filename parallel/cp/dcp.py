@@ -1,6 +1,6 @@
 """Decode context parallelism (DCP): the KV cache of every sequence is sharded over the DCP ranks.
 
-Layout (SPEC §8, vLLM's): with N ranks, interleave I and block size B, tokens go round-robin in
+Layout (docs/numerics.md §8, vLLM's): with N ranks, interleave I and block size B, tokens go round-robin in
 runs of I (position p lives on rank `(p // I) % N`), and each rank packs its tokens densely into
 its own paged cache. The block table is shared: virtual block `p // (B*N)` (B*N tokens, B per
 rank) maps to the same physical block id on every rank. `DCPLayout` holds these formulas.

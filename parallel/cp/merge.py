@@ -37,7 +37,7 @@ def _kernel_dtypes(f: impl.Facts) -> impl.Unusable | None:
 
 
 MERGE = impl.Op("cp.merge", [
-    impl.Impl("triton", impl.all_of(impl.needs_triton, impl.needs_gpu_tensor_named, impl.forward_only,
+    impl.Impl("triton", impl.all_of(impl.needs_triton, impl.needs_gpu_tensor, impl.forward_only,
                                     _kernel_dtypes)),
     impl.Impl("torch"),
 ])
@@ -57,7 +57,7 @@ def _check_state(out: Tensor, lse: Tensor, what: str) -> None:
 
 def _backend(backend: str, outs: Sequence[Tensor], lses: Sequence[Tensor]) -> str:
     return MERGE.resolve(backend, device=outs[0].device, needs_grad=impl.grad_needed(*outs, *lses),
-                         named=backend != "auto", float_outs=all(t.dtype in _KERNEL_DTYPES for t in outs))
+                         float_outs=all(t.dtype in _KERNEL_DTYPES for t in outs))
 
 
 def combine_lse(lses: Sequence[Tensor], base: Base = "e") -> tuple[Tensor, Tensor, list[Tensor]]:

@@ -64,7 +64,7 @@ BACKENDS = QUANT.names
 
 
 def _pick_backend(backend: str, fmt: str, device: torch.device) -> str:
-    return QUANT.resolve(backend, device=device, fmt=fmt, asked=backend != "auto")
+    return QUANT.resolve(backend, device=device, fmt=fmt)
 
 
 def quantize(x: torch.Tensor, fmt: str, *, backend: str = "auto", **opts) -> QuantizedTensor:

@@ -1,4 +1,4 @@
-"""Sequence parallelism and async tensor parallelism (SPEC.md section 9).
+"""Sequence parallelism and async tensor parallelism (docs/numerics.md §9).
 
 - `sp_shard` / `sp_all_gather` / `sp_reduce_scatter` / `sp_pad`: token shards of the TP
   group, padded so uneven token counts still give every rank the same shard (`shard.py`).
