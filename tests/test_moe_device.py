@@ -295,7 +295,9 @@ def test_device_path_multirank_replicated_and_allgather_match_ep1(world):
 
 # ---- GPU ----------------------------------------------------------------------------------------
 
-gpu = pytest.mark.gpu
+def gpu(fn):
+    """A GPU test: marked `gpu`, skipped without CUDA."""
+    return pytest.mark.gpu(pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")(fn))
 
 
 def _gpu_layer(fmt: str, **kw) -> MoELayer:
@@ -306,8 +308,6 @@ def _gpu_layer(fmt: str, **kw) -> MoELayer:
 @gpu
 @pytest.mark.parametrize("fmt", ["mxfp4", "bf16"])
 def test_gpu_device_path_matches_host_path_and_is_sync_free(fmt):
-    if not torch.cuda.is_available():
-        pytest.skip("needs CUDA")
     torch.manual_seed(0)
     dev = _gpu_layer(fmt, path="device")
     host = _gpu_layer(fmt, path="host")
@@ -329,8 +329,6 @@ def test_gpu_device_path_matches_host_path_and_is_sync_free(fmt):
 
 @gpu
 def test_gpu_graph_capture_replays_eager_results_and_counts():
-    if not torch.cuda.is_available():
-        pytest.skip("needs CUDA")
     from moe.graphs import GraphedMoE
 
     torch.manual_seed(0)
@@ -353,8 +351,6 @@ def test_gpu_graph_capture_replays_eager_results_and_counts():
 
 @gpu
 def test_gpu_plain_cuda_graph_with_eplb_counts_inside():
-    if not torch.cuda.is_available():
-        pytest.skip("needs CUDA")
     from parallel.ep.eplb_state import Eplb, EplbConfig
 
     torch.manual_seed(0)
@@ -378,8 +374,6 @@ def test_gpu_plain_cuda_graph_with_eplb_counts_inside():
 
 @gpu
 def test_gpu_launches_per_forward_are_bounded():
-    if not torch.cuda.is_available():
-        pytest.skip("needs CUDA")
     from torch.profiler import ProfilerActivity, profile
 
     layer = _gpu_layer("mxfp4")
@@ -399,8 +393,6 @@ def test_gpu_launches_per_forward_are_bounded():
 
 @gpu
 def test_gpu_enable_cuda_graphs_serves_eager_calls_with_fresh_results():
-    if not torch.cuda.is_available():
-        pytest.skip("needs CUDA")
     torch.manual_seed(0)
     layer = _gpu_layer("mxfp4")
     xs = [torch.randn(t, 1024, device="cuda", dtype=torch.bfloat16) for t in (1, 3, 8)]
