@@ -154,8 +154,12 @@ def test_gpu_ffn_backends_match_reference(backend, layout):
     else:
         x = torch.randn(sum(counts), H, device="cuda").to(torch.bfloat16)
     rows = expert_rows(x, E, c, None, layout)
+    from moe.kernels.grouped_gemm import resolve_backend
+
+    hint = rows.capacity if layout == "slab" else x.shape[0] / E
     for act in ACTS[:2]:
-        w4a8 = backend == "triton_w4a8"
+        # "auto" takes W4A8 above the fused kernel's rows per expert: then hold it to W4A8's reference
+        w4a8 = backend == "triton_w4a8" or (backend == "auto" and resolve_backend("auto", x, p13, hint) == "triton_w4a8")
         ref = expert_ffn_reference(x, p13, p2, rows, swiglu_limit=act["limit"], alpha=act["alpha"], beta=act["beta"],
                                    act_quant="fp8_token" if w4a8 else None, h_quant="fp8_token" if w4a8 else None)
         torch.full((1 << 26,), float("nan"), device="cuda")   # poison the allocator's free blocks

@@ -152,6 +152,11 @@ def test_gpu_torch_grouped_mm_backend_and_auto():
     x = torch.randn(sum(counts), K, device=DEV).to(torch.bfloat16)
     c = torch.tensor(counts, device=DEV)
     ref = grouped_gemm_reference(x, dequantize_prepared(pw), expert_rows(x, E, c, None, "contiguous"))
+    from moe.kernels.grouped_gemm import resolve_backend
+
+    auto = resolve_backend("auto", x, pw, x.shape[0] / E)
     for backend in ("torch_grouped_mm", "auto", "torch"):
         _poison()
-        assert _rel(grouped_gemm(x, pw, counts=c, backend=backend), ref) < 1e-2, backend
+        # "auto" may choose W4A8 here (many rows per expert): fp8 activations, its own tolerance
+        tol = 3e-2 if backend == "auto" and auto == "triton_w4a8" else 1e-2
+        assert _rel(grouped_gemm(x, pw, counts=c, backend=backend), ref) < tol, (backend, auto)
