@@ -61,7 +61,7 @@ class SafetensorsState(Mapping):
 
     The key -> file index comes from `model.safetensors.index.json` when a directory has one,
     else from each file's header (no tensor data is read for it). `reads` records every key
-    read (a slice read records `key[index]`)."""
+    read (a slice read records `key[index]`, and `slices` the (key, index) pairs)."""
 
     def __init__(self, paths: str | os.PathLike | Sequence[str | os.PathLike]) -> None:
         safe_open = _safe_open()
@@ -80,6 +80,7 @@ class SafetensorsState(Mapping):
                 for k in self._handle(path, safe_open).keys():
                     self._where[k] = path
         self.reads: list[str] = []
+        self.slices: list[tuple[str, Any]] = []  # (key, index) of each slice read
 
     def _handle(self, path: str, safe_open: Any = None) -> Any:
         h = self._handles.get(path)
@@ -96,6 +97,7 @@ class SafetensorsState(Mapping):
         """tensor[index] reading only that part of the file (e.g. one expert of a fused tensor)."""
         path = self._where[key]
         self.reads.append(f"{key}[{index}]")
+        self.slices.append((key, index))
         return self._handle(path).get_slice(key)[index]
 
     def shape(self, key: str) -> list[int]:
