@@ -200,3 +200,46 @@ def test_naming_errors_and_lazy_views():
         layer.load_deepseek(st, prefix="layers.3.ffn.")
     with pytest.raises(ValueError, match="not found"):
         SafetensorsState(["/nonexistent/x.safetensors"])
+
+
+@pytest.mark.gpu
+def test_gpu_v4_flash_shard_loads_in_seconds_with_little_host_memory(tmp_path):
+    """One rank's V4-Flash shard (32 MXFP4 experts, DeepSeek names, one file per expert; the other
+    ranks' experts are absent, so reading one fails) builds and loads on one GPU in seconds, with
+    host memory growing by less than twice the shard; random init on the GPU is quick too."""
+    import resource
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    cfg = MoEConfig.deepseek_v4_flash(expert_format="mxfp4")
+    h, inter, p = cfg.hidden, cfg.inter, "layers.3.ffn."
+    g = torch.Generator().manual_seed(0)
+    shard = 0
+    for e in range(32):
+        part = {}
+        for w, (n, k) in (("w1", (inter, h)), ("w3", (inter, h)), ("w2", (h, inter))):
+            part[f"{p}experts.{e}.{w}.weight"] = torch.randint(0, 256, (n, k // 2), generator=g, dtype=torch.uint8)
+            part[f"{p}experts.{e}.{w}.scale"] = torch.randint(118, 124, (n, k // 32), generator=g, dtype=torch.uint8)
+        shard += sum(t.numel() for t in part.values())
+        safetensors_torch.save_file(part, str(tmp_path / f"expert-{e:03d}.safetensors"))
+        del part
+    dense = {f"{p}gate.weight": torch.randn(256, h) * 0.01, f"{p}gate.bias": torch.zeros(256),
+             **{f"{p}shared_experts.{w}.weight": torch.randn(s, dtype=torch.bfloat16) * 0.01
+                for w, s in (("w1", (inter, h)), ("w3", (inter, h)), ("w2", (h, inter)))}}
+    safetensors_torch.save_file(dense, str(tmp_path / "dense.safetensors"))
+    del dense
+    rss0 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    t0 = time.perf_counter()
+    layer = MoELayer(cfg, _ep_group(0, 8), device="cuda", init="empty")
+    layer.load_safetensors(tmp_path, p)
+    torch.cuda.synchronize()
+    took = time.perf_counter() - t0
+    grew = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - rss0
+    assert took < 20.0, took
+    assert grew < 2 * shard, (grew, shard)
+    assert torch.equal(layer.experts.w2_data[7].cpu(),
+                       SafetensorsState(tmp_path / "expert-007.safetensors")[f"{p}experts.7.w2.weight"])
+    t0 = time.perf_counter()
+    MoELayer(cfg, _ep_group(0, 8), device="cuda")                    # random weights, made on the GPU
+    torch.cuda.synchronize()
+    assert time.perf_counter() - t0 < 20.0
