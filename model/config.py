@@ -76,6 +76,8 @@ class ModelConfig:
     """routed_scaling_factor on the renormalized top-k weights"""
     swiglu_limit: float | None = 10.0
     """clamp of the routed experts' SwiGLU (V4: 10); None = no clamp"""
+    shared_swiglu_limit: float | None = 10.0
+    """clamp of the shared expert's SwiGLU (V4 clamps it like the routed experts); None = no clamp"""
     quant: Quant = "mxfp4"
     """routed expert weight format"""
 
@@ -103,6 +105,20 @@ class ModelConfig:
 
     def to_dict(self) -> dict:
         return asdict(self)
+
+    def moe_config(self, **overrides):
+        """The MoE layers' `moe.MoEConfig` (V4 routing: sqrt(softplus) + bias, no group limit; the
+        values of `MoEConfig.deepseek_v4_flash` at this model's sizes). fp32 activations."""
+        import torch
+
+        from moe.layer import MoEConfig
+
+        return MoEConfig(**{**dict(hidden=self.hidden, inter=self.moe_inter, num_experts=self.experts,
+                                   top_k=self.top_k, scoring=self.scoring, use_bias=True,
+                                   routed_scaling=self.routed_scaling, swiglu_limit=self.swiglu_limit,
+                                   shared_swiglu_limit=self.shared_swiglu_limit,
+                                   num_shared=1 if self.shared_inter else 0, shared_inter=self.shared_inter or None,
+                                   expert_format=self.quant, dtype=torch.float32), **overrides})
 
 
 def _divisors(n: int) -> list[int]:

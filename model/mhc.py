@@ -40,6 +40,7 @@ __all__ = [
     "mhc_pre_broadcast",
     "mhc_head",
     "sinkhorn",
+    "mhc_checkpoint_params",
 ]
 
 Backend = Literal["auto", "torch", "triton"]
@@ -331,3 +332,33 @@ class MHCHead(nn.Module):
         """residual [T, M, H] -> [T, H] (residual dtype)."""
         return mhc_head(residual, self.fn, self.base, self.scale, eps=self.eps, rms_eps=self.rms_eps,
                         backend=self.backend)
+
+
+# ---- checkpoint names -------------------------------------------------------------------------
+
+_MHC_NAMES = {
+    # (naming, sublayer) -> key of (fn, base, scale); {i} is the decoder layer
+    ("deepseek", "attn"): ("layers.{i}.hc_attn_fn", "layers.{i}.hc_attn_base", "layers.{i}.hc_attn_scale"),
+    ("deepseek", "ffn"): ("layers.{i}.hc_ffn_fn", "layers.{i}.hc_ffn_base", "layers.{i}.hc_ffn_scale"),
+    ("deepseek", "head"): ("hc_head_fn", "hc_head_base", "hc_head_scale"),
+    ("hf", "attn"): ("model.layers.{i}.attn_hc.fn", "model.layers.{i}.attn_hc.base", "model.layers.{i}.attn_hc.scale"),
+    ("hf", "ffn"): ("model.layers.{i}.ffn_hc.fn", "model.layers.{i}.ffn_hc.base", "model.layers.{i}.ffn_hc.scale"),
+    ("hf", "head"): ("model.hc_head.hc_fn", "model.hc_head.hc_base", "model.hc_head.hc_scale"),
+}
+
+
+def mhc_checkpoint_params(state, sublayer: Literal["attn", "ffn", "head"], layer: int = 0, *,
+                          naming: Literal["deepseek", "hf"] = "deepseek"
+                          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(fn, base, scale) in fp32 of one mHC from a DeepSeek-V4 checkpoint mapping (a dict or a lazy
+    `moe.loading.SafetensorsState`): DeepSeek's names `layers.{i}.hc_{attn,ffn}_{fn,base,scale}`
+    and `hc_head_{fn,base,scale}`, or HF transformers' `model.layers.{i}.{attn,ffn}_hc.{fn,base,
+    scale}` and `model.hc_head.hc_{fn,base,scale}`. They feed `mhc_pre` / `mhc_head` (or
+    `MHC.fn`, ...); HF's DeepseekV4HyperConnection uses eps = hc_eps, rms_eps = rms_norm_eps."""
+    names = _MHC_NAMES.get((naming, sublayer))
+    if names is None:
+        raise ValueError(f"unknown mHC {naming!r} / {sublayer!r}; valid namings: deepseek, hf; "
+                         f"sublayers: attn, ffn, head")
+    fn, base, scale = (state[k.format(i=layer)].float() for k in names)
+    return fn, base, scale
+

@@ -49,7 +49,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from moe import MoEConfig, MoELayer
+from moe import MoELayer
 from parallel import comm
 from parallel.cp import ContextParallelAttention, PagedKVCache
 from parallel.groups import ParallelGroups
@@ -179,10 +179,7 @@ class MoEBlock(nn.Module):
                  ubatch: UBatchRunner | None, eplb, timer: Timer, device: torch.device) -> None:
         super().__init__()
         self.groups, self.sequence_parallel, self.ubatch, self.timer = groups, sequence_parallel, ubatch, timer
-        moe_cfg = MoEConfig(hidden=cfg.hidden, inter=cfg.moe_inter, num_experts=cfg.experts, top_k=cfg.top_k,
-                            scoring=cfg.scoring, use_bias=True, routed_scaling=cfg.routed_scaling,
-                            swiglu_limit=cfg.swiglu_limit, num_shared=1 if cfg.shared_inter else 0,
-                            shared_inter=cfg.shared_inter or None, expert_format=cfg.quant, dtype=torch.float32)
+        moe_cfg = cfg.moe_config()
         # Micro-batches yield around dispatch/combine only on the plain (one-chunk) path.
         self.moe = MoELayer(moe_cfg, groups.ep, tokens="sequence_parallel", overlap_chunks=1 if ubatch else None,
                             eplb=eplb, layer_index=layer, device=device)

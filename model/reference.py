@@ -99,7 +99,7 @@ def moe(h: torch.Tensor, state: dict[str, torch.Tensor], cfg: ModelConfig, layer
     if cfg.shared_inter:
         q = f"{p}.shared_experts"
         out = out + _swiglu(h, _w(state, f"{q}.w1.weight"), _w(state, f"{q}.w3.weight"), _w(state, f"{q}.w2.weight"),
-                            None)
+                            cfg.shared_swiglu_limit)
     return out
 
 

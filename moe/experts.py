@@ -14,12 +14,19 @@ FFN of `moe.kernels` (docs/numerics.md §3) on rows grouped by slot:
     h = act(x @ W1^T, x @ W3^T);  y = h @ W2^T
     act(g, u) = g' * sigmoid(alpha * g') * (u' + beta),  g' = min(g, L),  u' = clamp(u, -L, L)
 
+Construction (`init=`): "random" (default) draws normal weights and quantizes them on the
+target device, one expert at a time (peak memory: the storage plus one expert's temporaries);
+"empty" allocates the storage only (values undefined until loaded); "meta" allocates nothing
+(tensors on the meta device) and loading materializes the storage on `device`.
+
 Loading (`load_deepseek`) reads DeepSeek checkpoint names relative to the MoE module,
 `experts.{e}.w1/w2/w3.weight`, keeping only the slots' experts: bf16/fp32 tensors (quantized
 here when the format asks), pre-quantized FP4 tensors (`weight` packed uint8 + `weight_scale`
-[+ `weight_scale_2` for NVFP4]) or DeepSeek-V3 FP8 (`weight` e4m3 + `weight_scale_inv`
-128x128). A pre-quantized tensor in another format than the module's is converted by
-`moe.quant.prepare_weight`.
+or `scale` [+ `weight_scale_2` for NVFP4]) or DeepSeek-V3 FP8 (`weight` e4m3 +
+`weight_scale_inv` 128x128). A pre-quantized tensor in another format than the module's is
+converted by `moe.quant.prepare_weight`. The state may be a lazy mapping (`moe.loading`): only
+the slots' keys are read, one expert at a time, each written into its slot of the storage on
+the storage's device (quantized there), so host memory holds one expert at a time.
 """
 
 from __future__ import annotations
@@ -33,11 +40,46 @@ from parallel import impl
 
 from moe.kernels import PreparedWeight, expert_ffn, prepare_weights, swiglu
 from moe.quant import QuantizedTensor, dequantize, load_fp4_checkpoint, prepare_weight, quantize
+from parallel.quant.formats import FP4_FORMATS
+from parallel.quant.reference import expected_storage
 
 EXPERT_FORMATS: tuple[str, ...] = ("bf16", "fp32", "fp8_block", "mxfp4", "nvfp4")
 GATE_UP_LAYOUTS: tuple[str, ...] = ("split", "interleaved")
+INITS: tuple[str, ...] = ("random", "empty", "meta")
 _DENSE = {"bf16": torch.bfloat16, "fp32": torch.float32}
 _QUANT_OPTS = {"nvfp4": {"global_scale": "matrix"}}
+
+
+def _first(state: Mapping[str, torch.Tensor], keys: Sequence[str]) -> torch.Tensor | None:
+    """The first of `keys` present in state (a lazy state reads only that one), else None."""
+    for k in keys:
+        if k in state:
+            return state[k]
+    return None
+
+
+def read_weight(state: Mapping[str, torch.Tensor], key: str) -> torch.Tensor | QuantizedTensor:
+    """`{key}.weight` with its scales as stored in a checkpoint: a float tensor (bf16/fp16/fp32), an
+    fp8_block QuantizedTensor (e4m3 + `weight_scale_inv` / `weight_scale` / `scale`, 128x128 tiles)
+    or an FP4 one (packed + `weight_scale` / `scale` [+ `weight_scale_2`]). KeyError if missing."""
+    weight = state[f"{key}.weight"]
+    if weight.is_floating_point() and weight.element_size() >= 2:
+        return weight
+    if weight.dtype == torch.float8_e4m3fn:
+        scale = _first(state, [f"{key}.weight_scale_inv", f"{key}.weight_scale", f"{key}.scale"])
+        if scale is None:
+            raise KeyError(f"{key}.weight_scale_inv")
+        return QuantizedTensor(weight, scale.float(), "fp8_block", weight.shape)
+    scale = _first(state, [f"{key}.weight_scale", f"{key}.scale"])
+    if scale is None:
+        raise KeyError(f"{key}.weight_scale")
+    return load_fp4_checkpoint(weight, scale, _first(state, [f"{key}.weight_scale_2"]))
+
+
+def read_dense(state: Mapping[str, torch.Tensor], key: str) -> torch.Tensor:
+    """`{key}.weight` as a float tensor (a quantized checkpoint tensor is dequantized, fp32)."""
+    w = read_weight(state, key)
+    return dequantize(w, torch.float32) if isinstance(w, QuantizedTensor) else w
 
 
 def fuse_gate_up(w1: torch.Tensor, w3: torch.Tensor, layout: str) -> torch.Tensor:
@@ -45,15 +87,6 @@ def fuse_gate_up(w1: torch.Tensor, w3: torch.Tensor, layout: str) -> torch.Tenso
     if layout == "split":
         return torch.cat([w1, w3], dim=-2)
     return torch.stack([w1, w3], dim=-2).reshape(*w1.shape[:-2], 2 * w1.shape[-2], w1.shape[-1])
-
-
-def _stack_quantized(parts: list[QuantizedTensor]) -> QuantizedTensor:
-    """[N, K] QuantizedTensors of one format -> one [S, N, K]."""
-    gs = None
-    if parts[0].global_scale is not None:
-        gs = torch.stack([p.global_scale.reshape(()) for p in parts])
-    return QuantizedTensor(torch.stack([p.data for p in parts]), torch.stack([p.scale for p in parts]),
-                           parts[0].fmt, torch.Size((len(parts), *parts[0].shape)), gs)
 
 
 def _fuse_quantized(q1: QuantizedTensor, q3: QuantizedTensor, layout: str) -> QuantizedTensor:
@@ -93,11 +126,15 @@ class Experts(nn.Module):
         device: torch.device | str | None = None,
         backend: str = "auto",
         init_std: float = 0.02,
+        init: Literal["random", "empty", "meta"] = "random",
     ) -> None:
         """num_experts: logical experts of the layer; local_experts: the logical expert of each
-        local slot (default: all of them); backend: `moe.kernels.expert_ffn` backend. Weights start
-        random (normal, `init_std`) until loaded. Activations may be any float dtype."""
+        local slot (default: all of them); backend: `moe.kernels.expert_ffn` backend. init: see
+        the module docstring ("random": normal with `init_std`, made on `device`). Activations
+        may be any float dtype."""
         super().__init__()
+        if init not in INITS:
+            raise ValueError(f"unknown init {init!r}; valid: {', '.join(INITS)}")
         if fmt not in EXPERT_FORMATS:
             raise ValueError(f"unknown expert format {fmt!r}; valid: {', '.join(EXPERT_FORMATS)}")
         if gate_up not in GATE_UP_LAYOUTS:
@@ -114,10 +151,14 @@ class Experts(nn.Module):
         self.swiglu_limit, self.alpha, self.beta = swiglu_limit, alpha, beta
         self._prepared: tuple[PreparedWeight, PreparedWeight] | None = None
         self._prepared_key: tuple | None = None
-        s = len(local)
-        w13 = torch.randn(s, 2 * inter, hidden, device=device) * init_std
-        w2 = torch.randn(s, hidden, inter, device=device) * init_std
-        self._set_weights(w13, w2)
+        self.device = torch.device(device) if device is not None else torch.device("cpu")
+        self._allocate(torch.device("meta") if init == "meta" else self.device)
+        if init == "random":
+            with torch.no_grad():
+                for slot in range(self.num_slots):  # one expert at a time: bounded temporaries
+                    w13 = torch.randn(2 * inter, hidden, device=self.device) * init_std
+                    w2 = torch.randn(hidden, inter, device=self.device) * init_std
+                    self._write_slot(slot, w13, w2)
 
     # ---- storage ------------------------------------------------------------------------
 
@@ -128,6 +169,71 @@ class Experts(nn.Module):
     @property
     def quantized(self) -> bool:
         return self.fmt not in _DENSE
+
+    @property
+    def materialized(self) -> bool:
+        """False while the storage is on the meta device (init="meta", not loaded yet)."""
+        return not self.slot_tensors()[0].is_meta
+
+    def _shapes(self) -> dict[str, torch.Size]:
+        s = self.num_slots
+        return {"w13": torch.Size((s, 2 * self.inter, self.hidden)), "w2": torch.Size((s, self.hidden, self.inter))}
+
+    def _allocate(self, device: torch.device) -> None:
+        """Uninitialized storage of this format for every slot on `device` (meta: none)."""
+        for name, shape in self._shapes().items():
+            if not self.quantized:
+                self.register_parameter(name, nn.Parameter(torch.empty(shape, dtype=_DENSE[self.fmt], device=device)))
+                continue
+            data_shape, scale_shape = expected_storage(self.fmt, shape)
+            fp4 = self.fmt in FP4_FORMATS
+            self.register_buffer(f"{name}_data", torch.empty(data_shape, device=device,
+                                                             dtype=torch.uint8 if fp4 else torch.float8_e4m3fn))
+            self.register_buffer(f"{name}_scale", torch.empty(scale_shape, device=device,
+                                                              dtype=torch.uint8 if fp4 else torch.float32))
+            gs = torch.empty(shape[0], dtype=torch.float32, device=device) if self.fmt == "nvfp4" else None
+            self.register_buffer(f"{name}_global_scale", gs)
+            setattr(self, f"_{name}_shape", shape)
+
+    def materialize(self, device: torch.device | str | None = None) -> None:
+        """Meta storage -> uninitialized storage on `device` (default: the construction device)."""
+        if not self.materialized:
+            self.device = torch.device(device) if device is not None else self.device
+            self._allocate(self.device)
+
+    def _slot_value(self, name: str, w: torch.Tensor | QuantizedTensor, device: torch.device
+                    ) -> torch.Tensor | QuantizedTensor:
+        """One expert's w13 [2I, H] or w2 [H, I] in this module's storage format, on `device`."""
+        if not self.quantized:
+            w = dequantize(w.to(device), torch.float32) if isinstance(w, QuantizedTensor) else w
+            return w.to(device=device, dtype=_DENSE[self.fmt])
+        if isinstance(w, QuantizedTensor):
+            w = self._convert(w.to(device))
+        else:  # quantized here, on the storage's device (Triton on CUDA)
+            w = quantize(w.to(device).float(), self.fmt, **_QUANT_OPTS.get(self.fmt, {}))
+        if w.fmt != self.fmt:
+            raise ValueError(f"{name} is {w.fmt}; this Experts module holds {self.fmt}")
+        return w
+
+    def _write_slot(self, slot: int, w13: torch.Tensor | QuantizedTensor, w2: torch.Tensor | QuantizedTensor) -> None:
+        """Write one expert's w13 [2I, H] and w2 [H, I] (float or QuantizedTensor) into `slot`."""
+        shapes = self._shapes()
+        for name, w in (("w13", w13), ("w2", w2)):
+            want = tuple(shapes[name][1:])
+            if tuple(w.shape) != want:
+                raise ValueError(f"{name} of slot {slot} has shape {tuple(w.shape)}; expected {want}")
+            if not self.quantized:
+                param = getattr(self, name)
+                with torch.no_grad():
+                    param[slot].copy_(self._slot_value(name, w, param.device))
+                continue
+            data = getattr(self, f"{name}_data")
+            q = self._slot_value(name, w, data.device)
+            data[slot].copy_(q.data.view(data.dtype))
+            getattr(self, f"{name}_scale")[slot].copy_(q.scale)
+            gs = getattr(self, f"{name}_global_scale")
+            if gs is not None:
+                gs[slot].copy_(q.global_scale.reshape(()))
 
     def _set_weights(self, w13: torch.Tensor | QuantizedTensor, w2: torch.Tensor | QuantizedTensor) -> None:
         """w13 [S, 2I, H], w2 [S, H, I]: float (quantized here if needed) or QuantizedTensor in self.fmt."""
@@ -178,10 +284,11 @@ class Experts(nn.Module):
     # ---- loading ------------------------------------------------------------------------
 
     def load_deepseek(self, state: Mapping[str, torch.Tensor], prefix: str = "experts.") -> None:
-        """Load the slots' experts from DeepSeek-named tensors `{prefix}{e}.w{1,2,3}.weight` (+ scales).
-        Missing experts raise KeyError naming the first missing key."""
-        w13_parts, w2_parts = [], []
-        for e in self.local_experts:
+        """Load the slots' experts from DeepSeek-named tensors `{prefix}{e}.w{1,2,3}.weight` (+ scales),
+        one expert at a time into its slot (meta storage is materialized first). Missing experts
+        raise KeyError naming the first missing key."""
+        self.materialize()
+        for slot, e in enumerate(self.local_experts):
             w1 = self._read(state, f"{prefix}{e}.w1")
             w3 = self._read(state, f"{prefix}{e}.w3")
             w2 = self._read(state, f"{prefix}{e}.w2")
@@ -191,44 +298,20 @@ class Experts(nn.Module):
                     raise ValueError(f"{prefix}{e}.{name}.weight has logical shape {tuple(w.shape)}; "
                                      f"expected {shape} (hidden={self.hidden}, inter={self.inter})")
             w1, w3 = self._convert(w1), self._convert(w3)
-            if isinstance(w1, QuantizedTensor) and isinstance(w3, QuantizedTensor):
-                w13_parts.append(_fuse_quantized(w1, w3, self.gate_up))
-            else:  # mixed storage: fuse the values (quantized again below when the format asks)
+            if isinstance(w1, QuantizedTensor) and isinstance(w3, QuantizedTensor) and self.quantized:
+                w13 = _fuse_quantized(w1, w3, self.gate_up)
+            else:  # mixed or dense storage: fuse the values (quantized again when the format asks)
                 w1, w3 = (dequantize(w, torch.float32) if isinstance(w, QuantizedTensor) else w for w in (w1, w3))
-                w13_parts.append(fuse_gate_up(w1.float(), w3.float(), self.gate_up))
-            w2_parts.append(w2)
-        device = self._device()
-        self._set_weights(self._stack(w13_parts, device), self._stack(w2_parts, device))
-
-    def _device(self) -> torch.device:
-        t = self.w13 if not self.quantized else self.w13_data
-        return t.device
+                w13 = fuse_gate_up(w1, w3, self.gate_up)
+            self._write_slot(slot, w13, w2)
 
     def _read(self, state: Mapping[str, torch.Tensor], key: str) -> torch.Tensor | QuantizedTensor:
-        weight = state[f"{key}.weight"]
-        if weight.is_floating_point() and weight.element_size() >= 2:
-            return weight
-        if weight.dtype == torch.float8_e4m3fn:
-            scale = state.get(f"{key}.weight_scale_inv", state.get(f"{key}.weight_scale"))
-            if scale is None:
-                raise KeyError(f"{key}.weight_scale_inv")
-            return QuantizedTensor(weight, scale.float(), "fp8_block", weight.shape)
-        scale = state.get(f"{key}.weight_scale", state.get(f"{key}.scale"))
-        if scale is None:
-            raise KeyError(f"{key}.weight_scale")
-        return load_fp4_checkpoint(weight, scale, state.get(f"{key}.weight_scale_2"))
+        return read_weight(state, key)
 
     def _convert(self, w: torch.Tensor | QuantizedTensor) -> torch.Tensor | QuantizedTensor:
         if isinstance(w, QuantizedTensor) and w.fmt != self.fmt:
             return prepare_weight(w, self.fmt if self.quantized else "fp32", **_QUANT_OPTS.get(self.fmt, {}))
         return w
-
-    def _stack(self, parts: list, device: torch.device) -> torch.Tensor | QuantizedTensor:
-        parts = [self._convert(p) for p in parts]
-        if all(isinstance(p, QuantizedTensor) for p in parts):
-            return _stack_quantized(parts).to(device)
-        dense = [dequantize(p, torch.float32) if isinstance(p, QuantizedTensor) else p.float() for p in parts]
-        return torch.stack(dense).to(device)
 
     # ---- compute ------------------------------------------------------------------------
 

@@ -56,19 +56,22 @@ from __future__ import annotations
 import os
 import warnings
 from dataclasses import dataclass, replace
-from typing import Any, Literal, Mapping
+from typing import TYPE_CHECKING, Any, Literal, Mapping
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from moe.experts import EXPERT_FORMATS, GATE_UP_LAYOUTS, Experts, SharedExpert
+from moe.experts import EXPERT_FORMATS, GATE_UP_LAYOUTS, INITS, Experts, SharedExpert
 from moe.router import SCORING_FUNCS, Router, Scoring
 from parallel import comm
 from parallel.ep import static
 from parallel.ep.layout import gather_reduce, gather_rows
 from parallel.groups import Group
 from parallel.ubatch import ubatch_yield
+
+if TYPE_CHECKING:
+    from moe.loading import SafetensorsState
 
 TOKEN_MODES: tuple[str, ...] = ("replicated", "sequence_parallel")
 PATHS: tuple[str, ...] = ("auto", "device", "host")
@@ -152,24 +155,41 @@ class MoEConfig:
         return replace(self, hash_layer=index < self.num_hash_layers)
 
     @classmethod
+    def from_hf_config(cls, config: Any, **overrides: Any) -> MoEConfig:
+        """From a checkpoint's config: a transformers DeepSeek V3 / V4 config object, its config.json
+        dict, or DeepSeek's inference config.json. Reads every field that changes the math (experts,
+        top-k, groups, scoring, bias, norm_topk_prob, routed_scaling_factor, the routed and shared
+        SwiGLU limits, hash layers, shared expert width, expert format); `overrides` win (e.g.
+        dtype=, expert_format=). The mapping is in `moe.hf`."""
+        from moe.hf import moe_kwargs_from_hf
+
+        return cls(**{**moe_kwargs_from_hf(config), **overrides})
+
+    @classmethod
     def deepseek_v3(cls, **overrides: Any) -> MoEConfig:
-        """DeepSeek-V3: H 7168, I 2048, 256 experts top-8, sigmoid + bias, 8 groups keep 4, scale 2.5."""
+        """DeepSeek-V3: H 7168, I 2048, 256 experts top-8, sigmoid + bias, 8 groups keep 4, scale 2.5,
+        no SwiGLU clamp (as its config.json and HF's DeepseekV3MoE)."""
         return cls(**{**dict(hidden=7168, inter=2048, num_experts=256, top_k=8, scoring="sigmoid", n_group=8,
                              topk_group=4, routed_scaling=2.5, num_shared=1), **overrides})
 
     @classmethod
     def deepseek_v4_flash(cls, **overrides: Any) -> MoEConfig:
         """DeepSeek-V4-Flash: H 4096, I 2048, 256 experts top-6, sqrt(softplus) + bias, no group
-        limit, clamped SwiGLU (L = 10). num_hash_layers/vocab come from the checkpoint config."""
+        limit, routed_scaling_factor 1.5, SwiGLU clamped at L = 10 in the routed *and* the shared
+        expert (DeepSeek's inference code and HF's DeepseekV4MLP both clamp the shared one), the
+        first 3 MoE layers hash-routed over a 129280-token vocabulary (its config.json)."""
         return cls(**{**dict(hidden=4096, inter=2048, num_experts=256, top_k=6, scoring="sqrt_softplus",
-                             swiglu_limit=10.0, num_shared=1), **overrides})
+                             routed_scaling=1.5, swiglu_limit=10.0, shared_swiglu_limit=10.0, num_shared=1,
+                             num_hash_layers=3, vocab=129280), **overrides})
 
     @classmethod
     def deepseek_v4_pro(cls, **overrides: Any) -> MoEConfig:
         """DeepSeek-V4-Pro: H 7168, I 3072, 384 experts top-6, sqrt(softplus) + bias, scale 2.5,
-        clamped SwiGLU (L = 10)."""
+        SwiGLU clamped at L = 10 in the routed and the shared expert. num_hash_layers / vocab come
+        from the checkpoint's config (`from_hf_config`)."""
         return cls(**{**dict(hidden=7168, inter=3072, num_experts=384, top_k=6, scoring="sqrt_softplus",
-                             routed_scaling=2.5, swiglu_limit=10.0, num_shared=1), **overrides})
+                             routed_scaling=2.5, swiglu_limit=10.0, shared_swiglu_limit=10.0, num_shared=1),
+                      **overrides})
 
 
 PRESETS = {"v3": MoEConfig.deepseek_v3, "v4_flash": MoEConfig.deepseek_v4_flash, "v4_pro": MoEConfig.deepseek_v4_pro}
@@ -193,6 +213,7 @@ class MoELayer(nn.Module):
         eplb: Any = None,
         layer_index: int = 0,
         device: torch.device | str | None = None,
+        init: Literal["random", "empty", "meta"] = "random",
         dispatcher_backend: str | None = None,
         kernel_backend: str | None = None,
         backend: str | None = None,
@@ -207,7 +228,10 @@ class MoELayer(nn.Module):
         (static shapes of the all-gather transport at EP > 1). overlap_chunks / align: host path
         options (chunked dispatch overlap; expert block padding). eplb: a
         `parallel.ep.eplb_state.Eplb` shared by the model's MoE layers (physical slots, load
-        tracking), with `layer_index` this layer's row.
+        tracking), with `layer_index` this layer's row. init: "random" (weights drawn and quantized
+        on `device`), "empty" (storage allocated, values undefined until loaded) or "meta"
+        (nothing allocated; loading materializes on `device`): with a checkpoint to load, use
+        "empty" or "meta" (`load_safetensors`, `load_deepseek`).
         Deprecated names: dispatcher_backend (= transport), kernel_backend (= kernels), backend
         ("python", the only layer implementation)."""
         super().__init__()
@@ -222,6 +246,8 @@ class MoELayer(nn.Module):
                 raise ValueError(f"MoELayer backend={backend!r} is not implemented; the layer has one implementation "
                                  "(omit backend=; choose kernels= and transport= instead)")
             warnings.warn("MoELayer(backend='python') is deprecated; omit it", DeprecationWarning, stacklevel=2)
+        if init not in INITS:
+            raise ValueError(f"unknown init {init!r}; valid: {', '.join(INITS)}")
         if tokens not in TOKEN_MODES:
             raise ValueError(f"unknown tokens mode {tokens!r}; valid: {', '.join(TOKEN_MODES)}")
         if path not in PATHS:
@@ -265,21 +291,26 @@ class MoELayer(nn.Module):
         else:
             local = list(range(rank * self.num_slots, (rank + 1) * self.num_slots))
 
+        dense_device = device if init == "random" else "meta"
         self.gate = Router(config.hidden, config.num_experts, config.top_k, scoring=config.scoring,
                            use_bias=config.use_bias and not config.hash_layer, n_group=config.n_group,
                            topk_group=config.topk_group, renormalize=config.renormalize,
                            scaling=config.routed_scaling, hash_vocab=config.vocab if config.hash_layer else None,
-                           dtype=config.router_dtype, device=device)
+                           dtype=config.router_dtype, device=dense_device)
         self.experts = Experts(config.num_experts, config.hidden, config.inter, fmt=config.expert_format,
                                local_experts=local, swiglu_limit=config.swiglu_limit, alpha=config.swiglu_alpha,
                                beta=config.swiglu_beta, gate_up=config.gate_up, device=device,
-                               backend=kernels)
+                               backend=kernels, init=init)
         if config.num_shared > 0:
             self.shared_experts = SharedExpert(config.hidden, config.num_shared * (config.shared_inter or config.inter),
                                                swiglu_limit=config.shared_swiglu_limit, dtype=config.dtype,
-                                               device=device)
+                                               device=dense_device)
         else:
             self.shared_experts = None
+        if init == "empty":  # (built on meta above: no random init to throw away)
+            for m in (self.gate, self.shared_experts):
+                if m is not None:
+                    m.to_empty(device=self.experts.device)
         if eplb is not None:
             eplb.register_weights(layer_index, self.experts.slot_tensors())
 
@@ -499,23 +530,56 @@ class MoELayer(nn.Module):
 
     def load_deepseek(self, state: Mapping[str, torch.Tensor], prefix: str = "") -> None:
         """Load DeepSeek-named tensors (`{prefix}gate.weight`, `{prefix}experts.{e}.w1.weight`, ...),
-        keeping only this rank's experts. Missing gate/shared tensors raise KeyError."""
-        sub = {k[len(prefix):]: v for k, v in state.items() if k.startswith(prefix)}
-        gate = {k[len("gate."):]: v for k, v in sub.items() if k.startswith("gate.")}
-        if "bias" in gate and "e_score_correction_bias" not in gate:  # some exports name it gate.bias
-            gate["e_score_correction_bias"] = gate.pop("bias")
-        self._load_module(self.gate, gate, "gate.")
+        keeping only this rank's experts. `state` may be lazy (`moe.loading`): only the keys this
+        rank needs are looked up, each routed expert once, written into its slot on the layer's
+        device. Quantized shared-expert tensors (DeepSeek's FP8) are dequantized. Meta tensors
+        (init="meta") are materialized first. Missing gate/shared tensors raise KeyError."""
+        from moe.experts import read_dense
+        from moe.loading import Prefixed
+
+        sub = Prefixed(state, prefix) if prefix else state
+        device = self.experts.device
+        gate = Prefixed(sub, "gate.")
+        own = self.gate.state_dict()
+        values = {}
+        for k in own:
+            key = "bias" if k == "e_score_correction_bias" and k not in gate and "bias" in gate else k
+            if key not in gate:
+                raise KeyError(f"missing {prefix}gate.{k}")
+            values[k] = gate[key]
+        self._load_module(self.gate, values, "gate.", device)
         if self.eplb is not None:  # the slots may have moved since construction
             self.experts.local_experts = self.eplb.local_experts(self.layer_index).tolist()
         self.experts.load_deepseek(sub, prefix="experts.")
         if self.shared_experts is not None:
-            shared = {k[len("shared_experts."):]: v for k, v in sub.items() if k.startswith("shared_experts.")}
-            self._load_module(self.shared_experts, shared, "shared_experts.")
+            shared = {}
+            for k in self.shared_experts.state_dict():
+                name = k[: -len(".weight")]
+                if f"shared_experts.{k}" not in sub:
+                    raise KeyError(f"missing {prefix}shared_experts.{k}")
+                shared[k] = read_dense(sub, f"shared_experts.{name}")
+            self._load_module(self.shared_experts, shared, "shared_experts.", device)
         if self.eplb is not None:
             self.eplb.register_weights(self.layer_index, self.experts.slot_tensors())
 
+    def load_safetensors(self, paths: Any, prefix: str = "", *, naming: str = "auto") -> SafetensorsState:
+        """Load this layer from .safetensors files (a file, a list, or a checkpoint directory),
+        streaming: only this rank's experts are read, one at a time, each quantized or converted
+        on the layer's device. prefix: the MoE module's prefix in the files ("layers.3.ffn." for
+        DeepSeek's names, "model.layers.3.mlp." for HF's; `moe.loading.moe_prefix`). naming:
+        "deepseek", "hf" (fused `gate_up_proj`/`down_proj` or per-expert `gate_proj`/...), or
+        "auto" (detected). Returns the reader (its `reads` lists the keys read)."""
+        from moe.loading import SafetensorsState, moe_state
+
+        reader = SafetensorsState(paths)
+        self.load_deepseek(moe_state(reader, prefix, naming))
+        return reader
+
     @staticmethod
-    def _load_module(module: nn.Module, state: dict[str, torch.Tensor], what: str) -> None:
+    def _load_module(module: nn.Module, state: Mapping[str, torch.Tensor], what: str,
+                     device: torch.device | None = None) -> None:
+        if device is not None and any(t.is_meta for t in (*module.parameters(), *module.buffers())):
+            module.to_empty(device=device)
         own = module.state_dict()
         missing = [k for k in own if k not in state]
         if missing:

@@ -8,6 +8,7 @@ representable E2M1 / E4M3 value, instead of the threshold and bit tricks of the 
 from __future__ import annotations
 
 import math
+from fractions import Fraction
 
 import numpy as np
 import pytest
@@ -85,17 +86,31 @@ def f32(v) -> np.float32:
     return np.float32(v)
 
 
-def oracle_nvfp4(x: np.ndarray) -> tuple[list[int], list[float], np.float32]:
-    """x: 1-D float32 -> (codes, block scale values, global scale) with the spec's fp32 steps."""
-    gs = f32(np.abs(x).max()) / f32(2688.0)
+def oracle_nvfp4(x: np.ndarray, gs: float | None = None) -> tuple[list[int], list[float], np.float32]:
+    """x: 1-D float32 -> (codes, block scale values, global scale): the scales with the spec's
+    fp32 steps, each code rounded from the exact quotient x / (s * g) (Python Fractions)."""
+    gs = f32(np.abs(x).max()) / f32(2688.0) if gs is None else f32(gs)
     codes, svals = [], []
     for blk in x.reshape(-1, 16):
         amax = f32(np.abs(blk).max())
         s = oracle_e4m3(float(min(f32(amax / f32(6.0)) / gs, f32(448.0)))) if gs > 0 else 0.0
-        denom = f32(s) * gs
+        denom = Fraction(s) * Fraction(float(gs))
         svals.append(s)
-        codes += [oracle_e2m1_code(float(v / denom) if denom > 0 else 0.0 * float(v)) for v in blk]
+        for v in blk:
+            if denom > 0:
+                idx = nearest_even_exact(abs(Fraction(float(v))) / denom)
+                codes.append(idx | (8 if math.copysign(1.0, float(v)) < 0 else 0))
+            else:
+                codes.append(oracle_e2m1_code(0.0 * float(v)))
     return codes, svals, gs
+
+
+def nearest_even_exact(a: Fraction) -> int:
+    """E2M1 index nearest to the exact a >= 0, ties to even, saturating at 6."""
+    table = [Fraction(v) for v in E2M1]
+    if a >= table[-1]:
+        return len(table) - 1
+    return min(range(len(table)), key=lambda i: (abs(table[i] - a), i % 2))
 
 
 def decode_codes(codes: list[int]) -> list[float]:
@@ -271,6 +286,38 @@ def test_nvfp4_matches_oracle():
     assert unpack_fp4(q.data).reshape(-1).tolist() == codes
     want = [float(f32(f32(v) * f32(svals[i // 16])) * gs) for i, v in enumerate(decode_codes(codes))]
     assert dequantize(q).reshape(-1).tolist() == want
+
+
+def test_nvfp4_rounds_midpoints_from_the_exact_quotient():
+    """fp32 rounds s * g = 448 * RN(1/448) to exactly 1.0, which makes 1.75 and 3.5 ties (-> 4, 6);
+    the exact quotients are just below them (-> 3, 5)."""
+    x = torch.tensor([6.0, 1.75, 3.5] + [0.0] * 13)
+    q = quantize(x, "nvfp4")
+    assert unpack_fp4(q.data)[:3].tolist() == [7, 3, 5]
+    assert unpack_fp4(q.data).tolist() == oracle_nvfp4(x.numpy())[0]
+    # many tensor scales; values at RN32(m * s * g) for every midpoint m and their fp32 neighbours
+    g = torch.Generator().manual_seed(5)
+    mids = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0], dtype=torch.float64)
+    for gv in (torch.rand(12, generator=g) * 0.01 + 1e-4).tolist():
+        d = 448.0 * float(f32(gv))
+        blk = torch.cat([torch.tensor([6 * d]), mids * d, torch.zeros(8, dtype=torch.float64)]).float()
+        x = torch.cat([blk, torch.nextafter(blk, torch.full_like(blk, 1e9)),
+                       -torch.nextafter(blk, torch.zeros_like(blk))])
+        q = quantize(x, "nvfp4", global_scale=gv)
+        codes, svals, _ = oracle_nvfp4(x.numpy(), gv)
+        assert q.scale.view(torch.float8_e4m3fn).float().tolist() == svals
+        assert unpack_fp4(q.data).tolist() == codes, gv
+
+
+def test_nvfp4_zeros_and_bad_global_scale():
+    for shape, opts in (((4, 32), {}), ((2, 3, 16), {"global_scale": "matrix"})):
+        q = quantize(torch.zeros(shape), "nvfp4", **opts)
+        assert (q.global_scale == 0).all() and (q.scale == 0).all() and (q.data == 0).all()
+        d = dequantize(q)
+        assert not torch.isnan(d).any() and (d == 0).all()          # zeros, not NaN block scales
+    for bad in (0.0, -1.0, float("nan"), torch.tensor([0.1, -0.1])):
+        with pytest.raises(ValueError, match="global_scale must be > 0"):
+            quantize(torch.randn(2, 4, 16), "nvfp4", global_scale=bad)
 
 
 def test_nvfp4_per_matrix_global_scale():

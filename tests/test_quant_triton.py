@@ -17,7 +17,7 @@ import sys
 import pytest
 import torch
 
-from moe.quant import QuantizedTensor, dequantize, pack_fp4, quantize
+from moe.quant import QuantizedTensor, dequantize, pack_fp4, quantize, unpack_fp4
 from moe.quant.formats import FORMATS
 
 _PATH = os.path.join(os.path.dirname(__file__), "..", "moe", "quant", "triton_quant.py")
@@ -149,7 +149,7 @@ def test_fp4_quantize_matches_reference_bits(tq, fmt):
     _assert_same_q(tq.quantize(y, fmt), quantize(y, fmt, backend="torch"))
     if fmt == "nvfp4":
         w = _awkward((3, 4, 64), 1)
-        for gs in ("matrix", torch.tensor([1e-3, 0.0, 2.0]), 0.0, 1e-30):
+        for gs in ("matrix", torch.tensor([1e-3, 1e-38, 2.0]), 1e-30):
             _assert_same_q(tq.quantize(w, fmt, global_scale=gs), quantize(w, fmt, backend="torch", global_scale=gs))
         z = torch.zeros(2, 32)
         _assert_same_q(tq.quantize(z, fmt), quantize(z, fmt, backend="torch"))
@@ -257,7 +257,7 @@ def test_full_partial_clean_and_nonfinite_tiles_match_reference(tq, monkeypatch)
                 continue
             optsets = [opts]
             if fmt == "nvfp4" and not opts:
-                optsets += [{"global_scale": 0.01}, {"global_scale": 1e-30}, {"global_scale": 0.0}]
+                optsets += [{"global_scale": 0.01}, {"global_scale": 1e-30}, {"global_scale": 1e-40}]
             if fmt.startswith("fp8"):
                 optsets += [{"ue8m0": True}]
             for o in optsets:
@@ -265,6 +265,32 @@ def test_full_partial_clean_and_nonfinite_tiles_match_reference(tq, monkeypatch)
                 ref = quantize(x, fmt, backend="torch", **o)
                 _assert_same_q(got, ref)
                 assert _same_bits(tq.dequantize(got, torch.float16), dequantize(ref, torch.float16, backend="torch")), (fmt, o)
+
+
+@interp
+def test_nvfp4_midpoints_match_reference_bits(tq, monkeypatch):
+    """Exact E2M1 midpoints x = m * s * g (where fp32 rounds s * g or the quotient to the other
+    side) and their neighbours one ulp away, in fast and fallback tiles alike."""
+    monkeypatch.setitem(tq.CONFIG, "fp4_quant", (4, 4))
+    x = torch.tensor([6.0, 1.75, 3.5] + [0.0] * 13)
+    q = tq.quantize(x, "nvfp4")
+    assert unpack_fp4(q.data)[:3].tolist() == [7, 3, 5]                # exact quotients 6, 0.75, 1.5
+    _assert_same_q(q, quantize(x, "nvfp4", backend="torch"))
+    g = torch.Generator().manual_seed(21)
+    mids = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0])
+    gs = torch.rand(8, generator=g) * 0.01 + 1e-3                      # awkward tensor scales
+    rows = []
+    for gv in gs.tolist():
+        d = torch.tensor(448.0, dtype=torch.float64) * torch.tensor(gv, dtype=torch.float32).double()
+        blk = torch.zeros(16, dtype=torch.float64)
+        blk[0] = 6 * d                                                  # amax: s = 448 exactly
+        blk[1:8] = mids.double() * d
+        row = blk.float()
+        rows += [row, torch.nextafter(row, torch.full_like(row, 1e9)), -torch.nextafter(row, torch.zeros_like(row))]
+    x = torch.stack(rows)                                               # [24, 16]
+    for gv in gs.tolist():
+        got = tq.quantize(x, "nvfp4", global_scale=gv)
+        _assert_same_q(got, quantize(x, "nvfp4", backend="torch", global_scale=gv))
 
 
 @interp

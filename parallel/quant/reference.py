@@ -13,8 +13,11 @@ so a Triton kernel doing the same steps gives the same bits:
   Finite inputs never need byte > 253; an inf gives 253 and saturates (dequantizes to inf);
   |x| above ~2^127.5 may round up to 4 or 6 * 2^126, which is inf in fp32.
 - nvfp4: g = amax(|x|) / 2688 (= 448 * 6) per tensor (or per matrix, or given); s =
-  e4m3(min(a / 6 / g, 448)) per 16 (0 where g is not > 0); y = x / (float(s) * g) (y = x * 0
-  where that is not > 0); dequant (e2m1 * s) * g. A NaN block gets s = NaN (0x7F) when g is
+  e4m3(min(a / 6 / g, 448)) per 16 (0 where g is not > 0); the E2M1 code of x / (s * g) is
+  rounded from the exact quotient (`nvfp4_codes`: |x| compared with each boundary times s * g
+  in float64, where both are exact; an fp32 product or quotient would send midpoints the wrong
+  way); y = x * 0 where s * g is not > 0; dequant (e2m1 * s) * g. A given global scale must be
+  > 0 (ValueError); a computed one is 0 for an all-zero tensor, which quantizes to zeros. A NaN block gets s = NaN (0x7F) when g is
   finite; a NaN anywhere in a tensor-scaled x makes g NaN, so everything dequantizes to NaN.
 - fp8_*: a' = max(a, amax_floor); scale = a' / 448 (or, with ue8m0=True, 2^ceil(log2(a'/448))
   read off the bits); y = clamp(x / scale, -448, 448) -> e4m3 round to nearest even.
@@ -138,12 +141,38 @@ def _nvfp4_gs(x: torch.Tensor, global_scale: torch.Tensor | float | str | None) 
             raise ValueError(f"global_scale='matrix' needs x with >= 2 dims, got {tuple(x.shape)}")
         return nvfp4_global_scale(x, per_matrix=global_scale == "matrix")
     gs = torch.as_tensor(global_scale, dtype=torch.float32).to(x.device)
+    capturing = gs.is_cuda and torch.cuda.is_current_stream_capturing()  # (no host read inside a graph)
+    if not capturing and not bool((gs > 0).all()):  # (NaN fails too)
+        raise ValueError(f"nvfp4 global_scale must be > 0 (finite); got {gs.flatten()[:8].tolist()}"
+                         f"{' ...' if gs.numel() > 8 else ''}; pass None/'tensor' or 'matrix' to compute it")
     if gs.numel() == 1:
         return gs.reshape(())
     if x.dim() >= 2 and tuple(gs.shape) == tuple(x.shape[:-2]):
         return gs
     raise ValueError(f"nvfp4 global_scale has shape {tuple(gs.shape)}; valid: one element or "
                      f"one per matrix {tuple(x.shape[:-2])} for x {tuple(x.shape)}")
+
+
+def nvfp4_codes(blk: torch.Tensor, s: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+    """E2M1 codes of blk / (s * g), rounded from the exact quotient.
+
+    blk: [..., B] float (the blocks), s: [...] fp32 block scales (E4M3 values), g: fp32 global
+    scale broadcastable to s. The divisor d = s * g is exact in float64 (4 + 24 significant
+    bits), and so is each boundary b * d (b in 0.25 .. 5, at most 3 bits), so comparing |x|
+    with b * d decides every rounding exactly: a midpoint such as x = 1.75 * d goes to the
+    even code however fp32 would have rounded the product or the quotient. Where d is not > 0
+    (an all-zero tensor, an underflowed block scale, a NaN), y = x * 0 as before."""
+    d = (s.double() * g.double()).unsqueeze(-1)                   # [..., 1], exact
+    a = blk.double().abs()
+    idx = torch.zeros(blk.shape, dtype=torch.int32, device=blk.device)
+    for b in _E2M1_BOUNDS_GT:
+        idx += (a > b * d).int()
+    for b in _E2M1_BOUNDS_GE:
+        idx += (a >= b * d).int()
+    xf = blk.float()
+    sign = torch.where(torch.isnan(xf), 0, (xf.view(torch.int32) >> 31) & 1)
+    codes = (idx | (sign << 3)).to(torch.uint8)
+    return torch.where(d > 0, codes, round_to_e2m1(xf * 0.0))
 
 
 def gs_per_row(gs: torch.Tensor, ndim: int) -> torch.Tensor:
@@ -165,9 +194,7 @@ def quantize_nvfp4(x: torch.Tensor, *, global_scale: torch.Tensor | float | str 
     g = gs_per_row(gs, amax.dim())
     s = torch.where(g > 0, _div(amax, 6.0) / g, torch.zeros_like(amax))
     s8 = _to_e4m3(s)                                            # [..., K/16]
-    denom = (s8.float() * g).unsqueeze(-1)
-    y = torch.where(denom > 0, blk / denom, blk * 0.0)
-    codes = round_to_e2m1(y).reshape(x.shape)
+    codes = nvfp4_codes(blk, s8.float(), g).reshape(x.shape)
     return QuantizedTensor(pack_fp4(codes), s8.view(torch.uint8), "nvfp4", x.shape, gs)
 
 

@@ -113,6 +113,15 @@ def e2m1_code(y):
 
 
 @triton.jit
+def _e2m1_index_exact(a, d):
+    """a = |x| (fp64), d = s * g (fp64, > 0, exact) -> int32 E2M1 index of the exact a / d, round
+    to nearest even, saturating: every boundary b * d is exact in fp64 (reference.nvfp4_codes)."""
+    i = (a > 0.25 * d).to(tl.int32) + (a >= 0.75 * d).to(tl.int32) + (a > 1.25 * d).to(tl.int32)
+    i += (a >= 1.75 * d).to(tl.int32) + (a > 2.5 * d).to(tl.int32) + (a >= 3.5 * d).to(tl.int32)
+    return i + (a > 5.0 * d).to(tl.int32)
+
+
+@triton.jit
 def e2m1_value(code):
     """E2M1 code (int32 in [0, 16)) -> fp32 (exact; code 8 is -0.0).
 
@@ -224,15 +233,23 @@ def _fp4_quant_kernel(x_ptr, data_ptr, scale_ptr, gs_ptr, n_blocks, blocks_per_g
         s = tl.where(g > 0, tl.div_rn(tl.div_rn(amax, 6.0), g), 0.0)
         s = tl.where(s > 448.0, 448.0, s)
         sbyte = e4m3_byte(s)
-        denom = e4m3_value(sbyte) * g
+        sval = e4m3_value(sbyte)
+        denom = sval * g
         r = tl.div_rn(1.0, denom)
-        codes = _e2m1_index(_div_abs_fast(x, denom[:, None], r[:, None])) | _sign_at(x, 3)
-        # rare tiles: a zero/NaN/extreme denominator (y = x * 0 when not > 0), a quotient over
-        # 2^64 (s clamped at 448), or an inf/NaN input (a NaN y -> code 0): the plain steps
+        q = _div_abs_fast(x, denom[:, None], r[:, None])                # fp32 |x| / RN(s * g)
+        codes = _e2m1_index(q) | _sign_at(x, 3)
+        # The fp32 quotient is within 2 ulp of the exact one, so its E2M1 index is exact unless
+        # q lies near a rounding boundary (0.25 ... 5: bit patterns with the low 21 bits zero).
+        near = ((q.to(tl.int32, bitcast=True) + 8) & 0x1FFFFF) < 16
+        # rare tiles: q near a boundary, a zero/NaN/extreme denominator (y = x * 0 when not > 0),
+        # a quotient over 2^64 (s clamped at 448), or an inf/NaN input (code 0 for NaN): the
+        # reference's exact steps (`nvfp4_codes`: |x| against boundary * s * g in float64)
         fast = _fast_div_ok(denom) & (amax * r <= 1.8446744073709552e19)
-        if tl.min(fast.to(tl.int32)) == 0:
-            y = tl.where(denom[:, None] > 0, tl.div_rn(x, denom[:, None]), x * 0.0)
-            codes = e2m1_code(y)
+        if (tl.min(fast.to(tl.int32)) == 0) | (tl.max(near.to(tl.int32)) > 0):
+            d = (sval.to(tl.float64) * g.to(tl.float64))[:, None]       # exact
+            codes = _e2m1_index_exact(tl.abs(x).to(tl.float64), d) | _sign_at(x, 3)
+            codes = tl.where(x != x, 0, codes)
+            codes = tl.where(d > 0, codes, e2m1_code(x * 0.0))
     else:
         byte = (abits >> 23) - 2 + ((abits & 0x7FFFFF) > 0x400000).to(tl.int32)
         byte = tl.minimum(tl.maximum(byte, 0), 254)

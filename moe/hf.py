@@ -1,0 +1,141 @@
+"""MoEConfig from a checkpoint's config: HF transformers' DeepSeek V3 / V4 configs (objects or
+config.json dicts) and DeepSeek's own inference `config.json` (ModelArgs names).
+
+Every field that changes the MoE math is read (docs/numerics.md §2-3):
+
+| MoEConfig | HF (deepseek_v3 / deepseek_v4) | DeepSeek inference config |
+|---|---|---|
+| hidden, inter | hidden_size, moe_intermediate_size | dim, moe_inter_dim |
+| num_experts, top_k | n_routed_experts, num_experts_per_tok | n_routed_experts, n_activated_experts |
+| scoring | V3: sigmoid (HF's router always uses it); V4: scoring_func | score_func |
+| use_bias | V3: topk_method == "noaux_tc"; V4: always (non-hash layers) | V3: n_group style; V4: always |
+| n_group, topk_group | V3: n_group, topk_group; V4: none (HF's V4 router has no groups) | n_expert_groups, n_limited_groups |
+| renormalize | norm_topk_prob | always (V4: `score_func != "softmax"`) |
+| routed_scaling | routed_scaling_factor | route_scale |
+| swiglu_limit | V4: swiglu_limit (routed experts) | swiglu_limit |
+| shared_swiglu_limit | V4: swiglu_limit (HF's DeepseekV4MLP clamps as well) | swiglu_limit |
+| num_shared, shared_inter | n_shared_experts, moe_intermediate_size | n_shared_experts, moe_inter_dim |
+| num_hash_layers, vocab | V4: leading "hash_moe" of mlp_layer_types (or num_hash_layers), vocab_size | n_hash_layers, vocab_size |
+| expert_format | quantization_config: expert_dtype "fp4" -> mxfp4, fp8 -> fp8_block | expert_dtype |
+
+Where HF and DeepSeek could disagree: the V4 shared expert's clamp. DeepSeek's inference code
+(V4 `MoE`: `Expert(dim, moe_inter_dim, swiglu_limit=args.swiglu_limit)` for the shared expert,
+as ports that follow it, e.g. sglang's DeepSeek-V4 MLP, also do) and HF agree that it is clamped
+with the routed experts' limit; we follow both. Layer indices: `MoEConfig.for_layer(i)` takes the
+index among MoE layers (V3's first `first_k_dense_replace` decoder layers are dense MLPs).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+_SCORING = {"sigmoid": "sigmoid", "softmax": "softmax", "sqrtsoftplus": "sqrt_softplus",
+            "sqrt_softplus": "sqrt_softplus"}
+MODEL_TYPES: tuple[str, ...] = ("deepseek_v3", "deepseek_v32", "deepseek_v4")
+
+
+def _as_dict(config: Any) -> dict:
+    if isinstance(config, Mapping):
+        d = dict(config)
+    elif hasattr(config, "to_dict"):
+        d = config.to_dict()
+        for k in ("mlp_layer_types",):  # (set in __post_init__; to_dict keeps them, but be safe)
+            if getattr(config, k, None) is not None:
+                d[k] = getattr(config, k)
+    else:
+        raise ValueError(f"config must be a transformers config or a config.json dict, got {type(config).__name__}")
+    text = d.get("text_config")
+    if isinstance(text, Mapping) and "hidden_size" not in d:
+        d = {**dict(text), "quantization_config": d.get("quantization_config", text.get("quantization_config"))}
+    return d
+
+
+def _expert_format(d: dict) -> str | None:
+    q = d.get("quantization_config") or {}
+    dtype = q.get("expert_dtype", d.get("expert_dtype"))
+    if dtype in ("fp4", "mxfp4"):
+        return "mxfp4"
+    if dtype == "fp8" or (dtype is None and q.get("quant_method") == "fp8"):
+        return "fp8_block"
+    return None
+
+
+def _limit(v: Any) -> float | None:
+    return float(v) if v else None  # 0 / None: no clamp (DeepSeek's Expert uses 0 for "none")
+
+
+def _num_hash_layers(d: dict) -> int:
+    types = d.get("mlp_layer_types")
+    if types:
+        n = 0
+        while n < len(types) and types[n] == "hash_moe":
+            n += 1
+        return n
+    return int(d.get("num_hash_layers", d.get("n_hash_layers", 0)) or 0)
+
+
+def moe_kwargs_from_hf(config: Any) -> dict:
+    """MoEConfig keyword arguments for a DeepSeek V3 / V4 config (see the module docstring)."""
+    d = _as_dict(config)
+    if "dim" in d and "hidden_size" not in d:
+        return _from_deepseek_args(d)
+    model_type = d.get("model_type", "")
+    if model_type not in MODEL_TYPES:
+        raise ValueError(f"unsupported model_type {model_type!r}; valid: {', '.join(MODEL_TYPES)} "
+                         "(or DeepSeek's inference config.json)")
+    act = d.get("hidden_act", "silu")
+    if act != "silu":
+        raise ValueError(f"hidden_act {act!r}: the MoE layer implements SwiGLU (silu) experts only")
+    v4 = model_type == "deepseek_v4"
+    kw: dict[str, Any] = dict(
+        hidden=int(d["hidden_size"]), inter=int(d["moe_intermediate_size"]),
+        num_experts=int(d["n_routed_experts"]), top_k=int(d["num_experts_per_tok"]),
+        renormalize=bool(d.get("norm_topk_prob", True)),
+        routed_scaling=float(d.get("routed_scaling_factor") or 1.0),
+        num_shared=int(d.get("n_shared_experts") or 0), shared_inter=int(d["moe_intermediate_size"]),
+    )
+    if v4:
+        scoring = d.get("scoring_func", "sqrtsoftplus")
+        if scoring not in _SCORING:
+            raise ValueError(f"unknown scoring_func {scoring!r}; valid: {', '.join(_SCORING)}")
+        limit = _limit(d.get("swiglu_limit", 10.0))
+        hashes = _num_hash_layers(d)
+        kw.update(scoring=_SCORING[scoring], use_bias=True, n_group=None, topk_group=None, swiglu_limit=limit,
+                  shared_swiglu_limit=limit, num_hash_layers=hashes, vocab=int(d["vocab_size"]) if hashes else None)
+    else:
+        n_group = d.get("n_group")
+        kw.update(scoring="sigmoid", use_bias=d.get("topk_method", "noaux_tc") == "noaux_tc",
+                  n_group=int(n_group) if n_group and n_group > 1 else None,
+                  topk_group=int(d["topk_group"]) if n_group and n_group > 1 else None,
+                  swiglu_limit=None, shared_swiglu_limit=None)
+    fmt = _expert_format(d)
+    if fmt is not None:
+        kw["expert_format"] = fmt
+    return kw
+
+
+def _from_deepseek_args(d: dict) -> dict:
+    """DeepSeek's inference config.json (ModelArgs: dim, moe_inter_dim, score_func, route_scale, ...)."""
+    scoring = d.get("score_func", "softmax")
+    if scoring not in _SCORING:
+        raise ValueError(f"unknown score_func {scoring!r}; valid: {', '.join(_SCORING)}")
+    limit = _limit(d.get("swiglu_limit"))
+    hashes = int(d.get("n_hash_layers", 0) or 0)
+    n_group = int(d.get("n_expert_groups", 1) or 1)
+    kw: dict[str, Any] = dict(
+        hidden=int(d["dim"]), inter=int(d["moe_inter_dim"]), num_experts=int(d["n_routed_experts"]),
+        top_k=int(d["n_activated_experts"]), scoring=_SCORING[scoring],
+        # V3 inference: the bias exists at dim 7168 (its noaux_tc); V4: always
+        use_bias=scoring == "sqrtsoftplus" or int(d["dim"]) == 7168,
+        n_group=n_group if n_group > 1 else None,
+        topk_group=int(d.get("n_limited_groups", 1)) if n_group > 1 else None,
+        renormalize=scoring != "softmax", routed_scaling=float(d.get("route_scale", 1.0)),
+        swiglu_limit=limit, shared_swiglu_limit=limit, num_shared=int(d.get("n_shared_experts", 0)),
+        shared_inter=int(d["moe_inter_dim"]), num_hash_layers=hashes,
+        vocab=int(d["vocab_size"]) if hashes else None,
+    )
+    fmt = _expert_format(d)
+    if fmt is not None:
+        kw["expert_format"] = fmt
+    return kw
