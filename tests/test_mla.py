@@ -137,3 +137,71 @@ def _mla_rank(rank: int, world: int) -> str:
 
 def test_mla_dcp_decode_and_ring_prefill_on_gloo_ranks():
     assert launch_local(_mla_rank, 2, args=(2,), timeout=120) == ["ok"] * 2
+
+
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16, torch.float8_e4m3fn])
+@pytest.mark.parametrize("q_norm", [False, True])
+def test_fused_prep_matches_unfused_sequence(cache_dtype, q_norm, monkeypatch):
+    """The Triton prep (interpreter) against the unfused torch sequence, on 2 DCP ranks (interleave 2)."""
+    pytest.importorskip("triton")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    _check_prep(cache_dtype, q_norm, "cpu", exact_bf16=False)   # the interpreter truncates fp32 -> bf16
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("cache_dtype", [torch.bfloat16, torch.float8_e4m3fn])
+@pytest.mark.parametrize("q_norm", [False, True])
+def test_fused_prep_matches_unfused_sequence_on_gpu(cache_dtype, q_norm, monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    _check_prep(cache_dtype, q_norm, "cuda", exact_bf16=True)
+
+
+def _check_prep(cache_dtype, q_norm, device, exact_bf16):
+    from parallel.cp.mla_prep import mla_prep, rope_table
+
+    gen = torch.Generator().manual_seed(21)
+    t, heads, nope = 10, 3, DIMS.qk_nope_head_dim
+    # inputs: bf16 for a bf16 cache; for fp8 bf16 on the GPU, fp32 under the interpreter (which truncates to bf16)
+    dt = torch.bfloat16 if cache_dtype == torch.bfloat16 or (exact_bf16 and cache_dtype != torch.float32) \
+        else torch.float32
+    q = torch.randn(t, heads, nope + DIMS.qk_rope_head_dim, generator=gen).to(dt)
+    kv = (torch.randn(t, DIMS.latent_dim, generator=gen) * 3).to(dt)
+    positions = torch.tensor([0, 1, 2, 3, 4, 5, 6, 7, 30, 17])
+    table = torch.tensor([[3, 0, 5, 1]]).expand(t, -1).int()
+    cos_sin = rope_table(64, DIMS.qk_rope_head_dim)
+    w_kv = torch.rand(DIMS.kv_lora_rank, generator=gen) + 0.5
+    w_q = torch.rand(nope + DIMS.qk_rope_head_dim, generator=gen) + 0.5 if q_norm else None
+    for rank in range(2):
+        layout = DCPLayout(size=2, rank=rank, block_size=4, interleave=2)
+        caches = [MLACache.allocate(8, 4, DIMS, dtype=cache_dtype, device=device) for _ in range(2)]
+        ref = mla_prep(q, kv, positions, caches[0], table, cos_sin, w_kv, layout=layout, q_norm_weight=w_q,
+                       nope=nope, backend="torch")
+        args = [x.to(device) for x in (q, kv, positions, table, cos_sin, w_kv)]
+        got = mla_prep(*args[:3], caches[1], *args[3:], layout=layout, nope=nope, backend="triton",
+                       q_norm_weight=None if w_q is None else w_q.to(device))
+        caches[1] = MLACache(caches[1].kv.cpu(), caches[1].kv_lora_rank,
+                             None if caches[1].scale is None else caches[1].scale.cpu())
+        got.q, got.slots = got.q.cpu(), got.slots.cpu()
+        exact = dt == torch.float32 or exact_bf16
+        assert torch.equal(got.slots, ref.slots) and (ref.slots >= 0).sum() == 5
+        step = 2.0 ** -22 if dt == torch.float32 else 2.0 ** -7
+        # one step of the dtype, relative to the row's size (RoPE cancels, so small outputs carry big relative errors)
+        torch.testing.assert_close(got.q.float(), ref.q.float(), atol=2 * step * ref.q.float().abs().amax().item(),
+                                   rtol=step * 1.01)
+        if not q_norm and exact:     # no reduction in the query path: bit-identical
+            assert torch.equal(got.q, ref.q)
+        a, b = caches[1].kv.float(), caches[0].kv.float()
+        step = {torch.float32: 2.0 ** -22, torch.bfloat16: 2.0 ** -7, torch.float8_e4m3fn: 2.0 ** -2}[cache_dtype]
+        if cache_dtype == torch.float8_e4m3fn and not exact_bf16:
+            # the interpreter's fp32 -> e4m3 loses the carry when rounding up to a power of two (31.9 -> 16,
+            # not 32): accept exactly those, the GPU test compares them
+            carry = (a != b) & (a * 2 == b) & (torch.frexp(b).mantissa.abs() == 0.5)
+            a = torch.where(carry, b, a)
+        subnormal = 2.0 ** -9 if cache_dtype == torch.float8_e4m3fn else 2 * step * b.abs().amax().item()
+        torch.testing.assert_close(a, b, atol=subnormal * 1.01, rtol=step * 1.01)   # at most one step of the dtype
+        if exact:
+            assert (a != b).float().mean().item() < 0.05                     # ... and rarely even that
+        if cache_dtype != torch.float8_e4m3fn and exact:                      # RoPE alone: bit-identical
+            assert torch.equal(a[..., DIMS.kv_lora_rank:], b[..., DIMS.kv_lora_rank:])
+        if cache_dtype == torch.float8_e4m3fn:
+            torch.testing.assert_close(caches[1].scale, caches[0].scale, rtol=1e-6, atol=0)
