@@ -20,7 +20,6 @@ synchronizes with the host and breaks CUDA-graph capture. All raise ValueError b
 
 from __future__ import annotations
 
-import math
 from typing import Literal
 
 import torch
@@ -28,6 +27,7 @@ from torch import Tensor
 
 from .. import impl
 from .dcp import DCPLayout, PagedKVCache, gather_local_kv
+from .local_attn import masked_attention_math
 from .state import AttnState
 
 DecodeBackend = Literal["auto", "torch", "triton"]
@@ -106,9 +106,8 @@ def check_paged_inputs(q: Tensor, cache: PagedKVCache, block_table: Tensor, seq_
 def paged_decode_reference(q: Tensor, cache: PagedKVCache, block_table: Tensor, local_lens: Tensor,
                            seq_lens: Tensor, scale: float, layout: DCPLayout) -> AttnState:
     """Exact fp32 torch math over gathered pages: q [S, Tq, Hq, D] -> out [S, Tq, Hq, Dv], lse [S, Tq, Hq]."""
-    s, tq, hq, d = q.shape
+    tq = q.shape[1]
     k, v, valid = gather_local_kv(cache, block_table, local_lens)           # [S, L, Hkv, D], [S, L]
-    hkv = cache.kv_heads
     allowed = valid[:, None, None, :]                                       # [S, 1, 1, L]
     if tq > 1:
         j = torch.arange(k.shape[1], device=q.device)
@@ -116,21 +115,9 @@ def paged_decode_reference(q: Tensor, cache: PagedKVCache, block_table: Tensor, 
         g_pos = (j // i) * (i * n) + layout.rank * i + j % i                 # [L]
         q_pos = seq_lens.long().unsqueeze(1) - tq + torch.arange(tq, device=q.device)   # [S, Tq]
         allowed = allowed & (g_pos[None, None, None, :] <= q_pos[:, None, :, None])      # [S, 1, Tq, L]
-    qg = q.float().view(s, tq, hkv, hq // hkv, d).permute(0, 2, 3, 1, 4)     # [S, Hkv, G, Tq, D]
-    kf = k.float().permute(0, 2, 1, 3).unsqueeze(2)                          # [S, Hkv, 1, L, D]
-    vf = v.float().permute(0, 2, 1, 3).unsqueeze(2)
-    scores = torch.matmul(qg, kf.transpose(-1, -2)) * scale                  # [S, Hkv, G, Tq, L]
-    scores = scores.masked_fill(~allowed.unsqueeze(2), -math.inf)
-    m = scores.amax(-1, keepdim=True) if scores.shape[-1] else scores.new_zeros(*scores.shape[:-1], 1)
-    m = torch.where(torch.isfinite(m), m, 0.0)
-    e = torch.exp(scores - m)
-    total = e.sum(-1, keepdim=True)
-    nonempty = total > 0
-    safe = torch.where(nonempty, total, 1.0)
-    out = torch.matmul(e / safe, vf)                                         # [S, Hkv, G, Tq, Dv]
-    lse = torch.where(nonempty, m + torch.log(safe), -math.inf).squeeze(-1)
-    out = out.permute(0, 3, 1, 2, 4).reshape(s, tq, hq, -1)
-    return AttnState(out, lse.permute(0, 3, 1, 2).reshape(s, tq, hq))
+    out, lse = masked_attention_math(q.float().transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), scale,
+                                     allowed.unsqueeze(1))                  # mask [S, 1, 1, Tq | 1, L]
+    return AttnState(out.transpose(1, 2), lse.transpose(1, 2))
 
 
 def paged_decode_attention(q: Tensor, cache: PagedKVCache, block_table: Tensor, seq_lens: Tensor, *,
