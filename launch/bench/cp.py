@@ -13,6 +13,12 @@
    sequence (efficiency = T1 / (P * TP); target >= 85%) for both variants, and the DCP decode
    latency with both combine modes. Without them the section is skipped with a note; on CPU it
    runs as a 2-rank gloo smoke test (numbers say nothing about GPUs).
+4. Paged decode kernel (CUDA; `parallel.cp.paged`, op "cp.decode"): the split-KV Triton kernel
+   over this rank's 1/N of a paged cache (B = 32, L = 8K-128K, Hq = 32, Hkv = 4, bf16 and fp8)
+   against the torch path (gathered pages) and SDPA on a contiguous copy of the same KV; floor =
+   the KV bytes at the copy ceiling (target >= 70% and faster than SDPA). MLA decode (576-wide
+   latent, 16 and 128 heads) on the same kernel, and the fused MLA prep (`parallel.cp.mla_prep`)
+   against the unfused torch sequence (target >= 60% of copy, >= 3x).
 --quick: tiny CPU sizes for every section.
 """
 
@@ -215,8 +221,96 @@ def _multi_gpu(ctx: BenchContext) -> None:
                        **row)
 
 
+# ---------------------------------------------------------------------------------------------
+# paged decode kernel, MLA decode, fused MLA prep (CUDA)
+
+
+def _sdpa_contiguous(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """The anchor: SDPA of one query token per sequence over a contiguous [B, H, L, D] KV (GQA)."""
+    return torch.nn.functional.scaled_dot_product_attention(q, k, v, enable_gqa=True)
+
+
+def _paged_decode_rows(ctx: BenchContext) -> None:
+    from parallel.cp.paged import paged_decode_attention
+    from parallel.cp.triton_decode import kv_read_bytes
+
+    ceiling = copy_ceiling_gbps(ctx.device)
+    batch, heads, kv_heads, d, block, n = 32, 32, 4, 128, 64, 4
+    for context in (8192, 32768, 131072):
+        for cache_dtype in (torch.bfloat16, torch.float8_e4m3fn):
+            tag = str(cache_dtype).replace("torch.", "")
+            cache, table, q, local_lens = _decode_setup(batch, context, heads, kv_heads, d, block, n, ctx.device,
+                                                        cache_dtype)
+            layout = DCPLayout(size=n, rank=0, block_size=block)
+            seq = torch.full((batch,), context, device=ctx.device)
+            ours = lambda: paged_decode_attention(q, cache, table, seq, layout=layout, backend="triton",
+                                                  max_seq_len=context)
+            local = context // n
+            kv_bytes = kv_read_bytes(batch * local, kv_heads, d, d, cache.k.element_size(), fp8=cache.is_fp8)
+            ours_us = ctx.time_fn(ours)
+            torch_us = ctx.time_fn(lambda: paged_decode_attention(q, cache, table, seq, layout=layout,
+                                                                  backend="torch"), iters=5)
+            kc = torch.randn(batch, kv_heads, local, d, device=ctx.device, dtype=torch.bfloat16)
+            sdpa_us = ctx.time_fn(lambda: _sdpa_contiguous(q.unsqueeze(2), kc, kc))
+            del kc
+            ctx.record(f"paged decode kernel over 1/{n} KV ({tag} cache, B={batch}, L={context}, Hq={heads}, "
+                       f"Hkv={kv_heads})", ours_us, anchor="SDPA, contiguous bf16 KV of the same tokens",
+                       anchor_us=sdpa_us, floor_us=kv_bytes / (ceiling * 1e3), torch_gathered_us=torch_us,
+                       speedup_vs_torch=torch_us / ours_us, target_fraction=0.70)
+            del cache, table, q
+    # MLA decode: one latent head of 576, v = its first 512
+    from parallel.cp.mla import MLACache, MLADims
+
+    dims = MLADims()
+    for mla_heads in (16, 128):
+        context = 32768
+        per_seq = -(-context // (block * n))
+        cache = MLACache.allocate(batch * per_seq, block, dims, device=ctx.device)
+        cache.kv.normal_()
+        table = torch.arange(batch * per_seq, device=ctx.device, dtype=torch.int32).view(batch, per_seq)
+        layout = DCPLayout(size=n, rank=0, block_size=block)
+        seq = torch.full((batch,), context, device=ctx.device)
+        q = torch.randn(batch, mla_heads, dims.latent_dim, device=ctx.device, dtype=torch.bfloat16)
+        ours_us = ctx.time_fn(lambda: paged_decode_attention(q, cache.paged, table, seq, layout=layout,
+                                                             scale=dims.scale, backend="triton", max_seq_len=context))
+        kv_bytes = kv_read_bytes(batch * (context // n), 1, dims.latent_dim, 0, 2, v_from_k=True)
+        ctx.record(f"MLA absorbed decode kernel over 1/{n} latent KV (bf16, B={batch}, L={context}, H={mla_heads})",
+                   ours_us, floor_us=kv_bytes / (ceiling * 1e3), target_fraction=0.70)
+        del cache, table, q
+
+
+def _mla_prep_rows(ctx: BenchContext) -> None:
+    from parallel.cp.mla import MLACache, MLADims
+    from parallel.cp.mla_prep import mla_prep, rope_table
+
+    ceiling = copy_ceiling_gbps(ctx.device)
+    dims = MLADims()
+    for tokens, heads, cache_dtype in ((32, 128, torch.bfloat16), (32, 128, torch.float8_e4m3fn),
+                                       (4096, 16, torch.float8_e4m3fn)):
+        tag = str(cache_dtype).replace("torch.", "")
+        cache = MLACache.allocate(tokens // 64 + 64, 64, dims, dtype=cache_dtype, device=ctx.device)
+        q = torch.randn(tokens, heads, dims.qk_head_dim, device=ctx.device, dtype=torch.bfloat16)
+        kv = torch.randn(tokens, dims.latent_dim, device=ctx.device, dtype=torch.bfloat16)
+        pos = torch.arange(tokens, device=ctx.device)
+        table = torch.arange(cache.kv.shape[0], device=ctx.device, dtype=torch.int32).expand(tokens, -1)
+        cos_sin = rope_table(tokens, dims.qk_rope_head_dim, device=ctx.device)
+        w_kv = torch.ones(dims.kv_lora_rank, device=ctx.device)
+        w_q = torch.ones(dims.qk_head_dim, device=ctx.device)
+        run = lambda b: mla_prep(q, kv, pos, cache, table, cos_sin, w_kv, q_norm_weight=w_q, backend=b)
+        ours_us = ctx.time_fn(lambda: run("triton"))
+        torch_us = ctx.time_fn(lambda: run("torch"))
+        moved = 2 * q.numel() * 2 + kv.numel() * 2 + tokens * dims.latent_dim * cache.kv.element_size()
+        ctx.record(f"fused MLA prep T={tokens} H={heads} ({tag} cache)", ours_us, anchor="unfused torch sequence",
+                   anchor_us=torch_us, floor_us=moved / (ceiling * 1e3), target_fraction=0.60, target_speedup=3.0)
+
+
 def run(ctx: BenchContext) -> None:
     _ring_compute(ctx)
     with torch.no_grad():
         _dcp_breakdown(ctx)
+        if ctx.is_cuda and not ctx.quick:
+            _paged_decode_rows(ctx)
+            _mla_prep_rows(ctx)
+        else:
+            ctx.note("paged decode kernel, MLA decode and fused MLA prep rows run on CUDA only")
     _multi_gpu(ctx)

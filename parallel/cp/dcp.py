@@ -250,8 +250,8 @@ def local_decode_attention(q: Tensor, cache: PagedKVCache, block_table: Tensor, 
 
 def dcp_decode_attention(q: Tensor, cache: PagedKVCache, block_table: Tensor, seq_lens: Tensor,
                          group: GroupLike = None, *, interleave: int = 1, comm: DCPComm = "ag_rs",
-                         scale: float | None = None, return_lse: bool = False, same_heads: bool = False
-                         ) -> Tensor | AttnState:
+                         scale: float | None = None, return_lse: bool = False, same_heads: bool = False,
+                         backend: str = "auto") -> Tensor | AttnState:
     """One decode step over a DCP-sharded KV cache.
 
     q: [S, Hq_local, D], this rank's query heads (one token per sequence); the group's gathered
@@ -262,6 +262,7 @@ def dcp_decode_attention(q: Tensor, cache: PagedKVCache, block_table: Tensor, se
     ranks differ only in which tokens their cache holds); each rank's Hq_local heads then map
     onto the cache's kv heads by themselves. False (vLLM's TP-carved DCP): the group's gathered
     heads are consecutive global heads sharing the cache's kv heads.
+    backend: the local attention, "auto" | "torch" | "triton" (op "cp.decode", `paged.py`).
     Returns out [S, Hq_local, Dv] in q's dtype (or AttnState with lse [S, Hq_local] fp32).
     """
     if comm not in ("ag_rs", "a2a"):
@@ -288,8 +289,10 @@ def dcp_decode_attention(q: Tensor, cache: PagedKVCache, block_table: Tensor, se
     if same_heads and hkv > 1 and size > 1:
         # [S, N, Hkv, G, D] -> kv-head-major so the plain GQA mapping (head // (N*G)) picks kv head j.
         q_all = q_all.view(s_len, size, hkv, heads // hkv, -1).transpose(1, 2).reshape(s_len, size * heads, -1)
-    local = local_decode_attention(q_all, cache, block_table.to(q.device),
-                                   layout.local_lengths(seq_lens.to(q.device).long()), scale)
+    from .paged import paged_decode_attention
+
+    local = paged_decode_attention(q_all, cache, block_table.to(q.device), seq_lens.to(q.device), layout=layout,
+                                   scale=scale, backend=backend)
     if same_heads and hkv > 1 and size > 1:
         back = lambda t: t.view(s_len, hkv, size, heads // hkv, *t.shape[2:]).transpose(1, 2).reshape(
             s_len, size * heads, *t.shape[2:])

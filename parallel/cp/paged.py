@@ -1,0 +1,167 @@
+"""Paged decode attention with LSE over one rank's shard of a paged KV cache (the DCP local part).
+
+`paged_decode_attention(q, cache, block_table, seq_lens, layout=...)` attends Tq (1, or a few
+for speculative decoding, <= 8) query tokens per sequence over the tokens of that sequence held
+in this rank's `PagedKVCache` and returns `AttnState(out, lse)` for the DCP merge
+(docs/numerics.md §7, §8.2). Two implementations (op "cp.decode" of `parallel.impl`):
+- "triton": the split-KV (flash-decoding) kernel of `triton_decode.py`: the KV is read once per
+  kv head for all its query heads, long sequences are cut into splits so that a few of them
+  still fill the GPU; CUDA tensors (or the interpreter when asked for by name);
+- "torch": exact fp32 math over gathered pages (`dcp.gather_local_kv`), the reference.
+
+Causality with Tq > 1: query t of a sequence of global length L (the new tokens included) sits
+at position `L - Tq + t` and sees the cached tokens at positions <= its own; local token j of
+rank r sits at `(j // I) * (I * N) + r * I + j % I`. With Tq = 1 every cached token is visible.
+
+Checks. Shapes, dtypes and devices always; values (block ids inside the cache, lengths within
+the table's capacity) only for CPU tensors or with `validate=True`, since reading CUDA values
+synchronizes with the host and breaks CUDA-graph capture. All raise ValueError before any launch.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import torch
+from torch import Tensor
+
+from .. import impl
+from .dcp import DCPLayout, PagedKVCache, gather_local_kv
+from .local_attn import masked_attention_math
+from .state import AttnState
+
+DecodeBackend = Literal["auto", "torch", "triton"]
+
+MAX_QUERY_TOKENS = 8
+
+
+def _kernel_fits(f: impl.Facts) -> impl.Unusable | None:
+    if f.dtype not in (torch.float32, torch.float16, torch.bfloat16):
+        return impl.Unusable(f"the kernel reads fp32/fp16/bf16 queries, got {f.dtype}")
+    if f.head_dim < 16 or f.v_head_dim < 16:
+        return impl.Unusable(f"the kernel needs head dims >= 16, got {f.head_dim}/{f.v_head_dim}")
+    return None
+
+
+DECODE = impl.Op("cp.decode", [
+    impl.Impl("triton", impl.triton_kernel(impl.forward_only, _kernel_fits)),
+    impl.Impl("torch"),
+])
+"""The split-KV Triton kernel, then exact torch math over gathered pages (runs anywhere)."""
+
+BACKENDS = DECODE.names
+
+
+def check_paged_inputs(q: Tensor, cache: PagedKVCache, block_table: Tensor, seq_lens: Tensor,
+                       local_lens: Tensor, *, validate: bool | None = None) -> None:
+    """Validate a paged decode call (q [S, Tq, Hq, D]); values when on CPU or validate=True."""
+    if q.dim() != 4:
+        raise ValueError(f"q {tuple(q.shape)} must be [S, heads, head_dim] or [S, q_len, heads, head_dim]")
+    s, tq, hq, d = q.shape
+    if d != cache.k.shape[-1]:
+        raise ValueError(f"q head_dim ({d}) != the cache's key head_dim ({cache.k.shape[-1]})")
+    if not 1 <= tq <= MAX_QUERY_TOKENS:
+        raise ValueError(f"q_len ({tq}) must be in [1, {MAX_QUERY_TOKENS}]")
+    if hq % cache.kv_heads != 0:
+        valid = [h for h in range(1, hq + 1) if hq % h == 0]
+        raise ValueError(f"query heads ({hq}) must be a multiple of the cache's kv heads ({cache.kv_heads}); "
+                         f"kv head counts that divide: {valid}")
+    if q.device != cache.k.device:
+        raise ValueError(f"q on {q.device} but the cache is on {cache.k.device}")
+    if cache.k.dtype not in (torch.float32, torch.float16, torch.bfloat16, torch.float8_e4m3fn):
+        raise ValueError(f"cache dtype {cache.k.dtype} not supported; valid: float32, float16, bfloat16, "
+                         f"float8_e4m3fn (with k_scale/v_scale)")
+    if cache.is_fp8:
+        for name, sc in (("k_scale", cache.k_scale), ("v_scale", cache.v_scale)):
+            if sc is None or tuple(sc.shape) != tuple(cache.k.shape[:3]) or sc.dtype != torch.float32:
+                got = None if sc is None else (tuple(sc.shape), sc.dtype)
+                raise ValueError(f"fp8 cache needs {name} float32 {tuple(cache.k.shape[:3])}, got {got}")
+    if block_table.dim() != 2 or block_table.shape[0] != s or block_table.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"block_table {tuple(block_table.shape)} {block_table.dtype} must be int32/int64 "
+                         f"[S = {s}, max_blocks]")
+    if tuple(seq_lens.shape) != (s,) or seq_lens.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"seq_lens {tuple(seq_lens.shape)} {seq_lens.dtype} must be int32/int64 [S = {s}]")
+    if validate is None:
+        validate = block_table.device.type == "cpu" and seq_lens.device.type == "cpu"
+    if not validate or s == 0:
+        return
+    if tq > 1 and bool((seq_lens.cpu() < tq).any()):
+        raise ValueError(f"seq_lens {seq_lens.cpu().tolist()[:8]} must be >= q_len ({tq}): they include the "
+                         f"new tokens")
+    lens = local_lens.cpu().long()
+    table = block_table.cpu().long()
+    capacity = table.shape[1] * cache.block_size
+    if bool((lens < 0).any()) or bool((lens > capacity).any()):
+        bad = lens[(lens < 0) | (lens > capacity)].tolist()
+        raise ValueError(f"local lengths {bad[:8]} outside [0, {capacity}] (block_table capacity "
+                         f"{table.shape[1]} blocks x {cache.block_size} tokens)")
+    used = torch.arange(table.shape[1]).unsqueeze(0) < (lens.unsqueeze(1) + cache.block_size - 1) // cache.block_size
+    ids = table[used]
+    nb = cache.k.shape[0]
+    if ids.numel() and (bool((ids < 0).any()) or bool((ids >= nb).any())):
+        bad = ids[(ids < 0) | (ids >= nb)].unique().tolist()
+        raise ValueError(f"block_table holds block ids {bad[:8]} outside the cache's [0, {nb})")
+
+
+def paged_decode_reference(q: Tensor, cache: PagedKVCache, block_table: Tensor, local_lens: Tensor,
+                           seq_lens: Tensor, scale: float, layout: DCPLayout) -> AttnState:
+    """Exact fp32 torch math over gathered pages: q [S, Tq, Hq, D] -> out [S, Tq, Hq, Dv], lse [S, Tq, Hq]."""
+    tq = q.shape[1]
+    k, v, valid = gather_local_kv(cache, block_table, local_lens)           # [S, L, Hkv, D], [S, L]
+    allowed = valid[:, None, None, :]                                       # [S, 1, 1, L]
+    if tq > 1:
+        j = torch.arange(k.shape[1], device=q.device)
+        n, i = layout.size, layout.interleave
+        g_pos = (j // i) * (i * n) + layout.rank * i + j % i                 # [L]
+        q_pos = seq_lens.long().unsqueeze(1) - tq + torch.arange(tq, device=q.device)   # [S, Tq]
+        allowed = allowed & (g_pos[None, None, None, :] <= q_pos[:, None, :, None])      # [S, 1, Tq, L]
+    out, lse = masked_attention_math(q.float().transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), scale,
+                                     allowed.unsqueeze(1))                  # mask [S, 1, 1, Tq | 1, L]
+    return AttnState(out.transpose(1, 2), lse.transpose(1, 2))
+
+
+def paged_decode_attention(q: Tensor, cache: PagedKVCache, block_table: Tensor, seq_lens: Tensor, *,
+                           layout: DCPLayout | None = None, scale: float | None = None,
+                           backend: DecodeBackend = "auto", max_seq_len: int | None = None,
+                           validate: bool | None = None) -> AttnState:
+    """Attention of the newest Tq tokens of each sequence over this rank's cached tokens.
+
+    q: [S, Hq, D] (one token per sequence) or [S, Tq, Hq, D] (Tq <= 8); cache: this rank's
+    shard (k [nb, B, Hkv, D], v [nb, B, Hkv, Dv], fp8 with scales; v may be the view k[..., :Dv]
+    of an MLA latent cache); block_table: [S, max_blocks] int; seq_lens: [S] int GLOBAL lengths
+    including the Tq new tokens (already inserted). layout: the DCP layout of the cache (default:
+    one rank, `cache.block_size`). scale: default 1/sqrt(D). max_seq_len: an upper bound on the
+    global lengths known to the caller (a Python int, no sync), used to size the split-KV grid;
+    default the table's capacity. validate: read values (block ids, lengths) even on CUDA
+    (synchronizes); default only for CPU tensors.
+    Returns AttnState(out [S, (Tq,) Hq, Dv] fp32, lse [S, (Tq,) Hq] fp32), lse -inf (out 0)
+    where a query sees no token here.
+    """
+    layout = DCPLayout(size=1, rank=0, block_size=cache.block_size) if layout is None else layout
+    if layout.block_size != cache.block_size:
+        raise ValueError(f"layout block_size ({layout.block_size}) != the cache's ({cache.block_size})")
+    single = q.dim() == 3
+    q4 = q.unsqueeze(1) if single else q
+    if seq_lens.dim() != 1:
+        raise ValueError(f"seq_lens {tuple(seq_lens.shape)} must be [S]")
+    local_lens = layout.local_lengths(seq_lens.to(q.device).long())
+    check_paged_inputs(q4, cache, block_table, seq_lens, local_lens, validate=validate)
+    scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
+    chosen = DECODE.resolve(backend, device=q.device, needs_grad=impl.grad_needed(q), dtype=q.dtype,
+                            head_dim=q.shape[-1], v_head_dim=cache.v.shape[-1])
+    table = block_table.to(q.device)
+    if chosen == "triton":
+        from .triton_decode import paged_decode_triton
+
+        capacity = table.shape[1] * cache.block_size
+        if max_seq_len is not None:
+            capacity = min(capacity, int(layout.local_lengths(int(max_seq_len))))
+        state = paged_decode_triton(q4.contiguous() if q4.stride(-1) != 1 else q4, cache.k, cache.v,
+                                    cache.k_scale, cache.v_scale, table, local_lens.to(torch.int32).contiguous(),
+                                    seq_lens.to(q.device, torch.int32).contiguous(), scale, dcp_size=layout.size,
+                                    dcp_rank=layout.rank, interleave=layout.interleave, capacity=capacity)
+    else:
+        state = paged_decode_reference(q4, cache, table, local_lens, seq_lens.to(q.device), scale, layout)
+    if single:
+        return AttnState(state.out.squeeze(1), state.lse.squeeze(1))
+    return state

@@ -1,0 +1,261 @@
+"""Triton split-KV paged decode attention with LSE (CUDA, or TRITON_INTERPRET=1 in tests).
+
+`paged.py` chooses it (op "cp.decode" of `parallel.impl`) and validates the inputs; this module
+only launches. Flash-decoding: program (s, kv head, row tile, split) reads the tokens
+`[split * split_len, (split + 1) * split_len)` of sequence s held in this rank's paged cache ONCE
+for all the query rows of that kv head (rows = Tq query tokens x G = Hq / Hkv heads), keeps an
+online softmax in base 2 and writes a normalized partial (o, lse). Splits past a sequence's
+length write lse = -inf; the partials are merged by the LSE merge kernel (`triton_merge.py`)
+when there is more than one split. The grid depends on shapes only (CUDA-graph capturable).
+
+Head dims: the key dim is cut into a power-of-two main part and a rest (MLA: 512 + 64), so no
+lane is wasted on padding. When v is a prefix view of k (the MLA latent cache, v = c_kv =
+k[..., :Dv] with Dv the main part), the key tile already loaded is reused as the value tile and
+the cache is read once. fp8 (e4m3) caches carry one fp32 scale per (token, kv head): the
+scores are scaled by the k scale per column and the probabilities by the v scale before P @ V.
+With Tq > 1 (speculative decoding) query t of a sequence of global length L sits at position
+`L - Tq + t` and sees local token j iff its global position (docs/numerics.md §8.2) is <= that.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from .state import AttnState
+from .triton_merge import merge_states_triton
+
+_LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _tile(j0, end, s64, kvh, q_main, q_rest, q_pos, rmask, dm, dr, rest_mask, dv, dv_mask, m_i, l_i, acc,
+          k_ptr, v_ptr, ks_ptr, vs_ptr, table_ptr, qk_scale, dcp_size, dcp_rank, interleave,
+          sk_b, sk_t, sk_h, sv_b, sv_t, sv_h, ss_b, ss_t, ss_h, svs_b, svs_t, svs_h, st_s,
+          D_REST: tl.constexpr, BLOCK_N: tl.constexpr, PAGE: tl.constexpr, FP8: tl.constexpr,
+          V_FROM_K: tl.constexpr, CAUSAL: tl.constexpr, IEEE: tl.constexpr):
+    """One key tile [j0, j0 + BLOCK_N) of the online softmax: returns the new (m, l, acc)."""
+    j = j0 + tl.arange(0, BLOCK_N)
+    jmask = j < end
+    block = tl.load(table_ptr + s64 * st_s + j // PAGE, mask=jmask, other=0).to(tl.int64)
+    in_page = (j % PAGE).to(tl.int64)
+    k_row = block * sk_b + in_page * sk_t + kvh * sk_h                           # [BLOCK_N]
+    k_main = tl.load(k_ptr + k_row[:, None] + dm[None, :], mask=jmask[:, None], other=0.0)
+    if FP8:
+        k_main = k_main.to(q_main.dtype)
+    if IEEE:
+        qk = tl.dot(q_main, tl.trans(k_main), input_precision="ieee")
+    else:
+        qk = tl.dot(q_main, tl.trans(k_main))
+    if D_REST > 0:
+        k_rest = tl.load(k_ptr + k_row[:, None] + dr[None, :], mask=jmask[:, None] & rest_mask[None, :],
+                         other=0.0)
+        if FP8:
+            k_rest = k_rest.to(q_main.dtype)
+        if IEEE:
+            qk += tl.dot(q_rest, tl.trans(k_rest), input_precision="ieee")
+        else:
+            qk += tl.dot(q_rest, tl.trans(k_rest))
+    if FP8:
+        ks = tl.load(ks_ptr + block * ss_b + in_page * ss_t + kvh * ss_h, mask=jmask, other=0.0)
+        qk = qk * (ks * qk_scale)[None, :]
+    else:
+        qk = qk * qk_scale
+    allowed = jmask[None, :] & rmask[:, None]
+    if CAUSAL:
+        g_pos = (j // interleave) * (interleave * dcp_size) + dcp_rank * interleave + j % interleave
+        allowed = allowed & (g_pos[None, :] <= q_pos[:, None])
+    qk = tl.where(allowed, qk, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(qk, 1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    p = tl.exp2(qk - m_safe[:, None])
+    alpha = tl.exp2(m_i - m_safe)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None]
+    if V_FROM_K:
+        v_tile = k_main
+    else:
+        v_row = block * sv_b + in_page * sv_t + kvh * sv_h
+        v_tile = tl.load(v_ptr + v_row[:, None] + dv[None, :], mask=jmask[:, None] & dv_mask[None, :], other=0.0)
+        if FP8:
+            v_tile = v_tile.to(q_main.dtype)
+    if FP8:
+        vs = tl.load(vs_ptr + block * svs_b + in_page * svs_t + kvh * svs_h, mask=jmask, other=0.0)
+        pv = p * vs[None, :]
+    else:
+        pv = p
+    if IEEE:
+        acc += tl.dot(pv.to(v_tile.dtype), v_tile, input_precision="ieee")
+    else:
+        acc += tl.dot(pv.to(v_tile.dtype), v_tile)
+    return m_new, l_i, acc
+
+
+@triton.jit
+def _paged_decode_kernel(
+    q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, table_ptr, lens_ptr, glens_ptr, o_ptr, lse_ptr,
+    qk_scale, split_len, Tq, G, M_TILES, KV_HEADS, HQ,
+    dcp_size, dcp_rank, interleave,
+    sq_s, sq_t, sq_h,
+    sk_b, sk_t, sk_h, sv_b, sv_t, sv_h, ss_b, ss_t, ss_h, svs_b, svs_t, svs_h,
+    st_s,
+    so_p, so_s, so_t, so_h, sl_p, sl_s, sl_t,
+    D_MAIN: tl.constexpr, D_REST: tl.constexpr, BLOCK_REST: tl.constexpr, DV: tl.constexpr,
+    BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PAGE: tl.constexpr,
+    FP8: tl.constexpr, V_FROM_K: tl.constexpr, CAUSAL: tl.constexpr, IEEE: tl.constexpr,
+    INTERPRETED: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    split = tl.program_id(1)
+    tile = pid % M_TILES
+    kvh = (pid // M_TILES) % KV_HEADS
+    s = pid // (M_TILES * KV_HEADS)
+    s64 = s.to(tl.int64)
+    # rows of this tile: r = t * G + g  (query token t, head kvh * G + g)
+    r = tile * BLOCK_M + tl.arange(0, BLOCK_M)
+    rmask = r < Tq * G
+    t_idx = r // G
+    h_idx = kvh * G + r % G
+    q_row = s64 * sq_s + t_idx.to(tl.int64) * sq_t + h_idx.to(tl.int64) * sq_h
+    dm = tl.arange(0, D_MAIN)
+    q_main = tl.load(q_ptr + q_row[:, None] + dm[None, :], mask=rmask[:, None], other=0.0)
+    if D_REST > 0:
+        dr = D_MAIN + tl.arange(0, BLOCK_REST)
+        rest_mask = dr < D_MAIN + D_REST
+        q_rest = tl.load(q_ptr + q_row[:, None] + dr[None, :], mask=rmask[:, None] & rest_mask[None, :], other=0.0)
+    else:   # unused placeholders
+        dr, rest_mask, q_rest = dm, dm < 0, q_main
+    dv = tl.arange(0, BLOCK_DV)
+    dv_mask = dv < DV
+    local_len = tl.load(lens_ptr + s)
+    start = split * split_len
+    end = tl.minimum(start + split_len, local_len)
+    if CAUSAL:
+        q_pos = tl.load(glens_ptr + s) - Tq + t_idx                                  # [BLOCK_M]
+    else:
+        q_pos = t_idx
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
+    # a `for` loop pipelines on the GPU; the interpreter only takes constant bounds there
+    if INTERPRETED:
+        j0 = start
+        while j0 < end:
+            m_i, l_i, acc = _tile(j0, end, s64, kvh, q_main, q_rest, q_pos, rmask, dm, dr, rest_mask, dv, dv_mask,
+                                  m_i, l_i, acc, k_ptr, v_ptr, ks_ptr, vs_ptr, table_ptr, qk_scale, dcp_size, dcp_rank,
+                                  interleave, sk_b, sk_t, sk_h, sv_b, sv_t, sv_h, ss_b, ss_t, ss_h, svs_b, svs_t, svs_h,
+                                  st_s, D_REST, BLOCK_N, PAGE, FP8, V_FROM_K, CAUSAL, IEEE)
+            j0 += BLOCK_N
+    else:
+        for j0 in range(start, end, BLOCK_N):
+            m_i, l_i, acc = _tile(j0, end, s64, kvh, q_main, q_rest, q_pos, rmask, dm, dr, rest_mask, dv, dv_mask,
+                                  m_i, l_i, acc, k_ptr, v_ptr, ks_ptr, vs_ptr, table_ptr, qk_scale, dcp_size, dcp_rank,
+                                  interleave, sk_b, sk_t, sk_h, sv_b, sv_t, sv_h, ss_b, ss_t, ss_h, svs_b, svs_t, svs_h,
+                                  st_s, D_REST, BLOCK_N, PAGE, FP8, V_FROM_K, CAUSAL, IEEE)
+    nonempty = l_i > 0
+    safe = tl.where(nonempty, l_i, 1.0)
+    out = acc / safe[:, None]
+    lse = tl.where(nonempty, (m_i + tl.log2(safe)) * 0.6931471805599453, float("-inf"))
+    o_row = split.to(tl.int64) * so_p + s64 * so_s + t_idx.to(tl.int64) * so_t + h_idx.to(tl.int64) * so_h
+    tl.store(o_ptr + o_row[:, None] + dv[None, :], out, mask=rmask[:, None] & dv_mask[None, :])
+    l_row = split.to(tl.int64) * sl_p + s64 * sl_s + t_idx.to(tl.int64) * sl_t + h_idx
+    tl.store(lse_ptr + l_row, lse, mask=rmask)
+
+
+CONFIG = {
+    "target_programs": 264,      # ~2 waves of 132 SMs (H200)
+    "min_split": 256,            # tokens: never split finer
+    "block_n": 64, "block_n_wide": 32,            # key tile; "wide" when the key dim > 256 (MLA)
+    "block_m": 64, "block_m_wide": 32,
+    "num_warps": 4, "num_warps_wide": 8, "num_stages": 2,
+}
+"""Launch parameters; `megapar bench cp` times the result on the GPU."""
+
+
+def _split_dims(d: int) -> tuple[int, int, int]:
+    """Key dim -> (power-of-two main part, rest, padded rest): 128 -> (128, 0, 0), 576 -> (512, 64, 64)."""
+    main = 1 << (d.bit_length() - 1)
+    rest = d - main
+    return main, rest, (max(16, triton.next_power_of_2(rest)) if rest else 0)
+
+
+def plan_splits(capacity: int, programs: int, block_n: int) -> tuple[int, int]:
+    """(num_splits, split_len) for `capacity` tokens per sequence and `programs` programs per split."""
+    capacity = max(capacity, 1)
+    want = max(1, -(-CONFIG["target_programs"] // max(programs, 1)))
+    most = max(1, -(-capacity // CONFIG["min_split"]))
+    splits = min(want, most)
+    split_len = -(-(-(-capacity // splits)) // block_n) * block_n
+    return -(-capacity // split_len), split_len
+
+
+def paged_decode_triton(q: Tensor, k: Tensor, v: Tensor, k_scale: Tensor | None, v_scale: Tensor | None,
+                        block_table: Tensor, local_lens: Tensor, seq_lens: Tensor, scale: float, *,
+                        dcp_size: int, dcp_rank: int, interleave: int, capacity: int) -> AttnState:
+    """Launch (inputs validated by `paged.paged_decode_attention`).
+
+    q: [S, Tq, Hq, D]; k: [nb, B, Hkv, D]; v: [nb, B, Hkv, Dv] (may be the view k[..., :Dv]);
+    scales [nb, B, Hkv] fp32 for fp8; block_table [S, max_blocks]; local_lens / seq_lens [S]
+    (tokens held here / global lengths); capacity: tokens per sequence the grid covers.
+    Returns AttnState(out [S, Tq, Hq, Dv] fp32, lse [S, Tq, Hq] fp32).
+    """
+    s, tq, hq, d = q.shape
+    page, hkv, dv = k.shape[1], k.shape[2], v.shape[-1]
+    g = hq // hkv
+    d_main, d_rest, block_rest = _split_dims(d)
+    v_from_k = (v.data_ptr() == k.data_ptr() and v.stride() == k.stride() and dv == d_main)
+    wide = d > 256
+    block_n = CONFIG["block_n_wide" if wide else "block_n"]
+    block_m = max(16, min(triton.next_power_of_2(tq * g), CONFIG["block_m_wide" if wide else "block_m"]))
+    m_tiles = -(-(tq * g) // block_m)
+    programs = s * hkv * m_tiles
+    splits, split_len = plan_splits(capacity, programs, block_n)
+    fp8 = k.dtype == torch.float8_e4m3fn
+    o = torch.empty(splits, s, tq, hq, dv, dtype=torch.float32, device=q.device)
+    lse = torch.empty(splits, s, tq, hq, dtype=torch.float32, device=q.device)
+    ks = k_scale if fp8 else _no_scale(q)
+    vs = v_scale if fp8 else ks
+    ks_st = ks.stride() if fp8 else (0, 0, 0)
+    vs_st = vs.stride() if fp8 else (0, 0, 0)
+    table = block_table if block_table.stride(-1) == 1 else block_table.contiguous()
+    if s > 0 and splits > 0:
+        _paged_decode_kernel[(programs, splits)](
+            q, k, v, ks, vs, table, local_lens, seq_lens, o, lse,
+            scale * _LOG2E, split_len, tq, g, m_tiles, hkv, hq,
+            dcp_size, dcp_rank, interleave,
+            q.stride(0), q.stride(1), q.stride(2),
+            k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2), *ks_st, *vs_st,
+            table.stride(0),
+            o.stride(0), o.stride(1), o.stride(2), o.stride(3), lse.stride(0), lse.stride(1), lse.stride(2),
+            D_MAIN=d_main, D_REST=d_rest, BLOCK_REST=block_rest, DV=dv, BLOCK_DV=triton.next_power_of_2(dv),
+            BLOCK_M=block_m, BLOCK_N=block_n, PAGE=page, FP8=fp8, V_FROM_K=v_from_k, CAUSAL=tq > 1,
+            IEEE=q.dtype == torch.float32, INTERPRETED=_interpreted(), num_warps=CONFIG["num_warps_wide" if wide else "num_warps"],
+            num_stages=CONFIG["num_stages"])
+    if splits == 1:
+        return AttnState(o[0], lse[0])
+    merged = merge_states_triton(o.view(splits, s * tq, hq, dv), lse.view(splits, s * tq, hq))
+    return AttnState(merged.out.view(s, tq, hq, dv), merged.lse.view(s, tq, hq))
+
+
+def _interpreted() -> bool:
+    from .. import impl
+
+    return impl.interpreting()
+
+
+def _no_scale(q: Tensor) -> Tensor:
+    """A 1-element fp32 tensor standing in for absent scale pointers."""
+    return torch.zeros(1, dtype=torch.float32, device=q.device)
+
+
+def kv_read_bytes(local_lens_total: int, kv_heads: int, head_dim: int, head_dim_v: int, elem_bytes: int,
+                  v_from_k: bool = False, fp8: bool = False) -> int:
+    """Bytes a decode step must read from the cache: every held token's k (and v unless it is
+    k's prefix), plus the fp32 scales of an fp8 cache."""
+    per_token = kv_heads * (head_dim + (0 if v_from_k else head_dim_v)) * elem_bytes
+    if fp8:
+        per_token += kv_heads * 4 * (1 if v_from_k else 2)
+    return local_lens_total * per_token
+

@@ -1,0 +1,133 @@
+"""Triton kernel of the fused MLA prep (`mla_prep.py` defines the math and validates the inputs).
+
+Grid (T, q_tiles + 1): program (t, i < q_tiles) normalizes and rotates BLOCK_H query heads of
+token t; program (t, q_tiles) normalizes c_kv, rotates k_pe, quantizes the latent row to e4m3
+(fp8 caches) and stores it at the token's slot when this DCP rank owns the position. Every
+value is rounded to the input dtype where the torch sequence rounds it.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from .dcp import DCPLayout
+from .mla import MLACache
+
+@triton.jit
+def _mla_prep_kernel(
+    q_ptr, kv_ptr, pos_ptr, table_ptr, cs_ptr, qw_ptr, kw_ptr, qo_ptr, cache_ptr, scale_ptr, slot_ptr,
+    H, eps, dcp_size, dcp_rank, interleave,
+    sq_t, sq_h, skv_t, sqo_t, sqo_h, st_t, scs, sc_row,
+    NOPE: tl.constexpr, BLOCK_NOPE: tl.constexpr, R: tl.constexpr, BLOCK_R: tl.constexpr,
+    HALF: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_H: tl.constexpr, PAGE: tl.constexpr,
+    Q_NORM: tl.constexpr, FP8: tl.constexpr, Q_TILES: tl.constexpr,
+):
+    t = tl.program_id(0).to(tl.int64)
+    part = tl.program_id(1)
+    pos = tl.load(pos_ptr + t).to(tl.int64)
+    cs_row = pos * scs
+    i = tl.arange(0, BLOCK_HALF)
+    imask = i < HALF
+    cos = tl.load(cs_ptr + cs_row + i, mask=imask, other=0.0)
+    sin = tl.load(cs_ptr + cs_row + HALF + i, mask=imask, other=0.0)
+    if part < Q_TILES:
+        h = part * BLOCK_H + tl.arange(0, BLOCK_H)
+        hmask = h < H
+        row = t * sq_t + h.to(tl.int64) * sq_h
+        n = tl.arange(0, BLOCK_NOPE)
+        nmask = hmask[:, None] & (n < NOPE)[None, :]
+        rmask = hmask[:, None] & imask[None, :]
+        xn = tl.load(q_ptr + row[:, None] + n[None, :], mask=nmask, other=0.0)
+        xe = tl.load(q_ptr + row[:, None] + NOPE + 2 * i[None, :], mask=rmask, other=0.0)
+        xo = tl.load(q_ptr + row[:, None] + NOPE + 2 * i[None, :] + 1, mask=rmask, other=0.0)
+        dt = xn.dtype
+        fn, fe, fo = xn.to(tl.float32), xe.to(tl.float32), xo.to(tl.float32)
+        if Q_NORM:
+            ms = (tl.sum(fn * fn, 1) + tl.sum(fe * fe, 1) + tl.sum(fo * fo, 1)) / (NOPE + 2 * HALF)
+            inv = tl.math.rsqrt(ms + eps)[:, None]
+            wn = tl.load(qw_ptr + n, mask=n < NOPE, other=0.0).to(tl.float32)[None, :]
+            we = tl.load(qw_ptr + NOPE + 2 * i, mask=imask, other=0.0).to(tl.float32)[None, :]
+            wo = tl.load(qw_ptr + NOPE + 2 * i + 1, mask=imask, other=0.0).to(tl.float32)[None, :]
+            fn = ((fn * inv) * wn).to(dt).to(tl.float32)
+            fe = ((fe * inv) * we).to(dt).to(tl.float32)
+            fo = ((fo * inv) * wo).to(dt).to(tl.float32)
+        orow = t * sqo_t + h.to(tl.int64) * sqo_h
+        tl.store(qo_ptr + orow[:, None] + n[None, :], fn.to(dt), mask=nmask)
+        re = fe * cos[None, :] - fo * sin[None, :]
+        ro = fe * sin[None, :] + fo * cos[None, :]
+        tl.store(qo_ptr + orow[:, None] + NOPE + 2 * i[None, :], re.to(dt), mask=rmask)
+        tl.store(qo_ptr + orow[:, None] + NOPE + 2 * i[None, :] + 1, ro.to(dt), mask=rmask)
+    else:
+        c = tl.arange(0, BLOCK_R)
+        cmask = c < R
+        xc = tl.load(kv_ptr + t * skv_t + c, mask=cmask, other=0.0)
+        dt = xc.dtype
+        fc = xc.to(tl.float32)
+        ms = tl.sum(fc * fc, 0) / R
+        w = tl.load(kw_ptr + c, mask=cmask, other=0.0).to(tl.float32)
+        fc = ((fc * tl.math.rsqrt(ms + eps)) * w).to(dt).to(tl.float32)
+        fe = tl.load(kv_ptr + t * skv_t + R + 2 * i, mask=imask, other=0.0).to(tl.float32)
+        fo = tl.load(kv_ptr + t * skv_t + R + 2 * i + 1, mask=imask, other=0.0).to(tl.float32)
+        re = (fe * cos - fo * sin).to(dt).to(tl.float32)
+        ro = (fe * sin + fo * cos).to(dt).to(tl.float32)
+        # where the token lives (docs/numerics.md §8.2)
+        vb = PAGE * dcp_size
+        o = pos % vb
+        owner = (o // interleave) % dcp_size
+        offset = (o // (dcp_size * interleave)) * interleave + o % interleave
+        block = tl.load(table_ptr + t * st_t + pos // vb).to(tl.int64)
+        slot = tl.where(owner == dcp_rank, block * PAGE + offset, -1)
+        tl.store(slot_ptr + t, slot)
+        if owner == dcp_rank:
+            dst = cache_ptr + slot * sc_row
+            if FP8:
+                amax = tl.maximum(tl.max(tl.abs(fc), 0), tl.maximum(tl.max(tl.abs(re), 0), tl.max(tl.abs(ro), 0)))
+                sc = tl.math.div_rn(tl.maximum(amax, 1e-12), 448.0)
+                qc = tl.minimum(tl.maximum(tl.math.div_rn(fc, sc), -448.0), 448.0)
+                qe = tl.minimum(tl.maximum(tl.math.div_rn(re, sc), -448.0), 448.0)
+                qo = tl.minimum(tl.maximum(tl.math.div_rn(ro, sc), -448.0), 448.0)
+                tl.store(dst + c, qc.to(cache_ptr.dtype.element_ty), mask=cmask)
+                tl.store(dst + R + 2 * i, qe.to(cache_ptr.dtype.element_ty), mask=imask)
+                tl.store(dst + R + 2 * i + 1, qo.to(cache_ptr.dtype.element_ty), mask=imask)
+                tl.store(scale_ptr + slot, sc)
+            else:
+                tl.store(dst + c, fc.to(cache_ptr.dtype.element_ty), mask=cmask)
+                tl.store(dst + R + 2 * i, re.to(cache_ptr.dtype.element_ty), mask=imask)
+                tl.store(dst + R + 2 * i + 1, ro.to(cache_ptr.dtype.element_ty), mask=imask)
+
+
+CONFIG = {"block_elems": 4096, "num_warps": 4}
+
+
+def mla_prep_triton(q: Tensor, kv: Tensor, positions: Tensor, cache: MLACache, block_table: Tensor, cos_sin: Tensor,
+                    kv_norm_weight: Tensor, layout: DCPLayout, q_norm_weight: Tensor | None, nope: int,
+                    eps: float) -> tuple[Tensor, Tensor]:
+    """Launch; returns (q_out [T, H, nope + d_r], slots [T] int64)."""
+    t, heads, d = q.shape
+    r = cache.kv_lora_rank
+    half = (d - nope) // 2
+    q = q if q.stride(-1) == 1 else q.contiguous()
+    kv = kv if kv.stride(-1) == 1 else kv.contiguous()
+    q_out = torch.empty_like(q)
+    slots = torch.empty(t, dtype=torch.int64, device=q.device)
+    flat = cache.kv.view(-1, cache.kv.shape[-1])
+    fp8 = cache.scale is not None
+    scale = cache.scale.view(-1) if fp8 else slots
+    block_nope = triton.next_power_of_2(max(nope, 1))
+    block_h = max(1, min(triton.next_power_of_2(heads), CONFIG["block_elems"] // (block_nope + 2 * half)))
+    q_tiles = triton.cdiv(heads, block_h)
+    table = block_table if block_table.stride(-1) == 1 else block_table.contiguous()
+    if t > 0:
+        _mla_prep_kernel[(t, q_tiles + 1)](
+            q, kv, positions, table, cos_sin, q_norm_weight if q_norm_weight is not None else kv_norm_weight,
+            kv_norm_weight, q_out, flat, scale, slots,
+            heads, eps, layout.size, layout.rank, layout.interleave,
+            q.stride(0), q.stride(1), kv.stride(0), q_out.stride(0), q_out.stride(1), table.stride(0),
+            cos_sin.stride(0), flat.stride(0),
+            NOPE=nope, BLOCK_NOPE=block_nope, R=r, BLOCK_R=triton.next_power_of_2(r), HALF=half,
+            BLOCK_HALF=triton.next_power_of_2(max(half, 1)), BLOCK_H=block_h, PAGE=cache.block_size,
+            Q_NORM=q_norm_weight is not None, FP8=fp8, Q_TILES=q_tiles, num_warps=CONFIG["num_warps"])
+    return q_out, slots

@@ -1,0 +1,173 @@
+"""The split-KV paged decode kernel (TRITON_INTERPRET=1 on CPU, full size on CUDA) against the
+torch reference over gathered pages, and both against attention over the dense KV of each
+sequence (tests.helpers.reference_attention) for the DCP shards."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from parallel.cp import DCPLayout, PagedKVCache
+from parallel.cp.dcp import write_kv_slots
+from parallel.cp.paged import paged_decode_attention
+
+triton = pytest.importorskip("triton")
+
+
+@pytest.fixture(autouse=True)
+def _interpret(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+
+
+def _fill(lens, hkv, d, dv, block, size, rank, interleave, dtype, seed, device="cpu", num_blocks=None):
+    """Dense k/v per sequence and this rank's shard of them in a paged cache with a shuffled table."""
+    gen = torch.Generator().manual_seed(seed)
+    layout = DCPLayout(size=size, rank=rank, block_size=block, interleave=interleave)
+    per_seq = max(1, -(-max(lens) // (block * size)))
+    nb = num_blocks or len(lens) * per_seq + 3
+    table = torch.randperm(nb, generator=gen)[: len(lens) * per_seq].view(len(lens), per_seq).int()
+    gen = torch.Generator().manual_seed(seed + 1)       # the same k/v whatever the table
+    cache = PagedKVCache.allocate(nb, block, hkv, d, dtype=dtype, head_dim_v=dv)
+    ks, vs = [], []
+    for i, n in enumerate(lens):
+        k = torch.randn(n, hkv, d, generator=gen)
+        v = torch.randn(n, hkv, dv, generator=gen)
+        ks.append(k)
+        vs.append(v)
+        if n:
+            write_kv_slots(cache, k, v, layout.slot_mapping(torch.arange(n), table[i]))
+    to = lambda c: PagedKVCache(c.k.to(device), c.v.to(device), None if c.k_scale is None else c.k_scale.to(device),
+                                None if c.v_scale is None else c.v_scale.to(device))
+    return to(cache), table.to(device), layout, ks, vs
+
+
+def _check(a, b, atol):
+    torch.testing.assert_close(a.lse, b.lse, atol=atol, rtol=0)
+    torch.testing.assert_close(a.out, b.out, atol=atol, rtol=0)
+
+
+@pytest.mark.parametrize("hq,hkv", [(4, 4), (8, 2), (8, 1)])
+@pytest.mark.parametrize("tq", [1, 4])
+def test_kernel_matches_reference_single_rank(hq, hkv, tq):
+    lens = [1, 37, 0, 130, 5] if tq == 1 else [4, 37, 130, 9]
+    cache, table, layout, ks, vs = _fill(lens, hkv, 32, 32, 16, 1, 0, 1, torch.float32, seed=hq * 10 + tq)
+    q = torch.randn(len(lens), tq, hq, 32)
+    seq = torch.tensor(lens)
+    ref = paged_decode_attention(q, cache, table, seq, backend="torch")
+    got = paged_decode_attention(q, cache, table, seq, backend="triton")
+    _check(got, ref, 1e-4)
+    # independent check: dense causal attention of the last tq tokens over each sequence
+    for i, n in enumerate(lens):
+        if n == 0:
+            assert torch.isinf(got.lse[i]).all() and (got.lse[i] < 0).all() and (got.out[i] == 0).all()
+            continue
+        g = hq // hkv
+        k = ks[i].repeat_interleave(g, 1)                                  # [n, hq, d]
+        v = vs[i].repeat_interleave(g, 1)
+        s = torch.einsum("thd,nhd->thn", q[i], k) / math.sqrt(32)
+        pos = n - tq + torch.arange(tq)
+        s = s.masked_fill(torch.arange(n)[None, None, :] > pos[:, None, None], -math.inf)
+        torch.testing.assert_close(got.lse[i], torch.logsumexp(s, -1), atol=1e-4, rtol=0)
+        torch.testing.assert_close(got.out[i], torch.einsum("thn,nhd->thd", s.softmax(-1), v), atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("size,interleave", [(2, 1), (4, 2), (3, 4)])
+@pytest.mark.parametrize("tq", [1, 3])
+def test_kernel_dcp_shards_merge_to_full_attention(size, interleave, tq):
+    """Each rank's kernel output over its shard; the LSE merge of all ranks = dense attention."""
+    from parallel.cp import merge_attn_states
+
+    lens = [3, 70, 1, 200] if tq > 1 else [0, 70, 1, 200]
+    hq, hkv, d, dv = 8, 2, 32, 16
+    q = torch.randn(len(lens), tq, hq, d)
+    seq = torch.tensor(lens).clamp(min=tq) if tq > 1 else torch.tensor(lens)
+    states = []
+    for rank in range(size):
+        cache, table, layout, ks, vs = _fill(lens, hkv, d, dv, 8, size, rank, interleave, torch.float32, seed=7)
+        ref = paged_decode_attention(q, cache, table, seq, layout=layout, backend="torch")
+        got = paged_decode_attention(q, cache, table, seq, layout=layout, backend="triton")
+        _check(got, ref, 1e-4)
+        states.append(got)
+    merged = merge_attn_states([s.out for s in states], [s.lse for s in states], backend="torch")
+    full_cache, full_table, full_layout, _, _ = _fill(lens, hkv, d, dv, 8, 1, 0, 1, torch.float32, seed=7)
+    full = paged_decode_attention(q, full_cache, full_table, seq, backend="torch")
+    _check(merged, full, 1e-4)
+
+
+def test_kernel_splits_and_fp8_cache():
+    """Long sequences cut into several splits, fp8 cache with per-(token, head) scales."""
+    from parallel.cp import triton_decode
+
+    lens = [600, 3, 0, 1100]
+    cache, table, layout, _, _ = _fill(lens, 2, 64, 64, 16, 2, 1, 1, torch.float8_e4m3fn, seed=3)
+    assert cache.is_fp8
+    q = torch.randn(len(lens), 8, 64)
+    seq = torch.tensor(lens)
+    splits, _ = triton_decode.plan_splits(table.shape[1] * 16, len(lens) * 2, 64)
+    assert splits > 1
+    ref = paged_decode_attention(q, cache, table, seq, layout=layout, backend="torch")
+    got = paged_decode_attention(q, cache, table, seq, layout=layout, backend="triton")
+    _check(got, ref, 1e-4)
+    assert torch.isinf(got.lse[2]).all()
+
+
+def test_kernel_mla_layout_v_is_prefix_of_k():
+    """One latent 'kv head' with k = [c_kv, k_rope] (D = 80 = 64 + 16) and v = c_kv = k[..., :64]."""
+    nb, block, lens = 20, 8, [17, 40, 2]
+    gen = torch.Generator().manual_seed(5)
+    kv = torch.randn(nb, block, 1, 80, generator=gen)
+    cache = PagedKVCache(kv, kv[..., :64])
+    table = torch.randperm(nb, generator=gen)[:3 * 6].view(3, 6).int()
+    q = torch.randn(3, 16, 80, generator=gen)
+    seq = torch.tensor(lens)
+    ref = paged_decode_attention(q, cache, table, seq, scale=0.1, backend="torch")
+    got = paged_decode_attention(q, cache, table, seq, scale=0.1, backend="triton")
+    _check(got, ref, 1e-4)
+
+
+def test_auto_keeps_cpu_on_torch_and_bad_input_raises():
+    cache, table, layout, _, _ = _fill([5, 9], 2, 16, 16, 4, 1, 0, 1, torch.float32, seed=1)
+    q = torch.randn(2, 4, 16)
+    seq = torch.tensor([5, 9])
+    from parallel.cp.paged import DECODE
+
+    assert DECODE.resolve("auto", device=torch.device("cpu"), dtype=torch.float32, head_dim=16, v_head_dim=16) == "torch"
+    bad = table.clone()
+    bad[1, 0] = 99
+    with pytest.raises(ValueError, match=r"block ids \[99\] outside the cache's \[0, "):
+        paged_decode_attention(q, cache, bad, seq, backend="triton")
+    with pytest.raises(ValueError, match=r"local lengths \[40\] outside \[0, 12\]"):
+        paged_decode_attention(q, cache, table, torch.tensor([5, 40]), backend="triton")
+    with pytest.raises(ValueError, match=r"query heads \(3\) must be a multiple of the cache's kv heads \(2\)"):
+        paged_decode_attention(torch.randn(2, 3, 16), cache, table, seq)
+    with pytest.raises(ValueError, match=r"q_len \(9\) must be in \[1, 8\]"):
+        paged_decode_attention(torch.randn(2, 9, 4, 16), cache, table, torch.tensor([9, 9]))
+    with pytest.raises(ValueError, match="fp8 cache needs k_scale"):
+        fp8 = PagedKVCache.allocate(4, 4, 2, 16, dtype=torch.float8_e4m3fn)
+        fp8.k_scale = torch.ones(4, 4, 1)
+        paged_decode_attention(q, fp8, table, seq)
+    with pytest.raises(ValueError, match="seq_lens .* must be >= q_len"):
+        paged_decode_attention(torch.randn(2, 4, 4, 16), cache, table, torch.tensor([2, 9]))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("cache_dtype", [torch.bfloat16, torch.float8_e4m3fn])
+@pytest.mark.parametrize("hq,hkv,d,dv,tq", [(32, 4, 128, 128, 1), (32, 4, 128, 128, 4), (16, 1, 576, 512, 1),
+                                           (128, 1, 576, 512, 2)])
+def test_kernel_full_size_on_gpu(cache_dtype, hq, hkv, d, dv, tq, monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    lens = [8192, 1, 0, 3000, 20000, 77]
+    lens = [max(n, tq) if n else 0 for n in lens]
+    cache, table, layout, _, _ = _fill(lens, hkv, d, dv, 64, 4, 2, 1, cache_dtype, seed=11, device="cuda")
+    if dv != d:    # MLA: v is the prefix of k
+        cache = PagedKVCache(cache.k, cache.k[..., :dv], cache.k_scale, cache.k_scale)
+    q = torch.randn(len(lens), tq, hq, d, device="cuda", dtype=torch.bfloat16)
+    seq = torch.tensor(lens, device="cuda")
+    ref = paged_decode_attention(q, cache, table, seq, layout=layout, backend="torch", scale=0.07)
+    got = paged_decode_attention(q, cache, table, seq, layout=layout, backend="triton", scale=0.07)
+    finite = torch.isfinite(ref.lse)
+    assert torch.equal(finite, torch.isfinite(got.lse))
+    torch.testing.assert_close(got.lse[finite], ref.lse[finite], atol=2e-2, rtol=0)
+    torch.testing.assert_close(got.out, ref.out, atol=2e-2, rtol=0)
