@@ -1,0 +1,67 @@
+"""megapar: the installed namespace of the project's packages.
+
+The code lives in four top-level folders, `parallel`, `moe`, `model` and `launch`. Those names
+are generic: a `model.py` or `parallel.py` in the working directory would shadow them. So the
+library imports itself only as `megapar.parallel`, `megapar.moe`, `megapar.model` and
+`megapar.launch` (this package's search path is the folder that holds the four), and a stray
+file of a generic name cannot break it.
+
+The short names stay as compatibility aliases: `import parallel` (when nothing shadows it)
+gives the very module object `megapar.parallel`, and `parallel.comm` is `megapar.parallel.comm`,
+so classes and registries exist once whichever name a caller uses. A user's own package named
+`model` (or `parallel`, ...) is left alone: the aliases apply only while the short name is ours.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.abc
+import importlib.machinery
+import os
+import sys
+
+__version__ = "0.1.0"
+PACKAGES: tuple[str, ...] = ("parallel", "moe", "model", "launch")
+
+# megapar.<pkg> is found in the folder that holds the four package folders (the repository root,
+# or site-packages when installed).
+__path__ = [os.path.dirname(os.path.dirname(os.path.abspath(__file__)))]
+
+
+class _AliasLoader(importlib.abc.Loader):
+    """Loads `pkg.sub` as the already-imported `megapar.pkg.sub` (the same module object)."""
+
+    def __init__(self, canonical: str) -> None:
+        self.canonical = canonical
+
+    def create_module(self, spec: importlib.machinery.ModuleSpec):
+        return importlib.import_module(self.canonical)
+
+    def exec_module(self, module) -> None:  # the canonical module already ran
+        pass
+
+
+class _AliasFinder(importlib.abc.MetaPathFinder):
+    """Maps `pkg.sub...` to `megapar.pkg.sub...` while `sys.modules[pkg]` is `megapar.pkg`."""
+
+    def find_spec(self, name: str, path=None, target=None):
+        top, dot, _ = name.partition(".")
+        if not dot or top not in PACKAGES:
+            return None
+        ours = sys.modules.get(f"megapar.{top}")
+        if ours is None or sys.modules.get(top) is not ours:
+            return None  # the short name is someone else's package: leave it alone
+        canonical = f"megapar.{name}"
+        return importlib.machinery.ModuleSpec(name, _AliasLoader(canonical),
+                                              is_package=hasattr(importlib.import_module(canonical), "__path__"))
+
+
+if not any(isinstance(f, _AliasFinder) for f in sys.meta_path):
+    sys.meta_path.insert(0, _AliasFinder())
+
+
+def alias_short_name(name: str) -> None:
+    """Called first thing by each package's `__init__`: imported under its short name (`parallel`),
+    it makes that name the alias of `megapar.parallel`; imported as `megapar.parallel`, nothing."""
+    if name in PACKAGES:
+        sys.modules[name] = importlib.import_module(f"megapar.{name}")
