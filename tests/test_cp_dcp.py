@@ -231,6 +231,36 @@ def test_bad_tables_on_cuda_give_nan_rows_without_host_sync():
     torch.testing.assert_close(out[0].double().cpu(), ref[0], rtol=0, atol=1e-5)
 
 
+@pytest.mark.gpu
+def test_decode_with_its_checks_is_cuda_graph_capturable():
+    lens0 = [5, 3]
+    cache = PagedKVCache.allocate(4, 4, 1, 8, dtype=torch.float32, device="cuda")
+    q, ks, vs = _sequences(10, lens0, 2, 1, 8, 8)
+    table = torch.tensor([[0, 1], [2, -1]], dtype=torch.int32, device="cuda")
+    for s, n in enumerate(lens0):
+        dcp_kv_insert(cache, ks[s].cuda(), vs[s].cuda(), torch.arange(n, device="cuda"), table[s])
+    q, lens = q.cuda(), torch.tensor(lens0, device="cuda")
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        dcp_decode_attention(q, cache, table, lens)                 # warm-up outside the capture
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = dcp_decode_attention(q, cache, table, lens)
+    for new in ([4, 2], [5, 7]):                                    # 7 uses the -1 block: a NaN row
+        lens.copy_(torch.tensor(new))
+        graph.replay()
+        torch.cuda.synchronize()
+        ref = reference_attention(q[0:1].cpu(), ks[0][:new[0]], vs[0][:new[0]], causal=False)[0]
+        torch.testing.assert_close(out[0].double().cpu(), ref[0], rtol=0, atol=1e-5)
+        if new[1] <= 3:
+            ref = reference_attention(q[1:2].cpu(), ks[1][:new[1]], vs[1][:new[1]], causal=False)[0]
+            torch.testing.assert_close(out[1].double().cpu(), ref[0], rtol=0, atol=1e-5)
+        else:
+            assert torch.isnan(out[1]).all()
+
+
 # ---------------------------------------------------------------------------------------------
 # DCP x PCP on 4 gloo ranks (tp 2, pcp 2, dcp 2): the cache is sharded 4-way as in vLLM
 

@@ -334,10 +334,10 @@ def dcp_decode_attention(q: Tensor, cache: PagedKVCache, block_table: Tensor, se
     heads (N * Hq_local) must be a multiple of the cache's kv heads. block_table: [S, max_blocks]
     int; seq_lens: [S] int global lengths (including the token being decoded, already inserted).
     comm: "ag_rs" (all-gather LSE + reduce-scatter) or "a2a" (all-to-all + local merge).
-    same_heads: every rank of the group holds the SAME query heads (DCP carved from PCP, so the
-    ranks differ only in which tokens their cache holds); each rank's Hq_local heads then map
-    onto the cache's kv heads by themselves. False (vLLM's TP-carved DCP): the group's gathered
-    heads are consecutive global heads sharing the cache's kv heads.
+    same_heads: every rank of `group` holds the SAME query heads (e.g. PCP peers passed as the
+    group, so the ranks differ only in which tokens their cache holds); each rank's Hq_local
+    heads then map onto the cache's kv heads by themselves. False (vLLM's TP-carved DCP): the
+    group's gathered heads are consecutive global heads sharing the cache's kv heads.
     pcp_group: with PCP > 1, the PCP group; the cache is then sharded over pcp * dcp ranks
     (vLLM's total_cp_rank) and the partial results are merged over both groups. None: the
     cache is sharded over `group` alone.
