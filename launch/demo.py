@@ -20,7 +20,8 @@ bad arguments, 3 when the job itself failed (a rank raised, died or timed out: o
 the rank, no traceback of the launcher). Each phase is printed as it happens.
 
 Unset layout flags: tp 2, pcp 2, dcp 2 when none of them is given and 4 divides the world
-size, else 1. The batch defaults to 2 prompts per data-parallel replica. The printed timings
+size, else 1 (the KV cache is then sharded over pcp x dcp = 4 ranks, as in vLLM). KV heads
+default to 2, or tp // dcp when dcp > 1 (DCP is carved from TP: a group shares one KV head). The batch defaults to 2 prompts per data-parallel replica. The printed timings
 are rank 0's: phases between barriers, and per primitive (see model/profile.py).
 """
 
@@ -341,7 +342,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--layers", type=int, default=2, help="transformer layers (attention + MoE each)")
     p.add_argument("--hidden", type=int, default=64, help="hidden size (a multiple of the quant block, 32 for mxfp4)")
     p.add_argument("--heads", type=int, default=4, help="query heads (split over TP)")
-    p.add_argument("--kv-heads", type=int, default=2, help="KV heads (GQA; replicated when fewer than tp)")
+    p.add_argument("--kv-heads", type=int, default=None,
+                   help="KV heads (GQA; replicated when fewer than tp). Default 2, or tp // dcp when dcp > 1 "
+                        "(a DCP group, carved from TP, shares one KV head)")
     p.add_argument("--experts", type=int, default=8, help="routed experts (split over EP)")
     p.add_argument("--top-k", type=int, default=2, help="experts per token")
     p.add_argument("--vocab", type=int, default=512, help="vocabulary (split over TP in the lm_head)")
@@ -372,7 +375,8 @@ def spec_from_args(args: argparse.Namespace, world_size: int) -> DemoSpec:
     pcfg = ParallelConfig(world_size=world_size, tp=tp, pcp=pcp, dcp=dcp, dp=args.dp, ep=args.ep,
                           sequence_parallel=args.sp)
     cfg = ModelConfig(vocab=args.vocab, hidden=args.hidden, layers=args.layers, heads=args.heads,
-                      kv_heads=args.kv_heads, experts=args.experts, top_k=args.top_k, quant=args.quant)
+                      kv_heads=args.kv_heads if args.kv_heads is not None else (tp // dcp if dcp > 1 else 2),
+                      experts=args.experts, top_k=args.top_k, quant=args.quant)
     replicas = pcfg.dp * pcfg.ext_dp
     batch = args.batch if args.batch is not None else 2 * replicas
     redundant = args.eplb

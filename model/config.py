@@ -12,12 +12,10 @@ decisions (a top-k choice is discontinuous) and make the check meaningless.
 `check_layout(cfg, pcfg)` raises ValueError for layouts the model cannot run, naming the
 values and the valid choices: heads over TP, KV-head replication, vocab over TP, and DCP
 groups that must hold the same KV heads (the ranks of a group split the tokens of one cache).
-DCP carved from TP (pcp == 1) then needs vLLM's GQA rule: kv_heads < tp and dcp divides the
-tp // kv_heads ranks replicating each KV head, so every rank holds one KV head and the group's
-gathered query heads all map onto it (`same_heads=False`). DCP carved from PCP keeps a group on
-one TP rank when dcp divides pcp: its ranks hold the same query and KV heads (`same_heads=True`,
-any number of KV heads per rank). A group spanning TP ranks with pcp > 1 again needs one shared
-KV head.
+DCP is carved from TP (vLLM's layout, whatever pcp is), so it needs vLLM's GQA rule: kv_heads <
+tp and dcp divides the tp // kv_heads ranks replicating each KV head, so every rank holds one KV
+head and the group's gathered query heads all map onto it. PCP peers share their TP rank, hence
+their heads (any number of KV heads per rank when dcp == 1).
 """
 
 from __future__ import annotations
@@ -168,7 +166,7 @@ def check_layout(cfg: ModelConfig, pcfg: ParallelConfig, *, prompt_len: int | No
     if mixed is not None:
         group, held = mixed
         valid = []
-        for d in _divisors(tp * pcfg.pcp):
+        for d in _divisors(tp):
             try:
                 other = ParallelConfig(world_size=pcfg.world_size, tp=tp, pp=pcfg.pp, pcp=pcfg.pcp, dcp=d,
                                        dp=pcfg.dp, ep=pcfg.ep)
@@ -176,12 +174,8 @@ def check_layout(cfg: ModelConfig, pcfg: ParallelConfig, *, prompt_len: int | No
                 continue
             if _dcp_group_with_mixed_kv_heads(cfg, other) is None:
                 valid.append(d)
-        if pcfg.pcp == 1:
-            rule = (f"DCP carved from TP needs kv_heads < tp and (tp // kv_heads) % dcp == 0 (vLLM's GQA rule; "
-                    f"tp {tp}, kv_heads {cfg.kv_heads})")
-        else:
-            rule = (f"With pcp > 1, pcp % dcp == 0 keeps each DCP group on one TP rank (pcp {pcfg.pcp}); a group "
-                    f"spanning TP ranks needs them to share one KV head (kv_heads {cfg.kv_heads}, tp {tp})")
+        rule = (f"DCP carved from TP needs kv_heads < tp and (tp // kv_heads) % dcp == 0 (vLLM's GQA rule; "
+                f"tp {tp}, kv_heads {cfg.kv_heads})")
         raise ValueError(f"dcp ({pcfg.dcp}) group {group} holds different KV heads {held}: the ranks of a DCP group "
                          f"split the tokens of the same KV heads. {rule}. valid dcp: {valid}")
     if prompt_len is not None:

@@ -10,10 +10,11 @@ Where each token lives (per data-parallel replica; replicas split the batch):
   [B, S/P] tokens, replicated over its TP group (or, with sequence parallelism, split over TP
   between the TP linears: the column linear all-gathers them, the row linear reduce-scatters).
   Attention is `ring_attention` over PCP (positions for RoPE from `zigzag_positions`). The K/V
-  of the prompt is all-gathered over PCP and written into the DCP-sharded paged cache (each DCP
-  rank keeps the positions it owns).
+  of the prompt is all-gathered over PCP and written into the paged cache, sharded (vLLM's
+  layout) over the pcp * dcp ranks of a DCP group and its PCP peers: each keeps the positions it
+  owns.
 - Decode: the B new tokens are replicated on every rank of the replica; attention inserts
-  their K/V into the cache and runs `dcp_decode_attention` over the DCP group.
+  their K/V into the cache and runs `dcp_decode_attention` over the DCP group, merged over PCP.
 - MoE: the tokens replicated over TP are cut into TP shards (`sp_shard`, padding masked out of
   routing), each rank routes and dispatches its shard over the EP group, and the outputs are
   all-gathered over TP; with sequence parallelism the shard is already there. In decode, PCP
@@ -24,12 +25,9 @@ Where each token lives (per data-parallel replica; replicas split the batch):
 KV heads: split over TP when kv_heads >= tp; otherwise each is replicated on tp // kv_heads
 ranks by repeating its rows in the full wk/wv before the column split (vLLM's rule). Each rank
 keeps ONE `PagedKVCache` holding its local KV heads, and a decode step is one
-`dcp_decode_attention` call. Every rank of a DCP group holds the same KV heads (`check_layout`).
-When the group's ranks also share their TP rank (DCP carved from PCP) they hold the same query
-heads too, and `same_heads=True` maps each rank's heads onto the cache's KV heads by themselves;
-when the group spans TP ranks (carved from TP, or from PCP x TP with dcp > pcp) the ranks hold
-different query heads over one shared KV head, and the gathered heads all map onto it
-(`same_heads=False`).
+`dcp_decode_attention` call. Every rank of a DCP group holds the same KV heads (`check_layout`):
+DCP is carved from TP, so its ranks hold different query heads over one shared KV head, and the
+gathered heads all map onto it. PCP peers share their TP rank, hence all their heads.
 
 mHC between sublayers: `mhc_post_pre` fuses one sublayer's mHC post with the next one's pre
 (attention -> MoE inside a layer, MoE -> the next layer's attention); the first pre and the
@@ -53,7 +51,6 @@ from moe import MoELayer
 from parallel import comm
 from parallel.cp import ContextParallelAttention, PagedKVCache
 from parallel.groups import ParallelGroups
-from parallel.layout import coords
 from parallel.sp import ColumnParallelLinear, RowParallelLinear, sp_all_gather, sp_local_tokens, sp_shard
 from parallel.ubatch import UBatchRunner
 
@@ -107,8 +104,6 @@ class Attention(nn.Module):
         self.qkv = ColumnParallelLinear(cfg.hidden, [cfg.heads * d, kv_rows, kv_rows], tp, **kw)
         self.wo = RowParallelLinear(cfg.heads * d, cfg.hidden, tp, **kw)
         self.cp = ContextParallelAttention(groups)
-        # DCP carved from PCP: the group's ranks share one TP rank, hence the same query heads.
-        self.dcp_same_heads = len({coords(groups.config, r)["tp"] for r in groups.dcp.ranks}) == 1
         self.cache: PagedKVCache | None = None
 
     def load_full(self, state: dict[str, torch.Tensor], prefix: str) -> None:
@@ -167,8 +162,8 @@ class Attention(nn.Module):
             k = apply_rope(k, positions, self.cfg.rope_theta)
         with self.timer.span("attn.kv_insert"):
             self.cp.insert_kv(self.cache, k, v, positions, block_table)
-        with self.timer.span("attn.dcp" if self.groups.dcp.size > 1 else "attn.paged"):
-            o = self.cp.decode(q, self.cache, block_table, positions + 1, same_heads=self.dcp_same_heads)
+        with self.timer.span("attn.dcp" if self.cp.kv_shards > 1 else "attn.paged"):
+            o = self.cp.decode(q, self.cache, block_table, positions + 1)
         return self._output(o.reshape(batch, -1), padded_rows)
 
 
@@ -350,8 +345,8 @@ class DemoModel(nn.Module):
             return comm.all_gather_uneven(local.contiguous(), self.groups.tp, dim=-1)
 
     def allocate_cache(self, batch: int, max_len: int) -> None:
-        """Paged KV cache for `batch` sequences of up to `max_len` tokens, sharded over DCP."""
-        per_virtual_block = self.block_size * self.groups.dcp.size
+        """Paged KV cache for `batch` sequences of up to `max_len` tokens, sharded over pcp * dcp ranks."""
+        per_virtual_block = self.block_size * self.layers[0].attn.cp.kv_shards
         blocks_per_seq = -(-max_len // per_virtual_block)
         self.block_table = torch.arange(batch * blocks_per_seq, device=self.device).view(batch, blocks_per_seq)
         self.max_len = max_len

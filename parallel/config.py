@@ -1,7 +1,7 @@
 """ParallelConfig: the sizes of every parallel axis, validated before any group exists.
 
 Ranks form the grid `ExtDP x DP x PP x PCP x TP` (TP fastest, vLLM's order). DCP is carved
-out of the TP ranks (PCP x TP when PCP > 1) and adds no ranks; EP spans the DP x PCP x TP
+out of the TP ranks (contiguous sub-blocks, `tp % dcp == 0`, as in vLLM) and adds no ranks; EP spans the DP x PCP x TP
 ranks of one PP stage unless a smaller `ep` dividing it is given. Pure: no torch.distributed.
 """
 
@@ -31,7 +31,8 @@ class ParallelConfig:
     pcp: int = 1
     """Prefill context-parallel size (ring attention over tokens)."""
     dcp: int = 1
-    """Decode context-parallel size, carved out of the TP (x PCP) ranks; adds no ranks."""
+    """Decode context-parallel size, carved out of the TP ranks (must divide tp); adds no ranks.
+    With pcp > 1 the KV cache is sharded over pcp * dcp ranks."""
     dp: int | None = None
     """Data-parallel size; default world_size // (tp * pp * pcp)."""
     ep: int | None = None
@@ -60,12 +61,9 @@ class ParallelConfig:
             raise ValueError(
                 f"dp ({dp}) x tp ({tp}) x pp ({pp}) x pcp ({pcp}) = {dp * model} must divide world_size "
                 f"({world_size}); valid dp: {_fmt(valid)}")
-        dcp_pool = tp * pcp
-        if dcp_pool % dcp != 0:
-            raise ValueError(
-                f"dcp ({dcp}) must divide tp ({tp}) x pcp ({pcp}) = {dcp_pool}; valid dcp: {_fmt(_divisors(dcp_pool))}")
-        if pcp == 1 and tp % dcp != 0:
-            raise ValueError(f"dcp ({dcp}) must divide tp ({tp}); valid dcp: {_fmt(_divisors(tp))}")
+        if tp % dcp != 0:   # vLLM's rule, whatever pcp is: DCP groups are sub-blocks of a TP group
+            raise ValueError(f"dcp ({dcp}) must divide tp ({tp}) (DCP groups are carved out of TP groups; "
+                             f"pcp {pcp} adds KV shards, not DCP ranks); valid dcp: {_fmt(_divisors(tp))}")
         stage = dp * pcp * tp
         if ep is None:
             ep = stage

@@ -3,8 +3,10 @@
 vLLM-compatible: `grid = arange(world).reshape(ext_dp, dp, pp, pcp, tp)`; the groups of one
 axis come from swapping that axis with the last one and reshaping to `(-1, size)` (vLLM's
 `transpose(axis, 4)`, which fixes the order in which groups are listed).
-DCP: contiguous sub-blocks of each TP group when pcp == 1; with pcp > 1 the PCP x TP block of
-each (dp, pp) cell is walked PCP-first and cut into contiguous DCP groups.
+DCP (vLLM's rule, whatever PCP is): `grid.reshape(-1, dcp)`, contiguous sub-blocks of each TP
+group (`tp % dcp == 0`). With PCP > 1 the KV cache is sharded over the `pcp * dcp` ranks of a
+DCP group and its PCP peers ("cp" below), `total_cp_rank = pcp_rank * dcp + dcp_rank`
+(docs/numerics.md §8); those ranks, in that order, are ascending, so "cp" is a rank list too.
 Every group's rank list is ascending, which is the order torch.distributed gives a new group's
 ranks (older torch has no way to ask for another), so a rank's index in the list is its rank
 in the communicator.
@@ -19,6 +21,8 @@ import torch
 from .config import ParallelConfig
 
 AXES = ("tp", "dcp", "pcp", "pp", "dp", "ep", "edp")
+CP_AXES = ("cp",)
+"""Derived rank lists `rank_groups(cfg, derived=True)` adds: "cp" = the ranks sharing one KV cache."""
 _GRID_DIM = {"dp": 1, "pp": 2, "pcp": 3, "tp": 4}
 
 
@@ -31,20 +35,25 @@ def _axis_groups(grid: torch.Tensor, dim: int) -> torch.Tensor:
     return grid.transpose(dim, 4).reshape(-1, grid.shape[dim])
 
 
-def rank_groups(cfg: ParallelConfig) -> dict[str, list[list[int]]]:
-    """Rank lists per axis: keys tp, dcp, pcp, pp, dp, ep, edp. Each axis partitions the world."""
+def rank_groups(cfg: ParallelConfig, *, derived: bool = False) -> dict[str, list[list[int]]]:
+    """Rank lists per axis: keys tp, dcp, pcp, pp, dp, ep, edp. Each axis partitions the world.
+
+    derived: also "cp", the `pcp * dcp` ranks sharing one KV cache, listed in total_cp_rank order."""
     grid = rank_grid(cfg)
     out: dict[str, list[list[int]]] = {}
     for axis, dim in _GRID_DIM.items():
         out[axis] = _axis_groups(grid, dim).tolist()
-    # DCP: PCP x TP block of each (ext, dp, pp) cell, PCP-fastest, cut into dcp-sized pieces.
-    cp_block = grid.transpose(3, 4) if cfg.pcp > 1 else grid
-    out["dcp"] = cp_block.reshape(-1, cfg.dcp).sort(dim=1).values.tolist()
+    # DCP: contiguous dcp-sized pieces of every TP group (vLLM: all_ranks.reshape(-1, dcp)).
+    out["dcp"] = grid.reshape(-1, cfg.dcp).tolist()
     # EP: the dp x pcp x tp ranks of one pp stage, in rank order, cut into contiguous ep blocks.
     stage = grid.transpose(1, 2).reshape(-1, cfg.dp * cfg.pcp * cfg.tp)
     ep_blocks = stage.reshape(stage.shape[0], -1, cfg.ep)          # [stages, edp, ep]
     out["ep"] = ep_blocks.reshape(-1, cfg.ep).tolist()
     out["edp"] = ep_blocks.transpose(1, 2).reshape(-1, cfg.edp).tolist()
+    if derived:   # [.., pcp, tp/dcp, dcp] -> (tp/dcp) blocks of pcp x dcp ranks, pcp-major
+        cp = grid.reshape(*grid.shape[:3], cfg.pcp, cfg.tp // cfg.dcp, cfg.dcp).transpose(3, 4)
+        out["cp"] = cp.reshape(-1, cfg.pcp * cfg.dcp).tolist()
+        return {axis: out[axis] for axis in AXES + CP_AXES}
     return {axis: out[axis] for axis in AXES}
 
 
@@ -57,7 +66,8 @@ def group_of(groups: list[list[int]], rank: int) -> list[int]:
 
 
 def coords(cfg: ParallelConfig, rank: int) -> dict[str, int]:
-    """Position of `rank` on every axis: grid coordinates plus its index in its dcp/ep/edp group."""
+    """Position of `rank` on every axis: grid coordinates plus its index in its dcp/ep/edp group,
+    and "cp" = total_cp_rank = pcp * dcp + dcp_rank, its shard of the KV cache."""
     if not 0 <= rank < cfg.world_size:
         raise ValueError(f"rank ({rank}) must be in [0, {cfg.world_size})")
     tp = rank % cfg.tp
@@ -70,13 +80,8 @@ def coords(cfg: ParallelConfig, rank: int) -> dict[str, int]:
     stage_pos = (dp * cfg.pcp + pcp) * cfg.tp + tp
     out["ep"] = stage_pos % cfg.ep
     out["edp"] = stage_pos // cfg.ep
-    if cfg.pcp > 1:   # members of our dcp group: consecutive PCP-first positions of the block
-        cp_pos = tp * cfg.pcp + pcp
-        first = cp_pos - cp_pos % cfg.dcp
-        members = sorted((p % cfg.pcp) * cfg.tp + p // cfg.pcp for p in range(first, first + cfg.dcp))
-        out["dcp"] = members.index(pcp * cfg.tp + tp)
-    else:
-        out["dcp"] = tp % cfg.dcp
+    out["dcp"] = tp % cfg.dcp
+    out["cp"] = pcp * cfg.dcp + out["dcp"]
     return out
 
 

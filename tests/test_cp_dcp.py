@@ -1,11 +1,13 @@
-"""DCP layout helpers against a brute-force assignment, the paged cache, and single-rank decode
-(the multi-rank decode runs in test_cp_dist.py)."""
+"""DCP layout helpers against a brute-force assignment, the paged cache, single-rank decode, bad
+tables (errors, never another sequence's data), and DCP x PCP decode on 4 gloo ranks in vLLM's
+layout (the other multi-rank decode cases run in test_cp_dist.py)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
+from launch.local import launch_local
 from parallel.cp import ContextParallelAttention, DCPLayout, PagedKVCache, dcp_decode_attention, dcp_kv_insert
 from tests.helpers import reference_attention
 
@@ -159,3 +161,157 @@ def test_module_without_groups_attends_within_each_packed_sequence(ring_variant)
         attn.positions(16, cu_seqlens=cu)
     with pytest.raises(ValueError, match="must start at 0"):
         attn(q, k, v, cu_seqlens=[1, 15])
+
+
+# ---------------------------------------------------------------------------------------------
+# bad tables: errors on CPU, and masked positions never read another sequence's data
+
+
+@pytest.mark.parametrize("cache_dtype,poison", [(torch.float32, "kv"), (torch.float8_e4m3fn, "scale")])
+def test_masked_positions_never_read_another_sequences_data(cache_dtype, poison):
+    # sequence 0 owns block 0 and holds NaN / inf there; sequence 1 is shorter than the table's width,
+    # so its masked positions point at slot 0 (the old code read them with weight 0: 0 x NaN = NaN)
+    lens = [8, 3]
+    q, ks, vs = _sequences(5, lens, 2, 1, 8, 8)
+    cache = PagedKVCache.allocate(4, 4, 1, 8, dtype=cache_dtype)
+    table = torch.tensor([[0, 1], [2, 3]], dtype=torch.int32)
+    for s, n in enumerate(lens):
+        dcp_kv_insert(cache, ks[s], vs[s], torch.arange(n), table[s])
+    if poison == "kv":
+        cache.v[0, 0] = float("nan")
+        cache.k[0, 1] = float("inf")
+    else:
+        cache.v_scale[0, 0] = float("nan")
+        cache.k_scale[0, 1] = float("inf")
+    out, lse = dcp_decode_attention(q, cache, table, torch.tensor(lens), return_lse=True)
+    ref_out, ref_lse = reference_attention(q[1:2], ks[1], vs[1], causal=False)
+    atol = 1e-6 if cache_dtype == torch.float32 else 8e-2
+    torch.testing.assert_close(out[1].double(), ref_out[0], rtol=0, atol=atol)
+    torch.testing.assert_close(lse[1].double(), ref_lse[0], rtol=0, atol=atol)
+    assert not torch.isfinite(out[0]).all()            # the poisoned sequence itself does see its NaN
+
+
+def test_bad_block_tables_and_lengths_raise_naming_the_values():
+    cache = PagedKVCache.allocate(4, 4, 1, 8, dtype=torch.float32)
+    q = torch.randn(2, 2, 8)
+    k = torch.randn(5, 1, 8)
+    good = torch.tensor([[0, 1], [2, -1]], dtype=torch.int32)   # -1 past a sequence's used blocks is fine
+    dcp_kv_insert(cache, k, k, torch.arange(5), good[0])
+    dcp_kv_insert(cache, k[:3], k[:3], torch.arange(3), good[1])
+    dcp_decode_attention(q, cache, good, torch.tensor([5, 3]))
+    with pytest.raises(ValueError, match=r"block id -1 of positions\[0\] = 4 .*outside the cache's blocks \[0, 4\)"):
+        dcp_kv_insert(cache, k[:1], k[:1], torch.tensor([4]), good[1])      # -1 in the used part: was skipped
+    with pytest.raises(ValueError, match=r"block id 7 of positions\[1\] = 5 .*\[0, 4\)"):
+        dcp_kv_insert(cache, k[:2], k[:2], torch.tensor([0, 5]), torch.tensor([[0, 1], [0, 7]]))
+    with pytest.raises(ValueError, match=r"positions\[0\] = 8 is outside the block table.*= 8\)"):
+        dcp_kv_insert(cache, k[:1], k[:1], torch.tensor([8]), good[0])
+    with pytest.raises(ValueError, match=r"positions\[0\] = -1 is outside the block table"):
+        dcp_kv_insert(cache, k[:1], k[:1], torch.tensor([-1]), good[0])
+    with pytest.raises(ValueError, match=r"block_table\[1, 1\] = -1 is outside the cache's blocks \[0, 4\)"):
+        dcp_decode_attention(q, cache, good, torch.tensor([5, 5]))         # was: read the last block
+    with pytest.raises(ValueError, match=r"block_table\[0, 0\] = 4 is outside"):
+        dcp_decode_attention(q, cache, torch.tensor([[4, 1], [2, 3]]), torch.tensor([1, 1]))
+    with pytest.raises(ValueError, match=r"seq_lens must be >= 0; seq_lens\[1\] = -2"):
+        dcp_decode_attention(q, cache, good, torch.tensor([5, -2]))
+    with pytest.raises(ValueError, match=r"seq_lens\[0\] = 9 exceeds the block table's capacity: 2 blocks x 4 tokens"):
+        dcp_decode_attention(q, cache, good, torch.tensor([9, 3]))
+
+
+@pytest.mark.gpu
+def test_bad_tables_on_cuda_give_nan_rows_without_host_sync():
+    cache = PagedKVCache.allocate(4, 4, 1, 8, dtype=torch.float32, device="cuda")
+    q, ks, vs = _sequences(9, [5, 3, 2], 2, 1, 8, 8)
+    table = torch.tensor([[0, 1], [2, -1], [3, -1]], dtype=torch.int32, device="cuda")
+    for s, n in enumerate([5, 3, 2]):
+        dcp_kv_insert(cache, ks[s].cuda(), vs[s].cuda(), torch.arange(n, device="cuda"), table[s])
+    lens = torch.tensor([5, 7, -1], device="cuda")     # seq 1 uses the -1 block, seq 2 is negative
+    out = dcp_decode_attention(q.cuda(), cache, table, lens)
+    assert torch.isnan(out[1:]).all()
+    ref = reference_attention(q[0:1], ks[0], vs[0], causal=False)[0]
+    torch.testing.assert_close(out[0].double().cpu(), ref[0], rtol=0, atol=1e-5)
+
+
+@pytest.mark.gpu
+def test_decode_with_its_checks_is_cuda_graph_capturable():
+    lens0 = [5, 3]
+    cache = PagedKVCache.allocate(4, 4, 1, 8, dtype=torch.float32, device="cuda")
+    q, ks, vs = _sequences(10, lens0, 2, 1, 8, 8)
+    table = torch.tensor([[0, 1], [2, -1]], dtype=torch.int32, device="cuda")
+    for s, n in enumerate(lens0):
+        dcp_kv_insert(cache, ks[s].cuda(), vs[s].cuda(), torch.arange(n, device="cuda"), table[s])
+    q, lens = q.cuda(), torch.tensor(lens0, device="cuda")
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        dcp_decode_attention(q, cache, table, lens)                 # warm-up outside the capture
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = dcp_decode_attention(q, cache, table, lens)
+    for new in ([4, 2], [5, 7]):                                    # 7 uses the -1 block: a NaN row
+        lens.copy_(torch.tensor(new))
+        graph.replay()
+        torch.cuda.synchronize()
+        ref = reference_attention(q[0:1].cpu(), ks[0][:new[0]], vs[0][:new[0]], causal=False)[0]
+        torch.testing.assert_close(out[0].double().cpu(), ref[0], rtol=0, atol=1e-5)
+        if new[1] <= 3:
+            ref = reference_attention(q[1:2].cpu(), ks[1][:new[1]], vs[1][:new[1]], causal=False)[0]
+            torch.testing.assert_close(out[1].double().cpu(), ref[0], rtol=0, atol=1e-5)
+        else:
+            assert torch.isnan(out[1]).all()
+
+
+# ---------------------------------------------------------------------------------------------
+# DCP x PCP on 4 gloo ranks (tp 2, pcp 2, dcp 2): the cache is sharded 4-way as in vLLM
+
+
+def _cp_layout_rank(rank: int) -> str:
+    torch.set_num_threads(1)
+    from parallel import ParallelConfig, init_parallel
+    from parallel.layout import coords
+
+    cfg = ParallelConfig(world_size=4, tp=2, pcp=2, dcp=2)
+    groups = init_parallel(cfg)
+    assert groups.dcp.ranks == ((0, 1) if rank < 2 else (2, 3)) and groups.pcp.ranks == ((0, 2) if rank % 2 == 0 else (1, 3))
+    total = groups.pcp.rank * 2 + groups.dcp.rank                  # vLLM's total_cp_rank
+    assert coords(cfg, rank)["cp"] == total
+    d, dv, block = 8, 6, 4
+    for i, (interleave, comm, hkv, lens) in enumerate([(1, "ag_rs", 1, [1, 6, 17]), (2, "a2a", 2, [3, 32, 9]),
+                                                      (4, "ag_rs", 1, [16, 5])]):
+        gen = torch.Generator().manual_seed(40 + i)
+        hq = 4                                                       # 2 per DCP rank; PCP peers hold the same
+        q = torch.randn(len(lens), hq, d, generator=gen)
+        ks = [torch.randn(n, hkv, d, generator=gen) for n in lens]
+        vs = [torch.randn(n, hkv, dv, generator=gen) for n in lens]
+        width = max(-(-n // (block * 4)) for n in lens)
+        table = torch.randperm(len(lens) * width, generator=gen).view(len(lens), width)
+        cache = PagedKVCache.allocate(len(lens) * width, block, hkv, d, head_dim_v=dv, dtype=torch.float32)
+        attn = ContextParallelAttention(groups, interleave=interleave, dcp_comm=comm)
+        assert attn.kv_shards == 4
+        for s, n in enumerate(lens):
+            attn.insert_kv(cache, ks[s], vs[s], torch.arange(n), table[s])
+        # this rank holds exactly vLLM's tokens: p with (p % (B*N)) // I % N == total_cp_rank
+        flat = cache.k.view(-1, hkv, d)
+        for s, n in enumerate(lens):
+            for p in range(n):
+                o = p % (block * 4)
+                if (o // interleave) % 4 == total:
+                    slot = int(table[s, p // (block * 4)]) * block + (o // (4 * interleave)) * interleave + o % interleave
+                    assert torch.equal(flat[slot], ks[s][p]), (rank, s, p)
+        held = sum(sum(1 for p in range(n) if ((p % (block * 4)) // interleave) % 4 == total) for n in lens)
+        assert int((cache.k.abs().sum((-1, -2)) > 0).sum()) == held, (rank, held)
+        mine = slice(groups.dcp.rank * 2, groups.dcp.rank * 2 + 2)
+        out, lse = dcp_decode_attention(q[:, mine].contiguous(), cache, table, torch.tensor(lens), groups.dcp,
+                                        interleave=interleave, comm=comm, return_lse=True, pcp_group=groups.pcp)
+        via_module = attn.decode(q[:, mine].contiguous(), cache, table, torch.tensor(lens))
+        assert torch.equal(via_module, out)
+        for s in range(len(lens)):
+            ref_out, ref_lse = reference_attention(q[s:s + 1], ks[s], vs[s], causal=False)
+            err = max((out[s].double() - ref_out[0, mine]).abs().max().item(),
+                      (lse[s].double() - ref_lse[0, mine]).abs().max().item())
+            assert err < 2e-6, (rank, i, s, err)
+    return "ok"
+
+
+def test_dcp_with_pcp_shards_the_cache_over_pcp_times_dcp_ranks_on_gloo():
+    assert launch_local(_cp_layout_rank, 4, timeout=180) == ["ok"] * 4

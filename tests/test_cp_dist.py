@@ -127,11 +127,12 @@ def _fill_cache(cache, attn_insert, ks, vs, table, split_last: bool) -> None:
                             table[s].expand(hi - lo, -1))
 
 
-def _check_dcp(groups, case, seed: int, device: torch.device, tol: float, same_heads: bool = False) -> None:
+def _check_dcp(group, case, seed: int, device: torch.device, tol: float, same_heads: bool = False) -> None:
+    """dcp_decode_attention over `group` (any group of ranks sharding one cache)."""
     from parallel.cp import PagedKVCache, dcp_decode_attention, dcp_kv_insert
 
     interleave, block, lens, hl, hkv, comm, cache_dtype, atol = case
-    rank, size = groups.dcp.rank, groups.dcp.size
+    rank, size = group.rank, group.size
     gen = torch.Generator().manual_seed(seed)
     d, dv = 8, 6
     q = torch.randn(len(lens), hl * (1 if same_heads else size), d, generator=gen)
@@ -143,12 +144,12 @@ def _check_dcp(groups, case, seed: int, device: torch.device, tol: float, same_h
     table = ids[: len(lens) * width].view(len(lens), width).to(torch.int32)
     cache = PagedKVCache.allocate(len(lens) * width + 3, block, hkv, d, head_dim_v=dv, dtype=cache_dtype,
                                   device=device)
-    insert = lambda c, k, v, p, t: dcp_kv_insert(c, k.to(device), v.to(device), p, t, groups.dcp,
+    insert = lambda c, k, v, p, t: dcp_kv_insert(c, k.to(device), v.to(device), p, t, group,
                                                  interleave=interleave)
     _fill_cache(cache, insert, ks, vs, table.to(device), split_last=True)
     mine = slice(0, hl) if same_heads else slice(rank * hl, (rank + 1) * hl)
     out, lse = dcp_decode_attention(q[:, mine].contiguous().to(device), cache, table.to(device),
-                                    torch.tensor(lens, device=device), groups.dcp, interleave=interleave, comm=comm,
+                                    torch.tensor(lens, device=device), group, interleave=interleave, comm=comm,
                                     return_lse=True, same_heads=same_heads)
     for s, n in enumerate(lens):
         ref_out, ref_lse = reference_attention(q[s:s + 1], ks[s], vs[s], causal=False)
@@ -188,15 +189,13 @@ def _check_module(groups, seed: int, device: torch.device, tol: float) -> None:
                              for a, b in zip(cu[:-1], cu[1:])])
         _close(out, ref_out[mine], ATOL * tol, f"rank {rank} module varlen {variant} causal={causal}")
         _close(packed.unshard(out, cu_seqlens=cu), ref_out, ATOL * tol, f"rank {rank} module varlen unshard")
-    # decode: the module's DCP group shards the cache; each rank decodes its own heads
+    # decode: with pcp > 1 the module shards the cache over pcp x dcp ranks (vLLM); PCP peers share heads
     cache = PagedKVCache.allocate(8, 2, 2, 8, dtype=torch.float32, device=device)
     table = torch.tensor([[5, 1, 6, 7]], dtype=torch.int32, device=device)
     attn.insert_kv(cache, k.to(device), v.to(device), torch.arange(seq, device=device), table[0])
-    heads = 4 // size if size <= 4 else 1
-    mine = slice(groups.dcp.rank * heads, (groups.dcp.rank + 1) * heads)
-    qd = torch.randn(1, heads * groups.dcp.size, 8, generator=gen)
-    got = attn.decode(qd[:, mine].contiguous().to(device), cache, table, torch.tensor([seq], device=device))
-    _close(got, reference_attention(qd, k, v, causal=False)[0][:, mine], ATOL * tol, f"rank {rank} module decode")
+    qd = torch.randn(1, 4, 8, generator=gen)
+    got = attn.decode(qd.to(device), cache, table, torch.tensor([seq], device=device))
+    _close(got, reference_attention(qd, k, v, causal=False)[0], ATOL * tol, f"rank {rank} module decode")
 
 
 def _cp_rank(rank: int, world: int) -> str:
@@ -204,7 +203,7 @@ def _cp_rank(rank: int, world: int) -> str:
     from parallel import ParallelConfig, init_parallel
     from parallel.cp import ring_attention
 
-    groups = init_parallel(ParallelConfig(world_size=world, pcp=world, dcp=world))
+    groups = init_parallel(ParallelConfig(world_size=world, pcp=world))
     if groups.backend == "nccl":   # fused fp32 kernels on the GPU: looser than exact math
         device, tol = torch.device("cuda", torch.cuda.current_device()), 50.0
     else:
@@ -216,9 +215,9 @@ def _cp_rank(rank: int, world: int) -> str:
     for i, case in enumerate(VARLEN_CASES):
         _check_ring_varlen(groups, case, group_args[i % 3], 50 + i, device, tol)
     for i, case in enumerate(DCP_CASES):
-        _check_dcp(groups, case, 100 + i, device, tol)
-        if case[3] % case[4] == 0:   # every rank holds the same query heads (DCP carved from PCP)
-            _check_dcp(groups, case, 200 + i, device, tol, same_heads=True)
+        _check_dcp(groups.pcp, case, 100 + i, device, tol)   # the function takes any group of ranks
+        if case[3] % case[4] == 0:   # every rank holds the same query heads
+            _check_dcp(groups.pcp, case, 200 + i, device, tol, same_heads=True)
     _check_module(groups, 7, device, tol)
     try:
         ring_attention(torch.randn(3, 2, 8), torch.randn(3, 2, 8), torch.randn(3, 2, 8), groups.pcp)

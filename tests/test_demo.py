@@ -1,7 +1,8 @@
 """`megapar demo` end to end: real gloo ranks, every step checked against the reference.
 
 Four multi-rank runs (each spawns processes): the default layout (tp 2, pcp 2, dcp 2, ep 4,
-MXFP4), two KV heads per rank in one DCP cache (DCP carved from PCP, `same_heads`), sequence
+MXFP4; the KV cache sharded over pcp x dcp = 4 ranks as in vLLM), two KV heads per rank in a
+cache sharded over PCP, sequence
 parallelism with micro-batches and EPLB on 2 ranks, and a corrupted weight on one rank that must
 turn the verdict into FAIL. The rest runs in this process."""
 
@@ -24,7 +25,7 @@ def test_demo_default_layout_passes(capsys):
     assert code == 0, out
     assert "PASS: max error" in out
     assert "4 rank(s), launcher local, backend gloo" in out
-    assert "dcp      2      2  [0, 2]  [1, 3]" in out                  # the layout table
+    assert "dcp      2      2  [0, 1]  [2, 3]" in out                  # the layout table: DCP inside TP (vLLM)
     for primitive in ("attn.ring", "attn.dcp", "attn.kv_fill", "moe.dispatch", "moe.experts", "moe.combine",
                       "moe.tp_gather", "mhc", "lm_head"):
         assert f"\n{primitive} " in out, primitive
@@ -33,9 +34,9 @@ def test_demo_default_layout_passes(capsys):
 
 
 def test_demo_dcp_cache_with_several_kv_heads_per_rank_passes(capsys):
-    # tp 2 x 4 KV heads: each rank's one cache holds 2 KV heads, decoded in one DCP call over PCP ranks
-    # that hold the same query heads (the old per-rank GQA mapping of gathered heads got this wrong).
-    code, out = _run(capsys, "--world-size", "4", "--tp", "2", "--pcp", "2", "--dcp", "2", "--kv-heads", "4",
+    # tp 2 x 4 KV heads: each rank's one cache holds 2 KV heads, sharded over the 2 PCP ranks (which hold
+    # the same query heads) and decoded in one call merged over PCP.
+    code, out = _run(capsys, "--world-size", "4", "--tp", "2", "--pcp", "2", "--kv-heads", "4",
                      "--heads", "8", "--layers", "1", "--new-tokens", "2")
     assert code == 0, out
     assert "\nattn.dcp " in out and "PASS: max error" in out
@@ -51,7 +52,7 @@ def test_demo_sequence_parallel_with_ubatch_and_eplb_passes(capsys):
 
 
 def test_demo_fails_when_one_rank_holds_a_corrupted_weight(capfd):
-    code, out = _run(capfd, "--world-size", "2", "--pcp", "2", "--dcp", "2", "--new-tokens", "2",
+    code, out = _run(capfd, "--world-size", "2", "--pcp", "2", "--new-tokens", "2",
                      "--corrupt-rank", "1")
     assert code == 1, out
     assert "CORRUPTED weight on rank 1" in out
@@ -64,7 +65,7 @@ def test_demo_fails_when_one_rank_holds_a_corrupted_weight(capfd):
 
 
 def test_demo_timeout_is_one_message_not_a_traceback(capsys):
-    code, out = _run(capsys, "--world-size", "2", "--pcp", "2", "--dcp", "2", "--timeout", "1")
+    code, out = _run(capsys, "--world-size", "2", "--pcp", "2", "--timeout", "1")
     assert code == 3, out
     assert "megapar demo: the job failed: timed out after 1s waiting for ranks [0, 1]" in out
     assert "Traceback" not in out and "During handling" not in out
@@ -79,7 +80,8 @@ def test_demo_world1_runs_in_process(capsys):
 
 
 @pytest.mark.parametrize("argv, message", [
-    (["--world-size", "2", "--tp", "2", "--dcp", "2"], "holds different KV heads"),
+    (["--world-size", "2", "--tp", "2", "--dcp", "2", "--kv-heads", "2"], "holds different KV heads"),
+    (["--world-size", "4", "--pcp", "2", "--dcp", "2"], "dcp (2) must divide tp (1)"),
     (["--world-size", "4", "--prompt-len", "6"], "multiple of 2 * pcp"),
     (["--world-size", "3", "--experts", "8"], "multiple of ep"),
     (["--launcher", "torchrun"], "torchrun environment"),

@@ -1,11 +1,14 @@
 """EPLB algorithm, replica routing, metrics, tracker and single-process state (no processes).
 
 The vectorized `rebalance_experts` is checked against `reference_placement`, a per-layer loop
-over Python lists written straight from docs/numerics.md §6, and against invariants and hand-solved cases.
+over Python lists written straight from docs/numerics.md §6, against `deepseek_steps`, a second
+re-implementation of the steps DeepSeek published (deepseek-ai/EPLB, float32 loads, one item per
+pack -> pack i), placement for placement, and against invariants and hand-solved cases.
 """
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -27,6 +30,8 @@ from parallel.ep.eplb_state import Eplb, EplbConfig, ExpertLoadTracker
 
 def ref_pack(loads: list[float], num_packs: int) -> tuple[list[int], list[int]]:
     cap = len(loads) // num_packs
+    if cap == 1:   # one item per pack: item i in pack i (DeepSeek's reference)
+        return list(range(len(loads))), [0] * len(loads)
     pack_load, pack_count = [0.0] * num_packs, [0] * num_packs
     pack, pos = [0] * len(loads), [0] * len(loads)
     for i in sorted(range(len(loads)), key=lambda i: (-loads[i], i)):
@@ -62,6 +67,58 @@ def reference_placement(w: list[float], num_physical: int, groups: int, nodes: i
         for i, s in enumerate(slots):
             phy2log[node * slots_per_node + rank_of[i] * slots_per_rank + pos_of[i]] = experts[s]
     return phy2log
+
+
+def deepseek_steps(w: list[float], num_physical: int, groups: int, nodes: int, gpus: int
+                   ) -> tuple[list[int], list[int]]:
+    """DeepSeek's published EPLB steps for one layer, in float32 scalars (numpy), sequential loops:
+    groups -> nodes, replicate within each node, replicas -> GPUs. Returns (phy2log, logcnt)."""
+    f32 = np.float32
+    if groups % nodes:
+        groups, nodes = 1, 1
+    loads = [f32(x) for x in w]
+
+    def pack(items: list, packs: int) -> list[tuple[int, int]]:
+        per = len(items) // packs
+        if per == 1:
+            return [(i, 0) for i in range(len(items))]
+        weight, count, out = [f32(0)] * packs, [0] * packs, [None] * len(items)
+        for i in sorted(range(len(items)), key=lambda i: -float(items[i])):   # stable: ties by index
+            best = None
+            for p in range(packs):
+                if count[p] < per and (best is None or weight[p] < weight[best]):
+                    best = p
+            out[i] = (best, count[best])
+            weight[best] = f32(weight[best] + items[i])
+            count[best] += 1
+        return out
+
+    size = len(w) // groups
+    group_load = []
+    for g in range(groups):
+        total = f32(0)
+        for x in loads[g * size:(g + 1) * size]:
+            total = f32(total + x)
+        group_load.append(total)
+    where = pack(group_load, nodes)
+    phy2log, logcnt = [-1] * num_physical, [0] * len(w)
+    per_node, per_gpu = num_physical // nodes, num_physical // gpus
+    for node in range(nodes):
+        mine = sorted((g for g in range(groups) if where[g][0] == node), key=lambda g: where[g][1])
+        experts = [g * size + j for g in mine for j in range(size)]
+        count = [1] * len(experts)
+        slots = list(range(len(experts)))
+        while len(slots) < per_node:
+            ratios = [f32(loads[e] / f32(c)) for e, c in zip(experts, count)]
+            hot = max(range(len(experts)), key=lambda i: (ratios[i], -i))
+            slots.append(hot)
+            count[hot] += 1
+        replica = [f32(loads[experts[i]] / f32(count[i])) for i in slots]
+        for s, (gpu, pos) in zip(slots, pack(replica, gpus // nodes)):
+            phy2log[node * per_node + gpu * per_gpu + pos] = experts[s]
+        for i, e in enumerate(experts):
+            logcnt[e] = count[i]
+    return phy2log, logcnt
 
 
 def zipf_loads(num_layers: int, num_experts: int, seed: int, exponent: float = 1.0) -> torch.Tensor:
@@ -106,6 +163,43 @@ def test_rebalance_matches_reference_and_invariants(num_logical, num_physical, g
         expected = reference_placement(weight[layer].tolist(), num_physical, groups, nodes, ranks)
         assert plan.phy2log[layer].tolist() == expected, f"layer {layer}"
     check_plan_consistent(plan, num_logical)
+
+
+@pytest.mark.parametrize("num_logical,num_physical,groups,nodes,ranks", [
+    (4, 4, 1, 1, 4),      # one slot per GPU: expert i on GPU i
+    (8, 8, 2, 2, 8),      # one group per node and one slot per GPU
+    (16, 16, 4, 4, 8),    # one group per node
+    (16, 24, 4, 2, 4), (16, 20, 1, 1, 4), (12, 18, 3, 2, 6), (8, 16, 2, 2, 2), (10, 30, 5, 1, 1),
+    (32, 48, 8, 4, 16), (64, 80, 8, 2, 8), (24, 24, 6, 3, 12), (12, 16, 4, 2, 8), (6, 12, 3, 3, 12),
+])
+def test_placement_equals_deepseeks_published_steps(num_logical, num_physical, groups, nodes, ranks):
+    g = torch.Generator().manual_seed(num_logical * 31 + num_physical)
+    # tie-free loads: continuous random values, some heavy-tailed, some huge (float32 rounding matters)
+    weight = torch.cat([torch.rand(4, num_logical, generator=g) * 1000,
+                        torch.exp(torch.randn(3, num_logical, generator=g) * 2),
+                        torch.rand(1, num_logical, generator=g) * 3e7 + 1e7])
+    plan = rebalance_experts(weight, num_physical, groups, nodes, ranks)
+    for layer in range(weight.shape[0]):
+        phy2log, logcnt = deepseek_steps(weight[layer].tolist(), num_physical, groups, nodes, ranks)
+        assert plan.phy2log[layer].tolist() == phy2log, f"layer {layer}"
+        assert plan.logcnt[layer].tolist() == logcnt, f"layer {layer}"
+
+
+def test_one_item_per_pack_keeps_the_order_like_deepseek():
+    assert rebalance_experts(torch.tensor([[1, 2, 3, 4]]), 4, 1, 1, 4).phy2log.tolist() == [[0, 1, 2, 3]]
+    # 4 groups on 4 nodes: group g on node g (not heaviest group first); one rank per node takes its
+    # two experts heaviest first, and with one slot per rank expert i sits on rank i
+    weight = torch.tensor([[1.0, 9.0, 2.0, 8.0, 30.0, 7.0, 4.0, 6.0]])
+    assert rebalance_experts(weight, 8, 4, 4, 4).phy2log.tolist() == [[1, 0, 3, 2, 4, 5, 7, 6]]
+    assert rebalance_experts(weight, 8, 4, 4, 8).phy2log.tolist() == [[0, 1, 2, 3, 4, 5, 6, 7]]
+
+
+def test_loads_are_compared_in_float32_like_the_references():
+    # 2^24 and 2^24 + 1 are one float32 value: a tie, which goes to the lower index; then the two
+    # packs tie too and expert 2 joins rank 0 (float64 would give [[1, 3, 0, 2]])
+    weight = torch.tensor([[2.0 ** 24, 2.0 ** 24 + 1, 3.0, 1.0]], dtype=torch.float64)
+    assert rebalance_experts(weight, 4, 1, 1, 2).phy2log.tolist() == [[0, 2, 1, 3]]
+    assert rebalance_experts(weight[:, [1, 0, 2, 3]], 4, 1, 1, 2).phy2log.tolist() == [[0, 2, 1, 3]]
 
 
 def test_hierarchical_keeps_whole_groups_on_a_node_and_balances_groups():
@@ -210,6 +304,12 @@ def test_experts_staying_on_a_rank_keep_their_slot(groups, nodes):
     (lambda: rebalance_experts(torch.ones(1, 4), 4, 1, 1, 2, old_phy2log=torch.tensor([[0, 1, 2, 4]])),
      "values must lie in [0, 4)"),
     (lambda: plan_from_phy2log(torch.tensor([[0, 0, 1, 1]]), 3), "logical expert 2 of layer 0 without"),
+    (lambda: rebalance_experts(torch.ones(1, 0), 4, 1, 1, 2), "[num_layers, num_logical] = [1, 0]"),
+    (lambda: rebalance_experts(torch.ones(0, 8), 8, 1, 1, 2), "[num_layers, num_logical] = [0, 8]"),
+    (lambda: logical_to_physical(torch.tensor([[0, 4]]), torch.tensor([[0], [1], [2], [3]]), torch.ones(4, dtype=torch.long)),
+     "topk_ids[0, 1] = 4 is not a logical expert: valid ids are [0, 4) and -1"),
+    (lambda: logical_to_physical(torch.tensor([[-2, 1]]), torch.tensor([[0], [1], [2], [3]]), torch.ones(4, dtype=torch.long)),
+     "topk_ids[0, 0] = -2 is not a logical expert"),
 ])
 def test_bad_input_raises_value_error(call, message):
     with pytest.raises(ValueError) as err:

@@ -35,16 +35,72 @@ def test_world_alone_means_dp_and_ep_everywhere():
     assert g["ep"] == [[0, 1, 2, 3]] and g["dp"] == [[0, 1, 2, 3]]
 
 
-def test_dcp_over_pcp_first_when_pcp_gt_1():
-    g = rank_groups(ParallelConfig(world_size=8, pcp=2, tp=2, dcp=4))
-    # (pcp, tp) block 0..3 walked pcp-fastest: 0, 2, 1, 3 -> one group, listed ascending
-    assert g["dcp"] == [[0, 1, 2, 3], [4, 5, 6, 7]]
-    g = rank_groups(ParallelConfig(world_size=8, pcp=4, tp=2, dcp=4))
-    assert g["dcp"] == [[0, 2, 4, 6], [1, 3, 5, 7]]
-    g = rank_groups(ParallelConfig(world_size=8, pcp=2, tp=4, dcp=4))
-    assert g["dcp"] == [[0, 1, 4, 5], [2, 3, 6, 7]]
-    g = rank_groups(ParallelConfig(world_size=8, pcp=2, tp=2, dcp=2))
-    assert g["dcp"] == [[0, 2], [1, 3], [4, 6], [5, 7]]
+def test_dcp_is_carved_from_tp_whatever_pcp_is():
+    # vLLM: DCP groups are all_ranks.reshape(-1, dcp); the KV cache spans pcp * dcp ranks
+    g = rank_groups(ParallelConfig(world_size=8, tp=4, pcp=2, dcp=2), derived=True)
+    assert g["dcp"] == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    assert g["pcp"] == [[0, 4], [1, 5], [2, 6], [3, 7]]
+    assert g["cp"] == [[0, 1, 4, 5], [2, 3, 6, 7]]
+    assert [coords(ParallelConfig(world_size=8, tp=4, pcp=2, dcp=2), r)["cp"] for r in range(8)] == \
+        [0, 1, 0, 1, 2, 3, 2, 3]
+    g = rank_groups(ParallelConfig(world_size=8, pcp=2, tp=2, dcp=2), derived=True)
+    assert g["dcp"] == [[0, 1], [2, 3], [4, 5], [6, 7]] and g["cp"] == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    g = rank_groups(ParallelConfig(world_size=8, pcp=4, tp=2, dcp=1), derived=True)
+    assert g["dcp"] == [[r] for r in range(8)] and g["cp"] == [[0, 2, 4, 6], [1, 3, 5, 7]]
+
+
+def _vllm_cp_coords(cfg: ParallelConfig) -> dict[int, tuple[tuple[int, ...], tuple[int, ...], int]]:
+    """vLLM's formulas, written from its parallel_state / block_table code with loops:
+    rank -> (its DCP group, its PCP group, total_cp_rank = pcp_rank * dcp + dcp_rank)."""
+    all_ranks = list(range(cfg.world_size))
+    dcp_groups = [tuple(all_ranks[i:i + cfg.dcp]) for i in range(0, cfg.world_size, cfg.dcp)]
+    out = {}
+    for r in all_ranks:
+        dcp_group = next(g for g in dcp_groups if r in g)
+        block = r - r % (cfg.pcp * cfg.tp)                      # first rank of this (ext, dp, pp) cell
+        pcp_group = tuple(block + c * cfg.tp + r % cfg.tp for c in range(cfg.pcp))
+        out[r] = (dcp_group, pcp_group, pcp_group.index(r) * cfg.dcp + dcp_group.index(r))
+    return out
+
+
+@pytest.mark.parametrize("world,tp,pp,pcp,dcp", [
+    (8, 4, 1, 2, 2), (8, 2, 1, 2, 2), (8, 2, 1, 4, 1), (16, 4, 1, 2, 4), (16, 8, 1, 2, 2), (32, 4, 2, 2, 2),
+    (48, 4, 1, 3, 2), (64, 8, 2, 2, 4), (16, 2, 2, 2, 2), (24, 6, 1, 2, 3), (8, 8, 1, 1, 8), (4, 1, 1, 4, 1),
+])
+def test_dcp_groups_and_token_placement_match_vllm(world, tp, pp, pcp, dcp):
+    from parallel.cp import DCPLayout
+
+    cfg = ParallelConfig(world_size=world, tp=tp, pp=pp, pcp=pcp, dcp=dcp)
+    g = rank_groups(cfg, derived=True)
+    ref = _vllm_cp_coords(cfg)
+    n = pcp * dcp
+    for r in range(world):
+        dcp_group, pcp_group, total = ref[r]
+        c = coords(cfg, r)
+        assert tuple(next(x for x in g["dcp"] if r in x)) == dcp_group
+        assert tuple(next(x for x in g["pcp"] if r in x)) == pcp_group
+        assert c["dcp"] == dcp_group.index(r) and c["pcp"] == pcp_group.index(r) and c["cp"] == total
+        cp_group = next(x for x in g["cp"] if r in x)
+        assert len(cp_group) == n and cp_group.index(r) == total, (r, cp_group)
+    for block, interleave in ((4, 1), (4, 2), (8, 4)):
+        positions = torch.arange(3 * block * n + 5)
+        for cp_group in g["cp"]:
+            held = torch.zeros_like(positions)
+            for r in cp_group:
+                total = ref[r][2]
+                layout = DCPLayout(size=n, rank=total, block_size=block, interleave=interleave)
+                # vLLM: virtual block = block * n, owner = offset // interleave % n, slot in its physical block
+                offset = positions % (block * n)
+                owner = [(int(p) // interleave) % n for p in positions]
+                assert layout.owner(positions).tolist() == owner
+                assert ((offset // interleave) % n == total).tolist() == [o == total for o in owner]
+                table = torch.arange(100, 100 + positions.numel() // (block * n) + 1)
+                slots = layout.slot_mapping(positions, table)
+                want = table[positions // (block * n)] * block + (offset // (n * interleave)) * interleave + \
+                    offset % interleave
+                assert torch.equal(slots, torch.where(offset // interleave % n == total, want, -1))
+                held += (slots >= 0).long()
+            assert (held == 1).all()                            # every position on exactly one rank
 
 
 def test_smaller_ep_makes_contiguous_blocks_and_edp_joins_same_experts():
@@ -86,13 +142,13 @@ def test_every_axis_partitions_the_world(world, tp, pp, pcp, dcp, ep):
         assert all(len(grp) == sizes[axis] for grp in g[axis]), axis
     for axis in ("tp", "pcp", "pp", "dp"):
         assert sorted(g[axis]) == _brute_force_groups(cfg, axis)
-    # EP groups stay inside one PP stage; every DCP group lies inside one (dp, pp) cell's PCP x TP block
+    # EP groups stay inside one PP stage; every DCP group lies inside one TP group
     pp_stage = {r: coords(cfg, r)["pp"] for r in range(world)}
     for grp in g["ep"]:
         assert len({pp_stage[r] for r in grp}) == 1
+    tp_group = {r: i for i, grp in enumerate(g["tp"]) for r in grp}
     for grp in g["dcp"]:
-        cells = {(coords(cfg, r)["ext_dp"], coords(cfg, r)["dp"], coords(cfg, r)["pp"]) for r in grp}
-        assert len(cells) == 1
+        assert len({tp_group[r] for r in grp}) == 1
     # coords agree with the group position
     for axis in ("tp", "pcp", "pp", "dp", "dcp", "ep", "edp"):
         for grp in g[axis][:50]:
@@ -103,6 +159,8 @@ def test_every_axis_partitions_the_world(world, tp, pp, pcp, dcp, ep):
 @pytest.mark.parametrize("kwargs,needles", [
     (dict(world_size=6, tp=4), ["tp (4)", "pp (1)", "pcp (1)", "world_size (6)", "1, 2, 3, 6"]),
     (dict(world_size=8, tp=4, dcp=3), ["dcp (3)", "tp (4)", "valid dcp: 1, 2, 4"]),
+    (dict(world_size=8, tp=2, pcp=2, dcp=4), ["dcp (4)", "tp (2)", "pcp 2", "valid dcp: 1, 2"]),
+    (dict(world_size=4, pcp=4, dcp=2), ["dcp (2)", "tp (1)", "valid dcp: 1"]),
     (dict(world_size=8, tp=2, ep=3), ["ep (3)", "dp (4)", "= 8", "valid ep: 1, 2, 4, 8"]),
     (dict(world_size=8, tp=2, dp=3), ["dp (3)", "valid dp: 1, 2, 4"]),
     (dict(world_size=8, tp=0), ["tp must be a positive int"]),

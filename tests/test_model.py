@@ -138,9 +138,9 @@ def test_served_expert_weights_round_w13_as_one_matrix():
     ({"kv_heads": 1}, dict(tp=2, dcp=2), None),
     ({"kv_heads": 4}, dict(tp=4, dcp=2), r"\(tp // kv_heads\) % dcp == 0.*valid dcp: \[1\]"),
     ({"kv_heads": 1}, dict(tp=4, dcp=4), None),
-    ({"kv_heads": 8, "heads": 8}, dict(tp=2, pcp=2, dcp=2), None),    # same_heads: 4 KV heads per rank
-    ({"kv_heads": 2}, dict(tp=2, pcp=2, dcp=4), r"pcp % dcp == 0.*valid dcp: \[1, 2\]"),
-    ({"kv_heads": 1}, dict(tp=2, pcp=2, dcp=4), None),                # spans TP ranks sharing one KV head
+    ({"kv_heads": 8, "heads": 8}, dict(tp=2, pcp=2), None),           # KV over PCP: 4 KV heads per rank
+    ({"kv_heads": 8, "heads": 8}, dict(tp=2, pcp=2, dcp=2), r"\(tp // kv_heads\) % dcp == 0.*valid dcp: \[1\]"),
+    ({"kv_heads": 1}, dict(tp=2, pcp=2, dcp=2), None),                # DCP inside TP shares one KV head
     ({"vocab": 99}, dict(tp=2), "vocab"),
     ({"experts": 6}, dict(), "ep"),
 ])
@@ -155,7 +155,7 @@ def test_check_layout_names_the_problem(kwargs, sizes, match):
 
 
 def test_check_layout_run_shapes():
-    pcfg = ParallelConfig(world_size=4, pcp=2, dcp=2)  # dp 2
+    pcfg = ParallelConfig(world_size=4, pcp=2)  # dp 2
     check_layout(ModelConfig(), pcfg, prompt_len=8, batch=2)
     with pytest.raises(ValueError, match="2 \\* pcp"):
         check_layout(ModelConfig(), pcfg, prompt_len=6)

@@ -153,7 +153,7 @@ def _multi_rank(rank: int, seq: int, heads: int, d: int, batch: int, context: in
     from parallel.cp import dcp_decode_attention, ring_attention
 
     world = int(os.environ["WORLD_SIZE"])
-    groups = init_parallel(ParallelConfig(world_size=world, pcp=world, dcp=world))
+    groups = init_parallel(ParallelConfig(world_size=world, pcp=world))   # DCP below: over these ranks too
     device = torch.device("cuda", torch.cuda.current_device()) if groups.backend == "nccl" else torch.device("cpu")
     ctx = BenchContext(suite="cp", device=device, quick=quick)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
@@ -179,17 +179,17 @@ def _multi_rank(rank: int, seq: int, heads: int, d: int, batch: int, context: in
     # DCP decode latency
     cache_dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     block = 64 if device.type == "cuda" else 16
-    layout = DCPLayout(size=world, rank=groups.dcp.rank, block_size=block)
+    layout = DCPLayout(size=world, rank=groups.pcp.rank, block_size=block)
     per_seq = -(-context // (block * world))
     table = torch.arange(batch * per_seq, device=device, dtype=torch.int32).view(batch, per_seq)
     cache = PagedKVCache.allocate(batch * per_seq, block, 1, d, dtype=cache_dtype, device=device)
     for s in range(batch):
         kv = torch.randn(context, 1, d, device=device)
-        dcp_kv_insert(cache, kv, kv, torch.arange(context, device=device), table[s], groups.dcp)
+        dcp_kv_insert(cache, kv, kv, torch.arange(context, device=device), table[s], groups.pcp)
     qd = torch.randn(batch, max(1, heads // world), d, device=device, dtype=dtype)
     lens = torch.full((batch,), context, device=device)
     for comm in ("ag_rs", "a2a"):
-        us = timed(lambda: dcp_decode_attention(qd, cache, table, lens, groups.dcp, comm=comm))
+        us = timed(lambda: dcp_decode_attention(qd, cache, table, lens, groups.pcp, comm=comm))
         rows.append(dict(case=f"dcp decode {comm} N={world} B={batch} L={context} Hq/rank={qd.shape[1]}", time_us=us,
                          local_len=int(layout.local_lengths(context))))
     destroy_parallel()

@@ -4,6 +4,9 @@ Layout (docs/numerics.md §8, vLLM's): with N ranks, interleave I and block size
 runs of I (position p lives on rank `(p // I) % N`), and each rank packs its tokens densely into
 its own paged cache. The block table is shared: virtual block `p // (B*N)` (B*N tokens, B per
 rank) maps to the same physical block id on every rank. `DCPLayout` holds these formulas.
+With PCP > 1 (`pcp_group` given) the cache is sharded over the N = pcp * dcp ranks of the DCP
+group and its PCP peers, this rank being shard `total_cp_rank = pcp_rank * dcp + dcp_rank`
+(vLLM's `total_cp_world_size` / `total_cp_rank`); the per-rank cache format is unchanged.
 
 Decode step (`dcp_decode_attention`): each rank holds the query heads of its TP slice, but all
 ranks of a DCP group share the same KV heads; so (1) all-gather q over the group (heads), (2)
@@ -11,7 +14,18 @@ attend every gathered head over the local KV shard -> (o, lse), (3) combine, eit
   "ag_rs": all-gather the LSEs, rescale the local o by exp(lse_local - lse_global), and
            reduce-scatter over heads (each rank keeps its own heads), or
   "a2a":   one all-to-all of (o, lse) per destination head slice, then a local N-way merge.
+With `pcp_group`, the DCP-combined (o, lse) of each rank is then merged over the PCP group
+(all-gather of (o, lse) + a local merge; PCP peers hold the same query heads).
 Shards without tokens give lse = -inf and drop out. The combine runs in fp32.
+
+Bad tables never read another sequence's data: positions past a sequence's local length are
+masked AND their gathered k/v zeroed (a NaN in the block that a masked slot points at cannot
+leak in through 0 x NaN). Value checks (negative `seq_lens`, a length past the table's
+capacity, a block id outside [0, num_blocks) in the used part of a table, positions past the
+table) raise ValueError for CPU tensors. On CUDA they would be host syncs, so the decode path
+(CUDA-graph capturable: static shapes from the table's width, no `.item()`) checks on the
+device instead: such a sequence's output and lse are NaN, and `dcp_kv_insert` skips writes to
+invalid blocks.
 
 Cache: `PagedKVCache` with k/v `[num_blocks, B, Hkv, D]`, optionally fp8 (e4m3) with one fp32
 scale per (token, kv head). The local attention here is exact torch math over gathered pages
@@ -20,6 +34,7 @@ scale per (token, kv head). The local attention here is exact torch math over ga
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Literal
 
@@ -102,9 +117,43 @@ class DCPLayout:
         return base + min(max(rem, 0), self.interleave)
 
 
-def _layout(group: GroupLike, block_size: int, interleave: int) -> DCPLayout:
+def _layout(group: GroupLike, block_size: int, interleave: int, pcp_group: GroupLike | None = None) -> DCPLayout:
+    """This rank's shard of the cache: the DCP group's, or (pcp_group) the pcp * dcp shards'."""
     _, rank, size = resolve_group(group)
+    if pcp_group is not None:
+        _, pcp_rank, pcp_size = resolve_group(pcp_group)
+        rank, size = pcp_rank * size + rank, pcp_size * size       # total_cp_rank, total_cp_world_size
     return DCPLayout(size=size, rank=rank, block_size=block_size, interleave=interleave)
+
+
+def _bad_block_ids(ids: Tensor, num_blocks: int) -> Tensor:
+    return (ids < 0) | (ids >= num_blocks)
+
+
+def _invalid_sequences(block_table: Tensor, seq_lens: Tensor, layout: DCPLayout, num_blocks: int) -> Tensor:
+    """[S] bool: sequences whose length or used block ids are invalid. On CPU tensors, raises
+    ValueError naming the first one instead (on CUDA that would be a host sync).
+
+    block_table: [S, W] int; seq_lens: [S] int global lengths. Used blocks of a sequence: the
+    virtual blocks 0 .. ceil(len / (B*N)) - 1 (the same on every rank of the group)."""
+    lens, table = seq_lens.long(), block_table.long()
+    width, vb = table.shape[1], layout.virtual_block
+    capacity = width * vb
+    used = torch.arange(width, device=table.device) < ((lens.clamp(0, capacity) + vb - 1) // vb).unsqueeze(1)
+    bad_ids = used & _bad_block_ids(table, num_blocks)                            # [S, W]
+    bad = (lens < 0) | (lens > capacity) | bad_ids.any(dim=1)
+    if table.device.type == "cpu" and bool(bad.any()):
+        s = int(bad.nonzero()[0, 0])
+        n = int(lens[s])
+        if n < 0:
+            raise ValueError(f"seq_lens must be >= 0; seq_lens[{s}] = {n}")
+        if n > capacity:
+            raise ValueError(f"seq_lens[{s}] = {n} exceeds the block table's capacity: {width} blocks x "
+                             f"{vb} tokens (block_size {layout.block_size} x {layout.size} ranks) = {capacity}")
+        j = int(bad_ids[s].nonzero()[0, 0])
+        raise ValueError(f"block_table[{s}, {j}] = {int(table[s, j])} is outside the cache's blocks [0, {num_blocks}) "
+                         f"(virtual block {j} is used by a sequence of length {n})")
+    return bad
 
 
 # ---------------------------------------------------------------------------------------------
@@ -164,12 +213,15 @@ def _quantize_fp8(x: Tensor) -> tuple[Tensor, Tensor]:
 
 
 def dcp_kv_insert(cache: PagedKVCache, k: Tensor, v: Tensor, positions: Tensor, block_table: Tensor,
-                  group: GroupLike = None, *, interleave: int = 1) -> Tensor:
+                  group: GroupLike = None, *, interleave: int = 1, pcp_group: GroupLike | None = None) -> Tensor:
     """Write the K/V of new tokens into this rank's shard of the cache (tokens it owns only).
 
     k: [T, Hkv, D], v: [T, Hkv, Dv] (every DCP rank passes the same new tokens); positions: [T]
     int global positions; block_table: [T, max_blocks] or [max_blocks]. fp8 caches quantize with
-    a per-(token, head) scale. Returns the slots used [T] int64 (-1 = owned elsewhere).
+    a per-(token, head) scale. pcp_group: the PCP group when the cache is sharded over
+    pcp * dcp ranks (None: over `group` alone). Returns the slots used [T] int64 (-1 = owned
+    elsewhere, or not written: invalid on CUDA). ValueError (CPU tensors) for a position outside
+    the table or a block id outside [0, num_blocks).
     """
     if k.dim() != 3 or v.dim() != 3 or k.shape[:2] != v.shape[:2]:
         raise ValueError(f"k {tuple(k.shape)} and v {tuple(v.shape)} must be [T, kv_heads, head_dim]")
@@ -180,8 +232,29 @@ def dcp_kv_insert(cache: PagedKVCache, k: Tensor, v: Tensor, positions: Tensor, 
         raise ValueError(f"positions {tuple(positions.shape)} must be [T] with T = {k.shape[0]}")
     if k.device != cache.k.device:
         raise ValueError(f"new k/v on {k.device} but the cache is on {cache.k.device}")
-    layout = _layout(group, cache.block_size, interleave)
-    slots = layout.slot_mapping(positions.to(k.device), block_table.to(k.device))
+    layout = _layout(group, cache.block_size, interleave, pcp_group)
+    positions, table = positions.to(k.device).long(), block_table.to(k.device).long()
+    if table.dim() not in (1, 2) or (table.dim() == 2 and table.shape[0] != positions.shape[0]):
+        raise ValueError(f"block_table {tuple(block_table.shape)} must be [max_blocks] or [T, max_blocks] with "
+                         f"T = {positions.shape[0]}")
+    width = table.shape[-1]
+    vblock = positions // layout.virtual_block
+    in_table = (positions >= 0) & (vblock < width)
+    rows = table.expand(positions.shape[0], width) if table.dim() == 1 else table
+    ids = rows.gather(1, torch.where(in_table, vblock, 0).unsqueeze(1)).squeeze(1)          # [T]
+    bad = ~in_table | _bad_block_ids(ids, cache.k.shape[0])
+    if k.device.type == "cpu" and bool(bad.any()):
+        t = int(bad.nonzero()[0, 0])
+        p = int(positions[t])
+        if not in_table[t]:
+            raise ValueError(f"positions[{t}] = {p} is outside the block table: positions must lie in "
+                             f"[0, {width} blocks x {layout.virtual_block} tokens = {width * layout.virtual_block})")
+        raise ValueError(f"block id {int(ids[t])} of positions[{t}] = {p} (virtual block {p // layout.virtual_block}) "
+                         f"is outside the cache's blocks [0, {cache.k.shape[0]})")
+    # CUDA: an invalid token is not written (no host sync); the decode reports its sequence as NaN.
+    safe_positions = torch.where(in_table, positions, 0)
+    slots = layout.slot_mapping(safe_positions, rows)
+    slots = torch.where(bad, -1, slots)
     write_kv_slots(cache, k, v, slots)
     return slots
 
@@ -210,19 +283,21 @@ def write_kv_slots(cache: PagedKVCache, k: Tensor, v: Tensor, slots: Tensor) -> 
 
 def gather_local_kv(cache: PagedKVCache, block_table: Tensor, local_lens: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     """This rank's KV of each sequence, densely: k [S, L, Hkv, D], v [S, L, Hkv, Dv] (dequantized
-    to fp32 for fp8 caches), valid [S, L] bool; L = max local length."""
-    s = local_lens.shape[0]
-    longest = int(local_lens.max().item()) if s > 0 else 0
+    to fp32 for fp8 caches), valid [S, L] bool. L = the table's capacity `max_blocks * B` on CUDA
+    (static: no host sync, capturable), the longest local length on the CPU. Positions that are
+    not valid (past a length, or in a block id outside the cache) read zeros, never cache data."""
+    s, width = block_table.shape
+    bs = cache.block_size
     dev = cache.k.device
-    idx = torch.arange(longest, device=dev)
-    valid = idx.unsqueeze(0) < local_lens.unsqueeze(1)
-    table = block_table.long()
-    if longest > 0:
-        blocks = table[:, : (longest - 1) // cache.block_size + 1]
-        slots = blocks.gather(1, (idx // cache.block_size).unsqueeze(0).expand(s, -1)) * cache.block_size
-        slots = torch.where(valid, slots + idx % cache.block_size, 0)
+    if dev.type == "cpu":
+        longest = min(int(local_lens.max()) if s > 0 else 0, width * bs)
     else:
-        slots = torch.zeros(s, 0, dtype=torch.long, device=dev)
+        longest = width * bs
+    idx = torch.arange(longest, device=dev)
+    table = block_table.long()
+    ids = table.gather(1, (idx // bs).unsqueeze(0).expand(s, -1))                        # [S, L]
+    valid = (idx.unsqueeze(0) < local_lens.unsqueeze(1)) & ~_bad_block_ids(ids, cache.k.shape[0])
+    slots = torch.where(valid, ids * bs + idx % bs, 0)
     k_flat = cache.k.view(-1, *cache.k.shape[2:])
     v_flat = cache.v.view(-1, *cache.v.shape[2:])
     if cache.is_fp8:
@@ -232,7 +307,8 @@ def gather_local_kv(cache: PagedKVCache, block_table: Tensor, local_lens: Tensor
         v = v * cache.v_scale.view(-1, cache.kv_heads)[slots].unsqueeze(-1)
     else:
         k, v = k_flat[slots], v_flat[slots]
-    return k, v, valid
+    keep = valid[:, :, None, None]                       # masked slots read slot 0: zero what they read
+    return torch.where(keep, k, 0), torch.where(keep, v, 0), valid
 
 
 def local_decode_attention(q: Tensor, cache: PagedKVCache, block_table: Tensor, local_lens: Tensor,
@@ -251,19 +327,24 @@ def local_decode_attention(q: Tensor, cache: PagedKVCache, block_table: Tensor, 
 def dcp_decode_attention(q: Tensor, cache: PagedKVCache, block_table: Tensor, seq_lens: Tensor,
                          group: GroupLike = None, *, interleave: int = 1, comm: DCPComm = "ag_rs",
                          scale: float | None = None, return_lse: bool = False, same_heads: bool = False,
-                         backend: str = "auto") -> Tensor | AttnState:
+                         backend: str = "auto", pcp_group: GroupLike | None = None) -> Tensor | AttnState:
     """One decode step over a DCP-sharded KV cache.
 
     q: [S, Hq_local, D], this rank's query heads (one token per sequence); the group's gathered
     heads (N * Hq_local) must be a multiple of the cache's kv heads. block_table: [S, max_blocks]
     int; seq_lens: [S] int global lengths (including the token being decoded, already inserted).
     comm: "ag_rs" (all-gather LSE + reduce-scatter) or "a2a" (all-to-all + local merge).
-    same_heads: every rank of the group holds the SAME query heads (DCP carved from PCP, so the
-    ranks differ only in which tokens their cache holds); each rank's Hq_local heads then map
-    onto the cache's kv heads by themselves. False (vLLM's TP-carved DCP): the group's gathered
-    heads are consecutive global heads sharing the cache's kv heads.
+    same_heads: every rank of `group` holds the SAME query heads (e.g. PCP peers passed as the
+    group, so the ranks differ only in which tokens their cache holds); each rank's Hq_local
+    heads then map onto the cache's kv heads by themselves. False (vLLM's TP-carved DCP): the
+    group's gathered heads are consecutive global heads sharing the cache's kv heads.
     backend: the local attention, "auto" | "torch" | "triton" (op "cp.decode", `paged.py`).
+    pcp_group: with PCP > 1, the PCP group; the cache is then sharded over pcp * dcp ranks
+    (vLLM's total_cp_rank) and the partial results are merged over both groups. None: the
+    cache is sharded over `group` alone.
     Returns out [S, Hq_local, Dv] in q's dtype (or AttnState with lse [S, Hq_local] fp32).
+    ValueError (CPU tensors; NaN rows on CUDA, see the module docstring) for negative seq_lens,
+    a length past the table's capacity, or a used block id outside the cache.
     """
     if comm not in ("ag_rs", "a2a"):
         raise ValueError(f"comm must be 'ag_rs' or 'a2a', got {comm!r}")
@@ -274,8 +355,11 @@ def dcp_decode_attention(q: Tensor, cache: PagedKVCache, block_table: Tensor, se
     if block_table.shape[0] != q.shape[0] or seq_lens.shape != q.shape[:1]:
         raise ValueError(f"block_table {tuple(block_table.shape)} and seq_lens {tuple(seq_lens.shape)} must "
                          f"have one row per sequence ({q.shape[0]})")
-    layout = _layout(group, cache.block_size, interleave)
-    rank, size = layout.rank, layout.size
+    if block_table.dim() != 2:
+        raise ValueError(f"block_table {tuple(block_table.shape)} must be [S, max_blocks]")
+    layout = _layout(group, cache.block_size, interleave, pcp_group)
+    _, rank, size = resolve_group(group)
+    invalid = _invalid_sequences(block_table.to(q.device), seq_lens.to(q.device), layout, cache.k.shape[0])
     heads = q.shape[1]
     if same_heads and heads % cache.kv_heads != 0:
         raise ValueError(f"with same_heads, local query heads ({heads}) must be a multiple of the cache's "
@@ -313,6 +397,13 @@ def dcp_decode_attention(q: Tensor, cache: PagedKVCache, block_table: Tensor, se
         recv, _ = all_to_all_uneven(send, [s] * size, group, recv_splits=[s] * size)
         recv = recv.view(size, s, heads, dv + 1)
         state = merge_attn_states(recv[..., :dv], recv[..., dv])
-    out = state.out.to(q.dtype)
-    return AttnState(out, state.lse) if return_lse else out
+    if pcp_group is not None and layout.size > size:      # PCP peers: same heads, other token shards
+        dv = state.out.shape[-1]
+        packed = torch.cat([state.out.float(), state.lse.unsqueeze(-1)], dim=-1).unsqueeze(0)   # [1, S, Hq, Dv+1]
+        parts = all_gather_uneven(packed.contiguous(), pcp_group, dim=0, sizes=[1] * (layout.size // size))
+        state = merge_attn_states(parts[..., :dv], parts[..., dv])
+    bad = invalid[:, None]                                 # device-side report of invalid inputs (CUDA)
+    out = torch.where(bad[..., None], math.nan, state.out).to(q.dtype)
+    lse = torch.where(bad, math.nan, state.lse)
+    return AttnState(out, lse) if return_lse else out
 

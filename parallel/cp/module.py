@@ -8,7 +8,10 @@ with `positions()` when PCP shards the sequence), then calls
   rank) to `shard`/`unshard`/`positions`/`forward`, and attention stays within each sequence;
 - `insert_kv(cache, k, v, positions, block_table)` to store new tokens in the (DCP-sharded)
   paged cache, and `decode(q, cache, block_table, seq_lens)` for one decode step: DCP attention
-  over the DCP group when dcp > 1, plain paged attention otherwise.
+  over the DCP group when dcp > 1, plain paged attention otherwise. As in vLLM, with pcp > 1
+  the cache is sharded over the pcp * dcp ranks of the DCP group and its PCP peers
+  (`total_cp_rank = pcp_rank * dcp + dcp_rank`, docs/numerics.md §8) and decode merges the
+  partial results over both groups.
 Tensors use this package's layout: `[T, H, D]` (packed tokens) or `[B, T, H, D]`.
 """
 
@@ -121,7 +124,8 @@ class ContextParallelAttention(torch.nn.Module):
 
     def insert_kv(self, cache: PagedKVCache, k: Tensor, v: Tensor, positions: Tensor, block_table: Tensor) -> Tensor:
         """Store new tokens' k/v [T, Hkv, D] at `positions` [T] (this rank keeps the ones it owns)."""
-        return dcp_kv_insert(cache, k, v, positions, block_table, self.dcp, interleave=self.interleave)
+        return dcp_kv_insert(cache, k, v, positions, block_table, self.dcp, interleave=self.interleave,
+                             pcp_group=self._kv_pcp())
 
     def decode(self, q: Tensor, cache: PagedKVCache, block_table: Tensor, seq_lens: Tensor, *,
                same_heads: bool = False) -> Tensor:
@@ -129,7 +133,16 @@ class ContextParallelAttention(torch.nn.Module):
 
         same_heads: every DCP rank holds the same query heads (see `dcp_decode_attention`)."""
         return dcp_decode_attention(q, cache, block_table, seq_lens, self.dcp, interleave=self.interleave,
-                                    comm=self.dcp_comm, scale=self.scale, same_heads=same_heads)
+                                    comm=self.dcp_comm, scale=self.scale, same_heads=same_heads,
+                                    pcp_group=self._kv_pcp())
+
+    @property
+    def kv_shards(self) -> int:
+        """Ranks one KV cache is sharded over: pcp * dcp (a virtual block holds block_size * this)."""
+        return self.pcp.size * self.dcp.size
+
+    def _kv_pcp(self) -> Group | None:
+        return self.pcp if self.pcp.size > 1 else None
 
     def extra_repr(self) -> str:
         return (f"pcp={self.pcp.size}, dcp={self.dcp.size}, ring={self.ring_variant}, dcp_comm={self.dcp_comm}, "

@@ -10,15 +10,23 @@ onto ranks so that the busiest rank carries close to the mean (docs/numerics.md,
    packed onto the node's ranks; otherwise the global policy (one group, one node);
 2. replication is greedy: the next replica goes to the expert with the largest
    `load / replicas`; packing is "largest item into the lightest pack that is not full",
-   every pack getting exactly `items / packs` items;
+   every pack getting exactly `items / packs` items; when a pack holds exactly one item
+   (`num_groups == num_nodes`, or one slot per rank) item i goes to pack i, as DeepSeek's
+   reference does;
 3. with `old_phy2log`, packs are matched to the nodes/ranks they overlap most (any such
    relabeling is equally balanced) and an expert that stays on a rank keeps its slot, so a
    migration copies as little as possible.
 
 The one idea: every loop runs over items (replicas, slots), never over layers; all layers are
-handled at once as a batch dimension, so L=61, E=256, P=288 takes milliseconds on a CPU. The
-algorithm runs in float64 on the CPU, and ties go to the lowest index, so every rank computes
-the same plan from the same loads.
+handled at once as a batch dimension, so L=61, E=256, P=288 takes milliseconds on a CPU.
+
+Precision and parity: loads are cast to float32 on the CPU, as DeepSeek's reference
+(deepseek-ai/EPLB, eplb.py) and vLLM's EPLB do, and every derived quantity (group loads, load per
+replica, pack loads accumulated item by item) is the same float32 operation in the same order,
+so on loads without ties `phy2log` and `logcnt` equal the reference's placement for placement
+(float32 holds integer token counts exactly up to 2^24 per expert; above that, loads closer than
+one part in 1.7e7 may tie). Ties go to the lowest index (the reference's sort is unstable there),
+so every rank computes the same plan from the same loads.
 
 Conventions: physical slot `p` lives on rank `p // (P // num_ranks)`; ranks `n * R/N ..
 (n+1) * R/N - 1` form node `n`. Within a rank, new slots are ordered by packing order (heaviest
@@ -153,29 +161,28 @@ def _check_phy2log(phy2log: torch.Tensor, num_layers: int, num_logical: int, num
 def _balanced_packing(load: torch.Tensor, num_packs: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Pack `n` items per row into `num_packs` packs of exactly `n / num_packs` items each.
 
-    load: [B, n] float64. Items are taken heaviest first (ties: lower index first) and each
-    goes to the lightest pack that is not full (ties: lower pack index).
+    load: [B, n] float32. Items are taken heaviest first (ties: lower index first) and each
+    goes to the lightest pack that is not full (ties: lower pack index); with one item per
+    pack, item i goes to pack i (DeepSeek's rule, whatever the loads).
     Returns (pack [B, n] int64, position in pack [B, n] int64).
     """
     rows, n = load.shape
     capacity = n // num_packs
     assert capacity * num_packs == n
-    if num_packs == 1 or capacity == 1:
-        # one pack: keep heaviest-first order; one item per pack: item i goes to pack i in that order
-        order = torch.sort(load, dim=1, descending=True, stable=True).indices
+    if capacity == 1:   # one item per pack: the identity, not heaviest-first
+        return torch.arange(n).expand(rows, n).contiguous(), torch.zeros(rows, n, dtype=torch.int64)
+    order = torch.sort(load, dim=1, descending=True, stable=True).indices
+    if num_packs == 1:  # one pack: positions in heaviest-first order
         rank_of_item = torch.empty_like(order)
         rank_of_item.scatter_(1, order, torch.arange(n).expand(rows, n).contiguous())
-        if num_packs == 1:
-            return torch.zeros_like(order), rank_of_item
-        return rank_of_item, torch.zeros_like(order)
-    order = torch.sort(load, dim=1, descending=True, stable=True).indices
+        return torch.zeros_like(order), rank_of_item
     sorted_load = load.gather(1, order)
-    pack_load = torch.zeros(rows, num_packs, dtype=torch.float64)
+    pack_load = torch.zeros(rows, num_packs, dtype=load.dtype)
     pack_count = torch.zeros(rows, num_packs, dtype=torch.int64)
     pack_of_sorted = torch.empty(rows, n, dtype=torch.int64)
     pos_of_sorted = torch.empty(rows, n, dtype=torch.int64)
     row_ids = torch.arange(rows)
-    inf = torch.tensor(float("inf"), dtype=torch.float64)
+    inf = torch.tensor(float("inf"), dtype=load.dtype)
     for i in range(n):
         chosen = torch.where(pack_count < capacity, pack_load, inf).argmin(dim=1)  # [B]
         pack_of_sorted[:, i] = chosen
@@ -190,7 +197,7 @@ def _balanced_packing(load: torch.Tensor, num_packs: int) -> tuple[torch.Tensor,
 def _replicate(load: torch.Tensor, num_slots: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Greedy replication: each extra slot goes to the expert with the largest load per replica.
 
-    load: [B, n] float64. Returns (slot2expert [B, num_slots] int64 with slot i = expert i for
+    load: [B, n] float32. Returns (slot2expert [B, num_slots] int64 with slot i = expert i for
     i < n, count [B, n] int64).
     """
     rows, n = load.shape
@@ -312,10 +319,14 @@ def rebalance_experts(weight: torch.Tensor, num_physical: int, num_groups: int, 
     num_nodes: nodes the ranks span (ranks are numbered node-major).
     old_phy2log: [L, P] (or [P] for L == 1) int, the current placement; when given, packs are
         relabeled to overlap it most and experts that stay on a rank keep their slot.
-    Returns an EplbPlan on the CPU (int64 tensors). Deterministic.
+    Returns an EplbPlan on the CPU (int64 tensors). Deterministic. Loads are used in float32
+    (DeepSeek's and vLLM's precision; see the module docstring).
     """
-    w = _check_weight(weight)
+    w = _check_weight(weight).float()
     num_layers, num_logical = w.shape
+    if num_layers < 1 or num_logical < 1:
+        raise ValueError(f"weight must have at least one layer and one logical expert; got shape "
+                         f"[num_layers, num_logical] = [{num_layers}, {num_logical}]")
     _check_sizes(num_logical, num_physical, num_ranks)
     if num_groups < 1 or num_nodes < 1:
         raise ValueError(f"num_groups ({num_groups}) and num_nodes ({num_nodes}) must be >= 1")
@@ -384,7 +395,9 @@ def logical_to_physical(topk_ids: torch.Tensor, log2phy: torch.Tensor, logcnt: t
                         token_index: torch.Tensor | None = None) -> torch.Tensor:
     """Map routed logical experts to physical slots; a token picks a replica by hashing its index.
 
-    topk_ids: [T, K] int32/int64 logical experts, -1 = no expert (stays -1).
+    topk_ids: [T, K] int32/int64 logical experts in [0, E), -1 = no expert (stays -1). Other
+        values raise ValueError for CPU tensors; on CUDA (no host sync: graph-capturable) they
+        index out of range and trip the device-side bounds assertion instead of mapping anywhere.
     log2phy: [E, R] int64 physical slots of each expert (-1 padded); logcnt: [E] int replicas.
     token_index: [T] int, the index hashed (default arange(T)); pass global token positions to
         spread replicas across data-parallel ranks as well.
@@ -402,8 +415,14 @@ def logical_to_physical(topk_ids: torch.Tensor, log2phy: torch.Tensor, logcnt: t
     elif token_index.shape != (num_tokens,):
         raise ValueError(f"token_index must be [T] = [{num_tokens}], got {tuple(token_index.shape)}")
     ids = topk_ids.long()
+    num_logical = log2phy.shape[0]
+    out_of_range = (ids < -1) | (ids >= num_logical)
+    if ids.device.type == "cpu" and bool(out_of_range.any()):
+        t, k = out_of_range.nonzero()[0].tolist()
+        raise ValueError(f"topk_ids[{t}, {k}] = {int(ids[t, k])} is not a logical expert: valid ids are "
+                         f"[0, {num_logical}) and -1 (no expert)")
     valid = ids >= 0
-    safe = ids.clamp(min=0)
+    safe = torch.where(ids == -1, 0, torch.where(out_of_range, num_logical, ids))   # bad ids stay out of range
     hashed = (token_index.to(topk_ids.device, torch.int64) * KNUTH_HASH) & 0xFFFFFFFF  # [T]
     replica = hashed.unsqueeze(1) % logcnt.to(ids.device, torch.int64)[safe]  # [T, K]
     physical = log2phy.to(ids.device)[safe, replica]
