@@ -106,7 +106,7 @@ def _mla_rank(rank: int, world: int) -> str:
     torch.set_num_threads(1)
     from parallel import ParallelConfig, init_parallel
 
-    groups = init_parallel(ParallelConfig(world_size=world, pcp=world, dcp=world))
+    groups = init_parallel(ParallelConfig(world_size=world, pcp=world))
     heads = 4
     w_uk, w_uv = _weights(heads, DIMS, 10)
     # prefill: zigzag shards through the ring and the all-gather variant
@@ -116,17 +116,18 @@ def _mla_rank(rank: int, world: int) -> str:
     for variant in ("ring", "allgather"):
         o = mla_prefill_attention(shard(qn), shard(qp), shard(c), shard(kp), w_uk, w_uv, groups.pcp, variant=variant)
         torch.testing.assert_close(o.double(), shard(ref), atol=1e-4, rtol=0)
-    # decode: every rank holds the same heads here (DCP carved from PCP); the latent cache is sharded
+    # decode: every rank holds the same heads here (the PCP peers as the cache's shard group); the
+    # latent cache is sharded over them
     lens = [3 * world + 1, 1, 8 * world]
     cache = MLACache.allocate(12, 4, DIMS, dtype=torch.float32)
     table = torch.arange(9).view(3, 3).int()
     for i, n in enumerate(lens):
-        mla_kv_insert(cache, c[i % 2, :n], kp[i % 2, :n], torch.arange(n), table[i], groups.dcp)
+        mla_kv_insert(cache, c[i % 2, :n], kp[i % 2, :n], torch.arange(n), table[i], groups.pcp)
     q_nope = torch.stack([qn[i % 2, n - 1] for i, n in enumerate(lens)])
     q_pe = torch.stack([qp[i % 2, n - 1] for i, n in enumerate(lens)])
     for comm in ("ag_rs", "a2a"):
         got = mla_decode_attention(q_nope, q_pe, cache, w_uk, w_uv, table,
-                                   torch.tensor(lens), groups.dcp, comm=comm)
+                                   torch.tensor(lens), groups.pcp, comm=comm)
         for i, n in enumerate(lens):
             r = mla_reference(q_nope[i:i + 1, None], q_pe[i:i + 1, None], c[i % 2:i % 2 + 1, :n],
                               kp[i % 2:i % 2 + 1, :n], w_uk, w_uv, causal=False)
