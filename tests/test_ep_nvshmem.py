@@ -208,29 +208,30 @@ def _slab_cases(group, rank: int, world: int, device: str = "cpu") -> dict:
     with NvshmemBuffer(group, max_tokens=tm, hidden=H, top_k=K, num_experts=e_total, dtype=torch.float32,
                        device=device) as buf:
         for seed in (0, 1):
-            mine = _inputs(seed, world, e_total, tm)[rank]
+            mine = _inputs(seed, world, e_total, tm)[rank]  # the reference runs on CPU tensors
             x, ids, w = (mine[k].to(device) for k in ("x", "ids", "w"))
             ref = make_dispatcher(group, e_total, H, backend="all_to_all", layout="slab", capacity=world * tm)
-            want = ref.dispatch(x, ids, w)
+            want = ref.dispatch(mine["x"], mine["ids"], mine["w"])
             for cap in (world * tm, None):
                 # None: the exact largest count, so the fullest expert fills its slab
                 if cap is None:
-                    counts = torch.tensor(want.counts_list, device=device)
-                    tot = counts.clone()
+                    tot = torch.tensor(want.counts_list)
                     torch.distributed.all_reduce(tot, op=torch.distributed.ReduceOp.MAX, group=group)
                     cap = max(1, int(tot.max()))
                     ref = make_dispatcher(group, e_total, H, backend="all_to_all", layout="slab", capacity=cap)
-                    want = ref.dispatch(x, ids, w)
+                    want = ref.dispatch(mine["x"], mine["ids"], mine["w"])
                 tr = NvshmemTransport(buf, capacity=cap)
                 got = tr.dispatch_slab(x, ids, w)
-                same = [torch.equal(got.x, want.x), torch.equal(got.counts, want.counts),
-                        torch.equal(got.topk_weights, want.topk_weights),
-                        torch.equal(got.expert_ids, want.expert_ids)]
+                same = [torch.equal(got.x.cpu(), want.x), torch.equal(got.counts.cpu(), want.counts),
+                        torch.equal(got.topk_weights.cpu(), want.topk_weights),
+                        torch.equal(got.expert_ids.cpu(), want.expert_ids)]
                 y = _expert_fn(got.x)
-                same.append(torch.equal(tr.combine_slab(y, got.handle), ref.combine(_expert_fn(want.x), want.handle)))
+                same.append(torch.equal(tr.combine_slab(y, got.handle).cpu(),
+                                        ref.combine(_expert_fn(want.x), want.handle)))
                 tr.check()
                 out[(seed, cap)] = same
-                out[("full", seed, cap)] = int(got.counts.max()) == cap
+                if cap < world * tm:
+                    out[("full", seed)] = int(got.counts.max()) == cap
         # bad input: more tokens than the buffer holds, before anything is written
         try:
             NvshmemTransport(buf).dispatch(torch.zeros(tm + 1, H, device=device), torch.zeros(tm + 1, K,
@@ -250,14 +251,15 @@ def _dispatcher_cases(group, rank: int, world: int, device: str = "cpu") -> dict
         mine = _inputs(seed, world, e_total, 5)[rank]
         res = {}
         for backend in ("all_to_all", "nvshmem"):
+            dev = device if backend == "nvshmem" else "cpu"  # the reference runs on CPU tensors
             d = make_dispatcher(group, e_total, H, backend=backend, align=2)
-            x = mine["x"].to(device).requires_grad_(True)
-            w = mine["w"].to(device).requires_grad_(True)
-            r = d.dispatch(x, mine["ids"].to(device), w, async_op=True).wait()
+            x = mine["x"].to(dev).requires_grad_(True)
+            w = mine["w"].to(dev).requires_grad_(True)
+            r = d.dispatch(x, mine["ids"].to(dev), w, async_op=True).wait()
             y = d.combine(r.x * 2 + 1, r.handle)
-            (y * torch.arange(H, device=device)).sum().backward()
-            res[backend] = [r.x.detach(), r.counts, r.offsets, r.topk_weights.detach(), r.expert_ids, y.detach(),
-                            x.grad, w.grad]
+            (y * torch.arange(H, device=dev)).sum().backward()
+            res[backend] = [v.detach().cpu() for v in (r.x, r.counts, r.offsets, r.topk_weights, r.expert_ids, y,
+                                                        x.grad, w.grad)]
             if backend == "nvshmem":
                 for b in (d.backend, d._worker_backend):
                     if b is not None:
@@ -307,7 +309,10 @@ def _error_cases(group, rank: int, world: int, device: str = "cpu") -> dict:
     except ValueError as e:
         out["sizes"] = str(e)
     buf = NvshmemBuffer(group, max_tokens=4, hidden=H, top_k=K, num_experts=2 * world, dtype=torch.float32,
-                        device=device, max_iters=300)
+                        device=device, max_iters=300 if device == "cpu" else 1 << 18)
+    if device != "cpu":
+        torch.cuda.synchronize()
+    torch.distributed.barrier(group=group)  # the ranks that do arrive start together
     tr = NvshmemTransport(buf)
     x, ids, w = torch.ones(2, H, device=device), torch.zeros(2, K, dtype=torch.int64, device=device), \
         torch.ones(2, K, device=device)
@@ -332,19 +337,88 @@ def _error_cases(group, rank: int, world: int, device: str = "cpu") -> dict:
     return out
 
 
-def _rank(rank: int, world: int, fake_dir: str) -> dict:
-    sys.path.insert(0, fake_dir)
+def _graph_case(group, rank: int, world: int, device: str) -> list[bool]:
+    """dispatch_slab + experts + combine_slab captured in one CUDA graph; replays on new inputs
+    equal the eager calls."""
+    from parallel.ep.nvshmem import NvshmemBuffer, NvshmemTransport
+
+    e_total, tm = 2 * world, 6
+    results = []
+    with NvshmemBuffer(group, max_tokens=tm, hidden=H, top_k=K, num_experts=e_total, dtype=torch.float32,
+                       device=device) as buf:
+        tr = NvshmemTransport(buf)
+        t = 4  # a static token count on every rank
+        inputs = []
+        for seed in (5, 6, 7):
+            g = torch.Generator().manual_seed(seed * 10 + rank)
+            ids = torch.stack([torch.randperm(e_total, generator=g)[:K] for _ in range(t)])
+            ids[0, 1] = -1
+            inputs.append((torch.randint(-8, 8, (t, H), generator=g).float().div(4).to(device), ids.to(device),
+                           torch.randint(0, 4, (t, K), generator=g).float().div(4).to(device)))
+        eager = []
+        for x, ids, w in inputs:
+            d = tr.dispatch_slab(x, ids, w)
+            eager.append(tr.combine_slab(_expert_fn(d.x), d.handle))
+        sx, sids, sw = (v.clone() for v in inputs[0])
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):  # warm up (Triton compiles, caches fill) off the capture
+            d = tr.dispatch_slab(sx, sids, sw)
+            tr.combine_slab(_expert_fn(d.x), d.handle)
+        torch.cuda.current_stream().wait_stream(side)
+        torch.cuda.synchronize()
+        torch.distributed.barrier(group=group)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            d = tr.dispatch_slab(sx, sids, sw)
+            out = tr.combine_slab(_expert_fn(d.x), d.handle)
+        torch.distributed.barrier(group=group)
+        for (x, ids, w), want in zip(inputs, eager):
+            sx.copy_(x), sids.copy_(ids), sw.copy_(w)
+            graph.replay()
+            results.append(torch.equal(out, want))
+        torch.cuda.synchronize()
+        tr.check()
+        torch.distributed.barrier(group=group)
+        del graph
+    return results
+
+
+def _rank(rank: int, world: int, fake_dir: str | None, device: str = "cpu") -> dict:
+    if fake_dir is not None:
+        sys.path.insert(0, fake_dir)
+    if device != "cpu":
+        torch.cuda.set_device(0)  # every rank on the one GPU (NVSHMEM "multiple processes per GPU")
     from parallel import ParallelConfig, destroy_parallel, init_parallel
+    from parallel.ep.nvshmem import NvshmemBuffer
 
     groups = init_parallel(ParallelConfig(world_size=world))
+    keeper = None
     try:
-        out = {"slab": _slab_cases(groups.ep, rank, world), "dispatcher": _dispatcher_cases(groups.ep, rank, world),
-               "moe": _moe_layer_case(groups.ep, rank, world), "errors": _error_cases(groups.ep, rank, world)}
-        import nvshmem.core
+        pg = groups.ep.group  # the raw ProcessGroup (gloo: NCCL refuses two ranks on one GPU)
+        if device != "cpu":  # keep NVSHMEM initialized throughout (no finalize + re-init between cases)
+            keeper = NvshmemBuffer(pg, max_tokens=1, hidden=4, top_k=1, num_experts=world, device=device)
+        cases = {"slab": _slab_cases, "dispatcher": _dispatcher_cases, "moe": _moe_layer_case,
+                 "errors": _error_cases}
+        if device != "cpu":
+            cases["graph"] = _graph_case
+        out = {}
+        for name, case in cases.items():  # one case failing still reports the others
+            try:
+                out[name] = case(pg, rank, world, device)
+            except Exception:
+                import traceback
 
-        out["calls"] = [c[0] for c in nvshmem.core.calls]
+                out[name] = {"exception": traceback.format_exc()[-3000:]}
+        if fake_dir is not None:
+            import nvshmem.core
+
+            out["calls"] = [c[0] for c in nvshmem.core.calls]
         return out
     finally:
+        if keeper is not None:
+            torch.distributed.barrier(group=groups.ep.group)
+            keeper.destroy()
         destroy_parallel()
 
 
@@ -353,12 +427,38 @@ def test_nvshmem_backend_on_gloo_ranks_with_a_fake_nvshmem(world, fake_dir):
     from launch.local import launch_local
 
     results = launch_local(_rank, world, args=(world, fake_dir), timeout=400, env={"TRITON_INTERPRET": "1"})
+    _check_results(results, world)
+    for r in results:  # one NVSHMEM init per buffer lifetime, finalized once every buffer is destroyed
+        assert r["calls"].count("init") == r["calls"].count("finalize") >= 1, r["calls"]
+        assert r["calls"].count("tensor") == r["calls"].count("free"), r["calls"]
+
+
+MPG = os.environ.get("MEGAPAR_NVSHMEM_MPG") == "1"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not MPG, reason="needs several NVSHMEM processes on one GPU under MPS: bench/run_nvshmem_mpg.sh")
+@pytest.mark.parametrize("world", [2, 4])
+def test_nvshmem_backend_several_ranks_on_one_gpu(world):
+    """The same cases with real nvshmem4py, every rank on cuda:0, plus a CUDA graph of
+    dispatch + experts + combine replayed on new inputs."""
+    from launch.local import launch_local
+
+    results = launch_local(_rank, world, args=(world, None, "cuda"), timeout=500,
+                           env={"CUDA_MPS_ACTIVE_THREAD_PERCENTAGE": str(100 // world)})
+    _check_results(results, world)
     for rank, r in enumerate(results):
+        assert r["graph"] == [True] * 3, (rank, r["graph"])
+
+
+def _check_results(results: list[dict], world: int) -> None:
+    for rank, r in enumerate(results):
+        failed = {k: v["exception"] for k, v in r.items() if isinstance(v, dict) and "exception" in v}
+        assert not failed, f"rank {rank}: " + "\n".join(f"{k}: {v}" for k, v in failed.items())
         for key, same in r["slab"].items():
-            if key[0] == "full":
+            if not isinstance(key, tuple) or key[0] == "full":
                 continue
             assert same == [True] * 5, (rank, key, same)
-        assert any(r["slab"][("full", s, c)] for (_, s, c) in [k for k in r["slab"] if k[0] == "full"]) or rank == 1
         assert "tokens exceed the buffer's max_tokens (6)" in r["slab"]["too_many"], r["slab"]["too_many"]
         for seed, same in r["dispatcher"].items():
             assert same == [True] * 8, (rank, seed, same)
@@ -369,9 +469,9 @@ def test_nvshmem_backend_on_gloo_ranks_with_a_fake_nvshmem(world, fake_dir):
             assert f"rank {world - 1} never delivered its rows" in err["missing"], err["missing"]
             assert "refuses further use" in err["refused"] or "failed earlier" in err["refused"], err["refused"]
         assert "destroyed" in err["destroyed"]
-        # one NVSHMEM init per process, finalized once every buffer is destroyed
-        assert r["calls"].count("init") == r["calls"].count("finalize") >= 1, r["calls"]
-        assert r["calls"].count("tensor") == r["calls"].count("free"), r["calls"]
+    # with capacity = the largest count, some rank's expert exactly fills its slab, for each seed
+    for seed in (0, 1):
+        assert any(r["slab"].get(("full", seed)) for r in results), seed
 
 
 def test_registered_and_reported_with_the_reason_it_cannot_run():

@@ -16,9 +16,11 @@ from parallel.ep.eplb import (Eplb, EplbConfig, EplbPlan, balancedness, logical_
                               rebalance_experts)
 from parallel.ep.layout import LayoutPlan, gather_reduce, gather_rows, plan_layout
 
-from parallel.ep import nvshmem as _nvshmem  # noqa: E402  (registers backend "nvshmem"; imports nvshmem4py lazily)
+from parallel.ep import deepep as _deepep  # noqa: E402  (backends "deepep", "nvshmem": their packages load lazily)
+from parallel.ep import nvshmem as _nvshmem  # noqa: E402
 
 _nvshmem.register()
+_deepep.register()
 
 __all__ = ["make_dispatcher", "Dispatcher", "DispatchResult", "CombineHandle", "LayoutPlan", "plan_layout",
            "gather_rows", "gather_reduce", "rebalance_experts", "EplbPlan", "logical_to_physical",
