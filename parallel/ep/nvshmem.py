@@ -212,14 +212,15 @@ class NvshmemBuffer:
         counters = 4 * w * 8  # per channel: arrive [W], free [W] int64
         total = s.dispatch_bytes + s.combine_bytes + counters
         nt = _torch_interop()
-        heap = nt.tensor((total,), dtype=torch.uint8)
-        heap.zero_()
+        words = nt.tensor((total // 8,), dtype=torch.int64)  # total is 16-byte aligned
+        heap = words.view(torch.uint8)
+        words.zero_()
         if heap.is_cuda:
             torch.cuda.synchronize(heap.device)
         if w > 1:
             dist.barrier(group=self.group)  # every rank's counters are zero before anyone signals
-        self._heap = heap
-        self._peers = [heap if r == self.rank else nt.get_peer_tensor(heap, r) for r in range(w)]
+        self._heap, self._words = heap, words
+        self._peers = [words if r == self.rank else nt.get_peer_tensor(words, r) for r in range(w)]
         bases = torch.tensor([p.data_ptr() for p in self._peers], dtype=torch.int64, device=heap.device)
         self.err = torch.zeros(1, dtype=torch.int64, device=heap.device)
         self.dropped = torch.zeros(1, dtype=torch.int64, device=heap.device)  # slab rows over capacity
@@ -249,10 +250,10 @@ class NvshmemBuffer:
         """Free the symmetric memory (every rank must call it; collective in NVSHMEM)."""
         if self._heap is None:
             return
-        heap, self._heap, self._peers, self.channels = self._heap, None, [], []
-        if heap.is_cuda:
-            torch.cuda.synchronize(heap.device)
-        _torch_interop().free_tensor(heap)
+        words, self._heap, self._words, self._peers, self.channels = self._words, None, None, [], []
+        if words.is_cuda:
+            torch.cuda.synchronize(words.device)
+        _torch_interop().free_tensor(words)
         _Runtime.release()
 
     def __enter__(self) -> "NvshmemBuffer":

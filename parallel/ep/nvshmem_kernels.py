@@ -41,9 +41,7 @@ import triton.language as tl
 # error codes (high bits of the error word)
 ERR_ARRIVE = 1  # a rank's data never arrived
 ERR_FREE = 2  # a rank never released its receive region
-ERR_OVERFLOW = 3  # a slab expert received more rows than its capacity (dropped)
-ERR_NAMES = {ERR_ARRIVE: "never delivered its rows", ERR_FREE: "never released its receive buffer",
-             ERR_OVERFLOW: "slab overflow"}
+ERR_NAMES = {ERR_ARRIVE: "never delivered its rows", ERR_FREE: "never released its receive buffer"}
 
 
 @triton.jit
@@ -67,22 +65,24 @@ def _put_rows_kernel(src, src_row, dest_rank, dest_row, ptrs, src_stride, dest_s
 def _signal_kernel(ptrs, index):
     d = tl.program_id(0)
     base = tl.load(ptrs + d).to(tl.pointer_type(tl.int64))
-    tl.atomic_add(base + index, 1, sem="release", scope="sys")
+    tl.atomic_add(base + index, tl.full([], 1, tl.int64), sem="release", scope="sys")
 
 
 @triton.jit
 def _wait_kernel(counter, epoch, lag, err, code, max_iters):
     s = tl.program_id(0)
+    zero = tl.full([], 0, tl.int64)  # int64 operands for the int64 words
     target = tl.load(epoch) - lag
-    failed = tl.atomic_add(err, 0, sem="relaxed", scope="gpu")
+    failed = tl.atomic_add(err, zero, sem="relaxed", scope="gpu")
     if failed == 0:
-        v = tl.atomic_add(counter + s, 0, sem="acquire", scope="sys")
+        v = tl.atomic_add(counter + s, zero, sem="acquire", scope="sys")
         i = 0
         while (v < target) & (i < max_iters):
-            v = tl.atomic_add(counter + s, 0, sem="acquire", scope="sys")
+            v = tl.atomic_add(counter + s, zero, sem="acquire", scope="sys")
             i += 1
         if v < target:
-            tl.atomic_cas(err, 0, code * 65536 + s + 1, sem="relaxed", scope="gpu")
+            word = (code * 65536 + s + 1).to(tl.int64)
+            tl.atomic_cas(err, zero, word, sem="relaxed", scope="gpu")
 
 
 _BLOCK = 256
@@ -122,8 +122,6 @@ def wait(counter: torch.Tensor, epoch: torch.Tensor, lag: int, err: torch.Tensor
 def describe_error(word: int) -> str:
     """The error word -> a sentence naming the rank."""
     code, who = word >> 16, (word & 0xFFFF) - 1
-    if code == ERR_OVERFLOW:
-        return f"a slab expert received more rows than its capacity ({who + 1} rows over; they were dropped)"
     return f"rank {who} {ERR_NAMES.get(code, f'failed (code {code})')} within the bounded wait"
 
 
