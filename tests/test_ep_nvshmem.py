@@ -309,7 +309,7 @@ def _error_cases(group, rank: int, world: int, device: str = "cpu") -> dict:
     except ValueError as e:
         out["sizes"] = str(e)
     buf = NvshmemBuffer(group, max_tokens=4, hidden=H, top_k=K, num_experts=2 * world, dtype=torch.float32,
-                        device=device, max_iters=300 if device == "cpu" else 1 << 18)
+                        device=device, max_iters=20000 if device == "cpu" else 1 << 20)
     if device != "cpu":
         torch.cuda.synchronize()
     torch.distributed.barrier(group=group)  # the ranks that do arrive start together
