@@ -6,13 +6,21 @@
     y = d.combine(expert_out, res.handle)          # [T, H], sum_k w_k * y_k in fp32
 
 Modules: `dispatch` (the Dispatcher, autograd), `backends` (transports and the census),
-`layout` (local permute plan and the torch data movers), `triton_permute` (CUDA kernels).
+`layout` (local permute plan and the torch data movers), `triton_permute` (CUDA kernels),
+`nvshmem` / `nvshmem_kernels` (device-initiated transfers over NVSHMEM: backend "nvshmem" and the
+low-latency `NvshmemTransport`).
 """
 
 from parallel.ep.dispatch import CombineHandle, DispatchResult, Dispatcher, make_dispatcher
 from parallel.ep.eplb import (Eplb, EplbConfig, EplbPlan, balancedness, logical_to_physical, rearrange_weights,
                               rebalance_experts)
 from parallel.ep.layout import LayoutPlan, gather_reduce, gather_rows, plan_layout
+
+from parallel.ep import deepep as _deepep  # noqa: E402  (backends "deepep", "nvshmem": their packages load lazily)
+from parallel.ep import nvshmem as _nvshmem  # noqa: E402
+
+_nvshmem.register()
+_deepep.register()
 
 __all__ = ["make_dispatcher", "Dispatcher", "DispatchResult", "CombineHandle", "LayoutPlan", "plan_layout",
            "gather_rows", "gather_reduce", "rebalance_experts", "EplbPlan", "logical_to_physical",

@@ -20,8 +20,11 @@ is left waiting on a partner. The census is the one host synchronization of a di
 Backends: ``local`` (group of one: no communication), ``all_to_all`` (payload through
 ``all_to_all_single``; gloo and NCCL), ``allgather`` (all-gather tokens and routing, select
 locally, reduce-scatter partial sums in fp32 on combine; simple, for small decode batches and
-DP attention). Only these exist; `register_backend` plugs in another implementation of `Backend`
-(torch symmetric memory, NVSHMEM and DeepEP transports are not written yet).
+DP attention). `register_backend` plugs in another implementation of `Backend`: ``nvshmem``
+(`parallel.ep.nvshmem`: payload by device writes into symmetric memory) and ``deepep``
+(`parallel.ep.deepep`) register themselves when `parallel.ep` is imported, with checks that
+say why they cannot run here, and are chosen by name only (a torch symmetric-memory transport
+is not written yet).
 """
 
 from __future__ import annotations
@@ -331,8 +334,8 @@ _REGISTRY: dict[str, type[Backend]] = {"all_to_all": AllToAllBackend, "allgather
 
 # Which transport "auto" means: the host-synced dispatcher's all-to-all (each token goes only to the
 # ranks that hold its experts); "allgather" is asked for by name (or chosen by MoELayer's device path).
-# Only implemented transports are listed; a device-initiated one (e.g. NVSHMEM) joins with
-# `register_backend(name, cls, before="all_to_all")`.
+# Only implemented transports are listed; "nvshmem" and "deepep" join via `register_backend`
+# (parallel/ep/__init__.py), with auto=False.
 TRANSPORT = impl.Op("ep.transport", [impl.Impl("all_to_all"), impl.Impl("allgather", auto=False)])
 BACKENDS: tuple[str, ...] = TRANSPORT.names
 
