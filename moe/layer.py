@@ -75,7 +75,7 @@ if TYPE_CHECKING:
 
 TOKEN_MODES: tuple[str, ...] = ("replicated", "sequence_parallel")
 PATHS: tuple[str, ...] = ("auto", "device", "host")
-TRANSPORTS: tuple[str, ...] = ("auto", "all_to_all", "allgather")
+TRANSPORTS: tuple[str, ...] = ("auto", "all_to_all", "allgather", "nvshmem")
 # At EP > 1 (sequence_parallel tokens), "auto" takes the device path's all-gather transport up to
 # this many tokens per rank and the host path's all-to-all above it. Users of vLLM, SGLang and
 # Megatron report all-gather/reduce-scatter winning at decode sizes for EP <= 8; the crossover
@@ -317,13 +317,21 @@ class MoELayer(nn.Module):
         from parallel.ep import make_dispatcher
 
         local_group = Group(name="ep_local", group=None, rank=0, size=1, ranks=(rank,))
-        host_transport = "all_to_all" if transport == "auto" else transport
+        host_transport = "all_to_all" if transport in ("auto", "nvshmem") else transport
         self.dispatcher = make_dispatcher(ep_group if distributed else local_group,
                                           num_slots_total if distributed else self.num_slots, config.hidden,
                                           backend=host_transport if distributed else "auto", align=align)
         if not distributed:
             self._device_transport: Any = (static.ReplicatedTransport(pg) if size > 1
                                            else static.LocalTransport())
+        elif transport == "nvshmem":  # device-initiated low-latency transport (parallel.ep.nvshmem)
+            if max_tokens is None:
+                raise ValueError("transport='nvshmem' needs max_tokens (its symmetric buffers are sized from it)")
+            from parallel.ep.nvshmem import NvshmemBuffer, NvshmemTransport
+
+            self._device_transport = NvshmemTransport(NvshmemBuffer(
+                pg, max_tokens=max_tokens, hidden=config.hidden, top_k=config.top_k, num_experts=num_slots_total,
+                dtype=config.dtype, device=device))
         elif max_tokens is not None and transport != "all_to_all":
             self._device_transport = static.AllGatherTransport(pg, size, max_tokens)
         else:

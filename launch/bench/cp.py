@@ -305,12 +305,18 @@ def _mla_prep_rows(ctx: BenchContext) -> None:
 
 
 def run(ctx: BenchContext) -> None:
-    _ring_compute(ctx)
+    """MEGAPAR_BENCH_CP_SECTIONS (comma list of ring, dcp, decode, multi; default all) picks sections."""
+    sections = set(os.environ.get("MEGAPAR_BENCH_CP_SECTIONS", "ring,dcp,decode,multi").split(","))
+    if "ring" in sections:
+        _ring_compute(ctx)
     with torch.no_grad():
-        _dcp_breakdown(ctx)
-        if ctx.is_cuda and not ctx.quick:
-            _paged_decode_rows(ctx)
-            _mla_prep_rows(ctx)
-        else:
-            ctx.note("paged decode kernel, MLA decode and fused MLA prep rows run on CUDA only")
-    _multi_gpu(ctx)
+        if "dcp" in sections:
+            _dcp_breakdown(ctx)
+        if "decode" in sections:
+            if ctx.is_cuda and not ctx.quick:
+                _paged_decode_rows(ctx)
+                _mla_prep_rows(ctx)
+            else:
+                ctx.note("paged decode kernel, MLA decode and fused MLA prep rows run on CUDA only")
+    if "multi" in sections:
+        _multi_gpu(ctx)
