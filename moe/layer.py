@@ -473,6 +473,15 @@ class MoELayer(nn.Module):
         partial = gather_reduce(y, plan.pair_pos, batch.topk_weights, x.dtype if local_only else torch.float32)
         return transport.combine(partial, batch).to(x.dtype)
 
+    def close(self) -> None:
+        """Release what the layer's transport holds outside torch's allocator (the NVSHMEM
+        symmetric buffers of transport='nvshmem'); a collective on the EP group. The layer cannot
+        run the device path afterwards."""
+        transport, self._device_transport = self._device_transport, None
+        buffer = getattr(transport, "buffer", None)
+        if buffer is not None and hasattr(buffer, "destroy"):
+            buffer.destroy()
+
     def raise_on_bad_ids(self) -> None:
         """Raise if a device-path forward since the last call routed ids outside the expert range
         (see the module docstring); reads a device flag (one sync)."""

@@ -296,6 +296,7 @@ def _moe_layer_case(group, rank: int, world: int, device: str = "cpu") -> float:
                                            else v) for k, v in full.experts.state_dict().items()})
         got = layer(mine)
         buf.check()
+        layer.close()  # its own buffer (transport="nvshmem"), if it made one
     return float((got - want).abs().max()) if sizes[rank] else 0.0
 
 
