@@ -174,7 +174,7 @@ def _check_prep(cache_dtype, q_norm, device, exact_bf16):
     w_q = torch.rand(nope + DIMS.qk_rope_head_dim, generator=gen) + 0.5 if q_norm else None
     for rank in range(2):
         layout = DCPLayout(size=2, rank=rank, block_size=4, interleave=2)
-        caches = [MLACache.allocate(8, 4, DIMS, dtype=cache_dtype, device=device) for _ in range(2)]
+        caches = [MLACache.allocate(8, 4, DIMS, dtype=cache_dtype, device=d) for d in ("cpu", device)]  # ref, kernel
         ref = mla_prep(q, kv, positions, caches[0], table, cos_sin, w_kv, layout=layout, q_norm_weight=w_q,
                        nope=nope, backend="torch")
         args = [x.to(device) for x in (q, kv, positions, table, cos_sin, w_kv)]

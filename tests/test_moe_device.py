@@ -341,7 +341,10 @@ def test_gpu_graph_capture_replays_eager_results_and_counts():
             counts = layer.expert_counts.clone()
         y = graphed(x)
         assert graphed.size_for(t) >= t
-        assert torch.equal(y, eager), t  # same kernels, same order: bit-identical
+        if graphed.size_for(t) == t:  # same shapes, same kernels, same order: bit-identical
+            assert torch.equal(y, eager), t
+        else:  # a larger captured size: the GEMMs may block differently (rows per expert pick the tile)
+            assert _rel(y.float(), eager.float()) < 1e-2, t
         assert torch.equal(layer.expert_counts, counts), t  # padding rows are not counted
     with pytest.raises(ValueError, match="exceeds the largest captured size"):
         graphed(torch.randn(65, 1024, device="cuda", dtype=torch.bfloat16))

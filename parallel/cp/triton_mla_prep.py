@@ -117,7 +117,8 @@ def mla_prep_triton(q: Tensor, kv: Tensor, positions: Tensor, cache: MLACache, b
     fp8 = cache.scale is not None
     scale = cache.scale.view(-1) if fp8 else slots
     block_nope = triton.next_power_of_2(max(nope, 1))
-    block_h = max(1, min(triton.next_power_of_2(heads), CONFIG["block_elems"] // (block_nope + 2 * half)))
+    fit = max(1, CONFIG["block_elems"] // (block_nope + 2 * half))
+    block_h = min(triton.next_power_of_2(heads), 1 << (fit.bit_length() - 1))   # tl.arange needs a power of two
     q_tiles = triton.cdiv(heads, block_h)
     table = block_table if block_table.stride(-1) == 1 else block_table.contiguous()
     if t > 0:
