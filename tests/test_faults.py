@@ -1,0 +1,84 @@
+"""Faults inside collective sequences end in errors on every rank, never in results: a failed
+micro-batch poisons the EP dispatcher (rank 0 only fails; both ranks then raise, naming the
+failure), async EP honours init_parallel's timeout, EPLB migration commits all tensors or none.
+Fault injection on gloo at 2 ranks; every case is bounded by a short group timeout."""
+
+from __future__ import annotations
+
+import datetime
+import time
+import traceback
+
+import pytest
+import torch
+
+
+def _outcome(fn) -> str:
+    """'ok' or 'ExcType: message' of fn()."""
+    try:
+        fn()
+        return "ok"
+    except Exception as exc:  # noqa: BLE001 - the test compares the outcome
+        return f"{type(exc).__name__}: {exc}"
+
+
+def _rank_ubatch_failure(rank: int, chunks: int) -> dict[str, str]:
+    from moe import MoEConfig, MoELayer
+    from parallel import ParallelConfig, destroy_parallel, init_parallel
+    import torch.distributed as dist
+
+    from parallel.ubatch import UBatchRunner, get_optional_ubatch
+
+    groups = init_parallel(ParallelConfig(world_size=2), timeout=4)
+    try:
+        torch.manual_seed(0)  # identical weights on both ranks
+        cfg = MoEConfig(hidden=16, inter=8, num_experts=4, top_k=2, num_shared=0, dtype=torch.float32,
+                        expert_format="fp32")
+        layer = MoELayer(cfg, ep_group=groups.ep, path="host", overlap_chunks=chunks)
+        x = torch.randn(12 + rank, 16, generator=torch.Generator().manual_seed(rank))
+        want = layer(x)
+        runner = UBatchRunner(2, min_tokens=1)
+        real = layer._experts
+
+        def faulty(res):
+            ctx = get_optional_ubatch()
+            if rank == 0 and ctx is not None and ctx.ubatch_id == 1:
+                raise RuntimeError("injected expert failure")
+            return real(res)
+
+        layer._experts = faulty  # instance attribute: the layer's host path calls it
+        t0 = time.monotonic()
+        out = {"split": _outcome(lambda: runner.run(layer, x, split=True)), "split_s": f"{time.monotonic() - t0:.1f}"}
+        layer._experts = real
+        t0 = time.monotonic()
+
+        def again():
+            got = layer(x)
+            out["max_err"] = f"{(got - want).abs().max().item():.3g}"
+
+        out["next"] = _outcome(again)
+        out["next_s"] = f"{time.monotonic() - t0:.1f}"
+        # rank 0 stays (its sockets open) until rank 1 is done: rank 1 must fail by the timeout
+        dist.monitored_barrier(timeout=datetime.timedelta(seconds=20))
+        return out
+    finally:
+        destroy_parallel()
+
+
+@pytest.mark.parametrize("chunks", [1, 2])  # 1: yields around dispatch/combine; 2: chunked overlap
+def test_failed_microbatch_on_one_rank_poisons_ep_on_every_rank(chunks):
+    from launch.local import launch_local
+
+    t0 = time.monotonic()
+    results = launch_local(_rank_ubatch_failure, 2, args=(chunks,), timeout=40)
+    assert time.monotonic() - t0 < 30, results
+    r0, r1 = results
+    assert r0["split"].startswith("UBatchError: micro-batch 1 of 2 failed") and "injected" in r0["split"], r0
+    # the peer, left inside its combine, fails by init_parallel's timeout (4 s), not torch's 30 min
+    assert r1["split"].startswith("UBatchError: micro-batch 1 of 2 failed") and "Timed out" in r1["split"], r1
+    assert 3 < float(r1["split_s"]) < 12, r1
+    for r in results:  # the next use raises at once rather than pairing with the peer's old collectives
+        assert "max_err" not in r and r["next"].startswith("EPPoisonedError: EP dispatch on ranks [0, 1]"), results
+        assert float(r["next_s"]) < 1.0, results
+    assert "micro-batch 1 of 2 failed: RuntimeError: injected expert failure" in r0["next"], r0  # names the cause
+    assert "Timed out" in r1["next"].split("refused")[1], r1
