@@ -82,3 +82,45 @@ def test_failed_microbatch_on_one_rank_poisons_ep_on_every_rank(chunks):
         assert float(r["next_s"]) < 1.0, results
     assert "micro-batch 1 of 2 failed: RuntimeError: injected expert failure" in r0["next"], r0  # names the cause
     assert "Timed out" in r1["next"].split("refused")[1], r1
+
+
+def _rank_late_peer(rank: int, late: str) -> dict[str, str]:
+    import torch.distributed as dist
+
+    from parallel import ParallelConfig, destroy_parallel, init_parallel
+    from parallel.ep import make_dispatcher
+
+    groups = init_parallel(ParallelConfig(world_size=2), timeout=3)
+    try:
+        d = make_dispatcher(groups.ep, num_experts=4, hidden=8)
+        x = torch.randn(5, 8)
+        ids = torch.tensor([[0, 2], [1, 3], [2, 0], [3, 1], [0, 1]])
+        w = torch.full((5, 2), 0.5)
+        call = lambda: d.dispatch(x, ids, w, async_op=True).wait()  # noqa: E731
+        out = {}
+        if late == "collective":  # both make the communication thread; then rank 1 comes late
+            out["first"] = _outcome(call)
+        if rank == 0:
+            t0 = time.monotonic()
+            out["late"] = _outcome(call)
+            out["late_s"] = f"{time.monotonic() - t0:.1f}"
+            out["next"] = _outcome(call)
+        else:
+            time.sleep(8)  # 'late': longer than the 3 s timeout
+        dist.monitored_barrier(timeout=datetime.timedelta(seconds=20))
+        return out
+    finally:
+        destroy_parallel()
+
+
+@pytest.mark.parametrize("late", ["create", "collective"])
+def test_async_ep_takes_the_init_parallel_timeout(late):
+    """A peer 8 s late: with timeout=3 the async dispatch fails after ~3 s (torch's default for a
+    new group is 30 min), both where it creates its private group and in a collective on it."""
+    from launch.local import launch_local
+
+    r0, r1 = launch_local(_rank_late_peer, 2, args=(late,), timeout=40)
+    if late == "collective":
+        assert r0["first"] == r1["first"] == "ok", (r0, r1)
+    assert r0["late"] != "ok" and 2 < float(r0["late_s"]) < 6.5, r0
+    assert r0["next"].startswith("EPPoisonedError"), r0  # and it does not try again out of step

@@ -534,7 +534,8 @@ class Dispatcher:
             raise ValueError(f"EP dispatch: {error}")
         self._check_poison("dispatch")
         needs_grad = torch.is_grad_enabled() and (x.requires_grad or topk_weights.requires_grad)
-        worker = self._worker(x.device) if async_op else None
+        with self._guard("creating the EP communication thread"):  # a collective among the members
+            worker = self._worker(x.device) if async_op else None
         if worker is not None:
             # census, payload and (without autograd) the layout on the communication thread
             def job() -> _DispatchOp:
