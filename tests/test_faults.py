@@ -124,3 +124,76 @@ def test_async_ep_takes_the_init_parallel_timeout(late):
         assert r0["first"] == r1["first"] == "ok", (r0, r1)
     assert r0["late"] != "ok" and 2 < float(r0["late_s"]) < 6.5, r0
     assert r0["next"].startswith("EPPoisonedError"), r0  # and it does not try again out of step
+
+
+# ---- EPLB migration: all tensors or none, MigrationError for a dead peer ----------------------
+
+def _migration_tensors(rank: int, phy2log: list[int]) -> list[torch.Tensor]:
+    """Per-slot rows of 4 canonical per-expert tables (bf16, uint8, fp8, fp32) for this rank's 2 slots."""
+    g = torch.Generator().manual_seed(7)
+    tables = [torch.randn(4, 3, 5, generator=g).to(torch.bfloat16),
+              torch.randint(0, 256, (4, 6), generator=g, dtype=torch.uint8),
+              (torch.randn(4, 2, 2, generator=g) * 4).to(torch.float8_e4m3fn),
+              torch.randn(4, 3, generator=g)]
+    mine = torch.tensor(phy2log[rank * 2:(rank + 1) * 2])
+    return [t[mine].contiguous() for t in tables]
+
+
+def _bytes(tensors: list[torch.Tensor]) -> list[list[int]]:
+    return [t.reshape(t.shape[0], -1).view(torch.uint8).flatten().tolist() for t in tensors]
+
+
+OLD, NEW = [0, 1, 2, 3], [2, 1, 0, 3]  # each rank's slot 0 comes from the other rank
+
+
+def _rank_migration_fault(rank: int, case: str, path: str) -> dict[str, object]:
+    import json
+    import os
+
+    from parallel import ParallelConfig, destroy_parallel, init_parallel
+    from parallel.ep.eplb_migrate import rearrange_weights
+
+    groups = init_parallel(ParallelConfig(world_size=2), timeout=5)
+    tensors = _migration_tensors(rank, OLD)
+    before = _bytes(tensors)
+
+    def hook(stage: str) -> None:
+        if case == "commit" and stage == "commit" and rank == 0:
+            raise RuntimeError("injected failure between two tensors' commits")
+        if case == "killed" and stage == "unpack" and rank == 1:
+            os._exit(3)  # a peer dies mid-migration (after the exchange, before the agreement)
+
+    out: dict[str, object] = {"outcome": _outcome(lambda: rearrange_weights(
+        torch.tensor(OLD), torch.tensor(NEW), tensors, groups.ep, fault_hook=hook))}
+    after = _bytes(tensors)
+    out["untouched"] = [a == b for a, b in zip(after, before)]
+    out["all_new"] = after == _bytes(_migration_tensors(rank, NEW))
+    with open(f"{path}.{rank}", "w") as f:
+        json.dump(out, f)
+    if case != "killed":
+        destroy_parallel()
+    return out
+
+
+@pytest.mark.parametrize("case", ["commit", "killed"])
+def test_migration_commits_all_tensors_or_none(case, tmp_path):
+    import json
+
+    from launch.local import RankError, launch_local
+
+    path = str(tmp_path / "rank")
+    try:
+        launch_local(_rank_migration_fault, 2, args=(case, path), timeout=40)
+        assert case == "commit", "rank 1 was killed: launch_local must report it"
+    except RankError as exc:
+        assert case == "killed" and exc.rank == 1, exc
+    ranks = [0, 1] if case == "commit" else [0]
+    for rank in ranks:
+        with open(f"{path}.{rank}") as f:
+            out = json.load(f)
+        assert out["outcome"].startswith("MigrationError"), (rank, out)
+        assert out["untouched"] == [True] * 4 and not out["all_new"], (rank, out)  # every tensor old
+        if case == "commit":
+            assert "group ranks [0] failed" in out["outcome"], out
+        else:
+            assert "agreement" in out["outcome"], out
