@@ -197,3 +197,12 @@ def test_migration_commits_all_tensors_or_none(case, tmp_path):
             assert "group ranks [0] failed" in out["outcome"], out
         else:
             assert "agreement" in out["outcome"], out
+
+
+def test_fp8_token_of_empty_rows_raises_naming_the_shape():
+    from moe.quant import quantize
+
+    with pytest.raises(ValueError, match=r"fp8_token needs the last dim K >= 1 .*got shape \(4, 0\)"):
+        quantize(torch.randn(4, 0), "fp8_token")
+    q = quantize(torch.randn(0, 8), "fp8_token")  # no rows is fine: nothing to scale
+    assert q.data.shape == (0, 8) and q.scale.shape == (0, 1)
