@@ -198,7 +198,7 @@ def _check_route_args(logits, top_k, scoring, bias, n_group, topk_group, input_i
 
 def _check_top_k(top_k: object, num_experts: int) -> None:
     if isinstance(top_k, bool) or not isinstance(top_k, int) or not 1 <= top_k <= num_experts:
-        raise ValueError(f"top_k ({top_k!r}) must be an int in [1, num_experts={num_experts}]")
+        raise ValueError(f"top_k ({top_k!r}) must be in [1, num_experts={num_experts}] (an int)")
 
 
 def check_hash_table(tid2eid: torch.Tensor, num_experts: int) -> None:

@@ -569,9 +569,9 @@ def test_bad_router_arguments_and_hash_tables_raise_naming_values():
         Router(0, 4, 2)
     with pytest.raises(ValueError, match=r"num_experts must be a positive int, got 2.0"):
         Router(8, 2.0, 1)
-    with pytest.raises(ValueError, match=r"top_k \(2.5\) must be an int"):
+    with pytest.raises(ValueError, match=r"top_k \(2.5\) must be in \[1, num_experts=4\] \(an int\)"):
         Router(8, 4, 2.5)
-    with pytest.raises(ValueError, match=r"top_k \(2.5\) must be an int"):
+    with pytest.raises(ValueError, match=r"top_k \(2.5\) must be in \[1, num_experts=4\] \(an int\)"):
         route(torch.randn(3, 4), top_k=2.5)
     r = Router(8, 4, 2, hash_vocab=6)
     x, ids = torch.randn(3, 8), torch.tensor([0, 5, 2])
