@@ -85,6 +85,7 @@ def route(
     _check_route_args(logits, top_k, scoring, bias, n_group, topk_group, input_ids, tid2eid, token_mask, backend)
     if tid2eid is not None and (not input_ids.is_cuda if check_ids is None else check_ids):
         _check_hash_ids(input_ids, tid2eid, token_mask)
+        check_hash_table(tid2eid, logits.shape[1])
     if n_group is not None and n_group <= 1:
         n_group = topk_group = None
     if backend != "torch" and ROUTE.resolve(backend, device=logits.device,
@@ -170,8 +171,7 @@ def _check_route_args(logits, top_k, scoring, bias, n_group, topk_group, input_i
         raise ValueError(f"unknown scoring {scoring!r}; valid: {', '.join(SCORING_FUNCS)}")
     if backend not in ROUTE_BACKENDS:
         raise ValueError(f"unknown routing backend {backend!r}; valid: {', '.join(ROUTE_BACKENDS)}")
-    if not 1 <= top_k <= num_experts:
-        raise ValueError(f"top_k ({top_k}) must be in [1, num_experts={num_experts}]")
+    _check_top_k(top_k, num_experts)
     if bias is not None and tuple(bias.shape) != (num_experts,):
         raise ValueError(f"bias must have shape [{num_experts}] (num_experts); got {tuple(bias.shape)}")
     if token_mask is not None and (token_mask.dtype != torch.bool or tuple(token_mask.shape) != (num_tokens,)):
@@ -194,6 +194,23 @@ def _check_route_args(logits, top_k, scoring, bias, n_group, topk_group, input_i
         if top_k > topk_group * (num_experts // n_group):
             raise ValueError(f"top_k ({top_k}) exceeds the experts in the kept groups "
                              f"(topk_group {topk_group} x {num_experts // n_group} experts per group)")
+
+
+def _check_top_k(top_k: object, num_experts: int) -> None:
+    if isinstance(top_k, bool) or not isinstance(top_k, int) or not 1 <= top_k <= num_experts:
+        raise ValueError(f"top_k ({top_k!r}) must be in [1, num_experts={num_experts}] (an int)")
+
+
+def check_hash_table(tid2eid: torch.Tensor, num_experts: int) -> None:
+    """Every expert id of a hash table [vocab, K] must lie in [0, num_experts) (reads values: a
+    device->host sync on CUDA, so Router runs it once per loaded or assigned table)."""
+    if tid2eid.numel() == 0:
+        return
+    lo, hi = (int(v) for v in torch.aminmax(tid2eid))
+    if lo < 0 or hi >= num_experts:
+        bad = ((tid2eid < 0) | (tid2eid >= num_experts)).nonzero()[0].tolist()
+        raise ValueError(f"tid2eid holds expert ids in [{lo}, {hi}], outside [0, num_experts={num_experts}) "
+                         f"(first at token id {bad[0]}, slot {bad[1]}: {int(tid2eid[bad[0], bad[1]])})")
 
 
 def _check_hash_ids(input_ids: torch.Tensor, tid2eid: torch.Tensor, token_mask: torch.Tensor | None) -> None:
@@ -239,10 +256,12 @@ class Router(nn.Module):
         device: torch.device | str | None = None,
     ) -> None:
         super().__init__()
+        for name, value in (("hidden", hidden), ("num_experts", num_experts)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"Router {name} must be a positive int, got {value!r}")
         if scoring not in SCORING_FUNCS:
             raise ValueError(f"unknown scoring {scoring!r}; valid: {', '.join(SCORING_FUNCS)}")
-        if not 1 <= top_k <= num_experts:
-            raise ValueError(f"top_k ({top_k}) must be in [1, num_experts={num_experts}]")
+        _check_top_k(top_k, num_experts)
         self.hidden, self.num_experts, self.top_k = hidden, num_experts, top_k
         self.scoring, self.renormalize, self.scaling = scoring, renormalize, scaling
         self.n_group, self.topk_group = n_group, topk_group
@@ -262,6 +281,15 @@ class Router(nn.Module):
     def is_hash(self) -> bool:
         return self.tid2eid is not None
 
+    def _check_table(self) -> None:
+        """Range-check tid2eid once per content: after construction, load_state_dict, an in-place
+        copy (the tensor's version counter moves) or an assignment; not on every forward."""
+        table = self.tid2eid
+        key = (id(table), table.data_ptr(), table._version)
+        if getattr(self, "_checked_table", None) != key:
+            check_hash_table(table, self.num_experts)
+            self._checked_table = key
+
     def logits(self, x: torch.Tensor) -> torch.Tensor:
         """x: [T, H] any float -> [T, E] fp32 gate logits."""
         if x.shape[-1] != self.hidden:
@@ -273,6 +301,8 @@ class Router(nn.Module):
         """x: [T, H]; input_ids: [T] int (hash layers); token_mask: [T] bool (False = padding)."""
         if self.is_hash and input_ids is None:
             raise ValueError("this Router is a hash layer (tid2eid) and needs input_ids: [T] token ids")
+        if self.is_hash:
+            self._check_table()
         return route(self.logits(x), top_k=self.top_k, scoring=self.scoring, bias=self.e_score_correction_bias,
                      n_group=self.n_group, topk_group=self.topk_group, renormalize=self.renormalize,
                      scaling=self.scaling, input_ids=input_ids if self.is_hash else None, tid2eid=self.tid2eid,

@@ -44,9 +44,11 @@ class ParallelConfig:
                  dp: int | None = None, ep: int | None = None, sequence_parallel: bool = False) -> None:
         if world_size is None:
             raise ValueError("ParallelConfig needs world_size")
-        for name, value in (("world_size", world_size), ("tp", tp), ("pp", pp), ("pcp", pcp), ("dcp", dcp)):
-            if not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be a positive int, got {value!r}")
+        for name, value in (("world_size", world_size), ("tp", tp), ("pp", pp), ("pcp", pcp), ("dcp", dcp),
+                            ("dp", 1 if dp is None else dp), ("ep", 1 if ep is None else ep)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:  # not True, 2.0, "2"
+                none = " (or None for the default)" if name in ("dp", "ep") else ""
+                raise ValueError(f"{name} must be a positive int{none}, got {value!r}")
         model = tp * pp * pcp
         if world_size % model != 0:
             valid = [d for d in _divisors(world_size)]

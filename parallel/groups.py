@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import atexit
 import datetime as _dt
+import math
 import os
 from dataclasses import dataclass, field
 
@@ -60,6 +61,9 @@ class ParallelGroups:
     ep: Group
     edp: Group
     backend: str
+    timeout: _dt.timedelta = DEFAULT_TIMEOUT
+    """The collective timeout every group was created with (also taken by groups made later,
+    such as the EP communication thread's: `group_timeout()`)."""
     _mesh: object | None = field(default=None, repr=False)
 
     def axis(self, name: str) -> Group:
@@ -101,6 +105,27 @@ def get_groups() -> ParallelGroups:
 
 def get_optional_groups() -> ParallelGroups | None:
     return _GROUPS
+
+
+def group_timeout() -> _dt.timedelta:
+    """The timeout for a process group created now: `init_parallel`'s, else the default
+    (MEGAPAR_PG_TIMEOUT seconds, 300 unless set)."""
+    return _GROUPS.timeout if _GROUPS is not None else DEFAULT_TIMEOUT
+
+
+def check_timeout(timeout: object, name: str = "timeout") -> _dt.timedelta:
+    """None -> DEFAULT_TIMEOUT; a timedelta or a number of seconds > 0 -> a timedelta; anything
+    else (0, negative, NaN, a string, a bool) raises ValueError naming the value."""
+    if timeout is None:
+        return DEFAULT_TIMEOUT
+    seconds = timeout.total_seconds() if isinstance(timeout, _dt.timedelta) else timeout
+    if (isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or math.isnan(seconds)
+            or seconds <= 0):
+        raise ValueError(f"{name} must be a datetime.timedelta or a number of seconds > 0 (None = the default, "
+                         f"{DEFAULT_TIMEOUT.total_seconds():g} s), got {timeout!r}")
+    if isinstance(timeout, _dt.timedelta):
+        return timeout
+    return _dt.timedelta(seconds=min(float(seconds), 1e9))  # inf: ~30 years (torch counts ms in int64)
 
 
 @dataclass(frozen=True)
@@ -155,13 +180,16 @@ def init_parallel(cfg: ParallelConfig | None = None, *, backend: str | None = No
 
     cfg: sizes; None reads WORLD_SIZE from the environment and uses dp only.
     backend: "nccl" / "gloo"; default nccl when CUDA is present, else gloo.
+    timeout: every collective's timeout, for every group made here and later (`group_timeout()`):
+    a timedelta or seconds > 0; None = DEFAULT_TIMEOUT.
     """
     global _GROUPS, _OWNS_DIST
     if _GROUPS is not None:
         raise RuntimeError("init_parallel() was already called; call destroy_parallel() first")
-    if isinstance(timeout, (int, float)):
-        timeout = _dt.timedelta(seconds=timeout)
-    timeout = timeout or DEFAULT_TIMEOUT
+    if cfg is not None and not isinstance(cfg, ParallelConfig):
+        hint = " (pass ParallelConfig(**cfg))" if isinstance(cfg, dict) else ""
+        raise ValueError(f"cfg must be a ParallelConfig or None, got {type(cfg).__name__} {cfg!r}{hint}")
+    timeout = check_timeout(timeout)
     if dist.is_available() and dist.is_initialized():
         world_size, rank = dist.get_world_size(), dist.get_rank()
         backend = dist.get_backend()
@@ -207,7 +235,7 @@ def init_parallel(cfg: ParallelConfig | None = None, *, backend: str | None = No
         probe = torch.ones(1, device=_probe_device(backend))
         for g in {id(x.group): x for x in groups.values() if x.size > 1}.values():
             dist.all_reduce(probe, group=g.group)
-    _GROUPS = ParallelGroups(config=cfg, rank=rank, world=world, backend=backend, **groups)
+    _GROUPS = ParallelGroups(config=cfg, rank=rank, world=world, backend=backend, timeout=timeout, **groups)
     log.debug("parallel groups ready: %s", cfg.sizes())
     return _GROUPS
 

@@ -58,7 +58,14 @@ then be empty on some ranks and still take part in the collectives.
 
 Failure: an exception in any micro-batch aborts the barrier and wakes every waiting thread,
 which unwinds; the caller gets `UBatchError` (with `.ubatch_id`, the original exception as
-`__cause__`), no thread is left behind, and the runner can be used again.
+`__cause__`), no thread is left behind, and the runner can be used again. The other
+micro-batches stopped at arbitrary points, so collectives they left in flight are out of step
+with the peers' (whose micro-batches did not stop): before raising, the runner calls the
+listeners registered with `add_failure_listener` (the EP dispatcher poisons its communication
+there, so that its next use raises rather than pairing with the peers' old collectives).
+
+Outputs: every micro-batch must return the same structure (a tensor, or a tuple/list of the same
+length and kinds, or None); a mismatch raises ValueError naming both.
 """
 
 from __future__ import annotations
@@ -86,6 +93,7 @@ __all__ = [
     "switch_to_comm",
     "switch_to_compute",
     "record_stream",
+    "add_failure_listener",
 ]
 
 Mode = Literal["decode", "prefill"]
@@ -129,6 +137,16 @@ class UBatchContext:
 
 
 _local = threading.local()
+
+_failure_listeners: list[Callable[[BaseException], None]] = []
+
+
+def add_failure_listener(listener: Callable[[BaseException], None]) -> None:
+    """Call `listener(ubatch_error)` whenever a split run fails, before the caller sees the
+    `UBatchError` (on the caller's thread, after every micro-batch thread ended). For layers that
+    keep collective state across calls; a listener that raises is ignored."""
+    if listener not in _failure_listeners:
+        _failure_listeners.append(listener)
 
 
 def get_optional_ubatch() -> UBatchContext | None:
@@ -376,7 +394,13 @@ class UBatchRunner:
         self._streams = None
         if error is not None:
             ubatch_id, exc = error
-            raise UBatchError(ubatch_id, n, exc) from exc
+            failure = UBatchError(ubatch_id, n, exc)
+            for listener in list(_failure_listeners):
+                try:
+                    listener(failure)
+                except Exception:  # noqa: BLE001 - the UBatchError is what the caller must see
+                    pass
+            raise failure from exc
         return _concat(results)
 
     def _worker(self, ctx: UBatchContext, fn: Callable[..., Any], slices: tuple[torch.Tensor, ...],
@@ -474,12 +498,34 @@ def _thread_modes() -> dict[str, Any]:
             "threads": torch.get_num_threads()}
 
 
+def _structure(obj: Any) -> Any:
+    """The shape of an output tree: 'tensor', None, or (type name, children); else the type name."""
+    if obj is None:
+        return None
+    if isinstance(obj, torch.Tensor):
+        return "tensor"
+    if isinstance(obj, (tuple, list)):
+        return (type(obj).__name__, tuple(_structure(item) for item in obj))
+    return type(obj).__name__
+
+
 def _concat(results: list[Any]) -> Any:
+    first = results[0]
+    want = _structure(first)
+    for i, r in enumerate(results[1:], start=1):
+        if _structure(r) != want:
+            raise ValueError(f"micro-batch outputs differ in structure: micro-batch 0 returned {want}, "
+                             f"micro-batch {i} returned {_structure(r)}; every micro-batch must return the same "
+                             "structure (a tensor, a tuple/list of them, or None)")
+    return _concat_same(results)
+
+
+def _concat_same(results: list[Any]) -> Any:
     first = results[0]
     if first is None:
         return None
     if isinstance(first, torch.Tensor):
         return torch.cat(results, dim=0)
     if isinstance(first, (tuple, list)):
-        return type(first)(_concat([r[k] for r in results]) for k in range(len(first)))
+        return type(first)(_concat_same([r[k] for r in results]) for k in range(len(first)))
     raise TypeError(f"micro-batch fn must return a tensor, a tuple/list of tensors, or None; got {type(first).__name__}")

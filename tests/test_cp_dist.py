@@ -232,7 +232,40 @@ def _cp_rank(rank: int, world: int) -> str:
         assert "full packed batch" in str(e), e
     else:
         raise AssertionError("local cu_seqlens were accepted")
+    _check_disagreement(groups, rank, world)
     return "ok"
+
+
+def _raises_on_every_rank(fn, needle: str) -> None:
+    try:
+        fn()
+    except ValueError as e:
+        assert needle in str(e), e
+    else:
+        raise AssertionError(f"no error (expected one naming {needle!r})")
+
+
+def _check_disagreement(groups, rank: int, world: int) -> None:
+    """Ranks that disagree, or one rank with bad input: ValueError on every rank, no result."""
+    from parallel.cp import ring_attention
+
+    t = 2 * world
+    heads = (4, 8) if rank == 0 else (8, 4)  # same element count, different head layout
+    x = torch.randn(t, *heads)
+    _raises_on_every_rank(lambda: ring_attention(x, x, x, groups.pcp), "q heads: [4, " + ", ".join(["8"] * (world - 1)))
+    x = torch.randn(t, 2, 8)
+    cu = [0, 2 * world, t * world] if rank == 0 else [0, 4 * world, t * world]  # two valid packings
+    for variant in ("ring", "allgather"):
+        _raises_on_every_rank(lambda: ring_attention(x, x, x, groups.pcp, cu_seqlens=cu, variant=variant),
+                              "cu_seqlens checksum")
+    odd = torch.randn(3, 2, 8)  # rank 0's input is bad: the others must not wait for it
+    y = odd if rank == 0 else torch.randn(4, 2, 8)
+    _raises_on_every_rank(lambda: ring_attention(y, y, y, groups.pcp), "must be even" if rank == 0 else "rank(s) [0]")
+    empty = torch.randn(0, 2, 8)
+    _raises_on_every_rank(lambda: ring_attention(empty, empty, empty, groups.pcp), "T = 0")
+    z = torch.randn(t, 2, 8)  # still in step afterwards
+    out = ring_attention(z, z, z, groups.pcp, causal=False, variant="allgather")
+    assert out.shape == z.shape
 
 
 @pytest.mark.parametrize("world", [2, 4])
@@ -245,3 +278,12 @@ def test_context_parallel_attention_on_gloo_ranks(world):
 def test_context_parallel_attention_on_nccl_ranks():
     world = min(torch.cuda.device_count(), 4)
     assert launch_local(_cp_rank, world, args=(world,), backend="nccl", timeout=300) == ["ok"] * world
+
+
+def test_ring_attention_without_tokens_raises_naming_t():
+    from parallel.cp import ring_attention
+
+    empty = torch.randn(0, 2, 8)
+    for causal in (True, False):
+        with pytest.raises(ValueError, match=r"T = 0"):
+            ring_attention(empty, empty, empty, causal=causal)

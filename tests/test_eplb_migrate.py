@@ -8,6 +8,9 @@ before or after the transfer, must leave every rank's weights and maps as they w
 
 from __future__ import annotations
 
+import re
+
+import pytest
 import torch
 import torch.distributed as dist
 
@@ -187,3 +190,16 @@ def test_migration_bit_exact_atomic_and_eplb_end_to_end_on_4_gloo_ranks():
         assert r["failed_report"] == ([], [0, 1], True)
         assert r["retry"][0] == [0, 1] and min(r["retry"][1]) >= 2
     assert all(r["report"] == results[0]["report"] for r in results)
+
+
+def test_rebalance_with_a_load_of_the_wrong_shape_raises_naming_it():
+    eplb = Eplb(2, NUM_LOGICAL, config=EplbConfig(num_redundant=4))
+    before = eplb.phy2log.clone()
+    for load, got in ((torch.ones(NUM_LOGICAL, 2), "(8, 2)"), (torch.ones(2, NUM_LOGICAL + 1), "(2, 9)"),
+                      (torch.ones(NUM_LOGICAL), "(8,)"), ([[1.0] * NUM_LOGICAL] * 2, "list")):
+        with pytest.raises(ValueError, match=rf"load must be a tensor \[num_layers, num_logical\] = \[2, 8\], "
+                                             rf"got {re.escape(got)}"):
+            eplb.rebalance(load)
+    assert torch.equal(eplb.phy2log, before)
+    report = eplb.rebalance(torch.arange(2 * NUM_LOGICAL, dtype=torch.float32).view(2, NUM_LOGICAL))
+    assert report.layers_moved == [0, 1]

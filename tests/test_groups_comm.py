@@ -269,3 +269,33 @@ def test_launch_env_reads_torchrun_and_slurm_names(monkeypatch):
     monkeypatch.setenv("RANK", "x")
     with pytest.raises(ValueError, match="RANK='x'"):
         read_launch_env()
+
+
+def test_timeouts_configs_and_sizes_are_checked_naming_the_value(monkeypatch):
+    import datetime
+
+    from parallel import ParallelConfig, destroy_parallel, get_groups, init_parallel
+    from parallel.groups import DEFAULT_TIMEOUT, group_timeout
+
+    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
+        monkeypatch.delenv(var, raising=False)
+    for bad in (0, -1, "5", True, float("nan"), datetime.timedelta(0)):
+        with pytest.raises(ValueError, match=r"timeout must be a datetime.timedelta or a number of seconds > 0.*got"):
+            init_parallel(timeout=bad)
+    with pytest.raises(ValueError, match=r"cfg must be a ParallelConfig or None, got dict .*ParallelConfig\(\*\*cfg\)"):
+        init_parallel({"world_size": 1})
+    for timeout, seconds in ((None, DEFAULT_TIMEOUT.total_seconds()), (7, 7.0),
+                             (datetime.timedelta(seconds=2.5), 2.5)):
+        init_parallel(timeout=timeout)
+        try:  # kept, and what groups made later take
+            assert get_groups().timeout.total_seconds() == seconds == group_timeout().total_seconds()
+        finally:
+            destroy_parallel()
+    assert group_timeout() == DEFAULT_TIMEOUT
+    for kw, needle in ((dict(world_size=True), "world_size must be a positive int, got True"),
+                       (dict(world_size=2, dp=2.0), "dp must be a positive int (or None for the default), got 2.0"),
+                       (dict(world_size=2, ep="2"), "ep must be a positive int (or None for the default), got '2'")):
+        with pytest.raises(ValueError) as info:
+            ParallelConfig(**kw)
+        assert needle in str(info.value)
+    assert ParallelConfig(world_size=4, dp=2, tp=2).dp == 2

@@ -562,3 +562,28 @@ def test_route_triton_runs_in_a_cuda_graph_without_host_syncs():
         href = route(logits, backend="torch", **hkw)
         assert torch.equal(hout.topk_ids, href.topk_ids)
         torch.testing.assert_close(hout.topk_weights, href.topk_weights, rtol=1e-5, atol=1e-6)
+
+
+def test_bad_router_arguments_and_hash_tables_raise_naming_values():
+    with pytest.raises(ValueError, match=r"hidden must be a positive int, got 0"):
+        Router(0, 4, 2)
+    with pytest.raises(ValueError, match=r"num_experts must be a positive int, got 2.0"):
+        Router(8, 2.0, 1)
+    with pytest.raises(ValueError, match=r"top_k \(2.5\) must be in \[1, num_experts=4\] \(an int\)"):
+        Router(8, 4, 2.5)
+    with pytest.raises(ValueError, match=r"top_k \(2.5\) must be in \[1, num_experts=4\] \(an int\)"):
+        route(torch.randn(3, 4), top_k=2.5)
+    r = Router(8, 4, 2, hash_vocab=6)
+    x, ids = torch.randn(3, 8), torch.tensor([0, 5, 2])
+    assert ((r(x, input_ids=ids).topk_ids >= 0) & (r(x, input_ids=ids).topk_ids < 4)).all()
+    with torch.no_grad():  # an in-place edit after the last check is seen (the version moves)
+        r.tid2eid[4, 1] = 4
+    with pytest.raises(ValueError, match=r"outside \[0, num_experts=4\) \(first at token id 4, slot 1: 4\)"):
+        r(x, input_ids=ids)  # id 4 is not even looked up: the table is checked, not the lookup
+    bad = torch.zeros(6, 2, dtype=torch.int32)
+    bad[0, 0] = -3
+    r.load_state_dict({"weight": r.weight.detach(), "tid2eid": bad})
+    with pytest.raises(ValueError, match=r"expert ids in \[-3, 0\]"):
+        r(x, input_ids=ids)
+    r.tid2eid = torch.full((6, 2), 3, dtype=torch.int32)  # assigned: checked again, and fine
+    assert torch.equal(r(x, input_ids=ids).topk_ids, torch.full((3, 2), 3))

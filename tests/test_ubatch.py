@@ -380,3 +380,19 @@ def test_cuda_runner_with_ep1_dispatcher_on_the_comm_stream_equals_unsplit():
         runner = UBatchRunner(2, min_tokens=1)
         for _ in range(3):
             torch.testing.assert_close(runner.run(forward, x, topk_ids, topk_weights), want, rtol=1e-4, atol=1e-4)
+
+
+def test_outputs_of_differing_structure_raise_instead_of_being_dropped():
+    runner = UBatchRunner(2, min_tokens=1)
+
+    def fn(x):
+        first = get_ubatch().ubatch_id == 0
+        return (x, x + 1) if first else (x, x + 1, x + 2)  # micro-batch 1 returns one more output
+
+    with pytest.raises(ValueError, match=r"micro-batch 0 returned \('tuple', \('tensor', 'tensor'\)\), "
+                                         r"micro-batch 1 returned \('tuple', \('tensor', 'tensor', 'tensor'\)\)"):
+        runner.run(fn, torch.zeros(4), split=True)
+    with pytest.raises(ValueError, match="micro-batch 1 returned None"):
+        runner.run(lambda x: x if get_ubatch().ubatch_id == 0 else None, torch.zeros(4), split=True)
+    out = runner.run(lambda x: [x, (x * 2, None)], torch.arange(4.0), split=True)  # same nested structure: kept
+    assert torch.equal(out[0], torch.arange(4.0)) and torch.equal(out[1][0], torch.arange(4.0) * 2)

@@ -24,16 +24,23 @@ lines up with the local queries sequence by sequence. A ring step is then the st
 per sequence (block-diagonal: no attention across sequences); the ring loop, merges and the
 backward are the same code, over a list of per-sequence blocks instead of one. On CUDA the fused
 kernels run once per sequence and step (no varlen kernel is used).
+
+Agreement: at P > 1 every call first all-gathers a few ints per rank (shapes, causal, variant,
+a checksum of cu_seqlens, and whether this rank's arguments are valid), so ranks that disagree
+on the head layout or the packing, or a rank with bad input, raise ValueError on every rank
+before any KV moves instead of returning results (or hanging). It is one host sync of a few
+bytes per call; the cu_seqlens are read on the host anyway.
 """
 
 from __future__ import annotations
 
+import zlib
 from typing import Literal, Sequence
 
 import torch
 from torch import Tensor
 
-from ..comm import GroupLike, all_gather_uneven, reduce_scatter_uneven, resolve_group
+from ..comm import GroupLike, all_gather_flat, all_gather_uneven, reduce_scatter_uneven, resolve_group
 from ..p2p import P2PExchanger, P2PWork, Peers
 from .local_attn import (AttnBackend, attention_with_lse, block_attention_backward, block_attention_forward,
                          check_qkv, resolve_backend)
@@ -450,6 +457,48 @@ def _allgather_attention(q: Tensor, k: Tensor, v: Tensor, group: GroupLike, rank
 
 
 # ---------------------------------------------------------------------------------------------
+# agreement among the ranks
+
+_SIGNATURE = ("batch", "local tokens T", "q heads", "kv heads", "head dim", "v head dim", "causal", "variant",
+              "sequences", "cu_seqlens checksum")
+
+
+def _signature(q: Tensor, k: Tensor, v: Tensor, causal: bool, variant: str,
+               cu_seqlens: Tensor | Sequence[int] | None) -> list[int]:
+    """The ints every rank of the ring must agree on ([B, T, H, D] inputs)."""
+    if cu_seqlens is None:
+        seqs, checksum = 1, 0
+    else:
+        offsets = [int(o) for o in (cu_seqlens.tolist() if isinstance(cu_seqlens, Tensor) else cu_seqlens)]
+        seqs, checksum = len(offsets) - 1, zlib.crc32(repr(offsets).encode())
+    return [q.shape[0], q.shape[1], q.shape[2], k.shape[2], q.shape[3], v.shape[3], int(causal),
+            int(variant == "allgather"), seqs, checksum]
+
+
+def _agree(signature: list[int] | None, error: str | None, group: GroupLike, rank: int, size: int,
+           device: torch.device) -> None:
+    """One all-gather of every rank's signature (None: this rank's input is bad); ValueError on
+    every rank when a rank's input is bad or the ranks disagree."""
+    pg, _, _ = resolve_group(group)
+    n = len(_SIGNATURE) + 1
+    row = torch.tensor([int(error is not None)] + (signature or [0] * (n - 1)), dtype=torch.int64, device=device)
+    table = torch.empty(size * n, dtype=torch.int64, device=device)
+    all_gather_flat(table, row, pg)
+    rows = table.view(size, n).tolist()
+    bad = [r for r, values in enumerate(rows) if values[0]]
+    if error is not None:
+        raise ValueError(error)
+    if bad:
+        raise ValueError(f"ring attention aborted on rank {rank}: group rank(s) {bad} had invalid input "
+                         "(see their error)")
+    differ = [i for i in range(len(_SIGNATURE)) if len({values[i + 1] for values in rows}) > 1]
+    if differ:
+        detail = "; ".join(f"{_SIGNATURE[i]}: {[values[i + 1] for values in rows]}" for i in differ)
+        raise ValueError(f"ring attention: the ranks of the group disagree (per group rank) on {detail}; every "
+                         "rank must call with the same layout, causal, variant and cu_seqlens")
+
+
+# ---------------------------------------------------------------------------------------------
 # public entry
 
 
@@ -468,21 +517,33 @@ def ring_attention(q: Tensor, k: Tensor, v: Tensor, group: GroupLike = None, *, 
     Returns out [.., T, Hq, Dv] in q's dtype (same rows as q), or AttnState(out, lse fp32) with
     return_lse=True (the lse is not differentiable through the ring variant).
     """
-    check_qkv(q, k, v)
-    if variant not in ("ring", "allgather"):
-        raise ValueError(f"variant must be 'ring' or 'allgather', got {variant!r}")
-    squeeze = q.dim() == 3
-    if squeeze:
-        q, k, v = q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0)
-    if q.shape[1] != k.shape[1]:
-        raise ValueError(f"q and k must hold the same local tokens; got T = {q.shape[1]} and {k.shape[1]}")
     _, rank, size = resolve_group(group)
-    if cu_seqlens is not None and not squeeze:
-        raise ValueError(f"cu_seqlens needs packed [T, H, D] inputs, got q {tuple(q.shape)}")
-    bounds = _bounds(q.shape[1], size, cu_seqlens)
-    if causal and size > 1 and q.shape[1] % 2 != 0:
-        raise ValueError(f"local length ({q.shape[1]}) must be even: each rank holds two zigzag chunks; pad the "
-                         f"sequence to a multiple of 2*P = {2 * size} and shard it with zigzag_shard")
+    squeeze = q.dim() == 3
+    error = signature = None
+    try:  # a bad argument on one rank must not leave the others waiting in the ring
+        check_qkv(q, k, v)
+        if variant not in ("ring", "allgather"):
+            raise ValueError(f"variant must be 'ring' or 'allgather', got {variant!r}")
+        if squeeze:
+            q, k, v = q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0)
+        if q.shape[1] != k.shape[1]:
+            raise ValueError(f"q and k must hold the same local tokens; got T = {q.shape[1]} and {k.shape[1]}")
+        if q.shape[1] == 0:
+            raise ValueError(f"q has no tokens (T = 0, shape {tuple(q.shape)}); ring attention needs T >= 1 "
+                             f"(T >= 2 and even when causal at P > 1)")
+        if cu_seqlens is not None and not squeeze:
+            raise ValueError(f"cu_seqlens needs packed [T, H, D] inputs, got q {tuple(q.shape)}")
+        bounds = _bounds(q.shape[1], size, cu_seqlens)
+        if causal and size > 1 and q.shape[1] % 2 != 0:
+            raise ValueError(f"local length ({q.shape[1]}) must be even: each rank holds two zigzag chunks; pad "
+                             f"the sequence to a multiple of 2*P = {2 * size} and shard it with zigzag_shard")
+        signature = _signature(q, k, v, causal, variant, cu_seqlens)
+    except ValueError as exc:
+        if size == 1:
+            raise
+        error = str(exc)
+    if size > 1:
+        _agree(signature, error, group, rank, size, q.device)
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
     backend = resolve_backend(backend, q, k, v)
     if variant == "allgather":

@@ -34,6 +34,18 @@ host); combine has none. On one rank with ``layout="slab"``, a ``drop_policy`` a
 ``check_ids=False`` nothing needs a host value, the census is skipped, and dispatch + combine
 can be captured in a CUDA graph. (Multi-rank graph capture needs a symmetric-memory backend.)
 
+Faults: a failure inside a collective sequence leaves this rank's EP collectives out of step
+with its peers' (a micro-batch that raised on one rank leaves the others inside a dispatch or
+combine; a rank that went on would pair its next census with their old payloads and compute on
+garbage). So a failure poisons EP communication on the rank: a collective of a dispatch or
+combine that raised, a job of the communication thread that raised, or any failed `UBatchRunner`
+run (`parallel.ubatch.add_failure_listener`). Every later dispatch/combine on that rank raises
+`EPPoisonedError`, naming the first failure, until torch.distributed is made again
+(`destroy_parallel()`, `init_parallel()`, new dispatchers). The peers fail in their pending
+collective within the group timeout (the private group takes `init_parallel(timeout=...)`,
+`parallel.groups.group_timeout()`) and are then poisoned in turn. Bad input found by the census
+raises `DispatchInputError` (a ValueError) on every rank together and poisons nothing.
+
 Autograd: dispatch's backward is an unweighted combine (plus the weight gradients of each
 pair sent home); combine's backward is a dispatch of the output gradient. All ranks must run
 backward for the same dispatches in the same order, with the same inputs requiring grad
@@ -42,6 +54,8 @@ backward for the same dispatches in the same order, with the same inputs requiri
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import queue
 import threading
 from dataclasses import dataclass
@@ -50,12 +64,97 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-from parallel import comm
+from parallel import comm, ubatch
+from parallel.groups import group_timeout
 from parallel.ep.backends import Backend, Census, LocalRoute, Route, routing_info, select_backend, take_census
 from parallel.ep.layout import (LayoutPlan, check_layout_args, gather_reduce, gather_rows, local_expert_ids,
                                 plan_layout, scatter_add_rows)
 
 _PLAIN_FLOATS = (torch.float32, torch.bfloat16, torch.float16)
+
+
+class DispatchInputError(ValueError):
+    """Bad dispatch input (or a slab overflow) found by the census. Every EP rank raises it at
+    the same dispatch, so the group stays in step: it poisons nothing."""
+
+
+class EPPoisonedError(RuntimeError):
+    """This rank's EP collectives are out of step with its peers' after an earlier failure;
+    `reason` names it. Raised by every dispatch/combine until torch.distributed is made again."""
+
+    def __init__(self, what: str, ranks: tuple[int, ...], reason: str) -> None:
+        super().__init__(
+            f"EP {what} on ranks {list(ranks)} refused: an earlier failure left this rank's EP collectives out "
+            f"of step with its peers' ({reason}); a result would pair with the wrong collectives. Recreate the "
+            "groups (destroy_parallel(); init_parallel()) and the layers that hold dispatchers")
+        self.ranks, self.reason = ranks, reason
+
+
+# rank set (None = every EP rank set of this process) -> (first failure, the WORLD group it happened under)
+_poisoned: dict[tuple[int, ...] | None, tuple[str, Any]] = {}
+_poison_lock = threading.Lock()
+
+
+def _world() -> Any:
+    return dist.group.WORLD if dist.is_available() and dist.is_initialized() else None
+
+
+def poison(ranks: tuple[int, ...] | None, reason: str) -> None:
+    """Mark EP communication on `ranks` (None: on every rank set) out of step; the first reason stays."""
+    world = _world()
+    with _poison_lock:
+        entry = _poisoned.get(ranks)
+        if entry is None or entry[1] is not world:
+            _poisoned[ranks] = (reason, world)
+
+
+def poison_reason(ranks: tuple[int, ...]) -> str | None:
+    """Why EP communication on `ranks` is poisoned, or None. Entries made under an earlier
+    torch.distributed (destroyed and made again since) are dropped."""
+    world = _world()
+    with _poison_lock:
+        for key in (ranks, None):
+            entry = _poisoned.get(key)
+            if entry is None:
+                continue
+            if world is not None and entry[1] is world:
+                return entry[0]
+            del _poisoned[key]
+    return None
+
+
+def _raise(exc: BaseException) -> None:
+    raise exc
+
+
+def _describe(exc: BaseException) -> str:
+    return f"{type(exc).__name__}: {exc}"
+
+
+@contextlib.contextmanager
+def _poison_on_failure(ranks: tuple[int, ...] | None, what: str):
+    """Poison `ranks` when the block (a collective sequence) raises anything but an agreed input error."""
+    try:
+        yield
+    except (DispatchInputError, EPPoisonedError):
+        raise
+    except BaseException as exc:
+        if ranks is not None:
+            poison(ranks, f"{what} failed on this rank: {_describe(exc)}")
+        raise
+
+
+def _on_ubatch_failure(error: BaseException) -> None:
+    """A micro-batch run failed: its other micro-batches stopped at arbitrary points while the
+    peers' did not, so every EP rank set of this process is out of step (unless the failure was
+    an input error every rank raised together)."""
+    cause = getattr(error, "error", error)
+    if isinstance(cause, (DispatchInputError, EPPoisonedError)) or _world() is None:
+        return
+    poison(None, str(error))
+
+
+ubatch.add_failure_listener(_on_ubatch_failure)
 
 
 class _Job:
@@ -100,9 +199,17 @@ class _CommWorker:
 
     def _loop(self) -> None:
         while (job := self._jobs.get()) is not None:
+            reason = poison_reason(self.ranks)
+            if reason is not None:  # queued before the failure: out of step too, never run it
+                job.fn = functools.partial(_raise, EPPoisonedError("communication job", self.ranks, reason))
             job.run()
+            if job.error is not None and not isinstance(job.error, (DispatchInputError, EPPoisonedError)):
+                poison(self.ranks, f"a collective on the EP communication thread failed: {_describe(job.error)}")
 
     def submit(self, fn: Callable[[], Any]) -> _Job:
+        reason = poison_reason(self.ranks)
+        if reason is not None:
+            raise EPPoisonedError("communication", self.ranks, reason)
         job = _Job(fn)
         self._jobs.put(job)
         return job
@@ -138,7 +245,10 @@ def _comm_worker(group: dist.ProcessGroup | None) -> _CommWorker:
             return worker
         if worker is not None:
             worker.stop()
-        private = dist.new_group(list(ranks), use_local_synchronization=True, group_desc="megapar_ep_comm")
+        # init_parallel's timeout bounds both this creation (it waits for the members) and every
+        # collective on it, so a peer that never comes fails this rank instead of hanging it
+        private = dist.new_group(list(ranks), timeout=group_timeout(), use_local_synchronization=True,
+                                 group_desc="megapar_ep_comm")
         worker = _workers[ranks] = _CommWorker(private, ranks)
         return worker
 
@@ -159,6 +269,7 @@ class CombineHandle:
     hidden: int
     owner: int  # id() of the Dispatcher that made it
     worker: _CommWorker | None = None  # route on the worker's private group: its collectives go there
+    ranks: tuple[int, ...] | None = None  # the EP group's ranks (None: one rank); poisoned together
 
 
 @dataclass
@@ -208,7 +319,9 @@ class _DispatchOp:
 
     def collective(self, fn: Callable[[], Any]) -> Any:
         """Run `fn` (a collective on this op's route) in order on its group."""
-        return self.worker.call(fn) if self.worker is not None else fn()
+        self.owner._check_poison("dispatch backward")
+        with self.owner._guard("dispatch backward"):
+            return self.worker.call(fn) if self.worker is not None else fn()
 
     def finish(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Wait for the payload and build the layout -> (x layout, row weights)."""
@@ -234,7 +347,7 @@ class _DispatchOp:
             counts=plan.counts, offsets=plan.offsets,
             topk_weights=row_weights.view(shape()),
             expert_ids=plan.expert_ids.view(shape()),
-            handle=CombineHandle(self.route, plan, row_weights, out_dtype, d.hidden, id(d), self.worker),
+            handle=CombineHandle(self.route, plan, row_weights, out_dtype, d.hidden, id(d), self.worker, d.ranks),
             num_recv_tokens=self.route.num_recv,
             num_dropped=plan.num_dropped,
         )
@@ -298,7 +411,10 @@ class _CombineFn(torch.autograd.Function):
         plan = handle.plan
         grad_out = grad_out.contiguous()
         send = lambda: handle.route.send([grad_out]).wait()[0]  # noqa: E731
-        grad_recv = handle.worker.call(send) if handle.worker is not None else send()  # [n_recv, H]
+        if handle.ranks is not None and (reason := poison_reason(handle.ranks)) is not None:
+            raise EPPoisonedError("combine backward", handle.ranks, reason)
+        with _poison_on_failure(handle.ranks, "combine backward"):
+            grad_recv = handle.worker.call(send) if handle.worker is not None else send()  # [n_recv, H]
         grad_rows = grad_w = None
         if ctx.needs_input_grad[0]:
             scale = None if ctx.weighted else row_weights.detach().float()
@@ -323,6 +439,7 @@ class Dispatcher:
             raise ValueError(f"hidden ({hidden!r}) must be a positive int")
         check_layout_args(layout, align, capacity, drop_policy)
         self.group, self.rank, self.size = pg, rank, size
+        self.ranks: tuple[int, ...] | None = tuple(comm.group_ranks(group)) if size > 1 else None
         self.num_experts, self.hidden = num_experts, hidden
         self.experts_per_rank = num_experts // size
         self.layout, self.align, self.capacity, self.drop_policy = layout, align, capacity, drop_policy
@@ -340,6 +457,17 @@ class Dispatcher:
                 f"layout={self.layout})")
 
     # -- checks -----------------------------------------------------------------------------
+
+    def _check_poison(self, what: str) -> None:
+        """Raise EPPoisonedError when an earlier failure left this rank's EP collectives out of step."""
+        if self.ranks is not None:
+            reason = poison_reason(self.ranks)
+            if reason is not None:
+                raise EPPoisonedError(what, self.ranks, reason)
+
+    def _guard(self, what: str):
+        """Context: a failure inside it poisons this dispatcher's rank set (see the module docstring)."""
+        return _poison_on_failure(self.ranks, what)
 
     def _input_error(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
                      x_scale: torch.Tensor | None) -> str | None:
@@ -373,19 +501,19 @@ class Dispatcher:
         bad = [r for r, e in enumerate(census.errors) if e]
         if bad:
             if own_error is not None:
-                raise ValueError(f"[rank {self.rank}] EP dispatch: {own_error}")
+                raise DispatchInputError(f"[rank {self.rank}] EP dispatch: {own_error}")
             if census.errors[self.rank]:
-                raise ValueError(f"[rank {self.rank}] EP dispatch: topk_ids has {census.errors[self.rank]} "
+                raise DispatchInputError(f"[rank {self.rank}] EP dispatch: topk_ids has {census.errors[self.rank]} "
                                  f"ids outside [-1, {self.num_experts}) (num_experts={self.num_experts}; "
                                  "-1 = no expert; check_ids=False skips this check)")
-            raise ValueError(f"[rank {self.rank}] EP dispatch aborted before sending: EP rank(s) {bad} "
+            raise DispatchInputError(f"[rank {self.rank}] EP dispatch aborted before sending: EP rank(s) {bad} "
                              "reported invalid input (see their error)")
         if self.layout == "slab" and self.drop_policy is None:
             per_expert = census.expert_pairs
             worst = max(range(self.num_experts), key=per_expert.__getitem__)
             if per_expert[worst] > self.capacity:  # type: ignore[operator]
                 owner = worst // self.experts_per_rank
-                raise ValueError(f"[rank {self.rank}] slab capacity ({self.capacity}) is too small: expert "
+                raise DispatchInputError(f"[rank {self.rank}] slab capacity ({self.capacity}) is too small: expert "
                                  f"{worst} (rank {owner}) receives {per_expert[worst]} rows; pass capacity >= "
                                  f"{per_expert[worst]}, or drop_policy='drop' to drop the overflow")
 
@@ -404,8 +532,10 @@ class Dispatcher:
         error = self._input_error(x, topk_ids, topk_weights, x_scale)
         if error is not None and self.size == 1:
             raise ValueError(f"EP dispatch: {error}")
+        self._check_poison("dispatch")
         needs_grad = torch.is_grad_enabled() and (x.requires_grad or topk_weights.requires_grad)
-        worker = self._worker(x.device) if async_op else None
+        with self._guard("creating the EP communication thread"):  # a collective among the members
+            worker = self._worker(x.device) if async_op else None
         if worker is not None:
             # census, payload and (without autograd) the layout on the communication thread
             def job() -> _DispatchOp:
@@ -417,7 +547,7 @@ class Dispatcher:
             ready = worker.submit(job)
             return comm.CommHandle(work=None, finish=lambda: self._dispatch_result(ready.wait(), x, topk_weights,
                                                                                   needs_grad))
-        with torch.no_grad():
+        with self._guard("dispatch"), torch.no_grad():
             op = self._launch(x, topk_ids, topk_weights, x_scale, error, None, async_op=async_op)
         if async_op:
             return comm.CommHandle(work=None, finish=lambda: self._dispatch_result(op, x, topk_weights, needs_grad))
@@ -458,6 +588,12 @@ class Dispatcher:
     @staticmethod
     def _dispatch_result(op: _DispatchOp, x: torch.Tensor, topk_weights: torch.Tensor,
                          needs_grad: bool) -> DispatchResult:
+        with op.owner._guard("dispatch"):
+            return Dispatcher._dispatch_layout(op, x, topk_weights, needs_grad)
+
+    @staticmethod
+    def _dispatch_layout(op: _DispatchOp, x: torch.Tensor, topk_weights: torch.Tensor,
+                         needs_grad: bool) -> DispatchResult:
         if needs_grad:
             x_layout, row_weights = _DispatchFn.apply(x, topk_weights, op)
             assert op.result is not None
@@ -485,6 +621,7 @@ class Dispatcher:
             raise ValueError(f"handle must be the CombineHandle of a DispatchResult, got {type(handle).__name__}")
         if handle.owner != id(self):
             raise ValueError("this handle was made by another Dispatcher; combine with the one that dispatched")
+        self._check_poison("combine")
         plan = handle.plan
         expected = plan.shape(self.hidden)
         if tuple(expert_out.shape) != expected and tuple(expert_out.shape) != (plan.num_rows, self.hidden):
@@ -513,14 +650,15 @@ class Dispatcher:
             job = worker.submit(lambda: launch(False).wait())
             op = _CombineOp(handle, _joined(job), out_dtype)
         else:
-            with torch.no_grad():
+            with self._guard("combine"), torch.no_grad():
                 op = _CombineOp(handle, launch(async_op), out_dtype)
         needs_grad = torch.is_grad_enabled() and (rows.requires_grad or (not weighted and row_weights.requires_grad))
 
         def finish() -> torch.Tensor:
-            if needs_grad:
-                return _CombineFn.apply(rows, row_weights, op, weighted)
-            return op.finish()
+            with self._guard("combine"):
+                if needs_grad:
+                    return _CombineFn.apply(rows, row_weights, op, weighted)
+                return op.finish()
 
         return comm.CommHandle(work=None, finish=finish) if async_op else finish()
 

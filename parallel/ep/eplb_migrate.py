@@ -9,14 +9,19 @@ weights, packed fp4/fp8 data, scales) travel as raw bytes in ONE buffer per peer
 exchanged in one batch (`parallel.p2p.P2PExchanger`, posted from the current stream), so dtype
 does not matter (gloo rejects fp8) and results are bit-exact.
 
-All-or-nothing: the new rows are staged in fresh buffers built from the OLD weights; only when
-an all-reduce of the per-rank failure flags says every rank succeeded are they copied into
-the caller's tensors (in place, so parameters keep their identity and addresses). A failure
-in preparation is agreed on before any transfer; a failure after the transfer is agreed on
-before the commit; either way every rank raises `MigrationError` naming the failed ranks and
-no tensor is touched. (A transport that dies during the final agreement itself cannot be
-made atomic; the error then propagates from the collective.) `fault_hook(stage)` is called at
-stages "prepare" and "unpack" so tests can inject failures.
+All-or-nothing: the new rows are staged in fresh buffers built from the OLD weights, and the
+old contents of the changed rows are kept aside; only when an all-reduce of the per-rank
+failure flags says every rank succeeded are the new rows copied into the caller's tensors (in
+place, so parameters keep their identity and addresses: CUDA graphs stay valid). A failure in
+preparation is agreed on before any transfer; a failure after the transfer is agreed on before
+the commit; a failure inside the commit (any tensor) restores that rank's old rows and is
+agreed on once more, and then every rank restores its old rows. Either way every rank raises
+`MigrationError` naming the failed ranks and ends with all its tensors old (or, on success,
+all new), never some of each. A transport that fails (a peer killed mid-migration) also
+raises `MigrationError` on the ranks that can still run: a failed agreement leaves the
+tensors old (before the commit) or restores them (after it), since the peers' outcome is
+unknown. `fault_hook(stage)` is called at stages "prepare", "unpack" and "commit" (between two
+tensors' commits) so tests can inject failures.
 """
 
 from __future__ import annotations
@@ -35,11 +40,14 @@ __all__ = ["MigrationError", "MigrationStats", "rearrange_weights", "migration_p
 
 
 class MigrationError(RuntimeError):
-    """A migration was abandoned on every rank; `failed_ranks` are the group ranks that failed."""
+    """A migration was abandoned on every rank; `failed_ranks` are the group ranks that failed.
+    `transport_failed`: the group's communication itself failed (a peer died); the ranks could
+    not agree, so the group is unusable for further migrations."""
 
-    def __init__(self, message: str, failed_ranks: list[int]) -> None:
+    def __init__(self, message: str, failed_ranks: list[int], *, transport_failed: bool = False) -> None:
         super().__init__(message)
         self.failed_ranks = failed_ranks
+        self.transport_failed = transport_failed
 
 
 @dataclass
@@ -137,12 +145,24 @@ def _byte_rows(t: torch.Tensor, slots_per_rank: int, index: int) -> torch.Tensor
     return t.reshape(slots_per_rank, -1).view(torch.uint8)
 
 
-def _agree(failed: bool, rank: int, size: int, pg: dist.ProcessGroup | None, device: torch.device) -> list[int]:
-    """All-reduce of per-rank failure flags; returns the failed group ranks (same on all ranks)."""
+def _agree(failed: bool, rank: int, size: int, pg: dist.ProcessGroup | None, device: torch.device,
+           stage: str, failure: BaseException | None, restore: Callable[[], None] | None = None) -> list[int]:
+    """All-reduce of per-rank failure flags; returns the failed group ranks (same on all ranks).
+
+    When the all-reduce itself fails (a peer died), `restore()` runs (if given) and
+    MigrationError names the stage: no rank can learn the others' outcome any more."""
     flags = torch.zeros(size, dtype=torch.int32, device=device)
     flags[rank] = int(failed)
     if size > 1:
-        dist.all_reduce(flags, group=pg)
+        try:
+            dist.all_reduce(flags, group=pg)
+        except Exception as exc:  # noqa: BLE001 - the transport is gone: fail as a migration
+            if restore is not None:
+                restore()
+            kept = "old weights restored" if restore is not None else "old weights kept"
+            raise MigrationError(f"EPLB migration abandoned {stage}: the agreement among the group's ranks failed "
+                                 f"({type(exc).__name__}: {exc}); a peer may have died; this rank's {kept} "
+                                 f"(this rank's own failure: {failure!r})", [], transport_failed=True) from exc
     return flags.nonzero().flatten().tolist()
 
 
@@ -156,8 +176,8 @@ def rearrange_weights(old_phy2log: torch.Tensor, new_phy2log: torch.Tensor, tens
     tensors: this rank's per-slot tensors, each [S, ...] contiguous, any dtype (bf16 weights,
         uint8 packed fp4, fp8 data, scales); modified in place only if every rank succeeds.
     group: the EP group (Group, ProcessGroup, or None = world / single process).
-    fault_hook: test hook called with "prepare" and "unpack"; an exception it raises counts as
-        this rank's failure.
+    fault_hook: test hook called with "prepare", "unpack" and "commit"; an exception it raises
+        counts as this rank's failure.
     Returns this rank's MigrationStats; raises MigrationError on every rank if any rank failed.
     """
     pg, rank, size = resolve_group(group)
@@ -186,7 +206,7 @@ def rearrange_weights(old_phy2log: torch.Tensor, new_phy2log: torch.Tensor, tens
                      for src, slot_lists in plan.recv.items()}
     except Exception as exc:  # noqa: BLE001 - any local failure must be agreed on, not raised alone
         failure = exc
-    failed = _agree(failure is not None, rank, size, pg, device)
+    failed = _agree(failure is not None, rank, size, pg, device, "before transfer", failure)
     if failed:
         raise MigrationError(f"EPLB migration abandoned before transfer: group ranks {failed} failed "
                              f"(this rank: {failure!r})", failed) from failure
@@ -209,19 +229,41 @@ def rearrange_weights(old_phy2log: torch.Tensor, new_phy2log: torch.Tensor, tens
             to_row = torch.tensor([pos[j] for js in slot_lists for j in js], device=device)
             for i, stage in enumerate(staged):
                 stage[to_row] = recv_bufs[src][from_row, offsets[i] : offsets[i + 1]]
+        changed = torch.tensor(plan.changed, dtype=torch.int64, device=device)
+        backup = [r[changed] for r in rows]  # the old changed rows: a failed commit puts them back
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)  # asynchronous errors of the staging surface here
     except Exception as exc:  # noqa: BLE001
         failure = exc
-    failed = _agree(failure is not None, rank, size, pg, device)
+    failed = _agree(failure is not None, rank, size, pg, device, "after transfer", failure)
     if failed:
         raise MigrationError(f"EPLB migration abandoned after transfer, old weights kept: group ranks "
                              f"{failed} failed (this rank: {failure!r})", failed) from failure
 
-    changed = torch.tensor(plan.changed, dtype=torch.int64, device=device)
-    with torch.no_grad():
-        for r, stage in zip(rows, staged):
-            r.index_copy_(0, changed, stage)
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
+    def restore() -> None:
+        with torch.no_grad():
+            for r, old_rows in zip(rows, backup):
+                r.index_copy_(0, changed, old_rows)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+
+    try:
+        with torch.no_grad():
+            for i, (r, stage) in enumerate(zip(rows, staged)):
+                if i and fault_hook is not None:
+                    fault_hook("commit")
+                r.index_copy_(0, changed, stage)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+    except Exception as exc:  # noqa: BLE001 - put every tensor back, then let the others know
+        failure = exc
+        restore()
+    failed = _agree(failure is not None, rank, size, pg, device, "during the commit", failure, restore)
+    if failed:
+        if failure is None:
+            restore()  # a peer could not commit: every rank goes back to the old rows
+        raise MigrationError(f"EPLB migration abandoned during the commit, old weights restored: group ranks "
+                             f"{failed} failed (this rank: {failure!r})", failed) from failure
     stats.slots_changed = len(plan.changed)
     stats.slots_received = sum(len(js) for lists in plan.recv.values() for js in lists)
     stats.bytes_sent = sum(b.numel() for b in send_bufs.values())

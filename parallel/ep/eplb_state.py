@@ -227,6 +227,10 @@ class Eplb:
         start = time.perf_counter()
         if load is None:
             load = self.tracker.window_load(self.group, self._extra_groups())
+        want = (self.num_layers, self.num_logical)
+        if not isinstance(load, torch.Tensor) or tuple(load.shape) != want:
+            got = tuple(load.shape) if isinstance(load, torch.Tensor) else type(load).__name__
+            raise ValueError(f"load must be a tensor [num_layers, num_logical] = {list(want)}, got {got}")
         load = load.detach().cpu()
         old = self.phy2log.cpu()
         plan = rebalance_experts(load, self.num_physical, self.config.num_groups, self.config.num_nodes,
@@ -244,6 +248,9 @@ class Eplb:
                     report.migration += rearrange_weights(old[layer], plan.phy2log[layer], self.weights[layer],
                                                           self.group, fault_hook=self.fault_hook)
                 except MigrationError as exc:
+                    if exc.transport_failed:  # the group is gone: keep the layers already moved, stop
+                        self._set_maps(report.layers_moved, committed)
+                        raise
                     log.warning("EPLB: layer %d keeps its placement: %s", layer, exc)
                     report.layers_failed.append(layer)
                     continue

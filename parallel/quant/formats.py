@@ -66,6 +66,9 @@ def check_quantizable(x: torch.Tensor, fmt: str) -> FormatInfo:
     min_dims = 2 if fmt == "fp8_block" else 1
     if x.dim() < min_dims:
         raise ValueError(f"quantize({fmt!r}) needs a tensor with >= {min_dims} dims, got shape {tuple(x.shape)}")
+    if fmt == "fp8_token" and x.shape[-1] == 0:  # a per-row scale of an empty row is undefined
+        raise ValueError(f"fp8_token needs the last dim K >= 1 (one fp32 scale per row of K values), "
+                         f"got shape {tuple(x.shape)}")
     if fmt in FP4_FORMATS:
         k, blk = x.shape[-1], info.block[1]
         if k % blk:
