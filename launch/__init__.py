@@ -1,5 +1,9 @@
 """megapar.launch: launchers (local processes, torchrun, Ray), the CLI, the demo and benchmarks."""
 
+
+import megapar as _megapar
+
+_megapar.alias_short_name(__name__)  # `import launch` is `megapar.launch` (see megapar/__init__.py)
 from .local import RankError, launch_local
 
 __all__ = ["launch_local", "RankError", "launch_on_ray", "init_from_env"]

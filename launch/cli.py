@@ -26,8 +26,8 @@ def _add_layout_args(p: argparse.ArgumentParser) -> None:
 
 
 def cmd_groups(args: argparse.Namespace) -> int:
-    from parallel.config import ParallelConfig
-    from parallel.layout import format_layout
+    from megapar.parallel.config import ParallelConfig
+    from megapar.parallel.layout import format_layout
 
     try:
         cfg = ParallelConfig(world_size=args.world_size, tp=args.tp, pp=args.pp, pcp=args.pcp, dcp=args.dcp,
@@ -87,7 +87,7 @@ def cmd_env(args: argparse.Namespace) -> int:
     import parallel.ep  # noqa: F401
     import parallel.ep.static  # noqa: F401
     import parallel.sp  # noqa: F401
-    from parallel import impl
+    from megapar.parallel import impl
 
     print(f"\nimplementations ({'cuda' if torch.cuda.is_available() else 'cpu'} tensors; '-' = cannot run here):")
     for op, usable in impl.report().items():
@@ -112,7 +112,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
     import torch
 
-    from launch.bench.common import BenchContext, columns, default_out_dir, format_table, write_results
+    from megapar.launch.bench.common import BenchContext, columns, default_out_dir, format_table, write_results
 
     if args.suite is None and args.summary is None:
         print("megapar bench: give a suite (" + ", ".join(SUITES + ("all",)) + ") or --summary", file=sys.stderr)
@@ -133,7 +133,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     for name in suites:
         print(f"== bench {name} on {device}{' (quick)' if args.quick else ''}", flush=True)
         try:
-            module = importlib.import_module(f"launch.bench.{name}")
+            module = importlib.import_module(f"megapar.launch.bench.{name}")
         except ModuleNotFoundError as e:
             print(f"   suite {name!r} is not available: {e}", file=sys.stderr)
             failed.append(name)
@@ -156,11 +156,11 @@ def cmd_bench(args: argparse.Namespace) -> int:
             path = write_results(ctx, out, command)
             print(f"   wrote {path}")
             if args.plot:
-                from launch.bench.plot import plot_results
+                from megapar.launch.bench.plot import plot_results
 
                 print(f"   wrote {plot_results(path)}")
     if args.summary is not None:
-        from launch.bench.summary import write_summary
+        from megapar.launch.bench.summary import write_summary
 
         print(f"   wrote {write_summary(out, args.summary or None)}")
     if failed:
@@ -170,7 +170,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 
 def cmd_demo(args: list[str]) -> int:
-    from launch.demo import main as demo_main
+    from megapar.launch.demo import main as demo_main
 
     return demo_main(args)
 

@@ -37,8 +37,8 @@ from typing import Any
 
 import torch
 
-from model.config import QUANT_FORMATS, ModelConfig, check_layout
-from parallel.config import ParallelConfig
+from megapar.model.config import QUANT_FORMATS, ModelConfig, check_layout
+from megapar.parallel.config import ParallelConfig
 
 # Max relative logit error. The model runs in fp32 (the reference in fp64) and the parallel
 # paths only reorder sums (ring/DCP merges, reduce-scatters): ~4e-7 is typical on CPU; CUDA
@@ -106,7 +106,7 @@ class CheckResult:
 
 def replica_of(pcfg: ParallelConfig, rank: int) -> int:
     """Index of the data-parallel replica that `rank` belongs to."""
-    from parallel.layout import coords
+    from megapar.parallel.layout import coords
 
     c = coords(pcfg, rank)
     return c["ext_dp"] * pcfg.dp + c["dp"]
@@ -147,9 +147,9 @@ def _decode_marks(n: int) -> set[int]:
 
 def run_rank(groups, spec: DemoSpec) -> RankResult:
     """Prefill + decode on this rank of an initialized job."""
-    from model.model import DemoModel
-    from model.profile import Timer
-    from model.weights import make_state_dict
+    from megapar.model.model import DemoModel
+    from megapar.model.profile import Timer
+    from megapar.model.weights import make_state_dict
 
     device = torch.device(f"cuda:{torch.cuda.current_device()}" if spec.device == "cuda" else "cpu")
     rank, pcfg = groups.rank, spec.parallel
@@ -211,7 +211,7 @@ def run_rank(groups, spec: DemoSpec) -> RankResult:
 
 def _rank_entry(rank: int, spec: DemoSpec) -> RankResult:
     """launch_local / Ray entry: init the groups (unless the launcher did), run, tear down."""
-    from parallel import destroy_parallel, get_optional_groups, init_parallel
+    from megapar.parallel import destroy_parallel, get_optional_groups, init_parallel
 
     groups = get_optional_groups()
     owned = groups is None
@@ -232,8 +232,8 @@ def _rank_entry(rank: int, spec: DemoSpec) -> RankResult:
 
 def check_results(spec: DemoSpec, results: list[RankResult], tolerance: float) -> CheckResult:
     """Compare every rank's logits with the reference on the tokens that were decoded."""
-    from model.reference import reference_logits
-    from model.weights import make_state_dict
+    from megapar.model.reference import reference_logits
+    from megapar.model.weights import make_state_dict
 
     firsts: dict[int, RankResult] = {}
     disagreement = 0.0
@@ -296,7 +296,7 @@ def format_timings(spec: DemoSpec, result: RankResult) -> str:
 
 
 def format_report(spec: DemoSpec, launcher: str, backend: str, results: list[RankResult], check: CheckResult) -> str:
-    from parallel.layout import format_layout
+    from megapar.parallel.layout import format_layout
 
     pcfg, cfg = spec.parallel, spec.model
     out = [f"megapar demo: {pcfg.world_size} rank(s), launcher {launcher}, backend {backend}, device {spec.device}",
@@ -397,8 +397,8 @@ def spec_from_args(args: argparse.Namespace, world_size: int) -> DemoSpec:
 def _run_torchrun(spec: DemoSpec, tolerance: float) -> int:
     import torch.distributed as dist
 
-    from launch.env import init_from_env
-    from parallel import destroy_parallel
+    from megapar.launch.env import init_from_env
+    from megapar.parallel import destroy_parallel
 
     groups = init_from_env(spec.parallel, backend="nccl" if spec.device == "cuda" else "gloo")
     try:
@@ -422,7 +422,7 @@ def _run_torchrun(spec: DemoSpec, tolerance: float) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     """`megapar demo ARGS`; returns the exit code (0 PASS, 1 FAIL, 2 bad arguments, 3 job failed)."""
-    from launch.local import RankError
+    from megapar.launch.local import RankError
 
     args = build_parser().parse_args(sys.argv[1:] if argv is None else argv)
     if not args.timeout > 0:
@@ -472,7 +472,7 @@ def _main(args: argparse.Namespace) -> int:
         return _run_torchrun(spec, tolerance)
     start = time.perf_counter()
     if launcher == "ray":
-        from launch.ray_launcher import launch_on_ray
+        from megapar.launch.ray_launcher import launch_on_ray
 
         # CPU ranks share the cores anyway: a fraction lets a small machine hold the job
         cpus = max(0.01, min(1.0, int(100 * (os.cpu_count() or 1) / world) / 100))
@@ -489,7 +489,7 @@ def _main(args: argparse.Namespace) -> int:
         say("one rank, in this process ...")
         results = [_rank_entry(0, spec)]
     else:
-        from launch.local import launch_local
+        from megapar.launch.local import launch_local
 
         say(f"starting {world} local processes, backend {backend} (timeout {args.timeout:g}s) ...")
         results = launch_local(_rank_entry, world, backend=backend, args=(spec,), timeout=args.timeout)

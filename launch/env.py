@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import torch
 
-from parallel import ParallelConfig, ParallelGroups, init_parallel
-from parallel.groups import read_launch_env, set_local_device
-from parallel.log import setup_logging
+from megapar.parallel import ParallelConfig, ParallelGroups, init_parallel
+from megapar.parallel.groups import read_launch_env, set_local_device
+from megapar.parallel.log import setup_logging
 
 
 def setup_rank_logging(rank: int, level: int | str = "INFO") -> None:

@@ -214,7 +214,7 @@ def _worker(fn: Callable[..., Any], rank: int, args: tuple, env: dict[str, str],
         conn.close()
     finally:
         try:
-            from parallel.groups import destroy_parallel
+            from megapar.parallel.groups import destroy_parallel
 
             destroy_parallel()
         except Exception:

@@ -15,7 +15,7 @@ import sys
 import time
 from typing import Any, Callable, Literal
 
-from parallel import ParallelConfig
+from megapar.parallel import ParallelConfig
 
 from .local import RankError, check_timeout, check_world_size, free_port, pick_primary, torchrun_env
 
@@ -46,7 +46,7 @@ class _RankWorker:
 
     def run(self, fn: Callable[..., Any], rank: int, args: tuple, config: ParallelConfig | None,
             backend: str | None) -> Any:
-        from parallel import destroy_parallel, init_parallel
+        from megapar.parallel import destroy_parallel, init_parallel
 
         try:
             if config is not None:

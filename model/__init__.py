@@ -1,14 +1,18 @@
 """megapar.model: a reference DeepSeek-V4-style block wiring mHC, attention (TP/SP, PCP, DCP) and the FP4 MoE."""
 
+
+import megapar as _megapar
+
+_megapar.alias_short_name(__name__)  # `import model` is `megapar.model` (see megapar/__init__.py)
 # Exports load lazily so that `import model.mhc` stays light (no moe / parallel imports).
 _EXPORTS = {
-    "ModelConfig": "model.config",
-    "check_layout": "model.config",
-    "DemoModel": "model.model",
-    "make_state_dict": "model.weights",
-    "served_expert_weights": "model.weights",
-    "reference_logits": "model.reference",
-    "Timer": "model.profile",
+    "ModelConfig": "megapar.model.config",
+    "check_layout": "megapar.model.config",
+    "DemoModel": "megapar.model.model",
+    "make_state_dict": "megapar.model.weights",
+    "served_expert_weights": "megapar.model.weights",
+    "reference_logits": "megapar.model.reference",
+    "Timer": "megapar.model.profile",
 }
 
 __all__ = list(_EXPORTS)

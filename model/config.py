@@ -23,8 +23,8 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Literal
 
-from parallel.config import ParallelConfig
-from parallel.layout import coords, rank_groups
+from megapar.parallel.config import ParallelConfig
+from megapar.parallel.layout import coords, rank_groups
 
 Quant = Literal["mxfp4", "nvfp4", "fp8_block", "bf16"]
 QUANT_FORMATS: tuple[str, ...] = ("mxfp4", "nvfp4", "fp8_block", "bf16")
@@ -109,7 +109,7 @@ class ModelConfig:
         values of `MoEConfig.deepseek_v4_flash` at this model's sizes). fp32 activations."""
         import torch
 
-        from moe.layer import MoEConfig
+        from megapar.moe.layer import MoEConfig
 
         return MoEConfig(**{**dict(hidden=self.hidden, inter=self.moe_inter, num_experts=self.experts,
                                    top_k=self.top_k, scoring=self.scoring, use_bias=True,

@@ -27,7 +27,7 @@ from typing import Callable, Literal, NamedTuple
 import torch
 from torch import nn
 
-from parallel import impl
+from megapar.parallel import impl
 
 __all__ = [
     "MHCPre",

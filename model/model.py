@@ -47,12 +47,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from moe import MoELayer
-from parallel import comm
-from parallel.cp import ContextParallelAttention, PagedKVCache
-from parallel.groups import ParallelGroups
-from parallel.sp import ColumnParallelLinear, RowParallelLinear, sp_all_gather, sp_local_tokens, sp_shard
-from parallel.ubatch import UBatchRunner
+from megapar.moe import MoELayer
+from megapar.parallel import comm
+from megapar.parallel.cp import ContextParallelAttention, PagedKVCache
+from megapar.parallel.groups import ParallelGroups
+from megapar.parallel.sp import ColumnParallelLinear, RowParallelLinear, sp_all_gather, sp_local_tokens, sp_shard
+from megapar.parallel.ubatch import UBatchRunner
 
 from .config import ModelConfig, check_layout, kv_heads_of_tp_rank
 from .mhc import mhc_broadcast, mhc_head, mhc_post, mhc_post_pre, mhc_pre
@@ -259,7 +259,7 @@ class DemoModel(nn.Module):
         self.timer = timer or Timer(sync_cuda=device.type == "cuda")
         self.eplb = None
         if eplb_redundant is not None:
-            from parallel.ep.eplb_state import Eplb, EplbConfig
+            from megapar.parallel.ep.eplb_state import Eplb, EplbConfig
 
             self.eplb = Eplb(cfg.layers, cfg.experts, group=groups.ep, edp_group=groups.edp,
                              config=EplbConfig(num_redundant=eplb_redundant), device=device)

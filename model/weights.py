@@ -29,7 +29,7 @@ import math
 
 import torch
 
-from moe.quant import dequantize, quantize
+from megapar.moe.quant import dequantize, quantize
 
 from .config import ModelConfig
 

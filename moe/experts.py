@@ -36,12 +36,12 @@ from typing import Literal, Mapping, Sequence
 import torch
 from torch import nn
 
-from parallel import impl
+from megapar.parallel import impl
 
-from moe.kernels import PreparedWeight, expert_ffn, prepare_weights, swiglu
-from moe.quant import QuantizedTensor, dequantize, load_fp4_checkpoint, prepare_weight, quantize
-from parallel.quant.formats import FP4_FORMATS
-from parallel.quant.reference import expected_storage
+from megapar.moe.kernels import PreparedWeight, expert_ffn, prepare_weights, swiglu
+from megapar.moe.quant import QuantizedTensor, dequantize, load_fp4_checkpoint, prepare_weight, quantize
+from megapar.parallel.quant.formats import FP4_FORMATS
+from megapar.parallel.quant.reference import expected_storage
 
 EXPERT_FORMATS: tuple[str, ...] = ("bf16", "fp32", "fp8_block", "mxfp4", "nvfp4")
 GATE_UP_LAYOUTS: tuple[str, ...] = ("split", "interleaved")
@@ -370,7 +370,7 @@ class SharedExpert(nn.Module):
         arithmetic, `moe.kernels.triton_swiglu`)."""
         g, u = self.w1(x), self.w3(x)
         if g.is_cuda and not (torch.is_grad_enabled() and g.requires_grad) and impl.triton_importable():
-            from moe.kernels import triton_swiglu
+            from megapar.moe.kernels import triton_swiglu
 
             return self.w2(triton_swiglu.swiglu(g, u, limit=self.swiglu_limit, out_dtype=x.dtype))
         return self.w2(swiglu(g, u, limit=self.swiglu_limit).to(x.dtype))

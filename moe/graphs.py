@@ -28,7 +28,7 @@ from typing import Sequence
 
 import torch
 
-from moe.layer import MoELayer
+from megapar.moe.layer import MoELayer
 
 
 class GraphedMoE:

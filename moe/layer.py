@@ -62,16 +62,16 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from moe.experts import EXPERT_FORMATS, GATE_UP_LAYOUTS, INITS, Experts, SharedExpert
-from moe.router import SCORING_FUNCS, Router, Scoring
-from parallel import comm
-from parallel.ep import static
-from parallel.ep.layout import gather_reduce, gather_rows
-from parallel.groups import Group
-from parallel.ubatch import ubatch_yield
+from megapar.moe.experts import EXPERT_FORMATS, GATE_UP_LAYOUTS, INITS, Experts, SharedExpert
+from megapar.moe.router import SCORING_FUNCS, Router, Scoring
+from megapar.parallel import comm
+from megapar.parallel.ep import static
+from megapar.parallel.ep.layout import gather_reduce, gather_rows
+from megapar.parallel.groups import Group
+from megapar.parallel.ubatch import ubatch_yield
 
 if TYPE_CHECKING:
-    from moe.loading import SafetensorsState
+    from megapar.moe.loading import SafetensorsState
 
 TOKEN_MODES: tuple[str, ...] = ("replicated", "sequence_parallel")
 PATHS: tuple[str, ...] = ("auto", "device", "host")
@@ -161,7 +161,7 @@ class MoEConfig:
         top-k, groups, scoring, bias, norm_topk_prob, routed_scaling_factor, the routed and shared
         SwiGLU limits, hash layers, shared expert width, expert format); `overrides` win (e.g.
         dtype=, expert_format=). The mapping is in `moe.hf`."""
-        from moe.hf import moe_kwargs_from_hf
+        from megapar.moe.hf import moe_kwargs_from_hf
 
         return cls(**{**moe_kwargs_from_hf(config), **overrides})
 
@@ -314,7 +314,7 @@ class MoELayer(nn.Module):
         if eplb is not None:
             eplb.register_weights(layer_index, self.experts.slot_tensors())
 
-        from parallel.ep import make_dispatcher
+        from megapar.parallel.ep import make_dispatcher
 
         local_group = Group(name="ep_local", group=None, rank=0, size=1, ranks=(rank,))
         host_transport = "all_to_all" if transport in ("auto", "nvshmem") else transport
@@ -327,7 +327,7 @@ class MoELayer(nn.Module):
         elif transport == "nvshmem":  # device-initiated low-latency transport (parallel.ep.nvshmem)
             if max_tokens is None:
                 raise ValueError("transport='nvshmem' needs max_tokens (its symmetric buffers are sized from it)")
-            from parallel.ep.nvshmem import NvshmemBuffer, NvshmemTransport
+            from megapar.parallel.ep.nvshmem import NvshmemBuffer, NvshmemTransport
 
             self._device_transport = NvshmemTransport(NvshmemBuffer(
                 pg, max_tokens=max_tokens, hidden=config.hidden, top_k=config.top_k, num_experts=num_slots_total,
@@ -424,7 +424,7 @@ class MoELayer(nn.Module):
         plain call. Calls that need autograd, pass a token_mask, have more tokens, or run while a
         graph is being captured take the normal path; if the layer's tensors are replaced
         (loading, `.to()`), the graphs are dropped and recaptured on the next call."""
-        from moe.graphs import GraphedMoE
+        from megapar.moe.graphs import GraphedMoE
 
         self._graphed = None
         self._graph_counts = tuple(sorted({int(t) for t in token_counts}))
@@ -551,8 +551,8 @@ class MoELayer(nn.Module):
         rank needs are looked up, each routed expert once, written into its slot on the layer's
         device. Quantized shared-expert tensors (DeepSeek's FP8) are dequantized. Meta tensors
         (init="meta") are materialized first. Missing gate/shared tensors raise KeyError."""
-        from moe.experts import read_dense
-        from moe.loading import Prefixed
+        from megapar.moe.experts import read_dense
+        from megapar.moe.loading import Prefixed
 
         sub = Prefixed(state, prefix) if prefix else state
         device = self.experts.device
@@ -586,7 +586,7 @@ class MoELayer(nn.Module):
         DeepSeek's names, "model.layers.3.mlp." for HF's; `moe.loading.moe_prefix`). naming:
         "deepseek", "hf" (fused `gate_up_proj`/`down_proj` or per-expert `gate_proj`/...), or
         "auto" (detected). Returns the reader (its `reads` lists the keys read)."""
-        from moe.loading import SafetensorsState, moe_state
+        from megapar.moe.loading import SafetensorsState, moe_state
 
         reader = SafetensorsState(paths)
         self.load_deepseek(moe_state(reader, prefix, naming))

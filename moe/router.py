@@ -29,8 +29,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from moe.kernels.route_result import RouteResult
-from parallel import impl
+from megapar.moe.kernels.route_result import RouteResult
+from megapar.parallel import impl
 
 log = logging.getLogger(__name__)
 
@@ -226,7 +226,7 @@ def _check_hash_ids(input_ids: torch.Tensor, tid2eid: torch.Tensor, token_mask: 
 @functools.lru_cache(maxsize=1)
 def _route_triton():
     """`moe.kernels.routing.route_triton`, imported on first use (it imports triton)."""
-    from moe.kernels.routing import route_triton
+    from megapar.moe.kernels.routing import route_triton
 
     return route_triton
 

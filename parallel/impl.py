@@ -4,7 +4,7 @@ Every op with more than one implementation (a torch reference, Triton kernels, a
 backend) registers them here, in order of preference, each with a check that says whether it
 can run for the given inputs:
 
-    from parallel import impl
+    from megapar.parallel import impl
 
     MERGE = impl.Op("cp.merge", [
         impl.Impl("triton", impl.all_of(impl.needs_triton, impl.needs_gpu_tensor, impl.forward_only)),

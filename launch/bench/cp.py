@@ -28,11 +28,11 @@ import os
 
 import torch
 
-from launch.bench.common import H200_BF16_TFLOPS, BenchContext, copy_ceiling_gbps
-from parallel.cp import PagedKVCache, attention_with_lse, dcp_kv_insert, zigzag_shard
-from parallel.cp.dcp import DCPLayout, local_decode_attention, write_kv_slots
-from parallel.cp.merge import combine_lse, merge_attn_states
-from parallel.cp.ring import simulate_ring_backward, simulate_ring_forward
+from megapar.launch.bench.common import H200_BF16_TFLOPS, BenchContext, copy_ceiling_gbps
+from megapar.parallel.cp import PagedKVCache, attention_with_lse, dcp_kv_insert, zigzag_shard
+from megapar.parallel.cp.dcp import DCPLayout, local_decode_attention, write_kv_slots
+from megapar.parallel.cp.merge import combine_lse, merge_attn_states
+from megapar.parallel.cp.ring import simulate_ring_backward, simulate_ring_forward
 
 RING_TARGET = 1.15
 SCALING_TARGET = 0.85
@@ -149,8 +149,8 @@ def _dcp_breakdown(ctx: BenchContext) -> None:
 
 
 def _multi_rank(rank: int, seq: int, heads: int, d: int, batch: int, context: int, quick: bool) -> list[dict]:
-    from parallel import ParallelConfig, destroy_parallel, init_parallel
-    from parallel.cp import dcp_decode_attention, ring_attention
+    from megapar.parallel import ParallelConfig, destroy_parallel, init_parallel
+    from megapar.parallel.cp import dcp_decode_attention, ring_attention
 
     world = int(os.environ["WORLD_SIZE"])
     groups = init_parallel(ParallelConfig(world_size=world, pcp=world))   # DCP below: over these ranks too
@@ -197,7 +197,7 @@ def _multi_rank(rank: int, seq: int, heads: int, d: int, batch: int, context: in
 
 
 def _multi_gpu(ctx: BenchContext) -> None:
-    from launch.local import launch_local
+    from megapar.launch.local import launch_local
 
     if ctx.is_cuda:
         available = torch.cuda.device_count()
@@ -231,8 +231,8 @@ def _sdpa_contiguous(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch
 
 
 def _paged_decode_rows(ctx: BenchContext) -> None:
-    from parallel.cp.paged import paged_decode_attention
-    from parallel.cp.triton_decode import kv_read_bytes
+    from megapar.parallel.cp.paged import paged_decode_attention
+    from megapar.parallel.cp.triton_decode import kv_read_bytes
 
     ceiling = copy_ceiling_gbps(ctx.device)
     batch, heads, kv_heads, d, block, n = 32, 32, 4, 128, 64, 4
@@ -259,7 +259,7 @@ def _paged_decode_rows(ctx: BenchContext) -> None:
                        speedup_vs_torch=torch_us / ours_us, target_fraction=0.70)
             del cache, table, q
     # MLA decode: one latent head of 576, v = its first 512
-    from parallel.cp.mla import MLACache, MLADims
+    from megapar.parallel.cp.mla import MLACache, MLADims
 
     dims = MLADims()
     for mla_heads in (16, 128):
@@ -280,8 +280,8 @@ def _paged_decode_rows(ctx: BenchContext) -> None:
 
 
 def _mla_prep_rows(ctx: BenchContext) -> None:
-    from parallel.cp.mla import MLACache, MLADims
-    from parallel.cp.mla_prep import mla_prep, rope_table
+    from megapar.parallel.cp.mla import MLACache, MLADims
+    from megapar.parallel.cp.mla_prep import mla_prep, rope_table
 
     ceiling = copy_ceiling_gbps(ctx.device)
     dims = MLADims()

@@ -23,7 +23,7 @@ import time
 
 import torch
 
-from launch.bench.common import BenchContext, copy_ceiling_gbps
+from megapar.launch.bench.common import BenchContext, copy_ceiling_gbps
 
 NVLINK_GBPS = 450.0
 
@@ -37,8 +37,8 @@ def _routing(t: int, e: int, k: int, device: torch.device, seed: int) -> tuple[t
 
 
 def _local_cases(ctx: BenchContext) -> None:
-    from parallel.ep import gather_reduce, gather_rows, make_dispatcher
-    from parallel.ep.layout import gather_reduce_torch, gather_rows_torch
+    from megapar.parallel.ep import gather_reduce, gather_rows, make_dispatcher
+    from megapar.parallel.ep.layout import gather_reduce_torch, gather_rows_torch
 
     if ctx.quick:
         t, h, k, e = 64, 256, 4, 16
@@ -113,8 +113,8 @@ def _naive_dispatch_combine(x, ids, w, group, world: int, experts_per_rank: int)
 def _rank_bench(rank: int, world: int, cases: list[dict], iters: int, warmup: int) -> list[dict]:
     import torch.distributed as dist
 
-    from parallel import ParallelConfig, init_parallel
-    from parallel.ep import make_dispatcher
+    from megapar.parallel import ParallelConfig, init_parallel
+    from megapar.parallel.ep import make_dispatcher
 
     groups = init_parallel(ParallelConfig(world_size=world))
     cuda = groups.backend == "nccl"
@@ -176,7 +176,7 @@ def _world_size(ctx: BenchContext, default: int) -> int:
 
 
 def _multirank_cases(ctx: BenchContext) -> None:
-    from launch.local import launch_local
+    from megapar.launch.local import launch_local
 
     if ctx.is_cuda:
         gpus = torch.cuda.device_count()

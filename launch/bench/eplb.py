@@ -21,8 +21,8 @@ import time
 
 import torch
 
-from launch.bench.common import BenchContext
-from parallel.ep.eplb import balancedness, logical_to_physical, rebalance_experts
+from megapar.launch.bench.common import BenchContext
+from megapar.parallel.ep.eplb import balancedness, logical_to_physical, rebalance_experts
 
 NUM_LAYERS, NUM_LOGICAL, NUM_PHYSICAL, NUM_RANKS = 61, 256, 288, 32
 
@@ -100,9 +100,9 @@ def _bench_balance(ctx: BenchContext) -> None:
 def _migration_rank(rank: int, world: int, slots_per_rank: int, hidden: int, inter: int, iters: int) -> dict:
     import torch.distributed as dist
 
-    from parallel import ParallelConfig, init_parallel
-    from parallel.ep.eplb import default_phy2log
-    from parallel.ep.eplb_migrate import rearrange_weights
+    from megapar.parallel import ParallelConfig, init_parallel
+    from megapar.parallel.ep.eplb import default_phy2log
+    from megapar.parallel.ep.eplb_migrate import rearrange_weights
 
     import os
 
@@ -146,7 +146,7 @@ def _migration_rank(rank: int, world: int, slots_per_rank: int, hidden: int, int
 
 
 def _bench_migration(ctx: BenchContext) -> None:
-    from launch.local import launch_local
+    from megapar.launch.local import launch_local
 
     if ctx.quick:
         world, slots, hidden, inter, iters = 2, 5, 256, 128, 3

@@ -33,7 +33,7 @@ from typing import Any, Callable
 
 import torch
 
-from launch.bench.common import BenchContext, H200_FP8_TFLOPS, copy_ceiling_gbps
+from megapar.launch.bench.common import BenchContext, H200_FP8_TFLOPS, copy_ceiling_gbps
 
 SHAPES = {"v3": (32, 7168, 2048), "v4flash": (32, 4096, 2048)}
 TOKENS = (1, 8, 32, 128, 512, 2048)
@@ -43,7 +43,7 @@ TOKENS = (1, 8, 32, 128, 512, 2048)
 
 def random_mxfp4(E: int, N: int, K: int, device: torch.device, seed: int):
     """A random MXFP4 weight [E, N, K] (QuantizedTensor) with block exponents in [-9, -3]."""
-    from moe.quant import QuantizedTensor
+    from megapar.moe.quant import QuantizedTensor
 
     g = torch.Generator(device=device).manual_seed(seed)
     data = torch.randint(0, 256, (E, N, K // 2), generator=g, dtype=torch.uint8, device=device)
@@ -132,17 +132,17 @@ class Case:
 
 
 def _weights(ctx: BenchContext, E: int, N: int, K: int, seed: int) -> dict[str, Any]:
-    from moe.kernels import prepare_weights
-    from parallel.impl import triton_importable
+    from megapar.moe.kernels import prepare_weights
+    from megapar.parallel.impl import triton_importable
 
     q = random_mxfp4(E, N, K, ctx.device, seed)
     pw = prepare_weights(q)
     if (ctx.is_cuda or os.environ.get("TRITON_INTERPRET") == "1") and triton_importable():
-        from moe.kernels.triton_w4a16 import expand_fp4
+        from megapar.moe.kernels.triton_w4a16 import expand_fp4
         bf16 = expand_fp4(pw, torch.bfloat16)
         fp8, fp8_scale = expand_fp4(pw, fold="row")
     else:
-        from moe.kernels.prepare import dequantize_prepared
+        from megapar.moe.kernels.prepare import dequantize_prepared
         bf16 = dequantize_prepared(pw, torch.bfloat16)
         fp8, fp8_scale = None, None
     return {"shape": (E, N, K), "pw": pw, "bf16": bf16, "f32": bf16.float(), "fp8": fp8, "fp8_scale": fp8_scale}
@@ -153,11 +153,11 @@ def _gemms(E: int, H: int, inter: int) -> dict[str, tuple[int, int, int]]:
 
 
 def run(ctx: BenchContext) -> None:
-    from moe.kernels import grouped_gemm
+    from megapar.moe.kernels import grouped_gemm
 
     tuning_path = os.environ.get("MEGAPAR_GEMM_TUNING")
     if tuning_path:
-        from moe.kernels.triton_w4a16 import apply_tuning
+        from megapar.moe.kernels.triton_w4a16 import apply_tuning
         with open(tuning_path) as f:
             tuning = json.load(f)
         apply_tuning(tuning)
@@ -203,7 +203,7 @@ def _run_case(ctx: BenchContext, c: Case, grouped_gemm) -> None:
         ctx.note(f"{c.shape} {c.gemm} tok={c.tok}: torch bf16 _grouped_mm failed: {type(e).__name__}: {e}")
     interp = os.environ.get("MEGAPAR_BENCH_INTERP") == "1"   # dry run of the GPU code under TRITON_INTERPRET=1
     if ctx.is_cuda or interp:
-        from moe.kernels.triton_w4a8 import quantize_act, torch_scaled_grouped_mm
+        from megapar.moe.kernels.triton_w4a8 import quantize_act, torch_scaled_grouped_mm
         xq, xs = quantize_act(c.x)
         try:
             anchors["fp8"], _ = graph_time(ctx, lambda: torch_scaled_grouped_mm(xq, xs, w["fp8"], w["fp8_scale"], c.counts))
@@ -229,8 +229,8 @@ def _run_case(ctx: BenchContext, c: Case, grouped_gemm) -> None:
     if (ctx.is_cuda or interp) and c.tok >= (128 if ctx.is_cuda else 8):
         # W4A8 under the anchor's conditions: activations already fp8 (as when the previous op
         # quantizes them); and the GEMM alone (weights expanded once beforehand).
-        from moe.kernels.triton_w4a16 import expand_fp4
-        from moe.kernels.triton_w4a8 import fp8_grouped_gemm, fp8_weight
+        from megapar.moe.kernels.triton_w4a16 import expand_fp4
+        from megapar.moe.kernels.triton_w4a8 import fp8_grouped_gemm, fp8_weight
         rows = expert_rows_of(c)
         parts = {"triton_w4a8 x pre-quantized": lambda: fp8_grouped_gemm(xq, xs, *fp8_weight(w["pw"]), rows,
                                                                          out_dtype=torch.bfloat16),
@@ -252,7 +252,7 @@ def _run_case(ctx: BenchContext, c: Case, grouped_gemm) -> None:
 
 
 def expert_rows_of(c: Case):
-    from moe.kernels import expert_rows
+    from megapar.moe.kernels import expert_rows
     return expert_rows(c.x, c.E, c.counts, None, "contiguous")
 
 
@@ -280,10 +280,10 @@ def _targets(ctx: BenchContext) -> None:
 # ---- probe: variants and launch configs side by side ----------------------------------------------
 
 def probe(out_dir: str, sections: list[str]) -> None:
-    from moe.kernels import expert_rows, prepare_weights
-    from moe.kernels.prepare import repack
-    from moe.kernels.triton_w4a16 import W4A16Config, expand_fp4, launch_w4a16
-    from moe.kernels.triton_w4a8 import FP8Config, fp8_grouped_gemm, quantize_act, torch_scaled_grouped_mm
+    from megapar.moe.kernels import expert_rows, prepare_weights
+    from megapar.moe.kernels.prepare import repack
+    from megapar.moe.kernels.triton_w4a16 import W4A16Config, expand_fp4, launch_w4a16
+    from megapar.moe.kernels.triton_w4a8 import FP8Config, fp8_grouped_gemm, quantize_act, torch_scaled_grouped_mm
 
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     ctx = BenchContext(suite="gemm-probe", device=dev, quick=not ctx_is_cuda(dev))
@@ -545,7 +545,7 @@ def _print_table(results) -> None:
 
 
 def _versions() -> dict[str, str]:
-    from launch.bench.common import versions
+    from megapar.launch.bench.common import versions
     return versions()
 
 
@@ -558,7 +558,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.probe:
         probe(args.out, args.sections.split(","))
         return 0
-    from launch.cli import main as cli_main
+    from megapar.launch.cli import main as cli_main
     return cli_main(["bench", "gemm", "--out", args.out])
 
 

@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import torch
 
-from launch.bench.common import BenchContext, copy_ceiling_gbps
-from parallel.cp import merge_attn_states, merge_two_attn_states
+from megapar.launch.bench.common import BenchContext, copy_ceiling_gbps
+from megapar.parallel.cp import merge_attn_states, merge_two_attn_states
 
 TARGET = 0.70
 
@@ -87,7 +87,7 @@ def run(ctx: BenchContext) -> None:
 
 def _sweep(ctx: BenchContext, dtype: torch.dtype) -> None:
     """Tile elements x warps for the N=4 anchor shape and the ring's pair merge."""
-    from parallel.cp import triton_merge as tm
+    from megapar.parallel.cp import triton_merge as tm
 
     default = dict(tm.CONFIG)
     outs, lses = _states(4, 8192, 128, 128, ctx.device, dtype)

@@ -23,7 +23,7 @@ from typing import Callable
 
 import torch
 
-from launch.bench.common import BenchContext, copy_ceiling_gbps
+from megapar.launch.bench.common import BenchContext, copy_ceiling_gbps
 
 M = 4
 
@@ -46,7 +46,7 @@ def run(ctx: BenchContext) -> None:
 
 
 def _run(ctx: BenchContext) -> None:
-    from model.mhc import mhc_post, mhc_post_pre, mhc_pre
+    from megapar.model.mhc import mhc_post, mhc_post_pre, mhc_pre
 
     if ctx.quick:
         tokens, hiddens = (1, 8), (64,)
@@ -59,7 +59,7 @@ def _run(ctx: BenchContext) -> None:
     if not ctx.is_cuda:
         ctx.note("CPU: the torch reference only, one thread (the Triton kernels need CUDA); no anchor")
     if ctx.is_cuda:
-        from model import triton_mhc
+        from megapar.model import triton_mhc
 
         ctx.note(f"Triton pre: one launch up to T={triton_mhc.SINGLE_LAUNCH_MAX_TOKENS} (projection, Sinkhorn "
                  f"and layer input; the last split of each token block finishes it), two above; "
@@ -123,7 +123,7 @@ def _record_switch(ctx: BenchContext, t: int, h: int, call: Callable[[str], obje
                    time_kw: dict, shape: dict) -> None:
     """Where pre switches from one launch to two (triton_mhc.SINGLE_LAUNCH_MAX_TOKENS): time the
     other path at the same T, to place the switch from measurements."""
-    from model import triton_mhc
+    from megapar.model import triton_mhc
 
     saved = triton_mhc.SINGLE_LAUNCH_MAX_TOKENS
     single = t <= saved

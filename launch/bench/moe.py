@@ -19,8 +19,8 @@ from __future__ import annotations
 
 import torch
 
-from launch.bench.common import H200_BF16_TFLOPS, H200_FP8_TFLOPS, BenchContext, copy_ceiling_gbps
-from moe.layer import MoEConfig, MoELayer
+from megapar.launch.bench.common import H200_BF16_TFLOPS, H200_FP8_TFLOPS, BenchContext, copy_ceiling_gbps
+from megapar.moe.layer import MoEConfig, MoELayer
 
 SHARD_EXPERTS = 32  # experts per rank of an EP = 8 job
 
@@ -149,7 +149,7 @@ def _graph_replay_us(ctx: BenchContext, fn, flush: bool) -> float | None:
 
 
 def _bench_serving(ctx: BenchContext, name: str) -> None:
-    from moe.kernels.ffn import expert_ffn  # noqa: F401  (the experts' own path is timed via the module)
+    from megapar.moe.kernels.ffn import expert_ffn  # noqa: F401  (the experts' own path is timed via the module)
 
     layers = {fmt: MoELayer(_shard_config(name, fmt, torch.bfloat16), device=ctx.device) for fmt in ("mxfp4", "bf16")}
     layers["bf16"].load_state_dict({k: v for k, v in layers["mxfp4"].state_dict().items()
@@ -212,8 +212,8 @@ def _bench_serving(ctx: BenchContext, name: str) -> None:
                 if t >= 1024:
                     rows_x = layer.experts
                     r = layer.gate(x)
-                    from parallel.ep.static import plan_static
-                    from parallel.ep.layout import gather_rows
+                    from megapar.parallel.ep.static import plan_static
+                    from megapar.parallel.ep.layout import gather_rows
 
                     plan = plan_static(r.topk_ids, layer.num_slots)
                     rows = gather_rows(x, plan.row_token)
@@ -250,7 +250,7 @@ def _bench_serving(ctx: BenchContext, name: str) -> None:
 # ---- EP > 1 --------------------------------------------------------------------------------
 
 def _bench_ep(ctx: BenchContext, worlds: list[int], *, backend: str) -> None:
-    from launch.local import launch_local
+    from megapar.launch.local import launch_local
 
     on_gpu = backend == "nccl"
     tokens = [128, 1024, 4096] if on_gpu else [256]
@@ -272,7 +272,7 @@ def _ep_rank(rank: int, world: int, preset: str, tokens: list[int], on_gpu: bool
     """One rank of the EP benchmark; returns {case: {"plain_us", "chunks=2_us", ...}} (slowest rank)."""
     import torch.distributed as dist
 
-    from parallel import ParallelConfig, destroy_parallel, init_parallel
+    from megapar.parallel import ParallelConfig, destroy_parallel, init_parallel
 
     groups = init_parallel(ParallelConfig(world_size=world))
     device = torch.device("cuda", torch.cuda.current_device()) if on_gpu else torch.device("cpu")

@@ -21,8 +21,8 @@ from __future__ import annotations
 
 import torch
 
-from launch.bench.common import BenchContext, copy_ceiling_gbps
-from moe.quant import QuantizedTensor, dequantize, quantize
+from megapar.launch.bench.common import BenchContext, copy_ceiling_gbps
+from megapar.moe.quant import QuantizedTensor, dequantize, quantize
 
 TARGET = 0.70
 WEIGHT_FORMATS = (("mxfp4", {}), ("nvfp4", {}), ("nvfp4", {"global_scale": "matrix"}), ("fp8_block", {}))
@@ -51,7 +51,7 @@ def _slice_rows(x: torch.Tensor, rows: int) -> torch.Tensor:
 def _bits_vs_cpu_reference(x: torch.Tensor, q, fmt: str, opts: dict, rows: int) -> tuple[bool, bool]:
     """(quantize bits, dequantize bits) of q (from x on any device) against the CPU torch
     reference on the first `rows` rows of the first matrix."""
-    from moe.quant.reference import NVFP4_GLOBAL_DIVISOR
+    from megapar.moe.quant.reference import NVFP4_GLOBAL_DIVISOR
 
     xs = _slice_rows(x, rows).cpu()
     opts_cpu = dict(opts)
@@ -124,7 +124,7 @@ def run(ctx: BenchContext) -> None:
 
 def _sweep(ctx: BenchContext, weight: torch.Tensor, act: torch.Tensor) -> None:
     """Time each kernel over tile rows x warps; record the best against the default CONFIG."""
-    from moe.quant import triton_quant as tq
+    from megapar.moe.quant import triton_quant as tq
 
     default = dict(tq.CONFIG)
     cases = {

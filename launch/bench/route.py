@@ -27,8 +27,8 @@ from typing import Any, Callable
 
 import torch
 
-from launch.bench.common import BenchContext, copy_ceiling_gbps
-from moe.router import route
+from megapar.launch.bench.common import BenchContext, copy_ceiling_gbps
+from megapar.moe.router import route
 
 PRESETS: dict[str, tuple[int, dict]] = {
     "v3": (256, dict(top_k=8, scoring="sigmoid", n_group=8, topk_group=4, scaling=2.5)),
@@ -141,7 +141,7 @@ def run(ctx: BenchContext) -> None:
 def _sweep_launch_configs(ctx: BenchContext, t0: float) -> None:
     """A few (BLOCK_T, num_warps) at T=4096 against the default heuristic (device time, graph
     replay), so `_launch_config` in moe/kernels/routing.py can be checked. Each config compiles."""
-    from moe.kernels.routing import _launch_config, _next_pow2, route_triton
+    from megapar.moe.kernels.routing import _launch_config, _next_pow2, route_triton
 
     T = 4096
     for name in ("v3", "v4pro"):

@@ -40,10 +40,10 @@ from typing import TYPE_CHECKING, Callable
 import torch
 import torch.distributed as dist
 
-from launch.bench.common import H200_BF16_TFLOPS, BenchContext
+from megapar.launch.bench.common import H200_BF16_TFLOPS, BenchContext
 
 if TYPE_CHECKING:
-    from parallel.groups import Group
+    from megapar.parallel.groups import Group
 
 FFN_HIDDEN, FFN_INTER = 8192, 28672
 _SLEEP_CYCLES = 2_000_000  # ~1 ms of GPU spin before each timed sample: the host queues the calls meanwhile
@@ -104,7 +104,7 @@ def _record_pair(ctx: BenchContext, op: str, P: int, ours: Callable[[int], Calla
                  one: Callable[[], object], blocks: Callable[[], object], floor_us: float | None,
                  shape: dict[str, int]) -> None:
     """Time the op (default lanes; on CUDA also 2 lanes), one matmul and the bare block matmuls, interleaved."""
-    from parallel.sp.ops import COMPUTE_LANES
+    from megapar.parallel.sp.ops import COMPUTE_LANES
 
     variants = [COMPUTE_LANES] + ([2 if COMPUTE_LANES == 1 else 1] if ctx.is_cuda else [])
     times = time_interleaved(ctx, [one, blocks] + [ours(lanes) for lanes in variants])
@@ -117,8 +117,8 @@ def _record_pair(ctx: BenchContext, op: str, P: int, ours: Callable[[int], Calla
 
 
 def _decomposition_cost(ctx: BenchContext) -> None:
-    from parallel.sp.ops import decomposed_all_gather_matmul, decomposed_matmul_reduce_scatter
-    from parallel.sp.ring import RingPeers
+    from megapar.parallel.sp.ops import decomposed_all_gather_matmul, decomposed_matmul_reduce_scatter
+    from megapar.parallel.sp.ring import RingPeers
 
     M, H, inter, tps = _shapes(ctx)
     dtype = torch.bfloat16 if ctx.is_cuda else torch.float32
@@ -163,7 +163,7 @@ def _decomposition_cost(ctx: BenchContext) -> None:
 
 def _overlap_rank(rank: int, M: int, H: int, inter: int, quick: bool) -> list[dict]:
     """One rank of the overlap cases; returns rank 0's rows (times are per-rank medians)."""
-    from parallel import ParallelConfig, destroy_parallel, init_parallel
+    from megapar.parallel import ParallelConfig, destroy_parallel, init_parallel
 
     world = int(os.environ["WORLD_SIZE"])
     groups = init_parallel(ParallelConfig(world_size=world, tp=world))
@@ -180,9 +180,9 @@ def overlap_rows(tp: Group, M: int, H: int, inter: int, *, quick: bool) -> list[
     Every rank must call it (it times collectives); rows carry case, time_us, anchor, ... or
     case and error.
     """
-    from parallel.comm import resolve_group
-    from parallel.sp import all_gather_matmul, matmul_reduce_scatter
-    from parallel.sp.ops import symm_mem_unavailable_reason
+    from megapar.parallel.comm import resolve_group
+    from megapar.parallel.sp import all_gather_matmul, matmul_reduce_scatter
+    from megapar.parallel.sp.ops import symm_mem_unavailable_reason
 
     pg, rank, P = resolve_group(tp)
     backend_name = str(dist.get_backend(pg))
@@ -238,7 +238,7 @@ def overlap_rows(tp: Group, M: int, H: int, inter: int, *, quick: bool) -> list[
 
 
 def _overlap(ctx: BenchContext) -> None:
-    from launch.local import launch_local
+    from megapar.launch.local import launch_local
 
     M, H, inter, tps = _shapes(ctx)
     if ctx.is_cuda:

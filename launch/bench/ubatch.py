@@ -37,7 +37,7 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-from launch.bench.common import BenchContext
+from megapar.launch.bench.common import BenchContext
 
 
 @dataclass(frozen=True)
@@ -69,7 +69,7 @@ class _MoEForward:
 
     def __init__(self, shape: _Shape, group: dist.ProcessGroup | None, size: int, seed: int, device: torch.device,
                  dtype: torch.dtype, *, transport: str | None, compute: bool = True) -> None:
-        from parallel.ep import make_dispatcher
+        from megapar.parallel.ep import make_dispatcher
 
         g = torch.Generator().manual_seed(seed)
         h, i, e, r = shape.hidden, shape.inter, shape.experts_per_rank, shape.attn_rank
@@ -91,14 +91,14 @@ class _MoEForward:
 
     def _exchange(self, t: torch.Tensor) -> torch.Tensor:
         """Fixed halves to every rank and back ("a2a"): launch, yield, wait."""
-        from parallel.ubatch import ubatch_yield
+        from megapar.parallel.ubatch import ubatch_yield
 
         out = torch.empty_like(t)
         work = dist.all_to_all_single(out, t.contiguous(), group=self.group, async_op=True)
         return ubatch_yield(lambda: (work.wait(), out)[1])
 
     def __call__(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
-        from parallel.ubatch import ubatch_yield
+        from megapar.parallel.ubatch import ubatch_yield
 
         e = self.shape.experts_per_rank
         for layer in range(self.shape.layers):
@@ -146,9 +146,9 @@ def _cpu_cores_used(fn: Callable[[], object], pg) -> float:
 
 
 def _rank(rank: int, shape: _Shape, ubatch_counts: tuple[int, ...], quick: bool) -> list[dict]:
-    from parallel import ParallelConfig, destroy_parallel, init_parallel
-    from parallel.comm import resolve_group
-    from parallel.ubatch import UBatchRunner
+    from megapar.parallel import ParallelConfig, destroy_parallel, init_parallel
+    from megapar.parallel.comm import resolve_group
+    from megapar.parallel.ubatch import UBatchRunner
 
     world = int(os.environ["WORLD_SIZE"])
     groups = init_parallel(ParallelConfig(world_size=world))
@@ -207,7 +207,7 @@ def _rank(rank: int, shape: _Shape, ubatch_counts: tuple[int, ...], quick: bool)
 
 def _single_device(ctx: BenchContext, shape: _Shape) -> None:
     """EP = 1 in this process: no communication, so this is the runner's overhead."""
-    from parallel.ubatch import UBatchRunner
+    from megapar.parallel.ubatch import UBatchRunner
 
     dtype = torch.bfloat16 if ctx.is_cuda else torch.float32
     g = torch.Generator().manual_seed(0)
@@ -224,7 +224,7 @@ def _single_device(ctx: BenchContext, shape: _Shape) -> None:
 
 
 def run(ctx: BenchContext) -> None:
-    from launch.local import launch_local
+    from megapar.launch.local import launch_local
 
     shape = _shape(ctx)
     if ctx.is_cuda:

@@ -1,6 +1,6 @@
 """Grouped expert GEMMs and the fused expert FFN (FP4/FP8 weights on Hopper, torch reference).
 
-    from moe.kernels import grouped_gemm, expert_ffn, prepare_weights
+    from megapar.moe.kernels import grouped_gemm, expert_ffn, prepare_weights
     w13 = prepare_weights(w13_bf16, fmt="mxfp4", gate_up="interleaved")   # once, at load time
     w2 = prepare_weights(w2_bf16, fmt="mxfp4")
     y = expert_ffn(x, w13, w2, counts=counts, swiglu_limit=10.0)          # x [M, H], rows grouped by expert
@@ -12,9 +12,9 @@ helpers in `triton_common`; none imports another kernel module), imported only w
 that the kernel does not import the router.
 """
 
-from moe.kernels.ffn import expert_ffn, expert_ffn_reference, swiglu
-from moe.kernels.grouped_gemm import BACKENDS, ExpertRows, expert_rows, grouped_gemm, grouped_gemm_reference
-from moe.kernels.prepare import PreparedWeight, dequantize_prepared, fold_plan, prepare_weights, to_quantized
+from megapar.moe.kernels.ffn import expert_ffn, expert_ffn_reference, swiglu
+from megapar.moe.kernels.grouped_gemm import BACKENDS, ExpertRows, expert_rows, grouped_gemm, grouped_gemm_reference
+from megapar.moe.kernels.prepare import PreparedWeight, dequantize_prepared, fold_plan, prepare_weights, to_quantized
 
 __all__ = [
     "BACKENDS", "ExpertRows", "PreparedWeight", "dequantize_prepared", "expert_ffn", "expert_ffn_reference",

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import torch
 
-from moe.kernels.grouped_gemm import (
+from megapar.moe.kernels.grouped_gemm import (
     EXPAND_MIN_ROWS,
     ExpertRows,
     _gemm_grouped_mm,
@@ -31,8 +31,8 @@ from moe.kernels.grouped_gemm import (
     quantize_dequantize_act,
     resolve_backend,
 )
-from moe.kernels.prepare import PreparedWeight, as_prepared, dequantize_prepared, prepare_weights
-from parallel.quant import QuantizedTensor
+from megapar.moe.kernels.prepare import PreparedWeight, as_prepared, dequantize_prepared, prepare_weights
+from megapar.parallel.quant import QuantizedTensor
 
 
 def swiglu(gate: torch.Tensor, up: torch.Tensor, *, limit: float | None = None, alpha: float = 1.0,
@@ -104,7 +104,7 @@ def expert_ffn(x: torch.Tensor, w13: torch.Tensor | QuantizedTensor | PreparedWe
     if chosen == "triton_w4a8":
         return _ffn_w4a8(x, p13, p2, rows, act, out_dtype)
     if chosen == "triton_w4a16" and p13.is_fp4 and p2.is_fp4 and hint <= EXPAND_MIN_ROWS:
-        from moe.kernels.triton_w4a16 import launch_w4a16
+        from megapar.moe.kernels.triton_w4a16 import launch_w4a16
 
         h = launch_w4a16(x, p13, rows, out_dtype=x.dtype, swiglu=(swiglu_limit, alpha, beta))
         return launch_w4a16(h, p2, rows, out_dtype=out_dtype)
@@ -116,7 +116,7 @@ def expert_ffn(x: torch.Tensor, w13: torch.Tensor | QuantizedTensor | PreparedWe
 
 def _ffn_w4a8(x: torch.Tensor, p13: PreparedWeight, p2: PreparedWeight, rows: ExpertRows, act: dict,
               out_dtype: torch.dtype) -> torch.Tensor:
-    from moe.kernels.triton_w4a8 import fp8_grouped_gemm, fp8_weight, quantize_act
+    from megapar.moe.kernels.triton_w4a8 import fp8_grouped_gemm, fp8_weight, quantize_act
 
     if not (p13.fp8_exact and p2.fp8_exact):
         raise ValueError("triton_w4a8 needs both weights in mxfp4 with an exact FP8 fold, or fp8_block")

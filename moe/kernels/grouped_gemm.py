@@ -35,9 +35,9 @@ from typing import Literal
 
 import torch
 
-from moe.kernels.prepare import PreparedWeight, as_prepared, dequantize_prepared
-from parallel import impl
-from parallel.quant import QuantizedTensor, dequantize, quantize
+from megapar.moe.kernels.prepare import PreparedWeight, as_prepared, dequantize_prepared
+from megapar.parallel import impl
+from megapar.parallel.quant import QuantizedTensor, dequantize, quantize
 
 Layout = Literal["contiguous", "slab"]
 LAYOUTS = ("contiguous", "slab")
@@ -150,7 +150,7 @@ def dense_weight(w: PreparedWeight, dtype: torch.dtype = torch.bfloat16) -> torc
     if w.fmt in ("bf16", "fp16", "fp32"):
         return w.data if w.data.dtype == dtype else w.data.to(dtype)
     if w.device.type == "cuda" and w.is_fp4 and impl.triton_importable():
-        from moe.kernels.triton_w4a16 import expand_fp4
+        from megapar.moe.kernels.triton_w4a16 import expand_fp4
         return expand_fp4(w, dtype)
     return dequantize_prepared(w, dtype)
 
@@ -265,8 +265,8 @@ def grouped_gemm(x: torch.Tensor, w: torch.Tensor | QuantizedTensor | PreparedWe
         return _gemm_grouped_mm(x, pw, rows, out_dtype)
     if chosen == "triton_w4a16":
         if pw.is_fp4 and hint <= EXPAND_MIN_ROWS:
-            from moe.kernels.triton_w4a16 import w4a16_grouped_gemm
+            from megapar.moe.kernels.triton_w4a16 import w4a16_grouped_gemm
             return w4a16_grouped_gemm(x, pw, rows, out_dtype=out_dtype)
         return _gemm_grouped_mm(x, pw, rows, out_dtype)
-    from moe.kernels.triton_w4a8 import w4a8_grouped_gemm
+    from megapar.moe.kernels.triton_w4a8 import w4a8_grouped_gemm
     return w4a8_grouped_gemm(x, pw, rows, out_dtype=out_dtype)

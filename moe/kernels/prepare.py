@@ -26,7 +26,7 @@ from typing import Any, Literal
 
 import torch
 
-from parallel.quant import QuantizedTensor, dequantize, load_fp4_checkpoint, quantize
+from megapar.parallel.quant import QuantizedTensor, dequantize, load_fp4_checkpoint, quantize
 
 _log = logging.getLogger(__name__)
 

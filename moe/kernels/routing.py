@@ -25,7 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
-from moe.kernels.route_result import RouteResult
+from megapar.moe.kernels.route_result import RouteResult
 
 _SCORING_CODE = {"softmax": 0, "sigmoid": 1, "sqrt_softplus": 2}
 

@@ -13,7 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
-from parallel.quant import DEFAULT_AMAX_FLOOR, E4M3_MAX
+from megapar.parallel.quant import DEFAULT_AMAX_FLOOR, E4M3_MAX
 
 FP8_MAX = tl.constexpr(E4M3_MAX)
 AMAX_FLOOR = tl.constexpr(DEFAULT_AMAX_FLOOR)   # parallel.quant's fp8 amax floor

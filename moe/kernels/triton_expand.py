@@ -12,8 +12,8 @@ import torch
 import triton
 import triton.language as tl
 
-from moe.kernels.prepare import PreparedWeight
-from moe.kernels.triton_common import block_scale, chunks_for, e2m1_pair, nibble_operand
+from megapar.moe.kernels.prepare import PreparedWeight
+from megapar.moe.kernels.triton_common import block_scale, chunks_for, e2m1_pair, nibble_operand
 
 EXPAND_DEFAULTS: dict[str, int] = {"rows_per_program": 16, "num_warps": 4}   # H200: 3.08 TB/s (bf16 out)
 

@@ -36,9 +36,9 @@ import torch
 import triton
 import triton.language as tl
 
-from moe.kernels import prepare
-from moe.kernels.prepare import PreparedWeight, WeightStrides  # noqa: F401  (WeightStrides: re-export)
-from moe.kernels.triton_common import (  # noqa: F401  (FP8_MAX, AMAX_FLOOR, expert_tile, ...: re-exports)
+from megapar.moe.kernels import prepare
+from megapar.moe.kernels.prepare import PreparedWeight, WeightStrides  # noqa: F401  (WeightStrides: re-export)
+from megapar.moe.kernels.triton_common import (  # noqa: F401  (FP8_MAX, AMAX_FLOOR, expert_tile, ...: re-exports)
     AMAX_FLOOR,
     FP8_MAX,
     block_scale,
@@ -51,8 +51,8 @@ from moe.kernels.triton_common import (  # noqa: F401  (FP8_MAX, AMAX_FLOOR, exp
     swiglu_tile,
     to_e4m3,
 )
-from moe.kernels.triton_expand import EXPAND_DEFAULTS, expand_fp4  # noqa: F401  (expand_fp4: re-export)
-from parallel import impl
+from megapar.moe.kernels.triton_expand import EXPAND_DEFAULTS, expand_fp4  # noqa: F401  (expand_fp4: re-export)
+from megapar.parallel import impl
 
 MODES = {"f16": 0, "bf16": 1, "f32": 2, "f16asm": 3, "f16asm_swap": 4}
 PACKS = {"paired": 0, "oct": 1}
@@ -253,7 +253,7 @@ TUNED: dict[int, W4A16Config] = {}
 def apply_tuning(tuning: dict) -> None:
     """Install measured launch settings: {"w4a16": {bucket: config fields}, "expand": {...},
     "tile_n": int, "act_quant_warps": int} (as written by `python -m launch.bench.gemm --probe`)."""
-    from moe.kernels import triton_common
+    from megapar.moe.kernels import triton_common
 
     for bucket, fields in tuning.get("w4a16", {}).items():
         TUNED[int(bucket)] = W4A16Config(**fields)

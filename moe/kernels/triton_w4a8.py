@@ -24,10 +24,10 @@ import torch
 import triton
 import triton.language as tl
 
-from moe.kernels import triton_common
-from moe.kernels.prepare import PreparedWeight
-from moe.kernels.triton_common import AMAX_FLOOR, FP8_MAX, expert_tile, fp8_group_quant, layout_args, swiglu_tile, to_e4m3
-from moe.kernels.triton_expand import expand_fp4
+from megapar.moe.kernels import triton_common
+from megapar.moe.kernels.prepare import PreparedWeight
+from megapar.moe.kernels.triton_common import AMAX_FLOOR, FP8_MAX, expert_tile, fp8_group_quant, layout_args, swiglu_tile, to_e4m3
+from megapar.moe.kernels.triton_expand import expand_fp4
 
 
 # ---- activation quantization (bit-identical to moe.quant fp8_token / fp8_group) ---------------------

@@ -11,6 +11,6 @@ and ep payloads share them with the MoE layer. Every name here is the same objec
 
 from __future__ import annotations
 
-from parallel.quant import *  # noqa: F401,F403
-from parallel.quant import BACKENDS, QUANT, TRITON_FORMATS, __all__, _pick_backend  # noqa: F401
-from parallel.quant import checkpoint, fold, formats, reference  # noqa: F401
+from megapar.parallel.quant import *  # noqa: F401,F403
+from megapar.parallel.quant import BACKENDS, QUANT, TRITON_FORMATS, __all__, _pick_backend  # noqa: F401
+from megapar.parallel.quant import checkpoint, fold, formats, reference  # noqa: F401

@@ -2,6 +2,6 @@
 
 import sys
 
-from parallel.quant import triton_quant as _module
+from megapar.parallel.quant import triton_quant as _module
 
 sys.modules[__name__] = _module

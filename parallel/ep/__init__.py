@@ -1,6 +1,6 @@
 """Expert parallelism: token dispatch/combine across EP ranks (and EPLB in `parallel.ep.eplb`).
 
-    from parallel.ep import make_dispatcher
+    from megapar.parallel.ep import make_dispatcher
     d = make_dispatcher(groups.ep, num_experts=256, hidden=7168)        # backend="auto"
     res = d.dispatch(x, topk_ids, topk_weights)    # res.x grouped by local expert, res.counts
     y = d.combine(expert_out, res.handle)          # [T, H], sum_k w_k * y_k in fp32
@@ -11,13 +11,13 @@ Modules: `dispatch` (the Dispatcher, autograd), `backends` (transports and the c
 low-latency `NvshmemTransport`).
 """
 
-from parallel.ep.dispatch import CombineHandle, DispatchResult, Dispatcher, make_dispatcher
-from parallel.ep.eplb import (Eplb, EplbConfig, EplbPlan, balancedness, logical_to_physical, rearrange_weights,
+from megapar.parallel.ep.dispatch import CombineHandle, DispatchResult, Dispatcher, make_dispatcher
+from megapar.parallel.ep.eplb import (Eplb, EplbConfig, EplbPlan, balancedness, logical_to_physical, rearrange_weights,
                               rebalance_experts)
-from parallel.ep.layout import LayoutPlan, gather_reduce, gather_rows, plan_layout
+from megapar.parallel.ep.layout import LayoutPlan, gather_reduce, gather_rows, plan_layout
 
-from parallel.ep import deepep as _deepep  # noqa: E402  (backends "deepep", "nvshmem": their packages load lazily)
-from parallel.ep import nvshmem as _nvshmem  # noqa: E402
+from megapar.parallel.ep import deepep as _deepep  # noqa: E402  (backends "deepep", "nvshmem": their packages load lazily)
+from megapar.parallel.ep import nvshmem as _nvshmem  # noqa: E402
 
 _nvshmem.register()
 _deepep.register()

@@ -36,8 +36,8 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-from parallel import comm, impl
-from parallel.ep.layout import count_values, gather_reduce, gather_rows, scatter_add_rows
+from megapar.parallel import comm, impl
+from megapar.parallel.ep.layout import count_values, gather_reduce, gather_rows, scatter_add_rows
 
 log = logging.getLogger(__name__)
 

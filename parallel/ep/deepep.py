@@ -25,9 +25,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from parallel import impl
-from parallel.ep import backends
-from parallel.ep.backends import Backend, Census, Route, RoutingInfo
+from megapar.parallel import impl
+from megapar.parallel.ep import backends
+from megapar.parallel.ep.backends import Backend, Census, Route, RoutingInfo
 
 HINT = "pip install 'megapar[deepep]' (deepinfer-ep: needs CUDA >= 13.1, NCCL >= 2.32.3)"
 NVL_BYTES = int(os.environ.get("MEGAPAR_DEEPEP_NVL_BYTES", str(1 << 30)))
@@ -117,7 +117,7 @@ class DeepEPLowLatency:
     """DeepEP low-latency dispatch/combine (decode; CUDA-graph capturable in DeepEP)."""
 
     def __init__(self, group: Any, *, max_tokens: int, hidden: int, num_experts: int, use_fp8: bool = False) -> None:
-        from parallel import comm
+        from megapar.parallel import comm
 
         pg, self.rank, self.size = comm.resolve_group(group)
         if num_experts % self.size:

@@ -64,10 +64,10 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-from parallel import comm, ubatch
-from parallel.groups import group_timeout
-from parallel.ep.backends import Backend, Census, LocalRoute, Route, routing_info, select_backend, take_census
-from parallel.ep.layout import (LayoutPlan, check_layout_args, gather_reduce, gather_rows, local_expert_ids,
+from megapar.parallel import comm, ubatch
+from megapar.parallel.groups import group_timeout
+from megapar.parallel.ep.backends import Backend, Census, LocalRoute, Route, routing_info, select_backend, take_census
+from megapar.parallel.ep.layout import (LayoutPlan, check_layout_args, gather_reduce, gather_rows, local_expert_ids,
                                 plan_layout, scatter_add_rows)
 
 _PLAIN_FLOATS = (torch.float32, torch.bfloat16, torch.float16)

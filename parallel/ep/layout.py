@@ -246,7 +246,7 @@ def gather_rows(src: torch.Tensor, idx: torch.Tensor, row_scale: torch.Tensor | 
     unit last stride to write into (e.g. columns of a packed buffer) -> [M, C] in src's dtype."""
     unit = src.stride(-1) == 1 and (out is None or out.stride(-1) == 1)
     if GATHER_ROWS.resolve(device=src.device, unit_stride=unit) == "triton":
-        from parallel.ep import triton_permute
+        from megapar.parallel.ep import triton_permute
 
         return triton_permute.gather_rows(src, idx, row_scale, out)
     return gather_rows_torch(src, idx, row_scale, out)
@@ -257,7 +257,7 @@ def gather_reduce(src: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor | 
     """Unpermute: out[m] = sum_k weights[m, k] * src[idx[m, k]] over idx >= 0, fp32 accumulation.
     src: [N, C] float; idx: [M, K] int (-1 = skip); weights: [M, K] fp32 or None -> [M, C]."""
     if GATHER_REDUCE.resolve(device=src.device, unit_stride=src.stride(-1) == 1) == "triton":
-        from parallel.ep import triton_permute
+        from megapar.parallel.ep import triton_permute
 
         return triton_permute.gather_reduce(src, idx, weights, out_dtype)
     return gather_reduce_torch(src, idx, weights, out_dtype)

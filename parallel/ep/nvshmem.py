@@ -41,11 +41,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from parallel import comm, impl
-from parallel.ep import backends
-from parallel.ep.backends import (AllToAllRoute, Backend, Census, Route, RoutingInfo, _layout_rows, _pack_rows,
+from megapar.parallel import comm, impl
+from megapar.parallel.ep import backends
+from megapar.parallel.ep.backends import (AllToAllRoute, Backend, Census, Route, RoutingInfo, _layout_rows, _pack_rows,
                                   _unpack_rows, routing_info)
-from parallel.ep.static import DeviceBatch
+from megapar.parallel.ep.static import DeviceBatch
 
 HINT = "pip install 'megapar[nvshmem]' (nvshmem4py)"
 _ALIGN = 16
@@ -224,7 +224,7 @@ class NvshmemBuffer:
         bases = torch.tensor([p.data_ptr() for p in self._peers], dtype=torch.int64, device=heap.device)
         self.err = torch.zeros(1, dtype=torch.int64, device=heap.device)
         self.dropped = torch.zeros(1, dtype=torch.int64, device=heap.device)  # slab rows over capacity
-        from parallel.ep.nvshmem_kernels import PeerChannel
+        from megapar.parallel.ep.nvshmem_kernels import PeerChannel
 
         def counter(at: int) -> tuple[torch.Tensor, torch.Tensor]:
             return heap[at:at + 8 * w].view(torch.int64), bases + at
@@ -281,7 +281,7 @@ class NvshmemBuffer:
         self.usable()
         word, dropped = torch.cat([self.err, self.dropped]).tolist()
         if word:
-            from parallel.ep.nvshmem_kernels import describe_error
+            from megapar.parallel.ep.nvshmem_kernels import describe_error
 
             self._error = describe_error(int(word))
             raise RuntimeError(f"[rank {self.rank}] NVSHMEM EP transfer failed: {self._error}; this buffer "
@@ -439,8 +439,8 @@ class NvshmemTransport:
     def dispatch_slab(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
                       x_scale: torch.Tensor | None = None) -> SlabDispatch:
         """DeepEP low-latency dispatch: [E_local, capacity, H] slabs and device counts."""
-        from parallel.ep.layout import gather_rows
-        from parallel.ep.static import plan_static
+        from megapar.parallel.ep.layout import gather_rows
+        from megapar.parallel.ep.static import plan_static
 
         batch = self.dispatch(x, topk_ids, topk_weights, x_scale)
         buf, el, cap = self.buffer, self.experts_per_rank, self.capacity
@@ -472,7 +472,7 @@ class NvshmemTransport:
     def combine_slab(self, expert_out: torch.Tensor, handle: SlabHandle, *, weighted: bool = False) -> torch.Tensor:
         """expert_out: [E_local, capacity, H] -> [T, H] (sum_k w_k y_k in fp32, then the x dtype;
         expert_out's dtype for quantized x). weighted: the rows are already multiplied by w."""
-        from parallel.ep.layout import gather_reduce
+        from megapar.parallel.ep.layout import gather_reduce
 
         el, cap, h = self.experts_per_rank, self.capacity, self.buffer.sizes.hidden
         if tuple(expert_out.shape) != (el, cap, h):
@@ -530,7 +530,7 @@ class NvshmemRoute(AllToAllRoute):
         return backends._done(_unpack_rows(out, specs))
 
     def reduce(self, pieces: list[torch.Tensor], *, async_op: bool = False) -> Any:
-        from parallel.ep.layout import gather_reduce, scatter_add_rows
+        from megapar.parallel.ep.layout import gather_reduce, scatter_add_rows
 
         packed, specs = _pack_rows(pieces)
         out = self._transfer(1, packed.contiguous(), self.recv_rank, self.recv_row, len(self.send_token),

@@ -40,7 +40,7 @@ from typing import Protocol
 import torch
 import torch.distributed as dist
 
-from parallel import comm, impl
+from megapar.parallel import comm, impl
 
 # The single-launch Triton plan serves up to this many (token, k) pairs; above it the sort-based
 # torch plan (a few launches, still sync-free) is as fast relative to the GEMMs it feeds.
@@ -92,7 +92,7 @@ def plan_static(topk_ids: torch.Tensor, num_slots: int, *, first_slot: int = 0, 
         raise ValueError(f"bad_ids must be an int32 [1] tensor, got {bad_ids.dtype}{tuple(bad_ids.shape)}")
     chosen = PLAN.resolve(backend, device=topk_ids.device)
     if chosen == "triton" and (backend == "triton" or topk_ids.numel() <= TRITON_PLAN_MAX_PAIRS):
-        from parallel.ep import triton_plan
+        from megapar.parallel.ep import triton_plan
 
         return triton_plan.plan_static(topk_ids, num_slots, first_slot, total, bad_ids)
     return plan_static_torch(topk_ids, num_slots, first_slot, total, bad_ids)

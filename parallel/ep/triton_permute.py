@@ -13,7 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
-from parallel.ep.words import as_words, word_size
+from megapar.parallel.ep.words import as_words, word_size
 
 _BLOCK_C = 1024
 

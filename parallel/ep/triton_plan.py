@@ -18,7 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
-from parallel.ep.static import StaticPlan
+from megapar.parallel.ep.static import StaticPlan
 
 
 @triton.jit

@@ -17,10 +17,10 @@ from __future__ import annotations
 
 import torch
 
-from parallel import impl
-from parallel.quant.checkpoint import load_fp4_checkpoint, prepare_weight
-from parallel.quant.fold import Fp8FoldPlan, mxfp4_fold_plan, mxfp4_to_fp8_block
-from parallel.quant.formats import (
+from megapar.parallel import impl
+from megapar.parallel.quant.checkpoint import load_fp4_checkpoint, prepare_weight
+from megapar.parallel.quant.fold import Fp8FoldPlan, mxfp4_fold_plan, mxfp4_to_fp8_block
+from megapar.parallel.quant.formats import (
     E2M1_MAGNITUDES,
     E2M1_MAX,
     E4M3_MAX,
@@ -32,7 +32,7 @@ from parallel.quant.formats import (
     pack_fp4,
     unpack_fp4,
 )
-from parallel.quant.reference import (
+from megapar.parallel.quant.reference import (
     DEFAULT_AMAX_FLOOR,
     dequantize_reference,
     e8m0_to_float,
@@ -75,7 +75,7 @@ def quantize(x: torch.Tensor, fmt: str, *, backend: str = "auto", **opts) -> Qua
     """
     get_format(fmt)
     if _pick_backend(backend, fmt, x.device) == "triton":
-        from parallel.quant import triton_quant
+        from megapar.parallel.quant import triton_quant
         return triton_quant.quantize(x, fmt, **opts)
     return quantize_reference(x, fmt, **opts)
 
@@ -83,6 +83,6 @@ def quantize(x: torch.Tensor, fmt: str, *, backend: str = "auto", **opts) -> Qua
 def dequantize(q: QuantizedTensor, dtype: torch.dtype = torch.float32, *, backend: str = "auto") -> torch.Tensor:
     """`q` -> tensor of `q.shape` in `dtype` (fp32 math, one rounding to `dtype` at the end)."""
     if _pick_backend(backend, q.fmt, q.device) == "triton":
-        from parallel.quant import triton_quant
+        from megapar.parallel.quant import triton_quant
         return triton_quant.dequantize(q, dtype)
     return dequantize_reference(q, dtype)

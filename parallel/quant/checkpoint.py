@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from parallel.quant.formats import FORMATS, QuantizedTensor, get_format
+from megapar.parallel.quant.formats import FORMATS, QuantizedTensor, get_format
 
 _E8M0 = getattr(torch, "float8_e8m0fnu", None)
 _FP4X2 = getattr(torch, "float4_e2m1fn_x2", None)
@@ -110,8 +110,8 @@ def prepare_weight(w: torch.Tensor | QuantizedTensor, fmt: str, *, device: torch
     fp8_group / fp8_block -> exact fold (`mxfp4_to_fp8_block`, opts: strict); any other pair
     re-quantizes the dequantized values (lossy).
     """
-    from parallel.quant import dequantize, quantize
-    from parallel.quant.fold import mxfp4_to_fp8_block
+    from megapar.parallel.quant import dequantize, quantize
+    from megapar.parallel.quant.fold import mxfp4_to_fp8_block
 
     if fmt not in PREPARE_TARGETS:
         raise ValueError(f"unknown weight target {fmt!r}; valid: {', '.join(PREPARE_TARGETS)}")

@@ -20,8 +20,8 @@ from dataclasses import dataclass
 
 import torch
 
-from parallel.quant.formats import QuantizedTensor, e2m1_to_float, unpack_fp4
-from parallel.quant.reference import _pow2_f32
+from megapar.parallel.quant.formats import QuantizedTensor, e2m1_to_float, unpack_fp4
+from megapar.parallel.quant.reference import _pow2_f32
 
 EXACT_SPREAD = 14  # max(e_b) - min(e_b) within a group for which the fold is exact
 

@@ -126,7 +126,7 @@ class QuantizedTensor:
                        scale=self.scale.to(device, non_blocking=non_blocking), global_scale=gs)
 
     def dequantize(self, dtype: torch.dtype = torch.float32, *, backend: str = "auto") -> torch.Tensor:
-        from parallel.quant import dequantize
+        from megapar.parallel.quant import dequantize
         return dequantize(self, dtype, backend=backend)
 
     def data_as_fp4x2(self) -> torch.Tensor:

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import torch
 
-from parallel.quant.formats import (
+from megapar.parallel.quant.formats import (
     E4M3_MAX,
     FP4_FORMATS,
     QuantizedTensor,

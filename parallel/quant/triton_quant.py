@@ -19,9 +19,9 @@ import torch
 import triton
 import triton.language as tl
 
-from parallel import impl
-from parallel.quant.formats import FP4_FORMATS, QuantizedTensor, check_quantizable, get_format
-from parallel.quant.reference import DEFAULT_AMAX_FLOOR, _check_floor, check_storage
+from megapar.parallel import impl
+from megapar.parallel.quant.formats import FP4_FORMATS, QuantizedTensor, check_quantizable, get_format
+from megapar.parallel.quant.reference import DEFAULT_AMAX_FLOOR, _check_floor, check_storage
 
 # The interpreter's fma rounds twice, so there `_div_abs_fast` is plain tl.div_rn; the tests swap
 # in an exact fma and set this to run the fma path (the only one on GPU). Read once, at import:
@@ -435,7 +435,7 @@ def _tensor_amax(x: torch.Tensor, per_matrix: bool) -> torch.Tensor:
 
 
 def _nvfp4_global(x: torch.Tensor, global_scale) -> torch.Tensor:
-    from parallel.quant.reference import NVFP4_GLOBAL_DIVISOR, _nvfp4_gs
+    from megapar.parallel.quant.reference import NVFP4_GLOBAL_DIVISOR, _nvfp4_gs
 
     if global_scale is None or (isinstance(global_scale, str) and global_scale in ("tensor", "matrix")):
         per_matrix = global_scale == "matrix"
@@ -471,7 +471,7 @@ def _quantize_fp4(x: torch.Tensor, fmt: str, bs: int, *, scale_rule: str = "ceil
                   global_scale=None) -> QuantizedTensor:
     if fmt == "mxfp4" and scale_rule != "ceil":
         if scale_rule == "floor":                                   # checkpoint emulation: torch path
-            from parallel.quant.reference import quantize_mxfp4
+            from megapar.parallel.quant.reference import quantize_mxfp4
             return quantize_mxfp4(x, scale_rule="floor")
         raise ValueError(f"unknown mxfp4 scale_rule {scale_rule!r}; valid: 'ceil', 'floor'")
     *lead, k = x.shape

@@ -1,0 +1,49 @@
+"""The installed names do not collide: a `parallel.py` or `model.py` in the working directory
+cannot break the library, and the short names are aliases of the `megapar.*` modules."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def _run(code: str, cwd: Path) -> subprocess.CompletedProcess:
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    return subprocess.run([sys.executable, "-c", code], cwd=cwd, env=env, capture_output=True, text=True, timeout=120)
+
+
+def test_stray_generic_modules_in_the_working_directory_do_not_shadow_the_library(tmp_path):
+    for name in ("parallel", "model"):
+        (tmp_path / f"{name}.py").write_text("raise ImportError('the user file was imported')\n")
+    proc = _run("from moe import MoELayer, MoEConfig\n"
+                "import megapar.model.mhc, megapar.launch.demo\n"
+                "import megapar.parallel.comm as c\n"
+                "print('ok', MoELayer.__module__, c.__name__)", tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "ok megapar.moe.layer megapar.parallel.comm" in proc.stdout
+
+
+def test_short_names_are_the_same_module_objects():
+    import megapar.moe.layer
+    import megapar.parallel.comm
+    import moe
+    import moe.layer
+    import parallel.comm
+
+    assert moe is sys.modules["megapar.moe"]
+    assert moe.layer is megapar.moe.layer and parallel.comm is megapar.parallel.comm
+    assert moe.MoELayer is megapar.moe.layer.MoELayer
+
+
+def test_a_users_own_package_of_a_generic_name_is_left_alone(tmp_path):
+    pkg = tmp_path / "model"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("MINE = True\n")
+    (pkg / "sub.py").write_text("VALUE = 7\n")
+    proc = _run("import megapar.moe\nimport model, model.sub\nprint(model.MINE, model.sub.VALUE)", tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.strip() == "True 7"
