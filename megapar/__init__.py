@@ -40,6 +40,24 @@ class _AliasLoader(importlib.abc.Loader):
     def exec_module(self, module) -> None:  # the canonical module already ran
         pass
 
+    # `python -m launch.cli` (runpy) runs the code of the canonical module's file as __main__
+    def _real(self):
+        import importlib.util
+
+        return importlib.util.find_spec(self.canonical).loader
+
+    def get_code(self, fullname: str):
+        return self._real().get_code(self.canonical)
+
+    def get_source(self, fullname: str):
+        return self._real().get_source(self.canonical)
+
+    def get_filename(self, fullname: str) -> str:
+        return self._real().get_filename(self.canonical)
+
+    def is_package(self, fullname: str) -> bool:
+        return self._real().is_package(self.canonical)
+
 
 class _AliasFinder(importlib.abc.MetaPathFinder):
     """Maps `pkg.sub...` to `megapar.pkg.sub...` while `sys.modules[pkg]` is `megapar.pkg`."""

@@ -47,3 +47,13 @@ def test_a_users_own_package_of_a_generic_name_is_left_alone(tmp_path):
     proc = _run("import megapar.moe\nimport model, model.sub\nprint(model.MINE, model.sub.VALUE)", tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.strip() == "True 7"
+
+
+def test_python_dash_m_entry_points_run_next_to_stray_modules(tmp_path):
+    for name in ("parallel", "model", "moe"):
+        (tmp_path / f"{name}.py").write_text("raise ImportError('the user file was imported')\n")
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    proc = subprocess.run([sys.executable, "-m", "megapar.launch.cli", "groups", "--world-size", "4", "--tp", "2"],
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "tp" in proc.stdout
