@@ -433,3 +433,33 @@ def test_triton_swiglu_matches_torch(monkeypatch):
         assert torch.allclose(out, ref, atol=1e-6, rtol=1e-6), (limit, alpha, beta)
     with pytest.raises(ValueError, match="must have one shape"):
         swiglu(g, u[:3])
+
+
+def _nccl_capture_rank(rank: int, world: int) -> float:
+    from megapar.parallel import ParallelConfig, destroy_parallel, init_parallel
+
+    torch.cuda.set_device(rank)
+    groups = init_parallel(ParallelConfig(world_size=world))
+    try:
+        torch.manual_seed(0)
+        cfg = MoEConfig.deepseek_v4_flash(num_experts=8 * world, expert_format="mxfp4", hidden=1024, inter=512)
+        layer = MoELayer(cfg, groups.ep, device="cuda", path="device", transport="allgather", max_tokens=16)
+        x = torch.randn(3 + rank, 1024, device="cuda", dtype=torch.bfloat16)  # uneven tokens per rank
+        with torch.inference_mode():
+            eager = layer(x).clone()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                y = layer(x)
+            graph.replay()
+            torch.cuda.synchronize()
+        return float((y.float() - eager.float()).abs().max())
+    finally:
+        destroy_parallel()
+
+
+@pytest.mark.multigpu
+def test_multigpu_allgather_device_path_captures_and_replays_eager_results():
+    from megapar.launch.local import launch_local
+
+    world = min(torch.cuda.device_count(), 8)
+    assert launch_local(_nccl_capture_rank, world, backend="nccl", args=(world,), timeout=300) == [0.0] * world

@@ -286,10 +286,14 @@ def _ep_rank(rank: int, world: int, preset: str, tokens: list[int], on_gpu: bool
         cfg = MoEConfig.deepseek_v4_flash(expert_format="mxfp4")
     out: dict[str, dict[str, float]] = {}
     try:
-        layers = {c: MoELayer(cfg, groups.ep, tokens="sequence_parallel", overlap_chunks=c, device=device)
-                  for c in (1, 2, 4)}
+        layers = {c: MoELayer(cfg, groups.ep, tokens="sequence_parallel", overlap_chunks=c, device=device,
+                              path="host") for c in (1, 2, 4)}
         for c in (2, 4):
             layers[c].load_state_dict(layers[1].state_dict())
+        # the device path on the all-gather transport (fixed shapes: every rank padded to max(tokens))
+        device_layer = MoELayer(cfg, groups.ep, tokens="sequence_parallel", device=device, path="device",
+                                transport="allgather", max_tokens=max(tokens))
+        device_layer.load_state_dict(layers[1].state_dict())
         for t in tokens:
             x = torch.randn(t, cfg.hidden, device=device).to(cfg.dtype)
             times: dict[str, float] = {}
@@ -300,6 +304,22 @@ def _ep_rank(rank: int, world: int, preset: str, tokens: list[int], on_gpu: bool
                                       device=device)
                     dist.all_reduce(us, op=dist.ReduceOp.MAX)
                     times["plain_us" if c == 1 else f"chunks={c}"] = float(us)
+                dist.barrier()
+                us = torch.tensor([ctx.time_fn(lambda: device_layer(x), warmup=2, iters=10 if on_gpu else 3)],
+                                  device=device)
+                dist.all_reduce(us, op=dist.ReduceOp.MAX)
+                times["device path, allgather"] = float(us)
+                if on_gpu:  # the same step replayed from a CUDA graph (NCCL collectives are capturable)
+                    graph = torch.cuda.CUDAGraph()
+                    device_layer(x)
+                    torch.cuda.synchronize()
+                    with torch.cuda.graph(graph):
+                        device_layer(x)
+                    dist.barrier()
+                    us = torch.tensor([ctx.time_fn(graph.replay, warmup=2, iters=10)], device=device)
+                    dist.all_reduce(us, op=dist.ReduceOp.MAX)
+                    times["device path, allgather, graph"] = float(us)
+                    del graph
             out[f"T={t}/rank {cfg.expert_format}"] = times
     finally:
         destroy_parallel()
