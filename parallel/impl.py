@@ -90,6 +90,14 @@ def importable(module: str) -> bool:
         return False
 
 
+def require(module: str, what: str, hint: str) -> Any:
+    """Import an optional package for `what`, or ValueError saying how to install it."""
+    try:
+        return importlib.import_module(module)
+    except ImportError as e:
+        raise ValueError(f"{what} needs {module} ({hint}): {e}") from None
+
+
 def triton_importable() -> bool:
     return importable("triton")
 

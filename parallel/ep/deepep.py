@@ -34,11 +34,7 @@ NVL_BYTES = int(os.environ.get("MEGAPAR_DEEPEP_NVL_BYTES", str(1 << 30)))
 
 
 def _deep_ep() -> Any:
-    try:
-        import deep_ep
-    except ImportError as e:
-        raise ValueError(f"the deepep EP backend needs deep_ep ({HINT}): {e}") from None
-    return deep_ep
+    return impl.require("deep_ep", "the deepep EP backend", HINT)
 
 
 class DeepEPRoute(Route):

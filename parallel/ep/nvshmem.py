@@ -53,11 +53,7 @@ DEFAULT_MAX_ITERS = int(os.environ.get("MEGAPAR_NVSHMEM_MAX_ITERS", str(1 << 22)
 
 
 def _nvs() -> Any:
-    try:
-        import nvshmem.core as nvs
-    except ImportError as e:
-        raise ValueError(f"the nvshmem EP backend needs nvshmem4py ({HINT}): {e}") from None
-    return nvs
+    return impl.require("nvshmem.core", "the nvshmem EP backend", HINT)
 
 
 def _torch_interop() -> Any:
