@@ -17,6 +17,80 @@ from .dcp import DCPLayout
 from .mla import MLACache
 
 @triton.jit
+def _prep_query_tile(q_ptr, qw_ptr, qo_ptr, t, part, cos, sin, i, imask, H, eps, sq_t, sq_h, sqo_t, sqo_h,
+                     NOPE: tl.constexpr, BLOCK_NOPE: tl.constexpr, HALF: tl.constexpr, BLOCK_H: tl.constexpr,
+                     Q_NORM: tl.constexpr):
+    """Query heads [part * BLOCK_H, +BLOCK_H) of token t: optional RMSNorm, RoPE on the rope part."""
+    h = part * BLOCK_H + tl.arange(0, BLOCK_H)
+    hmask = h < H
+    row = t * sq_t + h.to(tl.int64) * sq_h
+    n = tl.arange(0, BLOCK_NOPE)
+    nmask = hmask[:, None] & (n < NOPE)[None, :]
+    rmask = hmask[:, None] & imask[None, :]
+    xn = tl.load(q_ptr + row[:, None] + n[None, :], mask=nmask, other=0.0)
+    xe = tl.load(q_ptr + row[:, None] + NOPE + 2 * i[None, :], mask=rmask, other=0.0)
+    xo = tl.load(q_ptr + row[:, None] + NOPE + 2 * i[None, :] + 1, mask=rmask, other=0.0)
+    fn, fe, fo = xn.to(tl.float32), xe.to(tl.float32), xo.to(tl.float32)
+    if Q_NORM:
+        ms = (tl.sum(fn * fn, 1) + tl.sum(fe * fe, 1) + tl.sum(fo * fo, 1)) / (NOPE + 2 * HALF)
+        inv = tl.math.rsqrt(ms + eps)[:, None]
+        wn = tl.load(qw_ptr + n, mask=n < NOPE, other=0.0).to(tl.float32)[None, :]
+        we = tl.load(qw_ptr + NOPE + 2 * i, mask=imask, other=0.0).to(tl.float32)[None, :]
+        wo = tl.load(qw_ptr + NOPE + 2 * i + 1, mask=imask, other=0.0).to(tl.float32)[None, :]
+        fn = ((fn * inv) * wn).to(xn.dtype).to(tl.float32)
+        fe = ((fe * inv) * we).to(xn.dtype).to(tl.float32)
+        fo = ((fo * inv) * wo).to(xn.dtype).to(tl.float32)
+    orow = t * sqo_t + h.to(tl.int64) * sqo_h
+    tl.store(qo_ptr + orow[:, None] + n[None, :], fn.to(xn.dtype), mask=nmask)
+    re = fe * cos[None, :] - fo * sin[None, :]
+    ro = fe * sin[None, :] + fo * cos[None, :]
+    tl.store(qo_ptr + orow[:, None] + NOPE + 2 * i[None, :], re.to(xn.dtype), mask=rmask)
+    tl.store(qo_ptr + orow[:, None] + NOPE + 2 * i[None, :] + 1, ro.to(xn.dtype), mask=rmask)
+
+
+@triton.jit
+def _prep_latent(kv_ptr, kw_ptr, table_ptr, cache_ptr, scale_ptr, slot_ptr, t, pos, cos, sin, i, imask, eps,
+                 dcp_size, dcp_rank, interleave, skv_t, st_t, sc_row,
+                 R: tl.constexpr, BLOCK_R: tl.constexpr, PAGE: tl.constexpr, FP8: tl.constexpr):
+    """The latent of token t: RMSNorm of c_kv, RoPE of k_pe, fp8 quantization, the sharded insert."""
+    c = tl.arange(0, BLOCK_R)
+    cmask = c < R
+    xc = tl.load(kv_ptr + t * skv_t + c, mask=cmask, other=0.0)
+    fc = xc.to(tl.float32)
+    kms = tl.sum(fc * fc, 0) / R
+    w = tl.load(kw_ptr + c, mask=cmask, other=0.0).to(tl.float32)
+    fc = ((fc * tl.math.rsqrt(kms + eps)) * w).to(xc.dtype).to(tl.float32)
+    kfe = tl.load(kv_ptr + t * skv_t + R + 2 * i, mask=imask, other=0.0).to(tl.float32)
+    kfo = tl.load(kv_ptr + t * skv_t + R + 2 * i + 1, mask=imask, other=0.0).to(tl.float32)
+    kre = (kfe * cos - kfo * sin).to(xc.dtype).to(tl.float32)
+    kro = (kfe * sin + kfo * cos).to(xc.dtype).to(tl.float32)
+    # where the token lives (docs/numerics.md §8.2)
+    vb = PAGE * dcp_size
+    o = pos % vb
+    owner = (o // interleave) % dcp_size
+    offset = (o // (dcp_size * interleave)) * interleave + o % interleave
+    block = tl.load(table_ptr + t * st_t + pos // vb).to(tl.int64)
+    slot = tl.where(owner == dcp_rank, block * PAGE + offset, -1)
+    tl.store(slot_ptr + t, slot)
+    if owner == dcp_rank:
+        dst = cache_ptr + slot * sc_row
+        if FP8:
+            amax = tl.maximum(tl.max(tl.abs(fc), 0), tl.maximum(tl.max(tl.abs(kre), 0), tl.max(tl.abs(kro), 0)))
+            sc = tl.math.div_rn(tl.maximum(amax, 1e-12), 448.0)
+            qc = tl.minimum(tl.maximum(tl.math.div_rn(fc, sc), -448.0), 448.0)
+            qe = tl.minimum(tl.maximum(tl.math.div_rn(kre, sc), -448.0), 448.0)
+            qo = tl.minimum(tl.maximum(tl.math.div_rn(kro, sc), -448.0), 448.0)
+            tl.store(dst + c, qc.to(cache_ptr.dtype.element_ty), mask=cmask)
+            tl.store(dst + R + 2 * i, qe.to(cache_ptr.dtype.element_ty), mask=imask)
+            tl.store(dst + R + 2 * i + 1, qo.to(cache_ptr.dtype.element_ty), mask=imask)
+            tl.store(scale_ptr + slot, sc)
+        else:
+            tl.store(dst + c, fc.to(cache_ptr.dtype.element_ty), mask=cmask)
+            tl.store(dst + R + 2 * i, kre.to(cache_ptr.dtype.element_ty), mask=imask)
+            tl.store(dst + R + 2 * i + 1, kro.to(cache_ptr.dtype.element_ty), mask=imask)
+
+
+@triton.jit
 def _mla_prep_kernel(
     q_ptr, kv_ptr, pos_ptr, table_ptr, cs_ptr, qw_ptr, kw_ptr, qo_ptr, cache_ptr, scale_ptr, slot_ptr,
     H, eps, dcp_size, dcp_rank, interleave,
@@ -33,70 +107,14 @@ def _mla_prep_kernel(
     imask = i < HALF
     cos = tl.load(cs_ptr + cs_row + i, mask=imask, other=0.0)
     sin = tl.load(cs_ptr + cs_row + HALF + i, mask=imask, other=0.0)
+    # (each branch is a function, and no local holds a dtype: Triton 3.6 merges the locals of both
+    # branches of a run-time `if`, and a dtype value breaks that merge)
     if part < Q_TILES:
-        h = part * BLOCK_H + tl.arange(0, BLOCK_H)
-        hmask = h < H
-        row = t * sq_t + h.to(tl.int64) * sq_h
-        n = tl.arange(0, BLOCK_NOPE)
-        nmask = hmask[:, None] & (n < NOPE)[None, :]
-        rmask = hmask[:, None] & imask[None, :]
-        xn = tl.load(q_ptr + row[:, None] + n[None, :], mask=nmask, other=0.0)
-        xe = tl.load(q_ptr + row[:, None] + NOPE + 2 * i[None, :], mask=rmask, other=0.0)
-        xo = tl.load(q_ptr + row[:, None] + NOPE + 2 * i[None, :] + 1, mask=rmask, other=0.0)
-        dt = xn.dtype
-        fn, fe, fo = xn.to(tl.float32), xe.to(tl.float32), xo.to(tl.float32)
-        if Q_NORM:
-            ms = (tl.sum(fn * fn, 1) + tl.sum(fe * fe, 1) + tl.sum(fo * fo, 1)) / (NOPE + 2 * HALF)
-            inv = tl.math.rsqrt(ms + eps)[:, None]
-            wn = tl.load(qw_ptr + n, mask=n < NOPE, other=0.0).to(tl.float32)[None, :]
-            we = tl.load(qw_ptr + NOPE + 2 * i, mask=imask, other=0.0).to(tl.float32)[None, :]
-            wo = tl.load(qw_ptr + NOPE + 2 * i + 1, mask=imask, other=0.0).to(tl.float32)[None, :]
-            fn = ((fn * inv) * wn).to(dt).to(tl.float32)
-            fe = ((fe * inv) * we).to(dt).to(tl.float32)
-            fo = ((fo * inv) * wo).to(dt).to(tl.float32)
-        orow = t * sqo_t + h.to(tl.int64) * sqo_h
-        tl.store(qo_ptr + orow[:, None] + n[None, :], fn.to(dt), mask=nmask)
-        re = fe * cos[None, :] - fo * sin[None, :]
-        ro = fe * sin[None, :] + fo * cos[None, :]
-        tl.store(qo_ptr + orow[:, None] + NOPE + 2 * i[None, :], re.to(dt), mask=rmask)
-        tl.store(qo_ptr + orow[:, None] + NOPE + 2 * i[None, :] + 1, ro.to(dt), mask=rmask)
+        _prep_query_tile(q_ptr, qw_ptr, qo_ptr, t, part, cos, sin, i, imask, H, eps, sq_t, sq_h, sqo_t, sqo_h,
+                         NOPE, BLOCK_NOPE, HALF, BLOCK_H, Q_NORM)
     else:
-        c = tl.arange(0, BLOCK_R)
-        cmask = c < R
-        xc = tl.load(kv_ptr + t * skv_t + c, mask=cmask, other=0.0)
-        dt = xc.dtype
-        fc = xc.to(tl.float32)
-        ms = tl.sum(fc * fc, 0) / R
-        w = tl.load(kw_ptr + c, mask=cmask, other=0.0).to(tl.float32)
-        fc = ((fc * tl.math.rsqrt(ms + eps)) * w).to(dt).to(tl.float32)
-        fe = tl.load(kv_ptr + t * skv_t + R + 2 * i, mask=imask, other=0.0).to(tl.float32)
-        fo = tl.load(kv_ptr + t * skv_t + R + 2 * i + 1, mask=imask, other=0.0).to(tl.float32)
-        re = (fe * cos - fo * sin).to(dt).to(tl.float32)
-        ro = (fe * sin + fo * cos).to(dt).to(tl.float32)
-        # where the token lives (docs/numerics.md §8.2)
-        vb = PAGE * dcp_size
-        o = pos % vb
-        owner = (o // interleave) % dcp_size
-        offset = (o // (dcp_size * interleave)) * interleave + o % interleave
-        block = tl.load(table_ptr + t * st_t + pos // vb).to(tl.int64)
-        slot = tl.where(owner == dcp_rank, block * PAGE + offset, -1)
-        tl.store(slot_ptr + t, slot)
-        if owner == dcp_rank:
-            dst = cache_ptr + slot * sc_row
-            if FP8:
-                amax = tl.maximum(tl.max(tl.abs(fc), 0), tl.maximum(tl.max(tl.abs(re), 0), tl.max(tl.abs(ro), 0)))
-                sc = tl.math.div_rn(tl.maximum(amax, 1e-12), 448.0)
-                qc = tl.minimum(tl.maximum(tl.math.div_rn(fc, sc), -448.0), 448.0)
-                qe = tl.minimum(tl.maximum(tl.math.div_rn(re, sc), -448.0), 448.0)
-                qo = tl.minimum(tl.maximum(tl.math.div_rn(ro, sc), -448.0), 448.0)
-                tl.store(dst + c, qc.to(cache_ptr.dtype.element_ty), mask=cmask)
-                tl.store(dst + R + 2 * i, qe.to(cache_ptr.dtype.element_ty), mask=imask)
-                tl.store(dst + R + 2 * i + 1, qo.to(cache_ptr.dtype.element_ty), mask=imask)
-                tl.store(scale_ptr + slot, sc)
-            else:
-                tl.store(dst + c, fc.to(cache_ptr.dtype.element_ty), mask=cmask)
-                tl.store(dst + R + 2 * i, re.to(cache_ptr.dtype.element_ty), mask=imask)
-                tl.store(dst + R + 2 * i + 1, ro.to(cache_ptr.dtype.element_ty), mask=imask)
+        _prep_latent(kv_ptr, kw_ptr, table_ptr, cache_ptr, scale_ptr, slot_ptr, t, pos, cos, sin, i, imask, eps,
+                     dcp_size, dcp_rank, interleave, skv_t, st_t, sc_row, R, BLOCK_R, PAGE, FP8)
 
 
 CONFIG = {"block_elems": 4096, "num_warps": 4}
