@@ -593,3 +593,17 @@ def test_multirank_dispatch_combine_8_ranks():
     results = [r[8] for r in launch_local(_rank_main, 8, args=(8,), timeout=180)]
     assert all(r["cases"] == 10 and r["grads"] == 3 for r in results), results
     _check_error_messages(results, 8)
+
+
+def test_dispatcher_config_is_typed_and_keywords_override_it():
+    from parallel.ep import DispatcherConfig
+
+    cfg = DispatcherConfig(layout="slab", capacity=4)
+    d = make_dispatcher(None, 8, 16, cfg, drop_policy="drop")
+    assert (d.layout, d.capacity, d.drop_policy, cfg.drop_policy) == ("slab", 4, "drop", None)
+    with pytest.raises(TypeError, match=r"unknown options \['bogus'\]"):
+        make_dispatcher(None, 8, 16, bogus=1)
+    with pytest.raises(ValueError, match="needs capacity"):
+        DispatcherConfig(layout="slab")
+    with pytest.raises(ValueError, match="valid backends: auto, all_to_all, allgather"):
+        DispatcherConfig(backend="nccl")

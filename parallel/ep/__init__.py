@@ -11,7 +11,7 @@ Modules: `dispatch` (the Dispatcher, autograd), `backends` (transports and the c
 low-latency `NvshmemTransport`).
 """
 
-from megapar.parallel.ep.dispatch import CombineHandle, DispatchResult, Dispatcher, make_dispatcher
+from megapar.parallel.ep.dispatch import CombineHandle, DispatcherConfig, DispatchResult, Dispatcher, make_dispatcher
 from megapar.parallel.ep.eplb import (Eplb, EplbConfig, EplbPlan, balancedness, logical_to_physical, rearrange_weights,
                               rebalance_experts)
 from megapar.parallel.ep.layout import LayoutPlan, gather_reduce, gather_rows, plan_layout
@@ -22,6 +22,6 @@ from megapar.parallel.ep import nvshmem as _nvshmem  # noqa: E402
 _nvshmem.register()
 _deepep.register()
 
-__all__ = ["make_dispatcher", "Dispatcher", "DispatchResult", "CombineHandle", "LayoutPlan", "plan_layout",
+__all__ = ["make_dispatcher", "DispatcherConfig", "Dispatcher", "DispatchResult", "CombineHandle", "LayoutPlan", "plan_layout",
            "gather_rows", "gather_reduce", "rebalance_experts", "EplbPlan", "logical_to_physical",
            "rearrange_weights", "balancedness", "Eplb", "EplbConfig"]

@@ -58,8 +58,8 @@ import contextlib
 import functools
 import queue
 import threading
-from dataclasses import dataclass
-from typing import Any, Callable
+from dataclasses import dataclass, replace
+from typing import Any, Callable, Literal
 
 import torch
 import torch.distributed as dist
@@ -663,20 +663,52 @@ class Dispatcher:
         return comm.CommHandle(work=None, finish=finish) if async_op else finish()
 
 
-def make_dispatcher(group: Any, num_experts: int, hidden: int, *, backend: str = "auto",
-                    layout: str = "contiguous", align: int = 1, capacity: int | None = None,
-                    drop_policy: str | None = None, check_ids: bool = True, comm_thread: bool = True) -> Dispatcher:
+@dataclass(kw_only=True, frozen=True)
+class DispatcherConfig:
+    """How a `Dispatcher` moves and lays out tokens (validated at construction)."""
+
+    backend: str = "auto"
+    """EP transport: "auto" | "all_to_all" | "allgather" | a registered one (`backends.BACKENDS`)"""
+    layout: Literal["contiguous", "slab"] = "contiguous"
+    """received rows grouped by expert (blocks padded to `align`), or a fixed [E_local, capacity, H] slab"""
+    align: int = 1
+    """contiguous blocks padded to a multiple of this many rows (e.g. 128 for DeepGEMM)"""
+    capacity: int | None = None
+    """slab rows per local expert"""
+    drop_policy: Literal["drop"] | None = None
+    """slab overflow: None raises, "drop" drops the last arrivals"""
+    check_ids: bool = True
+    """count ids outside [-1, num_experts) and raise (rides on the census)"""
+    comm_thread: bool = True
+    """with async_op on CPU, census, transfer and layout run on the group's communication thread"""
+
+    def __post_init__(self) -> None:
+        check_layout_args(self.layout, self.align, self.capacity, self.drop_policy)
+        if self.backend not in _transport_names():
+            raise ValueError(f"backend={self.backend!r} is not known; valid backends: {', '.join(_transport_names())}")
+
+
+def _transport_names() -> tuple[str, ...]:  # (read when asked: the registry can grow)
+    from megapar.parallel.ep import backends
+
+    return backends.TRANSPORT.names
+
+
+def make_dispatcher(group: Any, num_experts: int, hidden: int, config: DispatcherConfig | None = None,
+                    **options: Any) -> Dispatcher:
     """A `Dispatcher` for `group` (a parallel.groups.Group, a ProcessGroup, or None = world).
 
     num_experts: expert slots over the whole group (physical slots when EPLB replicates);
     rank r owns ids [r * E_local, (r + 1) * E_local), E_local = num_experts // group size.
-    backend: "auto" | "all_to_all" | "allgather" | "symm_mem" | "deepep" | "nvshmem"
-    (a group of one never communicates). layout: "contiguous" (blocks padded to `align`) or
-    "slab" ([E_local, capacity, H]; overflow raises unless drop_policy="drop").
-    check_ids: count ids outside [-1, num_experts) and raise (rides on the census; with False
-    such ids are treated as -1).
-    comm_thread: with async_op on CPU, run census, transfer and layout on the group's
-    communication thread (see the module docstring); False keeps them on the caller's thread.
+    config: a `DispatcherConfig`; `options` are its fields given as keywords (they override
+    `config`'s): backend, layout, align, capacity, drop_policy, check_ids, comm_thread. A group of
+    one never communicates.
     """
-    return Dispatcher(group, num_experts, hidden, backend=backend, layout=layout, align=align,
-                      capacity=capacity, drop_policy=drop_policy, check_ids=check_ids, comm_thread=comm_thread)
+    unknown = sorted(set(options) - set(DispatcherConfig.__dataclass_fields__))
+    if unknown:
+        raise TypeError(f"make_dispatcher got unknown options {unknown}; valid: "
+                        f"{', '.join(DispatcherConfig.__dataclass_fields__)}")
+    cfg = replace(config, **options) if config is not None else DispatcherConfig(**options)
+    return Dispatcher(group, num_experts, hidden, backend=cfg.backend, layout=cfg.layout, align=cfg.align,
+                      capacity=cfg.capacity, drop_policy=cfg.drop_policy, check_ids=cfg.check_ids,
+                      comm_thread=cfg.comm_thread)
