@@ -38,6 +38,15 @@ def resolve_group(group: GroupLike) -> tuple[dist.ProcessGroup | None, int, int]
     return group, dist.get_rank(group), dist.get_world_size(group)
 
 
+def as_group(group: GroupLike) -> Group:
+    """`group` as a `Group` (resolved once, at a public entry point; internals then read
+    `.group`, `.rank`, `.size` instead of asking torch.distributed again)."""
+    if isinstance(group, Group):
+        return group
+    pg, rank, size = resolve_group(group)
+    return Group(name="", group=pg, rank=rank, size=size, ranks=tuple(group_ranks(group)))
+
+
 def group_ranks(group: GroupLike) -> list[int]:
     """Global ranks of the group in group-rank order."""
     if isinstance(group, Group):

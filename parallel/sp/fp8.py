@@ -46,7 +46,7 @@ from typing import Sequence
 
 import torch
 
-from ..comm import GroupLike, all_gather_uneven, reduce_scatter_uneven, resolve_group, to_wire
+from ..comm import GroupLike, all_gather_uneven, as_group, reduce_scatter_uneven, to_wire
 from ..quant import E4M3_MAX as FP8_MAX  # noqa: F401  (the old name)
 from ..quant import quantize
 from .ops import (
@@ -194,13 +194,14 @@ def _wants_grad(*args: object) -> bool:
 
 
 def _gather_hp(x: torch.Tensor, group: GroupLike, dim: int) -> torch.Tensor:
-    _, _, size = resolve_group(group)
+    size = as_group(group).size
     return all_gather_uneven(x, group, dim, sizes=[x.shape[dim]] * size)
 
 
 def all_gather_fp8(q_shard: Fp8Activation, group: GroupLike, *, gather_dim: int = 0) -> Fp8Activation:
     """Gather fp8 token shards (data as uint8 on the wire, scales as fp32): [.., m, ..] -> [.., P * m, ..]."""
-    _, _, size = resolve_group(group)
+    group = as_group(group)  # resolved once here; the internals take the Group
+    size = group.size
     m = q_shard.data.shape[gather_dim]
     data = all_gather_uneven(q_shard.data, group, gather_dim, sizes=[m] * size)
     scale = all_gather_uneven(q_shard.scale, group, gather_dim, sizes=[m] * size)
@@ -223,7 +224,7 @@ class _QuantizeAllGather(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         # d deq(q(v)) / dv := identity (STE); the gather's adjoint is a reduce-scatter (sum) in fp32
-        _, _, size = resolve_group(ctx.group)
+        size = ctx.group.size
         if size > 1:
             m = grad.shape[ctx.gather_dim] // size
             grad = reduce_scatter_uneven(grad.contiguous(), [m] * size, ctx.group, ctx.gather_dim)
@@ -244,6 +245,7 @@ def rms_norm_quantize_all_gather(x_shard: torch.Tensor, norm_weight: torch.Tenso
     (norm_weight's gradient is this rank's partial sum over its tokens, as for any SP-region
     parameter: all-reduce it over the group). The fp8 bytes are the same as without grad.
     """
+    group = as_group(group)  # resolved once here; the internals take the Group
     if not _wants_grad(x_shard, norm_weight):
         q = rms_norm_quantize_fp8(x_shard, norm_weight, eps)
         return all_gather_fp8(q, group, gather_dim=check_dim(q.data, gather_dim, "gather_dim"))
@@ -257,7 +259,7 @@ def rms_norm_quantize_all_gather(x_shard: torch.Tensor, norm_weight: torch.Tenso
 def _all_gather_matmul_fp8_impl(q: Fp8Activation, weights: list[Fp8Weight], group: GroupLike, gather_dim: int,
                                 return_gathered: bool, out_dtype: torch.dtype, chosen: str) -> Fp8GatherMatmulResult:
     """The forward of `all_gather_matmul_fp8` on checked, quantized operands, backend `chosen` resolved."""
-    _, _, size = resolve_group(group)
+    size = as_group(group).size
     if chosen == "local":
         outs = [_scaled_matmul_nd(q, w, out_dtype) for w in weights]
         return Fp8GatherMatmulResult(outs, q if return_gathered else None)
@@ -350,6 +352,7 @@ def all_gather_matmul_fp8(x_shard: torch.Tensor | Fp8Activation, weights: Sequen
     gradients, `ops.py` engines), grad w_i = deq(all_gather(q(x)))^T @ dy_i (the fp8 shard
     is re-gathered in backward unless `return_gathered`). `gathered` carries no gradient.
     """
+    group = as_group(group)  # resolved once here; the internals take the Group
     weights = list(weights)
     q = _as_fp8(x_shard)
     qws = [_as_fp8_weight(w) for w in weights]
@@ -367,7 +370,7 @@ def all_gather_matmul_fp8(x_shard: torch.Tensor | Fp8Activation, weights: Sequen
 def _matmul_reduce_scatter_fp8_impl(q: Fp8Activation, weight: Fp8Weight, group: GroupLike, scatter_dim: int,
                                     out_dtype: torch.dtype, chosen: str) -> torch.Tensor:
     """The forward of `matmul_reduce_scatter_fp8` on checked, quantized operands, backend `chosen` resolved."""
-    _, _, size = resolve_group(group)
+    size = as_group(group).size
     if chosen == "local":
         return _scaled_matmul_nd(q, weight, out_dtype)
     data2d, unflatten = rows_view(q.data, scatter_dim)
@@ -429,12 +432,13 @@ def matmul_reduce_scatter_fp8(x: torch.Tensor | Fp8Activation, weight: Fp8Weight
     all-gather-matmul of the output gradient, `ops.py` engines; `backend` as given, so
     "auto" may use the symmetric-memory op there), grad w = deq(q(x))^T @ all_gather(dy).
     """
+    group = as_group(group)  # resolved once here; the internals take the Group
     q = _as_fp8(x)
     qw = _as_fp8_weight(weight)
     _check_fp8_operands("matmul_reduce_scatter_fp8", q, [qw])
     scatter_dim = check_dim(q.data, scatter_dim, "scatter_dim")
     chosen = resolve_backend("decomposed" if backend in ("auto", "symm_mem") else backend, q.data, group)
-    _, _, size = resolve_group(group)
+    size = group.size
     if q.data.shape[scatter_dim] % size:
         raise ValueError(f"matmul_reduce_scatter_fp8: x.shape[{scatter_dim}] = {q.data.shape[scatter_dim]} is not "
                          f"divisible by the group size {size}; pad it first (parallel.sp.sp_pad)")

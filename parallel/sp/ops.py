@@ -38,7 +38,8 @@ import torch
 import torch.distributed as dist
 
 from .. import impl
-from ..comm import GroupLike, all_gather_uneven, reduce_scatter_uneven, resolve_group
+from ..comm import GroupLike, all_gather_uneven, as_group, reduce_scatter_uneven, resolve_group
+from ..groups import Group
 from .ring import RingPeers, pairwise_reduce_scatter, ring_all_gather
 
 Backend = Literal["auto", "decomposed", "symm_mem", "reference"]
@@ -201,9 +202,9 @@ def decomposed_matmul_reduce_scatter(x2d: torch.Tensor, w: torch.Tensor, peers: 
 
 
 def _all_gather_matmul_impl(x_shard: torch.Tensor, weights: Sequence[torch.Tensor],
-                            group: GroupLike, gather_dim: int, backend: str,
+                            group: Group, gather_dim: int, backend: str,
                             need_gathered: bool) -> tuple[torch.Tensor | None, list[torch.Tensor]]:
-    _, _, size = resolve_group(group)
+    size = group.size
     if backend == "local":
         return x_shard, [x_shard @ w for w in weights]
     if backend == "symm_mem":
@@ -221,9 +222,9 @@ def _all_gather_matmul_impl(x_shard: torch.Tensor, weights: Sequence[torch.Tenso
     return (unflatten(gathered2d) if need_gathered else None), [unflatten(o) for o in outs2d]
 
 
-def _matmul_reduce_scatter_impl(x: torch.Tensor, w: torch.Tensor, group: GroupLike,
+def _matmul_reduce_scatter_impl(x: torch.Tensor, w: torch.Tensor, group: Group,
                                 scatter_dim: int, backend: str) -> torch.Tensor:
-    _, _, size = resolve_group(group)
+    size = group.size
     if backend == "local":
         return x @ w
     if backend == "symm_mem":
@@ -239,9 +240,8 @@ def _matmul_reduce_scatter_impl(x: torch.Tensor, w: torch.Tensor, group: GroupLi
     return unflatten(y2d)
 
 
-def _gather(x_shard: torch.Tensor, group: GroupLike, dim: int) -> torch.Tensor:
-    _, _, size = resolve_group(group)
-    return all_gather_uneven(x_shard, group, dim, sizes=[x_shard.shape[dim]] * size)
+def _gather(x_shard: torch.Tensor, group: Group, dim: int) -> torch.Tensor:
+    return all_gather_uneven(x_shard, group, dim, sizes=[x_shard.shape[dim]] * group.size)
 
 
 def _weight_grad(inp: torch.Tensor, grad_out: torch.Tensor) -> torch.Tensor:
@@ -274,7 +274,7 @@ class _AllGatherMatmul(torch.autograd.Function):
         grad_x = None
         if ctx.needs_input_grad[0]:
             used = [(g, w) for g, w in zip(g_outs, weights) if g is not None]
-            _, _, size = resolve_group(group)
+            size = group.size
             if used:
                 g_cat = torch.cat([g for g, _ in used], dim=-1) if len(used) > 1 else used[0][0]
                 w_cat = torch.cat([w for _, w in used], dim=1) if len(used) > 1 else used[0][1]
@@ -318,6 +318,7 @@ def all_gather_matmul(x_shard: torch.Tensor, weights: Sequence[torch.Tensor],
     the gathered input [..., P * m, ..., K] when `return_gathered`. Differentiable.
     """
     weights = list(weights)
+    group = as_group(group)  # resolved once here; the internals take the Group
     check_matmul_operands("all_gather_matmul", x_shard, weights)
     gather_dim = check_dim(x_shard, gather_dim, "gather_dim")
     chosen = resolve_backend(backend, x_shard, group)
@@ -334,7 +335,8 @@ def matmul_reduce_scatter(x: torch.Tensor, w: torch.Tensor, group: GroupLike, *,
     """
     check_matmul_operands("matmul_reduce_scatter", x, [w])
     scatter_dim = check_dim(x, scatter_dim, "scatter_dim")
-    _, _, size = resolve_group(group)
+    group = as_group(group)  # resolved once here; the internals take the Group
+    size = group.size
     if x.shape[scatter_dim] % size:
         raise ValueError(f"matmul_reduce_scatter: x.shape[{scatter_dim}] = {x.shape[scatter_dim]} is not "
                          f"divisible by the group size {size}; pad it to a multiple of {size} first "
