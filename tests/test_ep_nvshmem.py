@@ -253,8 +253,11 @@ def _dispatcher_cases(group, rank: int, world: int, device: str = "cpu") -> dict
         for backend in ("all_to_all", "nvshmem"):
             dev = device if backend == "nvshmem" else "cpu"  # the reference runs on CPU tensors
             d = make_dispatcher(group, e_total, H, backend=backend, align=2)
-            x = mine["x"].to(dev).requires_grad_(True)
-            w = mine["w"].to(dev).requires_grad_(True)
+            # fresh leaves per backend: `.to("cpu")` returns the same tensor, so without the
+            # clone the first backend's requires_grad_ would make the second one's copy a non-leaf
+            # (its .grad then stays None)
+            x = mine["x"].detach().clone().to(dev).requires_grad_(True)
+            w = mine["w"].detach().clone().to(dev).requires_grad_(True)
             r = d.dispatch(x, mine["ids"].to(dev), w, async_op=True).wait()
             y = d.combine(r.x * 2 + 1, r.handle)
             (y * torch.arange(H, device=dev)).sum().backward()

@@ -13,6 +13,13 @@
    pairs * H * 2 each way; physical = bytes this rank sends to other ranks (deduplicated
    rows, packed with scales/ids/weights) in dispatch plus the partial rows of combine.
    GPU target (8 ranks, 4K tokens): >= 80% of 450 GB/s NVLink per direction.
+3. NVSHMEM on one GPU (only with MEGAPAR_NVSHMEM_MPG=1, which bench/run_nvshmem_mpg.sh sets,
+   under MPS): W = 2 and 4 processes share cuda:0 and bootstrap NVSHMEM over a gloo group.
+   Dispatch + combine at T = 128 (decode: the low-latency `NvshmemTransport`, and the
+   normal-mode Dispatcher) and T = 4096 (prefill: the normal-mode Dispatcher), H = 7168, K = 8,
+   E = 256, next to the all_to_all Dispatcher on the same ranks (gloo, CPU tensors: NCCL
+   refuses two ranks on one GPU). Every rank shares one HBM and one set of SMs, so these rows
+   measure software overhead and kernel cost, never NVLink bandwidth.
 """
 
 from __future__ import annotations
@@ -213,6 +220,105 @@ def _multirank_cases(ctx: BenchContext) -> None:
                        logical_gbps=logical / total / 1e3, physical_gbps=phys / total / 1e3, **extra)
 
 
+def _mpg_rank(rank: int, world: int, cases: list[dict], iters: int, warmup: int) -> list[dict]:
+    """One NVSHMEM process of several on cuda:0 (section 3 of the module docstring)."""
+    import torch.distributed as dist
+
+    from megapar.parallel import ParallelConfig, destroy_parallel, init_parallel
+    from megapar.parallel.ep import make_dispatcher
+    from megapar.parallel.ep.nvshmem import NvshmemBuffer, NvshmemTransport
+
+    torch.cuda.set_device(0)
+    dev = torch.device("cuda", 0)
+    groups = init_parallel(ParallelConfig(world_size=world))  # gloo
+    pg = groups.ep.group
+    keeper = NvshmemBuffer(pg, max_tokens=1, hidden=4, top_k=1, num_experts=world, device=dev)
+
+    def timed(fn) -> float:
+        samples = []
+        for i in range(warmup + iters):
+            torch.cuda.synchronize()
+            dist.barrier(group=pg)  # start together (host barrier: limited MPG has no stream collectives)
+            t0 = time.perf_counter()
+            fn()
+            torch.cuda.synchronize()
+            if i >= warmup:
+                samples.append((time.perf_counter() - t0) * 1e6)
+        return statistics.median(samples)
+
+    out = []
+    try:
+        for case in cases:
+            t, h, k, e = case["t"], case["h"], case["k"], case["e"]
+            x_cpu = torch.randn(t, h).to(torch.bfloat16)
+            ids_cpu, w_cpu = _routing(t, e, k, torch.device("cpu"), 100 + rank)
+            x, ids, w = x_cpu.to(dev), ids_cpu.to(dev), w_cpu.to(dev)
+            row: dict = {"pairs": int((ids_cpu >= 0).sum())}
+            ref = make_dispatcher(groups.ep, e, h, backend="all_to_all")
+            row["all_to_all_us"] = timed(lambda: _round_trip(ref, x_cpu, ids_cpu, w_cpu))
+            d = make_dispatcher(groups.ep, e, h, backend="nvshmem")
+            row["nvshmem_us"] = timed(lambda: _round_trip(d, x, ids, w))
+            for b in (d.backend, getattr(d, "_worker_backend", None)):
+                if b is not None:
+                    b.destroy()
+            if case.get("low_latency"):
+                with NvshmemBuffer(pg, max_tokens=t, hidden=h, top_k=k, num_experts=e, device=dev) as buf:
+                    tr = NvshmemTransport(buf)
+                    partial = torch.zeros(world * t, h, dtype=torch.float32, device=dev)
+
+                    def low_latency() -> torch.Tensor:
+                        batch = tr.dispatch(x, ids, w)
+                        return tr.combine(partial, batch)
+
+                    row["nvshmem_ll_us"] = timed(low_latency)
+                    tr.check()
+                    torch.cuda.synchronize()
+                    dist.barrier(group=pg)
+            out.append(row)
+    finally:
+        torch.cuda.synchronize()
+        dist.barrier(group=pg)
+        keeper.destroy()
+        destroy_parallel()
+    return out
+
+
+def _nvshmem_mpg_cases(ctx: BenchContext) -> None:
+    if not ctx.is_cuda:
+        return
+    if os.environ.get("MEGAPAR_NVSHMEM_MPG") != "1":
+        ctx.note("nvshmem rows skipped: they run several NVSHMEM processes on one GPU under MPS; "
+                 "start them with `bash bench/run_nvshmem_mpg.sh INSTALL_SH --bench OUTDIR`")
+        return
+    from megapar.launch.local import launch_local
+
+    cases = [dict(t=128, h=7168, k=8, e=256, low_latency=True), dict(t=4096, h=7168, k=8, e=256)]
+    for world in (2, 4):
+        per_rank = launch_local(_mpg_rank, world, backend="gloo", args=(world, cases, 20, 3), timeout=500,
+                                env={"CUDA_MPS_ACTIVE_THREAD_PERCENTAGE": str(100 // world)})
+        for ci, case in enumerate(cases):
+            rows = [r[ci] for r in per_rank]
+            anchor = max(r["all_to_all_us"] for r in rows)
+            shape = f"W={world} T={case['t']}/rank H={case['h']} K={case['k']} E={case['e']}"
+            where = "(one GPU, MPG: overhead + kernel cost, not NVLink)"
+            ctx.record(f"nvshmem Dispatcher dispatch+combine {shape} {where}", max(r["nvshmem_us"] for r in rows),
+                       anchor="all_to_all Dispatcher, gloo CPU tensors, same ranks", anchor_us=anchor)
+            if case.get("low_latency"):
+                ctx.record(f"nvshmem low-latency dispatch+combine {shape} {where}",
+                           max(r["nvshmem_ll_us"] for r in rows),
+                           anchor="all_to_all Dispatcher, gloo CPU tensors, same ranks", anchor_us=anchor)
+
+
 def run(ctx: BenchContext) -> None:
-    _local_cases(ctx)
-    _multirank_cases(ctx)
+    """MEGAPAR_BENCH_EP_SECTIONS (comma list of local, multirank, nvshmem; default all) picks sections."""
+    sections = set(os.environ.get("MEGAPAR_BENCH_EP_SECTIONS", "local,multirank,nvshmem").split(","))
+    unknown = sections - {"local", "multirank", "nvshmem"}
+    if unknown:
+        raise ValueError(f"MEGAPAR_BENCH_EP_SECTIONS: unknown sections {sorted(unknown)}; "
+                         "valid: local, multirank, nvshmem")
+    if "local" in sections:
+        _local_cases(ctx)
+    if "multirank" in sections:
+        _multirank_cases(ctx)
+    if "nvshmem" in sections:
+        _nvshmem_mpg_cases(ctx)
