@@ -251,6 +251,46 @@ def test_interp_w4a16_kernel_matches_loop_in_every_layout(fmt):
 
 
 @interp
+def test_interp_w4a16_prescaled_operands_match_loop_with_wide_block_exponents():
+    """PRESCALE: block scales folded into the fp16 operand relative to each row's largest, one
+    chained accumulator. Rows whose blocks spread over 2^-30..2^0, swiglu rows, a NaN block."""
+    from moe.kernels.triton_w4a16 import W4A16Config, launch_w4a16
+
+    E, N, K = 2, 40, 256
+    g = torch.Generator().manual_seed(21)
+    w = torch.randn(E, N, K, generator=g)
+    w = w * torch.exp2(-torch.randint(0, 31, (E, N, K // 32, 1), generator=g).float()).repeat_interleave(
+        32, -1).reshape(E, N, K)   # every 32-block its own exponent, down to 2^-30
+    q = quantize(w, "mxfp4")
+    wv = weight_values(q)
+    pw = prepare_weights(q, packing="oct")
+    counts = [7, 18]
+    x = torch.randn(sum(counts), K, generator=g)
+    rows = expert_rows(x, E, torch.tensor(counts), None, "contiguous")
+    ref = loop_gemm(x.double().numpy(), wv, counts, "contiguous")
+    for prescale in (False, True):
+        cfg = W4A16Config(block_n=32, block_m=16, chunks=1, num_warps=4, num_stages=1, mode="f16", packing="oct",
+                          prescale=prescale)
+        y = launch_w4a16(x, pw, rows, out_dtype=torch.float32, config=cfg)
+        assert rel_err(y, ref) < 2e-3, prescale
+    # a NaN block scale makes its row NaN, and only its row
+    q.scale.view(torch.uint8)[1, 3, 2] = 255
+    pw = prepare_weights(q, packing="oct")
+    y = launch_w4a16(x, pw, rows, out_dtype=torch.float32, config=cfg)
+    assert torch.isnan(y[7:, 3]).all() and not torch.isnan(y[:7]).any() and not torch.isnan(y[7:, 4]).any()
+    # swiglu over W13 rows (gate rows then up rows), prescaled per half
+    from moe.kernels.triton_w4a16 import launch_w4a16 as launch
+    q2 = quantize(w[:, :32], "mxfp4")
+    pw2 = prepare_weights(q2, packing="oct")
+    wv2 = weight_values(q2)
+    h = loop_gemm(x.double().numpy(), wv2, counts, "contiguous")
+    gate, up = torch.as_tensor(h[:, :16]), torch.as_tensor(h[:, 16:])
+    want = gate * torch.sigmoid(gate) * up
+    got = launch(x, pw2, rows, out_dtype=torch.float32, swiglu=(None, 1.0, 0.0), config=cfg)
+    assert rel_err(got, want) < 3e-3
+
+
+@interp
 def test_interp_expansion_is_exact():
     from moe.kernels.triton_w4a16 import expand_fp4
     from moe.quant import mxfp4_to_fp8_block

@@ -362,6 +362,49 @@ def probe(out_dir: str, sections: list[str]) -> None:
             _run_variants(ctx, variants, results, save)
             variants.clear()
 
+    # -- decode, round 3: prescaled operands (one chained accumulator, no per-block rescale) --
+    if "decode3" in sections:
+        import dataclasses
+
+        from megapar.moe.kernels.triton_w4a16 import pick_config
+        v4f_l1 = (32, 4096, 4096) if not tiny else (2, 64, 512)
+        v4f_l2 = (32, 4096, 2048) if not tiny else (2, 64, 256)
+        probs = [(shape_l1, 1, 0), (shape_l1, 8, 0), (shape_l1, 32, 0), (shape_l2, 1, 0), (shape_l2, 8, 0),
+                 (v4f_l1, 1, 0), (v4f_l2, 1, 0), (shape_l1, 1, 8), (v4f_l1, 1, 8), (v4f_l1, 8, 8)]
+        if tiny:
+            probs = probs[:1] + probs[-1:]
+        for (E, N, K), tok, hit in probs:
+            w, x, counts, rows, ref = problem(E, N, K, tok)
+            if hit:   # few experts hit (decode of one token routed top-8): `hit` experts get tok rows each
+                hit = min(hit, E)
+                counts = torch.zeros(E, dtype=torch.int32, device=dev)
+                counts[torch.randperm(E, device=dev)[:hit]] = tok
+                x = x[: hit * tok].contiguous()
+                rows = expert_rows(x, E, counts, None, "contiguous")
+                offs = torch.cumsum(counts, 0) - counts
+                ref = torch.cat([x[offs[e]: offs[e] + counts[e]].float() @ w["f32"][e].t()
+                                 for e in range(E) if int(counts[e])]) if x.shape[0] else ref[:0]
+            experts = hit or E
+            floor = fp4_floor_us(experts, N, K, x.shape[0], dev)
+            base = pick_config(max(tok, 1), torch.bfloat16, "oct")
+            cfgs = [("default", base)] + [
+                (f"prescale bn{bn} w{nw} s{ns}", dataclasses.replace(base, block_n=bn, num_warps=nw, num_stages=ns,
+                                                                      prescale=True))
+                for bn, nw, ns in ((base.block_n, base.num_warps, base.num_stages), (64, 4, 6), (128, 4, 4),
+                                   (128, 8, 4), (64, 4, 3))]
+            if tiny:
+                cfgs = [("default", W4A16Config(block_n=32, block_m=16, chunks=1, num_warps=4, num_stages=1,
+                                                mode="f16", packing="oct")),
+                        ("prescale", W4A16Config(block_n=32, block_m=16, chunks=1, num_warps=4, num_stages=1,
+                                                 mode="f16", packing="oct", prescale=True))]
+            for label, cfg in cfgs:
+                add("decode3", f"N{N} K{K} tok{tok} hit{experts} {label}",
+                    (lambda x=x, wt=w["pw"], rows=rows, cfg=cfg: launch_w4a16(x, wt, rows, out_dtype=torch.bfloat16,
+                                                                              config=cfg)),
+                    err_of(ref), floor_us=floor, cfg=dict(cfg.__dict__), problem=f"{N}x{K} tok{tok} hit{experts}")
+            _run_variants(ctx, variants, results, save)
+            variants.clear()
+
     # -- decode, round 2: row-tiled weights, warps/stages, and subtraction diagnostics --
     if "decode2" in sections:
         probs = [((*shape_l1, 1), "all"), ((*shape_l1, 32), "some"), ((*shape_l2, 8), "some"),

@@ -180,6 +180,15 @@ class PreparedWeight:
             self.cache["row_fold_scale"] = scale.contiguous()
         return self.cache["row_fold_scale"]
 
+    def row_max_scale(self) -> torch.Tensor:
+        """uint8 [E, N]: each row's largest E8M0 block exponent (255 where any block is NaN),
+        cached (mxfp4; the fused W4A16 kernel's prescaled operands are relative to it)."""
+        if self.fmt != "mxfp4":
+            raise ValueError(f"row_max_scale is for mxfp4 weights, got {self.fmt!r}")
+        if "row_max_scale" not in self.cache:
+            self.cache["row_max_scale"] = self.scale.amax(-1).contiguous()   # 255 (NaN) is the largest byte
+        return self.cache["row_max_scale"]
+
 
 UNTILED = 1 << 30   # WeightStrides.tile_n of a weight whose rows are in order
 

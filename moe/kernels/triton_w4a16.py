@@ -124,10 +124,32 @@ def _oct_operands_asm(w, SWAP: tl.constexpr):
 
 
 @triton.jit
-def _fp4_oct(acc, w_rows, wk, s_rows, kc, offs_q, n_mask, x_rows, m_mask,
-             BLOCK: tl.constexpr, NVFP4: tl.constexpr, MODE: tl.constexpr, DIAG: tl.constexpr):
+def _prescaled(op, s_i, r_max):
+    """fp16 weight operand [BN, Q] (v * 2^-14) times 2^(15 - d), d = r_max - s_i >= 0 (E8M0
+    exponents): exact while d <= 24, flushed towards 0 beyond (a block 2^-24 below its row's
+    largest); the product is then v * 2^(s_i - r_max + 1)."""
+    d = r_max - s_i.to(tl.int32)
+    mult = tl.exp2((15 - d).to(tl.float32)).to(tl.float16)
+    return op * mult[:, None]
+
+
+@triton.jit
+def _prescale_factor(r_max):
+    """fp32 [BN] that takes a prescaled accumulator back: 2^(r_max - 127) * 2^14 (fp16 weight
+    bits) * 2^8 (activation pre-scale) / 2^15 (the operand's 2^15); r_max 255 (NaN scale) -> NaN."""
+    f = tl.exp2((r_max - 127).to(tl.float32)) * 128.0
+    return tl.where(r_max == 255, float("nan"), f)
+
+
+@triton.jit
+def _fp4_oct(acc, w_rows, wk, s_rows, kc, offs_q, n_mask, x_rows, m_mask, r_max,
+             BLOCK: tl.constexpr, NVFP4: tl.constexpr, MODE: tl.constexpr, DIAG: tl.constexpr,
+             PRESCALE: tl.constexpr):
     """acc [BN, BM] += 8 scale blocks of W rows (oct packing: int32 words at word offset wk) @
-    x[kc : kc + 8 BLOCK]. DIAG (probe only, wrong results): 1 = loads only, 2 = no block scales."""
+    x[kc : kc + 8 BLOCK]. DIAG (probe only, wrong results): 1 = loads only, 2 = no block scales.
+    PRESCALE (MXFP4, fp16 operands): the block scale goes into the operand relative to the row's
+    largest (r_max [BN]), so the MMAs chain into one accumulator with no per-block fp32 rescale;
+    the caller applies `_prescale_factor(r_max)` once at the end."""
     w = tl.load(w_rows[:, None] + (wk + offs_q)[None, :], mask=n_mask[:, None], other=0)
     # the unit's 8 scale bytes of a row are one aligned int64 (s_rows points at int64 scales):
     # one 8-byte load per row instead of eight scattered byte loads
@@ -148,6 +170,8 @@ def _fp4_oct(acc, w_rows, wk, s_rows, kc, offs_q, n_mask, x_rows, m_mask,
                 op = nibble_operand(w, i, MODE)
             if DIAG == 2:
                 acc = tl.dot(op, act_operand(x_i, MODE), acc)
+            elif PRESCALE:
+                acc = tl.dot(_prescaled(op, s_i, r_max), act_operand(x_i, MODE), acc)
             else:
                 acc += mma(op, act_operand(x_i, MODE), MODE) * block_scale(s_i, NVFP4, MODE)[:, None]
     return acc
@@ -155,7 +179,7 @@ def _fp4_oct(acc, w_rows, wk, s_rows, kc, offs_q, n_mask, x_rows, m_mask,
 
 @triton.jit
 def _w4a16_kernel(
-    x_ptr, w_ptr, s_ptr, gs_ptr, out_ptr, out_scale_ptr, counts_ptr, offsets_ptr,
+    x_ptr, w_ptr, s_ptr, gs_ptr, rmax_ptr, out_ptr, out_scale_ptr, counts_ptr, offsets_ptr,
     N, num_experts, tiles_per_expert, capacity, up_rows, up_w_offset,
     stride_xm, stride_we, stride_wtile, stride_wn, stride_wchunk, stride_se, stride_sn, stride_om, stride_osm,
     limit, alpha, beta,
@@ -163,6 +187,7 @@ def _w4a16_kernel(
     BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, CHUNKS: tl.constexpr, BLOCK: tl.constexpr,
     NVFP4: tl.constexpr, MODE: tl.constexpr, SWIGLU: tl.constexpr, HAS_LIMIT: tl.constexpr,
     QUANT_OUT: tl.constexpr, PACK: tl.constexpr, TILE: tl.constexpr, DIAG: tl.constexpr,
+    PRESCALE: tl.constexpr = False, stride_re: tl.constexpr = 0,
 ):
     """Weight row n, packing unit c (2 or 8 scale blocks) sits at e * stride_we +
     (n // TILE) * stride_wtile + (n % TILE) * stride_wn + c * stride_wchunk (bytes, or int32
@@ -183,17 +208,24 @@ def _w4a16_kernel(
     s_rows = s_ptr + e64 * stride_se + n64 * stride_sn
     acc = tl.zeros((BLOCK_N, BLOCK_M), tl.float32)
     acc_u = tl.zeros((BLOCK_N, BLOCK_M), tl.float32)
+    r_max = tl.zeros((BLOCK_N,), tl.int32)
+    r_max_u = tl.zeros((BLOCK_N,), tl.int32)
+    if PRESCALE:   # [E, N (+ up rows)] uint8: each row's largest block exponent
+        r_rows = rmax_ptr + e64 * stride_re + n64
+        r_max = tl.load(r_rows, mask=n_mask, other=0).to(tl.int32)
+        if SWIGLU:
+            r_max_u = tl.load(r_rows + up_rows, mask=n_mask, other=0).to(tl.int32)
     if rows > 0:   # (not a dynamic loop bound: the interpreter cannot range over a reduction)
         if PACK == 1:   # oct: w_ptr is int32 words, 8 blocks per word row
             for k0 in range(0, K, 8 * BLOCK * CHUNKS):
                 for c in tl.static_range(CHUNKS):
                     kc = k0 + c * 8 * BLOCK
                     wk = (kc // (8 * BLOCK)) * stride_wchunk
-                    acc = _fp4_oct(acc, w_rows, wk, s_rows, kc, offs_b, n_mask, x_rows, m_mask, BLOCK, NVFP4, MODE,
-                                   DIAG)
+                    acc = _fp4_oct(acc, w_rows, wk, s_rows, kc, offs_b, n_mask, x_rows, m_mask, r_max, BLOCK, NVFP4,
+                                   MODE, DIAG, PRESCALE)
                     if SWIGLU:
                         acc_u = _fp4_oct(acc_u, w_rows + up_w_offset, wk, s_rows + up_rows * stride_sn, kc,
-                                         offs_b, n_mask, x_rows, m_mask, BLOCK, NVFP4, MODE, DIAG)
+                                         offs_b, n_mask, x_rows, m_mask, r_max_u, BLOCK, NVFP4, MODE, DIAG, PRESCALE)
         else:
             for k0 in range(0, K, 2 * BLOCK * CHUNKS):
                 for c in tl.static_range(CHUNKS):
@@ -207,6 +239,9 @@ def _w4a16_kernel(
                     if SWIGLU:
                         acc_u = _fp4_chunk(acc_u, w_rows + up_w_offset, wk, s_rows + up_rows * stride_sn, kc,
                                            offs_b, n_mask, x_lo, x_hi, BLOCK, NVFP4, MODE)
+    if PRESCALE:
+        acc = acc * _prescale_factor(r_max)[:, None]
+        acc_u = acc_u * _prescale_factor(r_max_u)[:, None]
     if NVFP4:
         g = tl.load(gs_ptr + e, mask=e < num_experts, other=1.0)
         acc = acc * g
@@ -241,6 +276,7 @@ class W4A16Config:
     num_stages: int = 4
     mode: str = "f16"
     packing: str = "paired"
+    prescale: bool = False
 
 
 # Inline PTX expansion (oct packing) on real GPUs; the interpreter runs the arithmetic version.
@@ -340,9 +376,12 @@ def launch_w4a16(x: torch.Tensor, w: PreparedWeight, rows, *, out_dtype: torch.d
     gs = w.global_scale if w.global_scale is not None else w.scale
     # oct: 8 scale bytes per row and unit, read as one int64 (K is a multiple of 8 blocks here)
     sdata = w.scale.view(torch.int64) if cfg.packing == "oct" else w.scale
+    # prescaled operands: MXFP4 in the oct loop with fp16 operands (the only place it is wired)
+    prescale = cfg.prescale and w.fmt == "mxfp4" and cfg.packing == "oct" and MODES[cfg.mode] in (0, 3, 4)
+    rmax = w.row_max_scale() if prescale else sdata
     grid = (triton.cdiv(n_out, cfg.block_n), slots)
     _w4a16_kernel[grid](
-        x2, st.data, sdata, gs, out, out_scale, counts, offs,
+        x2, st.data, sdata, gs, rmax, out, out_scale, counts, offs,
         n_out, E, tpe, cap, n_out, st.row_offset(n_out),
         x2.stride(0), st.expert, st.tile, st.row, st.chunk, sdata.stride(0), sdata.stride(1),
         out.stride(-2), out_scale.stride(-2),
@@ -352,6 +391,7 @@ def launch_w4a16(x: torch.Tensor, w: PreparedWeight, rows, *, out_dtype: torch.d
         CHUNKS=chunks_for(K, w.block * (8 if cfg.packing == "oct" else 2), cfg.chunks),
         NVFP4=w.fmt == "nvfp4", MODE=MODES[cfg.mode], SWIGLU=swiglu is not None, HAS_LIMIT=limit is not None,
         QUANT_OUT=quant_out, PACK=PACKS[cfg.packing], TILE=st.tile_n, DIAG=diag,
+        PRESCALE=prescale, stride_re=rmax.stride(0) if prescale else 0,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return (out, out_scale) if quant_out else out
