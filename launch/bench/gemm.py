@@ -386,8 +386,10 @@ def probe(out_dir: str, sections: list[str]) -> None:
                                  for e in range(E) if int(counts[e])]) if x.shape[0] else ref[:0]
             experts = hit or E
             floor = fp4_floor_us(experts, N, K, x.shape[0], dev)
-            base = pick_config(max(tok, 1), torch.bfloat16, "oct")
-            cfgs = [("default", base)] + [
+            # the default before round 3 (64 rows, 4 warps, 4 stages, per-block rescale), then today's
+            base = dataclasses.replace(pick_config(max(tok, 1), torch.bfloat16, "oct", fmt="nvfp4"), block_n=64,
+                                       num_warps=4, num_stages=4, prescale=False)
+            cfgs = [("previous default", base), ("default", pick_config(max(tok, 1), torch.bfloat16, "oct"))] + [
                 (f"prescale bn{bn} w{nw} s{ns}", dataclasses.replace(base, block_n=bn, num_warps=nw, num_stages=ns,
                                                                       prescale=True))
                 for bn, nw, ns in ((base.block_n, base.num_warps, base.num_stages), (64, 4, 6), (128, 4, 4),
@@ -397,11 +399,22 @@ def probe(out_dir: str, sections: list[str]) -> None:
                                                 mode="f16", packing="oct")),
                         ("prescale", W4A16Config(block_n=32, block_m=16, chunks=1, num_warps=4, num_stages=1,
                                                  mode="f16", packing="oct", prescale=True))]
+            if not tiny and tok == 1:   # subtraction diagnostics on the default: loads only; no block scales
+                cfgs += [("DIAG loads-only", base), ("DIAG no-scale", base)]
+                cfgs += [("bn128 w4 s4 (no prescale)", dataclasses.replace(base, block_n=128, num_stages=4))]
             for label, cfg in cfgs:
+                diag = 1 if "loads-only" in label else 2 if "no-scale" in label else 0
                 add("decode3", f"N{N} K{K} tok{tok} hit{experts} {label}",
-                    (lambda x=x, wt=w["pw"], rows=rows, cfg=cfg: launch_w4a16(x, wt, rows, out_dtype=torch.bfloat16,
-                                                                              config=cfg)),
-                    err_of(ref), floor_us=floor, cfg=dict(cfg.__dict__), problem=f"{N}x{K} tok{tok} hit{experts}")
+                    (lambda x=x, wt=w["pw"], rows=rows, cfg=cfg, diag=diag: launch_w4a16(
+                        x, wt, rows, out_dtype=torch.bfloat16, config=cfg, diag=diag)),
+                    err_of(ref) if diag == 0 else None, floor_us=floor, cfg=dict(cfg.__dict__),
+                    problem=f"{N}x{K} tok{tok} hit{experts}")
+                if hit and tok == 1 and N == 4096 and diag == 0 and label in ("previous default", "default"):
+                    # the MoE layer's fused L1 + SwiGLU (N = 2I gate/up rows -> I outputs)
+                    add("decode3", f"N{N} K{K} tok{tok} hit{experts} swiglu {label}",
+                        (lambda x=x, wt=w["pw"], rows=rows, cfg=cfg: launch_w4a16(
+                            x, wt, rows, out_dtype=torch.bfloat16, config=cfg, swiglu=(None, 1.0, 0.0))),
+                        None, floor_us=floor, cfg=dict(cfg.__dict__), problem=f"{N}x{K} tok{tok} hit{experts} swiglu")
             _run_variants(ctx, variants, results, save)
             variants.clear()
 

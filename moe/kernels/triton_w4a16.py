@@ -300,9 +300,10 @@ def apply_tuning(tuning: dict) -> None:
         triton_common.ACT_QUANT_WARPS = int(tuning["act_quant_warps"])
 
 
-def pick_config(rows_per_expert: float, dtype: torch.dtype, packing: str = "oct", swiglu: bool = False) -> W4A16Config:
+def pick_config(rows_per_expert: float, dtype: torch.dtype, packing: str = "oct", swiglu: bool = False,
+                fmt: str = "mxfp4") -> W4A16Config:
     """Heuristic launch config by tokens per expert (tuned with `megapar bench gemm`, notes in
-    bench/gemm-notes.md), for a weight in `packing`."""
+    bench/gemm-notes.md), for a `fmt` weight in `packing`."""
     if dtype == torch.float32:   # fp32 operands: exact products, small tiles (registers)
         return W4A16Config(block_n=64, block_m=16 if rows_per_expert <= 16 else 32, chunks=1, num_warps=4,
                            num_stages=2, mode="f32", packing=packing)
@@ -313,6 +314,13 @@ def pick_config(rows_per_expert: float, dtype: torch.dtype, packing: str = "oct"
     if tuned is not None and tuned.packing == packing and (asm or not tuned.mode.startswith("f16asm")):
         return tuned if not swiglu or bucket < 128 else W4A16Config(**{**tuned.__dict__, "num_stages": 2})
     chunks = 1 if packing == "oct" else 2
+    # H200, MXFP4 with inline-PTX expansion (bench/results/gemm-probe-decode3-h200.json, `python -m
+    # launch.bench.gemm --probe --sections decode3`): prescaled operands with 128 rows, 4 warps,
+    # 4 stages were fastest in 8 of 10 decode problems (V3 / V4-Flash L1 and L2, 1-32 tokens per
+    # expert, all or 8 experts hit): 3-8% under the per-block rescale at 1 token, 23% at 32.
+    if asm and fmt == "mxfp4" and packing == "oct" and rows_per_expert <= 32:
+        return W4A16Config(block_n=128, block_m=16 if rows_per_expert <= 16 else 32, chunks=1, num_warps=4,
+                           num_stages=4, mode=mode, packing=packing, prescale=True)
     # H200, V3 L1 (bench/results/gemm-probe-h200.json): 64 weight rows x 16 (32) tokens, 4 warps,
     # 4 stages beat 128 / 256 rows and 8 warps at 1 and 32 tokens per expert.
     if rows_per_expert <= 16:
@@ -345,7 +353,8 @@ def launch_w4a16(x: torch.Tensor, w: PreparedWeight, rows, *, out_dtype: torch.d
         x2 = x2.contiguous()
     hint = rows.capacity if rows.layout == "slab" else x2.shape[0] / max(E, 1)
     packing = w.kernel_packing
-    cfg = config or pick_config(hint, x.dtype, packing if K % (8 * w.block) == 0 else "paired", swiglu is not None)
+    cfg = config or pick_config(hint, x.dtype, packing if K % (8 * w.block) == 0 else "paired", swiglu is not None,
+                                w.fmt)
     if cfg.mode.startswith("f16asm") and cfg.packing != "oct":
         raise ValueError(f"mode {cfg.mode!r} needs packing 'oct', got {cfg.packing!r}")
     if cfg.packing == "oct" and K % (8 * w.block):
