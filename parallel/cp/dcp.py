@@ -190,7 +190,9 @@ class PagedKVCache:
             raise ValueError(f"k {tuple(self.k.shape)} and v {tuple(self.v.shape)} must be "
                              f"[num_blocks, block_size, kv_heads, head_dim] with equal leading dims")
         if self.is_fp8 != (self.k_scale is not None and self.v_scale is not None):
-            raise ValueError("an fp8 cache needs k_scale and v_scale; other dtypes take none")
+            given = [n for n, t in (("k_scale", self.k_scale), ("v_scale", self.v_scale)) if t is not None]
+            raise ValueError(f"an fp8 cache needs k_scale and v_scale; other dtypes take none (dtype {self.k.dtype}, "
+                             f"given: {given or 'none'})")
 
     @property
     def is_fp8(self) -> bool:
