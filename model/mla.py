@@ -43,17 +43,13 @@ from megapar.parallel.groups import ParallelGroups
 from megapar.parallel.sp import RowParallelLinear, sp_all_gather
 
 from .config import ModelConfig
+from .model import rms_norm
 from .profile import Timer
 
 
 def mla_dims(cfg: ModelConfig) -> MLADims:
     return MLADims(kv_lora_rank=cfg.kv_lora_rank, qk_nope_head_dim=cfg.qk_nope_head_dim,
                    qk_rope_head_dim=cfg.qk_rope_head_dim, v_head_dim=cfg.v_head_dim)
-
-
-def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    xf = x.float()
-    return (xf * torch.rsqrt(xf.square().mean(-1, keepdim=True) + eps) * weight.float()).to(x.dtype)
 
 
 class MLAttention(nn.Module):
@@ -135,7 +131,7 @@ class MLAttention(nn.Module):
             if self.sequence_parallel:
                 h = sp_all_gather(h, self.groups.tp, num_tokens=num_tokens)
             h = h[:num_tokens]
-            x = _rms_norm(h @ self.q_a.T, self.q_a_norm, self.cfg.norm_eps) if self.cfg.q_lora_rank else h
+            x = rms_norm(h @ self.q_a.T, self.q_a_norm, self.cfg.norm_eps) if self.cfg.q_lora_rank else h
             q = (x @ self.q_b.T).view(num_tokens, self.local_heads, self.dims.qk_head_dim)
             return q, h @ self.kv_a.T
 
@@ -169,7 +165,7 @@ class MLAttention(nn.Module):
             q_nope = q[..., :d.qk_nope_head_dim]
             q_pe = rope_pairs(q[..., d.qk_nope_head_dim:], cos[:, None], sin[:, None])   # [B, S/pcp, Hl, d_r]
             kv = kv.view(batch, local_len, d.latent_dim)
-            c_kv = _rms_norm(kv[..., :d.kv_lora_rank], self.kv_a_norm, self.cfg.norm_eps)
+            c_kv = rms_norm(kv[..., :d.kv_lora_rank], self.kv_a_norm, self.cfg.norm_eps)
             k_pe = rope_pairs(kv[..., d.kv_lora_rank:], cos, sin)                  # [B, S/pcp, d_r]
         w_uk, w_uv = self._absorb_weights()
         with self.timer.span("attn.ring" if self.groups.pcp.size > 1 else "attn.local"):

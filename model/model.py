@@ -60,7 +60,6 @@ from megapar.parallel.ubatch import UBatchRunner
 
 from .config import ModelConfig, check_layout, kv_heads_of_tp_rank
 from .mhc import mhc_broadcast, mhc_head, mhc_post, mhc_post_pre, mhc_pre
-from .mla import MLAttention
 from .profile import Timer
 
 
@@ -220,6 +219,8 @@ class Block(nn.Module):
         m, h = cfg.mhc_streams, cfg.hidden
         self.attn_mhc = MHCParams((2 + m) * m, m, h, 3)
         self.attn_norm = nn.Parameter(torch.ones(h), requires_grad=False)
+        from .mla import MLAttention   # model/mla.py imports this module's rms_norm
+
         attention = MLAttention if cfg.attention == "mla" else Attention
         self.attn = attention(cfg, groups, sequence_parallel=sequence_parallel, overlap=overlap, timer=timer,
                               device=device)

@@ -113,3 +113,21 @@ def test_hf_helpers_reject_bad_input():
         hf_rope_table(torch.randn(4, 8), torch.randn(4, 8))
     assert hf_softmax_scale(24, None) == 24 ** -0.5
     assert hf_softmax_scale(24, {"rope_type": "yarn", "factor": 1.0, "mscale_all_dim": 1.0}) == 24 ** -0.5
+
+
+@pytest.mark.parametrize("q_lora", [24, None])
+def test_demo_reference_mla_matches_hf(q_lora):
+    """model/reference.py's fp64 MLA (what `megapar demo --attention mla` is checked against) is HF's."""
+    from model.reference import mla_attention
+
+    config, attn, rotary = _hf_layer(q_lora, True, None, seed=9)
+    cfg = ModelConfig(attention="mla", hidden=HIDDEN, heads=HEADS, kv_heads=1, q_lora_rank=q_lora or 0,
+                      kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=12,
+                      norm_eps=config.rms_norm_eps)
+    state = hf_attention_state(attn.state_dict(), cfg)
+    h = torch.randn(B, T, HIDDEN, generator=torch.Generator().manual_seed(10), dtype=torch.float64)
+    cos, sin = rotary(h, torch.arange(T)[None])
+    with torch.no_grad():
+        ref = attn(h, (cos.double(), sin.double()), _causal_mask(T))[0]
+    got = mla_attention(h, state, cfg, "layers.0.attn")
+    torch.testing.assert_close(got, ref, atol=1e-6 * ref.abs().max().item(), rtol=0)
