@@ -5,6 +5,7 @@ checked against a dense single-process reference built from the same seed and we
     megapar demo                                   # 4 local gloo ranks: tp 2, pcp 2, dcp 2, ep 4, MXFP4
     megapar demo --world-size 2 --tp 2 --sp        # sequence parallel
     megapar demo --ubatch --eplb                   # micro-batch overlap, EPLB rebalancing after prefill
+    megapar demo --attention mla                   # DeepSeek-V3 latent attention (absorbed DCP decode)
     python -m launch.demo ...                      # the same
     torchrun --nproc-per-node 4 -m launch.demo --tp 2 --pcp 2 --dcp 2 --device cuda
     megapar demo --launcher ray --world-size 4     # one Ray actor per rank
@@ -37,7 +38,7 @@ from typing import Any
 
 import torch
 
-from megapar.model.config import QUANT_FORMATS, ModelConfig, check_layout
+from megapar.model.config import ATTENTION_KINDS, QUANT_FORMATS, ModelConfig, check_layout
 from megapar.parallel.config import ParallelConfig
 
 # Max relative logit error. The model runs in fp32 (the reference in fp64) and the parallel
@@ -295,12 +296,19 @@ def format_timings(spec: DemoSpec, result: RankResult) -> str:
     return "\n".join(lines)
 
 
+def _attention_summary(cfg: ModelConfig) -> str:
+    if cfg.attention == "mla":
+        return (f"MLA {cfg.heads} heads (latent r {cfg.kv_lora_rank} + rope {cfg.qk_rope_head_dim}, nope "
+                f"{cfg.qk_nope_head_dim}, v {cfg.v_head_dim}, q_lora {cfg.q_lora_rank})")
+    return f"heads {cfg.heads}/{cfg.kv_heads} kv"
+
+
 def format_report(spec: DemoSpec, launcher: str, backend: str, results: list[RankResult], check: CheckResult) -> str:
     from megapar.parallel.layout import format_layout
 
     pcfg, cfg = spec.parallel, spec.model
     out = [f"megapar demo: {pcfg.world_size} rank(s), launcher {launcher}, backend {backend}, device {spec.device}",
-           f"model: {cfg.layers} layers, hidden {cfg.hidden}, heads {cfg.heads}/{cfg.kv_heads} kv, "
+           f"model: {cfg.layers} layers, hidden {cfg.hidden}, {_attention_summary(cfg)}, "
            f"{cfg.experts} experts top-{cfg.top_k} ({cfg.quant}), mHC M={cfg.mhc_streams}, vocab {cfg.vocab}",
            f"run: batch {spec.batch}, prompt {spec.prompt_len}, {spec.new_tokens} new tokens, seed {spec.seed}, "
            f"sp {'on' if pcfg.sequence_parallel else 'off'}, overlap {'on' if spec.overlap else 'off'}, "
@@ -345,6 +353,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--kv-heads", type=int, default=None,
                    help="KV heads (GQA; replicated when fewer than tp). Default 2, or tp // dcp when dcp > 1 "
                         "(a DCP group, carved from TP, shares one KV head)")
+    p.add_argument("--attention", choices=ATTENTION_KINDS, default="gqa",
+                   help="gqa, or mla: DeepSeek-V3 multi-head latent attention (ring prefill non-absorbed, DCP "
+                        "decode absorbed over a latent paged cache, fused MLA prep)")
+    p.add_argument("--kv-lora-rank", type=int, default=32, help="MLA latent rank r (cache: r + rope dims per token)")
+    p.add_argument("--q-lora-rank", type=int, default=32, help="MLA query down-projection rank (0 = q_proj)")
     p.add_argument("--experts", type=int, default=8, help="routed experts (split over EP)")
     p.add_argument("--top-k", type=int, default=2, help="experts per token")
     p.add_argument("--vocab", type=int, default=512, help="vocabulary (split over TP in the lm_head)")
@@ -374,9 +387,17 @@ def spec_from_args(args: argparse.Namespace, world_size: int) -> DemoSpec:
     tp, pcp, dcp = (2, 2, 2) if demo_layout else tuple(a or 1 for a in axes)
     pcfg = ParallelConfig(world_size=world_size, tp=tp, pcp=pcp, dcp=dcp, dp=args.dp, ep=args.ep,
                           sequence_parallel=args.sp)
+    mla = args.attention == "mla"
+    if args.kv_heads is not None:
+        kv_heads = args.kv_heads
+    else:   # MLA: one latent KV head for every query head
+        kv_heads = 1 if mla else (tp // dcp if dcp > 1 else 2)
+    if mla and args.kv_heads not in (None, 1):
+        raise ValueError(f"--kv-heads ({args.kv_heads}) does not apply to --attention mla (one latent KV head); "
+                         f"leave it unset or 1")
     cfg = ModelConfig(vocab=args.vocab, hidden=args.hidden, layers=args.layers, heads=args.heads,
-                      kv_heads=args.kv_heads if args.kv_heads is not None else (tp // dcp if dcp > 1 else 2),
-                      experts=args.experts, top_k=args.top_k, quant=args.quant)
+                      kv_heads=kv_heads, experts=args.experts, top_k=args.top_k, quant=args.quant,
+                      attention=args.attention, kv_lora_rank=args.kv_lora_rank, q_lora_rank=args.q_lora_rank)
     replicas = pcfg.dp * pcfg.ext_dp
     batch = args.batch if args.batch is not None else 2 * replicas
     redundant = args.eplb

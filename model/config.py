@@ -27,6 +27,8 @@ from megapar.parallel.config import ParallelConfig
 from megapar.parallel.layout import coords, rank_groups
 
 Quant = Literal["mxfp4", "nvfp4", "fp8_block", "bf16"]
+AttentionKind = Literal["gqa", "mla"]
+ATTENTION_KINDS: tuple[str, ...] = ("gqa", "mla")
 QUANT_FORMATS: tuple[str, ...] = ("mxfp4", "nvfp4", "fp8_block", "bf16")
 Scoring = Literal["softmax", "sigmoid", "sqrt_softplus"]
 
@@ -50,6 +52,19 @@ class ModelConfig:
     """key/value heads (GQA); replicated when fewer than tp"""
     head_dim: int = 16
     """dimension of one head (even: RoPE rotates pairs)"""
+    attention: AttentionKind = "gqa"
+    """"gqa" (wq/wk/wv, the heads above) or "mla" (DeepSeek-V3 multi-head latent attention: the
+    kv_lora_rank / qk_*_head_dim / v_head_dim sizes below; head_dim and kv_heads are unused)"""
+    q_lora_rank: int = 32
+    """MLA: rank of the query down-projection (q_a_proj); 0 = a direct q_proj"""
+    kv_lora_rank: int = 32
+    """MLA: latent rank r (the cache holds r + qk_rope_head_dim values per token)"""
+    qk_nope_head_dim: int = 16
+    """MLA: per-head query/key dims without RoPE"""
+    qk_rope_head_dim: int = 16
+    """MLA: the RoPE dims (one key shared by all heads); even"""
+    v_head_dim: int = 16
+    """MLA: per-head value dims"""
     rope_theta: float = 10000.0
     """RoPE base; pairs (2i, 2i+1) rotate by pos * theta^(-2i/head_dim) (DeepSeek's interleaved form)"""
     norm_eps: float = 1e-6
@@ -86,6 +101,16 @@ class ModelConfig:
                 raise ValueError(f"ModelConfig.{name} ({getattr(self, name)}) must be >= 1")
         if self.shared_inter < 0:
             raise ValueError(f"ModelConfig.shared_inter ({self.shared_inter}) must be >= 0")
+        if self.attention not in ATTENTION_KINDS:
+            raise ValueError(f"unknown attention {self.attention!r}; valid: {', '.join(ATTENTION_KINDS)}")
+        if self.attention == "mla":
+            for name in ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"):
+                if getattr(self, name) < 1:
+                    raise ValueError(f"ModelConfig.{name} ({getattr(self, name)}) must be >= 1")
+            if self.q_lora_rank < 0:
+                raise ValueError(f"ModelConfig.q_lora_rank ({self.q_lora_rank}) must be >= 0 (0 = q_proj)")
+            if self.qk_rope_head_dim % 2:
+                raise ValueError(f"qk_rope_head_dim ({self.qk_rope_head_dim}) must be even (RoPE rotates pairs)")
         if self.head_dim % 2:
             raise ValueError(f"head_dim ({self.head_dim}) must be even (RoPE rotates pairs)")
         if self.heads % self.kv_heads:
@@ -162,7 +187,8 @@ def check_layout(cfg: ModelConfig, pcfg: ParallelConfig, *, prompt_len: int | No
             f"experts ({cfg.experts})"
         raise ValueError(f"{what} = {slots} must be a multiple of ep ({pcfg.ep}); "
                          f"valid ep: {[d for d in _divisors(slots) if (pcfg.dp * pcfg.pcp * tp) % d == 0]}")
-    mixed = _dcp_group_with_mixed_kv_heads(cfg, pcfg)
+    # MLA: one latent KV head shared by every query head, so any DCP group holds the same "KV heads"
+    mixed = None if cfg.attention == "mla" else _dcp_group_with_mixed_kv_heads(cfg, pcfg)
     if mixed is not None:
         group, held = mixed
         valid = []

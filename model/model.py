@@ -29,6 +29,10 @@ keeps ONE `PagedKVCache` holding its local KV heads, and a decode step is one
 DCP is carved from TP, so its ranks hold different query heads over one shared KV head, and the
 gathered heads all map onto it. PCP peers share their TP rank, hence all their heads.
 
+MLA (`ModelConfig.attention = "mla"`, model/mla.py): DeepSeek-V3's latent attention takes the
+attention's place: the same prefill (ring over PCP, non-absorbed) / decode (DCP, absorbed, over a
+latent paged cache sharded like the GQA cache) flow with one latent KV head for every query head.
+
 mHC between sublayers: `mhc_post_pre` fuses one sublayer's mHC post with the next one's pre
 (attention -> MoE inside a layer, MoE -> the next layer's attention); the first pre and the
 last post (before the head) stand alone.
@@ -215,7 +219,10 @@ class Block(nn.Module):
         m, h = cfg.mhc_streams, cfg.hidden
         self.attn_mhc = MHCParams((2 + m) * m, m, h, 3)
         self.attn_norm = nn.Parameter(torch.ones(h), requires_grad=False)
-        self.attn = Attention(cfg, groups, sequence_parallel=sequence_parallel, overlap=overlap, timer=timer,
+        from .mla import MLAttention   # model/mla.py imports this module's rms_norm
+
+        attention = MLAttention if cfg.attention == "mla" else Attention
+        self.attn = attention(cfg, groups, sequence_parallel=sequence_parallel, overlap=overlap, timer=timer,
                               device=device)
         self.ffn_mhc = MHCParams((2 + m) * m, m, h, 3)
         self.ffn_norm = nn.Parameter(torch.ones(h), requires_grad=False)

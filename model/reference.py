@@ -10,7 +10,8 @@ cached decode step at p must produce:
 Pieces, each the textbook form:
 - RoPE in DeepSeek's complex form: pairs (2i, 2i+1) are complex numbers multiplied by
   exp(1j * pos * theta^(-2i/D)).
-- Attention: full softmax(q k^T / sqrt(D) + causal mask) v, KV heads repeated for GQA.
+- Attention: full softmax(q k^T / sqrt(D) + causal mask) v, KV heads repeated for GQA; or
+  (cfg.attention "mla") DeepSeek-V3's latent attention with the keys and values expanded per head.
 - MoE: for every expert, the tokens that picked it, with the expert's weights as the
   distributed model holds them after quantization (`served_expert_weights`); routing is
   sqrt(softplus) scores, top-k of score + bias, weights = unbiased scores renormalized.
@@ -63,6 +64,32 @@ def attention(h: torch.Tensor, state: dict[str, torch.Tensor], cfg: ModelConfig,
     probs = scores.masked_fill(future, float("-inf")).softmax(-1)
     out = torch.einsum("bhqk,bkhd->bqhd", probs, v).reshape(b, length, cfg.heads * d)
     return out @ _w(state, f"{prefix}.wo.weight").T
+
+
+def mla_attention(h: torch.Tensor, state: dict[str, torch.Tensor], cfg: ModelConfig, prefix: str) -> torch.Tensor:
+    """h: [B, L, H] -> [B, L, H], DeepSeek-V3 multi-head latent attention written out per head
+    (no absorption): latent c = RMSNorm(W_DKV h)[:r], keys [W_UK c, RoPE(k_pe)], values W_UV c."""
+    b, length, _ = h.shape
+    heads, dn, dr, dv, r = cfg.heads, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim, cfg.kv_lora_rank
+    if cfg.q_lora_rank:
+        q_lat = rms_norm(h @ _w(state, f"{prefix}.q_a_proj.weight").T, _w(state, f"{prefix}.q_a_layernorm.weight"),
+                         cfg.norm_eps)
+        q = q_lat @ _w(state, f"{prefix}.q_b_proj.weight").T
+    else:
+        q = h @ _w(state, f"{prefix}.q_proj.weight").T
+    q = q.view(b, length, heads, dn + dr)
+    kv = h @ _w(state, f"{prefix}.kv_a_proj_with_mqa.weight").T                   # [B, L, r + d_r]
+    c = rms_norm(kv[..., :r], _w(state, f"{prefix}.kv_a_layernorm.weight"), cfg.norm_eps)
+    kvb = (c @ _w(state, f"{prefix}.kv_b_proj.weight").T).view(b, length, heads, dn + dv)
+    pos = torch.arange(length)
+    q_pe = rope(q[..., dn:].contiguous(), pos, cfg.rope_theta)
+    k_pe = rope(kv[..., None, r:].contiguous(), pos, cfg.rope_theta)            # [B, L, 1, d_r]
+    scores = (torch.einsum("bqhd,bkhd->bhqk", q[..., :dn], kvb[..., :dn])
+              + torch.einsum("bqhd,bkd->bhqk", q_pe, k_pe[:, :, 0])) / (dn + dr) ** 0.5
+    future = torch.ones(length, length, dtype=torch.bool).triu(1)
+    probs = scores.masked_fill(future, float("-inf")).softmax(-1)
+    out = torch.einsum("bhqk,bkhd->bqhd", probs, kvb[..., dn:]).reshape(b, length, heads * dv)
+    return out @ _w(state, f"{prefix}.o_proj.weight").T
 
 
 def _swiglu(x: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, w2: torch.Tensor, limit: float | None) -> torch.Tensor:
@@ -133,10 +160,11 @@ def reference_logits(state: dict[str, torch.Tensor], cfg: ModelConfig, tokens: t
     b, length = tokens.shape
     x = _w(state, "embed.weight")[tokens]                                        # [B, L, H]
     streams = x[:, :, None, :].expand(b, length, cfg.mhc_streams, cfg.hidden)
+    attend = mla_attention if cfg.attention == "mla" else attention
     for i in range(cfg.layers):
         p = f"layers.{i}"
         streams = mhc_sublayer(streams, state, cfg, f"{p}.attn_mhc", f"{p}.attn_norm.weight",
-                               lambda h: attention(h, state, cfg, f"{p}.attn"))
+                               lambda h: attend(h, state, cfg, f"{p}.attn"))
         streams = mhc_sublayer(streams, state, cfg, f"{p}.ffn_mhc", f"{p}.ffn_norm.weight",
                                lambda h: moe(h.reshape(-1, cfg.hidden), state, cfg, i).reshape(h.shape))
     m = cfg.mhc_streams

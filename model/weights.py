@@ -8,6 +8,14 @@ columns, EP experts, quantized at load); the reference uses the whole dict. Name
     layers.{i}.attn_norm.weight                   [H]
     layers.{i}.attn.{wq,wk,wv}.weight             [heads*D, H], [kv_heads*D, H] x 2
     layers.{i}.attn.wo.weight                     [H, heads*D]
+    (attention "mla": HF DeepSeek-V3 names instead of wq/wk/wv/wo, d_qk = d_n + d_r)
+    layers.{i}.attn.q_a_proj.weight               [q_lora_rank, H]     (q_lora_rank 0: q_proj [heads*d_qk, H])
+    layers.{i}.attn.q_a_layernorm.weight          [q_lora_rank]
+    layers.{i}.attn.q_b_proj.weight               [heads*d_qk, q_lora_rank]
+    layers.{i}.attn.kv_a_proj_with_mqa.weight     [r + d_r, H]
+    layers.{i}.attn.kv_a_layernorm.weight         [r]
+    layers.{i}.attn.kv_b_proj.weight              [heads*(d_n + d_v), r]
+    layers.{i}.attn.o_proj.weight                 [H, heads*d_v]
     layers.{i}.ffn_mhc.{fn,base,scale}            (V4: hc_ffn_*)
     layers.{i}.ffn_norm.weight                    [H]
     layers.{i}.moe.gate.weight                    [E, H]
@@ -58,10 +66,13 @@ def make_state_dict(cfg: ModelConfig, seed: int = 0) -> dict[str, torch.Tensor]:
         p = f"layers.{i}"
         mhc(f"{p}.attn_mhc", (2 + m) * m, 3)
         state[f"{p}.attn_norm.weight"] = 1.0 + normal(h, std=0.1)
-        state[f"{p}.attn.wq.weight"] = normal(cfg.heads * d, h, std=h ** -0.5)
-        state[f"{p}.attn.wk.weight"] = normal(cfg.kv_heads * d, h, std=h ** -0.5)
-        state[f"{p}.attn.wv.weight"] = normal(cfg.kv_heads * d, h, std=h ** -0.5)
-        state[f"{p}.attn.wo.weight"] = normal(h, cfg.heads * d, std=(cfg.heads * d) ** -0.5)
+        if cfg.attention == "mla":
+            state.update(_mla_weights(cfg, f"{p}.attn", normal))
+        else:
+            state[f"{p}.attn.wq.weight"] = normal(cfg.heads * d, h, std=h ** -0.5)
+            state[f"{p}.attn.wk.weight"] = normal(cfg.kv_heads * d, h, std=h ** -0.5)
+            state[f"{p}.attn.wv.weight"] = normal(cfg.kv_heads * d, h, std=h ** -0.5)
+            state[f"{p}.attn.wo.weight"] = normal(h, cfg.heads * d, std=(cfg.heads * d) ** -0.5)
         mhc(f"{p}.ffn_mhc", (2 + m) * m, 3)
         state[f"{p}.ffn_norm.weight"] = 1.0 + normal(h, std=0.1)
         state[f"{p}.moe.gate.weight"] = normal(cfg.experts, h, std=h ** -0.5)
@@ -80,6 +91,24 @@ def make_state_dict(cfg: ModelConfig, seed: int = 0) -> dict[str, torch.Tensor]:
     state["norm.weight"] = 1.0 + normal(h, std=0.1)
     state["lm_head.weight"] = normal(cfg.vocab, h, std=h ** -0.5)
     return state
+
+
+def _mla_weights(cfg: ModelConfig, prefix: str, normal) -> dict[str, torch.Tensor]:
+    """DeepSeek-V3's MLA weights (HF names) of one layer: see `model.mla`."""
+    h, heads, r = cfg.hidden, cfg.heads, cfg.kv_lora_rank
+    qk = cfg.qk_nope_head_dim + cfg.qk_rope_head_dim
+    out: dict[str, torch.Tensor] = {}
+    if cfg.q_lora_rank:
+        out[f"{prefix}.q_a_proj.weight"] = normal(cfg.q_lora_rank, h, std=h ** -0.5)
+        out[f"{prefix}.q_a_layernorm.weight"] = 1.0 + normal(cfg.q_lora_rank, std=0.1)
+        out[f"{prefix}.q_b_proj.weight"] = normal(heads * qk, cfg.q_lora_rank, std=cfg.q_lora_rank ** -0.5)
+    else:
+        out[f"{prefix}.q_proj.weight"] = normal(heads * qk, h, std=h ** -0.5)
+    out[f"{prefix}.kv_a_proj_with_mqa.weight"] = normal(r + cfg.qk_rope_head_dim, h, std=h ** -0.5)
+    out[f"{prefix}.kv_a_layernorm.weight"] = 1.0 + normal(r, std=0.1)
+    out[f"{prefix}.kv_b_proj.weight"] = normal(heads * (cfg.qk_nope_head_dim + cfg.v_head_dim), r, std=r ** -0.5)
+    out[f"{prefix}.o_proj.weight"] = normal(h, heads * cfg.v_head_dim, std=(heads * cfg.v_head_dim) ** -0.5)
+    return out
 
 
 def round_to_format(w: torch.Tensor, fmt: str) -> torch.Tensor:

@@ -1,5 +1,6 @@
 """`megapar demo` end to end: real gloo ranks, every step checked against the reference.
 
+`--attention mla` (DeepSeek-V3 latent attention) runs the default layout and a corrupted weight.
 Four multi-rank runs (each spawns processes): the default layout (tp 2, pcp 2, dcp 2, ep 4,
 MXFP4; the KV cache sharded over pcp x dcp = 4 ranks as in vLLM), two KV heads per rank in a
 cache sharded over PCP, sequence
@@ -31,6 +32,24 @@ def test_demo_default_layout_passes(capsys):
         assert f"\n{primitive} " in out, primitive
     assert "tokens/s" in out and "\nprefill " in out and "\ndecode " in out
     assert "greedy tokens equal to the reference's argmax" in out
+
+
+def test_demo_mla_default_layout_passes(capsys):
+    # tp 2, pcp 2, dcp 2, ep 4: ring prefill (non-absorbed) over PCP, absorbed decode over a latent cache
+    # sharded over pcp x dcp = 4 ranks, the fused prep's torch path, against the fp64 per-head reference
+    code, out = _run(capsys, "--attention", "mla", "--new-tokens", "3")
+    assert code == 0, out
+    assert "PASS: max error" in out and "4 rank(s), launcher local, backend gloo" in out
+    assert "MLA 4 heads (latent r 32 + rope 16" in out
+    for primitive in ("attn.ring", "attn.kv_fill", "attn.mla_prep", "attn.dcp", "moe.dispatch"):
+        assert f"\n{primitive} " in out, primitive
+
+
+def test_demo_mla_fails_when_one_rank_holds_a_corrupted_weight(capsys):
+    code, out = _run(capsys, "--attention", "mla", "--world-size", "4", "--tp", "4", "--dcp", "2", "--heads", "8",
+                     "--layers", "1", "--new-tokens", "2", "--corrupt-rank", "3")
+    assert code == 1, out
+    assert "FAIL: max error" in out and "PASS" not in out
 
 
 def test_demo_dcp_cache_with_several_kv_heads_per_rank_passes(capsys):
@@ -86,6 +105,8 @@ def test_demo_world1_runs_in_process(capsys):
     (["--world-size", "3", "--experts", "8"], "multiple of ep"),
     (["--launcher", "torchrun"], "torchrun environment"),
     (["--timeout", "0"], "--timeout must be > 0 seconds, got 0"),
+    (["--attention", "mla", "--kv-heads", "2"], "--kv-heads (2) does not apply to --attention mla"),
+    (["--attention", "mla", "--kv-lora-rank", "0"], "kv_lora_rank (0) must be >= 1"),
     (["--timeout", "-5"], "--timeout must be > 0 seconds, got -5"),
 ])
 def test_demo_rejects_bad_arguments_before_starting(capsys, argv, message):
@@ -99,6 +120,14 @@ def test_demo_on_one_gpu(capsys):
     code, out = _run(capsys, "--world-size", "1", "--device", "cuda")
     assert code == 0, out
     assert "backend nccl, device cuda" in out and "PASS" in out
+
+
+@pytest.mark.gpu
+def test_demo_mla_on_one_gpu(capsys):
+    # the fused MLA prep and the paged decode kernel (Triton), the efficient SDPA kernel in prefill
+    code, out = _run(capsys, "--attention", "mla", "--world-size", "1", "--device", "cuda")
+    assert code == 0, out
+    assert "backend nccl, device cuda" in out and "attn.mla_prep" in out and "PASS" in out
 
 
 @pytest.mark.multigpu

@@ -206,3 +206,56 @@ def _check_prep(cache_dtype, q_norm, device, exact_bf16):
             assert torch.equal(a[..., DIMS.kv_lora_rank:], b[..., DIMS.kv_lora_rank:])
         if cache_dtype == torch.float8_e4m3fn:
             torch.testing.assert_close(caches[1].scale, caches[0].scale, rtol=1e-6, atol=0)
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_bad_tables_lengths_dtypes_and_heads_raise_before_any_launch(backend, monkeypatch):
+    """Block ids outside the cache, positions / lengths past the table, cache dtypes without scales, head
+    counts that do not match: ValueError naming the values, and the cache is left untouched."""
+    if backend == "triton":
+        pytest.importorskip("triton")
+        monkeypatch.setenv("TRITON_INTERPRET", "1")
+    from parallel.cp.mla_prep import mla_prep, rope_table
+
+    heads = 2
+    w_uk, w_uv = _weights(heads, DIMS, 30)
+    cache = MLACache.allocate(3, 4, DIMS, dtype=torch.float32)
+    q = torch.randn(2, heads, DIMS.qk_head_dim)
+    kv = torch.randn(2, DIMS.latent_dim)
+    cos_sin, w_kv = rope_table(64, DIMS.qk_rope_head_dim), torch.ones(DIMS.kv_lora_rank)
+    prep = lambda table, pos: mla_prep(q, kv, pos, cache, table, cos_sin, w_kv, nope=DIMS.qk_nope_head_dim,
+                                       backend=backend)
+    with pytest.raises(ValueError, match=r"block id 7 of positions\[1\] = 5 .*outside the cache's blocks \[0, 3\)"):
+        prep(torch.tensor([[0, 7], [0, 7]]), torch.tensor([1, 5]))
+    with pytest.raises(ValueError, match=r"positions\[0\] = 8 is outside the block table.* = 8\)"):
+        prep(torch.tensor([[0, 1], [0, 1]]), torch.tensor([8, 1]))
+    with pytest.raises(ValueError, match=r"block id -1 of positions\[0\] = 2"):
+        mla_kv_insert(cache, kv[:1, :DIMS.kv_lora_rank], kv[:1, DIMS.kv_lora_rank:], torch.tensor([2]),
+                      torch.tensor([-1, 0]))
+    assert not cache.kv.any()                                               # nothing written
+    # decode: lengths past the table's capacity, used block ids outside the cache, heads
+    qn, qp = q[..., :DIMS.qk_nope_head_dim], q[..., DIMS.qk_nope_head_dim:]
+    table = torch.tensor([[0, 1], [2, 0]])
+    decode = lambda tbl, lens, **kw: mla_decode_attention(qn, qp, cache, w_uk, w_uv, tbl, torch.tensor(lens),
+                                                          backend=backend, **kw)
+    with pytest.raises(ValueError, match=r"seq_lens\[1\] = 9 exceeds the block table's capacity: 2 blocks x 4"):
+        decode(table, [3, 9])
+    with pytest.raises(ValueError, match=r"block_table\[1, 1\] = 3 is outside the cache's blocks \[0, 3\)"):
+        decode(torch.tensor([[0, 1], [2, 3]]), [3, 8])
+    decode(torch.tensor([[0, 1], [2, 3]]), [3, 4])                         # an unused id past the cache is fine
+    with pytest.raises(ValueError, match=r"W_UK \(2, 16, 32\) / W_UV .* the same H"):
+        mla_decode_attention(qn[:, :1], qp[:, :1], cache, w_uk, w_uv, table, torch.tensor([3, 4]), backend=backend)
+    with pytest.raises(ValueError, match=r"W_UK rank 32 / q_pe dim 8 do not match the cache"):
+        mla_decode_attention(qn, qp[..., :8], cache, w_uk, w_uv, table, torch.tensor([3, 4]), backend=backend)
+    # caches: a dtype the kernel has no path for, fp8 without (or with wrong) scales
+    with pytest.raises(ValueError, match=r"latent cache dtype torch.float64 not supported; valid: float32, float16"):
+        MLACache(torch.zeros(2, 4, 1, DIMS.latent_dim, dtype=torch.float64), DIMS.kv_lora_rank)
+    fp8 = torch.zeros(2, 4, 1, DIMS.latent_dim, dtype=torch.float8_e4m3fn)
+    with pytest.raises(ValueError, match=r"fp8 latent cache needs a scale .*scale None"):
+        MLACache(fp8, DIMS.kv_lora_rank)
+    with pytest.raises(ValueError, match=r"float32 scale \(2, 4, 1\), got \(2, 4\) torch.float32"):
+        MLACache(fp8, DIMS.kv_lora_rank, torch.ones(2, 4))
+    with pytest.raises(ValueError, match=r"scale None|given: none"):
+        from parallel.cp import PagedKVCache
+
+        PagedKVCache(fp8, fp8)

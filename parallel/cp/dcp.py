@@ -190,7 +190,9 @@ class PagedKVCache:
             raise ValueError(f"k {tuple(self.k.shape)} and v {tuple(self.v.shape)} must be "
                              f"[num_blocks, block_size, kv_heads, head_dim] with equal leading dims")
         if self.is_fp8 != (self.k_scale is not None and self.v_scale is not None):
-            raise ValueError("an fp8 cache needs k_scale and v_scale; other dtypes take none")
+            given = [n for n, t in (("k_scale", self.k_scale), ("v_scale", self.v_scale)) if t is not None]
+            raise ValueError(f"an fp8 cache needs k_scale and v_scale; other dtypes take none (dtype {self.k.dtype}, "
+                             f"given: {given or 'none'})")
 
     @property
     def is_fp8(self) -> bool:
@@ -233,7 +235,18 @@ def dcp_kv_insert(cache: PagedKVCache, k: Tensor, v: Tensor, positions: Tensor, 
     if k.device != cache.k.device:
         raise ValueError(f"new k/v on {k.device} but the cache is on {cache.k.device}")
     layout = _layout(group, cache.block_size, interleave, pcp_group)
-    positions, table = positions.to(k.device).long(), block_table.to(k.device).long()
+    slots = insert_slots(layout, positions.to(k.device), block_table.to(k.device), cache.k.shape[0])
+    write_kv_slots(cache, k, v, slots)
+    return slots
+
+
+def insert_slots(layout: DCPLayout, positions: Tensor, block_table: Tensor, num_blocks: int) -> Tensor:
+    """Cache slots [T] int64 of new tokens on this rank (`layout`), -1 where another rank owns the
+    position or (CUDA) where it is invalid, so nothing is written there.
+
+    positions: [T] int global; block_table: [max_blocks] or [T, max_blocks] int. ValueError (CPU
+    tensors) for a position outside the table or a block id outside [0, num_blocks)."""
+    positions, table = positions.long(), block_table.long()
     if table.dim() not in (1, 2) or (table.dim() == 2 and table.shape[0] != positions.shape[0]):
         raise ValueError(f"block_table {tuple(block_table.shape)} must be [max_blocks] or [T, max_blocks] with "
                          f"T = {positions.shape[0]}")
@@ -242,21 +255,18 @@ def dcp_kv_insert(cache: PagedKVCache, k: Tensor, v: Tensor, positions: Tensor, 
     in_table = (positions >= 0) & (vblock < width)
     rows = table.expand(positions.shape[0], width) if table.dim() == 1 else table
     ids = rows.gather(1, torch.where(in_table, vblock, 0).unsqueeze(1)).squeeze(1)          # [T]
-    bad = ~in_table | _bad_block_ids(ids, cache.k.shape[0])
-    if k.device.type == "cpu" and bool(bad.any()):
+    bad = ~in_table | _bad_block_ids(ids, num_blocks)
+    if positions.device.type == "cpu" and bool(bad.any()):
         t = int(bad.nonzero()[0, 0])
         p = int(positions[t])
         if not in_table[t]:
             raise ValueError(f"positions[{t}] = {p} is outside the block table: positions must lie in "
                              f"[0, {width} blocks x {layout.virtual_block} tokens = {width * layout.virtual_block})")
         raise ValueError(f"block id {int(ids[t])} of positions[{t}] = {p} (virtual block {p // layout.virtual_block}) "
-                         f"is outside the cache's blocks [0, {cache.k.shape[0]})")
+                         f"is outside the cache's blocks [0, {num_blocks})")
     # CUDA: an invalid token is not written (no host sync); the decode reports its sequence as NaN.
-    safe_positions = torch.where(in_table, positions, 0)
-    slots = layout.slot_mapping(safe_positions, rows)
-    slots = torch.where(bad, -1, slots)
-    write_kv_slots(cache, k, v, slots)
-    return slots
+    slots = layout.slot_mapping(torch.where(in_table, positions, 0), rows)
+    return torch.where(bad, -1, slots)
 
 
 def write_kv_slots(cache: PagedKVCache, k: Tensor, v: Tensor, slots: Tensor) -> None:

@@ -30,7 +30,7 @@ import torch
 from torch import Tensor
 
 from ..comm import GroupLike
-from .dcp import DCPComm, PagedKVCache, _layout, _quantize_fp8, dcp_decode_attention
+from .dcp import DCPComm, PagedKVCache, _layout, _quantize_fp8, dcp_decode_attention, insert_slots
 from .ring import ring_attention
 from .state import AttnState
 
@@ -71,6 +71,9 @@ def split_kv_b(kv_b_weight: Tensor, heads: int, dims: MLADims) -> tuple[Tensor, 
 # cache
 
 
+_CACHE_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float8_e4m3fn)
+
+
 @dataclass
 class MLACache:
     """One rank's latent paged cache: per token [c_kv (r), k_pe (d_r)], fp8 with one scale per token."""
@@ -93,10 +96,16 @@ class MLACache:
         if self.kv.dim() != 4 or self.kv.shape[2] != 1 or not 0 < self.kv_lora_rank < self.kv.shape[-1]:
             raise ValueError(f"kv {tuple(self.kv.shape)} must be [num_blocks, block_size, 1, r + d_r] with "
                              f"0 < kv_lora_rank ({self.kv_lora_rank}) < last dim")
+        if self.kv.dtype not in _CACHE_DTYPES:
+            raise ValueError(f"latent cache dtype {self.kv.dtype} not supported; valid: "
+                             f"{', '.join(str(d).replace('torch.', '') for d in _CACHE_DTYPES)}")
         fp8 = self.kv.dtype == torch.float8_e4m3fn
         if fp8 != (self.scale is not None):
             raise ValueError(f"an fp8 latent cache needs a scale [num_blocks, block_size, 1]; other dtypes take "
                              f"none (dtype {self.kv.dtype}, scale {None if self.scale is None else 'given'})")
+        if fp8 and (tuple(self.scale.shape) != tuple(self.kv.shape[:3]) or self.scale.dtype != torch.float32):
+            raise ValueError(f"an fp8 latent cache needs a float32 scale {tuple(self.kv.shape[:3])}, got "
+                             f"{tuple(self.scale.shape)} {self.scale.dtype}")
 
     @property
     def block_size(self) -> int:
@@ -123,18 +132,23 @@ def mla_write_slots(cache: MLACache, c_kv: Tensor, k_pe: Tensor, slots: Tensor) 
 
 
 def mla_kv_insert(cache: MLACache, c_kv: Tensor, k_pe: Tensor, positions: Tensor, block_table: Tensor,
-                  group: GroupLike = None, *, interleave: int = 1) -> Tensor:
+                  group: GroupLike = None, *, interleave: int = 1, pcp_group: GroupLike | None = None) -> Tensor:
     """Insert the latent KV of new tokens into this rank's DCP shard (tokens it owns only).
 
     c_kv: [T, r] (after the kv norm), k_pe: [T, d_r] (after RoPE), positions: [T] global,
-    block_table: [T, max_blocks] or [max_blocks]. Returns the slots [T] int64 (-1 elsewhere)."""
+    block_table: [T, max_blocks] or [max_blocks]. pcp_group: with PCP > 1, the cache is sharded
+    over pcp * dcp ranks (as `dcp_kv_insert`). Returns the slots [T] int64 (-1 elsewhere, or not
+    written: invalid on CUDA). ValueError (CPU tensors) for a position outside the table or a
+    block id outside the cache."""
     r, dr = cache.kv_lora_rank, cache.kv.shape[-1] - cache.kv_lora_rank
     if c_kv.dim() != 2 or k_pe.dim() != 2 or c_kv.shape[1] != r or k_pe.shape[1] != dr \
             or c_kv.shape[0] != k_pe.shape[0] or positions.shape != c_kv.shape[:1]:
         raise ValueError(f"c_kv {tuple(c_kv.shape)}, k_pe {tuple(k_pe.shape)}, positions {tuple(positions.shape)} "
                          f"must be [T, {r}], [T, {dr}], [T]")
-    layout = _layout(group, cache.block_size, interleave)
-    slots = layout.slot_mapping(positions.to(c_kv.device), block_table.to(c_kv.device))
+    if c_kv.device != cache.kv.device:
+        raise ValueError(f"c_kv on {c_kv.device} but the cache is on {cache.kv.device}")
+    layout = _layout(group, cache.block_size, interleave, pcp_group)
+    slots = insert_slots(layout, positions.to(c_kv.device), block_table.to(c_kv.device), cache.kv.shape[0])
     mla_write_slots(cache, c_kv, k_pe, slots)
     return slots
 
@@ -158,12 +172,13 @@ def mla_output(o_lat: Tensor, w_uv: Tensor) -> Tensor:
 def mla_decode_attention(q_nope: Tensor, q_pe: Tensor, cache: MLACache, w_uk: Tensor, w_uv: Tensor,
                          block_table: Tensor, seq_lens: Tensor, group: GroupLike = None, *, interleave: int = 1,
                          comm: DCPComm = "ag_rs", scale: float | None = None, backend: str = "auto",
-                         return_lse: bool = False) -> Tensor | AttnState:
+                         return_lse: bool = False, pcp_group: GroupLike | None = None) -> Tensor | AttnState:
     """One absorbed MLA decode step over a DCP-sharded latent cache.
 
     q_nope: [S, H_local, d_n], q_pe: [S, H_local, d_r] (RoPE applied); W_UK [H_local, d_n, r],
     W_UV [H_local, d_v, r] (this rank's heads); seq_lens [S] global lengths with the new token
-    inserted. scale: default (d_n + d_r)^-1/2. Returns o [S, H_local, d_v] in q_nope's dtype
+    inserted. scale: default (d_n + d_r)^-1/2. pcp_group: with PCP > 1, the PCP group (the cache
+    is sharded over pcp * dcp ranks; partial results merged over both, `dcp_decode_attention`). Returns o [S, H_local, d_v] in q_nope's dtype
     (or AttnState with the lse [S, H_local] fp32)."""
     if q_nope.dim() != 3 or q_pe.shape[:2] != q_nope.shape[:2] or w_uk.shape[0] != q_nope.shape[1] \
             or w_uv.shape[0] != q_nope.shape[1]:
@@ -176,7 +191,7 @@ def mla_decode_attention(q_nope: Tensor, q_pe: Tensor, cache: MLACache, w_uk: Te
         scale = (q_nope.shape[-1] + q_pe.shape[-1]) ** -0.5
     q = absorb_query(q_nope, q_pe, w_uk)                                    # [S, H, r + d_r]
     state = dcp_decode_attention(q, cache.paged, block_table, seq_lens, group, interleave=interleave, comm=comm,
-                                 scale=scale, return_lse=True, backend=backend)
+                                 scale=scale, return_lse=True, backend=backend, pcp_group=pcp_group)
     out = mla_output(state.out, w_uv).to(q_nope.dtype)
     return AttnState(out, state.lse) if return_lse else out
 

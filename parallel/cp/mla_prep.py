@@ -25,7 +25,7 @@ import torch
 from torch import Tensor
 
 from .. import impl
-from .dcp import DCPLayout
+from .dcp import DCPLayout, insert_slots
 from .mla import MLACache, mla_write_slots
 
 
@@ -99,7 +99,7 @@ def mla_prep_reference(q: Tensor, kv: Tensor, positions: Tensor, cache: MLACache
     q_out = torch.cat([q[..., :nope], rope_pairs(q[..., nope:], cos[:, None], sin[:, None])], dim=-1)
     c_kv = _rms(kv[:, :r], kv_norm_weight, eps)
     k_pe = rope_pairs(kv[:, r:], cos, sin)
-    slots = layout.slot_mapping(positions, block_table)
+    slots = insert_slots(layout, positions, block_table, cache.kv.shape[0])    # -1: elsewhere / invalid
     mla_write_slots(cache, c_kv, k_pe, slots)
     return MLAPrep(q_out, slots)
 
@@ -114,6 +114,8 @@ def mla_prep(q: Tensor, kv: Tensor, positions: Tensor, cache: MLACache, block_ta
     (default one rank). Returns MLAPrep(q [T, H, nope + d_r] in q's dtype, slots [T] int64)."""
     layout = DCPLayout(size=1, rank=0, block_size=cache.block_size) if layout is None else layout
     _check(q, kv, positions, cache, cos_sin, block_table, q_norm_weight, kv_norm_weight, nope)
+    if block_table.device.type == "cpu" and positions.device.type == "cpu":
+        insert_slots(layout, positions, block_table, cache.kv.shape[0])   # ValueError: bad table or position
     chosen = MLA_PREP.resolve(backend, device=q.device, needs_grad=impl.grad_needed(q, kv))
     if chosen == "triton":
         from .triton_mla_prep import mla_prep_triton
