@@ -17,12 +17,14 @@ import sys
 import pytest
 import torch
 
-from moe.kernels import expert_rows, grouped_gemm, prepare_weights
-from moe.kernels import deep_gemm as dgm
-from moe.kernels.grouped_gemm import GEMM, grouped_gemm_reference, quantize_dequantize_act
-from moe.kernels.prepare import dequantize_prepared
-from moe.quant import QuantizedTensor, quantize
+# (megapar.* names: importing `moe.kernels.grouped_gemm` by its short alias would rebind the
+# package attribute `grouped_gemm` - the function - to the submodule for every later importer)
+from megapar.moe.kernels import deep_gemm as dgm
+from megapar.moe.kernels import expert_rows, grouped_gemm, prepare_weights
+from megapar.moe.kernels.grouped_gemm import GEMM, grouped_gemm_reference, quantize_dequantize_act
+from megapar.moe.kernels.prepare import dequantize_prepared
 from megapar.parallel import impl
+from megapar.parallel.quant import QuantizedTensor, quantize
 
 ALIGN = 128
 
