@@ -330,6 +330,20 @@ def test_nvfp4_with_power_of_two_scales_folds_exactly(fake):
            _reference(x, w, expert_rows(x, E, c, None, "contiguous")))
 
 
+def test_expert_ffn_runs_both_gemms_through_deep_gemm(fake):
+    from megapar.moe.kernels import expert_ffn
+
+    E, H, inter = 3, 256, 128
+    w13 = _weight("mxfp4", E, 2 * inter, H, seed=17)
+    w2 = _weight("mxfp4", E, H, inter, seed=18)
+    counts = torch.tensor([40, 0, 90])
+    x = torch.randn(130, H, generator=torch.Generator().manual_seed(19)).to(torch.bfloat16)
+    y = expert_ffn(x, w13, w2, counts=counts, backend="deep_gemm")
+    assert [c["fn"] for c in fake.calls] == ["contiguous", "contiguous"]
+    ref = expert_ffn(x, w13, w2, counts=counts, backend="torch")
+    assert y.shape == ref.shape and _rel(y, ref) < 5e-2
+
+
 # ---- resolution -----------------------------------------------------------------------------------
 
 def test_without_the_package_the_name_is_known_and_refused():
