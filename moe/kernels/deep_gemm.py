@@ -35,6 +35,7 @@ import importlib.util
 import logging
 import os
 import re
+import sys
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -269,7 +270,6 @@ def libstdcxx_problem(refresh: bool = False) -> str | None:
     except Exception as e:  # noqa: BLE001 - a diagnosis must never break the caller
         log.debug("libstdc++ inspection failed: %s: %s", type(e).__name__, e)
         why = None
-    import sys
     if PACKAGE in sys.modules:   # the libraries deep_gemm loads are mapped: the answer is final
         _libstdcxx_cache[:] = [why]
     return why
