@@ -77,6 +77,8 @@ def cmd_env(args: argparse.Namespace) -> int:
     for label, module in (("triton", "triton"), ("nvshmem4py", "nvshmem.core"), ("deep_ep", "deep_ep"),
                           ("deep_gemm", "deep_gemm"), ("ray", "ray")):
         rows.append((label, _probe(module)))
+    from megapar.moe.kernels.deep_gemm import libstdcxx_problem
+    rows.append(("libstdc++ (for deep_gemm)", libstdcxx_problem() or "no problem found"))
     width = max(len(r[0]) for r in rows)
     for k, v in rows:
         print(f"{k:<{width}}  {v}")

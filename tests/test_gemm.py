@@ -202,10 +202,10 @@ def test_bad_arguments_raise_value_errors_naming_the_choices():
             grouped_gemm(x, w, counts=c, backend="triton_w4a16")
     with pytest.raises(ValueError, match="mxfp4 or fp8_block"):
         grouped_gemm(x, prepare_weights(torch.randn(2, 16, 64), fmt="nvfp4"), counts=c, backend="triton_w4a8")
-    with pytest.raises(ValueError, match="unknown implementation 'deep_gemm'"):   # not implemented: not a name
-        grouped_gemm(x, w, counts=c, backend="deep_gemm")
+    with pytest.raises(ValueError, match="'deep_gemm' cannot run here: needs CUDA tensors, got cpu"):
+        grouped_gemm(x, w, counts=c, backend="deep_gemm")        # a known name, unusable on CPU (tests/test_deep_gemm.py)
     from moe.kernels import BACKENDS
-    assert set(BACKENDS) == {"auto", "torch", "torch_grouped_mm", "triton_w4a16", "triton_w4a8"}
+    assert set(BACKENDS) == {"auto", "torch", "torch_grouped_mm", "triton_w4a16", "triton_w4a8", "deep_gemm"}
 
 
 def test_auto_backend_on_cpu_is_the_reference():

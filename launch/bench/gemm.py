@@ -14,6 +14,17 @@ copy bandwidth; rel_err is ||ours - ref|| / ||ref|| against an fp32 reference (W
 reference with the same fp8 activations). Targets: decode (<= 32 tok/expert) >= 75% of the
 floor's speed and >= 4x torch bf16; prefill (2048) W4A8 >= 1.0x torch fp8, W4A16 >= 0.9x bf16.
 
+DeepGEMM rows (V3 only; `deep_gemm` backend, moe/kernels/deep_gemm.py), beside ours and torch:
+prefill contiguous at 512 / 1024 / 2048 tok/expert - "deep_gemm" (public grouped_gemm: fp8_group
+activation quantization + the padding copy + the GEMM), "deep_gemm aligned" (the rows already on
+DeepGEMM's 128-row layout: no copy), "deep_gemm gemm only" (fp8 inputs, MN-major scales and
+m_indices made beforehand) - anchored on torch fp8 rowwise `_scaled_grouped_mm`; decode masked
+(slab, capacity 128) at 8 / 32 / 128 tok/expert, anchored on torch bf16 bmm, beside our
+triton_w4a16 / triton_w4a8 slab calls. The roofline of these rows is the FP8 one: max(flops at
+the FP8 rate, fp8 weight + activation bytes at the copy bandwidth). When deep_gemm cannot run
+(no CUDA, not installed, not SM90, a libstdc++ mix-up) a note gives the reason and the rows are
+skipped. MEGAPAR_BENCH_GEMM_SECTIONS=deep_gemm runs only these rows (main,deep_gemm = both).
+
 `python -m launch.bench.gemm --probe --out DIR` runs the kernel-tuning probe instead (variants
 and launch configs side by side, correctness of each) and writes DIR/gemm-probe.json.
 """
@@ -37,6 +48,10 @@ from megapar.launch.bench.common import BenchContext, H200_FP8_TFLOPS, copy_ceil
 
 SHAPES = {"v3": (32, 7168, 2048), "v4flash": (32, 4096, 2048)}
 TOKENS = (1, 8, 32, 128, 512, 2048)
+DG_SHAPES = ("v3",)
+DG_PREFILL_TOKENS = (512, 1024, 2048)
+DG_DECODE_TOKENS = (8, 32, 128)
+DG_SLAB_CAPACITY = 128
 
 
 # ---- data ---------------------------------------------------------------------------------------
@@ -171,10 +186,12 @@ def run(ctx: BenchContext) -> None:
     else:
         shapes, tokens = SHAPES, TOKENS
     ctx.note("times: CUDA-graph replays, median; ours include activation quantization and FP4 expansion")
+    sections = os.environ.get("MEGAPAR_BENCH_GEMM_SECTIONS", "main,deep_gemm").split(",")
+    dg_skipped = False
     for shape, (E, H, inter) in shapes.items():
         for gemm, (e, n, k) in _gemms(E, H, inter).items():
             w = _weights(ctx, e, n, k, seed=zlib.crc32(f"{shape}{gemm}".encode()) % 1000)
-            cases = [Case(ctx, shape, gemm, tok, w) for tok in tokens]
+            cases = [Case(ctx, shape, gemm, tok, w) for tok in tokens] if "main" in sections else []
             if ctx.is_cuda:
                 with precompile():
                     for c in cases:
@@ -183,6 +200,8 @@ def run(ctx: BenchContext) -> None:
                                 grouped_gemm(c.x, w["pw"], counts=c.counts, backend=backend)
             for c in cases:
                 _run_case(ctx, c, grouped_gemm)
+            if "deep_gemm" in sections and (shape in DG_SHAPES or shape == "tiny") and not dg_skipped:
+                dg_skipped = not _deep_gemm_rows(ctx, shape, gemm, w, grouped_gemm)
             del w, cases
             if ctx.is_cuda:
                 torch.cuda.empty_cache()
@@ -249,6 +268,107 @@ def _run_case(ctx: BenchContext, c: Case, grouped_gemm) -> None:
                        fp8_anchor_us=anchors.get("fp8"),
                        speedup_vs_fp8=(anchors["fp8"] / us) if "fp8" in anchors else None,
                        w4a8_floor_us=round(fp8_floor, 2), rel_err=err, timing=how)
+
+
+def fp8_floor_us(E: int, N: int, K: int, M: int, device: torch.device) -> float:
+    """FP8 roofline: max(flops at the FP8 rate, fp8 weight + fp8 activation + bf16 output bytes at
+    the copy bandwidth)."""
+    nbytes = E * N * K + E * N * K // 128 // 128 * 4 + M * K + M * K // 128 * 4 + M * N * 2
+    return max(2.0 * M * N * K / (H200_FP8_TFLOPS * 1e6), nbytes / (copy_ceiling_gbps(device) * 1e3))
+
+
+def _deep_gemm_rows(ctx: BenchContext, shape: str, gemm: str, w: dict[str, Any], grouped_gemm) -> bool:
+    """DeepGEMM rows of one (shape, gemm); False (and a note with the reason) when it cannot run."""
+    from megapar.moe.kernels import deep_gemm as dgm
+    from megapar.moe.kernels import expert_rows
+    from megapar.moe.kernels.grouped_gemm import GEMM, quantize_dequantize_act
+
+    why = GEMM.usable(device=ctx.device, weight=w["pw"] if ctx.is_cuda else None)["deep_gemm"]
+    if why is not None:
+        ctx.note(f"deep_gemm rows skipped: {why}")
+        return False
+    dw = dgm.deep_gemm_weight(w["pw"])
+    dg = dgm._module()
+    E, N, K = w["shape"]
+    ctx.note(f"deep_gemm {shape} {gemm}: weight {dw.source}, +{dw.extra_bytes / 2**20:.0f} MiB resident")
+    tag = f"{shape} {gemm}"
+
+    def row(name: str, fn, ref, tok: int, M: int, anchor: str, anchor_us: float | None, **extra) -> None:
+        try:
+            err = rel_err(fn(), ref)
+            us, how = graph_time(ctx, fn)
+        except Exception as e:  # noqa: BLE001
+            ctx.note(f"{tag} tok={tok} {name}: failed: {type(e).__name__}: {e}")
+            return
+        flops = 2.0 * M * N * K
+        ctx.record(f"{tag} tok={tok} {name}", us, anchor=anchor, anchor_us=anchor_us,
+                   floor_us=fp8_floor_us(E, N, K, M, ctx.device), shape=shape, gemm=gemm, tok_per_expert=tok,
+                   impl=name, M=M, N=N, K=K, tflops=flops / us / 1e6, rel_err=err, timing=how, **extra)
+
+    def anchor_time(what: str, fn) -> float | None:
+        try:
+            return graph_time(ctx, fn)[0]
+        except Exception as e:  # noqa: BLE001
+            ctx.note(f"{tag}: {what} failed: {type(e).__name__}: {e}")
+            return None
+
+    # -- prefill: contiguous --
+    for tok in DG_PREFILL_TOKENS:
+        c = Case(ctx, shape, gemm, tok, w)
+        ref8 = c.reference(quantize_dequantize_act(c.x, "fp8_group"))
+        fp8_us = None
+        if w["fp8"] is not None:
+            from megapar.moe.kernels.triton_w4a8 import quantize_act, torch_scaled_grouped_mm
+            xq, xs = quantize_act(c.x)
+            fp8_us = anchor_time("torch fp8 _scaled_grouped_mm",
+                                 lambda: torch_scaled_grouped_mm(xq, xs, w["fp8"], w["fp8_scale"], c.counts))
+        anchor = "torch fp8 rowwise _scaled_grouped_mm (fp8 inputs)"
+        row("deep_gemm", lambda: grouped_gemm(c.x, w["pw"], counts=c.counts, backend="deep_gemm"), ref8, tok, c.M,
+            anchor, fp8_us)
+        offs = torch.cat([c.offs.new_zeros(1), c.offs])
+        rows = expert_rows(c.x, E, None, offs, "contiguous")
+        if tok % dgm.alignment(dg) == 0:
+            row("deep_gemm aligned", lambda: dgm.deep_gemm_grouped_gemm(c.x, w["pw"], rows, out_dtype=torch.bfloat16,
+                                                                       rows_aligned=True), ref8, tok, c.M, anchor,
+                fp8_us)
+            from megapar.parallel.quant import quantize
+            q = quantize(c.x, "fp8_group")
+            sfa = dg.get_mn_major_tma_aligned_tensor(q.scale) if hasattr(dg, "get_mn_major_tma_aligned_tensor") \
+                else q.scale
+            m_idx = torch.arange(E, dtype=torch.int32, device=ctx.device).repeat_interleave(tok)
+            d = torch.empty(c.M, N, dtype=torch.bfloat16, device=ctx.device)
+
+            def gemm_only():
+                dg.m_grouped_fp8_gemm_nt_contiguous((q.data, sfa), (dw.data, dw.scale), d, m_idx)
+                return d
+            row("deep_gemm gemm only", gemm_only, ref8, tok, c.M, anchor, fp8_us)
+        del c
+    # -- decode: masked slab --
+    C = DG_SLAB_CAPACITY
+    g = torch.Generator(device=ctx.device).manual_seed(K + N)
+    xs_ = torch.randn(E, C, K, generator=g, device=ctx.device).to(torch.bfloat16)
+    for tok in DG_DECODE_TOKENS:
+        counts = torch.full((E,), min(tok, C), dtype=torch.int32, device=ctx.device)
+        keep = (torch.arange(C, device=ctx.device) < min(tok, C))[None, :, None]
+        ref8 = torch.bmm(quantize_dequantize_act(xs_.reshape(E * C, K), "fp8_group").view(E, C, K),
+                         w["f32"].transpose(1, 2)) * keep
+        bf16_us = anchor_time("torch bf16 bmm", lambda: torch.bmm(xs_, w["bf16"].transpose(1, 2)))
+        anchor = "torch bf16 bmm (whole slab)"
+        M = E * min(tok, C)
+        row(f"deep_gemm masked C={C}", lambda: grouped_gemm(xs_, w["pw"], counts=counts, layout="slab",
+                                                            backend="deep_gemm"), ref8, tok, M, anchor, bf16_us,
+            fp4_floor_us=round(fp4_floor_us(E, N, K, M, ctx.device), 2))
+        slab_rows = expert_rows(xs_, E, counts, None, "slab")
+        row(f"deep_gemm masked C={C} expected_m={tok}",
+            lambda: dgm.deep_gemm_grouped_gemm(xs_, w["pw"], slab_rows, out_dtype=torch.bfloat16, expected_m=tok),
+            ref8, tok, M, anchor, bf16_us)
+        for ours, act in (("triton_w4a16", None), ("triton_w4a8", "fp8_token")):   # each against its own inputs
+            xr = quantize_dequantize_act(xs_.reshape(E * C, K), act).view(E, C, K)
+            row(f"{ours} slab C={C}", lambda ours=ours: grouped_gemm(xs_, w["pw"], counts=counts, layout="slab",
+                                                                     backend=ours),
+                torch.bmm(xr, w["f32"].transpose(1, 2)) * keep, tok, M, anchor, bf16_us,
+                fp4_floor_us=round(fp4_floor_us(E, N, K, M, ctx.device), 2))
+    return True
 
 
 def expert_rows_of(c: Case):

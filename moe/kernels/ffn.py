@@ -16,6 +16,7 @@ Paths (`backend=` as grouped_gemm):
   can also quantize h to fp8_group inside L1's epilogue (`quant_out=True`), but then L2 must
   rescale every 128-deep partial product, which measured slower than the extra pass.
 - "torch_grouped_mm": dense weights, torch._grouped_mm, SwiGLU in torch.
+- "deep_gemm": both GEMMs through DeepGEMM (fp8_group activations, h in bf16 between), SwiGLU in torch.
 """
 
 from __future__ import annotations
@@ -103,6 +104,12 @@ def expert_ffn(x: torch.Tensor, w13: torch.Tensor | QuantizedTensor | PreparedWe
         return y.to(out_dtype)
     if chosen == "triton_w4a8":
         return _ffn_w4a8(x, p13, p2, rows, act, out_dtype)
+    if chosen == "deep_gemm":   # both GEMMs through DeepGEMM (moe/kernels/deep_gemm.py), SwiGLU between
+        from megapar.moe.kernels.deep_gemm import deep_gemm_grouped_gemm
+
+        y1 = deep_gemm_grouped_gemm(x, p13, rows, out_dtype=torch.bfloat16)
+        h = swiglu(y1[..., :two_i // 2], y1[..., two_i // 2:], **act).to(torch.bfloat16)
+        return deep_gemm_grouped_gemm(h, p2, rows, out_dtype=out_dtype)
     if chosen == "triton_w4a16" and p13.is_fp4 and p2.is_fp4 and hint <= EXPAND_MIN_ROWS:
         from megapar.moe.kernels.triton_w4a16 import launch_w4a16
 

@@ -19,6 +19,10 @@ Backends (`backend=`):
   torch._grouped_mm runs (the expanded tile is then reused by every token tile).
 - "triton_w4a8": activations quantized to FP8 (per token), MXFP4 weights expanded exactly to
   FP8 (or fp8_block weights), FP8 tensor-core products (moe/kernels/triton_w4a8.py).
+- "deep_gemm": DeepGEMM's SM90 FP8 grouped GEMMs (moe/kernels/deep_gemm.py): activations
+  quantized to fp8_group, weights in an exact 128x128-block FP8 form made once; contiguous ->
+  `m_grouped_fp8_gemm_nt_contiguous`, slab -> `m_grouped_fp8_gemm_nt_masked`. Opt-in: "auto"
+  skips it unless MEGAPAR_DEEP_GEMM_AUTO=1.
 - "auto": CPU -> torch; CUDA: dense -> torch_grouped_mm; FP4 with <= FUSED_MAX_ROWS rows per
   expert (decode) -> triton_w4a16; MXFP4 with more -> triton_w4a8 when the FP8 fold is exact,
   else triton_w4a16; fp8 -> triton_w4a8. (Rows per expert are known on the host without a
@@ -35,6 +39,7 @@ from typing import Literal
 
 import torch
 
+from megapar.moe.kernels import deep_gemm as _deep_gemm
 from megapar.moe.kernels.prepare import PreparedWeight, as_prepared, dequantize_prepared
 from megapar.parallel import impl
 from megapar.parallel.quant import QuantizedTensor, dequantize, quantize
@@ -224,6 +229,8 @@ GEMM = impl.Op("moe.grouped_gemm", [
     impl.Impl("triton_w4a8", impl.all_of(_w4a8_check, impl.triton_kernel(impl.cuda_unless_asked))),
     impl.Impl("triton_w4a16", impl.all_of(_w4a16_check, impl.triton_kernel(impl.cuda_unless_asked))),
     impl.Impl("torch_grouped_mm", impl.all_of(_grouped_mm_check, impl.cuda_unless_asked)),
+    # DeepGEMM FP8 (moe/kernels/deep_gemm.py): asked for by name; "auto" only with MEGAPAR_DEEP_GEMM_AUTO=1
+    impl.Impl("deep_gemm", _deep_gemm.check, auto=_deep_gemm.AUTO),
     impl.Impl("torch"),
 ])
 BACKENDS = GEMM.names
@@ -263,6 +270,8 @@ def grouped_gemm(x: torch.Tensor, w: torch.Tensor | QuantizedTensor | PreparedWe
         return _gemm_torch(x, pw, rows, out_dtype)
     if chosen == "torch_grouped_mm":
         return _gemm_grouped_mm(x, pw, rows, out_dtype)
+    if chosen == "deep_gemm":
+        return _deep_gemm.deep_gemm_grouped_gemm(x, pw, rows, out_dtype=out_dtype)
     if chosen == "triton_w4a16":
         if pw.is_fp4 and hint <= EXPAND_MIN_ROWS:
             from megapar.moe.kernels.triton_w4a16 import w4a16_grouped_gemm
