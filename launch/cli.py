@@ -4,6 +4,7 @@
     megapar env                                               # what is available here
     megapar demo [...]                                        # the main job (see launch/demo.py)
     megapar bench SUITE [--quick] [--device cpu|cuda] [--out DIR] [--summary]   # benchmarks -> DIR
+    megapar bench SUITE --compare OLD.json    # ... then new/old per row -> DIR/SUITE-compare.md
 """
 
 from __future__ import annotations
@@ -123,6 +124,10 @@ def cmd_bench(args: argparse.Namespace) -> int:
         print("megapar bench: --device cuda but CUDA is not available here (torch.cuda.is_available() is False); "
               "use --device cpu", file=sys.stderr)
         return 2
+    if args.compare is not None and (args.suite in (None, "all") or not Path(args.compare).is_file()):
+        why = "needs one suite" if args.suite in (None, "all") else f"{args.compare} is not a file"
+        print(f"megapar bench: --compare {why} (megapar bench SUITE --compare OLD.json)", file=sys.stderr)
+        return 2
     if args.world_size is not None and args.world_size < 1:
         print(f"megapar bench: --world-size must be >= 1, got {args.world_size}", file=sys.stderr)
         return 2
@@ -161,6 +166,17 @@ def cmd_bench(args: argparse.Namespace) -> int:
                 from megapar.launch.bench.plot import plot_results
 
                 print(f"   wrote {plot_results(path)}")
+            if args.compare is not None:
+                from megapar.launch.bench.compare import compare, to_markdown, write_comparison
+
+                try:
+                    result = compare(path, args.compare)
+                except ValueError as e:
+                    print(f"megapar bench: --compare: {e}", file=sys.stderr)
+                    failed.append(f"{name} (compare)")
+                else:
+                    print("\n" + to_markdown(result))
+                    print(f"   wrote {write_comparison(result, out / f'{name}-compare.md')}")
     if args.summary is not None:
         from megapar.launch.bench.summary import write_summary
 
@@ -195,6 +211,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="also regenerate the summary of the folder's results (default PATH: OUT/BENCHMARKS.md)")
     p.add_argument("--plot", action="store_true", help="also write a PNG where the suite supports it")
     p.add_argument("--world-size", type=int, default=None, help="ranks for multi-process cases")
+    p.add_argument("--compare", default=None, metavar="OLD.json",
+                   help="compare the new results with an earlier result file of the suite, row by row (new/old "
+                        "per timing column, > 5%% slower in time_us flagged) -> OUT/SUITE-compare.md")
     p.set_defaults(func=cmd_bench)
     sub.add_parser("demo", help="the main job: prefill + decode on a small DeepSeek-V4-style model",
                    add_help=False)

@@ -16,10 +16,8 @@ process that called `launch_local`, even with SIGKILL, leaves no rank behind.
 from __future__ import annotations
 
 import ast
-import datetime as _dt
 import faulthandler
 import functools
-import math
 import multiprocessing as mp
 import multiprocessing.connection as mpc
 import os
@@ -68,12 +66,11 @@ def torchrun_env(rank: int, world_size: int, port: int, *, local_world_size: int
 
 
 def check_timeout(value: Any, name: str = "timeout") -> float:
-    """Seconds as a float; a positive number (or timedelta), else ValueError naming the value."""
-    if isinstance(value, _dt.timedelta):
-        value = value.total_seconds()
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or math.isnan(value) or value <= 0:
-        raise ValueError(f"{name} must be a number of seconds > 0 (float('inf') for none), got {value!r}")
-    return float(value)
+    """Seconds as a float; a positive number (or timedelta), else ValueError naming the value
+    (`parallel.groups.timeout_seconds`, imported here so that importing launch needs no torch)."""
+    from megapar.parallel.groups import timeout_seconds
+
+    return timeout_seconds(value, name)
 
 
 def check_world_size(value: Any, name: str = "world_size") -> int:

@@ -327,11 +327,11 @@ class MoELayer(nn.Module):
         elif transport == "nvshmem":  # device-initiated low-latency transport (parallel.ep.nvshmem)
             if max_tokens is None:
                 raise ValueError("transport='nvshmem' needs max_tokens (its symmetric buffers are sized from it)")
-            from megapar.parallel.ep.nvshmem import NvshmemBuffer, NvshmemTransport
+            from megapar.parallel.ep.nvshmem import NvshmemConfig, NvshmemTransport
 
-            self._device_transport = NvshmemTransport(NvshmemBuffer(
-                pg, max_tokens=max_tokens, hidden=config.hidden, top_k=config.top_k, num_experts=num_slots_total,
-                dtype=config.dtype, device=device))
+            self._device_transport = NvshmemTransport.create(pg, NvshmemConfig(
+                max_tokens=max_tokens, hidden=config.hidden, top_k=config.top_k, num_experts=num_slots_total,
+                dtype=config.dtype), device=device)
         elif max_tokens is not None and transport != "all_to_all":
             self._device_transport = static.AllGatherTransport(pg, size, max_tokens)
         else:

@@ -113,19 +113,37 @@ def group_timeout() -> _dt.timedelta:
     return _GROUPS.timeout if _GROUPS is not None else DEFAULT_TIMEOUT
 
 
+def _positive_seconds(value: object) -> float | None:
+    """Seconds of a timedelta or of a number > 0 (inf allowed) as a float; None for anything else
+    (0, negative, NaN, a string, a bool, None)."""
+    seconds = value.total_seconds() if isinstance(value, _dt.timedelta) else value
+    if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or math.isnan(seconds) or seconds <= 0:
+        return None
+    return float(seconds)
+
+
 def check_timeout(timeout: object, name: str = "timeout") -> _dt.timedelta:
     """None -> DEFAULT_TIMEOUT; a timedelta or a number of seconds > 0 -> a timedelta; anything
     else (0, negative, NaN, a string, a bool) raises ValueError naming the value."""
     if timeout is None:
         return DEFAULT_TIMEOUT
-    seconds = timeout.total_seconds() if isinstance(timeout, _dt.timedelta) else timeout
-    if (isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or math.isnan(seconds)
-            or seconds <= 0):
+    seconds = _positive_seconds(timeout)
+    if seconds is None:
         raise ValueError(f"{name} must be a datetime.timedelta or a number of seconds > 0 (None = the default, "
                          f"{DEFAULT_TIMEOUT.total_seconds():g} s), got {timeout!r}")
     if isinstance(timeout, _dt.timedelta):
         return timeout
-    return _dt.timedelta(seconds=min(float(seconds), 1e9))  # inf: ~30 years (torch counts ms in int64)
+    return _dt.timedelta(seconds=min(seconds, 1e9))  # inf: ~30 years (torch counts ms in int64)
+
+
+def timeout_seconds(value: object, name: str = "timeout") -> float:
+    """A launcher's timeout: seconds as a float from a number > 0 or a timedelta (float('inf') =
+    none; None is refused), else ValueError naming the value."""
+    seconds = _positive_seconds(value)
+    if seconds is None:
+        shown = value.total_seconds() if isinstance(value, _dt.timedelta) else value
+        raise ValueError(f"{name} must be a number of seconds > 0 (float('inf') for none), got {shown!r}")
+    return seconds
 
 
 @dataclass(frozen=True)

@@ -55,15 +55,15 @@ def test_two_way_merge_equals_n_way_and_accumulates_in_place():
     torch.testing.assert_close(acc_lse, expect.lse, rtol=0, atol=1e-6)
 
 
-def test_nan_and_plus_inf_lse_count_as_empty_and_all_empty_rows_give_zero():
+def test_plus_inf_and_minus_inf_lse_count_as_empty_and_all_empty_rows_give_zero():
     gen = torch.Generator().manual_seed(2)
     outs = torch.randn(3, 4, 2, 6, generator=gen)
     lses = torch.randn(3, 4, 2, generator=gen)
-    lses[1, 0, 0] = float("nan")
+    lses[1, 0, 0] = -float("inf")
     outs[1, 0, 0] = float("nan")          # garbage out of an empty partial must not leak
     lses[2, 1, 1] = float("inf")
     outs[2, 1, 1] = float("inf")
-    lses[:, 3, :] = torch.tensor([float("nan"), float("inf"), -float("inf")])[:, None]   # row empty everywhere
+    lses[:, 3, :] = torch.tensor([-float("inf"), float("inf"), -float("inf")])[:, None]   # row empty everywhere
     outs[:, 3, :] = float("nan")
     out, lse = merge_attn_states(outs, lses)
     keep = merge_attn_states(outs[[0, 2]], lses[[0, 2]])
@@ -73,6 +73,66 @@ def test_nan_and_plus_inf_lse_count_as_empty_and_all_empty_rows_give_zero():
     torch.testing.assert_close(out[1, 1], keep.out[1, 1], rtol=0, atol=1e-6)
     assert torch.equal(out[3], torch.zeros(2, 6)) and (lse[3] == -math.inf).all()
     assert torch.isfinite(out[:3]).all()
+
+
+def _nan_case() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Three partials [3, T=4, H=2, D=6] with a NaN lse at (t=0, h=0) of partial 1 (its out is
+    finite), an empty (+inf) partial at (1, 1), a row empty everywhere (t=3) -> the expected
+    (out, lse) from the formula in float64, rows with a NaN lse NaN."""
+    gen = torch.Generator().manual_seed(12)
+    outs = torch.randn(3, 4, 2, 6, generator=gen)
+    lses = torch.randn(3, 4, 2, generator=gen) * 3
+    lses[1, 0, 0] = float("nan")
+    lses[2, 1, 1] = float("inf")
+    outs[2, 1, 1] = float("nan")
+    lses[:, 3, :] = -float("inf")
+    outs[:, 3, :] = float("nan")
+    l64 = lses.double()
+    empty = torch.isinf(l64)
+    m = torch.where(empty, -math.inf, l64).amax(0)
+    w = torch.where(empty, 0.0, torch.exp(l64 - torch.where(torch.isinf(m), 0.0, m)))     # NaN stays NaN
+    total = w.sum(0)
+    want_out = (torch.where(w[..., None] > 0, outs.double(), 0.0) * (w / total.clamp_min(1e-300))[..., None]).sum(0)
+    want_lse = torch.where(total > 0, m + torch.log(total), -math.inf)
+    nan_row = torch.isnan(l64).any(0)
+    want_out = torch.where(nan_row[..., None], math.nan, want_out)
+    want_lse = torch.where(nan_row, math.nan, want_lse)
+    return outs, lses, want_out, want_lse
+
+
+def _check_nan_case(out: torch.Tensor, lse: torch.Tensor, want_out: torch.Tensor, want_lse: torch.Tensor) -> None:
+    assert torch.isnan(out[0, 0]).all() and torch.isnan(lse[0, 0]), (out[0, 0], lse[0, 0])
+    assert torch.equal(out[3], torch.zeros(2, 6, dtype=out.dtype)) and (lse[3] == -math.inf).all()
+    assert torch.isfinite(out[:3].flatten(0, 1)[1:]).all()          # the NaN stays on its row
+    torch.testing.assert_close(out.double(), want_out, rtol=0, atol=1e-6, equal_nan=True)
+    torch.testing.assert_close(lse.double(), want_lse, rtol=0, atol=1e-6, equal_nan=True)
+
+
+def test_a_nan_lse_propagates_to_its_row_and_is_not_an_empty_partial():
+    outs, lses, want_out, want_lse = _nan_case()
+    got = merge_attn_states(outs, lses, backend="torch")
+    _check_nan_case(got.out, got.lse, want_out, want_lse)
+    # two-way, and the lse part alone (what the DCP all-gather + reduce-scatter path uses)
+    pair = merge_two_attn_states(outs[0], lses[0], outs[1], lses[1], backend="torch")
+    assert torch.isnan(pair.out[0, 0]).all() and torch.isnan(pair.lse[0, 0])
+    assert torch.isfinite(pair.out[:3].flatten(0, 1)[1:]).all()
+    from parallel.cp.merge import combine_lse
+
+    lse, nonempty, scales = combine_lse(list(lses.unbind(0)))
+    assert torch.isnan(lse[0, 0]) and bool(nonempty[0, 0]) and all(torch.isnan(s[0, 0]) for s in scales)
+    assert not bool(nonempty[3].any()) and all((s[3] == 0).all() for s in scales)
+
+
+def test_a_nan_lse_propagates_in_the_triton_kernels_under_interpreter(monkeypatch):
+    mod = _triton_merge_module(monkeypatch)
+    outs, lses, want_out, want_lse = _nan_case()
+    got = mod.merge_states_triton(outs, lses)                                       # N-way kernel
+    _check_nan_case(got.out, got.lse, want_out, want_lse)
+    pair = mod.merge_states_triton([outs[0], outs[1]], [lses[0], lses[1]])           # pair kernel
+    expect = merge_two_attn_states(outs[0], lses[0], outs[1], lses[1], backend="torch")
+    assert torch.isnan(pair.out[0, 0]).all() and torch.isnan(pair.lse[0, 0])
+    torch.testing.assert_close(pair.out, expect.out, rtol=0, atol=1e-6, equal_nan=True)
+    torch.testing.assert_close(pair.lse, expect.lse, rtol=0, atol=1e-6, equal_nan=True)
 
 
 def test_large_lse_values_do_not_overflow_and_one_partial_passes_through():
@@ -146,22 +206,22 @@ def test_triton_merge_matches_torch_under_interpreter(monkeypatch, base):
         outs, lses = _edge_case_states(n, n)
         expect = merge_attn_states(outs, lses, base=base, backend="torch")
         got = mod.merge_states_triton(outs, lses, base=base)                      # stacked (N-way kernel)
-        torch.testing.assert_close(got.out, expect.out, rtol=0, atol=1e-6, equal_nan=False)
-        torch.testing.assert_close(got.lse, expect.lse, rtol=0, atol=1e-6)
+        torch.testing.assert_close(got.out, expect.out, rtol=0, atol=1e-6, equal_nan=True)   # row (0, 0): NaN
+        torch.testing.assert_close(got.lse, expect.lse, rtol=0, atol=1e-6, equal_nan=True)
     # pair kernel, strided inputs ([T, H, D] views of [H, T, D] memory), in place into the first
     outs, lses = _edge_case_states(7, 2)
     a = outs[0].transpose(0, 1).contiguous().transpose(0, 1)
     la = lses[0].t().contiguous().t()
     expect = merge_two_attn_states(outs[0], lses[0], outs[1], lses[1], base=base, backend="torch")
     merge_two_attn_states(a, la, outs[1], lses[1], base=base, backend="triton", out=a, out_lse=la)
-    torch.testing.assert_close(a, expect.out, rtol=0, atol=1e-6)
-    torch.testing.assert_close(la, expect.lse, rtol=0, atol=1e-6)
+    torch.testing.assert_close(a, expect.out, rtol=0, atol=1e-6, equal_nan=True)
+    torch.testing.assert_close(la, expect.lse, rtol=0, atol=1e-6, equal_nan=True)
     # fp32 accumulator + fp16 block (the interpreter mishandles bf16), as the ring merges
     block = outs[1].half()
     expect = merge_two_attn_states(outs[0], lses[0], block.float(), lses[1], base=base, backend="torch")
     acc = outs[0].clone()
     merge_two_attn_states(acc, lses[0].clone(), block, lses[1], base=base, backend="triton", out=acc)
-    torch.testing.assert_close(acc, expect.out, rtol=0, atol=1e-6)
+    torch.testing.assert_close(acc, expect.out, rtol=0, atol=1e-6, equal_nan=True)
 
 
 @pytest.mark.gpu
@@ -173,11 +233,11 @@ def test_triton_merge_matches_torch_on_cuda(dtype):
         expect = merge_attn_states(outs, lses, base=base, backend="torch")
         got = merge_attn_states(outs, lses, base=base)          # auto picks Triton on CUDA
         torch.testing.assert_close(got.out.float(), expect.out.float(), rtol=1e-2 if dtype != torch.float32 else 0,
-                                   atol=1e-2 if dtype != torch.float32 else 1e-5)
-        torch.testing.assert_close(got.lse, expect.lse, rtol=0, atol=1e-5)
+                                   atol=1e-2 if dtype != torch.float32 else 1e-5, equal_nan=True)
+        torch.testing.assert_close(got.lse, expect.lse, rtol=0, atol=1e-5, equal_nan=True)
         # the ring's step: fp32 accumulator, block in the attention dtype, in place
         ref2 = merge_two_attn_states(outs[0].float(), lses[0], outs[1].float(), lses[1], base=base, backend="torch")
         acc, acc_lse = outs[0].float().clone(), lses[0].clone()
         merge_two_attn_states(acc, acc_lse, outs[1], lses[1], base=base, out=acc, out_lse=acc_lse)
-        torch.testing.assert_close(acc, ref2.out, rtol=0, atol=1e-5)
-        torch.testing.assert_close(acc_lse, ref2.lse, rtol=0, atol=1e-5)
+        torch.testing.assert_close(acc, ref2.out, rtol=0, atol=1e-5, equal_nan=True)
+        torch.testing.assert_close(acc_lse, ref2.lse, rtol=0, atol=1e-5, equal_nan=True)

@@ -16,6 +16,7 @@ FAKE = '''
 import torch
 import torch.distributed as dist
 calls = []
+buffers = []  # the arguments of every Buffer made
 
 class _Handle:
     def __init__(self, sent, recv_counts, num_tokens):
@@ -27,6 +28,7 @@ class Buffer:
         self.group, self.ll = group, low_latency_mode
         self.rank, self.size = dist.get_rank(group), dist.get_world_size(group)
         calls.append(("Buffer", num_nvl_bytes > 0, num_rdma_bytes > 0, low_latency_mode))
+        buffers.append((num_nvl_bytes, num_rdma_bytes, low_latency_mode, num_qps_per_rank))
 
     @staticmethod
     def get_low_latency_rdma_size_hint(max_tokens, hidden, num_ranks, num_experts):
@@ -127,8 +129,10 @@ def _inputs(rank: int, world: int, e_total: int) -> tuple[torch.Tensor, ...]:
 def _rank(rank: int, world: int, fake_dir: str) -> dict:
     sys.path.insert(0, fake_dir)
     from parallel import ParallelConfig, destroy_parallel, init_parallel
-    from parallel.ep import make_dispatcher
-    from parallel.ep.deepep import DeepEPLowLatency
+    import warnings
+
+    from parallel.ep import DeepEPConfig, make_dispatcher
+    from parallel.ep.deepep import NVL_BYTES, DeepEPLowLatency
 
     groups = init_parallel(ParallelConfig(world_size=world))
     try:
@@ -136,7 +140,8 @@ def _rank(rank: int, world: int, fake_dir: str) -> dict:
         x, ids, w = _inputs(rank, world, e_total)
         res = {}
         for backend in ("all_to_all", "deepep"):
-            d = make_dispatcher(pg, e_total, H, backend=backend, comm_thread=False)
+            cfg = DeepEPConfig(num_nvl_bytes=1 << 22, num_qps_per_rank=3) if backend == "deepep" else None
+            d = make_dispatcher(pg, e_total, H, backend=backend, comm_thread=False, backend_config=cfg)
             xx = x.clone().requires_grad_(True)
             r = d.dispatch(xx, ids, w)
             y = d.combine(r.x * 2, r.handle)
@@ -145,13 +150,21 @@ def _rank(rank: int, world: int, fake_dir: str) -> dict:
                             xx.grad]
             if backend == "deepep":
                 d.backend.destroy()
-        ll = DeepEPLowLatency(pg, max_tokens=8, hidden=H, num_experts=e_total)
+        # the default normal-mode buffer: NVL_BYTES, no RDMA, DeepEP's qps default
+        make_dispatcher(pg, e_total, H, backend="deepep", comm_thread=False).backend.buffer
+        with warnings.catch_warnings(record=True) as caught:  # the deprecated keyword form
+            warnings.simplefilter("always")
+            DeepEPLowLatency(pg, max_tokens=8, hidden=H, num_experts=e_total)
+        ll = DeepEPLowLatency(pg, DeepEPConfig(low_latency_mode=True, max_dispatch_tokens_per_rank=8, hidden=H,
+                                               num_experts=e_total))
         got = ll.dispatch(x, ids, w)
         out = ll.combine(got.x, got)
         import deep_ep
 
         return {"same": [torch.equal(a, b) for a, b in zip(res["all_to_all"], res["deepep"])],
-                "ll_shapes": (tuple(got.x.shape), tuple(out.shape)), "calls": [c[0] for c in deep_ep.calls]}
+                "ll_shapes": (tuple(got.x.shape), tuple(out.shape)), "calls": [c[0] for c in deep_ep.calls],
+                "buffers": deep_ep.buffers, "nvl_default": NVL_BYTES,
+                "warned": [str(c.message) for c in caught if c.category is DeprecationWarning]}
     finally:
         destroy_parallel()
 
@@ -168,6 +181,37 @@ def test_deepep_backend_matches_all_to_all_through_a_fake_deep_ep(fake_dir):
         assert calls[:4] == ["Buffer", "get_dispatch_layout", "dispatch", "combine"], calls
         assert "dispatch_cached" in calls and calls.count("combine") == 2, calls
         assert calls[-3:] == ["Buffer", "low_latency_dispatch", "low_latency_combine"], calls
+        # Buffer(group, nvl, rdma, low_latency_mode, num_qps_per_rank) from each DeepEPConfig (fake default qps 1)
+        rdma_hint = 8 * H * world * 16  # the fake's get_low_latency_rdma_size_hint
+        assert r["buffers"] == [(1 << 22, 0, False, 3), (r["nvl_default"], 0, False, 1), (0, rdma_hint, True, 2),
+                                (0, rdma_hint, True, 2)], r["buffers"]
+        assert len(r["warned"]) == 1 and "DeepEPLowLatency(max_tokens=, hidden=, num_experts=) is deprecated" in \
+            r["warned"][0], r["warned"]
+
+
+def test_deepep_config_validates_and_reaches_the_dispatcher_only_by_name():
+    from parallel.ep import DeepEPConfig, DispatcherConfig, NvshmemConfig
+
+    assert DeepEPConfig().low_latency_mode is False
+    for kwargs, match in [
+            (dict(num_nvl_bytes=-1), r"num_nvl_bytes \(-1\) must be an int >= 0 or None"),
+            (dict(num_qps_per_rank=0), r"num_qps_per_rank \(0\) must be an int >= 1 or None"),
+            (dict(low_latency_mode="yes"), "low_latency_mode must be True or False, got 'yes'"),
+            (dict(low_latency_mode=True, hidden=8, num_experts=4),
+             r"max_dispatch_tokens_per_rank \(None\) must be an int >= 1"),
+            (dict(hidden=8), r"hidden=8 apply to low_latency_mode=True only"),
+            (dict(use_fp8=True), r"use_fp8=True apply to low_latency_mode=True only")]:
+        with pytest.raises(ValueError, match=match):
+            DeepEPConfig(**kwargs)
+    with pytest.raises(ValueError, match="backend='all_to_all' takes no backend_config"):
+        DispatcherConfig(backend="all_to_all", backend_config=DeepEPConfig())
+    with pytest.raises(ValueError, match="backend='deepep' takes a DeepEPConfig as backend_config, got NvshmemConfig"):
+        DispatcherConfig(backend="deepep", backend_config=NvshmemConfig(mode="normal"))
+    with pytest.raises(ValueError, match="runs DeepEP's normal mode"):
+        DispatcherConfig(backend="deepep", backend_config=DeepEPConfig(
+            low_latency_mode=True, max_dispatch_tokens_per_rank=8, hidden=8, num_experts=4))
+    assert DispatcherConfig(backend="deepep", backend_config=DeepEPConfig(num_rdma_bytes=5)).backend_config \
+        == DeepEPConfig(num_rdma_bytes=5)
 
 
 def test_deepep_is_registered_and_reports_why_it_cannot_run():

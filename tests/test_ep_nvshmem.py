@@ -200,13 +200,15 @@ def _expert_fn(slab: torch.Tensor) -> torch.Tensor:
 
 
 def _slab_cases(group, rank: int, world: int, device: str = "cpu") -> dict:
-    from parallel.ep import make_dispatcher
+    from dataclasses import replace
+
+    from parallel.ep import NvshmemConfig, make_dispatcher
     from parallel.ep.nvshmem import NvshmemBuffer, NvshmemTransport
 
     e_total, tm = 2 * world, 6
     out = {}
-    with NvshmemBuffer(group, max_tokens=tm, hidden=H, top_k=K, num_experts=e_total, dtype=torch.float32,
-                       device=device) as buf:
+    cfg = NvshmemConfig(max_tokens=tm, hidden=H, top_k=K, num_experts=e_total, dtype=torch.float32)
+    with NvshmemBuffer(group, cfg, device=device) as buf:
         for seed in (0, 1):
             mine = _inputs(seed, world, e_total, tm)[rank]  # the reference runs on CPU tensors
             x, ids, w = (mine[k].to(device) for k in ("x", "ids", "w"))
@@ -220,7 +222,8 @@ def _slab_cases(group, rank: int, world: int, device: str = "cpu") -> dict:
                     cap = max(1, int(tot.max()))
                     ref = make_dispatcher(group, e_total, H, backend="all_to_all", layout="slab", capacity=cap)
                     want = ref.dispatch(mine["x"], mine["ids"], mine["w"])
-                tr = NvshmemTransport(buf, capacity=cap)
+                tr = NvshmemTransport(buf, replace(cfg, capacity=cap))  # one buffer, several capacities
+                assert tr.capacity == cap and tr.config.capacity == cap
                 got = tr.dispatch_slab(x, ids, w)
                 same = [torch.equal(got.x.cpu(), want.x), torch.equal(got.counts.cpu(), want.counts),
                         torch.equal(got.topk_weights.cpu(), want.topk_weights),
@@ -244,15 +247,17 @@ def _slab_cases(group, rank: int, world: int, device: str = "cpu") -> dict:
 
 def _dispatcher_cases(group, rank: int, world: int, device: str = "cpu") -> dict:
     """backend="nvshmem" against "all_to_all": layout, combine, gradients, async handles."""
-    from parallel.ep import make_dispatcher
+    from parallel.ep import NvshmemConfig, make_dispatcher
 
     e_total, out = 2 * world, {}
+    normal = NvshmemConfig(mode="normal", max_iters=1 << 21, min_region_bytes=4096)
     for seed in (2, 3):
         mine = _inputs(seed, world, e_total, 5)[rank]
         res = {}
         for backend in ("all_to_all", "nvshmem"):
             dev = device if backend == "nvshmem" else "cpu"  # the reference runs on CPU tensors
-            d = make_dispatcher(group, e_total, H, backend=backend, align=2)
+            d = make_dispatcher(group, e_total, H, backend=backend, align=2,
+                                backend_config=normal if backend == "nvshmem" else None)
             # fresh leaves per backend: `.to("cpu")` returns the same tensor, so without the
             # clone the first backend's requires_grad_ would make the second one's copy a non-leaf
             # (its .grad then stays None)
@@ -266,6 +271,8 @@ def _dispatcher_cases(group, rank: int, world: int, device: str = "cpu") -> dict
             if backend == "nvshmem":
                 for b in (d.backend, d._worker_backend):
                     if b is not None:
+                        # the config reached the backend (and its worker copy) and its buffers
+                        assert b.config is normal and (b.buffer is None or b.buffer.max_iters == normal.max_iters)
                         b.destroy()
         out[seed] = [(a is None and b is None) or (a is not None and b is not None and torch.equal(a, b))
                      for a, b in zip(res["all_to_all"], res["nvshmem"])]
@@ -276,7 +283,7 @@ def _moe_layer_case(group, rank: int, world: int, device: str = "cpu") -> float:
     """MoELayer's device path on the low-latency transport vs the EP = 1 layer."""
     import moe.layer
     from moe import MoEConfig, MoELayer
-    from parallel.ep.nvshmem import NvshmemBuffer, NvshmemTransport
+    from parallel.ep.nvshmem import NvshmemBuffer, NvshmemConfig, NvshmemTransport
 
     torch.manual_seed(0)
     cfg = MoEConfig(hidden=H, inter=16, num_experts=2 * world, top_k=K, num_shared=0, dtype=torch.float32)
@@ -285,8 +292,8 @@ def _moe_layer_case(group, rank: int, world: int, device: str = "cpu") -> float:
     x_all = torch.randn(sum(sizes), H, device=device)
     first = sum(sizes[:rank])
     mine = x_all[first:first + sizes[rank]]
-    with torch.no_grad(), NvshmemBuffer(group, max_tokens=6, hidden=H, top_k=K, num_experts=2 * world,
-                                        dtype=torch.float32, device=device) as buf:
+    with torch.no_grad(), NvshmemBuffer(group, NvshmemConfig(max_tokens=6, hidden=H, top_k=K, num_experts=2 * world,
+                                                             dtype=torch.float32), device=device) as buf:
         want = full(x_all)[first:first + sizes[rank]]
         if "nvshmem" in moe.layer.TRANSPORTS:
             layer = MoELayer(cfg, group, path="device", transport="nvshmem", max_tokens=6, device=device)
@@ -305,16 +312,28 @@ def _moe_layer_case(group, rank: int, world: int, device: str = "cpu") -> float:
 
 
 def _error_cases(group, rank: int, world: int, device: str = "cpu") -> dict:
+    import warnings
+    from dataclasses import replace
+
     from parallel.ep.nvshmem import NvshmemBuffer, NvshmemTransport
 
     out = {}
-    try:  # rank 1 asks for other sizes: every rank raises at init
-        NvshmemBuffer(group, max_tokens=4 + (rank == 1), hidden=H, top_k=K, num_experts=2 * world, device=device)
-        out["sizes"] = "no error"
+    with warnings.catch_warnings(record=True) as caught:  # the deprecated keyword form still works
+        warnings.simplefilter("always")
+        try:  # rank 1 asks for other sizes: every rank raises at init
+            NvshmemBuffer(group, max_tokens=4 + (rank == 1), hidden=H, top_k=K, num_experts=2 * world, device=device)
+            out["sizes"] = "no error"
+        except ValueError as e:
+            out["sizes"] = str(e)
+        buf = NvshmemBuffer(group, max_tokens=4, hidden=H, top_k=K, num_experts=2 * world, dtype=torch.float32,
+                            device=device, max_iters=20000 if device == "cpu" else 1 << 20)
+        out["legacy_transport_capacity"] = NvshmemTransport(buf, capacity=3).capacity
+    out["warned"] = sorted(str(c.message).split("(")[0] for c in caught if c.category is DeprecationWarning)
+    try:  # a transport's config must describe its buffer
+        NvshmemTransport(buf, replace(buf.config, hidden=H + 1))
+        out["mismatch"] = "no error"
     except ValueError as e:
-        out["sizes"] = str(e)
-    buf = NvshmemBuffer(group, max_tokens=4, hidden=H, top_k=K, num_experts=2 * world, dtype=torch.float32,
-                        device=device, max_iters=20000 if device == "cpu" else 1 << 20)
+        out["mismatch"] = str(e)
     if device != "cpu":
         torch.cuda.synchronize()
     torch.distributed.barrier(group=group)  # the ranks that do arrive start together
@@ -345,13 +364,13 @@ def _error_cases(group, rank: int, world: int, device: str = "cpu") -> dict:
 def _graph_case(group, rank: int, world: int, device: str) -> list[bool]:
     """dispatch_slab + experts + combine_slab captured in one CUDA graph; replays on new inputs
     equal the eager calls."""
-    from parallel.ep.nvshmem import NvshmemBuffer, NvshmemTransport
+    from parallel.ep.nvshmem import NvshmemConfig, NvshmemTransport
 
     e_total, tm = 2 * world, 6
     results = []
-    with NvshmemBuffer(group, max_tokens=tm, hidden=H, top_k=K, num_experts=e_total, dtype=torch.float32,
-                       device=device) as buf:
-        tr = NvshmemTransport(buf)
+    tr = NvshmemTransport.create(group, NvshmemConfig(max_tokens=tm, hidden=H, top_k=K, num_experts=e_total,
+                                                      dtype=torch.float32), device=device)
+    with tr.buffer:
         t = 4  # a static token count on every rank
         inputs = []
         for seed in (5, 6, 7):
@@ -395,14 +414,14 @@ def _rank(rank: int, world: int, fake_dir: str | None, device: str = "cpu") -> d
     if device != "cpu":
         torch.cuda.set_device(0)  # every rank on the one GPU (NVSHMEM "multiple processes per GPU")
     from parallel import ParallelConfig, destroy_parallel, init_parallel
-    from parallel.ep.nvshmem import NvshmemBuffer
+    from parallel.ep.nvshmem import NvshmemBuffer, NvshmemConfig
 
     groups = init_parallel(ParallelConfig(world_size=world))
     keeper = None
     try:
         pg = groups.ep.group  # the raw ProcessGroup (gloo: NCCL refuses two ranks on one GPU)
         if device != "cpu":  # keep NVSHMEM initialized throughout (no finalize + re-init between cases)
-            keeper = NvshmemBuffer(pg, max_tokens=1, hidden=4, top_k=1, num_experts=world, device=device)
+            keeper = NvshmemBuffer(pg, NvshmemConfig(max_tokens=1, hidden=4, top_k=1, num_experts=world), device=device)
         cases = {"slab": _slab_cases, "dispatcher": _dispatcher_cases, "moe": _moe_layer_case,
                  "errors": _error_cases}
         if device != "cpu":
@@ -470,6 +489,9 @@ def _check_results(results: list[dict], world: int) -> None:
         assert r["moe"] < 1e-5, (rank, r["moe"])
         err = r["errors"]
         assert "ranks [1] asked for different buffer sizes" in err["sizes"], err["sizes"]
+        assert err["warned"] == ["NvshmemBuffer", "NvshmemTransport"], err["warned"]  # once each per process
+        assert err["legacy_transport_capacity"] == 3
+        assert "differs from its buffer's in ['hidden']" in err["mismatch"], err["mismatch"]
         if rank != world - 1:
             assert f"rank {world - 1} never delivered its rows" in err["missing"], err["missing"]
             assert "refuses further use" in err["refused"] or "failed earlier" in err["refused"], err["refused"]
@@ -477,6 +499,33 @@ def _check_results(results: list[dict], world: int) -> None:
     # with capacity = the largest count, some rank's expert exactly fills its slab, for each seed
     for seed in (0, 1):
         assert any(r["slab"].get(("full", seed)) for r in results), seed
+
+
+def test_nvshmem_config_validates_its_fields_and_modes():
+    from parallel.ep import DispatcherConfig, NvshmemConfig, make_dispatcher
+
+    cfg = NvshmemConfig(max_tokens=4, hidden=8, top_k=2, num_experts=4)
+    assert cfg.dtype == torch.bfloat16 and cfg.mode == "low_latency" and cfg.capacity is None
+    assert NvshmemConfig(mode="normal").dtype is None
+    for kwargs, match in [
+            (dict(mode="fast"), "mode='fast' is not known; valid: low_latency, normal"),
+            (dict(max_tokens=0, hidden=8, top_k=2, num_experts=4), r"max_tokens \(0\) must be an int >= 1"),
+            (dict(max_tokens=4, top_k=2, num_experts=4), r"hidden \(None\) must be an int >= 1"),
+            (dict(max_tokens=4, hidden=8, top_k=2, num_experts=4, dtype="bf16"), "dtype must be a torch.dtype"),
+            (dict(max_tokens=4, hidden=8, top_k=2, num_experts=4, capacity=0), r"capacity \(0\) must be an int >= 1"),
+            (dict(max_tokens=4, hidden=8, top_k=2, num_experts=4, drop_policy="oldest"), "drop_policy='oldest'"),
+            (dict(mode="normal", max_iters=0), r"max_iters \(0\) must be an int >= 1"),
+            (dict(mode="normal", max_tokens=4, capacity=2), "max_tokens=4, capacity=2 apply to mode='low_latency'")]:
+        with pytest.raises(ValueError, match=match):
+            NvshmemConfig(**kwargs)
+    with pytest.raises(ValueError, match="runs in normal mode"):
+        DispatcherConfig(backend="nvshmem", backend_config=cfg)
+    with pytest.raises(ValueError, match="backend='auto' takes no backend_config"):
+        make_dispatcher(None, 4, 8, backend_config=NvshmemConfig(mode="normal"))
+    with pytest.raises(TypeError, match="unknown options"):
+        from parallel.ep.nvshmem import NvshmemBuffer
+
+        NvshmemBuffer(None, max_tokens=4, hiden=8)
 
 
 def test_registered_and_reported_with_the_reason_it_cannot_run():

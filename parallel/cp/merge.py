@@ -2,8 +2,10 @@
 
 Attention over disjoint key sets gives partial states `(o_i, lse_i)`; the attention over the
 union is `o = sum_i w_i o_i / sum_i w_i` with `w_i = exp(lse_i - max lse)` and
-`lse = max + log(sum w_i)`. Kernels mark rows that saw no key with `lse = +inf` or NaN; such
-rows count as empty (`-inf`), and a row empty in every partial gives `o = 0, lse = -inf`.
+`lse = max + log(sum w_i)`. A partial row that saw no key has `lse = -inf` (or `+inf`, as
+FlashAttention marks it) and counts as empty; a row empty in every partial gives `o = 0,
+lse = -inf`. A NaN lse is not empty: it propagates (the merged row's out and lse are NaN), so a
+NaN in one shard's keys or values cannot vanish in the merge.
 Math is fp32 whatever the storage dtype; the scale `w_i / S` is formed first, so `o * exp(lse)`
 (which overflows) never appears. `base="2"` treats every LSE as a base-2 log (FlashInfer).
 
@@ -63,11 +65,15 @@ def _backend(backend: str, outs: Sequence[Tensor], lses: Sequence[Tensor]) -> st
 def combine_lse(lses: Sequence[Tensor], base: Base = "e") -> tuple[Tensor, Tensor, list[Tensor]]:
     """The LSE part of a merge: (lse [...], nonempty [...] bool, scales w_i / S per input).
 
-    lses: each [...] (any float dtype; NaN and +inf mean empty). Returns fp32 tensors; the
-    merged lse is -inf and every scale 0 on rows empty in all inputs.
+    lses: each [...] (any float dtype; -inf and +inf mean empty). Returns fp32 tensors; the
+    merged lse is -inf and every scale 0 on rows empty in all inputs. A row with a NaN lse in
+    any input gets lse NaN and every scale NaN (nonempty True): the NaN reaches the merged out.
     """
     exp = torch.exp2 if base == "2" else torch.exp
     log = torch.log2 if base == "2" else torch.log
+    nan_row = torch.isnan(lses[0])
+    for x in lses[1:]:
+        nan_row = nan_row | torch.isnan(x)
     clean = [torch.where(torch.isnan(x) | (x == math.inf), -math.inf, x.float()) for x in lses]
     m = clean[0]
     for x in clean[1:]:
@@ -80,7 +86,8 @@ def combine_lse(lses: Sequence[Tensor], base: Base = "e") -> tuple[Tensor, Tenso
     nonempty = total > 0
     safe_total = torch.where(nonempty, total, 1.0)
     lse = torch.where(nonempty, m + log(safe_total), -math.inf)
-    return lse, nonempty, [w / safe_total for w in weights]
+    return (torch.where(nan_row, math.nan, lse), nonempty | nan_row,
+            [torch.where(nan_row, math.nan, w / safe_total) for w in weights])
 
 
 def _merge_torch(outs: Sequence[Tensor], lses: Sequence[Tensor], base: Base) -> AttnState:
@@ -89,7 +96,8 @@ def _merge_torch(outs: Sequence[Tensor], lses: Sequence[Tensor], base: Base) -> 
     acc = None
     for o, s in zip(outs, scales):
         s = s.unsqueeze(-1)
-        # where() keeps NaN/inf of an empty partial out of the sum (and out of the gradient).
+        # where() keeps NaN/inf of an empty partial out of the sum (and out of the gradient); a
+        # NaN scale (a NaN lse in the row) makes the term NaN: 0 * NaN.
         term = torch.where(s > 0, o.float(), 0.0) * s
         acc = term if acc is None else acc + term
     return AttnState(acc, lse)
@@ -124,7 +132,8 @@ def merge_attn_states(outs: Tensor | Sequence[Tensor], lses: Tensor | Sequence[T
 
     outs: [N, ..., T, H, D] (or a sequence of N [..., T, H, D]) fp32/bf16/fp16; the inputs of a
         sequence may differ in dtype (an fp32 accumulator merged with a bf16 block).
-    lses: [N, ..., T, H] (or a sequence), any float dtype; NaN/+inf = empty partial.
+    lses: [N, ..., T, H] (or a sequence), any float dtype; -inf/+inf = empty partial; a NaN
+        lse makes that row's out and lse NaN.
     base: "e" (PyTorch/FlashAttention) or "2" (FlashInfer); the result lse has the same base.
     out / out_lse: optional destinations ([..., T, H, D] any float dtype, [..., T, H] fp32);
         `out` may alias one of the inputs (in-place accumulation).

@@ -8,7 +8,9 @@
 Modules: `dispatch` (the Dispatcher, autograd), `backends` (transports and the census),
 `layout` (local permute plan and the torch data movers), `triton_permute` (CUDA kernels),
 `nvshmem` / `nvshmem_kernels` (device-initiated transfers over NVSHMEM: backend "nvshmem" and the
-low-latency `NvshmemTransport`).
+low-latency `NvshmemTransport`; options `NvshmemConfig`), `deepep` (DeepEP's Buffer: backend
+"deepep" and `DeepEPLowLatency`; options `DeepEPConfig`). A transport's options reach the
+dispatcher as ``make_dispatcher(..., backend="nvshmem", backend_config=NvshmemConfig(mode="normal"))``.
 """
 
 from megapar.parallel.ep.dispatch import CombineHandle, DispatcherConfig, DispatchResult, Dispatcher, make_dispatcher
@@ -18,10 +20,12 @@ from megapar.parallel.ep.layout import LayoutPlan, gather_reduce, gather_rows, p
 
 from megapar.parallel.ep import deepep as _deepep  # noqa: E402  (backends "deepep", "nvshmem": their packages load lazily)
 from megapar.parallel.ep import nvshmem as _nvshmem  # noqa: E402
+from megapar.parallel.ep.deepep import DeepEPConfig  # noqa: E402
+from megapar.parallel.ep.nvshmem import NvshmemConfig  # noqa: E402
 
 _nvshmem.register()
 _deepep.register()
 
-__all__ = ["make_dispatcher", "DispatcherConfig", "Dispatcher", "DispatchResult", "CombineHandle", "LayoutPlan", "plan_layout",
+__all__ = ["make_dispatcher", "DispatcherConfig", "NvshmemConfig", "DeepEPConfig", "Dispatcher", "DispatchResult", "CombineHandle", "LayoutPlan", "plan_layout",
            "gather_rows", "gather_reduce", "rebalance_experts", "EplbPlan", "logical_to_physical",
            "rearrange_weights", "balancedness", "Eplb", "EplbConfig"]

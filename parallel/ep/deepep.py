@@ -11,6 +11,12 @@
 - `DeepEPLowLatency`: ``low_latency_dispatch`` -> ``[E_local, W * max_tokens, H]`` (DeepEP's
   layout) with per-expert counts, and ``low_latency_combine``.
 
+Options are one `DeepEPConfig` (the arguments of DeepEP's ``Buffer``, plus the low-latency
+sizes): ``make_dispatcher(..., backend="deepep", backend_config=DeepEPConfig(num_nvl_bytes=...))``
+and ``DeepEPLowLatency(group, DeepEPConfig(low_latency_mode=True, max_dispatch_tokens_per_rank=,
+hidden=, num_experts=))``. The keyword form ``DeepEPLowLatency(group, max_tokens=, hidden=,
+num_experts=, use_fp8=)`` still works and warns once (DeprecationWarning).
+
 Known blocker: the PyPI build `deepinfer-ep` needs
 CUDA >= 13.1 and NCCL >= 2.32.3; the GPU machine has CUDA 13.0 and NCCL 2.28.9, so this
 module is tested with a fake `deep_ep` that checks the calls and shapes it receives.
@@ -28,9 +34,76 @@ import torch.distributed as dist
 from megapar.parallel import impl
 from megapar.parallel.ep import backends
 from megapar.parallel.ep.backends import Backend, Census, Route, RoutingInfo
+from megapar.parallel.ep.dispatch import check_int, config_from_keywords
 
 HINT = "pip install 'megapar[deepep]' (deepinfer-ep: needs CUDA >= 13.1, NCCL >= 2.32.3)"
 NVL_BYTES = int(os.environ.get("MEGAPAR_DEEPEP_NVL_BYTES", str(1 << 30)))
+"""normal mode's default NVLink buffer bytes (read once at import)"""
+
+_LOW_LATENCY_FIELDS = ("max_dispatch_tokens_per_rank", "hidden", "num_experts")
+
+
+@dataclass(frozen=True, kw_only=True)
+class DeepEPConfig:
+    """How a DeepEP ``Buffer`` is made; identical on every EP rank.
+
+    low_latency_mode False: backend "deepep" of `make_dispatcher` (its ``backend_config``); the
+    dispatcher knows the experts and hidden size, so only the Buffer's sizes apply. True:
+    `DeepEPLowLatency` (decode), which needs max_dispatch_tokens_per_rank, hidden and num_experts.
+    """
+
+    low_latency_mode: bool = False
+    num_nvl_bytes: int | None = None
+    """NVLink buffer bytes; None: `NVL_BYTES` (1 GiB, MEGAPAR_DEEPEP_NVL_BYTES) normal, 0 low-latency"""
+    num_rdma_bytes: int | None = None
+    """RDMA buffer bytes; None: 0 normal, DeepEP's ``get_low_latency_rdma_size_hint`` low-latency"""
+    num_qps_per_rank: int | None = None
+    """None: experts per rank in low-latency mode (as DeepEP's tests), DeepEP's default in normal mode"""
+    max_dispatch_tokens_per_rank: int | None = None
+    """low-latency: most tokens one rank dispatches per call (static shapes)"""
+    hidden: int | None = None
+    num_experts: int | None = None
+    """low-latency: expert slots over the whole EP group"""
+    use_fp8: bool = False
+    """low-latency: dispatch FP8 (DeepEP quantizes; the slab is (fp8, scales))"""
+
+    def __post_init__(self) -> None:
+        own = "DeepEPConfig"
+        for name in ("low_latency_mode", "use_fp8"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{own}: {name} must be True or False, got {getattr(self, name)!r}")
+        check_int(own, "num_nvl_bytes", self.num_nvl_bytes, 0, optional=True)
+        check_int(own, "num_rdma_bytes", self.num_rdma_bytes, 0, optional=True)
+        check_int(own, "num_qps_per_rank", self.num_qps_per_rank, 1, optional=True)
+        if self.low_latency_mode:
+            for name in _LOW_LATENCY_FIELDS:
+                check_int(own, name, getattr(self, name), 1)
+            return
+        given = [f"{n}={getattr(self, n)!r}" for n in _LOW_LATENCY_FIELDS if getattr(self, n) is not None]
+        given += ["use_fp8=True"] if self.use_fp8 else []
+        if given:
+            raise ValueError(f"{own}(low_latency_mode=False): {', '.join(given)} apply to low_latency_mode=True "
+                             "only (the dispatcher has its own experts and hidden size)")
+
+    def buffer_args(self, group: Any, size: int) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        """(args, kwargs) of ``deep_ep.Buffer`` for an EP group of `size` ranks."""
+        kwargs: dict[str, Any] = {}
+        if self.low_latency_mode:
+            assert self.num_experts is not None
+            nvl = 0 if self.num_nvl_bytes is None else self.num_nvl_bytes
+            rdma = self.num_rdma_bytes
+            if rdma is None:
+                rdma = _deep_ep().Buffer.get_low_latency_rdma_size_hint(self.max_dispatch_tokens_per_rank,
+                                                                        self.hidden, size, self.num_experts)
+            kwargs["low_latency_mode"] = True
+            kwargs["num_qps_per_rank"] = (self.num_experts // size if self.num_qps_per_rank is None
+                                          else self.num_qps_per_rank)
+        else:
+            nvl = NVL_BYTES if self.num_nvl_bytes is None else self.num_nvl_bytes
+            rdma = 0 if self.num_rdma_bytes is None else self.num_rdma_bytes
+            if self.num_qps_per_rank is not None:
+                kwargs["num_qps_per_rank"] = self.num_qps_per_rank
+        return (group, nvl, rdma), kwargs
 
 
 def _deep_ep() -> Any:
@@ -80,15 +153,27 @@ class DeepEPBackend(Backend):
     """Dispatcher backend "deepep": one `deep_ep.Buffer` per backend, made at first use."""
 
     name = "deepep"
+    config_type = DeepEPConfig
 
-    def __init__(self, group: dist.ProcessGroup | None, rank: int, size: int) -> None:
+    def __init__(self, group: dist.ProcessGroup | None, rank: int, size: int,
+                 config: DeepEPConfig | None = None) -> None:
         super().__init__(group, rank, size)
+        self.config = DeepEPConfig() if config is None else config
+        self.check_config(self.config)
         self._buffer: Any = None
+
+    @staticmethod
+    def check_config(config: DeepEPConfig) -> None:
+        if config.low_latency_mode:
+            raise ValueError("backend 'deepep' of make_dispatcher runs DeepEP's normal mode; got DeepEPConfig("
+                             "low_latency_mode=True): pass DeepEPConfig(num_nvl_bytes=..., num_rdma_bytes=...) "
+                             "(the low-latency mode is DeepEPLowLatency)")
 
     @property
     def buffer(self) -> Any:
         if self._buffer is None:
-            self._buffer = _deep_ep().Buffer(self.group, NVL_BYTES, 0)
+            args, kwargs = self.config.buffer_args(self.group, self.size)
+            self._buffer = _deep_ep().Buffer(*args, **kwargs)
         return self._buffer
 
     def route(self, info: RoutingInfo, census: Census) -> Route:
@@ -112,16 +197,30 @@ class LowLatencyResult:
 class DeepEPLowLatency:
     """DeepEP low-latency dispatch/combine (decode; CUDA-graph capturable in DeepEP)."""
 
-    def __init__(self, group: Any, *, max_tokens: int, hidden: int, num_experts: int, use_fp8: bool = False) -> None:
+    _KEYWORDS = {"max_tokens": "max_dispatch_tokens_per_rank", "hidden": "hidden", "num_experts": "num_experts",
+                 "use_fp8": "use_fp8"}
+
+    def __init__(self, group: Any, config: DeepEPConfig | None = None, **options: Any) -> None:
+        """config: a `DeepEPConfig(low_latency_mode=True, ...)`. The keywords max_tokens, hidden,
+        num_experts, use_fp8 instead of a config are the deprecated form."""
         from megapar.parallel import comm
 
+        config = config_from_keywords(
+            "DeepEPLowLatency", config, options, tuple(self._KEYWORDS), DeepEPConfig,
+            lambda kw: DeepEPConfig(low_latency_mode=True, **{self._KEYWORDS[k]: v for k, v in kw.items()}),
+            "DeepEPConfig(low_latency_mode=True, max_dispatch_tokens_per_rank=, hidden=, num_experts=, use_fp8=)")
+        if not isinstance(config, DeepEPConfig) or not config.low_latency_mode:
+            raise ValueError(f"DeepEPLowLatency needs a DeepEPConfig(low_latency_mode=True, ...), got {config!r}")
         pg, self.rank, self.size = comm.resolve_group(group)
+        num_experts = config.num_experts
+        assert num_experts is not None and config.max_dispatch_tokens_per_rank is not None
         if num_experts % self.size:
             raise ValueError(f"num_experts ({num_experts}) must be a multiple of the EP size ({self.size})")
-        ep = _deep_ep()
-        self.max_tokens, self.hidden, self.num_experts, self.use_fp8 = max_tokens, hidden, num_experts, use_fp8
-        rdma = ep.Buffer.get_low_latency_rdma_size_hint(max_tokens, hidden, self.size, num_experts)
-        self.buffer = ep.Buffer(pg, 0, rdma, low_latency_mode=True, num_qps_per_rank=num_experts // self.size)
+        self.config = config
+        self.max_tokens, self.hidden = config.max_dispatch_tokens_per_rank, config.hidden
+        self.num_experts, self.use_fp8 = num_experts, config.use_fp8
+        args, kwargs = config.buffer_args(pg, self.size)
+        self.buffer = _deep_ep().Buffer(*args, **kwargs)
 
     def dispatch(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> LowLatencyResult:
         if x.dim() != 2 or x.shape[1] != self.hidden or x.shape[0] > self.max_tokens:

@@ -55,6 +55,7 @@ backward for the same dispatches in the same order, with the same inputs requiri
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import queue
 import threading
@@ -429,7 +430,8 @@ class Dispatcher:
 
     def __init__(self, group: Any, num_experts: int, hidden: int, *, backend: str = "auto",
                  layout: str = "contiguous", align: int = 1, capacity: int | None = None,
-                 drop_policy: str | None = None, check_ids: bool = True, comm_thread: bool = True) -> None:
+                 drop_policy: str | None = None, check_ids: bool = True, comm_thread: bool = True,
+                 backend_config: Any = None) -> None:
         pg, rank, size = comm.resolve_group(group)
         if not isinstance(num_experts, int) or num_experts < 1 or num_experts % size:
             valid = [m * size for m in range(1, 5)]
@@ -438,6 +440,7 @@ class Dispatcher:
         if not isinstance(hidden, int) or hidden < 1:
             raise ValueError(f"hidden ({hidden!r}) must be a positive int")
         check_layout_args(layout, align, capacity, drop_policy)
+        check_backend_config(backend, backend_config)
         self.group, self.rank, self.size = pg, rank, size
         self.ranks: tuple[int, ...] | None = tuple(comm.group_ranks(group)) if size > 1 else None
         self.num_experts, self.hidden = num_experts, hidden
@@ -445,11 +448,18 @@ class Dispatcher:
         self.layout, self.align, self.capacity, self.drop_policy = layout, align, capacity, drop_policy
         self.check_ids = check_ids
         self.comm_thread = comm_thread
-        self.backend: Backend = select_backend(backend, size=size)(pg, rank, size)
+        self.backend_config = backend_config
+        self.backend: Backend = self._new_backend(select_backend(backend, size=size), pg)
         self._worker_backend: Backend | None = None  # self.backend's class on the worker's private group
         # one rank, a slab that drops overflow and no id check: nothing needs a host value, so
         # dispatch/combine never synchronize the device (CUDA-graph capturable)
         self._graph_safe = size == 1 and layout == "slab" and drop_policy is not None and not check_ids
+
+    def _new_backend(self, cls: type[Backend], group: Any) -> Backend:
+        """An instance of `cls` on `group`, given the backend's typed config when there is one."""
+        if self.backend_config is None or getattr(cls, "config_type", None) is None:
+            return cls(group, self.rank, self.size)
+        return cls(group, self.rank, self.size, config=self.backend_config)  # type: ignore[call-arg]
 
     def __repr__(self) -> str:
         return (f"Dispatcher(rank {self.rank}/{self.size}, experts={self.num_experts} "
@@ -559,7 +569,7 @@ class Dispatcher:
             return None
         worker = _comm_worker(self.group)
         if self._worker_backend is None or self._worker_backend.group is not worker.group:
-            self._worker_backend = type(self.backend)(worker.group, self.rank, self.size)
+            self._worker_backend = self._new_backend(type(self.backend), worker.group)
         return worker
 
     def _launch(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
@@ -663,6 +673,72 @@ class Dispatcher:
         return comm.CommHandle(work=None, finish=finish) if async_op else finish()
 
 
+# ---- typed configs ----------------------------------------------------------------------------
+
+_deprecated_seen: set[str] = set()
+_deprecated_lock = threading.Lock()
+
+
+def warn_deprecated_once(key: str, message: str, *, stacklevel: int = 3) -> None:
+    """A DeprecationWarning for `key` (an old call form), once per process."""
+    import warnings
+
+    with _deprecated_lock:
+        if key in _deprecated_seen:
+            return
+        _deprecated_seen.add(key)
+    warnings.warn(message, DeprecationWarning, stacklevel=stacklevel)
+
+
+def config_from_keywords(who: str, config: Any, options: dict[str, Any], valid: tuple[str, ...], config_type: type,
+                         build: Callable[[dict[str, Any]], Any], new_form: str) -> Any:
+    """`config`, or, for the deprecated keyword call form of `who` (`options` given), the config
+    `build(options)` makes (a DeprecationWarning once). TypeError for unknown keywords or both forms."""
+    if not options:
+        return config
+    unknown = sorted(set(options) - set(valid))
+    if unknown:
+        raise TypeError(f"{who} got unknown options {unknown}; pass a {config_type.__name__} (fields: "
+                        f"{', '.join(f.name for f in dataclasses.fields(config_type))})")
+    if config is not None:
+        raise TypeError(f"{who}: pass either a {config_type.__name__} or the (deprecated) keywords "
+                        f"{sorted(options)}, not both")
+    warn_deprecated_once(who, f"{who}({', '.join(f'{k}=' for k in options)}) is deprecated; pass {new_form}",
+                         stacklevel=4)
+    return build(options)
+
+
+def check_int(owner: str, name: str, value: Any, low: int, *, optional: bool = False) -> None:
+    """ValueError unless `value` is an int >= low (None too when optional), naming owner.name."""
+    if optional and value is None:
+        return
+    if not isinstance(value, int) or isinstance(value, bool) or value < low:
+        raise ValueError(f"{owner}: {name} ({value!r}) must be an int >= {low}" + (" or None" if optional else ""))
+
+
+def check_backend_config(backend: str, config: Any) -> None:
+    """ValueError unless `config` is None or the typed config of the named `backend`
+    (its Backend class's `config_type`: `NvshmemConfig` for "nvshmem", `DeepEPConfig` for "deepep")."""
+    if config is None:
+        return
+    from megapar.parallel.ep import backends
+
+    if backend not in backends.TRANSPORT.names:
+        return  # the unknown name is what gets reported (select_backend / DispatcherConfig)
+    cls = backends._REGISTRY.get(backend)
+    config_type = getattr(cls, "config_type", None)
+    if config_type is None:
+        takes = sorted(n for n, c in backends._REGISTRY.items() if getattr(c, "config_type", None) is not None)
+        raise ValueError(f"backend={backend!r} takes no backend_config (got {type(config).__name__}); backends "
+                         f"with one: {', '.join(takes)} (name the backend, not 'auto')")
+    if not isinstance(config, config_type):
+        raise ValueError(f"backend={backend!r} takes a {config_type.__name__} as backend_config, got "
+                         f"{type(config).__name__}")
+    check = getattr(cls, "check_config", None)
+    if check is not None:
+        check(config)
+
+
 @dataclass(kw_only=True, frozen=True)
 class DispatcherConfig:
     """How a `Dispatcher` moves and lays out tokens (validated at construction)."""
@@ -681,11 +757,15 @@ class DispatcherConfig:
     """count ids outside [-1, num_experts) and raise (rides on the census)"""
     comm_thread: bool = True
     """with async_op on CPU, census, transfer and layout run on the group's communication thread"""
+    backend_config: Any = None
+    """the transport's own options: `NvshmemConfig(mode="normal")` for "nvshmem", `DeepEPConfig`
+    for "deepep" (None: their defaults)"""
 
     def __post_init__(self) -> None:
         check_layout_args(self.layout, self.align, self.capacity, self.drop_policy)
         if self.backend not in _transport_names():
             raise ValueError(f"backend={self.backend!r} is not known; valid backends: {', '.join(_transport_names())}")
+        check_backend_config(self.backend, self.backend_config)
 
 
 def _transport_names() -> tuple[str, ...]:  # (read when asked: the registry can grow)
@@ -701,8 +781,8 @@ def make_dispatcher(group: Any, num_experts: int, hidden: int, config: Dispatche
     num_experts: expert slots over the whole group (physical slots when EPLB replicates);
     rank r owns ids [r * E_local, (r + 1) * E_local), E_local = num_experts // group size.
     config: a `DispatcherConfig`; `options` are its fields given as keywords (they override
-    `config`'s): backend, layout, align, capacity, drop_policy, check_ids, comm_thread. A group of
-    one never communicates.
+    `config`'s): backend, layout, align, capacity, drop_policy, check_ids, comm_thread,
+    backend_config. A group of one never communicates.
     """
     unknown = sorted(set(options) - set(DispatcherConfig.__dataclass_fields__))
     if unknown:
@@ -711,4 +791,4 @@ def make_dispatcher(group: Any, num_experts: int, hidden: int, config: Dispatche
     cfg = replace(config, **options) if config is not None else DispatcherConfig(**options)
     return Dispatcher(group, num_experts, hidden, backend=cfg.backend, layout=cfg.layout, align=cfg.align,
                       capacity=cfg.capacity, drop_policy=cfg.drop_policy, check_ids=cfg.check_ids,
-                      comm_thread=cfg.comm_thread)
+                      comm_thread=cfg.comm_thread, backend_config=cfg.backend_config)

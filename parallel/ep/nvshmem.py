@@ -3,13 +3,15 @@
 Three pieces on one `NvshmemBuffer` (symmetric memory, peer pointers, two `PeerChannel`s of
 `parallel.ep.nvshmem_kernels`: one for dispatch traffic, one for combine traffic):
 
-- `NvshmemBuffer(group, max_tokens=, hidden=, top_k=, num_experts=, dtype=)`: bootstraps
+- `NvshmemConfig`: every option, typed and validated (mode "low_latency": the buffer sizes and
+  the slab layout; mode "normal": the dispatcher backend's wait timeout and first region size).
+- `NvshmemBuffer(group, NvshmemConfig(max_tokens=, hidden=, top_k=, num_experts=, dtype=))`: bootstraps
   NVSHMEM from the EP group that already exists (rank 0 makes the unique id, the group
   broadcasts it over gloo or NCCL, every rank calls ``nvshmem.core.init``), checks that every
   rank asked for the same sizes (ValueError on every rank otherwise, before NVSHMEM starts),
   and allocates one symmetric allocation per buffer, sized from those numbers, once. Free it
   with `destroy()` or use it as a context manager; nothing relies on ``__del__``.
-- `NvshmemTransport(buffer)`: low-latency mode (decode). Static shapes, no host sync, CUDA-graph
+- `NvshmemTransport(buffer)` (or `NvshmemTransport.create(group, config)`): low-latency mode (decode). Static shapes, no host sync, CUDA-graph
   capturable. Each token row goes once to every rank holding one of its experts, written by a
   kernel straight into that rank's receive region at row ``source_rank * max_tokens + token``
   (routing rows go to every rank, -1 where absent, so stale rows are never mistaken for new
@@ -26,7 +28,11 @@ Three pieces on one `NvshmemBuffer` (symmetric memory, peer pointers, two `PeerC
   the receivers' symmetric regions instead of NCCL, in the same order, so `DispatchResult`,
   `combine`, async handles and the backward passes are those of ``all_to_all``. Its buffer
   is allocated at first use and grown (collectively: the sizes come from the census, the
-  same on every rank) when a call needs more.
+  same on every rank) when a call needs more. Options:
+  ``make_dispatcher(..., backend="nvshmem", backend_config=NvshmemConfig(mode="normal", ...))``.
+
+The keyword forms ``NvshmemBuffer(group, max_tokens=..., ...)`` and ``NvshmemTransport(buffer,
+capacity=..., drop_policy=...)`` still work and warn once (DeprecationWarning).
 
 After any error a buffer refuses further use; build a new one.
 """
@@ -35,8 +41,8 @@ from __future__ import annotations
 
 import os
 import threading
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import dataclass, fields, replace
+from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
@@ -45,6 +51,7 @@ from megapar.parallel import comm, impl
 from megapar.parallel.ep import backends
 from megapar.parallel.ep.backends import (AllToAllRoute, Backend, Census, Route, RoutingInfo, _layout_rows, _pack_rows,
                                   _unpack_rows, routing_info)
+from megapar.parallel.ep.dispatch import check_int, config_from_keywords
 from megapar.parallel.ep.static import DeviceBatch
 
 HINT = "pip install 'megapar[nvshmem]' (nvshmem4py)"
@@ -121,6 +128,73 @@ class _Runtime:
                 cls.ranks = None
 
 
+# ---- the config -----------------------------------------------------------------------------------
+
+MODES = ("low_latency", "normal")
+_SIZE_FIELDS = ("max_tokens", "hidden", "top_k", "num_experts")
+
+
+@dataclass(frozen=True, kw_only=True)
+class NvshmemConfig:
+    """What an NVSHMEM transport is built for; identical on every EP rank (the buffer checks).
+
+    mode "low_latency" (decode: `NvshmemBuffer` + `NvshmemTransport`): static shapes from
+    max_tokens, hidden, top_k, num_experts, dtype and scale_width (all required but the last
+    two); capacity and drop_policy shape the slab layout. mode "normal" (prefill: backend
+    "nvshmem" of `make_dispatcher`, as its ``backend_config``): buffers are sized from each
+    call's census and grown on demand, so only max_iters and min_region_bytes apply.
+    """
+
+    mode: Literal["low_latency", "normal"] = "low_latency"
+    max_tokens: int | None = None
+    """most tokens one rank brings to one call (low-latency rows per source rank)"""
+    hidden: int | None = None
+    top_k: int | None = None
+    num_experts: int | None = None
+    """expert slots over the whole EP group (a multiple of its size)"""
+    dtype: torch.dtype | None = None
+    """payload dtype (x may be as wide or narrower); None = bfloat16 in low-latency mode"""
+    scale_width: int = 0
+    """fp32 scales per token row dispatched with x (0: none)"""
+    max_iters: int = DEFAULT_MAX_ITERS
+    """wait timeout: polls of an arrival counter before the device error word names the missing rank"""
+    capacity: int | None = None
+    """low-latency slab rows per local expert (None: W * max_tokens, never overflows)"""
+    drop_policy: Literal["drop"] | None = None
+    """slab overflow: None records it for `check()` to raise, "drop" drops the last arrivals"""
+    min_region_bytes: int = 1 << 20
+    """normal mode: smallest receive region per channel (grown to twice a call's need)"""
+
+    def __post_init__(self) -> None:
+        if self.mode not in MODES:
+            raise ValueError(f"NvshmemConfig: mode={self.mode!r} is not known; valid: {', '.join(MODES)}")
+        own = "NvshmemConfig"
+        check_int(own, "scale_width", self.scale_width, 0)
+        check_int(own, "max_iters", self.max_iters, 1)
+        check_int(own, "min_region_bytes", self.min_region_bytes, 1)
+        check_int(own, "capacity", self.capacity, 1, optional=True)
+        if self.drop_policy not in (None, "drop"):
+            raise ValueError(f"NvshmemConfig: drop_policy={self.drop_policy!r} is not known; valid: None, 'drop'")
+        if self.dtype is not None and not isinstance(self.dtype, torch.dtype):
+            raise ValueError(f"NvshmemConfig: dtype must be a torch.dtype, got {self.dtype!r}")
+        if self.mode == "low_latency":
+            for name in _SIZE_FIELDS:
+                check_int(own, name, getattr(self, name), 1)
+            if self.dtype is None:
+                object.__setattr__(self, "dtype", torch.bfloat16)
+            return
+        given = [f"{n}={getattr(self, n)!r}" for n in _SIZE_FIELDS + ("dtype", "capacity", "drop_policy")
+                 if getattr(self, n) is not None] + ([f"scale_width={self.scale_width}"] if self.scale_width else [])
+        if given:
+            raise ValueError(f"NvshmemConfig(mode='normal'): {', '.join(given)} apply to mode='low_latency' only "
+                             "(normal mode sizes its buffers from each call's census; the dispatcher has its own "
+                             "layout options); set only max_iters and min_region_bytes")
+
+
+_BUFFER_KEYWORDS = ("max_tokens", "hidden", "top_k", "num_experts", "dtype", "scale_width", "max_iters")
+_TRANSPORT_KEYWORDS = ("capacity", "drop_policy")
+
+
 # ---- the buffer -----------------------------------------------------------------------------------
 
 
@@ -160,20 +234,27 @@ class BufferSizes:
 class NvshmemBuffer:
     """Symmetric buffers and channels for one EP group (module docstring)."""
 
-    def __init__(self, group: Any, *, max_tokens: int, hidden: int, top_k: int, num_experts: int,
-                 dtype: torch.dtype = torch.bfloat16, scale_width: int = 0, device: torch.device | str | None = None,
-                 max_iters: int = DEFAULT_MAX_ITERS, _region_bytes: tuple[int, int] | None = None) -> None:
+    def __init__(self, group: Any, config: NvshmemConfig | None = None, *, device: torch.device | str | None = None,
+                 _region_bytes: tuple[int, int] | None = None, **options: Any) -> None:
+        """config: a low-latency `NvshmemConfig` (its sizes; the slab options are read by
+        `NvshmemTransport`). The keywords max_tokens, hidden, top_k, num_experts, dtype,
+        scale_width, max_iters instead of a config are the deprecated form."""
+        config = config_from_keywords("NvshmemBuffer", config, options, _BUFFER_KEYWORDS, NvshmemConfig,
+                                      lambda kw: NvshmemConfig(**kw), "an NvshmemConfig(max_tokens=, hidden=, ...)")
+        if not isinstance(config, NvshmemConfig):
+            raise ValueError(f"NvshmemBuffer needs an NvshmemConfig, got {config!r}")
+        if config.mode != "low_latency":
+            raise ValueError("NvshmemBuffer: config.mode='normal' is the dispatcher backend's "
+                             "(make_dispatcher(..., backend='nvshmem', backend_config=config)); a buffer needs "
+                             "mode='low_latency' with its sizes")
         pg, rank, size = comm.resolve_group(group)
-        for name, value, low in (("max_tokens", max_tokens, 1), ("hidden", hidden, 1), ("top_k", top_k, 1),
-                                 ("num_experts", num_experts, 1), ("scale_width", scale_width, 0),
-                                 ("max_iters", max_iters, 1)):
-            if not isinstance(value, int) or isinstance(value, bool) or value < low:
-                raise ValueError(f"NvshmemBuffer: {name} ({value!r}) must be an int >= {low}")
+        max_tokens, hidden, top_k, num_experts = (getattr(config, n) for n in _SIZE_FIELDS)
+        scale_width, max_iters, dtype = config.scale_width, config.max_iters, config.dtype
+        assert dtype is not None
         if num_experts % size:
             raise ValueError(f"NvshmemBuffer: num_experts ({num_experts}) must be a multiple of the EP group size "
                              f"({size})")
-        if not isinstance(dtype, torch.dtype):
-            raise ValueError(f"NvshmemBuffer: dtype must be a torch.dtype, got {dtype!r}")
+        self.config = config
         if device is None:
             device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else \
                 torch.device("cpu")
@@ -323,21 +404,38 @@ class SlabDispatch:
 
 
 class NvshmemTransport:
-    """Low-latency dispatch/combine on a buffer (module docstring). capacity: slab rows per local
-    expert (default W * max_tokens: never overflows with distinct experts per token).
-    drop_policy: None (an overflow is recorded and raised by `check()`) or "drop"."""
+    """Low-latency dispatch/combine on a buffer (module docstring). The slab options come from
+    `config` (default: the buffer's): capacity = slab rows per local expert (None: W * max_tokens,
+    never overflows with distinct experts per token), drop_policy = None (an overflow is recorded
+    and raised by `check()`) or "drop". A config given here must describe the buffer (only its
+    slab options may differ): one buffer serves transports of several capacities."""
 
-    def __init__(self, buffer: NvshmemBuffer, *, capacity: int | None = None, drop_policy: str | None = None) -> None:
+    def __init__(self, buffer: NvshmemBuffer, config: NvshmemConfig | None = None, **options: Any) -> None:
+        config = config_from_keywords("NvshmemTransport", config, options, _TRANSPORT_KEYWORDS, NvshmemConfig,
+                                      lambda kw: replace(buffer.config, **kw),
+                                      "replace(buffer.config, capacity=, drop_policy=) as its config")
+        if config is None:
+            config = buffer.config
+        elif not isinstance(config, NvshmemConfig):
+            raise ValueError(f"NvshmemTransport needs an NvshmemConfig, got {config!r}")
+        slab = {f: None for f in _TRANSPORT_KEYWORDS}
+        if replace(config, **slab) != replace(buffer.config, **slab):
+            differ = [f.name for f in fields(NvshmemConfig) if f.name not in _TRANSPORT_KEYWORDS
+                      and getattr(config, f.name) != getattr(buffer.config, f.name)]
+            raise ValueError(f"NvshmemTransport: the config differs from its buffer's in {differ} (only "
+                             f"{', '.join(_TRANSPORT_KEYWORDS)} may differ); build a buffer for it")
         s = buffer.sizes
-        self.buffer = buffer
+        self.buffer, self.config = buffer, config
         self.experts_per_rank = s.num_experts // buffer.size
-        self.capacity = buffer.size * s.max_tokens if capacity is None else capacity
-        if not isinstance(self.capacity, int) or self.capacity < 1:
-            raise ValueError(f"capacity ({capacity!r}) must be an int >= 1")
-        if drop_policy not in (None, "drop"):
-            raise ValueError(f"drop_policy={drop_policy!r} is not known; valid: None, 'drop'")
-        self.drop_policy = drop_policy
+        self.capacity = buffer.size * s.max_tokens if config.capacity is None else config.capacity
+        self.drop_policy = config.drop_policy
         self._index: dict[tuple[int, str], tuple[torch.Tensor, ...]] = {}
+
+    @classmethod
+    def create(cls, group: Any, config: NvshmemConfig, *, device: torch.device | str | None = None
+               ) -> "NvshmemTransport":
+        """A transport on a new buffer for `config` (free it with ``transport.buffer.destroy()``)."""
+        return cls(NvshmemBuffer(group, config, device=device))
 
     def _static_index(self, t: int, device: torch.device) -> tuple[torch.Tensor, ...]:
         """Index tensors that depend only on T (cached: CUDA-graph replays reuse them)."""
@@ -540,13 +638,25 @@ class NvshmemRoute(AllToAllRoute):
 
 class NvshmemBackend(Backend):
     """Dispatcher backend "nvshmem" (normal mode): its buffer is allocated at first use and grown
-    collectively when a call needs more (the sizes come from the census: equal on every rank)."""
+    collectively when a call needs more (the sizes come from the census: equal on every rank).
+    config: an `NvshmemConfig(mode="normal")` (make_dispatcher's ``backend_config``)."""
 
     name = "nvshmem"
+    config_type = NvshmemConfig
 
-    def __init__(self, group: dist.ProcessGroup | None, rank: int, size: int) -> None:
+    def __init__(self, group: dist.ProcessGroup | None, rank: int, size: int,
+                 config: NvshmemConfig | None = None) -> None:
         super().__init__(group, rank, size)
+        self.config = NvshmemConfig(mode="normal") if config is None else config
+        self.check_config(self.config)
         self.buffer: NvshmemBuffer | None = None
+
+    @staticmethod
+    def check_config(config: NvshmemConfig) -> None:
+        if config.mode != "normal":
+            raise ValueError(f"backend 'nvshmem' of make_dispatcher runs in normal mode; got NvshmemConfig(mode="
+                             f"{config.mode!r}): pass NvshmemConfig(mode='normal', max_iters=...) (the low-latency "
+                             "mode is NvshmemTransport, or MoELayer(transport='nvshmem'))")
 
     def route(self, info: RoutingInfo, census: Census) -> Route:
         return NvshmemRoute(info, census, self)
@@ -560,10 +670,11 @@ class NvshmemBackend(Backend):
                 return buf
             need = tuple(max(h, 2 * nbytes if c == channel else h) for c, h in enumerate(have))
         else:
-            need = tuple(max(1 << 20, 2 * nbytes) for _ in range(2))
+            need = tuple(max(self.config.min_region_bytes, 2 * nbytes) for _ in range(2))
         # the new buffer first: NVSHMEM stays initialized (its reference count never drops to 0)
-        self.buffer = NvshmemBuffer(self.group, max_tokens=1, hidden=1, top_k=1, num_experts=self.size,
-                                    dtype=torch.uint8, _region_bytes=need)  # type: ignore[arg-type]
+        sizes = NvshmemConfig(max_tokens=1, hidden=1, top_k=1, num_experts=self.size, dtype=torch.uint8,
+                              max_iters=self.config.max_iters)
+        self.buffer = NvshmemBuffer(self.group, sizes, _region_bytes=need)  # type: ignore[arg-type]
         if buf is not None:
             buf.destroy()
         return self.buffer
