@@ -19,6 +19,7 @@ import importlib.abc
 import importlib.machinery
 import os
 import sys
+import types
 
 __version__ = "0.1.0"
 PACKAGES: tuple[str, ...] = ("parallel", "moe", "model", "launch")
@@ -28,6 +29,20 @@ PACKAGES: tuple[str, ...] = ("parallel", "moe", "model", "launch")
 __path__ = [os.path.dirname(os.path.dirname(os.path.abspath(__file__)))]
 
 
+class _Package(types.ModuleType):
+    """The class of a package that an alias import reached. Python's import sets the child module
+    as an attribute of its parent after every first import of a name; for an alias that would
+    overwrite a public name the package binds to something else on purpose (`moe.kernels.
+    grouped_gemm` is a function that shares its name with its module). Keep such names."""
+
+    def __setattr__(self, name: str, value) -> None:
+        current = self.__dict__.get(name)
+        if (isinstance(value, types.ModuleType) and current is not None and current is not value
+                and not isinstance(current, types.ModuleType) and value.__name__ == f"{self.__name__}.{name}"):
+            return
+        super().__setattr__(name, value)
+
+
 class _AliasLoader(importlib.abc.Loader):
     """Loads `pkg.sub` as the already-imported `megapar.pkg.sub` (the same module object)."""
 
@@ -35,7 +50,11 @@ class _AliasLoader(importlib.abc.Loader):
         self.canonical = canonical
 
     def create_module(self, spec: importlib.machinery.ModuleSpec):
-        return importlib.import_module(self.canonical)
+        module = importlib.import_module(self.canonical)
+        parent = sys.modules.get(self.canonical.rpartition(".")[0])
+        if parent is not None and type(parent) is types.ModuleType:
+            parent.__class__ = _Package
+        return module
 
     def exec_module(self, module) -> None:  # the canonical module already ran
         pass

@@ -57,3 +57,25 @@ def test_python_dash_m_entry_points_run_next_to_stray_modules(tmp_path):
                           cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "tp" in proc.stdout
+
+
+def test_short_name_import_of_a_submodule_keeps_the_package_name_it_shares():
+    """`moe.kernels.grouped_gemm` is both a module and the function the package exports: importing
+    the module by its short name must not replace the function (fresh interpreter)."""
+    code = ("import types, moe.kernels.grouped_gemm, parallel.cp.mla_prep\n"
+            "from moe.kernels import grouped_gemm\n"
+            "from parallel.cp import mla_prep\n"
+            "import megapar.moe.kernels as k\n"
+            "assert not isinstance(grouped_gemm, types.ModuleType), grouped_gemm\n"
+            "assert not isinstance(mla_prep, types.ModuleType), mla_prep\n"
+            "assert k.grouped_gemm is grouped_gemm\n"
+            "import sys\n"
+            "m = sys.modules['moe.kernels.grouped_gemm']\n"
+            "assert isinstance(m, types.ModuleType) and m.grouped_gemm is grouped_gemm\n"
+            "print('ok')\n")
+    import subprocess
+    import sys
+
+    root = __import__("os").path.dirname(__import__("os").path.dirname(__file__))
+    out = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-2000:]

@@ -226,13 +226,13 @@ def _mpg_rank(rank: int, world: int, cases: list[dict], iters: int, warmup: int)
 
     from megapar.parallel import ParallelConfig, destroy_parallel, init_parallel
     from megapar.parallel.ep import make_dispatcher
-    from megapar.parallel.ep.nvshmem import NvshmemBuffer, NvshmemTransport
+    from megapar.parallel.ep.nvshmem import NvshmemBuffer, NvshmemConfig, NvshmemTransport
 
     torch.cuda.set_device(0)
     dev = torch.device("cuda", 0)
     groups = init_parallel(ParallelConfig(world_size=world))  # gloo
     pg = groups.ep.group
-    keeper = NvshmemBuffer(pg, max_tokens=1, hidden=4, top_k=1, num_experts=world, device=dev)
+    keeper = NvshmemBuffer(pg, NvshmemConfig(max_tokens=1, hidden=4, top_k=1, num_experts=world), device=dev)
 
     def timed(fn) -> float:
         samples = []
@@ -262,7 +262,7 @@ def _mpg_rank(rank: int, world: int, cases: list[dict], iters: int, warmup: int)
                 if b is not None:
                     b.destroy()
             if case.get("low_latency"):
-                with NvshmemBuffer(pg, max_tokens=t, hidden=h, top_k=k, num_experts=e, device=dev) as buf:
+                with NvshmemBuffer(pg, NvshmemConfig(max_tokens=t, hidden=h, top_k=k, num_experts=e), device=dev) as buf:
                     tr = NvshmemTransport(buf)
                     partial = torch.zeros(world * t, h, dtype=torch.float32, device=dev)
 
