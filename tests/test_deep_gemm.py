@@ -12,13 +12,12 @@ GPU (`-m gpu`, needs deep_gemm): the real package against the same reference com
 
 from __future__ import annotations
 
+import os
 import sys
 
 import pytest
 import torch
 
-# (megapar.* names: importing `moe.kernels.grouped_gemm` by its short alias would rebind the
-# package attribute `grouped_gemm` - the function - to the submodule for every later importer)
 from megapar.moe.kernels import deep_gemm as dgm
 from megapar.moe.kernels import expert_rows, grouped_gemm, prepare_weights
 from megapar.moe.kernels.grouped_gemm import GEMM, grouped_gemm_reference, quantize_dequantize_act
@@ -453,11 +452,58 @@ def _real_deep_gemm() -> bool:
     return torch.cuda.is_available() and impl.importable("deep_gemm")
 
 
+def _runs_here() -> None:
+    """Skip (with the check's message) where DeepGEMM would crash in this process."""
+    import deep_gemm  # noqa: F401  (its libraries must be mapped for the check)
+
+    why = dgm.libstdcxx_problem(refresh=True)
+    if why is not None:
+        pytest.skip(why)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _real_deep_gemm(), reason="needs CUDA and deep_gemm")
+@pytest.mark.parametrize("preload", [False, True])
+def test_gpu_refuses_instead_of_crashing(preload):
+    """In a fresh process without / with the system libstdc++ preloaded: the backend either runs
+    and is right, or refuses with a ValueError naming the fix; it never segfaults."""
+    import subprocess
+    import sys
+
+    env = dict(os.environ)
+    env.pop("LD_PRELOAD", None)
+    lib = dgm.SYSTEM_LIBSTDCXX[0]
+    if preload:
+        if not os.path.exists(lib):
+            pytest.skip(f"no {lib}")
+        env["LD_PRELOAD"] = lib
+    code = ("import torch\n"
+            "from megapar.moe.kernels import grouped_gemm\n"
+            "from megapar.moe.quant import quantize\n"
+            "w = quantize(torch.randn(2, 256, 256), 'fp8_block').to('cuda')\n"
+            "x = torch.randn(256, 256, device='cuda').to(torch.bfloat16)\n"
+            "c = torch.tensor([128, 128], device='cuda')\n"
+            "try:\n"
+            "    y = grouped_gemm(x, w, counts=c, backend='deep_gemm')\n"
+            "    r = grouped_gemm(x, w, counts=c, backend='torch')\n"
+            "    print('ran', float((y.float() - r.float()).norm() / r.float().norm()))\n"
+            "except ValueError as e:\n"
+            "    print('refused', e)\n")
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, (out.returncode, out.stderr[-2000:])
+    verdict = out.stdout.strip().splitlines()[-1]
+    if verdict.startswith("refused"):
+        assert "LD_PRELOAD" in verdict and not preload, verdict
+    else:
+        assert float(verdict.split()[1]) < 1e-2, verdict
+
+
 @pytest.mark.parametrize("fmt", ["fp8_block", "mxfp4"])
 @pytest.mark.parametrize("counts", [[0, 130, 1, 257, 64], [512, 512, 512]])
 @pytest.mark.gpu
 @pytest.mark.skipif(not _real_deep_gemm(), reason="needs CUDA and deep_gemm")
 def test_gpu_contiguous_matches_reference(fmt, counts):
+    _runs_here()
     E, N, K = len(counts), 512, 1024
     w = _weight(fmt, E, N, K, seed=21)
     x = torch.randn(sum(counts) + 3, K, generator=torch.Generator().manual_seed(22)).to(torch.bfloat16)
@@ -472,6 +518,7 @@ def test_gpu_contiguous_matches_reference(fmt, counts):
 @pytest.mark.gpu
 @pytest.mark.skipif(not _real_deep_gemm(), reason="needs CUDA and deep_gemm")
 def test_gpu_slab_matches_reference(C):
+    _runs_here()
     E, N, K = 5, 512, 1024
     w = _weight("mxfp4", E, N, K, seed=23)
     counts = torch.tensor([0, C, 17, 1, C - 1])

@@ -283,7 +283,8 @@ def _deep_gemm_rows(ctx: BenchContext, shape: str, gemm: str, w: dict[str, Any],
     from megapar.moe.kernels import expert_rows
     from megapar.moe.kernels.grouped_gemm import GEMM, quantize_dequantize_act
 
-    why = GEMM.usable(device=ctx.device, weight=w["pw"] if ctx.is_cuda else None)["deep_gemm"]
+    why = GEMM.usable(device=ctx.device, weight=w["pw"] if ctx.is_cuda else None,
+                      rows_per_expert=float(DG_PREFILL_TOKENS[-1]))["deep_gemm"]
     if why is not None:
         ctx.note(f"deep_gemm rows skipped: {why}")
         return False

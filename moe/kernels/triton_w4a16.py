@@ -315,10 +315,12 @@ def pick_config(rows_per_expert: float, dtype: torch.dtype, packing: str = "oct"
         return tuned if not swiglu or bucket < 128 else W4A16Config(**{**tuned.__dict__, "num_stages": 2})
     chunks = 1 if packing == "oct" else 2
     # H200, MXFP4 with inline-PTX expansion (bench/results/gemm-probe-decode3-h200.json, `python -m
-    # launch.bench.gemm --probe --sections decode3`): prescaled operands with 128 rows, 4 warps,
-    # 4 stages were fastest in 8 of 10 decode problems (V3 / V4-Flash L1 and L2, 1-32 tokens per
-    # expert, all or 8 experts hit): 3-8% under the per-block rescale at 1 token, 23% at 32.
-    if asm and fmt == "mxfp4" and packing == "oct" and rows_per_expert <= 32:
+    # launch.bench.gemm --probe --sections decode3`, two runs): prescaled operands with 128 rows,
+    # 4 warps, 4 stages beat the per-block rescale at 1 token per expert (3-8%, V3 / V4-Flash L1
+    # and L2, all or 8 experts hit) and at 32 (324 vs 421 µs, V3 L1), and lost at 8 (6-10%) and
+    # in the fused SwiGLU L1 (102 vs 90 µs): those keep the settings below.
+    if (asm and fmt == "mxfp4" and packing == "oct" and not swiglu
+            and (rows_per_expert <= 2 or 16 < rows_per_expert <= 32)):
         return W4A16Config(block_n=128, block_m=16 if rows_per_expert <= 16 else 32, chunks=1, num_warps=4,
                            num_stages=4, mode=mode, packing=packing, prescale=True)
     # H200, V3 L1 (bench/results/gemm-probe-h200.json): 64 weight rows x 16 (32) tokens, 4 warps,
