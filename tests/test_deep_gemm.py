@@ -495,7 +495,7 @@ def test_gpu_refuses_instead_of_crashing(preload):
     if verdict.startswith("refused"):
         assert "LD_PRELOAD" in verdict and not preload, verdict
     else:
-        assert float(verdict.split()[1]) < 1e-2, verdict
+        assert float(verdict.split()[1]) < 6e-2, verdict   # fp8 activations against bf16 ones
 
 
 @pytest.mark.parametrize("fmt", ["fp8_block", "mxfp4"])
