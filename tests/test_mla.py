@@ -259,3 +259,43 @@ def test_bad_tables_lengths_dtypes_and_heads_raise_before_any_launch(backend, mo
         from parallel.cp import PagedKVCache
 
         PagedKVCache(fp8, fp8)
+
+
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.float8_e4m3fn])
+def test_fused_prep_kernel_skips_bad_table_entries(cache_dtype, monkeypatch):
+    """The Triton prep itself (no host validation: as on CUDA) with block ids < 0 and past the
+    cache, and a position past the table: those tokens get slot -1 and nothing outside the valid
+    slots of the cache changes (no write, no read past the table)."""
+    pytest.importorskip("triton")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    from parallel.cp.mla_prep import mla_prep, rope_table
+    from parallel.cp.triton_mla_prep import mla_prep_triton
+
+    gen = torch.Generator().manual_seed(40)
+    t, heads, nope = 4, 2, DIMS.qk_nope_head_dim
+    q = torch.randn(t, heads, nope + DIMS.qk_rope_head_dim, generator=gen)
+    kv = torch.randn(t, DIMS.latent_dim, generator=gen)
+    positions = torch.tensor([1, 5, 2, 40])             # token 3: virtual block 10 of a 2-wide table
+    table = torch.tensor([[0, 1], [0, 9], [-1, 1], [2, 3]]).int()   # token 1: id 9 of 4, token 2: id -1
+    cos_sin, w_kv = rope_table(64, DIMS.qk_rope_head_dim), torch.rand(DIMS.kv_lora_rank, generator=gen) + 0.5
+    cache = MLACache.allocate(4, 4, DIMS, dtype=cache_dtype)
+    cache.kv.copy_(torch.randn(cache.kv.shape, generator=gen).to(cache_dtype))       # sentinel contents
+    if cache.scale is not None:
+        cache.scale.copy_(torch.rand(cache.scale.shape, generator=gen) + 1)
+    before_kv, before_scale = cache.kv.clone(), None if cache.scale is None else cache.scale.clone()
+    layout = DCPLayout(size=1, rank=0, block_size=4)
+    q_out, slots = mla_prep_triton(q, kv, positions, cache, table, cos_sin, w_kv, layout, None, nope, 1e-6)
+    assert slots.tolist() == [1, -1, -1, -1]
+    flat, old = cache.kv.view(-1, DIMS.latent_dim), before_kv.view(-1, DIMS.latent_dim)
+    keep = torch.ones(flat.shape[0], dtype=torch.bool)
+    keep[1] = False
+    assert torch.equal(flat[keep].view(torch.uint8), old[keep].view(torch.uint8))       # untouched, bit for bit
+    if cache.scale is not None:
+        assert torch.equal(cache.scale.view(-1)[keep], before_scale.view(-1)[keep])
+    # the valid token's row equals the torch sequence's (token 0 alone, a fresh cache)
+    ref_cache = MLACache.allocate(4, 4, DIMS, dtype=cache_dtype)
+    ref = mla_prep(q[:1], kv[:1], positions[:1], ref_cache, table[:1], cos_sin, w_kv, nope=nope, backend="torch")
+    assert ref.slots.tolist() == [1]
+    got_row, ref_row = flat[1].float(), ref_cache.kv.view(-1, DIMS.latent_dim)[1].float()
+    torch.testing.assert_close(got_row, ref_row, atol=2.0 ** -9 * 1.01, rtol=2.0 ** -2 if cache.scale is not None else 1e-5)
+    torch.testing.assert_close(q_out[:1], ref.q, atol=1e-5, rtol=1e-5)

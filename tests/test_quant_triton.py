@@ -393,3 +393,62 @@ def test_gpu_fast_path_bits_on_many_clean_values(fmt, opts):
     got = quantize(x.cuda(), fmt, **opts)
     _assert_same_q(got.to("cpu"), ref)
     assert _same_bits(dequantize(got, torch.bfloat16).cpu(), dequantize(ref, torch.bfloat16, backend="torch"))
+
+
+@interp
+def test_tuning_probe_dry_run_writes_loadable_tuning(tq, tmp_path):
+    """`python -m megapar.launch.bench.quant --probe` on CPU under the interpreter: tiny sizes,
+    every setting bit-identical, and the file it writes installs through apply_tuning."""
+    import json
+
+    from launch.bench.quant import PROBE_SETTINGS, main
+
+    saved, saved_hw = dict(tq.CONFIG), tq.FP8_HW_CAST
+    try:
+        assert main(["--probe", "--out", str(tmp_path)]) == 0
+        tuning = json.loads((tmp_path / "quant-tuning.json").read_text())
+        rows = tuning["results"]
+        assert {r["kernel"] for r in rows} == set(PROBE_SETTINGS) and all(r.get("bit_identical") for r in rows), \
+            [r for r in rows if not r.get("bit_identical")][:3]
+        assert set(tuning["config"]) == set(PROBE_SETTINGS)
+        tq.apply_tuning(tuning)
+        assert all(tq.CONFIG[k] == tuple(v) for k, v in tuning["config"].items())
+        x = _awkward((4, 4, 128), 30)
+        for fmt in ("mxfp4", "nvfp4", "fp8_block", "fp8_token", "fp8_group"):   # the tuned launches, same bits
+            _assert_same_q(tq.quantize(x, fmt), quantize(x, fmt, backend="torch"))
+    finally:
+        tq.CONFIG.update(saved)
+        tq.FP8_HW_CAST = saved_hw
+
+
+@interp
+def test_fp4_and_fp8_tiles_with_partial_rows_and_k_not_multiple_of_128(tq, monkeypatch):
+    """Rows not a multiple of the tile (masked programs next to full ones), K % 128 != 0 (fp8
+    partial groups), inf-only tiles (mxfp4 saturating path) and a NaN tile, for the new paths."""
+    monkeypatch.setitem(tq.CONFIG, "fp4_quant", (8, 4))
+    monkeypatch.setitem(tq.CONFIG, "fp8_group", (4, 4))
+    monkeypatch.setitem(tq.CONFIG, "fp4_amax", (256, 4))            # several atomic programs per matrix
+    g = torch.Generator().manual_seed(31)
+    x = torch.randn(13, 192, generator=g) * 5                        # 78 mxfp4 blocks: 9 full programs + 1 partial
+    x[3, 7] = float("inf")
+    x[9, 100] = -float("inf")
+    x[11, 50] = float("nan")
+    for fmt in ("mxfp4", "fp8_group", "fp8_token"):
+        _assert_same_q(tq.quantize(x, fmt), quantize(x, fmt, backend="torch"))
+    w = torch.randn(3, 37, 200, generator=g)                         # K = 200: a partial 1x128 group / 128x128 tile
+    for fmt in ("fp8_group", "fp8_token", "fp8_block"):
+        for ue8m0 in (False, True):
+            _assert_same_q(tq.quantize(w, fmt, ue8m0=ue8m0), quantize(w, fmt, backend="torch", ue8m0=ue8m0))
+    w16 = torch.randn(3, 37, 208, generator=g)                       # nvfp4: amax over uneven chunks
+    for gs in (None, "matrix"):
+        _assert_same_q(tq.quantize(w16, "nvfp4", global_scale=gs), quantize(w16, "nvfp4", backend="torch", global_scale=gs))
+
+
+def test_apply_tuning_rejects_bad_entries():
+    pytest.importorskip("triton")
+    from moe.quant import triton_quant as tq
+
+    with pytest.raises(ValueError, match=r"unknown quant kernel 'fp9'.*valid: fp4_quant"):
+        tq.apply_tuning({"config": {"fp9": [1, 4]}})
+    with pytest.raises(ValueError, match=r"'fp4_quant' must be \[tile, warps\]"):
+        tq.apply_tuning({"config": {"fp4_quant": [128]}})

@@ -27,8 +27,11 @@ names = list(inspect.signature(kernel.fn).parameters)
 missing = [n for n in names if n not in types and n not in constexprs]
 assert not missing, f"no type given for {missing}"
 sig = {n: types.get(n, "constexpr") for n in names}
-triton.compile(ASTSource(kernel, sig, {(names.index(k),): v for k, v in constexprs.items()}),
-               target=GPUTarget("cuda", 90, 32))
+num_warps = constexprs.pop("num_warps", 4)
+# pointers 16-byte aligned, as launches specialize them (the vectorized code is what runs)
+attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in names if types.get(n, "").startswith("*")}
+triton.compile(ASTSource(kernel, sig, {(names.index(k),): v for k, v in constexprs.items()}, attrs),
+               target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps})
 """
 
 
@@ -47,7 +50,7 @@ def test_fused_mla_prep_compiles_for_sm90(fp8, q_norm):
                 kw_ptr="*fp32", qo_ptr="*bf16", cache_ptr="*fp8e4nv" if fp8 else "*bf16", scale_ptr="*fp32",
                 slot_ptr="*i64", eps="fp32")
     ints = {n: "i32" for n in ("H", "dcp_size", "dcp_rank", "interleave", "sq_t", "sq_h", "skv_t", "sqo_t", "sqo_h",
-                               "st_t", "scs", "sc_row")}
+                               "st_t", "scs", "sc_row", "table_width", "num_blocks", "max_pos")}
     _compile("megapar.parallel.cp.triton_mla_prep", "_mla_prep_kernel", {**ptrs, **ints},
              dict(NOPE=128, BLOCK_NOPE=128, R=512, BLOCK_R=512, HALF=32, BLOCK_HALF=32, BLOCK_H=2, PAGE=16,
                   Q_NORM=q_norm, FP8=fp8, Q_TILES=8))
@@ -60,3 +63,33 @@ def test_static_plan_and_swiglu_compile_for_sm90():
              dict(S_POW2=32, BLOCK=128, NUM_BLOCKS=2, COUNT_BAD=True))
     _compile("megapar.moe.kernels.triton_swiglu", "_swiglu_kernel", dict(g_ptr="*bf16", u_ptr="*bf16", out_ptr="*bf16", n="i32", limit="fp32", alpha="fp32",
                                   beta="fp32"), dict(HAS_LIMIT=True, BLOCK=1024))
+
+
+_QUANT = "megapar.parallel.quant.triton_quant"
+_FP4_ARGS = dict(data_ptr="*u8", scale_ptr="*u8", n_blocks="i32", blocks_per_gs="i32")
+_FP8_QUANT_ARGS = dict(x_ptr="*bf16", data_ptr="*u8", scale_ptr="*fp32", n_rows="i32", k="i32", amax_floor="fp32")
+
+
+@pytest.mark.parametrize("kernel,types,constexprs", [
+    ("_fp4_quant_kernel", dict(x_ptr="*bf16", gs_ptr="*u8", **_FP4_ARGS),
+     dict(IS_NV=False, GS_PER_MATRIX=False, BS=32, ROWS=128, EVEN=True)),
+    ("_fp4_quant_kernel", dict(x_ptr="*fp32", gs_ptr="*fp32", **_FP4_ARGS),
+     dict(IS_NV=True, GS_PER_MATRIX=True, BS=16, ROWS=256, EVEN=False, num_warps=8)),
+    ("_fp4_dequant_kernel", dict(gs_ptr="*fp32", out_ptr="*bf16", **_FP4_ARGS),
+     dict(IS_NV=True, GS_PER_MATRIX=False, BS=16, ROWS=512, EVEN=True, num_warps=8)),
+    ("_amax_scale_kernel", dict(x_ptr="*bf16", acc_ptr="*i32", gs_ptr="*fp32", per_mat="i32", chunks="i32", mats="i32"),
+     dict(BLOCK=8192, EVEN=False, num_warps=8)),
+    ("_fp8_group_quant_kernel", dict(n_groups="i32", **_FP8_QUANT_ARGS), dict(UE8M0=False, ROWS=32, GROUP=128, HW=True)),
+    ("_fp8_group_quant_kernel", dict(n_groups="i32", **_FP8_QUANT_ARGS),
+     dict(UE8M0=True, ROWS=1, GROUP=8192, HW=False, num_warps=8)),
+    ("_fp8_row_quant_kernel", _FP8_QUANT_ARGS, dict(UE8M0=False, CHUNK=4096, NUM_CHUNKS=3, HW=True, num_warps=8)),
+    ("_fp8_block_quant_kernel", dict(x_ptr="*bf16", data_ptr="*u8", scale_ptr="*fp32", n="i32", k="i32", nb="i32",
+                                     kb="i32", amax_floor="fp32"), dict(UE8M0=True, SUB=16, HW=True)),
+    ("_fp8_dequant_kernel", dict(data_ptr="*fp8e4nv", scale_ptr="*fp32", out_ptr="*bf16", n_rows="i32", k="i32",
+                                 rows_per_mat="i32", s_mat="i32", s_row="i32", s_col="i32"),
+     dict(ROW_BLOCK=128, ROWS=16, FIX_NAN=False)),
+], ids=lambda v: v if isinstance(v, str) else None)
+def test_quant_kernels_compile_for_sm90(kernel, types, constexprs):
+    """Every quantize / dequantize kernel variant the launches pick, incl. the inline-PTX E4M3 cast
+    (HW=True: never run by the interpreter tests)."""
+    _compile(_QUANT, kernel, types, constexprs)

@@ -15,9 +15,26 @@ global scale, itself checked against amax / 2688 computed on CPU).
 
 With `--device cuda` (full run) a short sweep of tile rows x warps per kernel is recorded too,
 so `moe.quant.triton_quant.CONFIG` can be checked against the best setting.
+
+`python -m megapar.launch.bench.quant --probe --out DIR` is the tuning probe: for every kernel a
+handful of launch settings (tile x warps; the fp8 quantizers with and without the hardware E4M3
+conversion) at the full sizes on CUDA, each checked bit for bit against the CPU reference on a
+slice, timed, printed as a table (GB/s, % of the copy ceiling), and the fastest bit-identical
+setting per kernel written to DIR/quant-tuning.json, which `triton_quant.apply_tuning` (or
+MEGAPAR_QUANT_TUNING=DIR/quant-tuning.json) installs. On CPU under TRITON_INTERPRET=1 it is a
+dry run on tiny sizes.
 """
 
 from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any, Callable
 
 import torch
 
@@ -109,9 +126,13 @@ def run(ctx: BenchContext) -> None:
             ours_us = ctx.time_fn(lambda: quantize(x, fmt, backend=backend, **opts))
             anchor_us = ctx.time_fn(lambda: quantize(x, fmt, backend="torch", **opts), iters=anchor_iters)
             floor_us = moved / (ceiling * 1e3)
+            extra = {}
+            if fmt == "nvfp4" and not isinstance(opts.get("global_scale"), (float, torch.Tensor)):
+                # a computed global scale needs the amax before any block: two reads of x
+                extra["two_read_floor_us"] = (moved + in_bytes) / (ceiling * 1e3)
             ctx.record(f"quantize {label} bf16 {tuple(x.shape)}", ours_us, anchor="torch reference",
                        anchor_us=anchor_us, floor_us=floor_us, gbps=moved / ours_us / 1e3,
-                       meets_target=floor_us / ours_us >= TARGET, bit_identical=bits_ok)
+                       meets_target=floor_us / ours_us >= TARGET, bit_identical=bits_ok, **extra)
             ours_us = ctx.time_fn(lambda: dequantize(q, torch.bfloat16, backend=backend))
             anchor_us = ctx.time_fn(lambda: dequantize(q, torch.bfloat16, backend="torch"), iters=anchor_iters)
             ctx.record(f"dequantize {label} -> bf16 {tuple(x.shape)}", ours_us, anchor="torch reference",
@@ -154,3 +175,152 @@ def _sweep(ctx: BenchContext, weight: torch.Tensor, act: torch.Tensor) -> None:
                        default_warps=default[name][1])
     finally:
         tq.CONFIG.update(default)
+
+
+# ------------------------------------------------------------------ tuning probe
+
+# (tile, warps) per kernel: the current defaults are always included; ~6 each keeps the whole
+# probe (a compile per setting) well under 3 minutes on the H200
+PROBE_SETTINGS: dict[str, tuple[tuple[int, int], ...]] = {
+    "fp4_quant": ((64, 4), (128, 4), (128, 8), (256, 4), (256, 8), (512, 8)),
+    "fp4_dequant": ((128, 4), (256, 4), (256, 8), (512, 8), (1024, 8), (512, 16)),
+    "fp4_amax": ((4096, 4), (8192, 8), (16384, 8), (16384, 16), (32768, 16)),
+    "fp8_group": ((16, 4), (32, 4), (64, 4), (64, 8), (128, 8)),
+    "fp8_token": ((8192, 4), (8192, 8), (8192, 16), (16384, 8), (32768, 16)),
+    "fp8_block": ((8, 4), (16, 4), (32, 4), (32, 8), (64, 8)),
+    "fp8_dequant": ((8, 4), (16, 4), (32, 4), (32, 8), (64, 8), (128, 8)),
+}
+HW_CAST_KERNELS = ("fp8_group", "fp8_token", "fp8_block")     # also probed with the integer rounding
+
+
+def _probe_cases(weight: torch.Tensor, act: torch.Tensor) -> dict[str, tuple[str, dict, torch.Tensor, str]]:
+    """kernel -> (fmt, opts, input, "quantize" | "dequantize"): what each CONFIG entry launches."""
+    return {
+        "fp4_quant": ("mxfp4", {}, weight, "quantize"),
+        "fp4_dequant": ("mxfp4", {}, weight, "dequantize"),
+        "fp4_amax": ("nvfp4", {}, weight, "quantize"),            # the whole nvfp4 quantize, amax pass included
+        "fp8_group": ("fp8_group", {}, act, "quantize"),
+        "fp8_token": ("fp8_token", {}, act, "quantize"),
+        "fp8_block": ("fp8_block", {}, weight, "quantize"),
+        "fp8_dequant": ("fp8_group", {}, act, "dequantize"),
+    }
+
+
+def _time_us(fn: Callable[[], Any], cuda: bool, iters: int) -> float:
+    fn()
+    if not cuda:
+        t0 = time.perf_counter()
+        fn()
+        return (time.perf_counter() - t0) * 1e6
+    torch.cuda.synchronize()
+    samples = []
+    for _ in range(iters):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        samples.append(start.elapsed_time(end) * 1e3)
+    return statistics.median(samples)
+
+
+def probe(out_dir: str | os.PathLike, *, device: str | None = None, iters: int = 20) -> dict:
+    """Run the tuning probe (module docstring); returns what it writes to out_dir/quant-tuning.json."""
+    from megapar.parallel import impl
+    from megapar.parallel.quant import triton_quant as tq
+
+    dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    cuda = dev.type == "cuda"
+    if not cuda and not impl.interpreting():
+        raise ValueError("the quant probe needs CUDA, or TRITON_INTERPRET=1 for a CPU dry run")
+    weight_shape, act_shape, rows = ((4, 4096, 7168), (16384, 7168), 512) if cuda else ((2, 64, 256), (64, 256), 64)
+    g = torch.Generator(device="cpu").manual_seed(0)
+    weight = torch.randn(weight_shape, generator=g).to(dev, torch.bfloat16)
+    act = (torch.randn(act_shape, generator=g) * 3).to(dev, torch.bfloat16)
+    ceiling = copy_ceiling_gbps(dev)
+    default_cfg, default_hw = dict(tq.CONFIG), tq.FP8_HW_CAST
+    results: list[dict[str, Any]] = []
+    t_start = time.time()
+    try:
+        for kernel, (fmt, opts, x, op) in _probe_cases(weight, act).items():
+            settings = list(dict.fromkeys((default_cfg[kernel], *PROBE_SETTINGS[kernel])))
+            variants = [(st, default_hw) for st in settings]
+            if kernel in HW_CAST_KERNELS:
+                variants += [(default_cfg[kernel], not default_hw)]
+            q_ref = quantize(x, fmt, backend="triton", **opts)   # (defaults) the dequant input
+            in_bytes = x.numel() * x.element_size()
+            moved = in_bytes + q_ref.nbytes
+            for (tile, warps), hw in variants:
+                tq.CONFIG.update(default_cfg)
+                tq.CONFIG[kernel] = (tile, warps)
+                tq.FP8_HW_CAST = hw
+                row: dict[str, Any] = {"kernel": kernel, "fmt": fmt, "op": op, "tile": tile, "warps": warps,
+                                       "hw_cast": hw, "default": (tile, warps) == default_cfg[kernel] and hw == default_hw}
+                try:
+                    if op == "quantize":
+                        fn = lambda: tq.quantize(x, fmt, **opts)    # noqa: E731
+                        q = fn()
+                        row["bit_identical"] = _bits_vs_cpu_reference(x, q, fmt, opts, rows)[0]
+                    else:
+                        fn = lambda: tq.dequantize(q_ref, torch.bfloat16)    # noqa: E731
+                        row["bit_identical"] = _bits_vs_cpu_reference(x, q_ref, fmt, opts, rows)[1]
+                    us = _time_us(fn, cuda, iters)
+                    row.update(us=round(us, 2), gbps=round(moved / us / 1e3, 1),
+                               pct_copy=round(100 * moved / us / 1e3 / ceiling, 1))
+                except Exception as e:  # noqa: BLE001
+                    row["error"] = f"{type(e).__name__}: {str(e)[:300]}"
+                results.append(row)
+                print("  " + "  ".join(f"{k}={v}" for k, v in row.items()), flush=True)
+                if cuda:
+                    torch.cuda.synchronize()
+    finally:
+        tq.CONFIG.clear()
+        tq.CONFIG.update(default_cfg)
+        tq.FP8_HW_CAST = default_hw
+    config, best_rows = {}, {}
+    for r in results:
+        if r.get("bit_identical") and "us" in r and (r["kernel"] not in best_rows or r["us"] < best_rows[r["kernel"]]["us"]):
+            best_rows[r["kernel"]] = r
+    for kernel, r in best_rows.items():
+        config[kernel] = [r["tile"], r["warps"]]
+    # the hardware cast only where every fp8 quantizer was bit-identical with it
+    hw_ok = all(r.get("bit_identical") for r in results if r["hw_cast"] and r["kernel"] in HW_CAST_KERNELS)
+    hw_best = [best_rows[k]["hw_cast"] for k in HW_CAST_KERNELS if k in best_rows]
+    tuning = {"config": config, "fp8_hw_cast": bool(hw_ok and hw_best and sum(hw_best) * 2 >= len(hw_best)),
+              "device": torch.cuda.get_device_name(dev) if cuda else "cpu (interpreter dry run)",
+              "sizes": {"weight": list(weight_shape), "act": list(act_shape)},
+              "seconds": round(time.time() - t_start, 1), "results": results}
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "quant-tuning.json").write_text(json.dumps(tuning, indent=1))
+    _print_probe_table(results, best_rows)
+    print(f"wrote {out / 'quant-tuning.json'} ({tuning['seconds']} s): config {config}, fp8_hw_cast "
+          f"{tuning['fp8_hw_cast']}", flush=True)
+    return tuning
+
+
+def _print_probe_table(results: list[dict], best_rows: dict) -> None:
+    print("\n| kernel | fmt | tile | warps | hw_cast | us | GB/s | % copy | bits | |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for r in results:
+        mark = ("best" if best_rows.get(r["kernel"]) is r else "") + (" default" if r["default"] else "")
+        print(f"| {r['kernel']} | {r['fmt']} | {r['tile']} | {r['warps']} | {r['hw_cast']} | "
+              f"{r.get('us', r.get('error', '')[:50])} | {r.get('gbps', '')} | {r.get('pct_copy', '')} | "
+              f"{r.get('bit_identical', '')} | {mark.strip()} |")
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--probe", action="store_true", help="run the kernel-tuning probe (writes DIR/quant-tuning.json)")
+    p.add_argument("--out", default="bench/results")
+    p.add_argument("--device", default=None)
+    args = p.parse_args(argv)
+    if args.probe:
+        probe(args.out, device=args.device)
+        return 0
+    from megapar.launch.cli import main as cli_main
+    return cli_main(["bench", "quant", "--out", args.out] + (["--device", args.device] if args.device else []))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -50,7 +50,7 @@ def _prep_query_tile(q_ptr, qw_ptr, qo_ptr, t, part, cos, sin, i, imask, H, eps,
 
 @triton.jit
 def _prep_latent(kv_ptr, kw_ptr, table_ptr, cache_ptr, scale_ptr, slot_ptr, t, pos, cos, sin, i, imask, eps,
-                 dcp_size, dcp_rank, interleave, skv_t, st_t, sc_row,
+                 dcp_size, dcp_rank, interleave, skv_t, st_t, sc_row, table_width, num_blocks,
                  R: tl.constexpr, BLOCK_R: tl.constexpr, PAGE: tl.constexpr, FP8: tl.constexpr):
     """The latent of token t: RMSNorm of c_kv, RoPE of k_pe, fp8 quantization, the sharded insert."""
     c = tl.arange(0, BLOCK_R)
@@ -69,10 +69,15 @@ def _prep_latent(kv_ptr, kw_ptr, table_ptr, cache_ptr, scale_ptr, slot_ptr, t, p
     o = pos % vb
     owner = (o // interleave) % dcp_size
     offset = (o // (dcp_size * interleave)) * interleave + o % interleave
-    block = tl.load(table_ptr + t * st_t + pos // vb).to(tl.int64)
-    slot = tl.where(owner == dcp_rank, block * PAGE + offset, -1)
+    # a bad entry (position outside the table, block id outside the cache) is not read past the
+    # table nor written anywhere: slot -1, as dcp.insert_slots does on CUDA (no host check there)
+    vblock = pos // vb
+    in_table = (pos >= 0) & (vblock < table_width)
+    block = tl.load(table_ptr + t * st_t + vblock, mask=in_table, other=-1).to(tl.int64)
+    ok = in_table & (block >= 0) & (block < num_blocks) & (owner == dcp_rank)
+    slot = tl.where(ok, block * PAGE + offset, -1)
     tl.store(slot_ptr + t, slot)
-    if owner == dcp_rank:
+    if slot >= 0:
         dst = cache_ptr + slot * sc_row
         if FP8:
             amax = tl.maximum(tl.max(tl.abs(fc), 0), tl.maximum(tl.max(tl.abs(kre), 0), tl.max(tl.abs(kro), 0)))
@@ -94,7 +99,7 @@ def _prep_latent(kv_ptr, kw_ptr, table_ptr, cache_ptr, scale_ptr, slot_ptr, t, p
 def _mla_prep_kernel(
     q_ptr, kv_ptr, pos_ptr, table_ptr, cs_ptr, qw_ptr, kw_ptr, qo_ptr, cache_ptr, scale_ptr, slot_ptr,
     H, eps, dcp_size, dcp_rank, interleave,
-    sq_t, sq_h, skv_t, sqo_t, sqo_h, st_t, scs, sc_row,
+    sq_t, sq_h, skv_t, sqo_t, sqo_h, st_t, scs, sc_row, table_width, num_blocks, max_pos,
     NOPE: tl.constexpr, BLOCK_NOPE: tl.constexpr, R: tl.constexpr, BLOCK_R: tl.constexpr,
     HALF: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_H: tl.constexpr, PAGE: tl.constexpr,
     Q_NORM: tl.constexpr, FP8: tl.constexpr, Q_TILES: tl.constexpr,
@@ -102,11 +107,14 @@ def _mla_prep_kernel(
     t = tl.program_id(0).to(tl.int64)
     part = tl.program_id(1)
     pos = tl.load(pos_ptr + t).to(tl.int64)
-    cs_row = pos * scs
     i = tl.arange(0, BLOCK_HALF)
+    # (a position outside the rope table reads nothing: cos = sin = 0; its slot is -1 or the
+    # table check catches it, CPU tensors raise before the launch)
+    pos_ok = (pos >= 0) & (pos < max_pos)
+    cs_row = tl.where(pos_ok, pos, 0) * scs
     imask = i < HALF
-    cos = tl.load(cs_ptr + cs_row + i, mask=imask, other=0.0)
-    sin = tl.load(cs_ptr + cs_row + HALF + i, mask=imask, other=0.0)
+    cos = tl.load(cs_ptr + cs_row + i, mask=imask & pos_ok, other=0.0)
+    sin = tl.load(cs_ptr + cs_row + HALF + i, mask=imask & pos_ok, other=0.0)
     # (each branch is a function, and no local holds a dtype: Triton 3.6 merges the locals of both
     # branches of a run-time `if`, and a dtype value breaks that merge)
     if part < Q_TILES:
@@ -114,7 +122,8 @@ def _mla_prep_kernel(
                          NOPE, BLOCK_NOPE, HALF, BLOCK_H, Q_NORM)
     else:
         _prep_latent(kv_ptr, kw_ptr, table_ptr, cache_ptr, scale_ptr, slot_ptr, t, pos, cos, sin, i, imask, eps,
-                     dcp_size, dcp_rank, interleave, skv_t, st_t, sc_row, R, BLOCK_R, PAGE, FP8)
+                     dcp_size, dcp_rank, interleave, skv_t, st_t, sc_row, table_width, num_blocks, R, BLOCK_R, PAGE,
+                     FP8)
 
 
 CONFIG = {"block_elems": 4096, "num_warps": 4}
@@ -145,7 +154,7 @@ def mla_prep_triton(q: Tensor, kv: Tensor, positions: Tensor, cache: MLACache, b
             kv_norm_weight, q_out, flat, scale, slots,
             heads, eps, layout.size, layout.rank, layout.interleave,
             q.stride(0), q.stride(1), kv.stride(0), q_out.stride(0), q_out.stride(1), table.stride(0),
-            cos_sin.stride(0), flat.stride(0),
+            cos_sin.stride(0), flat.stride(0), table.shape[-1], cache.kv.shape[0], cos_sin.shape[0],
             NOPE=nope, BLOCK_NOPE=block_nope, R=r, BLOCK_R=triton.next_power_of_2(r), HALF=half,
             BLOCK_HALF=triton.next_power_of_2(max(half, 1)), BLOCK_H=block_h, PAGE=cache.block_size,
             Q_NORM=q_norm_weight is not None, FP8=fp8, Q_TILES=q_tiles, num_warps=CONFIG["num_warps"])

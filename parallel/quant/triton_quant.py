@@ -28,13 +28,49 @@ from megapar.parallel.quant.reference import DEFAULT_AMAX_FLOOR, _check_floor, c
 # triton itself decides at import whether it interprets.
 FMA_DIVISION = tl.constexpr(not impl.interpreting())
 
-# Tile sizes (rows of blocks per program, warps); bench `megapar bench quant` sweeps them.
+# Launch settings per kernel, (tile, warps); `python -m megapar.launch.bench.quant --probe` sweeps
+# them on the GPU and writes a file for `apply_tuning` (or MEGAPAR_QUANT_TUNING=path at import).
 CONFIG: dict[str, tuple[int, int]] = {
     "fp4_quant": (128, 4),     # 128 blocks of 32 (or 256 of 16): 4096 elements per program
-    "fp4_dequant": (128, 4),
+    "fp4_dequant": (256, 8),   # H200 sweep (bench/results/quant-h200.md): 10% over (128, 4)
+    "fp4_amax": (8192, 8),     # nvfp4 computed global scale: elements per program
     "fp8_group": (32, 4),      # 32 rows x 128
-    "fp8_dequant": (32, 4),    # 32 rows x 128 columns
+    "fp8_token": (4096, 8),    # fp8_token rows of <= 8192: elements per program (whole rows)
+    "fp8_block": (16, 4),      # fp8_block: rows per pass of a 128 x 128 tile
+    "fp8_dequant": (16, 4),    # 16 rows x 128 columns; H200 sweep: 24% over (32, 4)
 }
+# E4M3 rounding of the fp8 quantize fast path by the hardware conversion (GPU only; the
+# interpreter always runs the integer rounding). apply_tuning({"fp8_hw_cast": false}) turns it off.
+FP8_HW_CAST = True
+
+
+def apply_tuning(tuning: dict) -> None:
+    """Install measured launch settings {"config": {kernel: [tile, warps]}, "fp8_hw_cast": bool}
+    (as written by `python -m megapar.launch.bench.quant --probe --out DIR` to DIR/quant-tuning.json).
+    ValueError for an unknown kernel or a malformed entry."""
+    global FP8_HW_CAST
+    for name, value in tuning.get("config", {}).items():
+        if name not in CONFIG:
+            raise ValueError(f"unknown quant kernel {name!r} in tuning; valid: {', '.join(CONFIG)}")
+        if len(value) != 2 or not all(isinstance(v, int) and v > 0 for v in value):
+            raise ValueError(f"tuning for {name!r} must be [tile, warps] (positive ints), got {value!r}")
+        CONFIG[name] = (int(value[0]), int(value[1]))
+    if "fp8_hw_cast" in tuning:
+        FP8_HW_CAST = bool(tuning["fp8_hw_cast"])
+
+
+def _load_env_tuning() -> None:
+    import json
+    import os
+
+    path = os.environ.get("MEGAPAR_QUANT_TUNING")
+    if path:
+        with open(path) as f:
+            apply_tuning(json.load(f))
+
+
+def _hw_cast() -> bool:
+    return FP8_HW_CAST and not impl.interpreting()
 
 
 # ------------------------------------------------------------------ bit helpers (device)
@@ -61,6 +97,28 @@ def _minifloat_bits(a, MAN: tl.constexpr, BIAS: tl.constexpr, MAX: tl.constexpr,
 def _e4m3_magnitude(a):
     """non-NaN fp32 a >= 0 -> int32 E4M3 bits of a, round to nearest even, saturating at 448 (0x7E)."""
     return _minifloat_bits(a, 3, 7, 0x7E, 512.0)
+
+
+@triton.jit
+def _e4m3_bytes_hw(q, x):
+    """q = |x| / scale (fp32, non-NaN, >= 0), x -> uint8 E4M3 bits of q with x's sign: the sm_89+
+    `cvt.rn.satfinite.e4m3x2.f32` (one RNE rounding, saturating at 448; Triton's own cast goes
+    through fp16 and can round twice), 1.5 instructions per element instead of ~10 integer ops.
+    GPU only (the interpreter runs no PTX): callers pick it with a constexpr."""
+    return tl.inline_asm_elementwise(
+        """{
+        .reg .b16 lo, hi;
+        .reg .b32 s, t;
+        cvt.rn.satfinite.e4m3x2.f32 lo, $2, $1;
+        cvt.rn.satfinite.e4m3x2.f32 hi, $4, $3;
+        mov.b32 $0, {lo, hi};
+        prmt.b32 s, $5, $6, 0x73;
+        prmt.b32 t, $7, $8, 0x73;
+        prmt.b32 s, s, t, 0x5410;
+        and.b32 s, s, 0x80808080;
+        or.b32 $0, $0, s;
+        }""",
+        "=r,r,r,r,r,r,r,r,r", [q, x], dtype=tl.uint8, is_pure=True, pack=4)
 
 
 @triton.jit
@@ -96,8 +154,32 @@ def e4m3_value(byte):
 
 @triton.jit
 def _e2m1_index(a):
-    """non-NaN fp32 a >= 0 -> int32 E2M1 magnitude index of a, round to nearest even, saturating at 6."""
-    return _minifloat_bits(a, 1, 1, 7, 2.0)
+    """non-NaN fp32 a >= 0 -> int32 E2M1 magnitude index of a, round to nearest even, saturating at 6.
+
+    The index is min(RN(2a), RN(a) + 2, RN(a / 2) + 4) (saturated at 7): each term is exact on
+    its binade ([0, 2): step 0.5; [2, 4): 1; [4, 8): 2) and, RN being monotonic, no larger than
+    the others there. Each RN(.) + c is one fp32 add or fma against 2^23 + c (ulp 1, c even, so
+    ties go to the even integer as E2M1's do), read off the bits: 3 fma-pipe ops and two integer
+    mins per element, where the bit-level rounding took ~9 integer ops (the H200 quantize was
+    bound by the integer pipe)."""
+    t2 = tl.fma(a, 2.0, 8388608.0).to(tl.int32, bitcast=True)           # 2^23 + RN(2a)
+    t1 = (a + 8388610.0).to(tl.int32, bitcast=True)                      # 2^23 + 2 + RN(a)
+    th = tl.fma(a, 0.5, 8388612.0).to(tl.int32, bitcast=True)           # 2^23 + 4 + RN(a / 2)
+    return tl.minimum(tl.minimum(tl.minimum(t2, t1), th), 0x4B000007) - 0x4B000000
+
+
+@triton.jit
+def _e2m1_index_le6_signed(a, x):
+    """a = |x| * 2^k in [0, 6] (no saturation needed) -> int32 whose LOW BYTE is the E2M1 code of
+    a with x's sign (bits 24.. hold 0x4B: callers pack and truncate to uint8): `_e2m1_index`
+    without its saturating min and without removing the 2^23 offset, the sign added by one
+    multiply-high and a multiply-add (fma-pipe integer ops, where mask, shift and or took 3 ALU ops)."""
+    t2 = tl.fma(a, 2.0, 8388608.0).to(tl.int32, bitcast=True)
+    t1 = (a + 8388610.0).to(tl.int32, bitcast=True)
+    th = tl.fma(a, 0.5, 8388612.0).to(tl.int32, bitcast=True)
+    m = tl.minimum(tl.minimum(t2, t1), th)                          # 0x4B000000 + index, index <= 7
+    sign = tl.umulhi(x.to(tl.uint32, bitcast=True), 2).to(tl.int32)  # x >> 31 on the fma pipe (IMAD.HI)
+    return m + sign * 8
 
 
 @triton.jit
@@ -191,18 +273,22 @@ def _fast_div_ok(d):
 
 
 @triton.jit
-def _fp8_tile(x, scale, slow, UE8M0: tl.constexpr):
-    """x: fp32 tile, scale: fp32 per block broadcastable to it -> int32 E4M3 bits of x / scale.
+def _fp8_tile(x, scale, slow, UE8M0: tl.constexpr, HW: tl.constexpr):
+    """x: fp32 tile, scale: fp32 per block broadcastable to it -> uint8 E4M3 bits of x / scale.
     `slow` (a scalar): some block of the tile has an inf/NaN (x / scale may be NaN -> 0x7F) or
-    a scale outside [2^-64, 2^64]; the tile then takes the reference's plain steps."""
+    a scale outside [2^-64, 2^64]; the tile then takes the reference's plain steps.
+    HW: the hardware E4M3 conversion of the quotients (GPU), else the integer rounding."""
     r = tl.div_rn(1.0, scale)
     if UE8M0:          # a power of two: |x| * (1 / scale) is |x| / scale exactly (one rounding)
         a = tl.abs(x) * r
     else:              # scale >= amax / 448: quotients <= 448, only the range of scale matters
         a = _div_abs_fast(x, scale, r)
-    byte = _e4m3_magnitude(a) | _sign_at(x, 7)
+    if HW:
+        byte = _e4m3_bytes_hw(a, x)
+    else:
+        byte = (_e4m3_magnitude(a) | _sign_at(x, 7)).to(tl.uint8)
     if slow:
-        byte = e4m3_byte(tl.div_rn(x, scale)).to(tl.int32)
+        byte = e4m3_byte(tl.div_rn(x, scale))
     return byte
 
 
@@ -255,9 +341,11 @@ def _fp4_quant_kernel(x_ptr, data_ptr, scale_ptr, gs_ptr, n_blocks, blocks_per_g
         byte = tl.minimum(tl.maximum(byte, 0), 254)
         byte = tl.where(abits > 0x7F800000, 255, byte)
         inv = (tl.maximum(254 - byte, 1) << 23).to(tl.float32, bitcast=True)  # 2^-e, exact multiply
-        codes = _e2m1_index(tl.abs(x) * inv[:, None]) | _sign_at(x, 3)
-        if tl.max(abits) > 0x7F800000:                                   # a NaN: its code is +0
-            codes = tl.where(x != x, 0, codes)
+        y = tl.abs(x) * inv[:, None]
+        if tl.max(abits) >= 0x7F800000:      # an inf (saturates) or a NaN (its code is +0) in the tile
+            codes = tl.where(x != x, 0, _e2m1_index(y) | _sign_at(x, 3))
+        else:                                # finite: y <= 6, no saturation; sign | index in one op
+            codes = _e2m1_index_le6_signed(y, x)
         sbyte = byte.to(tl.uint8)
     even, odd = tl.split(tl.reshape(codes, (ROWS, BS // 2, 2)))
     packed = (even | (odd << 4)).to(tl.uint8)
@@ -305,16 +393,24 @@ def _fp4_dequant_kernel(data_ptr, scale_ptr, gs_ptr, out_ptr, n_blocks, blocks_p
 
 
 @triton.jit
-def _abs_max_kernel(x_ptr, out_ptr, per_mat, BLOCK: tl.constexpr, EVEN: tl.constexpr):
-    """out[mat, c] = max |x| (as fp32 bits) over chunk c of BLOCK elements of matrix mat:
-    the nvfp4 tensor / matrix amax in one read of x (the host takes the max over chunks)."""
+def _amax_scale_kernel(x_ptr, acc_ptr, gs_ptr, per_mat, chunks, mats, BLOCK: tl.constexpr, EVEN: tl.constexpr):
+    """The nvfp4 computed global scale in one launch: program (c, mat) folds max |x| (fp32 bits;
+    non-negative floats order like their bits, a NaN beats everything) over chunk c of BLOCK
+    elements of matrix mat into acc[mat] (atomic max), then counts itself in acc[mats + mat];
+    the matrix's last program reads the max back and writes gs[mat] = amax / 2688 (IEEE
+    division, as the reference). acc: int32 [2 * mats], zeroed. One read of x; the partial
+    tensor, the torch max over it and the division kernel of the two-stage version are gone."""
     mat = tl.program_id(1).to(tl.int64)
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     if EVEN:
         x = tl.load(x_ptr + mat * per_mat + offs)
     else:
         x = tl.load(x_ptr + mat * per_mat + offs, mask=offs < per_mat, other=0.0)
-    tl.store(out_ptr + mat * tl.num_programs(0) + tl.program_id(0), _abs_max_bits(x.to(tl.float32), 0))
+    tl.atomic_max(acc_ptr + mat, _abs_max_bits(x.to(tl.float32), 0))          # acq_rel, gpu scope
+    done = tl.atomic_add(acc_ptr + mats + mat, 1)
+    if done == chunks - 1:
+        amax = tl.atomic_max(acc_ptr + mat, 0)                                   # an ordered read
+        tl.store(gs_ptr + mat, tl.div_rn(amax.to(tl.float32, bitcast=True), 2688.0))
 
 
 # ------------------------------------------------------------------ FP8 kernels
@@ -322,7 +418,7 @@ def _abs_max_kernel(x_ptr, out_ptr, per_mat, BLOCK: tl.constexpr, EVEN: tl.const
 
 @triton.jit
 def _fp8_group_quant_kernel(x_ptr, data_ptr, scale_ptr, n_rows, k, n_groups, amax_floor,
-                            UE8M0: tl.constexpr, ROWS: tl.constexpr, GROUP: tl.constexpr):
+                            UE8M0: tl.constexpr, ROWS: tl.constexpr, GROUP: tl.constexpr, HW: tl.constexpr):
     """One program: ROWS rows x one group of GROUP columns (fp8_group; fp8_token with GROUP >= K)."""
     rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
     grp = tl.program_id(1)
@@ -333,14 +429,15 @@ def _fp8_group_quant_kernel(x_ptr, data_ptr, scale_ptr, n_rows, k, n_groups, ama
     abits = _abs_max_bits(x, 1)
     scale = fp8_scale(abits.to(tl.float32, bitcast=True), amax_floor, UE8M0)
     slow = (tl.max(abits) >= 0x7F800000) | (tl.min(_fast_div_ok(scale).to(tl.int32)) == 0)
-    byte = _fp8_tile(x, scale[:, None], slow, UE8M0)
-    tl.store(data_ptr + offs, byte.to(tl.uint8), mask=mask)
+    byte = _fp8_tile(x, scale[:, None], slow, UE8M0, HW)
+    tl.store(data_ptr + offs, byte, mask=mask)
     tl.store(scale_ptr + rows * n_groups + grp, scale, mask=rows < n_rows)
 
 
 @triton.jit
 def _fp8_row_quant_kernel(x_ptr, data_ptr, scale_ptr, n_rows, k, amax_floor,
-                          UE8M0: tl.constexpr, CHUNK: tl.constexpr, NUM_CHUNKS: tl.constexpr):
+                          UE8M0: tl.constexpr, CHUNK: tl.constexpr, NUM_CHUNKS: tl.constexpr,
+                          HW: tl.constexpr):
     """fp8_token for long rows: one program per row, two passes over CHUNK columns.
     (NUM_CHUNKS is constexpr: the interpreter cannot loop to a runtime bound.)"""
     row = tl.program_id(0).to(tl.int64)
@@ -356,13 +453,13 @@ def _fp8_row_quant_kernel(x_ptr, data_ptr, scale_ptr, n_rows, k, amax_floor,
     for c in range(NUM_CHUNKS):
         cols = c * CHUNK + tl.arange(0, CHUNK)
         x = tl.load(x_ptr + base + cols, mask=cols < k, other=0.0).to(tl.float32)
-        tl.store(data_ptr + base + cols, _fp8_tile(x, scale, slow, UE8M0).to(tl.uint8), mask=cols < k)
+        tl.store(data_ptr + base + cols, _fp8_tile(x, scale, slow, UE8M0, HW), mask=cols < k)
     tl.store(scale_ptr + row, scale)
 
 
 @triton.jit
 def _fp8_block_quant_kernel(x_ptr, data_ptr, scale_ptr, n, k, nb, kb, amax_floor,
-                            UE8M0: tl.constexpr, SUB: tl.constexpr):
+                            UE8M0: tl.constexpr, SUB: tl.constexpr, HW: tl.constexpr):
     """fp8_block: one program per 128x128 tile of one matrix, two passes of SUB rows."""
     mat = tl.program_id(0).to(tl.int64)
     tr = tl.program_id(1)
@@ -384,7 +481,7 @@ def _fp8_block_quant_kernel(x_ptr, data_ptr, scale_ptr, n, k, nb, kb, amax_floor
         mask = (rows < n)[:, None] & cmask[None, :]
         offs = base + rows[:, None] * k + cols[None, :]
         x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-        tl.store(data_ptr + offs, _fp8_tile(x, scale, slow, UE8M0).to(tl.uint8), mask=mask)
+        tl.store(data_ptr + offs, _fp8_tile(x, scale, slow, UE8M0, HW), mask=mask)
     tl.store(scale_ptr + mat * nb * kb + tr * kb + tc, scale)
 
 
@@ -420,30 +517,30 @@ def _fp8_dequant_kernel(data_ptr, scale_ptr, out_ptr, n_rows, k, rows_per_mat, s
 _OUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
-def _tensor_amax(x: torch.Tensor, per_matrix: bool) -> torch.Tensor:
-    """max |x| (0-d, or per matrix of contiguous [..., N, K]) in fp32, NaN if x has one."""
+def _computed_global_scale(x: torch.Tensor, per_matrix: bool) -> torch.Tensor:
+    """amax(|x|) / 2688 (0-d, or per matrix of contiguous [..., N, K]) in fp32, NaN if x has one."""
     shape = x.shape[:-2] if per_matrix else ()
     if x.numel() == 0:
         return torch.zeros(shape, dtype=torch.float32, device=x.device)
     per_mat = x.shape[-2] * x.shape[-1] if per_matrix else x.numel()
     mats = x.numel() // per_mat
-    block = 8192
+    block, warps = CONFIG["fp4_amax"]
     chunks = triton.cdiv(per_mat, block)
-    partial = torch.empty((mats, chunks), dtype=torch.int32, device=x.device)   # amax bits per chunk
-    _abs_max_kernel[(chunks, mats)](x, partial, per_mat, BLOCK=block, EVEN=per_mat % block == 0, num_warps=8)
-    return partial.amax(dim=-1).view(torch.float32).reshape(shape)
+    acc = torch.zeros(2 * mats, dtype=torch.int32, device=x.device)       # [max bits | programs done]
+    gs = torch.empty(mats, dtype=torch.float32, device=x.device)
+    _amax_scale_kernel[(chunks, mats)](x, acc, gs, per_mat, chunks, mats, BLOCK=block, EVEN=per_mat % block == 0,
+                                       num_warps=warps)
+    return gs.reshape(shape)
 
 
 def _nvfp4_global(x: torch.Tensor, global_scale) -> torch.Tensor:
-    from megapar.parallel.quant.reference import NVFP4_GLOBAL_DIVISOR, _nvfp4_gs
+    from megapar.parallel.quant.reference import _nvfp4_gs
 
     if global_scale is None or (isinstance(global_scale, str) and global_scale in ("tensor", "matrix")):
         per_matrix = global_scale == "matrix"
         if per_matrix and x.dim() < 2:
             raise ValueError(f"global_scale='matrix' needs x with >= 2 dims, got {tuple(x.shape)}")
-        amax = _tensor_amax(x, per_matrix)
-        # divide by a tensor: CUDA torch turns `t / python_float` into t * (1 / float), not IEEE a / b
-        return amax / torch.full_like(amax, NVFP4_GLOBAL_DIVISOR)
+        return _computed_global_scale(x, per_matrix)
     return _nvfp4_gs(x, global_scale)
 
 
@@ -497,8 +594,9 @@ def _quantize_fp8(x: torch.Tensor, fmt: str, *, ue8m0: bool = False,
         nb, kb = triton.cdiv(n, 128), triton.cdiv(k, 128)
         scale = torch.empty((*lead, nb, kb), dtype=torch.float32, device=x.device)
         if x.numel():
+            sub, warps = CONFIG["fp8_block"]
             _fp8_block_quant_kernel[(mats, nb, kb)](x, d8, scale, n, k, nb, kb, amax_floor,
-                                                    UE8M0=ue8m0, SUB=16, num_warps=4)
+                                                    UE8M0=ue8m0, SUB=sub, HW=_hw_cast(), num_warps=warps)
         return QuantizedTensor(data, scale, fmt, x.shape)
     n_rows = x.numel() // k if k else 0
     rows, warps = CONFIG["fp8_group"]
@@ -507,19 +605,21 @@ def _quantize_fp8(x: torch.Tensor, fmt: str, *, ue8m0: bool = False,
         scale = torch.empty((*x.shape[:-1], n_groups), dtype=torch.float32, device=x.device)
         if x.numel():
             _fp8_group_quant_kernel[(triton.cdiv(n_rows, rows), n_groups)](
-                x, d8, scale, n_rows, k, n_groups, amax_floor, UE8M0=ue8m0, ROWS=rows, GROUP=128, num_warps=warps)
+                x, d8, scale, n_rows, k, n_groups, amax_floor, UE8M0=ue8m0, ROWS=rows, GROUP=128, HW=_hw_cast(),
+                num_warps=warps)
         return QuantizedTensor(data, scale, fmt, x.shape)
     scale = torch.empty((*x.shape[:-1], 1), dtype=torch.float32, device=x.device)
     if x.numel():
         width = triton.next_power_of_2(k)
-        if width <= 8192:                                            # whole row in one tile
-            r = max(1, min(16, 4096 // width))
+        elems, warps = CONFIG["fp8_token"]
+        if width <= 8192:                                            # whole rows in one tile
+            r = max(1, min(16, elems // width))
             _fp8_group_quant_kernel[(triton.cdiv(n_rows, r), 1)](
-                x, d8, scale, n_rows, k, 1, amax_floor, UE8M0=ue8m0, ROWS=r, GROUP=width,
-                num_warps=8 if width >= 4096 else 4)
+                x, d8, scale, n_rows, k, 1, amax_floor, UE8M0=ue8m0, ROWS=r, GROUP=width, HW=_hw_cast(),
+                num_warps=warps if width >= 4096 else 4)
         else:
             _fp8_row_quant_kernel[(n_rows,)](x, d8, scale, n_rows, k, amax_floor, UE8M0=ue8m0,
-                                             CHUNK=4096, NUM_CHUNKS=triton.cdiv(k, 4096), num_warps=8)
+                                             CHUNK=4096, NUM_CHUNKS=triton.cdiv(k, 4096), HW=_hw_cast(), num_warps=8)
     return QuantizedTensor(data, scale, fmt, x.shape)
 
 
@@ -557,3 +657,6 @@ def dequantize(q: QuantizedTensor, dtype: torch.dtype = torch.float32) -> torch.
                 data, scale, out, n_rows, k, *args[:4], ROW_BLOCK=args[4], ROWS=rows,
                 FIX_NAN=impl.interpreting(), num_warps=warps)
     return out if out_dtype == dtype else out.to(dtype)
+
+
+_load_env_tuning()
