@@ -329,8 +329,15 @@ def _fp4_quant_kernel(x_ptr, data_ptr, scale_ptr, gs_ptr, n_blocks, blocks_per_g
         q = _div_abs_fast(x, denom[:, None], r[:, None])                # fp32 |x| / RN(s * g)
         codes = _e2m1_index(q) | _sign_at(x, 3)
         # The fp32 quotient is within 2 ulp of the exact one, so its E2M1 index is exact unless
-        # q lies near a rounding boundary (0.25 ... 5: bit patterns with the low 21 bits zero).
-        near = ((q.to(tl.int32, bitcast=True) + 8) & 0x1FFFFF) < 16
+        # q lies near a rounding boundary: within 8 ulp of a value with the low 21 mantissa bits
+        # zero AND whose exponent and top two mantissa bits are one of the seven boundaries
+        # 0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5 (key = 4 * (exponent - 125) + top bits: 0, 6, 9,
+        # 11, 13, 15, 17 -> mask 0x2AA41). Code points (0.5, 1, ..., 6: every block's amax lands
+        # on 6 exactly) and zeros are not boundaries and keep the fast path.
+        b8 = q.to(tl.int32, bitcast=True) + 8
+        key = ((b8 >> 21) & 0x3FF) - 500
+        on_boundary = ((0x2AA41 >> tl.minimum(tl.maximum(key, 0), 19)) & 1) == 1
+        near = ((b8 & 0x1FFFFF) < 16) & (key >= 0) & (key < 20) & on_boundary
         # rare tiles: q near a boundary, a zero/NaN/extreme denominator (y = x * 0 when not > 0),
         # a quotient over 2^64 (s clamped at 448), or an inf/NaN input (code 0 for NaN): the
         # reference's exact steps (`nvfp4_codes`: |x| against boundary * s * g in float64)
