@@ -178,6 +178,23 @@ def precompile():
         JITFunction.run = orig
 
 
+def probe_main(suite: str, doc: str, probe: Callable[..., Any], writes: str, argv: list[str] | None = None) -> int:
+    """`python -m megapar.launch.bench.<suite> [--probe] [--out DIR] [--device D]`: the suite's tuning
+    probe `probe(out_dir, device=...)` (which writes DIR/<writes>) with --probe, else the suite."""
+    import argparse
+
+    p = argparse.ArgumentParser(description=doc.split("\n\n")[0])
+    p.add_argument("--probe", action="store_true", help=f"run the kernel-tuning probe (writes DIR/{writes})")
+    p.add_argument("--out", default="bench/results")
+    p.add_argument("--device", default=None)
+    args = p.parse_args(argv)
+    if args.probe:
+        probe(args.out, device=args.device)
+        return 0
+    from megapar.launch.cli import main as cli_main
+    return cli_main(["bench", suite, "--out", args.out] + (["--device", args.device] if args.device else []))
+
+
 # Measured ceilings of the H200 test machine; used for roofline fractions.
 H200_COPY_GBPS = 4264.0
 H200_BF16_TFLOPS = 799.0

@@ -33,13 +33,12 @@ DIR/decode-tuning.json (install with `triton_decode.apply_tuning` or MEGAPAR_DEC
 
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 
 import torch
 
-from megapar.launch.bench.common import H200_BF16_TFLOPS, BenchContext, copy_ceiling_gbps, graph_time
+from megapar.launch.bench.common import H200_BF16_TFLOPS, BenchContext, copy_ceiling_gbps, graph_time, probe_main
 from megapar.parallel.cp import PagedKVCache, attention_with_lse, dcp_kv_insert, zigzag_shard
 from megapar.parallel.cp.dcp import DCPLayout, write_kv_slots
 from megapar.parallel.cp.merge import combine_lse, merge_attn_states
@@ -435,18 +434,9 @@ def run(ctx: BenchContext) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--probe", action="store_true", help="run the decode-kernel tuning probe (DIR/decode-tuning.json)")
-    p.add_argument("--out", default="bench/results")
-    p.add_argument("--device", default=None)
-    args = p.parse_args(argv)
-    if args.probe:
-        from megapar.launch.bench.decode_probe import probe
+    from megapar.launch.bench.decode_probe import probe
 
-        probe(args.out, device=args.device)
-        return 0
-    from megapar.launch.cli import main as cli_main
-    return cli_main(["bench", "cp", "--out", args.out] + (["--device", args.device] if args.device else []))
+    return probe_main("cp", __doc__, probe, "decode-tuning.json", argv)
 
 
 if __name__ == "__main__":
