@@ -126,6 +126,75 @@ class BenchContext:
         print(f"  note: {text}", flush=True)
 
 
+# ---------------------------------------------------------------------------------------------
+# CUDA-graph timing and parallel Triton compiles (shared by the suites and the tuning probes)
+
+
+def graph_time(ctx: BenchContext, fn: Callable[[], Any], iters: int | None = None) -> tuple[float, str]:
+    """Median µs of fn as a CUDA-graph replay (eager on CPU or when capture fails)."""
+    fn()
+    if not ctx.is_cuda:
+        return ctx.time_fn(fn, iters=iters), "eager"
+    torch.cuda.synchronize()
+    try:
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            fn()
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            fn()
+        us = ctx.time_fn(graph.replay, iters=iters)
+        del graph
+        return us, "graph"
+    except Exception as e:  # noqa: BLE001 - fall back, and say so
+        torch.cuda.synchronize()
+        return ctx.time_fn(fn, iters=iters), f"eager ({type(e).__name__})"
+
+
+@contextlib.contextmanager
+def precompile():
+    """Inside: Triton launches only compile (16 threads, in parallel) and do not run; on exit
+    every compile has finished and sits in the in-memory kernel cache."""
+    try:
+        from concurrent.futures import ThreadPoolExecutor
+
+        from triton.runtime._async_compile import AsyncCompileMode
+        from triton.runtime.jit import JITFunction
+    except Exception:  # noqa: BLE001 - older triton: compile lazily
+        yield
+        return
+    orig = JITFunction.run
+
+    def run(self, *args, grid, warmup, **kwargs):
+        return orig(self, *args, grid=grid, warmup=True, **kwargs)
+
+    JITFunction.run = run
+    try:
+        with ThreadPoolExecutor(16) as pool, AsyncCompileMode(pool, ignore_errors=True):
+            yield
+    finally:
+        JITFunction.run = orig
+
+
+def probe_main(suite: str, doc: str, probe: Callable[..., Any], writes: str, argv: list[str] | None = None) -> int:
+    """`python -m megapar.launch.bench.<suite> [--probe] [--out DIR] [--device D]`: the suite's tuning
+    probe `probe(out_dir, device=...)` (which writes DIR/<writes>) with --probe, else the suite."""
+    import argparse
+
+    p = argparse.ArgumentParser(description=doc.split("\n\n")[0])
+    p.add_argument("--probe", action="store_true", help=f"run the kernel-tuning probe (writes DIR/{writes})")
+    p.add_argument("--out", default="bench/results")
+    p.add_argument("--device", default=None)
+    args = p.parse_args(argv)
+    if args.probe:
+        probe(args.out, device=args.device)
+        return 0
+    from megapar.launch.cli import main as cli_main
+    return cli_main(["bench", suite, "--out", args.out] + (["--device", args.device] if args.device else []))
+
+
 # Measured ceilings of the H200 test machine; used for roofline fractions.
 H200_COPY_GBPS = 4264.0
 H200_BF16_TFLOPS = 799.0

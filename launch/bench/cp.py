@@ -20,16 +20,25 @@
    (gathered pages) and SDPA on a contiguous copy of the same KV; floor = the KV bytes at the
    copy ceiling (target >= 70% and faster than SDPA). The fused MLA prep (`parallel.cp.mla_prep`)
    against the unfused torch sequence at 1, 16, 64, 256 tokens (target >= 60% of copy, >= 3x).
+Sections 2 and 4 time every decode call (ours and the SDPA / torch bmm anchors) as a CUDA-graph
+replay, as serving runs decode (`common.graph_time`): column `timing` says "graph", or
+"eager (ExceptionName)" where capture failed; `eager_us` is the same call launched from Python.
 --quick: tiny CPU sizes for every section.
+
+`python -m megapar.launch.bench.cp --probe --out DIR` runs the decode-kernel tuning probe instead
+(`launch.bench.decode_probe`): launch settings of `parallel.cp.triton_decode.CONFIG` for GQA and
+MLA, each checked against the torch path and timed as a graph replay; the best valid ones go to
+DIR/decode-tuning.json (install with `triton_decode.apply_tuning` or MEGAPAR_DECODE_TUNING=path).
 """
 
 from __future__ import annotations
 
 import os
+import sys
 
 import torch
 
-from megapar.launch.bench.common import H200_BF16_TFLOPS, BenchContext, copy_ceiling_gbps
+from megapar.launch.bench.common import H200_BF16_TFLOPS, BenchContext, copy_ceiling_gbps, graph_time, probe_main
 from megapar.parallel.cp import PagedKVCache, attention_with_lse, dcp_kv_insert, zigzag_shard
 from megapar.parallel.cp.dcp import DCPLayout, write_kv_slots
 from megapar.parallel.cp.merge import combine_lse, merge_attn_states
@@ -168,13 +177,13 @@ def _dcp_breakdown(ctx: BenchContext) -> None:
         full_cache, full_table, q = setup(1)
         call = lambda c, t, n: paged_decode_attention(q, c, t, seq, layout=DCPLayout(size=n, rank=0, block_size=block),
                                                       scale=scale, max_seq_len=context)
-        full_us = ctx.time_fn(lambda: call(full_cache, full_table, 1))
+        full_us, full_cols = _decode_time(ctx, lambda: call(full_cache, full_table, 1))
         ctx.record(f"dcp decode {kind} full KV on one GPU ({tag} cache, B={batch}, L={context}, {what})", full_us,
-                   floor_us=_floor(read(full_cache, batch * context), ceiling))
+                   floor_us=_floor(read(full_cache, batch * context), ceiling), **full_cols)
         del full_cache, full_table
         for n in sizes:
             cache, table, _ = setup(n)
-            local_us = ctx.time_fn(lambda: call(cache, table, n))
+            local_us, local_cols = _decode_time(ctx, lambda: call(cache, table, n))
             outs = torch.randn(n, batch, hq, dv, device=ctx.device)
             lses = torch.randn(n, batch, hq, device=ctx.device)
 
@@ -182,16 +191,32 @@ def _dcp_breakdown(ctx: BenchContext) -> None:
                 _, _, scales = combine_lse(list(lses.unbind(0)))
                 return outs[0] * scales[0].unsqueeze(-1)
 
-            ag_rs_us = ctx.time_fn(ag_rs_math)
-            a2a_us = ctx.time_fn(lambda: merge_attn_states(outs, lses))
+            ag_rs_us, _ = graph_time(ctx, ag_rs_math)
+            a2a_us, _ = graph_time(ctx, lambda: merge_attn_states(outs, lses))
             ctx.record(f"dcp decode {kind} local attention over 1/{n} of the KV ({tag} cache, B={batch}, L={context}, "
                        f"{what})", local_us, anchor="the kernel over the whole KV (no DCP)", anchor_us=full_us,
                        floor_us=_floor(read(cache, batch * (context // n)), ceiling),
                        work_ratio_local_x_n_over_full=local_us * n / full_us, ideal_speedup=n,
                        merge_ag_rs_us=ag_rs_us, merge_a2a_us=a2a_us,
-                       local_plus_merge_us=local_us + min(ag_rs_us, a2a_us))
+                       local_plus_merge_us=local_us + min(ag_rs_us, a2a_us), **local_cols)
             del cache, table, outs, lses
     ctx.note("dcp breakdown: the all-gather of q and the combine collectives need >= 2 GPUs (section 3)")
+    _note_graph_timing(ctx)
+
+
+def _decode_time(ctx: BenchContext, fn) -> tuple[float, dict]:
+    """A decode call timed as serving runs it: (µs of a CUDA-graph replay, the extra columns
+    `timing` ("graph", or "eager (ExceptionName)" when capture failed) and `eager_us`, the same
+    call launched from Python)."""
+    us, how = graph_time(ctx, fn)
+    return us, {"timing": how, "eager_us": ctx.time_fn(fn) if ctx.is_cuda else us}
+
+
+def _note_graph_timing(ctx: BenchContext) -> None:
+    if ctx.is_cuda and "decode timing" not in " ".join(ctx.notes):
+        ctx.note("decode timing: time_us of the decode kernel rows and their SDPA / torch bmm anchors is a CUDA-graph "
+                 "replay (column timing; eager_us = the same call launched from Python); the gathered-pages torch "
+                 "path is eager")
 
 
 def _floor(nbytes: int | None, ceiling_gbps: float) -> float | None:
@@ -330,8 +355,8 @@ def _paged_decode_rows(ctx: BenchContext) -> None:
                     scale, v_from_k, what = dims.scale, True, f"MLA H={heads}, latent {d}"
                 layout = DCPLayout(size=n, rank=0, block_size=block)
                 seq = torch.full((batch,), context, device=ctx.device)
-                ours_us = ctx.time_fn(lambda: paged_decode_attention(q, cache, table, seq, layout=layout, scale=scale,
-                                                                     backend="triton", max_seq_len=context))
+                ours_us, ours_cols = _decode_time(ctx, lambda: paged_decode_attention(
+                    q, cache, table, seq, layout=layout, scale=scale, backend="triton", max_seq_len=context))
                 # the gathered-pages torch path expands the KV per query head: skip it where that alone
                 # would not fit (MLA at L = 128K: 288 GiB)
                 if batch * local * heads * d * 2 * 2 <= 32 * 2**30:
@@ -344,18 +369,20 @@ def _paged_decode_rows(ctx: BenchContext) -> None:
                 kc = torch.randn(batch, kv_heads, local, d, device=ctx.device, dtype=torch.bfloat16)
                 if kind == "gqa":
                     anchor = "SDPA, contiguous bf16 KV of the same tokens"
-                    sdpa_us = ctx.time_fn(lambda: _sdpa_contiguous(q.unsqueeze(2), kc, kc))
+                    sdpa_us, anchor_timing = graph_time(ctx, lambda: _sdpa_contiguous(q.unsqueeze(2), kc, kc))
                 else:
                     anchor = "torch absorbed MLA (2 bmm + softmax), contiguous bf16 latent of the same tokens"
-                    sdpa_us = ctx.time_fn(lambda: _mla_torch_contiguous(q, kc[:, 0], dv, scale))
+                    sdpa_us, anchor_timing = graph_time(ctx, lambda: _mla_torch_contiguous(q, kc[:, 0], dv, scale))
                 del kc
                 nbytes = kv_read_bytes_of(cache, batch * local, kv_heads, d, dv, v_from_k)
                 label = "paged decode kernel over" if kind == "gqa" else "MLA absorbed decode kernel over"
                 ctx.record(f"{label} 1/{n} KV ({tag} cache, B={batch}, L={context}, {what})",
                            ours_us, anchor=anchor, anchor_us=sdpa_us,
                            floor_us=_floor(nbytes, ceiling), torch_gathered_us=torch_us,
-                           speedup_vs_torch=torch_us / ours_us, target_fraction=0.70)
+                           speedup_vs_torch=torch_us / ours_us, target_fraction=0.70, anchor_timing=anchor_timing,
+                           **ours_cols)
                 del cache, table, q
+    _note_graph_timing(ctx)
 
 
 def _mla_prep_rows(ctx: BenchContext) -> None:
@@ -404,3 +431,13 @@ def run(ctx: BenchContext) -> None:
                 ctx.note("paged decode kernel, MLA decode and fused MLA prep rows run on CUDA only")
     if "multi" in sections:
         _multi_gpu(ctx)
+
+
+def main(argv: list[str] | None = None) -> int:
+    from megapar.launch.bench.decode_probe import probe
+
+    return probe_main("cp", __doc__, probe, "decode-tuning.json", argv)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -44,7 +44,7 @@ from typing import Any, Callable
 
 import torch
 
-from megapar.launch.bench.common import BenchContext, H200_FP8_TFLOPS, copy_ceiling_gbps
+from megapar.launch.bench.common import BenchContext, H200_FP8_TFLOPS, copy_ceiling_gbps, graph_time, precompile
 
 SHAPES = {"v3": (32, 7168, 2048), "v4flash": (32, 4096, 2048)}
 TOKENS = (1, 8, 32, 128, 512, 2048)
@@ -76,54 +76,6 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     if not torch.isfinite(a).all():
         return float("nan")
     return float((a - b).norm() / b.norm().clamp_min(1e-30))
-
-
-def graph_time(ctx: BenchContext, fn: Callable[[], Any], iters: int | None = None) -> tuple[float, str]:
-    """Median µs of fn as a CUDA-graph replay (eager on CPU or when capture fails)."""
-    fn()
-    if not ctx.is_cuda:
-        return ctx.time_fn(fn, iters=iters), "eager"
-    torch.cuda.synchronize()
-    try:
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            fn()
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            fn()
-        us = ctx.time_fn(graph.replay, iters=iters)
-        del graph
-        return us, "graph"
-    except Exception as e:  # noqa: BLE001 - fall back, and say so
-        torch.cuda.synchronize()
-        return ctx.time_fn(fn, iters=iters), f"eager ({type(e).__name__})"
-
-
-@contextlib.contextmanager
-def precompile():
-    """Inside: Triton launches only compile (16 threads, in parallel) and do not run; on exit
-    every compile has finished and sits in the in-memory kernel cache."""
-    try:
-        from concurrent.futures import ThreadPoolExecutor
-
-        from triton.runtime._async_compile import AsyncCompileMode
-        from triton.runtime.jit import JITFunction
-    except Exception:  # noqa: BLE001 - older triton: compile lazily
-        yield
-        return
-    orig = JITFunction.run
-
-    def run(self, *args, grid, warmup, **kwargs):
-        return orig(self, *args, grid=grid, warmup=True, **kwargs)
-
-    JITFunction.run = run
-    try:
-        with ThreadPoolExecutor(16) as pool, AsyncCompileMode(pool, ignore_errors=True):
-            yield
-    finally:
-        JITFunction.run = orig
 
 
 # ---- the suite ----------------------------------------------------------------------------------

@@ -171,7 +171,80 @@ CONFIG = {
     "block_m": 64, "block_m_wide": 32,
     "num_warps": 4, "num_warps_wide": 8, "num_stages": 2,
 }
-"""Launch parameters; `megapar bench cp` times the result on the GPU."""
+"""Launch parameters. `python -m megapar.launch.bench.cp --probe --out DIR` sweeps them on the GPU
+(CUDA-graph replays) and writes DIR/decode-tuning.json for `apply_tuning` (or
+MEGAPAR_DECODE_TUNING=path at import)."""
+
+# the tuning file's per-problem keys: GQA's go to CONFIG as they are, MLA's (key dim > 256) to the
+# *_wide keys where CONFIG has one; the others are shared by both problems
+_WIDE = {"block_n": "block_n_wide", "block_m": "block_m_wide", "num_warps": "num_warps_wide"}
+_SHARED = ("target_programs", "min_split", "num_stages")
+_VALID = {
+    "target_programs": range(1, 1 << 16), "min_split": range(1, 1 << 24),
+    "block_n": (16, 32, 64, 128, 256), "block_m": (16, 32, 64, 128, 256),
+    "num_warps": (1, 2, 4, 8, 16), "num_stages": (1, 2, 3, 4, 5, 6),
+}
+_META = ("device", "sizes", "seconds", "results", "notes", "problems")
+
+
+def _valid_value(key: str, value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value in _VALID[key]
+
+
+def apply_tuning(tuning: dict) -> None:
+    """Install measured launch settings {"gqa": {key: value}, "mla": {key: value}} (as written by
+    `python -m megapar.launch.bench.cp --probe --out DIR` to DIR/decode-tuning.json; keys:
+    block_n, block_m, num_warps, num_stages, target_programs, min_split). MLA's block_n / block_m /
+    num_warps go to CONFIG's *_wide entries; target_programs, min_split and num_stages are shared
+    and must agree where both give them. {"config": {CONFIG key: value}} sets entries directly.
+    Nothing is installed unless all of it is valid: ValueError naming the bad keys or values."""
+    if not isinstance(tuning, dict):
+        raise ValueError(f"decode tuning must be a dict, got {type(tuning).__name__}")
+    bad = [k for k in tuning if k not in ("gqa", "mla", "config") + _META]
+    if bad:
+        raise ValueError(f"unknown decode tuning entries {bad}; valid: gqa, mla, config")
+    new: dict[str, int] = {}
+    for kind in ("gqa", "mla"):
+        part = tuning.get(kind, {})
+        if not isinstance(part, dict):
+            raise ValueError(f"decode tuning {kind!r} must be a dict of settings, got {part!r}")
+        for key, value in part.items():
+            if key not in _VALID:
+                raise ValueError(f"unknown decode tuning key {kind}.{key}; valid: {', '.join(_VALID)}")
+            if not _valid_value(key, value):
+                raise ValueError(f"decode tuning {kind}.{key} = {value!r} is invalid; valid: {_describe(key)}")
+            name = _WIDE.get(key, key) if kind == "mla" else key
+            if name in new and new[name] != value:
+                raise ValueError(f"decode tuning: the shared key {key} differs between gqa ({new[name]}) and "
+                                 f"mla ({value}); one value serves both (only {', '.join(_WIDE)} have *_wide "
+                                 f"entries)")
+            new[name] = value
+    for name, value in tuning.get("config", {}).items():
+        base = next((k for k, w in _WIDE.items() if w == name), name)
+        if name not in CONFIG:
+            raise ValueError(f"unknown decode CONFIG key {name!r}; valid: {', '.join(CONFIG)}")
+        if not _valid_value(base, value):
+            raise ValueError(f"decode CONFIG {name} = {value!r} is invalid; valid: {_describe(base)}")
+        new[name] = value
+    CONFIG.update(new)
+
+
+def _describe(key: str) -> str:
+    valid = _VALID[key]
+    return f"an int in [{valid.start}, {valid.stop - 1}]" if isinstance(valid, range) else ", ".join(map(str, valid))
+
+
+def _load_env_tuning() -> None:
+    import json
+    import os
+
+    path = os.environ.get("MEGAPAR_DECODE_TUNING")
+    if path:
+        with open(path) as f:
+            apply_tuning(json.load(f))
+
+
+_load_env_tuning()
 
 
 def _split_dims(d: int) -> tuple[int, int, int]:

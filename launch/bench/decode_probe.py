@@ -1,0 +1,305 @@
+"""Tuning probe of the split-KV paged decode kernel (`parallel.cp.triton_decode.CONFIG`).
+
+`python -m megapar.launch.bench.cp --probe --out DIR`. Problems (rank 0's 1/4 of a paged KV,
+page 64, B = 32): GQA Hq = 32, Hkv = 4, D = 128 at L = 8K and 32K with bf16 and fp8 caches; MLA
+(H = 128 over one 576-wide latent head, v = its first 512) at L = 8K and 32K, bf16. Per family a
+fixed list of launch settings - one factor at a time around the current CONFIG plus a few
+combinations - then the combination of the per-key winners. Every setting is checked against
+the torch path (`backend="torch"`, the first few sequences: its per-head KV copy is bounded)
+within the GPU tests' bound (max abs error of out and lse <= 2e-2) and timed as a CUDA-graph
+replay; the table gives µs and the fraction of the KV-read byte floor at the copy ceiling.
+
+The best valid setting per family (least mean time relative to each problem's fastest) goes to
+DIR/decode-tuning.json as {"gqa": {...}, "mla": {...}} in the kernel's own key names: MLA's
+block_m / block_n / num_warps land on CONFIG's *_wide entries (key dim > 256), so they never
+conflict with GQA's. target_programs, min_split and num_stages are shared by both: where the two
+winners differ, each family's winner is also timed with the other's value and the value with
+the smaller summed relative time serves both (a note says so). GQA has Hq / Hkv = 8 query rows
+per kv head, below the smallest row tile (16), so block_m is not swept for it.
+`triton_decode.apply_tuning` (or MEGAPAR_DECODE_TUNING=DIR/decode-tuning.json) installs the file.
+On CPU under TRITON_INTERPRET=1 the probe is a dry run on tiny sizes with a few settings.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+from megapar.launch.bench.common import BenchContext, copy_ceiling_gbps, graph_time, precompile
+
+ATOL_GPU = 2e-2       # tests/test_cp_decode_kernel.py, full size on the GPU (bf16 queries)
+ATOL_CPU = 1e-4       # float32 under the interpreter
+REF_BUDGET = 8 << 30  # bytes of the torch path's per-head KV copy: sequences checked per problem
+
+KEYS = {"gqa": ("block_n", "num_warps", "num_stages", "target_programs", "min_split"),
+        "mla": ("block_m", "block_n", "num_warps", "num_stages", "target_programs", "min_split")}
+
+VARIANTS = {   # overrides of the current settings, one factor at a time, then a few combinations
+    "gqa": [{}, {"block_n": 32}, {"block_n": 128}, {"num_warps": 8}, {"num_stages": 1}, {"num_stages": 3},
+            {"target_programs": 132}, {"target_programs": 528}, {"min_split": 128}, {"min_split": 512},
+            {"block_n": 128, "num_warps": 8}, {"block_n": 128, "num_stages": 3}, {"block_n": 32, "num_stages": 3},
+            {"target_programs": 528, "min_split": 128}, {"block_n": 128, "num_warps": 8, "num_stages": 3}],
+    "mla": [{}, {"block_m": 64}, {"block_m": 128}, {"block_n": 16}, {"block_n": 64}, {"num_warps": 4},
+            {"num_stages": 1}, {"num_stages": 3}, {"target_programs": 132}, {"target_programs": 528},
+            {"min_split": 128}, {"min_split": 512}, {"block_m": 64, "block_n": 16}, {"block_m": 64, "num_stages": 1},
+            {"block_n": 16, "num_stages": 3}, {"block_m": 128, "block_n": 16, "num_stages": 1},
+            {"block_m": 64, "target_programs": 528}],
+}
+TINY_VARIANTS = {
+    "gqa": [{}, {"block_n": 16, "min_split": 32}, {"num_warps": 8, "num_stages": 1}],
+    "mla": [{}, {"block_m": 16, "block_n": 16, "min_split": 32}, {"num_warps": 4}],
+}
+
+
+@dataclass
+class Problem:
+    """One decode problem with its data on the device and the torch path's output to check against."""
+
+    kind: str                   # "gqa" | "mla"
+    tag: str                    # cache dtype
+    label: str
+    call: Callable[[], Any]     # the kernel over the whole batch
+    ref: Any                    # AttnState of the torch path over the first `nref` sequences
+    nref: int
+    floor_us: float | None
+    rows: int                   # query rows per kv head (Hq / Hkv)
+    batch_programs: int         # sequences x kv heads
+    capacity: int               # tokens per sequence the grid covers
+    results: dict[str, dict[str, Any]] = field(default_factory=dict)
+
+
+def _family_view(kind: str, config: dict[str, int]) -> dict[str, int]:
+    from megapar.parallel.cp.triton_decode import _WIDE
+
+    return {k: config[_WIDE[k] if kind == "mla" and k in _WIDE else k] for k in KEYS[kind]}
+
+
+def _install(kind: str, settings: dict[str, int], default: dict[str, int]) -> None:
+    from megapar.parallel.cp import triton_decode as td
+
+    td.CONFIG.clear()
+    td.CONFIG.update(default)
+    td.apply_tuning({kind: settings})
+
+
+def _problems(ctx: BenchContext) -> list[Problem]:
+    from megapar.launch.bench.cp import _decode_setup, _floor, _mla_decode_setup, kv_read_bytes_of
+    from megapar.parallel.cp.dcp import DCPLayout
+    from megapar.parallel.cp.mla import MLADims
+    from megapar.parallel.cp.paged import paged_decode_attention
+
+    if ctx.is_cuda:
+        batch, block, n, contexts = 32, 64, 4, (8192, 32768)
+        gqa, dims, mla_heads = (32, 4, 128), MLADims(), 128
+        gqa_dtypes = (torch.bfloat16, torch.float8_e4m3fn)
+        mla_dtype, qdtype = torch.bfloat16, torch.bfloat16
+    else:   # dry run: tiny, and an MLA key dim > 256 so the *_wide settings are the ones used
+        batch, block, n, contexts = 2, 16, 4, (256,)
+        gqa, mla_heads = (8, 2, 32), 4
+        dims = MLADims(kv_lora_rank=256, qk_nope_head_dim=32, qk_rope_head_dim=32, v_head_dim=32)
+        gqa_dtypes, mla_dtype, qdtype = (torch.float32,), torch.float32, torch.float32
+    ceiling = copy_ceiling_gbps(ctx.device)
+    layout = DCPLayout(size=n, rank=0, block_size=block)
+    out: list[Problem] = []
+    specs = [("gqa", c, dt) for c in contexts for dt in gqa_dtypes] + [("mla", c, mla_dtype) for c in contexts]
+    for kind, context, cache_dtype in specs:
+        local = int(layout.local_lengths(context))
+        if kind == "gqa":
+            heads, kv_heads, d = gqa
+            dv, v_from_k, scale = d, False, d ** -0.5
+            cache, table, q, _ = _decode_setup(batch, context, heads, kv_heads, d, block, n, ctx.device, cache_dtype)
+            what = f"Hq={heads} Hkv={kv_heads} D={d}"
+        else:
+            heads, kv_heads, d, dv, v_from_k, scale = mla_heads, 1, dims.latent_dim, dims.kv_lora_rank, True, dims.scale
+            latent, table = _mla_decode_setup(batch, context, dims, block, n, ctx.device, cache_dtype)
+            cache = latent.paged
+            q = torch.randn(batch, heads, d, device=ctx.device, dtype=qdtype)
+            what = f"H={heads} D={d} Dv={dv}"
+        seq = torch.full((batch,), context, device=ctx.device)
+
+        def call(q=q, cache=cache, table=table, seq=seq, scale=scale, context=context):
+            return paged_decode_attention(q, cache, table, seq, layout=layout, scale=scale, backend="triton",
+                                          max_seq_len=context)
+
+        nref = max(1, min(batch, REF_BUDGET // max(1, local * heads * (d + dv) * 4)))
+        ref = paged_decode_attention(q[:nref], cache, table[:nref], seq[:nref], layout=layout, scale=scale,
+                                     backend="torch")
+        tag = str(cache_dtype).replace("torch.", "")
+        out.append(Problem(kind, tag, f"{kind} {tag} B={batch} L={context} (1/{n}: {local}) {what}", call, ref, nref,
+                           _floor(kv_read_bytes_of(cache, batch * local, kv_heads, d, dv, v_from_k), ceiling),
+                           heads // kv_heads, batch * kv_heads, local))
+    return out
+
+
+def _max_err(got, ref, nref: int) -> float:
+    """Max abs error of out and (finite) lse against the torch path; inf where -inf patterns differ."""
+    o, lse = got.out[:nref].float(), got.lse[:nref].float()
+    finite = torch.isfinite(ref.lse)
+    if not torch.equal(finite, torch.isfinite(lse)) or not torch.isfinite(o).all():
+        return float("inf")
+    err = (o - ref.out.float()).abs().max()
+    if finite.any():
+        err = torch.maximum(err, (lse[finite] - ref.lse.float()[finite]).abs().max())
+    return float(err)
+
+
+def _splits(p: Problem, view: dict[str, int]) -> int:
+    import triton
+
+    from megapar.parallel.cp.triton_decode import plan_splits
+
+    block_m = max(16, min(triton.next_power_of_2(p.rows), view.get("block_m", 64)))
+    return plan_splits(p.capacity, p.batch_programs * -(-p.rows // block_m), view["block_n"])[0]
+
+
+def _measure(ctx: BenchContext, problems: list[Problem], kind: str, settings: list[dict[str, int]],
+             default: dict[str, int], iters: int, why: str) -> None:
+    """Time every (new) family setting on every problem of the family; results land in problem.results."""
+    fam = [p for p in problems if p.kind == kind]
+    todo = [s for s in settings if any(json.dumps(s, sort_keys=True) not in p.results for p in fam)]
+    todo = list({json.dumps(s, sort_keys=True): s for s in todo}.values())
+    if not todo:
+        return
+    if ctx.is_cuda:    # compile every launch configuration in parallel first
+        t = time.time()
+        with precompile():
+            for s in todo:
+                for p in {q.tag: q for q in fam}.values():      # one problem per cache dtype
+                    _install(kind, s, default)
+                    with contextlib.suppress(Exception):
+                        p.call()
+        print(f"  {kind}: compiled {len(todo)} settings in {time.time() - t:.1f} s", flush=True)
+    atol = ATOL_GPU if ctx.is_cuda else ATOL_CPU
+    for p in fam:
+        for s in todo:
+            key = json.dumps(s, sort_keys=True)
+            if key in p.results:
+                continue
+            row: dict[str, Any] = {"kind": kind, "problem": p.label, "settings": s, "stage": why}
+            try:
+                _install(kind, s, default)
+                row["splits"] = _splits(p, s)
+                row["max_err"] = _max_err(p.call(), p.ref, p.nref)
+                row["valid"] = row["max_err"] <= atol
+                row["us"], row["timing"] = graph_time(ctx, p.call, iters=iters)
+                if p.floor_us is not None:
+                    row["floor_us"] = round(p.floor_us, 2)
+                    row["floor_frac"] = round(p.floor_us / row["us"], 3)
+                row["us"] = round(row["us"], 2)
+            except Exception as e:  # noqa: BLE001 - a setting that does not compile or run is recorded, not fatal
+                row["valid"] = False
+                row["error"] = f"{type(e).__name__}: {str(e)[:300]}"
+                if ctx.is_cuda:
+                    torch.cuda.synchronize()
+            p.results[key] = row
+            print("  " + "  ".join(f"{k}={v}" for k, v in row.items() if k != "kind"), flush=True)
+
+
+def _score(problems: list[Problem], kind: str, settings: dict[str, int]) -> float:
+    """Mean over the family's problems of time / that problem's fastest valid time; inf if invalid anywhere."""
+    key, total, fam = json.dumps(settings, sort_keys=True), 0.0, [p for p in problems if p.kind == kind]
+    for p in fam:
+        row = p.results.get(key)
+        if row is None or not row.get("valid"):
+            return float("inf")
+        total += row["us"] / min(r["us"] for r in p.results.values() if r.get("valid"))
+    return total / len(fam)
+
+
+def _best(problems: list[Problem], kind: str) -> dict[str, int] | None:
+    measured = {k: json.loads(k) for p in problems if p.kind == kind for k in p.results}
+    scored = sorted(measured.values(), key=lambda s: _score(problems, kind, s))
+    return scored[0] if scored and _score(problems, kind, scored[0]) < float("inf") else None
+
+
+def _per_key_winners(problems: list[Problem], kind: str, base: dict[str, int]) -> dict[str, int]:
+    """The base setting with each key at the value that scored best among settings differing only there."""
+    out = dict(base)
+    measured = [json.loads(k) for k in {k for p in problems if p.kind == kind for k in p.results}]
+    for key in KEYS[kind]:
+        alone = [s for s in measured if all(s[k] == base[k] for k in KEYS[kind] if k != key)]
+        if alone:
+            out[key] = min(alone, key=lambda s: _score(problems, kind, s))[key]
+    return out
+
+
+def probe(out_dir: str | os.PathLike, *, device: str | None = None, iters: int = 20) -> dict:
+    """Run the probe (module docstring); returns what it writes to out_dir/decode-tuning.json."""
+    from megapar.parallel import impl
+    from megapar.parallel.cp import triton_decode as td
+    from megapar.parallel.cp.triton_decode import _SHARED
+
+    dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if dev.type != "cuda" and not impl.interpreting():
+        raise ValueError("the decode probe needs CUDA, or TRITON_INTERPRET=1 for a CPU dry run")
+    ctx = BenchContext(suite="cp", device=dev, quick=dev.type != "cuda")
+    iters = iters if ctx.is_cuda else 1
+    t0 = time.time()
+    default = dict(td.CONFIG)
+    notes: list[str] = []
+    try:
+        with torch.no_grad():
+            problems = _problems(ctx)
+            print(f"  set up {len(problems)} problems in {time.time() - t0:.1f} s", flush=True)
+            variants = VARIANTS if ctx.is_cuda else TINY_VARIANTS
+            best: dict[str, dict[str, int]] = {}
+            for kind in ("gqa", "mla"):
+                base = _family_view(kind, default)
+                settings = [{**base, **v} for v in variants[kind]]
+                _measure(ctx, problems, kind, settings, default, iters, "sweep")
+                _measure(ctx, problems, kind, [_per_key_winners(problems, kind, base)], default, iters, "combined")
+                found = _best(problems, kind)
+                if found is None:
+                    notes.append(f"{kind}: no valid setting; the current CONFIG stays")
+                    found = base
+                best[kind] = found
+            for key in _SHARED:   # one value serves both families
+                a, b = best["gqa"][key], best["mla"][key]
+                if a == b:
+                    continue
+                options = {kind: [{**best[kind], key: v} for v in (a, b)] for kind in best}
+                for kind, sts in options.items():
+                    _measure(ctx, problems, kind, sts, default, iters, f"shared {key}")
+                cost = {v: sum(_score(problems, kind, {**best[kind], key: v}) for kind in best) for v in (a, b)}
+                pick = min(cost, key=cost.get)
+                notes.append(f"shared key {key}: gqa best {a}, mla best {b}; {pick} serves both (summed relative "
+                             f"time {cost[a]:.3f} with {a}, {cost[b]:.3f} with {b}); only block_n, block_m, num_warps "
+                             f"have separate *_wide entries for key dims > 256")
+                for kind in best:
+                    best[kind] = {**best[kind], key: pick}
+    finally:
+        td.CONFIG.clear()
+        td.CONFIG.update(default)
+    results = [r for p in problems for r in p.results.values()]
+    tuning = {"gqa": best["gqa"], "mla": best["mla"],
+              "device": torch.cuda.get_device_name(dev) if ctx.is_cuda else "cpu (interpreter dry run)",
+              "problems": [p.label for p in problems], "notes": notes,
+              "seconds": round(time.time() - t0, 1), "results": results}
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "decode-tuning.json").write_text(json.dumps(tuning, indent=1) + "\n")
+    _print_table(results, best, default)
+    for n in notes:
+        print(f"note: {n}")
+    print(f"wrote {out / 'decode-tuning.json'} ({tuning['seconds']} s): gqa {best['gqa']}, mla {best['mla']}",
+          flush=True)
+    return tuning
+
+
+def _print_table(results: list[dict[str, Any]], best: dict[str, dict[str, int]], default: dict[str, int]) -> None:
+    print("\n| problem | settings | splits | µs | floor frac | max err | valid | |")
+    print("|---|---|---|---|---|---|---|---|")
+    for r in results:
+        kind, s = r["kind"], r["settings"]
+        base = _family_view(kind, default)
+        diff = ", ".join(f"{k}={v}" for k, v in s.items() if base.get(k) != v) or "current CONFIG"
+        mark = ("best" if s == best.get(kind) else "") + (" default" if s == base else "")
+        print(f"| {r['problem']} | {diff} | {r.get('splits', '')} | {r.get('us', r.get('error', '')[:60])} | "
+              f"{r.get('floor_frac', '')} | {r.get('max_err', '')} | {r.get('valid')} | {mark.strip()} |")

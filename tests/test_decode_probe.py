@@ -1,0 +1,165 @@
+"""The decode-kernel tuning: `triton_decode.apply_tuning` (GQA keys to CONFIG, MLA's to the *_wide
+entries, validation), MEGAPAR_DECODE_TUNING at import, the probe's CPU dry run under the
+interpreter (its file installs, and the kernel with it still matches the torch path), and on the
+GPU the decode call captured in a CUDA graph and replayed."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+triton = pytest.importorskip("triton")
+
+from parallel.cp import triton_decode as td  # noqa: E402
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(autouse=True)
+def _restore_config():
+    saved = dict(td.CONFIG)
+    yield
+    td.CONFIG.clear()
+    td.CONFIG.update(saved)
+
+
+def test_apply_tuning_maps_mla_keys_to_wide_entries():
+    before = dict(td.CONFIG)
+    td.apply_tuning({"gqa": {"block_n": 32, "num_stages": 3, "min_split": 128},
+                     "mla": {"block_n": 16, "block_m": 128, "num_warps": 4, "num_stages": 3},
+                     "device": "x", "results": [], "notes": []})
+    assert td.CONFIG == {**before, "block_n": 32, "num_stages": 3, "min_split": 128, "block_n_wide": 16,
+                         "block_m_wide": 128, "num_warps_wide": 4}
+    td.apply_tuning({"config": {"num_warps_wide": 16, "target_programs": 528}})
+    assert td.CONFIG["num_warps_wide"] == 16 and td.CONFIG["target_programs"] == 528
+    assert td.CONFIG["block_m"] == before["block_m"] and td.CONFIG["num_warps"] == before["num_warps"]
+
+
+@pytest.mark.parametrize("tuning,match", [
+    ({"gpa": {}}, r"unknown decode tuning entries \['gpa'\]; valid: gqa, mla, config"),
+    ({"gqa": {"block_k": 64}}, r"unknown decode tuning key gqa.block_k; valid: target_programs, min_split, block_n"),
+    ({"mla": {"block_n": 48}}, r"mla.block_n = 48 is invalid; valid: 16, 32, 64, 128, 256"),
+    ({"gqa": {"num_warps": 3}}, r"gqa.num_warps = 3 is invalid; valid: 1, 2, 4, 8, 16"),
+    ({"gqa": {"num_stages": True}}, r"gqa.num_stages = True is invalid"),
+    ({"gqa": {"min_split": 0}}, r"gqa.min_split = 0 is invalid; valid: an int in \[1, "),
+    ({"gqa": {"target_programs": "264"}}, r"gqa.target_programs = '264' is invalid"),
+    ({"gqa": [64]}, r"decode tuning 'gqa' must be a dict"),
+    ({"gqa": {"num_stages": 2}, "mla": {"num_stages": 3}}, r"shared key num_stages differs between gqa \(2\) and mla \(3\)"),
+    ({"config": {"block_q": 16}}, r"unknown decode CONFIG key 'block_q'; valid: target_programs"),
+    ({"config": {"block_m_wide": 24}}, r"decode CONFIG block_m_wide = 24 is invalid"),
+])
+def test_apply_tuning_rejects_bad_entries_and_installs_nothing(tuning, match):
+    before = dict(td.CONFIG)
+    bad = {"gqa": {"block_n": 16}, **tuning} if "gqa" not in tuning else tuning
+    with pytest.raises(ValueError, match=match):
+        td.apply_tuning(bad)
+    assert td.CONFIG == before
+
+
+def test_env_tuning_is_read_at_import(tmp_path):
+    path = tmp_path / "decode-tuning.json"
+    path.write_text(json.dumps({"gqa": {"block_n": 128}, "mla": {"block_m": 64, "num_warps": 4}}))
+    code = "import json; from parallel.cp import triton_decode as t; print(json.dumps(t.CONFIG))"
+    env = {**os.environ, "MEGAPAR_DECODE_TUNING": str(path)}
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True, check=True)
+    config = json.loads(out.stdout.strip().splitlines()[-1])
+    assert config == {**td.CONFIG, "block_n": 128, "block_m_wide": 64, "num_warps_wide": 4}
+    path.write_text(json.dumps({"mla": {"num_warps": 5}}))
+    bad = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True)
+    assert bad.returncode != 0 and "mla.num_warps = 5 is invalid" in bad.stderr
+
+
+def test_probe_dry_run_writes_a_tuning_that_installs(tmp_path, monkeypatch):
+    """`python -m megapar.launch.bench.cp --probe` on CPU under the interpreter: every tiny setting
+    matches the torch path, the chosen one is the fastest among those agreeing on the shared keys,
+    and the file installs (MLA -> *_wide) with the kernel still matching the torch path."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    from launch.bench.cp import main
+    from launch.bench.decode_probe import KEYS, TINY_VARIANTS
+    from parallel.cp.triton_decode import _SHARED
+
+    before = dict(td.CONFIG)
+    assert main(["--probe", "--out", str(tmp_path)]) == 0
+    assert td.CONFIG == before                                   # the probe restores CONFIG
+    tuning = json.loads((tmp_path / "decode-tuning.json").read_text())
+    rows = tuning["results"]
+    assert len(rows) >= sum(len(v) for v in TINY_VARIANTS.values())
+    assert all(r["valid"] and r["max_err"] < 1e-4 and r["us"] > 0 for r in rows), [r for r in rows if not r["valid"]]
+    for kind in ("gqa", "mla"):
+        chosen = tuning[kind]
+        assert set(chosen) == set(KEYS[kind])
+        mine = [r for r in rows if r["kind"] == kind]
+        assert any(r["settings"] == chosen for r in mine)
+        same_shared = [r for r in mine if all(r["settings"][k] == chosen[k] for k in _SHARED)]
+        assert min(same_shared, key=lambda r: r["us"])["settings"] == chosen
+    assert all(tuning["gqa"][k] == tuning["mla"][k] for k in _SHARED)
+    assert any(r["splits"] > 1 for r in rows) and any(r["splits"] == 1 for r in rows)   # split + merge ran too
+
+    td.apply_tuning(tuning)
+    assert td.CONFIG["block_n"] == tuning["gqa"]["block_n"] and td.CONFIG["block_n_wide"] == tuning["mla"]["block_n"]
+    assert td.CONFIG["block_m_wide"] == tuning["mla"]["block_m"]
+    assert td.CONFIG["num_warps_wide"] == tuning["mla"]["num_warps"]
+    # the tuned launch against an independent dense reference (wide key dim, v = k's prefix)
+    from parallel.cp import PagedKVCache
+    from parallel.cp.paged import paged_decode_attention
+
+    g = torch.Generator().manual_seed(3)
+    n, d, dv, heads = 70, 288, 256, 4
+    k = torch.randn(n, 1, d, generator=g)
+    cache = PagedKVCache.allocate(5, 16, 1, d, dtype=torch.float32)
+    cache.k.view(-1, 1, d)[:n] = k
+    cache = PagedKVCache(cache.k, cache.k[..., :dv], None, None)
+    q = torch.randn(1, heads, d, generator=g)
+    got = paged_decode_attention(q, cache, torch.arange(5, dtype=torch.int32)[None], torch.tensor([n]),
+                                 scale=0.05, backend="triton")
+    p = torch.softmax(q[0] @ k[:, 0].T * 0.05, -1)
+    torch.testing.assert_close(got.out[0], p @ k[:, 0, :dv], atol=1e-4, rtol=0)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("cache_dtype", [torch.bfloat16, torch.float8_e4m3fn])
+@pytest.mark.parametrize("kind", ["gqa", "mla"])
+def test_decode_captures_in_a_cuda_graph(kind, cache_dtype, monkeypatch):
+    """Decode is done only when it captures: the kernel (and its split merge) in a CUDA graph,
+    replayed on new queries, equals the eager call on them."""
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    from launch.bench.cp import _decode_setup, _mla_decode_setup
+    from parallel.cp import DCPLayout
+    from parallel.cp.mla import MLADims
+    from parallel.cp.paged import paged_decode_attention
+
+    dev, batch, context, block, n = torch.device("cuda"), 8, 8192, 64, 4
+    if kind == "gqa":
+        cache, table, q, _ = _decode_setup(batch, context, 32, 4, 128, block, n, dev, cache_dtype)
+        scale = 128 ** -0.5
+    else:
+        dims = MLADims()
+        latent, table = _mla_decode_setup(batch, context, dims, block, n, dev, cache_dtype)
+        cache, scale = latent.paged, dims.scale
+        q = torch.randn(batch, 128, dims.latent_dim, device=dev, dtype=torch.bfloat16)
+    layout = DCPLayout(size=n, rank=0, block_size=block)
+    seq = torch.full((batch,), context, device=dev)
+    call = lambda: paged_decode_attention(q, cache, table, seq, layout=layout, scale=scale, backend="triton",  # noqa: E731
+                                          max_seq_len=context)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        call()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static = call()
+    q.copy_(torch.randn_like(q))
+    graph.replay()
+    torch.cuda.synchronize()
+    eager = call()
+    torch.testing.assert_close(static.out, eager.out, atol=0, rtol=0)
+    torch.testing.assert_close(static.lse, eager.lse, atol=0, rtol=0)
+    ref = paged_decode_attention(q[:2], cache, table[:2], seq[:2], layout=layout, scale=scale, backend="torch")
+    torch.testing.assert_close(eager.out[:2], ref.out, atol=2e-2, rtol=0)
