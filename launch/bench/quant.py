@@ -27,7 +27,6 @@ dry run on tiny sizes.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import statistics
@@ -310,16 +309,9 @@ def _print_probe_table(results: list[dict], best_rows: dict) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--probe", action="store_true", help="run the kernel-tuning probe (writes DIR/quant-tuning.json)")
-    p.add_argument("--out", default="bench/results")
-    p.add_argument("--device", default=None)
-    args = p.parse_args(argv)
-    if args.probe:
-        probe(args.out, device=args.device)
-        return 0
-    from megapar.launch.cli import main as cli_main
-    return cli_main(["bench", "quant", "--out", args.out] + (["--device", args.device] if args.device else []))
+    from megapar.launch.bench.common import probe_main
+
+    return probe_main("quant", __doc__, probe, "quant-tuning.json", argv)
 
 
 if __name__ == "__main__":
