@@ -118,6 +118,17 @@ def test_interp_fused_swiglu_epilogue_and_fp8_group_output(fmt):
     assert _rel(hq.float() * hs, y1) < 0.1             # fp8 rounding of h (the interpreter's cast is coarse)
     ref_s = torch.as_tensor(np.abs(y1).max(axis=1, keepdims=True) / 448).float()
     assert torch.allclose(hs, ref_s, rtol=1e-5)
+    hr = quantize(h, "fp8_group", backend="torch")      # the epilogue is parallel.quant's fp8_group, bit for bit
+    assert torch.equal(hq.view(torch.uint8), hr.data.view(torch.uint8)) and torch.equal(hs, hr.scale)
+    xn = x.clone()
+    xn[3, 7] = float("nan")                             # a NaN token: NaN scale and 0x7F bytes, as the reference
+    hn = launch_w4a16(xn, p13, rows, out_dtype=torch.float32, swiglu=(act["limit"], act["alpha"], act["beta"]),
+                      config=cfg)
+    hnq, hns = launch_w4a16(xn, p13, rows, out_dtype=torch.float32, swiglu=(act["limit"], act["alpha"], act["beta"]),
+                            quant_out=True, config=cfg)
+    hnr = quantize(hn, "fp8_group", backend="torch")
+    assert torch.isnan(hns[3]).all() and torch.equal(hns.nan_to_num(-1.0), hnr.scale.nan_to_num(-1.0))
+    assert torch.equal(hnq.view(torch.uint8), hnr.data.view(torch.uint8))
     if fmt == "mxfp4":                                  # the fp8 GEMM's SwiGLU epilogue, on exact fp8 inputs
         from moe.kernels.triton_w4a16 import expand_fp4
         b, bs = expand_fp4(p13, fold="row")
@@ -128,6 +139,11 @@ def test_interp_fused_swiglu_epilogue_and_fp8_group_output(fmt):
         ref8 = loop_ffn((xq.data.float() * xq.scale).double().numpy(), v13, np.stack([np.eye(inter)] * E), counts,
                         interleaved=False, **act)
         assert _rel(h8, ref8) < 1e-5
+        h8q, h8s = fp8_grouped_gemm(xq.data, xq.scale, b, bs, rows, out_dtype=torch.float32,
+                                    swiglu=(act["limit"], act["alpha"], act["beta"]), quant_out=True,
+                                    config=FP8Config(block_m=16, block_n=128, num_warps=4, num_stages=1))
+        h8r = quantize(h8, "fp8_group", backend="torch")
+        assert torch.equal(h8q.view(torch.uint8), h8r.data.view(torch.uint8)) and torch.equal(h8s, h8r.scale)
 
 
 # ---- GPU -----------------------------------------------------------------------------------------

@@ -329,10 +329,84 @@ def test_interp_fp8_gemm_with_row_and_group_scales():
     for group in (False, True):
         a, s = quantize_act(x, group=group)
         ref = quantize(x, "fp8_group" if group else "fp8_token", backend="torch")
-        assert torch.equal(s, ref.scale)
-        # the interpreter's fp32 -> e4m3 cast is not round-to-nearest-even (bits are checked on the GPU)
-        same = a.view(torch.uint8) == ref.data.view(torch.uint8)
-        assert same.float().mean() > 0.8
+        assert torch.equal(s, ref.scale) and torch.equal(a.view(torch.uint8), ref.data.view(torch.uint8))
+        b, bs = expand_fp4(pw, fold="group")
+        y = fp8_grouped_gemm(a, s, b, bs, rows, out_dtype=torch.float32, config=cfg)
+        xd = a.float() * (s.repeat_interleave(128, -1) if group else s)
+        assert rel_err(y, loop_gemm(xd.double().numpy(), wv, counts, "contiguous")) < 1e-5
+
+
+def _act_quant_inputs(dtype: torch.dtype) -> torch.Tensor:
+    """[12, 384] with the rows that differ between quantizers if any: zero, huge, tiny (fp32/bf16
+    subnormal scales), NaN, +-inf, -0.0, a whole-group NaN, one nonzero value."""
+    x = torch.randn(12, 384, generator=torch.Generator().manual_seed(41)) * 3
+    x[1] = 0.0
+    x[2, 5] = 3.0e38                                # amax near fp32 max: scale ~6.7e35
+    x[3, 7] = float("nan")
+    x[4, 300] = float("inf")
+    x[5, 11] = -float("inf")
+    x[6] *= 1e-30
+    x[7, 3] = -0.0
+    x[7, 200:] = -0.0
+    x[8] *= 1e-42 if dtype == torch.float32 else 1e-38     # below the amax floor: scale = floor / 448
+    x[9, 128:256] = float("nan")
+    x[10] = 0.0
+    x[10, 129] = -5.0
+    x[11] *= 448.0 * 1.5                            # quotients at the saturation edge
+    return x.to(dtype)
+
+
+def _same_floats(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Same fp32 bits, or NaN in both (a NaN's payload is not part of the format)."""
+    return bool(((a.view(torch.int32) == b.view(torch.int32)) | (a.isnan() & b.isnan())).all())
+
+
+@interp
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("group", [False, True])
+def test_interp_quantize_act_is_parallel_quant_bit_for_bit(dtype, group):
+    """quantize_act == parallel.quant fp8_token / fp8_group (torch reference) in every bit: data,
+    scales (NaN where the row / group has one), shape and the strides the fp8 GEMM reads."""
+    from moe.kernels.triton_w4a8 import quantize_act
+
+    x = _act_quant_inputs(dtype)
+    a, s = quantize_act(x, group=group)
+    ref = quantize(x, "fp8_group" if group else "fp8_token", backend="torch")
+    assert a.dtype == torch.float8_e4m3fn and s.dtype == torch.float32
+    assert s.shape == ref.scale.shape == ((12, 3) if group else (12, 1)) and s.stride() == ((3, 1) if group else (1, 1))
+    assert a.is_contiguous() and a.shape == x.shape
+    assert _same_floats(s, ref.scale)
+    assert torch.equal(a.view(torch.uint8), ref.data.view(torch.uint8))
+    assert torch.isnan(s[3]).all() and (a[3].view(torch.uint8) == 0x7F).all() if not group else torch.isnan(s[9, 1])
+    assert s[8].eq(torch.tensor(1e-12) / 448).all() and s[10, 0 if not group else 1].item() == torch.tensor(5.0).div(448).item()
+    # the GEMM's view: a strided input row (stride(0) > K) quantizes the same
+    wide = torch.zeros(12, 512, dtype=dtype)
+    wide[:, :384] = x
+    a2, s2 = quantize_act(wide[:, :384], group=group)
+    assert torch.equal(a2.view(torch.uint8), a.view(torch.uint8)) and _same_floats(s2, s)
+
+
+@interp
+def test_interp_quantize_act_num_warps_maps_to_quant_config():
+    from moe.kernels import triton_common
+    from moe.kernels.triton_w4a8 import quantize_act
+    from parallel.quant import triton_quant
+
+    x = _act_quant_inputs(torch.float32)
+    before = dict(triton_quant.CONFIG)
+    a, s = quantize_act(x, num_warps=16)
+    assert triton_quant.CONFIG == before                     # restored after the call
+    ref = quantize(x, "fp8_token", backend="torch")
+    assert torch.equal(a.view(torch.uint8), ref.data.view(torch.uint8))
+    triton_common.ACT_QUANT_WARPS = 2
+    try:
+        a, s = quantize_act(x, group=True)
+    finally:
+        triton_common.ACT_QUANT_WARPS = None
+    assert triton_quant.CONFIG == before
+    assert torch.equal(a.view(torch.uint8), quantize(x, "fp8_group", backend="torch").data.view(torch.uint8))
+    with pytest.raises(ValueError, match=r"\[M, K\]"):
+        quantize_act(x[None])
 
 
 def test_prepared_weight_knows_its_kernel_layout():

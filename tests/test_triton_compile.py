@@ -82,6 +82,8 @@ _FP8_QUANT_ARGS = dict(x_ptr="*bf16", data_ptr="*u8", scale_ptr="*fp32", n_rows=
     ("_fp8_group_quant_kernel", dict(n_groups="i32", **_FP8_QUANT_ARGS), dict(UE8M0=False, ROWS=32, GROUP=128, HW=True)),
     ("_fp8_group_quant_kernel", dict(n_groups="i32", **_FP8_QUANT_ARGS),
      dict(UE8M0=True, ROWS=1, GROUP=8192, HW=False, num_warps=8)),
+    ("_fp8_group_quant_kernel", dict(n_groups="i32", **_FP8_QUANT_ARGS),      # W4A8 act quant, K=7168, 16 warps
+     dict(UE8M0=False, ROWS=1, GROUP=8192, HW=False, num_warps=16)),
     ("_fp8_row_quant_kernel", _FP8_QUANT_ARGS, dict(UE8M0=False, CHUNK=4096, NUM_CHUNKS=3, HW=True, num_warps=8)),
     ("_fp8_block_quant_kernel", dict(x_ptr="*bf16", data_ptr="*u8", scale_ptr="*fp32", n="i32", k="i32", nb="i32",
                                      kb="i32", amax_floor="fp32"), dict(UE8M0=True, SUB=16, HW=True)),
@@ -93,3 +95,16 @@ def test_quant_kernels_compile_for_sm90(kernel, types, constexprs):
     """Every quantize / dequantize kernel variant the launches pick, incl. the inline-PTX E4M3 cast
     (HW=True: never run by the interpreter tests)."""
     _compile(_QUANT, kernel, types, constexprs)
+
+
+def test_fp8_gemm_with_fp8_group_epilogue_compiles_for_sm90():
+    """The W4A8 GEMM's SwiGLU + fp8_group output epilogue (parallel.quant's device helpers inlined)."""
+    ptr = dict(a_ptr="*fp8e4nv", as_ptr="*fp32", b_ptr="*fp8e4nv", bs_ptr="*fp32", out_ptr="*fp8e4nv",
+               out_scale_ptr="*fp32", counts_ptr="*i64", offsets_ptr="*i32")
+    ints = {n: "i32" for n in ("N", "num_experts", "tiles_per_expert", "capacity", "up_rows", "num_pid_n", "stride_am",
+                               "stride_asm", "stride_be", "stride_bn", "stride_bse", "stride_bsn", "stride_om",
+                               "stride_osm")}
+    _compile("megapar.moe.kernels.triton_w4a8", "_fp8_gemm_kernel",
+             dict(**ptr, **ints, limit="fp32", alpha="fp32", beta="fp32"),
+             dict(K=7168, E_POW2=8, SLAB=False, HAS_OFFSETS=False, BLOCK_M=128, BLOCK_N=128, BLOCK_K=128,
+                  A_GROUP=False, B_GROUP=False, SWIGLU=True, HAS_LIMIT=True, QUANT_OUT=True, num_warps=8))

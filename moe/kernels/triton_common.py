@@ -14,6 +14,7 @@ import triton
 import triton.language as tl
 
 from megapar.parallel.quant import DEFAULT_AMAX_FLOOR, E4M3_MAX
+from megapar.parallel.quant.triton_quant import _abs_max_bits, _fast_div_ok, _fp8_tile, fp8_scale
 
 FP8_MAX = tl.constexpr(E4M3_MAX)
 AMAX_FLOOR = tl.constexpr(DEFAULT_AMAX_FLOOR)   # parallel.quant's fp8 amax floor
@@ -111,11 +112,13 @@ def to_e4m3(y):
 
 @triton.jit
 def fp8_group_quant(v, AXIS: tl.constexpr):
-    """v fp32 (one 128-group along AXIS) -> (e4m3 values, fp32 scale per group) as moe.quant fp8_group."""
-    amax = tl.max(tl.abs(v), axis=AXIS)
-    scale = tl.math.div_rn(tl.maximum(amax, AMAX_FLOOR), FP8_MAX)
-    q = to_e4m3(tl.clamp(tl.math.div_rn(v, tl.expand_dims(scale, AXIS)), -FP8_MAX, FP8_MAX))
-    return q, scale
+    """v fp32 (one 128-group along AXIS) -> (e4m3 values, fp32 scale per group), parallel.quant's
+    fp8_group in registers (its own device helpers: same bits, NaN/inf included)."""
+    abits = _abs_max_bits(v, AXIS)
+    scale = fp8_scale(abits.to(tl.float32, bitcast=True), AMAX_FLOOR, False)
+    slow = (tl.max(abits) >= 0x7F800000) | (tl.min(_fast_div_ok(scale).to(tl.int32)) == 0)
+    byte = _fp8_tile(v, tl.expand_dims(scale, AXIS), slow, False, False)
+    return byte.to(tl.float8e4nv, bitcast=True), scale
 
 
 @triton.jit

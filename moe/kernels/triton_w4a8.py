@@ -18,7 +18,9 @@ over gate and up tiles (W13 in split order) and quantize the result to fp8_group
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import Iterator
 
 import torch
 import triton
@@ -26,46 +28,50 @@ import triton.language as tl
 
 from megapar.moe.kernels import triton_common
 from megapar.moe.kernels.prepare import PreparedWeight
-from megapar.moe.kernels.triton_common import AMAX_FLOOR, FP8_MAX, expert_tile, fp8_group_quant, layout_args, swiglu_tile, to_e4m3
+from megapar.moe.kernels.triton_common import expert_tile, fp8_group_quant, layout_args, swiglu_tile
 from megapar.moe.kernels.triton_expand import expand_fp4
 
 
-# ---- activation quantization (bit-identical to moe.quant fp8_token / fp8_group) ---------------------
+# ---- activation quantization: parallel.quant's fp8_token / fp8_group Triton kernels ------------------
 
-@triton.jit
-def _act_quant_kernel(x_ptr, q_ptr, s_ptr, K, stride_xm, stride_qm, stride_sm,
-                      BLOCK_K: tl.constexpr, GROUP: tl.constexpr):
-    row = tl.program_id(0).to(tl.int64)
-    if GROUP:
-        g = tl.program_id(1)
-        offs = g * 128 + tl.arange(0, 128)
-    else:
-        offs = tl.arange(0, BLOCK_K)
-    mask = offs < K
-    v = tl.load(x_ptr + row * stride_xm + offs, mask=mask, other=0.0).to(tl.float32)
-    amax = tl.max(tl.abs(v), axis=0)
-    scale = tl.math.div_rn(tl.maximum(amax, AMAX_FLOOR), FP8_MAX)
-    q = to_e4m3(tl.clamp(tl.math.div_rn(v, scale), -FP8_MAX, FP8_MAX))
-    tl.store(q_ptr + row * stride_qm + offs, q, mask=mask)
-    if GROUP:
-        tl.store(s_ptr + row * stride_sm + g, scale)
-    else:
-        tl.store(s_ptr + row * stride_sm, scale)
+_ACT_FORMATS = {False: "fp8_token", True: "fp8_group"}
+
+
+@contextmanager
+def _quant_warps(kernel: str, num_warps: int | None) -> Iterator[None]:
+    """Run one quantize with CONFIG[kernel]'s warps replaced by num_warps (None: as configured)."""
+    from megapar.parallel.quant import triton_quant
+
+    if num_warps is None:
+        yield
+        return
+    saved = triton_quant.CONFIG[kernel]
+    triton_quant.CONFIG[kernel] = (saved[0], int(num_warps))
+    try:
+        yield
+    finally:
+        triton_quant.CONFIG[kernel] = saved
 
 
 def quantize_act(x: torch.Tensor, group: bool = False, num_warps: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """x: [M, K] float -> (e4m3 [M, K], fp32 scale [M, 1] (per token) or [M, ceil(K/128)])."""
-    M, K = x.shape
-    q = torch.empty(M, K, dtype=torch.float8_e4m3fn, device=x.device)
-    groups = triton.cdiv(K, 128)
-    scale = torch.empty(M, groups if group else 1, dtype=torch.float32, device=x.device)
-    if M == 0:
-        return q, scale
-    block_k = triton.next_power_of_2(K)
-    _act_quant_kernel[(M, groups) if group else (M,)](
-        x, q, scale, K, x.stride(0), q.stride(0), scale.stride(0), BLOCK_K=block_k, GROUP=group,
-        num_warps=num_warps or triton_common.ACT_QUANT_WARPS or (4 if group or block_k <= 2048 else 16))   # H200: 16 > 8 > 4
-    return q, scale
+    """x: [M, K] float -> (e4m3 [M, K], fp32 scale [M, 1] (per token) or [M, ceil(K/128)]), contiguous.
+
+    The activations the fp8 GEMM reads, quantized by parallel.quant's Triton kernels (the one
+    implementation of fp8_token / fp8_group, bit-identical to its torch reference, NaN and inf
+    included: a NaN in a row (group) makes its scale NaN and its bytes 0x7F).
+    num_warps (or triton_common.ACT_QUANT_WARPS, set by the gemm probe's tuning) overrides the
+    warps of parallel.quant's CONFIG["fp8_token"] / ["fp8_group"] for this call; fp8_token only
+    takes it for rows of 4096 < K <= 8192 (its launch picks the warps elsewhere). Prefer tuning
+    CONFIG itself (`python -m megapar.launch.bench.quant --probe`); the argument is kept for the
+    gemm probe's act-quant sweep."""
+    from megapar.parallel.quant import triton_quant
+
+    if x.dim() != 2:
+        raise ValueError(f"quantize_act needs x of shape [M, K], got {tuple(x.shape)}")
+    fmt = _ACT_FORMATS[bool(group)]
+    with _quant_warps(fmt, num_warps or triton_common.ACT_QUANT_WARPS):
+        q = triton_quant.quantize(x, fmt)
+    return q.data, q.scale
 
 
 # ---- the fp8 grouped GEMM ---------------------------------------------------------------------------
