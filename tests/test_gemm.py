@@ -388,7 +388,6 @@ def test_interp_quantize_act_is_parallel_quant_bit_for_bit(dtype, group):
 
 @interp
 def test_interp_quantize_act_num_warps_maps_to_quant_config():
-    from moe.kernels import triton_common
     from moe.kernels.triton_w4a8 import quantize_act
     from parallel.quant import triton_quant
 
@@ -398,12 +397,14 @@ def test_interp_quantize_act_num_warps_maps_to_quant_config():
     assert triton_quant.CONFIG == before                     # restored after the call
     ref = quantize(x, "fp8_token", backend="torch")
     assert torch.equal(a.view(torch.uint8), ref.data.view(torch.uint8))
-    triton_common.ACT_QUANT_WARPS = 2
-    try:
+    from moe.kernels.triton_w4a16 import apply_tuning
+    try:   # a tuning file's act_quant_warps tunes the quant CONFIG itself
+        apply_tuning({"act_quant_warps": 2})
+        assert triton_quant.CONFIG["fp8_token"][1] == triton_quant.CONFIG["fp8_group"][1] == 2
         a, s = quantize_act(x, group=True)
     finally:
-        triton_common.ACT_QUANT_WARPS = None
-    assert triton_quant.CONFIG == before
+        triton_quant.CONFIG.clear()
+        triton_quant.CONFIG.update(before)
     assert torch.equal(a.view(torch.uint8), quantize(x, "fp8_group", backend="torch").data.view(torch.uint8))
     with pytest.raises(ValueError, match=r"\[M, K\]"):
         quantize_act(x[None])

@@ -18,7 +18,6 @@ from megapar.parallel.quant.triton_quant import _abs_max_bits, _fast_div_ok, _fp
 
 FP8_MAX = tl.constexpr(E4M3_MAX)
 AMAX_FLOOR = tl.constexpr(DEFAULT_AMAX_FLOOR)   # parallel.quant's fp8 amax floor
-ACT_QUANT_WARPS: int | None = None   # activation-quantization warps measured best (apply_tuning); None = by row length
 
 
 @triton.jit

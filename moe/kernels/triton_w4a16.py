@@ -289,15 +289,16 @@ TUNED: dict[int, W4A16Config] = {}
 def apply_tuning(tuning: dict) -> None:
     """Install measured launch settings: {"w4a16": {bucket: config fields}, "expand": {...},
     "tile_n": int, "act_quant_warps": int} (as written by `python -m launch.bench.gemm --probe`)."""
-    from megapar.moe.kernels import triton_common
-
     for bucket, fields in tuning.get("w4a16", {}).items():
         TUNED[int(bucket)] = W4A16Config(**fields)
     EXPAND_DEFAULTS.update(tuning.get("expand", {}))
     if "tile_n" in tuning:
         prepare.DEFAULT_TILE_N = int(tuning["tile_n"])
-    if tuning.get("act_quant_warps"):
-        triton_common.ACT_QUANT_WARPS = int(tuning["act_quant_warps"])
+    if tuning.get("act_quant_warps"):   # the activation quantizer is parallel.quant's: tune its CONFIG
+        from megapar.parallel.quant import triton_quant
+
+        for kernel in ("fp8_token", "fp8_group"):
+            triton_quant.CONFIG[kernel] = (triton_quant.CONFIG[kernel][0], int(tuning["act_quant_warps"]))
 
 
 def pick_config(rows_per_expert: float, dtype: torch.dtype, packing: str = "oct", swiglu: bool = False,

@@ -26,7 +26,6 @@ import torch
 import triton
 import triton.language as tl
 
-from megapar.moe.kernels import triton_common
 from megapar.moe.kernels.prepare import PreparedWeight
 from megapar.moe.kernels.triton_common import expert_tile, fp8_group_quant, layout_args, swiglu_tile
 from megapar.moe.kernels.triton_expand import expand_fp4
@@ -59,8 +58,8 @@ def quantize_act(x: torch.Tensor, group: bool = False, num_warps: int | None = N
     The activations the fp8 GEMM reads, quantized by parallel.quant's Triton kernels (the one
     implementation of fp8_token / fp8_group, bit-identical to its torch reference, NaN and inf
     included: a NaN in a row (group) makes its scale NaN and its bytes 0x7F).
-    num_warps (or triton_common.ACT_QUANT_WARPS, set by the gemm probe's tuning) overrides the
-    warps of parallel.quant's CONFIG["fp8_token"] / ["fp8_group"] for this call; fp8_token only
+    num_warps overrides the warps of parallel.quant's CONFIG["fp8_token"] / ["fp8_group"] for this
+    call (the gemm probe's act-quant sweep; a tuning file's act_quant_warps goes into CONFIG itself); fp8_token only
     takes it for rows of 4096 < K <= 8192 (its launch picks the warps elsewhere). Prefer tuning
     CONFIG itself (`python -m megapar.launch.bench.quant --probe`); the argument is kept for the
     gemm probe's act-quant sweep."""
@@ -69,7 +68,7 @@ def quantize_act(x: torch.Tensor, group: bool = False, num_warps: int | None = N
     if x.dim() != 2:
         raise ValueError(f"quantize_act needs x of shape [M, K], got {tuple(x.shape)}")
     fmt = _ACT_FORMATS[bool(group)]
-    with _quant_warps(fmt, num_warps or triton_common.ACT_QUANT_WARPS):
+    with _quant_warps(fmt, num_warps):
         q = triton_quant.quantize(x, fmt)
     return q.data, q.scale
 
