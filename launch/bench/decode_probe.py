@@ -213,8 +213,11 @@ def _score(problems: list[Problem], kind: str, settings: dict[str, int]) -> floa
     return total / len(fam)
 
 
-def _best(problems: list[Problem], kind: str) -> dict[str, int] | None:
+def _best(problems: list[Problem], kind: str, fixed: dict[str, int] | None = None) -> dict[str, int] | None:
+    """The best-scoring measured setting of a family, among those agreeing with `fixed`; None if none valid."""
+    fixed = fixed or {}
     measured = {k: json.loads(k) for p in problems if p.kind == kind for k in p.results}
+    measured = {k: s for k, s in measured.items() if all(s.get(f) == v for f, v in fixed.items())}
     scored = sorted(measured.values(), key=lambda s: _score(problems, kind, s))
     return scored[0] if scored and _score(problems, kind, scored[0]) < float("inf") else None
 
@@ -260,20 +263,26 @@ def probe(out_dir: str | os.PathLike, *, device: str | None = None, iters: int =
                     notes.append(f"{kind}: no valid setting; the current CONFIG stays")
                     found = base
                 best[kind] = found
+            fixed: dict[str, int] = {}
             for key in _SHARED:   # one value serves both families
                 a, b = best["gqa"][key], best["mla"][key]
                 if a == b:
+                    fixed[key] = a
                     continue
                 options = {kind: [{**best[kind], key: v} for v in (a, b)] for kind in best}
                 for kind, sts in options.items():
                     _measure(ctx, problems, kind, sts, default, iters, f"shared {key}")
-                cost = {v: sum(_score(problems, kind, {**best[kind], key: v}) for kind in best) for v in (a, b)}
+                # each value is judged by the best measured setting that carries it (and the keys fixed before)
+                winners = {v: {kind: _best(problems, kind, {**fixed, key: v}) for kind in best} for v in (a, b)}
+                cost = {v: sum(_score(problems, kind, w) if w else float("inf") for kind, w in winners[v].items())
+                        for v in (a, b)}
                 pick = min(cost, key=cost.get)
                 notes.append(f"shared key {key}: gqa best {a}, mla best {b}; {pick} serves both (summed relative "
                              f"time {cost[a]:.3f} with {a}, {cost[b]:.3f} with {b}); only block_n, block_m, num_warps "
                              f"have separate *_wide entries for key dims > 256")
+                fixed[key] = pick
                 for kind in best:
-                    best[kind] = {**best[kind], key: pick}
+                    best[kind] = winners[pick][kind] or {**best[kind], key: pick}
     finally:
         td.CONFIG.clear()
         td.CONFIG.update(default)
