@@ -268,6 +268,28 @@ def test_full_partial_clean_and_nonfinite_tiles_match_reference(tq, monkeypatch)
 
 
 @interp
+def test_nvfp4_bf16_weights_with_exact_ties_match_reference_bits(tq, monkeypatch):
+    """bf16 weights: elements sharing the global amax's mantissa give quotients within a few
+    fp32 ulp of an E2M1 boundary (3.5, 1.75, ...) in most blocks, and a power-of-two global scale
+    puts them exactly on it (ties), so the kernel's fp32 exact tie-break (no float64 tile)
+    decides many codes; every bit must match the reference, and the data must really hold
+    both kinds."""
+    monkeypatch.setitem(tq.CONFIG, "fp4_quant", (256, 4))
+    g = torch.Generator().manual_seed(31)
+    w = (torch.randn(4, 32, 7168, generator=g) * 0.02).to(torch.bfloat16)
+    from parallel.quant.reference import _E2M1_BOUNDS_GE, _E2M1_BOUNDS_GT
+    bounds = torch.tensor([*_E2M1_BOUNDS_GT, *_E2M1_BOUNDS_GE], dtype=torch.float64)
+    for gs, kind in ((None, "near"), ("matrix", "near"), (2.0**-12, "tie")):
+        ref = quantize(w, "nvfp4", backend="torch", global_scale=gs)
+        d = (ref.scale.float().double() * ref.global_scale.double().reshape(-1, 1, 1)).unsqueeze(-1)
+        q = w.double().abs().reshape(*ref.scale.shape, 16) / d                   # exact quotients
+        rel = (q.unsqueeze(-1) / bounds - 1).abs().amin(-1)
+        count = int((rel == 0).sum()) if kind == "tie" else int(((rel > 0) & (rel < 2.0**-20)).sum())
+        assert count > 10, (gs, kind, count)
+        _assert_same_q(tq.quantize(w, "nvfp4", global_scale=gs), ref)
+
+
+@interp
 def test_nvfp4_midpoints_match_reference_bits(tq, monkeypatch):
     """Exact E2M1 midpoints x = m * s * g (where fp32 rounds s * g or the quotient to the other
     side) and their neighbours one ulp away, in fast and fallback tiles alike."""

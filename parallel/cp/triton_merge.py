@@ -25,9 +25,10 @@ from .state import AttnState
 
 @triton.jit
 def _clean_lse(lse):
-    # +inf marks an empty partial (as -inf does): treat it as -inf. NaN is taken out of the
-    # weights here and put back on its row by _store_merged (the caller tracks it).
-    return tl.where((lse != lse) | (lse == float("inf")), float("-inf"), lse)
+    # +inf marks an empty partial (as -inf does): treat it as -inf. NaN stays: the row max is
+    # taken with NaN propagation, so a NaN lse makes the row's max, weights, out and lse NaN
+    # without a separate per-row flag (which cost registers and load overlap on sm_90).
+    return tl.where(lse == float("inf"), float("-inf"), lse)
 
 
 @triton.jit
@@ -39,11 +40,10 @@ def _pow(x, BASE2: tl.constexpr):
 
 
 @triton.jit
-def _store_merged(y_ptr, ly_ptr, m_idx, h_idx, d, rmask, mask2, acc, mx, total, nan_row, sy_m, sy_h, sy_d, sly_m,
-                  sly_h, BASE2: tl.constexpr):
+def _store_merged(y_ptr, ly_ptr, m_idx, h_idx, d, rmask, mask2, acc, mx, total, sy_m, sy_h, sy_d, sly_m, sly_h,
+                  BASE2: tl.constexpr):
     """Write the merged rows: out = acc, lse = mx + log(total) (-inf where every partial is empty;
     both NaN on rows where some partial's lse is NaN)."""
-    acc = tl.where(nan_row[:, None], float("nan"), acc)
     tl.store(y_ptr + m_idx[:, None] * sy_m + h_idx[:, None] * sy_h + d[None, :] * sy_d,
              acc.to(y_ptr.dtype.element_ty), mask=mask2)
     safe = tl.where(total > 0, total, 1.0)
@@ -51,8 +51,8 @@ def _store_merged(y_ptr, ly_ptr, m_idx, h_idx, d, rmask, mask2, acc, mx, total, 
         lse = mx + tl.log2(safe)
     else:
         lse = mx + tl.log(safe)
-    lse = tl.where(total > 0, lse, float("-inf"))
-    tl.store(ly_ptr + m_idx * sly_m + h_idx * sly_h, tl.where(nan_row, float("nan"), lse), mask=rmask)
+    # total is 0 only where every partial is empty, and NaN on a NaN row (whose lse stays NaN)
+    tl.store(ly_ptr + m_idx * sly_m + h_idx * sly_h, tl.where(total == 0, float("-inf"), lse), mask=rmask)
 
 
 @triton.jit
@@ -70,10 +70,9 @@ def _merge_pair_kernel(
     h_idx = rows % H
     la = tl.load(la_ptr + m_idx * sla_m + h_idx * sla_h, mask=rmask, other=float("-inf")).to(tl.float32)
     lb = tl.load(lb_ptr + m_idx * slb_m + h_idx * slb_h, mask=rmask, other=float("-inf")).to(tl.float32)
-    nan_row = (la != la) | (lb != lb)
     la = _clean_lse(la)
     lb = _clean_lse(lb)
-    mx = tl.maximum(la, lb)
+    mx = tl.maximum(la, lb, propagate_nan=tl.PropagateNan.ALL)
     mx = tl.where(mx == float("-inf"), 0.0, mx)
     wa = _pow(la - mx, BASE2)
     wb = _pow(lb - mx, BASE2)
@@ -87,8 +86,8 @@ def _merge_pair_kernel(
     ob = tl.load(b_ptr + m_idx[:, None] * sb_m + h_idx[:, None] * sb_h + d[None, :] * sb_d, mask=mask2, other=0.0)
     acc = tl.where(sa[:, None] > 0, oa.to(tl.float32), 0.0) * sa[:, None]
     acc += tl.where(sb[:, None] > 0, ob.to(tl.float32), 0.0) * sb[:, None]
-    _store_merged(y_ptr, ly_ptr, m_idx, h_idx, d, rmask, mask2, acc, mx, total, nan_row, sy_m, sy_h, sy_d, sly_m,
-                  sly_h, BASE2)
+    _store_merged(y_ptr, ly_ptr, m_idx, h_idx, d, rmask, mask2, acc, mx, total, sy_m, sy_h, sy_d, sly_m, sly_h,
+                  BASE2)
 
 
 @triton.jit
@@ -106,11 +105,9 @@ def _merge_n_kernel(
     lse_off = m_idx * slx_m + h_idx * slx_h
     # pass 1 (LSE vectors only): max, then the sum of weights
     mx = tl.full([BLOCK_R], float("-inf"), tl.float32)
-    nan_row = tl.full([BLOCK_R], 0, tl.int1)
     for i in tl.static_range(N):
-        li = tl.load(lx_ptr + i * slx_n + lse_off, mask=rmask, other=float("-inf")).to(tl.float32)
-        nan_row = nan_row | (li != li)
-        mx = tl.maximum(mx, _clean_lse(li))
+        li = _clean_lse(tl.load(lx_ptr + i * slx_n + lse_off, mask=rmask, other=float("-inf")).to(tl.float32))
+        mx = tl.maximum(mx, li, propagate_nan=tl.PropagateNan.ALL)
     mx = tl.where(mx == float("-inf"), 0.0, mx)
     total = tl.full([BLOCK_R], 0.0, tl.float32)
     for i in tl.static_range(N):
@@ -127,8 +124,8 @@ def _merge_n_kernel(
         si = _pow(li - mx, BASE2) / safe
         oi = tl.load(x_ptr + i * sx_n + x_off, mask=mask2, other=0.0)
         acc += tl.where(si[:, None] > 0, oi.to(tl.float32), 0.0) * si[:, None]
-    _store_merged(y_ptr, ly_ptr, m_idx, h_idx, d, rmask, mask2, acc, mx, total, nan_row, sy_m, sy_h, sy_d, sly_m,
-                  sly_h, BASE2)
+    _store_merged(y_ptr, ly_ptr, m_idx, h_idx, d, rmask, mask2, acc, mx, total, sy_m, sy_h, sy_d, sly_m, sly_h,
+                  BASE2)
 
 
 def _rows(x: Tensor, width: int) -> Tensor:

@@ -327,7 +327,7 @@ def _fp4_quant_kernel(x_ptr, data_ptr, scale_ptr, gs_ptr, n_blocks, blocks_per_g
         denom = sval * g
         r = tl.div_rn(1.0, denom)
         q = _div_abs_fast(x, denom[:, None], r[:, None])                # fp32 |x| / RN(s * g)
-        codes = _e2m1_index(q) | _sign_at(x, 3)
+        codes = _e2m1_index(q)
         # The fp32 quotient is within 2 ulp of the exact one, so its E2M1 index is exact unless
         # q lies near a rounding boundary: within 8 ulp of a value with the low 21 mantissa bits
         # zero AND whose exponent and top two mantissa bits are one of the seven boundaries
@@ -336,13 +336,32 @@ def _fp4_quant_kernel(x_ptr, data_ptr, scale_ptr, gs_ptr, n_blocks, blocks_per_g
         # on 6 exactly) and zeros are not boundaries and keep the fast path.
         b8 = q.to(tl.int32, bitcast=True) + 8
         key = ((b8 >> 21) & 0x3FF) - 500
-        on_boundary = ((0x2AA41 >> tl.minimum(tl.maximum(key, 0), 19)) & 1) == 1
-        near = ((b8 & 0x1FFFFF) < 16) & (key >= 0) & (key < 20) & on_boundary
-        # rare tiles: q near a boundary, a zero/NaN/extreme denominator (y = x * 0 when not > 0),
-        # a quotient over 2^64 (s clamped at 448), or an inf/NaN input (code 0 for NaN): the
-        # reference's exact steps (`nvfp4_codes`: |x| against boundary * s * g in float64)
+        in_range = (key >= 0) & (key < 20)
+        keyc = tl.where(in_range, key, 0)
+        near = ((b8 & 0x1FFFFF) < 16) & in_range & (((0x2AA41 >> keyc) & 1) == 1)
+        # Near a boundary b, the side of |x| against the exact b * s * g decides. bf16 weights
+        # put quotients within an ulp or two of a boundary (x sharing the global amax's mantissa)
+        # in about one 4096-element tile of six, so the decision stays in fp32 and in a branch
+        # (it doubles the instructions per element): t = b * s is exact (3 + 4 significant bits),
+        # g splits into g_hi (its top 16 bits) + g_lo, and t * g_hi (23 bits), t * g_lo (15 bits)
+        # and |x| - t * g_hi (Sterbenz: |x| is within 2^-15 of t * g_hi) are all exact, whatever
+        # fma contraction the compiler applies; ties go to the even index (k: the index below b).
+        if tl.max(near.to(tl.int32)) > 0:
+            g_row = tl.zeros_like(sval) + g
+            g_hi = (g_row.to(tl.int32, bitcast=True) & -256).to(tl.float32, bitcast=True)
+            g_lo = g_row - g_hi
+            t = (b8 & -2097152).to(tl.float32, bitcast=True) * sval[:, None]     # b * s
+            diff = tl.abs(x) - t * g_hi[:, None]
+            rest = t * g_lo[:, None]
+            k = tl.where(keyc >= 9, (keyc - 5) >> 1, (keyc + 2) >> 3)        # keys 0, 6, 9, .., 17 -> 0 .. 6
+            up = (diff > rest) | ((diff == rest) & ((k & 1) == 1))
+            codes = tl.where(near, k + up.to(tl.int32), codes)
+        codes = codes | _sign_at(x, 3)
+        # rare tiles: a zero/NaN/extreme denominator (y = x * 0 when not > 0), a quotient over
+        # 2^64 (s clamped at 448), or an inf/NaN input (code 0 for NaN): the reference's exact
+        # steps (`nvfp4_codes`: |x| against boundary * s * g in float64)
         fast = _fast_div_ok(denom) & (amax * r <= 1.8446744073709552e19)
-        if (tl.min(fast.to(tl.int32)) == 0) | (tl.max(near.to(tl.int32)) > 0):
+        if tl.min(fast.to(tl.int32)) == 0:
             d = (sval.to(tl.float64) * g.to(tl.float64))[:, None]       # exact
             codes = _e2m1_index_exact(tl.abs(x).to(tl.float64), d) | _sign_at(x, 3)
             codes = tl.where(x != x, 0, codes)

@@ -1,0 +1,87 @@
+"""Compile kernels of one or more versions of a module for sm_90a on a CPU machine and print what
+the GPU would run: registers (occupancy), spills, instruction count, global loads, fp64 ops.
+Compares versions of a kernel without a GPU (bench/results/compare/kernel-sass.md).
+
+    python bench/debug/kernel_sass.py merge parallel/cp/triton_merge.py OLD_TREE/parallel/cp/triton_merge.py
+    python bench/debug/kernel_sass.py quant parallel/quant/triton_quant.py OLD_TREE/parallel/quant/triton_quant.py
+"""
+
+from __future__ import annotations
+
+import collections
+import inspect
+import os
+import re
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+os.environ["TRITON_INTERPRET"] = "0"
+import triton  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.compiler import ASTSource  # noqa: E402
+
+BIN = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
+MERGE = {  # label -> (kernel, pointer dtypes, constexprs); unit strides and 16-divisible ints, as a launch specializes
+    "_merge_n_kernel N=4": ("_merge_n_kernel", dict(x_ptr="*bf16", y_ptr="*bf16", lx_ptr="*fp32", ly_ptr="*fp32"),
+                            dict(N=4, D=128, BLOCK_R=32, BLOCK_D=128, BASE2=False, sx_d=1, sy_d=1)),
+    "_merge_n_kernel N=8": ("_merge_n_kernel", dict(x_ptr="*bf16", y_ptr="*bf16", lx_ptr="*fp32", ly_ptr="*fp32"),
+                            dict(N=8, D=128, BLOCK_R=32, BLOCK_D=128, BASE2=False, sx_d=1, sy_d=1)),
+    "_merge_pair_kernel fp32 acc + bf16": ("_merge_pair_kernel",
+                                           dict(a_ptr="*fp32", b_ptr="*bf16", y_ptr="*fp32", la_ptr="*fp32",
+                                                lb_ptr="*fp32", ly_ptr="*fp32"),
+                                           dict(D=128, BLOCK_R=32, BLOCK_D=128, BASE2=False, sa_d=1, sb_d=1, sy_d=1)),
+}
+_FP4 = dict(x_ptr="*bf16", data_ptr="*u8", scale_ptr="*u8", gs_ptr="*fp32")
+QUANT = {  # the default launch (CONFIG "fp4_quant": 4096 elements per program, 4 warps) on bf16 weights
+    "_fp4_quant_kernel nvfp4": ("_fp4_quant_kernel", _FP4,
+                                dict(IS_NV=True, GS_PER_MATRIX=False, BS=16, ROWS=256, EVEN=True)),
+    "_fp4_quant_kernel nvfp4 per matrix": ("_fp4_quant_kernel", _FP4,
+                                           dict(IS_NV=True, GS_PER_MATRIX=True, BS=16, ROWS=256, EVEN=True)),
+    "_fp4_quant_kernel mxfp4": ("_fp4_quant_kernel", {**_FP4, "gs_ptr": "*u8"},
+                                dict(IS_NV=False, GS_PER_MATRIX=False, BS=32, ROWS=128, EVEN=True)),
+}
+SETS = {"merge": MERGE, "quant": QUANT}
+
+
+def _load(path: str):
+    src = Path(path).read_text().replace("from .state import AttnState", "AttnState = None")
+    src = src.replace("from .", "from megapar.parallel.quant.")     # other relative imports: quant's own
+    mod = type(sys)("merge_under_test")
+    import linecache
+    linecache.cache[path] = (len(src), None, src.splitlines(True), path)   # triton.jit reads the source
+    exec(compile(src, path, "exec"), mod.__dict__)
+    return mod
+
+
+def report(cases: dict, path: str) -> None:
+    mod = _load(path)
+    for label, (name, ptrs, cons) in cases.items():
+        kernel = getattr(mod, name)
+        names = list(inspect.signature(kernel.fn).parameters)
+        sig = {n: "constexpr" if n in cons else ptrs.get(n, "i32") for n in names}
+        attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in names if sig[n] != "constexpr" and n != "M"}
+        c = triton.compile(ASTSource(kernel, sig, {(names.index(k),): v for k, v in cons.items()}, attrs),
+                           target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
+        with tempfile.TemporaryDirectory() as tmp:
+            ptx, cubin = Path(tmp, "k.ptx"), Path(tmp, "k.cubin")
+            ptx.write_text(c.asm["ptx"])
+            cubin.write_bytes(c.asm["cubin"])
+            info = subprocess.run([BIN / "ptxas", "-arch=sm_90a", "-v", ptx, "-o", Path(tmp, "k.o")],
+                                  capture_output=True, text=True).stderr
+            sass = subprocess.run([BIN / "cuobjdump", "-sass", cubin], capture_output=True, text=True).stdout
+        ops = [m.group(1) for m in re.finditer(r"/\*[0-9a-f]{4}\*/\s+(?:@!?U?P\w+\s+)?([A-Z0-9_.]+)", sass)]
+        regs = re.search(r"Used (\d+) registers", info).group(1)
+        spill = re.search(r"(\d+) bytes spill stores", info).group(1)
+        hist = collections.Counter(o for o in ops if o.startswith("LDG"))
+        fp64 = sum(o.startswith(("DADD", "DMUL", "DFMA", "DSETP", "F2F.F64", "F2F.F32.F64")) for o in ops)
+        print(f"{path}  {label}: {regs} registers, {spill} B spilled, {len(ops)} instructions "
+              f"({fp64} fp64), loads {dict(sorted(hist.items()))}")
+
+
+if __name__ == "__main__":
+    if len(sys.argv) < 3 or sys.argv[1] not in SETS:
+        sys.exit(__doc__)
+    for p in sys.argv[2:]:
+        report(SETS[sys.argv[1]], p)
