@@ -39,6 +39,7 @@ from torch import nn
 from megapar.parallel import impl
 
 from megapar.moe.kernels import PreparedWeight, expert_ffn, prepare_weights, swiglu
+from megapar.moe.kernels.ffn import ffn_backend
 from megapar.moe.quant import QuantizedTensor, dequantize, load_fp4_checkpoint, prepare_weight, quantize
 from megapar.parallel.quant.formats import FP4_FORMATS
 from megapar.parallel.quant.reference import expected_storage
@@ -332,21 +333,33 @@ class Experts(nn.Module):
             self._prepared_key = key
         return self._prepared
 
-    def forward(self, x: torch.Tensor, counts: torch.Tensor | Sequence[int],
-                offsets: torch.Tensor | None = None) -> torch.Tensor:
-        """x: [N, H] rows grouped by slot in slot order; counts: [S] int rows per slot; offsets:
-        [S + 1] int block starts when blocks are padded (padding rows must be zero) -> [N, H] in
-        x's dtype, through the fused expert FFN (`moe.kernels.expert_ffn`, backend `self.backend`)."""
-        if x.dim() != 2 or x.shape[1] != self.hidden:
+    def takes_fp8_rows(self, num_rows: int, device: torch.device) -> bool:
+        """Whether `forward` over num_rows rows on `device` runs the W4A8 path, which reads
+        fp8_token rows: a caller may then quantize each token once, before its top-k copies, and
+        pass the quantized rows (`moe.kernels.expert_ffn`)."""
+        if not self.quantized:
+            return False
+        w13, w2 = self.prepared()
+        hint = num_rows / max(self.num_slots, 1)
+        return ffn_backend(self.backend, torch.device(device), w13, w2, hint) == "triton_w4a8"
+
+    def forward(self, x: torch.Tensor | QuantizedTensor, counts: torch.Tensor | Sequence[int],
+                offsets: torch.Tensor | None = None, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+        """x: [N, H] rows grouped by slot in slot order (or their fp8_token QuantizedTensor, see
+        `takes_fp8_rows`); counts: [S] int rows per slot; offsets: [S + 1] int block starts when
+        blocks are padded (padding rows must be zero) -> [N, H] in out_dtype (default x's dtype,
+        bf16 for quantized rows), through the fused expert FFN (`moe.kernels.expert_ffn`, backend `self.backend`)."""
+        if len(x.shape) != 2 or x.shape[1] != self.hidden:
             raise ValueError(f"Experts input must be [N, hidden={self.hidden}]; got {tuple(x.shape)}")
         if len(counts) != self.num_slots:
             raise ValueError(f"counts has {len(counts)} entries; this rank holds {self.num_slots} expert slots")
         w13, w2 = self.prepared()
         if not isinstance(counts, torch.Tensor):
-            counts = torch.tensor(list(counts), dtype=torch.int64, device=x.device)
+            device = x.data.device if isinstance(x, QuantizedTensor) else x.device
+            counts = torch.tensor(list(counts), dtype=torch.int64, device=device)
         rows = dict(offsets=offsets) if offsets is not None else dict(counts=counts)
         return expert_ffn(x, w13, w2, **rows, swiglu_limit=self.swiglu_limit, alpha=self.alpha, beta=self.beta,
-                          gate_up=self.gate_up, backend=self.backend)
+                          gate_up=self.gate_up, backend=self.backend, out_dtype=out_dtype)
 
     def extra_repr(self) -> str:
         return (f"slots={self.num_slots} of {self.num_experts}, hidden={self.hidden}, inter={self.inter}, "

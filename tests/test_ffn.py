@@ -186,3 +186,35 @@ def test_gpu_ffn_backends_match_reference(backend, layout):
         assert _rel(y, ref) < tol, (backend, act)
         if layout == "slab":
             assert (y[1] == 0).all() and (y[2, 1:] == 0).all()
+
+
+def test_prequantized_fp8_token_rows(monkeypatch):
+    """x as an fp8_token QuantizedTensor: the W4A8 path (interpreter) gives exactly what it gives
+    for the bf16 rows it would quantize itself; the torch path computes on the dequantized rows;
+    other formats and the slab layout are refused by name."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    from moe.kernels import expert_ffn_reference
+    from moe.quant import dequantize
+
+    E, H, inter = 3, 128, 64
+    q13, q2, _, _ = _weights("mxfp4", E, H, inter, seed=11)
+    p13, p2 = prepare_weights(q13), prepare_weights(q2)
+    counts = torch.tensor([5, 0, 9])
+    g = torch.Generator().manual_seed(2)
+    x = (torch.randn(14, H, generator=g) * 3).to(torch.bfloat16)
+    x[3] = 0.0                                                  # an all-zero row (the amax floor)
+    xq = quantize(x, "fp8_token")
+    for act in ACTS[:2]:
+        want = expert_ffn(x, p13, p2, counts=counts, backend="triton_w4a8", swiglu_limit=act["limit"],
+                          alpha=act["alpha"], beta=act["beta"])
+        got = expert_ffn(xq, p13, p2, counts=counts, backend="triton_w4a8", swiglu_limit=act["limit"],
+                         alpha=act["alpha"], beta=act["beta"])
+        assert got.dtype == torch.bfloat16 and torch.equal(got, want), act
+    rows = expert_rows(x, E, counts, None, "contiguous")
+    ref = expert_ffn_reference(dequantize(xq, torch.bfloat16), p13, p2, rows).to(torch.float32)
+    got = expert_ffn(xq, p13, p2, counts=counts, backend="torch", out_dtype=torch.float32)
+    assert torch.equal(got, ref)
+    with pytest.raises(ValueError, match="fp8_token QuantizedTensor.*fmt='fp8_group'"):
+        expert_ffn(quantize(x, "fp8_group"), p13, p2, counts=counts, backend="triton_w4a8")
+    with pytest.raises(ValueError, match="layout 'slab'"):
+        expert_ffn(xq, p13, p2, counts=counts, layout="slab", backend="torch")

@@ -463,3 +463,35 @@ def test_multigpu_allgather_device_path_captures_and_replays_eager_results():
 
     world = min(torch.cuda.device_count(), 8)
     assert launch_local(_nccl_capture_rank, world, backend="nccl", args=(world,), timeout=300) == [0.0] * world
+
+
+def test_device_path_w4a8_quantizes_each_token_once_before_the_gather(monkeypatch):
+    """kernels="triton_w4a8" (the interpreter here): the experts receive fp8_token rows that were
+    quantized per token before the top-k gather. The output equals, bit for bit, that of bf16
+    rows gathered first and quantized inside the experts (per-row quantization commutes with the
+    gather), and it stays near the fp64 dense reference (within fp8's rounding)."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    torch.manual_seed(3)
+    h = 128                                           # whole fp8 / MXFP4 blocks
+    layer = MoELayer(_config("mxfp4", hidden=h, num_shared=0), path="device", kernels="triton_w4a8")
+    seen = []
+    forward = layer.experts.forward
+
+    def spy(x, counts, offsets=None, out_dtype=None):
+        seen.append(type(x).__name__)
+        return forward(x, counts, offsets, out_dtype)
+
+    monkeypatch.setattr(layer.experts, "forward", spy)
+    for t in (1, 6, 33):
+        x = torch.randn(t, h)
+        mask = torch.rand(t) > 0.2
+        with torch.no_grad():
+            y = layer(x, token_mask=mask)
+            with monkeypatch.context() as m:      # the other order: gather bf16 rows, quantize inside
+                m.setattr(layer.experts, "takes_fp8_rows", lambda *a: False)
+                y_after = layer(x, token_mask=mask)
+            r = layer.gate(x, token_mask=mask)
+        assert seen[-2:] == ["QuantizedTensor", "Tensor"], seen
+        assert torch.equal(y, y_after), (t, (y - y_after).abs().max())
+        # two E4M3 roundings (x, then h) against fp64: a few % relative
+        assert _rel(y, _dense_reference(layer, x, r.topk_ids, r.topk_weights)) < 8e-2, t

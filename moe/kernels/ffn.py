@@ -33,7 +33,7 @@ from megapar.moe.kernels.grouped_gemm import (
     resolve_backend,
 )
 from megapar.moe.kernels.prepare import PreparedWeight, as_prepared, dequantize_prepared, prepare_weights
-from megapar.parallel.quant import QuantizedTensor
+from megapar.parallel.quant import QuantizedTensor, dequantize
 
 
 def swiglu(gate: torch.Tensor, up: torch.Tensor, *, limit: float | None = None, alpha: float = 1.0,
@@ -73,7 +73,20 @@ def expert_ffn_reference(x: torch.Tensor, w13: PreparedWeight, w2: PreparedWeigh
     return grouped_gemm_reference(h, dequantize_prepared(w2), rows)
 
 
-def expert_ffn(x: torch.Tensor, w13: torch.Tensor | QuantizedTensor | PreparedWeight,
+def ffn_backend(backend: str, x: torch.Tensor | torch.device, w13: PreparedWeight, w2: PreparedWeight,
+                rows_per_expert: float) -> str:
+    """The path `expert_ffn` takes for x (or its device) and rows per expert (the `backend` rules of
+    grouped_gemm, then: "auto" leaves triton_w4a8 for triton_w4a16 when w2's FP8 fold is not
+    exact, and takes the torch path when the fused FP4 kernels do not fit the weights)."""
+    chosen = resolve_backend(backend, x, w13, rows_per_expert)
+    if chosen == "triton_w4a8" and backend == "auto" and not w2.fp8_exact:
+        chosen = "triton_w4a16"
+    if chosen.startswith("triton") and backend == "auto" and not w2.fused_fp4_fits:
+        chosen = "torch"
+    return chosen
+
+
+def expert_ffn(x: torch.Tensor | QuantizedTensor, w13: torch.Tensor | QuantizedTensor | PreparedWeight,
                w2: torch.Tensor | QuantizedTensor | PreparedWeight, *, counts: torch.Tensor | None = None,
                offsets: torch.Tensor | None = None, layout: str = "contiguous", swiglu_limit: float | None = None,
                alpha: float = 1.0, beta: float = 0.0, gate_up: str = "split", backend: str = "auto",
@@ -83,27 +96,36 @@ def expert_ffn(x: torch.Tensor, w13: torch.Tensor | QuantizedTensor | PreparedWe
     x: [M, H] (contiguous) or [E, C, H] (slab); w13: [E, 2I, H]; w2: [E, H, I]; counts [E] /
     offsets [E+1] as in grouped_gemm. Returns [M, H] or [E, C, H] (slab rows >= counts zero)
     in out_dtype (default x's dtype).
+    x may also arrive quantized: an fp8_token QuantizedTensor [M, H] (contiguous layout), what
+    the W4A8 path would make of bf16 rows. Quantizing per token commutes with gathering rows, so
+    a caller can quantize each token once before replicating it to its top-k experts. The W4A8
+    path reads it as is. Any other path computes on its dequantized values in bf16, and the
+    default out_dtype is bf16.
     """
     p13, p2 = _as_w13(w13, gate_up), as_prepared(w2)
     E, two_i, H = p13.shape
     if p2.shape != (E, H, two_i // 2) or two_i % 2:
         raise ValueError(f"w13 {p13.shape} and w2 {p2.shape} disagree: need w13 [E, 2I, H] and w2 [E, H, I]")
+    xq = None
+    if isinstance(x, QuantizedTensor):
+        if x.fmt != "fp8_token" or len(x.shape) != 2 or layout != "contiguous":
+            raise ValueError(f"a quantized x must be an fp8_token QuantizedTensor [M, H] in the contiguous layout; "
+                             f"got fmt={x.fmt!r}, shape {tuple(x.shape)}, layout {layout!r}")
+        xq, x = x, x.data
     if x.shape[-1] != H:
         raise ValueError(f"x has H={x.shape[-1]} but w13 is [E={E}, 2I={two_i}, H={H}]")
     rows = expert_rows(x, E, counts, offsets, layout)
-    out_dtype = out_dtype or x.dtype
+    out_dtype = out_dtype or (torch.bfloat16 if xq is not None else x.dtype)
     hint = rows.capacity if layout == "slab" else x.shape[0] / max(E, 1)
-    chosen = resolve_backend(backend, x, p13, hint)
+    chosen = ffn_backend(backend, x, p13, p2, hint)
     act = dict(limit=swiglu_limit, alpha=alpha, beta=beta)
-    if chosen == "triton_w4a8" and backend == "auto" and not p2.fp8_exact:
-        chosen = "triton_w4a16"
-    if chosen.startswith("triton") and backend == "auto" and not p2.fused_fp4_fits:
-        chosen = "torch"
+    if chosen == "triton_w4a8":
+        return _ffn_w4a8(x if xq is None else xq, p13, p2, rows, act, out_dtype)
+    if xq is not None:
+        x = dequantize(xq, torch.bfloat16)
     if chosen == "torch":
         y = expert_ffn_reference(x, p13, p2, rows, swiglu_limit=swiglu_limit, alpha=alpha, beta=beta)
         return y.to(out_dtype)
-    if chosen == "triton_w4a8":
-        return _ffn_w4a8(x, p13, p2, rows, act, out_dtype)
     if chosen == "deep_gemm":   # both GEMMs through DeepGEMM (moe/kernels/deep_gemm.py), SwiGLU between
         from megapar.moe.kernels.deep_gemm import deep_gemm_grouped_gemm
 
@@ -121,15 +143,17 @@ def expert_ffn(x: torch.Tensor, w13: torch.Tensor | QuantizedTensor | PreparedWe
     return _gemm_grouped_mm(h, p2, rows, out_dtype)
 
 
-def _ffn_w4a8(x: torch.Tensor, p13: PreparedWeight, p2: PreparedWeight, rows: ExpertRows, act: dict,
-              out_dtype: torch.dtype) -> torch.Tensor:
+def _ffn_w4a8(x: torch.Tensor | QuantizedTensor, p13: PreparedWeight, p2: PreparedWeight, rows: ExpertRows,
+              act: dict, out_dtype: torch.dtype) -> torch.Tensor:
     from megapar.moe.kernels.triton_w4a8 import fp8_grouped_gemm, fp8_weight, quantize_act
 
     if not (p13.fp8_exact and p2.fp8_exact):
         raise ValueError("triton_w4a8 needs both weights in mxfp4 with an exact FP8 fold, or fp8_block")
     H = p13.k
-    x2 = x.reshape(-1, H)
-    a, a_scale = quantize_act(x2.contiguous(), group=False)
+    if isinstance(x, QuantizedTensor):          # fp8_token rows quantized by the caller
+        a, a_scale, x = x.data.contiguous(), x.scale.reshape(-1, 1).contiguous(), x.data
+    else:
+        a, a_scale = quantize_act(x.reshape(-1, H).contiguous(), group=False)
     b13, s13 = fp8_weight(p13)
     # h leaves L1's epilogue in bf16 and is quantized per token: a per-token scale lets L2 apply
     # both scales once in its epilogue, while fp8_group scales (quant_out=True, fused) force a

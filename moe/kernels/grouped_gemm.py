@@ -241,9 +241,11 @@ def fused_fp4_fits(w: PreparedWeight) -> bool:
     return w.fused_fp4_fits
 
 
-def resolve_backend(backend: str, x: torch.Tensor, w: PreparedWeight, rows_per_expert: float) -> str:
-    """The backend that `backend` means for these inputs (ValueError for impossible requests)."""
-    return GEMM.resolve(backend, device=x.device, weight=w, rows_per_expert=rows_per_expert)
+def resolve_backend(backend: str, x: torch.Tensor | torch.device, w: PreparedWeight, rows_per_expert: float) -> str:
+    """The backend that `backend` means for these inputs (x, or just its device; ValueError for
+    impossible requests)."""
+    device = x if isinstance(x, torch.device) else x.device
+    return GEMM.resolve(backend, device=device, weight=w, rows_per_expert=rows_per_expert)
 
 
 def grouped_gemm(x: torch.Tensor, w: torch.Tensor | QuantizedTensor | PreparedWeight, *,
