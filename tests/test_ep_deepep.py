@@ -2,10 +2,15 @@
 2.32.3, newer than the GPU machine). The fake checks the dtypes and shapes of every call and
 moves rows with gloo object collectives the way DeepEP's documentation says its buffer does
 (received rows by source rank then token, local expert ids, combine = sum of the rows sent
-back); `backend="deepep"` must then give what `backend="all_to_all"` gives."""
+back); `backend="deepep"` must then give what `backend="all_to_all"` gives.
+
+The same per-rank body runs with the real `deep_ep` (DeepEP's pre-V2 source build) and both
+ranks on one GPU under MPS in the `gpu` tests below, started by bench/run_deepep_mpg.sh
+(MEGAPAR_DEEPEP_MPG=1; MEGAPAR_DEEPEP_LL=1 when the build has NVSHMEM, for low-latency mode)."""
 
 from __future__ import annotations
 
+import os
 import sys
 import textwrap
 
@@ -23,8 +28,10 @@ class _Handle:
         self.sent, self.recv_counts, self.num_tokens = sent, recv_counts, num_tokens
 
 class Buffer:
-    def __init__(self, group, num_nvl_bytes=0, num_rdma_bytes=0, low_latency_mode=False, num_qps_per_rank=1):
+    def __init__(self, group, num_nvl_bytes=0, num_rdma_bytes=0, low_latency_mode=False, num_qps_per_rank=1,
+                 explicitly_destroy=False):
         assert isinstance(num_nvl_bytes, int) and isinstance(num_rdma_bytes, int)
+        assert explicitly_destroy, "DeepEP's destroy() refuses a buffer made without explicitly_destroy=True"
         self.group, self.ll = group, low_latency_mode
         self.rank, self.size = dist.get_rank(group), dist.get_world_size(group)
         calls.append(("Buffer", num_nvl_bytes > 0, num_rdma_bytes > 0, low_latency_mode))
@@ -115,56 +122,113 @@ def fake_dir(tmp_path_factory) -> str:
     return str(root)
 
 
-def _inputs(rank: int, world: int, e_total: int) -> tuple[torch.Tensor, ...]:
+LL_HIDDEN = 2048  # the smallest hidden size DeepEP's low-latency kernels are compiled for
+
+
+def _inputs(rank: int, world: int, e_total: int, hidden: int = H) -> tuple[torch.Tensor, ...]:
+    """Rank `rank`'s x [T, hidden] bf16, ids [T, K] int64 (-1 = none), weights [T, K] fp32 (a
+    function of the rank only, so every rank can rebuild the others' inputs)."""
     g = torch.Generator().manual_seed(rank)
     t = [5, 0, 7, 3][rank]
     ids = torch.stack([torch.randperm(e_total, generator=g)[:K] for _ in range(t)]) if t else \
         torch.zeros(0, K, dtype=torch.int64)
     ids[torch.rand(t, K, generator=g) < 0.25] = -1
     w = torch.randint(0, 4, (t, K), generator=g).float() / 4
-    x = (torch.randint(-8, 8, (t, H), generator=g).float() / 4).to(torch.bfloat16)
+    x = (torch.randint(-8, 8, (t, hidden), generator=g).float() / 4).to(torch.bfloat16)
     return x, ids, w
 
 
-def _rank(rank: int, world: int, fake_dir: str) -> dict:
-    sys.path.insert(0, fake_dir)
-    from parallel import ParallelConfig, destroy_parallel, init_parallel
+def _normal_case(pg, rank: int, world: int, e_total: int, device: str) -> dict:
+    """backend "deepep" (on `device`) against "all_to_all" (on the CPU): rows, counts, offsets,
+    row weights, expert ids, combine output and the gradient of x."""
+    from parallel.ep import DeepEPConfig, make_dispatcher
+
+    x, ids, w = _inputs(rank, world, e_total)
+    res = {}
+    for backend in ("all_to_all", "deepep"):
+        dev = device if backend == "deepep" else "cpu"
+        cfg = DeepEPConfig(num_nvl_bytes=1 << 22, num_qps_per_rank=3) if backend == "deepep" else None
+        d = make_dispatcher(pg, e_total, H, backend=backend, comm_thread=False, backend_config=cfg)
+        xx = x.clone().to(dev).requires_grad_(True)
+        r = d.dispatch(xx, ids.to(dev), w.to(dev))
+        y = d.combine(r.x * 2, r.handle)
+        (y.float() * torch.arange(H, device=dev)).sum().backward()
+        res[backend] = [t.detach().cpu() for t in (r.x, r.counts, r.offsets, r.topk_weights, r.expert_ids, y,
+                                                   xx.grad)]
+        if backend == "deepep":
+            d.backend.destroy()
+    # the default normal-mode buffer: NVL_BYTES, no RDMA, DeepEP's qps default
+    d = make_dispatcher(pg, e_total, H, backend="deepep", comm_thread=False)
+    assert d.backend.buffer is not None
+    d.backend.destroy()
+    return {"same": [torch.equal(a, b) for a, b in zip(res["all_to_all"], res["deepep"])]}
+
+
+def _low_latency_case(pg, rank: int, world: int, e_total: int, device: str, hidden: int,
+                      fake: bool) -> dict:
+    """DeepEPLowLatency: slab shapes; with the real DeepEP also the per-expert counts and rows
+    against the inputs of every rank, and combine (experts = identity) against x * sum_k w_k."""
     import warnings
 
-    from parallel.ep import DeepEPConfig, make_dispatcher
-    from parallel.ep.deepep import NVL_BYTES, DeepEPLowLatency
+    from parallel.ep import DeepEPConfig
+    from parallel.ep.deepep import DeepEPLowLatency
 
-    groups = init_parallel(ParallelConfig(world_size=world))
+    out = {}
+    if fake:  # the deprecated keyword form (a second NVSHMEM buffer in one process: fake only)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            DeepEPLowLatency(pg, max_tokens=8, hidden=hidden, num_experts=e_total)
+        out["warned"] = [str(c.message) for c in caught if c.category is DeprecationWarning]
+    ll = DeepEPLowLatency(pg, DeepEPConfig(low_latency_mode=True, max_dispatch_tokens_per_rank=8, hidden=hidden,
+                                           num_experts=e_total))
+    x, ids, w = (t.to(device) for t in _inputs(rank, world, e_total, hidden))
+    got = ll.dispatch(x, ids, w)
+    y = ll.combine(got.x, got)
+    out["ll_shapes"] = (tuple(got.x.shape), tuple(y.shape))
+    if not fake:
+        per = e_total // world
+        counts, rows = [], []
+        for e in range(per):  # reference: every rank's tokens that chose expert rank * per + e
+            mine = []
+            for s in range(world):
+                xs, ids_s, _ = _inputs(s, world, e_total, hidden)
+                mine += [xs[t] for t in range(xs.shape[0]) if (ids_s[t] == rank * per + e).any()]
+            counts.append(len(mine))
+            recv = got.x[e, :len(mine)].cpu()
+            rows.append(sorted(map(tuple, recv.float().tolist())) == sorted(tuple(r.float().tolist()) for r in mine))
+        ref = (x.float() * torch.where(ids >= 0, w, torch.zeros_like(w)).sum(1, keepdim=True)).cpu()
+        out["ll_counts"] = (got.counts.cpu().tolist(), counts)
+        out["ll_rows"] = rows
+        out["ll_combine"] = torch.allclose(y.float().cpu(), ref, rtol=2 ** -7, atol=0)
+    ll.destroy()
+    return out
+
+
+def _rank(rank: int, world: int, fake_dir: str | None = None, device: str = "cpu",
+          cases: tuple[str, ...] = ("normal", "low_latency")) -> dict:
+    """One rank: `cases` of "normal" / "low_latency"; fake_dir None: the real deep_ep, every
+    rank on cuda:0 (two processes on one GPU, under MPS)."""
+    if fake_dir is not None:
+        sys.path.insert(0, fake_dir)
+    if device != "cpu":
+        torch.cuda.set_device(0)
+    from parallel import ParallelConfig, destroy_parallel, init_parallel
+    from parallel.ep.deepep import NVL_BYTES
+
+    groups = init_parallel(ParallelConfig(world_size=world))  # gloo: NCCL refuses two ranks on one GPU
     try:
         pg, e_total = groups.ep.group, 2 * world
-        x, ids, w = _inputs(rank, world, e_total)
-        res = {}
-        for backend in ("all_to_all", "deepep"):
-            cfg = DeepEPConfig(num_nvl_bytes=1 << 22, num_qps_per_rank=3) if backend == "deepep" else None
-            d = make_dispatcher(pg, e_total, H, backend=backend, comm_thread=False, backend_config=cfg)
-            xx = x.clone().requires_grad_(True)
-            r = d.dispatch(xx, ids, w)
-            y = d.combine(r.x * 2, r.handle)
-            (y.float() * torch.arange(H)).sum().backward()
-            res[backend] = [r.x.detach(), r.counts, r.offsets, r.topk_weights.detach(), r.expert_ids, y.detach(),
-                            xx.grad]
-            if backend == "deepep":
-                d.backend.destroy()
-        # the default normal-mode buffer: NVL_BYTES, no RDMA, DeepEP's qps default
-        make_dispatcher(pg, e_total, H, backend="deepep", comm_thread=False).backend.buffer
-        with warnings.catch_warnings(record=True) as caught:  # the deprecated keyword form
-            warnings.simplefilter("always")
-            DeepEPLowLatency(pg, max_tokens=8, hidden=H, num_experts=e_total)
-        ll = DeepEPLowLatency(pg, DeepEPConfig(low_latency_mode=True, max_dispatch_tokens_per_rank=8, hidden=H,
-                                               num_experts=e_total))
-        got = ll.dispatch(x, ids, w)
-        out = ll.combine(got.x, got)
-        import deep_ep
+        out: dict = {"nvl_default": NVL_BYTES}
+        if "normal" in cases:
+            out.update(_normal_case(pg, rank, world, e_total, device))
+        if "low_latency" in cases:
+            hidden = H if fake_dir is not None else LL_HIDDEN
+            out.update(_low_latency_case(pg, rank, world, e_total, device, hidden, fake_dir is not None))
+        if fake_dir is not None:
+            import deep_ep
 
-        return {"same": [torch.equal(a, b) for a, b in zip(res["all_to_all"], res["deepep"])],
-                "ll_shapes": (tuple(got.x.shape), tuple(out.shape)), "calls": [c[0] for c in deep_ep.calls],
-                "buffers": deep_ep.buffers, "nvl_default": NVL_BYTES,
-                "warned": [str(c.message) for c in caught if c.category is DeprecationWarning]}
+            out["calls"], out["buffers"] = [c[0] for c in deep_ep.calls], deep_ep.buffers
+        return out
     finally:
         destroy_parallel()
 
@@ -180,13 +244,51 @@ def test_deepep_backend_matches_all_to_all_through_a_fake_deep_ep(fake_dir):
         # one buffer; layout + dispatch forward, a cached dispatch (combine's backward), combines
         assert calls[:4] == ["Buffer", "get_dispatch_layout", "dispatch", "combine"], calls
         assert "dispatch_cached" in calls and calls.count("combine") == 2, calls
-        assert calls[-3:] == ["Buffer", "low_latency_dispatch", "low_latency_combine"], calls
+        assert calls[-4:] == ["Buffer", "low_latency_dispatch", "low_latency_combine", "destroy"], calls
+        assert calls.count("destroy") == 3, calls  # every buffer the body frees, freed once
         # Buffer(group, nvl, rdma, low_latency_mode, num_qps_per_rank) from each DeepEPConfig (fake default qps 1)
         rdma_hint = 8 * H * world * 16  # the fake's get_low_latency_rdma_size_hint
         assert r["buffers"] == [(1 << 22, 0, False, 3), (r["nvl_default"], 0, False, 1), (0, rdma_hint, True, 2),
                                 (0, rdma_hint, True, 2)], r["buffers"]
         assert len(r["warned"]) == 1 and "DeepEPLowLatency(max_tokens=, hidden=, num_experts=) is deprecated" in \
             r["warned"][0], r["warned"]
+
+
+MPG = os.environ.get("MEGAPAR_DEEPEP_MPG") == "1"
+LL = os.environ.get("MEGAPAR_DEEPEP_LL") == "1"
+_WHY = "needs DeepEP's pre-V2 build and two processes on one GPU under MPS: bench/run_deepep_mpg.sh"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not MPG, reason=_WHY)
+def test_deepep_normal_mode_two_ranks_on_one_gpu():
+    """The fake test's normal-mode body with the real DeepEP (intranode kernels, CUDA IPC
+    buffers), both ranks on cuda:0: the same rows, counts, combine and gradient as all_to_all."""
+    from launch.local import launch_local
+
+    world = 2
+    results = launch_local(_rank, world, args=(world, None, "cuda", ("normal",)), timeout=110,
+                           env={"CUDA_MPS_ACTIVE_THREAD_PERCENTAGE": str(100 // world)})
+    for rank, r in enumerate(results):
+        assert r["same"] == [True] * 7, (rank, r["same"])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not (MPG and LL), reason=_WHY + " (a build with NVSHMEM: MEGAPAR_DEEPEP_LL=1)")
+def test_deepep_low_latency_two_ranks_on_one_gpu():
+    """DeepEPLowLatency with the real DeepEP (NVSHMEM), both ranks on cuda:0: slab shapes,
+    per-expert counts and rows against every rank's inputs, combine against x * sum_k w_k."""
+    from launch.local import launch_local
+
+    world = 2
+    results = launch_local(_rank, world, args=(world, None, "cuda", ("low_latency",)), timeout=50,
+                           env={"CUDA_MPS_ACTIVE_THREAD_PERCENTAGE": str(100 // world)})
+    for rank, r in enumerate(results):
+        assert r["ll_shapes"] == ((2, world * 8, LL_HIDDEN), ([5, 0][rank], LL_HIDDEN)), (rank, r["ll_shapes"])
+        got, want = r["ll_counts"]
+        assert got == want, (rank, got, want)
+        assert r["ll_rows"] == [True] * 2, (rank, r["ll_rows"])
+        assert r["ll_combine"], rank
 
 
 def test_deepep_config_validates_and_reaches_the_dispatcher_only_by_name():

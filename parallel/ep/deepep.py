@@ -17,9 +17,18 @@ and ``DeepEPLowLatency(group, DeepEPConfig(low_latency_mode=True, max_dispatch_t
 hidden=, num_experts=))``. The keyword form ``DeepEPLowLatency(group, max_tokens=, hidden=,
 num_experts=, use_fp8=)`` still works and warns once (DeprecationWarning).
 
-Known blocker: the PyPI build `deepinfer-ep` needs
-CUDA >= 13.1 and NCCL >= 2.32.3; the GPU machine has CUDA 13.0 and NCCL 2.28.9, so this
-module is tested with a fake `deep_ep` that checks the calls and shapes it receives.
+Every ``Buffer`` is made with ``explicitly_destroy=True``, so that ``destroy()`` (of the backend,
+or of `DeepEPLowLatency`) frees it at a point every rank reaches together; DeepEP's ``destroy``
+refuses buffers made without that flag, and its destructor-time release runs a barrier across
+ranks that can hang at interpreter exit.
+
+Status: the PyPI build `deepinfer-ep` (DeepEP V2) needs CUDA >= 13.1 and NCCL >= 2.32.3, and
+V2's buffer runs over an NCCL communicator, which refuses two ranks on one GPU; the GPU machine
+(one H200, CUDA 13.0, NCCL 2.28.9) has neither. This module is tested with a fake `deep_ep` that
+checks the calls and shapes it receives. DeepEP's last pre-V2 source (commit 567632d: the same
+``Buffer`` API, NVSHMEM optional) can be built there and run with two ranks on the one GPU under
+MPS (its intranode kernels share buffers through CUDA IPC): bench/fetch_deepep.sh and
+bench/run_deepep_mpg.sh (docs/gpu.md); that run has not been made yet.
 """
 
 from __future__ import annotations
@@ -36,7 +45,8 @@ from megapar.parallel.ep import backends
 from megapar.parallel.ep.backends import Backend, Census, Route, RoutingInfo
 from megapar.parallel.ep.dispatch import check_int, config_from_keywords
 
-HINT = "pip install 'megapar[deepep]' (deepinfer-ep: needs CUDA >= 13.1, NCCL >= 2.32.3)"
+HINT = ("pip install 'megapar[deepep]' (deepinfer-ep: needs CUDA >= 13.1, NCCL >= 2.32.3), or build DeepEP's "
+        "pre-V2 source (commit 567632d) with `python setup.py build_ext --inplace` (bench/run_deepep_mpg.sh)")
 NVL_BYTES = int(os.environ.get("MEGAPAR_DEEPEP_NVL_BYTES", str(1 << 30)))
 """normal mode's default NVLink buffer bytes (read once at import)"""
 
@@ -87,7 +97,7 @@ class DeepEPConfig:
 
     def buffer_args(self, group: Any, size: int) -> tuple[tuple[Any, ...], dict[str, Any]]:
         """(args, kwargs) of ``deep_ep.Buffer`` for an EP group of `size` ranks."""
-        kwargs: dict[str, Any] = {}
+        kwargs: dict[str, Any] = {"explicitly_destroy": True}  # freed by destroy() (module docstring)
         if self.low_latency_mode:
             assert self.num_experts is not None
             nvl = 0 if self.num_nvl_bytes is None else self.num_nvl_bytes
