@@ -69,7 +69,7 @@ def test_interp_tma_matches_pointer_loads_and_reference(fmt, N, tile_n, block_n)
     pw = _weight(fmt, E, N, K, seed=N + tile_n, tile_n=tile_n)
     assert pw.tile_n == tile_n
     g = torch.Generator().manual_seed(5)
-    counts = torch.tensor([5, 0, 19])                 # an empty expert; 19 rows = one full and one partial 16-token tile
+    counts = torch.tensor([5, 0, 19])   # an empty expert; 19 rows = a full and a partial 16-token tile
     x = torch.randn(int(counts.sum()), K, generator=g)
     rows = expert_rows(x, E, counts, None, "contiguous")
     ref = grouped_gemm(x, pw, counts=counts, backend="torch", out_dtype=torch.float32)
@@ -214,7 +214,8 @@ for label, cons, num_warps, num_stages in json.loads(sys.argv[1]):
         sass = subprocess.run([BIN / "cuobjdump", "-sass", Path(tmp, "k.cubin")], capture_output=True, text=True).stdout
     ops = re.findall(r"/\\*[0-9a-f]{4}\\*/\\s+(?:@!?U?P\\w+\\s+)?([A-Z0-9_.]+)", sass)
     report[label] = dict(spill=int(re.search(r"(\\d+) bytes spill stores", info).group(1)),
-                         utmaldg=sum(o.startswith("UTMALDG") for o in ops), hgmma=sum(o.startswith("HGMMA") for o in ops),
+                         utmaldg=sum(o.startswith("UTMALDG") for o in ops),
+                         hgmma=sum(o.startswith("HGMMA") for o in ops),
                          scratch=c.metadata.global_scratch_size)
 print(json.dumps(report))
 """
