@@ -26,7 +26,8 @@ the FP8 rate, fp8 weight + activation bytes at the copy bandwidth). When deep_ge
 skipped. MEGAPAR_BENCH_GEMM_SECTIONS=deep_gemm runs only these rows (main,deep_gemm = both).
 
 `python -m launch.bench.gemm --probe --out DIR` runs the kernel-tuning probe instead (variants
-and launch configs side by side, correctness of each) and writes DIR/gemm-probe.json.
+and launch configs side by side, correctness of each) and writes DIR/gemm-probe.json; `--sections`
+picks the rounds (decode, decode2, decode3, decode4 = TMA weight loads vs the default, prefill).
 """
 
 from __future__ import annotations
@@ -435,30 +436,37 @@ def probe(out_dir: str, sections: list[str]) -> None:
             _run_variants(ctx, variants, results, save)
             variants.clear()
 
+    # the decode3 / decode4 problems: V3 / V4-Flash L1 and L2, (shape, tok/expert, experts hit (0: all))
+    v4f_l1 = (32, 4096, 4096) if not tiny else (2, 64, 512)
+    v4f_l2 = (32, 4096, 2048) if not tiny else (2, 64, 256)
+    decode_probs = [(shape_l1, 1, 0), (shape_l1, 8, 0), (shape_l1, 32, 0), (shape_l2, 1, 0), (shape_l2, 8, 0),
+                    (v4f_l1, 1, 0), (v4f_l2, 1, 0), (shape_l1, 1, 8), (v4f_l1, 1, 8), (v4f_l1, 8, 8)]
+    if tiny:
+        decode_probs = decode_probs[:1] + decode_probs[-1:]
+
+    def hit_problem(E, N, K, tok, hit):
+        """problem(), with only `hit` experts given tok rows each when hit > 0 (decode of one token
+        routed top-8); returns w, x, rows, ref, experts hit, FP4 floor."""
+        w, x, counts, rows, ref = problem(E, N, K, tok)
+        if hit:
+            hit = min(hit, E)
+            counts = torch.zeros(E, dtype=torch.int32, device=dev)
+            counts[torch.randperm(E, device=dev)[:hit]] = tok
+            x = x[: hit * tok].contiguous()
+            rows = expert_rows(x, E, counts, None, "contiguous")
+            offs = torch.cumsum(counts, 0) - counts
+            ref = torch.cat([x[offs[e]: offs[e] + counts[e]].float() @ w["f32"][e].t()
+                             for e in range(E) if int(counts[e])]) if x.shape[0] else ref[:0]
+        experts = hit or E
+        return w, x, rows, ref, experts, fp4_floor_us(experts, N, K, x.shape[0], dev)
+
     # -- decode, round 3: prescaled operands (one chained accumulator, no per-block rescale) --
     if "decode3" in sections:
         import dataclasses
 
         from megapar.moe.kernels.triton_w4a16 import pick_config
-        v4f_l1 = (32, 4096, 4096) if not tiny else (2, 64, 512)
-        v4f_l2 = (32, 4096, 2048) if not tiny else (2, 64, 256)
-        probs = [(shape_l1, 1, 0), (shape_l1, 8, 0), (shape_l1, 32, 0), (shape_l2, 1, 0), (shape_l2, 8, 0),
-                 (v4f_l1, 1, 0), (v4f_l2, 1, 0), (shape_l1, 1, 8), (v4f_l1, 1, 8), (v4f_l1, 8, 8)]
-        if tiny:
-            probs = probs[:1] + probs[-1:]
-        for (E, N, K), tok, hit in probs:
-            w, x, counts, rows, ref = problem(E, N, K, tok)
-            if hit:   # few experts hit (decode of one token routed top-8): `hit` experts get tok rows each
-                hit = min(hit, E)
-                counts = torch.zeros(E, dtype=torch.int32, device=dev)
-                counts[torch.randperm(E, device=dev)[:hit]] = tok
-                x = x[: hit * tok].contiguous()
-                rows = expert_rows(x, E, counts, None, "contiguous")
-                offs = torch.cumsum(counts, 0) - counts
-                ref = torch.cat([x[offs[e]: offs[e] + counts[e]].float() @ w["f32"][e].t()
-                                 for e in range(E) if int(counts[e])]) if x.shape[0] else ref[:0]
-            experts = hit or E
-            floor = fp4_floor_us(experts, N, K, x.shape[0], dev)
+        for (E, N, K), tok, hit in decode_probs:
+            w, x, rows, ref, experts, floor = hit_problem(E, N, K, tok, hit)
             # the default before round 3 (64 rows, 4 warps, 4 stages, per-block rescale), then today's
             base = dataclasses.replace(pick_config(max(tok, 1), torch.bfloat16, "oct", fmt="nvfp4"), block_n=64,
                                        num_warps=4, num_stages=4, prescale=False)
@@ -490,6 +498,46 @@ def probe(out_dir: str, sections: list[str]) -> None:
                         None, floor_us=floor, cfg=dict(cfg.__dict__), problem=f"{N}x{K} tok{tok} hit{experts} swiglu")
             _run_variants(ctx, variants, results, save)
             variants.clear()
+
+    # -- decode, round 4: TMA weight loads (device-side tensor descriptors) against today's default --
+    if "decode4" in sections:
+        import dataclasses
+
+        from megapar.moe.kernels.triton_w4a16 import pick_config
+        for (E, N, K), tok, hit in decode_probs:
+            w, x, rows, ref, experts, floor = hit_problem(E, N, K, tok, hit)
+            pw = w["pw"]
+            base = pick_config(max(tok, 1), torch.bfloat16, "oct")
+            if tiny:   # the interpreter: arithmetic expansion, small tiles (64-row weight tiles: 32-row boxes)
+                base = W4A16Config(block_n=32, block_m=16, chunks=1, num_warps=4, num_stages=1, mode="f16",
+                                   packing="oct")
+            tma = dataclasses.replace(base, tma=True)
+            grid = ((64, 128), (3, 4, 6), (4, 8)) if not tiny else ((16,), (1,), (4,))
+            # (label, config, weight, diag)
+            cfgs = [("default", base, pw, 0), ("default tma", tma, pw, 0)] + [
+                (f"tma bn{bn} s{ns} w{nw}", dataclasses.replace(tma, block_n=bn, num_stages=ns, num_warps=nw), pw, 0)
+                for bn in grid[0] for ns in grid[1] for nw in grid[2]]
+            if tok == 1 and not hit:   # rows in order (2-D boxes); loads-only diagnostics of both paths
+                untiled = repack(pw, "oct", tile_n=0)
+                cfgs += [("default untiled", base, untiled, 0), ("tma untiled", tma, untiled, 0),
+                         ("DIAG loads-only", base, pw, 1), ("DIAG loads-only tma", tma, pw, 1)]
+            for label, cfg, wt, diag in cfgs:
+                add("decode4", f"N{N} K{K} tok{tok} hit{experts} {label}",
+                    (lambda x=x, wt=wt, rows=rows, cfg=cfg, diag=diag: launch_w4a16(
+                        x, wt, rows, out_dtype=torch.bfloat16, config=cfg, diag=diag)),
+                    err_of(ref) if diag == 0 else None, floor_us=floor, cfg=dict(cfg.__dict__), diag=diag,
+                    tile_n=wt.tile_n, problem=f"{N}x{K} tok{tok} hit{experts}")
+            if tok == 1 and (hit or tiny):   # the MoE layer's fused L1 + SwiGLU, both load paths
+                for label, cfg in (("swiglu default", base), ("swiglu tma", tma)):
+                    add("decode4", f"N{N} K{K} tok{tok} hit{experts} {label}",
+                        (lambda x=x, wt=pw, rows=rows, cfg=cfg: launch_w4a16(
+                            x, wt, rows, out_dtype=torch.bfloat16, config=cfg, swiglu=(None, 1.0, 0.0))),
+                        None, floor_us=floor, cfg=dict(cfg.__dict__), diag=0, tile_n=pw.tile_n,
+                        problem=f"{N}x{K} tok{tok} hit{experts} swiglu")
+            _run_variants(ctx, variants, results, save)
+            variants.clear()
+        for line in tma_verdict(results):
+            print(line, flush=True)
 
     # -- decode, round 2: row-tiled weights, warps/stages, and subtraction diagnostics --
     if "decode2" in sections:
@@ -603,6 +651,24 @@ def probe(out_dir: str, sections: list[str]) -> None:
     print(f"probe done in {time.time() - t0:.0f} s")
     save()
     _print_table(results)
+
+
+def tma_verdict(results: list[dict[str, Any]]) -> list[str]:
+    """decode4, per problem: the default (pointer loads) against the fastest correct TMA row,
+    with floor fractions: one line each, 'tma wins' when the TMA row is faster."""
+    lines = []
+    rows = [r for r in results if r.get("section") == "decode4" and "us" in r and r.get("diag") == 0]
+    for prob in dict.fromkeys(r["problem"] for r in rows):
+        mine = [r for r in rows if r["problem"] == prob]
+        default = next((r for r in mine if not r["cfg"]["tma"] and r["name"].endswith("default")), None)
+        tma = [r for r in mine if r["cfg"]["tma"] and (r.get("rel_err") is None or r["rel_err"] < 1e-2)]
+        if default is None or not tma:
+            continue
+        best = min(tma, key=lambda r: r["us"])
+        verdict = "tma wins" if best["us"] < default["us"] else "pointer loads win"
+        lines.append(f"decode4 {prob}: default {default['us']:.1f} us ({default['floor_frac']:.3f} of floor), "
+                     f"best tma {best['us']:.1f} us ({best['floor_frac']:.3f}) = {best['name']}: {verdict}")
+    return lines
 
 
 def _tuning_from(results: list[dict[str, Any]], shape_l1: tuple[int, int, int]) -> dict[str, Any]:

@@ -141,16 +141,50 @@ def _prescale_factor(r_max):
     return tl.where(r_max == 255, float("nan"), f)
 
 
+_UNTILED = tl.constexpr(prepare.UNTILED)
+
+
 @triton.jit
-def _fp4_oct(acc, w_rows, wk, s_rows, kc, offs_q, n_mask, x_rows, m_mask, r_max,
+def _oct_desc(base, rows, stride_wtile, stride_wn, K: tl.constexpr, TILE: tl.constexpr, BLOCK_N: tl.constexpr,
+              BLOCK: tl.constexpr):
+    """Device-side TMA descriptor of one expert's oct words (int32), `rows` rows from `base`.
+    Rows in order: 2-D [rows, K/8] (row stride stride_wn), box [BLOCK_N, BLOCK]. Tiled by TILE:
+    3-D [rows/TILE tiles, units * TILE, BLOCK] (one (tile, unit) block is TILE x BLOCK contiguous
+    words), box [BLOCK_N / BR, BR, BLOCK] with BR = min(TILE, BLOCK_N). Rows past `rows` (the
+    last, partial tile of rows) read as zeros."""
+    if TILE >= _UNTILED:
+        return tl.make_tensor_descriptor(base, [rows, K // 8], [stride_wn, 1], [BLOCK_N, BLOCK])
+    else:
+        BR: tl.constexpr = TILE if TILE < BLOCK_N else BLOCK_N
+        return tl.make_tensor_descriptor(base, [rows // TILE, (K // (8 * BLOCK)) * TILE, BLOCK],
+                                         [stride_wtile, stride_wn, 1], [BLOCK_N // BR, BR, BLOCK])
+
+
+@triton.jit
+def _oct_words(w_rows, wk, offs_q, n_mask, desc, n0, unit, TMA: tl.constexpr, TILE: tl.constexpr,
+               BLOCK_N: tl.constexpr, BLOCK: tl.constexpr):
+    """int32 [BLOCK_N, BLOCK]: the oct words of rows n0.. and packing unit `unit` (word offset wk
+    in a row): pointer-tensor load (masked rows 0), or one TMA box of `desc` (see _oct_desc)."""
+    if TMA:
+        if TILE >= _UNTILED:
+            return desc.load([n0, unit * BLOCK])
+        else:
+            BR: tl.constexpr = TILE if TILE < BLOCK_N else BLOCK_N
+            box = desc.load([n0 // TILE, unit * TILE + n0 % TILE, 0])      # [BLOCK_N / BR, BR, BLOCK]
+            return tl.reshape(box, (BLOCK_N, BLOCK))
+    else:
+        return tl.load(w_rows[:, None] + (wk + offs_q)[None, :], mask=n_mask[:, None], other=0)
+
+
+@triton.jit
+def _fp4_oct(acc, w, s_rows, kc, offs_q, n_mask, x_rows, m_mask, r_max,
              BLOCK: tl.constexpr, NVFP4: tl.constexpr, MODE: tl.constexpr, DIAG: tl.constexpr,
              PRESCALE: tl.constexpr):
-    """acc [BN, BM] += 8 scale blocks of W rows (oct packing: int32 words at word offset wk) @
-    x[kc : kc + 8 BLOCK]. DIAG (probe only, wrong results): 1 = loads only, 2 = no block scales.
-    PRESCALE (MXFP4, fp16 operands): the block scale goes into the operand relative to the row's
-    largest (r_max [BN]), so the MMAs chain into one accumulator with no per-block fp32 rescale;
-    the caller applies `_prescale_factor(r_max)` once at the end."""
-    w = tl.load(w_rows[:, None] + (wk + offs_q)[None, :], mask=n_mask[:, None], other=0)
+    """acc [BN, BM] += 8 scale blocks of W rows (w: their oct words, int32 [BN, BLOCK], from
+    `_oct_words`) @ x[kc : kc + 8 BLOCK]. DIAG (probe only, wrong results): 1 = loads only, 2 = no
+    block scales. PRESCALE (MXFP4, fp16 operands): the block scale goes into the operand relative
+    to the row's largest (r_max [BN]), so the MMAs chain into one accumulator with no per-block
+    fp32 rescale; the caller applies `_prescale_factor(r_max)` once at the end."""
     # the unit's 8 scale bytes of a row are one aligned int64 (s_rows points at int64 scales):
     # one 8-byte load per row instead of eight scattered byte loads
     s8 = tl.load(s_rows + kc // (8 * BLOCK), mask=n_mask, other=0)
@@ -187,11 +221,14 @@ def _w4a16_kernel(
     BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, CHUNKS: tl.constexpr, BLOCK: tl.constexpr,
     NVFP4: tl.constexpr, MODE: tl.constexpr, SWIGLU: tl.constexpr, HAS_LIMIT: tl.constexpr,
     QUANT_OUT: tl.constexpr, PACK: tl.constexpr, TILE: tl.constexpr, DIAG: tl.constexpr,
-    PRESCALE: tl.constexpr = False, stride_re: tl.constexpr = 0,
+    PRESCALE: tl.constexpr = False, stride_re: tl.constexpr = 0, TMA: tl.constexpr = False,
 ):
     """Weight row n, packing unit c (2 or 8 scale blocks) sits at e * stride_we +
     (n // TILE) * stride_wtile + (n % TILE) * stride_wn + c * stride_wchunk (bytes, or int32
-    words for oct): row-major, or tiled so that one program's tile of one unit is contiguous."""
+    words for oct): row-major, or tiled so that one program's tile of one unit is contiguous.
+    TMA (oct only): the weight words come through a device-side tensor descriptor per program
+    (`_oct_desc`: N rows of expert e, and N more from up_w_offset with SWIGLU) instead of pointer
+    tensors; needs a global scratch allocator at launch (`launch_w4a16` installs one)."""
     pid_n = tl.program_id(0)
     pid_t = tl.program_id(1)
     e, row0, rows, store_rows = expert_tile(pid_t, counts_ptr, offsets_ptr, num_experts, tiles_per_expert,
@@ -217,14 +254,26 @@ def _w4a16_kernel(
             r_max_u = tl.load(r_rows + up_rows, mask=n_mask, other=0).to(tl.int32)
     if rows > 0:   # (not a dynamic loop bound: the interpreter cannot range over a reduction)
         if PACK == 1:   # oct: w_ptr is int32 words, 8 blocks per word row
+            n0 = pid_n * BLOCK_N
+            desc = w_rows   # (placeholders: read only with TMA)
+            desc_u = w_rows
+            if TMA:
+                w_e = w_ptr + e64 * stride_we
+                desc = _oct_desc(w_e, N, stride_wtile, stride_wn, K, TILE, BLOCK_N, BLOCK)
+                if SWIGLU:
+                    desc_u = _oct_desc(w_e + up_w_offset, N, stride_wtile, stride_wn, K, TILE, BLOCK_N, BLOCK)
             for k0 in range(0, K, 8 * BLOCK * CHUNKS):
                 for c in tl.static_range(CHUNKS):
                     kc = k0 + c * 8 * BLOCK
-                    wk = (kc // (8 * BLOCK)) * stride_wchunk
-                    acc = _fp4_oct(acc, w_rows, wk, s_rows, kc, offs_b, n_mask, x_rows, m_mask, r_max, BLOCK, NVFP4,
+                    unit = kc // (8 * BLOCK)
+                    wk = unit * stride_wchunk
+                    w = _oct_words(w_rows, wk, offs_b, n_mask, desc, n0, unit, TMA, TILE, BLOCK_N, BLOCK)
+                    acc = _fp4_oct(acc, w, s_rows, kc, offs_b, n_mask, x_rows, m_mask, r_max, BLOCK, NVFP4,
                                    MODE, DIAG, PRESCALE)
                     if SWIGLU:
-                        acc_u = _fp4_oct(acc_u, w_rows + up_w_offset, wk, s_rows + up_rows * stride_sn, kc,
+                        w_u = _oct_words(w_rows + up_w_offset, wk, offs_b, n_mask, desc_u, n0, unit, TMA, TILE,
+                                         BLOCK_N, BLOCK)
+                        acc_u = _fp4_oct(acc_u, w_u, s_rows + up_rows * stride_sn, kc,
                                          offs_b, n_mask, x_rows, m_mask, r_max_u, BLOCK, NVFP4, MODE, DIAG, PRESCALE)
         else:
             for k0 in range(0, K, 2 * BLOCK * CHUNKS):
@@ -267,7 +316,8 @@ class W4A16Config:
     """Launch shape of the fused kernel. block_n: weight rows per program; block_m: tokens per
     tile; chunks: packing units (2 or 8 scale blocks) per loop iteration; mode: operand
     encoding 'f16' | 'bf16' | 'f32' (Triton arithmetic) | 'f16asm' (inline PTX, oct packing);
-    packing: 'paired' | 'oct'."""
+    packing: 'paired' | 'oct'; tma (oct only, opt-in, unmeasured: bench/gemm-notes.md): weight
+    words through a device-side TMA descriptor instead of pointer-tensor loads."""
 
     block_n: int = 128
     block_m: int = 16
@@ -277,6 +327,13 @@ class W4A16Config:
     mode: str = "f16"
     packing: str = "paired"
     prescale: bool = False
+    tma: bool = False
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.tma, bool):
+            raise ValueError(f"W4A16Config.tma must be True or False, got {self.tma!r}")
+        if self.tma and self.packing != "oct":
+            raise ValueError(f"W4A16Config.tma needs packing 'oct', got {self.packing!r} (valid: {sorted(PACKS)})")
 
 
 # Inline PTX expansion (oct packing) on real GPUs; the interpreter runs the arithmetic version.
@@ -361,6 +418,9 @@ def launch_w4a16(x: torch.Tensor, w: PreparedWeight, rows, *, out_dtype: torch.d
     if cfg.mode.startswith("f16asm") and cfg.packing != "oct":
         raise ValueError(f"mode {cfg.mode!r} needs packing 'oct', got {cfg.packing!r}")
     if cfg.packing == "oct" and K % (8 * w.block):
+        if cfg.tma:
+            raise ValueError(f"tma=True needs oct packing, i.e. K ({K}) a multiple of 8 scale blocks "
+                             f"({8 * w.block}); use tma=False")
         cfg = W4A16Config(**{**cfg.__dict__, "packing": "paired", "mode": "f16" if cfg.mode.startswith("f16") else cfg.mode})
     # the weight as this launch reads it: itself when prepared so (the usual case), else a copy
     # made once and cached on it; with swiglu the up half must start on a tile boundary
@@ -391,6 +451,9 @@ def launch_w4a16(x: torch.Tensor, w: PreparedWeight, rows, *, out_dtype: torch.d
     # prescaled operands: MXFP4 in the oct loop with fp16 operands (the only place it is wired)
     prescale = cfg.prescale and w.fmt == "mxfp4" and cfg.packing == "oct" and MODES[cfg.mode] in (0, 3, 4)
     rmax = w.row_max_scale() if prescale else sdata
+    if cfg.tma:
+        _check_tma(st, cfg.block_n, st.row_offset(n_out))
+        _ensure_allocator()
     grid = (triton.cdiv(n_out, cfg.block_n), slots)
     _w4a16_kernel[grid](
         x2, st.data, sdata, gs, rmax, out, out_scale, counts, offs,
@@ -403,10 +466,43 @@ def launch_w4a16(x: torch.Tensor, w: PreparedWeight, rows, *, out_dtype: torch.d
         CHUNKS=chunks_for(K, w.block * (8 if cfg.packing == "oct" else 2), cfg.chunks),
         NVFP4=w.fmt == "nvfp4", MODE=MODES[cfg.mode], SWIGLU=swiglu is not None, HAS_LIMIT=limit is not None,
         QUANT_OUT=quant_out, PACK=PACKS[cfg.packing], TILE=st.tile_n, DIAG=diag,
-        PRESCALE=prescale, stride_re=rmax.stride(0) if prescale else 0,
+        PRESCALE=prescale, stride_re=rmax.stride(0) if prescale else 0, TMA=cfg.tma,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return (out, out_scale) if quant_out else out
+
+
+def _check_tma(st: WeightStrides, block_n: int, up_offset: int) -> None:
+    """The TMA path's layout needs: contiguous int32 words, every descriptor base (expert and up
+    half) and leading stride 16-byte aligned, and row tiles that nest with the program's rows."""
+    data = st.data
+    nbytes = {"data pointer": data.data_ptr(), "expert stride": 4 * st.expert, "up-half offset": 4 * up_offset,
+              "row stride": 4 * st.row, **({"tile stride": 4 * st.tile} if st.tile_n < prepare.UNTILED else {})}
+    bad = {k: v for k, v in nbytes.items() if v % 16}
+    if data.dtype != torch.int32 or not data.is_contiguous() or bad:
+        raise ValueError(f"tma=True needs contiguous oct words with 16-byte aligned bases and strides; got dtype "
+                         f"{data.dtype}, contiguous={data.is_contiguous()}, misaligned (bytes): {bad}; use tma=False")
+    T = st.tile_n
+    if T < prepare.UNTILED and T % block_n and block_n % T:
+        raise ValueError(f"tma=True needs block_n ({block_n}) and the weight's tile_n ({T}) to divide one another; "
+                         f"prepare the weight with tile_n=0 or a power of two, or use tma=False")
+
+
+def _torch_scratch(size: int, alignment: int, stream: int | None) -> torch.Tensor:
+    """Triton's global scratch (device-side TMA descriptors: 128 bytes per program and descriptor)
+    from torch's caching allocator on the current device (inside CUDA-graph capture: its pool)."""
+    return torch.empty(size, dtype=torch.int8, device=torch.device("cuda", torch.cuda.current_device()))
+
+
+def _ensure_allocator() -> None:
+    """Install `_torch_scratch` as Triton's allocator unless the program already set one (the
+    setting is a context variable: per thread). The interpreter needs none."""
+    if impl.interpreting():
+        return
+    from triton.runtime import _allocation
+
+    if isinstance(_allocation._allocator.get(), _allocation.NullAllocator):
+        triton.set_allocator(_torch_scratch)
 
 
 def w4a16_grouped_gemm(x: torch.Tensor, w: PreparedWeight, rows, *, out_dtype: torch.dtype,
