@@ -4,6 +4,7 @@ Compares versions of a kernel without a GPU (bench/results/compare/kernel-sass.m
 
     python bench/debug/kernel_sass.py merge parallel/cp/triton_merge.py OLD_TREE/parallel/cp/triton_merge.py
     python bench/debug/kernel_sass.py quant parallel/quant/triton_quant.py OLD_TREE/parallel/quant/triton_quant.py
+    python bench/debug/kernel_sass.py decode parallel/cp/triton_decode.py     # MLA decode launch settings
 """
 
 from __future__ import annotations
@@ -42,14 +43,31 @@ QUANT = {  # the default launch (CONFIG "fp4_quant": 4096 elements per program, 
     "_fp4_quant_kernel mxfp4": ("_fp4_quant_kernel", {**_FP4, "gs_ptr": "*u8"},
                                 dict(IS_NV=False, GS_PER_MATRIX=False, BS=32, ROWS=128, EVEN=True)),
 }
-SETS = {"merge": MERGE, "quant": QUANT}
+_DECODE = dict(q_ptr="*bf16", k_ptr="*bf16", v_ptr="*bf16", ks_ptr="*fp32", vs_ptr="*fp32", table_ptr="*i32",
+               lens_ptr="*i32", glens_ptr="*i32", o_ptr="*fp32", lse_ptr="*fp32", qk_scale="fp32")
+_MLA = dict(Tq=1, KV_HEADS=1, dcp_size=1, interleave=1, D_MAIN=512, D_REST=64, BLOCK_REST=64, DV=512, BLOCK_DV=512, PAGE=64, FP8=False, V_FROM_K=True,
+            CAUSAL=False, IEEE=False, INTERPRETED=False)
+DECODE = {  # the paged decode kernel on MLA's latent cache (bf16, 512 + 64 key dims, values = the first 512)
+    f"_paged_decode_kernel MLA block_m={m} block_n={n} warps={w} stages={st}":
+        ("_paged_decode_kernel", _DECODE, dict(_MLA, BLOCK_M=m, BLOCK_N=n, num_warps=w, num_stages=st))
+    for m, n, w, st in ((32, 32, 8, 2), (64, 32, 8, 2), (64, 16, 8, 2), (64, 32, 4, 2), (128, 16, 8, 1))
+}
+SETS = {"merge": MERGE, "quant": QUANT, "decode": DECODE}
+NOT_DIVISIBLE = ("M", "M_TILES")
+
+
+PACKAGES = {"triton_merge.py": "megapar.parallel.cp", "triton_decode.py": "megapar.parallel.cp",
+            "triton_quant.py": "megapar.parallel.quant"}
 
 
 def _load(path: str):
-    src = Path(path).read_text().replace("from .state import AttnState", "AttnState = None")
-    src = src.replace("from .", "from megapar.parallel.quant.")     # other relative imports: quant's own
-    mod = type(sys)("merge_under_test")
+    """The module at `path`, as a member of its package (relative imports resolve there)."""
     import linecache
+
+    src = Path(path).read_text()
+    mod = type(sys)("kernel_under_test")
+    mod.__package__ = PACKAGES[Path(path).name]
+    mod.__file__ = path
     linecache.cache[path] = (len(src), None, src.splitlines(True), path)   # triton.jit reads the source
     exec(compile(src, path, "exec"), mod.__dict__)
     return mod
@@ -62,10 +80,14 @@ def report(cases: dict, path: str) -> None:
             continue
         kernel = getattr(mod, name)
         names = list(inspect.signature(kernel.fn).parameters)
+        options = {"num_warps": cons.get("num_warps", 4), "num_stages": cons.get("num_stages", 3)}
+        cons = {k: v for k, v in cons.items() if k not in options}
         sig = {n: "constexpr" if n in cons else ptrs.get(n, "i32") for n in names}
-        attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in names if sig[n] != "constexpr" and n != "M"}
+        # pointers 16-byte aligned, ints multiples of 16 (the bench shapes'), as launches specialize them
+        attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in names if sig[n].startswith("*")
+                 or sig[n] == "i32" and n not in NOT_DIVISIBLE}
         c = triton.compile(ASTSource(kernel, sig, {(names.index(k),): v for k, v in cons.items()}, attrs),
-                           target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
+                           target=GPUTarget("cuda", 90, 32), options=options)
         with tempfile.TemporaryDirectory() as tmp:
             ptx, cubin = Path(tmp, "k.ptx"), Path(tmp, "k.cubin")
             ptx.write_text(c.asm["ptx"])
@@ -78,8 +100,9 @@ def report(cases: dict, path: str) -> None:
         spill = re.search(r"(\d+) bytes spill stores", info).group(1)
         hist = collections.Counter(o for o in ops if o.startswith("LDG"))
         fp64 = sum(o.startswith(("DADD", "DMUL", "DFMA", "DSETP", "F2F.F64", "F2F.F32.F64")) for o in ops)
-        print(f"{path}  {label}: {regs} registers, {spill} B spilled, {len(ops)} instructions "
-              f"({fp64} fp64), loads {dict(sorted(hist.items()))}")
+        mma = {o: n for o, n in collections.Counter(o.split(".")[0] for o in ops).items() if o.endswith("MMA")}
+        print(f"{path}  {label}: {regs} registers, {spill} B spilled, {c.metadata.shared} B shared, "
+              f"{len(ops)} instructions ({fp64} fp64), loads {dict(sorted(hist.items()))}, mma {mma}")
 
 
 if __name__ == "__main__":
