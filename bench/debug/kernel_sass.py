@@ -5,6 +5,7 @@ Compares versions of a kernel without a GPU (bench/results/compare/kernel-sass.m
     python bench/debug/kernel_sass.py merge parallel/cp/triton_merge.py OLD_TREE/parallel/cp/triton_merge.py
     python bench/debug/kernel_sass.py quant parallel/quant/triton_quant.py OLD_TREE/parallel/quant/triton_quant.py
     python bench/debug/kernel_sass.py decode parallel/cp/triton_decode.py     # MLA decode launch settings
+    python bench/debug/kernel_sass.py --only "N=4" merge parallel/cp/triton_merge.py   # some cases only
 """
 
 from __future__ import annotations
@@ -99,7 +100,7 @@ def report(cases: dict, path: str) -> None:
             info = subprocess.run([BIN / "ptxas", "-arch=sm_90a", "-v", ptx, "-o", Path(tmp, "k.o")],
                                   capture_output=True, text=True).stderr
             sass = subprocess.run([BIN / "cuobjdump", "-sass", cubin], capture_output=True, text=True).stdout
-        ops = [m.group(1) for m in re.finditer(r"/\*[0-9a-f]{4}\*/\s+(?:@!?U?P\w+\s+)?([A-Z0-9_.]+)", sass)]
+        ops = [m.group(1) for m in re.finditer(r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z0-9_.]+)", sass)]
         regs = re.search(r"Used (\d+) registers", info).group(1)
         spill = re.search(r"(\d+) bytes spill stores", info).group(1)
         hist = collections.Counter(o for o in ops if o.startswith("LDG"))
@@ -110,7 +111,12 @@ def report(cases: dict, path: str) -> None:
 
 
 if __name__ == "__main__":
-    if len(sys.argv) < 3 or sys.argv[1] not in SETS:
+    args = sys.argv[1:]
+    only = None
+    if len(args) >= 2 and args[0] == "--only":      # --only SUBSTRING: the cases whose label holds it
+        only, args = args[1], args[2:]
+    if len(args) < 2 or args[0] not in SETS:
         sys.exit(__doc__)
-    for p in sys.argv[2:]:
-        report(SETS[sys.argv[1]], p)
+    cases = {k: v for k, v in SETS[args[0]].items() if only is None or only in k}
+    for p in args[1:]:
+        report(cases, p)

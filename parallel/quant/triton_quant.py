@@ -271,6 +271,21 @@ def _div_abs_fast(x, d, r):
 
 
 @triton.jit
+def _div_abs_remat(x, d, r):
+    """`_div_abs_fast` (the same bits) from a first step the compiler does not match with it:
+    fma(|x|, r, 0) is RN(|x| r) as |x| * r is (|x| >= 0, so no signed-zero difference)."""
+    a = tl.abs(x)
+    if FMA_DIVISION:
+        nd = -d
+        q = tl.fma(a, r, 0.0)
+        q = tl.fma(tl.fma(q, nd, a), r, q)
+        q = tl.fma(tl.fma(q, nd, a), r, q)
+    else:
+        q = tl.div_rn(a, d)
+    return q
+
+
+@triton.jit
 def _fast_div_ok(d):
     """Per-block divisors for which `_div_abs_fast` is exact (with quotients bounded by 2^64)."""
     return (d >= 5.421010862427522e-20) & (d <= 1.8446744073709552e19)      # 2^-64, 2^64
@@ -347,6 +362,15 @@ def _fp4_quant_kernel(x_ptr, data_ptr, scale_ptr, gs_ptr, n_blocks, blocks_per_g
         # and |x| - t * g_hi (Sterbenz: |x| is within 2^-15 of t * g_hi) are all exact, whatever
         # fma contraction the compiler applies; ties go to the even index (k: the index below b).
         if tl.max(near.to(tl.int32)) > 0:
+            # q, its key and `near` again (the same correctly rounded quotient from other
+            # instructions: the first product as an fma with a zero addend), so that the compiler
+            # cannot reuse the values above and they need not stay live into this branch
+            # (registers decide the occupancy of every tile)
+            b8 = _div_abs_remat(x, denom[:, None], r[:, None]).to(tl.int32, bitcast=True) + 8
+            key = ((b8 >> 21) & 0x3FF) - 500
+            in_range = (key >= 0) & (key < 20)
+            keyc = tl.where(in_range, key, 0)
+            near = ((b8 & 0x1FFFFF) < 16) & in_range & (((0x2AA41 >> keyc) & 1) == 1)
             g_row = tl.zeros_like(sval) + g
             g_hi = (g_row.to(tl.int32, bitcast=True) & -256).to(tl.float32, bitcast=True)
             g_lo = g_row - g_hi

@@ -1,0 +1,48 @@
+"""Register budgets of two memory-bound kernels on sm_90a, compiled here without a GPU
+(`bench/debug/kernel_sass.py`). The before/after run of 2026-12-01 traced two slowdowns to
+register growth: the N-way LSE merge went from 71 to 106 registers (7 -> 4 programs per SM),
+and the NVFP4 quantize to 207 (2 per SM). These bounds keep the occupancy that the fixes
+restored (bench/results/compare/kernel-sass.md). Triton is pinned, so the counts are stable."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("triton")
+REPO = Path(__file__).resolve().parent.parent
+
+
+def _registers(kind: str, path: str) -> dict[str, tuple[int, int]]:
+    """label -> (registers, spilled bytes) for the cases of `kernel_sass.py kind path`."""
+    env = dict(os.environ, TRITON_INTERPRET="0", PYTHONPATH=str(REPO))
+    proc = subprocess.run([sys.executable, str(REPO / "bench/debug/kernel_sass.py"), kind, path], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = re.findall(r"  (.+?): (\d+) registers, (\d+) B spilled", proc.stdout)
+    assert rows, proc.stdout[-2000:]
+    return {label: (int(regs), int(spill)) for label, regs, spill in rows}
+
+
+def test_merge_kernels_keep_their_registers():
+    got = _registers("merge", "parallel/cp/triton_merge.py")
+    # 4 warps (128 threads) per program: <= 72 registers -> 7 programs per SM, <= 80 -> 6
+    assert got["_merge_n_kernel N=4"][0] <= 72, got
+    assert got["_merge_pair_kernel fp32 acc + bf16"][0] <= 80, got
+    assert got["_merge_n_kernel N=8"][0] <= 168, got
+    assert all(spill == 0 for _, spill in got.values()), got
+
+
+def test_nvfp4_quantize_keeps_three_programs_per_sm():
+    got = _registers("quant", "parallel/quant/triton_quant.py")
+    # 4 warps: <= 168 registers -> 3 programs per SM (the float64 path and the near-boundary
+    # branch count too: registers are the maximum over all paths)
+    assert got["_fp4_quant_kernel nvfp4"][0] <= 168, got
+    assert got["_fp4_quant_kernel nvfp4 per matrix"][0] <= 168, got
+    assert got["_fp4_quant_kernel mxfp4"][0] <= 128, got
+    assert all(spill == 0 for _, spill in got.values()), got
