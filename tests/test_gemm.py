@@ -449,3 +449,37 @@ def test_interp_launch_does_not_repack_a_prepared_weight(monkeypatch):
     for cfg in (None, replace(_f32_config(), packing="oct", chunks=1)):   # heuristic and explicit configs
         y = launch_w4a16(x, pw, rows, out_dtype=torch.float32, config=cfg)
         assert rel_err(y, loop_gemm(x.double().numpy(), wv, counts, "contiguous")) < 1e-5
+
+
+@interp
+def test_interp_rows_hint_picks_the_fused_kernel_for_a_sparse_slab(monkeypatch):
+    """A decode slab sized for the worst case (C = 96) with a few rows per expert: by default the
+    capacity decides (above the expansion threshold: bf16-expanded weights); rows_hint = the
+    expected count sends it through the fused W4A16 kernel. Both match the reference; bad
+    hints are refused by name."""
+    import importlib
+
+    gg = importlib.import_module("moe.kernels.grouped_gemm")   # (the package attribute is the function)
+    from moe.kernels import triton_w4a16
+
+    E, N, K = 3, 48, 256
+    q, wv = random_weight("mxfp4", E, N, K, seed=5)
+    pw = prepare_weights(q)
+    g = torch.Generator().manual_seed(6)
+    xs = torch.randn(E, 96, K, generator=g)
+    counts = [2, 0, 3]
+    picked = []
+    pick = triton_w4a16.pick_config
+    monkeypatch.setattr(triton_w4a16, "pick_config", lambda hint, *a, **k: picked.append(hint) or pick(hint, *a, **k))
+    expanded = []
+    mm = gg._gemm_grouped_mm
+    monkeypatch.setattr(gg, "_gemm_grouped_mm", lambda *a, **k: expanded.append(1) or mm(*a, **k))
+    want = loop_gemm(xs.double().numpy(), wv, counts, "slab")
+    y = grouped_gemm(xs, pw, counts=torch.tensor(counts), layout="slab", backend="triton_w4a16")
+    assert expanded == [1] and picked == [] and rel_err(y, want) < 1e-2    # bf16-expanded weights and x
+    y = grouped_gemm(xs, pw, counts=torch.tensor(counts), layout="slab", backend="triton_w4a16", rows_hint=3)
+    assert expanded == [1] and picked == [3.0] and rel_err(y, want) < 1e-5  # fp32 operands, exact products
+    assert (y[0, 2:] == 0).all() and (y[1] == 0).all()
+    for bad in (-1, "3"):
+        with pytest.raises(ValueError, match="rows_hint must be a number of rows per expert >= 0"):
+            grouped_gemm(xs, pw, counts=torch.tensor(counts), layout="slab", rows_hint=bad)

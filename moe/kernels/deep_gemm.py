@@ -433,7 +433,8 @@ def deep_gemm_grouped_gemm(x: torch.Tensor, w: PreparedWeight, rows: ExpertRows,
     """y = x @ w[e]^T per expert through DeepGEMM (any device when `_TEST_MODULE` is set).
 
     x: contiguous [M, K] or slab [E, C, K]; rows: `expert_rows(...)`. Activations are quantized
-    to fp8_group here. expected_m (slab): DeepGEMM's hint of rows per expert (default: C).
+    to fp8_group here. expected_m (slab): DeepGEMM's hint of rows per expert (default: rows.rows_hint,
+    which is C unless the caller gave a hint).
     rows_aligned (contiguous, offsets given): the caller guarantees every expert starts at a
     multiple of the alignment (DeepGEMM's own layout): no padding copy. Output in `out_dtype`
     (DeepGEMM writes bf16); rows without an expert are zero.
@@ -509,6 +510,6 @@ def _masked(dg: Any, x: torch.Tensor, dw: DeepGemmWeight, rows: ExpertRows, out_
         sfa[:, :C] = q.scale.view(E, C, -1)
     masked_m = rows.counts.to(torch.int32).contiguous()
     d = torch.empty(E, Cp, N, dtype=torch.bfloat16, device=x.device)
-    dg.m_grouped_fp8_gemm_nt_masked((a, sfa), (dw.data, dw.scale), d, masked_m, int(expected_m or max(C, 1)))
+    dg.m_grouped_fp8_gemm_nt_masked((a, sfa), (dw.data, dw.scale), d, masked_m, int(expected_m or max(round(rows.rows_hint), 1)))
     keep = torch.arange(C, device=x.device)[None, :] < rows.counts[:, None]
     return torch.where(keep[..., None], d[:, :C], 0).to(out_dtype)

@@ -90,11 +90,11 @@ def expert_ffn(x: torch.Tensor | QuantizedTensor, w13: torch.Tensor | QuantizedT
                w2: torch.Tensor | QuantizedTensor | PreparedWeight, *, counts: torch.Tensor | None = None,
                offsets: torch.Tensor | None = None, layout: str = "contiguous", swiglu_limit: float | None = None,
                alpha: float = 1.0, beta: float = 0.0, gate_up: str = "split", backend: str = "auto",
-               out_dtype: torch.dtype | None = None) -> torch.Tensor:
+               out_dtype: torch.dtype | None = None, rows_hint: float | None = None) -> torch.Tensor:
     """Routed expert FFN over grouped rows.
 
     x: [M, H] (contiguous) or [E, C, H] (slab); w13: [E, 2I, H]; w2: [E, H, I]; counts [E] /
-    offsets [E+1] as in grouped_gemm. Returns [M, H] or [E, C, H] (slab rows >= counts zero)
+    offsets [E+1] and rows_hint as in grouped_gemm. Returns [M, H] or [E, C, H] (slab rows >= counts zero)
     in out_dtype (default x's dtype).
     x may also arrive quantized: an fp8_token QuantizedTensor [M, H] (contiguous layout), what
     the W4A8 path would make of bf16 rows. Quantizing per token commutes with gathering rows, so
@@ -114,9 +114,9 @@ def expert_ffn(x: torch.Tensor | QuantizedTensor, w13: torch.Tensor | QuantizedT
         xq, x = x, x.data
     if x.shape[-1] != H:
         raise ValueError(f"x has H={x.shape[-1]} but w13 is [E={E}, 2I={two_i}, H={H}]")
-    rows = expert_rows(x, E, counts, offsets, layout)
+    rows = expert_rows(x, E, counts, offsets, layout, rows_hint)
     out_dtype = out_dtype or (torch.bfloat16 if xq is not None else x.dtype)
-    hint = rows.capacity if layout == "slab" else x.shape[0] / max(E, 1)
+    hint = rows.rows_hint
     chosen = ffn_backend(backend, x, p13, p2, hint)
     act = dict(limit=swiglu_limit, alpha=alpha, beta=beta)
     if chosen == "triton_w4a8":

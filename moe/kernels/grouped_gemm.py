@@ -63,6 +63,9 @@ class ExpertRows:
     counts: [E] int (device of x): valid rows per expert.
     offsets: [E+1] int or None (contiguous only): row ranges, offsets[0] = 0, offsets[E] = M.
     capacity: slab rows per expert (0 for contiguous).
+    rows_hint: expected rows per expert, known on the host without a sync, which picks kernels
+        and launch settings: the caller's `rows_hint`, else M / E (contiguous) or the capacity
+        (slab, which may be far above the counts in a decode slab sized for the worst case).
     """
 
     layout: Layout
@@ -70,6 +73,7 @@ class ExpertRows:
     counts: torch.Tensor
     offsets: torch.Tensor | None
     capacity: int
+    rows_hint: float = 0.0
 
     def host_ranges(self, num_rows: int) -> list[tuple[int, int]]:
         """[(start, count)] per expert, on the host (syncs); validates the layout."""
@@ -92,8 +96,10 @@ class ExpertRows:
 
 
 def expert_rows(x: torch.Tensor, num_experts: int, counts: torch.Tensor | None, offsets: torch.Tensor | None,
-                layout: str) -> ExpertRows:
+                layout: str, rows_hint: float | None = None) -> ExpertRows:
     """Validate the layout arguments (shapes only, no sync) -> ExpertRows."""
+    if rows_hint is not None and not (isinstance(rows_hint, (int, float)) and rows_hint >= 0):
+        raise ValueError(f"rows_hint must be a number of rows per expert >= 0, got {rows_hint!r}")
     if layout not in LAYOUTS:
         raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
     if layout == "slab":
@@ -116,7 +122,9 @@ def expert_rows(x: torch.Tensor, num_experts: int, counts: torch.Tensor | None, 
     if counts.shape != (num_experts,) or counts.is_floating_point():
         raise ValueError(f"counts must be an int tensor [E={num_experts}], got {counts.dtype}{tuple(counts.shape)}")
     capacity = x.shape[1] if layout == "slab" else 0
-    return ExpertRows(layout, num_experts, counts, offsets, capacity)
+    if rows_hint is None:
+        rows_hint = capacity if layout == "slab" else x.shape[0] / max(num_experts, 1)
+    return ExpertRows(layout, num_experts, counts, offsets, capacity, float(rows_hint))
 
 
 # ---- reference --------------------------------------------------------------------------------
@@ -251,22 +259,25 @@ def resolve_backend(backend: str, x: torch.Tensor | torch.device, w: PreparedWei
 def grouped_gemm(x: torch.Tensor, w: torch.Tensor | QuantizedTensor | PreparedWeight, *,
                  counts: torch.Tensor | None = None, offsets: torch.Tensor | None = None,
                  layout: Layout = "contiguous", backend: str = "auto",
-                 out_dtype: torch.dtype | None = None) -> torch.Tensor:
+                 out_dtype: torch.dtype | None = None, rows_hint: float | None = None) -> torch.Tensor:
     """y = x @ w[e]^T for the rows of each expert e.
 
     x: contiguous [M, K] or slab [E, C, K], bf16/fp16/fp32.
     w: [E, N, K]: float tensor, QuantizedTensor (mxfp4 / nvfp4 / fp8_block), or PreparedWeight
         (`prepare_weights`, once at load time: the fast paths want paired FP4 packing).
     counts: [E] int rows per expert; offsets: [E+1] int (contiguous only, instead of counts).
+    rows_hint: expected rows per expert, for the choice of kernel and launch settings (default
+        M / E, or the slab capacity; a decode slab sized for the worst case wants the expected
+        count: the kernels skip empty tiles on the device either way).
     Returns [M, N] or [E, C, N] in `out_dtype` (default x.dtype); slab rows >= counts are zero.
     """
     pw = as_prepared(w)
     E, N, K = pw.shape
-    rows = expert_rows(x, E, counts, offsets, layout)
+    rows = expert_rows(x, E, counts, offsets, layout, rows_hint)
     if x.shape[-1] != K:
         raise ValueError(f"x has K={x.shape[-1]} but the weight is [E={E}, N={N}, K={K}]")
     out_dtype = out_dtype or x.dtype
-    hint = rows.capacity if layout == "slab" else x.shape[0] / max(E, 1)
+    hint = rows.rows_hint
     chosen = resolve_backend(backend, x, pw, hint)
     if chosen == "torch":
         return _gemm_torch(x, pw, rows, out_dtype)

@@ -411,7 +411,7 @@ def launch_w4a16(x: torch.Tensor, w: PreparedWeight, rows, *, out_dtype: torch.d
     x2 = x.reshape(-1, K)
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
-    hint = rows.capacity if rows.layout == "slab" else x2.shape[0] / max(E, 1)
+    hint = rows.rows_hint
     packing = w.kernel_packing
     cfg = config or pick_config(hint, x.dtype, packing if K % (8 * w.block) == 0 else "paired", swiglu is not None,
                                 w.fmt)

@@ -186,7 +186,7 @@ def fp8_grouped_gemm(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_
     b_group = b_scale.shape[-1] > 1
     if (a_group or b_group) and K % 128:
         raise ValueError(f"per-128 scales need K % 128 == 0, got K={K}")
-    hint = rows.capacity if rows.layout == "slab" else M / max(E, 1)
+    hint = rows.rows_hint
     cfg = config or pick_fp8_config(hint, a_group or b_group, swiglu is not None)
     n_out = N // 2 if swiglu is not None else N
     if quant_out:
