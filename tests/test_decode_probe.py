@@ -129,6 +129,7 @@ def test_decode_captures_in_a_cuda_graph(kind, cache_dtype, monkeypatch):
     """Decode is done only when it captures: the kernel (and its split merge) in a CUDA graph,
     replayed on new queries, equals the eager call on them."""
     monkeypatch.setenv("TRITON_INTERPRET", "0")
+    from launch.bench.common import capture_graph
     from launch.bench.cp import _decode_setup, _mla_decode_setup
     from parallel.cp import DCPLayout
     from parallel.cp.mla import MLADims
@@ -147,14 +148,7 @@ def test_decode_captures_in_a_cuda_graph(kind, cache_dtype, monkeypatch):
     seq = torch.full((batch,), context, device=dev)
     call = lambda: paged_decode_attention(q, cache, table, seq, layout=layout, scale=scale, backend="triton",  # noqa: E731
                                           max_seq_len=context)
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        call()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        static = call()
+    graph, static = capture_graph(call)
     q.copy_(torch.randn_like(q))
     graph.replay()
     torch.cuda.synchronize()

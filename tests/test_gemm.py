@@ -480,6 +480,6 @@ def test_interp_rows_hint_picks_the_fused_kernel_for_a_sparse_slab(monkeypatch):
     y = grouped_gemm(xs, pw, counts=torch.tensor(counts), layout="slab", backend="triton_w4a16", rows_hint=3)
     assert expanded == [1] and picked == [3.0] and rel_err(y, want) < 1e-5  # fp32 operands, exact products
     assert (y[0, 2:] == 0).all() and (y[1] == 0).all()
-    for bad in (-1, "3"):
+    for bad in (-1, "3", True, float("nan")):
         with pytest.raises(ValueError, match="rows_hint must be a number of rows per expert >= 0"):
             grouped_gemm(xs, pw, counts=torch.tensor(counts), layout="slab", rows_hint=bad)

@@ -130,6 +130,20 @@ class BenchContext:
 # CUDA-graph timing and parallel Triton compiles (shared by the suites and the tuning probes)
 
 
+def capture_graph(fn: Callable[[], Any]) -> tuple[torch.cuda.CUDAGraph, Any]:
+    """(graph, fn's output in the graph's memory): one warm-up call on a side stream (lazy
+    allocations and compiles stay out of the capture), then the capture."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fn()
+    return graph, out
+
+
 def graph_time(ctx: BenchContext, fn: Callable[[], Any], iters: int | None = None) -> tuple[float, str]:
     """Median µs of fn as a CUDA-graph replay (eager on CPU or when capture fails)."""
     fn()
@@ -137,14 +151,7 @@ def graph_time(ctx: BenchContext, fn: Callable[[], Any], iters: int | None = Non
         return ctx.time_fn(fn, iters=iters), "eager"
     torch.cuda.synchronize()
     try:
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            fn()
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            fn()
+        graph, _ = capture_graph(fn)
         us = ctx.time_fn(graph.replay, iters=iters)
         del graph
         return us, "graph"

@@ -98,7 +98,8 @@ class ExpertRows:
 def expert_rows(x: torch.Tensor, num_experts: int, counts: torch.Tensor | None, offsets: torch.Tensor | None,
                 layout: str, rows_hint: float | None = None) -> ExpertRows:
     """Validate the layout arguments (shapes only, no sync) -> ExpertRows."""
-    if rows_hint is not None and not (isinstance(rows_hint, (int, float)) and rows_hint >= 0):
+    if rows_hint is not None and (isinstance(rows_hint, bool) or not isinstance(rows_hint, (int, float))
+                                  or not rows_hint >= 0):
         raise ValueError(f"rows_hint must be a number of rows per expert >= 0, got {rows_hint!r}")
     if layout not in LAYOUTS:
         raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
