@@ -69,9 +69,24 @@ PY
   pids=()
   for m in $modes; do
     mkdir -p "$work/$m" && tar xzf "$tarball" -C "$work/$m" || exit 2
+    # Two fixes to DeepEP's setup.py at 567632d, both seen on the H200 image (CUDA 13, the
+    # nvidia-nvshmem wheel): (1) intranode-only, it still compiles with -rdc=true but adds the
+    # device-link step only with NVSHMEM, so the module fails to import (undefined
+    # __cudaRegisterLinkedBinary_*; DeepEP issue 429): give that build the device link too.
+    # (2) with NVSHMEM, deep_ep.cpp is compiled by g++, which does not see CUDA 13's CCCL headers
+    # (include/cccl: nvshmem_tensor.h includes <cuda/std/tuple>) and, with NVSHMEM >= 3.5.19,
+    # defines nvshmemi_ibgda_device_state_d a second time unless the header sees
+    # __NVSHMEM_NUMBA_SUPPORT__ (DeepEP PRs 557/581).
+    if [ "$m" = intranode ]; then
+      sed -i "s/^    nvcc_dlink = \[\]/    nvcc_dlink = ['-dlink']/" "$work/$m/deepep-src/setup.py"
+    else
+      sed -i "s/^    cxx_flags = \['-O3',/    cxx_flags = ['-D__NVSHMEM_NUMBA_SUPPORT__', '-O3',/" "$work/$m/deepep-src/setup.py"
+    fi
+    grep -n "nvcc_dlink = \|cxx_flags = " "$work/$m/deepep-src/setup.py" | head -2 >>"$out/deepep-build-$m.log"
     hide=""
     [ "$m" = intranode ] && hide="sys.modules['nvidia.nvshmem'] = None"
-    (cd "$work/$m/deepep-src" && unset NVSHMEM_DIR && MAX_JOBS=8 timeout -k 10 "$BUILD_TIMEOUT" python3 -c "
+    cuda_home=${CUDA_HOME:-/usr/local/cuda}
+    (cd "$work/$m/deepep-src" && unset NVSHMEM_DIR && export CPATH=$cuda_home/include/cccl${CPATH:+:$CPATH} && MAX_JOBS=8 timeout -k 10 "$BUILD_TIMEOUT" python3 -c "
 import runpy, sys
 $hide
 sys.argv = ['setup.py', 'build_ext', '--inplace']

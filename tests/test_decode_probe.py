@@ -42,7 +42,7 @@ def test_apply_tuning_maps_mla_keys_to_wide_entries():
 
 
 @pytest.mark.parametrize("tuning,match", [
-    ({"gpa": {}}, r"unknown decode tuning entries \['gpa'\]; valid: gqa, mla, config"),
+    ({"gpa": {}}, r"unknown decode tuning entries \['gpa'\]; valid: gqa, gqa_fp8, mla, config"),
     ({"gqa": {"block_k": 64}}, r"unknown decode tuning key gqa.block_k; valid: target_programs, min_split, block_n"),
     ({"mla": {"block_n": 48}}, r"mla.block_n = 48 is invalid; valid: 16, 32, 64, 128, 256"),
     ({"gqa": {"num_warps": 3}}, r"gqa.num_warps = 3 is invalid; valid: 1, 2, 4, 8, 16"),
@@ -50,7 +50,10 @@ def test_apply_tuning_maps_mla_keys_to_wide_entries():
     ({"gqa": {"min_split": 0}}, r"gqa.min_split = 0 is invalid; valid: an int in \[1, "),
     ({"gqa": {"target_programs": "264"}}, r"gqa.target_programs = '264' is invalid"),
     ({"gqa": [64]}, r"decode tuning 'gqa' must be a dict"),
-    ({"gqa": {"num_stages": 2}, "mla": {"num_stages": 3}}, r"shared key num_stages differs between gqa \(2\) and mla \(3\)"),
+    ({"gqa": {"min_split": 128}, "mla": {"min_split": 256}},
+     r"shared key min_split differs between gqa \(128\) and mla \(256\)"),
+    ({"gqa_fp8": {"num_warps": 8}}, r"unknown decode tuning key gqa_fp8.num_warps; valid: block_n, num_stages"),
+    ({"config": {"num_stages_fp8": 9}}, r"decode CONFIG num_stages_fp8 = 9 is invalid"),
     ({"config": {"block_q": 16}}, r"unknown decode CONFIG key 'block_q'; valid: target_programs"),
     ({"config": {"block_m_wide": 24}}, r"decode CONFIG block_m_wide = 24 is invalid"),
 ])
@@ -89,7 +92,7 @@ def test_probe_dry_run_writes_a_tuning_that_installs(tmp_path, monkeypatch):
     assert td.CONFIG == before                                   # the probe restores CONFIG
     tuning = json.loads((tmp_path / "decode-tuning.json").read_text())
     rows = tuning["results"]
-    assert len(rows) >= sum(len(v) for v in TINY_VARIANTS.values())
+    assert len(rows) >= sum(len(TINY_VARIANTS[k]) for k in ("gqa", "mla"))   # the dry run has no fp8 cache
     assert all(r["valid"] and r["max_err"] < 1e-4 and r["us"] > 0 for r in rows), [r for r in rows if not r["valid"]]
     for kind in ("gqa", "mla"):
         chosen = tuning[kind]

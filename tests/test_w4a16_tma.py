@@ -136,11 +136,32 @@ def test_tma_config_is_validated_and_off_by_default():
     assert W4A16Config().tma is False
     for rows in (1, 8, 32, 64, 512):
         for fmt in ("mxfp4", "nvfp4"):
+            # under the interpreter (no inline PTX) the measured TMA settings never apply
             assert pick_config(rows, torch.bfloat16, "oct", fmt=fmt).tma is False
     with pytest.raises(ValueError, match="packing 'oct'.*paired"):
         W4A16Config(tma=True)                            # the default packing is paired
     with pytest.raises(ValueError, match="True or False"):
         W4A16Config(packing="oct", tma=1)
+
+
+def test_pick_config_takes_tma_where_measured_best(monkeypatch):
+    """On the GPU (inline-PTX expansion) the defaults are the decode4 probe's winners: TMA, 128
+    rows, 3 stages from 0.5 to 32 rows per expert, MXFP4, oct packing, no SwiGLU; pointer loads
+    with 4 stages when most experts are empty (< 0.5 rows per expert) and everywhere else."""
+    from moe.kernels import triton_w4a16 as t
+
+    monkeypatch.setattr(t, "USE_ASM", True)
+    monkeypatch.setattr(t.impl, "interpreting", lambda: False)
+    for rows, prescale, block_m in ((0.5, True, 16), (1, True, 16), (2, True, 16), (8, False, 16),
+                                    (16, False, 16), (32, True, 32)):
+        cfg = t.pick_config(rows, torch.bfloat16, "oct")
+        assert (cfg.tma, cfg.block_n, cfg.num_stages, cfg.prescale, cfg.block_m) == (True, 128, 3, prescale, block_m)
+    few = t.pick_config(0.25, torch.bfloat16, "oct")
+    assert (few.tma, few.num_stages, few.prescale) == (False, 4, True)
+    for kw in ({"swiglu": True}, {"fmt": "nvfp4"}):
+        assert t.pick_config(1, torch.bfloat16, "oct", **kw).tma is False
+    assert t.pick_config(1, torch.bfloat16, "paired").tma is False
+    assert t.pick_config(64, torch.bfloat16, "oct").tma is False
 
 
 def test_tuning_carries_tma():

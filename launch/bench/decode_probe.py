@@ -10,9 +10,10 @@ within the GPU tests' bound (max abs error of out and lse <= 2e-2) and timed as 
 replay; the table gives µs and the fraction of the KV-read byte floor at the copy ceiling.
 
 The best valid setting per family (least mean time relative to each problem's fastest) goes to
-DIR/decode-tuning.json as {"gqa": {...}, "mla": {...}} in the kernel's own key names: MLA's
-block_m / block_n / num_warps land on CONFIG's *_wide entries (key dim > 256), so they never
-conflict with GQA's. target_programs, min_split and num_stages are shared by both: where the two
+DIR/decode-tuning.json as {"gqa": {...}, "gqa_fp8": {...}, "mla": {...}} in the kernel's own key
+names: MLA's block_m / block_n / num_warps / num_stages land on CONFIG's *_wide entries (key dim >
+256), GQA over an fp8 cache has its own block_n / num_stages (*_fp8 entries), so none conflict.
+target_programs and min_split are shared by all: where the GQA and MLA
 winners differ, each family's winner is also timed with the other's value and the value with
 the smaller summed relative time serves both (a note says so). GQA has Hq / Hkv = 8 query rows
 per kv head, below the smallest row tile (16), so block_m is not swept for it.
@@ -39,7 +40,9 @@ ATOL_CPU = 1e-4       # float32 under the interpreter
 REF_BUDGET = 8 << 30  # bytes of the torch path's per-head KV copy: sequences checked per problem
 
 KEYS = {"gqa": ("block_n", "num_warps", "num_stages", "target_programs", "min_split"),
+        "gqa_fp8": ("block_n", "num_stages"),
         "mla": ("block_m", "block_n", "num_warps", "num_stages", "target_programs", "min_split")}
+FAMILY_MAP = {"gqa": {}, "mla": "_WIDE", "gqa_fp8": "_FP8"}   # family key -> CONFIG key (triton_decode)
 
 VARIANTS = {   # overrides of the current settings, one factor at a time, then a few combinations
     "gqa": [{}, {"block_n": 32}, {"block_n": 128}, {"num_warps": 8}, {"num_stages": 1}, {"num_stages": 3},
@@ -51,10 +54,13 @@ VARIANTS = {   # overrides of the current settings, one factor at a time, then a
             {"min_split": 128}, {"min_split": 512}, {"block_m": 64, "block_n": 16}, {"block_m": 64, "num_stages": 1},
             {"block_n": 16, "num_stages": 3}, {"block_m": 128, "block_n": 16, "num_stages": 1},
             {"block_m": 64, "target_programs": 528}],
+    "gqa_fp8": [{}, {"block_n": 64}, {"block_n": 32}, {"num_stages": 2}, {"num_stages": 4}, {"block_n": 64,
+                                                                                          "num_stages": 2}],
 }
 TINY_VARIANTS = {
     "gqa": [{}, {"block_n": 16, "min_split": 32}, {"num_warps": 8, "num_stages": 1}],
     "mla": [{}, {"block_m": 16, "block_n": 16, "min_split": 32}, {"num_warps": 4}],
+    "gqa_fp8": [{}, {"block_n": 16}],
 }
 
 
@@ -76,9 +82,10 @@ class Problem:
 
 
 def _family_view(kind: str, config: dict[str, int]) -> dict[str, int]:
-    from megapar.parallel.cp.triton_decode import _WIDE
+    from megapar.parallel.cp import triton_decode as td
 
-    return {k: config[_WIDE[k] if kind == "mla" and k in _WIDE else k] for k in KEYS[kind]}
+    names = getattr(td, FAMILY_MAP[kind]) if FAMILY_MAP[kind] else {}
+    return {k: config[names.get(k, k)] for k in KEYS[kind]}
 
 
 def _install(kind: str, settings: dict[str, int], default: dict[str, int]) -> None:
@@ -108,10 +115,11 @@ def _problems(ctx: BenchContext) -> list[Problem]:
     ceiling = copy_ceiling_gbps(ctx.device)
     layout = DCPLayout(size=n, rank=0, block_size=block)
     out: list[Problem] = []
-    specs = [("gqa", c, dt) for c in contexts for dt in gqa_dtypes] + [("mla", c, mla_dtype) for c in contexts]
+    specs = [("gqa_fp8" if dt == torch.float8_e4m3fn else "gqa", c, dt) for c in contexts for dt in gqa_dtypes] + [
+        ("mla", c, mla_dtype) for c in contexts]
     for kind, context, cache_dtype in specs:
         local = int(layout.local_lengths(context))
-        if kind == "gqa":
+        if kind != "mla":
             heads, kv_heads, d = gqa
             dv, v_from_k, scale = d, False, d ** -0.5
             cache, table, q, _ = _decode_setup(batch, context, heads, kv_heads, d, block, n, ctx.device, cache_dtype)
@@ -253,7 +261,9 @@ def probe(out_dir: str | os.PathLike, *, device: str | None = None, iters: int =
             print(f"  set up {len(problems)} problems in {time.time() - t0:.1f} s", flush=True)
             variants = VARIANTS if ctx.is_cuda else TINY_VARIANTS
             best: dict[str, dict[str, int]] = {}
-            for kind in ("gqa", "mla"):
+            for kind in ("gqa", "gqa_fp8", "mla"):
+                if not any(p.kind == kind for p in problems):
+                    continue
                 base = _family_view(kind, default)
                 settings = [{**base, **v} for v in variants[kind]]
                 _measure(ctx, problems, kind, settings, default, iters, "sweep")
@@ -264,16 +274,17 @@ def probe(out_dir: str | os.PathLike, *, device: str | None = None, iters: int =
                     found = base
                 best[kind] = found
             fixed: dict[str, int] = {}
-            for key in _SHARED:   # one value serves both families
+            for key in _SHARED if "gqa" in best and "mla" in best else ():   # one value serves both (not gqa_fp8)
                 a, b = best["gqa"][key], best["mla"][key]
                 if a == b:
                     fixed[key] = a
                     continue
-                options = {kind: [{**best[kind], key: v} for v in (a, b)] for kind in best}
+                options = {kind: [{**best[kind], key: v} for v in (a, b)] for kind in ("gqa", "mla")}
                 for kind, sts in options.items():
                     _measure(ctx, problems, kind, sts, default, iters, f"shared {key}")
                 # each value is judged by the best measured setting that carries it (and the keys fixed before)
-                winners = {v: {kind: _best(problems, kind, {**fixed, key: v}) for kind in best} for v in (a, b)}
+                winners = {v: {kind: _best(problems, kind, {**fixed, key: v}) for kind in ("gqa", "mla")}
+                           for v in (a, b)}
                 cost = {v: sum(_score(problems, kind, w) if w else float("inf") for kind, w in winners[v].items())
                         for v in (a, b)}
                 pick = min(cost, key=cost.get)
@@ -281,13 +292,13 @@ def probe(out_dir: str | os.PathLike, *, device: str | None = None, iters: int =
                              f"time {cost[a]:.3f} with {a}, {cost[b]:.3f} with {b}); only block_n, block_m, num_warps "
                              f"have separate *_wide entries for key dims > 256")
                 fixed[key] = pick
-                for kind in best:
+                for kind in ("gqa", "mla"):
                     best[kind] = winners[pick][kind] or {**best[kind], key: pick}
     finally:
         td.CONFIG.clear()
         td.CONFIG.update(default)
     results = [r for p in problems for r in p.results.values()]
-    tuning = {"gqa": best["gqa"], "mla": best["mla"],
+    tuning = {**best,
               "device": torch.cuda.get_device_name(dev) if ctx.is_cuda else "cpu (interpreter dry run)",
               "problems": [p.label for p in problems], "notes": notes,
               "seconds": round(time.time() - t0, 1), "results": results}
@@ -297,8 +308,8 @@ def probe(out_dir: str | os.PathLike, *, device: str | None = None, iters: int =
     _print_table(results, best, default)
     for n in notes:
         print(f"note: {n}")
-    print(f"wrote {out / 'decode-tuning.json'} ({tuning['seconds']} s): gqa {best['gqa']}, mla {best['mla']}",
-          flush=True)
+    print(f"wrote {out / 'decode-tuning.json'} ({tuning['seconds']} s): "
+          + ", ".join(f"{k} {v}" for k, v in best.items()), flush=True)
     return tuning
 
 

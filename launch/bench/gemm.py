@@ -23,7 +23,9 @@ m_indices made beforehand) - anchored on torch fp8 rowwise `_scaled_grouped_mm`;
 triton_w4a16 / triton_w4a8 slab calls. The roofline of these rows is the FP8 one: max(flops at
 the FP8 rate, fp8 weight + activation bytes at the copy bandwidth). When deep_gemm cannot run
 (no CUDA, not installed, not SM90, a libstdc++ mix-up) a note gives the reason and the rows are
-skipped. MEGAPAR_BENCH_GEMM_SECTIONS=deep_gemm runs only these rows (main,deep_gemm = both).
+skipped. "routed" rows: decode batches of 1 / 8 / 64 tokens routed top-8 (V3) or top-6 (V4-Flash)
+over the 32 experts, counts on the device, the floor counting only the experts hit.
+MEGAPAR_BENCH_GEMM_SECTIONS picks the sections (default main,routed,deep_gemm).
 
 `python -m launch.bench.gemm --probe --out DIR` runs the kernel-tuning probe instead (variants
 and launch configs side by side, correctness of each) and writes DIR/gemm-probe.json; `--sections`
@@ -53,6 +55,8 @@ DG_SHAPES = ("v3",)
 DG_PREFILL_TOKENS = (512, 1024, 2048)
 DG_DECODE_TOKENS = (8, 32, 128)
 DG_SLAB_CAPACITY = 128
+ROUTED_TOKENS = (1, 8, 64)            # decode batches routed top-k over the shard's experts
+ROUTED_TOPK = {"v3": 8, "v4flash": 6, "tiny": 2}
 
 
 # ---- data ---------------------------------------------------------------------------------------
@@ -139,7 +143,7 @@ def run(ctx: BenchContext) -> None:
     else:
         shapes, tokens = SHAPES, TOKENS
     ctx.note("times: CUDA-graph replays, median; ours include activation quantization and FP4 expansion")
-    sections = os.environ.get("MEGAPAR_BENCH_GEMM_SECTIONS", "main,deep_gemm").split(",")
+    sections = os.environ.get("MEGAPAR_BENCH_GEMM_SECTIONS", "main,routed,deep_gemm").split(",")
     dg_skipped = False
     for shape, (E, H, inter) in shapes.items():
         for gemm, (e, n, k) in _gemms(E, H, inter).items():
@@ -153,6 +157,8 @@ def run(ctx: BenchContext) -> None:
                                 grouped_gemm(c.x, w["pw"], counts=c.counts, backend=backend)
             for c in cases:
                 _run_case(ctx, c, grouped_gemm)
+            if "routed" in sections:
+                _routed_rows(ctx, shape, gemm, w, grouped_gemm)
             if "deep_gemm" in sections and (shape in DG_SHAPES or shape == "tiny") and not dg_skipped:
                 dg_skipped = not _deep_gemm_rows(ctx, shape, gemm, w, grouped_gemm)
             del w, cases
@@ -221,6 +227,44 @@ def _run_case(ctx: BenchContext, c: Case, grouped_gemm) -> None:
                        fp8_anchor_us=anchors.get("fp8"),
                        speedup_vs_fp8=(anchors["fp8"] / us) if "fp8" in anchors else None,
                        w4a8_floor_us=round(fp8_floor, 2), rel_err=err, timing=how)
+
+
+def _routed_rows(ctx: BenchContext, shape: str, gemm: str, w: dict[str, Any], grouped_gemm) -> None:
+    """Decode as the MoE layer sees it: T tokens each routed to top-k of the E experts (uniform
+    random picks, fixed seed), counts on the device, experts with no rows skipped. The floor
+    counts only the weights of the experts hit."""
+    E, N, K = w["shape"]
+    k = min(ROUTED_TOPK.get(shape, 8), E)
+    for T in ROUTED_TOKENS:
+        g = torch.Generator(device="cpu").manual_seed(T * 131 + N)
+        picks = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(T)])     # [T, k]
+        counts_h = torch.bincount(picks.flatten(), minlength=E)
+        hit, M = int((counts_h > 0).sum()), int(counts_h.sum())
+        counts = counts_h.to(device=ctx.device, dtype=torch.int32)
+        offs = torch.cumsum(counts, 0).to(torch.int32)
+        x = torch.randn(M, K, generator=torch.Generator(device=ctx.device).manual_seed(T + K),
+                        device=ctx.device).to(torch.bfloat16)
+        bounds = [0] + torch.cumsum(counts_h, 0).tolist()
+        ref = torch.cat([x[bounds[e]:bounds[e + 1]].float() @ w["f32"][e].T for e in range(E)])
+        floor = fp4_floor_us(hit, N, K, M, ctx.device)
+        name = f"{shape} {gemm} routed T={T} top{k}"
+        try:
+            anchor_us = graph_time(ctx, lambda: torch._grouped_mm(x, w["bf16"].transpose(1, 2), offs=offs))[0]
+        except Exception as e:  # noqa: BLE001
+            ctx.note(f"{name}: torch bf16 _grouped_mm failed: {type(e).__name__}: {e}")
+            anchor_us = None
+        impls = ("triton_w4a16",) if ctx.is_cuda or os.environ.get("MEGAPAR_BENCH_INTERP") == "1" else ("torch",)
+        for impl in impls:
+            fn = (lambda impl=impl: grouped_gemm(x, w["pw"], counts=counts, backend=impl))
+            try:
+                err = rel_err(fn(), ref)
+                us, how = graph_time(ctx, fn)
+            except Exception as e:  # noqa: BLE001
+                ctx.note(f"{name} {impl}: failed: {type(e).__name__}: {e}")
+                continue
+            ctx.record(f"{name} {impl}", us, anchor="torch bf16 _grouped_mm", anchor_us=anchor_us, floor_us=floor,
+                       shape=shape, gemm=gemm, tok_per_expert=round(M / hit, 2), impl=impl, M=M, N=N, K=K,
+                       experts_hit=hit, tflops=2.0 * M * N * K / us / 1e6, rel_err=err, timing=how)
 
 
 def fp8_floor_us(E: int, N: int, K: int, M: int, device: torch.device) -> float:

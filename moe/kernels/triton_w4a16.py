@@ -316,8 +316,9 @@ class W4A16Config:
     """Launch shape of the fused kernel. block_n: weight rows per program; block_m: tokens per
     tile; chunks: packing units (2 or 8 scale blocks) per loop iteration; mode: operand
     encoding 'f16' | 'bf16' | 'f32' (Triton arithmetic) | 'f16asm' (inline PTX, oct packing);
-    packing: 'paired' | 'oct'; tma (oct only, opt-in, unmeasured: bench/gemm-notes.md): weight
-    words through a device-side TMA descriptor instead of pointer-tensor loads."""
+    packing: 'paired' | 'oct'; tma (oct only): weight words through a device-side TMA descriptor
+    instead of pointer-tensor loads (`pick_config` takes it for MXFP4 decode without SwiGLU:
+    bench/gemm-notes.md, round 4)."""
 
     block_n: int = 128
     block_m: int = 16
@@ -377,6 +378,17 @@ def pick_config(rows_per_expert: float, dtype: torch.dtype, packing: str = "oct"
     # 4 warps, 4 stages beat the per-block rescale at 1 token per expert (3-8%, V3 / V4-Flash L1
     # and L2, all or 8 experts hit) and at 32 (324 vs 421 µs, V3 L1), and lost at 8 (6-10%) and
     # in the fused SwiGLU L1 (102 vs 90 µs): those keep the settings below.
+    # TMA weight loads (bench/results/gemm-probe-decode4-h200.json, `--sections decode4`): with
+    # 128 rows, 4 warps and 3 stages (3 CTAs per SM) they beat the pointer loads by 4-15% wherever
+    # most experts have rows (1 token per expert, all 32 hit: V3 L1 259 vs 285 µs, V3 L2 129 vs 151,
+    # V4-Flash L1 155 vs 173, L2 78 vs 91; 8 tokens: 287 vs 303; 32: 316 vs 328), and lose where few
+    # experts have rows (1 token over 8 of 32 experts: 105 vs 80 µs; there 4 stages and pointer
+    # loads stay best). rows_per_expert < 0.5 is that case (M / E with most experts empty).
+    tma_ok = asm and fmt == "mxfp4" and packing == "oct" and not swiglu
+    if tma_ok and 0.5 <= rows_per_expert <= 32:
+        return W4A16Config(block_n=128, block_m=16 if rows_per_expert <= 16 else 32, chunks=1, num_warps=4,
+                           num_stages=3, mode=mode, packing=packing, prescale=not 2 < rows_per_expert <= 16,
+                           tma=True)
     if (asm and fmt == "mxfp4" and packing == "oct" and not swiglu
             and (rows_per_expert <= 2 or 16 < rows_per_expert <= 32)):
         return W4A16Config(block_n=128, block_m=16 if rows_per_expert <= 16 else 32, chunks=1, num_warps=4,

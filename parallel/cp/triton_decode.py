@@ -167,18 +167,25 @@ def _paged_decode_kernel(
 CONFIG = {
     "target_programs": 264,      # ~2 waves of 132 SMs (H200)
     "min_split": 256,            # tokens: never split finer
-    "block_n": 64, "block_n_wide": 32,            # key tile; "wide" when the key dim > 256 (MLA)
+    "block_n": 64, "block_n_wide": 64,            # key tile; "wide" when the key dim > 256 (MLA)
     "block_m": 64, "block_m_wide": 32,
-    "num_warps": 4, "num_warps_wide": 8, "num_stages": 2,
+    "num_warps": 4, "num_warps_wide": 8, "num_stages": 2, "num_stages_wide": 3,
+    "block_n_fp8": 128, "num_stages_fp8": 3,      # GQA over an fp8 cache (key dim <= 256)
 }
+# H200, B = 32, 1/4 of L = 8K and 32K (`python -m megapar.launch.bench.cp --probe`, CUDA-graph
+# replays, bench/results/cp-probe-h200.json): MLA 64-token tiles with 3 stages 272 -> 192 µs and
+# 937 -> 604 µs (was 32 / 2); GQA fp8 128 / 3 stages 73 -> 63 and 203 -> 160 µs, where GQA bf16
+# keeps 64 / 2 (157 µs against 187 with 128 / 3).
 """Launch parameters. `python -m megapar.launch.bench.cp --probe --out DIR` sweeps them on the GPU
 (CUDA-graph replays) and writes DIR/decode-tuning.json for `apply_tuning` (or
 MEGAPAR_DECODE_TUNING=path at import)."""
 
 # the tuning file's per-problem keys: GQA's go to CONFIG as they are, MLA's (key dim > 256) to the
 # *_wide keys where CONFIG has one; the others are shared by both problems
-_WIDE = {"block_n": "block_n_wide", "block_m": "block_m_wide", "num_warps": "num_warps_wide"}
-_SHARED = ("target_programs", "min_split", "num_stages")
+_WIDE = {"block_n": "block_n_wide", "block_m": "block_m_wide", "num_warps": "num_warps_wide",
+         "num_stages": "num_stages_wide"}
+_FP8 = {"block_n": "block_n_fp8", "num_stages": "num_stages_fp8"}   # set through {"config": ...}
+_SHARED = ("target_programs", "min_split")
 _VALID = {
     "target_programs": range(1, 1 << 16), "min_split": range(1, 1 << 24),
     "block_n": (16, 32, 64, 128, 256), "block_m": (16, 32, 64, 128, 256),
@@ -194,33 +201,35 @@ def _valid_value(key: str, value: object) -> bool:
 def apply_tuning(tuning: dict) -> None:
     """Install measured launch settings {"gqa": {key: value}, "mla": {key: value}} (as written by
     `python -m megapar.launch.bench.cp --probe --out DIR` to DIR/decode-tuning.json; keys:
-    block_n, block_m, num_warps, num_stages, target_programs, min_split). MLA's block_n / block_m /
-    num_warps go to CONFIG's *_wide entries; target_programs, min_split and num_stages are shared
+    block_n, block_m, num_warps, num_stages, target_programs, min_split; "gqa_fp8": block_n and
+    num_stages of GQA over an fp8 cache, CONFIG's *_fp8 entries). MLA's block_n / block_m /
+    num_warps / num_stages go to CONFIG's *_wide entries; target_programs and min_split are shared
     and must agree where both give them. {"config": {CONFIG key: value}} sets entries directly.
     Nothing is installed unless all of it is valid: ValueError naming the bad keys or values."""
     if not isinstance(tuning, dict):
         raise ValueError(f"decode tuning must be a dict, got {type(tuning).__name__}")
-    bad = [k for k in tuning if k not in ("gqa", "mla", "config") + _META]
+    bad = [k for k in tuning if k not in ("gqa", "gqa_fp8", "mla", "config") + _META]
     if bad:
-        raise ValueError(f"unknown decode tuning entries {bad}; valid: gqa, mla, config")
+        raise ValueError(f"unknown decode tuning entries {bad}; valid: gqa, gqa_fp8, mla, config")
     new: dict[str, int] = {}
-    for kind in ("gqa", "mla"):
+    for kind in ("gqa", "gqa_fp8", "mla"):
         part = tuning.get(kind, {})
         if not isinstance(part, dict):
             raise ValueError(f"decode tuning {kind!r} must be a dict of settings, got {part!r}")
         for key, value in part.items():
-            if key not in _VALID:
-                raise ValueError(f"unknown decode tuning key {kind}.{key}; valid: {', '.join(_VALID)}")
+            keys = _FP8 if kind == "gqa_fp8" else _VALID
+            if key not in keys:
+                raise ValueError(f"unknown decode tuning key {kind}.{key}; valid: {', '.join(keys)}")
             if not _valid_value(key, value):
                 raise ValueError(f"decode tuning {kind}.{key} = {value!r} is invalid; valid: {_describe(key)}")
-            name = _WIDE.get(key, key) if kind == "mla" else key
+            name = {"mla": _WIDE, "gqa_fp8": _FP8}.get(kind, {}).get(key, key)
             if name in new and new[name] != value:
                 raise ValueError(f"decode tuning: the shared key {key} differs between gqa ({new[name]}) and "
                                  f"mla ({value}); one value serves both (only {', '.join(_WIDE)} have *_wide "
                                  f"entries)")
             new[name] = value
     for name, value in tuning.get("config", {}).items():
-        base = next((k for k, w in _WIDE.items() if w == name), name)
+        base = next((k for k, w in (*_WIDE.items(), *_FP8.items()) if w == name), name)
         if name not in CONFIG:
             raise ValueError(f"unknown decode CONFIG key {name!r}; valid: {', '.join(CONFIG)}")
         if not _valid_value(base, value):
@@ -280,12 +289,13 @@ def paged_decode_triton(q: Tensor, k: Tensor, v: Tensor, k_scale: Tensor | None,
     d_main, d_rest, block_rest = _split_dims(d)
     v_from_k = (v.data_ptr() == k.data_ptr() and v.stride() == k.stride() and dv == d_main)
     wide = d > 256
-    block_n = CONFIG["block_n_wide" if wide else "block_n"]
+    fp8 = k.dtype == torch.float8_e4m3fn
+    key = (lambda name: _WIDE[name] if wide else _FP8[name] if fp8 and name in _FP8 else name)
+    block_n = CONFIG[key("block_n")]
     block_m = max(16, min(triton.next_power_of_2(tq * g), CONFIG["block_m_wide" if wide else "block_m"]))
     m_tiles = -(-(tq * g) // block_m)
     programs = s * hkv * m_tiles
     splits, split_len = plan_splits(capacity, programs, block_n)
-    fp8 = k.dtype == torch.float8_e4m3fn
     o = torch.empty(splits, s, tq, hq, dv, dtype=torch.float32, device=q.device)
     lse = torch.empty(splits, s, tq, hq, dtype=torch.float32, device=q.device)
     ks = k_scale if fp8 else _no_scale(q)
@@ -304,8 +314,8 @@ def paged_decode_triton(q: Tensor, k: Tensor, v: Tensor, k_scale: Tensor | None,
             o.stride(0), o.stride(1), o.stride(2), o.stride(3), lse.stride(0), lse.stride(1), lse.stride(2),
             D_MAIN=d_main, D_REST=d_rest, BLOCK_REST=block_rest, DV=dv, BLOCK_DV=triton.next_power_of_2(dv),
             BLOCK_M=block_m, BLOCK_N=block_n, PAGE=page, FP8=fp8, V_FROM_K=v_from_k, CAUSAL=tq > 1,
-            IEEE=q.dtype == torch.float32, INTERPRETED=_interpreted(), num_warps=CONFIG["num_warps_wide" if wide else "num_warps"],
-            num_stages=CONFIG["num_stages"])
+            IEEE=q.dtype == torch.float32, INTERPRETED=_interpreted(), num_warps=CONFIG[key("num_warps")],
+            num_stages=CONFIG[key("num_stages")])
     if splits == 1:
         return AttnState(o[0], lse[0])
     merged = merge_states_triton(o.view(splits, s * tq, hq, dv), lse.view(splits, s * tq, hq))

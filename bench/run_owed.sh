@@ -1,0 +1,45 @@
+#!/usr/bin/env bash
+# The GPU runs of docs/gpu.md §7 as named steps, in one device call, inside one deadline:
+#     bash bench/run_owed.sh tests decode4 quantprobe            # on the GPU machine, project root
+# Each step runs under `timeout` (its own limit, cut to what is left of DEADLINE, default 570 s
+# from the start), logs to STEP.log and writes its results beside it; a step that would get
+# under 20 s is skipped and said so. Everything is packed into $OUT/owed.tgz at exit (the device
+# tool returns at most 8 files). Carry .device-pkgs (and .ab-old for the `ab` step).
+set -uo pipefail
+cd "$(dirname "$0")/.." || exit 2
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+start=$SECONDS; deadline=${DEADLINE:-570}
+FINAL=${OUT:-/tmp/out}; res=/tmp/megapar-owed; rm -rf "$res"; mkdir -p "$res" "$FINAL"
+trap 'tar czf "$FINAL/owed.tgz" -C "$res" .' EXIT
+# shellcheck disable=SC1091
+source .device-pkgs/install.sh deep_gemm > "$res/install.log" 2>&1 || echo "install: failed (see install.log)"
+tail -3 "$res/install.log"
+python3 -c 'import torch; print(torch.__version__, torch.cuda.get_device_name(0))'
+
+step() {  # name limit_s command...
+  local name=$1 limit=$2; shift 2
+  local left=$((deadline - (SECONDS - start)))
+  [ "$left" -lt "$limit" ] && limit=$left
+  if [ "$limit" -lt 20 ]; then echo "=== $name: skipped (${left}s left)"; return; fi
+  echo "=== $name (limit ${limit}s)"
+  local t0=$SECONDS
+  timeout -k 5 "$limit" "$@" > "$res/$name.log" 2>&1
+  echo "    rc=$? in $((SECONDS - t0))s"; tail -n "${TAIL:-12}" "$res/$name.log"
+}
+tests=(tests/test_quant_triton.py tests/test_gemm_gpu.py tests/test_w4a16_tma.py tests/test_ffn.py
+       tests/test_moe_device.py tests/test_mla.py tests/test_cp_decode_kernel.py tests/test_cp_merge.py)
+for s in "$@"; do
+  case $s in
+    tests)      step tests "${TESTS_LIMIT:-300}" python3 -m pytest -q -m gpu -p no:cacheprovider --timeout 120 -rf \
+                  --junitxml="$res/gpu-tests.xml" ${TESTS:-${tests[*]}} ;;
+    decode4)    step decode4 "${DECODE4_LIMIT:-120}" python3 -m megapar.launch.bench.gemm --probe --sections decode4 --out "$res/decode4" ;;
+    quantprobe) step quantprobe "${QPROBE_LIMIT:-170}" python3 -m megapar.launch.bench.quant --probe --out "$res/quantprobe" ;;
+    cpprobe)    step cpprobe "${CPPROBE_LIMIT:-150}" python3 -m megapar.launch.bench.cp --probe --out "$res/cpprobe" ;;
+    deepep)     step deepep "${DEEPEP_LIMIT:-480}" bash bench/run_deepep_mpg.sh .device-pkgs/deepep-src.tar.gz "$res/deepep" ;;
+    ab)         step ab "${AB_LIMIT:-300}" bash bench/run_ab.sh .ab-old "$res/ab" ${AB_SUITES:-merge quant} ;;
+    bench-*)    step "$s" "${BENCH_LIMIT:-240}" python3 -m launch.cli bench "${s#bench-}" --device cuda --out "$res/results" ;;
+    *)          echo "=== $s: unknown step" ;;
+  esac
+done
+echo "total $((SECONDS - start))s"
