@@ -52,10 +52,13 @@ _DECODE = dict(q_ptr="*bf16", k_ptr="*bf16", v_ptr="*bf16", ks_ptr="*fp32", vs_p
                lens_ptr="*i32", glens_ptr="*i32", o_ptr="*fp32", lse_ptr="*fp32", qk_scale="fp32")
 _MLA = dict(Tq=1, KV_HEADS=1, dcp_size=1, interleave=1, D_MAIN=512, D_REST=64, BLOCK_REST=64, DV=512, BLOCK_DV=512, PAGE=64, FP8=False, V_FROM_K=True,
             CAUSAL=False, IEEE=False, INTERPRETED=False)
-DECODE = {  # the paged decode kernel on MLA's latent cache (bf16, 512 + 64 key dims, values = the first 512)
-    f"_paged_decode_kernel MLA block_m={m} block_n={n} warps={w} stages={st}":
-        ("_paged_decode_kernel", _DECODE, dict(_MLA, BLOCK_M=m, BLOCK_N=n, num_warps=w, num_stages=st))
-    for m, n, w, st in ((32, 32, 8, 2), (64, 32, 8, 2), (64, 16, 8, 2), (64, 32, 4, 2), (128, 16, 8, 1))
+DECODE = {  # the paged decode kernel on MLA's latent cache (512 + 64 key dims, values = the first 512)
+    f"_paged_decode_kernel MLA {'fp8' if fp8 else 'bf16'} block_m={m} block_n={n} warps={w} stages={st}":
+        ("_paged_decode_kernel", dict(_DECODE, **({"k_ptr": "*fp8e4nv", "v_ptr": "*fp8e4nv"} if fp8 else {})),
+         dict(_MLA, FP8=fp8, BLOCK_M=m, BLOCK_N=n, num_warps=w, num_stages=st))
+    for fp8 in (False, True)
+    for m, n, w, st in ((32, 32, 8, 2), (64, 32, 8, 2), (64, 16, 8, 2), (64, 32, 4, 2), (128, 16, 8, 1),
+                        (32, 64, 8, 3), (64, 64, 8, 3))
 }
 SETS = {"merge": MERGE, "quant": QUANT, "decode": DECODE}
 NOT_DIVISIBLE = ("M", "M_TILES")

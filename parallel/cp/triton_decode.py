@@ -166,16 +166,19 @@ def _paged_decode_kernel(
 
 CONFIG = {
     "target_programs": 264,      # ~2 waves of 132 SMs (H200)
-    "min_split": 256,            # tokens: never split finer
+    "min_split": 512,            # tokens: never split finer
     "block_n": 64, "block_n_wide": 64,            # key tile; "wide" when the key dim > 256 (MLA)
-    "block_m": 64, "block_m_wide": 32,
+    "block_m": 64, "block_m_wide": 64, "block_m_wide_fp8": 32,
     "num_warps": 4, "num_warps_wide": 8, "num_stages": 2, "num_stages_wide": 3,
     "block_n_fp8": 128, "num_stages_fp8": 3,      # GQA over an fp8 cache (key dim <= 256)
 }
 # H200, B = 32, 1/4 of L = 8K and 32K (`python -m megapar.launch.bench.cp --probe`, CUDA-graph
-# replays, bench/results/cp-probe-h200.json): MLA 64-token tiles with 3 stages 272 -> 192 µs and
-# 937 -> 604 µs (was 32 / 2); GQA fp8 128 / 3 stages 73 -> 63 and 203 -> 160 µs, where GQA bf16
-# keeps 64 / 2 (157 µs against 187 with 128 / 3).
+# replays, two runs: bench/results/cp-probe-h200.json, cp-probe2-h200.json): MLA with 64-token
+# tiles and 3 stages 272 -> 192 µs and 937 -> 604 µs (was 32 / 2), then 64 query heads per tile
+# (wgmma; min_split 512) 191 -> 139 and 604 -> 436 µs; GQA over fp8 with 128 / 3 stages 73 -> 63
+# and 203 -> 160 µs, where GQA bf16 keeps 64 / 2 (157 µs against 187 with 128 / 3). MLA over fp8
+# keeps 32 query heads per tile: with 64 its sm_90a code spills 444 B (bench/debug/kernel_sass.py
+# decode), and the probe did not time it.
 """Launch parameters. `python -m megapar.launch.bench.cp --probe --out DIR` sweeps them on the GPU
 (CUDA-graph replays) and writes DIR/decode-tuning.json for `apply_tuning` (or
 MEGAPAR_DECODE_TUNING=path at import)."""
@@ -229,7 +232,8 @@ def apply_tuning(tuning: dict) -> None:
                                  f"entries)")
             new[name] = value
     for name, value in tuning.get("config", {}).items():
-        base = next((k for k, w in (*_WIDE.items(), *_FP8.items()) if w == name), name)
+        base = next((k for k, w in (*_WIDE.items(), *_FP8.items(), ("block_m", "block_m_wide_fp8")) if w == name),
+                    name)
         if name not in CONFIG:
             raise ValueError(f"unknown decode CONFIG key {name!r}; valid: {', '.join(CONFIG)}")
         if not _valid_value(base, value):
@@ -290,9 +294,12 @@ def paged_decode_triton(q: Tensor, k: Tensor, v: Tensor, k_scale: Tensor | None,
     v_from_k = (v.data_ptr() == k.data_ptr() and v.stride() == k.stride() and dv == d_main)
     wide = d > 256
     fp8 = k.dtype == torch.float8_e4m3fn
-    key = (lambda name: _WIDE[name] if wide else _FP8[name] if fp8 and name in _FP8 else name)
+    def key(name: str) -> str:
+        if wide:
+            return f"{name}_wide_fp8" if fp8 and f"{name}_wide_fp8" in CONFIG else _WIDE[name]
+        return _FP8[name] if fp8 and name in _FP8 else name
     block_n = CONFIG[key("block_n")]
-    block_m = max(16, min(triton.next_power_of_2(tq * g), CONFIG["block_m_wide" if wide else "block_m"]))
+    block_m = max(16, min(triton.next_power_of_2(tq * g), CONFIG[key("block_m")]))
     m_tiles = -(-(tq * g) // block_m)
     programs = s * hkv * m_tiles
     splits, split_len = plan_splits(capacity, programs, block_n)

@@ -120,6 +120,20 @@ def _deep_ep() -> Any:
     return impl.require("deep_ep", "the deepep EP backend", HINT)
 
 
+# DeepEP's SM90 intranode dispatch copies each row as two halves of int4s through a TMA buffer
+# of 8 KiB per warp (EP_DEVICE_ASSERT in its intranode.cu): a row that is not a multiple of 32
+# bytes, or whose half (+ an 8-byte mbarrier) exceeds 8 KiB, traps the kernel ("unspecified
+# launch failure", seen on the H200 with 8 bf16 values a row).
+ROW_ALIGN, MAX_ROW_BYTES = 32, 2 * (8192 - 8)
+
+
+def check_row_bytes(x: torch.Tensor) -> None:
+    nbytes = x.shape[-1] * x.element_size()
+    if nbytes % ROW_ALIGN or nbytes > MAX_ROW_BYTES:
+        raise ValueError(f"DeepEP's intranode dispatch needs rows of a multiple of {ROW_ALIGN} bytes and at most "
+                         f"{MAX_ROW_BYTES}; got hidden {x.shape[-1]} x {x.element_size()} B ({x.dtype}) = {nbytes} B")
+
+
 class DeepEPRoute(Route):
     """One routing through a DeepEP buffer (module docstring)."""
 
@@ -139,6 +153,7 @@ class DeepEPRoute(Route):
             return backends._done([buf.dispatch(p, handle=self.handle)[0] for p in pieces])
         x, ids, weights = pieces[0], pieces[-2].long(), pieces[-1].float()
         scale = pieces[1] if len(pieces) == 4 else None
+        check_row_bytes(x)
         per_rank, per_rdma_rank, per_expert, in_rank, _ = buf.get_dispatch_layout(ids, self.num_experts)
         recv_x, recv_ids, recv_w, _, self.handle, _ = buf.dispatch(
             (x, scale) if scale is not None else x, topk_idx=ids, topk_weights=weights,
