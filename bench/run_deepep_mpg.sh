@@ -13,7 +13,8 @@
 # (the built package; give it as DEEPEP_PREBUILT=... next time to skip the build). A ninja wheel
 # in deepep-ninja/ beside the tarball is used when the machine has no ninja.
 # Bounded: BUILD_TIMEOUT (default 360 s, both builds run in parallel), NORMAL_TIMEOUT (130 s) and
-# LL_TIMEOUT (50 s) for the two pytest runs. Exit status: the first failing pytest run's (0 when
+# LL_TIMEOUT (50 s) for the two pytest runs. With DEEPEP_BENCH=DIR it then runs `megapar bench ep`'s
+# deepep rows (BENCH_TIMEOUT, 150 s) into DIR. Exit status: the first failing pytest run's (0 when
 # all pass; 2 for a failed build). The MPS daemon this script started is quit on every exit.
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit 2
@@ -145,5 +146,11 @@ if [ "$mode" = nvshmem ]; then
   [ "$rc" = 0 ] && rc=$ll_rc
 else
   echo "deepep low-latency mode: not run (intranode-only build)"
+fi
+if [ -n "${DEEPEP_BENCH:-}" ]; then   # `megapar bench ep`'s deepep rows, while MPS is up
+  mkdir -p "$DEEPEP_BENCH"
+  MEGAPAR_BENCH_EP_SECTIONS=deepep timeout -k 10 "${BENCH_TIMEOUT:-150}" python3 -m launch.cli bench ep \
+    --device cuda --out "$DEEPEP_BENCH" 2>&1 | tee "$DEEPEP_BENCH/bench-ep-deepep.log" | tail -n 8
+  echo "deepep bench: rc=${PIPESTATUS[0]}"
 fi
 exit "$rc"

@@ -36,7 +36,8 @@ for s in "$@"; do
     decode4)    step decode4 "${DECODE4_LIMIT:-120}" python3 -m megapar.launch.bench.gemm --probe --sections decode4 --out "$res/decode4" ;;
     quantprobe) step quantprobe "${QPROBE_LIMIT:-170}" python3 -m megapar.launch.bench.quant --probe --out "$res/quantprobe" ;;
     cpprobe)    step cpprobe "${CPPROBE_LIMIT:-150}" python3 -m megapar.launch.bench.cp --probe --out "$res/cpprobe" ;;
-    deepep)     step deepep "${DEEPEP_LIMIT:-480}" bash bench/run_deepep_mpg.sh .device-pkgs/deepep-src.tar.gz "$res/deepep" ;;
+    deepep)     step deepep "${DEEPEP_LIMIT:-480}" env DEEPEP_BENCH="$res/deepep-bench" \
+                  bash bench/run_deepep_mpg.sh .device-pkgs/deepep-src.tar.gz "$res/deepep" ;;
     ab)         step ab "${AB_LIMIT:-300}" bash bench/run_ab.sh .ab-old "$res/ab" ${AB_SUITES:-merge quant} ;;
     bench-*)    step "$s" "${BENCH_LIMIT:-240}" python3 -m launch.cli bench "${s#bench-}" --device cuda --out "$res/results" ;;
     *)          echo "=== $s: unknown step" ;;

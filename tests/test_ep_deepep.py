@@ -123,6 +123,7 @@ def fake_dir(tmp_path_factory) -> str:
 
 
 LL_HIDDEN = 2048  # the smallest hidden size DeepEP's low-latency kernels are compiled for
+NORMAL_HIDDEN = 256
 
 
 def _inputs(rank: int, world: int, e_total: int, hidden: int = H) -> tuple[torch.Tensor, ...]:
@@ -143,22 +144,25 @@ def _normal_case(pg, rank: int, world: int, e_total: int, device: str) -> dict:
     row weights, expert ids, combine output and the gradient of x."""
     from parallel.ep import DeepEPConfig, make_dispatcher
 
-    x, ids, w = _inputs(rank, world, e_total)
+    # the real DeepEP's SM90 intranode dispatch traps unless a row is a multiple of 32 bytes (its
+    # TMA copies move half rows of int4s): 256 bf16 values, with the fake too (the backend checks)
+    hidden = NORMAL_HIDDEN
+    x, ids, w = _inputs(rank, world, e_total, hidden)
     res = {}
     for backend in ("all_to_all", "deepep"):
         dev = device if backend == "deepep" else "cpu"
         cfg = DeepEPConfig(num_nvl_bytes=1 << 22, num_qps_per_rank=3) if backend == "deepep" else None
-        d = make_dispatcher(pg, e_total, H, backend=backend, comm_thread=False, backend_config=cfg)
+        d = make_dispatcher(pg, e_total, hidden, backend=backend, comm_thread=False, backend_config=cfg)
         xx = x.clone().to(dev).requires_grad_(True)
         r = d.dispatch(xx, ids.to(dev), w.to(dev))
         y = d.combine(r.x * 2, r.handle)
-        (y.float() * torch.arange(H, device=dev)).sum().backward()
+        (y.float() * torch.arange(hidden, device=dev)).sum().backward()
         res[backend] = [t.detach().cpu() for t in (r.x, r.counts, r.offsets, r.topk_weights, r.expert_ids, y,
                                                    xx.grad)]
         if backend == "deepep":
             d.backend.destroy()
     # the default normal-mode buffer: NVL_BYTES, no RDMA, DeepEP's qps default
-    d = make_dispatcher(pg, e_total, H, backend="deepep", comm_thread=False)
+    d = make_dispatcher(pg, e_total, hidden, backend="deepep", comm_thread=False)
     assert d.backend.buffer is not None
     d.backend.destroy()
     return {"same": [torch.equal(a, b) for a, b in zip(res["all_to_all"], res["deepep"])]}
@@ -326,3 +330,13 @@ def test_deepep_is_registered_and_reports_why_it_cannot_run():
         with pytest.raises(ValueError, match="deep_ep"):
             make_dispatcher(None, 4, 8, backend="deepep")
     assert backends.TRANSPORT.resolve("auto") not in ("deepep", "nvshmem")
+
+
+def test_deepep_rows_that_would_trap_its_dispatch_are_refused():
+    from parallel.ep.deepep import MAX_ROW_BYTES, check_row_bytes
+
+    check_row_bytes(torch.zeros(3, 7168, dtype=torch.bfloat16))
+    check_row_bytes(torch.zeros(3, 7168, dtype=torch.float8_e4m3fn))
+    for hidden, dtype in ((8, torch.bfloat16), (7176, torch.float8_e4m3fn), (MAX_ROW_BYTES // 2 + 16, torch.bfloat16)):
+        with pytest.raises(ValueError, match=rf"hidden {hidden} x \d B .* = \d+ B"):
+            check_row_bytes(torch.zeros(1, hidden, dtype=dtype))

@@ -20,6 +20,11 @@
    E = 256, next to the all_to_all Dispatcher on the same ranks (gloo, CPU tensors: NCCL
    refuses two ranks on one GPU). Every rank shares one HBM and one set of SMs, so these rows
    measure software overhead and kernel cost, never NVLink bandwidth.
+4. DeepEP on one GPU (only with MEGAPAR_DEEPEP_MPG=1, which bench/run_deepep_mpg.sh sets when
+   DEEPEP_BENCH names an output folder, under MPS): W = 2 processes on cuda:0, the deepep
+   Dispatcher (normal mode, DeepEP's intranode kernels) at T = 128 and 4096 and, with a
+   DeepEP built with NVSHMEM (MEGAPAR_DEEPEP_LL=1), `DeepEPLowLatency` at T = 128; same shapes
+   and anchor as section 3, and the same caveat: overhead and kernel cost, not NVLink.
 """
 
 from __future__ import annotations
@@ -309,16 +314,108 @@ def _nvshmem_mpg_cases(ctx: BenchContext) -> None:
                            anchor="all_to_all Dispatcher, gloo CPU tensors, same ranks", anchor_us=anchor)
 
 
+def _deepep_mpg_rank(rank: int, world: int, cases: list[dict], iters: int, warmup: int) -> list[dict]:
+    """One DeepEP process of `world` on cuda:0 under MPS (section 4 of the module docstring):
+    the deepep Dispatcher (normal mode, intranode kernels) and DeepEPLowLatency."""
+    import torch.distributed as dist
+
+    from megapar.parallel import ParallelConfig, destroy_parallel, init_parallel
+    from megapar.parallel.ep import DeepEPConfig, make_dispatcher
+    from megapar.parallel.ep.deepep import DeepEPLowLatency
+
+    torch.cuda.set_device(0)
+    dev = torch.device("cuda", 0)
+    groups = init_parallel(ParallelConfig(world_size=world))  # gloo: NCCL refuses two ranks on one GPU
+    pg = groups.ep.group
+
+    def timed(fn) -> float:
+        samples = []
+        for i in range(warmup + iters):
+            torch.cuda.synchronize()
+            dist.barrier(group=pg)
+            t0 = time.perf_counter()
+            fn()
+            torch.cuda.synchronize()
+            if i >= warmup:
+                samples.append((time.perf_counter() - t0) * 1e6)
+        return statistics.median(samples)
+
+    out = []
+    try:
+        for case in cases:
+            t, h, k, e = case["t"], case["h"], case["k"], case["e"]
+            x_cpu = torch.randn(t, h).to(torch.bfloat16)
+            ids_cpu, w_cpu = _routing(t, e, k, torch.device("cpu"), 100 + rank)
+            x, ids, w = x_cpu.to(dev), ids_cpu.to(dev), w_cpu.to(dev)
+            row: dict = {}
+            ref = make_dispatcher(groups.ep, e, h, backend="all_to_all")
+            row["all_to_all_us"] = timed(lambda: _round_trip(ref, x_cpu, ids_cpu, w_cpu))
+            d = make_dispatcher(groups.ep, e, h, backend="deepep", comm_thread=False)
+            row["deepep_us"] = timed(lambda: _round_trip(d, x, ids, w))
+            d.backend.destroy()
+            if case.get("low_latency"):
+                ll = DeepEPLowLatency(pg, DeepEPConfig(low_latency_mode=True, max_dispatch_tokens_per_rank=t,
+                                                       hidden=h, num_experts=e))
+                try:
+                    def low_latency() -> torch.Tensor:
+                        got = ll.dispatch(x, ids, w)
+                        return ll.combine(got.x, got)
+
+                    row["deepep_ll_us"] = timed(low_latency)
+                finally:
+                    torch.cuda.synchronize()
+                    dist.barrier(group=pg)
+                    ll.destroy()
+            out.append(row)
+    finally:
+        torch.cuda.synchronize()
+        destroy_parallel()
+    return out
+
+
+def _deepep_mpg_cases(ctx: BenchContext) -> None:
+    if not ctx.is_cuda:
+        return
+    if os.environ.get("MEGAPAR_DEEPEP_MPG") != "1":
+        ctx.note("deepep rows skipped: they run two DeepEP processes on one GPU under MPS; start them with "
+                 "`DEEPEP_BENCH=OUTDIR bash bench/run_deepep_mpg.sh DEEPEP_SRC_TARBALL OUTDIR`")
+        return
+    from megapar.launch.local import launch_local
+
+    world = 2
+    # low-latency rows: a DeepEP built with NVSHMEM, unless MEGAPAR_DEEPEP_BENCH_LL=0 (on one GPU under
+    # MPS its E = 256 dispatch timed out waiting for the other rank: DeepEP sizes that kernel's grid
+    # for the whole GPU, and each process holds half of it)
+    ll = os.environ.get("MEGAPAR_DEEPEP_LL") == "1" and os.environ.get("MEGAPAR_DEEPEP_BENCH_LL") != "0"
+    cases = [dict(t=128, h=7168, k=8, e=256, low_latency=ll),
+             dict(t=4096, h=7168, k=8, e=256)]
+    per_rank = launch_local(_deepep_mpg_rank, world, backend="gloo", args=(world, cases, 20, 3), timeout=300,
+                            env={"CUDA_MPS_ACTIVE_THREAD_PERCENTAGE": str(100 // world)})
+    for ci, case in enumerate(cases):
+        rows = [r[ci] for r in per_rank]
+        anchor = max(r["all_to_all_us"] for r in rows)
+        shape = f"W={world} T={case['t']}/rank H={case['h']} K={case['k']} E={case['e']}"
+        where = "(one GPU, MPG: overhead + kernel cost, not NVLink)"
+        ctx.record(f"deepep Dispatcher dispatch+combine {shape} {where}", max(r["deepep_us"] for r in rows),
+                   anchor="all_to_all Dispatcher, gloo CPU tensors, same ranks", anchor_us=anchor)
+        if case.get("low_latency"):
+            ctx.record(f"deepep low-latency dispatch+combine {shape} {where}", max(r["deepep_ll_us"] for r in rows),
+                       anchor="all_to_all Dispatcher, gloo CPU tensors, same ranks", anchor_us=anchor)
+
+
 def run(ctx: BenchContext) -> None:
-    """MEGAPAR_BENCH_EP_SECTIONS (comma list of local, multirank, nvshmem; default all) picks sections."""
-    sections = set(os.environ.get("MEGAPAR_BENCH_EP_SECTIONS", "local,multirank,nvshmem").split(","))
-    unknown = sections - {"local", "multirank", "nvshmem"}
+    """MEGAPAR_BENCH_EP_SECTIONS (comma list of local, multirank, nvshmem, deepep; default all) picks
+    sections."""
+    sections = set(os.environ.get("MEGAPAR_BENCH_EP_SECTIONS", "local,multirank,nvshmem,deepep").split(","))
+    unknown = sections - {"local", "multirank", "nvshmem", "deepep"}
     if unknown:
         raise ValueError(f"MEGAPAR_BENCH_EP_SECTIONS: unknown sections {sorted(unknown)}; "
-                         "valid: local, multirank, nvshmem")
+                         "valid: local, multirank, nvshmem, deepep")
     if "local" in sections:
         _local_cases(ctx)
     if "multirank" in sections:
         _multirank_cases(ctx)
     if "nvshmem" in sections:
         _nvshmem_mpg_cases(ctx)
+    if "deepep" in sections:
+        _deepep_mpg_cases(ctx)

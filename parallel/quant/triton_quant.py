@@ -33,18 +33,22 @@ FMA_DIVISION = tl.constexpr(not impl.interpreting())
 CONFIG: dict[str, tuple[int, int]] = {
     "fp4_quant": (128, 4),     # 128 blocks of 32 (or 256 of 16): 4096 elements per program
     "fp4_dequant": (256, 8),   # H200 sweep (bench/results/quant-h200.md): 10% over (128, 4)
-    "fp4_amax": (8192, 8),     # nvfp4 computed global scale: elements per program
+    "fp4_amax": (32768, 16),   # nvfp4 computed global scale: elements per program (probe: 647 -> 597 µs)
     "fp8_group": (32, 4),      # 32 rows x 128
     "fp8_token": (4096, 8),    # fp8_token rows of <= 8192: elements per program (whole rows)
-    "fp8_block": (16, 4),      # fp8_block: rows per pass of a 128 x 128 tile
-    "fp8_dequant": (16, 4),    # 16 rows x 128 columns; H200 sweep: 24% over (32, 4)
+    "fp8_block": (32, 8),      # fp8_block: rows per pass of a 128 x 128 tile (probe: 235 -> 202 µs)
+    "fp8_dequant": (128, 8),   # 128 rows x 128 columns (probe: 166 -> 142 µs)
 }
+# The "probe" figures: `python -m megapar.launch.bench.quant --probe` on the H200, 2026-12-01
+# (bench/results/quant-probe-h200.json; a [4, 4096, 7168] weight, [16384, 7168] activations,
+# CUDA-graph replays, every setting bit-identical to the default's output).
 # E4M3 rounding of the fp8 quantize fast path by the hardware conversion (inline PTX
 # `cvt.rn.satfinite.e4m3x2.f32`; GPU only, the interpreter always runs the integer rounding).
-# Off by default until it has run on a GPU: it compiles for sm_90 (tests/test_triton_compile.py)
-# but its bits have not been checked on hardware yet. `python -m megapar.launch.bench.quant
-# --probe` checks them and writes {"fp8_hw_cast": true} when it is bit-identical and faster;
-# apply_tuning (or MEGAPAR_QUANT_TUNING=path) turns it on.
+# Off by default: the H200 probe of 2026-12-01 found it bit-identical to the integer rounding on
+# its data and 7-14% faster (fp8_group 175 -> 162 µs, fp8_token 213 -> 184), but the GPU tests
+# (odd K, partial tiles, saturation) have not yet run with it on. `python -m
+# megapar.launch.bench.quant --probe` writes {"fp8_hw_cast": true} when it is bit-identical and
+# faster; apply_tuning (or MEGAPAR_QUANT_TUNING=path) turns it on.
 FP8_HW_CAST = False
 
 
