@@ -29,6 +29,7 @@
 
 from __future__ import annotations
 
+import functools
 import os
 import statistics
 import time
@@ -225,42 +226,64 @@ def _multirank_cases(ctx: BenchContext) -> None:
                        logical_gbps=logical / total / 1e3, physical_gbps=phys / total / 1e3, **extra)
 
 
+def _mpg_setup(world: int) -> tuple:
+    """A process of a one-GPU run: cuda:0, and the process groups over gloo (NCCL refuses two
+    ranks on one GPU). Returns (groups, the EP group, the device)."""
+    from megapar.parallel import ParallelConfig, init_parallel
+
+    torch.cuda.set_device(0)
+    groups = init_parallel(ParallelConfig(world_size=world))
+    return groups, groups.ep.group, torch.device("cuda", 0)
+
+
+def _timed_together(pg, fn, iters: int, warmup: int) -> float:
+    """Median µs of fn on every rank of pg, started together by a host barrier (limited MPG has
+    no stream collectives) and synchronized on the device after each call."""
+    import torch.distributed as dist
+
+    samples = []
+    for i in range(warmup + iters):
+        torch.cuda.synchronize()
+        dist.barrier(group=pg)
+        t0 = time.perf_counter()
+        fn()
+        torch.cuda.synchronize()
+        if i >= warmup:
+            samples.append((time.perf_counter() - t0) * 1e6)
+    return statistics.median(samples)
+
+
+def _anchor_row(groups, case: dict, rank: int, dev: torch.device, timed) -> tuple:
+    """This rank's inputs of `case` on `dev` and a row holding the all_to_all anchor's time (gloo,
+    CPU tensors: NCCL refuses two ranks on one GPU)."""
+    from megapar.parallel.ep import make_dispatcher
+
+    t, h, k, e = case["t"], case["h"], case["k"], case["e"]
+    x_cpu = torch.randn(t, h).to(torch.bfloat16)
+    ids_cpu, w_cpu = _routing(t, e, k, torch.device("cpu"), 100 + rank)
+    ref = make_dispatcher(groups.ep, e, h, backend="all_to_all")
+    row = {"pairs": int((ids_cpu >= 0).sum()),
+           "all_to_all_us": timed(lambda: _round_trip(ref, x_cpu, ids_cpu, w_cpu))}
+    return x_cpu.to(dev), ids_cpu.to(dev), w_cpu.to(dev), row
+
+
 def _mpg_rank(rank: int, world: int, cases: list[dict], iters: int, warmup: int) -> list[dict]:
     """One NVSHMEM process of several on cuda:0 (section 3 of the module docstring)."""
     import torch.distributed as dist
 
-    from megapar.parallel import ParallelConfig, destroy_parallel, init_parallel
+    from megapar.parallel import destroy_parallel
     from megapar.parallel.ep import make_dispatcher
     from megapar.parallel.ep.nvshmem import NvshmemBuffer, NvshmemConfig, NvshmemTransport
 
-    torch.cuda.set_device(0)
-    dev = torch.device("cuda", 0)
-    groups = init_parallel(ParallelConfig(world_size=world))  # gloo
-    pg = groups.ep.group
+    groups, pg, dev = _mpg_setup(world)
+    timed = functools.partial(_timed_together, pg, iters=iters, warmup=warmup)
     keeper = NvshmemBuffer(pg, NvshmemConfig(max_tokens=1, hidden=4, top_k=1, num_experts=world), device=dev)
-
-    def timed(fn) -> float:
-        samples = []
-        for i in range(warmup + iters):
-            torch.cuda.synchronize()
-            dist.barrier(group=pg)  # start together (host barrier: limited MPG has no stream collectives)
-            t0 = time.perf_counter()
-            fn()
-            torch.cuda.synchronize()
-            if i >= warmup:
-                samples.append((time.perf_counter() - t0) * 1e6)
-        return statistics.median(samples)
 
     out = []
     try:
         for case in cases:
             t, h, k, e = case["t"], case["h"], case["k"], case["e"]
-            x_cpu = torch.randn(t, h).to(torch.bfloat16)
-            ids_cpu, w_cpu = _routing(t, e, k, torch.device("cpu"), 100 + rank)
-            x, ids, w = x_cpu.to(dev), ids_cpu.to(dev), w_cpu.to(dev)
-            row: dict = {"pairs": int((ids_cpu >= 0).sum())}
-            ref = make_dispatcher(groups.ep, e, h, backend="all_to_all")
-            row["all_to_all_us"] = timed(lambda: _round_trip(ref, x_cpu, ids_cpu, w_cpu))
+            x, ids, w, row = _anchor_row(groups, case, rank, dev, timed)
             d = make_dispatcher(groups.ep, e, h, backend="nvshmem")
             row["nvshmem_us"] = timed(lambda: _round_trip(d, x, ids, w))
             for b in (d.backend, getattr(d, "_worker_backend", None)):
@@ -288,6 +311,20 @@ def _mpg_rank(rank: int, world: int, cases: list[dict], iters: int, warmup: int)
     return out
 
 
+def _record_mpg(ctx: BenchContext, backend: str, world: int, cases: list[dict], per_rank: list[list[dict]]) -> None:
+    """Rows of a one-GPU multi-process run: the slowest rank's time of `backend` (and of its
+    low-latency path where the case has one) beside the slowest rank's all_to_all anchor."""
+    for ci, case in enumerate(cases):
+        rows = [r[ci] for r in per_rank]
+        anchor = max(r["all_to_all_us"] for r in rows)
+        shape = f"W={world} T={case['t']}/rank H={case['h']} K={case['k']} E={case['e']}"
+        where = "(one GPU, MPG: overhead + kernel cost, not NVLink)"
+        for path, key in (("Dispatcher", f"{backend}_us"), ("low-latency", f"{backend}_ll_us")):
+            if key in rows[0]:
+                ctx.record(f"{backend} {path} dispatch+combine {shape} {where}", max(r[key] for r in rows),
+                           anchor="all_to_all Dispatcher, gloo CPU tensors, same ranks", anchor_us=anchor)
+
+
 def _nvshmem_mpg_cases(ctx: BenchContext) -> None:
     if not ctx.is_cuda:
         return
@@ -301,17 +338,7 @@ def _nvshmem_mpg_cases(ctx: BenchContext) -> None:
     for world in (2, 4):
         per_rank = launch_local(_mpg_rank, world, backend="gloo", args=(world, cases, 20, 3), timeout=500,
                                 env={"CUDA_MPS_ACTIVE_THREAD_PERCENTAGE": str(100 // world)})
-        for ci, case in enumerate(cases):
-            rows = [r[ci] for r in per_rank]
-            anchor = max(r["all_to_all_us"] for r in rows)
-            shape = f"W={world} T={case['t']}/rank H={case['h']} K={case['k']} E={case['e']}"
-            where = "(one GPU, MPG: overhead + kernel cost, not NVLink)"
-            ctx.record(f"nvshmem Dispatcher dispatch+combine {shape} {where}", max(r["nvshmem_us"] for r in rows),
-                       anchor="all_to_all Dispatcher, gloo CPU tensors, same ranks", anchor_us=anchor)
-            if case.get("low_latency"):
-                ctx.record(f"nvshmem low-latency dispatch+combine {shape} {where}",
-                           max(r["nvshmem_ll_us"] for r in rows),
-                           anchor="all_to_all Dispatcher, gloo CPU tensors, same ranks", anchor_us=anchor)
+        _record_mpg(ctx, "nvshmem", world, cases, per_rank)
 
 
 def _deepep_mpg_rank(rank: int, world: int, cases: list[dict], iters: int, warmup: int) -> list[dict]:
@@ -319,37 +346,18 @@ def _deepep_mpg_rank(rank: int, world: int, cases: list[dict], iters: int, warmu
     the deepep Dispatcher (normal mode, intranode kernels) and DeepEPLowLatency."""
     import torch.distributed as dist
 
-    from megapar.parallel import ParallelConfig, destroy_parallel, init_parallel
+    from megapar.parallel import destroy_parallel
     from megapar.parallel.ep import DeepEPConfig, make_dispatcher
     from megapar.parallel.ep.deepep import DeepEPLowLatency
 
-    torch.cuda.set_device(0)
-    dev = torch.device("cuda", 0)
-    groups = init_parallel(ParallelConfig(world_size=world))  # gloo: NCCL refuses two ranks on one GPU
-    pg = groups.ep.group
-
-    def timed(fn) -> float:
-        samples = []
-        for i in range(warmup + iters):
-            torch.cuda.synchronize()
-            dist.barrier(group=pg)
-            t0 = time.perf_counter()
-            fn()
-            torch.cuda.synchronize()
-            if i >= warmup:
-                samples.append((time.perf_counter() - t0) * 1e6)
-        return statistics.median(samples)
+    groups, pg, dev = _mpg_setup(world)
+    timed = functools.partial(_timed_together, pg, iters=iters, warmup=warmup)
 
     out = []
     try:
         for case in cases:
             t, h, k, e = case["t"], case["h"], case["k"], case["e"]
-            x_cpu = torch.randn(t, h).to(torch.bfloat16)
-            ids_cpu, w_cpu = _routing(t, e, k, torch.device("cpu"), 100 + rank)
-            x, ids, w = x_cpu.to(dev), ids_cpu.to(dev), w_cpu.to(dev)
-            row: dict = {}
-            ref = make_dispatcher(groups.ep, e, h, backend="all_to_all")
-            row["all_to_all_us"] = timed(lambda: _round_trip(ref, x_cpu, ids_cpu, w_cpu))
+            x, ids, w, row = _anchor_row(groups, case, rank, dev, timed)
             d = make_dispatcher(groups.ep, e, h, backend="deepep", comm_thread=False)
             row["deepep_us"] = timed(lambda: _round_trip(d, x, ids, w))
             d.backend.destroy()
@@ -391,16 +399,7 @@ def _deepep_mpg_cases(ctx: BenchContext) -> None:
              dict(t=4096, h=7168, k=8, e=256)]
     per_rank = launch_local(_deepep_mpg_rank, world, backend="gloo", args=(world, cases, 20, 3), timeout=300,
                             env={"CUDA_MPS_ACTIVE_THREAD_PERCENTAGE": str(100 // world)})
-    for ci, case in enumerate(cases):
-        rows = [r[ci] for r in per_rank]
-        anchor = max(r["all_to_all_us"] for r in rows)
-        shape = f"W={world} T={case['t']}/rank H={case['h']} K={case['k']} E={case['e']}"
-        where = "(one GPU, MPG: overhead + kernel cost, not NVLink)"
-        ctx.record(f"deepep Dispatcher dispatch+combine {shape} {where}", max(r["deepep_us"] for r in rows),
-                   anchor="all_to_all Dispatcher, gloo CPU tensors, same ranks", anchor_us=anchor)
-        if case.get("low_latency"):
-            ctx.record(f"deepep low-latency dispatch+combine {shape} {where}", max(r["deepep_ll_us"] for r in rows),
-                       anchor="all_to_all Dispatcher, gloo CPU tensors, same ranks", anchor_us=anchor)
+    _record_mpg(ctx, "deepep", world, cases, per_rank)
 
 
 def run(ctx: BenchContext) -> None:
