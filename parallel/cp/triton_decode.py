@@ -171,6 +171,9 @@ CONFIG = {
     "block_m": 64, "block_m_wide": 64, "block_m_wide_fp8": 32,
     "num_warps": 4, "num_warps_wide": 8, "num_stages": 2, "num_stages_wide": 3,
     "block_n_fp8": 128, "num_stages_fp8": 3,      # GQA over an fp8 cache (key dim <= 256)
+    # MLA with fp32 queries (exact products): 64 x 64 tiles in 3 stages would need 312 KB of shared
+    # memory (sm_90a compile, bench/debug/kernel_sass.py); 32 x 32 in 2 stages needs 152 KB
+    "block_n_wide_f32": 32, "block_m_wide_f32": 32, "num_stages_wide_f32": 2,
 }
 # H200, B = 32, 1/4 of L = 8K and 32K (`python -m megapar.launch.bench.cp --probe`, CUDA-graph
 # replays, two runs: bench/results/cp-probe-h200.json, cp-probe2-h200.json): MLA with 64-token
@@ -232,8 +235,7 @@ def apply_tuning(tuning: dict) -> None:
                                  f"entries)")
             new[name] = value
     for name, value in tuning.get("config", {}).items():
-        base = next((k for k, w in (*_WIDE.items(), *_FP8.items(), ("block_m", "block_m_wide_fp8")) if w == name),
-                    name)
+        base = next((k for k in _VALID if name == k or name.startswith(k + "_")), name)
         if name not in CONFIG:
             raise ValueError(f"unknown decode CONFIG key {name!r}; valid: {', '.join(CONFIG)}")
         if not _valid_value(base, value):
@@ -296,7 +298,10 @@ def paged_decode_triton(q: Tensor, k: Tensor, v: Tensor, k_scale: Tensor | None,
     fp8 = k.dtype == torch.float8_e4m3fn
     def key(name: str) -> str:
         if wide:
-            return f"{name}_wide_fp8" if fp8 and f"{name}_wide_fp8" in CONFIG else _WIDE[name]
+            for variant, on in (("f32", q.dtype == torch.float32), ("fp8", fp8)):
+                if on and f"{name}_wide_{variant}" in CONFIG:
+                    return f"{name}_wide_{variant}"
+            return _WIDE[name]
         return _FP8[name] if fp8 and name in _FP8 else name
     block_n = CONFIG[key("block_n")]
     block_m = max(16, min(triton.next_power_of_2(tq * g), CONFIG[key("block_m")]))
