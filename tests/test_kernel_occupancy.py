@@ -18,15 +18,19 @@ pytest.importorskip("triton")
 REPO = Path(__file__).resolve().parent.parent
 
 
-def _registers(kind: str, path: str) -> dict[str, tuple[int, int]]:
-    """label -> (registers, spilled bytes) for the cases of `kernel_sass.py kind path`."""
+def _compiled(kind: str, path: str) -> dict[str, tuple[int, int, int]]:
+    """label -> (registers, spilled bytes, shared bytes) for the cases of `kernel_sass.py kind path`."""
     env = dict(os.environ, TRITON_INTERPRET="0", PYTHONPATH=str(REPO))
     proc = subprocess.run([sys.executable, str(REPO / "bench/debug/kernel_sass.py"), kind, path], cwd=REPO, env=env,
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    rows = re.findall(r"  (.+?): (\d+) registers, (\d+) B spilled", proc.stdout)
+    rows = re.findall(r"  (.+?): (\d+) registers, (\d+) B spilled, (\d+) B shared", proc.stdout)
     assert rows, proc.stdout[-2000:]
-    return {label: (int(regs), int(spill)) for label, regs, spill in rows}
+    return {label: (int(regs), int(spill), int(shared)) for label, regs, spill, shared in rows}
+
+
+def _registers(kind: str, path: str) -> dict[str, tuple[int, int]]:
+    return {label: (regs, spill) for label, (regs, spill, _) in _compiled(kind, path).items()}
 
 
 def test_merge_kernels_keep_their_registers():
@@ -46,3 +50,12 @@ def test_nvfp4_quantize_keeps_three_programs_per_sm():
     assert got["_fp4_quant_kernel nvfp4 per matrix"][0] <= 168, got
     assert got["_fp4_quant_kernel mxfp4"][0] <= 128, got
     assert all(spill == 0 for _, spill in got.values()), got
+
+
+def test_mla_decode_launch_settings_fit_in_shared_memory():
+    """The MLA decode kernel as CONFIG launches it for bf16, fp8 and fp32 problems: a setting
+    tuned on bf16 (64 x 64 tiles, 3 stages: 222 KB) must not reach the fp32 path, where it would
+    need 312 KB and fail to launch."""
+    got = _compiled("decode-config", "parallel/cp/triton_decode.py")
+    assert len(got) == 3, got
+    assert all(shared <= 232448 for _, _, shared in got.values()), got     # sm_90 dynamic shared memory

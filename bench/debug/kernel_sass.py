@@ -5,6 +5,7 @@ Compares versions of a kernel without a GPU (bench/results/compare/kernel-sass.m
     python bench/debug/kernel_sass.py merge parallel/cp/triton_merge.py OLD_TREE/parallel/cp/triton_merge.py
     python bench/debug/kernel_sass.py quant parallel/quant/triton_quant.py OLD_TREE/parallel/quant/triton_quant.py
     python bench/debug/kernel_sass.py decode parallel/cp/triton_decode.py     # MLA decode launch settings
+    python bench/debug/kernel_sass.py decode-config parallel/cp/triton_decode.py   # as CONFIG launches them
     python bench/debug/kernel_sass.py --only "N=4" merge parallel/cp/triton_merge.py   # some cases only
 """
 
@@ -60,7 +61,25 @@ DECODE = {  # the paged decode kernel on MLA's latent cache (512 + 64 key dims, 
     for m, n, w, st in ((32, 32, 8, 2), (64, 32, 8, 2), (64, 16, 8, 2), (64, 32, 4, 2), (128, 16, 8, 1),
                         (32, 64, 8, 3), (64, 64, 8, 3))
 }
-SETS = {"merge": MERGE, "quant": QUANT, "decode": DECODE}
+
+
+def decode_config(mod) -> dict:
+    """MLA decode as the module's `launch_settings` would launch it (1 query x 128 heads), for a
+    bf16, an fp8 and an fp32 problem: what has to fit in shared memory."""
+    torch = sys.modules.get("torch") or __import__("torch")
+    out = {}
+    for tag, qd, cd, ptr in (("bf16", torch.bfloat16, torch.bfloat16, "*bf16"),
+                             ("fp8", torch.bfloat16, torch.float8_e4m3fn, "*fp8e4nv"),
+                             ("fp32", torch.float32, torch.float32, "*fp32")):
+        cfg = mod.launch_settings(576, qd, cd, 128)
+        ptrs = dict(_DECODE, k_ptr=ptr, v_ptr=ptr, **({"q_ptr": "*fp32"} if tag == "fp32" else {}))
+        cons = dict(_MLA, FP8=tag == "fp8", IEEE=tag == "fp32", BLOCK_M=cfg["block_m"], BLOCK_N=cfg["block_n"],
+                    num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+        out[f"_paged_decode_kernel MLA {tag} as launched {cfg}"] = ("_paged_decode_kernel", ptrs, cons)
+    return out
+
+
+SETS = {"merge": MERGE, "quant": QUANT, "decode": DECODE, "decode-config": decode_config}
 NOT_DIVISIBLE = ("M", "M_TILES")
 
 
@@ -81,8 +100,10 @@ def _load(path: str):
     return mod
 
 
-def report(cases: dict, path: str) -> None:
+def report(cases, path: str) -> None:
     mod = _load(path)
+    if callable(cases):      # a set made from the module itself (its launch settings)
+        cases = cases(mod)
     for label, (name, ptrs, cons) in cases.items():
         if name not in mod.__dict__:          # a kernel this version does not have
             continue
@@ -120,6 +141,6 @@ if __name__ == "__main__":
         only, args = args[1], args[2:]
     if len(args) < 2 or args[0] not in SETS:
         sys.exit(__doc__)
-    cases = {k: v for k, v in SETS[args[0]].items() if only is None or only in k}
+    chosen = SETS[args[0]]
     for p in args[1:]:
-        report(cases, p)
+        report(chosen if callable(chosen) else {k: v for k, v in chosen.items() if only is None or only in k}, p)

@@ -279,6 +279,25 @@ def plan_splits(capacity: int, programs: int, block_n: int) -> tuple[int, int]:
     return -(-capacity // split_len), split_len
 
 
+def launch_settings(d: int, q_dtype: torch.dtype, cache_dtype: torch.dtype, rows: int) -> dict[str, int]:
+    """CONFIG's block_m / block_n / num_warps / num_stages for a key dim d, these dtypes and `rows`
+    query rows per kv head (q_len x heads per kv head): "wide" (d > 256, MLA) entries first, with
+    their fp32-query or fp8-cache variants where CONFIG has one; else GQA's, fp8 ones for an fp8 cache."""
+    fp8 = cache_dtype == torch.float8_e4m3fn
+
+    def key(name: str) -> str:
+        if d > 256:
+            for variant, on in (("f32", q_dtype == torch.float32), ("fp8", fp8)):
+                if on and f"{name}_wide_{variant}" in CONFIG:
+                    return f"{name}_wide_{variant}"
+            return _WIDE[name]
+        return _FP8[name] if fp8 and name in _FP8 else name
+
+    out = {name: CONFIG[key(name)] for name in ("block_m", "block_n", "num_warps", "num_stages")}
+    out["block_m"] = max(16, min(triton.next_power_of_2(max(rows, 1)), out["block_m"]))
+    return out
+
+
 def paged_decode_triton(q: Tensor, k: Tensor, v: Tensor, k_scale: Tensor | None, v_scale: Tensor | None,
                         block_table: Tensor, local_lens: Tensor, seq_lens: Tensor, scale: float, *,
                         dcp_size: int, dcp_rank: int, interleave: int, capacity: int) -> AttnState:
@@ -294,17 +313,9 @@ def paged_decode_triton(q: Tensor, k: Tensor, v: Tensor, k_scale: Tensor | None,
     g = hq // hkv
     d_main, d_rest, block_rest = _split_dims(d)
     v_from_k = (v.data_ptr() == k.data_ptr() and v.stride() == k.stride() and dv == d_main)
-    wide = d > 256
     fp8 = k.dtype == torch.float8_e4m3fn
-    def key(name: str) -> str:
-        if wide:
-            for variant, on in (("f32", q.dtype == torch.float32), ("fp8", fp8)):
-                if on and f"{name}_wide_{variant}" in CONFIG:
-                    return f"{name}_wide_{variant}"
-            return _WIDE[name]
-        return _FP8[name] if fp8 and name in _FP8 else name
-    block_n = CONFIG[key("block_n")]
-    block_m = max(16, min(triton.next_power_of_2(tq * g), CONFIG[key("block_m")]))
+    cfg = launch_settings(d, q.dtype, k.dtype, tq * g)
+    block_n, block_m = cfg["block_n"], cfg["block_m"]
     m_tiles = -(-(tq * g) // block_m)
     programs = s * hkv * m_tiles
     splits, split_len = plan_splits(capacity, programs, block_n)
@@ -326,8 +337,8 @@ def paged_decode_triton(q: Tensor, k: Tensor, v: Tensor, k_scale: Tensor | None,
             o.stride(0), o.stride(1), o.stride(2), o.stride(3), lse.stride(0), lse.stride(1), lse.stride(2),
             D_MAIN=d_main, D_REST=d_rest, BLOCK_REST=block_rest, DV=dv, BLOCK_DV=triton.next_power_of_2(dv),
             BLOCK_M=block_m, BLOCK_N=block_n, PAGE=page, FP8=fp8, V_FROM_K=v_from_k, CAUSAL=tq > 1,
-            IEEE=q.dtype == torch.float32, INTERPRETED=_interpreted(), num_warps=CONFIG[key("num_warps")],
-            num_stages=CONFIG[key("num_stages")])
+            IEEE=q.dtype == torch.float32, INTERPRETED=_interpreted(), num_warps=cfg["num_warps"],
+            num_stages=cfg["num_stages"])
     if splits == 1:
         return AttnState(o[0], lse[0])
     merged = merge_states_triton(o.view(splits, s * tq, hq, dv), lse.view(splits, s * tq, hq))
