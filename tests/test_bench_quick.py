@@ -94,9 +94,11 @@ def test_reduced_sizes_without_quick_are_labelled_quick(tmp_path, monkeypatch):
     monkeypatch.setattr(gemm, "_weights", lambda ctx, e, n, k, seed: {"shape": (e, n, k)})
     monkeypatch.setattr(gemm, "Case", lambda ctx, shape, g, tok, w: (shape, tok, w["shape"]))
     monkeypatch.setattr(gemm, "_run_case", lambda ctx, c, fn: (sizes.append(c), ctx.record(str(c), 1.0)))
+    monkeypatch.setattr(gemm, "_routed_rows", lambda ctx, shape, g, w, fn: sizes.append((shape, "routed", w["shape"])))
     ctx = BenchContext(suite="gemm", device=torch.device("cpu"), quick=False)
     gemm.run(ctx)
     assert sizes and all(shape == "tiny" for shape, _, _ in sizes)     # CPU has no full size
+    assert any(what == "routed" for _, what, _ in sizes)                 # the routed decode rows too
     path = write_results(ctx, tmp_path, "megapar bench gemm --device cpu")
     assert path.name == "gemm-cpu-quick.json"
     assert any("results tagged -quick" in n for n in json.loads(path.read_text())["notes"])
