@@ -429,9 +429,12 @@ def test_tuning_probe_dry_run_writes_loadable_tuning(tq, tmp_path):
     try:
         assert main(["--probe", "--out", str(tmp_path)]) == 0
         tuning = json.loads((tmp_path / "quant-tuning.json").read_text())
-        rows = tuning["results"]
+        rows = [r for r in tuning["results"] if not r["op"].startswith("DIAG")]
         assert {r["kernel"] for r in rows} == set(PROBE_SETTINGS) and all(r.get("bit_identical") for r in rows), \
             [r for r in rows if not r.get("bit_identical")][:3]
+        diag = [r for r in tuning["results"] if r["op"] == "DIAG memory only"]     # timed, never chosen
+        assert sorted(r["fmt"] for r in diag) == ["mxfp4", "nvfp4"] and all(r["us"] > 0 for r in diag), diag
+        assert tq.FP4_QUANT_DIAG == 0
         assert set(tuning["config"]) == set(PROBE_SETTINGS)
         tq.apply_tuning(tuning)
         assert all(tq.CONFIG[k] == tuple(v) for k, v in tuning["config"].items())
@@ -441,6 +444,16 @@ def test_tuning_probe_dry_run_writes_loadable_tuning(tq, tmp_path):
     finally:
         tq.CONFIG.update(saved)
         tq.FP8_HW_CAST = saved_hw
+
+
+@interp
+def test_fp4_quant_diag_moves_the_same_bytes_but_is_no_quantization(tq, monkeypatch):
+    x = _awkward((2, 4, 128), 31)
+    good = tq.quantize(x, "mxfp4")
+    monkeypatch.setattr(tq, "FP4_QUANT_DIAG", 1)
+    diag = tq.quantize(x, "mxfp4")
+    assert diag.data.shape == good.data.shape and diag.scale.shape == good.scale.shape
+    assert not (torch.equal(diag.data, good.data) and torch.equal(diag.scale, good.scale))
 
 
 @interp

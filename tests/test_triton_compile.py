@@ -23,7 +23,11 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 module, name, types, constexprs = sys.argv[1], sys.argv[2], json.loads(sys.argv[3]), json.loads(sys.argv[4])
 kernel = getattr(__import__(module, fromlist=[name]), name)
-names = list(inspect.signature(kernel.fn).parameters)
+params = inspect.signature(kernel.fn).parameters
+names = list(params)
+for n, prm in params.items():   # constexpr parameters with a default take it, as a launch does
+    if n not in types and n not in constexprs and prm.default is not inspect.Parameter.empty:
+        constexprs[n] = prm.default
 missing = [n for n in names if n not in types and n not in constexprs]
 assert not missing, f"no type given for {missing}"
 sig = {n: types.get(n, "constexpr") for n in names}
@@ -73,6 +77,8 @@ _FP8_QUANT_ARGS = dict(x_ptr="*bf16", data_ptr="*u8", scale_ptr="*fp32", n_rows=
 @pytest.mark.parametrize("kernel,types,constexprs", [
     ("_fp4_quant_kernel", dict(x_ptr="*bf16", gs_ptr="*u8", **_FP4_ARGS),
      dict(IS_NV=False, GS_PER_MATRIX=False, BS=32, ROWS=128, EVEN=True)),
+    ("_fp4_quant_kernel", dict(x_ptr="*bf16", gs_ptr="*fp32", **_FP4_ARGS),     # the probe's memory-only variant
+     dict(IS_NV=True, GS_PER_MATRIX=False, BS=16, ROWS=256, EVEN=True, DIAG=1)),
     ("_fp4_quant_kernel", dict(x_ptr="*fp32", gs_ptr="*fp32", **_FP4_ARGS),
      dict(IS_NV=True, GS_PER_MATRIX=True, BS=16, ROWS=256, EVEN=False, num_warps=8)),
     ("_fp4_dequant_kernel", dict(gs_ptr="*fp32", out_ptr="*bf16", **_FP4_ARGS),

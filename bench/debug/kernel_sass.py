@@ -108,9 +108,12 @@ def report(cases, path: str) -> None:
         if name not in mod.__dict__:          # a kernel this version does not have
             continue
         kernel = getattr(mod, name)
-        names = list(inspect.signature(kernel.fn).parameters)
+        params = inspect.signature(kernel.fn).parameters
+        names = list(params)
         options = {"num_warps": cons.get("num_warps", 4), "num_stages": cons.get("num_stages", 3)}
         cons = {k: v for k, v in cons.items() if k not in options}
+        cons.update({n: p.default for n, p in params.items()   # defaulted constexprs, as a launch takes them
+                     if n not in cons and n not in ptrs and p.default is not inspect.Parameter.empty})
         sig = {n: "constexpr" if n in cons else ptrs.get(n, "i32") for n in names}
         # pointers 16-byte aligned, ints multiples of 16 (the bench shapes'), as launches specialize them
         attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in names if sig[n].startswith("*")

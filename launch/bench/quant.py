@@ -21,8 +21,10 @@ handful of launch settings (tile x warps; the fp8 quantizers with and without th
 conversion) at the full sizes on CUDA, each checked bit for bit against the CPU reference on a
 slice, timed, printed as a table (GB/s, % of the copy ceiling), and the fastest bit-identical
 setting per kernel written to DIR/quant-tuning.json, which `triton_quant.apply_tuning` (or
-MEGAPAR_QUANT_TUNING=DIR/quant-tuning.json) installs. On CPU under TRITON_INTERPRET=1 it is a
-dry run on tiny sizes.
+MEGAPAR_QUANT_TUNING=DIR/quant-tuning.json) installs. Two more rows per run, never chosen: the
+FP4 quantize kernel (mxfp4, nvfp4) at its default launch with its arithmetic dropped ("DIAG
+memory only": the same loads and stores), the bound its access pattern alone sets. On CPU
+under TRITON_INTERPRET=1 it is a dry run on tiny sizes.
 """
 
 from __future__ import annotations
@@ -272,10 +274,31 @@ def probe(out_dir: str | os.PathLike, *, device: str | None = None, iters: int =
                 print("  " + "  ".join(f"{k}={v}" for k, v in row.items()), flush=True)
                 if cuda:
                     torch.cuda.synchronize()
+        # the FP4 quantize kernel at its default launch without its arithmetic (same loads and
+        # stores): what of the miss against the copy ceiling the access pattern alone explains
+        tq.CONFIG.update(default_cfg)
+        tq.FP8_HW_CAST = default_hw
+        for kernel, fmt, x in (("fp4_quant", "mxfp4", weight), ("fp4_amax", "nvfp4", weight)):
+            tile, warps = default_cfg["fp4_quant"]
+            row = {"kernel": kernel, "fmt": fmt, "op": "DIAG memory only", "tile": tile, "warps": warps,
+                   "hw_cast": default_hw, "default": False, "bit_identical": False}
+            moved = x.numel() * x.element_size() + quantize(x, fmt, backend="triton").nbytes
+            tq.FP4_QUANT_DIAG = 1
+            try:
+                us = _time_us(lambda: tq.quantize(x, fmt), cuda, iters)
+                row.update(us=round(us, 2), gbps=round(moved / us / 1e3, 1),
+                           pct_copy=round(100 * moved / us / 1e3 / ceiling, 1))
+            except Exception as e:  # noqa: BLE001
+                row["error"] = f"{type(e).__name__}: {str(e)[:300]}"
+            finally:
+                tq.FP4_QUANT_DIAG = 0
+            results.append(row)
+            print("  " + "  ".join(f"{k}={v}" for k, v in row.items()), flush=True)
     finally:
         tq.CONFIG.clear()
         tq.CONFIG.update(default_cfg)
         tq.FP8_HW_CAST = default_hw
+        tq.FP4_QUANT_DIAG = 0
     config, best_rows = {}, {}
     for r in results:
         if r.get("bit_identical") and "us" in r and (r["kernel"] not in best_rows or r["us"] < best_rows[r["kernel"]]["us"]):
@@ -302,7 +325,8 @@ def _print_probe_table(results: list[dict], best_rows: dict) -> None:
     print("\n| kernel | fmt | tile | warps | hw_cast | us | GB/s | % copy | bits | |")
     print("|---|---|---|---|---|---|---|---|---|---|")
     for r in results:
-        mark = ("best" if best_rows.get(r["kernel"]) is r else "") + (" default" if r["default"] else "")
+        mark = ("best" if best_rows.get(r["kernel"]) is r else "") + (" default" if r["default"] else "") + (
+            " DIAG memory only" if r["op"].startswith("DIAG") else "")
         print(f"| {r['kernel']} | {r['fmt']} | {r['tile']} | {r['warps']} | {r['hw_cast']} | "
               f"{r.get('us', r.get('error', '')[:50])} | {r.get('gbps', '')} | {r.get('pct_copy', '')} | "
               f"{r.get('bit_identical', '')} | {mark.strip()} |")

@@ -50,6 +50,7 @@ CONFIG: dict[str, tuple[int, int]] = {
 # megapar.launch.bench.quant --probe` writes {"fp8_hw_cast": true} when it is bit-identical and
 # faster; apply_tuning (or MEGAPAR_QUANT_TUNING=path) turns it on.
 FP8_HW_CAST = False
+FP4_QUANT_DIAG = 0   # 1: the FP4 quantize kernel without its arithmetic (launch/bench/quant.py's probe only)
 
 
 def apply_tuning(tuning: dict) -> None:
@@ -321,9 +322,11 @@ def _fp8_tile(x, scale, slow, UE8M0: tl.constexpr, HW: tl.constexpr):
 @triton.jit
 def _fp4_quant_kernel(x_ptr, data_ptr, scale_ptr, gs_ptr, n_blocks, blocks_per_gs,
                       IS_NV: tl.constexpr, GS_PER_MATRIX: tl.constexpr, BS: tl.constexpr,
-                      ROWS: tl.constexpr, EVEN: tl.constexpr):
+                      ROWS: tl.constexpr, EVEN: tl.constexpr, DIAG: tl.constexpr = 0):
     """One program: ROWS whole blocks of BS (a [ROWS * BS] contiguous slice of x). Each thread
-    loads 16 bytes, stores its packed bytes in one store; EVEN (n_blocks % ROWS == 0) drops masks."""
+    loads 16 bytes, stores its packed bytes in one store; EVEN (n_blocks % ROWS == 0) drops masks.
+    DIAG 1 (a diagnostic of the tuning probe, never a result): the same loads and stores with
+    the arithmetic dropped, codes from x's bits and one max per block as the scale."""
     rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)    # block index
     cols = tl.arange(0, BS)
     pcols = tl.arange(0, BS // 2)
@@ -332,79 +335,83 @@ def _fp4_quant_kernel(x_ptr, data_ptr, scale_ptr, gs_ptr, n_blocks, blocks_per_g
     else:
         x = tl.load(x_ptr + rows[:, None] * BS + cols[None, :], mask=(rows < n_blocks)[:, None], other=0.0)
     x = x.to(tl.float32)
-    abits = _abs_max_bits(x, 1)                                          # [ROWS] block amax bits
-    if IS_NV:
-        if GS_PER_MATRIX:
-            g = tl.load(gs_ptr + rows.to(tl.int32) // blocks_per_gs, mask=rows < n_blocks, other=1.0)
-        else:
-            g = tl.load(gs_ptr)
-        amax = abits.to(tl.float32, bitcast=True)                        # NaN when the block has one
-        s = tl.where(g > 0, tl.div_rn(tl.div_rn(amax, 6.0), g), 0.0)
-        s = tl.where(s > 448.0, 448.0, s)
-        sbyte = e4m3_byte(s)
-        sval = e4m3_value(sbyte)
-        denom = sval * g
-        r = tl.div_rn(1.0, denom)
-        q = _div_abs_fast(x, denom[:, None], r[:, None])                # fp32 |x| / RN(s * g)
-        codes = _e2m1_index(q)
-        # The fp32 quotient is within 2 ulp of the exact one, so its E2M1 index is exact unless
-        # q lies near a rounding boundary: within 8 ulp of a value with the low 21 mantissa bits
-        # zero AND whose exponent and top two mantissa bits are one of the seven boundaries
-        # 0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5 (key = 4 * (exponent - 125) + top bits: 0, 6, 9,
-        # 11, 13, 15, 17 -> mask 0x2AA41). Code points (0.5, 1, ..., 6: every block's amax lands
-        # on 6 exactly) and zeros are not boundaries and keep the fast path.
-        b8 = q.to(tl.int32, bitcast=True) + 8
-        key = ((b8 >> 21) & 0x3FF) - 500
-        in_range = (key >= 0) & (key < 20)
-        keyc = tl.where(in_range, key, 0)
-        near = ((b8 & 0x1FFFFF) < 16) & in_range & (((0x2AA41 >> keyc) & 1) == 1)
-        # Near a boundary b, the side of |x| against the exact b * s * g decides. bf16 weights
-        # put quotients within an ulp or two of a boundary (x sharing the global amax's mantissa)
-        # in about one 4096-element tile of six, so the decision stays in fp32 and in a branch
-        # (it doubles the instructions per element): t = b * s is exact (3 + 4 significant bits),
-        # g splits into g_hi (its top 16 bits) + g_lo, and t * g_hi (23 bits), t * g_lo (15 bits)
-        # and |x| - t * g_hi (Sterbenz: |x| is within 2^-15 of t * g_hi) are all exact, whatever
-        # fma contraction the compiler applies; ties go to the even index (k: the index below b).
-        if tl.max(near.to(tl.int32)) > 0:
-            # q, its key and `near` again (the same correctly rounded quotient from other
-            # instructions: the first product as an fma with a zero addend), so that the compiler
-            # cannot reuse the values above and they need not stay live into this branch
-            # (registers decide the occupancy of every tile)
-            b8 = _div_abs_remat(x, denom[:, None], r[:, None]).to(tl.int32, bitcast=True) + 8
+    if DIAG == 1:
+        codes = (x.to(tl.int32, bitcast=True) >> 16) & 0xF
+        sbyte = tl.max(codes, 1).to(tl.uint8)
+    else:
+        abits = _abs_max_bits(x, 1)                                      # [ROWS] block amax bits
+        if IS_NV:
+            if GS_PER_MATRIX:
+                g = tl.load(gs_ptr + rows.to(tl.int32) // blocks_per_gs, mask=rows < n_blocks, other=1.0)
+            else:
+                g = tl.load(gs_ptr)
+            amax = abits.to(tl.float32, bitcast=True)                        # NaN when the block has one
+            s = tl.where(g > 0, tl.div_rn(tl.div_rn(amax, 6.0), g), 0.0)
+            s = tl.where(s > 448.0, 448.0, s)
+            sbyte = e4m3_byte(s)
+            sval = e4m3_value(sbyte)
+            denom = sval * g
+            r = tl.div_rn(1.0, denom)
+            q = _div_abs_fast(x, denom[:, None], r[:, None])                # fp32 |x| / RN(s * g)
+            codes = _e2m1_index(q)
+            # The fp32 quotient is within 2 ulp of the exact one, so its E2M1 index is exact unless
+            # q lies near a rounding boundary: within 8 ulp of a value with the low 21 mantissa bits
+            # zero AND whose exponent and top two mantissa bits are one of the seven boundaries
+            # 0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5 (key = 4 * (exponent - 125) + top bits: 0, 6, 9,
+            # 11, 13, 15, 17 -> mask 0x2AA41). Code points (0.5, 1, ..., 6: every block's amax lands
+            # on 6 exactly) and zeros are not boundaries and keep the fast path.
+            b8 = q.to(tl.int32, bitcast=True) + 8
             key = ((b8 >> 21) & 0x3FF) - 500
             in_range = (key >= 0) & (key < 20)
             keyc = tl.where(in_range, key, 0)
             near = ((b8 & 0x1FFFFF) < 16) & in_range & (((0x2AA41 >> keyc) & 1) == 1)
-            g_row = tl.zeros_like(sval) + g
-            g_hi = (g_row.to(tl.int32, bitcast=True) & -256).to(tl.float32, bitcast=True)
-            g_lo = g_row - g_hi
-            t = (b8 & -2097152).to(tl.float32, bitcast=True) * sval[:, None]     # b * s
-            diff = tl.abs(x) - t * g_hi[:, None]
-            rest = t * g_lo[:, None]
-            k = tl.where(keyc >= 9, (keyc - 5) >> 1, (keyc + 2) >> 3)        # keys 0, 6, 9, .., 17 -> 0 .. 6
-            up = (diff > rest) | ((diff == rest) & ((k & 1) == 1))
-            codes = tl.where(near, k + up.to(tl.int32), codes)
-        codes = codes | _sign_at(x, 3)
-        # rare tiles: a zero/NaN/extreme denominator (y = x * 0 when not > 0), a quotient over
-        # 2^64 (s clamped at 448), or an inf/NaN input (code 0 for NaN): the reference's exact
-        # steps (`nvfp4_codes`: |x| against boundary * s * g in float64)
-        fast = _fast_div_ok(denom) & (amax * r <= 1.8446744073709552e19)
-        if tl.min(fast.to(tl.int32)) == 0:
-            d = (sval.to(tl.float64) * g.to(tl.float64))[:, None]       # exact
-            codes = _e2m1_index_exact(tl.abs(x).to(tl.float64), d) | _sign_at(x, 3)
-            codes = tl.where(x != x, 0, codes)
-            codes = tl.where(d > 0, codes, e2m1_code(x * 0.0))
-    else:
-        byte = (abits >> 23) - 2 + ((abits & 0x7FFFFF) > 0x400000).to(tl.int32)
-        byte = tl.minimum(tl.maximum(byte, 0), 254)
-        byte = tl.where(abits > 0x7F800000, 255, byte)
-        inv = (tl.maximum(254 - byte, 1) << 23).to(tl.float32, bitcast=True)  # 2^-e, exact multiply
-        y = tl.abs(x) * inv[:, None]
-        if tl.max(abits) >= 0x7F800000:      # an inf (saturates) or a NaN (its code is +0) in the tile
-            codes = tl.where(x != x, 0, _e2m1_index(y) | _sign_at(x, 3))
-        else:                                # finite: y <= 6, no saturation; sign | index in one op
-            codes = _e2m1_index_le6_signed(y, x)
-        sbyte = byte.to(tl.uint8)
+            # Near a boundary b, the side of |x| against the exact b * s * g decides. bf16 weights
+            # put quotients within an ulp or two of a boundary (x sharing the global amax's mantissa)
+            # in about one 4096-element tile of six, so the decision stays in fp32 and in a branch
+            # (it doubles the instructions per element): t = b * s is exact (3 + 4 significant bits),
+            # g splits into g_hi (its top 16 bits) + g_lo, and t * g_hi (23 bits), t * g_lo (15 bits)
+            # and |x| - t * g_hi (Sterbenz: |x| is within 2^-15 of t * g_hi) are all exact, whatever
+            # fma contraction the compiler applies; ties go to the even index (k: the index below b).
+            if tl.max(near.to(tl.int32)) > 0:
+                # q, its key and `near` again (the same correctly rounded quotient from other
+                # instructions: the first product as an fma with a zero addend), so that the compiler
+                # cannot reuse the values above and they need not stay live into this branch
+                # (registers decide the occupancy of every tile)
+                b8 = _div_abs_remat(x, denom[:, None], r[:, None]).to(tl.int32, bitcast=True) + 8
+                key = ((b8 >> 21) & 0x3FF) - 500
+                in_range = (key >= 0) & (key < 20)
+                keyc = tl.where(in_range, key, 0)
+                near = ((b8 & 0x1FFFFF) < 16) & in_range & (((0x2AA41 >> keyc) & 1) == 1)
+                g_row = tl.zeros_like(sval) + g
+                g_hi = (g_row.to(tl.int32, bitcast=True) & -256).to(tl.float32, bitcast=True)
+                g_lo = g_row - g_hi
+                t = (b8 & -2097152).to(tl.float32, bitcast=True) * sval[:, None]     # b * s
+                diff = tl.abs(x) - t * g_hi[:, None]
+                rest = t * g_lo[:, None]
+                k = tl.where(keyc >= 9, (keyc - 5) >> 1, (keyc + 2) >> 3)        # keys 0, 6, 9, .., 17 -> 0 .. 6
+                up = (diff > rest) | ((diff == rest) & ((k & 1) == 1))
+                codes = tl.where(near, k + up.to(tl.int32), codes)
+            codes = codes | _sign_at(x, 3)
+            # rare tiles: a zero/NaN/extreme denominator (y = x * 0 when not > 0), a quotient over
+            # 2^64 (s clamped at 448), or an inf/NaN input (code 0 for NaN): the reference's exact
+            # steps (`nvfp4_codes`: |x| against boundary * s * g in float64)
+            fast = _fast_div_ok(denom) & (amax * r <= 1.8446744073709552e19)
+            if tl.min(fast.to(tl.int32)) == 0:
+                d = (sval.to(tl.float64) * g.to(tl.float64))[:, None]       # exact
+                codes = _e2m1_index_exact(tl.abs(x).to(tl.float64), d) | _sign_at(x, 3)
+                codes = tl.where(x != x, 0, codes)
+                codes = tl.where(d > 0, codes, e2m1_code(x * 0.0))
+        else:
+            byte = (abits >> 23) - 2 + ((abits & 0x7FFFFF) > 0x400000).to(tl.int32)
+            byte = tl.minimum(tl.maximum(byte, 0), 254)
+            byte = tl.where(abits > 0x7F800000, 255, byte)
+            inv = (tl.maximum(254 - byte, 1) << 23).to(tl.float32, bitcast=True)  # 2^-e, exact multiply
+            y = tl.abs(x) * inv[:, None]
+            if tl.max(abits) >= 0x7F800000:      # an inf (saturates) or a NaN (its code is +0) in the tile
+                codes = tl.where(x != x, 0, _e2m1_index(y) | _sign_at(x, 3))
+            else:                                # finite: y <= 6, no saturation; sign | index in one op
+                codes = _e2m1_index_le6_signed(y, x)
+            sbyte = byte.to(tl.uint8)
     even, odd = tl.split(tl.reshape(codes, (ROWS, BS // 2, 2)))
     packed = (even | (odd << 4)).to(tl.uint8)
     if EVEN:
@@ -636,6 +643,8 @@ def _quantize_fp4(x: torch.Tensor, fmt: str, bs: int, *, scale_rule: str = "ceil
     gs = _nvfp4_global(x, global_scale).to(torch.float32).contiguous() if fmt == "nvfp4" else None
     if n_blocks:
         grid, blocks_per_gs, meta = _fp4_launch_args(n_blocks, bs, gs, x.shape, "fp4_quant")
+        if FP4_QUANT_DIAG:      # the probe's memory-only variant (its output is not a quantization)
+            meta = dict(meta, DIAG=FP4_QUANT_DIAG)
         _fp4_quant_kernel[grid](x, data, scale, scale if gs is None else gs, n_blocks, blocks_per_gs, **meta)
     return QuantizedTensor(data, scale, fmt, x.shape, gs)
 
