@@ -4,7 +4,8 @@
 # Each step runs under `timeout` (its own limit, cut to what is left of DEADLINE, default 570 s
 # from the start), logs to STEP.log and writes its results beside it; a step that would get
 # under 20 s is skipped and said so. Everything is packed into $OUT/owed.tgz at exit (the device
-# tool returns at most 8 files). Carry .device-pkgs (and .ab-old for the `ab` step).
+# tool returns at most 8 files). Carry .device-pkgs (needed by deepep; and .ab-old for `ab`).
+# bench/run_gpu.sh is the short form for tests and benchmark suites.
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit 2
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
@@ -13,8 +14,10 @@ start=$SECONDS; deadline=${DEADLINE:-570}
 FINAL=${OUT:-/tmp/out}; res=/tmp/megapar-owed; rm -rf "$res"; mkdir -p "$res" "$FINAL"
 trap 'tar czf "$FINAL/owed.tgz" -C "$res" .' EXIT
 # shellcheck disable=SC1091
-source .device-pkgs/install.sh deep_gemm > "$res/install.log" 2>&1 || echo "install: failed (see install.log)"
-tail -3 "$res/install.log"
+if [ -f .device-pkgs/install.sh ]; then   # the carried packages (nvshmem4py, DeepGEMM), when carried
+  source .device-pkgs/install.sh deep_gemm > "$res/install.log" 2>&1 || echo "install: failed (see install.log)"
+  tail -3 "$res/install.log"
+fi
 python3 -c 'import torch; print(torch.__version__, torch.cuda.get_device_name(0))'
 
 step() {  # name limit_s command...
