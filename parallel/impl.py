@@ -274,3 +274,24 @@ def report(device: torch.device | str | None = None) -> dict[str, dict[str, str 
     (default: CUDA when available, else CPU)."""
     dev = torch.device(device) if device is not None else torch.device("cuda" if cuda_available() else "cpu")
     return {name: op.usable(device=dev) for name, op in sorted(_OPS.items())}
+
+
+def _torch_scratch(size: int, alignment: int, stream: int | None):
+    """Triton's global scratch (device-side TMA descriptors: 128 bytes per program and descriptor)
+    from torch's caching allocator on the current device (inside CUDA-graph capture: its pool)."""
+    import torch
+
+    return torch.empty(size, dtype=torch.int8, device=torch.device("cuda", torch.cuda.current_device()))
+
+
+def ensure_triton_scratch() -> None:
+    """Install a torch-backed Triton scratch allocator unless the program already set one (the
+    setting is a context variable: per thread). Kernels that build TMA descriptors on the device
+    need it; the interpreter needs none."""
+    if interpreting():
+        return
+    import triton
+    from triton.runtime import _allocation
+
+    if isinstance(_allocation._allocator.get(), _allocation.NullAllocator):
+        triton.set_allocator(_torch_scratch)

@@ -171,3 +171,80 @@ def test_kernel_full_size_on_gpu(cache_dtype, hq, hkv, d, dv, tq, monkeypatch):
     assert torch.equal(finite, torch.isfinite(got.lse))
     torch.testing.assert_close(got.lse[finite], ref.lse[finite], atol=2e-2, rtol=0)
     torch.testing.assert_close(got.out, ref.out, atol=2e-2, rtol=0)
+
+
+STRUCTURE = [dict(halves_wide=1), dict(halves_wide=1, tma_wide=1), dict(halves_wide=1, lazy_rescale_wide=1),
+             dict(lazy_rescale_wide=1), dict(halves_wide=1, tma_wide=1, lazy_rescale_wide=1)]
+
+
+def _mla_cache(lens, block, dtype, seed, device="cpu"):
+    """A latent cache (one 576-wide head, v = its first 512) whose slots past each sequence's length
+    hold NaN (a kernel must never let them reach the output), and its block table."""
+    gen = torch.Generator().manual_seed(seed)
+    per_seq = -(-max(lens) // block)
+    nb = len(lens) * per_seq + 2
+    table = torch.randperm(nb, generator=gen)[: len(lens) * per_seq].view(len(lens), per_seq).int()
+    kv = torch.full((nb, block, 1, 576), float("nan"))
+    scale = torch.full((nb, block, 1), float("nan")) if dtype == torch.float8_e4m3fn else None
+    for i, n in enumerate(lens):
+        for t in range(n):
+            row = torch.randn(576, generator=gen)
+            b, o = int(table[i, t // block]), t % block
+            if scale is None:
+                kv[b, o, 0] = row
+            else:
+                sc = row.abs().max() / 448.0
+                kv[b, o, 0] = (row / sc).to(torch.float8_e4m3fn).float()
+                scale[b, o, 0] = sc
+    kv = kv.to(dtype).to(device)
+    scale = None if scale is None else scale.to(device)
+    return PagedKVCache(kv, kv[..., :512], scale, scale), table.to(device)
+
+
+@pytest.mark.parametrize("structure", STRUCTURE, ids=lambda s: "+".join(sorted(s)))
+@pytest.mark.parametrize("tq", [1, 2])
+def test_mla_structure_options_match_reference(structure, tq, monkeypatch):
+    """The kernel's MLA structure options (latent in halves, TMA loads, lazy rescale) against the
+    torch path, with NaN in every slot past a sequence's length and sequences of 0, short and
+    several-split lengths (min_split 16: many splits, then the LSE merge)."""
+    from parallel.cp import triton_decode as td
+
+    monkeypatch.setitem(td.CONFIG, "min_split", 16)
+    monkeypatch.setitem(td.CONFIG, "block_n_wide_f32", 16)
+    monkeypatch.setitem(td.CONFIG, "block_m_wide_f32", 16)
+    for key, value in structure.items():
+        monkeypatch.setitem(td.CONFIG, key, value)
+    lens = [33, 0, 5, 16] if tq == 1 else [33, 2, 5, 16]
+    cache, table = _mla_cache(lens, 16, torch.float32, seed=3 + tq)
+    q = torch.randn(len(lens), tq, 4, 576) * 0.2
+    seq = torch.tensor(lens)
+    ref = paged_decode_attention(q, cache, table, seq, scale=0.05, backend="torch")
+    got = paged_decode_attention(q, cache, table, seq, scale=0.05, backend="triton")
+    assert torch.isfinite(got.out).all()
+    _check(got, ref, 1e-4)
+    if lens[1] == 0:
+        assert torch.isinf(got.lse[1]).all() and (got.out[1] == 0).all()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("cache_dtype", [torch.bfloat16, torch.float8_e4m3fn])
+@pytest.mark.parametrize("structure", STRUCTURE, ids=lambda s: "+".join(sorted(s)))
+def test_mla_structure_options_on_gpu(cache_dtype, structure, monkeypatch):
+    """The MLA structure options at full size (128 heads, 576 / 512, page 64) on the GPU: NaN past
+    every sequence's end, lengths that end inside a tile, one empty sequence, several splits."""
+    from parallel.cp import triton_decode as td
+
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    for key, value in structure.items():
+        monkeypatch.setitem(td.CONFIG, key, value)
+    lens = [3000, 0, 77, 1, 640]
+    cache, table = _mla_cache(lens, 64, cache_dtype, seed=9, device="cuda")
+    q = torch.randn(len(lens), 1, 128, 576, device="cuda", dtype=torch.bfloat16)
+    seq = torch.tensor(lens, device="cuda")
+    ref = paged_decode_attention(q, cache, table, seq, scale=0.07, backend="torch")
+    got = paged_decode_attention(q, cache, table, seq, scale=0.07, backend="triton")
+    assert torch.isfinite(got.out).all()
+    finite = torch.isfinite(ref.lse)
+    assert torch.equal(finite, torch.isfinite(got.lse)) and not finite[1].any()
+    torch.testing.assert_close(got.lse[finite], ref.lse[finite], atol=2e-2, rtol=0)
+    torch.testing.assert_close(got.out, ref.out, atol=2e-2, rtol=0)

@@ -61,6 +61,15 @@ DECODE = {  # the paged decode kernel on MLA's latent cache (512 + 64 key dims, 
     for m, n, w, st in ((32, 32, 8, 2), (64, 32, 8, 2), (64, 16, 8, 2), (64, 32, 4, 2), (128, 16, 8, 1),
                         (32, 64, 8, 3), (64, 64, 8, 3))
 }
+DECODE.update({  # the structure options (CONFIG halves_wide / tma_wide / lazy_rescale_wide) at the MLA defaults
+    f"_paged_decode_kernel MLA {'fp8' if fp8 else 'bf16'} block_m={m} block_n=64 warps={w} stages={st} {label}":
+        ("_paged_decode_kernel", dict(_DECODE, **({"k_ptr": "*fp8e4nv", "v_ptr": "*fp8e4nv"} if fp8 else {})),
+         dict(_MLA, FP8=fp8, BLOCK_M=m, BLOCK_N=64, num_warps=w, num_stages=st, **opts))
+    for fp8, m in ((False, 64), (True, 32), (True, 64))
+    for w, st in ((8, 3), (8, 2), (4, 2))
+    for label, opts in (("halves", dict(HALVES=True)), ("halves tma", dict(HALVES=True, TMA=True)),
+                        ("lazy", dict(LAZY=True)), ("halves tma lazy", dict(HALVES=True, TMA=True, LAZY=True)))
+})
 
 
 def decode_config(mod) -> dict:
@@ -74,7 +83,8 @@ def decode_config(mod) -> dict:
         cfg = mod.launch_settings(576, qd, cd, 128)
         ptrs = dict(_DECODE, k_ptr=ptr, v_ptr=ptr, **({"q_ptr": "*fp32"} if tag == "fp32" else {}))
         cons = dict(_MLA, FP8=tag == "fp8", IEEE=tag == "fp32", BLOCK_M=cfg["block_m"], BLOCK_N=cfg["block_n"],
-                    num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+                    num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], LAZY=bool(cfg["lazy_rescale"]),
+                    HALVES=bool(cfg["halves"]) and cfg["block_n"] <= 64, TMA=bool(cfg["halves"] and cfg["tma"]))
         out[f"_paged_decode_kernel MLA {tag} as launched {cfg}"] = ("_paged_decode_kernel", ptrs, cons)
     return out
 

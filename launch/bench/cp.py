@@ -380,9 +380,16 @@ def _paged_decode_rows(ctx: BenchContext) -> None:
                 del kc
                 nbytes = kv_read_bytes_of(cache, batch * local, kv_heads, d, dv, v_from_k)
                 label = "paged decode kernel over" if kind == "gqa" else "MLA absorbed decode kernel over"
+                # the roofline: the bytes at the copy ceiling or the matmul FLOPs (q.k over d, p.v over
+                # dv, per head and token) at the measured bf16 dense ceiling, whichever takes longer.
+                # MLA's 128 heads over one latent head: 128 x 2 x (576 + 512) FLOP per 1152 B token =
+                # 242 FLOP/B, above the H200's 799 TFLOP/s / ~4.3 TB/s = 186: compute-bound
+                byte_floor = _floor(nbytes, ceiling)
+                flop_floor = _flop_floor_us(ctx, 2.0 * batch * local * heads * (d + dv))
+                floor = max(byte_floor, flop_floor) if byte_floor and flop_floor else byte_floor
                 ctx.record(f"{label} 1/{n} KV ({tag} cache, B={batch}, L={context}, {what})",
-                           ours_us, anchor=anchor, anchor_us=sdpa_us,
-                           floor_us=_floor(nbytes, ceiling), torch_gathered_us=torch_us,
+                           ours_us, anchor=anchor, anchor_us=sdpa_us, floor_us=floor, byte_floor_us=byte_floor,
+                           flop_floor_us=flop_floor, torch_gathered_us=torch_us,
                            speedup_vs_torch=torch_us / ours_us, target_fraction=0.70, anchor_timing=anchor_timing,
                            **ours_cols)
                 del cache, table, q

@@ -39,27 +39,34 @@ ATOL_GPU = 2e-2       # tests/test_cp_decode_kernel.py, full size on the GPU (bf
 ATOL_CPU = 1e-4       # float32 under the interpreter
 REF_BUDGET = 8 << 30  # bytes of the torch path's per-head KV copy: sequences checked per problem
 
-KEYS = {"gqa": ("block_n", "num_warps", "num_stages", "target_programs", "min_split"),
+KEYS = {"gqa": ("block_n", "num_warps", "num_stages", "target_programs", "min_split", "lazy_rescale"),
         "gqa_fp8": ("block_n", "num_stages"),
-        "mla": ("block_m", "block_n", "num_warps", "num_stages", "target_programs", "min_split")}
+        "mla": ("block_m", "block_n", "num_warps", "num_stages", "target_programs", "min_split", "lazy_rescale",
+                "halves", "tma", "diag")}
 FAMILY_MAP = {"gqa": {}, "mla": "_WIDE", "gqa_fp8": "_FP8"}   # family key -> CONFIG key (triton_decode)
 
 VARIANTS = {   # overrides of the current settings, one factor at a time, then a few combinations
-    "gqa": [{}, {"block_n": 32}, {"block_n": 128}, {"num_warps": 8}, {"num_stages": 1}, {"num_stages": 3},
+    "gqa": [{}, {"lazy_rescale": 1}, {"block_n": 32}, {"block_n": 128}, {"num_warps": 8}, {"num_stages": 1}, {"num_stages": 3},
             {"target_programs": 132}, {"target_programs": 528}, {"min_split": 128}, {"min_split": 512},
             {"block_n": 128, "num_warps": 8}, {"block_n": 128, "num_stages": 3}, {"block_n": 32, "num_stages": 3},
             {"target_programs": 528, "min_split": 128}, {"block_n": 128, "num_warps": 8, "num_stages": 3}],
-    "mla": [{}, {"block_m": 64}, {"block_m": 128}, {"block_n": 16}, {"block_n": 64}, {"num_warps": 4},
-            {"num_stages": 1}, {"num_stages": 3}, {"target_programs": 132}, {"target_programs": 528},
-            {"min_split": 128}, {"min_split": 512}, {"block_m": 64, "block_n": 16}, {"block_m": 64, "num_stages": 1},
-            {"block_n": 16, "num_stages": 3}, {"block_m": 128, "block_n": 16, "num_stages": 1},
-            {"block_m": 64, "target_programs": 528}],
+    # MLA: the kernel structure options (latent in halves, TMA, lazy rescale) and, on the halves
+    # kernel, the subtraction diagnostics (diag 1 no softmax, 2 no P @ V, 3 scores only: invalid
+    # rows, timed for where the time goes)
+    "mla": [{}, {"block_n": 32}, {"num_stages": 2}, {"target_programs": 528}, {"min_split": 256},
+            {"min_split": 1024}, {"lazy_rescale": 1}, {"halves": 1}, {"halves": 1, "num_stages": 2},
+            {"halves": 1, "tma": 1}, {"halves": 1, "tma": 1, "num_stages": 2},
+            {"halves": 1, "tma": 1, "num_stages": 2, "lazy_rescale": 1}, {"halves": 1, "num_stages": 2, "lazy_rescale": 1},
+            {"halves": 1, "tma": 1, "num_stages": 2, "target_programs": 528},
+            {"halves": 1, "num_stages": 2, "diag": 1}, {"halves": 1, "num_stages": 2, "diag": 2},
+            {"halves": 1, "num_stages": 2, "diag": 3}, {"halves": 1, "tma": 1, "num_stages": 2, "diag": 3}],
     "gqa_fp8": [{}, {"block_n": 64}, {"block_n": 32}, {"num_stages": 2}, {"num_stages": 4}, {"block_n": 64,
                                                                                           "num_stages": 2}],
 }
 TINY_VARIANTS = {
     "gqa": [{}, {"block_n": 16, "min_split": 32}, {"num_warps": 8, "num_stages": 1}],
-    "mla": [{}, {"block_m": 16, "block_n": 16, "min_split": 32}, {"num_warps": 4}],
+    "mla": [{}, {"block_m": 16, "block_n": 16, "min_split": 32}, {"num_warps": 4}, {"halves": 1, "block_n": 16},
+            {"halves": 1, "tma": 1, "block_n": 16, "lazy_rescale": 1}],
     "gqa_fp8": [{}, {"block_n": 16}],
 }
 

@@ -465,7 +465,7 @@ def launch_w4a16(x: torch.Tensor, w: PreparedWeight, rows, *, out_dtype: torch.d
     rmax = w.row_max_scale() if prescale else sdata
     if cfg.tma:
         _check_tma(st, cfg.block_n, st.row_offset(n_out))
-        _ensure_allocator()
+        impl.ensure_triton_scratch()
     grid = (triton.cdiv(n_out, cfg.block_n), slots)
     _w4a16_kernel[grid](
         x2, st.data, sdata, gs, rmax, out, out_scale, counts, offs,
@@ -498,23 +498,6 @@ def _check_tma(st: WeightStrides, block_n: int, up_offset: int) -> None:
     if T < prepare.UNTILED and T % block_n and block_n % T:
         raise ValueError(f"tma=True needs block_n ({block_n}) and the weight's tile_n ({T}) to divide one another; "
                          f"prepare the weight with tile_n=0 or a power of two, or use tma=False")
-
-
-def _torch_scratch(size: int, alignment: int, stream: int | None) -> torch.Tensor:
-    """Triton's global scratch (device-side TMA descriptors: 128 bytes per program and descriptor)
-    from torch's caching allocator on the current device (inside CUDA-graph capture: its pool)."""
-    return torch.empty(size, dtype=torch.int8, device=torch.device("cuda", torch.cuda.current_device()))
-
-
-def _ensure_allocator() -> None:
-    """Install `_torch_scratch` as Triton's allocator unless the program already set one (the
-    setting is a context variable: per thread). The interpreter needs none."""
-    if impl.interpreting():
-        return
-    from triton.runtime import _allocation
-
-    if isinstance(_allocation._allocator.get(), _allocation.NullAllocator):
-        triton.set_allocator(_torch_scratch)
 
 
 def w4a16_grouped_gemm(x: torch.Tensor, w: PreparedWeight, rows, *, out_dtype: torch.dtype,

@@ -24,6 +24,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from .. import impl
 from .state import AttnState
 from .triton_merge import merge_states_triton
 
@@ -31,11 +32,39 @@ _LOG2E = 1.4426950408889634
 
 
 @triton.jit
+def _dot(a, b, acc, IEEE: tl.constexpr):
+    """acc + a @ b, with exact fp32 products when IEEE (fp32 inputs under test)."""
+    if IEEE:
+        return tl.dot(a, b, acc, input_precision="ieee")
+    else:
+        return tl.dot(a, b, acc)
+
+
+@triton.jit
+def _softmax_step(qk, m_i, LAZY: tl.constexpr):
+    """Online-softmax step over masked base-2 scores qk [M, N] with running max m_i [M]:
+    (new max, p = 2^(qk - max), alpha = 2^(m_i - max) to rescale l and acc by, grow). LAZY keeps
+    the running max (alpha = 1, grow false: the caller skips the rescale of acc) unless some row's
+    max grew by more than 8: p <= 2^8 is then exact to the same relative precision in fp32 and
+    bf16, and out = acc / l and lse = max + log2(l) are unchanged in exact arithmetic."""
+    m_new = tl.maximum(m_i, tl.max(qk, 1))
+    if LAZY:
+        grow = tl.max((m_new > m_i + 8.0).to(tl.int32), 0) > 0
+        m_new = tl.where(grow, m_new, m_i)
+    else:
+        grow = True
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    p = tl.exp2(qk - m_safe[:, None])
+    alpha = tl.exp2(m_i - m_safe)
+    return m_new, p, alpha, grow
+
+
+@triton.jit
 def _tile(j0, end, s64, kvh, q_main, q_rest, q_pos, rmask, dm, dr, rest_mask, dv, dv_mask, m_i, l_i, acc,
           k_ptr, v_ptr, ks_ptr, vs_ptr, table_ptr, qk_scale, dcp_size, dcp_rank, interleave,
           sk_b, sk_t, sk_h, sv_b, sv_t, sv_h, ss_b, ss_t, ss_h, svs_b, svs_t, svs_h, st_s,
           D_REST: tl.constexpr, BLOCK_N: tl.constexpr, PAGE: tl.constexpr, FP8: tl.constexpr,
-          V_FROM_K: tl.constexpr, CAUSAL: tl.constexpr, IEEE: tl.constexpr):
+          V_FROM_K: tl.constexpr, CAUSAL: tl.constexpr, IEEE: tl.constexpr, LAZY: tl.constexpr):
     """One key tile [j0, j0 + BLOCK_N) of the online softmax: returns the new (m, l, acc)."""
     j = j0 + tl.arange(0, BLOCK_N)
     jmask = j < end
@@ -68,12 +97,13 @@ def _tile(j0, end, s64, kvh, q_main, q_rest, q_pos, rmask, dm, dr, rest_mask, dv
         g_pos = (j // interleave) * (interleave * dcp_size) + dcp_rank * interleave + j % interleave
         allowed = allowed & (g_pos[None, :] <= q_pos[:, None])
     qk = tl.where(allowed, qk, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(qk, 1))
-    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-    p = tl.exp2(qk - m_safe[:, None])
-    alpha = tl.exp2(m_i - m_safe)
+    m_new, p, alpha, grow = _softmax_step(qk, m_i, LAZY)
     l_i = l_i * alpha + tl.sum(p, 1)
-    acc = acc * alpha[:, None]
+    if LAZY:
+        if grow:
+            acc = acc * alpha[:, None]
+    else:
+        acc = acc * alpha[:, None]
     if V_FROM_K:
         v_tile = k_main
     else:
@@ -94,6 +124,151 @@ def _tile(j0, end, s64, kvh, q_main, q_rest, q_pos, rmask, dm, dr, rest_mask, dv
 
 
 @triton.jit
+def _tile_halves(j0, end, s64, q0, q1, q_rest, q_pos, rmask, m_i, l_i, acc0, acc1, desc_main, desc_rest,
+                 k_ptr, ks_ptr, table_ptr, qk_scale, dcp_size, dcp_rank, interleave, sk_b, sk_t, ss_b, ss_t, st_s,
+                 HALF: tl.constexpr, D_REST: tl.constexpr, BLOCK_REST: tl.constexpr, BLOCK_N: tl.constexpr,
+                 PAGE: tl.constexpr, FP8: tl.constexpr, CAUSAL: tl.constexpr, LAZY: tl.constexpr,
+                 TMA: tl.constexpr, DIAG: tl.constexpr, IEEE: tl.constexpr):
+    """`_tile` for one latent head whose value is the key's first 2 * HALF dims (MLA: 512 of 576),
+    kept as two halves [BLOCK_N, HALF] (a TMA box is at most 256 wide) and two accumulators; the
+    tile lies in one page (PAGE % BLOCK_N == 0, tiles start at multiples of BLOCK_N). TMA: the
+    three boxes of the tile from device-side descriptors over [blocks, PAGE, D]; rows past `end`
+    are zeroed before they serve as values (the cache holds anything there). DIAG (the tuning
+    probe's subtraction diagnostics, never a result): 1 no softmax (p = the scores), 2 no P @ V,
+    3 scores only (neither)."""
+    j = j0 + tl.arange(0, BLOCK_N)
+    jmask = j < end
+    block = tl.load(table_ptr + s64 * st_s + j0 // PAGE).to(tl.int64)
+    p0 = j0 % PAGE
+    if TMA:
+        blk = block.to(tl.int32)
+        k0 = tl.reshape(desc_main.load([blk, p0, 0]), (BLOCK_N, HALF))
+        k1 = tl.reshape(desc_main.load([blk, p0, HALF]), (BLOCK_N, HALF))
+        kr = tl.reshape(desc_rest.load([blk, p0, 2 * HALF]), (BLOCK_N, BLOCK_REST))
+    else:
+        dh = tl.arange(0, HALF)
+        dr = 2 * HALF + tl.arange(0, BLOCK_REST)
+        k_row = block * sk_b + (p0 + tl.arange(0, BLOCK_N)).to(tl.int64) * sk_t                     # [BLOCK_N]
+        k0 = tl.load(k_ptr + k_row[:, None] + dh[None, :], mask=jmask[:, None], other=0.0)
+        k1 = tl.load(k_ptr + k_row[:, None] + HALF + dh[None, :], mask=jmask[:, None], other=0.0)
+        kr = tl.load(k_ptr + k_row[:, None] + dr[None, :], mask=jmask[:, None] & (dr < 2 * HALF + D_REST)[None, :],
+                     other=0.0)
+    if FP8:
+        k0 = k0.to(q0.dtype)
+        k1 = k1.to(q0.dtype)
+        kr = kr.to(q0.dtype)
+    qk = _dot(q0, tl.trans(k0), tl.zeros([q0.shape[0], BLOCK_N], tl.float32), IEEE)
+    qk = _dot(q1, tl.trans(k1), qk, IEEE)
+    qk = _dot(q_rest, tl.trans(kr), qk, IEEE)
+    if FP8:
+        s_row = block * ss_b + (p0 + tl.arange(0, BLOCK_N)).to(tl.int64) * ss_t
+        ks = tl.load(ks_ptr + s_row, mask=jmask, other=0.0)
+        qk = qk * (ks * qk_scale)[None, :]
+    else:
+        qk = qk * qk_scale
+    allowed = jmask[None, :] & rmask[:, None]
+    if CAUSAL:
+        g_pos = (j // interleave) * (interleave * dcp_size) + dcp_rank * interleave + j % interleave
+        allowed = allowed & (g_pos[None, :] <= q_pos[:, None])
+    qk = tl.where(allowed, qk, float("-inf"))
+    if DIAG == 1 or DIAG == 3:
+        m_new = tl.maximum(m_i, tl.max(qk, 1))
+        p = tl.where(allowed, qk, 0.0)
+        l_i += tl.sum(p, 1)
+    else:
+        m_new, p, alpha, grow = _softmax_step(qk, m_i, LAZY)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        if LAZY:
+            if grow:
+                acc0 = acc0 * alpha[:, None]
+                acc1 = acc1 * alpha[:, None]
+        else:
+            acc0 = acc0 * alpha[:, None]
+            acc1 = acc1 * alpha[:, None]
+    if DIAG != 2 and DIAG != 3:
+        if FP8:
+            p = p * ks[None, :]          # the value scale is the key scale (one latent vector per token)
+        pv = p.to(k0.dtype)
+        acc0 = _dot(pv, k0, acc0, IEEE)
+        acc1 = _dot(pv, k1, acc1, IEEE)
+    return m_new, l_i, acc0, acc1
+
+
+@triton.jit
+def _finish(l_i, m_i):
+    """(l where a row saw a key else 1: the divisor of acc, lse in natural log: -inf for rows that
+    saw none)."""
+    nonempty = l_i > 0
+    safe = tl.where(nonempty, l_i, 1.0)
+    return safe, tl.where(nonempty, (m_i + tl.log2(safe)) * 0.6931471805599453, float("-inf"))
+
+
+@triton.jit
+def _halves_body(q_ptr, k_ptr, ks_ptr, table_ptr, lens_ptr, glens_ptr, o_ptr, lse_ptr, split, s, s64, q_row,
+                 t_idx, h_idx, rmask, qk_scale, split_len, Tq, dcp_size, dcp_rank, interleave, sk_b, sk_t,
+                 ss_b, ss_t, st_s, so_p, so_s, so_t, so_h, sl_p, sl_s, sl_t, NUM_BLOCKS,
+                 HALF: tl.constexpr, D_REST: tl.constexpr, BLOCK_REST: tl.constexpr, BLOCK_M: tl.constexpr,
+                 BLOCK_N: tl.constexpr, PAGE: tl.constexpr, FP8: tl.constexpr, CAUSAL: tl.constexpr,
+                 INTERPRETED: tl.constexpr, LAZY: tl.constexpr, TMA: tl.constexpr, DIAG: tl.constexpr,
+                 IEEE: tl.constexpr):
+    """The kernel's program for one latent head read in halves (`_tile_halves`)."""
+    dh = tl.arange(0, HALF)
+    dr = 2 * HALF + tl.arange(0, BLOCK_REST)
+    q0 = tl.load(q_ptr + q_row[:, None] + dh[None, :], mask=rmask[:, None], other=0.0)
+    q1 = tl.load(q_ptr + q_row[:, None] + HALF + dh[None, :], mask=rmask[:, None], other=0.0)
+    q_rest = tl.load(q_ptr + q_row[:, None] + dr[None, :], mask=rmask[:, None] & (dr < 2 * HALF + D_REST)[None, :],
+                     other=0.0)
+    if TMA:
+        desc_main = tl.make_tensor_descriptor(k_ptr, [NUM_BLOCKS, PAGE, 2 * HALF + D_REST], [sk_b, sk_t, 1],
+                                              [1, BLOCK_N, HALF])
+        desc_rest = tl.make_tensor_descriptor(k_ptr, [NUM_BLOCKS, PAGE, 2 * HALF + D_REST], [sk_b, sk_t, 1],
+                                              [1, BLOCK_N, BLOCK_REST])
+    else:
+        desc_main, desc_rest = k_ptr, k_ptr
+    local_len = tl.load(lens_ptr + s)
+    start = split * split_len
+    end = tl.minimum(start + split_len, local_len)
+    if CAUSAL:
+        q_pos = tl.load(glens_ptr + s) - Tq + t_idx
+    else:
+        q_pos = t_idx
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc0 = tl.zeros([BLOCK_M, HALF], tl.float32)
+    acc1 = tl.zeros([BLOCK_M, HALF], tl.float32)
+    if TMA:     # whole tiles by TMA, then the partial one (if any) through masked pointer loads
+        full_end = start + (tl.maximum(end - start, 0) // BLOCK_N) * BLOCK_N
+    else:
+        full_end = end
+    if INTERPRETED:
+        j0 = start
+        while j0 < full_end:
+            m_i, l_i, acc0, acc1 = _tile_halves(
+                j0, end, s64, q0, q1, q_rest, q_pos, rmask, m_i, l_i, acc0, acc1, desc_main, desc_rest, k_ptr, ks_ptr,
+                table_ptr, qk_scale, dcp_size, dcp_rank, interleave, sk_b, sk_t, ss_b, ss_t, st_s, HALF, D_REST,
+                BLOCK_REST, BLOCK_N, PAGE, FP8, CAUSAL, LAZY, TMA, DIAG, IEEE)
+            j0 += BLOCK_N
+    else:
+        for j0 in range(start, full_end, BLOCK_N):
+            m_i, l_i, acc0, acc1 = _tile_halves(
+                j0, end, s64, q0, q1, q_rest, q_pos, rmask, m_i, l_i, acc0, acc1, desc_main, desc_rest, k_ptr, ks_ptr,
+                table_ptr, qk_scale, dcp_size, dcp_rank, interleave, sk_b, sk_t, ss_b, ss_t, st_s, HALF, D_REST,
+                BLOCK_REST, BLOCK_N, PAGE, FP8, CAUSAL, LAZY, TMA, DIAG, IEEE)
+    if TMA:
+        if full_end < end:
+            m_i, l_i, acc0, acc1 = _tile_halves(
+                full_end, end, s64, q0, q1, q_rest, q_pos, rmask, m_i, l_i, acc0, acc1, desc_main, desc_rest, k_ptr,
+                ks_ptr, table_ptr, qk_scale, dcp_size, dcp_rank, interleave, sk_b, sk_t, ss_b, ss_t, st_s, HALF,
+                D_REST, BLOCK_REST, BLOCK_N, PAGE, FP8, CAUSAL, LAZY, False, DIAG, IEEE)
+    safe, lse = _finish(l_i, m_i)
+    o_row = split.to(tl.int64) * so_p + s64 * so_s + t_idx.to(tl.int64) * so_t + h_idx.to(tl.int64) * so_h
+    tl.store(o_ptr + o_row[:, None] + dh[None, :], acc0 / safe[:, None], mask=rmask[:, None])
+    tl.store(o_ptr + o_row[:, None] + HALF + dh[None, :], acc1 / safe[:, None], mask=rmask[:, None])
+    l_row = split.to(tl.int64) * sl_p + s64 * sl_s + t_idx.to(tl.int64) * sl_t + h_idx
+    tl.store(lse_ptr + l_row, lse, mask=rmask)
+
+
+@triton.jit
 def _paged_decode_kernel(
     q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, table_ptr, lens_ptr, glens_ptr, o_ptr, lse_ptr,
     qk_scale, split_len, Tq, G, M_TILES, KV_HEADS, HQ,
@@ -105,7 +280,8 @@ def _paged_decode_kernel(
     D_MAIN: tl.constexpr, D_REST: tl.constexpr, BLOCK_REST: tl.constexpr, DV: tl.constexpr,
     BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PAGE: tl.constexpr,
     FP8: tl.constexpr, V_FROM_K: tl.constexpr, CAUSAL: tl.constexpr, IEEE: tl.constexpr,
-    INTERPRETED: tl.constexpr,
+    INTERPRETED: tl.constexpr, LAZY: tl.constexpr = False, HALVES: tl.constexpr = False,
+    TMA: tl.constexpr = False, DIAG: tl.constexpr = 0, NUM_BLOCKS=1,
 ):
     pid = tl.program_id(0)
     split = tl.program_id(1)
@@ -119,49 +295,53 @@ def _paged_decode_kernel(
     t_idx = r // G
     h_idx = kvh * G + r % G
     q_row = s64 * sq_s + t_idx.to(tl.int64) * sq_t + h_idx.to(tl.int64) * sq_h
-    dm = tl.arange(0, D_MAIN)
-    q_main = tl.load(q_ptr + q_row[:, None] + dm[None, :], mask=rmask[:, None], other=0.0)
-    if D_REST > 0:
-        dr = D_MAIN + tl.arange(0, BLOCK_REST)
-        rest_mask = dr < D_MAIN + D_REST
-        q_rest = tl.load(q_ptr + q_row[:, None] + dr[None, :], mask=rmask[:, None] & rest_mask[None, :], other=0.0)
-    else:   # unused placeholders
-        dr, rest_mask, q_rest = dm, dm < 0, q_main
-    dv = tl.arange(0, BLOCK_DV)
-    dv_mask = dv < DV
-    local_len = tl.load(lens_ptr + s)
-    start = split * split_len
-    end = tl.minimum(start + split_len, local_len)
-    if CAUSAL:
-        q_pos = tl.load(glens_ptr + s) - Tq + t_idx                                  # [BLOCK_M]
+    if HALVES:
+        _halves_body(q_ptr, k_ptr, ks_ptr, table_ptr, lens_ptr, glens_ptr, o_ptr, lse_ptr, split, s, s64, q_row,
+                     t_idx, h_idx, rmask, qk_scale, split_len, Tq, dcp_size, dcp_rank, interleave, sk_b, sk_t,
+                     ss_b, ss_t, st_s, so_p, so_s, so_t, so_h, sl_p, sl_s, sl_t, NUM_BLOCKS, D_MAIN // 2, D_REST,
+                     BLOCK_REST, BLOCK_M, BLOCK_N, PAGE, FP8, CAUSAL, INTERPRETED, LAZY, TMA, DIAG, IEEE)
     else:
-        q_pos = t_idx
-    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_M], tl.float32)
-    acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
-    # a `for` loop pipelines on the GPU; the interpreter only takes constant bounds there
-    if INTERPRETED:
-        j0 = start
-        while j0 < end:
-            m_i, l_i, acc = _tile(j0, end, s64, kvh, q_main, q_rest, q_pos, rmask, dm, dr, rest_mask, dv, dv_mask,
-                                  m_i, l_i, acc, k_ptr, v_ptr, ks_ptr, vs_ptr, table_ptr, qk_scale, dcp_size, dcp_rank,
-                                  interleave, sk_b, sk_t, sk_h, sv_b, sv_t, sv_h, ss_b, ss_t, ss_h, svs_b, svs_t, svs_h,
-                                  st_s, D_REST, BLOCK_N, PAGE, FP8, V_FROM_K, CAUSAL, IEEE)
-            j0 += BLOCK_N
-    else:
-        for j0 in range(start, end, BLOCK_N):
-            m_i, l_i, acc = _tile(j0, end, s64, kvh, q_main, q_rest, q_pos, rmask, dm, dr, rest_mask, dv, dv_mask,
-                                  m_i, l_i, acc, k_ptr, v_ptr, ks_ptr, vs_ptr, table_ptr, qk_scale, dcp_size, dcp_rank,
-                                  interleave, sk_b, sk_t, sk_h, sv_b, sv_t, sv_h, ss_b, ss_t, ss_h, svs_b, svs_t, svs_h,
-                                  st_s, D_REST, BLOCK_N, PAGE, FP8, V_FROM_K, CAUSAL, IEEE)
-    nonempty = l_i > 0
-    safe = tl.where(nonempty, l_i, 1.0)
-    out = acc / safe[:, None]
-    lse = tl.where(nonempty, (m_i + tl.log2(safe)) * 0.6931471805599453, float("-inf"))
-    o_row = split.to(tl.int64) * so_p + s64 * so_s + t_idx.to(tl.int64) * so_t + h_idx.to(tl.int64) * so_h
-    tl.store(o_ptr + o_row[:, None] + dv[None, :], out, mask=rmask[:, None] & dv_mask[None, :])
-    l_row = split.to(tl.int64) * sl_p + s64 * sl_s + t_idx.to(tl.int64) * sl_t + h_idx
-    tl.store(lse_ptr + l_row, lse, mask=rmask)
+        dm = tl.arange(0, D_MAIN)
+        q_main = tl.load(q_ptr + q_row[:, None] + dm[None, :], mask=rmask[:, None], other=0.0)
+        if D_REST > 0:
+            dr = D_MAIN + tl.arange(0, BLOCK_REST)
+            rest_mask = dr < D_MAIN + D_REST
+            q_rest = tl.load(q_ptr + q_row[:, None] + dr[None, :], mask=rmask[:, None] & rest_mask[None, :], other=0.0)
+        else:   # unused placeholders
+            dr, rest_mask, q_rest = dm, dm < 0, q_main
+        dv = tl.arange(0, BLOCK_DV)
+        dv_mask = dv < DV
+        local_len = tl.load(lens_ptr + s)
+        start = split * split_len
+        end = tl.minimum(start + split_len, local_len)
+        if CAUSAL:
+            q_pos = tl.load(glens_ptr + s) - Tq + t_idx                                  # [BLOCK_M]
+        else:
+            q_pos = t_idx
+        m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+        l_i = tl.zeros([BLOCK_M], tl.float32)
+        acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
+        # a `for` loop pipelines on the GPU; the interpreter only takes constant bounds there
+        if INTERPRETED:
+            j0 = start
+            while j0 < end:
+                m_i, l_i, acc = _tile(j0, end, s64, kvh, q_main, q_rest, q_pos, rmask, dm, dr, rest_mask, dv, dv_mask,
+                                      m_i, l_i, acc, k_ptr, v_ptr, ks_ptr, vs_ptr, table_ptr, qk_scale, dcp_size, dcp_rank,
+                                      interleave, sk_b, sk_t, sk_h, sv_b, sv_t, sv_h, ss_b, ss_t, ss_h, svs_b, svs_t, svs_h,
+                                      st_s, D_REST, BLOCK_N, PAGE, FP8, V_FROM_K, CAUSAL, IEEE, LAZY)
+                j0 += BLOCK_N
+        else:
+            for j0 in range(start, end, BLOCK_N):
+                m_i, l_i, acc = _tile(j0, end, s64, kvh, q_main, q_rest, q_pos, rmask, dm, dr, rest_mask, dv, dv_mask,
+                                      m_i, l_i, acc, k_ptr, v_ptr, ks_ptr, vs_ptr, table_ptr, qk_scale, dcp_size, dcp_rank,
+                                      interleave, sk_b, sk_t, sk_h, sv_b, sv_t, sv_h, ss_b, ss_t, ss_h, svs_b, svs_t, svs_h,
+                                      st_s, D_REST, BLOCK_N, PAGE, FP8, V_FROM_K, CAUSAL, IEEE, LAZY)
+        safe, lse = _finish(l_i, m_i)
+        out = acc / safe[:, None]
+        o_row = split.to(tl.int64) * so_p + s64 * so_s + t_idx.to(tl.int64) * so_t + h_idx.to(tl.int64) * so_h
+        tl.store(o_ptr + o_row[:, None] + dv[None, :], out, mask=rmask[:, None] & dv_mask[None, :])
+        l_row = split.to(tl.int64) * sl_p + s64 * sl_s + t_idx.to(tl.int64) * sl_t + h_idx
+        tl.store(lse_ptr + l_row, lse, mask=rmask)
 
 
 CONFIG = {
@@ -174,6 +354,12 @@ CONFIG = {
     # MLA with fp32 queries (exact products): 64 x 64 tiles in 3 stages would need 312 KB of shared
     # memory (sm_90a compile, bench/debug/kernel_sass.py); 32 x 32 in 2 stages needs 152 KB
     "block_n_wide_f32": 32, "block_m_wide_f32": 32, "num_stages_wide_f32": 2,
+    # kernel structure, 0/1 (the probe measures them): lazy_rescale keeps the running max unless it
+    # grew by > 2^8 (acc is then not rescaled); halves_wide reads MLA's latent as two 256-wide halves
+    # with two accumulators, tma_wide (with halves) loads each tile by TMA from device-side
+    # descriptors. diag_wide: the probe's subtraction diagnostics (1 no softmax, 2 no P @ V, 3
+    # scores only: not attention, never set otherwise)
+    "lazy_rescale": 0, "lazy_rescale_wide": 0, "halves_wide": 0, "tma_wide": 0, "diag_wide": 0,
 }
 # H200, B = 32, 1/4 of L = 8K and 32K (`python -m megapar.launch.bench.cp --probe`, CUDA-graph
 # replays, two runs: bench/results/cp-probe-h200.json, cp-probe2-h200.json): MLA with 64-token
@@ -189,13 +375,16 @@ MEGAPAR_DECODE_TUNING=path at import)."""
 # the tuning file's per-problem keys: GQA's go to CONFIG as they are, MLA's (key dim > 256) to the
 # *_wide keys where CONFIG has one; the others are shared by both problems
 _WIDE = {"block_n": "block_n_wide", "block_m": "block_m_wide", "num_warps": "num_warps_wide",
-         "num_stages": "num_stages_wide"}
+         "num_stages": "num_stages_wide", "lazy_rescale": "lazy_rescale_wide", "halves": "halves_wide",
+         "tma": "tma_wide", "diag": "diag_wide"}
+_STRUCTURE = ("lazy_rescale", "halves", "tma", "diag")      # 0/1 (diag 0-3) kernel options, launch_settings
 _FP8 = {"block_n": "block_n_fp8", "num_stages": "num_stages_fp8"}   # set through {"config": ...}
 _SHARED = ("target_programs", "min_split")
 _VALID = {
     "target_programs": range(1, 1 << 16), "min_split": range(1, 1 << 24),
     "block_n": (16, 32, 64, 128, 256), "block_m": (16, 32, 64, 128, 256),
     "num_warps": (1, 2, 4, 8, 16), "num_stages": (1, 2, 3, 4, 5, 6),
+    "lazy_rescale": (0, 1), "halves": (0, 1), "tma": (0, 1), "diag": (0, 1, 2, 3),
 }
 _META = ("device", "sizes", "seconds", "results", "notes", "problems")
 
@@ -224,6 +413,9 @@ def apply_tuning(tuning: dict) -> None:
             raise ValueError(f"decode tuning {kind!r} must be a dict of settings, got {part!r}")
         for key, value in part.items():
             keys = _FP8 if kind == "gqa_fp8" else _VALID
+            if kind == "gqa" and key in ("halves", "tma", "diag"):
+                raise ValueError(f"decode tuning gqa.{key}: an MLA-only option (the latent head's layout); "
+                                 f"give it under 'mla'")
             if key not in keys:
                 raise ValueError(f"unknown decode tuning key {kind}.{key}; valid: {', '.join(keys)}")
             if not _valid_value(key, value):
@@ -280,9 +472,10 @@ def plan_splits(capacity: int, programs: int, block_n: int) -> tuple[int, int]:
 
 
 def launch_settings(d: int, q_dtype: torch.dtype, cache_dtype: torch.dtype, rows: int) -> dict[str, int]:
-    """CONFIG's block_m / block_n / num_warps / num_stages for a key dim d, these dtypes and `rows`
-    query rows per kv head (q_len x heads per kv head): "wide" (d > 256, MLA) entries first, with
-    their fp32-query or fp8-cache variants where CONFIG has one; else GQA's, fp8 ones for an fp8 cache."""
+    """CONFIG's block_m / block_n / num_warps / num_stages (and the 0/1 structure options
+    lazy_rescale / halves / tma / diag) for a key dim d, these dtypes and `rows` query rows per kv
+    head (q_len x heads per kv head): "wide" (d > 256, MLA) entries first, with their fp32-query or
+    fp8-cache variants where CONFIG has one; else GQA's, fp8 ones for an fp8 cache."""
     fp8 = cache_dtype == torch.float8_e4m3fn
 
     def key(name: str) -> str:
@@ -295,6 +488,7 @@ def launch_settings(d: int, q_dtype: torch.dtype, cache_dtype: torch.dtype, rows
 
     out = {name: CONFIG[key(name)] for name in ("block_m", "block_n", "num_warps", "num_stages")}
     out["block_m"] = max(16, min(triton.next_power_of_2(max(rows, 1)), out["block_m"]))
+    out.update({name: CONFIG.get(key(name), 0) for name in _STRUCTURE})   # GQA has no halves / tma / diag
     return out
 
 
@@ -316,6 +510,10 @@ def paged_decode_triton(q: Tensor, k: Tensor, v: Tensor, k_scale: Tensor | None,
     fp8 = k.dtype == torch.float8_e4m3fn
     cfg = launch_settings(d, q.dtype, k.dtype, tq * g)
     block_n, block_m = cfg["block_n"], cfg["block_m"]
+    halves = bool(cfg["halves"]) and _halves_ok(k, v, k_scale, v_scale, d_main, block_n)
+    tma = halves and bool(cfg["tma"]) and _tma_ok(k)
+    if tma:
+        impl.ensure_triton_scratch()
     m_tiles = -(-(tq * g) // block_m)
     programs = s * hkv * m_tiles
     splits, split_len = plan_splits(capacity, programs, block_n)
@@ -337,18 +535,30 @@ def paged_decode_triton(q: Tensor, k: Tensor, v: Tensor, k_scale: Tensor | None,
             o.stride(0), o.stride(1), o.stride(2), o.stride(3), lse.stride(0), lse.stride(1), lse.stride(2),
             D_MAIN=d_main, D_REST=d_rest, BLOCK_REST=block_rest, DV=dv, BLOCK_DV=triton.next_power_of_2(dv),
             BLOCK_M=block_m, BLOCK_N=block_n, PAGE=page, FP8=fp8, V_FROM_K=v_from_k, CAUSAL=tq > 1,
-            IEEE=q.dtype == torch.float32, INTERPRETED=_interpreted(), num_warps=cfg["num_warps"],
-            num_stages=cfg["num_stages"])
+            IEEE=q.dtype == torch.float32, INTERPRETED=impl.interpreting(), LAZY=bool(cfg["lazy_rescale"]),
+            HALVES=halves, TMA=tma, DIAG=cfg["diag"] if halves else 0, NUM_BLOCKS=k.shape[0],
+            num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     if splits == 1:
         return AttnState(o[0], lse[0])
     merged = merge_states_triton(o.view(splits, s * tq, hq, dv), lse.view(splits, s * tq, hq))
     return AttnState(merged.out.view(s, tq, hq, dv), merged.lse.view(s, tq, hq))
 
 
-def _interpreted() -> bool:
-    from .. import impl
+def _halves_ok(k: Tensor, v: Tensor, k_scale: Tensor | None, v_scale: Tensor | None, d_main: int,
+               block_n: int) -> bool:
+    """The halves layout applies: one latent head whose value is the key's first 512 dims (and,
+    fp8, one scale per token for both), tiles inside pages."""
+    same_scale = k_scale is None or (v_scale is not None and v_scale.data_ptr() == k_scale.data_ptr()
+                                     and v_scale.stride() == k_scale.stride())
+    return (k.shape[2] == 1 and d_main == 512 and v.shape[-1] == d_main and v.data_ptr() == k.data_ptr()
+            and v.stride() == k.stride() and k.shape[1] % block_n == 0 and same_scale and k.stride(-1) == 1
+            )
 
-    return impl.interpreting()
+
+def _tma_ok(k: Tensor) -> bool:
+    """TMA descriptors over k [blocks, page, 1, D]: a 16-byte aligned base and byte strides."""
+    e = k.element_size()
+    return k.data_ptr() % 16 == 0 and all((st * e) % 16 == 0 for st in (k.stride(0), k.stride(1)))
 
 
 def _no_scale(q: Tensor) -> Tensor:
