@@ -6,6 +6,7 @@ Compares versions of a kernel without a GPU (bench/results/compare/kernel-sass.m
     python bench/debug/kernel_sass.py quant parallel/quant/triton_quant.py OLD_TREE/parallel/quant/triton_quant.py
     python bench/debug/kernel_sass.py decode parallel/cp/triton_decode.py     # MLA decode launch settings
     python bench/debug/kernel_sass.py decode-config parallel/cp/triton_decode.py   # as CONFIG launches them
+    python bench/debug/kernel_sass.py mla_prep parallel/cp/triton_mla_prep.py   # the fused MLA prep
     python bench/debug/kernel_sass.py --only "N=4" merge parallel/cp/triton_merge.py   # some cases only
 """
 
@@ -89,11 +90,21 @@ def decode_config(mod) -> dict:
     return out
 
 
-SETS = {"merge": MERGE, "quant": QUANT, "decode": DECODE, "decode-config": decode_config}
+_PREP = dict(q_ptr="*bf16", kv_ptr="*bf16", pos_ptr="*i64", table_ptr="*i32", cs_ptr="*fp32", qw_ptr="*bf16",
+             kw_ptr="*bf16", qo_ptr="*bf16", cache_ptr="*bf16", scale_ptr="*fp32", slot_ptr="*i64", eps="fp32")
+MLA_PREP = {  # the fused MLA prep as the bench launches it: H 128, nope 128 + rope 64 query heads, latent 512 + 64
+    f"_mla_prep_kernel {'fp8' if fp8 else 'bf16'} cache": (
+        "_mla_prep_kernel", dict(_PREP, **({"cache_ptr": "*fp8e4nv"} if fp8 else {})),
+        dict(NOPE=128, BLOCK_NOPE=128, R=512, BLOCK_R=512, HALF=32, BLOCK_HALF=32, BLOCK_H=16, PAGE=64,
+             Q_NORM=True, FP8=fp8, Q_TILES=8, num_warps=4))
+    for fp8 in (False, True)
+}
+SETS = {"merge": MERGE, "quant": QUANT, "decode": DECODE, "decode-config": decode_config, "mla_prep": MLA_PREP}
 NOT_DIVISIBLE = ("M", "M_TILES")
 
 
 PACKAGES = {"triton_merge.py": "megapar.parallel.cp", "triton_decode.py": "megapar.parallel.cp",
+            "triton_mla_prep.py": "megapar.parallel.cp",
             "triton_quant.py": "megapar.parallel.quant"}
 
 
@@ -140,7 +151,7 @@ def report(cases, path: str) -> None:
         ops = [m.group(1) for m in re.finditer(r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z0-9_.]+)", sass)]
         regs = re.search(r"Used (\d+) registers", info).group(1)
         spill = re.search(r"(\d+) bytes spill stores", info).group(1)
-        hist = collections.Counter(o for o in ops if o.startswith("LDG"))
+        hist = collections.Counter(o for o in ops if o.startswith(("LDG", "STG")))
         fp64 = sum(o.startswith(("DADD", "DMUL", "DFMA", "DSETP", "F2F.F64", "F2F.F32.F64")) for o in ops)
         mma = {o: n for o, n in collections.Counter(o.split(".")[0] for o in ops).items() if o.endswith("MMA")}
         print(f"{path}  {label}: {regs} registers, {spill} B spilled, {c.metadata.shared} B shared, "

@@ -17,26 +17,28 @@ from .dcp import DCPLayout
 from .mla import MLACache
 
 @triton.jit
-def _prep_query_tile(q_ptr, qw_ptr, qo_ptr, t, part, cos, sin, i, imask, H, eps, sq_t, sq_h, sqo_t, sqo_h,
-                     NOPE: tl.constexpr, BLOCK_NOPE: tl.constexpr, HALF: tl.constexpr, BLOCK_H: tl.constexpr,
-                     Q_NORM: tl.constexpr):
+def _prep_query_tile(q_ptr, qw_ptr, qo_ptr, t, part, cos, sin, H, eps, sq_t, sq_h, sqo_t, sqo_h,
+                     NOPE: tl.constexpr, BLOCK_NOPE: tl.constexpr, HALF: tl.constexpr, BLOCK_HALF: tl.constexpr,
+                     BLOCK_H: tl.constexpr, Q_NORM: tl.constexpr):
     """Query heads [part * BLOCK_H, +BLOCK_H) of token t: optional RMSNorm, RoPE on the rope part."""
     h = part * BLOCK_H + tl.arange(0, BLOCK_H)
     hmask = h < H
     row = t * sq_t + h.to(tl.int64) * sq_h
     n = tl.arange(0, BLOCK_NOPE)
     nmask = hmask[:, None] & (n < NOPE)[None, :]
-    rmask = hmask[:, None] & imask[None, :]
+    j = tl.arange(0, 2 * BLOCK_HALF)               # the rope part as one contiguous run of pairs
+    pmask = hmask[:, None] & (j < 2 * HALF)[None, :]
     xn = tl.load(q_ptr + row[:, None] + n[None, :], mask=nmask, other=0.0)
-    xe = tl.load(q_ptr + row[:, None] + NOPE + 2 * i[None, :], mask=rmask, other=0.0)
-    xo = tl.load(q_ptr + row[:, None] + NOPE + 2 * i[None, :] + 1, mask=rmask, other=0.0)
-    fn, fe, fo = xn.to(tl.float32), xe.to(tl.float32), xo.to(tl.float32)
+    xp = tl.load(q_ptr + row[:, None] + NOPE + j[None, :], mask=pmask, other=0.0)
+    fn = xn.to(tl.float32)
+    fe, fo = tl.split(tl.reshape(xp.to(tl.float32), (BLOCK_H, BLOCK_HALF, 2)))       # x[2i], x[2i + 1]
     if Q_NORM:
         ms = (tl.sum(fn * fn, 1) + tl.sum(fe * fe, 1) + tl.sum(fo * fo, 1)) / (NOPE + 2 * HALF)
         inv = tl.math.rsqrt(ms + eps)[:, None]
         wn = tl.load(qw_ptr + n, mask=n < NOPE, other=0.0).to(tl.float32)[None, :]
-        we = tl.load(qw_ptr + NOPE + 2 * i, mask=imask, other=0.0).to(tl.float32)[None, :]
-        wo = tl.load(qw_ptr + NOPE + 2 * i + 1, mask=imask, other=0.0).to(tl.float32)[None, :]
+        wp = tl.load(qw_ptr + NOPE + j, mask=j < 2 * HALF, other=0.0).to(tl.float32)
+        we, wo = tl.split(tl.reshape(wp, (BLOCK_HALF, 2)))
+        we, wo = we[None, :], wo[None, :]
         fn = ((fn * inv) * wn).to(xn.dtype).to(tl.float32)
         fe = ((fe * inv) * we).to(xn.dtype).to(tl.float32)
         fo = ((fo * inv) * wo).to(xn.dtype).to(tl.float32)
@@ -44,14 +46,15 @@ def _prep_query_tile(q_ptr, qw_ptr, qo_ptr, t, part, cos, sin, i, imask, H, eps,
     tl.store(qo_ptr + orow[:, None] + n[None, :], fn.to(xn.dtype), mask=nmask)
     re = fe * cos[None, :] - fo * sin[None, :]
     ro = fe * sin[None, :] + fo * cos[None, :]
-    tl.store(qo_ptr + orow[:, None] + NOPE + 2 * i[None, :], re.to(xn.dtype), mask=rmask)
-    tl.store(qo_ptr + orow[:, None] + NOPE + 2 * i[None, :] + 1, ro.to(xn.dtype), mask=rmask)
+    rp = tl.reshape(tl.join(re, ro), (BLOCK_H, 2 * BLOCK_HALF))
+    tl.store(qo_ptr + orow[:, None] + NOPE + j[None, :], rp.to(xn.dtype), mask=pmask)
 
 
 @triton.jit
-def _prep_latent(kv_ptr, kw_ptr, table_ptr, cache_ptr, scale_ptr, slot_ptr, t, pos, cos, sin, i, imask, eps,
+def _prep_latent(kv_ptr, kw_ptr, table_ptr, cache_ptr, scale_ptr, slot_ptr, t, pos, cos, sin, eps,
                  dcp_size, dcp_rank, interleave, skv_t, st_t, sc_row, table_width, num_blocks,
-                 R: tl.constexpr, BLOCK_R: tl.constexpr, PAGE: tl.constexpr, FP8: tl.constexpr):
+                 R: tl.constexpr, BLOCK_R: tl.constexpr, HALF: tl.constexpr, BLOCK_HALF: tl.constexpr,
+                 PAGE: tl.constexpr, FP8: tl.constexpr):
     """The latent of token t: RMSNorm of c_kv, RoPE of k_pe, fp8 quantization, the sharded insert."""
     c = tl.arange(0, BLOCK_R)
     cmask = c < R
@@ -60,8 +63,10 @@ def _prep_latent(kv_ptr, kw_ptr, table_ptr, cache_ptr, scale_ptr, slot_ptr, t, p
     kms = tl.sum(fc * fc, 0) / R
     w = tl.load(kw_ptr + c, mask=cmask, other=0.0).to(tl.float32)
     fc = ((fc * tl.math.rsqrt(kms + eps)) * w).to(xc.dtype).to(tl.float32)
-    kfe = tl.load(kv_ptr + t * skv_t + R + 2 * i, mask=imask, other=0.0).to(tl.float32)
-    kfo = tl.load(kv_ptr + t * skv_t + R + 2 * i + 1, mask=imask, other=0.0).to(tl.float32)
+    j = tl.arange(0, 2 * BLOCK_HALF)
+    jmask = j < 2 * HALF
+    kp = tl.load(kv_ptr + t * skv_t + R + j, mask=jmask, other=0.0).to(tl.float32)
+    kfe, kfo = tl.split(tl.reshape(kp, (BLOCK_HALF, 2)))
     kre = (kfe * cos - kfo * sin).to(xc.dtype).to(tl.float32)
     kro = (kfe * sin + kfo * cos).to(xc.dtype).to(tl.float32)
     # where the token lives (docs/numerics.md §8.2)
@@ -86,13 +91,13 @@ def _prep_latent(kv_ptr, kw_ptr, table_ptr, cache_ptr, scale_ptr, slot_ptr, t, p
             qe = tl.minimum(tl.maximum(tl.math.div_rn(kre, sc), -448.0), 448.0)
             qo = tl.minimum(tl.maximum(tl.math.div_rn(kro, sc), -448.0), 448.0)
             tl.store(dst + c, qc.to(cache_ptr.dtype.element_ty), mask=cmask)
-            tl.store(dst + R + 2 * i, qe.to(cache_ptr.dtype.element_ty), mask=imask)
-            tl.store(dst + R + 2 * i + 1, qo.to(cache_ptr.dtype.element_ty), mask=imask)
+            tl.store(dst + R + j, tl.reshape(tl.join(qe, qo), (2 * BLOCK_HALF,)).to(cache_ptr.dtype.element_ty),
+                     mask=jmask)
             tl.store(scale_ptr + slot, sc)
         else:
             tl.store(dst + c, fc.to(cache_ptr.dtype.element_ty), mask=cmask)
-            tl.store(dst + R + 2 * i, kre.to(cache_ptr.dtype.element_ty), mask=imask)
-            tl.store(dst + R + 2 * i + 1, kro.to(cache_ptr.dtype.element_ty), mask=imask)
+            tl.store(dst + R + j, tl.reshape(tl.join(kre, kro), (2 * BLOCK_HALF,)).to(cache_ptr.dtype.element_ty),
+                     mask=jmask)
 
 
 @triton.jit
@@ -118,12 +123,12 @@ def _mla_prep_kernel(
     # (each branch is a function, and no local holds a dtype: Triton 3.6 merges the locals of both
     # branches of a run-time `if`, and a dtype value breaks that merge)
     if part < Q_TILES:
-        _prep_query_tile(q_ptr, qw_ptr, qo_ptr, t, part, cos, sin, i, imask, H, eps, sq_t, sq_h, sqo_t, sqo_h,
-                         NOPE, BLOCK_NOPE, HALF, BLOCK_H, Q_NORM)
+        _prep_query_tile(q_ptr, qw_ptr, qo_ptr, t, part, cos, sin, H, eps, sq_t, sq_h, sqo_t, sqo_h,
+                         NOPE, BLOCK_NOPE, HALF, BLOCK_HALF, BLOCK_H, Q_NORM)
     else:
-        _prep_latent(kv_ptr, kw_ptr, table_ptr, cache_ptr, scale_ptr, slot_ptr, t, pos, cos, sin, i, imask, eps,
-                     dcp_size, dcp_rank, interleave, skv_t, st_t, sc_row, table_width, num_blocks, R, BLOCK_R, PAGE,
-                     FP8)
+        _prep_latent(kv_ptr, kw_ptr, table_ptr, cache_ptr, scale_ptr, slot_ptr, t, pos, cos, sin, eps,
+                     dcp_size, dcp_rank, interleave, skv_t, st_t, sc_row, table_width, num_blocks, R, BLOCK_R, HALF,
+                     BLOCK_HALF, PAGE, FP8)
 
 
 CONFIG = {"block_elems": 4096, "num_warps": 4}
