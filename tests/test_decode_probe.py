@@ -42,7 +42,7 @@ def test_apply_tuning_maps_mla_keys_to_wide_entries():
 
 
 @pytest.mark.parametrize("tuning,match", [
-    ({"gpa": {}}, r"unknown decode tuning entries \['gpa'\]; valid: gqa, gqa_fp8, mla, config"),
+    ({"gpa": {}}, r"unknown decode tuning entries \['gpa'\]; valid: gqa, gqa_fp8, mla, mla_fp8, config"),
     ({"gqa": {"block_k": 64}}, r"unknown decode tuning key gqa.block_k; valid: target_programs, min_split, block_n"),
     ({"mla": {"block_n": 48}}, r"mla.block_n = 48 is invalid; valid: 16, 32, 64, 128, 256"),
     ({"gqa": {"num_warps": 3}}, r"gqa.num_warps = 3 is invalid; valid: 1, 2, 4, 8, 16"),

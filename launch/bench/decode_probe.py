@@ -2,21 +2,24 @@
 
 `python -m megapar.launch.bench.cp --probe --out DIR`. Problems (rank 0's 1/4 of a paged KV,
 page 64, B = 32): GQA Hq = 32, Hkv = 4, D = 128 at L = 8K and 32K with bf16 and fp8 caches; MLA
-(H = 128 over one 576-wide latent head, v = its first 512) at L = 8K and 32K, bf16. Per family a
-fixed list of launch settings - one factor at a time around the current CONFIG plus a few
-combinations - then the combination of the per-key winners. Every setting is checked against
-the torch path (`backend="torch"`, the first few sequences: its per-head KV copy is bounded)
-within the GPU tests' bound (max abs error of out and lse <= 2e-2) and timed as a CUDA-graph
-replay; the table gives µs and the fraction of the KV-read byte floor at the copy ceiling.
+(H = 128 over one 576-wide latent head, v = its first 512) at L = 8K and 32K, bf16 and fp8. Per
+family a fixed list of launch settings - one factor at a time around the current CONFIG plus a
+few combinations, for MLA also the kernel's structure options (latent in halves, TMA, lazy
+rescale) and, as invalid rows timed for where the time goes, its subtraction diagnostics (diag 1
+no softmax, 2 no P @ V, 3 scores only) - then the combination of the per-key winners. Every
+setting is checked against the torch path (`backend="torch"`, the first few sequences: its
+per-head KV copy is bounded) within the GPU tests' bound (max abs error of out and lse <= 2e-2)
+and timed as a CUDA-graph replay; the table gives µs and the fraction of the KV-read byte floor
+at the copy ceiling.
 
 The best valid setting per family (least mean time relative to each problem's fastest) goes to
-DIR/decode-tuning.json as {"gqa": {...}, "gqa_fp8": {...}, "mla": {...}} in the kernel's own key
-names: MLA's block_m / block_n / num_warps / num_stages land on CONFIG's *_wide entries (key dim >
-256), GQA over an fp8 cache has its own block_n / num_stages (*_fp8 entries), so none conflict.
-target_programs and min_split are shared by all: where the GQA and MLA
-winners differ, each family's winner is also timed with the other's value and the value with
-the smaller summed relative time serves both (a note says so). GQA has Hq / Hkv = 8 query rows
-per kv head, below the smallest row tile (16), so block_m is not swept for it.
+DIR/decode-tuning.json as {"gqa": {...}, "gqa_fp8": {...}, "mla": {...}, "mla_fp8": {...}} in the
+kernel's own key names: MLA's land on CONFIG's *_wide entries (key dim > 256), MLA over fp8 on
+its *_wide_fp8 entries, GQA over an fp8 cache on its block_n / num_stages *_fp8 entries, so none
+conflict. target_programs and min_split are shared by gqa and mla: where their winners differ,
+each family's winner is also timed with the other's value and the value with the smaller summed
+relative time serves both (a note says so). GQA has Hq / Hkv = 8 query rows per kv head, below
+the smallest row tile (16), so block_m is not swept for it.
 `triton_decode.apply_tuning` (or MEGAPAR_DECODE_TUNING=DIR/decode-tuning.json) installs the file.
 On CPU under TRITON_INTERPRET=1 the probe is a dry run on tiny sizes with a few settings.
 """
@@ -42,8 +45,9 @@ REF_BUDGET = 8 << 30  # bytes of the torch path's per-head KV copy: sequences ch
 KEYS = {"gqa": ("block_n", "num_warps", "num_stages", "target_programs", "min_split", "lazy_rescale"),
         "gqa_fp8": ("block_n", "num_stages"),
         "mla": ("block_m", "block_n", "num_warps", "num_stages", "target_programs", "min_split", "lazy_rescale",
-                "halves", "tma", "diag")}
-FAMILY_MAP = {"gqa": {}, "mla": "_WIDE", "gqa_fp8": "_FP8"}   # family key -> CONFIG key (triton_decode)
+                "halves", "tma", "diag"),
+        "mla_fp8": ("block_m", "block_n", "num_warps", "num_stages", "lazy_rescale", "halves", "tma")}
+FAMILY_MAP = {"gqa": {}, "mla": "_WIDE", "gqa_fp8": "_FP8", "mla_fp8": "_WIDE_FP8"}   # family key -> CONFIG key
 
 VARIANTS = {   # overrides of the current settings, one factor at a time, then a few combinations
     "gqa": [{}, {"lazy_rescale": 1}, {"block_n": 32}, {"block_n": 128}, {"num_warps": 8}, {"num_stages": 1}, {"num_stages": 3},
@@ -62,12 +66,19 @@ VARIANTS = {   # overrides of the current settings, one factor at a time, then a
             {"halves": 1, "num_stages": 2, "diag": 3}, {"halves": 1, "tma": 1, "num_stages": 2, "diag": 3}],
     "gqa_fp8": [{}, {"block_n": 64}, {"block_n": 32}, {"num_stages": 2}, {"num_stages": 4}, {"block_n": 64,
                                                                                           "num_stages": 2}],
+    # MLA over fp8 (today 32 heads x 64 keys, mma.sync; 64 heads spill 444 B with the plain loads,
+    # 40 B in halves with TMA and 2 stages: bench/debug/kernel_sass.py decode)
+    "mla_fp8": [{}, {"num_stages": 2}, {"block_n": 32}, {"halves": 1}, {"halves": 1, "tma": 1},
+                {"halves": 1, "tma": 1, "num_stages": 2}, {"block_m": 64, "num_stages": 2},
+                {"block_m": 64, "halves": 1, "tma": 1, "num_stages": 2},
+                {"block_m": 64, "halves": 1, "num_stages": 2}, {"lazy_rescale": 1}],
 }
 TINY_VARIANTS = {
     "gqa": [{}, {"block_n": 16, "min_split": 32}, {"num_warps": 8, "num_stages": 1}],
     "mla": [{}, {"block_m": 16, "block_n": 16, "min_split": 32}, {"num_warps": 4}, {"halves": 1, "block_n": 16},
             {"halves": 1, "tma": 1, "block_n": 16, "lazy_rescale": 1}],
     "gqa_fp8": [{}, {"block_n": 16}],
+    "mla_fp8": [{}, {"num_stages": 2}],
 }
 
 
@@ -123,10 +134,10 @@ def _problems(ctx: BenchContext) -> list[Problem]:
     layout = DCPLayout(size=n, rank=0, block_size=block)
     out: list[Problem] = []
     specs = [("gqa_fp8" if dt == torch.float8_e4m3fn else "gqa", c, dt) for c in contexts for dt in gqa_dtypes] + [
-        ("mla", c, mla_dtype) for c in contexts]
+        ("mla", c, mla_dtype) for c in contexts] + [("mla_fp8", c, torch.float8_e4m3fn) for c in contexts if ctx.is_cuda]
     for kind, context, cache_dtype in specs:
         local = int(layout.local_lengths(context))
-        if kind != "mla":
+        if not kind.startswith("mla"):
             heads, kv_heads, d = gqa
             dv, v_from_k, scale = d, False, d ** -0.5
             cache, table, q, _ = _decode_setup(batch, context, heads, kv_heads, d, block, n, ctx.device, cache_dtype)
@@ -268,7 +279,7 @@ def probe(out_dir: str | os.PathLike, *, device: str | None = None, iters: int =
             print(f"  set up {len(problems)} problems in {time.time() - t0:.1f} s", flush=True)
             variants = VARIANTS if ctx.is_cuda else TINY_VARIANTS
             best: dict[str, dict[str, int]] = {}
-            for kind in ("gqa", "gqa_fp8", "mla"):
+            for kind in ("gqa", "gqa_fp8", "mla", "mla_fp8"):
                 if not any(p.kind == kind for p in problems):
                     continue
                 base = _family_view(kind, default)

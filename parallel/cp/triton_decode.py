@@ -360,6 +360,9 @@ CONFIG = {
     # descriptors. diag_wide: the probe's subtraction diagnostics (1 no softmax, 2 no P @ V, 3
     # scores only: not attention, never set otherwise)
     "lazy_rescale": 0, "lazy_rescale_wide": 0, "halves_wide": 0, "tma_wide": 0, "diag_wide": 0,
+    # MLA over an fp8 cache (the *_wide values until the probe measures its own)
+    "block_n_wide_fp8": 64, "num_warps_wide_fp8": 8, "num_stages_wide_fp8": 3, "lazy_rescale_wide_fp8": 0,
+    "halves_wide_fp8": 0, "tma_wide_fp8": 0,
 }
 # H200, B = 32, 1/4 of L = 8K and 32K (`python -m megapar.launch.bench.cp --probe`, CUDA-graph
 # replays, two runs: bench/results/cp-probe-h200.json, cp-probe2-h200.json): MLA with 64-token
@@ -378,7 +381,11 @@ _WIDE = {"block_n": "block_n_wide", "block_m": "block_m_wide", "num_warps": "num
          "num_stages": "num_stages_wide", "lazy_rescale": "lazy_rescale_wide", "halves": "halves_wide",
          "tma": "tma_wide", "diag": "diag_wide"}
 _STRUCTURE = ("lazy_rescale", "halves", "tma", "diag")      # 0/1 (diag 0-3) kernel options, launch_settings
-_FP8 = {"block_n": "block_n_fp8", "num_stages": "num_stages_fp8"}   # set through {"config": ...}
+_FP8 = {"block_n": "block_n_fp8", "num_stages": "num_stages_fp8"}   # GQA over an fp8 cache
+_WIDE_FP8 = {k: f"{k}_wide_fp8" for k in ("block_m", "block_n", "num_warps", "num_stages", "lazy_rescale", "halves",
+                                          "tma")}                  # MLA over an fp8 cache
+# tuning-file family -> (its keys' CONFIG names, whether only those keys are allowed)
+_FAMILIES = {"gqa": ({}, False), "gqa_fp8": (_FP8, True), "mla": (_WIDE, False), "mla_fp8": (_WIDE_FP8, True)}
 _SHARED = ("target_programs", "min_split")
 _VALID = {
     "target_programs": range(1, 1 << 16), "min_split": range(1, 1 << 24),
@@ -396,23 +403,24 @@ def _valid_value(key: str, value: object) -> bool:
 def apply_tuning(tuning: dict) -> None:
     """Install measured launch settings {"gqa": {key: value}, "mla": {key: value}} (as written by
     `python -m megapar.launch.bench.cp --probe --out DIR` to DIR/decode-tuning.json; keys:
-    block_n, block_m, num_warps, num_stages, target_programs, min_split; "gqa_fp8": block_n and
-    num_stages of GQA over an fp8 cache, CONFIG's *_fp8 entries). MLA's block_n / block_m /
-    num_warps / num_stages go to CONFIG's *_wide entries; target_programs and min_split are shared
+    block_n, block_m, num_warps, num_stages, target_programs, min_split, lazy_rescale, and MLA's
+    halves / tma / diag; "gqa_fp8": block_n and num_stages of GQA over an fp8 cache, CONFIG's *_fp8
+    entries; "mla_fp8": MLA over an fp8 cache, CONFIG's *_wide_fp8 entries). MLA's block_n /
+    block_m / num_warps / num_stages / structure options go to CONFIG's *_wide entries; target_programs and min_split are shared
     and must agree where both give them. {"config": {CONFIG key: value}} sets entries directly.
     Nothing is installed unless all of it is valid: ValueError naming the bad keys or values."""
     if not isinstance(tuning, dict):
         raise ValueError(f"decode tuning must be a dict, got {type(tuning).__name__}")
-    bad = [k for k in tuning if k not in ("gqa", "gqa_fp8", "mla", "config") + _META]
+    bad = [k for k in tuning if k not in (*_FAMILIES, "config") + _META]
     if bad:
-        raise ValueError(f"unknown decode tuning entries {bad}; valid: gqa, gqa_fp8, mla, config")
+        raise ValueError(f"unknown decode tuning entries {bad}; valid: {', '.join(_FAMILIES)}, config")
     new: dict[str, int] = {}
-    for kind in ("gqa", "gqa_fp8", "mla"):
+    for kind, (names, only) in _FAMILIES.items():
         part = tuning.get(kind, {})
         if not isinstance(part, dict):
             raise ValueError(f"decode tuning {kind!r} must be a dict of settings, got {part!r}")
         for key, value in part.items():
-            keys = _FP8 if kind == "gqa_fp8" else _VALID
+            keys = names if only else _VALID
             if kind == "gqa" and key in ("halves", "tma", "diag"):
                 raise ValueError(f"decode tuning gqa.{key}: an MLA-only option (the latent head's layout); "
                                  f"give it under 'mla'")
@@ -420,7 +428,7 @@ def apply_tuning(tuning: dict) -> None:
                 raise ValueError(f"unknown decode tuning key {kind}.{key}; valid: {', '.join(keys)}")
             if not _valid_value(key, value):
                 raise ValueError(f"decode tuning {kind}.{key} = {value!r} is invalid; valid: {_describe(key)}")
-            name = {"mla": _WIDE, "gqa_fp8": _FP8}.get(kind, {}).get(key, key)
+            name = names.get(key, key)
             if name in new and new[name] != value:
                 raise ValueError(f"decode tuning: the shared key {key} differs between gqa ({new[name]}) and "
                                  f"mla ({value}); one value serves both (only {', '.join(_WIDE)} have *_wide "
