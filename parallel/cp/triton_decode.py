@@ -15,6 +15,24 @@ the cache is read once. fp8 (e4m3) caches carry one fp32 scale per (token, kv he
 scores are scaled by the k scale per column and the probabilities by the v scale before P @ V.
 With Tq > 1 (speculative decoding) query t of a sequence of global length L sits at position
 `L - Tq + t` and sees local token j iff its global position (docs/numerics.md §8.2) is <= that.
+
+Structure options (CONFIG, 0/1, off until the GPU probe measures them; `launch_settings`):
+- `halves_wide` (MLA: one latent head whose value is the key's first 512 dims, pages a multiple of
+  the key tile): the latent tile read as two 256-wide halves with two accumulators, FlashMLA's
+  split of the value dim; the rope part is a third, 64-wide operand.
+- `tma_wide` (with halves): each whole key tile comes by three TMA boxes from device-side
+  descriptors over [blocks, page, 576] (no address registers, no masks); the partial last tile of
+  a split goes through the masked pointer loads, since a cache holds anything (NaN included)
+  past a sequence's end and 0 * NaN in P @ V is NaN.
+- `lazy_rescale`, `lazy_rescale_wide`: the running max moves only when a row's max grew by more
+  than 8 (base 2), so most tiles skip the rescale of the accumulator (exact: p <= 2^8).
+The *_wide_fp8 entries are MLA's over an fp8 cache. `diag_wide` (1 no softmax, 2 no P @ V, 3
+scores only) is the tuning probe's subtraction diagnostic, never attention.
+
+Roofline: MLA's 128 query heads over one latent head do 2 x 128 x (576 + 512) FLOP per 1152-byte
+token, 242 FLOP/B, above the H200's 799 TFLOP/s (measured bf16 dense) / ~4.3 TB/s = 186: MLA
+decode at 128 heads is compute-bound, and `megapar bench cp` takes the larger of the byte and the
+FLOP floor. GQA (8 query heads per kv head: 8 FLOP/B) is bound by the bytes.
 """
 
 from __future__ import annotations
