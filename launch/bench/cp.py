@@ -327,7 +327,7 @@ def _mla_torch_contiguous(q: torch.Tensor, latent: torch.Tensor, dv: int, scale:
 
 
 def _paged_decode_rows(ctx: BenchContext) -> None:
-    """GQA (Hq 32, Hkv 4, D 128) and MLA (H 128, one latent head of 576, v = its first 512) decode,
+    """GQA (Hq 32, Hkv 4, D 128) and MLA (H 128 and 16, one latent head of 576, v = its first 512) decode,
     B = 32, L = 8K..128K, bf16 and fp8 caches: the split-KV kernel over rank 0's 1/N of the paged
     KV against SDPA on a contiguous bf16 copy of the same tokens and the old gathered-pages torch
     path, with the fraction of the KV-read byte floor (target >= 70% and faster than SDPA)."""
@@ -337,7 +337,9 @@ def _paged_decode_rows(ctx: BenchContext) -> None:
     ceiling = copy_ceiling_gbps(ctx.device)
     batch, block, n = 32, 64, 4
     dims = MLADims()
-    for kind in ("gqa", "mla"):
+    # MLA with all 128 heads on the rank (TP 1: compute-bound) and with 16 (TP 8, vLLM's
+    # `-tp 8 -dcp 8`: bound by the latent bytes)
+    for kind, mla_heads in (("gqa", 0), ("mla", 128), ("mla", 16)):
         for context in (8192, 32768, 131072):
             for cache_dtype in (torch.bfloat16, torch.float8_e4m3fn):
                 tag = str(cache_dtype).replace("torch.", "")
@@ -348,11 +350,12 @@ def _paged_decode_rows(ctx: BenchContext) -> None:
                                                        cache_dtype)
                     scale, v_from_k, what = d ** -0.5, False, f"Hq={heads}, Hkv={kv_heads}"
                 else:
-                    heads, kv_heads, d, dv = 128, 1, dims.latent_dim, dims.kv_lora_rank
+                    heads, kv_heads, d, dv = mla_heads, 1, dims.latent_dim, dims.kv_lora_rank
                     latent, table = _mla_decode_setup(batch, context, dims, block, n, ctx.device, cache_dtype)
                     cache = latent.paged
                     q = torch.randn(batch, heads, d, device=ctx.device, dtype=torch.bfloat16)
-                    scale, v_from_k, what = dims.scale, True, f"MLA H={heads}, latent {d}"
+                    scale, v_from_k = dims.scale, True
+                    what = f"MLA H={heads}{' (TP 8)' if heads == 16 else ''}, latent {d}"
                 layout = DCPLayout(size=n, rank=0, block_size=block)
                 seq = torch.full((batch,), context, device=ctx.device)
                 ours_us, ours_cols = _decode_time(ctx, lambda: paged_decode_attention(

@@ -2,7 +2,8 @@
 
 `python -m megapar.launch.bench.cp --probe --out DIR`. Problems (rank 0's 1/4 of a paged KV,
 page 64, B = 32): GQA Hq = 32, Hkv = 4, D = 128 at L = 8K and 32K with bf16 and fp8 caches; MLA
-(H = 128 over one 576-wide latent head, v = its first 512) at L = 8K and 32K, bf16 and fp8. Per
+(H = 128 over one 576-wide latent head, v = its first 512) at L = 8K and 32K, and H = 16 (TP 8)
+at 32K, bf16 and fp8. Per
 family a fixed list of launch settings - one factor at a time around the current CONFIG plus a
 few combinations, for MLA also the kernel's structure options (latent in halves, TMA, lazy
 rescale) and, as invalid rows timed for where the time goes, its subtraction diagnostics (diag 1
@@ -133,9 +134,15 @@ def _problems(ctx: BenchContext) -> list[Problem]:
     ceiling = copy_ceiling_gbps(ctx.device)
     layout = DCPLayout(size=n, rank=0, block_size=block)
     out: list[Problem] = []
-    specs = [("gqa_fp8" if dt == torch.float8_e4m3fn else "gqa", c, dt) for c in contexts for dt in gqa_dtypes] + [
-        ("mla", c, mla_dtype) for c in contexts] + [("mla_fp8", c, torch.float8_e4m3fn) for c in contexts if ctx.is_cuda]
-    for kind, context, cache_dtype in specs:
+    # (kind, context, cache dtype, MLA heads): MLA with 128 heads on the rank (TP 1) and, at 32K,
+    # with 16 (TP 8): one family, its settings judged over both
+    specs = [("gqa_fp8" if dt == torch.float8_e4m3fn else "gqa", c, dt, 0) for c in contexts for dt in gqa_dtypes]
+    specs += [("mla", c, mla_dtype, mla_heads) for c in contexts]
+    if ctx.is_cuda:
+        specs += [("mla", contexts[-1], mla_dtype, 16)] + [("mla_fp8", c, torch.float8_e4m3fn, mla_heads)
+                                                             for c in contexts]
+        specs += [("mla_fp8", contexts[-1], torch.float8_e4m3fn, 16)]
+    for kind, context, cache_dtype, heads_here in specs:
         local = int(layout.local_lengths(context))
         if not kind.startswith("mla"):
             heads, kv_heads, d = gqa
@@ -143,7 +150,7 @@ def _problems(ctx: BenchContext) -> list[Problem]:
             cache, table, q, _ = _decode_setup(batch, context, heads, kv_heads, d, block, n, ctx.device, cache_dtype)
             what = f"Hq={heads} Hkv={kv_heads} D={d}"
         else:
-            heads, kv_heads, d, dv, v_from_k, scale = mla_heads, 1, dims.latent_dim, dims.kv_lora_rank, True, dims.scale
+            heads, kv_heads, d, dv, v_from_k, scale = heads_here, 1, dims.latent_dim, dims.kv_lora_rank, True, dims.scale
             latent, table = _mla_decode_setup(batch, context, dims, block, n, ctx.device, cache_dtype)
             cache = latent.paged
             q = torch.randn(batch, heads, d, device=ctx.device, dtype=qdtype)
