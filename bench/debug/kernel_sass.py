@@ -62,13 +62,21 @@ DECODE = {  # the paged decode kernel on MLA's latent cache (512 + 64 key dims, 
     for m, n, w, st in ((32, 32, 8, 2), (64, 32, 8, 2), (64, 16, 8, 2), (64, 32, 4, 2), (128, 16, 8, 1),
                         (32, 64, 8, 3), (64, 64, 8, 3))
 }
+DECODE.update({  # GQA (Hq 32, Hkv 4, D 128: 8 query rows per kv head) as CONFIG launches it
+    f"_paged_decode_kernel GQA {'fp8' if fp8 else 'bf16'} block_m=16 block_n={n} warps=4 stages={st} {label}":
+        ("_paged_decode_kernel", dict(_DECODE, **({"k_ptr": "*fp8e4nv", "v_ptr": "*fp8e4nv"} if fp8 else {})),
+         dict(_MLA, D_MAIN=128, D_REST=0, BLOCK_REST=0, DV=128, BLOCK_DV=128, V_FROM_K=False, FP8=fp8, BLOCK_M=16,
+              BLOCK_N=n, num_warps=4, num_stages=st, **opts))
+    for fp8, n, st in ((False, 64, 2), (True, 128, 3), (True, 64, 3))
+    for label, opts in (("plain", {}), ("lazy", dict(LAZY=True)))
+})
 DECODE.update({  # the structure options (CONFIG halves_wide / tma_wide / lazy_rescale_wide) at the MLA defaults
     f"_paged_decode_kernel MLA {'fp8' if fp8 else 'bf16'} block_m={m} block_n=64 warps={w} stages={st} {label}":
         ("_paged_decode_kernel", dict(_DECODE, **({"k_ptr": "*fp8e4nv", "v_ptr": "*fp8e4nv"} if fp8 else {})),
          dict(_MLA, FP8=fp8, BLOCK_M=m, BLOCK_N=64, num_warps=w, num_stages=st, **opts))
-    for fp8, m in ((False, 64), (True, 32), (True, 64))
+    for fp8, m in ((False, 64), (True, 32), (True, 64), (False, 16), (True, 16))
     for w, st in ((8, 3), (8, 2), (4, 2))
-    for label, opts in (("halves", dict(HALVES=True)), ("halves tma", dict(HALVES=True, TMA=True)),
+    for label, opts in (("plain", {}), ("halves", dict(HALVES=True)), ("halves tma", dict(HALVES=True, TMA=True)),
                         ("lazy", dict(LAZY=True)), ("halves tma lazy", dict(HALVES=True, TMA=True, LAZY=True)))
 })
 

@@ -86,7 +86,10 @@ def _tile(j0, end, s64, kvh, q_main, q_rest, q_pos, rmask, dm, dr, rest_mask, dv
     """One key tile [j0, j0 + BLOCK_N) of the online softmax: returns the new (m, l, acc)."""
     j = j0 + tl.arange(0, BLOCK_N)
     jmask = j < end
-    block = tl.load(table_ptr + s64 * st_s + j // PAGE, mask=jmask, other=0).to(tl.int64)
+    if PAGE % BLOCK_N == 0:     # the tile lies in one page (tiles start at multiples of BLOCK_N): one id
+        block = tl.load(table_ptr + s64 * st_s + j0 // PAGE).to(tl.int64)
+    else:
+        block = tl.load(table_ptr + s64 * st_s + j // PAGE, mask=jmask, other=0).to(tl.int64)
     in_page = (j % PAGE).to(tl.int64)
     k_row = block * sk_b + in_page * sk_t + kvh * sk_h                           # [BLOCK_N]
     k_main = tl.load(k_ptr + k_row[:, None] + dm[None, :], mask=jmask[:, None], other=0.0)
