@@ -204,15 +204,6 @@ def e2m1_code(y):
 
 
 @triton.jit
-def _e2m1_index_exact(a, d):
-    """a = |x| (fp64), d = s * g (fp64, > 0, exact) -> int32 E2M1 index of the exact a / d, round
-    to nearest even, saturating: every boundary b * d is exact in fp64 (reference.nvfp4_codes)."""
-    i = (a > 0.25 * d).to(tl.int32) + (a >= 0.75 * d).to(tl.int32) + (a > 1.25 * d).to(tl.int32)
-    i += (a >= 1.75 * d).to(tl.int32) + (a > 2.5 * d).to(tl.int32) + (a >= 3.5 * d).to(tl.int32)
-    return i + (a > 5.0 * d).to(tl.int32)
-
-
-@triton.jit
 def e2m1_value(code):
     """E2M1 code (int32 in [0, 16)) -> fp32 (exact; code 8 is -0.0).
 
@@ -326,10 +317,11 @@ def _boundary_bits(c, g, GE: tl.constexpr):
 
 
 @triton.jit
-def _nvfp4_codes_by_thresholds(x, sval, g, abits):
-    """x: fp32 [ROWS, BS], sval: E4M3 block scales (fp32 [ROWS]), g: global scale (scalar or
-    [ROWS]), abits: block amax bits -> (E2M1 codes of x / (s * g) rounded from the exact
-    quotient, as reference.nvfp4_codes; fast: [ROWS] bool, the rows for which they are right).
+def _nvfp4_thresholds(sval, g, abits):
+    """sval: E4M3 block scales (fp32 [ROWS]), g: global scale (scalar or [ROWS]), abits: block
+    amax bits -> (fast: [ROWS] bool, b0..b6: fp32 [ROWS] thresholds): for fast rows, the E2M1
+    code of x / (s * g) rounded from the exact quotient (as reference.nvfp4_codes) is
+    `_e2m1_count(x, b0, .., b6)`.
 
     Per element, no division: the index is the number of boundaries |x| has passed, and each
     test `|x| > b s g` (b = 0.25, 1.25, 2.5, 5; ties to the even code below) or `|x| >= b s g`
@@ -339,7 +331,7 @@ def _nvfp4_codes_by_thresholds(x, sval, g, abits):
     exact while normal), so four fma pairs per block. Fast rows: s g in [2^-96, 2^96] (every
     threshold normal, every error exact), or s = 0 with a finite amax (the reference's x * 0:
     the sign alone; thresholds +inf give index 0). NaN blocks (s = NaN), an inf with s = 0 and
-    extreme s * g are not fast: the caller's float64 tile path decides those."""
+    extreme s * g are not fast: the caller takes `_boundary_f64` thresholds for those tiles."""
     d = sval * g                                            # approximate: the range test only
     zero = sval == 0.0
     fast = ((d >= 1.262177448353619e-29) & (d <= 7.922816251426434e28)) | (zero & (abits < 0x7F800000))
@@ -348,21 +340,41 @@ def _nvfp4_codes_by_thresholds(x, sval, g, abits):
     t125 = _boundary_bits(sval * 1.25, g, False)           # |x| > 1.25 s g (-> 2.5, 5)
     t175 = _boundary_bits(sval * 1.75, g, True)            # |x| >= 1.75 s g (-> 3.5)
     inf = 0x7F800000
-    b0 = tl.where(zero, inf, t1 - (2 << 23)).to(tl.float32, bitcast=True)[:, None]       # 0.25
-    b1 = tl.where(zero, inf, t15 - (1 << 23)).to(tl.float32, bitcast=True)[:, None]      # 0.75
-    b2 = tl.where(zero, inf, t125).to(tl.float32, bitcast=True)[:, None]                 # 1.25
-    b3 = tl.where(zero, inf, t175).to(tl.float32, bitcast=True)[:, None]                 # 1.75
-    b4 = tl.where(zero, inf, t125 + (1 << 23)).to(tl.float32, bitcast=True)[:, None]     # 2.5
-    b5 = tl.where(zero, inf, t175 + (1 << 23)).to(tl.float32, bitcast=True)[:, None]     # 3.5
-    b6 = tl.where(zero, inf, t125 + (2 << 23)).to(tl.float32, bitcast=True)[:, None]     # 5
+    b0 = tl.where(zero, inf, t1 - (2 << 23)).to(tl.float32, bitcast=True)       # 0.25
+    b1 = tl.where(zero, inf, t15 - (1 << 23)).to(tl.float32, bitcast=True)      # 0.75
+    b2 = tl.where(zero, inf, t125).to(tl.float32, bitcast=True)                 # 1.25
+    b3 = tl.where(zero, inf, t175).to(tl.float32, bitcast=True)                 # 1.75
+    b4 = tl.where(zero, inf, t125 + (1 << 23)).to(tl.float32, bitcast=True)     # 2.5
+    b5 = tl.where(zero, inf, t175 + (1 << 23)).to(tl.float32, bitcast=True)     # 3.5
+    b6 = tl.where(zero, inf, t125 + (2 << 23)).to(tl.float32, bitcast=True)     # 5
+    return fast, b0, b1, b2, b3, b4, b5, b6
+
+
+@triton.jit
+def _e2m1_count(x, b0, b1, b2, b3, b4, b5, b6):
+    """x: fp32 [ROWS, BS], b0..b6: fp32 [ROWS] thresholds -> int32 sign << 3 | (number of b
+    with |x| >= b). Each test as 1.0 / 0.0 summed in fp32 onto 2^23 (FSET + FADD on sm_90;
+    integer 0/1 sums compile to compares, selects and predicated moves): bits 0x4B000000 + n."""
     a = tl.abs(x)
-    # each test as 1.0 / 0.0 summed in fp32 onto 2^23 (FSET + FADD on sm_90; integer 0/1 sums
-    # compile to compare, select and predicated moves): the bits are 0x4B000000 + index
-    n = tl.where(a >= b0, 1.0, 0.0) + tl.where(a >= b1, 1.0, 0.0) + tl.where(a >= b2, 1.0, 0.0)
-    n += tl.where(a >= b3, 1.0, 0.0) + tl.where(a >= b4, 1.0, 0.0) + tl.where(a >= b5, 1.0, 0.0)
-    n += tl.where(a >= b6, 1.0, 0.0) + 8388608.0
-    idx = n.to(tl.int32, bitcast=True) - 0x4B000000
-    return idx | _sign_at(x, 3), fast
+    n = tl.where(a >= b0[:, None], 1.0, 0.0) + tl.where(a >= b1[:, None], 1.0, 0.0)
+    n += tl.where(a >= b2[:, None], 1.0, 0.0) + tl.where(a >= b3[:, None], 1.0, 0.0)
+    n += tl.where(a >= b4[:, None], 1.0, 0.0) + tl.where(a >= b5[:, None], 1.0, 0.0)
+    n += tl.where(a >= b6[:, None], 1.0, 0.0) + 8388608.0
+    return (n.to(tl.int32, bitcast=True) - 0x4B000000) | _sign_at(x, 3)
+
+
+@triton.jit
+def _boundary_f64(b: tl.constexpr, sval, g, GE: tl.constexpr):
+    """`_boundary_bits` for any s * g, as fp32: D = b * s * g is exact in float64 (3 + 4 + 24
+    significant bits), f = RN32(D) and its float64 value decide the direction (f's successor
+    where f < D (GE) or f <= D); an overflowing D gives +inf, a tiny one the least subnormal."""
+    dd = (sval * b).to(tl.float64) * g.to(tl.float64)
+    f = dd.to(tl.float32)
+    if GE:
+        up = f.to(tl.float64) < dd
+    else:
+        up = f.to(tl.float64) <= dd
+    return (f.to(tl.int32, bitcast=True) + up.to(tl.int32)).to(tl.float32, bitcast=True)
 
 
 @triton.jit
@@ -375,7 +387,6 @@ def _fp4_quant_kernel(x_ptr, data_ptr, scale_ptr, gs_ptr, n_blocks, blocks_per_g
     the arithmetic dropped, codes from x's bits and one max per block as the scale."""
     rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)    # block index
     cols = tl.arange(0, BS)
-    pcols = tl.arange(0, BS // 2)
     if EVEN:
         x = tl.load(x_ptr + rows[:, None] * BS + cols[None, :])
     else:
@@ -384,6 +395,7 @@ def _fp4_quant_kernel(x_ptr, data_ptr, scale_ptr, gs_ptr, n_blocks, blocks_per_g
     if DIAG == 1:
         codes = (x.to(tl.int32, bitcast=True) >> 16) & 0xF
         sbyte = tl.max(codes, 1).to(tl.uint8)
+        _fp4_store(data_ptr, scale_ptr, rows, n_blocks, codes, sbyte, ROWS, BS, EVEN)
     else:
         abits = _abs_max_bits(x, 1)                                      # [ROWS] block amax bits
         if IS_NV:
@@ -396,14 +408,30 @@ def _fp4_quant_kernel(x_ptr, data_ptr, scale_ptr, gs_ptr, n_blocks, blocks_per_g
             s = tl.where(s > 448.0, 448.0, s)
             sbyte = e4m3_byte(s)
             sval = e4m3_value(sbyte)
-            codes, fast = _nvfp4_codes_by_thresholds(x, sval, g, abits)
+            fast, b0, b1, b2, b3, b4, b5, b6 = _nvfp4_thresholds(sval, g, abits)
             # rare tiles: a NaN in a block, an inf where s is 0, or s * g outside [2^-96, 2^96]:
-            # the reference's exact steps (`nvfp4_codes`: |x| against boundary * s * g in float64)
+            # the same compares against thresholds from float64 (exact for every s * g:
+            # subnormal, overflowing), then the reference's rule for NaN (code 0) and s * g not
+            # > 0 (the code of x * 0). Each branch packs and stores its own codes, so no
+            # per-element value lives across the branch (registers set the occupancy).
             if tl.min(fast.to(tl.int32)) == 0:
-                d = (sval.to(tl.float64) * g.to(tl.float64))[:, None]       # exact
-                codes = _e2m1_index_exact(tl.abs(x).to(tl.float64), d) | _sign_at(x, 3)
-                codes = tl.where(x != x, 0, codes)
-                codes = tl.where(d > 0, codes, e2m1_code(x * 0.0))
+                d_pos = (sval.to(tl.float64) * g.to(tl.float64)) > 0                     # exact s * g > 0
+                inf = float("inf")
+                b0 = tl.where(d_pos, _boundary_f64(0.25, sval, g, False), inf)
+                b1 = tl.where(d_pos, _boundary_f64(0.75, sval, g, True), inf)
+                b2 = tl.where(d_pos, _boundary_f64(1.25, sval, g, False), inf)
+                b3 = tl.where(d_pos, _boundary_f64(1.75, sval, g, True), inf)
+                b4 = tl.where(d_pos, _boundary_f64(2.5, sval, g, False), inf)
+                b5 = tl.where(d_pos, _boundary_f64(3.5, sval, g, True), inf)
+                b6 = tl.where(d_pos, _boundary_f64(5.0, sval, g, False), inf)
+                codes = _e2m1_count(x, b0, b1, b2, b3, b4, b5, b6)
+                # s * g not > 0: a finite x keeps its sign (index 0: thresholds +inf), an inf
+                # gives code 0 (inf * 0 is NaN); a NaN is code 0 anywhere
+                codes = tl.where((x != x) | ((tl.abs(x) == inf) & (d_pos == 0)[:, None]), 0, codes)
+                _fp4_store(data_ptr, scale_ptr, rows, n_blocks, codes, sbyte, ROWS, BS, EVEN)
+            else:
+                codes = _e2m1_count(x, b0, b1, b2, b3, b4, b5, b6)
+                _fp4_store(data_ptr, scale_ptr, rows, n_blocks, codes, sbyte, ROWS, BS, EVEN)
         else:
             byte = (abits >> 23) - 2 + ((abits & 0x7FFFFF) > 0x400000).to(tl.int32)
             byte = tl.minimum(tl.maximum(byte, 0), 254)
@@ -415,6 +443,15 @@ def _fp4_quant_kernel(x_ptr, data_ptr, scale_ptr, gs_ptr, n_blocks, blocks_per_g
             else:                                # finite: y <= 6, no saturation; sign | index in one op
                 codes = _e2m1_index_le6_signed(y, x)
             sbyte = byte.to(tl.uint8)
+        if not IS_NV:
+            _fp4_store(data_ptr, scale_ptr, rows, n_blocks, codes, sbyte, ROWS, BS, EVEN)
+
+
+@triton.jit
+def _fp4_store(data_ptr, scale_ptr, rows, n_blocks, codes, sbyte, ROWS: tl.constexpr, BS: tl.constexpr,
+               EVEN: tl.constexpr):
+    """codes: int32 [ROWS, BS] E2M1 codes -> packed bytes (even | odd << 4) at data[rows], sbyte at scale[rows]."""
+    pcols = tl.arange(0, BS // 2)
     even, odd = tl.split(tl.reshape(codes, (ROWS, BS // 2, 2)))
     packed = (even | (odd << 4)).to(tl.uint8)
     if EVEN:
