@@ -315,6 +315,53 @@ def test_nvfp4_midpoints_match_reference_bits(tq, monkeypatch):
         _assert_same_q(got, quantize(x, "nvfp4", backend="torch", global_scale=gv))
 
 
+def _nvfp4_boundary_blocks(mats: int, blocks: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(x fp32 [mats, blocks, 16], per-matrix global scales [mats]): each block's amax sets a
+    random E4M3 scale s, the other elements sit at b * s * g (b: the seven E2M1 boundaries and
+    the code points) rounded to fp32 and moved by -3..3 ulp, with zeros, -0.0, subnormals and
+    sign flips mixed in; global scales from 2^-110 to 2^60, so some s * g leave [2^-96, 2^96]."""
+    from parallel.quant.reference import _nvfp4_gs, quantize_nvfp4
+
+    g = torch.Generator().manual_seed(seed)
+    gs = torch.exp2(torch.randint(-110, 60, (mats,), generator=g).float()) * (1 + torch.rand(mats, generator=g))
+    gs[:4] = torch.tensor([2.0**-12, 1.0 / 3, 2.0**-100, 2.0**90])          # powers of two: exact ties (fast, fallback)
+    s_target = torch.exp2(torch.randint(-9, 9, (mats, blocks), generator=g).float())
+    s_target = (s_target * torch.randint(8, 16, (mats, blocks), generator=g) / 8)
+    x = torch.zeros(mats, blocks, 16)
+    x[..., 0] = (6 * s_target.double() * gs.double()[:, None]).float()       # amax: s near s_target
+    s = quantize_nvfp4(x, global_scale=gs).scale.view(torch.float8_e4m3fn).float()[..., 0]   # [mats, blocks]
+    d = s.double() * _nvfp4_gs(x, gs).double()[:, None]                        # exact s * g
+    b = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, 0.5, 1.0, 1.5, 3.0], dtype=torch.float64)
+    pick = b[torch.randint(0, len(b), (mats, blocks, 15), generator=g)]
+    vals = (pick * d[..., None]).float()                                       # nearest fp32
+    steps = torch.randint(-3, 4, vals.shape, generator=g, dtype=torch.int32)
+    vals = torch.where(vals > 0, (vals.view(torch.int32) + steps).view(torch.float32), vals)
+    u = torch.rand(vals.shape, generator=g)
+    vals = torch.where(u < 0.03, 0.0, vals)
+    vals = torch.where((u >= 0.03) & (u < 0.05), -0.0, vals)
+    vals = torch.where((u >= 0.05) & (u < 0.06), 2.0**-140, vals)
+    vals = torch.where(torch.rand(vals.shape, generator=g) < 0.5, -vals, vals)
+    x[..., 1:] = vals
+    return x, gs
+
+
+@interp
+def test_nvfp4_values_next_to_every_boundary_match_reference_bits(tq, monkeypatch):
+    """Seeded: values within 3 fp32 ulp of b * s * g for every E2M1 boundary b, over random E4M3
+    block scales and global scales 2^-110 .. 2^60 (the threshold tiles and the float64 tiles
+    that extreme s * g send to the fallback), per matrix, with a partial last program; then the
+    same blocks in bf16 (ties where g is a power of two)."""
+    monkeypatch.setitem(tq.CONFIG, "fp4_quant", (8, 4))                 # 16 blocks per program
+    x, gs = _nvfp4_boundary_blocks(6, 37, 41)                          # 222 blocks: 13 full programs + 1 partial
+    _assert_same_q(tq.quantize(x, "nvfp4", global_scale=gs), quantize(x, "nvfp4", backend="torch", global_scale=gs))
+    for i in range(4):                                                  # one tensor scale
+        _assert_same_q(tq.quantize(x[i], "nvfp4", global_scale=gs[i].item()),
+                       quantize(x[i], "nvfp4", backend="torch", global_scale=gs[i].item()))
+    xb = x.to(torch.bfloat16)
+    for opts in ({"global_scale": gs}, {"global_scale": "matrix"}, {}):
+        _assert_same_q(tq.quantize(xb, "nvfp4", **opts), quantize(xb, "nvfp4", backend="torch", **opts))
+
+
 @interp
 def test_fp8_dequantize_matches_reference_bits(tq):
     g = torch.Generator().manual_seed(7)
@@ -415,6 +462,21 @@ def test_gpu_fast_path_bits_on_many_clean_values(fmt, opts):
     got = quantize(x.cuda(), fmt, **opts)
     _assert_same_q(got.to("cpu"), ref)
     assert _same_bits(dequantize(got, torch.bfloat16).cpu(), dequantize(ref, torch.bfloat16, backend="torch"))
+
+
+@pytest.mark.gpu
+def test_gpu_nvfp4_thresholds_bits_on_a_bf16_weight_and_boundary_blocks():
+    """The nvfp4 threshold path on the GPU (real fma, FSET compares): a [4, 512, 7168] bf16
+    weight with tensor, per-matrix and power-of-two (tie) global scales, and 1M fp32 / bf16
+    values within 3 ulp of every boundary * s * g, against the CPU reference."""
+    g = torch.Generator().manual_seed(51)
+    w = (torch.randn(4, 512, 7168, generator=g) * 0.02).to(torch.bfloat16)
+    for opts in ({}, {"global_scale": "matrix"}, {"global_scale": 2.0**-12}):
+        _assert_same_q(quantize(w.cuda(), "nvfp4", **opts).to("cpu"), quantize(w, "nvfp4", backend="torch", **opts))
+    x, gs = _nvfp4_boundary_blocks(16, 4099, 52)                       # odd block count: a partial program
+    for xx, opts in ((x, {"global_scale": gs}), (x.to(torch.bfloat16), {"global_scale": gs}),
+                     (x.to(torch.bfloat16), {"global_scale": "matrix"})):
+        _assert_same_q(quantize(xx.cuda(), "nvfp4", **opts).to("cpu"), quantize(xx, "nvfp4", backend="torch", **opts))
 
 
 @interp

@@ -204,15 +204,6 @@ def e2m1_code(y):
 
 
 @triton.jit
-def _e2m1_index_exact(a, d):
-    """a = |x| (fp64), d = s * g (fp64, > 0, exact) -> int32 E2M1 index of the exact a / d, round
-    to nearest even, saturating: every boundary b * d is exact in fp64 (reference.nvfp4_codes)."""
-    i = (a > 0.25 * d).to(tl.int32) + (a >= 0.75 * d).to(tl.int32) + (a > 1.25 * d).to(tl.int32)
-    i += (a >= 1.75 * d).to(tl.int32) + (a > 2.5 * d).to(tl.int32) + (a >= 3.5 * d).to(tl.int32)
-    return i + (a > 5.0 * d).to(tl.int32)
-
-
-@triton.jit
 def e2m1_value(code):
     """E2M1 code (int32 in [0, 16)) -> fp32 (exact; code 8 is -0.0).
 
@@ -276,21 +267,6 @@ def _div_abs_fast(x, d, r):
 
 
 @triton.jit
-def _div_abs_remat(x, d, r):
-    """`_div_abs_fast` (the same bits) from a first step the compiler does not match with it:
-    fma(|x|, r, 0) is RN(|x| r) as |x| * r is (|x| >= 0, so no signed-zero difference)."""
-    a = tl.abs(x)
-    if FMA_DIVISION:
-        nd = -d
-        q = tl.fma(a, r, 0.0)
-        q = tl.fma(tl.fma(q, nd, a), r, q)
-        q = tl.fma(tl.fma(q, nd, a), r, q)
-    else:
-        q = tl.div_rn(a, d)
-    return q
-
-
-@triton.jit
 def _fast_div_ok(d):
     """Per-block divisors for which `_div_abs_fast` is exact (with quotients bounded by 2^64)."""
     return (d >= 5.421010862427522e-20) & (d <= 1.8446744073709552e19)      # 2^-64, 2^64
@@ -320,6 +296,88 @@ def _fp8_tile(x, scale, slow, UE8M0: tl.constexpr, HW: tl.constexpr):
 
 
 @triton.jit
+def _boundary_bits(c, g, GE: tl.constexpr):
+    """fp32 c, g > 0 with c * g in [2^-98, 2^99] -> int32 bits of the least fp32 T with, for
+    every fp32 a >= 0: a >= T  <=>  a >= c * g (GE) or a > c * g (not GE), c * g exact (real).
+
+    p = RN(c g) and e = c g - p, exact by fma (the error of a product is an fp32 when the
+    exponents sum to >= -103): GE: T = RU(c g) = p, or p's successor where e > 0; not GE: T is
+    the least fp32 above c g = p's successor where e >= 0, else p (RN puts no fp32 between c g
+    and p). Successor of a positive finite fp32 = its bits + 1."""
+    p = c * g
+    if FMA_DIVISION:
+        e = tl.fma(c, g, -p)
+    else:          # the interpreter (its fma rounds twice): c * g is exact in float64, so is the difference
+        e = c.to(tl.float64) * g.to(tl.float64) - p.to(tl.float64)
+    if GE:
+        up = e > 0
+    else:
+        up = e >= 0
+    return p.to(tl.int32, bitcast=True) + up.to(tl.int32)
+
+
+@triton.jit
+def _nvfp4_thresholds(sval, g, abits):
+    """sval: E4M3 block scales (fp32 [ROWS]), g: global scale (scalar or [ROWS]), abits: block
+    amax bits -> (fast: [ROWS] bool, b0..b6: fp32 [ROWS] thresholds): for fast rows, the E2M1
+    code of x / (s * g) rounded from the exact quotient (as reference.nvfp4_codes) is
+    `_e2m1_count(x, b0, .., b6)`.
+
+    Per element, no division: the index is the number of boundaries |x| has passed, and each
+    test `|x| > b s g` (b = 0.25, 1.25, 2.5, 5; ties to the even code below) or `|x| >= b s g`
+    (b = 0.75, 1.75, 3.5) is one fp32 compare `|x| >= T_b` with a per-block threshold T_b
+    (`_boundary_bits`, exact). b s is exact (3 and 4 significant bits), the thresholds of
+    b = 0.25, 2.5, 5 and 3.5 are those of 1, 1.25 and 1.75 times a power of two (bits -+ k << 23,
+    exact while normal), so four fma pairs per block. Fast rows: s g in [2^-96, 2^96] (every
+    threshold normal, every error exact), or s = 0 with a finite amax (the reference's x * 0:
+    the sign alone; thresholds +inf give index 0). NaN blocks (s = NaN), an inf with s = 0 and
+    extreme s * g are not fast: the caller takes `_boundary_f64` thresholds for those tiles."""
+    d = sval * g                                            # approximate: the range test only
+    zero = sval == 0.0
+    fast = ((d >= 1.262177448353619e-29) & (d <= 7.922816251426434e28)) | (zero & (abits < 0x7F800000))
+    t1 = _boundary_bits(sval, g, False)                    # |x| > 1 s g (-> 0.25)
+    t15 = _boundary_bits(sval * 1.5, g, True)              # |x| >= 1.5 s g (-> 0.75)
+    t125 = _boundary_bits(sval * 1.25, g, False)           # |x| > 1.25 s g (-> 2.5, 5)
+    t175 = _boundary_bits(sval * 1.75, g, True)            # |x| >= 1.75 s g (-> 3.5)
+    inf = 0x7F800000
+    b0 = tl.where(zero, inf, t1 - (2 << 23)).to(tl.float32, bitcast=True)       # 0.25
+    b1 = tl.where(zero, inf, t15 - (1 << 23)).to(tl.float32, bitcast=True)      # 0.75
+    b2 = tl.where(zero, inf, t125).to(tl.float32, bitcast=True)                 # 1.25
+    b3 = tl.where(zero, inf, t175).to(tl.float32, bitcast=True)                 # 1.75
+    b4 = tl.where(zero, inf, t125 + (1 << 23)).to(tl.float32, bitcast=True)     # 2.5
+    b5 = tl.where(zero, inf, t175 + (1 << 23)).to(tl.float32, bitcast=True)     # 3.5
+    b6 = tl.where(zero, inf, t125 + (2 << 23)).to(tl.float32, bitcast=True)     # 5
+    return fast, b0, b1, b2, b3, b4, b5, b6
+
+
+@triton.jit
+def _e2m1_count(x, b0, b1, b2, b3, b4, b5, b6):
+    """x: fp32 [ROWS, BS], b0..b6: fp32 [ROWS] thresholds -> int32 sign << 3 | (number of b
+    with |x| >= b). Each test as 1.0 / 0.0 summed in fp32 onto 2^23 (FSET + FADD on sm_90;
+    integer 0/1 sums compile to compares, selects and predicated moves): bits 0x4B000000 + n."""
+    a = tl.abs(x)
+    n = tl.where(a >= b0[:, None], 1.0, 0.0) + tl.where(a >= b1[:, None], 1.0, 0.0)
+    n += tl.where(a >= b2[:, None], 1.0, 0.0) + tl.where(a >= b3[:, None], 1.0, 0.0)
+    n += tl.where(a >= b4[:, None], 1.0, 0.0) + tl.where(a >= b5[:, None], 1.0, 0.0)
+    n += tl.where(a >= b6[:, None], 1.0, 0.0) + 8388608.0
+    return (n.to(tl.int32, bitcast=True) - 0x4B000000) | _sign_at(x, 3)
+
+
+@triton.jit
+def _boundary_f64(b: tl.constexpr, sval, g, GE: tl.constexpr):
+    """`_boundary_bits` for any s * g, as fp32: D = b * s * g is exact in float64 (3 + 4 + 24
+    significant bits), f = RN32(D) and its float64 value decide the direction (f's successor
+    where f < D (GE) or f <= D); an overflowing D gives +inf, a tiny one the least subnormal."""
+    dd = (sval * b).to(tl.float64) * g.to(tl.float64)
+    f = dd.to(tl.float32)
+    if GE:
+        up = f.to(tl.float64) < dd
+    else:
+        up = f.to(tl.float64) <= dd
+    return (f.to(tl.int32, bitcast=True) + up.to(tl.int32)).to(tl.float32, bitcast=True)
+
+
+@triton.jit
 def _fp4_quant_kernel(x_ptr, data_ptr, scale_ptr, gs_ptr, n_blocks, blocks_per_gs,
                       IS_NV: tl.constexpr, GS_PER_MATRIX: tl.constexpr, BS: tl.constexpr,
                       ROWS: tl.constexpr, EVEN: tl.constexpr, DIAG: tl.constexpr = 0):
@@ -329,7 +387,6 @@ def _fp4_quant_kernel(x_ptr, data_ptr, scale_ptr, gs_ptr, n_blocks, blocks_per_g
     the arithmetic dropped, codes from x's bits and one max per block as the scale."""
     rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)    # block index
     cols = tl.arange(0, BS)
-    pcols = tl.arange(0, BS // 2)
     if EVEN:
         x = tl.load(x_ptr + rows[:, None] * BS + cols[None, :])
     else:
@@ -338,6 +395,7 @@ def _fp4_quant_kernel(x_ptr, data_ptr, scale_ptr, gs_ptr, n_blocks, blocks_per_g
     if DIAG == 1:
         codes = (x.to(tl.int32, bitcast=True) >> 16) & 0xF
         sbyte = tl.max(codes, 1).to(tl.uint8)
+        _fp4_store(data_ptr, scale_ptr, rows, n_blocks, codes, sbyte, ROWS, BS, EVEN)
     else:
         abits = _abs_max_bits(x, 1)                                      # [ROWS] block amax bits
         if IS_NV:
@@ -350,57 +408,30 @@ def _fp4_quant_kernel(x_ptr, data_ptr, scale_ptr, gs_ptr, n_blocks, blocks_per_g
             s = tl.where(s > 448.0, 448.0, s)
             sbyte = e4m3_byte(s)
             sval = e4m3_value(sbyte)
-            denom = sval * g
-            r = tl.div_rn(1.0, denom)
-            q = _div_abs_fast(x, denom[:, None], r[:, None])                # fp32 |x| / RN(s * g)
-            codes = _e2m1_index(q)
-            # The fp32 quotient is within 2 ulp of the exact one, so its E2M1 index is exact unless
-            # q lies near a rounding boundary: within 8 ulp of a value with the low 21 mantissa bits
-            # zero AND whose exponent and top two mantissa bits are one of the seven boundaries
-            # 0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5 (key = 4 * (exponent - 125) + top bits: 0, 6, 9,
-            # 11, 13, 15, 17 -> mask 0x2AA41). Code points (0.5, 1, ..., 6: every block's amax lands
-            # on 6 exactly) and zeros are not boundaries and keep the fast path.
-            b8 = q.to(tl.int32, bitcast=True) + 8
-            key = ((b8 >> 21) & 0x3FF) - 500
-            in_range = (key >= 0) & (key < 20)
-            keyc = tl.where(in_range, key, 0)
-            near = ((b8 & 0x1FFFFF) < 16) & in_range & (((0x2AA41 >> keyc) & 1) == 1)
-            # Near a boundary b, the side of |x| against the exact b * s * g decides. bf16 weights
-            # put quotients within an ulp or two of a boundary (x sharing the global amax's mantissa)
-            # in about one 4096-element tile of six, so the decision stays in fp32 and in a branch
-            # (it doubles the instructions per element): t = b * s is exact (3 + 4 significant bits),
-            # g splits into g_hi (its top 16 bits) + g_lo, and t * g_hi (23 bits), t * g_lo (15 bits)
-            # and |x| - t * g_hi (Sterbenz: |x| is within 2^-15 of t * g_hi) are all exact, whatever
-            # fma contraction the compiler applies; ties go to the even index (k: the index below b).
-            if tl.max(near.to(tl.int32)) > 0:
-                # q, its key and `near` again (the same correctly rounded quotient from other
-                # instructions: the first product as an fma with a zero addend), so that the compiler
-                # cannot reuse the values above and they need not stay live into this branch
-                # (registers decide the occupancy of every tile)
-                b8 = _div_abs_remat(x, denom[:, None], r[:, None]).to(tl.int32, bitcast=True) + 8
-                key = ((b8 >> 21) & 0x3FF) - 500
-                in_range = (key >= 0) & (key < 20)
-                keyc = tl.where(in_range, key, 0)
-                near = ((b8 & 0x1FFFFF) < 16) & in_range & (((0x2AA41 >> keyc) & 1) == 1)
-                g_row = tl.zeros_like(sval) + g
-                g_hi = (g_row.to(tl.int32, bitcast=True) & -256).to(tl.float32, bitcast=True)
-                g_lo = g_row - g_hi
-                t = (b8 & -2097152).to(tl.float32, bitcast=True) * sval[:, None]     # b * s
-                diff = tl.abs(x) - t * g_hi[:, None]
-                rest = t * g_lo[:, None]
-                k = tl.where(keyc >= 9, (keyc - 5) >> 1, (keyc + 2) >> 3)        # keys 0, 6, 9, .., 17 -> 0 .. 6
-                up = (diff > rest) | ((diff == rest) & ((k & 1) == 1))
-                codes = tl.where(near, k + up.to(tl.int32), codes)
-            codes = codes | _sign_at(x, 3)
-            # rare tiles: a zero/NaN/extreme denominator (y = x * 0 when not > 0), a quotient over
-            # 2^64 (s clamped at 448), or an inf/NaN input (code 0 for NaN): the reference's exact
-            # steps (`nvfp4_codes`: |x| against boundary * s * g in float64)
-            fast = _fast_div_ok(denom) & (amax * r <= 1.8446744073709552e19)
+            fast, b0, b1, b2, b3, b4, b5, b6 = _nvfp4_thresholds(sval, g, abits)
+            # rare tiles: a NaN in a block, an inf where s is 0, or s * g outside [2^-96, 2^96]:
+            # the same compares against thresholds from float64 (exact for every s * g:
+            # subnormal, overflowing), then the reference's rule for NaN (code 0) and s * g not
+            # > 0 (the code of x * 0). Each branch packs and stores its own codes, so no
+            # per-element value lives across the branch (registers set the occupancy).
             if tl.min(fast.to(tl.int32)) == 0:
-                d = (sval.to(tl.float64) * g.to(tl.float64))[:, None]       # exact
-                codes = _e2m1_index_exact(tl.abs(x).to(tl.float64), d) | _sign_at(x, 3)
-                codes = tl.where(x != x, 0, codes)
-                codes = tl.where(d > 0, codes, e2m1_code(x * 0.0))
+                d_pos = (sval.to(tl.float64) * g.to(tl.float64)) > 0                     # exact s * g > 0
+                inf = float("inf")
+                b0 = tl.where(d_pos, _boundary_f64(0.25, sval, g, False), inf)
+                b1 = tl.where(d_pos, _boundary_f64(0.75, sval, g, True), inf)
+                b2 = tl.where(d_pos, _boundary_f64(1.25, sval, g, False), inf)
+                b3 = tl.where(d_pos, _boundary_f64(1.75, sval, g, True), inf)
+                b4 = tl.where(d_pos, _boundary_f64(2.5, sval, g, False), inf)
+                b5 = tl.where(d_pos, _boundary_f64(3.5, sval, g, True), inf)
+                b6 = tl.where(d_pos, _boundary_f64(5.0, sval, g, False), inf)
+                codes = _e2m1_count(x, b0, b1, b2, b3, b4, b5, b6)
+                # s * g not > 0: a finite x keeps its sign (index 0: thresholds +inf), an inf
+                # gives code 0 (inf * 0 is NaN); a NaN is code 0 anywhere
+                codes = tl.where((x != x) | ((tl.abs(x) == inf) & (d_pos == 0)[:, None]), 0, codes)
+                _fp4_store(data_ptr, scale_ptr, rows, n_blocks, codes, sbyte, ROWS, BS, EVEN)
+            else:
+                codes = _e2m1_count(x, b0, b1, b2, b3, b4, b5, b6)
+                _fp4_store(data_ptr, scale_ptr, rows, n_blocks, codes, sbyte, ROWS, BS, EVEN)
         else:
             byte = (abits >> 23) - 2 + ((abits & 0x7FFFFF) > 0x400000).to(tl.int32)
             byte = tl.minimum(tl.maximum(byte, 0), 254)
@@ -412,6 +443,15 @@ def _fp4_quant_kernel(x_ptr, data_ptr, scale_ptr, gs_ptr, n_blocks, blocks_per_g
             else:                                # finite: y <= 6, no saturation; sign | index in one op
                 codes = _e2m1_index_le6_signed(y, x)
             sbyte = byte.to(tl.uint8)
+        if not IS_NV:
+            _fp4_store(data_ptr, scale_ptr, rows, n_blocks, codes, sbyte, ROWS, BS, EVEN)
+
+
+@triton.jit
+def _fp4_store(data_ptr, scale_ptr, rows, n_blocks, codes, sbyte, ROWS: tl.constexpr, BS: tl.constexpr,
+               EVEN: tl.constexpr):
+    """codes: int32 [ROWS, BS] E2M1 codes -> packed bytes (even | odd << 4) at data[rows], sbyte at scale[rows]."""
+    pcols = tl.arange(0, BS // 2)
     even, odd = tl.split(tl.reshape(codes, (ROWS, BS // 2, 2)))
     packed = (even | (odd << 4)).to(tl.uint8)
     if EVEN:
