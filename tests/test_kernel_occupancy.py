@@ -42,12 +42,12 @@ def test_merge_kernels_keep_their_registers():
     assert all(spill == 0 for _, spill in got.values()), got
 
 
-def test_nvfp4_quantize_keeps_three_programs_per_sm():
+def test_nvfp4_quantize_keeps_four_programs_per_sm():
     got = _registers("quant", "parallel/quant/triton_quant.py")
-    # 4 warps: <= 168 registers -> 3 programs per SM (the float64 path and the near-boundary
-    # branch count too: registers are the maximum over all paths)
-    assert got["_fp4_quant_kernel nvfp4"][0] <= 168, got
-    assert got["_fp4_quant_kernel nvfp4 per matrix"][0] <= 168, got
+    # 4 warps: <= 128 registers -> 4 programs per SM (the rare tiles' float64-threshold branch
+    # counts too: registers are the maximum over all paths; 102 / 96 at this writing)
+    assert got["_fp4_quant_kernel nvfp4"][0] <= 128, got
+    assert got["_fp4_quant_kernel nvfp4 per matrix"][0] <= 128, got
     assert got["_fp4_quant_kernel mxfp4"][0] <= 128, got
     assert all(spill == 0 for _, spill in got.values()), got
 
