@@ -249,7 +249,7 @@ def configs(default: tuple[int, int, int], sms: int, units: int, tiny: bool) -> 
     grid = [default] + [g for g in grid if g != default] + [(128, 1, 4), (128, 1, 8)]
     cfgs += [StreamConfig("tiles", bn, nw, ns) for bn, ns, nw in grid]
     cfgs += [StreamConfig("tiles", bn0, nw0, ns0, scales=True)]
-    cfgs += [StreamConfig("tiles", bn, nw0, ns0, split=s) for bn in (64, bn0) for s in (2, 4, 8) if s <= units]
+    cfgs += [StreamConfig("tiles", bn, nw0, ns0, split=s) for bn in dict.fromkeys((64, bn0)) for s in (2, 4, 8) if s <= units]
     cfgs += [StreamConfig("persistent", bn, nw, ns, programs=sms * m)
              for bn, ns, nw in ((bn0, ns0, nw0), (128, 4, 8)) for m in (1, 2, 3)]
     return cfgs
