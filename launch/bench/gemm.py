@@ -29,7 +29,8 @@ MEGAPAR_BENCH_GEMM_SECTIONS picks the sections (default main,routed,deep_gemm).
 
 `python -m launch.bench.gemm --probe --out DIR` runs the kernel-tuning probe instead (variants
 and launch configs side by side, correctness of each) and writes DIR/gemm-probe.json; `--sections`
-picks the rounds (decode, decode2, decode3, decode4 = TMA weight loads vs the default, prefill).
+picks the rounds (decode, decode2, decode3, decode4 = TMA weight loads vs the default, decode5 = how
+fast plain kernels stream the same weight bytes (launch/bench/stream_probe.py), prefill).
 """
 
 from __future__ import annotations
@@ -581,6 +582,31 @@ def probe(out_dir: str, sections: list[str]) -> None:
             _run_variants(ctx, variants, results, save)
             variants.clear()
         for line in tma_verdict(results):
+            print(line, flush=True)
+
+    # -- decode, round 5: how fast plain Triton kernels stream the same packed weight bytes (launch/bench/
+    # stream_probe.py: flat, the kernel's tiles, split-K, persistent) beside the W4A16 kernel itself --
+    if "decode5" in sections:
+        from megapar.launch.bench import stream_probe
+        from megapar.moe.kernels.triton_w4a16 import pick_config
+        sms = torch.cuda.get_device_properties(dev).multi_processor_count if ctx.is_cuda else 2
+        for (E, N, K) in ((shape_l1, shape_l2, v4f_l1, v4f_l2) if not tiny else (shape_l1, shape_l2)):
+            w, x, rows, ref, experts, floor = hit_problem(E, N, K, 1, 0)
+            cfg = pick_config(1, torch.bfloat16, "oct")
+            prob = f"{N}x{K} tok1 hit{experts}"
+            for label, fn, check, info in stream_probe.variants(w["pw"], (cfg.block_n, cfg.num_stages, cfg.num_warps),
+                                                                sms, copy_ceiling_gbps(dev), tiny):
+                add("decode5", f"N{N} K{K} tok1 hit{experts} {label}", fn, check, problem=prob,
+                    kernel_floor_us=floor, **info)
+            for label, diag in (("w4a16 default", 0), ("w4a16 DIAG loads-only", 1))[: 1 if tiny else 2]:
+                add("decode5", f"N{N} K{K} tok1 hit{experts} {label}",
+                    (lambda x=x, wt=w["pw"], rows=rows, cfg=cfg, diag=diag: launch_w4a16(
+                        x, wt, rows, out_dtype=torch.bfloat16, config=cfg, diag=diag)),
+                    err_of(ref) if diag == 0 else None, floor_us=floor, cfg=dict(cfg.__dict__), diag=diag,
+                    problem=prob, reads="the kernel: data, scales, x, out")
+            _run_variants(ctx, variants, results, save)
+            variants.clear()
+        for line in stream_probe.verdict(results):
             print(line, flush=True)
 
     # -- decode, round 2: row-tiled weights, warps/stages, and subtraction diagnostics --
