@@ -664,8 +664,7 @@ def probe(out_dir: str, sections: list[str]) -> None:
             other = "pointer" if base.tma else "tma"
             cfgs = [("default", base)] + [(f"split{s}", dataclasses.replace(base, split_k=s)) for s in splits]
             if hit:   # few experts hit: the other load path too (split-K changes the CTA count it was chosen for)
-                cfgs += [(f"split{s} {other}", dataclasses.replace(base, split_k=s, tma=not base.tma))
-                         for s in ((1, *splits) if not tiny else splits)]
+                cfgs += [(f"split{s} {other}", dataclasses.replace(base, split_k=s, tma=not base.tma)) for s in splits]
             tag = f"{N}x{K} tok{tok} hit{experts}"
             for label, cfg in cfgs:
                 add("decode6", f"N{N} K{K} tok{tok} hit{experts} {label}",

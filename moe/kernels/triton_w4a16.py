@@ -24,6 +24,10 @@ Epilogues: plain store, SwiGLU over a gate tile and an up tile read at a fixed r
 (W13 in split order), and optionally FP8 quantization of the SwiGLU output with one scale per
 token and 128 columns (the fp8_group format that the W4A8 L2 GEMM reads).
 
+Split-K (opt-in, `W4A16Config.split_k`): for decode with few experts hit, where the grid of
+(row tiles x token tiles) under-fills the GPU, K is dealt out to 2 / 4 / 8 programs that write
+fp32 partial products; a second kernel sums them in a fixed order and runs the epilogue.
+
 `expand_fp4` (bf16 or exact FP8 copies of a weight, bandwidth-bound) serves the paths for
 many tokens per expert, where the weight tile is reused by many token tiles.
 """
