@@ -668,6 +668,61 @@ def probe(out_dir: str, sections: list[str]) -> None:
             json.dump(tuning, f, indent=1)
         print("tuning:", json.dumps(tuning), flush=True)
 
+    # -- decode, round 6: split-K (W4A16Config.split_k: K over 2 / 4 / 8 programs, fp32 partials, then an
+    # ordered sum + epilogue kernel) against today's default, on decode4's 1-token and few-experts-hit problems --
+    if "decode6" in sections:
+        import dataclasses
+
+        from megapar.moe.kernels.triton_w4a16 import pick_config
+        shapes6 = [p[0] for p in decode_probs]
+        probs6 = sorted((p for p in decode_probs if p[1] == 1 or p[2]), key=lambda p: shapes6.index(p[0]))
+        splits = (2, 4, 8) if not tiny else (2,)
+        if tiny:   # the interpreter's dry run: the few-experts-hit problem (SwiGLU included) only
+            probs6 = probs6[-1:]
+        rows6: list[dict[str, Any]] = []
+        for (E, N, K), tok, hit in probs6:   # (grouped by shape: one weight set each)
+            w, x, rows, ref, experts, floor = hit_problem(E, N, K, tok, hit)
+            pw = w["pw"]
+            base = pick_config(rows.rows_hint, torch.bfloat16, "oct")   # what launch_w4a16 takes with no config
+            if tiny:   # the interpreter: arithmetic expansion, one row tile
+                base = W4A16Config(block_n=64, block_m=16, chunks=1, num_warps=4, num_stages=1, mode="f16",
+                                   packing="oct")
+            other = "pointer" if base.tma else "tma"
+            cfgs = [("default", base)] + [(f"split{s}", dataclasses.replace(base, split_k=s)) for s in splits]
+            if hit:   # few experts hit: the other load path too (split-K changes the CTA count it was chosen for)
+                cfgs += [(f"split{s} {other}", dataclasses.replace(base, split_k=s, tma=not base.tma)) for s in splits]
+            tag = f"{N}x{K} tok{tok} hit{experts}"
+            for label, cfg in cfgs:
+                add("decode6", f"N{N} K{K} tok{tok} hit{experts} {label}",
+                    (lambda x=x, wt=pw, rows=rows, cfg=cfg: launch_w4a16(x, wt, rows, out_dtype=torch.bfloat16,
+                                                                         config=cfg)),
+                    err_of(ref), floor_us=floor, cfg=dict(cfg.__dict__), diag=0, tile_n=pw.tile_n, problem=tag)
+            if hit and (tok == 1 or tiny) and N == shape_l1[1]:   # the MoE layer's fused L1 + SwiGLU
+                I = N // 2
+                sw_ref = ref[:, :I] * torch.sigmoid(ref[:, :I]) * ref[:, I:]
+                sw = pick_config(rows.rows_hint, torch.bfloat16, "oct", swiglu=True) if not tiny else base
+                for s in (1, *splits):
+                    cfg = dataclasses.replace(sw, split_k=s)
+                    add("decode6", f"N{N} K{K} tok{tok} hit{experts} swiglu {'default' if s == 1 else f'split{s}'}",
+                        (lambda x=x, wt=pw, rows=rows, cfg=cfg: launch_w4a16(
+                            x, wt, rows, out_dtype=torch.bfloat16, config=cfg, swiglu=(None, 1.0, 0.0))),
+                        err_of(sw_ref), floor_us=floor, cfg=dict(cfg.__dict__), diag=0, tile_n=pw.tile_n,
+                        problem=f"{tag} swiglu")
+            n0 = len(results)
+            _run_variants(ctx, variants, results, save)
+            rows6 += results[n0:]
+            variants.clear()
+        for prob in dict.fromkeys(r["problem"] for r in rows6 if "us" in r):   # per problem: default vs best split
+            mine = [r for r in rows6 if r["problem"] == prob and "us" in r and r.get("rel_err", 1) < 1e-2]
+            default = next((r for r in mine if r["name"].endswith("default")), None)
+            split = [r for r in mine if r["cfg"]["split_k"] > 1]
+            if default is None or not split:
+                continue
+            best = min(split, key=lambda r: r["us"])
+            print(f"decode6 {prob}: default {default['us']:.1f} us ({default['floor_frac']:.3f} of floor), best split "
+                  f"{best['us']:.1f} us ({best['floor_frac']:.3f}) = {best['name']}: "
+                  f"{'split-K wins' if best['us'] < default['us'] else 'default wins'}", flush=True)
+
     # -- prefill: V3 L1 at 2048 tok/expert --
     if "prefill" in sections:
         for (E, N, K, tok) in ((*shape_l1, 2048 if not tiny else 64), (*shape_l1, 128 if not tiny else 16)):

@@ -24,6 +24,10 @@ Epilogues: plain store, SwiGLU over a gate tile and an up tile read at a fixed r
 (W13 in split order), and optionally FP8 quantization of the SwiGLU output with one scale per
 token and 128 columns (the fp8_group format that the W4A8 L2 GEMM reads).
 
+Split-K (opt-in, `W4A16Config.split_k`): for decode with few experts hit, where the grid of
+(row tiles x token tiles) under-fills the GPU, K is dealt out to 2 / 4 / 8 programs that write
+fp32 partial products; a second kernel sums them in a fixed order and runs the epilogue.
+
 `expand_fp4` (bf16 or exact FP8 copies of a weight, bandwidth-bound) serves the paths for
 many tokens per expert, where the weight tile is reused by many token tiles.
 """
@@ -56,6 +60,7 @@ from megapar.parallel import impl
 
 MODES = {"f16": 0, "bf16": 1, "f32": 2, "f16asm": 3, "f16asm_swap": 4}
 PACKS = {"paired": 0, "oct": 1}
+SPLIT_KS = (1, 2, 4, 8)
 
 @triton.jit
 def act_operand(x, MODE: tl.constexpr):
@@ -212,7 +217,69 @@ def _fp4_oct(acc, w, s_rows, kc, offs_q, n_mask, x_rows, m_mask, r_max,
 
 
 @triton.jit
-def _w4a16_kernel(
+def _oct_step(acc, acc_u, k0, w_rows, s_rows, x_rows, offs_b, n_mask, m_mask, desc, desc_u, n0, r_max, r_max_u,
+              up_rows, up_w_offset, stride_wchunk, stride_sn, CHUNKS: tl.constexpr, BLOCK: tl.constexpr,
+              NVFP4: tl.constexpr, MODE: tl.constexpr, DIAG: tl.constexpr, PRESCALE: tl.constexpr,
+              SWIGLU: tl.constexpr, TMA: tl.constexpr, TILE: tl.constexpr, BLOCK_N: tl.constexpr):
+    """One oct loop step: CHUNKS packing units (8 scale blocks each) from element k0, gate (acc)
+    and with SWIGLU up (acc_u) rows."""
+    for c in tl.static_range(CHUNKS):
+        kc = k0 + c * 8 * BLOCK
+        unit = kc // (8 * BLOCK)
+        wk = unit * stride_wchunk
+        w = _oct_words(w_rows, wk, offs_b, n_mask, desc, n0, unit, TMA, TILE, BLOCK_N, BLOCK)
+        acc = _fp4_oct(acc, w, s_rows, kc, offs_b, n_mask, x_rows, m_mask, r_max, BLOCK, NVFP4,
+                       MODE, DIAG, PRESCALE)
+        if SWIGLU:
+            w_u = _oct_words(w_rows + up_w_offset, wk, offs_b, n_mask, desc_u, n0, unit, TMA, TILE,
+                             BLOCK_N, BLOCK)
+            acc_u = _fp4_oct(acc_u, w_u, s_rows + up_rows * stride_sn, kc,
+                             offs_b, n_mask, x_rows, m_mask, r_max_u, BLOCK, NVFP4, MODE, DIAG, PRESCALE)
+    return acc, acc_u
+
+
+@triton.jit
+def _paired_step(acc, acc_u, k0, w_rows, s_rows, x_rows, offs_b, n_mask, m_mask, up_rows, up_w_offset,
+                 stride_wchunk, stride_sn, CHUNKS: tl.constexpr, BLOCK: tl.constexpr, NVFP4: tl.constexpr,
+                 MODE: tl.constexpr, SWIGLU: tl.constexpr):
+    """One paired loop step: CHUNKS packing units (2 scale blocks each) from element k0."""
+    for c in tl.static_range(CHUNKS):
+        kc = k0 + c * 2 * BLOCK
+        wk = (kc // (2 * BLOCK)) * stride_wchunk
+        x_lo = tl.load(x_rows[None, :] + (kc + offs_b)[:, None], mask=m_mask[None, :], other=0.0)
+        x_hi = tl.load(x_rows[None, :] + (kc + BLOCK + offs_b)[:, None], mask=m_mask[None, :], other=0.0)
+        x_lo = act_operand(x_lo, MODE)
+        x_hi = act_operand(x_hi, MODE)
+        acc = _fp4_chunk(acc, w_rows, wk, s_rows, kc, offs_b, n_mask, x_lo, x_hi, BLOCK, NVFP4, MODE)
+        if SWIGLU:
+            acc_u = _fp4_chunk(acc_u, w_rows + up_w_offset, wk, s_rows + up_rows * stride_sn, kc,
+                               offs_b, n_mask, x_lo, x_hi, BLOCK, NVFP4, MODE)
+    return acc, acc_u
+
+
+@triton.jit
+def _epilogue(acc, acc_u, out_ptr, out_scale_ptr, row0, offs_m, store_rows, offs_n, n_mask, pid_n,
+              stride_om, stride_osm, limit, alpha, beta,
+              SWIGLU: tl.constexpr, HAS_LIMIT: tl.constexpr, QUANT_OUT: tl.constexpr):
+    """acc [BN, BM] fp32 (scales applied) -> SwiGLU (with acc_u) -> out rows row0 + offs_m below
+    store_rows: out_dtype, or e4m3 + one fp32 scale per row and 128 columns (QUANT_OUT)."""
+    if SWIGLU:
+        acc = swiglu_tile(acc, acc_u, limit, alpha, beta, HAS_LIMIT)
+    out_rows = (row0 + offs_m).to(tl.int64)
+    row_ok = offs_m < store_rows
+    mask = row_ok[None, :] & n_mask[:, None]
+    ptrs = out_ptr + out_rows[None, :] * stride_om + offs_n[:, None]
+    if QUANT_OUT:
+        q, scale = fp8_group_quant(acc, 0)
+        tl.store(ptrs, q, mask=mask)
+        tl.store(out_scale_ptr + out_rows * stride_osm + pid_n, scale, mask=row_ok)
+    else:
+        tl.store(ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _w4a16_program(
+    pid_n, pid_t, pid_k, stride_ps,
     x_ptr, w_ptr, s_ptr, gs_ptr, rmax_ptr, out_ptr, out_scale_ptr, counts_ptr, offsets_ptr,
     N, num_experts, tiles_per_expert, capacity, up_rows, up_w_offset,
     stride_xm, stride_we, stride_wtile, stride_wn, stride_wchunk, stride_se, stride_sn, stride_om, stride_osm,
@@ -221,16 +288,15 @@ def _w4a16_kernel(
     BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, CHUNKS: tl.constexpr, BLOCK: tl.constexpr,
     NVFP4: tl.constexpr, MODE: tl.constexpr, SWIGLU: tl.constexpr, HAS_LIMIT: tl.constexpr,
     QUANT_OUT: tl.constexpr, PACK: tl.constexpr, TILE: tl.constexpr, DIAG: tl.constexpr,
-    PRESCALE: tl.constexpr = False, stride_re: tl.constexpr = 0, TMA: tl.constexpr = False,
+    PRESCALE: tl.constexpr, stride_re: tl.constexpr, TMA: tl.constexpr, SPLIT_K: tl.constexpr,
 ):
-    """Weight row n, packing unit c (2 or 8 scale blocks) sits at e * stride_we +
-    (n // TILE) * stride_wtile + (n % TILE) * stride_wn + c * stride_wchunk (bytes, or int32
-    words for oct): row-major, or tiled so that one program's tile of one unit is contiguous.
-    TMA (oct only): the weight words come through a device-side tensor descriptor per program
-    (`_oct_desc`: N rows of expert e, and N more from up_w_offset with SWIGLU) instead of pointer
-    tensors; needs a global scratch allocator at launch (`launch_w4a16` installs one)."""
-    pid_n = tl.program_id(0)
-    pid_t = tl.program_id(1)
+    """One program of `_w4a16_kernel` (SPLIT_K 1) or `_w4a16_splitk_kernel`: weight rows of tile
+    pid_n, token tile slot pid_t, K part pid_k of SPLIT_K. The K loop runs over STEP = CHUNKS
+    packing units; part k covers steps [k Q + min(k, R), (k + 1) Q + min(k + 1, R)) of the K / STEP
+    steps (Q, R = divmod(K / STEP, SPLIT_K): the first R parts take one step more). SPLIT_K > 1:
+    out_ptr is the fp32 partial buffer [SPLIT_K, rows, N (+ N up rows with SWIGLU)] (part stride
+    stride_ps, row stride stride_om), written after the prescale factor and the NVFP4 global scale;
+    `_w4a16_splitk_reduce` sums it and runs the epilogue."""
     e, row0, rows, store_rows = expert_tile(pid_t, counts_ptr, offsets_ptr, num_experts, tiles_per_expert,
                                             capacity, E_POW2, BLOCK_M, SLAB, HAS_OFFSETS)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -252,6 +318,14 @@ def _w4a16_kernel(
         r_max = tl.load(r_rows, mask=n_mask, other=0).to(tl.int32)
         if SWIGLU:
             r_max_u = tl.load(r_rows + up_rows, mask=n_mask, other=0).to(tl.int32)
+    # K steps of STEP elements; this program's: Q (+ 1 for the first R parts) from k_begin
+    STEP: tl.constexpr = (2 + 6 * PACK) * BLOCK * CHUNKS
+    Q: tl.constexpr = K // STEP // SPLIT_K
+    R: tl.constexpr = K // STEP % SPLIT_K
+    if SPLIT_K == 1:
+        k_begin = 0
+    else:
+        k_begin = tl.multiple_of((pid_k * Q + tl.minimum(pid_k, R)) * STEP, STEP)
     if rows > 0:   # (not a dynamic loop bound: the interpreter cannot range over a reduction)
         if PACK == 1:   # oct: w_ptr is int32 words, 8 blocks per word row
             n0 = pid_n * BLOCK_N
@@ -262,32 +336,27 @@ def _w4a16_kernel(
                 desc = _oct_desc(w_e, N, stride_wtile, stride_wn, K, TILE, BLOCK_N, BLOCK)
                 if SWIGLU:
                     desc_u = _oct_desc(w_e + up_w_offset, N, stride_wtile, stride_wn, K, TILE, BLOCK_N, BLOCK)
-            for k0 in range(0, K, 8 * BLOCK * CHUNKS):
-                for c in tl.static_range(CHUNKS):
-                    kc = k0 + c * 8 * BLOCK
-                    unit = kc // (8 * BLOCK)
-                    wk = unit * stride_wchunk
-                    w = _oct_words(w_rows, wk, offs_b, n_mask, desc, n0, unit, TMA, TILE, BLOCK_N, BLOCK)
-                    acc = _fp4_oct(acc, w, s_rows, kc, offs_b, n_mask, x_rows, m_mask, r_max, BLOCK, NVFP4,
-                                   MODE, DIAG, PRESCALE)
-                    if SWIGLU:
-                        w_u = _oct_words(w_rows + up_w_offset, wk, offs_b, n_mask, desc_u, n0, unit, TMA, TILE,
-                                         BLOCK_N, BLOCK)
-                        acc_u = _fp4_oct(acc_u, w_u, s_rows + up_rows * stride_sn, kc,
-                                         offs_b, n_mask, x_rows, m_mask, r_max_u, BLOCK, NVFP4, MODE, DIAG, PRESCALE)
+            for k0 in range(0, Q * STEP, STEP):
+                acc, acc_u = _oct_step(acc, acc_u, k_begin + k0, w_rows, s_rows, x_rows, offs_b, n_mask, m_mask,
+                                       desc, desc_u, n0, r_max, r_max_u, up_rows, up_w_offset, stride_wchunk,
+                                       stride_sn, CHUNKS, BLOCK, NVFP4, MODE, DIAG, PRESCALE, SWIGLU, TMA, TILE,
+                                       BLOCK_N)
+            if R > 0:
+                if pid_k < R:
+                    acc, acc_u = _oct_step(acc, acc_u, k_begin + Q * STEP, w_rows, s_rows, x_rows, offs_b, n_mask,
+                                           m_mask, desc, desc_u, n0, r_max, r_max_u, up_rows, up_w_offset,
+                                           stride_wchunk, stride_sn, CHUNKS, BLOCK, NVFP4, MODE, DIAG, PRESCALE,
+                                           SWIGLU, TMA, TILE, BLOCK_N)
         else:
-            for k0 in range(0, K, 2 * BLOCK * CHUNKS):
-                for c in tl.static_range(CHUNKS):
-                    kc = k0 + c * 2 * BLOCK
-                    wk = (kc // (2 * BLOCK)) * stride_wchunk
-                    x_lo = tl.load(x_rows[None, :] + (kc + offs_b)[:, None], mask=m_mask[None, :], other=0.0)
-                    x_hi = tl.load(x_rows[None, :] + (kc + BLOCK + offs_b)[:, None], mask=m_mask[None, :], other=0.0)
-                    x_lo = act_operand(x_lo, MODE)
-                    x_hi = act_operand(x_hi, MODE)
-                    acc = _fp4_chunk(acc, w_rows, wk, s_rows, kc, offs_b, n_mask, x_lo, x_hi, BLOCK, NVFP4, MODE)
-                    if SWIGLU:
-                        acc_u = _fp4_chunk(acc_u, w_rows + up_w_offset, wk, s_rows + up_rows * stride_sn, kc,
-                                           offs_b, n_mask, x_lo, x_hi, BLOCK, NVFP4, MODE)
+            for k0 in range(0, Q * STEP, STEP):
+                acc, acc_u = _paired_step(acc, acc_u, k_begin + k0, w_rows, s_rows, x_rows, offs_b, n_mask, m_mask,
+                                          up_rows, up_w_offset, stride_wchunk, stride_sn, CHUNKS, BLOCK, NVFP4,
+                                          MODE, SWIGLU)
+            if R > 0:
+                if pid_k < R:
+                    acc, acc_u = _paired_step(acc, acc_u, k_begin + Q * STEP, w_rows, s_rows, x_rows, offs_b,
+                                              n_mask, m_mask, up_rows, up_w_offset, stride_wchunk, stride_sn,
+                                              CHUNKS, BLOCK, NVFP4, MODE, SWIGLU)
     if PRESCALE:
         acc = acc * _prescale_factor(r_max)[:, None]
         acc_u = acc_u * _prescale_factor(r_max_u)[:, None]
@@ -295,18 +364,101 @@ def _w4a16_kernel(
         g = tl.load(gs_ptr + e, mask=e < num_experts, other=1.0)
         acc = acc * g
         acc_u = acc_u * g
-    if SWIGLU:
-        acc = swiglu_tile(acc, acc_u, limit, alpha, beta, HAS_LIMIT)
-    out_rows = (row0 + offs_m).to(tl.int64)
-    row_ok = offs_m < store_rows
-    mask = row_ok[None, :] & n_mask[:, None]
-    ptrs = out_ptr + out_rows[None, :] * stride_om + offs_n[:, None]
-    if QUANT_OUT:
-        q, scale = fp8_group_quant(acc, 0)
-        tl.store(ptrs, q, mask=mask)
-        tl.store(out_scale_ptr + out_rows * stride_osm + pid_n, scale, mask=row_ok)
-    else:
-        tl.store(ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask)
+    if SPLIT_K == 1:
+        _epilogue(acc, acc_u, out_ptr, out_scale_ptr, row0, offs_m, store_rows, offs_n, n_mask, pid_n,
+                  stride_om, stride_osm, limit, alpha, beta, SWIGLU, HAS_LIMIT, QUANT_OUT)
+    else:   # this part's fp32 partial products: gate rows at columns [0, N), up rows at [N, 2N)
+        out_rows = (row0 + offs_m).to(tl.int64)
+        mask = (offs_m < store_rows)[None, :] & n_mask[:, None]
+        ptrs = out_ptr + pid_k.to(tl.int64) * stride_ps + out_rows[None, :] * stride_om + offs_n[:, None]
+        tl.store(ptrs, acc, mask=mask)
+        if SWIGLU:
+            tl.store(ptrs + N, acc_u, mask=mask)
+
+
+@triton.jit
+def _w4a16_kernel(
+    x_ptr, w_ptr, s_ptr, gs_ptr, rmax_ptr, out_ptr, out_scale_ptr, counts_ptr, offsets_ptr,
+    N, num_experts, tiles_per_expert, capacity, up_rows, up_w_offset,
+    stride_xm, stride_we, stride_wtile, stride_wn, stride_wchunk, stride_se, stride_sn, stride_om, stride_osm,
+    limit, alpha, beta,
+    K: tl.constexpr, E_POW2: tl.constexpr, SLAB: tl.constexpr, HAS_OFFSETS: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, CHUNKS: tl.constexpr, BLOCK: tl.constexpr,
+    NVFP4: tl.constexpr, MODE: tl.constexpr, SWIGLU: tl.constexpr, HAS_LIMIT: tl.constexpr,
+    QUANT_OUT: tl.constexpr, PACK: tl.constexpr, TILE: tl.constexpr, DIAG: tl.constexpr,
+    PRESCALE: tl.constexpr = False, stride_re: tl.constexpr = 0, TMA: tl.constexpr = False,
+):
+    """Weight row n, packing unit c (2 or 8 scale blocks) sits at e * stride_we +
+    (n // TILE) * stride_wtile + (n % TILE) * stride_wn + c * stride_wchunk (bytes, or int32
+    words for oct): row-major, or tiled so that one program's tile of one unit is contiguous.
+    TMA (oct only): the weight words come through a device-side tensor descriptor per program
+    (`_oct_desc`: N rows of expert e, and N more from up_w_offset with SWIGLU) instead of pointer
+    tensors; needs a global scratch allocator at launch (`launch_w4a16` installs one).
+    Grid (weight row tiles, token tile slots); the whole K per program (`_w4a16_program`)."""
+    _w4a16_program(
+        tl.program_id(0), tl.program_id(1), 0, 0,
+        x_ptr, w_ptr, s_ptr, gs_ptr, rmax_ptr, out_ptr, out_scale_ptr, counts_ptr, offsets_ptr,
+        N, num_experts, tiles_per_expert, capacity, up_rows, up_w_offset,
+        stride_xm, stride_we, stride_wtile, stride_wn, stride_wchunk, stride_se, stride_sn, stride_om, stride_osm,
+        limit, alpha, beta, K, E_POW2, SLAB, HAS_OFFSETS, BLOCK_N, BLOCK_M, CHUNKS, BLOCK, NVFP4, MODE, SWIGLU,
+        HAS_LIMIT, QUANT_OUT, PACK, TILE, DIAG, PRESCALE, stride_re, TMA, 1)
+
+
+@triton.jit
+def _w4a16_splitk_kernel(
+    x_ptr, w_ptr, s_ptr, gs_ptr, rmax_ptr, part_ptr, counts_ptr, offsets_ptr,
+    N, num_experts, tiles_per_expert, capacity, up_rows, up_w_offset,
+    stride_xm, stride_we, stride_wtile, stride_wn, stride_wchunk, stride_se, stride_sn, stride_ps, stride_pm,
+    K: tl.constexpr, E_POW2: tl.constexpr, SLAB: tl.constexpr, HAS_OFFSETS: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, CHUNKS: tl.constexpr, BLOCK: tl.constexpr,
+    NVFP4: tl.constexpr, MODE: tl.constexpr, SWIGLU: tl.constexpr, PACK: tl.constexpr, TILE: tl.constexpr,
+    DIAG: tl.constexpr, PRESCALE: tl.constexpr, stride_re: tl.constexpr, TMA: tl.constexpr,
+    SPLIT_K: tl.constexpr,
+):
+    """Split-K first pass: grid (weight row tiles, token tile slots, SPLIT_K); part k of K writes its
+    fp32 partial products (scales applied) to part_ptr [SPLIT_K, rows, N (+ N)] (`_w4a16_program`)."""
+    _w4a16_program(
+        tl.program_id(0), tl.program_id(1), tl.program_id(2), stride_ps,
+        x_ptr, w_ptr, s_ptr, gs_ptr, rmax_ptr, part_ptr, part_ptr, counts_ptr, offsets_ptr,
+        N, num_experts, tiles_per_expert, capacity, up_rows, up_w_offset,
+        stride_xm, stride_we, stride_wtile, stride_wn, stride_wchunk, stride_se, stride_sn, stride_pm, 0,
+        0.0, 1.0, 0.0, K, E_POW2, SLAB, HAS_OFFSETS, BLOCK_N, BLOCK_M, CHUNKS, BLOCK, NVFP4, MODE, SWIGLU,
+        False, False, PACK, TILE, DIAG, PRESCALE, stride_re, TMA, SPLIT_K)
+
+
+@triton.jit
+def _w4a16_splitk_reduce(
+    part_ptr, out_ptr, out_scale_ptr, counts_ptr, offsets_ptr,
+    N, num_experts, tiles_per_expert, capacity, stride_ps, stride_pm, stride_om, stride_osm,
+    limit, alpha, beta,
+    E_POW2: tl.constexpr, SLAB: tl.constexpr, HAS_OFFSETS: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_M: tl.constexpr, SPLIT_K: tl.constexpr, SWIGLU: tl.constexpr, HAS_LIMIT: tl.constexpr,
+    QUANT_OUT: tl.constexpr,
+):
+    """Split-K second pass, on the first pass's (row tile, token tile) grid: out = epilogue(part[0] +
+    part[1] + ... + part[SPLIT_K - 1]), summed in that order (deterministic), for exactly the rows
+    the one-pass kernel stores (same `expert_tile`)."""
+    pid_n = tl.program_id(0)
+    pid_t = tl.program_id(1)
+    e, row0, rows, store_rows = expert_tile(pid_t, counts_ptr, offsets_ptr, num_experts, tiles_per_expert,
+                                            capacity, E_POW2, BLOCK_M, SLAB, HAS_OFFSETS)
+    if store_rows > 0:
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        n_mask = offs_n < N
+        offs_m = tl.arange(0, BLOCK_M)
+        mask = (offs_m < store_rows)[None, :] & n_mask[:, None]
+        p = part_ptr + (row0 + offs_m).to(tl.int64)[None, :] * stride_pm + offs_n[:, None]   # [BN, BM]
+        acc = tl.load(p, mask=mask, other=0.0)
+        acc_u = acc
+        if SWIGLU:
+            acc_u = tl.load(p + N, mask=mask, other=0.0)
+        for _ in tl.static_range(1, SPLIT_K):
+            p += stride_ps
+            acc += tl.load(p, mask=mask, other=0.0)
+            if SWIGLU:
+                acc_u += tl.load(p + N, mask=mask, other=0.0)
+        _epilogue(acc, acc_u, out_ptr, out_scale_ptr, row0, offs_m, store_rows, offs_n, n_mask, pid_n,
+                  stride_om, stride_osm, limit, alpha, beta, SWIGLU, HAS_LIMIT, QUANT_OUT)
 
 
 # ---- host side ----------------------------------------------------------------------------------
@@ -318,7 +470,18 @@ class W4A16Config:
     encoding 'f16' | 'bf16' | 'f32' (Triton arithmetic) | 'f16asm' (inline PTX, oct packing);
     packing: 'paired' | 'oct'; tma (oct only): weight words through a device-side TMA descriptor
     instead of pointer-tensor loads (`pick_config` takes it for MXFP4 decode without SwiGLU:
-    bench/gemm-notes.md, round 4)."""
+    bench/gemm-notes.md, round 4).
+
+    split_k (1, 2, 4 or 8; `pick_config` keeps 1): S > 1 splits K over S programs per (row tile,
+    token tile), for decode where few experts have rows and the grid under-fills the GPU. The K
+    loop's steps (`chunks` packing units each) are dealt out contiguously, the first programs
+    taking one step more when S does not divide them; S above the number of steps is lowered to
+    the largest of 1, 2, 4, 8 not above it. Each program writes fp32 partial products (block,
+    prescale and NVFP4 global scales applied) to a buffer [S, rows, N_out] ([S, rows, 2 N_out]
+    with SwiGLU: gate and up), 4 S rows N_out (x2) bytes per call; a second kernel sums the parts
+    in order 0..S-1 and runs the epilogue (SwiGLU, fp8 group output, cast): deterministic, no
+    atomics, no host sync. The sum's order differs from one pass's, so results differ from
+    split_k=1 by fp32 rounding (relative ~1e-7 of the products), not bit for bit."""
 
     block_n: int = 128
     block_m: int = 16
@@ -329,8 +492,11 @@ class W4A16Config:
     packing: str = "paired"
     prescale: bool = False
     tma: bool = False
+    split_k: int = 1
 
     def __post_init__(self) -> None:
+        if type(self.split_k) is not int or self.split_k not in SPLIT_KS:
+            raise ValueError(f"W4A16Config.split_k must be one of {SPLIT_KS}, got {self.split_k!r}")
         if not isinstance(self.tma, bool):
             raise ValueError(f"W4A16Config.tma must be True or False, got {self.tma!r}")
         if self.tma and self.packing != "oct":
@@ -467,21 +633,45 @@ def launch_w4a16(x: torch.Tensor, w: PreparedWeight, rows, *, out_dtype: torch.d
         _check_tma(st, cfg.block_n, st.row_offset(n_out))
         impl.ensure_triton_scratch()
     grid = (triton.cdiv(n_out, cfg.block_n), slots)
-    _w4a16_kernel[grid](
-        x2, st.data, sdata, gs, rmax, out, out_scale, counts, offs,
-        n_out, E, tpe, cap, n_out, st.row_offset(n_out),
-        x2.stride(0), st.expert, st.tile, st.row, st.chunk, sdata.stride(0), sdata.stride(1),
-        out.stride(-2), out_scale.stride(-2),
-        float(limit) if limit is not None else 0.0, float(alpha), float(beta),
+    unit = w.block * (8 if cfg.packing == "oct" else 2)   # elements per packing unit
+    chunks = chunks_for(K, unit, cfg.chunks)
+    split = split_parts(cfg.split_k, K // (unit * chunks))
+    meta = dict(
         K=K, E_POW2=triton.next_power_of_2(max(E, 2)), SLAB=rows.layout == "slab", HAS_OFFSETS=has_offs,
-        BLOCK_N=cfg.block_n, BLOCK_M=cfg.block_m, BLOCK=w.block,
-        CHUNKS=chunks_for(K, w.block * (8 if cfg.packing == "oct" else 2), cfg.chunks),
-        NVFP4=w.fmt == "nvfp4", MODE=MODES[cfg.mode], SWIGLU=swiglu is not None, HAS_LIMIT=limit is not None,
-        QUANT_OUT=quant_out, PACK=PACKS[cfg.packing], TILE=st.tile_n, DIAG=diag,
-        PRESCALE=prescale, stride_re=rmax.stride(0) if prescale else 0, TMA=cfg.tma,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        BLOCK_N=cfg.block_n, BLOCK_M=cfg.block_m, BLOCK=w.block, CHUNKS=chunks,
+        NVFP4=w.fmt == "nvfp4", MODE=MODES[cfg.mode], SWIGLU=swiglu is not None,
     )
+    tail = dict(PACK=PACKS[cfg.packing], TILE=st.tile_n, DIAG=diag,
+                PRESCALE=prescale, stride_re=rmax.stride(0) if prescale else 0, TMA=cfg.tma,
+                num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    head = (x2, st.data, sdata, gs, rmax)
+    shape = (counts, offs, n_out, E, tpe, cap, n_out, st.row_offset(n_out),
+             x2.stride(0), st.expert, st.tile, st.row, st.chunk, sdata.stride(0), sdata.stride(1))
+    has_limit = limit is not None
+    limit = float(limit) if has_limit else 0.0
+    if split == 1:
+        _w4a16_kernel[grid](*head, out, out_scale, *shape, out.stride(-2), out_scale.stride(-2),
+                            limit, float(alpha), float(beta), **meta, HAS_LIMIT=has_limit, QUANT_OUT=quant_out,
+                            **tail)
+        return (out, out_scale) if quant_out else out
+    # split-K: fp32 partials [S, rows, N_out (+ N_out up)], then the ordered sum + epilogue
+    part = torch.empty(split, x2.shape[0], n_out * (2 if swiglu is not None else 1), dtype=torch.float32,
+                       device=x.device)
+    _w4a16_splitk_kernel[(*grid, split)](*head, part, *shape, part.stride(0), part.stride(1), **meta, **tail,
+                                         SPLIT_K=split)
+    _w4a16_splitk_reduce[grid](
+        part, out, out_scale, counts, offs, n_out, E, tpe, cap, part.stride(0), part.stride(1),
+        out.stride(-2), out_scale.stride(-2), limit, float(alpha), float(beta),
+        E_POW2=meta["E_POW2"], SLAB=meta["SLAB"], HAS_OFFSETS=has_offs, BLOCK_N=cfg.block_n,
+        BLOCK_M=cfg.block_m, SPLIT_K=split, SWIGLU=swiglu is not None,
+        HAS_LIMIT=has_limit, QUANT_OUT=quant_out, num_warps=4)
     return (out, out_scale) if quant_out else out
+
+
+def split_parts(split_k: int, steps: int) -> int:
+    """The split-K parts a launch runs: split_k, lowered to the largest of 1, 2, 4, 8 that is not
+    above `steps` (the K loop's steps), so that no part is left without K."""
+    return max(s for s in SPLIT_KS if s <= max(1, min(split_k, steps)))
 
 
 def _check_tma(st: WeightStrides, block_n: int, up_offset: int) -> None:
