@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The GPU runs of docs/gpu.md §7 as named steps, in one device call, inside one deadline:
-#     bash bench/run_owed.sh tests decode4 quantprobe            # on the GPU machine, project root
+#     bash bench/run_owed.sh tests decode5 quantprobe            # on the GPU machine, project root
+# (decodeN: the gemm probe's section decodeN)
 # Each step runs under `timeout` (its own limit, cut to what is left of DEADLINE, default 570 s
 # from the start), logs to STEP.log and writes its results beside it; a step that would get
 # under 20 s is skipped and said so. Everything is packed into $OUT/owed.tgz at exit (the device
@@ -30,13 +31,14 @@ step() {  # name limit_s command...
   timeout -k 5 "$limit" "$@" > "$res/$name.log" 2>&1
   echo "    rc=$? in $((SECONDS - t0))s"; tail -n "${TAIL:-12}" "$res/$name.log"
 }
-tests=(tests/test_quant_triton.py tests/test_gemm_gpu.py tests/test_w4a16_tma.py tests/test_ffn.py
-       tests/test_moe_device.py tests/test_mla.py tests/test_cp_decode_kernel.py tests/test_cp_merge.py)
+tests=(tests/test_quant_triton.py tests/test_gemm_gpu.py tests/test_w4a16_tma.py tests/test_w4a16_splitk.py
+       tests/test_stream_probe.py tests/test_ffn.py tests/test_moe_device.py tests/test_mla.py
+       tests/test_cp_decode_kernel.py tests/test_cp_merge.py tests/test_decode_probe.py tests/test_demo.py)
 for s in "$@"; do
   case $s in
     tests)      step tests "${TESTS_LIMIT:-300}" python3 -m pytest -q -m gpu -p no:cacheprovider --timeout 120 -rf \
                   --junitxml="$res/gpu-tests.xml" ${TESTS:-${tests[*]}} ;;
-    decode4)    step decode4 "${DECODE4_LIMIT:-120}" python3 -m megapar.launch.bench.gemm --probe --sections decode4 --out "$res/decode4" ;;
+    decode[0-9]) step "$s" "${DECODE_LIMIT:-150}" python3 -m megapar.launch.bench.gemm --probe --sections "$s" --out "$res/$s" ;;
     quantprobe) step quantprobe "${QPROBE_LIMIT:-170}" python3 -m megapar.launch.bench.quant --probe --out "$res/quantprobe" ;;
     cpprobe)    step cpprobe "${CPPROBE_LIMIT:-150}" python3 -m megapar.launch.bench.cp --probe --out "$res/cpprobe" ;;
     deepep)     step deepep "${DEEPEP_LIMIT:-480}" env DEEPEP_BENCH="$res/deepep-bench" \
