@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The GPU runs of docs/gpu.md §7 as named steps, in one device call, inside one deadline:
+# The GPU runs of docs/gpu.md §7-8 as named steps, in one device call, inside one deadline:
 #     bash bench/run_owed.sh tests decode5 quantprobe            # on the GPU machine, project root
 # (decodeN: the gemm probe's section decodeN)
 # Each step runs under `timeout` (its own limit, cut to what is left of DEADLINE, default 570 s
