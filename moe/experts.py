@@ -128,11 +128,14 @@ class Experts(nn.Module):
         backend: str = "auto",
         init_std: float = 0.02,
         init: Literal["random", "empty", "meta"] = "random",
+        resident_fp8: bool = False,
     ) -> None:
         """num_experts: logical experts of the layer; local_experts: the logical expert of each
         local slot (default: all of them); backend: `moe.kernels.expert_ffn` backend. init: see
         the module docstring ("random": normal with `init_std`, made on `device`). Activations
-        may be any float dtype."""
+        may be any float dtype. resident_fp8 (mxfp4 on CUDA): keep the weights' exact FP8 form
+        resident beside the FP4 ones (`PreparedWeight.keep_fp8`: 2x the FP4 bytes more), so the
+        W4A8 prefill path does not expand them on every call."""
         super().__init__()
         if init not in INITS:
             raise ValueError(f"unknown init {init!r}; valid: {', '.join(INITS)}")
@@ -148,7 +151,12 @@ class Experts(nn.Module):
             raise ValueError(f"local_experts {bad} outside [0, num_experts={num_experts})")
         self.num_experts, self.hidden, self.inter = num_experts, hidden, inter
         self.local_experts = local
+        if not isinstance(resident_fp8, bool):
+            raise ValueError(f"resident_fp8 must be True or False, got {resident_fp8!r}")
+        if resident_fp8 and fmt != "mxfp4":
+            raise ValueError(f"resident_fp8 keeps an mxfp4 weight's exact FP8 form; fmt is {fmt!r}")
         self.fmt, self.gate_up, self.backend = fmt, gate_up, backend
+        self.resident_fp8 = resident_fp8
         self.swiglu_limit, self.alpha, self.beta = swiglu_limit, alpha, beta
         self._prepared: tuple[PreparedWeight, PreparedWeight] | None = None
         self._prepared_key: tuple | None = None
@@ -330,6 +338,9 @@ class Experts(nn.Module):
             packing = {"packing": "natural"} if not tensors[0].is_cuda else {}
             self._prepared = (prepare_weights(self.weight("w13"), gate_up=self.gate_up, **packing),
                               prepare_weights(self.weight("w2"), **packing))
+            if self.resident_fp8 and tensors[0].is_cuda:      # (the CPU path reads dequantized weights)
+                for w in self._prepared:
+                    w.keep_fp8()
             self._prepared_key = key
         return self._prepared
 

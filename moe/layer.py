@@ -211,6 +211,7 @@ class MoELayer(nn.Module):
         path: Literal["auto", "device", "host"] = "auto",
         transport: Literal["auto", "all_to_all", "allgather"] = "auto",
         kernels: str = "auto",
+        resident_fp8: bool = False,
         max_tokens: int | None = None,
         overlap_chunks: int | None = None,
         align: int = 1,
@@ -228,7 +229,8 @@ class MoELayer(nn.Module):
         ("allgather": fixed-size all-gather + reduce-scatter, device path; "all_to_all": the
         host-synced dispatcher; "auto" picks by token count). kernels: the expert GEMM
         implementation (`moe.kernels.expert_ffn` backend: "auto", "torch", "torch_grouped_mm",
-        "triton_w4a16", "triton_w4a8"). max_tokens: the most tokens one rank brings to one call
+        "triton_w4a16", "triton_w4a8"); resident_fp8: keep mxfp4 experts' exact FP8 form resident
+        for the W4A8 prefill path (`moe.experts.Experts`; 2x the FP4 bytes more). max_tokens: the most tokens one rank brings to one call
         (static shapes of the all-gather transport at EP > 1). overlap_chunks / align: host path
         options (chunked dispatch overlap; expert block padding). eplb: a
         `parallel.ep.eplb_state.Eplb` shared by the model's MoE layers (physical slots, load
@@ -304,7 +306,7 @@ class MoELayer(nn.Module):
         self.experts = Experts(config.num_experts, config.hidden, config.inter, fmt=config.expert_format,
                                local_experts=local, swiglu_limit=config.swiglu_limit, alpha=config.swiglu_alpha,
                                beta=config.swiglu_beta, gate_up=config.gate_up, device=device,
-                               backend=kernels, init=init)
+                               backend=kernels, init=init, resident_fp8=resident_fp8)
         if config.num_shared > 0:
             self.shared_experts = SharedExpert(config.hidden, config.num_shared * (config.shared_inter or config.inter),
                                                swiglu_limit=config.shared_swiglu_limit, dtype=config.dtype,

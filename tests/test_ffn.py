@@ -218,3 +218,50 @@ def test_prequantized_fp8_token_rows(monkeypatch):
         expert_ffn(quantize(x, "fp8_group"), p13, p2, counts=counts, backend="triton_w4a8")
     with pytest.raises(ValueError, match="layout 'slab'"):
         expert_ffn(xq, p13, p2, counts=counts, layout="slab", backend="torch")
+
+
+def test_resident_fp8_weights_give_the_same_w4a8_output(monkeypatch):
+    """`PreparedWeight.keep_fp8`: the W4A8 path reads the resident exact FP8 copy (the same
+    tensors `fp8_weight` returns from then on) and gives bit for bit what it gives when it expands
+    the FP4 weight per call (interpreter); formats without an exact FP8 form are refused by name."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    from moe.experts import Experts
+    from moe.kernels.triton_w4a8 import fp8_weight
+
+    E, H, inter = 3, 128, 64
+    q13, q2, _, _ = _weights("mxfp4", E, H, inter, seed=5)
+    p13, p2 = prepare_weights(q13), prepare_weights(q2)
+    counts = torch.tensor([4, 0, 7])
+    x = (torch.randn(11, H, generator=torch.Generator().manual_seed(3)) * 2).to(torch.bfloat16)
+    want = expert_ffn(x, p13, p2, counts=counts, backend="triton_w4a8", swiglu_limit=7.0)
+    r13, r2 = prepare_weights(q13).keep_fp8(), prepare_weights(q2).keep_fp8()
+    b13, s13 = fp8_weight(r13)
+    assert b13 is r13.cache["fp8_resident"][0] and s13 is r13.cache["fp8_resident"][1]
+    e13, es13 = fp8_weight(p13)                        # expanded now: the same bits
+    assert torch.equal(b13.view(torch.uint8), e13.view(torch.uint8)) and torch.equal(s13, es13)
+    got = expert_ffn(x, r13, r2, counts=counts, backend="triton_w4a8", swiglu_limit=7.0)
+    assert torch.equal(got, want)
+    with pytest.raises(ValueError, match="keep_fp8 needs an mxfp4 weight.*'nvfp4'"):
+        prepare_weights(quantize(torch.randn(2, 32, 64), "nvfp4")).keep_fp8()
+    with pytest.raises(ValueError, match="resident_fp8 keeps an mxfp4 weight's exact FP8 form; fmt is 'bf16'"):
+        Experts(2, 64, 32, fmt="bf16", resident_fp8=True)
+    with pytest.raises(ValueError, match="resident_fp8 must be True or False, got 1"):
+        Experts(2, 64, 32, fmt="mxfp4", resident_fp8=1)
+
+
+@pytest.mark.gpu
+def test_gpu_experts_with_resident_fp8_match_per_call_expansion():
+    """Experts(resident_fp8=True) on CUDA: the W4A8 prefill path (512 rows per expert) gives the
+    same output as with the per-call expansion, and the copy stays resident across calls."""
+    from moe.experts import Experts
+
+    torch.manual_seed(0)
+    a = Experts(4, 1024, 512, fmt="mxfp4", device="cuda", backend="triton_w4a8")
+    b = Experts(4, 1024, 512, fmt="mxfp4", device="cuda", backend="triton_w4a8", resident_fp8=True)
+    b.load_state_dict(a.state_dict())
+    x = torch.randn(4 * 512, 1024, device="cuda", dtype=torch.bfloat16)
+    counts = [512] * 4
+    want, got = a(x, counts), b(x, counts)
+    assert torch.equal(got, want)
+    w13, _ = b.prepared()
+    assert "fp8_resident" in w13.cache and b(x, counts).equal(want)

@@ -206,12 +206,21 @@ def _run_case(ctx: BenchContext, c: Case, grouped_gemm) -> None:
                    speedup_vs_fp8=(anchors["fp8"] / us) if "fp8" in anchors else None,
                    w4a8_floor_us=round(fp8_floor, 2), rel_err=err, timing=how)
     if (ctx.is_cuda or interp) and c.tok >= (128 if ctx.is_cuda else 8):
-        # W4A8 under the anchor's conditions: activations already fp8 (as when the previous op
-        # quantizes them); and the GEMM alone (weights expanded once beforehand).
+        # W4A8 with its weight's FP8 form resident (end to end); under the anchor's conditions:
+        # activations already fp8 (as when the previous op quantizes them); and the GEMM alone
+        # (weights expanded once beforehand).
         from megapar.moe.kernels.triton_w4a16 import expand_fp4
         from megapar.moe.kernels.triton_w4a8 import fp8_grouped_gemm, fp8_weight
         rows = expert_rows_of(c)
-        parts = {"triton_w4a8 x pre-quantized": lambda: fp8_grouped_gemm(xq, xs, *fp8_weight(w["pw"]), rows,
+        import dataclasses
+
+        # the weight's exact FP8 form kept resident (`PreparedWeight.keep_fp8`, 2x the FP4 bytes
+        # more): end to end, activation quantization included, without the per-call expansion
+        if "resident" not in w and w["pw"].fp8_exact:
+            w["resident"] = dataclasses.replace(w["pw"], cache=dict(w["pw"].cache)).keep_fp8()
+        parts = {"triton_w4a8 resident fp8": lambda: grouped_gemm(c.x, w["resident"], counts=c.counts,
+                                                                  backend="triton_w4a8"),
+                 "triton_w4a8 x pre-quantized": lambda: fp8_grouped_gemm(xq, xs, *fp8_weight(w["pw"]), rows,
                                                                          out_dtype=torch.bfloat16),
                  "triton_w4a8 gemm only": lambda: fp8_grouped_gemm(xq, xs, w["fp8"], w["fp8_scale"], rows,
                                                                    out_dtype=torch.bfloat16)}

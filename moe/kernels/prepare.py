@@ -132,6 +132,25 @@ class PreparedWeight:
     def fp8_exact(self) -> bool:
         return self.fp8_fold is not None
 
+    def keep_fp8(self) -> PreparedWeight:
+        """Keep the exact FP8 form of this mxfp4 weight resident (the W4A8 GEMM then reads it
+        instead of expanding the FP4 weight on every call): e4m3 [E, N, K] plus its fp32 scales,
+        2x the FP4 bytes on top of them (V3 L1 shard of 32 experts: +896 MiB). For prefill, where
+        the per-call expansion is what keeps W4A8 under the fp8 anchor (bench/gemm-notes.md);
+        decode (W4A16) reads the FP4 weight either way. Returns self; an fp8 weight needs
+        nothing; ValueError when there is no exact FP8 form (`fp8_fold` None)."""
+        if self.fmt == "fp8":
+            return self
+        if self.fp8_fold is None:
+            raise ValueError(f"keep_fp8 needs an mxfp4 weight with an exact FP8 form, got fmt {self.fmt!r}"
+                             + (" (blocks more than 14 exponents below their group's largest)"
+                                if self.fmt == "mxfp4" else ""))
+        if "fp8_resident" not in self.cache:
+            from megapar.moe.kernels.triton_expand import expand_fp4
+
+            self.cache["fp8_resident"] = expand_fp4(self, fold=self.fp8_fold)
+        return self
+
     @property
     def kernel_packing(self) -> Packing:
         """The packing the fused FP4 kernels read for this weight: its own, unless natural (then

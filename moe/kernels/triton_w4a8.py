@@ -220,10 +220,13 @@ def fp8_grouped_gemm(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_
 
 def fp8_weight(w: PreparedWeight) -> tuple[torch.Tensor, torch.Tensor]:
     """(e4m3 [E, N, K], fp32 scale [E, N] or [E, N, K/128]) for the W4A8 GEMM: an fp8 weight as
-    it is; an mxfp4 weight expanded now (rowwise fold when exact, else 1x128)."""
+    it is; an mxfp4 weight's resident copy (`PreparedWeight.keep_fp8`), else expanded now
+    (rowwise fold when exact, else 1x128)."""
     fold = w.fp8_fold
     if fold == "fp8":
         return w.data, w.scale
+    if "fp8_resident" in w.cache:
+        return w.cache["fp8_resident"]
     if fold is not None:
         return expand_fp4(w, fold=fold)
     if w.fmt != "mxfp4":
