@@ -482,7 +482,7 @@ def test_device_path_w4a8_quantizes_each_token_once_before_the_gather(monkeypatc
         return forward(x, counts, offsets, out_dtype)
 
     monkeypatch.setattr(layer.experts, "forward", spy)
-    for t in (1, 6, 33):
+    for t in (1, 33):
         x = torch.randn(t, h)
         mask = torch.rand(t) > 0.2
         with torch.no_grad():

@@ -837,12 +837,13 @@ def ctx_is_cuda(dev: torch.device) -> bool:
 
 
 def _run_variants(ctx, variants, results, save) -> None:
-    t = time.time()
-    with (precompile() if ctx.is_cuda else contextlib.nullcontext()):
-        for _, _, fn, _, _ in variants:
-            with contextlib.suppress(Exception):
-                fn()
-    print(f"  precompiled {len(variants)} variants in {time.time() - t:.1f} s", flush=True)
+    if ctx.is_cuda:    # compile every variant in parallel first (on CPU a dry run: nothing to gain)
+        t = time.time()
+        with precompile():
+            for _, _, fn, _, _ in variants:
+                with contextlib.suppress(Exception):
+                    fn()
+        print(f"  precompiled {len(variants)} variants in {time.time() - t:.1f} s", flush=True)
     for section, name, fn, check, info in variants:
         row: dict[str, Any] = {"section": section, "name": name, **info}
         try:
@@ -851,7 +852,10 @@ def _run_variants(ctx, variants, results, save) -> None:
                 torch.cuda.synchronize()
             if check is not None:
                 row["rel_err"] = check(out[0] if isinstance(out, tuple) else out)
-            row["us"], row["timing"] = graph_time(ctx, fn, iters=30 if ctx.is_cuda else 1)
+            if ctx.is_cuda:
+                row["us"], row["timing"] = graph_time(ctx, fn, iters=30)
+            else:          # the interpreter's dry run: the call above was the warm-up
+                row["us"], row["timing"] = ctx.time_fn(fn, warmup=0, iters=1), "eager"
             if "floor_us" in info:
                 row["floor_frac"] = round(info["floor_us"] / row["us"], 3)
             if "bytes" in info:

@@ -208,11 +208,11 @@ def _probe_cases(weight: torch.Tensor, act: torch.Tensor) -> dict[str, tuple[str
 
 
 def _time_us(fn: Callable[[], Any], cuda: bool, iters: int) -> float:
-    fn()
-    if not cuda:
+    if not cuda:        # the interpreter's dry run: one call, no warm-up (nothing compiles)
         t0 = time.perf_counter()
         fn()
         return (time.perf_counter() - t0) * 1e6
+    fn()
     torch.cuda.synchronize()
     samples = []
     for _ in range(iters):
