@@ -59,6 +59,18 @@ def _dot(a, b, acc, IEEE: tl.constexpr):
 
 
 @triton.jit
+def _mask_scores(qk, j, jmask, rmask, q_pos, dcp_size, dcp_rank, interleave, CAUSAL: tl.constexpr):
+    """Scores [M, N] of local tokens j -> -inf where the token is past the split or the row is
+    padding, or (CAUSAL) its global position (docs/numerics.md §8.2) is after the row's query;
+    returns (masked scores, allowed)."""
+    allowed = jmask[None, :] & rmask[:, None]
+    if CAUSAL:
+        g_pos = (j // interleave) * (interleave * dcp_size) + dcp_rank * interleave + j % interleave
+        allowed = allowed & (g_pos[None, :] <= q_pos[:, None])
+    return tl.where(allowed, qk, float("-inf")), allowed
+
+
+@triton.jit
 def _softmax_step(qk, m_i, LAZY: tl.constexpr):
     """Online-softmax step over masked base-2 scores qk [M, N] with running max m_i [M]:
     (new max, p = 2^(qk - max), alpha = 2^(m_i - max) to rescale l and acc by, grow). LAZY keeps
@@ -113,11 +125,7 @@ def _tile(j0, end, s64, kvh, q_main, q_rest, q_pos, rmask, dm, dr, rest_mask, dv
         qk = qk * (ks * qk_scale)[None, :]
     else:
         qk = qk * qk_scale
-    allowed = jmask[None, :] & rmask[:, None]
-    if CAUSAL:
-        g_pos = (j // interleave) * (interleave * dcp_size) + dcp_rank * interleave + j % interleave
-        allowed = allowed & (g_pos[None, :] <= q_pos[:, None])
-    qk = tl.where(allowed, qk, float("-inf"))
+    qk, allowed = _mask_scores(qk, j, jmask, rmask, q_pos, dcp_size, dcp_rank, interleave, CAUSAL)
     m_new, p, alpha, grow = _softmax_step(qk, m_i, LAZY)
     l_i = l_i * alpha + tl.sum(p, 1)
     if LAZY:
@@ -187,11 +195,7 @@ def _tile_halves(j0, end, s64, q0, q1, q_rest, q_pos, rmask, m_i, l_i, acc0, acc
         qk = qk * (ks * qk_scale)[None, :]
     else:
         qk = qk * qk_scale
-    allowed = jmask[None, :] & rmask[:, None]
-    if CAUSAL:
-        g_pos = (j // interleave) * (interleave * dcp_size) + dcp_rank * interleave + j % interleave
-        allowed = allowed & (g_pos[None, :] <= q_pos[:, None])
-    qk = tl.where(allowed, qk, float("-inf"))
+    qk, allowed = _mask_scores(qk, j, jmask, rmask, q_pos, dcp_size, dcp_rank, interleave, CAUSAL)
     if DIAG == 1 or DIAG == 3:
         m_new = tl.maximum(m_i, tl.max(qk, 1))
         p = tl.where(allowed, qk, 0.0)
