@@ -91,6 +91,8 @@ def test_probe_dry_run_writes_a_tuning_that_installs(tmp_path, monkeypatch):
     assert main(["--probe", "--out", str(tmp_path)]) == 0
     assert td.CONFIG == before                                   # the probe restores CONFIG
     tuning = json.loads((tmp_path / "decode-tuning.json").read_text())
+    partial = json.loads((tmp_path / "decode-tuning.partial.json").read_text())   # kept after each family
+    assert partial["done"] == ["gqa", "mla"] and len(partial["results"]) > 0   # (the dry run has no fp8 families)
     rows = tuning["results"]
     assert len(rows) >= sum(len(TINY_VARIANTS[k]) for k in ("gqa", "mla"))   # the dry run has no fp8 cache
     assert all(r["valid"] and r["max_err"] < 1e-4 and r["us"] > 0 for r in rows), [r for r in rows if not r["valid"]]

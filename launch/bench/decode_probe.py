@@ -22,6 +22,8 @@ each family's winner is also timed with the other's value and the value with the
 relative time serves both (a note says so). GQA has Hq / Hkv = 8 query rows per kv head, below
 the smallest row tile (16), so block_m is not swept for it.
 `triton_decode.apply_tuning` (or MEGAPAR_DECODE_TUNING=DIR/decode-tuning.json) installs the file.
+After each family DIR/decode-tuning.partial.json holds what is measured so far (a call that runs
+out of time keeps it).
 On CPU under TRITON_INTERPRET=1 the probe is a dry run on tiny sizes with a few settings.
 """
 
@@ -280,6 +282,7 @@ def probe(out_dir: str | os.PathLike, *, device: str | None = None, iters: int =
     t0 = time.time()
     default = dict(td.CONFIG)
     notes: list[str] = []
+    out = Path(out_dir)
     try:
         with torch.no_grad():
             problems = _problems(ctx)
@@ -298,6 +301,11 @@ def probe(out_dir: str | os.PathLike, *, device: str | None = None, iters: int =
                     notes.append(f"{kind}: no valid setting; the current CONFIG stays")
                     found = base
                 best[kind] = found
+                # what is measured so far, in case the call runs out of time (a GPU call has a limit)
+                out.mkdir(parents=True, exist_ok=True)
+                (out / "decode-tuning.partial.json").write_text(json.dumps(
+                    {"done": list(best), "best": best, "results": [r for p in problems for r in p.results.values()],
+                     "seconds": round(time.time() - t0, 1)}, indent=1) + "\n")
             fixed: dict[str, int] = {}
             for key in _SHARED if "gqa" in best and "mla" in best else ():   # one value serves both (not gqa_fp8)
                 a, b = best["gqa"][key], best["mla"][key]
@@ -327,7 +335,6 @@ def probe(out_dir: str | os.PathLike, *, device: str | None = None, iters: int =
               "device": torch.cuda.get_device_name(dev) if ctx.is_cuda else "cpu (interpreter dry run)",
               "problems": [p.label for p in problems], "notes": notes,
               "seconds": round(time.time() - t0, 1), "results": results}
-    out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     (out / "decode-tuning.json").write_text(json.dumps(tuning, indent=1) + "\n")
     _print_table(results, best, default)
