@@ -129,11 +129,17 @@ def test_probe_dry_run_writes_a_tuning_that_installs(tmp_path, monkeypatch):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("cache_dtype", [torch.bfloat16, torch.float8_e4m3fn])
-@pytest.mark.parametrize("kind", ["gqa", "mla"])
+@pytest.mark.parametrize("kind", ["gqa", "mla", "mla halves tma lazy"])
 def test_decode_captures_in_a_cuda_graph(kind, cache_dtype, monkeypatch):
     """Decode is done only when it captures: the kernel (and its split merge) in a CUDA graph,
-    replayed on new queries, equals the eager call on them."""
+    replayed on new queries, equals the eager call on them. "mla halves tma lazy": the MLA
+    structure options on (device-side TMA descriptors take their scratch inside the capture)."""
     monkeypatch.setenv("TRITON_INTERPRET", "0")
+    if kind != "gqa" and kind != "mla":
+        for key in ("halves_wide", "tma_wide", "lazy_rescale_wide", "halves_wide_fp8", "tma_wide_fp8",
+                    "lazy_rescale_wide_fp8"):
+            monkeypatch.setitem(td.CONFIG, key, 1)
+        kind = "mla"
     from launch.bench.common import capture_graph
     from launch.bench.cp import _decode_setup, _mla_decode_setup
     from parallel.cp import DCPLayout
