@@ -96,9 +96,11 @@ def test_kernel_dcp_shards_merge_to_full_attention(size, interleave, tq):
     _check(merged, full, 1e-4)
 
 
-def test_kernel_splits_and_fp8_cache():
+def test_kernel_splits_and_fp8_cache(monkeypatch):
     """Long sequences cut into several splits, fp8 cache with per-(token, head) scales."""
     from parallel.cp import triton_decode
+
+    monkeypatch.setitem(triton_decode.CONFIG, "min_split", 256)   # several splits at these lengths
 
     lens = [600, 3, 0, 1100]
     cache, table, layout, _, _ = _fill(lens, 2, 64, 64, 16, 2, 1, 1, torch.float8_e4m3fn, seed=3)

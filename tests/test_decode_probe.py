@@ -32,10 +32,10 @@ def _restore_config():
 def test_apply_tuning_maps_mla_keys_to_wide_entries():
     before = dict(td.CONFIG)
     td.apply_tuning({"gqa": {"block_n": 32, "num_stages": 3, "min_split": 128},
-                     "mla": {"block_n": 16, "block_m": 128, "num_warps": 4, "num_stages": 3},
+                     "mla": {"block_n": 16, "block_m": 128, "num_warps": 4, "num_stages": 1},
                      "device": "x", "results": [], "notes": []})
     assert td.CONFIG == {**before, "block_n": 32, "num_stages": 3, "min_split": 128, "block_n_wide": 16,
-                         "block_m_wide": 128, "num_warps_wide": 4}
+                         "block_m_wide": 128, "num_warps_wide": 4, "num_stages_wide": 1}
     td.apply_tuning({"config": {"num_warps_wide": 16, "target_programs": 528}})
     assert td.CONFIG["num_warps_wide"] == 16 and td.CONFIG["target_programs"] == 528
     assert td.CONFIG["block_m"] == before["block_m"] and td.CONFIG["num_warps"] == before["num_warps"]

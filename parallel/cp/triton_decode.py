@@ -371,31 +371,42 @@ def _paged_decode_kernel(
 
 CONFIG = {
     "target_programs": 264,      # ~2 waves of 132 SMs (H200)
-    "min_split": 512,            # tokens: never split finer
+    "min_split": 1024,           # tokens: never split finer
     "block_n": 64, "block_n_wide": 64,            # key tile; "wide" when the key dim > 256 (MLA)
-    "block_m": 64, "block_m_wide": 64, "block_m_wide_fp8": 32,
-    "num_warps": 4, "num_warps_wide": 8, "num_stages": 2, "num_stages_wide": 3,
+    "block_m": 64, "block_m_wide": 64, "block_m_wide_fp8": 64,
+    "num_warps": 4, "num_warps_wide": 8, "num_stages": 2, "num_stages_wide": 2,
     "block_n_fp8": 128, "num_stages_fp8": 3,      # GQA over an fp8 cache (key dim <= 256)
     # MLA with fp32 queries (exact products): 64 x 64 tiles in 3 stages would need 312 KB of shared
     # memory (sm_90a compile, bench/debug/kernel_sass.py); 32 x 32 in 2 stages needs 152 KB
     "block_n_wide_f32": 32, "block_m_wide_f32": 32, "num_stages_wide_f32": 2,
+    "halves_wide_f32": 0, "tma_wide_f32": 0,     # (with them: 7.7 KB of spills)
     # kernel structure, 0/1 (the probe measures them): lazy_rescale keeps the running max unless it
     # grew by > 2^8 (acc is then not rescaled); halves_wide reads MLA's latent as two 256-wide halves
     # with two accumulators, tma_wide (with halves) loads each tile by TMA from device-side
     # descriptors. diag_wide: the probe's subtraction diagnostics (1 no softmax, 2 no P @ V, 3
     # scores only: not attention, never set otherwise)
-    "lazy_rescale": 0, "lazy_rescale_wide": 0, "halves_wide": 0, "tma_wide": 0, "diag_wide": 0,
-    # MLA over an fp8 cache (the *_wide values until the probe measures its own)
-    "block_n_wide_fp8": 64, "num_warps_wide_fp8": 8, "num_stages_wide_fp8": 3, "lazy_rescale_wide_fp8": 0,
-    "halves_wide_fp8": 0, "tma_wide_fp8": 0,
+    "lazy_rescale": 0, "lazy_rescale_wide": 0, "halves_wide": 1, "tma_wide": 1, "diag_wide": 0,
+    # MLA over an fp8 cache
+    "block_n_wide_fp8": 64, "num_warps_wide_fp8": 8, "num_stages_wide_fp8": 2, "lazy_rescale_wide_fp8": 0,
+    "halves_wide_fp8": 1, "tma_wide_fp8": 1,
+    # MLA with a query-head tile that is not full (fewer than block_m rows per kv head: 16 heads
+    # under TP 8): the halves / TMA structure loses there (probe below), so it is off
+    "halves_wide_narrow": 0, "tma_wide_narrow": 0,
 }
 # H200, B = 32, 1/4 of L = 8K and 32K (`python -m megapar.launch.bench.cp --probe`, CUDA-graph
 # replays, two runs: bench/results/cp-probe-h200.json, cp-probe2-h200.json): MLA with 64-token
 # tiles and 3 stages 272 -> 192 µs and 937 -> 604 µs (was 32 / 2), then 64 query heads per tile
 # (wgmma; min_split 512) 191 -> 139 and 604 -> 436 µs; GQA over fp8 with 128 / 3 stages 73 -> 63
-# and 203 -> 160 µs, where GQA bf16 keeps 64 / 2 (157 µs against 187 with 128 / 3). MLA over fp8
-# keeps 32 query heads per tile: with 64 its sm_90a code spills 444 B (bench/debug/kernel_sass.py
-# decode), and the probe did not time it.
+# and 203 -> 160 µs, where GQA bf16 keeps 64 / 2 (157 µs against 187 with 128 / 3).
+# Third probe (2026-12-01, bench/results/cp-probe3-h200.json; the µs of each setting and of the
+# previous CONFIG come from the same run): MLA 128 heads bf16, 2 stages + latent halves + TMA
+# tiles 138.8 -> 124.1 µs (8K) and 433.4 -> 372.1 µs (32K); at 16 heads (TP 8) the same options
+# cost 144.7 -> 178.9 µs, so they stay off for heads tiles that are not full ("narrow"), where
+# min_split 1024 gives 128.9. min_split 1024 also: MLA 8K 138.8 -> 120.0 (2 splits instead of
+# 4), GQA 65.5 -> 62.8 / 151.6 -> 150.3. MLA over fp8 with 64 heads per tile (2 stages; the
+# 3-stage build spilled) and halves + TMA: 238.9 -> 160.9 µs (8K) and 810.0 -> 531.2 µs (32K);
+# at 16 heads 244.2 (previous) against 246.6 (64 / 2 stages, narrow: no halves). Lazy rescale
+# gained <= 3% and raised the max error 4-5x (6e-4 -> 2.7e-3): off.
 """Launch parameters. `python -m megapar.launch.bench.cp --probe --out DIR` sweeps them on the GPU
 (CUDA-graph replays) and writes DIR/decode-tuning.json for `apply_tuning` (or
 MEGAPAR_DECODE_TUNING=path at import)."""
@@ -507,13 +518,15 @@ def plan_splits(capacity: int, programs: int, block_n: int) -> tuple[int, int]:
 def launch_settings(d: int, q_dtype: torch.dtype, cache_dtype: torch.dtype, rows: int) -> dict[str, int]:
     """CONFIG's block_m / block_n / num_warps / num_stages (and the 0/1 structure options
     lazy_rescale / halves / tma / diag) for a key dim d, these dtypes and `rows` query rows per kv
-    head (q_len x heads per kv head): "wide" (d > 256, MLA) entries first, with their fp32-query or
-    fp8-cache variants where CONFIG has one; else GQA's, fp8 ones for an fp8 cache."""
+    head (q_len x heads per kv head): "wide" (d > 256, MLA) entries first, with their narrow-tile,
+    fp32-query or fp8-cache variants (in that order) where CONFIG has one; else GQA's, fp8 ones
+    for an fp8 cache."""
     fp8 = cache_dtype == torch.float8_e4m3fn
+    narrow = rows < CONFIG["block_m_wide"]    # MLA's query-head tile not full (e.g. 16 heads: TP 8)
 
     def key(name: str) -> str:
         if d > 256:
-            for variant, on in (("f32", q_dtype == torch.float32), ("fp8", fp8)):
+            for variant, on in (("narrow", narrow), ("f32", q_dtype == torch.float32), ("fp8", fp8)):
                 if on and f"{name}_wide_{variant}" in CONFIG:
                     return f"{name}_wide_{variant}"
             return _WIDE[name]

@@ -32,6 +32,7 @@ FMA_DIVISION = tl.constexpr(not impl.interpreting())
 # them on the GPU and writes a file for `apply_tuning` (or MEGAPAR_QUANT_TUNING=path at import).
 CONFIG: dict[str, tuple[int, int]] = {
     "fp4_quant": (128, 4),     # 128 blocks of 32 (or 256 of 16): 4096 elements per program
+    # (probe 2: (64, 4) 147 -> 139 µs on mxfp4; not taken: the probe did not time nvfp4 with it)
     "fp4_dequant": (256, 8),   # H200 sweep (bench/results/quant-h200.md): 10% over (128, 4)
     "fp4_amax": (32768, 16),   # nvfp4 computed global scale: elements per program (probe: 647 -> 597 µs)
     "fp8_group": (32, 4),      # 32 rows x 128
@@ -44,12 +45,13 @@ CONFIG: dict[str, tuple[int, int]] = {
 # CUDA-graph replays, every setting bit-identical to the default's output).
 # E4M3 rounding of the fp8 quantize fast path by the hardware conversion (inline PTX
 # `cvt.rn.satfinite.e4m3x2.f32`; GPU only, the interpreter always runs the integer rounding).
-# Off by default: the H200 probe of 2026-12-01 found it bit-identical to the integer rounding on
-# its data and 7-14% faster (fp8_group 175 -> 162 µs, fp8_token 213 -> 184), but the GPU tests
-# (odd K, partial tiles, saturation) have not yet run with it on. `python -m
-# megapar.launch.bench.quant --probe` writes {"fp8_hw_cast": true} when it is bit-identical and
-# faster; apply_tuning (or MEGAPAR_QUANT_TUNING=path) turns it on.
-FP8_HW_CAST = False
+# On by default since 2026-12-01: the H200 probe found it bit-identical to the integer rounding on
+# its data and faster (second probe, same run as the integer rounding: fp8_group 194 -> 140 µs,
+# fp8_token 204 -> 182, fp8_block 204 -> 135; bench/results/quant-probe2-h200.json), and the GPU
+# tests of tests/test_quant_triton.py and tests/test_gemm_gpu.py (odd K, partial tiles, saturation,
+# bit checks against the CPU reference) pass with it on (59 tests). apply_tuning({"fp8_hw_cast":
+# false}) (or MEGAPAR_QUANT_TUNING=path) turns it off.
+FP8_HW_CAST = True
 FP4_QUANT_DIAG = 0   # 1: the FP4 quantize kernel without its arithmetic (launch/bench/quant.py's probe only)
 
 
