@@ -31,7 +31,7 @@ step() {  # name limit_s command...
   timeout -k 5 "$limit" "$@" > "$res/$name.log" 2>&1
   echo "    rc=$? in $((SECONDS - t0))s"; tail -n "${TAIL:-12}" "$res/$name.log"
 }
-tests=(tests/test_quant_triton.py tests/test_gemm_gpu.py tests/test_w4a16_tma.py tests/test_w4a16_splitk.py
+tests=(tests/test_quant_triton.py tests/test_gemm_gpu.py tests/test_w4a16_tma.py tests/test_w4a16_splitk.py tests/test_w4a16_bf16asm.py
        tests/test_stream_probe.py tests/test_ffn.py tests/test_moe_device.py tests/test_mla.py
        tests/test_cp_decode_kernel.py tests/test_cp_merge.py tests/test_decode_probe.py tests/test_demo.py)
 for s in "$@"; do

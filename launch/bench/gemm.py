@@ -30,7 +30,8 @@ MEGAPAR_BENCH_GEMM_SECTIONS picks the sections (default main,routed,deep_gemm).
 `python -m launch.bench.gemm --probe --out DIR` runs the kernel-tuning probe instead (variants
 and launch configs side by side, correctness of each) and writes DIR/gemm-probe.json; `--sections`
 picks the rounds (decode, decode2, decode3, decode4 = TMA weight loads vs the default, decode5 = how
-fast plain kernels stream the same weight bytes (launch/bench/stream_probe.py), prefill).
+fast plain kernels stream the same weight bytes (launch/bench/stream_probe.py), decode6 = split-K,
+decode7 = bf16 operands by the multiply expansion (mode bf16asm), prefill).
 """
 
 from __future__ import annotations
@@ -731,6 +732,50 @@ def probe(out_dir: str, sections: list[str]) -> None:
             print(f"decode6 {prob}: default {default['us']:.1f} us ({default['floor_frac']:.3f} of floor), best split "
                   f"{best['us']:.1f} us ({best['floor_frac']:.3f}) = {best['name']}: "
                   f"{'split-K wins' if best['us'] < default['us'] else 'default wins'}", flush=True)
+
+    # -- decode, round 6: bf16 operands by the multiply expansion (mode bf16asm) against the default --
+    if "decode7" in sections:
+        import dataclasses
+
+        from megapar.moe.kernels.triton_w4a16 import pick_config
+        shapes7 = [p[0] for p in decode_probs]
+        probs7 = sorted(decode_probs, key=lambda p: shapes7.index(p[0]))
+        rows7: list[dict[str, Any]] = []
+        for (E, N, K), tok, hit in probs7:   # (grouped by shape: one weight set each)
+            w, x, rows, ref, experts, floor = hit_problem(E, N, K, tok, hit)
+            pw = w["pw"]
+            base = pick_config(rows.rows_hint, torch.bfloat16, "oct")   # what launch_w4a16 takes with no config
+            bf = dataclasses.replace(base, mode="bf16asm", prescale=True)
+            if tiny:   # the interpreter: no inline PTX, and its tl.dot of bf16 operands is wrong (Triton
+                # 3.6): Triton-arithmetic f16 against f32 operands, to run the section's code
+                base = W4A16Config(block_n=64, block_m=16, chunks=1, num_warps=4, num_stages=1, mode="f16",
+                                   packing="oct")
+                bf = dataclasses.replace(base, mode="f32")
+            cfgs = [("default", base), ("bf16asm", bf), ("bf16asm other loads", dataclasses.replace(bf, tma=not bf.tma))]
+            if not tiny:
+                cfgs += [("bf16asm 4 stages", dataclasses.replace(bf, num_stages=4)),
+                         ("bf16asm 2 stages", dataclasses.replace(bf, num_stages=2)),
+                         ("bf16asm 64 rows", dataclasses.replace(bf, block_n=64))]
+            tag = f"{N}x{K} tok{tok} hit{experts}"
+            for label, cfg in cfgs:
+                add("decode7", f"N{N} K{K} tok{tok} hit{experts} {label}",
+                    (lambda x=x, wt=pw, rows=rows, cfg=cfg: launch_w4a16(x, wt, rows, out_dtype=torch.bfloat16,
+                                                                         config=cfg)),
+                    err_of(ref), floor_us=floor, cfg=dict(cfg.__dict__), diag=0, tile_n=pw.tile_n, problem=tag)
+            n0 = len(results)
+            _run_variants(ctx, variants, results, save)
+            rows7 += results[n0:]
+            variants.clear()
+        for prob in dict.fromkeys(r["problem"] for r in rows7 if "us" in r):   # per problem: default vs bf16
+            mine = [r for r in rows7 if r["problem"] == prob and "us" in r and r.get("rel_err", 1) < 1e-2]
+            default = next((r for r in mine if r["name"].endswith("default")), None)
+            bf16 = [r for r in mine if r["cfg"]["mode"] in ("bf16asm", "f32")]   # (f32: the interpreter's stand-in)
+            if default is None or not bf16:
+                continue
+            best = min(bf16, key=lambda r: r["us"])
+            print(f"decode7 {prob}: default {default['us']:.1f} us ({default['floor_frac']:.3f} of floor), best bf16 "
+                  f"{best['us']:.1f} us ({best['floor_frac']:.3f}) = {best['name']}: "
+                  f"{'bf16 wins' if best['us'] < default['us'] else 'default wins'}", flush=True)
 
     # -- prefill: V3 L1 at 2048 tok/expert --
     if "prefill" in sections:

@@ -58,15 +58,16 @@ from megapar.moe.kernels.triton_common import (  # noqa: F401  (FP8_MAX, AMAX_FL
 from megapar.moe.kernels.triton_expand import EXPAND_DEFAULTS, expand_fp4  # noqa: F401  (expand_fp4: re-export)
 from megapar.parallel import impl
 
-MODES = {"f16": 0, "bf16": 1, "f32": 2, "f16asm": 3, "f16asm_swap": 4}
+MODES = {"f16": 0, "bf16": 1, "f32": 2, "f16asm": 3, "f16asm_swap": 4, "bf16asm": 5}
+ASM_MODES = ("f16asm", "f16asm_swap", "bf16asm")   # inline PTX: oct packing, GPU only
 PACKS = {"paired": 0, "oct": 1}
 SPLIT_KS = (1, 2, 4, 8)
 
 @triton.jit
 def act_operand(x, MODE: tl.constexpr):
-    if MODE == 0 or MODE >= 3:
+    if MODE == 0 or MODE == 3 or MODE == 4:
         return (x.to(tl.float32) * 0.00390625).to(tl.float16)   # x * 2^-8 in fp16
-    elif MODE == 1:
+    elif MODE == 1 or MODE == 5:
         return x.to(tl.bfloat16)
     else:
         return x.to(tl.float32)
@@ -113,10 +114,48 @@ _OCT_F16_ASM = "\n".join(
 _OCT_F16_ASM_SWAP = tl.constexpr(_OCT_F16_ASM.replace("$8, $9", "$9, $8"))   # (probe: the other half order)
 _OCT_F16_ASM = tl.constexpr(_OCT_F16_ASM)
 
+# MODE 5 ("bf16asm"): the same 8 registers as bf16 pairs, v * 2^-126 (the code's magnitude in bits
+# 6-8, its sign in bit 15 of each half: the 0.5 code is a bf16 subnormal, as MODE 0's is an fp16
+# one), by one multiply per pair instead of two shifts and two masks: the pair's nibble (both
+# halves, masked out of the PRMT word) times 2^a + 2^b is two copies of it whose bits do not
+# overlap (so the sum is their OR), one with the magnitude at bits 6-8 and one with the sign at
+# bit 15; a last mask keeps those. Per 4 elements 1 PRMT + 2 x (LOP3, IMAD, LOP3) = 7
+# instructions, against 11 for MODE 3. `OCT_BF16_STEPS` holds the constants; the tests replay
+# them on the CPU (`oct_bf16_reference`).
+OCT_BF16_TARGET = 0x81C081C0
+OCT_BF16_STEPS = ((0x000F000F, (1 << 6) + (1 << 12)),    # low nibble of the byte: bits 0-3 (+16)
+                  (0x00F000F0, (1 << 2) + (1 << 8)))     # high nibble: bits 4-7 (+16)
+_OCT_BF16_ASM = tl.constexpr("\n".join(
+    ["{", ".reg .b32 c, t;"]
+    + [line for k in range(4) for line in (
+        [f"prmt.b32 c, $8, $9, 0x{4 + k}{4 + k}{k}{k};"]
+        + [ln for j, (mask, mult) in enumerate(OCT_BF16_STEPS) for ln in (
+            f"and.b32 t, c, 0x{mask:08X};", f"mul.lo.u32 t, t, {mult};",
+            f"and.b32 ${2 * k + j}, t, 0x{OCT_BF16_TARGET:08X};")])]
+    + ["}"]))
+
+
+def oct_bf16_reference(w0: torch.Tensor, w1: torch.Tensor) -> list[torch.Tensor]:
+    """The bf16asm expansion replayed with int64 torch ops (CPU): int32 words w0, w1 (same shape)
+    -> the 8 registers as int64 in [0, 2^32): register i holds nibble i of w0 in its low half and
+    nibble i of w1 in its high half, each as bf16 bits."""
+    a, b = w0.to(torch.int64) & 0xFFFFFFFF, w1.to(torch.int64) & 0xFFFFFFFF
+    out = []
+    for k in range(4):
+        byte_a, byte_b = (a >> (8 * k)) & 0xFF, (b >> (8 * k)) & 0xFF
+        c = byte_a | byte_a << 8 | byte_b << 16 | byte_b << 24          # prmt 0x{4+k}{4+k}{k}{k}
+        out += [(((c & mask) * mult) & 0xFFFFFFFF) & OCT_BF16_TARGET for mask, mult in OCT_BF16_STEPS]
+    return out
+
 
 @triton.jit
-def _oct_operands_asm(w, SWAP: tl.constexpr):
-    if SWAP:
+def _oct_operands_asm(w, SWAP: tl.constexpr, BF16: tl.constexpr = False):
+    if BF16:
+        return tl.inline_asm_elementwise(_OCT_BF16_ASM, "=r,=r,=r,=r,=r,=r,=r,=r,r,r", [w],
+                                         dtype=(tl.bfloat16, tl.bfloat16, tl.bfloat16, tl.bfloat16,
+                                                tl.bfloat16, tl.bfloat16, tl.bfloat16, tl.bfloat16),
+                                         is_pure=True, pack=2)
+    elif SWAP:
         return tl.inline_asm_elementwise(_OCT_F16_ASM_SWAP, "=r,=r,=r,=r,=r,=r,=r,=r,r,r", [w],
                                          dtype=(tl.float16, tl.float16, tl.float16, tl.float16,
                                                 tl.float16, tl.float16, tl.float16, tl.float16),
@@ -129,20 +168,27 @@ def _oct_operands_asm(w, SWAP: tl.constexpr):
 
 
 @triton.jit
-def _prescaled(op, s_i, r_max):
+def _prescaled(op, s_i, r_max, MODE: tl.constexpr):
     """fp16 weight operand [BN, Q] (v * 2^-14) times 2^(15 - d), d = r_max - s_i >= 0 (E8M0
     exponents): exact while d <= 24, flushed towards 0 beyond (a block 2^-24 below its row's
-    largest); the product is then v * 2^(s_i - r_max + 1)."""
+    largest); the product is then v * 2^(s_i - r_max + 1). MODE 5 (bf16, v * 2^-126): times
+    2^(126 - d), so v * 2^(s_i - r_max), exact while d <= 125."""
     d = r_max - s_i.to(tl.int32)
-    mult = tl.exp2((15 - d).to(tl.float32)).to(tl.float16)
+    if MODE == 5:
+        mult = tl.exp2((126 - d).to(tl.float32)).to(tl.bfloat16)
+    else:
+        mult = tl.exp2((15 - d).to(tl.float32)).to(tl.float16)
     return op * mult[:, None]
 
 
 @triton.jit
-def _prescale_factor(r_max):
+def _prescale_factor(r_max, MODE: tl.constexpr):
     """fp32 [BN] that takes a prescaled accumulator back: 2^(r_max - 127) * 2^14 (fp16 weight
-    bits) * 2^8 (activation pre-scale) / 2^15 (the operand's 2^15); r_max 255 (NaN scale) -> NaN."""
-    f = tl.exp2((r_max - 127).to(tl.float32)) * 128.0
+    bits) * 2^8 (activation pre-scale) / 2^15 (the operand's 2^15); MODE 5: 2^(r_max - 127)
+    (bf16 operands, activations as they are); r_max 255 (NaN scale) -> NaN."""
+    f = tl.exp2((r_max - 127).to(tl.float32))
+    if MODE != 5:
+        f = f * 128.0
     return tl.where(r_max == 255, float("nan"), f)
 
 
@@ -196,7 +242,7 @@ def _fp4_oct(acc, w, s_rows, kc, offs_q, n_mask, x_rows, m_mask, r_max,
     if DIAG == 1:
         acc += tl.sum(w, axis=1).to(tl.float32)[:, None]
     elif MODE >= 3:
-        ops = _oct_operands_asm(w, MODE == 4)
+        ops = _oct_operands_asm(w, MODE == 4, MODE == 5)
     for i in tl.static_range(8):
         x_i = tl.load(x_rows[None, :] + (kc + i * BLOCK + offs_q)[:, None], mask=m_mask[None, :], other=0.0)
         s_i = ((s8 >> (8 * i)) & 0xFF).to(tl.uint8)
@@ -210,7 +256,7 @@ def _fp4_oct(acc, w, s_rows, kc, offs_q, n_mask, x_rows, m_mask, r_max,
             if DIAG == 2:
                 acc = tl.dot(op, act_operand(x_i, MODE), acc)
             elif PRESCALE:
-                acc = tl.dot(_prescaled(op, s_i, r_max), act_operand(x_i, MODE), acc)
+                acc = tl.dot(_prescaled(op, s_i, r_max, MODE), act_operand(x_i, MODE), acc)
             else:
                 acc += mma(op, act_operand(x_i, MODE), MODE) * block_scale(s_i, NVFP4, MODE)[:, None]
     return acc
@@ -358,8 +404,8 @@ def _w4a16_program(
                                               n_mask, m_mask, up_rows, up_w_offset, stride_wchunk, stride_sn,
                                               CHUNKS, BLOCK, NVFP4, MODE, SWIGLU)
     if PRESCALE:
-        acc = acc * _prescale_factor(r_max)[:, None]
-        acc_u = acc_u * _prescale_factor(r_max_u)[:, None]
+        acc = acc * _prescale_factor(r_max, MODE)[:, None]
+        acc_u = acc_u * _prescale_factor(r_max_u, MODE)[:, None]
     if NVFP4:
         g = tl.load(gs_ptr + e, mask=e < num_experts, other=1.0)
         acc = acc * g
@@ -467,7 +513,8 @@ def _w4a16_splitk_reduce(
 class W4A16Config:
     """Launch shape of the fused kernel. block_n: weight rows per program; block_m: tokens per
     tile; chunks: packing units (2 or 8 scale blocks) per loop iteration; mode: operand
-    encoding 'f16' | 'bf16' | 'f32' (Triton arithmetic) | 'f16asm' (inline PTX, oct packing);
+    encoding 'f16' | 'bf16' | 'f32' (Triton arithmetic) | 'f16asm' (inline PTX, oct packing) |
+    'bf16asm' (inline PTX to bf16 operands, activations used as they are; MXFP4 with prescale only);
     packing: 'paired' | 'oct'; tma (oct only): weight words through a device-side TMA descriptor
     instead of pointer-tensor loads (`pick_config` takes it for MXFP4 decode without SwiGLU:
     bench/gemm-notes.md, round 4).
@@ -536,7 +583,7 @@ def pick_config(rows_per_expert: float, dtype: torch.dtype, packing: str = "oct"
     mode = "f16asm" if asm else "f16"
     bucket = 16 if rows_per_expert <= 16 else 32 if rows_per_expert <= 32 else 64 if rows_per_expert <= 64 else 128
     tuned = TUNED.get(bucket)
-    if tuned is not None and tuned.packing == packing and (asm or not tuned.mode.startswith("f16asm")):
+    if tuned is not None and tuned.packing == packing and (asm or tuned.mode not in ASM_MODES):
         return tuned if not swiglu or bucket < 128 else W4A16Config(**{**tuned.__dict__, "num_stages": 2})
     chunks = 1 if packing == "oct" else 2
     # H200, MXFP4 with inline-PTX expansion (bench/results/gemm-probe-decode3-h200.json, `python -m
@@ -593,13 +640,14 @@ def launch_w4a16(x: torch.Tensor, w: PreparedWeight, rows, *, out_dtype: torch.d
     packing = w.kernel_packing
     cfg = config or pick_config(hint, x.dtype, packing if K % (8 * w.block) == 0 else "paired", swiglu is not None,
                                 w.fmt)
-    if cfg.mode.startswith("f16asm") and cfg.packing != "oct":
+    if cfg.mode in ASM_MODES and cfg.packing != "oct":
         raise ValueError(f"mode {cfg.mode!r} needs packing 'oct', got {cfg.packing!r}")
     if cfg.packing == "oct" and K % (8 * w.block):
         if cfg.tma:
             raise ValueError(f"tma=True needs oct packing, i.e. K ({K}) a multiple of 8 scale blocks "
                              f"({8 * w.block}); use tma=False")
-        cfg = W4A16Config(**{**cfg.__dict__, "packing": "paired", "mode": "f16" if cfg.mode.startswith("f16") else cfg.mode})
+        plain = {"f16asm": "f16", "f16asm_swap": "f16", "bf16asm": "bf16"}.get(cfg.mode, cfg.mode)
+        cfg = W4A16Config(**{**cfg.__dict__, "packing": "paired", "mode": plain})
     # the weight as this launch reads it: itself when prepared so (the usual case), else a copy
     # made once and cached on it; with swiglu the up half must start on a tile boundary
     tile_n = 0 if swiglu is not None and w.tile_n and (N // 2) % w.tile_n else None
@@ -627,7 +675,10 @@ def launch_w4a16(x: torch.Tensor, w: PreparedWeight, rows, *, out_dtype: torch.d
     # oct: 8 scale bytes per row and unit, read as one int64 (K is a multiple of 8 blocks here)
     sdata = w.scale.view(torch.int64) if cfg.packing == "oct" else w.scale
     # prescaled operands: MXFP4 in the oct loop with fp16 operands (the only place it is wired)
-    prescale = cfg.prescale and w.fmt == "mxfp4" and cfg.packing == "oct" and MODES[cfg.mode] in (0, 3, 4)
+    prescale = cfg.prescale and w.fmt == "mxfp4" and cfg.packing == "oct" and MODES[cfg.mode] in (0, 3, 4, 5)
+    if cfg.mode == "bf16asm" and not prescale:   # its operands are v * 2^-126: only prescaled they are in range
+        raise ValueError(f"mode 'bf16asm' needs an MXFP4 weight in oct packing with prescale=True; got fmt "
+                         f"{w.fmt!r}, packing {cfg.packing!r}, prescale={cfg.prescale}")
     rmax = w.row_max_scale() if prescale else sdata
     if cfg.tma:
         _check_tma(st, cfg.block_n, st.row_offset(n_out))

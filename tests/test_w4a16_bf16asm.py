@@ -1,0 +1,181 @@
+"""The W4A16 kernel's bf16 operand mode ("bf16asm": inline PTX expansion to bf16 pairs by one
+multiply per pair, activations as they are, MXFP4 prescaled only).
+
+On the CPU: the expansion's constants replayed with torch integer ops (`oct_bf16_reference`)
+decode every nibble of every slot to its E2M1 value times 2^-126, both halves, and the modes that
+cannot take bf16asm say so. On the GPU (`pytest -m gpu`): bf16asm against the reference and
+against f16asm on the V3 decode shape (TMA and pointer loads, 1 / 8 / 32 tokens per expert, an
+empty expert), NaN block scales, split-K, and a CUDA-graph replay.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+
+import pytest
+import torch
+
+from moe.kernels import expert_rows, grouped_gemm, prepare_weights
+from moe.quant import quantize
+
+triton = pytest.importorskip("triton")
+pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")
+
+E2M1 = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
+
+
+def _e2m1(nib: torch.Tensor) -> torch.Tensor:
+    v = E2M1[(nib & 7).long()]
+    return torch.where((nib & 8) != 0, -v, v)
+
+
+def _halves_as_float(reg: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """int64 register values in [0, 2^32) -> (low half, high half) read as bf16, in fp64."""
+    def bf16(bits: torch.Tensor) -> torch.Tensor:
+        return (bits.to(torch.int32) << 16).view(torch.float32).double()   # bf16 = the top half of an fp32
+    return bf16(reg & 0xFFFF), bf16(reg >> 16)
+
+
+def test_bf16_expansion_constants_decode_every_nibble_of_every_slot():
+    from moe.kernels.triton_w4a16 import oct_bf16_reference
+
+    g = torch.Generator().manual_seed(0)
+    # all 16 x 16 (w0 nibble, w1 nibble) combinations in every slot i, plus random neighbours
+    a = torch.arange(16).repeat_interleave(16)
+    b = torch.arange(16).repeat(16)
+    words = []
+    for i in range(8):
+        rnd0 = torch.randint(0, 2 ** 32, (256,), generator=g, dtype=torch.int64)
+        rnd1 = torch.randint(0, 2 ** 32, (256,), generator=g, dtype=torch.int64)
+        keep = ~(0xF << (4 * i)) & 0xFFFFFFFF
+        w0 = (rnd0 & keep) | (a << (4 * i))
+        w1 = (rnd1 & keep) | (b << (4 * i))
+        words.append((w0, w1))
+    w0 = torch.cat([w for w, _ in words])
+    w1 = torch.cat([w for _, w in words])
+    to_i32 = lambda t: (t - (t >= 2 ** 31).long() * 2 ** 32).to(torch.int32)   # noqa: E731
+    regs = oct_bf16_reference(to_i32(w0), to_i32(w1))
+    assert len(regs) == 8
+    scale = 2.0 ** -126
+    for i, reg in enumerate(regs):
+        lo, hi = _halves_as_float(reg)
+        want_lo = _e2m1((w0 >> (4 * i)) & 0xF).double() * scale
+        want_hi = _e2m1((w1 >> (4 * i)) & 0xF).double() * scale
+        assert torch.equal(lo, want_lo), i
+        assert torch.equal(hi, want_hi), i
+        # -0 for the negative zero code (sign bit kept), as the fp16 expansion does
+        neg_zero = ((w0 >> (4 * i)) & 0xF) == 8
+        assert (torch.signbit(lo[neg_zero])).all()
+
+
+def test_bf16asm_is_refused_where_its_operands_would_be_out_of_range():
+    from moe.kernels.triton_w4a16 import W4A16Config, launch_w4a16
+
+    E, N, K = 2, 32, 256
+    w = torch.randn(E, N, K)
+    x = torch.randn(3, K)
+    counts = torch.tensor([2, 1])
+    rows = expert_rows(x, E, counts, None, "contiguous")
+    cfg = W4A16Config(block_n=32, block_m=16, chunks=1, num_warps=4, num_stages=1, mode="bf16asm", packing="oct")
+    pw = prepare_weights(quantize(w, "mxfp4"), packing="oct")
+    with pytest.raises(ValueError, match=r"mode 'bf16asm' needs an MXFP4 weight in oct packing with prescale=True; "
+                                         r"got fmt 'mxfp4', packing 'oct', prescale=False"):
+        launch_w4a16(x, pw, rows, out_dtype=torch.float32, config=cfg)
+    pn = prepare_weights(quantize(w, "nvfp4", global_scale="matrix"), packing="oct")
+    with pytest.raises(ValueError, match=r"got fmt 'nvfp4'"):
+        launch_w4a16(x, pn, rows, out_dtype=torch.float32, config=dataclasses.replace(cfg, prescale=True))
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="needs TRITON_INTERPRET=1 (conftest, CPU)")
+def test_interp_probe_decode7_dry_run(tmp_path, capsys, monkeypatch):
+    """The probe section that times bf16asm against the default, on the interpreter's tiny
+    problems (Triton-arithmetic f16 against f32 operands there: no inline PTX, and the
+    interpreter's tl.dot of bf16 operands is wrong), every row checked."""
+    from launch.bench import gemm
+
+    monkeypatch.setattr(gemm, "graph_time", lambda ctx, fn, iters=None: (fn(), (1.0, "stub"))[1])
+    gemm.probe(str(tmp_path), ["decode7"])
+    rows = json.loads((tmp_path / "gemm-probe.json").read_text())["results"]
+    assert rows and all(r["section"] == "decode7" for r in rows)
+    assert not [r for r in rows if "error" in r]
+    assert {r["cfg"]["mode"] for r in rows} == {"f16", "f32"}
+    assert all(r["rel_err"] < 1e-2 for r in rows)
+    out = capsys.readouterr().out
+    assert out.count("decode7 ") >= 2 and ("bf16 wins" in out or "default wins" in out)
+
+
+# ---- GPU ------------------------------------------------------------------------------------------
+
+def _weight(E: int, N: int, K: int, seed: int, tile_n: int = 64):
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(E, N, K, generator=g) * torch.exp2(torch.randint(-3, 3, (E, N, 1), generator=g).float())
+    return prepare_weights(quantize(w.cuda(), "mxfp4"), packing="oct", tile_n=tile_n)
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    assert torch.isfinite(a).all()
+    return float((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tok", [1, 8, 32])
+def test_gpu_bf16asm_matches_reference_and_f16asm_on_the_v3_decode_shape(tok):
+    """V3 L1 (N 4096, K 7168), 4 experts (one empty): the default decode config with mode bf16asm,
+    TMA and pointer loads, against the torch reference and against f16asm. The products are the
+    same exact values in both modes (bf16 x times an E2M1 value, or x rounded to fp16 times it),
+    so the two agree to fp32 rounding of the sums."""
+    from moe.kernels.triton_w4a16 import launch_w4a16, pick_config
+
+    E, N, K = 4, 4096, 7168
+    counts = torch.full((E,), tok, device="cuda", dtype=torch.int32)
+    counts[1] = 0
+    x = torch.randn(int(counts.sum()), K, device="cuda", dtype=torch.bfloat16)
+    rows = expert_rows(x, E, counts, None, "contiguous")
+    pw = _weight(E, N, K, seed=tok)
+    ref = grouped_gemm(x, pw, counts=counts, backend="torch", out_dtype=torch.float32)
+    base = dataclasses.replace(pick_config(tok, torch.bfloat16, "oct"), prescale=True, mode="f16asm")
+    for tma in (False, True):
+        f16 = launch_w4a16(x, pw, rows, out_dtype=torch.float32, config=dataclasses.replace(base, tma=tma))
+        bf16 = launch_w4a16(x, pw, rows, out_dtype=torch.float32,
+                            config=dataclasses.replace(base, tma=tma, mode="bf16asm"))
+        torch.cuda.synchronize()
+        assert _rel(bf16, ref) < 1e-5, tma
+        assert _rel(bf16, f16) < 1e-5, tma
+
+
+@pytest.mark.gpu
+def test_gpu_bf16asm_wide_scale_range_nan_scale_split_k_and_graph_replay():
+    """Rows whose blocks span 2^-60 .. 2^0 (beyond fp16's prescale range, within bf16's): exact
+    against the reference; a NaN block scale (E8M0 255) turns its row NaN; split-K 4 and a
+    CUDA-graph replay give the eager result."""
+    from moe.kernels.triton_w4a16 import launch_w4a16, pick_config
+
+    E, N, K = 2, 256, 2048
+    g = torch.Generator().manual_seed(7)
+    w = torch.randn(E, N, K, generator=g)
+    w = w * torch.exp2(-torch.randint(0, 60, (E, N, K // 32, 1), generator=g).float()).repeat(1, 1, 1, 32).view(E, N, K)
+    pw = prepare_weights(quantize(w.cuda(), "mxfp4"), packing="oct", tile_n=64)
+    counts = torch.tensor([1, 2], device="cuda", dtype=torch.int32)
+    x = torch.randn(3, K, device="cuda", dtype=torch.bfloat16)
+    rows = expert_rows(x, E, counts, None, "contiguous")
+    cfg = dataclasses.replace(pick_config(1, torch.bfloat16, "oct"), prescale=True, mode="bf16asm")
+    ref = grouped_gemm(x, pw, counts=counts, backend="torch", out_dtype=torch.float32)
+    got = launch_w4a16(x, pw, rows, out_dtype=torch.float32, config=cfg)
+    assert _rel(got, ref) < 1e-5
+    split = launch_w4a16(x, pw, rows, out_dtype=torch.float32, config=dataclasses.replace(cfg, split_k=4))
+    assert _rel(split, ref) < 1e-5
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = launch_w4a16(x, pw, rows, out_dtype=torch.float32, config=cfg)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, got)
+    # a NaN scale in expert 0, row 5 -> that output column is NaN for expert 0's token only
+    scale = pw.scale.clone()
+    scale[0, 5, 3] = 255
+    bad = dataclasses.replace(pw, scale=scale, cache={})
+    y = launch_w4a16(x, bad, rows, out_dtype=torch.float32, config=cfg)
+    assert torch.isnan(y[0, 5]) and not torch.isnan(y[1:, 5]).any()
+    assert torch.isfinite(y[:, torch.arange(N) != 5]).all()
