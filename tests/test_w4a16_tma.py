@@ -145,9 +145,11 @@ def test_tma_config_is_validated_and_off_by_default():
 
 
 def test_pick_config_takes_tma_where_measured_best(monkeypatch):
-    """On the GPU (inline-PTX expansion) the defaults are the decode4 probe's winners: TMA, 128
-    rows, 3 stages from 0.5 to 32 rows per expert, MXFP4, oct packing, no SwiGLU; pointer loads
-    with 4 stages when most experts are empty (< 0.5 rows per expert) and everywhere else."""
+    """On the GPU (inline-PTX expansion) the defaults are the probes' winners. bf16 activations
+    over MXFP4 (decode7): mode bf16asm, prescaled, TMA with 128 rows and 3 stages from 0.5 to 32
+    rows per expert, pointer loads with 4 stages when most experts are empty (< 0.5 rows per
+    expert), the fused SwiGLU with 64 rows and pointer loads. fp16 activations (decode4): f16asm
+    with the same TMA rule, prescaled outside 2-16 rows. NVFP4, paired packing, > 32 rows: no TMA."""
     from moe.kernels import triton_w4a16 as t
 
     monkeypatch.setattr(t, "USE_ASM", True)
@@ -155,13 +157,20 @@ def test_pick_config_takes_tma_where_measured_best(monkeypatch):
     for rows, prescale, block_m in ((0.5, True, 16), (1, True, 16), (2, True, 16), (8, False, 16),
                                     (16, False, 16), (32, True, 32)):
         cfg = t.pick_config(rows, torch.bfloat16, "oct")
-        assert (cfg.tma, cfg.block_n, cfg.num_stages, cfg.prescale, cfg.block_m) == (True, 128, 3, prescale, block_m)
+        assert (cfg.tma, cfg.block_n, cfg.num_stages, cfg.prescale, cfg.block_m, cfg.mode) == (
+            True, 128, 3, True, block_m, "bf16asm")
+        cfg = t.pick_config(rows, torch.float16, "oct")
+        assert (cfg.tma, cfg.block_n, cfg.num_stages, cfg.prescale, cfg.block_m, cfg.mode) == (
+            True, 128, 3, prescale, block_m, "f16asm")
     few = t.pick_config(0.25, torch.bfloat16, "oct")
-    assert (few.tma, few.num_stages, few.prescale) == (False, 4, True)
-    for kw in ({"swiglu": True}, {"fmt": "nvfp4"}):
-        assert t.pick_config(1, torch.bfloat16, "oct", **kw).tma is False
+    assert (few.tma, few.num_stages, few.prescale, few.mode) == (False, 4, True, "bf16asm")
+    sw = t.pick_config(1, torch.bfloat16, "oct", swiglu=True)
+    assert (sw.tma, sw.block_n, sw.num_stages, sw.prescale, sw.mode) == (False, 64, 4, True, "bf16asm")
+    nv = t.pick_config(1, torch.bfloat16, "oct", fmt="nvfp4")
+    assert (nv.tma, nv.mode) == (False, "f16asm")
     assert t.pick_config(1, torch.bfloat16, "paired").tma is False
     assert t.pick_config(64, torch.bfloat16, "oct").tma is False
+    assert t.pick_config(64, torch.bfloat16, "oct").mode == "f16asm"
 
 
 def test_tuning_carries_tma():

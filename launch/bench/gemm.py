@@ -744,14 +744,17 @@ def probe(out_dir: str, sections: list[str]) -> None:
         for (E, N, K), tok, hit in probs7:   # (grouped by shape: one weight set each)
             w, x, rows, ref, experts, floor = hit_problem(E, N, K, tok, hit)
             pw = w["pw"]
-            base = pick_config(rows.rows_hint, torch.bfloat16, "oct")   # what launch_w4a16 takes with no config
-            bf = dataclasses.replace(base, mode="bf16asm", prescale=True)
+            # the f16asm default (what fp16 activations get; bf16 ones got it before bf16asm) and
+            # the bf16asm default (what launch_w4a16 takes with no config)
+            base = pick_config(rows.rows_hint, torch.float16, "oct")
+            bf = pick_config(rows.rows_hint, torch.bfloat16, "oct")
             if tiny:   # the interpreter: no inline PTX, and its tl.dot of bf16 operands is wrong (Triton
                 # 3.6): Triton-arithmetic f16 against f32 operands, to run the section's code
                 base = W4A16Config(block_n=64, block_m=16, chunks=1, num_warps=4, num_stages=1, mode="f16",
                                    packing="oct")
                 bf = dataclasses.replace(base, mode="f32")
-            cfgs = [("default", base), ("bf16asm", bf), ("bf16asm other loads", dataclasses.replace(bf, tma=not bf.tma))]
+            cfgs = [("f16asm default", base), ("bf16asm", bf),
+                    ("bf16asm other loads", dataclasses.replace(bf, tma=not bf.tma))]
             if not tiny:
                 cfgs += [("bf16asm 4 stages", dataclasses.replace(bf, num_stages=4)),
                          ("bf16asm 2 stages", dataclasses.replace(bf, num_stages=2)),
@@ -762,6 +765,21 @@ def probe(out_dir: str, sections: list[str]) -> None:
                     (lambda x=x, wt=pw, rows=rows, cfg=cfg: launch_w4a16(x, wt, rows, out_dtype=torch.bfloat16,
                                                                          config=cfg)),
                     err_of(ref), floor_us=floor, cfg=dict(cfg.__dict__), diag=0, tile_n=pw.tile_n, problem=tag)
+            if N == shape_l1[1] and not tiny:   # the MoE layer's fused L1 + SwiGLU (W13 in split order)
+                I = N // 2
+                sw_ref = ref[:, :I] * torch.sigmoid(ref[:, :I]) * ref[:, I:]
+                old = W4A16Config(block_n=64, block_m=base.block_m, chunks=1, num_warps=4, num_stages=4,
+                                  mode="f16asm", packing="oct")     # the f16asm default before bf16asm
+                sw = pick_config(rows.rows_hint, torch.bfloat16, "oct", swiglu=True)
+                for label, cfg in (("f16asm default", old), ("bf16asm", sw),
+                                   ("bf16asm 128 rows", dataclasses.replace(sw, block_n=128)),
+                                   ("bf16asm 128 rows tma 3 stages", dataclasses.replace(sw, block_n=128, tma=True,
+                                                                                         num_stages=3))):
+                    add("decode7", f"N{N} K{K} tok{tok} hit{experts} swiglu {label}",
+                        (lambda x=x, wt=pw, rows=rows, cfg=cfg: launch_w4a16(
+                            x, wt, rows, out_dtype=torch.bfloat16, config=cfg, swiglu=(None, 1.0, 0.0))),
+                        err_of(sw_ref), floor_us=floor, cfg=dict(cfg.__dict__), diag=0, tile_n=pw.tile_n,
+                        problem=f"{tag} swiglu")
             n0 = len(results)
             _run_variants(ctx, variants, results, save)
             rows7 += results[n0:]

@@ -597,6 +597,23 @@ def pick_config(rows_per_expert: float, dtype: torch.dtype, packing: str = "oct"
     # V4-Flash L1 155 vs 173, L2 78 vs 91; 8 tokens: 287 vs 303; 32: 316 vs 328), and lose where few
     # experts have rows (1 token over 8 of 32 experts: 105 vs 80 µs; there 4 stages and pointer
     # loads stay best). rows_per_expert < 0.5 is that case (M / E with most experts empty).
+    # bf16 operands (mode bf16asm; bench/results/gemm-probe-decode7-h200.json, `--sections decode7`,
+    # H200 2026-12-01, each against the f16asm default in the same run): at these settings 1.16-1.66x
+    # on every decode problem, V3 L1 1 / 8 / 32 tokens per expert 253.5 -> 199.3, 287.4 -> 204.7,
+    # 311.1 -> 234.6 µs (0.46 -> 0.59 of the FP4 floor at 1 token), V3 L2 1 / 8: 127.9 -> 107.3,
+    # 158.6 -> 106.8; V4-Flash L1 157.1 -> 121.0, L2 76.4 -> 66.1; 1 token over 8 of 32 experts
+    # (pointer loads, 4 stages) V3 L1 77.1 -> 61.1, V4-Flash L1 50.1 -> 41.4. The expansion is 7
+    # instructions per 4 elements instead of 11 and the per-block fp16 copy of the activations
+    # through shared memory (and its barriers) is gone: 1249 -> 1028 SASS instructions per loop
+    # step (sm_90a compile). fp16 activations keep f16asm (bf16 would round them).
+    if asm and fmt == "mxfp4" and dtype == torch.bfloat16 and rows_per_expert <= 32:
+        bm = 16 if rows_per_expert <= 16 else 32
+        if swiglu:   # the fused L1 + SwiGLU: the settings below, with bf16 operands
+            return W4A16Config(block_n=64, block_m=bm, chunks=1, num_warps=4, num_stages=4, mode="bf16asm",
+                               packing=packing, prescale=True)
+        few = rows_per_expert < 0.5    # most experts empty: pointer loads, 4 stages (see TMA below)
+        return W4A16Config(block_n=128, block_m=bm, chunks=1, num_warps=4, num_stages=4 if few else 3,
+                           mode="bf16asm", packing=packing, prescale=True, tma=not few)
     tma_ok = asm and fmt == "mxfp4" and packing == "oct" and not swiglu
     if tma_ok and 0.5 <= rows_per_expert <= 32:
         return W4A16Config(block_n=128, block_m=16 if rows_per_expert <= 16 else 32, chunks=1, num_warps=4,
