@@ -360,10 +360,12 @@ def _w4a16_program(
     r_max = tl.zeros((BLOCK_N,), tl.int32)
     r_max_u = tl.zeros((BLOCK_N,), tl.int32)
     if PRESCALE:   # [E, N (+ up rows)] uint8: each row's largest block exponent
+        # (slots past the last expert's tiles get e up to E_POW2: no load there)
         r_rows = rmax_ptr + e64 * stride_re + n64
-        r_max = tl.load(r_rows, mask=n_mask, other=0).to(tl.int32)
+        r_mask = n_mask & (e < num_experts)
+        r_max = tl.load(r_rows, mask=r_mask, other=0).to(tl.int32)
         if SWIGLU:
-            r_max_u = tl.load(r_rows + up_rows, mask=n_mask, other=0).to(tl.int32)
+            r_max_u = tl.load(r_rows + up_rows, mask=r_mask, other=0).to(tl.int32)
     # K steps of STEP elements; this program's: Q (+ 1 for the first R parts) from k_begin
     STEP: tl.constexpr = (2 + 6 * PACK) * BLOCK * CHUNKS
     Q: tl.constexpr = K // STEP // SPLIT_K
