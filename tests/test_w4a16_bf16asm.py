@@ -106,6 +106,30 @@ def test_interp_probe_decode7_dry_run(tmp_path, capsys, monkeypatch):
     assert out.count("decode7 ") >= 2 and ("bf16 wins" in out or "default wins" in out)
 
 
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="needs TRITON_INTERPRET=1 (conftest, CPU)")
+def test_interp_probe_decode8_dry_run(tmp_path, capsys, monkeypatch):
+    """The register-cap section (maxnreg 128 beside the default) on the interpreter's tiny problems."""
+    from launch.bench import gemm
+
+    monkeypatch.setattr(gemm, "graph_time", lambda ctx, fn, iters=None: (fn(), (1.0, "stub"))[1])
+    gemm.probe(str(tmp_path), ["decode8"])
+    rows = json.loads((tmp_path / "gemm-probe.json").read_text())["results"]
+    assert rows and all(r["section"] == "decode8" for r in rows) and not [r for r in rows if "error" in r]
+    assert {r["cfg"]["maxnreg"] for r in rows} == {0, 128}
+    assert all(r["rel_err"] < 1e-2 for r in rows)
+    assert capsys.readouterr().out.count("decode8 ") >= 2
+
+
+def test_maxnreg_is_validated():
+    from moe.kernels.triton_w4a16 import W4A16Config
+
+    assert W4A16Config().maxnreg == 0 and W4A16Config(maxnreg=128).maxnreg == 128
+    for bad in (32, 256, 128.0, True):
+        with pytest.raises(ValueError, match=r"maxnreg must be 0 \(the compiler's choice\) or a register cap in "
+                                             r"\[64, 255\], got"):
+            W4A16Config(maxnreg=bad)
+
+
 # ---- GPU ------------------------------------------------------------------------------------------
 
 def _weight(E: int, N: int, K: int, seed: int, tile_n: int = 64):
@@ -179,3 +203,20 @@ def test_gpu_bf16asm_wide_scale_range_nan_scale_split_k_and_graph_replay():
     y = launch_w4a16(x, bad, rows, out_dtype=torch.float32, config=cfg)
     assert torch.isnan(y[0, 5]) and not torch.isnan(y[1:, 5]).any()
     assert torch.isfinite(y[:, torch.arange(N) != 5]).all()
+
+
+@pytest.mark.gpu
+def test_gpu_bf16asm_under_a_register_cap_gives_the_same_bits():
+    """maxnreg 128 (the decode8 probe's variant) changes the register allocation, not the results."""
+    from moe.kernels.triton_w4a16 import launch_w4a16, pick_config
+
+    E, N, K = 4, 4096, 7168
+    counts = torch.tensor([1, 0, 1, 1], device="cuda", dtype=torch.int32)
+    x = torch.randn(3, K, device="cuda", dtype=torch.bfloat16)
+    rows = expert_rows(x, E, counts, None, "contiguous")
+    pw = _weight(E, N, K, seed=11)
+    cfg = pick_config(rows.rows_hint, torch.bfloat16, "oct")
+    free = launch_w4a16(x, pw, rows, out_dtype=torch.bfloat16, config=cfg)
+    capped = launch_w4a16(x, pw, rows, out_dtype=torch.bfloat16, config=dataclasses.replace(cfg, maxnreg=128))
+    torch.cuda.synchronize()
+    assert torch.equal(free, capped)

@@ -31,7 +31,8 @@ MEGAPAR_BENCH_GEMM_SECTIONS picks the sections (default main,routed,deep_gemm).
 and launch configs side by side, correctness of each) and writes DIR/gemm-probe.json; `--sections`
 picks the rounds (decode, decode2, decode3, decode4 = TMA weight loads vs the default, decode5 = how
 fast plain kernels stream the same weight bytes (launch/bench/stream_probe.py), decode6 = split-K,
-decode7 = bf16 operands by the multiply expansion (mode bf16asm), prefill).
+decode7 = bf16 operands by the multiply expansion (mode bf16asm), decode8 = bf16asm under a
+register cap (maxnreg), prefill).
 """
 
 from __future__ import annotations
@@ -794,6 +795,46 @@ def probe(out_dir: str, sections: list[str]) -> None:
             print(f"decode7 {prob}: default {default['us']:.1f} us ({default['floor_frac']:.3f} of floor), best bf16 "
                   f"{best['us']:.1f} us ({best['floor_frac']:.3f}) = {best['name']}: "
                   f"{'bf16 wins' if best['us'] < default['us'] else 'default wins'}", flush=True)
+
+    # -- decode, round 6 next: bf16asm under a register cap (4 CTAs of 4 warps per SM at 128) --
+    if "decode8" in sections:
+        import dataclasses
+
+        from megapar.moe.kernels.triton_w4a16 import pick_config
+        shapes8 = [p[0] for p in decode_probs]
+        rows8: list[dict[str, Any]] = []
+        for (E, N, K), tok, hit in sorted(decode_probs, key=lambda p: shapes8.index(p[0])):
+            w, x, rows, ref, experts, floor = hit_problem(E, N, K, tok, hit)
+            pw = w["pw"]
+            base = pick_config(rows.rows_hint, torch.bfloat16, "oct")   # what launch_w4a16 takes with no config
+            if tiny:   # the interpreter (no inline PTX; maxnreg is ignored there): the section's code only
+                base = W4A16Config(block_n=64, block_m=16, chunks=1, num_warps=4, num_stages=1, mode="f16",
+                                   packing="oct")
+            cfgs = [("default", base), ("maxnreg128", dataclasses.replace(base, maxnreg=128))]
+            if not tiny:
+                cfgs += [(f"maxnreg128 {st} stages", dataclasses.replace(base, maxnreg=128, num_stages=st))
+                         for st in (2, 4) if st != base.num_stages]
+                cfgs += [("maxnreg128 other loads", dataclasses.replace(base, maxnreg=128, tma=not base.tma))]
+            tag = f"{N}x{K} tok{tok} hit{experts}"
+            for label, cfg in cfgs:
+                add("decode8", f"N{N} K{K} tok{tok} hit{experts} {label}",
+                    (lambda x=x, wt=pw, rows=rows, cfg=cfg: launch_w4a16(x, wt, rows, out_dtype=torch.bfloat16,
+                                                                         config=cfg)),
+                    err_of(ref), floor_us=floor, cfg=dict(cfg.__dict__), diag=0, tile_n=pw.tile_n, problem=tag)
+            n0 = len(results)
+            _run_variants(ctx, variants, results, save)
+            rows8 += results[n0:]
+            variants.clear()
+        for prob in dict.fromkeys(r["problem"] for r in rows8 if "us" in r):
+            mine = [r for r in rows8 if r["problem"] == prob and "us" in r and r.get("rel_err", 1) < 1e-2]
+            default = next((r for r in mine if r["name"].endswith("default")), None)
+            capped = [r for r in mine if r["cfg"]["maxnreg"]]
+            if default is None or not capped:
+                continue
+            best = min(capped, key=lambda r: r["us"])
+            print(f"decode8 {prob}: default {default['us']:.1f} us ({default['floor_frac']:.3f} of floor), best capped "
+                  f"{best['us']:.1f} us ({best['floor_frac']:.3f}) = {best['name']}: "
+                  f"{'maxnreg wins' if best['us'] < default['us'] else 'default wins'}", flush=True)
 
     # -- prefill: V3 L1 at 2048 tok/expert --
     if "prefill" in sections:

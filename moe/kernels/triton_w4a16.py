@@ -530,7 +530,10 @@ class W4A16Config:
     with SwiGLU: gate and up), 4 S rows N_out (x2) bytes per call; a second kernel sums the parts
     in order 0..S-1 and runs the epilogue (SwiGLU, fp8 group output, cast): deterministic, no
     atomics, no host sync. The sum's order differs from one pass's, so results differ from
-    split_k=1 by fp32 rounding (relative ~1e-7 of the products), not bit for bit."""
+    split_k=1 by fp32 rounding (relative ~1e-7 of the products), not bit for bit.
+
+    maxnreg (0 = the compiler's choice): a register cap per thread for the main kernel (e.g. 128
+    lets 4 CTAs of 4 warps share an SM; bench/gemm-notes.md, round 6). The interpreter ignores it."""
 
     block_n: int = 128
     block_m: int = 16
@@ -542,8 +545,12 @@ class W4A16Config:
     prescale: bool = False
     tma: bool = False
     split_k: int = 1
+    maxnreg: int = 0
 
     def __post_init__(self) -> None:
+        if type(self.maxnreg) is not int or not (self.maxnreg == 0 or 64 <= self.maxnreg <= 255):
+            raise ValueError(f"W4A16Config.maxnreg must be 0 (the compiler's choice) or a register cap in "
+                             f"[64, 255], got {self.maxnreg!r}")
         if type(self.split_k) is not int or self.split_k not in SPLIT_KS:
             raise ValueError(f"W4A16Config.split_k must be one of {SPLIT_KS}, got {self.split_k!r}")
         if not isinstance(self.tma, bool):
@@ -714,6 +721,8 @@ def launch_w4a16(x: torch.Tensor, w: PreparedWeight, rows, *, out_dtype: torch.d
     tail = dict(PACK=PACKS[cfg.packing], TILE=st.tile_n, DIAG=diag,
                 PRESCALE=prescale, stride_re=rmax.stride(0) if prescale else 0, TMA=cfg.tma,
                 num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    if cfg.maxnreg:
+        tail["maxnreg"] = cfg.maxnreg
     head = (x2, st.data, sdata, gs, rmax)
     shape = (counts, offs, n_out, E, tpe, cap, n_out, st.row_offset(n_out),
              x2.stride(0), st.expert, st.tile, st.row, st.chunk, sdata.stride(0), sdata.stride(1))
