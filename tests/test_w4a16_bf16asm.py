@@ -220,3 +220,114 @@ def test_gpu_bf16asm_under_a_register_cap_gives_the_same_bits():
     capped = launch_w4a16(x, pw, rows, out_dtype=torch.bfloat16, config=dataclasses.replace(cfg, maxnreg=128))
     torch.cuda.synchronize()
     assert torch.equal(free, capped)
+
+
+# ---- packing "octb" and mode bf16rot (one rotation and one mask per bf16 pair) ---------------------
+
+@pytest.mark.parametrize("block", [32, 16])
+def test_octb_round_trip_and_layout_changes(block):
+    from moe.kernels import prepare
+
+    g = torch.Generator().manual_seed(block)
+    data = torch.randint(0, 256, (2, 6, 8 * block // 2 * 3), generator=g, dtype=torch.uint8)
+    assert torch.equal(prepare.unoctb_fp4(prepare.octb_fp4(data, block), block), data)
+    fmt = "mxfp4" if block == 32 else "nvfp4"
+    w = torch.randn(2, 128, 8 * block * 2, generator=g)
+    q = quantize(w, fmt, **({"global_scale": "matrix"} if fmt == "nvfp4" else {}))
+    oct_w = prepare_weights(q, packing="oct", tile_n=64)
+    octb_w = prepare_weights(q, packing="octb", tile_n=64)
+    assert octb_w.packing == "octb" and octb_w.kernel_packing == "octb"
+    assert torch.equal(prepare.natural_data(octb_w), prepare.natural_data(oct_w))
+    assert torch.equal(oct_w.in_layout("octb").data, octb_w.data)
+    assert torch.equal(octb_w.in_layout("oct", 0).data, oct_w.in_layout("oct", 0).data)
+    st = octb_w.strides()
+    assert st.data.dtype == torch.int32 and st == oct_w.strides().__class__(**{**st.__dict__})
+    # the torch reference reads octb like any packing
+    x = torch.randn(5, w.shape[-1], generator=g)
+    counts = torch.tensor([2, 3])
+    ref = grouped_gemm(x, oct_w, counts=counts, backend="torch", out_dtype=torch.float32)
+    assert torch.equal(grouped_gemm(x, octb_w, counts=counts, backend="torch", out_dtype=torch.float32), ref)
+
+
+def test_bf16rot_expansion_constants_decode_every_block_of_octb_words():
+    """prepare.octb_fp4's words through the bf16rot replay: register i of the word pair (2p, 2p + 1)
+    is block i's elements 2p and 2p + 1, each E2M1 value times 2^-126, every code in every slot."""
+    from moe.kernels import prepare
+    from moe.kernels.triton_w4a16 import octb_bf16_reference
+
+    block, units = 32, 64
+    g = torch.Generator().manual_seed(1)
+    codes = torch.randint(0, 16, (units, 8, block), generator=g)
+    codes[0] = torch.arange(16).repeat(16)[: 8 * block].view(8, block)   # every code in every block
+    natural = (codes.reshape(-1)[0::2] | (codes.reshape(-1)[1::2] << 4)).to(torch.uint8)
+    words = prepare.octb_fp4(natural, block).view(torch.int32).view(units, block)      # word q of each unit
+    regs = octb_bf16_reference(words[:, 0::2], words[:, 1::2])                          # [units, p] each
+    assert len(regs) == 8
+    for i, reg in enumerate(regs):
+        lo, hi = _halves_as_float(reg)
+        assert torch.equal(lo, _e2m1(codes[:, i, 0::2]).double() * 2.0 ** -126), i
+        assert torch.equal(hi, _e2m1(codes[:, i, 1::2]).double() * 2.0 ** -126), i
+
+
+def test_octb_needs_mode_bf16rot_and_the_reverse(monkeypatch):
+    from moe.kernels import triton_w4a16 as t
+
+    E, N, K = 2, 64, 256
+    w = torch.randn(E, N, K)
+    x = torch.randn(3, K)
+    rows = expert_rows(x, E, torch.tensor([2, 1]), None, "contiguous")
+    octb = prepare_weights(quantize(w, "mxfp4"), packing="octb")
+    oct_w = prepare_weights(quantize(w, "mxfp4"), packing="oct")
+    base = dict(block_n=64, block_m=16, chunks=1, num_warps=4, num_stages=1, prescale=True)
+    with pytest.raises(ValueError, match=r"mode 'f16asm' reads packing 'oct', got 'octb' \(packing 'octb' is read "
+                                         r"only by mode 'bf16rot'\)"):
+        t.launch_w4a16(x, octb, rows, out_dtype=torch.float32, config=t.W4A16Config(mode="f16asm", packing="octb", **base))
+    with pytest.raises(ValueError, match=r"mode 'bf16rot' reads packing 'octb', got 'oct'"):
+        t.launch_w4a16(x, oct_w, rows, out_dtype=torch.float32, config=t.W4A16Config(mode="bf16rot", packing="oct", **base))
+    with pytest.raises(ValueError, match=r"mode 'f32' reads packing 'oct', got 'octb'"):
+        t.launch_w4a16(x, octb, rows, out_dtype=torch.float32)     # (fp32 activations: mode f32)
+    with pytest.raises(ValueError, match=r"packing 'octb' is read only by mode 'bf16rot'"):
+        t.pick_config(1, torch.bfloat16, "octb")                    # (interpreter: no inline PTX)
+    monkeypatch.setattr(t, "USE_ASM", True)
+    monkeypatch.setattr(t.impl, "interpreting", lambda: False)
+    for rows_hint, swiglu in ((1, False), (0.25, False), (1, True), (16, False)):
+        cfg, ref = t.pick_config(rows_hint, torch.bfloat16, "octb", swiglu), t.pick_config(rows_hint, torch.bfloat16,
+                                                                                            "oct", swiglu)
+        assert (cfg.mode, cfg.packing) == ("bf16rot", "octb")
+        assert dataclasses.replace(cfg, mode=ref.mode, packing="oct") == ref
+    with pytest.raises(ValueError, match="fmt 'nvfp4'"):
+        t.pick_config(1, torch.bfloat16, "octb", fmt="nvfp4")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tok", [1, 8])
+def test_gpu_bf16rot_gives_the_bits_of_bf16asm(tok):
+    """V3 L1 (N 4096, K 7168), 4 experts (one empty): the octb weight under mode bf16rot against the
+    oct weight under bf16asm, the same settings, TMA and pointer loads and the fused SwiGLU: the same
+    operand values in the same MMA order, so the same bits; and a CUDA-graph replay."""
+    from moe.kernels.triton_w4a16 import launch_w4a16, pick_config
+
+    E, N, K = 4, 4096, 7168
+    counts = torch.full((E,), tok, device="cuda", dtype=torch.int32)
+    counts[1] = 0
+    x = torch.randn(int(counts.sum()), K, device="cuda", dtype=torch.bfloat16)
+    rows = expert_rows(x, E, counts, None, "contiguous")
+    pw = _weight(E, N, K, seed=tok)
+    pb = pw.in_layout("octb")
+    for swiglu in (None, (None, 1.0, 0.0)):
+        base = pick_config(rows.rows_hint, torch.bfloat16, "oct", swiglu is not None)
+        for tma in (False, True):
+            a = launch_w4a16(x, pw, rows, out_dtype=torch.bfloat16, swiglu=swiglu,
+                             config=dataclasses.replace(base, tma=tma))
+            b = launch_w4a16(x, pb, rows, out_dtype=torch.bfloat16, swiglu=swiglu,
+                             config=dataclasses.replace(base, tma=tma, mode="bf16rot", packing="octb"))
+            torch.cuda.synchronize()
+            assert torch.equal(a, b), (swiglu, tma)
+    cfg = pick_config(rows.rows_hint, torch.bfloat16, "octb")
+    eager = launch_w4a16(x, pb, rows, out_dtype=torch.bfloat16, config=cfg)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = launch_w4a16(x, pb, rows, out_dtype=torch.bfloat16, config=cfg)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, eager)

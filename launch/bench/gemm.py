@@ -32,7 +32,7 @@ and launch configs side by side, correctness of each) and writes DIR/gemm-probe.
 picks the rounds (decode, decode2, decode3, decode4 = TMA weight loads vs the default, decode5 = how
 fast plain kernels stream the same weight bytes (launch/bench/stream_probe.py), decode6 = split-K,
 decode7 = bf16 operands by the multiply expansion (mode bf16asm), decode8 = bf16asm under a
-register cap (maxnreg), prefill).
+register cap (maxnreg) and the octb packing with mode bf16rot, prefill).
 """
 
 from __future__ import annotations
@@ -796,7 +796,7 @@ def probe(out_dir: str, sections: list[str]) -> None:
                   f"{best['us']:.1f} us ({best['floor_frac']:.3f}) = {best['name']}: "
                   f"{'bf16 wins' if best['us'] < default['us'] else 'default wins'}", flush=True)
 
-    # -- decode, round 6 next: bf16asm under a register cap (4 CTAs of 4 warps per SM at 128) --
+    # -- decode, round 7: bf16asm under a register cap, and packing octb with mode bf16rot --
     if "decode8" in sections:
         import dataclasses
 
@@ -810,17 +810,33 @@ def probe(out_dir: str, sections: list[str]) -> None:
             if tiny:   # the interpreter (no inline PTX; maxnreg is ignored there): the section's code only
                 base = W4A16Config(block_n=64, block_m=16, chunks=1, num_warps=4, num_stages=1, mode="f16",
                                    packing="oct")
-            cfgs = [("default", base), ("maxnreg128", dataclasses.replace(base, maxnreg=128))]
+            cfgs = [("default", pw, base), ("maxnreg128", pw, dataclasses.replace(base, maxnreg=128))]
             if not tiny:
-                cfgs += [(f"maxnreg128 {st} stages", dataclasses.replace(base, maxnreg=128, num_stages=st))
+                pb = pw.in_layout("octb")    # (made once, before the timing)
+                rot = dataclasses.replace(base, mode="bf16rot", packing="octb")
+                cfgs += [(f"maxnreg128 {st} stages", pw, dataclasses.replace(base, maxnreg=128, num_stages=st))
                          for st in (2, 4) if st != base.num_stages]
-                cfgs += [("maxnreg128 other loads", dataclasses.replace(base, maxnreg=128, tma=not base.tma))]
+                cfgs += [("bf16rot", pb, rot), ("bf16rot other loads", pb, dataclasses.replace(rot, tma=not rot.tma))]
+                cfgs += [(f"bf16rot {st} stages", pb, dataclasses.replace(rot, num_stages=st))
+                         for st in (2, 4) if st != rot.num_stages]
             tag = f"{N}x{K} tok{tok} hit{experts}"
-            for label, cfg in cfgs:
+            for label, wt, cfg in cfgs:
                 add("decode8", f"N{N} K{K} tok{tok} hit{experts} {label}",
-                    (lambda x=x, wt=pw, rows=rows, cfg=cfg: launch_w4a16(x, wt, rows, out_dtype=torch.bfloat16,
+                    (lambda x=x, wt=wt, rows=rows, cfg=cfg: launch_w4a16(x, wt, rows, out_dtype=torch.bfloat16,
                                                                          config=cfg)),
-                    err_of(ref), floor_us=floor, cfg=dict(cfg.__dict__), diag=0, tile_n=pw.tile_n, problem=tag)
+                    err_of(ref), floor_us=floor, cfg=dict(cfg.__dict__), diag=0, tile_n=wt.tile_n, problem=tag)
+            if N == shape_l1[1] and not tiny:   # the MoE layer's fused L1 + SwiGLU
+                I = N // 2
+                sw_ref = ref[:, :I] * torch.sigmoid(ref[:, :I]) * ref[:, I:]
+                sw = pick_config(rows.rows_hint, torch.bfloat16, "oct", swiglu=True)
+                for label, wt, cfg in (("default", pw, sw), ("bf16rot", pb, dataclasses.replace(sw, mode="bf16rot",
+                                                                                                packing="octb")),
+                                       ("maxnreg128", pw, dataclasses.replace(sw, maxnreg=128))):
+                    add("decode8", f"N{N} K{K} tok{tok} hit{experts} swiglu {label}",
+                        (lambda x=x, wt=wt, rows=rows, cfg=cfg: launch_w4a16(
+                            x, wt, rows, out_dtype=torch.bfloat16, config=cfg, swiglu=(None, 1.0, 0.0))),
+                        err_of(sw_ref), floor_us=floor, cfg=dict(cfg.__dict__), diag=0, tile_n=wt.tile_n,
+                        problem=f"{tag} swiglu")
             n0 = len(results)
             _run_variants(ctx, variants, results, save)
             rows8 += results[n0:]
@@ -828,13 +844,17 @@ def probe(out_dir: str, sections: list[str]) -> None:
         for prob in dict.fromkeys(r["problem"] for r in rows8 if "us" in r):
             mine = [r for r in rows8 if r["problem"] == prob and "us" in r and r.get("rel_err", 1) < 1e-2]
             default = next((r for r in mine if r["name"].endswith("default")), None)
-            capped = [r for r in mine if r["cfg"]["maxnreg"]]
-            if default is None or not capped:
+            if default is None:
                 continue
-            best = min(capped, key=lambda r: r["us"])
-            print(f"decode8 {prob}: default {default['us']:.1f} us ({default['floor_frac']:.3f} of floor), best capped "
-                  f"{best['us']:.1f} us ({best['floor_frac']:.3f}) = {best['name']}: "
-                  f"{'maxnreg wins' if best['us'] < default['us'] else 'default wins'}", flush=True)
+            line = f"decode8 {prob}: default {default['us']:.1f} us ({default['floor_frac']:.3f} of floor)"
+            for fam, pick in (("maxnreg", lambda r: r["cfg"]["maxnreg"] and r["cfg"]["mode"] != "bf16rot"),
+                              ("bf16rot", lambda r: r["cfg"]["mode"] == "bf16rot")):
+                got = [r for r in mine if pick(r)]
+                if got:
+                    best = min(got, key=lambda r: r["us"])
+                    line += (f"; best {fam} {best['us']:.1f} us ({best['floor_frac']:.3f}) = {best['name']}: "
+                             f"{fam + ' wins' if best['us'] < default['us'] else 'default wins'}")
+            print(line, flush=True)
 
     # -- prefill: V3 L1 at 2048 tok/expert --
     if "prefill" in sections:

@@ -31,7 +31,7 @@ from megapar.parallel.quant import QuantizedTensor, dequantize, load_fp4_checkpo
 _log = logging.getLogger(__name__)
 
 WeightFmt = Literal["bf16", "fp16", "fp32", "mxfp4", "nvfp4", "fp8"]
-Packing = Literal["natural", "paired", "oct"]
+Packing = Literal["natural", "paired", "oct", "octb"]
 GateUp = Literal["split", "interleaved"]
 
 DENSE_DTYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
@@ -181,7 +181,7 @@ class PreparedWeight:
             raise ValueError(f"kernel strides need an FP4 weight in paired/oct packing, got {self.fmt} "
                              f"{self.packing}; use in_layout() or prepare_weights()")
         E, N, K = self.shape
-        oct = self.packing == "oct"
+        oct = self.packing in ("oct", "octb")
         data = self.data.view(torch.int32) if oct else self.data
         per_row = K // 8 if oct else K // 2                 # data elements per row
         unit = self.block                                    # data elements per packing unit and row
@@ -274,9 +274,53 @@ def unoct_fp4(data: torch.Tensor, block: int) -> torch.Tensor:
     return _natural(words.transpose(-1, -2).reshape(*data.shape[:-1], -1))
 
 
+# "octb": the W4A16 kernel's bf16-rotation layout (mode "bf16rot"). A packing unit is 8 scale
+# blocks, as in "oct", but 32-bit word q = 2p + h holds the k-adjacent pair (2p, 2p + 1) of the
+# four blocks 4h .. 4h + 3, so that one word expands into four bf16 pairs. OCTB_POS[j][half] gives
+# the bits of block 4h + j, element 2p + half, for its code bits (m, e0, e1, sign). Blocks 0-2 sit
+# where one rotation by 6 / 2 / 28 moves them onto the bf16 pattern (magnitude at bits 6-8, sign
+# at bit 15, and +16 for the pair's second element); block 3 has e0, e1 and sign there already and
+# its m a rotation by 8 away. The pattern: 9 instructions per 8 elements (the "oct" expansion: 14).
+OCTB_POS = (((0, 1, 2, 9), (16, 17, 18, 25)),
+            ((4, 5, 6, 13), (20, 21, 22, 29)),
+            ((10, 11, 12, 19), (26, 27, 28, 3)),
+            ((30, 7, 8, 15), (14, 23, 24, 31)))
+
+
+def octb_fp4(data: torch.Tensor, block: int) -> torch.Tensor:
+    """Natural packing -> "octb" packing (see OCTB_POS). data: uint8 [..., K/2] -> uint8 [..., K/2]
+    (view as int32 for the kernel); K a multiple of 8 blocks."""
+    lead = data.shape[:-1]
+    codes = _codes(data).to(torch.int64).reshape(*lead, -1, 2, 4, block // 2, 2)   # [..., unit, h, j, p, half]
+    words = torch.zeros(*lead, codes.shape[-5], block // 2, 2, dtype=torch.int64, device=data.device)  # [.., p, h]
+    for j in range(4):
+        for half in range(2):
+            c = codes[..., :, j, :, half].transpose(-1, -2)                            # [..., unit, p, h]
+            for bit, pos in enumerate(OCTB_POS[j][half]):
+                words |= ((c >> bit) & 1) << pos
+    words = words.reshape(*lead, -1)                                                    # word q = 2p + h
+    words = torch.where(words >= 2 ** 31, words - 2 ** 32, words).to(torch.int32)
+    return words.view(torch.uint8).reshape(data.shape)
+
+
+def unoctb_fp4(data: torch.Tensor, block: int) -> torch.Tensor:
+    """Inverse of `octb_fp4`."""
+    lead = data.shape[:-1]
+    words = data.contiguous().view(torch.int32).to(torch.int64) & 0xFFFFFFFF
+    words = words.reshape(*lead, -1, block // 2, 2)                                    # [..., unit, p, h]
+    codes = torch.zeros(*lead, words.shape[-3], 2, 4, block // 2, 2, dtype=torch.int64, device=data.device)
+    for j in range(4):
+        for half in range(2):
+            c = torch.zeros_like(words)
+            for bit, pos in enumerate(OCTB_POS[j][half]):
+                c |= ((words >> pos) & 1) << bit
+            codes[..., :, j, :, half] = c.transpose(-1, -2)
+    return _natural(codes.reshape(*lead, -1).to(torch.uint8))
+
+
 def unit_bytes(packing: str, block: int) -> int:
     """Bytes of one row in one packing unit."""
-    return {"natural": block // 2, "paired": block, "oct": 4 * block}[packing]
+    return {"natural": block // 2, "paired": block, "oct": 4 * block, "octb": 4 * block}[packing]
 
 
 def tile_fp4(data: torch.Tensor, tile_n: int, unit: int) -> torch.Tensor:
@@ -298,9 +342,9 @@ def natural_data(w: PreparedWeight) -> torch.Tensor:
     return _FROM[w.packing](data, w.block)
 
 
-_TO = {"natural": lambda d, b: d, "paired": pair_fp4, "oct": oct_fp4}
-_FROM = {"natural": lambda d, b: d, "paired": unpair_fp4, "oct": unoct_fp4}
-CHUNK_BLOCKS = {"natural": 1, "paired": 2, "oct": 8}   # scale blocks per packing unit along K
+_TO = {"natural": lambda d, b: d, "paired": pair_fp4, "oct": oct_fp4, "octb": octb_fp4}
+_FROM = {"natural": lambda d, b: d, "paired": unpair_fp4, "oct": unoct_fp4, "octb": unoctb_fp4}
+CHUNK_BLOCKS = {"natural": 1, "paired": 2, "oct": 8, "octb": 8}   # scale blocks per packing unit along K
 
 
 def _split_rows(t: torch.Tensor | None, n: int) -> torch.Tensor | None:

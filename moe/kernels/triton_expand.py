@@ -104,6 +104,8 @@ def expand_fp4(w: PreparedWeight, dtype: torch.dtype = torch.bfloat16, *, fold: 
         raise ValueError(f"expand_fp4 needs an mxfp4/nvfp4 weight, got {w.fmt!r}")
     if w.packing == "natural":
         w = w.in_layout("paired")          # (prepared weights are never natural on the GPU)
+    elif w.packing == "octb":              # (the W4A16 bf16rot layout: expanded from its oct copy)
+        w = w.in_layout("oct")
     E, N, K = w.shape
     rows_total = E * N
     kind = {None: 0, "row": 1, "group": 2}

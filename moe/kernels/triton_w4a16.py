@@ -58,16 +58,16 @@ from megapar.moe.kernels.triton_common import (  # noqa: F401  (FP8_MAX, AMAX_FL
 from megapar.moe.kernels.triton_expand import EXPAND_DEFAULTS, expand_fp4  # noqa: F401  (expand_fp4: re-export)
 from megapar.parallel import impl
 
-MODES = {"f16": 0, "bf16": 1, "f32": 2, "f16asm": 3, "f16asm_swap": 4, "bf16asm": 5}
-ASM_MODES = ("f16asm", "f16asm_swap", "bf16asm")   # inline PTX: oct packing, GPU only
-PACKS = {"paired": 0, "oct": 1}
+MODES = {"f16": 0, "bf16": 1, "f32": 2, "f16asm": 3, "f16asm_swap": 4, "bf16asm": 5, "bf16rot": 6}
+ASM_MODES = ("f16asm", "f16asm_swap", "bf16asm", "bf16rot")   # inline PTX: oct (bf16rot: octb) packing, GPU only
+PACKS = {"paired": 0, "oct": 1, "octb": 1}   # (octb: the oct loop; only mode bf16rot reads its nibble order)
 SPLIT_KS = (1, 2, 4, 8)
 
 @triton.jit
 def act_operand(x, MODE: tl.constexpr):
     if MODE == 0 or MODE == 3 or MODE == 4:
         return (x.to(tl.float32) * 0.00390625).to(tl.float16)   # x * 2^-8 in fp16
-    elif MODE == 1 or MODE == 5:
+    elif MODE == 1 or MODE >= 5:
         return x.to(tl.bfloat16)
     else:
         return x.to(tl.float32)
@@ -135,6 +135,35 @@ _OCT_BF16_ASM = tl.constexpr("\n".join(
     + ["}"]))
 
 
+# MODE 6 ("bf16rot", packing "octb": prepare.OCTB_POS): each word holds four whole bf16 pairs up
+# to a rotation, so a word expands with one funnel-shift rotation and one mask per pair (the
+# fourth pair: its m bit a rotation by 8 away, the rest in place). 9 instructions per 8 elements.
+OCTB_ROTATIONS = (6, 2, 28)
+OCTB_IN_PLACE, OCTB_M_MASK = 0x81808180, 0x00400040      # block 3: (e0, e1, sign) / m after rotating by 8
+_OCTB_BF16_ASM = tl.constexpr("\n".join(
+    ["{", ".reg .b32 t;"]
+    + [line for a in range(2) for line in (
+        [ln for j, r in enumerate(OCTB_ROTATIONS) for ln in (
+            f"shf.l.wrap.b32 t, ${8 + a}, ${8 + a}, {r};", f"and.b32 ${4 * a + j}, t, 0x{OCT_BF16_TARGET:08X};")]
+        + [f"shf.l.wrap.b32 t, ${8 + a}, ${8 + a}, 8;", f"and.b32 t, t, 0x{OCTB_M_MASK:08X};",
+           f"and.b32 ${4 * a + 3}, ${8 + a}, 0x{OCTB_IN_PLACE:08X};", f"or.b32 ${4 * a + 3}, ${4 * a + 3}, t;"])]
+    + ["}"]))
+
+
+def octb_bf16_reference(w0: torch.Tensor, w1: torch.Tensor) -> list[torch.Tensor]:
+    """The bf16rot expansion replayed with int64 torch ops (CPU): octb words w0 (word 2p), w1
+    (word 2p + 1) -> 8 registers as int64 in [0, 2^32); register i holds block i's elements
+    (2p, 2p + 1) as bf16 bits (low half, high half)."""
+    def rot(w: torch.Tensor, r: int) -> torch.Tensor:
+        return ((w << r) | (w >> (32 - r))) & 0xFFFFFFFF
+
+    out = []
+    for w in (w0.to(torch.int64) & 0xFFFFFFFF, w1.to(torch.int64) & 0xFFFFFFFF):
+        out += [rot(w, r) & OCT_BF16_TARGET for r in OCTB_ROTATIONS]
+        out.append((w & OCTB_IN_PLACE) | (rot(w, 8) & OCTB_M_MASK))
+    return out
+
+
 def oct_bf16_reference(w0: torch.Tensor, w1: torch.Tensor) -> list[torch.Tensor]:
     """The bf16asm expansion replayed with int64 torch ops (CPU): int32 words w0, w1 (same shape)
     -> the 8 registers as int64 in [0, 2^32): register i holds nibble i of w0 in its low half and
@@ -149,8 +178,13 @@ def oct_bf16_reference(w0: torch.Tensor, w1: torch.Tensor) -> list[torch.Tensor]
 
 
 @triton.jit
-def _oct_operands_asm(w, SWAP: tl.constexpr, BF16: tl.constexpr = False):
-    if BF16:
+def _oct_operands_asm(w, SWAP: tl.constexpr, BF16: tl.constexpr = False, ROT: tl.constexpr = False):
+    if ROT:
+        return tl.inline_asm_elementwise(_OCTB_BF16_ASM, "=r,=r,=r,=r,=r,=r,=r,=r,r,r", [w],
+                                         dtype=(tl.bfloat16, tl.bfloat16, tl.bfloat16, tl.bfloat16,
+                                                tl.bfloat16, tl.bfloat16, tl.bfloat16, tl.bfloat16),
+                                         is_pure=True, pack=2)
+    elif BF16:
         return tl.inline_asm_elementwise(_OCT_BF16_ASM, "=r,=r,=r,=r,=r,=r,=r,=r,r,r", [w],
                                          dtype=(tl.bfloat16, tl.bfloat16, tl.bfloat16, tl.bfloat16,
                                                 tl.bfloat16, tl.bfloat16, tl.bfloat16, tl.bfloat16),
@@ -174,7 +208,7 @@ def _prescaled(op, s_i, r_max, MODE: tl.constexpr):
     largest); the product is then v * 2^(s_i - r_max + 1). MODE 5 (bf16, v * 2^-126): times
     2^(126 - d), so v * 2^(s_i - r_max), exact while d <= 125."""
     d = r_max - s_i.to(tl.int32)
-    if MODE == 5:
+    if MODE >= 5:
         mult = tl.exp2((126 - d).to(tl.float32)).to(tl.bfloat16)
     else:
         mult = tl.exp2((15 - d).to(tl.float32)).to(tl.float16)
@@ -187,7 +221,7 @@ def _prescale_factor(r_max, MODE: tl.constexpr):
     bits) * 2^8 (activation pre-scale) / 2^15 (the operand's 2^15); MODE 5: 2^(r_max - 127)
     (bf16 operands, activations as they are); r_max 255 (NaN scale) -> NaN."""
     f = tl.exp2((r_max - 127).to(tl.float32))
-    if MODE != 5:
+    if MODE < 5:
         f = f * 128.0
     return tl.where(r_max == 255, float("nan"), f)
 
@@ -242,7 +276,7 @@ def _fp4_oct(acc, w, s_rows, kc, offs_q, n_mask, x_rows, m_mask, r_max,
     if DIAG == 1:
         acc += tl.sum(w, axis=1).to(tl.float32)[:, None]
     elif MODE >= 3:
-        ops = _oct_operands_asm(w, MODE == 4, MODE == 5)
+        ops = _oct_operands_asm(w, MODE == 4, MODE >= 5, MODE == 6)
     for i in tl.static_range(8):
         x_i = tl.load(x_rows[None, :] + (kc + i * BLOCK + offs_q)[:, None], mask=m_mask[None, :], other=0.0)
         s_i = ((s8 >> (8 * i)) & 0xFF).to(tl.uint8)
@@ -555,7 +589,7 @@ class W4A16Config:
             raise ValueError(f"W4A16Config.split_k must be one of {SPLIT_KS}, got {self.split_k!r}")
         if not isinstance(self.tma, bool):
             raise ValueError(f"W4A16Config.tma must be True or False, got {self.tma!r}")
-        if self.tma and self.packing != "oct":
+        if self.tma and self.packing not in ("oct", "octb"):
             raise ValueError(f"W4A16Config.tma needs packing 'oct', got {self.packing!r} (valid: {sorted(PACKS)})")
 
 
@@ -588,6 +622,12 @@ def pick_config(rows_per_expert: float, dtype: torch.dtype, packing: str = "oct"
     if dtype == torch.float32:   # fp32 operands: exact products, small tiles (registers)
         return W4A16Config(block_n=64, block_m=16 if rows_per_expert <= 16 else 32, chunks=1, num_warps=4,
                            num_stages=2, mode="f32", packing=packing)
+    if packing == "octb":   # only mode bf16rot reads it: the bf16asm settings in that mode
+        if not (USE_ASM and not impl.interpreting() and fmt == "mxfp4" and dtype == torch.bfloat16):
+            raise ValueError(f"packing 'octb' is read only by mode 'bf16rot' (inline PTX on a GPU, MXFP4, bf16 "
+                             f"activations); got fmt {fmt!r}, activations {dtype}; prepare the weight in 'oct'")
+        base = pick_config(min(rows_per_expert, 32), dtype, "oct", swiglu, fmt)
+        return W4A16Config(**{**base.__dict__, "mode": "bf16rot", "packing": "octb"})
     asm = USE_ASM and packing == "oct" and not impl.interpreting()
     mode = "f16asm" if asm else "f16"
     bucket = 16 if rows_per_expert <= 16 else 32 if rows_per_expert <= 32 else 64 if rows_per_expert <= 64 else 128
@@ -666,8 +706,12 @@ def launch_w4a16(x: torch.Tensor, w: PreparedWeight, rows, *, out_dtype: torch.d
     packing = w.kernel_packing
     cfg = config or pick_config(hint, x.dtype, packing if K % (8 * w.block) == 0 else "paired", swiglu is not None,
                                 w.fmt)
-    if cfg.mode in ASM_MODES and cfg.packing != "oct":
-        raise ValueError(f"mode {cfg.mode!r} needs packing 'oct', got {cfg.packing!r}")
+    need = "octb" if cfg.mode == "bf16rot" else "oct"
+    if (cfg.mode in ASM_MODES or cfg.packing == "octb") and cfg.packing != need:
+        raise ValueError(f"mode {cfg.mode!r} reads packing {need!r}, got {cfg.packing!r} (packing 'octb' is "
+                         f"read only by mode 'bf16rot')")
+    if cfg.packing == "octb" and K % (8 * w.block):
+        raise ValueError(f"packing 'octb' needs K ({K}) a multiple of 8 scale blocks ({8 * w.block})")
     if cfg.packing == "oct" and K % (8 * w.block):
         if cfg.tma:
             raise ValueError(f"tma=True needs oct packing, i.e. K ({K}) a multiple of 8 scale blocks "
@@ -699,18 +743,19 @@ def launch_w4a16(x: torch.Tensor, w: PreparedWeight, rows, *, out_dtype: torch.d
     limit, alpha, beta = swiglu if swiglu is not None else (None, 1.0, 0.0)
     gs = w.global_scale if w.global_scale is not None else w.scale
     # oct: 8 scale bytes per row and unit, read as one int64 (K is a multiple of 8 blocks here)
-    sdata = w.scale.view(torch.int64) if cfg.packing == "oct" else w.scale
+    oct = cfg.packing in ("oct", "octb")
+    sdata = w.scale.view(torch.int64) if oct else w.scale
     # prescaled operands: MXFP4 in the oct loop with fp16 operands (the only place it is wired)
-    prescale = cfg.prescale and w.fmt == "mxfp4" and cfg.packing == "oct" and MODES[cfg.mode] in (0, 3, 4, 5)
-    if cfg.mode == "bf16asm" and not prescale:   # its operands are v * 2^-126: only prescaled they are in range
-        raise ValueError(f"mode 'bf16asm' needs an MXFP4 weight in oct packing with prescale=True; got fmt "
+    prescale = cfg.prescale and w.fmt == "mxfp4" and oct and MODES[cfg.mode] in (0, 3, 4, 5, 6)
+    if cfg.mode in ("bf16asm", "bf16rot") and not prescale:   # operands v * 2^-126: only prescaled in range
+        raise ValueError(f"mode {cfg.mode!r} needs an MXFP4 weight in {need} packing with prescale=True; got fmt "
                          f"{w.fmt!r}, packing {cfg.packing!r}, prescale={cfg.prescale}")
     rmax = w.row_max_scale() if prescale else sdata
     if cfg.tma:
         _check_tma(st, cfg.block_n, st.row_offset(n_out))
         impl.ensure_triton_scratch()
     grid = (triton.cdiv(n_out, cfg.block_n), slots)
-    unit = w.block * (8 if cfg.packing == "oct" else 2)   # elements per packing unit
+    unit = w.block * (8 if oct else 2)   # elements per packing unit
     chunks = chunks_for(K, unit, cfg.chunks)
     split = split_parts(cfg.split_k, K // (unit * chunks))
     meta = dict(
