@@ -138,6 +138,16 @@ def _weight(E: int, N: int, K: int, seed: int, tile_n: int = 64):
     return prepare_weights(quantize(w.cuda(), "mxfp4"), packing="oct", tile_n=tile_n)
 
 
+def _v3_decode(tok: int):
+    """V3 L1 (N 4096, K 7168) over 4 experts, `tok` rows each but expert 1 (empty), on the GPU:
+    (counts, x, rows, MXFP4 weight)."""
+    E, N, K = 4, 4096, 7168
+    counts = torch.full((E,), tok, device="cuda", dtype=torch.int32)
+    counts[1] = 0
+    x = torch.randn(int(counts.sum()), K, device="cuda", dtype=torch.bfloat16)
+    return counts, x, expert_rows(x, E, counts, None, "contiguous"), _weight(E, N, K, seed=tok)
+
+
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     assert torch.isfinite(a).all()
     return float((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30))
@@ -152,12 +162,7 @@ def test_gpu_bf16asm_matches_reference_and_f16asm_on_the_v3_decode_shape(tok):
     so the two agree to fp32 rounding of the sums."""
     from moe.kernels.triton_w4a16 import launch_w4a16, pick_config
 
-    E, N, K = 4, 4096, 7168
-    counts = torch.full((E,), tok, device="cuda", dtype=torch.int32)
-    counts[1] = 0
-    x = torch.randn(int(counts.sum()), K, device="cuda", dtype=torch.bfloat16)
-    rows = expert_rows(x, E, counts, None, "contiguous")
-    pw = _weight(E, N, K, seed=tok)
+    counts, x, rows, pw = _v3_decode(tok)
     ref = grouped_gemm(x, pw, counts=counts, backend="torch", out_dtype=torch.float32)
     base = dataclasses.replace(pick_config(tok, torch.bfloat16, "oct"), prescale=True, mode="f16asm")
     for tma in (False, True):
@@ -281,9 +286,11 @@ def test_octb_needs_mode_bf16rot_and_the_reverse(monkeypatch):
     base = dict(block_n=64, block_m=16, chunks=1, num_warps=4, num_stages=1, prescale=True)
     with pytest.raises(ValueError, match=r"mode 'f16asm' reads packing 'oct', got 'octb' \(packing 'octb' is read "
                                          r"only by mode 'bf16rot'\)"):
-        t.launch_w4a16(x, octb, rows, out_dtype=torch.float32, config=t.W4A16Config(mode="f16asm", packing="octb", **base))
+        t.launch_w4a16(x, octb, rows, out_dtype=torch.float32,
+                       config=t.W4A16Config(mode="f16asm", packing="octb", **base))
     with pytest.raises(ValueError, match=r"mode 'bf16rot' reads packing 'octb', got 'oct'"):
-        t.launch_w4a16(x, oct_w, rows, out_dtype=torch.float32, config=t.W4A16Config(mode="bf16rot", packing="oct", **base))
+        t.launch_w4a16(x, oct_w, rows, out_dtype=torch.float32,
+                       config=t.W4A16Config(mode="bf16rot", packing="oct", **base))
     with pytest.raises(ValueError, match=r"mode 'f32' reads packing 'oct', got 'octb'"):
         t.launch_w4a16(x, octb, rows, out_dtype=torch.float32)     # (fp32 activations: mode f32)
     with pytest.raises(ValueError, match=r"packing 'octb' is read only by mode 'bf16rot'"):
@@ -307,12 +314,7 @@ def test_gpu_bf16rot_gives_the_bits_of_bf16asm(tok):
     operand values in the same MMA order, so the same bits; and a CUDA-graph replay."""
     from moe.kernels.triton_w4a16 import launch_w4a16, pick_config
 
-    E, N, K = 4, 4096, 7168
-    counts = torch.full((E,), tok, device="cuda", dtype=torch.int32)
-    counts[1] = 0
-    x = torch.randn(int(counts.sum()), K, device="cuda", dtype=torch.bfloat16)
-    rows = expert_rows(x, E, counts, None, "contiguous")
-    pw = _weight(E, N, K, seed=tok)
+    counts, x, rows, pw = _v3_decode(tok)
     pb = pw.in_layout("octb")
     for swiglu in (None, (None, 1.0, 0.0)):
         base = pick_config(rows.rows_hint, torch.bfloat16, "oct", swiglu is not None)

@@ -409,6 +409,28 @@ def _targets(ctx: BenchContext) -> None:
 
 # ---- probe: variants and launch configs side by side ----------------------------------------------
 
+
+def _print_verdicts(section: str, rows: list[dict[str, Any]], families) -> None:
+    """Per problem of a probe section: its "... default" row against the fastest row of each family
+    (label, verdict when faster, row predicate); rows with rel_err >= 1e-2 never count."""
+    for prob in dict.fromkeys(r["problem"] for r in rows if "us" in r):
+        mine = [r for r in rows if r["problem"] == prob and "us" in r and r.get("rel_err", 1) < 1e-2]
+        default = next((r for r in mine if r["name"].endswith("default")), None)
+        if default is None:
+            continue
+        line = f"{section} {prob}: default {default['us']:.1f} us ({default['floor_frac']:.3f} of floor)"
+        found = False
+        for label, verdict, pick in families:
+            got = [r for r in mine if pick(r)]
+            if got:
+                found = True
+                best = min(got, key=lambda r: r["us"])
+                line += (f", best {label} {best['us']:.1f} us ({best['floor_frac']:.3f}) = {best['name']}: "
+                         f"{verdict if best['us'] < default['us'] else 'default wins'}")
+        if found:
+            print(line, flush=True)
+
+
 def probe(out_dir: str, sections: list[str]) -> None:
     from megapar.moe.kernels import expert_rows, prepare_weights
     from megapar.moe.kernels.prepare import repack
@@ -458,6 +480,19 @@ def probe(out_dir: str, sections: list[str]) -> None:
 
     def err_of(ref):
         return lambda out: rel_err(out, ref)
+
+    def add_w4a16(section, name, x, wt, rows, cfg, ref, floor, problem, swiglu=False):
+        """One launch_w4a16 variant (bf16 out; with swiglu the fused SwiGLU and ref its output)."""
+        sw = (None, 1.0, 0.0) if swiglu else None
+        add(section, name, (lambda: launch_w4a16(x, wt, rows, out_dtype=torch.bfloat16, config=cfg, swiglu=sw)),
+            err_of(ref), floor_us=floor, cfg=dict(cfg.__dict__), diag=0, tile_n=wt.tile_n, problem=problem)
+
+    def run_section_rows(acc: list) -> None:
+        """Time the variants added so far, append their results to acc, start a new set."""
+        n0 = len(results)
+        _run_variants(ctx, variants, results, save)
+        acc += results[n0:]
+        variants.clear()
 
     # -- decode: W4A16 variants (V3 L1 at 1 and 32 tok/expert, V3 L2 at 8) --
     if "decode" in sections:
@@ -704,35 +739,18 @@ def probe(out_dir: str, sections: list[str]) -> None:
                 cfgs += [(f"split{s} {other}", dataclasses.replace(base, split_k=s, tma=not base.tma)) for s in splits]
             tag = f"{N}x{K} tok{tok} hit{experts}"
             for label, cfg in cfgs:
-                add("decode6", f"N{N} K{K} tok{tok} hit{experts} {label}",
-                    (lambda x=x, wt=pw, rows=rows, cfg=cfg: launch_w4a16(x, wt, rows, out_dtype=torch.bfloat16,
-                                                                         config=cfg)),
-                    err_of(ref), floor_us=floor, cfg=dict(cfg.__dict__), diag=0, tile_n=pw.tile_n, problem=tag)
+                add_w4a16("decode6", f"N{N} K{K} tok{tok} hit{experts} {label}", x, pw, rows, cfg, ref, floor, tag)
             if hit and (tok == 1 or tiny) and N == shape_l1[1]:   # the MoE layer's fused L1 + SwiGLU
                 I = N // 2
                 sw_ref = ref[:, :I] * torch.sigmoid(ref[:, :I]) * ref[:, I:]
                 sw = pick_config(rows.rows_hint, torch.bfloat16, "oct", swiglu=True) if not tiny else base
                 for s in (1, *splits):
                     cfg = dataclasses.replace(sw, split_k=s)
-                    add("decode6", f"N{N} K{K} tok{tok} hit{experts} swiglu {'default' if s == 1 else f'split{s}'}",
-                        (lambda x=x, wt=pw, rows=rows, cfg=cfg: launch_w4a16(
-                            x, wt, rows, out_dtype=torch.bfloat16, config=cfg, swiglu=(None, 1.0, 0.0))),
-                        err_of(sw_ref), floor_us=floor, cfg=dict(cfg.__dict__), diag=0, tile_n=pw.tile_n,
-                        problem=f"{tag} swiglu")
-            n0 = len(results)
-            _run_variants(ctx, variants, results, save)
-            rows6 += results[n0:]
-            variants.clear()
-        for prob in dict.fromkeys(r["problem"] for r in rows6 if "us" in r):   # per problem: default vs best split
-            mine = [r for r in rows6 if r["problem"] == prob and "us" in r and r.get("rel_err", 1) < 1e-2]
-            default = next((r for r in mine if r["name"].endswith("default")), None)
-            split = [r for r in mine if r["cfg"]["split_k"] > 1]
-            if default is None or not split:
-                continue
-            best = min(split, key=lambda r: r["us"])
-            print(f"decode6 {prob}: default {default['us']:.1f} us ({default['floor_frac']:.3f} of floor), best split "
-                  f"{best['us']:.1f} us ({best['floor_frac']:.3f}) = {best['name']}: "
-                  f"{'split-K wins' if best['us'] < default['us'] else 'default wins'}", flush=True)
+                    name = f"N{N} K{K} tok{tok} hit{experts} swiglu {'default' if s == 1 else f'split{s}'}"
+                    add_w4a16("decode6", name, x, pw, rows, cfg, sw_ref, floor,
+                              f"{tag} swiglu", swiglu=True)
+            run_section_rows(rows6)
+        _print_verdicts("decode6", rows6, [("split", "split-K wins", lambda r: r["cfg"]["split_k"] > 1)])
 
     # -- decode, round 6: bf16 operands by the multiply expansion (mode bf16asm) against the default --
     if "decode7" in sections:
@@ -762,10 +780,7 @@ def probe(out_dir: str, sections: list[str]) -> None:
                          ("bf16asm 64 rows", dataclasses.replace(bf, block_n=64))]
             tag = f"{N}x{K} tok{tok} hit{experts}"
             for label, cfg in cfgs:
-                add("decode7", f"N{N} K{K} tok{tok} hit{experts} {label}",
-                    (lambda x=x, wt=pw, rows=rows, cfg=cfg: launch_w4a16(x, wt, rows, out_dtype=torch.bfloat16,
-                                                                         config=cfg)),
-                    err_of(ref), floor_us=floor, cfg=dict(cfg.__dict__), diag=0, tile_n=pw.tile_n, problem=tag)
+                add_w4a16("decode7", f"N{N} K{K} tok{tok} hit{experts} {label}", x, pw, rows, cfg, ref, floor, tag)
             if N == shape_l1[1] and not tiny:   # the MoE layer's fused L1 + SwiGLU (W13 in split order)
                 I = N // 2
                 sw_ref = ref[:, :I] * torch.sigmoid(ref[:, :I]) * ref[:, I:]
@@ -776,25 +791,12 @@ def probe(out_dir: str, sections: list[str]) -> None:
                                    ("bf16asm 128 rows", dataclasses.replace(sw, block_n=128)),
                                    ("bf16asm 128 rows tma 3 stages", dataclasses.replace(sw, block_n=128, tma=True,
                                                                                          num_stages=3))):
-                    add("decode7", f"N{N} K{K} tok{tok} hit{experts} swiglu {label}",
-                        (lambda x=x, wt=pw, rows=rows, cfg=cfg: launch_w4a16(
-                            x, wt, rows, out_dtype=torch.bfloat16, config=cfg, swiglu=(None, 1.0, 0.0))),
-                        err_of(sw_ref), floor_us=floor, cfg=dict(cfg.__dict__), diag=0, tile_n=pw.tile_n,
-                        problem=f"{tag} swiglu")
-            n0 = len(results)
-            _run_variants(ctx, variants, results, save)
-            rows7 += results[n0:]
-            variants.clear()
-        for prob in dict.fromkeys(r["problem"] for r in rows7 if "us" in r):   # per problem: default vs bf16
-            mine = [r for r in rows7 if r["problem"] == prob and "us" in r and r.get("rel_err", 1) < 1e-2]
-            default = next((r for r in mine if r["name"].endswith("default")), None)
-            bf16 = [r for r in mine if r["cfg"]["mode"] in ("bf16asm", "f32")]   # (f32: the interpreter's stand-in)
-            if default is None or not bf16:
-                continue
-            best = min(bf16, key=lambda r: r["us"])
-            print(f"decode7 {prob}: default {default['us']:.1f} us ({default['floor_frac']:.3f} of floor), best bf16 "
-                  f"{best['us']:.1f} us ({best['floor_frac']:.3f}) = {best['name']}: "
-                  f"{'bf16 wins' if best['us'] < default['us'] else 'default wins'}", flush=True)
+                    add_w4a16("decode7", f"N{N} K{K} tok{tok} hit{experts} swiglu {label}", x, pw, rows, cfg, sw_ref,
+                              floor,
+                              f"{tag} swiglu", swiglu=True)
+            run_section_rows(rows7)
+        # (f32: the interpreter's stand-in for bf16asm)
+        _print_verdicts("decode7", rows7, [("bf16", "bf16 wins", lambda r: r["cfg"]["mode"] in ("bf16asm", "f32"))])
 
     # -- decode, round 7: bf16asm under a register cap, and packing octb with mode bf16rot --
     if "decode8" in sections:
@@ -821,10 +823,7 @@ def probe(out_dir: str, sections: list[str]) -> None:
                          for st in (2, 4) if st != rot.num_stages]
             tag = f"{N}x{K} tok{tok} hit{experts}"
             for label, wt, cfg in cfgs:
-                add("decode8", f"N{N} K{K} tok{tok} hit{experts} {label}",
-                    (lambda x=x, wt=wt, rows=rows, cfg=cfg: launch_w4a16(x, wt, rows, out_dtype=torch.bfloat16,
-                                                                         config=cfg)),
-                    err_of(ref), floor_us=floor, cfg=dict(cfg.__dict__), diag=0, tile_n=wt.tile_n, problem=tag)
+                add_w4a16("decode8", f"N{N} K{K} tok{tok} hit{experts} {label}", x, wt, rows, cfg, ref, floor, tag)
             if N == shape_l1[1] and not tiny:   # the MoE layer's fused L1 + SwiGLU
                 I = N // 2
                 sw_ref = ref[:, :I] * torch.sigmoid(ref[:, :I]) * ref[:, I:]
@@ -832,29 +831,13 @@ def probe(out_dir: str, sections: list[str]) -> None:
                 for label, wt, cfg in (("default", pw, sw), ("bf16rot", pb, dataclasses.replace(sw, mode="bf16rot",
                                                                                                 packing="octb")),
                                        ("maxnreg128", pw, dataclasses.replace(sw, maxnreg=128))):
-                    add("decode8", f"N{N} K{K} tok{tok} hit{experts} swiglu {label}",
-                        (lambda x=x, wt=wt, rows=rows, cfg=cfg: launch_w4a16(
-                            x, wt, rows, out_dtype=torch.bfloat16, config=cfg, swiglu=(None, 1.0, 0.0))),
-                        err_of(sw_ref), floor_us=floor, cfg=dict(cfg.__dict__), diag=0, tile_n=wt.tile_n,
-                        problem=f"{tag} swiglu")
-            n0 = len(results)
-            _run_variants(ctx, variants, results, save)
-            rows8 += results[n0:]
-            variants.clear()
-        for prob in dict.fromkeys(r["problem"] for r in rows8 if "us" in r):
-            mine = [r for r in rows8 if r["problem"] == prob and "us" in r and r.get("rel_err", 1) < 1e-2]
-            default = next((r for r in mine if r["name"].endswith("default")), None)
-            if default is None:
-                continue
-            line = f"decode8 {prob}: default {default['us']:.1f} us ({default['floor_frac']:.3f} of floor)"
-            for fam, pick in (("maxnreg", lambda r: r["cfg"]["maxnreg"] and r["cfg"]["mode"] != "bf16rot"),
-                              ("bf16rot", lambda r: r["cfg"]["mode"] == "bf16rot")):
-                got = [r for r in mine if pick(r)]
-                if got:
-                    best = min(got, key=lambda r: r["us"])
-                    line += (f"; best {fam} {best['us']:.1f} us ({best['floor_frac']:.3f}) = {best['name']}: "
-                             f"{fam + ' wins' if best['us'] < default['us'] else 'default wins'}")
-            print(line, flush=True)
+                    add_w4a16("decode8", f"N{N} K{K} tok{tok} hit{experts} swiglu {label}", x, wt, rows, cfg, sw_ref,
+                              floor,
+                              f"{tag} swiglu", swiglu=True)
+            run_section_rows(rows8)
+        _print_verdicts("decode8", rows8, [
+            ("maxnreg", "maxnreg wins", lambda r: r["cfg"]["maxnreg"] and r["cfg"]["mode"] != "bf16rot"),
+            ("bf16rot", "bf16rot wins", lambda r: r["cfg"]["mode"] == "bf16rot")])
 
     # -- prefill: V3 L1 at 2048 tok/expert --
     if "prefill" in sections:
