@@ -481,11 +481,14 @@ def probe(out_dir: str, sections: list[str]) -> None:
     def err_of(ref):
         return lambda out: rel_err(out, ref)
 
-    def add_w4a16(section, name, x, wt, rows, cfg, ref, floor, problem, swiglu=False):
-        """One launch_w4a16 variant (bf16 out; with swiglu the fused SwiGLU and ref its output)."""
+    def add_w4a16(section, name, x, wt, rows, cfg, ref, floor, problem, swiglu=False, diag=0):
+        """One launch_w4a16 variant (bf16 out; with swiglu the fused SwiGLU and ref its output;
+        diag > 0: a subtraction diagnostic, not checked)."""
         sw = (None, 1.0, 0.0) if swiglu else None
-        add(section, name, (lambda: launch_w4a16(x, wt, rows, out_dtype=torch.bfloat16, config=cfg, swiglu=sw)),
-            err_of(ref), floor_us=floor, cfg=dict(cfg.__dict__), diag=0, tile_n=wt.tile_n, problem=problem)
+        add(section, name,
+            (lambda: launch_w4a16(x, wt, rows, out_dtype=torch.bfloat16, config=cfg, swiglu=sw, diag=diag)),
+            None if diag else err_of(ref), floor_us=floor, cfg=dict(cfg.__dict__), diag=diag, tile_n=wt.tile_n,
+            problem=problem)
 
     def run_section_rows(acc: list) -> None:
         """Time the variants added so far, append their results to acc, start a new set."""
@@ -824,6 +827,10 @@ def probe(out_dir: str, sections: list[str]) -> None:
             tag = f"{N}x{K} tok{tok} hit{experts}"
             for label, wt, cfg in cfgs:
                 add_w4a16("decode8", f"N{N} K{K} tok{tok} hit{experts} {label}", x, wt, rows, cfg, ref, floor, tag)
+            if tok == 1 and not tiny:   # what each part costs: the default without it (wrong results)
+                for label, diag in (("no block scales", 2), ("no expansion", 3), ("neither", 4)):
+                    add_w4a16("decode8", f"N{N} K{K} tok{tok} hit{experts} DIAG {label}", x, pw, rows, base, ref,
+                              floor, tag, diag=diag)
             if N == shape_l1[1] and not tiny:   # the MoE layer's fused L1 + SwiGLU
                 I = N // 2
                 sw_ref = ref[:, :I] * torch.sigmoid(ref[:, :I]) * ref[:, I:]

@@ -17,6 +17,12 @@ kernel is built for few tokens per expert (decode), where it is bound by weight 
   absolute error <= 2^-17, far under bf16's own rounding); the 2^8 goes into the scale too.
   MODE 1 (bf16 operands) and MODE 2 (fp32, for tests and the interpreter) rebuild v as an
   fp32 (bits * 2^126, exact) instead.
+- The decode default for bf16 activations over MXFP4 (MODE 5, "bf16asm"): the code dropped
+  into a bf16 instead (v * 2^-126), one integer multiply per pair of elements placing magnitude
+  and sign together, the block scale folded into the operand relative to the row's largest
+  (prescale), and the activations fed to the MMA as they are (no fp16 copy of each block).
+  MODE 6 ("bf16rot", opt-in) reads packing "octb", where each 32-bit word holds four bf16 pairs
+  up to a rotation (prepare.OCTB_POS): 9 instructions per 8 elements.
 - Expert lookup on the device: every program reads the [E] counts, forms the per-expert tile
   prefix sums in registers and finds its expert; no host sync, no extra launch (CUDA graphs).
 
@@ -150,6 +156,12 @@ _OCTB_BF16_ASM = tl.constexpr("\n".join(
     + ["}"]))
 
 
+# The probe's "no expansion" diagnostic (DIAG 3 / 4, wrong results): one mask per register in
+# place of the expansion, so the loop keeps its loads, prescale and MMAs (a bound, never a result)
+_OCT_DIAG_ASM = tl.constexpr("\n".join(
+    ["{"] + [f"and.b32 ${i}, ${8 + i // 4}, 0x{OCT_BF16_TARGET:08X};" for i in range(8)] + ["}"]))
+
+
 def octb_bf16_reference(w0: torch.Tensor, w1: torch.Tensor) -> list[torch.Tensor]:
     """The bf16rot expansion replayed with int64 torch ops (CPU): octb words w0 (word 2p), w1
     (word 2p + 1) -> 8 registers as int64 in [0, 2^32); register i holds block i's elements
@@ -178,8 +190,14 @@ def oct_bf16_reference(w0: torch.Tensor, w1: torch.Tensor) -> list[torch.Tensor]
 
 
 @triton.jit
-def _oct_operands_asm(w, SWAP: tl.constexpr, BF16: tl.constexpr = False, ROT: tl.constexpr = False):
-    if ROT:
+def _oct_operands_asm(w, SWAP: tl.constexpr, BF16: tl.constexpr = False, ROT: tl.constexpr = False,
+                      NO_EXPANSION: tl.constexpr = False):
+    if NO_EXPANSION:
+        return tl.inline_asm_elementwise(_OCT_DIAG_ASM, "=r,=r,=r,=r,=r,=r,=r,=r,r,r", [w],
+                                         dtype=(tl.bfloat16, tl.bfloat16, tl.bfloat16, tl.bfloat16,
+                                                tl.bfloat16, tl.bfloat16, tl.bfloat16, tl.bfloat16),
+                                         is_pure=True, pack=2)
+    elif ROT:
         return tl.inline_asm_elementwise(_OCTB_BF16_ASM, "=r,=r,=r,=r,=r,=r,=r,=r,r,r", [w],
                                          dtype=(tl.bfloat16, tl.bfloat16, tl.bfloat16, tl.bfloat16,
                                                 tl.bfloat16, tl.bfloat16, tl.bfloat16, tl.bfloat16),
@@ -267,7 +285,7 @@ def _fp4_oct(acc, w, s_rows, kc, offs_q, n_mask, x_rows, m_mask, r_max,
              PRESCALE: tl.constexpr):
     """acc [BN, BM] += 8 scale blocks of W rows (w: their oct words, int32 [BN, BLOCK], from
     `_oct_words`) @ x[kc : kc + 8 BLOCK]. DIAG (probe only, wrong results): 1 = loads only, 2 = no
-    block scales. PRESCALE (MXFP4, fp16 operands): the block scale goes into the operand relative
+    block scales, 3 = no expansion (bf16 modes: one mask per register instead), 4 = neither. PRESCALE (MXFP4, fp16 operands): the block scale goes into the operand relative
     to the row's largest (r_max [BN]), so the MMAs chain into one accumulator with no per-block
     fp32 rescale; the caller applies `_prescale_factor(r_max)` once at the end."""
     # the unit's 8 scale bytes of a row are one aligned int64 (s_rows points at int64 scales):
@@ -276,7 +294,7 @@ def _fp4_oct(acc, w, s_rows, kc, offs_q, n_mask, x_rows, m_mask, r_max,
     if DIAG == 1:
         acc += tl.sum(w, axis=1).to(tl.float32)[:, None]
     elif MODE >= 3:
-        ops = _oct_operands_asm(w, MODE == 4, MODE >= 5, MODE == 6)
+        ops = _oct_operands_asm(w, MODE == 4, MODE >= 5, MODE == 6, MODE >= 5 and DIAG >= 3)
     for i in tl.static_range(8):
         x_i = tl.load(x_rows[None, :] + (kc + i * BLOCK + offs_q)[:, None], mask=m_mask[None, :], other=0.0)
         s_i = ((s8 >> (8 * i)) & 0xFF).to(tl.uint8)
@@ -287,7 +305,7 @@ def _fp4_oct(acc, w, s_rows, kc, offs_q, n_mask, x_rows, m_mask, r_max,
                 op = ops[i]
             else:
                 op = nibble_operand(w, i, MODE)
-            if DIAG == 2:
+            if DIAG == 2 or DIAG == 4:
                 acc = tl.dot(op, act_operand(x_i, MODE), acc)
             elif PRESCALE:
                 acc = tl.dot(_prescaled(op, s_i, r_max, MODE), act_operand(x_i, MODE), acc)
