@@ -274,7 +274,9 @@ def test_bf16rot_expansion_constants_decode_every_block_of_octb_words():
         assert torch.equal(hi, _e2m1(codes[:, i, 1::2]).double() * 2.0 ** -126), i
 
 
-def test_octb_needs_mode_bf16rot_and_the_reverse(monkeypatch):
+def test_octb_modes_and_pick_config(monkeypatch):
+    """The PTX modes read their own packing (bf16rot: octb; the others: oct) and say so; the
+    Triton-arithmetic modes read octb too; pick_config maps the oct settings onto octb."""
     from moe.kernels import triton_w4a16 as t
 
     E, N, K = 2, 64, 256
@@ -284,26 +286,60 @@ def test_octb_needs_mode_bf16rot_and_the_reverse(monkeypatch):
     octb = prepare_weights(quantize(w, "mxfp4"), packing="octb")
     oct_w = prepare_weights(quantize(w, "mxfp4"), packing="oct")
     base = dict(block_n=64, block_m=16, chunks=1, num_warps=4, num_stages=1, prescale=True)
-    with pytest.raises(ValueError, match=r"mode 'f16asm' reads packing 'oct', got 'octb' \(packing 'octb' is read "
-                                         r"only by mode 'bf16rot'\)"):
+    with pytest.raises(ValueError, match=r"mode 'f16asm' reads packing 'oct', got 'octb' \(the Triton-arithmetic "
+                                         r"modes f16 / bf16 / f32 read any\)"):
         t.launch_w4a16(x, octb, rows, out_dtype=torch.float32,
                        config=t.W4A16Config(mode="f16asm", packing="octb", **base))
     with pytest.raises(ValueError, match=r"mode 'bf16rot' reads packing 'octb', got 'oct'"):
         t.launch_w4a16(x, oct_w, rows, out_dtype=torch.float32,
                        config=t.W4A16Config(mode="bf16rot", packing="oct", **base))
-    with pytest.raises(ValueError, match=r"mode 'f32' reads packing 'oct', got 'octb'"):
-        t.launch_w4a16(x, octb, rows, out_dtype=torch.float32)     # (fp32 activations: mode f32)
-    with pytest.raises(ValueError, match=r"packing 'octb' is read only by mode 'bf16rot'"):
-        t.pick_config(1, torch.bfloat16, "octb")                    # (interpreter: no inline PTX)
+    cfg = t.pick_config(1, torch.bfloat16, "octb")                    # (interpreter: no inline PTX)
+    assert (cfg.mode, cfg.packing) == ("f16", "octb")
     monkeypatch.setattr(t, "USE_ASM", True)
     monkeypatch.setattr(t.impl, "interpreting", lambda: False)
     for rows_hint, swiglu in ((1, False), (0.25, False), (1, True), (16, False)):
-        cfg, ref = t.pick_config(rows_hint, torch.bfloat16, "octb", swiglu), t.pick_config(rows_hint, torch.bfloat16,
-                                                                                            "oct", swiglu)
+        cfg = t.pick_config(rows_hint, torch.bfloat16, "octb", swiglu)
+        ref = t.pick_config(rows_hint, torch.bfloat16, "oct", swiglu)
         assert (cfg.mode, cfg.packing) == ("bf16rot", "octb")
         assert dataclasses.replace(cfg, mode=ref.mode, packing="oct") == ref
-    with pytest.raises(ValueError, match="fmt 'nvfp4'"):
-        t.pick_config(1, torch.bfloat16, "octb", fmt="nvfp4")
+    nv = t.pick_config(1, torch.bfloat16, "octb", fmt="nvfp4")      # f16asm reads oct: Triton arithmetic here
+    assert (nv.mode, nv.packing) == ("f16", "octb")
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="needs TRITON_INTERPRET=1 (conftest, CPU)")
+@pytest.mark.parametrize("fmt", ["mxfp4", "nvfp4"])
+def test_interp_octb_weights_give_the_oct_results(fmt):
+    """The W4A16 kernel (Triton arithmetic; TMA loads and the fused SwiGLU for mxfp4, pointer loads
+    for nvfp4) and the expansion kernel on an octb weight give the bits of the same weight in oct
+    packing, and match the reference."""
+    from moe.kernels.triton_w4a16 import W4A16Config, expand_fp4, launch_w4a16
+
+    E, N, K = 2, 32, 256 if fmt == "mxfp4" else 128     # one packing unit per row
+    g = torch.Generator().manual_seed(4)
+    w = torch.randn(E, N, K, generator=g)
+    q = quantize(w, fmt, **({"global_scale": "matrix"} if fmt == "nvfp4" else {}))
+    oct_w, octb = (prepare_weights(q, packing=p, tile_n=16) for p in ("oct", "octb"))
+    counts = torch.tensor([3, 0])
+    x = torch.randn(int(counts.sum()), K, generator=g)
+    rows = expert_rows(x, E, counts, None, "contiguous")
+    ref = grouped_gemm(x, oct_w, counts=counts, backend="torch", out_dtype=torch.float32)
+    cfg = W4A16Config(block_n=32, block_m=16, chunks=1, num_warps=4, num_stages=1, mode="f32", packing="oct",
+                      tma=fmt == "mxfp4")                     # one load path per format
+    swiglu = (None, 1.0, 0.0) if fmt == "mxfp4" else None  # and the fused SwiGLU once
+    a = launch_w4a16(x, oct_w, rows, out_dtype=torch.float32, config=cfg, swiglu=swiglu)
+    b = launch_w4a16(x, octb, rows, out_dtype=torch.float32, config=dataclasses.replace(cfg, packing="octb"),
+                     swiglu=swiglu)
+    assert torch.equal(a, b)
+    if swiglu is None:
+        assert _rel_cpu(b, ref) < 1e-5
+    assert torch.equal(expand_fp4(octb, torch.float32), expand_fp4(oct_w, torch.float32))
+    if fmt == "mxfp4":
+        for got, want in zip(expand_fp4(octb, fold="row"), expand_fp4(oct_w, fold="row")):
+            assert torch.equal(got.float(), want.float())
+
+
+def _rel_cpu(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30))
 
 
 @pytest.mark.gpu

@@ -137,6 +137,39 @@ def nibble_operand(w, i: tl.constexpr, MODE: tl.constexpr):
             return v
 
 
+@triton.jit
+def _octb_code(src, P0: tl.constexpr, P1: tl.constexpr, P2: tl.constexpr, P3: tl.constexpr):
+    """The E2M1 codes whose bits (m, e0, e1, sign) sit at bits P0..P3 of int32 words `src`."""
+    return ((src >> P0) & 1) | (((src >> P1) & 1) << 1) | (((src >> P2) & 1) << 2) | (((src >> P3) & 1) << 3)
+
+
+@triton.jit
+def octb_operand(w, i: tl.constexpr, MODE: tl.constexpr):
+    """int32 words [R, Q] of one packing unit in "octb" order -> operand [R, Q] of scale block i
+    (element k of the block is in word 2 (k // 2) + i // 4; bits: prepare.OCTB_POS), in the
+    MODE 0 / 1 / 2 encodings of `nibble_operand`."""
+    R: tl.constexpr = w.shape[0]
+    Q: tl.constexpr = w.shape[1]
+    even, odd = tl.split(tl.reshape(w, (R, Q // 2, 2)))
+    if i < 4:
+        src = even
+    else:
+        src = odd
+    if i % 4 == 0:
+        lo = _octb_code(src, 0, 1, 2, 9)
+        hi = _octb_code(src, 16, 17, 18, 25)
+    elif i % 4 == 1:
+        lo = _octb_code(src, 4, 5, 6, 13)
+        hi = _octb_code(src, 20, 21, 22, 29)
+    elif i % 4 == 2:
+        lo = _octb_code(src, 10, 11, 12, 19)
+        hi = _octb_code(src, 26, 27, 28, 3)
+    else:
+        lo = _octb_code(src, 30, 7, 8, 15)
+        hi = _octb_code(src, 14, 23, 24, 31)
+    return nibble_operand(tl.reshape(tl.join(lo, hi), (R, Q)), 0, MODE)
+
+
 # ---- host side ----------------------------------------------------------------------------------
 
 def layout_args(rows, x: torch.Tensor, block_m: int) -> tuple[int, int, int, torch.Tensor, torch.Tensor, bool]:

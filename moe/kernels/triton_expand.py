@@ -3,7 +3,7 @@
 Bandwidth-bound, run once per call on the paths with many tokens per expert, where each
 expanded weight tile is reused by many token tiles (torch._grouped_mm on bf16, or the W4A8
 fp8 GEMM). Reads the prepared weight's own layout (`PreparedWeight.strides()`): paired bytes
-or oct int32 words, rows in order or tiled.
+or oct / octb int32 words, rows in order or tiled.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import triton
 import triton.language as tl
 
 from megapar.moe.kernels.prepare import PreparedWeight
-from megapar.moe.kernels.triton_common import block_scale, chunks_for, e2m1_pair, nibble_operand
+from megapar.moe.kernels.triton_common import block_scale, chunks_for, e2m1_pair, nibble_operand, octb_operand
 
 EXPAND_DEFAULTS: dict[str, int] = {"rows_per_program": 16, "num_warps": 4}   # H200: 3.08 TB/s (bf16 out)
 
@@ -62,7 +62,7 @@ def _expand_kernel(w_ptr, s_ptr, gs_ptr, ref_ptr, out_ptr, out_scale_ptr, total_
                    stride_we, stride_wtile, stride_wn, stride_wchunk,
                    ROWS: tl.constexpr, CHUNKS: tl.constexpr, BLOCK: tl.constexpr, NVFP4: tl.constexpr,
                    OUT: tl.constexpr, PACK: tl.constexpr, TILE: tl.constexpr):
-    """FP4 rows (paired bytes, or oct int32 words) -> natural-order rows. OUT 0: dense
+    """FP4 rows (paired bytes, or oct / octb int32 words) -> natural-order rows. OUT 0: dense
     (e2m1 * scale [* global]) in out's dtype; OUT 1: E4M3 v * 2^(e_block - e_ref[row])
     (rowwise fold); OUT 2: the same with e_ref per 1x128 group, group scales 2^e_ref written."""
     pid_r = tl.program_id(0)
@@ -75,11 +75,15 @@ def _expand_kernel(w_ptr, s_ptr, gs_ptr, ref_ptr, out_ptr, out_scale_ptr, total_
     offs_b = tl.arange(0, BLOCK)
     for c in tl.static_range(CHUNKS):
         unit = pid_k * CHUNKS + c
-        if PACK == 1:
+        if PACK >= 1:   # oct (1) / octb (2) int32 words
             kc = unit * 8 * BLOCK
             w = tl.load(w_rows[:, None] + (unit * stride_wchunk + offs_b)[None, :], mask=r_mask[:, None], other=0)
             for i in tl.static_range(8):
-                _expand_block(nibble_operand(w, i, 2), s_ptr, gs_ptr, ref_ptr, out_ptr, out_scale_ptr, r64, r_mask,
+                if PACK == 2:
+                    vals = octb_operand(w, i, 2)
+                else:
+                    vals = nibble_operand(w, i, 2)
+                _expand_block(vals, s_ptr, gs_ptr, ref_ptr, out_ptr, out_scale_ptr, r64, r_mask,
                               N, K, kc // BLOCK + i, offs_b, BLOCK, NVFP4, OUT)
         else:
             kc = unit * 2 * BLOCK
@@ -104,8 +108,6 @@ def expand_fp4(w: PreparedWeight, dtype: torch.dtype = torch.bfloat16, *, fold: 
         raise ValueError(f"expand_fp4 needs an mxfp4/nvfp4 weight, got {w.fmt!r}")
     if w.packing == "natural":
         w = w.in_layout("paired")          # (prepared weights are never natural on the GPU)
-    elif w.packing == "octb":              # (the W4A16 bf16rot layout: expanded from its oct copy)
-        w = w.in_layout("oct")
     E, N, K = w.shape
     rows_total = E * N
     kind = {None: 0, "row": 1, "group": 2}
@@ -125,7 +127,7 @@ def expand_fp4(w: PreparedWeight, dtype: torch.dtype = torch.bfloat16, *, fold: 
         scale_out = w.row_fold_scale()
     elif fold == "group":
         scale_out = torch.empty(E, N, K // 128, dtype=torch.float32, device=w.device)
-    oct = w.packing == "oct"
+    oct = w.packing in ("oct", "octb")
     unit = (8 if oct else 2) * w.block
     chunks = chunks_for(K, unit, units or (1 if oct else 4))
     rows_per = rows_per_program or EXPAND_DEFAULTS["rows_per_program"]
@@ -136,5 +138,5 @@ def expand_fp4(w: PreparedWeight, dtype: torch.dtype = torch.bfloat16, *, fold: 
     _expand_kernel[grid](st.data, w.scale, gs, ref, out, scale_out, rows_total, N, K,
                          st.expert, st.tile, st.row, st.chunk,
                          ROWS=rows_per, CHUNKS=chunks, BLOCK=w.block, NVFP4=w.fmt == "nvfp4", OUT=kind[fold],
-                         PACK=1 if oct else 0, TILE=st.tile_n, num_warps=num_warps)
+                         PACK={"oct": 1, "octb": 2}.get(w.packing, 0), TILE=st.tile_n, num_warps=num_warps)
     return (out, scale_out) if fold else out

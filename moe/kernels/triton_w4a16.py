@@ -22,7 +22,8 @@ kernel is built for few tokens per expert (decode), where it is bound by weight 
   and sign together, the block scale folded into the operand relative to the row's largest
   (prescale), and the activations fed to the MMA as they are (no fp16 copy of each block).
   MODE 6 ("bf16rot", opt-in) reads packing "octb", where each 32-bit word holds four bf16 pairs
-  up to a rotation (prepare.OCTB_POS): 9 instructions per 8 elements.
+  up to a rotation (prepare.OCTB_POS): 9 instructions per 8 elements. The Triton-arithmetic
+  modes (and the expansion kernel) read octb too; the other PTX modes read oct only.
 - Expert lookup on the device: every program reads the [E] counts, forms the per-expert tile
   prefix sums in registers and finds its expert; no host sync, no extra launch (CUDA graphs).
 
@@ -58,6 +59,7 @@ from megapar.moe.kernels.triton_common import (  # noqa: F401  (FP8_MAX, AMAX_FL
     fp8_group_quant,
     layout_args,
     nibble_operand,
+    octb_operand,
     swiglu_tile,
     to_e4m3,
 )
@@ -65,8 +67,9 @@ from megapar.moe.kernels.triton_expand import EXPAND_DEFAULTS, expand_fp4  # noq
 from megapar.parallel import impl
 
 MODES = {"f16": 0, "bf16": 1, "f32": 2, "f16asm": 3, "f16asm_swap": 4, "bf16asm": 5, "bf16rot": 6}
-ASM_MODES = ("f16asm", "f16asm_swap", "bf16asm", "bf16rot")   # inline PTX: oct (bf16rot: octb) packing, GPU only
-PACKS = {"paired": 0, "oct": 1, "octb": 1}   # (octb: the oct loop; only mode bf16rot reads its nibble order)
+ASM_PACKING = {"f16asm": "oct", "f16asm_swap": "oct", "bf16asm": "oct", "bf16rot": "octb"}   # inline PTX (GPU)
+ASM_MODES = tuple(ASM_PACKING)
+PACKS = {"paired": 0, "oct": 1, "octb": 2}   # (octb: the oct loop with octb's nibble order)
 SPLIT_KS = (1, 2, 4, 8)
 
 @triton.jit
@@ -282,7 +285,7 @@ def _oct_words(w_rows, wk, offs_q, n_mask, desc, n0, unit, TMA: tl.constexpr, TI
 @triton.jit
 def _fp4_oct(acc, w, s_rows, kc, offs_q, n_mask, x_rows, m_mask, r_max,
              BLOCK: tl.constexpr, NVFP4: tl.constexpr, MODE: tl.constexpr, DIAG: tl.constexpr,
-             PRESCALE: tl.constexpr):
+             PRESCALE: tl.constexpr, OCTB: tl.constexpr = False):
     """acc [BN, BM] += 8 scale blocks of W rows (w: their oct words, int32 [BN, BLOCK], from
     `_oct_words`) @ x[kc : kc + 8 BLOCK]. DIAG (probe only, wrong results): 1 = loads only, 2 = no
     block scales, 3 = no expansion (bf16 modes: one mask per register instead), 4 = neither. PRESCALE (MXFP4, fp16 operands): the block scale goes into the operand relative
@@ -303,6 +306,8 @@ def _fp4_oct(acc, w, s_rows, kc, offs_q, n_mask, x_rows, m_mask, r_max,
         else:
             if MODE >= 3:
                 op = ops[i]
+            elif OCTB:   # octb words, Triton arithmetic (mode bf16rot is the fast reader)
+                op = octb_operand(w, i, MODE)
             else:
                 op = nibble_operand(w, i, MODE)
             if DIAG == 2 or DIAG == 4:
@@ -318,21 +323,22 @@ def _fp4_oct(acc, w, s_rows, kc, offs_q, n_mask, x_rows, m_mask, r_max,
 def _oct_step(acc, acc_u, k0, w_rows, s_rows, x_rows, offs_b, n_mask, m_mask, desc, desc_u, n0, r_max, r_max_u,
               up_rows, up_w_offset, stride_wchunk, stride_sn, CHUNKS: tl.constexpr, BLOCK: tl.constexpr,
               NVFP4: tl.constexpr, MODE: tl.constexpr, DIAG: tl.constexpr, PRESCALE: tl.constexpr,
-              SWIGLU: tl.constexpr, TMA: tl.constexpr, TILE: tl.constexpr, BLOCK_N: tl.constexpr):
+              SWIGLU: tl.constexpr, TMA: tl.constexpr, TILE: tl.constexpr, BLOCK_N: tl.constexpr,
+              OCTB: tl.constexpr = False):
     """One oct loop step: CHUNKS packing units (8 scale blocks each) from element k0, gate (acc)
-    and with SWIGLU up (acc_u) rows."""
+    and with SWIGLU up (acc_u) rows; OCTB: the words are in "octb" order."""
     for c in tl.static_range(CHUNKS):
         kc = k0 + c * 8 * BLOCK
         unit = kc // (8 * BLOCK)
         wk = unit * stride_wchunk
         w = _oct_words(w_rows, wk, offs_b, n_mask, desc, n0, unit, TMA, TILE, BLOCK_N, BLOCK)
         acc = _fp4_oct(acc, w, s_rows, kc, offs_b, n_mask, x_rows, m_mask, r_max, BLOCK, NVFP4,
-                       MODE, DIAG, PRESCALE)
+                       MODE, DIAG, PRESCALE, OCTB)
         if SWIGLU:
             w_u = _oct_words(w_rows + up_w_offset, wk, offs_b, n_mask, desc_u, n0, unit, TMA, TILE,
                              BLOCK_N, BLOCK)
             acc_u = _fp4_oct(acc_u, w_u, s_rows + up_rows * stride_sn, kc,
-                             offs_b, n_mask, x_rows, m_mask, r_max_u, BLOCK, NVFP4, MODE, DIAG, PRESCALE)
+                             offs_b, n_mask, x_rows, m_mask, r_max_u, BLOCK, NVFP4, MODE, DIAG, PRESCALE, OCTB)
     return acc, acc_u
 
 
@@ -419,7 +425,7 @@ def _w4a16_program(
         if SWIGLU:
             r_max_u = tl.load(r_rows + up_rows, mask=r_mask, other=0).to(tl.int32)
     # K steps of STEP elements; this program's: Q (+ 1 for the first R parts) from k_begin
-    STEP: tl.constexpr = (2 + 6 * PACK) * BLOCK * CHUNKS
+    STEP: tl.constexpr = (8 if PACK >= 1 else 2) * BLOCK * CHUNKS
     Q: tl.constexpr = K // STEP // SPLIT_K
     R: tl.constexpr = K // STEP % SPLIT_K
     if SPLIT_K == 1:
@@ -427,7 +433,7 @@ def _w4a16_program(
     else:
         k_begin = tl.multiple_of((pid_k * Q + tl.minimum(pid_k, R)) * STEP, STEP)
     if rows > 0:   # (not a dynamic loop bound: the interpreter cannot range over a reduction)
-        if PACK == 1:   # oct: w_ptr is int32 words, 8 blocks per word row
+        if PACK >= 1:   # oct / octb: w_ptr is int32 words, 8 blocks per word row
             n0 = pid_n * BLOCK_N
             desc = w_rows   # (placeholders: read only with TMA)
             desc_u = w_rows
@@ -440,13 +446,13 @@ def _w4a16_program(
                 acc, acc_u = _oct_step(acc, acc_u, k_begin + k0, w_rows, s_rows, x_rows, offs_b, n_mask, m_mask,
                                        desc, desc_u, n0, r_max, r_max_u, up_rows, up_w_offset, stride_wchunk,
                                        stride_sn, CHUNKS, BLOCK, NVFP4, MODE, DIAG, PRESCALE, SWIGLU, TMA, TILE,
-                                       BLOCK_N)
+                                       BLOCK_N, PACK == 2)
             if R > 0:
                 if pid_k < R:
                     acc, acc_u = _oct_step(acc, acc_u, k_begin + Q * STEP, w_rows, s_rows, x_rows, offs_b, n_mask,
                                            m_mask, desc, desc_u, n0, r_max, r_max_u, up_rows, up_w_offset,
                                            stride_wchunk, stride_sn, CHUNKS, BLOCK, NVFP4, MODE, DIAG, PRESCALE,
-                                           SWIGLU, TMA, TILE, BLOCK_N)
+                                           SWIGLU, TMA, TILE, BLOCK_N, PACK == 2)
         else:
             for k0 in range(0, Q * STEP, STEP):
                 acc, acc_u = _paired_step(acc, acc_u, k_begin + k0, w_rows, s_rows, x_rows, offs_b, n_mask, m_mask,
@@ -640,12 +646,10 @@ def pick_config(rows_per_expert: float, dtype: torch.dtype, packing: str = "oct"
     if dtype == torch.float32:   # fp32 operands: exact products, small tiles (registers)
         return W4A16Config(block_n=64, block_m=16 if rows_per_expert <= 16 else 32, chunks=1, num_warps=4,
                            num_stages=2, mode="f32", packing=packing)
-    if packing == "octb":   # only mode bf16rot reads it: the bf16asm settings in that mode
-        if not (USE_ASM and not impl.interpreting() and fmt == "mxfp4" and dtype == torch.bfloat16):
-            raise ValueError(f"packing 'octb' is read only by mode 'bf16rot' (inline PTX on a GPU, MXFP4, bf16 "
-                             f"activations); got fmt {fmt!r}, activations {dtype}; prepare the weight in 'oct'")
-        base = pick_config(min(rows_per_expert, 32), dtype, "oct", swiglu, fmt)
-        return W4A16Config(**{**base.__dict__, "mode": "bf16rot", "packing": "octb"})
+    if packing == "octb":   # the oct settings; bf16asm becomes bf16rot, the other PTX modes Triton arithmetic
+        base = pick_config(rows_per_expert, dtype, "oct", swiglu, fmt)
+        mode = "bf16rot" if base.mode == "bf16asm" else "f16" if base.mode in ASM_MODES else base.mode
+        return W4A16Config(**{**base.__dict__, "mode": mode, "packing": "octb"})
     asm = USE_ASM and packing == "oct" and not impl.interpreting()
     mode = "f16asm" if asm else "f16"
     bucket = 16 if rows_per_expert <= 16 else 32 if rows_per_expert <= 32 else 64 if rows_per_expert <= 64 else 128
@@ -724,10 +728,10 @@ def launch_w4a16(x: torch.Tensor, w: PreparedWeight, rows, *, out_dtype: torch.d
     packing = w.kernel_packing
     cfg = config or pick_config(hint, x.dtype, packing if K % (8 * w.block) == 0 else "paired", swiglu is not None,
                                 w.fmt)
-    need = "octb" if cfg.mode == "bf16rot" else "oct"
-    if (cfg.mode in ASM_MODES or cfg.packing == "octb") and cfg.packing != need:
-        raise ValueError(f"mode {cfg.mode!r} reads packing {need!r}, got {cfg.packing!r} (packing 'octb' is "
-                         f"read only by mode 'bf16rot')")
+    need = ASM_PACKING.get(cfg.mode)
+    if need is not None and cfg.packing != need:
+        raise ValueError(f"mode {cfg.mode!r} reads packing {need!r}, got {cfg.packing!r} (the Triton-arithmetic "
+                         f"modes f16 / bf16 / f32 read any)")
     if cfg.packing == "octb" and K % (8 * w.block):
         raise ValueError(f"packing 'octb' needs K ({K}) a multiple of 8 scale blocks ({8 * w.block})")
     if cfg.packing == "oct" and K % (8 * w.block):
