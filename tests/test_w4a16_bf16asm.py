@@ -148,6 +148,16 @@ def _v3_decode(tok: int):
     return counts, x, expert_rows(x, E, counts, None, "contiguous"), _weight(E, N, K, seed=tok)
 
 
+def _graph_replay(fn):
+    """fn's output captured in a CUDA graph and replayed once."""
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fn()
+    graph.replay()
+    torch.cuda.synchronize()
+    return out
+
+
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     assert torch.isfinite(a).all()
     return float((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30))
@@ -195,12 +205,7 @@ def test_gpu_bf16asm_wide_scale_range_nan_scale_split_k_and_graph_replay():
     assert _rel(got, ref) < 1e-5
     split = launch_w4a16(x, pw, rows, out_dtype=torch.float32, config=dataclasses.replace(cfg, split_k=4))
     assert _rel(split, ref) < 1e-5
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = launch_w4a16(x, pw, rows, out_dtype=torch.float32, config=cfg)
-    graph.replay()
-    torch.cuda.synchronize()
-    assert torch.equal(out, got)
+    assert torch.equal(_graph_replay(lambda: launch_w4a16(x, pw, rows, out_dtype=torch.float32, config=cfg)), got)
     # a NaN scale in expert 0, row 5 -> that output column is NaN for expert 0's token only
     scale = pw.scale.clone()
     scale[0, 5, 3] = 255
@@ -363,9 +368,4 @@ def test_gpu_bf16rot_gives_the_bits_of_bf16asm(tok):
             assert torch.equal(a, b), (swiglu, tma)
     cfg = pick_config(rows.rows_hint, torch.bfloat16, "octb")
     eager = launch_w4a16(x, pb, rows, out_dtype=torch.bfloat16, config=cfg)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = launch_w4a16(x, pb, rows, out_dtype=torch.bfloat16, config=cfg)
-    graph.replay()
-    torch.cuda.synchronize()
-    assert torch.equal(out, eager)
+    assert torch.equal(_graph_replay(lambda: launch_w4a16(x, pb, rows, out_dtype=torch.bfloat16, config=cfg)), eager)

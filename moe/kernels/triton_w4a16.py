@@ -193,33 +193,29 @@ def oct_bf16_reference(w0: torch.Tensor, w1: torch.Tensor) -> list[torch.Tensor]
 
 
 @triton.jit
+def _eight_operands(w, ASM: tl.constexpr, BF16: tl.constexpr):
+    """Two oct words per call (pack 2) -> 8 registers of two bf16 / fp16: one operand per scale block."""
+    if BF16:
+        return tl.inline_asm_elementwise(ASM, "=r,=r,=r,=r,=r,=r,=r,=r,r,r", [w], is_pure=True, pack=2,
+                                         dtype=(tl.bfloat16,) * 8)
+    else:
+        return tl.inline_asm_elementwise(ASM, "=r,=r,=r,=r,=r,=r,=r,=r,r,r", [w], is_pure=True, pack=2,
+                                         dtype=(tl.float16,) * 8)
+
+
+@triton.jit
 def _oct_operands_asm(w, SWAP: tl.constexpr, BF16: tl.constexpr = False, ROT: tl.constexpr = False,
                       NO_EXPANSION: tl.constexpr = False):
     if NO_EXPANSION:
-        return tl.inline_asm_elementwise(_OCT_DIAG_ASM, "=r,=r,=r,=r,=r,=r,=r,=r,r,r", [w],
-                                         dtype=(tl.bfloat16, tl.bfloat16, tl.bfloat16, tl.bfloat16,
-                                                tl.bfloat16, tl.bfloat16, tl.bfloat16, tl.bfloat16),
-                                         is_pure=True, pack=2)
+        return _eight_operands(w, _OCT_DIAG_ASM, True)
     elif ROT:
-        return tl.inline_asm_elementwise(_OCTB_BF16_ASM, "=r,=r,=r,=r,=r,=r,=r,=r,r,r", [w],
-                                         dtype=(tl.bfloat16, tl.bfloat16, tl.bfloat16, tl.bfloat16,
-                                                tl.bfloat16, tl.bfloat16, tl.bfloat16, tl.bfloat16),
-                                         is_pure=True, pack=2)
+        return _eight_operands(w, _OCTB_BF16_ASM, True)
     elif BF16:
-        return tl.inline_asm_elementwise(_OCT_BF16_ASM, "=r,=r,=r,=r,=r,=r,=r,=r,r,r", [w],
-                                         dtype=(tl.bfloat16, tl.bfloat16, tl.bfloat16, tl.bfloat16,
-                                                tl.bfloat16, tl.bfloat16, tl.bfloat16, tl.bfloat16),
-                                         is_pure=True, pack=2)
+        return _eight_operands(w, _OCT_BF16_ASM, True)
     elif SWAP:
-        return tl.inline_asm_elementwise(_OCT_F16_ASM_SWAP, "=r,=r,=r,=r,=r,=r,=r,=r,r,r", [w],
-                                         dtype=(tl.float16, tl.float16, tl.float16, tl.float16,
-                                                tl.float16, tl.float16, tl.float16, tl.float16),
-                                         is_pure=True, pack=2)
+        return _eight_operands(w, _OCT_F16_ASM_SWAP, False)
     else:
-        return tl.inline_asm_elementwise(_OCT_F16_ASM, "=r,=r,=r,=r,=r,=r,=r,=r,r,r", [w],
-                                         dtype=(tl.float16, tl.float16, tl.float16, tl.float16,
-                                                tl.float16, tl.float16, tl.float16, tl.float16),
-                                         is_pure=True, pack=2)
+        return _eight_operands(w, _OCT_F16_ASM, False)
 
 
 @triton.jit
