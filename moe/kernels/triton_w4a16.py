@@ -222,7 +222,7 @@ def _oct_operands_asm(w, SWAP: tl.constexpr, BF16: tl.constexpr = False, ROT: tl
 def _prescaled(op, s_i, r_max, MODE: tl.constexpr):
     """fp16 weight operand [BN, Q] (v * 2^-14) times 2^(15 - d), d = r_max - s_i >= 0 (E8M0
     exponents): exact while d <= 24, flushed towards 0 beyond (a block 2^-24 below its row's
-    largest); the product is then v * 2^(s_i - r_max + 1). MODE 5 (bf16, v * 2^-126): times
+    largest); the product is then v * 2^(s_i - r_max + 1). MODES 5 and 6 (bf16, v * 2^-126): times
     2^(126 - d), so v * 2^(s_i - r_max), exact while d <= 125."""
     d = r_max - s_i.to(tl.int32)
     if MODE >= 5:
@@ -235,7 +235,7 @@ def _prescaled(op, s_i, r_max, MODE: tl.constexpr):
 @triton.jit
 def _prescale_factor(r_max, MODE: tl.constexpr):
     """fp32 [BN] that takes a prescaled accumulator back: 2^(r_max - 127) * 2^14 (fp16 weight
-    bits) * 2^8 (activation pre-scale) / 2^15 (the operand's 2^15); MODE 5: 2^(r_max - 127)
+    bits) * 2^8 (activation pre-scale) / 2^15 (the operand's 2^15); MODES 5, 6: 2^(r_max - 127)
     (bf16 operands, activations as they are); r_max 255 (NaN scale) -> NaN."""
     f = tl.exp2((r_max - 127).to(tl.float32))
     if MODE < 5:
@@ -284,7 +284,8 @@ def _fp4_oct(acc, w, s_rows, kc, offs_q, n_mask, x_rows, m_mask, r_max,
              PRESCALE: tl.constexpr, OCTB: tl.constexpr = False):
     """acc [BN, BM] += 8 scale blocks of W rows (w: their oct words, int32 [BN, BLOCK], from
     `_oct_words`) @ x[kc : kc + 8 BLOCK]. DIAG (probe only, wrong results): 1 = loads only, 2 = no
-    block scales, 3 = no expansion (bf16 modes: one mask per register instead), 4 = neither. PRESCALE (MXFP4, fp16 operands): the block scale goes into the operand relative
+    block scales, 3 = no expansion (bf16 modes: one mask per register instead), 4 = neither.
+    PRESCALE (MXFP4, 16-bit operands): the block scale goes into the operand relative
     to the row's largest (r_max [BN]), so the MMAs chain into one accumulator with no per-block
     fp32 rescale; the caller applies `_prescale_factor(r_max)` once at the end."""
     # the unit's 8 scale bytes of a row are one aligned int64 (s_rows points at int64 scales):
@@ -570,10 +571,11 @@ class W4A16Config:
     """Launch shape of the fused kernel. block_n: weight rows per program; block_m: tokens per
     tile; chunks: packing units (2 or 8 scale blocks) per loop iteration; mode: operand
     encoding 'f16' | 'bf16' | 'f32' (Triton arithmetic) | 'f16asm' (inline PTX, oct packing) |
-    'bf16asm' (inline PTX to bf16 operands, activations used as they are; MXFP4 with prescale only);
-    packing: 'paired' | 'oct'; tma (oct only): weight words through a device-side TMA descriptor
-    instead of pointer-tensor loads (`pick_config` takes it for MXFP4 decode without SwiGLU:
-    bench/gemm-notes.md, round 4).
+    'bf16asm' (inline PTX to bf16 operands, activations used as they are; MXFP4 with prescale only) |
+    'bf16rot' (the same from packing 'octb'); packing: 'paired' | 'oct' | 'octb' (the PTX modes read
+    their own, `ASM_PACKING`; the Triton-arithmetic ones read any); tma (oct / octb only): weight
+    words through a device-side TMA descriptor instead of pointer-tensor loads (`pick_config`
+    takes it for MXFP4 decode without SwiGLU: bench/gemm-notes.md, rounds 4 and 6).
 
     split_k (1, 2, 4 or 8; `pick_config` keeps 1): S > 1 splits K over S programs per (row tile,
     token tile), for decode where few experts have rows and the grid under-fills the GPU. The K
@@ -610,7 +612,7 @@ class W4A16Config:
         if not isinstance(self.tma, bool):
             raise ValueError(f"W4A16Config.tma must be True or False, got {self.tma!r}")
         if self.tma and self.packing not in ("oct", "octb"):
-            raise ValueError(f"W4A16Config.tma needs packing 'oct', got {self.packing!r} (valid: {sorted(PACKS)})")
+            raise ValueError(f"W4A16Config.tma needs packing 'oct' or 'octb', got {self.packing!r} (valid: {sorted(PACKS)})")
 
 
 # Inline PTX expansion (oct packing) on real GPUs; the interpreter runs the arithmetic version.
@@ -664,8 +666,9 @@ def pick_config(rows_per_expert: float, dtype: torch.dtype, packing: str = "oct"
     # V4-Flash L1 155 vs 173, L2 78 vs 91; 8 tokens: 287 vs 303; 32: 316 vs 328), and lose where few
     # experts have rows (1 token over 8 of 32 experts: 105 vs 80 µs; there 4 stages and pointer
     # loads stay best). rows_per_expert < 0.5 is that case (M / E with most experts empty).
-    # bf16 operands (mode bf16asm; bench/results/gemm-probe-decode7-h200.json, `--sections decode7`,
-    # H200 2026-12-01, each against the f16asm default in the same run): at these settings 1.16-1.66x
+    # bf16 operands (mode bf16asm; bench/results/gemm-probe-decode7a-h200.json, `--sections decode7`,
+    # H200 2026-12-01, each against the f16asm default in the same run; the second run,
+    # gemm-probe-decode7-h200.json, agrees within 3%): at these settings 1.16-1.66x
     # on every decode problem, V3 L1 1 / 8 / 32 tokens per expert 253.5 -> 199.3, 287.4 -> 204.7,
     # 311.1 -> 234.6 µs (0.46 -> 0.59 of the FP4 floor at 1 token), V3 L2 1 / 8: 127.9 -> 107.3,
     # 158.6 -> 106.8; V4-Flash L1 157.1 -> 121.0, L2 76.4 -> 66.1; 1 token over 8 of 32 experts

@@ -390,7 +390,9 @@ CONFIG = {
     "block_n_wide_fp8": 64, "num_warps_wide_fp8": 8, "num_stages_wide_fp8": 2, "lazy_rescale_wide_fp8": 0,
     "halves_wide_fp8": 1, "tma_wide_fp8": 1,
     # MLA with a query-head tile that is not full (fewer than block_m rows per kv head: 16 heads
-    # under TP 8): the halves / TMA structure loses there (probe below), so it is off
+    # under TP 8): the halves / TMA structure loses there (probe below), so it is off. The probe
+    # does not sweep these two (its halves / tma rows of such problems then run this setting);
+    # apply_tuning({"config": {...}}) sets them
     "halves_wide_narrow": 0, "tma_wide_narrow": 0,
 }
 # H200, B = 32, 1/4 of L = 8K and 32K (`python -m megapar.launch.bench.cp --probe`, CUDA-graph
