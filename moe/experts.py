@@ -109,6 +109,16 @@ def _fuse_quantized(q1: QuantizedTensor, q3: QuantizedTensor, layout: str) -> Qu
     return QuantizedTensor(fuse_gate_up(q1.data, q3.data, layout), fuse_gate_up(s1, s3, layout), q1.fmt, shape, gs)
 
 
+def _packing_for(fmt: str, act_dtype: torch.dtype, cuda: bool) -> str | None:
+    """The FP4 packing a quantized expert weight is prepared in. CPU: checkpoint order ("natural",
+    nothing to repack for the reference path). CUDA: "octb" for MXFP4 under bf16 activations, whose
+    decode kernel (W4A16 mode bf16rot) is 1.03-1.08x the oct one (bench/gemm-notes.md, round 7);
+    else None, the kernels' default ("oct"; prepare_weights falls back where K does not divide)."""
+    if not cuda:
+        return "natural"
+    return "octb" if fmt == "mxfp4" and act_dtype == torch.bfloat16 else None
+
+
 class Experts(nn.Module):
     """S routed expert slots of one MoE layer on this rank (see module docstring)."""
 
@@ -324,18 +334,19 @@ class Experts(nn.Module):
 
     # ---- compute ------------------------------------------------------------------------
 
-    def prepared(self) -> tuple[torch.Tensor | PreparedWeight, torch.Tensor | PreparedWeight]:
-        """(w13, w2) as `moe.kernels.expert_ffn` takes them. Quantized weights are prepared once per
-        device and storage version (FP4 nibbles repacked for the CUDA kernels: a second copy of the
-        packed data there); in-place changes (EPLB migration, loading) invalidate the copy."""
+    def prepared(self, act_dtype: torch.dtype = torch.bfloat16
+                 ) -> tuple[torch.Tensor | PreparedWeight, torch.Tensor | PreparedWeight]:
+        """(w13, w2) as `moe.kernels.expert_ffn` takes them for activations of act_dtype. Quantized
+        weights are prepared once per device, storage version and packing (FP4 nibbles repacked for
+        the CUDA kernels: a second copy of the packed data there); in-place changes (EPLB
+        migration, loading) invalidate the copy."""
         if not self.quantized:
             return self.w13, self.w2
         tensors = [t for t in self.slot_tensors()]
-        key = (tensors[0].device, tuple((t.data_ptr(), t._version) for t in tensors))
+        packing = _packing_for(self.fmt, act_dtype, tensors[0].is_cuda)
+        key = (tensors[0].device, packing, tuple((t.data_ptr(), t._version) for t in tensors))
         if self._prepared_key != key:
-            # CUDA: the kernels' default packing ("oct", falling back where K does not divide);
-            # CPU: checkpoint order, nothing to repack for the reference path.
-            packing = {"packing": "natural"} if not tensors[0].is_cuda else {}
+            packing = {"packing": packing} if packing else {}
             self._prepared = (prepare_weights(self.weight("w13"), gate_up=self.gate_up, **packing),
                               prepare_weights(self.weight("w2"), **packing))
             if self.resident_fp8 and tensors[0].is_cuda:      # (the CPU path reads dequantized weights)
@@ -350,7 +361,7 @@ class Experts(nn.Module):
         pass the quantized rows (`moe.kernels.expert_ffn`)."""
         if not self.quantized:
             return False
-        w13, w2 = self.prepared()
+        w13, w2 = self.prepared()   # (fp8_token rows: the bf16 preparation, whose expansion they use)
         hint = num_rows / max(self.num_slots, 1)
         return ffn_backend(self.backend, torch.device(device), w13, w2, hint) == "triton_w4a8"
 
@@ -364,7 +375,7 @@ class Experts(nn.Module):
             raise ValueError(f"Experts input must be [N, hidden={self.hidden}]; got {tuple(x.shape)}")
         if len(counts) != self.num_slots:
             raise ValueError(f"counts has {len(counts)} entries; this rank holds {self.num_slots} expert slots")
-        w13, w2 = self.prepared()
+        w13, w2 = self.prepared(torch.bfloat16 if isinstance(x, QuantizedTensor) else x.dtype)
         if not isinstance(counts, torch.Tensor):
             device = x.data.device if isinstance(x, QuantizedTensor) else x.device
             counts = torch.tensor(list(counts), dtype=torch.int64, device=device)

@@ -155,11 +155,15 @@ def test_auto_keeps_cpu_on_torch_and_bad_input_raises():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("cache_dtype", [torch.bfloat16, torch.float8_e4m3fn])
+@pytest.mark.parametrize("cache_dtype,f16", [(torch.bfloat16, 0), (torch.float8_e4m3fn, 0), (torch.float8_e4m3fn, 1)],
+                         ids=["bf16", "fp8", "fp8-f16"])
 @pytest.mark.parametrize("hq,hkv,d,dv,tq", [(32, 4, 128, 128, 1), (32, 4, 128, 128, 4), (16, 1, 576, 512, 1),
                                            (128, 1, 576, 512, 2)])
-def test_kernel_full_size_on_gpu(cache_dtype, hq, hkv, d, dv, tq, monkeypatch):
+def test_kernel_full_size_on_gpu(cache_dtype, f16, hq, hkv, d, dv, tq, monkeypatch):
+    from parallel.cp import triton_decode
+
     monkeypatch.setenv("TRITON_INTERPRET", "0")
+    monkeypatch.setitem(triton_decode.CONFIG, "f16_fp8", f16)    # (GQA over fp8: fp16 operands or not)
     lens = [8192, 1, 0, 3000, 20000, 77]
     lens = [max(n, tq) if n else 0 for n in lens]
     cache, table, layout, _, _ = _fill(lens, hkv, d, dv, 64, 4, 2, 1, cache_dtype, seed=11, device="cuda")
@@ -250,3 +254,34 @@ def test_mla_structure_options_on_gpu(cache_dtype, structure, monkeypatch):
     assert torch.equal(finite, torch.isfinite(got.lse)) and not finite[1].any()
     torch.testing.assert_close(got.lse[finite], ref.lse[finite], atol=2e-2, rtol=0)
     torch.testing.assert_close(got.out, ref.out, atol=2e-2, rtol=0)
+
+
+@pytest.mark.parametrize("q_exp", [0, -60, 70])
+@pytest.mark.parametrize("tq,d", [(1, 64), (2, 80)])
+def test_kernel_fp8_cache_f16_operands(monkeypatch, q_exp, tq, d):
+    """CONFIG f16_fp8: bf16 queries scaled into fp16 by a power of two, fp16 weights over the
+    running per-row maximum. Value scales spread over 2^-40..2^40 per token (weights that fp16
+    could not hold as p * v_scale), keys' over 2^-20..2^20, queries at 2^q_exp; a rest dim
+    (d = 80 = 64 + 16) with Tq = 2; an empty sequence; several splits."""
+    from parallel.cp import triton_decode
+
+    monkeypatch.setitem(triton_decode.CONFIG, "min_split", 64)
+    monkeypatch.setitem(triton_decode.CONFIG, "f16_fp8", 1)
+    lens = [300, 2, 0, 190]
+    cache, table, layout, _, _ = _fill(lens, 2, d, 64, 16, 1, 0, 1, torch.float8_e4m3fn, seed=11 + d)
+    gen = torch.Generator().manual_seed(q_exp + 100)
+    cache.v_scale.mul_(torch.exp2(torch.randint(-40, 41, cache.v_scale.shape, generator=gen).float()))
+    cache.k_scale.mul_(torch.exp2(torch.randint(-20, 21, cache.k_scale.shape, generator=gen).float()) / 2 ** 10)
+    q = (torch.randn(len(lens), tq, 8, d, generator=gen) * 2.0 ** q_exp).to(torch.bfloat16)
+    seq = torch.tensor(lens).clamp(min=tq) if tq > 1 else torch.tensor(lens)   # (Tq queries need Tq tokens)
+    settings = triton_decode.launch_settings(d, q.dtype, cache.k.dtype, tq * 4)
+    assert settings["f16"] == 1
+    ref = paged_decode_attention(q.float(), cache, table, seq, backend="torch")
+    got = paged_decode_attention(q, cache, table, seq, backend="triton")
+    # error bound: fp16 weights (2^-11 of each, 2^-25 of the row's largest in subnormals) against
+    # the output's scale, the largest |v * v_scale| a row can weigh
+    span = (cache.v.float().abs() * cache.v_scale[..., None]).amax()
+    torch.testing.assert_close(got.lse, ref.lse, atol=2e-3, rtol=2e-5)     # (2^70 queries: scores ~ 1e22)
+    assert ((got.out - ref.out).abs() <= 2e-3 * span).all(), (got.out - ref.out).abs().max() / span
+    if tq == 1:
+        assert torch.isinf(got.lse[2]).all() and (got.out[2] == 0).all()

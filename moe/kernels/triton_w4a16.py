@@ -645,9 +645,17 @@ def pick_config(rows_per_expert: float, dtype: torch.dtype, packing: str = "oct"
         return W4A16Config(block_n=64, block_m=16 if rows_per_expert <= 16 else 32, chunks=1, num_warps=4,
                            num_stages=2, mode="f32", packing=packing)
     if packing == "octb":   # the oct settings; bf16asm becomes bf16rot, the other PTX modes Triton arithmetic
+        # bf16rot (bench/results/gemm-probe-decode8-h200.json, `--sections decode8`, H200 2026-12-02,
+        # beside the bf16asm default in the same run): 1.03-1.08x at the default's settings; with
+        # TMA loads 2 stages beat 3 (V3 L1 1 / 8 / 32 tokens per expert 203.4 -> 187.6, 208.3 ->
+        # 192.3, 233.0 -> 224.5 µs; V3 L2 1 / 8: 107.1 -> 100.9, 109.5 -> 102.7; V4-Flash L1
+        # 124.3 -> 115.3), a tie at V4-Flash L2 (61.1 vs 61.3); pointer loads with 4 stages stay
+        # best where few experts have rows (1 token over 8 of 32: 61.5 -> 59.8) and the fused SwiGLU
+        # keeps its settings (235.3 -> 219.1 at V3 L1).
         base = pick_config(rows_per_expert, dtype, "oct", swiglu, fmt)
         mode = "bf16rot" if base.mode == "bf16asm" else "f16" if base.mode in ASM_MODES else base.mode
-        return W4A16Config(**{**base.__dict__, "mode": mode, "packing": "octb"})
+        stages = 2 if mode == "bf16rot" and base.tma else base.num_stages
+        return W4A16Config(**{**base.__dict__, "mode": mode, "packing": "octb", "num_stages": stages})
     asm = USE_ASM and packing == "oct" and not impl.interpreting()
     mode = "f16asm" if asm else "f16"
     bucket = 16 if rows_per_expert <= 16 else 32 if rows_per_expert <= 32 else 64 if rows_per_expert <= 64 else 128

@@ -90,12 +90,38 @@ def _softmax_step(qk, m_i, LAZY: tl.constexpr):
 
 
 @triton.jit
-def _tile(j0, end, s64, kvh, q_main, q_rest, q_pos, rmask, dm, dr, rest_mask, dv, dv_mask, m_i, l_i, acc,
+def _f16_queries(q_main, q_rest, qk_scale, D_REST: tl.constexpr):
+    """bf16 query tiles -> fp16 ones times one power of two 2^e that puts their largest magnitude in
+    [2^14, 2^15) (e <= 100: tiles below 2^-85 stay smaller), and qk_scale * 2^-e. Every element
+    at least 2^-31 of the largest converts exactly (fp16 holds bf16's 8 significant bits from
+    2^-17 up); smaller ones round in fp16's subnormals, a change to the score below 2^-31 of the
+    largest term's bound. Any finite bf16 tile fits (e >= -113)."""
+    if q_main.dtype == tl.bfloat16:   # (fp16 queries stay as they are)
+        amax = tl.max(tl.max(tl.abs(q_main.to(tl.float32)), 1), 0)
+        if D_REST > 0:
+            amax = tl.maximum(amax, tl.max(tl.max(tl.abs(q_rest.to(tl.float32)), 1), 0))
+        biased = (amax.to(tl.int32, bitcast=True) >> 23) & 0xFF            # amax in [2^(b-127), 2^(b-126))
+        e = tl.minimum(tl.maximum(141 - biased, -113), 100)                # 2^e * amax in [2^14, 2^15)
+        up = ((e + 127) << 23).to(tl.float32, bitcast=True)
+        down = ((127 - e) << 23).to(tl.float32, bitcast=True)
+        q_main = (q_main.to(tl.float32) * up).to(tl.float16)
+        if D_REST > 0:
+            q_rest = (q_rest.to(tl.float32) * up).to(tl.float16)
+        qk_scale = qk_scale * down
+    return q_main, q_rest, qk_scale
+
+
+@triton.jit
+def _tile(j0, end, s64, kvh, q_main, q_rest, q_pos, rmask, dm, dr, rest_mask, dv, dv_mask, m_i, l_i, acc, r_i,
           k_ptr, v_ptr, ks_ptr, vs_ptr, table_ptr, qk_scale, dcp_size, dcp_rank, interleave,
           sk_b, sk_t, sk_h, sv_b, sv_t, sv_h, ss_b, ss_t, ss_h, svs_b, svs_t, svs_h, st_s,
           D_REST: tl.constexpr, BLOCK_N: tl.constexpr, PAGE: tl.constexpr, FP8: tl.constexpr,
-          V_FROM_K: tl.constexpr, CAUSAL: tl.constexpr, IEEE: tl.constexpr, LAZY: tl.constexpr):
-    """One key tile [j0, j0 + BLOCK_N) of the online softmax: returns the new (m, l, acc)."""
+          V_FROM_K: tl.constexpr, CAUSAL: tl.constexpr, IEEE: tl.constexpr, LAZY: tl.constexpr,
+          F16: tl.constexpr):
+    """One key tile [j0, j0 + BLOCK_N) of the online softmax: returns the new (m, l, acc, r).
+    F16 (fp8 cache, fp16 queries from `_f16_queries`): fp16 MMA operands, one conversion per fp8
+    pair; the weights w = p * v_scale go to fp16 over the running per-row scale r = the largest
+    weight so far (w / r <= 1), acc is kept in units of r (out = acc * r / l)."""
     j = j0 + tl.arange(0, BLOCK_N)
     jmask = j < end
     if PAGE % BLOCK_N == 0:     # the tile lies in one page (tiles start at multiples of BLOCK_N): one id
@@ -126,13 +152,8 @@ def _tile(j0, end, s64, kvh, q_main, q_rest, q_pos, rmask, dm, dr, rest_mask, dv
     else:
         qk = qk * qk_scale
     qk, allowed = _mask_scores(qk, j, jmask, rmask, q_pos, dcp_size, dcp_rank, interleave, CAUSAL)
-    m_new, p, alpha, grow = _softmax_step(qk, m_i, LAZY)
+    m_new, p, alpha, grow = _softmax_step(qk, m_i, LAZY and not F16)
     l_i = l_i * alpha + tl.sum(p, 1)
-    if LAZY:
-        if grow:
-            acc = acc * alpha[:, None]
-    else:
-        acc = acc * alpha[:, None]
     if V_FROM_K:
         v_tile = k_main
     else:
@@ -145,11 +166,22 @@ def _tile(j0, end, s64, kvh, q_main, q_rest, q_pos, rmask, dm, dr, rest_mask, dv
         pv = p * vs[None, :]
     else:
         pv = p
+    if F16:   # acc in units of r: r' = max(r * alpha, largest weight of the tile) >= every weight
+        r_new = tl.maximum(r_i * alpha, tl.max(pv, 1))
+        inv = 1.0 / tl.where(r_new > 0, r_new, 1.0)
+        acc = acc * (r_i * alpha * inv)[:, None]
+        pv = pv * inv[:, None]
+        r_i = r_new
+    elif LAZY:
+        if grow:
+            acc = acc * alpha[:, None]
+    else:
+        acc = acc * alpha[:, None]
     if IEEE:
         acc += tl.dot(pv.to(v_tile.dtype), v_tile, input_precision="ieee")
     else:
         acc += tl.dot(pv.to(v_tile.dtype), v_tile)
-    return m_new, l_i, acc
+    return m_new, l_i, acc, r_i
 
 
 @triton.jit
@@ -306,7 +338,7 @@ def _paged_decode_kernel(
     BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PAGE: tl.constexpr,
     FP8: tl.constexpr, V_FROM_K: tl.constexpr, CAUSAL: tl.constexpr, IEEE: tl.constexpr,
     INTERPRETED: tl.constexpr, LAZY: tl.constexpr = False, HALVES: tl.constexpr = False,
-    TMA: tl.constexpr = False, DIAG: tl.constexpr = 0, NUM_BLOCKS=1,
+    TMA: tl.constexpr = False, DIAG: tl.constexpr = 0, F16: tl.constexpr = False, NUM_BLOCKS=1,
 ):
     pid = tl.program_id(0)
     split = tl.program_id(1)
@@ -346,23 +378,29 @@ def _paged_decode_kernel(
         m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_M], tl.float32)
         acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
+        r_i = tl.zeros([BLOCK_M], tl.float32)      # (F16: acc's unit)
+        if F16:
+            q_main, q_rest, qk_scale = _f16_queries(q_main, q_rest, qk_scale, D_REST)
         # a `for` loop pipelines on the GPU; the interpreter only takes constant bounds there
         if INTERPRETED:
             j0 = start
             while j0 < end:
-                m_i, l_i, acc = _tile(j0, end, s64, kvh, q_main, q_rest, q_pos, rmask, dm, dr, rest_mask, dv, dv_mask,
-                                      m_i, l_i, acc, k_ptr, v_ptr, ks_ptr, vs_ptr, table_ptr, qk_scale, dcp_size, dcp_rank,
+                m_i, l_i, acc, r_i = _tile(j0, end, s64, kvh, q_main, q_rest, q_pos, rmask, dm, dr, rest_mask, dv,
+                                           dv_mask, m_i, l_i, acc, r_i, k_ptr, v_ptr, ks_ptr, vs_ptr, table_ptr, qk_scale, dcp_size, dcp_rank,
                                       interleave, sk_b, sk_t, sk_h, sv_b, sv_t, sv_h, ss_b, ss_t, ss_h, svs_b, svs_t, svs_h,
-                                      st_s, D_REST, BLOCK_N, PAGE, FP8, V_FROM_K, CAUSAL, IEEE, LAZY)
+                                      st_s, D_REST, BLOCK_N, PAGE, FP8, V_FROM_K, CAUSAL, IEEE, LAZY, F16)
                 j0 += BLOCK_N
         else:
             for j0 in range(start, end, BLOCK_N):
-                m_i, l_i, acc = _tile(j0, end, s64, kvh, q_main, q_rest, q_pos, rmask, dm, dr, rest_mask, dv, dv_mask,
-                                      m_i, l_i, acc, k_ptr, v_ptr, ks_ptr, vs_ptr, table_ptr, qk_scale, dcp_size, dcp_rank,
+                m_i, l_i, acc, r_i = _tile(j0, end, s64, kvh, q_main, q_rest, q_pos, rmask, dm, dr, rest_mask, dv,
+                                           dv_mask, m_i, l_i, acc, r_i, k_ptr, v_ptr, ks_ptr, vs_ptr, table_ptr, qk_scale, dcp_size, dcp_rank,
                                       interleave, sk_b, sk_t, sk_h, sv_b, sv_t, sv_h, ss_b, ss_t, ss_h, svs_b, svs_t, svs_h,
-                                      st_s, D_REST, BLOCK_N, PAGE, FP8, V_FROM_K, CAUSAL, IEEE, LAZY)
+                                      st_s, D_REST, BLOCK_N, PAGE, FP8, V_FROM_K, CAUSAL, IEEE, LAZY, F16)
         safe, lse = _finish(l_i, m_i)
-        out = acc / safe[:, None]
+        if F16:
+            out = acc * (r_i / safe)[:, None]
+        else:
+            out = acc / safe[:, None]
         o_row = split.to(tl.int64) * so_p + s64 * so_s + t_idx.to(tl.int64) * so_t + h_idx.to(tl.int64) * so_h
         tl.store(o_ptr + o_row[:, None] + dv[None, :], out, mask=rmask[:, None] & dv_mask[None, :])
         l_row = split.to(tl.int64) * sl_p + s64 * sl_s + t_idx.to(tl.int64) * sl_t + h_idx
@@ -376,6 +414,10 @@ CONFIG = {
     "block_m": 64, "block_m_wide": 64, "block_m_wide_fp8": 64,
     "num_warps": 4, "num_warps_wide": 8, "num_stages": 2, "num_stages_wide": 2,
     "block_n_fp8": 128, "num_stages_fp8": 3,      # GQA over an fp8 cache (key dim <= 256)
+    # f16_fp8: fp16 MMA operands over an fp8 cache (bf16 queries scaled into fp16 by a power of two,
+    # weights p * v_scale over a running per-row maximum: `_tile`), one conversion per fp8 pair
+    # instead of fp8 -> fp16 -> bf16
+    "f16_fp8": 0,
     # MLA with fp32 queries (exact products): 64 x 64 tiles in 3 stages would need 312 KB of shared
     # memory (sm_90a compile, bench/debug/kernel_sass.py); 32 x 32 in 2 stages needs 152 KB
     "block_n_wide_f32": 32, "block_m_wide_f32": 32, "num_stages_wide_f32": 2,
@@ -418,8 +460,8 @@ MEGAPAR_DECODE_TUNING=path at import)."""
 _WIDE = {"block_n": "block_n_wide", "block_m": "block_m_wide", "num_warps": "num_warps_wide",
          "num_stages": "num_stages_wide", "lazy_rescale": "lazy_rescale_wide", "halves": "halves_wide",
          "tma": "tma_wide", "diag": "diag_wide"}
-_STRUCTURE = ("lazy_rescale", "halves", "tma", "diag")      # 0/1 (diag 0-3) kernel options, launch_settings
-_FP8 = {"block_n": "block_n_fp8", "num_stages": "num_stages_fp8"}   # GQA over an fp8 cache
+_STRUCTURE = ("lazy_rescale", "halves", "tma", "diag", "f16")   # 0/1 (diag 0-3) kernel options, launch_settings
+_FP8 = {"block_n": "block_n_fp8", "num_stages": "num_stages_fp8", "f16": "f16_fp8"}   # GQA over an fp8 cache
 _WIDE_FP8 = {k: f"{k}_wide_fp8" for k in ("block_m", "block_n", "num_warps", "num_stages", "lazy_rescale", "halves",
                                           "tma")}                  # MLA over an fp8 cache
 # tuning-file family -> (its keys' CONFIG names, whether only those keys are allowed)
@@ -429,7 +471,7 @@ _VALID = {
     "target_programs": range(1, 1 << 16), "min_split": range(1, 1 << 24),
     "block_n": (16, 32, 64, 128, 256), "block_m": (16, 32, 64, 128, 256),
     "num_warps": (1, 2, 4, 8, 16), "num_stages": (1, 2, 3, 4, 5, 6),
-    "lazy_rescale": (0, 1), "halves": (0, 1), "tma": (0, 1), "diag": (0, 1, 2, 3),
+    "lazy_rescale": (0, 1), "halves": (0, 1), "tma": (0, 1), "diag": (0, 1, 2, 3), "f16": (0, 1),
 }
 _META = ("device", "sizes", "seconds", "results", "notes", "problems")
 
@@ -462,6 +504,8 @@ def apply_tuning(tuning: dict) -> None:
             if kind == "gqa" and key in ("halves", "tma", "diag"):
                 raise ValueError(f"decode tuning gqa.{key}: an MLA-only option (the latent head's layout); "
                                  f"give it under 'mla'")
+            if kind in ("gqa", "mla") and key == "f16":
+                raise ValueError(f"decode tuning {kind}.f16: an fp8-cache option; give it under 'gqa_fp8'")
             if key not in keys:
                 raise ValueError(f"unknown decode tuning key {kind}.{key}; valid: {', '.join(keys)}")
             if not _valid_value(key, value):
@@ -531,7 +575,7 @@ def launch_settings(d: int, q_dtype: torch.dtype, cache_dtype: torch.dtype, rows
             for variant, on in (("narrow", narrow), ("f32", q_dtype == torch.float32), ("fp8", fp8)):
                 if on and f"{name}_wide_{variant}" in CONFIG:
                     return f"{name}_wide_{variant}"
-            return _WIDE[name]
+            return _WIDE.get(name, f"{name}_wide")
         return _FP8[name] if fp8 and name in _FP8 else name
 
     out = {name: CONFIG[key(name)] for name in ("block_m", "block_n", "num_warps", "num_stages")}
@@ -559,6 +603,7 @@ def paged_decode_triton(q: Tensor, k: Tensor, v: Tensor, k_scale: Tensor | None,
     cfg = launch_settings(d, q.dtype, k.dtype, tq * g)
     block_n, block_m = cfg["block_n"], cfg["block_m"]
     halves = bool(cfg["halves"]) and _halves_ok(k, v, k_scale, v_scale, d_main, block_n)
+    f16 = bool(cfg["f16"]) and fp8 and not halves and q.dtype in (torch.bfloat16, torch.float16)
     tma = halves and bool(cfg["tma"]) and _tma_ok(k)
     if tma:
         impl.ensure_triton_scratch()
@@ -584,7 +629,7 @@ def paged_decode_triton(q: Tensor, k: Tensor, v: Tensor, k_scale: Tensor | None,
             D_MAIN=d_main, D_REST=d_rest, BLOCK_REST=block_rest, DV=dv, BLOCK_DV=triton.next_power_of_2(dv),
             BLOCK_M=block_m, BLOCK_N=block_n, PAGE=page, FP8=fp8, V_FROM_K=v_from_k, CAUSAL=tq > 1,
             IEEE=q.dtype == torch.float32, INTERPRETED=impl.interpreting(), LAZY=bool(cfg["lazy_rescale"]),
-            HALVES=halves, TMA=tma, DIAG=cfg["diag"] if halves else 0, NUM_BLOCKS=k.shape[0],
+            HALVES=halves, TMA=tma, DIAG=cfg["diag"] if halves else 0, F16=f16, NUM_BLOCKS=k.shape[0],
             num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     if splits == 1:
         return AttnState(o[0], lse[0])
