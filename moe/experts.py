@@ -38,7 +38,7 @@ from torch import nn
 
 from megapar.parallel import impl
 
-from megapar.moe.kernels import PreparedWeight, expert_ffn, prepare_weights, swiglu
+from megapar.moe.kernels import PreparedWeight, expert_ffn, packing_for, prepare_weights, swiglu
 from megapar.moe.kernels.ffn import ffn_backend
 from megapar.moe.quant import QuantizedTensor, dequantize, load_fp4_checkpoint, prepare_weight, quantize
 from megapar.parallel.quant.formats import FP4_FORMATS
@@ -107,16 +107,6 @@ def _fuse_quantized(q1: QuantizedTensor, q3: QuantizedTensor, layout: str) -> Qu
             s1 = (s1.view(torch.float8_e4m3fn).float() * (g1 / gs)).to(torch.float8_e4m3fn).view(torch.uint8)
             s3 = (s3.view(torch.float8_e4m3fn).float() * (g3 / gs)).to(torch.float8_e4m3fn).view(torch.uint8)
     return QuantizedTensor(fuse_gate_up(q1.data, q3.data, layout), fuse_gate_up(s1, s3, layout), q1.fmt, shape, gs)
-
-
-def _packing_for(fmt: str, act_dtype: torch.dtype, cuda: bool) -> str | None:
-    """The FP4 packing a quantized expert weight is prepared in. CPU: checkpoint order ("natural",
-    nothing to repack for the reference path). CUDA: "octb" for MXFP4 under bf16 activations, whose
-    decode kernel (W4A16 mode bf16rot) is 1.03-1.08x the oct one (bench/gemm-notes.md, round 7);
-    else None, the kernels' default ("oct"; prepare_weights falls back where K does not divide)."""
-    if not cuda:
-        return "natural"
-    return "octb" if fmt == "mxfp4" and act_dtype == torch.bfloat16 else None
 
 
 class Experts(nn.Module):
@@ -343,7 +333,7 @@ class Experts(nn.Module):
         if not self.quantized:
             return self.w13, self.w2
         tensors = [t for t in self.slot_tensors()]
-        packing = _packing_for(self.fmt, act_dtype, tensors[0].is_cuda)
+        packing = packing_for(self.fmt, act_dtype, tensors[0].is_cuda)
         key = (tensors[0].device, packing, tuple((t.data_ptr(), t._version) for t in tensors))
         if self._prepared_key != key:
             packing = {"packing": packing} if packing else {}

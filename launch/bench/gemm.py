@@ -107,7 +107,7 @@ class Case:
 
 
 def _weights(ctx: BenchContext, E: int, N: int, K: int, seed: int) -> dict[str, Any]:
-    from megapar.moe.kernels import prepare_weights
+    from megapar.moe.kernels import packing_for, prepare_weights
     from megapar.parallel.impl import triton_importable
 
     q = random_mxfp4(E, N, K, ctx.device, seed)
@@ -120,7 +120,10 @@ def _weights(ctx: BenchContext, E: int, N: int, K: int, seed: int) -> dict[str, 
         from megapar.moe.kernels.prepare import dequantize_prepared
         bf16 = dequantize_prepared(pw, torch.bfloat16)
         fp8, fp8_scale = None, None
-    return {"shape": (E, N, K), "pw": pw, "bf16": bf16, "f32": bf16.float(), "fp8": fp8, "fp8_scale": fp8_scale}
+    # the rows a user runs take the weight as the MoE layer prepares it (moe.kernels.packing_for:
+    # octb under bf16 activations on CUDA); the probe sections take pw (oct) and repack themselves
+    layer = prepare_weights(pw, packing=packing_for("mxfp4", torch.bfloat16, ctx.is_cuda) or "oct") if ctx.is_cuda else pw
+    return {"shape": (E, N, K), "pw": pw, "layer": layer, "bf16": bf16, "f32": bf16.float(), "fp8": fp8, "fp8_scale": fp8_scale}
 
 
 def _gemms(E: int, H: int, inter: int) -> dict[str, tuple[int, int, int]]:
@@ -157,7 +160,7 @@ def run(ctx: BenchContext) -> None:
                     for c in cases:
                         for backend in ("triton_w4a16", "triton_w4a8"):
                             with contextlib.suppress(Exception):
-                                grouped_gemm(c.x, w["pw"], counts=c.counts, backend=backend)
+                                grouped_gemm(c.x, w["layer"], counts=c.counts, backend=backend)
             for c in cases:
                 _run_case(ctx, c, grouped_gemm)
             if "routed" in sections:
@@ -193,7 +196,7 @@ def _run_case(ctx: BenchContext, c: Case, grouped_gemm) -> None:
         ref8 = c.reference(xq.float() * xs)
     impls = ("triton_w4a16", "triton_w4a8") if ctx.is_cuda or interp else ("torch", "torch_grouped_mm")
     for impl in impls:
-        fn = (lambda impl=impl: grouped_gemm(c.x, w["pw"], counts=c.counts, backend=impl))
+        fn = (lambda impl=impl: grouped_gemm(c.x, w["layer"], counts=c.counts, backend=impl))
         try:
             out = fn()
             err = rel_err(out, ref8 if impl == "triton_w4a8" else ref)
@@ -267,7 +270,7 @@ def _routed_rows(ctx: BenchContext, shape: str, gemm: str, w: dict[str, Any], gr
             anchor_us = None
         impls = ("triton_w4a16",) if ctx.is_cuda or os.environ.get("MEGAPAR_BENCH_INTERP") == "1" else ("torch",)
         for impl in impls:
-            fn = (lambda impl=impl: grouped_gemm(x, w["pw"], counts=counts, backend=impl))
+            fn = (lambda impl=impl: grouped_gemm(x, w["layer"], counts=counts, backend=impl))
             try:
                 err = rel_err(fn(), ref)
                 us, how = graph_time(ctx, fn)

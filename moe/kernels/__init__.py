@@ -14,10 +14,11 @@ that the kernel does not import the router.
 
 from megapar.moe.kernels.ffn import expert_ffn, expert_ffn_reference, swiglu
 from megapar.moe.kernels.grouped_gemm import BACKENDS, ExpertRows, expert_rows, grouped_gemm, grouped_gemm_reference
-from megapar.moe.kernels.prepare import PreparedWeight, dequantize_prepared, fold_plan, prepare_weights, to_quantized
+from megapar.moe.kernels.prepare import (PreparedWeight, dequantize_prepared, fold_plan, packing_for, prepare_weights,
+                                         to_quantized)
 
 __all__ = [
     "BACKENDS", "ExpertRows", "PreparedWeight", "dequantize_prepared", "expert_ffn", "expert_ffn_reference",
-    "expert_rows", "fold_plan", "grouped_gemm", "grouped_gemm_reference", "prepare_weights", "swiglu",
+    "expert_rows", "fold_plan", "grouped_gemm", "grouped_gemm_reference", "packing_for", "prepare_weights", "swiglu",
     "to_quantized",
 ]

@@ -394,6 +394,16 @@ def fold_plan(w: PreparedWeight) -> FoldPlan:
 
 # ---- preparation ------------------------------------------------------------------------------
 
+def packing_for(fmt: str, act_dtype: torch.dtype, cuda: bool) -> str | None:
+    """The FP4 packing a quantized expert weight is prepared in. CPU: checkpoint order ("natural",
+    nothing to repack for the reference path). CUDA: "octb" for MXFP4 under bf16 activations, whose
+    decode kernel (W4A16 mode bf16rot) is 1.03-1.08x the oct one (bench/gemm-notes.md, round 7);
+    else None, the kernels' default ("oct"; prepare_weights falls back where K does not divide)."""
+    if not cuda:
+        return "natural"
+    return "octb" if fmt == "mxfp4" and act_dtype == torch.bfloat16 else None
+
+
 def prepare_weights(w: torch.Tensor | QuantizedTensor | PreparedWeight | dict[str, torch.Tensor], *,
                     fmt: str | None = None, packing: Packing = "oct", gate_up: GateUp | None = None,
                     device: torch.device | str | None = None, dtype: torch.dtype = torch.bfloat16,
