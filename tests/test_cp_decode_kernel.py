@@ -160,9 +160,9 @@ def test_auto_keeps_cpu_on_torch_and_bad_input_raises():
 @pytest.mark.parametrize("hq,hkv,d,dv,tq", [(32, 4, 128, 128, 1), (32, 4, 128, 128, 4), (16, 1, 576, 512, 1),
                                            (128, 1, 576, 512, 2)])
 def test_kernel_full_size_on_gpu(cache_dtype, f16, hq, hkv, d, dv, tq, monkeypatch):
-    from parallel.cp import triton_decode
-
     monkeypatch.setenv("TRITON_INTERPRET", "0")
+    from parallel.cp import triton_decode     # (after the env: a first import binds its kernels to the mode)
+
     monkeypatch.setitem(triton_decode.CONFIG, "f16_fp8", f16)    # (GQA over fp8: fp16 operands or not)
     lens = [8192, 1, 0, 3000, 20000, 77]
     lens = [max(n, tq) if n else 0 for n in lens]
@@ -267,6 +267,7 @@ def test_kernel_fp8_cache_f16_operands(monkeypatch, q_exp, tq, d):
 
     monkeypatch.setitem(triton_decode.CONFIG, "min_split", 64)
     monkeypatch.setitem(triton_decode.CONFIG, "f16_fp8", 1)
+    monkeypatch.setitem(triton_decode.CONFIG, "maxnreg_fp8", 168)     # (a launch option; the interpreter drops it)
     lens = [300, 2, 0, 190]
     cache, table, layout, _, _ = _fill(lens, 2, d, 64, 16, 1, 0, 1, torch.float8_e4m3fn, seed=11 + d)
     gen = torch.Generator().manual_seed(q_exp + 100)

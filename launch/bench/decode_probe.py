@@ -46,7 +46,7 @@ ATOL_CPU = 1e-4       # float32 under the interpreter
 REF_BUDGET = 8 << 30  # bytes of the torch path's per-head KV copy: sequences checked per problem
 
 KEYS = {"gqa": ("block_n", "num_warps", "num_stages", "target_programs", "min_split", "lazy_rescale"),
-        "gqa_fp8": ("block_n", "num_stages", "f16"),
+        "gqa_fp8": ("block_n", "num_stages", "f16", "maxnreg"),
         "mla": ("block_m", "block_n", "num_warps", "num_stages", "target_programs", "min_split", "lazy_rescale",
                 "halves", "tma", "diag"),
         "mla_fp8": ("block_m", "block_n", "num_warps", "num_stages", "lazy_rescale", "halves", "tma")}
@@ -70,7 +70,11 @@ VARIANTS = {   # overrides of the current settings, one factor at a time, then a
     # GQA over fp8; f16: fp16 MMA operands (one conversion per fp8 pair instead of three steps)
     "gqa_fp8": [{}, {"block_n": 64}, {"block_n": 32}, {"num_stages": 2}, {"num_stages": 4},
                 {"block_n": 64, "num_stages": 2}, {"f16": 1}, {"f16": 1, "block_n": 64}, {"f16": 1, "num_stages": 2},
-                {"f16": 1, "num_stages": 4}, {"f16": 1, "block_n": 64, "num_stages": 4}],
+                {"f16": 1, "num_stages": 4}, {"f16": 1, "block_n": 64, "num_stages": 4},
+                # f16 at 128 keys takes 234 registers (2 CTAs per SM), 168 under the cap with no spill
+                {"f16": 1, "maxnreg": 168}, {"f16": 1, "maxnreg": 168, "num_stages": 2},
+                {"f16": 1, "maxnreg": 168, "num_stages": 4}, {"f16": 1, "maxnreg": 160, "num_stages": 2},
+                {"f16": 1, "maxnreg": 128, "num_stages": 2}],
     # MLA over fp8 (today 32 heads x 64 keys, mma.sync; 64 heads spill 444 B with the plain loads,
     # 40 B in halves with TMA and 2 stages: bench/debug/kernel_sass.py decode)
     "mla_fp8": [{}, {"num_stages": 2}, {"block_n": 32}, {"halves": 1}, {"halves": 1, "tma": 1},

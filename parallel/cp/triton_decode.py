@@ -417,7 +417,7 @@ CONFIG = {
     # f16_fp8: fp16 MMA operands over an fp8 cache (bf16 queries scaled into fp16 by a power of two,
     # weights p * v_scale over a running per-row maximum: `_tile`), one conversion per fp8 pair
     # instead of fp8 -> fp16 -> bf16
-    "f16_fp8": 0,
+    "f16_fp8": 0, "maxnreg_fp8": 0,
     # MLA with fp32 queries (exact products): 64 x 64 tiles in 3 stages would need 312 KB of shared
     # memory (sm_90a compile, bench/debug/kernel_sass.py); 32 x 32 in 2 stages needs 152 KB
     "block_n_wide_f32": 32, "block_m_wide_f32": 32, "num_stages_wide_f32": 2,
@@ -460,8 +460,10 @@ MEGAPAR_DECODE_TUNING=path at import)."""
 _WIDE = {"block_n": "block_n_wide", "block_m": "block_m_wide", "num_warps": "num_warps_wide",
          "num_stages": "num_stages_wide", "lazy_rescale": "lazy_rescale_wide", "halves": "halves_wide",
          "tma": "tma_wide", "diag": "diag_wide"}
-_STRUCTURE = ("lazy_rescale", "halves", "tma", "diag", "f16")   # 0/1 (diag 0-3) kernel options, launch_settings
-_FP8 = {"block_n": "block_n_fp8", "num_stages": "num_stages_fp8", "f16": "f16_fp8"}   # GQA over an fp8 cache
+# kernel options (0/1; diag 0-3; maxnreg 0 = the compiler's choice, else a register cap), launch_settings
+_STRUCTURE = ("lazy_rescale", "halves", "tma", "diag", "f16", "maxnreg")
+_FP8 = {"block_n": "block_n_fp8", "num_stages": "num_stages_fp8", "f16": "f16_fp8",
+        "maxnreg": "maxnreg_fp8"}                                    # GQA over an fp8 cache
 _WIDE_FP8 = {k: f"{k}_wide_fp8" for k in ("block_m", "block_n", "num_warps", "num_stages", "lazy_rescale", "halves",
                                           "tma")}                  # MLA over an fp8 cache
 # tuning-file family -> (its keys' CONFIG names, whether only those keys are allowed)
@@ -472,6 +474,7 @@ _VALID = {
     "block_n": (16, 32, 64, 128, 256), "block_m": (16, 32, 64, 128, 256),
     "num_warps": (1, 2, 4, 8, 16), "num_stages": (1, 2, 3, 4, 5, 6),
     "lazy_rescale": (0, 1), "halves": (0, 1), "tma": (0, 1), "diag": (0, 1, 2, 3), "f16": (0, 1),
+    "maxnreg": (0, *range(64, 256, 8)),
 }
 _META = ("device", "sizes", "seconds", "results", "notes", "problems")
 
@@ -504,8 +507,8 @@ def apply_tuning(tuning: dict) -> None:
             if kind == "gqa" and key in ("halves", "tma", "diag"):
                 raise ValueError(f"decode tuning gqa.{key}: an MLA-only option (the latent head's layout); "
                                  f"give it under 'mla'")
-            if kind in ("gqa", "mla") and key == "f16":
-                raise ValueError(f"decode tuning {kind}.f16: an fp8-cache option; give it under 'gqa_fp8'")
+            if kind in ("gqa", "mla") and key in ("f16", "maxnreg"):
+                raise ValueError(f"decode tuning {kind}.{key}: an fp8-cache option; give it under 'gqa_fp8'")
             if key not in keys:
                 raise ValueError(f"unknown decode tuning key {kind}.{key}; valid: {', '.join(keys)}")
             if not _valid_value(key, value):
@@ -630,7 +633,8 @@ def paged_decode_triton(q: Tensor, k: Tensor, v: Tensor, k_scale: Tensor | None,
             BLOCK_M=block_m, BLOCK_N=block_n, PAGE=page, FP8=fp8, V_FROM_K=v_from_k, CAUSAL=tq > 1,
             IEEE=q.dtype == torch.float32, INTERPRETED=impl.interpreting(), LAZY=bool(cfg["lazy_rescale"]),
             HALVES=halves, TMA=tma, DIAG=cfg["diag"] if halves else 0, F16=f16, NUM_BLOCKS=k.shape[0],
-            num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+            num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+            **({"maxnreg": cfg["maxnreg"]} if cfg["maxnreg"] else {}))
     if splits == 1:
         return AttnState(o[0], lse[0])
     merged = merge_states_triton(o.view(splits, s * tq, hq, dv), lse.view(splits, s * tq, hq))
