@@ -26,6 +26,11 @@ Structure options (CONFIG, 0/1, off until the GPU probe measures them; `launch_s
   past a sequence's end and 0 * NaN in P @ V is NaN.
 - `lazy_rescale`, `lazy_rescale_wide`: the running max moves only when a row's max grew by more
   than 8 (base 2), so most tiles skip the rescale of the accumulator (exact: p <= 2^8).
+- `f16_fp8` (GQA over an fp8 cache, bf16 or fp16 queries; on): fp16 MMA operands. bf16 queries are
+  scaled into fp16's range by one power of two per tile (exact for every element within 2^-31 of
+  the largest), the weights p * v_scale are divided by a running per-row maximum so they fit fp16
+  whatever the scales (acc is kept in that unit), and each fp8 pair converts in one instruction.
+  `maxnreg_fp8` caps its registers.
 The *_wide_fp8 entries are MLA's over an fp8 cache. `diag_wide` (1 no softmax, 2 no P @ V, 3
 scores only) is the tuning probe's subtraction diagnostic, never attention.
 
@@ -413,11 +418,12 @@ CONFIG = {
     "block_n": 64, "block_n_wide": 64,            # key tile; "wide" when the key dim > 256 (MLA)
     "block_m": 64, "block_m_wide": 64, "block_m_wide_fp8": 64,
     "num_warps": 4, "num_warps_wide": 8, "num_stages": 2, "num_stages_wide": 2,
-    "block_n_fp8": 128, "num_stages_fp8": 3,      # GQA over an fp8 cache (key dim <= 256)
+    "block_n_fp8": 128, "num_stages_fp8": 2,      # GQA over an fp8 cache (key dim <= 256)
     # f16_fp8: fp16 MMA operands over an fp8 cache (bf16 queries scaled into fp16 by a power of two,
     # weights p * v_scale over a running per-row maximum: `_tile`), one conversion per fp8 pair
-    # instead of fp8 -> fp16 -> bf16
-    "f16_fp8": 0, "maxnreg_fp8": 0,
+    # instead of fp8 -> fp16 -> bf16 (sm_90a loop per 128-key tile: 1818 -> 1509 instructions, the
+    # 256 F2F.BF16.F16 gone), under a register cap (234 -> 168 registers, no spill: 3 CTAs per SM)
+    "f16_fp8": 1, "maxnreg_fp8": 168,
     # MLA with fp32 queries (exact products): 64 x 64 tiles in 3 stages would need 312 KB of shared
     # memory (sm_90a compile, bench/debug/kernel_sass.py); 32 x 32 in 2 stages needs 152 KB
     "block_n_wide_f32": 32, "block_m_wide_f32": 32, "num_stages_wide_f32": 2,
@@ -451,6 +457,10 @@ CONFIG = {
 # 3-stage build spilled) and halves + TMA: 238.9 -> 160.9 µs (8K) and 810.0 -> 531.2 µs (32K);
 # at 16 heads 244.2 (previous) against 246.6 (64 / 2 stages, narrow: no halves). Lazy rescale
 # gained <= 3% and raised the max error 4-5x (6e-4 -> 2.7e-3): off.
+# Fourth probe (2026-12-02, bench/results/cp-probe4-h200.json, same command): GQA over fp8 with
+# fp16 operands, 168 registers and 2 stages 62.4 -> 55.8 µs (8K) and 159.7 -> 124.6 µs (32K),
+# max error 4.0e-4 -> 3.1e-5 and 1.6e-4 -> 1.5e-5 (fp16 weights hold 3 more bits than bf16);
+# without the cap 54.1 and 176.2 (2 CTAs per SM at 32K), 160 registers 56.8 and 123.7.
 """Launch parameters. `python -m megapar.launch.bench.cp --probe --out DIR` sweeps them on the GPU
 (CUDA-graph replays) and writes DIR/decode-tuning.json for `apply_tuning` (or
 MEGAPAR_DECODE_TUNING=path at import)."""
