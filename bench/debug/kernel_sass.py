@@ -51,7 +51,7 @@ QUANT = {  # the default launch (CONFIG "fp4_quant": 4096 elements per program, 
                                 dict(IS_NV=False, GS_PER_MATRIX=False, BS=32, ROWS=128, EVEN=True)),
 }
 _DECODE = dict(q_ptr="*bf16", k_ptr="*bf16", v_ptr="*bf16", ks_ptr="*fp32", vs_ptr="*fp32", table_ptr="*i32",
-               lens_ptr="*i32", glens_ptr="*i32", o_ptr="*fp32", lse_ptr="*fp32", qk_scale="fp32")
+               lens_ptr="*i32", glens_ptr="*i64", o_ptr="*fp32", lse_ptr="*fp32", qk_scale="fp32")
 _MLA = dict(Tq=1, KV_HEADS=1, dcp_size=1, interleave=1, D_MAIN=512, D_REST=64, BLOCK_REST=64, DV=512, BLOCK_DV=512, PAGE=64, FP8=False, V_FROM_K=True,
             CAUSAL=False, IEEE=False, INTERPRETED=False)
 DECODE = {  # the paged decode kernel on MLA's latent cache (512 + 64 key dims, values = the first 512)

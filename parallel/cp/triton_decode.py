@@ -64,6 +64,14 @@ def _dot(a, b, acc, IEEE: tl.constexpr):
 
 
 @triton.jit
+def _local_len(glens_ptr, s, dcp_size, dcp_rank, interleave):
+    """Tokens of sequence s this rank holds (`DCPLayout.local_lengths` of its global length)."""
+    g = tl.load(glens_ptr + s).to(tl.int32)
+    base = (g // (interleave * dcp_size)) * interleave
+    return base + tl.minimum(tl.maximum(g - base * dcp_size - dcp_rank * interleave, 0), interleave)
+
+
+@triton.jit
 def _mask_scores(qk, j, jmask, rmask, q_pos, dcp_size, dcp_rank, interleave, CAUSAL: tl.constexpr):
     """Scores [M, N] of local tokens j -> -inf where the token is past the split or the row is
     padding, or (CAUSAL) its global position (docs/numerics.md §8.2) is after the row's query;
@@ -266,7 +274,7 @@ def _finish(l_i, m_i):
 
 
 @triton.jit
-def _halves_body(q_ptr, k_ptr, ks_ptr, table_ptr, lens_ptr, glens_ptr, o_ptr, lse_ptr, split, s, s64, q_row,
+def _halves_body(q_ptr, k_ptr, ks_ptr, table_ptr, glens_ptr, o_ptr, lse_ptr, split, s, s64, q_row,
                  t_idx, h_idx, rmask, qk_scale, split_len, Tq, dcp_size, dcp_rank, interleave, sk_b, sk_t,
                  ss_b, ss_t, st_s, so_p, so_s, so_t, so_h, sl_p, sl_s, sl_t, NUM_BLOCKS,
                  HALF: tl.constexpr, D_REST: tl.constexpr, BLOCK_REST: tl.constexpr, BLOCK_M: tl.constexpr,
@@ -287,7 +295,7 @@ def _halves_body(q_ptr, k_ptr, ks_ptr, table_ptr, lens_ptr, glens_ptr, o_ptr, ls
                                               [1, BLOCK_N, BLOCK_REST])
     else:
         desc_main, desc_rest = k_ptr, k_ptr
-    local_len = tl.load(lens_ptr + s)
+    local_len = _local_len(glens_ptr, s, dcp_size, dcp_rank, interleave)
     start = split * split_len
     end = tl.minimum(start + split_len, local_len)
     if CAUSAL:
@@ -332,7 +340,7 @@ def _halves_body(q_ptr, k_ptr, ks_ptr, table_ptr, lens_ptr, glens_ptr, o_ptr, ls
 
 @triton.jit
 def _paged_decode_kernel(
-    q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, table_ptr, lens_ptr, glens_ptr, o_ptr, lse_ptr,
+    q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, table_ptr, glens_ptr, o_ptr, lse_ptr,
     qk_scale, split_len, Tq, G, M_TILES, KV_HEADS, HQ,
     dcp_size, dcp_rank, interleave,
     sq_s, sq_t, sq_h,
@@ -358,7 +366,7 @@ def _paged_decode_kernel(
     h_idx = kvh * G + r % G
     q_row = s64 * sq_s + t_idx.to(tl.int64) * sq_t + h_idx.to(tl.int64) * sq_h
     if HALVES:
-        _halves_body(q_ptr, k_ptr, ks_ptr, table_ptr, lens_ptr, glens_ptr, o_ptr, lse_ptr, split, s, s64, q_row,
+        _halves_body(q_ptr, k_ptr, ks_ptr, table_ptr, glens_ptr, o_ptr, lse_ptr, split, s, s64, q_row,
                      t_idx, h_idx, rmask, qk_scale, split_len, Tq, dcp_size, dcp_rank, interleave, sk_b, sk_t,
                      ss_b, ss_t, st_s, so_p, so_s, so_t, so_h, sl_p, sl_s, sl_t, NUM_BLOCKS, D_MAIN // 2, D_REST,
                      BLOCK_REST, BLOCK_M, BLOCK_N, PAGE, FP8, CAUSAL, INTERPRETED, LAZY, TMA, DIAG, IEEE)
@@ -373,7 +381,7 @@ def _paged_decode_kernel(
             dr, rest_mask, q_rest = dm, dm < 0, q_main
         dv = tl.arange(0, BLOCK_DV)
         dv_mask = dv < DV
-        local_len = tl.load(lens_ptr + s)
+        local_len = _local_len(glens_ptr, s, dcp_size, dcp_rank, interleave)
         start = split * split_len
         end = tl.minimum(start + split_len, local_len)
         if CAUSAL:
@@ -598,13 +606,14 @@ def launch_settings(d: int, q_dtype: torch.dtype, cache_dtype: torch.dtype, rows
 
 
 def paged_decode_triton(q: Tensor, k: Tensor, v: Tensor, k_scale: Tensor | None, v_scale: Tensor | None,
-                        block_table: Tensor, local_lens: Tensor, seq_lens: Tensor, scale: float, *,
+                        block_table: Tensor, seq_lens: Tensor, scale: float, *,
                         dcp_size: int, dcp_rank: int, interleave: int, capacity: int) -> AttnState:
     """Launch (inputs validated by `paged.paged_decode_attention`).
 
     q: [S, Tq, Hq, D]; k: [nb, B, Hkv, D]; v: [nb, B, Hkv, Dv] (may be the view k[..., :Dv]);
-    scales [nb, B, Hkv] fp32 for fp8; block_table [S, max_blocks]; local_lens / seq_lens [S]
-    (tokens held here / global lengths); capacity: tokens per sequence the grid covers.
+    scales [nb, B, Hkv] fp32 for fp8; block_table [S, max_blocks]; seq_lens [S] int32 / int64
+    global lengths (the kernel takes this rank's share of each); capacity: tokens per sequence the
+    grid covers.
     Returns AttnState(out [S, Tq, Hq, Dv] fp32, lse [S, Tq, Hq] fp32).
     """
     s, tq, hq, d = q.shape
@@ -632,7 +641,7 @@ def paged_decode_triton(q: Tensor, k: Tensor, v: Tensor, k_scale: Tensor | None,
     table = block_table if block_table.stride(-1) == 1 else block_table.contiguous()
     if s > 0 and splits > 0:
         _paged_decode_kernel[(programs, splits)](
-            q, k, v, ks, vs, table, local_lens, seq_lens, o, lse,
+            q, k, v, ks, vs, table, seq_lens, o, lse,
             scale * _LOG2E, split_len, tq, g, m_tiles, hkv, hq,
             dcp_size, dcp_rank, interleave,
             q.stride(0), q.stride(1), q.stride(2),
@@ -668,9 +677,16 @@ def _tma_ok(k: Tensor) -> bool:
     return k.data_ptr() % 16 == 0 and all((st * e) % 16 == 0 for st in (k.stride(0), k.stride(1)))
 
 
+_NO_SCALE: dict[torch.device, Tensor] = {}
+
+
 def _no_scale(q: Tensor) -> Tensor:
-    """A 1-element fp32 tensor standing in for absent scale pointers."""
-    return torch.zeros(1, dtype=torch.float32, device=q.device)
+    """A 1-element fp32 tensor standing in for absent scale pointers (never read), one per device:
+    no fill kernel per call."""
+    t = _NO_SCALE.get(q.device)
+    if t is None:
+        t = _NO_SCALE[q.device] = torch.zeros(1, dtype=torch.float32, device=q.device)
+    return t
 
 
 def kv_read_bytes(local_lens_total: int, kv_heads: int, head_dim: int, head_dim_v: int, elem_bytes: int,
