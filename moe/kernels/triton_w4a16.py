@@ -17,13 +17,16 @@ kernel is built for few tokens per expert (decode), where it is bound by weight 
   absolute error <= 2^-17, far under bf16's own rounding); the 2^8 goes into the scale too.
   MODE 1 (bf16 operands) and MODE 2 (fp32, for tests and the interpreter) rebuild v as an
   fp32 (bits * 2^126, exact) instead.
-- The decode default for bf16 activations over MXFP4 (MODE 5, "bf16asm"): the code dropped
-  into a bf16 instead (v * 2^-126), one integer multiply per pair of elements placing magnitude
-  and sign together, the block scale folded into the operand relative to the row's largest
-  (prescale), and the activations fed to the MMA as they are (no fp16 copy of each block).
-  MODE 6 ("bf16rot", opt-in) reads packing "octb", where each 32-bit word holds four bf16 pairs
-  up to a rotation (prepare.OCTB_POS): 9 instructions per 8 elements. The Triton-arithmetic
-  modes (and the expansion kernel) read octb too; the other PTX modes read oct only.
+- bf16 activations over MXFP4 (MODE 5, "bf16asm", the decode default for oct weights): the
+  code dropped into a bf16 instead (v * 2^-126), one integer multiply per pair of elements
+  placing magnitude and sign together, the block scale folded into the operand relative to the
+  row's largest (prescale), and the activations fed to the MMA as they are (no fp16 copy of
+  each block). MODE 6 ("bf16rot", the decode default for octb weights, which is how the MoE
+  layer prepares MXFP4: `prepare.packing_for`) reads packing "octb", where each 32-bit word
+  holds four bf16 pairs up to a rotation (prepare.OCTB_POS): 9 instructions per 8 elements,
+  the same bits as bf16asm, 1.03-1.08x its time on the decode shapes (bench/gemm-notes.md,
+  round 7). The Triton-arithmetic modes (and the expansion kernel) read octb too; the other PTX
+  modes read oct only.
 - Expert lookup on the device: every program reads the [E] counts, forms the per-expert tile
   prefix sums in registers and finds its expert; no host sync, no extra launch (CUDA graphs).
 
