@@ -12,6 +12,7 @@ import torch
 from parallel.cp import DCPLayout, PagedKVCache
 from parallel.cp.dcp import write_kv_slots
 from parallel.cp.paged import paged_decode_attention
+from parallel.cp.state import AttnState
 
 triton = pytest.importorskip("triton")
 
@@ -286,3 +287,39 @@ def test_kernel_fp8_cache_f16_operands(monkeypatch, q_exp, tq, d):
     assert ((got.out - ref.out).abs() <= 2e-3 * span).all(), (got.out - ref.out).abs().max() / span
     if tq == 1:
         assert torch.isinf(got.lse[2]).all() and (got.out[2] == 0).all()
+
+
+@pytest.mark.parametrize("mla", [False, True], ids=["gqa", "mla-halves"])
+def test_kernel_reports_bad_tables_as_nan_without_reading_past_them(mla, monkeypatch):
+    """A CUDA call reads no values on the host (validate=False here): a used block id outside the
+    cache, a length past the table's capacity or a negative length make that sequence's out and
+    lse NaN (in every split, through the merge), read nothing outside the table and the cache,
+    and leave the other sequences exact."""
+    from parallel.cp import triton_decode as td
+
+    monkeypatch.setitem(td.CONFIG, "min_split", 16)
+    if mla:
+        monkeypatch.setitem(td.CONFIG, "halves_wide", 1)
+        monkeypatch.setitem(td.CONFIG, "block_n_wide_f32", 16)
+        monkeypatch.setitem(td.CONFIG, "block_m_wide_f32", 16)
+        lens = [40, 30, 20, 16, 9]
+        cache, table = _mla_cache(lens, 16, torch.float32, seed=9)
+        q = torch.randn(len(lens), 1, 4, 576) * 0.2
+    else:
+        lens = [40, 30, 20, 16, 9]
+        cache, table, _, _, _ = _fill(lens, 2, 32, 32, 16, 1, 0, 1, torch.float32, seed=9)
+        q = torch.randn(len(lens), 1, 8, 32)
+    nb, width = cache.k.shape[0], table.shape[1]
+    seq = torch.tensor(lens)
+    ref = paged_decode_attention(q, cache, table, seq, scale=0.1, backend="torch")
+    bad_table, bad_seq = table.clone(), seq.clone()
+    bad_table[0, 1] = nb + 5            # tokens 16..31 of sequence 0 (its second split)
+    bad_table[1, 0] = -1
+    bad_seq[2] = width * 16 + 1         # past the table's capacity
+    bad_seq[3] = -4
+    got = paged_decode_attention(q, cache, bad_table, bad_seq, scale=0.1, backend="triton", validate=False)
+    for i in range(4):
+        assert torch.isnan(got.out[i]).all() and torch.isnan(got.lse[i]).all(), i
+    _check(AttnState(got.out[4:], got.lse[4:]), AttnState(ref.out[4:], ref.lse[4:]), 1e-4)
+    with pytest.raises(ValueError, match=r"block ids \[-1, " + str(nb + 5) + r"\] outside the cache's \[0, " + str(nb)):
+        paged_decode_attention(q, cache, bad_table, seq, backend="triton")      # (CPU tensors: checked first)

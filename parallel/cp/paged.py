@@ -16,6 +16,9 @@ rank r sits at `(j // I) * (I * N) + r * I + j % I`. With Tq = 1 every cached to
 Checks. Shapes, dtypes and devices always; values (block ids inside the cache, lengths within
 the table's capacity) only for CPU tensors or with `validate=True`, since reading CUDA values
 synchronizes with the host and breaks CUDA-graph capture. All raise ValueError before any launch.
+Unvalidated (CUDA), the Triton kernel checks the same values itself: a sequence with a used block
+id outside the cache, a length past the table's capacity or a negative length gets NaN out and
+lse, and nothing outside the table or the cache is read.
 """
 
 from __future__ import annotations

@@ -72,6 +72,44 @@ def _local_len(glens_ptr, s, dcp_size, dcp_rank, interleave):
 
 
 @triton.jit
+def _checked_range(glens_ptr, table_ptr, s, s64, st_s, start, end, local_len, num_blocks, table_w,
+                   PAGE: tl.constexpr, SCAN: tl.constexpr):
+    """A split's tokens [start, end) of sequence s, which holds local_len here -> (end, bad).
+    bad = 1 where the sequence's length is negative or past the table's capacity (the range is
+    cut to it: no read past the table's row), or (SCAN) a block id the split would read lies
+    outside [0, num_blocks): the range is then emptied. A program with bad = 1 reports NaN, a
+    CUDA call's device-side answer to bad input (its values are not read on the host there).
+    SCAN is one pass over the split's ids before the loop (MLA's latent tiles); GQA's tiles check
+    their own ids instead (`_checked_block`), which costs that loop nothing at sm_90a."""
+    bad = tl.where((tl.load(glens_ptr + s) < 0) | (local_len > table_w * PAGE), 1, 0)
+    end = tl.minimum(end, table_w * PAGE)
+    if SCAN:
+        p = start // PAGE
+        p_end = (end + PAGE - 1) // PAGE
+        while p < p_end:
+            pages = p + tl.arange(0, 64)
+            ids = tl.load(table_ptr + s64 * st_s + pages, mask=pages < p_end, other=0)
+            out = (pages < p_end) & ((ids < 0) | (ids >= num_blocks))
+            bad = tl.maximum(bad, tl.max(tl.where(out, 1, 0), 0))
+            p += 64
+        end = tl.where(bad > 0, start, end)
+    return end, bad
+
+
+@triton.jit
+def _checked_block(block, num_blocks, bad, mask, VEC: tl.constexpr):
+    """Block ids of a key tile (a scalar, or VEC: [BLOCK_N] under `mask`) -> (ids with those
+    outside [0, num_blocks) set to 0, so no load leaves the cache; bad = 1 once a used id was
+    outside)."""
+    ok = (block >= 0) & (block < num_blocks)
+    if VEC:
+        bad = tl.maximum(bad, tl.max(tl.where(mask & (ok == 0), 1, 0), 0))
+    else:
+        bad = tl.maximum(bad, tl.where(ok, 0, 1))
+    return tl.where(ok, block, 0), bad
+
+
+@triton.jit
 def _mask_scores(qk, j, jmask, rmask, q_pos, dcp_size, dcp_rank, interleave, CAUSAL: tl.constexpr):
     """Scores [M, N] of local tokens j -> -inf where the token is past the split or the row is
     padding, or (CAUSAL) its global position (docs/numerics.md §8.2) is after the row's query;
@@ -125,13 +163,13 @@ def _f16_queries(q_main, q_rest, qk_scale, D_REST: tl.constexpr):
 
 
 @triton.jit
-def _tile(j0, end, s64, kvh, q_main, q_rest, q_pos, rmask, dm, dr, rest_mask, dv, dv_mask, m_i, l_i, acc, r_i,
-          k_ptr, v_ptr, ks_ptr, vs_ptr, table_ptr, qk_scale, dcp_size, dcp_rank, interleave,
+def _tile(j0, end, s64, kvh, q_main, q_rest, q_pos, rmask, dm, dr, rest_mask, dv, dv_mask, m_i, l_i, acc, r_i, bad,
+          k_ptr, v_ptr, ks_ptr, vs_ptr, table_ptr, num_blocks, qk_scale, dcp_size, dcp_rank, interleave,
           sk_b, sk_t, sk_h, sv_b, sv_t, sv_h, ss_b, ss_t, ss_h, svs_b, svs_t, svs_h, st_s,
           D_REST: tl.constexpr, BLOCK_N: tl.constexpr, PAGE: tl.constexpr, FP8: tl.constexpr,
           V_FROM_K: tl.constexpr, CAUSAL: tl.constexpr, IEEE: tl.constexpr, LAZY: tl.constexpr,
           F16: tl.constexpr):
-    """One key tile [j0, j0 + BLOCK_N) of the online softmax: returns the new (m, l, acc, r).
+    """One key tile [j0, j0 + BLOCK_N) of the online softmax: returns the new (m, l, acc, r, bad).
     F16 (fp8 cache, fp16 queries from `_f16_queries`): fp16 MMA operands, one conversion per fp8
     pair; the weights w = p * v_scale go to fp16 over the running per-row scale r = the largest
     weight so far (w / r <= 1), acc is kept in units of r (out = acc * r / l)."""
@@ -139,8 +177,10 @@ def _tile(j0, end, s64, kvh, q_main, q_rest, q_pos, rmask, dm, dr, rest_mask, dv
     jmask = j < end
     if PAGE % BLOCK_N == 0:     # the tile lies in one page (tiles start at multiples of BLOCK_N): one id
         block = tl.load(table_ptr + s64 * st_s + j0 // PAGE).to(tl.int64)
+        block, bad = _checked_block(block, num_blocks, bad, True, False)
     else:
         block = tl.load(table_ptr + s64 * st_s + j // PAGE, mask=jmask, other=0).to(tl.int64)
+        block, bad = _checked_block(block, num_blocks, bad, jmask, True)
     in_page = (j % PAGE).to(tl.int64)
     k_row = block * sk_b + in_page * sk_t + kvh * sk_h                           # [BLOCK_N]
     k_main = tl.load(k_ptr + k_row[:, None] + dm[None, :], mask=jmask[:, None], other=0.0)
@@ -194,7 +234,7 @@ def _tile(j0, end, s64, kvh, q_main, q_rest, q_pos, rmask, dm, dr, rest_mask, dv
         acc += tl.dot(pv.to(v_tile.dtype), v_tile, input_precision="ieee")
     else:
         acc += tl.dot(pv.to(v_tile.dtype), v_tile)
-    return m_new, l_i, acc, r_i
+    return m_new, l_i, acc, r_i, bad
 
 
 @triton.jit
@@ -276,7 +316,7 @@ def _finish(l_i, m_i):
 @triton.jit
 def _halves_body(q_ptr, k_ptr, ks_ptr, table_ptr, glens_ptr, o_ptr, lse_ptr, split, s, s64, q_row,
                  t_idx, h_idx, rmask, qk_scale, split_len, Tq, dcp_size, dcp_rank, interleave, sk_b, sk_t,
-                 ss_b, ss_t, st_s, so_p, so_s, so_t, so_h, sl_p, sl_s, sl_t, NUM_BLOCKS,
+                 ss_b, ss_t, st_s, so_p, so_s, so_t, so_h, sl_p, sl_s, sl_t, NUM_BLOCKS, TABLE_W,
                  HALF: tl.constexpr, D_REST: tl.constexpr, BLOCK_REST: tl.constexpr, BLOCK_M: tl.constexpr,
                  BLOCK_N: tl.constexpr, PAGE: tl.constexpr, FP8: tl.constexpr, CAUSAL: tl.constexpr,
                  INTERPRETED: tl.constexpr, LAZY: tl.constexpr, TMA: tl.constexpr, DIAG: tl.constexpr,
@@ -297,7 +337,8 @@ def _halves_body(q_ptr, k_ptr, ks_ptr, table_ptr, glens_ptr, o_ptr, lse_ptr, spl
         desc_main, desc_rest = k_ptr, k_ptr
     local_len = _local_len(glens_ptr, s, dcp_size, dcp_rank, interleave)
     start = split * split_len
-    end = tl.minimum(start + split_len, local_len)
+    end, bad = _checked_range(glens_ptr, table_ptr, s, s64, st_s, start, tl.minimum(start + split_len, local_len),
+                              local_len, NUM_BLOCKS, TABLE_W, PAGE, True)
     if CAUSAL:
         q_pos = tl.load(glens_ptr + s) - Tq + t_idx
     else:
@@ -331,6 +372,8 @@ def _halves_body(q_ptr, k_ptr, ks_ptr, table_ptr, glens_ptr, o_ptr, lse_ptr, spl
                 ks_ptr, table_ptr, qk_scale, dcp_size, dcp_rank, interleave, sk_b, sk_t, ss_b, ss_t, st_s, HALF,
                 D_REST, BLOCK_REST, BLOCK_N, PAGE, FP8, CAUSAL, LAZY, False, DIAG, IEEE)
     safe, lse = _finish(l_i, m_i)
+    safe = tl.where(bad > 0, float("nan"), safe)      # a bad table or length: NaN out and lse
+    lse = tl.where(bad > 0, float("nan"), lse)
     o_row = split.to(tl.int64) * so_p + s64 * so_s + t_idx.to(tl.int64) * so_t + h_idx.to(tl.int64) * so_h
     tl.store(o_ptr + o_row[:, None] + dh[None, :], acc0 / safe[:, None], mask=rmask[:, None])
     tl.store(o_ptr + o_row[:, None] + HALF + dh[None, :], acc1 / safe[:, None], mask=rmask[:, None])
@@ -351,7 +394,7 @@ def _paged_decode_kernel(
     BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PAGE: tl.constexpr,
     FP8: tl.constexpr, V_FROM_K: tl.constexpr, CAUSAL: tl.constexpr, IEEE: tl.constexpr,
     INTERPRETED: tl.constexpr, LAZY: tl.constexpr = False, HALVES: tl.constexpr = False,
-    TMA: tl.constexpr = False, DIAG: tl.constexpr = 0, F16: tl.constexpr = False, NUM_BLOCKS=1,
+    TMA: tl.constexpr = False, DIAG: tl.constexpr = 0, F16: tl.constexpr = False, NUM_BLOCKS=1, TABLE_W=1,
 ):
     pid = tl.program_id(0)
     split = tl.program_id(1)
@@ -368,8 +411,8 @@ def _paged_decode_kernel(
     if HALVES:
         _halves_body(q_ptr, k_ptr, ks_ptr, table_ptr, glens_ptr, o_ptr, lse_ptr, split, s, s64, q_row,
                      t_idx, h_idx, rmask, qk_scale, split_len, Tq, dcp_size, dcp_rank, interleave, sk_b, sk_t,
-                     ss_b, ss_t, st_s, so_p, so_s, so_t, so_h, sl_p, sl_s, sl_t, NUM_BLOCKS, D_MAIN // 2, D_REST,
-                     BLOCK_REST, BLOCK_M, BLOCK_N, PAGE, FP8, CAUSAL, INTERPRETED, LAZY, TMA, DIAG, IEEE)
+                     ss_b, ss_t, st_s, so_p, so_s, so_t, so_h, sl_p, sl_s, sl_t, NUM_BLOCKS, TABLE_W, D_MAIN // 2,
+                     D_REST, BLOCK_REST, BLOCK_M, BLOCK_N, PAGE, FP8, CAUSAL, INTERPRETED, LAZY, TMA, DIAG, IEEE)
     else:
         dm = tl.arange(0, D_MAIN)
         q_main = tl.load(q_ptr + q_row[:, None] + dm[None, :], mask=rmask[:, None], other=0.0)
@@ -383,7 +426,8 @@ def _paged_decode_kernel(
         dv_mask = dv < DV
         local_len = _local_len(glens_ptr, s, dcp_size, dcp_rank, interleave)
         start = split * split_len
-        end = tl.minimum(start + split_len, local_len)
+        end, bad = _checked_range(glens_ptr, table_ptr, s, s64, st_s, start, tl.minimum(start + split_len, local_len),
+                                  local_len, NUM_BLOCKS, TABLE_W, PAGE, False)
         if CAUSAL:
             q_pos = tl.load(glens_ptr + s) - Tq + t_idx                                  # [BLOCK_M]
         else:
@@ -398,18 +442,22 @@ def _paged_decode_kernel(
         if INTERPRETED:
             j0 = start
             while j0 < end:
-                m_i, l_i, acc, r_i = _tile(j0, end, s64, kvh, q_main, q_rest, q_pos, rmask, dm, dr, rest_mask, dv,
-                                           dv_mask, m_i, l_i, acc, r_i, k_ptr, v_ptr, ks_ptr, vs_ptr, table_ptr, qk_scale, dcp_size, dcp_rank,
-                                      interleave, sk_b, sk_t, sk_h, sv_b, sv_t, sv_h, ss_b, ss_t, ss_h, svs_b, svs_t, svs_h,
-                                      st_s, D_REST, BLOCK_N, PAGE, FP8, V_FROM_K, CAUSAL, IEEE, LAZY, F16)
+                m_i, l_i, acc, r_i, bad = _tile(
+                    j0, end, s64, kvh, q_main, q_rest, q_pos, rmask, dm, dr, rest_mask, dv, dv_mask, m_i, l_i, acc,
+                    r_i, bad, k_ptr, v_ptr, ks_ptr, vs_ptr, table_ptr, NUM_BLOCKS, qk_scale, dcp_size, dcp_rank,
+                    interleave, sk_b, sk_t, sk_h, sv_b, sv_t, sv_h, ss_b, ss_t, ss_h, svs_b, svs_t, svs_h,
+                    st_s, D_REST, BLOCK_N, PAGE, FP8, V_FROM_K, CAUSAL, IEEE, LAZY, F16)
                 j0 += BLOCK_N
         else:
             for j0 in range(start, end, BLOCK_N):
-                m_i, l_i, acc, r_i = _tile(j0, end, s64, kvh, q_main, q_rest, q_pos, rmask, dm, dr, rest_mask, dv,
-                                           dv_mask, m_i, l_i, acc, r_i, k_ptr, v_ptr, ks_ptr, vs_ptr, table_ptr, qk_scale, dcp_size, dcp_rank,
-                                      interleave, sk_b, sk_t, sk_h, sv_b, sv_t, sv_h, ss_b, ss_t, ss_h, svs_b, svs_t, svs_h,
-                                      st_s, D_REST, BLOCK_N, PAGE, FP8, V_FROM_K, CAUSAL, IEEE, LAZY, F16)
+                m_i, l_i, acc, r_i, bad = _tile(
+                    j0, end, s64, kvh, q_main, q_rest, q_pos, rmask, dm, dr, rest_mask, dv, dv_mask, m_i, l_i, acc,
+                    r_i, bad, k_ptr, v_ptr, ks_ptr, vs_ptr, table_ptr, NUM_BLOCKS, qk_scale, dcp_size, dcp_rank,
+                    interleave, sk_b, sk_t, sk_h, sv_b, sv_t, sv_h, ss_b, ss_t, ss_h, svs_b, svs_t, svs_h,
+                    st_s, D_REST, BLOCK_N, PAGE, FP8, V_FROM_K, CAUSAL, IEEE, LAZY, F16)
         safe, lse = _finish(l_i, m_i)
+        safe = tl.where(bad > 0, float("nan"), safe)      # a bad table or length: NaN out and lse
+        lse = tl.where(bad > 0, float("nan"), lse)
         if F16:
             out = acc * (r_i / safe)[:, None]
         else:
@@ -652,6 +700,7 @@ def paged_decode_triton(q: Tensor, k: Tensor, v: Tensor, k_scale: Tensor | None,
             BLOCK_M=block_m, BLOCK_N=block_n, PAGE=page, FP8=fp8, V_FROM_K=v_from_k, CAUSAL=tq > 1,
             IEEE=q.dtype == torch.float32, INTERPRETED=impl.interpreting(), LAZY=bool(cfg["lazy_rescale"]),
             HALVES=halves, TMA=tma, DIAG=cfg["diag"] if halves else 0, F16=f16, NUM_BLOCKS=k.shape[0],
+            TABLE_W=table.shape[1],
             num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
             **({"maxnreg": cfg["maxnreg"]} if cfg["maxnreg"] else {}))
     if splits == 1:
