@@ -257,8 +257,7 @@ def test_mla_structure_options_on_gpu(cache_dtype, structure, monkeypatch):
     torch.testing.assert_close(got.out, ref.out, atol=2e-2, rtol=0)
 
 
-@pytest.mark.parametrize("q_exp", [0, -60, 70])
-@pytest.mark.parametrize("tq,d", [(1, 64), (2, 80)])
+@pytest.mark.parametrize("q_exp,tq,d", [(0, 2, 80), (-60, 1, 64), (70, 2, 80)])
 def test_kernel_fp8_cache_f16_operands(monkeypatch, q_exp, tq, d):
     """CONFIG f16_fp8: bf16 queries scaled into fp16 by a power of two, fp16 weights over the
     running per-row maximum. Value scales spread over 2^-40..2^40 per token (weights that fp16
