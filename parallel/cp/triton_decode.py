@@ -473,7 +473,7 @@ CONFIG = {
     "min_split": 1024,           # tokens: never split finer
     "block_n": 64, "block_n_wide": 64,            # key tile; "wide" when the key dim > 256 (MLA)
     "block_m": 64, "block_m_wide": 64, "block_m_wide_fp8": 64,
-    "num_warps": 4, "num_warps_wide": 8, "num_stages": 2, "num_stages_wide": 2,
+    "num_warps": 4, "num_warps_wide": 8, "num_stages": 3, "num_stages_wide": 2,
     "block_n_fp8": 128, "num_stages_fp8": 2,      # GQA over an fp8 cache (key dim <= 256)
     # f16_fp8: fp16 MMA operands over an fp8 cache (bf16 queries scaled into fp16 by a power of two,
     # weights p * v_scale over a running per-row maximum: `_tile`), one conversion per fp8 pair
@@ -517,6 +517,10 @@ CONFIG = {
 # fp16 operands, 168 registers and 2 stages 62.4 -> 55.8 µs (8K) and 159.7 -> 124.6 µs (32K),
 # max error 4.0e-4 -> 3.1e-5 and 1.6e-4 -> 1.5e-5 (fp16 weights hold 3 more bits than bf16);
 # without the cap 54.1 and 176.2 (2 CTAs per SM at 32K), 160 registers 56.8 and 123.7.
+# GQA bf16 with 3 stages instead of 2: 65.4 -> 60.2 / 149.0 -> 149.6 µs (probe 4) and, after the
+# local lengths moved into the kernel, 50.2 -> 48.1 / 136.2 -> 135.4 (bench/results/
+# cp-probe5-h200.json); both probes pick it. (min_split 512 would give GQA 46.4 at 8K, but the
+# key is shared and MLA keeps 1024.)
 """Launch parameters. `python -m megapar.launch.bench.cp --probe --out DIR` sweeps them on the GPU
 (CUDA-graph replays) and writes DIR/decode-tuning.json for `apply_tuning` (or
 MEGAPAR_DECODE_TUNING=path at import)."""
