@@ -416,8 +416,10 @@ def prepare_weights(w: torch.Tensor | QuantizedTensor | PreparedWeight | dict[st
     fmt: quantize a float weight to "mxfp4" / "nvfp4" / "fp8_block" first; None keeps it dense
         (cast to `dtype`).
     packing: FP4 nibble order: "oct" (default: 8 nibbles of one 32-bit word = 8 scale blocks,
-        what the fused W4A16 kernel's inline-PTX expansion reads), "paired" (K only divisible
-        by two blocks) or "natural" (checkpoint order). A K that the unit does not divide falls
+        what the fused W4A16 kernel's inline-PTX expansion reads), "octb" (the same unit with the
+        nibbles in bf16 pair order, `OCTB_POS`: what W4A16 mode bf16rot reads; the MoE layer's
+        choice for MXFP4 under bf16 activations, `packing_for`), "paired" (K only divisible by
+        two blocks) or "natural" (checkpoint order). A K that the unit does not divide falls
         back to "paired", then "natural".
     gate_up: for a W13 weight, "interleaved" reorders its rows to "split"; "split" records it.
     tile_n: FP4 row tiling (PreparedWeight.tile_n); None = DEFAULT_TILE_N where it divides N
