@@ -557,10 +557,10 @@ def apply_tuning(tuning: dict) -> None:
     """Install measured launch settings {"gqa": {key: value}, "mla": {key: value}} (as written by
     `python -m megapar.launch.bench.cp --probe --out DIR` to DIR/decode-tuning.json; keys:
     block_n, block_m, num_warps, num_stages, target_programs, min_split, lazy_rescale, and MLA's
-    halves / tma / diag; "gqa_fp8": block_n and num_stages of GQA over an fp8 cache, CONFIG's *_fp8
-    entries; "mla_fp8": MLA over an fp8 cache, CONFIG's *_wide_fp8 entries). MLA's block_n /
-    block_m / num_warps / num_stages / structure options go to CONFIG's *_wide entries; target_programs and min_split are shared
-    and must agree where both give them. {"config": {CONFIG key: value}} sets entries directly.
+    halves / tma / diag; "gqa_fp8": block_n, num_stages, f16 and maxnreg of GQA over an fp8 cache,
+    CONFIG's *_fp8 entries; "mla_fp8": MLA over an fp8 cache, CONFIG's *_wide_fp8 entries). MLA's
+    block_n / block_m / num_warps / num_stages / structure options go to CONFIG's *_wide entries;
+    target_programs and min_split are shared and must agree where both give them. {"config": {CONFIG key: value}} sets entries directly.
     Nothing is installed unless all of it is valid: ValueError naming the bad keys or values."""
     if not isinstance(tuning, dict):
         raise ValueError(f"decode tuning must be a dict, got {type(tuning).__name__}")
@@ -635,8 +635,8 @@ def plan_splits(capacity: int, programs: int, block_n: int) -> tuple[int, int]:
 
 
 def launch_settings(d: int, q_dtype: torch.dtype, cache_dtype: torch.dtype, rows: int) -> dict[str, int]:
-    """CONFIG's block_m / block_n / num_warps / num_stages (and the 0/1 structure options
-    lazy_rescale / halves / tma / diag) for a key dim d, these dtypes and `rows` query rows per kv
+    """CONFIG's block_m / block_n / num_warps / num_stages (and the structure options lazy_rescale /
+    halves / tma / diag / f16, and maxnreg: 0 where CONFIG has none) for a key dim d, these dtypes and `rows` query rows per kv
     head (q_len x heads per kv head): "wide" (d > 256, MLA) entries first, with their narrow-tile,
     fp32-query or fp8-cache variants (in that order) where CONFIG has one; else GQA's, fp8 ones
     for an fp8 cache."""
