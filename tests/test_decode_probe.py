@@ -39,6 +39,13 @@ def test_apply_tuning_maps_mla_keys_to_wide_entries():
     td.apply_tuning({"config": {"num_warps_wide": 16, "target_programs": 528}})
     assert td.CONFIG["num_warps_wide"] == 16 and td.CONFIG["target_programs"] == 528
     assert td.CONFIG["block_m"] == before["block_m"] and td.CONFIG["num_warps"] == before["num_warps"]
+    td.apply_tuning({"gqa_fp8": {"f16": 0, "maxnreg": 160}})
+    assert (td.CONFIG["f16_fp8"], td.CONFIG["maxnreg_fp8"]) == (0, 160)
+    fp8 = td.launch_settings(128, torch.bfloat16, torch.float8_e4m3fn, 8)
+    bf16 = td.launch_settings(128, torch.bfloat16, torch.bfloat16, 8)
+    mla = td.launch_settings(576, torch.bfloat16, torch.float8_e4m3fn, 128)
+    assert (fp8["f16"], fp8["maxnreg"]) == (0, 160) and (bf16["f16"], bf16["maxnreg"]) == (0, 0)
+    assert (mla["f16"], mla["maxnreg"]) == (0, 0)                 # (MLA over fp8 has neither)
 
 
 @pytest.mark.parametrize("tuning,match", [
@@ -56,6 +63,10 @@ def test_apply_tuning_maps_mla_keys_to_wide_entries():
     ({"config": {"num_stages_fp8": 9}}, r"decode CONFIG num_stages_fp8 = 9 is invalid"),
     ({"config": {"block_q": 16}}, r"unknown decode CONFIG key 'block_q'; valid: target_programs"),
     ({"config": {"block_m_wide": 24}}, r"decode CONFIG block_m_wide = 24 is invalid"),
+    ({"gqa": {"f16": 1}}, r"decode tuning gqa.f16: an fp8-cache option; give it under 'gqa_fp8'"),
+    ({"mla": {"maxnreg": 168}}, r"decode tuning mla.maxnreg: an fp8-cache option"),
+    ({"gqa_fp8": {"maxnreg": 100}}, r"gqa_fp8.maxnreg = 100 is invalid; valid: 0, 64, 72"),
+    ({"gqa_fp8": {"f16": 2}}, r"gqa_fp8.f16 = 2 is invalid; valid: 0, 1"),
 ])
 def test_apply_tuning_rejects_bad_entries_and_installs_nothing(tuning, match):
     before = dict(td.CONFIG)
