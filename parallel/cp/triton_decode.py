@@ -80,7 +80,8 @@ def _checked_range(glens_ptr, table_ptr, s, s64, st_s, start, end, local_len, nu
     outside [0, num_blocks): the range is then emptied. A program with bad = 1 reports NaN, a
     CUDA call's device-side answer to bad input (its values are not read on the host there).
     SCAN is one pass over the split's ids before the loop (MLA's latent tiles); GQA's tiles check
-    their own ids instead (`_checked_block`), which costs that loop nothing at sm_90a."""
+    their own ids instead (`_checked_block`; the sm_90a compile of that loop came out shorter with
+    it, 1216 -> 1144 instructions at bf16: not timed)."""
     bad = tl.where((tl.load(glens_ptr + s) < 0) | (local_len > table_w * PAGE), 1, 0)
     end = tl.minimum(end, table_w * PAGE)
     if SCAN:
