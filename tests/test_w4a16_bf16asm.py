@@ -108,16 +108,18 @@ def test_interp_probe_decode7_dry_run(tmp_path, capsys, monkeypatch):
 
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="needs TRITON_INTERPRET=1 (conftest, CPU)")
 def test_interp_probe_decode8_dry_run(tmp_path, capsys, monkeypatch):
-    """The register-cap section (maxnreg 128 beside the default) on the interpreter's tiny problems."""
+    """The register-cap section (maxnreg 128 beside the default) and decode9 (bf16rot_ps beside
+    bf16rot: on the interpreter only the section's own code) on the interpreter's tiny problems."""
     from launch.bench import gemm
 
     monkeypatch.setattr(gemm, "graph_time", lambda ctx, fn, iters=None: (fn(), (1.0, "stub"))[1])
-    gemm.probe(str(tmp_path), ["decode8"])
+    gemm.probe(str(tmp_path), ["decode8", "decode9"])
     rows = json.loads((tmp_path / "gemm-probe.json").read_text())["results"]
-    assert rows and all(r["section"] == "decode8" for r in rows) and not [r for r in rows if "error" in r]
-    assert {r["cfg"]["maxnreg"] for r in rows} == {0, 128}
+    assert rows and {r["section"] for r in rows} == {"decode8", "decode9"} and not [r for r in rows if "error" in r]
+    assert {r["cfg"]["maxnreg"] for r in rows if r["section"] == "decode8"} == {0, 128}
     assert all(r["rel_err"] < 1e-2 for r in rows)
-    assert capsys.readouterr().out.count("decode8 ") >= 2
+    out = capsys.readouterr().out
+    assert out.count("decode8 ") >= 2 and out.count("decode9 ") >= 2
 
 
 def test_maxnreg_is_validated():
@@ -281,6 +283,40 @@ def test_bf16rot_expansion_constants_decode_every_block_of_octb_words():
         assert torch.equal(hi, _e2m1(codes[:, i, 1::2]).double() * 2.0 ** -126), i
 
 
+def test_bf16rot_ps_replay_gives_each_block_relative_to_its_rows_largest_scale():
+    """MODE 7's PTX replayed on the CPU (`octb_ps_reference`): the kernel adds C = 253 - min(r_max,
+    253) to the four scale bytes of each word with one 32-bit add, then the PTX permutes byte j into
+    both halves and shifts it into the bf16 exponent field. Every code of every block, block scales
+    from 0 to r_max (d = r_max - s up to 253, where the block flushes to 0) and r_max up to 254
+    (relative to 253 there): each operand is the E2M1 value times 2^(s - R), rounded to bf16 as
+    the MMA operand is, and the word add never carries between bytes."""
+    from moe.kernels import prepare
+    from moe.kernels.triton_w4a16 import octb_ps_reference
+
+    block, units = 32, 16
+    g = torch.Generator().manual_seed(3)
+    codes = torch.randint(0, 16, (units, 8, block), generator=g)
+    codes[0] = torch.arange(16).repeat(16)[: 8 * block].view(8, block)
+    natural = (codes.reshape(-1)[0::2] | (codes.reshape(-1)[1::2] << 4)).to(torch.uint8)
+    words = prepare.octb_fp4(natural, block).view(torch.int32).view(units, block)
+    r_max = torch.tensor([254, 253, 252, 200, 127, 126, 3, 0] * (units // 8))[:, None]      # one row per unit
+    s = (r_max - torch.randint(0, 254, (units, 8), generator=g)).clamp_min(0)                # block scales <= r_max
+    s[:, 0] = r_max[:, 0]                                                                   # the row's largest
+    s[1, 1], s[0, 2] = 0, 0                                                                 # d = 253 / 254
+    c4 = (253 - r_max.clamp_max(253)) * 0x01010101                       # the kernel's one add per word
+    packed = lambda b: sum(s[:, 4 * b + j:4 * b + j + 1] << (8 * j) for j in range(4))   # the scale word
+    t_lo = ((packed(0) + c4) & 0xFFFFFFFF).expand(units, block // 2)
+    t_hi = ((packed(1) + c4) & 0xFFFFFFFF).expand(units, block // 2)
+    regs = octb_ps_reference(words[:, 0::2], words[:, 1::2], t_lo, t_hi)
+    for i, reg in enumerate(regs):
+        rel = torch.exp2((s[:, i:i + 1] - r_max.clamp_max(253)).double())
+        for h in range(2):
+            want = (_e2m1(codes[:, i, h::2]).double() * rel).to(torch.bfloat16)
+            assert torch.equal(reg[..., h], want), (i, h)
+    for i, unit in ((1, 1), (2, 0)):                                       # d = 253 and 254: exact zeros
+        assert not regs[i][unit].float().abs().any()
+
+
 def test_octb_modes_and_pick_config(monkeypatch):
     """The PTX modes read their own packing (bf16rot: octb; the others: oct) and say so; the
     Triton-arithmetic modes read octb too; pick_config maps the oct settings onto octb."""
@@ -372,3 +408,66 @@ def test_gpu_bf16rot_gives_the_bits_of_bf16asm(tok):
     cfg = pick_config(rows.rows_hint, torch.bfloat16, "octb")
     eager = launch_w4a16(x, pb, rows, out_dtype=torch.bfloat16, config=cfg)
     assert torch.equal(_graph_replay(lambda: launch_w4a16(x, pb, rows, out_dtype=torch.bfloat16, config=cfg)), eager)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tok", [1, 8])
+def test_gpu_bf16rot_ps_gives_the_bits_of_bf16rot(tok):
+    """Mode bf16rot_ps (the prescale multiplier built in the expansion PTX) against bf16rot, the same
+    settings, TMA and pointer loads, 2 and 3 stages, the fused SwiGLU: the same operand values in
+    the same MMA order (every r_max <= 253 here), so the same bits; and a CUDA-graph replay."""
+    from moe.kernels.triton_w4a16 import launch_w4a16, pick_config
+
+    counts, x, rows, pw = _v3_decode(tok)
+    pb = pw.in_layout("octb")
+    for swiglu in (None, (None, 1.0, 0.0)):
+        base = pick_config(rows.rows_hint, torch.bfloat16, "octb", swiglu is not None)
+        for tma, stages in ((False, 4), (True, 2), (True, 3)):
+            cfg = dataclasses.replace(base, tma=tma, num_stages=stages, mode="bf16rot", prescale=True)
+            a = launch_w4a16(x, pb, rows, out_dtype=torch.bfloat16, swiglu=swiglu, config=cfg)
+            b = launch_w4a16(x, pb, rows, out_dtype=torch.bfloat16, swiglu=swiglu,
+                             config=dataclasses.replace(cfg, mode="bf16rot_ps"))
+            torch.cuda.synchronize()
+            assert torch.equal(a, b), (swiglu, tma, stages)
+    cfg = dataclasses.replace(pick_config(rows.rows_hint, torch.bfloat16, "octb"), mode="bf16rot_ps", prescale=True)
+    eager = launch_w4a16(x, pb, rows, out_dtype=torch.bfloat16, config=cfg)
+    assert torch.equal(_graph_replay(lambda: launch_w4a16(x, pb, rows, out_dtype=torch.bfloat16, config=cfg)), eager)
+
+
+@pytest.mark.gpu
+def test_gpu_bf16rot_ps_wide_scales_largest_scale_nan_scale_and_split_k():
+    """bf16rot_ps where the scales are extreme: blocks 2^-60 .. 2^0 below their row's largest, rows
+    whose largest block exponent is 254 (2^127: operands relative to 253) or 253, a NaN block scale
+    (its row NaN, no other), and split-K 4: exact against the reference (fp32 out)."""
+    from moe.kernels.triton_w4a16 import launch_w4a16, pick_config
+
+    E, N, K = 2, 256, 2048
+    g = torch.Generator().manual_seed(8)
+    w = torch.randn(E, N, K, generator=g)
+    w = w * torch.exp2(-torch.randint(0, 60, (E, N, K // 32, 1), generator=g).float()).repeat(1, 1, 1, 32).view(E, N, K)
+    q = quantize(w.cuda(), "mxfp4")
+    scale = q.scale.clone()
+    scale[:, :4] = (scale[:, :4].int() + (254 - scale[:, :4].int().amax(-1, keepdim=True))).to(torch.uint8)   # r_max 254
+    scale[:, 4:8] = (scale[:, 4:8].int() + (253 - scale[:, 4:8].int().amax(-1, keepdim=True))).to(torch.uint8)
+    q = dataclasses.replace(q, scale=scale)
+    pw = prepare_weights(q, packing="octb", tile_n=64)
+    counts = torch.tensor([1, 2], device="cuda", dtype=torch.int32)
+    x = torch.randn(3, K, device="cuda", dtype=torch.bfloat16) * 2.0 ** -120        # keep the 2^127 rows finite
+    rows = expert_rows(x, E, counts, None, "contiguous")
+    cfg = dataclasses.replace(pick_config(1, torch.bfloat16, "octb"), mode="bf16rot_ps", prescale=True)
+    # the reference in float64 (an fp32 dequantization of the 2^127 rows overflows)
+    data = q.data.cpu().long()
+    codes = torch.stack([data & 15, data >> 4], dim=-1).view(E, N, K)
+    w64 = _e2m1(codes).double() * torch.exp2(q.scale.cpu().double() - 127).repeat_interleave(32, -1)
+    ref = torch.cat([x[:1].cpu().double() @ w64[0].t(), x[1:].cpu().double() @ w64[1].t()]).float().cuda()
+    got = launch_w4a16(x, pw, rows, out_dtype=torch.float32, config=cfg)
+    assert torch.isfinite(ref).all()
+    assert _rel(got[:, :8], ref[:, :8]) < 1e-5 and _rel(got[:, 8:], ref[:, 8:]) < 1e-5
+    split = launch_w4a16(x, pw, rows, out_dtype=torch.float32, config=dataclasses.replace(cfg, split_k=4))
+    assert _rel(split, ref) < 1e-5
+    scale = pw.scale.clone()
+    scale[0, 5, 3] = 255
+    bad = dataclasses.replace(pw, scale=scale, cache={})
+    y = launch_w4a16(x, bad, rows, out_dtype=torch.float32, config=cfg)
+    assert torch.isnan(y[0, 5]) and not torch.isnan(y[1:, 5]).any()
+    assert torch.isfinite(y[:, torch.arange(N) != 5]).all()

@@ -32,7 +32,8 @@ and launch configs side by side, correctness of each) and writes DIR/gemm-probe.
 picks the rounds (decode, decode2, decode3, decode4 = TMA weight loads vs the default, decode5 = how
 fast plain kernels stream the same weight bytes (launch/bench/stream_probe.py), decode6 = split-K,
 decode7 = bf16 operands by the multiply expansion (mode bf16asm), decode8 = bf16asm under a
-register cap (maxnreg) and the octb packing with mode bf16rot, prefill).
+register cap (maxnreg) and the octb packing with mode bf16rot, decode9 = bf16rot with the prescale
+multiplier built inside the expansion PTX (mode bf16rot_ps), prefill).
 """
 
 from __future__ import annotations
@@ -848,6 +849,46 @@ def probe(out_dir: str, sections: list[str]) -> None:
         _print_verdicts("decode8", rows8, [
             ("maxnreg", "maxnreg wins", lambda r: r["cfg"]["maxnreg"] and r["cfg"]["mode"] != "bf16rot"),
             ("bf16rot", "bf16rot wins", lambda r: r["cfg"]["mode"] == "bf16rot")])
+
+    # -- decode, round 8: the prescale multiplier built in the expansion PTX (mode bf16rot_ps) --
+    if "decode9" in sections:
+        import dataclasses
+
+        from megapar.moe.kernels.triton_w4a16 import pick_config
+        shapes9 = [p[0] for p in decode_probs]
+        rows9: list[dict[str, Any]] = []
+        for (E, N, K), tok, hit in sorted(decode_probs, key=lambda p: shapes9.index(p[0])):
+            w, x, rows, ref, experts, floor = hit_problem(E, N, K, tok, hit)
+            pb = w["pw"].in_layout("octb") if not tiny else w["pw"]
+            base = pick_config(rows.rows_hint, torch.bfloat16, "octb")   # the layer's decode default
+            tag = f"{N}x{K} tok{tok} hit{experts}"
+            if tiny:   # the interpreter (no inline PTX): the section's code only
+                base = W4A16Config(block_n=64, block_m=16, chunks=1, num_warps=4, num_stages=1, mode="f16",
+                                   packing=pb.kernel_packing)
+                cfgs = [("default", base)]
+            else:
+                ps = dataclasses.replace(base, mode="bf16rot_ps", prescale=True)
+                cfgs = [("default", dataclasses.replace(base, mode="bf16rot", prescale=True)), ("bf16rot_ps", ps),
+                        ("bf16rot_ps other loads", dataclasses.replace(ps, tma=not ps.tma, num_stages=4 if ps.tma else 2))]
+                cfgs += [(f"bf16rot_ps {st} stages", dataclasses.replace(ps, num_stages=st))
+                         for st in (2, 3, 4) if st != ps.num_stages]
+                if ps.block_n == 128:   # 2 rows per thread instead of 4: fewer live multipliers
+                    cfgs.append(("bf16rot_ps 64 rows", dataclasses.replace(ps, block_n=64)))
+            for label, cfg in cfgs:
+                add_w4a16("decode9", f"N{N} K{K} tok{tok} hit{experts} {label}", x, pb, rows, cfg, ref, floor, tag)
+            if tok == 1 and not tiny:   # the bound left: the default without its block scales (wrong results)
+                add_w4a16("decode9", f"N{N} K{K} tok{tok} hit{experts} DIAG no block scales", x, pb, rows, base, ref,
+                          floor, tag, diag=2)
+            if N == shape_l1[1] and not tiny:   # the MoE layer's fused L1 + SwiGLU
+                I = N // 2
+                sw_ref = ref[:, :I] * torch.sigmoid(ref[:, :I]) * ref[:, I:]
+                sw = pick_config(rows.rows_hint, torch.bfloat16, "octb", swiglu=True)
+                for label, cfg in (("default", dataclasses.replace(sw, mode="bf16rot")),
+                                   ("bf16rot_ps", dataclasses.replace(sw, mode="bf16rot_ps"))):
+                    add_w4a16("decode9", f"N{N} K{K} tok{tok} hit{experts} swiglu {label}", x, pb, rows, cfg, sw_ref,
+                              floor, f"{tag} swiglu", swiglu=True)
+            run_section_rows(rows9)
+        _print_verdicts("decode9", rows9, [("bf16rot_ps", "bf16rot_ps wins", lambda r: r["cfg"]["mode"] == "bf16rot_ps")])
 
     # -- prefill: V3 L1 at 2048 tok/expert --
     if "prefill" in sections:

@@ -69,8 +69,9 @@ from megapar.moe.kernels.triton_common import (  # noqa: F401  (FP8_MAX, AMAX_FL
 from megapar.moe.kernels.triton_expand import EXPAND_DEFAULTS, expand_fp4  # noqa: F401  (expand_fp4: re-export)
 from megapar.parallel import impl
 
-MODES = {"f16": 0, "bf16": 1, "f32": 2, "f16asm": 3, "f16asm_swap": 4, "bf16asm": 5, "bf16rot": 6}
-ASM_PACKING = {"f16asm": "oct", "f16asm_swap": "oct", "bf16asm": "oct", "bf16rot": "octb"}   # inline PTX (GPU)
+MODES = {"f16": 0, "bf16": 1, "f32": 2, "f16asm": 3, "f16asm_swap": 4, "bf16asm": 5, "bf16rot": 6, "bf16rot_ps": 7}
+ASM_PACKING = {"f16asm": "oct", "f16asm_swap": "oct", "bf16asm": "oct", "bf16rot": "octb",
+               "bf16rot_ps": "octb"}   # inline PTX (GPU)
 ASM_MODES = tuple(ASM_PACKING)
 PACKS = {"paired": 0, "oct": 1, "octb": 2}   # (octb: the oct loop with octb's nibble order)
 SPLIT_KS = (1, 2, 4, 8)
@@ -162,6 +163,58 @@ _OCTB_BF16_ASM = tl.constexpr("\n".join(
     + ["}"]))
 
 
+# MODE 7 ("bf16rot_ps"): bf16rot with the prescale inside the same PTX. The prescale multiplier of
+# block i is 2^(126 - d) = 2^(s_i + C - 127) with C = 253 - R, R = min(r_max, 253) (C >= 0, so
+# every s_i + C fits a byte: s_i <= r_max). The kernel adds C to all four scale bytes of a word at
+# once (one integer add per row and word; no byte carries), and the PTX builds each multiplier in
+# two instructions: a byte permute puts byte j in both halves' low byte, a shift by 7 makes it
+# the bf16 exponent field (byte 0 -> +0: the block is then 2^-253 or more below its row's largest
+# and flushes to 0, as before). MODES 5 / 6 build it per row and block by I2F + MUFU.EX2 + F2F.
+# Register 4a + j (block 4a + j) is word a's pair j times the multiplier from byte j of $10 + 2a
+# (the scale word of blocks 4a .. 4a + 3 plus C; $11 / $13 are the same row's copies that pack=2
+# hands over, unused).
+OCTB_PS_SELECT = (0x4140, 0x4342)   # prmt selectors: bytes (0, 1) / (2, 3) of the word to the halves' low bytes
+_OCTB_PS_ASM = tl.constexpr("\n".join(
+    ["{", ".reg .b32 t, z, m01, m23, h;", ".reg .b16 l, u;", "mov.b32 z, 0;"]
+    + [line for a in range(2) for line in (
+        [f"prmt.b32 m01, ${10 + 2 * a}, z, 0x{OCTB_PS_SELECT[0]:04X};", "shl.b32 m01, m01, 7;",
+         f"prmt.b32 m23, ${10 + 2 * a}, z, 0x{OCTB_PS_SELECT[1]:04X};", "shl.b32 m23, m23, 7;"]
+        + [ln for j, r in enumerate(OCTB_ROTATIONS) for ln in (
+            f"shf.l.wrap.b32 t, ${8 + a}, ${8 + a}, {r};", f"and.b32 t, t, 0x{OCT_BF16_TARGET:08X};",
+            f"mov.b32 {{l, u}}, {'m01' if j < 2 else 'm23'};", f"mov.b32 h, {{{'l, l' if j % 2 == 0 else 'u, u'}}};",
+            f"mul.rn.bf16x2 ${4 * a + j}, t, h;")]
+        + [f"shf.l.wrap.b32 t, ${8 + a}, ${8 + a}, 8;", f"and.b32 t, t, 0x{OCTB_M_MASK:08X};",
+           f"and.b32 h, ${8 + a}, 0x{OCTB_IN_PLACE:08X};", "or.b32 t, t, h;",
+           "mov.b32 {l, u}, m23;", "mov.b32 h, {u, u};", f"mul.rn.bf16x2 ${4 * a + 3}, t, h;"])]
+    + ["}"]))
+
+
+def _prmt_zero(a: torch.Tensor, select: int) -> torch.Tensor:
+    """PTX `prmt.b32 d, a, 0, select` on int64 words in [0, 2^32) (selector nibbles < 4: byte of a, 4: 0)."""
+    out = torch.zeros_like(a)
+    for k in range(4):
+        src = (select >> (4 * k)) & 7
+        if src < 4:
+            out |= ((a >> (8 * src)) & 0xFF) << (8 * k)
+    return out
+
+
+def octb_ps_reference(w0: torch.Tensor, w1: torch.Tensor, t_lo: torch.Tensor, t_hi: torch.Tensor) -> list[torch.Tensor]:
+    """MODE 7's PTX replayed on the CPU: octb words w0, w1 and the row's scale words plus C (t_lo:
+    blocks 0-3, t_hi: 4-7; same shape) -> 8 bf16 tensors [..., 2]: register i's (low, high) halves,
+    the bf16rot operand of block i times the half (i % 2) of the multiplier pair that
+    OCTB_PS_SELECT[i % 4 // 2] permutes out of its word, shifted by 7 (the bf16 exponent field)."""
+    regs = octb_bf16_reference(w0, w1)
+    out = []
+    for i, reg in enumerate(regs):
+        word = (t_lo if i < 4 else t_hi).to(torch.int64) & 0xFFFFFFFF
+        pair = (_prmt_zero(word, OCTB_PS_SELECT[i % 4 // 2]) << 7) & 0xFFFFFFFF
+        mult = ((pair >> (16 * (i % 2))) & 0xFFFF).to(torch.int16).view(torch.bfloat16)
+        halves = torch.stack([reg & 0xFFFF, reg >> 16], dim=-1).to(torch.int16).view(torch.bfloat16)
+        out.append(halves * mult[..., None])
+    return out
+
+
 # The probe's "no expansion" diagnostic (DIAG 3 / 4, wrong results): one mask per register in
 # place of the expansion, so the loop keeps its loads, prescale and MMAs (a bound, never a result)
 _OCT_DIAG_ASM = tl.constexpr("\n".join(
@@ -207,6 +260,20 @@ def _eight_operands(w, ASM: tl.constexpr, BF16: tl.constexpr):
 
 
 @triton.jit
+def _octb_scaled_operands(w, s8, r_max):
+    """MODE 7: octb words w (int32 [BN, BLOCK]), the row's 8 scale bytes s8 (int64 [BN]) and its
+    largest r_max (int32 [BN]) -> 8 prescaled bf16 operands (see _OCTB_PS_ASM)."""
+    c4 = (253 - tl.minimum(r_max, 253)) * 0x01010101
+    t_lo = (s8.to(tl.int32) + c4)[:, None]
+    t_hi = ((s8 >> 32).to(tl.int32) + c4)[:, None]
+    _, t_lo = tl.broadcast(w, t_lo)
+    _, t_hi = tl.broadcast(w, t_hi)
+    return tl.inline_asm_elementwise(_OCTB_PS_ASM, "=r,=r,=r,=r,=r,=r,=r,=r,r,r,r,r,r,r",
+                                     [w, t_lo, t_hi],
+                                     is_pure=True, pack=2, dtype=(tl.bfloat16,) * 8)
+
+
+@triton.jit
 def _oct_operands_asm(w, SWAP: tl.constexpr, BF16: tl.constexpr = False, ROT: tl.constexpr = False,
                       NO_EXPANSION: tl.constexpr = False):
     if NO_EXPANSION:
@@ -240,7 +307,10 @@ def _prescale_factor(r_max, MODE: tl.constexpr):
     """fp32 [BN] that takes a prescaled accumulator back: 2^(r_max - 127) * 2^14 (fp16 weight
     bits) * 2^8 (activation pre-scale) / 2^15 (the operand's 2^15); MODES 5, 6: 2^(r_max - 127)
     (bf16 operands, activations as they are); r_max 255 (NaN scale) -> NaN."""
-    f = tl.exp2((r_max - 127).to(tl.float32))
+    if MODE == 7:   # operands relative to R = min(r_max, 253) (_OCTB_PS_ASM)
+        f = tl.exp2((tl.minimum(r_max, 253) - 127).to(tl.float32))
+    else:
+        f = tl.exp2((r_max - 127).to(tl.float32))
     if MODE < 5:
         f = f * 128.0
     return tl.where(r_max == 255, float("nan"), f)
@@ -296,8 +366,10 @@ def _fp4_oct(acc, w, s_rows, kc, offs_q, n_mask, x_rows, m_mask, r_max,
     s8 = tl.load(s_rows + kc // (8 * BLOCK), mask=n_mask, other=0)
     if DIAG == 1:
         acc += tl.sum(w, axis=1).to(tl.float32)[:, None]
+    elif MODE == 7 and PRESCALE and DIAG == 0:
+        ops = _octb_scaled_operands(w, s8, r_max)
     elif MODE >= 3:
-        ops = _oct_operands_asm(w, MODE == 4, MODE >= 5, MODE == 6, MODE >= 5 and DIAG >= 3)
+        ops = _oct_operands_asm(w, MODE == 4, MODE >= 5, MODE >= 6, MODE >= 5 and DIAG >= 3)
     for i in tl.static_range(8):
         x_i = tl.load(x_rows[None, :] + (kc + i * BLOCK + offs_q)[:, None], mask=m_mask[None, :], other=0.0)
         s_i = ((s8 >> (8 * i)) & 0xFF).to(tl.uint8)
@@ -310,7 +382,7 @@ def _fp4_oct(acc, w, s_rows, kc, offs_q, n_mask, x_rows, m_mask, r_max,
                 op = octb_operand(w, i, MODE)
             else:
                 op = nibble_operand(w, i, MODE)
-            if DIAG == 2 or DIAG == 4:
+            if DIAG == 2 or DIAG == 4 or (MODE == 7 and DIAG == 0):   # (MODE 7: prescaled in the PTX)
                 acc = tl.dot(op, act_operand(x_i, MODE), acc)
             elif PRESCALE:
                 acc = tl.dot(_prescaled(op, s_i, r_max, MODE), act_operand(x_i, MODE), acc)
@@ -778,8 +850,8 @@ def launch_w4a16(x: torch.Tensor, w: PreparedWeight, rows, *, out_dtype: torch.d
     oct = cfg.packing in ("oct", "octb")
     sdata = w.scale.view(torch.int64) if oct else w.scale
     # prescaled operands: MXFP4 in the oct loop with fp16 operands (the only place it is wired)
-    prescale = cfg.prescale and w.fmt == "mxfp4" and oct and MODES[cfg.mode] in (0, 3, 4, 5, 6)
-    if cfg.mode in ("bf16asm", "bf16rot") and not prescale:   # operands v * 2^-126: only prescaled in range
+    prescale = cfg.prescale and w.fmt == "mxfp4" and oct and MODES[cfg.mode] in (0, 3, 4, 5, 6, 7)
+    if cfg.mode in ("bf16asm", "bf16rot", "bf16rot_ps") and not prescale:   # operands v * 2^-126: only prescaled in range
         raise ValueError(f"mode {cfg.mode!r} needs an MXFP4 weight in {need} packing with prescale=True; got fmt "
                          f"{w.fmt!r}, packing {cfg.packing!r}, prescale={cfg.prescale}")
     rmax = w.row_max_scale() if prescale else sdata
