@@ -318,8 +318,8 @@ def test_bf16rot_ps_replay_gives_each_block_relative_to_its_rows_largest_scale()
 
 
 def test_octb_modes_and_pick_config(monkeypatch):
-    """The PTX modes read their own packing (bf16rot: octb; the others: oct) and say so; the
-    Triton-arithmetic modes read octb too; pick_config maps the oct settings onto octb."""
+    """The PTX modes read their own packing (bf16rot, bf16rot_ps: octb; the others: oct) and say so;
+    the Triton-arithmetic modes read octb too; pick_config maps the oct settings onto octb."""
     from moe.kernels import triton_w4a16 as t
 
     E, N, K = 2, 64, 256
@@ -343,8 +343,8 @@ def test_octb_modes_and_pick_config(monkeypatch):
     for rows_hint, swiglu in ((1, False), (0.25, False), (1, True), (16, False)):
         cfg = t.pick_config(rows_hint, torch.bfloat16, "octb", swiglu)
         ref = t.pick_config(rows_hint, torch.bfloat16, "oct", swiglu)
-        assert (cfg.mode, cfg.packing) == ("bf16rot", "octb")
-        assert cfg.num_stages == (2 if ref.tma else ref.num_stages)    # (decode8: TMA at 2 stages)
+        assert (cfg.mode, cfg.packing) == ("bf16rot_ps", "octb")
+        assert cfg.num_stages == (ref.num_stages if swiglu else 3)     # (decode9: 3 stages, TMA or not)
         assert dataclasses.replace(cfg, mode=ref.mode, packing="oct", num_stages=ref.num_stages) == ref
     nv = t.pick_config(1, torch.bfloat16, "octb", fmt="nvfp4")      # f16asm reads oct: Triton arithmetic here
     assert (nv.mode, nv.packing) == ("f16", "octb")

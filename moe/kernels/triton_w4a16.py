@@ -727,9 +727,18 @@ def pick_config(rows_per_expert: float, dtype: torch.dtype, packing: str = "oct"
         # 124.3 -> 115.3), a tie at V4-Flash L2 (61.1 vs 61.3); pointer loads with 4 stages stay
         # best where few experts have rows (1 token over 8 of 32: 61.5 -> 59.8) and the fused SwiGLU
         # keeps its settings (235.3 -> 219.1 at V3 L1).
+        # bf16rot_ps (the prescale multiplier built in the expansion PTX; `--sections decode9`, H200
+        # 2026-12-03, bench/results/gemm-probe-decode9-h200.json, beside the bf16rot default in the
+        # same run): 3 stages win with TMA and with pointer loads (157 registers: 3 CTAs per SM
+        # either way). V3 L1 1 / 8 / 32 tokens per expert 190.9 -> 170.0, 193.3 -> 184.0, 224.0 ->
+        # 209.6 µs; V3 L2 1 / 8: 100.7 -> 87.8, 99.4 -> 91.2; V4-Flash L1 / L2 112.4 -> 104.1, 63.1
+        # -> 54.5; 1 token over 8 of 32 experts (pointer loads) V3 L1 61.7 -> 54.1, V4-Flash 38.2 ->
+        # 33.2; the fused SwiGLU at its settings V3 L1 217.5 -> 199.3, 1 token over 8: 60.2 -> 55.7.
+        # (V4-Flash L1 at 8 tokens over 8 experts, a rows hint of 2, took 4 stages: 48.9 -> 34.4,
+        # 44.2 at 3; the hint does not tell it apart from 2 tokens per expert.)
         base = pick_config(rows_per_expert, dtype, "oct", swiglu, fmt)
-        mode = "bf16rot" if base.mode == "bf16asm" else "f16" if base.mode in ASM_MODES else base.mode
-        stages = 2 if mode == "bf16rot" and base.tma else base.num_stages
+        mode = "bf16rot_ps" if base.mode == "bf16asm" else "f16" if base.mode in ASM_MODES else base.mode
+        stages = 3 if mode == "bf16rot_ps" and not swiglu else base.num_stages
         return W4A16Config(**{**base.__dict__, "mode": mode, "packing": "octb", "num_stages": stages})
     asm = USE_ASM and packing == "oct" and not impl.interpreting()
     mode = "f16asm" if asm else "f16"
