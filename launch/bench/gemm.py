@@ -33,7 +33,8 @@ picks the rounds (decode, decode2, decode3, decode4 = TMA weight loads vs the de
 fast plain kernels stream the same weight bytes (launch/bench/stream_probe.py), decode6 = split-K,
 decode7 = bf16 operands by the multiply expansion (mode bf16asm), decode8 = bf16asm under a
 register cap (maxnreg) and the octb packing with mode bf16rot, decode9 = bf16rot with the prescale
-multiplier built inside the expansion PTX (mode bf16rot_ps), prefill).
+multiplier built inside the expansion PTX (mode bf16rot_ps), prefill, prefill2 = the FP8 GEMM alone
+at V3 L2 over tile shapes and stages, rowwise and per-128 promoted).
 """
 
 from __future__ import annotations
@@ -940,6 +941,39 @@ def probe(out_dir: str, sections: list[str]) -> None:
             _run_variants(ctx, variants, results, save)
             variants.clear()
             del b_grp, s_grp
+    # -- prefill2: the FP8 GEMM alone at V3 L2 (K 2048), where it trailed DeepGEMM (0.84x at 512 and
+    # 2048 tok/expert, bench/results/gemm-deepgemm-h200.md): tile shapes and stages, rowwise scales
+    # and the per-128 promotion, beside torch fp8 rowwise --
+    if "prefill2" in sections:
+        for tok in ((512, 2048) if not tiny else (32,)):
+            E, N, K = shape_l2
+            w, x, counts, rows, ref = problem(E, N, K, tok)
+            xq, xs = quantize_act(x)
+            gq, gs = quantize_act(x, group=True)
+            ref8 = torch.bmm((xq.float() * xs).view(E, tok, K), w["f32"].transpose(1, 2)).reshape(E * tok, N)
+            xg = (gq.float().view(E * tok, K // 128, 128) * gs.view(E * tok, K // 128, 1)).view(E, tok, K)
+            ref8g = torch.bmm(xg, w["f32"].transpose(1, 2)).reshape(E * tok, N)
+            b_grp, s_grp = expand_fp4(w["pw"], fold="group")
+            tag = f"N{N} K{K} tok{tok}"
+            add("prefill2", f"{tag} torch fp8 rowwise _scaled_grouped_mm (gemm only)",
+                lambda: torch_scaled_grouped_mm(xq, xs, w["fp8"], w["fp8_scale"], counts), err_of(ref8),
+                flops=2.0 * E * tok * N * K)
+            cfgs = [(128, 256, 8, 3), (256, 128, 8, 3), (128, 128, 8, 4), (128, 256, 8, 4), (64, 256, 4, 4),
+                    (128, 128, 4, 4), (128, 256, 4, 3), (256, 128, 8, 4)] if not tiny else [(16, 32, 4, 1)]
+            for bm, bn, nw, ns in cfgs:
+                cfg = FP8Config(block_m=bm, block_n=bn, num_warps=nw, num_stages=ns)
+                add("prefill2", f"{tag} triton fp8 gemm only row bm{bm} bn{bn} w{nw} s{ns}",
+                    (lambda cfg=cfg: fp8_grouped_gemm(xq, xs, w["fp8"], w["fp8_scale"], rows, out_dtype=torch.bfloat16,
+                                                      config=cfg)), err_of(ref8), flops=2.0 * E * tok * N * K)
+            for bm, bn, nw, ns in (((128, 128, 8, 3), (128, 128, 8, 4), (64, 256, 4, 3), (128, 256, 8, 3))
+                                   if not tiny else ((16, 32, 4, 1),)):
+                cfg = FP8Config(block_m=bm, block_n=bn, num_warps=nw, num_stages=ns)
+                add("prefill2", f"{tag} triton fp8 gemm only group-promote bm{bm} bn{bn} w{nw} s{ns}",
+                    (lambda cfg=cfg: fp8_grouped_gemm(gq, gs, b_grp, s_grp, rows, out_dtype=torch.bfloat16,
+                                                      config=cfg)), err_of(ref8g), flops=2.0 * E * tok * N * K)
+            _run_variants(ctx, variants, results, save)
+            variants.clear()
+            del b_grp, s_grp
     print(f"probe done in {time.time() - t0:.0f} s")
     save()
     _print_table(results)
@@ -1018,6 +1052,8 @@ def _run_variants(ctx, variants, results, save) -> None:
                 row["floor_frac"] = round(info["floor_us"] / row["us"], 3)
             if "bytes" in info:
                 row["gbps"] = round(info["bytes"] / row["us"] / 1e3, 1)
+            if "flops" in info:
+                row["tflops"] = round(info["flops"] / row["us"] / 1e6, 1)
         except Exception as e:  # noqa: BLE001
             row["error"] = f"{type(e).__name__}: {str(e)[:400]}"
             traceback.print_exc(limit=2)
