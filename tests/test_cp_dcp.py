@@ -1,6 +1,7 @@
 """DCP layout helpers against a brute-force assignment, the paged cache, single-rank decode, bad
 tables (errors, never another sequence's data), and DCP x PCP decode on 4 gloo ranks in vLLM's
-layout (the other multi-rank decode cases run in test_cp_dist.py)."""
+layout, with bad tables reported by the Triton kernel alone (NaN on every rank after the merges)
+(the other multi-rank decode cases run in test_cp_dist.py)."""
 
 from __future__ import annotations
 
@@ -217,29 +218,49 @@ def test_bad_block_tables_and_lengths_raise_naming_the_values():
         dcp_decode_attention(q, cache, good, torch.tensor([9, 3]))
 
 
+def _count_device_checks(monkeypatch, d: int, q: torch.Tensor, cache: PagedKVCache) -> list[int]:
+    """Head dim 8: the torch path ("auto": the kernel needs >= 16), which runs `_invalid_sequences`;
+    16: the Triton kernel, whose own report replaces it. Returns the list its calls append to."""
+    from parallel.cp import dcp as dcp_mod
+    from parallel.cp.paged import resolve_backend
+
+    assert resolve_backend(q, cache) == ("torch" if d < 16 else "triton")
+    calls: list[int] = []
+    check = dcp_mod._invalid_sequences
+    monkeypatch.setattr(dcp_mod, "_invalid_sequences", lambda *a: calls.append(1) or check(*a))
+    return calls
+
+
 @pytest.mark.gpu
-def test_bad_tables_on_cuda_give_nan_rows_without_host_sync():
-    cache = PagedKVCache.allocate(4, 4, 1, 8, dtype=torch.float32, device="cuda")
-    q, ks, vs = _sequences(9, [5, 3, 2], 2, 1, 8, 8)
+@pytest.mark.parametrize("d", [8, 16], ids=["torch-path", "kernel-path"])
+def test_bad_tables_on_cuda_give_nan_rows_without_host_sync(d, monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    cache = PagedKVCache.allocate(4, 4, 1, d, dtype=torch.float32, device="cuda")
+    q, ks, vs = _sequences(9, [5, 3, 2], 2, 1, d, d)
     table = torch.tensor([[0, 1], [2, -1], [3, -1]], dtype=torch.int32, device="cuda")
     for s, n in enumerate([5, 3, 2]):
         dcp_kv_insert(cache, ks[s].cuda(), vs[s].cuda(), torch.arange(n, device="cuda"), table[s])
     lens = torch.tensor([5, 7, -1], device="cuda")     # seq 1 uses the -1 block, seq 2 is negative
-    out = dcp_decode_attention(q.cuda(), cache, table, lens)
-    assert torch.isnan(out[1:]).all()
+    calls = _count_device_checks(monkeypatch, d, q.cuda(), cache)
+    out, lse = dcp_decode_attention(q.cuda(), cache, table, lens, return_lse=True)
+    assert len(calls) == (1 if d < 16 else 0)
+    assert torch.isnan(out[1:]).all() and torch.isnan(lse[1:]).all()
     ref = reference_attention(q[0:1], ks[0], vs[0], causal=False)[0]
     torch.testing.assert_close(out[0].double().cpu(), ref[0], rtol=0, atol=1e-5)
 
 
 @pytest.mark.gpu
-def test_decode_with_its_checks_is_cuda_graph_capturable():
+@pytest.mark.parametrize("d", [8, 16], ids=["torch-path", "kernel-path"])
+def test_decode_with_its_checks_is_cuda_graph_capturable(d, monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
     lens0 = [5, 3]
-    cache = PagedKVCache.allocate(4, 4, 1, 8, dtype=torch.float32, device="cuda")
-    q, ks, vs = _sequences(10, lens0, 2, 1, 8, 8)
+    cache = PagedKVCache.allocate(4, 4, 1, d, dtype=torch.float32, device="cuda")
+    q, ks, vs = _sequences(10, lens0, 2, 1, d, d)
     table = torch.tensor([[0, 1], [2, -1]], dtype=torch.int32, device="cuda")
     for s, n in enumerate(lens0):
         dcp_kv_insert(cache, ks[s].cuda(), vs[s].cuda(), torch.arange(n, device="cuda"), table[s])
     q, lens = q.cuda(), torch.tensor(lens0, device="cuda")
+    calls = _count_device_checks(monkeypatch, d, q, cache)
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
@@ -259,10 +280,12 @@ def test_decode_with_its_checks_is_cuda_graph_capturable():
             torch.testing.assert_close(out[1].double().cpu(), ref[0], rtol=0, atol=1e-5)
         else:
             assert torch.isnan(out[1]).all()
+    assert len(calls) == (2 if d < 16 else 0)                       # (warm-up and capture)
 
 
 # ---------------------------------------------------------------------------------------------
-# DCP x PCP on 4 gloo ranks (tp 2, pcp 2, dcp 2): the cache is sharded 4-way as in vLLM
+# DCP x PCP on 4 gloo ranks (tp 2, pcp 2, dcp 2): the cache is sharded 4-way as in vLLM; bad tables
+# through the kernel's own report
 
 
 def _cp_layout_rank(rank: int) -> str:
@@ -310,8 +333,86 @@ def _cp_layout_rank(rank: int) -> str:
             err = max((out[s].double() - ref_out[0, mine]).abs().max().item(),
                       (lse[s].double() - ref_lse[0, mine]).abs().max().item())
             assert err < 2e-6, (rank, i, s, err)
+    _check_kernel_reported_bad_tables(groups, rank)
     return "ok"
 
 
-def test_dcp_with_pcp_shards_the_cache_over_pcp_times_dcp_ranks_on_gloo():
-    assert launch_local(_cp_layout_rank, 4, timeout=180) == ["ok"] * 4
+def _check_kernel_reported_bad_tables(groups, rank: int, device: torch.device | None = None) -> None:
+    """Bad tables through the Triton kernel's own report, as the CUDA path runs it (no
+    `_invalid_sequences`): the ranks that read a bad id or hold tokens past the table give NaN, the
+    combine must carry it to every rank and leave the other sequences exact (CPU: the interpreter,
+    tiny, with the CUDA decision patched in; CUDA: as it is)."""
+    from parallel.cp import dcp as dcp_mod
+    from parallel.cp.paged import paged_decode_attention
+
+    assert groups.pcp.rank * 2 + groups.dcp.rank == rank          # total_cp_rank: the world rank (4-rank DCP too)
+    n, block, interleave, hkv, d = 4, 4, 2, 1, 16                 # 16 tokens per virtual block, 4 per rank
+    # 0 valid (ends inside virtual block 2), 1 a bad id in virtual block 2 whose one token (32) only
+    # rank 0 holds, 2 one token past the capacity (48: rank 0's), 3 negative, 4 valid with a -1 past
+    # its used blocks, 5 valid at full capacity, 6 a bad id in virtual block 0, read by ranks 0-2 only
+    lens, good, width = [37, 33, 49, -1, 20, 48, 5], [0, 4, 5], 3
+    detected_by = {1: {0}, 2: {0}, 3: {0, 1, 2, 3}, 6: {0, 1, 2}}
+    gen = torch.Generator().manual_seed(21)
+    nb = len(lens) * width + 2
+    table = torch.randperm(nb, generator=gen)[: len(lens) * width].view(len(lens), width).to(torch.int32)
+    table[1, 2], table[4, 2], table[6, 0] = nb + 7, -1, nb
+    q = torch.randn(len(lens), 4, d, generator=gen)              # 4 heads: 1 per rank, or 2 per DCP rank (PCP)
+    kv = {s: (torch.randn(lens[s], hkv, d, generator=gen), torch.randn(lens[s], hkv, d, generator=gen)) for s in good}
+    device = device or torch.device("cpu")
+    cache = PagedKVCache.allocate(nb, block, hkv, d, dtype=torch.float32, device=device)
+    for s in good:
+        dcp_kv_insert(cache, *(x.to(device) for x in kv[s]), torch.arange(lens[s], device=device),
+                      table[s].to(device), groups.dcp, interleave=interleave, pcp_group=groups.pcp)
+    q, table, seq = q.to(device), table.to(device), torch.tensor(lens, device=device)
+    # what this rank's kernel reports by itself: only what it reads (the merges must do the rest)
+    local = paged_decode_attention(q, cache, table, seq, layout=DCPLayout(n, rank, block, interleave),
+                                   backend="triton", validate=False)
+    assert [s for s in range(len(lens)) if torch.isnan(local.lse[s]).any()] == \
+        [s for s, ranks in detected_by.items() if rank in ranks], rank
+    saved = dcp_mod._kernel_reports_bad_tables
+    assert saved("triton", device) == (device.type == "cuda")
+    dcp_mod._kernel_reports_bad_tables = lambda backend, device: backend == "triton"   # as on CUDA
+    try:   # ag_rs over 4 DCP ranks; a2a over 2, then the PCP merge (world rank 0 = total_cp_rank 0)
+        for group, pcp, heads, comm in ((None, None, slice(rank, rank + 1), "ag_rs"),
+                                        (groups.dcp, groups.pcp, slice(groups.dcp.rank * 2, groups.dcp.rank * 2 + 2),
+                                         "a2a")):
+            out, lse = dcp_decode_attention(q[:, heads].contiguous(), cache, table, seq, group, comm=comm,
+                                            interleave=interleave, return_lse=True, backend="triton", pcp_group=pcp)
+            what = (rank, comm, "pcp" if pcp else "dcp 4")
+            for s in detected_by:
+                assert torch.isnan(out[s]).all() and torch.isnan(lse[s]).all(), (*what, s, out[s], lse[s])
+            for s in good:
+                ref_out, ref_lse = reference_attention(q[s:s + 1].cpu(), *kv[s], causal=False)
+                err = max((out[s].double().cpu() - ref_out[0, heads]).abs().max().item(),
+                          (lse[s].double().cpu() - ref_lse[0, heads]).abs().max().item())
+                assert err < (1e-5 if device.type == "cpu" else 1e-4), (*what, s, err)
+    finally:
+        dcp_mod._kernel_reports_bad_tables = saved
+
+
+def test_dcp_with_pcp_shards_the_cache_over_pcp_times_dcp_ranks_on_gloo(monkeypatch):
+    """vLLM's layout over pcp x dcp ranks; then (`_check_kernel_reported_bad_tables`) a bad block id
+    only rank 0 reads, a length past the table only rank 0 holds a token of, a negative length and
+    a bad id 3 of 4 ranks read: out and lse NaN on all 4 ranks after ag_rs (4 DCP ranks), a2a
+    (2) and the PCP merge."""
+    pytest.importorskip("triton")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")     # ("auto" keeps CPU tensors on torch; backend="triton" only)
+    assert launch_local(_cp_layout_rank, 4, timeout=240, env={"TRITON_INTERPRET": "1"}) == ["ok"] * 4
+
+
+def _kernel_bad_tables_nccl_rank(rank: int) -> str:
+    from parallel import ParallelConfig, init_parallel
+
+    groups = init_parallel(ParallelConfig(world_size=4, tp=2, pcp=2, dcp=2))
+    _check_kernel_reported_bad_tables(groups, rank, torch.device("cuda", torch.cuda.current_device()))
+    return "ok"
+
+
+@pytest.mark.gpu
+@pytest.mark.multigpu
+def test_kernel_reported_bad_tables_are_nan_on_every_nccl_rank():
+    """The CPU test's bad tables on 4 GPUs (NCCL, the Triton kernel and merge, no device-side check)."""
+    if torch.cuda.device_count() < 4:
+        pytest.skip("needs 4 GPUs (tp 2, pcp 2, dcp 2)")
+    assert launch_local(_kernel_bad_tables_nccl_rank, 4, backend="nccl", timeout=300,
+                        env={"TRITON_INTERPRET": "0"}) == ["ok"] * 4

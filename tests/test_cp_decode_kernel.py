@@ -101,14 +101,16 @@ def test_kernel_splits_and_fp8_cache(monkeypatch):
     """Long sequences cut into several splits, fp8 cache with per-(token, head) scales."""
     from parallel.cp import triton_decode
 
-    monkeypatch.setitem(triton_decode.CONFIG, "min_split", 256)   # several splits at these lengths
+    monkeypatch.setitem(triton_decode.CONFIG, "min_split_fp8", 256)   # several splits at these lengths
 
     lens = [600, 3, 0, 1100]
     cache, table, layout, _, _ = _fill(lens, 2, 64, 64, 16, 2, 1, 1, torch.float8_e4m3fn, seed=3)
     assert cache.is_fp8
     q = torch.randn(len(lens), 8, 64)
     seq = torch.tensor(lens)
-    splits, _ = triton_decode.plan_splits(table.shape[1] * 16, len(lens) * 2, 64)
+    settings = triton_decode.launch_settings(64, q.dtype, cache.k.dtype, 4)
+    assert settings["min_split"] == 256
+    splits, _ = triton_decode.plan_splits(table.shape[1] * 16, len(lens) * 2, settings["block_n"], 256)
     assert splits > 1
     ref = paged_decode_attention(q, cache, table, seq, layout=layout, backend="torch")
     got = paged_decode_attention(q, cache, table, seq, layout=layout, backend="triton")
@@ -213,10 +215,10 @@ def _mla_cache(lens, block, dtype, seed, device="cpu"):
 def test_mla_structure_options_match_reference(structure, tq, monkeypatch):
     """The kernel's MLA structure options (latent in halves, TMA loads, lazy rescale) against the
     torch path, with NaN in every slot past a sequence's length and sequences of 0, short and
-    several-split lengths (min_split 16: many splits, then the LSE merge)."""
+    several-split lengths (MLA's min_split 16: many splits, then the LSE merge)."""
     from parallel.cp import triton_decode as td
 
-    monkeypatch.setitem(td.CONFIG, "min_split", 16)
+    monkeypatch.setitem(td.CONFIG, "min_split_wide", 16)
     monkeypatch.setitem(td.CONFIG, "block_n_wide_f32", 16)
     monkeypatch.setitem(td.CONFIG, "block_m_wide_f32", 16)
     for key, value in structure.items():
@@ -265,7 +267,7 @@ def test_kernel_fp8_cache_f16_operands(monkeypatch, q_exp, tq, d):
     (d = 80 = 64 + 16) with Tq = 2; an empty sequence; several splits."""
     from parallel.cp import triton_decode
 
-    monkeypatch.setitem(triton_decode.CONFIG, "min_split", 64)
+    monkeypatch.setitem(triton_decode.CONFIG, "min_split_fp8", 64)
     monkeypatch.setitem(triton_decode.CONFIG, "f16_fp8", 1)
     monkeypatch.setitem(triton_decode.CONFIG, "maxnreg_fp8", 168)     # (a launch option; the interpreter drops it)
     lens = [300, 2, 0, 190]
@@ -297,6 +299,7 @@ def test_kernel_reports_bad_tables_as_nan_without_reading_past_them(mla, monkeyp
     from parallel.cp import triton_decode as td
 
     monkeypatch.setitem(td.CONFIG, "min_split", 16)
+    monkeypatch.setitem(td.CONFIG, "min_split_wide", 16)
     if mla:
         monkeypatch.setitem(td.CONFIG, "halves_wide", 1)
         monkeypatch.setitem(td.CONFIG, "block_n_wide_f32", 16)

@@ -35,7 +35,8 @@ def test_apply_tuning_maps_mla_keys_to_wide_entries():
                      "mla": {"block_n": 16, "block_m": 128, "num_warps": 4, "num_stages": 1},
                      "device": "x", "results": [], "notes": []})
     assert td.CONFIG == {**before, "block_n": 32, "num_stages": 3, "min_split": 128, "block_n_wide": 16,
-                         "block_m_wide": 128, "num_warps_wide": 4, "num_stages_wide": 1}
+                         "block_m_wide": 128, "num_warps_wide": 4, "num_stages_wide": 1,
+                         "min_split_fp8": 128}       # (gqa's min_split also serves gqa_fp8 unless it has its own)
     td.apply_tuning({"config": {"num_warps_wide": 16, "target_programs": 528}})
     assert td.CONFIG["num_warps_wide"] == 16 and td.CONFIG["target_programs"] == 528
     assert td.CONFIG["block_m"] == before["block_m"] and td.CONFIG["num_warps"] == before["num_warps"]
@@ -57,8 +58,11 @@ def test_apply_tuning_maps_mla_keys_to_wide_entries():
     ({"gqa": {"min_split": 0}}, r"gqa.min_split = 0 is invalid; valid: an int in \[1, "),
     ({"gqa": {"target_programs": "264"}}, r"gqa.target_programs = '264' is invalid"),
     ({"gqa": [64]}, r"decode tuning 'gqa' must be a dict"),
-    ({"gqa": {"min_split": 128}, "mla": {"min_split": 256}},
-     r"shared key min_split differs between gqa \(128\) and mla \(256\)"),
+    ({"gqa": {"target_programs": 132}, "mla": {"target_programs": 528}},
+     r"shared key target_programs differs between gqa \(132\) and mla \(528\)"),
+    ({"mla_fp8": {"min_split": 0}}, r"mla_fp8.min_split = 0 is invalid; valid: an int in \[1, "),
+    ({"gqa_fp8": {"min_split": 512.0}}, r"gqa_fp8.min_split = 512.0 is invalid"),
+    ({"config": {"min_split_wide": -1}}, r"decode CONFIG min_split_wide = -1 is invalid"),
     ({"gqa_fp8": {"num_warps": 8}}, r"unknown decode tuning key gqa_fp8.num_warps; valid: block_n, num_stages"),
     ({"config": {"num_stages_fp8": 9}}, r"decode CONFIG num_stages_fp8 = 9 is invalid"),
     ({"config": {"block_q": 16}}, r"unknown decode CONFIG key 'block_q'; valid: target_programs"),
@@ -76,17 +80,78 @@ def test_apply_tuning_rejects_bad_entries_and_installs_nothing(tuning, match):
     assert td.CONFIG == before
 
 
+FAMILY_KEYS = {"gqa": "min_split", "gqa_fp8": "min_split_fp8", "mla": "min_split_wide", "mla_fp8": "min_split_wide_fp8"}
+
+
+def _settings(kind: str) -> dict[str, int]:
+    """launch_settings of a family's problem (GQA D = 128, MLA 576; bf16 queries, 128 rows per kv head)."""
+    cache = torch.float8_e4m3fn if kind.endswith("fp8") else torch.bfloat16
+    return td.launch_settings(576 if kind.startswith("mla") else 128, torch.bfloat16, cache, 128)
+
+
+def test_min_split_is_per_family_and_old_shared_files_keep_their_meaning():
+    assert {k: td.CONFIG[v] for k, v in FAMILY_KEYS.items()} == {"gqa": 512, "gqa_fp8": 512, "mla": 1024,
+                                                                 "mla_fp8": 1024}
+    # the same local length, grid and tile: GQA (512) cuts it finer than MLA (1024)
+    # (1/8 of 8K = 1024 tokens over B x Hkv = 128 programs: 2 splits against 1; 1/4 of 8K: 3 against 2)
+    for capacity, want in ((1024, (2, 1)), (2048, (3, 2))):
+        got = tuple(td.plan_splits(capacity, 128, 64, _settings(k)["min_split"])[0] for k in ("gqa", "mla"))
+        assert got == want, (capacity, got)
+        assert td.plan_splits(capacity, 128, 128, _settings("gqa_fp8")["min_split"])[0] == want[0]
+    td.apply_tuning({"gqa": {"min_split": 128}, "gqa_fp8": {"min_split": 256}, "mla": {"min_split": 2048},
+                     "mla_fp8": {"min_split": 4096}})
+    assert {k: td.CONFIG[v] for k, v in FAMILY_KEYS.items()} == {"gqa": 128, "gqa_fp8": 256, "mla": 2048,
+                                                                 "mla_fp8": 4096}
+    assert {k: _settings(k)["min_split"] for k in FAMILY_KEYS} == {"gqa": 128, "gqa_fp8": 256, "mla": 2048,
+                                                                   "mla_fp8": 4096}
+    for q_dtype in (torch.bfloat16, torch.float32):      # 16 heads (narrow tiles) and fp32 queries: MLA's too
+        assert td.launch_settings(576, q_dtype, torch.bfloat16, 16)["min_split"] == 2048
+    # a file from before (one shared value under gqa and mla): every family takes it, as it did then
+    td.apply_tuning({"gqa": {"min_split": 1024, "block_n": 64}, "mla": {"min_split": 1024}})
+    assert {k: _settings(k)["min_split"] for k in FAMILY_KEYS} == dict.fromkeys(FAMILY_KEYS, 1024)
+
+
+def test_the_kernel_launch_splits_by_its_family_min_split(monkeypatch):
+    """paged_decode_triton plans with the family's min_split: the same 48-token table gives GQA
+    (min_split 16) 3 splits and MLA-like wide keys (288 > 256, v = k's prefix; min_split_wide 32)
+    2; both match the torch path (interpreter, tiny)."""
+    from parallel.cp import PagedKVCache
+    from parallel.cp.paged import paged_decode_attention
+
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.setitem(td.CONFIG, "min_split", 16)
+    monkeypatch.setitem(td.CONFIG, "min_split_wide", 32)
+    for key in ("block_n", "block_n_wide_f32", "block_m_wide_f32"):
+        monkeypatch.setitem(td.CONFIG, key, 16)
+    planned = []
+    plan = td.plan_splits
+    monkeypatch.setattr(td, "plan_splits", lambda *a: planned.append((a[3], plan(*a)[0])) or plan(*a))
+    g = torch.Generator().manual_seed(0)
+    table, seq = torch.tensor([[2, 0, 1]], dtype=torch.int32), torch.tensor([40])
+    for d, dv in ((16, 16), (288, 256)):
+        kv = torch.randn(3, 16, 1, d, generator=g)
+        cache = PagedKVCache(kv, kv[..., :dv]) if dv < d else PagedKVCache(kv, torch.randn(3, 16, 1, dv, generator=g))
+        q = torch.randn(1, 2, d, generator=g)
+        got = paged_decode_attention(q, cache, table, seq, backend="triton")
+        ref = paged_decode_attention(q, cache, table, seq, backend="torch")
+        torch.testing.assert_close(got.out, ref.out, atol=1e-4, rtol=0)
+        torch.testing.assert_close(got.lse, ref.lse, atol=1e-4, rtol=0)
+    assert planned == [(16, 3), (32, 2)]
+
+
 def test_env_tuning_is_read_at_import(tmp_path):
-    path = tmp_path / "decode-tuning.json"
+    path, bad_path = tmp_path / "decode-tuning.json", tmp_path / "bad.json"
     path.write_text(json.dumps({"gqa": {"block_n": 128}, "mla": {"block_m": 64, "num_warps": 4}}))
-    code = "import json; from parallel.cp import triton_decode as t; print(json.dumps(t.CONFIG))"
+    bad_path.write_text(json.dumps({"mla": {"num_warps": 5}}))
+    # one interpreter (a start costs seconds): the first import installs the file; a second import
+    # of the module (reload) with a bad file fails
+    code = ("import importlib, json, os, sys; from parallel.cp import triton_decode as t; print(json.dumps(t.CONFIG)); "
+            "os.environ['MEGAPAR_DECODE_TUNING'] = sys.argv[1]; importlib.reload(t)")
     env = {**os.environ, "MEGAPAR_DECODE_TUNING": str(path)}
-    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True, check=True)
+    out = subprocess.run([sys.executable, "-c", code, str(bad_path)], cwd=REPO, env=env, capture_output=True, text=True)
     config = json.loads(out.stdout.strip().splitlines()[-1])
     assert config == {**td.CONFIG, "block_n": 128, "block_m_wide": 64, "num_warps_wide": 4}
-    path.write_text(json.dumps({"mla": {"num_warps": 5}}))
-    bad = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True)
-    assert bad.returncode != 0 and "mla.num_warps = 5 is invalid" in bad.stderr
+    assert out.returncode != 0 and "mla.num_warps = 5 is invalid" in out.stderr, out.stderr[-2000:]
 
 
 def test_probe_dry_run_writes_a_tuning_that_installs(tmp_path, monkeypatch):

@@ -10,6 +10,8 @@
    decode kernel) over 1/N of the paged KV for N = 2, 4, 8 next to the kernel over the whole
    KV (what one GPU without DCP does), the ratio N * local / full, and the merge of the N
    partial states (LSE rescale of ag_rs; N-way merge of a2a). Collectives are not in these numbers.
+   L = 32K; MEGAPAR_BENCH_CP_DCP_CONTEXT=8192 runs it at another L (at 8K, 1/8 of the KV is 1024
+   tokens per sequence: where GQA's min_split decides between 1 and 2 splits).
 3. With >= 2 GPUs (NCCL): ring attention over P GPUs against one GPU's attention over the whole
    sequence (efficiency = T1 / (P * TP); target >= 85%) for both variants, and the DCP decode
    latency with both combine modes. Without them the section is skipped with a note; on CPU it
@@ -148,6 +150,7 @@ def _dcp_breakdown(ctx: BenchContext) -> None:
         mla = (2, MLADims(kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=16, v_head_dim=16))
     elif ctx.is_cuda:
         batch, context, heads, kv_heads, d, block, sizes = 32, 32768, 32, 4, 128, 64, (2, 4, 8)
+        context = int(os.environ.get("MEGAPAR_BENCH_CP_DCP_CONTEXT", context))
         mla = (128, MLADims())
     else:
         batch, context, heads, kv_heads, d, block, sizes = 4, 4096, 8, 2, 64, 16, (2, 4)

@@ -16,11 +16,12 @@ at the copy ceiling.
 The best valid setting per family (least mean time relative to each problem's fastest) goes to
 DIR/decode-tuning.json as {"gqa": {...}, "gqa_fp8": {...}, "mla": {...}, "mla_fp8": {...}} in the
 kernel's own key names: MLA's land on CONFIG's *_wide entries (key dim > 256), MLA over fp8 on
-its *_wide_fp8 entries, GQA over an fp8 cache on its block_n / num_stages *_fp8 entries, so none
-conflict. target_programs and min_split are shared by gqa and mla: where their winners differ,
-each family's winner is also timed with the other's value and the value with the smaller summed
-relative time serves both (a note says so). GQA has Hq / Hkv = 8 query rows per kv head, below
-the smallest row tile (16), so block_m is not swept for it.
+its *_wide_fp8 entries, GQA over an fp8 cache on its *_fp8 entries, so none conflict. min_split
+is swept per family (min_split, min_split_fp8, min_split_wide, min_split_wide_fp8). Only
+target_programs is shared by gqa and mla: where their winners differ, each family's winner is
+also timed with the other's value and the value with the smaller summed relative time serves
+both (a note says so). GQA has Hq / Hkv = 8 query rows per kv head, below the smallest row tile
+(16), so block_m is not swept for it.
 `triton_decode.apply_tuning` (or MEGAPAR_DECODE_TUNING=DIR/decode-tuning.json) installs the file.
 After each family DIR/decode-tuning.partial.json holds what is measured so far (a call that runs
 out of time keeps it).
@@ -46,22 +47,23 @@ ATOL_CPU = 1e-4       # float32 under the interpreter
 REF_BUDGET = 8 << 30  # bytes of the torch path's per-head KV copy: sequences checked per problem
 
 KEYS = {"gqa": ("block_n", "num_warps", "num_stages", "target_programs", "min_split", "lazy_rescale"),
-        "gqa_fp8": ("block_n", "num_stages", "f16", "maxnreg"),
+        "gqa_fp8": ("block_n", "num_stages", "f16", "maxnreg", "min_split"),
         "mla": ("block_m", "block_n", "num_warps", "num_stages", "target_programs", "min_split", "lazy_rescale",
                 "halves", "tma", "diag"),
-        "mla_fp8": ("block_m", "block_n", "num_warps", "num_stages", "lazy_rescale", "halves", "tma")}
+        "mla_fp8": ("block_m", "block_n", "num_warps", "num_stages", "lazy_rescale", "halves", "tma", "min_split")}
 FAMILY_MAP = {"gqa": {}, "mla": "_WIDE", "gqa_fp8": "_FP8", "mla_fp8": "_WIDE_FP8"}   # family key -> CONFIG key
 
 VARIANTS = {   # overrides of the current settings, one factor at a time, then a few combinations
     "gqa": [{}, {"lazy_rescale": 1}, {"block_n": 32}, {"block_n": 128}, {"num_warps": 8}, {"num_stages": 1}, {"num_stages": 3},
-            {"target_programs": 132}, {"target_programs": 528}, {"min_split": 128}, {"min_split": 512},
+            {"target_programs": 132}, {"target_programs": 528}, {"min_split": 128}, {"min_split": 256},
+            {"min_split": 1024},
             {"block_n": 128, "num_warps": 8}, {"block_n": 128, "num_stages": 3}, {"block_n": 32, "num_stages": 3},
             {"target_programs": 528, "min_split": 128}, {"block_n": 128, "num_warps": 8, "num_stages": 3}],
     # MLA: the kernel structure options (latent in halves, TMA, lazy rescale) and, on the halves
     # kernel, the subtraction diagnostics (diag 1 no softmax, 2 no P @ V, 3 scores only: invalid
     # rows, timed for where the time goes)
     "mla": [{}, {"block_n": 32}, {"num_stages": 2}, {"target_programs": 528}, {"min_split": 256},
-            {"min_split": 1024}, {"lazy_rescale": 1}, {"halves": 1}, {"halves": 1, "num_stages": 2},
+            {"min_split": 512}, {"min_split": 2048}, {"lazy_rescale": 1}, {"halves": 1}, {"halves": 1, "num_stages": 2},
             {"halves": 1, "tma": 1}, {"halves": 1, "tma": 1, "num_stages": 2},
             {"halves": 1, "tma": 1, "num_stages": 2, "lazy_rescale": 1}, {"halves": 1, "num_stages": 2, "lazy_rescale": 1},
             {"halves": 1, "tma": 1, "num_stages": 2, "target_programs": 528},
@@ -74,13 +76,14 @@ VARIANTS = {   # overrides of the current settings, one factor at a time, then a
                 # f16 at 128 keys takes 234 registers (2 CTAs per SM), 168 under the cap with no spill
                 {"f16": 1, "maxnreg": 168}, {"f16": 1, "maxnreg": 168, "num_stages": 2},
                 {"f16": 1, "maxnreg": 168, "num_stages": 4}, {"f16": 1, "maxnreg": 160, "num_stages": 2},
-                {"f16": 1, "maxnreg": 128, "num_stages": 2}],
+                {"f16": 1, "maxnreg": 128, "num_stages": 2}, {"min_split": 256}, {"min_split": 1024}],
     # MLA over fp8 (today 32 heads x 64 keys, mma.sync; 64 heads spill 444 B with the plain loads,
     # 40 B in halves with TMA and 2 stages: bench/debug/kernel_sass.py decode)
     "mla_fp8": [{}, {"num_stages": 2}, {"block_n": 32}, {"halves": 1}, {"halves": 1, "tma": 1},
                 {"halves": 1, "tma": 1, "num_stages": 2}, {"block_m": 64, "num_stages": 2},
                 {"block_m": 64, "halves": 1, "tma": 1, "num_stages": 2},
-                {"block_m": 64, "halves": 1, "num_stages": 2}, {"lazy_rescale": 1}],
+                {"block_m": 64, "halves": 1, "num_stages": 2}, {"lazy_rescale": 1}, {"min_split": 512},
+                {"min_split": 2048}],
 }
 TINY_VARIANTS = {
     "gqa": [{}, {"block_n": 16, "min_split": 32}, {"num_warps": 8, "num_stages": 1}],
@@ -197,7 +200,7 @@ def _splits(p: Problem, view: dict[str, int]) -> int:
     from megapar.parallel.cp.triton_decode import plan_splits
 
     block_m = max(16, min(triton.next_power_of_2(p.rows), view.get("block_m", 64)))
-    return plan_splits(p.capacity, p.batch_programs * -(-p.rows // block_m), view["block_n"])[0]
+    return plan_splits(p.capacity, p.batch_programs * -(-p.rows // block_m), view["block_n"], view["min_split"])[0]
 
 
 def _measure(ctx: BenchContext, problems: list[Problem], kind: str, settings: list[dict[str, int]],
@@ -313,7 +316,7 @@ def probe(out_dir: str | os.PathLike, *, device: str | None = None, iters: int =
                     {"done": list(best), "best": best, "results": [r for p in problems for r in p.results.values()],
                      "seconds": round(time.time() - t0, 1)}, indent=1) + "\n")
             fixed: dict[str, int] = {}
-            for key in _SHARED if "gqa" in best and "mla" in best else ():   # one value serves both (not gqa_fp8)
+            for key in _SHARED if "gqa" in best and "mla" in best else ():   # one value serves both
                 a, b = best["gqa"][key], best["mla"][key]
                 if a == b:
                     fixed[key] = a
@@ -328,8 +331,8 @@ def probe(out_dir: str | os.PathLike, *, device: str | None = None, iters: int =
                         for v in (a, b)}
                 pick = min(cost, key=cost.get)
                 notes.append(f"shared key {key}: gqa best {a}, mla best {b}; {pick} serves both (summed relative "
-                             f"time {cost[a]:.3f} with {a}, {cost[b]:.3f} with {b}); only block_n, block_m, num_warps "
-                             f"have separate *_wide entries for key dims > 256")
+                             f"time {cost[a]:.3f} with {a}, {cost[b]:.3f} with {b}); the other keys have separate "
+                             f"*_wide entries for key dims > 256")
                 fixed[key] = pick
                 for kind in ("gqa", "mla"):
                     best[kind] = winners[pick][kind] or {**best[kind], key: pick}

@@ -24,8 +24,14 @@ leak in through 0 x NaN). Value checks (negative `seq_lens`, a length past the t
 capacity, a block id outside [0, num_blocks) in the used part of a table, positions past the
 table) raise ValueError for CPU tensors. On CUDA they would be host syncs, so the decode path
 (CUDA-graph capturable: static shapes from the table's width, no `.item()`) checks on the
-device instead: such a sequence's output and lse are NaN, and `dcp_kv_insert` skips writes to
-invalid blocks.
+device instead: such a sequence's output and lse are NaN on every rank, and `dcp_kv_insert`
+skips writes to invalid blocks. With the Triton kernel (backend "triton", the "auto" choice on
+CUDA) the kernel is that check: it gives NaN out and lse for the sequence on each rank that
+reads a bad id or holds tokens past the table, and rank 0 (total_cp_rank 0) always does, since
+it holds the first token of every virtual block; the combine (ag_rs: a NaN lse makes every
+rank's scale NaN, and the reduce-scatter sums the NaN; a2a and PCP: the merge propagates a NaN
+lse) makes the row NaN on every rank, the other rows unchanged. Only the torch path runs the
+separate check (`_invalid_sequences`: ~10 small kernels per step).
 
 Cache: `PagedKVCache` with k/v `[num_blocks, B, Hkv, D]`, optionally fp8 (e4m3) with one fp32
 scale per (token, kv head). The local attention here is exact torch math over gathered pages
@@ -154,6 +160,15 @@ def _invalid_sequences(block_table: Tensor, seq_lens: Tensor, layout: DCPLayout,
         raise ValueError(f"block_table[{s}, {j}] = {int(table[s, j])} is outside the cache's blocks [0, {num_blocks}) "
                          f"(virtual block {j} is used by a sequence of length {n})")
     return bad
+
+
+def _kernel_reports_bad_tables(backend: str, device: torch.device) -> bool:
+    """The local attention reports bad tables itself, so `_invalid_sequences` is not run: the Triton
+    kernel off the CPU (NaN out and lse for a used block id outside the cache, a length past the
+    table or a negative length, on the ranks that read the id or hold the tokens; nothing outside
+    the table or cache read). CPU tensors keep the check for its ValueError; the torch path (which
+    only masks) keeps it to make the rows NaN."""
+    return backend == "triton" and device.type != "cpu"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -353,8 +368,8 @@ def dcp_decode_attention(q: Tensor, cache: PagedKVCache, block_table: Tensor, se
     (vLLM's total_cp_rank) and the partial results are merged over both groups. None: the
     cache is sharded over `group` alone.
     Returns out [S, Hq_local, Dv] in q's dtype (or AttnState with lse [S, Hq_local] fp32).
-    ValueError (CPU tensors; NaN rows on CUDA, see the module docstring) for negative seq_lens,
-    a length past the table's capacity, or a used block id outside the cache.
+    ValueError (CPU tensors; NaN rows on CUDA on every rank, see the module docstring) for
+    negative seq_lens, a length past the table's capacity, or a used block id outside the cache.
     """
     if comm not in ("ag_rs", "a2a"):
         raise ValueError(f"comm must be 'ag_rs' or 'a2a', got {comm!r}")
@@ -369,7 +384,13 @@ def dcp_decode_attention(q: Tensor, cache: PagedKVCache, block_table: Tensor, se
         raise ValueError(f"block_table {tuple(block_table.shape)} must be [S, max_blocks]")
     layout = _layout(group, cache.block_size, interleave, pcp_group)
     _, rank, size = resolve_group(group)
-    invalid = _invalid_sequences(block_table.to(q.device), seq_lens.to(q.device), layout, cache.k.shape[0])
+    from .paged import paged_decode_attention, resolve_backend
+
+    chosen = resolve_backend(q, cache, backend)
+    if _kernel_reports_bad_tables(chosen, q.device):
+        invalid = None            # the kernel's NaN rows, carried to every rank by the combine below
+    else:
+        invalid = _invalid_sequences(block_table.to(q.device), seq_lens.to(q.device), layout, cache.k.shape[0])
     heads = q.shape[1]
     if same_heads and heads % cache.kv_heads != 0:
         raise ValueError(f"with same_heads, local query heads ({heads}) must be a multiple of the cache's "
@@ -383,10 +404,9 @@ def dcp_decode_attention(q: Tensor, cache: PagedKVCache, block_table: Tensor, se
     if same_heads and hkv > 1 and size > 1:
         # [S, N, Hkv, G, D] -> kv-head-major so the plain GQA mapping (head // (N*G)) picks kv head j.
         q_all = q_all.view(s_len, size, hkv, heads // hkv, -1).transpose(1, 2).reshape(s_len, size * heads, -1)
-    from .paged import paged_decode_attention
-
+    # (values: checked above, a ValueError on CPU, or reported by the kernel)
     local = paged_decode_attention(q_all, cache, block_table.to(q.device), seq_lens.to(q.device), layout=layout,
-                                   scale=scale, backend=backend)
+                                   scale=scale, backend=chosen, validate=False)
     if same_heads and hkv > 1 and size > 1:
         back = lambda t: t.view(s_len, hkv, size, heads // hkv, *t.shape[2:]).transpose(1, 2).reshape(
             s_len, size * heads, *t.shape[2:])
@@ -412,8 +432,11 @@ def dcp_decode_attention(q: Tensor, cache: PagedKVCache, block_table: Tensor, se
         packed = torch.cat([state.out.float(), state.lse.unsqueeze(-1)], dim=-1).unsqueeze(0)   # [1, S, Hq, Dv+1]
         parts = all_gather_uneven(packed.contiguous(), pcp_group, dim=0, sizes=[1] * (layout.size // size))
         state = merge_attn_states(parts[..., :dv], parts[..., dv])
-    bad = invalid[:, None]                                 # device-side report of invalid inputs (CUDA)
-    out = torch.where(bad[..., None], math.nan, state.out).to(q.dtype)
-    lse = torch.where(bad, math.nan, state.lse)
+    out, lse = state.out, state.lse
+    if invalid is not None:                                # device-side report of invalid inputs (CUDA, torch path)
+        bad = invalid[:, None]
+        out = torch.where(bad[..., None], math.nan, out)
+        lse = torch.where(bad, math.nan, lse)
+    out = out.to(q.dtype)
     return AttnState(out, lse) if return_lse else out
 

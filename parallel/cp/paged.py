@@ -18,7 +18,10 @@ the table's capacity) only for CPU tensors or with `validate=True`, since readin
 synchronizes with the host and breaks CUDA-graph capture. All raise ValueError before any launch.
 Unvalidated (CUDA), the Triton kernel checks the same values itself: a sequence with a used block
 id outside the cache, a length past the table's capacity or a negative length gets NaN out and
-lse, and nothing outside the table or the cache is read.
+lse, and nothing outside the table or the cache is read. Only what this rank reads is checked:
+a block id is read by the ranks holding a token of its virtual block (rank 0 holds one of every
+used virtual block), a length past the table's capacity shows on the ranks holding a token past
+it (rank 0 among them); `dcp_decode_attention`'s merges carry that NaN to every rank.
 """
 
 from __future__ import annotations
@@ -106,6 +109,12 @@ def check_paged_inputs(q: Tensor, cache: PagedKVCache, block_table: Tensor, seq_
         raise ValueError(f"block_table holds block ids {bad[:8]} outside the cache's [0, {nb})")
 
 
+def resolve_backend(q: Tensor, cache: PagedKVCache, backend: DecodeBackend = "auto") -> str:
+    """The implementation ("triton" | "torch") `paged_decode_attention` runs for q and this cache."""
+    return DECODE.resolve(backend, device=q.device, needs_grad=impl.grad_needed(q), dtype=q.dtype,
+                          head_dim=q.shape[-1], v_head_dim=cache.v.shape[-1])
+
+
 def paged_decode_reference(q: Tensor, cache: PagedKVCache, block_table: Tensor, local_lens: Tensor,
                            seq_lens: Tensor, scale: float, layout: DCPLayout) -> AttnState:
     """Exact fp32 torch math over gathered pages: q [S, Tq, Hq, D] -> out [S, Tq, Hq, Dv], lse [S, Tq, Hq]."""
@@ -149,8 +158,7 @@ def paged_decode_attention(q: Tensor, cache: PagedKVCache, block_table: Tensor, 
         raise ValueError(f"seq_lens {tuple(seq_lens.shape)} must be [S]")
     check_paged_inputs(q4, cache, block_table, seq_lens, layout, validate=validate)
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
-    chosen = DECODE.resolve(backend, device=q.device, needs_grad=impl.grad_needed(q), dtype=q.dtype,
-                            head_dim=q.shape[-1], v_head_dim=cache.v.shape[-1])
+    chosen = resolve_backend(q, cache, backend)
     table = block_table.to(q.device)
     if chosen == "triton":
         from .triton_decode import paged_decode_triton

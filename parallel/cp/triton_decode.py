@@ -471,7 +471,9 @@ def _paged_decode_kernel(
 
 CONFIG = {
     "target_programs": 264,      # ~2 waves of 132 SMs (H200)
-    "min_split": 1024,           # tokens: never split finer
+    # tokens of a sequence's local KV: never split finer. Per family (`launch_settings`): GQA,
+    # GQA over an fp8 cache, MLA (key dim > 256: *_wide), MLA over fp8 (numbers below the dict)
+    "min_split": 512, "min_split_fp8": 512, "min_split_wide": 1024, "min_split_wide_fp8": 1024,
     "block_n": 64, "block_n_wide": 64,            # key tile; "wide" when the key dim > 256 (MLA)
     "block_m": 64, "block_m_wide": 64, "block_m_wide_fp8": 64,
     "num_warps": 4, "num_warps_wide": 8, "num_stages": 3, "num_stages_wide": 2,
@@ -520,8 +522,18 @@ CONFIG = {
 # without the cap 54.1 and 176.2 (2 CTAs per SM at 32K), 160 registers 56.8 and 123.7.
 # GQA bf16 with 3 stages instead of 2: 65.4 -> 60.2 / 149.0 -> 149.6 µs (probe 4) and, after the
 # local lengths moved into the kernel, 50.2 -> 48.1 / 136.2 -> 135.4 (bench/results/
-# cp-probe5-h200.json); both probes pick it. (min_split 512 would give GQA 46.4 at 8K, but the
-# key is shared and MLA keeps 1024.)
+# cp-probe5-h200.json); both probes pick it.
+# min_split per family (it was one key for all four). GQA takes 512 from probe 5 (bf16, 8K, 1/4:
+# 2048 local tokens, 3 splits instead of 2): at 2 stages 1024 -> 512 gave 50.2 (repeats 52.1,
+# 53.1) -> 46.4 µs (128: 46.35), against 48.1 for the installed 3 stages at 1024; 3 stages with
+# 512 was not timed at target_programs 264 (at 528, 4 splits: 47.6). At 32K: 3 splits either
+# way (135.4 µs). MLA keeps 1024 (probe 3: 138.8 -> 120.0 µs at 8K against 512). GQA over fp8
+# takes 512 too without a measurement of its own (same grid: B x Hkv = 128 programs per split;
+# probes 3 / 4 ran it at 512 / 1024 but with other kernels), MLA over fp8 keeps 1024. These
+# 512s are installed from probe 5 and NOT yet re-measured in `megapar bench cp`; its dcp
+# section runs L = 32K, where 1/8 of the KV (4096 tokens) gets 3 splits under 512 and 1024
+# alike: the change moves GQA only where a sequence holds < 3 x 1024 tokens here (1/4 of 8K:
+# 2 -> 3 splits; 1/8 of 8K: 1 -> 2). The probe sweeps every family's min_split.
 """Launch parameters. `python -m megapar.launch.bench.cp --probe --out DIR` sweeps them on the GPU
 (CUDA-graph replays) and writes DIR/decode-tuning.json for `apply_tuning` (or
 MEGAPAR_DECODE_TUNING=path at import)."""
@@ -530,16 +542,19 @@ MEGAPAR_DECODE_TUNING=path at import)."""
 # *_wide keys where CONFIG has one; the others are shared by both problems
 _WIDE = {"block_n": "block_n_wide", "block_m": "block_m_wide", "num_warps": "num_warps_wide",
          "num_stages": "num_stages_wide", "lazy_rescale": "lazy_rescale_wide", "halves": "halves_wide",
-         "tma": "tma_wide", "diag": "diag_wide"}
+         "tma": "tma_wide", "diag": "diag_wide", "min_split": "min_split_wide"}
 # kernel options (0/1; diag 0-3; maxnreg 0 = the compiler's choice, else a register cap), launch_settings
 _STRUCTURE = ("lazy_rescale", "halves", "tma", "diag", "f16", "maxnreg")
 _FP8 = {"block_n": "block_n_fp8", "num_stages": "num_stages_fp8", "f16": "f16_fp8",
-        "maxnreg": "maxnreg_fp8"}                                    # GQA over an fp8 cache
+        "maxnreg": "maxnreg_fp8", "min_split": "min_split_fp8"}      # GQA over an fp8 cache
 _WIDE_FP8 = {k: f"{k}_wide_fp8" for k in ("block_m", "block_n", "num_warps", "num_stages", "lazy_rescale", "halves",
-                                          "tma")}                  # MLA over an fp8 cache
+                                          "tma", "min_split")}      # MLA over an fp8 cache
 # tuning-file family -> (its keys' CONFIG names, whether only those keys are allowed)
 _FAMILIES = {"gqa": ({}, False), "gqa_fp8": (_FP8, True), "mla": (_WIDE, False), "mla_fp8": (_WIDE_FP8, True)}
-_SHARED = ("target_programs", "min_split")
+_SHARED = ("target_programs",)
+# min_split was one key for every problem before it became per family: a file's gqa / mla value
+# also serves gqa_fp8 / mla_fp8 unless the file gives those their own (older files keep their meaning)
+_FP8_OF = {"gqa": "gqa_fp8", "mla": "mla_fp8"}
 _VALID = {
     "target_programs": range(1, 1 << 16), "min_split": range(1, 1 << 24),
     "block_n": (16, 32, 64, 128, 256), "block_m": (16, 32, 64, 128, 256),
@@ -558,10 +573,13 @@ def apply_tuning(tuning: dict) -> None:
     """Install measured launch settings {"gqa": {key: value}, "mla": {key: value}} (as written by
     `python -m megapar.launch.bench.cp --probe --out DIR` to DIR/decode-tuning.json; keys:
     block_n, block_m, num_warps, num_stages, target_programs, min_split, lazy_rescale, and MLA's
-    halves / tma / diag; "gqa_fp8": block_n, num_stages, f16 and maxnreg of GQA over an fp8 cache,
-    CONFIG's *_fp8 entries; "mla_fp8": MLA over an fp8 cache, CONFIG's *_wide_fp8 entries). MLA's
-    block_n / block_m / num_warps / num_stages / structure options go to CONFIG's *_wide entries;
-    target_programs and min_split are shared and must agree where both give them. {"config": {CONFIG key: value}} sets entries directly.
+    halves / tma / diag; "gqa_fp8": block_n, num_stages, f16, maxnreg and min_split of GQA over an
+    fp8 cache, CONFIG's *_fp8 entries; "mla_fp8": MLA over an fp8 cache, CONFIG's *_wide_fp8
+    entries). MLA's block_n / block_m / num_warps / num_stages / min_split / structure options go
+    to CONFIG's *_wide entries; target_programs is shared and must agree where both give it.
+    min_split is per family; a gqa / mla min_split also sets gqa_fp8's / mla_fp8's unless the file
+    gives those (files from before it was per family, with one shared value, keep their meaning).
+    {"config": {CONFIG key: value}} sets entries directly.
     Nothing is installed unless all of it is valid: ValueError naming the bad keys or values."""
     if not isinstance(tuning, dict):
         raise ValueError(f"decode tuning must be a dict, got {type(tuning).__name__}")
@@ -590,6 +608,9 @@ def apply_tuning(tuning: dict) -> None:
                                  f"mla ({value}); one value serves both (only {', '.join(_WIDE)} have *_wide "
                                  f"entries)")
             new[name] = value
+    for kind, fp8_kind in _FP8_OF.items():
+        if "min_split" in tuning.get(kind, {}) and "min_split" not in tuning.get(fp8_kind, {}):
+            new[_FAMILIES[fp8_kind][0]["min_split"]] = tuning[kind]["min_split"]
     for name, value in tuning.get("config", {}).items():
         base = next((k for k in _VALID if name == k or name.startswith(k + "_")), name)
         if name not in CONFIG:
@@ -625,22 +646,23 @@ def _split_dims(d: int) -> tuple[int, int, int]:
     return main, rest, (max(16, triton.next_power_of_2(rest)) if rest else 0)
 
 
-def plan_splits(capacity: int, programs: int, block_n: int) -> tuple[int, int]:
-    """(num_splits, split_len) for `capacity` tokens per sequence and `programs` programs per split."""
+def plan_splits(capacity: int, programs: int, block_n: int, min_split: int) -> tuple[int, int]:
+    """(num_splits, split_len) for `capacity` tokens per sequence, `programs` programs per split
+    and splits of at least `min_split` tokens (the family's, `launch_settings`)."""
     capacity = max(capacity, 1)
     want = max(1, -(-CONFIG["target_programs"] // max(programs, 1)))
-    most = max(1, -(-capacity // CONFIG["min_split"]))
+    most = max(1, -(-capacity // max(min_split, 1)))
     splits = min(want, most)
     split_len = -(-(-(-capacity // splits)) // block_n) * block_n
     return -(-capacity // split_len), split_len
 
 
 def launch_settings(d: int, q_dtype: torch.dtype, cache_dtype: torch.dtype, rows: int) -> dict[str, int]:
-    """CONFIG's block_m / block_n / num_warps / num_stages (and the structure options lazy_rescale /
-    halves / tma / diag / f16, and maxnreg: 0 where CONFIG has none) for a key dim d, these dtypes and `rows` query rows per kv
-    head (q_len x heads per kv head): "wide" (d > 256, MLA) entries first, with their narrow-tile,
-    fp32-query or fp8-cache variants (in that order) where CONFIG has one; else GQA's, fp8 ones
-    for an fp8 cache."""
+    """CONFIG's block_m / block_n / num_warps / num_stages / min_split (and the structure options
+    lazy_rescale / halves / tma / diag / f16, and maxnreg: 0 where CONFIG has none) for a key dim
+    d, these dtypes and `rows` query rows per kv head (q_len x heads per kv head): "wide" (d > 256,
+    MLA) entries first, with their narrow-tile, fp32-query or fp8-cache variants (in that order)
+    where CONFIG has one; else GQA's, fp8 ones for an fp8 cache."""
     fp8 = cache_dtype == torch.float8_e4m3fn
     narrow = rows < CONFIG["block_m_wide"]    # MLA's query-head tile not full (e.g. 16 heads: TP 8)
 
@@ -652,7 +674,7 @@ def launch_settings(d: int, q_dtype: torch.dtype, cache_dtype: torch.dtype, rows
             return _WIDE.get(name, f"{name}_wide")
         return _FP8[name] if fp8 and name in _FP8 else name
 
-    out = {name: CONFIG[key(name)] for name in ("block_m", "block_n", "num_warps", "num_stages")}
+    out = {name: CONFIG[key(name)] for name in ("block_m", "block_n", "num_warps", "num_stages", "min_split")}
     out["block_m"] = max(16, min(triton.next_power_of_2(max(rows, 1)), out["block_m"]))
     out.update({name: CONFIG.get(key(name), 0) for name in _STRUCTURE})   # GQA has no halves / tma / diag
     return out
@@ -684,7 +706,7 @@ def paged_decode_triton(q: Tensor, k: Tensor, v: Tensor, k_scale: Tensor | None,
         impl.ensure_triton_scratch()
     m_tiles = -(-(tq * g) // block_m)
     programs = s * hkv * m_tiles
-    splits, split_len = plan_splits(capacity, programs, block_n)
+    splits, split_len = plan_splits(capacity, programs, block_n, cfg["min_split"])
     o = torch.empty(splits, s, tq, hq, dv, dtype=torch.float32, device=q.device)
     lse = torch.empty(splits, s, tq, hq, dtype=torch.float32, device=q.device)
     ks = k_scale if fp8 else _no_scale(q)
