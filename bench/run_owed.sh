@@ -41,6 +41,7 @@ for s in "$@"; do
                   --junitxml="$res/gpu-tests.xml" ${TESTS:-${tests[*]}} ;;
     decode[0-9]) step "$s" "${DECODE_LIMIT:-150}" python3 -m megapar.launch.bench.gemm --probe --sections "$s" --out "$res/$s" ;;
     expand)     step expand "${EXPAND_LIMIT:-120}" python3 bench/debug/expand_packing.py "$res/expand.json" ;;
+    mlaprep)    step mlaprep "${MLAPREP_LIMIT:-120}" python3 bench/debug/mla_prep_sweep.py "$res/mla-prep-sweep.json" ;;
     prefill2)   step prefill2 "${PREFILL_LIMIT:-180}" python3 -m megapar.launch.bench.gemm --probe --sections prefill2 --out "$res/prefill2" ;;
     quantprobe) step quantprobe "${QPROBE_LIMIT:-170}" python3 -m megapar.launch.bench.quant --probe --out "$res/quantprobe" ;;
     cpprobe)    step cpprobe "${CPPROBE_LIMIT:-150}" python3 -m megapar.launch.bench.cp --probe --out "$res/cpprobe" ;;
