@@ -290,15 +290,18 @@ def test_kernel_fp8_cache_f16_operands(monkeypatch, q_exp, tq, d):
         assert torch.isinf(got.lse[2]).all() and (got.out[2] == 0).all()
 
 
-@pytest.mark.parametrize("mla", [False, True], ids=["gqa", "mla-halves"])
-def test_kernel_reports_bad_tables_as_nan_without_reading_past_them(mla, monkeypatch):
+@pytest.mark.parametrize("mla,fp8", [(False, False), (False, True), (True, False)],
+                         ids=["gqa", "gqa-fp8-scan", "mla-halves"])
+def test_kernel_reports_bad_tables_as_nan_without_reading_past_them(mla, fp8, monkeypatch):
     """A CUDA call reads no values on the host (validate=False here): a used block id outside the
     cache, a length past the table's capacity or a negative length make that sequence's out and
     lse NaN (in every split, through the merge), read nothing outside the table and the cache,
-    and leave the other sequences exact."""
+    and leave the other sequences exact. GQA over bf16 / fp32 checks each tile's ids; over fp8 and
+    for MLA's halves the split's ids are scanned before the loop."""
     from parallel.cp import triton_decode as td
 
     monkeypatch.setitem(td.CONFIG, "min_split", 16)
+    monkeypatch.setitem(td.CONFIG, "min_split_fp8", 16)
     monkeypatch.setitem(td.CONFIG, "min_split_wide", 16)
     if mla:
         monkeypatch.setitem(td.CONFIG, "halves_wide", 1)
@@ -309,7 +312,8 @@ def test_kernel_reports_bad_tables_as_nan_without_reading_past_them(mla, monkeyp
         q = torch.randn(len(lens), 1, 4, 576) * 0.2
     else:
         lens = [40, 30, 20, 16, 9]
-        cache, table, _, _, _ = _fill(lens, 2, 32, 32, 16, 1, 0, 1, torch.float32, seed=9)
+        cache, table, _, _, _ = _fill(lens, 2, 32, 32, 16, 1, 0, 1, torch.float8_e4m3fn if fp8 else torch.float32,
+                                      seed=9)
         q = torch.randn(len(lens), 1, 8, 32)
     nb, width = cache.k.shape[0], table.shape[1]
     seq = torch.tensor(lens)

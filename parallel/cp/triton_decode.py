@@ -79,9 +79,9 @@ def _checked_range(glens_ptr, table_ptr, s, s64, st_s, start, end, local_len, nu
     cut to it: no read past the table's row), or (SCAN) a block id the split would read lies
     outside [0, num_blocks): the range is then emptied. A program with bad = 1 reports NaN, a
     CUDA call's device-side answer to bad input (its values are not read on the host there).
-    SCAN is one pass over the split's ids before the loop (MLA's latent tiles); GQA's tiles check
-    their own ids instead (`_checked_block`; the sm_90a compile of that loop came out shorter with
-    it, 1216 -> 1144 instructions at bf16: not timed)."""
+    SCAN is one pass over the split's ids before the loop (MLA's latent tiles, and every tile over
+    an fp8 cache); GQA's tiles over bf16 check their own ids instead (`_checked_block`; the sm_90a
+    compile of that loop came out shorter with it, 1216 -> 1144 instructions)."""
     bad = tl.where((tl.load(glens_ptr + s) < 0) | (local_len > table_w * PAGE), 1, 0)
     end = tl.minimum(end, table_w * PAGE)
     if SCAN:
@@ -169,8 +169,10 @@ def _tile(j0, end, s64, kvh, q_main, q_rest, q_pos, rmask, dm, dr, rest_mask, dv
           sk_b, sk_t, sk_h, sv_b, sv_t, sv_h, ss_b, ss_t, ss_h, svs_b, svs_t, svs_h, st_s,
           D_REST: tl.constexpr, BLOCK_N: tl.constexpr, PAGE: tl.constexpr, FP8: tl.constexpr,
           V_FROM_K: tl.constexpr, CAUSAL: tl.constexpr, IEEE: tl.constexpr, LAZY: tl.constexpr,
-          F16: tl.constexpr):
+          F16: tl.constexpr, CHECK: tl.constexpr = True):
     """One key tile [j0, j0 + BLOCK_N) of the online softmax: returns the new (m, l, acc, r, bad).
+    CHECK: the tile checks its own block ids (`_checked_block`); off when `_checked_range` scanned
+    the split's ids before the loop (every id the loop reads is then inside the cache).
     F16 (fp8 cache, fp16 queries from `_f16_queries`): fp16 MMA operands, one conversion per fp8
     pair; the weights w = p * v_scale go to fp16 over the running per-row scale r = the largest
     weight so far (w / r <= 1), acc is kept in units of r (out = acc * r / l)."""
@@ -178,10 +180,12 @@ def _tile(j0, end, s64, kvh, q_main, q_rest, q_pos, rmask, dm, dr, rest_mask, dv
     jmask = j < end
     if PAGE % BLOCK_N == 0:     # the tile lies in one page (tiles start at multiples of BLOCK_N): one id
         block = tl.load(table_ptr + s64 * st_s + j0 // PAGE).to(tl.int64)
-        block, bad = _checked_block(block, num_blocks, bad, True, False)
+        if CHECK:
+            block, bad = _checked_block(block, num_blocks, bad, True, False)
     else:
         block = tl.load(table_ptr + s64 * st_s + j // PAGE, mask=jmask, other=0).to(tl.int64)
-        block, bad = _checked_block(block, num_blocks, bad, jmask, True)
+        if CHECK:
+            block, bad = _checked_block(block, num_blocks, bad, jmask, True)
     in_page = (j % PAGE).to(tl.int64)
     k_row = block * sk_b + in_page * sk_t + kvh * sk_h                           # [BLOCK_N]
     k_main = tl.load(k_ptr + k_row[:, None] + dm[None, :], mask=jmask[:, None], other=0.0)
@@ -427,8 +431,12 @@ def _paged_decode_kernel(
         dv_mask = dv < DV
         local_len = _local_len(glens_ptr, s, dcp_size, dcp_rank, interleave)
         start = split * split_len
+        # fp8 caches scan the split's ids first: the per-tile check spilled GQA over fp8 under its
+        # register cap (sm_90a, 168 registers: 152 B of spill stores, 2768 -> 3424 instructions;
+        # on the H200 55.8 -> 55.7 µs at 8K but 124.6 -> 159.4 at 32K, 1/4 of the KV, B 32); the
+        # scan leaves it at 0 spills. bf16 keeps the per-tile check (no spill there).
         end, bad = _checked_range(glens_ptr, table_ptr, s, s64, st_s, start, tl.minimum(start + split_len, local_len),
-                                  local_len, NUM_BLOCKS, TABLE_W, PAGE, False)
+                                  local_len, NUM_BLOCKS, TABLE_W, PAGE, FP8)
         if CAUSAL:
             q_pos = tl.load(glens_ptr + s) - Tq + t_idx                                  # [BLOCK_M]
         else:
@@ -447,7 +455,7 @@ def _paged_decode_kernel(
                     j0, end, s64, kvh, q_main, q_rest, q_pos, rmask, dm, dr, rest_mask, dv, dv_mask, m_i, l_i, acc,
                     r_i, bad, k_ptr, v_ptr, ks_ptr, vs_ptr, table_ptr, NUM_BLOCKS, qk_scale, dcp_size, dcp_rank,
                     interleave, sk_b, sk_t, sk_h, sv_b, sv_t, sv_h, ss_b, ss_t, ss_h, svs_b, svs_t, svs_h,
-                    st_s, D_REST, BLOCK_N, PAGE, FP8, V_FROM_K, CAUSAL, IEEE, LAZY, F16)
+                    st_s, D_REST, BLOCK_N, PAGE, FP8, V_FROM_K, CAUSAL, IEEE, LAZY, F16, not FP8)
                 j0 += BLOCK_N
         else:
             for j0 in range(start, end, BLOCK_N):
@@ -455,7 +463,7 @@ def _paged_decode_kernel(
                     j0, end, s64, kvh, q_main, q_rest, q_pos, rmask, dm, dr, rest_mask, dv, dv_mask, m_i, l_i, acc,
                     r_i, bad, k_ptr, v_ptr, ks_ptr, vs_ptr, table_ptr, NUM_BLOCKS, qk_scale, dcp_size, dcp_rank,
                     interleave, sk_b, sk_t, sk_h, sv_b, sv_t, sv_h, ss_b, ss_t, ss_h, svs_b, svs_t, svs_h,
-                    st_s, D_REST, BLOCK_N, PAGE, FP8, V_FROM_K, CAUSAL, IEEE, LAZY, F16)
+                    st_s, D_REST, BLOCK_N, PAGE, FP8, V_FROM_K, CAUSAL, IEEE, LAZY, F16, not FP8)
         safe, lse = _finish(l_i, m_i)
         safe = tl.where(bad > 0, float("nan"), safe)      # a bad table or length: NaN out and lse
         lse = tl.where(bad > 0, float("nan"), lse)
