@@ -23,8 +23,10 @@
    copy ceiling (target >= 70% and faster than SDPA). The fused MLA prep (`parallel.cp.mla_prep`)
    against the unfused torch sequence at 1, 16, 64, 256 tokens (target >= 60% of copy, >= 3x).
 Sections 2 and 4 time every decode call (ours and the SDPA / torch bmm anchors) as a CUDA-graph
-replay, as serving runs decode (`common.graph_time`): column `timing` says "graph", or
-"eager (ExceptionName)" where capture failed; `eager_us` is the same call launched from Python.
+replay, as serving runs decode (`common.graph_time`): column `timing` says "graph", "graph x10"
+(a call under 30 µs: ten calls captured in one graph, per call, so the host's launch of the replay
+stays out), or "eager (ExceptionName)" where capture failed; `eager_us` is the same call launched
+from Python.
 --quick: tiny CPU sizes for every section.
 
 `python -m megapar.launch.bench.cp --probe --out DIR` runs the decode-kernel tuning probe instead
