@@ -276,7 +276,7 @@ def test_nvfp4_bf16_weights_with_exact_ties_match_reference_bits(tq, monkeypatch
     both kinds."""
     monkeypatch.setitem(tq.CONFIG, "fp4_quant", (256, 4))
     g = torch.Generator().manual_seed(31)
-    w = (torch.randn(4, 32, 7168, generator=g) * 0.02).to(torch.bfloat16)
+    w = (torch.randn(4, 16, 7168, generator=g) * 0.02).to(torch.bfloat16)     # near / tie counts 307, 86, 1870
     from parallel.quant.reference import _E2M1_BOUNDS_GE, _E2M1_BOUNDS_GT
     bounds = torch.tensor([*_E2M1_BOUNDS_GT, *_E2M1_BOUNDS_GE], dtype=torch.float64)
     for gs, kind in ((None, "near"), ("matrix", "near"), (2.0**-12, "tie")):
@@ -363,7 +363,10 @@ def test_nvfp4_values_next_to_every_boundary_match_reference_bits(tq, monkeypatc
 
 
 @interp
-def test_fp8_dequantize_matches_reference_bits(tq):
+@pytest.mark.parametrize("variant", ["tile", "chunks"])
+def test_fp8_dequantize_matches_reference_bits(tq, monkeypatch, variant):
+    monkeypatch.setitem(tq.VARIANTS, "fp8_dequant", variant)
+    monkeypatch.setitem(tq.CONFIG, "fp8_dequant_chunks", (16, 4))       # (partial programs)
     g = torch.Generator().manual_seed(7)
     for fmt, shape in (("fp8_token", (3, 5, 70)), ("fp8_group", (4, 300)), ("fp8_block", (2, 130, 260))):
         q = quantize(torch.randn(shape, generator=g), fmt)
@@ -418,6 +421,65 @@ def test_gpu_quantize_and_dequantize_bit_identical(fmt, shape, dtype):
         deq = dequantize(got, out_dtype)
         assert deq.is_cuda
         assert _same_bits(deq.cpu(), dequantize(ref, out_dtype, backend="torch")), out_dtype
+
+
+_LINES = {"mxfp4_quant": "lines", "nvfp4_quant": "lines"}
+GPU_VARIANTS = [   # apply_tuning entries: the opt-in kernels and nvfp4 second-read options
+    ("lines", {"variants": _LINES}),
+    ("lines-2-tiles-reverse", {"variants": _LINES, "loops": {"mxfp4_lines": 2, "nvfp4_lines": 2}, "nvfp4_reverse": True}),
+    ("lines-small-tiles", {"variants": _LINES, "config": {"mxfp4_lines": [32, 1], "nvfp4_lines": [64, 2]}}),
+    ("blocks-reverse-by-matrix", {"nvfp4_reverse": True, "nvfp4_group_bytes": 1}),
+    ("lines-by-matrix", {"variants": _LINES, "nvfp4_group_bytes": 1}),
+    ("dequant-chunks", {"variants": {"fp4_dequant": "chunks"}}),
+    ("fp8-token-rows", {"variants": {"fp8_token": "rows"}, "config": {"fp8_token_rows": [2048, 8]}}),
+    ("fp8-token-rows-default", {"variants": {"fp8_token": "rows"}}),
+    ("fp8-block-unrolled", {"variants": {"fp8_block": "unrolled"}}),
+    ("fp8-dequant-chunks", {"variants": {"fp8_dequant": "chunks"}}),
+]
+GPU_VARIANT_CASES = [("mxfp4", (7, 512)), ("mxfp4", (4, 256, 7168)), ("mxfp4", (3, 32)), ("nvfp4", (5, 48)),
+                     ("nvfp4", (3, 5, 48)), ("nvfp4", (4, 256, 7168)), ("fp8_token", (33, 7168)), ("fp8_token", (3, 100)),
+                     ("fp8_token", (5, 1000)), ("fp8_block", (2, 256, 384)), ("fp8_block", (3, 130, 260)),
+                     ("fp8_group", (33, 7168)), ("fp8_group", (17, 300))]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("label,tuning", GPU_VARIANTS, ids=[v[0] for v in GPU_VARIANTS])
+def test_gpu_opt_in_variants_bit_identical(label, tuning):
+    """The opt-in kernels on the GPU (the probe times them; this checks them whole): odd block
+    counts, partial tiles, lines across matrices, inf / NaN, fp32 and bf16 inputs, tensor and
+    per-matrix nvfp4 scales, quantize and dequantize against the CPU reference."""
+    from moe.quant import triton_quant as tq
+
+    saved = (dict(tq.CONFIG), dict(tq.VARIANTS), dict(tq.LOOPS), tq.NVFP4_REVERSE, tq.NVFP4_GROUP_BYTES)
+    tq.apply_tuning(tuning)
+    try:
+        for i, (fmt, shape) in enumerate(GPU_VARIANT_CASES):
+            for dtype in (torch.float32, torch.bfloat16):
+                x = _awkward(shape, 70 + i)
+                x = torch.where(torch.isfinite(x), x, 0)
+                if fmt != "nvfp4":
+                    x.view(-1)[x.numel() // 2] = float("nan")
+                    x.view(-1)[x.numel() // 3] = -float("inf")
+                x = x.to(dtype)
+                for opts in ({}, {"global_scale": "matrix"}) if fmt == "nvfp4" and len(shape) == 3 else ({},):
+                    ref = quantize(x, fmt, backend="torch", **opts)
+                    _poison_allocator()
+                    got = quantize(x.cuda(), fmt, **opts)
+                    _assert_same_q(got.to("cpu"), ref)
+                    for out_dtype in (torch.float32, torch.bfloat16):
+                        _poison_allocator()
+                        deq = dequantize(got, out_dtype)
+                        assert _same_bits(deq.cpu(), dequantize(ref, out_dtype, backend="torch")), (fmt, shape, out_dtype)
+        if tq.VARIANTS["nvfp4_quant"] != "blocks" or tq.NVFP4_GROUP_BYTES:     # the threshold path near every boundary
+            x, gs = _nvfp4_boundary_blocks(16, 4099, 52)
+            for xx, opts in ((x, {"global_scale": gs}), (x.to(torch.bfloat16), {"global_scale": gs}),
+                             (x.to(torch.bfloat16), {"global_scale": "matrix"})):
+                _assert_same_q(quantize(xx.cuda(), "nvfp4", **opts).to("cpu"), quantize(xx, "nvfp4", backend="torch", **opts))
+    finally:
+        tq.CONFIG.update(saved[0])
+        tq.VARIANTS.update(saved[1])
+        tq.LOOPS.update(saved[2])
+        tq.NVFP4_REVERSE, tq.NVFP4_GROUP_BYTES = saved[3], saved[4]
 
 
 @pytest.mark.gpu
@@ -487,35 +549,169 @@ def test_tuning_probe_dry_run_writes_loadable_tuning(tq, tmp_path):
 
     from launch.bench.quant import PROBE_SETTINGS, main
 
-    saved, saved_hw = dict(tq.CONFIG), tq.FP8_HW_CAST
+    saved = (dict(tq.CONFIG), tq.FP8_HW_CAST, dict(tq.VARIANTS), dict(tq.LOOPS), tq.NVFP4_REVERSE, tq.NVFP4_GROUP_BYTES)
     try:
         assert main(["--probe", "--out", str(tmp_path)]) == 0
         tuning = json.loads((tmp_path / "quant-tuning.json").read_text())
-        rows = [r for r in tuning["results"] if not r["op"].startswith("DIAG")]
+        rows = [r for r in tuning["results"] if r["role"] == "tune"]
         assert {r["kernel"] for r in rows} == set(PROBE_SETTINGS) and all(r.get("bit_identical") for r in rows), \
             [r for r in rows if not r.get("bit_identical")][:3]
-        diag = [r for r in tuning["results"] if r["op"] == "DIAG memory only"]     # timed, never chosen
-        assert sorted(r["fmt"] for r in diag) == ["mxfp4", "nvfp4"] and all(r["us"] > 0 for r in diag), diag
-        assert tq.FP4_QUANT_DIAG == 0
-        assert set(tuning["config"]) == set(PROBE_SETTINGS)
+        assert {r["variant"] for r in rows} == {None, "blocks", "lines", "chunks", "tile", "rows", "loop", "unrolled"}
+        assert any(r["loops"] > 1 for r in rows) and any(r["reverse"] for r in rows) and any(r["group_bytes"] for r in rows)
+        diag = {(r["op"], r["kernel"], r.get("what")): r for r in tuning["results"] if r["role"] == "diag"}  # never chosen
+        assert sum(what == "DIAG memory only" for *_, what in diag) == 4 and all(r["us"] > 0 for r in diag.values()), diag
+        assert ("nvfp4_quant", "fp4_amax", "amax pass only") in diag and ("copy weight", "torch copy_", None) in diag
+        assert all(r["bit_identical"] for (op, _, what), r in diag.items()
+                   if op == "nvfp4_dequant" or what == "quantize only, given tensor scale")
+        assert tq.FP4_QUANT_DIAG == 0 and tq.VARIANTS == saved[2]
+        assert set(tuning["config"]) == set(PROBE_SETTINGS) and set(tuning["variants"]) == set(tq.VARIANTS)
         tq.apply_tuning(tuning)
         assert all(tq.CONFIG[k] == tuple(v) for k, v in tuning["config"].items())
+        tq.apply_tuning({"variants": {"mxfp4_quant": "lines", "nvfp4_quant": "lines", "fp8_token": "rows",
+                                      "fp4_dequant": "chunks", "fp8_block": "unrolled", "fp8_dequant": "chunks"}})
         x = _awkward((4, 4, 128), 30)
         for fmt in ("mxfp4", "nvfp4", "fp8_block", "fp8_token", "fp8_group"):   # the tuned launches, same bits
-            _assert_same_q(tq.quantize(x, fmt), quantize(x, fmt, backend="torch"))
+            q = tq.quantize(x, fmt)
+            _assert_same_q(q, quantize(x, fmt, backend="torch"))
+            assert _same_bits(tq.dequantize(q), dequantize(q, backend="torch"))
     finally:
-        tq.CONFIG.update(saved)
-        tq.FP8_HW_CAST = saved_hw
+        tq.CONFIG.update(saved[0])
+        tq.FP8_HW_CAST = saved[1]
+        tq.VARIANTS.update(saved[2])
+        tq.LOOPS.update(saved[3])
+        tq.NVFP4_REVERSE, tq.NVFP4_GROUP_BYTES = saved[4], saved[5]
 
 
 @interp
-def test_fp4_quant_diag_moves_the_same_bytes_but_is_no_quantization(tq, monkeypatch):
+@pytest.mark.parametrize("variant", ["blocks", "lines"])
+def test_fp4_quant_diag_moves_the_same_bytes_but_is_no_quantization(tq, monkeypatch, variant):
+    monkeypatch.setitem(tq.VARIANTS, "mxfp4_quant", variant)
     x = _awkward((2, 4, 128), 31)
     good = tq.quantize(x, "mxfp4")
+    _assert_same_q(good, quantize(x, "mxfp4", backend="torch"))
     monkeypatch.setattr(tq, "FP4_QUANT_DIAG", 1)
     diag = tq.quantize(x, "mxfp4")
     assert diag.data.shape == good.data.shape and diag.scale.shape == good.scale.shape
     assert not (torch.equal(diag.data, good.data) and torch.equal(diag.scale, good.scale))
+
+
+@interp
+def test_lines_fp4_quantize_matches_reference_bits(tq, monkeypatch):
+    """The opt-in lines kernel (a thread per 32 elements): unmasked programs plus a masked last
+    program (rows not a multiple of the tile, an odd nvfp4 block count), tiles per program with
+    prefetch (the last prefetch masked off), mxfp4 tiles with inf / NaN (the reload-and-overwrite
+    path), nvfp4 per-matrix scales on matrices of an odd block count (a line's blocks in two
+    matrices) and an even one, float64-threshold tiles (tiny given scale, NaN tensor scale),
+    the backward walk after a computed scale and matrix-by-matrix computed scales."""
+    for op in ("mxfp4_quant", "nvfp4_quant"):
+        monkeypatch.setitem(tq.VARIANTS, op, "lines")
+    mx = _awkward((6, 96), 62)                  # 18 lines
+    mx_dirty = mx.clone()
+    mx_dirty[2, 40] = float("inf")
+    mx_dirty[4, 3] = float("nan")
+    nv = _awkward((3, 5, 48), 63)               # 45 blocks; 15 per matrix
+    nv_pair = _awkward((2, 4, 64), 64)          # 16 blocks per matrix
+    nv_nan = nv.clone()
+    nv_nan[1, 2, 7] = float("nan")
+    cases = [("mxfp4", mx_dirty, {}), ("nvfp4", nv, {}), ("nvfp4", nv_nan, {"global_scale": "matrix"}),  # NaN: one matrix
+             ("mxfp4", mx, {}), ("mxfp4", mx.to(torch.bfloat16), {}), ("nvfp4", nv_pair, {"global_scale": "matrix"}),
+             ("nvfp4", nv, {"global_scale": 1e-30})]
+    for lines, loops in ((8, 1), (4, 3)):                            # 8 lines per program, or 3 tiles of 4
+        for fmt in ("mxfp4", "nvfp4"):
+            monkeypatch.setitem(tq.CONFIG, f"{fmt}_lines", (lines, 4))
+            monkeypatch.setitem(tq.LOOPS, f"{fmt}_lines", loops)
+        for fmt, x, opts in cases if loops == 1 else cases[:3]:
+            _assert_same_q(tq.quantize(x, fmt, **opts), quantize(x, fmt, backend="torch", **opts))
+    monkeypatch.setitem(tq.CONFIG, "nvfp4_lines", (16, 4))
+    monkeypatch.setitem(tq.LOOPS, "nvfp4_lines", 1)
+    x, gs = _nvfp4_boundary_blocks(4, 21, 43)                      # values within 3 ulp of every boundary, ties
+    _assert_same_q(tq.quantize(x, "nvfp4", global_scale=gs), quantize(x, "nvfp4", backend="torch", global_scale=gs))
+    monkeypatch.setattr(tq, "NVFP4_REVERSE", True)                  # (the grouped launch walks backwards too)
+    monkeypatch.setattr(tq, "NVFP4_GROUP_BYTES", 1)                  # one matrix at a time
+    _assert_same_q(tq.quantize(nv, "nvfp4", global_scale="matrix"), quantize(nv, "nvfp4", backend="torch", global_scale="matrix"))
+
+
+@interp
+def test_blocks_fp4_quantize_backwards_and_matrix_by_matrix_match_reference_bits(tq, monkeypatch):
+    """The default nvfp4 kernel with the opt-in second-read options: programs walking backwards
+    (a partial last tile) and per-matrix scales computed and applied matrix by matrix, with a
+    NaN matrix."""
+    monkeypatch.setitem(tq.CONFIG, "fp4_quant", (8, 4))
+    monkeypatch.setattr(tq, "NVFP4_REVERSE", True)
+    w = _awkward((3, 5, 48), 65)
+    w[2, 4, 40] = float("nan")
+    for group in (0, 1, 2 * 5 * 48 * 4):                            # off, one matrix, two matrices per group
+        monkeypatch.setattr(tq, "NVFP4_GROUP_BYTES", group)
+        for opts in ({"global_scale": "matrix"},) if group else ({}, {"global_scale": "matrix"}):
+            _assert_same_q(tq.quantize(w, "nvfp4", **opts), quantize(w, "nvfp4", backend="torch", **opts))
+
+
+@interp
+def test_fp8_token_rows_and_fp8_block_unrolled_variants_match_reference_bits(tq, monkeypatch):
+    """fp8_token's opt-in per-row kernel (two unrolled passes over chunks): K a multiple of the
+    chunk (no masks) and not, a NaN row, an inf, ue8m0 scales; fp8_block unrolled, with whole
+    128 x 128 tiles (no masks) and partial ones."""
+    monkeypatch.setitem(tq.VARIANTS, "fp8_token", "rows")
+    monkeypatch.setitem(tq.CONFIG, "fp8_token_rows", (64, 4))
+    monkeypatch.setitem(tq.VARIANTS, "fp8_block", "unrolled")
+    monkeypatch.setitem(tq.CONFIG, "fp8_block_unrolled", (32, 4))
+    for shape in ((3, 256), (4, 200)):
+        x = _awkward(shape, 66)
+        x[1, 7] = float("nan")
+        x[2, 9] = -float("inf")
+        for ue8m0 in (False, True):
+            _assert_same_q(tq.quantize(x, "fp8_token", ue8m0=ue8m0), quantize(x, "fp8_token", backend="torch", ue8m0=ue8m0))
+    for shape, ue8m0 in (((1, 128, 256), False), ((2, 130, 200), True)):
+        w = _awkward(shape, 67)
+        w[-1, 3, 5] = float("nan")
+        _assert_same_q(tq.quantize(w, "fp8_block", ue8m0=ue8m0), quantize(w, "fp8_block", backend="torch", ue8m0=ue8m0))
+
+
+@interp
+def test_fp4_dequant_chunks_variant_matches_reference_bits(tq, monkeypatch):
+    """The opt-in chunks dequantize: a partial last program, every scale byte, per-matrix nvfp4
+    scales on matrices of an odd block count."""
+    monkeypatch.setitem(tq.VARIANTS, "fp4_dequant", "chunks")
+    monkeypatch.setitem(tq.CONFIG, "fp4_dequant_chunks", (32, 4))
+    g = torch.Generator().manual_seed(67)
+    for fmt in ("mxfp4", "nvfp4"):
+        bs = FORMATS[fmt].block[1]
+        codes = torch.randint(0, 16, (256, bs), generator=g, dtype=torch.uint8)
+        scale = torch.arange(256, dtype=torch.int32).to(torch.uint8).reshape(256, 1)
+        q = QuantizedTensor(pack_fp4(codes), scale, fmt, torch.Size((256, bs)), torch.tensor(0.37) if fmt == "nvfp4" else None)
+        qs = [q, quantize(_awkward((3, 96), 68), fmt)]                # 36 chunks: a partial program
+        if fmt == "nvfp4":
+            qs.append(quantize(_awkward((3, 5, 48), 69), fmt, global_scale="matrix"))
+        for qq, dtype in zip(qs, (torch.float32, torch.float16, torch.float32)):
+            assert _same_bits(tq.dequantize(qq, dtype), dequantize(qq, dtype, backend="torch")), (fmt, dtype)
+
+
+def test_apply_tuning_installs_variants_loops_and_nvfp4_options():
+    pytest.importorskip("triton")
+    from moe.quant import triton_quant as tq
+
+    saved = (dict(tq.VARIANTS), dict(tq.LOOPS), tq.NVFP4_REVERSE, tq.NVFP4_GROUP_BYTES, dict(tq.CONFIG))
+    try:
+        with pytest.raises(ValueError, match="unknown quant variant 'mxfp4_quant': 'rows'"):
+            tq.apply_tuning({"config": {"mxfp4_lines": [64, 2]}, "variants": {"mxfp4_quant": "rows"}})
+        assert tq.CONFIG["mxfp4_lines"] == saved[4]["mxfp4_lines"]       # nothing installed
+        with pytest.raises(ValueError, match="loops for 'fp4_quant'"):
+            tq.apply_tuning({"loops": {"fp4_quant": 2}})
+        with pytest.raises(ValueError, match="nvfp4_group_bytes"):
+            tq.apply_tuning({"nvfp4_group_bytes": -1})
+        tq.apply_tuning({"config": {"mxfp4_lines": [64, 2]}, "variants": {"mxfp4_quant": "lines", "fp8_token": "rows"},
+                         "loops": {"nvfp4_lines": 2}, "nvfp4_reverse": True, "nvfp4_group_bytes": 1 << 25})
+        assert tq.CONFIG["mxfp4_lines"] == (64, 2) and tq.VARIANTS["mxfp4_quant"] == "lines"
+        assert tq.VARIANTS["fp8_token"] == "rows" and tq.LOOPS["nvfp4_lines"] == 2
+        assert tq.NVFP4_REVERSE is True and tq.NVFP4_GROUP_BYTES == 1 << 25
+    finally:
+        tq.VARIANTS.clear()
+        tq.VARIANTS.update(saved[0])
+        tq.LOOPS.clear()
+        tq.LOOPS.update(saved[1])
+        tq.NVFP4_REVERSE, tq.NVFP4_GROUP_BYTES = saved[2], saved[3]
+        tq.CONFIG.clear()
+        tq.CONFIG.update(saved[4])
 
 
 @interp

@@ -4,6 +4,7 @@ Compares versions of a kernel without a GPU (bench/results/compare/kernel-sass.m
 
     python bench/debug/kernel_sass.py merge parallel/cp/triton_merge.py OLD_TREE/parallel/cp/triton_merge.py
     python bench/debug/kernel_sass.py quant parallel/quant/triton_quant.py OLD_TREE/parallel/quant/triton_quant.py
+    python bench/debug/kernel_sass.py quant-variants parallel/quant/triton_quant.py   # defaults vs opt-in VARIANTS
     python bench/debug/kernel_sass.py decode parallel/cp/triton_decode.py     # MLA decode launch settings
     python bench/debug/kernel_sass.py decode-config parallel/cp/triton_decode.py   # as CONFIG launches them
     python bench/debug/kernel_sass.py mla_prep parallel/cp/triton_mla_prep.py   # the fused MLA prep
@@ -49,6 +50,53 @@ QUANT = {  # the default launch (CONFIG "fp4_quant": 4096 elements per program, 
                                                                                 ROWS=256, EVEN=True, num_warps=8)),
     "_fp4_quant_kernel mxfp4": ("_fp4_quant_kernel", {**_FP4, "gs_ptr": "*u8"},
                                 dict(IS_NV=False, GS_PER_MATRIX=False, BS=32, ROWS=128, EVEN=True)),
+}
+_LINES = dict(IS_NV=False, GS_PER_MATRIX=False, GS_PAIRED=False, ROWS=128, TILES=1, MASKED=False, REVERSE=False,
+              OFF64=False)
+_FP8Q = dict(x_ptr="*bf16", data_ptr="*u8", scale_ptr="*fp32", amax_floor="fp32")
+_DQ = dict(data_ptr="*u8", scale_ptr="*u8", gs_ptr="*fp32", out_ptr="*bf16")
+QUANT_VARIANTS = {  # the defaults next to the opt-in VARIANTS, as the probe launches them on the bench shapes
+    # (labels: elements per thread, to read instructions per element)
+    "_fp4_quant_kernel mxfp4 blocks (128, 4) [32/thread]": QUANT["_fp4_quant_kernel mxfp4"],
+    "_fp4_quant_kernel mxfp4 blocks DIAG [32/thread]": ("_fp4_quant_kernel", {**_FP4, "gs_ptr": "*u8"},
+                                                         dict(IS_NV=False, GS_PER_MATRIX=False, BS=32, ROWS=128, EVEN=True,
+                                                              DIAG=1)),
+    "_fp4_quant_lines_kernel mxfp4 (128, 4) [32/thread]": ("_fp4_quant_lines_kernel", _FP4, _LINES),
+    "_fp4_quant_lines_kernel mxfp4 DIAG [32/thread]": ("_fp4_quant_lines_kernel", _FP4, dict(_LINES, DIAG=1)),
+    "_fp4_quant_lines_kernel mxfp4 (128, 4) x 2 tiles [64/thread]": ("_fp4_quant_lines_kernel", _FP4,
+                                                                     dict(_LINES, TILES=2)),
+    "_fp4_quant_kernel nvfp4 blocks (128, 4) [32/thread]": QUANT["_fp4_quant_kernel nvfp4"],
+    "_fp4_quant_lines_kernel nvfp4 (128, 4) [32/thread]": ("_fp4_quant_lines_kernel", _FP4, dict(_LINES, IS_NV=True)),
+    "_fp4_quant_lines_kernel nvfp4 per matrix (128, 4) [32/thread]": (
+        "_fp4_quant_lines_kernel", _FP4, dict(_LINES, IS_NV=True, GS_PER_MATRIX=True, GS_PAIRED=True)),
+    "_fp4_quant_lines_kernel nvfp4 reverse x 2 tiles [64/thread]": (
+        "_fp4_quant_lines_kernel", _FP4, dict(_LINES, IS_NV=True, REVERSE=True, TILES=2)),
+    "_fp4_dequant_kernel mxfp4 -> bf16 blocks (256, 8) [32/thread]": (
+        "_fp4_dequant_kernel", {**_DQ, "gs_ptr": "*u8"},
+        dict(IS_NV=False, GS_PER_MATRIX=False, BS=32, ROWS=256, EVEN=True, num_warps=8)),
+    "_fp4_dequant_chunks_kernel mxfp4 -> bf16 (1024, 4) [64/thread]": (
+        "_fp4_dequant_chunks_kernel", {**_DQ, "gs_ptr": "*u8"},
+        dict(IS_NV=False, GS_PER_MATRIX=False, BS=32, ROWS=1024, EVEN=True, OFF64=False)),
+    "_fp4_dequant_chunks_kernel nvfp4 -> bf16 (1024, 4) [64/thread]": (
+        "_fp4_dequant_chunks_kernel", _DQ, dict(IS_NV=True, GS_PER_MATRIX=False, BS=16, ROWS=1024, EVEN=True, OFF64=False)),
+    "_amax_scale_kernel (32768, 16) [64/thread]": ("_amax_scale_kernel", dict(x_ptr="*bf16", acc_ptr="*i32", gs_ptr="*fp32"),
+                                                   dict(BLOCK=32768, EVEN=True, num_warps=16)),
+    "_fp8_group_quant_kernel fp8_token K 7168 tile (1 x 8192, 8) [32/thread, 28 live]": (
+        "_fp8_group_quant_kernel", _FP8Q, dict(UE8M0=False, ROWS=1, GROUP=8192, HW=True, num_warps=8)),
+    "_fp8_row_quant_kernel fp8_token K 7168 rows (1024, 4) [56/thread]": (
+        "_fp8_row_quant_kernel", _FP8Q, dict(UE8M0=False, CHUNK=1024, NUM_CHUNKS=7, HW=True, EVEN=True, UNROLL=True)),
+    "_fp8_group_quant_kernel fp8_group (32, 4) [32/thread]": (
+        "_fp8_group_quant_kernel", _FP8Q, dict(UE8M0=False, ROWS=32, GROUP=128, HW=True)),
+    "_fp8_block_quant_kernel loop (32, 8) [64/thread, 16 per step]": (
+        "_fp8_block_quant_kernel", _FP8Q, dict(UE8M0=False, SUB=32, HW=True, num_warps=8)),
+    "_fp8_block_quant_kernel unrolled (32, 8) [64/thread, 16 per step]": (
+        "_fp8_block_quant_kernel", _FP8Q, dict(UE8M0=False, SUB=32, HW=True, EVEN=True, UNROLL=True, num_warps=8)),
+    "_fp8_dequant_kernel fp8_group -> bf16 tile (128, 8) [64/thread]": (
+        "_fp8_dequant_kernel", dict(data_ptr="*fp8e4nv", scale_ptr="*fp32", out_ptr="*bf16"),
+        dict(ROW_BLOCK=1, ROWS=128, FIX_NAN=False, num_warps=8)),
+    "_fp8_dequant_chunks_kernel fp8_group -> bf16 (64, 8) [32/thread]": (
+        "_fp8_dequant_chunks_kernel", dict(data_ptr="*fp8e4nv", scale_ptr="*fp32", out_ptr="*bf16"),
+        dict(ROW_BLOCK=1, ROWS=64, FIX_NAN=False, num_warps=8)),
 }
 _DECODE = dict(q_ptr="*bf16", k_ptr="*bf16", v_ptr="*bf16", ks_ptr="*fp32", vs_ptr="*fp32", table_ptr="*i32",
                lens_ptr="*i32", glens_ptr="*i64", o_ptr="*fp32", lse_ptr="*fp32", qk_scale="fp32")
@@ -107,7 +155,8 @@ MLA_PREP = {  # the fused MLA prep as the bench launches it: H 128, nope 128 + r
              Q_NORM=True, FP8=fp8, Q_TILES=8, num_warps=4))
     for fp8 in (False, True)
 }
-SETS = {"merge": MERGE, "quant": QUANT, "decode": DECODE, "decode-config": decode_config, "mla_prep": MLA_PREP}
+SETS = {"merge": MERGE, "quant": QUANT, "quant-variants": QUANT_VARIANTS, "decode": DECODE, "decode-config": decode_config,
+        "mla_prep": MLA_PREP}
 NOT_DIVISIBLE = ("M", "M_TILES")
 
 

@@ -7,10 +7,20 @@ approximate on NVIDIA), power-of-two scales are built from bits, and E4M3 / E2M1
 done on the integer bits (no E2M1 cast on sm_90; the interpreter rounds E4M3 subnormals wrongly).
 Layout: a row-major [..., K] input is viewed as [rows, K] (fp4: [blocks, 32|16], since K is a
 multiple of the block); one program handles a tile of rows x one block/group, with 16-byte
-loads and stores per thread. On the H200 these kernels are bound by integer ALU work per
-element, not by memory: the helpers below are written for few ops per element, the NaN/inf
+loads and stores per thread. The helpers below are written for few ops per element, the NaN/inf
 handling runs only in tiles that hold one (a branch per program), and the fp8 dequantize uses
 the hardware E4M3 conversion (exact).
+
+Opt-in alternatives (VARIANTS, not yet measured on a GPU) change the memory structure rather
+than the arithmetic, with the same bits: the FP4 quantize "lines" kernel gives each thread 32
+contiguous elements (no shuffles, no shared-memory layout conversion, one 16-byte store per
+thread, 48 / 70 registers on sm_90a for mxfp4 / nvfp4 where the blocks kernel takes 96 / 102),
+the FP4 and FP8 dequantize "chunks" kernels store 16 bytes per thread without going through
+shared memory, fp8_token "rows" reads a row in K / chunk unmasked chunks, fp8_block "unrolled"
+has a whole 128 x 128 tile's loads in flight; nvfp4's computed global scale can be followed by
+a backwards quantize or applied matrix by matrix (NVFP4_REVERSE, NVFP4_GROUP_BYTES) so that
+the second read of x finds it in L2. `python bench/debug/kernel_sass.py quant-variants
+parallel/quant/triton_quant.py` compiles each next to its default for sm_90a.
 """
 
 from __future__ import annotations
@@ -39,10 +49,42 @@ CONFIG: dict[str, tuple[int, int]] = {
     "fp8_token": (4096, 8),    # fp8_token rows of <= 8192: elements per program (whole rows)
     "fp8_block": (32, 8),      # fp8_block: rows per pass of a 128 x 128 tile (probe: 235 -> 202 µs)
     "fp8_dequant": (128, 8),   # 128 rows x 128 columns (probe: 166 -> 142 µs)
+    # opt-in variants (VARIANTS below), not yet measured on a GPU:
+    "mxfp4_lines": (128, 4),   # the lines kernel: lines of 32 elements per tile (one per thread), warps
+    "nvfp4_lines": (128, 4),
+    "fp8_token_rows": (1024, 4),   # fp8_token one row per program, two unrolled passes: chunk, warps
+    "fp4_dequant_chunks": (1024, 4),   # the chunks dequantize: chunks of 8 outputs per program, warps
+    "fp8_block_unrolled": (32, 8),     # fp8_block with both passes unrolled: rows per step, warps
+    "fp8_dequant_chunks": (64, 8),     # fp8 dequantize over [rows, 16, 8] tiles: rows, warps
 }
+# Which kernel an op launches. The alternatives are opt-in until the probe has timed them side by
+# side with the default on the GPU; switching is one entry here or in a tuning file ("variants").
+#   mxfp4_quant / nvfp4_quant: "blocks" (`_fp4_quant_kernel`) | "lines" (`_fp4_quant_lines_kernel`)
+#   fp8_token (rows of K <= 8192): "tile" (whole rows in one [ROWS, next_pow2(K)] tile) | "rows"
+#     (`_fp8_row_quant_kernel` unrolled over K / chunk chunks: no masked columns, a second read
+#     of the row that L1 serves)
+#   fp4_dequant (both formats): "blocks" (`_fp4_dequant_kernel`) | "chunks" (`_fp4_dequant_chunks_kernel`)
+#   fp8_block: "loop" | "unrolled" (both passes unrolled; no masks where N, K are multiples of 128)
+#   fp8_dequant: "tile" (`_fp8_dequant_kernel`) | "chunks" (`_fp8_dequant_chunks_kernel`)
+VARIANTS: dict[str, str] = {"mxfp4_quant": "blocks", "nvfp4_quant": "blocks", "fp8_token": "tile", "fp4_dequant": "blocks",
+                            "fp8_block": "loop", "fp8_dequant": "tile"}
+VARIANT_CHOICES = {"mxfp4_quant": ("blocks", "lines"), "nvfp4_quant": ("blocks", "lines"), "fp8_token": ("tile", "rows"),
+                   "fp4_dequant": ("blocks", "chunks"), "fp8_block": ("loop", "unrolled"), "fp8_dequant": ("tile", "chunks")}
+# Tiles per program of the lines kernels (> 1: a loop with the next tile's loads issued first).
+LOOPS: dict[str, int] = {"mxfp4_lines": 1, "nvfp4_lines": 1}
+# nvfp4 with a computed global scale reads x twice (the amax pass, then the quantize). Options
+# for the second read to find x in L2 (opt-in until measured):
+#   NVFP4_REVERSE: the quantize programs walk x from its end, where the amax pass ended;
+#   NVFP4_GROUP_BYTES > 0 (global_scale="matrix" only): amax pass and quantize per group of
+#     whole matrices of about this many bytes of x (one matrix at least), each quantize reversed,
+#     so a group that fits in L2 is read from DRAM once.
+NVFP4_REVERSE = False
+NVFP4_GROUP_BYTES = 0
 # The "probe" figures: `python -m megapar.launch.bench.quant --probe` on the H200, 2026-12-01
 # (bench/results/quant-probe-h200.json; a [4, 4096, 7168] weight, [16384, 7168] activations,
-# CUDA-graph replays, every setting bit-identical to the default's output).
+# every setting bit-identical to the default's output). Those probes timed eager calls from an
+# idle GPU, so each figure includes the host's wrapper and launch time (tens of µs); the probe
+# now times CUDA-graph replays and reports the eager figure next to it.
 # E4M3 rounding of the fp8 quantize fast path by the hardware conversion (inline PTX
 # `cvt.rn.satfinite.e4m3x2.f32`; GPU only, the interpreter always runs the integer rounding).
 # On by default since 2026-12-01: the H200 probe found it bit-identical to the integer rounding on
@@ -56,18 +98,35 @@ FP4_QUANT_DIAG = 0   # 1: the FP4 quantize kernel without its arithmetic (launch
 
 
 def apply_tuning(tuning: dict) -> None:
-    """Install measured launch settings {"config": {kernel: [tile, warps]}, "fp8_hw_cast": bool}
+    """Install measured launch settings {"config": {kernel: [tile, warps]}, "fp8_hw_cast": bool,
+    "variants": {op: kernel}, "loops": {kernel: tiles per program}, "nvfp4_reverse": bool,
+    "nvfp4_group_bytes": int}
     (as written by `python -m megapar.launch.bench.quant --probe --out DIR` to DIR/quant-tuning.json).
-    ValueError for an unknown kernel or a malformed entry."""
-    global FP8_HW_CAST
+    ValueError for an unknown kernel or a malformed entry (nothing is installed then)."""
+    global FP8_HW_CAST, NVFP4_REVERSE, NVFP4_GROUP_BYTES
+    if not isinstance(tuning.get("nvfp4_group_bytes", 0), int) or tuning.get("nvfp4_group_bytes", 0) < 0:
+        raise ValueError(f"nvfp4_group_bytes must be an int >= 0, got {tuning['nvfp4_group_bytes']!r}")
     for name, value in tuning.get("config", {}).items():
         if name not in CONFIG:
             raise ValueError(f"unknown quant kernel {name!r} in tuning; valid: {', '.join(CONFIG)}")
         if len(value) != 2 or not all(isinstance(v, int) and v > 0 for v in value):
             raise ValueError(f"tuning for {name!r} must be [tile, warps] (positive ints), got {value!r}")
+    for op, name in tuning.get("variants", {}).items():
+        if op not in VARIANT_CHOICES or name not in VARIANT_CHOICES[op]:
+            raise ValueError(f"unknown quant variant {op!r}: {name!r}; valid: {VARIANT_CHOICES}")
+    for name, value in tuning.get("loops", {}).items():
+        if name not in LOOPS or not isinstance(value, int) or value <= 0:
+            raise ValueError(f"loops for {name!r} must be a positive int (kernels: {', '.join(LOOPS)}), got {value!r}")
+    for name, value in tuning.get("config", {}).items():
         CONFIG[name] = (int(value[0]), int(value[1]))
+    VARIANTS.update(tuning.get("variants", {}))
+    LOOPS.update(tuning.get("loops", {}))
     if "fp8_hw_cast" in tuning:
         FP8_HW_CAST = bool(tuning["fp8_hw_cast"])
+    if "nvfp4_reverse" in tuning:
+        NVFP4_REVERSE = bool(tuning["nvfp4_reverse"])
+    if "nvfp4_group_bytes" in tuning:
+        NVFP4_GROUP_BYTES = int(tuning["nvfp4_group_bytes"])
 
 
 def _load_env_tuning() -> None:
@@ -366,6 +425,19 @@ def _e2m1_count(x, b0, b1, b2, b3, b4, b5, b6):
 
 
 @triton.jit
+def _e2m1_search(x, b0, b1, b2, b3, b4, b5, b6):
+    """`_e2m1_count` by a 3-step search of the ordered thresholds (b0 <= .. <= b6, per row): the
+    same count of thresholds |x| has passed, in 3 compares and 4 selects per element where the
+    sum takes 7 compares and 7 adds (the lines kernel; NaN passes none, as there)."""
+    a = tl.abs(x)
+    hi = a >= b3[:, None]
+    mid = a >= tl.where(hi, b5[:, None], b1[:, None])
+    lo = a >= tl.where(hi, tl.where(mid, b6[:, None], b4[:, None]), tl.where(mid, b2[:, None], b0[:, None]))
+    n = tl.where(hi, 4, 0) + tl.where(mid, 2, 0) + tl.where(lo, 1, 0)
+    return n | _sign_at(x, 3)
+
+
+@triton.jit
 def _boundary_f64(b: tl.constexpr, sval, g, GE: tl.constexpr):
     """`_boundary_bits` for any s * g, as fp32: D = b * s * g is exact in float64 (3 + 4 + 24
     significant bits), f = RN32(D) and its float64 value decide the direction (f's successor
@@ -382,12 +454,16 @@ def _boundary_f64(b: tl.constexpr, sval, g, GE: tl.constexpr):
 @triton.jit
 def _fp4_quant_kernel(x_ptr, data_ptr, scale_ptr, gs_ptr, n_blocks, blocks_per_gs,
                       IS_NV: tl.constexpr, GS_PER_MATRIX: tl.constexpr, BS: tl.constexpr,
-                      ROWS: tl.constexpr, EVEN: tl.constexpr, DIAG: tl.constexpr = 0):
+                      ROWS: tl.constexpr, EVEN: tl.constexpr, DIAG: tl.constexpr = 0, REVERSE: tl.constexpr = False):
     """One program: ROWS whole blocks of BS (a [ROWS * BS] contiguous slice of x). Each thread
     loads 16 bytes, stores its packed bytes in one store; EVEN (n_blocks % ROWS == 0) drops masks.
     DIAG 1 (a diagnostic of the tuning probe, never a result): the same loads and stores with
-    the arithmetic dropped, codes from x's bits and one max per block as the scale."""
-    rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)    # block index
+    the arithmetic dropped, codes from x's bits and one max per block as the scale.
+    REVERSE: program p takes the tile of program (programs - 1 - p) (see NVFP4_REVERSE)."""
+    pid = tl.program_id(0)
+    if REVERSE:
+        pid = tl.num_programs(0) - 1 - pid
+    rows = pid.to(tl.int64) * ROWS + tl.arange(0, ROWS)    # block index
     cols = tl.arange(0, BS)
     if EVEN:
         x = tl.load(x_ptr + rows[:, None] * BS + cols[None, :])
@@ -464,6 +540,228 @@ def _fp4_store(data_ptr, scale_ptr, rows, n_blocks, codes, sbyte, ROWS: tl.const
         tl.store(scale_ptr + rows, sbyte, mask=rows < n_blocks)
 
 
+# ---- the "lines" FP4 quantize (opt-in: VARIANTS["mxfp4_quant"] / ["nvfp4_quant"] = "lines")
+# One thread owns one line of 32 contiguous elements (one mxfp4 block, two nvfp4 blocks), loaded
+# as four [ROWS, 8] chunks (Triton gives a [ROWS, 8] load one row per thread): the block amax is a
+# per-thread max (no shuffles), the 16 packed bytes of a line are joined in registers and stored
+# by one 16-byte store per thread, the scale bytes by one 1-byte (2-byte) store; no shared memory
+# and no layout conversion (the blocks kernel goes through shared memory and barriers to give
+# each thread 16 contiguous output bytes). TILES > 1: a program quantizes TILES consecutive tiles
+# of ROWS lines, loading tile t + 1 before it computes tile t (software prefetch); REVERSE: the
+# programs walk the tensor from its end (after the nvfp4 amax pass, whose last reads may still
+# sit in L2).
+
+
+@triton.jit
+def _line_chunks(x_ptr, lines, n_chunks, MASKED: tl.constexpr):
+    """x[lines * 32 + j * 8 + (0..7)] for j = 0..3 as four [ROWS, 8] tensors (x's dtype); MASKED:
+    chunks at or past n_chunks (8-element units) read 0."""
+    c = tl.arange(0, 8)
+    p = x_ptr + lines[:, None] * 32 + c[None, :]
+    if MASKED:
+        q = lines[:, None] * 4
+        x0 = tl.load(p, mask=q < n_chunks, other=0.0)
+        x1 = tl.load(p + 8, mask=q + 1 < n_chunks, other=0.0)
+        x2 = tl.load(p + 16, mask=q + 2 < n_chunks, other=0.0)
+        x3 = tl.load(p + 24, mask=q + 3 < n_chunks, other=0.0)
+    else:
+        x0 = tl.load(p)
+        x1 = tl.load(p + 8)
+        x2 = tl.load(p + 16)
+        x3 = tl.load(p + 24)
+    return x0, x1, x2, x3
+
+
+@triton.jit
+def _pack8(codes):
+    """int32 [ROWS, 8] E2M1 codes (low nibble; bits 8..23 zero) -> uint8 [ROWS, 4] (even | odd << 4)."""
+    even, odd = tl.split(tl.reshape(codes, (codes.shape[0], 4, 2)))
+    return (even | (odd << 4)).to(tl.uint8)
+
+
+@triton.jit
+def _cat_cols(a, b):
+    """[ROWS, n] and [ROWS, n] -> [ROWS, 2n] (a's columns, then b's), in registers."""
+    return tl.reshape(tl.permute(tl.join(a, b), (0, 2, 1)), (a.shape[0], 2 * a.shape[1]))
+
+
+@triton.jit
+def _line_bytes(c0, c1, c2, c3):
+    """The four chunks' codes -> the line's 16 packed bytes [ROWS, 16]."""
+    return _cat_cols(_cat_cols(_pack8(c0), _pack8(c1)), _cat_cols(_pack8(c2), _pack8(c3)))
+
+
+@triton.jit
+def _abs_max2(a, b):
+    return tl.maximum(_abs_max_bits(a, 1), _abs_max_bits(b, 1))
+
+
+@triton.jit
+def _mx_line_codes(x, inv, SLOW: tl.constexpr):
+    """mxfp4 codes of a chunk x (fp32 [ROWS, 8]) with per-row 2^-e (inv); SLOW: the tile holds an
+    inf or NaN (saturation, NaN -> +0), else |x| * inv <= 6 (as `_fp4_quant_kernel`)."""
+    y = tl.abs(x) * inv[:, None]
+    if SLOW:
+        return tl.where(x != x, 0, _e2m1_index(y) | _sign_at(x, 3))
+    else:
+        return _e2m1_index_le6_signed(y, x)
+
+
+@triton.jit
+def _nv_scale(abits, g):
+    """nvfp4 block amax bits -> (E4M3 scale byte, its fp32 value), as `_fp4_quant_kernel`."""
+    amax = abits.to(tl.float32, bitcast=True)
+    s = tl.where(g > 0, tl.div_rn(tl.div_rn(amax, 6.0), g), 0.0)
+    s = tl.where(s > 448.0, 448.0, s)
+    sbyte = e4m3_byte(s)
+    return sbyte, e4m3_value(sbyte)
+
+
+@triton.jit
+def _nv_line_codes_slow(x, sval, g):
+    """nvfp4 codes of a chunk x ([ROWS, 8]) in a tile with a rare block (`_fp4_quant_kernel`'s
+    float64-threshold branch, the same steps)."""
+    d_pos = (sval.to(tl.float64) * g.to(tl.float64)) > 0
+    inf = float("inf")
+    b0 = tl.where(d_pos, _boundary_f64(0.25, sval, g, False), inf)
+    b1 = tl.where(d_pos, _boundary_f64(0.75, sval, g, True), inf)
+    b2 = tl.where(d_pos, _boundary_f64(1.25, sval, g, False), inf)
+    b3 = tl.where(d_pos, _boundary_f64(1.75, sval, g, True), inf)
+    b4 = tl.where(d_pos, _boundary_f64(2.5, sval, g, False), inf)
+    b5 = tl.where(d_pos, _boundary_f64(3.5, sval, g, True), inf)
+    b6 = tl.where(d_pos, _boundary_f64(5.0, sval, g, False), inf)
+    codes = _e2m1_count(x, b0, b1, b2, b3, b4, b5, b6)
+    return tl.where((x != x) | ((tl.abs(x) == inf) & (d_pos == 0)[:, None]), 0, codes)
+
+
+@triton.jit
+def _line_store(data_ptr, lines, packed, n_blocks, IS_NV: tl.constexpr, MASKED: tl.constexpr):
+    """packed: uint8 [ROWS, 16], the lines' codes -> data[lines * 16 + (0..15)] (one 16-byte store
+    per thread; MASKED: bytes of blocks at or past n_blocks are not written)."""
+    b = tl.arange(0, 16)
+    p = data_ptr + lines[:, None] * 16 + b[None, :]
+    if MASKED:
+        if IS_NV:
+            tl.store(p, packed, mask=lines[:, None] * 2 + b[None, :] // 8 < n_blocks)
+        else:
+            tl.store(p, packed, mask=(lines < n_blocks)[:, None])
+    else:
+        tl.store(p, packed)
+
+
+@triton.jit
+def _fp4_lines_tile(x0, x1, x2, x3, lines, x_ptr, data_ptr, scale_ptr, gs_ptr, n_chunks, n_blocks, blocks_per_gs,
+                    IS_NV: tl.constexpr, GS_PER_MATRIX: tl.constexpr, GS_PAIRED: tl.constexpr, MASKED: tl.constexpr,
+                    DIAG: tl.constexpr):
+    """Quantize and store one tile: x0..x3 the chunks of ROWS lines (x's dtype). The fast path's
+    codes are stored first; a tile with a rare block (mxfp4: an inf or NaN; nvfp4: see the blocks
+    kernel) then reloads its lines and overwrites them with the exact path's codes, so no element
+    stays live across the tile-wide test (registers set the occupancy)."""
+    x0 = x0.to(tl.float32)
+    x1 = x1.to(tl.float32)
+    x2 = x2.to(tl.float32)
+    x3 = x3.to(tl.float32)
+    if DIAG == 1:            # memory only: codes from the bits, the max code as the scale byte
+        c0 = (x0.to(tl.int32, bitcast=True) >> 16) & 0xF
+        c1 = (x1.to(tl.int32, bitcast=True) >> 16) & 0xF
+        c2 = (x2.to(tl.int32, bitcast=True) >> 16) & 0xF
+        c3 = (x3.to(tl.int32, bitcast=True) >> 16) & 0xF
+        _line_store(data_ptr, lines, _line_bytes(c0, c1, c2, c3), n_blocks, IS_NV, MASKED)
+        _line_scales(scale_ptr, lines, tl.max(tl.maximum(c0, c1), 1).to(tl.uint8),
+                     tl.max(tl.maximum(c2, c3), 1).to(tl.uint8), n_blocks, IS_NV, MASKED)
+    elif IS_NV:              # two blocks per line: a = chunks 0, 1; b = chunks 2, 3
+        if GS_PER_MATRIX:
+            blk = lines * 2
+            ga = tl.load(gs_ptr + (blk // blocks_per_gs).to(tl.int32), mask=blk < n_blocks, other=1.0)
+            if GS_PAIRED:    # blocks_per_gs even: a line's two blocks share their matrix
+                gb = ga
+            else:
+                gb = tl.load(gs_ptr + ((blk + 1) // blocks_per_gs).to(tl.int32), mask=blk + 1 < n_blocks, other=1.0)
+        else:
+            ga = tl.load(gs_ptr)
+            gb = ga
+        abits_a = _abs_max2(x0, x1)
+        abits_b = _abs_max2(x2, x3)
+        sa, sval_a = _nv_scale(abits_a, ga)
+        sb, sval_b = _nv_scale(abits_b, gb)
+        _line_scales(scale_ptr, lines, sa, sb, n_blocks, IS_NV, MASKED)
+        fast_a, a0, a1, a2, a3, a4, a5, a6 = _nvfp4_thresholds(sval_a, ga, abits_a)
+        fast_b, b0, b1, b2, b3, b4, b5, b6 = _nvfp4_thresholds(sval_b, gb, abits_b)
+        packed = _line_bytes(_e2m1_search(x0, a0, a1, a2, a3, a4, a5, a6), _e2m1_search(x1, a0, a1, a2, a3, a4, a5, a6),
+                             _e2m1_search(x2, b0, b1, b2, b3, b4, b5, b6), _e2m1_search(x3, b0, b1, b2, b3, b4, b5, b6))
+        _line_store(data_ptr, lines, packed, n_blocks, IS_NV, MASKED)
+        if tl.min((fast_a & fast_b).to(tl.int32)) == 0:      # rare tiles: float64 thresholds (see the blocks kernel)
+            y0, y1, y2, y3 = _line_chunks(x_ptr, lines, n_chunks, MASKED)
+            packed = _line_bytes(_nv_line_codes_slow(y0.to(tl.float32), sval_a, ga),
+                                 _nv_line_codes_slow(y1.to(tl.float32), sval_a, ga),
+                                 _nv_line_codes_slow(y2.to(tl.float32), sval_b, gb),
+                                 _nv_line_codes_slow(y3.to(tl.float32), sval_b, gb))
+            _line_store(data_ptr, lines, packed, n_blocks, IS_NV, MASKED)
+    else:                    # mxfp4: one block per line
+        abits = tl.maximum(_abs_max2(x0, x1), _abs_max2(x2, x3))
+        byte = (abits >> 23) - 2 + ((abits & 0x7FFFFF) > 0x400000).to(tl.int32)
+        byte = tl.minimum(tl.maximum(byte, 0), 254)
+        byte = tl.where(abits > 0x7F800000, 255, byte)
+        inv = (tl.maximum(254 - byte, 1) << 23).to(tl.float32, bitcast=True)
+        _line_scales(scale_ptr, lines, byte.to(tl.uint8), byte.to(tl.uint8), n_blocks, IS_NV, MASKED)
+        packed = _line_bytes(_mx_line_codes(x0, inv, False), _mx_line_codes(x1, inv, False),
+                             _mx_line_codes(x2, inv, False), _mx_line_codes(x3, inv, False))
+        _line_store(data_ptr, lines, packed, n_blocks, IS_NV, MASKED)
+        if tl.max(abits) >= 0x7F800000:     # an inf (saturates) or a NaN (code +0) in the tile
+            y0, y1, y2, y3 = _line_chunks(x_ptr, lines, n_chunks, MASKED)
+            packed = _line_bytes(_mx_line_codes(y0.to(tl.float32), inv, True), _mx_line_codes(y1.to(tl.float32), inv, True),
+                                 _mx_line_codes(y2.to(tl.float32), inv, True), _mx_line_codes(y3.to(tl.float32), inv, True))
+            _line_store(data_ptr, lines, packed, n_blocks, IS_NV, MASKED)
+
+
+@triton.jit
+def _line_scales(scale_ptr, lines, sa, sb, n_blocks, IS_NV: tl.constexpr, MASKED: tl.constexpr):
+    """The lines' scale bytes: nvfp4 sa, sb (the line's two blocks) in one 2-byte store; mxfp4 sa."""
+    if IS_NV:
+        k = tl.arange(0, 2)
+        sp = scale_ptr + lines[:, None] * 2 + k[None, :]
+        if MASKED:
+            tl.store(sp, tl.join(sa, sb), mask=lines[:, None] * 2 + k[None, :] < n_blocks)
+        else:
+            tl.store(sp, tl.join(sa, sb))
+    else:
+        if MASKED:
+            tl.store(scale_ptr + lines, sa, mask=lines < n_blocks)
+        else:
+            tl.store(scale_ptr + lines, sa)
+
+
+@triton.jit
+def _fp4_quant_lines_kernel(x_ptr, data_ptr, scale_ptr, gs_ptr, line0, n_chunks, n_blocks, blocks_per_gs,
+                            IS_NV: tl.constexpr, GS_PER_MATRIX: tl.constexpr, GS_PAIRED: tl.constexpr,
+                            ROWS: tl.constexpr, TILES: tl.constexpr, MASKED: tl.constexpr, REVERSE: tl.constexpr,
+                            OFF64: tl.constexpr, DIAG: tl.constexpr = 0):
+    """FP4 quantize, one line of 32 elements per thread (see above). Program p quantizes lines
+    line0 + (p * TILES + t) * ROWS + (0..ROWS-1), t < TILES; n_chunks: x's elements / 8, n_blocks:
+    its fp4 blocks. MASKED: the launch's last lines are partial (else every line is whole);
+    OFF64: element offsets need int64. GS_PAIRED (per-matrix global scales): blocks_per_gs is even.
+    DIAG 1 (the tuning probe's diagnostic, never a result): the same loads and stores without the
+    arithmetic."""
+    pid = tl.program_id(0)
+    if REVERSE:
+        pid = tl.num_programs(0) - 1 - pid
+    if OFF64:
+        start = line0 + pid.to(tl.int64) * (ROWS * TILES)
+    else:
+        start = line0 + pid * (ROWS * TILES)
+    lines = start + tl.arange(0, ROWS)
+    x0, x1, x2, x3 = _line_chunks(x_ptr, lines, n_chunks, MASKED)
+    for t in range(TILES):
+        if TILES > 1:        # the next tile's loads go out before this tile's arithmetic
+            nxt = lines + ROWS
+            y0, y1, y2, y3 = _line_chunks(x_ptr, nxt, tl.where(t + 1 < TILES, n_chunks, 0), True)
+        _fp4_lines_tile(x0, x1, x2, x3, lines, x_ptr, data_ptr, scale_ptr, gs_ptr, n_chunks, n_blocks, blocks_per_gs,
+                        IS_NV, GS_PER_MATRIX, GS_PAIRED, MASKED, DIAG)
+        if TILES > 1:
+            x0, x1, x2, x3 = y0, y1, y2, y3
+            lines = nxt
+
+
 @triton.jit
 def _fp4_dequant_kernel(data_ptr, scale_ptr, gs_ptr, out_ptr, n_blocks, blocks_per_gs,
                         IS_NV: tl.constexpr, GS_PER_MATRIX: tl.constexpr, BS: tl.constexpr,
@@ -497,6 +795,52 @@ def _fp4_dequant_kernel(data_ptr, scale_ptr, gs_ptr, out_ptr, n_blocks, blocks_p
         tl.store(out_ptr + rows[:, None] * BS + cols[None, :], vals)
     else:
         tl.store(out_ptr + rows[:, None] * BS + cols[None, :], vals, mask=(rows < n_blocks)[:, None])
+
+
+@triton.jit
+def _fp4_dequant_chunks_kernel(data_ptr, scale_ptr, gs_ptr, out_ptr, n_chunks, blocks_per_gs,
+                               IS_NV: tl.constexpr, GS_PER_MATRIX: tl.constexpr, BS: tl.constexpr,
+                               ROWS: tl.constexpr, EVEN: tl.constexpr, OFF64: tl.constexpr):
+    """FP4 dequantize, opt-in (VARIANTS["fp4_dequant"] = "chunks"): a thread owns chunks of 8
+    consecutive outputs: it loads their 4 packed bytes (lanes contiguous: one dense 128-byte
+    load per warp) and their block's scale byte, and stores the 8 outputs with one 16-byte store
+    (dense 512 bytes per warp). The blocks kernel gives a thread a whole block (one 16-byte load)
+    and moves the outputs through shared memory (4 rounds, 7 barriers) for the same stores.
+    Program p: chunks p * ROWS + (0..ROWS-1); n_chunks = elements / 8; EVEN: n_chunks % ROWS == 0."""
+    pid = tl.program_id(0)
+    if OFF64:
+        ch = pid.to(tl.int64) * ROWS + tl.arange(0, ROWS)
+    else:
+        ch = pid * ROWS + tl.arange(0, ROWS)
+    b = tl.arange(0, 4)
+    blk = ch // (BS // 8)
+    if EVEN:
+        packed = tl.load(data_ptr + ch[:, None] * 4 + b[None, :])
+        sbyte = tl.load(scale_ptr + blk)
+    else:
+        packed = tl.load(data_ptr + ch[:, None] * 4 + b[None, :], mask=(ch < n_chunks)[:, None], other=0)
+        sbyte = tl.load(scale_ptr + blk, mask=ch < n_chunks, other=0)
+    packed = packed.to(tl.int32)
+    lo = e2m1_value(packed & 0xF)
+    hi = e2m1_value(packed >> 4)
+    if IS_NV:
+        s = e4m3_value(sbyte)[:, None]
+        if GS_PER_MATRIX:
+            g = tl.load(gs_ptr + (blk // blocks_per_gs).to(tl.int32), mask=ch < n_chunks, other=1.0)[:, None]
+        else:
+            g = tl.load(gs_ptr)
+        lo = (lo * s) * g
+        hi = (hi * s) * g
+    else:
+        s = e8m0_value(sbyte)[:, None]
+        lo = lo * s
+        hi = hi * s
+    vals = tl.reshape(tl.join(lo, hi), (ROWS, 8)).to(out_ptr.dtype.element_ty)
+    c = tl.arange(0, 8)
+    if EVEN:
+        tl.store(out_ptr + ch[:, None] * 8 + c[None, :], vals)
+    else:
+        tl.store(out_ptr + ch[:, None] * 8 + c[None, :], vals, mask=(ch < n_chunks)[:, None])
 
 
 @triton.jit
@@ -542,32 +886,80 @@ def _fp8_group_quant_kernel(x_ptr, data_ptr, scale_ptr, n_rows, k, n_groups, ama
 
 
 @triton.jit
+def _fp8_row_chunk(x_ptr, base, c, k, CHUNK: tl.constexpr, EVEN: tl.constexpr):
+    cols = c * CHUNK + tl.arange(0, CHUNK)
+    if EVEN:
+        return tl.load(x_ptr + base + cols).to(tl.float32)
+    return tl.load(x_ptr + base + cols, mask=cols < k, other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _fp8_row_store(data_ptr, base, c, k, byte, CHUNK: tl.constexpr, EVEN: tl.constexpr):
+    cols = c * CHUNK + tl.arange(0, CHUNK)
+    if EVEN:
+        tl.store(data_ptr + base + cols, byte)
+    else:
+        tl.store(data_ptr + base + cols, byte, mask=cols < k)
+
+
+@triton.jit
 def _fp8_row_quant_kernel(x_ptr, data_ptr, scale_ptr, n_rows, k, amax_floor,
                           UE8M0: tl.constexpr, CHUNK: tl.constexpr, NUM_CHUNKS: tl.constexpr,
-                          HW: tl.constexpr):
+                          HW: tl.constexpr, EVEN: tl.constexpr = False, UNROLL: tl.constexpr = False):
     """fp8_token for long rows: one program per row, two passes over CHUNK columns.
-    (NUM_CHUNKS is constexpr: the interpreter cannot loop to a runtime bound.)"""
+    (NUM_CHUNKS is constexpr: the interpreter cannot loop to a runtime bound.)
+    EVEN: K % CHUNK == 0 (no masks). UNROLL: both passes unrolled, so the first pass has all of
+    the row's loads in flight at once and the second pass (a reread that L1 / L2 serves) issues its
+    loads ahead of the arithmetic (the VARIANTS["fp8_token"] = "rows" launch for K <= 8192)."""
     row = tl.program_id(0).to(tl.int64)
     base = row * k
     abits = tl.zeros((CHUNK,), dtype=tl.int32)
-    for c in range(NUM_CHUNKS):
-        cols = c * CHUNK + tl.arange(0, CHUNK)
-        x = tl.load(x_ptr + base + cols, mask=cols < k, other=0.0).to(tl.float32)
-        abits = tl.maximum(abits, x.to(tl.int32, bitcast=True) & 0x7FFFFFFF)
+    if UNROLL:
+        for c in tl.static_range(NUM_CHUNKS):
+            x = _fp8_row_chunk(x_ptr, base, c, k, CHUNK, EVEN)
+            abits = tl.maximum(abits, x.to(tl.int32, bitcast=True) & 0x7FFFFFFF)
+    else:
+        for c in range(NUM_CHUNKS):
+            x = _fp8_row_chunk(x_ptr, base, c, k, CHUNK, EVEN)
+            abits = tl.maximum(abits, x.to(tl.int32, bitcast=True) & 0x7FFFFFFF)
     a = tl.max(abits, axis=0)
     scale = fp8_scale(a.to(tl.float32, bitcast=True), amax_floor, UE8M0)
     slow = (a >= 0x7F800000) | (_fast_div_ok(scale) == 0)
-    for c in range(NUM_CHUNKS):
-        cols = c * CHUNK + tl.arange(0, CHUNK)
-        x = tl.load(x_ptr + base + cols, mask=cols < k, other=0.0).to(tl.float32)
-        tl.store(data_ptr + base + cols, _fp8_tile(x, scale, slow, UE8M0, HW), mask=cols < k)
+    if UNROLL:
+        for c in tl.static_range(NUM_CHUNKS):
+            x = _fp8_row_chunk(x_ptr, base, c, k, CHUNK, EVEN)
+            _fp8_row_store(data_ptr, base, c, k, _fp8_tile(x, scale, slow, UE8M0, HW), CHUNK, EVEN)
+    else:
+        for c in range(NUM_CHUNKS):
+            x = _fp8_row_chunk(x_ptr, base, c, k, CHUNK, EVEN)
+            _fp8_row_store(data_ptr, base, c, k, _fp8_tile(x, scale, slow, UE8M0, HW), CHUNK, EVEN)
     tl.store(scale_ptr + row, scale)
 
 
 @triton.jit
+def _fp8_block_mask(tr, r0, cmask, n, SUB: tl.constexpr):
+    rows = tr * 128 + r0 + tl.arange(0, SUB)
+    return (rows < n)[:, None] & cmask[None, :]
+
+
+@triton.jit
+def _fp8_block_rows(x_ptr, base, tr, r0, cols, cmask, n, k, SUB: tl.constexpr, EVEN: tl.constexpr):
+    """(offsets, fp32 values) of rows tr * 128 + r0 + (0..SUB-1) of a 128-column tile."""
+    rows = tr * 128 + r0 + tl.arange(0, SUB)
+    offs = base + rows[:, None] * k + cols[None, :]
+    if EVEN:
+        return offs, tl.load(x_ptr + offs).to(tl.float32)
+    return offs, tl.load(x_ptr + offs, mask=_fp8_block_mask(tr, r0, cmask, n, SUB), other=0.0).to(tl.float32)
+
+
+@triton.jit
 def _fp8_block_quant_kernel(x_ptr, data_ptr, scale_ptr, n, k, nb, kb, amax_floor,
-                            UE8M0: tl.constexpr, SUB: tl.constexpr, HW: tl.constexpr):
-    """fp8_block: one program per 128x128 tile of one matrix, two passes of SUB rows."""
+                            UE8M0: tl.constexpr, SUB: tl.constexpr, HW: tl.constexpr,
+                            EVEN: tl.constexpr = False, UNROLL: tl.constexpr = False):
+    """fp8_block: one program per 128x128 tile of one matrix, two passes of SUB rows.
+    Opt-in (VARIANTS["fp8_block"] = "unrolled"): UNROLL unrolls both passes (the first pass's
+    loads all in flight at once, the second pass's reread ahead of its arithmetic), EVEN (N and K
+    multiples of 128) drops the masks."""
     mat = tl.program_id(0).to(tl.int64)
     tr = tl.program_id(1)
     tc = tl.program_id(2)
@@ -575,20 +967,34 @@ def _fp8_block_quant_kernel(x_ptr, data_ptr, scale_ptr, n, k, nb, kb, amax_floor
     cmask = cols < k
     base = mat * n * k
     abits = tl.zeros((SUB, 128), dtype=tl.int32)
-    for r0 in range(0, 128, SUB):
-        rows = tr * 128 + r0 + tl.arange(0, SUB)
-        mask = (rows < n)[:, None] & cmask[None, :]
-        x = tl.load(x_ptr + base + rows[:, None] * k + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-        abits = tl.maximum(abits, x.to(tl.int32, bitcast=True) & 0x7FFFFFFF)
+    if UNROLL:
+        for r0 in tl.static_range(0, 128, SUB):
+            _, x = _fp8_block_rows(x_ptr, base, tr, r0, cols, cmask, n, k, SUB, EVEN)
+            abits = tl.maximum(abits, x.to(tl.int32, bitcast=True) & 0x7FFFFFFF)
+    else:
+        for r0 in range(0, 128, SUB):
+            rows = tr * 128 + r0 + tl.arange(0, SUB)
+            mask = (rows < n)[:, None] & cmask[None, :]
+            x = tl.load(x_ptr + base + rows[:, None] * k + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+            abits = tl.maximum(abits, x.to(tl.int32, bitcast=True) & 0x7FFFFFFF)
     a = tl.max(tl.max(abits, axis=1), axis=0)
     scale = fp8_scale(a.to(tl.float32, bitcast=True), amax_floor, UE8M0)
     slow = (a >= 0x7F800000) | (_fast_div_ok(scale) == 0)
-    for r0 in range(0, 128, SUB):
-        rows = tr * 128 + r0 + tl.arange(0, SUB)
-        mask = (rows < n)[:, None] & cmask[None, :]
-        offs = base + rows[:, None] * k + cols[None, :]
-        x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-        tl.store(data_ptr + offs, _fp8_tile(x, scale, slow, UE8M0, HW), mask=mask)
+    if UNROLL:
+        for r0 in tl.static_range(0, 128, SUB):
+            offs, x = _fp8_block_rows(x_ptr, base, tr, r0, cols, cmask, n, k, SUB, EVEN)
+            if EVEN:
+                tl.store(data_ptr + offs, _fp8_tile(x, scale, slow, UE8M0, HW))
+            else:
+                tl.store(data_ptr + offs, _fp8_tile(x, scale, slow, UE8M0, HW),
+                         mask=_fp8_block_mask(tr, r0, cmask, n, SUB))
+    else:
+        for r0 in range(0, 128, SUB):
+            rows = tr * 128 + r0 + tl.arange(0, SUB)
+            mask = (rows < n)[:, None] & cmask[None, :]
+            offs = base + rows[:, None] * k + cols[None, :]
+            x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+            tl.store(data_ptr + offs, _fp8_tile(x, scale, slow, UE8M0, HW), mask=mask)
     tl.store(scale_ptr + mat * nb * kb + tr * kb + tc, scale)
 
 
@@ -619,13 +1025,41 @@ def _fp8_dequant_kernel(data_ptr, scale_ptr, out_ptr, n_rows, k, rows_per_mat, s
     tl.store(out_ptr + offs, (v * s[:, None]).to(out_ptr.dtype.element_ty), mask=mask)
 
 
+@triton.jit
+def _fp8_dequant_chunks_kernel(data_ptr, scale_ptr, out_ptr, n_rows, k, rows_per_mat, s_mat, s_row, s_col,
+                               ROW_BLOCK: tl.constexpr, ROWS: tl.constexpr, FIX_NAN: tl.constexpr):
+    """`_fp8_dequant_kernel` over a [ROWS, 16, 8] view of its tile (opt-in: VARIANTS["fp8_dequant"]
+    = "chunks"): a thread holds 8 consecutive bytes (one 8-byte load, lanes contiguous) and
+    stores their 8 outputs with one 16-byte store, where the [ROWS, 128] tile loads 16 bytes per
+    thread and moves the outputs through shared memory to store 16 bytes per thread."""
+    rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
+    grp = tl.program_id(1)
+    cols = grp * 128 + tl.arange(0, 16)[:, None] * 8 + tl.arange(0, 8)[None, :]          # [16, 8]
+    rmask = rows < n_rows
+    mask = rmask[:, None, None] & (cols < k)[None, :, :]
+    offs = rows[:, None, None] * k + cols[None, :, :]
+    d = tl.load(data_ptr + offs, mask=mask, other=0.0)
+    v = d.to(tl.float32)
+    if FIX_NAN:
+        v = tl.where((d.to(tl.uint8, bitcast=True) & 0x7F) == 0x7F, float("nan"), v)
+    if ROW_BLOCK == 1:
+        sidx = rows * s_row + grp * s_col
+    else:
+        r32 = rows.to(tl.int32)
+        mat = r32 // rows_per_mat
+        sidx = mat.to(tl.int64) * s_mat + ((r32 - mat * rows_per_mat) // ROW_BLOCK) * s_row + grp * s_col
+    s = tl.load(scale_ptr + sidx, mask=rmask, other=1.0)
+    tl.store(out_ptr + offs, (v * s[:, None, None]).to(out_ptr.dtype.element_ty), mask=mask)
+
+
 # ------------------------------------------------------------------ host wrappers
 
 _OUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
-def _computed_global_scale(x: torch.Tensor, per_matrix: bool) -> torch.Tensor:
-    """amax(|x|) / 2688 (0-d, or per matrix of contiguous [..., N, K]) in fp32, NaN if x has one."""
+def _computed_global_scale(x: torch.Tensor, per_matrix: bool, out: torch.Tensor | None = None) -> torch.Tensor:
+    """amax(|x|) / 2688 (0-d, or per matrix of contiguous [..., N, K]) in fp32, NaN if x has one.
+    out: a contiguous fp32 tensor of one element per matrix to write it to."""
     shape = x.shape[:-2] if per_matrix else ()
     if x.numel() == 0:
         return torch.zeros(shape, dtype=torch.float32, device=x.device)
@@ -634,7 +1068,7 @@ def _computed_global_scale(x: torch.Tensor, per_matrix: bool) -> torch.Tensor:
     block, warps = CONFIG["fp4_amax"]
     chunks = triton.cdiv(per_mat, block)
     acc = torch.zeros(2 * mats, dtype=torch.int32, device=x.device)       # [max bits | programs done]
-    gs = torch.empty(mats, dtype=torch.float32, device=x.device)
+    gs = torch.empty(mats, dtype=torch.float32, device=x.device) if out is None else out
     _amax_scale_kernel[(chunks, mats)](x, acc, gs, per_mat, chunks, mats, BLOCK=block, EVEN=per_mat % block == 0,
                                        num_warps=warps)
     return gs.reshape(shape)
@@ -671,6 +1105,29 @@ def _fp4_launch_args(n_blocks: int, bs: int, gs: torch.Tensor | None, shape: tor
     return (triton.cdiv(n_blocks, rows),), blocks_per_gs, meta
 
 
+def _fp4_lines_launch(x: torch.Tensor, data: torch.Tensor, scale: torch.Tensor, gs: torch.Tensor | None,
+                      n_blocks: int, bs: int, fmt: str, reverse: bool = False) -> None:
+    """`_fp4_quant_lines_kernel` over x: the programs of whole lines unmasked, the rest (a partial
+    last tile, an odd nvfp4 block) in one masked program."""
+    rows, warps = CONFIG[f"{fmt}_lines"]
+    tiles = LOOPS[f"{fmt}_lines"]
+    numel = n_blocks * bs
+    per = rows * tiles
+    bulk = numel // 32 // per                     # programs with whole lines only
+    per_matrix = gs is not None and gs.dim() > 0
+    blocks_per_gs = x.shape[-2] * (x.shape[-1] // bs) if per_matrix else max(n_blocks, 1)
+    meta = dict(IS_NV=gs is not None, GS_PER_MATRIX=per_matrix, GS_PAIRED=per_matrix and blocks_per_gs % 2 == 0,
+                ROWS=rows, TILES=tiles, REVERSE=reverse,
+                OFF64=numel + 64 >= 2**31, num_warps=warps)
+    if FP4_QUANT_DIAG:          # the probe's memory-only variant (its output is not a quantization)
+        meta["DIAG"] = FP4_QUANT_DIAG
+    args = (x, data, scale, scale if gs is None else gs)
+    if bulk:
+        _fp4_quant_lines_kernel[(bulk,)](*args, 0, numel // 8, n_blocks, blocks_per_gs, MASKED=False, **meta)
+    if triton.cdiv(numel, 32) > bulk * per:
+        _fp4_quant_lines_kernel[(1,)](*args, bulk * per, numel // 8, n_blocks, blocks_per_gs, MASKED=True, **meta)
+
+
 def _quantize_fp4(x: torch.Tensor, fmt: str, bs: int, *, scale_rule: str = "ceil",
                   global_scale=None) -> QuantizedTensor:
     if fmt == "mxfp4" and scale_rule != "ceil":
@@ -682,13 +1139,45 @@ def _quantize_fp4(x: torch.Tensor, fmt: str, bs: int, *, scale_rule: str = "ceil
     n_blocks = x.numel() // bs
     data = torch.empty((*lead, k // 2), dtype=torch.uint8, device=x.device)
     scale = torch.empty((*lead, k // bs), dtype=torch.uint8, device=x.device)
+    if (fmt == "nvfp4" and NVFP4_GROUP_BYTES and isinstance(global_scale, str) and global_scale == "matrix"
+            and x.dim() >= 3 and n_blocks):
+        gs = _quantize_nvfp4_grouped(x, data, scale)
+        return QuantizedTensor(data, scale, fmt, x.shape, gs)
     gs = _nvfp4_global(x, global_scale).to(torch.float32).contiguous() if fmt == "nvfp4" else None
     if n_blocks:
-        grid, blocks_per_gs, meta = _fp4_launch_args(n_blocks, bs, gs, x.shape, "fp4_quant")
-        if FP4_QUANT_DIAG:      # the probe's memory-only variant (its output is not a quantization)
-            meta = dict(meta, DIAG=FP4_QUANT_DIAG)
-        _fp4_quant_kernel[grid](x, data, scale, scale if gs is None else gs, n_blocks, blocks_per_gs, **meta)
+        computed = global_scale is None or isinstance(global_scale, str)
+        _fp4_quant_launch(x, data, scale, gs, n_blocks, bs, fmt, reverse=fmt == "nvfp4" and computed and NVFP4_REVERSE)
     return QuantizedTensor(data, scale, fmt, x.shape, gs)
+
+
+def _fp4_quant_launch(x: torch.Tensor, data: torch.Tensor, scale: torch.Tensor, gs: torch.Tensor | None,
+                      n_blocks: int, bs: int, fmt: str, reverse: bool) -> None:
+    """The FP4 quantize kernel VARIANTS picks, over all of x (n_blocks > 0)."""
+    if VARIANTS[f"{fmt}_quant"] == "lines":
+        _fp4_lines_launch(x, data, scale, gs, n_blocks, bs, fmt, reverse=reverse)
+        return
+    grid, blocks_per_gs, meta = _fp4_launch_args(n_blocks, bs, gs, x.shape, "fp4_quant")
+    if FP4_QUANT_DIAG:      # the probe's memory-only variant (its output is not a quantization)
+        meta = dict(meta, DIAG=FP4_QUANT_DIAG)
+    if reverse:
+        meta = dict(meta, REVERSE=True)
+    _fp4_quant_kernel[grid](x, data, scale, scale if gs is None else gs, n_blocks, blocks_per_gs, **meta)
+
+
+def _quantize_nvfp4_grouped(x: torch.Tensor, data: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """nvfp4 with per-matrix computed global scales, NVFP4_GROUP_BYTES at a time: for each group
+    of whole matrices the amax pass, then its quantize walking backwards (x's second read from
+    L2 where the group fits). Returns the global scales [...] (x.shape[:-2])."""
+    n, k = x.shape[-2:]
+    mats = x.numel() // (n * k)
+    per = max(1, NVFP4_GROUP_BYTES // (n * k * x.element_size()))
+    xm, dm, sm = x.reshape(mats, n, k), data.view(mats, n, k // 2), scale.view(mats, n, k // 16)
+    gs = torch.empty(mats, dtype=torch.float32, device=x.device)
+    for m0 in range(0, mats, per):
+        m1 = min(mats, m0 + per)
+        _computed_global_scale(xm[m0:m1], True, out=gs[m0:m1])
+        _fp4_quant_launch(xm[m0:m1], dm[m0:m1], sm[m0:m1], gs[m0:m1], (m1 - m0) * n * k // 16, 16, "nvfp4", reverse=True)
+    return gs.reshape(x.shape[:-2])
 
 
 def _quantize_fp8(x: torch.Tensor, fmt: str, *, ue8m0: bool = False,
@@ -704,8 +1193,12 @@ def _quantize_fp8(x: torch.Tensor, fmt: str, *, ue8m0: bool = False,
         scale = torch.empty((*lead, nb, kb), dtype=torch.float32, device=x.device)
         if x.numel():
             sub, warps = CONFIG["fp8_block"]
+            extra = {}
+            if VARIANTS["fp8_block"] == "unrolled":
+                sub, warps = CONFIG["fp8_block_unrolled"]
+                extra = dict(UNROLL=True, EVEN=n % 128 == 0 and k % 128 == 0)
             _fp8_block_quant_kernel[(mats, nb, kb)](x, d8, scale, n, k, nb, kb, amax_floor,
-                                                    UE8M0=ue8m0, SUB=sub, HW=_hw_cast(), num_warps=warps)
+                                                    UE8M0=ue8m0, SUB=sub, HW=_hw_cast(), num_warps=warps, **extra)
         return QuantizedTensor(data, scale, fmt, x.shape)
     n_rows = x.numel() // k if k else 0
     rows, warps = CONFIG["fp8_group"]
@@ -721,7 +1214,12 @@ def _quantize_fp8(x: torch.Tensor, fmt: str, *, ue8m0: bool = False,
     if x.numel():
         width = triton.next_power_of_2(k)
         elems, warps = CONFIG["fp8_token"]
-        if width <= 8192:                                            # whole rows in one tile
+        if width <= 8192 and VARIANTS["fp8_token"] == "rows":     # opt-in: two unrolled passes over chunks
+            chunk, warps = CONFIG["fp8_token_rows"]
+            _fp8_row_quant_kernel[(n_rows,)](x, d8, scale, n_rows, k, amax_floor, UE8M0=ue8m0, CHUNK=chunk,
+                                             NUM_CHUNKS=triton.cdiv(k, chunk), HW=_hw_cast(), EVEN=k % chunk == 0,
+                                             UNROLL=True, num_warps=warps)
+        elif width <= 8192:                                          # whole rows in one tile
             r = max(1, min(16, elems // width))
             _fp8_group_quant_kernel[(triton.cdiv(n_rows, r), 1)](
                 x, d8, scale, n_rows, k, 1, amax_floor, UE8M0=ue8m0, ROWS=r, GROUP=width, HW=_hw_cast(),
@@ -746,7 +1244,16 @@ def dequantize(q: QuantizedTensor, dtype: torch.dtype = torch.float32) -> torch.
         gs = None
         if q.fmt == "nvfp4":
             gs = q.global_scale.to(device=q.device, dtype=torch.float32).contiguous()
-        if n_blocks:
+        if n_blocks and VARIANTS["fp4_dequant"] == "chunks":
+            rows, warps = CONFIG["fp4_dequant_chunks"]
+            n_chunks = out.numel() // 8
+            per_matrix = gs is not None and gs.dim() > 0
+            blocks_per_gs = q.shape[-2] * (q.shape[-1] // bs) if per_matrix else max(n_blocks, 1)
+            _fp4_dequant_chunks_kernel[(triton.cdiv(n_chunks, rows),)](
+                data, scale, scale if gs is None else gs, out, n_chunks, blocks_per_gs, IS_NV=gs is not None,
+                GS_PER_MATRIX=per_matrix, BS=bs, ROWS=rows, EVEN=n_chunks % rows == 0,
+                OFF64=out.numel() + 64 >= 2**31, num_warps=warps)
+        elif n_blocks:
             grid, blocks_per_gs, meta = _fp4_launch_args(n_blocks, bs, gs, q.shape, "fp4_dequant")
             _fp4_dequant_kernel[grid](data, scale, scale if gs is None else gs, out, n_blocks, blocks_per_gs, **meta)
     else:
@@ -761,8 +1268,12 @@ def dequantize(q: QuantizedTensor, dtype: torch.dtype = torch.float32) -> torch.
             nb, kb = scale.shape[-2:]
             args = (n, nb * kb, kb, 1, 128)
         rows, warps = CONFIG["fp8_dequant"]
+        kernel = _fp8_dequant_kernel
+        if VARIANTS["fp8_dequant"] == "chunks":
+            rows, warps = CONFIG["fp8_dequant_chunks"]
+            kernel = _fp8_dequant_chunks_kernel
         if out.numel():
-            _fp8_dequant_kernel[(triton.cdiv(n_rows, rows), triton.cdiv(k, 128))](
+            kernel[(triton.cdiv(n_rows, rows), triton.cdiv(k, 128))](
                 data, scale, out, n_rows, k, *args[:4], ROW_BLOCK=args[4], ROWS=rows,
                 FIX_NAN=impl.interpreting(), num_warps=warps)
     return out if out_dtype == dtype else out.to(dtype)
