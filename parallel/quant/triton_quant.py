@@ -49,7 +49,7 @@ CONFIG: dict[str, tuple[int, int]] = {
     "fp8_token": (4096, 8),    # fp8_token rows of <= 8192: elements per program (whole rows)
     "fp8_block": (32, 8),      # fp8_block: rows per pass of a 128 x 128 tile (probe: 235 -> 202 µs)
     "fp8_dequant": (128, 8),   # 128 rows x 128 columns (probe: 166 -> 142 µs)
-    # opt-in variants (VARIANTS below), not yet measured on a GPU:
+    # the variants of VARIANTS below (measured: the comment there):
     "mxfp4_lines": (128, 4),   # the lines kernel: lines of 32 elements per tile (one per thread), warps
     "nvfp4_lines": (128, 4),
     "fp8_token_rows": (1024, 4),   # fp8_token one row per program, two unrolled passes: chunk, warps
@@ -66,12 +66,18 @@ CONFIG: dict[str, tuple[int, int]] = {
 #   fp4_dequant (both formats): "blocks" (`_fp4_dequant_kernel`) | "chunks" (`_fp4_dequant_chunks_kernel`)
 #   fp8_block: "loop" | "unrolled" (both passes unrolled; no masks where N, K are multiples of 128)
 #   fp8_dequant: "tile" (`_fp8_dequant_kernel`) | "chunks" (`_fp8_dequant_chunks_kernel`)
-VARIANTS: dict[str, str] = {"mxfp4_quant": "blocks", "nvfp4_quant": "blocks", "fp8_token": "tile", "fp4_dequant": "blocks",
+# Defaults from the H200 probe of 2026-12-03 (`python -m megapar.launch.bench.quant --probe`,
+# CUDA-graph replays, every row bit-identical; bench/results/quant-probe3-h200.log, its tuning file
+# quant-tuning-h200.json), % of the copy ceiling against the previous default in the same run:
+# mxfp4 quantize lines x2 91.2% (blocks 66.6%), nvfp4 quantize (computed scale) lines x2 33.5%
+# (28.7%), fp8_token rows 87.5% (tile 74.9%); the dequantize / fp8_group / fp8_block / fp8
+# dequantize defaults stayed best or within 2% (86.4 / 79.0 / 80.3 / 76.6%).
+VARIANTS: dict[str, str] = {"mxfp4_quant": "lines", "nvfp4_quant": "lines", "fp8_token": "rows", "fp4_dequant": "blocks",
                             "fp8_block": "loop", "fp8_dequant": "tile"}
 VARIANT_CHOICES = {"mxfp4_quant": ("blocks", "lines"), "nvfp4_quant": ("blocks", "lines"), "fp8_token": ("tile", "rows"),
                    "fp4_dequant": ("blocks", "chunks"), "fp8_block": ("loop", "unrolled"), "fp8_dequant": ("tile", "chunks")}
 # Tiles per program of the lines kernels (> 1: a loop with the next tile's loads issued first).
-LOOPS: dict[str, int] = {"mxfp4_lines": 1, "nvfp4_lines": 1}
+LOOPS: dict[str, int] = {"mxfp4_lines": 2, "nvfp4_lines": 2}   # (probe 3: 79.8 -> 76.4 and 219.3 -> 210.5 µs)
 # nvfp4 with a computed global scale reads x twice (the amax pass, then the quantize). Options
 # for the second read to find x in L2 (opt-in until measured):
 #   NVFP4_REVERSE: the quantize programs walk x from its end, where the amax pass ended;
