@@ -186,6 +186,19 @@ def test_gpu_bf16asm_matches_reference_and_f16asm_on_the_v3_decode_shape(tok):
         assert _rel(bf16, f16) < 1e-5, tma
 
 
+def _check_nan_scale_row(x, pw, rows, cfg, N: int) -> None:
+    """A NaN block scale (E8M0 255) in expert 0, row 5: that output column is NaN for expert 0's
+    token only, every other column finite."""
+    from moe.kernels.triton_w4a16 import launch_w4a16
+
+    scale = pw.scale.clone()
+    scale[0, 5, 3] = 255
+    bad = dataclasses.replace(pw, scale=scale, cache={})
+    y = launch_w4a16(x, bad, rows, out_dtype=torch.float32, config=cfg)
+    assert torch.isnan(y[0, 5]) and not torch.isnan(y[1:, 5]).any()
+    assert torch.isfinite(y[:, torch.arange(N) != 5]).all()
+
+
 @pytest.mark.gpu
 def test_gpu_bf16asm_wide_scale_range_nan_scale_split_k_and_graph_replay():
     """Rows whose blocks span 2^-60 .. 2^0 (beyond fp16's prescale range, within bf16's): exact
@@ -208,13 +221,7 @@ def test_gpu_bf16asm_wide_scale_range_nan_scale_split_k_and_graph_replay():
     split = launch_w4a16(x, pw, rows, out_dtype=torch.float32, config=dataclasses.replace(cfg, split_k=4))
     assert _rel(split, ref) < 1e-5
     assert torch.equal(_graph_replay(lambda: launch_w4a16(x, pw, rows, out_dtype=torch.float32, config=cfg)), got)
-    # a NaN scale in expert 0, row 5 -> that output column is NaN for expert 0's token only
-    scale = pw.scale.clone()
-    scale[0, 5, 3] = 255
-    bad = dataclasses.replace(pw, scale=scale, cache={})
-    y = launch_w4a16(x, bad, rows, out_dtype=torch.float32, config=cfg)
-    assert torch.isnan(y[0, 5]) and not torch.isnan(y[1:, 5]).any()
-    assert torch.isfinite(y[:, torch.arange(N) != 5]).all()
+    _check_nan_scale_row(x, pw, rows, cfg, N)
 
 
 @pytest.mark.gpu
@@ -465,9 +472,4 @@ def test_gpu_bf16rot_ps_wide_scales_largest_scale_nan_scale_and_split_k():
     assert _rel(got[:, :8], ref[:, :8]) < 1e-5 and _rel(got[:, 8:], ref[:, 8:]) < 1e-5
     split = launch_w4a16(x, pw, rows, out_dtype=torch.float32, config=dataclasses.replace(cfg, split_k=4))
     assert _rel(split, ref) < 1e-5
-    scale = pw.scale.clone()
-    scale[0, 5, 3] = 255
-    bad = dataclasses.replace(pw, scale=scale, cache={})
-    y = launch_w4a16(x, bad, rows, out_dtype=torch.float32, config=cfg)
-    assert torch.isnan(y[0, 5]) and not torch.isnan(y[1:, 5]).any()
-    assert torch.isfinite(y[:, torch.arange(N) != 5]).all()
+    _check_nan_scale_row(x, pw, rows, cfg, N)

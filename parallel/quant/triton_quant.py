@@ -499,19 +499,7 @@ def _fp4_quant_kernel(x_ptr, data_ptr, scale_ptr, gs_ptr, n_blocks, blocks_per_g
             # > 0 (the code of x * 0). Each branch packs and stores its own codes, so no
             # per-element value lives across the branch (registers set the occupancy).
             if tl.min(fast.to(tl.int32)) == 0:
-                d_pos = (sval.to(tl.float64) * g.to(tl.float64)) > 0                     # exact s * g > 0
-                inf = float("inf")
-                b0 = tl.where(d_pos, _boundary_f64(0.25, sval, g, False), inf)
-                b1 = tl.where(d_pos, _boundary_f64(0.75, sval, g, True), inf)
-                b2 = tl.where(d_pos, _boundary_f64(1.25, sval, g, False), inf)
-                b3 = tl.where(d_pos, _boundary_f64(1.75, sval, g, True), inf)
-                b4 = tl.where(d_pos, _boundary_f64(2.5, sval, g, False), inf)
-                b5 = tl.where(d_pos, _boundary_f64(3.5, sval, g, True), inf)
-                b6 = tl.where(d_pos, _boundary_f64(5.0, sval, g, False), inf)
-                codes = _e2m1_count(x, b0, b1, b2, b3, b4, b5, b6)
-                # s * g not > 0: a finite x keeps its sign (index 0: thresholds +inf), an inf
-                # gives code 0 (inf * 0 is NaN); a NaN is code 0 anywhere
-                codes = tl.where((x != x) | ((tl.abs(x) == inf) & (d_pos == 0)[:, None]), 0, codes)
+                codes = _nv_line_codes_slow(x, sval, g)
                 _fp4_store(data_ptr, scale_ptr, rows, n_blocks, codes, sbyte, ROWS, BS, EVEN)
             else:
                 codes = _e2m1_count(x, b0, b1, b2, b3, b4, b5, b6)
@@ -625,9 +613,12 @@ def _nv_scale(abits, g):
 
 @triton.jit
 def _nv_line_codes_slow(x, sval, g):
-    """nvfp4 codes of a chunk x ([ROWS, 8]) in a tile with a rare block (`_fp4_quant_kernel`'s
-    float64-threshold branch, the same steps)."""
-    d_pos = (sval.to(tl.float64) * g.to(tl.float64)) > 0
+    """nvfp4 codes of x ([R, C], its rows' block scales sval [R]) in a tile with a rare block: the
+    compares against thresholds from float64 (exact for every s * g: subnormal, overflowing),
+    then the reference's rule where s * g is not > 0: a finite x keeps its sign (index 0:
+    thresholds +inf), an inf gives code 0 (inf * 0 is NaN); a NaN is code 0 anywhere. Both FP4
+    quantize kernels' slow branch."""
+    d_pos = (sval.to(tl.float64) * g.to(tl.float64)) > 0                     # exact s * g > 0
     inf = float("inf")
     b0 = tl.where(d_pos, _boundary_f64(0.25, sval, g, False), inf)
     b1 = tl.where(d_pos, _boundary_f64(0.75, sval, g, True), inf)
@@ -769,6 +760,26 @@ def _fp4_quant_lines_kernel(x_ptr, data_ptr, scale_ptr, gs_ptr, line0, n_chunks,
 
 
 @triton.jit
+def _fp4_values(packed, sbyte, gs_ptr, gs_idx, ok, IS_NV: tl.constexpr, GS_PER_MATRIX: tl.constexpr):
+    """Packed E2M1 bytes [R, C] and their blocks' scale bytes [R] -> fp32 (low nibbles, high
+    nibbles), each [R, C]: E2M1 x E8M0 scale, or (NVFP4) x E4M3 scale x the global scale (one, or
+    per matrix at gs_idx [R] where ok)."""
+    packed = packed.to(tl.int32)
+    lo = e2m1_value(packed & 0xF)
+    hi = e2m1_value(packed >> 4)
+    if IS_NV:
+        s = e4m3_value(sbyte)[:, None]
+        if GS_PER_MATRIX:
+            g = tl.load(gs_ptr + gs_idx, mask=ok, other=1.0)[:, None]
+        else:
+            g = tl.load(gs_ptr)
+        return (lo * s) * g, (hi * s) * g
+    else:
+        s = e8m0_value(sbyte)[:, None]
+        return lo * s, hi * s
+
+
+@triton.jit
 def _fp4_dequant_kernel(data_ptr, scale_ptr, gs_ptr, out_ptr, n_blocks, blocks_per_gs,
                         IS_NV: tl.constexpr, GS_PER_MATRIX: tl.constexpr, BS: tl.constexpr,
                         ROWS: tl.constexpr, EVEN: tl.constexpr):
@@ -781,21 +792,8 @@ def _fp4_dequant_kernel(data_ptr, scale_ptr, gs_ptr, out_ptr, n_blocks, blocks_p
     else:
         packed = tl.load(data_ptr + rows[:, None] * (BS // 2) + pcols[None, :], mask=(rows < n_blocks)[:, None], other=0)
         sbyte = tl.load(scale_ptr + rows, mask=rows < n_blocks, other=0)
-    packed = packed.to(tl.int32)
-    lo = e2m1_value(packed & 0xF)
-    hi = e2m1_value(packed >> 4)
-    if IS_NV:
-        s = e4m3_value(sbyte)[:, None]
-        if GS_PER_MATRIX:
-            g = tl.load(gs_ptr + rows.to(tl.int32) // blocks_per_gs, mask=rows < n_blocks, other=1.0)[:, None]
-        else:
-            g = tl.load(gs_ptr)
-        lo = (lo * s) * g
-        hi = (hi * s) * g
-    else:
-        s = e8m0_value(sbyte)[:, None]
-        lo = lo * s
-        hi = hi * s
+    lo, hi = _fp4_values(packed, sbyte, gs_ptr, rows.to(tl.int32) // blocks_per_gs, rows < n_blocks, IS_NV,
+                         GS_PER_MATRIX)
     vals = tl.reshape(tl.join(lo, hi), (ROWS, BS)).to(out_ptr.dtype.element_ty)
     if EVEN:
         tl.store(out_ptr + rows[:, None] * BS + cols[None, :], vals)
@@ -826,21 +824,8 @@ def _fp4_dequant_chunks_kernel(data_ptr, scale_ptr, gs_ptr, out_ptr, n_chunks, b
     else:
         packed = tl.load(data_ptr + ch[:, None] * 4 + b[None, :], mask=(ch < n_chunks)[:, None], other=0)
         sbyte = tl.load(scale_ptr + blk, mask=ch < n_chunks, other=0)
-    packed = packed.to(tl.int32)
-    lo = e2m1_value(packed & 0xF)
-    hi = e2m1_value(packed >> 4)
-    if IS_NV:
-        s = e4m3_value(sbyte)[:, None]
-        if GS_PER_MATRIX:
-            g = tl.load(gs_ptr + (blk // blocks_per_gs).to(tl.int32), mask=ch < n_chunks, other=1.0)[:, None]
-        else:
-            g = tl.load(gs_ptr)
-        lo = (lo * s) * g
-        hi = (hi * s) * g
-    else:
-        s = e8m0_value(sbyte)[:, None]
-        lo = lo * s
-        hi = hi * s
+    lo, hi = _fp4_values(packed, sbyte, gs_ptr, (blk // blocks_per_gs).to(tl.int32), ch < n_chunks, IS_NV,
+                         GS_PER_MATRIX)
     vals = tl.reshape(tl.join(lo, hi), (ROWS, 8)).to(out_ptr.dtype.element_ty)
     c = tl.arange(0, 8)
     if EVEN:
