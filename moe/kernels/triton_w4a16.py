@@ -21,12 +21,15 @@ kernel is built for few tokens per expert (decode), where it is bound by weight 
   code dropped into a bf16 instead (v * 2^-126), one integer multiply per pair of elements
   placing magnitude and sign together, the block scale folded into the operand relative to the
   row's largest (prescale), and the activations fed to the MMA as they are (no fp16 copy of
-  each block). MODE 6 ("bf16rot", the decode default for octb weights, which is how the MoE
-  layer prepares MXFP4: `prepare.packing_for`) reads packing "octb", where each 32-bit word
-  holds four bf16 pairs up to a rotation (prepare.OCTB_POS): 9 instructions per 8 elements,
-  the same bits as bf16asm, 1.03-1.08x its time on the decode shapes (bench/gemm-notes.md,
-  round 7). The Triton-arithmetic modes (and the expansion kernel) read octb too; the other PTX
-  modes read oct only.
+  each block). MODE 6 ("bf16rot") reads packing "octb" (how the MoE layer prepares MXFP4:
+  `prepare.packing_for`), where each 32-bit word holds four bf16 pairs up to a rotation
+  (prepare.OCTB_POS): 9 instructions per 8 elements, the same bits as bf16asm, 1.03-1.08x its
+  time on the decode shapes (bench/gemm-notes.md, round 7). MODE 7 ("bf16rot_ps", the decode
+  default for octb weights) is bf16rot with the prescale multipliers built inside the same PTX
+  (a byte permute and a shift per two blocks instead of I2F + MUFU.EX2 + F2F per row and block;
+  the HMUL2 reads its half as a broadcast operand): the same bits while every row's largest block
+  exponent is <= 253, 1.07-1.15x bf16rot (round 8). The Triton-arithmetic modes (and the
+  expansion kernel) read octb too; the other PTX modes read oct only.
 - Expert lookup on the device: every program reads the [E] counts, forms the per-expert tile
   prefix sums in registers and finds its expert; no host sync, no extra launch (CUDA graphs).
 
@@ -647,7 +650,8 @@ class W4A16Config:
     tile; chunks: packing units (2 or 8 scale blocks) per loop iteration; mode: operand
     encoding 'f16' | 'bf16' | 'f32' (Triton arithmetic) | 'f16asm' (inline PTX, oct packing) |
     'bf16asm' (inline PTX to bf16 operands, activations used as they are; MXFP4 with prescale only) |
-    'bf16rot' (the same from packing 'octb'); packing: 'paired' | 'oct' | 'octb' (the PTX modes read
+    'bf16rot' (the same from packing 'octb') | 'bf16rot_ps' (bf16rot, prescale multipliers built in
+    the PTX; the octb decode default); packing: 'paired' | 'oct' | 'octb' (the PTX modes read
     their own, `ASM_PACKING`; the Triton-arithmetic ones read any); tma (oct / octb only): weight
     words through a device-side TMA descriptor instead of pointer-tensor loads (`pick_config`
     takes it for MXFP4 decode without SwiGLU: bench/gemm-notes.md, rounds 4 and 6).
@@ -719,7 +723,7 @@ def pick_config(rows_per_expert: float, dtype: torch.dtype, packing: str = "oct"
     if dtype == torch.float32:   # fp32 operands: exact products, small tiles (registers)
         return W4A16Config(block_n=64, block_m=16 if rows_per_expert <= 16 else 32, chunks=1, num_warps=4,
                            num_stages=2, mode="f32", packing=packing)
-    if packing == "octb":   # the oct settings; bf16asm becomes bf16rot, the other PTX modes Triton arithmetic
+    if packing == "octb":   # the oct settings; bf16asm becomes bf16rot_ps, the other PTX modes Triton arithmetic
         # bf16rot (bench/results/gemm-probe-decode8-h200.json, `--sections decode8`, H200 2026-12-02,
         # beside the bf16asm default in the same run): 1.03-1.08x at the default's settings; with
         # TMA loads 2 stages beat 3 (V3 L1 1 / 8 / 32 tokens per expert 203.4 -> 187.6, 208.3 ->
