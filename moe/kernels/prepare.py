@@ -397,7 +397,7 @@ def fold_plan(w: PreparedWeight) -> FoldPlan:
 def packing_for(fmt: str, act_dtype: torch.dtype, cuda: bool) -> str | None:
     """The FP4 packing a quantized expert weight is prepared in. CPU: checkpoint order ("natural",
     nothing to repack for the reference path). CUDA: "octb" for MXFP4 under bf16 activations, whose
-    decode kernel (W4A16 mode bf16rot_ps) is 1.10-1.25x the oct one (bench/gemm-notes.md, rounds 7
+    decode kernel (W4A16 mode bf16rot_ps) is about 1.10-1.24x the oct one (bench/gemm-notes.md, rounds 7
     and 8);
     else None, the kernels' default ("oct"; prepare_weights falls back where K does not divide)."""
     if not cuda:
