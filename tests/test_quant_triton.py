@@ -60,6 +60,13 @@ if INTERPRET:
         tl.store(val_ptr + i, _tqk.e2m1_value(i % 16))
 
 
+def _pin_blocks(tq, monkeypatch) -> None:
+    """The FP4 quantize "blocks" kernel (the default until 2026-12-03, now opt-in; `CONFIG["fp4_quant"]`
+    sizes its tiles) for a test written for it: the "lines" default has its own tests."""
+    for op in ("mxfp4_quant", "nvfp4_quant"):
+        monkeypatch.setitem(tq.VARIANTS, op, "blocks")
+
+
 @pytest.fixture
 def tq(monkeypatch):
     """moe.quant.triton_quant; under the interpreter with an exact fma and the fma division on
@@ -237,6 +244,7 @@ def quantize_ref_e2m1(y: torch.Tensor) -> torch.Tensor:
 def test_full_partial_clean_and_nonfinite_tiles_match_reference(tq, monkeypatch):
     """Tiny tiles, so one launch mixes unmasked (EVEN) and masked launches, fast tiles and the
     per-program fallbacks (NaN, inf, scales beyond 2^+-64, zero / tiny nvfp4 scales)."""
+    _pin_blocks(tq, monkeypatch)
     for name, cfg in (("fp4_quant", (4, 4)), ("fp4_dequant", (4, 4)), ("fp8_group", (2, 4)), ("fp8_dequant", (2, 4))):
         monkeypatch.setitem(tq.CONFIG, name, cfg)
     g = torch.Generator().manual_seed(9)
@@ -275,6 +283,7 @@ def test_nvfp4_bf16_weights_with_exact_ties_match_reference_bits(tq, monkeypatch
     decides many codes; every bit must match the reference, and the data must really hold
     both kinds."""
     monkeypatch.setitem(tq.CONFIG, "fp4_quant", (256, 4))
+    _pin_blocks(tq, monkeypatch)
     g = torch.Generator().manual_seed(31)
     w = (torch.randn(4, 16, 7168, generator=g) * 0.02).to(torch.bfloat16)     # near / tie counts 307, 86, 1870
     from parallel.quant.reference import _E2M1_BOUNDS_GE, _E2M1_BOUNDS_GT
@@ -287,6 +296,8 @@ def test_nvfp4_bf16_weights_with_exact_ties_match_reference_bits(tq, monkeypatch
         count = int((rel == 0).sum()) if kind == "tie" else int(((rel > 0) & (rel < 2.0**-20)).sum())
         assert count > 10, (gs, kind, count)
         _assert_same_q(tq.quantize(w, "nvfp4", global_scale=gs), ref)
+    monkeypatch.setitem(tq.VARIANTS, "nvfp4_quant", "lines")           # the default kernel on the exact ties
+    _assert_same_q(tq.quantize(w, "nvfp4", global_scale=2.0**-12), ref)
 
 
 @interp
@@ -295,6 +306,7 @@ def test_nvfp4_midpoints_match_reference_bits(tq, monkeypatch):
     side) and their neighbours one ulp away, in fast and fallback tiles alike."""
     monkeypatch.setitem(tq.CONFIG, "fp4_quant", (4, 4))
     x = torch.tensor([6.0, 1.75, 3.5] + [0.0] * 13)
+    _pin_blocks(tq, monkeypatch)
     q = tq.quantize(x, "nvfp4")
     assert unpack_fp4(q.data)[:3].tolist() == [7, 3, 5]                # exact quotients 6, 0.75, 1.5
     _assert_same_q(q, quantize(x, "nvfp4", backend="torch"))
@@ -310,9 +322,11 @@ def test_nvfp4_midpoints_match_reference_bits(tq, monkeypatch):
         row = blk.float()
         rows += [row, torch.nextafter(row, torch.full_like(row, 1e9)), -torch.nextafter(row, torch.zeros_like(row))]
     x = torch.stack(rows)                                               # [24, 16]
-    for gv in gs.tolist():
-        got = tq.quantize(x, "nvfp4", global_scale=gv)
-        _assert_same_q(got, quantize(x, "nvfp4", backend="torch", global_scale=gv))
+    for variant in ("blocks", "lines"):                                  # (lines: the default kernel)
+        monkeypatch.setitem(tq.VARIANTS, "nvfp4_quant", variant)
+        for gv in gs.tolist():
+            got = tq.quantize(x, "nvfp4", global_scale=gv)
+            _assert_same_q(got, quantize(x, "nvfp4", backend="torch", global_scale=gv))
 
 
 def _nvfp4_boundary_blocks(mats: int, blocks: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -352,6 +366,7 @@ def test_nvfp4_values_next_to_every_boundary_match_reference_bits(tq, monkeypatc
     that extreme s * g send to the fallback), per matrix, with a partial last program; then the
     same blocks in bf16 (ties where g is a power of two)."""
     monkeypatch.setitem(tq.CONFIG, "fp4_quant", (8, 4))                 # 16 blocks per program
+    _pin_blocks(tq, monkeypatch)
     x, gs = _nvfp4_boundary_blocks(6, 37, 41)                          # 222 blocks: 13 full programs + 1 partial
     _assert_same_q(tq.quantize(x, "nvfp4", global_scale=gs), quantize(x, "nvfp4", backend="torch", global_scale=gs))
     for i in range(4):                                                  # one tensor scale
@@ -633,11 +648,12 @@ def test_lines_fp4_quantize_matches_reference_bits(tq, monkeypatch):
 
 @interp
 def test_blocks_fp4_quantize_backwards_and_matrix_by_matrix_match_reference_bits(tq, monkeypatch):
-    """The default nvfp4 kernel with the opt-in second-read options: programs walking backwards
+    """The blocks nvfp4 kernel (opt-in since 2026-12-03) with the opt-in second-read options: programs walking backwards
     (a partial last tile) and per-matrix scales computed and applied matrix by matrix, with a
     NaN matrix."""
     monkeypatch.setitem(tq.CONFIG, "fp4_quant", (8, 4))
     monkeypatch.setattr(tq, "NVFP4_REVERSE", True)
+    _pin_blocks(tq, monkeypatch)
     w = _awkward((3, 5, 48), 65)
     w[2, 4, 40] = float("nan")
     for group in (0, 1, 2 * 5 * 48 * 4):                            # off, one matrix, two matrices per group
@@ -720,6 +736,7 @@ def test_fp4_and_fp8_tiles_with_partial_rows_and_k_not_multiple_of_128(tq, monke
     partial groups), inf-only tiles (mxfp4 saturating path) and a NaN tile, for the new paths."""
     monkeypatch.setitem(tq.CONFIG, "fp4_quant", (8, 4))
     monkeypatch.setitem(tq.CONFIG, "fp8_group", (4, 4))
+    _pin_blocks(tq, monkeypatch)
     monkeypatch.setitem(tq.CONFIG, "fp4_amax", (256, 4))            # several atomic programs per matrix
     g = torch.Generator().manual_seed(31)
     x = torch.randn(13, 192, generator=g) * 5                        # 78 mxfp4 blocks: 9 full programs + 1 partial
