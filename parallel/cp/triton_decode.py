@@ -433,8 +433,9 @@ def _paged_decode_kernel(
         start = split * split_len
         # fp8 caches scan the split's ids first: the per-tile check spilled GQA over fp8 under its
         # register cap (sm_90a, 168 registers: 152 B of spill stores, 2768 -> 3424 instructions;
-        # on the H200 55.8 -> 55.7 µs at 8K but 124.6 -> 159.4 at 32K, 1/4 of the KV, B 32); the
-        # scan leaves it at 0 spills. bf16 keeps the per-tile check (no spill there).
+        # bench cp on the H200, 1/4 of the KV, B 32, 8K / 32K / 128K: 55.7 / 159.4 / 569.4 µs);
+        # the scan leaves it at 0 spills (2848 instructions) and 44.0 / 124.1 / 440.1 µs in the
+        # next run (bench/results/cp-dcp-h200.md). bf16 keeps the per-tile check (no spill there).
         end, bad = _checked_range(glens_ptr, table_ptr, s, s64, st_s, start, tl.minimum(start + split_len, local_len),
                                   local_len, NUM_BLOCKS, TABLE_W, PAGE, FP8)
         if CAUSAL:
@@ -538,10 +539,11 @@ CONFIG = {
 # way (135.4 µs). MLA keeps 1024 (probe 3: 138.8 -> 120.0 µs at 8K against 512). GQA over fp8
 # takes 512 too without a measurement of its own (same grid: B x Hkv = 128 programs per split;
 # probes 3 / 4 ran it at 512 / 1024 but with other kernels), MLA over fp8 keeps 1024. These
-# 512s are installed from probe 5 and NOT yet re-measured in `megapar bench cp`; its dcp
-# section runs L = 32K, where 1/8 of the KV (4096 tokens) gets 3 splits under 512 and 1024
-# alike: the change moves GQA only where a sequence holds < 3 x 1024 tokens here (1/4 of 8K:
-# 2 -> 3 splits; 1/8 of 8K: 1 -> 2). The probe sweeps every family's min_split.
+# 512s came from probe 5; `megapar bench cp` on 2026-12-03 (bench/results/cp-dcp-h200.md) has GQA
+# bf16 at 8K, 1/4 of the KV, at 45.3 µs against 49.6 on 2026-12-02 (cross-run). Its dcp section
+# runs L = 32K, where 1/8 of the KV (4096 tokens) gets 3 splits under 512 and 1024 alike: the
+# change moves GQA only where a sequence holds < 3 x 1024 tokens here (1/4 of 8K: 2 -> 3 splits;
+# 1/8 of 8K: 1 -> 2). The probe sweeps every family's min_split.
 """Launch parameters. `python -m megapar.launch.bench.cp --probe --out DIR` sweeps them on the GPU
 (CUDA-graph replays) and writes DIR/decode-tuning.json for `apply_tuning` (or
 MEGAPAR_DECODE_TUNING=path at import)."""
