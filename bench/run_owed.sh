@@ -6,7 +6,9 @@
 # Each step runs under `timeout` (its own limit, cut to what is left of DEADLINE, default 570 s
 # from the start), logs to STEP.log and writes its results beside it; a step that would get
 # under 20 s is skipped and said so. Everything is packed into $OUT/owed.tgz at exit (the device
-# tool returns at most 8 files). Carry .device-pkgs (needed by deepep; and .ab-old for `ab`).
+# tool returns at most 8 files). Carry .device-pkgs (needed by deepep; and .ab-old for `ab`); DG= (empty)
+# skips the DeepGEMM build, TESTS_N=8 runs the tests step on 8 pytest-xdist workers (its wheels in
+# .device-pkgs/whl: `pip download --no-deps -d .device-pkgs/whl pytest-xdist execnet`).
 # bench/run_gpu.sh is the short form for tests and benchmark suites.
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit 2
@@ -17,7 +19,7 @@ FINAL=${OUT:-/tmp/out}; res=/tmp/megapar-owed; rm -rf "$res"; mkdir -p "$res" "$
 trap 'tar czf "$FINAL/owed.tgz" -C "$res" .' EXIT
 # shellcheck disable=SC1091
 if [ -f .device-pkgs/install.sh ]; then   # the carried packages (nvshmem4py, DeepGEMM), when carried
-  source .device-pkgs/install.sh deep_gemm > "$res/install.log" 2>&1 || echo "install: failed (see install.log)"
+  source .device-pkgs/install.sh ${DG-deep_gemm} > "$res/install.log" 2>&1 || echo "install: failed (see install.log)"
   tail -3 "$res/install.log"
 fi
 python3 -c 'import torch; print(torch.__version__, torch.cuda.get_device_name(0))'
@@ -37,7 +39,7 @@ tests=(tests/test_quant_triton.py tests/test_gemm_gpu.py tests/test_w4a16_tma.py
        tests/test_cp_decode_kernel.py tests/test_cp_merge.py tests/test_decode_probe.py tests/test_demo.py)
 for s in "$@"; do
   case $s in
-    tests)      step tests "${TESTS_LIMIT:-300}" python3 -m pytest -q -m gpu -p no:cacheprovider --timeout 120 -rf \
+    tests)      step tests "${TESTS_LIMIT:-300}" python3 -m pytest -q -m gpu -p no:cacheprovider --timeout 120 -rf ${TESTS_N:+-n $TESTS_N} \
                   --junitxml="$res/gpu-tests.xml" ${TESTS:-${tests[*]}} ;;
     decode[0-9]) step "$s" "${DECODE_LIMIT:-150}" python3 -m megapar.launch.bench.gemm --probe --sections "$s" --out "$res/$s" ;;
     expand)     step expand "${EXPAND_LIMIT:-120}" python3 bench/debug/expand_packing.py "$res/expand.json" ;;
