@@ -104,8 +104,14 @@ def test_min_split_is_per_family_and_old_shared_files_keep_their_meaning():
                                                                  "mla_fp8": 4096}
     assert {k: _settings(k)["min_split"] for k in FAMILY_KEYS} == {"gqa": 128, "gqa_fp8": 256, "mla": 2048,
                                                                    "mla_fp8": 4096}
-    for q_dtype in (torch.bfloat16, torch.float32):      # 16 heads (narrow tiles) and fp32 queries: MLA's too
-        assert td.launch_settings(576, q_dtype, torch.bfloat16, 16)["min_split"] == 2048
+    for q_dtype in (torch.bfloat16, torch.float32):
+        # fp32 queries with a full head tile: MLA's; 16 heads (narrow tiles): their own key, any dtype
+        assert td.launch_settings(576, q_dtype, torch.bfloat16, 128)["min_split"] == 2048
+        for cache in (torch.bfloat16, torch.float8_e4m3fn):
+            assert td.launch_settings(576, q_dtype, cache, 16)["min_split"] == td.CONFIG["min_split_wide_narrow"]
+    # 16 heads at 1/4 of 8K (2048 local tokens, B = 32 programs per split): 8 splits, not MLA's 2
+    assert td.plan_splits(2048, 32, 64, td.launch_settings(576, torch.bfloat16, torch.bfloat16, 16)["min_split"]) \
+        == (8, 256)
     # a file from before (one shared value under gqa and mla): every family takes it, as it did then
     td.apply_tuning({"gqa": {"min_split": 1024, "block_n": 64}, "mla": {"min_split": 1024}})
     assert {k: _settings(k)["min_split"] for k in FAMILY_KEYS} == dict.fromkeys(FAMILY_KEYS, 1024)
@@ -113,14 +119,15 @@ def test_min_split_is_per_family_and_old_shared_files_keep_their_meaning():
 
 def test_the_kernel_launch_splits_by_its_family_min_split(monkeypatch):
     """paged_decode_triton plans with the family's min_split: the same 48-token table gives GQA
-    (min_split 16) 3 splits and MLA-like wide keys (288 > 256, v = k's prefix; min_split_wide 32)
-    2; both match the torch path (interpreter, tiny)."""
+    (min_split 16) 3 splits and MLA-like wide keys (288 > 256, v = k's prefix; 2 query heads, so
+    min_split_wide_narrow 32, not min_split_wide 64) 2; both match the torch path (interpreter, tiny)."""
     from parallel.cp import PagedKVCache
     from parallel.cp.paged import paged_decode_attention
 
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     monkeypatch.setitem(td.CONFIG, "min_split", 16)
-    monkeypatch.setitem(td.CONFIG, "min_split_wide", 32)
+    monkeypatch.setitem(td.CONFIG, "min_split_wide", 64)
+    monkeypatch.setitem(td.CONFIG, "min_split_wide_narrow", 32)   # 2 query heads: a narrow head tile
     for key in ("block_n", "block_n_wide_f32", "block_m_wide_f32"):
         monkeypatch.setitem(td.CONFIG, key, 16)
     planned = []

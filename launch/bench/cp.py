@@ -142,8 +142,9 @@ def _mla_decode_setup(batch: int, context: int, dims, block: int, size: int, dev
 def _dcp_breakdown(ctx: BenchContext) -> None:
     """DCP decode on one GPU: rank 0's local attention over 1/N of the paged KV (the kernel, op
     "cp.decode" auto) for N = 2, 4, 8 next to the same kernel over the whole KV (one GPU without
-    DCP), the ratio N * local / full (1.0 = DCP splits the work perfectly), and the merge of the
-    N partial states (ag_rs: LSE combine + rescale; a2a: the N-way merge). Collectives: section 3."""
+    DCP), the ratio N * local / full (1.0 = DCP splits the work perfectly), fixed_us (the same
+    launch over one page per rank: grid, splits, merge; what does not shrink with N) and
+    streamed_ratio_x_n, the ratio without it, and the merge of the N partial states (ag_rs: LSE combine + rescale; a2a: the N-way merge). Collectives: section 3."""
     from megapar.parallel.cp.mla import MLADims
     from megapar.parallel.cp.paged import paged_decode_attention
 
@@ -180,15 +181,24 @@ def _dcp_breakdown(ctx: BenchContext) -> None:
             what, scale, dv = f"MLA H={hq}, latent {dims.latent_dim}", dims.scale, dims.kv_lora_rank
             read = lambda cache, tokens: kv_read_bytes_of(cache, tokens, 1, dims.latent_dim, 0, True)
         full_cache, full_table, q = setup(1)
-        call = lambda c, t, n: paged_decode_attention(q, c, t, seq, layout=DCPLayout(size=n, rank=0, block_size=block),
-                                                      scale=scale, max_seq_len=context)
+        call = lambda c, t, n, lens=seq: paged_decode_attention(q, c, t, lens, scale=scale, max_seq_len=context,
+                                                                layout=DCPLayout(size=n, rank=0, block_size=block))
+
+        def fixed(c, t, n):
+            """The part that does not shrink with N: the same grid, splits and merge (capacity L)
+            over one page per rank (lengths n x page), timed as a graph replay."""
+            short = torch.full_like(seq, n * block)
+            return _decode_time(ctx, lambda: call(c, t, n, short))[0]
+
         full_us, full_cols = _decode_time(ctx, lambda: call(full_cache, full_table, 1))
+        full_fixed_us = fixed(full_cache, full_table, 1)
         ctx.record(f"dcp decode {kind} full KV on one GPU ({tag} cache, B={batch}, L={context}, {what})", full_us,
-                   floor_us=_floor(read(full_cache, batch * context), ceiling), **full_cols)
+                   floor_us=_floor(read(full_cache, batch * context), ceiling), fixed_us=full_fixed_us, **full_cols)
         del full_cache, full_table
         for n in sizes:
             cache, table, _ = setup(n)
             local_us, local_cols = _decode_time(ctx, lambda: call(cache, table, n))
+            fixed_us = fixed(cache, table, n)
             outs = torch.randn(n, batch, hq, dv, device=ctx.device)
             lses = torch.randn(n, batch, hq, device=ctx.device)
 
@@ -201,7 +211,8 @@ def _dcp_breakdown(ctx: BenchContext) -> None:
             ctx.record(f"dcp decode {kind} local attention over 1/{n} of the KV ({tag} cache, B={batch}, L={context}, "
                        f"{what})", local_us, anchor="the kernel over the whole KV (no DCP)", anchor_us=full_us,
                        floor_us=_floor(read(cache, batch * (context // n)), ceiling),
-                       work_ratio_local_x_n_over_full=local_us * n / full_us, ideal_speedup=n,
+                       work_ratio_local_x_n_over_full=local_us * n / full_us, ideal_speedup=n, fixed_us=fixed_us,
+                       streamed_ratio_x_n=(local_us - fixed_us) * n / max(full_us - full_fixed_us, 1e-9),
                        merge_ag_rs_us=ag_rs_us, merge_a2a_us=a2a_us,
                        local_plus_merge_us=local_us + min(ag_rs_us, a2a_us), **local_cols)
             del cache, table, outs, lses

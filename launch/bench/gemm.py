@@ -346,17 +346,9 @@ def _deep_gemm_rows(ctx: BenchContext, shape: str, gemm: str, w: dict[str, Any],
             row("deep_gemm aligned", lambda: dgm.deep_gemm_grouped_gemm(c.x, w["pw"], rows, out_dtype=torch.bfloat16,
                                                                        rows_aligned=True), ref8, tok, c.M, anchor,
                 fp8_us)
-            from megapar.parallel.quant import quantize
-            q = quantize(c.x, "fp8_group")
-            sfa = dg.get_mn_major_tma_aligned_tensor(q.scale) if hasattr(dg, "get_mn_major_tma_aligned_tensor") \
-                else q.scale
-            m_idx = torch.arange(E, dtype=torch.int32, device=ctx.device).repeat_interleave(tok)
-            d = torch.empty(c.M, N, dtype=torch.bfloat16, device=ctx.device)
-
-            def gemm_only():
-                dg.m_grouped_fp8_gemm_nt_contiguous((q.data, sfa), (dw.data, dw.scale), d, m_idx)
-                return d
-            row("deep_gemm gemm only", gemm_only, ref8, tok, c.M, anchor, fp8_us)
+            gemm_only = _deep_gemm_only(w["pw"], c.x, E, tok)
+            if gemm_only is not None:
+                row("deep_gemm gemm only", gemm_only, ref8, tok, c.M, anchor, fp8_us)
         del c
     # -- decode: masked slab --
     C = DG_SLAB_CAPACITY
@@ -971,12 +963,48 @@ def probe(out_dir: str, sections: list[str]) -> None:
                 add("prefill2", f"{tag} triton fp8 gemm only group-promote bm{bm} bn{bn} w{nw} s{ns}",
                     (lambda cfg=cfg: fp8_grouped_gemm(gq, gs, b_grp, s_grp, rows, out_dtype=torch.bfloat16,
                                                       config=cfg)), err_of(ref8g), flops=2.0 * E * tok * N * K)
+            # the bound of the DeepGEMM gap: the same tiles without their epilogue store (DIAG 1:
+            # each tile's 128 x 256 bf16 store is not overlapped with the next tile's loads here,
+            # DeepGEMM's persistent kernel overlaps it), and DeepGEMM itself on these operands
+            for bm, bn, nw, ns in (((128, 256, 8, 3), (256, 128, 8, 3)) if not tiny else ((16, 32, 4, 1),)):
+                cfg = FP8Config(block_m=bm, block_n=bn, num_warps=nw, num_stages=ns)
+                add("prefill2", f"{tag} triton fp8 gemm only row bm{bm} bn{bn} w{nw} s{ns} DIAG 1 (no store)",
+                    (lambda cfg=cfg: fp8_grouped_gemm(xq, xs, w["fp8"], w["fp8_scale"], rows, out_dtype=torch.bfloat16,
+                                                      config=cfg, diag=1)), None, flops=2.0 * E * tok * N * K, diag=1)
+            dg_fn = _deep_gemm_only(w["pw"], x, E, tok) if ctx.is_cuda else None
+            if dg_fn is not None:
+                add("prefill2", f"{tag} deep_gemm gemm only (fp8_group acts, 128x128 block weights)", dg_fn,
+                    err_of(ref8g), flops=2.0 * E * tok * N * K)
             _run_variants(ctx, variants, results, save)
             variants.clear()
             del b_grp, s_grp
     print(f"probe done in {time.time() - t0:.0f} s")
     save()
     _print_table(results)
+
+
+def _deep_gemm_only(pw, x: torch.Tensor, E: int, tok: int):
+    """DeepGEMM's contiguous grouped GEMM alone on x (fp8_group, MN-major TMA-aligned scales) and
+    pw folded to fp8 128x128 blocks, as a callable for the probe; None (printed why) when
+    deep_gemm cannot run here."""
+    from megapar.moe.kernels import deep_gemm as dgm
+    from megapar.moe.kernels.grouped_gemm import GEMM
+    from megapar.parallel.quant import quantize
+
+    why = GEMM.usable(device=x.device, weight=pw, rows_per_expert=float(tok))["deep_gemm"]
+    if why is not None or tok % 128:
+        print(f"  deep_gemm row skipped: {why or f'{tok} rows per expert is not 128-aligned'}", flush=True)
+        return None
+    dg, dw = dgm._module(), dgm.deep_gemm_weight(pw)
+    q = quantize(x, "fp8_group")
+    sfa = dg.get_mn_major_tma_aligned_tensor(q.scale) if hasattr(dg, "get_mn_major_tma_aligned_tensor") else q.scale
+    m_idx = torch.arange(E, dtype=torch.int32, device=x.device).repeat_interleave(tok)
+    d = torch.empty(x.shape[0], dw.data.shape[1], dtype=torch.bfloat16, device=x.device)
+
+    def run():
+        dg.m_grouped_fp8_gemm_nt_contiguous((q.data, sfa), (dw.data, dw.scale), d, m_idx)
+        return d
+    return run
 
 
 def tma_verdict(results: list[dict[str, Any]]) -> list[str]:

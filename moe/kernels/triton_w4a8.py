@@ -84,8 +84,10 @@ def _fp8_gemm_kernel(
     K: tl.constexpr, E_POW2: tl.constexpr, SLAB: tl.constexpr, HAS_OFFSETS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     A_GROUP: tl.constexpr, B_GROUP: tl.constexpr,
-    SWIGLU: tl.constexpr, HAS_LIMIT: tl.constexpr, QUANT_OUT: tl.constexpr,
+    SWIGLU: tl.constexpr, HAS_LIMIT: tl.constexpr, QUANT_OUT: tl.constexpr, DIAG: tl.constexpr = 0,
 ):
+    # DIAG (probe only, wrong results): 1 = no epilogue store (the tile is computed, then stored only
+    # under a runtime condition that never holds, so the compiler keeps the main loop)
     pid = tl.program_id(0)
     pid_n = pid % num_pid_n          # n fastest: one token tile's programs run together (x reuse in L2)
     pid_t = pid // num_pid_n
@@ -143,6 +145,8 @@ def _fp8_gemm_kernel(
     if SWIGLU:
         acc = swiglu_tile(acc, acc_u, limit, alpha, beta, HAS_LIMIT)
     row_ok = offs_m < store_rows
+    if DIAG == 1:
+        row_ok = row_ok & (store_rows > (1 << 30))
     mask = row_ok[:, None] & n_mask[None, :]
     ptrs = out_ptr + a_rows[:, None] * stride_om + offs_n[None, :]
     if QUANT_OUT:
@@ -174,11 +178,12 @@ def pick_fp8_config(rows_per_expert: float, promote: bool, swiglu: bool = False)
 
 def fp8_grouped_gemm(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scale: torch.Tensor, rows, *,
                      out_dtype: torch.dtype, swiglu: tuple[float | None, float, float] | None = None,
-                     quant_out: bool = False, config: FP8Config | None = None
+                     quant_out: bool = False, config: FP8Config | None = None, diag: int = 0
                      ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """a: e4m3 [M, K] (slab rows flattened), a_scale fp32 [M, 1] or [M, K/128];
     b: e4m3 [E, N, K], b_scale fp32 [E, N] / [E, N, 1] (per row) or [E, N, K/128].
-    Returns [M, N] (or [M, N/2] with swiglu) in out_dtype, or (e4m3, fp32 [M, N/256]) with quant_out."""
+    Returns [M, N] (or [M, N/2] with swiglu) in out_dtype, or (e4m3, fp32 [M, N/256]) with quant_out.
+    diag: the probe's subtraction variant (1: no epilogue store; the output is left unwritten)."""
     M, K = a.shape
     E, N, _ = b.shape
     a_group = a_scale.shape[-1] > 1
@@ -212,7 +217,7 @@ def fp8_grouped_gemm(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_
         float(limit) if limit is not None else 0.0, float(alpha), float(beta),
         K=K, E_POW2=triton.next_power_of_2(max(E, 2)), SLAB=rows.layout == "slab", HAS_OFFSETS=has_offs,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=128, A_GROUP=a_group, B_GROUP=b_group,
-        SWIGLU=swiglu is not None, HAS_LIMIT=limit is not None, QUANT_OUT=quant_out,
+        SWIGLU=swiglu is not None, HAS_LIMIT=limit is not None, QUANT_OUT=quant_out, DIAG=diag,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return (out, out_scale) if quant_out else out

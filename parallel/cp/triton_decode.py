@@ -510,6 +510,10 @@ CONFIG = {
     # does not sweep these two (its halves / tma rows of such problems then run this setting);
     # apply_tuning({"config": {...}}) sets them
     "halves_wide_narrow": 0, "tma_wide_narrow": 0,
+    # and splits 4x finer: its grid is B x 1 head tile per split (B = 32 at 1/4 of 8K, 2048 local
+    # tokens: 2 splits = 64 programs under min_split 1024, half the SMs idle; 8 = 256 under 256),
+    # where a full 128-head problem has 2 head tiles and is compute-bound per tile
+    "min_split_wide_narrow": 256,
 }
 # H200, B = 32, 1/4 of L = 8K and 32K (`python -m megapar.launch.bench.cp --probe`, CUDA-graph
 # replays, two runs: bench/results/cp-probe-h200.json, cp-probe2-h200.json): MLA with 64-token
