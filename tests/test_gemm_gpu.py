@@ -120,6 +120,37 @@ def test_gpu_w4a8_matches_reference_with_the_same_fp8_activations():
     assert _rel(grouped_gemm(x, fp8w, counts=c, backend="triton_w4a8"), ref) < 1e-2
 
 
+def test_gpu_fp8_gemm_tma_store_epilogue_is_bit_identical_to_pointer_stores():
+    """FP8Config.tma_store at the prefill tile (128 x 256, 3 stages) against the pointer-store
+    epilogue: the same bits on every row an expert owns (empty experts, counts not a multiple of
+    128, N not a multiple of 256), and no write outside the experts' rows (rows before the first
+    and after the last expert of an offsets layout keep the NaN they were given)."""
+    from moe.kernels.triton_w4a16 import expand_fp4
+    from moe.kernels.triton_w4a8 import FP8Config, fp8_grouped_gemm, quantize_act
+
+    E, N, K = 5, 7168 - 64, 1024
+    b, bs = expand_fp4(_weight("mxfp4", E, N, K, seed=31), fold="row")
+    counts = torch.tensor([300, 0, 129, 1, 511], device=DEV)
+    gap = 7                                  # rows before the first expert and after the last: nobody's
+    offsets = torch.cat([counts.new_zeros(1), torch.cumsum(counts, 0)]) + gap
+    M = int(offsets[-1]) + gap
+    x = torch.randn(M, K, device=DEV).to(torch.bfloat16)
+    a, s = quantize_act(x)
+    rows = expert_rows(a, E, None, offsets, "contiguous")
+    owned = torch.zeros(M, dtype=torch.bool, device=DEV)
+    owned[gap:M - gap] = True
+    got = {}
+    for tma in (False, True):
+        junk = torch.full((M, N), -1, dtype=torch.int16, device=DEV)   # all-ones bits: bf16 NaN
+        del junk                                                       # (the output reuses the block)
+        got[tma] = fp8_grouped_gemm(a, s, b, bs, rows, out_dtype=torch.bfloat16,
+                                    config=FP8Config(block_m=128, block_n=256, num_warps=8, num_stages=3,
+                                                     tma_store=tma))
+    assert torch.isfinite(got[True][owned]).all()
+    assert torch.equal(got[True][owned], got[False][owned])
+    assert torch.isnan(got[True][~owned]).all(), "the TMA epilogue wrote rows no expert owns"
+
+
 def test_gpu_expansion_and_activation_quantization_are_bit_exact():
     from moe.kernels.triton_w4a16 import expand_fp4
     from moe.kernels.triton_w4a8 import quantize_act

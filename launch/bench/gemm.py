@@ -371,10 +371,14 @@ def _deep_gemm_rows(ctx: BenchContext, shape: str, gemm: str, w: dict[str, Any],
             ref8, tok, M, anchor, bf16_us)
         for ours, act in (("triton_w4a16", None), ("triton_w4a8", "fp8_token")):   # each against its own inputs
             xr = quantize_dequantize_act(xs_.reshape(E * C, K), act).view(E, C, K)
-            row(f"{ours} slab C={C}", lambda ours=ours: grouped_gemm(xs_, w["pw"], counts=counts, layout="slab",
-                                                                     backend=ours),
-                torch.bmm(xr, w["f32"].transpose(1, 2)) * keep, tok, M, anchor, bf16_us,
-                fp4_floor_us=round(fp4_floor_us(E, N, K, M, ctx.device), 2))
+            # without a hint the slab's capacity picks the kernel settings; with rows_hint = the
+            # expected rows (as DeepGEMM's expected_m, and as the MoE layer passes it), the decode ones
+            for hint in (None, tok):
+                row(f"{ours} slab C={C}" + (f" rows_hint={hint}" if hint else ""),
+                    lambda ours=ours, hint=hint: grouped_gemm(xs_, w["pw"], counts=counts, layout="slab",
+                                                              backend=ours, rows_hint=hint),
+                    torch.bmm(xr, w["f32"].transpose(1, 2)) * keep, tok, M, anchor, bf16_us,
+                    fp4_floor_us=round(fp4_floor_us(E, N, K, M, ctx.device), 2))
     return True
 
 
@@ -971,6 +975,13 @@ def probe(out_dir: str, sections: list[str]) -> None:
                 add("prefill2", f"{tag} triton fp8 gemm only row bm{bm} bn{bn} w{nw} s{ns} DIAG 1 (no store)",
                     (lambda cfg=cfg: fp8_grouped_gemm(xq, xs, w["fp8"], w["fp8_scale"], rows, out_dtype=torch.bfloat16,
                                                       config=cfg, diag=1)), None, flops=2.0 * E * tok * N * K, diag=1)
+            # and the epilogue as one TMA store per tile (FP8Config.tma_store)
+            for bm, bn, nw, ns in (((128, 256, 8, 3), (256, 128, 8, 3), (128, 128, 8, 4)) if not tiny
+                                   else ((16, 32, 4, 1),)):
+                cfg = FP8Config(block_m=bm, block_n=bn, num_warps=nw, num_stages=ns, tma_store=True)
+                add("prefill2", f"{tag} triton fp8 gemm only row bm{bm} bn{bn} w{nw} s{ns} tma_store",
+                    (lambda cfg=cfg: fp8_grouped_gemm(xq, xs, w["fp8"], w["fp8_scale"], rows, out_dtype=torch.bfloat16,
+                                                      config=cfg)), err_of(ref8), flops=2.0 * E * tok * N * K)
             dg_fn = _deep_gemm_only(w["pw"], x, E, tok) if ctx.is_cuda else None
             if dg_fn is not None:
                 add("prefill2", f"{tag} deep_gemm gemm only (fp8_group acts, 128x128 block weights)", dg_fn,

@@ -29,6 +29,7 @@ import triton.language as tl
 from megapar.moe.kernels.prepare import PreparedWeight
 from megapar.moe.kernels.triton_common import expert_tile, fp8_group_quant, layout_args, swiglu_tile
 from megapar.moe.kernels.triton_expand import expand_fp4
+from megapar.parallel import impl
 
 
 # ---- activation quantization: parallel.quant's fp8_token / fp8_group Triton kernels ------------------
@@ -85,6 +86,7 @@ def _fp8_gemm_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     A_GROUP: tl.constexpr, B_GROUP: tl.constexpr,
     SWIGLU: tl.constexpr, HAS_LIMIT: tl.constexpr, QUANT_OUT: tl.constexpr, DIAG: tl.constexpr = 0,
+    TMA_STORE: tl.constexpr = False,
 ):
     # DIAG (probe only, wrong results): 1 = no epilogue store (the tile is computed, then stored only
     # under a runtime condition that never holds, so the compiler keeps the main loop)
@@ -153,6 +155,12 @@ def _fp8_gemm_kernel(
         q, scale = fp8_group_quant(acc, 1)
         tl.store(ptrs, q, mask=mask)
         tl.store(out_scale_ptr + a_rows * stride_osm + pid_n, scale, mask=row_ok)
+    elif TMA_STORE and DIAG == 0:
+        if store_rows > 0:   # (a descriptor needs rows; a slot past the last expert stores none)
+        # one bulk tensor store of the tile (registers -> shared -> TMA), clipped at the tile's
+        # last writable row by the descriptor's own row count (the next expert's rows follow)
+            desc = tl.make_tensor_descriptor(out_ptr, [row0 + store_rows, N], [stride_om, 1], [BLOCK_M, BLOCK_N])
+            desc.store([row0, pid_n * BLOCK_N], acc.to(out_ptr.dtype.element_ty))
     else:
         tl.store(ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
@@ -163,6 +171,7 @@ class FP8Config:
     block_n: int = 128
     num_warps: int = 8
     num_stages: int = 4
+    tma_store: bool = False     # the epilogue as one TMA store per tile (bf16 / fp32 output only)
 
 
 def pick_fp8_config(rows_per_expert: float, promote: bool, swiglu: bool = False) -> FP8Config:
@@ -209,6 +218,9 @@ def fp8_grouped_gemm(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_
     if slots == 0 or n_out == 0:
         return (out, out_scale) if quant_out else out
     limit, alpha, beta = swiglu if swiglu is not None else (None, 1.0, 0.0)
+    tma_store = cfg.tma_store and not quant_out and _tma_store_ok(out)
+    if tma_store:
+        impl.ensure_triton_scratch()
     _fp8_gemm_kernel[(slots * num_pid_n,)](
         a, a_scale, b, b_scale, out, out_scale, counts, offs,
         n_out, E, tpe, cap, n_out, num_pid_n,
@@ -218,9 +230,16 @@ def fp8_grouped_gemm(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_
         K=K, E_POW2=triton.next_power_of_2(max(E, 2)), SLAB=rows.layout == "slab", HAS_OFFSETS=has_offs,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=128, A_GROUP=a_group, B_GROUP=b_group,
         SWIGLU=swiglu is not None, HAS_LIMIT=limit is not None, QUANT_OUT=quant_out, DIAG=diag,
+        TMA_STORE=tma_store,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return (out, out_scale) if quant_out else out
+
+
+def _tma_store_ok(out: torch.Tensor) -> bool:
+    """A TMA descriptor over out [M, N]: 16-byte aligned base and row stride, unit inner stride."""
+    e = out.element_size()
+    return out.stride(-1) == 1 and out.data_ptr() % 16 == 0 and (out.stride(0) * e) % 16 == 0
 
 
 def fp8_weight(w: PreparedWeight) -> tuple[torch.Tensor, torch.Tensor]:
