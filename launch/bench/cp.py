@@ -374,8 +374,12 @@ def _paged_decode_rows(ctx: BenchContext) -> None:
                     what = f"MLA H={heads}{' (TP 8)' if heads == 16 else ''}, latent {d}"
                 layout = DCPLayout(size=n, rank=0, block_size=block)
                 seq = torch.full((batch,), context, device=ctx.device)
-                ours_us, ours_cols = _decode_time(ctx, lambda: paged_decode_attention(
-                    q, cache, table, seq, layout=layout, scale=scale, backend="triton", max_seq_len=context))
+                ours = lambda lens: paged_decode_attention(q, cache, table, lens, layout=layout, scale=scale,
+                                                           backend="triton", max_seq_len=context)
+                ours_us, ours_cols = _decode_time(ctx, lambda: ours(seq))
+                # the part that does not scale with L: the same grid, splits and merge over one page
+                # per rank (what is left of the time, streamed_us, is what the KV bytes cost)
+                fixed_us = _decode_time(ctx, lambda: ours(torch.full_like(seq, n * block)))[0]
                 # the gathered-pages torch path expands the KV per query head: skip it where that alone
                 # would not fit (MLA at L = 128K: 288 GiB)
                 if batch * local * heads * d * 2 * 2 <= 32 * 2**30:
@@ -410,7 +414,7 @@ def _paged_decode_rows(ctx: BenchContext) -> None:
                            ours_us, anchor=anchor, anchor_us=sdpa_us, floor_us=floor, byte_floor_us=byte_floor,
                            flop_floor_us=flop_floor, torch_gathered_us=torch_us,
                            speedup_vs_torch=torch_us / ours_us, target_fraction=0.70, anchor_timing=anchor_timing,
-                           **ours_cols)
+                           fixed_us=fixed_us, streamed_fraction=floor / max(ours_us - fixed_us, 1e-9), **ours_cols)
                 del cache, table, q
     _note_graph_timing(ctx)
 
