@@ -109,9 +109,13 @@ def test_min_split_is_per_family_and_old_shared_files_keep_their_meaning():
         assert td.launch_settings(576, q_dtype, torch.bfloat16, 128)["min_split"] == 2048
         for cache in (torch.bfloat16, torch.float8_e4m3fn):
             assert td.launch_settings(576, q_dtype, cache, 16)["min_split"] == td.CONFIG["min_split_wide_narrow"]
-    # 16 heads at 1/4 of 8K (2048 local tokens, B = 32 programs per split): 8 splits, not MLA's 2
-    assert td.plan_splits(2048, 32, 64, td.launch_settings(576, torch.bfloat16, torch.bfloat16, 16)["min_split"]) \
-        == (8, 256)
+    # 16 heads at 1/4 of 8K (2048 local tokens, B = 32 programs per split): 8 splits, not MLA's 2;
+    # at 1/4 of 32K 8 (256 programs, within target_programs 264), where rounding up would give 9
+    narrow = td.launch_settings(576, torch.bfloat16, torch.bfloat16, 16)
+    assert narrow["at_most"] == 1 and _settings("mla")["at_most"] == 0 and _settings("gqa")["at_most"] == 0
+    assert td.plan_splits(2048, 32, 64, narrow["min_split"], bool(narrow["at_most"])) == (8, 256)
+    assert td.plan_splits(8192, 32, 64, narrow["min_split"], True)[0] == 8
+    assert td.plan_splits(8192, 32, 64, narrow["min_split"], False)[0] == 9
     # a file from before (one shared value under gqa and mla): every family takes it, as it did then
     td.apply_tuning({"gqa": {"min_split": 1024, "block_n": 64}, "mla": {"min_split": 1024}})
     assert {k: _settings(k)["min_split"] for k in FAMILY_KEYS} == dict.fromkeys(FAMILY_KEYS, 1024)

@@ -486,28 +486,37 @@ def test_interp_rows_hint_picks_the_fused_kernel_for_a_sparse_slab(monkeypatch):
 
 
 @interp
-def test_interp_fp8_gemm_tma_store_epilogue_matches_pointer_stores():
-    """The TMA-store epilogue (FP8Config.tma_store) writes the same bits as the pointer stores,
+def test_interp_fp8_gemm_tma_store_and_persistent_variants_match_pointer_stores():
+    """The TMA-store epilogue (FP8Config.tma_store) and the persistent kernel (FP8Config.persistent,
+    flattened and not, fewer programs than tiles) write the same bits as the one-tile kernel,
     with experts of 0 rows, rows not a multiple of the tile, a tile past the last expert's rows
     and N not a multiple of block_n; contiguous and slab layouts."""
     from moe.kernels.triton_w4a16 import expand_fp4
     from moe.kernels.triton_w4a8 import FP8Config, fp8_grouped_gemm
 
+    VARIANTS = ("pointer", "tma", "persistent", "persistent unflattened", "persistent tma loads")
     q, _ = random_weight("mxfp4", 4, 40, 256, seed=17)
     b, bs = expand_fp4(prepare_weights(q), fold="row")
     counts = torch.tensor([4, 0, 13, 20])
     x = torch.randn(37, 256, generator=torch.Generator().manual_seed(18))
     xq = quantize(x, "fp8_token", backend="torch")
-    slab = torch.zeros(4, 24, 256)
+    slab = torch.full((4, 24, 256), float("nan"))
     for e, (lo, n) in enumerate(zip(torch.cumsum(counts, 0) - counts, counts)):
         slab[e, :n] = x[lo:lo + n]
     sq = quantize(slab.view(-1, 256), "fp8_token", backend="torch")
     for layout, a, s in (("contiguous", xq.data, xq.scale), ("slab", sq.data, sq.scale)):
         rows = expert_rows(a if layout == "contiguous" else a.view(4, 24, 256), 4, counts, None, layout)
         got = {}
-        for tma in (False, True):
-            cfg = FP8Config(block_m=16, block_n=32, num_warps=4, num_stages=1, tma_store=tma)
-            got[tma] = fp8_grouped_gemm(a, s, b, bs, rows, out_dtype=torch.float32, config=cfg)
-        keep = torch.ones(a.shape[0], dtype=torch.bool) if layout == "contiguous" else \
-            (torch.arange(24)[None, :] < counts[:, None]).reshape(-1)
-        assert torch.equal(got[True][keep], got[False][keep]), layout
+        for variant in VARIANTS:
+            cfg = FP8Config(block_m=16, block_n=32, num_warps=4, num_stages=1, tma_store=variant == "tma",
+                            persistent={"persistent": 3, "persistent unflattened": 5, "persistent tma loads": 4}
+                            .get(variant, 0), flatten=variant != "persistent unflattened",
+                            tma_load=variant == "persistent tma loads")
+            got[variant] = fp8_grouped_gemm(a, s, b, bs, rows, out_dtype=torch.float32, config=cfg)
+        # slab rows past the counts are zero in every variant; contiguous: every row belongs to an expert
+        keep = torch.ones(a.shape[0], dtype=torch.bool)
+        for variant in VARIANTS[1:]:
+            assert torch.equal(got[variant][keep], got["pointer"][keep]), (layout, variant)
+        if layout == "slab":   # (slab padding rows hold NaN here: TMA loads read them, the output stays 0)
+            pad = ~(torch.arange(24)[None, :] < counts[:, None]).reshape(-1)
+            assert (got["persistent"][pad] == 0).all() and (got["persistent tma loads"][pad] == 0).all()

@@ -120,9 +120,9 @@ def test_gpu_w4a8_matches_reference_with_the_same_fp8_activations():
     assert _rel(grouped_gemm(x, fp8w, counts=c, backend="triton_w4a8"), ref) < 1e-2
 
 
-def test_gpu_fp8_gemm_tma_store_epilogue_is_bit_identical_to_pointer_stores():
-    """FP8Config.tma_store at the prefill tile (128 x 256, 3 stages) against the pointer-store
-    epilogue: the same bits on every row an expert owns (empty experts, counts not a multiple of
+def test_gpu_fp8_gemm_variants_are_bit_identical_to_the_one_tile_kernel():
+    """FP8Config.tma_store and the persistent kernel (flattened or not, TMA operand loads) at the
+    prefill tile (128 x 256, 3 stages) against the one-tile kernel with pointer stores: the same bits on every row an expert owns (empty experts, counts not a multiple of
     128, N not a multiple of 256), and no write outside the experts' rows (rows before the first
     and after the last expert of an offsets layout keep the NaN they were given)."""
     from moe.kernels.triton_w4a16 import expand_fp4
@@ -139,16 +139,19 @@ def test_gpu_fp8_gemm_tma_store_epilogue_is_bit_identical_to_pointer_stores():
     rows = expert_rows(a, E, None, offsets, "contiguous")
     owned = torch.zeros(M, dtype=torch.bool, device=DEV)
     owned[gap:M - gap] = True
+    variants = {"pointer": {}, "tma store": {"tma_store": True}, "persistent": {"persistent": 132},
+                "persistent unflattened": {"persistent": 132, "flatten": False},
+                "persistent tma loads": {"persistent": 100, "tma_load": True}}
     got = {}
-    for tma in (False, True):
+    for name, opts in variants.items():
         junk = torch.full((M, N), -1, dtype=torch.int16, device=DEV)   # all-ones bits: bf16 NaN
         del junk                                                       # (the output reuses the block)
-        got[tma] = fp8_grouped_gemm(a, s, b, bs, rows, out_dtype=torch.bfloat16,
-                                    config=FP8Config(block_m=128, block_n=256, num_warps=8, num_stages=3,
-                                                     tma_store=tma))
-    assert torch.isfinite(got[True][owned]).all()
-    assert torch.equal(got[True][owned], got[False][owned])
-    assert torch.isnan(got[True][~owned]).all(), "the TMA epilogue wrote rows no expert owns"
+        got[name] = fp8_grouped_gemm(a, s, b, bs, rows, out_dtype=torch.bfloat16,
+                                     config=FP8Config(block_m=128, block_n=256, num_warps=8, num_stages=3, **opts))
+    assert torch.isfinite(got["pointer"][owned]).all()
+    for name in variants:
+        assert torch.equal(got[name][owned], got["pointer"][owned]), name
+        assert torch.isnan(got[name][~owned]).all(), f"{name}: wrote rows no expert owns"
 
 
 def test_gpu_expansion_and_activation_quantization_are_bit_exact():

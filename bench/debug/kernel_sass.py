@@ -8,6 +8,7 @@ Compares versions of a kernel without a GPU (bench/results/compare/kernel-sass.m
     python bench/debug/kernel_sass.py decode parallel/cp/triton_decode.py     # MLA decode launch settings
     python bench/debug/kernel_sass.py decode-config parallel/cp/triton_decode.py   # as CONFIG launches them
     python bench/debug/kernel_sass.py mla_prep parallel/cp/triton_mla_prep.py   # the fused MLA prep
+    python bench/debug/kernel_sass.py fp8_gemm moe/kernels/triton_w4a8.py       # prefill FP8 GEMM variants
     python bench/debug/kernel_sass.py --only "N=4" merge parallel/cp/triton_merge.py   # some cases only
 """
 
@@ -155,13 +156,33 @@ MLA_PREP = {  # the fused MLA prep as the bench launches it: H 128, nope 128 + r
              Q_NORM=True, FP8=fp8, Q_TILES=8, num_warps=4))
     for fp8 in (False, True)
 }
+_FP8G = dict(a_ptr="*fp8e4nv", as_ptr="*fp32", b_ptr="*fp8e4nv", bs_ptr="*fp32", out_ptr="*bf16", out_scale_ptr="*bf16",
+             counts_ptr="*i32", offsets_ptr="*i64")
+_FP8P = dict(_FP8G, a_desc="*fp8e4nv", b_desc="*fp8e4nv")
+_FP8G_C = dict(K=2048, E_POW2=32, SLAB=False, HAS_OFFSETS=False, BLOCK_M=128, BLOCK_N=256, BLOCK_K=128,
+               num_warps=8, num_stages=3)
+FP8_GEMM = {  # the prefill FP8 GEMM at V3 L2 (K 2048, 128 x 256 tiles, 3 stages): one-tile kernel variants, persistent
+    "_fp8_gemm_kernel": ("_fp8_gemm_kernel", _FP8G, dict(_FP8G_C, A_GROUP=False, B_GROUP=False, SWIGLU=False,
+                                                           HAS_LIMIT=False, QUANT_OUT=False)),
+    "_fp8_gemm_kernel tma_store": ("_fp8_gemm_kernel", _FP8G, dict(_FP8G_C, A_GROUP=False, B_GROUP=False, SWIGLU=False,
+                                                                     HAS_LIMIT=False, QUANT_OUT=False, TMA_STORE=True)),
+    "_fp8_gemm_persistent_kernel flatten": ("_fp8_gemm_persistent_kernel", _FP8P,
+                                            dict(_FP8G_C, NUM_PROGRAMS=132, FLATTEN=True, INTERPRETED=False,
+                                                 TMA_LOAD=False)),
+    "_fp8_gemm_persistent_kernel": ("_fp8_gemm_persistent_kernel", _FP8P,
+                                    dict(_FP8G_C, NUM_PROGRAMS=132, FLATTEN=False, INTERPRETED=False, TMA_LOAD=False)),
+    "_fp8_gemm_persistent_kernel flatten tma loads": (
+        "_fp8_gemm_persistent_kernel", dict(_FP8P, a_desc="tensordesc<fp8e4nv[128, 128]>",
+                                            b_desc="tensordesc<fp8e4nv[256, 128]>"),
+        dict(_FP8G_C, NUM_PROGRAMS=132, FLATTEN=True, INTERPRETED=False, TMA_LOAD=True)),
+}
 SETS = {"merge": MERGE, "quant": QUANT, "quant-variants": QUANT_VARIANTS, "decode": DECODE, "decode-config": decode_config,
-        "mla_prep": MLA_PREP}
+        "mla_prep": MLA_PREP, "fp8_gemm": FP8_GEMM}
 NOT_DIVISIBLE = ("M", "M_TILES")
 
 
 PACKAGES = {"triton_merge.py": "megapar.parallel.cp", "triton_decode.py": "megapar.parallel.cp",
-            "triton_mla_prep.py": "megapar.parallel.cp",
+            "triton_mla_prep.py": "megapar.parallel.cp", "triton_w4a8.py": "megapar.moe.kernels",
             "triton_quant.py": "megapar.parallel.quant"}
 
 
@@ -174,6 +195,7 @@ def _load(path: str):
     mod.__package__ = PACKAGES[Path(path).name]
     mod.__file__ = path
     linecache.cache[path] = (len(src), None, src.splitlines(True), path)   # triton.jit reads the source
+    sys.modules[mod.__name__] = mod                                          # (dataclasses look it up)
     exec(compile(src, path, "exec"), mod.__dict__)
     return mod
 

@@ -200,7 +200,8 @@ def _splits(p: Problem, view: dict[str, int]) -> int:
     from megapar.parallel.cp.triton_decode import plan_splits
 
     block_m = max(16, min(triton.next_power_of_2(p.rows), view.get("block_m", 64)))
-    return plan_splits(p.capacity, p.batch_programs * -(-p.rows // block_m), view["block_n"], view["min_split"])[0]
+    return plan_splits(p.capacity, p.batch_programs * -(-p.rows // block_m), view["block_n"], view["min_split"],
+                       bool(view.get("at_most", 0)))[0]
 
 
 def _measure(ctx: BenchContext, problems: list[Problem], kind: str, settings: list[dict[str, int]],

@@ -982,6 +982,19 @@ def probe(out_dir: str, sections: list[str]) -> None:
                 add("prefill2", f"{tag} triton fp8 gemm only row bm{bm} bn{bn} w{nw} s{ns} tma_store",
                     (lambda cfg=cfg: fp8_grouped_gemm(xq, xs, w["fp8"], w["fp8_scale"], rows, out_dtype=torch.bfloat16,
                                                       config=cfg)), err_of(ref8), flops=2.0 * E * tok * N * K)
+            # and as a persistent kernel: one program per SM walking the tiles, the tile and K loops
+            # flattened (the next tile's loads overlap this tile's epilogue) or not, operands by TMA
+            sms = torch.cuda.get_device_properties(dev).multi_processor_count if ctx.is_cuda else 2
+            for bm, bn, nw, ns, flat, tma in (((128, 256, 8, 3, True, False), (128, 256, 8, 3, False, False),
+                                               (128, 256, 8, 3, True, True), (128, 256, 8, 4, True, True),
+                                               (128, 128, 8, 4, True, True), (256, 128, 8, 3, True, True))
+                                              if not tiny else ((16, 32, 4, 1, True, False),)):
+                cfg = FP8Config(block_m=bm, block_n=bn, num_warps=nw, num_stages=ns, persistent=sms, flatten=flat,
+                                tma_load=tma)
+                add("prefill2", f"{tag} triton fp8 gemm only row bm{bm} bn{bn} w{nw} s{ns} persistent {sms}"
+                    + (" flatten" if flat else "") + (" tma loads" if tma else ""),
+                    (lambda cfg=cfg: fp8_grouped_gemm(xq, xs, w["fp8"], w["fp8_scale"], rows, out_dtype=torch.bfloat16,
+                                                      config=cfg)), err_of(ref8), flops=2.0 * E * tok * N * K)
             dg_fn = _deep_gemm_only(w["pw"], x, E, tok) if ctx.is_cuda else None
             if dg_fn is not None:
                 add("prefill2", f"{tag} deep_gemm gemm only (fp8_group acts, 128x128 block weights)", dg_fn,

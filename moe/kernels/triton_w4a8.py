@@ -165,6 +165,85 @@ def _fp8_gemm_kernel(
         tl.store(ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
+@triton.jit
+def _fp8_row_tile(tile, a_ptr, as_ptr, b_ptr, bs_ptr, out_ptr, counts_ptr, offsets_ptr, N, num_experts,
+                  tiles_per_expert, capacity, num_pid_n, stride_am, stride_asm, stride_be, stride_bn, stride_bse,
+                  stride_bsn, stride_om, K: tl.constexpr, E_POW2: tl.constexpr, SLAB: tl.constexpr,
+                  HAS_OFFSETS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                  a_desc, b_desc, TMA_LOAD: tl.constexpr):
+    """One (token tile, n tile) of the row-scaled FP8 GEMM, computed and stored. TMA_LOAD: the
+    operand tiles by TMA from host descriptors over a [M, K] and b [E * N, K]; rows past the
+    expert's (the next expert's, or zeros past the end) enter the product only in rows and
+    columns that are zeroed and never stored."""
+    pid_n = tile % num_pid_n
+    pid_t = tile // num_pid_n
+    e, row0, rows, store_rows = expert_tile(pid_t, counts_ptr, offsets_ptr, num_experts, tiles_per_expert,
+                                            capacity, E_POW2, BLOCK_M, SLAB, HAS_OFFSETS)
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_k = tl.arange(0, BLOCK_K)
+    m_mask = offs_m < rows
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < N
+    e64 = e.to(tl.int64)
+    a_rows = (row0 + offs_m).to(tl.int64)
+    a_ptrs = a_ptr + a_rows[:, None] * stride_am + offs_k[None, :]
+    b_ptrs = b_ptr + e64 * stride_be + offs_n.to(tl.int64)[None, :] * stride_bn + offs_k[:, None]
+    acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        if TMA_LOAD:
+            a = a_desc.load([row0, k0])
+            b = b_desc.load([e * N + pid_n * BLOCK_N, k0])
+            acc = tl.dot(a, b.T, acc)
+        else:
+            k_ok = (k0 + offs_k) < K
+            a = tl.load(a_ptrs + k0, mask=m_mask[:, None] & k_ok[None, :], other=0.0)
+            b = tl.load(b_ptrs + k0, mask=k_ok[:, None] & n_mask[None, :], other=0.0)
+            acc = tl.dot(a, b, acc)
+    has_e = e < num_experts
+    sa = tl.load(as_ptr + a_rows * stride_asm, mask=m_mask, other=0.0)
+    sb = tl.load(bs_ptr + e64 * stride_bse + offs_n.to(tl.int64) * stride_bsn, mask=n_mask & has_e, other=0.0)
+    acc = acc * (sa[:, None] * sb[None, :])
+    if TMA_LOAD:   # (rows / columns of other experts' operands: NaN * 0 stays NaN)
+        acc = tl.where(m_mask[:, None] & n_mask[None, :], acc, 0.0)
+    mask = (offs_m < store_rows)[:, None] & n_mask[None, :]
+    tl.store(out_ptr + a_rows[:, None] * stride_om + offs_n[None, :], acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _fp8_gemm_persistent_kernel(
+    a_ptr, as_ptr, b_ptr, bs_ptr, out_ptr, counts_ptr, offsets_ptr,
+    N, num_experts, tiles_per_expert, capacity, num_pid_n, slots,
+    stride_am, stride_asm, stride_be, stride_bn, stride_bse, stride_bsn, stride_om,
+    K: tl.constexpr, E_POW2: tl.constexpr, SLAB: tl.constexpr, HAS_OFFSETS: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_PROGRAMS: tl.constexpr,
+    FLATTEN: tl.constexpr, INTERPRETED: tl.constexpr, a_desc, b_desc, TMA_LOAD: tl.constexpr,
+):
+    """The row-scaled FP8 GEMM of `_fp8_gemm_kernel` as a persistent kernel: NUM_PROGRAMS programs
+    walk the (token tile, n tile) pairs with a stride, one loop over tiles and K steps (FLATTEN:
+    the compiler pipelines across tile boundaries, so the next tile's loads are in flight during
+    this tile's epilogue). Contiguous layouts walk only the tiles that hold rows."""
+    if SLAB:
+        total = slots * num_pid_n
+    else:
+        idx = tl.arange(0, E_POW2)
+        cnt = tl.load(counts_ptr + idx, mask=idx < num_experts, other=0).to(tl.int32)
+        total = tl.sum((cnt + BLOCK_M - 1) // BLOCK_M, 0) * num_pid_n
+    if INTERPRETED:   # (the interpreter takes no runtime loop bounds in a `for`)
+        tile = tl.program_id(0)
+        while tile < total:
+            _fp8_row_tile(tile, a_ptr, as_ptr, b_ptr, bs_ptr, out_ptr, counts_ptr, offsets_ptr, N, num_experts,
+                          tiles_per_expert, capacity, num_pid_n, stride_am, stride_asm, stride_be, stride_bn,
+                          stride_bse, stride_bsn, stride_om, K, E_POW2, SLAB, HAS_OFFSETS, BLOCK_M, BLOCK_N, BLOCK_K,
+                          a_desc, b_desc, TMA_LOAD)
+            tile += NUM_PROGRAMS
+    else:
+        for tile in tl.range(tl.program_id(0), total, NUM_PROGRAMS, flatten=FLATTEN):
+            _fp8_row_tile(tile, a_ptr, as_ptr, b_ptr, bs_ptr, out_ptr, counts_ptr, offsets_ptr, N, num_experts,
+                          tiles_per_expert, capacity, num_pid_n, stride_am, stride_asm, stride_be, stride_bn,
+                          stride_bse, stride_bsn, stride_om, K, E_POW2, SLAB, HAS_OFFSETS, BLOCK_M, BLOCK_N, BLOCK_K,
+                          a_desc, b_desc, TMA_LOAD)
+
+
 @dataclass(frozen=True)
 class FP8Config:
     block_m: int = 128
@@ -172,6 +251,11 @@ class FP8Config:
     num_warps: int = 8
     num_stages: int = 4
     tma_store: bool = False     # the epilogue as one TMA store per tile (bf16 / fp32 output only)
+    # > 0: that many programs of `_fp8_gemm_persistent_kernel` (row scales, no SwiGLU / fp8 output;
+    # else the one-tile kernel), its tile and K loops flattened or not, operands by TMA or not
+    persistent: int = 0
+    flatten: bool = True
+    tma_load: bool = False
 
 
 def pick_fp8_config(rows_per_expert: float, promote: bool, swiglu: bool = False) -> FP8Config:
@@ -217,6 +301,23 @@ def fp8_grouped_gemm(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_
     num_pid_n = triton.cdiv(n_out, cfg.block_n)
     if slots == 0 or n_out == 0:
         return (out, out_scale) if quant_out else out
+    if cfg.persistent and not (a_group or b_group or swiglu is not None or quant_out or diag):
+        n_prog = cfg.persistent
+        tma_load = cfg.tma_load and K % 16 == 0 and _tma_store_ok(a) and _tma_store_ok(b)
+        a_desc = b_desc = a   # (unused without TMA_LOAD)
+        if tma_load:
+            from triton.tools.tensor_descriptor import TensorDescriptor
+            a_desc = TensorDescriptor(a, [M, K], [a.stride(0), 1], [cfg.block_m, 128])
+            b2 = b.view(E * N, K)
+            b_desc = TensorDescriptor(b2, [E * N, K], [b2.stride(0), 1], [cfg.block_n, 128])
+        _fp8_gemm_persistent_kernel[(n_prog,)](
+            a, a_scale, b, b_scale, out, counts, offs, n_out, E, tpe, cap, num_pid_n, slots,
+            a.stride(0), a_scale.stride(0), b.stride(0), b.stride(1), b_scale.stride(0), b_scale.stride(1),
+            out.stride(0), K=K, E_POW2=triton.next_power_of_2(max(E, 2)), SLAB=rows.layout == "slab",
+            HAS_OFFSETS=has_offs, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=128, NUM_PROGRAMS=n_prog,
+            FLATTEN=cfg.flatten, INTERPRETED=impl.interpreting(), a_desc=a_desc, b_desc=b_desc, TMA_LOAD=tma_load,
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        return out
     limit, alpha, beta = swiglu if swiglu is not None else (None, 1.0, 0.0)
     tma_store = cfg.tma_store and not quant_out and _tma_store_ok(out)
     if tma_store:

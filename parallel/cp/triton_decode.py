@@ -514,6 +514,10 @@ CONFIG = {
     # tokens: 2 splits = 64 programs under min_split 1024, half the SMs idle; 8 = 256 under 256),
     # where a full 128-head problem has 2 head tiles and is compute-bound per tile
     "min_split_wide_narrow": 256,
+    # and never more programs than target_programs (splits rounded down, not up): 16 heads at 1/4
+    # of 32K (B = 32, 8192 local tokens) took 126.0 µs in 9 splits (288 programs: a third partial
+    # wave at its occupancy) against 110.5 in 8 (bench cp, 2026-12-03, two runs)
+    "at_most_wide_narrow": 1,
 }
 # H200, B = 32, 1/4 of L = 8K and 32K (`python -m megapar.launch.bench.cp --probe`, CUDA-graph
 # replays, two runs: bench/results/cp-probe-h200.json, cp-probe2-h200.json): MLA with 64-token
@@ -660,11 +664,14 @@ def _split_dims(d: int) -> tuple[int, int, int]:
     return main, rest, (max(16, triton.next_power_of_2(rest)) if rest else 0)
 
 
-def plan_splits(capacity: int, programs: int, block_n: int, min_split: int) -> tuple[int, int]:
+def plan_splits(capacity: int, programs: int, block_n: int, min_split: int, at_most: bool = False
+                ) -> tuple[int, int]:
     """(num_splits, split_len) for `capacity` tokens per sequence, `programs` programs per split
-    and splits of at least `min_split` tokens (the family's, `launch_settings`)."""
+    and splits of at least `min_split` tokens (the family's, `launch_settings`): enough splits to
+    reach target_programs programs, or with `at_most` as many as stay within it."""
     capacity = max(capacity, 1)
-    want = max(1, -(-CONFIG["target_programs"] // max(programs, 1)))
+    target, programs = CONFIG["target_programs"], max(programs, 1)
+    want = max(1, target // programs if at_most else -(-target // programs))
     most = max(1, -(-capacity // max(min_split, 1)))
     splits = min(want, most)
     split_len = -(-(-(-capacity // splits)) // block_n) * block_n
@@ -689,6 +696,7 @@ def launch_settings(d: int, q_dtype: torch.dtype, cache_dtype: torch.dtype, rows
         return _FP8[name] if fp8 and name in _FP8 else name
 
     out = {name: CONFIG[key(name)] for name in ("block_m", "block_n", "num_warps", "num_stages", "min_split")}
+    out["at_most"] = CONFIG.get(key("at_most"), 0)    # plan_splits' rounding: only narrow MLA tiles have one
     out["block_m"] = max(16, min(triton.next_power_of_2(max(rows, 1)), out["block_m"]))
     out.update({name: CONFIG.get(key(name), 0) for name in _STRUCTURE})   # GQA has no halves / tma / diag
     return out
@@ -720,7 +728,7 @@ def paged_decode_triton(q: Tensor, k: Tensor, v: Tensor, k_scale: Tensor | None,
         impl.ensure_triton_scratch()
     m_tiles = -(-(tq * g) // block_m)
     programs = s * hkv * m_tiles
-    splits, split_len = plan_splits(capacity, programs, block_n, cfg["min_split"])
+    splits, split_len = plan_splits(capacity, programs, block_n, cfg["min_split"], bool(cfg["at_most"]))
     o = torch.empty(splits, s, tq, hq, dv, dtype=torch.float32, device=q.device)
     lse = torch.empty(splits, s, tq, hq, dtype=torch.float32, device=q.device)
     ks = k_scale if fp8 else _no_scale(q)
