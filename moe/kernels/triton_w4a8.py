@@ -252,7 +252,8 @@ class FP8Config:
     num_stages: int = 4
     tma_store: bool = False     # the epilogue as one TMA store per tile (bf16 / fp32 output only)
     # > 0: that many programs of `_fp8_gemm_persistent_kernel` (row scales, no SwiGLU / fp8 output;
-    # else the one-tile kernel), its tile and K loops flattened or not, operands by TMA or not
+    # else the one-tile kernel), -1: one per SM; its tile and K loops flattened or not, operands by
+    # TMA or not
     persistent: int = 0
     flatten: bool = True
     tma_load: bool = False
@@ -261,12 +262,22 @@ class FP8Config:
 def pick_fp8_config(rows_per_expert: float, promote: bool, swiglu: bool = False) -> FP8Config:
     """Tile shape by tokens per expert, from the H200 probe (bench/gemm-notes.md): V3 L1 at 2048
     tok/expert 128x256 3073 µs < 256x128 3182 < 128x128 3458; at 128 tok/expert 128x128 282 µs <
-    64x128 340. Two accumulators (SwiGLU) or per-128 rescaling: 128x128 (registers)."""
+    64x128 340. Two accumulators (SwiGLU) or per-128 rescaling: 128x128 (registers).
+    The 128x256 tiles run persistent (one program per SM, tile and K loops flattened): V3 L2
+    (K 2048) at 2048 tok/expert 1682 -> 1555 µs (DeepGEMM 1553), at 512 433 -> 428 (DeepGEMM 374)
+    (prefill2 probe, H200, 2026-12-03: `python -m megapar.launch.bench.gemm --probe --sections
+    prefill2`); TMA operand loads and a TMA-store epilogue were slower there."""
     if rows_per_expert <= 32:
         return FP8Config(block_m=64, block_n=128, num_warps=4, num_stages=4)
     if rows_per_expert <= 256 or promote or swiglu:
         return FP8Config(block_m=128, block_n=128, num_warps=8, num_stages=4 if not promote else 3)
-    return FP8Config(block_m=128, block_n=256, num_warps=8, num_stages=3)
+    return FP8Config(block_m=128, block_n=256, num_warps=8, num_stages=3, persistent=-1)
+
+
+def _sm_count(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 2     # (the interpreter: a few programs, each walking several tiles)
+    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def fp8_grouped_gemm(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scale: torch.Tensor, rows, *,
@@ -302,7 +313,7 @@ def fp8_grouped_gemm(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_
     if slots == 0 or n_out == 0:
         return (out, out_scale) if quant_out else out
     if cfg.persistent and not (a_group or b_group or swiglu is not None or quant_out or diag):
-        n_prog = cfg.persistent
+        n_prog = cfg.persistent if cfg.persistent > 0 else _sm_count(a.device)
         tma_load = cfg.tma_load and K % 16 == 0 and _tma_store_ok(a) and _tma_store_ok(b)
         a_desc = b_desc = a   # (unused without TMA_LOAD)
         if tma_load:
