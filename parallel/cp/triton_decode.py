@@ -516,7 +516,10 @@ CONFIG = {
     "min_split_wide_narrow": 256,
     # and never more programs than target_programs (splits rounded down, not up): 16 heads at 1/4
     # of 32K (B = 32, 8192 local tokens) took 126.0 µs in 9 splits (288 programs: a third partial
-    # wave at its occupancy) against 110.5 in 8 (bench cp, 2026-12-03, two runs)
+    # wave at its occupancy) against 110.5 in 8 (bench cp, 2026-12-03, two runs). Both together
+    # (bench/results/cp-decode-h200.md against the run before, 16 heads bf16 at 8K / 32K / 128K):
+    # 74.4 / 110.5 / 501.5 -> 47.2 / 110.0 / 349.4 µs; over fp8 86.8 / 207.1 / 889.9 -> 64.8 /
+    # 203.1 / 680.5
     "at_most_wide_narrow": 1,
 }
 # H200, B = 32, 1/4 of L = 8K and 32K (`python -m megapar.launch.bench.cp --probe`, CUDA-graph
