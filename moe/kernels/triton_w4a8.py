@@ -14,6 +14,11 @@ per row (activations: per token; weights: per output row) - applied once in the 
 or per 128 along K (fp8_group activations, fp8_block / 1x128-folded weights) - applied to
 each 128-deep partial product ("promotion", as DeepGEMM does). The epilogue can apply SwiGLU
 over gate and up tiles (W13 in split order) and quantize the result to fp8_group for L2.
+
+`_fp8_gemm_persistent_kernel` is the row-scaled case as a persistent kernel (one program per SM,
+its tile and K loops flattened so the next tile's loads overlap this tile's epilogue). It is the
+default for the 128x256 prefill tiles (`pick_fp8_config`, numbers there and in bench/gemm-notes.md
+round 9). `FP8Config.tma_store` / `tma_load` are measured options, slower on the H200 and off.
 """
 
 from __future__ import annotations
