@@ -270,7 +270,8 @@ def grouped_gemm(x: torch.Tensor, w: torch.Tensor | QuantizedTensor | PreparedWe
     rows_hint: expected rows per expert, for the choice of kernel and launch settings (default
         M / E, or the slab capacity; a decode slab sized for the worst case wants the expected
         count: the kernels skip empty tiles on the device either way. H200, V3 L1, C = 128, 8 rows
-        per expert: 240 µs with rows_hint=8, 1285 without; bench/results/gemm-h200.md).
+        per expert: 240 µs with rows_hint=8, 1285 without; bench/results/gemm-h200.md). An EP slab
+        dispatch gives its estimate as `DispatchResult.rows_hint`.
     Returns [M, N] or [E, C, N] in `out_dtype` (default x.dtype); slab rows >= counts are zero.
     """
     pw = as_prepared(w)

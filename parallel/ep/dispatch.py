@@ -57,6 +57,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import math
 import queue
 import threading
 from dataclasses import dataclass, replace
@@ -286,11 +287,32 @@ class DispatchResult:
     handle: CombineHandle
     num_recv_tokens: int  # distinct token rows received (a token is sent once per rank)
     num_dropped: int | None  # slab with drop_policy="drop": pairs dropped on this rank
+    # expected rows per local expert under uniform routing, a host value (no sync): the `rows_hint`
+    # that `moe.kernels.grouped_gemm` / `expert_ffn` want for a slab sized for the worst case
+    # (without it the capacity picks the prefill kernel settings: 5x slower at decode sizes)
+    rows_hint: float = 0.0
 
     @property
     def counts_list(self) -> list[int]:
         """counts on the host (a device sync on CUDA)."""
         return self.counts.tolist()
+
+
+def expected_rows_per_expert(num_recv: int, top_k: int, experts_here: int, num_experts: int,
+                             capacity: int | None = None) -> float:
+    """Rows each of this rank's `experts_here` experts gets on average when `num_recv` distinct
+    tokens arrive, each with `top_k` distinct experts drawn uniformly from `num_experts`. A token
+    arrives when at least one of its experts is here. Given that, it holds on average
+    (top_k * experts_here / num_experts) / P(at least one here) of them, with P(none here) =
+    C(num_experts - experts_here, top_k) / C(num_experts, top_k). At most `capacity` (a slab's).
+    Host arithmetic only."""
+    if experts_here <= 0 or num_experts <= 0 or num_recv <= 0:
+        return 0.0
+    k = max(1, min(top_k, num_experts))
+    p_none = math.comb(num_experts - experts_here, k) / math.comb(num_experts, k)
+    per_token = (k * experts_here / num_experts) / max(1.0 - p_none, 1e-12)
+    rows = num_recv * per_token / experts_here
+    return float(min(rows, capacity)) if capacity is not None else float(rows)
 
 
 def _take(values: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
@@ -351,6 +373,8 @@ class _DispatchOp:
             handle=CombineHandle(self.route, plan, row_weights, out_dtype, d.hidden, id(d), self.worker, d.ranks),
             num_recv_tokens=self.route.num_recv,
             num_dropped=plan.num_dropped,
+            rows_hint=expected_rows_per_expert(self.route.num_recv, k, d.experts_per_rank, d.num_experts,
+                                               d.capacity if d.layout == "slab" else None),
         )
         return self.result.x, self.result.topk_weights
 
