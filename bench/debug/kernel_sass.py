@@ -129,6 +129,17 @@ DECODE.update({  # the structure options (CONFIG halves_wide / tma_wide / lazy_r
                         ("lazy", dict(LAZY=True)), ("halves tma lazy", dict(HALVES=True, TMA=True, LAZY=True)))
 })
 
+DECODE.update({  # MLA with 16 heads (TP 8: a narrow head tile) over fp8, as launched, and with fp16 operands
+    f"_paged_decode_kernel MLA narrow fp8 block_m=16 block_n=64 warps={w} stages=2 {label}":
+        ("_paged_decode_kernel", dict(_DECODE, k_ptr="*fp8e4nv", v_ptr="*fp8e4nv"),
+         dict(_MLA, FP8=True, BLOCK_M=16, BLOCK_N=64, num_warps=w, num_stages=2, **opts))
+    for w in (8, 4)
+    for label, opts in (("plain", {}), ("f16", dict(F16=True)), ("maxnreg 128", dict(maxnreg=128)),
+                        ("f16 maxnreg 128", dict(F16=True, maxnreg=128)))
+})
+DECODE["_paged_decode_kernel MLA narrow bf16 block_m=16 block_n=64 warps=8 stages=2 plain"] = (
+    "_paged_decode_kernel", _DECODE, dict(_MLA, BLOCK_M=16, BLOCK_N=64, num_warps=8, num_stages=2))
+
 
 def decode_config(mod) -> dict:
     """MLA decode as the module's `launch_settings` would launch it (1 query x 128 heads), for a
@@ -210,8 +221,9 @@ def report(cases, path: str) -> None:
         kernel = getattr(mod, name)
         params = inspect.signature(kernel.fn).parameters
         names = list(params)
-        options = {"num_warps": cons.get("num_warps", 4), "num_stages": cons.get("num_stages", 3)}
-        cons = {k: v for k, v in cons.items() if k not in options}
+        options = {"num_warps": cons.get("num_warps", 4), "num_stages": cons.get("num_stages", 3),
+                   **({"maxnreg": cons["maxnreg"]} if "maxnreg" in cons else {})}
+        cons = {k: v for k, v in cons.items() if k not in options and k != "maxnreg"}
         cons.update({n: p.default for n, p in params.items()   # defaulted constexprs, as a launch takes them
                      if n not in cons and n not in ptrs and p.default is not inspect.Parameter.empty})
         sig = {n: "constexpr" if n in cons else ptrs.get(n, "i32") for n in names}
