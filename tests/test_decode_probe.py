@@ -50,7 +50,7 @@ def test_apply_tuning_maps_mla_keys_to_wide_entries():
 
 
 @pytest.mark.parametrize("tuning,match", [
-    ({"gpa": {}}, r"unknown decode tuning entries \['gpa'\]; valid: gqa, gqa_fp8, mla, mla_fp8, config"),
+    ({"gpa": {}}, r"unknown decode tuning entries \['gpa'\]; valid: gqa, gqa_fp8, mla, mla_fp8, mla_narrow, config"),
     ({"gqa": {"block_k": 64}}, r"unknown decode tuning key gqa.block_k; valid: target_programs, min_split, block_n"),
     ({"mla": {"block_n": 48}}, r"mla.block_n = 48 is invalid; valid: 16, 32, 64, 128, 256"),
     ({"gqa": {"num_warps": 3}}, r"gqa.num_warps = 3 is invalid; valid: 1, 2, 4, 8, 16"),
@@ -179,16 +179,17 @@ def test_probe_dry_run_writes_a_tuning_that_installs(tmp_path, monkeypatch):
     assert td.CONFIG == before                                   # the probe restores CONFIG
     tuning = json.loads((tmp_path / "decode-tuning.json").read_text())
     partial = json.loads((tmp_path / "decode-tuning.partial.json").read_text())   # kept after each family
-    assert partial["done"] == ["gqa", "mla"] and len(partial["results"]) > 0   # (the dry run has no fp8 families)
+    kinds = ("gqa", "mla", "mla_narrow")                      # (the dry run has no fp8 families)
+    assert tuple(partial["done"]) == kinds and len(partial["results"]) > 0
     rows = tuning["results"]
-    assert len(rows) >= sum(len(TINY_VARIANTS[k]) for k in ("gqa", "mla"))   # the dry run has no fp8 cache
+    assert len(rows) >= sum(len(TINY_VARIANTS[k]) for k in kinds)
     assert all(r["valid"] and r["max_err"] < 1e-4 and r["us"] > 0 for r in rows), [r for r in rows if not r["valid"]]
-    for kind in ("gqa", "mla"):
+    for kind in kinds:
         chosen = tuning[kind]
         assert set(chosen) == set(KEYS[kind])
         mine = [r for r in rows if r["kind"] == kind]
         assert any(r["settings"] == chosen for r in mine)
-        same_shared = [r for r in mine if all(r["settings"][k] == chosen[k] for k in _SHARED)]
+        same_shared = [r for r in mine if all(r["settings"].get(k) == chosen.get(k) for k in _SHARED)]
         assert min(same_shared, key=lambda r: r["us"])["settings"] == chosen
     assert all(tuning["gqa"][k] == tuning["mla"][k] for k in _SHARED)
     assert any(r["splits"] > 1 for r in rows) and any(r["splits"] == 1 for r in rows)   # split + merge ran too
@@ -197,6 +198,8 @@ def test_probe_dry_run_writes_a_tuning_that_installs(tmp_path, monkeypatch):
     assert td.CONFIG["block_n"] == tuning["gqa"]["block_n"] and td.CONFIG["block_n_wide"] == tuning["mla"]["block_n"]
     assert td.CONFIG["block_m_wide"] == tuning["mla"]["block_m"]
     assert td.CONFIG["num_warps_wide"] == tuning["mla"]["num_warps"]
+    assert td.CONFIG["maxnreg_wide_narrow"] == tuning["mla_narrow"]["maxnreg"]
+    assert td.CONFIG["min_split_wide_narrow"] == tuning["mla_narrow"]["min_split"]
     # the tuned launch against an independent dense reference (wide key dim, v = k's prefix)
     from parallel.cp import PagedKVCache
     from parallel.cp.paged import paged_decode_attention
@@ -255,3 +258,21 @@ def test_decode_captures_in_a_cuda_graph(kind, cache_dtype, monkeypatch):
     torch.testing.assert_close(static.lse, eager.lse, atol=0, rtol=0)
     ref = paged_decode_attention(q[:2], cache, table[:2], seq[:2], layout=layout, scale=scale, backend="torch")
     torch.testing.assert_close(eager.out[:2], ref.out, atol=2e-2, rtol=0)
+
+
+def test_mla_narrow_family_installs_on_its_own_keys():
+    """A tuning file's mla_narrow entry reaches MLA launches with a head tile that is not full
+    (16 heads), bf16 and fp8 caches, and leaves full tiles (128 heads) and GQA as they were;
+    a key the family does not have is refused with nothing installed."""
+    full_before = {cd: td.launch_settings(576, torch.bfloat16, cd, 128) for cd in (torch.bfloat16, torch.float8_e4m3fn)}
+    gqa_before = td.launch_settings(128, torch.bfloat16, torch.bfloat16, 8)
+    td.apply_tuning({"mla_narrow": {"maxnreg": 128, "f16": 1, "num_warps": 4, "at_most": 0, "min_split": 512}})
+    for cd in (torch.bfloat16, torch.float8_e4m3fn):
+        got = td.launch_settings(576, torch.bfloat16, cd, 16)
+        assert (got["maxnreg"], got["f16"], got["num_warps"], got["at_most"], got["min_split"]) == (128, 1, 4, 0, 512)
+        assert td.launch_settings(576, torch.bfloat16, cd, 128) == full_before[cd]
+    assert td.launch_settings(128, torch.bfloat16, torch.bfloat16, 8) == gqa_before
+    before = dict(td.CONFIG)
+    with pytest.raises(ValueError, match=r"mla_narrow\.block_m"):
+        td.apply_tuning({"mla_narrow": {"num_warps": 8, "block_m": 32}})
+    assert td.CONFIG == before

@@ -2,8 +2,8 @@
 
 `python -m megapar.launch.bench.cp --probe --out DIR`. Problems (rank 0's 1/4 of a paged KV,
 page 64, B = 32): GQA Hq = 32, Hkv = 4, D = 128 at L = 8K and 32K with bf16 and fp8 caches; MLA
-(H = 128 over one 576-wide latent head, v = its first 512) at L = 8K and 32K, and H = 16 (TP 8)
-at 32K, bf16 and fp8. Per
+(H = 128 over one 576-wide latent head, v = its first 512) at L = 8K and 32K, bf16 and fp8, and
+H = 16 (TP 8, a head tile that is not full: family mla_narrow) at 8K and 32K, bf16 and fp8. Per
 family a fixed list of launch settings - one factor at a time around the current CONFIG plus a
 few combinations, for MLA also the kernel's structure options (latent in halves, TMA, lazy
 rescale) and, as invalid rows timed for where the time goes, its subtraction diagnostics (diag 1
@@ -14,10 +14,12 @@ and timed as a CUDA-graph replay; the table gives µs and the fraction of the KV
 at the copy ceiling.
 
 The best valid setting per family (least mean time relative to each problem's fastest) goes to
-DIR/decode-tuning.json as {"gqa": {...}, "gqa_fp8": {...}, "mla": {...}, "mla_fp8": {...}} in the
-kernel's own key names: MLA's land on CONFIG's *_wide entries (key dim > 256), MLA over fp8 on
-its *_wide_fp8 entries, GQA over an fp8 cache on its *_fp8 entries, so none conflict. min_split
-is swept per family (min_split, min_split_fp8, min_split_wide, min_split_wide_fp8). Only
+DIR/decode-tuning.json as {"gqa": {...}, "gqa_fp8": {...}, "mla": {...}, "mla_fp8": {...},
+"mla_narrow": {...}} in the kernel's own key names: MLA's land on CONFIG's *_wide entries (key
+dim > 256), MLA over fp8 on its *_wide_fp8 entries, narrow MLA tiles on *_wide_narrow (with a
+register cap and fp16 operands among its options), GQA over an fp8 cache on its *_fp8 entries,
+so none conflict. min_split is swept per family (min_split, min_split_fp8, min_split_wide,
+min_split_wide_fp8, min_split_wide_narrow). Only
 target_programs is shared by gqa and mla: where their winners differ, each family's winner is
 also timed with the other's value and the value with the smaller summed relative time serves
 both (a note says so). GQA has Hq / Hkv = 8 query rows per kv head, below the smallest row tile
@@ -50,8 +52,10 @@ KEYS = {"gqa": ("block_n", "num_warps", "num_stages", "target_programs", "min_sp
         "gqa_fp8": ("block_n", "num_stages", "f16", "maxnreg", "min_split"),
         "mla": ("block_m", "block_n", "num_warps", "num_stages", "target_programs", "min_split", "lazy_rescale",
                 "halves", "tma", "diag"),
-        "mla_fp8": ("block_m", "block_n", "num_warps", "num_stages", "lazy_rescale", "halves", "tma", "min_split")}
-FAMILY_MAP = {"gqa": {}, "mla": "_WIDE", "gqa_fp8": "_FP8", "mla_fp8": "_WIDE_FP8"}   # family key -> CONFIG key
+        "mla_fp8": ("block_m", "block_n", "num_warps", "num_stages", "lazy_rescale", "halves", "tma", "min_split"),
+        "mla_narrow": ("block_n", "num_warps", "num_stages", "min_split", "at_most", "f16", "maxnreg")}
+FAMILY_MAP = {"gqa": {}, "mla": "_WIDE", "gqa_fp8": "_FP8", "mla_fp8": "_WIDE_FP8",   # family key -> CONFIG key
+              "mla_narrow": "_WIDE_NARROW"}
 
 VARIANTS = {   # overrides of the current settings, one factor at a time, then a few combinations
     "gqa": [{}, {"lazy_rescale": 1}, {"block_n": 32}, {"block_n": 128}, {"num_warps": 8}, {"num_stages": 1}, {"num_stages": 3},
@@ -84,6 +88,12 @@ VARIANTS = {   # overrides of the current settings, one factor at a time, then a
                 {"block_m": 64, "halves": 1, "tma": 1, "num_stages": 2},
                 {"block_m": 64, "halves": 1, "num_stages": 2}, {"lazy_rescale": 1}, {"min_split": 512},
                 {"min_split": 2048}],
+    # MLA with 16 heads: over fp8 it takes 172 registers (one CTA of 8 warps per SM) against 80
+    # over bf16; a cap of 128 compiles with 48 B of spills (bench/debug/kernel_sass.py, --only narrow)
+    "mla_narrow": [{}, {"maxnreg": 128}, {"maxnreg": 168}, {"f16": 1}, {"f16": 1, "maxnreg": 128},
+                   {"num_warps": 4}, {"num_warps": 4, "maxnreg": 128}, {"num_stages": 3}, {"num_stages": 1},
+                   {"block_n": 32}, {"block_n": 32, "num_stages": 3}, {"min_split": 128}, {"min_split": 512},
+                   {"at_most": 0}],
 }
 TINY_VARIANTS = {
     "gqa": [{}, {"block_n": 16, "min_split": 32}, {"num_warps": 8, "num_stages": 1}],
@@ -91,6 +101,7 @@ TINY_VARIANTS = {
             {"halves": 1, "tma": 1, "block_n": 16, "lazy_rescale": 1}],
     "gqa_fp8": [{}, {"block_n": 16}, {"f16": 1, "block_n": 16}],
     "mla_fp8": [{}, {"num_stages": 2}],
+    "mla_narrow": [{}, {"num_stages": 1, "min_split": 32}],
 }
 
 
@@ -145,14 +156,16 @@ def _problems(ctx: BenchContext) -> list[Problem]:
     ceiling = copy_ceiling_gbps(ctx.device)
     layout = DCPLayout(size=n, rank=0, block_size=block)
     out: list[Problem] = []
-    # (kind, context, cache dtype, MLA heads): MLA with 128 heads on the rank (TP 1) and, at 32K,
-    # with 16 (TP 8): one family, its settings judged over both
+    # (kind, context, cache dtype, MLA heads): MLA with 128 heads on the rank (TP 1), and with 16
+    # (TP 8) as the family mla_narrow (CONFIG's *_wide_narrow entries) over bf16 and fp8
     specs = [("gqa_fp8" if dt == torch.float8_e4m3fn else "gqa", c, dt, 0) for c in contexts for dt in gqa_dtypes]
     specs += [("mla", c, mla_dtype, mla_heads) for c in contexts]
     if ctx.is_cuda:
-        specs += [("mla", contexts[-1], mla_dtype, 16)] + [("mla_fp8", c, torch.float8_e4m3fn, mla_heads)
-                                                             for c in contexts]
-        specs += [("mla_fp8", contexts[-1], torch.float8_e4m3fn, 16)]
+        specs += [("mla_fp8", c, torch.float8_e4m3fn, mla_heads) for c in contexts]
+        # 16 heads (TP 8): a head tile that is not full, its own family over both cache dtypes
+        specs += [("mla_narrow", c, dt, 16) for c in contexts for dt in (mla_dtype, torch.float8_e4m3fn)]
+    else:   # (the dry run's MLA heads, 4, are a narrow tile too)
+        specs += [("mla_narrow", contexts[-1], mla_dtype, mla_heads)]
     for kind, context, cache_dtype, heads_here in specs:
         local = int(layout.local_lengths(context))
         if not kind.startswith("mla"):
@@ -299,7 +312,7 @@ def probe(out_dir: str | os.PathLike, *, device: str | None = None, iters: int =
             print(f"  set up {len(problems)} problems in {time.time() - t0:.1f} s", flush=True)
             variants = VARIANTS if ctx.is_cuda else TINY_VARIANTS
             best: dict[str, dict[str, int]] = {}
-            for kind in ("gqa", "gqa_fp8", "mla", "mla_fp8"):
+            for kind in ("gqa", "gqa_fp8", "mla", "mla_fp8", "mla_narrow"):
                 if not any(p.kind == kind for p in problems):
                     continue
                 base = _family_view(kind, default)

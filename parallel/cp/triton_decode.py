@@ -510,6 +510,10 @@ CONFIG = {
     # does not sweep these two (its halves / tma rows of such problems then run this setting);
     # apply_tuning({"config": {...}}) sets them
     "halves_wide_narrow": 0, "tma_wide_narrow": 0,
+    # its own launch settings (the values MLA has over bf16 and over fp8 alike) and register cap
+    # (0: the compiler's) and fp16 operands over fp8 (probe family "mla_narrow")
+    "block_n_wide_narrow": 64, "num_warps_wide_narrow": 8, "num_stages_wide_narrow": 2, "maxnreg_wide_narrow": 0,
+    "f16_wide_narrow": 0,
     # and splits 4x finer: its grid is B x 1 head tile per split (B = 32 at 1/4 of 8K, 2048 local
     # tokens: 2 splits = 64 programs under min_split 1024, half the SMs idle; 8 = 256 under 256),
     # where a full 128-head problem has 2 head tiles and is compute-bound per tile
@@ -570,8 +574,12 @@ _FP8 = {"block_n": "block_n_fp8", "num_stages": "num_stages_fp8", "f16": "f16_fp
         "maxnreg": "maxnreg_fp8", "min_split": "min_split_fp8"}      # GQA over an fp8 cache
 _WIDE_FP8 = {k: f"{k}_wide_fp8" for k in ("block_m", "block_n", "num_warps", "num_stages", "lazy_rescale", "halves",
                                           "tma", "min_split")}      # MLA over an fp8 cache
+# MLA with a query-head tile that is not full (16 heads under TP 8), bf16 and fp8 caches
+_WIDE_NARROW = {k: f"{k}_wide_narrow" for k in ("block_n", "num_warps", "num_stages", "min_split", "at_most", "halves",
+                                              "tma", "f16", "maxnreg")}
 # tuning-file family -> (its keys' CONFIG names, whether only those keys are allowed)
-_FAMILIES = {"gqa": ({}, False), "gqa_fp8": (_FP8, True), "mla": (_WIDE, False), "mla_fp8": (_WIDE_FP8, True)}
+_FAMILIES = {"gqa": ({}, False), "gqa_fp8": (_FP8, True), "mla": (_WIDE, False), "mla_fp8": (_WIDE_FP8, True),
+             "mla_narrow": (_WIDE_NARROW, True)}
 _SHARED = ("target_programs",)
 # min_split was one key for every problem before it became per family: a file's gqa / mla value
 # also serves gqa_fp8 / mla_fp8 unless the file gives those their own (older files keep their meaning)
@@ -581,7 +589,7 @@ _VALID = {
     "block_n": (16, 32, 64, 128, 256), "block_m": (16, 32, 64, 128, 256),
     "num_warps": (1, 2, 4, 8, 16), "num_stages": (1, 2, 3, 4, 5, 6),
     "lazy_rescale": (0, 1), "halves": (0, 1), "tma": (0, 1), "diag": (0, 1, 2, 3), "f16": (0, 1),
-    "maxnreg": (0, *range(64, 256, 8)),
+    "maxnreg": (0, *range(64, 256, 8)), "at_most": (0, 1),
 }
 _META = ("device", "sizes", "seconds", "results", "notes", "problems")
 
@@ -596,7 +604,10 @@ def apply_tuning(tuning: dict) -> None:
     block_n, block_m, num_warps, num_stages, target_programs, min_split, lazy_rescale, and MLA's
     halves / tma / diag; "gqa_fp8": block_n, num_stages, f16, maxnreg and min_split of GQA over an
     fp8 cache, CONFIG's *_fp8 entries; "mla_fp8": MLA over an fp8 cache, CONFIG's *_wide_fp8
-    entries). MLA's block_n / block_m / num_warps / num_stages / min_split / structure options go
+    entries; "mla_narrow": MLA with fewer query heads than a head tile (16 under TP 8), bf16 and
+    fp8 caches: block_n, num_warps, num_stages, min_split, at_most (splits rounded down), halves,
+    tma, f16, maxnreg, CONFIG's *_wide_narrow entries). MLA's block_n / block_m / num_warps /
+    num_stages / min_split / structure options go
     to CONFIG's *_wide entries; target_programs is shared and must agree where both give it.
     min_split is per family; a gqa / mla min_split also sets gqa_fp8's / mla_fp8's unless the file
     gives those (files from before it was per family, with one shared value, keep their meaning).
@@ -685,14 +696,14 @@ def launch_settings(d: int, q_dtype: torch.dtype, cache_dtype: torch.dtype, rows
     """CONFIG's block_m / block_n / num_warps / num_stages / min_split (and the structure options
     lazy_rescale / halves / tma / diag / f16, and maxnreg: 0 where CONFIG has none) for a key dim
     d, these dtypes and `rows` query rows per kv head (q_len x heads per kv head): "wide" (d > 256,
-    MLA) entries first, with their narrow-tile, fp32-query or fp8-cache variants (in that order)
+    MLA) entries first, with their fp32-query, narrow-tile or fp8-cache variants (in that order)
     where CONFIG has one; else GQA's, fp8 ones for an fp8 cache."""
     fp8 = cache_dtype == torch.float8_e4m3fn
     narrow = rows < CONFIG["block_m_wide"]    # MLA's query-head tile not full (e.g. 16 heads: TP 8)
 
     def key(name: str) -> str:
-        if d > 256:
-            for variant, on in (("narrow", narrow), ("f32", q_dtype == torch.float32), ("fp8", fp8)):
+        if d > 256:   # (fp32 queries first: their tiles are sized for shared memory)
+            for variant, on in (("f32", q_dtype == torch.float32), ("narrow", narrow), ("fp8", fp8)):
                 if on and f"{name}_wide_{variant}" in CONFIG:
                     return f"{name}_wide_{variant}"
             return _WIDE.get(name, f"{name}_wide")
