@@ -606,7 +606,8 @@ def apply_tuning(tuning: dict) -> None:
     fp8 cache, CONFIG's *_fp8 entries; "mla_fp8": MLA over an fp8 cache, CONFIG's *_wide_fp8
     entries; "mla_narrow": MLA with fewer query heads than a head tile (16 under TP 8), bf16 and
     fp8 caches: block_n, num_warps, num_stages, min_split, at_most (splits rounded down), halves,
-    tma, f16, maxnreg, CONFIG's *_wide_narrow entries). MLA's block_n / block_m / num_warps /
+    tma, f16, maxnreg, CONFIG's *_wide_narrow entries; since 2026-12-03 a file's mla entry no
+    longer reaches those tiles). MLA's block_n / block_m / num_warps /
     num_stages / min_split / structure options go
     to CONFIG's *_wide entries; target_programs is shared and must agree where both give it.
     min_split is per family; a gqa / mla min_split also sets gqa_fp8's / mla_fp8's unless the file
