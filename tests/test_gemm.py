@@ -520,3 +520,8 @@ def test_interp_fp8_gemm_tma_store_and_persistent_variants_match_pointer_stores(
         if layout == "slab":   # (slab padding rows hold NaN here: TMA loads read them, the output stays 0)
             pad = ~(torch.arange(24)[None, :] < counts[:, None]).reshape(-1)
             assert (got["persistent"][pad] == 0).all() and (got["persistent tma loads"][pad] == 0).all()
+    empty = xq.data[:0]                        # no rows at all: every variant returns [0, N]
+    rows = expert_rows(empty, 4, torch.zeros(4, dtype=torch.int64), None, "contiguous")
+    for opts in ({}, {"persistent": 3}, {"persistent": 3, "tma_load": True}, {"tma_store": True}):
+        cfg = FP8Config(block_m=16, block_n=32, num_warps=4, num_stages=1, **opts)
+        assert fp8_grouped_gemm(empty, xq.scale[:0], b, bs, rows, out_dtype=torch.float32, config=cfg).shape == (0, 40)
