@@ -144,7 +144,8 @@ def _dcp_breakdown(ctx: BenchContext) -> None:
     "cp.decode" auto) for N = 2, 4, 8 next to the same kernel over the whole KV (one GPU without
     DCP), the ratio N * local / full (1.0 = DCP splits the work perfectly), fixed_us (the same
     launch over one page per rank: grid, splits, merge; what does not shrink with N) and
-    streamed_ratio_x_n, the ratio without it, and the merge of the N partial states (ag_rs: LSE combine + rescale; a2a: the N-way merge). Collectives: section 3."""
+    streamed_ratio_x_n, the ratio without it, and the merge of the N partial states (ag_rs: LSE
+    combine + rescale; a2a: the N-way merge). Collectives: section 3."""
     from megapar.parallel.cp.mla import MLADims
     from megapar.parallel.cp.paged import paged_decode_attention
 

@@ -372,7 +372,8 @@ def _deep_gemm_rows(ctx: BenchContext, shape: str, gemm: str, w: dict[str, Any],
         for ours, act in (("triton_w4a16", None), ("triton_w4a8", "fp8_token")):   # each against its own inputs
             xr = quantize_dequantize_act(xs_.reshape(E * C, K), act).view(E, C, K)
             # without a hint the slab's capacity picks the kernel settings; with rows_hint = the
-            # expected rows (as DeepGEMM's expected_m, and as the MoE layer passes it), the decode ones
+            # expected rows (as DeepGEMM's expected_m; an EP slab dispatch gives DispatchResult.rows_hint),
+            # the decode ones
             for hint in (None, tok):
                 row(f"{ours} slab C={C}" + (f" rows_hint={hint}" if hint else ""),
                     lambda ours=ours, hint=hint: grouped_gemm(xs_, w["pw"], counts=counts, layout="slab",

@@ -319,7 +319,9 @@ def fp8_grouped_gemm(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_
         return (out, out_scale) if quant_out else out
     if cfg.persistent and not (a_group or b_group or swiglu is not None or quant_out or diag):
         n_prog = cfg.persistent if cfg.persistent > 0 else _sm_count(a.device)
-        tma_load = cfg.tma_load and M > 0 and K % 16 == 0 and _tma_store_ok(a) and _tma_store_ok(b)
+        # (descriptors over a [M, K] and b viewed as [E * N, K]: both need rows and a dense layout)
+        tma_load = cfg.tma_load and M > 0 and K % 16 == 0 and _tma_store_ok(a) and b.is_contiguous() \
+            and b.data_ptr() % 16 == 0
         a_desc = b_desc = a   # (unused without TMA_LOAD)
         if tma_load:
             from triton.tools.tensor_descriptor import TensorDescriptor
