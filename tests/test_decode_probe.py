@@ -217,6 +217,26 @@ def test_probe_dry_run_writes_a_tuning_that_installs(tmp_path, monkeypatch):
     torch.testing.assert_close(got.out[0], p @ k[:, 0, :dv], atol=1e-4, rtol=0)
 
 
+def test_probe_family_filter(tmp_path, monkeypatch):
+    """MEGAPAR_DECODE_PROBE_FAMILIES probes only the families it names (and sets up only their
+    problems); an unknown name is a ValueError naming it, before anything runs."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    from launch.bench.decode_probe import TINY_VARIANTS, probe
+
+    monkeypatch.setenv("MEGAPAR_DECODE_PROBE_FAMILIES", "mla_narrow")
+    before = dict(td.CONFIG)
+    tuning = probe(tmp_path)
+    assert td.CONFIG == before
+    assert {k for k in tuning if k in ("gqa", "gqa_fp8", "mla", "mla_fp8", "mla_narrow")} == {"mla_narrow"}
+    assert {r["kind"] for r in tuning["results"]} == {"mla_narrow"}
+    assert len(tuning["results"]) >= len(TINY_VARIANTS["mla_narrow"])
+    assert all(r["valid"] for r in tuning["results"])
+    monkeypatch.setenv("MEGAPAR_DECODE_PROBE_FAMILIES", "mla_narrow,gqa8")
+    with pytest.raises(ValueError, match=r"unknown families \['gqa8'\]"):
+        probe(tmp_path / "bad")
+    assert not (tmp_path / "bad").exists()
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("cache_dtype", [torch.bfloat16, torch.float8_e4m3fn])
 @pytest.mark.parametrize("kind", ["gqa", "mla", "mla halves tma lazy"])

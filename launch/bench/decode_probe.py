@@ -25,6 +25,8 @@ also timed with the other's value and the value with the smaller summed relative
 both (a note says so). GQA has Hq / Hkv = 8 query rows per kv head, below the smallest row tile
 (16), so block_m is not swept for it.
 `triton_decode.apply_tuning` (or MEGAPAR_DECODE_TUNING=DIR/decode-tuning.json) installs the file.
+MEGAPAR_DECODE_PROBE_FAMILIES (a comma list of gqa, gqa_fp8, mla, mla_fp8, mla_narrow) probes only
+those families (and sets up only their problems); the file then holds only them.
 After each family DIR/decode-tuning.partial.json holds what is measured so far (a call that runs
 out of time keeps it).
 On CPU under TRITON_INTERPRET=1 the probe is a dry run on tiny sizes with a few settings.
@@ -137,7 +139,17 @@ def _install(kind: str, settings: dict[str, int], default: dict[str, int]) -> No
     td.apply_tuning({kind: settings})
 
 
-def _problems(ctx: BenchContext) -> list[Problem]:
+def _families() -> tuple[str, ...]:
+    """The families to probe: MEGAPAR_DECODE_PROBE_FAMILIES (comma list), default all of KEYS."""
+    raw = os.environ.get("MEGAPAR_DECODE_PROBE_FAMILIES", "")
+    picked = tuple(f.strip() for f in raw.split(",") if f.strip()) or tuple(KEYS)
+    bad = [f for f in picked if f not in KEYS]
+    if bad:
+        raise ValueError(f"MEGAPAR_DECODE_PROBE_FAMILIES names unknown families {bad}; valid: {', '.join(KEYS)}")
+    return picked
+
+
+def _problems(ctx: BenchContext, families: tuple[str, ...] = tuple(KEYS)) -> list[Problem]:
     from megapar.launch.bench.cp import _decode_setup, _floor, _mla_decode_setup, kv_read_bytes_of
     from megapar.parallel.cp.dcp import DCPLayout
     from megapar.parallel.cp.mla import MLADims
@@ -167,6 +179,8 @@ def _problems(ctx: BenchContext) -> list[Problem]:
     else:   # (the dry run's MLA heads, 4, are a narrow tile too)
         specs += [("mla_narrow", contexts[-1], mla_dtype, mla_heads)]
     for kind, context, cache_dtype, heads_here in specs:
+        if kind not in families:
+            continue
         local = int(layout.local_lengths(context))
         if not kind.startswith("mla"):
             heads, kv_heads, d = gqa
@@ -308,11 +322,12 @@ def probe(out_dir: str | os.PathLike, *, device: str | None = None, iters: int =
     out = Path(out_dir)
     try:
         with torch.no_grad():
-            problems = _problems(ctx)
+            families = _families()
+            problems = _problems(ctx, families)
             print(f"  set up {len(problems)} problems in {time.time() - t0:.1f} s", flush=True)
             variants = VARIANTS if ctx.is_cuda else TINY_VARIANTS
             best: dict[str, dict[str, int]] = {}
-            for kind in ("gqa", "gqa_fp8", "mla", "mla_fp8", "mla_narrow"):
+            for kind in families:
                 if not any(p.kind == kind for p in problems):
                     continue
                 base = _family_view(kind, default)
