@@ -19,7 +19,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import torch
 
@@ -174,6 +174,48 @@ def graph_time(ctx: BenchContext, fn: Callable[[], Any], iters: int | None = Non
     except Exception as e:  # noqa: BLE001 - fall back, and say so
         torch.cuda.synchronize()
         return ctx.time_fn(fn, iters=iters), f"eager ({type(e).__name__})"
+
+
+def step_time(ctx: BenchContext, fns: Sequence[Callable[[], Any]], reps: int = GRAPH_REPS,
+              iters: int | None = None) -> tuple[float, dict[str, Any]]:
+    """A decode-step call timed as a decode step's CUDA graph runs it: µs per call of `reps` calls
+    captured in one graph, the input sets `fns` (the same call over separate copies of its inputs)
+    taken in turn, so that a call reads its inputs from DRAM and not from the L2 the call before
+    left them in (`l2_sets` says how many copies that takes). One replay of a graph holding a
+    single call also holds the host's launch of that replay (5-10 µs on the H200's host), which a
+    step's graph of a whole model's kernels pays once, not per kernel: that time is kept as
+    `replay_us`. Returns (µs, columns timing / replay_us / input_sets); eager on CPU, and where
+    capture fails (timing "eager (ExceptionName)")."""
+    fns = list(fns)
+    fns[0]()
+    cols: dict[str, Any] = {"input_sets": len(fns)}
+    if not ctx.is_cuda:
+        return ctx.time_fn(fns[0], iters=iters), {**cols, "timing": "eager"}
+    torch.cuda.synchronize()
+    try:
+        graph, _ = capture_graph(fns[0])
+        cols["replay_us"] = ctx.time_fn(graph.replay, iters=iters)
+        del graph
+
+        def calls() -> None:
+            for i in range(reps):
+                fns[i % len(fns)]()
+        graph, _ = capture_graph(calls)
+        us = ctx.time_fn(graph.replay, iters=iters) / reps
+        del graph
+        return us, {**cols, "timing": f"graph x{reps}"}
+    except Exception as e:  # noqa: BLE001 - fall back, and say so
+        torch.cuda.synchronize()
+        return ctx.time_fn(fns[0], iters=iters), {**cols, "timing": f"eager ({type(e).__name__})"}
+
+
+def l2_sets(ctx: BenchContext, nbytes: int, most: int = GRAPH_REPS) -> int:
+    """Copies of a call's inputs (`nbytes` each) that `step_time` takes in turn so that at least 3x
+    the L2 is read between two uses of one copy (1 on CPU, at most `most`)."""
+    if not ctx.is_cuda or nbytes <= 0:
+        return 1
+    l2 = torch.cuda.get_device_properties(ctx.device).L2_cache_size
+    return max(1, min(most, -(-3 * l2 // nbytes)))
 
 
 @contextlib.contextmanager

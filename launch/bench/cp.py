@@ -22,11 +22,13 @@
    (gathered pages) and SDPA on a contiguous copy of the same KV; floor = the KV bytes at the
    copy ceiling (target >= 70% and faster than SDPA). The fused MLA prep (`parallel.cp.mla_prep`)
    against the unfused torch sequence at 1, 16, 64, 256 tokens (target >= 60% of copy, >= 3x).
-Sections 2 and 4 time every decode call (ours and the SDPA / torch bmm anchors) as a CUDA-graph
-replay, as serving runs decode (`common.graph_time`): column `timing` says "graph", "graph x10"
-(a call under 30 µs: ten calls captured in one graph, per call, so the host's launch of the replay
-stays out), or "eager (ExceptionName)" where capture failed; `eager_us` is the same call launched
-from Python.
+Sections 2 and 4 time every decode call (ours and the SDPA / torch bmm anchors) as a decode step's
+CUDA graph runs it (`common.step_time`): µs per call of ten calls captured in one graph, over
+copies of the inputs taken in turn so that a call reads its KV from DRAM, not from the L2 the call
+before left it in (column input_sets; `common.l2_sets`: >= 3x the L2 between two uses of a copy).
+Column `replay_us` is one call per graph replay: it also holds the host's launch of the replay
+(5-10 µs), which a real step's graph pays once for all its kernels. `timing` says "graph x10", or
+"eager (ExceptionName)" where capture failed; `eager_us` is the same call launched from Python.
 --quick: tiny CPU sizes for every section.
 
 `python -m megapar.launch.bench.cp --probe --out DIR` runs the decode-kernel tuning probe instead
@@ -42,7 +44,8 @@ import sys
 
 import torch
 
-from megapar.launch.bench.common import H200_BF16_TFLOPS, BenchContext, copy_ceiling_gbps, graph_time, probe_main
+from megapar.launch.bench.common import (H200_BF16_TFLOPS, BenchContext, copy_ceiling_gbps, graph_time, l2_sets,
+                                         probe_main, step_time)
 from megapar.parallel.cp import PagedKVCache, attention_with_lse, dcp_kv_insert, zigzag_shard
 from megapar.parallel.cp.dcp import DCPLayout, write_kv_slots
 from megapar.parallel.cp.merge import combine_lse, merge_attn_states
@@ -181,25 +184,30 @@ def _dcp_breakdown(ctx: BenchContext) -> None:
                 return cache.paged, table, q
             what, scale, dv = f"MLA H={hq}, latent {dims.latent_dim}", dims.scale, dims.kv_lora_rank
             read = lambda cache, tokens: kv_read_bytes_of(cache, tokens, 1, dims.latent_dim, 0, True)
-        full_cache, full_table, q = setup(1)
-        call = lambda c, t, n, lens=seq: paged_decode_attention(q, c, t, lens, scale=scale, max_seq_len=context,
-                                                                layout=DCPLayout(size=n, rank=0, block_size=block))
+        call = lambda c, t, q, n, lens=seq: paged_decode_attention(q, c, t, lens, scale=scale, max_seq_len=context,
+                                                                   layout=DCPLayout(size=n, rank=0, block_size=block))
 
-        def fixed(c, t, n):
+        def copies(n):
+            """Rank 0's cache at 1/n, as many copies as `step_time` takes in turn (`l2_sets`)."""
+            first = setup(n)
+            return [first] + [setup(n) for _ in range(l2_sets(ctx, read(first[0], batch * (context // n))) - 1)]
+
+        def fixed(c, t, q, n):
             """The part that does not shrink with N: the same grid, splits and merge (capacity L)
-            over one page per rank (lengths n x page), timed as a graph replay."""
+            over one page per rank (lengths n x page), timed in a step's graph like the rest."""
             short = torch.full_like(seq, n * block)
-            return _decode_time(ctx, lambda: call(c, t, n, short))[0]
+            return _decode_time(ctx, [lambda: call(c, t, q, n, short)])[0]
 
-        full_us, full_cols = _decode_time(ctx, lambda: call(full_cache, full_table, 1))
-        full_fixed_us = fixed(full_cache, full_table, 1)
+        full = copies(1)
+        full_us, full_cols = _decode_time(ctx, [lambda c=c, t=t, q=q: call(c, t, q, 1) for c, t, q in full])
+        full_fixed_us = fixed(*full[0], 1)
         ctx.record(f"dcp decode {kind} full KV on one GPU ({tag} cache, B={batch}, L={context}, {what})", full_us,
-                   floor_us=_floor(read(full_cache, batch * context), ceiling), fixed_us=full_fixed_us, **full_cols)
-        del full_cache, full_table
+                   floor_us=_floor(read(full[0][0], batch * context), ceiling), fixed_us=full_fixed_us, **full_cols)
+        del full
         for n in sizes:
-            cache, table, _ = setup(n)
-            local_us, local_cols = _decode_time(ctx, lambda: call(cache, table, n))
-            fixed_us = fixed(cache, table, n)
+            local = copies(n)
+            local_us, local_cols = _decode_time(ctx, [lambda c=c, t=t, q=q: call(c, t, q, n) for c, t, q in local])
+            fixed_us = fixed(*local[0], n)
             outs = torch.randn(n, batch, hq, dv, device=ctx.device)
             lses = torch.randn(n, batch, hq, device=ctx.device)
 
@@ -211,29 +219,33 @@ def _dcp_breakdown(ctx: BenchContext) -> None:
             a2a_us, _ = graph_time(ctx, lambda: merge_attn_states(outs, lses))
             ctx.record(f"dcp decode {kind} local attention over 1/{n} of the KV ({tag} cache, B={batch}, L={context}, "
                        f"{what})", local_us, anchor="the kernel over the whole KV (no DCP)", anchor_us=full_us,
-                       floor_us=_floor(read(cache, batch * (context // n)), ceiling),
+                       floor_us=_floor(read(local[0][0], batch * (context // n)), ceiling),
                        work_ratio_local_x_n_over_full=local_us * n / full_us, ideal_speedup=n, fixed_us=fixed_us,
                        streamed_ratio_x_n=(local_us - fixed_us) * n / max(full_us - full_fixed_us, 1e-9),
                        merge_ag_rs_us=ag_rs_us, merge_a2a_us=a2a_us,
                        local_plus_merge_us=local_us + min(ag_rs_us, a2a_us), **local_cols)
-            del cache, table, outs, lses
+            del local, outs, lses
     ctx.note("dcp breakdown: the all-gather of q and the combine collectives need >= 2 GPUs (section 3)")
     _note_graph_timing(ctx)
 
 
-def _decode_time(ctx: BenchContext, fn) -> tuple[float, dict]:
-    """A decode call timed as serving runs it: (µs of a CUDA-graph replay, the extra columns
-    `timing` ("graph", or "eager (ExceptionName)" when capture failed) and `eager_us`, the same
-    call launched from Python)."""
-    us, how = graph_time(ctx, fn)
-    return us, {"timing": how, "eager_us": ctx.time_fn(fn) if ctx.is_cuda else us}
+def _decode_time(ctx: BenchContext, fns) -> tuple[float, dict]:
+    """A decode call timed as serving runs it, inside a decode step's CUDA graph (`step_time`:
+    µs per call of ten captured in one graph, `fns` = the call over each copy of its inputs, taken
+    in turn): (µs, the extra columns timing, replay_us (one call per graph replay, the host's
+    launch of the replay included), input_sets and eager_us, the call launched from Python)."""
+    us, cols = step_time(ctx, fns)
+    return us, {**cols, "eager_us": ctx.time_fn(fns[0]) if ctx.is_cuda else us}
 
 
 def _note_graph_timing(ctx: BenchContext) -> None:
     if ctx.is_cuda and "decode timing" not in " ".join(ctx.notes):
-        ctx.note("decode timing: time_us of the decode kernel rows and their SDPA / torch bmm anchors is a CUDA-graph "
-                 "replay (column timing; eager_us = the same call launched from Python); the gathered-pages torch "
-                 "path is eager")
+        ctx.note("decode timing: time_us of the decode kernel rows and of their SDPA / torch bmm anchors is µs per call of "
+                 "ten calls captured in one CUDA graph (timing 'graph x10'), over input_sets copies of the inputs taken "
+                 "in turn so that no call reads its KV from L2: a call as a decode step's graph runs it. replay_us "
+                 "(anchor_replay_us) is one call per graph replay, which also holds the host's launch of the replay "
+                 "(5-10 µs; the time_us of runs before 2026-12-03 evening); eager_us the call launched from Python; "
+                 "the gathered-pages torch path is eager")
 
 
 def _floor(nbytes: int | None, ceiling_gbps: float) -> float | None:
@@ -363,24 +375,34 @@ def _paged_decode_rows(ctx: BenchContext) -> None:
                 local = context // n
                 if kind == "gqa":
                     heads, kv_heads, d, dv = 32, 4, 128, 128
-                    cache, table, q, _ = _decode_setup(batch, context, heads, kv_heads, d, block, n, ctx.device,
-                                                       cache_dtype)
+
+                    def make():
+                        cache, table, q, _ = _decode_setup(batch, context, heads, kv_heads, d, block, n, ctx.device,
+                                                           cache_dtype)
+                        return cache, table, q
                     scale, v_from_k, what = d ** -0.5, False, f"Hq={heads}, Hkv={kv_heads}"
                 else:
                     heads, kv_heads, d, dv = mla_heads, 1, dims.latent_dim, dims.kv_lora_rank
-                    latent, table = _mla_decode_setup(batch, context, dims, block, n, ctx.device, cache_dtype)
-                    cache = latent.paged
-                    q = torch.randn(batch, heads, d, device=ctx.device, dtype=torch.bfloat16)
+
+                    def make():
+                        latent, table = _mla_decode_setup(batch, context, dims, block, n, ctx.device, cache_dtype)
+                        return latent.paged, table, torch.randn(batch, heads, d, device=ctx.device,
+                                                                dtype=torch.bfloat16)
                     scale, v_from_k = dims.scale, True
                     what = f"MLA H={heads}{' (TP 8)' if heads == 16 else ''}, latent {d}"
                 layout = DCPLayout(size=n, rank=0, block_size=block)
                 seq = torch.full((batch,), context, device=ctx.device)
-                ours = lambda lens: paged_decode_attention(q, cache, table, lens, layout=layout, scale=scale,
-                                                           backend="triton", max_seq_len=context)
-                ours_us, ours_cols = _decode_time(ctx, lambda: ours(seq))
+                ours = lambda c, t, q, lens: paged_decode_attention(q, c, t, lens, layout=layout, scale=scale,
+                                                                    backend="triton", max_seq_len=context)
+                # copies of the cache taken in turn (step_time), so that no call finds its KV in L2
+                sets = [make()]
+                nbytes = kv_read_bytes_of(sets[0][0], batch * local, kv_heads, d, dv, v_from_k)
+                sets += [make() for _ in range(l2_sets(ctx, nbytes) - 1)]
+                ours_us, ours_cols = _decode_time(ctx, [lambda c=c, t=t, q=q: ours(c, t, q, seq) for c, t, q in sets])
+                cache, table, q = sets[0]
                 # the part that does not scale with L: the same grid, splits and merge over one page
                 # per rank (what is left of the time, streamed_us, is what the KV bytes cost)
-                fixed_us = _decode_time(ctx, lambda: ours(torch.full_like(seq, n * block)))[0]
+                fixed_us = _decode_time(ctx, [lambda: ours(cache, table, q, torch.full_like(seq, n * block))])[0]
                 # the gathered-pages torch path expands the KV per query head: skip it where that alone
                 # would not fit (MLA at L = 128K: 288 GiB)
                 if batch * local * heads * d * 2 * 2 <= 32 * 2**30:
@@ -390,19 +412,24 @@ def _paged_decode_rows(ctx: BenchContext) -> None:
                     torch_us = float("nan")
                     ctx.note(f"{kind} L={context}: the gathered-pages torch path skipped (its per-head KV copy "
                              f"exceeds 32 GiB)")
-                kc = torch.randn(batch, kv_heads, local, d, device=ctx.device, dtype=torch.bfloat16)
+                del sets
+                # the anchor over as many contiguous copies (its own V for GQA: with k and v one
+                # tensor, the second read of each tile hits L2 and SDPA moves half the bytes)
+                anchor_bytes = batch * kv_heads * local * d * 2 * (2 if kind == "gqa" else 1)
+                kcs = [torch.randn(batch, kv_heads, local, d, device=ctx.device, dtype=torch.bfloat16)
+                       for _ in range(l2_sets(ctx, anchor_bytes))]
                 if kind == "gqa":
                     anchor = "SDPA, contiguous bf16 KV of the same tokens"
-                    # its own V: with k and v one tensor, the second read of each tile hits L2
-                    # and SDPA moves half the bytes (it measured under the byte floor so)
-                    vc = torch.randn_like(kc)
-                    sdpa_us, anchor_timing = graph_time(ctx, lambda: _sdpa_contiguous(q.unsqueeze(2), kc, vc))
-                    del vc
+                    vcs = [torch.randn_like(kc) for kc in kcs]
+                    sdpa_us, anchor_cols = step_time(ctx, [lambda kc=kc, vc=vc: _sdpa_contiguous(q.unsqueeze(2), kc, vc)
+                                                           for kc, vc in zip(kcs, vcs)])
+                    del vcs
                 else:
                     anchor = "torch absorbed MLA (2 bmm + softmax), contiguous bf16 latent of the same tokens"
-                    sdpa_us, anchor_timing = graph_time(ctx, lambda: _mla_torch_contiguous(q, kc[:, 0], dv, scale))
-                del kc
-                nbytes = kv_read_bytes_of(cache, batch * local, kv_heads, d, dv, v_from_k)
+                    sdpa_us, anchor_cols = step_time(ctx, [lambda kc=kc: _mla_torch_contiguous(q, kc[:, 0], dv, scale)
+                                                           for kc in kcs])
+                del kcs
+                anchor_timing = anchor_cols["timing"]
                 label = "paged decode kernel over" if kind == "gqa" else "MLA absorbed decode kernel over"
                 # the roofline: the bytes at the copy ceiling or the matmul FLOPs (q.k over d, p.v over
                 # dv, per head and token) at the measured bf16 dense ceiling, whichever takes longer.
@@ -415,6 +442,7 @@ def _paged_decode_rows(ctx: BenchContext) -> None:
                            ours_us, anchor=anchor, anchor_us=sdpa_us, floor_us=floor, byte_floor_us=byte_floor,
                            flop_floor_us=flop_floor, torch_gathered_us=torch_us,
                            speedup_vs_torch=torch_us / ours_us, target_fraction=0.70, anchor_timing=anchor_timing,
+                           anchor_replay_us=anchor_cols.get("replay_us"), anchor_input_sets=anchor_cols["input_sets"],
                            fixed_us=fixed_us, streamed_fraction=floor / max(ours_us - fixed_us, 1e-9), **ours_cols)
                 del cache, table, q
     _note_graph_timing(ctx)
