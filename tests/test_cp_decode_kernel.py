@@ -329,3 +329,69 @@ def test_kernel_reports_bad_tables_as_nan_without_reading_past_them(mla, fp8, mo
     _check(AttnState(got.out[4:], got.lse[4:]), AttnState(ref.out[4:], ref.lse[4:]), 1e-4)
     with pytest.raises(ValueError, match=r"block ids \[-1, " + str(nb + 5) + r"\] outside the cache's \[0, " + str(nb)):
         paged_decode_attention(q, cache, bad_table, seq, backend="triton")      # (CPU tensors: checked first)
+
+
+def test_pdl_is_off_where_it_cannot_apply_and_its_switch_is_validated():
+    """Programmatic dependent launch only on CUDA (sm_90+), never under the interpreter; CONFIG
+    "pdl" takes 0/1 through apply_tuning like every launch setting."""
+    from parallel.cp import triton_decode
+    from parallel.cp.triton_merge import pdl_ok
+
+    assert pdl_ok(torch.device("cpu")) is False
+    before = dict(triton_decode.CONFIG)
+    try:
+        triton_decode.apply_tuning({"config": {"pdl": 0}})
+        assert triton_decode.CONFIG["pdl"] == 0
+        with pytest.raises(ValueError, match="pdl = 2 is invalid"):
+            triton_decode.apply_tuning({"config": {"pdl": 2}})
+        assert triton_decode.CONFIG["pdl"] == 0
+    finally:
+        triton_decode.CONFIG.clear()
+        triton_decode.CONFIG.update(before)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("hq,hkv,d,dv", [(32, 4, 128, 128), (16, 1, 576, 512)], ids=["gqa", "mla16"])
+def test_pdl_chain_in_a_graph_matches_plain_launches(hq, hkv, d, dv, monkeypatch):
+    """Decode calls back to back in one CUDA graph with programmatic dependent launch (each kernel
+    and split merge may start while the one before finishes; the partial buffers of one call reuse
+    the memory the previous call's merge reads): the same as the calls launched without it (to
+    1e-5), and to the torch path within the kernel's bound."""
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    from parallel.cp import triton_decode
+    from parallel.cp.triton_merge import pdl_ok
+
+    if not pdl_ok(torch.device("cuda")):
+        pytest.skip("programmatic dependent launch needs sm_90+ and a Triton that launches with it")
+    lens = [6000, 1, 0, 2500, 9000, 64]
+    cache, table, layout, _, _ = _fill(lens, hkv, d, dv, 64, 2, 1, 1, torch.bfloat16, seed=5, device="cuda")
+    if dv != d:
+        cache = PagedKVCache(cache.k, cache.k[..., :dv], None, None)
+    seq = torch.tensor(lens, device="cuda")
+    qs = [torch.randn(len(lens), hq, d, device="cuda", dtype=torch.bfloat16) for _ in range(4)]
+    run = lambda q: paged_decode_attention(q, cache, table, seq, layout=layout, backend="triton", scale=0.06,
+                                           max_seq_len=max(lens))
+    monkeypatch.setitem(triton_decode.CONFIG, "pdl", 0)
+    plain = [run(q) for q in qs]
+    monkeypatch.setitem(triton_decode.CONFIG, "pdl", 1)
+    outs = []
+
+    def chain():
+        outs.clear()
+        for q in qs:     # the previous call's partials are freed: this call's may take their memory
+            outs.append(run(q))
+    chain()                                              # warm-up (compiles)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        chain()
+    for _ in range(3):
+        graph.replay()
+    torch.cuda.synchronize()
+    for got, want, q in zip(outs, plain, qs):
+        # (the same arithmetic; a race on the reused partials would be off by far more)
+        torch.testing.assert_close(got.lse, want.lse, atol=1e-5, rtol=0, equal_nan=True)
+        torch.testing.assert_close(got.out, want.out, atol=1e-5, rtol=0)
+        ref = paged_decode_attention(q, cache, table, seq, layout=layout, backend="torch", scale=0.06)
+        finite = torch.isfinite(ref.lse)
+        assert torch.equal(finite, torch.isfinite(got.lse))
+        torch.testing.assert_close(got.out, ref.out, atol=2e-2, rtol=0)

@@ -233,9 +233,20 @@ def _decode_time(ctx: BenchContext, fns) -> tuple[float, dict]:
     """A decode call timed as serving runs it, inside a decode step's CUDA graph (`step_time`:
     µs per call of ten captured in one graph, `fns` = the call over each copy of its inputs, taken
     in turn): (µs, the extra columns timing, replay_us (one call per graph replay, the host's
-    launch of the replay included), input_sets and eager_us, the call launched from Python)."""
+    launch of the replay included), input_sets, eager_us (the call launched from Python) and
+    no_pdl_us (the kernels launched without programmatic dependent launch, `triton_decode.CONFIG`
+    "pdl" 0)."""
+    from megapar.parallel.cp import triton_decode
+
     us, cols = step_time(ctx, fns)
-    return us, {**cols, "eager_us": ctx.time_fn(fns[0]) if ctx.is_cuda else us}
+    cols["eager_us"] = ctx.time_fn(fns[0]) if ctx.is_cuda else us
+    if ctx.is_cuda and triton_decode.CONFIG["pdl"]:   # the same without programmatic dependent launch
+        triton_decode.CONFIG["pdl"] = 0
+        try:
+            cols["no_pdl_us"] = step_time(ctx, fns)[0]
+        finally:
+            triton_decode.CONFIG["pdl"] = 1
+    return us, cols
 
 
 def _note_graph_timing(ctx: BenchContext) -> None:

@@ -49,7 +49,7 @@ from torch import Tensor
 
 from .. import impl
 from .state import AttnState
-from .triton_merge import merge_states_triton
+from .triton_merge import gdc_launch_dependents, gdc_wait, merge_states_triton, pdl_ok
 
 _LOG2E = 1.4426950408889634
 
@@ -399,8 +399,12 @@ def _paged_decode_kernel(
     BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PAGE: tl.constexpr,
     FP8: tl.constexpr, V_FROM_K: tl.constexpr, CAUSAL: tl.constexpr, IEEE: tl.constexpr,
     INTERPRETED: tl.constexpr, LAZY: tl.constexpr = False, HALVES: tl.constexpr = False,
-    TMA: tl.constexpr = False, DIAG: tl.constexpr = 0, F16: tl.constexpr = False, NUM_BLOCKS=1, TABLE_W=1,
+    TMA: tl.constexpr = False, DIAG: tl.constexpr = 0, F16: tl.constexpr = False, PDL: tl.constexpr = False,
+    NUM_BLOCKS=1, TABLE_W=1,
 ):
+    if PDL:   # launched early (programmatic dependent launch): wait for the kernel before, then let
+        gdc_wait()                  # the merge that follows launch (it waits for this one in turn)
+        gdc_launch_dependents()
     pid = tl.program_id(0)
     split = tl.program_id(1)
     tile = pid % M_TILES
@@ -480,6 +484,9 @@ def _paged_decode_kernel(
 
 CONFIG = {
     "target_programs": 264,      # ~2 waves of 132 SMs (H200)
+    # programmatic dependent launch (sm_90+, 0/1): the kernel and the split merge after it launch
+    # while the kernel before each finishes, and wait for it in-kernel before touching memory
+    "pdl": 1,
     # tokens of a sequence's local KV: never split finer. Per family (`launch_settings`): GQA,
     # GQA over an fp8 cache, MLA (key dim > 256: *_wide), MLA over fp8 (numbers below the dict)
     "min_split": 512, "min_split_fp8": 512, "min_split_wide": 1024, "min_split_wide_fp8": 1024,
@@ -510,9 +517,12 @@ CONFIG = {
     # does not sweep these two (its halves / tma rows of such problems then run this setting);
     # apply_tuning({"config": {...}}) sets them
     "halves_wide_narrow": 0, "tma_wide_narrow": 0,
-    # its own launch settings (the values MLA has over bf16 and over fp8 alike) and register cap
-    # (0: the compiler's) and fp16 operands over fp8 (probe family "mla_narrow")
-    "block_n_wide_narrow": 64, "num_warps_wide_narrow": 8, "num_stages_wide_narrow": 2, "maxnreg_wide_narrow": 0,
+    # its own launch settings and register cap (0: the compiler's) and fp16 operands over fp8
+    # (probe family "mla_narrow"). 4 warps, from the family's probe (2026-12-03, bench/results/
+    # cp-probe6-h200.json, CUDA-graph replays, 8 -> 4 warps): over fp8 64.0 -> 56.3 µs (8K) and
+    # 199.5 -> 168.9 (32K), over bf16 47.0 -> 47.2 and 112.1 -> 109.2. A cap of 128 registers at 8
+    # warps gave fp8 57.0 / 169.8 (bf16 46.8 / 109.7); fp16 operands alone 61.5 / 187.0
+    "block_n_wide_narrow": 64, "num_warps_wide_narrow": 4, "num_stages_wide_narrow": 2, "maxnreg_wide_narrow": 0,
     "f16_wide_narrow": 0,
     # and splits 4x finer: its grid is B x 1 head tile per split (B = 32 at 1/4 of 8K, 2048 local
     # tokens: 2 splits = 64 programs under min_split 1024, half the SMs idle; 8 = 256 under 256),
@@ -588,7 +598,7 @@ _VALID = {
     "target_programs": range(1, 1 << 16), "min_split": range(1, 1 << 24),
     "block_n": (16, 32, 64, 128, 256), "block_m": (16, 32, 64, 128, 256),
     "num_warps": (1, 2, 4, 8, 16), "num_stages": (1, 2, 3, 4, 5, 6),
-    "lazy_rescale": (0, 1), "halves": (0, 1), "tma": (0, 1), "diag": (0, 1, 2, 3), "f16": (0, 1),
+    "lazy_rescale": (0, 1), "pdl": (0, 1), "halves": (0, 1), "tma": (0, 1), "diag": (0, 1, 2, 3), "f16": (0, 1),
     "maxnreg": (0, *range(64, 256, 8)), "at_most": (0, 1),
 }
 _META = ("device", "sizes", "seconds", "results", "notes", "problems")
@@ -741,6 +751,7 @@ def paged_decode_triton(q: Tensor, k: Tensor, v: Tensor, k_scale: Tensor | None,
     tma = halves and bool(cfg["tma"]) and _tma_ok(k)
     if tma:
         impl.ensure_triton_scratch()
+    pdl = bool(CONFIG["pdl"]) and pdl_ok(q.device)
     m_tiles = -(-(tq * g) // block_m)
     programs = s * hkv * m_tiles
     splits, split_len = plan_splits(capacity, programs, block_n, cfg["min_split"], bool(cfg["at_most"]))
@@ -763,13 +774,13 @@ def paged_decode_triton(q: Tensor, k: Tensor, v: Tensor, k_scale: Tensor | None,
             D_MAIN=d_main, D_REST=d_rest, BLOCK_REST=block_rest, DV=dv, BLOCK_DV=triton.next_power_of_2(dv),
             BLOCK_M=block_m, BLOCK_N=block_n, PAGE=page, FP8=fp8, V_FROM_K=v_from_k, CAUSAL=tq > 1,
             IEEE=q.dtype == torch.float32, INTERPRETED=impl.interpreting(), LAZY=bool(cfg["lazy_rescale"]),
-            HALVES=halves, TMA=tma, DIAG=cfg["diag"] if halves else 0, F16=f16, NUM_BLOCKS=k.shape[0],
+            HALVES=halves, TMA=tma, DIAG=cfg["diag"] if halves else 0, F16=f16, PDL=pdl, NUM_BLOCKS=k.shape[0],
             TABLE_W=table.shape[1],
             num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
-            **({"maxnreg": cfg["maxnreg"]} if cfg["maxnreg"] else {}))
+            **({"maxnreg": cfg["maxnreg"]} if cfg["maxnreg"] else {}), **({"launch_pdl": True} if pdl else {}))
     if splits == 1:
         return AttnState(o[0], lse[0])
-    merged = merge_states_triton(o.view(splits, s * tq, hq, dv), lse.view(splits, s * tq, hq))
+    merged = merge_states_triton(o.view(splits, s * tq, hq, dv), lse.view(splits, s * tq, hq), pdl=pdl)
     return AttnState(merged.out.view(s, tq, hq, dv), merged.lse.view(s, tq, hq))
 
 

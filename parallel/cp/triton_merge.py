@@ -22,6 +22,16 @@ from torch import Tensor
 
 from .state import AttnState
 
+try:    # programmatic dependent launch (sm_90+): a kernel launched with it starts before the one it
+    # follows has finished and waits in-kernel (griddepcontrol.wait) before touching memory
+    from triton.backends.nvidia.compiler import CUDAOptions as _CUDAOptions
+    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+
+    HAS_PDL = "launch_pdl" in getattr(_CUDAOptions, "__dataclass_fields__", {})
+except ImportError:  # pragma: no cover - older triton
+    HAS_PDL = False
+    gdc_wait = gdc_launch_dependents = None
+
 
 @triton.jit
 def _clean_lse(lse):
@@ -62,8 +72,10 @@ def _merge_pair_kernel(
     sa_m, sa_h, sa_d, sla_m, sla_h,
     sb_m, sb_h, sb_d, slb_m, slb_h,
     sy_m, sy_h, sy_d, sly_m, sly_h,
-    D: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr, BASE2: tl.constexpr,
+    D: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr, BASE2: tl.constexpr, PDL: tl.constexpr = False,
 ):
+    if PDL:   # launched early (programmatic dependent launch): wait for the kernel before, first
+        gdc_wait()
     rows = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R).to(tl.int64)
     rmask = rows < M * H
     m_idx = rows // H
@@ -97,7 +109,10 @@ def _merge_n_kernel(
     sx_n, sx_m, sx_h, sx_d, slx_n, slx_m, slx_h,
     sy_m, sy_h, sy_d, sly_m, sly_h,
     N: tl.constexpr, D: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr, BASE2: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
+    if PDL:   # launched early (programmatic dependent launch): wait for the kernel before, first
+        gdc_wait()
     rows = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R).to(tl.int64)
     rmask = rows < M * H
     m_idx = rows // H
@@ -145,11 +160,14 @@ def _launch_config(D: int) -> tuple[int, int, int]:
 
 
 def merge_states_triton(outs: Tensor | Sequence[Tensor], lses: Tensor | Sequence[Tensor], *, base: str = "e",
-                        out: Tensor | None = None, out_lse: Tensor | None = None) -> AttnState:
+                        out: Tensor | None = None, out_lse: Tensor | None = None, pdl: bool = False) -> AttnState:
     """Triton version of `merge_attn_states` (inputs already validated there).
 
     outs: [N, ..., T, H, D] stacked or a sequence of N [..., T, H, D]; lses likewise.
+    pdl: launch with programmatic dependent launch (`pdl_ok`): the kernel may start while the
+    one before it on the stream finishes, and waits for it before reading anything.
     """
+    pdl = pdl and pdl_ok(first_device(outs))
     stacked = isinstance(outs, Tensor)
     first = outs[0]
     shape, lse_shape = first.shape, first.shape[:-1]
@@ -179,7 +197,8 @@ def merge_states_triton(outs: Tensor | Sequence[Tensor], lses: Tensor | Sequence
         _merge_pair_kernel[grid](
             a, la, b, lb, y_k, ly_k, M, H,
             *a.stride(), *la.stride(), *b.stride(), *lb.stride(), *y_k.stride(), *ly_k.stride(),
-            D=D, BLOCK_R=block_r, BLOCK_D=block_d, BASE2=(base == "2"), num_warps=num_warps)
+            D=D, BLOCK_R=block_r, BLOCK_D=block_d, BASE2=(base == "2"), PDL=pdl, num_warps=num_warps,
+            **({"launch_pdl": True} if pdl else {}))
     else:
         x = outs if stacked else torch.stack(list(outs))
         lx = lses if isinstance(lses, Tensor) else torch.stack(list(lses))
@@ -188,12 +207,27 @@ def merge_states_triton(outs: Tensor | Sequence[Tensor], lses: Tensor | Sequence
         _merge_n_kernel[grid](
             x, lx, y_k, ly_k, M, H,
             *x.stride(), *lx.stride(), *y_k.stride(), *ly_k.stride(),
-            N=n, D=D, BLOCK_R=block_r, BLOCK_D=block_d, BASE2=(base == "2"), num_warps=num_warps)
+            N=n, D=D, BLOCK_R=block_r, BLOCK_D=block_d, BASE2=(base == "2"), PDL=pdl, num_warps=num_warps,
+            **({"launch_pdl": True} if pdl else {}))
     if y_rows is None:
         y.copy_(y_k.view(shape))
     if ly_rows is None:
         ly.copy_(ly_k.view(lse_shape))
     return AttnState(y, ly)
+
+
+def first_device(outs: Tensor | Sequence[Tensor]) -> torch.device:
+    return outs.device if isinstance(outs, Tensor) else outs[0].device
+
+
+def pdl_ok(device: torch.device) -> bool:
+    """Programmatic dependent launch applies: a CUDA device of compute capability >= 9 (Hopper),
+    a Triton that launches with it, not the interpreter."""
+    from .. import impl
+
+    if not HAS_PDL or device.type != "cuda" or impl.interpreting():
+        return False
+    return torch.cuda.get_device_capability(device)[0] >= 9
 
 
 def merge_bytes(n: int, rows: int, head_dim: int, elem_bytes: int) -> int:
