@@ -395,3 +395,32 @@ def test_pdl_chain_in_a_graph_matches_plain_launches(hq, hkv, d, dv, monkeypatch
         finite = torch.isfinite(ref.lse)
         assert torch.equal(finite, torch.isfinite(got.lse))
         torch.testing.assert_close(got.out, ref.out, atol=2e-2, rtol=0)
+
+
+def test_whole_programs_launches_one_split_without_a_merge(monkeypatch):
+    """GQA's whole_programs: where one split's programs (sequences x kv heads) reach it, the
+    kernel runs unsplit (no merge) and still matches the torch path; below it, splits as before;
+    MLA tiles never take it."""
+    from parallel.cp import triton_decode
+
+    assert triton_decode.plan_splits(8192, 128, 64, 512, False, 128) == (1, 8192)
+    assert triton_decode.plan_splits(8192, 64, 64, 512, False, 128)[0] == -(-triton_decode.CONFIG["target_programs"] // 64)
+    assert triton_decode.plan_splits(8192, 128, 64, 512, False, 0)[0] > 1
+    assert triton_decode.launch_settings(576, torch.float32, torch.float32, 16)["whole_programs"] == 0
+    lens = [300, 1, 0, 170]
+    cache, table, layout, _, _ = _fill(lens, 2, 32, 32, 16, 1, 0, 1, torch.float32, seed=21)
+    q = torch.randn(len(lens), 4, 32)
+    seq = torch.tensor(lens)
+    ref = paged_decode_attention(q, cache, table, seq, layout=layout, backend="torch")
+    monkeypatch.setitem(triton_decode.CONFIG, "min_split", 32)
+    merges = []
+    monkeypatch.setattr(triton_decode, "merge_states_triton", lambda *a, **k: merges.append(1) or
+                        __import__("parallel.cp.triton_merge", fromlist=["x"]).merge_states_triton(*a, **k))
+    for whole, want_merge in ((len(lens) * 2 + 1, True), (len(lens) * 2, False)):   # programs: 4 x 2
+        merges.clear()
+        monkeypatch.setitem(triton_decode.CONFIG, "whole_programs", whole)
+        got = paged_decode_attention(q, cache, table, seq, layout=layout, backend="triton")
+        _check(got, ref, 1e-4)
+        assert bool(merges) == want_merge
+    with pytest.raises(ValueError, match="mla.whole_programs: a GQA option"):
+        triton_decode.apply_tuning({"mla": {"whole_programs": 128}})

@@ -490,6 +490,10 @@ CONFIG = {
     # tokens of a sequence's local KV: never split finer. Per family (`launch_settings`): GQA,
     # GQA over an fp8 cache, MLA (key dim > 256: *_wide), MLA over fp8 (numbers below the dict)
     "min_split": 512, "min_split_fp8": 512, "min_split_wide": 1024, "min_split_wide_fp8": 1024,
+    # GQA (bf16, fp8): no split, so no merge kernel, where one split's programs (sequences x kv
+    # heads) reach this many already (0: off): a wave of one CTA per SM streams the KV with
+    # nothing to merge. MLA tiles always split by target_programs
+    "whole_programs": 0, "whole_programs_fp8": 0,
     "block_n": 64, "block_n_wide": 64,            # key tile; "wide" when the key dim > 256 (MLA)
     "block_m": 64, "block_m_wide": 64, "block_m_wide_fp8": 64,
     "num_warps": 4, "num_warps_wide": 8, "num_stages": 3, "num_stages_wide": 2,
@@ -581,7 +585,8 @@ _WIDE = {"block_n": "block_n_wide", "block_m": "block_m_wide", "num_warps": "num
 # kernel options (0/1; diag 0-3; maxnreg 0 = the compiler's choice, else a register cap), launch_settings
 _STRUCTURE = ("lazy_rescale", "halves", "tma", "diag", "f16", "maxnreg")
 _FP8 = {"block_n": "block_n_fp8", "num_stages": "num_stages_fp8", "f16": "f16_fp8",
-        "maxnreg": "maxnreg_fp8", "min_split": "min_split_fp8"}      # GQA over an fp8 cache
+        "maxnreg": "maxnreg_fp8", "min_split": "min_split_fp8",
+        "whole_programs": "whole_programs_fp8"}      # GQA over an fp8 cache
 _WIDE_FP8 = {k: f"{k}_wide_fp8" for k in ("block_m", "block_n", "num_warps", "num_stages", "lazy_rescale", "halves",
                                           "tma", "min_split")}      # MLA over an fp8 cache
 # MLA with a query-head tile that is not full (16 heads under TP 8), bf16 and fp8 caches
@@ -599,7 +604,7 @@ _VALID = {
     "block_n": (16, 32, 64, 128, 256), "block_m": (16, 32, 64, 128, 256),
     "num_warps": (1, 2, 4, 8, 16), "num_stages": (1, 2, 3, 4, 5, 6),
     "lazy_rescale": (0, 1), "pdl": (0, 1), "halves": (0, 1), "tma": (0, 1), "diag": (0, 1, 2, 3), "f16": (0, 1),
-    "maxnreg": (0, *range(64, 256, 8)), "at_most": (0, 1),
+    "maxnreg": (0, *range(64, 256, 8)), "at_most": (0, 1), "whole_programs": range(0, 1 << 16),
 }
 _META = ("device", "sizes", "seconds", "results", "notes", "problems")
 
@@ -641,6 +646,9 @@ def apply_tuning(tuning: dict) -> None:
                                  f"give it under 'mla'")
             if kind in ("gqa", "mla") and key in ("f16", "maxnreg"):
                 raise ValueError(f"decode tuning {kind}.{key}: an fp8-cache option; give it under 'gqa_fp8'")
+            if kind == "mla" and key == "whole_programs":
+                raise ValueError("decode tuning mla.whole_programs: a GQA option (MLA tiles always split by "
+                                 "target_programs); give it under 'gqa' or 'gqa_fp8'")
             if key not in keys:
                 raise ValueError(f"unknown decode tuning key {kind}.{key}; valid: {', '.join(keys)}")
             if not _valid_value(key, value):
@@ -689,14 +697,17 @@ def _split_dims(d: int) -> tuple[int, int, int]:
     return main, rest, (max(16, triton.next_power_of_2(rest)) if rest else 0)
 
 
-def plan_splits(capacity: int, programs: int, block_n: int, min_split: int, at_most: bool = False
-                ) -> tuple[int, int]:
+def plan_splits(capacity: int, programs: int, block_n: int, min_split: int, at_most: bool = False,
+                whole: int = 0) -> tuple[int, int]:
     """(num_splits, split_len) for `capacity` tokens per sequence, `programs` programs per split
     and splits of at least `min_split` tokens (the family's, `launch_settings`): enough splits to
-    reach target_programs programs, or with `at_most` as many as stay within it."""
+    reach target_programs programs, or with `at_most` as many as stay within it; one split where
+    `whole` (> 0) programs or more are there without splitting (the family's whole_programs)."""
     capacity = max(capacity, 1)
     target, programs = CONFIG["target_programs"], max(programs, 1)
     want = max(1, target // programs if at_most else -(-target // programs))
+    if 0 < whole <= programs:
+        want = 1
     most = max(1, -(-capacity // max(min_split, 1)))
     splits = min(want, most)
     split_len = -(-(-(-capacity // splits)) // block_n) * block_n
@@ -722,6 +733,7 @@ def launch_settings(d: int, q_dtype: torch.dtype, cache_dtype: torch.dtype, rows
 
     out = {name: CONFIG[key(name)] for name in ("block_m", "block_n", "num_warps", "num_stages", "min_split")}
     out["at_most"] = CONFIG.get(key("at_most"), 0)    # plan_splits' rounding: only narrow MLA tiles have one
+    out["whole_programs"] = CONFIG.get(key("whole_programs"), 0) if d <= 256 else 0   # (GQA only)
     out["block_m"] = max(16, min(triton.next_power_of_2(max(rows, 1)), out["block_m"]))
     out.update({name: CONFIG.get(key(name), 0) for name in _STRUCTURE})   # GQA has no halves / tma / diag
     return out
@@ -754,7 +766,8 @@ def paged_decode_triton(q: Tensor, k: Tensor, v: Tensor, k_scale: Tensor | None,
     pdl = bool(CONFIG["pdl"]) and pdl_ok(q.device)
     m_tiles = -(-(tq * g) // block_m)
     programs = s * hkv * m_tiles
-    splits, split_len = plan_splits(capacity, programs, block_n, cfg["min_split"], bool(cfg["at_most"]))
+    splits, split_len = plan_splits(capacity, programs, block_n, cfg["min_split"], bool(cfg["at_most"]),
+                                    cfg["whole_programs"])
     o = torch.empty(splits, s, tq, hq, dv, dtype=torch.float32, device=q.device)
     lse = torch.empty(splits, s, tq, hq, dtype=torch.float32, device=q.device)
     ks = k_scale if fp8 else _no_scale(q)
