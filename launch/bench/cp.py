@@ -229,23 +229,32 @@ def _dcp_breakdown(ctx: BenchContext) -> None:
     _note_graph_timing(ctx)
 
 
+# the same call with one kernel option changed: column -> CONFIG overrides (`_decode_time`)
+DECODE_VARIANTS = {"no_pdl_us": {"pdl": 0}, "fused_merge_us": {"fused_merge": 1}, "merge_kernel_us": {"fused_merge": 0}}
+
+
 def _decode_time(ctx: BenchContext, fns) -> tuple[float, dict]:
     """A decode call timed as serving runs it, inside a decode step's CUDA graph (`step_time`:
     µs per call of ten captured in one graph, `fns` = the call over each copy of its inputs, taken
     in turn): (µs, the extra columns timing, replay_us (one call per graph replay, the host's
-    launch of the replay included), input_sets, eager_us (the call launched from Python) and
-    no_pdl_us (the kernels launched without programmatic dependent launch, `triton_decode.CONFIG`
-    "pdl" 0)."""
+    launch of the replay included), input_sets, eager_us (the call launched from Python) and, per
+    DECODE_VARIANTS, the same with one `triton_decode.CONFIG` option changed: no_pdl_us without
+    programmatic dependent launch, fused_merge_us / merge_kernel_us with the split merge in the
+    decode kernel / in its own kernel (the one the CONFIG has is time_us itself))."""
     from megapar.parallel.cp import triton_decode
 
     us, cols = step_time(ctx, fns)
     cols["eager_us"] = ctx.time_fn(fns[0]) if ctx.is_cuda else us
-    if ctx.is_cuda and triton_decode.CONFIG["pdl"]:   # the same without programmatic dependent launch
-        triton_decode.CONFIG["pdl"] = 0
+    for name, change in DECODE_VARIANTS.items() if ctx.is_cuda else ():
+        before = {k: triton_decode.CONFIG[k] for k in change}
+        if before == change:
+            cols[name] = us
+            continue
+        triton_decode.CONFIG.update(change)
         try:
-            cols["no_pdl_us"] = step_time(ctx, fns)[0]
+            cols[name] = step_time(ctx, fns)[0]
         finally:
-            triton_decode.CONFIG["pdl"] = 1
+            triton_decode.CONFIG.update(before)
     return us, cols
 
 

@@ -49,7 +49,7 @@ from torch import Tensor
 
 from .. import impl
 from .state import AttnState
-from .triton_merge import gdc_launch_dependents, gdc_wait, merge_states_triton, pdl_ok
+from .triton_merge import _clean_lse, _store_merged, gdc_launch_dependents, gdc_wait, merge_states_triton, pdl_ok
 
 _LOG2E = 1.4426950408889634
 
@@ -400,6 +400,7 @@ def _paged_decode_kernel(
     FP8: tl.constexpr, V_FROM_K: tl.constexpr, CAUSAL: tl.constexpr, IEEE: tl.constexpr,
     INTERPRETED: tl.constexpr, LAZY: tl.constexpr = False, HALVES: tl.constexpr = False,
     TMA: tl.constexpr = False, DIAG: tl.constexpr = 0, F16: tl.constexpr = False, PDL: tl.constexpr = False,
+    FUSED: tl.constexpr = False, cnt_ptr=None, fo_ptr=None, flse_ptr=None, n_splits=1, MERGE_DV: tl.constexpr = 128,
     NUM_BLOCKS=1, TABLE_W=1,
 ):
     if PDL:   # launched early (programmatic dependent launch): wait for the kernel before, then let
@@ -480,6 +481,56 @@ def _paged_decode_kernel(
         tl.store(o_ptr + o_row[:, None] + dv[None, :], out, mask=rmask[:, None] & dv_mask[None, :])
         l_row = split.to(tl.int64) * sl_p + s64 * sl_s + t_idx.to(tl.int64) * sl_t + h_idx
         tl.store(lse_ptr + l_row, lse, mask=rmask)
+    if FUSED:
+        _merge_splits(o_ptr, lse_ptr, fo_ptr, flse_ptr, cnt_ptr + pid, n_splits, s64, t_idx, h_idx, rmask,
+                      so_p, so_s, so_t, so_h, sl_p, sl_s, sl_t, Tq, HQ, DV, MERGE_DV)
+
+
+@triton.jit
+def _merge_splits(o_ptr, lse_ptr, fo_ptr, flse_ptr, cnt_ptr, n_splits, s64, t_idx, h_idx, rmask,
+                  so_p, so_s, so_t, so_h, sl_p, sl_s, sl_t, Tq, HQ, DV: tl.constexpr, CHUNK: tl.constexpr):
+    """The split merge in the decode kernel (CONFIG fused_merge): each program counts itself in at
+    its row tile's counter after writing its partial; the last of the n_splits to arrive merges
+    all of them (the LSE merge of `triton_merge`, natural log) into out [S, Tq, HQ, DV] and lse,
+    and sets the counter back to 0 for the next call. The barrier and the acq_rel atomic order
+    every thread's partial stores before the count; the merging program reads the partials from
+    L2 (.cg), never from a stale L1 line."""
+    tl.debug_barrier()
+    old = tl.atomic_add(cnt_ptr, 1, sem="acq_rel", scope="gpu")
+    if old == n_splits - 1:
+        tl.atomic_xchg(cnt_ptr, 0, sem="relaxed", scope="gpu")
+        l_off = s64 * sl_s + t_idx.to(tl.int64) * sl_t + h_idx
+        mx = tl.full(t_idx.shape, float("-inf"), tl.float32)
+        i = 0
+        while i < n_splits:
+            li = _clean_lse(tl.load(lse_ptr + i * sl_p + l_off, mask=rmask, other=float("-inf"), cache_modifier=".cg"))
+            mx = tl.maximum(mx, li, propagate_nan=tl.PropagateNan.ALL)
+            i += 1
+        mx = tl.where(mx == float("-inf"), 0.0, mx)
+        total = tl.zeros(t_idx.shape, tl.float32)
+        i = 0
+        while i < n_splits:
+            li = _clean_lse(tl.load(lse_ptr + i * sl_p + l_off, mask=rmask, other=float("-inf"), cache_modifier=".cg"))
+            total += tl.exp(li - mx)
+            i += 1
+        safe = tl.where(total > 0, total, 1.0)
+        o_off = s64 * so_s + t_idx.to(tl.int64) * so_t + h_idx.to(tl.int64) * so_h
+        m_idx = s64 * Tq + t_idx
+        for c in tl.static_range(0, DV, CHUNK):
+            d = c + tl.arange(0, CHUNK)
+            mask2 = rmask[:, None] & (d[None, :] < DV)
+            acc = tl.zeros([t_idx.shape[0], CHUNK], tl.float32)
+            i = 0
+            while i < n_splits:
+                li = _clean_lse(tl.load(lse_ptr + i * sl_p + l_off, mask=rmask, other=float("-inf"),
+                                        cache_modifier=".cg"))
+                w = tl.exp(li - mx) / safe
+                oi = tl.load(o_ptr + i * so_p + o_off[:, None] + d[None, :], mask=mask2, other=0.0,
+                             cache_modifier=".cg")
+                acc += tl.where(w[:, None] > 0, oi, 0.0) * w[:, None]
+                i += 1
+            _store_merged(fo_ptr, flse_ptr, m_idx, h_idx, d, rmask, mask2, acc, mx, total, HQ * DV, DV, 1, HQ, 1,
+                          False)
 
 
 CONFIG = {
@@ -487,6 +538,12 @@ CONFIG = {
     # programmatic dependent launch (sm_90+, 0/1): the kernel and the split merge after it launch
     # while the kernel before each finishes, and wait for it in-kernel before touching memory
     "pdl": 1,
+    # the split merge inside the decode kernel (0/1): the last program of a row tile to finish
+    # merges the tile's partials (per-row-tile counters that reset themselves, one set per stream:
+    # `_merge_counters`), so no second kernel; where no counters can be had (first call of a
+    # process inside a graph capture, > 8 streams, more programs than a set holds) the merge kernel
+    # runs as before
+    "fused_merge": 0,
     # tokens of a sequence's local KV: never split finer. Per family (`launch_settings`): GQA,
     # GQA over an fp8 cache, MLA (key dim > 256: *_wide), MLA over fp8 (numbers below the dict)
     "min_split": 512, "min_split_fp8": 512, "min_split_wide": 1024, "min_split_wide_fp8": 1024,
@@ -535,7 +592,7 @@ CONFIG = {
     # and never more programs than target_programs (splits rounded down, not up): 16 heads at 1/4
     # of 32K (B = 32, 8192 local tokens) took 126.0 µs in 9 splits (288 programs: a third partial
     # wave at its occupancy) against 110.5 in 8 (bench cp, 2026-12-03, two runs). Both together
-    # (bench/results/cp-decode-h200.md against the run before, 16 heads bf16 at 8K / 32K / 128K):
+    # (bench/results/cp-decode-h200.md at commit 55800dc, against the run before, 16 heads bf16 at 8K / 32K / 128K):
     # 74.4 / 110.5 / 501.5 -> 47.2 / 110.0 / 349.4 µs; over fp8 86.8 / 207.1 / 889.9 -> 64.8 /
     # 203.1 / 680.5
     "at_most_wide_narrow": 1,
@@ -603,7 +660,7 @@ _VALID = {
     "target_programs": range(1, 1 << 16), "min_split": range(1, 1 << 24),
     "block_n": (16, 32, 64, 128, 256), "block_m": (16, 32, 64, 128, 256),
     "num_warps": (1, 2, 4, 8, 16), "num_stages": (1, 2, 3, 4, 5, 6),
-    "lazy_rescale": (0, 1), "pdl": (0, 1), "halves": (0, 1), "tma": (0, 1), "diag": (0, 1, 2, 3), "f16": (0, 1),
+    "lazy_rescale": (0, 1), "pdl": (0, 1), "fused_merge": (0, 1), "halves": (0, 1), "tma": (0, 1), "diag": (0, 1, 2, 3), "f16": (0, 1),
     "maxnreg": (0, *range(64, 256, 8)), "at_most": (0, 1), "whole_programs": range(0, 1 << 16),
 }
 _META = ("device", "sizes", "seconds", "results", "notes", "problems")
@@ -770,6 +827,13 @@ def paged_decode_triton(q: Tensor, k: Tensor, v: Tensor, k_scale: Tensor | None,
                                     cfg["whole_programs"])
     o = torch.empty(splits, s, tq, hq, dv, dtype=torch.float32, device=q.device)
     lse = torch.empty(splits, s, tq, hq, dtype=torch.float32, device=q.device)
+    counters = _merge_counters(q.device, programs) if splits > 1 and CONFIG["fused_merge"] else None
+    fused = {}
+    if counters is not None:
+        fused = dict(FUSED=True, cnt_ptr=counters, n_splits=splits,
+                     fo_ptr=torch.empty(s, tq, hq, dv, dtype=torch.float32, device=q.device),
+                     flse_ptr=torch.empty(s, tq, hq, dtype=torch.float32, device=q.device),
+                     MERGE_DV=min(128, triton.next_power_of_2(dv)))
     ks = k_scale if fp8 else _no_scale(q)
     vs = v_scale if fp8 else ks
     ks_st = ks.stride() if fp8 else (0, 0, 0)
@@ -790,7 +854,10 @@ def paged_decode_triton(q: Tensor, k: Tensor, v: Tensor, k_scale: Tensor | None,
             HALVES=halves, TMA=tma, DIAG=cfg["diag"] if halves else 0, F16=f16, PDL=pdl, NUM_BLOCKS=k.shape[0],
             TABLE_W=table.shape[1],
             num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
-            **({"maxnreg": cfg["maxnreg"]} if cfg["maxnreg"] else {}), **({"launch_pdl": True} if pdl else {}))
+            **({"maxnreg": cfg["maxnreg"]} if cfg["maxnreg"] else {}), **({"launch_pdl": True} if pdl else {}),
+            **fused)
+    if fused:
+        return AttnState(fused["fo_ptr"], fused["flse_ptr"])
     if splits == 1:
         return AttnState(o[0], lse[0])
     merged = merge_states_triton(o.view(splits, s * tq, hq, dv), lse.view(splits, s * tq, hq), pdl=pdl)
@@ -812,6 +879,36 @@ def _tma_ok(k: Tensor) -> bool:
     """TMA descriptors over k [blocks, page, 1, D]: a 16-byte aligned base and byte strides."""
     e = k.element_size()
     return k.data_ptr() % 16 == 0 and all((st * e) % 16 == 0 for st in (k.stride(0), k.stride(1)))
+
+
+MERGE_SLOTS, MERGE_WIDTH = 8, 1 << 16
+_COUNTERS: dict[torch.device, Tensor] = {}
+_COUNTER_SLOTS: dict[tuple[torch.device, int], int] = {}
+
+
+def _merge_counters(device: torch.device, programs: int) -> Tensor | None:
+    """The fused merge's counters for this device and stream ([programs] int32 at 0 between calls):
+    one row of a [MERGE_SLOTS, MERGE_WIDTH] buffer zeroed once, per stream, so that kernels on
+    different streams never share one (a CUDA graph keeps the row of the stream it was captured
+    on; graphs captured on one stream must not replay concurrently). None (the merge kernel runs
+    instead) for more programs than a row, more streams than rows, or a first call inside a graph
+    capture, where the buffer could not be zeroed before the graph runs."""
+    if programs > MERGE_WIDTH:
+        return None
+    cuda = device.type == "cuda"
+    buf = _COUNTERS.get(device)
+    if buf is None:
+        if cuda and torch.cuda.is_current_stream_capturing():
+            return None
+        buf = _COUNTERS[device] = torch.zeros(MERGE_SLOTS, MERGE_WIDTH, dtype=torch.int32, device=device)
+    stream = torch.cuda.current_stream(device).cuda_stream if cuda else 0
+    slot = _COUNTER_SLOTS.get((device, stream))
+    if slot is None:
+        slot = sum(1 for dev, _ in _COUNTER_SLOTS if dev == device)
+        if slot >= MERGE_SLOTS:
+            return None
+        _COUNTER_SLOTS[(device, stream)] = slot
+    return buf[slot]
 
 
 _NO_SCALE: dict[torch.device, Tensor] = {}
