@@ -162,13 +162,11 @@ def test_auto_keeps_cpu_on_torch_and_bad_input_raises():
                          ids=["bf16", "fp8", "fp8-f16"])
 @pytest.mark.parametrize("hq,hkv,d,dv,tq", [(32, 4, 128, 128, 1), (32, 4, 128, 128, 4), (16, 1, 576, 512, 1),
                                            (128, 1, 576, 512, 2)])
-@pytest.mark.parametrize("fused", [0, 1], ids=["merge-kernel", "fused-merge"])
-def test_kernel_full_size_on_gpu(cache_dtype, f16, hq, hkv, d, dv, tq, fused, monkeypatch):
+def test_kernel_full_size_on_gpu(cache_dtype, f16, hq, hkv, d, dv, tq, monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     from parallel.cp import triton_decode     # (after the env: a first import binds its kernels to the mode)
 
     monkeypatch.setitem(triton_decode.CONFIG, "f16_fp8", f16)    # (GQA over fp8: fp16 operands or not)
-    monkeypatch.setitem(triton_decode.CONFIG, "fused_merge", fused)
     lens = [8192, 1, 0, 3000, 20000, 77]
     lens = [max(n, tq) if n else 0 for n in lens]
     cache, table, layout, _, _ = _fill(lens, hkv, d, dv, 64, 4, 2, 1, cache_dtype, seed=11, device="cuda")
@@ -353,10 +351,8 @@ def test_pdl_is_off_where_it_cannot_apply_and_its_switch_is_validated():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("fused", [0, 1], ids=["merge-kernel", "fused-merge"])
-@pytest.mark.parametrize("hq,hkv,d,dv", [(32, 4, 128, 128), (16, 1, 576, 512), (128, 1, 576, 512)],
-                         ids=["gqa", "mla16", "mla128"])
-def test_pdl_chain_in_a_graph_matches_plain_launches(hq, hkv, d, dv, fused, monkeypatch):
+@pytest.mark.parametrize("hq,hkv,d,dv", [(32, 4, 128, 128), (16, 1, 576, 512)], ids=["gqa", "mla16"])
+def test_pdl_chain_in_a_graph_matches_plain_launches(hq, hkv, d, dv, monkeypatch):
     """Decode calls back to back in one CUDA graph with programmatic dependent launch (each kernel
     and split merge may start while the one before finishes; the partial buffers of one call reuse
     the memory the previous call's merge reads): the same as the calls launched without it (to
@@ -376,10 +372,8 @@ def test_pdl_chain_in_a_graph_matches_plain_launches(hq, hkv, d, dv, fused, monk
     run = lambda q: paged_decode_attention(q, cache, table, seq, layout=layout, backend="triton", scale=0.06,
                                            max_seq_len=max(lens))
     monkeypatch.setitem(triton_decode.CONFIG, "pdl", 0)
-    monkeypatch.setitem(triton_decode.CONFIG, "fused_merge", 0)
     plain = [run(q) for q in qs]
     monkeypatch.setitem(triton_decode.CONFIG, "pdl", 1)
-    monkeypatch.setitem(triton_decode.CONFIG, "fused_merge", fused)   # (its counters: per stream)
     outs = []
 
     def chain():
@@ -393,8 +387,6 @@ def test_pdl_chain_in_a_graph_matches_plain_launches(hq, hkv, d, dv, fused, monk
     for _ in range(3):
         graph.replay()
     torch.cuda.synchronize()
-    if fused:
-        assert all(int(c.abs().sum()) == 0 for c in triton_decode._COUNTERS.values())    # reset by every call
     for got, want, q in zip(outs, plain, qs):
         # (the same arithmetic; a race on the reused partials would be off by far more)
         torch.testing.assert_close(got.lse, want.lse, atol=1e-5, rtol=0, equal_nan=True)
@@ -403,92 +395,3 @@ def test_pdl_chain_in_a_graph_matches_plain_launches(hq, hkv, d, dv, fused, monk
         finite = torch.isfinite(ref.lse)
         assert torch.equal(finite, torch.isfinite(got.lse))
         torch.testing.assert_close(got.out, ref.out, atol=2e-2, rtol=0)
-
-
-def test_whole_programs_launches_one_split_without_a_merge(monkeypatch):
-    """GQA's whole_programs: where one split's programs (sequences x kv heads) reach it, the
-    kernel runs unsplit (no merge) and still matches the torch path; below it, splits as before;
-    MLA tiles never take it."""
-    from parallel.cp import triton_decode
-
-    assert triton_decode.plan_splits(8192, 128, 64, 512, False, 128) == (1, 8192)
-    assert triton_decode.plan_splits(8192, 64, 64, 512, False, 128)[0] == -(-triton_decode.CONFIG["target_programs"] // 64)
-    assert triton_decode.plan_splits(8192, 128, 64, 512, False, 0)[0] > 1
-    assert triton_decode.launch_settings(576, torch.float32, torch.float32, 16)["whole_programs"] == 0
-    lens = [300, 1, 0, 170]
-    cache, table, layout, _, _ = _fill(lens, 2, 32, 32, 16, 1, 0, 1, torch.float32, seed=21)
-    q = torch.randn(len(lens), 4, 32)
-    seq = torch.tensor(lens)
-    ref = paged_decode_attention(q, cache, table, seq, layout=layout, backend="torch")
-    monkeypatch.setitem(triton_decode.CONFIG, "min_split", 32)
-    merges = []
-    monkeypatch.setattr(triton_decode, "merge_states_triton", lambda *a, **k: merges.append(1) or
-                        __import__("parallel.cp.triton_merge", fromlist=["x"]).merge_states_triton(*a, **k))
-    for whole, want_merge in ((len(lens) * 2 + 1, True), (len(lens) * 2, False)):   # programs: 4 x 2
-        merges.clear()
-        monkeypatch.setitem(triton_decode.CONFIG, "whole_programs", whole)
-        got = paged_decode_attention(q, cache, table, seq, layout=layout, backend="triton")
-        _check(got, ref, 1e-4)
-        assert bool(merges) == want_merge
-    with pytest.raises(ValueError, match="mla.whole_programs: a GQA option"):
-        triton_decode.apply_tuning({"mla": {"whole_programs": 128}})
-
-
-@pytest.mark.parametrize("kind", ["gqa", "gqa fp8", "mla halves", "gqa causal tq3"])
-def test_fused_merge_matches_the_merge_kernel_and_resets_its_counters(kind, monkeypatch):
-    """CONFIG fused_merge: the last split of each row tile merges in the decode kernel. Same result
-    as the separate merge kernel (and the torch path), empty sequences and rows included, the
-    counters back at 0 after every call, no merge kernel launched."""
-    from parallel.cp import triton_decode
-
-    monkeypatch.setitem(triton_decode.CONFIG, "min_split", 32)
-    monkeypatch.setitem(triton_decode.CONFIG, "min_split_fp8", 32)
-    monkeypatch.setitem(triton_decode.CONFIG, "min_split_wide", 32)
-    monkeypatch.setitem(triton_decode.CONFIG, "min_split_wide_narrow", 32)
-    lens = [300, 1, 0, 170, 64]
-    tq = 3 if "tq3" in kind else 1
-    if kind.startswith("mla"):
-        monkeypatch.setitem(triton_decode.CONFIG, "halves_wide_narrow", 1)
-        for key in ("block_n_wide_f32", "block_n_wide_narrow"):
-            monkeypatch.setitem(triton_decode.CONFIG, key, 16)
-        cache, table, layout, _, _ = _fill(lens, 1, 576, 512, 16, 2, 1, 1, torch.float32, seed=31)
-        cache = PagedKVCache(cache.k, cache.k[..., :512], None, None)
-        q = torch.randn(len(lens), tq, 4, 576)
-    else:
-        dtype = torch.float8_e4m3fn if "fp8" in kind else torch.float32
-        lens = [max(n, tq) for n in lens] if tq > 1 else lens      # (q_len 3: every sequence holds its 3)
-        cache, table, layout, _, _ = _fill(lens, 2, 32, 32, 16, 2, 1, 1, dtype, seed=32)
-        q = torch.randn(len(lens), tq, 4, 32)
-    seq = torch.tensor(lens)
-    ref = paged_decode_attention(q, cache, table, seq, layout=layout, backend="torch")
-    plain = paged_decode_attention(q, cache, table, seq, layout=layout, backend="triton")
-    merges = []
-    real_merge = triton_decode.merge_states_triton
-    monkeypatch.setattr(triton_decode, "merge_states_triton", lambda *a, **k: merges.append(1) or real_merge(*a, **k))
-    monkeypatch.setitem(triton_decode.CONFIG, "fused_merge", 1)
-    for _ in range(2):    # twice: the counters must be back at 0
-        got = paged_decode_attention(q, cache, table, seq, layout=layout, backend="triton")
-        _check(got, plain, 1e-5)
-        _check(got, ref, 1e-4 if "fp8" not in kind else 2e-2)
-        assert not merges
-        assert int(triton_decode._COUNTERS[torch.device("cpu")].abs().sum()) == 0
-    if tq == 1:
-        assert torch.isneginf(got.lse[2]).all() and (got.out[2] == 0).all()      # the empty sequence
-
-
-def test_fused_merge_counters_per_stream_and_their_limits(monkeypatch):
-    """One counter row per (device, stream), none for more programs than a row holds or once every
-    row is taken (the merge kernel then runs instead)."""
-    from parallel.cp import triton_decode
-
-    dev = torch.device("cpu")
-    monkeypatch.setattr(triton_decode, "_COUNTERS", {})
-    monkeypatch.setattr(triton_decode, "_COUNTER_SLOTS", {})
-    row = triton_decode._merge_counters(dev, 10)
-    assert row.shape == (triton_decode.MERGE_WIDTH,) and row.dtype == torch.int32 and int(row.abs().sum()) == 0
-    assert triton_decode._merge_counters(dev, 10).data_ptr() == row.data_ptr()       # the same stream, the same row
-    assert triton_decode._merge_counters(dev, triton_decode.MERGE_WIDTH + 1) is None
-    triton_decode._COUNTER_SLOTS.pop((dev, 0))
-    for i in range(triton_decode.MERGE_SLOTS):          # other streams took every row
-        triton_decode._COUNTER_SLOTS[(dev, 1000 + i)] = i
-    assert triton_decode._merge_counters(dev, 10) is None                            # every row taken

@@ -141,16 +141,6 @@ DECODE.update({  # MLA with 16 heads (TP 8: a narrow head tile) over fp8, as lau
 })
 DECODE["_paged_decode_kernel MLA narrow bf16 block_m=16 block_n=64 warps=8 stages=2 plain"] = (
     "_paged_decode_kernel", _DECODE, dict(_MLA, BLOCK_M=16, BLOCK_N=64, num_warps=8, num_stages=2))
-DECODE.update({  # the split merge fused in (CONFIG fused_merge), GQA bf16 and MLA 128 heads halves + TMA
-    "_paged_decode_kernel GQA bf16 block_m=16 block_n=64 warps=4 stages=3 fused merge": (
-        "_paged_decode_kernel", dict(_DECODE, cnt_ptr="*i32", fo_ptr="*fp32", flse_ptr="*fp32"),
-        dict(_MLA, D_MAIN=128, D_REST=0, BLOCK_REST=0, DV=128, BLOCK_DV=128, V_FROM_K=False, BLOCK_M=16, BLOCK_N=64,
-             num_warps=4, num_stages=3, FUSED=True, MERGE_DV=128, PDL=True)),
-    "_paged_decode_kernel MLA bf16 block_m=64 block_n=64 warps=8 stages=2 halves tma fused merge": (
-        "_paged_decode_kernel", dict(_DECODE, cnt_ptr="*i32", fo_ptr="*fp32", flse_ptr="*fp32"),
-        dict(_MLA, BLOCK_M=64, BLOCK_N=64, num_warps=8, num_stages=2, HALVES=True, TMA=True, FUSED=True,
-             MERGE_DV=128, PDL=True)),
-})
 
 
 def decode_config(mod) -> dict:

@@ -229,8 +229,12 @@ def _dcp_breakdown(ctx: BenchContext) -> None:
     _note_graph_timing(ctx)
 
 
-# the same call with one kernel option changed: column -> CONFIG overrides (`_decode_time`)
-DECODE_VARIANTS = {"no_pdl_us": {"pdl": 0}, "fused_merge_us": {"fused_merge": 1}, "merge_kernel_us": {"fused_merge": 0}}
+# the same call with one kernel option changed: column -> CONFIG overrides (`_decode_time`). The
+# split merge fused into the decode kernel (the last split of a row tile merging, self-resetting
+# counters per stream) was measured this way on 2026-12-03 and lost nearly everywhere (GQA bf16
+# 1/4 of 8K / 32K / 128K: 42.1 / 131.0 / 490.7 -> 45.0 / 143.5 / 544.8 µs; docs/performance.md):
+# removed after commit be81291
+DECODE_VARIANTS = {"no_pdl_us": {"pdl": 0}}
 
 
 def _decode_time(ctx: BenchContext, fns) -> tuple[float, dict]:
@@ -239,8 +243,7 @@ def _decode_time(ctx: BenchContext, fns) -> tuple[float, dict]:
     in turn): (µs, the extra columns timing, replay_us (one call per graph replay, the host's
     launch of the replay included), input_sets, eager_us (the call launched from Python) and, per
     DECODE_VARIANTS, the same with one `triton_decode.CONFIG` option changed: no_pdl_us without
-    programmatic dependent launch, fused_merge_us / merge_kernel_us with the split merge in the
-    decode kernel / in its own kernel (the one the CONFIG has is time_us itself))."""
+    programmatic dependent launch (where the CONFIG has the changed value, time_us itself))."""
     from megapar.parallel.cp import triton_decode
 
     us, cols = step_time(ctx, fns)

@@ -49,7 +49,7 @@ from torch import Tensor
 
 from .. import impl
 from .state import AttnState
-from .triton_merge import _clean_lse, _store_merged, gdc_launch_dependents, gdc_wait, merge_states_triton, pdl_ok
+from .triton_merge import gdc_launch_dependents, gdc_wait, merge_states_triton, pdl_ok
 
 _LOG2E = 1.4426950408889634
 
@@ -400,7 +400,6 @@ def _paged_decode_kernel(
     FP8: tl.constexpr, V_FROM_K: tl.constexpr, CAUSAL: tl.constexpr, IEEE: tl.constexpr,
     INTERPRETED: tl.constexpr, LAZY: tl.constexpr = False, HALVES: tl.constexpr = False,
     TMA: tl.constexpr = False, DIAG: tl.constexpr = 0, F16: tl.constexpr = False, PDL: tl.constexpr = False,
-    FUSED: tl.constexpr = False, cnt_ptr=None, fo_ptr=None, flse_ptr=None, n_splits=1, MERGE_DV: tl.constexpr = 128,
     NUM_BLOCKS=1, TABLE_W=1,
 ):
     if PDL:   # launched early (programmatic dependent launch): wait for the kernel before, then let
@@ -481,76 +480,20 @@ def _paged_decode_kernel(
         tl.store(o_ptr + o_row[:, None] + dv[None, :], out, mask=rmask[:, None] & dv_mask[None, :])
         l_row = split.to(tl.int64) * sl_p + s64 * sl_s + t_idx.to(tl.int64) * sl_t + h_idx
         tl.store(lse_ptr + l_row, lse, mask=rmask)
-    if FUSED:
-        _merge_splits(o_ptr, lse_ptr, fo_ptr, flse_ptr, cnt_ptr + pid, n_splits, s64, t_idx, h_idx, rmask,
-                      so_p, so_s, so_t, so_h, sl_p, sl_s, sl_t, Tq, HQ, DV, MERGE_DV)
-
-
-@triton.jit
-def _merge_splits(o_ptr, lse_ptr, fo_ptr, flse_ptr, cnt_ptr, n_splits, s64, t_idx, h_idx, rmask,
-                  so_p, so_s, so_t, so_h, sl_p, sl_s, sl_t, Tq, HQ, DV: tl.constexpr, CHUNK: tl.constexpr):
-    """The split merge in the decode kernel (CONFIG fused_merge): each program counts itself in at
-    its row tile's counter after writing its partial; the last of the n_splits to arrive merges
-    all of them (the LSE merge of `triton_merge`, natural log) into out [S, Tq, HQ, DV] and lse,
-    and sets the counter back to 0 for the next call. The barrier and the acq_rel atomic order
-    every thread's partial stores before the count; the merging program reads the partials from
-    L2 (.cg), never from a stale L1 line."""
-    tl.debug_barrier()
-    old = tl.atomic_add(cnt_ptr, 1, sem="acq_rel", scope="gpu")
-    if old == n_splits - 1:
-        tl.atomic_xchg(cnt_ptr, 0, sem="relaxed", scope="gpu")
-        l_off = s64 * sl_s + t_idx.to(tl.int64) * sl_t + h_idx
-        mx = tl.full(t_idx.shape, float("-inf"), tl.float32)
-        i = 0
-        while i < n_splits:
-            li = _clean_lse(tl.load(lse_ptr + i * sl_p + l_off, mask=rmask, other=float("-inf"), cache_modifier=".cg"))
-            mx = tl.maximum(mx, li, propagate_nan=tl.PropagateNan.ALL)
-            i += 1
-        mx = tl.where(mx == float("-inf"), 0.0, mx)
-        total = tl.zeros(t_idx.shape, tl.float32)
-        i = 0
-        while i < n_splits:
-            li = _clean_lse(tl.load(lse_ptr + i * sl_p + l_off, mask=rmask, other=float("-inf"), cache_modifier=".cg"))
-            total += tl.exp(li - mx)
-            i += 1
-        safe = tl.where(total > 0, total, 1.0)
-        o_off = s64 * so_s + t_idx.to(tl.int64) * so_t + h_idx.to(tl.int64) * so_h
-        m_idx = s64 * Tq + t_idx
-        for c in tl.static_range(0, DV, CHUNK):
-            d = c + tl.arange(0, CHUNK)
-            mask2 = rmask[:, None] & (d[None, :] < DV)
-            acc = tl.zeros([t_idx.shape[0], CHUNK], tl.float32)
-            i = 0
-            while i < n_splits:
-                li = _clean_lse(tl.load(lse_ptr + i * sl_p + l_off, mask=rmask, other=float("-inf"),
-                                        cache_modifier=".cg"))
-                w = tl.exp(li - mx) / safe
-                oi = tl.load(o_ptr + i * so_p + o_off[:, None] + d[None, :], mask=mask2, other=0.0,
-                             cache_modifier=".cg")
-                acc += tl.where(w[:, None] > 0, oi, 0.0) * w[:, None]
-                i += 1
-            _store_merged(fo_ptr, flse_ptr, m_idx, h_idx, d, rmask, mask2, acc, mx, total, HQ * DV, DV, 1, HQ, 1,
-                          False)
 
 
 CONFIG = {
-    "target_programs": 264,      # ~2 waves of 132 SMs (H200)
+    # ~2 waves of 132 SMs (H200). One split wherever B x Hkv programs fill the SMs once (no merge
+    # kernel, as cuDNN's SDPA runs this problem: 128 CTAs) lost in the probe of 2026-12-03 (bench/
+    # results/cp-probe7-h200.json, GQA B 32, 1/4 of 8K / 32K: bf16 49.7 -> 66.4 / 135.5 -> 232.5 µs,
+    # fp8 44.1 -> 62.5 / 124.1 -> 210.1): one CTA per SM does not stream the KV fast enough here
+    "target_programs": 264,
     # programmatic dependent launch (sm_90+, 0/1): the kernel and the split merge after it launch
     # while the kernel before each finishes, and wait for it in-kernel before touching memory
     "pdl": 1,
-    # the split merge inside the decode kernel (0/1): the last program of a row tile to finish
-    # merges the tile's partials (per-row-tile counters that reset themselves, one set per stream:
-    # `_merge_counters`), so no second kernel; where no counters can be had (first call of a
-    # process inside a graph capture, > 8 streams, more programs than a set holds) the merge kernel
-    # runs as before
-    "fused_merge": 0,
     # tokens of a sequence's local KV: never split finer. Per family (`launch_settings`): GQA,
     # GQA over an fp8 cache, MLA (key dim > 256: *_wide), MLA over fp8 (numbers below the dict)
     "min_split": 512, "min_split_fp8": 512, "min_split_wide": 1024, "min_split_wide_fp8": 1024,
-    # GQA (bf16, fp8): no split, so no merge kernel, where one split's programs (sequences x kv
-    # heads) reach this many already (0: off): a wave of one CTA per SM streams the KV with
-    # nothing to merge. MLA tiles always split by target_programs
-    "whole_programs": 0, "whole_programs_fp8": 0,
     "block_n": 64, "block_n_wide": 64,            # key tile; "wide" when the key dim > 256 (MLA)
     "block_m": 64, "block_m_wide": 64, "block_m_wide_fp8": 64,
     "num_warps": 4, "num_warps_wide": 8, "num_stages": 3, "num_stages_wide": 2,
@@ -642,8 +585,7 @@ _WIDE = {"block_n": "block_n_wide", "block_m": "block_m_wide", "num_warps": "num
 # kernel options (0/1; diag 0-3; maxnreg 0 = the compiler's choice, else a register cap), launch_settings
 _STRUCTURE = ("lazy_rescale", "halves", "tma", "diag", "f16", "maxnreg")
 _FP8 = {"block_n": "block_n_fp8", "num_stages": "num_stages_fp8", "f16": "f16_fp8",
-        "maxnreg": "maxnreg_fp8", "min_split": "min_split_fp8",
-        "whole_programs": "whole_programs_fp8"}      # GQA over an fp8 cache
+        "maxnreg": "maxnreg_fp8", "min_split": "min_split_fp8"}      # GQA over an fp8 cache
 _WIDE_FP8 = {k: f"{k}_wide_fp8" for k in ("block_m", "block_n", "num_warps", "num_stages", "lazy_rescale", "halves",
                                           "tma", "min_split")}      # MLA over an fp8 cache
 # MLA with a query-head tile that is not full (16 heads under TP 8), bf16 and fp8 caches
@@ -660,8 +602,8 @@ _VALID = {
     "target_programs": range(1, 1 << 16), "min_split": range(1, 1 << 24),
     "block_n": (16, 32, 64, 128, 256), "block_m": (16, 32, 64, 128, 256),
     "num_warps": (1, 2, 4, 8, 16), "num_stages": (1, 2, 3, 4, 5, 6),
-    "lazy_rescale": (0, 1), "pdl": (0, 1), "fused_merge": (0, 1), "halves": (0, 1), "tma": (0, 1), "diag": (0, 1, 2, 3), "f16": (0, 1),
-    "maxnreg": (0, *range(64, 256, 8)), "at_most": (0, 1), "whole_programs": range(0, 1 << 16),
+    "lazy_rescale": (0, 1), "pdl": (0, 1), "halves": (0, 1), "tma": (0, 1), "diag": (0, 1, 2, 3), "f16": (0, 1),
+    "maxnreg": (0, *range(64, 256, 8)), "at_most": (0, 1),
 }
 _META = ("device", "sizes", "seconds", "results", "notes", "problems")
 
@@ -703,9 +645,6 @@ def apply_tuning(tuning: dict) -> None:
                                  f"give it under 'mla'")
             if kind in ("gqa", "mla") and key in ("f16", "maxnreg"):
                 raise ValueError(f"decode tuning {kind}.{key}: an fp8-cache option; give it under 'gqa_fp8'")
-            if kind == "mla" and key == "whole_programs":
-                raise ValueError("decode tuning mla.whole_programs: a GQA option (MLA tiles always split by "
-                                 "target_programs); give it under 'gqa' or 'gqa_fp8'")
             if key not in keys:
                 raise ValueError(f"unknown decode tuning key {kind}.{key}; valid: {', '.join(keys)}")
             if not _valid_value(key, value):
@@ -754,17 +693,14 @@ def _split_dims(d: int) -> tuple[int, int, int]:
     return main, rest, (max(16, triton.next_power_of_2(rest)) if rest else 0)
 
 
-def plan_splits(capacity: int, programs: int, block_n: int, min_split: int, at_most: bool = False,
-                whole: int = 0) -> tuple[int, int]:
+def plan_splits(capacity: int, programs: int, block_n: int, min_split: int, at_most: bool = False
+                ) -> tuple[int, int]:
     """(num_splits, split_len) for `capacity` tokens per sequence, `programs` programs per split
     and splits of at least `min_split` tokens (the family's, `launch_settings`): enough splits to
-    reach target_programs programs, or with `at_most` as many as stay within it; one split where
-    `whole` (> 0) programs or more are there without splitting (the family's whole_programs)."""
+    reach target_programs programs, or with `at_most` as many as stay within it."""
     capacity = max(capacity, 1)
     target, programs = CONFIG["target_programs"], max(programs, 1)
     want = max(1, target // programs if at_most else -(-target // programs))
-    if 0 < whole <= programs:
-        want = 1
     most = max(1, -(-capacity // max(min_split, 1)))
     splits = min(want, most)
     split_len = -(-(-(-capacity // splits)) // block_n) * block_n
@@ -790,7 +726,6 @@ def launch_settings(d: int, q_dtype: torch.dtype, cache_dtype: torch.dtype, rows
 
     out = {name: CONFIG[key(name)] for name in ("block_m", "block_n", "num_warps", "num_stages", "min_split")}
     out["at_most"] = CONFIG.get(key("at_most"), 0)    # plan_splits' rounding: only narrow MLA tiles have one
-    out["whole_programs"] = CONFIG.get(key("whole_programs"), 0) if d <= 256 else 0   # (GQA only)
     out["block_m"] = max(16, min(triton.next_power_of_2(max(rows, 1)), out["block_m"]))
     out.update({name: CONFIG.get(key(name), 0) for name in _STRUCTURE})   # GQA has no halves / tma / diag
     return out
@@ -823,17 +758,9 @@ def paged_decode_triton(q: Tensor, k: Tensor, v: Tensor, k_scale: Tensor | None,
     pdl = bool(CONFIG["pdl"]) and pdl_ok(q.device)
     m_tiles = -(-(tq * g) // block_m)
     programs = s * hkv * m_tiles
-    splits, split_len = plan_splits(capacity, programs, block_n, cfg["min_split"], bool(cfg["at_most"]),
-                                    cfg["whole_programs"])
+    splits, split_len = plan_splits(capacity, programs, block_n, cfg["min_split"], bool(cfg["at_most"]))
     o = torch.empty(splits, s, tq, hq, dv, dtype=torch.float32, device=q.device)
     lse = torch.empty(splits, s, tq, hq, dtype=torch.float32, device=q.device)
-    counters = _merge_counters(q.device, programs) if splits > 1 and CONFIG["fused_merge"] else None
-    fused = {}
-    if counters is not None:
-        fused = dict(FUSED=True, cnt_ptr=counters, n_splits=splits,
-                     fo_ptr=torch.empty(s, tq, hq, dv, dtype=torch.float32, device=q.device),
-                     flse_ptr=torch.empty(s, tq, hq, dtype=torch.float32, device=q.device),
-                     MERGE_DV=min(128, triton.next_power_of_2(dv)))
     ks = k_scale if fp8 else _no_scale(q)
     vs = v_scale if fp8 else ks
     ks_st = ks.stride() if fp8 else (0, 0, 0)
@@ -854,10 +781,7 @@ def paged_decode_triton(q: Tensor, k: Tensor, v: Tensor, k_scale: Tensor | None,
             HALVES=halves, TMA=tma, DIAG=cfg["diag"] if halves else 0, F16=f16, PDL=pdl, NUM_BLOCKS=k.shape[0],
             TABLE_W=table.shape[1],
             num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
-            **({"maxnreg": cfg["maxnreg"]} if cfg["maxnreg"] else {}), **({"launch_pdl": True} if pdl else {}),
-            **fused)
-    if fused:
-        return AttnState(fused["fo_ptr"], fused["flse_ptr"])
+            **({"maxnreg": cfg["maxnreg"]} if cfg["maxnreg"] else {}), **({"launch_pdl": True} if pdl else {}))
     if splits == 1:
         return AttnState(o[0], lse[0])
     merged = merge_states_triton(o.view(splits, s * tq, hq, dv), lse.view(splits, s * tq, hq), pdl=pdl)
@@ -879,36 +803,6 @@ def _tma_ok(k: Tensor) -> bool:
     """TMA descriptors over k [blocks, page, 1, D]: a 16-byte aligned base and byte strides."""
     e = k.element_size()
     return k.data_ptr() % 16 == 0 and all((st * e) % 16 == 0 for st in (k.stride(0), k.stride(1)))
-
-
-MERGE_SLOTS, MERGE_WIDTH = 8, 1 << 16
-_COUNTERS: dict[torch.device, Tensor] = {}
-_COUNTER_SLOTS: dict[tuple[torch.device, int], int] = {}
-
-
-def _merge_counters(device: torch.device, programs: int) -> Tensor | None:
-    """The fused merge's counters for this device and stream ([programs] int32 at 0 between calls):
-    one row of a [MERGE_SLOTS, MERGE_WIDTH] buffer zeroed once, per stream, so that kernels on
-    different streams never share one (a CUDA graph keeps the row of the stream it was captured
-    on; graphs captured on one stream must not replay concurrently). None (the merge kernel runs
-    instead) for more programs than a row, more streams than rows, or a first call inside a graph
-    capture, where the buffer could not be zeroed before the graph runs."""
-    if programs > MERGE_WIDTH:
-        return None
-    cuda = device.type == "cuda"
-    buf = _COUNTERS.get(device)
-    if buf is None:
-        if cuda and torch.cuda.is_current_stream_capturing():
-            return None
-        buf = _COUNTERS[device] = torch.zeros(MERGE_SLOTS, MERGE_WIDTH, dtype=torch.int32, device=device)
-    stream = torch.cuda.current_stream(device).cuda_stream if cuda else 0
-    slot = _COUNTER_SLOTS.get((device, stream))
-    if slot is None:
-        slot = sum(1 for dev, _ in _COUNTER_SLOTS if dev == device)
-        if slot >= MERGE_SLOTS:
-            return None
-        _COUNTER_SLOTS[(device, stream)] = slot
-    return buf[slot]
 
 
 _NO_SCALE: dict[torch.device, Tensor] = {}
