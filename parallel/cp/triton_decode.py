@@ -31,6 +31,9 @@ Structure options (CONFIG, 0/1, off until the GPU probe measures them; `launch_s
   the largest), the weights p * v_scale are divided by a running per-row maximum so they fit fp16
   whatever the scales (acc is kept in that unit), and each fp8 pair converts in one instruction.
   `maxnreg_fp8` caps its registers.
+- `pdl` (on where the device and Triton allow it: `triton_merge.pdl_ok`): programmatic dependent
+  launch of the kernel and of the split merge after it; each may launch while the kernel before it
+  finishes and waits for it (griddepcontrol.wait) before touching memory (0.5-1.3 µs per call).
 The *_wide_fp8 entries are MLA's over an fp8 cache. `diag_wide` (1 no softmax, 2 no P @ V, 3
 scores only) is the tuning probe's subtraction diagnostic, never attention.
 
