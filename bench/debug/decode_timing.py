@@ -16,35 +16,22 @@ launch over one page per rank, against SDPA over a contiguous copy (and over one
 from __future__ import annotations
 
 import json
-import statistics
 import sys
 from collections import defaultdict
 
 import torch
 
 
-def _events(fn, iters: int = 30) -> float:
-    times = []
-    for _ in range(iters):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) * 1e3)
-    return statistics.median(times)
+def _events(fn) -> float:
+    from megapar.launch.bench.common import BenchContext
+
+    return BenchContext(suite="cp", device=torch.device("cuda")).time_fn(fn, iters=30)
 
 
 def _graph(fn) -> torch.cuda.CUDAGraph:
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        fn()
-    torch.cuda.current_stream().wait_stream(side)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
-    return g
+    from megapar.launch.bench.common import capture_graph
+
+    return capture_graph(fn)[0]
 
 
 def _kernels(fn, reps: int = 10) -> dict[str, float]:
