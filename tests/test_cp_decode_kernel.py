@@ -162,11 +162,18 @@ def test_auto_keeps_cpu_on_torch_and_bad_input_raises():
                          ids=["bf16", "fp8", "fp8-f16"])
 @pytest.mark.parametrize("hq,hkv,d,dv,tq", [(32, 4, 128, 128, 1), (32, 4, 128, 128, 4), (16, 1, 576, 512, 1),
                                            (128, 1, 576, 512, 2)])
-def test_kernel_full_size_on_gpu(cache_dtype, f16, hq, hkv, d, dv, tq, monkeypatch):
+@pytest.mark.parametrize("tma", [0, 1], ids=["ptr", "tma"])
+def test_kernel_full_size_on_gpu(cache_dtype, f16, hq, hkv, d, dv, tq, tma, monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     from parallel.cp import triton_decode     # (after the env: a first import binds its kernels to the mode)
 
+    if tma and d > 256:
+        pytest.skip("GQA's TMA tiles (MLA's have their own tests)")
     monkeypatch.setitem(triton_decode.CONFIG, "f16_fp8", f16)    # (GQA over fp8: fp16 operands or not)
+    monkeypatch.setitem(triton_decode.CONFIG, "tma", tma)        # (GQA's TMA tiles: block_n 64 inside pages of 64)
+    monkeypatch.setitem(triton_decode.CONFIG, "tma_fp8", tma)
+    if tma:
+        monkeypatch.setitem(triton_decode.CONFIG, "block_n_fp8", 64)
     lens = [8192, 1, 0, 3000, 20000, 77]
     lens = [max(n, tq) if n else 0 for n in lens]
     cache, table, layout, _, _ = _fill(lens, hkv, d, dv, 64, 4, 2, 1, cache_dtype, seed=11, device="cuda")
@@ -395,3 +402,42 @@ def test_pdl_chain_in_a_graph_matches_plain_launches(hq, hkv, d, dv, monkeypatch
         finite = torch.isfinite(ref.lse)
         assert torch.equal(finite, torch.isfinite(got.lse))
         torch.testing.assert_close(got.out, ref.out, atol=2e-2, rtol=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float8_e4m3fn], ids=["f32", "fp8"])
+@pytest.mark.parametrize("tq", [1, 2])
+def test_gqa_tma_tiles_match_reference(dtype, tq, monkeypatch):
+    """GQA's TMA tiles (CONFIG tma / tma_fp8): whole tiles by descriptor, the partial last tile of a
+    split through the masked loads (the cache holds NaN past a sequence's end there), an empty
+    sequence, an out-of-cache block id (NaN, no read outside the cache)."""
+    from parallel.cp import triton_decode
+
+    for key, value in (("tma", 1), ("tma_fp8", 1), ("block_n", 16), ("block_n_fp8", 16), ("min_split", 32),
+                       ("min_split_fp8", 32), ("f16_fp8", 0)):
+        monkeypatch.setitem(triton_decode.CONFIG, key, value)
+    used = []
+    real = triton_decode._gqa_tma_ok
+    monkeypatch.setattr(triton_decode, "_gqa_tma_ok", lambda *a: used.append(real(*a)) or used[-1])
+    lens = [300, 1, 0, 170, 64, 47] if tq == 1 else [300, 2, 5, 170, 64, 47]     # (q_len 2: no empty one)
+    cache, table, layout, _, _ = _fill(lens, 2, 32, 32, 16, 2, 1, 1, dtype, seed=41)
+    # past every sequence's end the cache holds NaN: a whole-tile load there must not reach out
+    held = torch.zeros(cache.k.shape[:2], dtype=torch.bool)
+    for i, n in enumerate(lens):
+        local = int(layout.local_lengths(torch.tensor(n)))
+        for j in range(local):
+            held[table[i, j // 16], j % 16] = True
+    for t in (cache.k, cache.v):
+        t.view(torch.uint8)[~held] = 0xFF          # NaN in bf16/fp32 bytes and fp8 e4m3
+    q = torch.randn(len(lens), tq, 4, 32)
+    seq = torch.tensor(lens)
+    ref = paged_decode_attention(q, cache, table, seq, layout=layout, backend="torch")
+    got = paged_decode_attention(q, cache, table, seq, layout=layout, backend="triton")
+    assert used and all(used)
+    _check(got, ref, 1e-4 if dtype == torch.float32 else 2e-2)
+    bad = table.clone()
+    bad[3, 2] = cache.k.shape[0] + 5                  # a used block id outside the cache
+    got = paged_decode_attention(q, cache, bad, seq, layout=layout, backend="triton", validate=False)
+    assert torch.isnan(got.lse[3]).all() and torch.isnan(got.out[3]).all()
+    keep = torch.arange(len(lens)) != 3
+    _check(AttnState(got.out[keep], got.lse[keep]), AttnState(ref.out[keep], ref.lse[keep]),
+           1e-4 if dtype == torch.float32 else 2e-2)

@@ -119,7 +119,9 @@ DECODE.update({  # GQA (Hq 32, Hkv 4, D 128: 8 query rows per kv head) as CONFIG
          dict(_MLA, D_MAIN=128, D_REST=0, BLOCK_REST=0, DV=128, BLOCK_DV=128, V_FROM_K=False, FP8=fp8, BLOCK_M=16,
               BLOCK_N=n, num_warps=4, num_stages=st, **opts))
     for fp8, n, st in ((False, 64, 2), (True, 128, 3), (True, 64, 3))
+    # (TMA tiles lie inside a page: block_n 64 on these 64-token pages)
     for label, opts in (("plain", {}), ("lazy", dict(LAZY=True))) + ((("f16", dict(F16=True)),) if fp8 else ())
+    + ((("tma", dict(TMA=True)),) + ((("f16 tma", dict(F16=True, TMA=True)),) if fp8 else ()) if n == 64 else ())
 })
 DECODE.update({  # the structure options (CONFIG halves_wide / tma_wide / lazy_rescale_wide) at the MLA defaults
     f"_paged_decode_kernel MLA {'fp8' if fp8 else 'bf16'} block_m={m} block_n=64 warps={w} stages={st} {label}":

@@ -50,8 +50,8 @@ ATOL_GPU = 2e-2       # tests/test_cp_decode_kernel.py, full size on the GPU (bf
 ATOL_CPU = 1e-4       # float32 under the interpreter
 REF_BUDGET = 8 << 30  # bytes of the torch path's per-head KV copy: sequences checked per problem
 
-KEYS = {"gqa": ("block_n", "num_warps", "num_stages", "target_programs", "min_split", "lazy_rescale"),
-        "gqa_fp8": ("block_n", "num_stages", "f16", "maxnreg", "min_split"),
+KEYS = {"gqa": ("block_n", "num_warps", "num_stages", "target_programs", "min_split", "lazy_rescale", "tma"),
+        "gqa_fp8": ("block_n", "num_stages", "f16", "maxnreg", "min_split", "tma"),
         "mla": ("block_m", "block_n", "num_warps", "num_stages", "target_programs", "min_split", "lazy_rescale",
                 "halves", "tma", "diag"),
         "mla_fp8": ("block_m", "block_n", "num_warps", "num_stages", "lazy_rescale", "halves", "tma", "min_split"),
@@ -64,7 +64,10 @@ VARIANTS = {   # overrides of the current settings, one factor at a time, then a
             {"target_programs": 132}, {"target_programs": 528}, {"min_split": 128}, {"min_split": 256},
             {"min_split": 1024},
             {"block_n": 128, "num_warps": 8}, {"block_n": 128, "num_stages": 3}, {"block_n": 32, "num_stages": 3},
-            {"target_programs": 528, "min_split": 128}, {"block_n": 128, "num_warps": 8, "num_stages": 3}],
+            {"target_programs": 528, "min_split": 128}, {"block_n": 128, "num_warps": 8, "num_stages": 3},
+            # whole k / v tiles by TMA (the partial last one through the pointer loads)
+            {"tma": 1}, {"tma": 1, "num_stages": 4}, {"tma": 1, "num_stages": 2}, {"tma": 1, "block_n": 128},
+            {"tma": 1, "block_n": 128, "num_warps": 8}],
     # MLA: the kernel structure options (latent in halves, TMA, lazy rescale) and, on the halves
     # kernel, the subtraction diagnostics (diag 1 no softmax, 2 no P @ V, 3 scores only: invalid
     # rows, timed for where the time goes)
@@ -82,7 +85,8 @@ VARIANTS = {   # overrides of the current settings, one factor at a time, then a
                 # f16 at 128 keys takes 234 registers (2 CTAs per SM), 168 under the cap with no spill
                 {"f16": 1, "maxnreg": 168}, {"f16": 1, "maxnreg": 168, "num_stages": 2},
                 {"f16": 1, "maxnreg": 168, "num_stages": 4}, {"f16": 1, "maxnreg": 160, "num_stages": 2},
-                {"f16": 1, "maxnreg": 128, "num_stages": 2}, {"min_split": 256}, {"min_split": 1024}],
+                {"f16": 1, "maxnreg": 128, "num_stages": 2}, {"min_split": 256}, {"min_split": 1024},
+                {"tma": 1}, {"tma": 1, "num_stages": 3}, {"tma": 1, "block_n": 64, "num_stages": 3}],
     # MLA over fp8 (today 32 heads x 64 keys, mma.sync; 64 heads spill 444 B with the plain loads,
     # 40 B in halves with TMA and 2 stages: bench/debug/kernel_sass.py decode)
     "mla_fp8": [{}, {"num_stages": 2}, {"block_n": 32}, {"halves": 1}, {"halves": 1, "tma": 1},
@@ -98,7 +102,8 @@ VARIANTS = {   # overrides of the current settings, one factor at a time, then a
                    {"at_most": 0}],
 }
 TINY_VARIANTS = {
-    "gqa": [{}, {"block_n": 16, "min_split": 32}, {"num_warps": 8, "num_stages": 1}],
+    "gqa": [{}, {"block_n": 16, "min_split": 32}, {"num_warps": 8, "num_stages": 1},
+            {"tma": 1, "block_n": 16, "min_split": 32}],
     "mla": [{}, {"block_m": 16, "block_n": 16, "min_split": 32}, {"num_warps": 4}, {"halves": 1, "block_n": 16},
             {"halves": 1, "tma": 1, "block_n": 16, "lazy_rescale": 1}],
     "gqa_fp8": [{}, {"block_n": 16}, {"f16": 1, "block_n": 16}],

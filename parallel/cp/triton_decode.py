@@ -172,13 +172,15 @@ def _tile(j0, end, s64, kvh, q_main, q_rest, q_pos, rmask, dm, dr, rest_mask, dv
           sk_b, sk_t, sk_h, sv_b, sv_t, sv_h, ss_b, ss_t, ss_h, svs_b, svs_t, svs_h, st_s,
           D_REST: tl.constexpr, BLOCK_N: tl.constexpr, PAGE: tl.constexpr, FP8: tl.constexpr,
           V_FROM_K: tl.constexpr, CAUSAL: tl.constexpr, IEEE: tl.constexpr, LAZY: tl.constexpr,
-          F16: tl.constexpr, CHECK: tl.constexpr = True):
+          F16: tl.constexpr, CHECK: tl.constexpr = True, desc_k=None, desc_v=None, TMA: tl.constexpr = False):
     """One key tile [j0, j0 + BLOCK_N) of the online softmax: returns the new (m, l, acc, r, bad).
     CHECK: the tile checks its own block ids (`_checked_block`); off when `_checked_range` scanned
     the split's ids before the loop (every id the loop reads is then inside the cache).
     F16 (fp8 cache, fp16 queries from `_f16_queries`): fp16 MMA operands, one conversion per fp8
     pair; the weights w = p * v_scale go to fp16 over the running per-row scale r = the largest
-    weight so far (w / r <= 1), acc is kept in units of r (out = acc * r / l)."""
+    weight so far (w / r <= 1), acc is kept in units of r (out = acc * r / l).
+    TMA (GQA, a whole tile inside its page): k and v come as one box each from the descriptors over
+    [blocks, PAGE, kv heads, D] (`_paged_decode_kernel`), no per-element addresses or masks."""
     j = j0 + tl.arange(0, BLOCK_N)
     jmask = j < end
     if PAGE % BLOCK_N == 0:     # the tile lies in one page (tiles start at multiples of BLOCK_N): one id
@@ -190,8 +192,12 @@ def _tile(j0, end, s64, kvh, q_main, q_rest, q_pos, rmask, dm, dr, rest_mask, dv
         if CHECK:
             block, bad = _checked_block(block, num_blocks, bad, jmask, True)
     in_page = (j % PAGE).to(tl.int64)
-    k_row = block * sk_b + in_page * sk_t + kvh * sk_h                           # [BLOCK_N]
-    k_main = tl.load(k_ptr + k_row[:, None] + dm[None, :], mask=jmask[:, None], other=0.0)
+    if TMA:
+        tl.static_assert(PAGE % BLOCK_N == 0, "TMA tiles lie inside a page")
+        k_main = tl.reshape(desc_k.load([block.to(tl.int32), j0 % PAGE, kvh, 0]), (BLOCK_N, dm.shape[0]))
+    else:
+        k_row = block * sk_b + in_page * sk_t + kvh * sk_h                       # [BLOCK_N]
+        k_main = tl.load(k_ptr + k_row[:, None] + dm[None, :], mask=jmask[:, None], other=0.0)
     if FP8:
         k_main = k_main.to(q_main.dtype)
     if IEEE:
@@ -217,6 +223,10 @@ def _tile(j0, end, s64, kvh, q_main, q_rest, q_pos, rmask, dm, dr, rest_mask, dv
     l_i = l_i * alpha + tl.sum(p, 1)
     if V_FROM_K:
         v_tile = k_main
+    elif TMA:
+        v_tile = tl.reshape(desc_v.load([block.to(tl.int32), j0 % PAGE, kvh, 0]), (BLOCK_N, dv.shape[0]))
+        if FP8:
+            v_tile = v_tile.to(q_main.dtype)
     else:
         v_row = block * sv_b + in_page * sv_t + kvh * sv_h
         v_tile = tl.load(v_ptr + v_row[:, None] + dv[None, :], mask=jmask[:, None] & dv_mask[None, :], other=0.0)
@@ -455,21 +465,36 @@ def _paged_decode_kernel(
         r_i = tl.zeros([BLOCK_M], tl.float32)      # (F16: acc's unit)
         if F16:
             q_main, q_rest, qk_scale = _f16_queries(q_main, q_rest, qk_scale, D_REST)
+        if TMA:     # (GQA: whole tiles by TMA, then the partial one, if any, through masked pointer loads)
+            desc_k = tl.make_tensor_descriptor(k_ptr, [NUM_BLOCKS, PAGE, KV_HEADS, D_MAIN], [sk_b, sk_t, sk_h, 1],
+                                               [1, BLOCK_N, 1, D_MAIN])
+            desc_v = tl.make_tensor_descriptor(v_ptr, [NUM_BLOCKS, PAGE, KV_HEADS, DV], [sv_b, sv_t, sv_h, 1],
+                                               [1, BLOCK_N, 1, BLOCK_DV])
+            full_end = start + (tl.maximum(end - start, 0) // BLOCK_N) * BLOCK_N
+        else:
+            desc_k, desc_v, full_end = k_ptr, v_ptr, end
         # a `for` loop pipelines on the GPU; the interpreter only takes constant bounds there
         if INTERPRETED:
             j0 = start
-            while j0 < end:
+            while j0 < full_end:
                 m_i, l_i, acc, r_i, bad = _tile(
                     j0, end, s64, kvh, q_main, q_rest, q_pos, rmask, dm, dr, rest_mask, dv, dv_mask, m_i, l_i, acc,
                     r_i, bad, k_ptr, v_ptr, ks_ptr, vs_ptr, table_ptr, NUM_BLOCKS, qk_scale, dcp_size, dcp_rank,
                     interleave, sk_b, sk_t, sk_h, sv_b, sv_t, sv_h, ss_b, ss_t, ss_h, svs_b, svs_t, svs_h,
-                    st_s, D_REST, BLOCK_N, PAGE, FP8, V_FROM_K, CAUSAL, IEEE, LAZY, F16, not FP8)
+                    st_s, D_REST, BLOCK_N, PAGE, FP8, V_FROM_K, CAUSAL, IEEE, LAZY, F16, not FP8, desc_k, desc_v, TMA)
                 j0 += BLOCK_N
         else:
-            for j0 in range(start, end, BLOCK_N):
+            for j0 in range(start, full_end, BLOCK_N):
                 m_i, l_i, acc, r_i, bad = _tile(
                     j0, end, s64, kvh, q_main, q_rest, q_pos, rmask, dm, dr, rest_mask, dv, dv_mask, m_i, l_i, acc,
                     r_i, bad, k_ptr, v_ptr, ks_ptr, vs_ptr, table_ptr, NUM_BLOCKS, qk_scale, dcp_size, dcp_rank,
+                    interleave, sk_b, sk_t, sk_h, sv_b, sv_t, sv_h, ss_b, ss_t, ss_h, svs_b, svs_t, svs_h,
+                    st_s, D_REST, BLOCK_N, PAGE, FP8, V_FROM_K, CAUSAL, IEEE, LAZY, F16, not FP8, desc_k, desc_v, TMA)
+        if TMA:
+            if full_end < end:
+                m_i, l_i, acc, r_i, bad = _tile(
+                    full_end, end, s64, kvh, q_main, q_rest, q_pos, rmask, dm, dr, rest_mask, dv, dv_mask, m_i, l_i,
+                    acc, r_i, bad, k_ptr, v_ptr, ks_ptr, vs_ptr, table_ptr, NUM_BLOCKS, qk_scale, dcp_size, dcp_rank,
                     interleave, sk_b, sk_t, sk_h, sv_b, sv_t, sv_h, ss_b, ss_t, ss_h, svs_b, svs_t, svs_h,
                     st_s, D_REST, BLOCK_N, PAGE, FP8, V_FROM_K, CAUSAL, IEEE, LAZY, F16, not FP8)
         safe, lse = _finish(l_i, m_i)
@@ -501,6 +526,9 @@ CONFIG = {
     "block_m": 64, "block_m_wide": 64, "block_m_wide_fp8": 64,
     "num_warps": 4, "num_warps_wide": 8, "num_stages": 3, "num_stages_wide": 2,
     "block_n_fp8": 128, "num_stages_fp8": 2,      # GQA over an fp8 cache (key dim <= 256)
+    # GQA's whole key / value tiles by TMA from device-side descriptors over [blocks, page, kv
+    # heads, D] (power-of-two head dims, tiles inside pages; `_gqa_tma_ok`), 0/1 per cache dtype
+    "tma": 0, "tma_fp8": 0,
     # f16_fp8: fp16 MMA operands over an fp8 cache (bf16 queries scaled into fp16 by a power of two,
     # weights p * v_scale over a running per-row maximum: `_tile`), one conversion per fp8 pair
     # instead of fp8 -> fp16 -> bf16 (sm_90a loop per 128-key tile: 1818 -> 1509 instructions, the
@@ -588,7 +616,7 @@ _WIDE = {"block_n": "block_n_wide", "block_m": "block_m_wide", "num_warps": "num
 # kernel options (0/1; diag 0-3; maxnreg 0 = the compiler's choice, else a register cap), launch_settings
 _STRUCTURE = ("lazy_rescale", "halves", "tma", "diag", "f16", "maxnreg")
 _FP8 = {"block_n": "block_n_fp8", "num_stages": "num_stages_fp8", "f16": "f16_fp8",
-        "maxnreg": "maxnreg_fp8", "min_split": "min_split_fp8"}      # GQA over an fp8 cache
+        "maxnreg": "maxnreg_fp8", "min_split": "min_split_fp8", "tma": "tma_fp8"}      # GQA over an fp8 cache
 _WIDE_FP8 = {k: f"{k}_wide_fp8" for k in ("block_m", "block_n", "num_warps", "num_stages", "lazy_rescale", "halves",
                                           "tma", "min_split")}      # MLA over an fp8 cache
 # MLA with a query-head tile that is not full (16 heads under TP 8), bf16 and fp8 caches
@@ -643,7 +671,7 @@ def apply_tuning(tuning: dict) -> None:
             raise ValueError(f"decode tuning {kind!r} must be a dict of settings, got {part!r}")
         for key, value in part.items():
             keys = names if only else _VALID
-            if kind == "gqa" and key in ("halves", "tma", "diag"):
+            if kind == "gqa" and key in ("halves", "diag"):
                 raise ValueError(f"decode tuning gqa.{key}: an MLA-only option (the latent head's layout); "
                                  f"give it under 'mla'")
             if kind in ("gqa", "mla") and key in ("f16", "maxnreg"):
@@ -755,7 +783,7 @@ def paged_decode_triton(q: Tensor, k: Tensor, v: Tensor, k_scale: Tensor | None,
     block_n, block_m = cfg["block_n"], cfg["block_m"]
     halves = bool(cfg["halves"]) and _halves_ok(k, v, k_scale, v_scale, d_main, block_n)
     f16 = bool(cfg["f16"]) and fp8 and not halves and q.dtype in (torch.bfloat16, torch.float16)
-    tma = halves and bool(cfg["tma"]) and _tma_ok(k)
+    tma = bool(cfg["tma"]) and (_tma_ok(k) if halves else _gqa_tma_ok(k, v, d_rest, dv, block_n, v_from_k))
     if tma:
         impl.ensure_triton_scratch()
     pdl = bool(CONFIG["pdl"]) and pdl_ok(q.device)
@@ -800,6 +828,15 @@ def _halves_ok(k: Tensor, v: Tensor, k_scale: Tensor | None, v_scale: Tensor | N
     return (k.shape[2] == 1 and d_main == 512 and v.shape[-1] == d_main and v.data_ptr() == k.data_ptr()
             and v.stride() == k.stride() and k.shape[1] % block_n == 0 and same_scale and k.stride(-1) == 1
             )
+
+
+def _gqa_tma_ok(k: Tensor, v: Tensor, d_rest: int, dv: int, block_n: int, v_from_k: bool) -> bool:
+    """GQA's TMA tiles apply: power-of-two key and value dims (no rest part), tiles inside pages, a
+    separate value tensor, and both tensors' bases and page / token / head strides 16-byte aligned."""
+    return (d_rest == 0 and dv == triton.next_power_of_2(dv) and k.shape[1] % block_n == 0 and not v_from_k
+            and k.dtype == v.dtype and k.stride(-1) == 1 and v.stride(-1) == 1
+            and all(t.data_ptr() % 16 == 0 and all((st * t.element_size()) % 16 == 0 for st in t.stride()[:3])
+                    for t in (k, v)))
 
 
 def _tma_ok(k: Tensor) -> bool:
