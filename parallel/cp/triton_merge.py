@@ -13,6 +13,7 @@ memory); only the head dim is expected to be unit-stride for full speed.
 
 from __future__ import annotations
 
+import functools
 from typing import Sequence
 
 import torch
@@ -227,7 +228,12 @@ def pdl_ok(device: torch.device) -> bool:
 
     if not HAS_PDL or device.type != "cuda" or impl.interpreting():
         return False
-    return torch.cuda.get_device_capability(device)[0] >= 9
+    return _hopper_or_later(device.index if device.index is not None else torch.cuda.current_device())
+
+
+@functools.lru_cache(maxsize=None)
+def _hopper_or_later(index: int) -> bool:
+    return torch.cuda.get_device_capability(index)[0] >= 9
 
 
 def merge_bytes(n: int, rows: int, head_dim: int, elem_bytes: int) -> int:
