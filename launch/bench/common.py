@@ -148,65 +148,72 @@ GRAPH_SHORT_US = 30.0    # a call under this per replay is timed as GRAPH_REPS c
 GRAPH_REPS = 10
 
 
+def _per_call_in_graph(ctx: BenchContext, fns: Sequence[Callable[[], Any]], reps: int,
+                       iters: int | None) -> float:
+    """Median µs per call of `reps` calls (`fns` taken in turn) captured in one CUDA graph."""
+    def calls() -> None:
+        for i in range(reps):
+            fns[i % len(fns)]()
+    graph, _ = capture_graph(calls)
+    us = ctx.time_fn(graph.replay, iters=iters) / reps
+    del graph
+    return us
+
+
+def _timed_in_graphs(ctx: BenchContext, fns: Sequence[Callable[[], Any]], how: Callable[[], tuple[float, Any]],
+                     iters: int | None) -> tuple[float, Any]:
+    """`how()` (the graph timings) after a warm-up call; eager on CPU ("eager") and where capture
+    fails ("eager (ExceptionName)")."""
+    fns[0]()
+    if not ctx.is_cuda:
+        return ctx.time_fn(fns[0], iters=iters), "eager"
+    torch.cuda.synchronize()
+    try:
+        return how()
+    except Exception as e:  # noqa: BLE001 - fall back, and say so
+        torch.cuda.synchronize()
+        return ctx.time_fn(fns[0], iters=iters), f"eager ({type(e).__name__})"
+
+
 def graph_time(ctx: BenchContext, fn: Callable[[], Any], iters: int | None = None) -> tuple[float, str]:
     """Median µs of fn as a CUDA-graph replay (eager on CPU or when capture fails). A call shorter
     than GRAPH_SHORT_US per replay is timed again as GRAPH_REPS calls captured in one graph, per
     call (timing "graph xN"): the events around one replay also hold the host's launch of it
     (5-10 µs, varying with the host), which a decode step's graph of many kernels does not pay
     per kernel."""
-    fn()
-    if not ctx.is_cuda:
-        return ctx.time_fn(fn, iters=iters), "eager"
-    torch.cuda.synchronize()
-    try:
-        graph, _ = capture_graph(fn)
-        us = ctx.time_fn(graph.replay, iters=iters)
-        del graph
+    def how() -> tuple[float, str]:
+        us = _per_call_in_graph(ctx, [fn], 1, iters)
         if us < GRAPH_SHORT_US:
-            def reps() -> None:
-                for _ in range(GRAPH_REPS):
-                    fn()
-            graph, _ = capture_graph(reps)
-            us = ctx.time_fn(graph.replay, iters=iters) / GRAPH_REPS
-            del graph
-            return us, f"graph x{GRAPH_REPS}"
+            return _per_call_in_graph(ctx, [fn], GRAPH_REPS, iters), f"graph x{GRAPH_REPS}"
         return us, "graph"
-    except Exception as e:  # noqa: BLE001 - fall back, and say so
-        torch.cuda.synchronize()
-        return ctx.time_fn(fn, iters=iters), f"eager ({type(e).__name__})"
+    return _timed_in_graphs(ctx, [fn], how, iters)
 
 
 def step_time(ctx: BenchContext, fns: Sequence[Callable[[], Any]], reps: int = GRAPH_REPS,
               iters: int | None = None) -> tuple[float, dict[str, Any]]:
     """A decode-step call timed as a decode step's CUDA graph runs it: µs per call of `reps` calls
-    captured in one graph, the input sets `fns` (the same call over separate copies of its inputs)
-    taken in turn, so that a call reads its inputs from DRAM and not from the L2 the call before
-    left them in (`l2_sets` says how many copies that takes). One replay of a graph holding a
-    single call also holds the host's launch of that replay (5-10 µs on the H200's host), which a
-    step's graph of a whole model's kernels pays once, not per kernel: that time is kept as
-    `replay_us`. Returns (µs, columns timing / replay_us / input_sets); eager on CPU, and where
-    capture fails (timing "eager (ExceptionName)")."""
+    captured in one graph, the input sets `fns` (the same call over separate copies of its inputs,
+    `input_copies`) taken in turn, so that a call reads its inputs from DRAM and not from the L2
+    the call before left them in. One replay of a graph holding a single call also holds the
+    host's launch of that replay (5-10 µs on the H200's host), which a step's graph of a whole
+    model's kernels pays once, not per kernel: that time is kept as `replay_us`. Returns (µs,
+    columns timing / replay_us / input_sets); eager on CPU, and where capture fails (timing
+    "eager (ExceptionName)")."""
     fns = list(fns)
-    fns[0]()
     cols: dict[str, Any] = {"input_sets": len(fns)}
-    if not ctx.is_cuda:
-        return ctx.time_fn(fns[0], iters=iters), {**cols, "timing": "eager"}
-    torch.cuda.synchronize()
-    try:
-        graph, _ = capture_graph(fns[0])
-        cols["replay_us"] = ctx.time_fn(graph.replay, iters=iters)
-        del graph
 
-        def calls() -> None:
-            for i in range(reps):
-                fns[i % len(fns)]()
-        graph, _ = capture_graph(calls)
-        us = ctx.time_fn(graph.replay, iters=iters) / reps
-        del graph
-        return us, {**cols, "timing": f"graph x{reps}"}
-    except Exception as e:  # noqa: BLE001 - fall back, and say so
-        torch.cuda.synchronize()
-        return ctx.time_fn(fns[0], iters=iters), {**cols, "timing": f"eager ({type(e).__name__})"}
+    def how() -> tuple[float, str]:
+        cols["replay_us"] = _per_call_in_graph(ctx, fns[:1], 1, iters)
+        return _per_call_in_graph(ctx, fns, reps, iters), f"graph x{reps}"
+    us, timing = _timed_in_graphs(ctx, fns, how, iters)
+    return us, {**cols, "timing": timing}
+
+
+def input_copies(ctx: BenchContext, make: Callable[[], Any], nbytes: Callable[[Any], int]) -> list[Any]:
+    """`make()` called as often as `step_time` needs copies of a call's inputs (`l2_sets` of the
+    first copy's `nbytes`)."""
+    first = make()
+    return [first] + [make() for _ in range(l2_sets(ctx, nbytes(first)) - 1)]
 
 
 def l2_sets(ctx: BenchContext, nbytes: int, most: int = GRAPH_REPS) -> int:

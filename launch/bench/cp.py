@@ -44,8 +44,8 @@ import sys
 
 import torch
 
-from megapar.launch.bench.common import (H200_BF16_TFLOPS, BenchContext, copy_ceiling_gbps, graph_time, l2_sets,
-                                         probe_main, step_time)
+from megapar.launch.bench.common import (H200_BF16_TFLOPS, BenchContext, copy_ceiling_gbps, graph_time,
+                                         input_copies, l2_sets, probe_main, step_time)
 from megapar.parallel.cp import PagedKVCache, attention_with_lse, dcp_kv_insert, zigzag_shard
 from megapar.parallel.cp.dcp import DCPLayout, write_kv_slots
 from megapar.parallel.cp.merge import combine_lse, merge_attn_states
@@ -188,9 +188,8 @@ def _dcp_breakdown(ctx: BenchContext) -> None:
                                                                    layout=DCPLayout(size=n, rank=0, block_size=block))
 
         def copies(n):
-            """Rank 0's cache at 1/n, as many copies as `step_time` takes in turn (`l2_sets`)."""
-            first = setup(n)
-            return [first] + [setup(n) for _ in range(l2_sets(ctx, read(first[0], batch * (context // n))) - 1)]
+            """Rank 0's cache at 1/n, as many copies as `step_time` takes in turn."""
+            return input_copies(ctx, lambda: setup(n), lambda c: read(c[0], batch * (context // n)))
 
         def fixed(c, t, q, n):
             """The part that does not shrink with N: the same grid, splits and merge (capacity L)
@@ -418,9 +417,9 @@ def _paged_decode_rows(ctx: BenchContext) -> None:
                 ours = lambda c, t, q, lens: paged_decode_attention(q, c, t, lens, layout=layout, scale=scale,
                                                                     backend="triton", max_seq_len=context)
                 # copies of the cache taken in turn (step_time), so that no call finds its KV in L2
-                sets = [make()]
+                sets = input_copies(ctx, make, lambda c: kv_read_bytes_of(c[0], batch * local, kv_heads, d, dv,
+                                                                          v_from_k))
                 nbytes = kv_read_bytes_of(sets[0][0], batch * local, kv_heads, d, dv, v_from_k)
-                sets += [make() for _ in range(l2_sets(ctx, nbytes) - 1)]
                 ours_us, ours_cols = _decode_time(ctx, [lambda c=c, t=t, q=q: ours(c, t, q, seq) for c, t, q in sets])
                 cache, table, q = sets[0]
                 # the part that does not scale with L: the same grid, splits and merge over one page
@@ -436,22 +435,20 @@ def _paged_decode_rows(ctx: BenchContext) -> None:
                     ctx.note(f"{kind} L={context}: the gathered-pages torch path skipped (its per-head KV copy "
                              f"exceeds 32 GiB)")
                 del sets
-                # the anchor over as many contiguous copies (its own V for GQA: with k and v one
+                # the anchor over as many contiguous copies; GQA's with its own V (with k and v one
                 # tensor, the second read of each tile hits L2 and SDPA moves half the bytes)
-                anchor_bytes = batch * kv_heads * local * d * 2 * (2 if kind == "gqa" else 1)
-                kcs = [torch.randn(batch, kv_heads, local, d, device=ctx.device, dtype=torch.bfloat16)
-                       for _ in range(l2_sets(ctx, anchor_bytes))]
+                kvs = input_copies(ctx, lambda: [torch.randn(batch, kv_heads, local, d, device=ctx.device,
+                                                             dtype=torch.bfloat16) for _ in range(1 + (kind == "gqa"))],
+                                   lambda kv: sum(t.numel() * t.element_size() for t in kv))
                 if kind == "gqa":
                     anchor = "SDPA, contiguous bf16 KV of the same tokens"
-                    vcs = [torch.randn_like(kc) for kc in kcs]
                     sdpa_us, anchor_cols = step_time(ctx, [lambda kc=kc, vc=vc: _sdpa_contiguous(q.unsqueeze(2), kc, vc)
-                                                           for kc, vc in zip(kcs, vcs)])
-                    del vcs
+                                                           for kc, vc in kvs])
                 else:
                     anchor = "torch absorbed MLA (2 bmm + softmax), contiguous bf16 latent of the same tokens"
                     sdpa_us, anchor_cols = step_time(ctx, [lambda kc=kc: _mla_torch_contiguous(q, kc[:, 0], dv, scale)
-                                                           for kc in kcs])
-                del kcs
+                                                           for kc, in kvs])
+                del kvs
                 anchor_timing = anchor_cols["timing"]
                 label = "paged decode kernel over" if kind == "gqa" else "MLA absorbed decode kernel over"
                 # the roofline: the bytes at the copy ceiling or the matmul FLOPs (q.k over d, p.v over
@@ -480,7 +477,6 @@ def _mla_prep_rows(ctx: BenchContext) -> None:
     from megapar.parallel.cp.mla_prep import mla_prep, rope_table
 
     ceiling = copy_ceiling_gbps(ctx.device)
-    l2 = torch.cuda.get_device_properties(ctx.device).L2_cache_size if ctx.is_cuda else 0
     dims, heads = MLADims(), 128
     for tokens in (1, 16, 64, 256):
         for cache_dtype in (torch.bfloat16, torch.float8_e4m3fn):
@@ -491,7 +487,7 @@ def _mla_prep_rows(ctx: BenchContext) -> None:
             # several input sets, taken in turn, so that consecutive calls (graph_time captures ten
             # of a short call in one graph) find their inputs in DRAM, not in the L2 the previous
             # call left them in: at least 3x the L2 between two uses of a set
-            sets = max(1, min(10, -(-3 * l2 // moved)))
+            sets = l2_sets(ctx, moved)
             qs = [torch.randn(tokens, heads, dims.qk_head_dim, device=ctx.device, dtype=torch.bfloat16)
                   for _ in range(sets)]
             kvs = [torch.randn(tokens, dims.latent_dim, device=ctx.device, dtype=torch.bfloat16) for _ in range(sets)]

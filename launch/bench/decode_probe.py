@@ -46,7 +46,7 @@ from typing import Any, Callable
 
 import torch
 
-from megapar.launch.bench.common import BenchContext, copy_ceiling_gbps, l2_sets, precompile, step_time
+from megapar.launch.bench.common import BenchContext, copy_ceiling_gbps, input_copies, precompile, step_time
 
 ATOL_GPU = 2e-2       # tests/test_cp_decode_kernel.py, full size on the GPU (bf16 queries)
 ATOL_CPU = 1e-4       # float32 under the interpreter
@@ -206,9 +206,8 @@ def _problems(ctx: BenchContext, families: tuple[str, ...] = tuple(KEYS)) -> lis
             what = f"H={heads} D={d} Dv={dv}"
         seq = torch.full((batch,), context, device=ctx.device)
         # copies of the cache taken in turn by the timing (`step_time`), so no call reads its KV from L2
-        sets = [make()]
+        sets = input_copies(ctx, make, lambda c: kv_read_bytes_of(c[0], batch * local, kv_heads, d, dv, v_from_k))
         nbytes = kv_read_bytes_of(sets[0][0], batch * local, kv_heads, d, dv, v_from_k)
-        sets += [make() for _ in range(l2_sets(ctx, nbytes) - 1)]
         calls = [lambda c=c, t=t, q=q, scale=scale, context=context, seq=seq: paged_decode_attention(
             q, c, t, seq, layout=layout, scale=scale, backend="triton", max_seq_len=context) for c, t, q in sets]
         call = calls[0]
