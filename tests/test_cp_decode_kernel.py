@@ -160,15 +160,14 @@ def test_auto_keeps_cpu_on_torch_and_bad_input_raises():
 @pytest.mark.gpu
 @pytest.mark.parametrize("cache_dtype,f16", [(torch.bfloat16, 0), (torch.float8_e4m3fn, 0), (torch.float8_e4m3fn, 1)],
                          ids=["bf16", "fp8", "fp8-f16"])
-@pytest.mark.parametrize("hq,hkv,d,dv,tq", [(32, 4, 128, 128, 1), (32, 4, 128, 128, 4), (16, 1, 576, 512, 1),
-                                           (128, 1, 576, 512, 2)])
-@pytest.mark.parametrize("tma", [0, 1], ids=["ptr", "tma"])
+@pytest.mark.parametrize("hq,hkv,d,dv,tq,tma", [(32, 4, 128, 128, 1, 0), (32, 4, 128, 128, 4, 0), (32, 4, 128, 128, 1, 1),
+                                               (32, 4, 128, 128, 4, 1), (16, 1, 576, 512, 1, 0), (128, 1, 576, 512, 2, 0)])
 def test_kernel_full_size_on_gpu(cache_dtype, f16, hq, hkv, d, dv, tq, tma, monkeypatch):
+    """The kernel at serving sizes against the torch path; GQA also with its TMA tiles (tma: MLA's
+    structure options have their own tests)."""
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     from parallel.cp import triton_decode     # (after the env: a first import binds its kernels to the mode)
 
-    if tma and d > 256:
-        pytest.skip("GQA's TMA tiles (MLA's have their own tests)")
     monkeypatch.setitem(triton_decode.CONFIG, "f16_fp8", f16)    # (GQA over fp8: fp16 operands or not)
     monkeypatch.setitem(triton_decode.CONFIG, "tma", tma)        # (GQA's TMA tiles: block_n 64 inside pages of 64)
     monkeypatch.setitem(triton_decode.CONFIG, "tma_fp8", tma)
@@ -434,6 +433,15 @@ def test_gqa_tma_tiles_match_reference(dtype, tq, monkeypatch):
     got = paged_decode_attention(q, cache, table, seq, layout=layout, backend="triton")
     assert used and all(used)
     _check(got, ref, 1e-4 if dtype == torch.float32 else 2e-2)
+    # where TMA does not apply, the pointer loads run: key dims with a rest part (80 = 64 + 16), a
+    # 512-wide value (past a box), tiles across pages, v a prefix view of k, unaligned strides
+    k = torch.zeros(4, 16, 2, 128)
+    ok = lambda k, v, d_rest=0, block_n=16, v_from_k=False: triton_decode._gqa_tma_ok(k, v, d_rest, v.shape[-1],
+                                                                                      block_n, v_from_k)
+    assert ok(k, k.clone())
+    assert not ok(k, k.clone(), d_rest=16) and not ok(k, torch.zeros(4, 16, 2, 512))
+    assert not ok(k, k.clone(), block_n=32) and not ok(k, k[..., :64], v_from_k=True)
+    assert not ok(torch.zeros(4, 16, 2, 130)[..., :128], k.clone())       # (a 520-byte head stride)
     bad = table.clone()
     bad[3, 2] = cache.k.shape[0] + 5                  # a used block id outside the cache
     got = paged_decode_attention(q, cache, bad, seq, layout=layout, backend="triton", validate=False)

@@ -239,13 +239,18 @@ def test_probe_family_filter(tmp_path, monkeypatch):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("cache_dtype", [torch.bfloat16, torch.float8_e4m3fn])
-@pytest.mark.parametrize("kind", ["gqa", "mla", "mla halves tma lazy"])
+@pytest.mark.parametrize("kind", ["gqa", "gqa tma", "mla", "mla halves tma lazy"])
 def test_decode_captures_in_a_cuda_graph(kind, cache_dtype, monkeypatch):
     """Decode is done only when it captures: the kernel (and its split merge) in a CUDA graph,
     replayed on new queries, equals the eager call on them. "mla halves tma lazy": the MLA
-    structure options on (device-side TMA descriptors take their scratch inside the capture)."""
+    structure options on (device-side TMA descriptors take their scratch inside the capture);
+    "gqa tma": GQA's TMA tiles (64-key tiles inside the 64-token pages, fp8 too)."""
     monkeypatch.setenv("TRITON_INTERPRET", "0")
-    if kind != "gqa" and kind != "mla":
+    if kind == "gqa tma":
+        for key, value in (("tma", 1), ("tma_fp8", 1), ("block_n_fp8", 64)):
+            monkeypatch.setitem(td.CONFIG, key, value)
+        kind = "gqa"
+    elif kind != "gqa" and kind != "mla":
         for key in ("halves_wide", "tma_wide", "lazy_rescale_wide", "halves_wide_fp8", "tma_wide_fp8",
                     "lazy_rescale_wide_fp8"):
             monkeypatch.setitem(td.CONFIG, key, 1)

@@ -831,9 +831,11 @@ def _halves_ok(k: Tensor, v: Tensor, k_scale: Tensor | None, v_scale: Tensor | N
 
 
 def _gqa_tma_ok(k: Tensor, v: Tensor, d_rest: int, dv: int, block_n: int, v_from_k: bool) -> bool:
-    """GQA's TMA tiles apply: power-of-two key and value dims (no rest part), tiles inside pages, a
-    separate value tensor, and both tensors' bases and page / token / head strides 16-byte aligned."""
-    return (d_rest == 0 and dv == triton.next_power_of_2(dv) and k.shape[1] % block_n == 0 and not v_from_k
+    """GQA's TMA tiles apply: power-of-two key and value dims of at most 256 (no rest part; a TMA
+    box dim holds <= 256), tiles inside pages, a separate value tensor of the key's dtype, and
+    both tensors' bases and page / token / head strides 16-byte aligned."""
+    return (d_rest == 0 and dv == triton.next_power_of_2(dv) and max(k.shape[-1], dv) <= 256    # (a box's dims)
+            and k.shape[1] % block_n == 0 and not v_from_k
             and k.dtype == v.dtype and k.stride(-1) == 1 and v.stride(-1) == 1
             and all(t.data_ptr() % 16 == 0 and all((st * t.element_size()) % 16 == 0 for st in t.stride()[:3])
                     for t in (k, v)))
