@@ -513,6 +513,14 @@ def test_interp_fp8_gemm_tma_store_and_persistent_variants_match_pointer_stores(
                             .get(variant, 0), flatten=variant != "persistent unflattened",
                             tma_load=variant == "persistent tma loads")
             got[variant] = fp8_grouped_gemm(a, s, b, bs, rows, out_dtype=torch.float32, config=cfg)
+        # the one-tile kernel against float64 math on the same fp8 operands and scales
+        ref = torch.zeros(a.shape[0], 40, dtype=torch.float64)
+        af = a.to(torch.float64) * s.to(torch.float64).reshape(-1, 1)
+        bf = b.to(torch.float64) * bs.to(torch.float64).reshape(4, 40, 1)
+        for e, (lo, n) in enumerate(zip((torch.cumsum(counts, 0) - counts).tolist(), counts.tolist())):
+            r0 = lo if layout == "contiguous" else e * 24
+            ref[r0:r0 + n] = af[r0:r0 + n] @ bf[e].T
+        torch.testing.assert_close(got["pointer"].double(), ref, rtol=1e-5, atol=1e-4)
         # slab rows past the counts are zero in every variant; contiguous: every row belongs to an expert
         keep = torch.ones(a.shape[0], dtype=torch.bool)
         for variant in VARIANTS[1:]:
