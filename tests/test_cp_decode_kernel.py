@@ -158,17 +158,24 @@ def test_auto_keeps_cpu_on_torch_and_bad_input_raises():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("cache_dtype,f16", [(torch.bfloat16, 0), (torch.float8_e4m3fn, 0), (torch.float8_e4m3fn, 1)],
-                         ids=["bf16", "fp8", "fp8-f16"])
+@pytest.mark.parametrize("cache_dtype,f16,stage16", [(torch.bfloat16, 0, 0), (torch.float8_e4m3fn, 0, 0),
+                                                    (torch.float8_e4m3fn, 1, 0), (torch.float8_e4m3fn, 0, 1),
+                                                    (torch.float8_e4m3fn, 1, 1), (torch.float8_e4m3fn, 1, 2)],
+                         ids=["bf16", "fp8", "fp8-f16", "fp8-stage1", "fp8-f16-stage1", "fp8-f16-stage2"])
 @pytest.mark.parametrize("hq,hkv,d,dv,tq,tma", [(32, 4, 128, 128, 1, 0), (32, 4, 128, 128, 4, 0), (32, 4, 128, 128, 1, 1),
                                                (32, 4, 128, 128, 4, 1), (16, 1, 576, 512, 1, 0), (128, 1, 576, 512, 2, 0)])
-def test_kernel_full_size_on_gpu(cache_dtype, f16, hq, hkv, d, dv, tq, tma, monkeypatch):
+def test_kernel_full_size_on_gpu(cache_dtype, f16, stage16, hq, hkv, d, dv, tq, tma, monkeypatch):
     """The kernel at serving sizes against the torch path; GQA also with its TMA tiles (tma: MLA's
-    structure options have their own tests)."""
+    structure options have their own tests); over fp8 with fp16 operands and the tiles staged as
+    16-bit (stage16: GQA and MLA's narrow 16-head tiles; 128 heads run the halves kernel, where
+    it does not apply)."""
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     from parallel.cp import triton_decode     # (after the env: a first import binds its kernels to the mode)
 
     monkeypatch.setitem(triton_decode.CONFIG, "f16_fp8", f16)    # (GQA over fp8: fp16 operands or not)
+    monkeypatch.setitem(triton_decode.CONFIG, "f16_wide_narrow", f16)
+    monkeypatch.setitem(triton_decode.CONFIG, "stage16_fp8", stage16)
+    monkeypatch.setitem(triton_decode.CONFIG, "stage16_wide_narrow", stage16)
     monkeypatch.setitem(triton_decode.CONFIG, "tma", tma)        # (GQA's TMA tiles: block_n 64 inside pages of 64)
     monkeypatch.setitem(triton_decode.CONFIG, "tma_fp8", tma)
     if tma:

@@ -47,6 +47,12 @@ def test_apply_tuning_maps_mla_keys_to_wide_entries():
     mla = td.launch_settings(576, torch.bfloat16, torch.float8_e4m3fn, 128)
     assert (fp8["f16"], fp8["maxnreg"]) == (0, 160) and (bf16["f16"], bf16["maxnreg"]) == (0, 0)
     assert (mla["f16"], mla["maxnreg"]) == (0, 0)                 # (MLA over fp8 has neither)
+    td.apply_tuning({"gqa_fp8": {"stage16": 2}, "mla_narrow": {"stage16": 1}})
+    assert (td.CONFIG["stage16_fp8"], td.CONFIG["stage16_wide_narrow"]) == (2, 1)
+    assert td.launch_settings(128, torch.bfloat16, torch.float8_e4m3fn, 8)["stage16"] == 2
+    assert td.launch_settings(128, torch.bfloat16, torch.bfloat16, 8)["stage16"] == 0      # (bf16 GQA has none)
+    assert td.launch_settings(576, torch.bfloat16, torch.float8_e4m3fn, 16)["stage16"] == 1
+    assert td.launch_settings(576, torch.bfloat16, torch.float8_e4m3fn, 128)["stage16"] == 0  # (halves: MLA fp8)
 
 
 @pytest.mark.parametrize("tuning,match", [
@@ -71,6 +77,9 @@ def test_apply_tuning_maps_mla_keys_to_wide_entries():
     ({"mla": {"maxnreg": 168}}, r"decode tuning mla.maxnreg: an fp8-cache option"),
     ({"gqa_fp8": {"maxnreg": 100}}, r"gqa_fp8.maxnreg = 100 is invalid; valid: 0, 64, 72"),
     ({"gqa_fp8": {"f16": 2}}, r"gqa_fp8.f16 = 2 is invalid; valid: 0, 1"),
+    ({"gqa_fp8": {"stage16": 3}}, r"gqa_fp8.stage16 = 3 is invalid; valid: 0, 1, 2"),
+    ({"gqa": {"stage16": 1}}, r"decode tuning gqa.stage16: an fp8-cache option; give it under 'gqa_fp8' \(or 'mla_narrow'\)"),
+    ({"mla_fp8": {"stage16": 1}}, r"unknown decode tuning key mla_fp8.stage16"),
 ])
 def test_apply_tuning_rejects_bad_entries_and_installs_nothing(tuning, match):
     before = dict(td.CONFIG)

@@ -7,6 +7,7 @@ Compares versions of a kernel without a GPU (bench/results/compare/kernel-sass.m
     python bench/debug/kernel_sass.py quant-variants parallel/quant/triton_quant.py   # defaults vs opt-in VARIANTS
     python bench/debug/kernel_sass.py decode parallel/cp/triton_decode.py     # MLA decode launch settings
     python bench/debug/kernel_sass.py decode-config parallel/cp/triton_decode.py   # as CONFIG launches them
+    python bench/debug/kernel_sass.py --loop --only stage16 decode parallel/cp/triton_decode.py   # + the main loop's ops
     python bench/debug/kernel_sass.py mla_prep parallel/cp/triton_mla_prep.py   # the fused MLA prep
     python bench/debug/kernel_sass.py fp8_gemm moe/kernels/triton_w4a8.py       # prefill FP8 GEMM variants
     python bench/debug/kernel_sass.py --only "N=4" merge parallel/cp/triton_merge.py   # some cases only
@@ -141,6 +142,18 @@ DECODE.update({  # MLA with 16 heads (TP 8: a narrow head tile) over fp8, as lau
     for label, opts in (("plain", {}), ("f16", dict(F16=True)), ("maxnreg 128", dict(maxnreg=128)),
                         ("f16 maxnreg 128", dict(F16=True, maxnreg=128)))
 })
+DECODE.update({  # stage16 (CONFIG stage16_fp8 / stage16_wide_narrow): fp8 tiles converted where loaded, staged as 16-bit
+    f"_paged_decode_kernel {name} block_n={n} warps={w} stages={st} stage16={stage}{' f16' if f16 else ''}":
+        ("_paged_decode_kernel", dict(_DECODE, k_ptr="*fp8e4nv", v_ptr="*fp8e4nv"),
+         dict(cons, BLOCK_N=n, num_warps=w, num_stages=st, F16=f16, STAGE=stage))
+    for name, cons, shapes in (
+        ("GQA fp8", dict(_MLA, D_MAIN=128, D_REST=0, BLOCK_REST=0, DV=128, BLOCK_DV=128, V_FROM_K=False, FP8=True,
+                         BLOCK_M=16), ((128, 4, 3), (128, 4, 2), (64, 4, 2))),
+        ("MLA narrow fp8", dict(_MLA, FP8=True, BLOCK_M=16), ((64, 4, 2), (64, 8, 2))))
+    for n, w, st in shapes
+    for stage in (0, 1, 2)
+    for f16 in (True, False) if name.startswith("MLA") or f16
+})
 DECODE["_paged_decode_kernel MLA narrow bf16 block_m=16 block_n=64 warps=8 stages=2 plain"] = (
     "_paged_decode_kernel", _DECODE, dict(_MLA, BLOCK_M=16, BLOCK_N=64, num_warps=8, num_stages=2))
 
@@ -215,7 +228,22 @@ def _load(path: str):
     return mod
 
 
-def report(cases, path: str) -> None:
+def main_loop(sass: str) -> list[str]:
+    """The ops of the kernel's longest loop (the largest backward branch: a decode / GEMM main loop)."""
+    ops, spans = [], []
+    for m in re.finditer(r"/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+\s+)?([A-Z0-9_.]+)([^;]*);", sass):
+        at = int(m.group(1), 16)
+        ops.append((at, m.group(2)))
+        target = re.search(r"0x([0-9a-f]+)", m.group(3)) if m.group(2) == "BRA" else None
+        if target and int(target.group(1), 16) < at:
+            spans.append((at - int(target.group(1), 16), int(target.group(1), 16), at))
+    if not spans:
+        return []
+    _, lo, hi = max(spans)
+    return [op for at, op in ops if lo <= at <= hi]
+
+
+def report(cases, path: str, loop: bool = False) -> None:
     mod = _load(path)
     if callable(cases):      # a set made from the module itself (its launch settings)
         cases = cases(mod)
@@ -251,15 +279,24 @@ def report(cases, path: str) -> None:
         mma = {o: n for o, n in collections.Counter(o.split(".")[0] for o in ops).items() if o.endswith("MMA")}
         print(f"{path}  {label}: {regs} registers, {spill} B spilled, {c.metadata.shared} B shared, "
               f"{len(ops)} instructions ({fp64} fp64), loads {dict(sorted(hist.items()))}, mma {mma}")
+        if loop:
+            body = main_loop(sass)
+            top = collections.Counter(body).most_common(12)
+            print(f"    main loop: {len(body)} instructions; most: {', '.join(f'{o} {n}' for o, n in top)}")
 
 
 if __name__ == "__main__":
     args = sys.argv[1:]
-    only = None
-    if len(args) >= 2 and args[0] == "--only":      # --only SUBSTRING: the cases whose label holds it
-        only, args = args[1], args[2:]
+    only, loop = None, False
+    while args and args[0] in ("--only", "--loop"):
+        if args[0] == "--loop":                      # --loop: also the main loop's length and commonest ops
+            loop, args = True, args[1:]
+        elif len(args) >= 2:                         # --only SUBSTRING: the cases whose label holds it
+            only, args = args[1], args[2:]
+        else:
+            break
     if len(args) < 2 or args[0] not in SETS:
         sys.exit(__doc__)
     chosen = SETS[args[0]]
     for p in args[1:]:
-        report(chosen if callable(chosen) else {k: v for k, v in chosen.items() if only is None or only in k}, p)
+        report(chosen if callable(chosen) else {k: v for k, v in chosen.items() if only is None or only in k}, p, loop)

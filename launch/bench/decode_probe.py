@@ -53,11 +53,11 @@ ATOL_CPU = 1e-4       # float32 under the interpreter
 REF_BUDGET = 8 << 30  # bytes of the torch path's per-head KV copy: sequences checked per problem
 
 KEYS = {"gqa": ("block_n", "num_warps", "num_stages", "target_programs", "min_split", "lazy_rescale", "tma"),
-        "gqa_fp8": ("block_n", "num_stages", "f16", "maxnreg", "min_split", "tma"),
+        "gqa_fp8": ("block_n", "num_stages", "f16", "maxnreg", "min_split", "tma", "stage16"),
         "mla": ("block_m", "block_n", "num_warps", "num_stages", "target_programs", "min_split", "lazy_rescale",
                 "halves", "tma", "diag"),
         "mla_fp8": ("block_m", "block_n", "num_warps", "num_stages", "lazy_rescale", "halves", "tma", "min_split"),
-        "mla_narrow": ("block_n", "num_warps", "num_stages", "min_split", "at_most", "f16", "maxnreg")}
+        "mla_narrow": ("block_n", "num_warps", "num_stages", "min_split", "at_most", "f16", "maxnreg", "stage16")}
 FAMILY_MAP = {"gqa": {}, "mla": "_WIDE", "gqa_fp8": "_FP8", "mla_fp8": "_WIDE_FP8",   # family key -> CONFIG key
               "mla_narrow": "_WIDE_NARROW"}
 
@@ -88,7 +88,14 @@ VARIANTS = {   # overrides of the current settings, one factor at a time, then a
                 {"f16": 1, "maxnreg": 168}, {"f16": 1, "maxnreg": 168, "num_stages": 2},
                 {"f16": 1, "maxnreg": 168, "num_stages": 4}, {"f16": 1, "maxnreg": 160, "num_stages": 2},
                 {"f16": 1, "maxnreg": 128, "num_stages": 2}, {"min_split": 256}, {"min_split": 1024},
-                {"tma": 1}, {"tma": 1, "num_stages": 3}, {"tma": 1, "block_n": 64, "num_stages": 3}],
+                {"tma": 1}, {"tma": 1, "num_stages": 3}, {"tma": 1, "block_n": 64, "num_stages": 3},
+                # stage16: the value (2: and key) tile converted where loaded, staged as 16-bit for the
+                # MMA (no byte-wise operand loads); fewer registers, so the cap is swept off too
+                {"stage16": 1}, {"stage16": 2}, {"stage16": 1, "maxnreg": 0}, {"stage16": 2, "maxnreg": 0},
+                {"stage16": 1, "num_stages": 2, "maxnreg": 0}, {"stage16": 2, "num_stages": 2, "maxnreg": 0},
+                {"stage16": 2, "block_n": 64, "num_stages": 2, "maxnreg": 0},
+                {"stage16": 2, "block_n": 64, "num_stages": 3, "maxnreg": 0},
+                {"stage16": 1, "block_n": 64, "num_stages": 2, "maxnreg": 0}],
     # MLA over fp8 (today 32 heads x 64 keys, mma.sync; 64 heads spill 444 B with the plain loads,
     # 40 B in halves with TMA and 2 stages: bench/debug/kernel_sass.py decode)
     "mla_fp8": [{}, {"num_stages": 2}, {"block_n": 32}, {"halves": 1}, {"halves": 1, "tma": 1},
@@ -101,16 +108,22 @@ VARIANTS = {   # overrides of the current settings, one factor at a time, then a
     "mla_narrow": [{}, {"maxnreg": 128}, {"maxnreg": 168}, {"f16": 1}, {"f16": 1, "maxnreg": 128},
                    {"num_warps": 4}, {"num_warps": 4, "maxnreg": 128}, {"num_stages": 3}, {"num_stages": 1},
                    {"block_n": 32}, {"block_n": 32, "num_stages": 3}, {"min_split": 128}, {"min_split": 512},
-                   {"at_most": 0}],
+                   {"at_most": 0},
+                   # stage16 over fp8 (the bf16 problems run the same kernel: rows on both): the latent
+                   # tile converted once where loaded and staged as 16-bit for both MMAs
+                   {"stage16": 1}, {"stage16": 1, "f16": 1}, {"stage16": 1, "num_warps": 8},
+                   {"stage16": 1, "f16": 1, "num_warps": 8}, {"stage16": 1, "f16": 1, "block_n": 32},
+                   {"stage16": 1, "f16": 1, "num_warps": 8, "block_n": 32},
+                   {"stage16": 1, "f16": 1, "num_warps": 8, "num_stages": 3, "block_n": 32}],
 }
 TINY_VARIANTS = {
     "gqa": [{}, {"block_n": 16, "min_split": 32}, {"num_warps": 8, "num_stages": 1},
             {"tma": 1, "block_n": 16, "min_split": 32}],
     "mla": [{}, {"block_m": 16, "block_n": 16, "min_split": 32}, {"num_warps": 4}, {"halves": 1, "block_n": 16},
             {"halves": 1, "tma": 1, "block_n": 16, "lazy_rescale": 1}],
-    "gqa_fp8": [{}, {"block_n": 16}, {"f16": 1, "block_n": 16}],
+    "gqa_fp8": [{}, {"block_n": 16}, {"f16": 1, "block_n": 16}, {"stage16": 2, "block_n": 16}],
     "mla_fp8": [{}, {"num_stages": 2}],
-    "mla_narrow": [{}, {"num_stages": 1, "min_split": 32}],
+    "mla_narrow": [{}, {"num_stages": 1, "min_split": 32}, {"stage16": 1, "min_split": 32}],
 }
 
 

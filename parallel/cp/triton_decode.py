@@ -31,6 +31,9 @@ Structure options (CONFIG, 0/1, off until the GPU probe measures them; `launch_s
   the largest), the weights p * v_scale are divided by a running per-row maximum so they fit fp16
   whatever the scales (acc is kept in that unit), and each fp8 pair converts in one instruction.
   `maxnreg_fp8` caps its registers.
+- `stage16_fp8`, `stage16_wide_narrow` (fp8 caches, GQA and MLA's narrow head tiles; 0/1/2): the
+  value tile (2: and the key tile) converted where it was loaded and staged for the MMA as 16-bit
+  in shared memory (`_staged`), not read back as MMA operand one byte per load.
 - `pdl` (on where the device and Triton allow it: `triton_merge.pdl_ok`): programmatic dependent
   launch of the kernel and of the split merge after it; each may launch while the kernel before it
   finishes and waits for it (griddepcontrol.wait) before touching memory (0.5-1.3 µs per call).
@@ -145,6 +148,19 @@ def _softmax_step(qk, m_i, LAZY: tl.constexpr):
 
 
 @triton.jit
+def _staged(x, STAGE: tl.constexpr):
+    """x unchanged. STAGE (GPU only): through an impure no-op, so the compiler keeps the ops that
+    made x (an fp8 tile's conversion) in the layout they ran in and hands x to the MMA through
+    shared memory as 16-bit (ldmatrix; .trans for a value tile), instead of moving the conversion
+    behind byte-wise operand loads (`stage16`: an 8-bit value tile has no ldmatrix .trans on
+    sm_90, so a [keys, dims] fp8 value tile read as MMA operand took one LDS.U8 per element)."""
+    if STAGE:
+        return tl.inline_asm_elementwise("mov.b32 $0, $1;", "=r,r", [x], dtype=x.dtype, is_pure=False, pack=2)
+    else:
+        return x
+
+
+@triton.jit
 def _f16_queries(q_main, q_rest, qk_scale, D_REST: tl.constexpr):
     """bf16 query tiles -> fp16 ones times one power of two 2^e that puts their largest magnitude in
     [2^14, 2^15) (e <= 100: tiles below 2^-85 stay smaller), and qk_scale * 2^-e. Every element
@@ -172,7 +188,8 @@ def _tile(j0, end, s64, kvh, q_main, q_rest, q_pos, rmask, dm, dr, rest_mask, dv
           sk_b, sk_t, sk_h, sv_b, sv_t, sv_h, ss_b, ss_t, ss_h, svs_b, svs_t, svs_h, st_s,
           D_REST: tl.constexpr, BLOCK_N: tl.constexpr, PAGE: tl.constexpr, FP8: tl.constexpr,
           V_FROM_K: tl.constexpr, CAUSAL: tl.constexpr, IEEE: tl.constexpr, LAZY: tl.constexpr,
-          F16: tl.constexpr, CHECK: tl.constexpr = True, desc_k=None, desc_v=None, TMA: tl.constexpr = False):
+          F16: tl.constexpr, CHECK: tl.constexpr = True, desc_k=None, desc_v=None, TMA: tl.constexpr = False,
+          STAGE: tl.constexpr = 0):
     """One key tile [j0, j0 + BLOCK_N) of the online softmax: returns the new (m, l, acc, r, bad).
     CHECK: the tile checks its own block ids (`_checked_block`); off when `_checked_range` scanned
     the split's ids before the loop (every id the loop reads is then inside the cache).
@@ -180,7 +197,9 @@ def _tile(j0, end, s64, kvh, q_main, q_rest, q_pos, rmask, dm, dr, rest_mask, dv
     pair; the weights w = p * v_scale go to fp16 over the running per-row scale r = the largest
     weight so far (w / r <= 1), acc is kept in units of r (out = acc * r / l).
     TMA (GQA, a whole tile inside its page): k and v come as one box each from the descriptors over
-    [blocks, PAGE, kv heads, D] (`_paged_decode_kernel`), no per-element addresses or masks."""
+    [blocks, PAGE, kv heads, D] (`_paged_decode_kernel`), no per-element addresses or masks.
+    STAGE (fp8 cache, `_staged`): 1 the value tile (MLA's latent, which is also the key) converted
+    where it was loaded and staged as 16-bit, 2 the key tile too."""
     j = j0 + tl.arange(0, BLOCK_N)
     jmask = j < end
     if PAGE % BLOCK_N == 0:     # the tile lies in one page (tiles start at multiples of BLOCK_N): one id
@@ -199,7 +218,7 @@ def _tile(j0, end, s64, kvh, q_main, q_rest, q_pos, rmask, dm, dr, rest_mask, dv
         k_row = block * sk_b + in_page * sk_t + kvh * sk_h                       # [BLOCK_N]
         k_main = tl.load(k_ptr + k_row[:, None] + dm[None, :], mask=jmask[:, None], other=0.0)
     if FP8:
-        k_main = k_main.to(q_main.dtype)
+        k_main = _staged(k_main.to(q_main.dtype), STAGE >= 2 or (STAGE == 1 and V_FROM_K))
     if IEEE:
         qk = tl.dot(q_main, tl.trans(k_main), input_precision="ieee")
     else:
@@ -226,12 +245,12 @@ def _tile(j0, end, s64, kvh, q_main, q_rest, q_pos, rmask, dm, dr, rest_mask, dv
     elif TMA:
         v_tile = tl.reshape(desc_v.load([block.to(tl.int32), j0 % PAGE, kvh, 0]), (BLOCK_N, dv.shape[0]))
         if FP8:
-            v_tile = v_tile.to(q_main.dtype)
+            v_tile = _staged(v_tile.to(q_main.dtype), STAGE >= 1)
     else:
         v_row = block * sv_b + in_page * sv_t + kvh * sv_h
         v_tile = tl.load(v_ptr + v_row[:, None] + dv[None, :], mask=jmask[:, None] & dv_mask[None, :], other=0.0)
         if FP8:
-            v_tile = v_tile.to(q_main.dtype)
+            v_tile = _staged(v_tile.to(q_main.dtype), STAGE >= 1)
     if FP8:
         vs = tl.load(vs_ptr + block * svs_b + in_page * svs_t + kvh * svs_h, mask=jmask, other=0.0)
         pv = p * vs[None, :]
@@ -413,7 +432,7 @@ def _paged_decode_kernel(
     FP8: tl.constexpr, V_FROM_K: tl.constexpr, CAUSAL: tl.constexpr, IEEE: tl.constexpr,
     INTERPRETED: tl.constexpr, LAZY: tl.constexpr = False, HALVES: tl.constexpr = False,
     TMA: tl.constexpr = False, DIAG: tl.constexpr = 0, F16: tl.constexpr = False, PDL: tl.constexpr = False,
-    NUM_BLOCKS=1, TABLE_W=1,
+    STAGE: tl.constexpr = 0, NUM_BLOCKS=1, TABLE_W=1,
 ):
     if PDL:   # launched early (programmatic dependent launch): wait for the kernel before, then let
         gdc_wait()                  # the merge that follows launch (it waits for this one in turn)
@@ -481,7 +500,8 @@ def _paged_decode_kernel(
                     j0, end, s64, kvh, q_main, q_rest, q_pos, rmask, dm, dr, rest_mask, dv, dv_mask, m_i, l_i, acc,
                     r_i, bad, k_ptr, v_ptr, ks_ptr, vs_ptr, table_ptr, NUM_BLOCKS, qk_scale, dcp_size, dcp_rank,
                     interleave, sk_b, sk_t, sk_h, sv_b, sv_t, sv_h, ss_b, ss_t, ss_h, svs_b, svs_t, svs_h,
-                    st_s, D_REST, BLOCK_N, PAGE, FP8, V_FROM_K, CAUSAL, IEEE, LAZY, F16, not FP8, desc_k, desc_v, TMA)
+                    st_s, D_REST, BLOCK_N, PAGE, FP8, V_FROM_K, CAUSAL, IEEE, LAZY, F16, not FP8, desc_k, desc_v, TMA,
+                    STAGE)
                 j0 += BLOCK_N
         else:
             for j0 in range(start, full_end, BLOCK_N):
@@ -489,14 +509,15 @@ def _paged_decode_kernel(
                     j0, end, s64, kvh, q_main, q_rest, q_pos, rmask, dm, dr, rest_mask, dv, dv_mask, m_i, l_i, acc,
                     r_i, bad, k_ptr, v_ptr, ks_ptr, vs_ptr, table_ptr, NUM_BLOCKS, qk_scale, dcp_size, dcp_rank,
                     interleave, sk_b, sk_t, sk_h, sv_b, sv_t, sv_h, ss_b, ss_t, ss_h, svs_b, svs_t, svs_h,
-                    st_s, D_REST, BLOCK_N, PAGE, FP8, V_FROM_K, CAUSAL, IEEE, LAZY, F16, not FP8, desc_k, desc_v, TMA)
+                    st_s, D_REST, BLOCK_N, PAGE, FP8, V_FROM_K, CAUSAL, IEEE, LAZY, F16, not FP8, desc_k, desc_v, TMA,
+                    STAGE)
         if TMA:
             if full_end < end:
                 m_i, l_i, acc, r_i, bad = _tile(
                     full_end, end, s64, kvh, q_main, q_rest, q_pos, rmask, dm, dr, rest_mask, dv, dv_mask, m_i, l_i,
                     acc, r_i, bad, k_ptr, v_ptr, ks_ptr, vs_ptr, table_ptr, NUM_BLOCKS, qk_scale, dcp_size, dcp_rank,
                     interleave, sk_b, sk_t, sk_h, sv_b, sv_t, sv_h, ss_b, ss_t, ss_h, svs_b, svs_t, svs_h,
-                    st_s, D_REST, BLOCK_N, PAGE, FP8, V_FROM_K, CAUSAL, IEEE, LAZY, F16, not FP8)
+                    st_s, D_REST, BLOCK_N, PAGE, FP8, V_FROM_K, CAUSAL, IEEE, LAZY, F16, not FP8, STAGE=STAGE)
         safe, lse = _finish(l_i, m_i)
         safe = tl.where(bad > 0, float("nan"), safe)      # a bad table or length: NaN out and lse
         lse = tl.where(bad > 0, float("nan"), lse)
@@ -534,6 +555,15 @@ CONFIG = {
     # instead of fp8 -> fp16 -> bf16 (sm_90a loop per 128-key tile: 1818 -> 1509 instructions, the
     # 256 F2F.BF16.F16 gone), under a register cap (234 -> 168 registers, no spill: 3 CTAs per SM)
     "f16_fp8": 1, "maxnreg_fp8": 168,
+    # stage16 (fp8 caches; 0 off, 1 the value tile, 2 key and value tiles): each fp8 tile converted
+    # in the layout it was loaded in (vectorized shared loads, one conversion per element) and
+    # handed to the MMA as 16-bit through shared memory (ldmatrix), where the compiler would
+    # otherwise read the value tile as MMA operand one byte per load (no 8-bit ldmatrix .trans on
+    # sm_90) and, for MLA's latent (key and value at once), convert every element twice. sm_90a
+    # loop per tile (bench/debug/kernel_sass.py decode --only stage16): GQA 128 keys 1521 -> 1013
+    # (1) / 952 (2) instructions, no LDS.U8; MLA 16 heads, 64 keys, 4 warps 2796 -> 1302 (with
+    # f16), 8 warps 1520 -> 750. Not yet timed: the probe's gqa_fp8 / mla_narrow families sweep it
+    "stage16_fp8": 0, "stage16_wide_narrow": 0,
     # MLA with fp32 queries (exact products): 64 x 64 tiles in 3 stages would need 312 KB of shared
     # memory (sm_90a compile, bench/debug/kernel_sass.py); 32 x 32 in 2 stages needs 152 KB
     "block_n_wide_f32": 32, "block_m_wide_f32": 32, "num_stages_wide_f32": 2,
@@ -614,14 +644,15 @@ _WIDE = {"block_n": "block_n_wide", "block_m": "block_m_wide", "num_warps": "num
          "num_stages": "num_stages_wide", "lazy_rescale": "lazy_rescale_wide", "halves": "halves_wide",
          "tma": "tma_wide", "diag": "diag_wide", "min_split": "min_split_wide"}
 # kernel options (0/1; diag 0-3; maxnreg 0 = the compiler's choice, else a register cap), launch_settings
-_STRUCTURE = ("lazy_rescale", "halves", "tma", "diag", "f16", "maxnreg")
+_STRUCTURE = ("lazy_rescale", "halves", "tma", "diag", "f16", "maxnreg", "stage16")
 _FP8 = {"block_n": "block_n_fp8", "num_stages": "num_stages_fp8", "f16": "f16_fp8",
-        "maxnreg": "maxnreg_fp8", "min_split": "min_split_fp8", "tma": "tma_fp8"}      # GQA over an fp8 cache
+        "maxnreg": "maxnreg_fp8", "min_split": "min_split_fp8", "tma": "tma_fp8",
+        "stage16": "stage16_fp8"}                                                       # GQA over an fp8 cache
 _WIDE_FP8 = {k: f"{k}_wide_fp8" for k in ("block_m", "block_n", "num_warps", "num_stages", "lazy_rescale", "halves",
                                           "tma", "min_split")}      # MLA over an fp8 cache
 # MLA with a query-head tile that is not full (16 heads under TP 8), bf16 and fp8 caches
 _WIDE_NARROW = {k: f"{k}_wide_narrow" for k in ("block_n", "num_warps", "num_stages", "min_split", "at_most", "halves",
-                                              "tma", "f16", "maxnreg")}
+                                              "tma", "f16", "maxnreg", "stage16")}
 # tuning-file family -> (its keys' CONFIG names, whether only those keys are allowed)
 _FAMILIES = {"gqa": ({}, False), "gqa_fp8": (_FP8, True), "mla": (_WIDE, False), "mla_fp8": (_WIDE_FP8, True),
              "mla_narrow": (_WIDE_NARROW, True)}
@@ -634,7 +665,7 @@ _VALID = {
     "block_n": (16, 32, 64, 128, 256), "block_m": (16, 32, 64, 128, 256),
     "num_warps": (1, 2, 4, 8, 16), "num_stages": (1, 2, 3, 4, 5, 6),
     "lazy_rescale": (0, 1), "pdl": (0, 1), "halves": (0, 1), "tma": (0, 1), "diag": (0, 1, 2, 3), "f16": (0, 1),
-    "maxnreg": (0, *range(64, 256, 8)), "at_most": (0, 1),
+    "maxnreg": (0, *range(64, 256, 8)), "at_most": (0, 1), "stage16": (0, 1, 2),
 }
 _META = ("device", "sizes", "seconds", "results", "notes", "problems")
 
@@ -647,11 +678,11 @@ def apply_tuning(tuning: dict) -> None:
     """Install measured launch settings {"gqa": {key: value}, "mla": {key: value}} (as written by
     `python -m megapar.launch.bench.cp --probe --out DIR` to DIR/decode-tuning.json; keys:
     block_n, block_m, num_warps, num_stages, target_programs, min_split, lazy_rescale, and MLA's
-    halves / tma / diag; "gqa_fp8": block_n, num_stages, f16, maxnreg and min_split of GQA over an
+    halves / tma / diag; "gqa_fp8": block_n, num_stages, f16, maxnreg, stage16 and min_split of GQA over an
     fp8 cache, CONFIG's *_fp8 entries; "mla_fp8": MLA over an fp8 cache, CONFIG's *_wide_fp8
     entries; "mla_narrow": MLA with fewer query heads than a head tile (16 under TP 8), bf16 and
     fp8 caches: block_n, num_warps, num_stages, min_split, at_most (splits rounded down), halves,
-    tma, f16, maxnreg, CONFIG's *_wide_narrow entries; since 2026-12-03 a file's mla entry no
+    tma, f16, maxnreg, stage16, CONFIG's *_wide_narrow entries; since 2026-12-03 a file's mla entry no
     longer reaches those tiles). MLA's block_n / block_m / num_warps /
     num_stages / min_split / structure options go
     to CONFIG's *_wide entries; target_programs is shared and must agree where both give it.
@@ -674,8 +705,9 @@ def apply_tuning(tuning: dict) -> None:
             if kind == "gqa" and key in ("halves", "diag"):
                 raise ValueError(f"decode tuning gqa.{key}: an MLA-only option (the latent head's layout); "
                                  f"give it under 'mla'")
-            if kind in ("gqa", "mla") and key in ("f16", "maxnreg"):
-                raise ValueError(f"decode tuning {kind}.{key}: an fp8-cache option; give it under 'gqa_fp8'")
+            if kind in ("gqa", "mla") and key in ("f16", "maxnreg", "stage16"):
+                raise ValueError(f"decode tuning {kind}.{key}: an fp8-cache option; give it under 'gqa_fp8' "
+                                 f"(or 'mla_narrow')")
             if key not in keys:
                 raise ValueError(f"unknown decode tuning key {kind}.{key}; valid: {', '.join(keys)}")
             if not _valid_value(key, value):
@@ -740,7 +772,7 @@ def plan_splits(capacity: int, programs: int, block_n: int, min_split: int, at_m
 
 def launch_settings(d: int, q_dtype: torch.dtype, cache_dtype: torch.dtype, rows: int) -> dict[str, int]:
     """CONFIG's block_m / block_n / num_warps / num_stages / min_split (and the structure options
-    lazy_rescale / halves / tma / diag / f16, and maxnreg: 0 where CONFIG has none) for a key dim
+    lazy_rescale / halves / tma / diag / f16 / stage16, and maxnreg: 0 where CONFIG has none) for a key dim
     d, these dtypes and `rows` query rows per kv head (q_len x heads per kv head): "wide" (d > 256,
     MLA) entries first, with their fp32-query, narrow-tile or fp8-cache variants (in that order)
     where CONFIG has one; else GQA's, fp8 ones for an fp8 cache."""
@@ -783,6 +815,8 @@ def paged_decode_triton(q: Tensor, k: Tensor, v: Tensor, k_scale: Tensor | None,
     block_n, block_m = cfg["block_n"], cfg["block_m"]
     halves = bool(cfg["halves"]) and _halves_ok(k, v, k_scale, v_scale, d_main, block_n)
     f16 = bool(cfg["f16"]) and fp8 and not halves and q.dtype in (torch.bfloat16, torch.float16)
+    # (inline PTX: not under the interpreter, where it would change nothing anyway)
+    stage16 = cfg["stage16"] if fp8 and not halves and not impl.interpreting() else 0
     tma = bool(cfg["tma"]) and (_tma_ok(k) if halves else _gqa_tma_ok(k, v, d_rest, dv, block_n, v_from_k))
     if tma:
         impl.ensure_triton_scratch()
@@ -809,7 +843,8 @@ def paged_decode_triton(q: Tensor, k: Tensor, v: Tensor, k_scale: Tensor | None,
             D_MAIN=d_main, D_REST=d_rest, BLOCK_REST=block_rest, DV=dv, BLOCK_DV=triton.next_power_of_2(dv),
             BLOCK_M=block_m, BLOCK_N=block_n, PAGE=page, FP8=fp8, V_FROM_K=v_from_k, CAUSAL=tq > 1,
             IEEE=q.dtype == torch.float32, INTERPRETED=impl.interpreting(), LAZY=bool(cfg["lazy_rescale"]),
-            HALVES=halves, TMA=tma, DIAG=cfg["diag"] if halves else 0, F16=f16, PDL=pdl, NUM_BLOCKS=k.shape[0],
+            HALVES=halves, TMA=tma, DIAG=cfg["diag"] if halves else 0, F16=f16, PDL=pdl, STAGE=stage16,
+            NUM_BLOCKS=k.shape[0],
             TABLE_W=table.shape[1],
             num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
             **({"maxnreg": cfg["maxnreg"]} if cfg["maxnreg"] else {}), **({"launch_pdl": True} if pdl else {}))
