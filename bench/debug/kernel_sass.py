@@ -149,7 +149,8 @@ DECODE.update({  # stage16 (CONFIG stage16_fp8 / stage16_wide_narrow): fp8 tiles
     for name, cons, shapes in (
         ("GQA fp8", dict(_MLA, D_MAIN=128, D_REST=0, BLOCK_REST=0, DV=128, BLOCK_DV=128, V_FROM_K=False, FP8=True,
                          BLOCK_M=16), ((128, 4, 3), (128, 4, 2), (64, 4, 2))),
-        ("MLA narrow fp8", dict(_MLA, FP8=True, BLOCK_M=16), ((64, 4, 2), (64, 8, 2))))
+        ("MLA narrow fp8", dict(_MLA, FP8=True, BLOCK_M=16), ((64, 4, 2), (64, 8, 2), (32, 4, 2), (32, 4, 3),
+                                                              (16, 4, 2), (16, 4, 3))))
     for n, w, st in shapes
     for stage in (0, 1, 2)
     for f16 in (True, False) if name.startswith("MLA") or f16

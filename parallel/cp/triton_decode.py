@@ -653,6 +653,7 @@ _WIDE_FP8 = {k: f"{k}_wide_fp8" for k in ("block_m", "block_n", "num_warps", "nu
 # MLA with a query-head tile that is not full (16 heads under TP 8), bf16 and fp8 caches
 _WIDE_NARROW = {k: f"{k}_wide_narrow" for k in ("block_n", "num_warps", "num_stages", "min_split", "at_most", "halves",
                                               "tma", "f16", "maxnreg", "stage16")}
+_WIDE_NARROW["block_n_fp8"] = "block_n_wide_narrow_fp8"    # (its key tile over an fp8 cache)
 # tuning-file family -> (its keys' CONFIG names, whether only those keys are allowed)
 _FAMILIES = {"gqa": ({}, False), "gqa_fp8": (_FP8, True), "mla": (_WIDE, False), "mla_fp8": (_WIDE_FP8, True),
              "mla_narrow": (_WIDE_NARROW, True)}
@@ -662,7 +663,7 @@ _SHARED = ("target_programs",)
 _FP8_OF = {"gqa": "gqa_fp8", "mla": "mla_fp8"}
 _VALID = {
     "target_programs": range(1, 1 << 16), "min_split": range(1, 1 << 24),
-    "block_n": (16, 32, 64, 128, 256), "block_m": (16, 32, 64, 128, 256),
+    "block_n": (16, 32, 64, 128, 256), "block_m": (16, 32, 64, 128, 256), "block_n_fp8": (16, 32, 64, 128, 256),
     "num_warps": (1, 2, 4, 8, 16), "num_stages": (1, 2, 3, 4, 5, 6),
     "lazy_rescale": (0, 1), "pdl": (0, 1), "halves": (0, 1), "tma": (0, 1), "diag": (0, 1, 2, 3), "f16": (0, 1),
     "maxnreg": (0, *range(64, 256, 8)), "at_most": (0, 1), "stage16": (0, 1, 2),
@@ -781,7 +782,8 @@ def launch_settings(d: int, q_dtype: torch.dtype, cache_dtype: torch.dtype, rows
 
     def key(name: str) -> str:
         if d > 256:   # (fp32 queries first: their tiles are sized for shared memory)
-            for variant, on in (("f32", q_dtype == torch.float32), ("narrow", narrow), ("fp8", fp8)):
+            for variant, on in (("f32", q_dtype == torch.float32), ("narrow_fp8", narrow and fp8), ("narrow", narrow),
+                                ("fp8", fp8)):
                 if on and f"{name}_wide_{variant}" in CONFIG:
                     return f"{name}_wide_{variant}"
             return _WIDE.get(name, f"{name}_wide")
