@@ -589,6 +589,8 @@ CONFIG = {
     # warps gave fp8 57.0 / 169.8 (bf16 46.8 / 109.7); fp16 operands alone 61.5 / 187.0
     "block_n_wide_narrow": 64, "num_warps_wide_narrow": 4, "num_stages_wide_narrow": 2, "maxnreg_wide_narrow": 0,
     "f16_wide_narrow": 0,
+    # its key tile over an fp8 cache (probe family mla_narrow's block_n_fp8)
+    "block_n_wide_narrow_fp8": 64,
     # and splits 4x finer: its grid is B x 1 head tile per split (B = 32 at 1/4 of 8K, 2048 local
     # tokens: 2 splits = 64 programs under min_split 1024, half the SMs idle; 8 = 256 under 256),
     # where a full 128-head problem has 2 head tiles and is compute-bound per tile
