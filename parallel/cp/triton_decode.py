@@ -548,7 +548,9 @@ CONFIG = {
     "num_warps": 4, "num_warps_wide": 8, "num_stages": 3, "num_stages_wide": 2,
     "block_n_fp8": 128, "num_stages_fp8": 2,      # GQA over an fp8 cache (key dim <= 256)
     # GQA's whole key / value tiles by TMA from device-side descriptors over [blocks, page, kv
-    # heads, D] (power-of-two head dims, tiles inside pages; `_gqa_tma_ok`), 0/1 per cache dtype
+    # heads, D] (power-of-two head dims, tiles inside pages; `_gqa_tma_ok`), 0/1 per cache dtype.
+    # Off: timed with step_time (cp-probe10 / cp-probe9, B 32, 1/4 of 8K / 32K) bf16 41.96 / 131.3 µs
+    # -> 43.2 / 132.7 with TMA, fp8 39.9 / 119.2 -> 39.7 / 118.9 (within run-to-run noise)
     "tma": 0, "tma_fp8": 0,
     # f16_fp8: fp16 MMA operands over an fp8 cache (bf16 queries scaled into fp16 by a power of two,
     # weights p * v_scale over a running per-row maximum: `_tile`), one conversion per fp8 pair
@@ -562,8 +564,10 @@ CONFIG = {
     # sm_90) and, for MLA's latent (key and value at once), convert every element twice. sm_90a
     # loop per tile (bench/debug/kernel_sass.py decode --only stage16): GQA 128 keys 1521 -> 1013
     # (1) / 952 (2) instructions, no LDS.U8; MLA 16 heads, 64 keys, 4 warps 2796 -> 1302 (with
-    # f16), 8 warps 1520 -> 750. Not yet timed: the probe's gqa_fp8 / mla_narrow families sweep it
-    "stage16_fp8": 0, "stage16_wide_narrow": 0,
+    # f16), 8 warps 1520 -> 750. GQA over fp8 gains nothing from it (cp-probe9, B 32, 1/4 of 8K /
+    # 32K: 39.9 / 119.2 µs as installed, stage16 1 40.7 / 119.3, 2 49.5 / 154.1; without the register
+    # cap 46.8 / 157.5 and 44.3 / 133.9): off there. MLA's narrow tiles take it (below)
+    "stage16_fp8": 0,
     # MLA with fp32 queries (exact products): 64 x 64 tiles in 3 stages would need 312 KB of shared
     # memory (sm_90a compile, bench/debug/kernel_sass.py); 32 x 32 in 2 stages needs 152 KB
     "block_n_wide_f32": 32, "block_m_wide_f32": 32, "num_stages_wide_f32": 2,
@@ -588,9 +592,14 @@ CONFIG = {
     # 199.5 -> 168.9 (32K), over bf16 47.0 -> 47.2 and 112.1 -> 109.2. A cap of 128 registers at 8
     # warps gave fp8 57.0 / 169.8 (bf16 46.8 / 109.7); fp16 operands alone 61.5 / 187.0
     "block_n_wide_narrow": 64, "num_warps_wide_narrow": 4, "num_stages_wide_narrow": 2, "maxnreg_wide_narrow": 0,
-    "f16_wide_narrow": 0,
-    # its key tile over an fp8 cache (probe family mla_narrow's block_n_fp8)
-    "block_n_wide_narrow_fp8": 64,
+    # over an fp8 cache: fp16 operands, the latent tile staged as 16-bit (stage16) and 32-key tiles
+    # (its own key tile: mla_narrow's block_n_fp8; f16 / stage16 leave bf16 caches as they are).
+    # Probes of 2026-12-03 night (bench/results/cp-probe9-h200.json, cp-probe10-h200.json; step_time,
+    # B 32, 1/4 of 8K / 32K): 54.4 / 165.0 and 55.0 / 163.1 µs -> 46.7 / 128.1 and 46.5 / 127.6;
+    # f16 alone 52.5 / 150.3, f16 + 32 keys 51.6 / 150.7, stage16 + f16 at 64 keys 60.2 / 177.4
+    # (123 KB of shared memory: one CTA per SM), at 16 keys 61.9 / 189.7; a register cap of 168 /
+    # 128 on the winner 62.6 / 185.6 and 83.4 / 256.4
+    "f16_wide_narrow": 1, "stage16_wide_narrow": 1, "block_n_wide_narrow_fp8": 32,
     # and splits 4x finer: its grid is B x 1 head tile per split (B = 32 at 1/4 of 8K, 2048 local
     # tokens: 2 splits = 64 programs under min_split 1024, half the SMs idle; 8 = 256 under 256),
     # where a full 128-head problem has 2 head tiles and is compute-bound per tile
