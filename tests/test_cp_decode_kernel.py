@@ -303,6 +303,43 @@ def test_kernel_fp8_cache_f16_operands(monkeypatch, q_exp, tq, d):
         assert torch.isinf(got.lse[2]).all() and (got.out[2] == 0).all()
 
 
+@pytest.mark.parametrize("tma,tq", [(0, 1), (1, 2)])
+def test_mla_halves_fp8_f16_operands(monkeypatch, tma, tq):
+    """CONFIG f16_wide_fp8: MLA's halves kernel over an fp8 latent cache with fp16 operands (bf16
+    queries scaled into fp16 by one power of two, weights over the running per-row maximum), with
+    per-token scales spread over 2^-30..2^30, NaN past every sequence's end, an empty sequence and
+    several splits; 16-row head tiles so the halves kernel runs at interpreter sizes."""
+    from parallel.cp import triton_decode as td
+
+    for key, value in (("block_m_wide", 16), ("block_m_wide_fp8", 16), ("block_n_wide_fp8", 16),
+                       ("min_split_wide_fp8", 48), ("halves_wide_fp8", 1), ("tma_wide_fp8", tma),
+                       ("f16_wide_fp8", 1)):
+        monkeypatch.setitem(td.CONFIG, key, value)
+    lens = [70, 0, 5, 33] if tq == 1 else [70, 2, 5, 33]
+    cache, table = _mla_cache(lens, 16, torch.float8_e4m3fn, seed=21 + tq)
+    gen = torch.Generator().manual_seed(5 + tq)
+    finite = torch.isfinite(cache.k_scale)
+    spread = torch.exp2(torch.randint(-30, 31, cache.k_scale.shape, generator=gen).float())
+    cache.k_scale.copy_(torch.where(finite, cache.k_scale * spread, cache.k_scale))
+    q = (torch.randn(len(lens), tq, 16, 576, generator=gen) * 0.3).to(torch.bfloat16)
+    seq = torch.tensor(lens)
+    settings = td.launch_settings(576, q.dtype, cache.k.dtype, tq * 16)
+    assert (settings["halves"], settings["f16"]) == (1, 1)
+    ref = paged_decode_attention(q.float(), cache, table, seq, scale=0.05, backend="torch")
+    got = paged_decode_attention(q, cache, table, seq, scale=0.05, backend="triton")
+    torch.testing.assert_close(got.lse, ref.lse, atol=2e-3, rtol=2e-5)
+    for i, n in enumerate(lens):     # bound against each sequence's largest |value * scale|
+        if n == 0:
+            continue
+        tokens = torch.arange(n)
+        blocks = table[i, tokens // 16].long()
+        span = (cache.k[blocks, tokens % 16, 0, :512].float().abs() * cache.k_scale[blocks, tokens % 16]).amax()
+        err = (got.out[i] - ref.out[i]).abs().max()
+        assert err <= 2e-3 * span, (i, err / span)
+    if tq == 1:
+        assert torch.isinf(got.lse[1]).all() and (got.out[1] == 0).all()
+
+
 @pytest.mark.parametrize("mla,fp8", [(False, False), (False, True), (True, False)],
                          ids=["gqa", "gqa-fp8-scan", "mla-halves"])
 def test_kernel_reports_bad_tables_as_nan_without_reading_past_them(mla, fp8, monkeypatch):

@@ -155,6 +155,12 @@ DECODE.update({  # stage16 (CONFIG stage16_fp8 / stage16_wide_narrow): fp8 tiles
     for stage in (0, 1, 2)
     for f16 in (True, False) if name.startswith("MLA") or f16
 })
+DECODE.update({  # MLA 128 heads over fp8 in the halves kernel, bf16 operands (as installed) and fp16 (f16_wide_fp8)
+    f"_paged_decode_kernel MLA128 fp8 halves tma warps=8 stages={st}{' f16' if f16 else ''}":
+        ("_paged_decode_kernel", dict(_DECODE, k_ptr="*fp8e4nv", v_ptr="*fp8e4nv"),
+         dict(_MLA, FP8=True, BLOCK_M=64, BLOCK_N=64, num_warps=8, num_stages=st, HALVES=True, TMA=True, F16=f16))
+    for st in (2, 3) for f16 in (False, True)
+})
 DECODE["_paged_decode_kernel MLA narrow bf16 block_m=16 block_n=64 warps=8 stages=2 plain"] = (
     "_paged_decode_kernel", _DECODE, dict(_MLA, BLOCK_M=16, BLOCK_N=64, num_warps=8, num_stages=2))
 

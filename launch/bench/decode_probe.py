@@ -56,7 +56,7 @@ KEYS = {"gqa": ("block_n", "num_warps", "num_stages", "target_programs", "min_sp
         "gqa_fp8": ("block_n", "num_stages", "f16", "maxnreg", "min_split", "tma", "stage16"),
         "mla": ("block_m", "block_n", "num_warps", "num_stages", "target_programs", "min_split", "lazy_rescale",
                 "halves", "tma", "diag"),
-        "mla_fp8": ("block_m", "block_n", "num_warps", "num_stages", "lazy_rescale", "halves", "tma", "min_split"),
+        "mla_fp8": ("block_m", "block_n", "num_warps", "num_stages", "lazy_rescale", "halves", "tma", "min_split", "f16"),
         "mla_narrow": ("block_n", "num_warps", "num_stages", "min_split", "at_most", "f16", "maxnreg", "stage16",
                        "block_n_fp8")}
 FAMILY_MAP = {"gqa": {}, "mla": "_WIDE", "gqa_fp8": "_FP8", "mla_fp8": "_WIDE_FP8",   # family key -> CONFIG key
@@ -103,7 +103,9 @@ VARIANTS = {   # overrides of the current settings, one factor at a time, then a
                 {"halves": 1, "tma": 1, "num_stages": 2}, {"block_m": 64, "num_stages": 2},
                 {"block_m": 64, "halves": 1, "tma": 1, "num_stages": 2},
                 {"block_m": 64, "halves": 1, "num_stages": 2}, {"lazy_rescale": 1}, {"min_split": 512},
-                {"min_split": 2048}],
+                {"min_split": 2048},
+                # fp16 operands in the halves kernel (sm_90a: the F2F.BF16.F16 gone, 1.6 KB of spills)
+                {"f16": 1}, {"f16": 1, "tma": 0}],
     # MLA with 16 heads: over fp8 it takes 172 registers (one CTA of 8 warps per SM) against 80
     # over bf16; a cap of 128 compiles with 48 B of spills (bench/debug/kernel_sass.py, --only narrow)
     "mla_narrow": [{}, {"maxnreg": 128}, {"maxnreg": 168}, {"f16": 1}, {"f16": 1, "maxnreg": 128},
@@ -129,7 +131,7 @@ TINY_VARIANTS = {
     "mla": [{}, {"block_m": 16, "block_n": 16, "min_split": 32}, {"num_warps": 4}, {"halves": 1, "block_n": 16},
             {"halves": 1, "tma": 1, "block_n": 16, "lazy_rescale": 1}],
     "gqa_fp8": [{}, {"block_n": 16}, {"f16": 1, "block_n": 16}, {"stage16": 2, "block_n": 16}],
-    "mla_fp8": [{}, {"num_stages": 2}],
+    "mla_fp8": [{}, {"num_stages": 2}, {"f16": 1, "block_m": 16, "block_n": 16, "halves": 1}],
     "mla_narrow": [{}, {"num_stages": 1, "min_split": 32}, {"stage16": 1, "block_n_fp8": 16, "min_split": 32}],
 }
 

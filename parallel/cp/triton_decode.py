@@ -168,18 +168,29 @@ def _f16_queries(q_main, q_rest, qk_scale, D_REST: tl.constexpr):
     2^-17 up); smaller ones round in fp16's subnormals, a change to the score below 2^-31 of the
     largest term's bound. Any finite bf16 tile fits (e >= -113)."""
     if q_main.dtype == tl.bfloat16:   # (fp16 queries stay as they are)
-        amax = tl.max(tl.max(tl.abs(q_main.to(tl.float32)), 1), 0)
+        amax = _amax(q_main)
         if D_REST > 0:
-            amax = tl.maximum(amax, tl.max(tl.max(tl.abs(q_rest.to(tl.float32)), 1), 0))
-        biased = (amax.to(tl.int32, bitcast=True) >> 23) & 0xFF            # amax in [2^(b-127), 2^(b-126))
-        e = tl.minimum(tl.maximum(141 - biased, -113), 100)                # 2^e * amax in [2^14, 2^15)
-        up = ((e + 127) << 23).to(tl.float32, bitcast=True)
-        down = ((127 - e) << 23).to(tl.float32, bitcast=True)
+            amax = tl.maximum(amax, _amax(q_rest))
+        up, qk_scale = _f16_exponent(amax, qk_scale)
         q_main = (q_main.to(tl.float32) * up).to(tl.float16)
         if D_REST > 0:
             q_rest = (q_rest.to(tl.float32) * up).to(tl.float16)
-        qk_scale = qk_scale * down
     return q_main, q_rest, qk_scale
+
+
+@triton.jit
+def _amax(x):
+    return tl.max(tl.max(tl.abs(x.to(tl.float32)), 1), 0)
+
+
+@triton.jit
+def _f16_exponent(amax, qk_scale):
+    """`_f16_queries`' power of two for a largest query magnitude amax: (2^e, qk_scale * 2^-e)."""
+    biased = (amax.to(tl.int32, bitcast=True) >> 23) & 0xFF            # amax in [2^(b-127), 2^(b-126))
+    e = tl.minimum(tl.maximum(141 - biased, -113), 100)                # 2^e * amax in [2^14, 2^15)
+    up = ((e + 127) << 23).to(tl.float32, bitcast=True)
+    down = ((127 - e) << 23).to(tl.float32, bitcast=True)
+    return up, qk_scale * down
 
 
 @triton.jit
@@ -275,18 +286,19 @@ def _tile(j0, end, s64, kvh, q_main, q_rest, q_pos, rmask, dm, dr, rest_mask, dv
 
 
 @triton.jit
-def _tile_halves(j0, end, s64, q0, q1, q_rest, q_pos, rmask, m_i, l_i, acc0, acc1, desc_main, desc_rest,
+def _tile_halves(j0, end, s64, q0, q1, q_rest, q_pos, rmask, m_i, l_i, acc0, acc1, r_i, desc_main, desc_rest,
                  k_ptr, ks_ptr, table_ptr, qk_scale, dcp_size, dcp_rank, interleave, sk_b, sk_t, ss_b, ss_t, st_s,
                  HALF: tl.constexpr, D_REST: tl.constexpr, BLOCK_REST: tl.constexpr, BLOCK_N: tl.constexpr,
                  PAGE: tl.constexpr, FP8: tl.constexpr, CAUSAL: tl.constexpr, LAZY: tl.constexpr,
-                 TMA: tl.constexpr, DIAG: tl.constexpr, IEEE: tl.constexpr):
+                 TMA: tl.constexpr, DIAG: tl.constexpr, IEEE: tl.constexpr, F16: tl.constexpr = False):
     """`_tile` for one latent head whose value is the key's first 2 * HALF dims (MLA: 512 of 576),
     kept as two halves [BLOCK_N, HALF] (a TMA box is at most 256 wide) and two accumulators; the
     tile lies in one page (PAGE % BLOCK_N == 0, tiles start at multiples of BLOCK_N). TMA: the
     three boxes of the tile from device-side descriptors over [blocks, PAGE, D]; rows past `end`
     are zeroed before they serve as values (the cache holds anything there). DIAG (the tuning
     probe's subtraction diagnostics, never a result): 1 no softmax (p = the scores), 2 no P @ V,
-    3 scores only (neither)."""
+    3 scores only (neither). F16 (fp8 cache, DIAG 0): fp16 operands, weights over the running
+    per-row scale r_i, as `_tile` keeps them."""
     j = j0 + tl.arange(0, BLOCK_N)
     jmask = j < end
     block = tl.load(table_ptr + s64 * st_s + j0 // PAGE).to(tl.int64)
@@ -323,9 +335,11 @@ def _tile_halves(j0, end, s64, q0, q1, q_rest, q_pos, rmask, m_i, l_i, acc0, acc
         p = tl.where(allowed, qk, 0.0)
         l_i += tl.sum(p, 1)
     else:
-        m_new, p, alpha, grow = _softmax_step(qk, m_i, LAZY)
+        m_new, p, alpha, grow = _softmax_step(qk, m_i, LAZY and not F16)
         l_i = l_i * alpha + tl.sum(p, 1)
-        if LAZY:
+        if F16:
+            pass                         # (acc is rescaled with the weights' unit below)
+        elif LAZY:
             if grow:
                 acc0 = acc0 * alpha[:, None]
                 acc1 = acc1 * alpha[:, None]
@@ -335,10 +349,18 @@ def _tile_halves(j0, end, s64, q0, q1, q_rest, q_pos, rmask, m_i, l_i, acc0, acc
     if DIAG != 2 and DIAG != 3:
         if FP8:
             p = p * ks[None, :]          # the value scale is the key scale (one latent vector per token)
+        if F16:   # acc in units of r: r' = max(r * alpha, largest weight of the tile) >= every weight
+            r_new = tl.maximum(r_i * alpha, tl.max(p, 1))
+            inv = 1.0 / tl.where(r_new > 0, r_new, 1.0)
+            unit = r_i * alpha * inv
+            acc0 = acc0 * unit[:, None]
+            acc1 = acc1 * unit[:, None]
+            p = p * inv[:, None]
+            r_i = r_new
         pv = p.to(k0.dtype)
         acc0 = _dot(pv, k0, acc0, IEEE)
         acc1 = _dot(pv, k1, acc1, IEEE)
-    return m_new, l_i, acc0, acc1
+    return m_new, l_i, acc0, acc1, r_i
 
 
 @triton.jit
@@ -357,7 +379,7 @@ def _halves_body(q_ptr, k_ptr, ks_ptr, table_ptr, glens_ptr, o_ptr, lse_ptr, spl
                  HALF: tl.constexpr, D_REST: tl.constexpr, BLOCK_REST: tl.constexpr, BLOCK_M: tl.constexpr,
                  BLOCK_N: tl.constexpr, PAGE: tl.constexpr, FP8: tl.constexpr, CAUSAL: tl.constexpr,
                  INTERPRETED: tl.constexpr, LAZY: tl.constexpr, TMA: tl.constexpr, DIAG: tl.constexpr,
-                 IEEE: tl.constexpr):
+                 IEEE: tl.constexpr, F16: tl.constexpr = False):
     """The kernel's program for one latent head read in halves (`_tile_halves`)."""
     dh = tl.arange(0, HALF)
     dr = 2 * HALF + tl.arange(0, BLOCK_REST)
@@ -365,6 +387,12 @@ def _halves_body(q_ptr, k_ptr, ks_ptr, table_ptr, glens_ptr, o_ptr, lse_ptr, spl
     q1 = tl.load(q_ptr + q_row[:, None] + HALF + dh[None, :], mask=rmask[:, None], other=0.0)
     q_rest = tl.load(q_ptr + q_row[:, None] + dr[None, :], mask=rmask[:, None] & (dr < 2 * HALF + D_REST)[None, :],
                      other=0.0)
+    if F16:
+        if q0.dtype == tl.bfloat16:      # (`_f16_queries` over the three tiles)
+            up, qk_scale = _f16_exponent(tl.maximum(tl.maximum(_amax(q0), _amax(q1)), _amax(q_rest)), qk_scale)
+            q0 = (q0.to(tl.float32) * up).to(tl.float16)
+            q1 = (q1.to(tl.float32) * up).to(tl.float16)
+            q_rest = (q_rest.to(tl.float32) * up).to(tl.float16)
     if TMA:
         desc_main = tl.make_tensor_descriptor(k_ptr, [NUM_BLOCKS, PAGE, 2 * HALF + D_REST], [sk_b, sk_t, 1],
                                               [1, BLOCK_N, HALF])
@@ -384,6 +412,7 @@ def _halves_body(q_ptr, k_ptr, ks_ptr, table_ptr, glens_ptr, o_ptr, lse_ptr, spl
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc0 = tl.zeros([BLOCK_M, HALF], tl.float32)
     acc1 = tl.zeros([BLOCK_M, HALF], tl.float32)
+    r_i = tl.zeros([BLOCK_M], tl.float32)      # (F16: acc's unit)
     if TMA:     # whole tiles by TMA, then the partial one (if any) through masked pointer loads
         full_end = start + (tl.maximum(end - start, 0) // BLOCK_N) * BLOCK_N
     else:
@@ -391,29 +420,33 @@ def _halves_body(q_ptr, k_ptr, ks_ptr, table_ptr, glens_ptr, o_ptr, lse_ptr, spl
     if INTERPRETED:
         j0 = start
         while j0 < full_end:
-            m_i, l_i, acc0, acc1 = _tile_halves(
-                j0, end, s64, q0, q1, q_rest, q_pos, rmask, m_i, l_i, acc0, acc1, desc_main, desc_rest, k_ptr, ks_ptr,
-                table_ptr, qk_scale, dcp_size, dcp_rank, interleave, sk_b, sk_t, ss_b, ss_t, st_s, HALF, D_REST,
-                BLOCK_REST, BLOCK_N, PAGE, FP8, CAUSAL, LAZY, TMA, DIAG, IEEE)
+            m_i, l_i, acc0, acc1, r_i = _tile_halves(
+                j0, end, s64, q0, q1, q_rest, q_pos, rmask, m_i, l_i, acc0, acc1, r_i, desc_main, desc_rest, k_ptr,
+                ks_ptr, table_ptr, qk_scale, dcp_size, dcp_rank, interleave, sk_b, sk_t, ss_b, ss_t, st_s, HALF,
+                D_REST, BLOCK_REST, BLOCK_N, PAGE, FP8, CAUSAL, LAZY, TMA, DIAG, IEEE, F16)
             j0 += BLOCK_N
     else:
         for j0 in range(start, full_end, BLOCK_N):
-            m_i, l_i, acc0, acc1 = _tile_halves(
-                j0, end, s64, q0, q1, q_rest, q_pos, rmask, m_i, l_i, acc0, acc1, desc_main, desc_rest, k_ptr, ks_ptr,
-                table_ptr, qk_scale, dcp_size, dcp_rank, interleave, sk_b, sk_t, ss_b, ss_t, st_s, HALF, D_REST,
-                BLOCK_REST, BLOCK_N, PAGE, FP8, CAUSAL, LAZY, TMA, DIAG, IEEE)
+            m_i, l_i, acc0, acc1, r_i = _tile_halves(
+                j0, end, s64, q0, q1, q_rest, q_pos, rmask, m_i, l_i, acc0, acc1, r_i, desc_main, desc_rest, k_ptr,
+                ks_ptr, table_ptr, qk_scale, dcp_size, dcp_rank, interleave, sk_b, sk_t, ss_b, ss_t, st_s, HALF,
+                D_REST, BLOCK_REST, BLOCK_N, PAGE, FP8, CAUSAL, LAZY, TMA, DIAG, IEEE, F16)
     if TMA:
         if full_end < end:
-            m_i, l_i, acc0, acc1 = _tile_halves(
-                full_end, end, s64, q0, q1, q_rest, q_pos, rmask, m_i, l_i, acc0, acc1, desc_main, desc_rest, k_ptr,
-                ks_ptr, table_ptr, qk_scale, dcp_size, dcp_rank, interleave, sk_b, sk_t, ss_b, ss_t, st_s, HALF,
-                D_REST, BLOCK_REST, BLOCK_N, PAGE, FP8, CAUSAL, LAZY, False, DIAG, IEEE)
+            m_i, l_i, acc0, acc1, r_i = _tile_halves(
+                full_end, end, s64, q0, q1, q_rest, q_pos, rmask, m_i, l_i, acc0, acc1, r_i, desc_main, desc_rest,
+                k_ptr, ks_ptr, table_ptr, qk_scale, dcp_size, dcp_rank, interleave, sk_b, sk_t, ss_b, ss_t, st_s,
+                HALF, D_REST, BLOCK_REST, BLOCK_N, PAGE, FP8, CAUSAL, LAZY, False, DIAG, IEEE, F16)
     safe, lse = _finish(l_i, m_i)
     safe = tl.where(bad > 0, float("nan"), safe)      # a bad table or length: NaN out and lse
     lse = tl.where(bad > 0, float("nan"), lse)
     o_row = split.to(tl.int64) * so_p + s64 * so_s + t_idx.to(tl.int64) * so_t + h_idx.to(tl.int64) * so_h
-    tl.store(o_ptr + o_row[:, None] + dh[None, :], acc0 / safe[:, None], mask=rmask[:, None])
-    tl.store(o_ptr + o_row[:, None] + HALF + dh[None, :], acc1 / safe[:, None], mask=rmask[:, None])
+    if F16:
+        factor = r_i / safe
+    else:
+        factor = 1.0 / safe
+    tl.store(o_ptr + o_row[:, None] + dh[None, :], acc0 * factor[:, None], mask=rmask[:, None])
+    tl.store(o_ptr + o_row[:, None] + HALF + dh[None, :], acc1 * factor[:, None], mask=rmask[:, None])
     l_row = split.to(tl.int64) * sl_p + s64 * sl_s + t_idx.to(tl.int64) * sl_t + h_idx
     tl.store(lse_ptr + l_row, lse, mask=rmask)
 
@@ -453,7 +486,7 @@ def _paged_decode_kernel(
         _halves_body(q_ptr, k_ptr, ks_ptr, table_ptr, glens_ptr, o_ptr, lse_ptr, split, s, s64, q_row,
                      t_idx, h_idx, rmask, qk_scale, split_len, Tq, dcp_size, dcp_rank, interleave, sk_b, sk_t,
                      ss_b, ss_t, st_s, so_p, so_s, so_t, so_h, sl_p, sl_s, sl_t, NUM_BLOCKS, TABLE_W, D_MAIN // 2,
-                     D_REST, BLOCK_REST, BLOCK_M, BLOCK_N, PAGE, FP8, CAUSAL, INTERPRETED, LAZY, TMA, DIAG, IEEE)
+                     D_REST, BLOCK_REST, BLOCK_M, BLOCK_N, PAGE, FP8, CAUSAL, INTERPRETED, LAZY, TMA, DIAG, IEEE, F16)
     else:
         dm = tl.arange(0, D_MAIN)
         q_main = tl.load(q_ptr + q_row[:, None] + dm[None, :], mask=rmask[:, None], other=0.0)
@@ -581,6 +614,9 @@ CONFIG = {
     # MLA over an fp8 cache
     "block_n_wide_fp8": 64, "num_warps_wide_fp8": 8, "num_stages_wide_fp8": 2, "lazy_rescale_wide_fp8": 0,
     "halves_wide_fp8": 1, "tma_wide_fp8": 1,
+    # fp16 operands (as GQA's f16_fp8; in the halves kernel too): one conversion per fp8 pair
+    # instead of fp8 -> fp16 -> bf16. Off until the probe (family mla_fp8) times it
+    "f16_wide_fp8": 0,
     # MLA with a query-head tile that is not full (fewer than block_m rows per kv head: 16 heads
     # under TP 8): the halves / TMA structure loses there (probe below), so it is off. The probe
     # does not sweep these two (its halves / tma rows of such problems then run this setting);
@@ -660,7 +696,7 @@ _FP8 = {"block_n": "block_n_fp8", "num_stages": "num_stages_fp8", "f16": "f16_fp
         "maxnreg": "maxnreg_fp8", "min_split": "min_split_fp8", "tma": "tma_fp8",
         "stage16": "stage16_fp8"}                                                       # GQA over an fp8 cache
 _WIDE_FP8 = {k: f"{k}_wide_fp8" for k in ("block_m", "block_n", "num_warps", "num_stages", "lazy_rescale", "halves",
-                                          "tma", "min_split")}      # MLA over an fp8 cache
+                                          "tma", "min_split", "f16")}      # MLA over an fp8 cache
 # MLA with a query-head tile that is not full (16 heads under TP 8), bf16 and fp8 caches
 _WIDE_NARROW = {k: f"{k}_wide_narrow" for k in ("block_n", "num_warps", "num_stages", "min_split", "at_most", "halves",
                                               "tma", "f16", "maxnreg", "stage16")}
@@ -827,7 +863,8 @@ def paged_decode_triton(q: Tensor, k: Tensor, v: Tensor, k_scale: Tensor | None,
     cfg = launch_settings(d, q.dtype, k.dtype, tq * g)
     block_n, block_m = cfg["block_n"], cfg["block_m"]
     halves = bool(cfg["halves"]) and _halves_ok(k, v, k_scale, v_scale, d_main, block_n)
-    f16 = bool(cfg["f16"]) and fp8 and not halves and q.dtype in (torch.bfloat16, torch.float16)
+    f16 = (bool(cfg["f16"]) and fp8 and q.dtype in (torch.bfloat16, torch.float16)
+           and not (halves and cfg["diag"]))          # (the probe's diagnostics run without it)
     # (inline PTX: not under the interpreter, where it would change nothing anyway)
     stage16 = cfg["stage16"] if fp8 and not halves and not impl.interpreting() else 0
     tma = bool(cfg["tma"]) and (_tma_ok(k) if halves else _gqa_tma_ok(k, v, d_rest, dv, block_n, v_from_k))
