@@ -46,7 +46,7 @@ def test_apply_tuning_maps_mla_keys_to_wide_entries():
     bf16 = td.launch_settings(128, torch.bfloat16, torch.bfloat16, 8)
     mla = td.launch_settings(576, torch.bfloat16, torch.float8_e4m3fn, 128)
     assert (fp8["f16"], fp8["maxnreg"]) == (0, 160) and (bf16["f16"], bf16["maxnreg"]) == (0, 0)
-    assert (mla["f16"], mla["maxnreg"]) == (0, 0)                 # (MLA over fp8 has neither)
+    assert (mla["f16"], mla["maxnreg"]) == (td.CONFIG["f16_wide_fp8"], 0)   # (its own f16; no register cap)
     td.apply_tuning({"gqa_fp8": {"stage16": 2}, "mla_narrow": {"stage16": 1}})
     assert (td.CONFIG["stage16_fp8"], td.CONFIG["stage16_wide_narrow"]) == (2, 1)
     assert td.launch_settings(128, torch.bfloat16, torch.float8_e4m3fn, 8)["stage16"] == 2

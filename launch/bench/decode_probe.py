@@ -55,8 +55,9 @@ REF_BUDGET = 8 << 30  # bytes of the torch path's per-head KV copy: sequences ch
 KEYS = {"gqa": ("block_n", "num_warps", "num_stages", "target_programs", "min_split", "lazy_rescale", "tma"),
         "gqa_fp8": ("block_n", "num_stages", "f16", "maxnreg", "min_split", "tma", "stage16"),
         "mla": ("block_m", "block_n", "num_warps", "num_stages", "target_programs", "min_split", "lazy_rescale",
-                "halves", "tma", "diag"),
-        "mla_fp8": ("block_m", "block_n", "num_warps", "num_stages", "lazy_rescale", "halves", "tma", "min_split", "f16"),
+                "halves", "tma", "diag", "at_most"),
+        "mla_fp8": ("block_m", "block_n", "num_warps", "num_stages", "lazy_rescale", "halves", "tma", "min_split", "f16",
+                    "at_most"),
         "mla_narrow": ("block_n", "num_warps", "num_stages", "min_split", "at_most", "f16", "maxnreg", "stage16",
                        "block_n_fp8")}
 FAMILY_MAP = {"gqa": {}, "mla": "_WIDE", "gqa_fp8": "_FP8", "mla_fp8": "_WIDE_FP8",   # family key -> CONFIG key
@@ -80,7 +81,9 @@ VARIANTS = {   # overrides of the current settings, one factor at a time, then a
             {"halves": 1, "tma": 1, "num_stages": 2, "lazy_rescale": 1}, {"halves": 1, "num_stages": 2, "lazy_rescale": 1},
             {"halves": 1, "tma": 1, "num_stages": 2, "target_programs": 528},
             {"halves": 1, "num_stages": 2, "diag": 1}, {"halves": 1, "num_stages": 2, "diag": 2},
-            {"halves": 1, "num_stages": 2, "diag": 3}, {"halves": 1, "tma": 1, "num_stages": 2, "diag": 3}],
+            {"halves": 1, "num_stages": 2, "diag": 3}, {"halves": 1, "tma": 1, "num_stages": 2, "diag": 3},
+            # splits rounded down to target_programs (one CTA per SM: no partial last wave)
+            {"at_most": 1}, {"at_most": 1, "target_programs": 132}],
     # GQA over fp8; f16: fp16 MMA operands (one conversion per fp8 pair instead of three steps)
     "gqa_fp8": [{}, {"block_n": 64}, {"block_n": 32}, {"num_stages": 2}, {"num_stages": 4},
                 {"block_n": 64, "num_stages": 2}, {"f16": 1}, {"f16": 1, "block_n": 64}, {"f16": 1, "num_stages": 2},
@@ -104,8 +107,9 @@ VARIANTS = {   # overrides of the current settings, one factor at a time, then a
                 {"block_m": 64, "halves": 1, "tma": 1, "num_stages": 2},
                 {"block_m": 64, "halves": 1, "num_stages": 2}, {"lazy_rescale": 1}, {"min_split": 512},
                 {"min_split": 2048},
-                # fp16 operands in the halves kernel (sm_90a: the F2F.BF16.F16 gone, 1.6 KB of spills)
-                {"f16": 1}, {"f16": 1, "tma": 0}],
+                # fp16 operands in the halves kernel (sm_90a: the F2F.BF16.F16 gone, 1.6 KB of spills
+                # with TMA), splits rounded down to target_programs
+                {"f16": 0}, {"tma": 1}, {"at_most": 1}, {"at_most": 1, "tma": 1}, {"at_most": 1, "f16": 0}],
     # MLA with 16 heads: over fp8 it takes 172 registers (one CTA of 8 warps per SM) against 80
     # over bf16; a cap of 128 compiles with 48 B of spills (bench/debug/kernel_sass.py, --only narrow)
     "mla_narrow": [{}, {"maxnreg": 128}, {"maxnreg": 168}, {"f16": 1}, {"f16": 1, "maxnreg": 128},

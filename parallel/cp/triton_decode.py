@@ -613,10 +613,13 @@ CONFIG = {
     "lazy_rescale": 0, "lazy_rescale_wide": 0, "halves_wide": 1, "tma_wide": 1, "diag_wide": 0,
     # MLA over an fp8 cache
     "block_n_wide_fp8": 64, "num_warps_wide_fp8": 8, "num_stages_wide_fp8": 2, "lazy_rescale_wide_fp8": 0,
-    "halves_wide_fp8": 1, "tma_wide_fp8": 1,
+    "halves_wide_fp8": 1, "tma_wide_fp8": 0,
     # fp16 operands (as GQA's f16_fp8; in the halves kernel too): one conversion per fp8 pair
-    # instead of fp8 -> fp16 -> bf16. Off until the probe (family mla_fp8) times it
-    "f16_wide_fp8": 0,
+    # instead of fp8 -> fp16 -> bf16, with pointer loads (TMA off). Probe of 2026-12-03 night
+    # (bench/results/cp-probe11-h200.json, step_time, B 32, 1/4 of 8K / 32K): 119.0 / 510.4 µs ->
+    # 108.4 / 456.2, max error 7.5e-4 -> 7.6e-5; with TMA left on 172.9 / 728.2 (the fp16 weight
+    # bookkeeping spills 1.6 KB there, sm_90a)
+    "f16_wide_fp8": 1,
     # MLA with a query-head tile that is not full (fewer than block_m rows per kv head: 16 heads
     # under TP 8): the halves / TMA structure loses there (probe below), so it is off. The probe
     # does not sweep these two (its halves / tma rows of such problems then run this setting);
@@ -647,6 +650,11 @@ CONFIG = {
     # 74.4 / 110.5 / 501.5 -> 47.2 / 110.0 / 349.4 µs; over fp8 86.8 / 207.1 / 889.9 -> 64.8 /
     # 203.1 / 680.5
     "at_most_wide_narrow": 1,
+    # splits rounded down to target_programs for full MLA head tiles too (bf16 / fp8 caches): 1/4
+    # of 32K over fp8 took 510.4 µs in 5 splits (320 programs of one CTA per SM: a partial third
+    # wave) against 421.2 with min_split 2048 (4 splits; cp-probe11). Off until the probe's mla /
+    # mla_fp8 families time it
+    "at_most_wide": 0, "at_most_wide_fp8": 0,
 }
 # H200, B = 32, 1/4 of L = 8K and 32K (`python -m megapar.launch.bench.cp --probe`, CUDA-graph
 # replays, two runs: bench/results/cp-probe-h200.json, cp-probe2-h200.json): MLA with 64-token
@@ -689,14 +697,14 @@ MEGAPAR_DECODE_TUNING=path at import)."""
 # *_wide keys where CONFIG has one; the others are shared by both problems
 _WIDE = {"block_n": "block_n_wide", "block_m": "block_m_wide", "num_warps": "num_warps_wide",
          "num_stages": "num_stages_wide", "lazy_rescale": "lazy_rescale_wide", "halves": "halves_wide",
-         "tma": "tma_wide", "diag": "diag_wide", "min_split": "min_split_wide"}
+         "tma": "tma_wide", "diag": "diag_wide", "min_split": "min_split_wide", "at_most": "at_most_wide"}
 # kernel options (0/1; diag 0-3; maxnreg 0 = the compiler's choice, else a register cap), launch_settings
 _STRUCTURE = ("lazy_rescale", "halves", "tma", "diag", "f16", "maxnreg", "stage16")
 _FP8 = {"block_n": "block_n_fp8", "num_stages": "num_stages_fp8", "f16": "f16_fp8",
         "maxnreg": "maxnreg_fp8", "min_split": "min_split_fp8", "tma": "tma_fp8",
         "stage16": "stage16_fp8"}                                                       # GQA over an fp8 cache
 _WIDE_FP8 = {k: f"{k}_wide_fp8" for k in ("block_m", "block_n", "num_warps", "num_stages", "lazy_rescale", "halves",
-                                          "tma", "min_split", "f16")}      # MLA over an fp8 cache
+                                          "tma", "min_split", "f16", "at_most")}      # MLA over an fp8 cache
 # MLA with a query-head tile that is not full (16 heads under TP 8), bf16 and fp8 caches
 _WIDE_NARROW = {k: f"{k}_wide_narrow" for k in ("block_n", "num_warps", "num_stages", "min_split", "at_most", "halves",
                                               "tma", "f16", "maxnreg", "stage16")}
