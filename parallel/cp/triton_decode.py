@@ -652,9 +652,11 @@ CONFIG = {
     "at_most_wide_narrow": 1,
     # splits rounded down to target_programs for full MLA head tiles too (bf16 / fp8 caches): 1/4
     # of 32K over fp8 took 510.4 µs in 5 splits (320 programs of one CTA per SM: a partial third
-    # wave) against 421.2 with min_split 2048 (4 splits; cp-probe11). Off until the probe's mla /
-    # mla_fp8 families time it
-    "at_most_wide": 0, "at_most_wide_fp8": 0,
+    # wave) against 421.2 with min_split 2048 (4 splits; cp-probe11). Probe 12 (bench/results/
+    # cp-probe12-h200.json, B 32, 1/4 of 8K / 32K): bf16 86.3 / 347.7 -> 86.0 / 286.4 µs, fp8 (fp16
+    # operands) 108.2 / 460.5 -> 109.4 / 378.5 (8K keeps its 2 splits). target_programs 132 with it
+    # gave bf16 86.4 / 267.1 but is shared with GQA (its 264 stays); a per-family value is not built
+    "at_most_wide": 1, "at_most_wide_fp8": 1,
 }
 # H200, B = 32, 1/4 of L = 8K and 32K (`python -m megapar.launch.bench.cp --probe`, CUDA-graph
 # replays, two runs: bench/results/cp-probe-h200.json, cp-probe2-h200.json): MLA with 64-token
