@@ -177,7 +177,8 @@ def decode_config(mod) -> dict:
         ptrs = dict(_DECODE, k_ptr=ptr, v_ptr=ptr, **({"q_ptr": "*fp32"} if tag == "fp32" else {}))
         cons = dict(_MLA, FP8=tag == "fp8", IEEE=tag == "fp32", BLOCK_M=cfg["block_m"], BLOCK_N=cfg["block_n"],
                     num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], LAZY=bool(cfg["lazy_rescale"]),
-                    HALVES=bool(cfg["halves"]) and cfg["block_n"] <= 64, TMA=bool(cfg["halves"] and cfg["tma"]))
+                    HALVES=bool(cfg["halves"]) and cfg["block_n"] <= 64, TMA=bool(cfg["halves"] and cfg["tma"]),
+                    F16=bool(cfg["f16"]) and tag == "fp8")
         out[f"_paged_decode_kernel MLA {tag} as launched {cfg}"] = ("_paged_decode_kernel", ptrs, cons)
     return out
 
