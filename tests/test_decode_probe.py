@@ -64,8 +64,7 @@ def test_apply_tuning_maps_mla_keys_to_wide_entries():
     ({"gqa": {"min_split": 0}}, r"gqa.min_split = 0 is invalid; valid: an int in \[1, "),
     ({"gqa": {"target_programs": "264"}}, r"gqa.target_programs = '264' is invalid"),
     ({"gqa": [64]}, r"decode tuning 'gqa' must be a dict"),
-    ({"gqa": {"target_programs": 132}, "mla": {"target_programs": 528}},
-     r"shared key target_programs differs between gqa \(132\) and mla \(528\)"),
+    ({"mla": {"target_programs": 0}}, r"mla.target_programs = 0 is invalid; valid: an int in \[1, "),
     ({"mla_fp8": {"min_split": 0}}, r"mla_fp8.min_split = 0 is invalid; valid: an int in \[1, "),
     ({"gqa_fp8": {"min_split": 512.0}}, r"gqa_fp8.min_split = 512.0 is invalid"),
     ({"config": {"min_split_wide": -1}}, r"decode CONFIG min_split_wide = -1 is invalid"),
@@ -311,3 +310,21 @@ def test_mla_narrow_family_installs_on_its_own_keys():
     with pytest.raises(ValueError, match=r"mla_narrow\.block_m"):
         td.apply_tuning({"mla_narrow": {"num_warps": 8, "block_m": 32}})
     assert td.CONFIG == before
+
+
+def test_target_programs_is_per_family():
+    """gqa's target_programs goes to CONFIG target_programs, mla's to target_programs_wide and
+    mla_fp8's to target_programs_wide_fp8 (it was one shared value): each reaches its own launches
+    and plan_splits takes it; narrow MLA tiles keep theirs."""
+    td.apply_tuning({"gqa": {"target_programs": 200}, "mla": {"target_programs": 132},
+                     "mla_fp8": {"target_programs": 528}})
+    assert (td.CONFIG["target_programs"], td.CONFIG["target_programs_wide"],
+            td.CONFIG["target_programs_wide_fp8"]) == (200, 132, 528)
+    assert _settings("gqa")["target_programs"] == 200
+    assert _settings("mla")["target_programs"] == 132 and _settings("mla_fp8")["target_programs"] == 528
+    narrow = td.launch_settings(576, torch.bfloat16, torch.bfloat16, 16)
+    assert narrow["target_programs"] == td.CONFIG["target_programs_wide_narrow"]
+    # 8192 tokens over 64 programs a split (32 sequences x 2 head tiles), min_split 1024, rounded down
+    assert td.plan_splits(8192, 64, 64, 1024, True, 132)[0] == 2
+    assert td.plan_splits(8192, 64, 64, 1024, True, 264)[0] == 4
+    assert td.plan_splits(8192, 64, 64, 1024, False, 264)[0] == 5

@@ -21,10 +21,10 @@ DIR/decode-tuning.json as {"gqa": {...}, "gqa_fp8": {...}, "mla": {...}, "mla_fp
 dim > 256), MLA over fp8 on its *_wide_fp8 entries, narrow MLA tiles on *_wide_narrow (with a
 register cap and fp16 operands among its options), GQA over an fp8 cache on its *_fp8 entries,
 so none conflict. min_split is swept per family (min_split, min_split_fp8, min_split_wide,
-min_split_wide_fp8, min_split_wide_narrow). Only
-target_programs is shared by gqa and mla: where their winners differ, each family's winner is
-also timed with the other's value and the value with the smaller summed relative time serves
-both (a note says so). GQA has Hq / Hkv = 8 query rows per kv head, below the smallest row tile
+min_split_wide_fp8, min_split_wide_narrow), and so is target_programs (target_programs,
+target_programs_wide, target_programs_wide_fp8; `_SHARED` names keys one value of which would
+serve gqa and mla, none today: the probe then times each family's winner with the other's
+value). GQA has Hq / Hkv = 8 query rows per kv head, below the smallest row tile
 (16), so block_m is not swept for it.
 `triton_decode.apply_tuning` (or MEGAPAR_DECODE_TUNING=DIR/decode-tuning.json) installs the file.
 MEGAPAR_DECODE_PROBE_FAMILIES (a comma list of gqa, gqa_fp8, mla, mla_fp8, mla_narrow) probes only
@@ -57,7 +57,7 @@ KEYS = {"gqa": ("block_n", "num_warps", "num_stages", "target_programs", "min_sp
         "mla": ("block_m", "block_n", "num_warps", "num_stages", "target_programs", "min_split", "lazy_rescale",
                 "halves", "tma", "diag", "at_most"),
         "mla_fp8": ("block_m", "block_n", "num_warps", "num_stages", "lazy_rescale", "halves", "tma", "min_split", "f16",
-                    "at_most"),
+                    "at_most", "target_programs"),
         "mla_narrow": ("block_n", "num_warps", "num_stages", "min_split", "at_most", "f16", "maxnreg", "stage16",
                        "block_n_fp8")}
 FAMILY_MAP = {"gqa": {}, "mla": "_WIDE", "gqa_fp8": "_FP8", "mla_fp8": "_WIDE_FP8",   # family key -> CONFIG key
@@ -83,7 +83,7 @@ VARIANTS = {   # overrides of the current settings, one factor at a time, then a
             {"halves": 1, "num_stages": 2, "diag": 1}, {"halves": 1, "num_stages": 2, "diag": 2},
             {"halves": 1, "num_stages": 2, "diag": 3}, {"halves": 1, "tma": 1, "num_stages": 2, "diag": 3},
             # splits rounded down to target_programs (one CTA per SM: no partial last wave)
-            {"at_most": 1}, {"at_most": 1, "target_programs": 132}],
+            {"at_most": 0}, {"target_programs": 264}, {"at_most": 0, "target_programs": 264}],
     # GQA over fp8; f16: fp16 MMA operands (one conversion per fp8 pair instead of three steps)
     "gqa_fp8": [{}, {"block_n": 64}, {"block_n": 32}, {"num_stages": 2}, {"num_stages": 4},
                 {"block_n": 64, "num_stages": 2}, {"f16": 1}, {"f16": 1, "block_n": 64}, {"f16": 1, "num_stages": 2},
@@ -108,8 +108,9 @@ VARIANTS = {   # overrides of the current settings, one factor at a time, then a
                 {"block_m": 64, "halves": 1, "num_stages": 2}, {"lazy_rescale": 1}, {"min_split": 512},
                 {"min_split": 2048},
                 # fp16 operands in the halves kernel (sm_90a: the F2F.BF16.F16 gone, 1.6 KB of spills
-                # with TMA), splits rounded down to target_programs
-                {"f16": 0}, {"tma": 1}, {"at_most": 1}, {"at_most": 1, "tma": 1}, {"at_most": 1, "f16": 0}],
+                # with TMA), splits rounded down to target_programs (one wave: 132)
+                {"f16": 0}, {"tma": 1}, {"at_most": 0}, {"target_programs": 132}, {"target_programs": 528},
+                {"at_most": 0, "target_programs": 132}],
     # MLA with 16 heads: over fp8 it takes 172 registers (one CTA of 8 warps per SM) against 80
     # over bf16; a cap of 128 compiles with 48 B of spills (bench/debug/kernel_sass.py, --only narrow)
     "mla_narrow": [{}, {"maxnreg": 128}, {"maxnreg": 168}, {"f16": 1}, {"f16": 1, "maxnreg": 128},
@@ -267,7 +268,7 @@ def _splits(p: Problem, view: dict[str, int]) -> int:
 
     block_m = max(16, min(triton.next_power_of_2(p.rows), view.get("block_m", 64)))
     return plan_splits(p.capacity, p.batch_programs * -(-p.rows // block_m), view["block_n"], view["min_split"],
-                       bool(view.get("at_most", 0)))[0]
+                       bool(view.get("at_most", 0)), view.get("target_programs"))[0]
 
 
 def _measure(ctx: BenchContext, problems: list[Problem], kind: str, settings: list[dict[str, int]],

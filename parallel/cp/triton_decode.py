@@ -657,6 +657,11 @@ CONFIG = {
     # operands) 108.2 / 460.5 -> 109.4 / 378.5 (8K keeps its 2 splits). target_programs 132 with it
     # gave bf16 86.4 / 267.1 but is shared with GQA (its 264 stays); a per-family value is not built
     "at_most_wide": 1, "at_most_wide_fp8": 1,
+    # target_programs of full MLA head tiles (it was one value for every problem): 132 with
+    # at_most, one wave of one CTA per SM (cp-probe12, bf16, 1/4 of 8K / 32K: 86.0 / 286.4 µs at
+    # 264 -> 86.4 / 267.1); fp8 keeps 264 until the probe's mla_fp8 family times it. MLA's narrow
+    # tiles keep theirs
+    "target_programs_wide": 132, "target_programs_wide_fp8": 264, "target_programs_wide_narrow": 264,
 }
 # H200, B = 32, 1/4 of L = 8K and 32K (`python -m megapar.launch.bench.cp --probe`, CUDA-graph
 # replays, two runs: bench/results/cp-probe-h200.json, cp-probe2-h200.json): MLA with 64-token
@@ -699,14 +704,15 @@ MEGAPAR_DECODE_TUNING=path at import)."""
 # *_wide keys where CONFIG has one; the others are shared by both problems
 _WIDE = {"block_n": "block_n_wide", "block_m": "block_m_wide", "num_warps": "num_warps_wide",
          "num_stages": "num_stages_wide", "lazy_rescale": "lazy_rescale_wide", "halves": "halves_wide",
-         "tma": "tma_wide", "diag": "diag_wide", "min_split": "min_split_wide", "at_most": "at_most_wide"}
+         "tma": "tma_wide", "diag": "diag_wide", "min_split": "min_split_wide", "at_most": "at_most_wide",
+         "target_programs": "target_programs_wide"}
 # kernel options (0/1; diag 0-3; maxnreg 0 = the compiler's choice, else a register cap), launch_settings
 _STRUCTURE = ("lazy_rescale", "halves", "tma", "diag", "f16", "maxnreg", "stage16")
 _FP8 = {"block_n": "block_n_fp8", "num_stages": "num_stages_fp8", "f16": "f16_fp8",
         "maxnreg": "maxnreg_fp8", "min_split": "min_split_fp8", "tma": "tma_fp8",
         "stage16": "stage16_fp8"}                                                       # GQA over an fp8 cache
 _WIDE_FP8 = {k: f"{k}_wide_fp8" for k in ("block_m", "block_n", "num_warps", "num_stages", "lazy_rescale", "halves",
-                                          "tma", "min_split", "f16", "at_most")}      # MLA over an fp8 cache
+                                          "tma", "min_split", "f16", "at_most", "target_programs")}   # MLA, fp8 cache
 # MLA with a query-head tile that is not full (16 heads under TP 8), bf16 and fp8 caches
 _WIDE_NARROW = {k: f"{k}_wide_narrow" for k in ("block_n", "num_warps", "num_stages", "min_split", "at_most", "halves",
                                               "tma", "f16", "maxnreg", "stage16")}
@@ -714,7 +720,7 @@ _WIDE_NARROW["block_n_fp8"] = "block_n_wide_narrow_fp8"    # (its key tile over 
 # tuning-file family -> (its keys' CONFIG names, whether only those keys are allowed)
 _FAMILIES = {"gqa": ({}, False), "gqa_fp8": (_FP8, True), "mla": (_WIDE, False), "mla_fp8": (_WIDE_FP8, True),
              "mla_narrow": (_WIDE_NARROW, True)}
-_SHARED = ("target_programs",)
+_SHARED: tuple[str, ...] = ()     # keys one value of which serves gqa and mla (none since target_programs_wide)
 # min_split was one key for every problem before it became per family: a file's gqa / mla value
 # also serves gqa_fp8 / mla_fp8 unless the file gives those their own (older files keep their meaning)
 _FP8_OF = {"gqa": "gqa_fp8", "mla": "mla_fp8"}
@@ -743,7 +749,8 @@ def apply_tuning(tuning: dict) -> None:
     tma, f16, maxnreg, stage16, CONFIG's *_wide_narrow entries; since 2026-12-03 a file's mla entry no
     longer reaches those tiles). MLA's block_n / block_m / num_warps /
     num_stages / min_split / structure options go
-    to CONFIG's *_wide entries; target_programs is shared and must agree where both give it.
+    to CONFIG's *_wide entries, target_programs too (since 2026-12-03 night: an mla / mla_fp8
+    target_programs reaches full MLA head tiles only, target_programs_wide / _wide_fp8).
     min_split is per family; a gqa / mla min_split also sets gqa_fp8's / mla_fp8's unless the file
     gives those (files from before it was per family, with one shared value, keep their meaning).
     {"config": {CONFIG key: value}} sets entries directly.
@@ -814,13 +821,13 @@ def _split_dims(d: int) -> tuple[int, int, int]:
     return main, rest, (max(16, triton.next_power_of_2(rest)) if rest else 0)
 
 
-def plan_splits(capacity: int, programs: int, block_n: int, min_split: int, at_most: bool = False
-                ) -> tuple[int, int]:
+def plan_splits(capacity: int, programs: int, block_n: int, min_split: int, at_most: bool = False,
+                target: int | None = None) -> tuple[int, int]:
     """(num_splits, split_len) for `capacity` tokens per sequence, `programs` programs per split
     and splits of at least `min_split` tokens (the family's, `launch_settings`): enough splits to
     reach target_programs programs, or with `at_most` as many as stay within it."""
     capacity = max(capacity, 1)
-    target, programs = CONFIG["target_programs"], max(programs, 1)
+    target, programs = target or CONFIG["target_programs"], max(programs, 1)
     want = max(1, target // programs if at_most else -(-target // programs))
     most = max(1, -(-capacity // max(min_split, 1)))
     splits = min(want, most)
@@ -847,7 +854,8 @@ def launch_settings(d: int, q_dtype: torch.dtype, cache_dtype: torch.dtype, rows
         return _FP8[name] if fp8 and name in _FP8 else name
 
     out = {name: CONFIG[key(name)] for name in ("block_m", "block_n", "num_warps", "num_stages", "min_split")}
-    out["at_most"] = CONFIG.get(key("at_most"), 0)    # plan_splits' rounding: only narrow MLA tiles have one
+    out["at_most"] = CONFIG.get(key("at_most"), 0)    # plan_splits' rounding
+    out["target_programs"] = CONFIG.get(key("target_programs"), CONFIG["target_programs"])
     out["block_m"] = max(16, min(triton.next_power_of_2(max(rows, 1)), out["block_m"]))
     out.update({name: CONFIG.get(key(name), 0) for name in _STRUCTURE})   # GQA has no halves / tma / diag
     return out
@@ -883,7 +891,8 @@ def paged_decode_triton(q: Tensor, k: Tensor, v: Tensor, k_scale: Tensor | None,
     pdl = bool(CONFIG["pdl"]) and pdl_ok(q.device)
     m_tiles = -(-(tq * g) // block_m)
     programs = s * hkv * m_tiles
-    splits, split_len = plan_splits(capacity, programs, block_n, cfg["min_split"], bool(cfg["at_most"]))
+    splits, split_len = plan_splits(capacity, programs, block_n, cfg["min_split"], bool(cfg["at_most"]),
+                                    cfg["target_programs"])
     o = torch.empty(splits, s, tq, hq, dv, dtype=torch.float32, device=q.device)
     lse = torch.empty(splits, s, tq, hq, dtype=torch.float32, device=q.device)
     ks = k_scale if fp8 else _no_scale(q)
