@@ -659,9 +659,9 @@ CONFIG = {
     "at_most_wide": 1, "at_most_wide_fp8": 1,
     # target_programs of full MLA head tiles (it was one value for every problem): 132 with
     # at_most, one wave of one CTA per SM (cp-probe12, bf16, 1/4 of 8K / 32K: 86.0 / 286.4 µs at
-    # 264 -> 86.4 / 267.1); fp8 keeps 264 until the probe's mla_fp8 family times it. MLA's narrow
-    # tiles keep theirs
-    "target_programs_wide": 132, "target_programs_wide_fp8": 264, "target_programs_wide_narrow": 264,
+    # 264 -> 86.4 / 267.1; cp-probe13 with it installed: 264 86.0 / 286.9 against 86.7 / 268.8),
+    # fp8 (cp-probe13) 108.5 / 382.2 -> 108.5 / 362.6. MLA's narrow tiles keep theirs
+    "target_programs_wide": 132, "target_programs_wide_fp8": 132, "target_programs_wide_narrow": 264,
 }
 # H200, B = 32, 1/4 of L = 8K and 32K (`python -m megapar.launch.bench.cp --probe`, CUDA-graph
 # replays, two runs: bench/results/cp-probe-h200.json, cp-probe2-h200.json): MLA with 64-token
