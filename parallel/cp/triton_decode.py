@@ -836,11 +836,12 @@ def plan_splits(capacity: int, programs: int, block_n: int, min_split: int, at_m
 
 
 def launch_settings(d: int, q_dtype: torch.dtype, cache_dtype: torch.dtype, rows: int) -> dict[str, int]:
-    """CONFIG's block_m / block_n / num_warps / num_stages / min_split (and the structure options
-    lazy_rescale / halves / tma / diag / f16 / stage16, and maxnreg: 0 where CONFIG has none) for a key dim
-    d, these dtypes and `rows` query rows per kv head (q_len x heads per kv head): "wide" (d > 256,
-    MLA) entries first, with their fp32-query, narrow-tile or fp8-cache variants (in that order)
-    where CONFIG has one; else GQA's, fp8 ones for an fp8 cache."""
+    """CONFIG's block_m / block_n / num_warps / num_stages / min_split, the split planning's
+    at_most / target_programs, and the structure options lazy_rescale / halves / tma / diag / f16
+    / stage16 and maxnreg (0 where CONFIG has none) for a key dim d, these dtypes and `rows` query
+    rows per kv head (q_len x heads per kv head): "wide" (d > 256, MLA) entries first, with their
+    fp32-query, narrow-tile over fp8, narrow-tile or fp8-cache variants (in that order) where
+    CONFIG has one; else GQA's, fp8 ones for an fp8 cache."""
     fp8 = cache_dtype == torch.float8_e4m3fn
     narrow = rows < CONFIG["block_m_wide"]    # MLA's query-head tile not full (e.g. 16 heads: TP 8)
 
