@@ -22,9 +22,8 @@ dim > 256), MLA over fp8 on its *_wide_fp8 entries, narrow MLA tiles on *_wide_n
 register cap and fp16 operands among its options), GQA over an fp8 cache on its *_fp8 entries,
 so none conflict. min_split is swept per family (min_split, min_split_fp8, min_split_wide,
 min_split_wide_fp8, min_split_wide_narrow), and so is target_programs (target_programs,
-target_programs_wide, target_programs_wide_fp8; `_SHARED` names keys one value of which would
-serve gqa and mla, none today: the probe then times each family's winner with the other's
-value). GQA has Hq / Hkv = 8 query rows per kv head, below the smallest row tile
+target_programs_wide, target_programs_wide_fp8; until 2026-12-03 night one value served gqa and
+mla, and the probe timed each family's winner with the other's value). GQA has Hq / Hkv = 8 query rows per kv head, below the smallest row tile
 (16), so block_m is not swept for it.
 `triton_decode.apply_tuning` (or MEGAPAR_DECODE_TUNING=DIR/decode-tuning.json) installs the file.
 MEGAPAR_DECODE_PROBE_FAMILIES (a comma list of gqa, gqa_fp8, mla, mla_fp8, mla_narrow) probes only
@@ -328,11 +327,9 @@ def _score(problems: list[Problem], kind: str, settings: dict[str, int]) -> floa
     return total / len(fam)
 
 
-def _best(problems: list[Problem], kind: str, fixed: dict[str, int] | None = None) -> dict[str, int] | None:
-    """The best-scoring measured setting of a family, among those agreeing with `fixed`; None if none valid."""
-    fixed = fixed or {}
+def _best(problems: list[Problem], kind: str) -> dict[str, int] | None:
+    """The best-scoring measured setting of a family; None if none valid."""
     measured = {k: json.loads(k) for p in problems if p.kind == kind for k in p.results}
-    measured = {k: s for k, s in measured.items() if all(s.get(f) == v for f, v in fixed.items())}
     scored = sorted(measured.values(), key=lambda s: _score(problems, kind, s))
     return scored[0] if scored and _score(problems, kind, scored[0]) < float("inf") else None
 
@@ -352,7 +349,6 @@ def probe(out_dir: str | os.PathLike, *, device: str | None = None, iters: int =
     """Run the probe (module docstring); returns what it writes to out_dir/decode-tuning.json."""
     from megapar.parallel import impl
     from megapar.parallel.cp import triton_decode as td
-    from megapar.parallel.cp.triton_decode import _SHARED
 
     dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     if dev.type != "cuda" and not impl.interpreting():
@@ -387,27 +383,6 @@ def probe(out_dir: str | os.PathLike, *, device: str | None = None, iters: int =
                 (out / "decode-tuning.partial.json").write_text(json.dumps(
                     {"done": list(best), "best": best, "results": [r for p in problems for r in p.results.values()],
                      "seconds": round(time.time() - t0, 1)}, indent=1) + "\n")
-            fixed: dict[str, int] = {}
-            for key in _SHARED if "gqa" in best and "mla" in best else ():   # one value serves both
-                a, b = best["gqa"][key], best["mla"][key]
-                if a == b:
-                    fixed[key] = a
-                    continue
-                options = {kind: [{**best[kind], key: v} for v in (a, b)] for kind in ("gqa", "mla")}
-                for kind, sts in options.items():
-                    _measure(ctx, problems, kind, sts, default, iters, f"shared {key}")
-                # each value is judged by the best measured setting that carries it (and the keys fixed before)
-                winners = {v: {kind: _best(problems, kind, {**fixed, key: v}) for kind in ("gqa", "mla")}
-                           for v in (a, b)}
-                cost = {v: sum(_score(problems, kind, w) if w else float("inf") for kind, w in winners[v].items())
-                        for v in (a, b)}
-                pick = min(cost, key=cost.get)
-                notes.append(f"shared key {key}: gqa best {a}, mla best {b}; {pick} serves both (summed relative "
-                             f"time {cost[a]:.3f} with {a}, {cost[b]:.3f} with {b}); the other keys have separate "
-                             f"*_wide entries for key dims > 256")
-                fixed[key] = pick
-                for kind in ("gqa", "mla"):
-                    best[kind] = winners[pick][kind] or {**best[kind], key: pick}
     finally:
         td.CONFIG.clear()
         td.CONFIG.update(default)

@@ -720,7 +720,6 @@ _WIDE_NARROW["block_n_fp8"] = "block_n_wide_narrow_fp8"    # (its key tile over 
 # tuning-file family -> (its keys' CONFIG names, whether only those keys are allowed)
 _FAMILIES = {"gqa": ({}, False), "gqa_fp8": (_FP8, True), "mla": (_WIDE, False), "mla_fp8": (_WIDE_FP8, True),
              "mla_narrow": (_WIDE_NARROW, True)}
-_SHARED: tuple[str, ...] = ()     # keys one value of which serves gqa and mla (none since target_programs_wide)
 # min_split was one key for every problem before it became per family: a file's gqa / mla value
 # also serves gqa_fp8 / mla_fp8 unless the file gives those their own (older files keep their meaning)
 _FP8_OF = {"gqa": "gqa_fp8", "mla": "mla_fp8"}
@@ -770,6 +769,9 @@ def apply_tuning(tuning: dict) -> None:
             if kind == "gqa" and key in ("halves", "diag"):
                 raise ValueError(f"decode tuning gqa.{key}: an MLA-only option (the latent head's layout); "
                                  f"give it under 'mla'")
+            if kind in ("gqa", "mla") and key == "block_n_fp8":
+                raise ValueError(f"decode tuning {kind}.block_n_fp8: the key tile of MLA's narrow tiles over fp8; "
+                                 f"give it under 'mla_narrow'")
             if kind in ("gqa", "mla") and key in ("f16", "maxnreg", "stage16"):
                 raise ValueError(f"decode tuning {kind}.{key}: an fp8-cache option; give it under 'gqa_fp8' "
                                  f"(or 'mla_narrow')")
