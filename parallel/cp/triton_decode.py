@@ -30,7 +30,8 @@ Structure options (CONFIG, 0/1, off until the GPU probe measures them; `launch_s
   scaled into fp16's range by one power of two per tile (exact for every element within 2^-31 of
   the largest), the weights p * v_scale are divided by a running per-row maximum so they fit fp16
   whatever the scales (acc is kept in that unit), and each fp8 pair converts in one instruction.
-  `maxnreg_fp8` caps its registers.
+  `maxnreg_fp8` caps its registers. MLA has the same option: `f16_wide_narrow` (16-head tiles)
+  and `f16_wide_fp8` (128 heads, in the halves kernel; on, with pointer loads: `tma_wide_fp8` 0).
 - `stage16_fp8`, `stage16_wide_narrow` (fp8 caches, GQA and MLA's narrow head tiles; 0/1/2): the
   value tile (2: and the key tile) converted where it was loaded and staged for the MMA as 16-bit
   in shared memory (`_staged`), not read back as MMA operand one byte per load.
