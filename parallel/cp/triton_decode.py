@@ -338,15 +338,14 @@ def _tile_halves(j0, end, s64, q0, q1, q_rest, q_pos, rmask, m_i, l_i, acc0, acc
     else:
         m_new, p, alpha, grow = _softmax_step(qk, m_i, LAZY and not F16)
         l_i = l_i * alpha + tl.sum(p, 1)
-        if F16:
-            pass                         # (acc is rescaled with the weights' unit below)
-        elif LAZY:
-            if grow:
+        if not F16:                      # (F16: acc is rescaled with the weights' unit below)
+            if LAZY:
+                if grow:
+                    acc0 = acc0 * alpha[:, None]
+                    acc1 = acc1 * alpha[:, None]
+            else:
                 acc0 = acc0 * alpha[:, None]
                 acc1 = acc1 * alpha[:, None]
-        else:
-            acc0 = acc0 * alpha[:, None]
-            acc1 = acc1 * alpha[:, None]
     if DIAG != 2 and DIAG != 3:
         if FP8:
             p = p * ks[None, :]          # the value scale is the key scale (one latent vector per token)
@@ -655,8 +654,8 @@ CONFIG = {
     # of 32K over fp8 took 510.4 µs in 5 splits (320 programs of one CTA per SM: a partial third
     # wave) against 421.2 with min_split 2048 (4 splits; cp-probe11). Probe 12 (bench/results/
     # cp-probe12-h200.json, B 32, 1/4 of 8K / 32K): bf16 86.3 / 347.7 -> 86.0 / 286.4 µs, fp8 (fp16
-    # operands) 108.2 / 460.5 -> 109.4 / 378.5 (8K keeps its 2 splits). target_programs 132 with it
-    # gave bf16 86.4 / 267.1 but is shared with GQA (its 264 stays); a per-family value is not built
+    # operands) 108.2 / 460.5 -> 109.4 / 378.5 (8K keeps its 2 splits); with MLA's own
+    # target_programs (below) 86.4 / 267.1
     "at_most_wide": 1, "at_most_wide_fp8": 1,
     # target_programs of full MLA head tiles (it was one value for every problem): 132 with
     # at_most, one wave of one CTA per SM (cp-probe12, bf16, 1/4 of 8K / 32K: 86.0 / 286.4 µs at
