@@ -248,14 +248,18 @@ def test_probe_family_filter(tmp_path, monkeypatch):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("cache_dtype", [torch.bfloat16, torch.float8_e4m3fn])
-@pytest.mark.parametrize("kind", ["gqa", "gqa tma", "mla", "mla halves tma lazy"])
+@pytest.mark.parametrize("kind", ["gqa", "gqa tma", "mla", "mla halves tma lazy", "mla narrow"])
 def test_decode_captures_in_a_cuda_graph(kind, cache_dtype, monkeypatch):
     """Decode is done only when it captures: the kernel (and its split merge) in a CUDA graph,
     replayed on new queries, equals the eager call on them. "mla halves tma lazy": the MLA
     structure options on (device-side TMA descriptors take their scratch inside the capture);
-    "gqa tma": GQA's TMA tiles (64-key tiles inside the 64-token pages, fp8 too)."""
+    "gqa tma": GQA's TMA tiles (64-key tiles inside the 64-token pages, fp8 too); "mla narrow":
+    16 heads (TP 8), over fp8 with its fp16 operands and stage16 tiles as installed."""
     monkeypatch.setenv("TRITON_INTERPRET", "0")
-    if kind == "gqa tma":
+    heads = 16 if kind == "mla narrow" else 128
+    if kind == "mla narrow":
+        kind = "mla"
+    elif kind == "gqa tma":
         for key, value in (("tma", 1), ("tma_fp8", 1), ("block_n_fp8", 64)):
             monkeypatch.setitem(td.CONFIG, key, value)
         kind = "gqa"
@@ -278,7 +282,7 @@ def test_decode_captures_in_a_cuda_graph(kind, cache_dtype, monkeypatch):
         dims = MLADims()
         latent, table = _mla_decode_setup(batch, context, dims, block, n, dev, cache_dtype)
         cache, scale = latent.paged, dims.scale
-        q = torch.randn(batch, 128, dims.latent_dim, device=dev, dtype=torch.bfloat16)
+        q = torch.randn(batch, heads, dims.latent_dim, device=dev, dtype=torch.bfloat16)
     layout = DCPLayout(size=n, rank=0, block_size=block)
     seq = torch.full((batch,), context, device=dev)
     call = lambda: paged_decode_attention(q, cache, table, seq, layout=layout, scale=scale, backend="triton",  # noqa: E731
