@@ -68,7 +68,7 @@ def test_apply_tuning_maps_mla_keys_to_wide_entries():
     ({"mla_fp8": {"min_split": 0}}, r"mla_fp8.min_split = 0 is invalid; valid: an int in \[1, "),
     ({"gqa_fp8": {"min_split": 512.0}}, r"gqa_fp8.min_split = 512.0 is invalid"),
     ({"config": {"min_split_wide": -1}}, r"decode CONFIG min_split_wide = -1 is invalid"),
-    ({"gqa_fp8": {"num_warps": 8}}, r"unknown decode tuning key gqa_fp8.num_warps; valid: block_n, num_stages"),
+    ({"gqa_fp8": {"lazy_rescale": 1}}, r"unknown decode tuning key gqa_fp8.lazy_rescale; valid: block_n, num_stages"),
     ({"config": {"num_stages_fp8": 9}}, r"decode CONFIG num_stages_fp8 = 9 is invalid"),
     ({"config": {"block_q": 16}}, r"unknown decode CONFIG key 'block_q'; valid: target_programs"),
     ({"config": {"block_m_wide": 24}}, r"decode CONFIG block_m_wide = 24 is invalid"),
@@ -317,14 +317,16 @@ def test_mla_narrow_family_installs_on_its_own_keys():
 
 
 def test_target_programs_is_per_family():
-    """gqa's target_programs goes to CONFIG target_programs, mla's to target_programs_wide and
+    """gqa's target_programs goes to CONFIG target_programs, gqa_fp8's (with its num_warps) to
+    target_programs_fp8, mla's to target_programs_wide and
     mla_fp8's to target_programs_wide_fp8 (it was one shared value): each reaches its own launches
     and plan_splits takes it; narrow MLA tiles keep theirs."""
     td.apply_tuning({"gqa": {"target_programs": 200}, "mla": {"target_programs": 132},
-                     "mla_fp8": {"target_programs": 528}})
+                     "mla_fp8": {"target_programs": 528}, "gqa_fp8": {"target_programs": 396, "num_warps": 8}})
     assert (td.CONFIG["target_programs"], td.CONFIG["target_programs_wide"],
-            td.CONFIG["target_programs_wide_fp8"]) == (200, 132, 528)
-    assert _settings("gqa")["target_programs"] == 200
+            td.CONFIG["target_programs_wide_fp8"], td.CONFIG["target_programs_fp8"]) == (200, 132, 528, 396)
+    assert _settings("gqa")["target_programs"] == 200 and _settings("gqa")["num_warps"] == td.CONFIG["num_warps"]
+    assert (_settings("gqa_fp8")["target_programs"], _settings("gqa_fp8")["num_warps"]) == (396, 8)
     assert _settings("mla")["target_programs"] == 132 and _settings("mla_fp8")["target_programs"] == 528
     narrow = td.launch_settings(576, torch.bfloat16, torch.bfloat16, 16)
     assert narrow["target_programs"] == td.CONFIG["target_programs_wide_narrow"]

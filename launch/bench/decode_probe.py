@@ -22,7 +22,7 @@ dim > 256), MLA over fp8 on its *_wide_fp8 entries, narrow MLA tiles on *_wide_n
 register cap and fp16 operands among its options), GQA over an fp8 cache on its *_fp8 entries,
 so none conflict. min_split is swept per family (min_split, min_split_fp8, min_split_wide,
 min_split_wide_fp8, min_split_wide_narrow), and so is target_programs (target_programs,
-target_programs_wide, target_programs_wide_fp8; until 2026-12-03 night one value served gqa and
+target_programs_fp8, target_programs_wide, target_programs_wide_fp8; until 2026-12-03 night one value served gqa and
 mla, and the probe timed each family's winner with the other's value). GQA has Hq / Hkv = 8 query rows per kv head, below the smallest row tile
 (16), so block_m is not swept for it.
 `triton_decode.apply_tuning` (or MEGAPAR_DECODE_TUNING=DIR/decode-tuning.json) installs the file.
@@ -52,7 +52,8 @@ ATOL_CPU = 1e-4       # float32 under the interpreter
 REF_BUDGET = 8 << 30  # bytes of the torch path's per-head KV copy: sequences checked per problem
 
 KEYS = {"gqa": ("block_n", "num_warps", "num_stages", "target_programs", "min_split", "lazy_rescale", "tma"),
-        "gqa_fp8": ("block_n", "num_stages", "f16", "maxnreg", "min_split", "tma", "stage16"),
+        "gqa_fp8": ("block_n", "num_warps", "num_stages", "target_programs", "f16", "maxnreg", "min_split", "tma",
+                    "stage16"),
         "mla": ("block_m", "block_n", "num_warps", "num_stages", "target_programs", "min_split", "lazy_rescale",
                 "halves", "tma", "diag", "at_most"),
         "mla_fp8": ("block_m", "block_n", "num_warps", "num_stages", "lazy_rescale", "halves", "tma", "min_split", "f16",
@@ -70,7 +71,8 @@ VARIANTS = {   # overrides of the current settings, one factor at a time, then a
             {"target_programs": 528, "min_split": 128}, {"block_n": 128, "num_warps": 8, "num_stages": 3},
             # whole k / v tiles by TMA (the partial last one through the pointer loads)
             {"tma": 1}, {"tma": 1, "num_stages": 4}, {"tma": 1, "num_stages": 2}, {"tma": 1, "block_n": 128},
-            {"tma": 1, "block_n": 128, "num_warps": 8}],
+            {"tma": 1, "block_n": 128, "num_warps": 8}, {"target_programs": 396},
+            {"target_programs": 396, "min_split": 256}],
     # MLA: the kernel structure options (latent in halves, TMA, lazy rescale) and, on the halves
     # kernel, the subtraction diagnostics (diag 1 no softmax, 2 no P @ V, 3 scores only: invalid
     # rows, timed for where the time goes)
@@ -98,7 +100,16 @@ VARIANTS = {   # overrides of the current settings, one factor at a time, then a
                 {"stage16": 1, "num_stages": 2, "maxnreg": 0}, {"stage16": 2, "num_stages": 2, "maxnreg": 0},
                 {"stage16": 2, "block_n": 64, "num_stages": 2, "maxnreg": 0},
                 {"stage16": 2, "block_n": 64, "num_stages": 3, "maxnreg": 0},
-                {"stage16": 1, "block_n": 64, "num_stages": 2, "maxnreg": 0}],
+                {"stage16": 1, "block_n": 64, "num_stages": 2, "maxnreg": 0},
+                # more warps per SM to hide the loop's latency (8 warps: 2 CTAs per SM under 128
+                # registers), more programs (3 / 4 CTAs of 4 warps per SM) and 256-key tiles
+                {"num_warps": 8}, {"num_warps": 8, "maxnreg": 128}, {"num_warps": 8, "maxnreg": 0},
+                {"num_warps": 8, "num_stages": 3, "maxnreg": 128}, {"num_warps": 8, "block_n": 256, "maxnreg": 0},
+                {"num_warps": 8, "block_n": 256, "maxnreg": 128}, {"num_warps": 8, "stage16": 1, "maxnreg": 0},
+                {"num_warps": 8, "stage16": 2, "maxnreg": 128}, {"target_programs": 396},
+                {"target_programs": 528}, {"target_programs": 396, "min_split": 256},
+                {"target_programs": 528, "min_split": 256}, {"block_n": 256, "maxnreg": 0},
+                {"num_warps": 8, "target_programs": 132}, {"num_warps": 8, "maxnreg": 128, "target_programs": 528}],
     # MLA over fp8 (today 32 heads x 64 keys, mma.sync; 64 heads spill 444 B with the plain loads,
     # 40 B in halves with TMA and 2 stages: bench/debug/kernel_sass.py decode)
     "mla_fp8": [{}, {"num_stages": 2}, {"block_n": 32}, {"halves": 1}, {"halves": 1, "tma": 1},
