@@ -161,6 +161,13 @@ DECODE.update({  # MLA 128 heads over fp8 in the halves kernel, bf16 operands (a
          dict(_MLA, FP8=True, BLOCK_M=64, BLOCK_N=64, num_warps=8, num_stages=st, HALVES=True, TMA=True, F16=f16))
     for st in (2, 3) for f16 in (False, True)
 })
+DECODE.update({  # GQA with fewer warps per program (1 / 2: less of the 16-row tile split across warps)
+    f"_paged_decode_kernel GQA {'fp8 f16' if fp8 else 'bf16'} fewwarps block_n={n} warps={w} stages={st}": (
+        "_paged_decode_kernel", dict(_DECODE, **({"k_ptr": "*fp8e4nv", "v_ptr": "*fp8e4nv"} if fp8 else {})),
+        dict(_MLA, D_MAIN=128, D_REST=0, BLOCK_REST=0, DV=128, BLOCK_DV=128, V_FROM_K=False, FP8=fp8, BLOCK_M=16,
+             BLOCK_N=n, num_warps=w, num_stages=st, **(dict(F16=True) if fp8 else {})))
+    for fp8 in (True, False) for n in (128, 64, 32) for w in (1, 2, 4) for st in (2, 3)
+})
 DECODE["_paged_decode_kernel MLA narrow bf16 block_m=16 block_n=64 warps=8 stages=2 plain"] = (
     "_paged_decode_kernel", _DECODE, dict(_MLA, BLOCK_M=16, BLOCK_N=64, num_warps=8, num_stages=2))
 

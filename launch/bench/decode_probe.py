@@ -72,7 +72,11 @@ VARIANTS = {   # overrides of the current settings, one factor at a time, then a
             # whole k / v tiles by TMA (the partial last one through the pointer loads)
             {"tma": 1}, {"tma": 1, "num_stages": 4}, {"tma": 1, "num_stages": 2}, {"tma": 1, "block_n": 128},
             {"tma": 1, "block_n": 128, "num_warps": 8}, {"target_programs": 396},
-            {"target_programs": 396, "min_split": 256}],
+            # fewer warps per program (the 8-row tile split across fewer warps), more programs per SM
+            {"num_warps": 2}, {"num_warps": 2, "target_programs": 528}, {"num_warps": 2, "block_n": 32},
+            {"num_warps": 2, "block_n": 32, "target_programs": 528}, {"num_warps": 1, "block_n": 32},
+            {"num_warps": 1, "block_n": 32, "target_programs": 528}, {"num_warps": 2, "block_n": 128},
+            {"num_warps": 2, "num_stages": 4, "target_programs": 528}, {"num_warps": 2, "min_split": 256, "target_programs": 792}],
     # MLA: the kernel structure options (latent in halves, TMA, lazy rescale) and, on the halves
     # kernel, the subtraction diagnostics (diag 1 no softmax, 2 no P @ V, 3 scores only: invalid
     # rows, timed for where the time goes)
@@ -101,15 +105,18 @@ VARIANTS = {   # overrides of the current settings, one factor at a time, then a
                 {"stage16": 2, "block_n": 64, "num_stages": 2, "maxnreg": 0},
                 {"stage16": 2, "block_n": 64, "num_stages": 3, "maxnreg": 0},
                 {"stage16": 1, "block_n": 64, "num_stages": 2, "maxnreg": 0},
-                # more warps per SM to hide the loop's latency (8 warps: 2 CTAs per SM under 128
-                # registers), more programs (3 / 4 CTAs of 4 warps per SM) and 256-key tiles
-                {"num_warps": 8}, {"num_warps": 8, "maxnreg": 128}, {"num_warps": 8, "maxnreg": 0},
-                {"num_warps": 8, "num_stages": 3, "maxnreg": 128}, {"num_warps": 8, "block_n": 256, "maxnreg": 0},
-                {"num_warps": 8, "block_n": 256, "maxnreg": 128}, {"num_warps": 8, "stage16": 1, "maxnreg": 0},
-                {"num_warps": 8, "stage16": 2, "maxnreg": 128}, {"target_programs": 396},
-                {"target_programs": 528}, {"target_programs": 396, "min_split": 256},
-                {"target_programs": 528, "min_split": 256}, {"block_n": 256, "maxnreg": 0},
-                {"num_warps": 8, "target_programs": 132}, {"num_warps": 8, "maxnreg": 128, "target_programs": 528}],
+                # 8 warps, 256-key tiles and more programs all lost (cp-probe14: 8 warps 61-80 µs at 8K,
+                # 194-258 at 32K against 39.8 / 118.9; 528 programs 48.0 / 139.6); fewer warps per
+                # program split the 16-row tile less (fewer cross-warp reductions and barriers a tile)
+                {"num_warps": 8, "maxnreg": 128}, {"target_programs": 528},
+                {"num_warps": 2, "block_n": 64}, {"num_warps": 2, "block_n": 64, "maxnreg": 0},
+                {"num_warps": 2, "block_n": 64, "target_programs": 528},
+                {"num_warps": 2, "block_n": 64, "target_programs": 792, "min_split": 256},
+                {"num_warps": 2, "block_n": 32, "maxnreg": 0}, {"num_warps": 2, "block_n": 32, "maxnreg": 0, "target_programs": 528},
+                {"num_warps": 2, "block_n": 128, "maxnreg": 0}, {"num_warps": 1, "block_n": 32, "maxnreg": 0},
+                {"num_warps": 1, "block_n": 32, "maxnreg": 0, "target_programs": 528},
+                {"num_warps": 1, "block_n": 32, "maxnreg": 0, "target_programs": 1056, "min_split": 256},
+                {"num_warps": 1, "block_n": 64, "maxnreg": 0}, {"num_warps": 1, "block_n": 64, "target_programs": 528}],
     # MLA over fp8 (today 32 heads x 64 keys, mma.sync; 64 heads spill 444 B with the plain loads,
     # 40 B in halves with TMA and 2 stages: bench/debug/kernel_sass.py decode)
     "mla_fp8": [{}, {"num_stages": 2}, {"block_n": 32}, {"halves": 1}, {"halves": 1, "tma": 1},
