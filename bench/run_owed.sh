@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU runs of docs/gpu.md §7-8 as named steps, in one device call, inside one deadline:
 #     bash bench/run_owed.sh tests decode5 quantprobe            # on the GPU machine, project root
-# (decodeN: the gemm probe's section decodeN; layout: bench/debug/decode_layout.py; expand: bench/debug/expand_packing.py; prefill2: the
+# (decodeN: the gemm probe's section decodeN; layout: bench/debug/decode_layout.py; ncu: Nsight Compute over bench/debug/decode_ncu.py; expand: bench/debug/expand_packing.py; prefill2: the
 # gemm probe's FP8-GEMM-alone sweep at V3 L2; dectiming: bench/debug/decode_timing.py)
 # Each step runs under `timeout` (its own limit, cut to what is left of DEADLINE, default 570 s
 # from the start), logs to STEP.log and writes its results beside it; a step that would get
@@ -39,12 +39,18 @@ tests=(tests/test_quant_triton.py tests/test_gemm_gpu.py tests/test_w4a16_tma.py
        tests/test_cp_decode_kernel.py tests/test_cp_merge.py tests/test_decode_probe.py tests/test_demo.py)
 for s in "$@"; do
   case $s in
-    tests)      step tests "${TESTS_LIMIT:-300}" python3 -m pytest -q -m gpu -p no:cacheprovider --timeout 120 -rf ${TESTS_N:+-n $TESTS_N} \
+    tests)      step tests "${TESTS_LIMIT:-300}" python3 -m pytest -q -m gpu -p no:cacheprovider --timeout ${TESTS_TIMEOUT:-240} -rf ${TESTS_N:+-n $TESTS_N} \
                   --junitxml="$res/gpu-tests.xml" ${TESTS:-${tests[*]}} ;;
     decode[0-9]) step "$s" "${DECODE_LIMIT:-150}" python3 -m megapar.launch.bench.gemm --probe --sections "$s" --out "$res/$s" ;;
     expand)     step expand "${EXPAND_LIMIT:-120}" python3 bench/debug/expand_packing.py "$res/expand.json" ;;
     dectiming)  step dectiming "${DECTIMING_LIMIT:-150}" python3 bench/debug/decode_timing.py "$res/decode-timing.json" ;;
     layout)     step layout "${LAYOUT_LIMIT:-150}" python3 bench/debug/decode_layout.py "$res/decode-layout.json" ;;
+    ncu)        step ncu "${NCU_LIMIT:-200}" bash -c 'N=$(command -v ncu || ls /usr/local/cuda*/bin/ncu /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1); \
+                  if [ -z "$N" ]; then echo "ncu: not on this machine"; exit 3; fi; echo "using $N"; \
+                  "$N" --clock-control none --profile-from-start off --kernel-name regex:_paged_decode --section SpeedOfLight \
+                  --section WarpStateStats --section Occupancy --section LaunchStats --section SchedulerStats \
+                  --section MemoryWorkloadAnalysis --section ComputeWorkloadAnalysis --section SourceCounters \
+                  python3 bench/debug/decode_ncu.py' ;;
     mlaprep)    step mlaprep "${MLAPREP_LIMIT:-120}" python3 bench/debug/mla_prep_sweep.py "$res/mla-prep-sweep.json" ;;
     prefill2)   step prefill2 "${PREFILL_LIMIT:-180}" python3 -m megapar.launch.bench.gemm --probe --sections prefill2 --out "$res/prefill2" ;;
     quantprobe) step quantprobe "${QPROBE_LIMIT:-170}" python3 -m megapar.launch.bench.quant --probe --out "$res/quantprobe" ;;

@@ -1,0 +1,50 @@
+"""One GQA decode call over bf16 and one over fp8 (B = 32, Hq = 32, Hkv = 4, D = 128, rank 0's 1/4
+of L = 32K, page 64, CONFIG as installed), then MLA with 128 heads over bf16 (1/4 of 8K), inside
+cudaProfilerStart / Stop, for Nsight Compute:
+
+    ncu --profile-from-start off --kernel-name regex:_paged_decode --section SpeedOfLight \
+        --section WarpStateStats --section Occupancy python bench/debug/decode_ncu.py
+
+(bash bench/run_owed.sh ncu runs it with the sections that say where the warps stall.)
+"""
+
+from __future__ import annotations
+
+import torch
+
+from megapar.launch.bench.cp import _decode_setup, _mla_decode_setup
+from megapar.parallel.cp.dcp import DCPLayout
+from megapar.parallel.cp.mla import MLADims
+from megapar.parallel.cp.paged import paged_decode_attention
+
+
+def main() -> None:
+    dev = torch.device("cuda")
+    batch, heads, kv_heads, d, page, n, context = 32, 32, 4, 128, 64, 4, 32768
+    layout = DCPLayout(size=n, rank=0, block_size=page)
+    seq = torch.full((batch,), context, device=dev)
+    calls = []
+    for dtype in (torch.bfloat16, torch.float8_e4m3fn):
+        cache, table, q, _ = _decode_setup(batch, context, heads, kv_heads, d, page, n, dev, dtype)
+        calls.append(lambda cache=cache, table=table, q=q: paged_decode_attention(
+            q, cache, table, seq, layout=layout, scale=d ** -0.5, backend="triton", max_seq_len=context))
+    dims, mla_context = MLADims(), 8192
+    latent, table = _mla_decode_setup(batch, mla_context, dims, page, n, dev, torch.bfloat16)
+    q_mla = torch.randn(batch, 128, dims.latent_dim, device=dev, dtype=torch.bfloat16)
+    seq_mla = torch.full((batch,), mla_context, device=dev)
+    calls.append(lambda: paged_decode_attention(q_mla, latent.paged, table, seq_mla, layout=layout, scale=dims.scale,
+                                                backend="triton", max_seq_len=mla_context))
+    for call in calls:   # compile and warm up outside the profiled range
+        call()
+        call()
+    torch.cuda.synchronize()
+    torch.cuda.profiler.start()
+    for call in calls:
+        call()
+    torch.cuda.synchronize()
+    torch.cuda.profiler.stop()
+    print("profiled: GQA decode over bf16, over fp8, MLA 128 heads over bf16")
+
+
+if __name__ == "__main__":
+    main()
