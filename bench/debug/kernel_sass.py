@@ -11,6 +11,7 @@ Compares versions of a kernel without a GPU (bench/results/compare/kernel-sass.m
     python bench/debug/kernel_sass.py mla_prep parallel/cp/triton_mla_prep.py   # the fused MLA prep
     python bench/debug/kernel_sass.py fp8_gemm moe/kernels/triton_w4a8.py       # prefill FP8 GEMM variants
     python bench/debug/kernel_sass.py --only "N=4" merge parallel/cp/triton_merge.py   # some cases only
+    KERNEL_SASS_DUMP=DIR python bench/debug/kernel_sass.py ...   # also writes each case's SASS to DIR
 """
 
 from __future__ import annotations
@@ -298,6 +299,10 @@ def report(cases, path: str, loop: bool = False) -> None:
             body = main_loop(sass)
             top = collections.Counter(body).most_common(12)
             print(f"    main loop: {len(body)} instructions; most: {', '.join(f'{o} {n}' for o, n in top)}")
+        if os.environ.get("KERNEL_SASS_DUMP"):        # the whole SASS of each case, one file per case
+            out = Path(os.environ["KERNEL_SASS_DUMP"]) / (re.sub(r"[^A-Za-z0-9_.=-]+", "_", label) + ".sass")
+            out.parent.mkdir(parents=True, exist_ok=True)
+            out.write_text(sass)
 
 
 if __name__ == "__main__":

@@ -76,7 +76,11 @@ VARIANTS = {   # overrides of the current settings, one factor at a time, then a
             {"num_warps": 2}, {"num_warps": 2, "target_programs": 528}, {"num_warps": 2, "block_n": 32},
             {"num_warps": 2, "block_n": 32, "target_programs": 528}, {"num_warps": 1, "block_n": 32},
             {"num_warps": 1, "block_n": 32, "target_programs": 528}, {"num_warps": 2, "block_n": 128},
-            {"num_warps": 2, "num_stages": 4, "target_programs": 528}, {"num_warps": 2, "min_split": 256, "target_programs": 792}],
+            {"num_warps": 2, "num_stages": 4, "target_programs": 528}, {"num_warps": 2, "min_split": 256, "target_programs": 792},
+            {"num_warps": 1, "block_n": 32, "target_programs": 1536, "min_split": 256},
+            {"num_warps": 1, "block_n": 32, "target_programs": 1536, "min_split": 128},
+            {"num_warps": 2, "block_n": 32, "target_programs": 1024, "min_split": 256},
+            {"num_warps": 2, "target_programs": 1024, "min_split": 256}],
     # MLA: the kernel structure options (latent in halves, TMA, lazy rescale) and, on the halves
     # kernel, the subtraction diagnostics (diag 1 no softmax, 2 no P @ V, 3 scores only: invalid
     # rows, timed for where the time goes)
@@ -116,7 +120,18 @@ VARIANTS = {   # overrides of the current settings, one factor at a time, then a
                 {"num_warps": 2, "block_n": 128, "maxnreg": 0}, {"num_warps": 1, "block_n": 32, "maxnreg": 0},
                 {"num_warps": 1, "block_n": 32, "maxnreg": 0, "target_programs": 528},
                 {"num_warps": 1, "block_n": 32, "maxnreg": 0, "target_programs": 1056, "min_split": 256},
-                {"num_warps": 1, "block_n": 64, "maxnreg": 0}, {"num_warps": 1, "block_n": 64, "target_programs": 528}],
+                {"num_warps": 1, "block_n": 64, "maxnreg": 0}, {"num_warps": 1, "block_n": 64, "target_programs": 528},
+                # one warp per program has no cross-warp reduction or layout change (the 4-warp loop
+                # syncs its CTA 15 times a tile, sm_90a), but needs ~12 programs per SM to hide latency:
+                # many splits (cp-probe15: 1 warp x 8 splits matched 4 warps x 3 at 2/3 of the warps)
+                {"num_warps": 1, "block_n": 32, "maxnreg": 0, "target_programs": 1536, "min_split": 256},
+                {"num_warps": 1, "block_n": 32, "maxnreg": 0, "target_programs": 1536, "min_split": 128},
+                {"num_warps": 1, "block_n": 32, "maxnreg": 128, "target_programs": 2048, "min_split": 128},
+                {"num_warps": 1, "block_n": 64, "maxnreg": 0, "target_programs": 1536, "min_split": 256},
+                {"num_warps": 1, "block_n": 16, "maxnreg": 0, "target_programs": 1536, "min_split": 128},
+                {"num_warps": 1, "block_n": 32, "maxnreg": 0, "num_stages": 3, "target_programs": 1536, "min_split": 256},
+                {"num_warps": 2, "block_n": 64, "maxnreg": 128, "target_programs": 1024, "min_split": 256},
+                {"num_warps": 2, "block_n": 32, "maxnreg": 128, "target_programs": 1024, "min_split": 256}],
     # MLA over fp8 (today 32 heads x 64 keys, mma.sync; 64 heads spill 444 B with the plain loads,
     # 40 B in halves with TMA and 2 stages: bench/debug/kernel_sass.py decode)
     "mla_fp8": [{}, {"num_stages": 2}, {"block_n": 32}, {"halves": 1}, {"halves": 1, "tma": 1},
