@@ -169,16 +169,6 @@ DECODE.update({  # GQA with fewer warps per program (1 / 2: less of the 16-row t
              BLOCK_N=n, num_warps=w, num_stages=st, **(dict(F16=True) if fp8 else {})))
     for fp8 in (True, False) for n in (128, 64, 32) for w in (1, 2, 4) for st in (2, 3)
 })
-DECODE.update({  # GQA with each key tile in WS sub-tiles of a warp each (CONFIG wsplit / wsplit_fp8)
-    f"_paged_decode_kernel GQA {'fp8 f16' if fp8 else 'bf16'} wsplit={ws} block_n={n} warps={w} stages={st}"
-    f"{' maxnreg=' + str(reg) if reg else ''}": (
-        "_paged_decode_kernel", dict(_DECODE, **({"k_ptr": "*fp8e4nv", "v_ptr": "*fp8e4nv"} if fp8 else {})),
-        dict(_MLA, D_MAIN=128, D_REST=0, BLOCK_REST=0, DV=128, BLOCK_DV=128, V_FROM_K=False, FP8=fp8, BLOCK_M=16,
-             BLOCK_N=n, num_warps=w, num_stages=st, WS=ws, **(dict(F16=True) if fp8 else {}),
-             **({"maxnreg": reg} if reg else {})))
-    for fp8 in (True, False) for ws, n, w in ((4, 64, 4), (4, 128, 4), (2, 64, 2), (2, 32, 2), (8, 128, 8))
-    for st in (2, 3) for reg in (0, 128)
-})
 DECODE["_paged_decode_kernel MLA narrow bf16 block_m=16 block_n=64 warps=8 stages=2 plain"] = (
     "_paged_decode_kernel", _DECODE, dict(_MLA, BLOCK_M=16, BLOCK_N=64, num_warps=8, num_stages=2))
 

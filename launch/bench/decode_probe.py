@@ -51,9 +51,9 @@ ATOL_GPU = 2e-2       # tests/test_cp_decode_kernel.py, full size on the GPU (bf
 ATOL_CPU = 1e-4       # float32 under the interpreter
 REF_BUDGET = 8 << 30  # bytes of the torch path's per-head KV copy: sequences checked per problem
 
-KEYS = {"gqa": ("block_n", "num_warps", "num_stages", "target_programs", "min_split", "lazy_rescale", "tma", "wsplit"),
+KEYS = {"gqa": ("block_n", "num_warps", "num_stages", "target_programs", "min_split", "lazy_rescale", "tma"),
         "gqa_fp8": ("block_n", "num_warps", "num_stages", "target_programs", "f16", "maxnreg", "min_split", "tma",
-                    "stage16", "wsplit"),
+                    "stage16"),
         "mla": ("block_m", "block_n", "num_warps", "num_stages", "target_programs", "min_split", "lazy_rescale",
                 "halves", "tma", "diag", "at_most"),
         "mla_fp8": ("block_m", "block_n", "num_warps", "num_stages", "lazy_rescale", "halves", "tma", "min_split", "f16",
@@ -80,14 +80,7 @@ VARIANTS = {   # overrides of the current settings, one factor at a time, then a
             {"num_warps": 1, "block_n": 32, "target_programs": 1536, "min_split": 256},
             {"num_warps": 1, "block_n": 32, "target_programs": 1536, "min_split": 128},
             {"num_warps": 2, "block_n": 32, "target_programs": 1024, "min_split": 256},
-            {"num_warps": 2, "target_programs": 1024, "min_split": 256},
-            # wsplit (see gqa_fp8): ~190 registers, so 2 CTAs of 4 warps per SM unless capped
-            {"wsplit": 4, "target_programs": 256}, {"wsplit": 4, "num_stages": 2, "target_programs": 256},
-            {"wsplit": 4, "maxnreg": 168, "target_programs": 384}, {"wsplit": 4, "maxnreg": 168, "target_programs": 384, "min_split": 256},
-            {"wsplit": 8, "num_warps": 8, "block_n": 128, "maxnreg": 128, "target_programs": 256},
-            {"wsplit": 2, "num_warps": 2, "block_n": 32, "maxnreg": 168, "target_programs": 768, "min_split": 256},
-            {"wsplit": 2, "num_warps": 2, "block_n": 32, "num_stages": 2, "maxnreg": 168, "target_programs": 768,
-             "min_split": 256}],
+            {"num_warps": 2, "target_programs": 1024, "min_split": 256}],
     # MLA: the kernel structure options (latent in halves, TMA, lazy rescale) and, on the halves
     # kernel, the subtraction diagnostics (diag 1 no softmax, 2 no P @ V, 3 scores only: invalid
     # rows, timed for where the time goes)
@@ -138,15 +131,7 @@ VARIANTS = {   # overrides of the current settings, one factor at a time, then a
                 {"num_warps": 1, "block_n": 16, "maxnreg": 0, "target_programs": 1536, "min_split": 128},
                 {"num_warps": 1, "block_n": 32, "maxnreg": 0, "num_stages": 3, "target_programs": 1536, "min_split": 256},
                 {"num_warps": 2, "block_n": 64, "maxnreg": 128, "target_programs": 1024, "min_split": 256},
-                {"num_warps": 2, "block_n": 32, "maxnreg": 128, "target_programs": 1024, "min_split": 256},
-                # wsplit: the tile in sub-tiles of a warp each (batched dots, 2 CTA syncs a tile instead
-                # of 15), with target_programs at what the registers allow per SM
-                {"wsplit": 4}, {"wsplit": 4, "maxnreg": 0, "num_stages": 3}, {"wsplit": 4, "block_n": 64},
-                {"wsplit": 4, "maxnreg": 128, "target_programs": 512}, {"wsplit": 4, "min_split": 256},
-                {"wsplit": 8, "num_warps": 8, "maxnreg": 128, "target_programs": 256},
-                {"wsplit": 2, "num_warps": 2, "block_n": 32, "maxnreg": 128, "target_programs": 1024, "min_split": 256},
-                {"wsplit": 2, "num_warps": 2, "block_n": 64, "target_programs": 768, "min_split": 256},
-                {"wsplit": 2, "num_warps": 2, "block_n": 32, "target_programs": 768, "min_split": 256}],
+                {"num_warps": 2, "block_n": 32, "maxnreg": 128, "target_programs": 1024, "min_split": 256}],
     # MLA over fp8 (today 32 heads x 64 keys, mma.sync; 64 heads spill 444 B with the plain loads,
     # 40 B in halves with TMA and 2 stages: bench/debug/kernel_sass.py decode)
     "mla_fp8": [{}, {"num_stages": 2}, {"block_n": 32}, {"halves": 1}, {"halves": 1, "tma": 1},
@@ -179,7 +164,7 @@ VARIANTS = {   # overrides of the current settings, one factor at a time, then a
 }
 TINY_VARIANTS = {
     "gqa": [{}, {"block_n": 16, "min_split": 32}, {"num_warps": 8, "num_stages": 1},
-            {"tma": 1, "block_n": 16, "min_split": 32}, {"wsplit": 2, "num_warps": 2, "block_n": 32, "min_split": 32}],
+            {"tma": 1, "block_n": 16, "min_split": 32}],
     "mla": [{}, {"block_m": 16, "block_n": 16, "min_split": 32}, {"num_warps": 4}, {"halves": 1, "block_n": 16},
             {"halves": 1, "tma": 1, "block_n": 16, "lazy_rescale": 1}],
     "gqa_fp8": [{}, {"block_n": 16}, {"f16": 1, "block_n": 16}, {"stage16": 2, "block_n": 16}],

@@ -373,107 +373,6 @@ def _finish(l_i, m_i):
 
 
 @triton.jit
-def _ws_tile(j0, end, s64, kvh, q3, q_pos, rmask, dm, dv, dv_mask, m_i, l_i, acc, r_i,
-             k_ptr, v_ptr, ks_ptr, vs_ptr, table_ptr, qk_scale, dcp_size, dcp_rank, interleave,
-             sk_b, sk_t, sk_h, sv_b, sv_t, sv_h, ss_b, ss_t, ss_h, svs_b, svs_t, svs_h, st_s,
-             W: tl.constexpr, BLOCK_N: tl.constexpr, PAGE: tl.constexpr, FP8: tl.constexpr, CAUSAL: tl.constexpr,
-             IEEE: tl.constexpr, F16: tl.constexpr):
-    """`_tile` with the key tile cut into W sub-tiles of BLOCK_N / W keys, each with its own online
-    softmax state ([W, M] m / l / r, [W, M, DV] acc): batched dots over the leading W, which the
-    compiler gives one warp each, so no row reduction or operand change crosses warps inside the
-    loop. Sub-tile w of tile j0 holds keys j0 + w * BLOCK_N / W + [0, BLOCK_N / W). Block ids come
-    from the split's scan (`_checked_range`)."""
-    NW: tl.constexpr = BLOCK_N // W
-    j = j0 + tl.arange(0, W)[:, None] * NW + tl.arange(0, NW)[None, :]                # [W, NW]
-    jmask = j < end
-    if PAGE % NW == 0:   # each sub-tile lies in one page (tiles start at multiples of BLOCK_N): W ids
-        first = j0 + tl.arange(0, W) * NW
-        block = tl.load(table_ptr + s64 * st_s + first // PAGE, mask=first < end, other=0).to(tl.int64)[:, None]
-    else:
-        block = tl.load(table_ptr + s64 * st_s + j // PAGE, mask=jmask, other=0).to(tl.int64)
-    in_page = (j % PAGE).to(tl.int64)
-    k_row = block * sk_b + in_page * sk_t + kvh * sk_h
-    k3 = tl.load(k_ptr + k_row[:, :, None] + dm[None, None, :], mask=jmask[:, :, None], other=0.0)   # [W, NW, D]
-    if FP8:
-        k3 = k3.to(q3.dtype)
-    if IEEE:
-        qk = tl.dot(q3, tl.permute(k3, (0, 2, 1)), input_precision="ieee")                  # [W, M, NW]
-    else:
-        qk = tl.dot(q3, tl.permute(k3, (0, 2, 1)))
-    if FP8:
-        ks = tl.load(ks_ptr + block * ss_b + in_page * ss_t + kvh * ss_h, mask=jmask, other=0.0)
-        qk = qk * (ks * qk_scale)[:, None, :]
-    else:
-        qk = qk * qk_scale
-    allowed = jmask[:, None, :] & rmask[None, :, None]
-    if CAUSAL:
-        g_pos = (j // interleave) * (interleave * dcp_size) + dcp_rank * interleave + j % interleave
-        allowed = allowed & (g_pos[:, None, :] <= q_pos[None, :, None])
-    qk = tl.where(allowed, qk, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(qk, 2))
-    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-    p = tl.exp2(qk - m_safe[:, :, None])
-    alpha = tl.exp2(m_i - m_safe)
-    l_i = l_i * alpha + tl.sum(p, 2)
-    v_row = block * sv_b + in_page * sv_t + kvh * sv_h
-    v3 = tl.load(v_ptr + v_row[:, :, None] + dv[None, None, :], mask=jmask[:, :, None] & dv_mask[None, None, :],
-                 other=0.0)                                                              # [W, NW, DV]
-    if FP8:
-        v3 = v3.to(q3.dtype)
-        vs = tl.load(vs_ptr + block * svs_b + in_page * svs_t + kvh * svs_h, mask=jmask, other=0.0)
-        p = p * vs[:, None, :]
-    if F16:   # (as `_tile`: acc in units of the running largest weight r)
-        r_new = tl.maximum(r_i * alpha, tl.max(p, 2))
-        inv = 1.0 / tl.where(r_new > 0, r_new, 1.0)
-        acc = acc * (r_i * alpha * inv)[:, :, None]
-        p = p * inv[:, :, None]
-        r_i = r_new
-    else:
-        acc = acc * alpha[:, :, None]
-    if IEEE:
-        acc += tl.dot(p.to(v3.dtype), v3, input_precision="ieee")
-    else:
-        acc += tl.dot(p.to(v3.dtype), v3)
-    return m_new, l_i, acc, r_i
-
-
-@triton.jit
-def _ws_body(q_main, k_ptr, v_ptr, ks_ptr, vs_ptr, table_ptr, s64, kvh, start, end, q_pos, rmask, dm, dv, dv_mask,
-             qk_scale, dcp_size, dcp_rank, interleave, sk_b, sk_t, sk_h, sv_b, sv_t, sv_h, ss_b, ss_t, ss_h,
-             svs_b, svs_t, svs_h, st_s, W: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-             BLOCK_DV: tl.constexpr, PAGE: tl.constexpr, FP8: tl.constexpr, CAUSAL: tl.constexpr,
-             IEEE: tl.constexpr, F16: tl.constexpr, INTERPRETED: tl.constexpr):
-    """A split's keys [start, end) as W interleaved sub-streams (`_ws_tile`), merged once at the end
-    (the LSE merge over W, base 2) -> (m [M], l [M], acc [M, DV]) with acc / l the split's output."""
-    q3 = tl.broadcast_to(q_main[None, :, :], [W, BLOCK_M, q_main.shape[1]])
-    m_i = tl.full([W, BLOCK_M], float("-inf"), tl.float32)
-    l_i = tl.zeros([W, BLOCK_M], tl.float32)
-    acc = tl.zeros([W, BLOCK_M, BLOCK_DV], tl.float32)
-    r_i = tl.zeros([W, BLOCK_M], tl.float32)
-    if INTERPRETED:
-        j0 = start
-        while j0 < end:
-            m_i, l_i, acc, r_i = _ws_tile(
-                j0, end, s64, kvh, q3, q_pos, rmask, dm, dv, dv_mask, m_i, l_i, acc, r_i, k_ptr, v_ptr, ks_ptr,
-                vs_ptr, table_ptr, qk_scale, dcp_size, dcp_rank, interleave, sk_b, sk_t, sk_h, sv_b, sv_t, sv_h,
-                ss_b, ss_t, ss_h, svs_b, svs_t, svs_h, st_s, W, BLOCK_N, PAGE, FP8, CAUSAL, IEEE, F16)
-            j0 += BLOCK_N
-    else:
-        for j0 in range(start, end, BLOCK_N):
-            m_i, l_i, acc, r_i = _ws_tile(
-                j0, end, s64, kvh, q3, q_pos, rmask, dm, dv, dv_mask, m_i, l_i, acc, r_i, k_ptr, v_ptr, ks_ptr,
-                vs_ptr, table_ptr, qk_scale, dcp_size, dcp_rank, interleave, sk_b, sk_t, sk_h, sv_b, sv_t, sv_h,
-                ss_b, ss_t, ss_h, svs_b, svs_t, svs_h, st_s, W, BLOCK_N, PAGE, FP8, CAUSAL, IEEE, F16)
-    m = tl.max(m_i, 0)
-    wgt = tl.exp2(m_i - tl.where(m == float("-inf"), 0.0, m)[None, :])     # [W, M]: 0 for empty sub-streams
-    if F16:
-        wgt_acc = wgt * r_i
-    else:
-        wgt_acc = wgt
-    return m, tl.sum(l_i * wgt, 0), tl.sum(acc * wgt_acc[:, :, None], 0)
-
-
-@triton.jit
 def _halves_body(q_ptr, k_ptr, ks_ptr, table_ptr, glens_ptr, o_ptr, lse_ptr, split, s, s64, q_row,
                  t_idx, h_idx, rmask, qk_scale, split_len, Tq, dcp_size, dcp_rank, interleave, sk_b, sk_t,
                  ss_b, ss_t, st_s, so_p, so_s, so_t, so_h, sl_p, sl_s, sl_t, NUM_BLOCKS, TABLE_W,
@@ -566,7 +465,7 @@ def _paged_decode_kernel(
     FP8: tl.constexpr, V_FROM_K: tl.constexpr, CAUSAL: tl.constexpr, IEEE: tl.constexpr,
     INTERPRETED: tl.constexpr, LAZY: tl.constexpr = False, HALVES: tl.constexpr = False,
     TMA: tl.constexpr = False, DIAG: tl.constexpr = 0, F16: tl.constexpr = False, PDL: tl.constexpr = False,
-    STAGE: tl.constexpr = 0, WS: tl.constexpr = 1, NUM_BLOCKS=1, TABLE_W=1,
+    STAGE: tl.constexpr = 0, NUM_BLOCKS=1, TABLE_W=1,
 ):
     if PDL:   # launched early (programmatic dependent launch): wait for the kernel before, then let
         gdc_wait()                  # the merge that follows launch (it waits for this one in turn)
@@ -607,7 +506,7 @@ def _paged_decode_kernel(
         # the scan leaves it at 0 spills (2848 instructions) and 44.0 / 124.1 / 440.1 µs in the
         # next run (bench/results/cp-dcp-h200.md). bf16 keeps the per-tile check (no spill there).
         end, bad = _checked_range(glens_ptr, table_ptr, s, s64, st_s, start, tl.minimum(start + split_len, local_len),
-                                  local_len, NUM_BLOCKS, TABLE_W, PAGE, FP8 or WS > 1)
+                                  local_len, NUM_BLOCKS, TABLE_W, PAGE, FP8)
         if CAUSAL:
             q_pos = tl.load(glens_ptr + s) - Tq + t_idx                                  # [BLOCK_M]
         else:
@@ -618,14 +517,7 @@ def _paged_decode_kernel(
         r_i = tl.zeros([BLOCK_M], tl.float32)      # (F16: acc's unit)
         if F16:
             q_main, q_rest, qk_scale = _f16_queries(q_main, q_rest, qk_scale, D_REST)
-        if WS > 1:  # (GQA: the split as WS sub-streams of a warp each, `_ws_body`)
-            m_i, l_i, acc = _ws_body(
-                q_main, k_ptr, v_ptr, ks_ptr, vs_ptr, table_ptr, s64, kvh, start, end, q_pos, rmask, dm, dv, dv_mask,
-                qk_scale, dcp_size, dcp_rank, interleave, sk_b, sk_t, sk_h, sv_b, sv_t, sv_h, ss_b, ss_t, ss_h,
-                svs_b, svs_t, svs_h, st_s, WS, BLOCK_M, BLOCK_N, BLOCK_DV, PAGE, FP8, CAUSAL, IEEE, F16,
-                INTERPRETED)
-            r_i = tl.full([BLOCK_M], 1.0, tl.float32)      # (acc is in plain units after the merge)
-        elif TMA:   # (GQA: whole tiles by TMA, then the partial one, if any, through masked pointer loads)
+        if TMA:     # (GQA: whole tiles by TMA, then the partial one, if any, through masked pointer loads)
             desc_k = tl.make_tensor_descriptor(k_ptr, [NUM_BLOCKS, PAGE, KV_HEADS, D_MAIN], [sk_b, sk_t, sk_h, 1],
                                                [1, BLOCK_N, 1, D_MAIN])
             desc_v = tl.make_tensor_descriptor(v_ptr, [NUM_BLOCKS, PAGE, KV_HEADS, DV], [sv_b, sv_t, sv_h, 1],
@@ -633,33 +525,32 @@ def _paged_decode_kernel(
             full_end = start + (tl.maximum(end - start, 0) // BLOCK_N) * BLOCK_N
         else:
             desc_k, desc_v, full_end = k_ptr, v_ptr, end
-        if WS == 1:
-            # a `for` loop pipelines on the GPU; the interpreter only takes constant bounds there
-            if INTERPRETED:
-                j0 = start
-                while j0 < full_end:
-                    m_i, l_i, acc, r_i, bad = _tile(
-                        j0, end, s64, kvh, q_main, q_rest, q_pos, rmask, dm, dr, rest_mask, dv, dv_mask, m_i, l_i, acc,
-                        r_i, bad, k_ptr, v_ptr, ks_ptr, vs_ptr, table_ptr, NUM_BLOCKS, qk_scale, dcp_size, dcp_rank,
-                        interleave, sk_b, sk_t, sk_h, sv_b, sv_t, sv_h, ss_b, ss_t, ss_h, svs_b, svs_t, svs_h,
-                        st_s, D_REST, BLOCK_N, PAGE, FP8, V_FROM_K, CAUSAL, IEEE, LAZY, F16, not FP8, desc_k, desc_v, TMA,
-                        STAGE)
-                    j0 += BLOCK_N
-            else:
-                for j0 in range(start, full_end, BLOCK_N):
-                    m_i, l_i, acc, r_i, bad = _tile(
-                        j0, end, s64, kvh, q_main, q_rest, q_pos, rmask, dm, dr, rest_mask, dv, dv_mask, m_i, l_i, acc,
-                        r_i, bad, k_ptr, v_ptr, ks_ptr, vs_ptr, table_ptr, NUM_BLOCKS, qk_scale, dcp_size, dcp_rank,
-                        interleave, sk_b, sk_t, sk_h, sv_b, sv_t, sv_h, ss_b, ss_t, ss_h, svs_b, svs_t, svs_h,
-                        st_s, D_REST, BLOCK_N, PAGE, FP8, V_FROM_K, CAUSAL, IEEE, LAZY, F16, not FP8, desc_k, desc_v, TMA,
-                        STAGE)
-            if TMA:
-                if full_end < end:
-                    m_i, l_i, acc, r_i, bad = _tile(
-                        full_end, end, s64, kvh, q_main, q_rest, q_pos, rmask, dm, dr, rest_mask, dv, dv_mask, m_i, l_i,
-                        acc, r_i, bad, k_ptr, v_ptr, ks_ptr, vs_ptr, table_ptr, NUM_BLOCKS, qk_scale, dcp_size, dcp_rank,
-                        interleave, sk_b, sk_t, sk_h, sv_b, sv_t, sv_h, ss_b, ss_t, ss_h, svs_b, svs_t, svs_h,
-                        st_s, D_REST, BLOCK_N, PAGE, FP8, V_FROM_K, CAUSAL, IEEE, LAZY, F16, not FP8, STAGE=STAGE)
+        # a `for` loop pipelines on the GPU; the interpreter only takes constant bounds there
+        if INTERPRETED:
+            j0 = start
+            while j0 < full_end:
+                m_i, l_i, acc, r_i, bad = _tile(
+                    j0, end, s64, kvh, q_main, q_rest, q_pos, rmask, dm, dr, rest_mask, dv, dv_mask, m_i, l_i, acc,
+                    r_i, bad, k_ptr, v_ptr, ks_ptr, vs_ptr, table_ptr, NUM_BLOCKS, qk_scale, dcp_size, dcp_rank,
+                    interleave, sk_b, sk_t, sk_h, sv_b, sv_t, sv_h, ss_b, ss_t, ss_h, svs_b, svs_t, svs_h,
+                    st_s, D_REST, BLOCK_N, PAGE, FP8, V_FROM_K, CAUSAL, IEEE, LAZY, F16, not FP8, desc_k, desc_v, TMA,
+                    STAGE)
+                j0 += BLOCK_N
+        else:
+            for j0 in range(start, full_end, BLOCK_N):
+                m_i, l_i, acc, r_i, bad = _tile(
+                    j0, end, s64, kvh, q_main, q_rest, q_pos, rmask, dm, dr, rest_mask, dv, dv_mask, m_i, l_i, acc,
+                    r_i, bad, k_ptr, v_ptr, ks_ptr, vs_ptr, table_ptr, NUM_BLOCKS, qk_scale, dcp_size, dcp_rank,
+                    interleave, sk_b, sk_t, sk_h, sv_b, sv_t, sv_h, ss_b, ss_t, ss_h, svs_b, svs_t, svs_h,
+                    st_s, D_REST, BLOCK_N, PAGE, FP8, V_FROM_K, CAUSAL, IEEE, LAZY, F16, not FP8, desc_k, desc_v, TMA,
+                    STAGE)
+        if TMA:
+            if full_end < end:
+                m_i, l_i, acc, r_i, bad = _tile(
+                    full_end, end, s64, kvh, q_main, q_rest, q_pos, rmask, dm, dr, rest_mask, dv, dv_mask, m_i, l_i,
+                    acc, r_i, bad, k_ptr, v_ptr, ks_ptr, vs_ptr, table_ptr, NUM_BLOCKS, qk_scale, dcp_size, dcp_rank,
+                    interleave, sk_b, sk_t, sk_h, sv_b, sv_t, sv_h, ss_b, ss_t, ss_h, svs_b, svs_t, svs_h,
+                    st_s, D_REST, BLOCK_N, PAGE, FP8, V_FROM_K, CAUSAL, IEEE, LAZY, F16, not FP8, STAGE=STAGE)
         safe, lse = _finish(l_i, m_i)
         safe = tl.where(bad > 0, float("nan"), safe)      # a bad table or length: NaN out and lse
         lse = tl.where(bad > 0, float("nan"), lse)
@@ -701,12 +592,6 @@ CONFIG = {
     # instead of fp8 -> fp16 -> bf16 (sm_90a loop per 128-key tile: 1818 -> 1509 instructions, the
     # 256 F2F.BF16.F16 gone), under a register cap (234 -> 168 registers, no spill: 3 CTAs per SM)
     "f16_fp8": 1, "maxnreg_fp8": 168,
-    # wsplit (GQA, 0/1 off, else W): each key tile cut into W sub-tiles with their own online softmax
-    # (batched dots over W, a warp each: no row reduction or operand change crosses warps in the
-    # loop; the sm_90a loop over fp8 otherwise syncs its CTA 15 times a tile), merged once per
-    # program (`_ws_body`). Off until the probe picks it
-    "wsplit": 1, "wsplit_fp8": 1,
-    "maxnreg": 0,       # GQA over bf16: a register cap (0: the compiler's), swept with wsplit
     # stage16 (fp8 caches; 0 off, 1 the value tile, 2 key and value tiles): each fp8 tile converted
     # in the layout it was loaded in (vectorized shared loads, one conversion per element) and
     # handed to the MMA as 16-bit through shared memory (ldmatrix), where the compiler would
@@ -824,11 +709,10 @@ _WIDE = {"block_n": "block_n_wide", "block_m": "block_m_wide", "num_warps": "num
          "tma": "tma_wide", "diag": "diag_wide", "min_split": "min_split_wide", "at_most": "at_most_wide",
          "target_programs": "target_programs_wide"}
 # kernel options (0/1; diag 0-3; maxnreg 0 = the compiler's choice, else a register cap), launch_settings
-_STRUCTURE = ("lazy_rescale", "halves", "tma", "diag", "f16", "maxnreg", "stage16", "wsplit")
+_STRUCTURE = ("lazy_rescale", "halves", "tma", "diag", "f16", "maxnreg", "stage16")
 _FP8 = {"block_n": "block_n_fp8", "num_stages": "num_stages_fp8", "f16": "f16_fp8",
         "maxnreg": "maxnreg_fp8", "min_split": "min_split_fp8", "tma": "tma_fp8",
-        "stage16": "stage16_fp8", "num_warps": "num_warps_fp8", "target_programs": "target_programs_fp8",
-        "wsplit": "wsplit_fp8"}                                                       # GQA over an fp8 cache
+        "stage16": "stage16_fp8", "num_warps": "num_warps_fp8", "target_programs": "target_programs_fp8"}                                                       # GQA over an fp8 cache
 _WIDE_FP8 = {k: f"{k}_wide_fp8" for k in ("block_m", "block_n", "num_warps", "num_stages", "lazy_rescale", "halves",
                                           "tma", "min_split", "f16", "at_most", "target_programs")}   # MLA, fp8 cache
 # MLA with a query-head tile that is not full (16 heads under TP 8), bf16 and fp8 caches
@@ -846,7 +730,7 @@ _VALID = {
     "block_n": (16, 32, 64, 128, 256), "block_m": (16, 32, 64, 128, 256), "block_n_fp8": (16, 32, 64, 128, 256),
     "num_warps": (1, 2, 4, 8, 16), "num_stages": (1, 2, 3, 4, 5, 6),
     "lazy_rescale": (0, 1), "pdl": (0, 1), "halves": (0, 1), "tma": (0, 1), "diag": (0, 1, 2, 3), "f16": (0, 1),
-    "maxnreg": (0, *range(64, 256, 8)), "at_most": (0, 1), "stage16": (0, 1, 2), "wsplit": (0, 1, 2, 4, 8),
+    "maxnreg": (0, *range(64, 256, 8)), "at_most": (0, 1), "stage16": (0, 1, 2),
 }
 _META = ("device", "sizes", "seconds", "results", "notes", "problems")
 
@@ -890,12 +774,9 @@ def apply_tuning(tuning: dict) -> None:
             if kind in ("gqa", "mla") and key == "block_n_fp8":
                 raise ValueError(f"decode tuning {kind}.block_n_fp8: the key tile of MLA's narrow tiles over fp8; "
                                  f"give it under 'mla_narrow'")
-            if (kind, key) in (("gqa", "f16"), ("gqa", "stage16"), ("mla", "f16"), ("mla", "maxnreg"), ("mla", "stage16")):
+            if kind in ("gqa", "mla") and key in ("f16", "maxnreg", "stage16"):
                 raise ValueError(f"decode tuning {kind}.{key}: an fp8-cache option; give it under 'gqa_fp8' "
                                  f"(or 'mla_narrow')")
-            if kind == "mla" and key == "wsplit":
-                raise ValueError("decode tuning mla.wsplit: a GQA-only option (key dims <= 256); give it under "
-                                 "'gqa' or 'gqa_fp8'")
             if key not in keys:
                 raise ValueError(f"unknown decode tuning key {kind}.{key}; valid: {', '.join(keys)}")
             if not _valid_value(key, value):
@@ -1009,11 +890,7 @@ def paged_decode_triton(q: Tensor, k: Tensor, v: Tensor, k_scale: Tensor | None,
            and not (halves and cfg["diag"]))          # (the probe's diagnostics run without it)
     # (inline PTX: not under the interpreter, where it would change nothing anyway)
     stage16 = cfg["stage16"] if fp8 and not halves and not impl.interpreting() else 0
-    ws = cfg["wsplit"]
-    ws = ws if ws > 1 and not halves and d_rest == 0 and not v_from_k and block_n // ws >= 16 else 1
-    stage16 = stage16 if ws == 1 else 0
-    tma = (bool(cfg["tma"]) and ws == 1
-           and (_tma_ok(k) if halves else _gqa_tma_ok(k, v, d_rest, dv, block_n, v_from_k)))
+    tma = bool(cfg["tma"]) and (_tma_ok(k) if halves else _gqa_tma_ok(k, v, d_rest, dv, block_n, v_from_k))
     if tma:
         impl.ensure_triton_scratch()
     pdl = bool(CONFIG["pdl"]) and pdl_ok(q.device)
@@ -1040,7 +917,7 @@ def paged_decode_triton(q: Tensor, k: Tensor, v: Tensor, k_scale: Tensor | None,
             D_MAIN=d_main, D_REST=d_rest, BLOCK_REST=block_rest, DV=dv, BLOCK_DV=triton.next_power_of_2(dv),
             BLOCK_M=block_m, BLOCK_N=block_n, PAGE=page, FP8=fp8, V_FROM_K=v_from_k, CAUSAL=tq > 1,
             IEEE=q.dtype == torch.float32, INTERPRETED=impl.interpreting(), LAZY=bool(cfg["lazy_rescale"]),
-            HALVES=halves, TMA=tma, DIAG=cfg["diag"] if halves else 0, F16=f16, PDL=pdl, STAGE=stage16, WS=ws,
+            HALVES=halves, TMA=tma, DIAG=cfg["diag"] if halves else 0, F16=f16, PDL=pdl, STAGE=stage16,
             NUM_BLOCKS=k.shape[0],
             TABLE_W=table.shape[1],
             num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
