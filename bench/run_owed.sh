@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU runs of docs/gpu.md §7-8 as named steps, in one device call, inside one deadline:
 #     bash bench/run_owed.sh tests decode5 quantprobe            # on the GPU machine, project root
-# (decodeN: the gemm probe's section decodeN; layout: bench/debug/decode_layout.py; ncu: Nsight Compute over bench/debug/decode_ncu.py; expand: bench/debug/expand_packing.py; prefill2: the
+# (decodeN: the gemm probe's section decodeN; layout: bench/debug/decode_layout.py; ncu / ncustall: Nsight Compute sections / stall reasons over bench/debug/decode_ncu.py; expand: bench/debug/expand_packing.py; prefill2: the
 # gemm probe's FP8-GEMM-alone sweep at V3 L2; dectiming: bench/debug/decode_timing.py)
 # Each step runs under `timeout` (its own limit, cut to what is left of DEADLINE, default 570 s
 # from the start), logs to STEP.log and writes its results beside it; a step that would get
@@ -50,6 +50,12 @@ for s in "$@"; do
                   "$N" --clock-control none --profile-from-start off --kernel-name regex:_paged_decode --section SpeedOfLight \
                   --section WarpStateStats --section Occupancy --section LaunchStats --section SchedulerStats \
                   --section MemoryWorkloadAnalysis --section ComputeWorkloadAnalysis --section SourceCounters \
+                  python3 bench/debug/decode_ncu.py' ;;
+    ncustall)   step ncustall "${NCU_LIMIT:-200}" bash -c 'N=$(command -v ncu || ls /usr/local/cuda*/bin/ncu /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1); \
+                  M=; for r in barrier long_scoreboard short_scoreboard mio_throttle math_pipe_throttle wait not_selected \
+                    selected dispatch_stall lg_throttle membar no_instruction drain branch_resolving imc_miss tex_throttle; do \
+                    M="$M${M:+,}smsp__average_warps_issue_stalled_${r}_per_issue_active.ratio"; done; \
+                  "$N" --clock-control none --profile-from-start off --kernel-name regex:_paged_decode --metrics "$M" \
                   python3 bench/debug/decode_ncu.py' ;;
     mlaprep)    step mlaprep "${MLAPREP_LIMIT:-120}" python3 bench/debug/mla_prep_sweep.py "$res/mla-prep-sweep.json" ;;
     prefill2)   step prefill2 "${PREFILL_LIMIT:-180}" python3 -m megapar.launch.bench.gemm --probe --sections prefill2 --out "$res/prefill2" ;;
