@@ -149,14 +149,18 @@ def _rows(x: Tensor, width: int) -> Tensor:
     return x.reshape((-1,) + tuple(x.shape[x.dim() - width:]))
 
 
-CONFIG = {"block_elems": 4096, "num_warps": 4}
+CONFIG = {"block_elems": 4096, "num_warps": 4, "min_programs": 0}
 """Tile of one program (rows x padded head dim, in elements) and its warps; `megapar bench merge`
-sweeps both on the GPU."""
+sweeps both on the GPU. min_programs: fewer rows a program (down to 1) until the grid has at least
+this many programs (0: the tile as given); a decode step's merge has few rows (B x Hq: 1024 for
+B 32, Hq 32), 32 programs of 32 rows at the default tile."""
 
 
-def _launch_config(D: int) -> tuple[int, int, int]:
+def _launch_config(D: int, rows: int = 0) -> tuple[int, int, int]:
     block_d = triton.next_power_of_2(D)
     block_r = max(1, min(128, CONFIG["block_elems"] // block_d))
+    while block_r > 1 and -(-rows // block_r) < CONFIG["min_programs"]:
+        block_r //= 2
     return block_r, block_d, CONFIG["num_warps"]
 
 
@@ -189,7 +193,7 @@ def merge_states_triton(outs: Tensor | Sequence[Tensor], lses: Tensor | Sequence
     ly_k = ly_rows if ly_rows is not None else torch.empty((ly.numel() // max(H, 1), H), dtype=torch.float32,
                                                            device=ly.device)
     M = y_k.shape[0]
-    block_r, block_d, num_warps = _launch_config(D)
+    block_r, block_d, num_warps = _launch_config(D, M * H)
     grid = (triton.cdiv(M * H, block_r),)
     n = outs.shape[0] if stacked else len(outs)
     if not stacked and n == 2:
