@@ -224,6 +224,29 @@ def test_triton_merge_matches_torch_under_interpreter(monkeypatch, base):
     torch.testing.assert_close(acc, expect.out, rtol=0, atol=1e-6, equal_nan=True)
 
 
+def test_min_programs_shrinks_only_small_merges_and_keeps_every_bit(monkeypatch):
+    """CONFIG min_programs: a merge of few rows runs in more, smaller programs (down to one row),
+    a large one keeps its tile; the output is the same to the bit either way (the same arithmetic
+    per row)."""
+    mod = _triton_merge_module(monkeypatch)
+    monkeypatch.setitem(mod.CONFIG, "min_programs", 0)
+    assert mod._launch_config(128, 1024) == (32, 128, mod.CONFIG["num_warps"])
+    monkeypatch.setitem(mod.CONFIG, "min_programs", 528)
+    assert mod._launch_config(128, 1024)[0] == 1          # 1024 programs of one row (>= 528)
+    assert mod._launch_config(128, 40000)[0] == 32        # 1250 programs at the tile already
+    assert mod._launch_config(512, 4096)[0] == 4          # MLA: 8 -> 4 rows, 1024 programs
+    outs, lses = _edge_case_states(11, 3, t=9, h=4, d=24)
+    results = []
+    for minimum in (0, 16, 10_000):
+        monkeypatch.setitem(mod.CONFIG, "min_programs", minimum)
+        results.append(mod.merge_states_triton(outs, lses))
+    for got in results[1:]:
+        assert torch.equal(torch.nan_to_num(got.out, nan=7.0), torch.nan_to_num(results[0].out, nan=7.0))
+        assert torch.equal(torch.nan_to_num(got.lse, nan=7.0), torch.nan_to_num(results[0].lse, nan=7.0))
+    expect = merge_attn_states(outs, lses, backend="torch")
+    torch.testing.assert_close(results[-1].out, expect.out, rtol=0, atol=1e-6, equal_nan=True)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_triton_merge_matches_torch_on_cuda(dtype):
