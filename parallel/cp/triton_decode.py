@@ -580,7 +580,15 @@ CONFIG = {
     "block_m": 64, "block_m_wide": 64, "block_m_wide_fp8": 64,
     "num_warps": 4, "num_warps_wide": 8, "num_stages": 3, "num_stages_wide": 2,
     "block_n_fp8": 128, "num_stages_fp8": 2,      # GQA over an fp8 cache (key dim <= 256)
-    # its warps and split target: the probe swept neither before 2026-12-03 (GQA's 4 and 264 served)
+    # its warps and split target (GQA's 4 and 264 served until 2026-12-03 late). Swept then (bench/
+    # results/cp-probe14..17-h200.json, B 32, 1/4 of 8K / 32K, installed 39.8 / 118.6 µs): 8 warps
+    # 55.7-80.1 / 165.7-266.9; 3-4 CTAs per SM (396 / 528 programs) 48.0 / 139.1; 256-key tiles
+    # 61.9 / 199.9; 2 warps 42.6 / 117.4 (528 programs); one warp a program over 12 splits (no
+    # cross-warp reduction: the 4-warp loop syncs its CTA 15 times a tile) 43.4 / 110.1, the only
+    # gain, at 32K only. Nsight Compute (bench/results/logs/decode-ncu*-h200.log): 12 warps per SM
+    # (168 registers), issue slots 49% busy, per issued instruction 1.4 cycles of fixed-latency
+    # waits and 0.9 of memory waits against 4.0 of memory waits over bf16 (DRAM 87% busy there,
+    # 50% here): the fp8 loop is bound by its instructions' latencies, not by the KV's bytes
     "num_warps_fp8": 4, "target_programs_fp8": 264,
     # GQA's whole key / value tiles by TMA from device-side descriptors over [blocks, page, kv
     # heads, D] (power-of-two head dims, tiles inside pages; `_gqa_tma_ok`), 0/1 per cache dtype.
