@@ -154,7 +154,7 @@ CONFIG = {"block_elems": 4096, "num_warps": 4, "min_programs": 528}
 sweeps both on the GPU. min_programs: fewer rows a program (down to 1) until the grid has at least
 this many programs (0: the tile as given). A decode step's split merge has few rows (B x Hq: 1024
 for B 32, Hq 32: 32 programs of 32 rows at the tile alone). Whole decode calls (kernel + merge,
-bench/debug/decode_merge.py, H200, B 32, 1/4 of 8K / 32K; bench/results/decode-merge-h200.json),
+bench/debug/decode_merge.py, H200, B 32, 1/4 of 8K / 32K; bench/results/logs/decode-merge-h200.json),
 0 -> 528: GQA bf16 41.7 -> 39.3 / 132.7 -> 130.4 µs, fp8 40.6 -> 38.5 / 120.1 -> 117.1; MLA 16
 heads bf16 42.9 -> 34.2 / 101.9 -> 94.0, fp8 46.9 -> 40.4 / 129.4 -> 122.3; MLA 128 heads 86.1
 -> 84.8 / 269.4 -> 267.2 (264 and 1056 within 0.3% of it on average). Large merges keep the tile."""
