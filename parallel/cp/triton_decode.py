@@ -721,7 +721,7 @@ _STRUCTURE = ("lazy_rescale", "halves", "tma", "diag", "f16", "maxnreg", "stage1
 _FP8 = {"block_n": "block_n_fp8", "num_stages": "num_stages_fp8", "f16": "f16_fp8",
         "maxnreg": "maxnreg_fp8", "min_split": "min_split_fp8", "tma": "tma_fp8",
         "stage16": "stage16_fp8", "num_warps": "num_warps_fp8",
-        "target_programs": "target_programs_fp8"}                                                       # GQA over an fp8 cache
+        "target_programs": "target_programs_fp8"}                                 # GQA over an fp8 cache
 _WIDE_FP8 = {k: f"{k}_wide_fp8" for k in ("block_m", "block_n", "num_warps", "num_stages", "lazy_rescale", "halves",
                                           "tma", "min_split", "f16", "at_most", "target_programs")}   # MLA, fp8 cache
 # MLA with a query-head tile that is not full (16 heads under TP 8), bf16 and fp8 caches
@@ -753,8 +753,8 @@ def apply_tuning(tuning: dict) -> None:
     `python -m megapar.launch.bench.cp --probe --out DIR` to DIR/decode-tuning.json; keys:
     block_n, block_m, num_warps, num_stages, target_programs, min_split, lazy_rescale, and MLA's
     halves / tma / diag; "gqa_fp8": block_n, num_warps, num_stages, target_programs, f16, maxnreg,
-    stage16 and min_split of GQA over an fp8 cache, CONFIG's *_fp8 entries; "mla_fp8": MLA over an fp8 cache, CONFIG's *_wide_fp8
-    entries; "mla_narrow": MLA with fewer query heads than a head tile (16 under TP 8), bf16 and
+    stage16 and min_split of GQA over an fp8 cache, CONFIG's *_fp8 entries; "mla_fp8": MLA over an
+    fp8 cache, CONFIG's *_wide_fp8 entries; "mla_narrow": MLA with fewer query heads than a head tile (16 under TP 8), bf16 and
     fp8 caches: block_n, num_warps, num_stages, min_split, at_most (splits rounded down), halves,
     tma, f16, maxnreg, stage16, CONFIG's *_wide_narrow entries; since 2026-12-03 a file's mla entry no
     longer reaches those tiles). MLA's block_n / block_m / num_warps /
