@@ -749,18 +749,18 @@ def _valid_value(key: str, value: object) -> bool:
 
 
 def apply_tuning(tuning: dict) -> None:
-    """Install measured launch settings {"gqa": {key: value}, "mla": {key: value}} (as written by
-    `python -m megapar.launch.bench.cp --probe --out DIR` to DIR/decode-tuning.json; keys:
-    block_n, block_m, num_warps, num_stages, target_programs, min_split, lazy_rescale, and MLA's
-    halves / tma / diag; "gqa_fp8": block_n, num_warps, num_stages, target_programs, f16, maxnreg,
-    stage16 and min_split of GQA over an fp8 cache, CONFIG's *_fp8 entries; "mla_fp8": MLA over an
-    fp8 cache, CONFIG's *_wide_fp8 entries; "mla_narrow": MLA with fewer query heads than a head tile (16 under TP 8), bf16 and
-    fp8 caches: block_n, num_warps, num_stages, min_split, at_most (splits rounded down), halves,
-    tma, f16, maxnreg, stage16, CONFIG's *_wide_narrow entries; since 2026-12-03 a file's mla entry no
-    longer reaches those tiles). MLA's block_n / block_m / num_warps /
-    num_stages / min_split / structure options go
-    to CONFIG's *_wide entries, target_programs too (since 2026-12-03 night: an mla / mla_fp8
-    target_programs reaches full MLA head tiles only, target_programs_wide / _wide_fp8).
+    """Install measured launch settings {"gqa": {key: value}, "mla": {key: value}, ...} (as written
+    by `python -m megapar.launch.bench.cp --probe --out DIR` to DIR/decode-tuning.json).
+    - "gqa": block_n, block_m, num_warps, num_stages, target_programs, min_split, lazy_rescale, tma.
+    - "gqa_fp8" (GQA over an fp8 cache, CONFIG's *_fp8 entries): block_n, num_warps, num_stages,
+      target_programs, f16, maxnreg, stage16, min_split, tma.
+    - "mla": the gqa keys plus halves / tma / diag / at_most, to CONFIG's *_wide entries
+      (target_programs too since 2026-12-03 night: it reaches full MLA head tiles only).
+    - "mla_fp8": MLA over an fp8 cache, CONFIG's *_wide_fp8 entries.
+    - "mla_narrow": MLA with fewer query heads than a head tile (16 under TP 8), bf16 and fp8
+      caches: block_n, num_warps, num_stages, min_split, at_most (splits rounded down), halves,
+      tma, f16, maxnreg, stage16, block_n_fp8, CONFIG's *_wide_narrow entries (since 2026-12-03 a
+      file's mla entry no longer reaches those tiles).
     min_split is per family; a gqa / mla min_split also sets gqa_fp8's / mla_fp8's unless the file
     gives those (files from before it was per family, with one shared value, keep their meaning).
     {"config": {CONFIG key: value}} sets entries directly.
