@@ -226,20 +226,22 @@ def test_triton_merge_matches_torch_under_interpreter(monkeypatch, base):
 
 def test_min_programs_shrinks_only_small_merges_and_keeps_every_bit(monkeypatch):
     """CONFIG min_programs: a merge of few rows runs in more, smaller programs (down to one row),
-    a large one keeps its tile; the output is the same to the bit either way (the same arithmetic
-    per row)."""
+    a large one keeps its tile (the GPU's launch; the interpreter keeps the tile, as the grid only
+    costs it time there). Smaller tiles give the same output to the bit (the same arithmetic per
+    row): run here through block_elems, down to one row a program."""
     mod = _triton_merge_module(monkeypatch)
-    monkeypatch.setitem(mod.CONFIG, "min_programs", 0)
-    assert mod._launch_config(128, 1024) == (32, 128, mod.CONFIG["num_warps"])
-    monkeypatch.setitem(mod.CONFIG, "min_programs", 528)
-    assert mod._launch_config(128, 1024)[0] == 1          # 1024 programs of one row (>= 528)
-    assert mod._launch_config(128, 40000)[0] == 32        # 1250 programs at the tile already
-    assert mod._launch_config(512, 4096)[0] == 4          # MLA: 8 -> 4 rows, 1024 programs
+    warps = mod.CONFIG["num_warps"]
+    assert mod._launch_config(128, 1024, 0) == (32, 128, warps)
+    assert mod._launch_config(128, 1024, 528) == (1, 128, warps)     # 1024 programs of one row (>= 528)
+    assert mod._launch_config(128, 1024, 264) == (2, 128, warps)
+    assert mod._launch_config(128, 40000, 528) == (32, 128, warps)   # 1250 programs at the tile already
+    assert mod._launch_config(512, 4096, 528) == (4, 512, warps)     # MLA: 8 -> 4 rows, 1024 programs
     outs, lses = _edge_case_states(11, 3, t=9, h=4, d=24)
     results = []
-    for minimum in (0, 16, 10_000):
-        monkeypatch.setitem(mod.CONFIG, "min_programs", minimum)
+    for elems in (4096, 64, 32):                                      # 32 x 4 rows... 1 row a program
+        monkeypatch.setitem(mod.CONFIG, "block_elems", elems)
         results.append(mod.merge_states_triton(outs, lses))
+    assert mod._launch_config(24, 36, 0)[0] == 1
     for got in results[1:]:
         assert torch.equal(torch.nan_to_num(got.out, nan=7.0), torch.nan_to_num(results[0].out, nan=7.0))
         assert torch.equal(torch.nan_to_num(got.lse, nan=7.0), torch.nan_to_num(results[0].lse, nan=7.0))
