@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # The GPU runs of docs/gpu.md §7-8 as named steps, in one device call, inside one deadline:
 #     bash bench/run_owed.sh tests decode5 quantprobe            # on the GPU machine, project root
-# (decodeN: the gemm probe's section decodeN; layout: bench/debug/decode_layout.py; dmerge: bench/debug/decode_merge.py; ncu / ncustall: Nsight Compute sections / stall reasons over bench/debug/decode_ncu.py; expand: bench/debug/expand_packing.py; prefill2: the
-# gemm probe's FP8-GEMM-alone sweep at V3 L2; dectiming: bench/debug/decode_timing.py)
+# (decodeN: the gemm probe's section decodeN; layout: bench/debug/decode_layout.py; dmerge:
+# bench/debug/decode_merge.py; ncu / ncustall: Nsight Compute sections / stall reasons over
+# bench/debug/decode_ncu.py; expand: bench/debug/expand_packing.py; prefill2: the gemm probe's
+# FP8-GEMM-alone sweep at V3 L2; dectiming: bench/debug/decode_timing.py)
 # Each step runs under `timeout` (its own limit, cut to what is left of DEADLINE, default 570 s
 # from the start), logs to STEP.log and writes its results beside it; a step that would get
 # under 20 s is skipped and said so. Everything is packed into $OUT/owed.tgz at exit (the device

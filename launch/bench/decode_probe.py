@@ -22,8 +22,8 @@ dim > 256), MLA over fp8 on its *_wide_fp8 entries, narrow MLA tiles on *_wide_n
 register cap and fp16 operands among its options), GQA over an fp8 cache on its *_fp8 entries,
 so none conflict. min_split is swept per family (min_split, min_split_fp8, min_split_wide,
 min_split_wide_fp8, min_split_wide_narrow), and so is target_programs (target_programs,
-target_programs_fp8, target_programs_wide, target_programs_wide_fp8; until 2026-12-03 night one value served gqa and
-mla, and the probe timed each family's winner with the other's value). GQA has Hq / Hkv = 8 query rows per kv head, below the smallest row tile
+target_programs_fp8, target_programs_wide, target_programs_wide_fp8; until 2026-12-03 night one
+value served gqa and mla, and the probe timed each family's winner with the other's value). GQA has Hq / Hkv = 8 query rows per kv head, below the smallest row tile
 (16), so block_m is not swept for it.
 `triton_decode.apply_tuning` (or MEGAPAR_DECODE_TUNING=DIR/decode-tuning.json) installs the file.
 MEGAPAR_DECODE_PROBE_FAMILIES (a comma list of gqa, gqa_fp8, mla, mla_fp8, mla_narrow) probes only
@@ -71,17 +71,12 @@ VARIANTS = {   # overrides of the current settings, one factor at a time, then a
             {"target_programs": 528, "min_split": 128}, {"block_n": 128, "num_warps": 8, "num_stages": 3},
             # whole k / v tiles by TMA (the partial last one through the pointer loads)
             {"tma": 1}, {"tma": 1, "num_stages": 4}, {"tma": 1, "num_stages": 2}, {"tma": 1, "block_n": 128},
-            {"tma": 1, "block_n": 128, "num_warps": 8}, {"target_programs": 396},
-            # fewer warps per program (the 8-row tile split across fewer warps), more programs per SM
-            {"num_warps": 2}, {"num_warps": 2, "target_programs": 528}, {"num_warps": 2, "block_n": 32},
-            {"num_warps": 2, "block_n": 32, "target_programs": 528}, {"num_warps": 1, "block_n": 32},
-            {"num_warps": 1, "block_n": 32, "target_programs": 528}, {"num_warps": 2, "block_n": 128},
-            {"num_warps": 2, "num_stages": 4, "target_programs": 528},
-            {"num_warps": 2, "min_split": 256, "target_programs": 792},
-            {"num_warps": 1, "block_n": 32, "target_programs": 1536, "min_split": 256},
-            {"num_warps": 1, "block_n": 32, "target_programs": 1536, "min_split": 128},
-            {"num_warps": 2, "block_n": 32, "target_programs": 1024, "min_split": 256},
-            {"num_warps": 2, "target_programs": 1024, "min_split": 256}],
+            {"tma": 1, "block_n": 128, "num_warps": 8},
+            # more programs, and fewer warps a program over more splits: all lost (cp-probe14 / 15 / 16,
+            # 1/4 of 8K / 32K, against ~41.7 / 131.0 µs: 396 programs 43.3 / 133.1, 2 warps x 528
+            # programs 43.6 / 179.4, one warp x 12 splits 51.1 / 174.8); the closest stay for the sweep
+            {"target_programs": 396}, {"num_warps": 2, "target_programs": 528},
+            {"num_warps": 1, "block_n": 32, "target_programs": 1536, "min_split": 256}],
     # MLA: the kernel structure options (latent in halves, TMA, lazy rescale) and, on the halves
     # kernel, the subtraction diagnostics (diag 1 no softmax, 2 no P @ V, 3 scores only: invalid
     # rows, timed for where the time goes)
@@ -110,31 +105,15 @@ VARIANTS = {   # overrides of the current settings, one factor at a time, then a
                 {"stage16": 2, "block_n": 64, "num_stages": 2, "maxnreg": 0},
                 {"stage16": 2, "block_n": 64, "num_stages": 3, "maxnreg": 0},
                 {"stage16": 1, "block_n": 64, "num_stages": 2, "maxnreg": 0},
-                # 8 warps, 256-key tiles and more programs all lost (cp-probe14: 8 warps 61-80 µs at 8K,
-                # 194-258 at 32K against 39.8 / 118.9; 528 programs 48.0 / 139.6); fewer warps per
-                # program split the 16-row tile less (fewer cross-warp reductions and barriers a tile)
+                # 8 warps, 256-key tiles, more programs and one / two warps a program, swept in
+                # cp-probe14 / 15 / 16 (1/4 of 8K / 32K against 39.8 / 118.6 µs): 8 warps 55.7-80.1 /
+                # 165.7-266.9, 528 programs 48.0 / 139.1, 2 warps x 528 programs 42.6 / 117.4, one warp x
+                # 12 splits 43.4 / 110.1 (no cross-warp step; the only gain, at 32K only). The closest stay
                 {"num_warps": 8, "maxnreg": 128}, {"target_programs": 528},
-                {"num_warps": 2, "block_n": 64}, {"num_warps": 2, "block_n": 64, "maxnreg": 0},
                 {"num_warps": 2, "block_n": 64, "target_programs": 528},
-                {"num_warps": 2, "block_n": 64, "target_programs": 792, "min_split": 256},
-                {"num_warps": 2, "block_n": 32, "maxnreg": 0},
-                {"num_warps": 2, "block_n": 32, "maxnreg": 0, "target_programs": 528},
-                {"num_warps": 2, "block_n": 128, "maxnreg": 0}, {"num_warps": 1, "block_n": 32, "maxnreg": 0},
-                {"num_warps": 1, "block_n": 32, "maxnreg": 0, "target_programs": 528},
-                {"num_warps": 1, "block_n": 32, "maxnreg": 0, "target_programs": 1056, "min_split": 256},
-                {"num_warps": 1, "block_n": 64, "maxnreg": 0}, {"num_warps": 1, "block_n": 64, "target_programs": 528},
-                # one warp per program has no cross-warp reduction or layout change (the 4-warp loop
-                # syncs its CTA 15 times a tile, sm_90a), but needs ~12 programs per SM to hide latency:
-                # many splits (cp-probe15: 1 warp x 8 splits matched 4 warps x 3 at 2/3 of the warps)
                 {"num_warps": 1, "block_n": 32, "maxnreg": 0, "target_programs": 1536, "min_split": 256},
-                {"num_warps": 1, "block_n": 32, "maxnreg": 0, "target_programs": 1536, "min_split": 128},
-                {"num_warps": 1, "block_n": 32, "maxnreg": 128, "target_programs": 2048, "min_split": 128},
-                {"num_warps": 1, "block_n": 64, "maxnreg": 0, "target_programs": 1536, "min_split": 256},
-                {"num_warps": 1, "block_n": 16, "maxnreg": 0, "target_programs": 1536, "min_split": 128},
                 {"num_warps": 1, "block_n": 32, "maxnreg": 0, "num_stages": 3, "target_programs": 1536,
-                 "min_split": 256},
-                {"num_warps": 2, "block_n": 64, "maxnreg": 128, "target_programs": 1024, "min_split": 256},
-                {"num_warps": 2, "block_n": 32, "maxnreg": 128, "target_programs": 1024, "min_split": 256}],
+                 "min_split": 256}],
     # MLA over fp8 (today 32 heads x 64 keys, mma.sync; 64 heads spill 444 B with the plain loads,
     # 40 B in halves with TMA and 2 stages: bench/debug/kernel_sass.py decode)
     "mla_fp8": [{}, {"num_stages": 2}, {"block_n": 32}, {"halves": 1}, {"halves": 1, "tma": 1},
