@@ -3,7 +3,7 @@
 #     bash bench/run_owed.sh tests decode5 quantprobe            # on the GPU machine, project root
 # (decodeN: the gemm probe's section decodeN; layout: bench/debug/decode_layout.py; dmerge:
 # bench/debug/decode_merge.py; ncu / ncustall: Nsight Compute sections / stall reasons over
-# bench/debug/decode_ncu.py; dswap: bench/debug/decode_swap.py; expand: bench/debug/expand_packing.py; prefill2: the gemm probe's
+# bench/debug/decode_ncu.py; expand: bench/debug/expand_packing.py; prefill2: the gemm probe's
 # FP8-GEMM-alone sweep at V3 L2; dectiming: bench/debug/decode_timing.py)
 # Each step runs under `timeout` (its own limit, cut to what is left of DEADLINE, default 570 s
 # from the start), logs to STEP.log and writes its results beside it; a step that would get
@@ -47,7 +47,6 @@ for s in "$@"; do
     expand)     step expand "${EXPAND_LIMIT:-120}" python3 bench/debug/expand_packing.py "$res/expand.json" ;;
     dectiming)  step dectiming "${DECTIMING_LIMIT:-150}" python3 bench/debug/decode_timing.py "$res/decode-timing.json" ;;
     dmerge)     step dmerge "${DMERGE_LIMIT:-150}" python3 bench/debug/decode_merge.py "$res/decode-merge.json" ;;
-    dswap)      step dswap "${DSWAP_LIMIT:-200}" python3 bench/debug/decode_swap.py "$res/decode-swap.json" ;;
     layout)     step layout "${LAYOUT_LIMIT:-150}" python3 bench/debug/decode_layout.py "$res/decode-layout.json" ;;
     ncu)        step ncu "${NCU_LIMIT:-200}" bash -c 'N=$(command -v ncu || ls /usr/local/cuda*/bin/ncu /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1); \
                   if [ -z "$N" ]; then echo "ncu: not on this machine"; exit 3; fi; echo "using $N"; \

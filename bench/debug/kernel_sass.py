@@ -169,20 +169,6 @@ DECODE.update({  # GQA with fewer warps per program (1 / 2: less of the 16-row t
              BLOCK_N=n, num_warps=w, num_stages=st, **(dict(F16=True) if fp8 else {})))
     for fp8 in (True, False) for n in (128, 64, 32) for w in (1, 2, 4) for st in (2, 3)
 })
-DECODE.update({  # GQA with swapped operands (CONFIG swap / swap_fp8): s^T = K q^T, o^T = V^T p^T
-    f"_paged_decode_swap_kernel GQA {'fp8' if fp8 else 'bf16'} block_n={n} warps={w} stages={st}": (
-        "_paged_decode_swap_kernel", dict(_DECODE, **({"k_ptr": "*fp8e4nv", "v_ptr": "*fp8e4nv"} if fp8 else {})),
-        dict(Tq=1, KV_HEADS=4, dcp_size=1, interleave=1, D=128, DV=128, BLOCK_DV=128, BLOCK_M=16, BLOCK_N=n,
-             PAGE=64, FP8=fp8, CAUSAL=False, INTERPRETED=False, num_warps=w, num_stages=st))
-    for fp8 in (True, False) for n in (128, 64) for w in (4, 8) for st in (2, 3)
-})
-DECODE.update({
-    f"_paged_decode_swap_kernel GQA fp8 block_n=128 warps=4 stages={st} maxnreg={r}": (
-        "_paged_decode_swap_kernel", dict(_DECODE, k_ptr="*fp8e4nv", v_ptr="*fp8e4nv"),
-        dict(Tq=1, KV_HEADS=4, dcp_size=1, interleave=1, D=128, DV=128, BLOCK_DV=128, BLOCK_M=16, BLOCK_N=128,
-             PAGE=64, FP8=True, CAUSAL=False, INTERPRETED=False, num_warps=4, num_stages=st, maxnreg=r))
-    for st in (2, 3) for r in (168, 128)
-})
 DECODE["_paged_decode_kernel MLA narrow bf16 block_m=16 block_n=64 warps=8 stages=2 plain"] = (
     "_paged_decode_kernel", _DECODE, dict(_MLA, BLOCK_M=16, BLOCK_N=64, num_warps=8, num_stages=2))
 

@@ -564,197 +564,6 @@ def _paged_decode_kernel(
         tl.store(lse_ptr + l_row, lse, mask=rmask)
 
 
-# ---------------------------------------------------------------------------------------------
-# GQA with the operands swapped (`swap`, `swap_fp8`): scores and output computed transposed,
-# s^T = K q^T [keys, rows] and o^T = V^T p^T [dv, rows], so the key and value tiles are the
-# MMA's M side (64 rows a warpgroup instruction: wgmma on sm_90) and the few query rows of a kv
-# head (8 for Hq 32 / Hkv 4) its N side, padded to 16 instead of to 64. Over an fp8 cache the
-# keys go to the MMA as they are stored (fp8 x fp8, no conversion): the query is split into two
-# e4m3 tiles hi + lo (`_swap_queries`), and the values convert to fp16 with fp16 weights over a
-# running per-row maximum, as `f16_fp8` does.
-
-
-@triton.jit
-def _swap_queries(qt, qk_scale, FP8: tl.constexpr, INTERPRETED: tl.constexpr):
-    """Query tile q^T [D, M] (bf16 / fp16) -> (hi, lo, qk_scale'). FP8: q times one power of two
-    2^e that puts its largest magnitude in [2^7, 2^8), as two e4m3 tiles with hi + lo = q * 2^e
-    and qk_scale' = qk_scale * 2^-e. hi holds 4 significant bits, lo the next 4: bf16's 8 are
-    exact for every element of at least 2^-9 of the largest (lo's e4m3 subnormals end at 2^-9);
-    smaller ones are off by at most 2^-17 of the largest. Else (q, q, qk_scale)."""
-    if FP8:
-        amax = _amax(qt)
-        biased = (amax.to(tl.int32, bitcast=True) >> 23) & 0xFF
-        e = tl.minimum(tl.maximum(134 - biased, -126), 126)             # 2^e * amax in [2^7, 2^8)
-        up = ((e + 127) << 23).to(tl.float32, bitcast=True)
-        down = ((127 - e) << 23).to(tl.float32, bitcast=True)
-        x = qt.to(tl.float32) * up
-        if INTERPRETED:   # (its fp8 conversion does not round to nearest; fp32 dots there: hi = x, lo = 0)
-            return x, x * 0.0, qk_scale * down
-        hi = x.to(tl.float8e4nv)
-        lo = (x - hi.to(tl.float32)).to(tl.float8e4nv)
-        return hi, lo, qk_scale * down
-    elif INTERPRETED:     # (its dots take fp32)
-        return qt.to(tl.float32), qt.to(tl.float32), qk_scale
-    else:
-        return qt, qt, qk_scale
-
-
-@triton.jit
-def _max_pair(a0, a1, b0, b1):
-    return tl.maximum(a0, b0), tl.maximum(a1, b1)
-
-
-@triton.jit
-def _swap_tile(j0, end, row, kvh, k_ptr, v_ptr, ks_ptr, vs_ptr, table_ptr, q_hi, q_lo, q_pos, rmask, dm, dv,
-               dv_mask, m_i, l2, acc, r_i, qk_scale, dcp_size, dcp_rank, interleave, sk_b, sk_t, sk_h, sv_b, sv_t,
-               sv_h, ss_b, ss_t, ss_h, svs_b, svs_t, svs_h, BLOCK_N: tl.constexpr, PAGE: tl.constexpr,
-               FP8: tl.constexpr, CAUSAL: tl.constexpr, INTERPRETED: tl.constexpr):
-    """One key tile [j0, j0 + BLOCK_N) of the transposed online softmax (sequence row `row` of
-    the block table): scores s^T [BLOCK_N, M], acc = o^T [BLOCK_DV, M]; returns the new (m, l2,
-    acc, r). A tile inside one page (PAGE % BLOCK_N == 0) takes one block id and addresses its
-    rows from the page's base in 32 bits; a longer tile, one id per key. l2 [BLOCK_N, M] holds the running sums per key slot (summed once after the
-    loop: no cross-warp sum per tile). FP8: acc in units of r, the largest weight p * v_scale so far
-    per row (`_tile`'s F16); the tile's largest weight per row comes from the same cross-warp
-    reduction as the max score, as 2^(max(s + log2 v_scale) - m)."""
-    j = j0 + tl.arange(0, BLOCK_N)
-    jmask = j < end
-    in_page = j % PAGE
-    if PAGE % BLOCK_N == 0:
-        block = tl.load(table_ptr + row + j0 // PAGE).to(tl.int64)
-        k_base = k_ptr + block * sk_b + kvh * sk_h
-        v_base = v_ptr + block * sv_b + kvh * sv_h
-        ks_base = ks_ptr + block * ss_b + kvh * ss_h
-        vs_base = vs_ptr + block * svs_b + kvh * svs_h
-        k_off, v_off, ks_off, vs_off = in_page * sk_t, in_page * sv_t, in_page * ss_t, in_page * svs_t
-    else:
-        block = tl.load(table_ptr + row + j // PAGE, mask=jmask, other=0).to(tl.int64)
-        k_base, v_base, ks_base, vs_base = k_ptr, v_ptr, ks_ptr, vs_ptr
-        k_off = block * sk_b + kvh * sk_h + in_page * sk_t
-        v_off = block * sv_b + kvh * sv_h + in_page * sv_t
-        ks_off = block * ss_b + kvh * ss_h + in_page * ss_t
-        vs_off = block * svs_b + kvh * svs_h + in_page * svs_t
-    k = tl.load(k_base + k_off[:, None] + dm[None, :], mask=jmask[:, None], other=0.0)    # [BLOCK_N, D]
-    if FP8:
-        if INTERPRETED:       # (the interpreter's dot takes no fp8 operands; the same products)
-            kf = k.to(tl.float32)
-            st = tl.dot(kf, q_lo.to(tl.float32), tl.dot(kf, q_hi.to(tl.float32)))
-        else:
-            st = tl.dot(k, q_lo, tl.dot(k, q_hi))
-        ks = tl.load(ks_base + ks_off, mask=jmask, other=0.0)
-        st = st * (ks * qk_scale)[:, None]
-    elif INTERPRETED:
-        st = tl.dot(k.to(tl.float32), q_hi) * qk_scale
-    else:
-        st = tl.dot(k, q_hi) * qk_scale
-    allowed = jmask[:, None] & rmask[None, :]
-    if CAUSAL:
-        g_pos = (j // interleave) * (interleave * dcp_size) + dcp_rank * interleave + j % interleave
-        allowed = allowed & (g_pos[:, None] <= q_pos[None, :])
-    st = tl.where(allowed, st, float("-inf"))
-    v = tl.load(v_base + v_off[:, None] + dv[None, :], mask=jmask[:, None] & dv_mask[None, :], other=0.0)
-    if FP8:
-        vs = tl.load(vs_base + vs_off, mask=jmask, other=0.0)
-        tile_max, tile_wmax = tl.reduce((st, st + tl.log2(vs)[:, None]), 0, _max_pair)
-    else:
-        tile_max = tl.max(st, 0)
-    m_new = tl.maximum(m_i, tile_max)
-    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-    pt = tl.exp2(st - m_safe[None, :])
-    alpha = tl.exp2(m_i - m_safe)
-    l2 = l2 * alpha[None, :] + pt
-    if FP8:
-        r_new = tl.maximum(r_i * alpha, tl.exp2(tile_wmax - m_safe))
-        inv = 1.0 / tl.where(r_new > 0, r_new, 1.0)
-        wt = (pt * vs[:, None]) * inv[None, :]
-        v16 = _staged(v.to(tl.float16), not INTERPRETED)   # (converted where loaded, staged as 16-bit)
-        w16 = wt.to(tl.float16)
-        if INTERPRETED:
-            v16, w16 = v16.to(tl.float32), w16.to(tl.float32)
-        acc = tl.dot(tl.trans(v16), w16, acc * (r_i * alpha * inv)[None, :])
-        r_i = r_new
-    elif INTERPRETED:
-        acc = tl.dot(tl.trans(v.to(tl.float32)), pt.to(v.dtype).to(tl.float32), acc * alpha[None, :])
-    else:
-        acc = tl.dot(tl.trans(v), pt.to(v.dtype), acc * alpha[None, :])
-    return m_new, l2, acc, r_i
-
-
-@triton.jit
-def _paged_decode_swap_kernel(
-    q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, table_ptr, glens_ptr, o_ptr, lse_ptr,
-    qk_scale, split_len, Tq, G, M_TILES, KV_HEADS,
-    dcp_size, dcp_rank, interleave,
-    sq_s, sq_t, sq_h,
-    sk_b, sk_t, sk_h, sv_b, sv_t, sv_h, ss_b, ss_t, ss_h, svs_b, svs_t, svs_h,
-    st_s,
-    so_p, so_s, so_t, so_h, sl_p, sl_s, sl_t,
-    D: tl.constexpr, DV: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    PAGE: tl.constexpr, FP8: tl.constexpr, CAUSAL: tl.constexpr, INTERPRETED: tl.constexpr,
-    PDL: tl.constexpr = False, NUM_BLOCKS=1, TABLE_W=1,
-):
-    """`_paged_decode_kernel` for GQA (power-of-two key dim, a value tensor of its own, 16-bit
-    queries) with swapped operands (section comment above): program (s, kv head, row tile, split)
-    as there, the same partial (o, lse) per split."""
-    if PDL:
-        gdc_wait()
-        gdc_launch_dependents()
-    pid = tl.program_id(0)
-    split = tl.program_id(1)
-    tile = pid % M_TILES
-    kvh = (pid // M_TILES) % KV_HEADS
-    s = pid // (M_TILES * KV_HEADS)
-    s64 = s.to(tl.int64)
-    r = tile * BLOCK_M + tl.arange(0, BLOCK_M)
-    rmask = r < Tq * G
-    t_idx = r // G
-    h_idx = kvh * G + r % G
-    q_row = s64 * sq_s + t_idx.to(tl.int64) * sq_t + h_idx.to(tl.int64) * sq_h
-    dm = tl.arange(0, D)
-    qt = tl.load(q_ptr + q_row[None, :] + dm[:, None], mask=rmask[None, :], other=0.0)           # [D, BLOCK_M]
-    q_hi, q_lo, qk_scale = _swap_queries(qt, qk_scale, FP8, INTERPRETED)
-    dv = tl.arange(0, BLOCK_DV)
-    dv_mask = dv < DV
-    local_len = _local_len(glens_ptr, s, dcp_size, dcp_rank, interleave)
-    start = split * split_len
-    end, bad = _checked_range(glens_ptr, table_ptr, s, s64, st_s, start, tl.minimum(start + split_len, local_len),
-                              local_len, NUM_BLOCKS, TABLE_W, PAGE, True)
-    if CAUSAL:
-        q_pos = tl.load(glens_ptr + s) - Tq + t_idx
-    else:
-        q_pos = t_idx
-    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
-    l2 = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
-    r_i = tl.zeros([BLOCK_M], tl.float32)
-    acc = tl.zeros([BLOCK_DV, BLOCK_M], tl.float32)
-    row = s64 * st_s
-    if INTERPRETED:     # (the interpreter takes no tensor bounds in a `for` range)
-        j0 = start
-        while j0 < end:
-            m_i, l2, acc, r_i = _swap_tile(
-                j0, end, row, kvh, k_ptr, v_ptr, ks_ptr, vs_ptr, table_ptr, q_hi, q_lo, q_pos, rmask, dm, dv,
-                dv_mask, m_i, l2, acc, r_i, qk_scale, dcp_size, dcp_rank, interleave, sk_b, sk_t, sk_h, sv_b, sv_t,
-                sv_h, ss_b, ss_t, ss_h, svs_b, svs_t, svs_h, BLOCK_N, PAGE, FP8, CAUSAL, INTERPRETED)
-            j0 += BLOCK_N
-    else:
-        for j0 in range(start, end, BLOCK_N):
-            m_i, l2, acc, r_i = _swap_tile(
-                j0, end, row, kvh, k_ptr, v_ptr, ks_ptr, vs_ptr, table_ptr, q_hi, q_lo, q_pos, rmask, dm, dv,
-                dv_mask, m_i, l2, acc, r_i, qk_scale, dcp_size, dcp_rank, interleave, sk_b, sk_t, sk_h, sv_b, sv_t,
-                sv_h, ss_b, ss_t, ss_h, svs_b, svs_t, svs_h, BLOCK_N, PAGE, FP8, CAUSAL, INTERPRETED)
-    l_i = tl.sum(l2, 0)
-    safe, lse = _finish(l_i, m_i)
-    safe = tl.where(bad > 0, float("nan"), safe)
-    lse = tl.where(bad > 0, float("nan"), lse)
-    if FP8:
-        out = acc * (r_i / safe)[None, :]
-    else:
-        out = acc / safe[None, :]
-    o_row = split.to(tl.int64) * so_p + s64 * so_s + t_idx.to(tl.int64) * so_t + h_idx.to(tl.int64) * so_h
-    tl.store(o_ptr + o_row[None, :] + dv[:, None], out, mask=rmask[None, :] & dv_mask[:, None])
-    l_row = split.to(tl.int64) * sl_p + s64 * sl_s + t_idx.to(tl.int64) * sl_t + h_idx
-    tl.store(lse_ptr + l_row, lse, mask=rmask)
-
-
 CONFIG = {
     # ~2 waves of 132 SMs (H200). One split wherever B x Hkv programs fill the SMs once (no merge
     # kernel, as cuDNN's SDPA runs this problem: 128 CTAs) lost in the probe of 2026-12-03 (bench/
@@ -781,13 +590,6 @@ CONFIG = {
     # waits and 0.9 of memory waits against 4.0 of memory waits over bf16 (DRAM 87% busy there,
     # 50% here): the fp8 loop is bound by its instructions' latencies, not by the KV's bytes
     "num_warps_fp8": 4, "target_programs_fp8": 264,
-    # GQA with swapped operands (`_paged_decode_swap_kernel`: keys and values on the MMA's M side,
-    # the query rows of a kv head on its N side; over fp8 the keys go to the MMA as stored, with
-    # the queries split into two e4m3 tiles), 0/1 per cache dtype, with its own tile and launch
-    # settings (tiles inside a page: block_n divides the page size, else the plain kernel runs)
-    "swap": 0, "swap_fp8": 0, "block_n_swap": 64, "block_n_swap_fp8": 64,
-    "num_warps_swap": 4, "num_warps_swap_fp8": 4, "num_stages_swap": 3, "num_stages_swap_fp8": 3,
-    "maxnreg_swap": 0, "maxnreg_swap_fp8": 0,
     # GQA's whole key / value tiles by TMA from device-side descriptors over [blocks, page, kv
     # heads, D] (power-of-two head dims, tiles inside pages; `_gqa_tma_ok`), 0/1 per cache dtype.
     # Off: timed with step_time (cp-probe10 / cp-probe9, B 32, 1/4 of 8K / 32K) bf16 41.96 / 131.3 µs
@@ -937,7 +739,7 @@ _VALID = {
     "block_n": (16, 32, 64, 128, 256), "block_m": (16, 32, 64, 128, 256), "block_n_fp8": (16, 32, 64, 128, 256),
     "num_warps": (1, 2, 4, 8, 16), "num_stages": (1, 2, 3, 4, 5, 6),
     "lazy_rescale": (0, 1), "pdl": (0, 1), "halves": (0, 1), "tma": (0, 1), "diag": (0, 1, 2, 3), "f16": (0, 1),
-    "maxnreg": (0, *range(64, 256, 8)), "at_most": (0, 1), "stage16": (0, 1, 2), "swap": (0, 1),
+    "maxnreg": (0, *range(64, 256, 8)), "at_most": (0, 1), "stage16": (0, 1, 2),
 }
 _META = ("device", "sizes", "seconds", "results", "notes", "problems")
 
@@ -1101,9 +903,6 @@ def paged_decode_triton(q: Tensor, k: Tensor, v: Tensor, k_scale: Tensor | None,
     if tma:
         impl.ensure_triton_scratch()
     pdl = bool(CONFIG["pdl"]) and pdl_ok(q.device)
-    swap = _swap_settings(q, k, v, d_rest, dv, tq * g, v_from_k, fp8)
-    if swap is not None:
-        block_n, block_m = swap["block_n"], max(16, triton.next_power_of_2(tq * g))
     m_tiles = -(-(tq * g) // block_m)
     programs = s * hkv * m_tiles
     splits, split_len = plan_splits(capacity, programs, block_n, cfg["min_split"], bool(cfg["at_most"]),
@@ -1115,20 +914,7 @@ def paged_decode_triton(q: Tensor, k: Tensor, v: Tensor, k_scale: Tensor | None,
     ks_st = ks.stride() if fp8 else (0, 0, 0)
     vs_st = vs.stride() if fp8 else (0, 0, 0)
     table = block_table if block_table.stride(-1) == 1 else block_table.contiguous()
-    if s > 0 and splits > 0 and swap is not None:
-        _paged_decode_swap_kernel[(programs, splits)](
-            q, k, v, ks, vs, table, seq_lens, o, lse,
-            scale * _LOG2E, split_len, tq, g, m_tiles, hkv,
-            dcp_size, dcp_rank, interleave,
-            q.stride(0), q.stride(1), q.stride(2),
-            k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2), *ks_st, *vs_st,
-            table.stride(0),
-            o.stride(0), o.stride(1), o.stride(2), o.stride(3), lse.stride(0), lse.stride(1), lse.stride(2),
-            D=d, DV=dv, BLOCK_DV=dv, BLOCK_M=block_m, BLOCK_N=block_n, PAGE=page, FP8=fp8, CAUSAL=tq > 1,
-            INTERPRETED=impl.interpreting(), PDL=pdl, NUM_BLOCKS=k.shape[0], TABLE_W=table.shape[1],
-            num_warps=swap["num_warps"], num_stages=swap["num_stages"],
-            **({"maxnreg": swap["maxnreg"]} if swap["maxnreg"] else {}), **({"launch_pdl": True} if pdl else {}))
-    elif s > 0 and splits > 0:
+    if s > 0 and splits > 0:
         _paged_decode_kernel[(programs, splits)](
             q, k, v, ks, vs, table, seq_lens, o, lse,
             scale * _LOG2E, split_len, tq, g, m_tiles, hkv, hq,
@@ -1149,27 +935,6 @@ def paged_decode_triton(q: Tensor, k: Tensor, v: Tensor, k_scale: Tensor | None,
         return AttnState(o[0], lse[0])
     merged = merge_states_triton(o.view(splits, s * tq, hq, dv), lse.view(splits, s * tq, hq), pdl=pdl)
     return AttnState(merged.out.view(s, tq, hq, dv), merged.lse.view(s, tq, hq))
-
-
-def _swap_settings(q: Tensor, k: Tensor, v: Tensor, d_rest: int, dv: int, rows: int, v_from_k: bool,
-                   fp8: bool) -> dict[str, int] | None:
-    """The swapped GQA kernel's block_n / num_warps / num_stages / maxnreg where CONFIG turns it on for this
-    cache dtype and it applies: power-of-two key and value dims of 32..256 (no rest part), a value
-    tensor of its own in the key's dtype, 16-bit queries (of the cache's dtype over a 16-bit
-    cache), at most 64 query rows per kv head, tiles inside pages; else None."""
-    tag = "_fp8" if fp8 else ""
-    if not CONFIG[f"swap{tag}"]:
-        return None
-    block_n = CONFIG[f"block_n_swap{tag}"]
-    d = k.shape[-1]
-    ok = (d_rest == 0 and 32 <= d <= 256 and 16 <= dv <= 256 and dv == triton.next_power_of_2(dv)
-          and not v_from_k and v.dtype == k.dtype and q.dtype in (torch.bfloat16, torch.float16)
-          and (fp8 or k.dtype == q.dtype) and rows <= 64 and (k.shape[1] % block_n == 0 or block_n % k.shape[1] == 0)
-          and k.stride(-1) == 1 and v.stride(-1) == 1 and q.stride(-1) == 1)
-    if not ok:
-        return None
-    return {"block_n": block_n, "num_warps": CONFIG[f"num_warps_swap{tag}"],
-            "num_stages": CONFIG[f"num_stages_swap{tag}"], "maxnreg": CONFIG[f"maxnreg_swap{tag}"]}
 
 
 def _halves_ok(k: Tensor, v: Tensor, k_scale: Tensor | None, v_scale: Tensor | None, d_main: int,
