@@ -169,6 +169,16 @@ DECODE.update({  # GQA with fewer warps per program (1 / 2: less of the 16-row t
              BLOCK_N=n, num_warps=w, num_stages=st, **(dict(F16=True) if fp8 else {})))
     for fp8 in (True, False) for n in (128, 64, 32) for w in (1, 2, 4) for st in (2, 3)
 })
+DECODE.update({  # GQA as CONFIG launches it, inside a DCP group (dcp_size a runtime int) and alone (1: specialized)
+    f"_paged_decode_kernel GQA {'fp8' if fp8 else 'bf16'} as installed dcp={dcp}": (
+        "_paged_decode_kernel", dict(_DECODE, **({"k_ptr": "*fp8e4nv", "v_ptr": "*fp8e4nv"} if fp8 else {}),
+                                     **({"dcp_size": "i32"} if dcp != 1 else {})),
+        dict({k: v for k, v in _MLA.items() if dcp == 1 or k != "dcp_size"}, D_MAIN=128, D_REST=0, BLOCK_REST=0,
+             DV=128, BLOCK_DV=128, V_FROM_K=False, FP8=fp8, BLOCK_M=16, KV_HEADS=4, PDL=True,
+             **(dict(BLOCK_N=128, num_warps=4, num_stages=2, F16=True, maxnreg=168) if fp8 else
+                dict(BLOCK_N=64, num_warps=4, num_stages=3))))
+    for fp8 in (True, False) for dcp in (1, "n")
+})
 DECODE["_paged_decode_kernel MLA narrow bf16 block_m=16 block_n=64 warps=8 stages=2 plain"] = (
     "_paged_decode_kernel", _DECODE, dict(_MLA, BLOCK_M=16, BLOCK_N=64, num_warps=8, num_stages=2))
 
