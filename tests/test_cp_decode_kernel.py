@@ -76,9 +76,13 @@ def test_kernel_matches_reference_single_rank(hq, hkv, tq):
 
 @pytest.mark.parametrize("size,interleave", [(2, 1), (4, 2), (3, 4)])
 @pytest.mark.parametrize("tq", [1, 3])
-def test_kernel_dcp_shards_merge_to_full_attention(size, interleave, tq):
-    """Each rank's kernel output over its shard; the LSE merge of all ranks = dense attention."""
-    from parallel.cp import merge_attn_states
+@pytest.mark.parametrize("dcp_constexpr", [0, 1])
+def test_kernel_dcp_shards_merge_to_full_attention(size, interleave, tq, dcp_constexpr, monkeypatch):
+    """Each rank's kernel output over its shard; the LSE merge of all ranks = dense attention.
+    dcp_constexpr: the group size and interleave built into the kernel (CONFIG dcp_constexpr)."""
+    from parallel.cp import merge_attn_states, triton_decode
+
+    monkeypatch.setitem(triton_decode.CONFIG, "dcp_constexpr", dcp_constexpr)
 
     lens = [3, 70, 1, 200] if tq > 1 else [0, 70, 1, 200]
     hq, hkv, d, dv = 8, 2, 32, 16

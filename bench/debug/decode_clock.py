@@ -2,7 +2,8 @@
 section over the same 32768 local tokens per sequence (docs/gpu.md §15): the two setups (dcp:
 group of 1, L = 32K, seed 1; decode: rank 0 of 4, L = 128K, seed 4) and the dcp setup's data
 read as rank 0 of 4 at L = 128K (the same slots) timed alternately with `common.step_time`, the
-bf16 cache as control, with the SM clock (NVML, MHz) read after each.
+bf16 cache as control, with the SM clock (NVML, MHz) read after each; the decode setup again with
+CONFIG dcp_constexpr (the group size built into the kernel).
 
     python bench/debug/decode_clock.py OUT.json        # on the GPU
 """
@@ -17,6 +18,7 @@ import torch
 from megapar.launch.bench.cp import _decode_setup
 from megapar.launch.bench.common import BenchContext, step_time
 from megapar.parallel.cp.dcp import DCPLayout
+from megapar.parallel.cp import triton_decode
 from megapar.parallel.cp.paged import paged_decode_attention
 
 
@@ -37,8 +39,10 @@ def main(path: str) -> None:
                 seq4 = torch.full((batch,), 4 * context, device=ctx.device)
                 setups["dcp data as 1/4"] = lambda c=cache, t=table, q=q: paged_decode_attention(
                     q, c, t, seq4, layout=lay4, scale=d ** -0.5, backend="triton", max_seq_len=4 * context)
+        setups["decode 1/4, dcp_constexpr"] = setups["decode 1/4"]
         for rep in range(2):
             for name, call in setups.items():
+                triton_decode.CONFIG["dcp_constexpr"] = int(name.endswith("dcp_constexpr"))
                 us, cols = step_time(ctx, [call])
                 row = {"cache": str(dtype), "setup": name, "rep": rep, "us": round(us, 1),
                        "sm_clock_mhz": torch.cuda.clock_rate(), "timing": cols["timing"]}
@@ -46,6 +50,7 @@ def main(path: str) -> None:
                 print(row, flush=True)
         del setups
         torch.cuda.empty_cache()
+    triton_decode.CONFIG["dcp_constexpr"] = 0
     with open(path, "w") as f:
         json.dump({"command": "python bench/debug/decode_clock.py", "device": torch.cuda.get_device_name(),
                    "rows": rows}, f, indent=1)

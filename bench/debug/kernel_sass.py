@@ -179,6 +179,13 @@ DECODE.update({  # GQA as CONFIG launches it, inside a DCP group (dcp_size a run
                 dict(BLOCK_N=64, num_warps=4, num_stages=3))))
     for fp8 in (True, False) for dcp in (1, "n")
 })
+DECODE.update({  # ... and with the group size built in (CONFIG dcp_constexpr)
+    f"_paged_decode_kernel GQA fp8 as installed dcp=4 constexpr": (
+        "_paged_decode_kernel", dict(_DECODE, k_ptr="*fp8e4nv", v_ptr="*fp8e4nv", dcp_size="i32"),
+        dict({k: v for k, v in _MLA.items() if k != "dcp_size"}, D_MAIN=128, D_REST=0, BLOCK_REST=0, DV=128,
+             BLOCK_DV=128, V_FROM_K=False, FP8=True, BLOCK_M=16, KV_HEADS=4, PDL=True, BLOCK_N=128, num_warps=4,
+             num_stages=2, F16=True, maxnreg=168, DCP_N=4, DCP_I=1))
+})
 DECODE["_paged_decode_kernel MLA narrow bf16 block_m=16 block_n=64 warps=8 stages=2 plain"] = (
     "_paged_decode_kernel", _DECODE, dict(_MLA, BLOCK_M=16, BLOCK_N=64, num_warps=8, num_stages=2))
 

@@ -465,8 +465,11 @@ def _paged_decode_kernel(
     FP8: tl.constexpr, V_FROM_K: tl.constexpr, CAUSAL: tl.constexpr, IEEE: tl.constexpr,
     INTERPRETED: tl.constexpr, LAZY: tl.constexpr = False, HALVES: tl.constexpr = False,
     TMA: tl.constexpr = False, DIAG: tl.constexpr = 0, F16: tl.constexpr = False, PDL: tl.constexpr = False,
-    STAGE: tl.constexpr = 0, NUM_BLOCKS=1, TABLE_W=1,
+    STAGE: tl.constexpr = 0, NUM_BLOCKS=1, TABLE_W=1, DCP_N: tl.constexpr = 0, DCP_I: tl.constexpr = 0,
 ):
+    if DCP_N > 0:   # (CONFIG dcp_constexpr: the DCP group size and interleave built into the kernel)
+        dcp_size = DCP_N
+        interleave = DCP_I
     if PDL:   # launched early (programmatic dependent launch): wait for the kernel before, then let
         gdc_wait()                  # the merge that follows launch (it waits for this one in turn)
         gdc_launch_dependents()
@@ -573,6 +576,11 @@ CONFIG = {
     # programmatic dependent launch (sm_90+, 0/1): the kernel and the split merge after it launch
     # while the kernel before each finishes, and wait for it in-kernel before touching memory
     "pdl": 1,
+    # the DCP group size and interleave as compile-time constants (a build per group; 0/1). Off,
+    # not measured yet: GQA over fp8 read the same 32768 slots per sequence in 381 µs launched as
+    # a group of 1 (dcp_size specialized to 1 by Triton) and in 427 µs as rank 0 of 4, bf16 equal
+    # (bench/debug/decode_clock.py; docs/gpu.md §15), with near-identical sm_90a loops
+    "dcp_constexpr": 0,
     # tokens of a sequence's local KV: never split finer. Per family (`launch_settings`): GQA,
     # GQA over an fp8 cache, MLA (key dim > 256: *_wide), MLA over fp8 (numbers below the dict)
     "min_split": 512, "min_split_fp8": 512, "min_split_wide": 1024, "min_split_wide_fp8": 1024,
@@ -738,7 +746,7 @@ _VALID = {
     "target_programs": range(1, 1 << 16), "min_split": range(1, 1 << 24),
     "block_n": (16, 32, 64, 128, 256), "block_m": (16, 32, 64, 128, 256), "block_n_fp8": (16, 32, 64, 128, 256),
     "num_warps": (1, 2, 4, 8, 16), "num_stages": (1, 2, 3, 4, 5, 6),
-    "lazy_rescale": (0, 1), "pdl": (0, 1), "halves": (0, 1), "tma": (0, 1), "diag": (0, 1, 2, 3), "f16": (0, 1),
+    "lazy_rescale": (0, 1), "pdl": (0, 1), "dcp_constexpr": (0, 1), "halves": (0, 1), "tma": (0, 1), "diag": (0, 1, 2, 3), "f16": (0, 1),
     "maxnreg": (0, *range(64, 256, 8)), "at_most": (0, 1), "stage16": (0, 1, 2),
 }
 _META = ("device", "sizes", "seconds", "results", "notes", "problems")
@@ -928,7 +936,7 @@ def paged_decode_triton(q: Tensor, k: Tensor, v: Tensor, k_scale: Tensor | None,
             IEEE=q.dtype == torch.float32, INTERPRETED=impl.interpreting(), LAZY=bool(cfg["lazy_rescale"]),
             HALVES=halves, TMA=tma, DIAG=cfg["diag"] if halves else 0, F16=f16, PDL=pdl, STAGE=stage16,
             NUM_BLOCKS=k.shape[0],
-            TABLE_W=table.shape[1],
+            TABLE_W=table.shape[1], **({"DCP_N": dcp_size, "DCP_I": interleave} if CONFIG["dcp_constexpr"] else {}),
             num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
             **({"maxnreg": cfg["maxnreg"]} if cfg["maxnreg"] else {}), **({"launch_pdl": True} if pdl else {}))
     if splits == 1:
