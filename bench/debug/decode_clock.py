@@ -10,10 +10,10 @@ CONFIG dcp_constexpr (the group size built into the kernel).
 
 from __future__ import annotations
 
-import json
 import sys
 
 import torch
+from _rows import dump_rows
 
 from megapar.launch.bench.cp import _decode_setup
 from megapar.launch.bench.common import BenchContext, step_time
@@ -51,9 +51,7 @@ def main(path: str) -> None:
         del setups
         torch.cuda.empty_cache()
     triton_decode.CONFIG["dcp_constexpr"] = 0
-    with open(path, "w") as f:
-        json.dump({"command": "python bench/debug/decode_clock.py", "device": torch.cuda.get_device_name(),
-                   "rows": rows}, f, indent=1)
+    dump_rows(path, "decode_clock.py", rows)
 
 
 if __name__ == "__main__":

@@ -11,10 +11,10 @@ order of operations); times are `common.step_time` (ten calls per CUDA graph ove
 
 from __future__ import annotations
 
-import json
 import sys
 
 import torch
+from _rows import dump_rows
 
 from megapar.launch.bench.common import BenchContext, copy_ceiling_gbps, input_copies, step_time
 from megapar.launch.bench.cp import _decode_setup, _floor, kv_read_bytes_of
@@ -78,9 +78,7 @@ def main(path: str) -> None:
             torch.cuda.empty_cache()
     td.CONFIG.clear()
     td.CONFIG.update(default)
-    with open(path, "w") as f:
-        json.dump({"command": "python bench/debug/decode_layout.py", "device": torch.cuda.get_device_name(),
-                   "rows": rows}, f, indent=1)
+    dump_rows(path, "decode_layout.py", rows)
 
 
 if __name__ == "__main__":

@@ -9,10 +9,10 @@ noise). Outputs must not change (same arithmetic per row).
 
 from __future__ import annotations
 
-import json
 import sys
 
 import torch
+from _rows import dump_rows
 
 from megapar.launch.bench.common import BenchContext, step_time
 from megapar.launch.bench.decode_probe import _problems
@@ -36,9 +36,7 @@ def main(path: str) -> None:
             rows.append(row)
             print(row, flush=True)
     triton_merge.CONFIG["min_programs"] = 0
-    with open(path, "w") as f:
-        json.dump({"command": "python bench/debug/decode_merge.py", "device": torch.cuda.get_device_name(),
-                   "rows": rows}, f, indent=1)
+    dump_rows(path, "decode_merge.py", rows)
 
 
 if __name__ == "__main__":
