@@ -148,6 +148,8 @@ def score_logits(logits: torch.Tensor, scoring: str) -> torch.Tensor:
     """Scores from fp32 logits: softmax over experts, sigmoid, or sqrt(softplus) (softplus(x) =
     x above 20). Equal logits of a row score exactly equal on every device (`_per_value`)."""
     if scoring == "softmax":
+        if logits.device.type != "cpu":      # (one kernel; see `_per_value`)
+            return logits.softmax(dim=-1)
         shifted = logits - logits.amax(dim=-1, keepdim=True)
         e = _per_value(torch.exp, shifted)
         return e / e.sum(dim=-1, keepdim=True)
