@@ -576,11 +576,12 @@ CONFIG = {
     # programmatic dependent launch (sm_90+, 0/1): the kernel and the split merge after it launch
     # while the kernel before each finishes, and wait for it in-kernel before touching memory
     "pdl": 1,
-    # the DCP group size and interleave as compile-time constants (a build per group; 0/1). Off,
-    # not measured yet: GQA over fp8 read the same 32768 slots per sequence in 381 µs launched as
-    # a group of 1 (dcp_size specialized to 1 by Triton) and in 427 µs as rank 0 of 4, bf16 equal
-    # (bench/debug/decode_clock.py; docs/gpu.md §15), with near-identical sm_90a loops
-    "dcp_constexpr": 0,
+    # the DCP group size and interleave as compile-time constants (a build per group; 0/1). GQA
+    # over fp8 read the same 32768 slots per sequence in 385-387 µs launched as a group of 1
+    # (dcp_size specialized to 1 by Triton) and in 431-435 µs as rank 0 of 4 with them as runtime
+    # ints; with them built in, rank 0 of 4 took 386 µs; bf16 488-493 µs in all four
+    # (bench/debug/decode_clock.py, 2026-12-04, bench/results/logs/decode-clock3-h200.json)
+    "dcp_constexpr": 1,
     # tokens of a sequence's local KV: never split finer. Per family (`launch_settings`): GQA,
     # GQA over an fp8 cache, MLA (key dim > 256: *_wide), MLA over fp8 (numbers below the dict)
     "min_split": 512, "min_split_fp8": 512, "min_split_wide": 1024, "min_split_wide_fp8": 1024,
