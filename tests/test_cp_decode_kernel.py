@@ -122,47 +122,6 @@ def test_kernel_splits_and_fp8_cache(monkeypatch):
     assert torch.isinf(got.lse[2]).all()
 
 
-@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.float8_e4m3fn])
-@pytest.mark.parametrize("tq,size,interleave", [(1, 1, 1), (2, 2, 1), (1, 3, 2)])
-def test_kernel_pair_of_kv_heads_matches_reference(cache_dtype, tq, size, interleave, monkeypatch):
-    """CONFIG pair: two kv heads a program (block-diagonal queries over their side-by-side tiles),
-    every rank of a DCP group, empty and one-token sequences among long ones, against the torch
-    path; the launch did take the pair path (`_pair_ok`)."""
-    from parallel.cp import triton_decode
-
-    monkeypatch.setitem(triton_decode.CONFIG, "pair", 1)
-    monkeypatch.setitem(triton_decode.CONFIG, "pair_fp8", 1)
-    taken = []
-    real = triton_decode._pair_ok
-    monkeypatch.setattr(triton_decode, "_pair_ok", lambda *a: taken.append(real(*a)) or taken[-1])
-    lens = [0, 70, 1, 203] if tq == 1 else [2, 70, 3, 203]
-    hq, hkv, d, dv = 16, 4, 32, 16       # 4 query heads a kv head: 2 x tq x 4 rows fit the 16-row tile
-    q = torch.randn(len(lens), tq, hq, d)
-    seq = torch.tensor(lens)
-    for rank in range(size):
-        cache, table, layout, _, _ = _fill(lens, hkv, d, dv, 8, size, rank, interleave, cache_dtype, seed=13 + rank)
-        ref = paged_decode_attention(q, cache, table, seq, layout=layout, backend="torch")
-        got = paged_decode_attention(q, cache, table, seq, layout=layout, backend="triton")
-        _check(got, ref, 1e-4)
-    assert taken and all(taken)
-
-
-def test_pair_is_refused_where_it_does_not_apply():
-    """An odd kv head count, rows past one tile, a non-power-of-two dim or heads not side by side
-    keep one kv head a program."""
-    from parallel.cp import triton_decode
-
-    k = torch.zeros(4, 8, 4, 32)
-    v = torch.zeros(4, 8, 4, 16)
-    assert triton_decode._pair_ok(k, v, 32, 0, 16, False, 8, 16)
-    assert not triton_decode._pair_ok(k[:, :, :3], v[:, :, :3], 32, 0, 16, False, 8, 16)          # 3 heads
-    assert not triton_decode._pair_ok(k, v, 32, 0, 16, False, 9, 16)                               # 18 rows
-    assert not triton_decode._pair_ok(k.transpose(1, 2), v, 32, 0, 16, False, 8, 16)               # head-major
-    assert not triton_decode._pair_ok(k, v, 32, 0, 16, True, 8, 16)                                # v inside k
-    k48 = torch.zeros(4, 8, 4, 48)
-    assert not triton_decode._pair_ok(k48, v, 48, 0, 16, False, 8, 16)                             # D = 48
-
-
 def test_kernel_mla_layout_v_is_prefix_of_k():
     """One latent 'kv head' with k = [c_kv, k_rope] (D = 80 = 64 + 16) and v = c_kv = k[..., :64]."""
     nb, block, lens = 20, 8, [17, 40, 2]

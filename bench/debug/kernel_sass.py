@@ -186,18 +186,6 @@ DECODE.update({  # ... and with the group size built in (CONFIG dcp_constexpr)
              BLOCK_DV=128, V_FROM_K=False, FP8=True, BLOCK_M=16, KV_HEADS=4, PDL=True, BLOCK_N=128, num_warps=4,
              num_stages=2, F16=True, maxnreg=168, DCP_N=4, DCP_I=1))
 })
-DECODE.update({  # GQA with two kv heads a program (CONFIG pair / pair_fp8): [keys, 2 x 128] tiles, 16 real rows
-    f"_paged_decode_kernel GQA {'fp8' if fp8 else 'bf16'} pair block_n={n} warps={w} stages={st}{f' maxnreg={mr}' if mr else ''}": (
-        "_paged_decode_kernel", dict(_DECODE, **({"k_ptr": "*fp8e4nv", "v_ptr": "*fp8e4nv"} if fp8 else {}),
-                                     dcp_size="i32"),
-        dict({k: v for k, v in _MLA.items() if k != "dcp_size"}, D_MAIN=256, D_REST=0, BLOCK_REST=0, DV=256,
-             BLOCK_DV=256, V_FROM_K=False, FP8=fp8, BLOCK_M=16, KV_HEADS=2, PDL=True, PAIR=True, DCP_N=4, DCP_I=1,
-             BLOCK_N=n, num_warps=w, num_stages=st, **(dict(F16=True) if fp8 else {}),
-             **({"maxnreg": mr} if mr else {})))
-    for fp8, n, w, st, mr in ((True, 64, 4, 2, 168), (True, 64, 4, 2, 0), (True, 64, 8, 2, 0), (True, 32, 4, 2, 168),
-                              (True, 32, 4, 3, 168), (False, 32, 4, 3, 0), (False, 32, 4, 2, 0), (False, 32, 8, 3, 0),
-                              (False, 64, 8, 2, 0))
-})
 DECODE["_paged_decode_kernel MLA narrow bf16 block_m=16 block_n=64 warps=8 stages=2 plain"] = (
     "_paged_decode_kernel", _DECODE, dict(_MLA, BLOCK_M=16, BLOCK_N=64, num_warps=8, num_stages=2))
 

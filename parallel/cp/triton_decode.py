@@ -195,19 +195,13 @@ def _f16_exponent(amax, qk_scale):
 
 
 @triton.jit
-def _per_row(sub, a, b):
-    """[M, N]: row i takes a (sub[i] == 0) or b: per-key values of a pair's two kv heads."""
-    return tl.where(sub[:, None] == 0, a[None, :], b[None, :])
-
-
-@triton.jit
 def _tile(j0, end, s64, kvh, q_main, q_rest, q_pos, rmask, dm, dr, rest_mask, dv, dv_mask, m_i, l_i, acc, r_i, bad,
           k_ptr, v_ptr, ks_ptr, vs_ptr, table_ptr, num_blocks, qk_scale, dcp_size, dcp_rank, interleave,
           sk_b, sk_t, sk_h, sv_b, sv_t, sv_h, ss_b, ss_t, ss_h, svs_b, svs_t, svs_h, st_s,
           D_REST: tl.constexpr, BLOCK_N: tl.constexpr, PAGE: tl.constexpr, FP8: tl.constexpr,
           V_FROM_K: tl.constexpr, CAUSAL: tl.constexpr, IEEE: tl.constexpr, LAZY: tl.constexpr,
           F16: tl.constexpr, CHECK: tl.constexpr = True, desc_k=None, desc_v=None, TMA: tl.constexpr = False,
-          STAGE: tl.constexpr = 0, sub=None, PAIR: tl.constexpr = False):
+          STAGE: tl.constexpr = 0):
     """One key tile [j0, j0 + BLOCK_N) of the online softmax: returns the new (m, l, acc, r, bad).
     CHECK: the tile checks its own block ids (`_checked_block`); off when `_checked_range` scanned
     the split's ids before the loop (every id the loop reads is then inside the cache).
@@ -217,10 +211,7 @@ def _tile(j0, end, s64, kvh, q_main, q_rest, q_pos, rmask, dm, dr, rest_mask, dv
     TMA (GQA, a whole tile inside its page): k and v come as one box each from the descriptors over
     [blocks, PAGE, kv heads, D] (`_paged_decode_kernel`), no per-element addresses or masks.
     STAGE (fp8 cache, `_staged`): 1 the value tile (MLA's latent, which is also the key) converted
-    where it was loaded and staged as 16-bit, 2 the key tile too.
-    PAIR (`pair`): the tiles hold kv heads kvh and kvh + 1 side by side ([keys, 2 x D], one load);
-    rows with sub = 0 / 1 belong to the first / second (their queries zero over the other's dims),
-    and an fp8 cache's scales are taken per row from their head."""
+    where it was loaded and staged as 16-bit, 2 the key tile too."""
     j = j0 + tl.arange(0, BLOCK_N)
     jmask = j < end
     if PAGE % BLOCK_N == 0:     # the tile lies in one page (tiles start at multiples of BLOCK_N): one id
@@ -253,12 +244,7 @@ def _tile(j0, end, s64, kvh, q_main, q_rest, q_pos, rmask, dm, dr, rest_mask, dv
             qk += tl.dot(q_rest, tl.trans(k_rest), input_precision="ieee")
         else:
             qk += tl.dot(q_rest, tl.trans(k_rest))
-    if FP8 and PAIR:
-        s_row = block * ss_b + in_page * ss_t + kvh * ss_h
-        ks = _per_row(sub, tl.load(ks_ptr + s_row, mask=jmask, other=0.0),
-                      tl.load(ks_ptr + s_row + ss_h, mask=jmask, other=0.0))
-        qk = qk * (ks * qk_scale)
-    elif FP8:
+    if FP8:
         ks = tl.load(ks_ptr + block * ss_b + in_page * ss_t + kvh * ss_h, mask=jmask, other=0.0)
         qk = qk * (ks * qk_scale)[None, :]
     else:
@@ -277,11 +263,7 @@ def _tile(j0, end, s64, kvh, q_main, q_rest, q_pos, rmask, dm, dr, rest_mask, dv
         v_tile = tl.load(v_ptr + v_row[:, None] + dv[None, :], mask=jmask[:, None] & dv_mask[None, :], other=0.0)
         if FP8:
             v_tile = _staged(v_tile.to(q_main.dtype), STAGE >= 1)
-    if FP8 and PAIR:
-        vs_row = block * svs_b + in_page * svs_t + kvh * svs_h
-        pv = p * _per_row(sub, tl.load(vs_ptr + vs_row, mask=jmask, other=0.0),
-                          tl.load(vs_ptr + vs_row + svs_h, mask=jmask, other=0.0))
-    elif FP8:
+    if FP8:
         vs = tl.load(vs_ptr + block * svs_b + in_page * svs_t + kvh * svs_h, mask=jmask, other=0.0)
         pv = p * vs[None, :]
     else:
@@ -484,7 +466,6 @@ def _paged_decode_kernel(
     INTERPRETED: tl.constexpr, LAZY: tl.constexpr = False, HALVES: tl.constexpr = False,
     TMA: tl.constexpr = False, DIAG: tl.constexpr = 0, F16: tl.constexpr = False, PDL: tl.constexpr = False,
     STAGE: tl.constexpr = 0, NUM_BLOCKS=1, TABLE_W=1, DCP_N: tl.constexpr = 0, DCP_I: tl.constexpr = 0,
-    PAIR: tl.constexpr = False,
 ):
     if DCP_N > 0:   # (CONFIG dcp_constexpr: the DCP group size and interleave built into the kernel)
         dcp_size = DCP_N
@@ -500,17 +481,9 @@ def _paged_decode_kernel(
     s64 = s.to(tl.int64)
     # rows of this tile: r = t * G + g  (query token t, head kvh * G + g)
     r = tile * BLOCK_M + tl.arange(0, BLOCK_M)
-    if PAIR:    # (CONFIG pair: kv heads 2 kvh and 2 kvh + 1, rows [0, Tq G) and [Tq G, 2 Tq G), one tile)
-        sub = r // (Tq * G)
-        rmask = r < 2 * Tq * G
-        t_idx = (r % (Tq * G)) // G
-        h_idx = (2 * kvh + sub) * G + r % G
-        kvh = 2 * kvh
-    else:
-        sub = r
-        rmask = r < Tq * G
-        t_idx = r // G
-        h_idx = kvh * G + r % G
+    rmask = r < Tq * G
+    t_idx = r // G
+    h_idx = kvh * G + r % G
     q_row = s64 * sq_s + t_idx.to(tl.int64) * sq_t + h_idx.to(tl.int64) * sq_h
     if HALVES:
         _halves_body(q_ptr, k_ptr, ks_ptr, table_ptr, glens_ptr, o_ptr, lse_ptr, split, s, s64, q_row,
@@ -519,11 +492,7 @@ def _paged_decode_kernel(
                      D_REST, BLOCK_REST, BLOCK_M, BLOCK_N, PAGE, FP8, CAUSAL, INTERPRETED, LAZY, TMA, DIAG, IEEE, F16)
     else:
         dm = tl.arange(0, D_MAIN)
-        if PAIR:    # block-diagonal: a row's query over its own head's half of the pair's dims
-            q_main = tl.load(q_ptr + q_row[:, None] + (dm % (D_MAIN // 2))[None, :],
-                             mask=rmask[:, None] & ((dm // (D_MAIN // 2))[None, :] == sub[:, None]), other=0.0)
-        else:
-            q_main = tl.load(q_ptr + q_row[:, None] + dm[None, :], mask=rmask[:, None], other=0.0)
+        q_main = tl.load(q_ptr + q_row[:, None] + dm[None, :], mask=rmask[:, None], other=0.0)
         if D_REST > 0:
             dr = D_MAIN + tl.arange(0, BLOCK_REST)
             rest_mask = dr < D_MAIN + D_REST
@@ -568,7 +537,7 @@ def _paged_decode_kernel(
                     r_i, bad, k_ptr, v_ptr, ks_ptr, vs_ptr, table_ptr, NUM_BLOCKS, qk_scale, dcp_size, dcp_rank,
                     interleave, sk_b, sk_t, sk_h, sv_b, sv_t, sv_h, ss_b, ss_t, ss_h, svs_b, svs_t, svs_h,
                     st_s, D_REST, BLOCK_N, PAGE, FP8, V_FROM_K, CAUSAL, IEEE, LAZY, F16, not FP8, desc_k, desc_v, TMA,
-                    STAGE, sub, PAIR)
+                    STAGE)
                 j0 += BLOCK_N
         else:
             for j0 in range(start, full_end, BLOCK_N):
@@ -577,15 +546,14 @@ def _paged_decode_kernel(
                     r_i, bad, k_ptr, v_ptr, ks_ptr, vs_ptr, table_ptr, NUM_BLOCKS, qk_scale, dcp_size, dcp_rank,
                     interleave, sk_b, sk_t, sk_h, sv_b, sv_t, sv_h, ss_b, ss_t, ss_h, svs_b, svs_t, svs_h,
                     st_s, D_REST, BLOCK_N, PAGE, FP8, V_FROM_K, CAUSAL, IEEE, LAZY, F16, not FP8, desc_k, desc_v, TMA,
-                    STAGE, sub, PAIR)
+                    STAGE)
         if TMA:
             if full_end < end:
                 m_i, l_i, acc, r_i, bad = _tile(
                     full_end, end, s64, kvh, q_main, q_rest, q_pos, rmask, dm, dr, rest_mask, dv, dv_mask, m_i, l_i,
                     acc, r_i, bad, k_ptr, v_ptr, ks_ptr, vs_ptr, table_ptr, NUM_BLOCKS, qk_scale, dcp_size, dcp_rank,
                     interleave, sk_b, sk_t, sk_h, sv_b, sv_t, sv_h, ss_b, ss_t, ss_h, svs_b, svs_t, svs_h,
-                    st_s, D_REST, BLOCK_N, PAGE, FP8, V_FROM_K, CAUSAL, IEEE, LAZY, F16, not FP8, STAGE=STAGE, sub=sub,
-                    PAIR=PAIR)
+                    st_s, D_REST, BLOCK_N, PAGE, FP8, V_FROM_K, CAUSAL, IEEE, LAZY, F16, not FP8, STAGE=STAGE)
         safe, lse = _finish(l_i, m_i)
         safe = tl.where(bad > 0, float("nan"), safe)      # a bad table or length: NaN out and lse
         lse = tl.where(bad > 0, float("nan"), lse)
@@ -594,11 +562,7 @@ def _paged_decode_kernel(
         else:
             out = acc / safe[:, None]
         o_row = split.to(tl.int64) * so_p + s64 * so_s + t_idx.to(tl.int64) * so_t + h_idx.to(tl.int64) * so_h
-        if PAIR:    # a row's output: its own head's half of the pair's value dims
-            tl.store(o_ptr + o_row[:, None] + (dv % (DV // 2))[None, :], out,
-                     mask=rmask[:, None] & dv_mask[None, :] & ((dv // (DV // 2))[None, :] == sub[:, None]))
-        else:
-            tl.store(o_ptr + o_row[:, None] + dv[None, :], out, mask=rmask[:, None] & dv_mask[None, :])
+        tl.store(o_ptr + o_row[:, None] + dv[None, :], out, mask=rmask[:, None] & dv_mask[None, :])
         l_row = split.to(tl.int64) * sl_p + s64 * sl_s + t_idx.to(tl.int64) * sl_t + h_idx
         tl.store(lse_ptr + l_row, lse, mask=rmask)
 
@@ -640,13 +604,6 @@ CONFIG = {
     # Off: timed with step_time (cp-probe10 / cp-probe9, B 32, 1/4 of 8K / 32K) bf16 41.96 / 131.3 µs
     # -> 43.2 / 132.7 with TMA, fp8 39.9 / 119.2 -> 39.7 / 118.9 (within run-to-run noise)
     "tma": 0, "tma_fp8": 0,
-    # pair (GQA, bf16 / fp8 caches, 0/1): two kv heads per program where both heads' query rows fit
-    # one row tile (2 x q_len x heads per kv head <= block_m: 16 rows for 8 heads per kv head and
-    # one query), their key / value tiles read side by side ([keys, 2 x D]: the cache's heads are
-    # adjacent) against block-diagonal queries, at half the key tile (the same bytes a tile). The
-    # 16-row tile then holds 16 real rows instead of 8 and 8 of padding: half the programs, half
-    # the softmax and row reductions per key, the same MMA work. Not measured yet: off
-    "pair": 0, "pair_fp8": 0,
     # f16_fp8: fp16 MMA operands over an fp8 cache (bf16 queries scaled into fp16 by a power of two,
     # weights p * v_scale over a running per-row maximum: `_tile`), one conversion per fp8 pair
     # instead of fp8 -> fp16 -> bf16 (sm_90a loop per 128-key tile: 1818 -> 1509 instructions, the
@@ -769,10 +726,10 @@ _WIDE = {"block_n": "block_n_wide", "block_m": "block_m_wide", "num_warps": "num
          "tma": "tma_wide", "diag": "diag_wide", "min_split": "min_split_wide", "at_most": "at_most_wide",
          "target_programs": "target_programs_wide"}
 # kernel options (0/1; diag 0-3; maxnreg 0 = the compiler's choice, else a register cap), launch_settings
-_STRUCTURE = ("lazy_rescale", "halves", "tma", "diag", "f16", "maxnreg", "stage16", "pair")
+_STRUCTURE = ("lazy_rescale", "halves", "tma", "diag", "f16", "maxnreg", "stage16")
 _FP8 = {"block_n": "block_n_fp8", "num_stages": "num_stages_fp8", "f16": "f16_fp8",
         "maxnreg": "maxnreg_fp8", "min_split": "min_split_fp8", "tma": "tma_fp8",
-        "stage16": "stage16_fp8", "num_warps": "num_warps_fp8", "pair": "pair_fp8",
+        "stage16": "stage16_fp8", "num_warps": "num_warps_fp8",
         "target_programs": "target_programs_fp8"}                                 # GQA over an fp8 cache
 _WIDE_FP8 = {k: f"{k}_wide_fp8" for k in ("block_m", "block_n", "num_warps", "num_stages", "lazy_rescale", "halves",
                                           "tma", "min_split", "f16", "at_most", "target_programs")}   # MLA, fp8 cache
@@ -791,7 +748,7 @@ _VALID = {
     "block_n": (16, 32, 64, 128, 256), "block_m": (16, 32, 64, 128, 256), "block_n_fp8": (16, 32, 64, 128, 256),
     "num_warps": (1, 2, 4, 8, 16), "num_stages": (1, 2, 3, 4, 5, 6),
     "lazy_rescale": (0, 1), "pdl": (0, 1), "dcp_constexpr": (0, 1), "halves": (0, 1), "tma": (0, 1), "diag": (0, 1, 2, 3), "f16": (0, 1),
-    "maxnreg": (0, *range(64, 256, 8)), "at_most": (0, 1), "stage16": (0, 1, 2), "pair": (0, 1),
+    "maxnreg": (0, *range(64, 256, 8)), "at_most": (0, 1), "stage16": (0, 1, 2),
 }
 _META = ("device", "sizes", "seconds", "results", "notes", "problems")
 
@@ -951,17 +908,12 @@ def paged_decode_triton(q: Tensor, k: Tensor, v: Tensor, k_scale: Tensor | None,
            and not (halves and cfg["diag"]))          # (the probe's diagnostics run without it)
     # (inline PTX: not under the interpreter, where it would change nothing anyway)
     stage16 = cfg["stage16"] if fp8 and not halves and not impl.interpreting() else 0
-    pair = bool(cfg["pair"]) and not halves and _pair_ok(k, v, d, d_rest, dv, v_from_k, tq * g, block_m)
-    if pair:        # (the same bytes a key tile: half the keys of two heads)
-        block_n = max(16, block_n // 2)
-    tma = (bool(cfg["tma"]) and not pair
-           and (_tma_ok(k) if halves else _gqa_tma_ok(k, v, d_rest, dv, block_n, v_from_k)))
+    tma = bool(cfg["tma"]) and (_tma_ok(k) if halves else _gqa_tma_ok(k, v, d_rest, dv, block_n, v_from_k))
     if tma:
         impl.ensure_triton_scratch()
     pdl = bool(CONFIG["pdl"]) and pdl_ok(q.device)
     m_tiles = -(-(tq * g) // block_m)
-    kv_programs = hkv // 2 if pair else hkv
-    programs = s * kv_programs * m_tiles
+    programs = s * hkv * m_tiles
     splits, split_len = plan_splits(capacity, programs, block_n, cfg["min_split"], bool(cfg["at_most"]),
                                     cfg["target_programs"])
     o = torch.empty(splits, s, tq, hq, dv, dtype=torch.float32, device=q.device)
@@ -974,14 +926,13 @@ def paged_decode_triton(q: Tensor, k: Tensor, v: Tensor, k_scale: Tensor | None,
     if s > 0 and splits > 0:
         _paged_decode_kernel[(programs, splits)](
             q, k, v, ks, vs, table, seq_lens, o, lse,
-            scale * _LOG2E, split_len, tq, g, m_tiles, kv_programs, hq,
+            scale * _LOG2E, split_len, tq, g, m_tiles, hkv, hq,
             dcp_size, dcp_rank, interleave,
             q.stride(0), q.stride(1), q.stride(2),
             k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2), *ks_st, *vs_st,
             table.stride(0),
             o.stride(0), o.stride(1), o.stride(2), o.stride(3), lse.stride(0), lse.stride(1), lse.stride(2),
-            D_MAIN=d_main * (1 + pair), D_REST=d_rest, BLOCK_REST=block_rest, DV=dv * (1 + pair),
-            BLOCK_DV=triton.next_power_of_2(dv * (1 + pair)), PAIR=pair,
+            D_MAIN=d_main, D_REST=d_rest, BLOCK_REST=block_rest, DV=dv, BLOCK_DV=triton.next_power_of_2(dv),
             BLOCK_M=block_m, BLOCK_N=block_n, PAGE=page, FP8=fp8, V_FROM_K=v_from_k, CAUSAL=tq > 1,
             IEEE=q.dtype == torch.float32, INTERPRETED=impl.interpreting(), LAZY=bool(cfg["lazy_rescale"]),
             HALVES=halves, TMA=tma, DIAG=cfg["diag"] if halves else 0, F16=f16, PDL=pdl, STAGE=stage16,
@@ -1004,14 +955,6 @@ def _halves_ok(k: Tensor, v: Tensor, k_scale: Tensor | None, v_scale: Tensor | N
     return (k.shape[2] == 1 and d_main == 512 and v.shape[-1] == d_main and v.data_ptr() == k.data_ptr()
             and v.stride() == k.stride() and k.shape[1] % block_n == 0 and same_scale and k.stride(-1) == 1
             )
-
-
-def _pair_ok(k: Tensor, v: Tensor, d: int, d_rest: int, dv: int, v_from_k: bool, rows: int, block_m: int) -> bool:
-    """`pair` applies: an even number of kv heads whose key (value) vectors lie side by side in
-    each token's row, a power-of-two key dim (no rest part), separate values, and both heads'
-    query rows in one row tile."""
-    return (k.shape[2] % 2 == 0 and 2 * rows <= block_m and d_rest == 0 and d == triton.next_power_of_2(d)
-            and not v_from_k and k.stride(3) == 1 and v.stride(3) == 1 and k.stride(2) == d and v.stride(2) == dv)
 
 
 def _gqa_tma_ok(k: Tensor, v: Tensor, d_rest: int, dv: int, block_n: int, v_from_k: bool) -> bool:
