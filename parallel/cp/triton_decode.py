@@ -56,7 +56,7 @@ from torch import Tensor
 
 from .. import impl
 from .state import AttnState
-from .triton_merge import _clean_lse, gdc_launch_dependents, gdc_wait, merge_states_triton, pdl_ok
+from .triton_merge import gdc_launch_dependents, gdc_wait, merge_states_triton, pdl_ok
 
 _LOG2E = 1.4426950408889634
 
@@ -466,7 +466,6 @@ def _paged_decode_kernel(
     INTERPRETED: tl.constexpr, LAZY: tl.constexpr = False, HALVES: tl.constexpr = False,
     TMA: tl.constexpr = False, DIAG: tl.constexpr = 0, F16: tl.constexpr = False, PDL: tl.constexpr = False,
     STAGE: tl.constexpr = 0, NUM_BLOCKS=1, TABLE_W=1, DCP_N: tl.constexpr = 0, DCP_I: tl.constexpr = 0,
-    FUSED: tl.constexpr = 0, fo_ptr=None, flse_ptr=None, count_ptr=None, sfo_s=0, sfo_t=0, sfo_h=0, sfl_s=0, sfl_t=0,
 ):
     if DCP_N > 0:   # (CONFIG dcp_constexpr: the DCP group size and interleave built into the kernel)
         dcp_size = DCP_N
@@ -566,46 +565,6 @@ def _paged_decode_kernel(
         tl.store(o_ptr + o_row[:, None] + dv[None, :], out, mask=rmask[:, None] & dv_mask[None, :])
         l_row = split.to(tl.int64) * sl_p + s64 * sl_s + t_idx.to(tl.int64) * sl_t + h_idx
         tl.store(lse_ptr + l_row, lse, mask=rmask)
-        if FUSED:   # (CONFIG fused_merge) the split that finishes last merges the rows' FUSED >= splits partials
-            tl.debug_barrier()          # every thread's partial stored before the count says so
-            done = tl.atomic_add(count_ptr + pid, 1, sem="acq_rel", scope="gpu")
-            if done == tl.num_programs(1) - 1:
-                tl.atomic_xchg(count_ptr + pid, 0, sem="relaxed", scope="gpu")    # zero for the next call
-                _merge_splits(o_ptr, lse_ptr, fo_ptr, flse_ptr, s64, t_idx, h_idx, rmask, dv, dv_mask,
-                              tl.num_programs(1), so_p, so_s, so_t, so_h, sl_p, sl_s, sl_t, sfo_s, sfo_t, sfo_h,
-                              sfl_s, sfl_t, FUSED)
-
-
-@triton.jit
-def _merge_splits(o_ptr, lse_ptr, fo_ptr, flse_ptr, s64, t_idx, h_idx, rmask, dv, dv_mask, n, so_p, so_s, so_t,
-                  so_h, sl_p, sl_s, sl_t, sfo_s, sfo_t, sfo_h, sfl_s, sfl_t, NSP: tl.constexpr):
-    """The `merge_attn_states` of n <= NSP split partials of one program's rows (as the split merge
-    kernel computes it: an empty split weighs 0, a NaN lse makes the row NaN), written to the final
-    out / lse. The partials of the other splits' programs are read past L1 (.cg): this SM's L1 may
-    hold those addresses from an earlier call."""
-    sp = tl.arange(0, NSP)
-    l_row = s64 * sl_s + t_idx.to(tl.int64) * sl_t + h_idx
-    lse = _clean_lse(tl.load(lse_ptr + sp[None, :].to(tl.int64) * sl_p + l_row[:, None],
-                             mask=rmask[:, None] & (sp < n)[None, :], other=float("-inf"), cache_modifier=".cg"))
-    nan = tl.max(tl.where(lse != lse, 1, 0), 1) > 0
-    mx = tl.max(tl.where(lse != lse, float("-inf"), lse), 1)
-    mx = tl.where(mx == float("-inf"), 0.0, mx)
-    w = tl.exp(lse - mx[:, None])
-    total = tl.sum(tl.where(lse != lse, 0.0, w), 1)
-    safe = tl.where(total > 0, total, 1.0)
-    o_row = s64 * so_s + t_idx.to(tl.int64) * so_t + h_idx.to(tl.int64) * so_h
-    acc = tl.zeros([o_row.shape[0], dv.shape[0]], tl.float32)
-    for i in tl.static_range(NSP):
-        wi = tl.sum(tl.where(sp[None, :] == i, w, 0.0), 1) / safe
-        oi = tl.load(o_ptr + i * so_p + o_row[:, None] + dv[None, :],
-                     mask=rmask[:, None] & dv_mask[None, :] & (i < n), other=0.0, cache_modifier=".cg")
-        acc += tl.where(wi[:, None] > 0, oi, 0.0) * wi[:, None]
-    acc = tl.where(nan[:, None], float("nan"), acc)
-    fo_row = s64 * sfo_s + t_idx.to(tl.int64) * sfo_t + h_idx.to(tl.int64) * sfo_h
-    tl.store(fo_ptr + fo_row[:, None] + dv[None, :], acc, mask=rmask[:, None] & dv_mask[None, :])
-    out_lse = tl.where(total == 0, float("-inf"), mx + tl.log(safe))
-    tl.store(flse_ptr + s64 * sfl_s + t_idx.to(tl.int64) * sfl_t + h_idx, tl.where(nan, float("nan"), out_lse),
-             mask=rmask)
 
 
 CONFIG = {
@@ -617,14 +576,6 @@ CONFIG = {
     # programmatic dependent launch (sm_90+, 0/1): the kernel and the split merge after it launch
     # while the kernel before each finishes, and wait for it in-kernel before touching memory
     "pdl": 1,
-    # the split merge inside the decode kernel (GQA and MLA's narrow head tiles; 0/1): each program
-    # counts its finished splits in a zeroed int32 per program row tile, and the split that ends
-    # last merges the others' partials (read from L2) into the final rows, then zeroes its count
-    # for the next call. No merge kernel and no wait for one. Applies up to fused_merge_max_splits
-    # splits (the merge's loads are unrolled over that many) and not where a CUDA graph is
-    # captured before the first eager call has made the counters (`_split_counters`).
-    # Not measured yet: off
-    "fused_merge": 0, "fused_merge_max_splits": 8,
     # the DCP group size and interleave as compile-time constants (a build per group; 0/1). GQA
     # over fp8 read the same 32768 slots per sequence in 385-387 µs launched as a group of 1
     # (dcp_size specialized to 1 by Triton) and in 431-435 µs as rank 0 of 4 with them as runtime
@@ -796,7 +747,7 @@ _VALID = {
     "target_programs": range(1, 1 << 16), "min_split": range(1, 1 << 24),
     "block_n": (16, 32, 64, 128, 256), "block_m": (16, 32, 64, 128, 256), "block_n_fp8": (16, 32, 64, 128, 256),
     "num_warps": (1, 2, 4, 8, 16), "num_stages": (1, 2, 3, 4, 5, 6),
-    "lazy_rescale": (0, 1), "pdl": (0, 1), "dcp_constexpr": (0, 1), "fused_merge": (0, 1), "fused_merge_max_splits": (1, 2, 4, 8, 16), "halves": (0, 1), "tma": (0, 1), "diag": (0, 1, 2, 3), "f16": (0, 1),
+    "lazy_rescale": (0, 1), "pdl": (0, 1), "dcp_constexpr": (0, 1), "halves": (0, 1), "tma": (0, 1), "diag": (0, 1, 2, 3), "f16": (0, 1),
     "maxnreg": (0, *range(64, 256, 8)), "at_most": (0, 1), "stage16": (0, 1, 2),
 }
 _META = ("device", "sizes", "seconds", "results", "notes", "problems")
@@ -967,16 +918,6 @@ def paged_decode_triton(q: Tensor, k: Tensor, v: Tensor, k_scale: Tensor | None,
                                     cfg["target_programs"])
     o = torch.empty(splits, s, tq, hq, dv, dtype=torch.float32, device=q.device)
     lse = torch.empty(splits, s, tq, hq, dtype=torch.float32, device=q.device)
-    counts = None
-    if CONFIG["fused_merge"] and not halves and 1 < splits <= CONFIG["fused_merge_max_splits"]:
-        counts = _split_counters(q.device, programs)
-    fused = {}
-    if counts is not None:
-        fo = torch.empty(s, tq, hq, dv, dtype=torch.float32, device=q.device)
-        flse = torch.empty(s, tq, hq, dtype=torch.float32, device=q.device)
-        fused = dict(FUSED=triton.next_power_of_2(splits), fo_ptr=fo, flse_ptr=flse, count_ptr=counts,
-                     sfo_s=fo.stride(0), sfo_t=fo.stride(1), sfo_h=fo.stride(2), sfl_s=flse.stride(0),
-                     sfl_t=flse.stride(1))
     ks = k_scale if fp8 else _no_scale(q)
     vs = v_scale if fp8 else ks
     ks_st = ks.stride() if fp8 else (0, 0, 0)
@@ -997,13 +938,10 @@ def paged_decode_triton(q: Tensor, k: Tensor, v: Tensor, k_scale: Tensor | None,
             HALVES=halves, TMA=tma, DIAG=cfg["diag"] if halves else 0, F16=f16, PDL=pdl, STAGE=stage16,
             NUM_BLOCKS=k.shape[0],
             TABLE_W=table.shape[1], **({"DCP_N": dcp_size, "DCP_I": interleave} if CONFIG["dcp_constexpr"] else {}),
-            **fused,
             num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
             **({"maxnreg": cfg["maxnreg"]} if cfg["maxnreg"] else {}), **({"launch_pdl": True} if pdl else {}))
     if splits == 1:
         return AttnState(o[0], lse[0])
-    if fused:
-        return AttnState(fused["fo_ptr"], fused["flse_ptr"])
     merged = merge_states_triton(o.view(splits, s * tq, hq, dv), lse.view(splits, s * tq, hq), pdl=pdl)
     return AttnState(merged.out.view(s, tq, hq, dv), merged.lse.view(s, tq, hq))
 
@@ -1034,25 +972,6 @@ def _tma_ok(k: Tensor) -> bool:
     """TMA descriptors over k [blocks, page, 1, D]: a 16-byte aligned base and byte strides."""
     e = k.element_size()
     return k.data_ptr() % 16 == 0 and all((st * e) % 16 == 0 for st in (k.stride(0), k.stride(1)))
-
-
-_COUNTERS: dict[tuple[torch.device, int], Tensor] = {}
-
-
-def _split_counters(device: torch.device, programs: int) -> Tensor | None:
-    """Zeroed int32 split counts of `fused_merge`, at least `programs` of them, one buffer per
-    (device, stream): a call leaves them zero, and calls on one stream never overlap (calls on two
-    streams, as micro-batch overlap runs them, get one buffer each). None while a CUDA graph is
-    captured and no buffer is large enough: one made then would be the graph's memory (the call
-    then takes the merge kernel)."""
-    stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
-    key = (device, stream)
-    buf = _COUNTERS.get(key)
-    if buf is None or buf.numel() < programs:
-        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            return None
-        buf = _COUNTERS[key] = torch.zeros(max(programs, 4096), dtype=torch.int32, device=device)
-    return buf
 
 
 _NO_SCALE: dict[torch.device, Tensor] = {}
