@@ -55,6 +55,7 @@ import triton.language as tl
 from torch import Tensor
 
 from .. import impl
+from . import gluon_mla
 from .state import AttnState
 from .triton_merge import gdc_launch_dependents, gdc_wait, merge_states_triton, pdl_ok
 
@@ -576,6 +577,11 @@ CONFIG = {
     # programmatic dependent launch (sm_90+, 0/1): the kernel and the split merge after it launch
     # while the kernel before each finishes, and wait for it in-kernel before touching memory
     "pdl": 1,
+    # MLA with full 64-head tiles over a bf16 cache through the warp-specialized Gluon kernel
+    # (`gluon_mla`: a TMA loader warpgroup, one warpgroup for the scores, softmax and output dims
+    # [0, 256), one for dims [256, 512) from the same weights), where it applies (`gluon_mla_ok`).
+    # Not measured yet: off
+    "gluon_wide": 0,
     # the DCP group size and interleave as compile-time constants (a build per group; 0/1). GQA
     # over fp8 read the same 32768 slots per sequence in 385-387 µs launched as a group of 1
     # (dcp_size specialized to 1 by Triton) and in 431-435 µs as rank 0 of 4 with them as runtime
@@ -747,7 +753,7 @@ _VALID = {
     "target_programs": range(1, 1 << 16), "min_split": range(1, 1 << 24),
     "block_n": (16, 32, 64, 128, 256), "block_m": (16, 32, 64, 128, 256), "block_n_fp8": (16, 32, 64, 128, 256),
     "num_warps": (1, 2, 4, 8, 16), "num_stages": (1, 2, 3, 4, 5, 6),
-    "lazy_rescale": (0, 1), "pdl": (0, 1), "dcp_constexpr": (0, 1), "halves": (0, 1), "tma": (0, 1), "diag": (0, 1, 2, 3), "f16": (0, 1),
+    "lazy_rescale": (0, 1), "pdl": (0, 1), "gluon_wide": (0, 1), "dcp_constexpr": (0, 1), "halves": (0, 1), "tma": (0, 1), "diag": (0, 1, 2, 3), "f16": (0, 1),
     "maxnreg": (0, *range(64, 256, 8)), "at_most": (0, 1), "stage16": (0, 1, 2),
 }
 _META = ("device", "sizes", "seconds", "results", "notes", "problems")
@@ -923,7 +929,11 @@ def paged_decode_triton(q: Tensor, k: Tensor, v: Tensor, k_scale: Tensor | None,
     ks_st = ks.stride() if fp8 else (0, 0, 0)
     vs_st = vs.stride() if fp8 else (0, 0, 0)
     table = block_table if block_table.stride(-1) == 1 else block_table.contiguous()
-    if s > 0 and splits > 0:
+    if (s > 0 and splits > 0 and CONFIG["gluon_wide"] and halves and not impl.interpreting()
+            and gluon_mla.gluon_mla_ok(q, k, v, tq, page)):
+        gluon_mla.launch_gluon_mla(q, k, table, seq_lens, o, lse, scale * _LOG2E, splits, split_len, dcp_size,
+                                   dcp_rank, interleave)
+    elif s > 0 and splits > 0:
         _paged_decode_kernel[(programs, splits)](
             q, k, v, ks, vs, table, seq_lens, o, lse,
             scale * _LOG2E, split_len, tq, g, m_tiles, hkv, hq,

@@ -1,0 +1,101 @@
+"""The warp-specialized Gluon MLA decode kernel (`parallel.cp.gluon_mla`, CONFIG gluon_wide)
+against the Triton kernel: max abs error of both against the torch path on awkward lengths (0,
+1, 63, 64, 65 tokens, long ones; DCP group of 1 and rank 1 of 2; a bad block id), then whole
+calls timed with `common.step_time` (ten a CUDA graph, alternating, two rounds) for MLA 128 heads
+over rank 0's 1/4 of B = 32 sequences of L = 8K, 32K, 128K.
+
+    python bench/debug/decode_gluon.py OUT.json        # on the GPU
+"""
+
+from __future__ import annotations
+
+import sys
+
+import torch
+from _rows import dump_rows
+
+from megapar.launch.bench.cp import _mla_decode_setup
+from megapar.launch.bench.common import BenchContext, step_time
+from megapar.parallel.cp import triton_decode
+from megapar.parallel.cp.dcp import DCPLayout
+from megapar.parallel.cp.mla import MLADims
+from megapar.parallel.cp.paged import PagedKVCache, paged_decode_attention
+
+
+def _check(rows: list) -> None:
+    dims = MLADims()
+    gen = torch.Generator(device="cuda").manual_seed(3)
+    lens = [0, 1, 63, 64, 65, 700, 2500, 129]
+    for size, rank in ((1, 0), (2, 1)):
+        block = 64
+        layout = DCPLayout(size=size, rank=rank, block_size=block)
+        per_seq = -(-max(lens) // (block * size)) + 1
+        nb = len(lens) * per_seq + 5
+        # the kernels read a cache whose unheld slots hold NaN (anything may be there); the torch
+        # reference reads a copy with zeros there
+        kv = torch.full((nb, block, 1, dims.latent_dim), float("nan"), device="cuda", dtype=torch.bfloat16)
+        clean = torch.zeros_like(kv)
+        table = torch.randperm(nb, device="cuda", generator=gen)[: len(lens) * per_seq].view(len(lens), per_seq).int()
+        for s, n in enumerate(lens):
+            if n:
+                slots = layout.slot_mapping(torch.arange(n, device="cuda"), table[s])
+                x = torch.randn(n, 1, dims.latent_dim, device="cuda", generator=gen).to(torch.bfloat16)
+                mine = slots >= 0
+                kv.view(-1, 1, dims.latent_dim)[slots[mine]] = x[mine]
+                clean.view(-1, 1, dims.latent_dim)[slots[mine]] = x[mine]
+        cache = PagedKVCache(kv, kv[..., :dims.kv_lora_rank])
+        ref_cache = PagedKVCache(clean, clean[..., :dims.kv_lora_rank])
+        q = torch.randn(len(lens), 128, dims.latent_dim, device="cuda", generator=gen).to(torch.bfloat16)
+        seq = torch.tensor(lens, device="cuda")
+        ref = paged_decode_attention(q, ref_cache, table, seq, layout=layout, scale=dims.scale, backend="torch")
+        for name, on in (("triton", 0), ("gluon", 1)):
+            triton_decode.CONFIG["gluon_wide"] = on
+            got = paged_decode_attention(q, cache, table, seq, layout=layout, scale=dims.scale, backend="triton")
+            torch.cuda.synchronize()
+            fin = torch.isfinite(ref.lse)
+            row = {"check": f"dcp {size} rank {rank}", "kernel": name,
+                   "max_err_out": (got.out - ref.out).abs().max().item(),
+                   "max_err_lse": (got.lse[fin] - ref.lse[fin]).abs().max().item(),
+                   "empty_rows_ok": bool(torch.equal(torch.isfinite(got.lse), fin))}
+            bad_table = table.clone()
+            bad_table[5, 0] = nb + 3
+            bad = paged_decode_attention(q, cache, bad_table, seq, layout=layout, scale=dims.scale, backend="triton",
+                                         validate=False)
+            row["bad_row_nan"] = bool(torch.isnan(bad.lse[5]).all()) and bool(torch.isfinite(bad.lse[6]).all())
+            rows.append(row)
+            print(row, flush=True)
+    triton_decode.CONFIG["gluon_wide"] = 0
+
+
+def main(path: str) -> None:
+    ctx = BenchContext("cp", torch.device("cuda"))
+    rows: list = []
+    _check(rows)
+    dims = MLADims()
+    for context in (8192, 32768, 131072):
+        latent, table = _mla_decode_setup(32, context, dims, 64, 4, ctx.device, torch.bfloat16)
+        layout = DCPLayout(size=4, rank=0, block_size=64)
+        seq = torch.full((32,), context, device=ctx.device)
+        q = torch.randn(32, 128, dims.latent_dim, device=ctx.device, dtype=torch.bfloat16)
+        call = lambda: paged_decode_attention(q, latent.paged, table, seq, layout=layout, scale=dims.scale,
+                                              backend="triton", max_seq_len=context)
+        triton_decode.CONFIG["gluon_wide"] = 0
+        ref = call()
+        for rep in range(2):
+            for name, on in (("triton", 0), ("gluon", 1)):
+                triton_decode.CONFIG["gluon_wide"] = on
+                got = call()
+                err = max((got.out - ref.out).abs().max().item(), (got.lse - ref.lse).abs().max().item())
+                us, cols = step_time(ctx, [call])
+                row = {"L": context, "kernel": name, "rep": rep, "us": round(us, 1), "max_diff_vs_triton": err,
+                       "timing": cols["timing"]}
+                rows.append(row)
+                print(row, flush=True)
+        triton_decode.CONFIG["gluon_wide"] = 0
+        del latent, table
+        torch.cuda.empty_cache()
+    dump_rows(path, "decode_gluon.py", rows)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1] if len(sys.argv) > 1 else "decode-gluon.json")

@@ -1,0 +1,274 @@
+"""MLA absorbed decode as a warp-specialized Gluon kernel for Hopper (sm_90): one program per
+(sequence, 64-head tile, split) of a bf16 latent cache, three partitions sharing one CTA:
+
+- the loader (4 warps) brings the 64 heads' queries once and each 64-key tile of the latent
+  (576 wide: nine 64-column boxes) into a ring of `STAGES` shared-memory stages by TMA; the
+  last tile of a split that ends inside it is loaded through masked loads instead, so that
+  the cache's rows past the sequence (anything may be there) enter as zeros;
+- warpgroup 0 computes the scores S = Q K^T (wgmma over the nine boxes), the online softmax,
+  publishes the weights P (bf16) and the rescale factors of the tile in shared memory, and
+  accumulates output dims [0, 256) as P V;
+- warpgroup 1 accumulates output dims [256, 512) from the same P, so that one warpgroup's
+  P V runs on the tensor cores while the other computes the next tile's scores and softmax.
+
+Outputs are the split's partial (out, lse) in the layout `triton_decode.paged_decode_triton`
+writes (the split merge follows). Opt-in (`triton_decode.CONFIG["gluon_wide"]`): bf16 caches and
+queries, one query token, heads a multiple of 64, pages a multiple of 64, the latent layout of
+`_halves_ok`, an sm_90 GPU with Gluon."""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+try:
+    import triton
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
+                                                                  warpgroup_mma_wait)
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+    HAS_GLUON = True
+except ImportError:  # pragma: no cover - a Triton without Gluon
+    HAS_GLUON = False
+
+if HAS_GLUON:
+    BLOCK = gl.constexpr(64)       # heads a program, keys a tile, columns a box
+    CHUNKS = gl.constexpr(9)       # 576 / 64: boxes of the latent + rope key
+    VCHUNKS = gl.constexpr(4)      # boxes of output dims per warpgroup (2 x 4 x 64 = 512)
+    STAGES = gl.constexpr(2)
+else:  # pragma: no cover
+    BLOCK, CHUNKS, VCHUNKS, STAGES = 64, 9, 4, 2
+
+if HAS_GLUON:
+    @gluon.jit
+    def _local_len(glens_ptr, s, dcp_size, dcp_rank, interleave):
+        g = gl.load(glens_ptr + s).to(gl.int32)
+        base = (g // (interleave * dcp_size)) * interleave
+        return base + gl.minimum(gl.maximum(g - base * dcp_size - dcp_rank * interleave, 0), interleave)
+
+    @gluon.jit
+    def _split_range(glens_ptr, s, split, split_len, dcp_size, dcp_rank, interleave, table_w, PAGE: gl.constexpr):
+        """(start, end, tiles, bad) of this split: bad where the length is negative or past the table."""
+        local = _local_len(glens_ptr, s, dcp_size, dcp_rank, interleave)
+        start = split * split_len
+        end = gl.minimum(gl.minimum(start + split_len, local), table_w * PAGE)
+        bad = (gl.load(glens_ptr + s) < 0) | (local > table_w * PAGE)
+        tiles = (gl.maximum(end - start, 0) + BLOCK - 1) // BLOCK
+        return start, end, tiles, bad
+
+    @gluon.jit
+    def _loader(q_desc, k_desc, k_ptr, table_ptr, glens_ptr, q_smem, k_smem, q_bar, ready, free,
+                s, head0, split, split_len, dcp_size, dcp_rank, interleave, table_w, num_blocks, st_s, sk_b, sk_t,
+                PAGE: gl.constexpr):
+        start, end, tiles, bad = _split_range(glens_ptr, s, split, split_len, dcp_size, dcp_rank, interleave,
+                                              table_w, PAGE)
+        mbarrier.expect(q_bar, CHUNKS * q_desc.block_type.nbytes)
+        for c in gl.static_range(CHUNKS):
+            tma.async_copy_global_to_shared(q_desc, [head0, c * BLOCK], q_bar, q_smem.index(c))
+        blocked: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
+        for t in range(tiles):
+            stage = t % STAGES
+            if t >= STAGES:
+                mbarrier.wait(free.index(stage), ((t // STAGES) - 1) & 1)
+            j0 = start + t * BLOCK
+            blk = gl.load(table_ptr + s.to(gl.int64) * st_s + j0 // PAGE)
+            blk = gl.where((blk >= 0) & (blk < num_blocks), blk, 0)    # (warpgroup 0 reports it)
+            valid = end - j0
+            if valid >= BLOCK:
+                mbarrier.expect(ready.index(stage), CHUNKS * k_desc.block_type.nbytes)
+                row = blk * PAGE + j0 % PAGE
+                for c in gl.static_range(CHUNKS):
+                    tma.async_copy_global_to_shared(k_desc, [row, c * BLOCK], ready.index(stage),
+                                                    k_smem.index(stage * CHUNKS + c))
+            else:   # the split's last tile ends inside it: rows past the end as zeros
+                rows = gl.arange(0, BLOCK, layout=gl.SliceLayout(1, blocked))
+                cols = gl.arange(0, BLOCK, layout=gl.SliceLayout(0, blocked))
+                base = k_ptr + blk.to(gl.int64) * sk_b + ((j0 % PAGE) + rows).to(gl.int64)[:, None] * sk_t
+                for c in gl.static_range(CHUNKS):
+                    x = gl.load(base + (c * BLOCK + cols)[None, :], mask=(rows < valid)[:, None], other=0.0)
+                    k_smem.index(stage * CHUNKS + c).store(x)
+                fence_async_shared()
+                gl.thread_barrier()
+                mbarrier.arrive(ready.index(stage))
+
+    @gluon.jit
+    def _scores_and_low_half(q_smem, k_smem, p_smem, a_smem, q_bar, ready, free, p_ready, p_free,
+                             table_ptr, glens_ptr, o_ptr, lse_ptr, s, head0_in_seq, split, split_len, dcp_size,
+                             dcp_rank, interleave, table_w, num_blocks, st_s, qk_scale, so_p, so_s, so_h, sl_p, sl_s,
+                             PAGE: gl.constexpr):
+        mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 64, 16])
+        row_l: gl.constexpr = gl.SliceLayout(1, mma)
+        col_l: gl.constexpr = gl.SliceLayout(0, mma)
+        start, end, tiles, bad = _split_range(glens_ptr, s, split, split_len, dcp_size, dcp_rank, interleave,
+                                              table_w, PAGE)
+        m_i = gl.full([BLOCK], float("-inf"), gl.float32, row_l)
+        l_i = gl.zeros([BLOCK], gl.float32, row_l)
+        o0 = gl.zeros([BLOCK, BLOCK], gl.float32, mma)
+        o1 = gl.zeros([BLOCK, BLOCK], gl.float32, mma)
+        o2 = gl.zeros([BLOCK, BLOCK], gl.float32, mma)
+        o3 = gl.zeros([BLOCK, BLOCK], gl.float32, mma)
+        cols = gl.arange(0, BLOCK, layout=col_l)
+        mbarrier.wait(q_bar, 0)
+        for t in range(tiles):
+            stage = t % STAGES
+            j0 = start + t * BLOCK
+            blk = gl.load(table_ptr + s.to(gl.int64) * st_s + j0 // PAGE)
+            bad = bad | (blk < 0) | (blk >= num_blocks)
+            mbarrier.wait(ready.index(stage), (t // STAGES) & 1)
+            sc = gl.zeros([BLOCK, BLOCK], gl.float32, mma)
+            for c in gl.static_range(CHUNKS):
+                sc = warpgroup_mma(q_smem.index(c), k_smem.index(stage * CHUNKS + c).permute((1, 0)), sc,
+                                   is_async=True)
+            sc = warpgroup_mma_wait(num_outstanding=0, deps=(sc, ))
+            sc = gl.where((j0 + cols < end)[None, :], sc * qk_scale, float("-inf"))
+            m_new = gl.maximum(m_i, gl.max(sc, 1))
+            m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
+            p = gl.exp2(sc - m_safe[:, None])
+            alpha = gl.exp2(m_i - m_safe)
+            l_i = l_i * alpha + gl.sum(p, 1)
+            m_i = m_new
+            if t > 0:       # warpgroup 1 is done with the previous tile's weights
+                mbarrier.wait(p_free, (t - 1) & 1)
+            p_smem.store(p.to(gl.bfloat16))
+            a_smem.store(alpha)
+            fence_async_shared()
+            gl.thread_barrier()
+            mbarrier.arrive(p_ready)
+            o0 = o0 * alpha[:, None]
+            o1 = o1 * alpha[:, None]
+            o2 = o2 * alpha[:, None]
+            o3 = o3 * alpha[:, None]
+            o0 = warpgroup_mma(p_smem, k_smem.index(stage * CHUNKS + 0), o0, is_async=True)
+            o1 = warpgroup_mma(p_smem, k_smem.index(stage * CHUNKS + 1), o1, is_async=True)
+            o2 = warpgroup_mma(p_smem, k_smem.index(stage * CHUNKS + 2), o2, is_async=True)
+            o3 = warpgroup_mma(p_smem, k_smem.index(stage * CHUNKS + 3), o3, is_async=True)
+            o0, o1, o2, o3 = warpgroup_mma_wait(num_outstanding=0, deps=(o0, o1, o2, o3))
+            mbarrier.arrive(free.index(stage))
+        # the final factor 1 / l (NaN for a bad table) to warpgroup 1, then this half and the lse
+        nonempty = l_i > 0
+        safe = gl.where(nonempty, l_i, 1.0)
+        factor = gl.where(bad, float("nan"), 1.0 / safe)
+        if tiles > 0:
+            mbarrier.wait(p_free, (tiles - 1) & 1)
+        a_smem.store(factor)
+        gl.thread_barrier()
+        mbarrier.arrive(p_ready)
+        rows = gl.arange(0, BLOCK, layout=row_l)
+        o_row = split.to(gl.int64) * so_p + s.to(gl.int64) * so_s + (head0_in_seq + rows).to(gl.int64) * so_h
+        optr = o_ptr + o_row[:, None] + cols[None, :]
+        gl.store(optr, o0 * factor[:, None])
+        gl.store(optr + BLOCK, o1 * factor[:, None])
+        gl.store(optr + 2 * BLOCK, o2 * factor[:, None])
+        gl.store(optr + 3 * BLOCK, o3 * factor[:, None])
+        lse = gl.where(nonempty, (m_i + gl.log2(safe)) * 0.6931471805599453, float("-inf"))
+        lse = gl.where(bad, float("nan"), lse)
+        gl.store(lse_ptr + split.to(gl.int64) * sl_p + s.to(gl.int64) * sl_s + head0_in_seq + rows, lse)
+
+    @gluon.jit
+    def _high_half(k_smem, p_smem, a_smem, ready, free, p_ready, p_free, glens_ptr, o_ptr, s, head0_in_seq, split,
+                   split_len, dcp_size, dcp_rank, interleave, table_w, so_p, so_s, so_h, PAGE: gl.constexpr):
+        mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 64, 16])
+        row_l: gl.constexpr = gl.SliceLayout(1, mma)
+        col_l: gl.constexpr = gl.SliceLayout(0, mma)
+        start, end, tiles, bad = _split_range(glens_ptr, s, split, split_len, dcp_size, dcp_rank, interleave,
+                                              table_w, PAGE)
+        o0 = gl.zeros([BLOCK, BLOCK], gl.float32, mma)
+        o1 = gl.zeros([BLOCK, BLOCK], gl.float32, mma)
+        o2 = gl.zeros([BLOCK, BLOCK], gl.float32, mma)
+        o3 = gl.zeros([BLOCK, BLOCK], gl.float32, mma)
+        for t in range(tiles):
+            stage = t % STAGES
+            mbarrier.wait(ready.index(stage), (t // STAGES) & 1)
+            mbarrier.wait(p_ready, t & 1)
+            alpha = a_smem.load(row_l)
+            o0 = o0 * alpha[:, None]
+            o1 = o1 * alpha[:, None]
+            o2 = o2 * alpha[:, None]
+            o3 = o3 * alpha[:, None]
+            o0 = warpgroup_mma(p_smem, k_smem.index(stage * CHUNKS + 4), o0, is_async=True)
+            o1 = warpgroup_mma(p_smem, k_smem.index(stage * CHUNKS + 5), o1, is_async=True)
+            o2 = warpgroup_mma(p_smem, k_smem.index(stage * CHUNKS + 6), o2, is_async=True)
+            o3 = warpgroup_mma(p_smem, k_smem.index(stage * CHUNKS + 7), o3, is_async=True)
+            o0, o1, o2, o3 = warpgroup_mma_wait(num_outstanding=0, deps=(o0, o1, o2, o3))
+            gl.thread_barrier()
+            mbarrier.arrive(p_free)
+            mbarrier.arrive(free.index(stage))
+        mbarrier.wait(p_ready, tiles & 1)
+        factor = a_smem.load(row_l)
+        rows = gl.arange(0, BLOCK, layout=row_l)
+        cols = gl.arange(0, BLOCK, layout=col_l)
+        o_row = split.to(gl.int64) * so_p + s.to(gl.int64) * so_s + (head0_in_seq + rows).to(gl.int64) * so_h
+        optr = o_ptr + o_row[:, None] + (4 * BLOCK + cols)[None, :]
+        gl.store(optr, o0 * factor[:, None])
+        gl.store(optr + BLOCK, o1 * factor[:, None])
+        gl.store(optr + 2 * BLOCK, o2 * factor[:, None])
+        gl.store(optr + 3 * BLOCK, o3 * factor[:, None])
+
+    @gluon.jit
+    def _mla_decode_ws_kernel(q_desc, k_desc, k_ptr, table_ptr, glens_ptr, o_ptr, lse_ptr,
+                              qk_scale, split_len, M_TILES, HQ, dcp_size, dcp_rank, interleave, table_w, num_blocks,
+                              st_s, sk_b, sk_t, so_p, so_s, so_h, sl_p, sl_s, PAGE: gl.constexpr):
+        pid = gl.program_id(0)
+        split = gl.program_id(1)
+        s = pid // M_TILES
+        head0_in_seq = (pid % M_TILES) * BLOCK
+        head0 = s * HQ + head0_in_seq                     # row of q viewed as [S * Hq, 576]
+        box: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK, BLOCK], gl.bfloat16)
+        q_smem = gl.allocate_shared_memory(gl.bfloat16, [CHUNKS, BLOCK, BLOCK], box)
+        k_smem = gl.allocate_shared_memory(gl.bfloat16, [STAGES * CHUNKS, BLOCK, BLOCK], box)
+        p_smem = gl.allocate_shared_memory(gl.bfloat16, [BLOCK, BLOCK], box)
+        a_smem = gl.allocate_shared_memory(gl.float32, [BLOCK], gl.SwizzledSharedLayout(1, 1, 1, order=[0]))
+        q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        free = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        p_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        p_free = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        mbarrier.init(q_bar, count=1)
+        mbarrier.init(p_ready, count=1)
+        mbarrier.init(p_free, count=1)
+        for i in gl.static_range(STAGES):
+            mbarrier.init(ready.index(i), count=1)
+            mbarrier.init(free.index(i), count=2)
+        fence_async_shared()
+        gl.warp_specialize([
+            (_scores_and_low_half, (q_smem, k_smem, p_smem, a_smem, q_bar, ready, free, p_ready, p_free, table_ptr,
+                                    glens_ptr, o_ptr, lse_ptr, s, head0_in_seq, split, split_len, dcp_size, dcp_rank,
+                                    interleave, table_w, num_blocks, st_s, qk_scale, so_p, so_s, so_h, sl_p, sl_s,
+                                    PAGE)),
+            (_high_half, (k_smem, p_smem, a_smem, ready, free, p_ready, p_free, glens_ptr, o_ptr, s, head0_in_seq,
+                          split, split_len, dcp_size, dcp_rank, interleave, table_w, so_p, so_s, so_h, PAGE)),
+            (_loader, (q_desc, k_desc, k_ptr, table_ptr, glens_ptr, q_smem, k_smem, q_bar, ready, free, s, head0,
+                       split, split_len, dcp_size, dcp_rank, interleave, table_w, num_blocks, st_s, sk_b, sk_t,
+                       PAGE)),
+        ], [4, 4], [200, 48])
+
+
+def gluon_mla_ok(q: Tensor, k: Tensor, v: Tensor, tq: int, page: int) -> bool:
+    """The Gluon kernel applies: bf16 queries and latent cache [nb, page, 1, 576] (rows contiguous,
+    v its first 512 dims), one query token, heads a multiple of 64, pages a multiple of 64, an
+    sm_90 GPU."""
+    return (HAS_GLUON and q.is_cuda and torch.cuda.get_device_capability(q.device) == (9, 0)
+            and q.dtype == torch.bfloat16 and k.dtype == torch.bfloat16 and tq == 1
+            and q.shape[-2] % BLOCK == 0 and q.shape[-1] == CHUNKS * BLOCK and k.shape[2] == 1
+            and k.shape[-1] == CHUNKS * BLOCK and page % BLOCK == 0 and k.stride(-1) == 1
+            and k.stride(1) == CHUNKS * BLOCK and k.stride(0) == page * CHUNKS * BLOCK
+            and v.data_ptr() == k.data_ptr() and v.shape[-1] == 2 * VCHUNKS * BLOCK
+            and q.is_contiguous() and k.data_ptr() % 16 == 0)
+
+
+def launch_gluon_mla(q: Tensor, k: Tensor, table: Tensor, seq_lens: Tensor, o: Tensor, lse: Tensor, scale_log2: float,
+                     splits: int, split_len: int, dcp_size: int, dcp_rank: int, interleave: int) -> None:
+    """Fill the split partials o [splits, S, 1, Hq, 512] / lse [splits, S, 1, Hq] (`gluon_mla_ok`)."""
+    s, _, hq, d = q.shape
+    nb, page = k.shape[0], k.shape[1]
+    box = gl.NVMMASharedLayout.get_default_for([BLOCK, BLOCK], gl.bfloat16)
+    q2 = q.view(s * hq, d)
+    k2 = k.view(nb * page, d)
+    q_desc = TensorDescriptor(q2, list(q2.shape), list(q2.stride()), [BLOCK, BLOCK], box)
+    k_desc = TensorDescriptor(k2, list(k2.shape), list(k2.stride()), [BLOCK, BLOCK], box)
+    m_tiles = hq // BLOCK
+    _mla_decode_ws_kernel[(s * m_tiles, splits)](
+        q_desc, k_desc, k, table, seq_lens, o, lse, scale_log2, split_len, m_tiles, hq, dcp_size, dcp_rank,
+        interleave, table.shape[1], nb, table.stride(0), k.stride(0), k.stride(1),
+        o.stride(0), o.stride(1), o.stride(3), lse.stride(0), lse.stride(1), PAGE=page, num_warps=4)
