@@ -497,3 +497,87 @@ def test_gqa_tma_tiles_match_reference(dtype, tq, monkeypatch):
     keep = torch.arange(len(lens)) != 3
     _check(AttnState(got.out[keep], got.lse[keep]), AttnState(ref.out[keep], ref.lse[keep]),
            1e-4 if dtype == torch.float32 else 2e-2)
+
+
+def test_gluon_mla_applies_only_to_its_layout():
+    """The Gluon MLA kernel's conditions (`gluon_mla_ok`): bf16 queries and latent cache, one query
+    token, 64-head tiles, pages of a multiple of 64, contiguous latent rows, v the latent's first
+    512 dims; never on CPU."""
+    from parallel.cp import gluon_mla
+
+    q = torch.zeros(2, 1, 128, 576, dtype=torch.bfloat16)
+    kv = torch.zeros(4, 64, 1, 576, dtype=torch.bfloat16)
+    assert not gluon_mla.gluon_mla_ok(q, kv, kv[..., :512], 1, 64)          # a CPU tensor
+    if not (torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0) and gluon_mla.HAS_GLUON):
+        return
+    q, kv = q.cuda(), kv.cuda()
+    assert gluon_mla.gluon_mla_ok(q, kv, kv[..., :512], 1, 64)
+    assert not gluon_mla.gluon_mla_ok(q[:, :, :96], kv, kv[..., :512], 1, 64)             # 96 heads
+    assert not gluon_mla.gluon_mla_ok(q, kv.to(torch.float8_e4m3fn), kv[..., :512], 1, 64)
+    assert not gluon_mla.gluon_mla_ok(q.expand(2, 2, 128, 576), kv, kv[..., :512], 2, 64)  # two tokens
+    assert not gluon_mla.gluon_mla_ok(q, kv[:, :32], kv[:, :32, :, :512], 1, 32)          # 32-token pages
+    assert not gluon_mla.gluon_mla_ok(q, kv, kv.clone()[..., :512], 1, 64)                # v elsewhere
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("size,rank", [(1, 0), (2, 1), (4, 2)])
+def test_gluon_mla_kernel_on_gpu(size, rank, monkeypatch):
+    """The warp-specialized Gluon MLA kernel (CONFIG gluon_wide) at full size over every kind of
+    DCP rank: NaN in every slot past a sequence's end, lengths that end inside a tile, empty and
+    one-token sequences, several splits, against the torch path; the Triton kernel's results to
+    1e-5 (the same arithmetic); a bad block id gives that sequence NaN rows; a CUDA graph of it
+    replays to the same result."""
+    from parallel.cp import gluon_mla, triton_decode as td
+
+    if not (torch.cuda.get_device_capability() == (9, 0) and gluon_mla.HAS_GLUON):
+        pytest.skip("the Gluon MLA kernel needs an sm_90 GPU and a Triton with Gluon")
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    monkeypatch.setitem(td.CONFIG, "min_split_wide", 256)      # several splits at these lengths
+    used = []
+    real = gluon_mla.launch_gluon_mla
+    monkeypatch.setattr(gluon_mla, "launch_gluon_mla", lambda *a: used.append(1) or real(*a))
+    lens = [3000, 0, 77, 1, 640, 4096, 129]
+    gen = torch.Generator().manual_seed(21 + rank)
+    layout = DCPLayout(size=size, rank=rank, block_size=64)
+    per_seq = -(-max(lens) // (64 * size)) + 1
+    nb = len(lens) * per_seq + 2
+    table = torch.randperm(nb, generator=gen)[: len(lens) * per_seq].view(len(lens), per_seq).int().cuda()
+    kv = torch.full((nb, 64, 1, 576), float("nan"), dtype=torch.bfloat16, device="cuda")
+    clean = torch.zeros_like(kv)
+    for s, n in enumerate(lens):
+        if n:
+            slots = layout.slot_mapping(torch.arange(n, device="cuda"), table[s])
+            x = torch.randn(n, 1, 576, generator=gen).to(torch.bfloat16).cuda()
+            mine = slots >= 0
+            kv.view(-1, 1, 576)[slots[mine]] = x[mine]
+            clean.view(-1, 1, 576)[slots[mine]] = x[mine]
+    cache, ref_cache = PagedKVCache(kv, kv[..., :512]), PagedKVCache(clean, clean[..., :512])
+    q = torch.randn(len(lens), 1, 128, 576, generator=gen).to(torch.bfloat16).cuda()
+    seq = torch.tensor(lens, device="cuda")
+    run = lambda c, t, backend: paged_decode_attention(q, c, t, seq, layout=layout, scale=0.07, backend=backend)
+    ref = run(ref_cache, table, "torch")
+    monkeypatch.setitem(td.CONFIG, "gluon_wide", 0)
+    plain = run(cache, table, "triton")
+    monkeypatch.setitem(td.CONFIG, "gluon_wide", 1)
+    got = run(cache, table, "triton")
+    assert used
+    finite = torch.isfinite(ref.lse)
+    assert torch.equal(finite, torch.isfinite(got.lse)) and not finite[1].any()
+    assert torch.isfinite(got.out).all()
+    torch.testing.assert_close(got.lse[finite], ref.lse[finite], atol=2e-2, rtol=0)
+    torch.testing.assert_close(got.out, ref.out, atol=2e-2, rtol=0)
+    torch.testing.assert_close(got.out, plain.out, atol=1e-5, rtol=0)
+    torch.testing.assert_close(got.lse, plain.lse, atol=1e-5, rtol=0)
+    bad = table.clone()
+    bad[5, 0] = nb + 7
+    nan = paged_decode_attention(q, cache, bad, seq, layout=layout, scale=0.07, backend="triton", validate=False)
+    assert torch.isnan(nan.lse[5]).all() and torch.isnan(nan.out[5]).all()
+    torch.testing.assert_close(nan.out[:5], got.out[:5], atol=0, rtol=0)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = run(cache, table, "triton")
+    for _ in range(2):
+        graph.replay()
+    torch.cuda.synchronize()
+    torch.testing.assert_close(captured.out, got.out, atol=0, rtol=0)
+    torch.testing.assert_close(captured.lse, got.lse, atol=0, rtol=0)

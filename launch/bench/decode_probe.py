@@ -55,7 +55,7 @@ KEYS = {"gqa": ("block_n", "num_warps", "num_stages", "target_programs", "min_sp
         "gqa_fp8": ("block_n", "num_warps", "num_stages", "target_programs", "f16", "maxnreg", "min_split", "tma",
                     "stage16"),
         "mla": ("block_m", "block_n", "num_warps", "num_stages", "target_programs", "min_split", "lazy_rescale",
-                "halves", "tma", "diag", "at_most"),
+                "halves", "tma", "diag", "at_most", "gluon_wide"),
         "mla_fp8": ("block_m", "block_n", "num_warps", "num_stages", "lazy_rescale", "halves", "tma", "min_split", "f16",
                     "at_most", "target_programs"),
         "mla_narrow": ("block_n", "num_warps", "num_stages", "min_split", "at_most", "f16", "maxnreg", "stage16",
@@ -80,7 +80,9 @@ VARIANTS = {   # overrides of the current settings, one factor at a time, then a
     # MLA: the kernel structure options (latent in halves, TMA, lazy rescale) and, on the halves
     # kernel, the subtraction diagnostics (diag 1 no softmax, 2 no P @ V, 3 scores only: invalid
     # rows, timed for where the time goes)
-    "mla": [{}, {"block_n": 32}, {"num_stages": 2}, {"target_programs": 528}, {"min_split": 256},
+    # (the Triton kernel's settings: each runs with gluon_wide 0 unless it says otherwise, `_install`;
+    # the first row is the Gluon kernel, which takes split settings only)
+    "mla": [{"gluon_wide": 1}, {}, {"block_n": 32}, {"num_stages": 2}, {"target_programs": 528}, {"min_split": 256},
             {"min_split": 512}, {"min_split": 2048}, {"lazy_rescale": 1}, {"halves": 1}, {"halves": 1, "num_stages": 2},
             {"halves": 1, "tma": 1}, {"halves": 1, "tma": 1, "num_stages": 2},
             {"halves": 1, "tma": 1, "num_stages": 2, "lazy_rescale": 1}, {"halves": 1, "num_stages": 2, "lazy_rescale": 1},
@@ -185,6 +187,8 @@ def _install(kind: str, settings: dict[str, int], default: dict[str, int]) -> No
 
     td.CONFIG.clear()
     td.CONFIG.update(default)
+    if kind == "mla":       # the Triton kernel's settings are probed on the Triton kernel
+        settings = {"gluon_wide": 0, **settings}
     td.apply_tuning({kind: settings})
 
 

@@ -32,6 +32,8 @@ try:
 except ImportError:  # pragma: no cover - a Triton without Gluon
     HAS_GLUON = False
 
+_BLOCK, _CHUNKS, _VCHUNKS = 64, 9, 4     # (the host's ints of the kernel's constants below)
+
 if HAS_GLUON:
     BLOCK = gl.constexpr(64)       # heads a program, keys a tile, columns a box
     CHUNKS = gl.constexpr(9)       # 576 / 64: boxes of the latent + rope key
@@ -250,10 +252,10 @@ def gluon_mla_ok(q: Tensor, k: Tensor, v: Tensor, tq: int, page: int) -> bool:
     sm_90 GPU."""
     return (HAS_GLUON and q.is_cuda and torch.cuda.get_device_capability(q.device) == (9, 0)
             and q.dtype == torch.bfloat16 and k.dtype == torch.bfloat16 and tq == 1
-            and q.shape[-2] % BLOCK == 0 and q.shape[-1] == CHUNKS * BLOCK and k.shape[2] == 1
-            and k.shape[-1] == CHUNKS * BLOCK and page % BLOCK == 0 and k.stride(-1) == 1
-            and k.stride(1) == CHUNKS * BLOCK and k.stride(0) == page * CHUNKS * BLOCK
-            and v.data_ptr() == k.data_ptr() and v.shape[-1] == 2 * VCHUNKS * BLOCK
+            and q.shape[-2] % _BLOCK == 0 and q.shape[-1] == _CHUNKS * _BLOCK and k.shape[2] == 1
+            and k.shape[-1] == _CHUNKS * _BLOCK and page % _BLOCK == 0 and k.stride(-1) == 1
+            and k.stride(1) == _CHUNKS * _BLOCK and k.stride(0) == page * _CHUNKS * _BLOCK
+            and v.data_ptr() == k.data_ptr() and v.shape[-1] == 2 * _VCHUNKS * _BLOCK
             and q.is_contiguous() and k.data_ptr() % 16 == 0)
 
 
@@ -262,12 +264,12 @@ def launch_gluon_mla(q: Tensor, k: Tensor, table: Tensor, seq_lens: Tensor, o: T
     """Fill the split partials o [splits, S, 1, Hq, 512] / lse [splits, S, 1, Hq] (`gluon_mla_ok`)."""
     s, _, hq, d = q.shape
     nb, page = k.shape[0], k.shape[1]
-    box = gl.NVMMASharedLayout.get_default_for([BLOCK, BLOCK], gl.bfloat16)
+    box = gl.NVMMASharedLayout.get_default_for([_BLOCK, _BLOCK], gl.bfloat16)
     q2 = q.view(s * hq, d)
     k2 = k.view(nb * page, d)
-    q_desc = TensorDescriptor(q2, list(q2.shape), list(q2.stride()), [BLOCK, BLOCK], box)
-    k_desc = TensorDescriptor(k2, list(k2.shape), list(k2.stride()), [BLOCK, BLOCK], box)
-    m_tiles = hq // BLOCK
+    q_desc = TensorDescriptor(q2, list(q2.shape), list(q2.stride()), [_BLOCK, _BLOCK], box)
+    k_desc = TensorDescriptor(k2, list(k2.shape), list(k2.stride()), [_BLOCK, _BLOCK], box)
+    m_tiles = hq // _BLOCK
     _mla_decode_ws_kernel[(s * m_tiles, splits)](
         q_desc, k_desc, k, table, seq_lens, o, lse, scale_log2, split_len, m_tiles, hq, dcp_size, dcp_rank,
         interleave, table.shape[1], nb, table.stride(0), k.stride(0), k.stride(1),

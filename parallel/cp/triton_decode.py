@@ -580,8 +580,10 @@ CONFIG = {
     # MLA with full 64-head tiles over a bf16 cache through the warp-specialized Gluon kernel
     # (`gluon_mla`: a TMA loader warpgroup, one warpgroup for the scores, softmax and output dims
     # [0, 256), one for dims [256, 512) from the same weights), where it applies (`gluon_mla_ok`).
-    # Not measured yet: off
-    "gluon_wide": 0,
+    # bench/debug/decode_gluon.py (2026-12-04, bench/results/logs/decode-gluon-h200.json; 128 heads,
+    # B 32, 1/4 of 8K / 32K / 128K, step_time): Triton 86.0 / 273.2 / 1039.6 µs -> Gluon 49.7 /
+    # 151.0 / 640.3, bit-identical outputs (the same wgmma steps in the same order)
+    "gluon_wide": 1,
     # the DCP group size and interleave as compile-time constants (a build per group; 0/1). GQA
     # over fp8 read the same 32768 slots per sequence in 385-387 µs launched as a group of 1
     # (dcp_size specialized to 1 by Triton) and in 431-435 µs as rank 0 of 4 with them as runtime
@@ -792,7 +794,7 @@ def apply_tuning(tuning: dict) -> None:
             raise ValueError(f"decode tuning {kind!r} must be a dict of settings, got {part!r}")
         for key, value in part.items():
             keys = names if only else _VALID
-            if kind == "gqa" and key in ("halves", "diag"):
+            if kind == "gqa" and key in ("halves", "diag", "gluon_wide"):
                 raise ValueError(f"decode tuning gqa.{key}: an MLA-only option (the latent head's layout); "
                                  f"give it under 'mla'")
             if kind in ("gqa", "mla") and key == "block_n_fp8":
