@@ -581,3 +581,40 @@ def test_gluon_mla_kernel_on_gpu(size, rank, monkeypatch):
     torch.cuda.synchronize()
     torch.testing.assert_close(captured.out, got.out, atol=0, rtol=0)
     torch.testing.assert_close(captured.lse, got.lse, atol=0, rtol=0)
+
+
+@pytest.mark.gpu
+def test_gluon_mla_kernel_over_fp8_on_gpu(monkeypatch):
+    """The Gluon MLA kernel over an fp8 latent cache with per-token scales (CONFIG gluon_wide_fp8):
+    NaN bytes and NaN scales past every sequence's end, lengths that end inside a tile, an empty
+    and a one-token sequence, several splits; against the torch path and the Triton kernel; a bad
+    block id gives NaN rows."""
+    from parallel.cp import gluon_mla, triton_decode as td
+
+    if not (torch.cuda.get_device_capability() == (9, 0) and gluon_mla.HAS_GLUON):
+        pytest.skip("the Gluon MLA kernel needs an sm_90 GPU and a Triton with Gluon")
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    monkeypatch.setitem(td.CONFIG, "min_split_wide_fp8", 256)
+    used = []
+    real = gluon_mla.launch_gluon_mla
+    monkeypatch.setattr(gluon_mla, "launch_gluon_mla", lambda *a, **kw: used.append(1) or real(*a, **kw))
+    lens = [3000, 0, 77, 1, 640]
+    cache, table = _mla_cache(lens, 64, torch.float8_e4m3fn, seed=19, device="cuda")
+    q = torch.randn(len(lens), 1, 128, 576, device="cuda", dtype=torch.bfloat16)
+    seq = torch.tensor(lens, device="cuda")
+    ref = paged_decode_attention(q, cache, table, seq, scale=0.07, backend="torch")
+    monkeypatch.setitem(td.CONFIG, "gluon_wide_fp8", 0)
+    plain = paged_decode_attention(q, cache, table, seq, scale=0.07, backend="triton")
+    monkeypatch.setitem(td.CONFIG, "gluon_wide_fp8", 1)
+    got = paged_decode_attention(q, cache, table, seq, scale=0.07, backend="triton")
+    assert used
+    finite = torch.isfinite(ref.lse)
+    assert torch.equal(finite, torch.isfinite(got.lse)) and not finite[1].any()
+    assert torch.isfinite(got.out).all()
+    torch.testing.assert_close(got.lse[finite], ref.lse[finite], atol=2e-2, rtol=0)
+    torch.testing.assert_close(got.out, ref.out, atol=2e-2, rtol=0)
+    torch.testing.assert_close(got.out, plain.out, atol=2e-3, rtol=0)
+    bad = table.clone()
+    bad[4, 0] = cache.k.shape[0] + 1
+    nan = paged_decode_attention(q, cache, bad, seq, scale=0.07, backend="triton", validate=False)
+    assert torch.isnan(nan.lse[4]).all() and torch.isfinite(nan.lse[0]).all()

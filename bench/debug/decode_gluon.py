@@ -22,8 +22,10 @@ from megapar.parallel.cp.mla import MLADims
 from megapar.parallel.cp.paged import PagedKVCache, paged_decode_attention
 
 
-def _check(rows: list) -> None:
+def _check(rows: list, dtype: torch.dtype) -> None:
     dims = MLADims()
+    fp8 = dtype == torch.float8_e4m3fn
+    key = "gluon_wide_fp8" if fp8 else "gluon_wide"
     gen = torch.Generator(device="cuda").manual_seed(3)
     lens = [0, 1, 63, 64, 65, 700, 2500, 129]
     for size, rank in ((1, 0), (2, 1)):
@@ -35,6 +37,8 @@ def _check(rows: list) -> None:
         # reference reads a copy with zeros there
         kv = torch.full((nb, block, 1, dims.latent_dim), float("nan"), device="cuda", dtype=torch.bfloat16)
         clean = torch.zeros_like(kv)
+        sc = torch.full((nb, block, 1), float("nan"), device="cuda")       # (fp8: per-token scales)
+        sc_clean = torch.ones_like(sc)
         table = torch.randperm(nb, device="cuda", generator=gen)[: len(lens) * per_seq].view(len(lens), per_seq).int()
         for s, n in enumerate(lens):
             if n:
@@ -43,17 +47,26 @@ def _check(rows: list) -> None:
                 mine = slots >= 0
                 kv.view(-1, 1, dims.latent_dim)[slots[mine]] = x[mine]
                 clean.view(-1, 1, dims.latent_dim)[slots[mine]] = x[mine]
-        cache = PagedKVCache(kv, kv[..., :dims.kv_lora_rank])
-        ref_cache = PagedKVCache(clean, clean[..., :dims.kv_lora_rank])
+                amax = x[mine].float().abs().amax(-1)
+                sc.view(-1, 1)[slots[mine]] = amax / 448.0
+                sc_clean.view(-1, 1)[slots[mine]] = amax / 448.0
+        if fp8:     # the same tokens quantized per token; unheld slots NaN bytes and NaN scales
+            q8 = (kv.float() / sc[..., None]).to(torch.float8_e4m3fn)
+            q8_clean = (clean.float() / sc_clean[..., None]).to(torch.float8_e4m3fn)
+            cache = PagedKVCache(q8, q8[..., :dims.kv_lora_rank], sc, sc)
+            ref_cache = PagedKVCache(q8_clean, q8_clean[..., :dims.kv_lora_rank], sc_clean, sc_clean)
+        else:
+            cache = PagedKVCache(kv, kv[..., :dims.kv_lora_rank])
+            ref_cache = PagedKVCache(clean, clean[..., :dims.kv_lora_rank])
         q = torch.randn(len(lens), 128, dims.latent_dim, device="cuda", generator=gen).to(torch.bfloat16)
         seq = torch.tensor(lens, device="cuda")
         ref = paged_decode_attention(q, ref_cache, table, seq, layout=layout, scale=dims.scale, backend="torch")
         for name, on in (("triton", 0), ("gluon", 1)):
-            triton_decode.CONFIG["gluon_wide"] = on
+            triton_decode.CONFIG[key] = on
             got = paged_decode_attention(q, cache, table, seq, layout=layout, scale=dims.scale, backend="triton")
             torch.cuda.synchronize()
             fin = torch.isfinite(ref.lse)
-            row = {"check": f"dcp {size} rank {rank}", "kernel": name,
+            row = {"check": f"{dtype} dcp {size} rank {rank}", "kernel": name,
                    "max_err_out": (got.out - ref.out).abs().max().item(),
                    "max_err_lse": (got.lse[fin] - ref.lse[fin]).abs().max().item(),
                    "empty_rows_ok": bool(torch.equal(torch.isfinite(got.lse), fin))}
@@ -64,34 +77,39 @@ def _check(rows: list) -> None:
             row["bad_row_nan"] = bool(torch.isnan(bad.lse[5]).all()) and bool(torch.isfinite(bad.lse[6]).all())
             rows.append(row)
             print(row, flush=True)
-    triton_decode.CONFIG["gluon_wide"] = 0
+    triton_decode.CONFIG["gluon_wide"] = triton_decode.CONFIG["gluon_wide_fp8"] = 0
 
 
 def main(path: str) -> None:
     ctx = BenchContext("cp", torch.device("cuda"))
     rows: list = []
-    _check(rows)
+    saved = dict(triton_decode.CONFIG)
+    for dtype in (torch.float8_e4m3fn, torch.bfloat16):
+        _check(rows, dtype)
+    triton_decode.CONFIG.update(saved)
     dims = MLADims()
-    for context in (8192, 32768, 131072):
-        latent, table = _mla_decode_setup(32, context, dims, 64, 4, ctx.device, torch.bfloat16)
+    for dtype, context in ((torch.float8_e4m3fn, 8192), (torch.float8_e4m3fn, 32768), (torch.bfloat16, 32768),
+                           (torch.float8_e4m3fn, 131072)):
+        key = "gluon_wide_fp8" if dtype == torch.float8_e4m3fn else "gluon_wide"
+        latent, table = _mla_decode_setup(32, context, dims, 64, 4, ctx.device, dtype)
         layout = DCPLayout(size=4, rank=0, block_size=64)
         seq = torch.full((32,), context, device=ctx.device)
         q = torch.randn(32, 128, dims.latent_dim, device=ctx.device, dtype=torch.bfloat16)
         call = lambda: paged_decode_attention(q, latent.paged, table, seq, layout=layout, scale=dims.scale,
                                               backend="triton", max_seq_len=context)
-        triton_decode.CONFIG["gluon_wide"] = 0
+        triton_decode.CONFIG[key] = 0
         ref = call()
         for rep in range(2):
             for name, on in (("triton", 0), ("gluon", 1)):
-                triton_decode.CONFIG["gluon_wide"] = on
+                triton_decode.CONFIG[key] = on
                 got = call()
                 err = max((got.out - ref.out).abs().max().item(), (got.lse - ref.lse).abs().max().item())
                 us, cols = step_time(ctx, [call])
-                row = {"L": context, "kernel": name, "rep": rep, "us": round(us, 1), "max_diff_vs_triton": err,
+                row = {"cache": str(dtype), "L": context, "kernel": name, "rep": rep, "us": round(us, 1), "max_diff_vs_triton": err,
                        "timing": cols["timing"]}
                 rows.append(row)
                 print(row, flush=True)
-        triton_decode.CONFIG["gluon_wide"] = 0
+        triton_decode.CONFIG.update(saved)
         del latent, table
         torch.cuda.empty_cache()
     dump_rows(path, "decode_gluon.py", rows)

@@ -98,7 +98,11 @@ if HAS_GLUON:
     def _scores_and_low_half(q_smem, k_smem, p_smem, a_smem, q_bar, ready, free, p_ready, p_free,
                              table_ptr, glens_ptr, o_ptr, lse_ptr, s, head0_in_seq, split, split_len, dcp_size,
                              dcp_rank, interleave, table_w, num_blocks, st_s, qk_scale, so_p, so_s, so_h, sl_p, sl_s,
-                             PAGE: gl.constexpr):
+                             PAGE: gl.constexpr, ks_smem=None, qf_smem=None, FP8: gl.constexpr = False):
+        """FP8 (fp16 operands over an fp8 cache): the scores take the query rows' powers of two
+        (qf_smem) and the keys' scales (ks_smem); the weights p * scale go to fp16 over a running
+        per-row unit r (the largest weight so far: no fp16 overflow), the accumulators are kept in
+        units of r and rescaled by the unit's change with alpha."""
         mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 64, 16])
         row_l: gl.constexpr = gl.SliceLayout(1, mma)
         col_l: gl.constexpr = gl.SliceLayout(0, mma)
@@ -111,7 +115,10 @@ if HAS_GLUON:
         o2 = gl.zeros([BLOCK, BLOCK], gl.float32, mma)
         o3 = gl.zeros([BLOCK, BLOCK], gl.float32, mma)
         cols = gl.arange(0, BLOCK, layout=col_l)
+        r_i = gl.zeros([BLOCK], gl.float32, row_l)
         mbarrier.wait(q_bar, 0)
+        if FP8:
+            qk_rows = qf_smem.load(row_l) * qk_scale
         for t in range(tiles):
             stage = t % STAGES
             j0 = start + t * BLOCK
@@ -123,16 +130,27 @@ if HAS_GLUON:
                 sc = warpgroup_mma(q_smem.index(c), k_smem.index(stage * CHUNKS + c).permute((1, 0)), sc,
                                    is_async=True)
             sc = warpgroup_mma_wait(num_outstanding=0, deps=(sc, ))
-            sc = gl.where((j0 + cols < end)[None, :], sc * qk_scale, float("-inf"))
+            if FP8:
+                ks = ks_smem.index(stage).load(col_l)
+                sc = gl.where((j0 + cols < end)[None, :], sc * qk_rows[:, None] * ks[None, :], float("-inf"))
+            else:
+                sc = gl.where((j0 + cols < end)[None, :], sc * qk_scale, float("-inf"))
             m_new = gl.maximum(m_i, gl.max(sc, 1))
             m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
             p = gl.exp2(sc - m_safe[:, None])
             alpha = gl.exp2(m_i - m_safe)
             l_i = l_i * alpha + gl.sum(p, 1)
             m_i = m_new
+            if FP8:     # weights in units of r' = max(r alpha, the tile's largest weight)
+                p = p * ks[None, :]
+                r_new = gl.maximum(r_i * alpha, gl.max(p, 1))
+                inv = 1.0 / gl.where(r_new > 0, r_new, 1.0)
+                alpha = r_i * alpha * inv
+                p = p * inv[:, None]
+                r_i = r_new
             if t > 0:       # warpgroup 1 is done with the previous tile's weights
                 mbarrier.wait(p_free, (t - 1) & 1)
-            p_smem.store(p.to(gl.bfloat16))
+            p_smem.store(p.to(p_smem.dtype))
             a_smem.store(alpha)
             fence_async_shared()
             gl.thread_barrier()
@@ -150,7 +168,10 @@ if HAS_GLUON:
         # the final factor 1 / l (NaN for a bad table) to warpgroup 1, then this half and the lse
         nonempty = l_i > 0
         safe = gl.where(nonempty, l_i, 1.0)
-        factor = gl.where(bad, float("nan"), 1.0 / safe)
+        if FP8:
+            factor = gl.where(bad, float("nan"), r_i / safe)
+        else:
+            factor = gl.where(bad, float("nan"), 1.0 / safe)
         if tiles > 0:
             mbarrier.wait(p_free, (tiles - 1) & 1)
         a_smem.store(factor)
@@ -246,12 +267,109 @@ if HAS_GLUON:
         ], [4, 4], [200, 48])
 
 
-def gluon_mla_ok(q: Tensor, k: Tensor, v: Tensor, tq: int, page: int) -> bool:
-    """The Gluon kernel applies: bf16 queries and latent cache [nb, page, 1, 576] (rows contiguous,
-    v its first 512 dims), one query token, heads a multiple of 64, pages a multiple of 64, an
-    sm_90 GPU."""
-    return (HAS_GLUON and q.is_cuda and torch.cuda.get_device_capability(q.device) == (9, 0)
-            and q.dtype == torch.bfloat16 and k.dtype == torch.bfloat16 and tq == 1
+if HAS_GLUON:
+    @gluon.jit
+    def _converter(q_ptr, k_ptr, ks_ptr, table_ptr, glens_ptr, q_smem, qf_smem, k_smem, ks_smem, q_bar, ready, free,
+                   s, head0, split, split_len, dcp_size, dcp_rank, interleave, table_w, num_blocks, st_s, sk_b, sk_t,
+                   ss_b, ss_t, PAGE: gl.constexpr):
+        """The fp8 kernel's loader: the 64 query rows to fp16, each times a power of two 2^e that puts
+        its largest magnitude in [2^14, 2^15) (qf_smem holds 2^-e), then each key tile's fp8 rows
+        (zeros past the split's end) converted to fp16 and its scales into the ring's stage."""
+        blocked: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
+        rows = gl.arange(0, BLOCK, layout=gl.SliceLayout(1, blocked))
+        cols = gl.arange(0, BLOCK, layout=gl.SliceLayout(0, blocked))
+        q_base = q_ptr + (head0 + rows).to(gl.int64)[:, None] * (CHUNKS * BLOCK) + cols[None, :]
+        amax = gl.zeros([BLOCK], gl.float32, gl.SliceLayout(1, blocked))
+        for c in gl.static_range(CHUNKS):
+            amax = gl.maximum(amax, gl.max(gl.abs(gl.load(q_base + c * BLOCK).to(gl.float32)), 1))
+        biased = (amax.to(gl.int32, bitcast=True) >> 23) & 0xFF
+        e = gl.minimum(gl.maximum(141 - biased, -113), 100)
+        up = ((e + 127) << 23).to(gl.float32, bitcast=True)
+        qf_smem.store(((127 - e) << 23).to(gl.float32, bitcast=True))
+        for c in gl.static_range(CHUNKS):
+            qc = gl.load(q_base + c * BLOCK).to(gl.float32) * up[:, None]
+            q_smem.index(c).store(qc.to(gl.float16))
+        fence_async_shared()
+        gl.thread_barrier()
+        mbarrier.arrive(q_bar)
+        start, end, tiles, bad = _split_range(glens_ptr, s, split, split_len, dcp_size, dcp_rank, interleave,
+                                              table_w, PAGE)
+        for t in range(tiles):
+            stage = t % STAGES
+            j0 = start + t * BLOCK
+            blk = gl.load(table_ptr + s.to(gl.int64) * st_s + j0 // PAGE)
+            blk = gl.where((blk >= 0) & (blk < num_blocks), blk, 0)    # (warpgroup 0 reports it)
+            live = rows < end - j0
+            token = ((j0 % PAGE) + rows).to(gl.int64)
+            base = k_ptr + blk.to(gl.int64) * sk_b + token[:, None] * sk_t + cols[None, :]
+            ks = gl.load(ks_ptr + blk.to(gl.int64) * ss_b + token * ss_t, mask=live, other=0.0)
+            if t >= STAGES:
+                mbarrier.wait(free.index(stage), ((t // STAGES) - 1) & 1)
+            for c in gl.static_range(CHUNKS):
+                kc = gl.load(base + c * BLOCK, mask=live[:, None], other=0.0)
+                k_smem.index(stage * CHUNKS + c).store(kc.to(gl.float16))
+            ks_smem.index(stage).store(ks)
+            fence_async_shared()
+            gl.thread_barrier()
+            mbarrier.arrive(ready.index(stage))
+
+    @gluon.jit
+    def _mla_decode_ws_fp8_kernel(q_ptr, k_ptr, ks_ptr, table_ptr, glens_ptr, o_ptr, lse_ptr,
+                                  qk_scale, split_len, M_TILES, HQ, dcp_size, dcp_rank, interleave, table_w, num_blocks,
+                                  st_s, sk_b, sk_t, ss_b, ss_t, so_p, so_s, so_h, sl_p, sl_s, PAGE: gl.constexpr):
+        pid = gl.program_id(0)
+        split = gl.program_id(1)
+        s = pid // M_TILES
+        head0_in_seq = (pid % M_TILES) * BLOCK
+        head0 = s * HQ + head0_in_seq
+        box: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK, BLOCK], gl.float16)
+        vec: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[0])
+        q_smem = gl.allocate_shared_memory(gl.float16, [CHUNKS, BLOCK, BLOCK], box)
+        k_smem = gl.allocate_shared_memory(gl.float16, [STAGES * CHUNKS, BLOCK, BLOCK], box)
+        p_smem = gl.allocate_shared_memory(gl.float16, [BLOCK, BLOCK], box)
+        a_smem = gl.allocate_shared_memory(gl.float32, [BLOCK], vec)
+        qf_smem = gl.allocate_shared_memory(gl.float32, [BLOCK], vec)
+        ks_smem = gl.allocate_shared_memory(gl.float32, [STAGES, BLOCK], vec)
+        q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        free = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        p_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        p_free = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        mbarrier.init(q_bar, count=1)
+        mbarrier.init(p_ready, count=1)
+        mbarrier.init(p_free, count=1)
+        for i in gl.static_range(STAGES):
+            mbarrier.init(ready.index(i), count=1)
+            mbarrier.init(free.index(i), count=2)
+        fence_async_shared()
+        gl.warp_specialize([
+            (_scores_and_low_half, (q_smem, k_smem, p_smem, a_smem, q_bar, ready, free, p_ready, p_free, table_ptr,
+                                    glens_ptr, o_ptr, lse_ptr, s, head0_in_seq, split, split_len, dcp_size, dcp_rank,
+                                    interleave, table_w, num_blocks, st_s, qk_scale, so_p, so_s, so_h, sl_p, sl_s,
+                                    PAGE, ks_smem, qf_smem, True)),
+            (_high_half, (k_smem, p_smem, a_smem, ready, free, p_ready, p_free, glens_ptr, o_ptr, s, head0_in_seq,
+                          split, split_len, dcp_size, dcp_rank, interleave, table_w, so_p, so_s, so_h, PAGE)),
+            (_converter, (q_ptr, k_ptr, ks_ptr, table_ptr, glens_ptr, q_smem, qf_smem, k_smem, ks_smem, q_bar, ready,
+                          free, s, head0, split, split_len, dcp_size, dcp_rank, interleave, table_w, num_blocks, st_s,
+                          sk_b, sk_t, ss_b, ss_t, PAGE)),
+        ], [4, 4], [152, 96])
+
+
+def gluon_mla_ok(q: Tensor, k: Tensor, v: Tensor, tq: int, page: int, k_scale: Tensor | None = None,
+                 v_scale: Tensor | None = None) -> bool:
+    """The Gluon kernels apply: bf16 queries; a bf16 latent cache [nb, page, 1, 576] (rows
+    contiguous, v its first 512 dims), or an fp8 one with one fp32 scale per token [nb, page, 1]
+    serving keys and values (v_scale is k_scale); one query token, heads a multiple of 64, pages a
+    multiple of 64, an sm_90 GPU."""
+    if not (HAS_GLUON and q.is_cuda and torch.cuda.get_device_capability(q.device) == (9, 0)):
+        return False
+    if k.dtype == torch.float8_e4m3fn:
+        if (k_scale is None or v_scale is None or v_scale.data_ptr() != k_scale.data_ptr()
+                or v_scale.stride() != k_scale.stride() or k_scale.dtype != torch.float32 or k_scale.dim() != 3):
+            return False
+    elif k.dtype != torch.bfloat16:
+        return False
+    return (q.dtype == torch.bfloat16 and tq == 1
             and q.shape[-2] % _BLOCK == 0 and q.shape[-1] == _CHUNKS * _BLOCK and k.shape[2] == 1
             and k.shape[-1] == _CHUNKS * _BLOCK and page % _BLOCK == 0 and k.stride(-1) == 1
             and k.stride(1) == _CHUNKS * _BLOCK and k.stride(0) == page * _CHUNKS * _BLOCK
@@ -260,17 +378,25 @@ def gluon_mla_ok(q: Tensor, k: Tensor, v: Tensor, tq: int, page: int) -> bool:
 
 
 def launch_gluon_mla(q: Tensor, k: Tensor, table: Tensor, seq_lens: Tensor, o: Tensor, lse: Tensor, scale_log2: float,
-                     splits: int, split_len: int, dcp_size: int, dcp_rank: int, interleave: int) -> None:
-    """Fill the split partials o [splits, S, 1, Hq, 512] / lse [splits, S, 1, Hq] (`gluon_mla_ok`)."""
+                     splits: int, split_len: int, dcp_size: int, dcp_rank: int, interleave: int,
+                     k_scale: Tensor | None = None) -> None:
+    """Fill the split partials o [splits, S, 1, Hq, 512] / lse [splits, S, 1, Hq] (`gluon_mla_ok`;
+    k_scale: the fp8 cache's per-token scales)."""
     s, _, hq, d = q.shape
     nb, page = k.shape[0], k.shape[1]
+    m_tiles = hq // _BLOCK
+    tail = (o.stride(0), o.stride(1), o.stride(3), lse.stride(0), lse.stride(1))
+    if k.dtype == torch.float8_e4m3fn:
+        _mla_decode_ws_fp8_kernel[(s * m_tiles, splits)](
+            q, k, k_scale, table, seq_lens, o, lse, scale_log2, split_len, m_tiles, hq, dcp_size, dcp_rank,
+            interleave, table.shape[1], nb, table.stride(0), k.stride(0), k.stride(1), k_scale.stride(0),
+            k_scale.stride(1), *tail, PAGE=page, num_warps=4)
+        return
     box = gl.NVMMASharedLayout.get_default_for([_BLOCK, _BLOCK], gl.bfloat16)
     q2 = q.view(s * hq, d)
     k2 = k.view(nb * page, d)
     q_desc = TensorDescriptor(q2, list(q2.shape), list(q2.stride()), [_BLOCK, _BLOCK], box)
     k_desc = TensorDescriptor(k2, list(k2.shape), list(k2.stride()), [_BLOCK, _BLOCK], box)
-    m_tiles = hq // _BLOCK
     _mla_decode_ws_kernel[(s * m_tiles, splits)](
         q_desc, k_desc, k, table, seq_lens, o, lse, scale_log2, split_len, m_tiles, hq, dcp_size, dcp_rank,
-        interleave, table.shape[1], nb, table.stride(0), k.stride(0), k.stride(1),
-        o.stride(0), o.stride(1), o.stride(3), lse.stride(0), lse.stride(1), PAGE=page, num_warps=4)
+        interleave, table.shape[1], nb, table.stride(0), k.stride(0), k.stride(1), *tail, PAGE=page, num_warps=4)
