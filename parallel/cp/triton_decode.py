@@ -585,8 +585,12 @@ CONFIG = {
     # 151.0 / 640.3, bit-identical outputs (the same wgmma steps in the same order)
     "gluon_wide": 1,
     # ... and over an fp8 latent cache (its loader converts each tile to fp16 into shared memory, the
-    # scores and weights take the per-token scales as `f16_wide_fp8` does). Not measured yet: off
-    "gluon_wide_fp8": 0,
+    # scores and weights take the per-token scales as `f16_wide_fp8` does): Triton 106.6 / 359.0 /
+    # 1356.7 µs -> Gluon 94.6 / 289.3 / 1062.4 at 1/4 of 8K / 32K / 128K (decode-gluon2-h200.json).
+    # Bound by the loader's conversion (bf16 runs in 151 µs at 32K): its 96 registers hold no second
+    # tile's bytes (loading them before the stage's wait spilled 2.6 KB, sm_90a), and shared memory
+    # holds no fp8 staging ring beside the two fp16 stages and the queries
+    "gluon_wide_fp8": 1,
     # the DCP group size and interleave as compile-time constants (a build per group; 0/1). GQA
     # over fp8 read the same 32768 slots per sequence in 385-387 µs launched as a group of 1
     # (dcp_size specialized to 1 by Triton) and in 431-435 µs as rank 0 of 4 with them as runtime
