@@ -57,7 +57,7 @@ KEYS = {"gqa": ("block_n", "num_warps", "num_stages", "target_programs", "min_sp
         "mla": ("block_m", "block_n", "num_warps", "num_stages", "target_programs", "min_split", "lazy_rescale",
                 "halves", "tma", "diag", "at_most", "gluon_wide"),
         "mla_fp8": ("block_m", "block_n", "num_warps", "num_stages", "lazy_rescale", "halves", "tma", "min_split", "f16",
-                    "at_most", "target_programs"),
+                    "at_most", "target_programs", "gluon_wide"),
         "mla_narrow": ("block_n", "num_warps", "num_stages", "min_split", "at_most", "f16", "maxnreg", "stage16",
                        "block_n_fp8")}
 FAMILY_MAP = {"gqa": {}, "mla": "_WIDE", "gqa_fp8": "_FP8", "mla_fp8": "_WIDE_FP8",   # family key -> CONFIG key
@@ -118,7 +118,7 @@ VARIANTS = {   # overrides of the current settings, one factor at a time, then a
                  "min_split": 256}],
     # MLA over fp8 (today 32 heads x 64 keys, mma.sync; 64 heads spill 444 B with the plain loads,
     # 40 B in halves with TMA and 2 stages: bench/debug/kernel_sass.py decode)
-    "mla_fp8": [{}, {"num_stages": 2}, {"block_n": 32}, {"halves": 1}, {"halves": 1, "tma": 1},
+    "mla_fp8": [{"gluon_wide": 1}, {}, {"num_stages": 2}, {"block_n": 32}, {"halves": 1}, {"halves": 1, "tma": 1},
                 {"halves": 1, "tma": 1, "num_stages": 2}, {"block_m": 64, "num_stages": 2},
                 {"block_m": 64, "halves": 1, "tma": 1, "num_stages": 2},
                 {"block_m": 64, "halves": 1, "num_stages": 2}, {"lazy_rescale": 1}, {"min_split": 512},
@@ -152,7 +152,7 @@ TINY_VARIANTS = {
     "mla": [{}, {"block_m": 16, "block_n": 16, "min_split": 32}, {"num_warps": 4}, {"halves": 1, "block_n": 16},
             {"halves": 1, "tma": 1, "block_n": 16, "lazy_rescale": 1}],
     "gqa_fp8": [{}, {"block_n": 16}, {"f16": 1, "block_n": 16}, {"stage16": 2, "block_n": 16}],
-    "mla_fp8": [{}, {"num_stages": 2}, {"f16": 1, "block_m": 16, "block_n": 16, "halves": 1}],
+    "mla_fp8": [{"gluon_wide": 1}, {}, {"num_stages": 2}, {"f16": 1, "block_m": 16, "block_n": 16, "halves": 1}],
     "mla_narrow": [{}, {"num_stages": 1, "min_split": 32}, {"stage16": 1, "block_n_fp8": 16, "min_split": 32}],
 }
 
@@ -187,7 +187,7 @@ def _install(kind: str, settings: dict[str, int], default: dict[str, int]) -> No
 
     td.CONFIG.clear()
     td.CONFIG.update(default)
-    if kind == "mla":       # the Triton kernel's settings are probed on the Triton kernel
+    if kind in ("mla", "mla_fp8"):      # the Triton kernel's settings are probed on the Triton kernel
         settings = {"gluon_wide": 0, **settings}
     td.apply_tuning({kind: settings})
 

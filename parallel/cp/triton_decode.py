@@ -748,6 +748,7 @@ _FP8 = {"block_n": "block_n_fp8", "num_stages": "num_stages_fp8", "f16": "f16_fp
         "target_programs": "target_programs_fp8"}                                 # GQA over an fp8 cache
 _WIDE_FP8 = {k: f"{k}_wide_fp8" for k in ("block_m", "block_n", "num_warps", "num_stages", "lazy_rescale", "halves",
                                           "tma", "min_split", "f16", "at_most", "target_programs")}   # MLA, fp8 cache
+_WIDE_FP8["gluon_wide"] = "gluon_wide_fp8"
 # MLA with a query-head tile that is not full (16 heads under TP 8), bf16 and fp8 caches
 _WIDE_NARROW = {k: f"{k}_wide_narrow" for k in ("block_n", "num_warps", "num_stages", "min_split", "at_most", "halves",
                                               "tma", "f16", "maxnreg", "stage16")}
