@@ -519,6 +519,32 @@ def test_gluon_mla_applies_only_to_its_layout():
     assert not gluon_mla.gluon_mla_ok(q, kv, kv.clone()[..., :512], 1, 64)                # v elsewhere
 
 
+def _gluon_on_off(monkeypatch, key, call):
+    """(the call with CONFIG key 0: the Triton kernel, with key 1: the Gluon kernel), after checking
+    that the second launched the Gluon kernel."""
+    from parallel.cp import gluon_mla, triton_decode as td
+
+    used = []
+    real = gluon_mla.launch_gluon_mla
+    monkeypatch.setattr(gluon_mla, "launch_gluon_mla", lambda *a, **kw: used.append(1) or real(*a, **kw))
+    monkeypatch.setitem(td.CONFIG, key, 0)
+    plain = call()
+    monkeypatch.setitem(td.CONFIG, key, 1)
+    got = call()
+    assert used
+    return plain, got
+
+
+def _check_against_torch(got, ref, empty: int):
+    """Rows of a sequence with no token (and only those) have lse -inf; out is finite everywhere
+    (NaN past the ends never reached it) and within the GPU bound of the torch path."""
+    finite = torch.isfinite(ref.lse)
+    assert torch.equal(finite, torch.isfinite(got.lse)) and not finite[empty].any()
+    assert torch.isfinite(got.out).all()
+    torch.testing.assert_close(got.lse[finite], ref.lse[finite], atol=2e-2, rtol=0)
+    torch.testing.assert_close(got.out, ref.out, atol=2e-2, rtol=0)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("size,rank", [(1, 0), (2, 1), (4, 2)])
 def test_gluon_mla_kernel_on_gpu(size, rank, monkeypatch):
@@ -533,9 +559,6 @@ def test_gluon_mla_kernel_on_gpu(size, rank, monkeypatch):
         pytest.skip("the Gluon MLA kernel needs an sm_90 GPU and a Triton with Gluon")
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     monkeypatch.setitem(td.CONFIG, "min_split_wide", 256)      # several splits at these lengths
-    used = []
-    real = gluon_mla.launch_gluon_mla
-    monkeypatch.setattr(gluon_mla, "launch_gluon_mla", lambda *a: used.append(1) or real(*a))
     lens = [3000, 0, 77, 1, 640, 4096, 129]
     gen = torch.Generator().manual_seed(21 + rank)
     layout = DCPLayout(size=size, rank=rank, block_size=64)
@@ -556,16 +579,8 @@ def test_gluon_mla_kernel_on_gpu(size, rank, monkeypatch):
     seq = torch.tensor(lens, device="cuda")
     run = lambda c, t, backend: paged_decode_attention(q, c, t, seq, layout=layout, scale=0.07, backend=backend)
     ref = run(ref_cache, table, "torch")
-    monkeypatch.setitem(td.CONFIG, "gluon_wide", 0)
-    plain = run(cache, table, "triton")
-    monkeypatch.setitem(td.CONFIG, "gluon_wide", 1)
-    got = run(cache, table, "triton")
-    assert used
-    finite = torch.isfinite(ref.lse)
-    assert torch.equal(finite, torch.isfinite(got.lse)) and not finite[1].any()
-    assert torch.isfinite(got.out).all()
-    torch.testing.assert_close(got.lse[finite], ref.lse[finite], atol=2e-2, rtol=0)
-    torch.testing.assert_close(got.out, ref.out, atol=2e-2, rtol=0)
+    plain, got = _gluon_on_off(monkeypatch, "gluon_wide", lambda: run(cache, table, "triton"))
+    _check_against_torch(got, ref, 1)
     torch.testing.assert_close(got.out, plain.out, atol=1e-5, rtol=0)
     torch.testing.assert_close(got.lse, plain.lse, atol=1e-5, rtol=0)
     bad = table.clone()
@@ -595,24 +610,14 @@ def test_gluon_mla_kernel_over_fp8_on_gpu(monkeypatch):
         pytest.skip("the Gluon MLA kernel needs an sm_90 GPU and a Triton with Gluon")
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     monkeypatch.setitem(td.CONFIG, "min_split_wide_fp8", 256)
-    used = []
-    real = gluon_mla.launch_gluon_mla
-    monkeypatch.setattr(gluon_mla, "launch_gluon_mla", lambda *a, **kw: used.append(1) or real(*a, **kw))
     lens = [3000, 0, 77, 1, 640]
     cache, table = _mla_cache(lens, 64, torch.float8_e4m3fn, seed=19, device="cuda")
     q = torch.randn(len(lens), 1, 128, 576, device="cuda", dtype=torch.bfloat16)
     seq = torch.tensor(lens, device="cuda")
     ref = paged_decode_attention(q, cache, table, seq, scale=0.07, backend="torch")
-    monkeypatch.setitem(td.CONFIG, "gluon_wide_fp8", 0)
-    plain = paged_decode_attention(q, cache, table, seq, scale=0.07, backend="triton")
-    monkeypatch.setitem(td.CONFIG, "gluon_wide_fp8", 1)
-    got = paged_decode_attention(q, cache, table, seq, scale=0.07, backend="triton")
-    assert used
-    finite = torch.isfinite(ref.lse)
-    assert torch.equal(finite, torch.isfinite(got.lse)) and not finite[1].any()
-    assert torch.isfinite(got.out).all()
-    torch.testing.assert_close(got.lse[finite], ref.lse[finite], atol=2e-2, rtol=0)
-    torch.testing.assert_close(got.out, ref.out, atol=2e-2, rtol=0)
+    plain, got = _gluon_on_off(monkeypatch, "gluon_wide_fp8",
+                               lambda: paged_decode_attention(q, cache, table, seq, scale=0.07, backend="triton"))
+    _check_against_torch(got, ref, 1)
     torch.testing.assert_close(got.out, plain.out, atol=2e-3, rtol=0)
     bad = table.clone()
     bad[4, 0] = cache.k.shape[0] + 1

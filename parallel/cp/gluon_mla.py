@@ -28,6 +28,7 @@ try:
     from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
                                                                   warpgroup_mma_wait)
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+    from .triton_common import local_len as _dcp_local_len
     HAS_GLUON = True
 except ImportError:  # pragma: no cover - a Triton without Gluon
     HAS_GLUON = False
@@ -44,20 +45,36 @@ else:  # pragma: no cover
 
 if HAS_GLUON:
     @gluon.jit
-    def _local_len(glens_ptr, s, dcp_size, dcp_rank, interleave):
-        g = gl.load(glens_ptr + s).to(gl.int32)
-        base = (g // (interleave * dcp_size)) * interleave
-        return base + gl.minimum(gl.maximum(g - base * dcp_size - dcp_rank * interleave, 0), interleave)
-
-    @gluon.jit
     def _split_range(glens_ptr, s, split, split_len, dcp_size, dcp_rank, interleave, table_w, PAGE: gl.constexpr):
         """(start, end, tiles, bad) of this split: bad where the length is negative or past the table."""
-        local = _local_len(glens_ptr, s, dcp_size, dcp_rank, interleave)
+        local = _dcp_local_len(glens_ptr, s, dcp_size, dcp_rank, interleave)
         start = split * split_len
         end = gl.minimum(gl.minimum(start + split_len, local), table_w * PAGE)
         bad = (gl.load(glens_ptr + s) < 0) | (local > table_w * PAGE)
         tiles = (gl.maximum(end - start, 0) + BLOCK - 1) // BLOCK
         return start, end, tiles, bad
+
+    @gluon.jit
+    def _pv(o0, o1, o2, o3, alpha, p_smem, k_smem, first):
+        """A warpgroup's four 64-wide output accumulators rescaled by alpha, plus P V over the ring's
+        boxes first .. first + 3 (the value dims they hold)."""
+        o0 = o0 * alpha[:, None]
+        o1 = o1 * alpha[:, None]
+        o2 = o2 * alpha[:, None]
+        o3 = o3 * alpha[:, None]
+        o0 = warpgroup_mma(p_smem, k_smem.index(first), o0, is_async=True)
+        o1 = warpgroup_mma(p_smem, k_smem.index(first + 1), o1, is_async=True)
+        o2 = warpgroup_mma(p_smem, k_smem.index(first + 2), o2, is_async=True)
+        o3 = warpgroup_mma(p_smem, k_smem.index(first + 3), o3, is_async=True)
+        return warpgroup_mma_wait(num_outstanding=0, deps=(o0, o1, o2, o3))
+
+    @gluon.jit
+    def _store_quarter_rows(ptr, o0, o1, o2, o3, factor):
+        """A warpgroup's 256 output dims, times the rows' final factor, at ptr (its first 64) on."""
+        gl.store(ptr, o0 * factor[:, None])
+        gl.store(ptr + BLOCK, o1 * factor[:, None])
+        gl.store(ptr + 2 * BLOCK, o2 * factor[:, None])
+        gl.store(ptr + 3 * BLOCK, o3 * factor[:, None])
 
     @gluon.jit
     def _loader(q_desc, k_desc, k_ptr, table_ptr, glens_ptr, q_smem, k_smem, q_bar, ready, free,
@@ -155,15 +172,7 @@ if HAS_GLUON:
             fence_async_shared()
             gl.thread_barrier()
             mbarrier.arrive(p_ready)
-            o0 = o0 * alpha[:, None]
-            o1 = o1 * alpha[:, None]
-            o2 = o2 * alpha[:, None]
-            o3 = o3 * alpha[:, None]
-            o0 = warpgroup_mma(p_smem, k_smem.index(stage * CHUNKS + 0), o0, is_async=True)
-            o1 = warpgroup_mma(p_smem, k_smem.index(stage * CHUNKS + 1), o1, is_async=True)
-            o2 = warpgroup_mma(p_smem, k_smem.index(stage * CHUNKS + 2), o2, is_async=True)
-            o3 = warpgroup_mma(p_smem, k_smem.index(stage * CHUNKS + 3), o3, is_async=True)
-            o0, o1, o2, o3 = warpgroup_mma_wait(num_outstanding=0, deps=(o0, o1, o2, o3))
+            o0, o1, o2, o3 = _pv(o0, o1, o2, o3, alpha, p_smem, k_smem, stage * CHUNKS + 0)
             mbarrier.arrive(free.index(stage))
         # the final factor 1 / l (NaN for a bad table) to warpgroup 1, then this half and the lse
         nonempty = l_i > 0
@@ -179,11 +188,7 @@ if HAS_GLUON:
         mbarrier.arrive(p_ready)
         rows = gl.arange(0, BLOCK, layout=row_l)
         o_row = split.to(gl.int64) * so_p + s.to(gl.int64) * so_s + (head0_in_seq + rows).to(gl.int64) * so_h
-        optr = o_ptr + o_row[:, None] + cols[None, :]
-        gl.store(optr, o0 * factor[:, None])
-        gl.store(optr + BLOCK, o1 * factor[:, None])
-        gl.store(optr + 2 * BLOCK, o2 * factor[:, None])
-        gl.store(optr + 3 * BLOCK, o3 * factor[:, None])
+        _store_quarter_rows(o_ptr + o_row[:, None] + cols[None, :], o0, o1, o2, o3, factor)
         lse = gl.where(nonempty, (m_i + gl.log2(safe)) * 0.6931471805599453, float("-inf"))
         lse = gl.where(bad, float("nan"), lse)
         gl.store(lse_ptr + split.to(gl.int64) * sl_p + s.to(gl.int64) * sl_s + head0_in_seq + rows, lse)
@@ -205,15 +210,7 @@ if HAS_GLUON:
             mbarrier.wait(ready.index(stage), (t // STAGES) & 1)
             mbarrier.wait(p_ready, t & 1)
             alpha = a_smem.load(row_l)
-            o0 = o0 * alpha[:, None]
-            o1 = o1 * alpha[:, None]
-            o2 = o2 * alpha[:, None]
-            o3 = o3 * alpha[:, None]
-            o0 = warpgroup_mma(p_smem, k_smem.index(stage * CHUNKS + 4), o0, is_async=True)
-            o1 = warpgroup_mma(p_smem, k_smem.index(stage * CHUNKS + 5), o1, is_async=True)
-            o2 = warpgroup_mma(p_smem, k_smem.index(stage * CHUNKS + 6), o2, is_async=True)
-            o3 = warpgroup_mma(p_smem, k_smem.index(stage * CHUNKS + 7), o3, is_async=True)
-            o0, o1, o2, o3 = warpgroup_mma_wait(num_outstanding=0, deps=(o0, o1, o2, o3))
+            o0, o1, o2, o3 = _pv(o0, o1, o2, o3, alpha, p_smem, k_smem, stage * CHUNKS + 4)
             gl.thread_barrier()
             mbarrier.arrive(p_free)
             mbarrier.arrive(free.index(stage))
@@ -222,11 +219,26 @@ if HAS_GLUON:
         rows = gl.arange(0, BLOCK, layout=row_l)
         cols = gl.arange(0, BLOCK, layout=col_l)
         o_row = split.to(gl.int64) * so_p + s.to(gl.int64) * so_s + (head0_in_seq + rows).to(gl.int64) * so_h
-        optr = o_ptr + o_row[:, None] + (4 * BLOCK + cols)[None, :]
-        gl.store(optr, o0 * factor[:, None])
-        gl.store(optr + BLOCK, o1 * factor[:, None])
-        gl.store(optr + 2 * BLOCK, o2 * factor[:, None])
-        gl.store(optr + 3 * BLOCK, o3 * factor[:, None])
+        _store_quarter_rows(o_ptr + o_row[:, None] + (4 * BLOCK + cols)[None, :], o0, o1, o2, o3, factor)
+
+    @gluon.jit
+    def _barriers():
+        """The kernels' mbarriers, initialized: q_bar (the queries are in), ready / free per ring stage
+        (a tile is in / both warpgroups are done with it), p_ready / p_free (a tile's weights and
+        factors are published / warpgroup 1 is done with them)."""
+        q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        free = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        p_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        p_free = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        mbarrier.init(q_bar, count=1)
+        mbarrier.init(p_ready, count=1)
+        mbarrier.init(p_free, count=1)
+        for i in gl.static_range(STAGES):
+            mbarrier.init(ready.index(i), count=1)
+            mbarrier.init(free.index(i), count=2)
+        fence_async_shared()
+        return q_bar, ready, free, p_ready, p_free
 
     @gluon.jit
     def _mla_decode_ws_kernel(q_desc, k_desc, k_ptr, table_ptr, glens_ptr, o_ptr, lse_ptr,
@@ -242,18 +254,7 @@ if HAS_GLUON:
         k_smem = gl.allocate_shared_memory(gl.bfloat16, [STAGES * CHUNKS, BLOCK, BLOCK], box)
         p_smem = gl.allocate_shared_memory(gl.bfloat16, [BLOCK, BLOCK], box)
         a_smem = gl.allocate_shared_memory(gl.float32, [BLOCK], gl.SwizzledSharedLayout(1, 1, 1, order=[0]))
-        q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-        ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        free = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        p_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-        p_free = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-        mbarrier.init(q_bar, count=1)
-        mbarrier.init(p_ready, count=1)
-        mbarrier.init(p_free, count=1)
-        for i in gl.static_range(STAGES):
-            mbarrier.init(ready.index(i), count=1)
-            mbarrier.init(free.index(i), count=2)
-        fence_async_shared()
+        q_bar, ready, free, p_ready, p_free = _barriers()
         gl.warp_specialize([
             (_scores_and_low_half, (q_smem, k_smem, p_smem, a_smem, q_bar, ready, free, p_ready, p_free, table_ptr,
                                     glens_ptr, o_ptr, lse_ptr, s, head0_in_seq, split, split_len, dcp_size, dcp_rank,
@@ -330,18 +331,7 @@ if HAS_GLUON:
         a_smem = gl.allocate_shared_memory(gl.float32, [BLOCK], vec)
         qf_smem = gl.allocate_shared_memory(gl.float32, [BLOCK], vec)
         ks_smem = gl.allocate_shared_memory(gl.float32, [STAGES, BLOCK], vec)
-        q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-        ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        free = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        p_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-        p_free = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-        mbarrier.init(q_bar, count=1)
-        mbarrier.init(p_ready, count=1)
-        mbarrier.init(p_free, count=1)
-        for i in gl.static_range(STAGES):
-            mbarrier.init(ready.index(i), count=1)
-            mbarrier.init(free.index(i), count=2)
-        fence_async_shared()
+        q_bar, ready, free, p_ready, p_free = _barriers()
         gl.warp_specialize([
             (_scores_and_low_half, (q_smem, k_smem, p_smem, a_smem, q_bar, ready, free, p_ready, p_free, table_ptr,
                                     glens_ptr, o_ptr, lse_ptr, s, head0_in_seq, split, split_len, dcp_size, dcp_rank,

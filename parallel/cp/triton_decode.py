@@ -35,6 +35,13 @@ Structure options (CONFIG, 0/1, off until the GPU probe measures them; `launch_s
 - `stage16_fp8`, `stage16_wide_narrow` (fp8 caches, GQA and MLA's narrow head tiles; 0/1/2): the
   value tile (2: and the key tile) converted where it was loaded and staged for the MMA as 16-bit
   in shared memory (`_staged`), not read back as MMA operand one byte per load.
+- `gluon_wide`, `gluon_wide_fp8` (on): MLA's full 64-head tiles over one latent head (the halves
+  layout, one query token, bf16 queries, an sm_90 GPU) go to the warp-specialized Gluon kernel of
+  `gluon_mla.py` instead (a loader warpgroup, one warpgroup for the scores, softmax and output
+  dims [0, 256), one for [256, 512) from the same published weights); this module still plans
+  the splits and merges them.
+- `dcp_constexpr` (on): the DCP group size and interleave built into the kernel (one build per
+  group), whose loop then compiles as the group-of-one build's.
 - `pdl` (on where the device and Triton allow it: `triton_merge.pdl_ok`): programmatic dependent
   launch of the kernel and of the split merge after it; each may launch while the kernel before it
   finishes and waits for it (griddepcontrol.wait) before touching memory (0.5-1.3 µs per call).
@@ -57,6 +64,7 @@ from torch import Tensor
 from .. import impl
 from . import gluon_mla
 from .state import AttnState
+from .triton_common import local_len as _local_len
 from .triton_merge import gdc_launch_dependents, gdc_wait, merge_states_triton, pdl_ok
 
 _LOG2E = 1.4426950408889634
@@ -69,14 +77,6 @@ def _dot(a, b, acc, IEEE: tl.constexpr):
         return tl.dot(a, b, acc, input_precision="ieee")
     else:
         return tl.dot(a, b, acc)
-
-
-@triton.jit
-def _local_len(glens_ptr, s, dcp_size, dcp_rank, interleave):
-    """Tokens of sequence s this rank holds (`DCPLayout.local_lengths` of its global length)."""
-    g = tl.load(glens_ptr + s).to(tl.int32)
-    base = (g // (interleave * dcp_size)) * interleave
-    return base + tl.minimum(tl.maximum(g - base * dcp_size - dcp_rank * interleave, 0), interleave)
 
 
 @triton.jit
