@@ -61,9 +61,8 @@ def _check(rows: list, dtype: torch.dtype) -> None:
         q = torch.randn(len(lens), 128, dims.latent_dim, device="cuda", generator=gen).to(torch.bfloat16)
         seq = torch.tensor(lens, device="cuda")
         ref = paged_decode_attention(q, ref_cache, table, seq, layout=layout, scale=dims.scale, backend="torch")
-        for name, on, pf in (("triton", 0, 0), ("gluon", 1, 0), ("gluon prefetch", 1, 1)):
+        for name, on in (("triton", 0), ("gluon", 1)):
             triton_decode.CONFIG[key] = on
-            triton_decode.CONFIG["gluon_prefetch"] = pf
             got = paged_decode_attention(q, cache, table, seq, layout=layout, scale=dims.scale, backend="triton")
             torch.cuda.synchronize()
             fin = torch.isfinite(ref.lse)
@@ -89,8 +88,8 @@ def main(path: str) -> None:
         _check(rows, dtype)
     triton_decode.CONFIG.update(saved)
     dims = MLADims()
-    for dtype, context in ((torch.bfloat16, 8192), (torch.bfloat16, 32768), (torch.bfloat16, 131072),
-                           (torch.float8_e4m3fn, 8192), (torch.float8_e4m3fn, 32768)):
+    for dtype, context in ((torch.float8_e4m3fn, 8192), (torch.float8_e4m3fn, 32768), (torch.bfloat16, 32768),
+                           (torch.float8_e4m3fn, 131072)):
         key = "gluon_wide_fp8" if dtype == torch.float8_e4m3fn else "gluon_wide"
         latent, table = _mla_decode_setup(32, context, dims, 64, 4, ctx.device, dtype)
         layout = DCPLayout(size=4, rank=0, block_size=64)
@@ -101,9 +100,8 @@ def main(path: str) -> None:
         triton_decode.CONFIG[key] = 0
         ref = call()
         for rep in range(2):
-            for name, on, pf in (("triton", 0, 0), ("gluon", 1, 0), ("gluon prefetch", 1, 1)):
+            for name, on in (("triton", 0), ("gluon", 1)):
                 triton_decode.CONFIG[key] = on
-                triton_decode.CONFIG["gluon_prefetch"] = pf
                 got = call()
                 err = max((got.out - ref.out).abs().max().item(), (got.lse - ref.lse).abs().max().item())
                 us, cols = step_time(ctx, [call])

@@ -57,7 +57,7 @@ if HAS_GLUON:
     @gluon.jit
     def _pv(o0, o1, o2, o3, alpha, p_smem, k_smem, first):
         """A warpgroup's four 64-wide output accumulators rescaled by alpha, plus P V over the ring's
-        boxes first .. first + 3 (the value dims they hold), issued (the caller waits)."""
+        boxes first .. first + 3 (the value dims they hold)."""
         o0 = o0 * alpha[:, None]
         o1 = o1 * alpha[:, None]
         o2 = o2 * alpha[:, None]
@@ -66,14 +66,7 @@ if HAS_GLUON:
         o1 = warpgroup_mma(p_smem, k_smem.index(first + 1), o1, is_async=True)
         o2 = warpgroup_mma(p_smem, k_smem.index(first + 2), o2, is_async=True)
         o3 = warpgroup_mma(p_smem, k_smem.index(first + 3), o3, is_async=True)
-        return o0, o1, o2, o3
-
-    @gluon.jit
-    def _scores(q_smem, k_smem, first, acc):
-        """S = Q K^T of the tile in the ring's boxes first .. first + 8, issued (the caller waits)."""
-        for c in gl.static_range(CHUNKS):
-            acc = warpgroup_mma(q_smem.index(c), k_smem.index(first + c).permute((1, 0)), acc, is_async=True)
-        return acc
+        return warpgroup_mma_wait(num_outstanding=0, deps=(o0, o1, o2, o3))
 
     @gluon.jit
     def _store_quarter_rows(ptr, o0, o1, o2, o3, factor):
@@ -122,15 +115,11 @@ if HAS_GLUON:
     def _scores_and_low_half(q_smem, k_smem, p_smem, a_smem, q_bar, ready, free, p_ready, p_free,
                              table_ptr, glens_ptr, o_ptr, lse_ptr, s, head0_in_seq, split, split_len, dcp_size,
                              dcp_rank, interleave, table_w, num_blocks, st_s, qk_scale, so_p, so_s, so_h, sl_p, sl_s,
-                             PAGE: gl.constexpr, ks_smem=None, qf_smem=None, FP8: gl.constexpr = False,
-                             PREFETCH: gl.constexpr = False):
+                             PAGE: gl.constexpr, ks_smem=None, qf_smem=None, FP8: gl.constexpr = False):
         """FP8 (fp16 operands over an fp8 cache): the scores take the query rows' powers of two
         (qf_smem) and the keys' scales (ks_smem); the weights p * scale go to fp16 over a running
         per-row unit r (the largest weight so far: no fp16 overflow), the accumulators are kept in
-        units of r and rescaled by the unit's change with alpha.
-        PREFETCH: the next tile's scores are issued before this tile's softmax, so the tensor cores
-        run them while the softmax runs (after the split's last tile they read a stage nobody
-        writes any more, and are dropped)."""
+        units of r and rescaled by the unit's change with alpha."""
         mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 64, 16])
         row_l: gl.constexpr = gl.SliceLayout(1, mma)
         col_l: gl.constexpr = gl.SliceLayout(0, mma)
@@ -147,24 +136,17 @@ if HAS_GLUON:
         mbarrier.wait(q_bar, 0)
         if FP8:
             qk_rows = qf_smem.load(row_l) * qk_scale
-        nxt = gl.zeros([BLOCK, BLOCK], gl.float32, mma)
-        if PREFETCH:
-            mbarrier.wait(ready.index(0), 0, pred=tiles > 0)
-            nxt = _scores(q_smem, k_smem, 0, nxt)
-            nxt = warpgroup_mma_wait(num_outstanding=0, deps=(nxt, ))
         for t in range(tiles):
             stage = t % STAGES
             j0 = start + t * BLOCK
             blk = gl.load(table_ptr + s.to(gl.int64) * st_s + j0 // PAGE)
             bad = bad | (blk < 0) | (blk >= num_blocks)
-            if PREFETCH:
-                sc = nxt
-                mbarrier.wait(ready.index((t + 1) % STAGES), ((t + 1) // STAGES) & 1, pred=t + 1 < tiles)
-                nxt = _scores(q_smem, k_smem, ((t + 1) % STAGES) * CHUNKS, gl.zeros([BLOCK, BLOCK], gl.float32, mma))
-            else:
-                mbarrier.wait(ready.index(stage), (t // STAGES) & 1)
-                sc = _scores(q_smem, k_smem, stage * CHUNKS, gl.zeros([BLOCK, BLOCK], gl.float32, mma))
-                sc = warpgroup_mma_wait(num_outstanding=0, deps=(sc, ))
+            mbarrier.wait(ready.index(stage), (t // STAGES) & 1)
+            sc = gl.zeros([BLOCK, BLOCK], gl.float32, mma)
+            for c in gl.static_range(CHUNKS):
+                sc = warpgroup_mma(q_smem.index(c), k_smem.index(stage * CHUNKS + c).permute((1, 0)), sc,
+                                   is_async=True)
+            sc = warpgroup_mma_wait(num_outstanding=0, deps=(sc, ))
             if FP8:
                 ks = ks_smem.index(stage).load(col_l)
                 sc = gl.where((j0 + cols < end)[None, :], sc * qk_rows[:, None] * ks[None, :], float("-inf"))
@@ -191,10 +173,6 @@ if HAS_GLUON:
             gl.thread_barrier()
             mbarrier.arrive(p_ready)
             o0, o1, o2, o3 = _pv(o0, o1, o2, o3, alpha, p_smem, k_smem, stage * CHUNKS + 0)
-            if PREFETCH:
-                nxt, o0, o1, o2, o3 = warpgroup_mma_wait(num_outstanding=0, deps=(nxt, o0, o1, o2, o3))
-            else:
-                o0, o1, o2, o3 = warpgroup_mma_wait(num_outstanding=0, deps=(o0, o1, o2, o3))
             mbarrier.arrive(free.index(stage))
         # the final factor 1 / l (NaN for a bad table) to warpgroup 1, then this half and the lse
         nonempty = l_i > 0
@@ -233,7 +211,6 @@ if HAS_GLUON:
             mbarrier.wait(p_ready, t & 1)
             alpha = a_smem.load(row_l)
             o0, o1, o2, o3 = _pv(o0, o1, o2, o3, alpha, p_smem, k_smem, stage * CHUNKS + 4)
-            o0, o1, o2, o3 = warpgroup_mma_wait(num_outstanding=0, deps=(o0, o1, o2, o3))
             gl.thread_barrier()
             mbarrier.arrive(p_free)
             mbarrier.arrive(free.index(stage))
@@ -266,8 +243,7 @@ if HAS_GLUON:
     @gluon.jit
     def _mla_decode_ws_kernel(q_desc, k_desc, k_ptr, table_ptr, glens_ptr, o_ptr, lse_ptr,
                               qk_scale, split_len, M_TILES, HQ, dcp_size, dcp_rank, interleave, table_w, num_blocks,
-                              st_s, sk_b, sk_t, so_p, so_s, so_h, sl_p, sl_s, PAGE: gl.constexpr,
-                              PREFETCH: gl.constexpr = False):
+                              st_s, sk_b, sk_t, so_p, so_s, so_h, sl_p, sl_s, PAGE: gl.constexpr):
         pid = gl.program_id(0)
         split = gl.program_id(1)
         s = pid // M_TILES
@@ -283,7 +259,7 @@ if HAS_GLUON:
             (_scores_and_low_half, (q_smem, k_smem, p_smem, a_smem, q_bar, ready, free, p_ready, p_free, table_ptr,
                                     glens_ptr, o_ptr, lse_ptr, s, head0_in_seq, split, split_len, dcp_size, dcp_rank,
                                     interleave, table_w, num_blocks, st_s, qk_scale, so_p, so_s, so_h, sl_p, sl_s,
-                                    PAGE, None, None, False, PREFETCH)),
+                                    PAGE)),
             (_high_half, (k_smem, p_smem, a_smem, ready, free, p_ready, p_free, glens_ptr, o_ptr, s, head0_in_seq,
                           split, split_len, dcp_size, dcp_rank, interleave, table_w, so_p, so_s, so_h, PAGE)),
             (_loader, (q_desc, k_desc, k_ptr, table_ptr, glens_ptr, q_smem, k_smem, q_bar, ready, free, s, head0,
@@ -341,8 +317,7 @@ if HAS_GLUON:
     @gluon.jit
     def _mla_decode_ws_fp8_kernel(q_ptr, k_ptr, ks_ptr, table_ptr, glens_ptr, o_ptr, lse_ptr,
                                   qk_scale, split_len, M_TILES, HQ, dcp_size, dcp_rank, interleave, table_w, num_blocks,
-                                  st_s, sk_b, sk_t, ss_b, ss_t, so_p, so_s, so_h, sl_p, sl_s, PAGE: gl.constexpr,
-                                  PREFETCH: gl.constexpr = False):
+                                  st_s, sk_b, sk_t, ss_b, ss_t, so_p, so_s, so_h, sl_p, sl_s, PAGE: gl.constexpr):
         pid = gl.program_id(0)
         split = gl.program_id(1)
         s = pid // M_TILES
@@ -361,7 +336,7 @@ if HAS_GLUON:
             (_scores_and_low_half, (q_smem, k_smem, p_smem, a_smem, q_bar, ready, free, p_ready, p_free, table_ptr,
                                     glens_ptr, o_ptr, lse_ptr, s, head0_in_seq, split, split_len, dcp_size, dcp_rank,
                                     interleave, table_w, num_blocks, st_s, qk_scale, so_p, so_s, so_h, sl_p, sl_s,
-                                    PAGE, ks_smem, qf_smem, True, PREFETCH)),
+                                    PAGE, ks_smem, qf_smem, True)),
             (_high_half, (k_smem, p_smem, a_smem, ready, free, p_ready, p_free, glens_ptr, o_ptr, s, head0_in_seq,
                           split, split_len, dcp_size, dcp_rank, interleave, table_w, so_p, so_s, so_h, PAGE)),
             (_converter, (q_ptr, k_ptr, ks_ptr, table_ptr, glens_ptr, q_smem, qf_smem, k_smem, ks_smem, q_bar, ready,
@@ -394,10 +369,9 @@ def gluon_mla_ok(q: Tensor, k: Tensor, v: Tensor, tq: int, page: int, k_scale: T
 
 def launch_gluon_mla(q: Tensor, k: Tensor, table: Tensor, seq_lens: Tensor, o: Tensor, lse: Tensor, scale_log2: float,
                      splits: int, split_len: int, dcp_size: int, dcp_rank: int, interleave: int,
-                     k_scale: Tensor | None = None, prefetch: bool = False) -> None:
+                     k_scale: Tensor | None = None) -> None:
     """Fill the split partials o [splits, S, 1, Hq, 512] / lse [splits, S, 1, Hq] (`gluon_mla_ok`;
-    k_scale: the fp8 cache's per-token scales; prefetch: the next tile's scores issued before
-    this tile's softmax)."""
+    k_scale: the fp8 cache's per-token scales)."""
     s, _, hq, d = q.shape
     nb, page = k.shape[0], k.shape[1]
     m_tiles = hq // _BLOCK
@@ -406,7 +380,7 @@ def launch_gluon_mla(q: Tensor, k: Tensor, table: Tensor, seq_lens: Tensor, o: T
         _mla_decode_ws_fp8_kernel[(s * m_tiles, splits)](
             q, k, k_scale, table, seq_lens, o, lse, scale_log2, split_len, m_tiles, hq, dcp_size, dcp_rank,
             interleave, table.shape[1], nb, table.stride(0), k.stride(0), k.stride(1), k_scale.stride(0),
-            k_scale.stride(1), *tail, PAGE=page, PREFETCH=prefetch, num_warps=4)
+            k_scale.stride(1), *tail, PAGE=page, num_warps=4)
         return
     box = gl.NVMMASharedLayout.get_default_for([_BLOCK, _BLOCK], gl.bfloat16)
     q2 = q.view(s * hq, d)
@@ -415,5 +389,4 @@ def launch_gluon_mla(q: Tensor, k: Tensor, table: Tensor, seq_lens: Tensor, o: T
     k_desc = TensorDescriptor(k2, list(k2.shape), list(k2.stride()), [_BLOCK, _BLOCK], box)
     _mla_decode_ws_kernel[(s * m_tiles, splits)](
         q_desc, k_desc, k, table, seq_lens, o, lse, scale_log2, split_len, m_tiles, hq, dcp_size, dcp_rank,
-        interleave, table.shape[1], nb, table.stride(0), k.stride(0), k.stride(1), *tail, PAGE=page, PREFETCH=prefetch,
-        num_warps=4)
+        interleave, table.shape[1], nb, table.stride(0), k.stride(0), k.stride(1), *tail, PAGE=page, num_warps=4)

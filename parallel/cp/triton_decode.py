@@ -591,9 +591,6 @@ CONFIG = {
     # tile's bytes (loading them before the stage's wait spilled 2.6 KB, sm_90a), and shared memory
     # holds no fp8 staging ring beside the two fp16 stages and the queries
     "gluon_wide_fp8": 1,
-    # in the Gluon kernel, the next tile's scores issued before this tile's softmax (the tensor
-    # cores run them meanwhile: FA3's intra-warpgroup overlap). Not measured yet: off
-    "gluon_prefetch": 0,
     # the DCP group size and interleave as compile-time constants (a build per group; 0/1). GQA
     # over fp8 read the same 32768 slots per sequence in 385-387 µs launched as a group of 1
     # (dcp_size specialized to 1 by Triton) and in 431-435 µs as rank 0 of 4 with them as runtime
@@ -766,7 +763,7 @@ _VALID = {
     "target_programs": range(1, 1 << 16), "min_split": range(1, 1 << 24),
     "block_n": (16, 32, 64, 128, 256), "block_m": (16, 32, 64, 128, 256), "block_n_fp8": (16, 32, 64, 128, 256),
     "num_warps": (1, 2, 4, 8, 16), "num_stages": (1, 2, 3, 4, 5, 6),
-    "lazy_rescale": (0, 1), "pdl": (0, 1), "gluon_wide": (0, 1), "gluon_wide_fp8": (0, 1), "gluon_prefetch": (0, 1), "dcp_constexpr": (0, 1), "halves": (0, 1), "tma": (0, 1), "diag": (0, 1, 2, 3), "f16": (0, 1),
+    "lazy_rescale": (0, 1), "pdl": (0, 1), "gluon_wide": (0, 1), "gluon_wide_fp8": (0, 1), "dcp_constexpr": (0, 1), "halves": (0, 1), "tma": (0, 1), "diag": (0, 1, 2, 3), "f16": (0, 1),
     "maxnreg": (0, *range(64, 256, 8)), "at_most": (0, 1), "stage16": (0, 1, 2),
 }
 _META = ("device", "sizes", "seconds", "results", "notes", "problems")
@@ -945,7 +942,7 @@ def paged_decode_triton(q: Tensor, k: Tensor, v: Tensor, k_scale: Tensor | None,
     if (s > 0 and splits > 0 and CONFIG["gluon_wide_fp8" if fp8 else "gluon_wide"] and halves
             and not impl.interpreting() and gluon_mla.gluon_mla_ok(q, k, v, tq, page, k_scale, v_scale)):
         gluon_mla.launch_gluon_mla(q, k, table, seq_lens, o, lse, scale * _LOG2E, splits, split_len, dcp_size,
-                                   dcp_rank, interleave, k_scale if fp8 else None, bool(CONFIG["gluon_prefetch"]))
+                                   dcp_rank, interleave, k_scale if fp8 else None)
     elif s > 0 and splits > 0:
         _paged_decode_kernel[(programs, splits)](
             q, k, v, ks, vs, table, seq_lens, o, lse,
