@@ -1,8 +1,9 @@
 """The warp-specialized Gluon MLA decode kernel (`parallel.cp.gluon_mla`, CONFIG gluon_wide)
 against the Triton kernel: max abs error of both against the torch path on awkward lengths (0,
 1, 63, 64, 65 tokens, long ones; DCP group of 1 and rank 1 of 2; a bad block id), then whole
-calls timed with `common.step_time` (ten a CUDA graph, alternating, two rounds) for MLA 128 heads
-over rank 0's 1/4 of B = 32 sequences of L = 8K, 32K, 128K.
+calls timed with `common.step_time` (ten a CUDA graph, alternating, two rounds) for MLA with 16
+heads (TP 8: one head tile padded to 64 rows, CONFIG gluon_wide_narrow) over rank 0's 1/4 of
+B = 32 sequences of L = 8K, 32K, 128K (bf16) and 8K, 32K (fp8), and 128 heads at 32K (bf16).
 
     python bench/debug/decode_gluon.py OUT.json        # on the GPU
 """
@@ -22,7 +23,7 @@ from megapar.parallel.cp.mla import MLADims
 from megapar.parallel.cp.paged import PagedKVCache, paged_decode_attention
 
 
-def _check(rows: list, dtype: torch.dtype) -> None:
+def _check(rows: list, dtype: torch.dtype, heads: int = 128) -> None:
     dims = MLADims()
     fp8 = dtype == torch.float8_e4m3fn
     key = "gluon_wide_fp8" if fp8 else "gluon_wide"
@@ -58,7 +59,7 @@ def _check(rows: list, dtype: torch.dtype) -> None:
         else:
             cache = PagedKVCache(kv, kv[..., :dims.kv_lora_rank])
             ref_cache = PagedKVCache(clean, clean[..., :dims.kv_lora_rank])
-        q = torch.randn(len(lens), 128, dims.latent_dim, device="cuda", generator=gen).to(torch.bfloat16)
+        q = torch.randn(len(lens), heads, dims.latent_dim, device="cuda", generator=gen).to(torch.bfloat16)
         seq = torch.tensor(lens, device="cuda")
         ref = paged_decode_attention(q, ref_cache, table, seq, layout=layout, scale=dims.scale, backend="torch")
         for name, on in (("triton", 0), ("gluon", 1)):
@@ -66,7 +67,7 @@ def _check(rows: list, dtype: torch.dtype) -> None:
             got = paged_decode_attention(q, cache, table, seq, layout=layout, scale=dims.scale, backend="triton")
             torch.cuda.synchronize()
             fin = torch.isfinite(ref.lse)
-            row = {"check": f"{dtype} dcp {size} rank {rank}", "kernel": name,
+            row = {"check": f"{dtype} {heads} heads dcp {size} rank {rank}", "kernel": name,
                    "max_err_out": (got.out - ref.out).abs().max().item(),
                    "max_err_lse": (got.lse[fin] - ref.lse[fin]).abs().max().item(),
                    "empty_rows_ok": bool(torch.equal(torch.isfinite(got.lse), fin))}
@@ -77,36 +78,41 @@ def _check(rows: list, dtype: torch.dtype) -> None:
             row["bad_row_nan"] = bool(torch.isnan(bad.lse[5]).all()) and bool(torch.isfinite(bad.lse[6]).all())
             rows.append(row)
             print(row, flush=True)
-    triton_decode.CONFIG["gluon_wide"] = triton_decode.CONFIG["gluon_wide_fp8"] = 0
+    triton_decode.CONFIG["gluon_wide"] = triton_decode.CONFIG["gluon_wide_fp8"] = 1
 
 
 def main(path: str) -> None:
     ctx = BenchContext("cp", torch.device("cuda"))
     rows: list = []
     saved = dict(triton_decode.CONFIG)
+    triton_decode.CONFIG["gluon_wide_narrow"] = 1
     for dtype in (torch.float8_e4m3fn, torch.bfloat16):
-        _check(rows, dtype)
-    triton_decode.CONFIG.update(saved)
+        for heads in (128, 16):
+            _check(rows, dtype, heads)
+            triton_decode.CONFIG["gluon_wide_narrow"] = 1
     dims = MLADims()
-    for dtype, context in ((torch.float8_e4m3fn, 8192), (torch.float8_e4m3fn, 32768), (torch.bfloat16, 32768),
-                           (torch.float8_e4m3fn, 131072)):
+    for dtype, context, heads in ((torch.bfloat16, 8192, 16), (torch.bfloat16, 32768, 16), (torch.bfloat16, 131072, 16),
+                                  (torch.float8_e4m3fn, 8192, 16), (torch.float8_e4m3fn, 32768, 16),
+                                  (torch.bfloat16, 32768, 128)):
         key = "gluon_wide_fp8" if dtype == torch.float8_e4m3fn else "gluon_wide"
         latent, table = _mla_decode_setup(32, context, dims, 64, 4, ctx.device, dtype)
         layout = DCPLayout(size=4, rank=0, block_size=64)
         seq = torch.full((32,), context, device=ctx.device)
-        q = torch.randn(32, 128, dims.latent_dim, device=ctx.device, dtype=torch.bfloat16)
+        q = torch.randn(32, heads, dims.latent_dim, device=ctx.device, dtype=torch.bfloat16)
         call = lambda: paged_decode_attention(q, latent.paged, table, seq, layout=layout, scale=dims.scale,
                                               backend="triton", max_seq_len=context)
+        triton_decode.CONFIG.update(saved)
         triton_decode.CONFIG[key] = 0
         ref = call()
         for rep in range(2):
             for name, on in (("triton", 0), ("gluon", 1)):
                 triton_decode.CONFIG[key] = on
+                triton_decode.CONFIG["gluon_wide_narrow"] = on
                 got = call()
                 err = max((got.out - ref.out).abs().max().item(), (got.lse - ref.lse).abs().max().item())
                 us, cols = step_time(ctx, [call])
-                row = {"cache": str(dtype), "L": context, "kernel": name, "rep": rep, "us": round(us, 1), "max_diff_vs_triton": err,
-                       "timing": cols["timing"]}
+                row = {"cache": str(dtype), "L": context, "heads": heads, "kernel": name, "rep": rep, "us": round(us, 1),
+                       "max_diff_vs_triton": err, "timing": cols["timing"]}
                 rows.append(row)
                 print(row, flush=True)
         triton_decode.CONFIG.update(saved)

@@ -34,6 +34,7 @@ except ImportError:  # pragma: no cover - a Triton without Gluon
     HAS_GLUON = False
 
 _BLOCK, _CHUNKS, _VCHUNKS = 64, 9, 4     # (the host's ints of the kernel's constants below)
+TILE = _BLOCK                             # keys a tile and heads a program (fewer heads: padded rows)
 
 if HAS_GLUON:
     BLOCK = gl.constexpr(64)       # heads a program, keys a tile, columns a box
@@ -69,12 +70,13 @@ if HAS_GLUON:
         return warpgroup_mma_wait(num_outstanding=0, deps=(o0, o1, o2, o3))
 
     @gluon.jit
-    def _store_quarter_rows(ptr, o0, o1, o2, o3, factor):
-        """A warpgroup's 256 output dims, times the rows' final factor, at ptr (its first 64) on."""
-        gl.store(ptr, o0 * factor[:, None])
-        gl.store(ptr + BLOCK, o1 * factor[:, None])
-        gl.store(ptr + 2 * BLOCK, o2 * factor[:, None])
-        gl.store(ptr + 3 * BLOCK, o3 * factor[:, None])
+    def _store_quarter_rows(ptr, o0, o1, o2, o3, factor, live):
+        """A warpgroup's 256 output dims, times the rows' final factor, at ptr (its first 64) on;
+        rows past the sequence's heads (a padded head tile) are not written."""
+        gl.store(ptr, o0 * factor[:, None], mask=live[:, None])
+        gl.store(ptr + BLOCK, o1 * factor[:, None], mask=live[:, None])
+        gl.store(ptr + 2 * BLOCK, o2 * factor[:, None], mask=live[:, None])
+        gl.store(ptr + 3 * BLOCK, o3 * factor[:, None], mask=live[:, None])
 
     @gluon.jit
     def _loader(q_desc, k_desc, k_ptr, table_ptr, glens_ptr, q_smem, k_smem, q_bar, ready, free,
@@ -114,7 +116,7 @@ if HAS_GLUON:
     @gluon.jit
     def _scores_and_low_half(q_smem, k_smem, p_smem, a_smem, q_bar, ready, free, p_ready, p_free,
                              table_ptr, glens_ptr, o_ptr, lse_ptr, s, head0_in_seq, split, split_len, dcp_size,
-                             dcp_rank, interleave, table_w, num_blocks, st_s, qk_scale, so_p, so_s, so_h, sl_p, sl_s,
+                             dcp_rank, interleave, table_w, num_blocks, st_s, qk_scale, so_p, so_s, so_h, sl_p, sl_s, HQ,
                              PAGE: gl.constexpr, ks_smem=None, qf_smem=None, FP8: gl.constexpr = False):
         """FP8 (fp16 operands over an fp8 cache): the scores take the query rows' powers of two
         (qf_smem) and the keys' scales (ks_smem); the weights p * scale go to fp16 over a running
@@ -188,14 +190,15 @@ if HAS_GLUON:
         mbarrier.arrive(p_ready)
         rows = gl.arange(0, BLOCK, layout=row_l)
         o_row = split.to(gl.int64) * so_p + s.to(gl.int64) * so_s + (head0_in_seq + rows).to(gl.int64) * so_h
-        _store_quarter_rows(o_ptr + o_row[:, None] + cols[None, :], o0, o1, o2, o3, factor)
+        live = head0_in_seq + rows < HQ
+        _store_quarter_rows(o_ptr + o_row[:, None] + cols[None, :], o0, o1, o2, o3, factor, live)
         lse = gl.where(nonempty, (m_i + gl.log2(safe)) * 0.6931471805599453, float("-inf"))
         lse = gl.where(bad, float("nan"), lse)
-        gl.store(lse_ptr + split.to(gl.int64) * sl_p + s.to(gl.int64) * sl_s + head0_in_seq + rows, lse)
+        gl.store(lse_ptr + split.to(gl.int64) * sl_p + s.to(gl.int64) * sl_s + head0_in_seq + rows, lse, mask=live)
 
     @gluon.jit
     def _high_half(k_smem, p_smem, a_smem, ready, free, p_ready, p_free, glens_ptr, o_ptr, s, head0_in_seq, split,
-                   split_len, dcp_size, dcp_rank, interleave, table_w, so_p, so_s, so_h, PAGE: gl.constexpr):
+                   split_len, dcp_size, dcp_rank, interleave, table_w, so_p, so_s, so_h, HQ, PAGE: gl.constexpr):
         mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 64, 16])
         row_l: gl.constexpr = gl.SliceLayout(1, mma)
         col_l: gl.constexpr = gl.SliceLayout(0, mma)
@@ -219,7 +222,8 @@ if HAS_GLUON:
         rows = gl.arange(0, BLOCK, layout=row_l)
         cols = gl.arange(0, BLOCK, layout=col_l)
         o_row = split.to(gl.int64) * so_p + s.to(gl.int64) * so_s + (head0_in_seq + rows).to(gl.int64) * so_h
-        _store_quarter_rows(o_ptr + o_row[:, None] + (4 * BLOCK + cols)[None, :], o0, o1, o2, o3, factor)
+        _store_quarter_rows(o_ptr + o_row[:, None] + (4 * BLOCK + cols)[None, :], o0, o1, o2, o3, factor,
+                            head0_in_seq + rows < HQ)
 
     @gluon.jit
     def _barriers():
@@ -259,9 +263,9 @@ if HAS_GLUON:
             (_scores_and_low_half, (q_smem, k_smem, p_smem, a_smem, q_bar, ready, free, p_ready, p_free, table_ptr,
                                     glens_ptr, o_ptr, lse_ptr, s, head0_in_seq, split, split_len, dcp_size, dcp_rank,
                                     interleave, table_w, num_blocks, st_s, qk_scale, so_p, so_s, so_h, sl_p, sl_s,
-                                    PAGE)),
+                                    HQ, PAGE)),
             (_high_half, (k_smem, p_smem, a_smem, ready, free, p_ready, p_free, glens_ptr, o_ptr, s, head0_in_seq,
-                          split, split_len, dcp_size, dcp_rank, interleave, table_w, so_p, so_s, so_h, PAGE)),
+                          split, split_len, dcp_size, dcp_rank, interleave, table_w, so_p, so_s, so_h, HQ, PAGE)),
             (_loader, (q_desc, k_desc, k_ptr, table_ptr, glens_ptr, q_smem, k_smem, q_bar, ready, free, s, head0,
                        split, split_len, dcp_size, dcp_rank, interleave, table_w, num_blocks, st_s, sk_b, sk_t,
                        PAGE)),
@@ -272,7 +276,7 @@ if HAS_GLUON:
     @gluon.jit
     def _converter(q_ptr, k_ptr, ks_ptr, table_ptr, glens_ptr, q_smem, qf_smem, k_smem, ks_smem, q_bar, ready, free,
                    s, head0, split, split_len, dcp_size, dcp_rank, interleave, table_w, num_blocks, st_s, sk_b, sk_t,
-                   ss_b, ss_t, PAGE: gl.constexpr):
+                   ss_b, ss_t, q_rows, PAGE: gl.constexpr):
         """The fp8 kernel's loader: the 64 query rows to fp16, each times a power of two 2^e that puts
         its largest magnitude in [2^14, 2^15) (qf_smem holds 2^-e), then each key tile's fp8 rows
         (zeros past the split's end) converted to fp16 and its scales into the ring's stage."""
@@ -281,14 +285,15 @@ if HAS_GLUON:
         cols = gl.arange(0, BLOCK, layout=gl.SliceLayout(0, blocked))
         q_base = q_ptr + (head0 + rows).to(gl.int64)[:, None] * (CHUNKS * BLOCK) + cols[None, :]
         amax = gl.zeros([BLOCK], gl.float32, gl.SliceLayout(1, blocked))
+        qmask = (rows < q_rows)[:, None]     # (a padded head tile: rows past the sequence's heads are 0)
         for c in gl.static_range(CHUNKS):
-            amax = gl.maximum(amax, gl.max(gl.abs(gl.load(q_base + c * BLOCK).to(gl.float32)), 1))
+            amax = gl.maximum(amax, gl.max(gl.abs(gl.load(q_base + c * BLOCK, mask=qmask, other=0.0).to(gl.float32)), 1))
         biased = (amax.to(gl.int32, bitcast=True) >> 23) & 0xFF
         e = gl.minimum(gl.maximum(141 - biased, -113), 100)
         up = ((e + 127) << 23).to(gl.float32, bitcast=True)
         qf_smem.store(((127 - e) << 23).to(gl.float32, bitcast=True))
         for c in gl.static_range(CHUNKS):
-            qc = gl.load(q_base + c * BLOCK).to(gl.float32) * up[:, None]
+            qc = gl.load(q_base + c * BLOCK, mask=qmask, other=0.0).to(gl.float32) * up[:, None]
             q_smem.index(c).store(qc.to(gl.float16))
         fence_async_shared()
         gl.thread_barrier()
@@ -336,12 +341,12 @@ if HAS_GLUON:
             (_scores_and_low_half, (q_smem, k_smem, p_smem, a_smem, q_bar, ready, free, p_ready, p_free, table_ptr,
                                     glens_ptr, o_ptr, lse_ptr, s, head0_in_seq, split, split_len, dcp_size, dcp_rank,
                                     interleave, table_w, num_blocks, st_s, qk_scale, so_p, so_s, so_h, sl_p, sl_s,
-                                    PAGE, ks_smem, qf_smem, True)),
+                                    HQ, PAGE, ks_smem, qf_smem, True)),
             (_high_half, (k_smem, p_smem, a_smem, ready, free, p_ready, p_free, glens_ptr, o_ptr, s, head0_in_seq,
-                          split, split_len, dcp_size, dcp_rank, interleave, table_w, so_p, so_s, so_h, PAGE)),
+                          split, split_len, dcp_size, dcp_rank, interleave, table_w, so_p, so_s, so_h, HQ, PAGE)),
             (_converter, (q_ptr, k_ptr, ks_ptr, table_ptr, glens_ptr, q_smem, qf_smem, k_smem, ks_smem, q_bar, ready,
                           free, s, head0, split, split_len, dcp_size, dcp_rank, interleave, table_w, num_blocks, st_s,
-                          sk_b, sk_t, ss_b, ss_t, PAGE)),
+                          sk_b, sk_t, ss_b, ss_t, HQ - head0_in_seq, PAGE)),
         ], [4, 4], [152, 96])
 
 
@@ -350,7 +355,7 @@ def gluon_mla_ok(q: Tensor, k: Tensor, v: Tensor, tq: int, page: int, k_scale: T
     """The Gluon kernels apply: bf16 queries; a bf16 latent cache [nb, page, 1, 576] (rows
     contiguous, v its first 512 dims), or an fp8 one with one fp32 scale per token [nb, page, 1]
     serving keys and values (v_scale is k_scale); one query token, heads a multiple of 64, pages a
-    multiple of 64, an sm_90 GPU."""
+    multiple of 64 (or fewer than 64: one padded head tile), an sm_90 GPU."""
     if not (HAS_GLUON and q.is_cuda and torch.cuda.get_device_capability(q.device) == (9, 0)):
         return False
     if k.dtype == torch.float8_e4m3fn:
@@ -360,7 +365,8 @@ def gluon_mla_ok(q: Tensor, k: Tensor, v: Tensor, tq: int, page: int, k_scale: T
     elif k.dtype != torch.bfloat16:
         return False
     return (q.dtype == torch.bfloat16 and tq == 1
-            and q.shape[-2] % _BLOCK == 0 and q.shape[-1] == _CHUNKS * _BLOCK and k.shape[2] == 1
+            and (q.shape[-2] % _BLOCK == 0 or q.shape[-2] < _BLOCK) and q.shape[-1] == _CHUNKS * _BLOCK
+            and k.shape[2] == 1
             and k.shape[-1] == _CHUNKS * _BLOCK and page % _BLOCK == 0 and k.stride(-1) == 1
             and k.stride(1) == _CHUNKS * _BLOCK and k.stride(0) == page * _CHUNKS * _BLOCK
             and v.data_ptr() == k.data_ptr() and v.shape[-1] == 2 * _VCHUNKS * _BLOCK
@@ -374,7 +380,7 @@ def launch_gluon_mla(q: Tensor, k: Tensor, table: Tensor, seq_lens: Tensor, o: T
     k_scale: the fp8 cache's per-token scales)."""
     s, _, hq, d = q.shape
     nb, page = k.shape[0], k.shape[1]
-    m_tiles = hq // _BLOCK
+    m_tiles = -(-hq // _BLOCK)
     tail = (o.stride(0), o.stride(1), o.stride(3), lse.stride(0), lse.stride(1))
     if k.dtype == torch.float8_e4m3fn:
         _mla_decode_ws_fp8_kernel[(s * m_tiles, splits)](

@@ -591,6 +591,9 @@ CONFIG = {
     # tile's bytes (loading them before the stage's wait spilled 2.6 KB, sm_90a), and shared memory
     # holds no fp8 staging ring beside the two fp16 stages and the queries
     "gluon_wide_fp8": 1,
+    # ... for MLA's narrow head tiles too (fewer than 64 heads, e.g. 16 under TP 8: the tile padded
+    # to 64 rows; with them the problem is bound by the bytes). Not measured yet: off
+    "gluon_wide_narrow": 0,
     # the DCP group size and interleave as compile-time constants (a build per group; 0/1). GQA
     # over fp8 read the same 32768 slots per sequence in 385-387 µs launched as a group of 1
     # (dcp_size specialized to 1 by Triton) and in 431-435 µs as rank 0 of 4 with them as runtime
@@ -763,7 +766,7 @@ _VALID = {
     "target_programs": range(1, 1 << 16), "min_split": range(1, 1 << 24),
     "block_n": (16, 32, 64, 128, 256), "block_m": (16, 32, 64, 128, 256), "block_n_fp8": (16, 32, 64, 128, 256),
     "num_warps": (1, 2, 4, 8, 16), "num_stages": (1, 2, 3, 4, 5, 6),
-    "lazy_rescale": (0, 1), "pdl": (0, 1), "gluon_wide": (0, 1), "gluon_wide_fp8": (0, 1), "dcp_constexpr": (0, 1), "halves": (0, 1), "tma": (0, 1), "diag": (0, 1, 2, 3), "f16": (0, 1),
+    "lazy_rescale": (0, 1), "pdl": (0, 1), "gluon_wide": (0, 1), "gluon_wide_fp8": (0, 1), "gluon_wide_narrow": (0, 1), "dcp_constexpr": (0, 1), "halves": (0, 1), "tma": (0, 1), "diag": (0, 1, 2, 3), "f16": (0, 1),
     "maxnreg": (0, *range(64, 256, 8)), "at_most": (0, 1), "stage16": (0, 1, 2),
 }
 _META = ("device", "sizes", "seconds", "results", "notes", "problems")
@@ -920,6 +923,13 @@ def paged_decode_triton(q: Tensor, k: Tensor, v: Tensor, k_scale: Tensor | None,
     cfg = launch_settings(d, q.dtype, k.dtype, tq * g)
     block_n, block_m = cfg["block_n"], cfg["block_m"]
     halves = bool(cfg["halves"]) and _halves_ok(k, v, k_scale, v_scale, d_main, block_n)
+    narrow = tq * g < CONFIG["block_m_wide"]
+    gluon = (CONFIG["gluon_wide_fp8" if fp8 else "gluon_wide"] and (CONFIG["gluon_wide_narrow"] or not narrow)
+             and not impl.interpreting() and _halves_ok(k, v, k_scale, v_scale, d_main, gluon_mla.TILE)
+             and gluon_mla.gluon_mla_ok(q, k, v, tq, page, k_scale, v_scale))
+    if gluon:       # (its tiles: 64 keys, 64 heads, the head tile padded where there are fewer; one CTA
+        block_n, block_m = gluon_mla.TILE, gluon_mla.TILE      # per SM, so full tiles' split targets)
+        cfg = dict(cfg, at_most=1, target_programs=CONFIG["target_programs_wide_fp8" if fp8 else "target_programs_wide"])
     f16 = (bool(cfg["f16"]) and fp8 and q.dtype in (torch.bfloat16, torch.float16)
            and not (halves and cfg["diag"]))          # (the probe's diagnostics run without it)
     # (inline PTX: not under the interpreter, where it would change nothing anyway)
@@ -939,8 +949,7 @@ def paged_decode_triton(q: Tensor, k: Tensor, v: Tensor, k_scale: Tensor | None,
     ks_st = ks.stride() if fp8 else (0, 0, 0)
     vs_st = vs.stride() if fp8 else (0, 0, 0)
     table = block_table if block_table.stride(-1) == 1 else block_table.contiguous()
-    if (s > 0 and splits > 0 and CONFIG["gluon_wide_fp8" if fp8 else "gluon_wide"] and halves
-            and not impl.interpreting() and gluon_mla.gluon_mla_ok(q, k, v, tq, page, k_scale, v_scale)):
+    if s > 0 and splits > 0 and gluon:
         gluon_mla.launch_gluon_mla(q, k, table, seq_lens, o, lse, scale * _LOG2E, splits, split_len, dcp_size,
                                    dcp_rank, interleave, k_scale if fp8 else None)
     elif s > 0 and splits > 0:
