@@ -616,7 +616,7 @@ def test_gluon_mla_kernel_over_fp8_on_gpu(heads, monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     monkeypatch.setitem(td.CONFIG, "min_split_wide_fp8", 256)
     monkeypatch.setitem(td.CONFIG, "min_split_wide_narrow", 256)
-    monkeypatch.setitem(td.CONFIG, "gluon_wide_narrow", 1)
+    monkeypatch.setitem(td.CONFIG, "gluon_wide_narrow_fp8", 1)
     lens = [3000, 0, 77, 1, 640]
     cache, table = _mla_cache(lens, 64, torch.float8_e4m3fn, seed=19, device="cuda")
     q = torch.randn(len(lens), 1, heads, 576, device="cuda", dtype=torch.bfloat16)

@@ -592,8 +592,11 @@ CONFIG = {
     # holds no fp8 staging ring beside the two fp16 stages and the queries
     "gluon_wide_fp8": 1,
     # ... for MLA's narrow head tiles too (fewer than 64 heads, e.g. 16 under TP 8: the tile padded
-    # to 64 rows; with them the problem is bound by the bytes). Not measured yet: off
-    "gluon_wide_narrow": 0,
+    # to 64 rows; with them the problem is bound by the bytes), per cache dtype. 16 heads, B 32, 1/4
+    # of 8K / 32K / 128K (decode-gluon4-h200.json): bf16 34.2 / 94.4 / 322.2 µs (Triton) -> 29.8 /
+    # 84.2 / 335.1 (on: the loss at 128K is 4%), fp8 39.6 / 123.1 at 8K / 32K -> 47.4 / 155.0 (off:
+    # the Gluon loader's conversion bounds it, and 16 heads leave it 4x the tiles per FLOP)
+    "gluon_wide_narrow": 1, "gluon_wide_narrow_fp8": 0,
     # the DCP group size and interleave as compile-time constants (a build per group; 0/1). GQA
     # over fp8 read the same 32768 slots per sequence in 385-387 µs launched as a group of 1
     # (dcp_size specialized to 1 by Triton) and in 431-435 µs as rank 0 of 4 with them as runtime
@@ -766,7 +769,7 @@ _VALID = {
     "target_programs": range(1, 1 << 16), "min_split": range(1, 1 << 24),
     "block_n": (16, 32, 64, 128, 256), "block_m": (16, 32, 64, 128, 256), "block_n_fp8": (16, 32, 64, 128, 256),
     "num_warps": (1, 2, 4, 8, 16), "num_stages": (1, 2, 3, 4, 5, 6),
-    "lazy_rescale": (0, 1), "pdl": (0, 1), "gluon_wide": (0, 1), "gluon_wide_fp8": (0, 1), "gluon_wide_narrow": (0, 1), "dcp_constexpr": (0, 1), "halves": (0, 1), "tma": (0, 1), "diag": (0, 1, 2, 3), "f16": (0, 1),
+    "lazy_rescale": (0, 1), "pdl": (0, 1), "gluon_wide": (0, 1), "gluon_wide_fp8": (0, 1), "gluon_wide_narrow": (0, 1), "gluon_wide_narrow_fp8": (0, 1), "dcp_constexpr": (0, 1), "halves": (0, 1), "tma": (0, 1), "diag": (0, 1, 2, 3), "f16": (0, 1),
     "maxnreg": (0, *range(64, 256, 8)), "at_most": (0, 1), "stage16": (0, 1, 2),
 }
 _META = ("device", "sizes", "seconds", "results", "notes", "problems")
@@ -924,7 +927,8 @@ def paged_decode_triton(q: Tensor, k: Tensor, v: Tensor, k_scale: Tensor | None,
     block_n, block_m = cfg["block_n"], cfg["block_m"]
     halves = bool(cfg["halves"]) and _halves_ok(k, v, k_scale, v_scale, d_main, block_n)
     narrow = tq * g < CONFIG["block_m_wide"]
-    gluon = (CONFIG["gluon_wide_fp8" if fp8 else "gluon_wide"] and (CONFIG["gluon_wide_narrow"] or not narrow)
+    gluon = (CONFIG["gluon_wide_fp8" if fp8 else "gluon_wide"]
+             and (not narrow or CONFIG["gluon_wide_narrow_fp8" if fp8 else "gluon_wide_narrow"])
              and not impl.interpreting() and _halves_ok(k, v, k_scale, v_scale, d_main, gluon_mla.TILE)
              and gluon_mla.gluon_mla_ok(q, k, v, tq, page, k_scale, v_scale))
     if gluon:       # (its tiles: 64 keys, 64 heads, the head tile padded where there are fewer; one CTA
