@@ -12,9 +12,13 @@
   P V runs on the tensor cores while the other computes the next tile's scores and softmax.
 
 Outputs are the split's partial (out, lse) in the layout `triton_decode.paged_decode_triton`
-writes (the split merge follows). Opt-in (`triton_decode.CONFIG["gluon_wide"]`): bf16 caches and
-queries, one query token, heads a multiple of 64, pages a multiple of 64, the latent layout of
-`_halves_ok`, an sm_90 GPU with Gluon."""
+writes (the split merge follows). `triton_decode` takes it where `gluon_mla_ok` holds (bf16
+queries, a bf16 or fp8 latent cache in the layout of `_halves_ok`, one query token, heads a
+multiple of 64 or fewer than 64 (one head tile whose padding rows are never stored), pages a
+multiple of 64, an sm_90 GPU with Gluon) and CONFIG gluon_wide / gluon_wide_fp8 /
+gluon_wide_narrow(_fp8) say so. Over fp8 a converter warpgroup replaces the TMA loader: it reads
+each tile's bytes and per-token scales, writes the tile as fp16 (exact for e4m3) and the queries
+as fp16 times a power of two per row; warpgroup 0 keeps the weights in a running per-row unit."""
 
 from __future__ import annotations
 
