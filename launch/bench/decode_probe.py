@@ -59,7 +59,7 @@ KEYS = {"gqa": ("block_n", "num_warps", "num_stages", "target_programs", "min_sp
         "mla_fp8": ("block_m", "block_n", "num_warps", "num_stages", "lazy_rescale", "halves", "tma", "min_split", "f16",
                     "at_most", "target_programs", "gluon_wide"),
         "mla_narrow": ("block_n", "num_warps", "num_stages", "min_split", "at_most", "f16", "maxnreg", "stage16",
-                       "block_n_fp8")}
+                       "block_n_fp8", "gluon_wide")}
 FAMILY_MAP = {"gqa": {}, "mla": "_WIDE", "gqa_fp8": "_FP8", "mla_fp8": "_WIDE_FP8",   # family key -> CONFIG key
               "mla_narrow": "_WIDE_NARROW"}
 
@@ -129,7 +129,8 @@ VARIANTS = {   # overrides of the current settings, one factor at a time, then a
                 {"at_most": 0, "target_programs": 132}],
     # MLA with 16 heads: over fp8 it takes 172 registers (one CTA of 8 warps per SM) against 80
     # over bf16; a cap of 128 compiles with 48 B of spills (bench/debug/kernel_sass.py, --only narrow)
-    "mla_narrow": [{}, {"maxnreg": 128}, {"maxnreg": 168}, {"f16": 1}, {"f16": 1, "maxnreg": 128},
+    # (its gluon_wide row is the Gluon kernel over bf16, gluon_wide_narrow; over fp8 it runs the Triton default)
+    "mla_narrow": [{"gluon_wide": 1}, {}, {"maxnreg": 128}, {"maxnreg": 168}, {"f16": 1}, {"f16": 1, "maxnreg": 128},
                    {"num_warps": 4}, {"num_warps": 4, "maxnreg": 128}, {"num_stages": 3}, {"num_stages": 1},
                    {"block_n": 32}, {"block_n": 32, "num_stages": 3}, {"min_split": 128}, {"min_split": 512},
                    {"at_most": 0},
@@ -187,7 +188,7 @@ def _install(kind: str, settings: dict[str, int], default: dict[str, int]) -> No
 
     td.CONFIG.clear()
     td.CONFIG.update(default)
-    if kind in ("mla", "mla_fp8"):      # the Triton kernel's settings are probed on the Triton kernel
+    if kind in ("mla", "mla_fp8", "mla_narrow"):      # the Triton kernel's settings, on the Triton kernel
         settings = {"gluon_wide": 0, **settings}
     td.apply_tuning({kind: settings})
 

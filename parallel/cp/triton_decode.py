@@ -759,6 +759,7 @@ _WIDE_FP8["gluon_wide"] = "gluon_wide_fp8"
 _WIDE_NARROW = {k: f"{k}_wide_narrow" for k in ("block_n", "num_warps", "num_stages", "min_split", "at_most", "halves",
                                               "tma", "f16", "maxnreg", "stage16")}
 _WIDE_NARROW["block_n_fp8"] = "block_n_wide_narrow_fp8"    # (its key tile over an fp8 cache)
+_WIDE_NARROW["gluon_wide"] = "gluon_wide_narrow"            # (bf16: the Gluon kernel for these tiles)
 # tuning-file family -> (its keys' CONFIG names, whether only those keys are allowed)
 _FAMILIES = {"gqa": ({}, False), "gqa_fp8": (_FP8, True), "mla": (_WIDE, False), "mla_fp8": (_WIDE_FP8, True),
              "mla_narrow": (_WIDE_NARROW, True)}
