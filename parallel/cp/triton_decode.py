@@ -770,7 +770,9 @@ _VALID = {
     "target_programs": range(1, 1 << 16), "min_split": range(1, 1 << 24),
     "block_n": (16, 32, 64, 128, 256), "block_m": (16, 32, 64, 128, 256), "block_n_fp8": (16, 32, 64, 128, 256),
     "num_warps": (1, 2, 4, 8, 16), "num_stages": (1, 2, 3, 4, 5, 6),
-    "lazy_rescale": (0, 1), "pdl": (0, 1), "gluon_wide": (0, 1), "gluon_wide_fp8": (0, 1), "gluon_wide_narrow": (0, 1), "gluon_wide_narrow_fp8": (0, 1), "dcp_constexpr": (0, 1), "halves": (0, 1), "tma": (0, 1), "diag": (0, 1, 2, 3), "f16": (0, 1),
+    "lazy_rescale": (0, 1), "pdl": (0, 1), "dcp_constexpr": (0, 1), "halves": (0, 1), "tma": (0, 1),
+    "diag": (0, 1, 2, 3), "f16": (0, 1),
+    "gluon_wide": (0, 1), "gluon_wide_fp8": (0, 1), "gluon_wide_narrow": (0, 1), "gluon_wide_narrow_fp8": (0, 1),
     "maxnreg": (0, *range(64, 256, 8)), "at_most": (0, 1), "stage16": (0, 1, 2),
 }
 _META = ("device", "sizes", "seconds", "results", "notes", "problems")
@@ -880,6 +882,11 @@ def plan_splits(capacity: int, programs: int, block_n: int, min_split: int, at_m
     return -(-capacity // split_len), split_len
 
 
+def _narrow(rows: int) -> bool:
+    """MLA's query-head tile is not full (e.g. 16 heads: TP 8): `rows` query rows per kv head."""
+    return rows < CONFIG["block_m_wide"]
+
+
 def launch_settings(d: int, q_dtype: torch.dtype, cache_dtype: torch.dtype, rows: int) -> dict[str, int]:
     """CONFIG's block_m / block_n / num_warps / num_stages / min_split, the split planning's
     at_most / target_programs, and the structure options lazy_rescale / halves / tma / diag / f16
@@ -888,7 +895,7 @@ def launch_settings(d: int, q_dtype: torch.dtype, cache_dtype: torch.dtype, rows
     fp32-query, narrow-tile over fp8, narrow-tile or fp8-cache variants (in that order) where
     CONFIG has one; else GQA's, fp8 ones for an fp8 cache."""
     fp8 = cache_dtype == torch.float8_e4m3fn
-    narrow = rows < CONFIG["block_m_wide"]    # MLA's query-head tile not full (e.g. 16 heads: TP 8)
+    narrow = _narrow(rows)
 
     def key(name: str) -> str:
         if d > 256:   # (fp32 queries first: their tiles are sized for shared memory)
@@ -927,9 +934,8 @@ def paged_decode_triton(q: Tensor, k: Tensor, v: Tensor, k_scale: Tensor | None,
     cfg = launch_settings(d, q.dtype, k.dtype, tq * g)
     block_n, block_m = cfg["block_n"], cfg["block_m"]
     halves = bool(cfg["halves"]) and _halves_ok(k, v, k_scale, v_scale, d_main, block_n)
-    narrow = tq * g < CONFIG["block_m_wide"]
     gluon = (CONFIG["gluon_wide_fp8" if fp8 else "gluon_wide"]
-             and (not narrow or CONFIG["gluon_wide_narrow_fp8" if fp8 else "gluon_wide_narrow"])
+             and (not _narrow(tq * g) or CONFIG["gluon_wide_narrow_fp8" if fp8 else "gluon_wide_narrow"])
              and not impl.interpreting() and _halves_ok(k, v, k_scale, v_scale, d_main, gluon_mla.TILE)
              and gluon_mla.gluon_mla_ok(q, k, v, tq, page, k_scale, v_scale))
     if gluon:       # (its tiles: 64 keys, 64 heads, the head tile padded where there are fewer; one CTA
