@@ -630,3 +630,108 @@ def test_gluon_mla_kernel_over_fp8_on_gpu(heads, monkeypatch):
     bad[4, 0] = cache.k.shape[0] + 1
     nan = paged_decode_attention(q, cache, bad, seq, scale=0.07, backend="triton", validate=False)
     assert torch.isnan(nan.lse[4]).all() and torch.isfinite(nan.lse[0]).all()
+
+
+def test_gluon_gqa_applies_only_to_its_layout():
+    """The Gluon GQA kernel's conditions (`gluon_gqa_ok`): bf16 queries [S, 1, Hq, 128], a bf16 or
+    fp8 (with fp32 scales) cache of separate contiguous k and v, <= 64 query heads per kv head,
+    pages of a multiple of 64, one query token; never on CPU."""
+    from parallel.cp import gluon_gqa
+
+    q = torch.zeros(2, 1, 32, 128, dtype=torch.bfloat16)
+    k, v = torch.zeros(4, 64, 4, 128, dtype=torch.bfloat16), torch.zeros(4, 64, 4, 128, dtype=torch.bfloat16)
+    assert not gluon_gqa.gluon_gqa_ok(q, k, v, 1)          # a CPU tensor
+    if not (torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0) and gluon_gqa.HAS_GLUON):
+        return
+    q, k, v = q.cuda(), k.cuda(), v.cuda()
+    sc = torch.ones(4, 64, 4, device="cuda")
+    assert gluon_gqa.gluon_gqa_ok(q, k, v, 1)
+    assert gluon_gqa.gluon_gqa_ok(q, k.to(torch.float8_e4m3fn), v.to(torch.float8_e4m3fn), 1, sc, sc.clone())
+    assert not gluon_gqa.gluon_gqa_ok(q, k.to(torch.float8_e4m3fn), v.to(torch.float8_e4m3fn), 1)  # no scales
+    assert not gluon_gqa.gluon_gqa_ok(q.float(), k, v, 1)                                      # fp32 queries
+    assert not gluon_gqa.gluon_gqa_ok(q.expand(2, 2, 32, 128), k, v, 2)                         # two tokens
+    assert not gluon_gqa.gluon_gqa_ok(q[..., :64].contiguous(), k[..., :64].contiguous(),
+                                      v[..., :64].contiguous(), 1)                              # head dim 64
+    assert not gluon_gqa.gluon_gqa_ok(q, k[:, :32], v[:, :32], 1)                               # 32-token pages
+    assert not gluon_gqa.gluon_gqa_ok(q, k, k, 1)                                               # v is k
+    assert not gluon_gqa.gluon_gqa_ok(torch.zeros(2, 1, 128, 128, dtype=torch.bfloat16, device="cuda"),
+                                      k[:, :, :1].contiguous(), v[:, :, :1].contiguous(), 1)   # 128 per kv head
+
+
+def _nan_gqa_cache(lens, hkv, layout, dtype, gen):
+    """(cache with NaN in every unheld slot, and NaN scales there over fp8; the same cache with
+    zeros / unit scales there for the torch path; the table) for sequences of `lens` tokens."""
+    block, d = layout.block_size, 128
+    per_seq = -(-max(lens) // (block * layout.size)) + 1
+    nb = len(lens) * per_seq + 3
+    table = torch.randperm(nb, generator=gen)[: len(lens) * per_seq].view(len(lens), per_seq).int().cuda()
+    kv = [torch.full((nb, block, hkv, d), float("nan"), device="cuda") for _ in range(2)]
+    sc = [torch.full((nb, block, hkv), float("nan"), device="cuda") for _ in range(2)]
+    clean, clean_sc = [torch.zeros_like(x) for x in kv], [torch.ones_like(x) for x in sc]
+    for s, n in enumerate(lens):
+        if n:
+            slots = layout.slot_mapping(torch.arange(n, device="cuda"), table[s])
+            mine = slots >= 0
+            for i in range(2):
+                x = torch.randn(n, hkv, d, generator=gen).cuda()[mine]
+                for dst, sdst in ((kv[i], sc[i]), (clean[i], clean_sc[i])):
+                    dst.view(-1, hkv, d)[slots[mine]] = x
+                    sdst.view(-1, hkv)[slots[mine]] = x.abs().amax(-1) / 448.0
+    if dtype == torch.float8_e4m3fn:
+        q8 = lambda x, s: (x / s[..., None]).to(dtype)
+        return (PagedKVCache(q8(kv[0], sc[0]), q8(kv[1], sc[1]), *sc),
+                PagedKVCache(q8(clean[0], clean_sc[0]), q8(clean[1], clean_sc[1]), *clean_sc), table)
+    return PagedKVCache(*(x.to(dtype) for x in kv)), PagedKVCache(*(x.to(dtype) for x in clean)), table
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float8_e4m3fn], ids=["bf16", "fp8"])
+@pytest.mark.parametrize("size,rank,hq,hkv", [(1, 0, 32, 4), (2, 1, 32, 4), (4, 2, 8, 8), (1, 0, 64, 1)])
+def test_gluon_gqa_kernel_on_gpu(dtype, size, rank, hq, hkv, monkeypatch):
+    """The warp-specialized Gluon GQA kernel (CONFIG gluon_gqa / gluon_gqa_fp8) over every kind of
+    DCP rank, 1 / 8 / 64 query heads per kv head: NaN in every slot past a sequence's end (NaN
+    scales too over fp8), lengths that end inside a tile, empty and one-token sequences, one split
+    and several, against the torch path and the Triton kernel; a bad block id gives that
+    sequence NaN rows; a CUDA graph of it replays to the same result."""
+    from parallel.cp import gluon_gqa, triton_decode as td
+
+    if not (torch.cuda.get_device_capability() == (9, 0) and gluon_gqa.HAS_GLUON):
+        pytest.skip("the Gluon GQA kernel needs an sm_90 GPU and a Triton with Gluon")
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    key = "gluon_gqa_fp8" if dtype == torch.float8_e4m3fn else "gluon_gqa"
+    lens = [3000, 0, 77, 1, 640, 4096, 129, 64]
+    gen = torch.Generator().manual_seed(31 + rank + hq)
+    layout = DCPLayout(size=size, rank=rank, block_size=64)
+    cache, ref_cache, table = _nan_gqa_cache(lens, hkv, layout, dtype, gen)
+    q = torch.randn(len(lens), 1, hq, 128, generator=gen).to(torch.bfloat16).cuda()
+    seq = torch.tensor(lens, device="cuda")
+    run = lambda c, t: paged_decode_attention(q, c, t, seq, layout=layout, scale=0.088, backend="triton")
+    ref = paged_decode_attention(q, ref_cache, table, seq, layout=layout, scale=0.088, backend="torch")
+    used = []
+    real = gluon_gqa.launch_gluon_gqa
+    monkeypatch.setattr(gluon_gqa, "launch_gluon_gqa", lambda *a, **kw: used.append(1) or real(*a, **kw))
+    for programs in (132, 4096):         # one split per sequence at these sizes, then several
+        monkeypatch.setitem(td.CONFIG, "target_programs_gluon_gqa", programs)
+        monkeypatch.setitem(td.CONFIG, "min_split", 256)
+        monkeypatch.setitem(td.CONFIG, "min_split_fp8", 256)
+        monkeypatch.setitem(td.CONFIG, key, 0)
+        plain = run(cache, table)
+        monkeypatch.setitem(td.CONFIG, key, 1)
+        got = run(cache, table)
+        assert used
+        _check_against_torch(got, ref, 1)
+        torch.testing.assert_close(got.out, plain.out, atol=2e-3, rtol=0)
+        torch.testing.assert_close(got.lse, plain.lse, atol=1e-4, rtol=0)
+    bad = table.clone()
+    bad[5, 0] = cache.k.shape[0] + 7
+    nan = paged_decode_attention(q, cache, bad, seq, layout=layout, scale=0.088, backend="triton", validate=False)
+    assert torch.isnan(nan.lse[5]).all() and torch.isnan(nan.out[5]).all()
+    torch.testing.assert_close(nan.out[:5], got.out[:5], atol=0, rtol=0)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = run(cache, table)
+    for _ in range(2):
+        graph.replay()
+    torch.cuda.synchronize()
+    torch.testing.assert_close(captured.out, got.out, atol=0, rtol=0)
+    torch.testing.assert_close(captured.lse, got.lse, atol=0, rtol=0)

@@ -62,7 +62,7 @@ import triton.language as tl
 from torch import Tensor
 
 from .. import impl
-from . import gluon_mla
+from . import gluon_gqa, gluon_mla
 from .state import AttnState
 from .triton_common import local_len as _local_len
 from .triton_merge import gdc_launch_dependents, gdc_wait, merge_states_triton, pdl_ok
@@ -597,6 +597,15 @@ CONFIG = {
     # 84.2 / 335.1 (on: the loss at 128K is 4%), fp8 39.6 / 123.1 at 8K / 32K -> 47.4 / 155.0 (off:
     # the Gluon loader's conversion bounds it, and 16 heads leave it 4x the tiles per FLOP)
     "gluon_wide_narrow": 1, "gluon_wide_narrow_fp8": 0,
+    # GQA (head dim 128, one query token, bf16 queries) through the warp-specialized Gluon kernel
+    # (`gluon_gqa`: a TMA loader with a 4-stage ring of 64-key tiles, over fp8 a converter
+    # warpgroup to fp16, one consumer warpgroup), per cache dtype, where `gluon_gqa_ok` holds; one
+    # CTA per SM (139 / 173 KB of shared memory), so splits are planned to at most
+    # target_programs_gluon_gqa programs (B 32 x 4 kv heads: one split, no merge)
+    "gluon_gqa": 0, "gluon_gqa_fp8": 0, "target_programs_gluon_gqa": 132,
+    # its ring: 16-bit stages over bf16 (32 KB each), raw fp8 stages over fp8 (16 KB each; two
+    # fp16 stages after the converter)
+    "stages_gluon_gqa": 4, "raw_stages_gluon_gqa": 6,
     # the DCP group size and interleave as compile-time constants (a build per group; 0/1). GQA
     # over fp8 read the same 32768 slots per sequence in 385-387 µs launched as a group of 1
     # (dcp_size specialized to 1 by Triton) and in 431-435 µs as rank 0 of 4 with them as runtime
@@ -773,6 +782,7 @@ _VALID = {
     "lazy_rescale": (0, 1), "pdl": (0, 1), "dcp_constexpr": (0, 1), "halves": (0, 1), "tma": (0, 1),
     "diag": (0, 1, 2, 3), "f16": (0, 1),
     "gluon_wide": (0, 1), "gluon_wide_fp8": (0, 1), "gluon_wide_narrow": (0, 1), "gluon_wide_narrow_fp8": (0, 1),
+    "gluon_gqa": (0, 1), "gluon_gqa_fp8": (0, 1), "stages": range(2, 7), "raw_stages": range(2, 11),
     "maxnreg": (0, *range(64, 256, 8)), "at_most": (0, 1), "stage16": (0, 1, 2),
 }
 _META = ("device", "sizes", "seconds", "results", "notes", "problems")
@@ -941,6 +951,11 @@ def paged_decode_triton(q: Tensor, k: Tensor, v: Tensor, k_scale: Tensor | None,
     if gluon:       # (its tiles: 64 keys, 64 heads, the head tile padded where there are fewer; one CTA
         block_n, block_m = gluon_mla.TILE, gluon_mla.TILE      # per SM, so full tiles' split targets)
         cfg = dict(cfg, at_most=1, target_programs=CONFIG["target_programs_wide_fp8" if fp8 else "target_programs_wide"])
+    gqa_ws = (not gluon and CONFIG["gluon_gqa_fp8" if fp8 else "gluon_gqa"] and not impl.interpreting()
+              and gluon_gqa.gluon_gqa_ok(q, k, v, tq, k_scale, v_scale))
+    if gqa_ws:      # (64-key tiles, a kv head's query rows padded to 64; one CTA per SM)
+        block_n, block_m = gluon_gqa.TILE, gluon_gqa.TILE
+        cfg = dict(cfg, at_most=1, target_programs=CONFIG["target_programs_gluon_gqa"])
     f16 = (bool(cfg["f16"]) and fp8 and q.dtype in (torch.bfloat16, torch.float16)
            and not (halves and cfg["diag"]))          # (the probe's diagnostics run without it)
     # (inline PTX: not under the interpreter, where it would change nothing anyway)
@@ -963,6 +978,10 @@ def paged_decode_triton(q: Tensor, k: Tensor, v: Tensor, k_scale: Tensor | None,
     if s > 0 and splits > 0 and gluon:
         gluon_mla.launch_gluon_mla(q, k, table, seq_lens, o, lse, scale * _LOG2E, splits, split_len, dcp_size,
                                    dcp_rank, interleave, k_scale if fp8 else None)
+    elif s > 0 and splits > 0 and gqa_ws:
+        gluon_gqa.launch_gluon_gqa(q, k, v, table, seq_lens, o, lse, scale * _LOG2E, splits, split_len, dcp_size,
+                                   dcp_rank, interleave, k_scale if fp8 else None, v_scale if fp8 else None,
+                                   stages=CONFIG["stages_gluon_gqa"], raw_stages=CONFIG["raw_stages_gluon_gqa"])
     elif s > 0 and splits > 0:
         _paged_decode_kernel[(programs, splits)](
             q, k, v, ks, vs, table, seq_lens, o, lse,

@@ -1,0 +1,139 @@
+"""The warp-specialized Gluon GQA decode kernel (`parallel.cp.gluon_gqa`, CONFIG gluon_gqa /
+gluon_gqa_fp8) against the Triton kernel: max abs error of both against the torch path on
+awkward lengths (0, 1, 63, 64, 65 tokens, long ones; DCP group of 1 and rank 1 of 2; NaN in every
+unheld slot, and NaN scales there over fp8; a bad block id), then whole calls timed with
+`common.step_time` (ten a CUDA graph, alternating, two rounds): Hq 32 / Hkv 4, D 128, rank 0's
+1/4 of B = 32 sequences of L = 8K, 32K, 128K, bf16 and fp8, and B = 4 at 32K (several splits).
+
+    python bench/debug/decode_gluon_gqa.py OUT.json        # on the GPU
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+
+import torch
+from _rows import dump_rows
+
+from megapar.launch.bench.cp import _decode_setup
+from megapar.launch.bench.common import BenchContext, step_time
+from megapar.parallel.cp import triton_decode
+from megapar.parallel.cp.dcp import DCPLayout
+from megapar.parallel.cp.paged import PagedKVCache, paged_decode_attention
+
+KEYS = {torch.bfloat16: "gluon_gqa", torch.float8_e4m3fn: "gluon_gqa_fp8"}
+
+
+def _check(rows: list, dtype: torch.dtype) -> None:
+    key = KEYS[dtype]
+    saved = dict(triton_decode.CONFIG)
+    gen = torch.Generator(device="cuda").manual_seed(5)
+    lens = [0, 1, 63, 64, 65, 700, 2500, 129, 5000]
+    hq, hkv, d = 32, 4, 128
+    for size, rank in ((1, 0), (2, 1)):
+        block = 64
+        layout = DCPLayout(size=size, rank=rank, block_size=block)
+        per_seq = -(-max(lens) // (block * size)) + 1
+        nb = len(lens) * per_seq + 5
+        k = torch.full((nb, block, hkv, d), float("nan"), device="cuda")
+        v = torch.full((nb, block, hkv, d), float("nan"), device="cuda")
+        ks = torch.full((nb, block, hkv), float("nan"), device="cuda")
+        vs = torch.full((nb, block, hkv), float("nan"), device="cuda")
+        k0, v0, ks0, vs0 = torch.zeros_like(k), torch.zeros_like(v), torch.ones_like(ks), torch.ones_like(vs)
+        table = torch.randperm(nb, device="cuda", generator=gen)[: len(lens) * per_seq].view(len(lens), per_seq).int()
+        for s, n in enumerate(lens):
+            if n:
+                slots = layout.slot_mapping(torch.arange(n, device="cuda"), table[s])
+                mine = slots >= 0
+                for dst, clean, sdst, sclean in ((k, k0, ks, ks0), (v, v0, vs, vs0)):
+                    x = torch.randn(n, hkv, d, device="cuda", generator=gen)[mine]
+                    amax = x.abs().amax(-1)
+                    dst.view(-1, hkv, d)[slots[mine]] = x
+                    clean.view(-1, hkv, d)[slots[mine]] = x
+                    sdst.view(-1, hkv)[slots[mine]] = amax / 448.0
+                    sclean.view(-1, hkv)[slots[mine]] = amax / 448.0
+        if dtype == torch.float8_e4m3fn:
+            q8 = lambda x, sc: (x / sc[..., None]).to(torch.float8_e4m3fn)
+            cache = PagedKVCache(q8(k, ks), q8(v, vs), ks, vs)
+            ref_cache = PagedKVCache(q8(k0, ks0), q8(v0, vs0), ks0, vs0)
+        else:
+            cache = PagedKVCache(k.to(dtype), v.to(dtype))
+            ref_cache = PagedKVCache(k0.to(dtype), v0.to(dtype))
+        q = torch.randn(len(lens), hq, d, device="cuda", generator=gen).to(torch.bfloat16)
+        seq = torch.tensor(lens, device="cuda")
+        scale = 1 / math.sqrt(d)
+        ref = paged_decode_attention(q, ref_cache, table, seq, layout=layout, scale=scale, backend="torch")
+        for name, on in (("triton", 0), ("gluon", 1)):
+            triton_decode.CONFIG[key] = on
+            got = paged_decode_attention(q, cache, table, seq, layout=layout, scale=scale, backend="triton")
+            torch.cuda.synchronize()
+            fin = torch.isfinite(ref.lse)
+            row = {"check": f"{dtype} dcp {size} rank {rank}", "kernel": name,
+                   "max_err_out": (got.out - ref.out).abs().max().item(),
+                   "max_err_lse": (got.lse[fin] - ref.lse[fin]).abs().max().item(),
+                   "empty_rows_ok": bool(torch.equal(torch.isfinite(got.lse), fin))}
+            bad_table = table.clone()
+            bad_table[5, 0] = nb + 3
+            bad = paged_decode_attention(q, cache, bad_table, seq, layout=layout, scale=scale, backend="triton",
+                                         validate=False)
+            row["bad_row_nan"] = bool(torch.isnan(bad.lse[5]).all()) and bool(torch.isfinite(bad.lse[6]).all())
+            rows.append(row)
+            print(row, flush=True)
+    triton_decode.CONFIG.update(saved)
+
+
+def main(path: str) -> None:
+    ctx = BenchContext("cp", torch.device("cuda"))
+    rows: list = []
+    saved = dict(triton_decode.CONFIG)
+    for dtype in (torch.bfloat16, torch.float8_e4m3fn):
+        try:
+            _check(rows, dtype)
+        except Exception as e:  # (a failing build or launch: said, the timings still run)
+            rows.append({"check": str(dtype), "error": repr(e)[:2000]})
+            print(rows[-1], flush=True)
+    bf16 = {"triton": {"gluon_gqa": 0}, "gluon": {"gluon_gqa": 1}, "gluon s3": {"gluon_gqa": 1, "stages_gluon_gqa": 3},
+            "gluon s6": {"gluon_gqa": 1, "stages_gluon_gqa": 6},
+            "gluon s3 x2": {"gluon_gqa": 1, "stages_gluon_gqa": 3, "target_programs_gluon_gqa": 264}}
+    fp8 = {"triton": {"gluon_gqa_fp8": 0}, "gluon": {"gluon_gqa_fp8": 1},
+           "gluon r4": {"gluon_gqa_fp8": 1, "raw_stages_gluon_gqa": 4},
+           "gluon r9": {"gluon_gqa_fp8": 1, "raw_stages_gluon_gqa": 9}}
+    only = lambda d, *names: {n: d[n] for n in names}
+    for dtype, context, batch, variants in (
+            (torch.bfloat16, 8192, 32, bf16), (torch.bfloat16, 32768, 32, bf16),
+            (torch.bfloat16, 131072, 32, only(bf16, "triton", "gluon", "gluon s6")),
+            (torch.float8_e4m3fn, 8192, 32, fp8), (torch.float8_e4m3fn, 32768, 32, fp8),
+            (torch.float8_e4m3fn, 131072, 32, only(fp8, "triton", "gluon", "gluon r9")),
+            (torch.bfloat16, 32768, 4, only(bf16, "triton", "gluon")),
+            (torch.float8_e4m3fn, 32768, 4, only(fp8, "triton", "gluon"))):
+        cache, table, q, _ = _decode_setup(batch, context, 32, 4, 128, 64, 4, ctx.device, dtype)
+        layout = DCPLayout(size=4, rank=0, block_size=64)
+        seq = torch.full((batch,), context, device=ctx.device)
+        call = lambda: paged_decode_attention(q, cache, table, seq, layout=layout, scale=128 ** -0.5,
+                                              backend="triton", max_seq_len=context)
+        triton_decode.CONFIG.update(saved)
+        triton_decode.CONFIG.update(variants["triton"])
+        ref = call()
+        for rep in range(2):
+            for name, change in variants.items():
+                triton_decode.CONFIG.update(saved)
+                triton_decode.CONFIG.update(change)
+                try:
+                    got = call()
+                    err = max((got.out - ref.out).abs().max().item(), (got.lse - ref.lse).abs().max().item())
+                    us, cols = step_time(ctx, [call])
+                    row = {"cache": str(dtype), "L": context, "B": batch, "kernel": name, "rep": rep,
+                           "us": round(us, 1), "max_diff_vs_triton": err, "timing": cols["timing"]}
+                except Exception as e:
+                    row = {"cache": str(dtype), "L": context, "B": batch, "kernel": name, "error": repr(e)[:1000]}
+                rows.append(row)
+                print(row, flush=True)
+        triton_decode.CONFIG.update(saved)
+        del cache, table
+        torch.cuda.empty_cache()
+    dump_rows(path, "decode_gluon_gqa.py", rows)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1] if len(sys.argv) > 1 else "decode-gluon-gqa.json")

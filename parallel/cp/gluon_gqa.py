@@ -1,0 +1,370 @@
+"""GQA decode as a warp-specialized Gluon kernel for Hopper (sm_90): one program per (sequence,
+kv head, split) streams that head's keys and values through a deep shared-memory ring, so that
+one CTA per SM keeps enough bytes in flight (cuDNN's decode form) and the grid rarely needs more
+than one split, hence no merge. Partitions of one CTA:
+
+- the loader brings each 64-key tile's k and v (two 64-column boxes each, head dim 128) from
+  the paged cache [blocks, page, kv heads, 128] by TMA into the ring; over bf16 the split's
+  last tile, where it ends inside the tile, comes through masked loads instead (zeros past the
+  sequence's end: the cache holds anything there, NaN included, and 0 x NaN in P V is NaN);
+- over fp8, a converter warpgroup between the loader's raw fp8 ring and a 16-bit ring: each
+  tile to fp16 (exact for e4m3; value rows past the end as zeros) with its per-token scales;
+- the consumer warpgroup (the default partition): the G = Hq / Hkv query rows of the kv head
+  (padded to 64, wgmma's M) held in registers as the MMA's A operand, S = Q K^T, the online
+  softmax, and O += P V with P passed from registers.
+
+Outputs are the split's partial (out, lse) in `triton_decode.paged_decode_triton`'s layout.
+`gluon_gqa_ok` says where it applies; CONFIG gluon_gqa / gluon_gqa_fp8 choose it there. Over
+fp8 the arithmetic is the Triton kernel's f16 path: queries scaled into fp16 by a power of two
+per row, scores times the keys' scales, weights p * v_scale divided by a running per-row unit r
+(the largest weight so far), the accumulator kept in units of r."""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+try:
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
+                                                                  warpgroup_mma_wait)
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+    from .gluon_mla import HAS_GLUON, _split_range
+except ImportError:  # pragma: no cover - a Triton without Gluon
+    HAS_GLUON = False
+
+_BLOCK, _HEAD_DIM = 64, 128       # (the host's ints of the kernel's constants below)
+TILE = _BLOCK                     # keys a tile and query rows a program (fewer heads: padded rows)
+
+if HAS_GLUON:
+    BLOCK = gl.constexpr(64)      # keys a tile, query rows (padded), columns a box (128 B of 16-bit)
+    CHUNKS = gl.constexpr(2)      # boxes of the head dim (2 x 64 = 128)
+
+
+if HAS_GLUON:
+    @gluon.jit
+    def _block_of(table_ptr, s, st_s, j0, has, num_blocks, PAGE: gl.constexpr):
+        """The cache block of the tile at local token j0 (0 where `has` is false or the id lies outside
+        [0, num_blocks): no load leaves the cache; the consumer reports a bad id)."""
+        blk = gl.load(table_ptr + s.to(gl.int64) * st_s + j0 // PAGE, mask=has, other=0)
+        return gl.where((blk >= 0) & (blk < num_blocks), blk, 0)
+
+    @gluon.jit
+    def _bf16_loader(k_desc, v_desc, k_ptr, v_ptr, table_ptr, glens_ptr, k_smem, v_smem, ready, free,
+                     s, kvh, split, split_len, dcp_size, dcp_rank, interleave, table_w, num_blocks, st_s,
+                     sk_b, sk_t, sv_b, sv_t, PAGE: gl.constexpr, STAGES: gl.constexpr):
+        start, end, tiles, bad = _split_range(glens_ptr, s, split, split_len, dcp_size, dcp_rank, interleave,
+                                              table_w, PAGE)
+        blocked: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
+        blk_next = _block_of(table_ptr, s, st_s, start, tiles > 0, num_blocks, PAGE)
+        for t in range(tiles):
+            stage = t % STAGES
+            j0 = start + t * BLOCK
+            blk = blk_next          # (the next tile's id loads while this one waits for its stage)
+            blk_next = _block_of(table_ptr, s, st_s, j0 + BLOCK, t + 1 < tiles, num_blocks, PAGE)
+            if t >= STAGES:
+                mbarrier.wait(free.index(stage), ((t // STAGES) - 1) & 1)
+            valid = end - j0
+            if valid >= BLOCK:
+                mbarrier.expect(ready.index(stage), 2 * CHUNKS * k_desc.block_type.nbytes)
+                row = blk * PAGE + j0 % PAGE
+                for c in gl.static_range(CHUNKS):
+                    col = kvh * (CHUNKS * BLOCK) + c * BLOCK
+                    tma.async_copy_global_to_shared(k_desc, [row, col], ready.index(stage),
+                                                    k_smem.index(stage * CHUNKS + c))
+                    tma.async_copy_global_to_shared(v_desc, [row, col], ready.index(stage),
+                                                    v_smem.index(stage * CHUNKS + c))
+            else:   # the split's last tile ends inside it: rows past the end as zeros
+                rows = gl.arange(0, BLOCK, layout=gl.SliceLayout(1, blocked))
+                cols = gl.arange(0, BLOCK, layout=gl.SliceLayout(0, blocked))
+                token = ((j0 % PAGE) + rows).to(gl.int64)[:, None]
+                live = (rows < valid)[:, None]
+                kb = k_ptr + blk.to(gl.int64) * sk_b + token * sk_t + kvh * (CHUNKS * BLOCK)
+                vb = v_ptr + blk.to(gl.int64) * sv_b + token * sv_t + kvh * (CHUNKS * BLOCK)
+                for c in gl.static_range(CHUNKS):
+                    k_smem.index(stage * CHUNKS + c).store(gl.load(kb + (c * BLOCK + cols)[None, :], mask=live,
+                                                                   other=0.0))
+                    v_smem.index(stage * CHUNKS + c).store(gl.load(vb + (c * BLOCK + cols)[None, :], mask=live,
+                                                                   other=0.0))
+                fence_async_shared()
+                gl.thread_barrier()
+                mbarrier.arrive(ready.index(stage))
+
+    @gluon.jit
+    def _consumer(q_ptr, k_smem, v_smem, ready, free, table_ptr, glens_ptr, o_ptr, lse_ptr, s, kvh, split,
+                  split_len, dcp_size, dcp_rank, interleave, table_w, num_blocks, st_s, sq_s, sq_h, G, qk_scale,
+                  so_p, so_s, so_h, sl_p, sl_s, PAGE: gl.constexpr, STAGES: gl.constexpr,
+                  ks_smem=None, vs_smem=None, FP8: gl.constexpr = False):
+        mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 64, 16])
+        row_l: gl.constexpr = gl.SliceLayout(1, mma)
+        col_l: gl.constexpr = gl.SliceLayout(0, mma)
+        a_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
+        dtype: gl.constexpr = k_smem.dtype
+        # the kv head's G query rows (rows >= G: zeros), as the A operand of S = Q K^T
+        blocked: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
+        qr = gl.arange(0, BLOCK, layout=gl.SliceLayout(1, blocked))
+        qc = gl.arange(0, BLOCK, layout=gl.SliceLayout(0, blocked))
+        q_base = q_ptr + s.to(gl.int64) * sq_s + (kvh * G + qr).to(gl.int64)[:, None] * sq_h + qc[None, :]
+        qmask = (qr < G)[:, None]
+        q0 = gl.load(q_base, mask=qmask, other=0.0).to(gl.float32)
+        q1 = gl.load(q_base + BLOCK, mask=qmask, other=0.0).to(gl.float32)
+        if FP8:     # fp16 queries: times 2^e per row, largest magnitude in [2^14, 2^15); the scores take 2^-e
+            amax = gl.maximum(gl.max(gl.abs(q0), 1), gl.max(gl.abs(q1), 1))
+            biased = (amax.to(gl.int32, bitcast=True) >> 23) & 0xFF
+            e = gl.minimum(gl.maximum(141 - biased, -113), 100)
+            up = ((e + 127) << 23).to(gl.float32, bitcast=True)
+            q0 = q0 * up[:, None]
+            q1 = q1 * up[:, None]
+            qk_rows = gl.convert_layout(((127 - e) << 23).to(gl.float32, bitcast=True), row_l) * qk_scale
+        qa0 = gl.convert_layout(q0.to(dtype), a_l)
+        qa1 = gl.convert_layout(q1.to(dtype), a_l)
+
+        start, end, tiles, bad = _split_range(glens_ptr, s, split, split_len, dcp_size, dcp_rank, interleave,
+                                              table_w, PAGE)
+        m_i = gl.full([BLOCK], float("-inf"), gl.float32, row_l)
+        l_i = gl.zeros([BLOCK], gl.float32, row_l)
+        r_i = gl.zeros([BLOCK], gl.float32, row_l)
+        o0 = gl.zeros([BLOCK, BLOCK], gl.float32, mma)
+        o1 = gl.zeros([BLOCK, BLOCK], gl.float32, mma)
+        cols = gl.arange(0, BLOCK, layout=col_l)
+        for t in range(tiles):
+            stage = t % STAGES
+            j0 = start + t * BLOCK
+            blk = gl.load(table_ptr + s.to(gl.int64) * st_s + j0 // PAGE)    # (checked after the tile's MMAs)
+            mbarrier.wait(ready.index(stage), (t // STAGES) & 1)
+            sc = gl.zeros([BLOCK, BLOCK], gl.float32, mma)
+            sc = warpgroup_mma(qa0, k_smem.index(stage * CHUNKS).permute((1, 0)), sc, is_async=True)
+            sc = warpgroup_mma(qa1, k_smem.index(stage * CHUNKS + 1).permute((1, 0)), sc, is_async=True)
+            sc = warpgroup_mma_wait(num_outstanding=0, deps=(sc, ))
+            live = (j0 + cols < end)[None, :]
+            if FP8:
+                ks = ks_smem.index(stage).load(col_l)
+                sc = gl.where(live, sc * qk_rows[:, None] * ks[None, :], float("-inf"))
+            else:
+                sc = gl.where(live, sc * qk_scale, float("-inf"))
+            m_new = gl.maximum(m_i, gl.max(sc, 1))
+            m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
+            p = gl.exp2(sc - m_safe[:, None])
+            alpha = gl.exp2(m_i - m_safe)
+            l_i = l_i * alpha + gl.sum(p, 1)
+            m_i = m_new
+            if FP8:     # weights p * v_scale in units of r' = max(r alpha, the tile's largest weight)
+                p = p * vs_smem.index(stage).load(col_l)[None, :]
+                r_new = gl.maximum(r_i * alpha, gl.max(p, 1))
+                inv = 1.0 / gl.where(r_new > 0, r_new, 1.0)
+                alpha = r_i * alpha * inv
+                p = p * inv[:, None]
+                r_i = r_new
+            pa = gl.convert_layout(p.to(dtype), a_l)
+            o0 = warpgroup_mma(pa, v_smem.index(stage * CHUNKS), o0 * alpha[:, None], is_async=True)
+            o1 = warpgroup_mma(pa, v_smem.index(stage * CHUNKS + 1), o1 * alpha[:, None], is_async=True)
+            o0, o1 = warpgroup_mma_wait(num_outstanding=0, deps=(o0, o1))
+            mbarrier.arrive(free.index(stage))
+            bad = bad | (blk < 0) | (blk >= num_blocks)
+        nonempty = l_i > 0
+        safe = gl.where(nonempty, l_i, 1.0)
+        if FP8:
+            factor = gl.where(bad, float("nan"), r_i / safe)
+        else:
+            factor = gl.where(bad, float("nan"), 1.0 / safe)
+        rows = gl.arange(0, BLOCK, layout=row_l)
+        head = kvh * G + rows
+        o_row = split.to(gl.int64) * so_p + s.to(gl.int64) * so_s + head.to(gl.int64) * so_h
+        mine = (rows < G)[:, None]
+        gl.store(o_ptr + o_row[:, None] + cols[None, :], o0 * factor[:, None], mask=mine)
+        gl.store(o_ptr + o_row[:, None] + (BLOCK + cols)[None, :], o1 * factor[:, None], mask=mine)
+        lse = gl.where(nonempty, (m_i + gl.log2(safe)) * 0.6931471805599453, float("-inf"))
+        lse = gl.where(bad, float("nan"), lse)
+        gl.store(lse_ptr + split.to(gl.int64) * sl_p + s.to(gl.int64) * sl_s + head, lse, mask=rows < G)
+
+    @gluon.jit
+    def _ring(n: gl.constexpr, count: gl.constexpr):
+        bars = gl.allocate_shared_memory(gl.int64, [n, 1], mbarrier.MBarrierLayout())
+        for i in gl.static_range(n):
+            mbarrier.init(bars.index(i), count=count)
+        return bars
+
+    @gluon.jit
+    def _gqa_decode_ws_kernel(q_ptr, k_desc, v_desc, k_ptr, v_ptr, table_ptr, glens_ptr, o_ptr, lse_ptr,
+                              qk_scale, split_len, G, KV_HEADS, dcp_size, dcp_rank, interleave, table_w, num_blocks,
+                              st_s, sq_s, sq_h, sk_b, sk_t, sv_b, sv_t, so_p, so_s, so_h, sl_p, sl_s,
+                              PAGE: gl.constexpr, STAGES: gl.constexpr):
+        pid = gl.program_id(0)
+        split = gl.program_id(1)
+        s = pid // KV_HEADS
+        kvh = pid % KV_HEADS
+        box: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK, BLOCK], gl.bfloat16)
+        k_smem = gl.allocate_shared_memory(gl.bfloat16, [STAGES * CHUNKS, BLOCK, BLOCK], box)
+        v_smem = gl.allocate_shared_memory(gl.bfloat16, [STAGES * CHUNKS, BLOCK, BLOCK], box)
+        ready = _ring(STAGES, 1)
+        free = _ring(STAGES, 1)
+        fence_async_shared()
+        gl.warp_specialize([
+            (_consumer, (q_ptr, k_smem, v_smem, ready, free, table_ptr, glens_ptr, o_ptr, lse_ptr, s, kvh, split,
+                         split_len, dcp_size, dcp_rank, interleave, table_w, num_blocks, st_s, sq_s, sq_h, G,
+                         qk_scale, so_p, so_s, so_h, sl_p, sl_s, PAGE, STAGES)),
+            (_bf16_loader, (k_desc, v_desc, k_ptr, v_ptr, table_ptr, glens_ptr, k_smem, v_smem, ready, free, s, kvh,
+                            split, split_len, dcp_size, dcp_rank, interleave, table_w, num_blocks, st_s, sk_b, sk_t,
+                            sv_b, sv_t, PAGE, STAGES)),
+        ], [4], [64])
+
+
+if HAS_GLUON:
+    @gluon.jit
+    def _fp8_loader(k_desc, v_desc, table_ptr, glens_ptr, kr_smem, vr_smem, raw_ready, raw_free,
+                    s, kvh, split, split_len, dcp_size, dcp_rank, interleave, table_w, num_blocks, st_s,
+                    PAGE: gl.constexpr, RAW: gl.constexpr):
+        """Whole fp8 boxes by TMA (a tile lies in its page; the converter zeroes what lies past the end)."""
+        start, end, tiles, bad = _split_range(glens_ptr, s, split, split_len, dcp_size, dcp_rank, interleave,
+                                              table_w, PAGE)
+        blk_next = _block_of(table_ptr, s, st_s, start, tiles > 0, num_blocks, PAGE)
+        for t in range(tiles):
+            stage = t % RAW
+            j0 = start + t * BLOCK
+            blk = blk_next
+            blk_next = _block_of(table_ptr, s, st_s, j0 + BLOCK, t + 1 < tiles, num_blocks, PAGE)
+            if t >= RAW:
+                mbarrier.wait(raw_free.index(stage), ((t // RAW) - 1) & 1)
+            mbarrier.expect(raw_ready.index(stage), 2 * CHUNKS * k_desc.block_type.nbytes)
+            row = blk * PAGE + j0 % PAGE
+            for c in gl.static_range(CHUNKS):
+                col = kvh * (CHUNKS * BLOCK) + c * BLOCK
+                tma.async_copy_global_to_shared(k_desc, [row, col], raw_ready.index(stage),
+                                                kr_smem.index(stage * CHUNKS + c))
+                tma.async_copy_global_to_shared(v_desc, [row, col], raw_ready.index(stage),
+                                                vr_smem.index(stage * CHUNKS + c))
+
+    @gluon.jit
+    def _scales_of(ks_ptr, vs_ptr, table_ptr, s, st_s, j0, end, kvh, num_blocks, ss_b, ss_t, ss_h, svs_b, svs_t,
+                   svs_h, srows, PAGE: gl.constexpr):
+        """The key and value scales of the tile at local token j0 (0 past the split's end)."""
+        blk = _block_of(table_ptr, s, st_s, j0, j0 < end, num_blocks, PAGE).to(gl.int64)
+        token = ((j0 % PAGE) + srows).to(gl.int64)
+        slive = srows < end - j0
+        ks = gl.load(ks_ptr + blk * ss_b + token * ss_t + kvh * ss_h, mask=slive, other=0.0)
+        vs = gl.load(vs_ptr + blk * svs_b + token * svs_t + kvh * svs_h, mask=slive, other=0.0)
+        return ks, vs
+
+    @gluon.jit
+    def _converter(ks_ptr, vs_ptr, table_ptr, glens_ptr, kr_smem, vr_smem, k_smem, v_smem, ks_smem, vs_smem,
+                   raw_ready, raw_free, ready, free, s, kvh, split, split_len, dcp_size, dcp_rank, interleave,
+                   table_w, num_blocks, st_s, ss_b, ss_t, ss_h, svs_b, svs_t, svs_h,
+                   PAGE: gl.constexpr, STAGES: gl.constexpr, RAW: gl.constexpr):
+        """Each raw fp8 tile to fp16 in the 16-bit ring (value rows past the end as zeros; key rows
+        there are masked out of the scores), with the tile's key and value scales (0 past the end)."""
+        blocked: gl.constexpr = gl.BlockedLayout([1, 16], [8, 4], [4, 1], [1, 0])
+        rows = gl.arange(0, BLOCK, layout=gl.SliceLayout(1, blocked))
+        vec: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
+        srows = gl.arange(0, BLOCK, layout=vec)
+        start, end, tiles, bad = _split_range(glens_ptr, s, split, split_len, dcp_size, dcp_rank, interleave,
+                                              table_w, PAGE)
+        ks_next, vs_next = _scales_of(ks_ptr, vs_ptr, table_ptr, s, st_s, start, end, kvh, num_blocks, ss_b, ss_t,
+                                      ss_h, svs_b, svs_t, svs_h, srows, PAGE)
+        for t in range(tiles):
+            rs = t % RAW
+            stage = t % STAGES
+            j0 = start + t * BLOCK
+            ks = ks_next            # (the next tile's scales load while this one is converted)
+            vs = vs_next
+            ks_next, vs_next = _scales_of(ks_ptr, vs_ptr, table_ptr, s, st_s, j0 + BLOCK, end, kvh, num_blocks, ss_b,
+                                          ss_t, ss_h, svs_b, svs_t, svs_h, srows, PAGE)
+            live = (rows < end - j0)[:, None]
+            mbarrier.wait(raw_ready.index(rs), (t // RAW) & 1)
+            if t >= STAGES:
+                mbarrier.wait(free.index(stage), ((t // STAGES) - 1) & 1)
+            for c in gl.static_range(CHUNKS):
+                kx = kr_smem.index(rs * CHUNKS + c).load(blocked)
+                k_smem.index(stage * CHUNKS + c).store(kx.to(gl.float16))
+                vx = vr_smem.index(rs * CHUNKS + c).load(blocked)
+                v_smem.index(stage * CHUNKS + c).store(gl.where(live, vx.to(gl.float16), 0.0))
+            ks_smem.index(stage).store(ks)
+            vs_smem.index(stage).store(vs)
+            fence_async_shared()
+            gl.thread_barrier()
+            mbarrier.arrive(raw_free.index(rs))
+            mbarrier.arrive(ready.index(stage))
+
+    @gluon.jit
+    def _gqa_decode_ws_fp8_kernel(q_ptr, k_desc, v_desc, ks_ptr, vs_ptr, table_ptr, glens_ptr, o_ptr, lse_ptr,
+                                  qk_scale, split_len, G, KV_HEADS, dcp_size, dcp_rank, interleave, table_w,
+                                  num_blocks, st_s, sq_s, sq_h, ss_b, ss_t, ss_h, svs_b, svs_t, svs_h,
+                                  so_p, so_s, so_h, sl_p, sl_s, PAGE: gl.constexpr, STAGES: gl.constexpr,
+                                  RAW: gl.constexpr):
+        pid = gl.program_id(0)
+        split = gl.program_id(1)
+        s = pid // KV_HEADS
+        kvh = pid % KV_HEADS
+        raw_box: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK, BLOCK], gl.float8e4nv)
+        box: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK, BLOCK], gl.float16)
+        vec: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[0])
+        kr_smem = gl.allocate_shared_memory(gl.float8e4nv, [RAW * CHUNKS, BLOCK, BLOCK], raw_box)
+        vr_smem = gl.allocate_shared_memory(gl.float8e4nv, [RAW * CHUNKS, BLOCK, BLOCK], raw_box)
+        k_smem = gl.allocate_shared_memory(gl.float16, [STAGES * CHUNKS, BLOCK, BLOCK], box)
+        v_smem = gl.allocate_shared_memory(gl.float16, [STAGES * CHUNKS, BLOCK, BLOCK], box)
+        ks_smem = gl.allocate_shared_memory(gl.float32, [STAGES, BLOCK], vec)
+        vs_smem = gl.allocate_shared_memory(gl.float32, [STAGES, BLOCK], vec)
+        raw_ready = _ring(RAW, 1)
+        raw_free = _ring(RAW, 1)
+        ready = _ring(STAGES, 1)
+        free = _ring(STAGES, 1)
+        fence_async_shared()
+        gl.warp_specialize([
+            (_consumer, (q_ptr, k_smem, v_smem, ready, free, table_ptr, glens_ptr, o_ptr, lse_ptr, s, kvh, split,
+                         split_len, dcp_size, dcp_rank, interleave, table_w, num_blocks, st_s, sq_s, sq_h, G,
+                         qk_scale, so_p, so_s, so_h, sl_p, sl_s, PAGE, STAGES, ks_smem, vs_smem, True)),
+            (_converter, (ks_ptr, vs_ptr, table_ptr, glens_ptr, kr_smem, vr_smem, k_smem, v_smem, ks_smem, vs_smem,
+                          raw_ready, raw_free, ready, free, s, kvh, split, split_len, dcp_size, dcp_rank, interleave,
+                          table_w, num_blocks, st_s, ss_b, ss_t, ss_h, svs_b, svs_t, svs_h, PAGE, STAGES, RAW)),
+            (_fp8_loader, (k_desc, v_desc, table_ptr, glens_ptr, kr_smem, vr_smem, raw_ready, raw_free, s, kvh,
+                           split, split_len, dcp_size, dcp_rank, interleave, table_w, num_blocks, st_s, PAGE, RAW)),
+        ], [4, 1], [96, 24])
+
+
+def gluon_gqa_ok(q: Tensor, k: Tensor, v: Tensor, tq: int, k_scale: Tensor | None = None,
+                 v_scale: Tensor | None = None) -> bool:
+    """The Gluon GQA kernels apply: bf16 queries [S, 1, Hq, 128] (one query token, contiguous);
+    a bf16 cache, or an fp8 one with fp32 scales [nb, page, Hkv] for keys and values; separate k
+    and v tensors [nb, page, Hkv, 128], each contiguous; at most 64 query heads per kv head; pages
+    a multiple of 64 tokens; an sm_90 GPU."""
+    if not (HAS_GLUON and q.is_cuda and torch.cuda.get_device_capability(q.device) == (9, 0)):
+        return False
+    if k.dtype == torch.float8_e4m3fn:
+        if not all(t is not None and t.dtype == torch.float32 and t.dim() == 3 for t in (k_scale, v_scale)):
+            return False
+    elif k.dtype != torch.bfloat16:
+        return False
+    hq, hkv = q.shape[-2], k.shape[2]
+    return (q.dtype == torch.bfloat16 and tq == 1 and q.is_contiguous() and q.shape[-1] == _HEAD_DIM
+            and k.dim() == 4 and k.shape[-1] == _HEAD_DIM and v.shape == k.shape and v.dtype == k.dtype
+            and k.is_contiguous() and v.is_contiguous() and v.data_ptr() != k.data_ptr()
+            and hq % hkv == 0 and hq // hkv <= _BLOCK and k.shape[1] % _BLOCK == 0
+            and k.data_ptr() % 16 == 0 and v.data_ptr() % 16 == 0)
+
+
+def launch_gluon_gqa(q: Tensor, k: Tensor, v: Tensor, table: Tensor, seq_lens: Tensor, o: Tensor, lse: Tensor,
+                     scale_log2: float, splits: int, split_len: int, dcp_size: int, dcp_rank: int, interleave: int,
+                     k_scale: Tensor | None = None, v_scale: Tensor | None = None, stages: int = 4,
+                     raw_stages: int = 6) -> None:
+    """Fill the split partials o [splits, S, 1, Hq, 128] / lse [splits, S, 1, Hq] (`gluon_gqa_ok`);
+    stages: the bf16 ring's (32 KB each), raw_stages: the fp8 kernel's raw ring's (16 KB each)."""
+    s, _, hq, d = q.shape
+    nb, page, hkv = k.shape[0], k.shape[1], k.shape[2]
+    fp8 = k.dtype == torch.float8_e4m3fn
+    elem = gl.float8e4nv if fp8 else gl.bfloat16
+    box = gl.NVMMASharedLayout.get_default_for([_BLOCK, _BLOCK], elem)
+    # [blocks * page, kv heads * 128]: a tile of kv head h is the boxes at columns h * 128 + 0 / 64
+    k2, v2 = k.view(nb * page, hkv * d), v.view(nb * page, hkv * d)
+    k_desc = TensorDescriptor(k2, list(k2.shape), list(k2.stride()), [_BLOCK, _BLOCK], box)
+    v_desc = TensorDescriptor(v2, list(v2.shape), list(v2.stride()), [_BLOCK, _BLOCK], box)
+    common = (table, seq_lens, o, lse, scale_log2, split_len, hq // hkv, hkv, dcp_size, dcp_rank, interleave,
+              table.shape[1], nb, table.stride(0), q.stride(0), q.stride(2))
+    tail = (o.stride(0), o.stride(1), o.stride(3), lse.stride(0), lse.stride(1))
+    if fp8:
+        _gqa_decode_ws_fp8_kernel[(s * hkv, splits)](
+            q, k_desc, v_desc, k_scale, v_scale, *common, *k_scale.stride(), *v_scale.stride(), *tail,
+            PAGE=page, STAGES=2, RAW=raw_stages, num_warps=4)
+    else:
+        _gqa_decode_ws_kernel[(s * hkv, splits)](
+            q, k_desc, v_desc, k, v, *common, k.stride(0), k.stride(1), v.stride(0), v.stride(1), *tail,
+            PAGE=page, STAGES=stages, num_warps=4)
