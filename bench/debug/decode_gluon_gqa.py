@@ -64,8 +64,10 @@ def _check(rows: list, dtype: torch.dtype) -> None:
         seq = torch.tensor(lens, device="cuda")
         scale = 1 / math.sqrt(d)
         ref = paged_decode_attention(q, ref_cache, table, seq, layout=layout, scale=scale, backend="torch")
-        for name, on in (("triton", 0), ("gluon", 1)):
-            triton_decode.CONFIG[key] = on
+        cons = "consumers_" + key
+        for name, change in (("triton", {key: 0}), ("gluon", {key: 1}), ("gluon c2", {key: 1, cons: 2})):
+            triton_decode.CONFIG.update(saved)
+            triton_decode.CONFIG.update(change)
             got = paged_decode_attention(q, cache, table, seq, layout=layout, scale=scale, backend="triton")
             torch.cuda.synchronize()
             fin = torch.isfinite(ref.lse)
@@ -93,20 +95,20 @@ def main(path: str) -> None:
         except Exception as e:  # (a failing build or launch: said, the timings still run)
             rows.append({"check": str(dtype), "error": repr(e)[:2000]})
             print(rows[-1], flush=True)
-    bf16 = {"triton": {"gluon_gqa": 0}, "gluon": {"gluon_gqa": 1}, "gluon s3": {"gluon_gqa": 1, "stages_gluon_gqa": 3},
-            "gluon s6": {"gluon_gqa": 1, "stages_gluon_gqa": 6},
-            "gluon s3 x2": {"gluon_gqa": 1, "stages_gluon_gqa": 3, "target_programs_gluon_gqa": 264}}
-    fp8 = {"triton": {"gluon_gqa_fp8": 0}, "gluon": {"gluon_gqa_fp8": 1},
-           "gluon r4": {"gluon_gqa_fp8": 1, "raw_stages_gluon_gqa": 4},
-           "gluon r9": {"gluon_gqa_fp8": 1, "raw_stages_gluon_gqa": 9}}
+    g, g8 = {"gluon_gqa": 1}, {"gluon_gqa_fp8": 1}
+    bf16 = {"triton": {"gluon_gqa": 0}, "gluon s4": g, "gluon s3": dict(g, stages_gluon_gqa=3),
+            "gluon s2": dict(g, stages_gluon_gqa=2), "gluon c2 s4": dict(g, consumers_gluon_gqa=2),
+            "gluon c2 s3": dict(g, consumers_gluon_gqa=2, stages_gluon_gqa=3)}
+    fp8 = {"triton": {"gluon_gqa_fp8": 0}, "gluon r6": g8, "gluon c2 r6": dict(g8, consumers_gluon_gqa_fp8=2),
+           "gluon c2 r4": dict(g8, consumers_gluon_gqa_fp8=2, raw_stages_gluon_gqa=4)}
     only = lambda d, *names: {n: d[n] for n in names}
     for dtype, context, batch, variants in (
             (torch.bfloat16, 8192, 32, bf16), (torch.bfloat16, 32768, 32, bf16),
-            (torch.bfloat16, 131072, 32, only(bf16, "triton", "gluon", "gluon s6")),
+            (torch.bfloat16, 131072, 32, only(bf16, "triton", "gluon s3", "gluon c2 s3")),
             (torch.float8_e4m3fn, 8192, 32, fp8), (torch.float8_e4m3fn, 32768, 32, fp8),
-            (torch.float8_e4m3fn, 131072, 32, only(fp8, "triton", "gluon", "gluon r9")),
-            (torch.bfloat16, 32768, 4, only(bf16, "triton", "gluon")),
-            (torch.float8_e4m3fn, 32768, 4, only(fp8, "triton", "gluon"))):
+            (torch.float8_e4m3fn, 131072, 32, only(fp8, "triton", "gluon c2 r6")),
+            (torch.bfloat16, 32768, 4, only(bf16, "triton", "gluon s3", "gluon c2 s3")),
+            (torch.float8_e4m3fn, 32768, 4, only(fp8, "triton", "gluon c2 r6"))):
         cache, table, q, _ = _decode_setup(batch, context, 32, 4, 128, 64, 4, ctx.device, dtype)
         layout = DCPLayout(size=4, rank=0, block_size=64)
         seq = torch.full((batch,), context, device=ctx.device)

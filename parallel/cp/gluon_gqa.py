@@ -95,7 +95,12 @@ if HAS_GLUON:
     def _consumer(q_ptr, k_smem, v_smem, ready, free, table_ptr, glens_ptr, o_ptr, lse_ptr, s, kvh, split,
                   split_len, dcp_size, dcp_rank, interleave, table_w, num_blocks, st_s, sq_s, sq_h, G, qk_scale,
                   so_p, so_s, so_h, sl_p, sl_s, PAGE: gl.constexpr, STAGES: gl.constexpr,
-                  ks_smem=None, vs_smem=None, FP8: gl.constexpr = False):
+                  ks_smem=None, vs_smem=None, x_smem=None, xv_smem=None, done=None, FP8: gl.constexpr = False,
+                  PAR: gl.constexpr = 0, NCONS: gl.constexpr = 1):
+        """Tiles PAR, PAR + NCONS, ... of the split. NCONS = 2: two consumer warpgroups take
+        alternate tiles (one's softmax runs while the other's MMAs do), each with its own online
+        softmax; the second hands its state (m, l, r, bad, the accumulators) through shared memory
+        (x_smem, xv_smem; the `done` barrier) to the first, which merges and stores."""
         mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 64, 16])
         row_l: gl.constexpr = gl.SliceLayout(1, mma)
         col_l: gl.constexpr = gl.SliceLayout(0, mma)
@@ -128,7 +133,7 @@ if HAS_GLUON:
         o0 = gl.zeros([BLOCK, BLOCK], gl.float32, mma)
         o1 = gl.zeros([BLOCK, BLOCK], gl.float32, mma)
         cols = gl.arange(0, BLOCK, layout=col_l)
-        for t in range(tiles):
+        for t in range(PAR, tiles, NCONS):
             stage = t % STAGES
             j0 = start + t * BLOCK
             blk = gl.load(table_ptr + s.to(gl.int64) * st_s + j0 // PAGE)    # (checked after the tile's MMAs)
@@ -162,6 +167,33 @@ if HAS_GLUON:
             o0, o1 = warpgroup_mma_wait(num_outstanding=0, deps=(o0, o1))
             mbarrier.arrive(free.index(stage))
             bad = bad | (blk < 0) | (blk >= num_blocks)
+        if PAR == 1:        # to consumer 0
+            xv_smem.index(0).store(m_i)
+            xv_smem.index(1).store(l_i)
+            xv_smem.index(2).store(r_i)
+            xv_smem.index(3).store(gl.where(bad, 1.0, 0.0) + gl.zeros([BLOCK], gl.float32, row_l))
+            x_smem.index(0).store(o0)
+            x_smem.index(1).store(o1)
+            gl.thread_barrier()
+            mbarrier.arrive(done)
+            return
+        if NCONS == 2:      # consumer 1's state merged in: both on the max of their maxima
+            mbarrier.wait(done, 0)
+            m_b = xv_smem.index(0).load(row_l)
+            l_b = xv_smem.index(1).load(row_l)
+            bad = bad | (gl.max(xv_smem.index(3).load(row_l), 0) > 0)
+            m_new = gl.maximum(m_i, m_b)
+            m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
+            fa = gl.exp2(m_i - m_safe)
+            fb = gl.exp2(m_b - m_safe)
+            l_i = l_i * fa + l_b * fb
+            m_i = m_new
+            if FP8:         # (each accumulator in its own unit r: both to units of 1)
+                fb = fb * xv_smem.index(2).load(row_l)
+                fa = fa * r_i
+                r_i = gl.full([BLOCK], 1.0, gl.float32, row_l)
+            o0 = o0 * fa[:, None] + x_smem.index(0).load(mma) * fb[:, None]
+            o1 = o1 * fa[:, None] + x_smem.index(1).load(mma) * fb[:, None]
         nonempty = l_i > 0
         safe = gl.where(nonempty, l_i, 1.0)
         if FP8:
@@ -179,6 +211,17 @@ if HAS_GLUON:
         gl.store(lse_ptr + split.to(gl.int64) * sl_p + s.to(gl.int64) * sl_s + head, lse, mask=rows < G)
 
     @gluon.jit
+    def _exchange(CONS: gl.constexpr):
+        """(x_smem, xv_smem, done): consumer 1's accumulators, its m / l / r / bad rows and the barrier
+        it arrives on when they are there (two consumers; else 1-element placeholders)."""
+        n: gl.constexpr = BLOCK if CONS == 2 else 1
+        x_smem = gl.allocate_shared_memory(gl.float32, [2, n, BLOCK], gl.SwizzledSharedLayout(1, 1, 1, order=[1, 0]))
+        xv_smem = gl.allocate_shared_memory(gl.float32, [4, BLOCK], gl.SwizzledSharedLayout(1, 1, 1, order=[0]))
+        done = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        mbarrier.init(done, count=1)
+        return x_smem, xv_smem, done
+
+    @gluon.jit
     def _ring(n: gl.constexpr, count: gl.constexpr):
         bars = gl.allocate_shared_memory(gl.int64, [n, 1], mbarrier.MBarrierLayout())
         for i in gl.static_range(n):
@@ -189,7 +232,7 @@ if HAS_GLUON:
     def _gqa_decode_ws_kernel(q_ptr, k_desc, v_desc, k_ptr, v_ptr, table_ptr, glens_ptr, o_ptr, lse_ptr,
                               qk_scale, split_len, G, KV_HEADS, dcp_size, dcp_rank, interleave, table_w, num_blocks,
                               st_s, sq_s, sq_h, sk_b, sk_t, sv_b, sv_t, so_p, so_s, so_h, sl_p, sl_s,
-                              PAGE: gl.constexpr, STAGES: gl.constexpr):
+                              PAGE: gl.constexpr, STAGES: gl.constexpr, CONS: gl.constexpr = 1):
         pid = gl.program_id(0)
         split = gl.program_id(1)
         s = pid // KV_HEADS
@@ -199,15 +242,32 @@ if HAS_GLUON:
         v_smem = gl.allocate_shared_memory(gl.bfloat16, [STAGES * CHUNKS, BLOCK, BLOCK], box)
         ready = _ring(STAGES, 1)
         free = _ring(STAGES, 1)
+        x_smem, xv_smem, done = _exchange(CONS)
         fence_async_shared()
-        gl.warp_specialize([
-            (_consumer, (q_ptr, k_smem, v_smem, ready, free, table_ptr, glens_ptr, o_ptr, lse_ptr, s, kvh, split,
-                         split_len, dcp_size, dcp_rank, interleave, table_w, num_blocks, st_s, sq_s, sq_h, G,
-                         qk_scale, so_p, so_s, so_h, sl_p, sl_s, PAGE, STAGES)),
-            (_bf16_loader, (k_desc, v_desc, k_ptr, v_ptr, table_ptr, glens_ptr, k_smem, v_smem, ready, free, s, kvh,
-                            split, split_len, dcp_size, dcp_rank, interleave, table_w, num_blocks, st_s, sk_b, sk_t,
-                            sv_b, sv_t, PAGE, STAGES)),
-        ], [4], [64])
+        if CONS == 2:
+            gl.warp_specialize([
+                (_consumer, (q_ptr, k_smem, v_smem, ready, free, table_ptr, glens_ptr, o_ptr, lse_ptr, s, kvh, split,
+                          split_len, dcp_size, dcp_rank, interleave, table_w, num_blocks, st_s, sq_s, sq_h, G,
+                          qk_scale, so_p, so_s, so_h, sl_p, sl_s, PAGE, STAGES, None, None, x_smem,
+                          xv_smem, done, False, 0, 2)),
+                (_consumer, (q_ptr, k_smem, v_smem, ready, free, table_ptr, glens_ptr, o_ptr, lse_ptr, s, kvh, split,
+                          split_len, dcp_size, dcp_rank, interleave, table_w, num_blocks, st_s, sq_s, sq_h, G,
+                          qk_scale, so_p, so_s, so_h, sl_p, sl_s, PAGE, STAGES, None, None, x_smem,
+                          xv_smem, done, False, 1, 2)),
+                (_bf16_loader, (k_desc, v_desc, k_ptr, v_ptr, table_ptr, glens_ptr, k_smem, v_smem, ready, free, s, kvh,
+                             split, split_len, dcp_size, dcp_rank, interleave, table_w, num_blocks, st_s, sk_b, sk_t,
+                             sv_b, sv_t, PAGE, STAGES)),
+            ], [4, 4], [200, 56])
+        else:
+            gl.warp_specialize([
+                (_consumer, (q_ptr, k_smem, v_smem, ready, free, table_ptr, glens_ptr, o_ptr, lse_ptr, s, kvh, split,
+                          split_len, dcp_size, dcp_rank, interleave, table_w, num_blocks, st_s, sq_s, sq_h, G,
+                          qk_scale, so_p, so_s, so_h, sl_p, sl_s, PAGE, STAGES, None, None, x_smem,
+                          xv_smem, done, False, 0, 1)),
+                (_bf16_loader, (k_desc, v_desc, k_ptr, v_ptr, table_ptr, glens_ptr, k_smem, v_smem, ready, free, s, kvh,
+                             split, split_len, dcp_size, dcp_rank, interleave, table_w, num_blocks, st_s, sk_b, sk_t,
+                             sv_b, sv_t, PAGE, STAGES)),
+            ], [4], [64])
 
 
 if HAS_GLUON:
@@ -290,7 +350,7 @@ if HAS_GLUON:
                                   qk_scale, split_len, G, KV_HEADS, dcp_size, dcp_rank, interleave, table_w,
                                   num_blocks, st_s, sq_s, sq_h, ss_b, ss_t, ss_h, svs_b, svs_t, svs_h,
                                   so_p, so_s, so_h, sl_p, sl_s, PAGE: gl.constexpr, STAGES: gl.constexpr,
-                                  RAW: gl.constexpr):
+                                  RAW: gl.constexpr, CONS: gl.constexpr = 1):
         pid = gl.program_id(0)
         split = gl.program_id(1)
         s = pid // KV_HEADS
@@ -308,17 +368,38 @@ if HAS_GLUON:
         raw_free = _ring(RAW, 1)
         ready = _ring(STAGES, 1)
         free = _ring(STAGES, 1)
+        x_smem, xv_smem, done = _exchange(CONS)
         fence_async_shared()
-        gl.warp_specialize([
-            (_consumer, (q_ptr, k_smem, v_smem, ready, free, table_ptr, glens_ptr, o_ptr, lse_ptr, s, kvh, split,
-                         split_len, dcp_size, dcp_rank, interleave, table_w, num_blocks, st_s, sq_s, sq_h, G,
-                         qk_scale, so_p, so_s, so_h, sl_p, sl_s, PAGE, STAGES, ks_smem, vs_smem, True)),
-            (_converter, (ks_ptr, vs_ptr, table_ptr, glens_ptr, kr_smem, vr_smem, k_smem, v_smem, ks_smem, vs_smem,
-                          raw_ready, raw_free, ready, free, s, kvh, split, split_len, dcp_size, dcp_rank, interleave,
-                          table_w, num_blocks, st_s, ss_b, ss_t, ss_h, svs_b, svs_t, svs_h, PAGE, STAGES, RAW)),
-            (_fp8_loader, (k_desc, v_desc, table_ptr, glens_ptr, kr_smem, vr_smem, raw_ready, raw_free, s, kvh,
-                           split, split_len, dcp_size, dcp_rank, interleave, table_w, num_blocks, st_s, PAGE, RAW)),
-        ], [4, 1], [96, 24])
+        if CONS == 2:
+            gl.warp_specialize([
+                (_consumer, (q_ptr, k_smem, v_smem, ready, free, table_ptr, glens_ptr, o_ptr, lse_ptr, s, kvh, split,
+                          split_len, dcp_size, dcp_rank, interleave, table_w, num_blocks, st_s, sq_s, sq_h, G,
+                          qk_scale, so_p, so_s, so_h, sl_p, sl_s, PAGE, STAGES, ks_smem, vs_smem, x_smem,
+                          xv_smem, done, True, 0, 2)),
+                (_consumer, (q_ptr, k_smem, v_smem, ready, free, table_ptr, glens_ptr, o_ptr, lse_ptr, s, kvh, split,
+                          split_len, dcp_size, dcp_rank, interleave, table_w, num_blocks, st_s, sq_s, sq_h, G,
+                          qk_scale, so_p, so_s, so_h, sl_p, sl_s, PAGE, STAGES, ks_smem, vs_smem, x_smem,
+                          xv_smem, done, True, 1, 2)),
+                (_converter, (ks_ptr, vs_ptr, table_ptr, glens_ptr, kr_smem, vr_smem, k_smem, v_smem, ks_smem, vs_smem,
+                              raw_ready, raw_free, ready, free, s, kvh, split, split_len, dcp_size, dcp_rank,
+                              interleave, table_w, num_blocks, st_s, ss_b, ss_t, ss_h, svs_b, svs_t, svs_h, PAGE,
+                              STAGES, RAW)),
+                (_fp8_loader, (k_desc, v_desc, table_ptr, glens_ptr, kr_smem, vr_smem, raw_ready, raw_free, s, kvh,
+                               split, split_len, dcp_size, dcp_rank, interleave, table_w, num_blocks, st_s, PAGE, RAW)),
+            ], [4, 4, 1], [192, 96, 24])
+        else:
+            gl.warp_specialize([
+                (_consumer, (q_ptr, k_smem, v_smem, ready, free, table_ptr, glens_ptr, o_ptr, lse_ptr, s, kvh, split,
+                          split_len, dcp_size, dcp_rank, interleave, table_w, num_blocks, st_s, sq_s, sq_h, G,
+                          qk_scale, so_p, so_s, so_h, sl_p, sl_s, PAGE, STAGES, ks_smem, vs_smem, x_smem,
+                          xv_smem, done, True, 0, 1)),
+                (_converter, (ks_ptr, vs_ptr, table_ptr, glens_ptr, kr_smem, vr_smem, k_smem, v_smem, ks_smem, vs_smem,
+                              raw_ready, raw_free, ready, free, s, kvh, split, split_len, dcp_size, dcp_rank,
+                              interleave, table_w, num_blocks, st_s, ss_b, ss_t, ss_h, svs_b, svs_t, svs_h, PAGE,
+                              STAGES, RAW)),
+                (_fp8_loader, (k_desc, v_desc, table_ptr, glens_ptr, kr_smem, vr_smem, raw_ready, raw_free, s, kvh,
+                               split, split_len, dcp_size, dcp_rank, interleave, table_w, num_blocks, st_s, PAGE, RAW)),
+            ], [4, 1], [96, 24])
 
 
 def gluon_gqa_ok(q: Tensor, k: Tensor, v: Tensor, tq: int, k_scale: Tensor | None = None,
@@ -345,9 +426,12 @@ def gluon_gqa_ok(q: Tensor, k: Tensor, v: Tensor, tq: int, k_scale: Tensor | Non
 def launch_gluon_gqa(q: Tensor, k: Tensor, v: Tensor, table: Tensor, seq_lens: Tensor, o: Tensor, lse: Tensor,
                      scale_log2: float, splits: int, split_len: int, dcp_size: int, dcp_rank: int, interleave: int,
                      k_scale: Tensor | None = None, v_scale: Tensor | None = None, stages: int = 4,
-                     raw_stages: int = 6) -> None:
+                     raw_stages: int = 6, consumers: int = 1) -> None:
     """Fill the split partials o [splits, S, 1, Hq, 128] / lse [splits, S, 1, Hq] (`gluon_gqa_ok`);
-    stages: the bf16 ring's (32 KB each), raw_stages: the fp8 kernel's raw ring's (16 KB each)."""
+    stages: the bf16 ring's (32 KB each), raw_stages: the fp8 kernel's raw ring's (16 KB each),
+    consumers: 1 or 2 consumer warpgroups. Rings are cut to what shared memory holds beside the
+    rest (two consumers' exchange takes 32 KB): bf16 6 stages (5 with two consumers), fp8 10 raw
+    stages (6)."""
     s, _, hq, d = q.shape
     nb, page, hkv = k.shape[0], k.shape[1], k.shape[2]
     fp8 = k.dtype == torch.float8_e4m3fn
@@ -363,8 +447,8 @@ def launch_gluon_gqa(q: Tensor, k: Tensor, v: Tensor, table: Tensor, seq_lens: T
     if fp8:
         _gqa_decode_ws_fp8_kernel[(s * hkv, splits)](
             q, k_desc, v_desc, k_scale, v_scale, *common, *k_scale.stride(), *v_scale.stride(), *tail,
-            PAGE=page, STAGES=2, RAW=raw_stages, num_warps=4)
+            PAGE=page, STAGES=2, RAW=min(raw_stages, 6 if consumers == 2 else 10), CONS=consumers, num_warps=4)
     else:
         _gqa_decode_ws_kernel[(s * hkv, splits)](
             q, k_desc, v_desc, k, v, *common, k.stride(0), k.stride(1), v.stride(0), v.stride(1), *tail,
-            PAGE=page, STAGES=stages, num_warps=4)
+            PAGE=page, STAGES=min(stages, 5 if consumers == 2 else 6), CONS=consumers, num_warps=4)
