@@ -98,16 +98,16 @@ def main(path: str) -> None:
     g, g8 = {"gluon_gqa": 1}, {"gluon_gqa_fp8": 1}
     bf16 = {"triton": {"gluon_gqa": 0}, "gluon s4": g, "gluon s3": dict(g, stages_gluon_gqa=3),
             "gluon s2": dict(g, stages_gluon_gqa=2), "gluon c2 s4": dict(g, consumers_gluon_gqa=2),
-            "gluon c2 s3": dict(g, consumers_gluon_gqa=2, stages_gluon_gqa=3)}
+            "gluon c2 s2": dict(g, consumers_gluon_gqa=2, stages_gluon_gqa=2)}
     fp8 = {"triton": {"gluon_gqa_fp8": 0}, "gluon r6": g8, "gluon c2 r6": dict(g8, consumers_gluon_gqa_fp8=2),
            "gluon c2 r4": dict(g8, consumers_gluon_gqa_fp8=2, raw_stages_gluon_gqa=4)}
     only = lambda d, *names: {n: d[n] for n in names}
     for dtype, context, batch, variants in (
             (torch.bfloat16, 8192, 32, bf16), (torch.bfloat16, 32768, 32, bf16),
-            (torch.bfloat16, 131072, 32, only(bf16, "triton", "gluon s3", "gluon c2 s3")),
+            (torch.bfloat16, 131072, 32, only(bf16, "triton", "gluon s3", "gluon c2 s4")),
             (torch.float8_e4m3fn, 8192, 32, fp8), (torch.float8_e4m3fn, 32768, 32, fp8),
             (torch.float8_e4m3fn, 131072, 32, only(fp8, "triton", "gluon c2 r6")),
-            (torch.bfloat16, 32768, 4, only(bf16, "triton", "gluon s3", "gluon c2 s3")),
+            (torch.bfloat16, 32768, 4, only(bf16, "triton", "gluon s3", "gluon c2 s4")),
             (torch.float8_e4m3fn, 32768, 4, only(fp8, "triton", "gluon c2 r6"))):
         cache, table, q, _ = _decode_setup(batch, context, 32, 4, 128, 64, 4, ctx.device, dtype)
         layout = DCPLayout(size=4, rank=0, block_size=64)

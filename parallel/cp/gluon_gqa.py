@@ -430,8 +430,8 @@ def launch_gluon_gqa(q: Tensor, k: Tensor, v: Tensor, table: Tensor, seq_lens: T
     """Fill the split partials o [splits, S, 1, Hq, 128] / lse [splits, S, 1, Hq] (`gluon_gqa_ok`);
     stages: the bf16 ring's (32 KB each), raw_stages: the fp8 kernel's raw ring's (16 KB each),
     consumers: 1 or 2 consumer warpgroups. Rings are cut to what shared memory holds beside the
-    rest (two consumers' exchange takes 32 KB): bf16 6 stages (5 with two consumers), fp8 10 raw
-    stages (6)."""
+    rest (two consumers' exchange takes 32 KB): bf16 6 stages (4 with two consumers, whose ring
+    must be even: alternate tiles keep to alternate stages), fp8 10 raw stages (6)."""
     s, _, hq, d = q.shape
     nb, page, hkv = k.shape[0], k.shape[1], k.shape[2]
     fp8 = k.dtype == torch.float8_e4m3fn
@@ -444,6 +444,9 @@ def launch_gluon_gqa(q: Tensor, k: Tensor, v: Tensor, table: Tensor, seq_lens: T
     common = (table, seq_lens, o, lse, scale_log2, split_len, hq // hkv, hkv, dcp_size, dcp_rank, interleave,
               table.shape[1], nb, table.stride(0), q.stride(0), q.stride(2))
     tail = (o.stride(0), o.stride(1), o.stride(3), lse.stride(0), lse.stride(1))
+    if consumers == 2:      # each consumer's tiles keep to their own stages (an mbarrier phase's parity
+        stages = min(stages, 4)     # tells nothing to a consumer two phases behind): an even ring
+        stages -= stages % 2
     if fp8:
         _gqa_decode_ws_fp8_kernel[(s * hkv, splits)](
             q, k_desc, v_desc, k_scale, v_scale, *common, *k_scale.stride(), *v_scale.stride(), *tail,
@@ -451,4 +454,4 @@ def launch_gluon_gqa(q: Tensor, k: Tensor, v: Tensor, table: Tensor, seq_lens: T
     else:
         _gqa_decode_ws_kernel[(s * hkv, splits)](
             q, k_desc, v_desc, k, v, *common, k.stride(0), k.stride(1), v.stride(0), v.stride(1), *tail,
-            PAGE=page, STAGES=min(stages, 5 if consumers == 2 else 6), CONS=consumers, num_warps=4)
+            PAGE=page, STAGES=min(stages, 6), CONS=consumers, num_warps=4)
