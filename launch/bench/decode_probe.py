@@ -51,7 +51,8 @@ ATOL_GPU = 2e-2       # tests/test_cp_decode_kernel.py, full size on the GPU (bf
 ATOL_CPU = 1e-4       # float32 under the interpreter
 REF_BUDGET = 8 << 30  # bytes of the torch path's per-head KV copy: sequences checked per problem
 
-KEYS = {"gqa": ("block_n", "num_warps", "num_stages", "target_programs", "min_split", "lazy_rescale", "tma"),
+KEYS = {"gqa": ("block_n", "num_warps", "num_stages", "target_programs", "min_split", "lazy_rescale", "tma",
+                "gluon_gqa"),
         "gqa_fp8": ("block_n", "num_warps", "num_stages", "target_programs", "f16", "maxnreg", "min_split", "tma",
                     "stage16"),
         "mla": ("block_m", "block_n", "num_warps", "num_stages", "target_programs", "min_split", "lazy_rescale",
@@ -64,7 +65,9 @@ FAMILY_MAP = {"gqa": {}, "mla": "_WIDE", "gqa_fp8": "_FP8", "mla_fp8": "_WIDE_FP
               "mla_narrow": "_WIDE_NARROW"}
 
 VARIANTS = {   # overrides of the current settings, one factor at a time, then a few combinations
-    "gqa": [{}, {"lazy_rescale": 1}, {"block_n": 32}, {"block_n": 128}, {"num_warps": 8}, {"num_stages": 1}, {"num_stages": 3},
+    # (the Triton kernel's settings: each runs with gluon_gqa 0 unless it says otherwise, `_install`;
+    # the first row is the Gluon kernel, which takes none of them)
+    "gqa": [{"gluon_gqa": 1}, {}, {"lazy_rescale": 1}, {"block_n": 32}, {"block_n": 128}, {"num_warps": 8}, {"num_stages": 1}, {"num_stages": 3},
             {"target_programs": 132}, {"target_programs": 528}, {"min_split": 128}, {"min_split": 256},
             {"min_split": 1024},
             {"block_n": 128, "num_warps": 8}, {"block_n": 128, "num_stages": 3}, {"block_n": 32, "num_stages": 3},
@@ -190,6 +193,8 @@ def _install(kind: str, settings: dict[str, int], default: dict[str, int]) -> No
     td.CONFIG.update(default)
     if kind in ("mla", "mla_fp8", "mla_narrow"):      # the Triton kernel's settings, on the Triton kernel
         settings = {"gluon_wide": 0, **settings}
+    elif kind == "gqa":
+        settings = {"gluon_gqa": 0, **settings}
     td.apply_tuning({kind: settings})
 
 

@@ -602,11 +602,20 @@ CONFIG = {
     # warpgroup to fp16, one consumer warpgroup), per cache dtype, where `gluon_gqa_ok` holds; one
     # CTA per SM (139 / 173 KB of shared memory), so splits are planned to at most
     # target_programs_gluon_gqa programs (B 32 x 4 kv heads: one split, no merge)
-    "gluon_gqa": 0, "gluon_gqa_fp8": 0, "target_programs_gluon_gqa": 132,
+    # bench/debug/decode_gluon_gqa.py (2026-12-04 05:50-06:40 UTC, three runs, bench/results/logs/
+    # decode-gluon-gqa*-h200.json; Hq 32 / Hkv 4, B 32, 1/4 of 8K / 32K / 128K, step_time): bf16
+    # Triton 38.2-39.3 / 126.9-129.7 / 476-492 µs -> Gluon 35.4-35.8 / 121.2-123.9 / 475.3-476.2 with
+    # a 3-stage ring (4 stages: 35.6-36.7 / 123.4-126.4 / 473.4-473.9; 2: 36.5 / 130; 6: 37.1 /
+    # 127.1 / 487.0), B 4 at 32K 25.6 -> 23.0. Over fp8 it loses: 33.4-34.0 / 101.5-103.0 / 380-386
+    # -> 42.0-43.1 / 143.8-151.0 / 552-581 (ring depth 4-9 and two consumers change it by <= 5%:
+    # bound by the converter or its hand-off, not the consumer; not found). gluon_gqa_fp8 stays off
+    "gluon_gqa": 1, "gluon_gqa_fp8": 0, "target_programs_gluon_gqa": 132,
     # its ring: 16-bit stages over bf16 (32 KB each), raw fp8 stages over fp8 (16 KB each; two
     # fp16 stages after the converter)
-    "stages_gluon_gqa": 4, "raw_stages_gluon_gqa": 6,
-    # consumer warpgroups (1 or 2: alternate tiles, each its own online softmax, merged in the CTA)
+    "stages_gluon_gqa": 3, "raw_stages_gluon_gqa": 6,
+    # consumer warpgroups (1 or 2: alternate tiles, each its own online softmax, merged in the CTA;
+    # two: bf16 37.3-37.5 / 125.6-126.1 / 480.2-480.8 µs with 4 stages, 40.3 / 140.2 with 2; fp8
+    # 42.0-42.8 / 143.8-145.1 / 552-555)
     "consumers_gluon_gqa": 1, "consumers_gluon_gqa_fp8": 1,
     # the DCP group size and interleave as compile-time constants (a build per group; 0/1). GQA
     # over fp8 read the same 32768 slots per sequence in 385-387 µs launched as a group of 1
