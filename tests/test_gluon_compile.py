@@ -21,8 +21,8 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def _build(name: str) -> dict:
-    """(child process) Compile one kernel ("mla-bf16", "mla-fp8", "gqa-bf16", "gqa-fp8"; "-c2": the
-    GQA kernel with two consumer warpgroups) for sm_90a: shared bytes, ptxas spill bytes, PTX markers."""
+    """(child process) Compile one kernel ("mla-bf16", "mla-fp8", "gqa-bf16", "gqa-fp8"; "-c2" / "-v2":
+    the GQA kernel with two consumer / converter warpgroups) for sm_90a: shared bytes, ptxas spill bytes, PTX markers."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon import language as gl
@@ -32,6 +32,7 @@ def _build(name: str) -> dict:
 
     family, dtype, *more = name.split("-")
     cons = 2 if more == ["c2"] else 1
+    conv = 2 if more == ["v2"] else 1
     fp8 = dtype == "fp8"
     ptrs = {"table_ptr": "*i32", "glens_ptr": "*i64", "o_ptr": "*fp32", "lse_ptr": "*fp32", "qk_scale": "fp32"}
     box = gl.NVMMASharedLayout.get_default_for([64, 64], gl.float8e4nv if fp8 else gl.bfloat16)
@@ -39,7 +40,8 @@ def _build(name: str) -> dict:
     if family == "gqa":
         ptrs.update(q_ptr="*bf16", k_desc=desc, v_desc=desc)
         if fp8:
-            kernel, consts = gluon_gqa._gqa_decode_ws_fp8_kernel, {"PAGE": 64, "STAGES": 2, "RAW": 6, "CONS": cons}
+            kernel, consts = gluon_gqa._gqa_decode_ws_fp8_kernel, {"PAGE": 64, "STAGES": 2, "RAW": 6, "CONS": cons,
+                                                                   "CONV": conv}
             ptrs.update(ks_ptr="*fp32", vs_ptr="*fp32")
         else:
             kernel, consts = gluon_gqa._gqa_decode_ws_kernel, {"PAGE": 64, "STAGES": 4 if cons == 1 else 5,
@@ -67,7 +69,7 @@ def _build(name: str) -> dict:
 
 
 @pytest.mark.parametrize("name,spill_cap", [("mla-bf16", 512), ("mla-fp8", 1024), ("gqa-bf16", 0), ("gqa-fp8", 0),
-                                                 ("gqa-bf16-c2", 0), ("gqa-fp8-c2", 0)])
+                                                 ("gqa-bf16-c2", 0), ("gqa-fp8-c2", 0), ("gqa-fp8-v2", 0)])
 def test_gluon_decode_kernel_builds_for_sm90(name, spill_cap):
     """spill_cap: the committed MLA builds spill 172 B (bf16: the loader's masked tail tile) and
     560-600 B (fp8: the converter's loads); the GQA builds none."""

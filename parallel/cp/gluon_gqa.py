@@ -310,25 +310,27 @@ if HAS_GLUON:
     def _converter(ks_ptr, vs_ptr, table_ptr, glens_ptr, kr_smem, vr_smem, k_smem, v_smem, ks_smem, vs_smem,
                    raw_ready, raw_free, ready, free, s, kvh, split, split_len, dcp_size, dcp_rank, interleave,
                    table_w, num_blocks, st_s, ss_b, ss_t, ss_h, svs_b, svs_t, svs_h,
-                   PAGE: gl.constexpr, STAGES: gl.constexpr, RAW: gl.constexpr):
-        """Each raw fp8 tile to fp16 in the 16-bit ring (value rows past the end as zeros; key rows
-        there are masked out of the scores), with the tile's key and value scales (0 past the end)."""
+                   PAGE: gl.constexpr, STAGES: gl.constexpr, RAW: gl.constexpr, PAR: gl.constexpr = 0,
+                   NCONV: gl.constexpr = 1):
+        """Each raw fp8 tile (PAR, PAR + NCONV, ...: two converters take alternate tiles) to fp16 in the
+        16-bit ring (value rows past the end as zeros; key rows there are masked out of the scores),
+        with the tile's key and value scales (0 past the end)."""
         blocked: gl.constexpr = gl.BlockedLayout([1, 16], [8, 4], [4, 1], [1, 0])
         rows = gl.arange(0, BLOCK, layout=gl.SliceLayout(1, blocked))
         vec: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
         srows = gl.arange(0, BLOCK, layout=vec)
         start, end, tiles, bad = _split_range(glens_ptr, s, split, split_len, dcp_size, dcp_rank, interleave,
                                               table_w, PAGE)
-        ks_next, vs_next = _scales_of(ks_ptr, vs_ptr, table_ptr, s, st_s, start, end, kvh, num_blocks, ss_b, ss_t,
-                                      ss_h, svs_b, svs_t, svs_h, srows, PAGE)
-        for t in range(tiles):
+        ks_next, vs_next = _scales_of(ks_ptr, vs_ptr, table_ptr, s, st_s, start + PAR * BLOCK, end, kvh, num_blocks,
+                                      ss_b, ss_t, ss_h, svs_b, svs_t, svs_h, srows, PAGE)
+        for t in range(PAR, tiles, NCONV):
             rs = t % RAW
             stage = t % STAGES
             j0 = start + t * BLOCK
             ks = ks_next            # (the next tile's scales load while this one is converted)
             vs = vs_next
-            ks_next, vs_next = _scales_of(ks_ptr, vs_ptr, table_ptr, s, st_s, j0 + BLOCK, end, kvh, num_blocks, ss_b,
-                                          ss_t, ss_h, svs_b, svs_t, svs_h, srows, PAGE)
+            ks_next, vs_next = _scales_of(ks_ptr, vs_ptr, table_ptr, s, st_s, j0 + NCONV * BLOCK, end, kvh, num_blocks,
+                                          ss_b, ss_t, ss_h, svs_b, svs_t, svs_h, srows, PAGE)
             live = (rows < end - j0)[:, None]
             mbarrier.wait(raw_ready.index(rs), (t // RAW) & 1)
             if t >= STAGES:
@@ -350,7 +352,7 @@ if HAS_GLUON:
                                   qk_scale, split_len, G, KV_HEADS, dcp_size, dcp_rank, interleave, table_w,
                                   num_blocks, st_s, sq_s, sq_h, ss_b, ss_t, ss_h, svs_b, svs_t, svs_h,
                                   so_p, so_s, so_h, sl_p, sl_s, PAGE: gl.constexpr, STAGES: gl.constexpr,
-                                  RAW: gl.constexpr, CONS: gl.constexpr = 1):
+                                  RAW: gl.constexpr, CONS: gl.constexpr = 1, CONV: gl.constexpr = 1):
         pid = gl.program_id(0)
         split = gl.program_id(1)
         s = pid // KV_HEADS
@@ -370,7 +372,24 @@ if HAS_GLUON:
         free = _ring(STAGES, 1)
         x_smem, xv_smem, done = _exchange(CONS)
         fence_async_shared()
-        if CONS == 2:
+        if CONV == 2:       # (one consumer)
+            gl.warp_specialize([
+                (_consumer, (q_ptr, k_smem, v_smem, ready, free, table_ptr, glens_ptr, o_ptr, lse_ptr, s, kvh, split,
+                          split_len, dcp_size, dcp_rank, interleave, table_w, num_blocks, st_s, sq_s, sq_h, G,
+                          qk_scale, so_p, so_s, so_h, sl_p, sl_s, PAGE, STAGES, ks_smem, vs_smem, x_smem,
+                          xv_smem, done, True, 0, 1)),
+                (_converter, (ks_ptr, vs_ptr, table_ptr, glens_ptr, kr_smem, vr_smem, k_smem, v_smem, ks_smem, vs_smem,
+                              raw_ready, raw_free, ready, free, s, kvh, split, split_len, dcp_size, dcp_rank,
+                              interleave, table_w, num_blocks, st_s, ss_b, ss_t, ss_h, svs_b, svs_t, svs_h, PAGE,
+                              STAGES, RAW, 0, 2)),
+                (_converter, (ks_ptr, vs_ptr, table_ptr, glens_ptr, kr_smem, vr_smem, k_smem, v_smem, ks_smem, vs_smem,
+                              raw_ready, raw_free, ready, free, s, kvh, split, split_len, dcp_size, dcp_rank,
+                              interleave, table_w, num_blocks, st_s, ss_b, ss_t, ss_h, svs_b, svs_t, svs_h, PAGE,
+                              STAGES, RAW, 1, 2)),
+                (_fp8_loader, (k_desc, v_desc, table_ptr, glens_ptr, kr_smem, vr_smem, raw_ready, raw_free, s, kvh,
+                               split, split_len, dcp_size, dcp_rank, interleave, table_w, num_blocks, st_s, PAGE, RAW)),
+            ], [4, 4, 1], [96, 96, 24])
+        elif CONS == 2:
             gl.warp_specialize([
                 (_consumer, (q_ptr, k_smem, v_smem, ready, free, table_ptr, glens_ptr, o_ptr, lse_ptr, s, kvh, split,
                           split_len, dcp_size, dcp_rank, interleave, table_w, num_blocks, st_s, sq_s, sq_h, G,
@@ -426,12 +445,14 @@ def gluon_gqa_ok(q: Tensor, k: Tensor, v: Tensor, tq: int, k_scale: Tensor | Non
 def launch_gluon_gqa(q: Tensor, k: Tensor, v: Tensor, table: Tensor, seq_lens: Tensor, o: Tensor, lse: Tensor,
                      scale_log2: float, splits: int, split_len: int, dcp_size: int, dcp_rank: int, interleave: int,
                      k_scale: Tensor | None = None, v_scale: Tensor | None = None, stages: int = 4,
-                     raw_stages: int = 6, consumers: int = 1) -> None:
+                     raw_stages: int = 6, consumers: int = 1, converters: int = 1, fp16_stages: int = 2) -> None:
     """Fill the split partials o [splits, S, 1, Hq, 128] / lse [splits, S, 1, Hq] (`gluon_gqa_ok`);
     stages: the bf16 ring's (32 KB each), raw_stages: the fp8 kernel's raw ring's (16 KB each),
     consumers: 1 or 2 consumer warpgroups. Rings are cut to what shared memory holds beside the
     rest (two consumers' exchange takes 32 KB): bf16 6 stages (4 with two consumers, whose ring
-    must be even: alternate tiles keep to alternate stages), fp8 10 raw stages (6)."""
+    must be even: alternate tiles keep to alternate stages), fp8 10 raw stages (6). Over fp8,
+    converters: 1 or 2 converter warpgroups on alternate tiles (with one consumer), fp16_stages the
+    16-bit ring after them (2 or 4)."""
     s, _, hq, d = q.shape
     nb, page, hkv = k.shape[0], k.shape[1], k.shape[2]
     fp8 = k.dtype == torch.float8_e4m3fn
@@ -447,10 +468,15 @@ def launch_gluon_gqa(q: Tensor, k: Tensor, v: Tensor, table: Tensor, seq_lens: T
     if consumers == 2:      # each consumer's tiles keep to their own stages (an mbarrier phase's parity
         stages = min(stages, 4)     # tells nothing to a consumer two phases behind): an even ring
         stages -= stages % 2
+    if fp8:     # (two converters: one consumer, even rings; shared memory: raw x 16 KB + fp16 x 32 KB + 32 KB
+        converters = 2 if converters == 2 and consumers == 1 else 1        # of exchange <= 224 KB)
+        fp16_stages = 2 if consumers == 2 else max(2, min(fp16_stages, 4) - min(fp16_stages, 4) % 2)
+        raw = max(2, min(raw_stages, (224 - 32 * fp16_stages - (32 if consumers == 2 else 0)) // 16))
+        raw -= raw % 2 if converters == 2 else 0
     if fp8:
         _gqa_decode_ws_fp8_kernel[(s * hkv, splits)](
             q, k_desc, v_desc, k_scale, v_scale, *common, *k_scale.stride(), *v_scale.stride(), *tail,
-            PAGE=page, STAGES=2, RAW=min(raw_stages, 6 if consumers == 2 else 10), CONS=consumers, num_warps=4)
+            PAGE=page, STAGES=fp16_stages, RAW=raw, CONS=consumers, CONV=converters, num_warps=4)
     else:
         _gqa_decode_ws_kernel[(s * hkv, splits)](
             q, k_desc, v_desc, k, v, *common, k.stride(0), k.stride(1), v.stride(0), v.stride(1), *tail,

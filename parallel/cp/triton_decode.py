@@ -617,6 +617,8 @@ CONFIG = {
     # two: bf16 37.3-37.5 / 125.6-126.1 / 480.2-480.8 µs with 4 stages, 40.3 / 140.2 with 2; fp8
     # 42.0-42.8 / 143.8-145.1 / 552-555)
     "consumers_gluon_gqa": 1, "consumers_gluon_gqa_fp8": 1,
+    # over fp8: converter warpgroups (1 or 2, alternate tiles) and the fp16 ring after them (2 or 4)
+    "converters_gluon_gqa_fp8": 1, "stages_gluon_gqa_fp8": 2,
     # the DCP group size and interleave as compile-time constants (a build per group; 0/1). GQA
     # over fp8 read the same 32768 slots per sequence in 385-387 µs launched as a group of 1
     # (dcp_size specialized to 1 by Triton) and in 431-435 µs as rank 0 of 4 with them as runtime
@@ -794,7 +796,7 @@ _VALID = {
     "diag": (0, 1, 2, 3), "f16": (0, 1),
     "gluon_wide": (0, 1), "gluon_wide_fp8": (0, 1), "gluon_wide_narrow": (0, 1), "gluon_wide_narrow_fp8": (0, 1),
     "gluon_gqa": (0, 1), "gluon_gqa_fp8": (0, 1), "stages": range(2, 7), "raw_stages": range(2, 11),
-    "consumers": (1, 2),
+    "consumers": (1, 2), "converters": (1, 2),
     "maxnreg": (0, *range(64, 256, 8)), "at_most": (0, 1), "stage16": (0, 1, 2),
 }
 _META = ("device", "sizes", "seconds", "results", "notes", "problems")
@@ -994,7 +996,9 @@ def paged_decode_triton(q: Tensor, k: Tensor, v: Tensor, k_scale: Tensor | None,
         gluon_gqa.launch_gluon_gqa(q, k, v, table, seq_lens, o, lse, scale * _LOG2E, splits, split_len, dcp_size,
                                    dcp_rank, interleave, k_scale if fp8 else None, v_scale if fp8 else None,
                                    stages=CONFIG["stages_gluon_gqa"], raw_stages=CONFIG["raw_stages_gluon_gqa"],
-                                   consumers=CONFIG["consumers_gluon_gqa_fp8" if fp8 else "consumers_gluon_gqa"])
+                                   consumers=CONFIG["consumers_gluon_gqa_fp8" if fp8 else "consumers_gluon_gqa"],
+                                   converters=CONFIG["converters_gluon_gqa_fp8"],
+                                   fp16_stages=CONFIG["stages_gluon_gqa_fp8"])
     elif s > 0 and splits > 0:
         _paged_decode_kernel[(programs, splits)](
             q, k, v, ks, vs, table, seq_lens, o, lse,
