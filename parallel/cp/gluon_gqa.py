@@ -468,10 +468,10 @@ def launch_gluon_gqa(q: Tensor, k: Tensor, v: Tensor, table: Tensor, seq_lens: T
     if consumers == 2:      # each consumer's tiles keep to their own stages (an mbarrier phase's parity
         stages = min(stages, 4)     # tells nothing to a consumer two phases behind): an even ring
         stages -= stages % 2
-    if fp8:     # (two converters: one consumer, even rings; shared memory: raw x 16 KB + fp16 x 32 KB + 32 KB
-        converters = 2 if converters == 2 and consumers == 1 else 1        # of exchange <= 224 KB)
-        fp16_stages = 2 if consumers == 2 else max(2, min(fp16_stages, 4) - min(fp16_stages, 4) % 2)
-        raw = max(2, min(raw_stages, (224 - 32 * fp16_stages - (32 if consumers == 2 else 0)) // 16))
+    if fp8:     # (two converters: one consumer, even rings. Shared memory: raw x 16 KB + fp16 x 32 KB + 32 KB
+        converters = 2 if converters == 2 and consumers == 1 else 1    # of exchange + the compiler's scratch
+        fp16_stages = 2 if consumers == 2 else max(2, min(fp16_stages, 4) - min(fp16_stages, 4) % 2)   # (<= 24
+        raw = max(2, min(raw_stages, (203 - 32 * fp16_stages - (32 if consumers == 2 else 0)) // 16))  # KB) <= 227)
         raw -= raw % 2 if converters == 2 else 0
     if fp8:
         _gqa_decode_ws_fp8_kernel[(s * hkv, splits)](
