@@ -617,7 +617,11 @@ CONFIG = {
     # two: bf16 37.3-37.5 / 125.6-126.1 / 480.2-480.8 µs with 4 stages, 40.3 / 140.2 with 2; fp8
     # 42.0-42.8 / 143.8-145.1 / 552-555)
     "consumers_gluon_gqa": 1, "consumers_gluon_gqa_fp8": 1,
-    # over fp8: converter warpgroups (1 or 2, alternate tiles) and the fp16 ring after them (2 or 4)
+    # over fp8: converter warpgroups (1 or 2, alternate tiles) and the fp16 ring after them (2 or 4).
+    # decode-gluon-gqa4-h200.json (1/4 of 8K / 32K / 128K): one converter, 6 raw stages 43.7 / 150.9;
+    # two converters 43.4 / 149.1 / 581.7; two with a 4-stage fp16 ring 42.4 / 146.0 / 563.3; one
+    # converter with a 4-stage fp16 ring 40.0 / 139.4 (Triton 33.4 / 101.8 / 398.0): neither more
+    # converters nor more consumers reach the Triton kernel; the bound was not found
     "converters_gluon_gqa_fp8": 1, "stages_gluon_gqa_fp8": 2,
     # the DCP group size and interleave as compile-time constants (a build per group; 0/1). GQA
     # over fp8 read the same 32768 slots per sequence in 385-387 µs launched as a group of 1
