@@ -40,6 +40,11 @@ Structure options (CONFIG, 0/1, off until the GPU probe measures them; `launch_s
   `gluon_mla.py` instead (a loader warpgroup, one warpgroup for the scores, softmax and output
   dims [0, 256), one for [256, 512) from the same published weights); this module still plans
   the splits and merges them.
+- `gluon_gqa` (on), `gluon_gqa_fp8` (off): GQA with head dim 128, one query token and bf16 queries
+  (`gluon_gqa.gluon_gqa_ok`) goes to the warp-specialized Gluon kernel of `gluon_gqa.py` (a TMA
+  loader ring, over fp8 a converter warpgroup, one consumer warpgroup; one CTA per SM, so splits
+  planned to at most `target_programs_gluon_gqa` programs); its ring depths, consumers and
+  converters are CONFIG entries too.
 - `dcp_constexpr` (on): the DCP group size and interleave built into the kernel (one build per
   group), whose loop then compiles as the group-of-one build's.
 - `pdl` (on where the device and Triton allow it: `triton_merge.pdl_ok`): programmatic dependent
