@@ -211,6 +211,105 @@ if HAS_GLUON:
         gl.store(lse_ptr + split.to(gl.int64) * sl_p + s.to(gl.int64) * sl_s + head, lse, mask=rows < G)
 
     @gluon.jit
+    def _consumer_t(q_ptr, q_smem, p_smem, k_smem, v_smem, ready, free, table_ptr, glens_ptr, o_ptr, lse_ptr, s, kvh,
+                    split, split_len, dcp_size, dcp_rank, interleave, table_w, num_blocks, st_s, sq_s, sq_h, G,
+                    qk_scale, so_p, so_s, so_h, sl_p, sl_s, PAGE: gl.constexpr, STAGES: gl.constexpr,
+                    NQ: gl.constexpr, ks_smem=None, vs_smem=None, FP8: gl.constexpr = False):
+        """`_consumer` with the operands swapped (SWAP): S^T = K Q^T (M = the tile's 64 keys, N = NQ
+        >= G query rows) and O^T += V^T P^T, so the accumulators hold only the kv head's NQ query
+        columns (4 + 2 x 4 fp32 registers a thread at NQ = 8 against 32 + 64 for a 64-row tile) and
+        the softmax runs over them: per-query maxima and sums reduce across the warpgroup. The queries
+        (q_smem) and each tile's weights (p_smem) are the wgmma's B operand in shared memory; the
+        value tile is its A operand, read transposed."""
+        mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, NQ, 16])
+        key_l: gl.constexpr = gl.SliceLayout(1, mma)
+        q_l: gl.constexpr = gl.SliceLayout(0, mma)
+        dtype: gl.constexpr = k_smem.dtype
+        blocked: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
+        qr = gl.arange(0, NQ, layout=gl.SliceLayout(1, blocked))
+        qc = gl.arange(0, BLOCK, layout=gl.SliceLayout(0, blocked))
+        q_base = q_ptr + s.to(gl.int64) * sq_s + (kvh * G + qr).to(gl.int64)[:, None] * sq_h + qc[None, :]
+        qmask = (qr < G)[:, None]
+        q0 = gl.load(q_base, mask=qmask, other=0.0).to(gl.float32)
+        q1 = gl.load(q_base + BLOCK, mask=qmask, other=0.0).to(gl.float32)
+        if FP8:     # fp16 queries: times 2^e per row, largest magnitude in [2^14, 2^15); the scores take 2^-e
+            amax = gl.maximum(gl.max(gl.abs(q0), 1), gl.max(gl.abs(q1), 1))
+            biased = (amax.to(gl.int32, bitcast=True) >> 23) & 0xFF
+            e = gl.minimum(gl.maximum(141 - biased, -113), 100)
+            up = ((e + 127) << 23).to(gl.float32, bitcast=True)
+            q0 = q0 * up[:, None]
+            q1 = q1 * up[:, None]
+            qk_q = gl.convert_layout(((127 - e) << 23).to(gl.float32, bitcast=True), q_l) * qk_scale
+        q_smem.index(0).store(q0.to(dtype))
+        q_smem.index(1).store(q1.to(dtype))
+        fence_async_shared()
+        gl.thread_barrier()
+
+        start, end, tiles, bad = _split_range(glens_ptr, s, split, split_len, dcp_size, dcp_rank, interleave,
+                                              table_w, PAGE)
+        m_i = gl.full([NQ], float("-inf"), gl.float32, q_l)
+        l_i = gl.zeros([NQ], gl.float32, q_l)
+        r_i = gl.zeros([NQ], gl.float32, q_l)
+        o0 = gl.zeros([BLOCK, NQ], gl.float32, mma)      # O^T: head dims 0-63 x queries
+        o1 = gl.zeros([BLOCK, NQ], gl.float32, mma)      # dims 64-127
+        keys = gl.arange(0, BLOCK, layout=key_l)
+        for t in range(tiles):
+            stage = t % STAGES
+            j0 = start + t * BLOCK
+            blk = gl.load(table_ptr + s.to(gl.int64) * st_s + j0 // PAGE)    # (checked after the tile's MMAs)
+            mbarrier.wait(ready.index(stage), (t // STAGES) & 1)
+            sc = gl.zeros([BLOCK, NQ], gl.float32, mma)
+            sc = warpgroup_mma(k_smem.index(stage * CHUNKS), q_smem.index(0).permute((1, 0)), sc, is_async=True)
+            sc = warpgroup_mma(k_smem.index(stage * CHUNKS + 1), q_smem.index(1).permute((1, 0)), sc, is_async=True)
+            sc = warpgroup_mma_wait(num_outstanding=0, deps=(sc, ))
+            live = (j0 + keys < end)[:, None]
+            if FP8:
+                ks = ks_smem.index(stage).load(key_l)
+                sc = gl.where(live, sc * ks[:, None] * qk_q[None, :], float("-inf"))
+            else:
+                sc = gl.where(live, sc * qk_scale, float("-inf"))
+            m_new = gl.maximum(m_i, gl.max(sc, 0))
+            m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
+            p = gl.exp2(sc - m_safe[None, :])
+            alpha = gl.exp2(m_i - m_safe)
+            l_i = l_i * alpha + gl.sum(p, 0)
+            m_i = m_new
+            if FP8:     # weights p * v_scale in units of r' = max(r alpha, the tile's largest weight)
+                p = p * vs_smem.index(stage).load(key_l)[:, None]
+                r_new = gl.maximum(r_i * alpha, gl.max(p, 0))
+                inv = 1.0 / gl.where(r_new > 0, r_new, 1.0)
+                alpha = r_i * alpha * inv
+                p = p * inv[None, :]
+                r_i = r_new
+            if t > 0:       # (the previous tile's P V read p_smem: done, its wait below returned)
+                gl.thread_barrier()
+            p_smem.store(gl.permute(p.to(dtype), [1, 0]))
+            fence_async_shared()
+            gl.thread_barrier()
+            o0 = warpgroup_mma(v_smem.index(stage * CHUNKS).permute((1, 0)), p_smem.permute((1, 0)),
+                               o0 * alpha[None, :], is_async=True)
+            o1 = warpgroup_mma(v_smem.index(stage * CHUNKS + 1).permute((1, 0)), p_smem.permute((1, 0)),
+                               o1 * alpha[None, :], is_async=True)
+            o0, o1 = warpgroup_mma_wait(num_outstanding=0, deps=(o0, o1))
+            mbarrier.arrive(free.index(stage))
+            bad = bad | (blk < 0) | (blk >= num_blocks)
+        nonempty = l_i > 0
+        safe = gl.where(nonempty, l_i, 1.0)
+        if FP8:
+            factor = gl.where(bad, float("nan"), r_i / safe)
+        else:
+            factor = gl.where(bad, float("nan"), 1.0 / safe)
+        qn = gl.arange(0, NQ, layout=q_l)
+        head = kvh * G + qn
+        o_col = split.to(gl.int64) * so_p + s.to(gl.int64) * so_s + head.to(gl.int64) * so_h
+        mine = (qn < G)[None, :]
+        gl.store(o_ptr + o_col[None, :] + keys[:, None], o0 * factor[None, :], mask=mine)
+        gl.store(o_ptr + o_col[None, :] + (BLOCK + keys)[:, None], o1 * factor[None, :], mask=mine)
+        lse = gl.where(nonempty, (m_i + gl.log2(safe)) * 0.6931471805599453, float("-inf"))
+        lse = gl.where(bad, float("nan"), lse)
+        gl.store(lse_ptr + split.to(gl.int64) * sl_p + s.to(gl.int64) * sl_s + head, lse, mask=qn < G)
+
+    @gluon.jit
     def _exchange(CONS: gl.constexpr):
         """(x_smem, xv_smem, done): consumer 1's accumulators, its m / l / r / bad rows and the barrier
         it arrives on when they are there (two consumers; else 1-element placeholders)."""
@@ -220,6 +319,16 @@ if HAS_GLUON:
         done = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
         mbarrier.init(done, count=1)
         return x_smem, xv_smem, done
+
+    @gluon.jit
+    def _swap_buffers(NQ: gl.constexpr, dtype: gl.constexpr):
+        """(q_smem [2, NQ, 64], p_smem [NQ, 64]): the swapped consumer's queries and weights as wgmma
+        B operands (NQ = 0: 1-row placeholders)."""
+        n: gl.constexpr = NQ if NQ > 0 else 8
+        layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([n, BLOCK], dtype)
+        q_smem = gl.allocate_shared_memory(dtype, [CHUNKS, n, BLOCK], layout)
+        p_smem = gl.allocate_shared_memory(dtype, [n, BLOCK], layout)
+        return q_smem, p_smem
 
     @gluon.jit
     def _ring(n: gl.constexpr, count: gl.constexpr):
@@ -232,7 +341,8 @@ if HAS_GLUON:
     def _gqa_decode_ws_kernel(q_ptr, k_desc, v_desc, k_ptr, v_ptr, table_ptr, glens_ptr, o_ptr, lse_ptr,
                               qk_scale, split_len, G, KV_HEADS, dcp_size, dcp_rank, interleave, table_w, num_blocks,
                               st_s, sq_s, sq_h, sk_b, sk_t, sv_b, sv_t, so_p, so_s, so_h, sl_p, sl_s,
-                              PAGE: gl.constexpr, STAGES: gl.constexpr, CONS: gl.constexpr = 1):
+                              PAGE: gl.constexpr, STAGES: gl.constexpr, CONS: gl.constexpr = 1,
+                              NQ: gl.constexpr = 0):
         pid = gl.program_id(0)
         split = gl.program_id(1)
         s = pid // KV_HEADS
@@ -243,8 +353,19 @@ if HAS_GLUON:
         ready = _ring(STAGES, 1)
         free = _ring(STAGES, 1)
         x_smem, xv_smem, done = _exchange(CONS)
+        q_smem, p_smem = _swap_buffers(NQ, gl.bfloat16)
         fence_async_shared()
-        if CONS == 2:
+        if NQ > 0:          # (SWAP: one consumer)
+            gl.warp_specialize([
+                (_consumer_t, (q_ptr, q_smem, p_smem, k_smem, v_smem, ready, free, table_ptr, glens_ptr, o_ptr,
+                               lse_ptr, s, kvh, split, split_len, dcp_size, dcp_rank, interleave, table_w,
+                               num_blocks, st_s, sq_s, sq_h, G, qk_scale, so_p, so_s, so_h, sl_p, sl_s, PAGE, STAGES,
+                               NQ)),
+                (_bf16_loader, (k_desc, v_desc, k_ptr, v_ptr, table_ptr, glens_ptr, k_smem, v_smem, ready, free, s, kvh,
+                             split, split_len, dcp_size, dcp_rank, interleave, table_w, num_blocks, st_s, sk_b, sk_t,
+                             sv_b, sv_t, PAGE, STAGES)),
+            ], [4], [64])
+        elif CONS == 2:
             gl.warp_specialize([
                 (_consumer, (q_ptr, k_smem, v_smem, ready, free, table_ptr, glens_ptr, o_ptr, lse_ptr, s, kvh, split,
                           split_len, dcp_size, dcp_rank, interleave, table_w, num_blocks, st_s, sq_s, sq_h, G,
@@ -352,7 +473,8 @@ if HAS_GLUON:
                                   qk_scale, split_len, G, KV_HEADS, dcp_size, dcp_rank, interleave, table_w,
                                   num_blocks, st_s, sq_s, sq_h, ss_b, ss_t, ss_h, svs_b, svs_t, svs_h,
                                   so_p, so_s, so_h, sl_p, sl_s, PAGE: gl.constexpr, STAGES: gl.constexpr,
-                                  RAW: gl.constexpr, CONS: gl.constexpr = 1, CONV: gl.constexpr = 1):
+                                  RAW: gl.constexpr, CONS: gl.constexpr = 1, CONV: gl.constexpr = 1,
+                                  NQ: gl.constexpr = 0):
         pid = gl.program_id(0)
         split = gl.program_id(1)
         s = pid // KV_HEADS
@@ -371,8 +493,39 @@ if HAS_GLUON:
         ready = _ring(STAGES, 1)
         free = _ring(STAGES, 1)
         x_smem, xv_smem, done = _exchange(CONS)
+        q_smem, p_smem = _swap_buffers(NQ, gl.float16)
         fence_async_shared()
-        if CONV == 2:       # (one consumer)
+        if NQ > 0 and CONV == 2:     # (SWAP: one consumer)
+            gl.warp_specialize([
+                (_consumer_t, (q_ptr, q_smem, p_smem, k_smem, v_smem, ready, free, table_ptr, glens_ptr, o_ptr,
+                               lse_ptr, s, kvh, split, split_len, dcp_size, dcp_rank, interleave, table_w,
+                               num_blocks, st_s, sq_s, sq_h, G, qk_scale, so_p, so_s, so_h, sl_p, sl_s, PAGE, STAGES,
+                               NQ, ks_smem, vs_smem, True)),
+                (_converter, (ks_ptr, vs_ptr, table_ptr, glens_ptr, kr_smem, vr_smem, k_smem, v_smem, ks_smem, vs_smem,
+                              raw_ready, raw_free, ready, free, s, kvh, split, split_len, dcp_size, dcp_rank,
+                              interleave, table_w, num_blocks, st_s, ss_b, ss_t, ss_h, svs_b, svs_t, svs_h, PAGE,
+                              STAGES, RAW, 0, 2)),
+                (_converter, (ks_ptr, vs_ptr, table_ptr, glens_ptr, kr_smem, vr_smem, k_smem, v_smem, ks_smem, vs_smem,
+                              raw_ready, raw_free, ready, free, s, kvh, split, split_len, dcp_size, dcp_rank,
+                              interleave, table_w, num_blocks, st_s, ss_b, ss_t, ss_h, svs_b, svs_t, svs_h, PAGE,
+                              STAGES, RAW, 1, 2)),
+                (_fp8_loader, (k_desc, v_desc, table_ptr, glens_ptr, kr_smem, vr_smem, raw_ready, raw_free, s, kvh,
+                               split, split_len, dcp_size, dcp_rank, interleave, table_w, num_blocks, st_s, PAGE, RAW)),
+            ], [4, 4, 1], [96, 96, 24])
+        elif NQ > 0:
+            gl.warp_specialize([
+                (_consumer_t, (q_ptr, q_smem, p_smem, k_smem, v_smem, ready, free, table_ptr, glens_ptr, o_ptr,
+                               lse_ptr, s, kvh, split, split_len, dcp_size, dcp_rank, interleave, table_w,
+                               num_blocks, st_s, sq_s, sq_h, G, qk_scale, so_p, so_s, so_h, sl_p, sl_s, PAGE, STAGES,
+                               NQ, ks_smem, vs_smem, True)),
+                (_converter, (ks_ptr, vs_ptr, table_ptr, glens_ptr, kr_smem, vr_smem, k_smem, v_smem, ks_smem, vs_smem,
+                              raw_ready, raw_free, ready, free, s, kvh, split, split_len, dcp_size, dcp_rank,
+                              interleave, table_w, num_blocks, st_s, ss_b, ss_t, ss_h, svs_b, svs_t, svs_h, PAGE,
+                              STAGES, RAW, 0, 1)),
+                (_fp8_loader, (k_desc, v_desc, table_ptr, glens_ptr, kr_smem, vr_smem, raw_ready, raw_free, s, kvh,
+                               split, split_len, dcp_size, dcp_rank, interleave, table_w, num_blocks, st_s, PAGE, RAW)),
+            ], [4, 1], [96, 24])
+        elif CONV == 2:       # (one consumer)
             gl.warp_specialize([
                 (_consumer, (q_ptr, k_smem, v_smem, ready, free, table_ptr, glens_ptr, o_ptr, lse_ptr, s, kvh, split,
                           split_len, dcp_size, dcp_rank, interleave, table_w, num_blocks, st_s, sq_s, sq_h, G,
@@ -445,15 +598,20 @@ def gluon_gqa_ok(q: Tensor, k: Tensor, v: Tensor, tq: int, k_scale: Tensor | Non
 def launch_gluon_gqa(q: Tensor, k: Tensor, v: Tensor, table: Tensor, seq_lens: Tensor, o: Tensor, lse: Tensor,
                      scale_log2: float, splits: int, split_len: int, dcp_size: int, dcp_rank: int, interleave: int,
                      k_scale: Tensor | None = None, v_scale: Tensor | None = None, stages: int = 4,
-                     raw_stages: int = 6, consumers: int = 1, converters: int = 1, fp16_stages: int = 2) -> None:
+                     raw_stages: int = 6, consumers: int = 1, converters: int = 1, fp16_stages: int = 2,
+                     swap: bool = False) -> None:
     """Fill the split partials o [splits, S, 1, Hq, 128] / lse [splits, S, 1, Hq] (`gluon_gqa_ok`);
     stages: the bf16 ring's (32 KB each), raw_stages: the fp8 kernel's raw ring's (16 KB each),
     consumers: 1 or 2 consumer warpgroups. Rings are cut to what shared memory holds beside the
     rest (two consumers' exchange takes 32 KB): bf16 6 stages (4 with two consumers, whose ring
     must be even: alternate tiles keep to alternate stages), fp8 10 raw stages (6). Over fp8,
     converters: 1 or 2 converter warpgroups on alternate tiles (with one consumer), fp16_stages the
-    16-bit ring after them (2 or 4)."""
+    16-bit ring after them (2 or 4). swap: the consumer with the operands swapped (`_consumer_t`;
+    one consumer)."""
     s, _, hq, d = q.shape
+    nq = max(8, 1 << (hq // k.shape[2] - 1).bit_length()) if swap else 0      # (G rounded up to a power of two)
+    if swap:
+        consumers = 1
     nb, page, hkv = k.shape[0], k.shape[1], k.shape[2]
     fp8 = k.dtype == torch.float8_e4m3fn
     elem = gl.float8e4nv if fp8 else gl.bfloat16
@@ -476,8 +634,8 @@ def launch_gluon_gqa(q: Tensor, k: Tensor, v: Tensor, table: Tensor, seq_lens: T
     if fp8:
         _gqa_decode_ws_fp8_kernel[(s * hkv, splits)](
             q, k_desc, v_desc, k_scale, v_scale, *common, *k_scale.stride(), *v_scale.stride(), *tail,
-            PAGE=page, STAGES=fp16_stages, RAW=raw, CONS=consumers, CONV=converters, num_warps=4)
+            PAGE=page, STAGES=fp16_stages, RAW=raw, CONS=consumers, CONV=converters, NQ=nq, num_warps=4)
     else:
         _gqa_decode_ws_kernel[(s * hkv, splits)](
             q, k_desc, v_desc, k, v, *common, k.stride(0), k.stride(1), v.stride(0), v.stride(1), *tail,
-            PAGE=page, STAGES=min(stages, 6), CONS=consumers, num_warps=4)
+            PAGE=page, STAGES=min(stages, 6), CONS=consumers, NQ=nq, num_warps=4)
