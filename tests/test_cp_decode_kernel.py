@@ -712,11 +712,13 @@ def test_gluon_gqa_kernel_on_gpu(dtype, size, rank, hq, hkv, monkeypatch):
     real = gluon_gqa.launch_gluon_gqa
     monkeypatch.setattr(gluon_gqa, "launch_gluon_gqa", lambda *a, **kw: used.append(1) or real(*a, **kw))
     # one split a sequence, then several; one or two consumers; over fp8 two converters, a 4-stage fp16 ring
-    # and the swapped-operand consumer
-    for programs, consumers, converters, fp16_stages, swap in (
-            (132, 1, 1, 2, 0), (4096, 1, 1, 2, 0), (132, 2, 1, 2, 0), (4096, 2, 1, 2, 0), (132, 1, 2, 4, 0),
-            (4096, 1, 2, 2, 0), (132, 1, 1, 2, 1), (4096, 1, 2, 2, 1)):
+    # and the swapped-operand consumer; over fp8 raw tiles as 64 x 128 boxes
+    for programs, consumers, converters, fp16_stages, swap, box128 in (
+            (132, 1, 1, 2, 0, 0), (4096, 1, 1, 2, 0, 0), (132, 2, 1, 2, 0, 0), (4096, 2, 1, 2, 0, 0),
+            (132, 1, 2, 4, 0, 0), (4096, 1, 2, 2, 0, 0), (132, 1, 1, 2, 1, 0), (4096, 1, 2, 2, 1, 0),
+            (132, 1, 1, 2, 0, 1), (4096, 2, 1, 2, 0, 1), (132, 1, 2, 4, 1, 1)):
         monkeypatch.setitem(td.CONFIG, "swap_" + key, swap)
+        monkeypatch.setitem(td.CONFIG, "box128_gluon_gqa_fp8", box128)
         monkeypatch.setitem(td.CONFIG, "target_programs_gluon_gqa", programs)
         monkeypatch.setitem(td.CONFIG, "consumers_" + key, consumers)
         monkeypatch.setitem(td.CONFIG, "converters_gluon_gqa_fp8", converters)

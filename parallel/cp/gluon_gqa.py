@@ -395,7 +395,7 @@ if HAS_GLUON:
     @gluon.jit
     def _fp8_loader(k_desc, v_desc, table_ptr, glens_ptr, kr_smem, vr_smem, raw_ready, raw_free,
                     s, kvh, split, split_len, dcp_size, dcp_rank, interleave, table_w, num_blocks, st_s,
-                    PAGE: gl.constexpr, RAW: gl.constexpr):
+                    PAGE: gl.constexpr, RAW: gl.constexpr, WIDE: gl.constexpr = False):
         """Whole fp8 boxes by TMA (a tile lies in its page; the converter zeroes what lies past the end)."""
         start, end, tiles, bad = _split_range(glens_ptr, s, split, split_len, dcp_size, dcp_rank, interleave,
                                               table_w, PAGE)
@@ -407,14 +407,21 @@ if HAS_GLUON:
             blk_next = _block_of(table_ptr, s, st_s, j0 + BLOCK, t + 1 < tiles, num_blocks, PAGE)
             if t >= RAW:
                 mbarrier.wait(raw_free.index(stage), ((t // RAW) - 1) & 1)
-            mbarrier.expect(raw_ready.index(stage), 2 * CHUNKS * k_desc.block_type.nbytes)
             row = blk * PAGE + j0 % PAGE
-            for c in gl.static_range(CHUNKS):
-                col = kvh * (CHUNKS * BLOCK) + c * BLOCK
-                tma.async_copy_global_to_shared(k_desc, [row, col], raw_ready.index(stage),
-                                                kr_smem.index(stage * CHUNKS + c))
-                tma.async_copy_global_to_shared(v_desc, [row, col], raw_ready.index(stage),
-                                                vr_smem.index(stage * CHUNKS + c))
+            if WIDE:    # one 64 x 128 box (128-byte rows) per tensor
+                mbarrier.expect(raw_ready.index(stage), 2 * k_desc.block_type.nbytes)
+                tma.async_copy_global_to_shared(k_desc, [row, kvh * (CHUNKS * BLOCK)], raw_ready.index(stage),
+                                                kr_smem.index(stage))
+                tma.async_copy_global_to_shared(v_desc, [row, kvh * (CHUNKS * BLOCK)], raw_ready.index(stage),
+                                                vr_smem.index(stage))
+            else:
+                mbarrier.expect(raw_ready.index(stage), 2 * CHUNKS * k_desc.block_type.nbytes)
+                for c in gl.static_range(CHUNKS):
+                    col = kvh * (CHUNKS * BLOCK) + c * BLOCK
+                    tma.async_copy_global_to_shared(k_desc, [row, col], raw_ready.index(stage),
+                                                    kr_smem.index(stage * CHUNKS + c))
+                    tma.async_copy_global_to_shared(v_desc, [row, col], raw_ready.index(stage),
+                                                    vr_smem.index(stage * CHUNKS + c))
 
     @gluon.jit
     def _scales_of(ks_ptr, vs_ptr, table_ptr, s, st_s, j0, end, kvh, num_blocks, ss_b, ss_t, ss_h, svs_b, svs_t,
@@ -432,7 +439,7 @@ if HAS_GLUON:
                    raw_ready, raw_free, ready, free, s, kvh, split, split_len, dcp_size, dcp_rank, interleave,
                    table_w, num_blocks, st_s, ss_b, ss_t, ss_h, svs_b, svs_t, svs_h,
                    PAGE: gl.constexpr, STAGES: gl.constexpr, RAW: gl.constexpr, PAR: gl.constexpr = 0,
-                   NCONV: gl.constexpr = 1):
+                   NCONV: gl.constexpr = 1, WIDE: gl.constexpr = False):
         """Each raw fp8 tile (PAR, PAR + NCONV, ...: two converters take alternate tiles) to fp16 in the
         16-bit ring (value rows past the end as zeros; key rows there are masked out of the scores),
         with the tile's key and value scales (0 past the end)."""
@@ -457,9 +464,13 @@ if HAS_GLUON:
             if t >= STAGES:
                 mbarrier.wait(free.index(stage), ((t // STAGES) - 1) & 1)
             for c in gl.static_range(CHUNKS):
-                kx = kr_smem.index(rs * CHUNKS + c).load(blocked)
+                if WIDE:
+                    kx = kr_smem.index(rs).slice(c * BLOCK, BLOCK, 1).load(blocked)
+                    vx = vr_smem.index(rs).slice(c * BLOCK, BLOCK, 1).load(blocked)
+                else:
+                    kx = kr_smem.index(rs * CHUNKS + c).load(blocked)
+                    vx = vr_smem.index(rs * CHUNKS + c).load(blocked)
                 k_smem.index(stage * CHUNKS + c).store(kx.to(gl.float16))
-                vx = vr_smem.index(rs * CHUNKS + c).load(blocked)
                 v_smem.index(stage * CHUNKS + c).store(gl.where(live, vx.to(gl.float16), 0.0))
             ks_smem.index(stage).store(ks)
             vs_smem.index(stage).store(vs)
@@ -474,16 +485,21 @@ if HAS_GLUON:
                                   num_blocks, st_s, sq_s, sq_h, ss_b, ss_t, ss_h, svs_b, svs_t, svs_h,
                                   so_p, so_s, so_h, sl_p, sl_s, PAGE: gl.constexpr, STAGES: gl.constexpr,
                                   RAW: gl.constexpr, CONS: gl.constexpr = 1, CONV: gl.constexpr = 1,
-                                  NQ: gl.constexpr = 0):
+                                  NQ: gl.constexpr = 0, WIDE: gl.constexpr = False):
         pid = gl.program_id(0)
         split = gl.program_id(1)
         s = pid // KV_HEADS
         kvh = pid % KV_HEADS
-        raw_box: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK, BLOCK], gl.float8e4nv)
+        raw_box: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK, BLOCK * (CHUNKS if WIDE else 1)],
+                                                                     gl.float8e4nv)
         box: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK, BLOCK], gl.float16)
         vec: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[0])
-        kr_smem = gl.allocate_shared_memory(gl.float8e4nv, [RAW * CHUNKS, BLOCK, BLOCK], raw_box)
-        vr_smem = gl.allocate_shared_memory(gl.float8e4nv, [RAW * CHUNKS, BLOCK, BLOCK], raw_box)
+        if WIDE:
+            kr_smem = gl.allocate_shared_memory(gl.float8e4nv, [RAW, BLOCK, CHUNKS * BLOCK], raw_box)
+            vr_smem = gl.allocate_shared_memory(gl.float8e4nv, [RAW, BLOCK, CHUNKS * BLOCK], raw_box)
+        else:
+            kr_smem = gl.allocate_shared_memory(gl.float8e4nv, [RAW * CHUNKS, BLOCK, BLOCK], raw_box)
+            vr_smem = gl.allocate_shared_memory(gl.float8e4nv, [RAW * CHUNKS, BLOCK, BLOCK], raw_box)
         k_smem = gl.allocate_shared_memory(gl.float16, [STAGES * CHUNKS, BLOCK, BLOCK], box)
         v_smem = gl.allocate_shared_memory(gl.float16, [STAGES * CHUNKS, BLOCK, BLOCK], box)
         ks_smem = gl.allocate_shared_memory(gl.float32, [STAGES, BLOCK], vec)
@@ -504,13 +520,14 @@ if HAS_GLUON:
                 (_converter, (ks_ptr, vs_ptr, table_ptr, glens_ptr, kr_smem, vr_smem, k_smem, v_smem, ks_smem, vs_smem,
                               raw_ready, raw_free, ready, free, s, kvh, split, split_len, dcp_size, dcp_rank,
                               interleave, table_w, num_blocks, st_s, ss_b, ss_t, ss_h, svs_b, svs_t, svs_h, PAGE,
-                              STAGES, RAW, 0, 2)),
+                              STAGES, RAW, 0, 2, WIDE)),
                 (_converter, (ks_ptr, vs_ptr, table_ptr, glens_ptr, kr_smem, vr_smem, k_smem, v_smem, ks_smem, vs_smem,
                               raw_ready, raw_free, ready, free, s, kvh, split, split_len, dcp_size, dcp_rank,
                               interleave, table_w, num_blocks, st_s, ss_b, ss_t, ss_h, svs_b, svs_t, svs_h, PAGE,
-                              STAGES, RAW, 1, 2)),
+                              STAGES, RAW, 1, 2, WIDE)),
                 (_fp8_loader, (k_desc, v_desc, table_ptr, glens_ptr, kr_smem, vr_smem, raw_ready, raw_free, s, kvh,
-                               split, split_len, dcp_size, dcp_rank, interleave, table_w, num_blocks, st_s, PAGE, RAW)),
+                               split, split_len, dcp_size, dcp_rank, interleave, table_w, num_blocks, st_s, PAGE, RAW,
+                               WIDE)),
             ], [4, 4, 1], [96, 96, 24])
         elif NQ > 0:
             gl.warp_specialize([
@@ -521,9 +538,10 @@ if HAS_GLUON:
                 (_converter, (ks_ptr, vs_ptr, table_ptr, glens_ptr, kr_smem, vr_smem, k_smem, v_smem, ks_smem, vs_smem,
                               raw_ready, raw_free, ready, free, s, kvh, split, split_len, dcp_size, dcp_rank,
                               interleave, table_w, num_blocks, st_s, ss_b, ss_t, ss_h, svs_b, svs_t, svs_h, PAGE,
-                              STAGES, RAW, 0, 1)),
+                              STAGES, RAW, 0, 1, WIDE)),
                 (_fp8_loader, (k_desc, v_desc, table_ptr, glens_ptr, kr_smem, vr_smem, raw_ready, raw_free, s, kvh,
-                               split, split_len, dcp_size, dcp_rank, interleave, table_w, num_blocks, st_s, PAGE, RAW)),
+                               split, split_len, dcp_size, dcp_rank, interleave, table_w, num_blocks, st_s, PAGE, RAW,
+                               WIDE)),
             ], [4, 1], [96, 24])
         elif CONV == 2:       # (one consumer)
             gl.warp_specialize([
@@ -534,13 +552,14 @@ if HAS_GLUON:
                 (_converter, (ks_ptr, vs_ptr, table_ptr, glens_ptr, kr_smem, vr_smem, k_smem, v_smem, ks_smem, vs_smem,
                               raw_ready, raw_free, ready, free, s, kvh, split, split_len, dcp_size, dcp_rank,
                               interleave, table_w, num_blocks, st_s, ss_b, ss_t, ss_h, svs_b, svs_t, svs_h, PAGE,
-                              STAGES, RAW, 0, 2)),
+                              STAGES, RAW, 0, 2, WIDE)),
                 (_converter, (ks_ptr, vs_ptr, table_ptr, glens_ptr, kr_smem, vr_smem, k_smem, v_smem, ks_smem, vs_smem,
                               raw_ready, raw_free, ready, free, s, kvh, split, split_len, dcp_size, dcp_rank,
                               interleave, table_w, num_blocks, st_s, ss_b, ss_t, ss_h, svs_b, svs_t, svs_h, PAGE,
-                              STAGES, RAW, 1, 2)),
+                              STAGES, RAW, 1, 2, WIDE)),
                 (_fp8_loader, (k_desc, v_desc, table_ptr, glens_ptr, kr_smem, vr_smem, raw_ready, raw_free, s, kvh,
-                               split, split_len, dcp_size, dcp_rank, interleave, table_w, num_blocks, st_s, PAGE, RAW)),
+                               split, split_len, dcp_size, dcp_rank, interleave, table_w, num_blocks, st_s, PAGE, RAW,
+                               WIDE)),
             ], [4, 4, 1], [96, 96, 24])
         elif CONS == 2:
             gl.warp_specialize([
@@ -555,9 +574,10 @@ if HAS_GLUON:
                 (_converter, (ks_ptr, vs_ptr, table_ptr, glens_ptr, kr_smem, vr_smem, k_smem, v_smem, ks_smem, vs_smem,
                               raw_ready, raw_free, ready, free, s, kvh, split, split_len, dcp_size, dcp_rank,
                               interleave, table_w, num_blocks, st_s, ss_b, ss_t, ss_h, svs_b, svs_t, svs_h, PAGE,
-                              STAGES, RAW)),
+                              STAGES, RAW, 0, 1, WIDE)),
                 (_fp8_loader, (k_desc, v_desc, table_ptr, glens_ptr, kr_smem, vr_smem, raw_ready, raw_free, s, kvh,
-                               split, split_len, dcp_size, dcp_rank, interleave, table_w, num_blocks, st_s, PAGE, RAW)),
+                               split, split_len, dcp_size, dcp_rank, interleave, table_w, num_blocks, st_s, PAGE, RAW,
+                               WIDE)),
             ], [4, 4, 1], [192, 96, 24])
         else:
             gl.warp_specialize([
@@ -568,9 +588,10 @@ if HAS_GLUON:
                 (_converter, (ks_ptr, vs_ptr, table_ptr, glens_ptr, kr_smem, vr_smem, k_smem, v_smem, ks_smem, vs_smem,
                               raw_ready, raw_free, ready, free, s, kvh, split, split_len, dcp_size, dcp_rank,
                               interleave, table_w, num_blocks, st_s, ss_b, ss_t, ss_h, svs_b, svs_t, svs_h, PAGE,
-                              STAGES, RAW)),
+                              STAGES, RAW, 0, 1, WIDE)),
                 (_fp8_loader, (k_desc, v_desc, table_ptr, glens_ptr, kr_smem, vr_smem, raw_ready, raw_free, s, kvh,
-                               split, split_len, dcp_size, dcp_rank, interleave, table_w, num_blocks, st_s, PAGE, RAW)),
+                               split, split_len, dcp_size, dcp_rank, interleave, table_w, num_blocks, st_s, PAGE, RAW,
+                               WIDE)),
             ], [4, 1], [96, 24])
 
 
@@ -599,15 +620,16 @@ def launch_gluon_gqa(q: Tensor, k: Tensor, v: Tensor, table: Tensor, seq_lens: T
                      scale_log2: float, splits: int, split_len: int, dcp_size: int, dcp_rank: int, interleave: int,
                      k_scale: Tensor | None = None, v_scale: Tensor | None = None, stages: int = 4,
                      raw_stages: int = 6, consumers: int = 1, converters: int = 1, fp16_stages: int = 2,
-                     swap: bool = False) -> None:
+                     swap: bool = False, wide: bool = False) -> None:
     """Fill the split partials o [splits, S, 1, Hq, 128] / lse [splits, S, 1, Hq] (`gluon_gqa_ok`);
     stages: the bf16 ring's (32 KB each), raw_stages: the fp8 kernel's raw ring's (16 KB each),
     consumers: 1 or 2 consumer warpgroups. Rings are cut to what shared memory holds beside the
     rest (two consumers' exchange takes 32 KB): bf16 6 stages (4 with two consumers, whose ring
     must be even: alternate tiles keep to alternate stages), fp8 10 raw stages (6). Over fp8,
     converters: 1 or 2 converter warpgroups on alternate tiles (with one consumer), fp16_stages the
-    16-bit ring after them (2 or 4). swap: the consumer with the operands swapped (`_consumer_t`;
-    one consumer)."""
+    16-bit ring after them (2 or 4), wide: its raw tiles as one 64 x 128 TMA box per tensor (128-byte
+    rows) instead of two 64 x 64. swap: the consumer with the operands swapped (`_consumer_t`; one
+    consumer)."""
     s, _, hq, d = q.shape
     nq = max(8, 1 << (hq // k.shape[2] - 1).bit_length()) if swap else 0      # (G rounded up to a power of two)
     if swap:
@@ -615,11 +637,13 @@ def launch_gluon_gqa(q: Tensor, k: Tensor, v: Tensor, table: Tensor, seq_lens: T
     nb, page, hkv = k.shape[0], k.shape[1], k.shape[2]
     fp8 = k.dtype == torch.float8_e4m3fn
     elem = gl.float8e4nv if fp8 else gl.bfloat16
-    box = gl.NVMMASharedLayout.get_default_for([_BLOCK, _BLOCK], elem)
+    wide = wide and fp8          # (over fp8: one 64 x 128 box, 128-byte rows, per tensor and tile)
+    box_shape = [_BLOCK, 2 * _BLOCK] if wide else [_BLOCK, _BLOCK]
+    box = gl.NVMMASharedLayout.get_default_for(box_shape, elem)
     # [blocks * page, kv heads * 128]: a tile of kv head h is the boxes at columns h * 128 + 0 / 64
     k2, v2 = k.view(nb * page, hkv * d), v.view(nb * page, hkv * d)
-    k_desc = TensorDescriptor(k2, list(k2.shape), list(k2.stride()), [_BLOCK, _BLOCK], box)
-    v_desc = TensorDescriptor(v2, list(v2.shape), list(v2.stride()), [_BLOCK, _BLOCK], box)
+    k_desc = TensorDescriptor(k2, list(k2.shape), list(k2.stride()), box_shape, box)
+    v_desc = TensorDescriptor(v2, list(v2.shape), list(v2.stride()), box_shape, box)
     common = (table, seq_lens, o, lse, scale_log2, split_len, hq // hkv, hkv, dcp_size, dcp_rank, interleave,
               table.shape[1], nb, table.stride(0), q.stride(0), q.stride(2))
     tail = (o.stride(0), o.stride(1), o.stride(3), lse.stride(0), lse.stride(1))
@@ -634,7 +658,8 @@ def launch_gluon_gqa(q: Tensor, k: Tensor, v: Tensor, table: Tensor, seq_lens: T
     if fp8:
         _gqa_decode_ws_fp8_kernel[(s * hkv, splits)](
             q, k_desc, v_desc, k_scale, v_scale, *common, *k_scale.stride(), *v_scale.stride(), *tail,
-            PAGE=page, STAGES=fp16_stages, RAW=raw, CONS=consumers, CONV=converters, NQ=nq, num_warps=4)
+            PAGE=page, STAGES=fp16_stages, RAW=raw, CONS=consumers, CONV=converters, NQ=nq, WIDE=wide,
+            num_warps=4)
     else:
         _gqa_decode_ws_kernel[(s * hkv, splits)](
             q, k_desc, v_desc, k, v, *common, k.stride(0), k.stride(1), v.stride(0), v.stride(1), *tail,

@@ -631,6 +631,8 @@ CONFIG = {
     # the consumer with swapped operands (S^T = K Q^T, O^T += V^T P^T: accumulators of the kv head's
     # query columns only, not of 64 padded rows), per cache dtype
     "swap_gluon_gqa": 0, "swap_gluon_gqa_fp8": 0,
+    # over fp8: each raw k / v tile as one 64 x 128 TMA box (128-byte rows) instead of two 64 x 64
+    "box128_gluon_gqa_fp8": 0,
     # the DCP group size and interleave as compile-time constants (a build per group; 0/1). GQA
     # over fp8 read the same 32768 slots per sequence in 385-387 µs launched as a group of 1
     # (dcp_size specialized to 1 by Triton) and in 431-435 µs as rank 0 of 4 with them as runtime
@@ -808,7 +810,7 @@ _VALID = {
     "diag": (0, 1, 2, 3), "f16": (0, 1),
     "gluon_wide": (0, 1), "gluon_wide_fp8": (0, 1), "gluon_wide_narrow": (0, 1), "gluon_wide_narrow_fp8": (0, 1),
     "gluon_gqa": (0, 1), "gluon_gqa_fp8": (0, 1), "stages": range(2, 7), "raw_stages": range(2, 11),
-    "consumers": (1, 2), "converters": (1, 2), "swap": (0, 1),
+    "consumers": (1, 2), "converters": (1, 2), "swap": (0, 1), "box128": (0, 1),
     "maxnreg": (0, *range(64, 256, 8)), "at_most": (0, 1), "stage16": (0, 1, 2),
 }
 _META = ("device", "sizes", "seconds", "results", "notes", "problems")
@@ -1011,7 +1013,8 @@ def paged_decode_triton(q: Tensor, k: Tensor, v: Tensor, k_scale: Tensor | None,
                                    consumers=CONFIG["consumers_gluon_gqa_fp8" if fp8 else "consumers_gluon_gqa"],
                                    converters=CONFIG["converters_gluon_gqa_fp8"],
                                    fp16_stages=CONFIG["stages_gluon_gqa_fp8"],
-                                   swap=bool(CONFIG["swap_gluon_gqa_fp8" if fp8 else "swap_gluon_gqa"]))
+                                   swap=bool(CONFIG["swap_gluon_gqa_fp8" if fp8 else "swap_gluon_gqa"]),
+                                   wide=bool(CONFIG["box128_gluon_gqa_fp8"]))
     elif s > 0 and splits > 0:
         _paged_decode_kernel[(programs, splits)](
             q, k, v, ks, vs, table, seq_lens, o, lse,
