@@ -396,15 +396,24 @@ if HAS_GLUON:
     def _fp8_loader(k_desc, v_desc, table_ptr, glens_ptr, kr_smem, vr_smem, raw_ready, raw_free,
                     s, kvh, split, split_len, dcp_size, dcp_rank, interleave, table_w, num_blocks, st_s,
                     PAGE: gl.constexpr, RAW: gl.constexpr, WIDE: gl.constexpr = False):
-        """Whole fp8 boxes by TMA (a tile lies in its page; the converter zeroes what lies past the end)."""
+        """Whole fp8 boxes by TMA (a tile lies in its page; the converter zeroes what lies past the end).
+        The block ids load four tiles ahead: with one ahead, each tile's TMA waited for an id loaded
+        the tile before, one memory round trip a tile whatever the ring (the bf16 loader keeps one:
+        its 32 KB tiles take as long as the round trip)."""
         start, end, tiles, bad = _split_range(glens_ptr, s, split, split_len, dcp_size, dcp_rank, interleave,
                                               table_w, PAGE)
-        blk_next = _block_of(table_ptr, s, st_s, start, tiles > 0, num_blocks, PAGE)
+        b1 = _block_of(table_ptr, s, st_s, start, tiles > 0, num_blocks, PAGE)
+        b2 = _block_of(table_ptr, s, st_s, start + BLOCK, tiles > 1, num_blocks, PAGE)
+        b3 = _block_of(table_ptr, s, st_s, start + 2 * BLOCK, tiles > 2, num_blocks, PAGE)
+        b4 = _block_of(table_ptr, s, st_s, start + 3 * BLOCK, tiles > 3, num_blocks, PAGE)
         for t in range(tiles):
             stage = t % RAW
             j0 = start + t * BLOCK
-            blk = blk_next
-            blk_next = _block_of(table_ptr, s, st_s, j0 + BLOCK, t + 1 < tiles, num_blocks, PAGE)
+            blk = b1
+            b1 = b2
+            b2 = b3
+            b3 = b4
+            b4 = _block_of(table_ptr, s, st_s, j0 + 4 * BLOCK, t + 4 < tiles, num_blocks, PAGE)
             if t >= RAW:
                 mbarrier.wait(raw_free.index(stage), ((t // RAW) - 1) & 1)
             row = blk * PAGE + j0 % PAGE
@@ -449,16 +458,26 @@ if HAS_GLUON:
         srows = gl.arange(0, BLOCK, layout=vec)
         start, end, tiles, bad = _split_range(glens_ptr, s, split, split_len, dcp_size, dcp_rank, interleave,
                                               table_w, PAGE)
-        ks_next, vs_next = _scales_of(ks_ptr, vs_ptr, table_ptr, s, st_s, start + PAR * BLOCK, end, kvh, num_blocks,
-                                      ss_b, ss_t, ss_h, svs_b, svs_t, svs_h, srows, PAGE)
+        # (the scales load three of this converter's tiles ahead: see `_fp8_loader`)
+        step: gl.constexpr = NCONV * BLOCK
+        k1, v1 = _scales_of(ks_ptr, vs_ptr, table_ptr, s, st_s, start + PAR * BLOCK, end, kvh, num_blocks,
+                            ss_b, ss_t, ss_h, svs_b, svs_t, svs_h, srows, PAGE)
+        k2, v2 = _scales_of(ks_ptr, vs_ptr, table_ptr, s, st_s, start + PAR * BLOCK + step, end, kvh, num_blocks,
+                            ss_b, ss_t, ss_h, svs_b, svs_t, svs_h, srows, PAGE)
+        k3, v3 = _scales_of(ks_ptr, vs_ptr, table_ptr, s, st_s, start + PAR * BLOCK + 2 * step, end, kvh, num_blocks,
+                            ss_b, ss_t, ss_h, svs_b, svs_t, svs_h, srows, PAGE)
         for t in range(PAR, tiles, NCONV):
             rs = t % RAW
             stage = t % STAGES
             j0 = start + t * BLOCK
-            ks = ks_next            # (the next tile's scales load while this one is converted)
-            vs = vs_next
-            ks_next, vs_next = _scales_of(ks_ptr, vs_ptr, table_ptr, s, st_s, j0 + NCONV * BLOCK, end, kvh, num_blocks,
-                                          ss_b, ss_t, ss_h, svs_b, svs_t, svs_h, srows, PAGE)
+            ks = k1
+            vs = v1
+            k1 = k2
+            v1 = v2
+            k2 = k3
+            v2 = v3
+            k3, v3 = _scales_of(ks_ptr, vs_ptr, table_ptr, s, st_s, j0 + 3 * step, end, kvh, num_blocks,
+                                ss_b, ss_t, ss_h, svs_b, svs_t, svs_h, srows, PAGE)
             live = (rows < end - j0)[:, None]
             mbarrier.wait(raw_ready.index(rs), (t // RAW) & 1)
             if t >= STAGES:
@@ -490,8 +509,8 @@ if HAS_GLUON:
         split = gl.program_id(1)
         s = pid // KV_HEADS
         kvh = pid % KV_HEADS
-        raw_box: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK, BLOCK * (CHUNKS if WIDE else 1)],
-                                                                     gl.float8e4nv)
+        raw_w: gl.constexpr = 128 if WIDE else 64
+        raw_box: gl.constexpr = gl.NVMMASharedLayout.get_default_for([64, raw_w], gl.float8e4nv)
         box: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK, BLOCK], gl.float16)
         vec: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[0])
         if WIDE:

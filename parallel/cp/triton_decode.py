@@ -629,9 +629,16 @@ CONFIG = {
     # converters nor more consumers reach the Triton kernel; the bound was not found
     "converters_gluon_gqa_fp8": 1, "stages_gluon_gqa_fp8": 2,
     # the consumer with swapped operands (S^T = K Q^T, O^T += V^T P^T: accumulators of the kv head's
-    # query columns only, not of 64 padded rows), per cache dtype
+    # query columns only, not of 64 padded rows), per cache dtype. decode-gluon-gqa5-h200.json: bf16
+    # 35.6 / 125.5 / 485.3 µs against 35.9 / 125.8 / 477.1 unswapped; fp8 147-150 at 32K (one or two
+    # converters): the consumer's instructions do not bound either
     "swap_gluon_gqa": 0, "swap_gluon_gqa_fp8": 0,
-    # over fp8: each raw k / v tile as one 64 x 128 TMA box (128-byte rows) instead of two 64 x 64
+    # over fp8: each raw k / v tile as one 64 x 128 TMA box (128-byte rows) instead of two 64 x 64.
+    # decode-gluon-gqa6-h200.json: 141.7-146.0 µs at 32K against 140.8-141.6 (4-stage fp16 ring):
+    # the count of TMA requests does not bound it either. Every fp8 form ran at ~1.1 µs per 64-key
+    # tile, one memory round trip: the loader's next block id and the converter's next scales were
+    # loaded one tile ahead (a chain of dependent loads, one a tile). Both now load four / three
+    # tiles ahead (after that run: not yet run on the GPU)
     "box128_gluon_gqa_fp8": 0,
     # the DCP group size and interleave as compile-time constants (a build per group; 0/1). GQA
     # over fp8 read the same 32768 slots per sequence in 385-387 µs launched as a group of 1
