@@ -5,7 +5,7 @@
 # bench/debug/decode_merge.py; ncu / ncustall: Nsight Compute sections / stall reasons over
 # bench/debug/decode_ncu.py; expand: bench/debug/expand_packing.py; prefill2: the gemm probe's
 # FP8-GEMM-alone sweep at V3 L2; dectiming: bench/debug/decode_timing.py; dgluon: bench/debug/decode_gluon.py; dgqa:
-# bench/debug/decode_gluon_gqa.py; ncugqa: Nsight Compute over bench/debug/decode_ncu_gluon.py)
+# bench/debug/decode_gluon_gqa.py; ncugqa: Nsight Compute over bench/debug/decode_ncu.py gluon-gqa)
 # Each step runs under `timeout` (its own limit, cut to what is left of DEADLINE, default 570 s
 # from the start), logs to STEP.log and writes its results beside it; a step that would get
 # under 20 s is skipped and said so. Everything is packed into $OUT/owed.tgz at exit (the device
@@ -69,7 +69,7 @@ for s in "$@"; do
                   --section WarpStateStats --section SchedulerStats --section MemoryWorkloadAnalysis_Tables \
                   --section ComputeWorkloadAnalysis --section SourceCounters \
                   --metrics l1tex__data_bank_conflicts_pipe_lsu_mem_shared_op_ld.sum,l1tex__data_bank_conflicts_pipe_lsu_mem_shared_op_st.sum,l1tex__data_pipe_lsu_wavefronts_mem_shared.sum,smsp__inst_executed.sum,sm__pipe_tensor_op_gmma_cycles_active.avg.pct_of_peak_sustained_active \
-                  python3 bench/debug/decode_ncu_gluon.py' ;;
+                  python3 bench/debug/decode_ncu.py gluon-gqa' ;;
     mlaprep)    step mlaprep "${MLAPREP_LIMIT:-120}" python3 bench/debug/mla_prep_sweep.py "$res/mla-prep-sweep.json" ;;
     prefill2)   step prefill2 "${PREFILL_LIMIT:-180}" python3 -m megapar.launch.bench.gemm --probe --sections prefill2 --out "$res/prefill2" ;;
     quantprobe) step quantprobe "${QPROBE_LIMIT:-170}" python3 -m megapar.launch.bench.quant --probe --out "$res/quantprobe" ;;

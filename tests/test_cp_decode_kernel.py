@@ -689,7 +689,7 @@ def _nan_gqa_cache(lens, hkv, layout, dtype, gen):
 @pytest.mark.parametrize("size,rank,hq,hkv", [(1, 0, 32, 4), (2, 1, 32, 4), (4, 2, 8, 8), (1, 0, 64, 1)])
 def test_gluon_gqa_kernel_on_gpu(dtype, size, rank, hq, hkv, monkeypatch):
     """The warp-specialized Gluon GQA kernel (CONFIG gluon_gqa / gluon_gqa_fp8) over every kind of
-    DCP rank, 1 / 8 / 64 query heads per kv head, one and two consumer (fp8: converter) warpgroups, the
+    DCP rank, 1 / 8 / 64 query heads per kv head, one and two converter warpgroups over fp8, the
     swapped-operand consumer: NaN in every
     slot past a sequence's end (NaN scales too over fp8), lengths that end inside a tile, empty and
     one-token sequences, one split and several, against the torch path and the Triton kernel; a bad block id gives that
@@ -711,16 +711,11 @@ def test_gluon_gqa_kernel_on_gpu(dtype, size, rank, hq, hkv, monkeypatch):
     used = []
     real = gluon_gqa.launch_gluon_gqa
     monkeypatch.setattr(gluon_gqa, "launch_gluon_gqa", lambda *a, **kw: used.append(1) or real(*a, **kw))
-    # one split a sequence, then several; one or two consumers; over fp8 two converters, a 4-stage fp16 ring
-    # and the swapped-operand consumer; over fp8 raw tiles as 64 x 128 boxes
-    for programs, consumers, converters, fp16_stages, swap, box128 in (
-            (132, 1, 1, 2, 0, 0), (4096, 1, 1, 2, 0, 0), (132, 2, 1, 2, 0, 0), (4096, 2, 1, 2, 0, 0),
-            (132, 1, 2, 4, 0, 0), (4096, 1, 2, 2, 0, 0), (132, 1, 1, 2, 1, 0), (4096, 1, 2, 2, 1, 0),
-            (132, 1, 1, 2, 0, 1), (4096, 2, 1, 2, 0, 1), (132, 1, 2, 4, 1, 1)):
+    # one split a sequence, then several; over fp8 two converters, a 4-stage fp16 ring; swapped operands
+    for programs, converters, fp16_stages, swap in ((132, 1, 2, 0), (4096, 1, 2, 0), (132, 2, 4, 0), (4096, 2, 2, 0),
+                                                    (132, 1, 2, 1), (4096, 2, 2, 1)):
         monkeypatch.setitem(td.CONFIG, "swap_" + key, swap)
-        monkeypatch.setitem(td.CONFIG, "box128_gluon_gqa_fp8", box128)
         monkeypatch.setitem(td.CONFIG, "target_programs_gluon_gqa", programs)
-        monkeypatch.setitem(td.CONFIG, "consumers_" + key, consumers)
         monkeypatch.setitem(td.CONFIG, "converters_gluon_gqa_fp8", converters)
         monkeypatch.setitem(td.CONFIG, "stages_gluon_gqa_fp8", fp16_stages)
         monkeypatch.setitem(td.CONFIG, "min_split", 256)

@@ -21,9 +21,9 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def _build(name: str) -> dict:
-    """(child process) Compile one kernel ("mla-bf16", "mla-fp8", "gqa-bf16", "gqa-fp8"; "-c2" / "-v2" /
-    "-swap" / "-box128": the GQA kernel with two consumer / converter warpgroups, the swapped-operand
-    consumer, or 64 x 128 raw fp8 boxes) for sm_90a: shared bytes, ptxas spill bytes, PTX markers."""
+    """(child process) Compile one kernel ("mla-bf16", "mla-fp8", "gqa-bf16", "gqa-fp8"; "-v2" /
+    "-swap": the GQA kernel with two converter warpgroups, or the swapped-operand consumer) for
+    sm_90a: shared bytes, ptxas spill bytes, PTX markers."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon import language as gl
@@ -32,25 +32,20 @@ def _build(name: str) -> dict:
     from parallel.cp import gluon_gqa, gluon_mla
 
     family, dtype, *more = name.split("-")
-    cons = 2 if more == ["c2"] else 1
     conv = 2 if more == ["v2"] else 1
     nq = 8 if more == ["swap"] else 0
-    wide = more == ["box128"]
     fp8 = dtype == "fp8"
     ptrs = {"table_ptr": "*i32", "glens_ptr": "*i64", "o_ptr": "*fp32", "lse_ptr": "*fp32", "qk_scale": "fp32"}
-    shape = [64, 128] if more == ["box128"] else [64, 64]
-    box = gl.NVMMASharedLayout.get_default_for(shape, gl.float8e4nv if fp8 else gl.bfloat16)
-    desc = f"tensordesc<{'fp8e4nv' if fp8 else 'bf16'}{shape},{box}>"
+    box = gl.NVMMASharedLayout.get_default_for([64, 64], gl.float8e4nv if fp8 else gl.bfloat16)
+    desc = f"tensordesc<{'fp8e4nv' if fp8 else 'bf16'}[64, 64],{box}>"
     if family == "gqa":
         ptrs.update(q_ptr="*bf16", k_desc=desc, v_desc=desc)
         if fp8:
-            kernel, consts = gluon_gqa._gqa_decode_ws_fp8_kernel, {"PAGE": 64, "STAGES": 2, "RAW": 6, "CONS": cons,
-                                                                   "CONV": conv, "NQ": nq,
-                                                                   "WIDE": wide}
+            kernel, consts = gluon_gqa._gqa_decode_ws_fp8_kernel, {"PAGE": 64, "STAGES": 2, "RAW": 6, "CONV": conv,
+                                                                   "NQ": nq}
             ptrs.update(ks_ptr="*fp32", vs_ptr="*fp32")
         else:
-            kernel, consts = gluon_gqa._gqa_decode_ws_kernel, {"PAGE": 64, "STAGES": 4 if cons == 1 else 5,
-                                                               "CONS": cons, "NQ": nq}
+            kernel, consts = gluon_gqa._gqa_decode_ws_kernel, {"PAGE": 64, "STAGES": 3, "NQ": nq}
             ptrs.update(k_ptr="*bf16", v_ptr="*bf16")
     elif fp8:
         kernel, consts = gluon_mla._mla_decode_ws_fp8_kernel, {"PAGE": 64}
@@ -74,8 +69,7 @@ def _build(name: str) -> dict:
 
 
 @pytest.mark.parametrize("name,spill_cap", [("mla-bf16", 512), ("mla-fp8", 1024), ("gqa-bf16", 0), ("gqa-fp8", 0),
-                                                 ("gqa-bf16-c2", 0), ("gqa-fp8-c2", 0), ("gqa-fp8-v2", 0),
-                                                 ("gqa-bf16-swap", 64), ("gqa-fp8-swap", 0), ("gqa-fp8-box128", 0)])
+                                                 ("gqa-fp8-v2", 0), ("gqa-bf16-swap", 64), ("gqa-fp8-swap", 0)])
 def test_gluon_decode_kernel_builds_for_sm90(name, spill_cap):
     """spill_cap: the committed MLA builds spill 172 B (bf16: the loader's masked tail tile) and
     560-600 B (fp8: the converter's loads); the GQA builds none but the bf16 swapped one (12 B in

@@ -64,15 +64,11 @@ def _check(rows: list, dtype: torch.dtype) -> None:
         seq = torch.tensor(lens, device="cuda")
         scale = 1 / math.sqrt(d)
         ref = paged_decode_attention(q, ref_cache, table, seq, layout=layout, scale=scale, backend="torch")
-        cons = "consumers_" + key
-        for name, change in (("triton", {key: 0}), ("gluon", {key: 1}), ("gluon c2", {key: 1, cons: 2}),
+        for name, change in (("triton", {key: 0}), ("gluon", {key: 1}),
                              ("gluon v2", {key: 1, "converters_gluon_gqa_fp8": 2}),
                              ("gluon v2 f4", {key: 1, "converters_gluon_gqa_fp8": 2, "stages_gluon_gqa_fp8": 4}),
                              ("gluon swap", {key: 1, "swap_" + key: 1}),
-                             ("gluon swap v2", {key: 1, "swap_" + key: 1, "converters_gluon_gqa_fp8": 2}),
-                             ("gluon box128", {key: 1, "box128_gluon_gqa_fp8": 1}),
-                             ("gluon box128 swap v2", {key: 1, "swap_" + key: 1, "converters_gluon_gqa_fp8": 2,
-                                                       "box128_gluon_gqa_fp8": 1})):
+                             ("gluon swap v2", {key: 1, "swap_" + key: 1, "converters_gluon_gqa_fp8": 2})):
             triton_decode.CONFIG.update(saved)
             triton_decode.CONFIG.update(change)
             got = paged_decode_attention(q, cache, table, seq, layout=layout, scale=scale, backend="triton")
@@ -103,19 +99,18 @@ def main(path: str) -> None:
             rows.append({"check": str(dtype), "error": repr(e)[:2000]})
             print(rows[-1], flush=True)
     g, g8 = {"gluon_gqa": 1}, {"gluon_gqa_fp8": 1}
-    bf16 = {"triton": {"gluon_gqa": 0}, "gluon s3": dict(g, stages_gluon_gqa=3)}
-    b8 = dict(g8, box128_gluon_gqa_fp8=1)
-    fp8 = {"triton": {"gluon_gqa_fp8": 0}, "gluon f4 r4": dict(g8, stages_gluon_gqa_fp8=4, raw_stages_gluon_gqa=4),
-           "gluon box128": b8, "gluon box128 f4 r4": dict(b8, stages_gluon_gqa_fp8=4, raw_stages_gluon_gqa=4),
-           "gluon box128 v2": dict(b8, converters_gluon_gqa_fp8=2),
-           "gluon box128 swap v2": dict(b8, converters_gluon_gqa_fp8=2, swap_gluon_gqa_fp8=1),
-           "gluon box128 v2 f4 r4": dict(b8, converters_gluon_gqa_fp8=2, stages_gluon_gqa_fp8=4, raw_stages_gluon_gqa=4)}
+    bf16 = {"triton": {"gluon_gqa": 0}, "gluon s3": dict(g, stages_gluon_gqa=3),
+            "gluon swap s3": dict(g, stages_gluon_gqa=3, swap_gluon_gqa=1)}
+    sw = dict(g8, swap_gluon_gqa_fp8=1)
+    fp8 = {"triton": {"gluon_gqa_fp8": 0}, "gluon": g8, "gluon f4 r4": dict(g8, stages_gluon_gqa_fp8=4, raw_stages_gluon_gqa=4),
+           "gluon v2": dict(g8, converters_gluon_gqa_fp8=2), "gluon swap": sw, "gluon swap v2": dict(sw, converters_gluon_gqa_fp8=2),
+           "gluon swap v2 f4 r4": dict(sw, converters_gluon_gqa_fp8=2, stages_gluon_gqa_fp8=4, raw_stages_gluon_gqa=4)}
     only = lambda d, *names: {n: d[n] for n in names}
     for dtype, context, batch, variants in (
-            (torch.bfloat16, 8192, 32, bf16), (torch.float8_e4m3fn, 8192, 32, fp8), (torch.float8_e4m3fn, 32768, 32, fp8),
-            (torch.float8_e4m3fn, 131072, 32, only(fp8, "triton", "gluon box128", "gluon box128 v2",
-                                                   "gluon box128 v2 f4 r4")),
-            (torch.float8_e4m3fn, 32768, 4, only(fp8, "triton", "gluon box128", "gluon box128 v2"))):
+            (torch.bfloat16, 8192, 32, bf16), (torch.bfloat16, 32768, 32, bf16),
+            (torch.float8_e4m3fn, 8192, 32, fp8), (torch.float8_e4m3fn, 32768, 32, fp8),
+            (torch.float8_e4m3fn, 131072, 32, only(fp8, "triton", "gluon", "gluon v2", "gluon swap v2")),
+            (torch.float8_e4m3fn, 32768, 4, only(fp8, "triton", "gluon", "gluon swap v2"))):
         cache, table, q, _ = _decode_setup(batch, context, 32, 4, 128, 64, 4, ctx.device, dtype)
         layout = DCPLayout(size=4, rank=0, block_size=64)
         seq = torch.full((batch,), context, device=ctx.device)

@@ -6,20 +6,30 @@ cudaProfilerStart / Stop, for Nsight Compute:
         --section WarpStateStats --section Occupancy python bench/debug/decode_ncu.py
 
 (bash bench/run_owed.sh ncu runs it with the sections that say where the warps stall.)
+
+    python bench/debug/decode_ncu.py gluon-gqa
+
+profiles the Gluon GQA kernel (`parallel.cp.gluon_gqa`) over bf16 and over fp8 (CONFIG
+gluon_gqa_fp8 forced on) instead, same problem (`bash bench/run_owed.sh ncugqa`).
 """
 
 from __future__ import annotations
 
+import sys
+
 import torch
 
 from megapar.launch.bench.cp import _decode_setup, _mla_decode_setup
+from megapar.parallel.cp import triton_decode
 from megapar.parallel.cp.dcp import DCPLayout
 from megapar.parallel.cp.mla import MLADims
 from megapar.parallel.cp.paged import paged_decode_attention
 
 
-def main() -> None:
+def main(gluon_gqa: bool) -> None:
     dev = torch.device("cuda")
+    if gluon_gqa:
+        triton_decode.CONFIG.update(gluon_gqa=1, gluon_gqa_fp8=1)
     batch, heads, kv_heads, d, page, n, context = 32, 32, 4, 128, 64, 4, 32768
     layout = DCPLayout(size=n, rank=0, block_size=page)
     seq = torch.full((batch,), context, device=dev)
@@ -28,12 +38,13 @@ def main() -> None:
         cache, table, q, _ = _decode_setup(batch, context, heads, kv_heads, d, page, n, dev, dtype)
         calls.append(lambda cache=cache, table=table, q=q: paged_decode_attention(
             q, cache, table, seq, layout=layout, scale=d ** -0.5, backend="triton", max_seq_len=context))
-    dims, mla_context = MLADims(), 8192
-    latent, table = _mla_decode_setup(batch, mla_context, dims, page, n, dev, torch.bfloat16)
-    q_mla = torch.randn(batch, 128, dims.latent_dim, device=dev, dtype=torch.bfloat16)
-    seq_mla = torch.full((batch,), mla_context, device=dev)
-    calls.append(lambda: paged_decode_attention(q_mla, latent.paged, table, seq_mla, layout=layout, scale=dims.scale,
-                                                backend="triton", max_seq_len=mla_context))
+    if not gluon_gqa:
+        dims, mla_context = MLADims(), 8192
+        latent, table = _mla_decode_setup(batch, mla_context, dims, page, n, dev, torch.bfloat16)
+        q_mla = torch.randn(batch, 128, dims.latent_dim, device=dev, dtype=torch.bfloat16)
+        seq_mla = torch.full((batch,), mla_context, device=dev)
+        calls.append(lambda: paged_decode_attention(q_mla, latent.paged, table, seq_mla, layout=layout,
+                                                    scale=dims.scale, backend="triton", max_seq_len=mla_context))
     for call in calls:   # compile and warm up outside the profiled range
         call()
         call()
@@ -43,8 +54,8 @@ def main() -> None:
         call()
     torch.cuda.synchronize()
     torch.cuda.profiler.stop()
-    print("profiled: GQA decode over bf16, over fp8, MLA 128 heads over bf16")
+    print("profiled: GQA decode over bf16, over fp8" + (" (Gluon kernel)" if gluon_gqa else ", MLA 128 heads over bf16"))
 
 
 if __name__ == "__main__":
-    main()
+    main(sys.argv[1:] == ["gluon-gqa"])

@@ -30,7 +30,7 @@ try:
     from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
                                                                   warpgroup_mma_wait)
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
-    from .gluon_mla import HAS_GLUON, _split_range
+    from .gluon_mla import HAS_GLUON, _finish, _softmax_step, _split_range
 except ImportError:  # pragma: no cover - a Triton without Gluon
     HAS_GLUON = False
 
@@ -92,39 +92,64 @@ if HAS_GLUON:
                 mbarrier.arrive(ready.index(stage))
 
     @gluon.jit
-    def _consumer(q_ptr, k_smem, v_smem, ready, free, table_ptr, glens_ptr, o_ptr, lse_ptr, s, kvh, split,
-                  split_len, dcp_size, dcp_rank, interleave, table_w, num_blocks, st_s, sq_s, sq_h, G, qk_scale,
-                  so_p, so_s, so_h, sl_p, sl_s, PAGE: gl.constexpr, STAGES: gl.constexpr,
-                  ks_smem=None, vs_smem=None, x_smem=None, xv_smem=None, done=None, FP8: gl.constexpr = False,
-                  PAR: gl.constexpr = 0, NCONS: gl.constexpr = 1):
-        """Tiles PAR, PAR + NCONS, ... of the split. NCONS = 2: two consumer warpgroups take
-        alternate tiles (one's softmax runs while the other's MMAs do), each with its own online
-        softmax; the second hands its state (m, l, r, bad, the accumulators) through shared memory
-        (x_smem, xv_smem; the `done` barrier) to the first, which merges and stores."""
-        mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 64, 16])
-        row_l: gl.constexpr = gl.SliceLayout(1, mma)
-        col_l: gl.constexpr = gl.SliceLayout(0, mma)
-        a_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
-        dtype: gl.constexpr = k_smem.dtype
-        # the kv head's G query rows (rows >= G: zeros), as the A operand of S = Q K^T
+    def _queries(q_ptr, s, kvh, G, sq_s, sq_h, qk_scale, ROWS: gl.constexpr, FP8: gl.constexpr):
+        """The kv head's G query rows (ROWS of them, zeros past G) as two fp32 halves [ROWS, 64] of the
+        head dim, and their score factor: qk_scale, or over fp8 (fp16 operands) the rows times 2^e
+        each (largest magnitude in [2^14, 2^15)) and the factors qk_scale * 2^-e [ROWS]."""
         blocked: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
-        qr = gl.arange(0, BLOCK, layout=gl.SliceLayout(1, blocked))
+        qr = gl.arange(0, ROWS, layout=gl.SliceLayout(1, blocked))
         qc = gl.arange(0, BLOCK, layout=gl.SliceLayout(0, blocked))
         q_base = q_ptr + s.to(gl.int64) * sq_s + (kvh * G + qr).to(gl.int64)[:, None] * sq_h + qc[None, :]
         qmask = (qr < G)[:, None]
         q0 = gl.load(q_base, mask=qmask, other=0.0).to(gl.float32)
         q1 = gl.load(q_base + BLOCK, mask=qmask, other=0.0).to(gl.float32)
-        if FP8:     # fp16 queries: times 2^e per row, largest magnitude in [2^14, 2^15); the scores take 2^-e
+        if FP8:
             amax = gl.maximum(gl.max(gl.abs(q0), 1), gl.max(gl.abs(q1), 1))
             biased = (amax.to(gl.int32, bitcast=True) >> 23) & 0xFF
             e = gl.minimum(gl.maximum(141 - biased, -113), 100)
             up = ((e + 127) << 23).to(gl.float32, bitcast=True)
             q0 = q0 * up[:, None]
             q1 = q1 * up[:, None]
-            qk_rows = gl.convert_layout(((127 - e) << 23).to(gl.float32, bitcast=True), row_l) * qk_scale
+            qf = ((127 - e) << 23).to(gl.float32, bitcast=True) * qk_scale
+        else:
+            qf = qk_scale
+        return q0, q1, qf
+
+    @gluon.jit
+    def _store_out(o_ptr, lse_ptr, o0, o1, factor, lse, s, kvh, split, G, so_p, so_s, so_h, sl_p, sl_s, dims, qn,
+                   TRANSPOSED: gl.constexpr):
+        """The split's partial out (the two accumulators times factor) and lse of the kv head's G query
+        rows; qn: query indices, dims: head dims 0-63, both in the accumulators' slice layouts
+        (TRANSPOSED: accumulators [dims, queries], else [queries, dims])."""
+        head = kvh * G + qn
+        o_q = split.to(gl.int64) * so_p + s.to(gl.int64) * so_s + head.to(gl.int64) * so_h
+        if TRANSPOSED:
+            mine = (qn < G)[None, :]
+            gl.store(o_ptr + o_q[None, :] + dims[:, None], o0 * factor[None, :], mask=mine)
+            gl.store(o_ptr + o_q[None, :] + (BLOCK + dims)[:, None], o1 * factor[None, :], mask=mine)
+        else:
+            mine = (qn < G)[:, None]
+            gl.store(o_ptr + o_q[:, None] + dims[None, :], o0 * factor[:, None], mask=mine)
+            gl.store(o_ptr + o_q[:, None] + (BLOCK + dims)[None, :], o1 * factor[:, None], mask=mine)
+        gl.store(lse_ptr + split.to(gl.int64) * sl_p + s.to(gl.int64) * sl_s + head, lse, mask=qn < G)
+
+    @gluon.jit
+    def _consumer(q_ptr, k_smem, v_smem, ready, free, table_ptr, glens_ptr, o_ptr, lse_ptr, s, kvh, split,
+                  split_len, dcp_size, dcp_rank, interleave, table_w, num_blocks, st_s, sq_s, sq_h, G, qk_scale,
+                  so_p, so_s, so_h, sl_p, sl_s, PAGE: gl.constexpr, STAGES: gl.constexpr, ks_smem, vs_smem,
+                  FP8: gl.constexpr):
+        """The query rows padded to 64 (wgmma's M) as the A operand of S = Q K^T from registers, the
+        online softmax over [64 rows, 64 keys], O += P V with P from registers too."""
+        mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 64, 16])
+        row_l: gl.constexpr = gl.SliceLayout(1, mma)
+        col_l: gl.constexpr = gl.SliceLayout(0, mma)
+        a_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
+        dtype: gl.constexpr = k_smem.dtype
+        q0, q1, qf = _queries(q_ptr, s, kvh, G, sq_s, sq_h, qk_scale, BLOCK, FP8)
+        if FP8:
+            qk_rows = gl.convert_layout(qf, row_l)
         qa0 = gl.convert_layout(q0.to(dtype), a_l)
         qa1 = gl.convert_layout(q1.to(dtype), a_l)
-
         start, end, tiles, bad = _split_range(glens_ptr, s, split, split_len, dcp_size, dcp_rank, interleave,
                                               table_w, PAGE)
         m_i = gl.full([BLOCK], float("-inf"), gl.float32, row_l)
@@ -133,7 +158,7 @@ if HAS_GLUON:
         o0 = gl.zeros([BLOCK, BLOCK], gl.float32, mma)
         o1 = gl.zeros([BLOCK, BLOCK], gl.float32, mma)
         cols = gl.arange(0, BLOCK, layout=col_l)
-        for t in range(PAR, tiles, NCONS):
+        for t in range(tiles):
             stage = t % STAGES
             j0 = start + t * BLOCK
             blk = gl.load(table_ptr + s.to(gl.int64) * st_s + j0 // PAGE)    # (checked after the tile's MMAs)
@@ -148,103 +173,40 @@ if HAS_GLUON:
                 sc = gl.where(live, sc * qk_rows[:, None] * ks[None, :], float("-inf"))
             else:
                 sc = gl.where(live, sc * qk_scale, float("-inf"))
-            m_new = gl.maximum(m_i, gl.max(sc, 1))
-            m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
-            p = gl.exp2(sc - m_safe[:, None])
-            alpha = gl.exp2(m_i - m_safe)
-            l_i = l_i * alpha + gl.sum(p, 1)
-            m_i = m_new
-            if FP8:     # weights p * v_scale in units of r' = max(r alpha, the tile's largest weight)
-                p = p * vs_smem.index(stage).load(col_l)[None, :]
-                r_new = gl.maximum(r_i * alpha, gl.max(p, 1))
-                inv = 1.0 / gl.where(r_new > 0, r_new, 1.0)
-                alpha = r_i * alpha * inv
-                p = p * inv[:, None]
-                r_i = r_new
+            p, alpha, m_i, l_i, r_i = _softmax_step(sc, m_i, l_i, r_i,
+                                                    vs_smem.index(stage).load(col_l) if FP8 else m_i, 1, FP8)
             pa = gl.convert_layout(p.to(dtype), a_l)
             o0 = warpgroup_mma(pa, v_smem.index(stage * CHUNKS), o0 * alpha[:, None], is_async=True)
             o1 = warpgroup_mma(pa, v_smem.index(stage * CHUNKS + 1), o1 * alpha[:, None], is_async=True)
             o0, o1 = warpgroup_mma_wait(num_outstanding=0, deps=(o0, o1))
             mbarrier.arrive(free.index(stage))
             bad = bad | (blk < 0) | (blk >= num_blocks)
-        if PAR == 1:        # to consumer 0
-            xv_smem.index(0).store(m_i)
-            xv_smem.index(1).store(l_i)
-            xv_smem.index(2).store(r_i)
-            xv_smem.index(3).store(gl.where(bad, 1.0, 0.0) + gl.zeros([BLOCK], gl.float32, row_l))
-            x_smem.index(0).store(o0)
-            x_smem.index(1).store(o1)
-            gl.thread_barrier()
-            mbarrier.arrive(done)
-            return
-        if NCONS == 2:      # consumer 1's state merged in: both on the max of their maxima
-            mbarrier.wait(done, 0)
-            m_b = xv_smem.index(0).load(row_l)
-            l_b = xv_smem.index(1).load(row_l)
-            bad = bad | (gl.max(xv_smem.index(3).load(row_l), 0) > 0)
-            m_new = gl.maximum(m_i, m_b)
-            m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
-            fa = gl.exp2(m_i - m_safe)
-            fb = gl.exp2(m_b - m_safe)
-            l_i = l_i * fa + l_b * fb
-            m_i = m_new
-            if FP8:         # (each accumulator in its own unit r: both to units of 1)
-                fb = fb * xv_smem.index(2).load(row_l)
-                fa = fa * r_i
-                r_i = gl.full([BLOCK], 1.0, gl.float32, row_l)
-            o0 = o0 * fa[:, None] + x_smem.index(0).load(mma) * fb[:, None]
-            o1 = o1 * fa[:, None] + x_smem.index(1).load(mma) * fb[:, None]
-        nonempty = l_i > 0
-        safe = gl.where(nonempty, l_i, 1.0)
-        if FP8:
-            factor = gl.where(bad, float("nan"), r_i / safe)
-        else:
-            factor = gl.where(bad, float("nan"), 1.0 / safe)
-        rows = gl.arange(0, BLOCK, layout=row_l)
-        head = kvh * G + rows
-        o_row = split.to(gl.int64) * so_p + s.to(gl.int64) * so_s + head.to(gl.int64) * so_h
-        mine = (rows < G)[:, None]
-        gl.store(o_ptr + o_row[:, None] + cols[None, :], o0 * factor[:, None], mask=mine)
-        gl.store(o_ptr + o_row[:, None] + (BLOCK + cols)[None, :], o1 * factor[:, None], mask=mine)
-        lse = gl.where(nonempty, (m_i + gl.log2(safe)) * 0.6931471805599453, float("-inf"))
-        lse = gl.where(bad, float("nan"), lse)
-        gl.store(lse_ptr + split.to(gl.int64) * sl_p + s.to(gl.int64) * sl_s + head, lse, mask=rows < G)
+        factor, lse = _finish(m_i, l_i, r_i, bad, FP8)
+        _store_out(o_ptr, lse_ptr, o0, o1, factor, lse, s, kvh, split, G, so_p, so_s, so_h, sl_p, sl_s, cols,
+                   gl.arange(0, BLOCK, layout=row_l), False)
 
     @gluon.jit
     def _consumer_t(q_ptr, q_smem, p_smem, k_smem, v_smem, ready, free, table_ptr, glens_ptr, o_ptr, lse_ptr, s, kvh,
                     split, split_len, dcp_size, dcp_rank, interleave, table_w, num_blocks, st_s, sq_s, sq_h, G,
                     qk_scale, so_p, so_s, so_h, sl_p, sl_s, PAGE: gl.constexpr, STAGES: gl.constexpr,
-                    NQ: gl.constexpr, ks_smem=None, vs_smem=None, FP8: gl.constexpr = False):
-        """`_consumer` with the operands swapped (SWAP): S^T = K Q^T (M = the tile's 64 keys, N = NQ
-        >= G query rows) and O^T += V^T P^T, so the accumulators hold only the kv head's NQ query
-        columns (4 + 2 x 4 fp32 registers a thread at NQ = 8 against 32 + 64 for a 64-row tile) and
-        the softmax runs over them: per-query maxima and sums reduce across the warpgroup. The queries
-        (q_smem) and each tile's weights (p_smem) are the wgmma's B operand in shared memory; the
-        value tile is its A operand, read transposed."""
+                    NQ: gl.constexpr, ks_smem, vs_smem, FP8: gl.constexpr):
+        """`_consumer` with the operands swapped (CONFIG swap_gluon_gqa*): S^T = K Q^T (M = the tile's
+        64 keys, N = NQ >= G query columns) and O^T += V^T P^T, so the accumulators and the softmax
+        hold only the kv head's NQ queries (4 + 2 x 4 fp32 registers a thread at NQ = 8, against 32 +
+        64 for 64 padded rows); per-query maxima and sums reduce across the warpgroup. The queries
+        (q_smem) and each tile's weights (p_smem) are the B operands in shared memory; the value
+        tile is the A operand, read transposed."""
         mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, NQ, 16])
         key_l: gl.constexpr = gl.SliceLayout(1, mma)
         q_l: gl.constexpr = gl.SliceLayout(0, mma)
         dtype: gl.constexpr = k_smem.dtype
-        blocked: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
-        qr = gl.arange(0, NQ, layout=gl.SliceLayout(1, blocked))
-        qc = gl.arange(0, BLOCK, layout=gl.SliceLayout(0, blocked))
-        q_base = q_ptr + s.to(gl.int64) * sq_s + (kvh * G + qr).to(gl.int64)[:, None] * sq_h + qc[None, :]
-        qmask = (qr < G)[:, None]
-        q0 = gl.load(q_base, mask=qmask, other=0.0).to(gl.float32)
-        q1 = gl.load(q_base + BLOCK, mask=qmask, other=0.0).to(gl.float32)
-        if FP8:     # fp16 queries: times 2^e per row, largest magnitude in [2^14, 2^15); the scores take 2^-e
-            amax = gl.maximum(gl.max(gl.abs(q0), 1), gl.max(gl.abs(q1), 1))
-            biased = (amax.to(gl.int32, bitcast=True) >> 23) & 0xFF
-            e = gl.minimum(gl.maximum(141 - biased, -113), 100)
-            up = ((e + 127) << 23).to(gl.float32, bitcast=True)
-            q0 = q0 * up[:, None]
-            q1 = q1 * up[:, None]
-            qk_q = gl.convert_layout(((127 - e) << 23).to(gl.float32, bitcast=True), q_l) * qk_scale
+        q0, q1, qf = _queries(q_ptr, s, kvh, G, sq_s, sq_h, qk_scale, NQ, FP8)
+        if FP8:
+            qk_q = gl.convert_layout(qf, q_l)
         q_smem.index(0).store(q0.to(dtype))
         q_smem.index(1).store(q1.to(dtype))
         fence_async_shared()
         gl.thread_barrier()
-
         start, end, tiles, bad = _split_range(glens_ptr, s, split, split_len, dcp_size, dcp_rank, interleave,
                                               table_w, PAGE)
         m_i = gl.full([NQ], float("-inf"), gl.float32, q_l)
@@ -268,19 +230,8 @@ if HAS_GLUON:
                 sc = gl.where(live, sc * ks[:, None] * qk_q[None, :], float("-inf"))
             else:
                 sc = gl.where(live, sc * qk_scale, float("-inf"))
-            m_new = gl.maximum(m_i, gl.max(sc, 0))
-            m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
-            p = gl.exp2(sc - m_safe[None, :])
-            alpha = gl.exp2(m_i - m_safe)
-            l_i = l_i * alpha + gl.sum(p, 0)
-            m_i = m_new
-            if FP8:     # weights p * v_scale in units of r' = max(r alpha, the tile's largest weight)
-                p = p * vs_smem.index(stage).load(key_l)[:, None]
-                r_new = gl.maximum(r_i * alpha, gl.max(p, 0))
-                inv = 1.0 / gl.where(r_new > 0, r_new, 1.0)
-                alpha = r_i * alpha * inv
-                p = p * inv[None, :]
-                r_i = r_new
+            p, alpha, m_i, l_i, r_i = _softmax_step(sc, m_i, l_i, r_i,
+                                                    vs_smem.index(stage).load(key_l) if FP8 else m_i, 0, FP8)
             if t > 0:       # (the previous tile's P V read p_smem: done, its wait below returned)
                 gl.thread_barrier()
             p_smem.store(gl.permute(p.to(dtype), [1, 0]))
@@ -293,37 +244,29 @@ if HAS_GLUON:
             o0, o1 = warpgroup_mma_wait(num_outstanding=0, deps=(o0, o1))
             mbarrier.arrive(free.index(stage))
             bad = bad | (blk < 0) | (blk >= num_blocks)
-        nonempty = l_i > 0
-        safe = gl.where(nonempty, l_i, 1.0)
-        if FP8:
-            factor = gl.where(bad, float("nan"), r_i / safe)
-        else:
-            factor = gl.where(bad, float("nan"), 1.0 / safe)
-        qn = gl.arange(0, NQ, layout=q_l)
-        head = kvh * G + qn
-        o_col = split.to(gl.int64) * so_p + s.to(gl.int64) * so_s + head.to(gl.int64) * so_h
-        mine = (qn < G)[None, :]
-        gl.store(o_ptr + o_col[None, :] + keys[:, None], o0 * factor[None, :], mask=mine)
-        gl.store(o_ptr + o_col[None, :] + (BLOCK + keys)[:, None], o1 * factor[None, :], mask=mine)
-        lse = gl.where(nonempty, (m_i + gl.log2(safe)) * 0.6931471805599453, float("-inf"))
-        lse = gl.where(bad, float("nan"), lse)
-        gl.store(lse_ptr + split.to(gl.int64) * sl_p + s.to(gl.int64) * sl_s + head, lse, mask=qn < G)
+        factor, lse = _finish(m_i, l_i, r_i, bad, FP8)
+        _store_out(o_ptr, lse_ptr, o0, o1, factor, lse, s, kvh, split, G, so_p, so_s, so_h, sl_p, sl_s, keys,
+                   gl.arange(0, NQ, layout=q_l), True)
 
     @gluon.jit
-    def _exchange(CONS: gl.constexpr):
-        """(x_smem, xv_smem, done): consumer 1's accumulators, its m / l / r / bad rows and the barrier
-        it arrives on when they are there (two consumers; else 1-element placeholders)."""
-        n: gl.constexpr = BLOCK if CONS == 2 else 1
-        x_smem = gl.allocate_shared_memory(gl.float32, [2, n, BLOCK], gl.SwizzledSharedLayout(1, 1, 1, order=[1, 0]))
-        xv_smem = gl.allocate_shared_memory(gl.float32, [4, BLOCK], gl.SwizzledSharedLayout(1, 1, 1, order=[0]))
-        done = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-        mbarrier.init(done, count=1)
-        return x_smem, xv_smem, done
+    def _consume(q_ptr, q_smem, p_smem, k_smem, v_smem, ready, free, table_ptr, glens_ptr, o_ptr, lse_ptr, s, kvh,
+                 split, split_len, dcp_size, dcp_rank, interleave, table_w, num_blocks, st_s, sq_s, sq_h, G, qk_scale,
+                 so_p, so_s, so_h, sl_p, sl_s, ks_smem, vs_smem, PAGE: gl.constexpr, STAGES: gl.constexpr,
+                 NQ: gl.constexpr, FP8: gl.constexpr):
+        """The consumer partition: `_consumer_t` where NQ > 0 (swapped operands), else `_consumer`."""
+        if NQ > 0:
+            _consumer_t(q_ptr, q_smem, p_smem, k_smem, v_smem, ready, free, table_ptr, glens_ptr, o_ptr, lse_ptr, s,
+                        kvh, split, split_len, dcp_size, dcp_rank, interleave, table_w, num_blocks, st_s, sq_s, sq_h,
+                        G, qk_scale, so_p, so_s, so_h, sl_p, sl_s, PAGE, STAGES, NQ, ks_smem, vs_smem, FP8)
+        else:
+            _consumer(q_ptr, k_smem, v_smem, ready, free, table_ptr, glens_ptr, o_ptr, lse_ptr, s, kvh, split,
+                      split_len, dcp_size, dcp_rank, interleave, table_w, num_blocks, st_s, sq_s, sq_h, G, qk_scale,
+                      so_p, so_s, so_h, sl_p, sl_s, PAGE, STAGES, ks_smem, vs_smem, FP8)
 
     @gluon.jit
     def _swap_buffers(NQ: gl.constexpr, dtype: gl.constexpr):
         """(q_smem [2, NQ, 64], p_smem [NQ, 64]): the swapped consumer's queries and weights as wgmma
-        B operands (NQ = 0: 1-row placeholders)."""
+        B operands (NQ = 0: 8-row placeholders)."""
         n: gl.constexpr = NQ if NQ > 0 else 8
         layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([n, BLOCK], dtype)
         q_smem = gl.allocate_shared_memory(dtype, [CHUNKS, n, BLOCK], layout)
@@ -341,8 +284,7 @@ if HAS_GLUON:
     def _gqa_decode_ws_kernel(q_ptr, k_desc, v_desc, k_ptr, v_ptr, table_ptr, glens_ptr, o_ptr, lse_ptr,
                               qk_scale, split_len, G, KV_HEADS, dcp_size, dcp_rank, interleave, table_w, num_blocks,
                               st_s, sq_s, sq_h, sk_b, sk_t, sv_b, sv_t, so_p, so_s, so_h, sl_p, sl_s,
-                              PAGE: gl.constexpr, STAGES: gl.constexpr, CONS: gl.constexpr = 1,
-                              NQ: gl.constexpr = 0):
+                              PAGE: gl.constexpr, STAGES: gl.constexpr, NQ: gl.constexpr = 0):
         pid = gl.program_id(0)
         split = gl.program_id(1)
         s = pid // KV_HEADS
@@ -352,50 +294,22 @@ if HAS_GLUON:
         v_smem = gl.allocate_shared_memory(gl.bfloat16, [STAGES * CHUNKS, BLOCK, BLOCK], box)
         ready = _ring(STAGES, 1)
         free = _ring(STAGES, 1)
-        x_smem, xv_smem, done = _exchange(CONS)
         q_smem, p_smem = _swap_buffers(NQ, gl.bfloat16)
         fence_async_shared()
-        if NQ > 0:          # (SWAP: one consumer)
-            gl.warp_specialize([
-                (_consumer_t, (q_ptr, q_smem, p_smem, k_smem, v_smem, ready, free, table_ptr, glens_ptr, o_ptr,
-                               lse_ptr, s, kvh, split, split_len, dcp_size, dcp_rank, interleave, table_w,
-                               num_blocks, st_s, sq_s, sq_h, G, qk_scale, so_p, so_s, so_h, sl_p, sl_s, PAGE, STAGES,
-                               NQ)),
-                (_bf16_loader, (k_desc, v_desc, k_ptr, v_ptr, table_ptr, glens_ptr, k_smem, v_smem, ready, free, s, kvh,
-                             split, split_len, dcp_size, dcp_rank, interleave, table_w, num_blocks, st_s, sk_b, sk_t,
-                             sv_b, sv_t, PAGE, STAGES)),
-            ], [4], [64])
-        elif CONS == 2:
-            gl.warp_specialize([
-                (_consumer, (q_ptr, k_smem, v_smem, ready, free, table_ptr, glens_ptr, o_ptr, lse_ptr, s, kvh, split,
-                          split_len, dcp_size, dcp_rank, interleave, table_w, num_blocks, st_s, sq_s, sq_h, G,
-                          qk_scale, so_p, so_s, so_h, sl_p, sl_s, PAGE, STAGES, None, None, x_smem,
-                          xv_smem, done, False, 0, 2)),
-                (_consumer, (q_ptr, k_smem, v_smem, ready, free, table_ptr, glens_ptr, o_ptr, lse_ptr, s, kvh, split,
-                          split_len, dcp_size, dcp_rank, interleave, table_w, num_blocks, st_s, sq_s, sq_h, G,
-                          qk_scale, so_p, so_s, so_h, sl_p, sl_s, PAGE, STAGES, None, None, x_smem,
-                          xv_smem, done, False, 1, 2)),
-                (_bf16_loader, (k_desc, v_desc, k_ptr, v_ptr, table_ptr, glens_ptr, k_smem, v_smem, ready, free, s, kvh,
-                             split, split_len, dcp_size, dcp_rank, interleave, table_w, num_blocks, st_s, sk_b, sk_t,
-                             sv_b, sv_t, PAGE, STAGES)),
-            ], [4, 4], [200, 56])
-        else:
-            gl.warp_specialize([
-                (_consumer, (q_ptr, k_smem, v_smem, ready, free, table_ptr, glens_ptr, o_ptr, lse_ptr, s, kvh, split,
-                          split_len, dcp_size, dcp_rank, interleave, table_w, num_blocks, st_s, sq_s, sq_h, G,
-                          qk_scale, so_p, so_s, so_h, sl_p, sl_s, PAGE, STAGES, None, None, x_smem,
-                          xv_smem, done, False, 0, 1)),
-                (_bf16_loader, (k_desc, v_desc, k_ptr, v_ptr, table_ptr, glens_ptr, k_smem, v_smem, ready, free, s, kvh,
-                             split, split_len, dcp_size, dcp_rank, interleave, table_w, num_blocks, st_s, sk_b, sk_t,
-                             sv_b, sv_t, PAGE, STAGES)),
-            ], [4], [64])
+        gl.warp_specialize([
+            (_consume, (q_ptr, q_smem, p_smem, k_smem, v_smem, ready, free, table_ptr, glens_ptr, o_ptr, lse_ptr, s,
+                        kvh, split, split_len, dcp_size, dcp_rank, interleave, table_w, num_blocks, st_s, sq_s, sq_h,
+                        G, qk_scale, so_p, so_s, so_h, sl_p, sl_s, None, None, PAGE, STAGES, NQ, False)),
+            (_bf16_loader, (k_desc, v_desc, k_ptr, v_ptr, table_ptr, glens_ptr, k_smem, v_smem, ready, free, s, kvh,
+                            split, split_len, dcp_size, dcp_rank, interleave, table_w, num_blocks, st_s, sk_b, sk_t,
+                            sv_b, sv_t, PAGE, STAGES)),
+        ], [4], [64])
 
 
-if HAS_GLUON:
     @gluon.jit
     def _fp8_loader(k_desc, v_desc, table_ptr, glens_ptr, kr_smem, vr_smem, raw_ready, raw_free,
                     s, kvh, split, split_len, dcp_size, dcp_rank, interleave, table_w, num_blocks, st_s,
-                    PAGE: gl.constexpr, RAW: gl.constexpr, WIDE: gl.constexpr = False):
+                    PAGE: gl.constexpr, RAW: gl.constexpr):
         """Whole fp8 boxes by TMA (a tile lies in its page; the converter zeroes what lies past the end).
         The block ids load four tiles ahead: with one ahead, each tile's TMA waited for an id loaded
         the tile before, one memory round trip a tile whatever the ring (the bf16 loader keeps one:
@@ -417,20 +331,13 @@ if HAS_GLUON:
             if t >= RAW:
                 mbarrier.wait(raw_free.index(stage), ((t // RAW) - 1) & 1)
             row = blk * PAGE + j0 % PAGE
-            if WIDE:    # one 64 x 128 box (128-byte rows) per tensor
-                mbarrier.expect(raw_ready.index(stage), 2 * k_desc.block_type.nbytes)
-                tma.async_copy_global_to_shared(k_desc, [row, kvh * (CHUNKS * BLOCK)], raw_ready.index(stage),
-                                                kr_smem.index(stage))
-                tma.async_copy_global_to_shared(v_desc, [row, kvh * (CHUNKS * BLOCK)], raw_ready.index(stage),
-                                                vr_smem.index(stage))
-            else:
-                mbarrier.expect(raw_ready.index(stage), 2 * CHUNKS * k_desc.block_type.nbytes)
-                for c in gl.static_range(CHUNKS):
-                    col = kvh * (CHUNKS * BLOCK) + c * BLOCK
-                    tma.async_copy_global_to_shared(k_desc, [row, col], raw_ready.index(stage),
-                                                    kr_smem.index(stage * CHUNKS + c))
-                    tma.async_copy_global_to_shared(v_desc, [row, col], raw_ready.index(stage),
-                                                    vr_smem.index(stage * CHUNKS + c))
+            mbarrier.expect(raw_ready.index(stage), 2 * CHUNKS * k_desc.block_type.nbytes)
+            for c in gl.static_range(CHUNKS):
+                col = kvh * (CHUNKS * BLOCK) + c * BLOCK
+                tma.async_copy_global_to_shared(k_desc, [row, col], raw_ready.index(stage),
+                                                kr_smem.index(stage * CHUNKS + c))
+                tma.async_copy_global_to_shared(v_desc, [row, col], raw_ready.index(stage),
+                                                vr_smem.index(stage * CHUNKS + c))
 
     @gluon.jit
     def _scales_of(ks_ptr, vs_ptr, table_ptr, s, st_s, j0, end, kvh, num_blocks, ss_b, ss_t, ss_h, svs_b, svs_t,
@@ -448,7 +355,7 @@ if HAS_GLUON:
                    raw_ready, raw_free, ready, free, s, kvh, split, split_len, dcp_size, dcp_rank, interleave,
                    table_w, num_blocks, st_s, ss_b, ss_t, ss_h, svs_b, svs_t, svs_h,
                    PAGE: gl.constexpr, STAGES: gl.constexpr, RAW: gl.constexpr, PAR: gl.constexpr = 0,
-                   NCONV: gl.constexpr = 1, WIDE: gl.constexpr = False):
+                   NCONV: gl.constexpr = 1):
         """Each raw fp8 tile (PAR, PAR + NCONV, ...: two converters take alternate tiles) to fp16 in the
         16-bit ring (value rows past the end as zeros; key rows there are masked out of the scores),
         with the tile's key and value scales (0 past the end)."""
@@ -483,12 +390,8 @@ if HAS_GLUON:
             if t >= STAGES:
                 mbarrier.wait(free.index(stage), ((t // STAGES) - 1) & 1)
             for c in gl.static_range(CHUNKS):
-                if WIDE:
-                    kx = kr_smem.index(rs).slice(c * BLOCK, BLOCK, 1).load(blocked)
-                    vx = vr_smem.index(rs).slice(c * BLOCK, BLOCK, 1).load(blocked)
-                else:
-                    kx = kr_smem.index(rs * CHUNKS + c).load(blocked)
-                    vx = vr_smem.index(rs * CHUNKS + c).load(blocked)
+                kx = kr_smem.index(rs * CHUNKS + c).load(blocked)
+                vx = vr_smem.index(rs * CHUNKS + c).load(blocked)
                 k_smem.index(stage * CHUNKS + c).store(kx.to(gl.float16))
                 v_smem.index(stage * CHUNKS + c).store(gl.where(live, vx.to(gl.float16), 0.0))
             ks_smem.index(stage).store(ks)
@@ -503,22 +406,16 @@ if HAS_GLUON:
                                   qk_scale, split_len, G, KV_HEADS, dcp_size, dcp_rank, interleave, table_w,
                                   num_blocks, st_s, sq_s, sq_h, ss_b, ss_t, ss_h, svs_b, svs_t, svs_h,
                                   so_p, so_s, so_h, sl_p, sl_s, PAGE: gl.constexpr, STAGES: gl.constexpr,
-                                  RAW: gl.constexpr, CONS: gl.constexpr = 1, CONV: gl.constexpr = 1,
-                                  NQ: gl.constexpr = 0, WIDE: gl.constexpr = False):
+                                  RAW: gl.constexpr, CONV: gl.constexpr = 1, NQ: gl.constexpr = 0):
         pid = gl.program_id(0)
         split = gl.program_id(1)
         s = pid // KV_HEADS
         kvh = pid % KV_HEADS
-        raw_w: gl.constexpr = 128 if WIDE else 64
-        raw_box: gl.constexpr = gl.NVMMASharedLayout.get_default_for([64, raw_w], gl.float8e4nv)
+        raw_box: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK, BLOCK], gl.float8e4nv)
         box: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK, BLOCK], gl.float16)
         vec: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[0])
-        if WIDE:
-            kr_smem = gl.allocate_shared_memory(gl.float8e4nv, [RAW, BLOCK, CHUNKS * BLOCK], raw_box)
-            vr_smem = gl.allocate_shared_memory(gl.float8e4nv, [RAW, BLOCK, CHUNKS * BLOCK], raw_box)
-        else:
-            kr_smem = gl.allocate_shared_memory(gl.float8e4nv, [RAW * CHUNKS, BLOCK, BLOCK], raw_box)
-            vr_smem = gl.allocate_shared_memory(gl.float8e4nv, [RAW * CHUNKS, BLOCK, BLOCK], raw_box)
+        kr_smem = gl.allocate_shared_memory(gl.float8e4nv, [RAW * CHUNKS, BLOCK, BLOCK], raw_box)
+        vr_smem = gl.allocate_shared_memory(gl.float8e4nv, [RAW * CHUNKS, BLOCK, BLOCK], raw_box)
         k_smem = gl.allocate_shared_memory(gl.float16, [STAGES * CHUNKS, BLOCK, BLOCK], box)
         v_smem = gl.allocate_shared_memory(gl.float16, [STAGES * CHUNKS, BLOCK, BLOCK], box)
         ks_smem = gl.allocate_shared_memory(gl.float32, [STAGES, BLOCK], vec)
@@ -527,90 +424,39 @@ if HAS_GLUON:
         raw_free = _ring(RAW, 1)
         ready = _ring(STAGES, 1)
         free = _ring(STAGES, 1)
-        x_smem, xv_smem, done = _exchange(CONS)
         q_smem, p_smem = _swap_buffers(NQ, gl.float16)
         fence_async_shared()
-        if NQ > 0 and CONV == 2:     # (SWAP: one consumer)
+        if CONV == 2:       # (two converters on alternate tiles)
             gl.warp_specialize([
-                (_consumer_t, (q_ptr, q_smem, p_smem, k_smem, v_smem, ready, free, table_ptr, glens_ptr, o_ptr,
-                               lse_ptr, s, kvh, split, split_len, dcp_size, dcp_rank, interleave, table_w,
-                               num_blocks, st_s, sq_s, sq_h, G, qk_scale, so_p, so_s, so_h, sl_p, sl_s, PAGE, STAGES,
-                               NQ, ks_smem, vs_smem, True)),
-                (_converter, (ks_ptr, vs_ptr, table_ptr, glens_ptr, kr_smem, vr_smem, k_smem, v_smem, ks_smem, vs_smem,
-                              raw_ready, raw_free, ready, free, s, kvh, split, split_len, dcp_size, dcp_rank,
-                              interleave, table_w, num_blocks, st_s, ss_b, ss_t, ss_h, svs_b, svs_t, svs_h, PAGE,
-                              STAGES, RAW, 0, 2, WIDE)),
-                (_converter, (ks_ptr, vs_ptr, table_ptr, glens_ptr, kr_smem, vr_smem, k_smem, v_smem, ks_smem, vs_smem,
-                              raw_ready, raw_free, ready, free, s, kvh, split, split_len, dcp_size, dcp_rank,
-                              interleave, table_w, num_blocks, st_s, ss_b, ss_t, ss_h, svs_b, svs_t, svs_h, PAGE,
-                              STAGES, RAW, 1, 2, WIDE)),
+                (_consume, (q_ptr, q_smem, p_smem, k_smem, v_smem, ready, free, table_ptr, glens_ptr, o_ptr, lse_ptr,
+                            s, kvh, split, split_len, dcp_size, dcp_rank, interleave, table_w, num_blocks, st_s, sq_s,
+                            sq_h, G, qk_scale, so_p, so_s, so_h, sl_p, sl_s, ks_smem, vs_smem, PAGE, STAGES, NQ,
+                            True)),
+                (_converter, (ks_ptr, vs_ptr, table_ptr, glens_ptr, kr_smem, vr_smem, k_smem, v_smem, ks_smem,
+                              vs_smem, raw_ready, raw_free, ready, free, s, kvh, split, split_len, dcp_size,
+                              dcp_rank, interleave, table_w, num_blocks, st_s, ss_b, ss_t, ss_h, svs_b, svs_t, svs_h,
+                              PAGE, STAGES, RAW, 0, 2)),
+                (_converter, (ks_ptr, vs_ptr, table_ptr, glens_ptr, kr_smem, vr_smem, k_smem, v_smem, ks_smem,
+                              vs_smem, raw_ready, raw_free, ready, free, s, kvh, split, split_len, dcp_size,
+                              dcp_rank, interleave, table_w, num_blocks, st_s, ss_b, ss_t, ss_h, svs_b, svs_t, svs_h,
+                              PAGE, STAGES, RAW, 1, 2)),
                 (_fp8_loader, (k_desc, v_desc, table_ptr, glens_ptr, kr_smem, vr_smem, raw_ready, raw_free, s, kvh,
-                               split, split_len, dcp_size, dcp_rank, interleave, table_w, num_blocks, st_s, PAGE, RAW,
-                               WIDE)),
+                               split, split_len, dcp_size, dcp_rank, interleave, table_w, num_blocks, st_s, PAGE,
+                               RAW)),
             ], [4, 4, 1], [96, 96, 24])
-        elif NQ > 0:
-            gl.warp_specialize([
-                (_consumer_t, (q_ptr, q_smem, p_smem, k_smem, v_smem, ready, free, table_ptr, glens_ptr, o_ptr,
-                               lse_ptr, s, kvh, split, split_len, dcp_size, dcp_rank, interleave, table_w,
-                               num_blocks, st_s, sq_s, sq_h, G, qk_scale, so_p, so_s, so_h, sl_p, sl_s, PAGE, STAGES,
-                               NQ, ks_smem, vs_smem, True)),
-                (_converter, (ks_ptr, vs_ptr, table_ptr, glens_ptr, kr_smem, vr_smem, k_smem, v_smem, ks_smem, vs_smem,
-                              raw_ready, raw_free, ready, free, s, kvh, split, split_len, dcp_size, dcp_rank,
-                              interleave, table_w, num_blocks, st_s, ss_b, ss_t, ss_h, svs_b, svs_t, svs_h, PAGE,
-                              STAGES, RAW, 0, 1, WIDE)),
-                (_fp8_loader, (k_desc, v_desc, table_ptr, glens_ptr, kr_smem, vr_smem, raw_ready, raw_free, s, kvh,
-                               split, split_len, dcp_size, dcp_rank, interleave, table_w, num_blocks, st_s, PAGE, RAW,
-                               WIDE)),
-            ], [4, 1], [96, 24])
-        elif CONV == 2:       # (one consumer)
-            gl.warp_specialize([
-                (_consumer, (q_ptr, k_smem, v_smem, ready, free, table_ptr, glens_ptr, o_ptr, lse_ptr, s, kvh, split,
-                          split_len, dcp_size, dcp_rank, interleave, table_w, num_blocks, st_s, sq_s, sq_h, G,
-                          qk_scale, so_p, so_s, so_h, sl_p, sl_s, PAGE, STAGES, ks_smem, vs_smem, x_smem,
-                          xv_smem, done, True, 0, 1)),
-                (_converter, (ks_ptr, vs_ptr, table_ptr, glens_ptr, kr_smem, vr_smem, k_smem, v_smem, ks_smem, vs_smem,
-                              raw_ready, raw_free, ready, free, s, kvh, split, split_len, dcp_size, dcp_rank,
-                              interleave, table_w, num_blocks, st_s, ss_b, ss_t, ss_h, svs_b, svs_t, svs_h, PAGE,
-                              STAGES, RAW, 0, 2, WIDE)),
-                (_converter, (ks_ptr, vs_ptr, table_ptr, glens_ptr, kr_smem, vr_smem, k_smem, v_smem, ks_smem, vs_smem,
-                              raw_ready, raw_free, ready, free, s, kvh, split, split_len, dcp_size, dcp_rank,
-                              interleave, table_w, num_blocks, st_s, ss_b, ss_t, ss_h, svs_b, svs_t, svs_h, PAGE,
-                              STAGES, RAW, 1, 2, WIDE)),
-                (_fp8_loader, (k_desc, v_desc, table_ptr, glens_ptr, kr_smem, vr_smem, raw_ready, raw_free, s, kvh,
-                               split, split_len, dcp_size, dcp_rank, interleave, table_w, num_blocks, st_s, PAGE, RAW,
-                               WIDE)),
-            ], [4, 4, 1], [96, 96, 24])
-        elif CONS == 2:
-            gl.warp_specialize([
-                (_consumer, (q_ptr, k_smem, v_smem, ready, free, table_ptr, glens_ptr, o_ptr, lse_ptr, s, kvh, split,
-                          split_len, dcp_size, dcp_rank, interleave, table_w, num_blocks, st_s, sq_s, sq_h, G,
-                          qk_scale, so_p, so_s, so_h, sl_p, sl_s, PAGE, STAGES, ks_smem, vs_smem, x_smem,
-                          xv_smem, done, True, 0, 2)),
-                (_consumer, (q_ptr, k_smem, v_smem, ready, free, table_ptr, glens_ptr, o_ptr, lse_ptr, s, kvh, split,
-                          split_len, dcp_size, dcp_rank, interleave, table_w, num_blocks, st_s, sq_s, sq_h, G,
-                          qk_scale, so_p, so_s, so_h, sl_p, sl_s, PAGE, STAGES, ks_smem, vs_smem, x_smem,
-                          xv_smem, done, True, 1, 2)),
-                (_converter, (ks_ptr, vs_ptr, table_ptr, glens_ptr, kr_smem, vr_smem, k_smem, v_smem, ks_smem, vs_smem,
-                              raw_ready, raw_free, ready, free, s, kvh, split, split_len, dcp_size, dcp_rank,
-                              interleave, table_w, num_blocks, st_s, ss_b, ss_t, ss_h, svs_b, svs_t, svs_h, PAGE,
-                              STAGES, RAW, 0, 1, WIDE)),
-                (_fp8_loader, (k_desc, v_desc, table_ptr, glens_ptr, kr_smem, vr_smem, raw_ready, raw_free, s, kvh,
-                               split, split_len, dcp_size, dcp_rank, interleave, table_w, num_blocks, st_s, PAGE, RAW,
-                               WIDE)),
-            ], [4, 4, 1], [192, 96, 24])
         else:
             gl.warp_specialize([
-                (_consumer, (q_ptr, k_smem, v_smem, ready, free, table_ptr, glens_ptr, o_ptr, lse_ptr, s, kvh, split,
-                          split_len, dcp_size, dcp_rank, interleave, table_w, num_blocks, st_s, sq_s, sq_h, G,
-                          qk_scale, so_p, so_s, so_h, sl_p, sl_s, PAGE, STAGES, ks_smem, vs_smem, x_smem,
-                          xv_smem, done, True, 0, 1)),
-                (_converter, (ks_ptr, vs_ptr, table_ptr, glens_ptr, kr_smem, vr_smem, k_smem, v_smem, ks_smem, vs_smem,
-                              raw_ready, raw_free, ready, free, s, kvh, split, split_len, dcp_size, dcp_rank,
-                              interleave, table_w, num_blocks, st_s, ss_b, ss_t, ss_h, svs_b, svs_t, svs_h, PAGE,
-                              STAGES, RAW, 0, 1, WIDE)),
+                (_consume, (q_ptr, q_smem, p_smem, k_smem, v_smem, ready, free, table_ptr, glens_ptr, o_ptr, lse_ptr,
+                            s, kvh, split, split_len, dcp_size, dcp_rank, interleave, table_w, num_blocks, st_s, sq_s,
+                            sq_h, G, qk_scale, so_p, so_s, so_h, sl_p, sl_s, ks_smem, vs_smem, PAGE, STAGES, NQ,
+                            True)),
+                (_converter, (ks_ptr, vs_ptr, table_ptr, glens_ptr, kr_smem, vr_smem, k_smem, v_smem, ks_smem,
+                              vs_smem, raw_ready, raw_free, ready, free, s, kvh, split, split_len, dcp_size,
+                              dcp_rank, interleave, table_w, num_blocks, st_s, ss_b, ss_t, ss_h, svs_b, svs_t, svs_h,
+                              PAGE, STAGES, RAW, 0, 1)),
                 (_fp8_loader, (k_desc, v_desc, table_ptr, glens_ptr, kr_smem, vr_smem, raw_ready, raw_free, s, kvh,
-                               split, split_len, dcp_size, dcp_rank, interleave, table_w, num_blocks, st_s, PAGE, RAW,
-                               WIDE)),
+                               split, split_len, dcp_size, dcp_rank, interleave, table_w, num_blocks, st_s, PAGE,
+                               RAW)),
             ], [4, 1], [96, 24])
 
 
@@ -637,49 +483,35 @@ def gluon_gqa_ok(q: Tensor, k: Tensor, v: Tensor, tq: int, k_scale: Tensor | Non
 
 def launch_gluon_gqa(q: Tensor, k: Tensor, v: Tensor, table: Tensor, seq_lens: Tensor, o: Tensor, lse: Tensor,
                      scale_log2: float, splits: int, split_len: int, dcp_size: int, dcp_rank: int, interleave: int,
-                     k_scale: Tensor | None = None, v_scale: Tensor | None = None, stages: int = 4,
-                     raw_stages: int = 6, consumers: int = 1, converters: int = 1, fp16_stages: int = 2,
-                     swap: bool = False, wide: bool = False) -> None:
-    """Fill the split partials o [splits, S, 1, Hq, 128] / lse [splits, S, 1, Hq] (`gluon_gqa_ok`);
-    stages: the bf16 ring's (32 KB each), raw_stages: the fp8 kernel's raw ring's (16 KB each),
-    consumers: 1 or 2 consumer warpgroups. Rings are cut to what shared memory holds beside the
-    rest (two consumers' exchange takes 32 KB): bf16 6 stages (4 with two consumers, whose ring
-    must be even: alternate tiles keep to alternate stages), fp8 10 raw stages (6). Over fp8,
-    converters: 1 or 2 converter warpgroups on alternate tiles (with one consumer), fp16_stages the
-    16-bit ring after them (2 or 4), wide: its raw tiles as one 64 x 128 TMA box per tensor (128-byte
-    rows) instead of two 64 x 64. swap: the consumer with the operands swapped (`_consumer_t`; one
-    consumer)."""
+                     k_scale: Tensor | None = None, v_scale: Tensor | None = None, stages: int = 3,
+                     raw_stages: int = 6, converters: int = 1, fp16_stages: int = 2, swap: bool = False) -> None:
+    """Fill the split partials o [splits, S, 1, Hq, 128] / lse [splits, S, 1, Hq] (`gluon_gqa_ok`).
+    stages: the bf16 ring's (32 KB each, at most 6); over fp8, raw_stages: the raw ring's (16 KB
+    each), converters: 1 or 2 converter warpgroups on alternate tiles, fp16_stages: the 16-bit ring
+    after them (2 or 4), the rings cut to what shared memory holds beside the compiler's scratch
+    and kept even with two converters (each keeps to its own stages: an mbarrier's phase parity
+    tells nothing to a partition two phases behind). swap: the consumer with swapped operands."""
     s, _, hq, d = q.shape
-    nq = max(8, 1 << (hq // k.shape[2] - 1).bit_length()) if swap else 0      # (G rounded up to a power of two)
-    if swap:
-        consumers = 1
     nb, page, hkv = k.shape[0], k.shape[1], k.shape[2]
+    nq = max(8, 1 << (hq // hkv - 1).bit_length()) if swap else 0      # (G rounded up to a power of two)
     fp8 = k.dtype == torch.float8_e4m3fn
-    elem = gl.float8e4nv if fp8 else gl.bfloat16
-    wide = wide and fp8          # (over fp8: one 64 x 128 box, 128-byte rows, per tensor and tile)
-    box_shape = [_BLOCK, 2 * _BLOCK] if wide else [_BLOCK, _BLOCK]
-    box = gl.NVMMASharedLayout.get_default_for(box_shape, elem)
+    box = gl.NVMMASharedLayout.get_default_for([_BLOCK, _BLOCK], gl.float8e4nv if fp8 else gl.bfloat16)
     # [blocks * page, kv heads * 128]: a tile of kv head h is the boxes at columns h * 128 + 0 / 64
     k2, v2 = k.view(nb * page, hkv * d), v.view(nb * page, hkv * d)
-    k_desc = TensorDescriptor(k2, list(k2.shape), list(k2.stride()), box_shape, box)
-    v_desc = TensorDescriptor(v2, list(v2.shape), list(v2.stride()), box_shape, box)
+    k_desc = TensorDescriptor(k2, list(k2.shape), list(k2.stride()), [_BLOCK, _BLOCK], box)
+    v_desc = TensorDescriptor(v2, list(v2.shape), list(v2.stride()), [_BLOCK, _BLOCK], box)
     common = (table, seq_lens, o, lse, scale_log2, split_len, hq // hkv, hkv, dcp_size, dcp_rank, interleave,
               table.shape[1], nb, table.stride(0), q.stride(0), q.stride(2))
     tail = (o.stride(0), o.stride(1), o.stride(3), lse.stride(0), lse.stride(1))
-    if consumers == 2:      # each consumer's tiles keep to their own stages (an mbarrier phase's parity
-        stages = min(stages, 4)     # tells nothing to a consumer two phases behind): an even ring
-        stages -= stages % 2
-    if fp8:     # (two converters: one consumer, even rings. Shared memory: raw x 16 KB + fp16 x 32 KB + 32 KB
-        converters = 2 if converters == 2 and consumers == 1 else 1    # of exchange + the compiler's scratch
-        fp16_stages = 2 if consumers == 2 else max(2, min(fp16_stages, 4) - min(fp16_stages, 4) % 2)   # (<= 24
-        raw = max(2, min(raw_stages, (203 - 32 * fp16_stages - (32 if consumers == 2 else 0)) // 16))  # KB) <= 227)
+    if fp8:     # (shared memory: raw x 16 KB + fp16 x 32 KB + <= 24 KB of scratch <= 227 KB)
+        converters = 2 if converters == 2 else 1
+        fp16_stages = max(2, min(fp16_stages, 4) - min(fp16_stages, 4) % 2)
+        raw = max(2, min(raw_stages, (203 - 32 * fp16_stages) // 16))
         raw -= raw % 2 if converters == 2 else 0
-    if fp8:
         _gqa_decode_ws_fp8_kernel[(s * hkv, splits)](
             q, k_desc, v_desc, k_scale, v_scale, *common, *k_scale.stride(), *v_scale.stride(), *tail,
-            PAGE=page, STAGES=fp16_stages, RAW=raw, CONS=consumers, CONV=converters, NQ=nq, WIDE=wide,
-            num_warps=4)
+            PAGE=page, STAGES=fp16_stages, RAW=raw, CONV=converters, NQ=nq, num_warps=4)
     else:
         _gqa_decode_ws_kernel[(s * hkv, splits)](
             q, k_desc, v_desc, k, v, *common, k.stride(0), k.stride(1), v.stride(0), v.stride(1), *tail,
-            PAGE=page, STAGES=min(stages, 6), CONS=consumers, NQ=nq, num_warps=4)
+            PAGE=page, STAGES=min(stages, 6), NQ=nq, num_warps=4)

@@ -60,6 +60,39 @@ if HAS_GLUON:
         return start, end, tiles, bad
 
     @gluon.jit
+    def _softmax_step(sc, m_i, l_i, r_i, w, AXIS: gl.constexpr, FP8: gl.constexpr):
+        """One online-softmax step over masked base-2 scores sc, the queries along 1 - AXIS and the keys
+        along AXIS: (weights p, the accumulator's rescale alpha, new m, l, r). FP8: the weights times
+        the keys' value scales w, over a running per-query unit r (the largest weight so far: fp16
+        holds them), alpha then carries the unit's change too."""
+        m_new = gl.maximum(m_i, gl.max(sc, AXIS))
+        m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
+        p = gl.exp2(sc - gl.expand_dims(m_safe, AXIS))
+        alpha = gl.exp2(m_i - m_safe)
+        l_i = l_i * alpha + gl.sum(p, AXIS)
+        if FP8:
+            p = p * gl.expand_dims(w, 1 - AXIS)
+            r_new = gl.maximum(r_i * alpha, gl.max(p, AXIS))
+            inv = 1.0 / gl.where(r_new > 0, r_new, 1.0)
+            alpha = r_i * alpha * inv
+            p = p * gl.expand_dims(inv, AXIS)
+            r_i = r_new
+        return p, alpha, m_new, l_i, r_i
+
+    @gluon.jit
+    def _finish(m_i, l_i, r_i, bad, FP8: gl.constexpr):
+        """(the output's factor: 1 / l, r / l over fp8, NaN for a bad table; the lse in natural log:
+        -inf for queries that saw no key, NaN for a bad table)."""
+        nonempty = l_i > 0
+        safe = gl.where(nonempty, l_i, 1.0)
+        if FP8:
+            factor = gl.where(bad, float("nan"), r_i / safe)
+        else:
+            factor = gl.where(bad, float("nan"), 1.0 / safe)
+        lse = gl.where(nonempty, (m_i + gl.log2(safe)) * 0.6931471805599453, float("-inf"))
+        return factor, gl.where(bad, float("nan"), lse)
+
+    @gluon.jit
     def _pv(o0, o1, o2, o3, alpha, p_smem, k_smem, first):
         """A warpgroup's four 64-wide output accumulators rescaled by alpha, plus P V over the ring's
         boxes first .. first + 3 (the value dims they hold)."""
@@ -158,19 +191,7 @@ if HAS_GLUON:
                 sc = gl.where((j0 + cols < end)[None, :], sc * qk_rows[:, None] * ks[None, :], float("-inf"))
             else:
                 sc = gl.where((j0 + cols < end)[None, :], sc * qk_scale, float("-inf"))
-            m_new = gl.maximum(m_i, gl.max(sc, 1))
-            m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
-            p = gl.exp2(sc - m_safe[:, None])
-            alpha = gl.exp2(m_i - m_safe)
-            l_i = l_i * alpha + gl.sum(p, 1)
-            m_i = m_new
-            if FP8:     # weights in units of r' = max(r alpha, the tile's largest weight)
-                p = p * ks[None, :]
-                r_new = gl.maximum(r_i * alpha, gl.max(p, 1))
-                inv = 1.0 / gl.where(r_new > 0, r_new, 1.0)
-                alpha = r_i * alpha * inv
-                p = p * inv[:, None]
-                r_i = r_new
+            p, alpha, m_i, l_i, r_i = _softmax_step(sc, m_i, l_i, r_i, ks if FP8 else m_i, 1, FP8)
             if t > 0:       # warpgroup 1 is done with the previous tile's weights
                 mbarrier.wait(p_free, (t - 1) & 1)
             p_smem.store(p.to(p_smem.dtype))
@@ -181,12 +202,7 @@ if HAS_GLUON:
             o0, o1, o2, o3 = _pv(o0, o1, o2, o3, alpha, p_smem, k_smem, stage * CHUNKS + 0)
             mbarrier.arrive(free.index(stage))
         # the final factor 1 / l (NaN for a bad table) to warpgroup 1, then this half and the lse
-        nonempty = l_i > 0
-        safe = gl.where(nonempty, l_i, 1.0)
-        if FP8:
-            factor = gl.where(bad, float("nan"), r_i / safe)
-        else:
-            factor = gl.where(bad, float("nan"), 1.0 / safe)
+        factor, lse = _finish(m_i, l_i, r_i, bad, FP8)
         if tiles > 0:
             mbarrier.wait(p_free, (tiles - 1) & 1)
         a_smem.store(factor)
@@ -196,8 +212,6 @@ if HAS_GLUON:
         o_row = split.to(gl.int64) * so_p + s.to(gl.int64) * so_s + (head0_in_seq + rows).to(gl.int64) * so_h
         live = head0_in_seq + rows < HQ
         _store_quarter_rows(o_ptr + o_row[:, None] + cols[None, :], o0, o1, o2, o3, factor, live)
-        lse = gl.where(nonempty, (m_i + gl.log2(safe)) * 0.6931471805599453, float("-inf"))
-        lse = gl.where(bad, float("nan"), lse)
         gl.store(lse_ptr + split.to(gl.int64) * sl_p + s.to(gl.int64) * sl_s + head0_in_seq + rows, lse, mask=live)
 
     @gluon.jit

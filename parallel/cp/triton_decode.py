@@ -43,8 +43,8 @@ Structure options (CONFIG, 0/1, off until the GPU probe measures them; `launch_s
 - `gluon_gqa` (on), `gluon_gqa_fp8` (off): GQA with head dim 128, one query token and bf16 queries
   (`gluon_gqa.gluon_gqa_ok`) goes to the warp-specialized Gluon kernel of `gluon_gqa.py` (a TMA
   loader ring, over fp8 a converter warpgroup, one consumer warpgroup; one CTA per SM, so splits
-  planned to at most `target_programs_gluon_gqa` programs); its ring depths, consumers and
-  converters are CONFIG entries too.
+  planned to at most `target_programs_gluon_gqa` programs); its ring depths, converters and
+  operand order (`swap_gluon_gqa*`) are CONFIG entries too.
 - `dcp_constexpr` (on): the DCP group size and interleave built into the kernel (one build per
   group), whose loop then compiles as the group-of-one build's.
 - `pdl` (on where the device and Triton allow it: `triton_merge.pdl_ok`): programmatic dependent
@@ -603,7 +603,7 @@ CONFIG = {
     # the Gluon loader's conversion bounds it, and 16 heads leave it 4x the tiles per FLOP)
     "gluon_wide_narrow": 1, "gluon_wide_narrow_fp8": 0,
     # GQA (head dim 128, one query token, bf16 queries) through the warp-specialized Gluon kernel
-    # (`gluon_gqa`: a TMA loader with a 4-stage ring of 64-key tiles, over fp8 a converter
+    # (`gluon_gqa`: a TMA loader with a ring of 64-key tiles, over fp8 a converter
     # warpgroup to fp16, one consumer warpgroup), per cache dtype, where `gluon_gqa_ok` holds; one
     # CTA per SM (139 / 173 KB of shared memory), so splits are planned to at most
     # target_programs_gluon_gqa programs (B 32 x 4 kv heads: one split, no merge)
@@ -612,16 +612,12 @@ CONFIG = {
     # Triton 38.2-39.3 / 126.9-129.7 / 476-492 µs -> Gluon 35.4-35.8 / 121.2-123.9 / 475.3-476.2 with
     # a 3-stage ring (4 stages: 35.6-36.7 / 123.4-126.4 / 473.4-473.9; 2: 36.5 / 130; 6: 37.1 /
     # 127.1 / 487.0), B 4 at 32K 25.6 -> 23.0. Over fp8 it loses: 33.4-34.0 / 101.5-103.0 / 380-386
-    # -> 42.0-43.1 / 143.8-151.0 / 552-581 (ring depth 4-9 and two consumers change it by <= 5%:
-    # bound by the converter or its hand-off, not the consumer; not found). gluon_gqa_fp8 stays off
+    # -> 42.0-43.1 / 143.8-151.0 / 552-581 (the forms below change it by <= 8%). gluon_gqa_fp8
+    # stays off
     "gluon_gqa": 1, "gluon_gqa_fp8": 0, "target_programs_gluon_gqa": 132,
     # its ring: 16-bit stages over bf16 (32 KB each), raw fp8 stages over fp8 (16 KB each; two
     # fp16 stages after the converter)
     "stages_gluon_gqa": 3, "raw_stages_gluon_gqa": 6,
-    # consumer warpgroups (1 or 2: alternate tiles, each its own online softmax, merged in the CTA;
-    # two: bf16 37.3-37.5 / 125.6-126.1 / 480.2-480.8 µs with 4 stages, 40.3 / 140.2 with 2; fp8
-    # 42.0-42.8 / 143.8-145.1 / 552-555)
-    "consumers_gluon_gqa": 1, "consumers_gluon_gqa_fp8": 1,
     # over fp8: converter warpgroups (1 or 2, alternate tiles) and the fp16 ring after them (2 or 4).
     # decode-gluon-gqa4-h200.json (1/4 of 8K / 32K / 128K): one converter, 6 raw stages 43.7 / 150.9;
     # two converters 43.4 / 149.1 / 581.7; two with a 4-stage fp16 ring 42.4 / 146.0 / 563.3; one
@@ -633,13 +629,15 @@ CONFIG = {
     # 35.6 / 125.5 / 485.3 µs against 35.9 / 125.8 / 477.1 unswapped; fp8 147-150 at 32K (one or two
     # converters): the consumer's instructions do not bound either
     "swap_gluon_gqa": 0, "swap_gluon_gqa_fp8": 0,
-    # over fp8: each raw k / v tile as one 64 x 128 TMA box (128-byte rows) instead of two 64 x 64.
-    # decode-gluon-gqa6-h200.json: 141.7-146.0 µs at 32K against 140.8-141.6 (4-stage fp16 ring):
-    # the count of TMA requests does not bound it either. Every fp8 form ran at ~1.1 µs per 64-key
-    # tile, one memory round trip: the loader's next block id and the converter's next scales were
-    # loaded one tile ahead (a chain of dependent loads, one a tile). Both now load four / three
-    # tiles ahead (after that run: not yet run on the GPU)
-    "box128_gluon_gqa_fp8": 0,
+    # Removed after their runs (code in the history): two consumer warpgroups on alternate tiles,
+    # merged in the CTA (commit 8bea930; bf16 37.3-37.5 / 125.6-126.1 / 480.2-480.8 µs with 4 stages,
+    # 40.3 / 140.2 with 2; fp8 42.0-42.8 / 143.8-145.1 / 552-555), and each raw fp8 tile as one 64 x
+    # 128 TMA box (1703bb6; decode-gluon-gqa6-h200.json: 141.7-146.0 µs at 32K against 140.8-141.6
+    # with two 64 x 64 boxes): neither count of TMA requests nor consumers bounded the fp8 kernel.
+    # Every fp8 form ran at ~1.1 µs per 64-key tile, one memory round trip: the loader's next block
+    # id and the converter's next scales were loaded one tile ahead (a chain of dependent loads,
+    # one a tile). Both now load four / three tiles ahead (after those runs: not yet on the GPU)
+    #
     # the DCP group size and interleave as compile-time constants (a build per group; 0/1). GQA
     # over fp8 read the same 32768 slots per sequence in 385-387 µs launched as a group of 1
     # (dcp_size specialized to 1 by Triton) and in 431-435 µs as rank 0 of 4 with them as runtime
@@ -817,7 +815,7 @@ _VALID = {
     "diag": (0, 1, 2, 3), "f16": (0, 1),
     "gluon_wide": (0, 1), "gluon_wide_fp8": (0, 1), "gluon_wide_narrow": (0, 1), "gluon_wide_narrow_fp8": (0, 1),
     "gluon_gqa": (0, 1), "gluon_gqa_fp8": (0, 1), "stages": range(2, 7), "raw_stages": range(2, 11),
-    "consumers": (1, 2), "converters": (1, 2), "swap": (0, 1), "box128": (0, 1),
+    "converters": (1, 2), "swap": (0, 1),
     "maxnreg": (0, *range(64, 256, 8)), "at_most": (0, 1), "stage16": (0, 1, 2),
 }
 _META = ("device", "sizes", "seconds", "results", "notes", "problems")
@@ -1017,11 +1015,9 @@ def paged_decode_triton(q: Tensor, k: Tensor, v: Tensor, k_scale: Tensor | None,
         gluon_gqa.launch_gluon_gqa(q, k, v, table, seq_lens, o, lse, scale * _LOG2E, splits, split_len, dcp_size,
                                    dcp_rank, interleave, k_scale if fp8 else None, v_scale if fp8 else None,
                                    stages=CONFIG["stages_gluon_gqa"], raw_stages=CONFIG["raw_stages_gluon_gqa"],
-                                   consumers=CONFIG["consumers_gluon_gqa_fp8" if fp8 else "consumers_gluon_gqa"],
                                    converters=CONFIG["converters_gluon_gqa_fp8"],
                                    fp16_stages=CONFIG["stages_gluon_gqa_fp8"],
-                                   swap=bool(CONFIG["swap_gluon_gqa_fp8" if fp8 else "swap_gluon_gqa"]),
-                                   wide=bool(CONFIG["box128_gluon_gqa_fp8"]))
+                                   swap=bool(CONFIG["swap_gluon_gqa_fp8" if fp8 else "swap_gluon_gqa"]))
     elif s > 0 and splits > 0:
         _paged_decode_kernel[(programs, splits)](
             q, k, v, ks, vs, table, seq_lens, o, lse,
