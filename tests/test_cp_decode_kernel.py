@@ -711,10 +711,13 @@ def test_gluon_gqa_kernel_on_gpu(dtype, size, rank, hq, hkv, monkeypatch):
     used = []
     real = gluon_gqa.launch_gluon_gqa
     monkeypatch.setattr(gluon_gqa, "launch_gluon_gqa", lambda *a, **kw: used.append(1) or real(*a, **kw))
-    # one split a sequence, then several; over fp8 two converters, a 4-stage fp16 ring; swapped operands
-    for programs, converters, fp16_stages, swap in ((132, 1, 2, 0), (4096, 1, 2, 0), (132, 2, 4, 0), (4096, 2, 2, 0),
-                                                    (132, 1, 2, 1), (4096, 2, 2, 1)):
+    # one split a sequence, then several; over fp8 two converters, a 4-stage fp16 ring; swapped operands;
+    # the bf16 loader's ids 4 tiles ahead
+    for programs, converters, fp16_stages, swap, ahead in ((132, 1, 2, 0, 1), (4096, 1, 2, 0, 1), (132, 2, 4, 0, 1),
+                                                           (4096, 2, 2, 0, 1), (132, 1, 2, 1, 1), (4096, 2, 2, 1, 1),
+                                                           (132, 1, 2, 0, 4), (4096, 1, 2, 0, 4)):
         monkeypatch.setitem(td.CONFIG, "swap_" + key, swap)
+        monkeypatch.setitem(td.CONFIG, "ids_ahead_gluon_gqa", ahead)
         monkeypatch.setitem(td.CONFIG, "target_programs_gluon_gqa", programs)
         monkeypatch.setitem(td.CONFIG, "converters_gluon_gqa_fp8", converters)
         monkeypatch.setitem(td.CONFIG, "stages_gluon_gqa_fp8", fp16_stages)

@@ -22,7 +22,8 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def _build(name: str) -> dict:
     """(child process) Compile one kernel ("mla-bf16", "mla-fp8", "gqa-bf16", "gqa-fp8"; "-v2" /
-    "-swap": the GQA kernel with two converter warpgroups, or the swapped-operand consumer) for
+    "-swap" / "-ids4": the GQA kernel with two converter warpgroups, the swapped-operand consumer, or
+    the bf16 loader's ids 4 tiles ahead) for
     sm_90a: shared bytes, ptxas spill bytes, PTX markers."""
     import triton
     from triton.backends.compiler import GPUTarget
@@ -34,6 +35,7 @@ def _build(name: str) -> dict:
     family, dtype, *more = name.split("-")
     conv = 2 if more == ["v2"] else 1
     nq = 8 if more == ["swap"] else 0
+    ahead = 4 if more == ["ids4"] else 1
     fp8 = dtype == "fp8"
     ptrs = {"table_ptr": "*i32", "glens_ptr": "*i64", "o_ptr": "*fp32", "lse_ptr": "*fp32", "qk_scale": "fp32"}
     box = gl.NVMMASharedLayout.get_default_for([64, 64], gl.float8e4nv if fp8 else gl.bfloat16)
@@ -45,7 +47,7 @@ def _build(name: str) -> dict:
                                                                    "NQ": nq}
             ptrs.update(ks_ptr="*fp32", vs_ptr="*fp32")
         else:
-            kernel, consts = gluon_gqa._gqa_decode_ws_kernel, {"PAGE": 64, "STAGES": 3, "NQ": nq}
+            kernel, consts = gluon_gqa._gqa_decode_ws_kernel, {"PAGE": 64, "STAGES": 3, "NQ": nq, "AHEAD": ahead}
             ptrs.update(k_ptr="*bf16", v_ptr="*bf16")
     elif fp8:
         kernel, consts = gluon_mla._mla_decode_ws_fp8_kernel, {"PAGE": 64}
@@ -69,7 +71,8 @@ def _build(name: str) -> dict:
 
 
 @pytest.mark.parametrize("name,spill_cap", [("mla-bf16", 512), ("mla-fp8", 1024), ("gqa-bf16", 0), ("gqa-fp8", 0),
-                                                 ("gqa-fp8-v2", 0), ("gqa-bf16-swap", 64), ("gqa-fp8-swap", 0)])
+                                                 ("gqa-fp8-v2", 0), ("gqa-bf16-swap", 64), ("gqa-fp8-swap", 0),
+                                                 ("gqa-bf16-ids4", 0)])
 def test_gluon_decode_kernel_builds_for_sm90(name, spill_cap):
     """spill_cap: the committed MLA builds spill 172 B (bf16: the loader's masked tail tile) and
     560-600 B (fp8: the converter's loads); the GQA builds none but the bf16 swapped one (12 B in

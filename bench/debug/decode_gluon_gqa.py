@@ -68,6 +68,7 @@ def _check(rows: list, dtype: torch.dtype) -> None:
                              ("gluon v2", {key: 1, "converters_gluon_gqa_fp8": 2}),
                              ("gluon v2 f4", {key: 1, "converters_gluon_gqa_fp8": 2, "stages_gluon_gqa_fp8": 4}),
                              ("gluon swap", {key: 1, "swap_" + key: 1}),
+                             ("gluon ids4", {key: 1, "ids_ahead_gluon_gqa": 4}),
                              ("gluon swap v2", {key: 1, "swap_" + key: 1, "converters_gluon_gqa_fp8": 2})):
             triton_decode.CONFIG.update(saved)
             triton_decode.CONFIG.update(change)
@@ -100,7 +101,9 @@ def main(path: str) -> None:
             print(rows[-1], flush=True)
     g, g8 = {"gluon_gqa": 1}, {"gluon_gqa_fp8": 1}
     bf16 = {"triton": {"gluon_gqa": 0}, "gluon s3": dict(g, stages_gluon_gqa=3),
-            "gluon swap s3": dict(g, stages_gluon_gqa=3, swap_gluon_gqa=1)}
+            "gluon swap s3": dict(g, stages_gluon_gqa=3, swap_gluon_gqa=1),
+            "gluon ids4 s3": dict(g, stages_gluon_gqa=3, ids_ahead_gluon_gqa=4),
+            "gluon ids4 s4": dict(g, stages_gluon_gqa=4, ids_ahead_gluon_gqa=4)}
     sw = dict(g8, swap_gluon_gqa_fp8=1)
     fp8 = {"triton": {"gluon_gqa_fp8": 0}, "gluon": g8, "gluon f4 r4": dict(g8, stages_gluon_gqa_fp8=4, raw_stages_gluon_gqa=4),
            "gluon v2": dict(g8, converters_gluon_gqa_fp8=2), "gluon swap": sw, "gluon swap v2": dict(sw, converters_gluon_gqa_fp8=2),

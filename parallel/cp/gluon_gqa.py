@@ -51,18 +51,38 @@ if HAS_GLUON:
         return gl.where((blk >= 0) & (blk < num_blocks), blk, 0)
 
     @gluon.jit
+    def _ids_window(table_ptr, s, st_s, start, tiles, num_blocks, PAGE: gl.constexpr):
+        """The block ids of a split's first four tiles (the loaders' window of ids loaded ahead)."""
+        return (_block_of(table_ptr, s, st_s, start, tiles > 0, num_blocks, PAGE),
+                _block_of(table_ptr, s, st_s, start + BLOCK, tiles > 1, num_blocks, PAGE),
+                _block_of(table_ptr, s, st_s, start + 2 * BLOCK, tiles > 2, num_blocks, PAGE),
+                _block_of(table_ptr, s, st_s, start + 3 * BLOCK, tiles > 3, num_blocks, PAGE))
+
+    @gluon.jit
+    def _ids_next(b1, b2, b3, b4, table_ptr, s, st_s, j0, t, tiles, num_blocks, PAGE: gl.constexpr):
+        """(tile t's id, the window moved on: tile t + 4's id starts loading)."""
+        return b1, b2, b3, b4, _block_of(table_ptr, s, st_s, j0 + 4 * BLOCK, t + 4 < tiles, num_blocks, PAGE)
+
+    @gluon.jit
     def _bf16_loader(k_desc, v_desc, k_ptr, v_ptr, table_ptr, glens_ptr, k_smem, v_smem, ready, free,
                      s, kvh, split, split_len, dcp_size, dcp_rank, interleave, table_w, num_blocks, st_s,
-                     sk_b, sk_t, sv_b, sv_t, PAGE: gl.constexpr, STAGES: gl.constexpr):
+                     sk_b, sk_t, sv_b, sv_t, PAGE: gl.constexpr, STAGES: gl.constexpr, AHEAD: gl.constexpr = 1):
+        """AHEAD: block ids loaded 1 or 4 tiles ahead (`_fp8_loader` says why 4)."""
         start, end, tiles, bad = _split_range(glens_ptr, s, split, split_len, dcp_size, dcp_rank, interleave,
                                               table_w, PAGE)
         blocked: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
-        blk_next = _block_of(table_ptr, s, st_s, start, tiles > 0, num_blocks, PAGE)
+        if AHEAD == 4:
+            b1, b2, b3, b4 = _ids_window(table_ptr, s, st_s, start, tiles, num_blocks, PAGE)
+        else:
+            blk_next = _block_of(table_ptr, s, st_s, start, tiles > 0, num_blocks, PAGE)
         for t in range(tiles):
             stage = t % STAGES
             j0 = start + t * BLOCK
-            blk = blk_next          # (the next tile's id loads while this one waits for its stage)
-            blk_next = _block_of(table_ptr, s, st_s, j0 + BLOCK, t + 1 < tiles, num_blocks, PAGE)
+            if AHEAD == 4:
+                blk, b1, b2, b3, b4 = _ids_next(b1, b2, b3, b4, table_ptr, s, st_s, j0, t, tiles, num_blocks, PAGE)
+            else:
+                blk = blk_next          # (the next tile's id loads while this one waits for its stage)
+                blk_next = _block_of(table_ptr, s, st_s, j0 + BLOCK, t + 1 < tiles, num_blocks, PAGE)
             if t >= STAGES:
                 mbarrier.wait(free.index(stage), ((t // STAGES) - 1) & 1)
             valid = end - j0
@@ -284,7 +304,8 @@ if HAS_GLUON:
     def _gqa_decode_ws_kernel(q_ptr, k_desc, v_desc, k_ptr, v_ptr, table_ptr, glens_ptr, o_ptr, lse_ptr,
                               qk_scale, split_len, G, KV_HEADS, dcp_size, dcp_rank, interleave, table_w, num_blocks,
                               st_s, sq_s, sq_h, sk_b, sk_t, sv_b, sv_t, so_p, so_s, so_h, sl_p, sl_s,
-                              PAGE: gl.constexpr, STAGES: gl.constexpr, NQ: gl.constexpr = 0):
+                              PAGE: gl.constexpr, STAGES: gl.constexpr, NQ: gl.constexpr = 0,
+                              AHEAD: gl.constexpr = 1):
         pid = gl.program_id(0)
         split = gl.program_id(1)
         s = pid // KV_HEADS
@@ -302,7 +323,7 @@ if HAS_GLUON:
                         G, qk_scale, so_p, so_s, so_h, sl_p, sl_s, None, None, PAGE, STAGES, NQ, False)),
             (_bf16_loader, (k_desc, v_desc, k_ptr, v_ptr, table_ptr, glens_ptr, k_smem, v_smem, ready, free, s, kvh,
                             split, split_len, dcp_size, dcp_rank, interleave, table_w, num_blocks, st_s, sk_b, sk_t,
-                            sv_b, sv_t, PAGE, STAGES)),
+                            sv_b, sv_t, PAGE, STAGES, AHEAD)),
         ], [4], [64])
 
 
@@ -316,18 +337,11 @@ if HAS_GLUON:
         its 32 KB tiles take as long as the round trip)."""
         start, end, tiles, bad = _split_range(glens_ptr, s, split, split_len, dcp_size, dcp_rank, interleave,
                                               table_w, PAGE)
-        b1 = _block_of(table_ptr, s, st_s, start, tiles > 0, num_blocks, PAGE)
-        b2 = _block_of(table_ptr, s, st_s, start + BLOCK, tiles > 1, num_blocks, PAGE)
-        b3 = _block_of(table_ptr, s, st_s, start + 2 * BLOCK, tiles > 2, num_blocks, PAGE)
-        b4 = _block_of(table_ptr, s, st_s, start + 3 * BLOCK, tiles > 3, num_blocks, PAGE)
+        b1, b2, b3, b4 = _ids_window(table_ptr, s, st_s, start, tiles, num_blocks, PAGE)
         for t in range(tiles):
             stage = t % RAW
             j0 = start + t * BLOCK
-            blk = b1
-            b1 = b2
-            b2 = b3
-            b3 = b4
-            b4 = _block_of(table_ptr, s, st_s, j0 + 4 * BLOCK, t + 4 < tiles, num_blocks, PAGE)
+            blk, b1, b2, b3, b4 = _ids_next(b1, b2, b3, b4, table_ptr, s, st_s, j0, t, tiles, num_blocks, PAGE)
             if t >= RAW:
                 mbarrier.wait(raw_free.index(stage), ((t // RAW) - 1) & 1)
             row = blk * PAGE + j0 % PAGE
@@ -484,13 +498,15 @@ def gluon_gqa_ok(q: Tensor, k: Tensor, v: Tensor, tq: int, k_scale: Tensor | Non
 def launch_gluon_gqa(q: Tensor, k: Tensor, v: Tensor, table: Tensor, seq_lens: Tensor, o: Tensor, lse: Tensor,
                      scale_log2: float, splits: int, split_len: int, dcp_size: int, dcp_rank: int, interleave: int,
                      k_scale: Tensor | None = None, v_scale: Tensor | None = None, stages: int = 3,
-                     raw_stages: int = 6, converters: int = 1, fp16_stages: int = 2, swap: bool = False) -> None:
+                     raw_stages: int = 6, converters: int = 1, fp16_stages: int = 2, swap: bool = False,
+                     ids_ahead: int = 1) -> None:
     """Fill the split partials o [splits, S, 1, Hq, 128] / lse [splits, S, 1, Hq] (`gluon_gqa_ok`).
     stages: the bf16 ring's (32 KB each, at most 6); over fp8, raw_stages: the raw ring's (16 KB
     each), converters: 1 or 2 converter warpgroups on alternate tiles, fp16_stages: the 16-bit ring
     after them (2 or 4), the rings cut to what shared memory holds beside the compiler's scratch
     and kept even with two converters (each keeps to its own stages: an mbarrier's phase parity
-    tells nothing to a partition two phases behind). swap: the consumer with swapped operands."""
+    tells nothing to a partition two phases behind). swap: the consumer with swapped operands.
+    ids_ahead: the bf16 loader's block ids loaded 1 or 4 tiles ahead (the fp8 loader's: 4)."""
     s, _, hq, d = q.shape
     nb, page, hkv = k.shape[0], k.shape[1], k.shape[2]
     nq = max(8, 1 << (hq // hkv - 1).bit_length()) if swap else 0      # (G rounded up to a power of two)
@@ -514,4 +530,4 @@ def launch_gluon_gqa(q: Tensor, k: Tensor, v: Tensor, table: Tensor, seq_lens: T
     else:
         _gqa_decode_ws_kernel[(s * hkv, splits)](
             q, k_desc, v_desc, k, v, *common, k.stride(0), k.stride(1), v.stride(0), v.stride(1), *tail,
-            PAGE=page, STAGES=min(stages, 6), NQ=nq, num_warps=4)
+            PAGE=page, STAGES=min(stages, 6), NQ=nq, AHEAD=4 if ids_ahead == 4 else 1, num_warps=4)

@@ -629,6 +629,9 @@ CONFIG = {
     # 35.6 / 125.5 / 485.3 µs against 35.9 / 125.8 / 477.1 unswapped; fp8 147-150 at 32K (one or two
     # converters): the consumer's instructions do not bound either
     "swap_gluon_gqa": 0, "swap_gluon_gqa_fp8": 0,
+    # the bf16 loader's block ids loaded 1 or 4 tiles ahead (the fp8 loader's are 4 ahead; below);
+    # 4 is unmeasured: the 8K rows' fixed part (ring fill) may shrink with it
+    "ids_ahead_gluon_gqa": 1,
     # Removed after their runs (code in the history): two consumer warpgroups on alternate tiles,
     # merged in the CTA (commit 8bea930; bf16 37.3-37.5 / 125.6-126.1 / 480.2-480.8 µs with 4 stages,
     # 40.3 / 140.2 with 2; fp8 42.0-42.8 / 143.8-145.1 / 552-555), and each raw fp8 tile as one 64 x
@@ -815,7 +818,7 @@ _VALID = {
     "diag": (0, 1, 2, 3), "f16": (0, 1),
     "gluon_wide": (0, 1), "gluon_wide_fp8": (0, 1), "gluon_wide_narrow": (0, 1), "gluon_wide_narrow_fp8": (0, 1),
     "gluon_gqa": (0, 1), "gluon_gqa_fp8": (0, 1), "stages": range(2, 7), "raw_stages": range(2, 11),
-    "converters": (1, 2), "swap": (0, 1),
+    "converters": (1, 2), "swap": (0, 1), "ids_ahead": (1, 4),
     "maxnreg": (0, *range(64, 256, 8)), "at_most": (0, 1), "stage16": (0, 1, 2),
 }
 _META = ("device", "sizes", "seconds", "results", "notes", "problems")
@@ -1017,7 +1020,8 @@ def paged_decode_triton(q: Tensor, k: Tensor, v: Tensor, k_scale: Tensor | None,
                                    stages=CONFIG["stages_gluon_gqa"], raw_stages=CONFIG["raw_stages_gluon_gqa"],
                                    converters=CONFIG["converters_gluon_gqa_fp8"],
                                    fp16_stages=CONFIG["stages_gluon_gqa_fp8"],
-                                   swap=bool(CONFIG["swap_gluon_gqa_fp8" if fp8 else "swap_gluon_gqa"]))
+                                   swap=bool(CONFIG["swap_gluon_gqa_fp8" if fp8 else "swap_gluon_gqa"]),
+                                   ids_ahead=CONFIG["ids_ahead_gluon_gqa"])
     elif s > 0 and splits > 0:
         _paged_decode_kernel[(programs, splits)](
             q, k, v, ks, vs, table, seq_lens, o, lse,
