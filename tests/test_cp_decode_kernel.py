@@ -587,6 +587,11 @@ def test_gluon_mla_kernel_on_gpu(size, rank, heads, monkeypatch):
     same = 1e-5 if heads % 64 == 0 else 1e-2     # (narrow tiles: the Triton kernel's MMA shapes differ)
     torch.testing.assert_close(got.out, plain.out, atol=same, rtol=0)
     torch.testing.assert_close(got.lse, plain.lse, atol=same, rtol=0)
+    monkeypatch.setitem(td.CONFIG, "ids_ahead_wide", 4)         # block ids four tiles ahead: the same result
+    ahead = run(cache, table, "triton")
+    torch.testing.assert_close(ahead.out, got.out, atol=0, rtol=0)
+    torch.testing.assert_close(ahead.lse, got.lse, atol=0, rtol=0)
+    monkeypatch.setitem(td.CONFIG, "ids_ahead_wide", 1)
     bad = table.clone()
     bad[5, 0] = nb + 7
     nan = paged_decode_attention(q, cache, bad, seq, layout=layout, scale=0.07, backend="triton", validate=False)
@@ -626,6 +631,10 @@ def test_gluon_mla_kernel_over_fp8_on_gpu(heads, monkeypatch):
                                lambda: paged_decode_attention(q, cache, table, seq, scale=0.07, backend="triton"))
     _check_against_torch(got, ref, 1)
     torch.testing.assert_close(got.out, plain.out, atol=2e-3, rtol=0)
+    monkeypatch.setitem(td.CONFIG, "ids_ahead_wide", 4)         # block ids four tiles ahead: the same result
+    ahead = paged_decode_attention(q, cache, table, seq, scale=0.07, backend="triton")
+    torch.testing.assert_close(ahead.out, got.out, atol=0, rtol=0)
+    monkeypatch.setitem(td.CONFIG, "ids_ahead_wide", 1)
     bad = table.clone()
     bad[4, 0] = cache.k.shape[0] + 1
     nan = paged_decode_attention(q, cache, bad, seq, scale=0.07, backend="triton", validate=False)

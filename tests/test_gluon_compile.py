@@ -23,7 +23,7 @@ ROOT = Path(__file__).resolve().parents[1]
 def _build(name: str) -> dict:
     """(child process) Compile one kernel ("mla-bf16", "mla-fp8", "gqa-bf16", "gqa-fp8"; "-v2" /
     "-swap" / "-ids4": the GQA kernel with two converter warpgroups, the swapped-operand consumer, or
-    the bf16 loader's ids 4 tiles ahead) for
+    a loader's ids 4 tiles ahead) for
     sm_90a: shared bytes, ptxas spill bytes, PTX markers."""
     import triton
     from triton.backends.compiler import GPUTarget
@@ -50,10 +50,10 @@ def _build(name: str) -> dict:
             kernel, consts = gluon_gqa._gqa_decode_ws_kernel, {"PAGE": 64, "STAGES": 3, "NQ": nq, "AHEAD": ahead}
             ptrs.update(k_ptr="*bf16", v_ptr="*bf16")
     elif fp8:
-        kernel, consts = gluon_mla._mla_decode_ws_fp8_kernel, {"PAGE": 64}
+        kernel, consts = gluon_mla._mla_decode_ws_fp8_kernel, {"PAGE": 64, "AHEAD": ahead}
         ptrs.update(q_ptr="*bf16", k_ptr="*fp8e4nv", ks_ptr="*fp32")
     else:
-        kernel, consts = gluon_mla._mla_decode_ws_kernel, {"PAGE": 64}
+        kernel, consts = gluon_mla._mla_decode_ws_kernel, {"PAGE": 64, "AHEAD": ahead}
         ptrs.update(q_desc=desc, k_desc=desc, k_ptr="*bf16")
     names = kernel.arg_names
     sig = {n: ptrs.get(n, "constexpr" if n in consts else "i32") for n in names}
@@ -70,13 +70,13 @@ def _build(name: str) -> dict:
             "setmaxnreg": "setmaxnreg" in compiled.asm["ptx"], "wgmma": "wgmma.mma_async" in compiled.asm["ptx"]}
 
 
-@pytest.mark.parametrize("name,spill_cap", [("mla-bf16", 512), ("mla-fp8", 1024), ("gqa-bf16", 0), ("gqa-fp8", 0),
-                                                 ("gqa-fp8-v2", 0), ("gqa-bf16-swap", 64), ("gqa-fp8-swap", 0),
-                                                 ("gqa-bf16-ids4", 0)])
+@pytest.mark.parametrize("name,spill_cap", [
+    ("mla-bf16", 512), ("mla-fp8", 1024), ("mla-bf16-ids4", 512), ("gqa-bf16", 0), ("gqa-fp8", 0), ("gqa-fp8-v2", 0),
+    ("gqa-bf16-swap", 64), ("gqa-fp8-swap", 0), ("gqa-bf16-ids4", 0)])
 def test_gluon_decode_kernel_builds_for_sm90(name, spill_cap):
-    """spill_cap: the committed MLA builds spill 172 B (bf16: the loader's masked tail tile) and
-    560-600 B (fp8: the converter's loads); the GQA builds none but the bf16 swapped one (12 B in
-    the loader's masked tail)."""
+    """spill_cap: the committed MLA builds spill 172 B (bf16: the loader's masked tail tile; 248 B with
+    the ids 4 tiles ahead) and 560-600 B (fp8: the converter's loads); the GQA builds none but the
+    bf16 swapped one (12 B in the loader's masked tail)."""
     pytest.importorskip("triton.experimental.gluon")
     env = dict(os.environ, TRITON_INTERPRET="0", PYTHONPATH=f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
     done = subprocess.run([sys.executable, __file__, name], env=env, cwd=ROOT,

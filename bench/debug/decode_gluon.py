@@ -2,7 +2,8 @@
 against the Triton kernel: max abs error of both against the torch path on awkward lengths (0,
 1, 63, 64, 65 tokens, long ones; DCP group of 1 and rank 1 of 2; a bad block id), then whole
 calls timed with `common.step_time` (ten a CUDA graph, alternating, two rounds) for MLA with 16
-heads (TP 8: one head tile padded to 64 rows, CONFIG gluon_wide_narrow) over rank 0's 1/4 of
+heads (TP 8: one head tile padded to 64 rows, CONFIG gluon_wide_narrow; and with the block ids
+loaded four tiles ahead, CONFIG ids_ahead_wide 4) over rank 0's 1/4 of
 B = 32 sequences of L = 8K, 32K, 128K (bf16) and 8K, 32K (fp8), and 128 heads at 32K (bf16).
 
     python bench/debug/decode_gluon.py OUT.json        # on the GPU
@@ -63,8 +64,9 @@ def _check(rows: list, dtype: torch.dtype, heads: int = 128) -> None:
         q = torch.randn(len(lens), heads, dims.latent_dim, device="cuda", generator=gen).to(torch.bfloat16)
         seq = torch.tensor(lens, device="cuda")
         ref = paged_decode_attention(q, ref_cache, table, seq, layout=layout, scale=dims.scale, backend="torch")
-        for name, on in (("triton", 0), ("gluon", 1)):
+        for name, on, ahead in (("triton", 0, 1), ("gluon", 1, 1), ("gluon ids4", 1, 4)):
             triton_decode.CONFIG[key] = on
+            triton_decode.CONFIG["ids_ahead_wide"] = ahead
             got = paged_decode_attention(q, cache, table, seq, layout=layout, scale=dims.scale, backend="triton")
             torch.cuda.synchronize()
             fin = torch.isfinite(ref.lse)
@@ -106,9 +108,10 @@ def main(path: str) -> None:
         triton_decode.CONFIG[key] = 0
         ref = call()
         for rep in range(2):
-            for name, on in (("triton", 0), ("gluon", 1)):
+            for name, on, ahead in (("triton", 0, 1), ("gluon", 1, 1), ("gluon ids4", 1, 4)):
                 triton_decode.CONFIG[key] = on
                 triton_decode.CONFIG["gluon_wide_narrow"] = on
+                triton_decode.CONFIG["ids_ahead_wide"] = ahead
                 got = call()
                 err = max((got.out - ref.out).abs().max().item(), (got.lse - ref.lse).abs().max().item())
                 us, cols = step_time(ctx, [call])

@@ -105,8 +105,10 @@ def main(path: str) -> None:
             "gluon ids4 s3": dict(g, stages_gluon_gqa=3, ids_ahead_gluon_gqa=4),
             "gluon ids4 s4": dict(g, stages_gluon_gqa=4, ids_ahead_gluon_gqa=4)}
     sw = dict(g8, swap_gluon_gqa_fp8=1)
-    fp8 = {"triton": {"gluon_gqa_fp8": 0}, "gluon": g8, "gluon f4 r4": dict(g8, stages_gluon_gqa_fp8=4, raw_stages_gluon_gqa=4),
-           "gluon v2": dict(g8, converters_gluon_gqa_fp8=2), "gluon swap": sw, "gluon swap v2": dict(sw, converters_gluon_gqa_fp8=2),
+    fp8 = {"triton": {"gluon_gqa_fp8": 0}, "gluon": g8,
+           "gluon f4 r4": dict(g8, stages_gluon_gqa_fp8=4, raw_stages_gluon_gqa=4),
+           "gluon v2": dict(g8, converters_gluon_gqa_fp8=2), "gluon swap": sw,
+           "gluon swap v2": dict(sw, converters_gluon_gqa_fp8=2),
            "gluon swap v2 f4 r4": dict(sw, converters_gluon_gqa_fp8=2, stages_gluon_gqa_fp8=4, raw_stages_gluon_gqa=4)}
     only = lambda d, *names: {n: d[n] for n in names}
     for dtype, context, batch, variants in (

@@ -54,7 +54,8 @@ def main(gluon_gqa: bool) -> None:
         call()
     torch.cuda.synchronize()
     torch.cuda.profiler.stop()
-    print("profiled: GQA decode over bf16, over fp8" + (" (Gluon kernel)" if gluon_gqa else ", MLA 128 heads over bf16"))
+    print("profiled: GQA decode over bf16, over fp8" + (" (Gluon kernel)" if gluon_gqa
+                                                          else ", MLA 128 heads over bf16"))
 
 
 if __name__ == "__main__":

@@ -30,7 +30,7 @@ try:
     from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
                                                                   warpgroup_mma_wait)
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
-    from .gluon_mla import HAS_GLUON, _finish, _softmax_step, _split_range
+    from .gluon_mla import HAS_GLUON, _block_of, _finish, _ids_next, _ids_window, _softmax_step, _split_range
 except ImportError:  # pragma: no cover - a Triton without Gluon
     HAS_GLUON = False
 
@@ -43,26 +43,6 @@ if HAS_GLUON:
 
 
 if HAS_GLUON:
-    @gluon.jit
-    def _block_of(table_ptr, s, st_s, j0, has, num_blocks, PAGE: gl.constexpr):
-        """The cache block of the tile at local token j0 (0 where `has` is false or the id lies outside
-        [0, num_blocks): no load leaves the cache; the consumer reports a bad id)."""
-        blk = gl.load(table_ptr + s.to(gl.int64) * st_s + j0 // PAGE, mask=has, other=0)
-        return gl.where((blk >= 0) & (blk < num_blocks), blk, 0)
-
-    @gluon.jit
-    def _ids_window(table_ptr, s, st_s, start, tiles, num_blocks, PAGE: gl.constexpr):
-        """The block ids of a split's first four tiles (the loaders' window of ids loaded ahead)."""
-        return (_block_of(table_ptr, s, st_s, start, tiles > 0, num_blocks, PAGE),
-                _block_of(table_ptr, s, st_s, start + BLOCK, tiles > 1, num_blocks, PAGE),
-                _block_of(table_ptr, s, st_s, start + 2 * BLOCK, tiles > 2, num_blocks, PAGE),
-                _block_of(table_ptr, s, st_s, start + 3 * BLOCK, tiles > 3, num_blocks, PAGE))
-
-    @gluon.jit
-    def _ids_next(b1, b2, b3, b4, table_ptr, s, st_s, j0, t, tiles, num_blocks, PAGE: gl.constexpr):
-        """(tile t's id, the window moved on: tile t + 4's id starts loading)."""
-        return b1, b2, b3, b4, _block_of(table_ptr, s, st_s, j0 + 4 * BLOCK, t + 4 < tiles, num_blocks, PAGE)
-
     @gluon.jit
     def _bf16_loader(k_desc, v_desc, k_ptr, v_ptr, table_ptr, glens_ptr, k_smem, v_smem, ready, free,
                      s, kvh, split, split_len, dcp_size, dcp_rank, interleave, table_w, num_blocks, st_s,

@@ -60,6 +60,26 @@ if HAS_GLUON:
         return start, end, tiles, bad
 
     @gluon.jit
+    def _block_of(table_ptr, s, st_s, j0, has, num_blocks, PAGE: gl.constexpr):
+        """The cache block of the tile at local token j0 (0 where `has` is false or the id lies outside
+        [0, num_blocks): no load leaves the cache; the consumer reports a bad id)."""
+        blk = gl.load(table_ptr + s.to(gl.int64) * st_s + j0 // PAGE, mask=has, other=0)
+        return gl.where((blk >= 0) & (blk < num_blocks), blk, 0)
+
+    @gluon.jit
+    def _ids_window(table_ptr, s, st_s, start, tiles, num_blocks, PAGE: gl.constexpr):
+        """The block ids of a split's first four tiles (the loaders' window of ids loaded ahead)."""
+        return (_block_of(table_ptr, s, st_s, start, tiles > 0, num_blocks, PAGE),
+                _block_of(table_ptr, s, st_s, start + BLOCK, tiles > 1, num_blocks, PAGE),
+                _block_of(table_ptr, s, st_s, start + 2 * BLOCK, tiles > 2, num_blocks, PAGE),
+                _block_of(table_ptr, s, st_s, start + 3 * BLOCK, tiles > 3, num_blocks, PAGE))
+
+    @gluon.jit
+    def _ids_next(b1, b2, b3, b4, table_ptr, s, st_s, j0, t, tiles, num_blocks, PAGE: gl.constexpr):
+        """(tile t's id, the window moved on: tile t + 4's id starts loading)."""
+        return b1, b2, b3, b4, _block_of(table_ptr, s, st_s, j0 + 4 * BLOCK, t + 4 < tiles, num_blocks, PAGE)
+
+    @gluon.jit
     def _softmax_step(sc, m_i, l_i, r_i, w, AXIS: gl.constexpr, FP8: gl.constexpr):
         """One online-softmax step over masked base-2 scores sc, the queries along 1 - AXIS and the keys
         along AXIS: (weights p, the accumulator's rescale alpha, new m, l, r). FP8: the weights times
@@ -118,20 +138,27 @@ if HAS_GLUON:
     @gluon.jit
     def _loader(q_desc, k_desc, k_ptr, table_ptr, glens_ptr, q_smem, k_smem, q_bar, ready, free,
                 s, head0, split, split_len, dcp_size, dcp_rank, interleave, table_w, num_blocks, st_s, sk_b, sk_t,
-                PAGE: gl.constexpr):
+                PAGE: gl.constexpr, AHEAD: gl.constexpr = 1):
+        """AHEAD 4: the block ids load four tiles ahead (`_ids_window`), not after the stage's wait,
+        where each tile's TMA waited one memory round trip for its id."""
         start, end, tiles, bad = _split_range(glens_ptr, s, split, split_len, dcp_size, dcp_rank, interleave,
                                               table_w, PAGE)
         mbarrier.expect(q_bar, CHUNKS * q_desc.block_type.nbytes)
         for c in gl.static_range(CHUNKS):
             tma.async_copy_global_to_shared(q_desc, [head0, c * BLOCK], q_bar, q_smem.index(c))
         blocked: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
+        if AHEAD == 4:
+            b1, b2, b3, b4 = _ids_window(table_ptr, s, st_s, start, tiles, num_blocks, PAGE)
         for t in range(tiles):
             stage = t % STAGES
+            j0 = start + t * BLOCK
+            if AHEAD == 4:
+                blk, b1, b2, b3, b4 = _ids_next(b1, b2, b3, b4, table_ptr, s, st_s, j0, t, tiles, num_blocks, PAGE)
             if t >= STAGES:
                 mbarrier.wait(free.index(stage), ((t // STAGES) - 1) & 1)
-            j0 = start + t * BLOCK
-            blk = gl.load(table_ptr + s.to(gl.int64) * st_s + j0 // PAGE)
-            blk = gl.where((blk >= 0) & (blk < num_blocks), blk, 0)    # (warpgroup 0 reports it)
+            if AHEAD != 4:
+                blk = gl.load(table_ptr + s.to(gl.int64) * st_s + j0 // PAGE)
+                blk = gl.where((blk >= 0) & (blk < num_blocks), blk, 0)    # (warpgroup 0 reports it)
             valid = end - j0
             if valid >= BLOCK:
                 mbarrier.expect(ready.index(stage), CHUNKS * k_desc.block_type.nbytes)
@@ -265,7 +292,8 @@ if HAS_GLUON:
     @gluon.jit
     def _mla_decode_ws_kernel(q_desc, k_desc, k_ptr, table_ptr, glens_ptr, o_ptr, lse_ptr,
                               qk_scale, split_len, M_TILES, HQ, dcp_size, dcp_rank, interleave, table_w, num_blocks,
-                              st_s, sk_b, sk_t, so_p, so_s, so_h, sl_p, sl_s, PAGE: gl.constexpr):
+                              st_s, sk_b, sk_t, so_p, so_s, so_h, sl_p, sl_s, PAGE: gl.constexpr,
+                              AHEAD: gl.constexpr = 1):
         pid = gl.program_id(0)
         split = gl.program_id(1)
         s = pid // M_TILES
@@ -286,7 +314,7 @@ if HAS_GLUON:
                           split, split_len, dcp_size, dcp_rank, interleave, table_w, so_p, so_s, so_h, HQ, PAGE)),
             (_loader, (q_desc, k_desc, k_ptr, table_ptr, glens_ptr, q_smem, k_smem, q_bar, ready, free, s, head0,
                        split, split_len, dcp_size, dcp_rank, interleave, table_w, num_blocks, st_s, sk_b, sk_t,
-                       PAGE)),
+                       PAGE, AHEAD)),
         ], [4, 4], [200, 48])
 
 
@@ -294,7 +322,7 @@ if HAS_GLUON:
     @gluon.jit
     def _converter(q_ptr, k_ptr, ks_ptr, table_ptr, glens_ptr, q_smem, qf_smem, k_smem, ks_smem, q_bar, ready, free,
                    s, head0, split, split_len, dcp_size, dcp_rank, interleave, table_w, num_blocks, st_s, sk_b, sk_t,
-                   ss_b, ss_t, q_rows, PAGE: gl.constexpr):
+                   ss_b, ss_t, q_rows, PAGE: gl.constexpr, AHEAD: gl.constexpr = 1):
         """The fp8 kernel's loader: the 64 query rows to fp16, each times a power of two 2^e that puts
         its largest magnitude in [2^14, 2^15) (qf_smem holds 2^-e), then each key tile's fp8 rows
         (zeros past the split's end) converted to fp16 and its scales into the ring's stage."""
@@ -318,11 +346,16 @@ if HAS_GLUON:
         mbarrier.arrive(q_bar)
         start, end, tiles, bad = _split_range(glens_ptr, s, split, split_len, dcp_size, dcp_rank, interleave,
                                               table_w, PAGE)
+        if AHEAD == 4:      # (`_loader`'s AHEAD: ids four tiles ahead)
+            b1, b2, b3, b4 = _ids_window(table_ptr, s, st_s, start, tiles, num_blocks, PAGE)
         for t in range(tiles):
             stage = t % STAGES
             j0 = start + t * BLOCK
-            blk = gl.load(table_ptr + s.to(gl.int64) * st_s + j0 // PAGE)
-            blk = gl.where((blk >= 0) & (blk < num_blocks), blk, 0)    # (warpgroup 0 reports it)
+            if AHEAD == 4:
+                blk, b1, b2, b3, b4 = _ids_next(b1, b2, b3, b4, table_ptr, s, st_s, j0, t, tiles, num_blocks, PAGE)
+            else:
+                blk = gl.load(table_ptr + s.to(gl.int64) * st_s + j0 // PAGE)
+                blk = gl.where((blk >= 0) & (blk < num_blocks), blk, 0)    # (warpgroup 0 reports it)
             live = rows < end - j0
             token = ((j0 % PAGE) + rows).to(gl.int64)
             base = k_ptr + blk.to(gl.int64) * sk_b + token[:, None] * sk_t + cols[None, :]
@@ -340,7 +373,8 @@ if HAS_GLUON:
     @gluon.jit
     def _mla_decode_ws_fp8_kernel(q_ptr, k_ptr, ks_ptr, table_ptr, glens_ptr, o_ptr, lse_ptr,
                                   qk_scale, split_len, M_TILES, HQ, dcp_size, dcp_rank, interleave, table_w, num_blocks,
-                                  st_s, sk_b, sk_t, ss_b, ss_t, so_p, so_s, so_h, sl_p, sl_s, PAGE: gl.constexpr):
+                                  st_s, sk_b, sk_t, ss_b, ss_t, so_p, so_s, so_h, sl_p, sl_s, PAGE: gl.constexpr,
+                                  AHEAD: gl.constexpr = 1):
         pid = gl.program_id(0)
         split = gl.program_id(1)
         s = pid // M_TILES
@@ -364,7 +398,7 @@ if HAS_GLUON:
                           split, split_len, dcp_size, dcp_rank, interleave, table_w, so_p, so_s, so_h, HQ, PAGE)),
             (_converter, (q_ptr, k_ptr, ks_ptr, table_ptr, glens_ptr, q_smem, qf_smem, k_smem, ks_smem, q_bar, ready,
                           free, s, head0, split, split_len, dcp_size, dcp_rank, interleave, table_w, num_blocks, st_s,
-                          sk_b, sk_t, ss_b, ss_t, HQ - head0_in_seq, PAGE)),
+                          sk_b, sk_t, ss_b, ss_t, HQ - head0_in_seq, PAGE, AHEAD)),
         ], [4, 4], [152, 96])
 
 
@@ -393,9 +427,10 @@ def gluon_mla_ok(q: Tensor, k: Tensor, v: Tensor, tq: int, page: int, k_scale: T
 
 def launch_gluon_mla(q: Tensor, k: Tensor, table: Tensor, seq_lens: Tensor, o: Tensor, lse: Tensor, scale_log2: float,
                      splits: int, split_len: int, dcp_size: int, dcp_rank: int, interleave: int,
-                     k_scale: Tensor | None = None) -> None:
+                     k_scale: Tensor | None = None, ids_ahead: int = 1) -> None:
     """Fill the split partials o [splits, S, 1, Hq, 512] / lse [splits, S, 1, Hq] (`gluon_mla_ok`;
-    k_scale: the fp8 cache's per-token scales)."""
+    k_scale: the fp8 cache's per-token scales; ids_ahead: block ids loaded 1 or 4 tiles ahead)."""
+    ahead = 4 if ids_ahead == 4 else 1
     s, _, hq, d = q.shape
     nb, page = k.shape[0], k.shape[1]
     m_tiles = -(-hq // _BLOCK)
@@ -404,7 +439,7 @@ def launch_gluon_mla(q: Tensor, k: Tensor, table: Tensor, seq_lens: Tensor, o: T
         _mla_decode_ws_fp8_kernel[(s * m_tiles, splits)](
             q, k, k_scale, table, seq_lens, o, lse, scale_log2, split_len, m_tiles, hq, dcp_size, dcp_rank,
             interleave, table.shape[1], nb, table.stride(0), k.stride(0), k.stride(1), k_scale.stride(0),
-            k_scale.stride(1), *tail, PAGE=page, num_warps=4)
+            k_scale.stride(1), *tail, PAGE=page, AHEAD=ahead, num_warps=4)
         return
     box = gl.NVMMASharedLayout.get_default_for([_BLOCK, _BLOCK], gl.bfloat16)
     q2 = q.view(s * hq, d)
@@ -413,4 +448,5 @@ def launch_gluon_mla(q: Tensor, k: Tensor, table: Tensor, seq_lens: Tensor, o: T
     k_desc = TensorDescriptor(k2, list(k2.shape), list(k2.stride()), [_BLOCK, _BLOCK], box)
     _mla_decode_ws_kernel[(s * m_tiles, splits)](
         q_desc, k_desc, k, table, seq_lens, o, lse, scale_log2, split_len, m_tiles, hq, dcp_size, dcp_rank,
-        interleave, table.shape[1], nb, table.stride(0), k.stride(0), k.stride(1), *tail, PAGE=page, num_warps=4)
+        interleave, table.shape[1], nb, table.stride(0), k.stride(0), k.stride(1), *tail, PAGE=page, AHEAD=ahead,
+        num_warps=4)

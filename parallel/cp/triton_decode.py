@@ -602,6 +602,9 @@ CONFIG = {
     # 84.2 / 335.1 (on: the loss at 128K is 4%), fp8 39.6 / 123.1 at 8K / 32K -> 47.4 / 155.0 (off:
     # the Gluon loader's conversion bounds it, and 16 heads leave it 4x the tiles per FLOP)
     "gluon_wide_narrow": 1, "gluon_wide_narrow_fp8": 0,
+    # its loader's (over fp8: its converter's) block ids loaded 4 tiles ahead instead of after the
+    # stage's wait (1, as measured above): unmeasured (2026-12-04; `gluon_gqa`'s fp8 loader below)
+    "ids_ahead_wide": 1,
     # GQA (head dim 128, one query token, bf16 queries) through the warp-specialized Gluon kernel
     # (`gluon_gqa`: a TMA loader with a ring of 64-key tiles, over fp8 a converter
     # warpgroup to fp16, one consumer warpgroup), per cache dtype, where `gluon_gqa_ok` holds; one
@@ -1013,7 +1016,7 @@ def paged_decode_triton(q: Tensor, k: Tensor, v: Tensor, k_scale: Tensor | None,
     table = block_table if block_table.stride(-1) == 1 else block_table.contiguous()
     if s > 0 and splits > 0 and gluon:
         gluon_mla.launch_gluon_mla(q, k, table, seq_lens, o, lse, scale * _LOG2E, splits, split_len, dcp_size,
-                                   dcp_rank, interleave, k_scale if fp8 else None)
+                                   dcp_rank, interleave, k_scale if fp8 else None, ids_ahead=CONFIG["ids_ahead_wide"])
     elif s > 0 and splits > 0 and gqa_ws:
         gluon_gqa.launch_gluon_gqa(q, k, v, table, seq_lens, o, lse, scale * _LOG2E, splits, split_len, dcp_size,
                                    dcp_rank, interleave, k_scale if fp8 else None, v_scale if fp8 else None,
