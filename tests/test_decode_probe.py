@@ -82,6 +82,11 @@ def test_apply_tuning_maps_mla_keys_to_wide_entries():
     ({"gqa": {"block_n_fp8": 32}}, r"decode tuning gqa.block_n_fp8: .* give it under 'mla_narrow'"),
     ({"gqa": {"stage16": 1}}, r"decode tuning gqa.stage16: an fp8-cache option; give it under 'gqa_fp8' \(or 'mla_narrow'\)"),
     ({"mla_fp8": {"stage16": 1}}, r"unknown decode tuning key mla_fp8.stage16"),
+    # a valid setting name with no entry for the family (the Gluon GQA kernel's ring takes "config")
+    ({"gqa": {"stages": 3}}, r"decode tuning gqa.stages: no such setting for gqa \(CONFIG has no 'stages'\); "
+                             r"set CONFIG entries directly under 'config'"),
+    ({"gqa": {"at_most": 1}}, r"decode tuning gqa.at_most: no such setting for gqa"),
+    ({"mla": {"converters": 2}}, r"decode tuning mla.converters: no such setting for mla"),
 ])
 def test_apply_tuning_rejects_bad_entries_and_installs_nothing(tuning, match):
     before = dict(td.CONFIG)

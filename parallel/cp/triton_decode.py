@@ -874,6 +874,9 @@ def apply_tuning(tuning: dict) -> None:
             if not _valid_value(key, value):
                 raise ValueError(f"decode tuning {kind}.{key} = {value!r} is invalid; valid: {_describe(key)}")
             name = names.get(key, key)
+            if name not in CONFIG:      # (a setting of another family, or a {"config": ...} entry only)
+                raise ValueError(f"decode tuning {kind}.{key}: no such setting for {kind} (CONFIG has no {name!r}); "
+                                 f"set CONFIG entries directly under 'config'")
             if name in new and new[name] != value:
                 raise ValueError(f"decode tuning: the shared key {key} differs between gqa ({new[name]}) and "
                                  f"mla ({value}); one value serves both (only {', '.join(_WIDE)} have *_wide "
