@@ -7,11 +7,16 @@ than one split, hence no merge. Partitions of one CTA:
   the paged cache [blocks, page, kv heads, 128] by TMA into the ring; over bf16 the split's
   last tile, where it ends inside the tile, comes through masked loads instead (zeros past the
   sequence's end: the cache holds anything there, NaN included, and 0 x NaN in P V is NaN);
-- over fp8, a converter warpgroup between the loader's raw fp8 ring and a 16-bit ring: each
-  tile to fp16 (exact for e4m3; value rows past the end as zeros) with its per-token scales;
+- over fp8, a converter warpgroup (or two, on alternate tiles) between the loader's raw fp8 ring
+  and a 16-bit ring: each tile to fp16 (exact for e4m3; value rows past the end as zeros) with
+  its per-token scales;
 - the consumer warpgroup (the default partition): the G = Hq / Hkv query rows of the kv head
   (padded to 64, wgmma's M) held in registers as the MMA's A operand, S = Q K^T, the online
-  softmax, and O += P V with P passed from registers.
+  softmax, and O += P V with P passed from registers; or, with swapped operands, S^T = K Q^T and
+  O^T += V^T P^T over the G queries only (`_consumer_t`).
+
+The loaders load block ids ahead of the tiles (a window of four over fp8; one or four over bf16):
+an id loaded only a tile ahead costs each tile a memory round trip before its TMA can start.
 
 Outputs are the split's partial (out, lse) in `triton_decode.paged_decode_triton`'s layout.
 `gluon_gqa_ok` says where it applies; CONFIG gluon_gqa / gluon_gqa_fp8 choose it there. Over
