@@ -699,10 +699,11 @@ def _nan_gqa_cache(lens, hkv, layout, dtype, gen):
 def test_gluon_gqa_kernel_on_gpu(dtype, size, rank, hq, hkv, monkeypatch):
     """The warp-specialized Gluon GQA kernel (CONFIG gluon_gqa / gluon_gqa_fp8) over every kind of
     DCP rank, 1 / 8 / 64 query heads per kv head, one and two converter warpgroups over fp8, the
-    swapped-operand consumer: NaN in every
-    slot past a sequence's end (NaN scales too over fp8), lengths that end inside a tile, empty and
-    one-token sequences, one split and several, against the torch path and the Triton kernel; a bad block id gives that
-    sequence NaN rows; a CUDA graph of it replays to the same result."""
+    swapped-operand consumer, the bf16 loader's ids four tiles ahead: NaN in every slot past a
+    sequence's end (NaN scales too over fp8), lengths that end inside a tile, empty and one-token
+    sequences, one split and several, against the torch path and the Triton kernel (each setting
+    must launch the Gluon kernel); a bad block id gives that sequence NaN rows; a CUDA graph of it
+    replays to the same result."""
     from parallel.cp import gluon_gqa, triton_decode as td
 
     if not (torch.cuda.get_device_capability() == (9, 0) and gluon_gqa.HAS_GLUON):
@@ -734,9 +735,11 @@ def test_gluon_gqa_kernel_on_gpu(dtype, size, rank, hq, hkv, monkeypatch):
         monkeypatch.setitem(td.CONFIG, "min_split_fp8", 256)
         monkeypatch.setitem(td.CONFIG, key, 0)
         plain = run(cache, table)
+        assert not used
         monkeypatch.setitem(td.CONFIG, key, 1)
         got = run(cache, table)
-        assert used
+        assert used, f"setting {programs, converters, fp16_stages, swap, ahead} did not launch the Gluon kernel"
+        used.clear()
         _check_against_torch(got, ref, 1)
         torch.testing.assert_close(got.out, plain.out, atol=2e-3, rtol=0)
         torch.testing.assert_close(got.lse, plain.lse, atol=1e-4, rtol=0)

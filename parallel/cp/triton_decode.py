@@ -608,10 +608,11 @@ CONFIG = {
     # GQA (head dim 128, one query token, bf16 queries) through the warp-specialized Gluon kernel
     # (`gluon_gqa`: a TMA loader with a ring of 64-key tiles, over fp8 a converter
     # warpgroup to fp16, one consumer warpgroup), per cache dtype, where `gluon_gqa_ok` holds; one
-    # CTA per SM (139 / 173 KB of shared memory), so splits are planned to at most
-    # target_programs_gluon_gqa programs (B 32 x 4 kv heads: one split, no merge)
-    # bench/debug/decode_gluon_gqa.py (2026-12-04 05:50-06:40 UTC, three runs, bench/results/logs/
-    # decode-gluon-gqa*-h200.json; Hq 32 / Hkv 4, B 32, 1/4 of 8K / 32K / 128K, step_time): bf16
+    # CTA per SM (bf16: 255 registers a thread over 8 warps, 106 KB of shared memory with 3 stages;
+    # fp8: 173 KB), so splits are planned to at most target_programs_gluon_gqa programs (B 32 x 4
+    # kv heads: one split, no merge)
+    # bench/debug/decode_gluon_gqa.py (2026-12-04, the runs of bench/results/logs/
+    # decode-gluon-gqa{,2,3}-h200.json; Hq 32 / Hkv 4, B 32, 1/4 of 8K / 32K / 128K, step_time): bf16
     # Triton 38.2-39.3 / 126.9-129.7 / 476-492 µs -> Gluon 35.4-35.8 / 121.2-123.9 / 475.3-476.2 with
     # a 3-stage ring (4 stages: 35.6-36.7 / 123.4-126.4 / 473.4-473.9; 2: 36.5 / 130; 6: 37.1 /
     # 127.1 / 487.0), B 4 at 32K 25.6 -> 23.0. Over fp8 it loses: 33.4-34.0 / 101.5-103.0 / 380-386
