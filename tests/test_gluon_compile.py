@@ -33,7 +33,8 @@ def _build(name: str) -> dict:
     from parallel.cp import gluon_gqa, gluon_mla
 
     family, dtype, *more = name.split("-")
-    conv = 2 if more == ["v2"] else 1
+    conv = 2 if more in (["v2"], ["c2"]) else 1
+    cons = 2 if more == ["c2"] else 1
     nq = 8 if more == ["swap"] else 0
     ahead = 4 if more == ["ids4"] else 1
     fp8 = dtype == "fp8"
@@ -43,8 +44,8 @@ def _build(name: str) -> dict:
     if family == "gqa":
         ptrs.update(q_ptr="*bf16", k_desc=desc, v_desc=desc)
         if fp8:
-            kernel, consts = gluon_gqa._gqa_decode_ws_fp8_kernel, {"PAGE": 64, "STAGES": 2, "RAW": 6, "CONV": conv,
-                                                                   "NQ": nq}
+            kernel, consts = gluon_gqa._gqa_decode_ws_fp8_kernel, {"PAGE": 64, "STAGES": 2 * cons, "RAW": 6 - 2 * (cons - 1),
+                                                                   "CONV": conv, "NQ": nq, "CONS": cons}
             ptrs.update(ks_ptr="*fp32", vs_ptr="*fp32")
         else:
             kernel, consts = gluon_gqa._gqa_decode_ws_kernel, {"PAGE": 64, "STAGES": 3, "NQ": nq, "AHEAD": ahead}
@@ -71,7 +72,7 @@ def _build(name: str) -> dict:
 
 
 @pytest.mark.parametrize("name,spill_cap", [
-    ("mla-bf16", 512), ("mla-fp8", 1024), ("mla-bf16-ids4", 512), ("gqa-bf16", 0), ("gqa-fp8", 0), ("gqa-fp8-v2", 0),
+    ("mla-bf16", 512), ("mla-fp8", 1024), ("mla-bf16-ids4", 512), ("gqa-bf16", 0), ("gqa-fp8", 0), ("gqa-fp8-v2", 0), ("gqa-fp8-c2", 0),
     ("gqa-bf16-swap", 64), ("gqa-fp8-swap", 0), ("gqa-bf16-ids4", 0)])
 def test_gluon_decode_kernel_builds_for_sm90(name, spill_cap):
     """spill_cap: the committed MLA builds spill 172 B (bf16: the loader's masked tail tile; 248 B with

@@ -142,9 +142,12 @@ if HAS_GLUON:
     def _consumer(q_ptr, k_smem, v_smem, ready, free, table_ptr, glens_ptr, o_ptr, lse_ptr, s, kvh, split,
                   split_len, dcp_size, dcp_rank, interleave, table_w, num_blocks, st_s, sq_s, sq_h, G, qk_scale,
                   so_p, so_s, so_h, sl_p, sl_s, PAGE: gl.constexpr, STAGES: gl.constexpr, ks_smem, vs_smem,
-                  FP8: gl.constexpr):
+                  FP8: gl.constexpr, x_smem=None, xv_smem=None, done=None, PAR: gl.constexpr = 0,
+                  NCONS: gl.constexpr = 1):
         """The query rows padded to 64 (wgmma's M) as the A operand of S = Q K^T from registers, the
-        online softmax over [64 rows, 64 keys], O += P V with P from registers too."""
+        online softmax over [64 rows, 64 keys], O += P V with P from registers too. Tiles PAR, PAR +
+        NCONS, ...: with NCONS = 2 two consumer warpgroups take alternate tiles, each with its own
+        online softmax, and the second hands its state to the first at the end (`_handoff`)."""
         mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 64, 16])
         row_l: gl.constexpr = gl.SliceLayout(1, mma)
         col_l: gl.constexpr = gl.SliceLayout(0, mma)
@@ -163,7 +166,7 @@ if HAS_GLUON:
         o0 = gl.zeros([BLOCK, BLOCK], gl.float32, mma)
         o1 = gl.zeros([BLOCK, BLOCK], gl.float32, mma)
         cols = gl.arange(0, BLOCK, layout=col_l)
-        for t in range(tiles):
+        for t in range(PAR, tiles, NCONS):
             stage = t % STAGES
             j0 = start + t * BLOCK
             blk = gl.load(table_ptr + s.to(gl.int64) * st_s + j0 // PAGE)    # (checked after the tile's MMAs)
@@ -186,9 +189,51 @@ if HAS_GLUON:
             o0, o1 = warpgroup_mma_wait(num_outstanding=0, deps=(o0, o1))
             mbarrier.arrive(free.index(stage))
             bad = bad | (blk < 0) | (blk >= num_blocks)
+        if NCONS == 2:
+            if PAR == 1:
+                _handoff(x_smem, xv_smem, done, o0, o1, m_i, l_i, r_i, bad, mma, row_l)
+                return
+            o0, o1, m_i, l_i, r_i, bad = _merge_handoff(x_smem, xv_smem, done, o0, o1, m_i, l_i, r_i, bad, mma,
+                                                        row_l, FP8)
         factor, lse = _finish(m_i, l_i, r_i, bad, FP8)
         _store_out(o_ptr, lse_ptr, o0, o1, factor, lse, s, kvh, split, G, so_p, so_s, so_h, sl_p, sl_s, cols,
                    gl.arange(0, BLOCK, layout=row_l), False)
+
+    @gluon.jit
+    def _handoff(x_smem, xv_smem, done, o0, o1, m_i, l_i, r_i, bad, mma: gl.constexpr, row_l: gl.constexpr):
+        """(the second of two consumers) Its accumulators and m / l / r / bad rows into shared memory
+        for the first, then the `done` barrier. x_smem: the key ring as fp32 [4, 64, 64]; stages 1
+        and 3 are this consumer's, and it has read them for the last time."""
+        xv_smem.index(0).store(m_i)
+        xv_smem.index(1).store(l_i)
+        xv_smem.index(2).store(r_i)
+        xv_smem.index(3).store(gl.where(bad, 1.0, 0.0) + gl.zeros([BLOCK], gl.float32, row_l))
+        x_smem.index(1).store(o0)
+        x_smem.index(3).store(o1)
+        gl.thread_barrier()
+        mbarrier.arrive(done)
+
+    @gluon.jit
+    def _merge_handoff(x_smem, xv_smem, done, o0, o1, m_i, l_i, r_i, bad, mma: gl.constexpr, row_l: gl.constexpr,
+                       FP8: gl.constexpr):
+        """(the first of two consumers) The second's state merged into its own: both rescaled to the
+        larger of their maxima (over fp8 each accumulator in its own unit r: both to units of 1)."""
+        mbarrier.wait(done, 0)
+        m_b = xv_smem.index(0).load(row_l)
+        l_b = xv_smem.index(1).load(row_l)
+        bad = bad | (gl.max(xv_smem.index(3).load(row_l), 0) > 0)
+        m_new = gl.maximum(m_i, m_b)
+        m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
+        fa = gl.exp2(m_i - m_safe)
+        fb = gl.exp2(m_b - m_safe)
+        l_i = l_i * fa + l_b * fb
+        if FP8:
+            fb = fb * xv_smem.index(2).load(row_l)
+            fa = fa * r_i
+            r_i = gl.full([BLOCK], 1.0, gl.float32, row_l)
+        o0 = o0 * fa[:, None] + x_smem.index(1).load(mma) * fb[:, None]
+        o1 = o1 * fa[:, None] + x_smem.index(3).load(mma) * fb[:, None]
+        return o0, o1, m_new, l_i, r_i, bad
 
     @gluon.jit
     def _consumer_t(q_ptr, q_smem, p_smem, k_smem, v_smem, ready, free, table_ptr, glens_ptr, o_ptr, lse_ptr, s, kvh,
@@ -257,8 +302,10 @@ if HAS_GLUON:
     def _consume(q_ptr, q_smem, p_smem, k_smem, v_smem, ready, free, table_ptr, glens_ptr, o_ptr, lse_ptr, s, kvh,
                  split, split_len, dcp_size, dcp_rank, interleave, table_w, num_blocks, st_s, sq_s, sq_h, G, qk_scale,
                  so_p, so_s, so_h, sl_p, sl_s, ks_smem, vs_smem, PAGE: gl.constexpr, STAGES: gl.constexpr,
-                 NQ: gl.constexpr, FP8: gl.constexpr):
-        """The consumer partition: `_consumer_t` where NQ > 0 (swapped operands), else `_consumer`."""
+                 NQ: gl.constexpr, FP8: gl.constexpr, x_smem=None, xv_smem=None, done=None, PAR: gl.constexpr = 0,
+                 NCONS: gl.constexpr = 1):
+        """A consumer partition: `_consumer_t` where NQ > 0 (swapped operands), else `_consumer` (PAR of
+        NCONS)."""
         if NQ > 0:
             _consumer_t(q_ptr, q_smem, p_smem, k_smem, v_smem, ready, free, table_ptr, glens_ptr, o_ptr, lse_ptr, s,
                         kvh, split, split_len, dcp_size, dcp_rank, interleave, table_w, num_blocks, st_s, sq_s, sq_h,
@@ -266,7 +313,8 @@ if HAS_GLUON:
         else:
             _consumer(q_ptr, k_smem, v_smem, ready, free, table_ptr, glens_ptr, o_ptr, lse_ptr, s, kvh, split,
                       split_len, dcp_size, dcp_rank, interleave, table_w, num_blocks, st_s, sq_s, sq_h, G, qk_scale,
-                      so_p, so_s, so_h, sl_p, sl_s, PAGE, STAGES, ks_smem, vs_smem, FP8)
+                      so_p, so_s, so_h, sl_p, sl_s, PAGE, STAGES, ks_smem, vs_smem, FP8, x_smem, xv_smem, done,
+                      PAR, NCONS)
 
     @gluon.jit
     def _swap_buffers(NQ: gl.constexpr, dtype: gl.constexpr):
@@ -350,6 +398,17 @@ if HAS_GLUON:
         return ks, vs
 
     @gluon.jit
+    def _convert_tile(kr_smem, vr_smem, k_smem, v_smem, rs, stage, rows, valid, blocked: gl.constexpr):
+        """Raw stage rs's fp8 boxes to fp16 in stage `stage`, value rows from `valid` on as zeros."""
+        for c in gl.static_range(CHUNKS):
+            kx = kr_smem.index(rs * CHUNKS + c).load(blocked)
+            vx = vr_smem.index(rs * CHUNKS + c).load(blocked).to(gl.float16)
+            k_smem.index(stage * CHUNKS + c).store(kx.to(gl.float16))
+            if valid < BLOCK:
+                vx = gl.where((rows < valid)[:, None], vx, 0.0)
+            v_smem.index(stage * CHUNKS + c).store(vx)
+
+    @gluon.jit
     def _converter(ks_ptr, vs_ptr, table_ptr, glens_ptr, kr_smem, vr_smem, k_smem, v_smem, ks_smem, vs_smem,
                    raw_ready, raw_free, ready, free, s, kvh, split, split_len, dcp_size, dcp_rank, interleave,
                    table_w, num_blocks, st_s, ss_b, ss_t, ss_h, svs_b, svs_t, svs_h,
@@ -384,15 +443,13 @@ if HAS_GLUON:
             v2 = v3
             k3, v3 = _scales_of(ks_ptr, vs_ptr, table_ptr, s, st_s, j0 + 3 * step, end, kvh, num_blocks,
                                 ss_b, ss_t, ss_h, svs_b, svs_t, svs_h, srows, PAGE)
-            live = (rows < end - j0)[:, None]
             mbarrier.wait(raw_ready.index(rs), (t // RAW) & 1)
             if t >= STAGES:
                 mbarrier.wait(free.index(stage), ((t // STAGES) - 1) & 1)
-            for c in gl.static_range(CHUNKS):
-                kx = kr_smem.index(rs * CHUNKS + c).load(blocked)
-                vx = vr_smem.index(rs * CHUNKS + c).load(blocked)
-                k_smem.index(stage * CHUNKS + c).store(kx.to(gl.float16))
-                v_smem.index(stage * CHUNKS + c).store(gl.where(live, vx.to(gl.float16), 0.0))
+            if j0 + BLOCK <= end:       # (the select costs as much as the conversion: the last tile only)
+                _convert_tile(kr_smem, vr_smem, k_smem, v_smem, rs, stage, rows, BLOCK, blocked)
+            else:
+                _convert_tile(kr_smem, vr_smem, k_smem, v_smem, rs, stage, rows, end - j0, blocked)
             ks_smem.index(stage).store(ks)
             vs_smem.index(stage).store(vs)
             fence_async_shared()
@@ -405,7 +462,8 @@ if HAS_GLUON:
                                   qk_scale, split_len, G, KV_HEADS, dcp_size, dcp_rank, interleave, table_w,
                                   num_blocks, st_s, sq_s, sq_h, ss_b, ss_t, ss_h, svs_b, svs_t, svs_h,
                                   so_p, so_s, so_h, sl_p, sl_s, PAGE: gl.constexpr, STAGES: gl.constexpr,
-                                  RAW: gl.constexpr, CONV: gl.constexpr = 1, NQ: gl.constexpr = 0):
+                                  RAW: gl.constexpr, CONV: gl.constexpr = 1, NQ: gl.constexpr = 0,
+                                  CONS: gl.constexpr = 1):
         pid = gl.program_id(0)
         split = gl.program_id(1)
         s = pid // KV_HEADS
@@ -424,8 +482,36 @@ if HAS_GLUON:
         ready = _ring(STAGES, 1)
         free = _ring(STAGES, 1)
         q_smem, p_smem = _swap_buffers(NQ, gl.float16)
+        # two (converter, consumer) pairs: the second consumer's accumulators reach the first in its own
+        # key stages (1 and 3 of 4: free once it is done), its m / l / r / bad rows in xv_smem
+        gl.static_assert(CONS == 1 or (STAGES == 4 and CONV == 2 and NQ == 0))
+        x_smem = k_smem._reinterpret(gl.float32, [STAGES, BLOCK, BLOCK], gl.SwizzledSharedLayout(1, 1, 1, order=[1, 0]))
+        xv_smem = gl.allocate_shared_memory(gl.float32, [4, BLOCK], vec)
+        done = _ring(1, 1).index(0)
         fence_async_shared()
-        if CONV == 2:       # (two converters on alternate tiles)
+        if CONS == 2:       # (two converter + consumer pairs on alternate tiles: stages 1 and 3 are the second's)
+            gl.warp_specialize([
+                (_consume, (q_ptr, q_smem, p_smem, k_smem, v_smem, ready, free, table_ptr, glens_ptr, o_ptr, lse_ptr,
+                            s, kvh, split, split_len, dcp_size, dcp_rank, interleave, table_w, num_blocks, st_s, sq_s,
+                            sq_h, G, qk_scale, so_p, so_s, so_h, sl_p, sl_s, ks_smem, vs_smem, PAGE, STAGES, 0,
+                            True, x_smem, xv_smem, done, 0, 2)),
+                (_consume, (q_ptr, q_smem, p_smem, k_smem, v_smem, ready, free, table_ptr, glens_ptr, o_ptr, lse_ptr,
+                            s, kvh, split, split_len, dcp_size, dcp_rank, interleave, table_w, num_blocks, st_s, sq_s,
+                            sq_h, G, qk_scale, so_p, so_s, so_h, sl_p, sl_s, ks_smem, vs_smem, PAGE, STAGES, 0,
+                            True, x_smem, xv_smem, done, 1, 2)),
+                (_converter, (ks_ptr, vs_ptr, table_ptr, glens_ptr, kr_smem, vr_smem, k_smem, v_smem, ks_smem,
+                              vs_smem, raw_ready, raw_free, ready, free, s, kvh, split, split_len, dcp_size,
+                              dcp_rank, interleave, table_w, num_blocks, st_s, ss_b, ss_t, ss_h, svs_b, svs_t, svs_h,
+                              PAGE, STAGES, RAW, 0, 2)),
+                (_converter, (ks_ptr, vs_ptr, table_ptr, glens_ptr, kr_smem, vr_smem, k_smem, v_smem, ks_smem,
+                              vs_smem, raw_ready, raw_free, ready, free, s, kvh, split, split_len, dcp_size,
+                              dcp_rank, interleave, table_w, num_blocks, st_s, ss_b, ss_t, ss_h, svs_b, svs_t, svs_h,
+                              PAGE, STAGES, RAW, 1, 2)),
+                (_fp8_loader, (k_desc, v_desc, table_ptr, glens_ptr, kr_smem, vr_smem, raw_ready, raw_free, s, kvh,
+                               split, split_len, dcp_size, dcp_rank, interleave, table_w, num_blocks, st_s, PAGE,
+                               RAW)),
+            ], [4, 4, 4, 1], [176, 56, 56, 24])
+        elif CONV == 2:     # (two converters on alternate tiles)
             gl.warp_specialize([
                 (_consume, (q_ptr, q_smem, p_smem, k_smem, v_smem, ready, free, table_ptr, glens_ptr, o_ptr, lse_ptr,
                             s, kvh, split, split_len, dcp_size, dcp_rank, interleave, table_w, num_blocks, st_s, sq_s,
@@ -484,14 +570,16 @@ def launch_gluon_gqa(q: Tensor, k: Tensor, v: Tensor, table: Tensor, seq_lens: T
                      scale_log2: float, splits: int, split_len: int, dcp_size: int, dcp_rank: int, interleave: int,
                      k_scale: Tensor | None = None, v_scale: Tensor | None = None, stages: int = 3,
                      raw_stages: int = 6, converters: int = 1, fp16_stages: int = 2, swap: bool = False,
-                     ids_ahead: int = 1) -> None:
+                     ids_ahead: int = 1, consumers: int = 1) -> None:
     """Fill the split partials o [splits, S, 1, Hq, 128] / lse [splits, S, 1, Hq] (`gluon_gqa_ok`).
     stages: the bf16 ring's (32 KB each, at most 6); over fp8, raw_stages: the raw ring's (16 KB
     each), converters: 1 or 2 converter warpgroups on alternate tiles, fp16_stages: the 16-bit ring
     after them (2 or 4), the rings cut to what shared memory holds beside the compiler's scratch
     and kept even with two converters (each keeps to its own stages: an mbarrier's phase parity
     tells nothing to a partition two phases behind). swap: the consumer with swapped operands.
-    ids_ahead: the bf16 loader's block ids loaded 1 or 4 tiles ahead (the fp8 loader's: 4)."""
+    ids_ahead: the bf16 loader's block ids loaded 1 or 4 tiles ahead (the fp8 loader's: 4).
+    consumers: 2 runs the fp8 kernel as two (converter, consumer) pairs on alternate tiles (two
+    converters, a 4-stage fp16 ring, unswapped operands)."""
     s, _, hq, d = q.shape
     nb, page, hkv = k.shape[0], k.shape[1], k.shape[2]
     nq = max(8, 1 << (hq // hkv - 1).bit_length()) if swap else 0      # (G rounded up to a power of two)
@@ -505,13 +593,16 @@ def launch_gluon_gqa(q: Tensor, k: Tensor, v: Tensor, table: Tensor, seq_lens: T
               table.shape[1], nb, table.stride(0), q.stride(0), q.stride(2))
     tail = (o.stride(0), o.stride(1), o.stride(3), lse.stride(0), lse.stride(1))
     if fp8:     # (shared memory: raw x 16 KB + fp16 x 32 KB + <= 24 KB of scratch <= 227 KB)
+        consumers = 2 if consumers == 2 else 1
+        if consumers == 2:
+            converters, fp16_stages, nq = 2, 4, 0
         converters = 2 if converters == 2 else 1
         fp16_stages = max(2, min(fp16_stages, 4) - min(fp16_stages, 4) % 2)
         raw = max(2, min(raw_stages, (203 - 32 * fp16_stages) // 16))
         raw -= raw % 2 if converters == 2 else 0
         _gqa_decode_ws_fp8_kernel[(s * hkv, splits)](
             q, k_desc, v_desc, k_scale, v_scale, *common, *k_scale.stride(), *v_scale.stride(), *tail,
-            PAGE=page, STAGES=fp16_stages, RAW=raw, CONV=converters, NQ=nq, num_warps=4)
+            PAGE=page, STAGES=fp16_stages, RAW=raw, CONV=converters, NQ=nq, CONS=consumers, num_warps=4)
     else:
         _gqa_decode_ws_kernel[(s * hkv, splits)](
             q, k_desc, v_desc, k, v, *common, k.stride(0), k.stride(1), v.stride(0), v.stride(1), *tail,
