@@ -34,6 +34,7 @@ try:
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
                                                                   warpgroup_mma_wait)
+    from triton.experimental.gluon.language.nvidia.ampere import async_copy
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
     from .gluon_mla import HAS_GLUON, _block_of, _finish, _ids_next, _ids_window, _softmax_step, _split_range
 except ImportError:  # pragma: no cover - a Triton without Gluon
@@ -363,11 +364,13 @@ if HAS_GLUON:
     @gluon.jit
     def _fp8_loader(k_desc, v_desc, table_ptr, glens_ptr, kr_smem, vr_smem, raw_ready, raw_free,
                     s, kvh, split, split_len, dcp_size, dcp_rank, interleave, table_w, num_blocks, st_s,
-                    PAGE: gl.constexpr, RAW: gl.constexpr):
-        """Whole fp8 boxes by TMA (a tile lies in its page; the converter zeroes what lies past the end).
-        The block ids load four tiles ahead: with one ahead, each tile's TMA waited for an id loaded
-        the tile before, one memory round trip a tile whatever the ring (the bf16 loader keeps one:
-        its 32 KB tiles take as long as the round trip)."""
+                    k_ptr, v_ptr, sk_b, sk_t, sv_b, sv_t, PAGE: gl.constexpr, RAW: gl.constexpr,
+                    CP: gl.constexpr = False):
+        """Whole fp8 boxes by TMA (a tile lies in its page; the converter zeroes what lies past the end),
+        or with CP by cp.async, 16 bytes a thread of four warps (the load path of the Triton kernel;
+        raw_ready then counts the 128 threads' arrivals). The block ids load four tiles ahead: with
+        one ahead, each tile's TMA waited for an id loaded the tile before (the bf16 loader keeps
+        one: its 32 KB tiles take as long as the round trip)."""
         start, end, tiles, bad = _split_range(glens_ptr, s, split, split_len, dcp_size, dcp_rank, interleave,
                                               table_w, PAGE)
         b1, b2, b3, b4 = _ids_window(table_ptr, s, st_s, start, tiles, num_blocks, PAGE)
@@ -377,14 +380,28 @@ if HAS_GLUON:
             blk, b1, b2, b3, b4 = _ids_next(b1, b2, b3, b4, table_ptr, s, st_s, j0, t, tiles, num_blocks, PAGE)
             if t >= RAW:
                 mbarrier.wait(raw_free.index(stage), ((t // RAW) - 1) & 1)
-            row = blk * PAGE + j0 % PAGE
-            mbarrier.expect(raw_ready.index(stage), 2 * CHUNKS * k_desc.block_type.nbytes)
-            for c in gl.static_range(CHUNKS):
-                col = kvh * (CHUNKS * BLOCK) + c * BLOCK
-                tma.async_copy_global_to_shared(k_desc, [row, col], raw_ready.index(stage),
-                                                kr_smem.index(stage * CHUNKS + c))
-                tma.async_copy_global_to_shared(v_desc, [row, col], raw_ready.index(stage),
-                                                vr_smem.index(stage * CHUNKS + c))
+            if CP:
+                blocked: gl.constexpr = gl.BlockedLayout([1, 16], [8, 4], [4, 1], [1, 0])
+                rows = gl.arange(0, BLOCK, layout=gl.SliceLayout(1, blocked))
+                cols = gl.arange(0, BLOCK, layout=gl.SliceLayout(0, blocked))
+                token = ((j0 % PAGE) + rows).to(gl.int64)[:, None]
+                kb = k_ptr + blk.to(gl.int64) * sk_b + token * sk_t + kvh * (CHUNKS * BLOCK)
+                vb = v_ptr + blk.to(gl.int64) * sv_b + token * sv_t + kvh * (CHUNKS * BLOCK)
+                for c in gl.static_range(CHUNKS):
+                    async_copy.async_copy_global_to_shared(kr_smem.index(stage * CHUNKS + c),
+                                                           kb + (c * BLOCK + cols)[None, :])
+                    async_copy.async_copy_global_to_shared(vr_smem.index(stage * CHUNKS + c),
+                                                           vb + (c * BLOCK + cols)[None, :])
+                async_copy.mbarrier_arrive(raw_ready.index(stage), increment_count=False)
+            else:
+                row = blk * PAGE + j0 % PAGE
+                mbarrier.expect(raw_ready.index(stage), 2 * CHUNKS * k_desc.block_type.nbytes)
+                for c in gl.static_range(CHUNKS):
+                    col = kvh * (CHUNKS * BLOCK) + c * BLOCK
+                    tma.async_copy_global_to_shared(k_desc, [row, col], raw_ready.index(stage),
+                                                    kr_smem.index(stage * CHUNKS + c))
+                    tma.async_copy_global_to_shared(v_desc, [row, col], raw_ready.index(stage),
+                                                    vr_smem.index(stage * CHUNKS + c))
 
     @gluon.jit
     def _scales_of(ks_ptr, vs_ptr, table_ptr, s, st_s, j0, end, kvh, num_blocks, ss_b, ss_t, ss_h, svs_b, svs_t,
@@ -458,12 +475,12 @@ if HAS_GLUON:
             mbarrier.arrive(ready.index(stage))
 
     @gluon.jit
-    def _gqa_decode_ws_fp8_kernel(q_ptr, k_desc, v_desc, ks_ptr, vs_ptr, table_ptr, glens_ptr, o_ptr, lse_ptr,
-                                  qk_scale, split_len, G, KV_HEADS, dcp_size, dcp_rank, interleave, table_w,
-                                  num_blocks, st_s, sq_s, sq_h, ss_b, ss_t, ss_h, svs_b, svs_t, svs_h,
-                                  so_p, so_s, so_h, sl_p, sl_s, PAGE: gl.constexpr, STAGES: gl.constexpr,
+    def _gqa_decode_ws_fp8_kernel(q_ptr, k_desc, v_desc, k_ptr, v_ptr, ks_ptr, vs_ptr, table_ptr, glens_ptr, o_ptr,
+                                  lse_ptr, qk_scale, split_len, G, KV_HEADS, dcp_size, dcp_rank, interleave, table_w,
+                                  num_blocks, st_s, sq_s, sq_h, ss_b, ss_t, ss_h, svs_b, svs_t, svs_h, sk_b, sk_t,
+                                  sv_b, sv_t, so_p, so_s, so_h, sl_p, sl_s, PAGE: gl.constexpr, STAGES: gl.constexpr,
                                   RAW: gl.constexpr, CONV: gl.constexpr = 1, NQ: gl.constexpr = 0,
-                                  CONS: gl.constexpr = 1):
+                                  CONS: gl.constexpr = 1, CP: gl.constexpr = False):
         pid = gl.program_id(0)
         split = gl.program_id(1)
         s = pid // KV_HEADS
@@ -477,8 +494,10 @@ if HAS_GLUON:
         v_smem = gl.allocate_shared_memory(gl.float16, [STAGES * CHUNKS, BLOCK, BLOCK], box)
         ks_smem = gl.allocate_shared_memory(gl.float32, [STAGES, BLOCK], vec)
         vs_smem = gl.allocate_shared_memory(gl.float32, [STAGES, BLOCK], vec)
-        raw_ready = _ring(RAW, 1)
+        raw_ready = _ring(RAW, 128 if CP else 1)
         raw_free = _ring(RAW, 1)
+        LW: gl.constexpr = 4 if CP else 1        # the loader's warps and registers
+        LR: gl.constexpr = 48 if CP else 24
         ready = _ring(STAGES, 1)
         free = _ring(STAGES, 1)
         q_smem, p_smem = _swap_buffers(NQ, gl.float16)
@@ -508,9 +527,9 @@ if HAS_GLUON:
                               dcp_rank, interleave, table_w, num_blocks, st_s, ss_b, ss_t, ss_h, svs_b, svs_t, svs_h,
                               PAGE, STAGES, RAW, 1, 2)),
                 (_fp8_loader, (k_desc, v_desc, table_ptr, glens_ptr, kr_smem, vr_smem, raw_ready, raw_free, s, kvh,
-                               split, split_len, dcp_size, dcp_rank, interleave, table_w, num_blocks, st_s, PAGE,
-                               RAW)),
-            ], [4, 4, 4, 1], [176, 56, 56, 24])
+                               split, split_len, dcp_size, dcp_rank, interleave, table_w, num_blocks, st_s, k_ptr,
+                               v_ptr, sk_b, sk_t, sv_b, sv_t, PAGE, RAW, CP)),
+            ], [4, 4, 4, LW], [176, 56, 56, LR])
         elif CONV == 2:     # (two converters on alternate tiles)
             gl.warp_specialize([
                 (_consume, (q_ptr, q_smem, p_smem, k_smem, v_smem, ready, free, table_ptr, glens_ptr, o_ptr, lse_ptr,
@@ -526,9 +545,9 @@ if HAS_GLUON:
                               dcp_rank, interleave, table_w, num_blocks, st_s, ss_b, ss_t, ss_h, svs_b, svs_t, svs_h,
                               PAGE, STAGES, RAW, 1, 2)),
                 (_fp8_loader, (k_desc, v_desc, table_ptr, glens_ptr, kr_smem, vr_smem, raw_ready, raw_free, s, kvh,
-                               split, split_len, dcp_size, dcp_rank, interleave, table_w, num_blocks, st_s, PAGE,
-                               RAW)),
-            ], [4, 4, 1], [96, 96, 24])
+                               split, split_len, dcp_size, dcp_rank, interleave, table_w, num_blocks, st_s, k_ptr,
+                               v_ptr, sk_b, sk_t, sv_b, sv_t, PAGE, RAW, CP)),
+            ], [4, 4, LW], [96, 96, LR])
         else:
             gl.warp_specialize([
                 (_consume, (q_ptr, q_smem, p_smem, k_smem, v_smem, ready, free, table_ptr, glens_ptr, o_ptr, lse_ptr,
@@ -540,9 +559,9 @@ if HAS_GLUON:
                               dcp_rank, interleave, table_w, num_blocks, st_s, ss_b, ss_t, ss_h, svs_b, svs_t, svs_h,
                               PAGE, STAGES, RAW, 0, 1)),
                 (_fp8_loader, (k_desc, v_desc, table_ptr, glens_ptr, kr_smem, vr_smem, raw_ready, raw_free, s, kvh,
-                               split, split_len, dcp_size, dcp_rank, interleave, table_w, num_blocks, st_s, PAGE,
-                               RAW)),
-            ], [4, 1], [96, 24])
+                               split, split_len, dcp_size, dcp_rank, interleave, table_w, num_blocks, st_s, k_ptr,
+                               v_ptr, sk_b, sk_t, sv_b, sv_t, PAGE, RAW, CP)),
+            ], [4, LW], [96, LR])
 
 
 def gluon_gqa_ok(q: Tensor, k: Tensor, v: Tensor, tq: int, k_scale: Tensor | None = None,
@@ -570,7 +589,7 @@ def launch_gluon_gqa(q: Tensor, k: Tensor, v: Tensor, table: Tensor, seq_lens: T
                      scale_log2: float, splits: int, split_len: int, dcp_size: int, dcp_rank: int, interleave: int,
                      k_scale: Tensor | None = None, v_scale: Tensor | None = None, stages: int = 3,
                      raw_stages: int = 6, converters: int = 1, fp16_stages: int = 2, swap: bool = False,
-                     ids_ahead: int = 1, consumers: int = 1) -> None:
+                     ids_ahead: int = 1, consumers: int = 1, cp_async: bool = False) -> None:
     """Fill the split partials o [splits, S, 1, Hq, 128] / lse [splits, S, 1, Hq] (`gluon_gqa_ok`).
     stages: the bf16 ring's (32 KB each, at most 6); over fp8, raw_stages: the raw ring's (16 KB
     each), converters: 1 or 2 converter warpgroups on alternate tiles, fp16_stages: the 16-bit ring
@@ -579,7 +598,8 @@ def launch_gluon_gqa(q: Tensor, k: Tensor, v: Tensor, table: Tensor, seq_lens: T
     tells nothing to a partition two phases behind). swap: the consumer with swapped operands.
     ids_ahead: the bf16 loader's block ids loaded 1 or 4 tiles ahead (the fp8 loader's: 4).
     consumers: 2 runs the fp8 kernel as two (converter, consumer) pairs on alternate tiles (two
-    converters, a 4-stage fp16 ring, unswapped operands)."""
+    converters, a 4-stage fp16 ring, unswapped operands). cp_async: the fp8 loader's tiles by cp.async
+    (four warps) instead of TMA."""
     s, _, hq, d = q.shape
     nb, page, hkv = k.shape[0], k.shape[1], k.shape[2]
     nq = max(8, 1 << (hq // hkv - 1).bit_length()) if swap else 0      # (G rounded up to a power of two)
@@ -601,8 +621,9 @@ def launch_gluon_gqa(q: Tensor, k: Tensor, v: Tensor, table: Tensor, seq_lens: T
         raw = max(2, min(raw_stages, (203 - 32 * fp16_stages) // 16))
         raw -= raw % 2 if converters == 2 else 0
         _gqa_decode_ws_fp8_kernel[(s * hkv, splits)](
-            q, k_desc, v_desc, k_scale, v_scale, *common, *k_scale.stride(), *v_scale.stride(), *tail,
-            PAGE=page, STAGES=fp16_stages, RAW=raw, CONV=converters, NQ=nq, CONS=consumers, num_warps=4)
+            q, k_desc, v_desc, k, v, k_scale, v_scale, *common, *k_scale.stride(), *v_scale.stride(), k.stride(0),
+            k.stride(1), v.stride(0), v.stride(1), *tail, PAGE=page, STAGES=fp16_stages, RAW=raw, CONV=converters,
+            NQ=nq, CONS=consumers, CP=bool(cp_async), num_warps=4)
     else:
         _gqa_decode_ws_kernel[(s * hkv, splits)](
             q, k_desc, v_desc, k, v, *common, k.stride(0), k.stride(1), v.stride(0), v.stride(1), *tail,
