@@ -22,6 +22,20 @@ def _interpret(monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "1")
 
 
+def _compiled(monkeypatch):
+    """A GPU test's first step: Triton makes each kernel compiled or interpreted when the module
+    that defines it is imported (TRITON_INTERPRET then), and this file's autouse fixture sets the
+    interpreter on, so a GPU test that imported the kernel modules before turning it off left every
+    test after it in the process running kernels in the interpreter. Returns triton_decode."""
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    from triton.runtime.interpreter import InterpretedFunction
+
+    from parallel.cp import triton_decode
+    assert not isinstance(triton_decode._paged_decode_kernel, InterpretedFunction), \
+        "the decode kernels were defined under TRITON_INTERPRET=1 (a CPU test imported them first in this process)"
+    return triton_decode
+
+
 def _fill(lens, hkv, d, dv, block, size, rank, interleave, dtype, seed, device="cpu", num_blocks=None):
     """Dense k/v per sequence and this rank's shard of them in a paged cache with a shuffled table."""
     gen = torch.Generator().manual_seed(seed)
@@ -258,9 +272,7 @@ def test_mla_structure_options_match_reference(structure, tq, monkeypatch):
 def test_mla_structure_options_on_gpu(cache_dtype, structure, monkeypatch):
     """The MLA structure options at full size (128 heads, 576 / 512, page 64) on the GPU: NaN past
     every sequence's end, lengths that end inside a tile, one empty sequence, several splits."""
-    from parallel.cp import triton_decode as td
-
-    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    td = _compiled(monkeypatch)
     for key, value in structure.items():
         monkeypatch.setitem(td.CONFIG, key, value)
     lens = [3000, 0, 77, 1, 640]
@@ -555,11 +567,11 @@ def test_gluon_mla_kernel_on_gpu(size, rank, heads, monkeypatch):
     1e-5 (the same arithmetic) for full head tiles; a bad block id gives that sequence NaN rows; a
     CUDA graph of it replays to the same result. 16 and 32 heads (TP 8 / 4: one head tile padded
     to 64 rows, CONFIG gluon_wide_narrow) too."""
-    from parallel.cp import gluon_mla, triton_decode as td
+    td = _compiled(monkeypatch)
+    from parallel.cp import gluon_mla
 
     if not (torch.cuda.get_device_capability() == (9, 0) and gluon_mla.HAS_GLUON):
         pytest.skip("the Gluon MLA kernel needs an sm_90 GPU and a Triton with Gluon")
-    monkeypatch.setenv("TRITON_INTERPRET", "0")
     monkeypatch.setitem(td.CONFIG, "min_split_wide", 256)      # several splits at these lengths
     monkeypatch.setitem(td.CONFIG, "gluon_wide_narrow", 1)
     lens = [3000, 0, 77, 1, 640, 4096, 129]
@@ -614,11 +626,11 @@ def test_gluon_mla_kernel_over_fp8_on_gpu(heads, monkeypatch):
     NaN bytes and NaN scales past every sequence's end, lengths that end inside a tile, an empty
     and a one-token sequence, several splits; against the torch path and the Triton kernel; a bad
     block id gives NaN rows."""
-    from parallel.cp import gluon_mla, triton_decode as td
+    td = _compiled(monkeypatch)
+    from parallel.cp import gluon_mla
 
     if not (torch.cuda.get_device_capability() == (9, 0) and gluon_mla.HAS_GLUON):
         pytest.skip("the Gluon MLA kernel needs an sm_90 GPU and a Triton with Gluon")
-    monkeypatch.setenv("TRITON_INTERPRET", "0")
     monkeypatch.setitem(td.CONFIG, "min_split_wide_fp8", 256)
     monkeypatch.setitem(td.CONFIG, "min_split_wide_narrow", 256)
     monkeypatch.setitem(td.CONFIG, "gluon_wide_narrow_fp8", 1)
@@ -704,11 +716,11 @@ def test_gluon_gqa_kernel_on_gpu(dtype, size, rank, hq, hkv, monkeypatch):
     sequences, one split and several, against the torch path and the Triton kernel (each setting
     must launch the Gluon kernel); a bad block id gives that sequence NaN rows; a CUDA graph of it
     replays to the same result."""
-    from parallel.cp import gluon_gqa, triton_decode as td
+    td = _compiled(monkeypatch)
+    from parallel.cp import gluon_gqa
 
     if not (torch.cuda.get_device_capability() == (9, 0) and gluon_gqa.HAS_GLUON):
         pytest.skip("the Gluon GQA kernel needs an sm_90 GPU and a Triton with Gluon")
-    monkeypatch.setenv("TRITON_INTERPRET", "0")
     key = "gluon_gqa_fp8" if dtype == torch.float8_e4m3fn else "gluon_gqa"
     lens = [3000, 0, 77, 1, 640, 4096, 129, 64]
     gen = torch.Generator().manual_seed(31 + rank + hq)

@@ -98,6 +98,20 @@ if HAS_GLUON:
                 mbarrier.arrive(ready.index(stage))
 
     @gluon.jit
+    def _bad_ids(table_ptr, s, st_s, start, end, num_blocks, PAGE: gl.constexpr, layout: gl.constexpr):
+        """Whether any block id of the split's pages [start, end) lies outside [0, num_blocks): read once
+        after the loop (the loaders clamp the ids they load). A check a tile put the id's load in
+        the consumer's loop, and the compiler waited for it between the tile's P V wgmmas."""
+        idx = gl.arange(0, BLOCK, layout=layout)
+        last = (end + PAGE - 1) // PAGE
+        bad = gl.zeros([BLOCK], gl.int32, layout)
+        for p0 in range(start // PAGE, last, BLOCK):
+            page = p0 + idx
+            blk = gl.load(table_ptr + s.to(gl.int64) * st_s + page, mask=page < last, other=0)
+            bad = bad | ((blk < 0) | (blk >= num_blocks)).to(gl.int32)
+        return gl.max(bad, 0) > 0
+
+    @gluon.jit
     def _queries(q_ptr, s, kvh, G, sq_s, sq_h, qk_scale, ROWS: gl.constexpr, FP8: gl.constexpr):
         """The kv head's G query rows (ROWS of them, zeros past G) as two fp32 halves [ROWS, 64] of the
         head dim, and their score factor: qk_scale, or over fp8 (fp16 operands) the rows times 2^e
@@ -170,7 +184,6 @@ if HAS_GLUON:
         for t in range(PAR, tiles, NCONS):
             stage = t % STAGES
             j0 = start + t * BLOCK
-            blk = gl.load(table_ptr + s.to(gl.int64) * st_s + j0 // PAGE)    # (checked after the tile's MMAs)
             mbarrier.wait(ready.index(stage), (t // STAGES) & 1)
             sc = gl.zeros([BLOCK, BLOCK], gl.float32, mma)
             sc = warpgroup_mma(qa0, k_smem.index(stage * CHUNKS).permute((1, 0)), sc, is_async=True)
@@ -189,7 +202,7 @@ if HAS_GLUON:
             o1 = warpgroup_mma(pa, v_smem.index(stage * CHUNKS + 1), o1 * alpha[:, None], is_async=True)
             o0, o1 = warpgroup_mma_wait(num_outstanding=0, deps=(o0, o1))
             mbarrier.arrive(free.index(stage))
-            bad = bad | (blk < 0) | (blk >= num_blocks)
+        bad = bad | _bad_ids(table_ptr, s, st_s, start, end, num_blocks, PAGE, col_l)
         if NCONS == 2:
             if PAR == 1:
                 _handoff(x_smem, xv_smem, done, o0, o1, m_i, l_i, r_i, bad, mma, row_l)
@@ -269,7 +282,6 @@ if HAS_GLUON:
         for t in range(tiles):
             stage = t % STAGES
             j0 = start + t * BLOCK
-            blk = gl.load(table_ptr + s.to(gl.int64) * st_s + j0 // PAGE)    # (checked after the tile's MMAs)
             mbarrier.wait(ready.index(stage), (t // STAGES) & 1)
             sc = gl.zeros([BLOCK, NQ], gl.float32, mma)
             sc = warpgroup_mma(k_smem.index(stage * CHUNKS), q_smem.index(0).permute((1, 0)), sc, is_async=True)
@@ -294,7 +306,7 @@ if HAS_GLUON:
                                o1 * alpha[None, :], is_async=True)
             o0, o1 = warpgroup_mma_wait(num_outstanding=0, deps=(o0, o1))
             mbarrier.arrive(free.index(stage))
-            bad = bad | (blk < 0) | (blk >= num_blocks)
+        bad = bad | _bad_ids(table_ptr, s, st_s, start, end, num_blocks, PAGE, key_l)
         factor, lse = _finish(m_i, l_i, r_i, bad, FP8)
         _store_out(o_ptr, lse_ptr, o0, o1, factor, lse, s, kvh, split, G, so_p, so_s, so_h, sl_p, sl_s, keys,
                    gl.arange(0, NQ, layout=q_l), True)
