@@ -738,10 +738,13 @@ def test_gluon_gqa_kernel_on_gpu(dtype, size, rank, hq, hkv, monkeypatch):
     for programs, converters, fp16_stages, swap, ahead, pairs in (
             (132, 1, 2, 0, 1, 1), (4096, 1, 2, 0, 1, 1), (132, 2, 4, 0, 1, 1), (4096, 2, 2, 0, 1, 1),
             (132, 1, 2, 1, 1, 1), (4096, 2, 2, 1, 1, 1), (132, 1, 2, 0, 4, 1), (4096, 1, 2, 0, 4, 1),
-            (132, 1, 2, 0, 1, 2), (4096, 1, 2, 0, 1, 2), (132, 1, 2, 0, 1, 3), (4096, 1, 2, 0, 1, 4)):
-        # (pairs 3 / 4: one / two pairs with the fp8 loader by cp.async)
-        monkeypatch.setitem(td.CONFIG, "consumers_gluon_gqa_fp8", 2 if pairs in (2, 4) else 1)
-        monkeypatch.setitem(td.CONFIG, "cp_async_gluon_gqa_fp8", int(pairs > 2))
+            (132, 1, 2, 0, 1, 2), (4096, 1, 2, 0, 1, 2), (132, 1, 2, 0, 1, 3), (4096, 1, 2, 0, 1, 4),
+            (132, 1, 2, 0, 16, 5), (4096, 1, 2, 0, 16, 6), (132, 1, 2, 0, 16, 1)):
+        # (pairs 3 / 4: one / two pairs with the fp8 loader by cp.async; 5 / 6: one / two pairs with the
+        # scales by TMA; ids 16: the loaders' ids as a stream of chunks)
+        monkeypatch.setitem(td.CONFIG, "consumers_gluon_gqa_fp8", 2 if pairs in (2, 4, 6) else 1)
+        monkeypatch.setitem(td.CONFIG, "cp_async_gluon_gqa_fp8", int(pairs in (3, 4)))
+        monkeypatch.setitem(td.CONFIG, "tma_scales_gluon_gqa_fp8", int(pairs in (5, 6)))
         monkeypatch.setitem(td.CONFIG, "swap_" + key, swap)
         monkeypatch.setitem(td.CONFIG, "ids_ahead_gluon_gqa", ahead)
         monkeypatch.setitem(td.CONFIG, "target_programs_gluon_gqa", programs)

@@ -36,7 +36,8 @@ try:
                                                                   warpgroup_mma_wait)
     from triton.experimental.gluon.language.nvidia.ampere import async_copy
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
-    from .gluon_mla import HAS_GLUON, _block_of, _finish, _ids_next, _ids_window, _softmax_step, _split_range
+    from .gluon_mla import (HAS_GLUON, IDS, _block_of, _finish, _ids_next, _ids_open, _ids_take, _ids_window,
+                            _softmax_step, _split_range)
 except ImportError:  # pragma: no cover - a Triton without Gluon
     HAS_GLUON = False
 
@@ -53,18 +54,23 @@ if HAS_GLUON:
     def _bf16_loader(k_desc, v_desc, k_ptr, v_ptr, table_ptr, glens_ptr, k_smem, v_smem, ready, free,
                      s, kvh, split, split_len, dcp_size, dcp_rank, interleave, table_w, num_blocks, st_s,
                      sk_b, sk_t, sv_b, sv_t, PAGE: gl.constexpr, STAGES: gl.constexpr, AHEAD: gl.constexpr = 1):
-        """AHEAD: block ids loaded 1 or 4 tiles ahead (`_fp8_loader` says why 4)."""
+        """AHEAD: block ids loaded 1 or 4 tiles ahead, or 16 as an id stream (`_ids_open`)."""
         start, end, tiles, bad = _split_range(glens_ptr, s, split, split_len, dcp_size, dcp_rank, interleave,
                                               table_w, PAGE)
         blocked: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
-        if AHEAD == 4:
+        id_l: gl.constexpr = gl.BlockedLayout([IDS], [32], [4], [0])
+        if AHEAD == 16:
+            cur, nxt = _ids_open(table_ptr, s, st_s, start, end, PAGE, id_l)
+        elif AHEAD == 4:
             b1, b2, b3, b4 = _ids_window(table_ptr, s, st_s, start, tiles, num_blocks, PAGE)
         else:
             blk_next = _block_of(table_ptr, s, st_s, start, tiles > 0, num_blocks, PAGE)
         for t in range(tiles):
             stage = t % STAGES
             j0 = start + t * BLOCK
-            if AHEAD == 4:
+            if AHEAD == 16:
+                blk, cur, nxt = _ids_take(cur, nxt, table_ptr, s, st_s, start, end, j0, num_blocks, PAGE, id_l)
+            elif AHEAD == 4:
                 blk, b1, b2, b3, b4 = _ids_next(b1, b2, b3, b4, table_ptr, s, st_s, j0, t, tiles, num_blocks, PAGE)
             else:
                 blk = blk_next          # (the next tile's id loads while this one waits for its stage)
@@ -370,14 +376,15 @@ if HAS_GLUON:
             (_bf16_loader, (k_desc, v_desc, k_ptr, v_ptr, table_ptr, glens_ptr, k_smem, v_smem, ready, free, s, kvh,
                             split, split_len, dcp_size, dcp_rank, interleave, table_w, num_blocks, st_s, sk_b, sk_t,
                             sv_b, sv_t, PAGE, STAGES, AHEAD)),
-        ], [4], [64])
+        ], [4], [96 if AHEAD == 16 else 64])
 
 
     @gluon.jit
     def _fp8_loader(k_desc, v_desc, table_ptr, glens_ptr, kr_smem, vr_smem, raw_ready, raw_free,
                     s, kvh, split, split_len, dcp_size, dcp_rank, interleave, table_w, num_blocks, st_s,
                     k_ptr, v_ptr, sk_b, sk_t, sv_b, sv_t, PAGE: gl.constexpr, RAW: gl.constexpr,
-                    CP: gl.constexpr = False):
+                    CP: gl.constexpr = False, STREAM: gl.constexpr = False, ks_desc=None, vs_desc=None,
+                    ksr_smem=None, vsr_smem=None, SCB: gl.constexpr = 0):
         """Whole fp8 boxes by TMA (a tile lies in its page; the converter zeroes what lies past the end),
         or with CP by cp.async, 16 bytes a thread of four warps (the load path of the Triton kernel;
         raw_ready then counts the 128 threads' arrivals). The block ids load four tiles ahead: with
@@ -385,11 +392,18 @@ if HAS_GLUON:
         one: its 32 KB tiles take as long as the round trip)."""
         start, end, tiles, bad = _split_range(glens_ptr, s, split, split_len, dcp_size, dcp_rank, interleave,
                                               table_w, PAGE)
-        b1, b2, b3, b4 = _ids_window(table_ptr, s, st_s, start, tiles, num_blocks, PAGE)
+        id_l: gl.constexpr = gl.BlockedLayout([IDS], [32], [4 if CP else 1], [0])
+        if STREAM:
+            cur, nxt = _ids_open(table_ptr, s, st_s, start, end, PAGE, id_l)
+        else:
+            b1, b2, b3, b4 = _ids_window(table_ptr, s, st_s, start, tiles, num_blocks, PAGE)
         for t in range(tiles):
             stage = t % RAW
             j0 = start + t * BLOCK
-            blk, b1, b2, b3, b4 = _ids_next(b1, b2, b3, b4, table_ptr, s, st_s, j0, t, tiles, num_blocks, PAGE)
+            if STREAM:
+                blk, cur, nxt = _ids_take(cur, nxt, table_ptr, s, st_s, start, end, j0, num_blocks, PAGE, id_l)
+            else:
+                blk, b1, b2, b3, b4 = _ids_next(b1, b2, b3, b4, table_ptr, s, st_s, j0, t, tiles, num_blocks, PAGE)
             if t >= RAW:
                 mbarrier.wait(raw_free.index(stage), ((t // RAW) - 1) & 1)
             if CP:
@@ -407,7 +421,13 @@ if HAS_GLUON:
                 async_copy.mbarrier_arrive(raw_ready.index(stage), increment_count=False)
             else:
                 row = blk * PAGE + j0 % PAGE
-                mbarrier.expect(raw_ready.index(stage), 2 * CHUNKS * k_desc.block_type.nbytes)
+                if SCB > 0:         # (and both scale boxes: every kv head's scales of the tile's tokens)
+                    mbarrier.expect(raw_ready.index(stage), 2 * CHUNKS * k_desc.block_type.nbytes
+                                    + 2 * ks_desc.block_type.nbytes)
+                    tma.async_copy_global_to_shared(ks_desc, [row, 0], raw_ready.index(stage), ksr_smem.index(stage))
+                    tma.async_copy_global_to_shared(vs_desc, [row, 0], raw_ready.index(stage), vsr_smem.index(stage))
+                else:
+                    mbarrier.expect(raw_ready.index(stage), 2 * CHUNKS * k_desc.block_type.nbytes)
                 for c in gl.static_range(CHUNKS):
                     col = kvh * (CHUNKS * BLOCK) + c * BLOCK
                     tma.async_copy_global_to_shared(k_desc, [row, col], raw_ready.index(stage),
@@ -440,12 +460,14 @@ if HAS_GLUON:
     @gluon.jit
     def _converter(ks_ptr, vs_ptr, table_ptr, glens_ptr, kr_smem, vr_smem, k_smem, v_smem, ks_smem, vs_smem,
                    raw_ready, raw_free, ready, free, s, kvh, split, split_len, dcp_size, dcp_rank, interleave,
-                   table_w, num_blocks, st_s, ss_b, ss_t, ss_h, svs_b, svs_t, svs_h,
+                   table_w, num_blocks, st_s, ss_b, ss_t, ss_h, svs_b, svs_t, svs_h, ksr_smem, vsr_smem,
                    PAGE: gl.constexpr, STAGES: gl.constexpr, RAW: gl.constexpr, PAR: gl.constexpr = 0,
-                   NCONV: gl.constexpr = 1):
+                   NCONV: gl.constexpr = 1, SCB: gl.constexpr = 0):
         """Each raw fp8 tile (PAR, PAR + NCONV, ...: two converters take alternate tiles) to fp16 in the
         16-bit ring (value rows past the end as zeros; key rows there are masked out of the scores),
-        with the tile's key and value scales (0 past the end)."""
+        with the tile's key and value scales (0 past the end): from the raw stage where the loader
+        brought them by TMA (SCB: the boxes' width, every kv head's scales of the tile's tokens), or
+        (SCB 0) loaded here three tiles ahead."""
         blocked: gl.constexpr = gl.BlockedLayout([1, 16], [8, 4], [4, 1], [1, 0])
         rows = gl.arange(0, BLOCK, layout=gl.SliceLayout(1, blocked))
         vec: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
@@ -454,25 +476,35 @@ if HAS_GLUON:
                                               table_w, PAGE)
         # (the scales load three of this converter's tiles ahead: see `_fp8_loader`)
         step: gl.constexpr = NCONV * BLOCK
-        k1, v1 = _scales_of(ks_ptr, vs_ptr, table_ptr, s, st_s, start + PAR * BLOCK, end, kvh, num_blocks,
-                            ss_b, ss_t, ss_h, svs_b, svs_t, svs_h, srows, PAGE)
-        k2, v2 = _scales_of(ks_ptr, vs_ptr, table_ptr, s, st_s, start + PAR * BLOCK + step, end, kvh, num_blocks,
-                            ss_b, ss_t, ss_h, svs_b, svs_t, svs_h, srows, PAGE)
-        k3, v3 = _scales_of(ks_ptr, vs_ptr, table_ptr, s, st_s, start + PAR * BLOCK + 2 * step, end, kvh, num_blocks,
-                            ss_b, ss_t, ss_h, svs_b, svs_t, svs_h, srows, PAGE)
+        if SCB > 0:
+            sc_l: gl.constexpr = gl.BlockedLayout([1, SCB], [32, 1], [4, 1], [1, 0])
+            sc_rows = gl.arange(0, BLOCK, layout=gl.SliceLayout(1, sc_l))
+            mine = (gl.arange(0, SCB, layout=gl.SliceLayout(0, sc_l)) == kvh)[None, :]
+        else:
+            k1, v1 = _scales_of(ks_ptr, vs_ptr, table_ptr, s, st_s, start + PAR * BLOCK, end, kvh, num_blocks,
+                                ss_b, ss_t, ss_h, svs_b, svs_t, svs_h, srows, PAGE)
+            k2, v2 = _scales_of(ks_ptr, vs_ptr, table_ptr, s, st_s, start + PAR * BLOCK + step, end, kvh, num_blocks,
+                                ss_b, ss_t, ss_h, svs_b, svs_t, svs_h, srows, PAGE)
+            k3, v3 = _scales_of(ks_ptr, vs_ptr, table_ptr, s, st_s, start + PAR * BLOCK + 2 * step, end, kvh,
+                                num_blocks, ss_b, ss_t, ss_h, svs_b, svs_t, svs_h, srows, PAGE)
         for t in range(PAR, tiles, NCONV):
             rs = t % RAW
             stage = t % STAGES
             j0 = start + t * BLOCK
-            ks = k1
-            vs = v1
-            k1 = k2
-            v1 = v2
-            k2 = k3
-            v2 = v3
-            k3, v3 = _scales_of(ks_ptr, vs_ptr, table_ptr, s, st_s, j0 + 3 * step, end, kvh, num_blocks,
-                                ss_b, ss_t, ss_h, svs_b, svs_t, svs_h, srows, PAGE)
+            if SCB == 0:
+                ks = k1
+                vs = v1
+                k1 = k2
+                v1 = v2
+                k2 = k3
+                v2 = v3
+                k3, v3 = _scales_of(ks_ptr, vs_ptr, table_ptr, s, st_s, j0 + 3 * step, end, kvh, num_blocks,
+                                    ss_b, ss_t, ss_h, svs_b, svs_t, svs_h, srows, PAGE)
             mbarrier.wait(raw_ready.index(rs), (t // RAW) & 1)
+            if SCB > 0:     # this kv head's column of the staged boxes (0 past the split's end: NaN there)
+                live = mine & (sc_rows < end - j0)[:, None]
+                ks = gl.sum(gl.where(live, ksr_smem.index(rs).load(sc_l), 0.0), 1)
+                vs = gl.sum(gl.where(live, vsr_smem.index(rs).load(sc_l), 0.0), 1)
             if t >= STAGES:
                 mbarrier.wait(free.index(stage), ((t // STAGES) - 1) & 1)
             if j0 + BLOCK <= end:       # (the select costs as much as the conversion: the last tile only)
@@ -487,12 +519,14 @@ if HAS_GLUON:
             mbarrier.arrive(ready.index(stage))
 
     @gluon.jit
-    def _gqa_decode_ws_fp8_kernel(q_ptr, k_desc, v_desc, k_ptr, v_ptr, ks_ptr, vs_ptr, table_ptr, glens_ptr, o_ptr,
+    def _gqa_decode_ws_fp8_kernel(q_ptr, k_desc, v_desc, k_ptr, v_ptr, ks_ptr, vs_ptr, ks_desc, vs_desc, table_ptr,
+                                  glens_ptr, o_ptr,
                                   lse_ptr, qk_scale, split_len, G, KV_HEADS, dcp_size, dcp_rank, interleave, table_w,
                                   num_blocks, st_s, sq_s, sq_h, ss_b, ss_t, ss_h, svs_b, svs_t, svs_h, sk_b, sk_t,
                                   sv_b, sv_t, so_p, so_s, so_h, sl_p, sl_s, PAGE: gl.constexpr, STAGES: gl.constexpr,
                                   RAW: gl.constexpr, CONV: gl.constexpr = 1, NQ: gl.constexpr = 0,
-                                  CONS: gl.constexpr = 1, CP: gl.constexpr = False):
+                                  CONS: gl.constexpr = 1, CP: gl.constexpr = False,
+                                  AHEAD: gl.constexpr = 4, SCB: gl.constexpr = 0):
         pid = gl.program_id(0)
         split = gl.program_id(1)
         s = pid // KV_HEADS
@@ -506,10 +540,16 @@ if HAS_GLUON:
         v_smem = gl.allocate_shared_memory(gl.float16, [STAGES * CHUNKS, BLOCK, BLOCK], box)
         ks_smem = gl.allocate_shared_memory(gl.float32, [STAGES, BLOCK], vec)
         vs_smem = gl.allocate_shared_memory(gl.float32, [STAGES, BLOCK], vec)
+        sc_box: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2)
+        ksr_smem = gl.allocate_shared_memory(gl.float32, [RAW if SCB > 0 else 1, BLOCK, SCB if SCB > 0 else 4],
+                                             sc_box)
+        vsr_smem = gl.allocate_shared_memory(gl.float32, [RAW if SCB > 0 else 1, BLOCK, SCB if SCB > 0 else 4],
+                                             sc_box)
+        gl.static_assert(SCB == 0 or not CP)
         raw_ready = _ring(RAW, 128 if CP else 1)
         raw_free = _ring(RAW, 1)
         LW: gl.constexpr = 4 if CP else 1        # the loader's warps and registers
-        LR: gl.constexpr = 48 if CP else 24
+        LR: gl.constexpr = 64 if (CP or AHEAD == 16 or SCB > 0) else 24
         ready = _ring(STAGES, 1)
         free = _ring(STAGES, 1)
         q_smem, p_smem = _swap_buffers(NQ, gl.float16)
@@ -533,14 +573,15 @@ if HAS_GLUON:
                 (_converter, (ks_ptr, vs_ptr, table_ptr, glens_ptr, kr_smem, vr_smem, k_smem, v_smem, ks_smem,
                               vs_smem, raw_ready, raw_free, ready, free, s, kvh, split, split_len, dcp_size,
                               dcp_rank, interleave, table_w, num_blocks, st_s, ss_b, ss_t, ss_h, svs_b, svs_t, svs_h,
-                              PAGE, STAGES, RAW, 0, 2)),
+                              ksr_smem, vsr_smem, PAGE, STAGES, RAW, 0, 2, SCB)),
                 (_converter, (ks_ptr, vs_ptr, table_ptr, glens_ptr, kr_smem, vr_smem, k_smem, v_smem, ks_smem,
                               vs_smem, raw_ready, raw_free, ready, free, s, kvh, split, split_len, dcp_size,
                               dcp_rank, interleave, table_w, num_blocks, st_s, ss_b, ss_t, ss_h, svs_b, svs_t, svs_h,
-                              PAGE, STAGES, RAW, 1, 2)),
+                              ksr_smem, vsr_smem, PAGE, STAGES, RAW, 1, 2, SCB)),
                 (_fp8_loader, (k_desc, v_desc, table_ptr, glens_ptr, kr_smem, vr_smem, raw_ready, raw_free, s, kvh,
                                split, split_len, dcp_size, dcp_rank, interleave, table_w, num_blocks, st_s, k_ptr,
-                               v_ptr, sk_b, sk_t, sv_b, sv_t, PAGE, RAW, CP)),
+                               v_ptr, sk_b, sk_t, sv_b, sv_t, PAGE, RAW, CP, AHEAD == 16, ks_desc, vs_desc, ksr_smem,
+                               vsr_smem, SCB)),
             ], [4, 4, 4, LW], [176, 56, 56, LR])
         elif CONV == 2:     # (two converters on alternate tiles)
             gl.warp_specialize([
@@ -551,14 +592,15 @@ if HAS_GLUON:
                 (_converter, (ks_ptr, vs_ptr, table_ptr, glens_ptr, kr_smem, vr_smem, k_smem, v_smem, ks_smem,
                               vs_smem, raw_ready, raw_free, ready, free, s, kvh, split, split_len, dcp_size,
                               dcp_rank, interleave, table_w, num_blocks, st_s, ss_b, ss_t, ss_h, svs_b, svs_t, svs_h,
-                              PAGE, STAGES, RAW, 0, 2)),
+                              ksr_smem, vsr_smem, PAGE, STAGES, RAW, 0, 2, SCB)),
                 (_converter, (ks_ptr, vs_ptr, table_ptr, glens_ptr, kr_smem, vr_smem, k_smem, v_smem, ks_smem,
                               vs_smem, raw_ready, raw_free, ready, free, s, kvh, split, split_len, dcp_size,
                               dcp_rank, interleave, table_w, num_blocks, st_s, ss_b, ss_t, ss_h, svs_b, svs_t, svs_h,
-                              PAGE, STAGES, RAW, 1, 2)),
+                              ksr_smem, vsr_smem, PAGE, STAGES, RAW, 1, 2, SCB)),
                 (_fp8_loader, (k_desc, v_desc, table_ptr, glens_ptr, kr_smem, vr_smem, raw_ready, raw_free, s, kvh,
                                split, split_len, dcp_size, dcp_rank, interleave, table_w, num_blocks, st_s, k_ptr,
-                               v_ptr, sk_b, sk_t, sv_b, sv_t, PAGE, RAW, CP)),
+                               v_ptr, sk_b, sk_t, sv_b, sv_t, PAGE, RAW, CP, AHEAD == 16, ks_desc, vs_desc, ksr_smem,
+                               vsr_smem, SCB)),
             ], [4, 4, LW], [96, 96, LR])
         else:
             gl.warp_specialize([
@@ -569,10 +611,11 @@ if HAS_GLUON:
                 (_converter, (ks_ptr, vs_ptr, table_ptr, glens_ptr, kr_smem, vr_smem, k_smem, v_smem, ks_smem,
                               vs_smem, raw_ready, raw_free, ready, free, s, kvh, split, split_len, dcp_size,
                               dcp_rank, interleave, table_w, num_blocks, st_s, ss_b, ss_t, ss_h, svs_b, svs_t, svs_h,
-                              PAGE, STAGES, RAW, 0, 1)),
+                              ksr_smem, vsr_smem, PAGE, STAGES, RAW, 0, 1, SCB)),
                 (_fp8_loader, (k_desc, v_desc, table_ptr, glens_ptr, kr_smem, vr_smem, raw_ready, raw_free, s, kvh,
                                split, split_len, dcp_size, dcp_rank, interleave, table_w, num_blocks, st_s, k_ptr,
-                               v_ptr, sk_b, sk_t, sv_b, sv_t, PAGE, RAW, CP)),
+                               v_ptr, sk_b, sk_t, sv_b, sv_t, PAGE, RAW, CP, AHEAD == 16, ks_desc, vs_desc, ksr_smem,
+                               vsr_smem, SCB)),
             ], [4, LW], [96, LR])
 
 
@@ -601,17 +644,21 @@ def launch_gluon_gqa(q: Tensor, k: Tensor, v: Tensor, table: Tensor, seq_lens: T
                      scale_log2: float, splits: int, split_len: int, dcp_size: int, dcp_rank: int, interleave: int,
                      k_scale: Tensor | None = None, v_scale: Tensor | None = None, stages: int = 3,
                      raw_stages: int = 6, converters: int = 1, fp16_stages: int = 2, swap: bool = False,
-                     ids_ahead: int = 1, consumers: int = 1, cp_async: bool = False) -> None:
+                     ids_ahead: int = 1, consumers: int = 1, cp_async: bool = False,
+                     tma_scales: bool = False) -> None:
     """Fill the split partials o [splits, S, 1, Hq, 128] / lse [splits, S, 1, Hq] (`gluon_gqa_ok`).
     stages: the bf16 ring's (32 KB each, at most 6); over fp8, raw_stages: the raw ring's (16 KB
     each), converters: 1 or 2 converter warpgroups on alternate tiles, fp16_stages: the 16-bit ring
     after them (2 or 4), the rings cut to what shared memory holds beside the compiler's scratch
     and kept even with two converters (each keeps to its own stages: an mbarrier's phase parity
     tells nothing to a partition two phases behind). swap: the consumer with swapped operands.
-    ids_ahead: the bf16 loader's block ids loaded 1 or 4 tiles ahead (the fp8 loader's: 4).
+    ids_ahead: the bf16 loader's block ids loaded 1 or 4 tiles ahead (the fp8 loader's: 4), or 16: both
+    loaders' ids as a stream of 16-page chunks (`gluon_mla._ids_open`).
     consumers: 2 runs the fp8 kernel as two (converter, consumer) pairs on alternate tiles (two
     converters, a 4-stage fp16 ring, unswapped operands). cp_async: the fp8 loader's tiles by cp.async
-    (four warps) instead of TMA."""
+    (four warps) instead of TMA. tma_scales: the fp8 loader brings each tile's scales by TMA too
+    (boxes of every kv head's scales of its 64 tokens: kv heads a multiple of 4, at most 64,
+    contiguous scales, TMA loads), not the converter by loads of its own."""
     s, _, hq, d = q.shape
     nb, page, hkv = k.shape[0], k.shape[1], k.shape[2]
     nq = max(8, 1 << (hq // hkv - 1).bit_length()) if swap else 0      # (G rounded up to a power of two)
@@ -632,11 +679,19 @@ def launch_gluon_gqa(q: Tensor, k: Tensor, v: Tensor, table: Tensor, seq_lens: T
         fp16_stages = max(2, min(fp16_stages, 4) - min(fp16_stages, 4) % 2)
         raw = max(2, min(raw_stages, (203 - 32 * fp16_stages) // 16))
         raw -= raw % 2 if converters == 2 else 0
+        scb = hkv if (tma_scales and not cp_async and hkv % 4 == 0 and hkv <= 64 and k_scale.is_contiguous()
+                      and v_scale.is_contiguous()) else 0
+        ks_desc, vs_desc = k_desc, v_desc       # (placeholders where the converter loads the scales)
+        if scb:
+            sc_box = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2)
+            ks2, vs2 = k_scale.view(nb * page, hkv), v_scale.view(nb * page, hkv)
+            ks_desc = TensorDescriptor(ks2, list(ks2.shape), list(ks2.stride()), [_BLOCK, hkv], sc_box)
+            vs_desc = TensorDescriptor(vs2, list(vs2.shape), list(vs2.stride()), [_BLOCK, hkv], sc_box)
         _gqa_decode_ws_fp8_kernel[(s * hkv, splits)](
-            q, k_desc, v_desc, k, v, k_scale, v_scale, *common, *k_scale.stride(), *v_scale.stride(), k.stride(0),
+            q, k_desc, v_desc, k, v, k_scale, v_scale, ks_desc, vs_desc, *common, *k_scale.stride(), *v_scale.stride(), k.stride(0),
             k.stride(1), v.stride(0), v.stride(1), *tail, PAGE=page, STAGES=fp16_stages, RAW=raw, CONV=converters,
-            NQ=nq, CONS=consumers, CP=bool(cp_async), num_warps=4)
+            NQ=nq, CONS=consumers, CP=bool(cp_async), AHEAD=16 if ids_ahead == 16 else 4, SCB=scb, num_warps=4)
     else:
         _gqa_decode_ws_kernel[(s * hkv, splits)](
             q, k_desc, v_desc, k, v, *common, k.stride(0), k.stride(1), v.stride(0), v.stride(1), *tail,
-            PAGE=page, STAGES=min(stages, 6), NQ=nq, AHEAD=4 if ids_ahead == 4 else 1, num_warps=4)
+            PAGE=page, STAGES=min(stages, 6), NQ=nq, AHEAD=ids_ahead if ids_ahead in (4, 16) else 1, num_warps=4)
