@@ -5,7 +5,8 @@
 # bench/debug/decode_merge.py; ncu / ncustall: Nsight Compute sections / stall reasons over
 # bench/debug/decode_ncu.py; expand: bench/debug/expand_packing.py; prefill2: the gemm probe's
 # FP8-GEMM-alone sweep at V3 L2; dectiming: bench/debug/decode_timing.py; dgluon: bench/debug/decode_gluon.py; dgqa:
-# bench/debug/decode_gluon_gqa.py; dstream: bench/debug/decode_stream.py; ncugqa: Nsight Compute over bench/debug/decode_ncu.py gluon-gqa)
+# bench/debug/decode_gluon_gqa.py; dstream: bench/debug/decode_stream.py; ncugqa: Nsight Compute over bench/debug/decode_ncu.py gluon-gqa;
+# ncusrc: its per-instruction stall samples (SASS, csv) for the kernel NCU_KERNEL names)
 # Each step runs under `timeout` (its own limit, cut to what is left of DEADLINE, default 570 s
 # from the start), logs to STEP.log and writes its results beside it; a step that would get
 # under 20 s is skipped and said so. Everything is packed into $OUT/owed.tgz at exit (the device
@@ -70,6 +71,11 @@ for s in "$@"; do
                   --section WarpStateStats --section SchedulerStats --section MemoryWorkloadAnalysis_Tables \
                   --section ComputeWorkloadAnalysis --section SourceCounters \
                   --metrics l1tex__data_bank_conflicts_pipe_lsu_mem_shared_op_ld.sum,l1tex__data_bank_conflicts_pipe_lsu_mem_shared_op_st.sum,l1tex__data_pipe_lsu_wavefronts_mem_shared.sum,smsp__inst_executed.sum,sm__pipe_tensor_op_gmma_cycles_active.avg.pct_of_peak_sustained_active \
+                  python3 bench/debug/decode_ncu.py gluon-gqa' ;;
+    ncusrc)     step ncusrc "${NCU_LIMIT:-200}" bash -c 'N=$(command -v ncu || ls /usr/local/cuda*/bin/ncu /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1); \
+                  if [ -z "$N" ]; then echo "ncu: not on this machine"; exit 3; fi; \
+                  "$N" --clock-control none --profile-from-start off --kernel-name regex:${NCU_KERNEL:-_gqa_decode_ws_fp8} \
+                  --section SourceCounters --section WarpStateStats --page source --print-source sass --csv \
                   python3 bench/debug/decode_ncu.py gluon-gqa' ;;
     mlaprep)    step mlaprep "${MLAPREP_LIMIT:-120}" python3 bench/debug/mla_prep_sweep.py "$res/mla-prep-sweep.json" ;;
     prefill2)   step prefill2 "${PREFILL_LIMIT:-180}" python3 -m megapar.launch.bench.gemm --probe --sections prefill2 --out "$res/prefill2" ;;

@@ -672,15 +672,15 @@ def launch_gluon_gqa(q: Tensor, k: Tensor, v: Tensor, table: Tensor, seq_lens: T
               table.shape[1], nb, table.stride(0), q.stride(0), q.stride(2))
     tail = (o.stride(0), o.stride(1), o.stride(3), lse.stride(0), lse.stride(1))
     if fp8:     # (shared memory: raw x 16 KB + fp16 x 32 KB + <= 24 KB of scratch <= 227 KB)
+        scb = hkv if (tma_scales and not cp_async and hkv % 4 == 0 and hkv <= 64 and k_scale.is_contiguous()
+                      and v_scale.is_contiguous()) else 0
         consumers = 2 if consumers == 2 else 1
         if consumers == 2:
             converters, fp16_stages, nq = 2, 4, 0
         converters = 2 if converters == 2 else 1
         fp16_stages = max(2, min(fp16_stages, 4) - min(fp16_stages, 4) % 2)
-        raw = max(2, min(raw_stages, (203 - 32 * fp16_stages) // 16))
+        raw = max(2, min(raw_stages, (203 - 32 * fp16_stages) * 2 // (32 + scb)))    # (a stage: 16 + scb / 2 KB)
         raw -= raw % 2 if converters == 2 else 0
-        scb = hkv if (tma_scales and not cp_async and hkv % 4 == 0 and hkv <= 64 and k_scale.is_contiguous()
-                      and v_scale.is_contiguous()) else 0
         ks_desc, vs_desc = k_desc, v_desc       # (placeholders where the converter loads the scales)
         if scb:
             sc_box = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2)
