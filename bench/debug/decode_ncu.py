@@ -10,11 +10,14 @@ cudaProfilerStart / Stop, for Nsight Compute:
     python bench/debug/decode_ncu.py gluon-gqa
 
 profiles the Gluon GQA kernel (`parallel.cp.gluon_gqa`) over bf16 and over fp8 (CONFIG
-gluon_gqa_fp8 forced on) instead, same problem (`bash bench/run_owed.sh ncugqa`).
+gluon_gqa_fp8 forced on) instead, same problem (`bash bench/run_owed.sh ncugqa`). DECODE_NCU_CONFIG
+(JSON) sets CONFIG entries first.
 """
 
 from __future__ import annotations
 
+import json
+import os
 import sys
 
 import torch
@@ -30,6 +33,8 @@ def main(gluon_gqa: bool) -> None:
     dev = torch.device("cuda")
     if gluon_gqa:
         triton_decode.CONFIG.update(gluon_gqa=1, gluon_gqa_fp8=1)
+    # e.g. DECODE_NCU_CONFIG='{"consumers_gluon_gqa_fp8": 2}': CONFIG entries for the profiled calls
+    triton_decode.CONFIG.update(json.loads(os.environ.get("DECODE_NCU_CONFIG", "{}")))
     batch, heads, kv_heads, d, page, n, context = 32, 32, 4, 128, 64, 4, 32768
     layout = DCPLayout(size=n, rank=0, block_size=page)
     seq = torch.full((batch,), context, device=dev)
