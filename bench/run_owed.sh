@@ -5,7 +5,8 @@
 # bench/debug/decode_merge.py; ncu / ncustall: Nsight Compute sections / stall reasons over
 # bench/debug/decode_ncu.py; expand: bench/debug/expand_packing.py; prefill2: the gemm probe's
 # FP8-GEMM-alone sweep at V3 L2; dectiming: bench/debug/decode_timing.py; dgluon: bench/debug/decode_gluon.py; dgqa:
-# bench/debug/decode_gluon_gqa.py; dstream: bench/debug/decode_stream.py; ncugqa: Nsight Compute over bench/debug/decode_ncu.py gluon-gqa;
+# bench/debug/decode_gluon_gqa.py; dstream: bench/debug/decode_stream.py; dsplits:
+# bench/debug/decode_splits.py; ncugqa: Nsight Compute over bench/debug/decode_ncu.py gluon-gqa;
 # ncusrc: its per-instruction stall samples (SASS, csv) for the kernel NCU_KERNEL names)
 # Each step runs under `timeout` (its own limit, cut to what is left of DEADLINE, default 570 s
 # from the start), logs to STEP.log and writes its results beside it; a step that would get
@@ -49,6 +50,7 @@ for s in "$@"; do
     expand)     step expand "${EXPAND_LIMIT:-120}" python3 bench/debug/expand_packing.py "$res/expand.json" ;;
     dgluon)     step dgluon "${DGLUON_LIMIT:-150}" python3 bench/debug/decode_gluon.py "$res/decode-gluon.json" ;;
     dstream)    step dstream "${DSTREAM_LIMIT:-150}" python3 bench/debug/decode_stream.py "$res/decode-stream.json" ;;
+    dsplits)    step dsplits "${DSPLITS_LIMIT:-150}" python3 bench/debug/decode_splits.py "$res/decode-splits.json" ;;
     dgqa)       step dgqa "${DGQA_LIMIT:-150}" python3 bench/debug/decode_gluon_gqa.py "$res/decode-gluon-gqa.json" ;;
     dectiming)  step dectiming "${DECTIMING_LIMIT:-150}" python3 bench/debug/decode_timing.py "$res/decode-timing.json" ;;
     dmerge)     step dmerge "${DMERGE_LIMIT:-150}" python3 bench/debug/decode_merge.py "$res/decode-merge.json" ;;

@@ -34,10 +34,8 @@ try:
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
                                                                   warpgroup_mma_wait)
-    from triton.experimental.gluon.language.nvidia.ampere import async_copy
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
-    from .gluon_mla import (HAS_GLUON, IDS, _block_of, _finish, _ids_next, _ids_open, _ids_take, _ids_window,
-                            _softmax_step, _split_range)
+    from .gluon_mla import HAS_GLUON, _block_of, _finish, _ids_next, _ids_window, _softmax_step, _split_range
 except ImportError:  # pragma: no cover - a Triton without Gluon
     HAS_GLUON = False
 
@@ -54,23 +52,18 @@ if HAS_GLUON:
     def _bf16_loader(k_desc, v_desc, k_ptr, v_ptr, table_ptr, glens_ptr, k_smem, v_smem, ready, free,
                      s, kvh, split, split_len, dcp_size, dcp_rank, interleave, table_w, num_blocks, st_s,
                      sk_b, sk_t, sv_b, sv_t, PAGE: gl.constexpr, STAGES: gl.constexpr, AHEAD: gl.constexpr = 1):
-        """AHEAD: block ids loaded 1 or 4 tiles ahead, or 16 as an id stream (`_ids_open`)."""
+        """AHEAD: block ids loaded 1 or 4 tiles ahead (`_fp8_loader` says why 4)."""
         start, end, tiles, bad = _split_range(glens_ptr, s, split, split_len, dcp_size, dcp_rank, interleave,
                                               table_w, PAGE)
         blocked: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
-        id_l: gl.constexpr = gl.BlockedLayout([IDS], [32], [4], [0])
-        if AHEAD == 16:
-            cur, nxt = _ids_open(table_ptr, s, st_s, start, end, PAGE, id_l)
-        elif AHEAD == 4:
+        if AHEAD == 4:
             b1, b2, b3, b4 = _ids_window(table_ptr, s, st_s, start, tiles, num_blocks, PAGE)
         else:
             blk_next = _block_of(table_ptr, s, st_s, start, tiles > 0, num_blocks, PAGE)
         for t in range(tiles):
             stage = t % STAGES
             j0 = start + t * BLOCK
-            if AHEAD == 16:
-                blk, cur, nxt = _ids_take(cur, nxt, table_ptr, s, st_s, start, end, j0, num_blocks, PAGE, id_l)
-            elif AHEAD == 4:
+            if AHEAD == 4:
                 blk, b1, b2, b3, b4 = _ids_next(b1, b2, b3, b4, table_ptr, s, st_s, j0, t, tiles, num_blocks, PAGE)
             else:
                 blk = blk_next          # (the next tile's id loads while this one waits for its stage)
@@ -106,8 +99,7 @@ if HAS_GLUON:
     @gluon.jit
     def _bad_ids(table_ptr, s, st_s, start, end, num_blocks, PAGE: gl.constexpr, layout: gl.constexpr):
         """Whether any block id of the split's pages [start, end) lies outside [0, num_blocks): read once
-        after the loop (the loaders clamp the ids they load). A check a tile put the id's load in
-        the consumer's loop, and the compiler waited for it between the tile's P V wgmmas."""
+        after the loop (the loaders clamp the ids they load), not a load a tile in the consumer's loop."""
         idx = gl.arange(0, BLOCK, layout=layout)
         last = (end + PAGE - 1) // PAGE
         bad = gl.zeros([BLOCK], gl.int32, layout)
@@ -163,12 +155,9 @@ if HAS_GLUON:
     def _consumer(q_ptr, k_smem, v_smem, ready, free, table_ptr, glens_ptr, o_ptr, lse_ptr, s, kvh, split,
                   split_len, dcp_size, dcp_rank, interleave, table_w, num_blocks, st_s, sq_s, sq_h, G, qk_scale,
                   so_p, so_s, so_h, sl_p, sl_s, PAGE: gl.constexpr, STAGES: gl.constexpr, ks_smem, vs_smem,
-                  FP8: gl.constexpr, x_smem=None, xv_smem=None, done=None, PAR: gl.constexpr = 0,
-                  NCONS: gl.constexpr = 1):
+                  FP8: gl.constexpr):
         """The query rows padded to 64 (wgmma's M) as the A operand of S = Q K^T from registers, the
-        online softmax over [64 rows, 64 keys], O += P V with P from registers too. Tiles PAR, PAR +
-        NCONS, ...: with NCONS = 2 two consumer warpgroups take alternate tiles, each with its own
-        online softmax, and the second hands its state to the first at the end (`_handoff`)."""
+        online softmax over [64 rows, 64 keys], O += P V with P from registers too."""
         mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 64, 16])
         row_l: gl.constexpr = gl.SliceLayout(1, mma)
         col_l: gl.constexpr = gl.SliceLayout(0, mma)
@@ -187,7 +176,7 @@ if HAS_GLUON:
         o0 = gl.zeros([BLOCK, BLOCK], gl.float32, mma)
         o1 = gl.zeros([BLOCK, BLOCK], gl.float32, mma)
         cols = gl.arange(0, BLOCK, layout=col_l)
-        for t in range(PAR, tiles, NCONS):
+        for t in range(tiles):
             stage = t % STAGES
             j0 = start + t * BLOCK
             mbarrier.wait(ready.index(stage), (t // STAGES) & 1)
@@ -208,52 +197,10 @@ if HAS_GLUON:
             o1 = warpgroup_mma(pa, v_smem.index(stage * CHUNKS + 1), o1 * alpha[:, None], is_async=True)
             o0, o1 = warpgroup_mma_wait(num_outstanding=0, deps=(o0, o1))
             mbarrier.arrive(free.index(stage))
-        bad = bad | _bad_ids(table_ptr, s, st_s, start, end, num_blocks, PAGE, col_l)
-        if NCONS == 2:
-            if PAR == 1:
-                _handoff(x_smem, xv_smem, done, o0, o1, m_i, l_i, r_i, bad, mma, row_l)
-                return
-            o0, o1, m_i, l_i, r_i, bad = _merge_handoff(x_smem, xv_smem, done, o0, o1, m_i, l_i, r_i, bad, mma,
-                                                        row_l, FP8)
-        factor, lse = _finish(m_i, l_i, r_i, bad, FP8)
+        factor, lse = _finish(m_i, l_i, r_i, bad | _bad_ids(table_ptr, s, st_s, start, end, num_blocks, PAGE, col_l),
+                              FP8)
         _store_out(o_ptr, lse_ptr, o0, o1, factor, lse, s, kvh, split, G, so_p, so_s, so_h, sl_p, sl_s, cols,
                    gl.arange(0, BLOCK, layout=row_l), False)
-
-    @gluon.jit
-    def _handoff(x_smem, xv_smem, done, o0, o1, m_i, l_i, r_i, bad, mma: gl.constexpr, row_l: gl.constexpr):
-        """(the second of two consumers) Its accumulators and m / l / r / bad rows into shared memory
-        for the first, then the `done` barrier. x_smem: the key ring as fp32 [4, 64, 64]; stages 1
-        and 3 are this consumer's, and it has read them for the last time."""
-        xv_smem.index(0).store(m_i)
-        xv_smem.index(1).store(l_i)
-        xv_smem.index(2).store(r_i)
-        xv_smem.index(3).store(gl.where(bad, 1.0, 0.0) + gl.zeros([BLOCK], gl.float32, row_l))
-        x_smem.index(1).store(o0)
-        x_smem.index(3).store(o1)
-        gl.thread_barrier()
-        mbarrier.arrive(done)
-
-    @gluon.jit
-    def _merge_handoff(x_smem, xv_smem, done, o0, o1, m_i, l_i, r_i, bad, mma: gl.constexpr, row_l: gl.constexpr,
-                       FP8: gl.constexpr):
-        """(the first of two consumers) The second's state merged into its own: both rescaled to the
-        larger of their maxima (over fp8 each accumulator in its own unit r: both to units of 1)."""
-        mbarrier.wait(done, 0)
-        m_b = xv_smem.index(0).load(row_l)
-        l_b = xv_smem.index(1).load(row_l)
-        bad = bad | (gl.max(xv_smem.index(3).load(row_l), 0) > 0)
-        m_new = gl.maximum(m_i, m_b)
-        m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
-        fa = gl.exp2(m_i - m_safe)
-        fb = gl.exp2(m_b - m_safe)
-        l_i = l_i * fa + l_b * fb
-        if FP8:
-            fb = fb * xv_smem.index(2).load(row_l)
-            fa = fa * r_i
-            r_i = gl.full([BLOCK], 1.0, gl.float32, row_l)
-        o0 = o0 * fa[:, None] + x_smem.index(1).load(mma) * fb[:, None]
-        o1 = o1 * fa[:, None] + x_smem.index(3).load(mma) * fb[:, None]
-        return o0, o1, m_new, l_i, r_i, bad
 
     @gluon.jit
     def _consumer_t(q_ptr, q_smem, p_smem, k_smem, v_smem, ready, free, table_ptr, glens_ptr, o_ptr, lse_ptr, s, kvh,
@@ -312,8 +259,8 @@ if HAS_GLUON:
                                o1 * alpha[None, :], is_async=True)
             o0, o1 = warpgroup_mma_wait(num_outstanding=0, deps=(o0, o1))
             mbarrier.arrive(free.index(stage))
-        bad = bad | _bad_ids(table_ptr, s, st_s, start, end, num_blocks, PAGE, key_l)
-        factor, lse = _finish(m_i, l_i, r_i, bad, FP8)
+        factor, lse = _finish(m_i, l_i, r_i, bad | _bad_ids(table_ptr, s, st_s, start, end, num_blocks, PAGE, key_l),
+                              FP8)
         _store_out(o_ptr, lse_ptr, o0, o1, factor, lse, s, kvh, split, G, so_p, so_s, so_h, sl_p, sl_s, keys,
                    gl.arange(0, NQ, layout=q_l), True)
 
@@ -321,10 +268,8 @@ if HAS_GLUON:
     def _consume(q_ptr, q_smem, p_smem, k_smem, v_smem, ready, free, table_ptr, glens_ptr, o_ptr, lse_ptr, s, kvh,
                  split, split_len, dcp_size, dcp_rank, interleave, table_w, num_blocks, st_s, sq_s, sq_h, G, qk_scale,
                  so_p, so_s, so_h, sl_p, sl_s, ks_smem, vs_smem, PAGE: gl.constexpr, STAGES: gl.constexpr,
-                 NQ: gl.constexpr, FP8: gl.constexpr, x_smem=None, xv_smem=None, done=None, PAR: gl.constexpr = 0,
-                 NCONS: gl.constexpr = 1):
-        """A consumer partition: `_consumer_t` where NQ > 0 (swapped operands), else `_consumer` (PAR of
-        NCONS)."""
+                 NQ: gl.constexpr, FP8: gl.constexpr):
+        """The consumer partition: `_consumer_t` where NQ > 0 (swapped operands), else `_consumer`."""
         if NQ > 0:
             _consumer_t(q_ptr, q_smem, p_smem, k_smem, v_smem, ready, free, table_ptr, glens_ptr, o_ptr, lse_ptr, s,
                         kvh, split, split_len, dcp_size, dcp_rank, interleave, table_w, num_blocks, st_s, sq_s, sq_h,
@@ -332,8 +277,7 @@ if HAS_GLUON:
         else:
             _consumer(q_ptr, k_smem, v_smem, ready, free, table_ptr, glens_ptr, o_ptr, lse_ptr, s, kvh, split,
                       split_len, dcp_size, dcp_rank, interleave, table_w, num_blocks, st_s, sq_s, sq_h, G, qk_scale,
-                      so_p, so_s, so_h, sl_p, sl_s, PAGE, STAGES, ks_smem, vs_smem, FP8, x_smem, xv_smem, done,
-                      PAR, NCONS)
+                      so_p, so_s, so_h, sl_p, sl_s, PAGE, STAGES, ks_smem, vs_smem, FP8)
 
     @gluon.jit
     def _swap_buffers(NQ: gl.constexpr, dtype: gl.constexpr):
@@ -376,64 +320,34 @@ if HAS_GLUON:
             (_bf16_loader, (k_desc, v_desc, k_ptr, v_ptr, table_ptr, glens_ptr, k_smem, v_smem, ready, free, s, kvh,
                             split, split_len, dcp_size, dcp_rank, interleave, table_w, num_blocks, st_s, sk_b, sk_t,
                             sv_b, sv_t, PAGE, STAGES, AHEAD)),
-        ], [4], [96 if AHEAD == 16 else 64])
+        ], [4], [64])
 
 
     @gluon.jit
     def _fp8_loader(k_desc, v_desc, table_ptr, glens_ptr, kr_smem, vr_smem, raw_ready, raw_free,
                     s, kvh, split, split_len, dcp_size, dcp_rank, interleave, table_w, num_blocks, st_s,
-                    k_ptr, v_ptr, sk_b, sk_t, sv_b, sv_t, PAGE: gl.constexpr, RAW: gl.constexpr,
-                    CP: gl.constexpr = False, STREAM: gl.constexpr = False, ks_desc=None, vs_desc=None,
-                    ksr_smem=None, vsr_smem=None, SCB: gl.constexpr = 0):
-        """Whole fp8 boxes by TMA (a tile lies in its page; the converter zeroes what lies past the end),
-        or with CP by cp.async, 16 bytes a thread of four warps (the load path of the Triton kernel;
-        raw_ready then counts the 128 threads' arrivals). The block ids load four tiles ahead: with
-        one ahead, each tile's TMA waited for an id loaded the tile before (the bf16 loader keeps
-        one: its 32 KB tiles take as long as the round trip)."""
+                    PAGE: gl.constexpr, RAW: gl.constexpr):
+        """Whole fp8 boxes by TMA (a tile lies in its page; the converter zeroes what lies past the end).
+        The block ids load four tiles ahead: with one ahead, each tile's TMA waited for an id loaded
+        the tile before, one memory round trip a tile whatever the ring (the bf16 loader keeps one:
+        its 32 KB tiles take as long as the round trip)."""
         start, end, tiles, bad = _split_range(glens_ptr, s, split, split_len, dcp_size, dcp_rank, interleave,
                                               table_w, PAGE)
-        id_l: gl.constexpr = gl.BlockedLayout([IDS], [32], [4 if CP else 1], [0])
-        if STREAM:
-            cur, nxt = _ids_open(table_ptr, s, st_s, start, end, PAGE, id_l)
-        else:
-            b1, b2, b3, b4 = _ids_window(table_ptr, s, st_s, start, tiles, num_blocks, PAGE)
+        b1, b2, b3, b4 = _ids_window(table_ptr, s, st_s, start, tiles, num_blocks, PAGE)
         for t in range(tiles):
             stage = t % RAW
             j0 = start + t * BLOCK
-            if STREAM:
-                blk, cur, nxt = _ids_take(cur, nxt, table_ptr, s, st_s, start, end, j0, num_blocks, PAGE, id_l)
-            else:
-                blk, b1, b2, b3, b4 = _ids_next(b1, b2, b3, b4, table_ptr, s, st_s, j0, t, tiles, num_blocks, PAGE)
+            blk, b1, b2, b3, b4 = _ids_next(b1, b2, b3, b4, table_ptr, s, st_s, j0, t, tiles, num_blocks, PAGE)
             if t >= RAW:
                 mbarrier.wait(raw_free.index(stage), ((t // RAW) - 1) & 1)
-            if CP:
-                blocked: gl.constexpr = gl.BlockedLayout([1, 16], [8, 4], [4, 1], [1, 0])
-                rows = gl.arange(0, BLOCK, layout=gl.SliceLayout(1, blocked))
-                cols = gl.arange(0, BLOCK, layout=gl.SliceLayout(0, blocked))
-                token = ((j0 % PAGE) + rows).to(gl.int64)[:, None]
-                kb = k_ptr + blk.to(gl.int64) * sk_b + token * sk_t + kvh * (CHUNKS * BLOCK)
-                vb = v_ptr + blk.to(gl.int64) * sv_b + token * sv_t + kvh * (CHUNKS * BLOCK)
-                for c in gl.static_range(CHUNKS):
-                    async_copy.async_copy_global_to_shared(kr_smem.index(stage * CHUNKS + c),
-                                                           kb + (c * BLOCK + cols)[None, :])
-                    async_copy.async_copy_global_to_shared(vr_smem.index(stage * CHUNKS + c),
-                                                           vb + (c * BLOCK + cols)[None, :])
-                async_copy.mbarrier_arrive(raw_ready.index(stage), increment_count=False)
-            else:
-                row = blk * PAGE + j0 % PAGE
-                if SCB > 0:         # (and both scale boxes: every kv head's scales of the tile's tokens)
-                    mbarrier.expect(raw_ready.index(stage), 2 * CHUNKS * k_desc.block_type.nbytes
-                                    + 2 * ks_desc.block_type.nbytes)
-                    tma.async_copy_global_to_shared(ks_desc, [row, 0], raw_ready.index(stage), ksr_smem.index(stage))
-                    tma.async_copy_global_to_shared(vs_desc, [row, 0], raw_ready.index(stage), vsr_smem.index(stage))
-                else:
-                    mbarrier.expect(raw_ready.index(stage), 2 * CHUNKS * k_desc.block_type.nbytes)
-                for c in gl.static_range(CHUNKS):
-                    col = kvh * (CHUNKS * BLOCK) + c * BLOCK
-                    tma.async_copy_global_to_shared(k_desc, [row, col], raw_ready.index(stage),
-                                                    kr_smem.index(stage * CHUNKS + c))
-                    tma.async_copy_global_to_shared(v_desc, [row, col], raw_ready.index(stage),
-                                                    vr_smem.index(stage * CHUNKS + c))
+            row = blk * PAGE + j0 % PAGE
+            mbarrier.expect(raw_ready.index(stage), 2 * CHUNKS * k_desc.block_type.nbytes)
+            for c in gl.static_range(CHUNKS):
+                col = kvh * (CHUNKS * BLOCK) + c * BLOCK
+                tma.async_copy_global_to_shared(k_desc, [row, col], raw_ready.index(stage),
+                                                kr_smem.index(stage * CHUNKS + c))
+                tma.async_copy_global_to_shared(v_desc, [row, col], raw_ready.index(stage),
+                                                vr_smem.index(stage * CHUNKS + c))
 
     @gluon.jit
     def _scales_of(ks_ptr, vs_ptr, table_ptr, s, st_s, j0, end, kvh, num_blocks, ss_b, ss_t, ss_h, svs_b, svs_t,
@@ -460,14 +374,12 @@ if HAS_GLUON:
     @gluon.jit
     def _converter(ks_ptr, vs_ptr, table_ptr, glens_ptr, kr_smem, vr_smem, k_smem, v_smem, ks_smem, vs_smem,
                    raw_ready, raw_free, ready, free, s, kvh, split, split_len, dcp_size, dcp_rank, interleave,
-                   table_w, num_blocks, st_s, ss_b, ss_t, ss_h, svs_b, svs_t, svs_h, ksr_smem, vsr_smem,
+                   table_w, num_blocks, st_s, ss_b, ss_t, ss_h, svs_b, svs_t, svs_h,
                    PAGE: gl.constexpr, STAGES: gl.constexpr, RAW: gl.constexpr, PAR: gl.constexpr = 0,
-                   NCONV: gl.constexpr = 1, SCB: gl.constexpr = 0):
+                   NCONV: gl.constexpr = 1):
         """Each raw fp8 tile (PAR, PAR + NCONV, ...: two converters take alternate tiles) to fp16 in the
         16-bit ring (value rows past the end as zeros; key rows there are masked out of the scores),
-        with the tile's key and value scales (0 past the end): from the raw stage where the loader
-        brought them by TMA (SCB: the boxes' width, every kv head's scales of the tile's tokens), or
-        (SCB 0) loaded here three tiles ahead."""
+        with the tile's key and value scales (0 past the end)."""
         blocked: gl.constexpr = gl.BlockedLayout([1, 16], [8, 4], [4, 1], [1, 0])
         rows = gl.arange(0, BLOCK, layout=gl.SliceLayout(1, blocked))
         vec: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
@@ -476,38 +388,28 @@ if HAS_GLUON:
                                               table_w, PAGE)
         # (the scales load three of this converter's tiles ahead: see `_fp8_loader`)
         step: gl.constexpr = NCONV * BLOCK
-        if SCB > 0:
-            sc_l: gl.constexpr = gl.BlockedLayout([1, SCB], [32, 1], [4, 1], [1, 0])
-            sc_rows = gl.arange(0, BLOCK, layout=gl.SliceLayout(1, sc_l))
-            mine = (gl.arange(0, SCB, layout=gl.SliceLayout(0, sc_l)) == kvh)[None, :]
-        else:
-            k1, v1 = _scales_of(ks_ptr, vs_ptr, table_ptr, s, st_s, start + PAR * BLOCK, end, kvh, num_blocks,
-                                ss_b, ss_t, ss_h, svs_b, svs_t, svs_h, srows, PAGE)
-            k2, v2 = _scales_of(ks_ptr, vs_ptr, table_ptr, s, st_s, start + PAR * BLOCK + step, end, kvh, num_blocks,
-                                ss_b, ss_t, ss_h, svs_b, svs_t, svs_h, srows, PAGE)
-            k3, v3 = _scales_of(ks_ptr, vs_ptr, table_ptr, s, st_s, start + PAR * BLOCK + 2 * step, end, kvh,
-                                num_blocks, ss_b, ss_t, ss_h, svs_b, svs_t, svs_h, srows, PAGE)
+        k1, v1 = _scales_of(ks_ptr, vs_ptr, table_ptr, s, st_s, start + PAR * BLOCK, end, kvh, num_blocks,
+                            ss_b, ss_t, ss_h, svs_b, svs_t, svs_h, srows, PAGE)
+        k2, v2 = _scales_of(ks_ptr, vs_ptr, table_ptr, s, st_s, start + PAR * BLOCK + step, end, kvh, num_blocks,
+                            ss_b, ss_t, ss_h, svs_b, svs_t, svs_h, srows, PAGE)
+        k3, v3 = _scales_of(ks_ptr, vs_ptr, table_ptr, s, st_s, start + PAR * BLOCK + 2 * step, end, kvh, num_blocks,
+                            ss_b, ss_t, ss_h, svs_b, svs_t, svs_h, srows, PAGE)
         for t in range(PAR, tiles, NCONV):
             rs = t % RAW
             stage = t % STAGES
             j0 = start + t * BLOCK
-            if SCB == 0:
-                ks = k1
-                vs = v1
-                k1 = k2
-                v1 = v2
-                k2 = k3
-                v2 = v3
-                k3, v3 = _scales_of(ks_ptr, vs_ptr, table_ptr, s, st_s, j0 + 3 * step, end, kvh, num_blocks,
-                                    ss_b, ss_t, ss_h, svs_b, svs_t, svs_h, srows, PAGE)
+            ks = k1
+            vs = v1
+            k1 = k2
+            v1 = v2
+            k2 = k3
+            v2 = v3
+            k3, v3 = _scales_of(ks_ptr, vs_ptr, table_ptr, s, st_s, j0 + 3 * step, end, kvh, num_blocks,
+                                ss_b, ss_t, ss_h, svs_b, svs_t, svs_h, srows, PAGE)
             mbarrier.wait(raw_ready.index(rs), (t // RAW) & 1)
-            if SCB > 0:     # this kv head's column of the staged boxes (0 past the split's end: NaN there)
-                live = mine & (sc_rows < end - j0)[:, None]
-                ks = gl.sum(gl.where(live, ksr_smem.index(rs).load(sc_l), 0.0), 1)
-                vs = gl.sum(gl.where(live, vsr_smem.index(rs).load(sc_l), 0.0), 1)
             if t >= STAGES:
                 mbarrier.wait(free.index(stage), ((t // STAGES) - 1) & 1)
-            if j0 + BLOCK <= end:       # (the select costs as much as the conversion: the last tile only)
+            if j0 + BLOCK <= end:       # (the select cost as much as the conversion: the last tile only)
                 _convert_tile(kr_smem, vr_smem, k_smem, v_smem, rs, stage, rows, BLOCK, blocked)
             else:
                 _convert_tile(kr_smem, vr_smem, k_smem, v_smem, rs, stage, rows, end - j0, blocked)
@@ -519,14 +421,11 @@ if HAS_GLUON:
             mbarrier.arrive(ready.index(stage))
 
     @gluon.jit
-    def _gqa_decode_ws_fp8_kernel(q_ptr, k_desc, v_desc, k_ptr, v_ptr, ks_ptr, vs_ptr, ks_desc, vs_desc, table_ptr,
-                                  glens_ptr, o_ptr,
-                                  lse_ptr, qk_scale, split_len, G, KV_HEADS, dcp_size, dcp_rank, interleave, table_w,
-                                  num_blocks, st_s, sq_s, sq_h, ss_b, ss_t, ss_h, svs_b, svs_t, svs_h, sk_b, sk_t,
-                                  sv_b, sv_t, so_p, so_s, so_h, sl_p, sl_s, PAGE: gl.constexpr, STAGES: gl.constexpr,
-                                  RAW: gl.constexpr, CONV: gl.constexpr = 1, NQ: gl.constexpr = 0,
-                                  CONS: gl.constexpr = 1, CP: gl.constexpr = False,
-                                  AHEAD: gl.constexpr = 4, SCB: gl.constexpr = 0):
+    def _gqa_decode_ws_fp8_kernel(q_ptr, k_desc, v_desc, ks_ptr, vs_ptr, table_ptr, glens_ptr, o_ptr, lse_ptr,
+                                  qk_scale, split_len, G, KV_HEADS, dcp_size, dcp_rank, interleave, table_w,
+                                  num_blocks, st_s, sq_s, sq_h, ss_b, ss_t, ss_h, svs_b, svs_t, svs_h,
+                                  so_p, so_s, so_h, sl_p, sl_s, PAGE: gl.constexpr, STAGES: gl.constexpr,
+                                  RAW: gl.constexpr, CONV: gl.constexpr = 1, NQ: gl.constexpr = 0):
         pid = gl.program_id(0)
         split = gl.program_id(1)
         s = pid // KV_HEADS
@@ -540,50 +439,13 @@ if HAS_GLUON:
         v_smem = gl.allocate_shared_memory(gl.float16, [STAGES * CHUNKS, BLOCK, BLOCK], box)
         ks_smem = gl.allocate_shared_memory(gl.float32, [STAGES, BLOCK], vec)
         vs_smem = gl.allocate_shared_memory(gl.float32, [STAGES, BLOCK], vec)
-        sc_box: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2)
-        ksr_smem = gl.allocate_shared_memory(gl.float32, [RAW if SCB > 0 else 1, BLOCK, SCB if SCB > 0 else 4],
-                                             sc_box)
-        vsr_smem = gl.allocate_shared_memory(gl.float32, [RAW if SCB > 0 else 1, BLOCK, SCB if SCB > 0 else 4],
-                                             sc_box)
-        gl.static_assert(SCB == 0 or not CP)
-        raw_ready = _ring(RAW, 128 if CP else 1)
+        raw_ready = _ring(RAW, 1)
         raw_free = _ring(RAW, 1)
-        LW: gl.constexpr = 4 if CP else 1        # the loader's warps and registers
-        LR: gl.constexpr = 64 if (CP or AHEAD == 16 or SCB > 0) else 24
         ready = _ring(STAGES, 1)
         free = _ring(STAGES, 1)
         q_smem, p_smem = _swap_buffers(NQ, gl.float16)
-        # two (converter, consumer) pairs: the second consumer's accumulators reach the first in its own
-        # key stages (1 and 3 of 4: free once it is done), its m / l / r / bad rows in xv_smem
-        gl.static_assert(CONS == 1 or (STAGES == 4 and CONV == 2 and NQ == 0))
-        x_smem = k_smem._reinterpret(gl.float32, [STAGES, BLOCK, BLOCK], gl.SwizzledSharedLayout(1, 1, 1, order=[1, 0]))
-        xv_smem = gl.allocate_shared_memory(gl.float32, [4, BLOCK], vec)
-        done = _ring(1, 1).index(0)
         fence_async_shared()
-        if CONS == 2:       # (two converter + consumer pairs on alternate tiles: stages 1 and 3 are the second's)
-            gl.warp_specialize([
-                (_consume, (q_ptr, q_smem, p_smem, k_smem, v_smem, ready, free, table_ptr, glens_ptr, o_ptr, lse_ptr,
-                            s, kvh, split, split_len, dcp_size, dcp_rank, interleave, table_w, num_blocks, st_s, sq_s,
-                            sq_h, G, qk_scale, so_p, so_s, so_h, sl_p, sl_s, ks_smem, vs_smem, PAGE, STAGES, 0,
-                            True, x_smem, xv_smem, done, 0, 2)),
-                (_consume, (q_ptr, q_smem, p_smem, k_smem, v_smem, ready, free, table_ptr, glens_ptr, o_ptr, lse_ptr,
-                            s, kvh, split, split_len, dcp_size, dcp_rank, interleave, table_w, num_blocks, st_s, sq_s,
-                            sq_h, G, qk_scale, so_p, so_s, so_h, sl_p, sl_s, ks_smem, vs_smem, PAGE, STAGES, 0,
-                            True, x_smem, xv_smem, done, 1, 2)),
-                (_converter, (ks_ptr, vs_ptr, table_ptr, glens_ptr, kr_smem, vr_smem, k_smem, v_smem, ks_smem,
-                              vs_smem, raw_ready, raw_free, ready, free, s, kvh, split, split_len, dcp_size,
-                              dcp_rank, interleave, table_w, num_blocks, st_s, ss_b, ss_t, ss_h, svs_b, svs_t, svs_h,
-                              ksr_smem, vsr_smem, PAGE, STAGES, RAW, 0, 2, SCB)),
-                (_converter, (ks_ptr, vs_ptr, table_ptr, glens_ptr, kr_smem, vr_smem, k_smem, v_smem, ks_smem,
-                              vs_smem, raw_ready, raw_free, ready, free, s, kvh, split, split_len, dcp_size,
-                              dcp_rank, interleave, table_w, num_blocks, st_s, ss_b, ss_t, ss_h, svs_b, svs_t, svs_h,
-                              ksr_smem, vsr_smem, PAGE, STAGES, RAW, 1, 2, SCB)),
-                (_fp8_loader, (k_desc, v_desc, table_ptr, glens_ptr, kr_smem, vr_smem, raw_ready, raw_free, s, kvh,
-                               split, split_len, dcp_size, dcp_rank, interleave, table_w, num_blocks, st_s, k_ptr,
-                               v_ptr, sk_b, sk_t, sv_b, sv_t, PAGE, RAW, CP, AHEAD == 16, ks_desc, vs_desc, ksr_smem,
-                               vsr_smem, SCB)),
-            ], [4, 4, 4, LW], [176, 56, 56, LR])
-        elif CONV == 2:     # (two converters on alternate tiles)
+        if CONV == 2:       # (two converters on alternate tiles)
             gl.warp_specialize([
                 (_consume, (q_ptr, q_smem, p_smem, k_smem, v_smem, ready, free, table_ptr, glens_ptr, o_ptr, lse_ptr,
                             s, kvh, split, split_len, dcp_size, dcp_rank, interleave, table_w, num_blocks, st_s, sq_s,
@@ -592,16 +454,15 @@ if HAS_GLUON:
                 (_converter, (ks_ptr, vs_ptr, table_ptr, glens_ptr, kr_smem, vr_smem, k_smem, v_smem, ks_smem,
                               vs_smem, raw_ready, raw_free, ready, free, s, kvh, split, split_len, dcp_size,
                               dcp_rank, interleave, table_w, num_blocks, st_s, ss_b, ss_t, ss_h, svs_b, svs_t, svs_h,
-                              ksr_smem, vsr_smem, PAGE, STAGES, RAW, 0, 2, SCB)),
+                              PAGE, STAGES, RAW, 0, 2)),
                 (_converter, (ks_ptr, vs_ptr, table_ptr, glens_ptr, kr_smem, vr_smem, k_smem, v_smem, ks_smem,
                               vs_smem, raw_ready, raw_free, ready, free, s, kvh, split, split_len, dcp_size,
                               dcp_rank, interleave, table_w, num_blocks, st_s, ss_b, ss_t, ss_h, svs_b, svs_t, svs_h,
-                              ksr_smem, vsr_smem, PAGE, STAGES, RAW, 1, 2, SCB)),
+                              PAGE, STAGES, RAW, 1, 2)),
                 (_fp8_loader, (k_desc, v_desc, table_ptr, glens_ptr, kr_smem, vr_smem, raw_ready, raw_free, s, kvh,
-                               split, split_len, dcp_size, dcp_rank, interleave, table_w, num_blocks, st_s, k_ptr,
-                               v_ptr, sk_b, sk_t, sv_b, sv_t, PAGE, RAW, CP, AHEAD == 16, ks_desc, vs_desc, ksr_smem,
-                               vsr_smem, SCB)),
-            ], [4, 4, LW], [96, 96, LR])
+                               split, split_len, dcp_size, dcp_rank, interleave, table_w, num_blocks, st_s, PAGE,
+                               RAW)),
+            ], [4, 4, 1], [96, 96, 24])
         else:
             gl.warp_specialize([
                 (_consume, (q_ptr, q_smem, p_smem, k_smem, v_smem, ready, free, table_ptr, glens_ptr, o_ptr, lse_ptr,
@@ -611,12 +472,11 @@ if HAS_GLUON:
                 (_converter, (ks_ptr, vs_ptr, table_ptr, glens_ptr, kr_smem, vr_smem, k_smem, v_smem, ks_smem,
                               vs_smem, raw_ready, raw_free, ready, free, s, kvh, split, split_len, dcp_size,
                               dcp_rank, interleave, table_w, num_blocks, st_s, ss_b, ss_t, ss_h, svs_b, svs_t, svs_h,
-                              ksr_smem, vsr_smem, PAGE, STAGES, RAW, 0, 1, SCB)),
+                              PAGE, STAGES, RAW, 0, 1)),
                 (_fp8_loader, (k_desc, v_desc, table_ptr, glens_ptr, kr_smem, vr_smem, raw_ready, raw_free, s, kvh,
-                               split, split_len, dcp_size, dcp_rank, interleave, table_w, num_blocks, st_s, k_ptr,
-                               v_ptr, sk_b, sk_t, sv_b, sv_t, PAGE, RAW, CP, AHEAD == 16, ks_desc, vs_desc, ksr_smem,
-                               vsr_smem, SCB)),
-            ], [4, LW], [96, LR])
+                               split, split_len, dcp_size, dcp_rank, interleave, table_w, num_blocks, st_s, PAGE,
+                               RAW)),
+            ], [4, 1], [96, 24])
 
 
 def gluon_gqa_ok(q: Tensor, k: Tensor, v: Tensor, tq: int, k_scale: Tensor | None = None,
@@ -644,21 +504,14 @@ def launch_gluon_gqa(q: Tensor, k: Tensor, v: Tensor, table: Tensor, seq_lens: T
                      scale_log2: float, splits: int, split_len: int, dcp_size: int, dcp_rank: int, interleave: int,
                      k_scale: Tensor | None = None, v_scale: Tensor | None = None, stages: int = 3,
                      raw_stages: int = 6, converters: int = 1, fp16_stages: int = 2, swap: bool = False,
-                     ids_ahead: int = 1, consumers: int = 1, cp_async: bool = False,
-                     tma_scales: bool = False) -> None:
+                     ids_ahead: int = 1) -> None:
     """Fill the split partials o [splits, S, 1, Hq, 128] / lse [splits, S, 1, Hq] (`gluon_gqa_ok`).
     stages: the bf16 ring's (32 KB each, at most 6); over fp8, raw_stages: the raw ring's (16 KB
     each), converters: 1 or 2 converter warpgroups on alternate tiles, fp16_stages: the 16-bit ring
     after them (2 or 4), the rings cut to what shared memory holds beside the compiler's scratch
     and kept even with two converters (each keeps to its own stages: an mbarrier's phase parity
     tells nothing to a partition two phases behind). swap: the consumer with swapped operands.
-    ids_ahead: the bf16 loader's block ids loaded 1 or 4 tiles ahead (the fp8 loader's: 4), or 16: both
-    loaders' ids as a stream of 16-page chunks (`gluon_mla._ids_open`).
-    consumers: 2 runs the fp8 kernel as two (converter, consumer) pairs on alternate tiles (two
-    converters, a 4-stage fp16 ring, unswapped operands). cp_async: the fp8 loader's tiles by cp.async
-    (four warps) instead of TMA. tma_scales: the fp8 loader brings each tile's scales by TMA too
-    (boxes of every kv head's scales of its 64 tokens: kv heads a multiple of 4, at most 64,
-    contiguous scales, TMA loads), not the converter by loads of its own."""
+    ids_ahead: the bf16 loader's block ids loaded 1 or 4 tiles ahead (the fp8 loader's: 4)."""
     s, _, hq, d = q.shape
     nb, page, hkv = k.shape[0], k.shape[1], k.shape[2]
     nq = max(8, 1 << (hq // hkv - 1).bit_length()) if swap else 0      # (G rounded up to a power of two)
@@ -672,26 +525,14 @@ def launch_gluon_gqa(q: Tensor, k: Tensor, v: Tensor, table: Tensor, seq_lens: T
               table.shape[1], nb, table.stride(0), q.stride(0), q.stride(2))
     tail = (o.stride(0), o.stride(1), o.stride(3), lse.stride(0), lse.stride(1))
     if fp8:     # (shared memory: raw x 16 KB + fp16 x 32 KB + <= 24 KB of scratch <= 227 KB)
-        scb = hkv if (tma_scales and not cp_async and hkv % 4 == 0 and hkv <= 64 and k_scale.is_contiguous()
-                      and v_scale.is_contiguous()) else 0
-        consumers = 2 if consumers == 2 else 1
-        if consumers == 2:
-            converters, fp16_stages, nq = 2, 4, 0
         converters = 2 if converters == 2 else 1
         fp16_stages = max(2, min(fp16_stages, 4) - min(fp16_stages, 4) % 2)
-        raw = max(2, min(raw_stages, (203 - 32 * fp16_stages) * 2 // (32 + scb)))    # (a stage: 16 + scb / 2 KB)
+        raw = max(2, min(raw_stages, (203 - 32 * fp16_stages) // 16))
         raw -= raw % 2 if converters == 2 else 0
-        ks_desc, vs_desc = k_desc, v_desc       # (placeholders where the converter loads the scales)
-        if scb:
-            sc_box = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2)
-            ks2, vs2 = k_scale.view(nb * page, hkv), v_scale.view(nb * page, hkv)
-            ks_desc = TensorDescriptor(ks2, list(ks2.shape), list(ks2.stride()), [_BLOCK, hkv], sc_box)
-            vs_desc = TensorDescriptor(vs2, list(vs2.shape), list(vs2.stride()), [_BLOCK, hkv], sc_box)
         _gqa_decode_ws_fp8_kernel[(s * hkv, splits)](
-            q, k_desc, v_desc, k, v, k_scale, v_scale, ks_desc, vs_desc, *common, *k_scale.stride(), *v_scale.stride(), k.stride(0),
-            k.stride(1), v.stride(0), v.stride(1), *tail, PAGE=page, STAGES=fp16_stages, RAW=raw, CONV=converters,
-            NQ=nq, CONS=consumers, CP=bool(cp_async), AHEAD=16 if ids_ahead == 16 else 4, SCB=scb, num_warps=4)
+            q, k_desc, v_desc, k_scale, v_scale, *common, *k_scale.stride(), *v_scale.stride(), *tail,
+            PAGE=page, STAGES=fp16_stages, RAW=raw, CONV=converters, NQ=nq, num_warps=4)
     else:
         _gqa_decode_ws_kernel[(s * hkv, splits)](
             q, k_desc, v_desc, k, v, *common, k.stride(0), k.stride(1), v.stride(0), v.stride(1), *tail,
-            PAGE=page, STAGES=min(stages, 6), NQ=nq, AHEAD=ids_ahead if ids_ahead in (4, 16) else 1, num_warps=4)
+            PAGE=page, STAGES=min(stages, 6), NQ=nq, AHEAD=4 if ids_ahead == 4 else 1, num_warps=4)

@@ -45,7 +45,6 @@ if HAS_GLUON:
     CHUNKS = gl.constexpr(9)       # 576 / 64: boxes of the latent + rope key
     VCHUNKS = gl.constexpr(4)      # boxes of output dims per warpgroup (2 x 4 x 64 = 512)
     STAGES = gl.constexpr(2)
-    IDS = gl.constexpr(16)         # block ids a chunk of a loader's id stream (`_ids_open`)
 else:  # pragma: no cover
     BLOCK, CHUNKS, VCHUNKS, STAGES = 64, 9, 4, 2
 
@@ -79,36 +78,6 @@ if HAS_GLUON:
     def _ids_next(b1, b2, b3, b4, table_ptr, s, st_s, j0, t, tiles, num_blocks, PAGE: gl.constexpr):
         """(tile t's id, the window moved on: tile t + 4's id starts loading)."""
         return b1, b2, b3, b4, _block_of(table_ptr, s, st_s, j0 + 4 * BLOCK, t + 4 < tiles, num_blocks, PAGE)
-
-    @gluon.jit
-    def _id_chunk(table_ptr, s, st_s, p0, p_end, layout: gl.constexpr):
-        """The table's entries for pages p0 .. p0 + IDS - 1 (0 from p_end on), every thread holding all."""
-        pg = p0 + gl.arange(0, IDS, layout=layout)
-        return gl.load(table_ptr + s.to(gl.int64) * st_s + pg, mask=pg < p_end, other=0)
-
-    @gluon.jit
-    def _ids_open(table_ptr, s, st_s, start, end, PAGE: gl.constexpr, layout: gl.constexpr):
-        """A split's id stream (cur, nxt): the entries of its first two chunks of IDS pages. With ids
-        loaded one or a few tiles ahead, each load's first use (the range clamp) sat a tile or two
-        after it, so a partition waited a memory round trip a tile; a chunk's load is first used
-        IDS pages later."""
-        p0 = start // PAGE
-        p_end = (end + PAGE - 1) // PAGE
-        return _id_chunk(table_ptr, s, st_s, p0, p_end, layout), _id_chunk(table_ptr, s, st_s, p0 + IDS, p_end, layout)
-
-    @gluon.jit
-    def _ids_take(cur, nxt, table_ptr, s, st_s, start, end, j0, num_blocks, PAGE: gl.constexpr,
-                  layout: gl.constexpr):
-        """(the block of the tile at local token j0, clamped into [0, num_blocks) as `_block_of`; the
-        stream moved on: where the tile opens a chunk's first page, nxt becomes cur and the chunk
-        after it starts loading). Tiles must be taken in order."""
-        rel = j0 // PAGE - start // PAGE
-        if (rel % IDS == 0) & (rel > 0) & (j0 % PAGE == 0):
-            cur = nxt
-            nxt = _id_chunk(table_ptr, s, st_s, start // PAGE + rel + IDS, (end + PAGE - 1) // PAGE, layout)
-        idx = gl.arange(0, IDS, layout=layout)
-        blk = gl.sum(gl.where(idx == rel % IDS, cur, 0), 0)
-        return gl.where((blk >= 0) & (blk < num_blocks), blk, 0), cur, nxt
 
     @gluon.jit
     def _softmax_step(sc, m_i, l_i, r_i, w, AXIS: gl.constexpr, FP8: gl.constexpr):

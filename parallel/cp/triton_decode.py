@@ -628,17 +628,6 @@ CONFIG = {
     # converter with a 4-stage fp16 ring 40.0 / 139.4 (Triton 33.4 / 101.8 / 398.0): neither more
     # converters nor more consumers reach the Triton kernel; the bound was not found
     "converters_gluon_gqa_fp8": 1, "stages_gluon_gqa_fp8": 2,
-    # two (converter, consumer) pairs on alternate tiles, each pair's consumer with two stages of
-    # its own (a 4-stage fp16 ring): the runs above doubled one side at a time, and with two
-    # consumers the 2-stage ring left each consumer no stage ahead (unmeasured, 2026-12-04)
-    "consumers_gluon_gqa_fp8": 1,
-    # the fp8 loader by cp.async (four warps, 16 bytes a thread: the Triton kernel's load path, which
-    # bench/debug/decode_stream.py streams at the floor) instead of TMA boxes of 64-byte rows
-    # (unmeasured, 2026-12-04)
-    "cp_async_gluon_gqa_fp8": 0,
-    # the fp8 loader brings each tile's key and value scales by TMA beside its bytes (kv heads a
-    # multiple of 4), so that the converter loads nothing of its own (unmeasured, 2026-12-04)
-    "tma_scales_gluon_gqa_fp8": 0,
     # the consumer with swapped operands (S^T = K Q^T, O^T += V^T P^T: accumulators of the kv head's
     # query columns only, not of 64 padded rows), per cache dtype. decode-gluon-gqa5-h200.json: bf16
     # 35.6 / 125.5 / 485.3 µs against 35.9 / 125.8 / 477.1 unswapped; fp8 147-150 at 32K (one or two
@@ -833,7 +822,7 @@ _VALID = {
     "diag": (0, 1, 2, 3), "f16": (0, 1),
     "gluon_wide": (0, 1), "gluon_wide_fp8": (0, 1), "gluon_wide_narrow": (0, 1), "gluon_wide_narrow_fp8": (0, 1),
     "gluon_gqa": (0, 1), "gluon_gqa_fp8": (0, 1), "stages": range(2, 7), "raw_stages": range(2, 11),
-    "converters": (1, 2), "consumers": (1, 2), "cp_async": (0, 1), "swap": (0, 1), "ids_ahead": (1, 4, 16), "tma_scales": (0, 1),
+    "converters": (1, 2), "swap": (0, 1), "ids_ahead": (1, 4),
     "maxnreg": (0, *range(64, 256, 8)), "at_most": (0, 1), "stage16": (0, 1, 2),
 }
 _META = ("device", "sizes", "seconds", "results", "notes", "problems")
@@ -1039,10 +1028,7 @@ def paged_decode_triton(q: Tensor, k: Tensor, v: Tensor, k_scale: Tensor | None,
                                    converters=CONFIG["converters_gluon_gqa_fp8"],
                                    fp16_stages=CONFIG["stages_gluon_gqa_fp8"],
                                    swap=bool(CONFIG["swap_gluon_gqa_fp8" if fp8 else "swap_gluon_gqa"]),
-                                   ids_ahead=CONFIG["ids_ahead_gluon_gqa"],
-                                   consumers=CONFIG["consumers_gluon_gqa_fp8"],
-                                   cp_async=bool(CONFIG["cp_async_gluon_gqa_fp8"]),
-                                   tma_scales=bool(CONFIG["tma_scales_gluon_gqa_fp8"]))
+                                   ids_ahead=CONFIG["ids_ahead_gluon_gqa"])
     elif s > 0 and splits > 0:
         _paged_decode_kernel[(programs, splits)](
             q, k, v, ks, vs, table, seq_lens, o, lse,
