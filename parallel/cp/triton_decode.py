@@ -603,7 +603,9 @@ CONFIG = {
     # the Gluon loader's conversion bounds it, and 16 heads leave it 4x the tiles per FLOP)
     "gluon_wide_narrow": 1, "gluon_wide_narrow_fp8": 0,
     # its loader's (over fp8: its converter's) block ids loaded 4 tiles ahead instead of after the
-    # stage's wait (1, as measured above): unmeasured (2026-12-04; `gluon_gqa`'s fp8 loader below)
+    # stage's wait (1, as measured above). bench/debug/decode_gluon.py (2026-12-04 afternoon): 16
+    # heads over bf16 29.4 / 83.1 / 307.0 µs (1) against 29.8 / 81.3 / 319.2 (4), 128 heads at 32K
+    # 142.3 against 146.8, fp8 tied: stays 1
     "ids_ahead_wide": 1,
     # GQA (head dim 128, one query token, bf16 queries) through the warp-specialized Gluon kernel
     # (`gluon_gqa`: a TMA loader with a ring of 64-key tiles, over fp8 a converter
@@ -616,8 +618,9 @@ CONFIG = {
     # Triton 38.2-39.3 / 126.9-129.7 / 476-492 µs -> Gluon 35.4-35.8 / 121.2-123.9 / 475.3-476.2 with
     # a 3-stage ring (4 stages: 35.6-36.7 / 123.4-126.4 / 473.4-473.9; 2: 36.5 / 130; 6: 37.1 /
     # 127.1 / 487.0), B 4 at 32K 25.6 -> 23.0. Over fp8 it loses: 33.4-34.0 / 101.5-103.0 / 380-386
-    # -> 42.0-43.1 / 143.8-151.0 / 552-581 (the forms below change it by <= 8%). gluon_gqa_fp8
-    # stays off
+    # -> 42.0-43.1 / 143.8-151.0 / 552-581 (the forms below change it by <= 8%); with the
+    # converter's select on the last tile only (2026-12-04 afternoon) 38.5-39.5 / 135.9-137.0 /
+    # 518-527 against Triton 33.4-34.3 / 102.3-103.5 / 380-394. gluon_gqa_fp8 stays off
     "gluon_gqa": 1, "gluon_gqa_fp8": 0, "target_programs_gluon_gqa": 132,
     # its ring: 16-bit stages over bf16 (32 KB each), raw fp8 stages over fp8 (16 KB each; two
     # fp16 stages after the converter)
@@ -633,17 +636,22 @@ CONFIG = {
     # 35.6 / 125.5 / 485.3 µs against 35.9 / 125.8 / 477.1 unswapped; fp8 147-150 at 32K (one or two
     # converters): the consumer's instructions do not bound either
     "swap_gluon_gqa": 0, "swap_gluon_gqa_fp8": 0,
-    # the bf16 loader's block ids loaded 1 or 4 tiles ahead (the fp8 loader's are 4 ahead; below);
-    # 4 is unmeasured: the 8K rows' fixed part (ring fill) may shrink with it
+    # the bf16 loader's block ids loaded 1 or 4 tiles ahead (the fp8 loader's are 4 ahead; below).
+    # 2026-12-04 afternoon: 35.0 / 121.9 µs (1) against 35.1 / 121.4 (4) at 8K / 32K: stays 1
     "ids_ahead_gluon_gqa": 1,
     # Removed after their runs (code in the history): two consumer warpgroups on alternate tiles,
     # merged in the CTA (commit 8bea930; bf16 37.3-37.5 / 125.6-126.1 / 480.2-480.8 µs with 4 stages,
     # 40.3 / 140.2 with 2; fp8 42.0-42.8 / 143.8-145.1 / 552-555), and each raw fp8 tile as one 64 x
     # 128 TMA box (1703bb6; decode-gluon-gqa6-h200.json: 141.7-146.0 µs at 32K against 140.8-141.6
     # with two 64 x 64 boxes): neither count of TMA requests nor consumers bounded the fp8 kernel.
-    # Every fp8 form ran at ~1.1 µs per 64-key tile, one memory round trip: the loader's next block
-    # id and the converter's next scales were loaded one tile ahead (a chain of dependent loads,
-    # one a tile). Both now load four / three tiles ahead (after those runs: not yet on the GPU)
+    # Every fp8 form ran at ~1.1 µs per 64-key tile. Measured on 2026-12-04 afternoon and removed
+    # again (none faster; docs/gpu.md section 19 has the numbers and the profiles): the loader's ids
+    # four ahead and the scales three ahead (the form kept), two (converter, consumer) pairs on
+    # alternate tiles (commit 24c2e19), the fp8 tiles by cp.async instead of TMA (07bd670), the ids
+    # as a stream of 16-page chunks and the scales by TMA beside the tiles (b7464cb). Nsight
+    # Compute's stall samples put the one-pair kernel's bound in its consumer: 587 instructions a
+    # tile at ~3 cycles each (the converter and loader wait for it); with two pairs each consumer
+    # ran at half that rate.
     #
     # the DCP group size and interleave as compile-time constants (a build per group; 0/1). GQA
     # over fp8 read the same 32768 slots per sequence in 385-387 µs launched as a group of 1
