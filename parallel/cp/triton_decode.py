@@ -645,7 +645,7 @@ CONFIG = {
     # 128 TMA box (1703bb6; decode-gluon-gqa6-h200.json: 141.7-146.0 µs at 32K against 140.8-141.6
     # with two 64 x 64 boxes): neither count of TMA requests nor consumers bounded the fp8 kernel.
     # Every fp8 form ran at ~1.1 µs per 64-key tile. Measured on 2026-12-04 afternoon and removed
-    # again (none faster; docs/gpu.md section 19 has the numbers and the profiles): the loader's ids
+    # again (none faster; docs/gpu.md section 18 has the numbers and the profiles): the loader's ids
     # four ahead and the scales three ahead (the form kept), two (converter, consumer) pairs on
     # alternate tiles (commit 24c2e19), the fp8 tiles by cp.async instead of TMA (07bd670), the ids
     # as a stream of 16-page chunks and the scales by TMA beside the tiles (b7464cb). Nsight
