@@ -11,7 +11,7 @@ cudaProfilerStart / Stop, for Nsight Compute:
 
 profiles the Gluon GQA kernel (`parallel.cp.gluon_gqa`) over bf16 and over fp8 (CONFIG
 gluon_gqa_fp8 forced on) instead, same problem (`bash bench/run_owed.sh ncugqa`). DECODE_NCU_CONFIG
-(JSON) sets CONFIG entries first.
+(JSON) sets CONFIG entries first; DECODE_NCU_MLA_FP8=1 gives the MLA call an fp8 cache.
 """
 
 from __future__ import annotations
@@ -45,7 +45,8 @@ def main(gluon_gqa: bool) -> None:
             q, cache, table, seq, layout=layout, scale=d ** -0.5, backend="triton", max_seq_len=context))
     if not gluon_gqa:
         dims, mla_context = MLADims(), 8192
-        latent, table = _mla_decode_setup(batch, mla_context, dims, page, n, dev, torch.bfloat16)
+        mla_dtype = torch.float8_e4m3fn if os.environ.get("DECODE_NCU_MLA_FP8") else torch.bfloat16
+        latent, table = _mla_decode_setup(batch, mla_context, dims, page, n, dev, mla_dtype)
         q_mla = torch.randn(batch, 128, dims.latent_dim, device=dev, dtype=torch.bfloat16)
         seq_mla = torch.full((batch,), mla_context, device=dev)
         calls.append(lambda: paged_decode_attention(q_mla, latent.paged, table, seq_mla, layout=layout,
