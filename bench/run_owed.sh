@@ -7,7 +7,7 @@
 # FP8-GEMM-alone sweep at V3 L2; dectiming: bench/debug/decode_timing.py; dgluon: bench/debug/decode_gluon.py; dgqa:
 # bench/debug/decode_gluon_gqa.py; dstream: bench/debug/decode_stream.py; dsplits:
 # bench/debug/decode_splits.py; ncugqa: Nsight Compute over bench/debug/decode_ncu.py gluon-gqa;
-# ncusrc: its per-instruction stall samples (SASS, csv) for the kernel NCU_KERNEL names)
+# ncusrc: per-instruction stall samples (SASS, csv) of the kernel NCU_KERNEL names, decode_ncu.py NCU_ARGS)
 # Each step runs under `timeout` (its own limit, cut to what is left of DEADLINE, default 570 s
 # from the start), logs to STEP.log and writes its results beside it; a step that would get
 # under 20 s is skipped and said so. Everything is packed into $OUT/owed.tgz at exit (the device
@@ -78,7 +78,7 @@ for s in "$@"; do
                   if [ -z "$N" ]; then echo "ncu: not on this machine"; exit 3; fi; \
                   "$N" --clock-control none --profile-from-start off --kernel-name regex:${NCU_KERNEL:-_gqa_decode_ws_fp8} \
                   --section SourceCounters --section WarpStateStats --page source --print-source sass --csv \
-                  python3 bench/debug/decode_ncu.py gluon-gqa' ;;
+                  python3 bench/debug/decode_ncu.py ${NCU_ARGS-gluon-gqa}' ;;
     mlaprep)    step mlaprep "${MLAPREP_LIMIT:-120}" python3 bench/debug/mla_prep_sweep.py "$res/mla-prep-sweep.json" ;;
     prefill2)   step prefill2 "${PREFILL_LIMIT:-180}" python3 -m megapar.launch.bench.gemm --probe --sections prefill2 --out "$res/prefill2" ;;
     quantprobe) step quantprobe "${QPROBE_LIMIT:-170}" python3 -m megapar.launch.bench.quant --probe --out "$res/quantprobe" ;;
