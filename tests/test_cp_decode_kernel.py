@@ -648,10 +648,18 @@ def test_gluon_mla_kernel_over_fp8_on_gpu(heads, monkeypatch):
     ahead = paged_decode_attention(q, cache, table, seq, scale=0.07, backend="triton")
     torch.testing.assert_close(ahead.out, got.out, atol=0, rtol=0)
     monkeypatch.setitem(td.CONFIG, "ids_ahead_wide", 1)
-    bad = table.clone()
-    bad[4, 0] = cache.k.shape[0] + 1
-    nan = paged_decode_attention(q, cache, bad, seq, scale=0.07, backend="triton", validate=False)
-    assert torch.isnan(nan.lse[4]).all() and torch.isfinite(nan.lse[0]).all()
+    assert cache.k_scale.is_contiguous()        # (else the raw ring does not apply)
+    for raw in (1, 2):      # a raw TMA ring in front of the converter: the same conversion, the same result
+        monkeypatch.setitem(td.CONFIG, "raw_ring_wide_fp8", raw)
+        ringed = paged_decode_attention(q, cache, table, seq, scale=0.07, backend="triton")
+        torch.testing.assert_close(ringed.out, got.out, atol=0, rtol=0)
+        torch.testing.assert_close(ringed.lse, got.lse, atol=0, rtol=0)
+    for raw in (0, 2):
+        monkeypatch.setitem(td.CONFIG, "raw_ring_wide_fp8", raw)
+        bad = table.clone()
+        bad[4, 0] = cache.k.shape[0] + 1
+        nan = paged_decode_attention(q, cache, bad, seq, scale=0.07, backend="triton", validate=False)
+        assert torch.isnan(nan.lse[4]).all() and torch.isfinite(nan.lse[0]).all()
 
 
 def test_gluon_gqa_applies_only_to_its_layout():

@@ -4,7 +4,8 @@ against the Triton kernel: max abs error of both against the torch path on awkwa
 calls timed with `common.step_time` (ten a CUDA graph, alternating, two rounds) for MLA with 16
 heads (TP 8: one head tile padded to 64 rows, CONFIG gluon_wide_narrow; and with the block ids
 loaded four tiles ahead, CONFIG ids_ahead_wide 4) over rank 0's 1/4 of
-B = 32 sequences of L = 8K, 32K, 128K (bf16) and 8K, 32K (fp8), and 128 heads at 32K (bf16).
+B = 32 sequences: 128 heads over fp8 at L = 8K, 32K, 128K and 16 at 32K (the raw TMA ring of CONFIG
+raw_ring_wide_fp8 1 / 2 beside the converter's own loads), 128 heads over bf16 at 32K.
 
     python bench/debug/decode_gluon.py OUT.json        # on the GPU
 """
@@ -64,9 +65,11 @@ def _check(rows: list, dtype: torch.dtype, heads: int = 128) -> None:
         q = torch.randn(len(lens), heads, dims.latent_dim, device="cuda", generator=gen).to(torch.bfloat16)
         seq = torch.tensor(lens, device="cuda")
         ref = paged_decode_attention(q, ref_cache, table, seq, layout=layout, scale=dims.scale, backend="torch")
-        for name, on, ahead in (("triton", 0, 1), ("gluon", 1, 1), ("gluon ids4", 1, 4)):
+        for name, on, ahead, raw in (("triton", 0, 1, 0), ("gluon", 1, 1, 0), ("gluon ids4", 1, 4, 0),
+                                     ("gluon raw1", 1, 1, 1), ("gluon raw2", 1, 1, 2)):
             triton_decode.CONFIG[key] = on
             triton_decode.CONFIG["ids_ahead_wide"] = ahead
+            triton_decode.CONFIG["raw_ring_wide_fp8"] = raw
             got = paged_decode_attention(q, cache, table, seq, layout=layout, scale=dims.scale, backend="triton")
             torch.cuda.synchronize()
             fin = torch.isfinite(ref.lse)
@@ -94,8 +97,8 @@ def main(path: str) -> None:
             _check(rows, dtype, heads)
             triton_decode.CONFIG["gluon_wide_narrow"] = 1
     dims = MLADims()
-    for dtype, context, heads in ((torch.bfloat16, 8192, 16), (torch.bfloat16, 32768, 16), (torch.bfloat16, 131072, 16),
-                                  (torch.float8_e4m3fn, 8192, 16), (torch.float8_e4m3fn, 32768, 16),
+    for dtype, context, heads in ((torch.float8_e4m3fn, 8192, 128), (torch.float8_e4m3fn, 32768, 128),
+                                  (torch.float8_e4m3fn, 131072, 128), (torch.float8_e4m3fn, 32768, 16),
                                   (torch.bfloat16, 32768, 128)):
         key = "gluon_wide_fp8" if dtype == torch.float8_e4m3fn else "gluon_wide"
         latent, table = _mla_decode_setup(32, context, dims, 64, 4, ctx.device, dtype)
@@ -108,10 +111,13 @@ def main(path: str) -> None:
         triton_decode.CONFIG[key] = 0
         ref = call()
         for rep in range(2):
-            for name, on, ahead in (("triton", 0, 1), ("gluon", 1, 1), ("gluon ids4", 1, 4)):
+            for name, on, raw in (("triton", 0, 0), ("gluon", 1, 0), ("gluon raw1", 1, 1), ("gluon raw2", 1, 2)):
+                if raw and dtype != torch.float8_e4m3fn:
+                    continue
                 triton_decode.CONFIG[key] = on
                 triton_decode.CONFIG["gluon_wide_narrow"] = on
-                triton_decode.CONFIG["ids_ahead_wide"] = ahead
+                triton_decode.CONFIG["gluon_wide_narrow_fp8"] = on
+                triton_decode.CONFIG["raw_ring_wide_fp8"] = raw
                 got = call()
                 err = max((got.out - ref.out).abs().max().item(), (got.lse - ref.lse).abs().max().item())
                 us, cols = step_time(ctx, [call])

@@ -181,7 +181,8 @@ if HAS_GLUON:
     def _scores_and_low_half(q_smem, k_smem, p_smem, a_smem, q_bar, ready, free, p_ready, p_free,
                              table_ptr, glens_ptr, o_ptr, lse_ptr, s, head0_in_seq, split, split_len, dcp_size,
                              dcp_rank, interleave, table_w, num_blocks, st_s, qk_scale, so_p, so_s, so_h, sl_p, sl_s, HQ,
-                             PAGE: gl.constexpr, ks_smem=None, qf_smem=None, FP8: gl.constexpr = False):
+                             PAGE: gl.constexpr, ks_smem=None, qf_smem=None, FP8: gl.constexpr = False,
+                             RING: gl.constexpr = STAGES):
         """FP8 (fp16 operands over an fp8 cache): the scores take the query rows' powers of two
         (qf_smem) and the keys' scales (ks_smem); the weights p * scale go to fp16 over a running
         per-row unit r (the largest weight so far: no fp16 overflow), the accumulators are kept in
@@ -203,11 +204,11 @@ if HAS_GLUON:
         if FP8:
             qk_rows = qf_smem.load(row_l) * qk_scale
         for t in range(tiles):
-            stage = t % STAGES
+            stage = t % RING
             j0 = start + t * BLOCK
             blk = gl.load(table_ptr + s.to(gl.int64) * st_s + j0 // PAGE)
             bad = bad | (blk < 0) | (blk >= num_blocks)
-            mbarrier.wait(ready.index(stage), (t // STAGES) & 1)
+            mbarrier.wait(ready.index(stage), (t // RING) & 1)
             sc = gl.zeros([BLOCK, BLOCK], gl.float32, mma)
             for c in gl.static_range(CHUNKS):
                 sc = warpgroup_mma(q_smem.index(c), k_smem.index(stage * CHUNKS + c).permute((1, 0)), sc,
@@ -243,7 +244,8 @@ if HAS_GLUON:
 
     @gluon.jit
     def _high_half(k_smem, p_smem, a_smem, ready, free, p_ready, p_free, glens_ptr, o_ptr, s, head0_in_seq, split,
-                   split_len, dcp_size, dcp_rank, interleave, table_w, so_p, so_s, so_h, HQ, PAGE: gl.constexpr):
+                   split_len, dcp_size, dcp_rank, interleave, table_w, so_p, so_s, so_h, HQ, PAGE: gl.constexpr,
+                   RING: gl.constexpr = STAGES):
         mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 64, 16])
         row_l: gl.constexpr = gl.SliceLayout(1, mma)
         col_l: gl.constexpr = gl.SliceLayout(0, mma)
@@ -254,8 +256,8 @@ if HAS_GLUON:
         o2 = gl.zeros([BLOCK, BLOCK], gl.float32, mma)
         o3 = gl.zeros([BLOCK, BLOCK], gl.float32, mma)
         for t in range(tiles):
-            stage = t % STAGES
-            mbarrier.wait(ready.index(stage), (t // STAGES) & 1)
+            stage = t % RING
+            mbarrier.wait(ready.index(stage), (t // RING) & 1)
             mbarrier.wait(p_ready, t & 1)
             alpha = a_smem.load(row_l)
             o0, o1, o2, o3 = _pv(o0, o1, o2, o3, alpha, p_smem, k_smem, stage * CHUNKS + 4)
@@ -271,19 +273,19 @@ if HAS_GLUON:
                             head0_in_seq + rows < HQ)
 
     @gluon.jit
-    def _barriers():
+    def _barriers(RING: gl.constexpr = STAGES):
         """The kernels' mbarriers, initialized: q_bar (the queries are in), ready / free per ring stage
         (a tile is in / both warpgroups are done with it), p_ready / p_free (a tile's weights and
         factors are published / warpgroup 1 is done with them)."""
         q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-        ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        free = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        ready = gl.allocate_shared_memory(gl.int64, [RING, 1], mbarrier.MBarrierLayout())
+        free = gl.allocate_shared_memory(gl.int64, [RING, 1], mbarrier.MBarrierLayout())
         p_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
         p_free = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
         mbarrier.init(q_bar, count=1)
         mbarrier.init(p_ready, count=1)
         mbarrier.init(p_free, count=1)
-        for i in gl.static_range(STAGES):
+        for i in gl.static_range(RING):
             mbarrier.init(ready.index(i), count=1)
             mbarrier.init(free.index(i), count=2)
         fence_async_shared()
@@ -322,10 +324,12 @@ if HAS_GLUON:
     @gluon.jit
     def _converter(q_ptr, k_ptr, ks_ptr, table_ptr, glens_ptr, q_smem, qf_smem, k_smem, ks_smem, q_bar, ready, free,
                    s, head0, split, split_len, dcp_size, dcp_rank, interleave, table_w, num_blocks, st_s, sk_b, sk_t,
-                   ss_b, ss_t, q_rows, PAGE: gl.constexpr, AHEAD: gl.constexpr = 1):
+                   ss_b, ss_t, q_rows, PAGE: gl.constexpr, AHEAD: gl.constexpr = 1, kr_smem=None, ksr_smem=None,
+                   raw_ready=None, raw_free=None, RAW: gl.constexpr = 0, RING: gl.constexpr = STAGES):
         """The fp8 kernel's loader: the 64 query rows to fp16, each times a power of two 2^e that puts
         its largest magnitude in [2^14, 2^15) (qf_smem holds 2^-e), then each key tile's fp8 rows
-        (zeros past the split's end) converted to fp16 and its scales into the ring's stage."""
+        (zeros past the split's end) converted to fp16 and its scales into the ring's stage: loaded
+        here (RAW 0), or from the raw ring of RAW stages `_raw_loader` fills by TMA."""
         blocked: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
         rows = gl.arange(0, BLOCK, layout=gl.SliceLayout(1, blocked))
         cols = gl.arange(0, BLOCK, layout=gl.SliceLayout(0, blocked))
@@ -346,6 +350,10 @@ if HAS_GLUON:
         mbarrier.arrive(q_bar)
         start, end, tiles, bad = _split_range(glens_ptr, s, split, split_len, dcp_size, dcp_rank, interleave,
                                               table_w, PAGE)
+        if RAW > 0:
+            _convert_raw(kr_smem, ksr_smem, k_smem, ks_smem, raw_ready, raw_free, ready, free, start, end, tiles,
+                         RAW, RING)
+            return
         if AHEAD == 4:      # (`_loader`'s AHEAD: ids four tiles ahead)
             b1, b2, b3, b4 = _ids_window(table_ptr, s, st_s, start, tiles, num_blocks, PAGE)
         for t in range(tiles):
@@ -371,10 +379,64 @@ if HAS_GLUON:
             mbarrier.arrive(ready.index(stage))
 
     @gluon.jit
+    def _convert_raw(kr_smem, ksr_smem, k_smem, ks_smem, raw_ready, raw_free, ready, free, start, end, tiles,
+                     RAW: gl.constexpr, RING: gl.constexpr):
+        """Each raw fp8 tile (nine 64 x 64 boxes and its 64 scales, by TMA) to fp16 in the ring's
+        stage; rows past the split's end as zeros (the last tile only) and their scales 0."""
+        blocked: gl.constexpr = gl.BlockedLayout([1, 16], [8, 4], [4, 1], [1, 0])
+        rows = gl.arange(0, BLOCK, layout=gl.SliceLayout(1, blocked))
+        vec: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
+        srows = gl.arange(0, BLOCK, layout=vec)
+        for t in range(tiles):
+            rs = t % RAW
+            stage = t % RING
+            valid = end - (start + t * BLOCK)
+            mbarrier.wait(raw_ready.index(rs), (t // RAW) & 1)
+            if t >= RING:
+                mbarrier.wait(free.index(stage), ((t // RING) - 1) & 1)
+            for c in gl.static_range(CHUNKS):
+                kx = kr_smem.index(rs * CHUNKS + c).load(blocked).to(gl.float16)
+                if valid < BLOCK:
+                    kx = gl.where((rows < valid)[:, None], kx, 0.0)
+                k_smem.index(stage * CHUNKS + c).store(kx)
+            ks_smem.index(stage).store(gl.where(srows < valid, ksr_smem.index(rs).reshape([BLOCK]).load(vec), 0.0))
+            fence_async_shared()
+            gl.thread_barrier()
+            mbarrier.arrive(raw_free.index(rs))
+            mbarrier.arrive(ready.index(stage))
+
+    @gluon.jit
+    def _raw_loader(k_desc, ks_desc, table_ptr, glens_ptr, kr_smem, ksr_smem, raw_ready, raw_free, s, split,
+                    split_len, dcp_size, dcp_rank, interleave, table_w, num_blocks, st_s, PAGE: gl.constexpr,
+                    RAW: gl.constexpr):
+        """(one warp) Each key tile's nine fp8 boxes of 64 keys x 64 dims and its 64 scales by TMA into
+        the raw ring (whole boxes: a tile lies in its page; the converter zeroes what lies past the
+        end), the block ids one tile ahead."""
+        start, end, tiles, bad = _split_range(glens_ptr, s, split, split_len, dcp_size, dcp_rank, interleave,
+                                              table_w, PAGE)
+        blk_next = _block_of(table_ptr, s, st_s, start, tiles > 0, num_blocks, PAGE)
+        for t in range(tiles):
+            rs = t % RAW
+            j0 = start + t * BLOCK
+            blk = blk_next
+            blk_next = _block_of(table_ptr, s, st_s, j0 + BLOCK, t + 1 < tiles, num_blocks, PAGE)
+            if t >= RAW:
+                mbarrier.wait(raw_free.index(rs), ((t // RAW) - 1) & 1)
+            mbarrier.expect(raw_ready.index(rs), CHUNKS * k_desc.block_type.nbytes + ks_desc.block_type.nbytes)
+            row = blk * PAGE + j0 % PAGE
+            for c in gl.static_range(CHUNKS):
+                tma.async_copy_global_to_shared(k_desc, [row, c * BLOCK], raw_ready.index(rs),
+                                                kr_smem.index(rs * CHUNKS + c))
+            tma.async_copy_global_to_shared(ks_desc, [blk, j0 % PAGE], raw_ready.index(rs), ksr_smem.index(rs))
+
+    @gluon.jit
     def _mla_decode_ws_fp8_kernel(q_ptr, k_ptr, ks_ptr, table_ptr, glens_ptr, o_ptr, lse_ptr,
                                   qk_scale, split_len, M_TILES, HQ, dcp_size, dcp_rank, interleave, table_w, num_blocks,
                                   st_s, sk_b, sk_t, ss_b, ss_t, so_p, so_s, so_h, sl_p, sl_s, PAGE: gl.constexpr,
-                                  AHEAD: gl.constexpr = 1):
+                                  AHEAD: gl.constexpr = 1, k_desc=None, ks_desc=None, RAW: gl.constexpr = 0):
+        """RAW 0: the converter loads each tile's fp8 rows itself (two fp16 stages); RAW > 0: a TMA
+        loader fills a raw ring of RAW fp8 tiles in front of it and the fp16 ring has one stage
+        (shared memory: queries 72 KB + fp16 stage 72 KB + raw 36 KB each + weights 8 KB)."""
         pid = gl.program_id(0)
         split = gl.program_id(1)
         s = pid // M_TILES
@@ -383,12 +445,41 @@ if HAS_GLUON:
         box: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK, BLOCK], gl.float16)
         vec: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[0])
         q_smem = gl.allocate_shared_memory(gl.float16, [CHUNKS, BLOCK, BLOCK], box)
-        k_smem = gl.allocate_shared_memory(gl.float16, [STAGES * CHUNKS, BLOCK, BLOCK], box)
+        RING: gl.constexpr = 1 if RAW > 0 else STAGES
+        k_smem = gl.allocate_shared_memory(gl.float16, [RING * CHUNKS, BLOCK, BLOCK], box)
         p_smem = gl.allocate_shared_memory(gl.float16, [BLOCK, BLOCK], box)
         a_smem = gl.allocate_shared_memory(gl.float32, [BLOCK], vec)
         qf_smem = gl.allocate_shared_memory(gl.float32, [BLOCK], vec)
-        ks_smem = gl.allocate_shared_memory(gl.float32, [STAGES, BLOCK], vec)
-        q_bar, ready, free, p_ready, p_free = _barriers()
+        ks_smem = gl.allocate_shared_memory(gl.float32, [RING, BLOCK], vec)
+        q_bar, ready, free, p_ready, p_free = _barriers(RING)
+        if RAW > 0:
+            raw_box: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK, BLOCK], gl.float8e4nv)
+            sc_box: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2)
+            kr_smem = gl.allocate_shared_memory(gl.float8e4nv, [RAW * CHUNKS, BLOCK, BLOCK], raw_box)
+            ksr_smem = gl.allocate_shared_memory(gl.float32, [RAW, 1, BLOCK], sc_box)
+            raw_ready = gl.allocate_shared_memory(gl.int64, [RAW, 1], mbarrier.MBarrierLayout())
+            raw_free = gl.allocate_shared_memory(gl.int64, [RAW, 1], mbarrier.MBarrierLayout())
+            for i in gl.static_range(RAW):
+                mbarrier.init(raw_ready.index(i), count=1)
+                mbarrier.init(raw_free.index(i), count=1)
+            fence_async_shared()
+            gl.warp_specialize([
+                (_scores_and_low_half, (q_smem, k_smem, p_smem, a_smem, q_bar, ready, free, p_ready, p_free,
+                                        table_ptr, glens_ptr, o_ptr, lse_ptr, s, head0_in_seq, split, split_len,
+                                        dcp_size, dcp_rank, interleave, table_w, num_blocks, st_s, qk_scale, so_p,
+                                        so_s, so_h, sl_p, sl_s, HQ, PAGE, ks_smem, qf_smem, True, RING)),
+                (_high_half, (k_smem, p_smem, a_smem, ready, free, p_ready, p_free, glens_ptr, o_ptr, s,
+                              head0_in_seq, split, split_len, dcp_size, dcp_rank, interleave, table_w, so_p, so_s,
+                              so_h, HQ, PAGE, RING)),
+                (_converter, (q_ptr, k_ptr, ks_ptr, table_ptr, glens_ptr, q_smem, qf_smem, k_smem, ks_smem, q_bar,
+                              ready, free, s, head0, split, split_len, dcp_size, dcp_rank, interleave, table_w,
+                              num_blocks, st_s, sk_b, sk_t, ss_b, ss_t, HQ - head0_in_seq, PAGE, AHEAD, kr_smem,
+                              ksr_smem, raw_ready, raw_free, RAW, RING)),
+                (_raw_loader, (k_desc, ks_desc, table_ptr, glens_ptr, kr_smem, ksr_smem, raw_ready, raw_free, s,
+                               split, split_len, dcp_size, dcp_rank, interleave, table_w, num_blocks, st_s, PAGE,
+                               RAW)),
+            ], [4, 4, 1], [168, 64, 24])
+            return
         gl.warp_specialize([
             (_scores_and_low_half, (q_smem, k_smem, p_smem, a_smem, q_bar, ready, free, p_ready, p_free, table_ptr,
                                     glens_ptr, o_ptr, lse_ptr, s, head0_in_seq, split, split_len, dcp_size, dcp_rank,
@@ -427,19 +518,29 @@ def gluon_mla_ok(q: Tensor, k: Tensor, v: Tensor, tq: int, page: int, k_scale: T
 
 def launch_gluon_mla(q: Tensor, k: Tensor, table: Tensor, seq_lens: Tensor, o: Tensor, lse: Tensor, scale_log2: float,
                      splits: int, split_len: int, dcp_size: int, dcp_rank: int, interleave: int,
-                     k_scale: Tensor | None = None, ids_ahead: int = 1) -> None:
+                     k_scale: Tensor | None = None, ids_ahead: int = 1, raw_ring: int = 0) -> None:
     """Fill the split partials o [splits, S, 1, Hq, 512] / lse [splits, S, 1, Hq] (`gluon_mla_ok`;
-    k_scale: the fp8 cache's per-token scales; ids_ahead: block ids loaded 1 or 4 tiles ahead)."""
+    k_scale: the fp8 cache's per-token scales; ids_ahead: block ids loaded 1 or 4 tiles ahead;
+    raw_ring: over fp8, a TMA ring of that many raw fp8 tiles (1 or 2) in front of the converter, with
+    one fp16 stage after it, where the scales are contiguous [nb, page, 1]; 0: the converter loads)."""
     ahead = 4 if ids_ahead == 4 else 1
     s, _, hq, d = q.shape
     nb, page = k.shape[0], k.shape[1]
     m_tiles = -(-hq // _BLOCK)
     tail = (o.stride(0), o.stride(1), o.stride(3), lse.stride(0), lse.stride(1))
     if k.dtype == torch.float8_e4m3fn:
+        raw = min(max(int(raw_ring), 0), 2) if k_scale.is_contiguous() else 0
+        descs = {}
+        if raw:
+            raw_box = gl.NVMMASharedLayout.get_default_for([_BLOCK, _BLOCK], gl.float8e4nv)
+            sc_box = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2)
+            k2, ks2 = k.view(nb * page, d), k_scale.view(nb, page)
+            descs = {"k_desc": TensorDescriptor(k2, list(k2.shape), list(k2.stride()), [_BLOCK, _BLOCK], raw_box),
+                     "ks_desc": TensorDescriptor(ks2, list(ks2.shape), list(ks2.stride()), [1, _BLOCK], sc_box)}
         _mla_decode_ws_fp8_kernel[(s * m_tiles, splits)](
             q, k, k_scale, table, seq_lens, o, lse, scale_log2, split_len, m_tiles, hq, dcp_size, dcp_rank,
             interleave, table.shape[1], nb, table.stride(0), k.stride(0), k.stride(1), k_scale.stride(0),
-            k_scale.stride(1), *tail, PAGE=page, AHEAD=ahead, num_warps=4)
+            k_scale.stride(1), *tail, PAGE=page, AHEAD=ahead, RAW=raw, num_warps=4, **descs)
         return
     box = gl.NVMMASharedLayout.get_default_for([_BLOCK, _BLOCK], gl.bfloat16)
     q2 = q.view(s * hq, d)

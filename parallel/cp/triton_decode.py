@@ -607,6 +607,11 @@ CONFIG = {
     # heads over bf16 29.4 / 83.1 / 307.0 µs (1) against 29.8 / 81.3 / 319.2 (4), 128 heads at 32K
     # 142.3 against 146.8, fp8 tied: stays 1
     "ids_ahead_wide": 1,
+    # over fp8: a TMA ring of this many raw fp8 tiles (1 or 2) in front of the Gluon kernel's
+    # converter, with one fp16 stage after it (0: the converter loads the tiles itself into two fp16
+    # stages). Nsight Compute put the fp8 kernel's bound in those loads (docs/gpu.md section 18);
+    # unmeasured (2026-12-04)
+    "raw_ring_wide_fp8": 0,
     # GQA (head dim 128, one query token, bf16 queries) through the warp-specialized Gluon kernel
     # (`gluon_gqa`: a TMA loader with a ring of 64-key tiles, over fp8 a converter
     # warpgroup to fp16, one consumer warpgroup), per cache dtype, where `gluon_gqa_ok` holds; one
@@ -830,7 +835,7 @@ _VALID = {
     "diag": (0, 1, 2, 3), "f16": (0, 1),
     "gluon_wide": (0, 1), "gluon_wide_fp8": (0, 1), "gluon_wide_narrow": (0, 1), "gluon_wide_narrow_fp8": (0, 1),
     "gluon_gqa": (0, 1), "gluon_gqa_fp8": (0, 1), "stages": range(2, 7), "raw_stages": range(2, 11),
-    "converters": (1, 2), "swap": (0, 1), "ids_ahead": (1, 4),
+    "converters": (1, 2), "swap": (0, 1), "ids_ahead": (1, 4), "raw_ring": (0, 1, 2),
     "maxnreg": (0, *range(64, 256, 8)), "at_most": (0, 1), "stage16": (0, 1, 2),
 }
 _META = ("device", "sizes", "seconds", "results", "notes", "problems")
@@ -1028,7 +1033,8 @@ def paged_decode_triton(q: Tensor, k: Tensor, v: Tensor, k_scale: Tensor | None,
     table = block_table if block_table.stride(-1) == 1 else block_table.contiguous()
     if s > 0 and splits > 0 and gluon:
         gluon_mla.launch_gluon_mla(q, k, table, seq_lens, o, lse, scale * _LOG2E, splits, split_len, dcp_size,
-                                   dcp_rank, interleave, k_scale if fp8 else None, ids_ahead=CONFIG["ids_ahead_wide"])
+                                   dcp_rank, interleave, k_scale if fp8 else None, ids_ahead=CONFIG["ids_ahead_wide"],
+                                   raw_ring=CONFIG["raw_ring_wide_fp8"])
     elif s > 0 and splits > 0 and gqa_ws:
         gluon_gqa.launch_gluon_gqa(q, k, v, table, seq_lens, o, lse, scale * _LOG2E, splits, split_len, dcp_size,
                                    dcp_rank, interleave, k_scale if fp8 else None, v_scale if fp8 else None,
