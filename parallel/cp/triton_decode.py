@@ -609,9 +609,10 @@ CONFIG = {
     "ids_ahead_wide": 1,
     # over fp8: a TMA ring of this many raw fp8 tiles (1 or 2) in front of the Gluon kernel's
     # converter, with one fp16 stage after it (0: the converter loads the tiles itself into two fp16
-    # stages). Nsight Compute put the fp8 kernel's bound in those loads (docs/gpu.md section 18);
-    # unmeasured (2026-12-04)
-    "raw_ring_wide_fp8": 0,
+    # stages; Nsight Compute had put the kernel's bound in those loads, docs/gpu.md section 18).
+    # bench/debug/decode_gluon.py (2026-12-04, decode-gluon6-h200.json; 128 heads, 1/4 of 8K / 32K
+    # / 128K): 96.1 / 293.3 / 1073.1 µs (0) -> 91.0 / 288.5 / 1069.7 (1), 92.8 / 300.7 / 1130.5 (2)
+    "raw_ring_wide_fp8": 1,
     # GQA (head dim 128, one query token, bf16 queries) through the warp-specialized Gluon kernel
     # (`gluon_gqa`: a TMA loader with a ring of 64-key tiles, over fp8 a converter
     # warpgroup to fp16, one consumer warpgroup), per cache dtype, where `gluon_gqa_ok` holds; one
