@@ -50,7 +50,7 @@ def _build(name: str) -> dict:
             kernel, consts = gluon_gqa._gqa_decode_ws_kernel, {"PAGE": 64, "STAGES": 3, "NQ": nq, "AHEAD": ahead}
             ptrs.update(k_ptr="*bf16", v_ptr="*bf16")
     elif fp8:
-        raw = 2 if more == ["raw2"] else 0          # (the raw TMA ring in front of the converter)
+        raw = {"raw1": 1, "raw2": 2}.get(more[0] if more else "", 0)     # (a raw TMA ring before the converter)
         kernel, consts = gluon_mla._mla_decode_ws_fp8_kernel, {"PAGE": 64, "AHEAD": ahead, "RAW": raw}
         ptrs.update(q_ptr="*bf16", k_ptr="*fp8e4nv", ks_ptr="*fp32")
         if raw:
@@ -76,7 +76,7 @@ def _build(name: str) -> dict:
 
 
 @pytest.mark.parametrize("name,spill_cap", [
-    ("mla-bf16", 512), ("mla-fp8", 1024), ("mla-fp8-raw2", 1024), ("mla-bf16-ids4", 512), ("gqa-bf16", 0), ("gqa-fp8", 0), ("gqa-fp8-v2", 0),
+    ("mla-bf16", 512), ("mla-fp8", 1024), ("mla-fp8-raw1", 1024), ("mla-fp8-raw2", 1024), ("mla-bf16-ids4", 512), ("gqa-bf16", 0), ("gqa-fp8", 0), ("gqa-fp8-v2", 0),
     ("gqa-bf16-swap", 64), ("gqa-fp8-swap", 0), ("gqa-bf16-ids4", 0)])
 def test_gluon_decode_kernel_builds_for_sm90(name, spill_cap):
     """spill_cap: the committed MLA builds spill 172 B (bf16: the loader's masked tail tile; 248 B with

@@ -16,9 +16,11 @@ writes (the split merge follows). `triton_decode` takes it where `gluon_mla_ok` 
 queries, a bf16 or fp8 latent cache in the layout of `_halves_ok`, one query token, heads a
 multiple of 64 or fewer than 64 (one head tile whose padding rows are never stored), pages a
 multiple of 64, an sm_90 GPU with Gluon) and CONFIG gluon_wide / gluon_wide_fp8 /
-gluon_wide_narrow(_fp8) say so. Over fp8 a converter warpgroup replaces the TMA loader: it reads
-each tile's bytes and per-token scales, writes the tile as fp16 (exact for e4m3) and the queries
-as fp16 times a power of two per row; warpgroup 0 keeps the weights in a running per-row unit."""
+gluon_wide_narrow(_fp8) say so. Over fp8 a converter warpgroup replaces the TMA loader: it writes
+each tile as fp16 (exact for e4m3) with its per-token scales beside it, and the queries as fp16
+times a power of two per row; warpgroup 0 keeps the weights in a running per-row unit. The
+converter reads the tiles' bytes itself into two fp16 stages, or (CONFIG raw_ring_wide_fp8) from a
+ring of raw fp8 tiles that a one-warp TMA loader fills, in front of one fp16 stage."""
 
 from __future__ import annotations
 
