@@ -600,11 +600,6 @@ def test_gluon_mla_kernel_on_gpu(size, rank, heads, monkeypatch):
     same = 1e-5 if heads % 64 == 0 else 1e-2     # (narrow tiles: the Triton kernel's MMA shapes differ)
     torch.testing.assert_close(got.out, plain.out, atol=same, rtol=0)
     torch.testing.assert_close(got.lse, plain.lse, atol=same, rtol=0)
-    monkeypatch.setitem(td.CONFIG, "ids_ahead_wide", 4)         # block ids four tiles ahead: the same result
-    ahead = run(cache, table, "triton")
-    torch.testing.assert_close(ahead.out, got.out, atol=0, rtol=0)
-    torch.testing.assert_close(ahead.lse, got.lse, atol=0, rtol=0)
-    monkeypatch.setitem(td.CONFIG, "ids_ahead_wide", 1)
     bad = table.clone()
     bad[5, 0] = nb + 7
     nan = paged_decode_attention(q, cache, bad, seq, layout=layout, scale=0.07, backend="triton", validate=False)
@@ -644,10 +639,6 @@ def test_gluon_mla_kernel_over_fp8_on_gpu(heads, monkeypatch):
                                lambda: paged_decode_attention(q, cache, table, seq, scale=0.07, backend="triton"))
     _check_against_torch(got, ref, 1)
     torch.testing.assert_close(got.out, plain.out, atol=2e-3, rtol=0)
-    monkeypatch.setitem(td.CONFIG, "ids_ahead_wide", 4)         # block ids four tiles ahead: the same result
-    ahead = paged_decode_attention(q, cache, table, seq, scale=0.07, backend="triton")
-    torch.testing.assert_close(ahead.out, got.out, atol=0, rtol=0)
-    monkeypatch.setitem(td.CONFIG, "ids_ahead_wide", 1)
     assert cache.k_scale.is_contiguous()        # (else the raw ring does not apply)
     for raw in (1, 2):      # a raw TMA ring in front of the converter: the same conversion, the same result
         monkeypatch.setitem(td.CONFIG, "raw_ring_wide_fp8", raw)
@@ -719,9 +710,9 @@ def _nan_gqa_cache(lens, hkv, layout, dtype, gen):
 @pytest.mark.parametrize("size,rank,hq,hkv", [(1, 0, 32, 4), (2, 1, 32, 4), (4, 2, 8, 8), (1, 0, 64, 1)])
 def test_gluon_gqa_kernel_on_gpu(dtype, size, rank, hq, hkv, monkeypatch):
     """The warp-specialized Gluon GQA kernel (CONFIG gluon_gqa / gluon_gqa_fp8) over every kind of
-    DCP rank, 1 / 8 / 64 query heads per kv head, one and two converter warpgroups over fp8, the
-    swapped-operand consumer, the bf16 loader's ids four tiles ahead: NaN in every slot past a
-    sequence's end (NaN scales too over fp8), lengths that end inside a tile, empty and one-token
+    DCP rank, 1 / 8 / 64 query heads per kv head, a 2- and 4-stage fp16 ring over fp8, the
+    swapped-operand consumer: NaN in every slot past a sequence's end (NaN scales too over fp8),
+    lengths that end inside a tile, empty and one-token
     sequences, one split and several, against the torch path and the Triton kernel (each setting
     must launch the Gluon kernel); a bad block id gives that sequence NaN rows; a CUDA graph of it
     replays to the same result."""
@@ -742,15 +733,11 @@ def test_gluon_gqa_kernel_on_gpu(dtype, size, rank, hq, hkv, monkeypatch):
     used = []
     real = gluon_gqa.launch_gluon_gqa
     monkeypatch.setattr(gluon_gqa, "launch_gluon_gqa", lambda *a, **kw: used.append(1) or real(*a, **kw))
-    # one split a sequence, then several; over fp8 two converters, a 4-stage fp16 ring; swapped operands;
-    # the bf16 loader's ids 4 tiles ahead
-    for programs, converters, fp16_stages, swap, ahead in ((132, 1, 2, 0, 1), (4096, 1, 2, 0, 1), (132, 2, 4, 0, 1),
-                                                           (4096, 2, 2, 0, 1), (132, 1, 2, 1, 1), (4096, 2, 2, 1, 1),
-                                                           (132, 1, 2, 0, 4), (4096, 1, 2, 0, 4)):
+    # one split a sequence, then several; over fp8 a 4-stage fp16 ring; swapped operands
+    for programs, fp16_stages, swap in ((132, 2, 0), (4096, 2, 0), (132, 4, 0), (4096, 4, 0), (132, 2, 1),
+                                        (4096, 4, 1)):
         monkeypatch.setitem(td.CONFIG, "swap_" + key, swap)
-        monkeypatch.setitem(td.CONFIG, "ids_ahead_gluon_gqa", ahead)
         monkeypatch.setitem(td.CONFIG, "target_programs_gluon_gqa", programs)
-        monkeypatch.setitem(td.CONFIG, "converters_gluon_gqa_fp8", converters)
         monkeypatch.setitem(td.CONFIG, "stages_gluon_gqa_fp8", fp16_stages)
         monkeypatch.setitem(td.CONFIG, "min_split", 256)
         monkeypatch.setitem(td.CONFIG, "min_split_fp8", 256)
@@ -759,7 +746,7 @@ def test_gluon_gqa_kernel_on_gpu(dtype, size, rank, hq, hkv, monkeypatch):
         assert not used
         monkeypatch.setitem(td.CONFIG, key, 1)
         got = run(cache, table)
-        assert used, f"setting {programs, converters, fp16_stages, swap, ahead} did not launch the Gluon kernel"
+        assert used, f"setting {programs, fp16_stages, swap} did not launch the Gluon kernel"
         used.clear()
         _check_against_torch(got, ref, 1)
         torch.testing.assert_close(got.out, plain.out, atol=2e-3, rtol=0)

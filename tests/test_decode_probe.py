@@ -86,7 +86,7 @@ def test_apply_tuning_maps_mla_keys_to_wide_entries():
     ({"gqa": {"stages": 3}}, r"decode tuning gqa.stages: no such setting for gqa \(CONFIG has no 'stages'\); "
                              r"set CONFIG entries directly under 'config'"),
     ({"gqa": {"at_most": 1}}, r"decode tuning gqa.at_most: no such setting for gqa"),
-    ({"mla": {"converters": 2}}, r"decode tuning mla.converters: no such setting for mla"),
+    ({"mla": {"swap": 1}}, r"decode tuning mla.swap: no such setting for mla"),
 ])
 def test_apply_tuning_rejects_bad_entries_and_installs_nothing(tuning, match):
     before = dict(td.CONFIG)

@@ -21,9 +21,8 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def _build(name: str) -> dict:
-    """(child process) Compile one kernel ("mla-bf16", "mla-fp8", "gqa-bf16", "gqa-fp8"; "-v2" /
-    "-swap" / "-ids4": the GQA kernel with two converter warpgroups, the swapped-operand consumer, or
-    a loader's ids 4 tiles ahead) for
+    """(child process) Compile one kernel ("mla-bf16", "mla-fp8", "gqa-bf16", "gqa-fp8"; "-swap": the GQA
+    kernel's swapped-operand consumer; "-raw1" / "-raw2": the fp8 MLA kernel's raw TMA ring) for
     sm_90a: shared bytes, ptxas spill bytes, PTX markers."""
     import triton
     from triton.backends.compiler import GPUTarget
@@ -33,9 +32,7 @@ def _build(name: str) -> dict:
     from parallel.cp import gluon_gqa, gluon_mla
 
     family, dtype, *more = name.split("-")
-    conv = 2 if more == ["v2"] else 1
     nq = 8 if more == ["swap"] else 0
-    ahead = 4 if more == ["ids4"] else 1
     fp8 = dtype == "fp8"
     ptrs = {"table_ptr": "*i32", "glens_ptr": "*i64", "o_ptr": "*fp32", "lse_ptr": "*fp32", "qk_scale": "fp32"}
     box = gl.NVMMASharedLayout.get_default_for([64, 64], gl.float8e4nv if fp8 else gl.bfloat16)
@@ -43,20 +40,20 @@ def _build(name: str) -> dict:
     if family == "gqa":
         ptrs.update(q_ptr="*bf16", k_desc=desc, v_desc=desc)
         if fp8:
-            kernel, consts = gluon_gqa._gqa_decode_ws_fp8_kernel, {"PAGE": 64, "STAGES": 2, "RAW": 6, "CONV": conv,
+            kernel, consts = gluon_gqa._gqa_decode_ws_fp8_kernel, {"PAGE": 64, "STAGES": 2, "RAW": 6,
                                                                    "NQ": nq}
             ptrs.update(ks_ptr="*fp32", vs_ptr="*fp32")
         else:
-            kernel, consts = gluon_gqa._gqa_decode_ws_kernel, {"PAGE": 64, "STAGES": 3, "NQ": nq, "AHEAD": ahead}
+            kernel, consts = gluon_gqa._gqa_decode_ws_kernel, {"PAGE": 64, "STAGES": 3, "NQ": nq}
             ptrs.update(k_ptr="*bf16", v_ptr="*bf16")
     elif fp8:
         raw = {"raw1": 1, "raw2": 2}.get(more[0] if more else "", 0)     # (a raw TMA ring before the converter)
-        kernel, consts = gluon_mla._mla_decode_ws_fp8_kernel, {"PAGE": 64, "AHEAD": ahead, "RAW": raw}
+        kernel, consts = gluon_mla._mla_decode_ws_fp8_kernel, {"PAGE": 64, "RAW": raw}
         ptrs.update(q_ptr="*bf16", k_ptr="*fp8e4nv", ks_ptr="*fp32")
         if raw:
             ptrs.update(k_desc=desc, ks_desc=f"tensordesc<fp32[1, 64],{gl.NVMMASharedLayout(0, 32, 2)}>")
     else:
-        kernel, consts = gluon_mla._mla_decode_ws_kernel, {"PAGE": 64, "AHEAD": ahead}
+        kernel, consts = gluon_mla._mla_decode_ws_kernel, {"PAGE": 64}
         ptrs.update(q_desc=desc, k_desc=desc, k_ptr="*bf16")
     names = kernel.arg_names
     sig = {n: ptrs.get(n, "constexpr" if n in consts else "i32") for n in names}
@@ -76,12 +73,13 @@ def _build(name: str) -> dict:
 
 
 @pytest.mark.parametrize("name,spill_cap", [
-    ("mla-bf16", 512), ("mla-fp8", 1024), ("mla-fp8-raw1", 1024), ("mla-fp8-raw2", 1024), ("mla-bf16-ids4", 512), ("gqa-bf16", 0), ("gqa-fp8", 0), ("gqa-fp8-v2", 0),
-    ("gqa-bf16-swap", 64), ("gqa-fp8-swap", 0), ("gqa-bf16-ids4", 0)])
+    ("mla-bf16", 512), ("mla-fp8", 1024), ("mla-fp8-raw1", 1024), ("mla-fp8-raw2", 1024), ("gqa-bf16", 0), ("gqa-fp8", 0),
+    ("gqa-bf16-swap", 64), ("gqa-fp8-swap", 0)])
 def test_gluon_decode_kernel_builds_for_sm90(name, spill_cap):
-    """spill_cap: the committed MLA builds spill 172 B (bf16: the loader's masked tail tile; 248 B with
-    the ids 4 tiles ahead) and 560-600 B (fp8: the converter's loads); the GQA builds none but the
-    bf16 swapped one (12 B in the loader's masked tail)."""
+    """spill_cap: the committed MLA builds spill 12 B (bf16: the loader's masked tail tile) and 388-516 B
+    (fp8: warpgroup 1's accumulators and the converter's loads), built with the launcher's 16-byte
+    pointer alignment; the GQA builds none but the bf16 swapped one (12 B in the loader's masked
+    tail)."""
     pytest.importorskip("triton.experimental.gluon")
     env = dict(os.environ, TRITON_INTERPRET="0", PYTHONPATH=f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
     done = subprocess.run([sys.executable, __file__, name], env=env, cwd=ROOT,

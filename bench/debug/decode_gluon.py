@@ -1,11 +1,10 @@
 """The warp-specialized Gluon MLA decode kernel (`parallel.cp.gluon_mla`, CONFIG gluon_wide)
 against the Triton kernel: max abs error of both against the torch path on awkward lengths (0,
 1, 63, 64, 65 tokens, long ones; DCP group of 1 and rank 1 of 2; a bad block id), then whole
-calls timed with `common.step_time` (ten a CUDA graph, alternating, two rounds) for MLA with 16
-heads (TP 8: one head tile padded to 64 rows, CONFIG gluon_wide_narrow; and with the block ids
-loaded four tiles ahead, CONFIG ids_ahead_wide 4) over rank 0's 1/4 of
-B = 32 sequences: 128 heads over fp8 at L = 8K, 32K, 128K and 16 at 32K (the raw TMA ring of CONFIG
-raw_ring_wide_fp8 1 / 2 beside the converter's own loads), 128 heads over bf16 at 32K.
+calls timed with `common.step_time` (ten a CUDA graph, alternating, two rounds) over rank 0's 1/4
+of B = 32 sequences: 128 heads over fp8 at L = 8K, 32K, 128K and 16 (TP 8: one head tile padded
+to 64 rows, CONFIG gluon_wide_narrow*) at 32K, with the fp8 converter's raw TMA ring of CONFIG
+raw_ring_wide_fp8 0 / 1 / 2, and 128 heads over bf16 at 32K.
 
     python bench/debug/decode_gluon.py OUT.json        # on the GPU
 """
@@ -65,10 +64,8 @@ def _check(rows: list, dtype: torch.dtype, heads: int = 128) -> None:
         q = torch.randn(len(lens), heads, dims.latent_dim, device="cuda", generator=gen).to(torch.bfloat16)
         seq = torch.tensor(lens, device="cuda")
         ref = paged_decode_attention(q, ref_cache, table, seq, layout=layout, scale=dims.scale, backend="torch")
-        for name, on, ahead, raw in (("triton", 0, 1, 0), ("gluon", 1, 1, 0), ("gluon ids4", 1, 4, 0),
-                                     ("gluon raw1", 1, 1, 1), ("gluon raw2", 1, 1, 2)):
+        for name, on, raw in (("triton", 0, 0), ("gluon", 1, 0), ("gluon raw1", 1, 1), ("gluon raw2", 1, 2)):
             triton_decode.CONFIG[key] = on
-            triton_decode.CONFIG["ids_ahead_wide"] = ahead
             triton_decode.CONFIG["raw_ring_wide_fp8"] = raw
             got = paged_decode_attention(q, cache, table, seq, layout=layout, scale=dims.scale, backend="triton")
             torch.cuda.synchronize()

@@ -65,11 +65,8 @@ def _check(rows: list, dtype: torch.dtype) -> None:
         scale = 1 / math.sqrt(d)
         ref = paged_decode_attention(q, ref_cache, table, seq, layout=layout, scale=scale, backend="torch")
         for name, change in (("triton", {key: 0}), ("gluon", {key: 1}),
-                             ("gluon v2", {key: 1, "converters_gluon_gqa_fp8": 2}),
-                             ("gluon v2 f4", {key: 1, "converters_gluon_gqa_fp8": 2, "stages_gluon_gqa_fp8": 4}),
-                             ("gluon swap", {key: 1, "swap_" + key: 1}),
-                             ("gluon ids4", {key: 1, "ids_ahead_gluon_gqa": 4}),
-                             ("gluon swap v2", {key: 1, "swap_" + key: 1, "converters_gluon_gqa_fp8": 2})):
+                             ("gluon f4", {key: 1, "stages_gluon_gqa_fp8": 4}),
+                             ("gluon swap", {key: 1, "swap_" + key: 1})):
             triton_decode.CONFIG.update(saved)
             triton_decode.CONFIG.update(change)
             got = paged_decode_attention(q, cache, table, seq, layout=layout, scale=scale, backend="triton")
@@ -101,21 +98,16 @@ def main(path: str) -> None:
             print(rows[-1], flush=True)
     g, g8 = {"gluon_gqa": 1}, {"gluon_gqa_fp8": 1}
     bf16 = {"triton": {"gluon_gqa": 0}, "gluon s3": dict(g, stages_gluon_gqa=3),
-            "gluon swap s3": dict(g, stages_gluon_gqa=3, swap_gluon_gqa=1),
-            "gluon ids4 s3": dict(g, stages_gluon_gqa=3, ids_ahead_gluon_gqa=4),
-            "gluon ids4 s4": dict(g, stages_gluon_gqa=4, ids_ahead_gluon_gqa=4)}
-    sw = dict(g8, swap_gluon_gqa_fp8=1)
+            "gluon swap s3": dict(g, stages_gluon_gqa=3, swap_gluon_gqa=1)}
     fp8 = {"triton": {"gluon_gqa_fp8": 0}, "gluon": g8,
            "gluon f4 r4": dict(g8, stages_gluon_gqa_fp8=4, raw_stages_gluon_gqa=4),
-           "gluon v2": dict(g8, converters_gluon_gqa_fp8=2), "gluon swap": sw,
-           "gluon swap v2": dict(sw, converters_gluon_gqa_fp8=2),
-           "gluon swap v2 f4 r4": dict(sw, converters_gluon_gqa_fp8=2, stages_gluon_gqa_fp8=4, raw_stages_gluon_gqa=4)}
+           "gluon swap": dict(g8, swap_gluon_gqa_fp8=1)}
     only = lambda d, *names: {n: d[n] for n in names}
     for dtype, context, batch, variants in (
             (torch.bfloat16, 8192, 32, bf16), (torch.bfloat16, 32768, 32, bf16),
             (torch.float8_e4m3fn, 8192, 32, fp8), (torch.float8_e4m3fn, 32768, 32, fp8),
-            (torch.float8_e4m3fn, 131072, 32, only(fp8, "triton", "gluon", "gluon v2", "gluon swap v2")),
-            (torch.float8_e4m3fn, 32768, 4, only(fp8, "triton", "gluon", "gluon swap v2"))):
+            (torch.float8_e4m3fn, 131072, 32, only(fp8, "triton", "gluon")),
+            (torch.float8_e4m3fn, 32768, 4, only(fp8, "triton", "gluon"))):
         cache, table, q, _ = _decode_setup(batch, context, 32, 4, 128, 64, 4, ctx.device, dtype)
         layout = DCPLayout(size=4, rank=0, block_size=64)
         seq = torch.full((batch,), context, device=ctx.device)

@@ -7,16 +7,14 @@ than one split, hence no merge. Partitions of one CTA:
   the paged cache [blocks, page, kv heads, 128] by TMA into the ring; over bf16 the split's
   last tile, where it ends inside the tile, comes through masked loads instead (zeros past the
   sequence's end: the cache holds anything there, NaN included, and 0 x NaN in P V is NaN);
-- over fp8, a converter warpgroup (or two, on alternate tiles) between the loader's raw fp8 ring
-  and a 16-bit ring: each tile to fp16 (exact for e4m3; value rows past the end as zeros) with
-  its per-token scales;
+- over fp8, a converter warpgroup between the loader's raw fp8 ring and a 16-bit ring: each tile
+  to fp16 (exact for e4m3; value rows past the end as zeros) with its per-token scales;
 - the consumer warpgroup (the default partition): the G = Hq / Hkv query rows of the kv head
   (padded to 64, wgmma's M) held in registers as the MMA's A operand, S = Q K^T, the online
   softmax, and O += P V with P passed from registers; or, with swapped operands, S^T = K Q^T and
   O^T += V^T P^T over the G queries only (`_consumer_t`).
 
-The loaders load block ids ahead of the tiles (a window of four over fp8; one or four over bf16):
-an id loaded only a tile ahead costs each tile a memory round trip before its TMA can start.
+The loaders load block ids ahead of the tiles (a window of four over fp8, one over bf16).
 
 Outputs are the split's partial (out, lse) in `triton_decode.paged_decode_triton`'s layout.
 `gluon_gqa_ok` says where it applies; CONFIG gluon_gqa / gluon_gqa_fp8 choose it there. Over
@@ -51,23 +49,17 @@ if HAS_GLUON:
     @gluon.jit
     def _bf16_loader(k_desc, v_desc, k_ptr, v_ptr, table_ptr, glens_ptr, k_smem, v_smem, ready, free,
                      s, kvh, split, split_len, dcp_size, dcp_rank, interleave, table_w, num_blocks, st_s,
-                     sk_b, sk_t, sv_b, sv_t, PAGE: gl.constexpr, STAGES: gl.constexpr, AHEAD: gl.constexpr = 1):
-        """AHEAD: block ids loaded 1 or 4 tiles ahead (`_fp8_loader` says why 4)."""
+                     sk_b, sk_t, sv_b, sv_t, PAGE: gl.constexpr, STAGES: gl.constexpr):
+        """The block ids one tile ahead (four ahead measured no faster: docs/gpu.md section 18)."""
         start, end, tiles, bad = _split_range(glens_ptr, s, split, split_len, dcp_size, dcp_rank, interleave,
                                               table_w, PAGE)
         blocked: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
-        if AHEAD == 4:
-            b1, b2, b3, b4 = _ids_window(table_ptr, s, st_s, start, tiles, num_blocks, PAGE)
-        else:
-            blk_next = _block_of(table_ptr, s, st_s, start, tiles > 0, num_blocks, PAGE)
+        blk_next = _block_of(table_ptr, s, st_s, start, tiles > 0, num_blocks, PAGE)
         for t in range(tiles):
             stage = t % STAGES
             j0 = start + t * BLOCK
-            if AHEAD == 4:
-                blk, b1, b2, b3, b4 = _ids_next(b1, b2, b3, b4, table_ptr, s, st_s, j0, t, tiles, num_blocks, PAGE)
-            else:
-                blk = blk_next          # (the next tile's id loads while this one waits for its stage)
-                blk_next = _block_of(table_ptr, s, st_s, j0 + BLOCK, t + 1 < tiles, num_blocks, PAGE)
+            blk = blk_next          # (the next tile's id loads while this one waits for its stage)
+            blk_next = _block_of(table_ptr, s, st_s, j0 + BLOCK, t + 1 < tiles, num_blocks, PAGE)
             if t >= STAGES:
                 mbarrier.wait(free.index(stage), ((t // STAGES) - 1) & 1)
             valid = end - j0
@@ -300,8 +292,7 @@ if HAS_GLUON:
     def _gqa_decode_ws_kernel(q_ptr, k_desc, v_desc, k_ptr, v_ptr, table_ptr, glens_ptr, o_ptr, lse_ptr,
                               qk_scale, split_len, G, KV_HEADS, dcp_size, dcp_rank, interleave, table_w, num_blocks,
                               st_s, sq_s, sq_h, sk_b, sk_t, sv_b, sv_t, so_p, so_s, so_h, sl_p, sl_s,
-                              PAGE: gl.constexpr, STAGES: gl.constexpr, NQ: gl.constexpr = 0,
-                              AHEAD: gl.constexpr = 1):
+                              PAGE: gl.constexpr, STAGES: gl.constexpr, NQ: gl.constexpr = 0):
         pid = gl.program_id(0)
         split = gl.program_id(1)
         s = pid // KV_HEADS
@@ -319,7 +310,7 @@ if HAS_GLUON:
                         G, qk_scale, so_p, so_s, so_h, sl_p, sl_s, None, None, PAGE, STAGES, NQ, False)),
             (_bf16_loader, (k_desc, v_desc, k_ptr, v_ptr, table_ptr, glens_ptr, k_smem, v_smem, ready, free, s, kvh,
                             split, split_len, dcp_size, dcp_rank, interleave, table_w, num_blocks, st_s, sk_b, sk_t,
-                            sv_b, sv_t, PAGE, STAGES, AHEAD)),
+                            sv_b, sv_t, PAGE, STAGES)),
         ], [4], [64])
 
 
@@ -375,26 +366,23 @@ if HAS_GLUON:
     def _converter(ks_ptr, vs_ptr, table_ptr, glens_ptr, kr_smem, vr_smem, k_smem, v_smem, ks_smem, vs_smem,
                    raw_ready, raw_free, ready, free, s, kvh, split, split_len, dcp_size, dcp_rank, interleave,
                    table_w, num_blocks, st_s, ss_b, ss_t, ss_h, svs_b, svs_t, svs_h,
-                   PAGE: gl.constexpr, STAGES: gl.constexpr, RAW: gl.constexpr, PAR: gl.constexpr = 0,
-                   NCONV: gl.constexpr = 1):
-        """Each raw fp8 tile (PAR, PAR + NCONV, ...: two converters take alternate tiles) to fp16 in the
-        16-bit ring (value rows past the end as zeros; key rows there are masked out of the scores),
-        with the tile's key and value scales (0 past the end)."""
+                   PAGE: gl.constexpr, STAGES: gl.constexpr, RAW: gl.constexpr):
+        """Each raw fp8 tile to fp16 in the 16-bit ring (value rows past the end as zeros; key rows there
+        are masked out of the scores), with the tile's key and value scales (0 past the end)."""
         blocked: gl.constexpr = gl.BlockedLayout([1, 16], [8, 4], [4, 1], [1, 0])
         rows = gl.arange(0, BLOCK, layout=gl.SliceLayout(1, blocked))
         vec: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
         srows = gl.arange(0, BLOCK, layout=vec)
         start, end, tiles, bad = _split_range(glens_ptr, s, split, split_len, dcp_size, dcp_rank, interleave,
                                               table_w, PAGE)
-        # (the scales load three of this converter's tiles ahead: see `_fp8_loader`)
-        step: gl.constexpr = NCONV * BLOCK
-        k1, v1 = _scales_of(ks_ptr, vs_ptr, table_ptr, s, st_s, start + PAR * BLOCK, end, kvh, num_blocks,
+        # (the scales load three tiles ahead: see `_fp8_loader`)
+        k1, v1 = _scales_of(ks_ptr, vs_ptr, table_ptr, s, st_s, start, end, kvh, num_blocks,
                             ss_b, ss_t, ss_h, svs_b, svs_t, svs_h, srows, PAGE)
-        k2, v2 = _scales_of(ks_ptr, vs_ptr, table_ptr, s, st_s, start + PAR * BLOCK + step, end, kvh, num_blocks,
+        k2, v2 = _scales_of(ks_ptr, vs_ptr, table_ptr, s, st_s, start + BLOCK, end, kvh, num_blocks,
                             ss_b, ss_t, ss_h, svs_b, svs_t, svs_h, srows, PAGE)
-        k3, v3 = _scales_of(ks_ptr, vs_ptr, table_ptr, s, st_s, start + PAR * BLOCK + 2 * step, end, kvh, num_blocks,
+        k3, v3 = _scales_of(ks_ptr, vs_ptr, table_ptr, s, st_s, start + 2 * BLOCK, end, kvh, num_blocks,
                             ss_b, ss_t, ss_h, svs_b, svs_t, svs_h, srows, PAGE)
-        for t in range(PAR, tiles, NCONV):
+        for t in range(tiles):
             rs = t % RAW
             stage = t % STAGES
             j0 = start + t * BLOCK
@@ -404,7 +392,7 @@ if HAS_GLUON:
             v1 = v2
             k2 = k3
             v2 = v3
-            k3, v3 = _scales_of(ks_ptr, vs_ptr, table_ptr, s, st_s, j0 + 3 * step, end, kvh, num_blocks,
+            k3, v3 = _scales_of(ks_ptr, vs_ptr, table_ptr, s, st_s, j0 + 3 * BLOCK, end, kvh, num_blocks,
                                 ss_b, ss_t, ss_h, svs_b, svs_t, svs_h, srows, PAGE)
             mbarrier.wait(raw_ready.index(rs), (t // RAW) & 1)
             if t >= STAGES:
@@ -425,7 +413,7 @@ if HAS_GLUON:
                                   qk_scale, split_len, G, KV_HEADS, dcp_size, dcp_rank, interleave, table_w,
                                   num_blocks, st_s, sq_s, sq_h, ss_b, ss_t, ss_h, svs_b, svs_t, svs_h,
                                   so_p, so_s, so_h, sl_p, sl_s, PAGE: gl.constexpr, STAGES: gl.constexpr,
-                                  RAW: gl.constexpr, CONV: gl.constexpr = 1, NQ: gl.constexpr = 0):
+                                  RAW: gl.constexpr, NQ: gl.constexpr = 0):
         pid = gl.program_id(0)
         split = gl.program_id(1)
         s = pid // KV_HEADS
@@ -445,38 +433,19 @@ if HAS_GLUON:
         free = _ring(STAGES, 1)
         q_smem, p_smem = _swap_buffers(NQ, gl.float16)
         fence_async_shared()
-        if CONV == 2:       # (two converters on alternate tiles)
-            gl.warp_specialize([
-                (_consume, (q_ptr, q_smem, p_smem, k_smem, v_smem, ready, free, table_ptr, glens_ptr, o_ptr, lse_ptr,
-                            s, kvh, split, split_len, dcp_size, dcp_rank, interleave, table_w, num_blocks, st_s, sq_s,
-                            sq_h, G, qk_scale, so_p, so_s, so_h, sl_p, sl_s, ks_smem, vs_smem, PAGE, STAGES, NQ,
-                            True)),
-                (_converter, (ks_ptr, vs_ptr, table_ptr, glens_ptr, kr_smem, vr_smem, k_smem, v_smem, ks_smem,
-                              vs_smem, raw_ready, raw_free, ready, free, s, kvh, split, split_len, dcp_size,
-                              dcp_rank, interleave, table_w, num_blocks, st_s, ss_b, ss_t, ss_h, svs_b, svs_t, svs_h,
-                              PAGE, STAGES, RAW, 0, 2)),
-                (_converter, (ks_ptr, vs_ptr, table_ptr, glens_ptr, kr_smem, vr_smem, k_smem, v_smem, ks_smem,
-                              vs_smem, raw_ready, raw_free, ready, free, s, kvh, split, split_len, dcp_size,
-                              dcp_rank, interleave, table_w, num_blocks, st_s, ss_b, ss_t, ss_h, svs_b, svs_t, svs_h,
-                              PAGE, STAGES, RAW, 1, 2)),
-                (_fp8_loader, (k_desc, v_desc, table_ptr, glens_ptr, kr_smem, vr_smem, raw_ready, raw_free, s, kvh,
-                               split, split_len, dcp_size, dcp_rank, interleave, table_w, num_blocks, st_s, PAGE,
-                               RAW)),
-            ], [4, 4, 1], [96, 96, 24])
-        else:
-            gl.warp_specialize([
-                (_consume, (q_ptr, q_smem, p_smem, k_smem, v_smem, ready, free, table_ptr, glens_ptr, o_ptr, lse_ptr,
-                            s, kvh, split, split_len, dcp_size, dcp_rank, interleave, table_w, num_blocks, st_s, sq_s,
-                            sq_h, G, qk_scale, so_p, so_s, so_h, sl_p, sl_s, ks_smem, vs_smem, PAGE, STAGES, NQ,
-                            True)),
-                (_converter, (ks_ptr, vs_ptr, table_ptr, glens_ptr, kr_smem, vr_smem, k_smem, v_smem, ks_smem,
-                              vs_smem, raw_ready, raw_free, ready, free, s, kvh, split, split_len, dcp_size,
-                              dcp_rank, interleave, table_w, num_blocks, st_s, ss_b, ss_t, ss_h, svs_b, svs_t, svs_h,
-                              PAGE, STAGES, RAW, 0, 1)),
-                (_fp8_loader, (k_desc, v_desc, table_ptr, glens_ptr, kr_smem, vr_smem, raw_ready, raw_free, s, kvh,
-                               split, split_len, dcp_size, dcp_rank, interleave, table_w, num_blocks, st_s, PAGE,
-                               RAW)),
-            ], [4, 1], [96, 24])
+        gl.warp_specialize([
+            (_consume, (q_ptr, q_smem, p_smem, k_smem, v_smem, ready, free, table_ptr, glens_ptr, o_ptr, lse_ptr,
+                        s, kvh, split, split_len, dcp_size, dcp_rank, interleave, table_w, num_blocks, st_s, sq_s,
+                        sq_h, G, qk_scale, so_p, so_s, so_h, sl_p, sl_s, ks_smem, vs_smem, PAGE, STAGES, NQ,
+                        True)),
+            (_converter, (ks_ptr, vs_ptr, table_ptr, glens_ptr, kr_smem, vr_smem, k_smem, v_smem, ks_smem,
+                          vs_smem, raw_ready, raw_free, ready, free, s, kvh, split, split_len, dcp_size,
+                          dcp_rank, interleave, table_w, num_blocks, st_s, ss_b, ss_t, ss_h, svs_b, svs_t, svs_h,
+                          PAGE, STAGES, RAW)),
+            (_fp8_loader, (k_desc, v_desc, table_ptr, glens_ptr, kr_smem, vr_smem, raw_ready, raw_free, s, kvh,
+                           split, split_len, dcp_size, dcp_rank, interleave, table_w, num_blocks, st_s, PAGE,
+                           RAW)),
+        ], [4, 1], [96, 24])
 
 
 def gluon_gqa_ok(q: Tensor, k: Tensor, v: Tensor, tq: int, k_scale: Tensor | None = None,
@@ -503,15 +472,11 @@ def gluon_gqa_ok(q: Tensor, k: Tensor, v: Tensor, tq: int, k_scale: Tensor | Non
 def launch_gluon_gqa(q: Tensor, k: Tensor, v: Tensor, table: Tensor, seq_lens: Tensor, o: Tensor, lse: Tensor,
                      scale_log2: float, splits: int, split_len: int, dcp_size: int, dcp_rank: int, interleave: int,
                      k_scale: Tensor | None = None, v_scale: Tensor | None = None, stages: int = 3,
-                     raw_stages: int = 6, converters: int = 1, fp16_stages: int = 2, swap: bool = False,
-                     ids_ahead: int = 1) -> None:
+                     raw_stages: int = 6, fp16_stages: int = 2, swap: bool = False) -> None:
     """Fill the split partials o [splits, S, 1, Hq, 128] / lse [splits, S, 1, Hq] (`gluon_gqa_ok`).
     stages: the bf16 ring's (32 KB each, at most 6); over fp8, raw_stages: the raw ring's (16 KB
-    each), converters: 1 or 2 converter warpgroups on alternate tiles, fp16_stages: the 16-bit ring
-    after them (2 or 4), the rings cut to what shared memory holds beside the compiler's scratch
-    and kept even with two converters (each keeps to its own stages: an mbarrier's phase parity
-    tells nothing to a partition two phases behind). swap: the consumer with swapped operands.
-    ids_ahead: the bf16 loader's block ids loaded 1 or 4 tiles ahead (the fp8 loader's: 4)."""
+    each) and fp16_stages: the 16-bit ring after the converter (2 or 4), both cut to what shared
+    memory holds beside the compiler's scratch. swap: the consumer with swapped operands."""
     s, _, hq, d = q.shape
     nb, page, hkv = k.shape[0], k.shape[1], k.shape[2]
     nq = max(8, 1 << (hq // hkv - 1).bit_length()) if swap else 0      # (G rounded up to a power of two)
@@ -525,14 +490,12 @@ def launch_gluon_gqa(q: Tensor, k: Tensor, v: Tensor, table: Tensor, seq_lens: T
               table.shape[1], nb, table.stride(0), q.stride(0), q.stride(2))
     tail = (o.stride(0), o.stride(1), o.stride(3), lse.stride(0), lse.stride(1))
     if fp8:     # (shared memory: raw x 16 KB + fp16 x 32 KB + <= 24 KB of scratch <= 227 KB)
-        converters = 2 if converters == 2 else 1
-        fp16_stages = max(2, min(fp16_stages, 4) - min(fp16_stages, 4) % 2)
+        fp16_stages = 4 if fp16_stages >= 4 else 2
         raw = max(2, min(raw_stages, (203 - 32 * fp16_stages) // 16))
-        raw -= raw % 2 if converters == 2 else 0
         _gqa_decode_ws_fp8_kernel[(s * hkv, splits)](
             q, k_desc, v_desc, k_scale, v_scale, *common, *k_scale.stride(), *v_scale.stride(), *tail,
-            PAGE=page, STAGES=fp16_stages, RAW=raw, CONV=converters, NQ=nq, num_warps=4)
+            PAGE=page, STAGES=fp16_stages, RAW=raw, NQ=nq, num_warps=4)
     else:
         _gqa_decode_ws_kernel[(s * hkv, splits)](
             q, k_desc, v_desc, k, v, *common, k.stride(0), k.stride(1), v.stride(0), v.stride(1), *tail,
-            PAGE=page, STAGES=min(stages, 6), NQ=nq, AHEAD=4 if ids_ahead == 4 else 1, num_warps=4)
+            PAGE=page, STAGES=min(stages, 6), NQ=nq, num_warps=4)

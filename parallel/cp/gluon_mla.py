@@ -70,7 +70,7 @@ if HAS_GLUON:
 
     @gluon.jit
     def _ids_window(table_ptr, s, st_s, start, tiles, num_blocks, PAGE: gl.constexpr):
-        """The block ids of a split's first four tiles (the loaders' window of ids loaded ahead)."""
+        """The block ids of a split's first four tiles (a loader's window of ids loaded ahead)."""
         return (_block_of(table_ptr, s, st_s, start, tiles > 0, num_blocks, PAGE),
                 _block_of(table_ptr, s, st_s, start + BLOCK, tiles > 1, num_blocks, PAGE),
                 _block_of(table_ptr, s, st_s, start + 2 * BLOCK, tiles > 2, num_blocks, PAGE),
@@ -140,27 +140,22 @@ if HAS_GLUON:
     @gluon.jit
     def _loader(q_desc, k_desc, k_ptr, table_ptr, glens_ptr, q_smem, k_smem, q_bar, ready, free,
                 s, head0, split, split_len, dcp_size, dcp_rank, interleave, table_w, num_blocks, st_s, sk_b, sk_t,
-                PAGE: gl.constexpr, AHEAD: gl.constexpr = 1):
-        """AHEAD 4: the block ids load four tiles ahead (`_ids_window`), not after the stage's wait,
-        where each tile's TMA waited one memory round trip for its id."""
+                PAGE: gl.constexpr):
+        """Each tile's block id after its stage's wait (ids four tiles ahead measured no faster:
+        docs/gpu.md section 18)."""
         start, end, tiles, bad = _split_range(glens_ptr, s, split, split_len, dcp_size, dcp_rank, interleave,
                                               table_w, PAGE)
         mbarrier.expect(q_bar, CHUNKS * q_desc.block_type.nbytes)
         for c in gl.static_range(CHUNKS):
             tma.async_copy_global_to_shared(q_desc, [head0, c * BLOCK], q_bar, q_smem.index(c))
         blocked: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
-        if AHEAD == 4:
-            b1, b2, b3, b4 = _ids_window(table_ptr, s, st_s, start, tiles, num_blocks, PAGE)
         for t in range(tiles):
             stage = t % STAGES
             j0 = start + t * BLOCK
-            if AHEAD == 4:
-                blk, b1, b2, b3, b4 = _ids_next(b1, b2, b3, b4, table_ptr, s, st_s, j0, t, tiles, num_blocks, PAGE)
             if t >= STAGES:
                 mbarrier.wait(free.index(stage), ((t // STAGES) - 1) & 1)
-            if AHEAD != 4:
-                blk = gl.load(table_ptr + s.to(gl.int64) * st_s + j0 // PAGE)
-                blk = gl.where((blk >= 0) & (blk < num_blocks), blk, 0)    # (warpgroup 0 reports it)
+            blk = gl.load(table_ptr + s.to(gl.int64) * st_s + j0 // PAGE)
+            blk = gl.where((blk >= 0) & (blk < num_blocks), blk, 0)    # (warpgroup 0 reports it)
             valid = end - j0
             if valid >= BLOCK:
                 mbarrier.expect(ready.index(stage), CHUNKS * k_desc.block_type.nbytes)
@@ -296,8 +291,7 @@ if HAS_GLUON:
     @gluon.jit
     def _mla_decode_ws_kernel(q_desc, k_desc, k_ptr, table_ptr, glens_ptr, o_ptr, lse_ptr,
                               qk_scale, split_len, M_TILES, HQ, dcp_size, dcp_rank, interleave, table_w, num_blocks,
-                              st_s, sk_b, sk_t, so_p, so_s, so_h, sl_p, sl_s, PAGE: gl.constexpr,
-                              AHEAD: gl.constexpr = 1):
+                              st_s, sk_b, sk_t, so_p, so_s, so_h, sl_p, sl_s, PAGE: gl.constexpr):
         pid = gl.program_id(0)
         split = gl.program_id(1)
         s = pid // M_TILES
@@ -318,7 +312,7 @@ if HAS_GLUON:
                           split, split_len, dcp_size, dcp_rank, interleave, table_w, so_p, so_s, so_h, HQ, PAGE)),
             (_loader, (q_desc, k_desc, k_ptr, table_ptr, glens_ptr, q_smem, k_smem, q_bar, ready, free, s, head0,
                        split, split_len, dcp_size, dcp_rank, interleave, table_w, num_blocks, st_s, sk_b, sk_t,
-                       PAGE, AHEAD)),
+                       PAGE)),
         ], [4, 4], [200, 48])
 
 
@@ -326,7 +320,7 @@ if HAS_GLUON:
     @gluon.jit
     def _converter(q_ptr, k_ptr, ks_ptr, table_ptr, glens_ptr, q_smem, qf_smem, k_smem, ks_smem, q_bar, ready, free,
                    s, head0, split, split_len, dcp_size, dcp_rank, interleave, table_w, num_blocks, st_s, sk_b, sk_t,
-                   ss_b, ss_t, q_rows, PAGE: gl.constexpr, AHEAD: gl.constexpr = 1, kr_smem=None, ksr_smem=None,
+                   ss_b, ss_t, q_rows, PAGE: gl.constexpr, kr_smem=None, ksr_smem=None,
                    raw_ready=None, raw_free=None, RAW: gl.constexpr = 0, RING: gl.constexpr = STAGES):
         """The fp8 kernel's loader: the 64 query rows to fp16, each times a power of two 2^e that puts
         its largest magnitude in [2^14, 2^15) (qf_smem holds 2^-e), then each key tile's fp8 rows
@@ -356,16 +350,11 @@ if HAS_GLUON:
             _convert_raw(kr_smem, ksr_smem, k_smem, ks_smem, raw_ready, raw_free, ready, free, start, end, tiles,
                          RAW, RING)
             return
-        if AHEAD == 4:      # (`_loader`'s AHEAD: ids four tiles ahead)
-            b1, b2, b3, b4 = _ids_window(table_ptr, s, st_s, start, tiles, num_blocks, PAGE)
         for t in range(tiles):
             stage = t % STAGES
             j0 = start + t * BLOCK
-            if AHEAD == 4:
-                blk, b1, b2, b3, b4 = _ids_next(b1, b2, b3, b4, table_ptr, s, st_s, j0, t, tiles, num_blocks, PAGE)
-            else:
-                blk = gl.load(table_ptr + s.to(gl.int64) * st_s + j0 // PAGE)
-                blk = gl.where((blk >= 0) & (blk < num_blocks), blk, 0)    # (warpgroup 0 reports it)
+            blk = gl.load(table_ptr + s.to(gl.int64) * st_s + j0 // PAGE)
+            blk = gl.where((blk >= 0) & (blk < num_blocks), blk, 0)    # (warpgroup 0 reports it)
             live = rows < end - j0
             token = ((j0 % PAGE) + rows).to(gl.int64)
             base = k_ptr + blk.to(gl.int64) * sk_b + token[:, None] * sk_t + cols[None, :]
@@ -435,7 +424,7 @@ if HAS_GLUON:
     def _mla_decode_ws_fp8_kernel(q_ptr, k_ptr, ks_ptr, table_ptr, glens_ptr, o_ptr, lse_ptr,
                                   qk_scale, split_len, M_TILES, HQ, dcp_size, dcp_rank, interleave, table_w, num_blocks,
                                   st_s, sk_b, sk_t, ss_b, ss_t, so_p, so_s, so_h, sl_p, sl_s, PAGE: gl.constexpr,
-                                  AHEAD: gl.constexpr = 1, k_desc=None, ks_desc=None, RAW: gl.constexpr = 0):
+                                  k_desc=None, ks_desc=None, RAW: gl.constexpr = 0):
         """RAW 0: the converter loads each tile's fp8 rows itself (two fp16 stages); RAW > 0: a TMA
         loader fills a raw ring of RAW fp8 tiles in front of it and the fp16 ring has one stage
         (shared memory: queries 72 KB + fp16 stage 72 KB + raw 36 KB each + weights 8 KB)."""
@@ -475,7 +464,7 @@ if HAS_GLUON:
                               so_h, HQ, PAGE, RING)),
                 (_converter, (q_ptr, k_ptr, ks_ptr, table_ptr, glens_ptr, q_smem, qf_smem, k_smem, ks_smem, q_bar,
                               ready, free, s, head0, split, split_len, dcp_size, dcp_rank, interleave, table_w,
-                              num_blocks, st_s, sk_b, sk_t, ss_b, ss_t, HQ - head0_in_seq, PAGE, AHEAD, kr_smem,
+                              num_blocks, st_s, sk_b, sk_t, ss_b, ss_t, HQ - head0_in_seq, PAGE, kr_smem,
                               ksr_smem, raw_ready, raw_free, RAW, RING)),
                 (_raw_loader, (k_desc, ks_desc, table_ptr, glens_ptr, kr_smem, ksr_smem, raw_ready, raw_free, s,
                                split, split_len, dcp_size, dcp_rank, interleave, table_w, num_blocks, st_s, PAGE,
@@ -491,7 +480,7 @@ if HAS_GLUON:
                           split, split_len, dcp_size, dcp_rank, interleave, table_w, so_p, so_s, so_h, HQ, PAGE)),
             (_converter, (q_ptr, k_ptr, ks_ptr, table_ptr, glens_ptr, q_smem, qf_smem, k_smem, ks_smem, q_bar, ready,
                           free, s, head0, split, split_len, dcp_size, dcp_rank, interleave, table_w, num_blocks, st_s,
-                          sk_b, sk_t, ss_b, ss_t, HQ - head0_in_seq, PAGE, AHEAD)),
+                          sk_b, sk_t, ss_b, ss_t, HQ - head0_in_seq, PAGE)),
         ], [4, 4], [152, 96])
 
 
@@ -520,12 +509,11 @@ def gluon_mla_ok(q: Tensor, k: Tensor, v: Tensor, tq: int, page: int, k_scale: T
 
 def launch_gluon_mla(q: Tensor, k: Tensor, table: Tensor, seq_lens: Tensor, o: Tensor, lse: Tensor, scale_log2: float,
                      splits: int, split_len: int, dcp_size: int, dcp_rank: int, interleave: int,
-                     k_scale: Tensor | None = None, ids_ahead: int = 1, raw_ring: int = 0) -> None:
+                     k_scale: Tensor | None = None, raw_ring: int = 0) -> None:
     """Fill the split partials o [splits, S, 1, Hq, 512] / lse [splits, S, 1, Hq] (`gluon_mla_ok`;
-    k_scale: the fp8 cache's per-token scales; ids_ahead: block ids loaded 1 or 4 tiles ahead;
+    k_scale: the fp8 cache's per-token scales;
     raw_ring: over fp8, a TMA ring of that many raw fp8 tiles (1 or 2) in front of the converter, with
     one fp16 stage after it, where the scales are contiguous [nb, page, 1]; 0: the converter loads)."""
-    ahead = 4 if ids_ahead == 4 else 1
     s, _, hq, d = q.shape
     nb, page = k.shape[0], k.shape[1]
     m_tiles = -(-hq // _BLOCK)
@@ -542,7 +530,7 @@ def launch_gluon_mla(q: Tensor, k: Tensor, table: Tensor, seq_lens: Tensor, o: T
         _mla_decode_ws_fp8_kernel[(s * m_tiles, splits)](
             q, k, k_scale, table, seq_lens, o, lse, scale_log2, split_len, m_tiles, hq, dcp_size, dcp_rank,
             interleave, table.shape[1], nb, table.stride(0), k.stride(0), k.stride(1), k_scale.stride(0),
-            k_scale.stride(1), *tail, PAGE=page, AHEAD=ahead, RAW=raw, num_warps=4, **descs)
+            k_scale.stride(1), *tail, PAGE=page, RAW=raw, num_warps=4, **descs)
         return
     box = gl.NVMMASharedLayout.get_default_for([_BLOCK, _BLOCK], gl.bfloat16)
     q2 = q.view(s * hq, d)
@@ -551,5 +539,5 @@ def launch_gluon_mla(q: Tensor, k: Tensor, table: Tensor, seq_lens: Tensor, o: T
     k_desc = TensorDescriptor(k2, list(k2.shape), list(k2.stride()), [_BLOCK, _BLOCK], box)
     _mla_decode_ws_kernel[(s * m_tiles, splits)](
         q_desc, k_desc, k, table, seq_lens, o, lse, scale_log2, split_len, m_tiles, hq, dcp_size, dcp_rank,
-        interleave, table.shape[1], nb, table.stride(0), k.stride(0), k.stride(1), *tail, PAGE=page, AHEAD=ahead,
+        interleave, table.shape[1], nb, table.stride(0), k.stride(0), k.stride(1), *tail, PAGE=page,
         num_warps=4)

@@ -43,7 +43,7 @@ Structure options (CONFIG, 0/1, off until the GPU probe measures them; `launch_s
 - `gluon_gqa` (on), `gluon_gqa_fp8` (off): GQA with head dim 128, one query token and bf16 queries
   (`gluon_gqa.gluon_gqa_ok`) goes to the warp-specialized Gluon kernel of `gluon_gqa.py` (a TMA
   loader ring, over fp8 a converter warpgroup, one consumer warpgroup; one CTA per SM, so splits
-  planned to at most `target_programs_gluon_gqa` programs); its ring depths, converters and
+  planned to at most `target_programs_gluon_gqa` programs); its ring depths and
   operand order (`swap_gluon_gqa*`) are CONFIG entries too.
 - `dcp_constexpr` (on): the DCP group size and interleave built into the kernel (one build per
   group), whose loop then compiles as the group-of-one build's.
@@ -602,11 +602,6 @@ CONFIG = {
     # 84.2 / 335.1 (on: the loss at 128K is 4%), fp8 39.6 / 123.1 at 8K / 32K -> 47.4 / 155.0 (off:
     # the Gluon loader's conversion bounds it, and 16 heads leave it 4x the tiles per FLOP)
     "gluon_wide_narrow": 1, "gluon_wide_narrow_fp8": 0,
-    # its loader's (over fp8: its converter's) block ids loaded 4 tiles ahead instead of after the
-    # stage's wait (1, as measured above). bench/debug/decode_gluon.py (2026-12-04 afternoon): 16
-    # heads over bf16 29.4 / 83.1 / 307.0 µs (1) against 29.8 / 81.3 / 319.2 (4), 128 heads at 32K
-    # 142.3 against 146.8, fp8 tied: stays 1
-    "ids_ahead_wide": 1,
     # over fp8: a TMA ring of this many raw fp8 tiles (1 or 2) in front of the Gluon kernel's
     # converter, with one fp16 stage after it (0: the converter loads the tiles itself into two fp16
     # stages; Nsight Compute had put the kernel's bound in those loads, docs/gpu.md section 18).
@@ -631,21 +626,21 @@ CONFIG = {
     # its ring: 16-bit stages over bf16 (32 KB each), raw fp8 stages over fp8 (16 KB each; two
     # fp16 stages after the converter)
     "stages_gluon_gqa": 3, "raw_stages_gluon_gqa": 6,
-    # over fp8: converter warpgroups (1 or 2, alternate tiles) and the fp16 ring after them (2 or 4).
-    # decode-gluon-gqa4-h200.json (1/4 of 8K / 32K / 128K): one converter, 6 raw stages 43.7 / 150.9;
-    # two converters 43.4 / 149.1 / 581.7; two with a 4-stage fp16 ring 42.4 / 146.0 / 563.3; one
-    # converter with a 4-stage fp16 ring 40.0 / 139.4 (Triton 33.4 / 101.8 / 398.0): neither more
-    # converters nor more consumers reach the Triton kernel; the bound was not found
-    "converters_gluon_gqa_fp8": 1, "stages_gluon_gqa_fp8": 2,
+    # over fp8: the fp16 ring after the converter (2 or 4 stages). decode-gluon-gqa4-h200.json (1/4
+    # of 8K / 32K / 128K): 2 stages with 6 raw stages 43.7 / 150.9 µs; 4 stages 40.0 / 139.4 (Triton
+    # 33.4 / 101.8 / 398.0)
+    "stages_gluon_gqa_fp8": 2,
     # the consumer with swapped operands (S^T = K Q^T, O^T += V^T P^T: accumulators of the kv head's
     # query columns only, not of 64 padded rows), per cache dtype. decode-gluon-gqa5-h200.json: bf16
-    # 35.6 / 125.5 / 485.3 µs against 35.9 / 125.8 / 477.1 unswapped; fp8 147-150 at 32K (one or two
-    # converters): the consumer's instructions do not bound either
+    # 35.6 / 125.5 / 485.3 µs against 35.9 / 125.8 / 477.1 unswapped; fp8 147-150 at 32K
     "swap_gluon_gqa": 0, "swap_gluon_gqa_fp8": 0,
-    # the bf16 loader's block ids loaded 1 or 4 tiles ahead (the fp8 loader's are 4 ahead; below).
-    # 2026-12-04 afternoon: 35.0 / 121.9 µs (1) against 35.1 / 121.4 (4) at 8K / 32K: stays 1
-    "ids_ahead_gluon_gqa": 1,
-    # Removed after their runs (code in the history): two consumer warpgroups on alternate tiles,
+    # Removed after their runs (code in the history): block ids four tiles ahead in the bf16 GQA
+    # loader and in the MLA loader and converter (CONFIG ids_ahead_gluon_gqa / ids_ahead_wide, removed
+    # after 918617a; 2026-12-04 afternoon: GQA 35.1 / 121.4 µs against 35.0 / 121.9 with one ahead, MLA
+    # 16 heads 29.8 / 81.3 / 319.2 against 29.4 / 83.1 / 307.0, 128 heads at 32K 146.8 against
+    # 142.3), two converter warpgroups on alternate tiles over fp8 (converters_gluon_gqa_fp8, removed
+    # after 918617a; 43.4 / 149.1 / 581.7 µs against 43.7 / 150.9, 142.3 against 143.7 at 32K after the
+    # deeper prefetch), two consumer warpgroups on alternate tiles,
     # merged in the CTA (commit 8bea930; bf16 37.3-37.5 / 125.6-126.1 / 480.2-480.8 µs with 4 stages,
     # 40.3 / 140.2 with 2; fp8 42.0-42.8 / 143.8-145.1 / 552-555), and each raw fp8 tile as one 64 x
     # 128 TMA box (1703bb6; decode-gluon-gqa6-h200.json: 141.7-146.0 µs at 32K against 140.8-141.6
@@ -836,7 +831,7 @@ _VALID = {
     "diag": (0, 1, 2, 3), "f16": (0, 1),
     "gluon_wide": (0, 1), "gluon_wide_fp8": (0, 1), "gluon_wide_narrow": (0, 1), "gluon_wide_narrow_fp8": (0, 1),
     "gluon_gqa": (0, 1), "gluon_gqa_fp8": (0, 1), "stages": range(2, 7), "raw_stages": range(2, 11),
-    "converters": (1, 2), "swap": (0, 1), "ids_ahead": (1, 4), "raw_ring": (0, 1, 2),
+    "swap": (0, 1), "raw_ring": (0, 1, 2),
     "maxnreg": (0, *range(64, 256, 8)), "at_most": (0, 1), "stage16": (0, 1, 2),
 }
 _META = ("device", "sizes", "seconds", "results", "notes", "problems")
@@ -1034,16 +1029,13 @@ def paged_decode_triton(q: Tensor, k: Tensor, v: Tensor, k_scale: Tensor | None,
     table = block_table if block_table.stride(-1) == 1 else block_table.contiguous()
     if s > 0 and splits > 0 and gluon:
         gluon_mla.launch_gluon_mla(q, k, table, seq_lens, o, lse, scale * _LOG2E, splits, split_len, dcp_size,
-                                   dcp_rank, interleave, k_scale if fp8 else None, ids_ahead=CONFIG["ids_ahead_wide"],
-                                   raw_ring=CONFIG["raw_ring_wide_fp8"])
+                                   dcp_rank, interleave, k_scale if fp8 else None, raw_ring=CONFIG["raw_ring_wide_fp8"])
     elif s > 0 and splits > 0 and gqa_ws:
         gluon_gqa.launch_gluon_gqa(q, k, v, table, seq_lens, o, lse, scale * _LOG2E, splits, split_len, dcp_size,
                                    dcp_rank, interleave, k_scale if fp8 else None, v_scale if fp8 else None,
                                    stages=CONFIG["stages_gluon_gqa"], raw_stages=CONFIG["raw_stages_gluon_gqa"],
-                                   converters=CONFIG["converters_gluon_gqa_fp8"],
                                    fp16_stages=CONFIG["stages_gluon_gqa_fp8"],
-                                   swap=bool(CONFIG["swap_gluon_gqa_fp8" if fp8 else "swap_gluon_gqa"]),
-                                   ids_ahead=CONFIG["ids_ahead_gluon_gqa"])
+                                   swap=bool(CONFIG["swap_gluon_gqa_fp8" if fp8 else "swap_gluon_gqa"]))
     elif s > 0 and splits > 0:
         _paged_decode_kernel[(programs, splits)](
             q, k, v, ks, vs, table, seq_lens, o, lse,
