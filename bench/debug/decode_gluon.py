@@ -14,7 +14,7 @@ from __future__ import annotations
 import sys
 
 import torch
-from _rows import dump_rows
+from _rows import check_row, dump_rows
 
 from megapar.launch.bench.cp import _mla_decode_setup
 from megapar.launch.bench.common import BenchContext, step_time
@@ -67,20 +67,9 @@ def _check(rows: list, dtype: torch.dtype, heads: int = 128) -> None:
         for name, on, raw in (("triton", 0, 0), ("gluon", 1, 0), ("gluon raw1", 1, 1), ("gluon raw2", 1, 2)):
             triton_decode.CONFIG[key] = on
             triton_decode.CONFIG["raw_ring_wide_fp8"] = raw
-            got = paged_decode_attention(q, cache, table, seq, layout=layout, scale=dims.scale, backend="triton")
-            torch.cuda.synchronize()
-            fin = torch.isfinite(ref.lse)
-            row = {"check": f"{dtype} {heads} heads dcp {size} rank {rank}", "kernel": name,
-                   "max_err_out": (got.out - ref.out).abs().max().item(),
-                   "max_err_lse": (got.lse[fin] - ref.lse[fin]).abs().max().item(),
-                   "empty_rows_ok": bool(torch.equal(torch.isfinite(got.lse), fin))}
-            bad_table = table.clone()
-            bad_table[5, 0] = nb + 3
-            bad = paged_decode_attention(q, cache, bad_table, seq, layout=layout, scale=dims.scale, backend="triton",
-                                         validate=False)
-            row["bad_row_nan"] = bool(torch.isnan(bad.lse[5]).all()) and bool(torch.isfinite(bad.lse[6]).all())
-            rows.append(row)
-            print(row, flush=True)
+            call = lambda t: paged_decode_attention(q, cache, t, seq, layout=layout, scale=dims.scale,
+                                                    backend="triton", validate=False)
+            rows.append(check_row(f"{dtype} {heads} heads dcp {size} rank {rank}", name, call, ref, table, nb + 3))
     triton_decode.CONFIG.update(saved)
 
 

@@ -14,7 +14,7 @@ import math
 import sys
 
 import torch
-from _rows import dump_rows
+from _rows import check_row, dump_rows
 
 from megapar.launch.bench.cp import _decode_setup
 from megapar.launch.bench.common import BenchContext, step_time
@@ -69,20 +69,9 @@ def _check(rows: list, dtype: torch.dtype) -> None:
                              ("gluon swap", {key: 1, "swap_" + key: 1})):
             triton_decode.CONFIG.update(saved)
             triton_decode.CONFIG.update(change)
-            got = paged_decode_attention(q, cache, table, seq, layout=layout, scale=scale, backend="triton")
-            torch.cuda.synchronize()
-            fin = torch.isfinite(ref.lse)
-            row = {"check": f"{dtype} dcp {size} rank {rank}", "kernel": name,
-                   "max_err_out": (got.out - ref.out).abs().max().item(),
-                   "max_err_lse": (got.lse[fin] - ref.lse[fin]).abs().max().item(),
-                   "empty_rows_ok": bool(torch.equal(torch.isfinite(got.lse), fin))}
-            bad_table = table.clone()
-            bad_table[5, 0] = nb + 3
-            bad = paged_decode_attention(q, cache, bad_table, seq, layout=layout, scale=scale, backend="triton",
-                                         validate=False)
-            row["bad_row_nan"] = bool(torch.isnan(bad.lse[5]).all()) and bool(torch.isfinite(bad.lse[6]).all())
-            rows.append(row)
-            print(row, flush=True)
+            call = lambda t: paged_decode_attention(q, cache, t, seq, layout=layout, scale=scale, backend="triton",
+                                                    validate=False)
+            rows.append(check_row(f"{dtype} dcp {size} rank {rank}", name, call, ref, table, nb + 3))
     triton_decode.CONFIG.update(saved)
 
 
