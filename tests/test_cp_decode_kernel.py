@@ -620,8 +620,9 @@ def test_gluon_mla_kernel_on_gpu(size, rank, heads, monkeypatch):
 def test_gluon_mla_kernel_over_fp8_on_gpu(heads, monkeypatch):
     """The Gluon MLA kernel over an fp8 latent cache with per-token scales (CONFIG gluon_wide_fp8):
     NaN bytes and NaN scales past every sequence's end, lengths that end inside a tile, an empty
-    and a one-token sequence, several splits; against the torch path and the Triton kernel; a bad
-    block id gives NaN rows."""
+    and a one-token sequence, several splits; against the torch path and the Triton kernel; the raw
+    TMA ring's forms (64-key tiles: the same result; 32-key tiles with two or three fp16 stages: the
+    same to rounding); a bad block id gives NaN rows."""
     td = _compiled(monkeypatch)
     from parallel.cp import gluon_mla
 
@@ -645,8 +646,20 @@ def test_gluon_mla_kernel_over_fp8_on_gpu(heads, monkeypatch):
         ringed = paged_decode_attention(q, cache, table, seq, scale=0.07, backend="triton")
         torch.testing.assert_close(ringed.out, got.out, atol=0, rtol=0)
         torch.testing.assert_close(ringed.lse, got.lse, atol=0, rtol=0)
-    for raw in (0, 2):
+    for keys, ring, raw in ((32, 2, 2), (32, 2, 4), (32, 3, 2)):    # 32-key tiles, the fp16 ring a tile ahead
         monkeypatch.setitem(td.CONFIG, "raw_ring_wide_fp8", raw)
+        monkeypatch.setitem(td.CONFIG, "keys_wide_fp8", keys)
+        monkeypatch.setitem(td.CONFIG, "ring_wide_fp8", ring)
+        short = paged_decode_attention(q, cache, table, seq, scale=0.07, backend="triton")
+        _check_against_torch(short, ref, 1)
+        # (the online softmax steps over 32 keys instead of 64: fp32 rounding apart, and the weights'
+        # fp16 unit moves at other points)
+        torch.testing.assert_close(short.out, got.out, atol=2e-3, rtol=0)
+        torch.testing.assert_close(short.lse, got.lse, atol=1e-4, rtol=0)
+    for raw, keys, ring in ((0, 64, 1), (2, 64, 1), (2, 32, 2)):
+        monkeypatch.setitem(td.CONFIG, "raw_ring_wide_fp8", raw)
+        monkeypatch.setitem(td.CONFIG, "keys_wide_fp8", keys)
+        monkeypatch.setitem(td.CONFIG, "ring_wide_fp8", ring)
         bad = table.clone()
         bad[4, 0] = cache.k.shape[0] + 1
         nan = paged_decode_attention(q, cache, bad, seq, scale=0.07, backend="triton", validate=False)

@@ -15,6 +15,7 @@ import tempfile
 from pathlib import Path
 
 import pytest
+import torch
 
 SMEM_LIMIT = 232448          # bytes of dynamic shared memory a CTA may take on sm_90
 ROOT = Path(__file__).resolve().parents[1]
@@ -22,7 +23,8 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def _build(name: str) -> dict:
     """(child process) Compile one kernel ("mla-bf16", "mla-fp8", "gqa-bf16", "gqa-fp8"; "-swap": the GQA
-    kernel's swapped-operand consumer; "-raw1" / "-raw2": the fp8 MLA kernel's raw TMA ring) for
+    kernel's swapped-operand consumer; "-raw1" / "-raw2": the fp8 MLA kernel's raw TMA ring, "-k32r2raw4":
+    with 32-key tiles and two fp16 stages) for
     sm_90a: shared bytes, ptxas spill bytes, PTX markers."""
     import triton
     from triton.backends.compiler import GPUTarget
@@ -47,11 +49,15 @@ def _build(name: str) -> dict:
             kernel, consts = gluon_gqa._gqa_decode_ws_kernel, {"PAGE": 64, "STAGES": 3, "NQ": nq}
             ptrs.update(k_ptr="*bf16", v_ptr="*bf16")
     elif fp8:
-        raw = {"raw1": 1, "raw2": 2}.get(more[0] if more else "", 0)     # (a raw TMA ring before the converter)
-        kernel, consts = gluon_mla._mla_decode_ws_fp8_kernel, {"PAGE": 64, "RAW": raw}
+        # (a raw TMA ring before the converter: "raw1", "raw2", or "k32r2raw4": 32-key tiles, 2 fp16 stages)
+        form = re.fullmatch(r"(?:k(\d+)r(\d+))?raw(\d+)", more[0] if more else "")
+        keys, ring, raw = (int(form.group(1) or 64), int(form.group(2) or 1), int(form.group(3))) if form else (64, 1, 0)
+        kernel, consts = gluon_mla._mla_decode_ws_fp8_kernel, {"PAGE": 64, "RAW": raw, "KEYS": keys, "RING": ring}
         ptrs.update(q_ptr="*bf16", k_ptr="*fp8e4nv", ks_ptr="*fp32")
         if raw:
-            ptrs.update(k_desc=desc, ks_desc=f"tensordesc<fp32[1, 64],{gl.NVMMASharedLayout(0, 32, 2)}>")
+            raw_box = gl.NVMMASharedLayout.get_default_for([keys, 64], gl.float8e4nv)
+            ptrs.update(k_desc=f"tensordesc<fp8e4nv[{keys}, 64],{raw_box}>",
+                        ks_desc=f"tensordesc<fp32[1, {keys}],{gl.NVMMASharedLayout(0, 32, 2)}>")
     else:
         kernel, consts = gluon_mla._mla_decode_ws_kernel, {"PAGE": 64}
         ptrs.update(q_desc=desc, k_desc=desc, k_ptr="*bf16")
@@ -73,7 +79,8 @@ def _build(name: str) -> dict:
 
 
 @pytest.mark.parametrize("name,spill_cap", [
-    ("mla-bf16", 512), ("mla-fp8", 1024), ("mla-fp8-raw1", 1024), ("mla-fp8-raw2", 1024), ("gqa-bf16", 0), ("gqa-fp8", 0),
+    ("mla-bf16", 512), ("mla-fp8", 1024), ("mla-fp8-raw1", 1024), ("mla-fp8-raw2", 1024),
+    ("mla-fp8-k32r2raw2", 1024), ("mla-fp8-k32r2raw4", 1024), ("mla-fp8-k32r3raw2", 1024), ("gqa-bf16", 0), ("gqa-fp8", 0),
     ("gqa-bf16-swap", 64), ("gqa-fp8-swap", 0)])
 def test_gluon_decode_kernel_builds_for_sm90(name, spill_cap):
     """spill_cap: the committed MLA builds spill 12 B (bf16: the loader's masked tail tile) and 388-516 B
@@ -90,6 +97,27 @@ def test_gluon_decode_kernel_builds_for_sm90(name, spill_cap):
     assert got["spill"] <= spill_cap, f"{got['spill']} B spilled (cap {spill_cap})"
     # partitions (the CTA's registers move between them: setmaxnreg) and async wgmma
     assert got["setmaxnreg"] and got["wgmma"]
+
+
+@pytest.mark.parametrize("keys,ring,raw,fits", [(64, 1, 1, True), (64, 1, 2, True), (64, 2, 1, False),
+                                                (32, 2, 2, True), (32, 2, 4, True), (32, 3, 2, True),
+                                                (32, 3, 4, False), (48, 2, 2, False), (32, 0, 2, False)])
+def test_fp8_mla_ring_fits_shared_memory(keys, ring, raw, fits, monkeypatch):
+    """The fp8 MLA kernel's raw-ring forms that fit sm_90's shared memory (the builds above compile
+    the fitting ones); the launcher refuses the others with the numbers, before building anything,
+    and CONFIG refuses key tiles other than 32 / 64."""
+    from parallel.cp import gluon_mla, triton_decode
+
+    assert gluon_mla.fp8_ring_fits(keys, ring, raw) is fits
+    if not fits and keys in (32, 64) and ring > 0:
+        k = torch.zeros(4, 64, 1, 576, dtype=torch.float8_e4m3fn)
+        q = torch.zeros(1, 1, 128, 576, dtype=torch.bfloat16)
+        with pytest.raises(ValueError, match=f"{ring} fp16 and {raw} raw stages of {keys} keys"):
+            gluon_mla.launch_gluon_mla(q, k, torch.zeros(1, 4, dtype=torch.int32), torch.ones(1), None, None, 0.1,
+                                       1, 256, 1, 0, 1, torch.ones(4, 64, 1), raw_ring=raw, keys=keys, ring=ring)
+    if keys not in (32, 64):
+        with pytest.raises(ValueError, match="keys_wide_fp8"):
+            triton_decode.apply_tuning({"config": {"keys_wide_fp8": keys}})
 
 
 if __name__ == "__main__":

@@ -3,8 +3,9 @@ against the Triton kernel: max abs error of both against the torch path on awkwa
 1, 63, 64, 65 tokens, long ones; DCP group of 1 and rank 1 of 2; a bad block id), then whole
 calls timed with `common.step_time` (ten a CUDA graph, alternating, two rounds) over rank 0's 1/4
 of B = 32 sequences: 128 heads over fp8 at L = 8K, 32K, 128K and 16 (TP 8: one head tile padded
-to 64 rows, CONFIG gluon_wide_narrow*) at 32K, with the fp8 converter's raw TMA ring of CONFIG
-raw_ring_wide_fp8 0 / 1 / 2, and 128 heads over bf16 at 32K.
+to 64 rows, CONFIG gluon_wide_narrow*) at 32K, with the fp8 kernel's forms (`FP8_FORMS`: CONFIG
+raw_ring_wide_fp8 raw stages, keys_wide_fp8 keys a tile, ring_wide_fp8 fp16 stages), and 128 heads
+over bf16 at 32K.
 
     python bench/debug/decode_gluon.py OUT.json        # on the GPU
 """
@@ -22,6 +23,15 @@ from megapar.parallel.cp import triton_decode
 from megapar.parallel.cp.dcp import DCPLayout
 from megapar.parallel.cp.mla import MLADims
 from megapar.parallel.cp.paged import PagedKVCache, paged_decode_attention
+
+# (name, Gluon on, raw_ring_wide_fp8, keys_wide_fp8, ring_wide_fp8): the Triton kernel, the installed
+# 64-key form with one fp16 stage, 32-key tiles with two or three fp16 stages
+FP8_FORMS = (("triton", 0, 0, 64, 1), ("gluon raw1", 1, 1, 64, 1), ("gluon k32 ring2 raw2", 1, 2, 32, 2),
+             ("gluon k32 ring2 raw4", 1, 4, 32, 2), ("gluon k32 ring3 raw2", 1, 2, 32, 3))
+
+
+def _form(key: str, on: int, raw: int, keys: int, ring: int) -> None:
+    triton_decode.CONFIG.update({key: on, "raw_ring_wide_fp8": raw, "keys_wide_fp8": keys, "ring_wide_fp8": ring})
 
 
 def _check(rows: list, dtype: torch.dtype, heads: int = 128) -> None:
@@ -64,9 +74,8 @@ def _check(rows: list, dtype: torch.dtype, heads: int = 128) -> None:
         q = torch.randn(len(lens), heads, dims.latent_dim, device="cuda", generator=gen).to(torch.bfloat16)
         seq = torch.tensor(lens, device="cuda")
         ref = paged_decode_attention(q, ref_cache, table, seq, layout=layout, scale=dims.scale, backend="torch")
-        for name, on, raw in (("triton", 0, 0), ("gluon", 1, 0), ("gluon raw1", 1, 1), ("gluon raw2", 1, 2)):
-            triton_decode.CONFIG[key] = on
-            triton_decode.CONFIG["raw_ring_wide_fp8"] = raw
+        for name, *form in FP8_FORMS[:2] if not fp8 else FP8_FORMS:
+            _form(key, *form)
             call = lambda t: paged_decode_attention(q, cache, t, seq, layout=layout, scale=dims.scale,
                                                     backend="triton", validate=False)
             rows.append(check_row(f"{dtype} {heads} heads dcp {size} rank {rank}", name, call, ref, table, nb + 3))
@@ -97,13 +106,10 @@ def main(path: str) -> None:
         triton_decode.CONFIG[key] = 0
         ref = call()
         for rep in range(2):
-            for name, on, raw in (("triton", 0, 0), ("gluon", 1, 0), ("gluon raw1", 1, 1), ("gluon raw2", 1, 2)):
-                if raw and dtype != torch.float8_e4m3fn:
-                    continue
-                triton_decode.CONFIG[key] = on
+            for name, on, *form in FP8_FORMS if dtype == torch.float8_e4m3fn else FP8_FORMS[:2]:
+                _form(key, on, *form)
                 triton_decode.CONFIG["gluon_wide_narrow"] = on
                 triton_decode.CONFIG["gluon_wide_narrow_fp8"] = on
-                triton_decode.CONFIG["raw_ring_wide_fp8"] = raw
                 got = call()
                 err = max((got.out - ref.out).abs().max().item(), (got.lse - ref.lse).abs().max().item())
                 us, cols = step_time(ctx, [call])

@@ -52,13 +52,15 @@ else:  # pragma: no cover
 
 if HAS_GLUON:
     @gluon.jit
-    def _split_range(glens_ptr, s, split, split_len, dcp_size, dcp_rank, interleave, table_w, PAGE: gl.constexpr):
-        """(start, end, tiles, bad) of this split: bad where the length is negative or past the table."""
+    def _split_range(glens_ptr, s, split, split_len, dcp_size, dcp_rank, interleave, table_w, PAGE: gl.constexpr,
+                     KEYS: gl.constexpr = 64):
+        """(start, end, tiles of KEYS keys, bad) of this split: bad where the length is negative or past the
+        table."""
         local = _dcp_local_len(glens_ptr, s, dcp_size, dcp_rank, interleave)
         start = split * split_len
         end = gl.minimum(gl.minimum(start + split_len, local), table_w * PAGE)
         bad = (gl.load(glens_ptr + s) < 0) | (local > table_w * PAGE)
-        tiles = (gl.maximum(end - start, 0) + BLOCK - 1) // BLOCK
+        tiles = (gl.maximum(end - start, 0) + KEYS - 1) // KEYS
         return start, end, tiles, bad
 
     @gluon.jit
@@ -179,34 +181,37 @@ if HAS_GLUON:
                              table_ptr, glens_ptr, o_ptr, lse_ptr, s, head0_in_seq, split, split_len, dcp_size,
                              dcp_rank, interleave, table_w, num_blocks, st_s, qk_scale, so_p, so_s, so_h, sl_p, sl_s, HQ,
                              PAGE: gl.constexpr, ks_smem=None, qf_smem=None, FP8: gl.constexpr = False,
-                             RING: gl.constexpr = STAGES):
+                             RING: gl.constexpr = STAGES, KEYS: gl.constexpr = 64):
         """FP8 (fp16 operands over an fp8 cache): the scores take the query rows' powers of two
         (qf_smem) and the keys' scales (ks_smem); the weights p * scale go to fp16 over a running
         per-row unit r (the largest weight so far: no fp16 overflow), the accumulators are kept in
-        units of r and rescaled by the unit's change with alpha."""
+        units of r and rescaled by the unit's change with alpha. KEYS: keys a tile (64, or 32 over
+        fp8, where the smaller stages let the ring hold two converted tiles)."""
         mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 64, 16])
-        row_l: gl.constexpr = gl.SliceLayout(1, mma)
-        col_l: gl.constexpr = gl.SliceLayout(0, mma)
+        mma_s: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                        instr_shape=[16, KEYS, 16])
+        row_l: gl.constexpr = gl.SliceLayout(1, mma_s)
+        col_l: gl.constexpr = gl.SliceLayout(0, mma_s)
         start, end, tiles, bad = _split_range(glens_ptr, s, split, split_len, dcp_size, dcp_rank, interleave,
-                                              table_w, PAGE)
+                                              table_w, PAGE, KEYS)
         m_i = gl.full([BLOCK], float("-inf"), gl.float32, row_l)
         l_i = gl.zeros([BLOCK], gl.float32, row_l)
         o0 = gl.zeros([BLOCK, BLOCK], gl.float32, mma)
         o1 = gl.zeros([BLOCK, BLOCK], gl.float32, mma)
         o2 = gl.zeros([BLOCK, BLOCK], gl.float32, mma)
         o3 = gl.zeros([BLOCK, BLOCK], gl.float32, mma)
-        cols = gl.arange(0, BLOCK, layout=col_l)
+        cols = gl.arange(0, KEYS, layout=col_l)
         r_i = gl.zeros([BLOCK], gl.float32, row_l)
         mbarrier.wait(q_bar, 0)
         if FP8:
             qk_rows = qf_smem.load(row_l) * qk_scale
         for t in range(tiles):
             stage = t % RING
-            j0 = start + t * BLOCK
+            j0 = start + t * KEYS
             blk = gl.load(table_ptr + s.to(gl.int64) * st_s + j0 // PAGE)
             bad = bad | (blk < 0) | (blk >= num_blocks)
             mbarrier.wait(ready.index(stage), (t // RING) & 1)
-            sc = gl.zeros([BLOCK, BLOCK], gl.float32, mma)
+            sc = gl.zeros([BLOCK, KEYS], gl.float32, mma_s)
             for c in gl.static_range(CHUNKS):
                 sc = warpgroup_mma(q_smem.index(c), k_smem.index(stage * CHUNKS + c).permute((1, 0)), sc,
                                    is_async=True)
@@ -224,7 +229,8 @@ if HAS_GLUON:
             fence_async_shared()
             gl.thread_barrier()
             mbarrier.arrive(p_ready)
-            o0, o1, o2, o3 = _pv(o0, o1, o2, o3, alpha, p_smem, k_smem, stage * CHUNKS + 0)
+            o0, o1, o2, o3 = _pv(o0, o1, o2, o3, gl.convert_layout(alpha, gl.SliceLayout(1, mma)), p_smem, k_smem,
+                                 stage * CHUNKS + 0)
             mbarrier.arrive(free.index(stage))
         # the final factor 1 / l (NaN for a bad table) to warpgroup 1, then this half and the lse
         factor, lse = _finish(m_i, l_i, r_i, bad, FP8)
@@ -234,20 +240,23 @@ if HAS_GLUON:
         gl.thread_barrier()
         mbarrier.arrive(p_ready)
         rows = gl.arange(0, BLOCK, layout=row_l)
-        o_row = split.to(gl.int64) * so_p + s.to(gl.int64) * so_s + (head0_in_seq + rows).to(gl.int64) * so_h
         live = head0_in_seq + rows < HQ
-        _store_quarter_rows(o_ptr + o_row[:, None] + cols[None, :], o0, o1, o2, o3, factor, live)
         gl.store(lse_ptr + split.to(gl.int64) * sl_p + s.to(gl.int64) * sl_s + head0_in_seq + rows, lse, mask=live)
+        rows = gl.arange(0, BLOCK, layout=gl.SliceLayout(1, mma))
+        ocols = gl.arange(0, BLOCK, layout=gl.SliceLayout(0, mma))
+        o_row = split.to(gl.int64) * so_p + s.to(gl.int64) * so_s + (head0_in_seq + rows).to(gl.int64) * so_h
+        _store_quarter_rows(o_ptr + o_row[:, None] + ocols[None, :], o0, o1, o2, o3,
+                            gl.convert_layout(factor, gl.SliceLayout(1, mma)), head0_in_seq + rows < HQ)
 
     @gluon.jit
     def _high_half(k_smem, p_smem, a_smem, ready, free, p_ready, p_free, glens_ptr, o_ptr, s, head0_in_seq, split,
                    split_len, dcp_size, dcp_rank, interleave, table_w, so_p, so_s, so_h, HQ, PAGE: gl.constexpr,
-                   RING: gl.constexpr = STAGES):
+                   RING: gl.constexpr = STAGES, KEYS: gl.constexpr = 64):
         mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 64, 16])
         row_l: gl.constexpr = gl.SliceLayout(1, mma)
         col_l: gl.constexpr = gl.SliceLayout(0, mma)
         start, end, tiles, bad = _split_range(glens_ptr, s, split, split_len, dcp_size, dcp_rank, interleave,
-                                              table_w, PAGE)
+                                              table_w, PAGE, KEYS)
         o0 = gl.zeros([BLOCK, BLOCK], gl.float32, mma)
         o1 = gl.zeros([BLOCK, BLOCK], gl.float32, mma)
         o2 = gl.zeros([BLOCK, BLOCK], gl.float32, mma)
@@ -321,7 +330,8 @@ if HAS_GLUON:
     def _converter(q_ptr, k_ptr, ks_ptr, table_ptr, glens_ptr, q_smem, qf_smem, k_smem, ks_smem, q_bar, ready, free,
                    s, head0, split, split_len, dcp_size, dcp_rank, interleave, table_w, num_blocks, st_s, sk_b, sk_t,
                    ss_b, ss_t, q_rows, PAGE: gl.constexpr, kr_smem=None, ksr_smem=None,
-                   raw_ready=None, raw_free=None, RAW: gl.constexpr = 0, RING: gl.constexpr = STAGES):
+                   raw_ready=None, raw_free=None, RAW: gl.constexpr = 0, RING: gl.constexpr = STAGES,
+                   KEYS: gl.constexpr = 64):
         """The fp8 kernel's loader: the 64 query rows to fp16, each times a power of two 2^e that puts
         its largest magnitude in [2^14, 2^15) (qf_smem holds 2^-e), then each key tile's fp8 rows
         (zeros past the split's end) converted to fp16 and its scales into the ring's stage: loaded
@@ -345,52 +355,52 @@ if HAS_GLUON:
         gl.thread_barrier()
         mbarrier.arrive(q_bar)
         start, end, tiles, bad = _split_range(glens_ptr, s, split, split_len, dcp_size, dcp_rank, interleave,
-                                              table_w, PAGE)
+                                              table_w, PAGE, KEYS)
         if RAW > 0:
             _convert_raw(kr_smem, ksr_smem, k_smem, ks_smem, raw_ready, raw_free, ready, free, start, end, tiles,
-                         RAW, RING)
-            return
-        for t in range(tiles):
-            stage = t % STAGES
-            j0 = start + t * BLOCK
-            blk = gl.load(table_ptr + s.to(gl.int64) * st_s + j0 // PAGE)
-            blk = gl.where((blk >= 0) & (blk < num_blocks), blk, 0)    # (warpgroup 0 reports it)
-            live = rows < end - j0
-            token = ((j0 % PAGE) + rows).to(gl.int64)
-            base = k_ptr + blk.to(gl.int64) * sk_b + token[:, None] * sk_t + cols[None, :]
-            ks = gl.load(ks_ptr + blk.to(gl.int64) * ss_b + token * ss_t, mask=live, other=0.0)
-            if t >= STAGES:
-                mbarrier.wait(free.index(stage), ((t // STAGES) - 1) & 1)
-            for c in gl.static_range(CHUNKS):
-                kc = gl.load(base + c * BLOCK, mask=live[:, None], other=0.0)
-                k_smem.index(stage * CHUNKS + c).store(kc.to(gl.float16))
-            ks_smem.index(stage).store(ks)
-            fence_async_shared()
-            gl.thread_barrier()
-            mbarrier.arrive(ready.index(stage))
+                         RAW, RING, KEYS)
+        else:
+            for t in range(tiles):
+                stage = t % STAGES
+                j0 = start + t * BLOCK
+                blk = gl.load(table_ptr + s.to(gl.int64) * st_s + j0 // PAGE)
+                blk = gl.where((blk >= 0) & (blk < num_blocks), blk, 0)    # (warpgroup 0 reports it)
+                live = rows < end - j0
+                token = ((j0 % PAGE) + rows).to(gl.int64)
+                base = k_ptr + blk.to(gl.int64) * sk_b + token[:, None] * sk_t + cols[None, :]
+                ks = gl.load(ks_ptr + blk.to(gl.int64) * ss_b + token * ss_t, mask=live, other=0.0)
+                if t >= STAGES:
+                    mbarrier.wait(free.index(stage), ((t // STAGES) - 1) & 1)
+                for c in gl.static_range(CHUNKS):
+                    kc = gl.load(base + c * BLOCK, mask=live[:, None], other=0.0)
+                    k_smem.index(stage * CHUNKS + c).store(kc.to(gl.float16))
+                ks_smem.index(stage).store(ks)
+                fence_async_shared()
+                gl.thread_barrier()
+                mbarrier.arrive(ready.index(stage))
 
     @gluon.jit
     def _convert_raw(kr_smem, ksr_smem, k_smem, ks_smem, raw_ready, raw_free, ready, free, start, end, tiles,
-                     RAW: gl.constexpr, RING: gl.constexpr):
-        """Each raw fp8 tile (nine 64 x 64 boxes and its 64 scales, by TMA) to fp16 in the ring's
+                     RAW: gl.constexpr, RING: gl.constexpr, KEYS: gl.constexpr):
+        """Each raw fp8 tile (nine KEYS x 64 boxes and its KEYS scales, by TMA) to fp16 in the ring's
         stage; rows past the split's end as zeros (the last tile only) and their scales 0."""
         blocked: gl.constexpr = gl.BlockedLayout([1, 16], [8, 4], [4, 1], [1, 0])
-        rows = gl.arange(0, BLOCK, layout=gl.SliceLayout(1, blocked))
+        rows = gl.arange(0, KEYS, layout=gl.SliceLayout(1, blocked))
         vec: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
-        srows = gl.arange(0, BLOCK, layout=vec)
+        srows = gl.arange(0, KEYS, layout=vec)
         for t in range(tiles):
             rs = t % RAW
             stage = t % RING
-            valid = end - (start + t * BLOCK)
+            valid = end - (start + t * KEYS)
             mbarrier.wait(raw_ready.index(rs), (t // RAW) & 1)
             if t >= RING:
                 mbarrier.wait(free.index(stage), ((t // RING) - 1) & 1)
             for c in gl.static_range(CHUNKS):
                 kx = kr_smem.index(rs * CHUNKS + c).load(blocked).to(gl.float16)
-                if valid < BLOCK:
+                if valid < KEYS:
                     kx = gl.where((rows < valid)[:, None], kx, 0.0)
                 k_smem.index(stage * CHUNKS + c).store(kx)
-            ks_smem.index(stage).store(gl.where(srows < valid, ksr_smem.index(rs).reshape([BLOCK]).load(vec), 0.0))
+            ks_smem.index(stage).store(gl.where(srows < valid, ksr_smem.index(rs).reshape([KEYS]).load(vec), 0.0))
             fence_async_shared()
             gl.thread_barrier()
             mbarrier.arrive(raw_free.index(rs))
@@ -399,18 +409,18 @@ if HAS_GLUON:
     @gluon.jit
     def _raw_loader(k_desc, ks_desc, table_ptr, glens_ptr, kr_smem, ksr_smem, raw_ready, raw_free, s, split,
                     split_len, dcp_size, dcp_rank, interleave, table_w, num_blocks, st_s, PAGE: gl.constexpr,
-                    RAW: gl.constexpr):
-        """(one warp) Each key tile's nine fp8 boxes of 64 keys x 64 dims and its 64 scales by TMA into
-        the raw ring (whole boxes: a tile lies in its page; the converter zeroes what lies past the
-        end), the block ids one tile ahead."""
+                    RAW: gl.constexpr, KEYS: gl.constexpr = 64):
+        """(one warp) Each key tile's nine fp8 boxes of KEYS keys x 64 dims and its KEYS scales by TMA
+        into the raw ring (whole boxes: a tile lies in its page; the converter zeroes what lies past
+        the end), the block ids one tile ahead."""
         start, end, tiles, bad = _split_range(glens_ptr, s, split, split_len, dcp_size, dcp_rank, interleave,
-                                              table_w, PAGE)
+                                              table_w, PAGE, KEYS)
         blk_next = _block_of(table_ptr, s, st_s, start, tiles > 0, num_blocks, PAGE)
         for t in range(tiles):
             rs = t % RAW
-            j0 = start + t * BLOCK
+            j0 = start + t * KEYS
             blk = blk_next
-            blk_next = _block_of(table_ptr, s, st_s, j0 + BLOCK, t + 1 < tiles, num_blocks, PAGE)
+            blk_next = _block_of(table_ptr, s, st_s, j0 + KEYS, t + 1 < tiles, num_blocks, PAGE)
             if t >= RAW:
                 mbarrier.wait(raw_free.index(rs), ((t // RAW) - 1) & 1)
             mbarrier.expect(raw_ready.index(rs), CHUNKS * k_desc.block_type.nbytes + ks_desc.block_type.nbytes)
@@ -424,10 +434,13 @@ if HAS_GLUON:
     def _mla_decode_ws_fp8_kernel(q_ptr, k_ptr, ks_ptr, table_ptr, glens_ptr, o_ptr, lse_ptr,
                                   qk_scale, split_len, M_TILES, HQ, dcp_size, dcp_rank, interleave, table_w, num_blocks,
                                   st_s, sk_b, sk_t, ss_b, ss_t, so_p, so_s, so_h, sl_p, sl_s, PAGE: gl.constexpr,
-                                  k_desc=None, ks_desc=None, RAW: gl.constexpr = 0):
-        """RAW 0: the converter loads each tile's fp8 rows itself (two fp16 stages); RAW > 0: a TMA
-        loader fills a raw ring of RAW fp8 tiles in front of it and the fp16 ring has one stage
-        (shared memory: queries 72 KB + fp16 stage 72 KB + raw 36 KB each + weights 8 KB)."""
+                                  k_desc=None, ks_desc=None, RAW: gl.constexpr = 0, RING: gl.constexpr = 1,
+                                  KEYS: gl.constexpr = 64):
+        """RAW 0: the converter loads each 64-key tile's fp8 rows itself (two fp16 stages); RAW > 0: a
+        TMA loader fills a raw ring of RAW fp8 tiles of KEYS keys in front of it, and the fp16 ring
+        after it has RING stages (shared memory: queries 72 KB + 18 KB a fp16 stage and 9 KB a raw
+        stage per 16 keys + weights 2 KB per 16 keys: 64-key tiles fit RING 1 with RAW 1-2, 32-key
+        tiles RING 2 with RAW 2-4 or RING 3 with RAW 2)."""
         pid = gl.program_id(0)
         split = gl.program_id(1)
         s = pid // M_TILES
@@ -436,18 +449,20 @@ if HAS_GLUON:
         box: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK, BLOCK], gl.float16)
         vec: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[0])
         q_smem = gl.allocate_shared_memory(gl.float16, [CHUNKS, BLOCK, BLOCK], box)
-        RING: gl.constexpr = 1 if RAW > 0 else STAGES
-        k_smem = gl.allocate_shared_memory(gl.float16, [RING * CHUNKS, BLOCK, BLOCK], box)
-        p_smem = gl.allocate_shared_memory(gl.float16, [BLOCK, BLOCK], box)
+        FP16_RING: gl.constexpr = RING if RAW > 0 else STAGES
+        kbox: gl.constexpr = gl.NVMMASharedLayout.get_default_for([KEYS, BLOCK], gl.float16)
+        pbox: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK, KEYS], gl.float16)
+        k_smem = gl.allocate_shared_memory(gl.float16, [FP16_RING * CHUNKS, KEYS, BLOCK], kbox)
+        p_smem = gl.allocate_shared_memory(gl.float16, [BLOCK, KEYS], pbox)
         a_smem = gl.allocate_shared_memory(gl.float32, [BLOCK], vec)
         qf_smem = gl.allocate_shared_memory(gl.float32, [BLOCK], vec)
-        ks_smem = gl.allocate_shared_memory(gl.float32, [RING, BLOCK], vec)
-        q_bar, ready, free, p_ready, p_free = _barriers(RING)
+        ks_smem = gl.allocate_shared_memory(gl.float32, [FP16_RING, KEYS], vec)
+        q_bar, ready, free, p_ready, p_free = _barriers(FP16_RING)
         if RAW > 0:
-            raw_box: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK, BLOCK], gl.float8e4nv)
+            raw_box: gl.constexpr = gl.NVMMASharedLayout.get_default_for([KEYS, BLOCK], gl.float8e4nv)
             sc_box: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2)
-            kr_smem = gl.allocate_shared_memory(gl.float8e4nv, [RAW * CHUNKS, BLOCK, BLOCK], raw_box)
-            ksr_smem = gl.allocate_shared_memory(gl.float32, [RAW, 1, BLOCK], sc_box)
+            kr_smem = gl.allocate_shared_memory(gl.float8e4nv, [RAW * CHUNKS, KEYS, BLOCK], raw_box)
+            ksr_smem = gl.allocate_shared_memory(gl.float32, [RAW, 1, KEYS], sc_box)
             raw_ready = gl.allocate_shared_memory(gl.int64, [RAW, 1], mbarrier.MBarrierLayout())
             raw_free = gl.allocate_shared_memory(gl.int64, [RAW, 1], mbarrier.MBarrierLayout())
             for i in gl.static_range(RAW):
@@ -458,30 +473,30 @@ if HAS_GLUON:
                 (_scores_and_low_half, (q_smem, k_smem, p_smem, a_smem, q_bar, ready, free, p_ready, p_free,
                                         table_ptr, glens_ptr, o_ptr, lse_ptr, s, head0_in_seq, split, split_len,
                                         dcp_size, dcp_rank, interleave, table_w, num_blocks, st_s, qk_scale, so_p,
-                                        so_s, so_h, sl_p, sl_s, HQ, PAGE, ks_smem, qf_smem, True, RING)),
+                                        so_s, so_h, sl_p, sl_s, HQ, PAGE, ks_smem, qf_smem, True, RING, KEYS)),
                 (_high_half, (k_smem, p_smem, a_smem, ready, free, p_ready, p_free, glens_ptr, o_ptr, s,
                               head0_in_seq, split, split_len, dcp_size, dcp_rank, interleave, table_w, so_p, so_s,
-                              so_h, HQ, PAGE, RING)),
+                              so_h, HQ, PAGE, RING, KEYS)),
                 (_converter, (q_ptr, k_ptr, ks_ptr, table_ptr, glens_ptr, q_smem, qf_smem, k_smem, ks_smem, q_bar,
                               ready, free, s, head0, split, split_len, dcp_size, dcp_rank, interleave, table_w,
                               num_blocks, st_s, sk_b, sk_t, ss_b, ss_t, HQ - head0_in_seq, PAGE, kr_smem,
-                              ksr_smem, raw_ready, raw_free, RAW, RING)),
+                              ksr_smem, raw_ready, raw_free, RAW, RING, KEYS)),
                 (_raw_loader, (k_desc, ks_desc, table_ptr, glens_ptr, kr_smem, ksr_smem, raw_ready, raw_free, s,
                                split, split_len, dcp_size, dcp_rank, interleave, table_w, num_blocks, st_s, PAGE,
-                               RAW)),
+                               RAW, KEYS)),
             ], [4, 4, 1], [168, 64, 24])
-            return
-        gl.warp_specialize([
-            (_scores_and_low_half, (q_smem, k_smem, p_smem, a_smem, q_bar, ready, free, p_ready, p_free, table_ptr,
-                                    glens_ptr, o_ptr, lse_ptr, s, head0_in_seq, split, split_len, dcp_size, dcp_rank,
-                                    interleave, table_w, num_blocks, st_s, qk_scale, so_p, so_s, so_h, sl_p, sl_s,
-                                    HQ, PAGE, ks_smem, qf_smem, True)),
-            (_high_half, (k_smem, p_smem, a_smem, ready, free, p_ready, p_free, glens_ptr, o_ptr, s, head0_in_seq,
-                          split, split_len, dcp_size, dcp_rank, interleave, table_w, so_p, so_s, so_h, HQ, PAGE)),
-            (_converter, (q_ptr, k_ptr, ks_ptr, table_ptr, glens_ptr, q_smem, qf_smem, k_smem, ks_smem, q_bar, ready,
-                          free, s, head0, split, split_len, dcp_size, dcp_rank, interleave, table_w, num_blocks, st_s,
-                          sk_b, sk_t, ss_b, ss_t, HQ - head0_in_seq, PAGE)),
-        ], [4, 4], [152, 96])
+        else:
+            gl.warp_specialize([
+                (_scores_and_low_half, (q_smem, k_smem, p_smem, a_smem, q_bar, ready, free, p_ready, p_free, table_ptr,
+                                        glens_ptr, o_ptr, lse_ptr, s, head0_in_seq, split, split_len, dcp_size, dcp_rank,
+                                        interleave, table_w, num_blocks, st_s, qk_scale, so_p, so_s, so_h, sl_p, sl_s,
+                                        HQ, PAGE, ks_smem, qf_smem, True)),
+                (_high_half, (k_smem, p_smem, a_smem, ready, free, p_ready, p_free, glens_ptr, o_ptr, s, head0_in_seq,
+                              split, split_len, dcp_size, dcp_rank, interleave, table_w, so_p, so_s, so_h, HQ, PAGE)),
+                (_converter, (q_ptr, k_ptr, ks_ptr, table_ptr, glens_ptr, q_smem, qf_smem, k_smem, ks_smem, q_bar, ready,
+                              free, s, head0, split, split_len, dcp_size, dcp_rank, interleave, table_w, num_blocks, st_s,
+                              sk_b, sk_t, ss_b, ss_t, HQ - head0_in_seq, PAGE)),
+            ], [4, 4], [152, 96])
 
 
 def gluon_mla_ok(q: Tensor, k: Tensor, v: Tensor, tq: int, page: int, k_scale: Tensor | None = None,
@@ -507,30 +522,49 @@ def gluon_mla_ok(q: Tensor, k: Tensor, v: Tensor, tq: int, page: int, k_scale: T
             and q.is_contiguous() and k.data_ptr() % 16 == 0)
 
 
+SMEM_LIMIT = 232448      # bytes of dynamic shared memory a CTA may take on sm_90
+
+
+def fp8_ring_fits(keys: int, ring: int, raw: int) -> bool:
+    """The fp8 kernel's shared memory with a raw ring: queries (fp16, 64 x 576), `ring` fp16 and `raw`
+    fp8 stages of `keys` x 576, the weights (64 x keys fp16), the scales and barriers."""
+    width = _CHUNKS * _BLOCK
+    need = (_BLOCK * width * 2 + ring * keys * width * 2 + raw * keys * width + _BLOCK * keys * 2
+            + 4 * (2 * _BLOCK + (ring + raw) * keys) + 8 * (3 + 2 * ring + 2 * raw) + 1024)
+    return keys in (32, 64) and ring >= 1 and raw >= 1 and need <= SMEM_LIMIT
+
+
 def launch_gluon_mla(q: Tensor, k: Tensor, table: Tensor, seq_lens: Tensor, o: Tensor, lse: Tensor, scale_log2: float,
                      splits: int, split_len: int, dcp_size: int, dcp_rank: int, interleave: int,
-                     k_scale: Tensor | None = None, raw_ring: int = 0) -> None:
+                     k_scale: Tensor | None = None, raw_ring: int = 0, keys: int = 64, ring: int = 1) -> None:
     """Fill the split partials o [splits, S, 1, Hq, 512] / lse [splits, S, 1, Hq] (`gluon_mla_ok`;
     k_scale: the fp8 cache's per-token scales;
-    raw_ring: over fp8, a TMA ring of that many raw fp8 tiles (1 or 2) in front of the converter, with
-    one fp16 stage after it, where the scales are contiguous [nb, page, 1]; 0: the converter loads)."""
+    raw_ring: over fp8, a TMA ring of that many raw fp8 tiles in front of the converter, where the
+    scales are contiguous [nb, page, 1] (0: the converter loads 64-key tiles itself into two fp16
+    stages); then `keys` keys a tile (64 or 32) and `ring` fp16 stages after the converter, within
+    shared memory (`fp8_ring_fits`))."""
+    fp8 = k.dtype == torch.float8_e4m3fn
+    raw = max(int(raw_ring), 0) if fp8 and k_scale.is_contiguous() else 0
+    if raw and not fp8_ring_fits(keys, ring, raw):
+        raise ValueError(f"an fp8 ring of {ring} fp16 and {raw} raw stages of {keys} keys does not fit in "
+                         f"shared memory ({SMEM_LIMIT} bytes; key tiles of 32 or 64)")
     s, _, hq, d = q.shape
     nb, page = k.shape[0], k.shape[1]
     m_tiles = -(-hq // _BLOCK)
     tail = (o.stride(0), o.stride(1), o.stride(3), lse.stride(0), lse.stride(1))
-    if k.dtype == torch.float8_e4m3fn:
-        raw = min(max(int(raw_ring), 0), 2) if k_scale.is_contiguous() else 0
-        descs = {}
+    if fp8:
+        descs, consts = {}, {}
         if raw:
-            raw_box = gl.NVMMASharedLayout.get_default_for([_BLOCK, _BLOCK], gl.float8e4nv)
+            raw_box = gl.NVMMASharedLayout.get_default_for([keys, _BLOCK], gl.float8e4nv)
             sc_box = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2)
             k2, ks2 = k.view(nb * page, d), k_scale.view(nb, page)
-            descs = {"k_desc": TensorDescriptor(k2, list(k2.shape), list(k2.stride()), [_BLOCK, _BLOCK], raw_box),
-                     "ks_desc": TensorDescriptor(ks2, list(ks2.shape), list(ks2.stride()), [1, _BLOCK], sc_box)}
+            descs = {"k_desc": TensorDescriptor(k2, list(k2.shape), list(k2.stride()), [keys, _BLOCK], raw_box),
+                     "ks_desc": TensorDescriptor(ks2, list(ks2.shape), list(ks2.stride()), [1, keys], sc_box)}
+            consts = {"RING": ring, "KEYS": keys}
         _mla_decode_ws_fp8_kernel[(s * m_tiles, splits)](
             q, k, k_scale, table, seq_lens, o, lse, scale_log2, split_len, m_tiles, hq, dcp_size, dcp_rank,
             interleave, table.shape[1], nb, table.stride(0), k.stride(0), k.stride(1), k_scale.stride(0),
-            k_scale.stride(1), *tail, PAGE=page, RAW=raw, num_warps=4, **descs)
+            k_scale.stride(1), *tail, PAGE=page, RAW=raw, num_warps=4, **descs, **consts)
         return
     box = gl.NVMMASharedLayout.get_default_for([_BLOCK, _BLOCK], gl.bfloat16)
     q2 = q.view(s * hq, d)

@@ -602,12 +602,21 @@ CONFIG = {
     # 84.2 / 335.1 (on: the loss at 128K is 4%), fp8 39.6 / 123.1 at 8K / 32K -> 47.4 / 155.0 (off:
     # the Gluon loader's conversion bounds it, and 16 heads leave it 4x the tiles per FLOP)
     "gluon_wide_narrow": 1, "gluon_wide_narrow_fp8": 0,
-    # over fp8: a TMA ring of this many raw fp8 tiles (1 or 2) in front of the Gluon kernel's
-    # converter, with one fp16 stage after it (0: the converter loads the tiles itself into two fp16
-    # stages; Nsight Compute had put the kernel's bound in those loads, docs/gpu.md section 18).
+    # over fp8: a TMA ring of this many raw fp8 tiles in front of the Gluon kernel's converter (0:
+    # the converter loads 64-key tiles itself into two fp16 stages; Nsight Compute had put the
+    # kernel's bound in those loads, docs/gpu.md section 18). With 64-key tiles and one fp16 stage:
     # bench/debug/decode_gluon.py (2026-12-04, decode-gluon6-h200.json; 128 heads, 1/4 of 8K / 32K
     # / 128K): 96.1 / 293.3 / 1073.1 µs (0) -> 91.0 / 288.5 / 1069.7 (1), 92.8 / 300.7 / 1130.5 (2)
-    "raw_ring_wide_fp8": 1,
+    # ... its key tile (64 or 32 keys) and the fp16 stages after the converter (`ring`). With 64-key
+    # tiles only one fp16 stage fits beside the queries and the raw ring, so the converter waits for
+    # both warpgroups to finish a tile before it writes the next (Nsight Compute, 128 heads, 1/4 of
+    # 8K: the converter and warpgroup 1 spend most of their samples waiting, docs/gpu.md section 20);
+    # 32-key tiles fit two or three fp16 stages and the conversion runs a tile ahead.
+    # decode-gluon7-h200.json (2026-12-04, 128 heads, 1/4 of 8K / 32K / 128K): 64 keys, 1 fp16 and
+    # 1 raw stage 92.6 / 288.6 / 1070 µs -> 32 keys, 2 and 2: 81.0 / 258.1 / 969.5 (2 and 4: 81.9 /
+    # 260.3 / 976.6; 3 and 2: 81.7 / 260.5 / 980.5); 16 heads at 32K 156.8 -> 132.1 (Triton 121.5:
+    # the narrow tiles stay with Triton)
+    "raw_ring_wide_fp8": 2, "keys_wide_fp8": 32, "ring_wide_fp8": 2,
     # GQA (head dim 128, one query token, bf16 queries) through the warp-specialized Gluon kernel
     # (`gluon_gqa`: a TMA loader with a ring of 64-key tiles, over fp8 a converter
     # warpgroup to fp16, one consumer warpgroup), per cache dtype, where `gluon_gqa_ok` holds; one
@@ -831,7 +840,7 @@ _VALID = {
     "diag": (0, 1, 2, 3), "f16": (0, 1),
     "gluon_wide": (0, 1), "gluon_wide_fp8": (0, 1), "gluon_wide_narrow": (0, 1), "gluon_wide_narrow_fp8": (0, 1),
     "gluon_gqa": (0, 1), "gluon_gqa_fp8": (0, 1), "stages": range(2, 7), "raw_stages": range(2, 11),
-    "swap": (0, 1), "raw_ring": (0, 1, 2),
+    "swap": (0, 1), "raw_ring": (0, 1, 2, 3, 4), "keys": (32, 64), "ring": (1, 2, 3),
     "maxnreg": (0, *range(64, 256, 8)), "at_most": (0, 1), "stage16": (0, 1, 2),
 }
 _META = ("device", "sizes", "seconds", "results", "notes", "problems")
@@ -1029,7 +1038,8 @@ def paged_decode_triton(q: Tensor, k: Tensor, v: Tensor, k_scale: Tensor | None,
     table = block_table if block_table.stride(-1) == 1 else block_table.contiguous()
     if s > 0 and splits > 0 and gluon:
         gluon_mla.launch_gluon_mla(q, k, table, seq_lens, o, lse, scale * _LOG2E, splits, split_len, dcp_size,
-                                   dcp_rank, interleave, k_scale if fp8 else None, raw_ring=CONFIG["raw_ring_wide_fp8"])
+                                   dcp_rank, interleave, k_scale if fp8 else None, raw_ring=CONFIG["raw_ring_wide_fp8"],
+                                   keys=CONFIG["keys_wide_fp8"], ring=CONFIG["ring_wide_fp8"])
     elif s > 0 and splits > 0 and gqa_ws:
         gluon_gqa.launch_gluon_gqa(q, k, v, table, seq_lens, o, lse, scale * _LOG2E, splits, split_len, dcp_size,
                                    dcp_rank, interleave, k_scale if fp8 else None, v_scale if fp8 else None,
