@@ -395,11 +395,18 @@ if HAS_GLUON:
             mbarrier.wait(raw_ready.index(rs), (t // RAW) & 1)
             if t >= RING:
                 mbarrier.wait(free.index(stage), ((t // RING) - 1) & 1)
-            for c in gl.static_range(CHUNKS):
-                kx = kr_smem.index(rs * CHUNKS + c).load(blocked).to(gl.float16)
-                if valid < KEYS:
-                    kx = gl.where((rows < valid)[:, None], kx, 0.0)
-                k_smem.index(stage * CHUNKS + c).store(kx)
+            if valid < KEYS:    # the split's last tile ends inside it
+                for c in gl.static_range(CHUNKS):
+                    kx = kr_smem.index(rs * CHUNKS + c).load(blocked).to(gl.float16)
+                    k_smem.index(stage * CHUNKS + c).store(gl.where((rows < valid)[:, None], kx, 0.0))
+            else:               # (a branch of its own: no selects; three boxes' loads issued together)
+                for g in gl.static_range(CHUNKS // 3):
+                    k0 = kr_smem.index(rs * CHUNKS + 3 * g).load(blocked)
+                    k1 = kr_smem.index(rs * CHUNKS + 3 * g + 1).load(blocked)
+                    k2 = kr_smem.index(rs * CHUNKS + 3 * g + 2).load(blocked)
+                    k_smem.index(stage * CHUNKS + 3 * g).store(k0.to(gl.float16))
+                    k_smem.index(stage * CHUNKS + 3 * g + 1).store(k1.to(gl.float16))
+                    k_smem.index(stage * CHUNKS + 3 * g + 2).store(k2.to(gl.float16))
             ks_smem.index(stage).store(gl.where(srows < valid, ksr_smem.index(rs).reshape([KEYS]).load(vec), 0.0))
             fence_async_shared()
             gl.thread_barrier()

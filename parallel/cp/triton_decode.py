@@ -614,8 +614,11 @@ CONFIG = {
     # 32-key tiles fit two or three fp16 stages and the conversion runs a tile ahead.
     # decode-gluon7-h200.json (2026-12-04, 128 heads, 1/4 of 8K / 32K / 128K): 64 keys, 1 fp16 and
     # 1 raw stage 92.6 / 288.6 / 1070 µs -> 32 keys, 2 and 2: 81.0 / 258.1 / 969.5 (2 and 4: 81.9 /
-    # 260.3 / 976.6; 3 and 2: 81.7 / 260.5 / 980.5); 16 heads at 32K 156.8 -> 132.1 (Triton 121.5:
-    # the narrow tiles stay with Triton)
+    # 260.3 / 976.6; 3 and 2: 81.7 / 260.5 / 980.5). Then the converter's masking of a split's last
+    # tile went into a branch of its own (it had run as selects on every tile: 500 -> 125
+    # instructions a tile, sm_90a), decode-gluon8-h200.json: 64 keys 89.4 / 279.1 / 1042.1, 32 keys
+    # 2 and 2 69.2 / 210.8 / 778.5 (2 and 4: 69.9 / 212.4 / 794.2; 3 and 2: 70.9 / 218.0 / 810.4);
+    # 16 heads at 32K 106.8 against Triton 121.3
     "raw_ring_wide_fp8": 2, "keys_wide_fp8": 32, "ring_wide_fp8": 2,
     # GQA (head dim 128, one query token, bf16 queries) through the warp-specialized Gluon kernel
     # (`gluon_gqa`: a TMA loader with a ring of 64-key tiles, over fp8 a converter
