@@ -182,10 +182,11 @@ def test_auto_keeps_cpu_on_torch_and_bad_input_raises():
                                                     (torch.float8_e4m3fn, 1, 1), (torch.float8_e4m3fn, 1, 2)],
                          ids=["bf16", "fp8", "fp8-f16", "fp8-stage1", "fp8-f16-stage1", "fp8-f16-stage2"])
 @pytest.mark.parametrize("hq,hkv,d,dv,tq,tma", [(32, 4, 128, 128, 1, 0), (32, 4, 128, 128, 4, 0), (32, 4, 128, 128, 1, 1),
-                                               (32, 4, 128, 128, 4, 1), (16, 1, 576, 512, 1, 0), (128, 1, 576, 512, 2, 0)])
+                                               (32, 4, 128, 128, 4, 1), (32, 4, 128, 128, 1, 2), (16, 1, 576, 512, 1, 0),
+                                               (128, 1, 576, 512, 2, 0)])
 def test_kernel_full_size_on_gpu(cache_dtype, f16, stage16, hq, hkv, d, dv, tq, tma, monkeypatch):
-    """The kernel at serving sizes against the torch path; GQA also with its TMA tiles (tma: MLA's
-    structure options have their own tests); over fp8 with fp16 operands and the tiles staged as
+    """The kernel at serving sizes against the torch path; GQA also with its TMA tiles (tma 1: MLA's
+    structure options have their own tests) and its whole tiles unmasked (tma 2: CONFIG even); over fp8 with fp16 operands and the tiles staged as
     16-bit (stage16: GQA and MLA's narrow 16-head tiles; 128 heads run the halves kernel, where
     it does not apply)."""
     monkeypatch.setenv("TRITON_INTERPRET", "0")
@@ -195,9 +196,11 @@ def test_kernel_full_size_on_gpu(cache_dtype, f16, stage16, hq, hkv, d, dv, tq, 
     monkeypatch.setitem(triton_decode.CONFIG, "f16_wide_narrow", f16)
     monkeypatch.setitem(triton_decode.CONFIG, "stage16_fp8", stage16)
     monkeypatch.setitem(triton_decode.CONFIG, "stage16_wide_narrow", stage16)
-    monkeypatch.setitem(triton_decode.CONFIG, "tma", tma)        # (GQA's TMA tiles: block_n 64 inside pages of 64)
-    monkeypatch.setitem(triton_decode.CONFIG, "tma_fp8", tma)
-    if tma:
+    monkeypatch.setitem(triton_decode.CONFIG, "tma", int(tma == 1))   # (GQA's TMA tiles: block_n 64 inside pages of 64)
+    monkeypatch.setitem(triton_decode.CONFIG, "tma_fp8", int(tma == 1))
+    monkeypatch.setitem(triton_decode.CONFIG, "even", int(tma == 2))
+    monkeypatch.setitem(triton_decode.CONFIG, "even_fp8", int(tma == 2))
+    if tma == 1:
         monkeypatch.setitem(triton_decode.CONFIG, "block_n_fp8", 64)
     lens = [8192, 1, 0, 3000, 20000, 77]
     lens = [max(n, tq) if n else 0 for n in lens]
@@ -466,13 +469,15 @@ def test_pdl_chain_in_a_graph_matches_plain_launches(hq, hkv, d, dv, monkeypatch
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float8_e4m3fn], ids=["f32", "fp8"])
 @pytest.mark.parametrize("tq", [1, 2])
-def test_gqa_tma_tiles_match_reference(dtype, tq, monkeypatch):
-    """GQA's TMA tiles (CONFIG tma / tma_fp8): whole tiles by descriptor, the partial last tile of a
-    split through the masked loads (the cache holds NaN past a sequence's end there), an empty
-    sequence, an out-of-cache block id (NaN, no read outside the cache)."""
+@pytest.mark.parametrize("option", ["tma", "even"])
+def test_gqa_tma_tiles_match_reference(dtype, tq, option, monkeypatch):
+    """GQA's whole tiles by TMA (CONFIG tma / tma_fp8) or by pointer loads without masks (even /
+    even_fp8, one query token), the partial last tile of a split through the masked loads (the cache
+    holds NaN past a sequence's end there), an empty sequence, an out-of-cache block id (NaN, no read
+    outside the cache)."""
     from parallel.cp import triton_decode
 
-    for key, value in (("tma", 1), ("tma_fp8", 1), ("block_n", 16), ("block_n_fp8", 16), ("min_split", 32),
+    for key, value in ((option, 1), (option + "_fp8", 1), ("block_n", 16), ("block_n_fp8", 16), ("min_split", 32),
                        ("min_split_fp8", 32), ("f16_fp8", 0)):
         monkeypatch.setitem(triton_decode.CONFIG, key, value)
     used = []
@@ -492,7 +497,7 @@ def test_gqa_tma_tiles_match_reference(dtype, tq, monkeypatch):
     seq = torch.tensor(lens)
     ref = paged_decode_attention(q, cache, table, seq, layout=layout, backend="torch")
     got = paged_decode_attention(q, cache, table, seq, layout=layout, backend="triton")
-    assert used and all(used)
+    assert (used and all(used)) if option == "tma" else not used
     _check(got, ref, 1e-4 if dtype == torch.float32 else 2e-2)
     # where TMA does not apply, the pointer loads run: key dims with a rest part (80 = 64 + 16), a
     # 512-wide value (past a box), tiles across pages, v a prefix view of k, unaligned strides

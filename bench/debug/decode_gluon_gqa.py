@@ -3,7 +3,8 @@ gluon_gqa_fp8) against the Triton kernel: max abs error of both against the torc
 awkward lengths (0, 1, 63, 64, 65 tokens, long ones; DCP group of 1 and rank 1 of 2; NaN in every
 unheld slot, and NaN scales there over fp8; a bad block id), then whole calls timed with
 `common.step_time` (ten a CUDA graph, alternating, two rounds): Hq 32 / Hkv 4, D 128, rank 0's
-1/4 of B = 32 sequences of L = 8K, 32K, 128K, bf16 and fp8, and B = 4 at 32K (several splits).
+1/4 of B = 32 sequences of L = 8K, 32K, 128K, bf16 and fp8, and B = 4 at 32K (several splits); the
+Triton kernel also with its whole tiles unmasked (CONFIG even / even_fp8).
 
     python bench/debug/decode_gluon_gqa.py OUT.json        # on the GPU
 """
@@ -64,9 +65,8 @@ def _check(rows: list, dtype: torch.dtype) -> None:
         seq = torch.tensor(lens, device="cuda")
         scale = 1 / math.sqrt(d)
         ref = paged_decode_attention(q, ref_cache, table, seq, layout=layout, scale=scale, backend="torch")
-        for name, change in (("triton", {key: 0}), ("gluon", {key: 1}),
-                             ("gluon f4", {key: 1, "stages_gluon_gqa_fp8": 4}),
-                             ("gluon swap", {key: 1, "swap_" + key: 1})):
+        even = "even_fp8" if dtype == torch.float8_e4m3fn else "even"
+        for name, change in (("triton", {key: 0}), ("triton even", {key: 0, even: 1}), ("gluon", {key: 1})):
             triton_decode.CONFIG.update(saved)
             triton_decode.CONFIG.update(change)
             call = lambda t: paged_decode_attention(q, cache, t, seq, layout=layout, scale=scale, backend="triton",
@@ -86,17 +86,15 @@ def main(path: str) -> None:
             rows.append({"check": str(dtype), "error": repr(e)[:2000]})
             print(rows[-1], flush=True)
     g, g8 = {"gluon_gqa": 1}, {"gluon_gqa_fp8": 1}
-    bf16 = {"triton": {"gluon_gqa": 0}, "gluon s3": dict(g, stages_gluon_gqa=3),
-            "gluon swap s3": dict(g, stages_gluon_gqa=3, swap_gluon_gqa=1)}
-    fp8 = {"triton": {"gluon_gqa_fp8": 0}, "gluon": g8,
-           "gluon f4 r4": dict(g8, stages_gluon_gqa_fp8=4, raw_stages_gluon_gqa=4),
-           "gluon swap": dict(g8, swap_gluon_gqa_fp8=1)}
+    bf16 = {"triton": {"gluon_gqa": 0}, "triton even": {"gluon_gqa": 0, "even": 1},
+            "gluon s3": dict(g, stages_gluon_gqa=3)}
+    fp8 = {"triton": {"gluon_gqa_fp8": 0}, "triton even": {"gluon_gqa_fp8": 0, "even_fp8": 1}, "gluon": g8}
     only = lambda d, *names: {n: d[n] for n in names}
     for dtype, context, batch, variants in (
             (torch.bfloat16, 8192, 32, bf16), (torch.bfloat16, 32768, 32, bf16),
             (torch.float8_e4m3fn, 8192, 32, fp8), (torch.float8_e4m3fn, 32768, 32, fp8),
-            (torch.float8_e4m3fn, 131072, 32, only(fp8, "triton", "gluon")),
-            (torch.float8_e4m3fn, 32768, 4, only(fp8, "triton", "gluon"))):
+            (torch.float8_e4m3fn, 131072, 32, only(fp8, "triton", "triton even")),
+            (torch.float8_e4m3fn, 32768, 4, only(fp8, "triton", "triton even"))):
         cache, table, q, _ = _decode_setup(batch, context, 32, 4, 128, 64, 4, ctx.device, dtype)
         layout = DCPLayout(size=4, rank=0, block_size=64)
         seq = torch.full((batch,), context, device=ctx.device)

@@ -207,7 +207,7 @@ def _tile(j0, end, s64, kvh, q_main, q_rest, q_pos, rmask, dm, dr, rest_mask, dv
           D_REST: tl.constexpr, BLOCK_N: tl.constexpr, PAGE: tl.constexpr, FP8: tl.constexpr,
           V_FROM_K: tl.constexpr, CAUSAL: tl.constexpr, IEEE: tl.constexpr, LAZY: tl.constexpr,
           F16: tl.constexpr, CHECK: tl.constexpr = True, desc_k=None, desc_v=None, TMA: tl.constexpr = False,
-          STAGE: tl.constexpr = 0):
+          STAGE: tl.constexpr = 0, EVEN: tl.constexpr = False):
     """One key tile [j0, j0 + BLOCK_N) of the online softmax: returns the new (m, l, acc, r, bad).
     CHECK: the tile checks its own block ids (`_checked_block`); off when `_checked_range` scanned
     the split's ids before the loop (every id the loop reads is then inside the cache).
@@ -217,9 +217,15 @@ def _tile(j0, end, s64, kvh, q_main, q_rest, q_pos, rmask, dm, dr, rest_mask, dv
     TMA (GQA, a whole tile inside its page): k and v come as one box each from the descriptors over
     [blocks, PAGE, kv heads, D] (`_paged_decode_kernel`), no per-element addresses or masks.
     STAGE (fp8 cache, `_staged`): 1 the value tile (MLA's latent, which is also the key) converted
-    where it was loaded and staged as 16-bit, 2 the key tile too."""
+    where it was loaded and staged as 16-bit, 2 the key tile too.
+    EVEN (one query token, a whole tile inside the split): no masks on the loads or the scores (the
+    padding rows of the tile are never stored)."""
     j = j0 + tl.arange(0, BLOCK_N)
-    jmask = j < end
+    if EVEN:    # (a constant mask: the compiler drops it from the loads)
+        tl.static_assert(not CAUSAL, "whole tiles skip the masks of one query token only")
+        jmask = tl.full([BLOCK_N], 1, tl.int1)
+    else:
+        jmask = j < end
     if PAGE % BLOCK_N == 0:     # the tile lies in one page (tiles start at multiples of BLOCK_N): one id
         block = tl.load(table_ptr + s64 * st_s + j0 // PAGE).to(tl.int64)
         if CHECK:
@@ -255,7 +261,8 @@ def _tile(j0, end, s64, kvh, q_main, q_rest, q_pos, rmask, dm, dr, rest_mask, dv
         qk = qk * (ks * qk_scale)[None, :]
     else:
         qk = qk * qk_scale
-    qk, allowed = _mask_scores(qk, j, jmask, rmask, q_pos, dcp_size, dcp_rank, interleave, CAUSAL)
+    if not EVEN:
+        qk, allowed = _mask_scores(qk, j, jmask, rmask, q_pos, dcp_size, dcp_rank, interleave, CAUSAL)
     m_new, p, alpha, grow = _softmax_step(qk, m_i, LAZY and not F16)
     l_i = l_i * alpha + tl.sum(p, 1)
     if V_FROM_K:
@@ -472,6 +479,7 @@ def _paged_decode_kernel(
     INTERPRETED: tl.constexpr, LAZY: tl.constexpr = False, HALVES: tl.constexpr = False,
     TMA: tl.constexpr = False, DIAG: tl.constexpr = 0, F16: tl.constexpr = False, PDL: tl.constexpr = False,
     STAGE: tl.constexpr = 0, NUM_BLOCKS=1, TABLE_W=1, DCP_N: tl.constexpr = 0, DCP_I: tl.constexpr = 0,
+    EVEN: tl.constexpr = False,
 ):
     if DCP_N > 0:   # (CONFIG dcp_constexpr: the DCP group size and interleave built into the kernel)
         dcp_size = DCP_N
@@ -532,6 +540,9 @@ def _paged_decode_kernel(
             desc_v = tl.make_tensor_descriptor(v_ptr, [NUM_BLOCKS, PAGE, KV_HEADS, DV], [sv_b, sv_t, sv_h, 1],
                                                [1, BLOCK_N, 1, BLOCK_DV])
             full_end = start + (tl.maximum(end - start, 0) // BLOCK_N) * BLOCK_N
+        elif EVEN:  # (whole tiles without masks, then the partial one, if any, with them)
+            desc_k, desc_v = k_ptr, v_ptr
+            full_end = start + (tl.maximum(end - start, 0) // BLOCK_N) * BLOCK_N
         else:
             desc_k, desc_v, full_end = k_ptr, v_ptr, end
         # a `for` loop pipelines on the GPU; the interpreter only takes constant bounds there
@@ -543,7 +554,7 @@ def _paged_decode_kernel(
                     r_i, bad, k_ptr, v_ptr, ks_ptr, vs_ptr, table_ptr, NUM_BLOCKS, qk_scale, dcp_size, dcp_rank,
                     interleave, sk_b, sk_t, sk_h, sv_b, sv_t, sv_h, ss_b, ss_t, ss_h, svs_b, svs_t, svs_h,
                     st_s, D_REST, BLOCK_N, PAGE, FP8, V_FROM_K, CAUSAL, IEEE, LAZY, F16, not FP8, desc_k, desc_v, TMA,
-                    STAGE)
+                    STAGE, EVEN)
                 j0 += BLOCK_N
         else:
             for j0 in range(start, full_end, BLOCK_N):
@@ -552,8 +563,8 @@ def _paged_decode_kernel(
                     r_i, bad, k_ptr, v_ptr, ks_ptr, vs_ptr, table_ptr, NUM_BLOCKS, qk_scale, dcp_size, dcp_rank,
                     interleave, sk_b, sk_t, sk_h, sv_b, sv_t, sv_h, ss_b, ss_t, ss_h, svs_b, svs_t, svs_h,
                     st_s, D_REST, BLOCK_N, PAGE, FP8, V_FROM_K, CAUSAL, IEEE, LAZY, F16, not FP8, desc_k, desc_v, TMA,
-                    STAGE)
-        if TMA:
+                    STAGE, EVEN)
+        if TMA or EVEN:
             if full_end < end:
                 m_i, l_i, acc, r_i, bad = _tile(
                     full_end, end, s64, kvh, q_main, q_rest, q_pos, rmask, dm, dr, rest_mask, dv, dv_mask, m_i, l_i,
@@ -600,8 +611,10 @@ CONFIG = {
     # to 64 rows; with them the problem is bound by the bytes), per cache dtype. 16 heads, B 32, 1/4
     # of 8K / 32K / 128K (decode-gluon4-h200.json): bf16 34.2 / 94.4 / 322.2 µs (Triton) -> 29.8 /
     # 84.2 / 335.1 (on: the loss at 128K is 4%), fp8 39.6 / 123.1 at 8K / 32K -> 47.4 / 155.0 (off:
-    # the Gluon loader's conversion bounds it, and 16 heads leave it 4x the tiles per FLOP)
-    "gluon_wide_narrow": 1, "gluon_wide_narrow_fp8": 0,
+    # the Gluon loader's conversion bounds it, and 16 heads leave it 4x the tiles per FLOP). With
+    # the 32-key tiles below (decode-gluon9-h200.json, 2026-12-04): fp8 Triton 39.5 / 120.7 / 439.8
+    # -> Gluon 34.3 / 106.5 / 390.8: on
+    "gluon_wide_narrow": 1, "gluon_wide_narrow_fp8": 1,
     # over fp8: a TMA ring of this many raw fp8 tiles in front of the Gluon kernel's converter (0:
     # the converter loads 64-key tiles itself into two fp16 stages; Nsight Compute had put the
     # kernel's bound in those loads, docs/gpu.md section 18). With 64-key tiles and one fp16 stage:
@@ -710,6 +723,13 @@ CONFIG = {
     # 32K: 39.9 / 119.2 µs as installed, stage16 1 40.7 / 119.3, 2 49.5 / 154.1; without the register
     # cap 46.8 / 157.5 and 44.3 / 133.9): off there. MLA's narrow tiles take it (below)
     "stage16_fp8": 0,
+    # even (GQA, one query token; 0/1 per cache dtype): a split's whole key tiles in a loop without
+    # masks on the loads and the scores, its partial last tile, if any, after it with them (sm_90a
+    # loop per tile: fp8 1522 -> 1353 instructions, bf16 448 -> 378 with 93 -> 128 registers).
+    # bench/debug/decode_gluon_gqa.py (2026-12-04, decode-gluon-gqa12-h200.json; B 32, 1/4 of 8K /
+    # 32K / 128K): fp8 33.5 / 102.3 / 387.6 µs -> 33.8 / 99.7 / 378 (B 4 at 32K: 19.8 -> 20.2): on;
+    # bf16 39.0 / 129.1 -> 40.1 / 130.0 (the Gluon kernel serves bf16: 35.7 / 124.5): off
+    "even": 0, "even_fp8": 1,
     # MLA with fp32 queries (exact products): 64 x 64 tiles in 3 stages would need 312 KB of shared
     # memory (sm_90a compile, bench/debug/kernel_sass.py); 32 x 32 in 2 stages needs 152 KB
     "block_n_wide_f32": 32, "block_m_wide_f32": 32, "num_stages_wide_f32": 2,
@@ -816,10 +836,10 @@ _WIDE = {"block_n": "block_n_wide", "block_m": "block_m_wide", "num_warps": "num
          "tma": "tma_wide", "diag": "diag_wide", "min_split": "min_split_wide", "at_most": "at_most_wide",
          "target_programs": "target_programs_wide"}
 # kernel options (0/1; diag 0-3; maxnreg 0 = the compiler's choice, else a register cap), launch_settings
-_STRUCTURE = ("lazy_rescale", "halves", "tma", "diag", "f16", "maxnreg", "stage16")
+_STRUCTURE = ("lazy_rescale", "halves", "tma", "diag", "f16", "maxnreg", "stage16", "even")
 _FP8 = {"block_n": "block_n_fp8", "num_stages": "num_stages_fp8", "f16": "f16_fp8",
         "maxnreg": "maxnreg_fp8", "min_split": "min_split_fp8", "tma": "tma_fp8",
-        "stage16": "stage16_fp8", "num_warps": "num_warps_fp8",
+        "stage16": "stage16_fp8", "num_warps": "num_warps_fp8", "even": "even_fp8",
         "target_programs": "target_programs_fp8"}                                 # GQA over an fp8 cache
 _WIDE_FP8 = {k: f"{k}_wide_fp8" for k in ("block_m", "block_n", "num_warps", "num_stages", "lazy_rescale", "halves",
                                           "tma", "min_split", "f16", "at_most", "target_programs")}   # MLA, fp8 cache
@@ -844,7 +864,7 @@ _VALID = {
     "gluon_wide": (0, 1), "gluon_wide_fp8": (0, 1), "gluon_wide_narrow": (0, 1), "gluon_wide_narrow_fp8": (0, 1),
     "gluon_gqa": (0, 1), "gluon_gqa_fp8": (0, 1), "stages": range(2, 7), "raw_stages": range(2, 11),
     "swap": (0, 1), "raw_ring": (0, 1, 2, 3, 4), "keys": (32, 64), "ring": (1, 2, 3),
-    "maxnreg": (0, *range(64, 256, 8)), "at_most": (0, 1), "stage16": (0, 1, 2),
+    "maxnreg": (0, *range(64, 256, 8)), "at_most": (0, 1), "stage16": (0, 1, 2), "even": (0, 1),
 }
 _META = ("device", "sizes", "seconds", "results", "notes", "problems")
 
@@ -858,7 +878,7 @@ def apply_tuning(tuning: dict) -> None:
     by `python -m megapar.launch.bench.cp --probe --out DIR` to DIR/decode-tuning.json).
     - "gqa": block_n, block_m, num_warps, num_stages, target_programs, min_split, lazy_rescale, tma.
     - "gqa_fp8" (GQA over an fp8 cache, CONFIG's *_fp8 entries): block_n, num_warps, num_stages,
-      target_programs, f16, maxnreg, stage16, min_split, tma.
+      target_programs, f16, maxnreg, stage16, min_split, tma, even.
     - "mla": the gqa keys plus halves / tma / diag / at_most, to CONFIG's *_wide entries
       (target_programs too since 2026-12-03 night: it reaches full MLA head tiles only).
     - "mla_fp8": MLA over an fp8 cache, CONFIG's *_wide_fp8 entries.
@@ -1025,6 +1045,7 @@ def paged_decode_triton(q: Tensor, k: Tensor, v: Tensor, k_scale: Tensor | None,
     # (inline PTX: not under the interpreter, where it would change nothing anyway)
     stage16 = cfg["stage16"] if fp8 and not halves and not impl.interpreting() else 0
     tma = bool(cfg["tma"]) and (_tma_ok(k) if halves else _gqa_tma_ok(k, v, d_rest, dv, block_n, v_from_k))
+    even = bool(cfg["even"]) and tq == 1 and not halves and not tma
     if tma:
         impl.ensure_triton_scratch()
     pdl = bool(CONFIG["pdl"]) and pdl_ok(q.device)
@@ -1062,7 +1083,7 @@ def paged_decode_triton(q: Tensor, k: Tensor, v: Tensor, k_scale: Tensor | None,
             BLOCK_M=block_m, BLOCK_N=block_n, PAGE=page, FP8=fp8, V_FROM_K=v_from_k, CAUSAL=tq > 1,
             IEEE=q.dtype == torch.float32, INTERPRETED=impl.interpreting(), LAZY=bool(cfg["lazy_rescale"]),
             HALVES=halves, TMA=tma, DIAG=cfg["diag"] if halves else 0, F16=f16, PDL=pdl, STAGE=stage16,
-            NUM_BLOCKS=k.shape[0],
+            NUM_BLOCKS=k.shape[0], EVEN=even,
             TABLE_W=table.shape[1], **({"DCP_N": dcp_size, "DCP_I": interleave} if CONFIG["dcp_constexpr"] else {}),
             num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
             **({"maxnreg": cfg["maxnreg"]} if cfg["maxnreg"] else {}), **({"launch_pdl": True} if pdl else {}))
