@@ -631,7 +631,11 @@ CONFIG = {
     # tile went into a branch of its own (it had run as selects on every tile: 500 -> 125
     # instructions a tile, sm_90a), decode-gluon8-h200.json: 64 keys 89.4 / 279.1 / 1042.1, 32 keys
     # 2 and 2 69.2 / 210.8 / 778.5 (2 and 4: 69.9 / 212.4 / 794.2; 3 and 2: 70.9 / 218.0 / 810.4);
-    # 16 heads at 32K 106.8 against Triton 121.3
+    # 16 heads at 32K 106.8 against Triton 121.3. Built, measured and not kept (decode-gluon10-ping-
+    # h200.json): warpgroup 0 issuing the next tile's scores behind its own P V before it hands the
+    # weights to warpgroup 1 (FA3's ordering): fp8 69.1 / 212.0 / 777.0 -> 70.0 / 210.8 / 777.2 µs,
+    # bf16 49.9 / 152.4 / 632.6 -> 60.2 / 185.8 / 705.3 (warpgroup 1's later release of a stage
+    # delays the loader's next tile in a 2-stage ring)
     "raw_ring_wide_fp8": 2, "keys_wide_fp8": 32, "ring_wide_fp8": 2,
     # GQA (head dim 128, one query token, bf16 queries) through the warp-specialized Gluon kernel
     # (`gluon_gqa`: a TMA loader with a ring of 64-key tiles, over fp8 a converter
