@@ -635,7 +635,9 @@ CONFIG = {
     # h200.json): warpgroup 0 issuing the next tile's scores behind its own P V before it hands the
     # weights to warpgroup 1 (FA3's ordering): fp8 69.1 / 212.0 / 777.0 -> 70.0 / 210.8 / 777.2 µs,
     # bf16 49.9 / 152.4 / 632.6 -> 60.2 / 185.8 / 705.3 (warpgroup 1's later release of a stage
-    # delays the loader's next tile in a 2-stage ring)
+    # delays the loader's next tile in a 2-stage ring). Nor 32-key tiles over bf16 (3 or 4 TMA
+    # stages; decode-gluon11-bf16-k32-h200.json): 50.5 / 146.3 / 610.1 µs -> 57.8 / 181.6 / 715.6 with
+    # 4 stages: the scores' wgmma at N = 32 reads the queries from shared memory for half the keys
     "raw_ring_wide_fp8": 2, "keys_wide_fp8": 32, "ring_wide_fp8": 2,
     # GQA (head dim 128, one query token, bf16 queries) through the warp-specialized Gluon kernel
     # (`gluon_gqa`: a TMA loader with a ring of 64-key tiles, over fp8 a converter
