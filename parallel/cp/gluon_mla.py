@@ -19,8 +19,10 @@ multiple of 64, an sm_90 GPU with Gluon) and CONFIG gluon_wide / gluon_wide_fp8 
 gluon_wide_narrow(_fp8) say so. Over fp8 a converter warpgroup replaces the TMA loader: it writes
 each tile as fp16 (exact for e4m3) with its per-token scales beside it, and the queries as fp16
 times a power of two per row; warpgroup 0 keeps the weights in a running per-row unit. The
-converter reads the tiles' bytes itself into two fp16 stages, or (CONFIG raw_ring_wide_fp8) from a
-ring of raw fp8 tiles that a one-warp TMA loader fills, in front of one fp16 stage."""
+converter reads 64-key tiles' bytes itself into two fp16 stages, or (CONFIG raw_ring_wide_fp8) from a
+ring of raw fp8 tiles that a one-warp TMA loader fills, in front of CONFIG ring_wide_fp8 fp16 stages
+of CONFIG keys_wide_fp8 keys (32-key tiles: two fp16 stages fit beside the queries, so the converter
+writes the next tile while the warpgroups read this one; one 64-key stage made it wait for them)."""
 
 from __future__ import annotations
 

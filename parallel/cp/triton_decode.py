@@ -623,7 +623,7 @@ CONFIG = {
     # ... its key tile (64 or 32 keys) and the fp16 stages after the converter (`ring`). With 64-key
     # tiles only one fp16 stage fits beside the queries and the raw ring, so the converter waits for
     # both warpgroups to finish a tile before it writes the next (Nsight Compute, 128 heads, 1/4 of
-    # 8K: the converter and warpgroup 1 spend most of their samples waiting, docs/gpu.md section 20);
+    # 8K: the converter and warpgroup 1 spend most of their samples waiting, docs/gpu.md section 19);
     # 32-key tiles fit two or three fp16 stages and the conversion runs a tile ahead.
     # decode-gluon7-h200.json (2026-12-04, 128 heads, 1/4 of 8K / 32K / 128K): 64 keys, 1 fp16 and
     # 1 raw stage 92.6 / 288.6 / 1070 µs -> 32 keys, 2 and 2: 81.0 / 258.1 / 969.5 (2 and 4: 81.9 /
