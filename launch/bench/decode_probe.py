@@ -54,7 +54,7 @@ REF_BUDGET = 8 << 30  # bytes of the torch path's per-head KV copy: sequences ch
 KEYS = {"gqa": ("block_n", "num_warps", "num_stages", "target_programs", "min_split", "lazy_rescale", "tma",
                 "gluon_gqa"),
         "gqa_fp8": ("block_n", "num_warps", "num_stages", "target_programs", "f16", "maxnreg", "min_split", "tma",
-                    "stage16"),
+                    "stage16", "even"),
         "mla": ("block_m", "block_n", "num_warps", "num_stages", "target_programs", "min_split", "lazy_rescale",
                 "halves", "tma", "diag", "at_most", "gluon_wide"),
         "mla_fp8": ("block_m", "block_n", "num_warps", "num_stages", "lazy_rescale", "halves", "tma", "min_split", "f16",
@@ -95,7 +95,8 @@ VARIANTS = {   # overrides of the current settings, one factor at a time, then a
             # splits rounded down to target_programs (one CTA per SM: no partial last wave)
             {"at_most": 0}, {"target_programs": 264}, {"at_most": 0, "target_programs": 264}],
     # GQA over fp8; f16: fp16 MMA operands (one conversion per fp8 pair instead of three steps)
-    "gqa_fp8": [{}, {"block_n": 64}, {"block_n": 32}, {"num_stages": 2}, {"num_stages": 4},
+    "gqa_fp8": [{}, {"even": 0}, {"block_n": 64}, {"block_n": 64, "num_stages": 3}, {"num_stages": 3},
+                {"target_programs": 396}, {"min_split": 1024}, {"block_n": 32}, {"num_stages": 2}, {"num_stages": 4},
                 {"block_n": 64, "num_stages": 2}, {"f16": 1}, {"f16": 1, "block_n": 64}, {"f16": 1, "num_stages": 2},
                 {"f16": 1, "num_stages": 4}, {"f16": 1, "block_n": 64, "num_stages": 4},
                 # f16 at 128 keys takes 234 registers (2 CTAs per SM), 168 under the cap with no spill

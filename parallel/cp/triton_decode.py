@@ -637,7 +637,11 @@ CONFIG = {
     # bf16 49.9 / 152.4 / 632.6 -> 60.2 / 185.8 / 705.3 (warpgroup 1's later release of a stage
     # delays the loader's next tile in a 2-stage ring). Nor 32-key tiles over bf16 (3 or 4 TMA
     # stages; decode-gluon11-bf16-k32-h200.json): 50.5 / 146.3 / 610.1 µs -> 57.8 / 181.6 / 715.6 with
-    # 4 stages: the scores' wgmma at N = 32 reads the queries from shared memory for half the keys
+    # 4 stages: the scores' wgmma at N = 32 reads the queries from shared memory for half the keys.
+    # Nor the scales folded into the fp16 rows by the converter (each row times scale / u, u the
+    # tile's largest scale; warpgroup 0 then without per-key scales or a running unit;
+    # decode-gluon12-fold-h200.json): 69.3 / 210.8 / 795.3 µs -> 70.7 / 214.4 / 837.8, max error
+    # against the torch path 2.8e-4 -> 3.2e-3 (one more fp16 rounding of the keys)
     "raw_ring_wide_fp8": 2, "keys_wide_fp8": 32, "ring_wide_fp8": 2,
     # GQA (head dim 128, one query token, bf16 queries) through the warp-specialized Gluon kernel
     # (`gluon_gqa`: a TMA loader with a ring of 64-key tiles, over fp8 a converter
