@@ -4,7 +4,8 @@ awkward lengths (0, 1, 63, 64, 65 tokens, long ones; DCP group of 1 and rank 1 o
 unheld slot, and NaN scales there over fp8; a bad block id), then whole calls timed with
 `common.step_time` (ten a CUDA graph, alternating, two rounds): Hq 32 / Hkv 4, D 128, rank 0's
 1/4 of B = 32 sequences of L = 8K, 32K, 128K, bf16 and fp8, and B = 4 at 32K (several splits); the
-Triton kernel also with its whole tiles unmasked (CONFIG even / even_fp8).
+Triton kernel also with its whole tiles unmasked (CONFIG even / even_fp8). DGQA_SET=fp8-even times
+only the fp8 Triton kernel's forms with whole tiles unmasked (`fp8_even`) at B = 32.
 
     python bench/debug/decode_gluon_gqa.py OUT.json        # on the GPU
 """
@@ -12,6 +13,7 @@ Triton kernel also with its whole tiles unmasked (CONFIG even / even_fp8).
 from __future__ import annotations
 
 import math
+import os
 import sys
 
 import torch
@@ -89,12 +91,22 @@ def main(path: str) -> None:
     bf16 = {"triton": {"gluon_gqa": 0}, "triton even": {"gluon_gqa": 0, "even": 1},
             "gluon s3": dict(g, stages_gluon_gqa=3)}
     fp8 = {"triton": {"gluon_gqa_fp8": 0}, "triton even": {"gluon_gqa_fp8": 0, "even_fp8": 1}, "gluon": g8}
+    # the Triton kernel's whole tiles (even_fp8) with its tiles staged as 16-bit (stage16_fp8), more stages,
+    # 64-key tiles over more programs (fewer registers: 4 CTAs per SM)
+    e8 = {"gluon_gqa_fp8": 0, "even_fp8": 1}
+    fp8_even = {"triton": e8, "even s16": dict(e8, stage16_fp8=1),
+                "even s16 st3": dict(e8, stage16_fp8=1, num_stages_fp8=3),
+                "even s16 n64 t528": dict(e8, stage16_fp8=1, block_n_fp8=64, target_programs_fp8=528),
+                "even n64 t396": dict(e8, block_n_fp8=64, target_programs_fp8=396)}
     only = lambda d, *names: {n: d[n] for n in names}
-    for dtype, context, batch, variants in (
-            (torch.bfloat16, 8192, 32, bf16), (torch.bfloat16, 32768, 32, bf16),
+    sets = ((torch.bfloat16, 8192, 32, bf16), (torch.bfloat16, 32768, 32, bf16),
             (torch.float8_e4m3fn, 8192, 32, fp8), (torch.float8_e4m3fn, 32768, 32, fp8),
             (torch.float8_e4m3fn, 131072, 32, only(fp8, "triton", "triton even")),
-            (torch.float8_e4m3fn, 32768, 4, only(fp8, "triton", "triton even"))):
+            (torch.float8_e4m3fn, 32768, 4, only(fp8, "triton", "triton even")))
+    if os.environ.get("DGQA_SET") == "fp8-even":     # (the 2026-12-04 13:35 run: decode-gluon-gqa13-h200.json)
+        sets = ((torch.float8_e4m3fn, 8192, 32, fp8_even), (torch.float8_e4m3fn, 32768, 32, fp8_even),
+                (torch.float8_e4m3fn, 131072, 32, fp8_even))
+    for dtype, context, batch, variants in sets:
         cache, table, q, _ = _decode_setup(batch, context, 32, 4, 128, 64, 4, ctx.device, dtype)
         layout = DCPLayout(size=4, rank=0, block_size=64)
         seq = torch.full((batch,), context, device=ctx.device)

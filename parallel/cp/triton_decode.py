@@ -731,8 +731,12 @@ CONFIG = {
     # (1) / 952 (2) instructions, no LDS.U8; MLA 16 heads, 64 keys, 4 warps 2796 -> 1302 (with
     # f16), 8 warps 1520 -> 750. GQA over fp8 gains nothing from it (cp-probe9, B 32, 1/4 of 8K /
     # 32K: 39.9 / 119.2 µs as installed, stage16 1 40.7 / 119.3, 2 49.5 / 154.1; without the register
-    # cap 46.8 / 157.5 and 44.3 / 133.9): off there. MLA's narrow tiles take it (below)
-    "stage16_fp8": 0,
+    # cap 46.8 / 157.5 and 44.3 / 133.9): off there then. With whole tiles unmasked (even_fp8, below)
+    # it gains (bench/debug/decode_gluon_gqa.py DGQA_SET=fp8-even, 2026-12-04, decode-gluon-gqa13-h200.json;
+    # B 32, 1/4 of 8K / 32K / 128K): 33.7 / 100.2 / 375.2 µs -> 33.7 / 98.6 / 362.6 with stage16 1
+    # (3 stages 33.7 / 100.8 / 374.6; 64-key tiles over 396-528 programs 51-52 / 154-172 / 579-631): on.
+    # MLA's narrow tiles take it too (below)
+    "stage16_fp8": 1,
     # even (GQA, one query token; 0/1 per cache dtype): a split's whole key tiles in a loop without
     # masks on the loads and the scores, its partial last tile, if any, after it with them (sm_90a
     # loop per tile: fp8 1522 -> 1353 instructions, bf16 448 -> 378 with 93 -> 128 registers).
