@@ -625,9 +625,10 @@ def test_gluon_mla_kernel_on_gpu(size, rank, heads, monkeypatch):
 def test_gluon_mla_kernel_over_fp8_on_gpu(heads, monkeypatch):
     """The Gluon MLA kernel over an fp8 latent cache with per-token scales (CONFIG gluon_wide_fp8):
     NaN bytes and NaN scales past every sequence's end, lengths that end inside a tile, an empty
-    and a one-token sequence, several splits; against the torch path and the Triton kernel; the raw
-    TMA ring's forms (64-key tiles: the same result; 32-key tiles with two or three fp16 stages: the
-    same to rounding); a bad block id gives NaN rows."""
+    and a one-token sequence, several splits; against the torch path and the Triton kernel; the
+    converter's forms (64-key tiles with or without a raw TMA ring: one result; 32-key tiles with two
+    or three fp16 stages: one result, the 64-key one to rounding; replayed in a CUDA graph); a bad
+    block id gives NaN rows."""
     td = _compiled(monkeypatch)
     from parallel.cp import gluon_mla
 
@@ -646,21 +647,40 @@ def test_gluon_mla_kernel_over_fp8_on_gpu(heads, monkeypatch):
     _check_against_torch(got, ref, 1)
     torch.testing.assert_close(got.out, plain.out, atol=2e-3, rtol=0)
     assert cache.k_scale.is_contiguous()        # (else the raw ring does not apply)
-    for raw in (1, 2):      # a raw TMA ring in front of the converter: the same conversion, the same result
-        monkeypatch.setitem(td.CONFIG, "raw_ring_wide_fp8", raw)
-        ringed = paged_decode_attention(q, cache, table, seq, scale=0.07, backend="triton")
-        torch.testing.assert_close(ringed.out, got.out, atol=0, rtol=0)
-        torch.testing.assert_close(ringed.lse, got.lse, atol=0, rtol=0)
-    for keys, ring, raw in ((32, 2, 2), (32, 2, 4), (32, 3, 2)):    # 32-key tiles, the fp16 ring a tile ahead
-        monkeypatch.setitem(td.CONFIG, "raw_ring_wide_fp8", raw)
-        monkeypatch.setitem(td.CONFIG, "keys_wide_fp8", keys)
-        monkeypatch.setitem(td.CONFIG, "ring_wide_fp8", ring)
-        short = paged_decode_attention(q, cache, table, seq, scale=0.07, backend="triton")
-        _check_against_torch(short, ref, 1)
-        # (the online softmax steps over 32 keys instead of 64: fp32 rounding apart, and the weights'
-        # fp16 unit moves at other points)
-        torch.testing.assert_close(short.out, got.out, atol=2e-3, rtol=0)
-        torch.testing.assert_close(short.lse, got.lse, atol=1e-4, rtol=0)
+    # (got: the installed form, 32-key tiles.) 64-key tiles: the converter's own loads into two fp16
+    # stages (raw 0) or a raw TMA ring of 1 or 2 tiles in front of one: the same conversion and the
+    # same steps, the same result
+    run = lambda: paged_decode_attention(q, cache, table, seq, scale=0.07, backend="triton")
+    wide = {}
+    for raw in (0, 1, 2):
+        for key, value in (("raw_ring_wide_fp8", raw), ("keys_wide_fp8", 64), ("ring_wide_fp8", 1)):
+            monkeypatch.setitem(td.CONFIG, key, value)
+        wide[raw] = run()
+        _check_against_torch(wide[raw], ref, 1)
+        torch.testing.assert_close(wide[raw].out, wide[0].out, atol=0, rtol=0)
+        torch.testing.assert_close(wide[raw].lse, wide[0].lse, atol=0, rtol=0)
+    # 32-key tiles with 2 or 3 fp16 stages and 2 or 4 raw ones: one result among them; against 64-key
+    # tiles the online softmax steps over 32 keys (fp32 rounding apart, the weights' fp16 unit moves at
+    # other points)
+    for keys, ring, raw in ((32, 2, 2), (32, 2, 4), (32, 3, 2)):
+        for key, value in (("raw_ring_wide_fp8", raw), ("keys_wide_fp8", keys), ("ring_wide_fp8", ring)):
+            monkeypatch.setitem(td.CONFIG, key, value)
+        short = run()
+        torch.testing.assert_close(short.out, got.out, atol=0, rtol=0)
+        torch.testing.assert_close(short.lse, got.lse, atol=0, rtol=0)
+    torch.testing.assert_close(got.out, wide[0].out, atol=2e-3, rtol=0)
+    torch.testing.assert_close(got.lse, wide[0].lse, atol=1e-4, rtol=0)
+    # a decode step's CUDA graph replays the installed form to the same result
+    for key, value in (("raw_ring_wide_fp8", 2), ("keys_wide_fp8", 32), ("ring_wide_fp8", 2)):
+        monkeypatch.setitem(td.CONFIG, key, value)
+    run()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = run()
+    graph.replay()
+    torch.cuda.synchronize()
+    torch.testing.assert_close(captured.out, got.out, atol=0, rtol=0)
+    torch.testing.assert_close(captured.lse, got.lse, atol=0, rtol=0)
     for raw, keys, ring in ((0, 64, 1), (2, 64, 1), (2, 32, 2)):
         monkeypatch.setitem(td.CONFIG, "raw_ring_wide_fp8", raw)
         monkeypatch.setitem(td.CONFIG, "keys_wide_fp8", keys)
