@@ -186,12 +186,14 @@ DECODE.update({  # ... and with the group size built in (CONFIG dcp_constexpr)
              BLOCK_DV=128, V_FROM_K=False, FP8=True, BLOCK_M=16, KV_HEADS=4, PDL=True, BLOCK_N=128, num_warps=4,
              num_stages=2, F16=True, maxnreg=168, DCP_N=4, DCP_I=1))
 })
-DECODE.update({  # ... and with whole tiles unmasked (CONFIG even / even_fp8)
-    f"_paged_decode_kernel GQA {'fp8' if fp8 else 'bf16'} as installed{' even' if even else ''}": (
+DECODE.update({  # ... and with whole tiles unmasked (CONFIG even / even_fp8; over fp8 with stage16_fp8, as installed)
+    f"_paged_decode_kernel GQA {'fp8' if fp8 else 'bf16'} as installed{' even' if even else ''}"
+    f"{' stage16' if even and fp8 else ''}": (
         "_paged_decode_kernel", dict(_DECODE, **({"k_ptr": "*fp8e4nv", "v_ptr": "*fp8e4nv"} if fp8 else {}),
                                      dcp_size="i32"),
         dict({k: v for k, v in _MLA.items() if k != "dcp_size"}, D_MAIN=128, D_REST=0, BLOCK_REST=0, DV=128,
              BLOCK_DV=128, V_FROM_K=False, FP8=fp8, BLOCK_M=16, KV_HEADS=4, PDL=True, DCP_N=4, DCP_I=1, EVEN=even,
+             STAGE=int(even and fp8),
              **(dict(BLOCK_N=128, num_warps=4, num_stages=2, F16=True, maxnreg=168) if fp8 else
                 dict(BLOCK_N=64, num_warps=4, num_stages=3))))
     for fp8 in (True, False) for even in (False, True)

@@ -539,12 +539,12 @@ def _paged_decode_kernel(
                                                [1, BLOCK_N, 1, D_MAIN])
             desc_v = tl.make_tensor_descriptor(v_ptr, [NUM_BLOCKS, PAGE, KV_HEADS, DV], [sv_b, sv_t, sv_h, 1],
                                                [1, BLOCK_N, 1, BLOCK_DV])
-            full_end = start + (tl.maximum(end - start, 0) // BLOCK_N) * BLOCK_N
-        elif EVEN:  # (whole tiles without masks, then the partial one, if any, with them)
+        else:
             desc_k, desc_v = k_ptr, v_ptr
+        if TMA or EVEN:     # (EVEN: whole tiles without masks; the partial one, if any, after them with them)
             full_end = start + (tl.maximum(end - start, 0) // BLOCK_N) * BLOCK_N
         else:
-            desc_k, desc_v, full_end = k_ptr, v_ptr, end
+            full_end = end
         # a `for` loop pipelines on the GPU; the interpreter only takes constant bounds there
         if INTERPRETED:
             j0 = start
@@ -734,7 +734,9 @@ CONFIG = {
     # cap 46.8 / 157.5 and 44.3 / 133.9): off there then. With whole tiles unmasked (even_fp8, below)
     # it gains (bench/debug/decode_gluon_gqa.py DGQA_SET=fp8-even, 2026-12-04, decode-gluon-gqa13-h200.json;
     # B 32, 1/4 of 8K / 32K / 128K): 33.7 / 100.2 / 375.2 µs -> 33.7 / 98.6 / 362.6 with stage16 1
-    # (3 stages 33.7 / 100.8 / 374.6; 64-key tiles over 396-528 programs 51-52 / 154-172 / 579-631): on.
+    # (3 stages 33.7 / 100.8 / 374.6; 64-key tiles over 396-528 programs 51-52 / 154-172 / 579-631): on
+    # (sm_90a, bench/debug/kernel_sass.py --only "even stage16": 923 instructions a tile, 164 registers,
+    # no spill, 73 KB of shared memory: 3 CTAs per SM).
     # MLA's narrow tiles take it too (below)
     "stage16_fp8": 1,
     # even (GQA, one query token; 0/1 per cache dtype): a split's whole key tiles in a loop without
