@@ -4,7 +4,8 @@
 # (decodeN: the gemm probe's section decodeN; layout: bench/debug/decode_layout.py; dmerge:
 # bench/debug/decode_merge.py; ncu / ncustall: Nsight Compute sections / stall reasons over
 # bench/debug/decode_ncu.py; expand: bench/debug/expand_packing.py; prefill2: the gemm probe's
-# FP8-GEMM-alone sweep at V3 L2; dectiming: bench/debug/decode_timing.py; dgluon: bench/debug/decode_gluon.py; dgqa:
+# FP8-GEMM-alone sweep at V3 L2; dectiming: bench/debug/decode_timing.py; dgluon: bench/debug/decode_gluon.py; dnarrow:
+# bench/debug/decode_narrow.py; dgqa:
 # bench/debug/decode_gluon_gqa.py; dstream: bench/debug/decode_stream.py; dsplits:
 # bench/debug/decode_splits.py; ncugqa: Nsight Compute over bench/debug/decode_ncu.py gluon-gqa;
 # ncusrc: per-instruction stall samples (SASS, csv) of the kernel NCU_KERNEL names, decode_ncu.py NCU_ARGS)
@@ -49,6 +50,7 @@ for s in "$@"; do
     decode[0-9]) step "$s" "${DECODE_LIMIT:-150}" python3 -m megapar.launch.bench.gemm --probe --sections "$s" --out "$res/$s" ;;
     expand)     step expand "${EXPAND_LIMIT:-120}" python3 bench/debug/expand_packing.py "$res/expand.json" ;;
     dgluon)     step dgluon "${DGLUON_LIMIT:-150}" python3 bench/debug/decode_gluon.py "$res/decode-gluon.json" ;;
+    dnarrow)    step dnarrow "${DNARROW_LIMIT:-200}" python3 bench/debug/decode_narrow.py "$res/decode-narrow.json" ;;
     dstream)    step dstream "${DSTREAM_LIMIT:-150}" python3 bench/debug/decode_stream.py "$res/decode-stream.json" ;;
     dsplits)    step dsplits "${DSPLITS_LIMIT:-150}" python3 bench/debug/decode_splits.py "$res/decode-splits.json" ;;
     dgqa)       step dgqa "${DGQA_LIMIT:-150}" python3 bench/debug/decode_gluon_gqa.py "$res/decode-gluon-gqa.json" ;;

@@ -564,6 +564,35 @@ def _check_against_torch(got, ref, empty: int):
     torch.testing.assert_close(got.out, ref.out, atol=2e-2, rtol=0)
 
 
+def _mla_dcp_cache(lens, layout, dtype, gen):
+    """(cache, ref_cache, table, blocks) on the GPU: a latent cache in a DCP rank's layout whose unheld
+    slots hold NaN (and, fp8, NaN bytes with NaN scales: anything may be there), and a copy with
+    zeros there (unit scales) that the torch path reads; fp8 tokens are quantized per token."""
+    size = layout.size
+    per_seq = -(-max(lens) // (64 * size)) + 1
+    nb = len(lens) * per_seq + 2
+    table = torch.randperm(nb, generator=gen)[: len(lens) * per_seq].view(len(lens), per_seq).int().cuda()
+    kv = torch.full((nb, 64, 1, 576), float("nan"), dtype=torch.bfloat16, device="cuda")
+    clean = torch.zeros_like(kv)
+    sc = torch.full((nb, 64, 1), float("nan"), device="cuda")
+    sc_clean = torch.ones_like(sc)
+    for s, n in enumerate(lens):
+        if n:
+            slots = layout.slot_mapping(torch.arange(n, device="cuda"), table[s])
+            x = torch.randn(n, 1, 576, generator=gen).to(torch.bfloat16).cuda()
+            mine = slots >= 0
+            kv.view(-1, 1, 576)[slots[mine]] = x[mine]
+            clean.view(-1, 1, 576)[slots[mine]] = x[mine]
+            amax = x[mine].float().abs().amax(-1) / 448.0
+            sc.view(-1, 1)[slots[mine]] = amax
+            sc_clean.view(-1, 1)[slots[mine]] = amax
+    if dtype != torch.float8_e4m3fn:
+        return PagedKVCache(kv, kv[..., :512]), PagedKVCache(clean, clean[..., :512]), table, nb
+    k8 = (kv.float() / sc[..., None]).to(dtype)
+    c8 = (clean.float() / sc_clean[..., None]).to(dtype)
+    return (PagedKVCache(k8, k8[..., :512], sc, sc), PagedKVCache(c8, c8[..., :512], sc_clean, sc_clean), table, nb)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("size,rank,heads", [(1, 0, 128), (2, 1, 128), (4, 2, 128), (2, 1, 16), (1, 0, 32)])
 def test_gluon_mla_kernel_on_gpu(size, rank, heads, monkeypatch):
@@ -583,19 +612,7 @@ def test_gluon_mla_kernel_on_gpu(size, rank, heads, monkeypatch):
     lens = [3000, 0, 77, 1, 640, 4096, 129]
     gen = torch.Generator().manual_seed(21 + rank)
     layout = DCPLayout(size=size, rank=rank, block_size=64)
-    per_seq = -(-max(lens) // (64 * size)) + 1
-    nb = len(lens) * per_seq + 2
-    table = torch.randperm(nb, generator=gen)[: len(lens) * per_seq].view(len(lens), per_seq).int().cuda()
-    kv = torch.full((nb, 64, 1, 576), float("nan"), dtype=torch.bfloat16, device="cuda")
-    clean = torch.zeros_like(kv)
-    for s, n in enumerate(lens):
-        if n:
-            slots = layout.slot_mapping(torch.arange(n, device="cuda"), table[s])
-            x = torch.randn(n, 1, 576, generator=gen).to(torch.bfloat16).cuda()
-            mine = slots >= 0
-            kv.view(-1, 1, 576)[slots[mine]] = x[mine]
-            clean.view(-1, 1, 576)[slots[mine]] = x[mine]
-    cache, ref_cache = PagedKVCache(kv, kv[..., :512]), PagedKVCache(clean, clean[..., :512])
+    cache, ref_cache, table, nb = _mla_dcp_cache(lens, layout, torch.bfloat16, gen)
     q = torch.randn(len(lens), 1, heads, 576, generator=gen).to(torch.bfloat16).cuda()
     seq = torch.tensor(lens, device="cuda")
     run = lambda c, t, backend: paged_decode_attention(q, c, t, seq, layout=layout, scale=0.07, backend=backend)
@@ -689,6 +706,88 @@ def test_gluon_mla_kernel_over_fp8_on_gpu(heads, monkeypatch):
         bad[4, 0] = cache.k.shape[0] + 1
         nan = paged_decode_attention(q, cache, bad, seq, scale=0.07, backend="triton", validate=False)
         assert torch.isnan(nan.lse[4]).all() and torch.isfinite(nan.lse[0]).all()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float8_e4m3fn], ids=["bf16", "fp8"])
+@pytest.mark.parametrize("size,rank,heads", [(1, 0, 16), (4, 3, 16), (2, 1, 12), (1, 0, 32), (2, 0, 8)])
+def test_gluon_mla_narrow_swapped_on_gpu(dtype, size, rank, heads, monkeypatch):
+    """The swapped narrow-tile MLA kernel (`gluon_mla_narrow`, CONFIG swap_wide_narrow*: keys as
+    wgmma's M, at most 32 heads as N) at full size over DCP ranks, NaN (bytes and scales) in every
+    unheld slot, lengths ending inside a tile, empty and one-token sequences, several splits, 12
+    heads (columns past them padding): against the torch path and the padded-tile Gluon kernel
+    (rounding apart: other MMA shapes), over fp8 its two ring forms bit-identical; a bad block id
+    gives NaN rows of that sequence only; a CUDA graph replays it to the same result."""
+    td = _compiled(monkeypatch)
+    from parallel.cp import gluon_mla, gluon_mla_narrow
+
+    if not (torch.cuda.get_device_capability() == (9, 0) and gluon_mla.HAS_GLUON):
+        pytest.skip("the Gluon MLA kernels need an sm_90 GPU and a Triton with Gluon")
+    fp8 = dtype == torch.float8_e4m3fn
+    swap = "swap_wide_narrow_fp8" if fp8 else "swap_wide_narrow"
+    for key in ("min_split_wide", "min_split_wide_fp8", "min_split_wide_narrow"):
+        monkeypatch.setitem(td.CONFIG, key, 256)
+    monkeypatch.setitem(td.CONFIG, "gluon_wide_narrow_fp8" if fp8 else "gluon_wide_narrow", 1)
+    lens = [3000, 0, 77, 1, 640, 4096, 129]
+    gen = torch.Generator().manual_seed(31 + rank + heads)
+    layout = DCPLayout(size=size, rank=rank, block_size=64)
+    cache, ref_cache, table, nb = _mla_dcp_cache(lens, layout, dtype, gen)
+    q = torch.randn(len(lens), 1, heads, 576, generator=gen).to(torch.bfloat16).cuda()
+    seq = torch.tensor(lens, device="cuda")
+    run = lambda c, t: paged_decode_attention(q, c, t, seq, layout=layout, scale=0.07,
+                                              backend="torch" if c is ref_cache else "triton", validate=False)
+    ref = run(ref_cache, table)
+    monkeypatch.setitem(td.CONFIG, swap, 0)
+    padded = run(cache, table)
+    used = []
+    real = gluon_mla_narrow.launch
+    monkeypatch.setattr(gluon_mla_narrow, "launch", lambda *a, **kw: used.append(kw) or real(*a, **kw))
+    monkeypatch.setitem(td.CONFIG, swap, 1)
+    got = run(cache, table)
+    assert used, "the swapped kernel was not launched"
+    _check_against_torch(got, ref, 1)
+    torch.testing.assert_close(got.out, padded.out, atol=2e-3 if fp8 else 1e-3, rtol=0)
+    torch.testing.assert_close(got.lse, padded.lse, atol=1e-4, rtol=0)
+    if fp8:     # one fp16 stage and three raw ones: the same steps, the same result
+        monkeypatch.setitem(td.CONFIG, "ring_wide_narrow_fp8", 1)
+        monkeypatch.setitem(td.CONFIG, "raw_ring_wide_narrow_fp8", 3)
+        other = run(cache, table)
+        torch.testing.assert_close(other.out, got.out, atol=0, rtol=0)
+        torch.testing.assert_close(other.lse, got.lse, atol=0, rtol=0)
+        monkeypatch.setitem(td.CONFIG, "ring_wide_narrow_fp8", 2)
+        monkeypatch.setitem(td.CONFIG, "raw_ring_wide_narrow_fp8", 1)
+    bad = table.clone()
+    bad[5, 0] = nb + 7
+    nan = run(cache, bad)
+    assert torch.isnan(nan.lse[5]).all() and torch.isnan(nan.out[5]).all()
+    torch.testing.assert_close(nan.out[:5], got.out[:5], atol=0, rtol=0)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = run(cache, table)
+    for _ in range(2):
+        graph.replay()
+    torch.cuda.synchronize()
+    torch.testing.assert_close(captured.out, got.out, atol=0, rtol=0)
+    torch.testing.assert_close(captured.lse, got.lse, atol=0, rtol=0)
+
+
+def test_narrow_mla_fp8_rings_that_do_not_fit_are_refused():
+    """The swapped kernel's fp8 shared memory (`gluon_mla_narrow.fp8_fits`): two 64-key fp16 stages and
+    one raw one fit at 16 and 32 heads, two raw ones do not, nor more than 32 heads; the launcher
+    refuses a form that does not fit with its numbers, before building anything."""
+    from parallel.cp import gluon_mla_narrow as gn
+
+    assert gn.fp8_fits(16, 2, 1) and gn.fp8_fits(32, 2, 1) and gn.fp8_fits(16, 1, 3)
+    assert not gn.fp8_fits(16, 2, 2) and not gn.fp8_fits(64, 1, 1) and not gn.fp8_fits(16, 0, 3)
+    assert [gn.columns(h) for h in (1, 8, 12, 16, 17, 32)] == [8, 8, 16, 16, 32, 32]
+    assert not gn.narrow_ok(64, torch.zeros(1, dtype=torch.bfloat16), None)
+    assert not gn.narrow_ok(16, torch.zeros(1, dtype=torch.float8_e4m3fn), torch.ones(4, 2, 1)[:, :1])
+    if gn.HAS_GLUON:
+        k = torch.zeros(4, 64, 1, 576, dtype=torch.float8_e4m3fn)
+        q = torch.zeros(1, 1, 16, 576, dtype=torch.bfloat16)
+        with pytest.raises(ValueError, match="16 heads, 2 fp16 and 2 raw stages"):
+            gn.launch(q, k, torch.zeros(1, 4, dtype=torch.int32), torch.ones(1), None, None, 0.1, 1, 256, 1, 0, 1,
+                      torch.ones(4, 64, 1), ring=2, raw=2)
 
 
 def test_gluon_gqa_applies_only_to_its_layout():

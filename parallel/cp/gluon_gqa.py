@@ -33,7 +33,7 @@ try:
     from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
                                                                   warpgroup_mma_wait)
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
-    from .gluon_mla import HAS_GLUON, _block_of, _finish, _ids_next, _ids_window, _softmax_step, _split_range
+    from .gluon_mla import HAS_GLUON, _bad_ids, _block_of, _finish, _ids_next, _ids_window, _softmax_step, _split_range
 except ImportError:  # pragma: no cover - a Triton without Gluon
     HAS_GLUON = False
 
@@ -87,19 +87,6 @@ if HAS_GLUON:
                 fence_async_shared()
                 gl.thread_barrier()
                 mbarrier.arrive(ready.index(stage))
-
-    @gluon.jit
-    def _bad_ids(table_ptr, s, st_s, start, end, num_blocks, PAGE: gl.constexpr, layout: gl.constexpr):
-        """Whether any block id of the split's pages [start, end) lies outside [0, num_blocks): read once
-        after the loop (the loaders clamp the ids they load), not a load a tile in the consumer's loop."""
-        idx = gl.arange(0, BLOCK, layout=layout)
-        last = (end + PAGE - 1) // PAGE
-        bad = gl.zeros([BLOCK], gl.int32, layout)
-        for p0 in range(start // PAGE, last, BLOCK):
-            page = p0 + idx
-            blk = gl.load(table_ptr + s.to(gl.int64) * st_s + page, mask=page < last, other=0)
-            bad = bad | ((blk < 0) | (blk >= num_blocks)).to(gl.int32)
-        return gl.max(bad, 0) > 0
 
     @gluon.jit
     def _queries(q_ptr, s, kvh, G, sq_s, sq_h, qk_scale, ROWS: gl.constexpr, FP8: gl.constexpr):

@@ -86,6 +86,19 @@ if HAS_GLUON:
         return b1, b2, b3, b4, _block_of(table_ptr, s, st_s, j0 + 4 * BLOCK, t + 4 < tiles, num_blocks, PAGE)
 
     @gluon.jit
+    def _bad_ids(table_ptr, s, st_s, start, end, num_blocks, PAGE: gl.constexpr, layout: gl.constexpr):
+        """Whether any block id of the split's pages [start, end) lies outside [0, num_blocks): read once
+        after the loop (the loaders clamp the ids they load), not a load a tile in the consumer's loop."""
+        idx = gl.arange(0, BLOCK, layout=layout)
+        last = (end + PAGE - 1) // PAGE
+        bad = gl.zeros([BLOCK], gl.int32, layout)
+        for p0 in range(start // PAGE, last, BLOCK):
+            page = p0 + idx
+            blk = gl.load(table_ptr + s.to(gl.int64) * st_s + page, mask=page < last, other=0)
+            bad = bad | ((blk < 0) | (blk >= num_blocks)).to(gl.int32)
+        return gl.max(bad, 0) > 0
+
+    @gluon.jit
     def _softmax_step(sc, m_i, l_i, r_i, w, AXIS: gl.constexpr, FP8: gl.constexpr):
         """One online-softmax step over masked base-2 scores sc, the queries along 1 - AXIS and the keys
         along AXIS: (weights p, the accumulator's rescale alpha, new m, l, r). FP8: the weights times
@@ -281,10 +294,10 @@ if HAS_GLUON:
                             head0_in_seq + rows < HQ)
 
     @gluon.jit
-    def _barriers(RING: gl.constexpr = STAGES):
+    def _barriers(RING: gl.constexpr = STAGES, CONSUMERS: gl.constexpr = 2):
         """The kernels' mbarriers, initialized: q_bar (the queries are in), ready / free per ring stage
-        (a tile is in / both warpgroups are done with it), p_ready / p_free (a tile's weights and
-        factors are published / warpgroup 1 is done with them)."""
+        (a tile is in / its CONSUMERS warpgroups are done with it), p_ready / p_free (a tile's weights
+        and factors are published / warpgroup 1 is done with them)."""
         q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
         ready = gl.allocate_shared_memory(gl.int64, [RING, 1], mbarrier.MBarrierLayout())
         free = gl.allocate_shared_memory(gl.int64, [RING, 1], mbarrier.MBarrierLayout())
@@ -295,7 +308,7 @@ if HAS_GLUON:
         mbarrier.init(p_free, count=1)
         for i in gl.static_range(RING):
             mbarrier.init(ready.index(i), count=1)
-            mbarrier.init(free.index(i), count=2)
+            mbarrier.init(free.index(i), count=CONSUMERS)
         fence_async_shared()
         return q_bar, ready, free, p_ready, p_free
 
@@ -333,17 +346,17 @@ if HAS_GLUON:
                    s, head0, split, split_len, dcp_size, dcp_rank, interleave, table_w, num_blocks, st_s, sk_b, sk_t,
                    ss_b, ss_t, q_rows, PAGE: gl.constexpr, kr_smem=None, ksr_smem=None,
                    raw_ready=None, raw_free=None, RAW: gl.constexpr = 0, RING: gl.constexpr = STAGES,
-                   KEYS: gl.constexpr = 64):
-        """The fp8 kernel's loader: the 64 query rows to fp16, each times a power of two 2^e that puts
-        its largest magnitude in [2^14, 2^15) (qf_smem holds 2^-e), then each key tile's fp8 rows
+                   KEYS: gl.constexpr = 64, QROWS: gl.constexpr = 64):
+        """The fp8 kernel's loader: the QROWS query rows (64, or a swapped narrow tile's) to fp16, each
+        times a power of two 2^e that puts its largest magnitude in [2^14, 2^15) (qf_smem holds 2^-e), then each key tile's fp8 rows
         (zeros past the split's end) converted to fp16 and its scales into the ring's stage: loaded
         here (RAW 0), or from the raw ring of RAW stages `_raw_loader` fills by TMA."""
         blocked: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
-        rows = gl.arange(0, BLOCK, layout=gl.SliceLayout(1, blocked))
+        qr = gl.arange(0, QROWS, layout=gl.SliceLayout(1, blocked))
         cols = gl.arange(0, BLOCK, layout=gl.SliceLayout(0, blocked))
-        q_base = q_ptr + (head0 + rows).to(gl.int64)[:, None] * (CHUNKS * BLOCK) + cols[None, :]
-        amax = gl.zeros([BLOCK], gl.float32, gl.SliceLayout(1, blocked))
-        qmask = (rows < q_rows)[:, None]     # (a padded head tile: rows past the sequence's heads are 0)
+        q_base = q_ptr + (head0 + qr).to(gl.int64)[:, None] * (CHUNKS * BLOCK) + cols[None, :]
+        amax = gl.zeros([QROWS], gl.float32, gl.SliceLayout(1, blocked))
+        qmask = (qr < q_rows)[:, None]       # (a padded head tile: rows past the sequence's heads are 0)
         for c in gl.static_range(CHUNKS):
             amax = gl.maximum(amax, gl.max(gl.abs(gl.load(q_base + c * BLOCK, mask=qmask, other=0.0).to(gl.float32)), 1))
         biased = (amax.to(gl.int32, bitcast=True) >> 23) & 0xFF
@@ -362,6 +375,7 @@ if HAS_GLUON:
             _convert_raw(kr_smem, ksr_smem, k_smem, ks_smem, raw_ready, raw_free, ready, free, start, end, tiles,
                          RAW, RING, KEYS)
         else:
+            rows = gl.arange(0, BLOCK, layout=gl.SliceLayout(1, blocked))
             for t in range(tiles):
                 stage = t % STAGES
                 j0 = start + t * BLOCK

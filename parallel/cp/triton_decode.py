@@ -67,7 +67,7 @@ import triton.language as tl
 from torch import Tensor
 
 from .. import impl
-from . import gluon_gqa, gluon_mla
+from . import gluon_gqa, gluon_mla, gluon_mla_narrow
 from .state import AttnState
 from .triton_common import local_len as _local_len
 from .triton_merge import gdc_launch_dependents, gdc_wait, merge_states_triton, pdl_ok
@@ -615,6 +615,11 @@ CONFIG = {
     # the 32-key tiles below (decode-gluon9-h200.json, 2026-12-04): fp8 Triton 39.5 / 120.7 / 439.8
     # -> Gluon 34.3 / 106.5 / 390.8: on
     "gluon_wide_narrow": 1, "gluon_wide_narrow_fp8": 1,
+    # ... and there (at most 32 heads) the kernel with swapped operands (`gluon_mla_narrow`: the tile's
+    # 64 keys as wgmma's M, the heads as N, so no padded rows), per cache dtype; over fp8 with
+    # ring_wide_narrow_fp8 fp16 stages after the converter and raw_ring_wide_narrow_fp8 raw stages
+    # (64-key tiles; `gluon_mla_narrow.fp8_fits`). Off until measured on the GPU
+    "swap_wide_narrow": 0, "swap_wide_narrow_fp8": 0, "ring_wide_narrow_fp8": 2, "raw_ring_wide_narrow_fp8": 1,
     # over fp8: a TMA ring of this many raw fp8 tiles in front of the Gluon kernel's converter (0:
     # the converter loads 64-key tiles itself into two fp16 stages; Nsight Compute had put the
     # kernel's bound in those loads, docs/gpu.md section 18). With 64-key tiles and one fp16 stage:
@@ -1076,7 +1081,13 @@ def paged_decode_triton(q: Tensor, k: Tensor, v: Tensor, k_scale: Tensor | None,
     ks_st = ks.stride() if fp8 else (0, 0, 0)
     vs_st = vs.stride() if fp8 else (0, 0, 0)
     table = block_table if block_table.stride(-1) == 1 else block_table.contiguous()
-    if s > 0 and splits > 0 and gluon:
+    swapped = (gluon and _narrow(tq * g) and CONFIG["swap_wide_narrow_fp8" if fp8 else "swap_wide_narrow"]
+               and gluon_mla_narrow.narrow_ok(hq, k, k_scale))
+    if s > 0 and splits > 0 and swapped:
+        gluon_mla_narrow.launch(q, k, table, seq_lens, o, lse, scale * _LOG2E, splits, split_len, dcp_size, dcp_rank,
+                                interleave, k_scale if fp8 else None, ring=CONFIG["ring_wide_narrow_fp8"],
+                                raw=CONFIG["raw_ring_wide_narrow_fp8"])
+    elif s > 0 and splits > 0 and gluon:
         gluon_mla.launch_gluon_mla(q, k, table, seq_lens, o, lse, scale * _LOG2E, splits, split_len, dcp_size,
                                    dcp_rank, interleave, k_scale if fp8 else None, raw_ring=CONFIG["raw_ring_wide_fp8"],
                                    keys=CONFIG["keys_wide_fp8"], ring=CONFIG["ring_wide_fp8"])

@@ -1,0 +1,74 @@
+"""MLA decode with narrow head tiles (16 heads: TP 8, DeepSeek's DCP deployment; 32 and 8 too):
+the swapped-operand Gluon kernel (`parallel.cp.gluon_mla_narrow`, CONFIG swap_wide_narrow*) against
+the padded-tile Gluon kernel and the Triton kernel, whole `paged_decode_attention` calls timed with
+`common.step_time` (CUDA-graph replays, alternating, two rounds) over rank 0's 1/4 of B = 32
+sequences of L = 8K, 32K, 128K, fp8 and bf16 latent caches; each row's max difference against the
+Triton kernel's result.
+
+    python bench/debug/decode_narrow.py OUT.json        # on the GPU
+"""
+
+from __future__ import annotations
+
+import sys
+
+import torch
+from _rows import dump_rows
+
+from megapar.launch.bench.cp import _mla_decode_setup
+from megapar.launch.bench.common import BenchContext, step_time
+from megapar.parallel.cp import triton_decode
+from megapar.parallel.cp.dcp import DCPLayout
+from megapar.parallel.cp.mla import MLADims
+from megapar.parallel.cp.paged import paged_decode_attention
+
+# (name, CONFIG entries) per cache dtype; "t264": two programs per SM in the split plan
+FORMS = {
+    "fp8": (("triton", {"gluon_wide_narrow_fp8": 0}), ("padded", {"swap_wide_narrow_fp8": 0}),
+            ("swap r2raw1", {}), ("swap r1raw3", {"ring_wide_narrow_fp8": 1, "raw_ring_wide_narrow_fp8": 3}),
+            ("swap r2raw1 t264", {"target_programs_wide_fp8": 264})),
+    "bf16": (("triton", {"gluon_wide_narrow": 0}), ("padded", {"swap_wide_narrow": 0}), ("swap", {}),
+             ("swap t264", {"target_programs_wide": 264})),
+}
+PROBLEMS = ((torch.float8_e4m3fn, 8192, 16), (torch.float8_e4m3fn, 32768, 16), (torch.float8_e4m3fn, 131072, 16),
+            (torch.bfloat16, 8192, 16), (torch.bfloat16, 32768, 16), (torch.bfloat16, 131072, 16),
+            (torch.float8_e4m3fn, 32768, 32), (torch.float8_e4m3fn, 32768, 8))
+
+
+def main(path: str) -> None:
+    ctx = BenchContext("cp", torch.device("cuda"))
+    rows: list = []
+    saved = dict(triton_decode.CONFIG)
+    base = {"gluon_wide_narrow": 1, "gluon_wide_narrow_fp8": 1, "swap_wide_narrow": 1, "swap_wide_narrow_fp8": 1,
+            "ring_wide_narrow_fp8": 2, "raw_ring_wide_narrow_fp8": 1}
+    dims = MLADims()
+    for dtype, context, heads in PROBLEMS:
+        fp8 = dtype == torch.float8_e4m3fn
+        latent, table = _mla_decode_setup(32, context, dims, 64, 4, ctx.device, dtype)
+        layout = DCPLayout(size=4, rank=0, block_size=64)
+        seq = torch.full((32,), context, device=ctx.device)
+        q = torch.randn(32, heads, dims.latent_dim, device=ctx.device, dtype=torch.bfloat16)
+        call = lambda: paged_decode_attention(q, latent.paged, table, seq, layout=layout, scale=dims.scale,
+                                              backend="triton", max_seq_len=context)
+        ref = None
+        for rep in range(2):
+            for name, entries in FORMS["fp8" if fp8 else "bf16"]:
+                triton_decode.CONFIG.update(saved)
+                triton_decode.CONFIG.update(base)
+                triton_decode.CONFIG.update(entries)
+                got = call()
+                ref = got if ref is None else ref
+                err = max((got.out - ref.out).abs().max().item(), (got.lse - ref.lse).abs().max().item())
+                us, cols = step_time(ctx, [call])
+                row = {"cache": str(dtype), "L": context, "heads": heads, "kernel": name, "rep": rep,
+                       "us": round(us, 1), "max_diff_vs_triton": err, "timing": cols["timing"]}
+                rows.append(row)
+                print(row, flush=True)
+        triton_decode.CONFIG.update(saved)
+        del latent, table
+        torch.cuda.empty_cache()
+    dump_rows(path, "decode_narrow.py", rows)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1] if len(sys.argv) > 1 else "decode-narrow.json")
