@@ -42,8 +42,9 @@ def _build(name: str) -> dict:
     if family == "mlan":     # the swapped narrow-tile MLA kernel: "mlan-DTYPE-NQ[-rRINGrawRAW]"
         nq = int(more[0])
         if fp8:
-            ring, raw = (int(x) for x in re.fullmatch(r"r(\d+)raw(\d+)", more[1]).groups())
-            kernel, consts = gluon_mla_narrow._mla_narrow_fp8_kernel, {"PAGE": 64, "NQ": nq, "RAW": raw, "RING": ring}
+            ring, raw, rope = re.fullmatch(r"r(\d+)raw(\d+)(rope)?", more[1]).groups()
+            kernel, consts = gluon_mla_narrow._mla_narrow_fp8_kernel, {"PAGE": 64, "NQ": nq, "RAW": int(raw),
+                                                                        "RING": int(ring), "ROPE_RAW": bool(rope)}
             ptrs.update(q_ptr="*bf16", k_ptr="*fp8e4nv", ks_ptr="*fp32", k_desc=desc,
                         ks_desc=f"tensordesc<fp32[1, 64],{gl.NVMMASharedLayout(0, 32, 2)}>")
         else:
@@ -93,7 +94,8 @@ def _build(name: str) -> dict:
     ("mla-bf16", 512), ("mla-fp8", 1024), ("mla-fp8-raw1", 1024), ("mla-fp8-raw2", 1024),
     ("mla-fp8-k32r2raw2", 1024), ("mla-fp8-k32r2raw4", 1024), ("mla-fp8-k32r3raw2", 1024), ("gqa-bf16", 0), ("gqa-fp8", 0),
     ("gqa-bf16-swap", 64), ("gqa-fp8-swap", 0), ("mlan-bf16-16", 0), ("mlan-bf16-32", 0), ("mlan-bf16-8", 0),
-    ("mlan-fp8-16-r2raw1", 0), ("mlan-fp8-32-r2raw1", 64), ("mlan-fp8-16-r1raw3", 256)])
+    ("mlan-fp8-16-r2raw1", 0), ("mlan-fp8-32-r2raw1", 64), ("mlan-fp8-16-r1raw3", 256),
+    ("mlan-fp8-16-r2raw2rope", 0)])
 def test_gluon_decode_kernel_builds_for_sm90(name, spill_cap):
     """spill_cap: the committed MLA builds spill 12 B (bf16: the loader's masked tail tile) and 388-516 B
     (fp8: warpgroup 1's accumulators and the converter's loads), built with the launcher's 16-byte

@@ -25,8 +25,11 @@ from megapar.parallel.cp.paged import paged_decode_attention
 # (name, CONFIG entries) per cache dtype; "t264": two programs per SM in the split plan
 FORMS = {
     "fp8": (("triton", {"gluon_wide_narrow_fp8": 0}), ("padded", {"swap_wide_narrow_fp8": 0}),
-            ("swap r2raw1", {}), ("swap r1raw3", {"ring_wide_narrow_fp8": 1, "raw_ring_wide_narrow_fp8": 3}),
-            ("swap r2raw1 t264", {"target_programs_wide_fp8": 264})),
+            ("swap r2raw1", {"rope_raw_wide_narrow_fp8": 0, "ring_wide_narrow_fp8": 2, "raw_ring_wide_narrow_fp8": 1}),
+            ("swap r2raw2 rope", {"rope_raw_wide_narrow_fp8": 1, "ring_wide_narrow_fp8": 2,
+                                  "raw_ring_wide_narrow_fp8": 2}),
+            ("swap r2raw2 rope t264", {"rope_raw_wide_narrow_fp8": 1, "ring_wide_narrow_fp8": 2,
+                                       "raw_ring_wide_narrow_fp8": 2, "target_programs_wide_fp8": 264})),
     "bf16": (("triton", {"gluon_wide_narrow": 0}), ("padded", {"swap_wide_narrow": 0}), ("swap", {}),
              ("swap t264", {"target_programs_wide": 264})),
 }
@@ -39,8 +42,7 @@ def main(path: str) -> None:
     ctx = BenchContext("cp", torch.device("cuda"))
     rows: list = []
     saved = dict(triton_decode.CONFIG)
-    base = {"gluon_wide_narrow": 1, "gluon_wide_narrow_fp8": 1, "swap_wide_narrow": 1, "swap_wide_narrow_fp8": 1,
-            "ring_wide_narrow_fp8": 2, "raw_ring_wide_narrow_fp8": 1}
+    base = {"gluon_wide_narrow": 1, "gluon_wide_narrow_fp8": 1, "swap_wide_narrow": 1, "swap_wide_narrow_fp8": 1}
     dims = MLADims()
     for dtype, context, heads in PROBLEMS:
         fp8 = dtype == torch.float8_e4m3fn

@@ -346,7 +346,7 @@ if HAS_GLUON:
                    s, head0, split, split_len, dcp_size, dcp_rank, interleave, table_w, num_blocks, st_s, sk_b, sk_t,
                    ss_b, ss_t, q_rows, PAGE: gl.constexpr, kr_smem=None, ksr_smem=None,
                    raw_ready=None, raw_free=None, RAW: gl.constexpr = 0, RING: gl.constexpr = STAGES,
-                   KEYS: gl.constexpr = 64, QROWS: gl.constexpr = 64):
+                   KEYS: gl.constexpr = 64, QROWS: gl.constexpr = 64, BOXES: gl.constexpr = CHUNKS):
         """The fp8 kernel's loader: the QROWS query rows (64, or a swapped narrow tile's) to fp16, each
         times a power of two 2^e that puts its largest magnitude in [2^14, 2^15) (qf_smem holds 2^-e), then each key tile's fp8 rows
         (zeros past the split's end) converted to fp16 and its scales into the ring's stage: loaded
@@ -373,7 +373,7 @@ if HAS_GLUON:
                                               table_w, PAGE, KEYS)
         if RAW > 0:
             _convert_raw(kr_smem, ksr_smem, k_smem, ks_smem, raw_ready, raw_free, ready, free, start, end, tiles,
-                         RAW, RING, KEYS)
+                         RAW, RING, KEYS, BOXES)
         else:
             rows = gl.arange(0, BLOCK, layout=gl.SliceLayout(1, blocked))
             for t in range(tiles):
@@ -397,13 +397,16 @@ if HAS_GLUON:
 
     @gluon.jit
     def _convert_raw(kr_smem, ksr_smem, k_smem, ks_smem, raw_ready, raw_free, ready, free, start, end, tiles,
-                     RAW: gl.constexpr, RING: gl.constexpr, KEYS: gl.constexpr):
+                     RAW: gl.constexpr, RING: gl.constexpr, KEYS: gl.constexpr, BOXES: gl.constexpr = CHUNKS):
         """Each raw fp8 tile (nine KEYS x 64 boxes and its KEYS scales, by TMA) to fp16 in the ring's
-        stage; rows past the split's end as zeros (the last tile only) and their scales 0."""
+        stage: its first BOXES boxes (all nine, or the eight of the latent where the consumer reads
+        the rope box from the raw ring itself); rows past the split's end as zeros (the last tile
+        only) and their scales 0."""
         blocked: gl.constexpr = gl.BlockedLayout([1, 16], [8, 4], [4, 1], [1, 0])
         rows = gl.arange(0, KEYS, layout=gl.SliceLayout(1, blocked))
         vec: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
         srows = gl.arange(0, KEYS, layout=vec)
+        GROUP: gl.constexpr = 3 if BOXES % 3 == 0 else 2
         for t in range(tiles):
             rs = t % RAW
             stage = t % RING
@@ -412,17 +415,19 @@ if HAS_GLUON:
             if t >= RING:
                 mbarrier.wait(free.index(stage), ((t // RING) - 1) & 1)
             if valid < KEYS:    # the split's last tile ends inside it
-                for c in gl.static_range(CHUNKS):
+                for c in gl.static_range(BOXES):
                     kx = kr_smem.index(rs * CHUNKS + c).load(blocked).to(gl.float16)
-                    k_smem.index(stage * CHUNKS + c).store(gl.where((rows < valid)[:, None], kx, 0.0))
-            else:               # (a branch of its own: no selects; three boxes' loads issued together)
-                for g in gl.static_range(CHUNKS // 3):
-                    k0 = kr_smem.index(rs * CHUNKS + 3 * g).load(blocked)
-                    k1 = kr_smem.index(rs * CHUNKS + 3 * g + 1).load(blocked)
-                    k2 = kr_smem.index(rs * CHUNKS + 3 * g + 2).load(blocked)
-                    k_smem.index(stage * CHUNKS + 3 * g).store(k0.to(gl.float16))
-                    k_smem.index(stage * CHUNKS + 3 * g + 1).store(k1.to(gl.float16))
-                    k_smem.index(stage * CHUNKS + 3 * g + 2).store(k2.to(gl.float16))
+                    k_smem.index(stage * BOXES + c).store(gl.where((rows < valid)[:, None], kx, 0.0))
+            else:               # (a branch of its own: no selects; GROUP boxes' loads issued together)
+                for g in gl.static_range(BOXES // GROUP):
+                    k0 = kr_smem.index(rs * CHUNKS + GROUP * g).load(blocked)
+                    k1 = kr_smem.index(rs * CHUNKS + GROUP * g + 1).load(blocked)
+                    if GROUP == 3:
+                        k2 = kr_smem.index(rs * CHUNKS + GROUP * g + 2).load(blocked)
+                    k_smem.index(stage * BOXES + GROUP * g).store(k0.to(gl.float16))
+                    k_smem.index(stage * BOXES + GROUP * g + 1).store(k1.to(gl.float16))
+                    if GROUP == 3:
+                        k_smem.index(stage * BOXES + GROUP * g + 2).store(k2.to(gl.float16))
             ks_smem.index(stage).store(gl.where(srows < valid, ksr_smem.index(rs).reshape([KEYS]).load(vec), 0.0))
             fence_async_shared()
             gl.thread_barrier()

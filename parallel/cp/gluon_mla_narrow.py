@@ -46,11 +46,13 @@ def columns(heads: int) -> int:
     return max(8, 1 << (heads - 1).bit_length())
 
 
-def fp8_fits(heads: int, ring: int, raw: int) -> bool:
-    """The fp8 kernel's shared memory: queries (fp16, NQ x 576), `ring` fp16 and `raw` fp8 stages of
-    64 x 576, the weights (NQ x 64 fp16), scales and barriers, plus 2 KB of the compiler's scratch."""
+def fp8_fits(heads: int, ring: int, raw: int, rope_raw: bool = False) -> bool:
+    """The fp8 kernel's shared memory: queries (fp16, NQ x 576), `ring` fp16 stages of 64 x 576 (64 x
+    512 with rope_raw) and `raw` fp8 stages of 64 x 576, the weights (NQ x 64 fp16), scales and
+    barriers, plus 2 KB of the compiler's scratch."""
     nq, width = columns(heads), _CHUNKS * _BLOCK
-    need = (nq * width * 2 + ring * _BLOCK * width * 2 + raw * _BLOCK * width + nq * _BLOCK * 2
+    stage = (width - _BLOCK if rope_raw else width) * _BLOCK * 2
+    need = (nq * width * 2 + ring * stage + raw * _BLOCK * width + nq * _BLOCK * 2
             + 4 * (nq + (ring + raw) * _BLOCK) + 8 * (3 + 2 * ring + 2 * raw) + 2048)
     return heads <= MAX_HEADS and ring >= 1 and raw >= 1 and need <= SMEM_LIMIT
 
@@ -88,10 +90,13 @@ if HAS_GLUON:
     def _consumer(q_smem, k_smem, p_smem, qf_smem, ks_smem, q_bar, ready, free, table_ptr, glens_ptr, o_ptr,
                   lse_ptr, s, split, split_len, dcp_size, dcp_rank, interleave, table_w, num_blocks, st_s, qk_scale,
                   so_p, so_s, so_h, sl_p, sl_s, HQ, PAGE: gl.constexpr, RING: gl.constexpr, NQ: gl.constexpr,
-                  FP8: gl.constexpr):
+                  FP8: gl.constexpr, kr_smem=None, raw_ready=None, raw_free=None, RAW: gl.constexpr = 0,
+                  ROPE_RAW: gl.constexpr = False):
         """S^T = K Q^T over the nine boxes, the online softmax down each head's column, O^T += V^T P^T.
         FP8: the scores take the keys' scales and the heads' powers of two (qf_smem), the weights p *
-        scale go to fp16 over a running per-head unit r (`_softmax_step`)."""
+        scale go to fp16 over a running per-head unit r (`_softmax_step`). ROPE_RAW: the fp16 stages
+        hold the latent's eight boxes only; the rope box's scores come from the raw fp8 box, converted
+        in registers as the A operand (the raw stage is free once both this and the converter are done)."""
         mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, NQ, 16])
         key_l: gl.constexpr = gl.SliceLayout(1, mma)
         q_l: gl.constexpr = gl.SliceLayout(0, mma)
@@ -109,18 +114,28 @@ if HAS_GLUON:
         o6 = gl.zeros([BLOCK, NQ], gl.float32, mma)
         o7 = gl.zeros([BLOCK, NQ], gl.float32, mma)
         keys = gl.arange(0, BLOCK, layout=key_l)
+        BOXES: gl.constexpr = CHUNKS - 1 if ROPE_RAW else CHUNKS      # (boxes of a fp16 stage)
+        a_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
         mbarrier.wait(q_bar, 0)
         if FP8:
             qk_q = qf_smem.load(q_l) * qk_scale
         for t in range(tiles):
             stage = t % RING
             j0 = start + t * BLOCK
+            if ROPE_RAW:
+                rs = t % RAW
+                mbarrier.wait(raw_ready.index(rs), (t // RAW) & 1)
+                rope = kr_smem.index(rs * CHUNKS + CHUNKS - 1).load(a_l).to(gl.float16)
             mbarrier.wait(ready.index(stage), (t // RING) & 1)
             sc = gl.zeros([BLOCK, NQ], gl.float32, mma)
-            for c in gl.static_range(CHUNKS):
-                sc = warpgroup_mma(k_smem.index(stage * CHUNKS + c), q_smem.index(c).permute((1, 0)), sc,
+            for c in gl.static_range(BOXES):
+                sc = warpgroup_mma(k_smem.index(stage * BOXES + c), q_smem.index(c).permute((1, 0)), sc,
                                    is_async=True)
+            if ROPE_RAW:
+                sc = warpgroup_mma(rope, q_smem.index(CHUNKS - 1).permute((1, 0)), sc, is_async=True)
             sc = warpgroup_mma_wait(num_outstanding=0, deps=(sc, ))
+            if ROPE_RAW:
+                mbarrier.arrive(raw_free.index(rs))
             live = (j0 + keys < end)[:, None]
             if FP8:
                 ks = ks_smem.index(stage).load(key_l)
@@ -134,7 +149,7 @@ if HAS_GLUON:
             fence_async_shared()
             gl.thread_barrier()
             o0, o1, o2, o3, o4, o5, o6, o7 = _pv_t(o0, o1, o2, o3, o4, o5, o6, o7, alpha, p_smem, k_smem,
-                                                   stage * CHUNKS)
+                                                   stage * BOXES)
             mbarrier.arrive(free.index(stage))
         factor, lse = _finish(m_i, l_i, r_i, bad | _bad_ids(table_ptr, s, st_s, start, end, num_blocks, PAGE, key_l),
                               FP8)
@@ -178,8 +193,10 @@ if HAS_GLUON:
     def _mla_narrow_fp8_kernel(q_ptr, k_desc, ks_desc, k_ptr, ks_ptr, table_ptr, glens_ptr, o_ptr, lse_ptr, qk_scale,
                                split_len, HQ, dcp_size, dcp_rank, interleave, table_w, num_blocks, st_s, sk_b, sk_t,
                                ss_b, ss_t, so_p, so_s, so_h, sl_p, sl_s, PAGE: gl.constexpr, NQ: gl.constexpr,
-                               RAW: gl.constexpr, RING: gl.constexpr):
-        """fp8 latent cache: a raw TMA ring of RAW 64-key tiles, the converter into RING fp16 stages."""
+                               RAW: gl.constexpr, RING: gl.constexpr, ROPE_RAW: gl.constexpr = False):
+        """fp8 latent cache: a raw TMA ring of RAW 64-key tiles, the converter into RING fp16 stages (of
+        the latent's eight boxes only with ROPE_RAW: the consumer takes the rope box from the raw ring)."""
+        BOXES: gl.constexpr = CHUNKS - 1 if ROPE_RAW else CHUNKS
         s = gl.program_id(0)
         split = gl.program_id(1)
         box: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK, BLOCK], gl.float16)
@@ -188,7 +205,7 @@ if HAS_GLUON:
         sc_box: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2)
         vec: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[0])
         q_smem = gl.allocate_shared_memory(gl.float16, [CHUNKS, NQ, BLOCK], qbox)
-        k_smem = gl.allocate_shared_memory(gl.float16, [RING * CHUNKS, BLOCK, BLOCK], box)
+        k_smem = gl.allocate_shared_memory(gl.float16, [RING * BOXES, BLOCK, BLOCK], box)
         p_smem = gl.allocate_shared_memory(gl.float16, [NQ, BLOCK], qbox)
         qf_smem = gl.allocate_shared_memory(gl.float32, [NQ], vec)
         ks_smem = gl.allocate_shared_memory(gl.float32, [RING, BLOCK], vec)
@@ -199,16 +216,17 @@ if HAS_GLUON:
         raw_free = gl.allocate_shared_memory(gl.int64, [RAW, 1], mbarrier.MBarrierLayout())
         for i in gl.static_range(RAW):
             mbarrier.init(raw_ready.index(i), count=1)
-            mbarrier.init(raw_free.index(i), count=1)
+            mbarrier.init(raw_free.index(i), count=2 if ROPE_RAW else 1)
         fence_async_shared()
         gl.warp_specialize([
             (_consumer, (q_smem, k_smem, p_smem, qf_smem, ks_smem, q_bar, ready, free, table_ptr, glens_ptr, o_ptr,
                          lse_ptr, s, split, split_len, dcp_size, dcp_rank, interleave, table_w, num_blocks, st_s,
-                         qk_scale, so_p, so_s, so_h, sl_p, sl_s, HQ, PAGE, RING, NQ, True)),
+                         qk_scale, so_p, so_s, so_h, sl_p, sl_s, HQ, PAGE, RING, NQ, True, kr_smem, raw_ready,
+                         raw_free, RAW, ROPE_RAW)),
             (_converter, (q_ptr, k_ptr, ks_ptr, table_ptr, glens_ptr, q_smem, qf_smem, k_smem, ks_smem, q_bar, ready,
                           free, s, s * HQ, split, split_len, dcp_size, dcp_rank, interleave, table_w, num_blocks,
                           st_s, sk_b, sk_t, ss_b, ss_t, HQ, PAGE, kr_smem, ksr_smem, raw_ready, raw_free, RAW, RING,
-                          BLOCK, NQ)),
+                          BLOCK, NQ, BOXES)),
             (_raw_loader, (k_desc, ks_desc, table_ptr, glens_ptr, kr_smem, ksr_smem, raw_ready, raw_free, s, split,
                            split_len, dcp_size, dcp_rank, interleave, table_w, num_blocks, st_s, PAGE, RAW, BLOCK)),
         ], [4, 1], [96, 24])
@@ -216,16 +234,18 @@ if HAS_GLUON:
 
 def launch(q: Tensor, k: Tensor, table: Tensor, seq_lens: Tensor, o: Tensor, lse: Tensor, scale_log2: float,
            splits: int, split_len: int, dcp_size: int, dcp_rank: int, interleave: int,
-           k_scale: Tensor | None = None, ring: int = 2, raw: int = 1) -> None:
+           k_scale: Tensor | None = None, ring: int = 2, raw: int = 1, rope_raw: bool = False) -> None:
     """Fill the split partials o [splits, S, 1, Hq, 512] / lse [splits, S, 1, Hq] (`gluon_mla.gluon_mla_ok`
-    and `narrow_ok` hold); over fp8 `ring` fp16 and `raw` raw stages of 64 keys (`fp8_fits`)."""
+    and `narrow_ok` hold); over fp8 `ring` fp16 and `raw` raw stages of 64 keys (`fp8_fits`), the
+    rope box's scores from the raw stage with `rope_raw` (the fp16 stages then hold 512 dims)."""
     s, _, hq, d = q.shape
     nb, page = k.shape[0], k.shape[1]
     nq = columns(hq)
     fp8 = k.dtype == torch.float8_e4m3fn
-    if fp8 and not fp8_fits(hq, ring, raw):
+    if fp8 and not fp8_fits(hq, ring, raw, rope_raw):
         raise ValueError(f"the narrow fp8 MLA kernel with {hq} heads, {ring} fp16 and {raw} raw stages of "
-                         f"{_BLOCK} keys does not fit in shared memory ({SMEM_LIMIT} bytes)")
+                         f"{_BLOCK} keys (rope from the raw stage: {bool(rope_raw)}) does not fit in shared "
+                         f"memory ({SMEM_LIMIT} bytes)")
     tail = (o.stride(0), o.stride(1), o.stride(3), lse.stride(0), lse.stride(1))
     if fp8:
         raw_box = gl.NVMMASharedLayout.get_default_for([_BLOCK, _BLOCK], gl.float8e4nv)
@@ -236,7 +256,8 @@ def launch(q: Tensor, k: Tensor, table: Tensor, seq_lens: Tensor, o: Tensor, lse
         _mla_narrow_fp8_kernel[(s, splits)](
             q, k_desc, ks_desc, k, k_scale, table, seq_lens, o, lse, scale_log2, split_len, hq, dcp_size, dcp_rank,
             interleave, table.shape[1], nb, table.stride(0), k.stride(0), k.stride(1), k_scale.stride(0),
-            k_scale.stride(1), *tail, PAGE=page, NQ=nq, RAW=raw, RING=ring, num_warps=4)
+            k_scale.stride(1), *tail, PAGE=page, NQ=nq, RAW=raw, RING=ring, ROPE_RAW=bool(rope_raw),
+            num_warps=4)
         return
     box = gl.NVMMASharedLayout.get_default_for([_BLOCK, _BLOCK], gl.bfloat16)
     qbox = gl.NVMMASharedLayout.get_default_for([nq, _BLOCK], gl.bfloat16)
