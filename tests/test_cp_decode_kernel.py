@@ -751,7 +751,7 @@ def test_gluon_mla_narrow_swapped_on_gpu(dtype, size, rank, heads, monkeypatch):
     if fp8:     # the rings' forms (the rope box's scores from the raw stage, converted in registers, where
         # it fits): the same MMAs in the same order, the same result
         installed = {k: td.CONFIG[f"{k}_wide_narrow_fp8"] for k in ("ring", "raw_ring", "rope_raw")}
-        for ring, raw, rope in ((2, 1, 0), (1, 3, 0), (2, 2, 1)):
+        for ring, raw, rope in ((2, 1, 0), (1, 3, 0), (2, 2, 1), (2, 1, 1)):
             for key, value in (("ring", ring), ("raw_ring", raw), ("rope_raw", rope)):
                 monkeypatch.setitem(td.CONFIG, f"{key}_wide_narrow_fp8", value)
             if not gluon_mla_narrow.fp8_fits(heads, ring, raw, bool(rope)):
@@ -761,6 +761,15 @@ def test_gluon_mla_narrow_swapped_on_gpu(dtype, size, rank, heads, monkeypatch):
             torch.testing.assert_close(other.lse, got.lse, atol=0, rtol=0)
         for key, value in installed.items():
             monkeypatch.setitem(td.CONFIG, f"{key}_wide_narrow_fp8", value)
+        # two consumers on alternate tiles, merged as two partials of each split: the same softmax to
+        # rounding
+        monkeypatch.setitem(td.CONFIG, "parts_wide_narrow_fp8", 2)
+        two = run(cache, table)
+        assert used[-1]["parts"] == 2
+        _check_against_torch(two, ref, 1)
+        torch.testing.assert_close(two.out, got.out, atol=2e-3, rtol=0)
+        torch.testing.assert_close(two.lse, got.lse, atol=1e-4, rtol=0)
+        monkeypatch.setitem(td.CONFIG, "parts_wide_narrow_fp8", 1)
     bad = table.clone()
     bad[5, 0] = nb + 7
     nan = run(cache, bad)
@@ -785,6 +794,9 @@ def test_narrow_mla_fp8_rings_that_do_not_fit_are_refused():
     assert gn.fp8_fits(16, 2, 1) and gn.fp8_fits(32, 2, 1) and gn.fp8_fits(16, 1, 3)
     assert not gn.fp8_fits(16, 2, 2) and not gn.fp8_fits(64, 1, 1) and not gn.fp8_fits(16, 0, 3)
     assert gn.fp8_fits(16, 2, 2, rope_raw=True) and not gn.fp8_fits(32, 2, 2, rope_raw=True)
+    # the dispatcher's form per head count: rope from the raw stage where it fits, raw stages cut
+    assert gn.fp8_form(16, 2, 2, True) == (2, 2, True) and gn.fp8_form(32, 2, 2, True) == (2, 1, False)
+    assert gn.fp8_form(16, 2, 2, False) == (2, 1, False) and gn.fp8_form(8, 1, 3, False) == (1, 3, False)
     assert [gn.columns(h) for h in (1, 8, 12, 16, 17, 32)] == [8, 8, 16, 16, 32, 32]
     assert not gn.narrow_ok(64, torch.zeros(1, dtype=torch.bfloat16), None)
     assert not gn.narrow_ok(16, torch.zeros(1, dtype=torch.float8_e4m3fn), torch.ones(4, 2, 1)[:, :1])
@@ -795,6 +807,13 @@ def test_narrow_mla_fp8_rings_that_do_not_fit_are_refused():
                                              "stage: False"):
             gn.launch(q, k, torch.zeros(1, 4, dtype=torch.int32), torch.ones(1), None, None, 0.1, 1, 256, 1, 0, 1,
                       torch.ones(4, 64, 1), ring=2, raw=2)
+        o, lse = torch.zeros(2, 1, 1, 16, 512), torch.zeros(2, 1, 1, 16)
+        with pytest.raises(ValueError, match="o holds 2 partials; 2 splits x 2 parts need 4"):
+            gn.launch(q, k, torch.zeros(1, 4, dtype=torch.int32), torch.ones(1), o, lse, 0.1, 2, 256, 1, 0, 1,
+                      torch.ones(4, 64, 1), parts=2)
+        with pytest.raises(ValueError, match="parts 1, or 2 over an fp8 cache"):
+            gn.launch(q, k.to(torch.bfloat16), torch.zeros(1, 4, dtype=torch.int32), torch.ones(1), o, lse, 0.1, 1,
+                      256, 1, 0, 1, parts=2)
 
 
 def test_gluon_gqa_applies_only_to_its_layout():
