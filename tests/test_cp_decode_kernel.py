@@ -761,15 +761,6 @@ def test_gluon_mla_narrow_swapped_on_gpu(dtype, size, rank, heads, monkeypatch):
             torch.testing.assert_close(other.lse, got.lse, atol=0, rtol=0)
         for key, value in installed.items():
             monkeypatch.setitem(td.CONFIG, f"{key}_wide_narrow_fp8", value)
-        # two consumers on alternate tiles, merged as two partials of each split: the same softmax to
-        # rounding
-        monkeypatch.setitem(td.CONFIG, "parts_wide_narrow_fp8", 2)
-        two = run(cache, table)
-        assert used[-1]["parts"] == 2
-        _check_against_torch(two, ref, 1)
-        torch.testing.assert_close(two.out, got.out, atol=2e-3, rtol=0)
-        torch.testing.assert_close(two.lse, got.lse, atol=1e-4, rtol=0)
-        monkeypatch.setitem(td.CONFIG, "parts_wide_narrow_fp8", 1)
     bad = table.clone()
     bad[5, 0] = nb + 7
     nan = run(cache, bad)
@@ -807,13 +798,6 @@ def test_narrow_mla_fp8_rings_that_do_not_fit_are_refused():
                                              "stage: False"):
             gn.launch(q, k, torch.zeros(1, 4, dtype=torch.int32), torch.ones(1), None, None, 0.1, 1, 256, 1, 0, 1,
                       torch.ones(4, 64, 1), ring=2, raw=2)
-        o, lse = torch.zeros(2, 1, 1, 16, 512), torch.zeros(2, 1, 1, 16)
-        with pytest.raises(ValueError, match="o holds 2 partials; 2 splits x 2 parts need 4"):
-            gn.launch(q, k, torch.zeros(1, 4, dtype=torch.int32), torch.ones(1), o, lse, 0.1, 2, 256, 1, 0, 1,
-                      torch.ones(4, 64, 1), parts=2)
-        with pytest.raises(ValueError, match="parts 1, or 2 over an fp8 cache"):
-            gn.launch(q, k.to(torch.bfloat16), torch.zeros(1, 4, dtype=torch.int32), torch.ones(1), o, lse, 0.1, 1,
-                      256, 1, 0, 1, parts=2)
 
 
 def test_gluon_gqa_applies_only_to_its_layout():

@@ -11,7 +11,8 @@ cudaProfilerStart / Stop, for Nsight Compute:
 
 profiles the Gluon GQA kernel (`parallel.cp.gluon_gqa`) over bf16 and over fp8 (CONFIG
 gluon_gqa_fp8 forced on) instead, same problem (`bash bench/run_owed.sh ncugqa`). DECODE_NCU_CONFIG
-(JSON) sets CONFIG entries first; DECODE_NCU_MLA_FP8=1 gives the MLA call an fp8 cache.
+(JSON) sets CONFIG entries first; DECODE_NCU_MLA_FP8=1 gives the MLA call an fp8 cache,
+DECODE_NCU_MLA_HEADS its head count (128; 16: the narrow kernel, `parallel.cp.gluon_mla_narrow`).
 """
 
 from __future__ import annotations
@@ -47,7 +48,8 @@ def main(gluon_gqa: bool) -> None:
         dims, mla_context = MLADims(), 8192
         mla_dtype = torch.float8_e4m3fn if os.environ.get("DECODE_NCU_MLA_FP8") else torch.bfloat16
         latent, table = _mla_decode_setup(batch, mla_context, dims, page, n, dev, mla_dtype)
-        q_mla = torch.randn(batch, 128, dims.latent_dim, device=dev, dtype=torch.bfloat16)
+        mla_heads = int(os.environ.get("DECODE_NCU_MLA_HEADS", "128"))
+        q_mla = torch.randn(batch, mla_heads, dims.latent_dim, device=dev, dtype=torch.bfloat16)
         seq_mla = torch.full((batch,), mla_context, device=dev)
         calls.append(lambda: paged_decode_attention(q_mla, latent.paged, table, seq_mla, layout=layout,
                                                     scale=dims.scale, backend="triton", max_seq_len=mla_context))
@@ -61,7 +63,7 @@ def main(gluon_gqa: bool) -> None:
     torch.cuda.synchronize()
     torch.cuda.profiler.stop()
     print("profiled: GQA decode over bf16, over fp8" + (" (Gluon kernel)" if gluon_gqa
-                                                          else ", MLA 128 heads over bf16"))
+                                                          else ", MLA over " + str(mla_dtype)))
 
 
 if __name__ == "__main__":

@@ -101,15 +101,14 @@ if HAS_GLUON:
                   lse_ptr, s, split, split_len, dcp_size, dcp_rank, interleave, table_w, num_blocks, st_s, qk_scale,
                   so_p, so_s, so_h, sl_p, sl_s, HQ, PAGE: gl.constexpr, RING: gl.constexpr, NQ: gl.constexpr,
                   FP8: gl.constexpr, kr_smem=None, raw_ready=None, raw_free=None, RAW: gl.constexpr = 0,
-                  ROPE_RAW: gl.constexpr = False, PART: gl.constexpr = 0, PARTS: gl.constexpr = 1):
+                  ROPE_RAW: gl.constexpr = False):
         """S^T = K Q^T over the nine boxes, the online softmax down each head's column, O^T += V^T P^T.
         FP8: the scores take the keys' scales and the heads' powers of two (qf_smem), the weights p *
         scale go to fp16 over a running per-head unit r (`_softmax_step`). ROPE_RAW: the fp16 stages
         hold the latent's eight boxes only; the rope box's scores come from the raw fp8 box, converted
         in registers as the A operand (the raw stage is free once both this and the converter are done).
-        PARTS 2: two consumers take alternate tiles (PART 0 the even ones), so that one's softmax runs
-        beside the other's MMAs; each writes its own partial (out, lse) as split `split * 2 + PART`, and
-        the split merge combines them."""
+        (Two consumers on alternate tiles, each writing its own partial for the split merge, ran 1.5-2.2x
+        slower: their registers spilled 880 B; decode-narrow3-h200.json.)"""
         mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, NQ, 16])
         key_l: gl.constexpr = gl.SliceLayout(1, mma)
         q_l: gl.constexpr = gl.SliceLayout(0, mma)
@@ -132,8 +131,7 @@ if HAS_GLUON:
         mbarrier.wait(q_bar, 0)
         if FP8:
             qk_q = qf_smem.load(q_l) * qk_scale
-        p_mine = p_smem.index(PART)
-        for t in range(PART, tiles, PARTS):
+        for t in range(tiles):
             stage = t % RING
             j0 = start + t * BLOCK
             if ROPE_RAW:
@@ -157,19 +155,18 @@ if HAS_GLUON:
             else:
                 sc = gl.where(live, sc * qk_scale, float("-inf"))
             p, alpha, m_i, l_i, r_i = _softmax_step(sc, m_i, l_i, r_i, ks if FP8 else m_i, 0, FP8)
-            if t > PART:    # (this consumer's previous V^T P^T read p_mine: done, its wait returned)
+            if t > 0:       # (the previous tile's V^T P^T read p_smem: done, its wait returned)
                 gl.thread_barrier()
-            p_mine.store(gl.permute(p.to(p_mine.dtype), [1, 0]))
+            p_smem.store(gl.permute(p.to(p_smem.dtype), [1, 0]))
             fence_async_shared()
             gl.thread_barrier()
-            o0, o1, o2, o3, o4, o5, o6, o7 = _pv_t(o0, o1, o2, o3, o4, o5, o6, o7, alpha, p_mine, k_smem,
+            o0, o1, o2, o3, o4, o5, o6, o7 = _pv_t(o0, o1, o2, o3, o4, o5, o6, o7, alpha, p_smem, k_smem,
                                                    stage * BOXES)
             mbarrier.arrive(free.index(stage))
         factor, lse = _finish(m_i, l_i, r_i, bad | _bad_ids(table_ptr, s, st_s, start, end, num_blocks, PAGE, key_l),
                               FP8)
         heads = gl.arange(0, NQ, layout=q_l)
         mine = heads < HQ
-        split = split * PARTS + PART
         gl.store(lse_ptr + split.to(gl.int64) * sl_p + s.to(gl.int64) * sl_s + heads, lse, mask=mine)
         o_q = split.to(gl.int64) * so_p + s.to(gl.int64) * so_s + heads.to(gl.int64) * so_h
         _store_t(o_ptr, o0, 0, factor, o_q, mine, keys)
@@ -193,7 +190,7 @@ if HAS_GLUON:
         qbox: gl.constexpr = gl.NVMMASharedLayout.get_default_for([NQ, BLOCK], gl.bfloat16)
         q_smem = gl.allocate_shared_memory(gl.bfloat16, [CHUNKS, NQ, BLOCK], qbox)
         k_smem = gl.allocate_shared_memory(gl.bfloat16, [STAGES * CHUNKS, BLOCK, BLOCK], box)
-        p_smem = gl.allocate_shared_memory(gl.bfloat16, [1, NQ, BLOCK], qbox)
+        p_smem = gl.allocate_shared_memory(gl.bfloat16, [NQ, BLOCK], qbox)
         q_bar, ready, free, p_ready, p_free = _barriers(STAGES, 1)
         gl.warp_specialize([
             (_consumer, (q_smem, k_smem, p_smem, None, None, q_bar, ready, free, table_ptr, glens_ptr, o_ptr, lse_ptr,
@@ -208,8 +205,7 @@ if HAS_GLUON:
     def _mla_narrow_fp8_kernel(q_ptr, k_desc, ks_desc, k_ptr, ks_ptr, table_ptr, glens_ptr, o_ptr, lse_ptr, qk_scale,
                                split_len, HQ, dcp_size, dcp_rank, interleave, table_w, num_blocks, st_s, sk_b, sk_t,
                                ss_b, ss_t, so_p, so_s, so_h, sl_p, sl_s, PAGE: gl.constexpr, NQ: gl.constexpr,
-                               RAW: gl.constexpr, RING: gl.constexpr, ROPE_RAW: gl.constexpr = False,
-                               PARTS: gl.constexpr = 1):
+                               RAW: gl.constexpr, RING: gl.constexpr, ROPE_RAW: gl.constexpr = False):
         """fp8 latent cache: a raw TMA ring of RAW 64-key tiles, the converter into RING fp16 stages (of
         the latent's eight boxes only with ROPE_RAW: the consumer takes the rope box from the raw ring)."""
         BOXES: gl.constexpr = CHUNKS - 1 if ROPE_RAW else CHUNKS
@@ -222,7 +218,7 @@ if HAS_GLUON:
         vec: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[0])
         q_smem = gl.allocate_shared_memory(gl.float16, [CHUNKS, NQ, BLOCK], qbox)
         k_smem = gl.allocate_shared_memory(gl.float16, [RING * BOXES, BLOCK, BLOCK], box)
-        p_smem = gl.allocate_shared_memory(gl.float16, [PARTS, NQ, BLOCK], qbox)
+        p_smem = gl.allocate_shared_memory(gl.float16, [NQ, BLOCK], qbox)
         qf_smem = gl.allocate_shared_memory(gl.float32, [NQ], vec)
         ks_smem = gl.allocate_shared_memory(gl.float32, [RING, BLOCK], vec)
         kr_smem = gl.allocate_shared_memory(gl.float8e4nv, [RAW * CHUNKS, BLOCK, BLOCK], raw_box)
@@ -234,51 +230,27 @@ if HAS_GLUON:
             mbarrier.init(raw_ready.index(i), count=1)
             mbarrier.init(raw_free.index(i), count=2 if ROPE_RAW else 1)
         fence_async_shared()
-        if PARTS == 2:      # (the partitions' arguments written out: constexprs kept in a tuple variable
-            # reach the partition as tensors)
-            gl.warp_specialize([
-                (_consumer, (q_smem, k_smem, p_smem, qf_smem, ks_smem, q_bar, ready, free, table_ptr, glens_ptr,
-                             o_ptr, lse_ptr, s, split, split_len, dcp_size, dcp_rank, interleave, table_w,
-                             num_blocks, st_s, qk_scale, so_p, so_s, so_h, sl_p, sl_s, HQ, PAGE, RING, NQ, True,
-                             kr_smem, raw_ready, raw_free, RAW, ROPE_RAW, 0, 2)),
-                (_consumer, (q_smem, k_smem, p_smem, qf_smem, ks_smem, q_bar, ready, free, table_ptr, glens_ptr,
-                             o_ptr, lse_ptr, s, split, split_len, dcp_size, dcp_rank, interleave, table_w,
-                             num_blocks, st_s, qk_scale, so_p, so_s, so_h, sl_p, sl_s, HQ, PAGE, RING, NQ, True,
-                             kr_smem, raw_ready, raw_free, RAW, ROPE_RAW, 1, 2)),
-                (_converter, (q_ptr, k_ptr, ks_ptr, table_ptr, glens_ptr, q_smem, qf_smem, k_smem, ks_smem, q_bar,
-                              ready, free, s, s * HQ, split, split_len, dcp_size, dcp_rank, interleave, table_w,
-                              num_blocks, st_s, sk_b, sk_t, ss_b, ss_t, HQ, PAGE, kr_smem, ksr_smem, raw_ready,
-                              raw_free, RAW, RING, BLOCK, NQ, BOXES)),
-                (_raw_loader, (k_desc, ks_desc, table_ptr, glens_ptr, kr_smem, ksr_smem, raw_ready, raw_free, s,
-                               split, split_len, dcp_size, dcp_rank, interleave, table_w, num_blocks, st_s, PAGE,
-                               RAW, BLOCK)),
-            ], [4, 4, 1], [168, 64, 24])
-        else:
-            gl.warp_specialize([
-                (_consumer, (q_smem, k_smem, p_smem, qf_smem, ks_smem, q_bar, ready, free, table_ptr, glens_ptr,
-                             o_ptr, lse_ptr, s, split, split_len, dcp_size, dcp_rank, interleave, table_w,
-                             num_blocks, st_s, qk_scale, so_p, so_s, so_h, sl_p, sl_s, HQ, PAGE, RING, NQ, True,
-                             kr_smem, raw_ready, raw_free, RAW, ROPE_RAW)),
-                (_converter, (q_ptr, k_ptr, ks_ptr, table_ptr, glens_ptr, q_smem, qf_smem, k_smem, ks_smem, q_bar,
-                              ready, free, s, s * HQ, split, split_len, dcp_size, dcp_rank, interleave, table_w,
-                              num_blocks, st_s, sk_b, sk_t, ss_b, ss_t, HQ, PAGE, kr_smem, ksr_smem, raw_ready,
-                              raw_free, RAW, RING, BLOCK, NQ, BOXES)),
-                (_raw_loader, (k_desc, ks_desc, table_ptr, glens_ptr, kr_smem, ksr_smem, raw_ready, raw_free, s,
-                               split, split_len, dcp_size, dcp_rank, interleave, table_w, num_blocks, st_s, PAGE,
-                               RAW, BLOCK)),
-            ], [4, 1], [96, 24])
+        gl.warp_specialize([
+            (_consumer, (q_smem, k_smem, p_smem, qf_smem, ks_smem, q_bar, ready, free, table_ptr, glens_ptr,
+                         o_ptr, lse_ptr, s, split, split_len, dcp_size, dcp_rank, interleave, table_w,
+                         num_blocks, st_s, qk_scale, so_p, so_s, so_h, sl_p, sl_s, HQ, PAGE, RING, NQ, True,
+                         kr_smem, raw_ready, raw_free, RAW, ROPE_RAW)),
+            (_converter, (q_ptr, k_ptr, ks_ptr, table_ptr, glens_ptr, q_smem, qf_smem, k_smem, ks_smem, q_bar,
+                          ready, free, s, s * HQ, split, split_len, dcp_size, dcp_rank, interleave, table_w,
+                          num_blocks, st_s, sk_b, sk_t, ss_b, ss_t, HQ, PAGE, kr_smem, ksr_smem, raw_ready,
+                          raw_free, RAW, RING, BLOCK, NQ, BOXES)),
+            (_raw_loader, (k_desc, ks_desc, table_ptr, glens_ptr, kr_smem, ksr_smem, raw_ready, raw_free, s,
+                           split, split_len, dcp_size, dcp_rank, interleave, table_w, num_blocks, st_s, PAGE,
+                           RAW, BLOCK)),
+        ], [4, 1], [96, 24])
 
 
 def launch(q: Tensor, k: Tensor, table: Tensor, seq_lens: Tensor, o: Tensor, lse: Tensor, scale_log2: float,
            splits: int, split_len: int, dcp_size: int, dcp_rank: int, interleave: int,
-           k_scale: Tensor | None = None, ring: int = 2, raw: int = 1, rope_raw: bool = False, parts: int = 1) -> None:
+           k_scale: Tensor | None = None, ring: int = 2, raw: int = 1, rope_raw: bool = False) -> None:
     """Fill the split partials o [splits, S, 1, Hq, 512] / lse [splits, S, 1, Hq] (`gluon_mla.gluon_mla_ok`
     and `narrow_ok` hold); over fp8 `ring` fp16 and `raw` raw stages of 64 keys (`fp8_fits`), the
-    rope box's scores from the raw stage with `rope_raw` (the fp16 stages then hold 512 dims), and
-    `parts` 2: two consumers on alternate tiles, each its own partial (o and lse then hold 2 x splits
-    partials: split i's at 2i and 2i + 1)."""
-    if parts not in (1, 2) or (parts == 2 and k.dtype != torch.float8_e4m3fn):
-        raise ValueError(f"the narrow MLA kernel takes parts 1, or 2 over an fp8 cache (got {parts}, {k.dtype})")
+    rope box's scores from the raw stage with `rope_raw` (the fp16 stages then hold 512 dims)."""
     s, _, hq, d = q.shape
     nb, page = k.shape[0], k.shape[1]
     nq = columns(hq)
@@ -287,8 +259,6 @@ def launch(q: Tensor, k: Tensor, table: Tensor, seq_lens: Tensor, o: Tensor, lse
         raise ValueError(f"the narrow fp8 MLA kernel with {hq} heads, {ring} fp16 and {raw} raw stages of "
                          f"{_BLOCK} keys (rope from the raw stage: {bool(rope_raw)}) does not fit in shared "
                          f"memory ({SMEM_LIMIT} bytes)")
-    if o.shape[0] != splits * parts:
-        raise ValueError(f"o holds {o.shape[0]} partials; {splits} splits x {parts} parts need {splits * parts}")
     tail = (o.stride(0), o.stride(1), o.stride(3), lse.stride(0), lse.stride(1))
     if fp8:
         raw_box = gl.NVMMASharedLayout.get_default_for([_BLOCK, _BLOCK], gl.float8e4nv)
@@ -300,7 +270,7 @@ def launch(q: Tensor, k: Tensor, table: Tensor, seq_lens: Tensor, o: Tensor, lse
             q, k_desc, ks_desc, k, k_scale, table, seq_lens, o, lse, scale_log2, split_len, hq, dcp_size, dcp_rank,
             interleave, table.shape[1], nb, table.stride(0), k.stride(0), k.stride(1), k_scale.stride(0),
             k_scale.stride(1), *tail, PAGE=page, NQ=nq, RAW=raw, RING=ring, ROPE_RAW=bool(rope_raw),
-            PARTS=parts, num_warps=4)
+            num_warps=4)
         return
     box = gl.NVMMASharedLayout.get_default_for([_BLOCK, _BLOCK], gl.bfloat16)
     qbox = gl.NVMMASharedLayout.get_default_for([nq, _BLOCK], gl.bfloat16)

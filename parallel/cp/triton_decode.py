@@ -625,13 +625,12 @@ CONFIG = {
     # of 8K / 32K / 128K, 16 heads): fp8 padded 35.4 / 107.2 / 389.8 µs -> swapped (2 fp16 stages, 1
     # raw) 26.5 / 83.9 / 303.8 (1 and 3: 30.7 / 90.4 / 317.5); bf16 29.7 / 83.0 / 317 -> 28.7 / 79.0 /
     # 273.7. At 32K: 32 heads fp8 109.4 -> 100.4, 8 heads 107.9 -> 76.8. Both on. The rope box from
-    # the raw stage with two raw stages (decode-narrow2-h200.json): 16 heads fp8 26.8 / 84.1 / 304.4
-    # -> 25.1 / 75.3 / 266.2 µs: on (32 heads keep one raw stage: `gluon_mla_narrow.fp8_form`)
+    # the raw stage with two raw stages (decode-narrow2-h200.log): 16 heads fp8 26.8 / 84.1 / 304.4
+    # -> 25.1 / 75.3 / 266.2 µs: on (32 heads keep one raw stage: `gluon_mla_narrow.fp8_form`). Two
+    # consumer warpgroups on alternate tiles (each its own partial for the split merge; commit
+    # b8c79fa) ran 42.9 / 118 / 403 µs: their registers spilled (decode-narrow3-h200.json); removed
     "swap_wide_narrow": 1, "swap_wide_narrow_fp8": 1, "ring_wide_narrow_fp8": 2, "raw_ring_wide_narrow_fp8": 2,
     "rope_raw_wide_narrow_fp8": 1,
-    # over fp8: 2 consumer warpgroups on alternate tiles, each its own partial for the split merge
-    # (one's softmax beside the other's MMAs); 1 one consumer
-    "parts_wide_narrow_fp8": 1,
     # over fp8: a TMA ring of this many raw fp8 tiles in front of the Gluon kernel's converter (0:
     # the converter loads 64-key tiles itself into two fp16 stages; Nsight Compute had put the
     # kernel's bound in those loads, docs/gpu.md section 18). With 64-key tiles and one fp16 stage:
@@ -898,7 +897,6 @@ _VALID = {
     "gluon_gqa": (0, 1), "gluon_gqa_fp8": (0, 1), "stages": range(2, 7), "raw_stages": range(2, 11),
     "swap": (0, 1), "raw_ring": (0, 1, 2, 3, 4), "keys": (32, 64), "ring": (1, 2, 3),
     "maxnreg": (0, *range(64, 256, 8)), "at_most": (0, 1), "stage16": (0, 1, 2), "even": (0, 1), "rope_raw": (0, 1),
-    "parts": (1, 2),
 }
 _META = ("device", "sizes", "seconds", "results", "notes", "problems")
 
@@ -1089,9 +1087,8 @@ def paged_decode_triton(q: Tensor, k: Tensor, v: Tensor, k_scale: Tensor | None,
                                     cfg["target_programs"])
     swapped = (gluon and _narrow(tq * g) and CONFIG["swap_wide_narrow_fp8" if fp8 else "swap_wide_narrow"]
                and gluon_mla_narrow.narrow_ok(hq, k, k_scale))
-    parts = CONFIG["parts_wide_narrow_fp8"] if swapped and fp8 else 1      # (partials a split writes)
-    o = torch.empty(splits * parts, s, tq, hq, dv, dtype=torch.float32, device=q.device)
-    lse = torch.empty(splits * parts, s, tq, hq, dtype=torch.float32, device=q.device)
+    o = torch.empty(splits, s, tq, hq, dv, dtype=torch.float32, device=q.device)
+    lse = torch.empty(splits, s, tq, hq, dtype=torch.float32, device=q.device)
     ks = k_scale if fp8 else _no_scale(q)
     vs = v_scale if fp8 else ks
     ks_st = ks.stride() if fp8 else (0, 0, 0)
@@ -1101,7 +1098,7 @@ def paged_decode_triton(q: Tensor, k: Tensor, v: Tensor, k_scale: Tensor | None,
         ring, raw, rope = gluon_mla_narrow.fp8_form(hq, *(CONFIG[f"{n}_wide_narrow_fp8"]
                                                           for n in ("ring", "raw_ring", "rope_raw")))
         gluon_mla_narrow.launch(q, k, table, seq_lens, o, lse, scale * _LOG2E, splits, split_len, dcp_size, dcp_rank,
-                                interleave, k_scale if fp8 else None, ring=ring, raw=raw, rope_raw=rope, parts=parts)
+                                interleave, k_scale if fp8 else None, ring=ring, raw=raw, rope_raw=rope)
     elif s > 0 and splits > 0 and gluon:
         gluon_mla.launch_gluon_mla(q, k, table, seq_lens, o, lse, scale * _LOG2E, splits, split_len, dcp_size,
                                    dcp_rank, interleave, k_scale if fp8 else None, raw_ring=CONFIG["raw_ring_wide_fp8"],
@@ -1129,10 +1126,9 @@ def paged_decode_triton(q: Tensor, k: Tensor, v: Tensor, k_scale: Tensor | None,
             TABLE_W=table.shape[1], **({"DCP_N": dcp_size, "DCP_I": interleave} if CONFIG["dcp_constexpr"] else {}),
             num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
             **({"maxnreg": cfg["maxnreg"]} if cfg["maxnreg"] else {}), **({"launch_pdl": True} if pdl else {}))
-    if splits * parts == 1:
+    if splits == 1:
         return AttnState(o[0], lse[0])
-    merged = merge_states_triton(o.view(splits * parts, s * tq, hq, dv), lse.view(splits * parts, s * tq, hq),
-                                 pdl=pdl)
+    merged = merge_states_triton(o.view(splits, s * tq, hq, dv), lse.view(splits, s * tq, hq), pdl=pdl)
     return AttnState(merged.out.view(s, tq, hq, dv), merged.lse.view(s, tq, hq))
 
 
