@@ -99,16 +99,21 @@ if HAS_GLUON:
         return gl.max(bad, 0) > 0
 
     @gluon.jit
-    def _softmax_step(sc, m_i, l_i, r_i, w, AXIS: gl.constexpr, FP8: gl.constexpr):
+    def _softmax_step(sc, m_i, l_i, r_i, w, AXIS: gl.constexpr, FP8: gl.constexpr, DEFER: gl.constexpr = False):
         """One online-softmax step over masked base-2 scores sc, the queries along 1 - AXIS and the keys
         along AXIS: (weights p, the accumulator's rescale alpha, new m, l, r). FP8: the weights times
         the keys' value scales w, over a running per-query unit r (the largest weight so far: fp16
-        holds them), alpha then carries the unit's change too."""
+        holds them), alpha then carries the unit's change too. DEFER: l_i is sc's shape, the sums of
+        each key position's weights, reduced over the keys once at the end (no cross-warp sum a
+        step where the keys span the warpgroup's warps)."""
         m_new = gl.maximum(m_i, gl.max(sc, AXIS))
         m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
         p = gl.exp2(sc - gl.expand_dims(m_safe, AXIS))
         alpha = gl.exp2(m_i - m_safe)
-        l_i = l_i * alpha + gl.sum(p, AXIS)
+        if DEFER:
+            l_i = l_i * gl.expand_dims(alpha, AXIS) + p
+        else:
+            l_i = l_i * alpha + gl.sum(p, AXIS)
         if FP8:
             p = p * gl.expand_dims(w, 1 - AXIS)
             r_new = gl.maximum(r_i * alpha, gl.max(p, AXIS))

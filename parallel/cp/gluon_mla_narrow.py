@@ -115,7 +115,7 @@ if HAS_GLUON:
         start, end, tiles, bad = _split_range(glens_ptr, s, split, split_len, dcp_size, dcp_rank, interleave,
                                               table_w, PAGE)
         m_i = gl.full([NQ], float("-inf"), gl.float32, q_l)
-        l_i = gl.zeros([NQ], gl.float32, q_l)
+        l_i = gl.zeros([BLOCK, NQ], gl.float32, mma)     # (per key position: summed over the keys at the end)
         r_i = gl.zeros([NQ], gl.float32, q_l)
         o0 = gl.zeros([BLOCK, NQ], gl.float32, mma)
         o1 = gl.zeros([BLOCK, NQ], gl.float32, mma)
@@ -154,7 +154,7 @@ if HAS_GLUON:
                 sc = gl.where(live, sc * ks[:, None] * qk_q[None, :], float("-inf"))
             else:
                 sc = gl.where(live, sc * qk_scale, float("-inf"))
-            p, alpha, m_i, l_i, r_i = _softmax_step(sc, m_i, l_i, r_i, ks if FP8 else m_i, 0, FP8)
+            p, alpha, m_i, l_i, r_i = _softmax_step(sc, m_i, l_i, r_i, ks if FP8 else m_i, 0, FP8, True)
             if t > 0:       # (the previous tile's V^T P^T read p_smem: done, its wait returned)
                 gl.thread_barrier()
             p_smem.store(gl.permute(p.to(p_smem.dtype), [1, 0]))
@@ -163,7 +163,7 @@ if HAS_GLUON:
             o0, o1, o2, o3, o4, o5, o6, o7 = _pv_t(o0, o1, o2, o3, o4, o5, o6, o7, alpha, p_smem, k_smem,
                                                    stage * BOXES)
             mbarrier.arrive(free.index(stage))
-        factor, lse = _finish(m_i, l_i, r_i, bad | _bad_ids(table_ptr, s, st_s, start, end, num_blocks, PAGE, key_l),
+        factor, lse = _finish(m_i, gl.sum(l_i, 0), r_i, bad | _bad_ids(table_ptr, s, st_s, start, end, num_blocks, PAGE, key_l),
                               FP8)
         heads = gl.arange(0, NQ, layout=q_l)
         mine = heads < HQ
