@@ -609,6 +609,7 @@ def test_gluon_mla_kernel_on_gpu(size, rank, heads, monkeypatch):
         pytest.skip("the Gluon MLA kernel needs an sm_90 GPU and a Triton with Gluon")
     monkeypatch.setitem(td.CONFIG, "min_split_wide", 256)      # several splits at these lengths
     monkeypatch.setitem(td.CONFIG, "gluon_wide_narrow", 1)
+    monkeypatch.setitem(td.CONFIG, "swap_wide_narrow", 0)      # (the padded tile: the swapped kernel's own test)
     lens = [3000, 0, 77, 1, 640, 4096, 129]
     gen = torch.Generator().manual_seed(21 + rank)
     layout = DCPLayout(size=size, rank=rank, block_size=64)
@@ -654,6 +655,7 @@ def test_gluon_mla_kernel_over_fp8_on_gpu(heads, monkeypatch):
     monkeypatch.setitem(td.CONFIG, "min_split_wide_fp8", 256)
     monkeypatch.setitem(td.CONFIG, "min_split_wide_narrow", 256)
     monkeypatch.setitem(td.CONFIG, "gluon_wide_narrow_fp8", 1)
+    monkeypatch.setitem(td.CONFIG, "swap_wide_narrow_fp8", 0)  # (the padded tile: the swapped kernel's own test)
     lens = [3000, 0, 77, 1, 640]
     cache, table = _mla_cache(lens, 64, torch.float8_e4m3fn, seed=19, device="cuda")
     q = torch.randn(len(lens), 1, heads, 576, device="cuda", dtype=torch.bfloat16)
