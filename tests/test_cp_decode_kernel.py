@@ -750,13 +750,13 @@ def test_gluon_mla_narrow_swapped_on_gpu(dtype, size, rank, heads, monkeypatch):
     _check_against_torch(got, ref, 1)
     torch.testing.assert_close(got.out, padded.out, atol=2e-3 if fp8 else 1e-3, rtol=0)
     torch.testing.assert_close(got.lse, padded.lse, atol=1e-4, rtol=0)
-    if fp8:     # the rings' forms (the rope box in a ring of its own, converted in registers, where it
-        # fits): the same MMAs in the same order, the same result
-        installed = {k: td.CONFIG[f"{k}_wide_narrow_fp8"] for k in ("ring", "raw_ring", "rope_ring")}
-        for ring, raw, rope in ((2, 1, 0), (1, 3, 0), (2, 2, 2), (2, 2, 3), (2, 1, 1)):
-            for key, value in (("ring", ring), ("raw_ring", raw), ("rope_ring", rope)):
+    if fp8:     # the rings' forms (the rope box's scores from the raw stage, converted in registers, where
+        # it fits): the same MMAs in the same order, the same result
+        installed = {k: td.CONFIG[f"{k}_wide_narrow_fp8"] for k in ("ring", "raw_ring", "rope_raw")}
+        for ring, raw, rope in ((2, 1, 0), (1, 3, 0), (2, 2, 1), (2, 1, 1)):
+            for key, value in (("ring", ring), ("raw_ring", raw), ("rope_raw", rope)):
                 monkeypatch.setitem(td.CONFIG, f"{key}_wide_narrow_fp8", value)
-            if not gluon_mla_narrow.fp8_fits(heads, ring, raw, rope):
+            if not gluon_mla_narrow.fp8_fits(heads, ring, raw, bool(rope)):
                 continue
             other = run(cache, table)
             torch.testing.assert_close(other.out, got.out, atol=0, rtol=0)
@@ -786,20 +786,18 @@ def test_narrow_mla_fp8_rings_that_do_not_fit_are_refused():
 
     assert gn.fp8_fits(16, 2, 1) and gn.fp8_fits(32, 2, 1) and gn.fp8_fits(16, 1, 3)
     assert not gn.fp8_fits(16, 2, 2) and not gn.fp8_fits(64, 1, 1) and not gn.fp8_fits(16, 0, 3)
-    assert gn.fp8_fits(16, 2, 2, rope=3) and not gn.fp8_fits(16, 2, 2, rope=4)
-    assert not gn.fp8_fits(32, 2, 2, rope=1) and gn.fp8_fits(32, 2, 1, rope=2)
-    # the dispatcher's form per head count: raw stages cut to what fits first, then the rope ring's
-    assert gn.fp8_form(16, 2, 2, 3) == (2, 2, 3) and gn.fp8_form(16, 2, 2, 4) == (2, 1, 4)
-    assert gn.fp8_form(32, 2, 2, 3) == (2, 1, 3) and gn.fp8_form(16, 2, 2, 0) == (2, 1, 0)
-    assert gn.fp8_form(32, 3, 1, 2) == (3, 1, 0)
-    assert gn.fp8_form(8, 1, 3, 0) == (1, 3, 0)
+    assert gn.fp8_fits(16, 2, 2, rope_raw=True) and not gn.fp8_fits(32, 2, 2, rope_raw=True)
+    # the dispatcher's form per head count: rope from the raw stage where it fits, raw stages cut
+    assert gn.fp8_form(16, 2, 2, True) == (2, 2, True) and gn.fp8_form(32, 2, 2, True) == (2, 1, False)
+    assert gn.fp8_form(16, 2, 2, False) == (2, 1, False) and gn.fp8_form(8, 1, 3, False) == (1, 3, False)
     assert [gn.columns(h) for h in (1, 8, 12, 16, 17, 32)] == [8, 8, 16, 16, 32, 32]
     assert not gn.narrow_ok(64, torch.zeros(1, dtype=torch.bfloat16), None)
     assert not gn.narrow_ok(16, torch.zeros(1, dtype=torch.float8_e4m3fn), torch.ones(4, 2, 1)[:, :1])
     if gn.HAS_GLUON:
         k = torch.zeros(4, 64, 1, 576, dtype=torch.float8_e4m3fn)
         q = torch.zeros(1, 1, 16, 576, dtype=torch.bfloat16)
-        with pytest.raises(ValueError, match="16 heads, 2 fp16, 2 raw and 0 rope stages of 64 keys"):
+        with pytest.raises(ValueError, match="16 heads, 2 fp16 and 2 raw stages of 64 keys .rope from the raw "
+                                             "stage: False"):
             gn.launch(q, k, torch.zeros(1, 4, dtype=torch.int32), torch.ones(1), None, None, 0.1, 1, 256, 1, 0, 1,
                       torch.ones(4, 64, 1), ring=2, raw=2)
 

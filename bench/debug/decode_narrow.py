@@ -26,11 +26,9 @@ from megapar.parallel.cp.paged import paged_decode_attention
 # lost: decode-narrow-h200.json, decode-narrow2-h200.log; two consumer warpgroups: decode-narrow3)
 FORMS = {
     "fp8": (("triton", {"gluon_wide_narrow_fp8": 0}), ("padded", {"swap_wide_narrow_fp8": 0}),
-            ("swap r2raw1", {"rope_ring_wide_narrow_fp8": 0, "ring_wide_narrow_fp8": 2, "raw_ring_wide_narrow_fp8": 1}),
-            ("swap r2raw2 rope2", {"rope_ring_wide_narrow_fp8": 2, "ring_wide_narrow_fp8": 2,
-                                   "raw_ring_wide_narrow_fp8": 2}),
-            ("swap r2raw2 rope3", {"rope_ring_wide_narrow_fp8": 3, "ring_wide_narrow_fp8": 2,
-                                   "raw_ring_wide_narrow_fp8": 2})),
+            ("swap r2raw1", {"rope_raw_wide_narrow_fp8": 0, "ring_wide_narrow_fp8": 2, "raw_ring_wide_narrow_fp8": 1}),
+            ("swap r2raw2 rope", {"rope_raw_wide_narrow_fp8": 1, "ring_wide_narrow_fp8": 2,
+                                  "raw_ring_wide_narrow_fp8": 2})),
     "bf16": (("triton", {"gluon_wide_narrow": 0}), ("padded", {"swap_wide_narrow": 0}), ("swap", {})),
 }
 PROBLEMS = ((torch.float8_e4m3fn, 8192, 16), (torch.float8_e4m3fn, 32768, 16), (torch.float8_e4m3fn, 131072, 16),

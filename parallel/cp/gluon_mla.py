@@ -403,9 +403,10 @@ if HAS_GLUON:
     @gluon.jit
     def _convert_raw(kr_smem, ksr_smem, k_smem, ks_smem, raw_ready, raw_free, ready, free, start, end, tiles,
                      RAW: gl.constexpr, RING: gl.constexpr, KEYS: gl.constexpr, BOXES: gl.constexpr = CHUNKS):
-        """Each raw fp8 tile (BOXES KEYS x 64 boxes and its KEYS scales, by TMA) to fp16 in the ring's
-        stage: all nine, or the latent's eight where the rope box has a ring of its own that the
-        consumer reads; rows past the split's end as zeros (the last tile only) and their scales 0."""
+        """Each raw fp8 tile (nine KEYS x 64 boxes and its KEYS scales, by TMA) to fp16 in the ring's
+        stage: its first BOXES boxes (all nine, or the eight of the latent where the consumer reads
+        the rope box from the raw ring itself); rows past the split's end as zeros (the last tile
+        only) and their scales 0."""
         blocked: gl.constexpr = gl.BlockedLayout([1, 16], [8, 4], [4, 1], [1, 0])
         rows = gl.arange(0, KEYS, layout=gl.SliceLayout(1, blocked))
         vec: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
@@ -420,14 +421,14 @@ if HAS_GLUON:
                 mbarrier.wait(free.index(stage), ((t // RING) - 1) & 1)
             if valid < KEYS:    # the split's last tile ends inside it
                 for c in gl.static_range(BOXES):
-                    kx = kr_smem.index(rs * BOXES + c).load(blocked).to(gl.float16)
+                    kx = kr_smem.index(rs * CHUNKS + c).load(blocked).to(gl.float16)
                     k_smem.index(stage * BOXES + c).store(gl.where((rows < valid)[:, None], kx, 0.0))
             else:               # (a branch of its own: no selects; GROUP boxes' loads issued together)
                 for g in gl.static_range(BOXES // GROUP):
-                    k0 = kr_smem.index(rs * BOXES + GROUP * g).load(blocked)
-                    k1 = kr_smem.index(rs * BOXES + GROUP * g + 1).load(blocked)
+                    k0 = kr_smem.index(rs * CHUNKS + GROUP * g).load(blocked)
+                    k1 = kr_smem.index(rs * CHUNKS + GROUP * g + 1).load(blocked)
                     if GROUP == 3:
-                        k2 = kr_smem.index(rs * BOXES + GROUP * g + 2).load(blocked)
+                        k2 = kr_smem.index(rs * CHUNKS + GROUP * g + 2).load(blocked)
                     k_smem.index(stage * BOXES + GROUP * g).store(k0.to(gl.float16))
                     k_smem.index(stage * BOXES + GROUP * g + 1).store(k1.to(gl.float16))
                     if GROUP == 3:

@@ -35,9 +35,7 @@ if HAS_GLUON:
                                                                   warpgroup_mma_wait)
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-    from triton.experimental.gluon.language.nvidia.hopper import tma
-
-    from .gluon_mla import (BLOCK, CHUNKS, STAGES, _bad_ids, _barriers, _block_of, _converter, _finish, _loader,
+    from .gluon_mla import (BLOCK, CHUNKS, STAGES, _bad_ids, _barriers, _converter, _finish, _loader, _raw_loader,
                             _softmax_step, _split_range)
 
 MAX_HEADS = 32      # the widest narrow tile: NQ = 32 columns (eight 64 x 32 fp32 accumulators)
@@ -48,15 +46,15 @@ def columns(heads: int) -> int:
     return max(8, 1 << (heads - 1).bit_length())
 
 
-def fp8_fits(heads: int, ring: int, raw: int, rope: int = 0) -> bool:
-    """The fp8 kernel's shared memory: queries (fp16, NQ x 576), `ring` fp16 and `raw` fp8 stages of
-    64 keys x 576 dims (x 512 with a rope ring: `rope` fp8 stages of 64 x 64 then hold the rope
-    box), the weights (NQ x 64 fp16), scales and barriers, plus 1 KB of the compiler's scratch."""
+def fp8_fits(heads: int, ring: int, raw: int, rope_raw: bool = False) -> bool:
+    """The fp8 kernel's shared memory: queries (fp16, NQ x 576), `ring` fp16 stages of 64 x 576 (64 x
+    512 with rope_raw) and `raw` fp8 stages of 64 x 576, the weights (NQ x 64 fp16), scales and
+    barriers, plus 2 KB of the compiler's scratch."""
     nq, width = columns(heads), _CHUNKS * _BLOCK
-    dims = width - _BLOCK if rope else width
-    need = (nq * width * 2 + ring * dims * _BLOCK * 2 + raw * dims * _BLOCK + rope * _BLOCK * _BLOCK
-            + nq * _BLOCK * 2 + 4 * (nq + (ring + raw) * _BLOCK) + 8 * (3 + 2 * (ring + raw + rope)) + 1024)
-    return heads <= MAX_HEADS and ring >= 1 and raw >= 1 and rope >= 0 and need <= SMEM_LIMIT
+    stage = (width - _BLOCK if rope_raw else width) * _BLOCK * 2
+    need = (nq * width * 2 + ring * stage + raw * _BLOCK * width + nq * _BLOCK * 2
+            + 4 * (nq + (ring + raw) * _BLOCK) + 8 * (3 + 2 * ring + 2 * raw) + 2048)
+    return heads <= MAX_HEADS and ring >= 1 and raw >= 1 and need <= SMEM_LIMIT
 
 
 def narrow_ok(hq: int, k: Tensor, k_scale: Tensor | None) -> bool:
@@ -67,15 +65,14 @@ def narrow_ok(hq: int, k: Tensor, k_scale: Tensor | None) -> bool:
     return k.dtype != torch.float8_e4m3fn or (k_scale is not None and k_scale.is_contiguous())
 
 
-def fp8_form(heads: int, ring: int, raw: int, rope: int) -> tuple[int, int, int]:
-    """The configured fp8 ring form cut to what shared memory holds at this head count: raw stages
-    down to one first, then the rope ring's stages down to none (`launch` refuses what still does
-    not fit)."""
-    while raw > 1 and not fp8_fits(heads, ring, raw, rope):
+def fp8_form(heads: int, ring: int, raw: int, rope_raw: bool) -> tuple[int, int, bool]:
+    """The configured fp8 ring form cut to what shared memory holds at this head count: the rope box
+    from the raw stage only where that fits, then raw stages down to one (`launch` refuses what
+    still does not fit)."""
+    rope_raw = bool(rope_raw) and fp8_fits(heads, ring, raw, True)
+    while raw > 1 and not fp8_fits(heads, ring, raw, rope_raw):
         raw -= 1
-    while rope > 0 and not fp8_fits(heads, ring, raw, rope):
-        rope -= 1
-    return ring, raw, rope
+    return ring, raw, rope_raw
 
 
 if HAS_GLUON:
@@ -103,12 +100,13 @@ if HAS_GLUON:
     def _consumer(q_smem, k_smem, p_smem, qf_smem, ks_smem, q_bar, ready, free, table_ptr, glens_ptr, o_ptr,
                   lse_ptr, s, split, split_len, dcp_size, dcp_rank, interleave, table_w, num_blocks, st_s, qk_scale,
                   so_p, so_s, so_h, sl_p, sl_s, HQ, PAGE: gl.constexpr, RING: gl.constexpr, NQ: gl.constexpr,
-                  FP8: gl.constexpr, rr_smem=None, rope_ready=None, rope_free=None, ROPE: gl.constexpr = 0):
+                  FP8: gl.constexpr, kr_smem=None, raw_ready=None, raw_free=None, RAW: gl.constexpr = 0,
+                  ROPE_RAW: gl.constexpr = False):
         """S^T = K Q^T over the nine boxes, the online softmax down each head's column, O^T += V^T P^T.
         FP8: the scores take the keys' scales and the heads' powers of two (qf_smem), the weights p *
-        scale go to fp16 over a running per-head unit r (`_softmax_step`). ROPE > 0: the fp16 stages
-        hold the latent's eight boxes only; the rope box's scores come from its fp8 box in a ring of
-        its own (ROPE stages the loader fills), converted in registers as the A operand.
+        scale go to fp16 over a running per-head unit r (`_softmax_step`). ROPE_RAW: the fp16 stages
+        hold the latent's eight boxes only; the rope box's scores come from the raw fp8 box, converted
+        in registers as the A operand (the raw stage is free once both this and the converter are done).
         (Two consumers on alternate tiles, each writing its own partial for the split merge, ran 1.5-2.2x
         slower: their registers spilled 880 B; decode-narrow3-h200.json.)"""
         mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, NQ, 16])
@@ -128,7 +126,7 @@ if HAS_GLUON:
         o6 = gl.zeros([BLOCK, NQ], gl.float32, mma)
         o7 = gl.zeros([BLOCK, NQ], gl.float32, mma)
         keys = gl.arange(0, BLOCK, layout=key_l)
-        BOXES: gl.constexpr = CHUNKS - 1 if ROPE > 0 else CHUNKS      # (boxes of a fp16 stage)
+        BOXES: gl.constexpr = CHUNKS - 1 if ROPE_RAW else CHUNKS      # (boxes of a fp16 stage)
         a_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
         mbarrier.wait(q_bar, 0)
         if FP8:
@@ -136,20 +134,20 @@ if HAS_GLUON:
         for t in range(tiles):
             stage = t % RING
             j0 = start + t * BLOCK
-            if ROPE > 0:
-                ro = t % ROPE
-                mbarrier.wait(rope_ready.index(ro), (t // ROPE) & 1)
-                rope = rr_smem.index(ro).load(a_l).to(gl.float16)
+            if ROPE_RAW:
+                rs = t % RAW
+                mbarrier.wait(raw_ready.index(rs), (t // RAW) & 1)
+                rope = kr_smem.index(rs * CHUNKS + CHUNKS - 1).load(a_l).to(gl.float16)
             mbarrier.wait(ready.index(stage), (t // RING) & 1)
             sc = gl.zeros([BLOCK, NQ], gl.float32, mma)
             for c in gl.static_range(BOXES):
                 sc = warpgroup_mma(k_smem.index(stage * BOXES + c), q_smem.index(c).permute((1, 0)), sc,
                                    is_async=True)
-            if ROPE > 0:
+            if ROPE_RAW:
                 sc = warpgroup_mma(rope, q_smem.index(CHUNKS - 1).permute((1, 0)), sc, is_async=True)
             sc = warpgroup_mma_wait(num_outstanding=0, deps=(sc, ))
-            if ROPE > 0:
-                mbarrier.arrive(rope_free.index(ro))
+            if ROPE_RAW:
+                mbarrier.arrive(raw_free.index(rs))
             live = (j0 + keys < end)[:, None]
             if FP8:
                 ks = ks_smem.index(stage).load(key_l)
@@ -204,47 +202,13 @@ if HAS_GLUON:
         ], [4], [64])
 
     @gluon.jit
-    def _fp8_loader(k_desc, ks_desc, table_ptr, glens_ptr, kr_smem, ksr_smem, rr_smem, raw_ready, raw_free, rope_ready,
-                    rope_free, s, split, split_len, dcp_size, dcp_rank, interleave, table_w, num_blocks, st_s,
-                    PAGE: gl.constexpr, RAW: gl.constexpr, ROPE: gl.constexpr):
-        """(one warp) Each tile's latent boxes (nine, or eight where the rope box has a ring of its own:
-        ROPE > 0) and its scales by TMA into the raw ring, the rope box into the rope ring, the block
-        ids one tile ahead. The converter frees a raw stage once it has converted it, the consumer a
-        rope stage once its scores are in, so the next tiles' bytes start while the consumer works."""
-        BOXES: gl.constexpr = CHUNKS - 1 if ROPE > 0 else CHUNKS
-        start, end, tiles, bad = _split_range(glens_ptr, s, split, split_len, dcp_size, dcp_rank, interleave,
-                                              table_w, PAGE)
-        blk_next = _block_of(table_ptr, s, st_s, start, tiles > 0, num_blocks, PAGE)
-        for t in range(tiles):
-            rs = t % RAW
-            j0 = start + t * BLOCK
-            blk = blk_next
-            blk_next = _block_of(table_ptr, s, st_s, j0 + BLOCK, t + 1 < tiles, num_blocks, PAGE)
-            row = blk * PAGE + j0 % PAGE
-            if ROPE > 0:
-                ro = t % ROPE
-                if t >= ROPE:
-                    mbarrier.wait(rope_free.index(ro), ((t // ROPE) - 1) & 1)
-                mbarrier.expect(rope_ready.index(ro), k_desc.block_type.nbytes)
-                tma.async_copy_global_to_shared(k_desc, [row, (CHUNKS - 1) * BLOCK], rope_ready.index(ro),
-                                                rr_smem.index(ro))
-            if t >= RAW:
-                mbarrier.wait(raw_free.index(rs), ((t // RAW) - 1) & 1)
-            mbarrier.expect(raw_ready.index(rs), BOXES * k_desc.block_type.nbytes + ks_desc.block_type.nbytes)
-            for c in gl.static_range(BOXES):
-                tma.async_copy_global_to_shared(k_desc, [row, c * BLOCK], raw_ready.index(rs),
-                                                kr_smem.index(rs * BOXES + c))
-            tma.async_copy_global_to_shared(ks_desc, [blk, j0 % PAGE], raw_ready.index(rs), ksr_smem.index(rs))
-
-    @gluon.jit
     def _mla_narrow_fp8_kernel(q_ptr, k_desc, ks_desc, k_ptr, ks_ptr, table_ptr, glens_ptr, o_ptr, lse_ptr, qk_scale,
                                split_len, HQ, dcp_size, dcp_rank, interleave, table_w, num_blocks, st_s, sk_b, sk_t,
                                ss_b, ss_t, so_p, so_s, so_h, sl_p, sl_s, PAGE: gl.constexpr, NQ: gl.constexpr,
-                               RAW: gl.constexpr, RING: gl.constexpr, ROPE: gl.constexpr = 0):
+                               RAW: gl.constexpr, RING: gl.constexpr, ROPE_RAW: gl.constexpr = False):
         """fp8 latent cache: a raw TMA ring of RAW 64-key tiles, the converter into RING fp16 stages (of
-        the latent's eight boxes where ROPE > 0: the rope box then has a ring of ROPE fp8 stages that
-        the consumer reads)."""
-        BOXES: gl.constexpr = CHUNKS - 1 if ROPE > 0 else CHUNKS
+        the latent's eight boxes only with ROPE_RAW: the consumer takes the rope box from the raw ring)."""
+        BOXES: gl.constexpr = CHUNKS - 1 if ROPE_RAW else CHUNKS
         s = gl.program_id(0)
         split = gl.program_id(1)
         box: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK, BLOCK], gl.float16)
@@ -257,52 +221,44 @@ if HAS_GLUON:
         p_smem = gl.allocate_shared_memory(gl.float16, [NQ, BLOCK], qbox)
         qf_smem = gl.allocate_shared_memory(gl.float32, [NQ], vec)
         ks_smem = gl.allocate_shared_memory(gl.float32, [RING, BLOCK], vec)
-        kr_smem = gl.allocate_shared_memory(gl.float8e4nv, [RAW * BOXES, BLOCK, BLOCK], raw_box)
+        kr_smem = gl.allocate_shared_memory(gl.float8e4nv, [RAW * CHUNKS, BLOCK, BLOCK], raw_box)
         ksr_smem = gl.allocate_shared_memory(gl.float32, [RAW, 1, BLOCK], sc_box)
-        RR: gl.constexpr = ROPE if ROPE > 0 else 1      # (a placeholder stage and barrier without a rope ring)
-        rr_smem = gl.allocate_shared_memory(gl.float8e4nv, [RR, BLOCK, BLOCK], raw_box)
         q_bar, ready, free, p_ready, p_free = _barriers(RING, 1)
-        raw_ready = _ring(RAW)
-        raw_free = _ring(RAW)
-        rope_ready = _ring(RR)
-        rope_free = _ring(RR)
+        raw_ready = gl.allocate_shared_memory(gl.int64, [RAW, 1], mbarrier.MBarrierLayout())
+        raw_free = gl.allocate_shared_memory(gl.int64, [RAW, 1], mbarrier.MBarrierLayout())
+        for i in gl.static_range(RAW):
+            mbarrier.init(raw_ready.index(i), count=1)
+            mbarrier.init(raw_free.index(i), count=2 if ROPE_RAW else 1)
         fence_async_shared()
         gl.warp_specialize([
             (_consumer, (q_smem, k_smem, p_smem, qf_smem, ks_smem, q_bar, ready, free, table_ptr, glens_ptr,
                          o_ptr, lse_ptr, s, split, split_len, dcp_size, dcp_rank, interleave, table_w,
                          num_blocks, st_s, qk_scale, so_p, so_s, so_h, sl_p, sl_s, HQ, PAGE, RING, NQ, True,
-                         rr_smem, rope_ready, rope_free, ROPE)),
+                         kr_smem, raw_ready, raw_free, RAW, ROPE_RAW)),
             (_converter, (q_ptr, k_ptr, ks_ptr, table_ptr, glens_ptr, q_smem, qf_smem, k_smem, ks_smem, q_bar,
                           ready, free, s, s * HQ, split, split_len, dcp_size, dcp_rank, interleave, table_w,
                           num_blocks, st_s, sk_b, sk_t, ss_b, ss_t, HQ, PAGE, kr_smem, ksr_smem, raw_ready,
                           raw_free, RAW, RING, BLOCK, NQ, BOXES)),
-            (_fp8_loader, (k_desc, ks_desc, table_ptr, glens_ptr, kr_smem, ksr_smem, rr_smem, raw_ready, raw_free,
-                           rope_ready, rope_free, s, split, split_len, dcp_size, dcp_rank, interleave, table_w,
-                           num_blocks, st_s, PAGE, RAW, ROPE)),
+            (_raw_loader, (k_desc, ks_desc, table_ptr, glens_ptr, kr_smem, ksr_smem, raw_ready, raw_free, s,
+                           split, split_len, dcp_size, dcp_rank, interleave, table_w, num_blocks, st_s, PAGE,
+                           RAW, BLOCK)),
         ], [4, 1], [96, 24])
-
-    @gluon.jit
-    def _ring(n: gl.constexpr):
-        bars = gl.allocate_shared_memory(gl.int64, [n, 1], mbarrier.MBarrierLayout())
-        for i in gl.static_range(n):
-            mbarrier.init(bars.index(i), count=1)
-        return bars
 
 
 def launch(q: Tensor, k: Tensor, table: Tensor, seq_lens: Tensor, o: Tensor, lse: Tensor, scale_log2: float,
            splits: int, split_len: int, dcp_size: int, dcp_rank: int, interleave: int,
-           k_scale: Tensor | None = None, ring: int = 2, raw: int = 1, rope: int = 0) -> None:
+           k_scale: Tensor | None = None, ring: int = 2, raw: int = 1, rope_raw: bool = False) -> None:
     """Fill the split partials o [splits, S, 1, Hq, 512] / lse [splits, S, 1, Hq] (`gluon_mla.gluon_mla_ok`
     and `narrow_ok` hold); over fp8 `ring` fp16 and `raw` raw stages of 64 keys (`fp8_fits`), the
-    rope box in a ring of `rope` fp8 stages of its own where > 0 (the fp16 and raw stages then hold
-    512 dims)."""
+    rope box's scores from the raw stage with `rope_raw` (the fp16 stages then hold 512 dims)."""
     s, _, hq, d = q.shape
     nb, page = k.shape[0], k.shape[1]
     nq = columns(hq)
     fp8 = k.dtype == torch.float8_e4m3fn
-    if fp8 and not fp8_fits(hq, ring, raw, rope):
-        raise ValueError(f"the narrow fp8 MLA kernel with {hq} heads, {ring} fp16, {raw} raw and {rope} rope "
-                         f"stages of {_BLOCK} keys does not fit in shared memory ({SMEM_LIMIT} bytes)")
+    if fp8 and not fp8_fits(hq, ring, raw, rope_raw):
+        raise ValueError(f"the narrow fp8 MLA kernel with {hq} heads, {ring} fp16 and {raw} raw stages of "
+                         f"{_BLOCK} keys (rope from the raw stage: {bool(rope_raw)}) does not fit in shared "
+                         f"memory ({SMEM_LIMIT} bytes)")
     tail = (o.stride(0), o.stride(1), o.stride(3), lse.stride(0), lse.stride(1))
     if fp8:
         raw_box = gl.NVMMASharedLayout.get_default_for([_BLOCK, _BLOCK], gl.float8e4nv)
@@ -313,7 +269,7 @@ def launch(q: Tensor, k: Tensor, table: Tensor, seq_lens: Tensor, o: Tensor, lse
         _mla_narrow_fp8_kernel[(s, splits)](
             q, k_desc, ks_desc, k, k_scale, table, seq_lens, o, lse, scale_log2, split_len, hq, dcp_size, dcp_rank,
             interleave, table.shape[1], nb, table.stride(0), k.stride(0), k.stride(1), k_scale.stride(0),
-            k_scale.stride(1), *tail, PAGE=page, NQ=nq, RAW=raw, RING=ring, ROPE=rope,
+            k_scale.stride(1), *tail, PAGE=page, NQ=nq, RAW=raw, RING=ring, ROPE_RAW=bool(rope_raw),
             num_warps=4)
         return
     box = gl.NVMMASharedLayout.get_default_for([_BLOCK, _BLOCK], gl.bfloat16)

@@ -618,10 +618,9 @@ CONFIG = {
     # ... and there (at most 32 heads) the kernel with swapped operands (`gluon_mla_narrow`: the tile's
     # 64 keys as wgmma's M, the heads as N, so no padded rows), per cache dtype; over fp8 with
     # ring_wide_narrow_fp8 fp16 stages after the converter and raw_ring_wide_narrow_fp8 raw stages
-    # (64-key tiles; `gluon_mla_narrow.fp8_fits`) and, rope_ring_wide_narrow_fp8 > 0, the rope box in a
-    # TMA ring of that many fp8 stages of its own that the consumer reads (the fp16 and raw stages then
-    # hold the latent's 512 dims: two of each fit beside it at <= 16 heads; the form is cut to what fits
-    # per head count, `gluon_mla_narrow.fp8_form`).
+    # (64-key tiles; `gluon_mla_narrow.fp8_fits`), the rope box's scores from the raw stage with
+    # rope_raw_wide_narrow_fp8 (fp16 stages of the latent's 512 dims: two raw stages fit beside two
+    # fp16 ones at <= 16 heads; where they do not, the form without it runs).
     # bench/debug/decode_narrow.py (2026-12-04, bench/results/logs/decode-narrow-h200.json; B 32, 1/4
     # of 8K / 32K / 128K, 16 heads): fp8 padded 35.4 / 107.2 / 389.8 µs -> swapped (2 fp16 stages, 1
     # raw) 26.5 / 83.9 / 303.8 (1 and 3: 30.7 / 90.4 / 317.5); bf16 29.7 / 83.0 / 317 -> 28.7 / 79.0 /
@@ -631,7 +630,7 @@ CONFIG = {
     # consumer warpgroups on alternate tiles (each its own partial for the split merge; commit
     # b8c79fa) ran 42.9 / 118 / 403 µs: their registers spilled (decode-narrow3-h200.json); removed
     "swap_wide_narrow": 1, "swap_wide_narrow_fp8": 1, "ring_wide_narrow_fp8": 2, "raw_ring_wide_narrow_fp8": 2,
-    "rope_ring_wide_narrow_fp8": 3,
+    "rope_raw_wide_narrow_fp8": 1,
     # over fp8: a TMA ring of this many raw fp8 tiles in front of the Gluon kernel's converter (0:
     # the converter loads 64-key tiles itself into two fp16 stages; Nsight Compute had put the
     # kernel's bound in those loads, docs/gpu.md section 18). With 64-key tiles and one fp16 stage:
@@ -897,7 +896,7 @@ _VALID = {
     "gluon_wide": (0, 1), "gluon_wide_fp8": (0, 1), "gluon_wide_narrow": (0, 1), "gluon_wide_narrow_fp8": (0, 1),
     "gluon_gqa": (0, 1), "gluon_gqa_fp8": (0, 1), "stages": range(2, 7), "raw_stages": range(2, 11),
     "swap": (0, 1), "raw_ring": (0, 1, 2, 3, 4), "keys": (32, 64), "ring": (1, 2, 3),
-    "maxnreg": (0, *range(64, 256, 8)), "at_most": (0, 1), "stage16": (0, 1, 2), "even": (0, 1), "rope_ring": (0, 1, 2, 3, 4),
+    "maxnreg": (0, *range(64, 256, 8)), "at_most": (0, 1), "stage16": (0, 1, 2), "even": (0, 1), "rope_raw": (0, 1),
 }
 _META = ("device", "sizes", "seconds", "results", "notes", "problems")
 
@@ -1097,9 +1096,9 @@ def paged_decode_triton(q: Tensor, k: Tensor, v: Tensor, k_scale: Tensor | None,
     table = block_table if block_table.stride(-1) == 1 else block_table.contiguous()
     if s > 0 and splits > 0 and swapped:
         ring, raw, rope = gluon_mla_narrow.fp8_form(hq, *(CONFIG[f"{n}_wide_narrow_fp8"]
-                                                          for n in ("ring", "raw_ring", "rope_ring")))
+                                                          for n in ("ring", "raw_ring", "rope_raw")))
         gluon_mla_narrow.launch(q, k, table, seq_lens, o, lse, scale * _LOG2E, splits, split_len, dcp_size, dcp_rank,
-                                interleave, k_scale if fp8 else None, ring=ring, raw=raw, rope=rope)
+                                interleave, k_scale if fp8 else None, ring=ring, raw=raw, rope_raw=rope)
     elif s > 0 and splits > 0 and gluon:
         gluon_mla.launch_gluon_mla(q, k, table, seq_lens, o, lse, scale * _LOG2E, splits, split_len, dcp_size,
                                    dcp_rank, interleave, k_scale if fp8 else None, raw_ring=CONFIG["raw_ring_wide_fp8"],
