@@ -628,7 +628,11 @@ CONFIG = {
     # the raw stage with two raw stages (decode-narrow2-h200.log): 16 heads fp8 26.8 / 84.1 / 304.4
     # -> 25.1 / 75.3 / 266.2 µs: on (32 heads keep one raw stage: `gluon_mla_narrow.fp8_form`). Two
     # consumer warpgroups on alternate tiles (each its own partial for the split merge; commit
-    # b8c79fa) ran 42.9 / 118 / 403 µs: their registers spilled (decode-narrow3-h200.json); removed
+    # b8c79fa) ran 42.9 / 118 / 403 µs: their registers spilled (decode-narrow3-h200.json); removed.
+    # Summing each key position's weights and reducing them once at the end (cab3240): 25.0 / 75.1 /
+    # 266 -> 24.1 / 70.9 / 251.8 µs (decode-narrow4-h200.json). The rope box in a TMA ring of its own,
+    # 2-3 stages, so that the converter frees a raw stage without waiting for the consumer (commit
+    # f56e553, reverted): 24.2 / 71.4 / 251.5 (decode-narrow5-h200.json), no gain
     "swap_wide_narrow": 1, "swap_wide_narrow_fp8": 1, "ring_wide_narrow_fp8": 2, "raw_ring_wide_narrow_fp8": 2,
     "rope_raw_wide_narrow_fp8": 1,
     # over fp8: a TMA ring of this many raw fp8 tiles in front of the Gluon kernel's converter (0:
