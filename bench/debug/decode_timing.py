@@ -1,8 +1,8 @@
 """Where a decode call's time goes, and what the timing methods of `megapar bench cp` see (GPU):
 
-    python bench/debug/decode_timing.py [OUT.json]
+    python bench/debug/decode_timing.py [OUT.json]      # DECODE_TIMING_FP8=1: an fp8 cache
 
-GQA bf16 (B 32, Hq 32, Hkv 4, D 128, rank 0's 1/4 of the paged KV, L = 8K and 32K) and the same
+GQA bf16 (or fp8: the Triton split kernel and its merge; B 32, Hq 32, Hkv 4, D 128, rank 0's 1/4 of the paged KV, L = 8K and 32K) and the same
 launch over one page per rank, against SDPA over a contiguous copy (and over one page), each:
 - kernels: the GPU kernels of one eager call and their durations (torch profiler, CUPTI: GPU
   time only, no launch);
@@ -81,12 +81,15 @@ def main() -> None:
     from megapar.parallel.cp import DCPLayout
     from megapar.parallel.cp.paged import paged_decode_attention
 
+    import os
+
     batch, heads, kv_heads, d, block, n = 32, 32, 4, 128, 64, 4
+    dtype = torch.float8_e4m3fn if os.environ.get("DECODE_TIMING_FP8") else torch.bfloat16
     rows = []
     with torch.no_grad():
         for context in (8192, 32768):
             cache, table, q, _ = _decode_setup(batch, context, heads, kv_heads, d, block, n, torch.device("cuda"),
-                                               torch.bfloat16)
+                                               dtype)
             layout = DCPLayout(size=n, rank=0, block_size=block)
             seq = torch.full((batch,), context, device="cuda")
             short = torch.full_like(seq, n * block)
@@ -104,7 +107,7 @@ def main() -> None:
             }
             sinks = {"ours": lambda r: r.out.view(-1)[0], "sdpa": lambda r: r.view(-1)[0].float()}
             for name, fn in cases.items():
-                row = {"L": context, "case": name, "kernels": _kernels(fn),
+                row = {"L": context, "cache": str(dtype), "case": name, "kernels": _kernels(fn),
                        **_methods(fn, sinks[name.split()[0]])}
                 rows.append(row)
                 print(json.dumps(row), flush=True)
