@@ -712,14 +712,17 @@ def test_gluon_mla_kernel_over_fp8_on_gpu(heads, monkeypatch):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float8_e4m3fn], ids=["bf16", "fp8"])
-@pytest.mark.parametrize("size,rank,heads", [(1, 0, 16), (4, 3, 16), (2, 1, 12), (1, 0, 32), (2, 0, 8)])
-def test_gluon_mla_narrow_swapped_on_gpu(dtype, size, rank, heads, monkeypatch):
+@pytest.mark.parametrize("size,rank,heads,tq", [(1, 0, 16, 1), (4, 3, 16, 1), (2, 1, 12, 1), (1, 0, 32, 1),
+                                                (2, 0, 8, 1), (1, 0, 16, 2), (4, 1, 8, 4), (2, 1, 12, 2)])
+def test_gluon_mla_narrow_swapped_on_gpu(dtype, size, rank, heads, tq, monkeypatch):
     """The swapped narrow-tile MLA kernel (`gluon_mla_narrow`, CONFIG swap_wide_narrow*: keys as
-    wgmma's M, at most 32 heads as N) at full size over DCP ranks, NaN (bytes and scales) in every
-    unheld slot, lengths ending inside a tile, empty and one-token sequences, several splits, 12
-    heads (columns past them padding): against the torch path and the padded-tile Gluon kernel
-    (rounding apart: other MMA shapes), over fp8 its two ring forms bit-identical; a bad block id
-    gives NaN rows of that sequence only; a CUDA graph replays it to the same result."""
+    wgmma's M, at most 32 query rows as N) at full size over DCP ranks, NaN (bytes and scales) in
+    every unheld slot, lengths ending inside a tile, empty and one-token sequences, several splits,
+    12 heads (columns past them padding), and a speculative step's 2-4 query tokens (causal within
+    the step, over DCP's interleaved positions): against the torch path and the kernel it replaces
+    (the padded-tile Gluon one, or the Triton one for several tokens; rounding apart), over fp8 its
+    ring forms bit-identical; a bad block id gives NaN rows of that sequence only; a CUDA graph
+    replays it to the same result."""
     td = _compiled(monkeypatch)
     from parallel.cp import gluon_mla, gluon_mla_narrow
 
@@ -731,10 +734,10 @@ def test_gluon_mla_narrow_swapped_on_gpu(dtype, size, rank, heads, monkeypatch):
         monkeypatch.setitem(td.CONFIG, key, 256)
     monkeypatch.setitem(td.CONFIG, "gluon_wide_narrow_fp8" if fp8 else "gluon_wide_narrow", 1)
     lens = [3000, 0, 77, 1, 640, 4096, 129]
-    gen = torch.Generator().manual_seed(31 + rank + heads)
+    gen = torch.Generator().manual_seed(31 + rank + heads + tq)
     layout = DCPLayout(size=size, rank=rank, block_size=64)
     cache, ref_cache, table, nb = _mla_dcp_cache(lens, layout, dtype, gen)
-    q = torch.randn(len(lens), 1, heads, 576, generator=gen).to(torch.bfloat16).cuda()
+    q = torch.randn(len(lens), tq, heads, 576, generator=gen).to(torch.bfloat16).cuda()
     seq = torch.tensor(lens, device="cuda")
     run = lambda c, t: paged_decode_attention(q, c, t, seq, layout=layout, scale=0.07,
                                               backend="torch" if c is ref_cache else "triton", validate=False)
@@ -796,7 +799,7 @@ def test_narrow_mla_fp8_rings_that_do_not_fit_are_refused():
     if gn.HAS_GLUON:
         k = torch.zeros(4, 64, 1, 576, dtype=torch.float8_e4m3fn)
         q = torch.zeros(1, 1, 16, 576, dtype=torch.bfloat16)
-        with pytest.raises(ValueError, match="16 heads, 2 fp16 and 2 raw stages of 64 keys .rope from the raw "
+        with pytest.raises(ValueError, match="1 x 16 query rows, 2 fp16 and 2 raw stages of 64 keys .rope from the raw "
                                              "stage: False"):
             gn.launch(q, k, torch.zeros(1, 4, dtype=torch.int32), torch.ones(1), None, None, 0.1, 1, 256, 1, 0, 1,
                       torch.ones(4, 64, 1), ring=2, raw=2)

@@ -39,17 +39,18 @@ def _build(name: str) -> dict:
     ptrs = {"table_ptr": "*i32", "glens_ptr": "*i64", "o_ptr": "*fp32", "lse_ptr": "*fp32", "qk_scale": "fp32"}
     box = gl.NVMMASharedLayout.get_default_for([64, 64], gl.float8e4nv if fp8 else gl.bfloat16)
     desc = f"tensordesc<{'fp8e4nv' if fp8 else 'bf16'}[64, 64],{box}>"
-    if family == "mlan":     # the swapped narrow-tile MLA kernel: "mlan-DTYPE-NQ[-rRINGrawRAW]"
-        nq = int(more[0])
+    if family == "mlan":     # the swapped narrow-tile MLA kernel: "mlan-DTYPE-NQ[-rRINGrawRAW][-causal]"
+        nq, causal = int(more[0]), more[-1] == "causal"
         if fp8:
             ring, raw, rope = re.fullmatch(r"r(\d+)raw(\d+)(rope)?", more[1]).groups()
             kernel, consts = gluon_mla_narrow._mla_narrow_fp8_kernel, {"PAGE": 64, "NQ": nq, "RAW": int(raw),
-                                                                        "RING": int(ring), "ROPE_RAW": bool(rope)}
+                                                                        "RING": int(ring), "ROPE_RAW": bool(rope),
+                                                                        "CAUSAL": causal}
             ptrs.update(q_ptr="*bf16", k_ptr="*fp8e4nv", ks_ptr="*fp32", k_desc=desc,
                         ks_desc=f"tensordesc<fp32[1, 64],{gl.NVMMASharedLayout(0, 32, 2)}>")
         else:
             qbox = gl.NVMMASharedLayout.get_default_for([nq, 64], gl.bfloat16)
-            kernel, consts = gluon_mla_narrow._mla_narrow_kernel, {"PAGE": 64, "NQ": nq}
+            kernel, consts = gluon_mla_narrow._mla_narrow_kernel, {"PAGE": 64, "NQ": nq, "CAUSAL": causal}
             ptrs.update(q_desc=f"tensordesc<bf16[{nq}, 64],{qbox}>", k_desc=desc, k_ptr="*bf16")
     elif family == "gqa":
         ptrs.update(q_ptr="*bf16", k_desc=desc, v_desc=desc)
@@ -95,13 +96,15 @@ def _build(name: str) -> dict:
     ("mla-fp8-k32r2raw2", 1024), ("mla-fp8-k32r2raw4", 1024), ("mla-fp8-k32r3raw2", 1024), ("gqa-bf16", 0), ("gqa-fp8", 0),
     ("gqa-bf16-swap", 64), ("gqa-fp8-swap", 0), ("mlan-bf16-16", 0), ("mlan-bf16-32", 0), ("mlan-bf16-8", 0),
     ("mlan-fp8-16-r2raw1", 0), ("mlan-fp8-32-r2raw1", 64), ("mlan-fp8-16-r1raw3", 256),
-    ("mlan-fp8-16-r2raw2rope", 0)])
+    ("mlan-fp8-16-r2raw2rope", 0), ("mlan-bf16-32-causal", 128), ("mlan-fp8-32-r2raw1-causal", 256)])
 def test_gluon_decode_kernel_builds_for_sm90(name, spill_cap):
     """spill_cap: the committed MLA builds spill 12 B (bf16: the loader's masked tail tile) and 388-516 B
     (fp8: warpgroup 1's accumulators and the converter's loads), built with the launcher's 16-byte
     pointer alignment; the GQA builds none but the bf16 swapped one (12 B in the loader's masked
     tail). The swapped narrow MLA kernels ("mlan-DTYPE-HEADS[-rRINGrawRAW]"): none at 8-32 heads over
-    bf16 and at 16 over fp8's installed ring, 24 B at 32 heads, 152 B with one fp16 and three raw stages."""
+    bf16 and at 16 over fp8's installed ring, 24 B at 32 heads, 152 B with one fp16 and three raw
+    stages; "-causal" (a speculative step's query tokens as columns) 84 B over bf16 and 168 B over
+    fp8 at 32 columns."""
     pytest.importorskip("triton.experimental.gluon")
     env = dict(os.environ, TRITON_INTERPRET="0", PYTHONPATH=f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
     done = subprocess.run([sys.executable, __file__, name], env=env, cwd=ROOT,

@@ -2,8 +2,9 @@
 the swapped-operand Gluon kernel (`parallel.cp.gluon_mla_narrow`, CONFIG swap_wide_narrow*) against
 the padded-tile Gluon kernel and the Triton kernel, whole `paged_decode_attention` calls timed with
 `common.step_time` (CUDA-graph replays, alternating, two rounds) over rank 0's 1/4 of B = 32
-sequences of L = 8K, 32K, 128K, fp8 and bf16 latent caches; each row's max difference against the
-Triton kernel's result.
+sequences of L = 8K, 32K, 128K, fp8 and bf16 latent caches, and a speculative step's 2 query
+tokens at 32K (the swapped kernel against the Triton one); each row's max difference against the
+first row's result (the Triton kernel's).
 
     python bench/debug/decode_narrow.py OUT.json        # on the GPU
 """
@@ -31,9 +32,13 @@ FORMS = {
                                   "raw_ring_wide_narrow_fp8": 2})),
     "bf16": (("triton", {"gluon_wide_narrow": 0}), ("padded", {"swap_wide_narrow": 0}), ("swap", {})),
 }
-PROBLEMS = ((torch.float8_e4m3fn, 8192, 16), (torch.float8_e4m3fn, 32768, 16), (torch.float8_e4m3fn, 131072, 16),
-            (torch.bfloat16, 8192, 16), (torch.bfloat16, 32768, 16), (torch.bfloat16, 131072, 16),
-            (torch.float8_e4m3fn, 32768, 32), (torch.float8_e4m3fn, 32768, 8))
+PROBLEMS = ((torch.float8_e4m3fn, 8192, 16, 1), (torch.float8_e4m3fn, 32768, 16, 1),
+            (torch.float8_e4m3fn, 131072, 16, 1), (torch.bfloat16, 8192, 16, 1), (torch.bfloat16, 32768, 16, 1),
+            (torch.bfloat16, 131072, 16, 1), (torch.float8_e4m3fn, 32768, 32, 1), (torch.float8_e4m3fn, 32768, 8, 1),
+            (torch.float8_e4m3fn, 32768, 16, 2), (torch.bfloat16, 32768, 16, 2))
+# a speculative step's query tokens (tq > 1): the Triton kernel served them before the swapped one
+MTP_FORMS = {"fp8": (("triton", {"swap_wide_narrow_fp8": 0}), ("swap", {})),
+             "bf16": (("triton", {"swap_wide_narrow": 0}), ("swap", {}))}
 
 
 def main(path: str) -> None:
@@ -42,17 +47,17 @@ def main(path: str) -> None:
     saved = dict(triton_decode.CONFIG)
     base = {"gluon_wide_narrow": 1, "gluon_wide_narrow_fp8": 1, "swap_wide_narrow": 1, "swap_wide_narrow_fp8": 1}
     dims = MLADims()
-    for dtype, context, heads in PROBLEMS:
+    for dtype, context, heads, tq in PROBLEMS:
         fp8 = dtype == torch.float8_e4m3fn
         latent, table = _mla_decode_setup(32, context, dims, 64, 4, ctx.device, dtype)
         layout = DCPLayout(size=4, rank=0, block_size=64)
         seq = torch.full((32,), context, device=ctx.device)
-        q = torch.randn(32, heads, dims.latent_dim, device=ctx.device, dtype=torch.bfloat16)
+        q = torch.randn(32, tq, heads, dims.latent_dim, device=ctx.device, dtype=torch.bfloat16)
         call = lambda: paged_decode_attention(q, latent.paged, table, seq, layout=layout, scale=dims.scale,
                                               backend="triton", max_seq_len=context)
         ref = None
         for rep in range(2):
-            for name, entries in FORMS["fp8" if fp8 else "bf16"]:
+            for name, entries in (MTP_FORMS if tq > 1 else FORMS)["fp8" if fp8 else "bf16"]:
                 triton_decode.CONFIG.update(saved)
                 triton_decode.CONFIG.update(base)
                 triton_decode.CONFIG.update(entries)
@@ -60,7 +65,7 @@ def main(path: str) -> None:
                 ref = got if ref is None else ref
                 err = max((got.out - ref.out).abs().max().item(), (got.lse - ref.lse).abs().max().item())
                 us, cols = step_time(ctx, [call])
-                row = {"cache": str(dtype), "L": context, "heads": heads, "kernel": name, "rep": rep,
+                row = {"cache": str(dtype), "L": context, "heads": heads, "tq": tq, "kernel": name, "rep": rep,
                        "us": round(us, 1), "max_diff_vs_triton": err, "timing": cols["timing"]}
                 rows.append(row)
                 print(row, flush=True)

@@ -533,11 +533,12 @@ if HAS_GLUON:
 
 
 def gluon_mla_ok(q: Tensor, k: Tensor, v: Tensor, tq: int, page: int, k_scale: Tensor | None = None,
-                 v_scale: Tensor | None = None) -> bool:
+                 v_scale: Tensor | None = None, max_tq: int = 1) -> bool:
     """The Gluon kernels apply: bf16 queries; a bf16 latent cache [nb, page, 1, 576] (rows
     contiguous, v its first 512 dims), or an fp8 one with one fp32 scale per token [nb, page, 1]
-    serving keys and values (v_scale is k_scale); one query token, heads a multiple of 64, pages a
-    multiple of 64 (or fewer than 64: one padded head tile), an sm_90 GPU."""
+    serving keys and values (v_scale is k_scale); one query token (up to max_tq: the swapped narrow
+    kernel takes a speculative step's few), heads a multiple of 64, pages a multiple of 64 (or fewer
+    than 64: one padded head tile), an sm_90 GPU."""
     if not (HAS_GLUON and q.is_cuda and torch.cuda.get_device_capability(q.device) == (9, 0)):
         return False
     if k.dtype == torch.float8_e4m3fn:
@@ -546,7 +547,7 @@ def gluon_mla_ok(q: Tensor, k: Tensor, v: Tensor, tq: int, page: int, k_scale: T
             return False
     elif k.dtype != torch.bfloat16:
         return False
-    return (q.dtype == torch.bfloat16 and tq == 1
+    return (q.dtype == torch.bfloat16 and 1 <= tq <= max_tq
             and (q.shape[-2] % _BLOCK == 0 or q.shape[-2] < _BLOCK) and q.shape[-1] == _CHUNKS * _BLOCK
             and k.shape[2] == 1
             and k.shape[-1] == _CHUNKS * _BLOCK and page % _BLOCK == 0 and k.stride(-1) == 1

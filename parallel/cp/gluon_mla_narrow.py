@@ -37,6 +37,7 @@ if HAS_GLUON:
 
     from .gluon_mla import (BLOCK, CHUNKS, STAGES, _bad_ids, _barriers, _converter, _finish, _loader, _raw_loader,
                             _softmax_step, _split_range)
+    from .triton_common import global_pos as _global_pos
 
 MAX_HEADS = 32      # the widest narrow tile: NQ = 32 columns (eight 64 x 32 fp32 accumulators)
 
@@ -57,10 +58,11 @@ def fp8_fits(heads: int, ring: int, raw: int, rope_raw: bool = False) -> bool:
     return heads <= MAX_HEADS and ring >= 1 and raw >= 1 and need <= SMEM_LIMIT
 
 
-def narrow_ok(hq: int, k: Tensor, k_scale: Tensor | None) -> bool:
-    """The swapped kernel applies (where `gluon_mla.gluon_mla_ok` holds): at most 32 heads, and over
-    fp8 contiguous scales [nb, page, 1] (its loader brings them by TMA)."""
-    if not HAS_GLUON or hq > MAX_HEADS:
+def narrow_ok(rows: int, k: Tensor, k_scale: Tensor | None) -> bool:
+    """The swapped kernel applies (where `gluon_mla.gluon_mla_ok` holds, up to 8 query tokens): at most
+    32 query rows (tokens x heads), and over fp8 contiguous scales [nb, page, 1] (its loader brings
+    them by TMA)."""
+    if not HAS_GLUON or rows > MAX_HEADS:
         return False
     return k.dtype != torch.float8_e4m3fn or (k_scale is not None and k_scale.is_contiguous())
 
@@ -99,10 +101,13 @@ if HAS_GLUON:
     @gluon.jit
     def _consumer(q_smem, k_smem, p_smem, qf_smem, ks_smem, q_bar, ready, free, table_ptr, glens_ptr, o_ptr,
                   lse_ptr, s, split, split_len, dcp_size, dcp_rank, interleave, table_w, num_blocks, st_s, qk_scale,
-                  so_p, so_s, so_h, sl_p, sl_s, HQ, PAGE: gl.constexpr, RING: gl.constexpr, NQ: gl.constexpr,
+                  so_p, so_s, so_t, so_h, sl_p, sl_s, sl_t, HQ, TQ, PAGE: gl.constexpr, RING: gl.constexpr,
+                  NQ: gl.constexpr, CAUSAL: gl.constexpr,
                   FP8: gl.constexpr, kr_smem=None, raw_ready=None, raw_free=None, RAW: gl.constexpr = 0,
                   ROPE_RAW: gl.constexpr = False):
-        """S^T = K Q^T over the nine boxes, the online softmax down each head's column, O^T += V^T P^T.
+        """S^T = K Q^T over the nine boxes, the online softmax down each column, O^T += V^T P^T. Column c
+        is query token c // HQ's head c % HQ (TQ x HQ <= NQ columns); CAUSAL (TQ > 1): token t sees the
+        keys at global positions <= its own, length - TQ + t.
         FP8: the scores take the keys' scales and the heads' powers of two (qf_smem), the weights p *
         scale go to fp16 over a running per-head unit r (`_softmax_step`). ROPE_RAW: the fp16 stages
         hold the latent's eight boxes only; the rope box's scores come from the raw fp8 box, converted
@@ -126,6 +131,9 @@ if HAS_GLUON:
         o6 = gl.zeros([BLOCK, NQ], gl.float32, mma)
         o7 = gl.zeros([BLOCK, NQ], gl.float32, mma)
         keys = gl.arange(0, BLOCK, layout=key_l)
+        cols = gl.arange(0, NQ, layout=q_l)
+        if CAUSAL:
+            q_pos = gl.load(glens_ptr + s).to(gl.int32) - TQ + cols // HQ
         BOXES: gl.constexpr = CHUNKS - 1 if ROPE_RAW else CHUNKS      # (boxes of a fp16 stage)
         a_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
         mbarrier.wait(q_bar, 0)
@@ -149,6 +157,8 @@ if HAS_GLUON:
             if ROPE_RAW:
                 mbarrier.arrive(raw_free.index(rs))
             live = (j0 + keys < end)[:, None]
+            if CAUSAL:
+                live = live & (_global_pos(j0 + keys, dcp_size, dcp_rank, interleave)[:, None] <= q_pos[None, :])
             if FP8:
                 ks = ks_smem.index(stage).load(key_l)
                 sc = gl.where(live, sc * ks[:, None] * qk_q[None, :], float("-inf"))
@@ -163,12 +173,13 @@ if HAS_GLUON:
             o0, o1, o2, o3, o4, o5, o6, o7 = _pv_t(o0, o1, o2, o3, o4, o5, o6, o7, alpha, p_smem, k_smem,
                                                    stage * BOXES)
             mbarrier.arrive(free.index(stage))
-        factor, lse = _finish(m_i, gl.sum(l_i, 0), r_i, bad | _bad_ids(table_ptr, s, st_s, start, end, num_blocks, PAGE, key_l),
-                              FP8)
-        heads = gl.arange(0, NQ, layout=q_l)
-        mine = heads < HQ
-        gl.store(lse_ptr + split.to(gl.int64) * sl_p + s.to(gl.int64) * sl_s + heads, lse, mask=mine)
-        o_q = split.to(gl.int64) * so_p + s.to(gl.int64) * so_s + heads.to(gl.int64) * so_h
+        bad = bad | _bad_ids(table_ptr, s, st_s, start, end, num_blocks, PAGE, key_l)
+        factor, lse = _finish(m_i, gl.sum(l_i, 0), r_i, bad, FP8)
+        mine = cols < TQ * HQ
+        tok = (cols // HQ).to(gl.int64)
+        head = (cols % HQ).to(gl.int64)
+        gl.store(lse_ptr + split.to(gl.int64) * sl_p + s.to(gl.int64) * sl_s + tok * sl_t + head, lse, mask=mine)
+        o_q = split.to(gl.int64) * so_p + s.to(gl.int64) * so_s + tok * so_t + head * so_h
         _store_t(o_ptr, o0, 0, factor, o_q, mine, keys)
         _store_t(o_ptr, o1, 1, factor, o_q, mine, keys)
         _store_t(o_ptr, o2, 2, factor, o_q, mine, keys)
@@ -179,10 +190,11 @@ if HAS_GLUON:
         _store_t(o_ptr, o7, 7, factor, o_q, mine, keys)
 
     @gluon.jit
-    def _mla_narrow_kernel(q_desc, k_desc, k_ptr, table_ptr, glens_ptr, o_ptr, lse_ptr, qk_scale, split_len, HQ,
+    def _mla_narrow_kernel(q_desc, k_desc, k_ptr, table_ptr, glens_ptr, o_ptr, lse_ptr, qk_scale, split_len, HQ, TQ,
                            dcp_size, dcp_rank, interleave, table_w, num_blocks, st_s, sk_b, sk_t,
-                           so_p, so_s, so_h, sl_p, sl_s, PAGE: gl.constexpr, NQ: gl.constexpr):
-        """bf16 latent cache: the loader's TMA boxes of NQ query rows (rows past the sequence's heads
+                           so_p, so_s, so_t, so_h, sl_p, sl_s, sl_t, PAGE: gl.constexpr, NQ: gl.constexpr,
+                           CAUSAL: gl.constexpr = False):
+        """bf16 latent cache: the loader's TMA boxes of NQ query rows (rows past the sequence's TQ x HQ
         are other rows or zeros: their columns are never stored) and of each 64-key tile."""
         s = gl.program_id(0)
         split = gl.program_id(1)
@@ -195,17 +207,19 @@ if HAS_GLUON:
         gl.warp_specialize([
             (_consumer, (q_smem, k_smem, p_smem, None, None, q_bar, ready, free, table_ptr, glens_ptr, o_ptr, lse_ptr,
                          s, split, split_len, dcp_size, dcp_rank, interleave, table_w, num_blocks, st_s, qk_scale,
-                         so_p, so_s, so_h, sl_p, sl_s, HQ, PAGE, STAGES, NQ, False)),
-            (_loader, (q_desc, k_desc, k_ptr, table_ptr, glens_ptr, q_smem, k_smem, q_bar, ready, free, s, s * HQ,
+                         so_p, so_s, so_t, so_h, sl_p, sl_s, sl_t, HQ, TQ, PAGE, STAGES, NQ, CAUSAL, False)),
+            (_loader, (q_desc, k_desc, k_ptr, table_ptr, glens_ptr, q_smem, k_smem, q_bar, ready, free, s,
+                       s * (TQ * HQ),
                        split, split_len, dcp_size, dcp_rank, interleave, table_w, num_blocks, st_s, sk_b, sk_t,
                        PAGE)),
         ], [4], [64])
 
     @gluon.jit
     def _mla_narrow_fp8_kernel(q_ptr, k_desc, ks_desc, k_ptr, ks_ptr, table_ptr, glens_ptr, o_ptr, lse_ptr, qk_scale,
-                               split_len, HQ, dcp_size, dcp_rank, interleave, table_w, num_blocks, st_s, sk_b, sk_t,
-                               ss_b, ss_t, so_p, so_s, so_h, sl_p, sl_s, PAGE: gl.constexpr, NQ: gl.constexpr,
-                               RAW: gl.constexpr, RING: gl.constexpr, ROPE_RAW: gl.constexpr = False):
+                               split_len, HQ, TQ, dcp_size, dcp_rank, interleave, table_w, num_blocks, st_s, sk_b,
+                               sk_t, ss_b, ss_t, so_p, so_s, so_t, so_h, sl_p, sl_s, sl_t, PAGE: gl.constexpr,
+                               NQ: gl.constexpr, RAW: gl.constexpr, RING: gl.constexpr, ROPE_RAW: gl.constexpr = False,
+                               CAUSAL: gl.constexpr = False):
         """fp8 latent cache: a raw TMA ring of RAW 64-key tiles, the converter into RING fp16 stages (of
         the latent's eight boxes only with ROPE_RAW: the consumer takes the rope box from the raw ring)."""
         BOXES: gl.constexpr = CHUNKS - 1 if ROPE_RAW else CHUNKS
@@ -233,11 +247,11 @@ if HAS_GLUON:
         gl.warp_specialize([
             (_consumer, (q_smem, k_smem, p_smem, qf_smem, ks_smem, q_bar, ready, free, table_ptr, glens_ptr,
                          o_ptr, lse_ptr, s, split, split_len, dcp_size, dcp_rank, interleave, table_w,
-                         num_blocks, st_s, qk_scale, so_p, so_s, so_h, sl_p, sl_s, HQ, PAGE, RING, NQ, True,
-                         kr_smem, raw_ready, raw_free, RAW, ROPE_RAW)),
+                         num_blocks, st_s, qk_scale, so_p, so_s, so_t, so_h, sl_p, sl_s, sl_t, HQ, TQ, PAGE, RING, NQ,
+                         CAUSAL, True, kr_smem, raw_ready, raw_free, RAW, ROPE_RAW)),
             (_converter, (q_ptr, k_ptr, ks_ptr, table_ptr, glens_ptr, q_smem, qf_smem, k_smem, ks_smem, q_bar,
-                          ready, free, s, s * HQ, split, split_len, dcp_size, dcp_rank, interleave, table_w,
-                          num_blocks, st_s, sk_b, sk_t, ss_b, ss_t, HQ, PAGE, kr_smem, ksr_smem, raw_ready,
+                          ready, free, s, s * (TQ * HQ), split, split_len, dcp_size, dcp_rank, interleave, table_w,
+                          num_blocks, st_s, sk_b, sk_t, ss_b, ss_t, TQ * HQ, PAGE, kr_smem, ksr_smem, raw_ready,
                           raw_free, RAW, RING, BLOCK, NQ, BOXES)),
             (_raw_loader, (k_desc, ks_desc, table_ptr, glens_ptr, kr_smem, ksr_smem, raw_ready, raw_free, s,
                            split, split_len, dcp_size, dcp_rank, interleave, table_w, num_blocks, st_s, PAGE,
@@ -248,18 +262,19 @@ if HAS_GLUON:
 def launch(q: Tensor, k: Tensor, table: Tensor, seq_lens: Tensor, o: Tensor, lse: Tensor, scale_log2: float,
            splits: int, split_len: int, dcp_size: int, dcp_rank: int, interleave: int,
            k_scale: Tensor | None = None, ring: int = 2, raw: int = 1, rope_raw: bool = False) -> None:
-    """Fill the split partials o [splits, S, 1, Hq, 512] / lse [splits, S, 1, Hq] (`gluon_mla.gluon_mla_ok`
-    and `narrow_ok` hold); over fp8 `ring` fp16 and `raw` raw stages of 64 keys (`fp8_fits`), the
-    rope box's scores from the raw stage with `rope_raw` (the fp16 stages then hold 512 dims)."""
-    s, _, hq, d = q.shape
+    """Fill the split partials o [splits, S, Tq, Hq, 512] / lse [splits, S, Tq, Hq] of queries q [S, Tq,
+    Hq, 576] (`gluon_mla.gluon_mla_ok` and `narrow_ok` of Tq x Hq columns hold; Tq > 1: causal within
+    the step's tokens); over fp8 `ring` fp16 and `raw` raw stages of 64 keys (`fp8_fits`), the rope
+    box's scores from the raw stage with `rope_raw` (the fp16 stages then hold 512 dims)."""
+    s, tq, hq, d = q.shape
     nb, page = k.shape[0], k.shape[1]
-    nq = columns(hq)
+    nq = columns(tq * hq)
     fp8 = k.dtype == torch.float8_e4m3fn
-    if fp8 and not fp8_fits(hq, ring, raw, rope_raw):
-        raise ValueError(f"the narrow fp8 MLA kernel with {hq} heads, {ring} fp16 and {raw} raw stages of "
-                         f"{_BLOCK} keys (rope from the raw stage: {bool(rope_raw)}) does not fit in shared "
-                         f"memory ({SMEM_LIMIT} bytes)")
-    tail = (o.stride(0), o.stride(1), o.stride(3), lse.stride(0), lse.stride(1))
+    if fp8 and not fp8_fits(tq * hq, ring, raw, rope_raw):
+        raise ValueError(f"the narrow fp8 MLA kernel with {tq} x {hq} query rows, {ring} fp16 and {raw} raw "
+                         f"stages of {_BLOCK} keys (rope from the raw stage: {bool(rope_raw)}) does not fit in "
+                         f"shared memory ({SMEM_LIMIT} bytes)")
+    tail = (o.stride(0), o.stride(1), o.stride(2), o.stride(3), lse.stride(0), lse.stride(1), lse.stride(2))
     if fp8:
         raw_box = gl.NVMMASharedLayout.get_default_for([_BLOCK, _BLOCK], gl.float8e4nv)
         sc_box = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2)
@@ -267,16 +282,17 @@ def launch(q: Tensor, k: Tensor, table: Tensor, seq_lens: Tensor, o: Tensor, lse
         k_desc = TensorDescriptor(k2, list(k2.shape), list(k2.stride()), [_BLOCK, _BLOCK], raw_box)
         ks_desc = TensorDescriptor(ks2, list(ks2.shape), list(ks2.stride()), [1, _BLOCK], sc_box)
         _mla_narrow_fp8_kernel[(s, splits)](
-            q, k_desc, ks_desc, k, k_scale, table, seq_lens, o, lse, scale_log2, split_len, hq, dcp_size, dcp_rank,
-            interleave, table.shape[1], nb, table.stride(0), k.stride(0), k.stride(1), k_scale.stride(0),
-            k_scale.stride(1), *tail, PAGE=page, NQ=nq, RAW=raw, RING=ring, ROPE_RAW=bool(rope_raw),
+            q, k_desc, ks_desc, k, k_scale, table, seq_lens, o, lse, scale_log2, split_len, hq, tq, dcp_size,
+            dcp_rank, interleave, table.shape[1], nb, table.stride(0), k.stride(0), k.stride(1), k_scale.stride(0),
+            k_scale.stride(1), *tail, PAGE=page, NQ=nq, RAW=raw, RING=ring, ROPE_RAW=bool(rope_raw), CAUSAL=tq > 1,
             num_warps=4)
         return
     box = gl.NVMMASharedLayout.get_default_for([_BLOCK, _BLOCK], gl.bfloat16)
     qbox = gl.NVMMASharedLayout.get_default_for([nq, _BLOCK], gl.bfloat16)
-    q2, k2 = q.view(s * hq, d), k.view(nb * page, d)
+    q2, k2 = q.reshape(s * tq * hq, d), k.view(nb * page, d)
     q_desc = TensorDescriptor(q2, list(q2.shape), list(q2.stride()), [nq, _BLOCK], qbox)
     k_desc = TensorDescriptor(k2, list(k2.shape), list(k2.stride()), [_BLOCK, _BLOCK], box)
     _mla_narrow_kernel[(s, splits)](
-        q_desc, k_desc, k, table, seq_lens, o, lse, scale_log2, split_len, hq, dcp_size, dcp_rank, interleave,
-        table.shape[1], nb, table.stride(0), k.stride(0), k.stride(1), *tail, PAGE=page, NQ=nq, num_warps=4)
+        q_desc, k_desc, k, table, seq_lens, o, lse, scale_log2, split_len, hq, tq, dcp_size, dcp_rank, interleave,
+        table.shape[1], nb, table.stride(0), k.stride(0), k.stride(1), *tail, PAGE=page, NQ=nq, CAUSAL=tq > 1,
+        num_warps=4)

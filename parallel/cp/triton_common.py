@@ -10,3 +10,9 @@ def local_len(glens_ptr, s, dcp_size, dcp_rank, interleave):
     g = tl.load(glens_ptr + s).to(tl.int32)
     base = (g // (interleave * dcp_size)) * interleave
     return base + tl.minimum(tl.maximum(g - base * dcp_size - dcp_rank * interleave, 0), interleave)
+
+
+@triton.jit
+def global_pos(j, dcp_size, dcp_rank, interleave):
+    """Global token positions of this rank's local tokens j (`DCPLayout`'s interleave)."""
+    return (j // interleave) * (interleave * dcp_size) + dcp_rank * interleave + j % interleave

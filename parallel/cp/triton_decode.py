@@ -69,6 +69,7 @@ from torch import Tensor
 from .. import impl
 from . import gluon_gqa, gluon_mla, gluon_mla_narrow
 from .state import AttnState
+from .triton_common import global_pos as _global_pos
 from .triton_common import local_len as _local_len
 from .triton_merge import gdc_launch_dependents, gdc_wait, merge_states_triton, pdl_ok
 
@@ -130,8 +131,7 @@ def _mask_scores(qk, j, jmask, rmask, q_pos, dcp_size, dcp_rank, interleave, CAU
     returns (masked scores, allowed)."""
     allowed = jmask[None, :] & rmask[:, None]
     if CAUSAL:
-        g_pos = (j // interleave) * (interleave * dcp_size) + dcp_rank * interleave + j % interleave
-        allowed = allowed & (g_pos[None, :] <= q_pos[:, None])
+        allowed = allowed & (_global_pos(j, dcp_size, dcp_rank, interleave)[None, :] <= q_pos[:, None])
     return tl.where(allowed, qk, float("-inf")), allowed
 
 
@@ -1064,10 +1064,17 @@ def paged_decode_triton(q: Tensor, k: Tensor, v: Tensor, k_scale: Tensor | None,
     cfg = launch_settings(d, q.dtype, k.dtype, tq * g)
     block_n, block_m = cfg["block_n"], cfg["block_m"]
     halves = bool(cfg["halves"]) and _halves_ok(k, v, k_scale, v_scale, d_main, block_n)
-    gluon = (CONFIG["gluon_wide_fp8" if fp8 else "gluon_wide"]
-             and (not _narrow(tq * g) or CONFIG["gluon_wide_narrow_fp8" if fp8 else "gluon_wide_narrow"])
-             and not impl.interpreting() and _halves_ok(k, v, k_scale, v_scale, d_main, gluon_mla.TILE)
-             and gluon_mla.gluon_mla_ok(q, k, v, tq, page, k_scale, v_scale))
+    # MLA's Gluon kernels: the swapped one for narrow tiles (up to 8 query tokens within its 32 columns),
+    # else the padded-tile one (one query token)
+    swapped = (_narrow(tq * g) and CONFIG["gluon_wide_narrow_fp8" if fp8 else "gluon_wide_narrow"]
+               and CONFIG["swap_wide_narrow_fp8" if fp8 else "swap_wide_narrow"] and not impl.interpreting()
+               and _halves_ok(k, v, k_scale, v_scale, d_main, gluon_mla.TILE)
+               and gluon_mla.gluon_mla_ok(q, k, v, tq, page, k_scale, v_scale, max_tq=8)
+               and gluon_mla_narrow.narrow_ok(tq * hq, k, k_scale))
+    gluon = swapped or (CONFIG["gluon_wide_fp8" if fp8 else "gluon_wide"]
+                        and (not _narrow(tq * g) or CONFIG["gluon_wide_narrow_fp8" if fp8 else "gluon_wide_narrow"])
+                        and not impl.interpreting() and _halves_ok(k, v, k_scale, v_scale, d_main, gluon_mla.TILE)
+                        and gluon_mla.gluon_mla_ok(q, k, v, tq, page, k_scale, v_scale))
     if gluon:       # (its tiles: 64 keys, 64 heads, the head tile padded where there are fewer; one CTA
         block_n, block_m = gluon_mla.TILE, gluon_mla.TILE      # per SM, so full tiles' split targets)
         cfg = dict(cfg, at_most=1, target_programs=CONFIG["target_programs_wide_fp8" if fp8 else "target_programs_wide"])
@@ -1089,8 +1096,6 @@ def paged_decode_triton(q: Tensor, k: Tensor, v: Tensor, k_scale: Tensor | None,
     programs = s * hkv * m_tiles
     splits, split_len = plan_splits(capacity, programs, block_n, cfg["min_split"], bool(cfg["at_most"]),
                                     cfg["target_programs"])
-    swapped = (gluon and _narrow(tq * g) and CONFIG["swap_wide_narrow_fp8" if fp8 else "swap_wide_narrow"]
-               and gluon_mla_narrow.narrow_ok(hq, k, k_scale))
     o = torch.empty(splits, s, tq, hq, dv, dtype=torch.float32, device=q.device)
     lse = torch.empty(splits, s, tq, hq, dtype=torch.float32, device=q.device)
     ks = k_scale if fp8 else _no_scale(q)
@@ -1099,7 +1104,7 @@ def paged_decode_triton(q: Tensor, k: Tensor, v: Tensor, k_scale: Tensor | None,
     vs_st = vs.stride() if fp8 else (0, 0, 0)
     table = block_table if block_table.stride(-1) == 1 else block_table.contiguous()
     if s > 0 and splits > 0 and swapped:
-        ring, raw, rope = gluon_mla_narrow.fp8_form(hq, *(CONFIG[f"{n}_wide_narrow_fp8"]
+        ring, raw, rope = gluon_mla_narrow.fp8_form(tq * hq, *(CONFIG[f"{n}_wide_narrow_fp8"]
                                                           for n in ("ring", "raw_ring", "rope_raw")))
         gluon_mla_narrow.launch(q, k, table, seq_lens, o, lse, scale * _LOG2E, splits, split_len, dcp_size, dcp_rank,
                                 interleave, k_scale if fp8 else None, ring=ring, raw=raw, rope_raw=rope)
