@@ -632,7 +632,10 @@ CONFIG = {
     # Summing each key position's weights and reducing them once at the end (cab3240): 25.0 / 75.1 /
     # 266 -> 24.1 / 70.9 / 251.8 µs (decode-narrow4-h200.json). The rope box in a TMA ring of its own,
     # 2-3 stages, so that the converter frees a raw stage without waiting for the consumer (commit
-    # f56e553, reverted): 24.2 / 71.4 / 251.5 (decode-narrow5-h200.json), no gain
+    # f56e553, reverted): 24.2 / 71.4 / 251.5 (decode-narrow5-h200.json), no gain. A speculative
+    # step's 2 query tokens (32 columns) at 32K, 16 heads (decode-narrow6-h200.json): the Triton kernel
+    # 2318 µs over fp8 (its 32-row narrow tile over fp8 with the causal mask: pathological) and 114.3
+    # over bf16 -> swapped 105.0 / 84.0
     "swap_wide_narrow": 1, "swap_wide_narrow_fp8": 1, "ring_wide_narrow_fp8": 2, "raw_ring_wide_narrow_fp8": 2,
     "rope_raw_wide_narrow_fp8": 1,
     # over fp8: a TMA ring of this many raw fp8 tiles in front of the Gluon kernel's converter (0:
