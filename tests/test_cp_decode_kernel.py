@@ -564,6 +564,24 @@ def _check_against_torch(got, ref, empty: int):
     torch.testing.assert_close(got.out, ref.out, atol=2e-2, rtol=0)
 
 
+def _replays_to(run, got, times: int = 2) -> None:
+    """A decode step's CUDA graph of `run()` replays to `got` exactly."""
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = run()
+    for _ in range(times):
+        graph.replay()
+    torch.cuda.synchronize()
+    torch.testing.assert_close(captured.out, got.out, atol=0, rtol=0)
+    torch.testing.assert_close(captured.lse, got.lse, atol=0, rtol=0)
+
+
+def _nan_row_5_only(nan, got) -> None:
+    """Sequence 5's first block id was bad: its rows NaN, the rows before it as `got`."""
+    assert torch.isnan(nan.lse[5]).all() and torch.isnan(nan.out[5]).all()
+    torch.testing.assert_close(nan.out[:5], got.out[:5], atol=0, rtol=0)
+
+
 def _mla_dcp_cache(lens, layout, dtype, gen):
     """(cache, ref_cache, table, blocks) on the GPU: a latent cache in a DCP rank's layout whose unheld
     slots hold NaN (and, fp8, NaN bytes with NaN scales: anything may be there), and a copy with
@@ -625,17 +643,9 @@ def test_gluon_mla_kernel_on_gpu(size, rank, heads, monkeypatch):
     torch.testing.assert_close(got.lse, plain.lse, atol=same, rtol=0)
     bad = table.clone()
     bad[5, 0] = nb + 7
-    nan = paged_decode_attention(q, cache, bad, seq, layout=layout, scale=0.07, backend="triton", validate=False)
-    assert torch.isnan(nan.lse[5]).all() and torch.isnan(nan.out[5]).all()
-    torch.testing.assert_close(nan.out[:5], got.out[:5], atol=0, rtol=0)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        captured = run(cache, table, "triton")
-    for _ in range(2):
-        graph.replay()
-    torch.cuda.synchronize()
-    torch.testing.assert_close(captured.out, got.out, atol=0, rtol=0)
-    torch.testing.assert_close(captured.lse, got.lse, atol=0, rtol=0)
+    _nan_row_5_only(paged_decode_attention(q, cache, bad, seq, layout=layout, scale=0.07, backend="triton",
+                                           validate=False), got)
+    _replays_to(lambda: run(cache, table, "triton"), got)
 
 
 @pytest.mark.gpu
@@ -693,13 +703,7 @@ def test_gluon_mla_kernel_over_fp8_on_gpu(heads, monkeypatch):
     for key, value in (("raw_ring_wide_fp8", 2), ("keys_wide_fp8", 32), ("ring_wide_fp8", 2)):
         monkeypatch.setitem(td.CONFIG, key, value)
     run()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        captured = run()
-    graph.replay()
-    torch.cuda.synchronize()
-    torch.testing.assert_close(captured.out, got.out, atol=0, rtol=0)
-    torch.testing.assert_close(captured.lse, got.lse, atol=0, rtol=0)
+    _replays_to(run, got, times=1)
     for raw, keys, ring in ((0, 64, 1), (2, 64, 1), (2, 32, 2)):
         monkeypatch.setitem(td.CONFIG, "raw_ring_wide_fp8", raw)
         monkeypatch.setitem(td.CONFIG, "keys_wide_fp8", keys)
@@ -768,17 +772,23 @@ def test_gluon_mla_narrow_swapped_on_gpu(dtype, size, rank, heads, tq, monkeypat
             monkeypatch.setitem(td.CONFIG, f"{key}_wide_narrow_fp8", value)
     bad = table.clone()
     bad[5, 0] = nb + 7
-    nan = run(cache, bad)
-    assert torch.isnan(nan.lse[5]).all() and torch.isnan(nan.out[5]).all()
-    torch.testing.assert_close(nan.out[:5], got.out[:5], atol=0, rtol=0)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        captured = run(cache, table)
-    for _ in range(2):
-        graph.replay()
-    torch.cuda.synchronize()
-    torch.testing.assert_close(captured.out, got.out, atol=0, rtol=0)
-    torch.testing.assert_close(captured.lse, got.lse, atol=0, rtol=0)
+    _nan_row_5_only(run(cache, bad), got)
+    _replays_to(lambda: run(cache, table), got)
+
+
+def test_narrow_mla_tiles_of_several_tokens_get_more_warps(monkeypatch):
+    """The Triton kernel's narrow MLA tile with more than 16 rows (a speculative step: 16 heads x 2
+    tokens) launches with at least CONFIG num_warps_wide_narrow_32 warps (4 warps spilled 9 KB over
+    fp8); one token and GQA keep their own."""
+    from parallel.cp import triton_decode as td
+
+    for cache in (torch.bfloat16, torch.float8_e4m3fn):
+        assert td.launch_settings(576, torch.bfloat16, cache, 16)["num_warps"] == td.CONFIG["num_warps_wide_narrow"]
+        assert td.launch_settings(576, torch.bfloat16, cache, 32)["num_warps"] == 8
+        monkeypatch.setitem(td.CONFIG, "num_warps_wide_narrow_32", 4)
+        assert td.launch_settings(576, torch.bfloat16, cache, 32)["num_warps"] == 4
+        monkeypatch.setitem(td.CONFIG, "num_warps_wide_narrow_32", 8)
+    assert td.launch_settings(128, torch.bfloat16, torch.bfloat16, 32)["num_warps"] == td.CONFIG["num_warps"]
 
 
 def test_narrow_mla_fp8_rings_that_do_not_fit_are_refused():
@@ -905,14 +915,6 @@ def test_gluon_gqa_kernel_on_gpu(dtype, size, rank, hq, hkv, monkeypatch):
         torch.testing.assert_close(got.lse, plain.lse, atol=1e-4, rtol=0)
     bad = table.clone()
     bad[5, 0] = cache.k.shape[0] + 7
-    nan = paged_decode_attention(q, cache, bad, seq, layout=layout, scale=0.088, backend="triton", validate=False)
-    assert torch.isnan(nan.lse[5]).all() and torch.isnan(nan.out[5]).all()
-    torch.testing.assert_close(nan.out[:5], got.out[:5], atol=0, rtol=0)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        captured = run(cache, table)
-    for _ in range(2):
-        graph.replay()
-    torch.cuda.synchronize()
-    torch.testing.assert_close(captured.out, got.out, atol=0, rtol=0)
-    torch.testing.assert_close(captured.lse, got.lse, atol=0, rtol=0)
+    _nan_row_5_only(paged_decode_attention(q, cache, bad, seq, layout=layout, scale=0.088, backend="triton",
+                                           validate=False), got)
+    _replays_to(lambda: run(cache, table), got)

@@ -6,7 +6,7 @@ sequences of L = 8K, 32K, 128K, fp8 and bf16 latent caches, and a speculative st
 tokens at 32K (the swapped kernel against the Triton one); each row's max difference against the
 first row's result (the Triton kernel's).
 
-    python bench/debug/decode_narrow.py OUT.json        # on the GPU
+    python bench/debug/decode_narrow.py OUT.json        # on the GPU (DECODE_NARROW_MTP=1: tq > 1 rows only)
 """
 
 from __future__ import annotations
@@ -37,8 +37,10 @@ PROBLEMS = ((torch.float8_e4m3fn, 8192, 16, 1), (torch.float8_e4m3fn, 32768, 16,
             (torch.bfloat16, 131072, 16, 1), (torch.float8_e4m3fn, 32768, 32, 1), (torch.float8_e4m3fn, 32768, 8, 1),
             (torch.float8_e4m3fn, 32768, 16, 2), (torch.bfloat16, 32768, 16, 2))
 # a speculative step's query tokens (tq > 1): the Triton kernel served them before the swapped one
-MTP_FORMS = {"fp8": (("triton", {"swap_wide_narrow_fp8": 0}), ("swap", {})),
-             "bf16": (("triton", {"swap_wide_narrow": 0}), ("swap", {}))}
+MTP_FORMS = {"fp8": (("triton 4 warps", {"swap_wide_narrow_fp8": 0, "num_warps_wide_narrow_32": 4}),
+                     ("triton", {"swap_wide_narrow_fp8": 0}), ("swap", {})),
+             "bf16": (("triton 4 warps", {"swap_wide_narrow": 0, "num_warps_wide_narrow_32": 4}),
+                      ("triton", {"swap_wide_narrow": 0}), ("swap", {}))}
 
 
 def main(path: str) -> None:
@@ -47,7 +49,12 @@ def main(path: str) -> None:
     saved = dict(triton_decode.CONFIG)
     base = {"gluon_wide_narrow": 1, "gluon_wide_narrow_fp8": 1, "swap_wide_narrow": 1, "swap_wide_narrow_fp8": 1}
     dims = MLADims()
+    import os
+
+    only_mtp = bool(os.environ.get("DECODE_NARROW_MTP"))      # (only the speculative-step problems)
     for dtype, context, heads, tq in PROBLEMS:
+        if only_mtp and tq == 1:
+            continue
         fp8 = dtype == torch.float8_e4m3fn
         latent, table = _mla_decode_setup(32, context, dims, 64, 4, ctx.device, dtype)
         layout = DCPLayout(size=4, rank=0, block_size=64)

@@ -186,6 +186,20 @@ DECODE.update({  # ... and with the group size built in (CONFIG dcp_constexpr)
              BLOCK_DV=128, V_FROM_K=False, FP8=True, BLOCK_M=16, KV_HEADS=4, PDL=True, BLOCK_N=128, num_warps=4,
              num_stages=2, F16=True, maxnreg=168, DCP_N=4, DCP_I=1))
 })
+DECODE.update({  # MLA's narrow tile over fp8 as CONFIG launches it, one query token (16 rows) and a speculative
+    # step's two (32 rows, causal: 2318 µs against 105 for the swapped Gluon kernel, decode-narrow6-h200.json)
+    f"_paged_decode_kernel MLA narrow fp8 as installed tq={tq} warps={w}": (
+        "_paged_decode_kernel", dict(_DECODE, k_ptr="*fp8e4nv", v_ptr="*fp8e4nv"),
+        dict(_MLA, FP8=True, BLOCK_M=16 * tq, BLOCK_N=32, num_warps=w, num_stages=2, F16=True, STAGE=1,
+             Tq=tq, CAUSAL=tq > 1))
+    for tq in (1, 2) for w in (4, 8)
+})
+DECODE.update({  # ... and over bf16
+    f"_paged_decode_kernel MLA narrow bf16 as installed tq={tq} warps={w}": (
+        "_paged_decode_kernel", dict(_DECODE), dict(_MLA, BLOCK_M=16 * tq, BLOCK_N=64, num_warps=w, num_stages=2,
+                                                    Tq=tq, CAUSAL=tq > 1))
+    for tq in (1, 2) for w in (4, 8)
+})
 DECODE.update({  # ... and with whole tiles unmasked (CONFIG even / even_fp8; over fp8 with stage16_fp8, as installed)
     f"_paged_decode_kernel GQA {'fp8' if fp8 else 'bf16'} as installed{' even' if even else ''}"
     f"{' stage16' if even and fp8 else ''}": (
