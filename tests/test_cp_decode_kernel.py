@@ -777,18 +777,19 @@ def test_gluon_mla_narrow_swapped_on_gpu(dtype, size, rank, heads, tq, monkeypat
 
 
 def test_narrow_mla_tiles_of_several_tokens_get_more_warps(monkeypatch):
-    """The Triton kernel's narrow MLA tile with more than 16 rows (a speculative step: 16 heads x 2
-    tokens) launches with at least CONFIG num_warps_wide_narrow_32 warps (4 warps spilled 9 KB over
-    fp8); one token and GQA keep their own."""
+    """The Triton kernel's narrow MLA tile over fp8 with more than 16 rows (a speculative step: 16
+    heads x 2 tokens) launches with at least CONFIG num_warps_wide_narrow_fp8_32 warps (4 warps
+    spilled 9 KB); one token, bf16 (slower with 8) and GQA keep their own."""
     from parallel.cp import triton_decode as td
 
-    for cache in (torch.bfloat16, torch.float8_e4m3fn):
-        assert td.launch_settings(576, torch.bfloat16, cache, 16)["num_warps"] == td.CONFIG["num_warps_wide_narrow"]
-        assert td.launch_settings(576, torch.bfloat16, cache, 32)["num_warps"] == 8
-        monkeypatch.setitem(td.CONFIG, "num_warps_wide_narrow_32", 4)
-        assert td.launch_settings(576, torch.bfloat16, cache, 32)["num_warps"] == 4
-        monkeypatch.setitem(td.CONFIG, "num_warps_wide_narrow_32", 8)
-    assert td.launch_settings(128, torch.bfloat16, torch.bfloat16, 32)["num_warps"] == td.CONFIG["num_warps"]
+    fp8, bf16 = torch.float8_e4m3fn, torch.bfloat16
+    narrow = td.CONFIG["num_warps_wide_narrow"]
+    assert td.launch_settings(576, bf16, fp8, 16)["num_warps"] == narrow
+    assert td.launch_settings(576, bf16, fp8, 32)["num_warps"] == 8
+    assert td.launch_settings(576, bf16, bf16, 32)["num_warps"] == narrow
+    monkeypatch.setitem(td.CONFIG, "num_warps_wide_narrow_fp8_32", 4)
+    assert td.launch_settings(576, bf16, fp8, 32)["num_warps"] == max(4, narrow)
+    assert td.launch_settings(128, bf16, fp8, 32)["num_warps"] == td.CONFIG["num_warps_fp8"]
 
 
 def test_narrow_mla_fp8_rings_that_do_not_fit_are_refused():

@@ -37,10 +37,9 @@ PROBLEMS = ((torch.float8_e4m3fn, 8192, 16, 1), (torch.float8_e4m3fn, 32768, 16,
             (torch.bfloat16, 131072, 16, 1), (torch.float8_e4m3fn, 32768, 32, 1), (torch.float8_e4m3fn, 32768, 8, 1),
             (torch.float8_e4m3fn, 32768, 16, 2), (torch.bfloat16, 32768, 16, 2))
 # a speculative step's query tokens (tq > 1): the Triton kernel served them before the swapped one
-MTP_FORMS = {"fp8": (("triton 4 warps", {"swap_wide_narrow_fp8": 0, "num_warps_wide_narrow_32": 4}),
+MTP_FORMS = {"fp8": (("triton 4 warps", {"swap_wide_narrow_fp8": 0, "num_warps_wide_narrow_fp8_32": 4}),
                      ("triton", {"swap_wide_narrow_fp8": 0}), ("swap", {})),
-             "bf16": (("triton 4 warps", {"swap_wide_narrow": 0, "num_warps_wide_narrow_32": 4}),
-                      ("triton", {"swap_wide_narrow": 0}), ("swap", {}))}
+             "bf16": (("triton", {"swap_wide_narrow": 0}), ("swap", {}))}
 
 
 def main(path: str) -> None:

@@ -187,7 +187,7 @@ DECODE.update({  # ... and with the group size built in (CONFIG dcp_constexpr)
              num_stages=2, F16=True, maxnreg=168, DCP_N=4, DCP_I=1))
 })
 DECODE.update({  # MLA's narrow tile over fp8 as CONFIG launches it, one query token (16 rows) and a speculative
-    # step's two (32 rows, causal: 2318 µs against 105 for the swapped Gluon kernel, decode-narrow6-h200.json)
+    # step's two (32 rows, causal; 4 warps 2361 µs, 8 warps 425, the swapped Gluon kernel 104: decode-narrow7)
     f"_paged_decode_kernel MLA narrow fp8 as installed tq={tq} warps={w}": (
         "_paged_decode_kernel", dict(_DECODE, k_ptr="*fp8e4nv", v_ptr="*fp8e4nv"),
         dict(_MLA, FP8=True, BLOCK_M=16 * tq, BLOCK_N=32, num_warps=w, num_stages=2, F16=True, STAGE=1,

@@ -799,12 +799,14 @@ CONFIG = {
     # 199.5 -> 168.9 (32K), over bf16 47.0 -> 47.2 and 112.1 -> 109.2. A cap of 128 registers at 8
     # warps gave fp8 57.0 / 169.8 (bf16 46.8 / 109.7); fp16 operands alone 61.5 / 187.0
     "block_n_wide_narrow": 64, "num_warps_wide_narrow": 4, "num_stages_wide_narrow": 2, "maxnreg_wide_narrow": 0,
-    # ... at least this many warps where the narrow tile has more than 16 rows (a speculative step's
-    # tokens x heads: 32 rows at 16 heads x 2 tokens). sm_90a builds (bench/debug/kernel_sass.py --only
-    # "narrow ... as installed"): over fp8 4 warps spill 9320 B (32 registers: the allocation gave up;
-    # 2318 µs at 1/4 of 32K, decode-narrow6-h200.json), 8 warps 484 B with 255 registers; over bf16 4
-    # warps 255 registers + 12 B, 8 warps 175 and none. The swapped Gluon kernel serves these on sm_90
-    "num_warps_wide_narrow_32": 8,
+    # ... over fp8, at least this many warps where the narrow tile has more than 16 rows (a speculative
+    # step's tokens x heads: 32 rows at 16 heads x 2 tokens). sm_90a builds (bench/debug/kernel_sass.py
+    # --only "narrow fp8 as installed"): 4 warps spill 9320 B (32 registers: the allocation gave up), 8
+    # warps 484 B with 255 registers. decode-narrow7-h200.json (16 heads x 2 tokens, 1/4 of 32K):
+    # 2361 -> 425 µs. Over bf16 (4 warps: 255 registers + 12 B, 8: 175 and none) 8 warps ran slower,
+    # 115 -> 169 µs: bf16 keeps num_warps_wide_narrow. The swapped Gluon kernel serves both on sm_90
+    # (104 / 85 µs)
+    "num_warps_wide_narrow_fp8_32": 8,
     # over an fp8 cache: fp16 operands, the latent tile staged as 16-bit (stage16) and 32-key tiles
     # (its own key tile: mla_narrow's block_n_fp8; f16 / stage16 leave bf16 caches as they are).
     # Probes of 2026-12-03 night (bench/results/cp-probe9-h200.json, cp-probe10-h200.json; step_time,
@@ -1049,8 +1051,8 @@ def launch_settings(d: int, q_dtype: torch.dtype, cache_dtype: torch.dtype, rows
     out["at_most"] = CONFIG.get(key("at_most"), 0)    # plan_splits' rounding
     out["target_programs"] = CONFIG.get(key("target_programs"), CONFIG["target_programs"])
     out["block_m"] = max(16, min(triton.next_power_of_2(max(rows, 1)), out["block_m"]))
-    if d > 256 and narrow and out["block_m"] > 16:
-        out["num_warps"] = max(out["num_warps"], CONFIG["num_warps_wide_narrow_32"])
+    if d > 256 and narrow and fp8 and out["block_m"] > 16:
+        out["num_warps"] = max(out["num_warps"], CONFIG["num_warps_wide_narrow_fp8_32"])
     out.update({name: CONFIG.get(key(name), 0) for name in _STRUCTURE})   # GQA has no halves / tma / diag
     return out
 
