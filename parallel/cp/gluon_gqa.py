@@ -47,6 +47,16 @@ if HAS_GLUON:
 
 if HAS_GLUON:
     @gluon.jit
+    def _tma_kv_tile(k_desc, v_desc, row, kvh, bar, k_dst, v_dst, first):
+        """A 64-key tile of kv head kvh at cache row `row` (its k and v, two 64-column boxes each) by TMA
+        into k_dst / v_dst boxes first, first + 1, completing on mbarrier bar."""
+        mbarrier.expect(bar, 2 * CHUNKS * k_desc.block_type.nbytes)
+        for c in gl.static_range(CHUNKS):
+            col = kvh * (CHUNKS * BLOCK) + c * BLOCK
+            tma.async_copy_global_to_shared(k_desc, [row, col], bar, k_dst.index(first + c))
+            tma.async_copy_global_to_shared(v_desc, [row, col], bar, v_dst.index(first + c))
+
+    @gluon.jit
     def _bf16_loader(k_desc, v_desc, k_ptr, v_ptr, table_ptr, glens_ptr, k_smem, v_smem, ready, free,
                      s, kvh, split, split_len, dcp_size, dcp_rank, interleave, table_w, num_blocks, st_s,
                      sk_b, sk_t, sv_b, sv_t, PAGE: gl.constexpr, STAGES: gl.constexpr):
@@ -64,14 +74,8 @@ if HAS_GLUON:
                 mbarrier.wait(free.index(stage), ((t // STAGES) - 1) & 1)
             valid = end - j0
             if valid >= BLOCK:
-                mbarrier.expect(ready.index(stage), 2 * CHUNKS * k_desc.block_type.nbytes)
-                row = blk * PAGE + j0 % PAGE
-                for c in gl.static_range(CHUNKS):
-                    col = kvh * (CHUNKS * BLOCK) + c * BLOCK
-                    tma.async_copy_global_to_shared(k_desc, [row, col], ready.index(stage),
-                                                    k_smem.index(stage * CHUNKS + c))
-                    tma.async_copy_global_to_shared(v_desc, [row, col], ready.index(stage),
-                                                    v_smem.index(stage * CHUNKS + c))
+                _tma_kv_tile(k_desc, v_desc, blk * PAGE + j0 % PAGE, kvh, ready.index(stage), k_smem, v_smem,
+                             stage * CHUNKS)
             else:   # the split's last tile ends inside it: rows past the end as zeros
                 rows = gl.arange(0, BLOCK, layout=gl.SliceLayout(1, blocked))
                 cols = gl.arange(0, BLOCK, layout=gl.SliceLayout(0, blocked))
@@ -318,14 +322,8 @@ if HAS_GLUON:
             blk, b1, b2, b3, b4 = _ids_next(b1, b2, b3, b4, table_ptr, s, st_s, j0, t, tiles, num_blocks, PAGE)
             if t >= RAW:
                 mbarrier.wait(raw_free.index(stage), ((t // RAW) - 1) & 1)
-            row = blk * PAGE + j0 % PAGE
-            mbarrier.expect(raw_ready.index(stage), 2 * CHUNKS * k_desc.block_type.nbytes)
-            for c in gl.static_range(CHUNKS):
-                col = kvh * (CHUNKS * BLOCK) + c * BLOCK
-                tma.async_copy_global_to_shared(k_desc, [row, col], raw_ready.index(stage),
-                                                kr_smem.index(stage * CHUNKS + c))
-                tma.async_copy_global_to_shared(v_desc, [row, col], raw_ready.index(stage),
-                                                vr_smem.index(stage * CHUNKS + c))
+            _tma_kv_tile(k_desc, v_desc, blk * PAGE + j0 % PAGE, kvh, raw_ready.index(stage), kr_smem, vr_smem,
+                         stage * CHUNKS)
 
     @gluon.jit
     def _scales_of(ks_ptr, vs_ptr, table_ptr, s, st_s, j0, end, kvh, num_blocks, ss_b, ss_t, ss_h, svs_b, svs_t,

@@ -353,9 +353,10 @@ if HAS_GLUON:
                    raw_ready=None, raw_free=None, RAW: gl.constexpr = 0, RING: gl.constexpr = STAGES,
                    KEYS: gl.constexpr = 64, QROWS: gl.constexpr = 64, BOXES: gl.constexpr = CHUNKS):
         """The fp8 kernel's loader: the QROWS query rows (64, or a swapped narrow tile's) to fp16, each
-        times a power of two 2^e that puts its largest magnitude in [2^14, 2^15) (qf_smem holds 2^-e), then each key tile's fp8 rows
-        (zeros past the split's end) converted to fp16 and its scales into the ring's stage: loaded
-        here (RAW 0), or from the raw ring of RAW stages `_raw_loader` fills by TMA."""
+        times a power of two 2^e that puts its largest magnitude in [2^14, 2^15) (qf_smem holds
+        2^-e), then each key tile's fp8 rows (zeros past the split's end) converted to fp16 and its
+        scales into the ring's stage: loaded here (RAW 0), or from the raw ring of RAW stages
+        `_raw_loader` fills by TMA (its first BOXES boxes: `_convert_raw`)."""
         blocked: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
         qr = gl.arange(0, QROWS, layout=gl.SliceLayout(1, blocked))
         cols = gl.arange(0, BLOCK, layout=gl.SliceLayout(0, blocked))

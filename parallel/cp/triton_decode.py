@@ -1077,16 +1077,15 @@ def paged_decode_triton(q: Tensor, k: Tensor, v: Tensor, k_scale: Tensor | None,
     cfg = launch_settings(d, q.dtype, k.dtype, tq * g)
     block_n, block_m = cfg["block_n"], cfg["block_m"]
     halves = bool(cfg["halves"]) and _halves_ok(k, v, k_scale, v_scale, d_main, block_n)
-    # MLA's Gluon kernels: the swapped one for narrow tiles (up to 8 query tokens within its 32 columns),
-    # else the padded-tile one (one query token)
-    swapped = (_narrow(tq * g) and CONFIG["gluon_wide_narrow_fp8" if fp8 else "gluon_wide_narrow"]
-               and CONFIG["swap_wide_narrow_fp8" if fp8 else "swap_wide_narrow"] and not impl.interpreting()
-               and _halves_ok(k, v, k_scale, v_scale, d_main, gluon_mla.TILE)
+    # MLA's Gluon kernels (the latent layout, compiled): the swapped one for narrow tiles (up to 8 query
+    # tokens within its 32 columns), else the padded-tile one (one query token)
+    narrow = _narrow(tq * g)
+    narrow_on = CONFIG["gluon_wide_narrow_fp8" if fp8 else "gluon_wide_narrow"]
+    latent = not impl.interpreting() and _halves_ok(k, v, k_scale, v_scale, d_main, gluon_mla.TILE)
+    swapped = (latent and narrow and narrow_on and CONFIG["swap_wide_narrow_fp8" if fp8 else "swap_wide_narrow"]
                and gluon_mla.gluon_mla_ok(q, k, v, tq, page, k_scale, v_scale, max_tq=8)
                and gluon_mla_narrow.narrow_ok(tq * hq, k, k_scale))
-    gluon = swapped or (CONFIG["gluon_wide_fp8" if fp8 else "gluon_wide"]
-                        and (not _narrow(tq * g) or CONFIG["gluon_wide_narrow_fp8" if fp8 else "gluon_wide_narrow"])
-                        and not impl.interpreting() and _halves_ok(k, v, k_scale, v_scale, d_main, gluon_mla.TILE)
+    gluon = swapped or (latent and CONFIG["gluon_wide_fp8" if fp8 else "gluon_wide"] and (not narrow or narrow_on)
                         and gluon_mla.gluon_mla_ok(q, k, v, tq, page, k_scale, v_scale))
     if gluon:       # (its tiles: 64 keys, 64 heads, the head tile padded where there are fewer; one CTA
         block_n, block_m = gluon_mla.TILE, gluon_mla.TILE      # per SM, so full tiles' split targets)
