@@ -3,7 +3,8 @@ usual DCP deployment) as a warp-specialized Gluon kernel for Hopper with swapped
 
 `gluon_mla`'s kernels put the heads in wgmma's M dimension, which is 64: with 16 heads three
 quarters of every score and output MMA, and of the softmax, work on padding rows. Here the tile's
-64 keys are M and the NQ heads (16 or 32; 8 for fewer) are N:
+64 keys are M and the NQ columns (heads, or a speculative step's tokens x heads, at most 32,
+rounded up to a power of two >= 8) are N:
 
 - S^T = K Q^T: the key tile (nine 64 x 64 boxes of the 576-wide latent + rope row) is the A
   operand, the queries (NQ x 576, shared memory) the B operand;
