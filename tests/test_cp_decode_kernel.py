@@ -757,19 +757,36 @@ def test_gluon_mla_narrow_swapped_on_gpu(dtype, size, rank, heads, tq, monkeypat
     _check_against_torch(got, ref, 1)
     torch.testing.assert_close(got.out, padded.out, atol=2e-3 if fp8 else 1e-3, rtol=0)
     torch.testing.assert_close(got.lse, padded.lse, atol=1e-4, rtol=0)
-    if fp8:     # the rings' forms (the rope box's scores from the raw stage, converted in registers, where
-        # it fits): the same MMAs in the same order, the same result
+    if fp8:     # the direct form (installed: no converter) at other raw depths: the same MMAs in the same
+        # order, the same result; the converter's ring forms (the rope box's scores from the raw stage,
+        # converted in registers, where it fits) likewise among themselves, and against the direct
+        # form up to the order of the scores' sums (even and odd dims apart there)
+        direct = td.CONFIG["direct_wide_narrow_fp8"]
+        applies = gluon_mla_narrow.direct_stages(tq * heads, direct) > 0
+        assert all(kw["direct"] == applies for kw in used)
+        for raw in (1, 3) if applies else ():
+            monkeypatch.setitem(td.CONFIG, "direct_wide_narrow_fp8", raw)
+            other = run(cache, table)
+            torch.testing.assert_close(other.out, got.out, atol=0, rtol=0)
+            torch.testing.assert_close(other.lse, got.lse, atol=0, rtol=0)
+        monkeypatch.setitem(td.CONFIG, "direct_wide_narrow_fp8", 0)
         installed = {k: td.CONFIG[f"{k}_wide_narrow_fp8"] for k in ("ring", "raw_ring", "rope_raw")}
+        first = None
         for ring, raw, rope in ((2, 1, 0), (1, 3, 0), (2, 2, 1), (2, 1, 1)):
             for key, value in (("ring", ring), ("raw_ring", raw), ("rope_raw", rope)):
                 monkeypatch.setitem(td.CONFIG, f"{key}_wide_narrow_fp8", value)
             if not gluon_mla_narrow.fp8_fits(heads, ring, raw, bool(rope)):
                 continue
             other = run(cache, table)
-            torch.testing.assert_close(other.out, got.out, atol=0, rtol=0)
-            torch.testing.assert_close(other.lse, got.lse, atol=0, rtol=0)
+            if first is None:
+                first = other
+                torch.testing.assert_close(other.out, got.out, atol=2e-3, rtol=0)
+                torch.testing.assert_close(other.lse, got.lse, atol=1e-4, rtol=0)
+            torch.testing.assert_close(other.out, first.out, atol=0, rtol=0)
+            torch.testing.assert_close(other.lse, first.lse, atol=0, rtol=0)
         for key, value in installed.items():
             monkeypatch.setitem(td.CONFIG, f"{key}_wide_narrow_fp8", value)
+        monkeypatch.setitem(td.CONFIG, "direct_wide_narrow_fp8", direct)
     bad = table.clone()
     bad[5, 0] = nb + 7
     _nan_row_5_only(run(cache, bad), got)

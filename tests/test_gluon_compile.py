@@ -39,9 +39,16 @@ def _build(name: str) -> dict:
     ptrs = {"table_ptr": "*i32", "glens_ptr": "*i64", "o_ptr": "*fp32", "lse_ptr": "*fp32", "qk_scale": "fp32"}
     box = gl.NVMMASharedLayout.get_default_for([64, 64], gl.float8e4nv if fp8 else gl.bfloat16)
     desc = f"tensordesc<{'fp8e4nv' if fp8 else 'bf16'}[64, 64],{box}>"
-    if family == "mlan":     # the swapped narrow-tile MLA kernel: "mlan-DTYPE-NQ[-rRINGrawRAW][-causal]"
+    if family == "mlan":     # the swapped narrow-tile MLA kernel: "mlan-DTYPE-NQ[-rRINGrawRAW|-directRAW][-causal]"
         nq, causal = int(more[0]), more[-1] == "causal"
-        if fp8:
+        if fp8 and more[1].startswith("direct"):
+            kernel, consts = gluon_mla_narrow._mla_narrow_direct_kernel, {"PAGE": 64, "NQ": nq,
+                                                                           "RAW": int(more[1][6:]), "CAUSAL": causal}
+            lbox, rbox = gl.NVMMASharedLayout(128, 8, 2), gl.NVMMASharedLayout(64, 8, 2)
+            ptrs.update(q_ptr="*bf16", kl_desc=f"tensordesc<fp8e4nv[64, 128],{lbox}>",
+                        kr_desc=f"tensordesc<fp8e4nv[64, 64],{rbox}>",
+                        ks_desc=f"tensordesc<fp32[1, 64],{gl.NVMMASharedLayout(0, 32, 2)}>")
+        elif fp8:
             ring, raw, rope = re.fullmatch(r"r(\d+)raw(\d+)(rope)?", more[1]).groups()
             kernel, consts = gluon_mla_narrow._mla_narrow_fp8_kernel, {"PAGE": 64, "NQ": nq, "RAW": int(raw),
                                                                         "RING": int(ring), "ROPE_RAW": bool(rope),
@@ -96,7 +103,9 @@ def _build(name: str) -> dict:
     ("mla-fp8-k32r2raw2", 1024), ("mla-fp8-k32r2raw4", 1024), ("mla-fp8-k32r3raw2", 1024), ("gqa-bf16", 0), ("gqa-fp8", 0),
     ("gqa-bf16-swap", 64), ("gqa-fp8-swap", 0), ("mlan-bf16-16", 0), ("mlan-bf16-32", 0), ("mlan-bf16-8", 0),
     ("mlan-fp8-16-r2raw1", 0), ("mlan-fp8-32-r2raw1", 64), ("mlan-fp8-16-r1raw3", 256),
-    ("mlan-fp8-16-r2raw2rope", 0), ("mlan-bf16-32-causal", 128), ("mlan-fp8-32-r2raw1-causal", 256)])
+    ("mlan-fp8-16-r2raw2rope", 0), ("mlan-bf16-32-causal", 128), ("mlan-fp8-32-r2raw1-causal", 256),
+    ("mlan-fp8-16-direct5", 0), ("mlan-fp8-16-direct5-causal", 0), ("mlan-fp8-8-direct1", 0),
+    ("mlan-fp8-32-direct5", 64), ("mlan-fp8-32-direct4-causal", 64)])
 def test_gluon_decode_kernel_builds_for_sm90(name, spill_cap):
     """spill_cap: the committed MLA builds spill 12 B (bf16: the loader's masked tail tile) and 388-516 B
     (fp8: warpgroup 1's accumulators and the converter's loads), built with the launcher's 16-byte

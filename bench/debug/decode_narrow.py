@@ -6,7 +6,8 @@ sequences of L = 8K, 32K, 128K, fp8 and bf16 latent caches, and a speculative st
 tokens at 32K (the swapped kernel against the Triton one); each row's max difference against the
 first row's result (the Triton kernel's).
 
-    python bench/debug/decode_narrow.py OUT.json        # on the GPU (DECODE_NARROW_MTP=1: tq > 1 rows only)
+    python bench/debug/decode_narrow.py OUT.json        # on the GPU (DECODE_NARROW_MTP=1: tq > 1 rows only;
+                                                        # DECODE_NARROW_FP8=1: fp8, one token, the Gluon forms)
 """
 
 from __future__ import annotations
@@ -27,9 +28,9 @@ from megapar.parallel.cp.paged import paged_decode_attention
 # lost: decode-narrow-h200.json, decode-narrow2-h200.log; two consumer warpgroups: decode-narrow3)
 FORMS = {
     "fp8": (("triton", {"gluon_wide_narrow_fp8": 0}), ("padded", {"swap_wide_narrow_fp8": 0}),
-            ("swap r2raw1", {"rope_raw_wide_narrow_fp8": 0, "ring_wide_narrow_fp8": 2, "raw_ring_wide_narrow_fp8": 1}),
             ("swap r2raw2 rope", {"rope_raw_wide_narrow_fp8": 1, "ring_wide_narrow_fp8": 2,
-                                  "raw_ring_wide_narrow_fp8": 2})),
+                                  "raw_ring_wide_narrow_fp8": 2, "direct_wide_narrow_fp8": 0}),
+            ("direct raw3", {"direct_wide_narrow_fp8": 3}), ("direct raw5", {"direct_wide_narrow_fp8": 5})),
     "bf16": (("triton", {"gluon_wide_narrow": 0}), ("padded", {"swap_wide_narrow": 0}), ("swap", {})),
 }
 PROBLEMS = ((torch.float8_e4m3fn, 8192, 16, 1), (torch.float8_e4m3fn, 32768, 16, 1),
@@ -51,8 +52,9 @@ def main(path: str) -> None:
     import os
 
     only_mtp = bool(os.environ.get("DECODE_NARROW_MTP"))      # (only the speculative-step problems)
+    only_fp8 = bool(os.environ.get("DECODE_NARROW_FP8"))      # (only fp8, one token, the Gluon forms)
     for dtype, context, heads, tq in PROBLEMS:
-        if only_mtp and tq == 1:
+        if (only_mtp and tq == 1) or (only_fp8 and (dtype != torch.float8_e4m3fn or tq > 1)):
             continue
         fp8 = dtype == torch.float8_e4m3fn
         latent, table = _mla_decode_setup(32, context, dims, 64, 4, ctx.device, dtype)
@@ -64,6 +66,8 @@ def main(path: str) -> None:
         ref = None
         for rep in range(2):
             for name, entries in (MTP_FORMS if tq > 1 else FORMS)["fp8" if fp8 else "bf16"]:
+                if only_fp8 and name in ("triton", "padded"):
+                    continue
                 triton_decode.CONFIG.update(saved)
                 triton_decode.CONFIG.update(base)
                 triton_decode.CONFIG.update(entries)

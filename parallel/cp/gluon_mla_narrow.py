@@ -32,15 +32,17 @@ from .gluon_mla import _BLOCK, _CHUNKS, HAS_GLUON, SMEM_LIMIT
 if HAS_GLUON:
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
-    from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, warpgroup_mma,
+    from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
                                                                   warpgroup_mma_wait)
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-    from .gluon_mla import (BLOCK, CHUNKS, STAGES, _bad_ids, _barriers, _converter, _finish, _loader, _raw_loader,
-                            _softmax_step, _split_range)
+    from .gluon_mla import (BLOCK, CHUNKS, STAGES, _bad_ids, _barriers, _converter, _finish, _ids_next, _ids_window,
+                            _loader, _raw_loader, _softmax_step, _split_range)
     from .triton_common import global_pos as _global_pos
 
 MAX_HEADS = 32      # the widest narrow tile: NQ = 32 columns (eight 64 x 32 fp32 accumulators)
+_LBOX, _LBOXES = 128, 4     # the direct fp8 kernel's latent boxes: 128 dims (128-byte rows), four of them
+_DIRECT_STAGE = _LBOXES * _BLOCK * _LBOX + _BLOCK * _BLOCK + 4 * _BLOCK    # a raw stage: latent, rope, scales
 
 
 def columns(heads: int) -> int:
@@ -57,6 +59,25 @@ def fp8_fits(heads: int, ring: int, raw: int, rope_raw: bool = False) -> bool:
     need = (nq * width * 2 + ring * stage + raw * _BLOCK * width + nq * _BLOCK * 2
             + 4 * (nq + (ring + raw) * _BLOCK) + 8 * (3 + 2 * ring + 2 * raw) + 2048)
     return heads <= MAX_HEADS and ring >= 1 and raw >= 1 and need <= SMEM_LIMIT
+
+
+def direct_fits(heads: int, raw: int) -> bool:
+    """The direct fp8 kernel's shared memory (no fp16 stages): the queries (fp16, NQ x 576, as even and
+    odd dims), `raw` raw stages of 64 keys (four 64 x 128 latent boxes, the 64 x 64 rope box and the
+    keys' scales), two buffers of the weights (NQ x 64 fp16) and their rescale, barriers and 1 KB of
+    the compiler's scratch (the sm_90a builds take 0.3-0.4 KB)."""
+    nq = columns(heads)
+    need = (nq * _CHUNKS * _BLOCK * 2 + raw * _DIRECT_STAGE + 2 * (nq * _BLOCK * 2 + nq * 4) + 8 * (2 * raw + 4)
+            + 1024)
+    return heads <= MAX_HEADS and raw >= 1 and need <= SMEM_LIMIT
+
+
+def direct_stages(heads: int, raw: int) -> int:
+    """The direct kernel's raw stages at this head count: the configured `raw` cut to what shared memory
+    holds (0: none fit, or `raw` 0: the converter's form)."""
+    while raw > 0 and not direct_fits(heads, raw):
+        raw -= 1
+    return raw
 
 
 def narrow_ok(rows: int, k: Tensor, k_scale: Tensor | None) -> bool:
@@ -259,23 +280,345 @@ if HAS_GLUON:
                            RAW, BLOCK)),
         ], [4, 1], [96, 24])
 
+    LBOX = gl.constexpr(128)       # the direct kernel: fp8 dims of a latent box (128-byte rows)
+    LBOXES = gl.constexpr(4)       # latent boxes of a key tile (4 x 128 = 512)
+    REGS_VALUES = gl.constexpr(232)     # registers a thread of the direct kernel's value warpgroup
+
+    @gluon.jit
+    def _fp8_pairs(x):
+        """int16 elements holding two e4m3 values each (the low byte: the even dim) -> (the even values,
+        the odd values) as fp16 (exact), in x's layout: two conversions and two byte permutes a pair
+        of elements (the values' A operand, whose register pairs are two keys of one dim)."""
+        return gl.inline_asm_elementwise(
+            "{ .reg .b16 a0, a1; .reg .b32 t0, t1; mov.b32 {a0, a1}, $2; cvt.rn.f16x2.e4m3x2 t0, a0; "
+            "cvt.rn.f16x2.e4m3x2 t1, a1; prmt.b32 $0, t0, t1, 0x5410; prmt.b32 $1, t0, t1, 0x7632; }",
+            "=r,=r,r", [x], dtype=(gl.float16, gl.float16), is_pure=True, pack=2)
+
+    @gluon.jit
+    def _key_order(x, W: gl.constexpr):
+        """[R, W] in the dims' order of the scores' A operand: 16-bit ldmatrix gives a thread the int16
+        pairs (2t, 2t + 1) and (2t + 8, 2t + 9) of each 16, i.e. dims 4t .. 4t + 3 and 4t + 16 .. 4t + 19
+        of each 32; reading them as the fp16 operand's k = 2t, 2t + 1 (+ 8) of two k16 steps orders dim
+        32 kb + 16 h + 4 t + 2 v + u as k = 32 kb + 16 v + 8 h + 2 t + u. The queries take the same order,
+        so the products are those of the natural one, and the keys' registers need no byte permutes."""
+        y = x.reshape([x.shape[0], W // 32, 2, 4, 2, 2]).permute((0, 1, 4, 2, 3, 5))
+        return y.reshape([x.shape[0], W])
+
+    @gluon.jit
+    def _scores_box(box, q_box, sc, a_l: gl.constexpr, i16: gl.constexpr):
+        """sc + a raw fp8 box's keys [64, W] against the queries' W dims (q_box [NQ, W] fp16 in
+        `_key_order`), the A operand converted in registers: one conversion a pair of dims."""
+        W: gl.constexpr = box.shape[1]
+        x = box._reinterpret(gl.int16, [box.shape[0], W // 2], i16).load(a_l)
+        even, odd = gl.inline_asm_elementwise("{ .reg .b32 t; cvt.rn.f16x2.e4m3x2 t, $2; mov.b32 {$0, $1}, t; }",
+                                              "=h,=h,h", [x], dtype=(gl.float16, gl.float16), is_pure=True,
+                                              pack=1)
+        k = gl.convert_layout(_key_order(gl.join(even, odd).reshape([box.shape[0], W]), W), a_l)
+        return warpgroup_mma(k, q_box.permute((1, 0)), sc, is_async=True)
+
+    @gluon.jit
+    def _values_box(box, pt, o_even, o_odd, alpha, a_l: gl.constexpr, i16: gl.constexpr):
+        """The two accumulators of a latent box's 128 value dims (its 64 even dims, its 64 odd dims),
+        rescaled per column by alpha, plus V^T P^T: the box read transposed as 64 dim pairs x 64 keys
+        (16-bit ldmatrix .trans over the raw bytes), split into the even and the odd dims in registers."""
+        y = box._reinterpret(gl.int16, [BLOCK, LBOX // 2], i16).permute((1, 0)).load(a_l)
+        even, odd = _fp8_pairs(y)
+        o_even = warpgroup_mma(even, pt, o_even * alpha[None, :], is_async=True)
+        o_odd = warpgroup_mma(odd, pt, o_odd * alpha[None, :], is_async=True)
+        return o_even, o_odd
+
+    @gluon.jit
+    def _zero_tail(kl_smem, first, valid):
+        """Rows valid.. of a raw stage's four latent boxes to zero (the split's last tile ends inside it:
+        the value MMAs would read whatever lies in the cache's slots past the end, NaN included)."""
+        blocked: gl.constexpr = gl.BlockedLayout([1, 16], [4, 8], [4, 1], [1, 0])
+        i8: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=8, rank=2)
+        rows = gl.arange(0, BLOCK, layout=gl.SliceLayout(1, blocked))
+        for b in gl.static_range(LBOXES):
+            box = kl_smem.index(first + b)._reinterpret(gl.int8, [BLOCK, LBOX], i8)
+            x = box.load(blocked)
+            box.store(gl.where((rows < valid)[:, None], x, 0))
+        gl.thread_barrier()
+
+    @gluon.jit
+    def _query_box(base, q_rows, first, WIDTH: gl.constexpr, NQ: gl.constexpr, layout: gl.constexpr):
+        """The NQ query rows' dims first .. first + WIDTH (rows past q_rows 0), fp32."""
+        rows = gl.arange(0, NQ, layout=gl.SliceLayout(1, layout))
+        dims = gl.arange(0, WIDTH, layout=gl.SliceLayout(0, layout))
+        ptrs = base + rows.to(gl.int64)[:, None] * (CHUNKS * BLOCK) + first + dims[None, :]
+        return gl.load(ptrs, mask=(rows < q_rows)[:, None], other=0.0).to(gl.float32)
+
+    @gluon.jit
+    def _query_stage(x, up, dst, W: gl.constexpr):
+        """A box of query dims times its rows' powers of two, in fp16, in `_key_order`, into dst."""
+        dst.store(_key_order((x * gl.convert_layout(up, gl.SliceLayout(1, x.type.layout))[:, None]).to(gl.float16),
+                             W))
+
+    @gluon.jit
+    def _direct_queries(q_ptr, head0, q_rows, ql_smem, qr_smem, table_ptr, s, st_s, start, end, num_blocks,
+                        PAGE: gl.constexpr, NQ: gl.constexpr, key_l: gl.constexpr):
+        """The NQ query rows as fp16 times a power of two per row (its largest magnitude into [2^14,
+        2^15), as `gluon_mla._converter`), each latent box's 128 dims (ql_smem[b]) and the rope's 64
+        (qr_smem) in the scores' `_key_order`, each row read once; the split's block ids checked while
+        those loads are in flight (`_bad_ids`). Returns (2^-e per row, whether a block id lies outside
+        the cache)."""
+        lat: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
+        base = q_ptr + head0.to(gl.int64) * (CHUNKS * BLOCK)
+        x0 = _query_box(base, q_rows, 0, LBOX, NQ, lat)
+        x1 = _query_box(base, q_rows, LBOX, LBOX, NQ, lat)
+        x2 = _query_box(base, q_rows, 2 * LBOX, LBOX, NQ, lat)
+        x3 = _query_box(base, q_rows, 3 * LBOX, LBOX, NQ, lat)
+        xr = _query_box(base, q_rows, LBOXES * LBOX, BLOCK, NQ, lat)
+        bad = _bad_ids(table_ptr, s, st_s, start, end, num_blocks, PAGE, key_l)
+        amax = gl.max(gl.maximum(gl.maximum(gl.abs(x0), gl.abs(x1)), gl.maximum(gl.abs(x2), gl.abs(x3))), 1)
+        amax = gl.maximum(amax, gl.max(gl.abs(xr), 1))
+        biased = (amax.to(gl.int32, bitcast=True) >> 23) & 0xFF
+        e = gl.minimum(gl.maximum(141 - biased, -113), 100)
+        up = ((e + 127) << 23).to(gl.float32, bitcast=True)
+        _query_stage(x0, up, ql_smem.index(0), LBOX)
+        _query_stage(x1, up, ql_smem.index(1), LBOX)
+        _query_stage(x2, up, ql_smem.index(2), LBOX)
+        _query_stage(x3, up, ql_smem.index(3), LBOX)
+        _query_stage(xr, up, qr_smem, BLOCK)
+        fence_async_shared()
+        gl.thread_barrier()
+        return ((127 - e) << 23).to(gl.float32, bitcast=True), bad
+
+    @gluon.jit
+    def _store_half(o_ptr, o, first, factor, o_q, live, rows):
+        """Output dims first, first + 2, .. (one parity of a latent box's 128) of the columns `live`."""
+        gl.store(o_ptr + o_q[None, :] + (first + 2 * rows)[:, None], o * factor[None, :], mask=live[None, :])
+
+    @gluon.jit
+    def _direct_scores(q_ptr, ql_smem, qr_smem, kl_smem, kr_smem, ks_smem, p_smem, a_smem, raw_ready, raw_free,
+                       p_ready, p_free, table_ptr, glens_ptr, lse_ptr, s, split, split_len, dcp_size, dcp_rank,
+                       interleave, table_w, num_blocks, st_s, qk_scale, sl_p, sl_s, sl_t, HQ, TQ,
+                       PAGE: gl.constexpr, RAW: gl.constexpr, NQ: gl.constexpr, CAUSAL: gl.constexpr):
+        """The direct fp8 kernel's first warpgroup: the queries, then per raw tile S^T = K Q^T with the A
+        operand converted in registers from the raw bytes, the online softmax (as `_consumer`'s over
+        fp8: scales, a running per-column unit), the weights P^T and the rescale alpha published in a
+        double buffer for the second warpgroup; at the end the lse, and the output's factor to it."""
+        mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, NQ, 16])
+        key_l: gl.constexpr = gl.SliceLayout(1, mma)
+        q_l: gl.constexpr = gl.SliceLayout(0, mma)
+        a_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
+        i16: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
+        i16r: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=64, element_bitwidth=16, rank=2)
+        start, end, tiles, bad = _split_range(glens_ptr, s, split, split_len, dcp_size, dcp_rank, interleave,
+                                              table_w, PAGE)
+        qf, bad_id = _direct_queries(q_ptr, s * (TQ * HQ), TQ * HQ, ql_smem, qr_smem, table_ptr, s, st_s, start, end,
+                                     num_blocks, PAGE, NQ, key_l)
+        bad = bad | bad_id
+        qk_q = gl.convert_layout(qf, q_l) * qk_scale
+        m_i = gl.full([NQ], float("-inf"), gl.float32, q_l)
+        l_i = gl.zeros([BLOCK, NQ], gl.float32, mma)
+        r_i = gl.zeros([NQ], gl.float32, q_l)
+        keys = gl.arange(0, BLOCK, layout=key_l)
+        cols = gl.arange(0, NQ, layout=q_l)
+        if CAUSAL:
+            q_pos = gl.load(glens_ptr + s).to(gl.int32) - TQ + cols // HQ
+        for t in range(tiles):
+            rs = t % RAW
+            pb = t % 2
+            j0 = start + t * BLOCK
+            mbarrier.wait(raw_ready.index(rs), (t // RAW) & 1)
+            if end - j0 < BLOCK:    # (before the second warpgroup may read the tile: it waits for this P)
+                _zero_tail(kl_smem, rs * LBOXES, end - j0)
+            sc = gl.zeros([BLOCK, NQ], gl.float32, mma)
+            sc = _scores_box(kl_smem.index(rs * LBOXES), ql_smem.index(0), sc, a_l, i16)
+            sc = _scores_box(kl_smem.index(rs * LBOXES + 1), ql_smem.index(1), sc, a_l, i16)
+            sc = warpgroup_mma_wait(num_outstanding=1, deps=(sc, ))
+            sc = _scores_box(kl_smem.index(rs * LBOXES + 2), ql_smem.index(2), sc, a_l, i16)
+            sc = warpgroup_mma_wait(num_outstanding=1, deps=(sc, ))
+            sc = _scores_box(kl_smem.index(rs * LBOXES + 3), ql_smem.index(3), sc, a_l, i16)
+            sc = warpgroup_mma_wait(num_outstanding=1, deps=(sc, ))
+            sc = _scores_box(kr_smem.index(rs), qr_smem, sc, a_l, i16r)
+            sc = warpgroup_mma_wait(num_outstanding=0, deps=(sc, ))
+            key_live = j0 + keys < end
+            live = key_live[:, None]
+            if CAUSAL:
+                live = live & (_global_pos(j0 + keys, dcp_size, dcp_rank, interleave)[:, None] <= q_pos[None, :])
+            ks = gl.where(key_live, ks_smem.index(rs).reshape([BLOCK]).load(key_l), 0.0)
+            mbarrier.arrive(raw_free.index(rs))
+            sc = gl.where(live, sc * ks[:, None] * qk_q[None, :], float("-inf"))
+            p, alpha, m_i, l_i, r_i = _softmax_step(sc, m_i, l_i, r_i, ks, 0, True, True)
+            if t >= 2:
+                mbarrier.wait(p_free.index(pb), ((t // 2) - 1) & 1)
+            p_smem.index(pb).store(gl.permute(p.to(gl.float16), [1, 0]))
+            a_smem.index(pb).store(alpha)
+            fence_async_shared()
+            gl.thread_barrier()
+            mbarrier.arrive(p_ready.index(pb))
+        factor, lse = _finish(m_i, gl.sum(l_i, 0), r_i, bad, True)
+        mine = cols < TQ * HQ
+        tok = (cols // HQ).to(gl.int64)
+        head = (cols % HQ).to(gl.int64)
+        gl.store(lse_ptr + split.to(gl.int64) * sl_p + s.to(gl.int64) * sl_s + tok * sl_t + head, lse, mask=mine)
+        if tiles >= 2:
+            mbarrier.wait(p_free.index(tiles % 2), ((tiles // 2) - 1) & 1)
+        a_smem.index(tiles % 2).store(factor)
+        gl.thread_barrier()
+        mbarrier.arrive(p_ready.index(tiles % 2))
+
+    @gluon.jit
+    def _direct_values(kl_smem, p_smem, a_smem, raw_free, p_ready, p_free, glens_ptr, o_ptr, s, split, split_len,
+                       dcp_size, dcp_rank, interleave, table_w, so_p, so_s, so_t, so_h, HQ, TQ, PAGE: gl.constexpr,
+                       RAW: gl.constexpr, NQ: gl.constexpr):
+        """The direct fp8 kernel's second warpgroup: per tile, once its weights are published, O^T +=
+        V^T P^T with the A operand converted in registers from the raw bytes (each accumulator one
+        parity of a latent box's dims), the raw stage then freed; at the end the output times the
+        first warpgroup's factor."""
+        mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, NQ, 16])
+        key_l: gl.constexpr = gl.SliceLayout(1, mma)
+        q_l: gl.constexpr = gl.SliceLayout(0, mma)
+        a_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
+        i16: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
+        start, end, tiles, bad = _split_range(glens_ptr, s, split, split_len, dcp_size, dcp_rank, interleave,
+                                              table_w, PAGE)
+        e0 = gl.zeros([BLOCK, NQ], gl.float32, mma)
+        d0 = gl.zeros([BLOCK, NQ], gl.float32, mma)
+        e1 = gl.zeros([BLOCK, NQ], gl.float32, mma)
+        d1 = gl.zeros([BLOCK, NQ], gl.float32, mma)
+        e2 = gl.zeros([BLOCK, NQ], gl.float32, mma)
+        d2 = gl.zeros([BLOCK, NQ], gl.float32, mma)
+        e3 = gl.zeros([BLOCK, NQ], gl.float32, mma)
+        d3 = gl.zeros([BLOCK, NQ], gl.float32, mma)
+        for t in range(tiles):
+            rs = t % RAW
+            pb = t % 2
+            mbarrier.wait(p_ready.index(pb), (t // 2) & 1)
+            alpha = a_smem.index(pb).load(q_l)
+            pt = p_smem.index(pb).permute((1, 0))
+            e0, d0 = _values_box(kl_smem.index(rs * LBOXES), pt, e0, d0, alpha, a_l, i16)
+            e1, d1 = _values_box(kl_smem.index(rs * LBOXES + 1), pt, e1, d1, alpha, a_l, i16)
+            e0, d0 = warpgroup_mma_wait(num_outstanding=2, deps=(e0, d0))
+            e2, d2 = _values_box(kl_smem.index(rs * LBOXES + 2), pt, e2, d2, alpha, a_l, i16)
+            e1, d1 = warpgroup_mma_wait(num_outstanding=2, deps=(e1, d1))
+            e3, d3 = _values_box(kl_smem.index(rs * LBOXES + 3), pt, e3, d3, alpha, a_l, i16)
+            e2, d2, e3, d3 = warpgroup_mma_wait(num_outstanding=0, deps=(e2, d2, e3, d3))
+            mbarrier.arrive(p_free.index(pb))
+            mbarrier.arrive(raw_free.index(rs))
+        mbarrier.wait(p_ready.index(tiles % 2), (tiles // 2) & 1)
+        factor = a_smem.index(tiles % 2).load(q_l)
+        cols = gl.arange(0, NQ, layout=q_l)
+        rows = gl.arange(0, BLOCK, layout=key_l)
+        mine = cols < TQ * HQ
+        o_q = (split.to(gl.int64) * so_p + s.to(gl.int64) * so_s + (cols // HQ).to(gl.int64) * so_t
+               + (cols % HQ).to(gl.int64) * so_h)
+        _store_half(o_ptr, e0, 0, factor, o_q, mine, rows)
+        _store_half(o_ptr, d0, 1, factor, o_q, mine, rows)
+        _store_half(o_ptr, e1, LBOX, factor, o_q, mine, rows)
+        _store_half(o_ptr, d1, LBOX + 1, factor, o_q, mine, rows)
+        _store_half(o_ptr, e2, 2 * LBOX, factor, o_q, mine, rows)
+        _store_half(o_ptr, d2, 2 * LBOX + 1, factor, o_q, mine, rows)
+        _store_half(o_ptr, e3, 3 * LBOX, factor, o_q, mine, rows)
+        _store_half(o_ptr, d3, 3 * LBOX + 1, factor, o_q, mine, rows)
+
+    @gluon.jit
+    def _direct_loader(kl_desc, kr_desc, ks_desc, table_ptr, glens_ptr, kl_smem, kr_smem, ks_smem, raw_ready,
+                       raw_free, s, split, split_len, dcp_size, dcp_rank, interleave, table_w, num_blocks, st_s,
+                       PAGE: gl.constexpr, RAW: gl.constexpr):
+        """(one warp) Each 64-key tile's four 64 x 128 latent boxes, its 64 x 64 rope box and its scales by
+        TMA into the raw ring (whole boxes: a tile lies in its page), the block ids four tiles ahead."""
+        start, end, tiles, bad = _split_range(glens_ptr, s, split, split_len, dcp_size, dcp_rank, interleave,
+                                              table_w, PAGE)
+        b1, b2, b3, b4 = _ids_window(table_ptr, s, st_s, start, tiles, num_blocks, PAGE)
+        for t in range(tiles):
+            rs = t % RAW
+            j0 = start + t * BLOCK
+            blk, b1, b2, b3, b4 = _ids_next(b1, b2, b3, b4, table_ptr, s, st_s, j0, t, tiles, num_blocks, PAGE)
+            if t >= RAW:
+                mbarrier.wait(raw_free.index(rs), ((t // RAW) - 1) & 1)
+            mbarrier.expect(raw_ready.index(rs), LBOXES * kl_desc.block_type.nbytes + kr_desc.block_type.nbytes
+                            + ks_desc.block_type.nbytes)
+            row = blk * PAGE + j0 % PAGE
+            for b in gl.static_range(LBOXES):
+                tma.async_copy_global_to_shared(kl_desc, [row, b * LBOX], raw_ready.index(rs),
+                                                kl_smem.index(rs * LBOXES + b))
+            tma.async_copy_global_to_shared(kr_desc, [row, LBOXES * LBOX], raw_ready.index(rs), kr_smem.index(rs))
+            tma.async_copy_global_to_shared(ks_desc, [blk, j0 % PAGE], raw_ready.index(rs), ks_smem.index(rs))
+
+    @gluon.jit
+    def _mla_narrow_direct_kernel(q_ptr, kl_desc, kr_desc, ks_desc, table_ptr, glens_ptr, o_ptr, lse_ptr, qk_scale,
+                                  split_len, HQ, TQ, dcp_size, dcp_rank, interleave, table_w, num_blocks, st_s,
+                                  so_p, so_s, so_t, so_h, sl_p, sl_s, sl_t, PAGE: gl.constexpr, NQ: gl.constexpr,
+                                  RAW: gl.constexpr, CAUSAL: gl.constexpr = False):
+        """fp8 latent cache without a converter: a one-warp TMA loader fills RAW raw stages; one warpgroup
+        reads each tile's bytes straight into the scores' A operands (`_direct_scores`), the other into
+        the values' (`_direct_values`) one tile behind, through a double buffer of the weights."""
+        s = gl.program_id(0)
+        split = gl.program_id(1)
+        lbox: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=8, rank=2)
+        rbox: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=64, element_bitwidth=8, rank=2)
+        qlbox: gl.constexpr = gl.NVMMASharedLayout.get_default_for([NQ, LBOX], gl.float16)
+        qrbox: gl.constexpr = gl.NVMMASharedLayout.get_default_for([NQ, BLOCK], gl.float16)
+        sc_box: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2)
+        vec: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[0])
+        ql_smem = gl.allocate_shared_memory(gl.float16, [LBOXES, NQ, LBOX], qlbox)
+        qr_smem = gl.allocate_shared_memory(gl.float16, [NQ, BLOCK], qrbox)
+        p_smem = gl.allocate_shared_memory(gl.float16, [2, NQ, BLOCK], qrbox)
+        a_smem = gl.allocate_shared_memory(gl.float32, [2, NQ], vec)
+        kl_smem = gl.allocate_shared_memory(gl.float8e4nv, [RAW * LBOXES, BLOCK, LBOX], lbox)
+        kr_smem = gl.allocate_shared_memory(gl.float8e4nv, [RAW, BLOCK, BLOCK], rbox)
+        ks_smem = gl.allocate_shared_memory(gl.float32, [RAW, 1, BLOCK], sc_box)
+        raw_ready = gl.allocate_shared_memory(gl.int64, [RAW, 1], mbarrier.MBarrierLayout())
+        raw_free = gl.allocate_shared_memory(gl.int64, [RAW, 1], mbarrier.MBarrierLayout())
+        p_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        p_free = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        for i in gl.static_range(RAW):
+            mbarrier.init(raw_ready.index(i), count=1)
+            mbarrier.init(raw_free.index(i), count=2)
+        for i in gl.static_range(2):
+            mbarrier.init(p_ready.index(i), count=1)
+            mbarrier.init(p_free.index(i), count=1)
+        fence_async_shared()
+        gl.warp_specialize([
+            (_direct_scores, (q_ptr, ql_smem, qr_smem, kl_smem, kr_smem, ks_smem, p_smem, a_smem, raw_ready, raw_free,
+                              p_ready, p_free, table_ptr, glens_ptr, lse_ptr, s, split, split_len, dcp_size, dcp_rank,
+                              interleave, table_w, num_blocks, st_s, qk_scale, sl_p, sl_s, sl_t, HQ, TQ, PAGE, RAW, NQ,
+                              CAUSAL)),
+            (_direct_values, (kl_smem, p_smem, a_smem, raw_free, p_ready, p_free, glens_ptr, o_ptr, s, split, split_len,
+                              dcp_size, dcp_rank, interleave, table_w, so_p, so_s, so_t, so_h, HQ, TQ, PAGE, RAW,
+                              NQ)),
+            (_direct_loader, (kl_desc, kr_desc, ks_desc, table_ptr, glens_ptr, kl_smem, kr_smem, ks_smem, raw_ready,
+                              raw_free, s, split, split_len, dcp_size, dcp_rank, interleave, table_w, num_blocks,
+                              st_s, PAGE, RAW)),
+        ], [4, 1], [REGS_VALUES, 24])
 
 def launch(q: Tensor, k: Tensor, table: Tensor, seq_lens: Tensor, o: Tensor, lse: Tensor, scale_log2: float,
            splits: int, split_len: int, dcp_size: int, dcp_rank: int, interleave: int,
-           k_scale: Tensor | None = None, ring: int = 2, raw: int = 1, rope_raw: bool = False) -> None:
+           k_scale: Tensor | None = None, ring: int = 2, raw: int = 1, rope_raw: bool = False,
+           direct: bool = False) -> None:
     """Fill the split partials o [splits, S, Tq, Hq, 512] / lse [splits, S, Tq, Hq] of queries q [S, Tq,
     Hq, 576] (`gluon_mla.gluon_mla_ok` and `narrow_ok` of Tq x Hq columns hold; Tq > 1: causal within
     the step's tokens); over fp8 `ring` fp16 and `raw` raw stages of 64 keys (`fp8_fits`), the rope
-    box's scores from the raw stage with `rope_raw` (the fp16 stages then hold 512 dims)."""
+    box's scores from the raw stage with `rope_raw` (the fp16 stages then hold 512 dims), or with
+    `direct` no converter and `raw` raw stages only (`direct_fits`)."""
     s, tq, hq, d = q.shape
     nb, page = k.shape[0], k.shape[1]
     nq = columns(tq * hq)
     fp8 = k.dtype == torch.float8_e4m3fn
+    tail = (o.stride(0), o.stride(1), o.stride(2), o.stride(3), lse.stride(0), lse.stride(1), lse.stride(2))
+    if fp8 and direct:
+        if not direct_fits(tq * hq, raw):
+            raise ValueError(f"the direct fp8 MLA kernel with {tq} x {hq} query rows and {raw} raw stages of "
+                             f"{_BLOCK} keys does not fit in shared memory ({SMEM_LIMIT} bytes)")
+        lbox = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=8, rank=2)
+        rbox = gl.NVMMASharedLayout(swizzle_byte_width=64, element_bitwidth=8, rank=2)
+        sc_box = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2)
+        k2, ks2 = k.view(nb * page, d), k_scale.view(nb, page)
+        kl_desc = TensorDescriptor(k2, list(k2.shape), list(k2.stride()), [_BLOCK, _LBOX], lbox)
+        kr_desc = TensorDescriptor(k2, list(k2.shape), list(k2.stride()), [_BLOCK, _BLOCK], rbox)
+        ks_desc = TensorDescriptor(ks2, list(ks2.shape), list(ks2.stride()), [1, _BLOCK], sc_box)
+        _mla_narrow_direct_kernel[(s, splits)](
+            q, kl_desc, kr_desc, ks_desc, table, seq_lens, o, lse, scale_log2, split_len, hq, tq, dcp_size, dcp_rank,
+            interleave, table.shape[1], nb, table.stride(0), *tail, PAGE=page, NQ=nq, RAW=raw, CAUSAL=tq > 1,
+            num_warps=4)
+        return
     if fp8 and not fp8_fits(tq * hq, ring, raw, rope_raw):
         raise ValueError(f"the narrow fp8 MLA kernel with {tq} x {hq} query rows, {ring} fp16 and {raw} raw "
                          f"stages of {_BLOCK} keys (rope from the raw stage: {bool(rope_raw)}) does not fit in "
                          f"shared memory ({SMEM_LIMIT} bytes)")
-    tail = (o.stride(0), o.stride(1), o.stride(2), o.stride(3), lse.stride(0), lse.stride(1), lse.stride(2))
     if fp8:
         raw_box = gl.NVMMASharedLayout.get_default_for([_BLOCK, _BLOCK], gl.float8e4nv)
         sc_box = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2)

@@ -638,6 +638,13 @@ CONFIG = {
     # over bf16 -> swapped 105.0 / 84.0
     "swap_wide_narrow": 1, "swap_wide_narrow_fp8": 1, "ring_wide_narrow_fp8": 2, "raw_ring_wide_narrow_fp8": 2,
     "rope_raw_wide_narrow_fp8": 1,
+    # over fp8 the swapped kernel's direct form (`gluon_mla_narrow._mla_narrow_direct_kernel`; 0 off,
+    # else its raw stages, `direct_fits`): no converter and no fp16 stages, the consumer reads each
+    # raw tile's bytes into its MMAs' A operands (16-bit ldmatrix over the fp8 bytes, plain for the
+    # scores and transposed for the values, each pair split into even and odd dims in registers), so
+    # a tile crosses shared memory once by TMA and is read twice (~124 KB of traffic against ~270),
+    # and five tiles fit in flight
+    "direct_wide_narrow_fp8": 5,
     # over fp8: a TMA ring of this many raw fp8 tiles in front of the Gluon kernel's converter (0:
     # the converter loads 64-key tiles itself into two fp16 stages; Nsight Compute had put the
     # kernel's bound in those loads, docs/gpu.md section 18). With 64-key tiles and one fp16 stage:
@@ -912,6 +919,7 @@ _VALID = {
     "gluon_gqa": (0, 1), "gluon_gqa_fp8": (0, 1), "stages": range(2, 7), "raw_stages": range(2, 11),
     "swap": (0, 1), "raw_ring": (0, 1, 2, 3, 4), "keys": (32, 64), "ring": (1, 2, 3),
     "maxnreg": (0, *range(64, 256, 8)), "at_most": (0, 1), "stage16": (0, 1, 2), "even": (0, 1), "rope_raw": (0, 1),
+    "direct": range(0, 6),
 }
 _META = ("device", "sizes", "seconds", "results", "notes", "problems")
 
@@ -1116,10 +1124,15 @@ def paged_decode_triton(q: Tensor, k: Tensor, v: Tensor, k_scale: Tensor | None,
     vs_st = vs.stride() if fp8 else (0, 0, 0)
     table = block_table if block_table.stride(-1) == 1 else block_table.contiguous()
     if s > 0 and splits > 0 and swapped:
-        ring, raw, rope = gluon_mla_narrow.fp8_form(tq * hq, *(CONFIG[f"{n}_wide_narrow_fp8"]
-                                                          for n in ("ring", "raw_ring", "rope_raw")))
+        direct = gluon_mla_narrow.direct_stages(tq * hq, CONFIG["direct_wide_narrow_fp8"]) if fp8 else 0
+        if direct:
+            ring, raw, rope = 0, direct, False
+        else:
+            direct, (ring, raw, rope) = 0, gluon_mla_narrow.fp8_form(tq * hq, *(CONFIG[f"{n}_wide_narrow_fp8"]
+                                                                       for n in ("ring", "raw_ring", "rope_raw")))
         gluon_mla_narrow.launch(q, k, table, seq_lens, o, lse, scale * _LOG2E, splits, split_len, dcp_size, dcp_rank,
-                                interleave, k_scale if fp8 else None, ring=ring, raw=raw, rope_raw=rope)
+                                interleave, k_scale if fp8 else None, ring=ring, raw=raw, rope_raw=rope,
+                                direct=bool(direct))
     elif s > 0 and splits > 0 and gluon:
         gluon_mla.launch_gluon_mla(q, k, table, seq_lens, o, lse, scale * _LOG2E, splits, split_len, dcp_size,
                                    dcp_rank, interleave, k_scale if fp8 else None, raw_ring=CONFIG["raw_ring_wide_fp8"],
