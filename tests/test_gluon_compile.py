@@ -43,7 +43,8 @@ def _build(name: str) -> dict:
         nq, causal = int(more[0]), more[-1] == "causal"
         if fp8 and more[1].startswith("direct"):
             kernel, consts = gluon_mla_narrow._mla_narrow_direct_kernel, {"PAGE": 64, "NQ": nq,
-                                                                           "RAW": int(more[1][6:]), "CAUSAL": causal}
+                                                                           "RAW": int(more[1][6:].rstrip("s")),
+                                                                           "CAUSAL": causal, "F8": more[1][-1] == "s"}
             lbox, rbox = gl.NVMMASharedLayout(128, 8, 2), gl.NVMMASharedLayout(64, 8, 2)
             ptrs.update(q_ptr="*bf16", kl_desc=f"tensordesc<fp8e4nv[64, 128],{lbox}>",
                         kr_desc=f"tensordesc<fp8e4nv[64, 64],{rbox}>",
@@ -104,8 +105,8 @@ def _build(name: str) -> dict:
     ("gqa-bf16-swap", 64), ("gqa-fp8-swap", 0), ("mlan-bf16-16", 0), ("mlan-bf16-32", 0), ("mlan-bf16-8", 0),
     ("mlan-fp8-16-r2raw1", 0), ("mlan-fp8-32-r2raw1", 64), ("mlan-fp8-16-r1raw3", 256),
     ("mlan-fp8-16-r2raw2rope", 0), ("mlan-bf16-32-causal", 128), ("mlan-fp8-32-r2raw1-causal", 256),
-    ("mlan-fp8-16-direct5", 0), ("mlan-fp8-16-direct5-causal", 0), ("mlan-fp8-8-direct1", 0),
-    ("mlan-fp8-32-direct5", 64), ("mlan-fp8-32-direct4-causal", 64)])
+    ("mlan-fp8-16-direct5", 0), ("mlan-fp8-16-direct5s", 0), ("mlan-fp8-16-direct5s-causal", 0),
+    ("mlan-fp8-8-direct1s", 0), ("mlan-fp8-32-direct5s", 32), ("mlan-fp8-32-direct4s-causal", 64)])
 def test_gluon_decode_kernel_builds_for_sm90(name, spill_cap):
     """spill_cap: the committed MLA builds spill 12 B (bf16: the loader's masked tail tile) and 388-516 B
     (fp8: warpgroup 1's accumulators and the converter's loads), built with the launcher's 16-byte
@@ -113,7 +114,8 @@ def test_gluon_decode_kernel_builds_for_sm90(name, spill_cap):
     tail). The swapped narrow MLA kernels ("mlan-DTYPE-HEADS[-rRINGrawRAW]"): none at 8-32 heads over
     bf16 and at 16 over fp8's installed ring, 24 B at 32 heads, 152 B with one fp16 and three raw
     stages; "-causal" (a speculative step's query tokens as columns) 84 B over bf16 and 168 B over
-    fp8 at 32 columns."""
+    fp8 at 32 columns. Their direct fp8 form ("-directRAW[s]": no converter, RAW raw stages, "s" the
+    scores as fp8 MMAs): none at 8-16 columns, 12 B at 32."""
     pytest.importorskip("triton.experimental.gluon")
     env = dict(os.environ, TRITON_INTERPRET="0", PYTHONPATH=f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
     done = subprocess.run([sys.executable, __file__, name], env=env, cwd=ROOT,

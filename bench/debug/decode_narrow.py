@@ -30,7 +30,11 @@ FORMS = {
     "fp8": (("triton", {"gluon_wide_narrow_fp8": 0}), ("padded", {"swap_wide_narrow_fp8": 0}),
             ("swap r2raw2 rope", {"rope_raw_wide_narrow_fp8": 1, "ring_wide_narrow_fp8": 2,
                                   "raw_ring_wide_narrow_fp8": 2, "direct_wide_narrow_fp8": 0}),
-            ("direct raw3", {"direct_wide_narrow_fp8": 3}), ("direct raw5", {"direct_wide_narrow_fp8": 5})),
+            ("direct raw5", {"direct_wide_narrow_fp8": 5, "fp8_scores_wide_narrow_fp8": 0, "values_wide_narrow_fp8": 1}),
+            ("direct raw5 fp8 scores", {"direct_wide_narrow_fp8": 5, "fp8_scores_wide_narrow_fp8": 1,
+                                        "values_wide_narrow_fp8": 1}),
+            ("direct raw5 fp8 scores 2 value wgs", {"direct_wide_narrow_fp8": 5, "fp8_scores_wide_narrow_fp8": 1,
+                                                    "values_wide_narrow_fp8": 2})),
     "bf16": (("triton", {"gluon_wide_narrow": 0}), ("padded", {"swap_wide_narrow": 0}), ("swap", {})),
 }
 PROBLEMS = ((torch.float8_e4m3fn, 8192, 16, 1), (torch.float8_e4m3fn, 32768, 16, 1),

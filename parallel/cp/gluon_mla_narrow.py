@@ -20,7 +20,17 @@ tile by TMA into a 2-stage ring (the masked last tile through loads, zeros past 
 writes each tile as fp16 with its per-token scales (`gluon_mla._converter`, the queries times a
 power of two per head), and the consumer keeps the weights in a running per-head unit. The
 output is the split's partial (out, lse) in `triton_decode.paged_decode_triton`'s layout.
-`narrow_ok` says where it applies; CONFIG swap_wide_narrow / swap_wide_narrow_fp8 choose it."""
+`narrow_ok` says where it applies; CONFIG swap_wide_narrow / swap_wide_narrow_fp8 choose it.
+
+The direct fp8 form (`_mla_narrow_direct_kernel`, CONFIG direct_wide_narrow_fp8) has no converter
+and no fp16 stages: the loader brings each raw tile as four 64 x 128 latent boxes, the rope box and
+the scales into up to five stages, and two warpgroups read the bytes themselves. The value
+warpgroup loads each latent box transposed with 16-bit ldmatrix (64 dim pairs x 64 keys) and splits
+each pair into its even and odd dims in registers, so each of its eight accumulators holds one
+parity of a box's 128 dims. The scores warpgroup computes S^T either with the same register A
+operand in a permuted dim order (`_key_order`: the queries take the same order) or, installed, as
+fp8 MMAs straight from shared memory against the queries as two e4m3 parts (hi + lo), each box into
+its own accumulator summed in fp32; it publishes P^T and the rescale through a double buffer."""
 
 from __future__ import annotations
 
@@ -317,6 +327,15 @@ if HAS_GLUON:
         return warpgroup_mma(k, q_box.permute((1, 0)), sc, is_async=True)
 
     @gluon.jit
+    def _scores_box8(box, q8, first, mma: gl.constexpr, NQ: gl.constexpr):
+        """A raw fp8 box's keys [64, W] against the queries' W dims as e4m3 hi and lo parts (q8[first],
+        q8[first + 1], [NQ, W]): two fp8 MMAs with both operands in shared memory, into an accumulator of
+        the box's own (summed with the other boxes' in fp32: no fp8 accumulation longer than 128 dims)."""
+        acc = warpgroup_mma(box, q8.index(first).permute((1, 0)), gl.zeros([BLOCK, NQ], gl.float32, mma),
+                            is_async=True)
+        return warpgroup_mma(box, q8.index(first + 1).permute((1, 0)), acc, is_async=True)
+
+    @gluon.jit
     def _values_box(box, pt, o_even, o_odd, alpha, a_l: gl.constexpr, i16: gl.constexpr):
         """The two accumulators of a latent box's 128 value dims (its 64 even dims, its 64 odd dims),
         rescaled per column by alpha, plus V^T P^T: the box read transposed as 64 dim pairs x 64 keys
@@ -355,8 +374,17 @@ if HAS_GLUON:
                              W))
 
     @gluon.jit
+    def _query_split(x, up, dst_hi, dst_lo):
+        """A box of query dims times its rows' powers of two as two e4m3 parts, hi + lo: their sum
+        carries ~8 significant bits, a bf16 query's."""
+        xs = x * gl.convert_layout(up, gl.SliceLayout(1, x.type.layout))[:, None]
+        hi = xs.to(gl.float8e4nv)
+        dst_hi.store(hi)
+        dst_lo.store((xs - hi.to(gl.float32)).to(gl.float8e4nv))
+
+    @gluon.jit
     def _direct_queries(q_ptr, head0, q_rows, ql_smem, qr_smem, table_ptr, s, st_s, start, end, num_blocks,
-                        PAGE: gl.constexpr, NQ: gl.constexpr, key_l: gl.constexpr):
+                        PAGE: gl.constexpr, NQ: gl.constexpr, key_l: gl.constexpr, F8: gl.constexpr = False):
         """The NQ query rows as fp16 times a power of two per row (its largest magnitude into [2^14,
         2^15), as `gluon_mla._converter`), each latent box's 128 dims (ql_smem[b]) and the rope's 64
         (qr_smem) in the scores' `_key_order`, each row read once; the split's block ids checked while
@@ -373,13 +401,22 @@ if HAS_GLUON:
         amax = gl.max(gl.maximum(gl.maximum(gl.abs(x0), gl.abs(x1)), gl.maximum(gl.abs(x2), gl.abs(x3))), 1)
         amax = gl.maximum(amax, gl.max(gl.abs(xr), 1))
         biased = (amax.to(gl.int32, bitcast=True) >> 23) & 0xFF
-        e = gl.minimum(gl.maximum(141 - biased, -113), 100)
-        up = ((e + 127) << 23).to(gl.float32, bitcast=True)
-        _query_stage(x0, up, ql_smem.index(0), LBOX)
-        _query_stage(x1, up, ql_smem.index(1), LBOX)
-        _query_stage(x2, up, ql_smem.index(2), LBOX)
-        _query_stage(x3, up, ql_smem.index(3), LBOX)
-        _query_stage(xr, up, qr_smem, BLOCK)
+        if F8:      # (the largest magnitude into [2^7, 2^8): e4m3's top binade is [2^8, 448])
+            e = gl.minimum(gl.maximum(134 - biased, -120), 107)
+            up = ((e + 127) << 23).to(gl.float32, bitcast=True)
+            _query_split(x0, up, ql_smem.index(0), ql_smem.index(1))
+            _query_split(x1, up, ql_smem.index(2), ql_smem.index(3))
+            _query_split(x2, up, ql_smem.index(4), ql_smem.index(5))
+            _query_split(x3, up, ql_smem.index(6), ql_smem.index(7))
+            _query_split(xr, up, qr_smem.index(0), qr_smem.index(1))
+        else:
+            e = gl.minimum(gl.maximum(141 - biased, -113), 100)
+            up = ((e + 127) << 23).to(gl.float32, bitcast=True)
+            _query_stage(x0, up, ql_smem.index(0), LBOX)
+            _query_stage(x1, up, ql_smem.index(1), LBOX)
+            _query_stage(x2, up, ql_smem.index(2), LBOX)
+            _query_stage(x3, up, ql_smem.index(3), LBOX)
+            _query_stage(xr, up, qr_smem, BLOCK)
         fence_async_shared()
         gl.thread_barrier()
         return ((127 - e) << 23).to(gl.float32, bitcast=True), bad
@@ -393,12 +430,14 @@ if HAS_GLUON:
     def _direct_scores(q_ptr, ql_smem, qr_smem, kl_smem, kr_smem, ks_smem, p_smem, a_smem, raw_ready, raw_free,
                        p_ready, p_free, table_ptr, glens_ptr, lse_ptr, s, split, split_len, dcp_size, dcp_rank,
                        interleave, table_w, num_blocks, st_s, qk_scale, sl_p, sl_s, sl_t, HQ, TQ,
-                       PAGE: gl.constexpr, RAW: gl.constexpr, NQ: gl.constexpr, CAUSAL: gl.constexpr):
+                       PAGE: gl.constexpr, RAW: gl.constexpr, NQ: gl.constexpr, CAUSAL: gl.constexpr,
+                       F8: gl.constexpr):
         """The direct fp8 kernel's first warpgroup: the queries, then per raw tile S^T = K Q^T with the A
         operand converted in registers from the raw bytes, the online softmax (as `_consumer`'s over
         fp8: scales, a running per-column unit), the weights P^T and the rescale alpha published in a
         double buffer for the second warpgroup; at the end the lse, and the output's factor to it."""
         mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, NQ, 16])
+        mma8: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, NQ, 32])
         key_l: gl.constexpr = gl.SliceLayout(1, mma)
         q_l: gl.constexpr = gl.SliceLayout(0, mma)
         a_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
@@ -407,7 +446,7 @@ if HAS_GLUON:
         start, end, tiles, bad = _split_range(glens_ptr, s, split, split_len, dcp_size, dcp_rank, interleave,
                                               table_w, PAGE)
         qf, bad_id = _direct_queries(q_ptr, s * (TQ * HQ), TQ * HQ, ql_smem, qr_smem, table_ptr, s, st_s, start, end,
-                                     num_blocks, PAGE, NQ, key_l)
+                                     num_blocks, PAGE, NQ, key_l, F8)
         bad = bad | bad_id
         qk_q = gl.convert_layout(qf, q_l) * qk_scale
         m_i = gl.full([NQ], float("-inf"), gl.float32, q_l)
@@ -424,16 +463,25 @@ if HAS_GLUON:
             mbarrier.wait(raw_ready.index(rs), (t // RAW) & 1)
             if end - j0 < BLOCK:    # (before the second warpgroup may read the tile: it waits for this P)
                 _zero_tail(kl_smem, rs * LBOXES, end - j0)
-            sc = gl.zeros([BLOCK, NQ], gl.float32, mma)
-            sc = _scores_box(kl_smem.index(rs * LBOXES), ql_smem.index(0), sc, a_l, i16)
-            sc = _scores_box(kl_smem.index(rs * LBOXES + 1), ql_smem.index(1), sc, a_l, i16)
-            sc = warpgroup_mma_wait(num_outstanding=1, deps=(sc, ))
-            sc = _scores_box(kl_smem.index(rs * LBOXES + 2), ql_smem.index(2), sc, a_l, i16)
-            sc = warpgroup_mma_wait(num_outstanding=1, deps=(sc, ))
-            sc = _scores_box(kl_smem.index(rs * LBOXES + 3), ql_smem.index(3), sc, a_l, i16)
-            sc = warpgroup_mma_wait(num_outstanding=1, deps=(sc, ))
-            sc = _scores_box(kr_smem.index(rs), qr_smem, sc, a_l, i16r)
-            sc = warpgroup_mma_wait(num_outstanding=0, deps=(sc, ))
+            if F8:
+                s0 = _scores_box8(kl_smem.index(rs * LBOXES), ql_smem, 0, mma8, NQ)
+                s1 = _scores_box8(kl_smem.index(rs * LBOXES + 1), ql_smem, 2, mma8, NQ)
+                s2 = _scores_box8(kl_smem.index(rs * LBOXES + 2), ql_smem, 4, mma8, NQ)
+                s3 = _scores_box8(kl_smem.index(rs * LBOXES + 3), ql_smem, 6, mma8, NQ)
+                s4 = _scores_box8(kr_smem.index(rs), qr_smem, 0, mma8, NQ)
+                s0, s1, s2, s3, s4 = warpgroup_mma_wait(num_outstanding=0, deps=(s0, s1, s2, s3, s4))
+                sc = gl.convert_layout((s0 + s1) + (s2 + s3) + s4, mma)      # (the same registers)
+            else:
+                sc = gl.zeros([BLOCK, NQ], gl.float32, mma)
+                sc = _scores_box(kl_smem.index(rs * LBOXES), ql_smem.index(0), sc, a_l, i16)
+                sc = _scores_box(kl_smem.index(rs * LBOXES + 1), ql_smem.index(1), sc, a_l, i16)
+                sc = warpgroup_mma_wait(num_outstanding=1, deps=(sc, ))
+                sc = _scores_box(kl_smem.index(rs * LBOXES + 2), ql_smem.index(2), sc, a_l, i16)
+                sc = warpgroup_mma_wait(num_outstanding=1, deps=(sc, ))
+                sc = _scores_box(kl_smem.index(rs * LBOXES + 3), ql_smem.index(3), sc, a_l, i16)
+                sc = warpgroup_mma_wait(num_outstanding=1, deps=(sc, ))
+                sc = _scores_box(kr_smem.index(rs), qr_smem, sc, a_l, i16r)
+                sc = warpgroup_mma_wait(num_outstanding=0, deps=(sc, ))
             key_live = j0 + keys < end
             live = key_live[:, None]
             if CAUSAL:
@@ -464,10 +512,11 @@ if HAS_GLUON:
     def _direct_values(kl_smem, p_smem, a_smem, raw_free, p_ready, p_free, glens_ptr, o_ptr, s, split, split_len,
                        dcp_size, dcp_rank, interleave, table_w, so_p, so_s, so_t, so_h, HQ, TQ, PAGE: gl.constexpr,
                        RAW: gl.constexpr, NQ: gl.constexpr):
-        """The direct fp8 kernel's second warpgroup: per tile, once its weights are published, O^T +=
-        V^T P^T with the A operand converted in registers from the raw bytes (each accumulator one
-        parity of a latent box's dims), the raw stage then freed; at the end the output times the
-        first warpgroup's factor."""
+        """The direct fp8 kernel's value warpgroup: per tile, once its weights are published, O^T += V^T
+        P^T with the A operand converted in registers from the raw bytes (each accumulator one parity
+        of a latent box's dims), its hold on the raw stage and the weights then released; at the end the
+        output times the scores warpgroup's factor. (Two value warpgroups of two boxes each ran 3-7%
+        slower: decode-narrow10/12-values2-h200.json.)"""
         mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, NQ, 16])
         key_l: gl.constexpr = gl.SliceLayout(1, mma)
         q_l: gl.constexpr = gl.SliceLayout(0, mma)
@@ -489,12 +538,13 @@ if HAS_GLUON:
             mbarrier.wait(p_ready.index(pb), (t // 2) & 1)
             alpha = a_smem.index(pb).load(q_l)
             pt = p_smem.index(pb).permute((1, 0))
-            e0, d0 = _values_box(kl_smem.index(rs * LBOXES), pt, e0, d0, alpha, a_l, i16)
-            e1, d1 = _values_box(kl_smem.index(rs * LBOXES + 1), pt, e1, d1, alpha, a_l, i16)
+            first = rs * LBOXES
+            e0, d0 = _values_box(kl_smem.index(first), pt, e0, d0, alpha, a_l, i16)
+            e1, d1 = _values_box(kl_smem.index(first + 1), pt, e1, d1, alpha, a_l, i16)
             e0, d0 = warpgroup_mma_wait(num_outstanding=2, deps=(e0, d0))
-            e2, d2 = _values_box(kl_smem.index(rs * LBOXES + 2), pt, e2, d2, alpha, a_l, i16)
+            e2, d2 = _values_box(kl_smem.index(first + 2), pt, e2, d2, alpha, a_l, i16)
             e1, d1 = warpgroup_mma_wait(num_outstanding=2, deps=(e1, d1))
-            e3, d3 = _values_box(kl_smem.index(rs * LBOXES + 3), pt, e3, d3, alpha, a_l, i16)
+            e3, d3 = _values_box(kl_smem.index(first + 3), pt, e3, d3, alpha, a_l, i16)
             e2, d2, e3, d3 = warpgroup_mma_wait(num_outstanding=0, deps=(e2, d2, e3, d3))
             mbarrier.arrive(p_free.index(pb))
             mbarrier.arrive(raw_free.index(rs))
@@ -542,7 +592,7 @@ if HAS_GLUON:
     def _mla_narrow_direct_kernel(q_ptr, kl_desc, kr_desc, ks_desc, table_ptr, glens_ptr, o_ptr, lse_ptr, qk_scale,
                                   split_len, HQ, TQ, dcp_size, dcp_rank, interleave, table_w, num_blocks, st_s,
                                   so_p, so_s, so_t, so_h, sl_p, sl_s, sl_t, PAGE: gl.constexpr, NQ: gl.constexpr,
-                                  RAW: gl.constexpr, CAUSAL: gl.constexpr = False):
+                                  RAW: gl.constexpr, CAUSAL: gl.constexpr = False, F8: gl.constexpr = False):
         """fp8 latent cache without a converter: a one-warp TMA loader fills RAW raw stages; one warpgroup
         reads each tile's bytes straight into the scores' A operands (`_direct_scores`), the other into
         the values' (`_direct_values`) one tile behind, through a double buffer of the weights."""
@@ -554,8 +604,12 @@ if HAS_GLUON:
         qrbox: gl.constexpr = gl.NVMMASharedLayout.get_default_for([NQ, BLOCK], gl.float16)
         sc_box: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2)
         vec: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[0])
-        ql_smem = gl.allocate_shared_memory(gl.float16, [LBOXES, NQ, LBOX], qlbox)
-        qr_smem = gl.allocate_shared_memory(gl.float16, [NQ, BLOCK], qrbox)
+        if F8:      # (the queries' e4m3 hi and lo parts, box b's at [2b] and [2b + 1])
+            ql_smem = gl.allocate_shared_memory(gl.float8e4nv, [2 * LBOXES, NQ, LBOX], lbox)
+            qr_smem = gl.allocate_shared_memory(gl.float8e4nv, [2, NQ, BLOCK], rbox)
+        else:
+            ql_smem = gl.allocate_shared_memory(gl.float16, [LBOXES, NQ, LBOX], qlbox)
+            qr_smem = gl.allocate_shared_memory(gl.float16, [NQ, BLOCK], qrbox)
         p_smem = gl.allocate_shared_memory(gl.float16, [2, NQ, BLOCK], qrbox)
         a_smem = gl.allocate_shared_memory(gl.float32, [2, NQ], vec)
         kl_smem = gl.allocate_shared_memory(gl.float8e4nv, [RAW * LBOXES, BLOCK, LBOX], lbox)
@@ -573,36 +627,41 @@ if HAS_GLUON:
             mbarrier.init(p_free.index(i), count=1)
         fence_async_shared()
         gl.warp_specialize([
-            (_direct_scores, (q_ptr, ql_smem, qr_smem, kl_smem, kr_smem, ks_smem, p_smem, a_smem, raw_ready, raw_free,
-                              p_ready, p_free, table_ptr, glens_ptr, lse_ptr, s, split, split_len, dcp_size, dcp_rank,
-                              interleave, table_w, num_blocks, st_s, qk_scale, sl_p, sl_s, sl_t, HQ, TQ, PAGE, RAW, NQ,
-                              CAUSAL)),
-            (_direct_values, (kl_smem, p_smem, a_smem, raw_free, p_ready, p_free, glens_ptr, o_ptr, s, split, split_len,
-                              dcp_size, dcp_rank, interleave, table_w, so_p, so_s, so_t, so_h, HQ, TQ, PAGE, RAW,
-                              NQ)),
-            (_direct_loader, (kl_desc, kr_desc, ks_desc, table_ptr, glens_ptr, kl_smem, kr_smem, ks_smem, raw_ready,
-                              raw_free, s, split, split_len, dcp_size, dcp_rank, interleave, table_w, num_blocks,
-                              st_s, PAGE, RAW)),
+            (_direct_scores, (q_ptr, ql_smem, qr_smem, kl_smem, kr_smem, ks_smem, p_smem, a_smem, raw_ready,
+                              raw_free, p_ready, p_free, table_ptr, glens_ptr, lse_ptr, s, split, split_len,
+                              dcp_size, dcp_rank, interleave, table_w, num_blocks, st_s, qk_scale, sl_p, sl_s, sl_t,
+                              HQ, TQ, PAGE, RAW, NQ, CAUSAL, F8)),
+            (_direct_values, (kl_smem, p_smem, a_smem, raw_free, p_ready, p_free, glens_ptr, o_ptr, s, split,
+                              split_len, dcp_size, dcp_rank, interleave, table_w, so_p, so_s, so_t, so_h, HQ, TQ,
+                              PAGE, RAW, NQ)),
+            (_direct_loader, (kl_desc, kr_desc, ks_desc, table_ptr, glens_ptr, kl_smem, kr_smem, ks_smem,
+                              raw_ready, raw_free, s, split, split_len, dcp_size, dcp_rank, interleave, table_w,
+                              num_blocks, st_s, PAGE, RAW)),
         ], [4, 1], [REGS_VALUES, 24])
 
 def launch(q: Tensor, k: Tensor, table: Tensor, seq_lens: Tensor, o: Tensor, lse: Tensor, scale_log2: float,
            splits: int, split_len: int, dcp_size: int, dcp_rank: int, interleave: int,
            k_scale: Tensor | None = None, ring: int = 2, raw: int = 1, rope_raw: bool = False,
-           direct: bool = False) -> None:
+           direct: bool = False, fp8_scores: bool = False) -> None:
     """Fill the split partials o [splits, S, Tq, Hq, 512] / lse [splits, S, Tq, Hq] of queries q [S, Tq,
     Hq, 576] (`gluon_mla.gluon_mla_ok` and `narrow_ok` of Tq x Hq columns hold; Tq > 1: causal within
     the step's tokens); over fp8 `ring` fp16 and `raw` raw stages of 64 keys (`fp8_fits`), the rope
     box's scores from the raw stage with `rope_raw` (the fp16 stages then hold 512 dims), or with
-    `direct` no converter and `raw` raw stages only (`direct_fits`)."""
+    `direct` no converter and `raw` raw stages only (`direct_fits`; `fp8_scores`: the scores as fp8
+    MMAs against the queries' e4m3 hi + lo parts)."""
     s, tq, hq, d = q.shape
     nb, page = k.shape[0], k.shape[1]
     nq = columns(tq * hq)
     fp8 = k.dtype == torch.float8_e4m3fn
+    if fp8 and direct and not direct_fits(tq * hq, raw):
+        raise ValueError(f"the direct fp8 MLA kernel with {tq} x {hq} query rows and {raw} raw stages of "
+                         f"{_BLOCK} keys does not fit in shared memory ({SMEM_LIMIT} bytes)")
+    if fp8 and not direct and not fp8_fits(tq * hq, ring, raw, rope_raw):
+        raise ValueError(f"the narrow fp8 MLA kernel with {tq} x {hq} query rows, {ring} fp16 and {raw} raw "
+                         f"stages of {_BLOCK} keys (rope from the raw stage: {bool(rope_raw)}) does not fit in "
+                         f"shared memory ({SMEM_LIMIT} bytes)")
     tail = (o.stride(0), o.stride(1), o.stride(2), o.stride(3), lse.stride(0), lse.stride(1), lse.stride(2))
     if fp8 and direct:
-        if not direct_fits(tq * hq, raw):
-            raise ValueError(f"the direct fp8 MLA kernel with {tq} x {hq} query rows and {raw} raw stages of "
-                             f"{_BLOCK} keys does not fit in shared memory ({SMEM_LIMIT} bytes)")
         lbox = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=8, rank=2)
         rbox = gl.NVMMASharedLayout(swizzle_byte_width=64, element_bitwidth=8, rank=2)
         sc_box = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2)
@@ -613,12 +672,8 @@ def launch(q: Tensor, k: Tensor, table: Tensor, seq_lens: Tensor, o: Tensor, lse
         _mla_narrow_direct_kernel[(s, splits)](
             q, kl_desc, kr_desc, ks_desc, table, seq_lens, o, lse, scale_log2, split_len, hq, tq, dcp_size, dcp_rank,
             interleave, table.shape[1], nb, table.stride(0), *tail, PAGE=page, NQ=nq, RAW=raw, CAUSAL=tq > 1,
-            num_warps=4)
+            F8=bool(fp8_scores), num_warps=4)
         return
-    if fp8 and not fp8_fits(tq * hq, ring, raw, rope_raw):
-        raise ValueError(f"the narrow fp8 MLA kernel with {tq} x {hq} query rows, {ring} fp16 and {raw} raw "
-                         f"stages of {_BLOCK} keys (rope from the raw stage: {bool(rope_raw)}) does not fit in "
-                         f"shared memory ({SMEM_LIMIT} bytes)")
     if fp8:
         raw_box = gl.NVMMASharedLayout.get_default_for([_BLOCK, _BLOCK], gl.float8e4nv)
         sc_box = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2)

@@ -639,12 +639,25 @@ CONFIG = {
     "swap_wide_narrow": 1, "swap_wide_narrow_fp8": 1, "ring_wide_narrow_fp8": 2, "raw_ring_wide_narrow_fp8": 2,
     "rope_raw_wide_narrow_fp8": 1,
     # over fp8 the swapped kernel's direct form (`gluon_mla_narrow._mla_narrow_direct_kernel`; 0 off,
-    # else its raw stages, `direct_fits`): no converter and no fp16 stages, the consumer reads each
-    # raw tile's bytes into its MMAs' A operands (16-bit ldmatrix over the fp8 bytes, plain for the
-    # scores and transposed for the values, each pair split into even and odd dims in registers), so
-    # a tile crosses shared memory once by TMA and is read twice (~124 KB of traffic against ~270),
-    # and five tiles fit in flight
-    "direct_wide_narrow_fp8": 5,
+    # else its raw stages, cut to what fits: `direct_stages`): no converter and no fp16 stages. A TMA
+    # loader fills the raw ring; one warpgroup computes the scores and the softmax, one the values,
+    # each reading the raw tile's bytes itself (a tile crosses shared memory once by TMA and is read
+    # twice: ~124 KB of traffic against ~270 through the converter). The values' A operand is the raw
+    # box read transposed by 16-bit ldmatrix, split into even and odd dims in registers; the scores
+    # (fp8_scores_wide_narrow_fp8 0) likewise by plain ldmatrix in a permuted dim order that needs no
+    # byte permutes, or (1) as fp8 MMAs straight from shared memory against the queries as e4m3 hi +
+    # lo parts (~8 significant bits, a bf16 query's; each 128-dim box its own accumulator, summed in
+    # fp32): against the fp16 scores lse within 2.2e-3 and out within 1.5e-3 on the GPU test's data.
+    # bench/debug/decode_narrow.py (2026-12-04, DECODE_NARROW_FP8=1, bench/results/logs/
+    # decode-narrow8/11-h200.json; B 32, 16 heads, 1/4 of 8K / 32K / 128K): the converter's form
+    # 24.4 / 71.7 / 250.6 µs -> direct with fp16 scores 23.7 / 65.5 / 222.0 -> fp8 scores 22.6 / 60.3
+    # / 208.0 (at 32K: 32 heads 96 -> 83, 8 heads 64 -> 51.5). 3 or 5 raw stages alike. One
+    # warpgroup for everything ran 27.8 / 77.1 / 266.5 (its ~1100-instruction chain a tile, decode-
+    # narrow-h200 of 16:02 UTC); measured and not kept: the next tile's scores issued before the
+    # softmax (decode-narrow9-pipe, slower: 70.0 / 232 µs, and its GPU test hung), two value
+    # warpgroups of two boxes each (decode-narrow10/12-values2, 3-7% slower), the block ids four
+    # tiles ahead in the loader (kept: no change either way)
+    "direct_wide_narrow_fp8": 5, "fp8_scores_wide_narrow_fp8": 1,
     # over fp8: a TMA ring of this many raw fp8 tiles in front of the Gluon kernel's converter (0:
     # the converter loads 64-key tiles itself into two fp16 stages; Nsight Compute had put the
     # kernel's bound in those loads, docs/gpu.md section 18). With 64-key tiles and one fp16 stage:
@@ -919,7 +932,7 @@ _VALID = {
     "gluon_gqa": (0, 1), "gluon_gqa_fp8": (0, 1), "stages": range(2, 7), "raw_stages": range(2, 11),
     "swap": (0, 1), "raw_ring": (0, 1, 2, 3, 4), "keys": (32, 64), "ring": (1, 2, 3),
     "maxnreg": (0, *range(64, 256, 8)), "at_most": (0, 1), "stage16": (0, 1, 2), "even": (0, 1), "rope_raw": (0, 1),
-    "direct": range(0, 6),
+    "direct": range(0, 6), "fp8_scores": (0, 1),
 }
 _META = ("device", "sizes", "seconds", "results", "notes", "problems")
 
@@ -1132,7 +1145,7 @@ def paged_decode_triton(q: Tensor, k: Tensor, v: Tensor, k_scale: Tensor | None,
                                                                        for n in ("ring", "raw_ring", "rope_raw")))
         gluon_mla_narrow.launch(q, k, table, seq_lens, o, lse, scale * _LOG2E, splits, split_len, dcp_size, dcp_rank,
                                 interleave, k_scale if fp8 else None, ring=ring, raw=raw, rope_raw=rope,
-                                direct=bool(direct))
+                                direct=bool(direct), fp8_scores=bool(CONFIG["fp8_scores_wide_narrow_fp8"]))
     elif s > 0 and splits > 0 and gluon:
         gluon_mla.launch_gluon_mla(q, k, table, seq_lens, o, lse, scale * _LOG2E, splits, split_len, dcp_size,
                                    dcp_rank, interleave, k_scale if fp8 else None, raw_ring=CONFIG["raw_ring_wide_fp8"],
