@@ -653,7 +653,7 @@ CONFIG = {
     # 24.4 / 71.7 / 250.6 µs -> direct with fp16 scores 23.7 / 65.5 / 222.0 -> fp8 scores 22.6 / 60.3
     # / 208.0 (at 32K: 32 heads 96 -> 83, 8 heads 64 -> 51.5). 3 or 5 raw stages alike. One
     # warpgroup for everything ran 27.8 / 77.1 / 266.5 (its ~1100-instruction chain a tile, decode-
-    # narrow-h200 of 16:02 UTC); measured and not kept: the next tile's scores issued before the
+    # narrow-direct1wg-h200.json); measured and not kept: the next tile's scores issued before the
     # softmax (decode-narrow9-pipe, slower: 70.0 / 232 µs, and its GPU test hung), two value
     # warpgroups of two boxes each (decode-narrow10/12-values2, 3-7% slower), the block ids four
     # tiles ahead in the loader (kept: no change either way)
