@@ -72,8 +72,8 @@ def fp8_fits(heads: int, ring: int, raw: int, rope_raw: bool = False) -> bool:
 
 
 def direct_fits(heads: int, raw: int) -> bool:
-    """The direct fp8 kernel's shared memory (no fp16 stages): the queries (fp16, NQ x 576, as even and
-    odd dims), `raw` raw stages of 64 keys (four 64 x 128 latent boxes, the 64 x 64 rope box and the
+    """The direct fp8 kernel's shared memory (no fp16 stages): the queries (NQ x 576 at two bytes a dim:
+    fp16, or e4m3 hi and lo parts), `raw` raw stages of 64 keys (four 64 x 128 latent boxes, the 64 x 64 rope box and the
     keys' scales), two buffers of the weights (NQ x 64 fp16) and their rescale, barriers and 1 KB of
     the compiler's scratch (the sm_90a builds take 0.3-0.4 KB)."""
     nq = columns(heads)
@@ -385,9 +385,11 @@ if HAS_GLUON:
     @gluon.jit
     def _direct_queries(q_ptr, head0, q_rows, ql_smem, qr_smem, table_ptr, s, st_s, start, end, num_blocks,
                         PAGE: gl.constexpr, NQ: gl.constexpr, key_l: gl.constexpr, F8: gl.constexpr = False):
-        """The NQ query rows as fp16 times a power of two per row (its largest magnitude into [2^14,
-        2^15), as `gluon_mla._converter`), each latent box's 128 dims (ql_smem[b]) and the rope's 64
-        (qr_smem) in the scores' `_key_order`, each row read once; the split's block ids checked while
+        """The NQ query rows times a power of two per row, each row read once: as fp16 (the largest
+        magnitude into [2^14, 2^15), as `gluon_mla._converter`), each latent box's 128 dims (ql_smem[b])
+        and the rope's 64 (qr_smem) in the scores' `_key_order`; or F8, as e4m3 hi and lo parts (the
+        largest magnitude into [2^7, 2^8): no part saturates) in the natural order, box b's at
+        ql_smem[2b], [2b + 1] and the rope's at qr_smem[0], [1]. The split's block ids are checked while
         those loads are in flight (`_bad_ids`). Returns (2^-e per row, whether a block id lies outside
         the cache)."""
         lat: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
@@ -461,7 +463,8 @@ if HAS_GLUON:
             pb = t % 2
             j0 = start + t * BLOCK
             mbarrier.wait(raw_ready.index(rs), (t // RAW) & 1)
-            if end - j0 < BLOCK:    # (before the second warpgroup may read the tile: it waits for this P)
+            if end - j0 < BLOCK:    # (before the second warpgroup may read the tile: it waits for this P;
+                # fp8 score MMAs, through the async proxy, may still see those rows' old bytes: masked below)
                 _zero_tail(kl_smem, rs * LBOXES, end - j0)
             if F8:
                 s0 = _scores_box8(kl_smem.index(rs * LBOXES), ql_smem, 0, mma8, NQ)
