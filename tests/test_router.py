@@ -154,10 +154,12 @@ def _check_against_plain(result, case):
     np.testing.assert_allclose(w[exact], ref_w[exact], rtol=2e-6, atol=1e-7)
     for t in sorted(near):
         assert len(set(ids[t].tolist())) == len(ids[t]), f"token {t}: repeated ids {ids[t]}"
-        own = np.float32(rest["scaling"]) * scores[t, ids[t]]
-        if rest["renormalize"]:
-            own = np.float32(rest["scaling"]) * scores[t, ids[t]] / scores[t, ids[t]].sum(dtype=np.float32)
-        np.testing.assert_allclose(w[t], own, rtol=2e-6, atol=1e-7)
+        assert ((0 <= ids[t]) & (ids[t] < scores.shape[1])).all(), f"token {t}: ids {ids[t]} outside the experts"
+        own = scores[t, ids[t]]
+        total = own.sum(dtype=np.float32)
+        if rest["renormalize"] and total > 0:
+            own = own / total
+        np.testing.assert_allclose(w[t], np.float32(rest["scaling"]) * own, rtol=2e-6, atol=1e-7)
 
 
 # ---------------------------------------------------------------- torch path
