@@ -4,7 +4,7 @@
 # (decodeN: the gemm probe's section decodeN; layout: bench/debug/decode_layout.py; dmerge:
 # bench/debug/decode_merge.py; ncu / ncustall: Nsight Compute sections / stall reasons over
 # bench/debug/decode_ncu.py; expand: bench/debug/expand_packing.py; prefill2: the gemm probe's
-# FP8-GEMM-alone sweep at V3 L2; dectiming: bench/debug/decode_timing.py; dgluon: bench/debug/decode_gluon.py; dnarrow:
+# FP8-GEMM-alone sweep at V3 L2; dectiming: bench/debug/decode_timing.py (dtmla: its MLA 16-head and GQA fp8 runs); dgluon: bench/debug/decode_gluon.py; dnarrow:
 # bench/debug/decode_narrow.py; dgqa:
 # bench/debug/decode_gluon_gqa.py; dstream: bench/debug/decode_stream.py; dsplits:
 # bench/debug/decode_splits.py; ncugqa: Nsight Compute over bench/debug/decode_ncu.py gluon-gqa;
@@ -55,6 +55,9 @@ for s in "$@"; do
     dsplits)    step dsplits "${DSPLITS_LIMIT:-150}" python3 bench/debug/decode_splits.py "$res/decode-splits.json" ;;
     dgqa)       step dgqa "${DGQA_LIMIT:-150}" python3 bench/debug/decode_gluon_gqa.py "$res/decode-gluon-gqa.json" ;;
     dectiming)  step dectiming "${DECTIMING_LIMIT:-150}" python3 bench/debug/decode_timing.py "$res/decode-timing.json" ;;
+    dtmla)      step dtmla "${DTMLA_LIMIT:-240}" bash -c "DECODE_TIMING_MLA=16 DECODE_TIMING_FP8=1 python3 bench/debug/decode_timing.py $res/decode-timing-mla16-fp8.json; \
+                  DECODE_TIMING_MLA=16 python3 bench/debug/decode_timing.py $res/decode-timing-mla16-bf16.json; \
+                  DECODE_TIMING_FP8=1 python3 bench/debug/decode_timing.py $res/decode-timing-gqa-fp8.json" ;;
     dmerge)     step dmerge "${DMERGE_LIMIT:-150}" python3 bench/debug/decode_merge.py "$res/decode-merge.json" ;;
     layout)     step layout "${LAYOUT_LIMIT:-150}" python3 bench/debug/decode_layout.py "$res/decode-layout.json" ;;
     ncu)        step ncu "${NCU_LIMIT:-200}" bash -c 'N=$(command -v ncu || ls /usr/local/cuda*/bin/ncu /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1); \

@@ -1,6 +1,7 @@
 """Where a decode call's time goes, and what the timing methods of `megapar bench cp` see (GPU):
 
-    python bench/debug/decode_timing.py [OUT.json]      # DECODE_TIMING_FP8=1: an fp8 cache
+    python bench/debug/decode_timing.py [OUT.json]      # DECODE_TIMING_FP8=1: an fp8 cache;
+                                                        # DECODE_TIMING_MLA=H: MLA with H query heads
 
 GQA bf16 (or fp8: the Triton split kernel and its merge; B 32, Hq 32, Hkv 4, D 128, rank 0's 1/4 of the paged KV, L = 8K and 32K) and the same
 launch over one page per rank, against SDPA over a contiguous copy (and over one page), each:
@@ -76,6 +77,32 @@ def _methods(fn, sink) -> dict[str, float]:
     return {k: round(v, 2) for k, v in out.items()}
 
 
+def _mla(heads: int, dtype: torch.dtype) -> list:
+    """The MLA rows: the paged latent decode over rank 0's 1/4 (and over one page per rank)."""
+    from megapar.launch.bench.cp import _mla_decode_setup
+    from megapar.parallel.cp import DCPLayout
+    from megapar.parallel.cp.mla import MLADims
+    from megapar.parallel.cp.paged import paged_decode_attention
+
+    dims, batch, block, n, rows = MLADims(), 32, 64, 4, []
+    with torch.no_grad():
+        for context in (8192, 32768):
+            latent, table = _mla_decode_setup(batch, context, dims, block, n, torch.device("cuda"), dtype)
+            layout = DCPLayout(size=n, rank=0, block_size=block)
+            seq = torch.full((batch,), context, device="cuda")
+            short = torch.full_like(seq, n * block)
+            q = torch.randn(batch, 1, heads, dims.latent_dim, device="cuda", dtype=torch.bfloat16)
+            for name, lens in (("mla", seq), ("mla one page", short)):
+                fn = lambda lens=lens: paged_decode_attention(q, latent.paged, table, lens, layout=layout,
+                                                              scale=dims.scale, backend="triton", max_seq_len=context)
+                row = {"L": context, "cache": str(dtype), "heads": heads, "case": name, "kernels": _kernels(fn),
+                       **_methods(fn, lambda r: r.out.view(-1)[0])}
+                rows.append(row)
+                print(json.dumps(row), flush=True)
+            del latent, table
+    return rows
+
+
 def main() -> None:
     from megapar.launch.bench.cp import _decode_setup, _sdpa_contiguous
     from megapar.parallel.cp import DCPLayout
@@ -86,8 +113,10 @@ def main() -> None:
     batch, heads, kv_heads, d, block, n = 32, 32, 4, 128, 64, 4
     dtype = torch.float8_e4m3fn if os.environ.get("DECODE_TIMING_FP8") else torch.bfloat16
     rows = []
+    if os.environ.get("DECODE_TIMING_MLA"):
+        rows = _mla(int(os.environ["DECODE_TIMING_MLA"]), dtype)
     with torch.no_grad():
-        for context in (8192, 32768):
+        for context in (() if rows else (8192, 32768)):
             cache, table, q, _ = _decode_setup(batch, context, heads, kv_heads, d, block, n, torch.device("cuda"),
                                                dtype)
             layout = DCPLayout(size=n, rank=0, block_size=block)
