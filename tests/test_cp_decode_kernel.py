@@ -925,7 +925,8 @@ def _nan_gqa_cache(lens, hkv, layout, dtype, gen):
 def test_gluon_gqa_kernel_on_gpu(dtype, size, rank, hq, hkv, monkeypatch):
     """The warp-specialized Gluon GQA kernel (CONFIG gluon_gqa / gluon_gqa_fp8) over every kind of
     DCP rank, 1 / 8 / 64 query heads per kv head, a 2- and 4-stage fp16 ring over fp8, the
-    swapped-operand consumer: NaN in every slot past a sequence's end (NaN scales too over fp8),
+    swapped-operand consumer, over fp8 the direct form (1, 3, 8 raw stages; at 64 heads a kv head it
+    must fall back to the converter's): NaN in every slot past a sequence's end (NaN scales too over fp8),
     lengths that end inside a tile, empty and one-token
     sequences, one split and several, against the torch path and the Triton kernel (each setting
     must launch the Gluon kernel); a bad block id gives that sequence NaN rows; a CUDA graph of it
@@ -944,12 +945,19 @@ def test_gluon_gqa_kernel_on_gpu(dtype, size, rank, hq, hkv, monkeypatch):
     seq = torch.tensor(lens, device="cuda")
     run = lambda c, t: paged_decode_attention(q, c, t, seq, layout=layout, scale=0.088, backend="triton")
     ref = paged_decode_attention(q, ref_cache, table, seq, layout=layout, scale=0.088, backend="torch")
-    used = []
-    real = gluon_gqa.launch_gluon_gqa
+    used, direct_used = [], []
+    real, real_stages = gluon_gqa.launch_gluon_gqa, gluon_gqa.direct_stages
     monkeypatch.setattr(gluon_gqa, "launch_gluon_gqa", lambda *a, **kw: used.append(1) or real(*a, **kw))
-    # one split a sequence, then several; over fp8 a 4-stage fp16 ring; swapped operands
-    for programs, fp16_stages, swap in ((132, 2, 0), (4096, 2, 0), (132, 4, 0), (4096, 4, 0), (132, 2, 1),
-                                        (4096, 4, 1)):
+    monkeypatch.setattr(gluon_gqa, "direct_stages", lambda *a: direct_used.append(real_stages(*a)) or direct_used[-1])
+    fp8 = dtype == torch.float8_e4m3fn
+    # one split a sequence, then several; over fp8 a 4-stage fp16 ring; swapped operands; over fp8 the
+    # direct form (no converter) with 8, 3 and 1 raw stages (more than 32 heads a kv head: the converter's)
+    for programs, fp16_stages, swap, direct in ((132, 2, 0, 0), (4096, 2, 0, 0), (132, 4, 0, 0), (4096, 4, 0, 0),
+                                                (132, 2, 1, 0), (4096, 4, 1, 0), (132, 2, 0, 8), (4096, 2, 0, 3),
+                                                (4096, 2, 0, 1)):
+        if direct and not fp8:
+            continue
+        monkeypatch.setitem(td.CONFIG, "direct_gluon_gqa_fp8", direct)
         monkeypatch.setitem(td.CONFIG, "swap_" + key, swap)
         monkeypatch.setitem(td.CONFIG, "target_programs_gluon_gqa", programs)
         monkeypatch.setitem(td.CONFIG, "stages_gluon_gqa_fp8", fp16_stages)
@@ -960,11 +968,15 @@ def test_gluon_gqa_kernel_on_gpu(dtype, size, rank, hq, hkv, monkeypatch):
         assert not used
         monkeypatch.setitem(td.CONFIG, key, 1)
         got = run(cache, table)
-        assert used, f"setting {programs, fp16_stages, swap} did not launch the Gluon kernel"
+        assert used, f"setting {programs, fp16_stages, swap, direct} did not launch the Gluon kernel"
+        ran_direct = bool(fp8 and direct_used and direct_used[-1] > 0)
+        assert ran_direct == (fp8 and direct > 0 and hq // hkv <= 32), (direct, direct_used)
         used.clear()
+        direct_used.clear()
         _check_against_torch(got, ref, 1)
-        torch.testing.assert_close(got.out, plain.out, atol=2e-3, rtol=0)
-        torch.testing.assert_close(got.lse, plain.lse, atol=1e-4, rtol=0)
+        # (the direct form's scores see the queries as two e4m3 parts, ~8 significant bits: a bf16 query's)
+        torch.testing.assert_close(got.out, plain.out, atol=4e-3 if ran_direct else 2e-3, rtol=0)
+        torch.testing.assert_close(got.lse, plain.lse, atol=4e-3 if ran_direct else 1e-4, rtol=0)
     bad = table.clone()
     bad[5, 0] = cache.k.shape[0] + 7
     _nan_row_5_only(paged_decode_attention(q, cache, bad, seq, layout=layout, scale=0.088, backend="triton",

@@ -62,7 +62,13 @@ def _build(name: str) -> dict:
             ptrs.update(q_desc=f"tensordesc<bf16[{nq}, 64],{qbox}>", k_desc=desc, k_ptr="*bf16")
     elif family == "gqa":
         ptrs.update(q_ptr="*bf16", k_desc=desc, v_desc=desc)
-        if fp8:
+        if fp8 and more and more[0].startswith("direct"):     # "gqa-fp8-directRAW-NQ": the direct fp8 form
+            lbox = gl.NVMMASharedLayout(128, 8, 2)
+            kernel, consts = gluon_gqa._gqa_decode_direct_kernel, {"PAGE": 64, "RAW": int(more[0][6:]),
+                                                                   "NQ": int(more[1])}
+            ptrs.update(ks_ptr="*fp32", vs_ptr="*fp32", k_desc=f"tensordesc<fp8e4nv[64, 128],{lbox}>",
+                        v_desc=f"tensordesc<fp8e4nv[64, 128],{lbox}>")
+        elif fp8:
             kernel, consts = gluon_gqa._gqa_decode_ws_fp8_kernel, {"PAGE": 64, "STAGES": 2, "RAW": 6,
                                                                    "NQ": nq}
             ptrs.update(ks_ptr="*fp32", vs_ptr="*fp32")
@@ -106,7 +112,8 @@ def _build(name: str) -> dict:
     ("mlan-fp8-16-r2raw1", 0), ("mlan-fp8-32-r2raw1", 64), ("mlan-fp8-16-r1raw3", 256),
     ("mlan-fp8-16-r2raw2rope", 0), ("mlan-bf16-32-causal", 128), ("mlan-fp8-32-r2raw1-causal", 256),
     ("mlan-fp8-16-direct5", 0), ("mlan-fp8-16-direct5s", 0), ("mlan-fp8-16-direct5s-causal", 0),
-    ("mlan-fp8-8-direct1s", 0), ("mlan-fp8-32-direct5s", 32), ("mlan-fp8-32-direct4s-causal", 64)])
+    ("mlan-fp8-8-direct1s", 0), ("mlan-fp8-32-direct5s", 32), ("mlan-fp8-32-direct4s-causal", 64),
+    ("gqa-fp8-direct8-8", 0), ("gqa-fp8-direct12-32", 0), ("gqa-fp8-direct1-16", 0)])
 def test_gluon_decode_kernel_builds_for_sm90(name, spill_cap):
     """spill_cap: the committed MLA builds spill 12 B (bf16: the loader's masked tail tile) and 388-516 B
     (fp8: warpgroup 1's accumulators and the converter's loads), built with the launcher's 16-byte
@@ -115,7 +122,8 @@ def test_gluon_decode_kernel_builds_for_sm90(name, spill_cap):
     bf16 and at 16 over fp8's installed ring, 24 B at 32 heads, 152 B with one fp16 and three raw
     stages; "-causal" (a speculative step's query tokens as columns) 84 B over bf16 and 168 B over
     fp8 at 32 columns. Their direct fp8 form ("-directRAW[s]": no converter, RAW raw stages, "s" the
-    scores as fp8 MMAs): none at 8-16 columns, 12 B at 32."""
+    scores as fp8 MMAs): none at 8-16 columns, 12 B at 32. The direct fp8 GQA kernel ("gqa-fp8-directRAW-NQ"):
+    none."""
     pytest.importorskip("triton.experimental.gluon")
     env = dict(os.environ, TRITON_INTERPRET="0", PYTHONPATH=f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
     done = subprocess.run([sys.executable, __file__, name], env=env, cwd=ROOT,

@@ -5,7 +5,8 @@ unheld slot, and NaN scales there over fp8; a bad block id), then whole calls ti
 `common.step_time` (ten a CUDA graph, alternating, two rounds): Hq 32 / Hkv 4, D 128, rank 0's
 1/4 of B = 32 sequences of L = 8K, 32K, 128K, bf16 and fp8, and B = 4 at 32K (several splits); the
 Triton kernel also with its whole tiles unmasked (CONFIG even / even_fp8). DGQA_SET=fp8-even times
-only the fp8 Triton kernel's forms with whole tiles unmasked (`fp8_even`) at B = 32.
+only the fp8 Triton kernel's forms with whole tiles unmasked (`fp8_even`) at B = 32; DGQA_SET=fp8 the fp8
+rows only (the Triton kernel, the converter's Gluon form and the direct one with 4 / 8 / 12 raw stages).
 
     python bench/debug/decode_gluon_gqa.py OUT.json        # on the GPU
 """
@@ -68,7 +69,11 @@ def _check(rows: list, dtype: torch.dtype) -> None:
         scale = 1 / math.sqrt(d)
         ref = paged_decode_attention(q, ref_cache, table, seq, layout=layout, scale=scale, backend="torch")
         even = "even_fp8" if dtype == torch.float8_e4m3fn else "even"
-        for name, change in (("triton", {key: 0}), ("triton even", {key: 0, even: 1}), ("gluon", {key: 1})):
+        forms = [("triton", {key: 0}), ("triton even", {key: 0, even: 1}), ("gluon", {key: 1, "direct_gluon_gqa_fp8": 0})]
+        if dtype == torch.float8_e4m3fn:
+            forms += [("gluon direct8", {key: 1, "direct_gluon_gqa_fp8": 8}),
+                      ("gluon direct2", {key: 1, "direct_gluon_gqa_fp8": 2})]
+        for name, change in forms:
             triton_decode.CONFIG.update(saved)
             triton_decode.CONFIG.update(change)
             call = lambda t: paged_decode_attention(q, cache, t, seq, layout=layout, scale=scale, backend="triton",
@@ -81,7 +86,8 @@ def main(path: str) -> None:
     ctx = BenchContext("cp", torch.device("cuda"))
     rows: list = []
     saved = dict(triton_decode.CONFIG)
-    for dtype in (torch.bfloat16, torch.float8_e4m3fn):
+    for dtype in ((torch.float8_e4m3fn, ) if os.environ.get("DGQA_SET") == "fp8" else (torch.bfloat16,
+                                                                                        torch.float8_e4m3fn)):
         try:
             _check(rows, dtype)
         except Exception as e:  # (a failing build or launch: said, the timings still run)
@@ -90,7 +96,9 @@ def main(path: str) -> None:
     g, g8 = {"gluon_gqa": 1}, {"gluon_gqa_fp8": 1}
     bf16 = {"triton": {"gluon_gqa": 0}, "triton even": {"gluon_gqa": 0, "even": 1},
             "gluon s3": dict(g, stages_gluon_gqa=3)}
-    fp8 = {"triton": {"gluon_gqa_fp8": 0}, "triton even": {"gluon_gqa_fp8": 0, "even_fp8": 1}, "gluon": g8}
+    fp8 = {"triton": {"gluon_gqa_fp8": 0}, "triton even": {"gluon_gqa_fp8": 0, "even_fp8": 1},
+           "gluon": dict(g8, direct_gluon_gqa_fp8=0), "direct4": dict(g8, direct_gluon_gqa_fp8=4),
+           "direct8": dict(g8, direct_gluon_gqa_fp8=8), "direct12": dict(g8, direct_gluon_gqa_fp8=12)}
     # the Triton kernel's whole tiles (even_fp8) with its tiles staged as 16-bit (stage16_fp8), more stages,
     # 64-key tiles over more programs (fewer registers: 4 CTAs per SM)
     e8 = {"gluon_gqa_fp8": 0, "even_fp8": 1}
@@ -101,8 +109,10 @@ def main(path: str) -> None:
     only = lambda d, *names: {n: d[n] for n in names}
     sets = ((torch.bfloat16, 8192, 32, bf16), (torch.bfloat16, 32768, 32, bf16),
             (torch.float8_e4m3fn, 8192, 32, fp8), (torch.float8_e4m3fn, 32768, 32, fp8),
-            (torch.float8_e4m3fn, 131072, 32, only(fp8, "triton", "triton even")),
-            (torch.float8_e4m3fn, 32768, 4, only(fp8, "triton", "triton even")))
+            (torch.float8_e4m3fn, 131072, 32, only(fp8, "triton", "direct8", "direct12")),
+            (torch.float8_e4m3fn, 32768, 4, only(fp8, "triton", "direct8")))
+    if os.environ.get("DGQA_SET") == "fp8":          # (the fp8 rows only)
+        sets = tuple(x for x in sets if x[0] == torch.float8_e4m3fn)
     if os.environ.get("DGQA_SET") == "fp8-even":     # (the 2026-12-04 13:35 run: decode-gluon-gqa13-h200.json)
         sets = ((torch.float8_e4m3fn, 8192, 32, fp8_even), (torch.float8_e4m3fn, 32768, 32, fp8_even),
                 (torch.float8_e4m3fn, 131072, 32, fp8_even))

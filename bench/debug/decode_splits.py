@@ -22,7 +22,11 @@ from megapar.parallel.cp.paged import paged_decode_attention
 
 SETTINGS = {"now": {}, "p132": {"target_programs_fp8": 132}, "p396": {"target_programs_fp8": 396},
             "p528": {"target_programs_fp8": 528}, "at_most": {"at_most": 1},
-            "min1024": {"min_split_fp8": 1024}, "min2048": {"min_split_fp8": 2048}}
+            "min1024": {"min_split_fp8": 1024}, "min2048": {"min_split_fp8": 2048},
+            "gluon direct8": {"gluon_gqa_fp8": 1, "direct_gluon_gqa_fp8": 8},
+            "gluon direct8 p264": {"gluon_gqa_fp8": 1, "direct_gluon_gqa_fp8": 8, "target_programs_gluon_gqa": 264}}
+if __import__("os").environ.get("DSPLITS_SET") == "direct":     # (now against the direct Gluon form only)
+    SETTINGS = {k: v for k, v in SETTINGS.items() if k in ("now", "gluon direct8", "gluon direct8 p264")}
 
 
 def main(path: str) -> None:

@@ -27,6 +27,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from .gluon_mla import SMEM_LIMIT
+
 try:
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
@@ -433,6 +435,208 @@ if HAS_GLUON:
         ], [4, 1], [96, 24])
 
 
+if HAS_GLUON:
+    from .gluon_mla_narrow import LBOX, _query_split, _scores_box8, _store_half, _values_box, _zero_tail
+
+    DIRECT_REGS = gl.constexpr(128)     # registers a thread of the direct kernel's value warpgroup
+
+    @gluon.jit
+    def _direct_queries(q_ptr, s, kvh, G, sq_s, sq_h, ql_smem, table_ptr, st_s, start, end, num_blocks,
+                        PAGE: gl.constexpr, NQ: gl.constexpr, key_l: gl.constexpr):
+        """The kv head's G query rows (NQ of them, zeros past G) times a power of two each (the largest
+        magnitude into [2^7, 2^8): no part saturates) as e4m3 hi and lo parts in ql_smem[0], [1]; the
+        split's block ids checked while the loads fly. Returns (2^-e per row, whether an id is bad)."""
+        lat: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
+        rows = gl.arange(0, NQ, layout=gl.SliceLayout(1, lat))
+        dims = gl.arange(0, LBOX, layout=gl.SliceLayout(0, lat))
+        ptrs = q_ptr + s.to(gl.int64) * sq_s + (kvh * G + rows).to(gl.int64)[:, None] * sq_h + dims[None, :]
+        x = gl.load(ptrs, mask=(rows < G)[:, None], other=0.0).to(gl.float32)
+        bad = _bad_ids(table_ptr, s, st_s, start, end, num_blocks, PAGE, key_l)
+        biased = (gl.max(gl.abs(x), 1).to(gl.int32, bitcast=True) >> 23) & 0xFF
+        e = gl.minimum(gl.maximum(134 - biased, -120), 107)
+        _query_split(x, ((e + 127) << 23).to(gl.float32, bitcast=True), ql_smem.index(0), ql_smem.index(1))
+        fence_async_shared()
+        gl.thread_barrier()
+        return ((127 - e) << 23).to(gl.float32, bitcast=True), bad
+
+    @gluon.jit
+    def _direct_scores(q_ptr, ks_ptr, vs_ptr, ql_smem, k_smem, v_smem, p_smem, a_smem, raw_ready, raw_free, p_ready,
+                       p_free, table_ptr, glens_ptr, lse_ptr, s, kvh, split, split_len, dcp_size, dcp_rank,
+                       interleave, table_w, num_blocks, st_s, sq_s, sq_h, G, qk_scale, ss_b, ss_t, ss_h, svs_b,
+                       svs_t, svs_h, sl_p, sl_s, PAGE: gl.constexpr, RAW: gl.constexpr, NQ: gl.constexpr):
+        """The direct fp8 kernel's first warpgroup: the queries, then per raw tile S^T = K Q^T as two fp8
+        MMAs from shared memory (the keys' 128 dims against the queries' hi and lo parts), the online
+        softmax with the tile's key and value scales (loaded three tiles ahead) over a running
+        per-column unit, the weights P^T and the rescale alpha published in a double buffer for the
+        value warpgroup; at the end the lse, and the output's factor to it."""
+        mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, NQ, 16])
+        mma8: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, NQ, 32])
+        key_l: gl.constexpr = gl.SliceLayout(1, mma)
+        q_l: gl.constexpr = gl.SliceLayout(0, mma)
+        keys = gl.arange(0, BLOCK, layout=key_l)
+        start, end, tiles, bad = _split_range(glens_ptr, s, split, split_len, dcp_size, dcp_rank, interleave,
+                                              table_w, PAGE)
+        k1, v1 = _scales_of(ks_ptr, vs_ptr, table_ptr, s, st_s, start, end, kvh, num_blocks,
+                            ss_b, ss_t, ss_h, svs_b, svs_t, svs_h, keys, PAGE)
+        k2, v2 = _scales_of(ks_ptr, vs_ptr, table_ptr, s, st_s, start + BLOCK, end, kvh, num_blocks,
+                            ss_b, ss_t, ss_h, svs_b, svs_t, svs_h, keys, PAGE)
+        k3, v3 = _scales_of(ks_ptr, vs_ptr, table_ptr, s, st_s, start + 2 * BLOCK, end, kvh, num_blocks,
+                            ss_b, ss_t, ss_h, svs_b, svs_t, svs_h, keys, PAGE)
+        qf, bad_id = _direct_queries(q_ptr, s, kvh, G, sq_s, sq_h, ql_smem, table_ptr, st_s, start, end, num_blocks,
+                                     PAGE, NQ, key_l)
+        bad = bad | bad_id
+        qk_q = gl.convert_layout(qf, q_l) * qk_scale
+        m_i = gl.full([NQ], float("-inf"), gl.float32, q_l)
+        l_i = gl.zeros([BLOCK, NQ], gl.float32, mma)
+        r_i = gl.zeros([NQ], gl.float32, q_l)
+        for t in range(tiles):
+            rs = t % RAW
+            pb = t % 2
+            j0 = start + t * BLOCK
+            ks = k1
+            vs = v1
+            k1 = k2
+            v1 = v2
+            k2 = k3
+            v2 = v3
+            k3, v3 = _scales_of(ks_ptr, vs_ptr, table_ptr, s, st_s, j0 + 3 * BLOCK, end, kvh, num_blocks,
+                                ss_b, ss_t, ss_h, svs_b, svs_t, svs_h, keys, PAGE)
+            mbarrier.wait(raw_ready.index(rs), (t // RAW) & 1)
+            if end - j0 < BLOCK:    # (value rows past the end to zeros before the value warpgroup may read them)
+                _zero_tail(v_smem, rs, end - j0, 1)
+            sc = _scores_box8(k_smem.index(rs), ql_smem, 0, mma8, NQ)
+            sc = warpgroup_mma_wait(num_outstanding=0, deps=(sc, ))
+            mbarrier.arrive(raw_free.index(rs))
+            sc = gl.convert_layout(sc, mma)         # (the same registers)
+            sc = gl.where((j0 + keys < end)[:, None], sc * ks[:, None] * qk_q[None, :], float("-inf"))
+            p, alpha, m_i, l_i, r_i = _softmax_step(sc, m_i, l_i, r_i, vs, 0, True, True)
+            if t >= 2:
+                mbarrier.wait(p_free.index(pb), ((t // 2) - 1) & 1)
+            p_smem.index(pb).store(gl.permute(p.to(gl.float16), [1, 0]))
+            a_smem.index(pb).store(alpha)
+            fence_async_shared()
+            gl.thread_barrier()
+            mbarrier.arrive(p_ready.index(pb))
+        factor, lse = _finish(m_i, gl.sum(l_i, 0), r_i, bad, True)
+        cols = gl.arange(0, NQ, layout=q_l)
+        gl.store(lse_ptr + split.to(gl.int64) * sl_p + s.to(gl.int64) * sl_s + kvh * G + cols, lse, mask=cols < G)
+        if tiles >= 2:
+            mbarrier.wait(p_free.index(tiles % 2), ((tiles // 2) - 1) & 1)
+        a_smem.index(tiles % 2).store(factor)
+        gl.thread_barrier()
+        mbarrier.arrive(p_ready.index(tiles % 2))
+
+    @gluon.jit
+    def _direct_values(v_smem, p_smem, a_smem, raw_free, p_ready, p_free, glens_ptr, o_ptr, s, kvh, split,
+                       split_len, dcp_size, dcp_rank, interleave, table_w, G, so_p, so_s, so_h,
+                       PAGE: gl.constexpr, RAW: gl.constexpr, NQ: gl.constexpr):
+        """The direct fp8 kernel's value warpgroup: per tile, once its weights are published, O^T += V^T
+        P^T with the value box read transposed from the raw bytes (`gluon_mla_narrow._values_box`: one
+        accumulator of the even dims, one of the odd), then its hold on the stage released; at the end
+        the output times the scores warpgroup's factor."""
+        mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, NQ, 16])
+        key_l: gl.constexpr = gl.SliceLayout(1, mma)
+        q_l: gl.constexpr = gl.SliceLayout(0, mma)
+        a_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
+        i16: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
+        start, end, tiles, bad = _split_range(glens_ptr, s, split, split_len, dcp_size, dcp_rank, interleave,
+                                              table_w, PAGE)
+        even = gl.zeros([BLOCK, NQ], gl.float32, mma)
+        odd = gl.zeros([BLOCK, NQ], gl.float32, mma)
+        for t in range(tiles):
+            rs = t % RAW
+            pb = t % 2
+            mbarrier.wait(p_ready.index(pb), (t // 2) & 1)
+            alpha = a_smem.index(pb).load(q_l)
+            even, odd = _values_box(v_smem.index(rs), p_smem.index(pb).permute((1, 0)), even, odd, alpha, a_l, i16)
+            even, odd = warpgroup_mma_wait(num_outstanding=0, deps=(even, odd))
+            mbarrier.arrive(p_free.index(pb))
+            mbarrier.arrive(raw_free.index(rs))
+        mbarrier.wait(p_ready.index(tiles % 2), (tiles // 2) & 1)
+        factor = a_smem.index(tiles % 2).load(q_l)
+        cols = gl.arange(0, NQ, layout=q_l)
+        rows = gl.arange(0, BLOCK, layout=key_l)
+        o_q = split.to(gl.int64) * so_p + s.to(gl.int64) * so_s + (kvh * G + cols).to(gl.int64) * so_h
+        _store_half(o_ptr, even, 0, factor, o_q, cols < G, rows)
+        _store_half(o_ptr, odd, 1, factor, o_q, cols < G, rows)
+
+    @gluon.jit
+    def _direct_loader(k_desc, v_desc, table_ptr, glens_ptr, k_smem, v_smem, raw_ready, raw_free, s, kvh, split,
+                       split_len, dcp_size, dcp_rank, interleave, table_w, num_blocks, st_s, PAGE: gl.constexpr,
+                       RAW: gl.constexpr):
+        """(one warp) Each 64-key tile's key and value boxes (64 x 128 fp8 each: a tile lies in its page)
+        by TMA into the raw ring, the block ids four tiles ahead."""
+        start, end, tiles, bad = _split_range(glens_ptr, s, split, split_len, dcp_size, dcp_rank, interleave,
+                                              table_w, PAGE)
+        b1, b2, b3, b4 = _ids_window(table_ptr, s, st_s, start, tiles, num_blocks, PAGE)
+        for t in range(tiles):
+            rs = t % RAW
+            j0 = start + t * BLOCK
+            blk, b1, b2, b3, b4 = _ids_next(b1, b2, b3, b4, table_ptr, s, st_s, j0, t, tiles, num_blocks, PAGE)
+            if t >= RAW:
+                mbarrier.wait(raw_free.index(rs), ((t // RAW) - 1) & 1)
+            mbarrier.expect(raw_ready.index(rs), 2 * k_desc.block_type.nbytes)
+            row = blk * PAGE + j0 % PAGE
+            tma.async_copy_global_to_shared(k_desc, [row, kvh * LBOX], raw_ready.index(rs), k_smem.index(rs))
+            tma.async_copy_global_to_shared(v_desc, [row, kvh * LBOX], raw_ready.index(rs), v_smem.index(rs))
+
+    @gluon.jit
+    def _gqa_decode_direct_kernel(q_ptr, k_desc, v_desc, ks_ptr, vs_ptr, table_ptr, glens_ptr, o_ptr, lse_ptr,
+                                  qk_scale, split_len, G, KV_HEADS, dcp_size, dcp_rank, interleave, table_w,
+                                  num_blocks, st_s, sq_s, sq_h, ss_b, ss_t, ss_h, svs_b, svs_t, svs_h,
+                                  so_p, so_s, so_h, sl_p, sl_s, PAGE: gl.constexpr, RAW: gl.constexpr,
+                                  NQ: gl.constexpr):
+        """fp8 cache without a converter: a one-warp TMA loader fills RAW raw stages (a tile's key and
+        value boxes); one warpgroup computes the scores as fp8 MMAs straight from the raw keys
+        (`_direct_scores`), the other reads the raw values into its MMA's A operand (`_direct_values`),
+        one tile behind, through a double buffer of the weights."""
+        pid = gl.program_id(0)
+        split = gl.program_id(1)
+        s = pid // KV_HEADS
+        kvh = pid % KV_HEADS
+        lbox: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=8, rank=2)
+        pbox: gl.constexpr = gl.NVMMASharedLayout.get_default_for([NQ, BLOCK], gl.float16)
+        vec: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[0])
+        ql_smem = gl.allocate_shared_memory(gl.float8e4nv, [2, NQ, LBOX], lbox)
+        k_smem = gl.allocate_shared_memory(gl.float8e4nv, [RAW, BLOCK, LBOX], lbox)
+        v_smem = gl.allocate_shared_memory(gl.float8e4nv, [RAW, BLOCK, LBOX], lbox)
+        p_smem = gl.allocate_shared_memory(gl.float16, [2, NQ, BLOCK], pbox)
+        a_smem = gl.allocate_shared_memory(gl.float32, [2, NQ], vec)
+        raw_ready = _ring(RAW, 1)
+        raw_free = _ring(RAW, 2)
+        p_ready = _ring(2, 1)
+        p_free = _ring(2, 1)
+        fence_async_shared()
+        gl.warp_specialize([
+            (_direct_scores, (q_ptr, ks_ptr, vs_ptr, ql_smem, k_smem, v_smem, p_smem, a_smem, raw_ready, raw_free,
+                              p_ready, p_free, table_ptr, glens_ptr, lse_ptr, s, kvh, split, split_len, dcp_size,
+                              dcp_rank, interleave, table_w, num_blocks, st_s, sq_s, sq_h, G, qk_scale, ss_b, ss_t,
+                              ss_h, svs_b, svs_t, svs_h, sl_p, sl_s, PAGE, RAW, NQ)),
+            (_direct_values, (v_smem, p_smem, a_smem, raw_free, p_ready, p_free, glens_ptr, o_ptr, s, kvh, split,
+                              split_len, dcp_size, dcp_rank, interleave, table_w, G, so_p, so_s, so_h, PAGE, RAW,
+                              NQ)),
+            (_direct_loader, (k_desc, v_desc, table_ptr, glens_ptr, k_smem, v_smem, raw_ready, raw_free, s, kvh,
+                              split, split_len, dcp_size, dcp_rank, interleave, table_w, num_blocks, st_s, PAGE,
+                              RAW)),
+        ], [4, 1], [DIRECT_REGS, 24])
+
+
+DIRECT_MAX_G = 32       # the direct fp8 kernel's widest column tile (query heads per kv head)
+
+
+def direct_stages(g: int, raw: int) -> int:
+    """The direct fp8 kernel's raw stages for g query heads per kv head: the configured `raw` cut to
+    what shared memory holds beside the queries' two e4m3 parts, the weights' double buffer and 1 KB
+    of the compiler's scratch (0: the kernel does not apply, or `raw` 0: the converter's form)."""
+    if g > DIRECT_MAX_G:
+        return 0
+    nq = max(8, 1 << (g - 1).bit_length())
+    fixed = 2 * nq * _HEAD_DIM + 2 * (nq * _BLOCK * 2 + nq * 4) + 8 * 4 + 1024
+    while raw > 0 and fixed + raw * (2 * _BLOCK * _HEAD_DIM + 16) > SMEM_LIMIT:
+        raw -= 1
+    return raw
+
+
 def gluon_gqa_ok(q: Tensor, k: Tensor, v: Tensor, tq: int, k_scale: Tensor | None = None,
                  v_scale: Tensor | None = None) -> bool:
     """The Gluon GQA kernels apply: bf16 queries [S, 1, Hq, 128] (one query token, contiguous);
@@ -457,15 +661,29 @@ def gluon_gqa_ok(q: Tensor, k: Tensor, v: Tensor, tq: int, k_scale: Tensor | Non
 def launch_gluon_gqa(q: Tensor, k: Tensor, v: Tensor, table: Tensor, seq_lens: Tensor, o: Tensor, lse: Tensor,
                      scale_log2: float, splits: int, split_len: int, dcp_size: int, dcp_rank: int, interleave: int,
                      k_scale: Tensor | None = None, v_scale: Tensor | None = None, stages: int = 3,
-                     raw_stages: int = 6, fp16_stages: int = 2, swap: bool = False) -> None:
+                     raw_stages: int = 6, fp16_stages: int = 2, swap: bool = False, direct: int = 0) -> None:
     """Fill the split partials o [splits, S, 1, Hq, 128] / lse [splits, S, 1, Hq] (`gluon_gqa_ok`).
     stages: the bf16 ring's (32 KB each, at most 6); over fp8, raw_stages: the raw ring's (16 KB
     each) and fp16_stages: the 16-bit ring after the converter (2 or 4), both cut to what shared
-    memory holds beside the compiler's scratch. swap: the consumer with swapped operands."""
+    memory holds beside the compiler's scratch. swap: the consumer with swapped operands. direct:
+    over fp8, the direct kernel (no converter) with this many raw stages, cut to `direct_stages`
+    (where none apply, more than 32 query heads a kv head: the converter's form)."""
     s, _, hq, d = q.shape
     nb, page, hkv = k.shape[0], k.shape[1], k.shape[2]
-    nq = max(8, 1 << (hq // hkv - 1).bit_length()) if swap else 0      # (G rounded up to a power of two)
     fp8 = k.dtype == torch.float8_e4m3fn
+    direct = direct_stages(hq // hkv, direct) if fp8 else 0
+    nq = max(8, 1 << (hq // hkv - 1).bit_length()) if swap or direct else 0   # (G rounded up to a power of two)
+    if direct:
+        lbox = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=8, rank=2)
+        k2, v2 = k.view(nb * page, hkv * d), v.view(nb * page, hkv * d)
+        k_desc = TensorDescriptor(k2, list(k2.shape), list(k2.stride()), [_BLOCK, _HEAD_DIM], lbox)
+        v_desc = TensorDescriptor(v2, list(v2.shape), list(v2.stride()), [_BLOCK, _HEAD_DIM], lbox)
+        _gqa_decode_direct_kernel[(s * hkv, splits)](
+            q, k_desc, v_desc, k_scale, v_scale, table, seq_lens, o, lse, scale_log2, split_len, hq // hkv, hkv,
+            dcp_size, dcp_rank, interleave, table.shape[1], nb, table.stride(0), q.stride(0), q.stride(2),
+            *k_scale.stride(), *v_scale.stride(), o.stride(0), o.stride(1), o.stride(3), lse.stride(0),
+            lse.stride(1), PAGE=page, RAW=direct, NQ=nq, num_warps=4)
+        return
     box = gl.NVMMASharedLayout.get_default_for([_BLOCK, _BLOCK], gl.float8e4nv if fp8 else gl.bfloat16)
     # [blocks * page, kv heads * 128]: a tile of kv head h is the boxes at columns h * 128 + 0 / 64
     k2, v2 = k.view(nb * page, hkv * d), v.view(nb * page, hkv * d)

@@ -347,13 +347,14 @@ if HAS_GLUON:
         return o_even, o_odd
 
     @gluon.jit
-    def _zero_tail(kl_smem, first, valid):
-        """Rows valid.. of a raw stage's four latent boxes to zero (the split's last tile ends inside it:
-        the value MMAs would read whatever lies in the cache's slots past the end, NaN included)."""
+    def _zero_tail(kl_smem, first, valid, BOXES: gl.constexpr = 4):
+        """Rows valid.. of a raw stage's BOXES 64 x 128 fp8 boxes (MLA: its four latent boxes) to zero
+        (the split's last tile ends inside it: the value MMAs would read whatever lies in the cache's
+        slots past the end, NaN included)."""
         blocked: gl.constexpr = gl.BlockedLayout([1, 16], [4, 8], [4, 1], [1, 0])
         i8: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=8, rank=2)
         rows = gl.arange(0, BLOCK, layout=gl.SliceLayout(1, blocked))
-        for b in gl.static_range(LBOXES):
+        for b in gl.static_range(BOXES):
             box = kl_smem.index(first + b)._reinterpret(gl.int8, [BLOCK, LBOX], i8)
             x = box.load(blocked)
             box.store(gl.where((rows < valid)[:, None], x, 0))

@@ -712,6 +712,11 @@ CONFIG = {
     # query columns only, not of 64 padded rows), per cache dtype. decode-gluon-gqa5-h200.json: bf16
     # 35.6 / 125.5 / 485.3 µs against 35.9 / 125.8 / 477.1 unswapped; fp8 147-150 at 32K
     "swap_gluon_gqa": 0, "swap_gluon_gqa_fp8": 0,
+    # over fp8, the direct kernel (`gluon_gqa._gqa_decode_direct_kernel`: no converter, the raw tile's
+    # key bytes into fp8 score MMAs against the queries' e4m3 hi + lo parts, its value bytes read
+    # transposed into the value MMA's A operand) with this many raw stages of 16 KB (0: the converter's
+    # form); more than 32 query heads a kv head keep the converter's
+    "direct_gluon_gqa_fp8": 8,
     # Removed after their runs (code in the history): block ids four tiles ahead in the bf16 GQA
     # loader and in the MLA loader and converter (CONFIG ids_ahead_gluon_gqa / ids_ahead_wide, removed
     # after 918617a; 2026-12-04 afternoon: GQA 35.1 / 121.4 µs against 35.0 / 121.9 with one ahead, MLA
@@ -932,7 +937,7 @@ _VALID = {
     "gluon_gqa": (0, 1), "gluon_gqa_fp8": (0, 1), "stages": range(2, 7), "raw_stages": range(2, 11),
     "swap": (0, 1), "raw_ring": (0, 1, 2, 3, 4), "keys": (32, 64), "ring": (1, 2, 3),
     "maxnreg": (0, *range(64, 256, 8)), "at_most": (0, 1), "stage16": (0, 1, 2), "even": (0, 1), "rope_raw": (0, 1),
-    "direct": range(0, 6), "fp8_scores": (0, 1),
+    "direct": range(0, 13), "fp8_scores": (0, 1),
 }
 _META = ("device", "sizes", "seconds", "results", "notes", "problems")
 
@@ -1155,7 +1160,8 @@ def paged_decode_triton(q: Tensor, k: Tensor, v: Tensor, k_scale: Tensor | None,
                                    dcp_rank, interleave, k_scale if fp8 else None, v_scale if fp8 else None,
                                    stages=CONFIG["stages_gluon_gqa"], raw_stages=CONFIG["raw_stages_gluon_gqa"],
                                    fp16_stages=CONFIG["stages_gluon_gqa_fp8"],
-                                   swap=bool(CONFIG["swap_gluon_gqa_fp8" if fp8 else "swap_gluon_gqa"]))
+                                   swap=bool(CONFIG["swap_gluon_gqa_fp8" if fp8 else "swap_gluon_gqa"]),
+                                   direct=CONFIG["direct_gluon_gqa_fp8"] if fp8 else 0)
     elif s > 0 and splits > 0:
         _paged_decode_kernel[(programs, splits)](
             q, k, v, ks, vs, table, seq_lens, o, lse,
