@@ -466,7 +466,7 @@ if HAS_GLUON:
                        svs_t, svs_h, sl_p, sl_s, PAGE: gl.constexpr, RAW: gl.constexpr, NQ: gl.constexpr):
         """The direct fp8 kernel's first warpgroup: the queries, then per raw tile S^T = K Q^T as two fp8
         MMAs from shared memory (the keys' 128 dims against the queries' hi and lo parts), the online
-        softmax with the tile's key and value scales (loaded three tiles ahead) over a running
+        softmax with the tile's key and value scales (loaded two tiles ahead) over a running
         per-column unit, the weights P^T and the rescale alpha published in a double buffer for the
         value warpgroup; at the end the lse, and the output's factor to it."""
         mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, NQ, 16])
@@ -476,12 +476,12 @@ if HAS_GLUON:
         keys = gl.arange(0, BLOCK, layout=key_l)
         start, end, tiles, bad = _split_range(glens_ptr, s, split, split_len, dcp_size, dcp_rank, interleave,
                                               table_w, PAGE)
-        k1, v1 = _scales_of(ks_ptr, vs_ptr, table_ptr, s, st_s, start, end, kvh, num_blocks,
-                            ss_b, ss_t, ss_h, svs_b, svs_t, svs_h, keys, PAGE)
-        k2, v2 = _scales_of(ks_ptr, vs_ptr, table_ptr, s, st_s, start + BLOCK, end, kvh, num_blocks,
-                            ss_b, ss_t, ss_h, svs_b, svs_t, svs_h, keys, PAGE)
-        k3, v3 = _scales_of(ks_ptr, vs_ptr, table_ptr, s, st_s, start + 2 * BLOCK, end, kvh, num_blocks,
-                            ss_b, ss_t, ss_h, svs_b, svs_t, svs_h, keys, PAGE)
+        # (the block ids four tiles ahead, the scales two ahead from ids loaded two tiles before: no load
+        # waits for another within a tile)
+        b1, b2, b3, b4 = _ids_window(table_ptr, s, st_s, start, tiles, num_blocks, PAGE)
+        k1, v1 = _scales_at(ks_ptr, vs_ptr, b1, start, end, kvh, ss_b, ss_t, ss_h, svs_b, svs_t, svs_h, keys, PAGE)
+        k2, v2 = _scales_at(ks_ptr, vs_ptr, b2, start + BLOCK, end, kvh, ss_b, ss_t, ss_h, svs_b, svs_t, svs_h, keys,
+                            PAGE)
         qf, bad_id = _direct_queries(q_ptr, s, kvh, G, sq_s, sq_h, ql_smem, table_ptr, st_s, start, end, num_blocks,
                                      PAGE, NQ, key_l)
         bad = bad | bad_id
@@ -497,10 +497,9 @@ if HAS_GLUON:
             vs = v1
             k1 = k2
             v1 = v2
-            k2 = k3
-            v2 = v3
-            k3, v3 = _scales_of(ks_ptr, vs_ptr, table_ptr, s, st_s, j0 + 3 * BLOCK, end, kvh, num_blocks,
-                                ss_b, ss_t, ss_h, svs_b, svs_t, svs_h, keys, PAGE)
+            blk, b1, b2, b3, b4 = _ids_next(b1, b2, b3, b4, table_ptr, s, st_s, j0, t, tiles, num_blocks, PAGE)
+            k2, v2 = _scales_at(ks_ptr, vs_ptr, b2, j0 + 2 * BLOCK, end, kvh, ss_b, ss_t, ss_h, svs_b, svs_t, svs_h,
+                                keys, PAGE)
             mbarrier.wait(raw_ready.index(rs), (t // RAW) & 1)
             if end - j0 < BLOCK:    # (value rows past the end to zeros before the value warpgroup may read them)
                 _zero_tail(v_smem, rs, end - j0, 1)
@@ -525,6 +524,17 @@ if HAS_GLUON:
         a_smem.index(tiles % 2).store(factor)
         gl.thread_barrier()
         mbarrier.arrive(p_ready.index(tiles % 2))
+
+    @gluon.jit
+    def _scales_at(ks_ptr, vs_ptr, blk, j0, end, kvh, ss_b, ss_t, ss_h, svs_b, svs_t, svs_h, srows,
+                   PAGE: gl.constexpr):
+        """The key and value scales of the tile at local token j0 in cache block blk (an id already
+        loaded and clamped; 0 past the split's end)."""
+        token = ((j0 % PAGE) + srows).to(gl.int64)
+        slive = srows < end - j0
+        ks = gl.load(ks_ptr + blk.to(gl.int64) * ss_b + token * ss_t + kvh * ss_h, mask=slive, other=0.0)
+        vs = gl.load(vs_ptr + blk.to(gl.int64) * svs_b + token * svs_t + kvh * svs_h, mask=slive, other=0.0)
+        return ks, vs
 
     @gluon.jit
     def _direct_values(v_smem, p_smem, a_smem, raw_free, p_ready, p_free, glens_ptr, o_ptr, s, kvh, split,
