@@ -436,7 +436,7 @@ if HAS_GLUON:
 
 
 if HAS_GLUON:
-    from .gluon_mla_narrow import LBOX, _query_split, _scores_box8, _store_half, _values_box, _zero_tail
+    from .gluon_mla_narrow import LBOX, _fp8_pairs, _query_split, _scores_box8, _store_half, _zero_tail
 
     DIRECT_REGS = gl.constexpr(128)     # registers a thread of the direct kernel's value warpgroup
 
@@ -460,15 +460,34 @@ if HAS_GLUON:
         return ((127 - e) << 23).to(gl.float32, bitcast=True), bad
 
     @gluon.jit
+    def _softmax_pair(sc0, sc1, m_i, l_i, r_i, vs0, vs1):
+        """`gluon_mla._softmax_step` (fp8, deferred sums, keys along axis 0) over two tiles at once: one
+        cross-warp maximum of the scores and one of the weights for both (the reductions bound a
+        64-key tile's step). Returns (p0, p1, alpha, m, l, r)."""
+        m_new = gl.maximum(m_i, gl.max(gl.maximum(sc0, sc1), 0))
+        m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
+        p0 = gl.exp2(sc0 - m_safe[None, :])
+        p1 = gl.exp2(sc1 - m_safe[None, :])
+        alpha = gl.exp2(m_i - m_safe)
+        l_i = l_i * alpha[None, :] + p0 + p1
+        p0 = p0 * vs0[:, None]
+        p1 = p1 * vs1[:, None]
+        r_new = gl.maximum(r_i * alpha, gl.max(gl.maximum(p0, p1), 0))
+        inv = 1.0 / gl.where(r_new > 0, r_new, 1.0)
+        return p0 * inv[None, :], p1 * inv[None, :], r_i * alpha * inv, m_new, l_i, r_new
+
+    @gluon.jit
     def _direct_scores(q_ptr, ks_ptr, vs_ptr, ql_smem, k_smem, v_smem, p_smem, a_smem, raw_ready, raw_free, p_ready,
                        p_free, table_ptr, glens_ptr, lse_ptr, s, kvh, split, split_len, dcp_size, dcp_rank,
                        interleave, table_w, num_blocks, st_s, sq_s, sq_h, G, qk_scale, ss_b, ss_t, ss_h, svs_b,
                        svs_t, svs_h, sl_p, sl_s, PAGE: gl.constexpr, RAW: gl.constexpr, NQ: gl.constexpr):
-        """The direct fp8 kernel's first warpgroup: the queries, then per raw tile S^T = K Q^T as two fp8
-        MMAs from shared memory (the keys' 128 dims against the queries' hi and lo parts), the online
-        softmax with the tile's key and value scales (loaded two tiles ahead) over a running
-        per-column unit, the weights P^T and the rescale alpha published in a double buffer for the
-        value warpgroup; at the end the lse, and the output's factor to it."""
+        """The direct fp8 kernel's first warpgroup: the queries, then per pair of raw tiles S^T = K Q^T as
+        fp8 MMAs from shared memory (each tile's 128 key dims against the queries' hi and lo parts), one
+        online-softmax step over both with their key and value scales (loaded a pair ahead) and a
+        running per-column unit, the two tiles' weights P^T and the rescale alpha published in a double
+        buffer for the value warpgroup; at the end the lse, and the output's factor to it. A split with
+        an odd number of tiles ends in a pair whose second tile is absent: its scores are masked and
+        its value stage zeroed (the values warpgroup reads it), with RAW >= 4 no longer in use then."""
         mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, NQ, 16])
         mma8: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, NQ, 32])
         key_l: gl.constexpr = gl.SliceLayout(1, mma)
@@ -476,8 +495,8 @@ if HAS_GLUON:
         keys = gl.arange(0, BLOCK, layout=key_l)
         start, end, tiles, bad = _split_range(glens_ptr, s, split, split_len, dcp_size, dcp_rank, interleave,
                                               table_w, PAGE)
-        # (the block ids four tiles ahead, the scales two ahead from ids loaded two tiles before: no load
-        # waits for another within a tile)
+        # (the block ids four tiles ahead, the scales a pair ahead from ids loaded a pair before: no load
+        # waits for another within a step)
         b1, b2, b3, b4 = _ids_window(table_ptr, s, st_s, start, tiles, num_blocks, PAGE)
         k1, v1 = _scales_at(ks_ptr, vs_ptr, b1, start, end, kvh, ss_b, ss_t, ss_h, svs_b, svs_t, svs_h, keys, PAGE)
         k2, v2 = _scales_at(ks_ptr, vs_ptr, b2, start + BLOCK, end, kvh, ss_b, ss_t, ss_h, svs_b, svs_t, svs_h, keys,
@@ -489,29 +508,48 @@ if HAS_GLUON:
         m_i = gl.full([NQ], float("-inf"), gl.float32, q_l)
         l_i = gl.zeros([BLOCK, NQ], gl.float32, mma)
         r_i = gl.zeros([NQ], gl.float32, q_l)
-        for t in range(tiles):
-            rs = t % RAW
-            pb = t % 2
+        pairs = (tiles + 1) // 2
+        for i in range(pairs):
+            t = 2 * i
+            pb = i % 2
+            rs0 = t % RAW
+            rs1 = (t + 1) % RAW
+            two = t + 1 < tiles
             j0 = start + t * BLOCK
-            ks = k1
-            vs = v1
-            k1 = k2
-            v1 = v2
+            ks0 = k1
+            vs0 = v1
+            ks1 = k2
+            vs1 = v2
             blk, b1, b2, b3, b4 = _ids_next(b1, b2, b3, b4, table_ptr, s, st_s, j0, t, tiles, num_blocks, PAGE)
-            k2, v2 = _scales_at(ks_ptr, vs_ptr, b2, j0 + 2 * BLOCK, end, kvh, ss_b, ss_t, ss_h, svs_b, svs_t, svs_h,
+            blk, b1, b2, b3, b4 = _ids_next(b1, b2, b3, b4, table_ptr, s, st_s, j0 + BLOCK, t + 1, tiles, num_blocks,
+                                            PAGE)
+            k1, v1 = _scales_at(ks_ptr, vs_ptr, b1, j0 + 2 * BLOCK, end, kvh, ss_b, ss_t, ss_h, svs_b, svs_t, svs_h,
                                 keys, PAGE)
-            mbarrier.wait(raw_ready.index(rs), (t // RAW) & 1)
-            if end - j0 < BLOCK:    # (value rows past the end to zeros before the value warpgroup may read them)
-                _zero_tail(v_smem, rs, end - j0, 1)
-            sc = _scores_box8(k_smem.index(rs), ql_smem, 0, mma8, NQ)
-            sc = warpgroup_mma_wait(num_outstanding=0, deps=(sc, ))
-            mbarrier.arrive(raw_free.index(rs))
-            sc = gl.convert_layout(sc, mma)         # (the same registers)
-            sc = gl.where((j0 + keys < end)[:, None], sc * ks[:, None] * qk_q[None, :], float("-inf"))
-            p, alpha, m_i, l_i, r_i = _softmax_step(sc, m_i, l_i, r_i, vs, 0, True, True)
-            if t >= 2:
-                mbarrier.wait(p_free.index(pb), ((t // 2) - 1) & 1)
-            p_smem.index(pb).store(gl.permute(p.to(gl.float16), [1, 0]))
+            k2, v2 = _scales_at(ks_ptr, vs_ptr, b2, j0 + 3 * BLOCK, end, kvh, ss_b, ss_t, ss_h, svs_b, svs_t, svs_h,
+                                keys, PAGE)
+            mbarrier.wait(raw_ready.index(rs0), (t // RAW) & 1)
+            mbarrier.wait(raw_ready.index(rs1), ((t + 1) // RAW) & 1, pred=two)
+            sc0 = _scores_box8(k_smem.index(rs0), ql_smem, 0, mma8, NQ)
+            sc1 = _scores_box8(k_smem.index(rs1), ql_smem, 0, mma8, NQ)     # (absent: stale bytes, masked)
+            sc0, sc1 = warpgroup_mma_wait(num_outstanding=0, deps=(sc0, sc1))
+            mbarrier.arrive(raw_free.index(rs0))
+            mbarrier.arrive(raw_free.index(rs1), pred=two)
+            # (value rows past the end to zeros before the value warpgroup may read them)
+            if end - j0 < BLOCK:
+                _zero_tail(v_smem, rs0, end - j0, 1)
+            elif end - j0 < 2 * BLOCK:
+                _zero_tail(v_smem, rs1, end - j0 - BLOCK, 1)
+            qk0 = gl.convert_layout(sc0, mma) * ks0[:, None] * qk_q[None, :]     # (the same registers)
+            qk1 = gl.convert_layout(sc1, mma) * ks1[:, None] * qk_q[None, :]
+            qk0 = gl.where((j0 + keys < end)[:, None], qk0, float("-inf"))
+            qk1 = gl.where((j0 + BLOCK + keys < end)[:, None], qk1, float("-inf"))
+            p0, p1, alpha, m_i, l_i, r_i = _softmax_pair(qk0, qk1, m_i, l_i, r_i, vs0, vs1)
+            if i >= 2:
+                mbarrier.wait(p_free.index(pb), ((i // 2) - 1) & 1)
+            if t + 1 >= tiles:      # (an absent second tile: the value warpgroup is done with its stage now)
+                _zero_tail(v_smem, rs1, 0, 1)
+            p_smem.index(2 * pb).store(gl.permute(p0.to(gl.float16), [1, 0]))
+            p_smem.index(2 * pb + 1).store(gl.permute(p1.to(gl.float16), [1, 0]))
             a_smem.index(pb).store(alpha)
             fence_async_shared()
             gl.thread_barrier()
@@ -519,11 +557,11 @@ if HAS_GLUON:
         factor, lse = _finish(m_i, gl.sum(l_i, 0), r_i, bad, True)
         cols = gl.arange(0, NQ, layout=q_l)
         gl.store(lse_ptr + split.to(gl.int64) * sl_p + s.to(gl.int64) * sl_s + kvh * G + cols, lse, mask=cols < G)
-        if tiles >= 2:
-            mbarrier.wait(p_free.index(tiles % 2), ((tiles // 2) - 1) & 1)
-        a_smem.index(tiles % 2).store(factor)
+        if pairs >= 2:
+            mbarrier.wait(p_free.index(pairs % 2), ((pairs // 2) - 1) & 1)
+        a_smem.index(pairs % 2).store(factor)
         gl.thread_barrier()
-        mbarrier.arrive(p_ready.index(tiles % 2))
+        mbarrier.arrive(p_ready.index(pairs % 2))
 
     @gluon.jit
     def _scales_at(ks_ptr, vs_ptr, blk, j0, end, kvh, ss_b, ss_t, ss_h, svs_b, svs_t, svs_h, srows,
@@ -540,10 +578,11 @@ if HAS_GLUON:
     def _direct_values(v_smem, p_smem, a_smem, raw_free, p_ready, p_free, glens_ptr, o_ptr, s, kvh, split,
                        split_len, dcp_size, dcp_rank, interleave, table_w, G, so_p, so_s, so_h,
                        PAGE: gl.constexpr, RAW: gl.constexpr, NQ: gl.constexpr):
-        """The direct fp8 kernel's value warpgroup: per tile, once its weights are published, O^T += V^T
-        P^T with the value box read transposed from the raw bytes (`gluon_mla_narrow._values_box`: one
-        accumulator of the even dims, one of the odd), then its hold on the stage released; at the end
-        the output times the scores warpgroup's factor."""
+        """The direct fp8 kernel's value warpgroup: per pair of tiles, once their weights are published,
+        O^T = alpha O^T + V0^T P0^T + V1^T P1^T with each value box read transposed from the raw bytes
+        (16-bit ldmatrix .trans, each dim pair split into its even and odd dims in registers: one
+        accumulator of the even dims, one of the odd), then its hold on the stages released; at the
+        end the output times the scores warpgroup's factor."""
         mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, NQ, 16])
         key_l: gl.constexpr = gl.SliceLayout(1, mma)
         q_l: gl.constexpr = gl.SliceLayout(0, mma)
@@ -553,17 +592,30 @@ if HAS_GLUON:
                                               table_w, PAGE)
         even = gl.zeros([BLOCK, NQ], gl.float32, mma)
         odd = gl.zeros([BLOCK, NQ], gl.float32, mma)
-        for t in range(tiles):
-            rs = t % RAW
-            pb = t % 2
-            mbarrier.wait(p_ready.index(pb), (t // 2) & 1)
+        pairs = (tiles + 1) // 2
+        for i in range(pairs):
+            t = 2 * i
+            pb = i % 2
+            rs0 = t % RAW
+            rs1 = (t + 1) % RAW
+            mbarrier.wait(p_ready.index(pb), (i // 2) & 1)
             alpha = a_smem.index(pb).load(q_l)
-            even, odd = _values_box(v_smem.index(rs), p_smem.index(pb).permute((1, 0)), even, odd, alpha, a_l, i16)
+            e0, o0 = _fp8_pairs(v_smem.index(rs0)._reinterpret(gl.int16, [BLOCK, LBOX // 2], i16).permute((1, 0))
+                                .load(a_l))
+            e1, o1 = _fp8_pairs(v_smem.index(rs1)._reinterpret(gl.int16, [BLOCK, LBOX // 2], i16).permute((1, 0))
+                                .load(a_l))
+            pt0 = p_smem.index(2 * pb).permute((1, 0))
+            pt1 = p_smem.index(2 * pb + 1).permute((1, 0))
+            even = warpgroup_mma(e0, pt0, even * alpha[None, :], is_async=True)
+            odd = warpgroup_mma(o0, pt0, odd * alpha[None, :], is_async=True)
+            even = warpgroup_mma(e1, pt1, even, is_async=True)
+            odd = warpgroup_mma(o1, pt1, odd, is_async=True)
             even, odd = warpgroup_mma_wait(num_outstanding=0, deps=(even, odd))
             mbarrier.arrive(p_free.index(pb))
-            mbarrier.arrive(raw_free.index(rs))
-        mbarrier.wait(p_ready.index(tiles % 2), (tiles // 2) & 1)
-        factor = a_smem.index(tiles % 2).load(q_l)
+            mbarrier.arrive(raw_free.index(rs0))
+            mbarrier.arrive(raw_free.index(rs1), pred=t + 1 < tiles)
+        mbarrier.wait(p_ready.index(pairs % 2), (pairs // 2) & 1)
+        factor = a_smem.index(pairs % 2).load(q_l)
         cols = gl.arange(0, NQ, layout=q_l)
         rows = gl.arange(0, BLOCK, layout=key_l)
         o_q = split.to(gl.int64) * so_p + s.to(gl.int64) * so_s + (kvh * G + cols).to(gl.int64) * so_h
@@ -610,7 +662,7 @@ if HAS_GLUON:
         ql_smem = gl.allocate_shared_memory(gl.float8e4nv, [2, NQ, LBOX], lbox)
         k_smem = gl.allocate_shared_memory(gl.float8e4nv, [RAW, BLOCK, LBOX], lbox)
         v_smem = gl.allocate_shared_memory(gl.float8e4nv, [RAW, BLOCK, LBOX], lbox)
-        p_smem = gl.allocate_shared_memory(gl.float16, [2, NQ, BLOCK], pbox)
+        p_smem = gl.allocate_shared_memory(gl.float16, [4, NQ, BLOCK], pbox)      # (two pairs of tiles)
         a_smem = gl.allocate_shared_memory(gl.float32, [2, NQ], vec)
         raw_ready = _ring(RAW, 1)
         raw_free = _ring(RAW, 2)
@@ -632,17 +684,20 @@ if HAS_GLUON:
 
 
 DIRECT_MAX_G = 32       # the direct fp8 kernel's widest column tile (query heads per kv head)
+DIRECT_MIN_STAGES = 4   # its fewest raw stages: tiles go in pairs, and an absent second tile's stage is zeroed
 
 
 def direct_stages(g: int, raw: int) -> int:
-    """The direct fp8 kernel's raw stages for g query heads per kv head: the configured `raw` cut to
-    what shared memory holds beside the queries' two e4m3 parts, the weights' double buffer and 1 KB
-    of the compiler's scratch (0: the kernel does not apply, or `raw` 0: the converter's form)."""
-    if g > DIRECT_MAX_G:
+    """The direct fp8 kernel's raw stages for g query heads per kv head: the configured `raw`, at least
+    DIRECT_MIN_STAGES, cut to what shared memory holds beside the queries' two e4m3 parts, the weights'
+    two pairs of buffers and 1 KB of the compiler's scratch (0: the kernel does not apply, or `raw`
+    0: the converter's form)."""
+    if g > DIRECT_MAX_G or raw <= 0:
         return 0
     nq = max(8, 1 << (g - 1).bit_length())
-    fixed = 2 * nq * _HEAD_DIM + 2 * (nq * _BLOCK * 2 + nq * 4) + 8 * 4 + 1024
-    while raw > 0 and fixed + raw * (2 * _BLOCK * _HEAD_DIM + 16) > SMEM_LIMIT:
+    fixed = 2 * nq * _HEAD_DIM + 4 * nq * _BLOCK * 2 + 2 * nq * 4 + 8 * 4 + 1024
+    raw = max(raw, DIRECT_MIN_STAGES)
+    while raw > DIRECT_MIN_STAGES and fixed + raw * (2 * _BLOCK * _HEAD_DIM + 16) > SMEM_LIMIT:
         raw -= 1
     return raw
 
