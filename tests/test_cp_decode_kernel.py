@@ -925,8 +925,8 @@ def _nan_gqa_cache(lens, hkv, layout, dtype, gen):
 def test_gluon_gqa_kernel_on_gpu(dtype, size, rank, hq, hkv, monkeypatch):
     """The warp-specialized Gluon GQA kernel (CONFIG gluon_gqa / gluon_gqa_fp8) over every kind of
     DCP rank, 1 / 8 / 64 query heads per kv head, a 2- and 4-stage fp16 ring over fp8, the
-    swapped-operand consumer, over fp8 the direct form (4, 5, 8 raw stages; tiles in pairs, odd counts
-    of them; at 64 heads a kv head it must fall back to the converter's): NaN in every slot past a sequence's end (NaN scales too over fp8),
+    swapped-operand consumer, over fp8 the direct form (8, 9 raw stages; tiles in steps of four, splits
+    of every remainder of them; at 64 heads a kv head it must fall back to the converter's): NaN in every slot past a sequence's end (NaN scales too over fp8),
     lengths that end inside a tile, empty and one-token
     sequences, one split and several, against the torch path and the Triton kernel (each setting
     must launch the Gluon kernel); a bad block id gives that sequence NaN rows; a CUDA graph of it
@@ -951,10 +951,10 @@ def test_gluon_gqa_kernel_on_gpu(dtype, size, rank, hq, hkv, monkeypatch):
     monkeypatch.setattr(gluon_gqa, "direct_stages", lambda *a: direct_used.append(real_stages(*a)) or direct_used[-1])
     fp8 = dtype == torch.float8_e4m3fn
     # one split a sequence, then several; over fp8 a 4-stage fp16 ring; swapped operands; over fp8 the
-    # direct form (no converter) with 8, 5 and 1 (raised to its least, 4) raw stages (more than 32 heads a
+    # direct form (no converter) with 8, 9 and 1 (raised to its least, 8) raw stages (more than 32 heads a
     # kv head: the converter's)
     for programs, fp16_stages, swap, direct in ((132, 2, 0, 0), (4096, 2, 0, 0), (132, 4, 0, 0), (4096, 4, 0, 0),
-                                                (132, 2, 1, 0), (4096, 4, 1, 0), (132, 2, 0, 8), (4096, 2, 0, 5),
+                                                (132, 2, 1, 0), (4096, 4, 1, 0), (132, 2, 0, 8), (4096, 2, 0, 9),
                                                 (4096, 2, 0, 1)):
         if direct and not fp8:
             continue

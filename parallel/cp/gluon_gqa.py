@@ -460,34 +460,59 @@ if HAS_GLUON:
         return ((127 - e) << 23).to(gl.float32, bitcast=True), bad
 
     @gluon.jit
-    def _softmax_pair(sc0, sc1, m_i, l_i, r_i, vs0, vs1):
-        """`gluon_mla._softmax_step` (fp8, deferred sums, keys along axis 0) over two tiles at once: one
-        cross-warp maximum of the scores and one of the weights for both (the reductions bound a
-        64-key tile's step). Returns (p0, p1, alpha, m, l, r)."""
-        m_new = gl.maximum(m_i, gl.max(gl.maximum(sc0, sc1), 0))
+    def _softmax_quad(sc0, sc1, sc2, sc3, m_i, l_i, r_i, vs0, vs1, vs2, vs3):
+        """`gluon_mla._softmax_step` (fp8, deferred sums, keys along axis 0) over four tiles at once: one
+        cross-warp maximum of the scores and one of the weights for all four (those reductions bound
+        the step: a tile at a time took 0.9 us, two 0.65 us a tile). Returns (p0, p1, p2, p3, alpha,
+        m, l, r)."""
+        m_new = gl.maximum(m_i, gl.max(gl.maximum(gl.maximum(sc0, sc1), gl.maximum(sc2, sc3)), 0))
         m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
         p0 = gl.exp2(sc0 - m_safe[None, :])
         p1 = gl.exp2(sc1 - m_safe[None, :])
+        p2 = gl.exp2(sc2 - m_safe[None, :])
+        p3 = gl.exp2(sc3 - m_safe[None, :])
         alpha = gl.exp2(m_i - m_safe)
-        l_i = l_i * alpha[None, :] + p0 + p1
+        l_i = l_i * alpha[None, :] + ((p0 + p1) + (p2 + p3))
         p0 = p0 * vs0[:, None]
         p1 = p1 * vs1[:, None]
-        r_new = gl.maximum(r_i * alpha, gl.max(gl.maximum(p0, p1), 0))
+        p2 = p2 * vs2[:, None]
+        p3 = p3 * vs3[:, None]
+        r_new = gl.maximum(r_i * alpha, gl.max(gl.maximum(gl.maximum(p0, p1), gl.maximum(p2, p3)), 0))
         inv = 1.0 / gl.where(r_new > 0, r_new, 1.0)
-        return p0 * inv[None, :], p1 * inv[None, :], r_i * alpha * inv, m_new, l_i, r_new
+        return (p0 * inv[None, :], p1 * inv[None, :], p2 * inv[None, :], p3 * inv[None, :], r_i * alpha * inv, m_new,
+                l_i, r_new)
+
+    @gluon.jit
+    def _step_scales(ks_ptr, vs_ptr, b0, b1, b2, b3, j0, end, kvh, ss_b, ss_t, ss_h, svs_b, svs_t, svs_h, keys,
+                     PAGE: gl.constexpr):
+        """The key and value scales of a step's four tiles from j0 on, in blocks b0 .. b3."""
+        k0, v0 = _scales_at(ks_ptr, vs_ptr, b0, j0, end, kvh, ss_b, ss_t, ss_h, svs_b, svs_t, svs_h, keys, PAGE)
+        k1, v1 = _scales_at(ks_ptr, vs_ptr, b1, j0 + BLOCK, end, kvh, ss_b, ss_t, ss_h, svs_b, svs_t, svs_h, keys, PAGE)
+        k2, v2 = _scales_at(ks_ptr, vs_ptr, b2, j0 + 2 * BLOCK, end, kvh, ss_b, ss_t, ss_h, svs_b, svs_t, svs_h, keys,
+                            PAGE)
+        k3, v3 = _scales_at(ks_ptr, vs_ptr, b3, j0 + 3 * BLOCK, end, kvh, ss_b, ss_t, ss_h, svs_b, svs_t, svs_h, keys,
+                            PAGE)
+        return k0, v0, k1, v1, k2, v2, k3, v3
+
+    @gluon.jit
+    def _masked_scores(sc, ks, qk_q, j0, end, keys, mma: gl.constexpr):
+        """A tile's raw scores times its keys' scales and the queries' factors, -inf past the end."""
+        x = gl.convert_layout(sc, mma) * ks[:, None] * qk_q[None, :]        # (the same registers)
+        return gl.where((j0 + keys < end)[:, None], x, float("-inf"))
 
     @gluon.jit
     def _direct_scores(q_ptr, ks_ptr, vs_ptr, ql_smem, k_smem, v_smem, p_smem, a_smem, raw_ready, raw_free, p_ready,
                        p_free, table_ptr, glens_ptr, lse_ptr, s, kvh, split, split_len, dcp_size, dcp_rank,
                        interleave, table_w, num_blocks, st_s, sq_s, sq_h, G, qk_scale, ss_b, ss_t, ss_h, svs_b,
                        svs_t, svs_h, sl_p, sl_s, PAGE: gl.constexpr, RAW: gl.constexpr, NQ: gl.constexpr):
-        """The direct fp8 kernel's first warpgroup: the queries, then per pair of raw tiles S^T = K Q^T as
-        fp8 MMAs from shared memory (each tile's 128 key dims against the queries' hi and lo parts), one
-        online-softmax step over both with their key and value scales (loaded a pair ahead) and a
-        running per-column unit, the two tiles' weights P^T and the rescale alpha published in a double
-        buffer for the value warpgroup; at the end the lse, and the output's factor to it. A split with
-        an odd number of tiles ends in a pair whose second tile is absent: its scores are masked and
-        its value stage zeroed (the values warpgroup reads it), with RAW >= 4 no longer in use then."""
+        """The direct fp8 kernel's first warpgroup: the queries, then per step of four raw tiles S^T = K Q^T
+        as fp8 MMAs from shared memory (each tile's 128 key dims against the queries' hi and lo parts),
+        one online-softmax step over the four with their key and value scales (loaded a step ahead, from
+        block ids loaded two steps ahead) and a running per-column unit, the tiles' weights P^T and the
+        rescale alpha published in a double buffer for the value warpgroup; at the end the lse, and the
+        output's factor to it. A split's last step may hold fewer than four tiles: the absent ones'
+        scores are masked and their value stages zeroed (the value warpgroup reads them), which with
+        RAW >= 8 nothing else uses then."""
         mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, NQ, 16])
         mma8: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, NQ, 32])
         key_l: gl.constexpr = gl.SliceLayout(1, mma)
@@ -495,12 +520,10 @@ if HAS_GLUON:
         keys = gl.arange(0, BLOCK, layout=key_l)
         start, end, tiles, bad = _split_range(glens_ptr, s, split, split_len, dcp_size, dcp_rank, interleave,
                                               table_w, PAGE)
-        # (the block ids four tiles ahead, the scales a pair ahead from ids loaded a pair before: no load
-        # waits for another within a step)
-        b1, b2, b3, b4 = _ids_window(table_ptr, s, st_s, start, tiles, num_blocks, PAGE)
-        k1, v1 = _scales_at(ks_ptr, vs_ptr, b1, start, end, kvh, ss_b, ss_t, ss_h, svs_b, svs_t, svs_h, keys, PAGE)
-        k2, v2 = _scales_at(ks_ptr, vs_ptr, b2, start + BLOCK, end, kvh, ss_b, ss_t, ss_h, svs_b, svs_t, svs_h, keys,
-                            PAGE)
+        b0, b1, b2, b3 = _ids_window(table_ptr, s, st_s, start, tiles, num_blocks, PAGE)
+        n0, n1, n2, n3 = _ids_window(table_ptr, s, st_s, start + 4 * BLOCK, tiles - 4, num_blocks, PAGE)
+        k0, v0, k1, v1, k2, v2, k3, v3 = _step_scales(ks_ptr, vs_ptr, b0, b1, b2, b3, start, end, kvh, ss_b, ss_t,
+                                                      ss_h, svs_b, svs_t, svs_h, keys, PAGE)
         qf, bad_id = _direct_queries(q_ptr, s, kvh, G, sq_s, sq_h, ql_smem, table_ptr, st_s, start, end, num_blocks,
                                      PAGE, NQ, key_l)
         bad = bad | bad_id
@@ -508,48 +531,44 @@ if HAS_GLUON:
         m_i = gl.full([NQ], float("-inf"), gl.float32, q_l)
         l_i = gl.zeros([BLOCK, NQ], gl.float32, mma)
         r_i = gl.zeros([NQ], gl.float32, q_l)
-        pairs = (tiles + 1) // 2
-        for i in range(pairs):
-            t = 2 * i
+        steps = (tiles + 3) // 4
+        for i in range(steps):
+            t = 4 * i
             pb = i % 2
-            rs0 = t % RAW
-            rs1 = (t + 1) % RAW
-            two = t + 1 < tiles
             j0 = start + t * BLOCK
-            ks0 = k1
-            vs0 = v1
-            ks1 = k2
-            vs1 = v2
-            blk, b1, b2, b3, b4 = _ids_next(b1, b2, b3, b4, table_ptr, s, st_s, j0, t, tiles, num_blocks, PAGE)
-            blk, b1, b2, b3, b4 = _ids_next(b1, b2, b3, b4, table_ptr, s, st_s, j0 + BLOCK, t + 1, tiles, num_blocks,
-                                            PAGE)
-            k1, v1 = _scales_at(ks_ptr, vs_ptr, b1, j0 + 2 * BLOCK, end, kvh, ss_b, ss_t, ss_h, svs_b, svs_t, svs_h,
-                                keys, PAGE)
-            k2, v2 = _scales_at(ks_ptr, vs_ptr, b2, j0 + 3 * BLOCK, end, kvh, ss_b, ss_t, ss_h, svs_b, svs_t, svs_h,
-                                keys, PAGE)
-            mbarrier.wait(raw_ready.index(rs0), (t // RAW) & 1)
-            mbarrier.wait(raw_ready.index(rs1), ((t + 1) // RAW) & 1, pred=two)
-            sc0 = _scores_box8(k_smem.index(rs0), ql_smem, 0, mma8, NQ)
-            sc1 = _scores_box8(k_smem.index(rs1), ql_smem, 0, mma8, NQ)     # (absent: stale bytes, masked)
-            sc0, sc1 = warpgroup_mma_wait(num_outstanding=0, deps=(sc0, sc1))
-            mbarrier.arrive(raw_free.index(rs0))
-            mbarrier.arrive(raw_free.index(rs1), pred=two)
-            # (value rows past the end to zeros before the value warpgroup may read them)
-            if end - j0 < BLOCK:
-                _zero_tail(v_smem, rs0, end - j0, 1)
-            elif end - j0 < 2 * BLOCK:
-                _zero_tail(v_smem, rs1, end - j0 - BLOCK, 1)
-            qk0 = gl.convert_layout(sc0, mma) * ks0[:, None] * qk_q[None, :]     # (the same registers)
-            qk1 = gl.convert_layout(sc1, mma) * ks1[:, None] * qk_q[None, :]
-            qk0 = gl.where((j0 + keys < end)[:, None], qk0, float("-inf"))
-            qk1 = gl.where((j0 + BLOCK + keys < end)[:, None], qk1, float("-inf"))
-            p0, p1, alpha, m_i, l_i, r_i = _softmax_pair(qk0, qk1, m_i, l_i, r_i, vs0, vs1)
+            # (this step's scales; the next step's from the ids loaded a step ago; the ids two steps ahead)
+            ks0, vs0, ks1, vs1, ks2, vs2, ks3, vs3 = k0, v0, k1, v1, k2, v2, k3, v3
+            k0, v0, k1, v1, k2, v2, k3, v3 = _step_scales(ks_ptr, vs_ptr, n0, n1, n2, n3, j0 + 4 * BLOCK, end, kvh,
+                                                          ss_b, ss_t, ss_h, svs_b, svs_t, svs_h, keys, PAGE)
+            n0, n1, n2, n3 = _ids_window(table_ptr, s, st_s, j0 + 8 * BLOCK, tiles - t - 8, num_blocks, PAGE)
+            for k in gl.static_range(4):
+                mbarrier.wait(raw_ready.index((t + k) % RAW), ((t + k) // RAW) & 1, pred=t + k < tiles)
+            # (absent tiles: their stages' stale bytes, masked below)
+            sc0 = _scores_box8(k_smem.index(t % RAW), ql_smem, 0, mma8, NQ)
+            sc1 = _scores_box8(k_smem.index((t + 1) % RAW), ql_smem, 0, mma8, NQ)
+            sc2 = _scores_box8(k_smem.index((t + 2) % RAW), ql_smem, 0, mma8, NQ)
+            sc3 = _scores_box8(k_smem.index((t + 3) % RAW), ql_smem, 0, mma8, NQ)
+            sc0, sc1, sc2, sc3 = warpgroup_mma_wait(num_outstanding=0, deps=(sc0, sc1, sc2, sc3))
+            for k in gl.static_range(4):
+                mbarrier.arrive(raw_free.index((t + k) % RAW), pred=t + k < tiles)
+            tail = end - j0     # (the step's last present tile ends inside it: its value rows past the end to
+            if tail < 4 * BLOCK:    # zeros before the value warpgroup may read them)
+                if tail % BLOCK > 0:
+                    _zero_tail(v_smem, (t + tail // BLOCK) % RAW, tail % BLOCK, 1)
+            p0, p1, p2, p3, alpha, m_i, l_i, r_i = _softmax_quad(
+                _masked_scores(sc0, ks0, qk_q, j0, end, keys, mma),
+                _masked_scores(sc1, ks1, qk_q, j0 + BLOCK, end, keys, mma),
+                _masked_scores(sc2, ks2, qk_q, j0 + 2 * BLOCK, end, keys, mma),
+                _masked_scores(sc3, ks3, qk_q, j0 + 3 * BLOCK, end, keys, mma), m_i, l_i, r_i, vs0, vs1, vs2, vs3)
             if i >= 2:
                 mbarrier.wait(p_free.index(pb), ((i // 2) - 1) & 1)
-            if t + 1 >= tiles:      # (an absent second tile: the value warpgroup is done with its stage now)
-                _zero_tail(v_smem, rs1, 0, 1)
-            p_smem.index(2 * pb).store(gl.permute(p0.to(gl.float16), [1, 0]))
-            p_smem.index(2 * pb + 1).store(gl.permute(p1.to(gl.float16), [1, 0]))
+            for k in gl.static_range(1, 4):     # (absent tiles: the value warpgroup is done with their stages now)
+                if t + k >= tiles:
+                    _zero_tail(v_smem, (t + k) % RAW, 0, 1)
+            p_smem.index(4 * pb).store(gl.permute(p0.to(gl.float16), [1, 0]))
+            p_smem.index(4 * pb + 1).store(gl.permute(p1.to(gl.float16), [1, 0]))
+            p_smem.index(4 * pb + 2).store(gl.permute(p2.to(gl.float16), [1, 0]))
+            p_smem.index(4 * pb + 3).store(gl.permute(p3.to(gl.float16), [1, 0]))
             a_smem.index(pb).store(alpha)
             fence_async_shared()
             gl.thread_barrier()
@@ -557,11 +576,11 @@ if HAS_GLUON:
         factor, lse = _finish(m_i, gl.sum(l_i, 0), r_i, bad, True)
         cols = gl.arange(0, NQ, layout=q_l)
         gl.store(lse_ptr + split.to(gl.int64) * sl_p + s.to(gl.int64) * sl_s + kvh * G + cols, lse, mask=cols < G)
-        if pairs >= 2:
-            mbarrier.wait(p_free.index(pairs % 2), ((pairs // 2) - 1) & 1)
-        a_smem.index(pairs % 2).store(factor)
+        if steps >= 2:
+            mbarrier.wait(p_free.index(steps % 2), ((steps // 2) - 1) & 1)
+        a_smem.index(steps % 2).store(factor)
         gl.thread_barrier()
-        mbarrier.arrive(p_ready.index(pairs % 2))
+        mbarrier.arrive(p_ready.index(steps % 2))
 
     @gluon.jit
     def _scales_at(ks_ptr, vs_ptr, blk, j0, end, kvh, ss_b, ss_t, ss_h, svs_b, svs_t, svs_h, srows,
@@ -575,14 +594,19 @@ if HAS_GLUON:
         return ks, vs
 
     @gluon.jit
+    def _value_operands(box, a_l: gl.constexpr, i16: gl.constexpr):
+        """A raw value box [64 keys, 128 dims] read transposed (16-bit ldmatrix .trans: 64 dim pairs x 64
+        keys), each pair split into its even and its odd dim: the two A operands, fp16 (exact)."""
+        return _fp8_pairs(box._reinterpret(gl.int16, [BLOCK, LBOX // 2], i16).permute((1, 0)).load(a_l))
+
+    @gluon.jit
     def _direct_values(v_smem, p_smem, a_smem, raw_free, p_ready, p_free, glens_ptr, o_ptr, s, kvh, split,
                        split_len, dcp_size, dcp_rank, interleave, table_w, G, so_p, so_s, so_h,
                        PAGE: gl.constexpr, RAW: gl.constexpr, NQ: gl.constexpr):
-        """The direct fp8 kernel's value warpgroup: per pair of tiles, once their weights are published,
-        O^T = alpha O^T + V0^T P0^T + V1^T P1^T with each value box read transposed from the raw bytes
-        (16-bit ldmatrix .trans, each dim pair split into its even and odd dims in registers: one
-        accumulator of the even dims, one of the odd), then its hold on the stages released; at the
-        end the output times the scores warpgroup's factor."""
+        """The direct fp8 kernel's value warpgroup: per step of four tiles, once their weights are
+        published, O^T = alpha O^T + sum_k Vk^T Pk^T with each value box read from the raw bytes
+        (`_value_operands`: one accumulator of the even dims, one of the odd), then its hold on the
+        stages released; at the end the output times the scores warpgroup's factor."""
         mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, NQ, 16])
         key_l: gl.constexpr = gl.SliceLayout(1, mma)
         q_l: gl.constexpr = gl.SliceLayout(0, mma)
@@ -592,30 +616,36 @@ if HAS_GLUON:
                                               table_w, PAGE)
         even = gl.zeros([BLOCK, NQ], gl.float32, mma)
         odd = gl.zeros([BLOCK, NQ], gl.float32, mma)
-        pairs = (tiles + 1) // 2
-        for i in range(pairs):
-            t = 2 * i
+        steps = (tiles + 3) // 4
+        for i in range(steps):
+            t = 4 * i
             pb = i % 2
-            rs0 = t % RAW
-            rs1 = (t + 1) % RAW
             mbarrier.wait(p_ready.index(pb), (i // 2) & 1)
             alpha = a_smem.index(pb).load(q_l)
-            e0, o0 = _fp8_pairs(v_smem.index(rs0)._reinterpret(gl.int16, [BLOCK, LBOX // 2], i16).permute((1, 0))
-                                .load(a_l))
-            e1, o1 = _fp8_pairs(v_smem.index(rs1)._reinterpret(gl.int16, [BLOCK, LBOX // 2], i16).permute((1, 0))
-                                .load(a_l))
-            pt0 = p_smem.index(2 * pb).permute((1, 0))
-            pt1 = p_smem.index(2 * pb + 1).permute((1, 0))
-            even = warpgroup_mma(e0, pt0, even * alpha[None, :], is_async=True)
-            odd = warpgroup_mma(o0, pt0, odd * alpha[None, :], is_async=True)
-            even = warpgroup_mma(e1, pt1, even, is_async=True)
-            odd = warpgroup_mma(o1, pt1, odd, is_async=True)
+            e0, o0 = _value_operands(v_smem.index(t % RAW), a_l, i16)
+            pt = p_smem.index(4 * pb).permute((1, 0))
+            even = warpgroup_mma(e0, pt, even * alpha[None, :], is_async=True)
+            odd = warpgroup_mma(o0, pt, odd * alpha[None, :], is_async=True)
+            e1, o1 = _value_operands(v_smem.index((t + 1) % RAW), a_l, i16)
+            pt = p_smem.index(4 * pb + 1).permute((1, 0))
+            even = warpgroup_mma(e1, pt, even, is_async=True)
+            odd = warpgroup_mma(o1, pt, odd, is_async=True)
+            even, odd = warpgroup_mma_wait(num_outstanding=2, deps=(even, odd))
+            e2, o2 = _value_operands(v_smem.index((t + 2) % RAW), a_l, i16)
+            pt = p_smem.index(4 * pb + 2).permute((1, 0))
+            even = warpgroup_mma(e2, pt, even, is_async=True)
+            odd = warpgroup_mma(o2, pt, odd, is_async=True)
+            even, odd = warpgroup_mma_wait(num_outstanding=2, deps=(even, odd))
+            e3, o3 = _value_operands(v_smem.index((t + 3) % RAW), a_l, i16)
+            pt = p_smem.index(4 * pb + 3).permute((1, 0))
+            even = warpgroup_mma(e3, pt, even, is_async=True)
+            odd = warpgroup_mma(o3, pt, odd, is_async=True)
             even, odd = warpgroup_mma_wait(num_outstanding=0, deps=(even, odd))
             mbarrier.arrive(p_free.index(pb))
-            mbarrier.arrive(raw_free.index(rs0))
-            mbarrier.arrive(raw_free.index(rs1), pred=t + 1 < tiles)
-        mbarrier.wait(p_ready.index(pairs % 2), (pairs // 2) & 1)
-        factor = a_smem.index(pairs % 2).load(q_l)
+            for k in gl.static_range(4):
+                mbarrier.arrive(raw_free.index((t + k) % RAW), pred=t + k < tiles)
+        mbarrier.wait(p_ready.index(steps % 2), (steps // 2) & 1)
+        factor = a_smem.index(steps % 2).load(q_l)
         cols = gl.arange(0, NQ, layout=q_l)
         rows = gl.arange(0, BLOCK, layout=key_l)
         o_q = split.to(gl.int64) * so_p + s.to(gl.int64) * so_s + (kvh * G + cols).to(gl.int64) * so_h
@@ -662,7 +692,7 @@ if HAS_GLUON:
         ql_smem = gl.allocate_shared_memory(gl.float8e4nv, [2, NQ, LBOX], lbox)
         k_smem = gl.allocate_shared_memory(gl.float8e4nv, [RAW, BLOCK, LBOX], lbox)
         v_smem = gl.allocate_shared_memory(gl.float8e4nv, [RAW, BLOCK, LBOX], lbox)
-        p_smem = gl.allocate_shared_memory(gl.float16, [4, NQ, BLOCK], pbox)      # (two pairs of tiles)
+        p_smem = gl.allocate_shared_memory(gl.float16, [8, NQ, BLOCK], pbox)      # (two steps of four tiles)
         a_smem = gl.allocate_shared_memory(gl.float32, [2, NQ], vec)
         raw_ready = _ring(RAW, 1)
         raw_free = _ring(RAW, 2)
@@ -684,18 +714,18 @@ if HAS_GLUON:
 
 
 DIRECT_MAX_G = 32       # the direct fp8 kernel's widest column tile (query heads per kv head)
-DIRECT_MIN_STAGES = 4   # its fewest raw stages: tiles go in pairs, and an absent second tile's stage is zeroed
+DIRECT_MIN_STAGES = 8   # its fewest raw stages: tiles go in steps of four, and an absent tile's stage is zeroed
 
 
 def direct_stages(g: int, raw: int) -> int:
     """The direct fp8 kernel's raw stages for g query heads per kv head: the configured `raw`, at least
     DIRECT_MIN_STAGES, cut to what shared memory holds beside the queries' two e4m3 parts, the weights'
-    two pairs of buffers and 1 KB of the compiler's scratch (0: the kernel does not apply, or `raw`
+    two steps of four buffers and 1 KB of the compiler's scratch (0: the kernel does not apply, or `raw`
     0: the converter's form)."""
     if g > DIRECT_MAX_G or raw <= 0:
         return 0
     nq = max(8, 1 << (g - 1).bit_length())
-    fixed = 2 * nq * _HEAD_DIM + 4 * nq * _BLOCK * 2 + 2 * nq * 4 + 8 * 4 + 1024
+    fixed = 2 * nq * _HEAD_DIM + 8 * nq * _BLOCK * 2 + 2 * nq * 4 + 8 * 4 + 1024
     raw = max(raw, DIRECT_MIN_STAGES)
     while raw > DIRECT_MIN_STAGES and fixed + raw * (2 * _BLOCK * _HEAD_DIM + 16) > SMEM_LIMIT:
         raw -= 1
