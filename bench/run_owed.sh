@@ -58,6 +58,8 @@ for s in "$@"; do
     dtmla)      step dtmla "${DTMLA_LIMIT:-240}" bash -c "DECODE_TIMING_MLA=16 DECODE_TIMING_FP8=1 python3 bench/debug/decode_timing.py $res/decode-timing-mla16-fp8.json; \
                   DECODE_TIMING_MLA=16 python3 bench/debug/decode_timing.py $res/decode-timing-mla16-bf16.json; \
                   DECODE_TIMING_FP8=1 python3 bench/debug/decode_timing.py $res/decode-timing-gqa-fp8.json" ;;
+    dtgqa)      step dtgqa "${DTGQA_LIMIT:-120}" bash -c "DECODE_TIMING_FP8=1 python3 bench/debug/decode_timing.py $res/decode-timing-gqa-fp8.json; \
+                  DECODE_TIMING_FP8=1 DECODE_TIMING_CONFIG='{\"gluon_gqa_fp8\": 0}' python3 bench/debug/decode_timing.py $res/decode-timing-gqa-fp8-triton.json" ;;
     dmerge)     step dmerge "${DMERGE_LIMIT:-150}" python3 bench/debug/decode_merge.py "$res/decode-merge.json" ;;
     layout)     step layout "${LAYOUT_LIMIT:-150}" python3 bench/debug/decode_layout.py "$res/decode-layout.json" ;;
     ncu)        step ncu "${NCU_LIMIT:-200}" bash -c 'N=$(command -v ncu || ls /usr/local/cuda*/bin/ncu /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1); \

@@ -1,7 +1,8 @@
 """Where a decode call's time goes, and what the timing methods of `megapar bench cp` see (GPU):
 
     python bench/debug/decode_timing.py [OUT.json]      # DECODE_TIMING_FP8=1: an fp8 cache;
-                                                        # DECODE_TIMING_MLA=H: MLA with H query heads
+                                                        # DECODE_TIMING_MLA=H: MLA with H query heads;
+                                                        # DECODE_TIMING_CONFIG=JSON: decode CONFIG entries
 
 GQA bf16 (or fp8: the Triton split kernel and its merge; B 32, Hq 32, Hkv 4, D 128, rank 0's 1/4 of the paged KV, L = 8K and 32K) and the same
 launch over one page per rank, against SDPA over a contiguous copy (and over one page), each:
@@ -77,6 +78,12 @@ def _methods(fn, sink) -> dict[str, float]:
     return {k: round(v, 2) for k, v in out.items()}
 
 
+def triton_decode_config() -> dict:
+    from megapar.parallel.cp import triton_decode
+
+    return triton_decode.CONFIG
+
+
 def _mla(heads: int, dtype: torch.dtype) -> list:
     """The MLA rows: the paged latent decode over rank 0's 1/4 (and over one page per rank)."""
     from megapar.launch.bench.cp import _mla_decode_setup
@@ -113,6 +120,8 @@ def main() -> None:
     batch, heads, kv_heads, d, block, n = 32, 32, 4, 128, 64, 4
     dtype = torch.float8_e4m3fn if os.environ.get("DECODE_TIMING_FP8") else torch.bfloat16
     rows = []
+    # e.g. DECODE_TIMING_CONFIG='{"gluon_gqa_fp8": 0}': decode CONFIG entries for every call
+    triton_decode_config().update(json.loads(os.environ.get("DECODE_TIMING_CONFIG", "{}")))
     if os.environ.get("DECODE_TIMING_MLA"):
         rows = _mla(int(os.environ["DECODE_TIMING_MLA"]), dtype)
     with torch.no_grad():

@@ -699,8 +699,9 @@ CONFIG = {
     # 127.1 / 487.0), B 4 at 32K 25.6 -> 23.0. Over fp8 it loses: 33.4-34.0 / 101.5-103.0 / 380-386
     # -> 42.0-43.1 / 143.8-151.0 / 552-581 (the forms below change it by <= 8%); with the
     # converter's select on the last tile only (2026-12-04 afternoon) 38.5-39.5 / 135.9-137.0 /
-    # 518-527 against Triton 33.4-34.3 / 102.3-103.5 / 380-394. gluon_gqa_fp8 stays off
-    "gluon_gqa": 1, "gluon_gqa_fp8": 0, "target_programs_gluon_gqa": 132,
+    # 518-527 against Triton 33.4-34.3 / 102.3-103.5 / 380-394. Over fp8 it now runs the direct form
+    # (direct_gluon_gqa_fp8 below), which beats the Triton kernel everywhere measured
+    "gluon_gqa": 1, "gluon_gqa_fp8": 1, "target_programs_gluon_gqa": 132,
     # its ring: 16-bit stages over bf16 (32 KB each), raw fp8 stages over fp8 (16 KB each; two
     # fp16 stages after the converter)
     "stages_gluon_gqa": 3, "raw_stages_gluon_gqa": 6,
@@ -714,9 +715,14 @@ CONFIG = {
     "swap_gluon_gqa": 0, "swap_gluon_gqa_fp8": 0,
     # over fp8, the direct kernel (`gluon_gqa._gqa_decode_direct_kernel`: no converter, the raw tile's
     # key bytes into fp8 score MMAs against the queries' e4m3 hi + lo parts, its value bytes read
-    # transposed into the value MMA's A operand) with this many raw stages of 16 KB (0: the converter's
-    # form); more than 32 query heads a kv head keep the converter's
-    "direct_gluon_gqa_fp8": 8,
+    # transposed into the value MMA's A operand, tiles in steps of four) with this many raw stages of
+    # 16 KB (0: the converter's form; at least 8); more than 32 query heads a kv head keep the
+    # converter's. bench/debug/decode_gluon_gqa.py (2026-12-04 evening, DGQA_SET=fp8; B 32, 1/4 of 8K /
+    # 32K / 128K, step_time; bench/results/logs/decode-gluon-gqa-direct*-h200.json): Triton 33.4 / 98.9 /
+    # 360.3 µs, the converter's Gluon form 39.0 / 136.9, direct 8 / 10 / 12 stages 25.6 / 73.1 / 263.0,
+    # 25.3 / 71.3, 25.9 / 73.1 / 259.4 (one tile a step: 34.8 / 119.6 / 461; two: 27.2 / 89.1 / 336.6,
+    # the scores warpgroup's two cross-warp reductions a step bound them); B 4 at 32K 19.9 -> 15.0
+    "direct_gluon_gqa_fp8": 10,
     # Removed after their runs (code in the history): block ids four tiles ahead in the bf16 GQA
     # loader and in the MLA loader and converter (CONFIG ids_ahead_gluon_gqa / ids_ahead_wide, removed
     # after 918617a; 2026-12-04 afternoon: GQA 35.1 / 121.4 µs against 35.0 / 121.9 with one ahead, MLA
