@@ -192,6 +192,7 @@ def test_kernel_full_size_on_gpu(cache_dtype, f16, stage16, hq, hkv, d, dv, tq, 
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     from parallel.cp import triton_decode     # (after the env: a first import binds its kernels to the mode)
 
+    monkeypatch.setitem(triton_decode.CONFIG, "gluon_gqa_fp8", 0)    # (the Triton kernel's options under test)
     monkeypatch.setitem(triton_decode.CONFIG, "f16_fp8", f16)    # (GQA over fp8: fp16 operands or not)
     monkeypatch.setitem(triton_decode.CONFIG, "f16_wide_narrow", f16)
     monkeypatch.setitem(triton_decode.CONFIG, "stage16_fp8", stage16)
@@ -917,6 +918,49 @@ def _nan_gqa_cache(lens, hkv, layout, dtype, gen):
         return (PagedKVCache(q8(kv[0], sc[0]), q8(kv[1], sc[1]), *sc),
                 PagedKVCache(q8(clean[0], clean_sc[0]), q8(clean[1], clean_sc[1]), *clean_sc), table)
     return PagedKVCache(*(x.to(dtype) for x in kv)), PagedKVCache(*(x.to(dtype) for x in clean)), table
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("q_exp,hq,hkv", [(0, 32, 4), (-60, 16, 1), (70, 32, 2)])
+def test_gluon_gqa_direct_fp8_extreme_scales_on_gpu(q_exp, hq, hkv, monkeypatch):
+    """The direct fp8 GQA kernel (CONFIG direct_gluon_gqa_fp8) with per-token value scales spread over
+    2^-40..2^40, keys' over 2^-30..2^10, queries at 2^q_exp (their e4m3 hi + lo parts take a power of
+    two per row), 8 / 16 query heads per kv head, lengths ending inside a tile and inside a step of
+    four, an empty sequence and several splits, against the torch path in fp32: lse within the
+    queries' ~2^-9 rounding, each output within 4e-3 of the largest |v * v_scale| a row can weigh."""
+    td = _compiled(monkeypatch)
+    from parallel.cp import gluon_gqa
+
+    if not (torch.cuda.get_device_capability() == (9, 0) and gluon_gqa.HAS_GLUON):
+        pytest.skip("the Gluon GQA kernel needs an sm_90 GPU and a Triton with Gluon")
+    monkeypatch.setitem(td.CONFIG, "gluon_gqa_fp8", 1)
+    monkeypatch.setitem(td.CONFIG, "direct_gluon_gqa_fp8", 8)
+    monkeypatch.setitem(td.CONFIG, "target_programs_gluon_gqa", 1024)
+    ran = []
+    real = gluon_gqa.direct_stages
+    monkeypatch.setattr(gluon_gqa, "direct_stages", lambda *a: ran.append(real(*a)) or ran[-1])
+    lens = [3000, 2, 0, 190, 1100, 64]
+    cache, table, layout, _, _ = _fill(lens, hkv, 128, 128, 64, 1, 0, 1, torch.float8_e4m3fn, seed=7 + hq,
+                                       device="cuda")
+    gen = torch.Generator(device="cuda").manual_seed(q_exp + 200)
+    cache.v_scale.mul_(torch.exp2(torch.randint(-40, 41, cache.v_scale.shape, generator=gen, device="cuda").float()))
+    cache.k_scale.mul_(torch.exp2(torch.randint(-30, 11, cache.k_scale.shape, generator=gen, device="cuda").float()))
+    q = (torch.randn(len(lens), 1, hq, 128, generator=gen, device="cuda") * 2.0 ** q_exp).to(torch.bfloat16)
+    seq = torch.tensor(lens, device="cuda")
+    ref = paged_decode_attention(q.float(), cache, table, seq, backend="torch")
+    got = paged_decode_attention(q, cache, table, seq, backend="triton")
+    assert ran and ran[-1] >= 8, ran
+    finite = torch.isfinite(ref.lse)
+    assert torch.equal(finite, torch.isfinite(got.lse)) and not finite[2].any()
+    torch.testing.assert_close(got.lse[finite], ref.lse[finite], atol=4e-3, rtol=2e-3)
+    for i, n in enumerate(lens):        # (each sequence against the largest |v * v_scale| of its own tokens)
+        if n:
+            blocks = table[i, : -(-n // 64)].long()
+            v = cache.v[blocks].float().flatten(0, 1)[:n] * cache.v_scale[blocks].flatten(0, 1)[:n, :, None]
+            span = v.abs().amax()
+            err = (got.out[i] - ref.out[i]).abs().max()
+            assert err <= 4e-3 * span, (i, err / span)
+    assert (got.out[2] == 0).all()
 
 
 @pytest.mark.gpu
