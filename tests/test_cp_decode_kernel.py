@@ -769,7 +769,7 @@ def test_gluon_mla_narrow_swapped_on_gpu(dtype, size, rank, heads, tq, monkeypat
         direct, f8 = td.CONFIG["direct_wide_narrow_fp8"], td.CONFIG["fp8_scores_wide_narrow_fp8"]
         applies = gluon_mla_narrow.direct_stages(tq * heads, direct) > 0
         assert all(kw["direct"] == applies and kw["fp8_scores"] == bool(f8) for kw in used)
-        for raw in (4, 5) if applies else ():       # (tiles in pairs: four raw stages at least)
+        for raw in (1, 3) if applies else ():
             monkeypatch.setitem(td.CONFIG, "direct_wide_narrow_fp8", raw)
             other = run(cache, table)
             torch.testing.assert_close(other.out, got.out, atol=0, rtol=0)
@@ -850,19 +850,16 @@ def test_narrow_mla_fp8_rings_that_do_not_fit_are_refused():
 
 def test_direct_narrow_mla_fp8_stages_fit_shared_memory():
     """The direct fp8 form's shared memory (`gluon_mla_narrow.direct_fits`: queries, raw stages of
-    37.1 KB, two pairs of weight buffers): tiles go in pairs, so at least four raw stages
-    (DIRECT_MIN_STAGES); five fit at 8-16 columns (the sm_90a build takes 207.8 KB at 16), four at 32
-    (197.9 KB), six nowhere; the dispatcher raises the configured depth to four and cuts it to what
-    fits (`direct_stages`, 0: off or none fits), and the launcher refuses what does not fit with the
+    37.1 KB, two weight buffers): five raw stages fit at 8-32 columns (the sm_90a builds take 208.7 KB
+    at 16 and 231.6 KB at 32, within the 232448 bytes), six do not; the dispatcher cuts the configured
+    depth to what fits (`direct_stages`, 0: off), and the launcher refuses what does not fit with the
     numbers, before building anything."""
     from parallel.cp import gluon_mla_narrow as gn
 
-    assert gn.DIRECT_MIN_STAGES == 4
-    assert all(gn.direct_fits(h, 5) and not gn.direct_fits(h, 6) for h in (8, 16))
-    assert gn.direct_fits(32, 4) and not gn.direct_fits(32, 5)
-    assert not gn.direct_fits(33, 4) and not gn.direct_fits(16, 3) and not gn.direct_fits(16, 0)
-    assert gn.direct_stages(16, 5) == 5 and gn.direct_stages(32, 9) == 4 and gn.direct_stages(16, 0) == 0
-    assert gn.direct_stages(16, 1) == 4 and gn.direct_stages(64, 5) == 0
+    assert all(gn.direct_fits(h, 5) and not gn.direct_fits(h, 6) for h in (8, 16, 32))
+    assert not gn.direct_fits(33, 1) and not gn.direct_fits(16, 0)
+    assert gn.direct_stages(16, 5) == 5 and gn.direct_stages(32, 9) == 5 and gn.direct_stages(16, 0) == 0
+    assert gn.direct_stages(64, 5) == 0
     if gn.HAS_GLUON:
         k = torch.zeros(4, 64, 1, 576, dtype=torch.float8_e4m3fn)
         q = torch.zeros(1, 1, 16, 576, dtype=torch.bfloat16)

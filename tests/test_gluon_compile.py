@@ -111,8 +111,8 @@ def _build(name: str) -> dict:
     ("gqa-bf16-swap", 64), ("gqa-fp8-swap", 0), ("mlan-bf16-16", 0), ("mlan-bf16-32", 0), ("mlan-bf16-8", 0),
     ("mlan-fp8-16-r2raw1", 0), ("mlan-fp8-32-r2raw1", 64), ("mlan-fp8-16-r1raw3", 256),
     ("mlan-fp8-16-r2raw2rope", 0), ("mlan-bf16-32-causal", 128), ("mlan-fp8-32-r2raw1-causal", 256),
-    ("mlan-fp8-16-direct5", 16), ("mlan-fp8-16-direct5s", 16), ("mlan-fp8-16-direct5s-causal", 16),
-    ("mlan-fp8-8-direct4s", 0), ("mlan-fp8-32-direct4s", 256), ("mlan-fp8-32-direct4s-causal", 384),
+    ("mlan-fp8-16-direct5", 0), ("mlan-fp8-16-direct5s", 0), ("mlan-fp8-16-direct5s-causal", 0),
+    ("mlan-fp8-8-direct1s", 0), ("mlan-fp8-32-direct5s", 32), ("mlan-fp8-32-direct4s-causal", 64),
     ("gqa-fp8-direct8-8", 0), ("gqa-fp8-direct10-32", 8), ("gqa-fp8-direct9-16", 0)])
 def test_gluon_decode_kernel_builds_for_sm90(name, spill_cap):
     """spill_cap: the committed MLA builds spill 12 B (bf16: the loader's masked tail tile) and 388-516 B
@@ -122,7 +122,7 @@ def test_gluon_decode_kernel_builds_for_sm90(name, spill_cap):
     bf16 and at 16 over fp8's installed ring, 24 B at 32 heads, 152 B with one fp16 and three raw
     stages; "-causal" (a speculative step's query tokens as columns) 84 B over bf16 and 168 B over
     fp8 at 32 columns. Their direct fp8 form ("-directRAW[s]": no converter, RAW raw stages, "s" the
-    scores as fp8 MMAs; tiles in pairs): none at 8 columns, 16 B at 16, 216 B at 32 (324 B causal). The direct fp8 GQA kernel ("gqa-fp8-directRAW-NQ"):
+    scores as fp8 MMAs): none at 8-16 columns, 12 B at 32. The direct fp8 GQA kernel ("gqa-fp8-directRAW-NQ"):
     none at 8-16 columns, 4 B at 32."""
     pytest.importorskip("triton.experimental.gluon")
     env = dict(os.environ, TRITON_INTERPRET="0", PYTHONPATH=f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")

@@ -53,7 +53,6 @@ if HAS_GLUON:
 MAX_HEADS = 32      # the widest narrow tile: NQ = 32 columns (eight 64 x 32 fp32 accumulators)
 _LBOX, _LBOXES = 128, 4     # the direct fp8 kernel's latent boxes: 128 dims (128-byte rows), four of them
 _DIRECT_STAGE = _LBOXES * _BLOCK * _LBOX + _BLOCK * _BLOCK + 4 * _BLOCK    # a raw stage: latent, rope, scales
-DIRECT_MIN_STAGES = 4   # the direct kernel's fewest: tiles go in pairs, and an absent second tile's stage is zeroed
 
 
 def columns(heads: int) -> int:
@@ -75,24 +74,20 @@ def fp8_fits(heads: int, ring: int, raw: int, rope_raw: bool = False) -> bool:
 def direct_fits(heads: int, raw: int) -> bool:
     """The direct fp8 kernel's shared memory (no fp16 stages): the queries (NQ x 576 at two bytes a dim:
     fp16, or e4m3 hi and lo parts), `raw` raw stages of 64 keys (four 64 x 128 latent boxes, the 64 x 64 rope box and the
-    keys' scales; at least DIRECT_MIN_STAGES), two pairs of buffers of the weights (NQ x 64 fp16) and two of
-    their rescale, barriers and 1 KB of the compiler's scratch (the sm_90a builds take 0.3-0.4 KB)."""
+    keys' scales), two buffers of the weights (NQ x 64 fp16) and their rescale, barriers and 1 KB of
+    the compiler's scratch (the sm_90a builds take 0.3-0.4 KB)."""
     nq = columns(heads)
-    need = (nq * _CHUNKS * _BLOCK * 2 + raw * _DIRECT_STAGE + 4 * nq * _BLOCK * 2 + 2 * nq * 4 + 8 * (2 * raw + 4)
+    need = (nq * _CHUNKS * _BLOCK * 2 + raw * _DIRECT_STAGE + 2 * (nq * _BLOCK * 2 + nq * 4) + 8 * (2 * raw + 4)
             + 1024)
-    return heads <= MAX_HEADS and raw >= DIRECT_MIN_STAGES and need <= SMEM_LIMIT
+    return heads <= MAX_HEADS and raw >= 1 and need <= SMEM_LIMIT
 
 
 def direct_stages(heads: int, raw: int) -> int:
-    """The direct kernel's raw stages at this head count: the configured `raw`, at least
-    DIRECT_MIN_STAGES, cut to what shared memory holds (0: fewer fit, or `raw` 0: the converter's
-    form)."""
-    if raw <= 0:
-        return 0
-    raw = max(raw, DIRECT_MIN_STAGES)
-    while raw >= DIRECT_MIN_STAGES and not direct_fits(heads, raw):
+    """The direct kernel's raw stages at this head count: the configured `raw` cut to what shared memory
+    holds (0: none fit, or `raw` 0: the converter's form)."""
+    while raw > 0 and not direct_fits(heads, raw):
         raw -= 1
-    return raw if raw >= DIRECT_MIN_STAGES else 0
+    return raw
 
 
 def narrow_ok(rows: int, k: Tensor, k_scale: Tensor | None) -> bool:
@@ -352,14 +347,6 @@ if HAS_GLUON:
         return o_even, o_odd
 
     @gluon.jit
-    def _values_box_add(box, pt, o_even, o_odd, a_l: gl.constexpr, i16: gl.constexpr):
-        """`_values_box` without the rescale: V^T P^T of another tile added to the box's accumulators
-        (chained on the MMAs in flight)."""
-        y = box._reinterpret(gl.int16, [BLOCK, LBOX // 2], i16).permute((1, 0)).load(a_l)
-        even, odd = _fp8_pairs(y)
-        return (warpgroup_mma(even, pt, o_even, is_async=True), warpgroup_mma(odd, pt, o_odd, is_async=True))
-
-    @gluon.jit
     def _zero_tail(kl_smem, first, valid, BOXES: gl.constexpr = 4):
         """Rows valid.. of a raw stage's BOXES 64 x 128 fp8 boxes (MLA: its four latent boxes) to zero
         (the split's last tile ends inside it: the value MMAs would read whatever lies in the cache's
@@ -443,74 +430,6 @@ if HAS_GLUON:
         gl.store(o_ptr + o_q[None, :] + (first + 2 * rows)[:, None], o * factor[None, :], mask=live[None, :])
 
     @gluon.jit
-    def _tile_scores8(kl_smem, kr_smem, ql_smem, qr_smem, rs, mma8: gl.constexpr, NQ: gl.constexpr):
-        """A raw stage's scores as fp8 MMAs, one accumulator a box (issued, not waited)."""
-        s0 = _scores_box8(kl_smem.index(rs * LBOXES), ql_smem, 0, mma8, NQ)
-        s1 = _scores_box8(kl_smem.index(rs * LBOXES + 1), ql_smem, 2, mma8, NQ)
-        s2 = _scores_box8(kl_smem.index(rs * LBOXES + 2), ql_smem, 4, mma8, NQ)
-        s3 = _scores_box8(kl_smem.index(rs * LBOXES + 3), ql_smem, 6, mma8, NQ)
-        s4 = _scores_box8(kr_smem.index(rs), qr_smem, 0, mma8, NQ)
-        return s0, s1, s2, s3, s4
-
-    @gluon.jit
-    def _tile_scores16(kl_smem, kr_smem, ql_smem, qr_smem, rs, mma: gl.constexpr, a_l: gl.constexpr,
-                       i16: gl.constexpr, i16r: gl.constexpr, NQ: gl.constexpr):
-        """A raw stage's scores as fp16 MMAs, the A operand converted in registers (waited)."""
-        sc = gl.zeros([BLOCK, NQ], gl.float32, mma)
-        sc = _scores_box(kl_smem.index(rs * LBOXES), ql_smem.index(0), sc, a_l, i16)
-        sc = _scores_box(kl_smem.index(rs * LBOXES + 1), ql_smem.index(1), sc, a_l, i16)
-        sc = warpgroup_mma_wait(num_outstanding=1, deps=(sc, ))
-        sc = _scores_box(kl_smem.index(rs * LBOXES + 2), ql_smem.index(2), sc, a_l, i16)
-        sc = warpgroup_mma_wait(num_outstanding=1, deps=(sc, ))
-        sc = _scores_box(kl_smem.index(rs * LBOXES + 3), ql_smem.index(3), sc, a_l, i16)
-        sc = warpgroup_mma_wait(num_outstanding=1, deps=(sc, ))
-        sc = _scores_box(kr_smem.index(rs), qr_smem, sc, a_l, i16r)
-        return warpgroup_mma_wait(num_outstanding=0, deps=(sc, ))
-
-    @gluon.jit
-    def _pair_scores(kl_smem, kr_smem, ql_smem, qr_smem, rs0, rs1, mma: gl.constexpr, mma8: gl.constexpr,
-                     a_l: gl.constexpr, i16: gl.constexpr, i16r: gl.constexpr, NQ: gl.constexpr, F8: gl.constexpr):
-        """Two raw stages' raw scores S^T [64, NQ] (F8: both tiles' fp8 MMAs in flight together, each box's
-        accumulator summed in fp32)."""
-        if F8:
-            a0, a1, a2, a3, a4 = _tile_scores8(kl_smem, kr_smem, ql_smem, qr_smem, rs0, mma8, NQ)
-            b0, b1, b2, b3, b4 = _tile_scores8(kl_smem, kr_smem, ql_smem, qr_smem, rs1, mma8, NQ)
-            a0, a1, a2, a3, a4, b0, b1, b2, b3, b4 = warpgroup_mma_wait(
-                num_outstanding=0, deps=(a0, a1, a2, a3, a4, b0, b1, b2, b3, b4))
-            sc0 = gl.convert_layout((a0 + a1) + (a2 + a3) + a4, mma)      # (the same registers)
-            sc1 = gl.convert_layout((b0 + b1) + (b2 + b3) + b4, mma)
-        else:
-            sc0 = _tile_scores16(kl_smem, kr_smem, ql_smem, qr_smem, rs0, mma, a_l, i16, i16r, NQ)
-            sc1 = _tile_scores16(kl_smem, kr_smem, ql_smem, qr_smem, rs1, mma, a_l, i16, i16r, NQ)
-        return sc0, sc1
-
-    @gluon.jit
-    def _masked(sc, ks, qk_q, j0, end, keys, q_pos, dcp_size, dcp_rank, interleave, CAUSAL: gl.constexpr):
-        """A tile's raw scores times its keys' scales and the columns' factors; -inf past the end (and,
-        CAUSAL, where a key's global position lies past the column's token)."""
-        live = (j0 + keys < end)[:, None]
-        if CAUSAL:
-            live = live & (_global_pos(j0 + keys, dcp_size, dcp_rank, interleave)[:, None] <= q_pos[None, :])
-        return gl.where(live, sc * ks[:, None] * qk_q[None, :], float("-inf"))
-
-    @gluon.jit
-    def _softmax_pair(sc0, sc1, m_i, l_i, r_i, w0, w1):
-        """`gluon_mla._softmax_step` (fp8: weights times the keys' value scales w over a running
-        per-column unit; deferred sums; keys along axis 0) over two tiles at once: one cross-warp maximum
-        of the scores and one of the weights for both. Returns (p0, p1, alpha, m, l, r)."""
-        m_new = gl.maximum(m_i, gl.max(gl.maximum(sc0, sc1), 0))
-        m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
-        p0 = gl.exp2(sc0 - m_safe[None, :])
-        p1 = gl.exp2(sc1 - m_safe[None, :])
-        alpha = gl.exp2(m_i - m_safe)
-        l_i = l_i * alpha[None, :] + (p0 + p1)
-        p0 = p0 * w0[:, None]
-        p1 = p1 * w1[:, None]
-        r_new = gl.maximum(r_i * alpha, gl.max(gl.maximum(p0, p1), 0))
-        inv = 1.0 / gl.where(r_new > 0, r_new, 1.0)
-        return p0 * inv[None, :], p1 * inv[None, :], r_i * alpha * inv, m_new, l_i, r_new
-
-    @gluon.jit
     def _direct_scores(q_ptr, ql_smem, qr_smem, kl_smem, kr_smem, ks_smem, p_smem, a_smem, raw_ready, raw_free,
                        p_ready, p_free, table_ptr, glens_ptr, lse_ptr, s, split, split_len, dcp_size, dcp_rank,
                        interleave, table_w, num_blocks, st_s, qk_scale, sl_p, sl_s, sl_t, HQ, TQ,
@@ -540,40 +459,44 @@ if HAS_GLUON:
         cols = gl.arange(0, NQ, layout=q_l)
         if CAUSAL:
             q_pos = gl.load(glens_ptr + s).to(gl.int32) - TQ + cols // HQ
-        else:
-            q_pos = cols
-        pairs = (tiles + 1) // 2
-        for i in range(pairs):
-            t = 2 * i
-            pb = i % 2
-            rs0 = t % RAW
-            rs1 = (t + 1) % RAW
-            two = t + 1 < tiles
+        for t in range(tiles):
+            rs = t % RAW
+            pb = t % 2
             j0 = start + t * BLOCK
-            mbarrier.wait(raw_ready.index(rs0), (t // RAW) & 1)
-            mbarrier.wait(raw_ready.index(rs1), ((t + 1) // RAW) & 1, pred=two)
-            # (the pair's last present tile ends inside it: its rows past the end to zeros before the value
-            # warpgroup may read them (it waits for this P); fp8 score MMAs, through the async proxy, may
-            # still see those rows' old bytes: masked below)
-            if end - j0 < BLOCK:
-                _zero_tail(kl_smem, rs0 * LBOXES, end - j0)
-            elif (end - j0 > BLOCK) & (end - j0 < 2 * BLOCK):
-                _zero_tail(kl_smem, rs1 * LBOXES, end - j0 - BLOCK)
-            # (an absent second tile: its stage's stale bytes, masked)
-            sc0, sc1 = _pair_scores(kl_smem, kr_smem, ql_smem, qr_smem, rs0, rs1, mma, mma8, a_l, i16, i16r, NQ, F8)
-            ks0 = gl.where(j0 + keys < end, ks_smem.index(rs0).reshape([BLOCK]).load(key_l), 0.0)
-            ks1 = gl.where(j0 + BLOCK + keys < end, ks_smem.index(rs1).reshape([BLOCK]).load(key_l), 0.0)
-            mbarrier.arrive(raw_free.index(rs0))
-            mbarrier.arrive(raw_free.index(rs1), pred=two)
-            sc0 = _masked(sc0, ks0, qk_q, j0, end, keys, q_pos, dcp_size, dcp_rank, interleave, CAUSAL)
-            sc1 = _masked(sc1, ks1, qk_q, j0 + BLOCK, end, keys, q_pos, dcp_size, dcp_rank, interleave, CAUSAL)
-            p0, p1, alpha, m_i, l_i, r_i = _softmax_pair(sc0, sc1, m_i, l_i, r_i, ks0, ks1)
-            if i >= 2:
-                mbarrier.wait(p_free.index(pb), ((i // 2) - 1) & 1)
-            if t + 1 >= tiles:      # (an absent second tile: the value warpgroup is done with its stage now)
-                _zero_tail(kl_smem, rs1 * LBOXES, 0)
-            p_smem.index(2 * pb).store(gl.permute(p0.to(gl.float16), [1, 0]))
-            p_smem.index(2 * pb + 1).store(gl.permute(p1.to(gl.float16), [1, 0]))
+            mbarrier.wait(raw_ready.index(rs), (t // RAW) & 1)
+            if end - j0 < BLOCK:    # (before the second warpgroup may read the tile: it waits for this P;
+                # fp8 score MMAs, through the async proxy, may still see those rows' old bytes: masked below)
+                _zero_tail(kl_smem, rs * LBOXES, end - j0)
+            if F8:
+                s0 = _scores_box8(kl_smem.index(rs * LBOXES), ql_smem, 0, mma8, NQ)
+                s1 = _scores_box8(kl_smem.index(rs * LBOXES + 1), ql_smem, 2, mma8, NQ)
+                s2 = _scores_box8(kl_smem.index(rs * LBOXES + 2), ql_smem, 4, mma8, NQ)
+                s3 = _scores_box8(kl_smem.index(rs * LBOXES + 3), ql_smem, 6, mma8, NQ)
+                s4 = _scores_box8(kr_smem.index(rs), qr_smem, 0, mma8, NQ)
+                s0, s1, s2, s3, s4 = warpgroup_mma_wait(num_outstanding=0, deps=(s0, s1, s2, s3, s4))
+                sc = gl.convert_layout((s0 + s1) + (s2 + s3) + s4, mma)      # (the same registers)
+            else:
+                sc = gl.zeros([BLOCK, NQ], gl.float32, mma)
+                sc = _scores_box(kl_smem.index(rs * LBOXES), ql_smem.index(0), sc, a_l, i16)
+                sc = _scores_box(kl_smem.index(rs * LBOXES + 1), ql_smem.index(1), sc, a_l, i16)
+                sc = warpgroup_mma_wait(num_outstanding=1, deps=(sc, ))
+                sc = _scores_box(kl_smem.index(rs * LBOXES + 2), ql_smem.index(2), sc, a_l, i16)
+                sc = warpgroup_mma_wait(num_outstanding=1, deps=(sc, ))
+                sc = _scores_box(kl_smem.index(rs * LBOXES + 3), ql_smem.index(3), sc, a_l, i16)
+                sc = warpgroup_mma_wait(num_outstanding=1, deps=(sc, ))
+                sc = _scores_box(kr_smem.index(rs), qr_smem, sc, a_l, i16r)
+                sc = warpgroup_mma_wait(num_outstanding=0, deps=(sc, ))
+            key_live = j0 + keys < end
+            live = key_live[:, None]
+            if CAUSAL:
+                live = live & (_global_pos(j0 + keys, dcp_size, dcp_rank, interleave)[:, None] <= q_pos[None, :])
+            ks = gl.where(key_live, ks_smem.index(rs).reshape([BLOCK]).load(key_l), 0.0)
+            mbarrier.arrive(raw_free.index(rs))
+            sc = gl.where(live, sc * ks[:, None] * qk_q[None, :], float("-inf"))
+            p, alpha, m_i, l_i, r_i = _softmax_step(sc, m_i, l_i, r_i, ks, 0, True, True)
+            if t >= 2:
+                mbarrier.wait(p_free.index(pb), ((t // 2) - 1) & 1)
+            p_smem.index(pb).store(gl.permute(p.to(gl.float16), [1, 0]))
             a_smem.index(pb).store(alpha)
             fence_async_shared()
             gl.thread_barrier()
@@ -583,21 +506,21 @@ if HAS_GLUON:
         tok = (cols // HQ).to(gl.int64)
         head = (cols % HQ).to(gl.int64)
         gl.store(lse_ptr + split.to(gl.int64) * sl_p + s.to(gl.int64) * sl_s + tok * sl_t + head, lse, mask=mine)
-        if pairs >= 2:
-            mbarrier.wait(p_free.index(pairs % 2), ((pairs // 2) - 1) & 1)
-        a_smem.index(pairs % 2).store(factor)
+        if tiles >= 2:
+            mbarrier.wait(p_free.index(tiles % 2), ((tiles // 2) - 1) & 1)
+        a_smem.index(tiles % 2).store(factor)
         gl.thread_barrier()
-        mbarrier.arrive(p_ready.index(pairs % 2))
+        mbarrier.arrive(p_ready.index(tiles % 2))
 
     @gluon.jit
     def _direct_values(kl_smem, p_smem, a_smem, raw_free, p_ready, p_free, glens_ptr, o_ptr, s, split, split_len,
                        dcp_size, dcp_rank, interleave, table_w, so_p, so_s, so_t, so_h, HQ, TQ, PAGE: gl.constexpr,
                        RAW: gl.constexpr, NQ: gl.constexpr):
-        """The direct fp8 kernel's value warpgroup: per pair of tiles, once their weights are published,
-        O^T = alpha O^T + V0^T P0^T + V1^T P1^T with the A operands converted in registers from the raw
-        bytes (each accumulator one parity of a latent box's dims), its hold on the raw stages and the
-        weights then released; at the end the output times the scores warpgroup's factor. (Two value
-        warpgroups of two boxes each ran 3-7% slower: decode-narrow10/12-values2-h200.json.)"""
+        """The direct fp8 kernel's value warpgroup: per tile, once its weights are published, O^T += V^T
+        P^T with the A operand converted in registers from the raw bytes (each accumulator one parity
+        of a latent box's dims), its hold on the raw stage and the weights then released; at the end the
+        output times the scores warpgroup's factor. (Two value warpgroups of two boxes each ran 3-7%
+        slower: decode-narrow10/12-values2-h200.json.)"""
         mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, NQ, 16])
         key_l: gl.constexpr = gl.SliceLayout(1, mma)
         q_l: gl.constexpr = gl.SliceLayout(0, mma)
@@ -613,34 +536,24 @@ if HAS_GLUON:
         d2 = gl.zeros([BLOCK, NQ], gl.float32, mma)
         e3 = gl.zeros([BLOCK, NQ], gl.float32, mma)
         d3 = gl.zeros([BLOCK, NQ], gl.float32, mma)
-        pairs = (tiles + 1) // 2
-        for i in range(pairs):
-            t = 2 * i
-            pb = i % 2
-            f0 = (t % RAW) * LBOXES
-            f1 = ((t + 1) % RAW) * LBOXES
-            mbarrier.wait(p_ready.index(pb), (i // 2) & 1)
+        for t in range(tiles):
+            rs = t % RAW
+            pb = t % 2
+            mbarrier.wait(p_ready.index(pb), (t // 2) & 1)
             alpha = a_smem.index(pb).load(q_l)
-            pt0 = p_smem.index(2 * pb).permute((1, 0))
-            pt1 = p_smem.index(2 * pb + 1).permute((1, 0))
-            # (each box: the first tile's MMAs on the rescaled accumulators, the second's chained on them;
-            # a wait frees a box's operand registers two boxes on)
-            e0, d0 = _values_box(kl_smem.index(f0), pt0, e0, d0, alpha, a_l, i16)
-            e0, d0 = _values_box_add(kl_smem.index(f1), pt1, e0, d0, a_l, i16)
-            e1, d1 = _values_box(kl_smem.index(f0 + 1), pt0, e1, d1, alpha, a_l, i16)
-            e1, d1 = _values_box_add(kl_smem.index(f1 + 1), pt1, e1, d1, a_l, i16)
-            e0, d0 = warpgroup_mma_wait(num_outstanding=4, deps=(e0, d0))
-            e2, d2 = _values_box(kl_smem.index(f0 + 2), pt0, e2, d2, alpha, a_l, i16)
-            e2, d2 = _values_box_add(kl_smem.index(f1 + 2), pt1, e2, d2, a_l, i16)
-            e1, d1 = warpgroup_mma_wait(num_outstanding=4, deps=(e1, d1))
-            e3, d3 = _values_box(kl_smem.index(f0 + 3), pt0, e3, d3, alpha, a_l, i16)
-            e3, d3 = _values_box_add(kl_smem.index(f1 + 3), pt1, e3, d3, a_l, i16)
+            pt = p_smem.index(pb).permute((1, 0))
+            first = rs * LBOXES
+            e0, d0 = _values_box(kl_smem.index(first), pt, e0, d0, alpha, a_l, i16)
+            e1, d1 = _values_box(kl_smem.index(first + 1), pt, e1, d1, alpha, a_l, i16)
+            e0, d0 = warpgroup_mma_wait(num_outstanding=2, deps=(e0, d0))
+            e2, d2 = _values_box(kl_smem.index(first + 2), pt, e2, d2, alpha, a_l, i16)
+            e1, d1 = warpgroup_mma_wait(num_outstanding=2, deps=(e1, d1))
+            e3, d3 = _values_box(kl_smem.index(first + 3), pt, e3, d3, alpha, a_l, i16)
             e2, d2, e3, d3 = warpgroup_mma_wait(num_outstanding=0, deps=(e2, d2, e3, d3))
             mbarrier.arrive(p_free.index(pb))
-            mbarrier.arrive(raw_free.index(t % RAW))
-            mbarrier.arrive(raw_free.index((t + 1) % RAW), pred=t + 1 < tiles)
-        mbarrier.wait(p_ready.index(pairs % 2), (pairs // 2) & 1)
-        factor = a_smem.index(pairs % 2).load(q_l)
+            mbarrier.arrive(raw_free.index(rs))
+        mbarrier.wait(p_ready.index(tiles % 2), (tiles // 2) & 1)
+        factor = a_smem.index(tiles % 2).load(q_l)
         cols = gl.arange(0, NQ, layout=q_l)
         rows = gl.arange(0, BLOCK, layout=key_l)
         mine = cols < TQ * HQ
@@ -701,7 +614,7 @@ if HAS_GLUON:
         else:
             ql_smem = gl.allocate_shared_memory(gl.float16, [LBOXES, NQ, LBOX], qlbox)
             qr_smem = gl.allocate_shared_memory(gl.float16, [NQ, BLOCK], qrbox)
-        p_smem = gl.allocate_shared_memory(gl.float16, [4, NQ, BLOCK], qrbox)     # (two pairs of tiles)
+        p_smem = gl.allocate_shared_memory(gl.float16, [2, NQ, BLOCK], qrbox)
         a_smem = gl.allocate_shared_memory(gl.float32, [2, NQ], vec)
         kl_smem = gl.allocate_shared_memory(gl.float8e4nv, [RAW * LBOXES, BLOCK, LBOX], lbox)
         kr_smem = gl.allocate_shared_memory(gl.float8e4nv, [RAW, BLOCK, BLOCK], rbox)
@@ -746,8 +659,7 @@ def launch(q: Tensor, k: Tensor, table: Tensor, seq_lens: Tensor, o: Tensor, lse
     fp8 = k.dtype == torch.float8_e4m3fn
     if fp8 and direct and not direct_fits(tq * hq, raw):
         raise ValueError(f"the direct fp8 MLA kernel with {tq} x {hq} query rows and {raw} raw stages of "
-                         f"{_BLOCK} keys does not fit in shared memory ({SMEM_LIMIT} bytes), or has fewer than "
-                         f"{DIRECT_MIN_STAGES} (its tiles go in pairs)")
+                         f"{_BLOCK} keys does not fit in shared memory ({SMEM_LIMIT} bytes)")
     if fp8 and not direct and not fp8_fits(tq * hq, ring, raw, rope_raw):
         raise ValueError(f"the narrow fp8 MLA kernel with {tq} x {hq} query rows, {ring} fp16 and {raw} raw "
                          f"stages of {_BLOCK} keys (rope from the raw stage: {bool(rope_raw)}) does not fit in "
