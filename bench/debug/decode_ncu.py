@@ -12,7 +12,8 @@ cudaProfilerStart / Stop, for Nsight Compute:
 profiles the Gluon GQA kernel (`parallel.cp.gluon_gqa`) over bf16 and over fp8 (CONFIG
 gluon_gqa_fp8 forced on) instead, same problem (`bash bench/run_owed.sh ncugqa`). DECODE_NCU_CONFIG
 (JSON) sets CONFIG entries first; DECODE_NCU_MLA_FP8=1 gives the MLA call an fp8 cache,
-DECODE_NCU_MLA_HEADS its head count (128; 16: the narrow kernel, `parallel.cp.gluon_mla_narrow`).
+DECODE_NCU_MLA_HEADS its head count (128; 16: the narrow kernel, `parallel.cp.gluon_mla_narrow`),
+DECODE_NCU_MLA_CONTEXT its L (8192).
 """
 
 from __future__ import annotations
@@ -45,7 +46,7 @@ def main(gluon_gqa: bool) -> None:
         calls.append(lambda cache=cache, table=table, q=q: paged_decode_attention(
             q, cache, table, seq, layout=layout, scale=d ** -0.5, backend="triton", max_seq_len=context))
     if not gluon_gqa:
-        dims, mla_context = MLADims(), 8192
+        dims, mla_context = MLADims(), int(os.environ.get("DECODE_NCU_MLA_CONTEXT", "8192"))
         mla_dtype = torch.float8_e4m3fn if os.environ.get("DECODE_NCU_MLA_FP8") else torch.bfloat16
         latent, table = _mla_decode_setup(batch, mla_context, dims, page, n, dev, mla_dtype)
         mla_heads = int(os.environ.get("DECODE_NCU_MLA_HEADS", "128"))
