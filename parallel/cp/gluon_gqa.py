@@ -35,8 +35,7 @@ try:
     from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
                                                                   warpgroup_mma_wait)
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
-    from .gluon_mla import (HAS_GLUON, _bad_ids, _block_of, _finish, _ids_next, _ids_window, _softmax_step, _split_cap,
-                            _split_range)
+    from .gluon_mla import HAS_GLUON, _bad_ids, _block_of, _finish, _ids_next, _ids_window, _softmax_step, _split_range
 except ImportError:  # pragma: no cover - a Triton without Gluon
     HAS_GLUON = False
 
@@ -64,11 +63,10 @@ if HAS_GLUON:
                      s, kvh, split, split_len, dcp_size, dcp_rank, interleave, table_w, num_blocks, st_s,
                      sk_b, sk_t, sv_b, sv_t, PAGE: gl.constexpr, STAGES: gl.constexpr):
         """The block ids one tile ahead (four ahead measured no faster: docs/gpu.md section 18)."""
-        start, cap = _split_cap(split, split_len, table_w, PAGE)
-        blk_next = _block_of(table_ptr, s, st_s, start, cap > 0, num_blocks, PAGE)      # (beside the length)
         start, end, tiles, bad = _split_range(glens_ptr, s, split, split_len, dcp_size, dcp_rank, interleave,
                                               table_w, PAGE)
         blocked: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
+        blk_next = _block_of(table_ptr, s, st_s, start, tiles > 0, num_blocks, PAGE)
         for t in range(tiles):
             stage = t % STAGES
             j0 = start + t * BLOCK
@@ -317,10 +315,9 @@ if HAS_GLUON:
         The block ids load four tiles ahead: with one ahead, each tile's TMA waited for an id loaded
         the tile before, one memory round trip a tile whatever the ring (the bf16 loader keeps one:
         its 32 KB tiles take as long as the round trip)."""
-        start, cap = _split_cap(split, split_len, table_w, PAGE)
-        b1, b2, b3, b4 = _ids_window(table_ptr, s, st_s, start, cap, num_blocks, PAGE)    # (beside the length)
         start, end, tiles, bad = _split_range(glens_ptr, s, split, split_len, dcp_size, dcp_rank, interleave,
                                               table_w, PAGE)
+        b1, b2, b3, b4 = _ids_window(table_ptr, s, st_s, start, tiles, num_blocks, PAGE)
         for t in range(tiles):
             stage = t % RAW
             j0 = start + t * BLOCK
@@ -521,11 +518,10 @@ if HAS_GLUON:
         key_l: gl.constexpr = gl.SliceLayout(1, mma)
         q_l: gl.constexpr = gl.SliceLayout(0, mma)
         keys = gl.arange(0, BLOCK, layout=key_l)
-        start, cap = _split_cap(split, split_len, table_w, PAGE)
-        b0, b1, b2, b3 = _ids_window(table_ptr, s, st_s, start, cap, num_blocks, PAGE)    # (beside the length)
-        n0, n1, n2, n3 = _ids_window(table_ptr, s, st_s, start + 4 * BLOCK, cap - 4, num_blocks, PAGE)
         start, end, tiles, bad = _split_range(glens_ptr, s, split, split_len, dcp_size, dcp_rank, interleave,
                                               table_w, PAGE)
+        b0, b1, b2, b3 = _ids_window(table_ptr, s, st_s, start, tiles, num_blocks, PAGE)
+        n0, n1, n2, n3 = _ids_window(table_ptr, s, st_s, start + 4 * BLOCK, tiles - 4, num_blocks, PAGE)
         k0, v0, k1, v1, k2, v2, k3, v3 = _step_scales(ks_ptr, vs_ptr, b0, b1, b2, b3, start, end, kvh, ss_b, ss_t,
                                                       ss_h, svs_b, svs_t, svs_h, keys, PAGE)
         qf, bad_id = _direct_queries(q_ptr, s, kvh, G, sq_s, sq_h, ql_smem, table_ptr, st_s, start, end, num_blocks,
@@ -662,10 +658,9 @@ if HAS_GLUON:
                        RAW: gl.constexpr):
         """(one warp) Each 64-key tile's key and value boxes (64 x 128 fp8 each: a tile lies in its page)
         by TMA into the raw ring, the block ids four tiles ahead."""
-        start, cap = _split_cap(split, split_len, table_w, PAGE)
-        b1, b2, b3, b4 = _ids_window(table_ptr, s, st_s, start, cap, num_blocks, PAGE)    # (beside the length)
         start, end, tiles, bad = _split_range(glens_ptr, s, split, split_len, dcp_size, dcp_rank, interleave,
                                               table_w, PAGE)
+        b1, b2, b3, b4 = _ids_window(table_ptr, s, st_s, start, tiles, num_blocks, PAGE)
         for t in range(tiles):
             rs = t % RAW
             j0 = start + t * BLOCK

@@ -66,14 +66,6 @@ if HAS_GLUON:
         return start, end, tiles, bad
 
     @gluon.jit
-    def _split_cap(split, split_len, table_w, PAGE: gl.constexpr, KEYS: gl.constexpr = 64):
-        """(start, the most tiles of KEYS keys the split can hold) without reading its length: the block ids
-        of a split's first tiles load beside the length, not after it (one memory round trip fewer before
-        the first TMA); ids loaded past the split's real end are in the table's row and never used."""
-        start = split * split_len
-        return start, (gl.maximum(gl.minimum(split_len, table_w * PAGE - start), 0) + KEYS - 1) // KEYS
-
-    @gluon.jit
     def _block_of(table_ptr, s, st_s, j0, has, num_blocks, PAGE: gl.constexpr):
         """The cache block of the tile at local token j0 (0 where `has` is false or the id lies outside
         [0, num_blocks): no load leaves the cache; the consumer reports a bad id)."""
@@ -455,10 +447,9 @@ if HAS_GLUON:
         """(one warp) Each key tile's nine fp8 boxes of KEYS keys x 64 dims and its KEYS scales by TMA
         into the raw ring (whole boxes: a tile lies in its page; the converter zeroes what lies past
         the end), the block ids one tile ahead."""
-        start, cap = _split_cap(split, split_len, table_w, PAGE, KEYS)
-        blk_next = _block_of(table_ptr, s, st_s, start, cap > 0, num_blocks, PAGE)      # (beside the length)
         start, end, tiles, bad = _split_range(glens_ptr, s, split, split_len, dcp_size, dcp_rank, interleave,
                                               table_w, PAGE, KEYS)
+        blk_next = _block_of(table_ptr, s, st_s, start, tiles > 0, num_blocks, PAGE)
         for t in range(tiles):
             rs = t % RAW
             j0 = start + t * KEYS

@@ -47,7 +47,7 @@ if HAS_GLUON:
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
     from .gluon_mla import (BLOCK, CHUNKS, STAGES, _bad_ids, _barriers, _converter, _finish, _ids_next, _ids_window,
-                            _loader, _raw_loader, _softmax_step, _split_cap, _split_range)
+                            _loader, _raw_loader, _softmax_step, _split_range)
     from .triton_common import global_pos as _global_pos
 
 MAX_HEADS = 32      # the widest narrow tile: NQ = 32 columns (eight 64 x 32 fp32 accumulators)
@@ -574,10 +574,9 @@ if HAS_GLUON:
                        PAGE: gl.constexpr, RAW: gl.constexpr):
         """(one warp) Each 64-key tile's four 64 x 128 latent boxes, its 64 x 64 rope box and its scales by
         TMA into the raw ring (whole boxes: a tile lies in its page), the block ids four tiles ahead."""
-        start, cap = _split_cap(split, split_len, table_w, PAGE)
-        b1, b2, b3, b4 = _ids_window(table_ptr, s, st_s, start, cap, num_blocks, PAGE)    # (beside the length)
         start, end, tiles, bad = _split_range(glens_ptr, s, split, split_len, dcp_size, dcp_rank, interleave,
                                               table_w, PAGE)
+        b1, b2, b3, b4 = _ids_window(table_ptr, s, st_s, start, tiles, num_blocks, PAGE)
         for t in range(tiles):
             rs = t % RAW
             j0 = start + t * BLOCK
