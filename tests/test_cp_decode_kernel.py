@@ -981,7 +981,7 @@ def test_gluon_gqa_kernel_on_gpu(dtype, size, rank, hq, hkv, monkeypatch):
     """The warp-specialized Gluon GQA kernel (CONFIG gluon_gqa / gluon_gqa_fp8) over every kind of
     DCP rank, 1 / 8 / 64 query heads per kv head, a 2- and 4-stage fp16 ring over fp8, the
     swapped-operand consumer, over fp8 the direct form (8, 9 raw stages; tiles in steps of four, splits
-    of every remainder of them; at 64 heads a kv head it must fall back to the converter's): NaN in every slot past a sequence's end (NaN scales too over fp8),
+    of every remainder of them; at 64 heads a kv head the Triton kernel serves it instead): NaN in every slot past a sequence's end (NaN scales too over fp8),
     lengths that end inside a tile, empty and one-token
     sequences, one split and several, against the torch path and the Triton kernel (each setting
     must launch the Gluon kernel); a bad block id gives that sequence NaN rows; a CUDA graph of it
@@ -1007,7 +1007,7 @@ def test_gluon_gqa_kernel_on_gpu(dtype, size, rank, hq, hkv, monkeypatch):
     fp8 = dtype == torch.float8_e4m3fn
     # one split a sequence, then several; over fp8 a 4-stage fp16 ring; swapped operands; over fp8 the
     # direct form (no converter) with 8, 9 and 1 (raised to its least, 8) raw stages (more than 32 heads a
-    # kv head: the converter's)
+    # kv head: the Triton kernel)
     for programs, fp16_stages, swap, direct in ((132, 2, 0, 0), (4096, 2, 0, 0), (132, 4, 0, 0), (4096, 4, 0, 0),
                                                 (132, 2, 1, 0), (4096, 4, 1, 0), (132, 2, 0, 8), (4096, 2, 0, 9),
                                                 (4096, 2, 0, 1)):
@@ -1024,8 +1024,10 @@ def test_gluon_gqa_kernel_on_gpu(dtype, size, rank, hq, hkv, monkeypatch):
         assert not used
         monkeypatch.setitem(td.CONFIG, key, 1)
         got = run(cache, table)
-        assert used, f"setting {programs, fp16_stages, swap, direct} did not launch the Gluon kernel"
-        ran_direct = bool(fp8 and direct_used and direct_used[-1] > 0)
+        # (over fp8 with the direct form asked for, more than 32 heads a kv head go to the Triton kernel)
+        gluon = not (fp8 and direct > 0 and hq // hkv > 32)
+        assert bool(used) == gluon, f"setting {programs, fp16_stages, swap, direct}: Gluon kernel launched {used}"
+        ran_direct = bool(fp8 and used and direct_used and direct_used[-1] > 0)
         assert ran_direct == (fp8 and direct > 0 and hq // hkv <= 32), (direct, direct_used)
         used.clear()
         direct_used.clear()

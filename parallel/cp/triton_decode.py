@@ -1122,8 +1122,12 @@ def paged_decode_triton(q: Tensor, k: Tensor, v: Tensor, k_scale: Tensor | None,
     if gluon:       # (its tiles: 64 keys, 64 heads, the head tile padded where there are fewer; one CTA
         block_n, block_m = gluon_mla.TILE, gluon_mla.TILE      # per SM, so full tiles' split targets)
         cfg = dict(cfg, at_most=1, target_programs=CONFIG["target_programs_wide_fp8" if fp8 else "target_programs_wide"])
+    # (over fp8 the Gluon kernel where its direct form applies, or where the converter's form is asked for
+    # (direct_gluon_gqa_fp8 0): more than 32 heads a kv head run the Triton kernel, faster than the converter)
+    direct_raw = CONFIG["direct_gluon_gqa_fp8"]
     gqa_ws = (not gluon and CONFIG["gluon_gqa_fp8" if fp8 else "gluon_gqa"] and not impl.interpreting()
-              and gluon_gqa.gluon_gqa_ok(q, k, v, tq, k_scale, v_scale))
+              and gluon_gqa.gluon_gqa_ok(q, k, v, tq, k_scale, v_scale)
+              and not (fp8 and direct_raw and not gluon_gqa.direct_stages(g, direct_raw)))
     if gqa_ws:      # (64-key tiles, a kv head's query rows padded to 64; one CTA per SM)
         block_n, block_m = gluon_gqa.TILE, gluon_gqa.TILE
         cfg = dict(cfg, at_most=1, target_programs=CONFIG["target_programs_gluon_gqa"])
@@ -1167,7 +1171,7 @@ def paged_decode_triton(q: Tensor, k: Tensor, v: Tensor, k_scale: Tensor | None,
                                    stages=CONFIG["stages_gluon_gqa"], raw_stages=CONFIG["raw_stages_gluon_gqa"],
                                    fp16_stages=CONFIG["stages_gluon_gqa_fp8"],
                                    swap=bool(CONFIG["swap_gluon_gqa_fp8" if fp8 else "swap_gluon_gqa"]),
-                                   direct=CONFIG["direct_gluon_gqa_fp8"] if fp8 else 0)
+                                   direct=direct_raw if fp8 else 0)
     elif s > 0 and splits > 0:
         _paged_decode_kernel[(programs, splits)](
             q, k, v, ks, vs, table, seq_lens, o, lse,
