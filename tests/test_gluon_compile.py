@@ -44,7 +44,8 @@ def _build(name: str) -> dict:
         if fp8 and more[1].startswith("direct"):
             kernel, consts = gluon_mla_narrow._mla_narrow_direct_kernel, {"PAGE": 64, "NQ": nq,
                                                                            "RAW": int(more[1][6:].rstrip("s")),
-                                                                           "CAUSAL": causal, "F8": more[1][-1] == "s"}
+                                                                           "CAUSAL": causal, "F8": more[1][-1] == "s",
+                                                                           "PDL": more[-1] == "pdl"}
             lbox, rbox = gl.NVMMASharedLayout(128, 8, 2), gl.NVMMASharedLayout(64, 8, 2)
             ptrs.update(q_ptr="*bf16", kl_desc=f"tensordesc<fp8e4nv[64, 128],{lbox}>",
                         kr_desc=f"tensordesc<fp8e4nv[64, 64],{rbox}>",
@@ -65,7 +66,7 @@ def _build(name: str) -> dict:
         if fp8 and more and more[0].startswith("direct"):     # "gqa-fp8-directRAW-NQ": the direct fp8 form
             lbox = gl.NVMMASharedLayout(128, 8, 2)
             kernel, consts = gluon_gqa._gqa_decode_direct_kernel, {"PAGE": 64, "RAW": int(more[0][6:]),
-                                                                   "NQ": int(more[1])}
+                                                                   "NQ": int(more[1]), "PDL": more[-1] == "pdl"}
             ptrs.update(ks_ptr="*fp32", vs_ptr="*fp32", k_desc=f"tensordesc<fp8e4nv[64, 128],{lbox}>",
                         v_desc=f"tensordesc<fp8e4nv[64, 128],{lbox}>")
         elif fp8:
@@ -102,7 +103,8 @@ def _build(name: str) -> dict:
                               capture_output=True, text=True, check=True).stderr
     return {"shared": compiled.metadata.shared, "regs": re.findall(r"Used (\d+) registers", info),
             "spill": int(re.search(r"(\d+) bytes spill stores", info).group(1)),
-            "setmaxnreg": "setmaxnreg" in compiled.asm["ptx"], "wgmma": "wgmma.mma_async" in compiled.asm["ptx"]}
+            "setmaxnreg": "setmaxnreg" in compiled.asm["ptx"], "wgmma": "wgmma.mma_async" in compiled.asm["ptx"],
+            "gdc": "griddepcontrol.wait" in compiled.asm["ptx"]}
 
 
 @pytest.mark.parametrize("name,spill_cap", [
@@ -112,8 +114,8 @@ def _build(name: str) -> dict:
     ("mlan-fp8-16-r2raw1", 0), ("mlan-fp8-32-r2raw1", 64), ("mlan-fp8-16-r1raw3", 256),
     ("mlan-fp8-16-r2raw2rope", 0), ("mlan-bf16-32-causal", 128), ("mlan-fp8-32-r2raw1-causal", 256),
     ("mlan-fp8-16-direct5", 0), ("mlan-fp8-16-direct5s", 0), ("mlan-fp8-16-direct5s-causal", 0),
-    ("mlan-fp8-8-direct1s", 0), ("mlan-fp8-32-direct5s", 32), ("mlan-fp8-32-direct4s-causal", 64),
-    ("gqa-fp8-direct8-8", 0), ("gqa-fp8-direct10-32", 8), ("gqa-fp8-direct9-16", 0)])
+    ("mlan-fp8-8-direct1s", 0), ("mlan-fp8-32-direct5s", 32), ("mlan-fp8-32-direct4s-causal", 64), ("mlan-fp8-16-direct5s-pdl", 0),
+    ("gqa-fp8-direct8-8", 0), ("gqa-fp8-direct10-32", 8), ("gqa-fp8-direct9-16", 0), ("gqa-fp8-direct10-8-pdl", 0)])
 def test_gluon_decode_kernel_builds_for_sm90(name, spill_cap):
     """spill_cap: the committed MLA builds spill 12 B (bf16: the loader's masked tail tile) and 388-516 B
     (fp8: warpgroup 1's accumulators and the converter's loads), built with the launcher's 16-byte
@@ -122,7 +124,7 @@ def test_gluon_decode_kernel_builds_for_sm90(name, spill_cap):
     bf16 and at 16 over fp8's installed ring, 24 B at 32 heads, 152 B with one fp16 and three raw
     stages; "-causal" (a speculative step's query tokens as columns) 84 B over bf16 and 168 B over
     fp8 at 32 columns. Their direct fp8 form ("-directRAW[s]": no converter, RAW raw stages, "s" the
-    scores as fp8 MMAs): none at 8-16 columns, 12 B at 32. The direct fp8 GQA kernel ("gqa-fp8-directRAW-NQ"):
+    scores as fp8 MMAs): none at 8-16 columns, 12 B at 32. The direct fp8 GQA kernel ("gqa-fp8-directRAW-NQ[-pdl]"):
     none at 8-16 columns, 4 B at 32."""
     pytest.importorskip("triton.experimental.gluon")
     env = dict(os.environ, TRITON_INTERPRET="0", PYTHONPATH=f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
@@ -134,6 +136,8 @@ def test_gluon_decode_kernel_builds_for_sm90(name, spill_cap):
     assert got["spill"] <= spill_cap, f"{got['spill']} B spilled (cap {spill_cap})"
     # partitions (the CTA's registers move between them: setmaxnreg) and async wgmma
     assert got["setmaxnreg"] and got["wgmma"]
+    # programmatic dependent launch ("-pdl"): the kernel waits for the one before it
+    assert got["gdc"] == name.endswith("-pdl")
 
 
 @pytest.mark.parametrize("keys,ring,raw,fits", [(64, 1, 1, True), (64, 1, 2, True), (64, 2, 1, False),

@@ -35,7 +35,8 @@ try:
     from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
                                                                   warpgroup_mma_wait)
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
-    from .gluon_mla import HAS_GLUON, _bad_ids, _block_of, _finish, _ids_next, _ids_window, _softmax_step, _split_range
+    from .gluon_mla import (HAS_GLUON, _bad_ids, _block_of, _finish, _gdc_wait_and_release, _ids_next, _ids_window,
+                            _softmax_step, _split_range)
 except ImportError:  # pragma: no cover - a Triton without Gluon
     HAS_GLUON = False
 
@@ -677,7 +678,7 @@ if HAS_GLUON:
                                   qk_scale, split_len, G, KV_HEADS, dcp_size, dcp_rank, interleave, table_w,
                                   num_blocks, st_s, sq_s, sq_h, ss_b, ss_t, ss_h, svs_b, svs_t, svs_h,
                                   so_p, so_s, so_h, sl_p, sl_s, PAGE: gl.constexpr, RAW: gl.constexpr,
-                                  NQ: gl.constexpr):
+                                  NQ: gl.constexpr, PDL: gl.constexpr = False):
         """fp8 cache without a converter: a one-warp TMA loader fills RAW raw stages (a tile's key and
         value boxes); one warpgroup computes the scores as fp8 MMAs straight from the raw keys
         (`_direct_scores`), the other reads the raw values into its MMA's A operand (`_direct_values`),
@@ -699,6 +700,8 @@ if HAS_GLUON:
         p_ready = _ring(2, 1)
         p_free = _ring(2, 1)
         fence_async_shared()
+        if PDL:     # (launched early: the barriers above are set up while the kernel before finishes)
+            _gdc_wait_and_release()
         gl.warp_specialize([
             (_direct_scores, (q_ptr, ks_ptr, vs_ptr, ql_smem, k_smem, v_smem, p_smem, a_smem, raw_ready, raw_free,
                               p_ready, p_free, table_ptr, glens_ptr, lse_ptr, s, kvh, split, split_len, dcp_size,
@@ -756,13 +759,15 @@ def gluon_gqa_ok(q: Tensor, k: Tensor, v: Tensor, tq: int, k_scale: Tensor | Non
 def launch_gluon_gqa(q: Tensor, k: Tensor, v: Tensor, table: Tensor, seq_lens: Tensor, o: Tensor, lse: Tensor,
                      scale_log2: float, splits: int, split_len: int, dcp_size: int, dcp_rank: int, interleave: int,
                      k_scale: Tensor | None = None, v_scale: Tensor | None = None, stages: int = 3,
-                     raw_stages: int = 6, fp16_stages: int = 2, swap: bool = False, direct: int = 0) -> None:
+                     raw_stages: int = 6, fp16_stages: int = 2, swap: bool = False, direct: int = 0,
+                     pdl: bool = False) -> None:
     """Fill the split partials o [splits, S, 1, Hq, 128] / lse [splits, S, 1, Hq] (`gluon_gqa_ok`).
     stages: the bf16 ring's (32 KB each, at most 6); over fp8, raw_stages: the raw ring's (16 KB
     each) and fp16_stages: the 16-bit ring after the converter (2 or 4), both cut to what shared
     memory holds beside the compiler's scratch. swap: the consumer with swapped operands. direct:
     over fp8, the direct kernel (no converter) with this many raw stages, cut to `direct_stages`
-    (where none apply, more than 32 query heads a kv head: the converter's form)."""
+    (where none apply, more than 32 query heads a kv head: the converter's form). pdl: the direct
+    kernel launched with programmatic dependent launch (`triton_merge.pdl_ok`)."""
     s, _, hq, d = q.shape
     nb, page, hkv = k.shape[0], k.shape[1], k.shape[2]
     fp8 = k.dtype == torch.float8_e4m3fn
@@ -777,7 +782,7 @@ def launch_gluon_gqa(q: Tensor, k: Tensor, v: Tensor, table: Tensor, seq_lens: T
             q, k_desc, v_desc, k_scale, v_scale, table, seq_lens, o, lse, scale_log2, split_len, hq // hkv, hkv,
             dcp_size, dcp_rank, interleave, table.shape[1], nb, table.stride(0), q.stride(0), q.stride(2),
             *k_scale.stride(), *v_scale.stride(), o.stride(0), o.stride(1), o.stride(3), lse.stride(0),
-            lse.stride(1), PAGE=page, RAW=direct, NQ=nq, num_warps=4)
+            lse.stride(1), PAGE=page, RAW=direct, NQ=nq, PDL=pdl, num_warps=4, **({"launch_pdl": True} if pdl else {}))
         return
     box = gl.NVMMASharedLayout.get_default_for([_BLOCK, _BLOCK], gl.float8e4nv if fp8 else gl.bfloat16)
     # [blocks * page, kv heads * 128]: a tile of kv head h is the boxes at columns h * 128 + 0 / 64

@@ -66,6 +66,14 @@ if HAS_GLUON:
         return start, end, tiles, bad
 
     @gluon.jit
+    def _gdc_wait_and_release():
+        """Programmatic dependent launch: wait for the kernel before this one on the stream (its writes
+        visible), then let the next one launch (it waits for this one in turn)."""
+        gl.inline_asm_elementwise("griddepcontrol.wait; // $0", "=r", [], dtype=gl.int32, is_pure=False, pack=1)
+        gl.inline_asm_elementwise("griddepcontrol.launch_dependents; // $0", "=r", [], dtype=gl.int32,
+                                  is_pure=False, pack=1)
+
+    @gluon.jit
     def _block_of(table_ptr, s, st_s, j0, has, num_blocks, PAGE: gl.constexpr):
         """The cache block of the tile at local token j0 (0 where `has` is false or the id lies outside
         [0, num_blocks): no load leaves the cache; the consumer reports a bad id)."""
