@@ -33,7 +33,8 @@ def _build(name: str) -> dict:
 
     from parallel.cp import gluon_gqa, gluon_mla, gluon_mla_narrow
 
-    family, dtype, *more = name.split("-")
+    pdl = name.endswith("-pdl")         # ("-pdl": launched with programmatic dependent launch)
+    family, dtype, *more = name.removesuffix("-pdl").split("-")
     nq = 8 if more == ["swap"] else 0
     fp8 = dtype == "fp8"
     ptrs = {"table_ptr": "*i32", "glens_ptr": "*i64", "o_ptr": "*fp32", "lse_ptr": "*fp32", "qk_scale": "fp32"}
@@ -44,8 +45,7 @@ def _build(name: str) -> dict:
         if fp8 and more[1].startswith("direct"):
             kernel, consts = gluon_mla_narrow._mla_narrow_direct_kernel, {"PAGE": 64, "NQ": nq,
                                                                            "RAW": int(more[1][6:].rstrip("s")),
-                                                                           "CAUSAL": causal, "F8": more[1][-1] == "s",
-                                                                           "PDL": more[-1] == "pdl"}
+                                                                           "CAUSAL": causal, "F8": more[1][-1] == "s"}
             lbox, rbox = gl.NVMMASharedLayout(128, 8, 2), gl.NVMMASharedLayout(64, 8, 2)
             ptrs.update(q_ptr="*bf16", kl_desc=f"tensordesc<fp8e4nv[64, 128],{lbox}>",
                         kr_desc=f"tensordesc<fp8e4nv[64, 64],{rbox}>",
@@ -66,7 +66,7 @@ def _build(name: str) -> dict:
         if fp8 and more and more[0].startswith("direct"):     # "gqa-fp8-directRAW-NQ": the direct fp8 form
             lbox = gl.NVMMASharedLayout(128, 8, 2)
             kernel, consts = gluon_gqa._gqa_decode_direct_kernel, {"PAGE": 64, "RAW": int(more[0][6:]),
-                                                                   "NQ": int(more[1]), "PDL": more[-1] == "pdl"}
+                                                                   "NQ": int(more[1])}
             ptrs.update(ks_ptr="*fp32", vs_ptr="*fp32", k_desc=f"tensordesc<fp8e4nv[64, 128],{lbox}>",
                         v_desc=f"tensordesc<fp8e4nv[64, 128],{lbox}>")
         elif fp8:
@@ -89,6 +89,8 @@ def _build(name: str) -> dict:
     else:
         kernel, consts = gluon_mla._mla_decode_ws_kernel, {"PAGE": 64}
         ptrs.update(q_desc=desc, k_desc=desc, k_ptr="*bf16")
+    if "PDL" in kernel.arg_names:      # (a constexpr: left out, it would build as a run-time argument)
+        consts["PDL"] = pdl
     names = kernel.arg_names
     sig = {n: ptrs.get(n, "constexpr" if n in consts else "i32") for n in names}
     # as Triton's launcher specializes them at run time: pointers divisible by 16
@@ -114,8 +116,12 @@ def _build(name: str) -> dict:
     ("mlan-fp8-16-r2raw1", 0), ("mlan-fp8-32-r2raw1", 64), ("mlan-fp8-16-r1raw3", 256),
     ("mlan-fp8-16-r2raw2rope", 0), ("mlan-bf16-32-causal", 128), ("mlan-fp8-32-r2raw1-causal", 256),
     ("mlan-fp8-16-direct5", 0), ("mlan-fp8-16-direct5s", 0), ("mlan-fp8-16-direct5s-causal", 0),
-    ("mlan-fp8-8-direct1s", 0), ("mlan-fp8-32-direct5s", 32), ("mlan-fp8-32-direct4s-causal", 64), ("mlan-fp8-16-direct5s-pdl", 0),
-    ("gqa-fp8-direct8-8", 0), ("gqa-fp8-direct10-32", 8), ("gqa-fp8-direct9-16", 0), ("gqa-fp8-direct10-8-pdl", 0)])
+    ("mlan-fp8-8-direct1s", 0), ("mlan-fp8-32-direct5s", 32), ("mlan-fp8-32-direct4s-causal", 64),
+    ("gqa-fp8-direct8-8", 0), ("gqa-fp8-direct10-32", 8), ("gqa-fp8-direct9-16", 0),
+    # launched with programmatic dependent launch: the wait is in the build
+    ("mlan-fp8-16-direct5s-pdl", 0), ("gqa-fp8-direct10-8-pdl", 0),
+    ("gqa-bf16-pdl", 0), ("gqa-fp8-pdl", 0), ("mla-bf16-pdl", 512), ("mla-fp8-k32r2raw2-pdl", 1024),
+    ("mlan-bf16-16-pdl", 0), ("mlan-fp8-16-r2raw2rope-pdl", 0)])
 def test_gluon_decode_kernel_builds_for_sm90(name, spill_cap):
     """spill_cap: the committed MLA builds spill 12 B (bf16: the loader's masked tail tile) and 388-516 B
     (fp8: warpgroup 1's accumulators and the converter's loads), built with the launcher's 16-byte

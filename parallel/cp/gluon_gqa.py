@@ -286,7 +286,8 @@ if HAS_GLUON:
     def _gqa_decode_ws_kernel(q_ptr, k_desc, v_desc, k_ptr, v_ptr, table_ptr, glens_ptr, o_ptr, lse_ptr,
                               qk_scale, split_len, G, KV_HEADS, dcp_size, dcp_rank, interleave, table_w, num_blocks,
                               st_s, sq_s, sq_h, sk_b, sk_t, sv_b, sv_t, so_p, so_s, so_h, sl_p, sl_s,
-                              PAGE: gl.constexpr, STAGES: gl.constexpr, NQ: gl.constexpr = 0):
+                              PAGE: gl.constexpr, STAGES: gl.constexpr, NQ: gl.constexpr = 0,
+                              PDL: gl.constexpr = False):
         pid = gl.program_id(0)
         split = gl.program_id(1)
         s = pid // KV_HEADS
@@ -298,6 +299,8 @@ if HAS_GLUON:
         free = _ring(STAGES, 1)
         q_smem, p_smem = _swap_buffers(NQ, gl.bfloat16)
         fence_async_shared()
+        if PDL:     # (launched early: the set-up above overlaps the kernel before)
+            _gdc_wait_and_release()
         gl.warp_specialize([
             (_consume, (q_ptr, q_smem, p_smem, k_smem, v_smem, ready, free, table_ptr, glens_ptr, o_ptr, lse_ptr, s,
                         kvh, split, split_len, dcp_size, dcp_rank, interleave, table_w, num_blocks, st_s, sq_s, sq_h,
@@ -401,7 +404,7 @@ if HAS_GLUON:
                                   qk_scale, split_len, G, KV_HEADS, dcp_size, dcp_rank, interleave, table_w,
                                   num_blocks, st_s, sq_s, sq_h, ss_b, ss_t, ss_h, svs_b, svs_t, svs_h,
                                   so_p, so_s, so_h, sl_p, sl_s, PAGE: gl.constexpr, STAGES: gl.constexpr,
-                                  RAW: gl.constexpr, NQ: gl.constexpr = 0):
+                                  RAW: gl.constexpr, NQ: gl.constexpr = 0, PDL: gl.constexpr = False):
         pid = gl.program_id(0)
         split = gl.program_id(1)
         s = pid // KV_HEADS
@@ -421,6 +424,8 @@ if HAS_GLUON:
         free = _ring(STAGES, 1)
         q_smem, p_smem = _swap_buffers(NQ, gl.float16)
         fence_async_shared()
+        if PDL:     # (launched early: the set-up above overlaps the kernel before)
+            _gdc_wait_and_release()
         gl.warp_specialize([
             (_consume, (q_ptr, q_smem, p_smem, k_smem, v_smem, ready, free, table_ptr, glens_ptr, o_ptr, lse_ptr,
                         s, kvh, split, split_len, dcp_size, dcp_rank, interleave, table_w, num_blocks, st_s, sq_s,
@@ -766,13 +771,14 @@ def launch_gluon_gqa(q: Tensor, k: Tensor, v: Tensor, table: Tensor, seq_lens: T
     each) and fp16_stages: the 16-bit ring after the converter (2 or 4), both cut to what shared
     memory holds beside the compiler's scratch. swap: the consumer with swapped operands. direct:
     over fp8, the direct kernel (no converter) with this many raw stages, cut to `direct_stages`
-    (where none apply, more than 32 query heads a kv head: the converter's form). pdl: the direct
-    kernel launched with programmatic dependent launch (`triton_merge.pdl_ok`)."""
+    (where none apply, more than 32 query heads a kv head: the converter's form). pdl: launched with
+    programmatic dependent launch (`triton_merge.pdl_ok`)."""
     s, _, hq, d = q.shape
     nb, page, hkv = k.shape[0], k.shape[1], k.shape[2]
     fp8 = k.dtype == torch.float8_e4m3fn
     direct = direct_stages(hq // hkv, direct) if fp8 else 0
     nq = max(8, 1 << (hq // hkv - 1).bit_length()) if swap or direct else 0   # (G rounded up to a power of two)
+    launch = {"PDL": True, "launch_pdl": True} if pdl else {}
     if direct:
         lbox = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=8, rank=2)
         k2, v2 = k.view(nb * page, hkv * d), v.view(nb * page, hkv * d)
@@ -782,7 +788,7 @@ def launch_gluon_gqa(q: Tensor, k: Tensor, v: Tensor, table: Tensor, seq_lens: T
             q, k_desc, v_desc, k_scale, v_scale, table, seq_lens, o, lse, scale_log2, split_len, hq // hkv, hkv,
             dcp_size, dcp_rank, interleave, table.shape[1], nb, table.stride(0), q.stride(0), q.stride(2),
             *k_scale.stride(), *v_scale.stride(), o.stride(0), o.stride(1), o.stride(3), lse.stride(0),
-            lse.stride(1), PAGE=page, RAW=direct, NQ=nq, PDL=pdl, num_warps=4, **({"launch_pdl": True} if pdl else {}))
+            lse.stride(1), PAGE=page, RAW=direct, NQ=nq, num_warps=4, **launch)
         return
     box = gl.NVMMASharedLayout.get_default_for([_BLOCK, _BLOCK], gl.float8e4nv if fp8 else gl.bfloat16)
     # [blocks * page, kv heads * 128]: a tile of kv head h is the boxes at columns h * 128 + 0 / 64
@@ -797,8 +803,8 @@ def launch_gluon_gqa(q: Tensor, k: Tensor, v: Tensor, table: Tensor, seq_lens: T
         raw = max(2, min(raw_stages, (203 - 32 * fp16_stages) // 16))
         _gqa_decode_ws_fp8_kernel[(s * hkv, splits)](
             q, k_desc, v_desc, k_scale, v_scale, *common, *k_scale.stride(), *v_scale.stride(), *tail,
-            PAGE=page, STAGES=fp16_stages, RAW=raw, NQ=nq, num_warps=4)
+            PAGE=page, STAGES=fp16_stages, RAW=raw, NQ=nq, num_warps=4, **launch)
     else:
         _gqa_decode_ws_kernel[(s * hkv, splits)](
             q, k_desc, v_desc, k, v, *common, k.stride(0), k.stride(1), v.stride(0), v.stride(1), *tail,
-            PAGE=page, STAGES=min(stages, 6), NQ=nq, num_warps=4)
+            PAGE=page, STAGES=min(stages, 6), NQ=nq, num_warps=4, **launch)

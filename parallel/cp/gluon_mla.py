@@ -328,7 +328,8 @@ if HAS_GLUON:
     @gluon.jit
     def _mla_decode_ws_kernel(q_desc, k_desc, k_ptr, table_ptr, glens_ptr, o_ptr, lse_ptr,
                               qk_scale, split_len, M_TILES, HQ, dcp_size, dcp_rank, interleave, table_w, num_blocks,
-                              st_s, sk_b, sk_t, so_p, so_s, so_h, sl_p, sl_s, PAGE: gl.constexpr):
+                              st_s, sk_b, sk_t, so_p, so_s, so_h, sl_p, sl_s, PAGE: gl.constexpr,
+                              PDL: gl.constexpr = False):
         pid = gl.program_id(0)
         split = gl.program_id(1)
         s = pid // M_TILES
@@ -340,6 +341,8 @@ if HAS_GLUON:
         p_smem = gl.allocate_shared_memory(gl.bfloat16, [BLOCK, BLOCK], box)
         a_smem = gl.allocate_shared_memory(gl.float32, [BLOCK], gl.SwizzledSharedLayout(1, 1, 1, order=[0]))
         q_bar, ready, free, p_ready, p_free = _barriers()
+        if PDL:     # (launched early: the set-up above overlaps the kernel before)
+            _gdc_wait_and_release()
         gl.warp_specialize([
             (_scores_and_low_half, (q_smem, k_smem, p_smem, a_smem, q_bar, ready, free, p_ready, p_free, table_ptr,
                                     glens_ptr, o_ptr, lse_ptr, s, head0_in_seq, split, split_len, dcp_size, dcp_rank,
@@ -477,7 +480,7 @@ if HAS_GLUON:
                                   qk_scale, split_len, M_TILES, HQ, dcp_size, dcp_rank, interleave, table_w, num_blocks,
                                   st_s, sk_b, sk_t, ss_b, ss_t, so_p, so_s, so_h, sl_p, sl_s, PAGE: gl.constexpr,
                                   k_desc=None, ks_desc=None, RAW: gl.constexpr = 0, RING: gl.constexpr = 1,
-                                  KEYS: gl.constexpr = 64):
+                                  KEYS: gl.constexpr = 64, PDL: gl.constexpr = False):
         """RAW 0: the converter loads each 64-key tile's fp8 rows itself (two fp16 stages); RAW > 0: a
         TMA loader fills a raw ring of RAW fp8 tiles of KEYS keys in front of it, and the fp16 ring
         after it has RING stages (shared memory: queries 72 KB + 18 KB a fp16 stage and 9 KB a raw
@@ -511,6 +514,8 @@ if HAS_GLUON:
                 mbarrier.init(raw_ready.index(i), count=1)
                 mbarrier.init(raw_free.index(i), count=1)
             fence_async_shared()
+            if PDL:     # (launched early: the set-up above overlaps the kernel before)
+                _gdc_wait_and_release()
             gl.warp_specialize([
                 (_scores_and_low_half, (q_smem, k_smem, p_smem, a_smem, q_bar, ready, free, p_ready, p_free,
                                         table_ptr, glens_ptr, o_ptr, lse_ptr, s, head0_in_seq, split, split_len,
@@ -528,6 +533,8 @@ if HAS_GLUON:
                                RAW, KEYS)),
             ], [4, 4, 1], [168, 64, 24])
         else:
+            if PDL:     # (launched early: the set-up above overlaps the kernel before)
+                _gdc_wait_and_release()
             gl.warp_specialize([
                 (_scores_and_low_half, (q_smem, k_smem, p_smem, a_smem, q_bar, ready, free, p_ready, p_free, table_ptr,
                                         glens_ptr, o_ptr, lse_ptr, s, head0_in_seq, split, split_len, dcp_size, dcp_rank,
@@ -579,14 +586,17 @@ def fp8_ring_fits(keys: int, ring: int, raw: int) -> bool:
 
 def launch_gluon_mla(q: Tensor, k: Tensor, table: Tensor, seq_lens: Tensor, o: Tensor, lse: Tensor, scale_log2: float,
                      splits: int, split_len: int, dcp_size: int, dcp_rank: int, interleave: int,
-                     k_scale: Tensor | None = None, raw_ring: int = 0, keys: int = 64, ring: int = 1) -> None:
+                     k_scale: Tensor | None = None, raw_ring: int = 0, keys: int = 64, ring: int = 1,
+                     pdl: bool = False) -> None:
     """Fill the split partials o [splits, S, 1, Hq, 512] / lse [splits, S, 1, Hq] (`gluon_mla_ok`;
     k_scale: the fp8 cache's per-token scales;
     raw_ring: over fp8, a TMA ring of that many raw fp8 tiles in front of the converter, where the
     scales are contiguous [nb, page, 1] (0: the converter loads 64-key tiles itself into two fp16
     stages); then `keys` keys a tile (64 or 32) and `ring` fp16 stages after the converter, within
-    shared memory (`fp8_ring_fits`))."""
+    shared memory (`fp8_ring_fits`)); pdl: launched with programmatic dependent launch
+    (`triton_merge.pdl_ok`))."""
     fp8 = k.dtype == torch.float8_e4m3fn
+    launch = {"PDL": True, "launch_pdl": True} if pdl else {}
     raw = max(int(raw_ring), 0) if fp8 and k_scale.is_contiguous() else 0
     if raw and not fp8_ring_fits(keys, ring, raw):
         raise ValueError(f"an fp8 ring of {ring} fp16 and {raw} raw stages of {keys} keys does not fit in "
@@ -607,7 +617,7 @@ def launch_gluon_mla(q: Tensor, k: Tensor, table: Tensor, seq_lens: Tensor, o: T
         _mla_decode_ws_fp8_kernel[(s * m_tiles, splits)](
             q, k, k_scale, table, seq_lens, o, lse, scale_log2, split_len, m_tiles, hq, dcp_size, dcp_rank,
             interleave, table.shape[1], nb, table.stride(0), k.stride(0), k.stride(1), k_scale.stride(0),
-            k_scale.stride(1), *tail, PAGE=page, RAW=raw, num_warps=4, **descs, **consts)
+            k_scale.stride(1), *tail, PAGE=page, RAW=raw, num_warps=4, **descs, **consts, **launch)
         return
     box = gl.NVMMASharedLayout.get_default_for([_BLOCK, _BLOCK], gl.bfloat16)
     q2 = q.view(s * hq, d)
@@ -617,4 +627,4 @@ def launch_gluon_mla(q: Tensor, k: Tensor, table: Tensor, seq_lens: Tensor, o: T
     _mla_decode_ws_kernel[(s * m_tiles, splits)](
         q_desc, k_desc, k, table, seq_lens, o, lse, scale_log2, split_len, m_tiles, hq, dcp_size, dcp_rank,
         interleave, table.shape[1], nb, table.stride(0), k.stride(0), k.stride(1), *tail, PAGE=page,
-        num_warps=4)
+        num_warps=4, **launch)

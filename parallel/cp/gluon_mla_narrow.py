@@ -225,7 +225,7 @@ if HAS_GLUON:
     def _mla_narrow_kernel(q_desc, k_desc, k_ptr, table_ptr, glens_ptr, o_ptr, lse_ptr, qk_scale, split_len, HQ, TQ,
                            dcp_size, dcp_rank, interleave, table_w, num_blocks, st_s, sk_b, sk_t,
                            so_p, so_s, so_t, so_h, sl_p, sl_s, sl_t, PAGE: gl.constexpr, NQ: gl.constexpr,
-                           CAUSAL: gl.constexpr = False):
+                           CAUSAL: gl.constexpr = False, PDL: gl.constexpr = False):
         """bf16 latent cache: the loader's TMA boxes of NQ query rows (rows past the sequence's TQ x HQ
         are other rows or zeros: their columns are never stored) and of each 64-key tile."""
         s = gl.program_id(0)
@@ -236,6 +236,8 @@ if HAS_GLUON:
         k_smem = gl.allocate_shared_memory(gl.bfloat16, [STAGES * CHUNKS, BLOCK, BLOCK], box)
         p_smem = gl.allocate_shared_memory(gl.bfloat16, [NQ, BLOCK], qbox)
         q_bar, ready, free, p_ready, p_free = _barriers(STAGES, 1)
+        if PDL:     # (launched early: the set-up above overlaps the kernel before)
+            _gdc_wait_and_release()
         gl.warp_specialize([
             (_consumer, (q_smem, k_smem, p_smem, None, None, q_bar, ready, free, table_ptr, glens_ptr, o_ptr, lse_ptr,
                          s, split, split_len, dcp_size, dcp_rank, interleave, table_w, num_blocks, st_s, qk_scale,
@@ -251,7 +253,7 @@ if HAS_GLUON:
                                split_len, HQ, TQ, dcp_size, dcp_rank, interleave, table_w, num_blocks, st_s, sk_b,
                                sk_t, ss_b, ss_t, so_p, so_s, so_t, so_h, sl_p, sl_s, sl_t, PAGE: gl.constexpr,
                                NQ: gl.constexpr, RAW: gl.constexpr, RING: gl.constexpr, ROPE_RAW: gl.constexpr = False,
-                               CAUSAL: gl.constexpr = False):
+                               CAUSAL: gl.constexpr = False, PDL: gl.constexpr = False):
         """fp8 latent cache: a raw TMA ring of RAW 64-key tiles, the converter into RING fp16 stages (of
         the latent's eight boxes only with ROPE_RAW: the consumer takes the rope box from the raw ring)."""
         BOXES: gl.constexpr = CHUNKS - 1 if ROPE_RAW else CHUNKS
@@ -276,6 +278,8 @@ if HAS_GLUON:
             mbarrier.init(raw_ready.index(i), count=1)
             mbarrier.init(raw_free.index(i), count=2 if ROPE_RAW else 1)
         fence_async_shared()
+        if PDL:     # (launched early: the set-up above overlaps the kernel before)
+            _gdc_wait_and_release()
         gl.warp_specialize([
             (_consumer, (q_smem, k_smem, p_smem, qf_smem, ks_smem, q_bar, ready, free, table_ptr, glens_ptr,
                          o_ptr, lse_ptr, s, split, split_len, dcp_size, dcp_rank, interleave, table_w,
@@ -660,6 +664,7 @@ def launch(q: Tensor, k: Tensor, table: Tensor, seq_lens: Tensor, o: Tensor, lse
     s, tq, hq, d = q.shape
     nb, page = k.shape[0], k.shape[1]
     nq = columns(tq * hq)
+    launch = {"PDL": True, "launch_pdl": True} if pdl else {}
     fp8 = k.dtype == torch.float8_e4m3fn
     if fp8 and direct and not direct_fits(tq * hq, raw):
         raise ValueError(f"the direct fp8 MLA kernel with {tq} x {hq} query rows and {raw} raw stages of "
@@ -680,7 +685,7 @@ def launch(q: Tensor, k: Tensor, table: Tensor, seq_lens: Tensor, o: Tensor, lse
         _mla_narrow_direct_kernel[(s, splits)](
             q, kl_desc, kr_desc, ks_desc, table, seq_lens, o, lse, scale_log2, split_len, hq, tq, dcp_size, dcp_rank,
             interleave, table.shape[1], nb, table.stride(0), *tail, PAGE=page, NQ=nq, RAW=raw, CAUSAL=tq > 1,
-            F8=bool(fp8_scores), PDL=pdl, num_warps=4, **({"launch_pdl": True} if pdl else {}))
+            F8=bool(fp8_scores), num_warps=4, **launch)
         return
     if fp8:
         raw_box = gl.NVMMASharedLayout.get_default_for([_BLOCK, _BLOCK], gl.float8e4nv)
@@ -692,7 +697,7 @@ def launch(q: Tensor, k: Tensor, table: Tensor, seq_lens: Tensor, o: Tensor, lse
             q, k_desc, ks_desc, k, k_scale, table, seq_lens, o, lse, scale_log2, split_len, hq, tq, dcp_size,
             dcp_rank, interleave, table.shape[1], nb, table.stride(0), k.stride(0), k.stride(1), k_scale.stride(0),
             k_scale.stride(1), *tail, PAGE=page, NQ=nq, RAW=raw, RING=ring, ROPE_RAW=bool(rope_raw), CAUSAL=tq > 1,
-            num_warps=4)
+            num_warps=4, **launch)
         return
     box = gl.NVMMASharedLayout.get_default_for([_BLOCK, _BLOCK], gl.bfloat16)
     qbox = gl.NVMMASharedLayout.get_default_for([nq, _BLOCK], gl.bfloat16)
@@ -702,4 +707,4 @@ def launch(q: Tensor, k: Tensor, table: Tensor, seq_lens: Tensor, o: Tensor, lse
     _mla_narrow_kernel[(s, splits)](
         q_desc, k_desc, k, table, seq_lens, o, lse, scale_log2, split_len, hq, tq, dcp_size, dcp_rank, interleave,
         table.shape[1], nb, table.stride(0), k.stride(0), k.stride(1), *tail, PAGE=page, NQ=nq, CAUSAL=tq > 1,
-        num_warps=4)
+        num_warps=4, **launch)
