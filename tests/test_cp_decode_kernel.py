@@ -975,6 +975,55 @@ def test_gluon_gqa_direct_fp8_extreme_scales_on_gpu(q_exp, hq, hkv, monkeypatch)
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("size,rank,interleave,hq,hkv,tq", [(1, 0, 1, 32, 4, 2), (2, 1, 1, 32, 4, 4),
+                                                            (4, 3, 16, 16, 4, 4), (2, 0, 1, 8, 8, 3)])
+def test_gluon_gqa_direct_fp8_speculative_tokens_on_gpu(size, rank, interleave, hq, hkv, tq, monkeypatch):
+    """The direct fp8 GQA kernel with a speculative step's query tokens as more columns (tokens x heads
+    a kv head, at most 32), causal within the step over DCP's (interleaved) global positions: against
+    the torch path and the Triton kernel that serves it elsewhere, NaN in every unheld slot, lengths
+    ending inside a tile, one split and several; more than 32 columns stay on the Triton kernel; a CUDA
+    graph replays it to the same result."""
+    td = _compiled(monkeypatch)
+    from parallel.cp import gluon_gqa
+
+    if not (torch.cuda.get_device_capability() == (9, 0) and gluon_gqa.HAS_GLUON):
+        pytest.skip("the Gluon GQA kernel needs an sm_90 GPU and a Triton with Gluon")
+    lens = [max(n, tq) for n in (3000, 2, 77, 5, 640, 4096, 129, 64)]
+    gen = torch.Generator().manual_seed(71 + rank + tq)
+    layout = DCPLayout(size=size, rank=rank, block_size=64, interleave=interleave)
+    cache, ref_cache, table = _nan_gqa_cache(lens, hkv, layout, torch.float8_e4m3fn, gen)
+    q = torch.randn(len(lens), tq, hq, 128, generator=gen).to(torch.bfloat16).cuda()
+    seq = torch.tensor(lens, device="cuda")
+    run = lambda: paged_decode_attention(q, cache, table, seq, layout=layout, scale=0.088, backend="triton")
+    ref = paged_decode_attention(q, ref_cache, table, seq, layout=layout, scale=0.088, backend="torch")
+    used = []
+    real = gluon_gqa.launch_gluon_gqa
+    monkeypatch.setattr(gluon_gqa, "launch_gluon_gqa", lambda *a, **kw: used.append(kw) or real(*a, **kw))
+    monkeypatch.setitem(td.CONFIG, "gluon_gqa_fp8", 0)
+    plain = run()
+    assert not used
+    monkeypatch.setitem(td.CONFIG, "gluon_gqa_fp8", 1)
+    for programs in (132, 4096):        # (one split a sequence, then several)
+        monkeypatch.setitem(td.CONFIG, "target_programs_gluon_gqa", programs)
+        got = run()
+        assert used and used[-1]["direct"] > 0, used
+        used.clear()
+        finite = torch.isfinite(ref.lse)        # (a rank may hold none of a short sequence's tokens)
+        assert torch.equal(finite, torch.isfinite(got.lse)) and torch.isfinite(got.out).all()
+        torch.testing.assert_close(got.lse[finite], ref.lse[finite], atol=2e-2, rtol=0)
+        torch.testing.assert_close(got.out, ref.out, atol=2e-2, rtol=0)
+        torch.testing.assert_close(got.out, plain.out, atol=4e-3, rtol=0)
+        torch.testing.assert_close(got.lse[finite], plain.lse[finite], atol=4e-3, rtol=0)
+    _replays_to(run, got)
+    if tq * hq // hkv <= 16:     # (twice the tokens: more than 32 columns only where the step is wider)
+        return
+    q2 = torch.cat([q, q], 1)
+    seq2 = seq.clamp(min=2 * tq)
+    paged_decode_attention(q2, cache, table, seq2, layout=layout, scale=0.088, backend="triton")
+    assert not used, "more than 32 columns went to the Gluon kernel"
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float8_e4m3fn], ids=["bf16", "fp8"])
 @pytest.mark.parametrize("size,rank,hq,hkv", [(1, 0, 32, 4), (2, 1, 32, 4), (4, 2, 8, 8), (1, 0, 64, 1)])
 def test_gluon_gqa_kernel_on_gpu(dtype, size, rank, hq, hkv, monkeypatch):

@@ -66,7 +66,7 @@ def _build(name: str) -> dict:
         if fp8 and more and more[0].startswith("direct"):     # "gqa-fp8-directRAW-NQ": the direct fp8 form
             lbox = gl.NVMMASharedLayout(128, 8, 2)
             kernel, consts = gluon_gqa._gqa_decode_direct_kernel, {"PAGE": 64, "RAW": int(more[0][6:]),
-                                                                   "NQ": int(more[1])}
+                                                                   "NQ": int(more[1]), "CAUSAL": more[-1] == "causal"}
             ptrs.update(ks_ptr="*fp32", vs_ptr="*fp32", k_desc=f"tensordesc<fp8e4nv[64, 128],{lbox}>",
                         v_desc=f"tensordesc<fp8e4nv[64, 128],{lbox}>")
         elif fp8:
@@ -118,6 +118,7 @@ def _build(name: str) -> dict:
     ("mlan-fp8-16-direct5", 0), ("mlan-fp8-16-direct5s", 0), ("mlan-fp8-16-direct5s-causal", 0),
     ("mlan-fp8-8-direct1s", 0), ("mlan-fp8-32-direct5s", 32), ("mlan-fp8-32-direct4s-causal", 64),
     ("gqa-fp8-direct8-8", 0), ("gqa-fp8-direct10-32", 8), ("gqa-fp8-direct9-16", 0),
+    ("gqa-fp8-direct10-32-causal", 8),
     # launched with programmatic dependent launch: the wait is in the build
     ("mlan-fp8-16-direct5s-pdl", 0), ("gqa-fp8-direct10-8-pdl", 0),
     ("gqa-bf16-pdl", 0), ("gqa-fp8-pdl", 0), ("mla-bf16-pdl", 512), ("mla-fp8-k32r2raw2-pdl", 1024),
@@ -130,7 +131,8 @@ def test_gluon_decode_kernel_builds_for_sm90(name, spill_cap):
     bf16 and at 16 over fp8's installed ring, 24 B at 32 heads, 152 B with one fp16 and three raw
     stages; "-causal" (a speculative step's query tokens as columns) 84 B over bf16 and 168 B over
     fp8 at 32 columns. Their direct fp8 form ("-directRAW[s]": no converter, RAW raw stages, "s" the
-    scores as fp8 MMAs): none at 8-16 columns, 12 B at 32. The direct fp8 GQA kernel ("gqa-fp8-directRAW-NQ[-pdl]"):
+    scores as fp8 MMAs): none at 8-16 columns, 12 B at 32. The direct fp8 GQA kernel
+    ("gqa-fp8-directRAW-NQ[-causal][-pdl]": "-causal" a speculative step's tokens):
     none at 8-16 columns, 4 B at 32."""
     pytest.importorskip("triton.experimental.gluon")
     env = dict(os.environ, TRITON_INTERPRET="0", PYTHONPATH=f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")

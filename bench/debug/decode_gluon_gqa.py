@@ -6,7 +6,8 @@ unheld slot, and NaN scales there over fp8; a bad block id), then whole calls ti
 1/4 of B = 32 sequences of L = 8K, 32K, 128K, bf16 and fp8, and B = 4 at 32K (several splits); the
 Triton kernel also with its whole tiles unmasked (CONFIG even / even_fp8). DGQA_SET=fp8-even times
 only the fp8 Triton kernel's forms with whole tiles unmasked (`fp8_even`) at B = 32; DGQA_SET=fp8 the fp8
-rows only (the Triton kernel, the converter's Gluon form and the direct one with 8 / 10 / 12 raw stages).
+rows only (the Triton kernel, the converter's Gluon form and the direct one with 8 / 10 / 12 raw stages);
+DGQA_SET=mtp a speculative step's DGQA_TQ (2) tokens at 1/4 of 32K, the Triton kernel against the direct one.
 
     python bench/debug/decode_gluon_gqa.py OUT.json        # on the GPU
 """
@@ -113,11 +114,17 @@ def main(path: str) -> None:
             (torch.float8_e4m3fn, 32768, 4, only(fp8, "triton", "direct8")))
     if os.environ.get("DGQA_SET") == "fp8":          # (the fp8 rows only)
         sets = tuple(x for x in sets if x[0] == torch.float8_e4m3fn)
+    tq = 1
+    if os.environ.get("DGQA_SET") == "mtp":          # (a speculative step's 2 and 4 tokens, fp8, at 32K)
+        sets = ((torch.float8_e4m3fn, 32768, 32, only(fp8, "triton", "direct10")), )
+        tq = int(os.environ.get("DGQA_TQ", "2"))
     if os.environ.get("DGQA_SET") == "fp8-even":     # (the 2026-12-04 13:35 run: decode-gluon-gqa13-h200.json)
         sets = ((torch.float8_e4m3fn, 8192, 32, fp8_even), (torch.float8_e4m3fn, 32768, 32, fp8_even),
                 (torch.float8_e4m3fn, 131072, 32, fp8_even))
     for dtype, context, batch, variants in sets:
         cache, table, q, _ = _decode_setup(batch, context, 32, 4, 128, 64, 4, ctx.device, dtype)
+        if tq > 1:
+            q = torch.randn(batch, tq, 32, 128, device=ctx.device, dtype=torch.bfloat16)
         layout = DCPLayout(size=4, rank=0, block_size=64)
         seq = torch.full((batch,), context, device=ctx.device)
         call = lambda: paged_decode_attention(q, cache, table, seq, layout=layout, scale=128 ** -0.5,
@@ -133,7 +140,7 @@ def main(path: str) -> None:
                     got = call()
                     err = max((got.out - ref.out).abs().max().item(), (got.lse - ref.lse).abs().max().item())
                     us, cols = step_time(ctx, [call])
-                    row = {"cache": str(dtype), "L": context, "B": batch, "kernel": name, "rep": rep,
+                    row = {"cache": str(dtype), "L": context, "B": batch, "tq": tq, "kernel": name, "rep": rep,
                            "us": round(us, 1), "max_diff_vs_triton": err, "timing": cols["timing"]}
                 except Exception as e:
                     row = {"cache": str(dtype), "L": context, "B": batch, "kernel": name, "error": repr(e)[:1000]}

@@ -443,20 +443,23 @@ if HAS_GLUON:
 
 if HAS_GLUON:
     from .gluon_mla_narrow import LBOX, _fp8_pairs, _query_split, _scores_box8, _store_half, _zero_tail
+    from .triton_common import global_pos as _global_pos
 
     DIRECT_REGS = gl.constexpr(128)     # registers a thread of the direct kernel's value warpgroup
 
     @gluon.jit
-    def _direct_queries(q_ptr, s, kvh, G, sq_s, sq_h, ql_smem, table_ptr, st_s, start, end, num_blocks,
+    def _direct_queries(q_ptr, s, kvh, G, TQ, sq_s, sq_t, sq_h, ql_smem, table_ptr, st_s, start, end, num_blocks,
                         PAGE: gl.constexpr, NQ: gl.constexpr, key_l: gl.constexpr):
-        """The kv head's G query rows (NQ of them, zeros past G) times a power of two each (the largest
-        magnitude into [2^7, 2^8): no part saturates) as e4m3 hi and lo parts in ql_smem[0], [1]; the
-        split's block ids checked while the loads fly. Returns (2^-e per row, whether an id is bad)."""
+        """The kv head's query rows, column c = (token c // G, head c % G) of the step's TQ tokens (NQ of
+        them, zeros past TQ x G), times a power of two each (the largest magnitude into [2^7, 2^8): no
+        part saturates) as e4m3 hi and lo parts in ql_smem[0], [1]; the split's block ids checked while
+        the loads fly. Returns (2^-e per row, whether an id is bad)."""
         lat: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
         rows = gl.arange(0, NQ, layout=gl.SliceLayout(1, lat))
         dims = gl.arange(0, LBOX, layout=gl.SliceLayout(0, lat))
-        ptrs = q_ptr + s.to(gl.int64) * sq_s + (kvh * G + rows).to(gl.int64)[:, None] * sq_h + dims[None, :]
-        x = gl.load(ptrs, mask=(rows < G)[:, None], other=0.0).to(gl.float32)
+        row_off = (rows // G).to(gl.int64) * sq_t + (kvh * G + rows % G).to(gl.int64) * sq_h
+        ptrs = q_ptr + s.to(gl.int64) * sq_s + row_off[:, None] + dims[None, :]
+        x = gl.load(ptrs, mask=(rows < TQ * G)[:, None], other=0.0).to(gl.float32)
         bad = _bad_ids(table_ptr, s, st_s, start, end, num_blocks, PAGE, key_l)
         biased = (gl.max(gl.abs(x), 1).to(gl.int32, bitcast=True) >> 23) & 0xFF
         e = gl.minimum(gl.maximum(134 - biased, -120), 107)
@@ -501,16 +504,22 @@ if HAS_GLUON:
         return k0, v0, k1, v1, k2, v2, k3, v3
 
     @gluon.jit
-    def _masked_scores(sc, ks, qk_q, j0, end, keys, mma: gl.constexpr):
-        """A tile's raw scores times its keys' scales and the queries' factors, -inf past the end."""
+    def _masked_scores(sc, ks, qk_q, j0, end, keys, q_pos, dcp_size, dcp_rank, interleave, mma: gl.constexpr,
+                       CAUSAL: gl.constexpr):
+        """A tile's raw scores times its keys' scales and the queries' factors, -inf past the end (and,
+        CAUSAL, where a key's global position lies past the column's token, q_pos)."""
         x = gl.convert_layout(sc, mma) * ks[:, None] * qk_q[None, :]        # (the same registers)
-        return gl.where((j0 + keys < end)[:, None], x, float("-inf"))
+        live = (j0 + keys < end)[:, None]
+        if CAUSAL:
+            live = live & (_global_pos(j0 + keys, dcp_size, dcp_rank, interleave)[:, None] <= q_pos[None, :])
+        return gl.where(live, x, float("-inf"))
 
     @gluon.jit
     def _direct_scores(q_ptr, ks_ptr, vs_ptr, ql_smem, k_smem, v_smem, p_smem, a_smem, raw_ready, raw_free, p_ready,
                        p_free, table_ptr, glens_ptr, lse_ptr, s, kvh, split, split_len, dcp_size, dcp_rank,
-                       interleave, table_w, num_blocks, st_s, sq_s, sq_h, G, qk_scale, ss_b, ss_t, ss_h, svs_b,
-                       svs_t, svs_h, sl_p, sl_s, PAGE: gl.constexpr, RAW: gl.constexpr, NQ: gl.constexpr):
+                       interleave, table_w, num_blocks, st_s, sq_s, sq_t, sq_h, G, TQ, qk_scale, ss_b, ss_t, ss_h,
+                       svs_b, svs_t, svs_h, sl_p, sl_s, sl_t, PAGE: gl.constexpr, RAW: gl.constexpr, NQ: gl.constexpr,
+                       CAUSAL: gl.constexpr):
         """The direct fp8 kernel's first warpgroup: the queries, then per step of four raw tiles S^T = K Q^T
         as fp8 MMAs from shared memory (each tile's 128 key dims against the queries' hi and lo parts),
         one online-softmax step over the four with their key and value scales (loaded a step ahead, from
@@ -530,13 +539,18 @@ if HAS_GLUON:
         n0, n1, n2, n3 = _ids_window(table_ptr, s, st_s, start + 4 * BLOCK, tiles - 4, num_blocks, PAGE)
         k0, v0, k1, v1, k2, v2, k3, v3 = _step_scales(ks_ptr, vs_ptr, b0, b1, b2, b3, start, end, kvh, ss_b, ss_t,
                                                       ss_h, svs_b, svs_t, svs_h, keys, PAGE)
-        qf, bad_id = _direct_queries(q_ptr, s, kvh, G, sq_s, sq_h, ql_smem, table_ptr, st_s, start, end, num_blocks,
-                                     PAGE, NQ, key_l)
+        qf, bad_id = _direct_queries(q_ptr, s, kvh, G, TQ, sq_s, sq_t, sq_h, ql_smem, table_ptr, st_s, start, end,
+                                     num_blocks, PAGE, NQ, key_l)
         bad = bad | bad_id
         qk_q = gl.convert_layout(qf, q_l) * qk_scale
         m_i = gl.full([NQ], float("-inf"), gl.float32, q_l)
         l_i = gl.zeros([BLOCK, NQ], gl.float32, mma)
         r_i = gl.zeros([NQ], gl.float32, q_l)
+        cols = gl.arange(0, NQ, layout=q_l)
+        if CAUSAL:      # (a speculative step's tokens: the last TQ of the sequence, column c's is c // G)
+            q_pos = gl.load(glens_ptr + s).to(gl.int32) - TQ + cols // G
+        else:
+            q_pos = cols
         steps = (tiles + 3) // 4
         for i in range(steps):
             t = 4 * i
@@ -562,10 +576,13 @@ if HAS_GLUON:
                 if tail % BLOCK > 0:
                     _zero_tail(v_smem, (t + tail // BLOCK) % RAW, tail % BLOCK, 1)
             p0, p1, p2, p3, alpha, m_i, l_i, r_i = _softmax_quad(
-                _masked_scores(sc0, ks0, qk_q, j0, end, keys, mma),
-                _masked_scores(sc1, ks1, qk_q, j0 + BLOCK, end, keys, mma),
-                _masked_scores(sc2, ks2, qk_q, j0 + 2 * BLOCK, end, keys, mma),
-                _masked_scores(sc3, ks3, qk_q, j0 + 3 * BLOCK, end, keys, mma), m_i, l_i, r_i, vs0, vs1, vs2, vs3)
+                _masked_scores(sc0, ks0, qk_q, j0, end, keys, q_pos, dcp_size, dcp_rank, interleave, mma, CAUSAL),
+                _masked_scores(sc1, ks1, qk_q, j0 + BLOCK, end, keys, q_pos, dcp_size, dcp_rank, interleave, mma,
+                               CAUSAL),
+                _masked_scores(sc2, ks2, qk_q, j0 + 2 * BLOCK, end, keys, q_pos, dcp_size, dcp_rank, interleave, mma,
+                               CAUSAL),
+                _masked_scores(sc3, ks3, qk_q, j0 + 3 * BLOCK, end, keys, q_pos, dcp_size, dcp_rank, interleave, mma,
+                               CAUSAL), m_i, l_i, r_i, vs0, vs1, vs2, vs3)
             if i >= 2:
                 mbarrier.wait(p_free.index(pb), ((i // 2) - 1) & 1)
             for k in gl.static_range(1, 4):     # (absent tiles: the value warpgroup is done with their stages now)
@@ -580,8 +597,9 @@ if HAS_GLUON:
             gl.thread_barrier()
             mbarrier.arrive(p_ready.index(pb))
         factor, lse = _finish(m_i, gl.sum(l_i, 0), r_i, bad, True)
-        cols = gl.arange(0, NQ, layout=q_l)
-        gl.store(lse_ptr + split.to(gl.int64) * sl_p + s.to(gl.int64) * sl_s + kvh * G + cols, lse, mask=cols < G)
+        lse_at = (split.to(gl.int64) * sl_p + s.to(gl.int64) * sl_s + (cols // G).to(gl.int64) * sl_t + kvh * G
+                  + cols % G)
+        gl.store(lse_ptr + lse_at, lse, mask=cols < TQ * G)
         if steps >= 2:
             mbarrier.wait(p_free.index(steps % 2), ((steps // 2) - 1) & 1)
         a_smem.index(steps % 2).store(factor)
@@ -607,7 +625,7 @@ if HAS_GLUON:
 
     @gluon.jit
     def _direct_values(v_smem, p_smem, a_smem, raw_free, p_ready, p_free, glens_ptr, o_ptr, s, kvh, split,
-                       split_len, dcp_size, dcp_rank, interleave, table_w, G, so_p, so_s, so_h,
+                       split_len, dcp_size, dcp_rank, interleave, table_w, G, TQ, so_p, so_s, so_t, so_h,
                        PAGE: gl.constexpr, RAW: gl.constexpr, NQ: gl.constexpr):
         """The direct fp8 kernel's value warpgroup: per step of four tiles, once their weights are
         published, O^T = alpha O^T + sum_k Vk^T Pk^T with each value box read from the raw bytes
@@ -654,9 +672,10 @@ if HAS_GLUON:
         factor = a_smem.index(steps % 2).load(q_l)
         cols = gl.arange(0, NQ, layout=q_l)
         rows = gl.arange(0, BLOCK, layout=key_l)
-        o_q = split.to(gl.int64) * so_p + s.to(gl.int64) * so_s + (kvh * G + cols).to(gl.int64) * so_h
-        _store_half(o_ptr, even, 0, factor, o_q, cols < G, rows)
-        _store_half(o_ptr, odd, 1, factor, o_q, cols < G, rows)
+        o_q = (split.to(gl.int64) * so_p + s.to(gl.int64) * so_s + (cols // G).to(gl.int64) * so_t
+               + (kvh * G + cols % G).to(gl.int64) * so_h)
+        _store_half(o_ptr, even, 0, factor, o_q, cols < TQ * G, rows)
+        _store_half(o_ptr, odd, 1, factor, o_q, cols < TQ * G, rows)
 
     @gluon.jit
     def _direct_loader(k_desc, v_desc, table_ptr, glens_ptr, k_smem, v_smem, raw_ready, raw_free, s, kvh, split,
@@ -680,10 +699,10 @@ if HAS_GLUON:
 
     @gluon.jit
     def _gqa_decode_direct_kernel(q_ptr, k_desc, v_desc, ks_ptr, vs_ptr, table_ptr, glens_ptr, o_ptr, lse_ptr,
-                                  qk_scale, split_len, G, KV_HEADS, dcp_size, dcp_rank, interleave, table_w,
-                                  num_blocks, st_s, sq_s, sq_h, ss_b, ss_t, ss_h, svs_b, svs_t, svs_h,
-                                  so_p, so_s, so_h, sl_p, sl_s, PAGE: gl.constexpr, RAW: gl.constexpr,
-                                  NQ: gl.constexpr, PDL: gl.constexpr = False):
+                                  qk_scale, split_len, G, KV_HEADS, TQ, dcp_size, dcp_rank, interleave, table_w,
+                                  num_blocks, st_s, sq_s, sq_t, sq_h, ss_b, ss_t, ss_h, svs_b, svs_t, svs_h,
+                                  so_p, so_s, so_t, so_h, sl_p, sl_s, sl_t, PAGE: gl.constexpr, RAW: gl.constexpr,
+                                  NQ: gl.constexpr, CAUSAL: gl.constexpr = False, PDL: gl.constexpr = False):
         """fp8 cache without a converter: a one-warp TMA loader fills RAW raw stages (a tile's key and
         value boxes); one warpgroup computes the scores as fp8 MMAs straight from the raw keys
         (`_direct_scores`), the other reads the raw values into its MMA's A operand (`_direct_values`),
@@ -710,11 +729,11 @@ if HAS_GLUON:
         gl.warp_specialize([
             (_direct_scores, (q_ptr, ks_ptr, vs_ptr, ql_smem, k_smem, v_smem, p_smem, a_smem, raw_ready, raw_free,
                               p_ready, p_free, table_ptr, glens_ptr, lse_ptr, s, kvh, split, split_len, dcp_size,
-                              dcp_rank, interleave, table_w, num_blocks, st_s, sq_s, sq_h, G, qk_scale, ss_b, ss_t,
-                              ss_h, svs_b, svs_t, svs_h, sl_p, sl_s, PAGE, RAW, NQ)),
+                              dcp_rank, interleave, table_w, num_blocks, st_s, sq_s, sq_t, sq_h, G, TQ, qk_scale,
+                              ss_b, ss_t, ss_h, svs_b, svs_t, svs_h, sl_p, sl_s, sl_t, PAGE, RAW, NQ, CAUSAL)),
             (_direct_values, (v_smem, p_smem, a_smem, raw_free, p_ready, p_free, glens_ptr, o_ptr, s, kvh, split,
-                              split_len, dcp_size, dcp_rank, interleave, table_w, G, so_p, so_s, so_h, PAGE, RAW,
-                              NQ)),
+                              split_len, dcp_size, dcp_rank, interleave, table_w, G, TQ, so_p, so_s, so_t, so_h,
+                              PAGE, RAW, NQ)),
             (_direct_loader, (k_desc, v_desc, table_ptr, glens_ptr, k_smem, v_smem, raw_ready, raw_free, s, kvh,
                               split, split_len, dcp_size, dcp_rank, interleave, table_w, num_blocks, st_s, PAGE,
                               RAW)),
@@ -741,8 +760,9 @@ def direct_stages(g: int, raw: int) -> int:
 
 
 def gluon_gqa_ok(q: Tensor, k: Tensor, v: Tensor, tq: int, k_scale: Tensor | None = None,
-                 v_scale: Tensor | None = None) -> bool:
-    """The Gluon GQA kernels apply: bf16 queries [S, 1, Hq, 128] (one query token, contiguous);
+                 v_scale: Tensor | None = None, max_tq: int = 1) -> bool:
+    """The Gluon GQA kernels apply: bf16 queries [S, Tq, Hq, 128] (contiguous; Tq <= max_tq: one query
+    token, or a speculative step's few in the direct fp8 form, `direct_stages` of Tq x Hq / Hkv columns);
     a bf16 cache, or an fp8 one with fp32 scales [nb, page, Hkv] for keys and values; separate k
     and v tensors [nb, page, Hkv, 128], each contiguous; at most 64 query heads per kv head; pages
     a multiple of 64 tokens; an sm_90 GPU."""
@@ -754,7 +774,7 @@ def gluon_gqa_ok(q: Tensor, k: Tensor, v: Tensor, tq: int, k_scale: Tensor | Non
     elif k.dtype != torch.bfloat16:
         return False
     hq, hkv = q.shape[-2], k.shape[2]
-    return (q.dtype == torch.bfloat16 and tq == 1 and q.is_contiguous() and q.shape[-1] == _HEAD_DIM
+    return (q.dtype == torch.bfloat16 and 1 <= tq <= max_tq and q.is_contiguous() and q.shape[-1] == _HEAD_DIM
             and k.dim() == 4 and k.shape[-1] == _HEAD_DIM and v.shape == k.shape and v.dtype == k.dtype
             and k.is_contiguous() and v.is_contiguous() and v.data_ptr() != k.data_ptr()
             and hq % hkv == 0 and hq // hkv <= _BLOCK and k.shape[1] % _BLOCK == 0
@@ -773,11 +793,15 @@ def launch_gluon_gqa(q: Tensor, k: Tensor, v: Tensor, table: Tensor, seq_lens: T
     over fp8, the direct kernel (no converter) with this many raw stages, cut to `direct_stages`
     (where none apply, more than 32 query heads a kv head: the converter's form). pdl: launched with
     programmatic dependent launch (`triton_merge.pdl_ok`)."""
-    s, _, hq, d = q.shape
+    s, tq, hq, d = q.shape
     nb, page, hkv = k.shape[0], k.shape[1], k.shape[2]
     fp8 = k.dtype == torch.float8_e4m3fn
-    direct = direct_stages(hq // hkv, direct) if fp8 else 0
-    nq = max(8, 1 << (hq // hkv - 1).bit_length()) if swap or direct else 0   # (G rounded up to a power of two)
+    direct = direct_stages(tq * (hq // hkv), direct) if fp8 else 0
+    if tq > 1 and not direct:
+        raise ValueError(f"the Gluon GQA kernels take {tq} query tokens only in the direct fp8 form (at most "
+                         f"{DIRECT_MAX_G} columns: tokens x heads a kv head), got a {k.dtype} cache and "
+                         f"{tq} x {hq // hkv} columns")
+    nq = max(8, 1 << (tq * (hq // hkv) - 1).bit_length()) if swap or direct else 0  # (columns to a power of two)
     launch = {"PDL": True, "launch_pdl": True} if pdl else {}
     if direct:
         lbox = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=8, rank=2)
@@ -785,10 +809,11 @@ def launch_gluon_gqa(q: Tensor, k: Tensor, v: Tensor, table: Tensor, seq_lens: T
         k_desc = TensorDescriptor(k2, list(k2.shape), list(k2.stride()), [_BLOCK, _HEAD_DIM], lbox)
         v_desc = TensorDescriptor(v2, list(v2.shape), list(v2.stride()), [_BLOCK, _HEAD_DIM], lbox)
         _gqa_decode_direct_kernel[(s * hkv, splits)](
-            q, k_desc, v_desc, k_scale, v_scale, table, seq_lens, o, lse, scale_log2, split_len, hq // hkv, hkv,
-            dcp_size, dcp_rank, interleave, table.shape[1], nb, table.stride(0), q.stride(0), q.stride(2),
-            *k_scale.stride(), *v_scale.stride(), o.stride(0), o.stride(1), o.stride(3), lse.stride(0),
-            lse.stride(1), PAGE=page, RAW=direct, NQ=nq, num_warps=4, **launch)
+            q, k_desc, v_desc, k_scale, v_scale, table, seq_lens, o, lse, scale_log2, split_len, hq // hkv, hkv, tq,
+            dcp_size, dcp_rank, interleave, table.shape[1], nb, table.stride(0), q.stride(0), q.stride(1),
+            q.stride(2), *k_scale.stride(), *v_scale.stride(), o.stride(0), o.stride(1), o.stride(2), o.stride(3),
+            lse.stride(0), lse.stride(1), lse.stride(2), PAGE=page, RAW=direct, NQ=nq, CAUSAL=tq > 1, num_warps=4,
+            **launch)
         return
     box = gl.NVMMASharedLayout.get_default_for([_BLOCK, _BLOCK], gl.float8e4nv if fp8 else gl.bfloat16)
     # [blocks * page, kv heads * 128]: a tile of kv head h is the boxes at columns h * 128 + 0 / 64

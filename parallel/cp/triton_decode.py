@@ -1124,10 +1124,12 @@ def paged_decode_triton(q: Tensor, k: Tensor, v: Tensor, k_scale: Tensor | None,
         cfg = dict(cfg, at_most=1, target_programs=CONFIG["target_programs_wide_fp8" if fp8 else "target_programs_wide"])
     # (over fp8 the Gluon kernel where its direct form applies, or where the converter's form is asked for
     # (direct_gluon_gqa_fp8 0): more than 32 heads a kv head run the Triton kernel, faster than the converter)
+    # (and a speculative step's tokens, up to 32 columns of tokens x heads, in the direct form only)
     direct_raw = CONFIG["direct_gluon_gqa_fp8"]
+    direct_cols = fp8 and direct_raw and gluon_gqa.direct_stages(tq * g, direct_raw) > 0
     gqa_ws = (not gluon and CONFIG["gluon_gqa_fp8" if fp8 else "gluon_gqa"] and not impl.interpreting()
-              and gluon_gqa.gluon_gqa_ok(q, k, v, tq, k_scale, v_scale)
-              and not (fp8 and direct_raw and not gluon_gqa.direct_stages(g, direct_raw)))
+              and gluon_gqa.gluon_gqa_ok(q, k, v, tq, k_scale, v_scale, max_tq=8 if direct_cols else 1)
+              and not (fp8 and direct_raw and not direct_cols))
     if gqa_ws:      # (64-key tiles, a kv head's query rows padded to 64; one CTA per SM)
         block_n, block_m = gluon_gqa.TILE, gluon_gqa.TILE
         cfg = dict(cfg, at_most=1, target_programs=CONFIG["target_programs_gluon_gqa"])
