@@ -133,7 +133,7 @@ def test_gluon_decode_kernel_builds_for_sm90(name, spill_cap):
     fp8 at 32 columns. Their direct fp8 form ("-directRAW[s]": no converter, RAW raw stages, "s" the
     scores as fp8 MMAs): none at 8-16 columns, 12 B at 32. The direct fp8 GQA kernel
     ("gqa-fp8-directRAW-NQ[-causal][-pdl]": "-causal" a speculative step's tokens):
-    none at 8-16 columns, 4 B at 32."""
+    none (its caps allow 8 B at 32 columns)."""
     pytest.importorskip("triton.experimental.gluon")
     env = dict(os.environ, TRITON_INTERPRET="0", PYTHONPATH=f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
     done = subprocess.run([sys.executable, __file__, name], env=env, cwd=ROOT,
