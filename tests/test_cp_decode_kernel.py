@@ -848,6 +848,27 @@ def test_narrow_mla_fp8_rings_that_do_not_fit_are_refused():
                       torch.ones(4, 64, 1), ring=2, raw=2)
 
 
+def test_fp8_query_parts_hold_bf16_queries():
+    """The direct fp8 kernels' query split (GQA and MLA's narrow tiles, docs/numerics.md §8.2): each row
+    times 2^e with its largest magnitude in [2^7, 2^8) (e = 134 - its biased exponent, clamped to
+    [-120, 107]), hi = e4m3(x 2^e), lo = e4m3(x 2^e - hi): no part saturates, hi + lo is the bf16 value
+    exactly wherever |x 2^e| >= 8, and within 2^-10 of it (half e4m3's subnormal step) elsewhere, on rows
+    whose elements spread over 2^40 across rows and 2^12 within one."""
+    gen = torch.Generator().manual_seed(5)
+    scale = torch.exp2(torch.randint(-20, 21, (256, 1), generator=gen).float())
+    spread = torch.exp2(torch.randint(-12, 1, (256, 128), generator=gen).float())
+    x = (torch.randn(256, 128, generator=gen) * scale * spread).to(torch.bfloat16).float()
+    biased = (x.abs().amax(1).view(torch.int32) >> 23) & 0xFF
+    xs = x * torch.exp2((134 - biased).clamp(-120, 107).float())[:, None]
+    assert xs.abs().amax(1).ge(2 ** 7).all() and xs.abs().amax(1).lt(2 ** 8).all()     # (e4m3's max: 448)
+    hi = xs.to(torch.float8_e4m3fn).float()
+    lo = (xs - hi).to(torch.float8_e4m3fn).float()
+    assert torch.isfinite(hi).all() and torch.isfinite(lo).all()
+    err = (hi + lo - xs).abs()
+    assert (err[xs.abs() >= 8] == 0).all()
+    assert err.max() <= 2 ** -10 and err.max() > 0        # (the bound is reached: subnormal parts round)
+
+
 def test_direct_narrow_mla_fp8_stages_fit_shared_memory():
     """The direct fp8 form's shared memory (`gluon_mla_narrow.direct_fits`: queries, raw stages of
     37.1 KB, two weight buffers): five raw stages fit at 8-32 columns (the sm_90a builds take 208.7 KB
