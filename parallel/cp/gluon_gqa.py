@@ -16,6 +16,16 @@ than one split, hence no merge. Partitions of one CTA:
 
 The loaders load block ids ahead of the tiles (a window of four over fp8, one over bf16).
 
+Over fp8 the installed form is the direct kernel (`_gqa_decode_direct_kernel`, CONFIG
+direct_gluon_gqa_fp8): no converter. A one-warp loader brings each tile's raw key and value boxes
+(64 x 128 fp8) into 8-12 stages; a scores warpgroup computes S^T = K Q^T as fp8 MMAs straight from
+the raw keys against the queries split into two e4m3 parts (hi + lo, a power of two per row), runs
+the online softmax over four tiles a step (one cross-warp maximum of the scores and one of the
+weights for all four) and publishes the weights; a value warpgroup reads the raw value boxes
+transposed (16-bit ldmatrix, each dim pair split into its even and odd dims) into its MMA's A
+operand. Its columns are the kv head's query heads times a speculative step's tokens (at most 32,
+causal within the step); wider problems stay on the Triton kernel.
+
 Outputs are the split's partial (out, lse) in `triton_decode.paged_decode_triton`'s layout.
 `gluon_gqa_ok` says where it applies; CONFIG gluon_gqa / gluon_gqa_fp8 choose it there. Over
 fp8 the arithmetic is the Triton kernel's f16 path: queries scaled into fp16 by a power of two

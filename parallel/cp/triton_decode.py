@@ -40,11 +40,13 @@ Structure options (CONFIG, 0/1, off until the GPU probe measures them; `launch_s
   `gluon_mla.py` instead (a loader warpgroup, one warpgroup for the scores, softmax and output
   dims [0, 256), one for [256, 512) from the same published weights); this module still plans
   the splits and merges them.
-- `gluon_gqa` (on), `gluon_gqa_fp8` (off): GQA with head dim 128, one query token and bf16 queries
+- `gluon_gqa` (on), `gluon_gqa_fp8` (on): GQA with head dim 128, one query token and bf16 queries
   (`gluon_gqa.gluon_gqa_ok`) goes to the warp-specialized Gluon kernel of `gluon_gqa.py` (a TMA
-  loader ring, over fp8 a converter warpgroup, one consumer warpgroup; one CTA per SM, so splits
-  planned to at most `target_programs_gluon_gqa` programs); its ring depths and
-  operand order (`swap_gluon_gqa*`) are CONFIG entries too.
+  loader ring and one consumer warpgroup over bf16; one CTA per SM, so splits planned to at most
+  `target_programs_gluon_gqa` programs); over fp8 to its direct form (`direct_gluon_gqa_fp8` raw
+  stages, no converter; a speculative step's tokens too, up to 32 columns of tokens x heads),
+  where that does not apply to the Triton kernel; its ring depths and operand order
+  (`swap_gluon_gqa*`) are CONFIG entries too.
 - `dcp_constexpr` (on): the DCP group size and interleave built into the kernel (one build per
   group), whose loop then compiles as the group-of-one build's.
 - `pdl` (on where the device and Triton allow it: `triton_merge.pdl_ok`): programmatic dependent
@@ -716,8 +718,8 @@ CONFIG = {
     # over fp8, the direct kernel (`gluon_gqa._gqa_decode_direct_kernel`: no converter, the raw tile's
     # key bytes into fp8 score MMAs against the queries' e4m3 hi + lo parts, its value bytes read
     # transposed into the value MMA's A operand, tiles in steps of four) with this many raw stages of
-    # 16 KB (0: the converter's form; at least 8); more than 32 query heads a kv head keep the
-    # converter's. bench/debug/decode_gluon_gqa.py (2026-12-04 evening, DGQA_SET=fp8; B 32, 1/4 of 8K /
+    # 16 KB (0: the converter's form; at least 8); more than 32 columns (query heads a kv head times a
+    # speculative step's tokens) run the Triton kernel. bench/debug/decode_gluon_gqa.py (2026-12-04 evening, DGQA_SET=fp8; B 32, 1/4 of 8K /
     # 32K / 128K, step_time; bench/results/logs/decode-gluon-gqa-direct*-h200.json): Triton 33.4 / 98.9 /
     # 360.3 µs, the converter's Gluon form 39.0 / 136.9, direct 8 / 10 / 12 stages 25.6 / 73.1 / 263.0,
     # 25.3 / 71.3, 25.9 / 73.1 / 259.4 (one tile a step: 34.8 / 119.6 / 461; two: 27.2 / 89.1 / 336.6,
