@@ -5,7 +5,7 @@
 # bench/debug/decode_merge.py; ncu / ncustall: Nsight Compute sections / stall reasons over
 # bench/debug/decode_ncu.py; expand: bench/debug/expand_packing.py; prefill2: the gemm probe's
 # FP8-GEMM-alone sweep at V3 L2; dectiming: bench/debug/decode_timing.py (dtmla: its MLA 16-head and GQA fp8 runs); dgluon: bench/debug/decode_gluon.py; dnarrow:
-# bench/debug/decode_narrow.py; dgqa:
+# bench/debug/decode_narrow.py; cvtrate: bench/debug/cvt_rate.py; dgqa:
 # bench/debug/decode_gluon_gqa.py; dstream: bench/debug/decode_stream.py; dsplits:
 # bench/debug/decode_splits.py; ncugqa: Nsight Compute over bench/debug/decode_ncu.py gluon-gqa;
 # ncusrc: per-instruction stall samples (SASS, csv) of the kernel NCU_KERNEL names, decode_ncu.py NCU_ARGS)
@@ -53,6 +53,7 @@ for s in "$@"; do
     dnarrow)    step dnarrow "${DNARROW_LIMIT:-200}" python3 bench/debug/decode_narrow.py "$res/decode-narrow.json" ;;
     dstream)    step dstream "${DSTREAM_LIMIT:-150}" python3 bench/debug/decode_stream.py "$res/decode-stream.json" ;;
     dsplits)    step dsplits "${DSPLITS_LIMIT:-150}" python3 bench/debug/decode_splits.py "$res/decode-splits.json" ;;
+    cvtrate)    step cvtrate "${CVTRATE_LIMIT:-90}" python3 bench/debug/cvt_rate.py "$res/cvt-rate.json" ;;
     dgqa)       step dgqa "${DGQA_LIMIT:-150}" python3 bench/debug/decode_gluon_gqa.py "$res/decode-gluon-gqa.json" ;;
     dectiming)  step dectiming "${DECTIMING_LIMIT:-150}" python3 bench/debug/decode_timing.py "$res/decode-timing.json" ;;
     dtmla)      step dtmla "${DTMLA_LIMIT:-240}" bash -c "DECODE_TIMING_MLA=16 DECODE_TIMING_FP8=1 python3 bench/debug/decode_timing.py $res/decode-timing-mla16-fp8.json; \
