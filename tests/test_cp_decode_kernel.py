@@ -775,8 +775,6 @@ def test_gluon_mla_narrow_swapped_on_gpu(dtype, size, rank, heads, tq, monkeypat
             torch.testing.assert_close(other.out, got.out, atol=0, rtol=0)
             torch.testing.assert_close(other.lse, got.lse, atol=0, rtol=0)
         monkeypatch.setitem(td.CONFIG, "direct_wide_narrow_fp8", direct)
-        if applies:     # the values' bytes unpacked by shifts and masks (CONFIG bits_wide_narrow_fp8)
-            _same_with_bits(monkeypatch, td, "bits_wide_narrow_fp8", lambda: run(cache, table), got)
         forms = {f8: got}
         if applies:
             monkeypatch.setitem(td.CONFIG, "fp8_scores_wide_narrow_fp8", 1 - f8)
@@ -869,75 +867,6 @@ def test_fp8_query_parts_hold_bf16_queries():
     err = (hi + lo - xs).abs()
     assert (err[xs.abs() >= 8] == 0).all()
     assert err.max() <= 2 ** -10 and err.max() > 0        # (the bound is reached: subnormal parts round)
-
-
-def _run_b32_asm(asm: str, x):
-    """Evaluate inline PTX made of shl / shr / and / or .b32 on registers and immediates over the uint32
-    values x (numpy): {"$0": ..., "$1": ...} as the instructions leave them ($2 the input)."""
-    import re
-
-    import numpy as np
-
-    regs = {"$2": x.astype(np.uint32)}
-    ops = {"shl": lambda a, b: (a << b) & 0xFFFFFFFF, "shr": lambda a, b: a >> b, "and": lambda a, b: a & b,
-           "or": lambda a, b: a | b}
-    body = asm.strip().strip("{}")
-    seen = 0
-    for ins in filter(None, (i.strip() for i in body.split(";"))):
-        if ins.startswith(".reg"):
-            continue
-        m = re.fullmatch(r"(\w+)\.b32 (\S+), (\S+), (\S+)", ins)
-        assert m and m.group(1) in ops, f"instruction {ins!r} outside the evaluator's set"
-        val = lambda t: np.uint32(int(t, 0)) if t[0].isdigit() else regs[t]
-        regs[m.group(2)] = ops[m.group(1)](val(m.group(3)), val(m.group(4))).astype(np.uint32)
-        seen += 1
-    assert seen >= 4
-    return regs
-
-
-def _same_with_bits(monkeypatch, td, key, call, got):
-    """The call with CONFIG `key` (a direct fp8 kernel's values unpacked by shifts and masks, or by F2FP
-    conversions) flipped gives got exactly: the unpack's 2^-8 scales every value-MMA operand and partial
-    sum by a power of two, undone in the output's factor. Restores the entry."""
-    was = td.CONFIG[key]
-    monkeypatch.setitem(td.CONFIG, key, 1 - was)
-    other = call()
-    monkeypatch.setitem(td.CONFIG, key, was)
-    torch.testing.assert_close(other.out, got.out, atol=0, rtol=0, equal_nan=True)
-    torch.testing.assert_close(other.lse, got.lse, atol=0, rtol=0, equal_nan=True)
-
-
-def test_fp8_bits_unpack_is_exact():
-    """The direct fp8 kernels' value unpack by shifts and masks (`gluon_mla_narrow.FP8_BITS_UNPACK`, CONFIG
-    bits_*): over 32 bits holding [odd k1, even k1, odd k0, even k0] (two int16 elements of the values'
-    A operand) it gives the even pair and the odd pair as fp16, each value its e4m3 value times 2^-8
-    exactly (`BITS_FACTOR` undoes it), for every byte in every position: subnormals, both zeros, the
-    largest; e4m3's NaN byte as +-1.875 (finite: the kernels mask what they do not hold)."""
-    import numpy as np
-
-    from parallel.cp.gluon_mla_narrow import BITS_FACTOR, FP8_BITS_UNPACK
-
-    gen = np.random.default_rng(7)
-    low = np.arange(1 << 16, dtype=np.uint32)
-    words = np.concatenate([low | (gen.integers(0, 1 << 16, low.size, dtype=np.uint32) << 16),
-                            (low << 16) | gen.integers(0, 1 << 16, low.size, dtype=np.uint32)])
-    out = _run_b32_asm(FP8_BITS_UNPACK, words)
-
-    def f16(byte):      # the expected fp16 bits of each byte's value / BITS_FACTOR
-        v = torch.from_numpy(byte.astype(np.uint8)).view(torch.float8_e4m3fn).float() / BITS_FACTOR
-        nan = torch.isnan(v)
-        v = torch.where(nan, torch.where(torch.from_numpy(byte >= 128), -1.875, 1.875), v)
-        return v.half().view(torch.int16).numpy().astype(np.uint16).astype(np.uint32)
-
-    b = [(words >> (8 * i)) & 0xFF for i in range(4)]
-    np.testing.assert_array_equal(out["$0"], f16(b[0]) | (f16(b[2]) << 16))
-    np.testing.assert_array_equal(out["$1"], f16(b[1]) | (f16(b[3]) << 16))
-    # the subnormals and the largest values are among them, and no value is lost
-    every = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(torch.float8_e4m3fn).float()
-    finite = torch.isfinite(every)
-    back = torch.from_numpy(f16(np.arange(256, dtype=np.uint32)).astype(np.int32)).to(torch.int16).view(
-        torch.float16).float() * BITS_FACTOR
-    assert torch.equal(back[finite], every[finite]) and every[finite].abs().max() == 448
 
 
 def test_direct_narrow_mla_fp8_stages_fit_shared_memory():
@@ -1064,8 +993,6 @@ def test_gluon_gqa_direct_fp8_extreme_scales_on_gpu(q_exp, hq, hkv, monkeypatch)
         err = (got.out[i] - ref.out[i]).abs().max()
         assert err <= 4e-3 * span, (i, err / span)
     assert (got.out[2] == 0).all()
-    _same_with_bits(monkeypatch, td, "bits_gluon_gqa_fp8",
-                    lambda: paged_decode_attention(q, cache, table, seq, backend="triton"), got)
 
 
 @pytest.mark.gpu
@@ -1179,10 +1106,6 @@ def test_gluon_gqa_kernel_on_gpu(dtype, size, rank, hq, hkv, monkeypatch):
         # (the direct form's scores see the queries as two e4m3 parts, ~8 significant bits: a bf16 query's)
         torch.testing.assert_close(got.out, plain.out, atol=4e-3 if ran_direct else 2e-3, rtol=0)
         torch.testing.assert_close(got.lse, plain.lse, atol=4e-3 if ran_direct else 1e-4, rtol=0)
-        if ran_direct:      # its values' bytes unpacked by shifts and masks (CONFIG bits_gluon_gqa_fp8): every
-            _same_with_bits(monkeypatch, td, "bits_gluon_gqa_fp8", lambda: run(cache, table), got)  # value / 2^8
-            used.clear()
-            direct_used.clear()
     bad = table.clone()
     bad[5, 0] = cache.k.shape[0] + 7
     _nan_row_5_only(paged_decode_attention(q, cache, bad, seq, layout=layout, scale=0.088, backend="triton",

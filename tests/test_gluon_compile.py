@@ -34,8 +34,7 @@ def _build(name: str) -> dict:
     from parallel.cp import gluon_gqa, gluon_mla, gluon_mla_narrow
 
     pdl = name.endswith("-pdl")         # ("-pdl": launched with programmatic dependent launch)
-    bits = "-bits" in name              # ("-bits": a direct fp8 form's values unpacked by shifts and masks)
-    family, dtype, *more = name.removesuffix("-pdl").replace("-bits", "").split("-")
+    family, dtype, *more = name.removesuffix("-pdl").split("-")
     nq = 8 if more == ["swap"] else 0
     fp8 = dtype == "fp8"
     ptrs = {"table_ptr": "*i32", "glens_ptr": "*i64", "o_ptr": "*fp32", "lse_ptr": "*fp32", "qk_scale": "fp32"}
@@ -92,8 +91,6 @@ def _build(name: str) -> dict:
         ptrs.update(q_desc=desc, k_desc=desc, k_ptr="*bf16")
     if "PDL" in kernel.arg_names:      # (a constexpr: left out, it would build as a run-time argument)
         consts["PDL"] = pdl
-    if "BITS" in kernel.arg_names:
-        consts["BITS"] = bits
     names = kernel.arg_names
     sig = {n: ptrs.get(n, "constexpr" if n in consts else "i32") for n in names}
     # as Triton's launcher specializes them at run time: pointers divisible by 16
@@ -109,8 +106,7 @@ def _build(name: str) -> dict:
     return {"shared": compiled.metadata.shared, "regs": re.findall(r"Used (\d+) registers", info),
             "spill": int(re.search(r"(\d+) bytes spill stores", info).group(1)),
             "setmaxnreg": "setmaxnreg" in compiled.asm["ptx"], "wgmma": "wgmma.mma_async" in compiled.asm["ptx"],
-            "gdc": "griddepcontrol.wait" in compiled.asm["ptx"],
-            "e4m3_cvt": compiled.asm["ptx"].count("cvt.rn.f16x2.e4m3x2")}
+            "gdc": "griddepcontrol.wait" in compiled.asm["ptx"]}
 
 
 @pytest.mark.parametrize("name,spill_cap", [
@@ -126,10 +122,7 @@ def _build(name: str) -> dict:
     # launched with programmatic dependent launch: the wait is in the build
     ("mlan-fp8-16-direct5s-pdl", 0), ("gqa-fp8-direct10-8-pdl", 0),
     ("gqa-bf16-pdl", 0), ("gqa-fp8-pdl", 0), ("mla-bf16-pdl", 512), ("mla-fp8-k32r2raw2-pdl", 1024),
-    ("mlan-bf16-16-pdl", 0), ("mlan-fp8-16-r2raw2rope-pdl", 0),
-    # the direct forms' values unpacked by shifts and masks: no e4m3 conversion left in the build
-    ("mlan-fp8-16-direct5s-bits-pdl", 0), ("mlan-fp8-32-direct5s-bits", 32), ("gqa-fp8-direct10-8-bits-pdl", 0),
-    ("gqa-fp8-direct10-32-causal-bits", 8)])
+    ("mlan-bf16-16-pdl", 0), ("mlan-fp8-16-r2raw2rope-pdl", 0)])
 def test_gluon_decode_kernel_builds_for_sm90(name, spill_cap):
     """spill_cap: the committed MLA builds spill 12 B (bf16: the loader's masked tail tile) and 388-516 B
     (fp8: warpgroup 1's accumulators and the converter's loads), built with the launcher's 16-byte
@@ -139,9 +132,8 @@ def test_gluon_decode_kernel_builds_for_sm90(name, spill_cap):
     stages; "-causal" (a speculative step's query tokens as columns) 84 B over bf16 and 168 B over
     fp8 at 32 columns. Their direct fp8 form ("-directRAW[s]": no converter, RAW raw stages, "s" the
     scores as fp8 MMAs): none at 8-16 columns, 12 B at 32. The direct fp8 GQA kernel
-    ("gqa-fp8-directRAW-NQ[-causal][-bits][-pdl]": "-causal" a speculative step's tokens):
-    none (its caps allow 8 B at 32 columns). "-bits": the direct forms' values unpacked by shifts and
-    masks (CONFIG bits_*)."""
+    ("gqa-fp8-directRAW-NQ[-causal][-pdl]": "-causal" a speculative step's tokens):
+    none (its caps allow 8 B at 32 columns)."""
     pytest.importorskip("triton.experimental.gluon")
     env = dict(os.environ, TRITON_INTERPRET="0", PYTHONPATH=f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
     done = subprocess.run([sys.executable, __file__, name], env=env, cwd=ROOT,
@@ -154,10 +146,6 @@ def test_gluon_decode_kernel_builds_for_sm90(name, spill_cap):
     assert got["setmaxnreg"] and got["wgmma"]
     # programmatic dependent launch ("-pdl"): the kernel waits for the one before it
     assert got["gdc"] == name.endswith("-pdl")
-    # "-bits": the direct forms with fp8 score MMAs keep only the query split's e4m3 conversions (16-72 in
-    # these builds); without it the values' unpack adds 128 (32 a 64 x 128 box, four boxes)
-    if "direct" in name and (name.startswith("gqa") or "s-" in name + "-"):
-        assert (got["e4m3_cvt"] < 100) == ("-bits" in name), got["e4m3_cvt"]
 
 
 @pytest.mark.parametrize("keys,ring,raw,fits", [(64, 1, 1, True), (64, 1, 2, True), (64, 2, 1, False),

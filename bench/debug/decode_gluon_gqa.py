@@ -7,9 +7,7 @@ unheld slot, and NaN scales there over fp8; a bad block id), then whole calls ti
 Triton kernel also with its whole tiles unmasked (CONFIG even / even_fp8). DGQA_SET=fp8-even times
 only the fp8 Triton kernel's forms with whole tiles unmasked (`fp8_even`) at B = 32; DGQA_SET=fp8 the fp8
 rows only (the Triton kernel, the converter's Gluon form and the direct one with 8 / 10 / 12 raw stages);
-DGQA_SET=mtp a speculative step's DGQA_TQ (2) tokens at 1/4 of 32K, the Triton kernel against the direct one;
-DGQA_SET=bits the direct form with its values unpacked by F2FP conversions and by shifts and masks
-(CONFIG bits_gluon_gqa_fp8) at 8K / 32K / 128K.
+DGQA_SET=mtp a speculative step's DGQA_TQ (2) tokens at 1/4 of 32K, the Triton kernel against the direct one.
 
     python bench/debug/decode_gluon_gqa.py OUT.json        # on the GPU
 """
@@ -89,7 +87,7 @@ def main(path: str) -> None:
     ctx = BenchContext("cp", torch.device("cuda"))
     rows: list = []
     saved = dict(triton_decode.CONFIG)
-    for dtype in ((torch.float8_e4m3fn, ) if os.environ.get("DGQA_SET") in ("fp8", "bits") else (torch.bfloat16,
+    for dtype in ((torch.float8_e4m3fn, ) if os.environ.get("DGQA_SET") == "fp8" else (torch.bfloat16,
                                                                                         torch.float8_e4m3fn)):
         try:
             _check(rows, dtype)
@@ -120,10 +118,6 @@ def main(path: str) -> None:
     if os.environ.get("DGQA_SET") == "mtp":          # (a speculative step's 2 and 4 tokens, fp8, at 32K)
         sets = ((torch.float8_e4m3fn, 32768, 32, only(fp8, "triton", "direct10")), )
         tq = int(os.environ.get("DGQA_TQ", "2"))
-    if os.environ.get("DGQA_SET") == "bits":         # (the direct form's values unpacked by shifts and masks)
-        bits = {"triton": fp8["triton"], "direct10": fp8["direct10"],
-                "direct10 bits": dict(fp8["direct10"], bits_gluon_gqa_fp8=1)}
-        sets = tuple((torch.float8_e4m3fn, n, 32, bits) for n in (8192, 32768, 131072))
     if os.environ.get("DGQA_SET") == "fp8-even":     # (the 2026-12-04 13:35 run: decode-gluon-gqa13-h200.json)
         sets = ((torch.float8_e4m3fn, 8192, 32, fp8_even), (torch.float8_e4m3fn, 32768, 32, fp8_even),
                 (torch.float8_e4m3fn, 131072, 32, fp8_even))

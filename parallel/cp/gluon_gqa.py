@@ -452,8 +452,7 @@ if HAS_GLUON:
 
 
 if HAS_GLUON:
-    from .gluon_mla_narrow import (_BITS_FACTOR, LBOX, _fp8_pairs, _query_split, _scores_box8, _store_half,
-                                   _zero_tail)
+    from .gluon_mla_narrow import LBOX, _fp8_pairs, _query_split, _scores_box8, _store_half, _zero_tail
     from .triton_common import global_pos as _global_pos
 
     DIRECT_REGS = gl.constexpr(128)     # registers a thread of the direct kernel's value warpgroup
@@ -629,16 +628,15 @@ if HAS_GLUON:
         return ks, vs
 
     @gluon.jit
-    def _value_operands(box, a_l: gl.constexpr, i16: gl.constexpr, BITS: gl.constexpr):
+    def _value_operands(box, a_l: gl.constexpr, i16: gl.constexpr):
         """A raw value box [64 keys, 128 dims] read transposed (16-bit ldmatrix .trans: 64 dim pairs x 64
-        keys), each pair split into its even and its odd dim: the two A operands, fp16 (exact; BITS: times
-        2^-8, `gluon_mla_narrow.FP8_BITS_UNPACK`)."""
-        return _fp8_pairs(box._reinterpret(gl.int16, [BLOCK, LBOX // 2], i16).permute((1, 0)).load(a_l), BITS)
+        keys), each pair split into its even and its odd dim: the two A operands, fp16 (exact)."""
+        return _fp8_pairs(box._reinterpret(gl.int16, [BLOCK, LBOX // 2], i16).permute((1, 0)).load(a_l))
 
     @gluon.jit
     def _direct_values(v_smem, p_smem, a_smem, raw_free, p_ready, p_free, glens_ptr, o_ptr, s, kvh, split,
                        split_len, dcp_size, dcp_rank, interleave, table_w, G, TQ, so_p, so_s, so_t, so_h,
-                       PAGE: gl.constexpr, RAW: gl.constexpr, NQ: gl.constexpr, BITS: gl.constexpr):
+                       PAGE: gl.constexpr, RAW: gl.constexpr, NQ: gl.constexpr):
         """The direct fp8 kernel's value warpgroup: per step of four tiles, once their weights are
         published, O^T = alpha O^T + sum_k Vk^T Pk^T with each value box read from the raw bytes
         (`_value_operands`: one accumulator of the even dims, one of the odd), then its hold on the
@@ -658,21 +656,21 @@ if HAS_GLUON:
             pb = i % 2
             mbarrier.wait(p_ready.index(pb), (i // 2) & 1)
             alpha = a_smem.index(pb).load(q_l)
-            e0, o0 = _value_operands(v_smem.index(t % RAW), a_l, i16, BITS)
+            e0, o0 = _value_operands(v_smem.index(t % RAW), a_l, i16)
             pt = p_smem.index(4 * pb).permute((1, 0))
             even = warpgroup_mma(e0, pt, even * alpha[None, :], is_async=True)
             odd = warpgroup_mma(o0, pt, odd * alpha[None, :], is_async=True)
-            e1, o1 = _value_operands(v_smem.index((t + 1) % RAW), a_l, i16, BITS)
+            e1, o1 = _value_operands(v_smem.index((t + 1) % RAW), a_l, i16)
             pt = p_smem.index(4 * pb + 1).permute((1, 0))
             even = warpgroup_mma(e1, pt, even, is_async=True)
             odd = warpgroup_mma(o1, pt, odd, is_async=True)
             even, odd = warpgroup_mma_wait(num_outstanding=2, deps=(even, odd))
-            e2, o2 = _value_operands(v_smem.index((t + 2) % RAW), a_l, i16, BITS)
+            e2, o2 = _value_operands(v_smem.index((t + 2) % RAW), a_l, i16)
             pt = p_smem.index(4 * pb + 2).permute((1, 0))
             even = warpgroup_mma(e2, pt, even, is_async=True)
             odd = warpgroup_mma(o2, pt, odd, is_async=True)
             even, odd = warpgroup_mma_wait(num_outstanding=2, deps=(even, odd))
-            e3, o3 = _value_operands(v_smem.index((t + 3) % RAW), a_l, i16, BITS)
+            e3, o3 = _value_operands(v_smem.index((t + 3) % RAW), a_l, i16)
             pt = p_smem.index(4 * pb + 3).permute((1, 0))
             even = warpgroup_mma(e3, pt, even, is_async=True)
             odd = warpgroup_mma(o3, pt, odd, is_async=True)
@@ -682,8 +680,6 @@ if HAS_GLUON:
                 mbarrier.arrive(raw_free.index((t + k) % RAW), pred=t + k < tiles)
         mbarrier.wait(p_ready.index(steps % 2), (steps // 2) & 1)
         factor = a_smem.index(steps % 2).load(q_l)
-        if BITS:
-            factor = factor * _BITS_FACTOR
         cols = gl.arange(0, NQ, layout=q_l)
         rows = gl.arange(0, BLOCK, layout=key_l)
         o_q = (split.to(gl.int64) * so_p + s.to(gl.int64) * so_s + (cols // G).to(gl.int64) * so_t
@@ -716,8 +712,7 @@ if HAS_GLUON:
                                   qk_scale, split_len, G, KV_HEADS, TQ, dcp_size, dcp_rank, interleave, table_w,
                                   num_blocks, st_s, sq_s, sq_t, sq_h, ss_b, ss_t, ss_h, svs_b, svs_t, svs_h,
                                   so_p, so_s, so_t, so_h, sl_p, sl_s, sl_t, PAGE: gl.constexpr, RAW: gl.constexpr,
-                                  NQ: gl.constexpr, CAUSAL: gl.constexpr = False, PDL: gl.constexpr = False,
-                                  BITS: gl.constexpr = False):
+                                  NQ: gl.constexpr, CAUSAL: gl.constexpr = False, PDL: gl.constexpr = False):
         """fp8 cache without a converter: a one-warp TMA loader fills RAW raw stages (a tile's key and
         value boxes); one warpgroup computes the scores as fp8 MMAs straight from the raw keys
         (`_direct_scores`), the other reads the raw values into its MMA's A operand (`_direct_values`),
@@ -748,7 +743,7 @@ if HAS_GLUON:
                               ss_b, ss_t, ss_h, svs_b, svs_t, svs_h, sl_p, sl_s, sl_t, PAGE, RAW, NQ, CAUSAL)),
             (_direct_values, (v_smem, p_smem, a_smem, raw_free, p_ready, p_free, glens_ptr, o_ptr, s, kvh, split,
                               split_len, dcp_size, dcp_rank, interleave, table_w, G, TQ, so_p, so_s, so_t, so_h,
-                              PAGE, RAW, NQ, BITS)),
+                              PAGE, RAW, NQ)),
             (_direct_loader, (k_desc, v_desc, table_ptr, glens_ptr, k_smem, v_smem, raw_ready, raw_free, s, kvh,
                               split, split_len, dcp_size, dcp_rank, interleave, table_w, num_blocks, st_s, PAGE,
                               RAW)),
@@ -800,14 +795,13 @@ def launch_gluon_gqa(q: Tensor, k: Tensor, v: Tensor, table: Tensor, seq_lens: T
                      scale_log2: float, splits: int, split_len: int, dcp_size: int, dcp_rank: int, interleave: int,
                      k_scale: Tensor | None = None, v_scale: Tensor | None = None, stages: int = 3,
                      raw_stages: int = 6, fp16_stages: int = 2, swap: bool = False, direct: int = 0,
-                     pdl: bool = False, bits: bool = False) -> None:
+                     pdl: bool = False) -> None:
     """Fill the split partials o [splits, S, 1, Hq, 128] / lse [splits, S, 1, Hq] (`gluon_gqa_ok`).
     stages: the bf16 ring's (32 KB each, at most 6); over fp8, raw_stages: the raw ring's (16 KB
     each) and fp16_stages: the 16-bit ring after the converter (2 or 4), both cut to what shared
     memory holds beside the compiler's scratch. swap: the consumer with swapped operands. direct:
     over fp8, the direct kernel (no converter) with this many raw stages, cut to `direct_stages`
-    (where none apply, more than 32 query heads a kv head: the converter's form); `bits`: its values'
-    bytes unpacked by shifts and masks (`gluon_mla_narrow.FP8_BITS_UNPACK`). pdl: launched with
+    (where none apply, more than 32 query heads a kv head: the converter's form). pdl: launched with
     programmatic dependent launch (`triton_merge.pdl_ok`)."""
     s, tq, hq, d = q.shape
     nb, page, hkv = k.shape[0], k.shape[1], k.shape[2]
@@ -828,8 +822,8 @@ def launch_gluon_gqa(q: Tensor, k: Tensor, v: Tensor, table: Tensor, seq_lens: T
             q, k_desc, v_desc, k_scale, v_scale, table, seq_lens, o, lse, scale_log2, split_len, hq // hkv, hkv, tq,
             dcp_size, dcp_rank, interleave, table.shape[1], nb, table.stride(0), q.stride(0), q.stride(1),
             q.stride(2), *k_scale.stride(), *v_scale.stride(), o.stride(0), o.stride(1), o.stride(2), o.stride(3),
-            lse.stride(0), lse.stride(1), lse.stride(2), PAGE=page, RAW=direct, NQ=nq, CAUSAL=tq > 1,
-            BITS=bool(bits), num_warps=4, **launch)
+            lse.stride(0), lse.stride(1), lse.stride(2), PAGE=page, RAW=direct, NQ=nq, CAUSAL=tq > 1, num_warps=4,
+            **launch)
         return
     box = gl.NVMMASharedLayout.get_default_for([_BLOCK, _BLOCK], gl.float8e4nv if fp8 else gl.bfloat16)
     # [blocks * page, kv heads * 128]: a tile of kv head h is the boxes at columns h * 128 + 0 / 64

@@ -55,19 +55,6 @@ _LBOX, _LBOXES = 128, 4     # the direct fp8 kernel's latent boxes: 128 dims (12
 _DIRECT_STAGE = _LBOXES * _BLOCK * _LBOX + _BLOCK * _BLOCK + 4 * _BLOCK    # a raw stage: latent, rope, scales
 
 
-# e4m3 -> fp16 by bits (`_fp8_pairs` BITS): an e4m3 byte s.eeee.mmm placed as the fp16 halfword
-# s.0eeee.mmm0000000 is its value times 2^-8 exactly, subnormals included (both formats' subnormal
-# steps line up: 2^-9 -> 2^-17), so no conversion instruction is needed: the bytes of 32 bits
-# [odd k1, even k1, odd k0, even k0] give the odd pair in place (the high byte of each half) and the
-# even pair after a shift by 8. Hopper's F2FP conversions issue at a fraction of the rate of shifts and
-# logic ops. e4m3's NaN byte (s.1111.111) comes out finite (+-1.875); the caller multiplies the
-# result by 2^8 where it is exact (an fp32 accumulator or factor)
-FP8_BITS_UNPACK = ("{ .reg .b32 t0, t1, t2, t3; shl.b32 t0, $2, 8; shl.b32 t1, $2, 7; shr.b32 t2, $2, 1; "
-                   "and.b32 t0, t0, 0x80008000; and.b32 t1, t1, 0x3F803F80; or.b32 $0, t0, t1; "
-                   "and.b32 t3, $2, 0x80008000; and.b32 t2, t2, 0x3F803F80; or.b32 $1, t3, t2; }")
-BITS_FACTOR = 256.0     # what undoes FP8_BITS_UNPACK's 2^-8
-
-
 def columns(heads: int) -> int:
     """NQ: the heads rounded up to a power of two, at least 8 (wgmma's N)."""
     return max(8, 1 << (heads - 1).bit_length())
@@ -310,18 +297,12 @@ if HAS_GLUON:
     LBOX = gl.constexpr(128)       # the direct kernel: fp8 dims of a latent box (128-byte rows)
     LBOXES = gl.constexpr(4)       # latent boxes of a key tile (4 x 128 = 512)
     REGS_VALUES = gl.constexpr(232)     # registers a thread of the direct kernel's value warpgroup
-    _BITS_ASM = gl.constexpr(FP8_BITS_UNPACK)
-    _BITS_FACTOR = gl.constexpr(BITS_FACTOR)
 
     @gluon.jit
-    def _fp8_pairs(x, BITS: gl.constexpr = False):
+    def _fp8_pairs(x):
         """int16 elements holding two e4m3 values each (the low byte: the even dim) -> (the even values,
-        the odd values) as fp16 (exact), in x's layout (the values' A operand, whose register pairs are
-        two keys of one dim): two conversions and two byte permutes a pair of elements; or BITS, the
-        values times 2^-8 by shifts and masks alone (`FP8_BITS_UNPACK`)."""
-        if BITS:
-            return gl.inline_asm_elementwise(_BITS_ASM, "=r,=r,r", [x], dtype=(gl.float16, gl.float16),
-                                             is_pure=True, pack=2)
+        the odd values) as fp16 (exact), in x's layout: two conversions and two byte permutes a pair
+        of elements (the values' A operand, whose register pairs are two keys of one dim)."""
         return gl.inline_asm_elementwise(
             "{ .reg .b16 a0, a1; .reg .b32 t0, t1; mov.b32 {a0, a1}, $2; cvt.rn.f16x2.e4m3x2 t0, a0; "
             "cvt.rn.f16x2.e4m3x2 t1, a1; prmt.b32 $0, t0, t1, 0x5410; prmt.b32 $1, t0, t1, 0x7632; }",
@@ -359,13 +340,12 @@ if HAS_GLUON:
         return warpgroup_mma(box, q8.index(first + 1).permute((1, 0)), acc, is_async=True)
 
     @gluon.jit
-    def _values_box(box, pt, o_even, o_odd, alpha, a_l: gl.constexpr, i16: gl.constexpr, BITS: gl.constexpr):
+    def _values_box(box, pt, o_even, o_odd, alpha, a_l: gl.constexpr, i16: gl.constexpr):
         """The two accumulators of a latent box's 128 value dims (its 64 even dims, its 64 odd dims),
         rescaled per column by alpha, plus V^T P^T: the box read transposed as 64 dim pairs x 64 keys
-        (16-bit ldmatrix .trans over the raw bytes), split into the even and the odd dims in registers
-        (`_fp8_pairs`: BITS, the values times 2^-8)."""
+        (16-bit ldmatrix .trans over the raw bytes), split into the even and the odd dims in registers."""
         y = box._reinterpret(gl.int16, [BLOCK, LBOX // 2], i16).permute((1, 0)).load(a_l)
-        even, odd = _fp8_pairs(y, BITS)
+        even, odd = _fp8_pairs(y)
         o_even = warpgroup_mma(even, pt, o_even * alpha[None, :], is_async=True)
         o_odd = warpgroup_mma(odd, pt, o_odd * alpha[None, :], is_async=True)
         return o_even, o_odd
@@ -539,7 +519,7 @@ if HAS_GLUON:
     @gluon.jit
     def _direct_values(kl_smem, p_smem, a_smem, raw_free, p_ready, p_free, glens_ptr, o_ptr, s, split, split_len,
                        dcp_size, dcp_rank, interleave, table_w, so_p, so_s, so_t, so_h, HQ, TQ, PAGE: gl.constexpr,
-                       RAW: gl.constexpr, NQ: gl.constexpr, BITS: gl.constexpr):
+                       RAW: gl.constexpr, NQ: gl.constexpr):
         """The direct fp8 kernel's value warpgroup: per tile, once its weights are published, O^T += V^T
         P^T with the A operand converted in registers from the raw bytes (each accumulator one parity
         of a latent box's dims), its hold on the raw stage and the weights then released; at the end the
@@ -567,19 +547,17 @@ if HAS_GLUON:
             alpha = a_smem.index(pb).load(q_l)
             pt = p_smem.index(pb).permute((1, 0))
             first = rs * LBOXES
-            e0, d0 = _values_box(kl_smem.index(first), pt, e0, d0, alpha, a_l, i16, BITS)
-            e1, d1 = _values_box(kl_smem.index(first + 1), pt, e1, d1, alpha, a_l, i16, BITS)
+            e0, d0 = _values_box(kl_smem.index(first), pt, e0, d0, alpha, a_l, i16)
+            e1, d1 = _values_box(kl_smem.index(first + 1), pt, e1, d1, alpha, a_l, i16)
             e0, d0 = warpgroup_mma_wait(num_outstanding=2, deps=(e0, d0))
-            e2, d2 = _values_box(kl_smem.index(first + 2), pt, e2, d2, alpha, a_l, i16, BITS)
+            e2, d2 = _values_box(kl_smem.index(first + 2), pt, e2, d2, alpha, a_l, i16)
             e1, d1 = warpgroup_mma_wait(num_outstanding=2, deps=(e1, d1))
-            e3, d3 = _values_box(kl_smem.index(first + 3), pt, e3, d3, alpha, a_l, i16, BITS)
+            e3, d3 = _values_box(kl_smem.index(first + 3), pt, e3, d3, alpha, a_l, i16)
             e2, d2, e3, d3 = warpgroup_mma_wait(num_outstanding=0, deps=(e2, d2, e3, d3))
             mbarrier.arrive(p_free.index(pb))
             mbarrier.arrive(raw_free.index(rs))
         mbarrier.wait(p_ready.index(tiles % 2), (tiles // 2) & 1)
         factor = a_smem.index(tiles % 2).load(q_l)
-        if BITS:
-            factor = factor * _BITS_FACTOR
         cols = gl.arange(0, NQ, layout=q_l)
         rows = gl.arange(0, BLOCK, layout=key_l)
         mine = cols < TQ * HQ
@@ -623,7 +601,7 @@ if HAS_GLUON:
                                   split_len, HQ, TQ, dcp_size, dcp_rank, interleave, table_w, num_blocks, st_s,
                                   so_p, so_s, so_t, so_h, sl_p, sl_s, sl_t, PAGE: gl.constexpr, NQ: gl.constexpr,
                                   RAW: gl.constexpr, CAUSAL: gl.constexpr = False, F8: gl.constexpr = False,
-                                  PDL: gl.constexpr = False, BITS: gl.constexpr = False):
+                                  PDL: gl.constexpr = False):
         """fp8 latent cache without a converter: a one-warp TMA loader fills RAW raw stages; one warpgroup
         reads each tile's bytes straight into the scores' A operands (`_direct_scores`), the other into
         the values' (`_direct_values`) one tile behind, through a double buffer of the weights."""
@@ -666,7 +644,7 @@ if HAS_GLUON:
                               HQ, TQ, PAGE, RAW, NQ, CAUSAL, F8)),
             (_direct_values, (kl_smem, p_smem, a_smem, raw_free, p_ready, p_free, glens_ptr, o_ptr, s, split,
                               split_len, dcp_size, dcp_rank, interleave, table_w, so_p, so_s, so_t, so_h, HQ, TQ,
-                              PAGE, RAW, NQ, BITS)),
+                              PAGE, RAW, NQ)),
             (_direct_loader, (kl_desc, kr_desc, ks_desc, table_ptr, glens_ptr, kl_smem, kr_smem, ks_smem,
                               raw_ready, raw_free, s, split, split_len, dcp_size, dcp_rank, interleave, table_w,
                               num_blocks, st_s, PAGE, RAW)),
@@ -675,14 +653,14 @@ if HAS_GLUON:
 def launch(q: Tensor, k: Tensor, table: Tensor, seq_lens: Tensor, o: Tensor, lse: Tensor, scale_log2: float,
            splits: int, split_len: int, dcp_size: int, dcp_rank: int, interleave: int,
            k_scale: Tensor | None = None, ring: int = 2, raw: int = 1, rope_raw: bool = False,
-           direct: bool = False, fp8_scores: bool = False, pdl: bool = False, bits: bool = False) -> None:
+           direct: bool = False, fp8_scores: bool = False, pdl: bool = False) -> None:
     """Fill the split partials o [splits, S, Tq, Hq, 512] / lse [splits, S, Tq, Hq] of queries q [S, Tq,
     Hq, 576] (`gluon_mla.gluon_mla_ok` and `narrow_ok` of Tq x Hq columns hold; Tq > 1: causal within
     the step's tokens); over fp8 `ring` fp16 and `raw` raw stages of 64 keys (`fp8_fits`), the rope
     box's scores from the raw stage with `rope_raw` (the fp16 stages then hold 512 dims), or with
     `direct` no converter and `raw` raw stages only (`direct_fits`; `fp8_scores`: the scores as fp8
-    MMAs against the queries' e4m3 hi + lo parts; `bits`: its values' bytes unpacked by shifts and masks,
-    `FP8_BITS_UNPACK`; pdl: launched with programmatic dependent launch, `triton_merge.pdl_ok`)."""
+    MMAs against the queries' e4m3 hi + lo parts; pdl: launched with programmatic dependent launch,
+    `triton_merge.pdl_ok`)."""
     s, tq, hq, d = q.shape
     nb, page = k.shape[0], k.shape[1]
     nq = columns(tq * hq)
@@ -707,7 +685,7 @@ def launch(q: Tensor, k: Tensor, table: Tensor, seq_lens: Tensor, o: Tensor, lse
         _mla_narrow_direct_kernel[(s, splits)](
             q, kl_desc, kr_desc, ks_desc, table, seq_lens, o, lse, scale_log2, split_len, hq, tq, dcp_size, dcp_rank,
             interleave, table.shape[1], nb, table.stride(0), *tail, PAGE=page, NQ=nq, RAW=raw, CAUSAL=tq > 1,
-            F8=bool(fp8_scores), BITS=bool(bits), num_warps=4, **launch)
+            F8=bool(fp8_scores), num_warps=4, **launch)
         return
     if fp8:
         raw_box = gl.NVMMASharedLayout.get_default_for([_BLOCK, _BLOCK], gl.float8e4nv)
