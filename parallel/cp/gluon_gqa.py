@@ -452,7 +452,8 @@ if HAS_GLUON:
 
 
 if HAS_GLUON:
-    from .gluon_mla_narrow import LBOX, _fp8_pairs, _query_split, _scores_box8, _store_half, _zero_tail
+    from .gluon_mla_narrow import (LBOX, _fold_parts, _fp8_pairs, _query_split, _scores_box8, _store_half,
+                                   _zero_tail)
     from .triton_common import global_pos as _global_pos
 
     DIRECT_REGS = gl.constexpr(128)     # registers a thread of the direct kernel's value warpgroup
@@ -518,7 +519,7 @@ if HAS_GLUON:
                        CAUSAL: gl.constexpr):
         """A tile's raw scores times its keys' scales and the queries' factors, -inf past the end (and,
         CAUSAL, where a key's global position lies past the column's token, q_pos)."""
-        x = gl.convert_layout(sc, mma) * ks[:, None] * qk_q[None, :]        # (the same registers)
+        x = gl.convert_layout(_fold_parts(sc, qk_q.shape[0]), mma) * ks[:, None] * qk_q[None, :]   # (the same registers)
         live = (j0 + keys < end)[:, None]
         if CAUSAL:
             live = live & (_global_pos(j0 + keys, dcp_size, dcp_rank, interleave)[:, None] <= q_pos[None, :])
@@ -539,7 +540,8 @@ if HAS_GLUON:
         scores are masked and their value stages zeroed (the value warpgroup reads them), which with
         RAW >= 8 nothing else uses then."""
         mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, NQ, 16])
-        mma8: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, NQ, 32])
+        mma8: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, 2 * NQ, 32])    # (hi and lo parts)
         key_l: gl.constexpr = gl.SliceLayout(1, mma)
         q_l: gl.constexpr = gl.SliceLayout(0, mma)
         keys = gl.arange(0, BLOCK, layout=key_l)

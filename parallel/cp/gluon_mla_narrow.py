@@ -333,11 +333,20 @@ if HAS_GLUON:
     @gluon.jit
     def _scores_box8(box, q8, first, mma: gl.constexpr, NQ: gl.constexpr):
         """A raw fp8 box's keys [64, W] against the queries' W dims as e4m3 hi and lo parts (q8[first],
-        q8[first + 1], [NQ, W]): two fp8 MMAs with both operands in shared memory, into an accumulator of
-        the box's own (summed with the other boxes' in fp32: no fp8 accumulation longer than 128 dims)."""
-        acc = warpgroup_mma(box, q8.index(first).permute((1, 0)), gl.zeros([BLOCK, NQ], gl.float32, mma),
-                            is_async=True)
-        return warpgroup_mma(box, q8.index(first + 1).permute((1, 0)), acc, is_async=True)
+        q8[first + 1], [NQ, W] each, adjacent: read as one [2 NQ, W] operand): one fp8 MMA of 2 NQ columns
+        with both operands in shared memory (the box read once), into an accumulator of the box's own (mma:
+        2 NQ columns; summed with the other boxes' in fp32, no fp8 accumulation longer than 128 dims; its
+        hi and lo halves added by `_fold_parts`)."""
+        W: gl.constexpr = box.shape[1]
+        q2 = q8._reinterpret(gl.float8e4nv, [q8.shape[0] // 2, 2 * NQ, W], q8.layout).index(first // 2)
+        return warpgroup_mma(box, q2.permute((1, 0)), gl.zeros([BLOCK, 2 * NQ], gl.float32, mma), is_async=True)
+
+    @gluon.jit
+    def _fold_parts(acc, NQ: gl.constexpr):
+        """[64, 2 NQ] scores against the queries' hi parts (columns < NQ) and lo parts -> their sum [64, NQ]
+        (each thread holds column c and c + NQ: no data moves)."""
+        hi, lo = gl.split(acc.reshape([acc.shape[0], 2, NQ]).permute((0, 2, 1)))
+        return hi + lo
 
     @gluon.jit
     def _values_box(box, pt, o_even, o_odd, alpha, a_l: gl.constexpr, i16: gl.constexpr):
@@ -444,7 +453,8 @@ if HAS_GLUON:
         fp8: scales, a running per-column unit), the weights P^T and the rescale alpha published in a
         double buffer for the second warpgroup; at the end the lse, and the output's factor to it."""
         mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, NQ, 16])
-        mma8: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, NQ, 32])
+        mma8: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, 2 * NQ, 32])    # (hi and lo parts)
         key_l: gl.constexpr = gl.SliceLayout(1, mma)
         q_l: gl.constexpr = gl.SliceLayout(0, mma)
         a_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
@@ -478,7 +488,7 @@ if HAS_GLUON:
                 s3 = _scores_box8(kl_smem.index(rs * LBOXES + 3), ql_smem, 6, mma8, NQ)
                 s4 = _scores_box8(kr_smem.index(rs), qr_smem, 0, mma8, NQ)
                 s0, s1, s2, s3, s4 = warpgroup_mma_wait(num_outstanding=0, deps=(s0, s1, s2, s3, s4))
-                sc = gl.convert_layout((s0 + s1) + (s2 + s3) + s4, mma)      # (the same registers)
+                sc = gl.convert_layout(_fold_parts((s0 + s1) + (s2 + s3) + s4, NQ), mma)   # (the same registers)
             else:
                 sc = gl.zeros([BLOCK, NQ], gl.float32, mma)
                 sc = _scores_box(kl_smem.index(rs * LBOXES), ql_smem.index(0), sc, a_l, i16)
