@@ -774,6 +774,9 @@ def test_gluon_mla_narrow_swapped_on_gpu(dtype, size, rank, heads, tq, monkeypat
             other = run(cache, table)
             torch.testing.assert_close(other.out, got.out, atol=0, rtol=0)
             torch.testing.assert_close(other.lse, got.lse, atol=0, rtol=0)
+            # the next tile's score MMAs issued before this tile's softmax (CONFIG pipe_wide_narrow_fp8; with
+            # fp8 scores, at least 2 raw stages, at most 16 columns) or after it: the same MMAs and sums
+            _same_when_flipped(monkeypatch, td, "pipe_wide_narrow_fp8", lambda: run(cache, table), got)
         monkeypatch.setitem(td.CONFIG, "direct_wide_narrow_fp8", direct)
         forms = {f8: got}
         if applies:
@@ -867,6 +870,17 @@ def test_fp8_query_parts_hold_bf16_queries():
     err = (hi + lo - xs).abs()
     assert (err[xs.abs() >= 8] == 0).all()
     assert err.max() <= 2 ** -10 and err.max() > 0        # (the bound is reached: subnormal parts round)
+
+
+def _same_when_flipped(monkeypatch, td, key, call, got):
+    """The call with the 0 / 1 CONFIG entry `key` flipped gives got exactly (a structure option that
+    changes when work is issued, not what is computed). Restores the entry."""
+    was = td.CONFIG[key]
+    monkeypatch.setitem(td.CONFIG, key, 1 - was)
+    other = call()
+    monkeypatch.setitem(td.CONFIG, key, was)
+    torch.testing.assert_close(other.out, got.out, atol=0, rtol=0, equal_nan=True)
+    torch.testing.assert_close(other.lse, got.lse, atol=0, rtol=0, equal_nan=True)
 
 
 def test_direct_narrow_mla_fp8_stages_fit_shared_memory():
@@ -1106,6 +1120,11 @@ def test_gluon_gqa_kernel_on_gpu(dtype, size, rank, hq, hkv, monkeypatch):
         # (the direct form's scores see the queries as two e4m3 parts, ~8 significant bits: a bf16 query's)
         torch.testing.assert_close(got.out, plain.out, atol=4e-3 if ran_direct else 2e-3, rtol=0)
         torch.testing.assert_close(got.lse, plain.lse, atol=4e-3 if ran_direct else 1e-4, rtol=0)
+        if ran_direct:      # the next step's score MMAs issued before this step's softmax (CONFIG
+            # pipe_gluon_gqa_fp8, at most 16 columns) or after it: the same MMAs and sums
+            _same_when_flipped(monkeypatch, td, "pipe_gluon_gqa_fp8", lambda: run(cache, table), got)
+            used.clear()
+            direct_used.clear()
     bad = table.clone()
     bad[5, 0] = cache.k.shape[0] + 7
     _nan_row_5_only(paged_decode_attention(q, cache, bad, seq, layout=layout, scale=0.088, backend="triton",

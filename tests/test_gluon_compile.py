@@ -34,7 +34,8 @@ def _build(name: str) -> dict:
     from parallel.cp import gluon_gqa, gluon_mla, gluon_mla_narrow
 
     pdl = name.endswith("-pdl")         # ("-pdl": launched with programmatic dependent launch)
-    family, dtype, *more = name.removesuffix("-pdl").split("-")
+    pipe = "-pipe" in name              # ("-pipe": the narrow direct kernel's next score MMAs issued early)
+    family, dtype, *more = name.removesuffix("-pdl").replace("-pipe", "").split("-")
     nq = 8 if more == ["swap"] else 0
     fp8 = dtype == "fp8"
     ptrs = {"table_ptr": "*i32", "glens_ptr": "*i64", "o_ptr": "*fp32", "lse_ptr": "*fp32", "qk_scale": "fp32"}
@@ -91,6 +92,8 @@ def _build(name: str) -> dict:
         ptrs.update(q_desc=desc, k_desc=desc, k_ptr="*bf16")
     if "PDL" in kernel.arg_names:      # (a constexpr: left out, it would build as a run-time argument)
         consts["PDL"] = pdl
+    if "PIPE" in kernel.arg_names:
+        consts["PIPE"] = pipe
     names = kernel.arg_names
     sig = {n: ptrs.get(n, "constexpr" if n in consts else "i32") for n in names}
     # as Triton's launcher specializes them at run time: pointers divisible by 16
@@ -122,7 +125,11 @@ def _build(name: str) -> dict:
     # launched with programmatic dependent launch: the wait is in the build
     ("mlan-fp8-16-direct5s-pdl", 0), ("gqa-fp8-direct10-8-pdl", 0),
     ("gqa-bf16-pdl", 0), ("gqa-fp8-pdl", 0), ("mla-bf16-pdl", 512), ("mla-fp8-k32r2raw2-pdl", 1024),
-    ("mlan-bf16-16-pdl", 0), ("mlan-fp8-16-r2raw2rope-pdl", 0)])
+    ("mlan-bf16-16-pdl", 0), ("mlan-fp8-16-r2raw2rope-pdl", 0),
+    # the narrow direct kernel with the next tile's score MMAs issued before the softmax
+    # (at most 16 columns: at 32 the kernel keeps the unpipelined form, whose two tiles' accumulators spilled)
+    ("mlan-fp8-16-direct3s-pipe-pdl", 0), ("mlan-fp8-8-direct3s-pipe", 0), ("mlan-fp8-32-direct4s-causal-pipe", 64),
+    ("gqa-fp8-direct8-8-pipe-pdl", 0), ("gqa-fp8-direct8-16-pipe", 0)])
 def test_gluon_decode_kernel_builds_for_sm90(name, spill_cap):
     """spill_cap: the committed MLA builds spill 12 B (bf16: the loader's masked tail tile) and 388-516 B
     (fp8: warpgroup 1's accumulators and the converter's loads), built with the launcher's 16-byte

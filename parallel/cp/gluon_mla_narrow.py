@@ -342,6 +342,17 @@ if HAS_GLUON:
         return warpgroup_mma(box, q2.permute((1, 0)), gl.zeros([BLOCK, 2 * NQ], gl.float32, mma), is_async=True)
 
     @gluon.jit
+    def _scores_tile8(kl_smem, kr_smem, ql_smem, qr_smem, rs, mma8: gl.constexpr, NQ: gl.constexpr):
+        """Raw stage rs's score MMAs against the queries' e4m3 parts (`_scores_box8`): four latent boxes and
+        the rope box, five accumulators of 2 NQ columns, issued asynchronously."""
+        s0 = _scores_box8(kl_smem.index(rs * LBOXES), ql_smem, 0, mma8, NQ)
+        s1 = _scores_box8(kl_smem.index(rs * LBOXES + 1), ql_smem, 2, mma8, NQ)
+        s2 = _scores_box8(kl_smem.index(rs * LBOXES + 2), ql_smem, 4, mma8, NQ)
+        s3 = _scores_box8(kl_smem.index(rs * LBOXES + 3), ql_smem, 6, mma8, NQ)
+        s4 = _scores_box8(kr_smem.index(rs), qr_smem, 0, mma8, NQ)
+        return s0, s1, s2, s3, s4
+
+    @gluon.jit
     def _fold_parts(acc, NQ: gl.constexpr):
         """[64, 2 NQ] scores against the queries' hi parts (columns < NQ) and lo parts -> their sum [64, NQ]
         (each thread holds column c and c + NQ: no data moves)."""
@@ -447,11 +458,14 @@ if HAS_GLUON:
                        p_ready, p_free, table_ptr, glens_ptr, lse_ptr, s, split, split_len, dcp_size, dcp_rank,
                        interleave, table_w, num_blocks, st_s, qk_scale, sl_p, sl_s, sl_t, HQ, TQ,
                        PAGE: gl.constexpr, RAW: gl.constexpr, NQ: gl.constexpr, CAUSAL: gl.constexpr,
-                       F8: gl.constexpr):
+                       F8: gl.constexpr, PIPE: gl.constexpr = False):
         """The direct fp8 kernel's first warpgroup: the queries, then per raw tile S^T = K Q^T with the A
-        operand converted in registers from the raw bytes, the online softmax (as `_consumer`'s over
-        fp8: scales, a running per-column unit), the weights P^T and the rescale alpha published in a
-        double buffer for the second warpgroup; at the end the lse, and the output's factor to it."""
+        operand converted in registers from the raw bytes (or F8, as fp8 MMAs from shared memory), the
+        online softmax (as `_consumer`'s over fp8: scales, a running per-column unit), the weights P^T and
+        the rescale alpha published in a double buffer for the second warpgroup; at the end the lse, and
+        the output's factor to it. PIPE (F8, RAW >= 2): the next tile's score MMAs are issued before this
+        tile's softmax and run under it (a split's last tile issues them over a stale stage, discarded;
+        NQ <= 16: two tiles' accumulators at 32 columns spill 0.6-0.8 KB)."""
         mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, NQ, 16])
         mma8: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, 2 * NQ, 32])    # (hi and lo parts)
@@ -473,33 +487,45 @@ if HAS_GLUON:
         cols = gl.arange(0, NQ, layout=q_l)
         if CAUSAL:
             q_pos = gl.load(glens_ptr + s).to(gl.int32) - TQ + cols // HQ
+        if PIPE:    # (tile 0's MMAs; over whatever the stage holds where the split has no tile: discarded)
+            mbarrier.wait(raw_ready.index(0), 0, pred=tiles > 0)
+            if (tiles > 0) & (end - start < BLOCK):
+                _zero_tail(kl_smem, 0, end - start)
+            a0, a1, a2, a3, a4 = _scores_tile8(kl_smem, kr_smem, ql_smem, qr_smem, 0, mma8, NQ)
         for t in range(tiles):
             rs = t % RAW
             pb = t % 2
             j0 = start + t * BLOCK
-            mbarrier.wait(raw_ready.index(rs), (t // RAW) & 1)
-            if end - j0 < BLOCK:    # (before the second warpgroup may read the tile: it waits for this P;
-                # fp8 score MMAs, through the async proxy, may still see those rows' old bytes: masked below)
-                _zero_tail(kl_smem, rs * LBOXES, end - j0)
-            if F8:
-                s0 = _scores_box8(kl_smem.index(rs * LBOXES), ql_smem, 0, mma8, NQ)
-                s1 = _scores_box8(kl_smem.index(rs * LBOXES + 1), ql_smem, 2, mma8, NQ)
-                s2 = _scores_box8(kl_smem.index(rs * LBOXES + 2), ql_smem, 4, mma8, NQ)
-                s3 = _scores_box8(kl_smem.index(rs * LBOXES + 3), ql_smem, 6, mma8, NQ)
-                s4 = _scores_box8(kr_smem.index(rs), qr_smem, 0, mma8, NQ)
-                s0, s1, s2, s3, s4 = warpgroup_mma_wait(num_outstanding=0, deps=(s0, s1, s2, s3, s4))
-                sc = gl.convert_layout(_fold_parts((s0 + s1) + (s2 + s3) + s4, NQ), mma)   # (the same registers)
+            if PIPE:        # the next tile's MMAs issued, then this tile's awaited (its five groups)
+                nrs = (t + 1) % RAW
+                more = t + 1 < tiles
+                mbarrier.wait(raw_ready.index(nrs), ((t + 1) // RAW) & 1, pred=more)
+                if more & (end - j0 - BLOCK < BLOCK):
+                    _zero_tail(kl_smem, nrs * LBOXES, end - j0 - BLOCK)
+                n0, n1, n2, n3, n4 = _scores_tile8(kl_smem, kr_smem, ql_smem, qr_smem, nrs, mma8, NQ)
+                a0, a1, a2, a3, a4 = warpgroup_mma_wait(num_outstanding=5, deps=(a0, a1, a2, a3, a4))
+                sc = gl.convert_layout(_fold_parts((a0 + a1) + (a2 + a3) + a4, NQ), mma)
+                a0, a1, a2, a3, a4 = n0, n1, n2, n3, n4
             else:
-                sc = gl.zeros([BLOCK, NQ], gl.float32, mma)
-                sc = _scores_box(kl_smem.index(rs * LBOXES), ql_smem.index(0), sc, a_l, i16)
-                sc = _scores_box(kl_smem.index(rs * LBOXES + 1), ql_smem.index(1), sc, a_l, i16)
-                sc = warpgroup_mma_wait(num_outstanding=1, deps=(sc, ))
-                sc = _scores_box(kl_smem.index(rs * LBOXES + 2), ql_smem.index(2), sc, a_l, i16)
-                sc = warpgroup_mma_wait(num_outstanding=1, deps=(sc, ))
-                sc = _scores_box(kl_smem.index(rs * LBOXES + 3), ql_smem.index(3), sc, a_l, i16)
-                sc = warpgroup_mma_wait(num_outstanding=1, deps=(sc, ))
-                sc = _scores_box(kr_smem.index(rs), qr_smem, sc, a_l, i16r)
-                sc = warpgroup_mma_wait(num_outstanding=0, deps=(sc, ))
+                mbarrier.wait(raw_ready.index(rs), (t // RAW) & 1)
+                if end - j0 < BLOCK:    # (before the second warpgroup may read the tile: it waits for this P;
+                    # fp8 score MMAs, through the async proxy, may still see those rows' old bytes: masked below)
+                    _zero_tail(kl_smem, rs * LBOXES, end - j0)
+                if F8:
+                    s0, s1, s2, s3, s4 = _scores_tile8(kl_smem, kr_smem, ql_smem, qr_smem, rs, mma8, NQ)
+                    s0, s1, s2, s3, s4 = warpgroup_mma_wait(num_outstanding=0, deps=(s0, s1, s2, s3, s4))
+                    sc = gl.convert_layout(_fold_parts((s0 + s1) + (s2 + s3) + s4, NQ), mma)   # (same registers)
+                else:
+                    sc = gl.zeros([BLOCK, NQ], gl.float32, mma)
+                    sc = _scores_box(kl_smem.index(rs * LBOXES), ql_smem.index(0), sc, a_l, i16)
+                    sc = _scores_box(kl_smem.index(rs * LBOXES + 1), ql_smem.index(1), sc, a_l, i16)
+                    sc = warpgroup_mma_wait(num_outstanding=1, deps=(sc, ))
+                    sc = _scores_box(kl_smem.index(rs * LBOXES + 2), ql_smem.index(2), sc, a_l, i16)
+                    sc = warpgroup_mma_wait(num_outstanding=1, deps=(sc, ))
+                    sc = _scores_box(kl_smem.index(rs * LBOXES + 3), ql_smem.index(3), sc, a_l, i16)
+                    sc = warpgroup_mma_wait(num_outstanding=1, deps=(sc, ))
+                    sc = _scores_box(kr_smem.index(rs), qr_smem, sc, a_l, i16r)
+                    sc = warpgroup_mma_wait(num_outstanding=0, deps=(sc, ))
             key_live = j0 + keys < end
             live = key_live[:, None]
             if CAUSAL:
@@ -515,6 +541,8 @@ if HAS_GLUON:
             fence_async_shared()
             gl.thread_barrier()
             mbarrier.arrive(p_ready.index(pb))
+        if PIPE:    # (the discarded MMAs of the tile after the last)
+            a0, a1, a2, a3, a4 = warpgroup_mma_wait(num_outstanding=0, deps=(a0, a1, a2, a3, a4))
         factor, lse = _finish(m_i, gl.sum(l_i, 0), r_i, bad, True)
         mine = cols < TQ * HQ
         tok = (cols // HQ).to(gl.int64)
@@ -611,7 +639,7 @@ if HAS_GLUON:
                                   split_len, HQ, TQ, dcp_size, dcp_rank, interleave, table_w, num_blocks, st_s,
                                   so_p, so_s, so_t, so_h, sl_p, sl_s, sl_t, PAGE: gl.constexpr, NQ: gl.constexpr,
                                   RAW: gl.constexpr, CAUSAL: gl.constexpr = False, F8: gl.constexpr = False,
-                                  PDL: gl.constexpr = False):
+                                  PDL: gl.constexpr = False, PIPE: gl.constexpr = False):
         """fp8 latent cache without a converter: a one-warp TMA loader fills RAW raw stages; one warpgroup
         reads each tile's bytes straight into the scores' A operands (`_direct_scores`), the other into
         the values' (`_direct_values`) one tile behind, through a double buffer of the weights."""
@@ -651,7 +679,7 @@ if HAS_GLUON:
             (_direct_scores, (q_ptr, ql_smem, qr_smem, kl_smem, kr_smem, ks_smem, p_smem, a_smem, raw_ready,
                               raw_free, p_ready, p_free, table_ptr, glens_ptr, lse_ptr, s, split, split_len,
                               dcp_size, dcp_rank, interleave, table_w, num_blocks, st_s, qk_scale, sl_p, sl_s, sl_t,
-                              HQ, TQ, PAGE, RAW, NQ, CAUSAL, F8)),
+                              HQ, TQ, PAGE, RAW, NQ, CAUSAL, F8, PIPE and F8 and RAW >= 2 and NQ <= 16)),
             (_direct_values, (kl_smem, p_smem, a_smem, raw_free, p_ready, p_free, glens_ptr, o_ptr, s, split,
                               split_len, dcp_size, dcp_rank, interleave, table_w, so_p, so_s, so_t, so_h, HQ, TQ,
                               PAGE, RAW, NQ)),
@@ -663,13 +691,15 @@ if HAS_GLUON:
 def launch(q: Tensor, k: Tensor, table: Tensor, seq_lens: Tensor, o: Tensor, lse: Tensor, scale_log2: float,
            splits: int, split_len: int, dcp_size: int, dcp_rank: int, interleave: int,
            k_scale: Tensor | None = None, ring: int = 2, raw: int = 1, rope_raw: bool = False,
-           direct: bool = False, fp8_scores: bool = False, pdl: bool = False) -> None:
+           direct: bool = False, fp8_scores: bool = False, pdl: bool = False, pipe: bool = False) -> None:
     """Fill the split partials o [splits, S, Tq, Hq, 512] / lse [splits, S, Tq, Hq] of queries q [S, Tq,
     Hq, 576] (`gluon_mla.gluon_mla_ok` and `narrow_ok` of Tq x Hq columns hold; Tq > 1: causal within
     the step's tokens); over fp8 `ring` fp16 and `raw` raw stages of 64 keys (`fp8_fits`), the rope
     box's scores from the raw stage with `rope_raw` (the fp16 stages then hold 512 dims), or with
     `direct` no converter and `raw` raw stages only (`direct_fits`; `fp8_scores`: the scores as fp8
-    MMAs against the queries' e4m3 hi + lo parts; pdl: launched with programmatic dependent launch,
+    MMAs against the queries' e4m3 hi + lo parts, `pipe`: the next tile's issued before this tile's softmax
+    (with fp8_scores, at least two raw stages and at most 16 columns: two tiles' score accumulators at 32
+    spill); pdl: launched with programmatic dependent launch,
     `triton_merge.pdl_ok`)."""
     s, tq, hq, d = q.shape
     nb, page = k.shape[0], k.shape[1]
@@ -695,7 +725,7 @@ def launch(q: Tensor, k: Tensor, table: Tensor, seq_lens: Tensor, o: Tensor, lse
         _mla_narrow_direct_kernel[(s, splits)](
             q, kl_desc, kr_desc, ks_desc, table, seq_lens, o, lse, scale_log2, split_len, hq, tq, dcp_size, dcp_rank,
             interleave, table.shape[1], nb, table.stride(0), *tail, PAGE=page, NQ=nq, RAW=raw, CAUSAL=tq > 1,
-            F8=bool(fp8_scores), num_warps=4, **launch)
+            F8=bool(fp8_scores), PIPE=bool(pipe), num_warps=4, **launch)
         return
     if fp8:
         raw_box = gl.NVMMASharedLayout.get_default_for([_BLOCK, _BLOCK], gl.float8e4nv)

@@ -660,6 +660,8 @@ CONFIG = {
     # warpgroups of two boxes each (decode-narrow10/12-values2, 3-7% slower), the block ids four
     # tiles ahead in the loader (kept: no change either way)
     "direct_wide_narrow_fp8": 5, "fp8_scores_wide_narrow_fp8": 1,
+    # ... with fp8 scores, the next tile's score MMAs issued before this tile's softmax (1) or after it (0)
+    "pipe_wide_narrow_fp8": 0, "pipe_gluon_gqa_fp8": 0,
     # over fp8: a TMA ring of this many raw fp8 tiles in front of the Gluon kernel's converter (0:
     # the converter loads 64-key tiles itself into two fp16 stages; Nsight Compute had put the
     # kernel's bound in those loads, docs/gpu.md section 18). With 64-key tiles and one fp16 stage:
@@ -945,7 +947,7 @@ _VALID = {
     "gluon_gqa": (0, 1), "gluon_gqa_fp8": (0, 1), "stages": range(2, 7), "raw_stages": range(2, 11),
     "swap": (0, 1), "raw_ring": (0, 1, 2, 3, 4), "keys": (32, 64), "ring": (1, 2, 3),
     "maxnreg": (0, *range(64, 256, 8)), "at_most": (0, 1), "stage16": (0, 1, 2), "even": (0, 1), "rope_raw": (0, 1),
-    "direct": range(0, 13), "fp8_scores": (0, 1),
+    "direct": range(0, 13), "fp8_scores": (0, 1), "pipe": (0, 1),
 }
 _META = ("device", "sizes", "seconds", "results", "notes", "problems")
 
@@ -1164,7 +1166,8 @@ def paged_decode_triton(q: Tensor, k: Tensor, v: Tensor, k_scale: Tensor | None,
                                                                        for n in ("ring", "raw_ring", "rope_raw")))
         gluon_mla_narrow.launch(q, k, table, seq_lens, o, lse, scale * _LOG2E, splits, split_len, dcp_size, dcp_rank,
                                 interleave, k_scale if fp8 else None, ring=ring, raw=raw, rope_raw=rope,
-                                direct=bool(direct), fp8_scores=bool(CONFIG["fp8_scores_wide_narrow_fp8"]), pdl=pdl)
+                                direct=bool(direct), fp8_scores=bool(CONFIG["fp8_scores_wide_narrow_fp8"]), pdl=pdl,
+                                pipe=bool(CONFIG["pipe_wide_narrow_fp8"]))
     elif s > 0 and splits > 0 and gluon:
         gluon_mla.launch_gluon_mla(q, k, table, seq_lens, o, lse, scale * _LOG2E, splits, split_len, dcp_size,
                                    dcp_rank, interleave, k_scale if fp8 else None, raw_ring=CONFIG["raw_ring_wide_fp8"],
@@ -1175,7 +1178,7 @@ def paged_decode_triton(q: Tensor, k: Tensor, v: Tensor, k_scale: Tensor | None,
                                    stages=CONFIG["stages_gluon_gqa"], raw_stages=CONFIG["raw_stages_gluon_gqa"],
                                    fp16_stages=CONFIG["stages_gluon_gqa_fp8"],
                                    swap=bool(CONFIG["swap_gluon_gqa_fp8" if fp8 else "swap_gluon_gqa"]),
-                                   direct=direct_raw if fp8 else 0, pdl=pdl)
+                                   direct=direct_raw if fp8 else 0, pdl=pdl, pipe=bool(CONFIG["pipe_gluon_gqa_fp8"]))
     elif s > 0 and splits > 0:
         _paged_decode_kernel[(programs, splits)](
             q, k, v, ks, vs, table, seq_lens, o, lse,
