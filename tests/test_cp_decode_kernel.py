@@ -1120,11 +1120,6 @@ def test_gluon_gqa_kernel_on_gpu(dtype, size, rank, hq, hkv, monkeypatch):
         # (the direct form's scores see the queries as two e4m3 parts, ~8 significant bits: a bf16 query's)
         torch.testing.assert_close(got.out, plain.out, atol=4e-3 if ran_direct else 2e-3, rtol=0)
         torch.testing.assert_close(got.lse, plain.lse, atol=4e-3 if ran_direct else 1e-4, rtol=0)
-        if ran_direct:      # the next step's score MMAs issued before this step's softmax (CONFIG
-            # pipe_gluon_gqa_fp8, at most 16 columns) or after it: the same MMAs and sums
-            _same_when_flipped(monkeypatch, td, "pipe_gluon_gqa_fp8", lambda: run(cache, table), got)
-            used.clear()
-            direct_used.clear()
     bad = table.clone()
     bad[5, 0] = cache.k.shape[0] + 7
     _nan_row_5_only(paged_decode_attention(q, cache, bad, seq, layout=layout, scale=0.088, backend="triton",

@@ -99,9 +99,7 @@ def main(path: str) -> None:
             "gluon s3": dict(g, stages_gluon_gqa=3)}
     fp8 = {"triton": {"gluon_gqa_fp8": 0}, "triton even": {"gluon_gqa_fp8": 0, "even_fp8": 1},
            "gluon": dict(g8, direct_gluon_gqa_fp8=0), "direct8": dict(g8, direct_gluon_gqa_fp8=8),
-           "direct10": dict(g8, direct_gluon_gqa_fp8=10), "direct12": dict(g8, direct_gluon_gqa_fp8=12),
-           "direct8 pipe": dict(g8, direct_gluon_gqa_fp8=8, pipe_gluon_gqa_fp8=1),
-           "direct10 pipe": dict(g8, direct_gluon_gqa_fp8=10, pipe_gluon_gqa_fp8=1)}
+           "direct10": dict(g8, direct_gluon_gqa_fp8=10), "direct12": dict(g8, direct_gluon_gqa_fp8=12)}
     # the Triton kernel's whole tiles (even_fp8) with its tiles staged as 16-bit (stage16_fp8), more stages,
     # 64-key tiles over more programs (fewer registers: 4 CTAs per SM)
     e8 = {"gluon_gqa_fp8": 0, "even_fp8": 1}
@@ -111,11 +109,10 @@ def main(path: str) -> None:
                 "even n64 t396": dict(e8, block_n_fp8=64, target_programs_fp8=396)}
     only = lambda d, *names: {n: d[n] for n in names}
     sets = ((torch.bfloat16, 8192, 32, bf16), (torch.bfloat16, 32768, 32, bf16),
-            (torch.float8_e4m3fn, 8192, 32, only(fp8, "triton", "direct8", "direct10", "direct8 pipe", "direct10 pipe")),
-            (torch.float8_e4m3fn, 32768, 32, only(fp8, "triton", "direct8", "direct10", "direct8 pipe",
-                                                  "direct10 pipe")),
-            (torch.float8_e4m3fn, 131072, 32, only(fp8, "triton", "direct8", "direct8 pipe", "direct10 pipe")),
-            (torch.float8_e4m3fn, 32768, 4, only(fp8, "triton", "direct8", "direct8 pipe")))
+            (torch.float8_e4m3fn, 8192, 32, only(fp8, "triton", "direct8", "direct10")),
+            (torch.float8_e4m3fn, 32768, 32, only(fp8, "triton", "direct8", "direct10")),
+            (torch.float8_e4m3fn, 131072, 32, only(fp8, "triton", "direct8", "direct10")),
+            (torch.float8_e4m3fn, 32768, 4, only(fp8, "triton", "direct8")))
     if os.environ.get("DGQA_SET") == "fp8":          # (the fp8 rows only)
         sets = tuple(x for x in sets if x[0] == torch.float8_e4m3fn)
     tq = 1

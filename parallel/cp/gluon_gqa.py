@@ -515,16 +515,6 @@ if HAS_GLUON:
         return k0, v0, k1, v1, k2, v2, k3, v3
 
     @gluon.jit
-    def _scores_step8(k_smem, ql_smem, t, RAW: gl.constexpr, mma8: gl.constexpr, NQ: gl.constexpr):
-        """The score MMAs of tiles t .. t + 3 (raw stages t % RAW ..) against the queries' e4m3 parts
-        (`_scores_box8`), four accumulators of 2 NQ columns, issued asynchronously."""
-        s0 = _scores_box8(k_smem.index(t % RAW), ql_smem, 0, mma8, NQ)
-        s1 = _scores_box8(k_smem.index((t + 1) % RAW), ql_smem, 0, mma8, NQ)
-        s2 = _scores_box8(k_smem.index((t + 2) % RAW), ql_smem, 0, mma8, NQ)
-        s3 = _scores_box8(k_smem.index((t + 3) % RAW), ql_smem, 0, mma8, NQ)
-        return s0, s1, s2, s3
-
-    @gluon.jit
     def _masked_scores(sc, ks, qk_q, j0, end, keys, q_pos, dcp_size, dcp_rank, interleave, mma: gl.constexpr,
                        CAUSAL: gl.constexpr):
         """A tile's raw scores times its keys' scales and the queries' factors, -inf past the end (and,
@@ -540,7 +530,7 @@ if HAS_GLUON:
                        p_free, table_ptr, glens_ptr, lse_ptr, s, kvh, split, split_len, dcp_size, dcp_rank,
                        interleave, table_w, num_blocks, st_s, sq_s, sq_t, sq_h, G, TQ, qk_scale, ss_b, ss_t, ss_h,
                        svs_b, svs_t, svs_h, sl_p, sl_s, sl_t, PAGE: gl.constexpr, RAW: gl.constexpr, NQ: gl.constexpr,
-                       CAUSAL: gl.constexpr, PIPE: gl.constexpr = False):
+                       CAUSAL: gl.constexpr):
         """The direct fp8 kernel's first warpgroup: the queries, then per step of four raw tiles S^T = K Q^T
         as fp8 MMAs from shared memory (each tile's 128 key dims against the queries' hi and lo parts),
         one online-softmax step over the four with their key and value scales (loaded a step ahead, from
@@ -548,8 +538,7 @@ if HAS_GLUON:
         rescale alpha published in a double buffer for the value warpgroup; at the end the lse, and the
         output's factor to it. A split's last step may hold fewer than four tiles: the absent ones'
         scores are masked and their value stages zeroed (the value warpgroup reads them), which with
-        RAW >= 8 nothing else uses then. PIPE: the next step's score MMAs are issued before this step's
-        softmax and run under it (after a split's last step over stale stages, discarded)."""
+        RAW >= 8 nothing else uses then."""
         mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, NQ, 16])
         mma8: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, 2 * NQ, 32])    # (hi and lo parts)
@@ -575,10 +564,6 @@ if HAS_GLUON:
         else:
             q_pos = cols
         steps = (tiles + 3) // 4
-        if PIPE:    # (step 0's MMAs; over whatever the stages hold where the split has no tile: discarded)
-            for k in gl.static_range(4):
-                mbarrier.wait(raw_ready.index(k % RAW), 0, pred=k < tiles)
-            a0, a1, a2, a3 = _scores_step8(k_smem, ql_smem, 0, RAW, mma8, NQ)
         for i in range(steps):
             t = 4 * i
             pb = i % 2
@@ -588,18 +573,14 @@ if HAS_GLUON:
             k0, v0, k1, v1, k2, v2, k3, v3 = _step_scales(ks_ptr, vs_ptr, n0, n1, n2, n3, j0 + 4 * BLOCK, end, kvh,
                                                           ss_b, ss_t, ss_h, svs_b, svs_t, svs_h, keys, PAGE)
             n0, n1, n2, n3 = _ids_window(table_ptr, s, st_s, j0 + 8 * BLOCK, tiles - t - 8, num_blocks, PAGE)
-            if PIPE:    # the next step's MMAs issued, then this step's awaited (its four groups)
-                for k in gl.static_range(4):
-                    mbarrier.wait(raw_ready.index((t + 4 + k) % RAW), ((t + 4 + k) // RAW) & 1, pred=t + 4 + k < tiles)
-                w0, w1, w2, w3 = _scores_step8(k_smem, ql_smem, t + 4, RAW, mma8, NQ)
-                sc0, sc1, sc2, sc3 = warpgroup_mma_wait(num_outstanding=4, deps=(a0, a1, a2, a3))
-                a0, a1, a2, a3 = w0, w1, w2, w3
-            else:
-                for k in gl.static_range(4):
-                    mbarrier.wait(raw_ready.index((t + k) % RAW), ((t + k) // RAW) & 1, pred=t + k < tiles)
-                # (absent tiles: their stages' stale bytes, masked below)
-                sc0, sc1, sc2, sc3 = _scores_step8(k_smem, ql_smem, t, RAW, mma8, NQ)
-                sc0, sc1, sc2, sc3 = warpgroup_mma_wait(num_outstanding=0, deps=(sc0, sc1, sc2, sc3))
+            for k in gl.static_range(4):
+                mbarrier.wait(raw_ready.index((t + k) % RAW), ((t + k) // RAW) & 1, pred=t + k < tiles)
+            # (absent tiles: their stages' stale bytes, masked below)
+            sc0 = _scores_box8(k_smem.index(t % RAW), ql_smem, 0, mma8, NQ)
+            sc1 = _scores_box8(k_smem.index((t + 1) % RAW), ql_smem, 0, mma8, NQ)
+            sc2 = _scores_box8(k_smem.index((t + 2) % RAW), ql_smem, 0, mma8, NQ)
+            sc3 = _scores_box8(k_smem.index((t + 3) % RAW), ql_smem, 0, mma8, NQ)
+            sc0, sc1, sc2, sc3 = warpgroup_mma_wait(num_outstanding=0, deps=(sc0, sc1, sc2, sc3))
             for k in gl.static_range(4):
                 mbarrier.arrive(raw_free.index((t + k) % RAW), pred=t + k < tiles)
             tail = end - j0     # (the step's last present tile ends inside it: its value rows past the end to
@@ -627,8 +608,6 @@ if HAS_GLUON:
             fence_async_shared()
             gl.thread_barrier()
             mbarrier.arrive(p_ready.index(pb))
-        if PIPE:    # (the discarded MMAs of the step after the last)
-            a0, a1, a2, a3 = warpgroup_mma_wait(num_outstanding=0, deps=(a0, a1, a2, a3))
         factor, lse = _finish(m_i, gl.sum(l_i, 0), r_i, bad, True)
         lse_at = (split.to(gl.int64) * sl_p + s.to(gl.int64) * sl_s + (cols // G).to(gl.int64) * sl_t + kvh * G
                   + cols % G)
@@ -735,8 +714,7 @@ if HAS_GLUON:
                                   qk_scale, split_len, G, KV_HEADS, TQ, dcp_size, dcp_rank, interleave, table_w,
                                   num_blocks, st_s, sq_s, sq_t, sq_h, ss_b, ss_t, ss_h, svs_b, svs_t, svs_h,
                                   so_p, so_s, so_t, so_h, sl_p, sl_s, sl_t, PAGE: gl.constexpr, RAW: gl.constexpr,
-                                  NQ: gl.constexpr, CAUSAL: gl.constexpr = False, PDL: gl.constexpr = False,
-                                  PIPE: gl.constexpr = False):
+                                  NQ: gl.constexpr, CAUSAL: gl.constexpr = False, PDL: gl.constexpr = False):
         """fp8 cache without a converter: a one-warp TMA loader fills RAW raw stages (a tile's key and
         value boxes); one warpgroup computes the scores as fp8 MMAs straight from the raw keys
         (`_direct_scores`), the other reads the raw values into its MMA's A operand (`_direct_values`),
@@ -764,8 +742,7 @@ if HAS_GLUON:
             (_direct_scores, (q_ptr, ks_ptr, vs_ptr, ql_smem, k_smem, v_smem, p_smem, a_smem, raw_ready, raw_free,
                               p_ready, p_free, table_ptr, glens_ptr, lse_ptr, s, kvh, split, split_len, dcp_size,
                               dcp_rank, interleave, table_w, num_blocks, st_s, sq_s, sq_t, sq_h, G, TQ, qk_scale,
-                              ss_b, ss_t, ss_h, svs_b, svs_t, svs_h, sl_p, sl_s, sl_t, PAGE, RAW, NQ, CAUSAL,
-                              PIPE and NQ <= 16)),
+                              ss_b, ss_t, ss_h, svs_b, svs_t, svs_h, sl_p, sl_s, sl_t, PAGE, RAW, NQ, CAUSAL)),
             (_direct_values, (v_smem, p_smem, a_smem, raw_free, p_ready, p_free, glens_ptr, o_ptr, s, kvh, split,
                               split_len, dcp_size, dcp_rank, interleave, table_w, G, TQ, so_p, so_s, so_t, so_h,
                               PAGE, RAW, NQ)),
@@ -820,16 +797,14 @@ def launch_gluon_gqa(q: Tensor, k: Tensor, v: Tensor, table: Tensor, seq_lens: T
                      scale_log2: float, splits: int, split_len: int, dcp_size: int, dcp_rank: int, interleave: int,
                      k_scale: Tensor | None = None, v_scale: Tensor | None = None, stages: int = 3,
                      raw_stages: int = 6, fp16_stages: int = 2, swap: bool = False, direct: int = 0,
-                     pdl: bool = False, pipe: bool = False) -> None:
+                     pdl: bool = False) -> None:
     """Fill the split partials o [splits, S, 1, Hq, 128] / lse [splits, S, 1, Hq] (`gluon_gqa_ok`).
     stages: the bf16 ring's (32 KB each, at most 6); over fp8, raw_stages: the raw ring's (16 KB
     each) and fp16_stages: the 16-bit ring after the converter (2 or 4), both cut to what shared
     memory holds beside the compiler's scratch. swap: the consumer with swapped operands. direct:
     over fp8, the direct kernel (no converter) with this many raw stages, cut to `direct_stages`
-    (where none apply, more than 32 query heads a kv head: the converter's form); `pipe`: there the next
-    step's score MMAs issued before this step's softmax (at most 16 columns: at 32 two steps'
-    accumulators would not fit the registers). pdl: launched with programmatic dependent launch
-    (`triton_merge.pdl_ok`)."""
+    (where none apply, more than 32 query heads a kv head: the converter's form). pdl: launched with
+    programmatic dependent launch (`triton_merge.pdl_ok`)."""
     s, tq, hq, d = q.shape
     nb, page, hkv = k.shape[0], k.shape[1], k.shape[2]
     fp8 = k.dtype == torch.float8_e4m3fn
@@ -849,8 +824,8 @@ def launch_gluon_gqa(q: Tensor, k: Tensor, v: Tensor, table: Tensor, seq_lens: T
             q, k_desc, v_desc, k_scale, v_scale, table, seq_lens, o, lse, scale_log2, split_len, hq // hkv, hkv, tq,
             dcp_size, dcp_rank, interleave, table.shape[1], nb, table.stride(0), q.stride(0), q.stride(1),
             q.stride(2), *k_scale.stride(), *v_scale.stride(), o.stride(0), o.stride(1), o.stride(2), o.stride(3),
-            lse.stride(0), lse.stride(1), lse.stride(2), PAGE=page, RAW=direct, NQ=nq, CAUSAL=tq > 1,
-            PIPE=bool(pipe), num_warps=4, **launch)
+            lse.stride(0), lse.stride(1), lse.stride(2), PAGE=page, RAW=direct, NQ=nq, CAUSAL=tq > 1, num_warps=4,
+            **launch)
         return
     box = gl.NVMMASharedLayout.get_default_for([_BLOCK, _BLOCK], gl.float8e4nv if fp8 else gl.bfloat16)
     # [blocks * page, kv heads * 128]: a tile of kv head h is the boxes at columns h * 128 + 0 / 64

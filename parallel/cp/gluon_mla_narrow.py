@@ -454,6 +454,33 @@ if HAS_GLUON:
         gl.store(o_ptr + o_q[None, :] + (first + 2 * rows)[:, None], o * factor[None, :], mask=live[None, :])
 
     @gluon.jit
+    def _tile_softmax(sc, t, m_i, l_i, r_i, start, end, keys, qk_q, q_pos, ks_smem, p_smem, a_smem, raw_free,
+                      p_free, p_ready, dcp_size, dcp_rank, interleave, RAW: gl.constexpr, CAUSAL: gl.constexpr):
+        """Tile t's raw scores sc (its MMAs complete) through the online softmax: times its keys' scales
+        (the raw stage then released) and the queries' factors, masked past the end (CAUSAL: and past
+        each column's token), the weights P^T and the rescale published in buffer t % 2 for the value
+        warpgroup. Returns the new (m, l, r)."""
+        rs = t % RAW
+        pb = t % 2
+        j0 = start + t * BLOCK
+        key_live = j0 + keys < end
+        live = key_live[:, None]
+        if CAUSAL:
+            live = live & (_global_pos(j0 + keys, dcp_size, dcp_rank, interleave)[:, None] <= q_pos[None, :])
+        ks = gl.where(key_live, ks_smem.index(rs).reshape([BLOCK]).load(keys.type.layout), 0.0)
+        mbarrier.arrive(raw_free.index(rs))
+        sc = gl.where(live, sc * ks[:, None] * qk_q[None, :], float("-inf"))
+        p, alpha, m_i, l_i, r_i = _softmax_step(sc, m_i, l_i, r_i, ks, 0, True, True)
+        if t >= 2:
+            mbarrier.wait(p_free.index(pb), ((t // 2) - 1) & 1)
+        p_smem.index(pb).store(gl.permute(p.to(gl.float16), [1, 0]))
+        a_smem.index(pb).store(alpha)
+        fence_async_shared()
+        gl.thread_barrier()
+        mbarrier.arrive(p_ready.index(pb))
+        return m_i, l_i, r_i
+
+    @gluon.jit
     def _direct_scores(q_ptr, ql_smem, qr_smem, kl_smem, kr_smem, ks_smem, p_smem, a_smem, raw_ready, raw_free,
                        p_ready, p_free, table_ptr, glens_ptr, lse_ptr, s, split, split_len, dcp_size, dcp_rank,
                        interleave, table_w, num_blocks, st_s, qk_scale, sl_p, sl_s, sl_t, HQ, TQ,
@@ -463,9 +490,11 @@ if HAS_GLUON:
         operand converted in registers from the raw bytes (or F8, as fp8 MMAs from shared memory), the
         online softmax (as `_consumer`'s over fp8: scales, a running per-column unit), the weights P^T and
         the rescale alpha published in a double buffer for the second warpgroup; at the end the lse, and
-        the output's factor to it. PIPE (F8, RAW >= 2): the next tile's score MMAs are issued before this
-        tile's softmax and run under it (a split's last tile issues them over a stale stage, discarded;
-        NQ <= 16: two tiles' accumulators at 32 columns spill 0.6-0.8 KB)."""
+        the output's factor to it. PIPE (F8, RAW >= 2): tiles in pairs, the second's score MMAs issued
+        before the first's softmax and run under it (over a stale stage where the split ends first:
+        discarded; NQ <= 16: two tiles' accumulators at 32 columns spill 0.6-0.8 KB). Across pairs no
+        MMAs stay in flight: a loop-carried in-flight accumulator costs register moves, for which ptxas
+        serializes every wgmma of the kernel (its warning C7514)."""
         mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, NQ, 16])
         mma8: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, 2 * NQ, 32])    # (hi and lo parts)
@@ -487,26 +516,37 @@ if HAS_GLUON:
         cols = gl.arange(0, NQ, layout=q_l)
         if CAUSAL:
             q_pos = gl.load(glens_ptr + s).to(gl.int32) - TQ + cols // HQ
-        if PIPE:    # (tile 0's MMAs; over whatever the stage holds where the split has no tile: discarded)
-            mbarrier.wait(raw_ready.index(0), 0, pred=tiles > 0)
-            if (tiles > 0) & (end - start < BLOCK):
-                _zero_tail(kl_smem, 0, end - start)
-            a0, a1, a2, a3, a4 = _scores_tile8(kl_smem, kr_smem, ql_smem, qr_smem, 0, mma8, NQ)
-        for t in range(tiles):
-            rs = t % RAW
-            pb = t % 2
-            j0 = start + t * BLOCK
-            if PIPE:        # the next tile's MMAs issued, then this tile's awaited (its five groups)
-                nrs = (t + 1) % RAW
-                more = t + 1 < tiles
-                mbarrier.wait(raw_ready.index(nrs), ((t + 1) // RAW) & 1, pred=more)
-                if more & (end - j0 - BLOCK < BLOCK):
-                    _zero_tail(kl_smem, nrs * LBOXES, end - j0 - BLOCK)
-                n0, n1, n2, n3, n4 = _scores_tile8(kl_smem, kr_smem, ql_smem, qr_smem, nrs, mma8, NQ)
+        else:
+            q_pos = cols
+        if PIPE:    # tiles in pairs: the second's MMAs issued before the first's softmax, run under it
+            for t in range(0, tiles, 2):
+                rs = t % RAW
+                two = t + 1 < tiles
+                j0 = start + t * BLOCK
+                mbarrier.wait(raw_ready.index(rs), (t // RAW) & 1)
+                if end - j0 < BLOCK:
+                    _zero_tail(kl_smem, rs * LBOXES, end - j0)
+                a0, a1, a2, a3, a4 = _scores_tile8(kl_smem, kr_smem, ql_smem, qr_smem, rs, mma8, NQ)
+                # (the pair's second tile: over whatever its stage holds where the split ends first, discarded)
+                mbarrier.wait(raw_ready.index((t + 1) % RAW), ((t + 1) // RAW) & 1, pred=two)
+                if two & (end - j0 - BLOCK < BLOCK):
+                    _zero_tail(kl_smem, ((t + 1) % RAW) * LBOXES, end - j0 - BLOCK)
+                b0, b1, b2, b3, b4 = _scores_tile8(kl_smem, kr_smem, ql_smem, qr_smem, (t + 1) % RAW, mma8, NQ)
                 a0, a1, a2, a3, a4 = warpgroup_mma_wait(num_outstanding=5, deps=(a0, a1, a2, a3, a4))
                 sc = gl.convert_layout(_fold_parts((a0 + a1) + (a2 + a3) + a4, NQ), mma)
-                a0, a1, a2, a3, a4 = n0, n1, n2, n3, n4
-            else:
+                m_i, l_i, r_i = _tile_softmax(sc, t, m_i, l_i, r_i, start, end, keys, qk_q, q_pos, ks_smem, p_smem,
+                                              a_smem, raw_free, p_free, p_ready, dcp_size, dcp_rank, interleave,
+                                              RAW, CAUSAL)
+                b0, b1, b2, b3, b4 = warpgroup_mma_wait(num_outstanding=0, deps=(b0, b1, b2, b3, b4))
+                if two:
+                    sc = gl.convert_layout(_fold_parts((b0 + b1) + (b2 + b3) + b4, NQ), mma)
+                    m_i, l_i, r_i = _tile_softmax(sc, t + 1, m_i, l_i, r_i, start, end, keys, qk_q, q_pos, ks_smem,
+                                                  p_smem, a_smem, raw_free, p_free, p_ready, dcp_size, dcp_rank,
+                                                  interleave, RAW, CAUSAL)
+        else:
+            for t in range(tiles):
+                rs = t % RAW
+                j0 = start + t * BLOCK
                 mbarrier.wait(raw_ready.index(rs), (t // RAW) & 1)
                 if end - j0 < BLOCK:    # (before the second warpgroup may read the tile: it waits for this P;
                     # fp8 score MMAs, through the async proxy, may still see those rows' old bytes: masked below)
@@ -526,23 +566,9 @@ if HAS_GLUON:
                     sc = warpgroup_mma_wait(num_outstanding=1, deps=(sc, ))
                     sc = _scores_box(kr_smem.index(rs), qr_smem, sc, a_l, i16r)
                     sc = warpgroup_mma_wait(num_outstanding=0, deps=(sc, ))
-            key_live = j0 + keys < end
-            live = key_live[:, None]
-            if CAUSAL:
-                live = live & (_global_pos(j0 + keys, dcp_size, dcp_rank, interleave)[:, None] <= q_pos[None, :])
-            ks = gl.where(key_live, ks_smem.index(rs).reshape([BLOCK]).load(key_l), 0.0)
-            mbarrier.arrive(raw_free.index(rs))
-            sc = gl.where(live, sc * ks[:, None] * qk_q[None, :], float("-inf"))
-            p, alpha, m_i, l_i, r_i = _softmax_step(sc, m_i, l_i, r_i, ks, 0, True, True)
-            if t >= 2:
-                mbarrier.wait(p_free.index(pb), ((t // 2) - 1) & 1)
-            p_smem.index(pb).store(gl.permute(p.to(gl.float16), [1, 0]))
-            a_smem.index(pb).store(alpha)
-            fence_async_shared()
-            gl.thread_barrier()
-            mbarrier.arrive(p_ready.index(pb))
-        if PIPE:    # (the discarded MMAs of the tile after the last)
-            a0, a1, a2, a3, a4 = warpgroup_mma_wait(num_outstanding=0, deps=(a0, a1, a2, a3, a4))
+                m_i, l_i, r_i = _tile_softmax(sc, t, m_i, l_i, r_i, start, end, keys, qk_q, q_pos, ks_smem, p_smem,
+                                              a_smem, raw_free, p_free, p_ready, dcp_size, dcp_rank, interleave,
+                                              RAW, CAUSAL)
         factor, lse = _finish(m_i, gl.sum(l_i, 0), r_i, bad, True)
         mine = cols < TQ * HQ
         tok = (cols // HQ).to(gl.int64)

@@ -659,9 +659,13 @@ CONFIG = {
     # softmax (decode-narrow9-pipe, slower: 70.0 / 232 µs, and its GPU test hung), two value
     # warpgroups of two boxes each (decode-narrow10/12-values2, 3-7% slower), the block ids four
     # tiles ahead in the loader (kept: no change either way)
-    "direct_wide_narrow_fp8": 5, "fp8_scores_wide_narrow_fp8": 1,
+    # With the queries' hi and lo parts as one MMA operand of 2 NQ columns (one fp8 MMA a box instead of two,
+    # the box read from shared memory once; decode-narrow16-wide-h200.json, 2026-12-04 20:00): raw 5 22.1 /
+    # 57.2 / 192.0-196.2 µs, raw 3 21.9 / 56.1 / 191.8-194.4 (32 heads at 32K 78.9 / 77.9, 8 heads 47.4 /
+    # 46.8): 3
+    "direct_wide_narrow_fp8": 3, "fp8_scores_wide_narrow_fp8": 1,
     # ... with fp8 scores, the next tile's score MMAs issued before this tile's softmax (1) or after it (0)
-    "pipe_wide_narrow_fp8": 0, "pipe_gluon_gqa_fp8": 0,
+    "pipe_wide_narrow_fp8": 0,
     # over fp8: a TMA ring of this many raw fp8 tiles in front of the Gluon kernel's converter (0:
     # the converter loads 64-key tiles itself into two fp16 stages; Nsight Compute had put the
     # kernel's bound in those loads, docs/gpu.md section 18). With 64-key tiles and one fp16 stage:
@@ -725,8 +729,11 @@ CONFIG = {
     # 32K / 128K, step_time; bench/results/logs/decode-gluon-gqa-direct*-h200.json): Triton 33.4 / 98.9 /
     # 360.3 µs, the converter's Gluon form 39.0 / 136.9, direct 8 / 10 / 12 stages 25.6 / 73.1 / 263.0,
     # 25.3 / 71.3, 25.9 / 73.1 / 259.4 (one tile a step: 34.8 / 119.6 / 461; two: 27.2 / 89.1 / 336.6,
-    # the scores warpgroup's two cross-warp reductions a step bound them); B 4 at 32K 19.9 -> 15.0
-    "direct_gluon_gqa_fp8": 10,
+    # the scores warpgroup's two cross-warp reductions a step bound them); B 4 at 32K 19.9 -> 15.0.
+    # With the queries' hi and lo parts as one MMA operand of 2 NQ columns (decode-gluon-gqa-wide-h200.json,
+    # 2026-12-04 20:00): direct 8 / 10 / 12 stages 22.9 / 69.4 / 252.2-253.9, 23.9 / 70.0, 24.4 / 70.8 /
+    # 255.2-257.5 µs (Triton 33.1 / 98.6 / 361.4): 8
+    "direct_gluon_gqa_fp8": 8,
     # Removed after their runs (code in the history): block ids four tiles ahead in the bf16 GQA
     # loader and in the MLA loader and converter (CONFIG ids_ahead_gluon_gqa / ids_ahead_wide, removed
     # after 918617a; 2026-12-04 afternoon: GQA 35.1 / 121.4 µs against 35.0 / 121.9 with one ahead, MLA
@@ -1178,7 +1185,7 @@ def paged_decode_triton(q: Tensor, k: Tensor, v: Tensor, k_scale: Tensor | None,
                                    stages=CONFIG["stages_gluon_gqa"], raw_stages=CONFIG["raw_stages_gluon_gqa"],
                                    fp16_stages=CONFIG["stages_gluon_gqa_fp8"],
                                    swap=bool(CONFIG["swap_gluon_gqa_fp8" if fp8 else "swap_gluon_gqa"]),
-                                   direct=direct_raw if fp8 else 0, pdl=pdl, pipe=bool(CONFIG["pipe_gluon_gqa_fp8"]))
+                                   direct=direct_raw if fp8 else 0, pdl=pdl)
     elif s > 0 and splits > 0:
         _paged_decode_kernel[(programs, splits)](
             q, k, v, ks, vs, table, seq_lens, o, lse,
