@@ -662,10 +662,17 @@ CONFIG = {
     # With the queries' hi and lo parts as one MMA operand of 2 NQ columns (one fp8 MMA a box instead of two,
     # the box read from shared memory once; decode-narrow16-wide-h200.json, 2026-12-04 20:00): raw 5 22.1 /
     # 57.2 / 192.0-196.2 µs, raw 3 21.9 / 56.1 / 191.8-194.4 (32 heads at 32K 78.9 / 77.9, 8 heads 47.4 /
-    # 46.8): 3
-    "direct_wide_narrow_fp8": 3, "fp8_scores_wide_narrow_fp8": 1,
-    # ... with fp8 scores, the next tile's score MMAs issued before this tile's softmax (1) or after it (0)
-    "pipe_wide_narrow_fp8": 0,
+    # 46.8). With the scores in tile pairs (pipe_wide_narrow_fp8 below; decode-narrow18-pairs-h200.json): raw 5
+    # 22.1-22.2 / 55.6-55.9 / 182.0-192.6, raw 3 22.7 / 59.7-60.0 / 204.1-204.9 (raw 3 unpaired 22.3-22.4 /
+    # 56.3-56.5 / 196.5-199.4); 32 columns (no pairs there) raw 5 79.3-83.3 against raw 3 78.0-79.2: 5
+    "direct_wide_narrow_fp8": 5, "fp8_scores_wide_narrow_fp8": 1,
+    # ... with fp8 scores and at most 16 columns, the scores in tile pairs: the second tile's MMAs issued
+    # before the first's softmax, run under it (1), or each tile's after the last's softmax (0). Issuing
+    # the next tile's MMAs every tile (one in flight across iterations) made ptxas serialize every wgmma
+    # of the kernel (C7514: the loop-carried accumulators' register moves read in-flight registers):
+    # 26-27 / 67-74 / 228-259 µs (decode-narrow17-pipe-h200.json), removed, as was the same for GQA's
+    # steps (34.5-35.8 / 116-127 / 443-489 µs against 23.6 / 71.0 / 260.6)
+    "pipe_wide_narrow_fp8": 1,
     # over fp8: a TMA ring of this many raw fp8 tiles in front of the Gluon kernel's converter (0:
     # the converter loads 64-key tiles itself into two fp16 stages; Nsight Compute had put the
     # kernel's bound in those loads, docs/gpu.md section 18). With 64-key tiles and one fp16 stage:
