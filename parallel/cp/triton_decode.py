@@ -660,7 +660,7 @@ CONFIG = {
     # warpgroups of two boxes each (decode-narrow10/12-values2, 3-7% slower), the block ids four
     # tiles ahead in the loader (kept: no change either way)
     # With the queries' hi and lo parts as one MMA operand of 2 NQ columns (one fp8 MMA a box instead of two,
-    # the box read from shared memory once; decode-narrow16-wide-h200.json, 2026-12-04 20:00): raw 5 22.1 /
+    # the box read from shared memory once; decode-narrow16-wide-h200.json, 2026-12-04 19:32): raw 5 22.1 /
     # 57.2 / 192.0-196.2 µs, raw 3 21.9 / 56.1 / 191.8-194.4 (32 heads at 32K 78.9 / 77.9, 8 heads 47.4 /
     # 46.8). With the scores in tile pairs (pipe_wide_narrow_fp8 below; decode-narrow18-pairs-h200.json): raw 5
     # 22.1-22.2 / 55.6-55.9 / 182.0-192.6, raw 3 22.7 / 59.7-60.0 / 204.1-204.9 (raw 3 unpaired 22.3-22.4 /
@@ -738,7 +738,7 @@ CONFIG = {
     # 25.3 / 71.3, 25.9 / 73.1 / 259.4 (one tile a step: 34.8 / 119.6 / 461; two: 27.2 / 89.1 / 336.6,
     # the scores warpgroup's two cross-warp reductions a step bound them); B 4 at 32K 19.9 -> 15.0.
     # With the queries' hi and lo parts as one MMA operand of 2 NQ columns (decode-gluon-gqa-wide-h200.json,
-    # 2026-12-04 20:00): direct 8 / 10 / 12 stages 22.9 / 69.4 / 252.2-253.9, 23.9 / 70.0, 24.4 / 70.8 /
+    # 2026-12-04 19:32): direct 8 / 10 / 12 stages 22.9 / 69.4 / 252.2-253.9, 23.9 / 70.0, 24.4 / 70.8 /
     # 255.2-257.5 µs (Triton 33.1 / 98.6 / 361.4): 8
     "direct_gluon_gqa_fp8": 8,
     # Removed after their runs (code in the history): block ids four tiles ahead in the bf16 GQA
