@@ -424,7 +424,9 @@ def _paged_decode_rows(ctx: BenchContext) -> None:
                 cache, table, q = sets[0]
                 # the part that does not scale with L: the same grid, splits and merge over one page
                 # per rank (what is left of the time, streamed_us, is what the KV bytes cost)
-                fixed_us = _decode_time(ctx, [lambda: ours(cache, table, q, torch.full_like(seq, n * block))])[0]
+                # (the short lengths made outside the timed call: inside, their fill kernel was timed too)
+                short = torch.full_like(seq, n * block)
+                fixed_us = _decode_time(ctx, [lambda: ours(cache, table, q, short)])[0]
                 # the gathered-pages torch path expands the KV per query head: skip it where that alone
                 # would not fit (MLA at L = 128K: 288 GiB)
                 if batch * local * heads * d * 2 * 2 <= 32 * 2**30:

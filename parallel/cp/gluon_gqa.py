@@ -532,7 +532,8 @@ if HAS_GLUON:
                        svs_b, svs_t, svs_h, sl_p, sl_s, sl_t, PAGE: gl.constexpr, RAW: gl.constexpr, NQ: gl.constexpr,
                        CAUSAL: gl.constexpr):
         """The direct fp8 kernel's first warpgroup: the queries, then per step of four raw tiles S^T = K Q^T
-        as fp8 MMAs from shared memory (each tile's 128 key dims against the queries' hi and lo parts),
+        as fp8 MMAs from shared memory (each tile's 128 key dims against the queries' hi and lo parts, one
+        operand of 2 NQ columns),
         one online-softmax step over the four with their key and value scales (loaded a step ahead, from
         block ids loaded two steps ahead) and a running per-column unit, the tiles' weights P^T and the
         rescale alpha published in a double buffer for the value warpgroup; at the end the lse, and the

@@ -29,8 +29,10 @@ warpgroup loads each latent box transposed with 16-bit ldmatrix (64 dim pairs x 
 each pair into its even and odd dims in registers, so each of its eight accumulators holds one
 parity of a box's 128 dims. The scores warpgroup computes S^T either with the same register A
 operand in a permuted dim order (`_key_order`: the queries take the same order) or, installed, as
-fp8 MMAs straight from shared memory against the queries as two e4m3 parts (hi + lo), each box into
-its own accumulator summed in fp32; it publishes P^T and the rescale through a double buffer."""
+fp8 MMAs straight from shared memory against the queries as two e4m3 parts (hi + lo: one operand of
+2 NQ columns, so one MMA reads the box once), each box into its own accumulator summed in fp32, and at
+most 16 columns in tile pairs (the second tile's MMAs run under the first's softmax); it publishes P^T
+and the rescale through a double buffer."""
 
 from __future__ import annotations
 
