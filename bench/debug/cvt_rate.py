@@ -36,7 +36,8 @@ FORMS = {
     "bits pairs": (FP8_BITS_UNPACK, True, "pairs"),
     "f2fp plain": ("{ .reg .b16 a0, a1; mov.b32 {a0, a1}, $2; cvt.rn.f16x2.e4m3x2 $0, a0; "
                    "cvt.rn.f16x2.e4m3x2 $1, a1; }", False, "plain"),
-    "bits plain": ("{ .reg .b32 y0, y1, s0, s1, z; mov.b32 z, 0; prmt.b32 y0, $2, z, 0x1404; prmt.b32 y1, $2, z, 0x3424; "
+    "bits plain": ("{ .reg .b32 y0, y1, s0, s1, z; mov.b32 z, 0; "
+                   "prmt.b32 y0, $2, z, 0x1404; prmt.b32 y1, $2, z, 0x3424; "
                    "shr.b32 s0, y0, 1; shr.b32 s1, y1, 1; and.b32 y0, y0, 0x80008000; and.b32 y1, y1, 0x80008000; "
                    "and.b32 s0, s0, 0x3F803F80; and.b32 s1, s1, 0x3F803F80; or.b32 $0, y0, s0; or.b32 $1, y1, s1; }",
                    True, "plain"),

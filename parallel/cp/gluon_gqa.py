@@ -519,7 +519,7 @@ if HAS_GLUON:
                        CAUSAL: gl.constexpr):
         """A tile's raw scores times its keys' scales and the queries' factors, -inf past the end (and,
         CAUSAL, where a key's global position lies past the column's token, q_pos)."""
-        x = gl.convert_layout(_fold_parts(sc, qk_q.shape[0]), mma) * ks[:, None] * qk_q[None, :]   # (the same registers)
+        x = gl.convert_layout(_fold_parts(sc, qk_q.shape[0]), mma) * ks[:, None] * qk_q[None, :]  # (same registers)
         live = (j0 + keys < end)[:, None]
         if CAUSAL:
             live = live & (_global_pos(j0 + keys, dcp_size, dcp_rank, interleave)[:, None] <= q_pos[None, :])
