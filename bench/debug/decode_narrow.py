@@ -7,7 +7,8 @@ tokens at 32K (the swapped kernel against the Triton one); each row's max differ
 first row's result (the Triton kernel's).
 
     python bench/debug/decode_narrow.py OUT.json        # on the GPU (DECODE_NARROW_MTP=1: tq > 1 rows only;
-                                                        # DECODE_NARROW_FP8=1: fp8, one token, the Gluon forms)
+                                                        # DECODE_NARROW_FP8=1: fp8, one token, the Gluon forms;
+                                                        # DECODE_NARROW_FORMS=a,b: those forms only)
 """
 
 from __future__ import annotations
@@ -31,12 +32,18 @@ FORMS = {
             ("swap r2raw2 rope", {"rope_raw_wide_narrow_fp8": 1, "ring_wide_narrow_fp8": 2,
                                   "raw_ring_wide_narrow_fp8": 2, "direct_wide_narrow_fp8": 0}),
             ("direct raw5", {"direct_wide_narrow_fp8": 5, "fp8_scores_wide_narrow_fp8": 0}),
-            ("direct raw5 fp8 scores", {"direct_wide_narrow_fp8": 5, "fp8_scores_wide_narrow_fp8": 1}),
-            ("direct raw3 fp8 scores", {"direct_wide_narrow_fp8": 3, "fp8_scores_wide_narrow_fp8": 1}),
+            ("direct raw5 fp8 scores", {"direct_wide_narrow_fp8": 5, "fp8_scores_wide_narrow_fp8": 1,
+                                        "pipe_wide_narrow_fp8": 0}),
+            ("direct raw3 fp8 scores", {"direct_wide_narrow_fp8": 3, "fp8_scores_wide_narrow_fp8": 1,
+                                        "pipe_wide_narrow_fp8": 0}),
             ("direct raw3 fp8 scores pipe", {"direct_wide_narrow_fp8": 3, "fp8_scores_wide_narrow_fp8": 1,
                                              "pipe_wide_narrow_fp8": 1}),
             ("direct raw5 fp8 scores pipe", {"direct_wide_narrow_fp8": 5, "fp8_scores_wide_narrow_fp8": 1,
-                                             "pipe_wide_narrow_fp8": 1})),
+                                             "pipe_wide_narrow_fp8": 1}),
+            ("direct raw5 fp8 scores pipe defer", {"direct_wide_narrow_fp8": 5, "fp8_scores_wide_narrow_fp8": 1,
+                                                   "pipe_wide_narrow_fp8": 1, "defer_wide_narrow_fp8": 1}),
+            ("direct raw3 fp8 scores defer", {"direct_wide_narrow_fp8": 3, "fp8_scores_wide_narrow_fp8": 1,
+                                              "pipe_wide_narrow_fp8": 0, "defer_wide_narrow_fp8": 1})),
     "bf16": (("triton", {"gluon_wide_narrow": 0}), ("padded", {"swap_wide_narrow": 0}), ("swap", {})),
 }
 PROBLEMS = ((torch.float8_e4m3fn, 8192, 16, 1), (torch.float8_e4m3fn, 32768, 16, 1),
@@ -59,6 +66,7 @@ def main(path: str) -> None:
 
     only_mtp = bool(os.environ.get("DECODE_NARROW_MTP"))      # (only the speculative-step problems)
     only_fp8 = bool(os.environ.get("DECODE_NARROW_FP8"))      # (only fp8, one token, the Gluon forms)
+    only = [n for n in os.environ.get("DECODE_NARROW_FORMS", "").split(",") if n]   # (these forms only)
     for dtype, context, heads, tq in PROBLEMS:
         if (only_mtp and tq == 1) or (only_fp8 and (dtype != torch.float8_e4m3fn or tq > 1)):
             continue
@@ -73,6 +81,8 @@ def main(path: str) -> None:
         for rep in range(2):
             for name, entries in (MTP_FORMS if tq > 1 else FORMS)["fp8" if fp8 else "bf16"]:
                 if only_fp8 and name in ("triton", "padded"):
+                    continue
+                if only and name not in only:
                     continue
                 triton_decode.CONFIG.update(saved)
                 triton_decode.CONFIG.update(base)
