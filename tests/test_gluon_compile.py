@@ -34,9 +34,8 @@ def _build(name: str) -> dict:
     from parallel.cp import gluon_gqa, gluon_mla, gluon_mla_narrow
 
     pdl = name.endswith("-pdl")         # ("-pdl": launched with programmatic dependent launch)
-    pipe = "-pipe" in name              # ("-pipe": the narrow direct kernel's scores in tile pairs)
-    defer = "-defer" in name            # ("-defer": its value MMAs left in flight into the next tile)
-    family, dtype, *more = name.removesuffix("-pdl").replace("-pipe", "").replace("-defer", "").split("-")
+    pipe = "-pipe" in name              # ("-pipe": the narrow direct kernel's next score MMAs issued early)
+    family, dtype, *more = name.removesuffix("-pdl").replace("-pipe", "").split("-")
     nq = 8 if more == ["swap"] else 0
     fp8 = dtype == "fp8"
     ptrs = {"table_ptr": "*i32", "glens_ptr": "*i64", "o_ptr": "*fp32", "lse_ptr": "*fp32", "qk_scale": "fp32"}
@@ -95,8 +94,6 @@ def _build(name: str) -> dict:
         consts["PDL"] = pdl
     if "PIPE" in kernel.arg_names:
         consts["PIPE"] = pipe
-    if "DEFER" in kernel.arg_names:
-        consts["DEFER"] = defer
     names = kernel.arg_names
     sig = {n: ptrs.get(n, "constexpr" if n in consts else "i32") for n in names}
     # as Triton's launcher specializes them at run time: pointers divisible by 16
@@ -132,9 +129,7 @@ def _build(name: str) -> dict:
     ("mlan-bf16-16-pdl", 0), ("mlan-fp8-16-r2raw2rope-pdl", 0),
     # the narrow direct kernel with the next tile's score MMAs issued before the softmax
     # (at most 16 columns: at 32 the kernel keeps the unpipelined form, whose two tiles' accumulators spilled)
-    ("mlan-fp8-16-direct3s-pipe-pdl", 0), ("mlan-fp8-8-direct3s-pipe", 0), ("mlan-fp8-32-direct4s-causal-pipe", 64),
-    # ... and its value MMAs left in flight into the next tile
-    ("mlan-fp8-16-direct5s-pipe-defer-pdl", 0), ("mlan-fp8-32-direct5s-defer", 64)])
+    ("mlan-fp8-16-direct3s-pipe-pdl", 0), ("mlan-fp8-8-direct3s-pipe", 0), ("mlan-fp8-32-direct4s-causal-pipe", 64)])
 def test_gluon_decode_kernel_builds_for_sm90(name, spill_cap):
     """spill_cap: the committed MLA builds spill 12 B (bf16: the loader's masked tail tile) and 388-516 B
     (fp8: warpgroup 1's accumulators and the converter's loads), built with the launcher's 16-byte

@@ -39,11 +39,7 @@ FORMS = {
             ("direct raw3 fp8 scores pipe", {"direct_wide_narrow_fp8": 3, "fp8_scores_wide_narrow_fp8": 1,
                                              "pipe_wide_narrow_fp8": 1}),
             ("direct raw5 fp8 scores pipe", {"direct_wide_narrow_fp8": 5, "fp8_scores_wide_narrow_fp8": 1,
-                                             "pipe_wide_narrow_fp8": 1}),
-            ("direct raw5 fp8 scores pipe defer", {"direct_wide_narrow_fp8": 5, "fp8_scores_wide_narrow_fp8": 1,
-                                                   "pipe_wide_narrow_fp8": 1, "defer_wide_narrow_fp8": 1}),
-            ("direct raw3 fp8 scores defer", {"direct_wide_narrow_fp8": 3, "fp8_scores_wide_narrow_fp8": 1,
-                                              "pipe_wide_narrow_fp8": 0, "defer_wide_narrow_fp8": 1})),
+                                             "pipe_wide_narrow_fp8": 1})),
     "bf16": (("triton", {"gluon_wide_narrow": 0}), ("padded", {"swap_wide_narrow": 0}), ("swap", {})),
 }
 PROBLEMS = ((torch.float8_e4m3fn, 8192, 16, 1), (torch.float8_e4m3fn, 32768, 16, 1),

@@ -585,14 +585,12 @@ if HAS_GLUON:
     @gluon.jit
     def _direct_values(kl_smem, p_smem, a_smem, raw_free, p_ready, p_free, glens_ptr, o_ptr, s, split, split_len,
                        dcp_size, dcp_rank, interleave, table_w, so_p, so_s, so_t, so_h, HQ, TQ, PAGE: gl.constexpr,
-                       RAW: gl.constexpr, NQ: gl.constexpr, DEFER: gl.constexpr = False):
+                       RAW: gl.constexpr, NQ: gl.constexpr):
         """The direct fp8 kernel's value warpgroup: per tile, once its weights are published, O^T += V^T
         P^T with the A operand converted in registers from the raw bytes (each accumulator one parity
         of a latent box's dims), its hold on the raw stage and the weights then released; at the end the
         output times the scores warpgroup's factor. (Two value warpgroups of two boxes each ran 3-7%
-        slower: decode-narrow10/12-values2-h200.json.) DEFER: a tile's last two boxes' MMAs stay in
-        flight into the next tile (awaited before those accumulators are rescaled), its raw stage is
-        released once read and its weights once those MMAs are done."""
+        slower: decode-narrow10/12-values2-h200.json.)"""
         mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, NQ, 16])
         key_l: gl.constexpr = gl.SliceLayout(1, mma)
         q_l: gl.constexpr = gl.SliceLayout(0, mma)
@@ -615,33 +613,15 @@ if HAS_GLUON:
             alpha = a_smem.index(pb).load(q_l)
             pt = p_smem.index(pb).permute((1, 0))
             first = rs * LBOXES
-            if DEFER:   # (the tile before left its last two boxes' MMAs in flight: boxes 0, 1 were done)
-                e0, d0 = _values_box(kl_smem.index(first), pt, e0, d0, alpha, a_l, i16)
-                e1, d1 = _values_box(kl_smem.index(first + 1), pt, e1, d1, alpha, a_l, i16)
-                e2, d2, e3, d3 = warpgroup_mma_wait(num_outstanding=2, deps=(e2, d2, e3, d3))
-                if t >= 1:      # (the tile before's MMAs, which read its weights, are done)
-                    mbarrier.arrive(p_free.index(1 - pb))
-                e2, d2 = _values_box(kl_smem.index(first + 2), pt, e2, d2, alpha, a_l, i16)
-                e0, d0 = warpgroup_mma_wait(num_outstanding=2, deps=(e0, d0))
-                e3, d3 = _values_box(kl_smem.index(first + 3), pt, e3, d3, alpha, a_l, i16)
-                mbarrier.arrive(raw_free.index(rs))     # (the A operands are in registers: the stage is read)
-                # (boxes 0, 1 done; 2, 3 still in flight, as the loop carries them: nothing reads them before
-                # the next tile's wait above)
-                e1, d1, e2, d2, e3, d3 = warpgroup_mma_wait(num_outstanding=2, deps=(e1, d1, e2, d2, e3, d3))
-            else:
-                e0, d0 = _values_box(kl_smem.index(first), pt, e0, d0, alpha, a_l, i16)
-                e1, d1 = _values_box(kl_smem.index(first + 1), pt, e1, d1, alpha, a_l, i16)
-                e0, d0 = warpgroup_mma_wait(num_outstanding=2, deps=(e0, d0))
-                e2, d2 = _values_box(kl_smem.index(first + 2), pt, e2, d2, alpha, a_l, i16)
-                e1, d1 = warpgroup_mma_wait(num_outstanding=2, deps=(e1, d1))
-                e3, d3 = _values_box(kl_smem.index(first + 3), pt, e3, d3, alpha, a_l, i16)
-                e2, d2, e3, d3 = warpgroup_mma_wait(num_outstanding=0, deps=(e2, d2, e3, d3))
-                mbarrier.arrive(p_free.index(pb))
-                mbarrier.arrive(raw_free.index(rs))
-        if DEFER:   # (the last tile's last two boxes)
+            e0, d0 = _values_box(kl_smem.index(first), pt, e0, d0, alpha, a_l, i16)
+            e1, d1 = _values_box(kl_smem.index(first + 1), pt, e1, d1, alpha, a_l, i16)
+            e0, d0 = warpgroup_mma_wait(num_outstanding=2, deps=(e0, d0))
+            e2, d2 = _values_box(kl_smem.index(first + 2), pt, e2, d2, alpha, a_l, i16)
+            e1, d1 = warpgroup_mma_wait(num_outstanding=2, deps=(e1, d1))
+            e3, d3 = _values_box(kl_smem.index(first + 3), pt, e3, d3, alpha, a_l, i16)
             e2, d2, e3, d3 = warpgroup_mma_wait(num_outstanding=0, deps=(e2, d2, e3, d3))
-            if tiles >= 1:
-                mbarrier.arrive(p_free.index((tiles - 1) % 2))
+            mbarrier.arrive(p_free.index(pb))
+            mbarrier.arrive(raw_free.index(rs))
         mbarrier.wait(p_ready.index(tiles % 2), (tiles // 2) & 1)
         factor = a_smem.index(tiles % 2).load(q_l)
         cols = gl.arange(0, NQ, layout=q_l)
@@ -687,7 +667,7 @@ if HAS_GLUON:
                                   split_len, HQ, TQ, dcp_size, dcp_rank, interleave, table_w, num_blocks, st_s,
                                   so_p, so_s, so_t, so_h, sl_p, sl_s, sl_t, PAGE: gl.constexpr, NQ: gl.constexpr,
                                   RAW: gl.constexpr, CAUSAL: gl.constexpr = False, F8: gl.constexpr = False,
-                                  PDL: gl.constexpr = False, PIPE: gl.constexpr = False, DEFER: gl.constexpr = False):
+                                  PDL: gl.constexpr = False, PIPE: gl.constexpr = False):
         """fp8 latent cache without a converter: a one-warp TMA loader fills RAW raw stages; one warpgroup
         reads each tile's bytes straight into the scores' A operands (`_direct_scores`), the other into
         the values' (`_direct_values`) one tile behind, through a double buffer of the weights."""
@@ -730,7 +710,7 @@ if HAS_GLUON:
                               HQ, TQ, PAGE, RAW, NQ, CAUSAL, F8, PIPE and F8 and RAW >= 2 and NQ <= 16)),
             (_direct_values, (kl_smem, p_smem, a_smem, raw_free, p_ready, p_free, glens_ptr, o_ptr, s, split,
                               split_len, dcp_size, dcp_rank, interleave, table_w, so_p, so_s, so_t, so_h, HQ, TQ,
-                              PAGE, RAW, NQ, DEFER)),
+                              PAGE, RAW, NQ)),
             (_direct_loader, (kl_desc, kr_desc, ks_desc, table_ptr, glens_ptr, kl_smem, kr_smem, ks_smem,
                               raw_ready, raw_free, s, split, split_len, dcp_size, dcp_rank, interleave, table_w,
                               num_blocks, st_s, PAGE, RAW)),
@@ -739,8 +719,7 @@ if HAS_GLUON:
 def launch(q: Tensor, k: Tensor, table: Tensor, seq_lens: Tensor, o: Tensor, lse: Tensor, scale_log2: float,
            splits: int, split_len: int, dcp_size: int, dcp_rank: int, interleave: int,
            k_scale: Tensor | None = None, ring: int = 2, raw: int = 1, rope_raw: bool = False,
-           direct: bool = False, fp8_scores: bool = False, pdl: bool = False, pipe: bool = False,
-           defer: bool = False) -> None:
+           direct: bool = False, fp8_scores: bool = False, pdl: bool = False, pipe: bool = False) -> None:
     """Fill the split partials o [splits, S, Tq, Hq, 512] / lse [splits, S, Tq, Hq] of queries q [S, Tq,
     Hq, 576] (`gluon_mla.gluon_mla_ok` and `narrow_ok` of Tq x Hq columns hold; Tq > 1: causal within
     the step's tokens); over fp8 `ring` fp16 and `raw` raw stages of 64 keys (`fp8_fits`), the rope
@@ -748,7 +727,7 @@ def launch(q: Tensor, k: Tensor, table: Tensor, seq_lens: Tensor, o: Tensor, lse
     `direct` no converter and `raw` raw stages only (`direct_fits`; `fp8_scores`: the scores as fp8
     MMAs against the queries' e4m3 hi + lo parts, `pipe`: the next tile's issued before this tile's softmax
     (with fp8_scores, at least two raw stages and at most 16 columns: two tiles' score accumulators at 32
-    spill); `defer`: the value MMAs of a tile's last two boxes left in flight into the next tile; pdl: launched with programmatic dependent launch,
+    spill); pdl: launched with programmatic dependent launch,
     `triton_merge.pdl_ok`)."""
     s, tq, hq, d = q.shape
     nb, page = k.shape[0], k.shape[1]
@@ -774,7 +753,7 @@ def launch(q: Tensor, k: Tensor, table: Tensor, seq_lens: Tensor, o: Tensor, lse
         _mla_narrow_direct_kernel[(s, splits)](
             q, kl_desc, kr_desc, ks_desc, table, seq_lens, o, lse, scale_log2, split_len, hq, tq, dcp_size, dcp_rank,
             interleave, table.shape[1], nb, table.stride(0), *tail, PAGE=page, NQ=nq, RAW=raw, CAUSAL=tq > 1,
-            F8=bool(fp8_scores), PIPE=bool(pipe), DEFER=bool(defer), num_warps=4, **launch)
+            F8=bool(fp8_scores), PIPE=bool(pipe), num_warps=4, **launch)
         return
     if fp8:
         raw_box = gl.NVMMASharedLayout.get_default_for([_BLOCK, _BLOCK], gl.float8e4nv)

@@ -671,11 +671,10 @@ CONFIG = {
     # the next tile's MMAs every tile (one in flight across iterations) made ptxas serialize every wgmma
     # of the kernel (C7514: the loop-carried accumulators' register moves read in-flight registers):
     # 26-27 / 67-74 / 228-259 µs (decode-narrow17-pipe-h200.json), removed, as was the same for GQA's
-    # steps (34.5-35.8 / 116-127 / 443-489 µs against 23.6 / 71.0 / 260.6)
+    # steps (34.5-35.8 / 116-127 / 443-489 µs against 23.6 / 71.0 / 260.6). Nor kept: the value warpgroup
+    # leaving a tile's last two boxes' MMAs in flight into the next tile (its raw stage released once read):
+    # 25.8-26.0 / 67.3 / 226.7-227.0 against 22.7-23.1 / 56.0-56.2 / 182.8-185.7 (decode-narrow19-defer-h200.json)
     "pipe_wide_narrow_fp8": 1,
-    # ... its value warpgroup leaving a tile's last two boxes' MMAs in flight into the next tile (1), or
-    # draining them at the tile's end (0); off until measured
-    "defer_wide_narrow_fp8": 0,
     # over fp8: a TMA ring of this many raw fp8 tiles in front of the Gluon kernel's converter (0:
     # the converter loads 64-key tiles itself into two fp16 stages; Nsight Compute had put the
     # kernel's bound in those loads, docs/gpu.md section 18). With 64-key tiles and one fp16 stage:
@@ -964,7 +963,7 @@ _VALID = {
     "gluon_gqa": (0, 1), "gluon_gqa_fp8": (0, 1), "stages": range(2, 7), "raw_stages": range(2, 11),
     "swap": (0, 1), "raw_ring": (0, 1, 2, 3, 4), "keys": (32, 64), "ring": (1, 2, 3),
     "maxnreg": (0, *range(64, 256, 8)), "at_most": (0, 1), "stage16": (0, 1, 2), "even": (0, 1), "rope_raw": (0, 1),
-    "direct": range(0, 13), "fp8_scores": (0, 1), "pipe": (0, 1), "defer": (0, 1),
+    "direct": range(0, 13), "fp8_scores": (0, 1), "pipe": (0, 1),
 }
 _META = ("device", "sizes", "seconds", "results", "notes", "problems")
 
@@ -1184,7 +1183,7 @@ def paged_decode_triton(q: Tensor, k: Tensor, v: Tensor, k_scale: Tensor | None,
         gluon_mla_narrow.launch(q, k, table, seq_lens, o, lse, scale * _LOG2E, splits, split_len, dcp_size, dcp_rank,
                                 interleave, k_scale if fp8 else None, ring=ring, raw=raw, rope_raw=rope,
                                 direct=bool(direct), fp8_scores=bool(CONFIG["fp8_scores_wide_narrow_fp8"]), pdl=pdl,
-                                pipe=bool(CONFIG["pipe_wide_narrow_fp8"]), defer=bool(CONFIG["defer_wide_narrow_fp8"]))
+                                pipe=bool(CONFIG["pipe_wide_narrow_fp8"]))
     elif s > 0 and splits > 0 and gluon:
         gluon_mla.launch_gluon_mla(q, k, table, seq_lens, o, lse, scale * _LOG2E, splits, split_len, dcp_size,
                                    dcp_rank, interleave, k_scale if fp8 else None, raw_ring=CONFIG["raw_ring_wide_fp8"],
