@@ -767,10 +767,12 @@ def test_gluon_mla_narrow_swapped_on_gpu(dtype, size, rank, heads, tq, monkeypat
         # (the rope box's scores from the raw stage where it fits) the same result among themselves, and
         # the fp16 direct form's up to the order of the scores' sums (even and odd dims apart there)
         direct, f8 = td.CONFIG["direct_wide_narrow_fp8"], td.CONFIG["fp8_scores_wide_narrow_fp8"]
+        direct32 = td.CONFIG["direct_wide_narrow_fp8_32"]
         applies = gluon_mla_narrow.direct_stages(tq * heads, direct) > 0
         assert all(kw["direct"] == applies and kw["fp8_scores"] == bool(f8) for kw in used)
-        for raw in (1, 3) if applies else ():
+        for raw in (1, 3) if applies else ():     # (over more than 16 columns, direct_wide_narrow_fp8_32's)
             monkeypatch.setitem(td.CONFIG, "direct_wide_narrow_fp8", raw)
+            monkeypatch.setitem(td.CONFIG, "direct_wide_narrow_fp8_32", raw)
             other = run(cache, table)
             torch.testing.assert_close(other.out, got.out, atol=0, rtol=0)
             torch.testing.assert_close(other.lse, got.lse, atol=0, rtol=0)
@@ -778,6 +780,7 @@ def test_gluon_mla_narrow_swapped_on_gpu(dtype, size, rank, heads, tq, monkeypat
             # fp8 scores, at least 2 raw stages, at most 16 columns) or after it: the same MMAs and sums
             _same_when_flipped(monkeypatch, td, "pipe_wide_narrow_fp8", lambda: run(cache, table), got)
         monkeypatch.setitem(td.CONFIG, "direct_wide_narrow_fp8", direct)
+        monkeypatch.setitem(td.CONFIG, "direct_wide_narrow_fp8_32", direct32)
         forms = {f8: got}
         if applies:
             monkeypatch.setitem(td.CONFIG, "fp8_scores_wide_narrow_fp8", 1 - f8)

@@ -666,6 +666,10 @@ CONFIG = {
     # 22.1-22.2 / 55.6-55.9 / 182.0-192.6, raw 3 22.7 / 59.7-60.0 / 204.1-204.9 (raw 3 unpaired 22.3-22.4 /
     # 56.3-56.5 / 196.5-199.4); 32 columns (no pairs there) raw 5 79.3-83.3 against raw 3 78.0-79.2: 5
     "direct_wide_narrow_fp8": 5, "fp8_scores_wide_narrow_fp8": 1,
+    # ... its raw stages over more than 16 columns (32 heads, or 16 x a speculative step's 2 tokens), where the
+    # tile pairs do not apply: 3 (32 heads at 1/4 of 32K: 78.0-79.2 µs against 79.2-83.3 with 5,
+    # decode-narrow18/19)
+    "direct_wide_narrow_fp8_32": 3,
     # ... with fp8 scores and at most 16 columns, the scores in tile pairs: the second tile's MMAs issued
     # before the first's softmax, run under it (1), or each tile's after the last's softmax (0). Issuing
     # the next tile's MMAs every tile (one in flight across iterations) made ptxas serialize every wgmma
@@ -1174,7 +1178,8 @@ def paged_decode_triton(q: Tensor, k: Tensor, v: Tensor, k_scale: Tensor | None,
     vs_st = vs.stride() if fp8 else (0, 0, 0)
     table = block_table if block_table.stride(-1) == 1 else block_table.contiguous()
     if s > 0 and splits > 0 and swapped:
-        direct = gluon_mla_narrow.direct_stages(tq * hq, CONFIG["direct_wide_narrow_fp8"]) if fp8 else 0
+        stages = CONFIG["direct_wide_narrow_fp8" if tq * hq <= 16 else "direct_wide_narrow_fp8_32"]
+        direct = gluon_mla_narrow.direct_stages(tq * hq, stages) if fp8 and CONFIG["direct_wide_narrow_fp8"] else 0
         if direct:
             ring, raw, rope = 0, direct, False
         else:
