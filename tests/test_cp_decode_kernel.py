@@ -898,6 +898,9 @@ def test_direct_narrow_mla_fp8_stages_fit_shared_memory():
     assert not gn.direct_fits(33, 1) and not gn.direct_fits(16, 0)
     assert gn.direct_stages(16, 5) == 5 and gn.direct_stages(32, 9) == 5 and gn.direct_stages(16, 0) == 0
     assert gn.direct_stages(64, 5) == 0
+    # tile pairs: fp8 scores, two raw stages (a pair's tiles) and at most 16 columns (at 32 they spilled)
+    assert gn.pairs_apply(16, 2, True) and gn.pairs_apply(8, 5, True)
+    assert not (gn.pairs_apply(32, 5, True) or gn.pairs_apply(16, 1, True) or gn.pairs_apply(16, 5, False))
     if gn.HAS_GLUON:
         k = torch.zeros(4, 64, 1, 576, dtype=torch.float8_e4m3fn)
         q = torch.zeros(1, 1, 16, 576, dtype=torch.bfloat16)

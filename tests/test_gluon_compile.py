@@ -93,7 +93,8 @@ def _build(name: str) -> dict:
     if "PDL" in kernel.arg_names:      # (a constexpr: left out, it would build as a run-time argument)
         consts["PDL"] = pdl
     if "PIPE" in kernel.arg_names:
-        consts["PIPE"] = pipe
+        # (as `gluon_mla_narrow.launch` asks for it)
+        consts["PIPE"] = pipe and gluon_mla_narrow.pairs_apply(consts["NQ"], consts["RAW"], consts["F8"])
     names = kernel.arg_names
     sig = {n: ptrs.get(n, "constexpr" if n in consts else "i32") for n in names}
     # as Triton's launcher specializes them at run time: pointers divisible by 16

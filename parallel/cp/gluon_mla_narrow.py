@@ -53,6 +53,8 @@ if HAS_GLUON:
     from .triton_common import global_pos as _global_pos
 
 MAX_HEADS = 32      # the widest narrow tile: NQ = 32 columns (eight 64 x 32 fp32 accumulators)
+PAIRS_MAX_COLUMNS = 16  # the direct fp8 form's widest tile whose scores go in tile pairs (at 32 two tiles'
+#                         score accumulators spill 0.6-0.8 KB)
 _LBOX, _LBOXES = 128, 4     # the direct fp8 kernel's latent boxes: 128 dims (128-byte rows), four of them
 _DIRECT_STAGE = _LBOXES * _BLOCK * _LBOX + _BLOCK * _BLOCK + 4 * _BLOCK    # a raw stage: latent, rope, scales
 
@@ -90,6 +92,12 @@ def direct_stages(heads: int, raw: int) -> int:
     while raw > 0 and not direct_fits(heads, raw):
         raw -= 1
     return raw
+
+
+def pairs_apply(rows: int, raw: int, fp8_scores: bool) -> bool:
+    """The direct fp8 form can take its scores in tile pairs: fp8 score MMAs, at least two raw stages
+    (the pair's tiles in two of them) and at most PAIRS_MAX_COLUMNS query rows."""
+    return bool(fp8_scores) and raw >= 2 and rows <= PAIRS_MAX_COLUMNS
 
 
 def narrow_ok(rows: int, k: Tensor, k_scale: Tensor | None) -> bool:
@@ -494,7 +502,7 @@ if HAS_GLUON:
         the rescale alpha published in a double buffer for the second warpgroup; at the end the lse, and
         the output's factor to it. PIPE (F8, RAW >= 2): tiles in pairs, the second's score MMAs issued
         before the first's softmax and run under it (over a stale stage where the split ends first:
-        discarded; NQ <= 16: two tiles' accumulators at 32 columns spill 0.6-0.8 KB). Across pairs no
+        discarded; `launch` asks for it at most at PAIRS_MAX_COLUMNS columns). Across pairs no
         MMAs stay in flight: a loop-carried in-flight accumulator costs register moves, for which ptxas
         serializes every wgmma of the kernel (its warning C7514)."""
         mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, NQ, 16])
@@ -520,6 +528,7 @@ if HAS_GLUON:
             q_pos = gl.load(glens_ptr + s).to(gl.int32) - TQ + cols // HQ
         else:
             q_pos = cols
+        gl.static_assert(not PIPE or (F8 and RAW >= 2), "tile pairs need fp8 scores and two raw stages")
         if PIPE:    # tiles in pairs: the second's MMAs issued before the first's softmax, run under it
             for t in range(0, tiles, 2):
                 rs = t % RAW
@@ -707,7 +716,7 @@ if HAS_GLUON:
             (_direct_scores, (q_ptr, ql_smem, qr_smem, kl_smem, kr_smem, ks_smem, p_smem, a_smem, raw_ready,
                               raw_free, p_ready, p_free, table_ptr, glens_ptr, lse_ptr, s, split, split_len,
                               dcp_size, dcp_rank, interleave, table_w, num_blocks, st_s, qk_scale, sl_p, sl_s, sl_t,
-                              HQ, TQ, PAGE, RAW, NQ, CAUSAL, F8, PIPE and F8 and RAW >= 2 and NQ <= 16)),
+                              HQ, TQ, PAGE, RAW, NQ, CAUSAL, F8, PIPE)),
             (_direct_values, (kl_smem, p_smem, a_smem, raw_free, p_ready, p_free, glens_ptr, o_ptr, s, split,
                               split_len, dcp_size, dcp_rank, interleave, table_w, so_p, so_s, so_t, so_h, HQ, TQ,
                               PAGE, RAW, NQ)),
@@ -725,10 +734,9 @@ def launch(q: Tensor, k: Tensor, table: Tensor, seq_lens: Tensor, o: Tensor, lse
     the step's tokens); over fp8 `ring` fp16 and `raw` raw stages of 64 keys (`fp8_fits`), the rope
     box's scores from the raw stage with `rope_raw` (the fp16 stages then hold 512 dims), or with
     `direct` no converter and `raw` raw stages only (`direct_fits`; `fp8_scores`: the scores as fp8
-    MMAs against the queries' e4m3 hi + lo parts, `pipe`: the next tile's issued before this tile's softmax
-    (with fp8_scores, at least two raw stages and at most 16 columns: two tiles' score accumulators at 32
-    spill); pdl: launched with programmatic dependent launch,
-    `triton_merge.pdl_ok`)."""
+    MMAs against the queries' e4m3 hi + lo parts, `pipe`: the scores in tile pairs (`pairs_apply`: with
+    fp8_scores, at least two raw stages and at most PAIRS_MAX_COLUMNS columns); pdl: launched with
+    programmatic dependent launch, `triton_merge.pdl_ok`)."""
     s, tq, hq, d = q.shape
     nb, page = k.shape[0], k.shape[1]
     nq = columns(tq * hq)
@@ -753,7 +761,7 @@ def launch(q: Tensor, k: Tensor, table: Tensor, seq_lens: Tensor, o: Tensor, lse
         _mla_narrow_direct_kernel[(s, splits)](
             q, kl_desc, kr_desc, ks_desc, table, seq_lens, o, lse, scale_log2, split_len, hq, tq, dcp_size, dcp_rank,
             interleave, table.shape[1], nb, table.stride(0), *tail, PAGE=page, NQ=nq, RAW=raw, CAUSAL=tq > 1,
-            F8=bool(fp8_scores), PIPE=bool(pipe), num_warps=4, **launch)
+            F8=bool(fp8_scores), PIPE=bool(pipe) and pairs_apply(tq * hq, raw, fp8_scores), num_warps=4, **launch)
         return
     if fp8:
         raw_box = gl.NVMMASharedLayout.get_default_for([_BLOCK, _BLOCK], gl.float8e4nv)

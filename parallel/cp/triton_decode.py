@@ -1178,7 +1178,8 @@ def paged_decode_triton(q: Tensor, k: Tensor, v: Tensor, k_scale: Tensor | None,
     vs_st = vs.stride() if fp8 else (0, 0, 0)
     table = block_table if block_table.stride(-1) == 1 else block_table.contiguous()
     if s > 0 and splits > 0 and swapped:
-        stages = CONFIG["direct_wide_narrow_fp8" if tq * hq <= 16 else "direct_wide_narrow_fp8_32"]
+        wide = tq * hq > gluon_mla_narrow.PAIRS_MAX_COLUMNS     # (no tile pairs there: fewer stages serve)
+        stages = CONFIG["direct_wide_narrow_fp8_32" if wide else "direct_wide_narrow_fp8"]
         direct = gluon_mla_narrow.direct_stages(tq * hq, stages) if fp8 and CONFIG["direct_wide_narrow_fp8"] else 0
         if direct:
             ring, raw, rope = 0, direct, False
