@@ -53,6 +53,7 @@ for s in "$@"; do
     dnarrow)    step dnarrow "${DNARROW_LIMIT:-200}" python3 bench/debug/decode_narrow.py "$res/decode-narrow.json" ;;
     dstream)    step dstream "${DSTREAM_LIMIT:-150}" python3 bench/debug/decode_stream.py "$res/decode-stream.json" ;;
     dsplits)    step dsplits "${DSPLITS_LIMIT:-150}" python3 bench/debug/decode_splits.py "$res/decode-splits.json" ;;
+    dfixed)     step dfixed "${DFIXED_LIMIT:-120}" python3 bench/debug/decode_fixed.py "$res/decode-fixed.json" ;;
     dwaves)     step dwaves "${DWAVES_LIMIT:-240}" python3 bench/debug/decode_waves.py "$res/decode-waves.json" ;;
     cvtrate)    step cvtrate "${CVTRATE_LIMIT:-90}" python3 bench/debug/cvt_rate.py "$res/cvt-rate.json" ;;
     dgqa)       step dgqa "${DGQA_LIMIT:-150}" python3 bench/debug/decode_gluon_gqa.py "$res/decode-gluon-gqa.json" ;;

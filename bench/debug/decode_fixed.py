@@ -1,0 +1,87 @@
+"""What the fixed part of a Gluon decode call is made of (the time that does not scale with L: one
+page per rank): B = 32, rank 0 of 4, L = 8K's grid, each timed as `megapar bench cp` times a call
+(`common.step_time`: ten calls a CUDA graph), for MLA 16 heads (fp8 and bf16) and GQA (Hq 32, Hkv 4,
+D 128, fp8 and bf16):
+- call: the public call over one page per rank (kernel + split merge; call 132: one wave's splits);
+- kernel: the same with the split merge replaced by nothing (the kernel alone);
+- empty: the kernel over zero tokens (launch, lengths, the -inf / zero partials);
+- one split: the kernel over one page with one split (grid B x kv heads; no merge);
+- merge: the split merge alone over the call's partials;
+- noop: a one-element kernel, the graph's own per-launch floor.
+
+    python bench/debug/decode_fixed.py OUT.json        # on the GPU
+"""
+
+from __future__ import annotations
+
+import sys
+
+import torch
+from _rows import dump_rows
+
+from megapar.launch.bench.common import BenchContext, step_time
+from megapar.launch.bench.cp import _decode_setup, _mla_decode_setup
+from megapar.parallel.cp import triton_decode
+from megapar.parallel.cp.dcp import DCPLayout
+from megapar.parallel.cp.mla import MLADims
+from megapar.parallel.cp.paged import paged_decode_attention
+from megapar.parallel.cp.state import AttnState
+from megapar.parallel.cp.triton_merge import merge_states_triton
+
+SPLIT_KEYS = {"mla16": "target_programs_wide_narrow", "gqa": "target_programs_gluon_gqa"}
+
+
+def main(path: str) -> None:
+    ctx = BenchContext("cp", torch.device("cuda"))
+    batch, block, n, context = 32, 64, 4, 8192
+    dims = MLADims()
+    rows: list = []
+    saved = dict(triton_decode.CONFIG)
+    real_merge = triton_decode.merge_states_triton
+    flag = torch.zeros(1, device=ctx.device)
+    rows.append({"what": "noop", "us": round(step_time(ctx, [lambda: flag.add_(1)])[0], 2)})
+    print(rows[-1], flush=True)
+    for family in ("mla16", "gqa"):
+        for cache_dtype in (torch.float8_e4m3fn, torch.bfloat16):
+            if family == "gqa":
+                cache, table, q, _ = _decode_setup(batch, context, 32, 4, 128, block, n, ctx.device, cache_dtype)
+                scale = 128 ** -0.5
+            else:
+                latent, table = _mla_decode_setup(batch, context, dims, block, n, ctx.device, cache_dtype)
+                cache, scale = latent.paged, dims.scale
+                q = torch.randn(batch, 16, dims.latent_dim, device=ctx.device, dtype=torch.bfloat16)
+            layout = DCPLayout(size=n, rank=0, block_size=block)
+            one = torch.full((batch,), n * block, device=ctx.device)
+            zero = torch.zeros_like(one)
+            call = lambda lens: paged_decode_attention(q, cache, table, lens, layout=layout, scale=scale,
+                                                       backend="triton", max_seq_len=context)
+            partials = {}
+
+            def kernel_only(outs, lses, **kw):
+                partials["o"], partials["lse"] = outs, lses
+                return AttnState(outs[0], lses[0])
+            tag = {"family": family, "cache": str(cache_dtype).replace("torch.", "")}
+            for what in ("call", "call 132", "kernel", "empty", "one split", "merge"):
+                triton_decode.CONFIG.update(saved)
+                triton_decode.merge_states_triton = real_merge if what.startswith("call") else kernel_only
+                if what in ("one split", "call 132"):
+                    triton_decode.CONFIG[SPLIT_KEYS[family]] = 1 if what == "one split" else 132
+                fn = {"empty": lambda: call(zero), "merge": None}.get(what, lambda: call(one))
+                if what == "merge":
+                    if "o" not in partials:
+                        continue
+                    o, lse = partials["o"], partials["lse"]
+                    fn = lambda: real_merge(o, lse, pdl=True)
+                fn()
+                torch.cuda.synchronize()
+                us = step_time(ctx, [fn])[0]
+                rows.append({**tag, "what": what, "us": round(us, 2),
+                             **({"splits": int(partials["o"].shape[0])} if what == "kernel" and "o" in partials else {})})
+                print(rows[-1], flush=True)
+            triton_decode.merge_states_triton = real_merge
+    triton_decode.CONFIG.update(saved)
+    dump_rows(path, "decode_fixed.py", rows)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1] if len(sys.argv) > 1 else "decode-fixed.json")
