@@ -13,7 +13,8 @@ profiles the Gluon GQA kernel (`parallel.cp.gluon_gqa`) over bf16 and over fp8 (
 gluon_gqa_fp8 forced on) instead, same problem (`bash bench/run_owed.sh ncugqa`). DECODE_NCU_CONFIG
 (JSON) sets CONFIG entries first; DECODE_NCU_MLA_FP8=1 gives the MLA call an fp8 cache,
 DECODE_NCU_MLA_HEADS its head count (128; 16: the narrow kernel, `parallel.cp.gluon_mla_narrow`),
-DECODE_NCU_MLA_CONTEXT its L (8192).
+DECODE_NCU_MLA_CONTEXT its L (8192; DECODE_NCU_MLA_LEN: the sequences' lengths, L unless given, e.g. 0 or
+one page per rank for the fixed part of a call).
 """
 
 from __future__ import annotations
@@ -51,7 +52,7 @@ def main(gluon_gqa: bool) -> None:
         latent, table = _mla_decode_setup(batch, mla_context, dims, page, n, dev, mla_dtype)
         mla_heads = int(os.environ.get("DECODE_NCU_MLA_HEADS", "128"))
         q_mla = torch.randn(batch, mla_heads, dims.latent_dim, device=dev, dtype=torch.bfloat16)
-        seq_mla = torch.full((batch,), mla_context, device=dev)
+        seq_mla = torch.full((batch,), int(os.environ.get("DECODE_NCU_MLA_LEN", mla_context)), device=dev)
         calls.append(lambda: paged_decode_attention(q_mla, latent.paged, table, seq_mla, layout=layout,
                                                     scale=dims.scale, backend="triton", max_seq_len=mla_context))
     for call in calls:   # compile and warm up outside the profiled range
