@@ -95,7 +95,7 @@ def _build(name: str) -> dict:
     if "PDL" in kernel.arg_names:      # (a constexpr: left out, it would build as a run-time argument)
         consts["PDL"] = pdl
     if "MERGE" in kernel.arg_names:
-        consts["MERGE"] = merge
+        consts["MERGE"] = gluon_mla_narrow.MERGE_MAX_SPLITS if merge else 0     # (the splits padded: the most)
     if "PIPE" in kernel.arg_names:
         # (as `gluon_mla_narrow.launch` asks for it)
         consts["PIPE"] = pipe and gluon_mla_narrow.pairs_apply(consts["NQ"], consts["RAW"], consts["F8"])
@@ -135,8 +135,8 @@ def _build(name: str) -> dict:
     # the narrow direct kernel with the next tile's score MMAs issued before the softmax
     # (at most 16 columns: at 32 the kernel keeps the unpipelined form, whose two tiles' accumulators spilled)
     ("mlan-fp8-16-direct3s-pipe-pdl", 0), ("mlan-fp8-8-direct3s-pipe", 0), ("mlan-fp8-32-direct4s-causal-pipe", 64),
-    # ... with the split merge in the kernel (the last split of a sequence to finish merges them)
-    ("mlan-fp8-16-direct5s-pipe-merge-pdl", 0), ("mlan-fp8-32-direct3s-causal-merge-pdl", 128)])
+    # ... with the split merge in the kernel (the last split of a sequence to finish merges them; <= 16 columns)
+    ("mlan-fp8-16-direct5s-pipe-merge-pdl", 0), ("mlan-fp8-8-direct5s-causal-merge-pdl", 8)])
 def test_gluon_decode_kernel_builds_for_sm90(name, spill_cap):
     """spill_cap: the committed MLA builds spill 12 B (bf16: the loader's masked tail tile) and 388-516 B
     (fp8: warpgroup 1's accumulators and the converter's loads), built with the launcher's 16-byte

@@ -77,8 +77,8 @@ def main(path: str) -> None:
                     fn = lambda: real_merge(o, lse, pdl=True)
                 fn()
                 torch.cuda.synchronize()
-                us = step_time(ctx, [fn])[0]
-                rows.append({**tag, "what": what, "us": round(us, 2),
+                us, cols = step_time(ctx, [fn])
+                rows.append({**tag, "what": what, "us": round(us, 2), "timing": cols["timing"],
                              **({"splits": int(partials["o"].shape[0])} if what == "kernel" and "o" in partials else {})})
                 print(rows[-1], flush=True)
             triton_decode.merge_states_triton = real_merge

@@ -59,6 +59,8 @@ _LBOX, _LBOXES = 128, 4     # the direct fp8 kernel's latent boxes: 128 dims (12
 _DIRECT_STAGE = _LBOXES * _BLOCK * _LBOX + _BLOCK * _BLOCK + 4 * _BLOCK    # a raw stage: latent, rope, scales
 
 
+MERGE_MAX_SPLITS = 8    # the in-kernel split merge's most splits (one CTA reads them all; more: the merge kernel)
+MERGE_MAX_COLUMNS = 16  # ... and most columns (its unrolled loads of 8 splits at 32 columns spilled 3 KB)
 _COUNTERS: dict[int, Tensor] = {}
 
 
@@ -326,6 +328,7 @@ if HAS_GLUON:
 
     LBOX = gl.constexpr(128)       # the direct kernel: fp8 dims of a latent box (128-byte rows)
     LBOXES = gl.constexpr(4)       # latent boxes of a key tile (4 x 128 = 512)
+    MERGE_COLUMNS = gl.constexpr(MERGE_MAX_COLUMNS)
     REGS_VALUES = gl.constexpr(232)     # registers a thread of the direct kernel's value warpgroup
 
     @gluon.jit
@@ -501,23 +504,31 @@ if HAS_GLUON:
         return last
 
     @gluon.jit
-    def _merge_weights(lse_ptr, l_off, sl_p, nsplits, mine):
-        """The split merge's per-column (max, sum of weights or 1 where it is 0, sum) over the `nsplits` partial lse
-        (natural log) at lse_ptr + split * sl_p + l_off, as `triton_merge._merge_n_kernel` takes them:
-        +inf read as -inf, the max 0 where every split is empty, NaN where any lse is NaN."""
-        mx = gl.where(mine, float("-inf"), 0.0)
-        nan = mx != mx
-        for sp in range(nsplits):
-            li = gl.load(lse_ptr + sp * sl_p + l_off, mask=mine, other=float("-inf"), cache_modifier=".cg")
-            li = gl.where(li == float("inf"), float("-inf"), li)
-            nan = nan | (li != li)
-            mx = gl.maximum(mx, li)
+    def _merge_weights(lse_ptr, l_off, sl_p, nsplits, mine, NSP: gl.constexpr):
+        """The split merge's weights [NSP, columns] (exp(lse - max), 0 past the `nsplits` partial lse
+        (natural log) at lse_ptr + split * sl_p + l_off, all read at once) and per column the max and the
+        sum of weights (1 where it is 0), as `triton_merge._merge_n_kernel` takes them: +inf read as
+        -inf, the max 0 where every split is empty, NaN where any lse is NaN. In the layout `_merge_row`
+        takes rows from."""
+        lay: gl.constexpr = gl.BlockedLayout([NSP, 1], [1, 32], [1, 4], [1, 0])
+        sp = gl.arange(0, NSP, layout=gl.SliceLayout(1, lay))
+        off = gl.convert_layout(l_off, gl.SliceLayout(0, lay))
+        live = (sp < nsplits)[:, None] & gl.convert_layout(mine, gl.SliceLayout(0, lay))[None, :]
+        li = gl.load(lse_ptr + sp[:, None] * sl_p + off[None, :], mask=live, other=float("-inf"), cache_modifier=".cg")
+        li = gl.where(li == float("inf"), float("-inf"), li)
+        nan = gl.max((li != li).to(gl.int32), 0) > 0
+        mx = gl.max(gl.where(li != li, float("-inf"), li), 0)
         mx = gl.where(nan, float("nan"), gl.where(mx == float("-inf"), 0.0, mx))
-        total = gl.zeros_like(mx)
-        for sp in range(nsplits):
-            li = gl.load(lse_ptr + sp * sl_p + l_off, mask=mine, other=float("-inf"), cache_modifier=".cg")
-            total += gl.exp(gl.where(li == float("inf"), float("-inf"), li) - mx)
-        return mx, gl.where(total > 0, total, 1.0), total
+        w = gl.exp(li - mx[None, :])
+        total = gl.sum(w, 0)
+        return w, mx, gl.where(total > 0, total, 1.0), total
+
+    @gluon.jit
+    def _merge_row(w, k: gl.constexpr, safe, like_col):
+        """Split k's weights of `_merge_weights`' [NSP, columns] divided by their sum, in like_col's layout."""
+        sp = gl.arange(0, w.shape[0], layout=gl.SliceLayout(1, w.type.layout))
+        row = gl.sum(gl.where(sp[:, None] == k, w, 0.0), 0) / safe
+        return gl.convert_layout(row, like_col.type.layout)
 
     @gluon.jit
     def _merge_add(acc, x, w):
@@ -562,7 +573,7 @@ if HAS_GLUON:
                        p_ready, p_free, table_ptr, glens_ptr, lse_ptr, s, split, split_len, dcp_size, dcp_rank,
                        interleave, table_w, num_blocks, st_s, qk_scale, sl_p, sl_s, sl_t, HQ, TQ,
                        PAGE: gl.constexpr, RAW: gl.constexpr, NQ: gl.constexpr, CAUSAL: gl.constexpr,
-                       F8: gl.constexpr, PIPE: gl.constexpr = False, MERGE: gl.constexpr = False):
+                       F8: gl.constexpr, PIPE: gl.constexpr = False, MERGE: gl.constexpr = 0):
         """The direct fp8 kernel's first warpgroup: the queries, then per raw tile S^T = K Q^T with the A
         operand converted in registers from the raw bytes (or F8, as fp8 MMAs from shared memory), the
         online softmax (as `_consumer`'s over fp8: scales, a running per-column unit), the weights P^T and
@@ -664,12 +675,13 @@ if HAS_GLUON:
     def _direct_values(kl_smem, p_smem, a_smem, raw_free, p_ready, p_free, glens_ptr, o_ptr, s, split, split_len,
                        dcp_size, dcp_rank, interleave, table_w, so_p, so_s, so_t, so_h, HQ, TQ, lse_ptr, sl_p, sl_s,
                        sl_t, out_ptr, olse_ptr, cnt_ptr, fo_s, fo_t, fo_h, fl_s, fl_t, PAGE: gl.constexpr,
-                       RAW: gl.constexpr, NQ: gl.constexpr, MERGE: gl.constexpr = False):
+                       RAW: gl.constexpr, NQ: gl.constexpr, MERGE: gl.constexpr = 0):
         """The direct fp8 kernel's value warpgroup: per tile, once its weights are published, O^T += V^T
         P^T with the A operand converted in registers from the raw bytes (each accumulator one parity
         of a latent box's dims), its hold on the raw stage and the weights then released; at the end the
-        output times the scores warpgroup's factor. MERGE: the last of a sequence's splits to finish
-        (`_last_split`) merges all of them into out / olse (`_merge_splits`). (Two value warpgroups of two boxes each ran 3-7%
+        output times the scores warpgroup's factor. MERGE (the grid's splits padded to a power of two,
+        0: off): the last of a sequence's splits to finish (`_last_split`) merges all of them into out /
+        olse (`_merge_splits`). (Two value warpgroups of two boxes each ran 3-7%
         slower: decode-narrow10/12-values2-h200.json.)"""
         mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, NQ, 16])
         key_l: gl.constexpr = gl.SliceLayout(1, mma)
@@ -724,13 +736,13 @@ if HAS_GLUON:
                 _merge_splits(o_ptr, lse_ptr, out_ptr, olse_ptr, o_q - split.to(gl.int64) * so_p, so_p,
                               s.to(gl.int64) * sl_s + tok * sl_t + head, sl_p,
                               s.to(gl.int64) * fo_s + tok * fo_t + head * fo_h, s.to(gl.int64) * fl_s + tok * fl_t + head,
-                              gl.num_programs(1), mine, rows, e0, NQ)
+                              gl.num_programs(1), mine, rows, e0, NQ, MERGE)
 
     @gluon.jit
-    def _merge_boxes(o_ptr, lse_ptr, out_ptr, o_q, so_p, l_off, sl_p, f_q, nsplits, mine, rows, like, mx, safe,
-                     B0: gl.constexpr, BOXES: gl.constexpr):
+    def _merge_boxes(o_ptr, out_ptr, o_q, so_p, f_q, nsplits, mine, rows, like, w, safe,
+                     B0: gl.constexpr, BOXES: gl.constexpr, NSP: gl.constexpr):
         """The merged out of latent boxes B0 .. B0 + BOXES - 1 (BOXES 2 or 4: two accumulators a box, one
-        parity of its 128 dims each), a split's blocks of them loaded together."""
+        parity of its 128 dims each) over the NSP (padded) splits, unrolled: their loads issued ahead."""
         e0 = gl.zeros_like(like)
         d0 = gl.zeros_like(like)
         e1 = gl.zeros_like(like)
@@ -740,11 +752,10 @@ if HAS_GLUON:
             d2 = gl.zeros_like(like)
             e3 = gl.zeros_like(like)
             d3 = gl.zeros_like(like)
-        live = mine[None, :]
-        for sp in range(nsplits):
-            li = gl.load(lse_ptr + sp * sl_p + l_off, mask=mine, other=float("-inf"), cache_modifier=".cg")
-            w = gl.exp(gl.where(li == float("inf"), float("-inf"), li) - mx) / safe
-            at = o_ptr + sp * so_p + o_q[None, :] + (B0 * LBOX + 2 * rows)[:, None]
+        for k in gl.static_range(NSP):
+            live = mine[None, :] & (k < nsplits)
+            wk = _merge_row(w, k, safe, o_q)
+            at = o_ptr + k * so_p + o_q[None, :] + (B0 * LBOX + 2 * rows)[:, None]
             x0 = gl.load(at, mask=live, other=0.0, cache_modifier=".cg")
             y0 = gl.load(at + 1, mask=live, other=0.0, cache_modifier=".cg")
             x1 = gl.load(at + LBOX, mask=live, other=0.0, cache_modifier=".cg")
@@ -754,16 +765,17 @@ if HAS_GLUON:
                 y2 = gl.load(at + (2 * LBOX + 1), mask=live, other=0.0, cache_modifier=".cg")
                 x3 = gl.load(at + 3 * LBOX, mask=live, other=0.0, cache_modifier=".cg")
                 y3 = gl.load(at + (3 * LBOX + 1), mask=live, other=0.0, cache_modifier=".cg")
-            e0 = _merge_add(e0, x0, w)
-            d0 = _merge_add(d0, y0, w)
-            e1 = _merge_add(e1, x1, w)
-            d1 = _merge_add(d1, y1, w)
+            e0 = _merge_add(e0, x0, wk)
+            d0 = _merge_add(d0, y0, wk)
+            e1 = _merge_add(e1, x1, wk)
+            d1 = _merge_add(d1, y1, wk)
             if BOXES == 4:
-                e2 = _merge_add(e2, x2, w)
-                d2 = _merge_add(d2, y2, w)
-                e3 = _merge_add(e3, x3, w)
-                d3 = _merge_add(d3, y3, w)
-        one = gl.full_like(mx, 1.0)
+                e2 = _merge_add(e2, x2, wk)
+                d2 = _merge_add(d2, y2, wk)
+                e3 = _merge_add(e3, x3, wk)
+                d3 = _merge_add(d3, y3, wk)
+        one = gl.full_like(safe, 1.0)
+        one = gl.convert_layout(one, o_q.type.layout)
         _store_half(out_ptr, e0, B0 * LBOX, one, f_q, mine, rows)
         _store_half(out_ptr, d0, B0 * LBOX + 1, one, f_q, mine, rows)
         _store_half(out_ptr, e1, (B0 + 1) * LBOX, one, f_q, mine, rows)
@@ -776,19 +788,18 @@ if HAS_GLUON:
 
     @gluon.jit
     def _merge_splits(o_ptr, lse_ptr, out_ptr, olse_ptr, o_q, so_p, l_off, sl_p, f_q, fl_off, nsplits, mine, rows,
-                      like, NQ: gl.constexpr):
+                      like, NQ: gl.constexpr, NSP: gl.constexpr):
         """The split merge of one sequence in the value warpgroup (its layout: `like`'s), as
-        `triton_merge._merge_n_kernel` computes it, over the partials in the value accumulators' dim
-        order (o_q the columns' offsets without the split's; f_q theirs in out): all four boxes a
-        split at a time, or two at a time over more than 16 columns (registers)."""
-        mx, safe, total = _merge_weights(lse_ptr, l_off, sl_p, nsplits, mine)
-        if NQ > 16:
-            _merge_boxes(o_ptr, lse_ptr, out_ptr, o_q, so_p, l_off, sl_p, f_q, nsplits, mine, rows, like, mx, safe, 0, 2)
-            _merge_boxes(o_ptr, lse_ptr, out_ptr, o_q, so_p, l_off, sl_p, f_q, nsplits, mine, rows, like, mx, safe, 2, 2)
-        else:
-            _merge_boxes(o_ptr, lse_ptr, out_ptr, o_q, so_p, l_off, sl_p, f_q, nsplits, mine, rows, like, mx, safe, 0, 4)
+        `triton_merge._merge_n_kernel` computes it (up to the order of the weights' sum), over at most
+        NSP splits' partials in the value accumulators' dim order (o_q the columns' offsets without the
+        split's; f_q theirs in out), all four boxes' loads of the splits issued ahead (at most
+        MERGE_MAX_COLUMNS columns: over 32 they spilled 3 KB)."""
+        gl.static_assert(NQ <= MERGE_COLUMNS, "the in-kernel merge takes at most 16 columns")
+        w, mx, safe, total = _merge_weights(lse_ptr, l_off, sl_p, nsplits, mine, NSP)
+        _merge_boxes(o_ptr, out_ptr, o_q, so_p, f_q, nsplits, mine, rows, like, w, safe, 0, 4, NSP)
         lse = gl.where(total == 0, float("-inf"), mx + gl.log(safe))
-        gl.store(olse_ptr + fl_off, lse, mask=mine)
+        gl.store(olse_ptr + gl.convert_layout(fl_off, lse.type.layout), lse,
+                 mask=gl.convert_layout(mine, lse.type.layout))
 
     @gluon.jit
     def _direct_loader(kl_desc, kr_desc, ks_desc, table_ptr, glens_ptr, kl_smem, kr_smem, ks_smem, raw_ready,
@@ -820,7 +831,7 @@ if HAS_GLUON:
                                   so_p, so_s, so_t, so_h, sl_p, sl_s, sl_t, out_ptr, olse_ptr, cnt_ptr, fo_s, fo_t,
                                   fo_h, fl_s, fl_t, PAGE: gl.constexpr, NQ: gl.constexpr,
                                   RAW: gl.constexpr, CAUSAL: gl.constexpr = False, F8: gl.constexpr = False,
-                                  PDL: gl.constexpr = False, PIPE: gl.constexpr = False, MERGE: gl.constexpr = False):
+                                  PDL: gl.constexpr = False, PIPE: gl.constexpr = False, MERGE: gl.constexpr = 0):
         """fp8 latent cache without a converter: a one-warp TMA loader fills RAW raw stages; one warpgroup
         reads each tile's bytes straight into the scores' A operands (`_direct_scores`), the other into
         the values' (`_direct_values`) one tile behind, through a double buffer of the weights."""
@@ -900,6 +911,9 @@ def launch(q: Tensor, k: Tensor, table: Tensor, seq_lens: Tensor, o: Tensor, lse
     tail = (o.stride(0), o.stride(1), o.stride(2), o.stride(3), lse.stride(0), lse.stride(1), lse.stride(2))
     if merged is not None and not (fp8 and direct):
         raise ValueError("the in-kernel split merge is built into the direct fp8 kernel only")
+    if merged is not None and not (1 < splits <= MERGE_MAX_SPLITS and tq * hq <= MERGE_MAX_COLUMNS):
+        raise ValueError(f"the in-kernel split merge takes 2 to {MERGE_MAX_SPLITS} splits and at most "
+                         f"{MERGE_MAX_COLUMNS} query rows, not {splits} splits of {tq} x {hq} rows")
     if fp8 and direct:
         out, out_lse, counters = merged if merged is not None else (o, lse, table)
         if merged is not None and (out.shape != o.shape[1:] or out.stride(-1) != 1 or out_lse.shape != lse.shape[1:]
@@ -917,7 +931,8 @@ def launch(q: Tensor, k: Tensor, table: Tensor, seq_lens: Tensor, o: Tensor, lse
             q, kl_desc, kr_desc, ks_desc, table, seq_lens, o, lse, scale_log2, split_len, hq, tq, dcp_size, dcp_rank,
             interleave, table.shape[1], nb, table.stride(0), *tail, out, out_lse, counters, *out.stride()[:3],
             *out_lse.stride()[:2], PAGE=page, NQ=nq, RAW=raw, CAUSAL=tq > 1, F8=bool(fp8_scores),
-            PIPE=bool(pipe) and pairs_apply(tq * hq, raw, fp8_scores), MERGE=merged is not None, num_warps=4, **launch)
+            PIPE=bool(pipe) and pairs_apply(tq * hq, raw, fp8_scores),
+            MERGE=1 << (splits - 1).bit_length() if merged is not None else 0, num_warps=4, **launch)
         return
     if fp8:
         raw_box = gl.NVMMASharedLayout.get_default_for([_BLOCK, _BLOCK], gl.float8e4nv)

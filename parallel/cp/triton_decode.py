@@ -1189,7 +1189,8 @@ def paged_decode_triton(q: Tensor, k: Tensor, v: Tensor, k_scale: Tensor | None,
         direct = gluon_mla_narrow.direct_stages(tq * hq, stages) if fp8 and CONFIG["direct_wide_narrow_fp8"] else 0
         if direct:
             ring, raw, rope = 0, direct, False
-            if splits > 1 and CONFIG["merge_wide_narrow_fp8"]:
+            if (1 < splits <= gluon_mla_narrow.MERGE_MAX_SPLITS and tq * hq <= gluon_mla_narrow.MERGE_MAX_COLUMNS
+                    and CONFIG["merge_wide_narrow_fp8"]):
                 counters = gluon_mla_narrow.merge_counters(q.device, s)
                 if counters is not None:
                     merged = (torch.empty(s, tq, hq, dv, dtype=torch.float32, device=q.device),
