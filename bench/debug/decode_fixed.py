@@ -29,7 +29,8 @@ from megapar.parallel.cp.paged import paged_decode_attention
 from megapar.parallel.cp.state import AttnState
 from megapar.parallel.cp.triton_merge import merge_states_triton
 
-SPLIT_KEYS = {"mla16": "target_programs_wide_narrow", "gqa": "target_programs_gluon_gqa"}
+# (the Gluon MLA kernels plan their splits with the full head tiles' targets, narrow or not)
+SPLIT_KEYS = {"mla16": ("target_programs_wide", "target_programs_wide_fp8"), "gqa": ("target_programs_gluon_gqa",)}
 
 
 def main(path: str) -> None:
@@ -68,7 +69,8 @@ def main(path: str) -> None:
                 if what == "call unfused":      # (MLA over fp8: the merge kernel after the kernel)
                     triton_decode.CONFIG["merge_wide_narrow_fp8"] = 0
                 if what in ("one split", "call 132"):
-                    triton_decode.CONFIG[SPLIT_KEYS[family]] = 1 if what == "one split" else 132
+                    for key in SPLIT_KEYS[family]:
+                        triton_decode.CONFIG[key] = 1 if what == "one split" else 132
                 fn = {"empty": lambda: call(zero), "merge": None}.get(what, lambda: call(one))
                 if what == "merge":
                     if "o" not in partials:

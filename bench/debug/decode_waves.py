@@ -1,5 +1,6 @@
 """How many waves of CTAs the Gluon decode kernels' split planning asks for: MLA's narrow head tiles
-(16 heads, bf16 and fp8 latent caches; CONFIG target_programs_wide_narrow) and GQA's Gluon kernel
+(16 heads, bf16 and fp8 latent caches; CONFIG target_programs_wide / _wide_fp8, which the Gluon MLA
+kernels take) and GQA's Gluon kernel
 (Hq 32, Hkv 4, D 128; target_programs_gluon_gqa), B = 32 over 1/4 of L = 8K / 32K / 128K, each
 target timed as `megapar bench cp` times the paged rows (`common.step_time`), with the fixed part
 (one page per rank, the same grid and merge). These kernels hold one CTA per SM: 132 programs are
@@ -24,7 +25,8 @@ from megapar.parallel.cp.mla import MLADims
 from megapar.parallel.cp.paged import paged_decode_attention
 
 TARGETS = (132, 264)
-FAMILIES = {"mla16": "target_programs_wide_narrow", "gqa": "target_programs_gluon_gqa"}
+# (the Gluon MLA kernels plan their splits with the full head tiles' targets, narrow or not)
+FAMILIES = {"mla16": ("target_programs_wide", "target_programs_wide_fp8"), "gqa": ("target_programs_gluon_gqa",)}
 
 
 def main(path: str) -> None:
@@ -57,7 +59,8 @@ def main(path: str) -> None:
                                                                     backend="triton", max_seq_len=context)
                 for target in TARGETS:
                     triton_decode.CONFIG.update(saved)
-                    triton_decode.CONFIG[key] = target
+                    for k in key:
+                        triton_decode.CONFIG[k] = target
                     us = step_time(ctx, [lambda c=c, t=t, q=q: call(c, t, q, seq) for c, t, q in sets])[0]
                     c, t, q = sets[0]
                     fixed = step_time(ctx, [lambda: call(c, t, q, short)])[0]
