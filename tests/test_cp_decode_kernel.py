@@ -814,58 +814,6 @@ def test_gluon_mla_narrow_swapped_on_gpu(dtype, size, rank, heads, tq, monkeypat
     _replays_to(lambda: run(cache, table), got)
 
 
-@pytest.mark.gpu
-@pytest.mark.parametrize("size,rank,heads,tq", [(1, 0, 16, 1), (4, 3, 16, 1), (2, 1, 6, 2), (1, 0, 4, 4)])
-def test_narrow_mla_fp8_split_merge_in_kernel_on_gpu(size, rank, heads, tq, monkeypatch):
-    """The direct fp8 narrow MLA kernel's in-kernel split merge (CONFIG merge_wide_narrow_fp8: the last
-    of a sequence's splits to finish merges them) against the merge kernel after it, over 1-8 splits,
-    empty and one-token sequences, DCP ranks and speculative tokens: the same weights and sums in the
-    same order (rounding of fused multiply-adds apart); a bad block id NaN in its sequence only; the
-    counters back at zero after every launch; a CUDA graph replays it; a capture that finds no
-    counters for its device falls back to the merge kernel, and one that finds them uses them."""
-    td = _compiled(monkeypatch)
-    from parallel.cp import gluon_mla, gluon_mla_narrow
-
-    if not (torch.cuda.get_device_capability() == (9, 0) and gluon_mla.HAS_GLUON):
-        pytest.skip("the Gluon MLA kernels need an sm_90 GPU and a Triton with Gluon")
-    for key, value in (("min_split_wide_narrow", 128), ("gluon_wide_narrow_fp8", 1), ("swap_wide_narrow_fp8", 1),
-                       ("merge_wide_narrow_fp8", 1)):
-        monkeypatch.setitem(td.CONFIG, key, value)
-    if not td.CONFIG["direct_wide_narrow_fp8"]:
-        pytest.skip("the direct fp8 form is not installed")
-    lens = [3000, 0, 77, 1, 640, 4096, 129, 2500]
-    gen = torch.Generator().manual_seed(7 + rank + heads + tq)
-    layout = DCPLayout(size=size, rank=rank, block_size=64)
-    cache, ref_cache, table, nb = _mla_dcp_cache(lens, layout, torch.float8_e4m3fn, gen)
-    q = torch.randn(len(lens), tq, heads, 576, generator=gen).to(torch.bfloat16).cuda()
-    seq = torch.tensor(lens, device="cuda")
-    run = lambda c, t: paged_decode_attention(q, c, t, seq, layout=layout, scale=0.07,
-                                              backend="torch" if c is ref_cache else "triton", validate=False)
-    ref = run(ref_cache, table)
-    used = []
-    real = gluon_mla_narrow.launch
-    monkeypatch.setattr(gluon_mla_narrow, "launch", lambda *a, **kw: used.append(kw) or real(*a, **kw))
-    got = run(cache, table)
-    assert used and used[-1]["merged"] is not None, "the in-kernel merge did not run"
-    assert used[-1]["merged"][2].count_nonzero().item() == 0
-    _check_against_torch(got, ref, 1)
-    monkeypatch.setitem(td.CONFIG, "merge_wide_narrow_fp8", 0)
-    other = run(cache, table)
-    assert used[-1]["merged"] is None
-    torch.testing.assert_close(got.out, other.out, atol=1e-6, rtol=1e-5)
-    torch.testing.assert_close(got.lse, other.lse, atol=1e-6, rtol=1e-6)
-    monkeypatch.setitem(td.CONFIG, "merge_wide_narrow_fp8", 1)
-    bad = table.clone()
-    bad[5, 0] = nb + 7
-    _nan_row_5_only(run(cache, bad), got)
-    assert used[-1]["merged"][2].count_nonzero().item() == 0
-    _replays_to(lambda: run(cache, table), got, times=3)
-    assert used[-1]["merged"] is not None and used[-1]["merged"][2].count_nonzero().item() == 0
-    monkeypatch.setattr(gluon_mla_narrow, "_COUNTERS", {})       # (none made for this device yet)
-    _replays_to(lambda: run(cache, table), other)
-    assert used[-1]["merged"] is None
-
-
 def test_narrow_mla_tiles_of_several_tokens_get_more_warps(monkeypatch):
     """The Triton kernel's narrow MLA tile over fp8 with more than 16 rows (a speculative step: 16
     heads x 2 tokens) launches with at least CONFIG num_warps_wide_narrow_fp8_32 warps (4 warps
@@ -904,25 +852,6 @@ def test_narrow_mla_fp8_rings_that_do_not_fit_are_refused():
                                              "stage: False"):
             gn.launch(q, k, torch.zeros(1, 4, dtype=torch.int32), torch.ones(1), None, None, 0.1, 1, 256, 1, 0, 1,
                       torch.ones(4, 64, 1), ring=2, raw=2)
-
-
-def test_narrow_mla_in_kernel_merge_is_refused_where_it_is_not_built():
-    """`gluon_mla_narrow.launch` takes merged outputs (the in-kernel split merge) for the direct fp8 form
-    only, and only outputs and counters that fit the partials, refusing before anything is built."""
-    from parallel.cp import gluon_mla_narrow as gn
-
-    if not gn.HAS_GLUON:
-        pytest.skip("needs a Triton with Gluon")
-    q = torch.zeros(2, 1, 16, 576, dtype=torch.bfloat16)
-    o, lse = torch.zeros(3, 2, 1, 16, 512), torch.zeros(3, 2, 1, 16)
-    ok = (torch.zeros(2, 1, 16, 512), torch.zeros(2, 1, 16), torch.zeros(4, dtype=torch.int32))
-    args = (torch.zeros(2, 4, dtype=torch.int32), torch.ones(2), o, lse, 0.1, 3, 256, 1, 0, 1)
-    with pytest.raises(ValueError, match="direct fp8 kernel only"):
-        gn.launch(q, torch.zeros(4, 64, 1, 576, dtype=torch.bfloat16), *args, merged=ok)
-    fp8 = torch.zeros(4, 64, 1, 576, dtype=torch.float8_e4m3fn)
-    for bad in ((ok[0][:1], ok[1], ok[2]), (ok[0], ok[1], ok[2][:1]), (ok[0], ok[1], ok[2].long())):
-        with pytest.raises(ValueError, match="do not fit partials"):
-            gn.launch(q, fp8, *args, torch.ones(4, 64, 1), raw=1, direct=True, merged=bad)
 
 
 def test_fp8_query_parts_hold_bf16_queries():

@@ -35,12 +35,10 @@ def _build(name: str) -> dict:
 
     pdl = name.endswith("-pdl")         # ("-pdl": launched with programmatic dependent launch)
     pipe = "-pipe" in name              # ("-pipe": the narrow direct kernel's next score MMAs issued early)
-    merge = "-merge" in name            # ("-merge": the narrow direct kernel's in-kernel split merge)
-    family, dtype, *more = name.removesuffix("-pdl").replace("-pipe", "").replace("-merge", "").split("-")
+    family, dtype, *more = name.removesuffix("-pdl").replace("-pipe", "").split("-")
     nq = 8 if more == ["swap"] else 0
     fp8 = dtype == "fp8"
-    ptrs = {"table_ptr": "*i32", "glens_ptr": "*i64", "o_ptr": "*fp32", "lse_ptr": "*fp32", "qk_scale": "fp32",
-            "out_ptr": "*fp32", "olse_ptr": "*fp32", "cnt_ptr": "*i32"}
+    ptrs = {"table_ptr": "*i32", "glens_ptr": "*i64", "o_ptr": "*fp32", "lse_ptr": "*fp32", "qk_scale": "fp32"}
     box = gl.NVMMASharedLayout.get_default_for([64, 64], gl.float8e4nv if fp8 else gl.bfloat16)
     desc = f"tensordesc<{'fp8e4nv' if fp8 else 'bf16'}[64, 64],{box}>"
     if family == "mlan":     # the swapped narrow-tile MLA kernel: "mlan-DTYPE-NQ[-rRINGrawRAW|-directRAW][-causal]"
@@ -94,8 +92,6 @@ def _build(name: str) -> dict:
         ptrs.update(q_desc=desc, k_desc=desc, k_ptr="*bf16")
     if "PDL" in kernel.arg_names:      # (a constexpr: left out, it would build as a run-time argument)
         consts["PDL"] = pdl
-    if "MERGE" in kernel.arg_names:
-        consts["MERGE"] = gluon_mla_narrow.MERGE_MAX_SPLITS if merge else 0     # (the splits padded: the most)
     if "PIPE" in kernel.arg_names:
         # (as `gluon_mla_narrow.launch` asks for it)
         consts["PIPE"] = pipe and gluon_mla_narrow.pairs_apply(consts["NQ"], consts["RAW"], consts["F8"])
@@ -134,9 +130,7 @@ def _build(name: str) -> dict:
     ("mlan-bf16-16-pdl", 0), ("mlan-fp8-16-r2raw2rope-pdl", 0),
     # the narrow direct kernel with the next tile's score MMAs issued before the softmax
     # (at most 16 columns: at 32 the kernel keeps the unpipelined form, whose two tiles' accumulators spilled)
-    ("mlan-fp8-16-direct3s-pipe-pdl", 0), ("mlan-fp8-8-direct3s-pipe", 0), ("mlan-fp8-32-direct4s-causal-pipe", 64),
-    # ... with the split merge in the kernel (the last split of a sequence to finish merges them; <= 16 columns)
-    ("mlan-fp8-16-direct5s-pipe-merge-pdl", 0), ("mlan-fp8-8-direct5s-causal-merge-pdl", 8)])
+    ("mlan-fp8-16-direct3s-pipe-pdl", 0), ("mlan-fp8-8-direct3s-pipe", 0), ("mlan-fp8-32-direct4s-causal-pipe", 64)])
 def test_gluon_decode_kernel_builds_for_sm90(name, spill_cap):
     """spill_cap: the committed MLA builds spill 12 B (bf16: the loader's masked tail tile) and 388-516 B
     (fp8: warpgroup 1's accumulators and the converter's loads), built with the launcher's 16-byte

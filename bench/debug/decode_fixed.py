@@ -2,8 +2,7 @@
 page per rank): B = 32, rank 0 of 4, L = 8K's grid, each timed as `megapar bench cp` times a call
 (`common.step_time`: ten calls a CUDA graph), for MLA 16 heads (fp8 and bf16) and GQA (Hq 32, Hkv 4,
 D 128, fp8 and bf16):
-- call: the public call over one page per rank (kernel + split merge; call 132: one wave's splits; call
-  unfused: MLA over fp8 with the merge kernel instead of its in-kernel merge);
+- call: the public call over one page per rank (kernel + split merge; call 132: one wave's splits);
 - kernel: the same with the split merge kernel replaced by nothing (the kernel alone);
 - empty: the kernel over zero tokens (launch, lengths, the -inf / zero partials);
 - one split: the kernel over one page with one split (grid B x kv heads; no merge);
@@ -63,11 +62,9 @@ def main(path: str) -> None:
                 partials["o"], partials["lse"] = outs, lses
                 return AttnState(outs[0], lses[0])
             tag = {"family": family, "cache": str(cache_dtype).replace("torch.", "")}
-            for what in ("call", "call unfused", "call 132", "kernel", "empty", "one split", "merge"):
+            for what in ("call", "call 132", "kernel", "empty", "one split", "merge"):
                 triton_decode.CONFIG.update(saved)
                 triton_decode.merge_states_triton = real_merge if what.startswith("call") else kernel_only
-                if what == "call unfused":      # (MLA over fp8: the merge kernel after the kernel)
-                    triton_decode.CONFIG["merge_wide_narrow_fp8"] = 0
                 if what in ("one split", "call 132"):
                     for key in SPLIT_KEYS[family]:
                         triton_decode.CONFIG[key] = 1 if what == "one split" else 132

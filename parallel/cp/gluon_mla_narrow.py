@@ -59,28 +59,6 @@ _LBOX, _LBOXES = 128, 4     # the direct fp8 kernel's latent boxes: 128 dims (12
 _DIRECT_STAGE = _LBOXES * _BLOCK * _LBOX + _BLOCK * _BLOCK + 4 * _BLOCK    # a raw stage: latent, rope, scales
 
 
-MERGE_MAX_SPLITS = 8    # the in-kernel split merge's most splits (one CTA reads them all; more: the merge kernel)
-MERGE_MAX_COLUMNS = 16  # ... and most columns (its unrolled loads of 8 splits at 32 columns spilled 3 KB)
-_COUNTERS: dict[int, Tensor] = {}
-
-
-def merge_counters(device: torch.device, n: int) -> Tensor | None:
-    """The in-kernel split merge's int32 counters (one per sequence) of `device`: zeros, which every
-    launch that uses them leaves at zero. One set a device, so two such launches must not run at once
-    on two streams of it (the decode path's calls run on one compute stream; CONFIG
-    merge_wide_narrow_fp8 = 0 otherwise). Made outside CUDA-graph capture only (a zero-fill there
-    would run at replay, not now): None where a capture finds none large enough, and the caller merges
-    with a kernel of its own instead."""
-    key = device.index if device.index is not None else torch.cuda.current_device()
-    have = _COUNTERS.get(key)
-    if have is not None and have.numel() >= n:
-        return have
-    if torch.cuda.is_current_stream_capturing():
-        return None
-    _COUNTERS[key] = torch.zeros(max(n, 256), dtype=torch.int32, device=device)
-    return _COUNTERS[key]
-
-
 def columns(heads: int) -> int:
     """NQ: the heads rounded up to a power of two, at least 8 (wgmma's N)."""
     return max(8, 1 << (heads - 1).bit_length())
@@ -328,7 +306,6 @@ if HAS_GLUON:
 
     LBOX = gl.constexpr(128)       # the direct kernel: fp8 dims of a latent box (128-byte rows)
     LBOXES = gl.constexpr(4)       # latent boxes of a key tile (4 x 128 = 512)
-    MERGE_COLUMNS = gl.constexpr(MERGE_MAX_COLUMNS)
     REGS_VALUES = gl.constexpr(232)     # registers a thread of the direct kernel's value warpgroup
 
     @gluon.jit
@@ -482,61 +459,6 @@ if HAS_GLUON:
         return ((127 - e) << 23).to(gl.float32, bitcast=True), bad
 
     @gluon.jit
-    def _fence_gpu():
-        """This thread's earlier writes visible to the whole GPU before its later ones (and reads)."""
-        gl.inline_asm_elementwise("fence.acq_rel.gpu; // $0", "=r", [], dtype=gl.int32, is_pure=False, pack=1)
-
-    @gluon.jit
-    def _last_split(cnt_ptr, s, cols, nsplits):
-        """(every thread of the value warpgroup, this split's partial out and lse stored) Whether this CTA is
-        the last of sequence s's `nsplits` to finish: the stores fenced, the warpgroup's barrier, one
-        acq_rel increment of the sequence's counter, which the last one finds at nsplits - 1 (and puts
-        back to 0 for the next launch)."""
-        _fence_gpu()
-        gl.thread_barrier()
-        first = cols == 0
-        at = cnt_ptr + s + cols * 0
-        prev = gl.atomic_add(at, first.to(gl.int32), mask=first, sem="acq_rel", scope="gpu")
-        last = gl.max(gl.where(first, prev, -1), 0) == nsplits - 1
-        if last:
-            gl.store(at, cols * 0, mask=first)
-            _fence_gpu()
-        return last
-
-    @gluon.jit
-    def _merge_weights(lse_ptr, l_off, sl_p, nsplits, mine, NSP: gl.constexpr):
-        """The split merge's weights [NSP, columns] (exp(lse - max), 0 past the `nsplits` partial lse
-        (natural log) at lse_ptr + split * sl_p + l_off, all read at once) and per column the max and the
-        sum of weights (1 where it is 0), as `triton_merge._merge_n_kernel` takes them: +inf read as
-        -inf, the max 0 where every split is empty, NaN where any lse is NaN. In the layout `_merge_row`
-        takes rows from."""
-        lay: gl.constexpr = gl.BlockedLayout([NSP, 1], [1, 32], [1, 4], [1, 0])
-        sp = gl.arange(0, NSP, layout=gl.SliceLayout(1, lay))
-        off = gl.convert_layout(l_off, gl.SliceLayout(0, lay))
-        live = (sp < nsplits)[:, None] & gl.convert_layout(mine, gl.SliceLayout(0, lay))[None, :]
-        li = gl.load(lse_ptr + sp[:, None] * sl_p + off[None, :], mask=live, other=float("-inf"), cache_modifier=".cg")
-        li = gl.where(li == float("inf"), float("-inf"), li)
-        nan = gl.max((li != li).to(gl.int32), 0) > 0
-        mx = gl.max(gl.where(li != li, float("-inf"), li), 0)
-        mx = gl.where(nan, float("nan"), gl.where(mx == float("-inf"), 0.0, mx))
-        w = gl.exp(li - mx[None, :])
-        total = gl.sum(w, 0)
-        return w, mx, gl.where(total > 0, total, 1.0), total
-
-    @gluon.jit
-    def _merge_row(w, k: gl.constexpr, safe, like_col):
-        """Split k's weights of `_merge_weights`' [NSP, columns] divided by their sum, in like_col's layout."""
-        sp = gl.arange(0, w.shape[0], layout=gl.SliceLayout(1, w.type.layout))
-        row = gl.sum(gl.where(sp[:, None] == k, w, 0.0), 0) / safe
-        return gl.convert_layout(row, like_col.type.layout)
-
-    @gluon.jit
-    def _merge_add(acc, x, w):
-        """acc + a split's partial x times its weight w per column (x left out where w is 0: an empty
-        split's partial may hold anything)."""
-        return acc + gl.where(w[None, :] > 0, x, 0.0) * w[None, :]
-
-    @gluon.jit
     def _store_half(o_ptr, o, first, factor, o_q, live, rows):
         """Output dims first, first + 2, .. (one parity of a latent box's 128) of the columns `live`."""
         gl.store(o_ptr + o_q[None, :] + (first + 2 * rows)[:, None], o * factor[None, :], mask=live[None, :])
@@ -573,7 +495,7 @@ if HAS_GLUON:
                        p_ready, p_free, table_ptr, glens_ptr, lse_ptr, s, split, split_len, dcp_size, dcp_rank,
                        interleave, table_w, num_blocks, st_s, qk_scale, sl_p, sl_s, sl_t, HQ, TQ,
                        PAGE: gl.constexpr, RAW: gl.constexpr, NQ: gl.constexpr, CAUSAL: gl.constexpr,
-                       F8: gl.constexpr, PIPE: gl.constexpr = False, MERGE: gl.constexpr = 0):
+                       F8: gl.constexpr, PIPE: gl.constexpr = False):
         """The direct fp8 kernel's first warpgroup: the queries, then per raw tile S^T = K Q^T with the A
         operand converted in registers from the raw bytes (or F8, as fp8 MMAs from shared memory), the
         online softmax (as `_consumer`'s over fp8: scales, a running per-column unit), the weights P^T and
@@ -663,8 +585,6 @@ if HAS_GLUON:
         tok = (cols // HQ).to(gl.int64)
         head = (cols % HQ).to(gl.int64)
         gl.store(lse_ptr + split.to(gl.int64) * sl_p + s.to(gl.int64) * sl_s + tok * sl_t + head, lse, mask=mine)
-        if MERGE:   # (the value warpgroup counts this split done once it has the factor below)
-            _fence_gpu()
         if tiles >= 2:
             mbarrier.wait(p_free.index(tiles % 2), ((tiles // 2) - 1) & 1)
         a_smem.index(tiles % 2).store(factor)
@@ -673,15 +593,12 @@ if HAS_GLUON:
 
     @gluon.jit
     def _direct_values(kl_smem, p_smem, a_smem, raw_free, p_ready, p_free, glens_ptr, o_ptr, s, split, split_len,
-                       dcp_size, dcp_rank, interleave, table_w, so_p, so_s, so_t, so_h, HQ, TQ, lse_ptr, sl_p, sl_s,
-                       sl_t, out_ptr, olse_ptr, cnt_ptr, fo_s, fo_t, fo_h, fl_s, fl_t, PAGE: gl.constexpr,
-                       RAW: gl.constexpr, NQ: gl.constexpr, MERGE: gl.constexpr = 0):
+                       dcp_size, dcp_rank, interleave, table_w, so_p, so_s, so_t, so_h, HQ, TQ, PAGE: gl.constexpr,
+                       RAW: gl.constexpr, NQ: gl.constexpr):
         """The direct fp8 kernel's value warpgroup: per tile, once its weights are published, O^T += V^T
         P^T with the A operand converted in registers from the raw bytes (each accumulator one parity
         of a latent box's dims), its hold on the raw stage and the weights then released; at the end the
-        output times the scores warpgroup's factor. MERGE (the grid's splits padded to a power of two,
-        0: off): the last of a sequence's splits to finish (`_last_split`) merges all of them into out /
-        olse (`_merge_splits`). (Two value warpgroups of two boxes each ran 3-7%
+        output times the scores warpgroup's factor. (Two value warpgroups of two boxes each ran 3-7%
         slower: decode-narrow10/12-values2-h200.json.)"""
         mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, NQ, 16])
         key_l: gl.constexpr = gl.SliceLayout(1, mma)
@@ -729,77 +646,6 @@ if HAS_GLUON:
         _store_half(o_ptr, d2, 2 * LBOX + 1, factor, o_q, mine, rows)
         _store_half(o_ptr, e3, 3 * LBOX, factor, o_q, mine, rows)
         _store_half(o_ptr, d3, 3 * LBOX + 1, factor, o_q, mine, rows)
-        if MERGE:
-            if _last_split(cnt_ptr, s, cols, gl.num_programs(1)):
-                tok = (cols // HQ).to(gl.int64)
-                head = (cols % HQ).to(gl.int64)
-                _merge_splits(o_ptr, lse_ptr, out_ptr, olse_ptr, o_q - split.to(gl.int64) * so_p, so_p,
-                              s.to(gl.int64) * sl_s + tok * sl_t + head, sl_p,
-                              s.to(gl.int64) * fo_s + tok * fo_t + head * fo_h, s.to(gl.int64) * fl_s + tok * fl_t + head,
-                              gl.num_programs(1), mine, rows, e0, NQ, MERGE)
-
-    @gluon.jit
-    def _merge_boxes(o_ptr, out_ptr, o_q, so_p, f_q, nsplits, mine, rows, like, w, safe,
-                     B0: gl.constexpr, BOXES: gl.constexpr, NSP: gl.constexpr):
-        """The merged out of latent boxes B0 .. B0 + BOXES - 1 (BOXES 2 or 4: two accumulators a box, one
-        parity of its 128 dims each) over the NSP (padded) splits, unrolled: their loads issued ahead."""
-        e0 = gl.zeros_like(like)
-        d0 = gl.zeros_like(like)
-        e1 = gl.zeros_like(like)
-        d1 = gl.zeros_like(like)
-        if BOXES == 4:
-            e2 = gl.zeros_like(like)
-            d2 = gl.zeros_like(like)
-            e3 = gl.zeros_like(like)
-            d3 = gl.zeros_like(like)
-        for k in gl.static_range(NSP):
-            live = mine[None, :] & (k < nsplits)
-            wk = _merge_row(w, k, safe, o_q)
-            at = o_ptr + k * so_p + o_q[None, :] + (B0 * LBOX + 2 * rows)[:, None]
-            x0 = gl.load(at, mask=live, other=0.0, cache_modifier=".cg")
-            y0 = gl.load(at + 1, mask=live, other=0.0, cache_modifier=".cg")
-            x1 = gl.load(at + LBOX, mask=live, other=0.0, cache_modifier=".cg")
-            y1 = gl.load(at + (LBOX + 1), mask=live, other=0.0, cache_modifier=".cg")
-            if BOXES == 4:
-                x2 = gl.load(at + 2 * LBOX, mask=live, other=0.0, cache_modifier=".cg")
-                y2 = gl.load(at + (2 * LBOX + 1), mask=live, other=0.0, cache_modifier=".cg")
-                x3 = gl.load(at + 3 * LBOX, mask=live, other=0.0, cache_modifier=".cg")
-                y3 = gl.load(at + (3 * LBOX + 1), mask=live, other=0.0, cache_modifier=".cg")
-            e0 = _merge_add(e0, x0, wk)
-            d0 = _merge_add(d0, y0, wk)
-            e1 = _merge_add(e1, x1, wk)
-            d1 = _merge_add(d1, y1, wk)
-            if BOXES == 4:
-                e2 = _merge_add(e2, x2, wk)
-                d2 = _merge_add(d2, y2, wk)
-                e3 = _merge_add(e3, x3, wk)
-                d3 = _merge_add(d3, y3, wk)
-        one = gl.full_like(safe, 1.0)
-        one = gl.convert_layout(one, o_q.type.layout)
-        _store_half(out_ptr, e0, B0 * LBOX, one, f_q, mine, rows)
-        _store_half(out_ptr, d0, B0 * LBOX + 1, one, f_q, mine, rows)
-        _store_half(out_ptr, e1, (B0 + 1) * LBOX, one, f_q, mine, rows)
-        _store_half(out_ptr, d1, (B0 + 1) * LBOX + 1, one, f_q, mine, rows)
-        if BOXES == 4:
-            _store_half(out_ptr, e2, (B0 + 2) * LBOX, one, f_q, mine, rows)
-            _store_half(out_ptr, d2, (B0 + 2) * LBOX + 1, one, f_q, mine, rows)
-            _store_half(out_ptr, e3, (B0 + 3) * LBOX, one, f_q, mine, rows)
-            _store_half(out_ptr, d3, (B0 + 3) * LBOX + 1, one, f_q, mine, rows)
-
-    @gluon.jit
-    def _merge_splits(o_ptr, lse_ptr, out_ptr, olse_ptr, o_q, so_p, l_off, sl_p, f_q, fl_off, nsplits, mine, rows,
-                      like, NQ: gl.constexpr, NSP: gl.constexpr):
-        """The split merge of one sequence in the value warpgroup (its layout: `like`'s), as
-        `triton_merge._merge_n_kernel` computes it (up to the order of the weights' sum), over at most
-        NSP splits' partials in the value accumulators' dim order (o_q the columns' offsets without the
-        split's; f_q theirs in out), all four boxes' loads of the splits issued ahead (at most
-        MERGE_MAX_COLUMNS columns: over 32 they spilled 3 KB)."""
-        gl.static_assert(NQ <= MERGE_COLUMNS, "the in-kernel merge takes at most 16 columns")
-        w, mx, safe, total = _merge_weights(lse_ptr, l_off, sl_p, nsplits, mine, NSP)
-        _merge_boxes(o_ptr, out_ptr, o_q, so_p, f_q, nsplits, mine, rows, like, w, safe, 0, 4, NSP)
-        lse = gl.where(total == 0, float("-inf"), mx + gl.log(safe))
-        gl.store(olse_ptr + gl.convert_layout(fl_off, lse.type.layout), lse,
-                 mask=gl.convert_layout(mine, lse.type.layout))
 
     @gluon.jit
     def _direct_loader(kl_desc, kr_desc, ks_desc, table_ptr, glens_ptr, kl_smem, kr_smem, ks_smem, raw_ready,
@@ -828,10 +674,9 @@ if HAS_GLUON:
     @gluon.jit
     def _mla_narrow_direct_kernel(q_ptr, kl_desc, kr_desc, ks_desc, table_ptr, glens_ptr, o_ptr, lse_ptr, qk_scale,
                                   split_len, HQ, TQ, dcp_size, dcp_rank, interleave, table_w, num_blocks, st_s,
-                                  so_p, so_s, so_t, so_h, sl_p, sl_s, sl_t, out_ptr, olse_ptr, cnt_ptr, fo_s, fo_t,
-                                  fo_h, fl_s, fl_t, PAGE: gl.constexpr, NQ: gl.constexpr,
+                                  so_p, so_s, so_t, so_h, sl_p, sl_s, sl_t, PAGE: gl.constexpr, NQ: gl.constexpr,
                                   RAW: gl.constexpr, CAUSAL: gl.constexpr = False, F8: gl.constexpr = False,
-                                  PDL: gl.constexpr = False, PIPE: gl.constexpr = False, MERGE: gl.constexpr = 0):
+                                  PDL: gl.constexpr = False, PIPE: gl.constexpr = False):
         """fp8 latent cache without a converter: a one-warp TMA loader fills RAW raw stages; one warpgroup
         reads each tile's bytes straight into the scores' A operands (`_direct_scores`), the other into
         the values' (`_direct_values`) one tile behind, through a double buffer of the weights."""
@@ -871,11 +716,10 @@ if HAS_GLUON:
             (_direct_scores, (q_ptr, ql_smem, qr_smem, kl_smem, kr_smem, ks_smem, p_smem, a_smem, raw_ready,
                               raw_free, p_ready, p_free, table_ptr, glens_ptr, lse_ptr, s, split, split_len,
                               dcp_size, dcp_rank, interleave, table_w, num_blocks, st_s, qk_scale, sl_p, sl_s, sl_t,
-                              HQ, TQ, PAGE, RAW, NQ, CAUSAL, F8, PIPE, MERGE)),
+                              HQ, TQ, PAGE, RAW, NQ, CAUSAL, F8, PIPE)),
             (_direct_values, (kl_smem, p_smem, a_smem, raw_free, p_ready, p_free, glens_ptr, o_ptr, s, split,
                               split_len, dcp_size, dcp_rank, interleave, table_w, so_p, so_s, so_t, so_h, HQ, TQ,
-                              lse_ptr, sl_p, sl_s, sl_t, out_ptr, olse_ptr, cnt_ptr, fo_s, fo_t, fo_h, fl_s, fl_t,
-                              PAGE, RAW, NQ, MERGE)),
+                              PAGE, RAW, NQ)),
             (_direct_loader, (kl_desc, kr_desc, ks_desc, table_ptr, glens_ptr, kl_smem, kr_smem, ks_smem,
                               raw_ready, raw_free, s, split, split_len, dcp_size, dcp_rank, interleave, table_w,
                               num_blocks, st_s, PAGE, RAW)),
@@ -884,8 +728,7 @@ if HAS_GLUON:
 def launch(q: Tensor, k: Tensor, table: Tensor, seq_lens: Tensor, o: Tensor, lse: Tensor, scale_log2: float,
            splits: int, split_len: int, dcp_size: int, dcp_rank: int, interleave: int,
            k_scale: Tensor | None = None, ring: int = 2, raw: int = 1, rope_raw: bool = False,
-           direct: bool = False, fp8_scores: bool = False, pdl: bool = False, pipe: bool = False,
-           merged: tuple[Tensor, Tensor, Tensor] | None = None) -> None:
+           direct: bool = False, fp8_scores: bool = False, pdl: bool = False, pipe: bool = False) -> None:
     """Fill the split partials o [splits, S, Tq, Hq, 512] / lse [splits, S, Tq, Hq] of queries q [S, Tq,
     Hq, 576] (`gluon_mla.gluon_mla_ok` and `narrow_ok` of Tq x Hq columns hold; Tq > 1: causal within
     the step's tokens); over fp8 `ring` fp16 and `raw` raw stages of 64 keys (`fp8_fits`), the rope
@@ -893,9 +736,7 @@ def launch(q: Tensor, k: Tensor, table: Tensor, seq_lens: Tensor, o: Tensor, lse
     `direct` no converter and `raw` raw stages only (`direct_fits`; `fp8_scores`: the scores as fp8
     MMAs against the queries' e4m3 hi + lo parts, `pipe`: the scores in tile pairs (`pairs_apply`: with
     fp8_scores, at least two raw stages and at most PAIRS_MAX_COLUMNS columns); pdl: launched with
-    programmatic dependent launch, `triton_merge.pdl_ok`; `merged` (the direct form): (out [S, Tq, Hq,
-    512], lse [S, Tq, Hq], int32 counters [>= S], all zero): the last split of each sequence to finish
-    merges the partials into out / lse in the kernel (`merge_counters`), leaving the counters at zero)."""
+    programmatic dependent launch, `triton_merge.pdl_ok`)."""
     s, tq, hq, d = q.shape
     nb, page = k.shape[0], k.shape[1]
     nq = columns(tq * hq)
@@ -909,17 +750,7 @@ def launch(q: Tensor, k: Tensor, table: Tensor, seq_lens: Tensor, o: Tensor, lse
                          f"stages of {_BLOCK} keys (rope from the raw stage: {bool(rope_raw)}) does not fit in "
                          f"shared memory ({SMEM_LIMIT} bytes)")
     tail = (o.stride(0), o.stride(1), o.stride(2), o.stride(3), lse.stride(0), lse.stride(1), lse.stride(2))
-    if merged is not None and not (fp8 and direct):
-        raise ValueError("the in-kernel split merge is built into the direct fp8 kernel only")
-    if merged is not None and not (1 < splits <= MERGE_MAX_SPLITS and tq * hq <= MERGE_MAX_COLUMNS):
-        raise ValueError(f"the in-kernel split merge takes 2 to {MERGE_MAX_SPLITS} splits and at most "
-                         f"{MERGE_MAX_COLUMNS} query rows, not {splits} splits of {tq} x {hq} rows")
     if fp8 and direct:
-        out, out_lse, counters = merged if merged is not None else (o, lse, table)
-        if merged is not None and (out.shape != o.shape[1:] or out.stride(-1) != 1 or out_lse.shape != lse.shape[1:]
-                                   or counters.dtype != torch.int32 or counters.numel() < s):
-            raise ValueError(f"merged outputs {tuple(out.shape)} / {tuple(out_lse.shape)} and {counters.numel()} "
-                             f"{counters.dtype} counters do not fit partials {tuple(o.shape)} of {s} sequences")
         lbox = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=8, rank=2)
         rbox = gl.NVMMASharedLayout(swizzle_byte_width=64, element_bitwidth=8, rank=2)
         sc_box = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2)
@@ -929,10 +760,8 @@ def launch(q: Tensor, k: Tensor, table: Tensor, seq_lens: Tensor, o: Tensor, lse
         ks_desc = TensorDescriptor(ks2, list(ks2.shape), list(ks2.stride()), [1, _BLOCK], sc_box)
         _mla_narrow_direct_kernel[(s, splits)](
             q, kl_desc, kr_desc, ks_desc, table, seq_lens, o, lse, scale_log2, split_len, hq, tq, dcp_size, dcp_rank,
-            interleave, table.shape[1], nb, table.stride(0), *tail, out, out_lse, counters, *out.stride()[:3],
-            *out_lse.stride()[:2], PAGE=page, NQ=nq, RAW=raw, CAUSAL=tq > 1, F8=bool(fp8_scores),
-            PIPE=bool(pipe) and pairs_apply(tq * hq, raw, fp8_scores),
-            MERGE=1 << (splits - 1).bit_length() if merged is not None else 0, num_warps=4, **launch)
+            interleave, table.shape[1], nb, table.stride(0), *tail, PAGE=page, NQ=nq, RAW=raw, CAUSAL=tq > 1,
+            F8=bool(fp8_scores), PIPE=bool(pipe) and pairs_apply(tq * hq, raw, fp8_scores), num_warps=4, **launch)
         return
     if fp8:
         raw_box = gl.NVMMASharedLayout.get_default_for([_BLOCK, _BLOCK], gl.float8e4nv)

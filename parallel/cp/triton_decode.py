@@ -678,12 +678,12 @@ CONFIG = {
     # steps (34.5-35.8 / 116-127 / 443-489 µs against 23.6 / 71.0 / 260.6). Nor kept: the value warpgroup
     # leaving a tile's last two boxes' MMAs in flight into the next tile (its raw stage released once read):
     # 25.8-26.0 / 67.3 / 226.7-227.0 against 22.7-23.1 / 56.0-56.2 / 182.8-185.7 (decode-narrow19-defer-h200.json)
+    # Nor the split merge in the kernel (the last of a sequence's splits to finish, by a per-device counter,
+    # merging them in its value warpgroup; commits d9e27d2 / 2afb292): one page per rank, 4 splits, ten calls a
+    # graph, 16.2 µs a call against 11.4 with the merge kernel (7.4 with one split and no merge): its chain
+    # (fence, atomic, the lse and partials read back from L2 by one CTA) is longer than the merge kernel's
+    # launch (logs/decode-fixed2-h200.json)
     "pipe_wide_narrow_fp8": 1,
-    # ... and the split merge in the kernel (1): the last of a sequence's splits to finish merges
-    # them (a per-device counter a sequence, `gluon_mla_narrow.merge_counters`), instead of the merge
-    # kernel after it (0). Its fixed part (one page per rank, B 32, rank 0 of 4 at 8K's grid, ten calls a
-    # graph; bench/debug/decode_fixed.py): the kernel alone 7.6 µs a call, with the merge kernel 11.6
-    "merge_wide_narrow_fp8": 1,
     # over fp8: a TMA ring of this many raw fp8 tiles in front of the Gluon kernel's converter (0:
     # the converter loads 64-key tiles itself into two fp16 stages; Nsight Compute had put the
     # kernel's bound in those loads, docs/gpu.md section 18). With 64-key tiles and one fp16 stage:
@@ -972,7 +972,7 @@ _VALID = {
     "gluon_gqa": (0, 1), "gluon_gqa_fp8": (0, 1), "stages": range(2, 7), "raw_stages": range(2, 11),
     "swap": (0, 1), "raw_ring": (0, 1, 2, 3, 4), "keys": (32, 64), "ring": (1, 2, 3),
     "maxnreg": (0, *range(64, 256, 8)), "at_most": (0, 1), "stage16": (0, 1, 2), "even": (0, 1), "rope_raw": (0, 1),
-    "direct": range(0, 13), "fp8_scores": (0, 1), "pipe": (0, 1), "merge": (0, 1),
+    "direct": range(0, 13), "fp8_scores": (0, 1), "pipe": (0, 1),
 }
 _META = ("device", "sizes", "seconds", "results", "notes", "problems")
 
@@ -1182,28 +1182,19 @@ def paged_decode_triton(q: Tensor, k: Tensor, v: Tensor, k_scale: Tensor | None,
     ks_st = ks.stride() if fp8 else (0, 0, 0)
     vs_st = vs.stride() if fp8 else (0, 0, 0)
     table = block_table if block_table.stride(-1) == 1 else block_table.contiguous()
-    merged = None
     if s > 0 and splits > 0 and swapped:
         wide = tq * hq > gluon_mla_narrow.PAIRS_MAX_COLUMNS     # (no tile pairs there: fewer stages serve)
         stages = CONFIG["direct_wide_narrow_fp8_32" if wide else "direct_wide_narrow_fp8"]
         direct = gluon_mla_narrow.direct_stages(tq * hq, stages) if fp8 and CONFIG["direct_wide_narrow_fp8"] else 0
         if direct:
             ring, raw, rope = 0, direct, False
-            if (1 < splits <= gluon_mla_narrow.MERGE_MAX_SPLITS and tq * hq <= gluon_mla_narrow.MERGE_MAX_COLUMNS
-                    and CONFIG["merge_wide_narrow_fp8"]):
-                counters = gluon_mla_narrow.merge_counters(q.device, s)
-                if counters is not None:
-                    merged = (torch.empty(s, tq, hq, dv, dtype=torch.float32, device=q.device),
-                              torch.empty(s, tq, hq, dtype=torch.float32, device=q.device), counters)
         else:
             direct, (ring, raw, rope) = 0, gluon_mla_narrow.fp8_form(tq * hq, *(CONFIG[f"{n}_wide_narrow_fp8"]
                                                                        for n in ("ring", "raw_ring", "rope_raw")))
         gluon_mla_narrow.launch(q, k, table, seq_lens, o, lse, scale * _LOG2E, splits, split_len, dcp_size, dcp_rank,
                                 interleave, k_scale if fp8 else None, ring=ring, raw=raw, rope_raw=rope,
                                 direct=bool(direct), fp8_scores=bool(CONFIG["fp8_scores_wide_narrow_fp8"]), pdl=pdl,
-                                pipe=bool(CONFIG["pipe_wide_narrow_fp8"]), merged=merged)
-        if merged is not None:
-            return AttnState(merged[0], merged[1])
+                                pipe=bool(CONFIG["pipe_wide_narrow_fp8"]))
     elif s > 0 and splits > 0 and gluon:
         gluon_mla.launch_gluon_mla(q, k, table, seq_lens, o, lse, scale * _LOG2E, splits, split_len, dcp_size,
                                    dcp_rank, interleave, k_scale if fp8 else None, raw_ring=CONFIG["raw_ring_wide_fp8"],
