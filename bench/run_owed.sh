@@ -7,7 +7,7 @@
 # FP8-GEMM-alone sweep at V3 L2; dectiming: bench/debug/decode_timing.py (dtmla: its MLA 16-head and GQA fp8 runs); dgluon: bench/debug/decode_gluon.py; dnarrow:
 # bench/debug/decode_narrow.py; cvtrate: bench/debug/cvt_rate.py; dgqa:
 # bench/debug/decode_gluon_gqa.py; dstream: bench/debug/decode_stream.py; dsplits:
-# bench/debug/decode_splits.py; ncugqa: Nsight Compute over bench/debug/decode_ncu.py gluon-gqa;
+# bench/debug/decode_splits.py; dwaves: bench/debug/decode_waves.py; dfixed: bench/debug/decode_fixed.py; ncugqa: Nsight Compute over bench/debug/decode_ncu.py gluon-gqa;
 # ncusrc: per-instruction stall samples (SASS, csv) of the kernel NCU_KERNEL names, decode_ncu.py NCU_ARGS)
 # Each step runs under `timeout` (its own limit, cut to what is left of DEADLINE, default 570 s
 # from the start), logs to STEP.log and writes its results beside it; a step that would get
