@@ -104,6 +104,10 @@ def test_reduced_sizes_without_quick_are_labelled_quick(tmp_path, monkeypatch):
     assert any("results tagged -quick" in n for n in json.loads(path.read_text())["notes"])
     full = BenchContext(suite="x", device=torch.device("cpu"))
     full.record("a", 1.0)
+    full.note("skipped at L=8")
+    full.note("other")
+    full.note("skipped at L=8")          # a loop reaching the same note again: kept once
+    assert full.notes == ["skipped at L=8", "other"]
     assert write_results(full, tmp_path).name == "x-cpu.json"
 
 

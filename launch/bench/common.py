@@ -122,6 +122,10 @@ class BenchContext:
             torch.set_num_threads(threads)
 
     def note(self, text: str) -> None:
+        """Add a line to the results' notes, once: a suite's loops may reach the same note for
+        several rows (the rows' own columns already tell them apart)."""
+        if text in self.notes:
+            return
         self.notes.append(text)
         print(f"  note: {text}", flush=True)
 
