@@ -22,6 +22,8 @@
    (gathered pages) and SDPA on a contiguous copy of the same KV; floor = the KV bytes at the
    copy ceiling (target >= 70% and faster than SDPA). The fused MLA prep (`parallel.cp.mla_prep`)
    against the unfused torch sequence at 1, 16, 64, 256 tokens (target >= 60% of copy, >= 3x).
+   Speculative decode (Tq = 2, 4 new tokens a sequence, causal over their global positions) at
+   L = 32K: GQA and MLA with 16 heads against the same anchors given the tokens' mask.
 Sections 2 and 4 time every decode call (ours and the SDPA / torch bmm anchors) as a decode step's
 CUDA graph runs it (`common.step_time`): µs per call of ten calls captured in one graph, over
 copies of the inputs taken in turn so that a call reads its KV from DRAM, not from the L2 the call
@@ -364,17 +366,39 @@ def _multi_gpu(ctx: BenchContext) -> None:
 # paged decode kernel, MLA decode, fused MLA prep (CUDA)
 
 
-def _sdpa_contiguous(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    """The anchor: SDPA of one query token per sequence over a contiguous [B, H, L, D] KV (GQA)."""
-    return torch.nn.functional.scaled_dot_product_attention(q, k, v, enable_gqa=True)
+def _sdpa_contiguous(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                     mask: torch.Tensor | None = None) -> torch.Tensor:
+    """The anchor: SDPA of the query tokens over a contiguous KV (GQA): q [B, Hq, Tq, D], k / v
+    [B, Hkv, L, D]. mask [Tq, L] bool (speculative tokens: what each token sees): the Hq / Hkv
+    query heads of a kv head are folded into its query rows, so that SDPA reads each kv head
+    once whichever backend the mask leaves it."""
+    if mask is None:
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v, enable_gqa=True)
+    b, hq, tq, d = q.shape
+    group = hq // k.shape[1]
+    rows = q.reshape(b, k.shape[1], group * tq, d)                       # rows (head in group, token)
+    out = torch.nn.functional.scaled_dot_product_attention(rows, k, v, attn_mask=mask.repeat(group, 1))
+    return out.reshape(b, hq, tq, v.shape[-1])
 
 
-def _mla_torch_contiguous(q: torch.Tensor, latent: torch.Tensor, dv: int, scale: float) -> torch.Tensor:
+def _mla_torch_contiguous(q: torch.Tensor, latent: torch.Tensor, dv: int, scale: float,
+                          mask: torch.Tensor | None = None) -> torch.Tensor:
     """The MLA anchor: absorbed decode in plain torch over a contiguous latent cache, as a user
     would write it (two batched matmuls; SDPA's GQA expansion of one 576-wide head to 128
-    materializes the KV per head: 64 GiB at B = 32, L = 32K). q [B, H, D], latent [B, L, D]."""
-    s = torch.matmul(q, latent.transpose(1, 2)).float() * scale           # [B, H, L]
+    materializes the KV per head: 64 GiB at B = 32, L = 32K). q [B, R, D] (R query rows: heads,
+    or tokens x heads), latent [B, L, D], mask [R, L] bool (speculative tokens) or None."""
+    s = torch.matmul(q, latent.transpose(1, 2)).float() * scale           # [B, R, L]
+    if mask is not None:
+        s = s.masked_fill(~mask, float("-inf"))
     return torch.matmul(torch.softmax(s, -1).to(latent.dtype), latent[..., :dv])
+
+
+def speculative_mask(layout: DCPLayout, local: int, tokens: int, context: int, device=None) -> torch.Tensor:
+    """[tokens, local] bool: which of this rank's `local` cached tokens (in cache order) each of the
+    newest `tokens` of a sequence of global length `context` sees (token t sits at context -
+    tokens + t and sees positions <= its own)."""
+    seen = layout.global_positions(torch.arange(local, device=device))
+    return seen[None, :] <= (context - tokens + torch.arange(tokens, device=device))[:, None]
 
 
 def _paged_decode_rows(ctx: BenchContext) -> None:
@@ -470,6 +494,84 @@ def _paged_decode_rows(ctx: BenchContext) -> None:
     _note_graph_timing(ctx)
 
 
+SPECULATIVE = (("gqa", 32, 2), ("gqa", 32, 4), ("mla", 16, 2))
+"""The speculative rows: (kind, query heads, new tokens a sequence)."""
+
+
+def _speculative_rows(ctx: BenchContext, batch: int = 32, context: int = 32768, n: int = 4, block: int = 64) -> None:
+    """Speculative decode (MTP / draft verification: Tq new tokens a sequence, each causal over the
+    global positions): GQA (Hq 32, Hkv 4) at Tq = 2 and 4 and MLA with 16 heads at Tq = 2, bf16 and
+    fp8 caches, rank 0's 1/N of the paged KV, against the decode rows' anchors given the tokens'
+    mask (SDPA with the kv head's query heads folded into its rows; torch absorbed MLA). The KV
+    bytes are one token's, so floor_us is the decode rows' floor; the issue's targets are for Tq = 1
+    (none is recorded here). Runs anywhere (the torch path off CUDA: the CPU test's small sizes)."""
+    from megapar.parallel.cp.mla import MLADims
+    from megapar.parallel.cp.paged import paged_decode_attention
+
+    ceiling = copy_ceiling_gbps(ctx.device)
+    backend = "triton" if ctx.is_cuda else "torch"
+    dtype = torch.bfloat16 if ctx.is_cuda else torch.float32
+    dims = MLADims()
+    layout = DCPLayout(size=n, rank=0, block_size=block)
+    local = int(layout.local_lengths(context))
+    seq = torch.full((batch,), context, device=ctx.device)
+    for kind, heads, tokens in SPECULATIVE:
+        for cache_dtype in (torch.bfloat16, torch.float8_e4m3fn):
+            if kind == "gqa":
+                kv_heads, d, dv, scale, v_from_k = 4, 128, 128, 128 ** -0.5, False
+                what = f"Hq={heads}, Hkv={kv_heads}"
+
+                def make_cache():
+                    return _decode_setup(batch, context, heads, kv_heads, d, block, n, ctx.device, cache_dtype)[:2]
+            else:
+                kv_heads, d, dv, scale, v_from_k = 1, dims.latent_dim, dims.kv_lora_rank, dims.scale, True
+                what = f"MLA H={heads}, latent {d}"
+
+                def make_cache():
+                    latent, table = _mla_decode_setup(batch, context, dims, block, n, ctx.device, cache_dtype)
+                    return latent.paged, table
+
+            def make():
+                return (*make_cache(), torch.randn(batch, tokens, heads, d, device=ctx.device, dtype=dtype))
+
+            def ours(c, t, q, lens=seq):
+                return paged_decode_attention(q, c, t, lens, layout=layout, scale=scale, backend=backend,
+                                              max_seq_len=context)
+            sets = input_copies(ctx, make, lambda c: kv_read_bytes_of(c[0], batch * local, kv_heads, d, dv, v_from_k))
+            nbytes = kv_read_bytes_of(sets[0][0], batch * local, kv_heads, d, dv, v_from_k)
+            ours_us, ours_cols = _decode_time(ctx, [lambda c=c, t=t, q=q: ours(c, t, q) for c, t, q in sets])
+            cache, table, q = sets[0]
+            short = torch.full_like(seq, n * block)
+            fixed_us = _decode_time(ctx, [lambda: ours(cache, table, q, short)])[0]
+            del sets
+            mask = speculative_mask(layout, local, tokens, context, ctx.device)
+            kvs = input_copies(ctx, lambda: [torch.randn(batch, kv_heads, local, d, device=ctx.device, dtype=dtype)
+                                             for _ in range(1 + (kind == "gqa"))],
+                               lambda kv: sum(t.numel() * t.element_size() for t in kv))
+            if kind == "gqa":
+                anchor = "SDPA with the tokens' mask, contiguous KV of the same tokens"
+                q_heads = q.transpose(1, 2).contiguous()                     # [B, Hq, Tq, D], as SDPA takes it
+                anchor_us, anchor_cols = step_time(ctx, [lambda kc=kc, vc=vc: _sdpa_contiguous(q_heads, kc, vc, mask)
+                                                         for kc, vc in kvs])
+            else:
+                anchor = "torch absorbed MLA with the tokens' mask, contiguous latent of the same tokens"
+                rows, row_mask = q.reshape(batch, tokens * heads, d), mask.repeat_interleave(heads, 0)
+                anchor_us, anchor_cols = step_time(ctx, [lambda kc=kc: _mla_torch_contiguous(rows, kc[:, 0], dv, scale,
+                                                                                             row_mask)
+                                                         for kc, in kvs])
+            del kvs
+            byte_floor = _floor(nbytes, ceiling)
+            flop_floor = _flop_floor_us(ctx, 2.0 * batch * local * heads * tokens * (d + dv))
+            floor = max(byte_floor, flop_floor) if byte_floor and flop_floor else byte_floor
+            tag = str(cache_dtype).replace("torch.", "")
+            ctx.record(f"speculative decode Tq={tokens} over 1/{n} KV ({tag} cache, B={batch}, L={context}, {what})",
+                       ours_us, anchor=anchor, anchor_us=anchor_us, floor_us=floor, byte_floor_us=byte_floor,
+                       flop_floor_us=flop_floor, anchor_timing=anchor_cols["timing"],
+                       anchor_replay_us=anchor_cols.get("replay_us"), anchor_input_sets=anchor_cols["input_sets"],
+                       fixed_us=fixed_us, **ours_cols)
+            del cache, table, q
+
+
 def _mla_prep_rows(ctx: BenchContext) -> None:
     """Fused MLA prep (one kernel) against the unfused torch sequence at T = 1, 16, 64, 256 new tokens
     (H 128, bf16 inputs, bf16 and fp8 caches); floor = the bytes read (q, kv) and written (q, the
@@ -523,6 +625,7 @@ def run(ctx: BenchContext) -> None:
         if "decode" in sections:
             if ctx.is_cuda and not ctx.quick:
                 _paged_decode_rows(ctx)
+                _speculative_rows(ctx)
                 _mla_prep_rows(ctx)
             else:
                 ctx.note("paged decode kernel, MLA decode and fused MLA prep rows run on CUDA only")

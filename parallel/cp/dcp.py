@@ -113,6 +113,12 @@ class DCPLayout:
         slots = blocks * self.block_size + self.local_offset(positions)
         return torch.where(self.owner(positions) == self.rank, slots, -1)
 
+    def global_positions(self, local_index: Tensor | int) -> Tensor | int:
+        """Global positions of this rank's tokens of a sequence, by their index in the rank's cache
+        order (its blocks in table order): the inverse of `slot_mapping` over one sequence."""
+        i = self.interleave
+        return (local_index // i) * (i * self.size) + self.rank * i + local_index % i
+
     def local_lengths(self, seq_lens: Tensor | int) -> Tensor | int:
         """Tokens of each sequence held by this rank (`seq_lens` = global lengths)."""
         per_round = self.interleave * self.size

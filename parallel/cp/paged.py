@@ -122,9 +122,7 @@ def paged_decode_reference(q: Tensor, cache: PagedKVCache, block_table: Tensor, 
     k, v, valid = gather_local_kv(cache, block_table, local_lens)           # [S, L, Hkv, D], [S, L]
     allowed = valid[:, None, None, :]                                       # [S, 1, 1, L]
     if tq > 1:
-        j = torch.arange(k.shape[1], device=q.device)
-        n, i = layout.size, layout.interleave
-        g_pos = (j // i) * (i * n) + layout.rank * i + j % i                 # [L]
+        g_pos = layout.global_positions(torch.arange(k.shape[1], device=q.device))      # [L]
         q_pos = seq_lens.long().unsqueeze(1) - tq + torch.arange(tq, device=q.device)   # [S, Tq]
         allowed = allowed & (g_pos[None, None, None, :] <= q_pos[:, None, :, None])      # [S, 1, Tq, L]
     out, lse = masked_attention_math(q.float().transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), scale,

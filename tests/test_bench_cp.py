@@ -1,0 +1,93 @@
+"""`megapar bench cp`'s speculative-decode rows: their anchors (SDPA with the kv head's query heads
+folded into its rows, torch absorbed MLA) given the tokens' mask compute what the paged decode
+reference computes over the same tokens, and the rows run end to end at small CPU sizes."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from launch.bench.common import BenchContext
+from megapar.launch.bench import cp as bench_cp
+from megapar.parallel.cp.dcp import DCPLayout, gather_local_kv
+from megapar.parallel.cp.paged import paged_decode_attention
+
+
+@pytest.mark.parametrize("size,rank,block,interleave", [(1, 0, 16, 1), (4, 0, 16, 1), (4, 3, 16, 4),
+                                                         (3, 1, 8, 2), (8, 5, 64, 16)])
+def test_global_positions_invert_the_slot_mapping(size, rank, block, interleave):
+    layout = DCPLayout(size=size, rank=rank, block_size=block, interleave=interleave)
+    length = 5 * block * size + 7                     # a partial last virtual block
+    blocks = -(-length // (block * size))
+    table = torch.randperm(3 * blocks)[:blocks]       # any physical blocks, in table order
+    positions = torch.arange(length)
+    slots = layout.slot_mapping(positions, table)
+    mine = positions[slots >= 0]
+    # this rank's tokens in cache order: by block in table order, then offset in the block
+    order = torch.tensor([(int((table == s // block).nonzero()), s % block) for s in slots[slots >= 0].tolist()])
+    in_cache_order = mine[torch.argsort(order[:, 0] * block + order[:, 1])]
+    assert int(layout.local_lengths(length)) == len(mine)
+    assert torch.equal(layout.global_positions(torch.arange(len(mine))), in_cache_order)
+
+
+def _contiguous(cache, table, seq, layout):
+    """The rank's tokens of each sequence as the anchors read them: [S, Hkv, L, D], [S, Hkv, L, Dv]."""
+    k, v, valid = gather_local_kv(cache, table, layout.local_lengths(seq))
+    assert bool(valid.all())                          # equal lengths: no padding
+    return k.transpose(1, 2).contiguous(), v.transpose(1, 2).contiguous()
+
+
+@pytest.mark.parametrize("tokens,rank,interleave", [(2, 0, 1), (4, 3, 1), (3, 1, 4)])
+def test_gqa_anchor_with_the_tokens_mask_is_the_reference(tokens, rank, interleave):
+    torch.manual_seed(tokens * 10 + rank)
+    batch, context, heads, kv_heads, d, block, n = 3, 8 * 16 * 4 + 5, 8, 2, 32, 16, 4
+    layout = DCPLayout(size=n, rank=rank, block_size=block, interleave=interleave)
+    per_seq = -(-context // (block * n))
+    table = torch.randperm(batch * per_seq, dtype=torch.int32).view(batch, per_seq)
+    cache = bench_cp.PagedKVCache.allocate(batch * per_seq, block, kv_heads, d, dtype=torch.float32)
+    for s in range(batch):
+        positions = torch.arange(context)
+        bench_cp.write_kv_slots(cache, torch.randn(context, kv_heads, d), torch.randn(context, kv_heads, d),
+                                layout.slot_mapping(positions, table[s]))
+    seq = torch.full((batch,), context)
+    q = torch.randn(batch, tokens, heads, d)
+    ref = paged_decode_attention(q, cache, table, seq, layout=layout, backend="torch")
+    k, v = _contiguous(cache, table, seq, layout)
+    mask = bench_cp.speculative_mask(layout, k.shape[2], tokens, context)
+    assert not bool(mask.all()) and bool(mask[-1].all())    # each case's rank holds a token the first can't see
+    out = bench_cp._sdpa_contiguous(q.transpose(1, 2).contiguous(), k, v, mask)      # [B, Hq, Tq, D]
+    torch.testing.assert_close(out.transpose(1, 2), ref.out, rtol=1e-5, atol=1e-5)
+    # and without the mask it is a different answer (the mask is doing something)
+    unmasked = bench_cp._sdpa_contiguous(q.transpose(1, 2).contiguous(), k, v, torch.ones_like(mask))
+    assert not torch.allclose(unmasked.transpose(1, 2), ref.out, atol=1e-4)
+
+
+def test_mla_anchor_with_the_tokens_mask_is_the_reference():
+    from megapar.parallel.cp.mla import MLADims
+
+    torch.manual_seed(7)
+    dims, batch, heads, tokens, block, n = MLADims(), 2, 4, 2, 16, 4
+    context = 3 * block * n + 1                       # the newest tokens: positions 191, 192 (rank 0 holds 192)
+    layout = DCPLayout(size=n, rank=0, block_size=block)
+    latent, table = bench_cp._mla_decode_setup(batch, context, dims, block, n, torch.device("cpu"), torch.float32)
+    seq = torch.full((batch,), context)
+    q = torch.randn(batch, tokens, heads, dims.latent_dim)
+    ref = paged_decode_attention(q, latent.paged, table, seq, layout=layout, scale=dims.scale, backend="torch")
+    k, _ = _contiguous(latent.paged, table, seq, layout)
+    mask = bench_cp.speculative_mask(layout, k.shape[2], tokens, context)
+    assert mask.tolist()[0][-1] is False and bool(mask[1].all())     # token 0 does not see position 192
+    out = bench_cp._mla_torch_contiguous(q.reshape(batch, tokens * heads, -1), k[:, 0], dims.kv_lora_rank,
+                                         dims.scale, mask.repeat_interleave(heads, 0))
+    torch.testing.assert_close(out.view(batch, tokens, heads, -1), ref.out, rtol=1e-5, atol=1e-5)
+
+
+def test_speculative_rows_run_at_small_sizes_on_cpu():
+    ctx = BenchContext(suite="cp", device=torch.device("cpu"), quick=True)
+    bench_cp._speculative_rows(ctx, batch=2, context=16 * 4 * 3 + 9, n=4, block=16)
+    assert len(ctx.rows) == 2 * len(bench_cp.SPECULATIVE)
+    for (kind, heads, tokens), row in zip([s for s in bench_cp.SPECULATIVE for _ in range(2)], ctx.rows):
+        assert f"Tq={tokens}" in row["case"] and (kind == "gqa") == ("Hkv" in row["case"])
+        assert math.isfinite(row["time_us"]) and math.isfinite(row["anchor_us"]) and row["time_us"] > 0
+        assert math.isfinite(row["fixed_us"])
