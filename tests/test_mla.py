@@ -299,3 +299,104 @@ def test_fused_prep_kernel_skips_bad_table_entries(cache_dtype, monkeypatch):
     got_row, ref_row = flat[1].float(), ref_cache.kv.view(-1, DIMS.latent_dim)[1].float()
     torch.testing.assert_close(got_row, ref_row, atol=2.0 ** -9 * 1.01, rtol=2.0 ** -2 if cache.scale is not None else 1e-5)
     torch.testing.assert_close(q_out[:1], ref.q, atol=1e-5, rtol=1e-5)
+
+
+def _prep_by_hand(q, kv, positions, w_q, w_kv, nope, r, theta, eps):
+    """DeepSeek-style prep in fp64: RMSNorm, then RoPE on pairs (2i, 2i+1) as complex products
+    (DeepSeek's `apply_rotary_emb`), angles pos * theta^(-2i/d_r)."""
+    dr = q.shape[-1] - nope
+    freqs = torch.polar(torch.ones(dr // 2, dtype=torch.float64),
+                        positions.double()[:, None] * theta ** (-torch.arange(0, dr, 2, dtype=torch.float64) / dr))
+
+    def rope(x, f):
+        return torch.view_as_real(torch.view_as_complex(x.double().reshape(*x.shape[:-1], -1, 2).contiguous()) * f
+                                  ).flatten(-2)
+
+    def rms(x, w):
+        x = x.double()
+        return x * torch.rsqrt(x.square().mean(-1, keepdim=True) + eps) * w.double()
+
+    qd = q.double() if w_q is None else rms(q, w_q)
+    q_out = torch.cat([qd[..., :nope], rope(qd[..., nope:], freqs[:, None])], -1)
+    return q_out, rms(kv[:, :r], w_kv), rope(kv[:, r:], freqs)
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_fused_prep_reads_strided_positions_table_and_weights(backend, monkeypatch):
+    """Non-contiguous positions (a column of [T, 2] ids), a RoPE table and norm weights with a
+    non-unit last stride: the prep reads their values, not the memory next to them (the Triton
+    wrapper passed them to a kernel that assumes unit stride)."""
+    if backend == "triton":
+        pytest.importorskip("triton")
+        monkeypatch.setenv("TRITON_INTERPRET", "1")
+    from parallel.cp.mla_prep import mla_prep, rope_table
+
+    gen = torch.Generator().manual_seed(50)
+    t, heads, nope, r, dr = 7, 3, DIMS.qk_nope_head_dim, DIMS.kv_lora_rank, DIMS.qk_rope_head_dim
+    n, blk, inter = 2, 4, 2
+    q = torch.randn(t, heads, nope + dr, generator=gen)
+    kv = torch.randn(t, r + dr, generator=gen)
+    ids = torch.stack([torch.randint(0, 64, (t,), generator=gen), torch.tensor([0, 3, 5, 2, 12, 7, 14])], 1)
+    positions = ids[:, 1]                                                   # stride 2
+    table = torch.tensor([[1, 3]]).expand(t, -1).int()
+    cos_sin = torch.stack([rope_table(64, dr), torch.full((64, dr), 7.0)], -1)[..., 0]    # last stride 2
+    w_kv = torch.stack([torch.rand(r, generator=gen) + 0.5, torch.zeros(r)], -1)[:, 0]
+    w_q = torch.stack([torch.rand(nope + dr, generator=gen) + 0.5, torch.zeros(nope + dr)], -1)[:, 0]
+    assert positions.stride(0) != 1 and cos_sin.stride(-1) != 1 and w_kv.stride(0) != 1 and w_q.stride(0) != 1
+    q_ref, c_ref, pe_ref = _prep_by_hand(q, kv, positions, w_q, w_kv, nope, r, 10000.0, 1e-6)
+    for rank in range(n):
+        cache = MLACache.allocate(4, blk, DIMS, dtype=torch.float32)
+        out = mla_prep(q, kv, positions, cache, table, cos_sin, w_kv, layout=DCPLayout(n, rank, blk, inter),
+                       q_norm_weight=w_q, nope=nope, backend=backend)
+        torch.testing.assert_close(out.q.double(), q_ref, atol=1e-5, rtol=1e-5)
+        # docs/numerics.md §8.2, by hand: owner (p % (B N)) // I % N, offset, block from the table
+        p = positions.tolist()
+        o = [x % (blk * n) for x in p]
+        want = [int(table[i, x // (blk * n)]) * blk + (oi // (n * inter)) * inter + oi % inter
+                if (oi // inter) % n == rank else -1 for i, (x, oi) in enumerate(zip(p, o))]
+        assert out.slots.tolist() == want
+        flat = cache.kv.view(-1, r + dr)
+        written = torch.zeros(flat.shape[0], dtype=torch.bool)
+        for i, s in enumerate(want):
+            if s >= 0:
+                written[s] = True
+                torch.testing.assert_close(flat[s].double(), torch.cat([c_ref[i], pe_ref[i]]), atol=1e-5, rtol=1e-5)
+        assert not flat[~written].any()                                     # nothing else written
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_prep_rejects_a_layout_of_another_block_size(backend, monkeypatch):
+    """A DCP layout whose block size is not the cache's: ValueError naming both, nothing written
+    (before: the torch path wrote at slots of the layout's block size or raised IndexError, the
+    kernel used the cache's block size after a host check made with the layout's)."""
+    if backend == "triton":
+        pytest.importorskip("triton")
+        monkeypatch.setenv("TRITON_INTERPRET", "1")
+    from parallel.cp.mla_prep import mla_prep, rope_table
+
+    gen = torch.Generator().manual_seed(51)
+    q = torch.randn(3, 2, DIMS.qk_head_dim, generator=gen)
+    kv = torch.randn(3, DIMS.latent_dim, generator=gen)
+    for layout_block in (2, 8):
+        cache = MLACache.allocate(4, 4, DIMS, dtype=torch.float32)
+        with pytest.raises(ValueError, match=rf"layout.block_size \({layout_block}\) must equal the cache's block "
+                                             r"size \(4\)"):
+            mla_prep(q, kv, torch.tensor([0, 5, 6]), cache, torch.tensor([[1, 2]] * 3),
+                     rope_table(64, DIMS.qk_rope_head_dim), torch.ones(DIMS.kv_lora_rank),
+                     layout=DCPLayout(1, 0, layout_block), nope=DIMS.qk_nope_head_dim, backend=backend)
+        assert not cache.kv.any()
+
+
+def test_decode_rejects_absorb_weights_of_other_dims():
+    """W_UK whose d_n is not q_nope's, W_UV whose rank is not the cache's: ValueError naming them
+    (before: a RuntimeError from einsum, W_UV's only after the whole DCP attention)."""
+    heads = 2
+    w_uk, w_uv = _weights(heads, DIMS, 52)
+    cache = MLACache.allocate(2, 4, DIMS, dtype=torch.float32)
+    qn, qp = torch.randn(1, heads, DIMS.qk_nope_head_dim), torch.randn(1, heads, DIMS.qk_rope_head_dim)
+    table, lens = torch.tensor([[0, 1]]), torch.tensor([3])
+    with pytest.raises(ValueError, match=r"W_UK \(2, 15, 32\) must be \[H, d_n = 16, r\]"):
+        mla_decode_attention(qn, qp, cache, w_uk[:, :15], w_uv, table, lens, backend="torch")
+    with pytest.raises(ValueError, match=r"W_UV \(2, 24, 31\) \[H, d_v, r = 32\]"):
+        mla_decode_attention(qn, qp, cache, w_uk, w_uv[..., :31], table, lens, backend="torch")
+    mla_decode_attention(qn, qp, cache, w_uk, w_uv, table, lens, backend="torch")       # the right ones pass

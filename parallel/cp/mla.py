@@ -187,6 +187,10 @@ def mla_decode_attention(q_nope: Tensor, q_pe: Tensor, cache: MLACache, w_uk: Te
     if w_uk.shape[-1] != cache.kv_lora_rank or q_pe.shape[-1] != cache.kv.shape[-1] - cache.kv_lora_rank:
         raise ValueError(f"W_UK rank {w_uk.shape[-1]} / q_pe dim {q_pe.shape[-1]} do not match the cache "
                          f"(r = {cache.kv_lora_rank}, d_r = {cache.kv.shape[-1] - cache.kv_lora_rank})")
+    if w_uk.dim() != 3 or w_uv.dim() != 3 or w_uk.shape[1] != q_nope.shape[-1] \
+            or w_uv.shape[-1] != cache.kv_lora_rank:
+        raise ValueError(f"W_UK {tuple(w_uk.shape)} must be [H, d_n = {q_nope.shape[-1]}, r] and W_UV "
+                         f"{tuple(w_uv.shape)} [H, d_v, r = {cache.kv_lora_rank}]")
     if scale is None:
         scale = (q_nope.shape[-1] + q_pe.shape[-1]) ** -0.5
     q = absorb_query(q_nope, q_pe, w_uk)                                    # [S, H, r + d_r]

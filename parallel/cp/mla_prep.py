@@ -113,6 +113,9 @@ def mla_prep(q: Tensor, kv: Tensor, positions: Tensor, cache: MLACache, block_ta
     (each token's sequence row); cos_sin: `rope_table(...)`; layout: this rank's DCP layout
     (default one rank). Returns MLAPrep(q [T, H, nope + d_r] in q's dtype, slots [T] int64)."""
     layout = DCPLayout(size=1, rank=0, block_size=cache.block_size) if layout is None else layout
+    if layout.block_size != cache.block_size:
+        raise ValueError(f"layout.block_size ({layout.block_size}) must equal the cache's block size "
+                         f"({cache.block_size})")
     _check(q, kv, positions, cache, cos_sin, block_table, q_norm_weight, kv_norm_weight, nope)
     if block_table.device.type == "cpu" and positions.device.type == "cpu":
         insert_slots(layout, positions, block_table, cache.kv.shape[0])   # ValueError: bad table or position

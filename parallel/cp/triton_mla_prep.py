@@ -153,6 +153,11 @@ def mla_prep_triton(q: Tensor, kv: Tensor, positions: Tensor, cache: MLACache, b
     block_h = min(triton.next_power_of_2(heads), 1 << (fit.bit_length() - 1))   # tl.arange needs a power of two
     q_tiles = triton.cdiv(heads, block_h)
     table = block_table if block_table.stride(-1) == 1 else block_table.contiguous()
+    # the kernel reads these with unit stride (positions[t], cos_sin's columns, the norm weights)
+    positions = positions.contiguous()
+    cos_sin = cos_sin if cos_sin.stride(-1) == 1 else cos_sin.contiguous()
+    kv_norm_weight = kv_norm_weight.contiguous()
+    q_norm_weight = None if q_norm_weight is None else q_norm_weight.contiguous()
     if t > 0:
         _mla_prep_kernel[(t, q_tiles + 1)](
             q, kv, positions, table, cos_sin, q_norm_weight if q_norm_weight is not None else kv_norm_weight,
