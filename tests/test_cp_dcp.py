@@ -218,6 +218,179 @@ def test_bad_block_tables_and_lengths_raise_naming_the_values():
         dcp_decode_attention(q, cache, good, torch.tensor([9, 3]))
 
 
+def _rank_cache(layout: DCPLayout, kv: list[tuple[torch.Tensor, torch.Tensor]], table: torch.Tensor, nb: int,
+                cache: PagedKVCache | None = None) -> PagedKVCache:
+    """This rank's shard of the sequences kv[s] = (k [L, Hkv, D], v [L, Hkv, Dv]) under `layout`."""
+    from parallel.cp.dcp import insert_slots, write_kv_slots
+
+    k0, v0 = kv[0]
+    if cache is None:
+        cache = PagedKVCache.allocate(nb, layout.block_size, k0.shape[1], k0.shape[2], head_dim_v=v0.shape[2],
+                                      dtype=torch.float32)
+    for s, (k, v) in enumerate(kv):
+        write_kv_slots(cache, k, v, insert_slots(layout, torch.arange(k.shape[0]), table[s], nb))
+    return cache
+
+
+def _held(layout: DCPLayout, n: int) -> torch.Tensor:
+    """[n] bool: positions of a sequence of n tokens that `layout`'s rank holds (docs/numerics.md §8.2)."""
+    p = torch.arange(n)
+    return ((p % (layout.block_size * layout.size)) // layout.interleave) % layout.size == layout.rank
+
+
+def test_paged_decode_checks_global_lengths_on_every_rank():
+    """seq_lens are global: a length of -1 leaves rank 0 of 2 a share of 0 tokens and a length one past
+    the table's capacity leaves rank 1 a share within its pages; both must raise on every rank (they
+    ran as an empty / a full shard there), and valid lengths up to the full capacity must not."""
+    from parallel.cp.paged import paged_decode_attention
+
+    n, block, d = 2, 4, 8
+    gen = torch.Generator().manual_seed(31)
+    lens = [16, 5]                                            # 16: the full capacity (2 blocks x 4 x 2 ranks)
+    table = torch.tensor([[0, 1], [2, 3]], dtype=torch.int32)
+    kv = [(torch.randn(m, 1, d, generator=gen), torch.randn(m, 1, d, generator=gen)) for m in lens]
+    q = torch.randn(2, 2, d, generator=gen)
+    for rank in range(n):
+        layout = DCPLayout(size=n, rank=rank, block_size=block)
+        cache = _rank_cache(layout, kv, table, 4)
+        got = paged_decode_attention(q, cache, table, torch.tensor(lens), layout=layout)
+        for s, m in enumerate(lens):
+            mine = _held(layout, m)
+            ref_out, ref_lse = reference_attention(q[s:s + 1], kv[s][0][mine], kv[s][1][mine], causal=False)
+            torch.testing.assert_close(got.out[s].double(), ref_out[0], rtol=0, atol=1e-6)
+            torch.testing.assert_close(got.lse[s].double(), ref_lse[0], rtol=0, atol=1e-6)
+        with pytest.raises(ValueError, match=r"seq_lens must be >= 0; seq_lens\[1\] = -1"):
+            paged_decode_attention(q, cache, table, torch.tensor([16, -1]), layout=layout)
+        with pytest.raises(ValueError, match=r"seq_lens\[0\] = 17"):
+            paged_decode_attention(q, cache, table, torch.tensor([17, 5]), layout=layout)
+
+
+def test_paged_decode_rejects_lengths_past_max_seq_len():
+    """max_seq_len sizes the Triton kernel's split grid (tokens past it were silently dropped): a
+    validated call whose lengths exceed it raises, one within it matches the reference."""
+    from parallel.cp.paged import paged_decode_attention
+
+    gen = torch.Generator().manual_seed(32)
+    lens, d = [9, 3], 8
+    table = torch.tensor([[0, 1, 2], [3, 4, 5]], dtype=torch.int32)
+    kv = [(torch.randn(m, 2, d, generator=gen), torch.randn(m, 2, d, generator=gen)) for m in lens]
+    cache = _rank_cache(DCPLayout(size=1, rank=0, block_size=4), kv, table, 6)
+    q = torch.randn(2, 4, d, generator=gen)
+    got = paged_decode_attention(q, cache, table, torch.tensor(lens), max_seq_len=9)
+    for s in range(2):
+        ref_out, ref_lse = reference_attention(q[s:s + 1], *kv[s], causal=False)
+        torch.testing.assert_close(got.out[s].double(), ref_out[0], rtol=0, atol=1e-6)
+        torch.testing.assert_close(got.lse[s].double(), ref_lse[0], rtol=0, atol=1e-6)
+    with pytest.raises(ValueError, match=r"seq_lens\[0\] = 9 exceeds max_seq_len \(4\)"):
+        paged_decode_attention(q, cache, table, torch.tensor(lens), max_seq_len=4)
+    with pytest.raises(ValueError, match=r"max_seq_len \(-1\) must be >= 0"):
+        paged_decode_attention(q, cache, table, torch.tensor(lens), max_seq_len=-1)
+
+
+def test_cache_rejects_mixed_dtypes_and_misshapen_scales():
+    """v of another dtype than k (an fp8 v beside a bf16 k has no scales to be read with), and scales
+    that are not fp32 [num_blocks, block_size, kv_heads] (inserts wrote them at the wrong places, or
+    failed after the k/v bytes were written): ValueError naming them, at construction."""
+    k8 = torch.zeros(3, 4, 2, 8, dtype=torch.float8_e4m3fn)
+    with pytest.raises(ValueError, match=r"same dtype, got k torch.bfloat16 and v torch.float8_e4m3fn"):
+        PagedKVCache(torch.zeros(3, 4, 2, 8, dtype=torch.bfloat16), k8.clone())
+    with pytest.raises(ValueError, match=r"k_scale must be float32 \(3, 4, 2\) .*got \(3, 2, 4\) torch.float32"):
+        PagedKVCache(k8, k8.clone(), torch.ones(3, 2, 4), torch.ones(3, 2, 4))
+    with pytest.raises(ValueError, match=r"v_scale must be float32 \(3, 4, 2\) .*got \(3, 4, 2\) torch.bfloat16"):
+        PagedKVCache(k8, k8.clone(), torch.ones(3, 4, 2), torch.ones(3, 4, 2, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match=r"new k on cpu, v on meta"):
+        dcp_kv_insert(PagedKVCache.allocate(3, 4, 2, 8, dtype=torch.float32), torch.randn(2, 2, 8),
+                      torch.randn(2, 2, 8, device="meta"), torch.arange(2), torch.tensor([0, 1, 2]))
+
+
+@pytest.mark.parametrize("cache_dtype,atol", [(torch.float32, 1e-6), (torch.float8_e4m3fn, 8e-2)])
+def test_cache_views_of_a_joint_kv_buffer_insert_and_decode(cache_dtype, atol):
+    """k = kv[:, 0], v = kv[:, 1] of one [num_blocks, 2, B, Hkv, D] buffer (strided, no flat view):
+    the torch path and the insert used `.view(-1, ...)` and raised; the tokens must land in the
+    buffer and decode like any cache, over 2 DCP ranks with uneven lengths and an empty sequence."""
+    n, block, hkv, d, nb = 2, 4, 2, 8, 6
+    gen = torch.Generator().manual_seed(33)
+    lens = [11, 0, 3]
+    table = torch.tensor([[0, 1], [2, -1], [3, -1]], dtype=torch.int32)
+    kv = [(torch.randn(m, hkv, d, generator=gen), torch.randn(m, hkv, d, generator=gen)) for m in lens]
+    q = torch.randn(3, 4, d, generator=gen)
+    outs, lses = [], []
+    for rank in range(n):
+        layout = DCPLayout(size=n, rank=rank, block_size=block)
+        buf = torch.zeros(nb, 2, block, hkv, d, dtype=cache_dtype)
+        scales = torch.ones(nb, 2, block, hkv) if cache_dtype == torch.float8_e4m3fn else None
+        cache = PagedKVCache(buf[:, 0], buf[:, 1], *((scales[:, 0], scales[:, 1]) if scales is not None else ()))
+        _rank_cache(layout, kv, table, nb, cache)
+        flat = buf.float()
+        for s, (k, v) in enumerate(kv):                        # in the buffer, where the layout puts them
+            for p in _held(layout, k.shape[0]).nonzero()[:, 0].tolist():
+                slot = int(layout.slot_mapping(torch.tensor([p]), table[s])[0])
+                sk = 1.0 if scales is None else scales[slot // block, 0, slot % block][:, None]
+                sv = 1.0 if scales is None else scales[slot // block, 1, slot % block][:, None]
+                torch.testing.assert_close(flat[slot // block, 0, slot % block] * sk, k[p], rtol=0, atol=atol)
+                torch.testing.assert_close(flat[slot // block, 1, slot % block] * sv, v[p], rtol=0, atol=atol)
+        from parallel.cp.paged import paged_decode_attention
+
+        got = paged_decode_attention(q, cache, table, torch.tensor(lens), layout=layout)
+        outs.append(got.out)
+        lses.append(got.lse)
+    from parallel.cp import merge_attn_states
+
+    merged = merge_attn_states(torch.stack(outs), torch.stack(lses))
+    for s, (k, v) in enumerate(kv):
+        ref_out, ref_lse = reference_attention(q[s:s + 1], k, v, causal=False)
+        torch.testing.assert_close(merged.out[s].double(), ref_out[0], rtol=0, atol=atol)
+        torch.testing.assert_close(merged.lse[s].double(), ref_lse[0], rtol=0, atol=atol)
+    assert torch.equal(merged.out[1], torch.zeros(4, d)) and (merged.lse[1] == -float("inf")).all()
+
+
+def test_triton_decode_refuses_a_cache_with_a_strided_head_dim(monkeypatch):
+    """The kernel addresses k/v elements as base + dim (no head-dim stride): a cache whose head dim is
+    not unit-stride gave silently wrong results by name ("triton"); it is refused there, and runs the
+    torch path, which matches the reference."""
+    pytest.importorskip("triton")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")       # (CPU tensors may then ask for the kernel by name)
+    from parallel.cp.paged import paged_decode_attention, resolve_backend
+
+    gen = torch.Generator().manual_seed(34)
+    nb, block, hkv, d = 4, 4, 2, 16
+    k = torch.randn(nb, block, d, hkv, generator=gen).transpose(2, 3)     # [nb, B, Hkv, D], head-dim stride 2
+    v = torch.randn(nb, block, hkv, d, generator=gen)
+    cache = PagedKVCache(k, v)
+    table, lens = torch.tensor([[1, 3], [0, 2]], dtype=torch.int32), [7, 2]
+    q = torch.randn(2, 4, d, generator=gen)
+    assert resolve_backend(q, PagedKVCache(k.contiguous(), v), "triton") == "triton"
+    with pytest.raises(ValueError, match=r"'triton' cannot run here: the kernel reads k/v with a unit-stride head dim"):
+        paged_decode_attention(q, cache, table, torch.tensor(lens), backend="triton")
+    got = paged_decode_attention(q, cache, table, torch.tensor(lens))
+    for s, m in enumerate(lens):
+        blocks = table[s, : -(-m // block)].long()
+        ref_out, ref_lse = reference_attention(q[s:s + 1], k[blocks].reshape(-1, hkv, d)[:m],
+                                               v[blocks].reshape(-1, hkv, d)[:m], causal=False)
+        torch.testing.assert_close(got.out[s].double(), ref_out[0], rtol=0, atol=1e-6)
+        torch.testing.assert_close(got.lse[s].double(), ref_lse[0], rtol=0, atol=1e-6)
+
+
+def test_decode_checks_shapes_and_dtypes_before_any_collective(monkeypatch):
+    """docs/design.md: bad input raises before any collective runs. The local attention's dtype and
+    cache checks ran only after the all-gather of q (a float table went through `.long()` first)."""
+    from parallel.cp import dcp as dcp_mod
+
+    def no_collective(*args, **kwargs):
+        raise AssertionError("a collective ran before the input was checked")
+
+    monkeypatch.setattr(dcp_mod, "all_gather_uneven", no_collective)
+    cache = PagedKVCache.allocate(4, 4, 2, 8, dtype=torch.float32)
+    q, table, lens = torch.randn(2, 2, 8), torch.tensor([[0], [1]], dtype=torch.int32), torch.tensor([3, 4])
+    with pytest.raises(ValueError, match=r"block_table \(2, 1\) torch.float32 must be int32/int64"):
+        dcp_decode_attention(q, cache, table.float(), lens)
+    with pytest.raises(ValueError, match=r"seq_lens \(2,\) torch.float32 must be int32/int64"):
+        dcp_decode_attention(q, cache, table, lens.float())
+    wide = PagedKVCache(cache.k.double(), cache.v.double())
+    with pytest.raises(ValueError, match=r"cache dtype torch.float64 not supported"):
+        dcp_decode_attention(q, wide, table, lens)
+
+
 def _count_device_checks(monkeypatch, d: int, q: torch.Tensor, cache: PagedKVCache) -> list[int]:
     """Head dim 8: the torch path ("auto": the kernel needs >= 16), which runs `_invalid_sequences`;
     16: the Triton kernel, whose own report replaces it. Returns the list its calls append to."""

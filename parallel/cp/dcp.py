@@ -214,6 +214,15 @@ class PagedKVCache:
             given = [n for n, t in (("k_scale", self.k_scale), ("v_scale", self.v_scale)) if t is not None]
             raise ValueError(f"an fp8 cache needs k_scale and v_scale; other dtypes take none (dtype {self.k.dtype}, "
                              f"given: {given or 'none'})")
+        if self.v.dtype != self.k.dtype:   # (an fp8 v beside a bf16 k would be read without its scales)
+            raise ValueError(f"k and v must have the same dtype, got k {self.k.dtype} and v {self.v.dtype}")
+        if self.v.device != self.k.device:
+            raise ValueError(f"k on {self.k.device} but v on {self.v.device}")
+        for name, sc in (("k_scale", self.k_scale), ("v_scale", self.v_scale)):
+            if sc is not None and (tuple(sc.shape) != tuple(self.k.shape[:3]) or sc.dtype != torch.float32
+                                   or sc.device != self.k.device):
+                raise ValueError(f"{name} must be float32 {tuple(self.k.shape[:3])} (k's [num_blocks, block_size, "
+                                 f"kv_heads]) on {self.k.device}, got {tuple(sc.shape)} {sc.dtype} on {sc.device}")
 
     @property
     def is_fp8(self) -> bool:
@@ -253,8 +262,8 @@ def dcp_kv_insert(cache: PagedKVCache, k: Tensor, v: Tensor, positions: Tensor, 
                          f"cache's {tuple(cache.k.shape[2:])}/{tuple(cache.v.shape[2:])}")
     if positions.shape != k.shape[:1]:
         raise ValueError(f"positions {tuple(positions.shape)} must be [T] with T = {k.shape[0]}")
-    if k.device != cache.k.device:
-        raise ValueError(f"new k/v on {k.device} but the cache is on {cache.k.device}")
+    if k.device != cache.k.device or v.device != cache.k.device:
+        raise ValueError(f"new k on {k.device}, v on {v.device}, but the cache is on {cache.k.device}")
     layout = _layout(group, cache.block_size, interleave, pcp_group)
     slots = insert_slots(layout, positions.to(k.device), block_table.to(k.device), cache.k.shape[0])
     write_kv_slots(cache, k, v, slots)
@@ -294,18 +303,18 @@ def write_kv_slots(cache: PagedKVCache, k: Tensor, v: Tensor, slots: Tensor) -> 
     """Store k [T, Hkv, D] / v [T, Hkv, Dv] at cache slots [T] int64 (-1 = skip); fp8 quantizes."""
     mine = slots >= 0
     idx = slots[mine]
-    k_flat = cache.k.view(-1, *cache.k.shape[2:])
-    v_flat = cache.v.view(-1, *cache.v.shape[2:])
+    # (block, offset) indexing, not a flat view: a strided cache (k = kv[:, 0] of a joint buffer) has none
+    blk, off = idx // cache.block_size, idx % cache.block_size
     if cache.is_fp8:   # fp8 indexing kernels are patchy across devices: move the bytes as uint8
         kq, ks = _quantize_fp8(k[mine])
         vq, vs = _quantize_fp8(v[mine])
-        k_flat.view(torch.uint8)[idx] = kq.view(torch.uint8)
-        v_flat.view(torch.uint8)[idx] = vq.view(torch.uint8)
-        cache.k_scale.view(-1, cache.kv_heads)[idx] = ks
-        cache.v_scale.view(-1, cache.kv_heads)[idx] = vs
+        cache.k.view(torch.uint8)[blk, off] = kq.view(torch.uint8)
+        cache.v.view(torch.uint8)[blk, off] = vq.view(torch.uint8)
+        cache.k_scale[blk, off] = ks
+        cache.v_scale[blk, off] = vs
     else:
-        k_flat[idx] = k[mine].to(cache.k.dtype)
-        v_flat[idx] = v[mine].to(cache.v.dtype)
+        cache.k[blk, off] = k[mine].to(cache.k.dtype)
+        cache.v[blk, off] = v[mine].to(cache.v.dtype)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -328,16 +337,15 @@ def gather_local_kv(cache: PagedKVCache, block_table: Tensor, local_lens: Tensor
     table = block_table.long()
     ids = table.gather(1, (idx // bs).unsqueeze(0).expand(s, -1))                        # [S, L]
     valid = (idx.unsqueeze(0) < local_lens.unsqueeze(1)) & ~_bad_block_ids(ids, cache.k.shape[0])
-    slots = torch.where(valid, ids * bs + idx % bs, 0)
-    k_flat = cache.k.view(-1, *cache.k.shape[2:])
-    v_flat = cache.v.view(-1, *cache.v.shape[2:])
+    # (block, offset) indexing, not a flat view: a strided cache (k = kv[:, 0] of a joint buffer) has none
+    blk, off = torch.where(valid, ids, 0), idx % bs                                    # [S, L], [L]
     if cache.is_fp8:
-        k = k_flat.view(torch.uint8)[slots].view(cache.k.dtype).float()
-        v = v_flat.view(torch.uint8)[slots].view(cache.v.dtype).float()
-        k = k * cache.k_scale.view(-1, cache.kv_heads)[slots].unsqueeze(-1)
-        v = v * cache.v_scale.view(-1, cache.kv_heads)[slots].unsqueeze(-1)
+        k = cache.k.view(torch.uint8)[blk, off].view(cache.k.dtype).float()
+        v = cache.v.view(torch.uint8)[blk, off].view(cache.v.dtype).float()
+        k = k * cache.k_scale[blk, off].unsqueeze(-1)
+        v = v * cache.v_scale[blk, off].unsqueeze(-1)
     else:
-        k, v = k_flat[slots], v_flat[slots]
+        k, v = cache.k[blk, off], cache.v[blk, off]
     keep = valid[:, :, None, None]                       # masked slots read slot 0: zero what they read
     return torch.where(keep, k, 0), torch.where(keep, v, 0), valid
 
@@ -390,13 +398,8 @@ def dcp_decode_attention(q: Tensor, cache: PagedKVCache, block_table: Tensor, se
         raise ValueError(f"block_table {tuple(block_table.shape)} must be [S, max_blocks]")
     layout = _layout(group, cache.block_size, interleave, pcp_group)
     _, rank, size = resolve_group(group)
-    from .paged import paged_decode_attention, resolve_backend
+    from .paged import check_paged_inputs, paged_decode_attention, resolve_backend
 
-    chosen = resolve_backend(q, cache, backend)
-    if _kernel_reports_bad_tables(chosen, q.device):
-        invalid = None            # the kernel's NaN rows, carried to every rank by the combine below
-    else:
-        invalid = _invalid_sequences(block_table.to(q.device), seq_lens.to(q.device), layout, cache.k.shape[0])
     heads = q.shape[1]
     if same_heads and heads % cache.kv_heads != 0:
         raise ValueError(f"with same_heads, local query heads ({heads}) must be a multiple of the cache's "
@@ -404,6 +407,14 @@ def dcp_decode_attention(q: Tensor, cache: PagedKVCache, block_table: Tensor, se
     if (heads * size) % cache.kv_heads != 0:
         raise ValueError(f"gathered query heads ({heads} x dcp {size} = {heads * size}) must be a multiple of the "
                          f"cache's kv heads ({cache.kv_heads})")
+    # the local attention's shape / dtype / cache checks before any collective (its values: just below)
+    check_paged_inputs(q[:, None, :1].expand(-1, -1, heads * size, -1), cache, block_table, seq_lens, layout,
+                       validate=False)
+    chosen = resolve_backend(q, cache, backend)
+    if _kernel_reports_bad_tables(chosen, q.device):
+        invalid = None            # the kernel's NaN rows, carried to every rank by the combine below
+    else:
+        invalid = _invalid_sequences(block_table.to(q.device), seq_lens.to(q.device), layout, cache.k.shape[0])
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
     q_all = all_gather_uneven(q.contiguous(), group, dim=1, sizes=[heads] * size)       # [S, N*Hq, D]
     s_len, hkv = q.shape[0], cache.kv_heads

@@ -115,14 +115,22 @@ def _finish(result: AttnState, dtype: torch.dtype, out: Tensor | None, out_lse: 
     return AttnState(o, lse)
 
 
-def _check_out(out: Tensor | None, out_lse: Tensor | None, shape: torch.Size, lse_shape: torch.Size) -> None:
-    if out is not None and tuple(out.shape) != tuple(shape):
-        raise ValueError(f"out has shape {tuple(out.shape)}, expected {tuple(shape)}")
+def _check_out(out: Tensor | None, out_lse: Tensor | None, shape: torch.Size, lse_shape: torch.Size,
+               device: torch.device) -> None:
+    if out is not None:
+        if tuple(out.shape) != tuple(shape):
+            raise ValueError(f"out has shape {tuple(out.shape)}, expected {tuple(shape)}")
+        if not out.dtype.is_floating_point:
+            raise ValueError(f"out must have a float dtype, got {out.dtype}")
+        if out.device != device:
+            raise ValueError(f"out is on {out.device}, the inputs on {device}")
     if out_lse is not None:
         if tuple(out_lse.shape) != tuple(lse_shape):
             raise ValueError(f"out_lse has shape {tuple(out_lse.shape)}, expected {tuple(lse_shape)}")
         if out_lse.dtype != torch.float32:
             raise ValueError(f"out_lse must be float32, got {out_lse.dtype}")
+        if out_lse.device != device:
+            raise ValueError(f"out_lse is on {out_lse.device}, the inputs on {device}")
 
 
 def merge_attn_states(outs: Tensor | Sequence[Tensor], lses: Tensor | Sequence[Tensor], *, base: Base = "e",
@@ -149,7 +157,7 @@ def merge_attn_states(outs: Tensor | Sequence[Tensor], lses: Tensor | Sequence[T
         if o.shape != out_list[0].shape or o.device != out_list[0].device:
             raise ValueError(f"input {i} is {tuple(o.shape)} on {o.device}, input 0 is "
                              f"{tuple(out_list[0].shape)} on {out_list[0].device}; shapes and devices must match")
-    _check_out(out, out_lse, out_list[0].shape, lse_list[0].shape)
+    _check_out(out, out_lse, out_list[0].shape, lse_list[0].shape, out_list[0].device)
     if _backend(backend, out_list, lse_list) == "triton":
         from .triton_merge import merge_states_triton
 

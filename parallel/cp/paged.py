@@ -13,9 +13,11 @@ Causality with Tq > 1: query t of a sequence of global length L (the new tokens 
 at position `L - Tq + t` and sees the cached tokens at positions <= its own; local token j of
 rank r sits at `(j // I) * (I * N) + r * I + j % I`. With Tq = 1 every cached token is visible.
 
-Checks. Shapes, dtypes and devices always; values (block ids inside the cache, lengths within
-the table's capacity) only for CPU tensors or with `validate=True`, since reading CUDA values
-synchronizes with the host and breaks CUDA-graph capture. All raise ValueError before any launch.
+Checks. Shapes, dtypes and devices always; values (block ids inside the cache, global lengths
+>= 0, within the table's capacity and `max_seq_len`) only for CPU tensors or with
+`validate=True`, since reading CUDA values synchronizes with the host and breaks CUDA-graph
+capture. All raise ValueError before any launch. The kernel reads k and v with a unit-stride
+head dim; other caches run the torch path ("auto") or are refused by name ("triton").
 Unvalidated (CUDA), the Triton kernel checks the same values itself: a sequence with a used block
 id outside the cache, a length past the table's capacity or a negative length gets NaN out and
 lse, and nothing outside the table or the cache is read. Only what this rank reads is checked:
@@ -46,6 +48,9 @@ def _kernel_fits(f: impl.Facts) -> impl.Unusable | None:
         return impl.Unusable(f"the kernel reads fp32/fp16/bf16 queries, got {f.dtype}")
     if f.head_dim < 16 or f.v_head_dim < 16:
         return impl.Unusable(f"the kernel needs head dims >= 16, got {f.head_dim}/{f.v_head_dim}")
+    if f.kv_strides is not None and any(st[-1] != 1 for st in f.kv_strides):
+        # (the kernel addresses k and v elements as base + dim: their head dims must be unit-stride)
+        return impl.Unusable(f"the kernel reads k/v with a unit-stride head dim, got strides {f.kv_strides}")
     return None
 
 
@@ -59,7 +64,7 @@ BACKENDS = DECODE.names
 
 
 def check_paged_inputs(q: Tensor, cache: PagedKVCache, block_table: Tensor, seq_lens: Tensor,
-                       layout: DCPLayout, *, validate: bool | None = None) -> None:
+                       layout: DCPLayout, *, validate: bool | None = None, max_seq_len: int | None = None) -> None:
     """Validate a paged decode call (q [S, Tq, Hq, D]); values when on CPU or validate=True."""
     if q.dim() != 4:
         raise ValueError(f"q {tuple(q.shape)} must be [S, heads, head_dim] or [S, q_len, heads, head_dim]")
@@ -87,6 +92,8 @@ def check_paged_inputs(q: Tensor, cache: PagedKVCache, block_table: Tensor, seq_
                          f"[S = {s}, max_blocks]")
     if tuple(seq_lens.shape) != (s,) or seq_lens.dtype not in (torch.int32, torch.int64):
         raise ValueError(f"seq_lens {tuple(seq_lens.shape)} {seq_lens.dtype} must be int32/int64 [S = {s}]")
+    if max_seq_len is not None and int(max_seq_len) < 0:
+        raise ValueError(f"max_seq_len ({max_seq_len}) must be >= 0")
     if validate is None:
         validate = block_table.device.type == "cpu" and seq_lens.device.type == "cpu"
     if not validate or s == 0:
@@ -94,13 +101,30 @@ def check_paged_inputs(q: Tensor, cache: PagedKVCache, block_table: Tensor, seq_
     if tq > 1 and bool((seq_lens.cpu() < tq).any()):
         raise ValueError(f"seq_lens {seq_lens.cpu().tolist()[:8]} must be >= q_len ({tq}): they include the "
                          f"new tokens")
-    lens = layout.local_lengths(seq_lens.cpu().long())
+    # the GLOBAL lengths first: this rank's share of a negative length can be 0 (rank 0 of 2 for
+    # -1), and its share of a length past the table's capacity within it (ranks other than 0)
+    glens = seq_lens.cpu().long()
+    if bool((glens < 0).any()):
+        i = int((glens < 0).nonzero()[0, 0])
+        raise ValueError(f"seq_lens must be >= 0; seq_lens[{i}] = {int(glens[i])}")
+    lens = layout.local_lengths(glens)
     table = block_table.cpu().long()
     capacity = table.shape[1] * cache.block_size
-    if bool((lens < 0).any()) or bool((lens > capacity).any()):
-        bad = lens[(lens < 0) | (lens > capacity)].tolist()
+    if bool((lens > capacity).any()):
+        bad = lens[lens > capacity].tolist()
+        i = int((lens > capacity).nonzero()[0, 0])
         raise ValueError(f"local lengths {bad[:8]} outside [0, {capacity}] (block_table capacity "
-                         f"{table.shape[1]} blocks x {cache.block_size} tokens)")
+                         f"{table.shape[1]} blocks x {cache.block_size} tokens; seq_lens[{i}] = {int(glens[i])})")
+    global_capacity = table.shape[1] * layout.virtual_block
+    if bool((glens > global_capacity).any()):
+        i = int((glens > global_capacity).nonzero()[0, 0])
+        raise ValueError(f"seq_lens[{i}] = {int(glens[i])} exceeds the block table's capacity: {table.shape[1]} "
+                         f"blocks x {layout.virtual_block} tokens (block_size {layout.block_size} x {layout.size} "
+                         f"ranks) = {global_capacity}")
+    if max_seq_len is not None and bool((glens > int(max_seq_len)).any()):
+        i = int((glens > int(max_seq_len)).nonzero()[0, 0])
+        raise ValueError(f"seq_lens[{i}] = {int(glens[i])} exceeds max_seq_len ({max_seq_len}), the bound the "
+                         f"split-KV grid is sized by")
     used = torch.arange(table.shape[1]).unsqueeze(0) < (lens.unsqueeze(1) + cache.block_size - 1) // cache.block_size
     ids = table[used]
     nb = cache.k.shape[0]
@@ -112,7 +136,8 @@ def check_paged_inputs(q: Tensor, cache: PagedKVCache, block_table: Tensor, seq_
 def resolve_backend(q: Tensor, cache: PagedKVCache, backend: DecodeBackend = "auto") -> str:
     """The implementation ("triton" | "torch") `paged_decode_attention` runs for q and this cache."""
     return DECODE.resolve(backend, device=q.device, needs_grad=impl.grad_needed(q), dtype=q.dtype,
-                          head_dim=q.shape[-1], v_head_dim=cache.v.shape[-1])
+                          head_dim=q.shape[-1], v_head_dim=cache.v.shape[-1],
+                          kv_strides=(tuple(cache.k.stride()), tuple(cache.v.stride())))
 
 
 def paged_decode_reference(q: Tensor, cache: PagedKVCache, block_table: Tensor, local_lens: Tensor,
@@ -154,7 +179,7 @@ def paged_decode_attention(q: Tensor, cache: PagedKVCache, block_table: Tensor, 
     q4 = q.unsqueeze(1) if single else q
     if seq_lens.dim() != 1:
         raise ValueError(f"seq_lens {tuple(seq_lens.shape)} must be [S]")
-    check_paged_inputs(q4, cache, block_table, seq_lens, layout, validate=validate)
+    check_paged_inputs(q4, cache, block_table, seq_lens, layout, validate=validate, max_seq_len=max_seq_len)
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
     chosen = resolve_backend(q, cache, backend)
     table = block_table.to(q.device)
