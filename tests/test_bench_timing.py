@@ -89,3 +89,30 @@ def test_input_copies_cover_three_l2s(monkeypatch):
     made.clear()
     assert common.input_copies(ctx, lambda: made.append(1) or len(made), lambda c: 40 << 20) == [1, 2, 3, 4]
     assert common.l2_sets(ctx, 1 << 30) == 1 and common.l2_sets(ctx, 1) == common.GRAPH_REPS
+
+
+def test_decode_time_times_each_config_variant_and_restores_it(fake_cuda):
+    from launch.bench import cp
+    from parallel.cp import triton_decode, triton_merge
+
+    ctx, clock = fake_cuda
+    before = (triton_decode.CONFIG["pdl"], triton_merge.CONFIG["one_round"])
+    calls: list[tuple] = []
+
+    def call():      # 30 µs, +5 without PDL, -2 with the merge's one-round loads
+        calls.append((triton_decode.CONFIG["pdl"], triton_merge.CONFIG["one_round"]))
+        clock[0] += 30.0 + 5.0 * (not triton_decode.CONFIG["pdl"]) - 2.0 * bool(triton_merge.CONFIG["one_round"])
+    triton_decode.CONFIG["pdl"], triton_merge.CONFIG["one_round"] = 1, 0
+    try:
+        us, cols = cp._decode_time(ctx, [call])
+        assert us == pytest.approx(30.0) and cols["eager_us"] == pytest.approx(30.0)
+        assert cols["no_pdl_us"] == pytest.approx(35.0) and cols["merge_one_round_us"] == pytest.approx(28.0)
+        assert {c for c in calls} == {(1, 0), (0, 0), (1, 1)}          # one option changed at a time
+        assert (triton_decode.CONFIG["pdl"], triton_merge.CONFIG["one_round"]) == (1, 0)
+        # where the CONFIG already has the variant's value, the column is time_us itself
+        triton_merge.CONFIG["one_round"] = 1
+        calls.clear()
+        us, cols = cp._decode_time(ctx, [call])
+        assert cols["merge_one_round_us"] == us == pytest.approx(28.0) and (1, 0) not in calls
+    finally:
+        triton_decode.CONFIG["pdl"], triton_merge.CONFIG["one_round"] = before

@@ -123,8 +123,10 @@ def test_a_nan_lse_propagates_to_its_row_and_is_not_an_empty_partial():
     assert not bool(nonempty[3].any()) and all((s[3] == 0).all() for s in scales)
 
 
-def test_a_nan_lse_propagates_in_the_triton_kernels_under_interpreter(monkeypatch):
+@pytest.mark.parametrize("one_round", [0, 1])
+def test_a_nan_lse_propagates_in_the_triton_kernels_under_interpreter(monkeypatch, one_round):
     mod = _triton_merge_module(monkeypatch)
+    monkeypatch.setitem(mod.CONFIG, "one_round", one_round)
     outs, lses, want_out, want_lse = _nan_case()
     got = mod.merge_states_triton(outs, lses)                                       # N-way kernel
     _check_nan_case(got.out, got.lse, want_out, want_lse)
@@ -176,6 +178,30 @@ def test_merge_rejects_bad_input():
         merge_attn_states(outs, lses, backend="cuda")
 
 
+def test_merge_rejects_out_buffers_of_an_integer_dtype_or_another_device():
+    """`out` is documented as any float dtype on the inputs' device: an int buffer truncated the
+    merged values silently, one on another device took them nowhere (meta) or crashed the kernel.
+    A valid bf16 `out` gets the exact LSE merge, checked against the formula in float64."""
+    gen = torch.Generator().manual_seed(21)
+    outs, lses = torch.randn(3, 4, 2, 6, generator=gen), torch.randn(3, 4, 2, generator=gen) * 3
+    lses[:, 1, 0] = -math.inf                                       # a row empty everywhere
+    with pytest.raises(ValueError, match=r"out must have a float dtype, got torch.int32"):
+        merge_attn_states(outs, lses, out=torch.zeros(4, 2, 6, dtype=torch.int32))
+    with pytest.raises(ValueError, match=r"out is on meta, the inputs on cpu"):
+        merge_attn_states(outs, lses, out=torch.empty(4, 2, 6, device="meta"))
+    with pytest.raises(ValueError, match=r"out_lse is on meta, the inputs on cpu"):
+        merge_attn_states(outs, lses, out_lse=torch.empty(4, 2, device="meta"))
+    out, out_lse = torch.full((4, 2, 6), 7.0, dtype=torch.bfloat16), torch.full((4, 2), 7.0)
+    merge_attn_states(outs, lses, out=out, out_lse=out_lse)
+    l64 = lses.double()
+    want_lse = torch.logsumexp(l64, dim=0)                          # -inf on the empty row
+    w = torch.exp(l64 - torch.where(torch.isinf(want_lse), 0.0, want_lse)).nan_to_num(0.0)
+    want_out = (w[..., None] * outs.double()).sum(0)
+    torch.testing.assert_close(out.double(), want_out, rtol=0, atol=2e-2)
+    torch.testing.assert_close(out_lse.double(), want_lse, rtol=0, atol=1e-5)
+    assert torch.equal(out[1, 0], torch.zeros(6, dtype=torch.bfloat16)) and out_lse[1, 0] == -math.inf
+
+
 def _triton_merge_module(monkeypatch):
     pytest.importorskip("triton")
     if torch.cuda.is_available():
@@ -196,13 +222,21 @@ def _edge_case_states(seed: int, n: int, t: int = 6, h: int = 3, d: int = 20):
     outs[-1, 1, 2] = float("nan")
     lses[:, 2, 1] = -float("inf")
     outs[:, 2, 1] = float("nan")
+    if n >= 3:           # a row whose first inputs are empty (garbage outs) and later ones are not
+        lses[:2, 3, 0] = -float("inf")
+        outs[:2, 3, 0] = float("nan")
     return outs, lses
 
 
 @pytest.mark.parametrize("base", ["e", "2"])
-def test_triton_merge_matches_torch_under_interpreter(monkeypatch, base):
+@pytest.mark.parametrize("one_round", [0, 1])
+def test_triton_merge_matches_torch_under_interpreter(monkeypatch, base, one_round):
+    """Both forms of the N-way kernel (CONFIG one_round: all loads first and one rescaling pass, or
+    two passes) against the torch merge, with NaN, +inf and all-empty rows among the inputs (the
+    garbage outs of empty inputs must not leak), and N up to 5 (the first inputs of a row empty)."""
     mod = _triton_merge_module(monkeypatch)
-    for n in (1, 2, 3):
+    monkeypatch.setitem(mod.CONFIG, "one_round", one_round)
+    for n in (1, 2, 3, 5):
         outs, lses = _edge_case_states(n, n)
         expect = merge_attn_states(outs, lses, base=base, backend="torch")
         got = mod.merge_states_triton(outs, lses, base=base)                      # stacked (N-way kernel)
@@ -251,8 +285,13 @@ def test_min_programs_shrinks_only_small_merges_and_keeps_every_bit(monkeypatch)
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_triton_merge_matches_torch_on_cuda(dtype):
-    for n, (t, h, d), base in ((2, (1000, 16, 128), "e"), (4, (333, 8, 64), "2"), (3, (64, 5, 96), "e")):
+@pytest.mark.parametrize("one_round", [0, 1])
+def test_triton_merge_matches_torch_on_cuda(dtype, one_round, monkeypatch):
+    from parallel.cp import triton_merge
+
+    monkeypatch.setitem(triton_merge.CONFIG, "one_round", one_round)
+    for n, (t, h, d), base in ((2, (1000, 16, 128), "e"), (4, (333, 8, 64), "2"), (3, (64, 5, 96), "e"),
+                               (4, (32, 16, 512), "e"), (8, (7, 16, 512), "e")):
         outs, lses = _edge_case_states(n, n, t, h, d)
         outs, lses = outs.cuda().to(dtype), lses.cuda()
         expect = merge_attn_states(outs, lses, base=base, backend="torch")

@@ -230,12 +230,13 @@ def _dcp_breakdown(ctx: BenchContext) -> None:
     _note_graph_timing(ctx)
 
 
-# the same call with one kernel option changed: column -> CONFIG overrides (`_decode_time`). The
+# the same call with one kernel option changed: column -> (module, CONFIG overrides) (`_decode_time`). The
 # split merge fused into the decode kernel (the last split of a row tile merging, self-resetting
 # counters per stream) was measured this way on 2026-12-03 and lost nearly everywhere (GQA bf16
 # 1/4 of 8K / 32K / 128K: 42.1 / 131.0 / 490.7 -> 45.0 / 143.5 / 544.8 µs; docs/performance.md):
 # removed after commit be81291
-DECODE_VARIANTS = {"no_pdl_us": {"pdl": 0}}
+DECODE_VARIANTS = {"no_pdl_us": ("triton_decode", {"pdl": 0}), "merge_one_round_us": ("triton_merge", {"one_round": 1})}
+"""Columns timing a decode call again with one CONFIG option of a module of parallel.cp changed."""
 
 
 def _decode_time(ctx: BenchContext, fns) -> tuple[float, dict]:
@@ -243,22 +244,24 @@ def _decode_time(ctx: BenchContext, fns) -> tuple[float, dict]:
     µs per call of ten captured in one graph, `fns` = the call over each copy of its inputs, taken
     in turn): (µs, the extra columns timing, replay_us (one call per graph replay, the host's
     launch of the replay included), input_sets, eager_us (the call launched from Python) and, per
-    DECODE_VARIANTS, the same with one `triton_decode.CONFIG` option changed: no_pdl_us without
-    programmatic dependent launch (where the CONFIG has the changed value, time_us itself))."""
-    from megapar.parallel.cp import triton_decode
+    DECODE_VARIANTS, the same with one CONFIG option changed: no_pdl_us without programmatic
+    dependent launch, merge_one_round_us with the split merge's one-round loads
+    (`triton_merge.CONFIG`; where the CONFIG has the changed value already, time_us itself))."""
+    import importlib
 
     us, cols = step_time(ctx, fns)
     cols["eager_us"] = ctx.time_fn(fns[0]) if ctx.is_cuda else us
-    for name, change in DECODE_VARIANTS.items() if ctx.is_cuda else ():
-        before = {k: triton_decode.CONFIG[k] for k in change}
+    for name, (module, change) in DECODE_VARIANTS.items() if ctx.is_cuda else ():
+        config = importlib.import_module(f"megapar.parallel.cp.{module}").CONFIG
+        before = {k: config[k] for k in change}
         if before == change:
             cols[name] = us
             continue
-        triton_decode.CONFIG.update(change)
+        config.update(change)
         try:
             cols[name] = step_time(ctx, fns)[0]
         finally:
-            triton_decode.CONFIG.update(before)
+            config.update(before)
     return us, cols
 
 
