@@ -305,3 +305,26 @@ def test_triton_merge_matches_torch_on_cuda(dtype, one_round, monkeypatch):
         merge_two_attn_states(acc, acc_lse, outs[1], lses[1], base=base, out=acc, out_lse=acc_lse)
         torch.testing.assert_close(acc, ref2.out, rtol=0, atol=1e-5, equal_nan=True)
         torch.testing.assert_close(acc_lse, ref2.lse, rtol=0, atol=1e-5, equal_nan=True)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("one_round", [0, 1])
+def test_n_way_merge_of_inputs_past_2_to_the_31_elements_on_cuda(one_round, monkeypatch):
+    """Five stacked inputs of 2^29 elements each (bf16 [131072, 32, 128]): input i starts i x 2^29
+    elements in, past 2^31 from i = 4, while the stride itself fits in 32 bits (the kernel widens it
+    before the product). Rows at both ends checked against the torch merge."""
+    from parallel.cp import triton_merge
+
+    monkeypatch.setitem(triton_merge.CONFIG, "one_round", one_round)
+    n, t, h, d = 5, 131072, 32, 128
+    gen = torch.Generator(device="cuda").manual_seed(3)
+    outs = torch.randn(n, t, h, d, device="cuda", dtype=torch.bfloat16, generator=gen)
+    lses = torch.randn(n, t, h, device="cuda", generator=gen) * 3
+    lses[:4, -1] = -float("inf")                     # the last row: only input 4 (past 2^31) counts
+    got = merge_attn_states(outs, lses)
+    for rows in (slice(0, 64), slice(t - 64, t)):
+        expect = merge_attn_states(outs[:, rows].float(), lses[:, rows], backend="torch")
+        torch.testing.assert_close(got.out[rows].float(), expect.out, rtol=1e-2, atol=1e-2)
+        torch.testing.assert_close(got.lse[rows], expect.lse, rtol=0, atol=1e-5)
+    torch.testing.assert_close(got.out[-1].float(), outs[4, -1].float(), rtol=0, atol=0)
+

@@ -119,6 +119,10 @@ def _merge_n_kernel(
     m_idx = rows // H
     h_idx = rows % H
     lse_off = m_idx * slx_m + h_idx * slx_h
+    # input i starts i strides in: 64-bit (a stride that fits in 32 bits arrives as i32, and 4 stacked
+    # prefill inputs of 2^29 elements would wrap at i = 4)
+    sx_n64 = tl.cast(sx_n, tl.int64)
+    slx_n64 = tl.cast(slx_n, tl.int64)
     if ONE_ROUND:
         # every input's loads first, then one pass with the weights rescaled as a larger lse comes
         # (online softmax over the N inputs): the N outs' loads leave together with the lse's (one
@@ -132,8 +136,8 @@ def _merge_n_kernel(
         for i in tl.static_range(N):
             # (volatile: ptxas keeps volatile loads in program order, all before the math; plain
             # loads it sinks each to its use, after the exponentials that wait on the lse)
-            lses = lses + (tl.load(lx_ptr + i * slx_n + lse_off, mask=rmask, other=float("-inf"), volatile=True),)
-            outs = outs + (tl.load(x_ptr + i * sx_n + x_off, mask=mask2, other=0.0, volatile=True),)
+            lses = lses + (tl.load(lx_ptr + i * slx_n64 + lse_off, mask=rmask, other=float("-inf"), volatile=True),)
+            outs = outs + (tl.load(x_ptr + i * sx_n64 + x_off, mask=mask2, other=0.0, volatile=True),)
         mx = tl.full([BLOCK_R], float("-inf"), tl.float32)
         total = tl.full([BLOCK_R], 0.0, tl.float32)
         acc = tl.full([BLOCK_R, BLOCK_D], 0.0, tl.float32)
@@ -154,12 +158,12 @@ def _merge_n_kernel(
     # pass 1 (LSE vectors only): max, then the sum of weights
     mx = tl.full([BLOCK_R], float("-inf"), tl.float32)
     for i in tl.static_range(N):
-        li = _clean_lse(tl.load(lx_ptr + i * slx_n + lse_off, mask=rmask, other=float("-inf")).to(tl.float32))
+        li = _clean_lse(tl.load(lx_ptr + i * slx_n64 + lse_off, mask=rmask, other=float("-inf")).to(tl.float32))
         mx = tl.maximum(mx, li, propagate_nan=tl.PropagateNan.ALL)
     mx = tl.where(mx == float("-inf"), 0.0, mx)
     total = tl.full([BLOCK_R], 0.0, tl.float32)
     for i in tl.static_range(N):
-        li = _clean_lse(tl.load(lx_ptr + i * slx_n + lse_off, mask=rmask, other=float("-inf")).to(tl.float32))
+        li = _clean_lse(tl.load(lx_ptr + i * slx_n64 + lse_off, mask=rmask, other=float("-inf")).to(tl.float32))
         total += _pow(li - mx, BASE2)
     safe = tl.where(total > 0, total, 1.0)
     # pass 2: the weighted sum of the outs
@@ -168,9 +172,9 @@ def _merge_n_kernel(
     x_off = m_idx[:, None] * sx_m + h_idx[:, None] * sx_h + d[None, :] * sx_d
     acc = tl.full([BLOCK_R, BLOCK_D], 0.0, tl.float32)
     for i in tl.static_range(N):
-        li = _clean_lse(tl.load(lx_ptr + i * slx_n + lse_off, mask=rmask, other=float("-inf")).to(tl.float32))
+        li = _clean_lse(tl.load(lx_ptr + i * slx_n64 + lse_off, mask=rmask, other=float("-inf")).to(tl.float32))
         si = _pow(li - mx, BASE2) / safe
-        oi = tl.load(x_ptr + i * sx_n + x_off, mask=mask2, other=0.0)
+        oi = tl.load(x_ptr + i * sx_n64 + x_off, mask=mask2, other=0.0)
         acc += tl.where(si[:, None] > 0, oi.to(tl.float32), 0.0) * si[:, None]
     _store_merged(y_ptr, ly_ptr, m_idx, h_idx, d, rmask, mask2, acc, mx, total, sy_m, sy_h, sy_d, sly_m, sly_h,
                   BASE2)
@@ -257,8 +261,8 @@ def merge_states_triton(outs: Tensor | Sequence[Tensor], lses: Tensor | Sequence
         _merge_n_kernel[grid](
             x, lx, y_k, ly_k, M, H,
             *x.stride(), *lx.stride(), *y_k.stride(), *ly_k.stride(),
-            N=n, D=D, BLOCK_R=block_r, BLOCK_D=block_d, BASE2=(base == "2"), PDL=pdl, ONE_ROUND=bool(CONFIG["one_round"]),
-            num_warps=num_warps, **({"launch_pdl": True} if pdl else {}))
+            N=n, D=D, BLOCK_R=block_r, BLOCK_D=block_d, BASE2=(base == "2"), PDL=pdl,
+            ONE_ROUND=bool(CONFIG["one_round"]), num_warps=num_warps, **({"launch_pdl": True} if pdl else {}))
     if y_rows is None:
         y.copy_(y_k.view(shape))
     if ly_rows is None:
