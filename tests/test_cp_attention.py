@@ -186,6 +186,8 @@ def test_zigzag_varlen_rejects_bad_lengths_and_offsets():
         zigzag_shard_varlen(torch.zeros(8), [0, 8, 4], 0, 1)
     with pytest.raises(ValueError, match="1-D integer"):
         zigzag_shard_varlen(torch.zeros(8), torch.tensor([0.0, 8.0]), 0, 1)
+    with pytest.raises(ValueError, match=r"integer offsets, got \[0, 8.5, 16\]"):  # not truncated to 8
+        zigzag_shard_varlen(torch.zeros(16), [0, 8.5, 16], 0, 2)
     with pytest.raises(ValueError, match=r"rank \(2\)"):
         zigzag_shard_varlen(torch.zeros(8), [0, 8], 2, 2)
     with pytest.raises(ValueError, match="must hold 8 tokens"):
@@ -195,6 +197,8 @@ def test_zigzag_varlen_rejects_bad_lengths_and_offsets():
         ring_attention(q, q, q, None, cu_seqlens=[0, 4, 8])
     with pytest.raises(ValueError, match=r"packed \[T, H, D\]"):
         ring_attention(q[None], q[None], q[None], None, cu_seqlens=[0, 10])
+    with pytest.raises(ValueError, match="integer offsets"):
+        ring_attention(q, q, q, None, cu_seqlens=[0, 3.5, 10])
 
 
 def _per_sequence_reference(q, k, v, dout, cu, causal):

@@ -258,6 +258,13 @@ def _check_disagreement(groups, rank: int, world: int) -> None:
     for variant in ("ring", "allgather"):
         _raises_on_every_rank(lambda: ring_attention(x, x, x, groups.pcp, cu_seqlens=cu, variant=variant),
                               "cu_seqlens checksum")
+    w = x.double() if rank == 0 else x  # same shapes, another dtype: the KV blocks would not line up
+    names = "dtype: ['torch.float64', " + ", ".join(["'torch.float32'"] * (world - 1))
+    for variant in ("ring", "allgather"):
+        _raises_on_every_rank(lambda: ring_attention(w, w, w, groups.pcp, variant=variant), names)
+    backend = "cudnn" if rank == 0 else "auto"  # a backend only rank 0 cannot run: no rank may enter the ring
+    _raises_on_every_rank(lambda: ring_attention(x, x, x, groups.pcp, backend=backend),
+                          "unknown implementation 'cudnn'" if rank == 0 else "rank(s) [0]")
     odd = torch.randn(3, 2, 8)  # rank 0's input is bad: the others must not wait for it
     y = odd if rank == 0 else torch.randn(4, 2, 8)
     _raises_on_every_rank(lambda: ring_attention(y, y, y, groups.pcp), "must be even" if rank == 0 else "rank(s) [0]")

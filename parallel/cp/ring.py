@@ -25,15 +25,17 @@ per sequence (block-diagonal: no attention across sequences); the ring loop, mer
 backward are the same code, over a list of per-sequence blocks instead of one. On CUDA the fused
 kernels run once per sequence and step (no varlen kernel is used).
 
-Agreement: at P > 1 every call first all-gathers a few ints per rank (shapes, causal, variant,
-a checksum of cu_seqlens, and whether this rank's arguments are valid), so ranks that disagree
-on the head layout or the packing, or a rank with bad input, raise ValueError on every rank
-before any KV moves instead of returning results (or hanging). It is one host sync of a few
-bytes per call; the cu_seqlens are read on the host anyway.
+Agreement: at P > 1 every call first all-gathers a few ints per rank (shapes, dtype, causal,
+variant, a checksum of cu_seqlens, and whether this rank's arguments are valid), so ranks that
+disagree on the head layout, the dtype or the packing, or a rank with bad input (a backend it
+cannot run included), raise ValueError on every rank before any KV moves instead of returning
+results (or hanging). It is one host sync of a few bytes per call; the cu_seqlens are read on
+the host anyway.
 """
 
 from __future__ import annotations
 
+import operator
 import zlib
 from typing import Literal, Sequence
 
@@ -103,7 +105,10 @@ def _seq_lengths(cu_seqlens: Tensor | Sequence[int]) -> list[int]:
             raise ValueError(f"cu_seqlens must be a 1-D integer tensor, got {cu_seqlens.dtype} "
                              f"{tuple(cu_seqlens.shape)}")
         cu_seqlens = cu_seqlens.tolist()   # host sync on CUDA: the blocks are planned on the host
-    cu = [int(c) for c in cu_seqlens]
+    try:   # int() would truncate 7.5 to 7 silently; integers only, like the tensor path
+        cu = [operator.index(c) for c in cu_seqlens]
+    except TypeError:
+        raise ValueError(f"cu_seqlens must be integer offsets, got {cu_seqlens!r}") from None
     if len(cu) < 2 or cu[0] != 0 or any(b < a for a, b in zip(cu, cu[1:])):
         raise ValueError(f"cu_seqlens must start at 0, be non-decreasing and hold at least one sequence; "
                          f"got {cu}")
@@ -459,8 +464,18 @@ def _allgather_attention(q: Tensor, k: Tensor, v: Tensor, group: GroupLike, rank
 # ---------------------------------------------------------------------------------------------
 # agreement among the ranks
 
-_SIGNATURE = ("batch", "local tokens T", "q heads", "kv heads", "head dim", "v head dim", "causal", "variant",
-              "sequences", "cu_seqlens checksum")
+_SIGNATURE = ("batch", "local tokens T", "q heads", "kv heads", "head dim", "v head dim", "dtype", "causal",
+              "variant", "sequences", "cu_seqlens checksum")
+
+
+def _dtype_code(dtype: torch.dtype) -> int:
+    """The same int on every rank for the same dtype (the KV blocks are sent as raw elements)."""
+    return zlib.crc32(str(dtype).encode())
+
+
+def _dtype_name(code: int) -> str:
+    names = {_dtype_code(d): str(d) for d in vars(torch).values() if isinstance(d, torch.dtype)}
+    return names.get(code, str(code))
 
 
 def _signature(q: Tensor, k: Tensor, v: Tensor, causal: bool, variant: str,
@@ -471,8 +486,8 @@ def _signature(q: Tensor, k: Tensor, v: Tensor, causal: bool, variant: str,
     else:
         offsets = [int(o) for o in (cu_seqlens.tolist() if isinstance(cu_seqlens, Tensor) else cu_seqlens)]
         seqs, checksum = len(offsets) - 1, zlib.crc32(repr(offsets).encode())
-    return [q.shape[0], q.shape[1], q.shape[2], k.shape[2], q.shape[3], v.shape[3], int(causal),
-            int(variant == "allgather"), seqs, checksum]
+    return [q.shape[0], q.shape[1], q.shape[2], k.shape[2], q.shape[3], v.shape[3], _dtype_code(q.dtype),
+            int(causal), int(variant == "allgather"), seqs, checksum]
 
 
 def _agree(signature: list[int] | None, error: str | None, group: GroupLike, rank: int, size: int,
@@ -493,9 +508,10 @@ def _agree(signature: list[int] | None, error: str | None, group: GroupLike, ran
                          "(see their error)")
     differ = [i for i in range(len(_SIGNATURE)) if len({values[i + 1] for values in rows}) > 1]
     if differ:
-        detail = "; ".join(f"{_SIGNATURE[i]}: {[values[i + 1] for values in rows]}" for i in differ)
+        show = lambda i, x: _dtype_name(x) if _SIGNATURE[i] == "dtype" else x
+        detail = "; ".join(f"{_SIGNATURE[i]}: {[show(i, values[i + 1]) for values in rows]}" for i in differ)
         raise ValueError(f"ring attention: the ranks of the group disagree (per group rank) on {detail}; every "
-                         "rank must call with the same layout, causal, variant and cu_seqlens")
+                         "rank must call with the same layout, dtype, causal, variant and cu_seqlens")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -508,7 +524,7 @@ def ring_attention(q: Tensor, k: Tensor, v: Tensor, group: GroupLike = None, *, 
     """Context-parallel attention over a sequence sharded zigzag-wise over `group`.
 
     q: [T, Hq, D] or [B, T, Hq, D], this rank's zigzag shard (`zigzag_shard`), T = S / P;
-    k: [.., T, Hkv, D]; v: [.., T, Hkv, Dv]; Hq % Hkv == 0. With causal=True, T must be even.
+    k: [.., T, Hkv, D]; v: [.., T, Hkv, Dv]; Hq % Hkv == 0. With causal=True at P > 1, T must be even.
     group: parallel.groups.Group, ProcessGroup, or None (the world).
     variant: "ring" (P2P ring, double-buffered) or "allgather" (gather all KV first).
     cu_seqlens: [N+1] int offsets of the FULL packed batch (the same on every rank, host ints or a
@@ -537,6 +553,7 @@ def ring_attention(q: Tensor, k: Tensor, v: Tensor, group: GroupLike = None, *, 
         if causal and size > 1 and q.shape[1] % 2 != 0:
             raise ValueError(f"local length ({q.shape[1]}) must be even: each rank holds two zigzag chunks; pad "
                              f"the sequence to a multiple of 2*P = {2 * size} and shard it with zigzag_shard")
+        backend = resolve_backend(backend, q, k, v)   # a bad backend on one rank must not hang the others
         signature = _signature(q, k, v, causal, variant, cu_seqlens)
     except ValueError as exc:
         if size == 1:
@@ -545,7 +562,6 @@ def ring_attention(q: Tensor, k: Tensor, v: Tensor, group: GroupLike = None, *, 
     if size > 1:
         _agree(signature, error, group, rank, size, q.device)
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
-    backend = resolve_backend(backend, q, k, v)
     if variant == "allgather":
         state = _allgather_attention(q, k, v, group, rank, size, causal=causal, scale=scale, backend=backend,
                                      bounds=bounds)
