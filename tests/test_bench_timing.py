@@ -96,23 +96,29 @@ def test_decode_time_times_each_config_variant_and_restores_it(fake_cuda):
     from parallel.cp import triton_decode, triton_merge
 
     ctx, clock = fake_cuda
-    before = (triton_decode.CONFIG["pdl"], triton_merge.CONFIG["one_round"])
+    keys = [(triton_decode.CONFIG, "pdl"), (triton_merge.CONFIG, "one_round"),
+            (triton_decode.CONFIG, "paired_store_wide_narrow_fp8")]
+    before = [config[key] for config, key in keys]
     calls: list[tuple] = []
 
-    def call():      # 30 µs, +5 without PDL, -2 with the merge's one-round loads
-        calls.append((triton_decode.CONFIG["pdl"], triton_merge.CONFIG["one_round"]))
-        clock[0] += 30.0 + 5.0 * (not triton_decode.CONFIG["pdl"]) - 2.0 * bool(triton_merge.CONFIG["one_round"])
-    triton_decode.CONFIG["pdl"], triton_merge.CONFIG["one_round"] = 1, 0
+    def call():      # 30 µs, +5 without PDL, -2 with the merge's one-round loads, -1 with paired stores
+        state = tuple(config[key] for config, key in keys)
+        calls.append(state)
+        clock[0] += 30.0 + 5.0 * (not state[0]) - 2.0 * bool(state[1]) - 1.0 * bool(state[2])
+    for (config, key), value in zip(keys, (1, 0, 0)):
+        config[key] = value
     try:
         us, cols = cp._decode_time(ctx, [call])
         assert us == pytest.approx(30.0) and cols["eager_us"] == pytest.approx(30.0)
         assert cols["no_pdl_us"] == pytest.approx(35.0) and cols["merge_one_round_us"] == pytest.approx(28.0)
-        assert {c for c in calls} == {(1, 0), (0, 0), (1, 1)}          # one option changed at a time
-        assert (triton_decode.CONFIG["pdl"], triton_merge.CONFIG["one_round"]) == (1, 0)
-        # where the CONFIG already has the variant's value, the column is time_us itself
+        assert cols["paired_store_us"] == pytest.approx(29.0)
+        assert set(calls) == {(1, 0, 0), (0, 0, 0), (1, 1, 0), (1, 0, 1)}     # one option changed at a time
+        assert [config[key] for config, key in keys] == [1, 0, 0]
+        # where the CONFIG already has the variant's value, the column is time_us itself (not timed again)
         triton_merge.CONFIG["one_round"] = 1
         calls.clear()
         us, cols = cp._decode_time(ctx, [call])
-        assert cols["merge_one_round_us"] == us == pytest.approx(28.0) and (1, 0) not in calls
+        assert cols["merge_one_round_us"] == us == pytest.approx(28.0) and (1, 0, 0) not in calls
     finally:
-        triton_decode.CONFIG["pdl"], triton_merge.CONFIG["one_round"] = before
+        for (config, key), value in zip(keys, before):
+            config[key] = value

@@ -781,6 +781,8 @@ def test_gluon_mla_narrow_swapped_on_gpu(dtype, size, rank, heads, tq, monkeypat
             _same_when_flipped(monkeypatch, td, "pipe_wide_narrow_fp8", lambda: run(cache, table), got)
         monkeypatch.setitem(td.CONFIG, "direct_wide_narrow_fp8", direct)
         monkeypatch.setitem(td.CONFIG, "direct_wide_narrow_fp8_32", direct32)
+        if applies:     # the output's dim pairs stored together (CONFIG paired_store_wide_narrow_fp8): the same
+            _same_when_flipped(monkeypatch, td, "paired_store_wide_narrow_fp8", lambda: run(cache, table), got)
         forms = {f8: got}
         if applies:
             monkeypatch.setitem(td.CONFIG, "fp8_scores_wide_narrow_fp8", 1 - f8)

@@ -35,7 +35,8 @@ def _build(name: str) -> dict:
 
     pdl = name.endswith("-pdl")         # ("-pdl": launched with programmatic dependent launch)
     pipe = "-pipe" in name              # ("-pipe": the narrow direct kernel's next score MMAs issued early)
-    family, dtype, *more = name.removesuffix("-pdl").replace("-pipe", "").split("-")
+    paired = "-paired" in name          # ("-paired": the narrow direct kernel's output dim pairs stored together)
+    family, dtype, *more = name.removesuffix("-pdl").replace("-pipe", "").replace("-paired", "").split("-")
     nq = 8 if more == ["swap"] else 0
     fp8 = dtype == "fp8"
     ptrs = {"table_ptr": "*i32", "glens_ptr": "*i64", "o_ptr": "*fp32", "lse_ptr": "*fp32", "qk_scale": "fp32"}
@@ -95,10 +96,14 @@ def _build(name: str) -> dict:
     if "PIPE" in kernel.arg_names:
         # (as `gluon_mla_narrow.launch` asks for it)
         consts["PIPE"] = pipe and gluon_mla_narrow.pairs_apply(consts["NQ"], consts["RAW"], consts["F8"])
+    if "PAIRED" in kernel.arg_names:
+        consts["PAIRED"] = paired
     names = kernel.arg_names
     sig = {n: ptrs.get(n, "constexpr" if n in consts else "i32") for n in names}
-    # as Triton's launcher specializes them at run time: pointers divisible by 16
-    aligned = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names) if sig[n].startswith("*")}
+    # as Triton's launcher specializes them at run time: pointers divisible by 16 (-paired: the output's
+    # strides too, multiples of its 512 latent dims, which the 8-byte stores' alignment rests on)
+    aligned = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names)
+               if sig[n].startswith("*") or paired and n.startswith("so_")}
     compiled = triton.compile(GluonASTSource(kernel, sig, {(names.index(n),): v for n, v in consts.items()}, aligned),
                               target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
     ptxas = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
@@ -111,7 +116,8 @@ def _build(name: str) -> dict:
             "spill": int(re.search(r"(\d+) bytes spill stores", info).group(1)),
             "serialized": "C7514" in info,
             "setmaxnreg": "setmaxnreg" in compiled.asm["ptx"], "wgmma": "wgmma.mma_async" in compiled.asm["ptx"],
-            "gdc": "griddepcontrol.wait" in compiled.asm["ptx"]}
+            "gdc": "griddepcontrol.wait" in compiled.asm["ptx"],
+            "stores": {w: len(re.findall(rf"st\.global\.{w}\b", compiled.asm["ptx"])) for w in ("b32", "v2.b32")}}
 
 
 @pytest.mark.parametrize("name,spill_cap", [
@@ -142,12 +148,7 @@ def test_gluon_decode_kernel_builds_for_sm90(name, spill_cap):
     scores as fp8 MMAs): none at 8-16 columns, 12 B at 32. The direct fp8 GQA kernel
     ("gqa-fp8-directRAW-NQ[-causal][-pdl]": "-causal" a speculative step's tokens):
     none (its caps allow 8 B at 32 columns)."""
-    pytest.importorskip("triton.experimental.gluon")
-    env = dict(os.environ, TRITON_INTERPRET="0", PYTHONPATH=f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
-    done = subprocess.run([sys.executable, __file__, name], env=env, cwd=ROOT,
-                          capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr[-3000:]
-    got = json.loads(done.stdout.strip().splitlines()[-1])
+    got = _built(name)
     assert got["shared"] <= SMEM_LIMIT, f"{got['shared']} B of shared memory > {SMEM_LIMIT}"
     assert got["spill"] <= spill_cap, f"{got['spill']} B spilled (cap {spill_cap})"
     # partitions (the CTA's registers move between them: setmaxnreg) and async wgmma
@@ -157,6 +158,31 @@ def test_gluon_decode_kernel_builds_for_sm90(name, spill_cap):
     assert not got["serialized"], "ptxas serialized the kernel's wgmma instructions (C7514)"
     # programmatic dependent launch ("-pdl"): the kernel waits for the one before it
     assert got["gdc"] == name.endswith("-pdl")
+
+
+def _built(name: str) -> dict:
+    """`_build(name)` in a child process (this one runs Triton in interpreter mode)."""
+    pytest.importorskip("triton.experimental.gluon")
+    env = dict(os.environ, TRITON_INTERPRET="0", PYTHONPATH=f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
+    done = subprocess.run([sys.executable, __file__, name], env=env, cwd=ROOT,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("columns", ["16-direct5s", "32-direct4s-causal"])
+def test_narrow_direct_kernel_stores_its_output_dim_pairs_together(columns):
+    """CONFIG paired_store_wide_narrow_fp8: the value warpgroup's 8 accumulators (a latent box's even
+    and odd dims) stored as 2 x NQ 8-byte pairs a thread (st.global.v2) instead of 4 x NQ 4-byte
+    stores of one parity, with the launcher's stride alignment; no more registers, spills or shared memory
+    (the joined tile's layout is the accumulators': no conversion through shared memory)."""
+    plain = _built(f"mlan-fp8-{columns}-pdl")
+    paired = _built(f"mlan-fp8-{columns}-paired-pdl")
+    nq, lse_stores = int(columns.split("-")[0]), paired["stores"]["b32"]    # (a thread: 4 x NQ output dims)
+    assert paired["stores"]["v2.b32"] == 2 * nq and plain["stores"]["v2.b32"] == 0, (plain, paired)
+    assert plain["stores"]["b32"] == 4 * nq + lse_stores, (plain, paired)
+    assert paired["regs"] == plain["regs"] and paired["spill"] <= plain["spill"]
+    assert paired["shared"] == plain["shared"] and not paired["serialized"]
 
 
 @pytest.mark.parametrize("keys,ring,raw,fits", [(64, 1, 1, True), (64, 1, 2, True), (64, 2, 1, False),

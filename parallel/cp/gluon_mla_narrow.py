@@ -464,6 +464,20 @@ if HAS_GLUON:
         gl.store(o_ptr + o_q[None, :] + (first + 2 * rows)[:, None], o * factor[None, :], mask=live[None, :])
 
     @gluon.jit
+    def _store_pair(o_ptr, even, odd, first, factor, o_q, live, rows):
+        """Output dims first + 2r and first + 2r + 1 of the columns `live` (a latent box's dim pair r,
+        from its even and odd accumulators: a thread holds element (r, c) of both), one 8-byte store a
+        pair: full sectors and half the store instructions of two `_store_half`."""
+        vals = gl.join(even * factor[None, :], odd * factor[None, :])            # [BLOCK, NQ, 2]
+        l3: gl.constexpr = vals.type.layout
+        pair = gl.arange(0, 2, layout=gl.SliceLayout(0, gl.SliceLayout(0, l3)))
+        off = gl.convert_layout(o_q[None, :] + (first + 2 * rows)[:, None], gl.SliceLayout(2, l3))
+        live3 = gl.convert_layout((rows >= 0)[:, None] & live[None, :], gl.SliceLayout(2, l3))
+        off3 = gl.expand_dims(off, 2) + gl.expand_dims(gl.expand_dims(pair, 0), 0)
+        mask3 = gl.expand_dims(live3, 2) & gl.expand_dims(gl.expand_dims(pair >= 0, 0), 0)
+        gl.store(o_ptr + off3, vals, mask=mask3)
+
+    @gluon.jit
     def _tile_softmax(sc, t, m_i, l_i, r_i, start, end, keys, qk_q, q_pos, ks_smem, p_smem, a_smem, raw_free,
                       p_free, p_ready, dcp_size, dcp_rank, interleave, RAW: gl.constexpr, CAUSAL: gl.constexpr):
         """Tile t's raw scores sc (its MMAs complete) through the online softmax: times its keys' scales
@@ -594,7 +608,7 @@ if HAS_GLUON:
     @gluon.jit
     def _direct_values(kl_smem, p_smem, a_smem, raw_free, p_ready, p_free, glens_ptr, o_ptr, s, split, split_len,
                        dcp_size, dcp_rank, interleave, table_w, so_p, so_s, so_t, so_h, HQ, TQ, PAGE: gl.constexpr,
-                       RAW: gl.constexpr, NQ: gl.constexpr):
+                       RAW: gl.constexpr, NQ: gl.constexpr, PAIRED: gl.constexpr = False):
         """The direct fp8 kernel's value warpgroup: per tile, once its weights are published, O^T += V^T
         P^T with the A operand converted in registers from the raw bytes (each accumulator one parity
         of a latent box's dims), its hold on the raw stage and the weights then released; at the end the
@@ -638,14 +652,20 @@ if HAS_GLUON:
         mine = cols < TQ * HQ
         o_q = (split.to(gl.int64) * so_p + s.to(gl.int64) * so_s + (cols // HQ).to(gl.int64) * so_t
                + (cols % HQ).to(gl.int64) * so_h)
-        _store_half(o_ptr, e0, 0, factor, o_q, mine, rows)
-        _store_half(o_ptr, d0, 1, factor, o_q, mine, rows)
-        _store_half(o_ptr, e1, LBOX, factor, o_q, mine, rows)
-        _store_half(o_ptr, d1, LBOX + 1, factor, o_q, mine, rows)
-        _store_half(o_ptr, e2, 2 * LBOX, factor, o_q, mine, rows)
-        _store_half(o_ptr, d2, 2 * LBOX + 1, factor, o_q, mine, rows)
-        _store_half(o_ptr, e3, 3 * LBOX, factor, o_q, mine, rows)
-        _store_half(o_ptr, d3, 3 * LBOX + 1, factor, o_q, mine, rows)
+        if PAIRED:
+            _store_pair(o_ptr, e0, d0, 0, factor, o_q, mine, rows)
+            _store_pair(o_ptr, e1, d1, LBOX, factor, o_q, mine, rows)
+            _store_pair(o_ptr, e2, d2, 2 * LBOX, factor, o_q, mine, rows)
+            _store_pair(o_ptr, e3, d3, 3 * LBOX, factor, o_q, mine, rows)
+        else:
+            _store_half(o_ptr, e0, 0, factor, o_q, mine, rows)
+            _store_half(o_ptr, d0, 1, factor, o_q, mine, rows)
+            _store_half(o_ptr, e1, LBOX, factor, o_q, mine, rows)
+            _store_half(o_ptr, d1, LBOX + 1, factor, o_q, mine, rows)
+            _store_half(o_ptr, e2, 2 * LBOX, factor, o_q, mine, rows)
+            _store_half(o_ptr, d2, 2 * LBOX + 1, factor, o_q, mine, rows)
+            _store_half(o_ptr, e3, 3 * LBOX, factor, o_q, mine, rows)
+            _store_half(o_ptr, d3, 3 * LBOX + 1, factor, o_q, mine, rows)
 
     @gluon.jit
     def _direct_loader(kl_desc, kr_desc, ks_desc, table_ptr, glens_ptr, kl_smem, kr_smem, ks_smem, raw_ready,
@@ -676,10 +696,12 @@ if HAS_GLUON:
                                   split_len, HQ, TQ, dcp_size, dcp_rank, interleave, table_w, num_blocks, st_s,
                                   so_p, so_s, so_t, so_h, sl_p, sl_s, sl_t, PAGE: gl.constexpr, NQ: gl.constexpr,
                                   RAW: gl.constexpr, CAUSAL: gl.constexpr = False, F8: gl.constexpr = False,
-                                  PDL: gl.constexpr = False, PIPE: gl.constexpr = False):
+                                  PDL: gl.constexpr = False, PIPE: gl.constexpr = False,
+                                  PAIRED: gl.constexpr = False):
         """fp8 latent cache without a converter: a one-warp TMA loader fills RAW raw stages; one warpgroup
         reads each tile's bytes straight into the scores' A operands (`_direct_scores`), the other into
-        the values' (`_direct_values`) one tile behind, through a double buffer of the weights."""
+        the values' (`_direct_values`) one tile behind, through a double buffer of the weights. PAIRED:
+        the output's dim pairs stored together (`_store_pair`)."""
         s = gl.program_id(0)
         split = gl.program_id(1)
         lbox: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=8, rank=2)
@@ -719,7 +741,7 @@ if HAS_GLUON:
                               HQ, TQ, PAGE, RAW, NQ, CAUSAL, F8, PIPE)),
             (_direct_values, (kl_smem, p_smem, a_smem, raw_free, p_ready, p_free, glens_ptr, o_ptr, s, split,
                               split_len, dcp_size, dcp_rank, interleave, table_w, so_p, so_s, so_t, so_h, HQ, TQ,
-                              PAGE, RAW, NQ)),
+                              PAGE, RAW, NQ, PAIRED)),
             (_direct_loader, (kl_desc, kr_desc, ks_desc, table_ptr, glens_ptr, kl_smem, kr_smem, ks_smem,
                               raw_ready, raw_free, s, split, split_len, dcp_size, dcp_rank, interleave, table_w,
                               num_blocks, st_s, PAGE, RAW)),
@@ -728,15 +750,16 @@ if HAS_GLUON:
 def launch(q: Tensor, k: Tensor, table: Tensor, seq_lens: Tensor, o: Tensor, lse: Tensor, scale_log2: float,
            splits: int, split_len: int, dcp_size: int, dcp_rank: int, interleave: int,
            k_scale: Tensor | None = None, ring: int = 2, raw: int = 1, rope_raw: bool = False,
-           direct: bool = False, fp8_scores: bool = False, pdl: bool = False, pipe: bool = False) -> None:
+           direct: bool = False, fp8_scores: bool = False, pdl: bool = False, pipe: bool = False,
+           paired: bool = False) -> None:
     """Fill the split partials o [splits, S, Tq, Hq, 512] / lse [splits, S, Tq, Hq] of queries q [S, Tq,
     Hq, 576] (`gluon_mla.gluon_mla_ok` and `narrow_ok` of Tq x Hq columns hold; Tq > 1: causal within
     the step's tokens); over fp8 `ring` fp16 and `raw` raw stages of 64 keys (`fp8_fits`), the rope
     box's scores from the raw stage with `rope_raw` (the fp16 stages then hold 512 dims), or with
     `direct` no converter and `raw` raw stages only (`direct_fits`; `fp8_scores`: the scores as fp8
     MMAs against the queries' e4m3 hi + lo parts, `pipe`: the scores in tile pairs (`pairs_apply`: with
-    fp8_scores, at least two raw stages and at most PAIRS_MAX_COLUMNS columns); pdl: launched with
-    programmatic dependent launch, `triton_merge.pdl_ok`)."""
+    fp8_scores, at least two raw stages and at most PAIRS_MAX_COLUMNS columns), `paired`: the output's dim
+    pairs stored together; pdl: launched with programmatic dependent launch, `triton_merge.pdl_ok`)."""
     s, tq, hq, d = q.shape
     nb, page = k.shape[0], k.shape[1]
     nq = columns(tq * hq)
@@ -761,7 +784,8 @@ def launch(q: Tensor, k: Tensor, table: Tensor, seq_lens: Tensor, o: Tensor, lse
         _mla_narrow_direct_kernel[(s, splits)](
             q, kl_desc, kr_desc, ks_desc, table, seq_lens, o, lse, scale_log2, split_len, hq, tq, dcp_size, dcp_rank,
             interleave, table.shape[1], nb, table.stride(0), *tail, PAGE=page, NQ=nq, RAW=raw, CAUSAL=tq > 1,
-            F8=bool(fp8_scores), PIPE=bool(pipe) and pairs_apply(tq * hq, raw, fp8_scores), num_warps=4, **launch)
+            F8=bool(fp8_scores), PIPE=bool(pipe) and pairs_apply(tq * hq, raw, fp8_scores), PAIRED=bool(paired),
+            num_warps=4, **launch)
         return
     if fp8:
         raw_box = gl.NVMMASharedLayout.get_default_for([_BLOCK, _BLOCK], gl.float8e4nv)

@@ -684,6 +684,13 @@ CONFIG = {
     # (fence, atomic, the lse and partials read back from L2 by one CTA) is longer than the merge kernel's
     # launch (logs/decode-fixed2-h200.json)
     "pipe_wide_narrow_fp8": 1,
+    # the direct narrow kernel's output stored as dim pairs, one 8-byte store a pair (a thread holds
+    # dim 2r of a box in its even accumulator and 2r + 1 in its odd one at the same place): 32 vector
+    # stores a thread instead of 64 scalar ones of one parity (half-filled sectors; Nsight Compute put
+    # the value warpgroup's epilogue among a one-page call's stalls, docs/gpu.md section 24). Built and
+    # checked on the CPU only (its sm_90a PTX: st.global.v2, no shared-memory traffic added): off until
+    # `megapar bench cp` has timed it (column paired_store_us)
+    "paired_store_wide_narrow_fp8": 0,
     # over fp8: a TMA ring of this many raw fp8 tiles in front of the Gluon kernel's converter (0:
     # the converter loads 64-key tiles itself into two fp16 stages; Nsight Compute had put the
     # kernel's bound in those loads, docs/gpu.md section 18). With 64-key tiles and one fp16 stage:
@@ -1194,7 +1201,8 @@ def paged_decode_triton(q: Tensor, k: Tensor, v: Tensor, k_scale: Tensor | None,
         gluon_mla_narrow.launch(q, k, table, seq_lens, o, lse, scale * _LOG2E, splits, split_len, dcp_size, dcp_rank,
                                 interleave, k_scale if fp8 else None, ring=ring, raw=raw, rope_raw=rope,
                                 direct=bool(direct), fp8_scores=bool(CONFIG["fp8_scores_wide_narrow_fp8"]), pdl=pdl,
-                                pipe=bool(CONFIG["pipe_wide_narrow_fp8"]))
+                                pipe=bool(CONFIG["pipe_wide_narrow_fp8"]),
+                                paired=bool(CONFIG["paired_store_wide_narrow_fp8"]))
     elif s > 0 and splits > 0 and gluon:
         gluon_mla.launch_gluon_mla(q, k, table, seq_lens, o, lse, scale * _LOG2E, splits, split_len, dcp_size,
                                    dcp_rank, interleave, k_scale if fp8 else None, raw_ring=CONFIG["raw_ring_wide_fp8"],
