@@ -10,7 +10,7 @@ Every field that changes the MoE math is read (docs/numerics.md §2-3):
 | scoring | V3: sigmoid (HF's router always uses it); V4: scoring_func | score_func |
 | use_bias | V3: topk_method == "noaux_tc"; V4: always (non-hash layers) | V3: n_group style; V4: always |
 | n_group, topk_group | V3: n_group, topk_group; V4: none (HF's V4 router has no groups) | n_expert_groups, n_limited_groups |
-| renormalize | norm_topk_prob | always (V4: `score_func != "softmax"`) |
+| renormalize | V3: norm_topk_prob; V4: always (HF's V4 routers ignore norm_topk_prob) | V3: sigmoid; V4: `score_func != "softmax"` |
 | routed_scaling | routed_scaling_factor | route_scale |
 | swiglu_limit | V4: swiglu_limit (routed experts) | swiglu_limit |
 | shared_swiglu_limit | V4: swiglu_limit (HF's DeepseekV4MLP clamps as well) | swiglu_limit |
@@ -71,6 +71,10 @@ def _num_hash_layers(d: dict) -> int:
         n = 0
         while n < len(types) and types[n] == "hash_moe":
             n += 1
+        later = [i for i, t in enumerate(types) if t == "hash_moe" and i >= n]
+        if later:  # (MoEConfig.for_layer makes the first num_hash_layers layers the hash ones)
+            raise ValueError(f"mlp_layer_types has hash_moe layers at {later}, after the leading {n}; "
+                             "only leading hash layers are supported")
         return n
     return int(d.get("num_hash_layers", d.get("n_hash_layers", 0)) or 0)
 
@@ -101,7 +105,10 @@ def moe_kwargs_from_hf(config: Any) -> dict:
             raise ValueError(f"unknown scoring_func {scoring!r}; valid: {', '.join(_SCORING)}")
         limit = _limit(d.get("swiglu_limit", 10.0))
         hashes = _num_hash_layers(d)
+        # HF's DeepseekV4TopKRouter and DeepseekV4HashRouter divide by the weights' sum whatever
+        # norm_topk_prob says (DeepSeek's V4 code does too for its non-softmax scores)
         kw.update(scoring=_SCORING[scoring], use_bias=True, n_group=None, topk_group=None, swiglu_limit=limit,
+                  renormalize=True,
                   shared_swiglu_limit=limit, num_hash_layers=hashes, vocab=int(d["vocab_size"]) if hashes else None)
     else:
         n_group = d.get("n_group")

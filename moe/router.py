@@ -203,13 +203,23 @@ def _check_route_args(logits, top_k, scoring, bias, n_group, topk_group, input_i
         if tuple(input_ids.shape) != (num_tokens,) or input_ids.is_floating_point():
             raise ValueError(f"input_ids must be an int [{num_tokens}] tensor; got {input_ids.dtype} {tuple(input_ids.shape)}")
         return
+    _check_groups(n_group, topk_group, top_k, num_experts)
+
+
+def _check_groups(n_group, topk_group, top_k: int, num_experts: int) -> None:
+    """Grouped top-k arguments: both None, or ints with 1 <= topk_group <= n_group (n_group 1: no
+    group limit), n_group dividing num_experts and top_k within the kept groups' experts."""
     if (n_group is None) != (topk_group is None):
         raise ValueError(f"n_group ({n_group}) and topk_group ({topk_group}) must be given together")
-    if n_group is not None and n_group > 1:
+    if n_group is None:
+        return
+    if isinstance(n_group, bool) or not isinstance(n_group, int) or n_group < 1:
+        raise ValueError(f"n_group ({n_group!r}) must be an int >= 1 (None or 1: no group limit)")
+    if isinstance(topk_group, bool) or not isinstance(topk_group, int) or not 1 <= topk_group <= n_group:
+        raise ValueError(f"topk_group ({topk_group!r}) must be in [1, n_group={n_group}] (an int)")
+    if n_group > 1:
         if num_experts % n_group:
             raise ValueError(f"n_group ({n_group}) must divide num_experts ({num_experts})")
-        if not 1 <= topk_group <= n_group:
-            raise ValueError(f"topk_group ({topk_group}) must be in [1, n_group={n_group}]")
         if top_k > topk_group * (num_experts // n_group):
             raise ValueError(f"top_k ({top_k}) exceeds the experts in the kept groups "
                              f"(topk_group {topk_group} x {num_experts // n_group} experts per group)")
@@ -281,6 +291,8 @@ class Router(nn.Module):
         if scoring not in SCORING_FUNCS:
             raise ValueError(f"unknown scoring {scoring!r}; valid: {', '.join(SCORING_FUNCS)}")
         _check_top_k(top_k, num_experts)
+        if hash_vocab is None:  # (a hash layer has no top-k, so no groups)
+            _check_groups(n_group, topk_group, top_k, num_experts)
         self.hidden, self.num_experts, self.top_k = hidden, num_experts, top_k
         self.scoring, self.renormalize, self.scaling = scoring, renormalize, scaling
         self.n_group, self.topk_group = n_group, topk_group
@@ -310,10 +322,11 @@ class Router(nn.Module):
             self._checked_table = key
 
     def logits(self, x: torch.Tensor) -> torch.Tensor:
-        """x: [T, H] any float -> [T, E] fp32 gate logits."""
+        """x: [T, H] any float -> [T, E] fp32 gate logits: x and the weight are both taken to fp32
+        (as HF's DeepseekV3TopkRouter does), so a bf16 gate weight does not round the logits to bf16."""
         if x.shape[-1] != self.hidden:
             raise ValueError(f"router hidden size mismatch: x has {x.shape[-1]}, gate expects {self.hidden}")
-        return F.linear(x.to(self.weight.dtype), self.weight).float()
+        return F.linear(x.float(), self.weight.float())
 
     def forward(self, x: torch.Tensor, input_ids: torch.Tensor | None = None,
                 token_mask: torch.Tensor | None = None, backend: str = "auto") -> RouteResult:

@@ -117,6 +117,49 @@ def test_v4_moe_matches_hf(layer_idx):
         assert (layer(x[0], input_ids=ids[0]) - want).abs().max() > 1e-2
 
 
+@pytest.mark.parametrize("layer_idx", [0, 1], ids=["hash", "topk"])
+def test_v4_moe_renormalizes_whatever_norm_topk_prob_says_as_hf_does(layer_idx):
+    """HF's V4 routers (and DeepSeek's V4 code, for its non-softmax scores) always divide the K
+    weights by their sum; norm_topk_prob=False in a V4 config changes nothing there (megapar read
+    it as renormalize=False: weights off by the sum, 2.6 and 6.4 at the output here)."""
+    config = _v4_config(norm_topk_prob=False)
+    ref = v4.DeepseekV4SparseMoeBlock(config, layer_idx).float().eval()
+    _randomize(ref, 12 + layer_idx, std=1.0)
+    cfg = MoEConfig.from_hf_config(config).for_layer(layer_idx)
+    assert cfg.renormalize
+    layer = _megapar(cfg, ref.state_dict(), "hf")
+    g = torch.Generator().manual_seed(13)
+    x = torch.randn(1, 24, H, generator=g)
+    ids = torch.randint(0, VOCAB, (1, 24), generator=g)
+    with torch.no_grad():
+        torch.testing.assert_close(layer(x[0], input_ids=ids[0]), ref(x, input_ids=ids)[0], rtol=1e-5, atol=1e-5)
+
+
+def test_v3_router_with_a_bf16_gate_weight_keeps_fp32_logits_as_hf_does():
+    """A bf16 gate weight (router_dtype=bf16): HF's DeepseekV3TopkRouter takes x and the weight to
+    fp32 before the product; megapar's Router took x to bf16 and rounded the logits to bf16 (6e-2 off
+    here, the weights 6e-4; near-ties can flip experts)."""
+    config = _v3_config(n_routed_experts=64, num_experts_per_tok=6, n_group=8, topk_group=4)
+    ref = v3.DeepseekV3TopkRouter(config)
+    _randomize(ref, 14, std=1.0)
+    with torch.no_grad():
+        ref.weight.copy_(ref.weight.to(torch.bfloat16).float())      # what a bf16 checkpoint holds
+        ref.e_score_correction_bias.mul_(0.05)
+    cfg = dataclasses.replace(MoEConfig.from_hf_config(config), dtype=torch.float32, expert_format="fp32",
+                              router_dtype=torch.bfloat16)
+    layer = MoELayer(cfg, init="empty")
+    layer.gate.load_state_dict(ref.state_dict())
+    assert layer.gate.weight.dtype == torch.bfloat16
+    x = torch.randn(64, H, generator=torch.Generator().manual_seed(15))
+    with torch.no_grad():
+        want_logits, want_w, want_ids = ref(x)
+        got = layer.gate(x, backend="torch")
+        torch.testing.assert_close(layer.gate.logits(x), want_logits, rtol=1e-5, atol=1e-5)
+    order, want_order = got.topk_ids.argsort(-1), want_ids.argsort(-1)
+    assert torch.equal(got.topk_ids.gather(1, order), want_ids.gather(1, want_order))
+    torch.testing.assert_close(got.topk_weights.gather(1, order), want_w.gather(1, want_order), rtol=1e-5, atol=1e-6)
+
+
 def test_v4_mlp_matches_shared_expert():
     config = _v4_config()
     ref = v4.DeepseekV4MLP(config).float()
@@ -191,8 +234,9 @@ def test_from_hf_config_fields_and_errors():
                                       norm_topk_prob=False, scoring_func="sigmoid").to_dict()
     d["quantization_config"] = {"quant_method": "fp8", "expert_dtype": "fp4"}
     cfg = MoEConfig.from_hf_config(d, dtype=torch.float32)
+    # (renormalize: HF's V4 routers always renormalize, norm_topk_prob=False or not)
     assert (cfg.num_hash_layers, cfg.swiglu_limit, cfg.shared_swiglu_limit, cfg.renormalize, cfg.scoring,
-            cfg.expert_format, cfg.dtype) == (2, 7.0, 7.0, False, "sigmoid", "mxfp4", torch.float32)
+            cfg.expert_format, cfg.dtype) == (2, 7.0, 7.0, True, "sigmoid", "mxfp4", torch.float32)
     v3d = transformers.DeepseekV3Config(topk_method="greedy", n_group=1).to_dict()
     v3d["quantization_config"] = {"quant_method": "fp8", "weight_block_size": [128, 128]}
     c3 = MoEConfig.from_hf_config(v3d)
@@ -204,5 +248,9 @@ def test_from_hf_config_fields_and_errors():
     assert _math(MoEConfig.from_hf_config(ds)) == _math(MoEConfig.deepseek_v4_flash())
     with pytest.raises(ValueError, match="model_type"):
         MoEConfig.from_hf_config({"model_type": "llama", "hidden_size": 8})
+    # HF routes layer 1 by hash here; for_layer(1) would have made it a top-k layer
+    with pytest.raises(ValueError, match=r"hash_moe layers at \[1, 3\], after the leading 0"):
+        MoEConfig.from_hf_config(transformers.DeepseekV4Config(num_hidden_layers=4,
+                                                               mlp_layer_types=["moe", "hash_moe", "moe", "hash_moe"]))
     with pytest.raises(ValueError, match="hidden_act"):
         MoEConfig.from_hf_config({**transformers.DeepseekV3Config().to_dict(), "hidden_act": "gelu"})

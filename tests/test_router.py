@@ -314,10 +314,29 @@ def test_hash_router_needs_and_uses_input_ids():
     (dict(top_k=2, tid2eid=torch.zeros(5, 2, dtype=torch.int32), input_ids=torch.tensor([0, 5, 1])),
      r"input_ids range \[0, 5\] is outside the hash table's vocab \[0, 5\)"),
     (dict(top_k=2, backend="cuda"), "unknown routing backend"),
+    # (these were taken as "no group limit" without a word)
+    (dict(top_k=2, n_group=0, topk_group=0), r"n_group \(0\) must be an int >= 1"),
+    (dict(top_k=2, n_group=-2, topk_group=1), r"n_group \(-2\) must be an int >= 1"),
+    (dict(top_k=2, n_group=1, topk_group=3), r"topk_group \(3\) must be in \[1, n_group=1\]"),
+    (dict(top_k=2, n_group=4, topk_group=0), r"topk_group \(0\) must be in \[1, n_group=4\]"),
 ])
 def test_route_rejects_bad_input(kwargs, match):
     with pytest.raises(ValueError, match=match):
         route(torch.randn(3, 8), **kwargs)
+
+
+def test_router_rejects_bad_groups_when_built():
+    """A Router (so a MoELayer) with groups that cannot work fails when built, naming the values,
+    not at its first forward."""
+    with pytest.raises(ValueError, match=r"n_group \(3\) must divide num_experts \(8\)"):
+        Router(16, 8, 2, scoring="sigmoid", n_group=3, topk_group=1)
+    with pytest.raises(ValueError, match=r"top_k \(5\) exceeds the experts in the kept groups"):
+        Router(16, 8, 5, scoring="sigmoid", n_group=4, topk_group=2)
+    with pytest.raises(ValueError, match=r"n_group \(0\) must be an int >= 1"):
+        Router(16, 8, 2, n_group=0, topk_group=0)
+    with pytest.raises(ValueError, match=r"must be given together"):
+        Router(16, 8, 2, n_group=4)
+    Router(16, 8, 2, n_group=3, topk_group=1, hash_vocab=4)   # a hash layer has no top-k: groups unused
 
 
 def test_router_rejects_hidden_mismatch():
