@@ -167,16 +167,20 @@ def mhc_pre(residual: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale:
     return _pre_torch(residual, fn, base, scale, sinkhorn_iters, eps, rms_eps)
 
 
+def _check_post_args(out: torch.Tensor, residual: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> None:
+    t, m, h = _num_streams(residual)
+    if tuple(out.shape) != (t, h) or tuple(post.shape) != (t, m) or tuple(comb.shape) != (t, m, m):
+        raise ValueError(f"for residual [T={t}, M={m}, H={h}] need out [{t}, {h}], post [{t}, {m}], "
+                         f"comb [{t}, {m}, {m}]; got {tuple(out.shape)}, {tuple(post.shape)}, {tuple(comb.shape)}")
+
+
 def mhc_post(out: torch.Tensor, residual: torch.Tensor, post: torch.Tensor, comb: torch.Tensor, *,
              backend: Backend = "auto") -> torch.Tensor:
     """New residual [T, M, H] (residual dtype): new_j = sum_i comb[i, j] residual_i + post_j * out.
 
     out: [T, H] the sublayer output. residual: [T, M, H]. post: [T, M] fp32. comb: [T, M, M] fp32.
     """
-    t, m, h = _num_streams(residual)
-    if tuple(out.shape) != (t, h) or tuple(post.shape) != (t, m) or tuple(comb.shape) != (t, m, m):
-        raise ValueError(f"for residual [T={t}, M={m}, H={h}] need out [{t}, {h}], post [{t}, {m}], "
-                         f"comb [{t}, {m}, {m}]; got {tuple(out.shape)}, {tuple(post.shape)}, {tuple(comb.shape)}")
+    _check_post_args(out, residual, post, comb)
     if _use_triton(backend, out, residual, post, comb):
         from . import triton_mhc
 
@@ -192,6 +196,7 @@ def mhc_post_pre(out: torch.Tensor, residual: torch.Tensor, post: torch.Tensor, 
     sublayer's). Returns (new residual [T, M, H], MHCPre of the next sublayer). On Triton, up
     to 2048 tokens, one launch projects the new residual while it is written (one read of
     [T, M, H] and a launch fewer); above, post then pre (the fused kernel is slower there)."""
+    _check_post_args(out, residual, post, comb)  # the fused kernel reads them unchecked
     if _use_triton(backend, out, residual, post, comb, fn, base, scale):
         t, m, h = _num_streams(residual)
         _check_params(fn, base, scale, m, h, rows=(2 + m) * m, num_scales=3)
@@ -225,8 +230,8 @@ def mhc_pre_broadcast(x: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, sca
     if x.dim() != 2:
         raise ValueError(f"x must be [T, H], got shape {tuple(x.shape)}")
     t, h = x.shape
-    if fn.dim() != 2 or fn.shape[1] % h:
-        raise ValueError(f"fn must be [(2+M)M, M*H] with H={h}; got shape {tuple(fn.shape)}")
+    if fn.dim() != 2 or h < 1 or fn.shape[1] < h or fn.shape[1] % h:
+        raise ValueError(f"fn must be [(2+M)M, M*H] with H={h} >= 1 and M >= 1; got shape {tuple(fn.shape)}")
     m = fn.shape[1] // h
     if _use_triton(backend, x, fn, base, scale):
         return mhc_pre(mhc_broadcast(x, m), fn, base, scale, sinkhorn_iters=sinkhorn_iters, eps=eps,

@@ -217,6 +217,10 @@ def test_bad_shapes_and_backend_raise_value_error():
         mhc_pre(torch.randn(3, 4, 8), fn, base, scale, backend="cuda")
     with pytest.raises(ValueError, match="out"):
         mhc_post(torch.randn(3, 7), torch.randn(3, 4, 8), torch.rand(3, 4), torch.rand(3, 4, 4))
+    with pytest.raises(ValueError, match=r"H=0 >= 1"):  # was a ZeroDivisionError
+        mhc_pre_broadcast(torch.randn(3, 0), fn, base, scale)
+    with pytest.raises(ValueError, match=r"M >= 1; got shape \(0, 0\)"):  # no stream: returned zeros
+        mhc_pre_broadcast(torch.randn(3, 8), torch.zeros(0, 0), torch.zeros(0), scale)
 
 
 def test_module_forward_post_pre_and_gradients():
@@ -339,6 +343,28 @@ def test_triton_bf16_residual_in_interpreter(interpreted_kernels):
     nxt_want = mhc_pre(new, fn, base, scale, backend="torch")  # from our new residual: same bf16 inputs
     torch.testing.assert_close(nxt.comb, nxt_want.comb, rtol=2e-5, atol=2e-5)
     torch.testing.assert_close(nxt.layer_input.float(), nxt_want.layer_input.float(), rtol=1e-2, atol=1e-2)
+
+
+def test_fused_post_pre_checks_out_post_comb_shapes_on_every_backend(interpreted_kernels):
+    # The fused Triton post_pre read out / post / comb unchecked: a wrong shape ran the kernel
+    # (reading past the tensors or other tokens' coefficients) instead of raising.
+    torch.manual_seed(19)
+    t, m, h = 5, 4, 24
+    residual = torch.randn(t, m, h)
+    fn, base, scale = make_params(m, h, seed=20)
+    good = (torch.randn(t, h), torch.rand(t, m) * 2, torch.rand(t, m, m))
+    bad = {"out": (torch.randn(t, h + 8), good[1], good[2]),
+           "post": (good[0], torch.rand(t - 1, m), good[2]),
+           "comb": (good[0], good[1], torch.rand(t, m, 2))}
+    for what, (out, post, comb) in bad.items():
+        for backend in ("torch", "triton"):
+            with pytest.raises(ValueError, match=r"need out \[5, 24\], post \[5, 4\], comb \[5, 4, 4\]"):
+                mhc_post_pre(out, residual, post, comb, fn, base, scale, backend=backend)
+    new, nxt = mhc_post_pre(*good[:1], residual, *good[1:], fn, base, scale, backend="triton")
+    want = mhc_post(good[0], residual, good[1], good[2], backend="torch")
+    torch.testing.assert_close(new, want, rtol=2e-5, atol=2e-5)
+    for a, b in zip(nxt, mhc_pre(want, fn, base, scale, backend="torch")):
+        torch.testing.assert_close(a, b, rtol=2e-5, atol=2e-5)
 
 
 def triton_splits(kernels, t, m, h):

@@ -212,6 +212,32 @@ def test_bad_arguments_name_the_values_and_the_choices():
         sp_all_gather(torch.randn(5, 2), None, num_tokens=7)
 
 
+def test_fp8_bad_scales_output_dtype_and_gather_dim_raise_value_errors():
+    from parallel.sp import all_gather_fp8
+    from parallel.sp.fp8 import Fp8Weight
+
+    g = torch.Generator().manual_seed(22)
+    x, w = torch.randn(4, 32, generator=g), torch.randn(32, 16, generator=g)
+    qw = quantize_fp8_weight(w)
+    # one scale per K row instead of per output column: it broadcast silently into a wrong product
+    rows = Fp8Weight(qw.data, torch.rand(32, 1, generator=g) + 0.5)
+    with pytest.raises(ValueError, match=r"weight 0 has scales of shape \(32, 1\).*\[1, N=16\]"):
+        all_gather_matmul_fp8(x, [rows], None, out_dtype=torch.float32)
+    with pytest.raises(ValueError, match=r"weight 0 has scales of shape \(32, 1\)"):
+        matmul_reduce_scatter_fp8(x, rows, None, out_dtype=torch.float32)
+    # the partial sums of a reduce-scatter cannot travel (or be summed) in fp8, even on one rank
+    with pytest.raises(ValueError, match=r"out_dtype torch.float8_e4m3fn .*valid: torch.bfloat16"):
+        matmul_reduce_scatter_fp8(x, qw, None, out_dtype=torch.float8_e4m3fn)
+    with pytest.raises(ValueError, match=r"out_dtype torch.int32"):
+        matmul_reduce_scatter_fp8(x, qw, None, out_dtype=torch.int32)
+    # per-token scales cannot be gathered along K
+    with pytest.raises(ValueError, match=r"gather_dim \(-1\) out of range"):
+        all_gather_fp8(quantize_fp8_per_token(x), None, gather_dim=-1)
+    # the documented forms still run and equal the dequantized product
+    torch.testing.assert_close(matmul_reduce_scatter_fp8(x, qw, None, out_dtype=torch.float32),
+                               quantize_fp8_per_token(x).dequantize() @ qw.dequantize(), rtol=1e-5, atol=1e-5)
+
+
 # ---------------------------------------------------------------------------------------------
 # GPU machine
 

@@ -462,6 +462,34 @@ def bad_inputs_raise_value_errors_naming_the_values(tp, r, P):
     expect(lambda: col.load_full_weight(torch.randn(4 * P, 5)), f"({4 * P}, 5)", f"[{4 * P}, 4]")
     if P > 1:  # on CPU the symmetric-memory backend is named as unavailable, with the alternatives
         expect(lambda: all_gather_matmul(torch.randn(2, 4), [w], tp, backend="symm_mem"), "not CUDA", "decomposed")
+    # fp8 partial sums cannot be reduced: refused up front on every backend and group size (the
+    # decomposed engine used to fail in its final sum, after every transfer had run)
+    for backend in OURS:
+        expect(lambda: matmul_reduce_scatter_fp8(torch.randn(2 * P, 32), torch.randn(32, 16), tp,
+                                                 out_dtype=torch.float8_e4m3fn, backend=backend),
+               "torch.float8_e4m3fn", "torch.bfloat16")
+
+
+def empty_inner_dims_keep_the_plain_results_shapes(tp, r, P):
+    """A zero-size dim beside the gathered / scattered one: the plain collective's shapes, not [0, 0, N]."""
+    K, N, m = 8, 5, 3
+    w = torch.randn(K, N, generator=_gen(18))
+    qw = quantize_fp8_weight(w)
+    for backend in OURS:
+        gathered, out = all_gather_matmul(torch.randn(m, 0, K), [w], tp, return_gathered=True, backend=backend)
+        assert gathered.shape == (P * m, 0, K) and out.shape == (P * m, 0, N), (backend, gathered.shape, out.shape)
+        (out,) = all_gather_matmul(torch.randn(0, m, K), [w], tp, gather_dim=1, backend=backend)
+        assert out.shape == (0, P * m, N), (backend, out.shape)
+        out = matmul_reduce_scatter(torch.randn(2 * P, 0, K), w, tp, backend=backend)
+        assert out.shape == (2, 0, N), (backend, out.shape)
+        out = matmul_reduce_scatter(torch.randn(0, 2 * P, K), w, tp, scatter_dim=1, backend=backend)
+        assert out.shape == (0, 2, N), (backend, out.shape)
+        res = all_gather_matmul_fp8(torch.randn(m, 0, K), [qw], tp, return_gathered=True, out_dtype=torch.float32,
+                                    backend=backend)
+        assert res.outputs[0].shape == (P * m, 0, N) and res.gathered.data.shape == (P * m, 0, K), backend
+        assert res.gathered.scale.shape == (P * m, 0, 1), (backend, res.gathered.scale.shape)
+        out = matmul_reduce_scatter_fp8(torch.randn(2 * P, 0, K), qw, tp, out_dtype=torch.float32, backend=backend)
+        assert out.shape == (2, 0, N), (backend, out.shape)
 
 
 def bench_overlap_rows_time_every_backend_on_gloo(tp, r, P):

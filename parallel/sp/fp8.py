@@ -173,6 +173,9 @@ def _check_fp8_operands(op: str, a: Fp8Activation, weights: Sequence[Fp8Weight])
                              f"[K, N] tensor, got {type(w).__name__} {getattr(w, 'dtype', '')}")
         if w.data.dim() != 2 or w.data.shape[0] != k:
             raise ValueError(f"{op}: weight {i} has shape {tuple(w.data.shape)}, expected [K={k}, N]")
+        if tuple(w.scale.shape) != (1, w.data.shape[1]):
+            raise ValueError(f"{op}: weight {i} has scales of shape {tuple(w.scale.shape)}, expected one per "
+                             f"output column [1, N={w.data.shape[1]}] (see quantize_fp8_weight)")
         if a.data.is_cuda and (k % 16 or w.data.shape[1] % 16):
             raise ValueError(f"{op}: torch._scaled_mm needs K ({k}) and N ({w.data.shape[1]}) divisible by 16")
 
@@ -202,6 +205,7 @@ def all_gather_fp8(q_shard: Fp8Activation, group: GroupLike, *, gather_dim: int 
     """Gather fp8 token shards (data as uint8 on the wire, scales as fp32): [.., m, ..] -> [.., P * m, ..]."""
     group = as_group(group)  # resolved once here; the internals take the Group
     size = group.size
+    gather_dim = check_dim(q_shard.data, gather_dim, "gather_dim")  # not K: the scales are per token
     m = q_shard.data.shape[gather_dim]
     data = all_gather_uneven(q_shard.data, group, gather_dim, sizes=[m] * size)
     scale = all_gather_uneven(q_shard.scale, group, gather_dim, sizes=[m] * size)
@@ -293,8 +297,9 @@ def _all_gather_matmul_fp8_impl(q: Fp8Activation, weights: list[Fp8Weight], grou
         wire, full_scale = ring_all_gather([to_wire(data2d), scale2d], RingPeers.of(group), consume,
                                            fill_own=return_gathered)
         full_data = wire.view(FP8_DTYPE)
-    gathered = Fp8Activation(unflatten(full_data), unflatten(full_scale)) if return_gathered else None
-    return Fp8GatherMatmulResult([unflatten(o) for o in outs2d], gathered)
+    outer = size * q.data.shape[gather_dim]
+    gathered = Fp8Activation(unflatten(full_data, outer), unflatten(full_scale, outer)) if return_gathered else None
+    return Fp8GatherMatmulResult([unflatten(o, outer) for o in outs2d], gathered)
 
 
 class _AllGatherMatmulFp8(torch.autograd.Function):
@@ -386,7 +391,7 @@ def _matmul_reduce_scatter_fp8_impl(q: Fp8Activation, weight: Fp8Weight, group: 
 
         y2d = pairwise_reduce_scatter(produce, RingPeers.of(group), data2d.new_empty((), dtype=out_dtype),
                                       (m, weight.data.shape[1]))
-    return unflatten(y2d)
+    return unflatten(y2d, q.data.shape[scatter_dim] // size)
 
 
 class _MatmulReduceScatterFp8(torch.autograd.Function):
@@ -433,6 +438,10 @@ def matmul_reduce_scatter_fp8(x: torch.Tensor | Fp8Activation, weight: Fp8Weight
     "auto" may use the symmetric-memory op there), grad w = deq(q(x))^T @ all_gather(dy).
     """
     group = as_group(group)  # resolved once here; the internals take the Group
+    if not out_dtype.is_floating_point or out_dtype.itemsize < 2:
+        raise ValueError(f"matmul_reduce_scatter_fp8: out_dtype {out_dtype} cannot carry the partial sums that "
+                         "are reduced over the group; valid: torch.bfloat16, torch.float16, torch.float32, "
+                         "torch.float64 (quantize the result afterwards)")
     q = _as_fp8(x)
     qw = _as_fp8_weight(weight)
     _check_fp8_operands("matmul_reduce_scatter_fp8", q, [qw])
@@ -451,4 +460,4 @@ def matmul_reduce_scatter_fp8(x: torch.Tensor | Fp8Activation, weight: Fp8Weight
 def _scaled_matmul_nd(q: Fp8Activation, w: Fp8Weight, out_dtype: torch.dtype) -> torch.Tensor:
     data2d, unflatten = rows_view(q.data, 0)
     scale2d, _ = rows_view(q.scale, 0)
-    return unflatten(scaled_matmul(Fp8Activation(data2d, scale2d), w, out_dtype))
+    return unflatten(scaled_matmul(Fp8Activation(data2d, scale2d), w, out_dtype), q.data.shape[0])

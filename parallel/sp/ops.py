@@ -139,15 +139,20 @@ def check_matmul_operands(op: str, x: torch.Tensor, weights: Sequence[torch.Tens
 # row blocks are the per-rank shards, so the ring engines only ever see contiguous blocks.
 
 
-def rows_view(x: torch.Tensor, dim: int) -> tuple[torch.Tensor, Callable[[torch.Tensor], torch.Tensor]]:
+def rows_view(x: torch.Tensor, dim: int) -> tuple[torch.Tensor, Callable[..., torch.Tensor]]:
     """x [..., K] as contiguous rows [R, K] with `dim` outermost (copies only when dim != 0), and the
-    inverse for a result [R', C] whose outermost (moved) dim was gathered or scattered."""
+    inverse for a result [R', C] whose outermost (moved) dim was gathered or scattered.
+
+    unflatten(t, outer): `outer` is the result's size along `dim` (needed when an inner dim is 0:
+    then R' = 0 whatever the size along `dim`); None derives it from R'."""
     moved = x.movedim(dim, 0)
     inner = tuple(moved.shape[1:-1])
     rows = moved.reshape(-1, moved.shape[-1]).contiguous()
 
-    def unflatten(t: torch.Tensor) -> torch.Tensor:
-        return t.view((t.shape[0] // max(math.prod(inner), 1),) + inner + (t.shape[-1],)).movedim(0, dim)
+    def unflatten(t: torch.Tensor, outer: int | None = None) -> torch.Tensor:
+        if outer is None:
+            outer = t.shape[0] // max(math.prod(inner), 1)
+        return t.view((outer,) + inner + (t.shape[-1],)).movedim(0, dim)
 
     return rows, unflatten
 
@@ -219,7 +224,8 @@ def _all_gather_matmul_impl(x_shard: torch.Tensor, weights: Sequence[torch.Tenso
         gathered2d, outs2d = decomposed_all_gather_matmul(x2d, weights, RingPeers.of(group), need_gathered)
     else:
         raise AssertionError(backend)
-    return (unflatten(gathered2d) if need_gathered else None), [unflatten(o) for o in outs2d]
+    outer = size * x_shard.shape[gather_dim]
+    return (unflatten(gathered2d, outer) if need_gathered else None), [unflatten(o, outer) for o in outs2d]
 
 
 def _matmul_reduce_scatter_impl(x: torch.Tensor, w: torch.Tensor, group: Group,
@@ -237,7 +243,7 @@ def _matmul_reduce_scatter_impl(x: torch.Tensor, w: torch.Tensor, group: Group,
         y2d = decomposed_matmul_reduce_scatter(x2d, w, RingPeers.of(group))
     else:
         raise AssertionError(backend)
-    return unflatten(y2d)
+    return unflatten(y2d, x.shape[scatter_dim] // size)
 
 
 def _gather(x_shard: torch.Tensor, group: Group, dim: int) -> torch.Tensor:
