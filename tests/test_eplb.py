@@ -429,3 +429,60 @@ def test_single_rank_failure_keeps_old_weights():
     assert err.value.failed_ranks == [0] and torch.equal(weights, before)
     stats = rearrange_weights(torch.tensor([0, 1, 2, 3]), torch.tensor([3, 2, 1, 1]), [weights])
     assert weights.tolist() == [[6, 7], [4, 5], [2, 3], [2, 3]] and stats.slots_changed == 4
+
+
+def test_unexpected_failure_mid_rebalance_keeps_maps_of_the_layers_already_moved(monkeypatch):
+    """A later layer's migration raising something other than MigrationError must not leave the
+    layers migrated before it with new weights under old maps (every slot's weights must stay
+    those of the expert its map names)."""
+    from parallel.ep import eplb_state
+
+    num_layers, num_logical, hidden = 3, 6, 4
+    eplb = Eplb(num_layers, num_logical, config=EplbConfig(num_redundant=2))
+    canonical = torch.randn(num_layers, num_logical, hidden, generator=torch.Generator().manual_seed(11))
+    weights = [canonical[layer][eplb.local_experts(layer)].clone() for layer in range(num_layers)]
+    for layer in range(num_layers):
+        eplb.register_weights(layer, [weights[layer]])
+    old = eplb.phy2log.clone()
+    load = zipf_loads(num_layers, num_logical, seed=12)
+    load[:, :2] = 0  # the default map replicates experts 0 and 1: every layer's placement changes
+    real = eplb_state.rearrange_weights
+    calls = []
+
+    def flaky(old_map, new_map, tensors, group=None, **kwargs):
+        calls.append(len(calls))
+        if len(calls) == 3:
+            raise RuntimeError("injected: not a MigrationError")
+        return real(old_map, new_map, tensors, group, **kwargs)
+
+    monkeypatch.setattr(eplb_state, "rearrange_weights", flaky)
+    with pytest.raises(RuntimeError, match="injected"):
+        eplb.rebalance(load)
+    want = rebalance_experts(load, eplb.num_physical, 1, 1, 1, old_phy2log=old).phy2log
+    assert not torch.equal(want[:2], old[:2])
+    assert torch.equal(eplb.phy2log[:2], want[:2]) and torch.equal(eplb.phy2log[2], old[2])
+    for layer in range(num_layers):
+        assert torch.equal(weights[layer], canonical[layer][eplb.phy2log[layer]]), layer
+        check_plan_consistent(plan_from_phy2log(eplb.phy2log[layer], num_logical), num_logical)
+        assert torch.equal(eplb.logcnt[layer], plan_from_phy2log(eplb.phy2log[layer], num_logical).logcnt[0])
+
+
+def test_eplb_checks_its_policy_and_maps_at_construction():
+    with pytest.raises(ValueError, match=r"num_groups \(4\) must divide the number of logical experts \(6\)"):
+        Eplb(1, 6, config=EplbConfig(num_groups=4))
+    with pytest.raises(ValueError, match=r"num_nodes \(2\) must divide num_ranks \(1\)"):
+        Eplb(1, 6, config=EplbConfig(num_groups=2, num_nodes=2))
+    Eplb(1, 6, config=EplbConfig(num_groups=4, num_nodes=3))  # 4 % 3 != 0: the global policy, valid
+    placement = torch.tensor([[3, 2, 1, 0, 0, 1, 2, 3]])
+    with pytest.raises(ValueError, match=r"phy2log has shape \(1, 8\); expected \[num_layers, num_physical\] = \[2, 4\]"):
+        Eplb(2, 4, phy2log=placement)
+    eplb = Eplb(2, 4, phy2log=placement.view(2, 4))
+    assert eplb.phy2log.tolist() == [[3, 2, 1, 0], [0, 1, 2, 3]]
+    assert Eplb(1, 4, phy2log=torch.tensor([1, 0, 3, 2])).phy2log.tolist() == [[1, 0, 3, 2]]
+    for saved in (torch.tensor([[3, 2, 1, 0]] * 3), torch.tensor([[3, 2, 1, 0]])):
+        with pytest.raises(ValueError, match=rf"phy2log has shape \({saved.shape[0]}, 4\)"):
+            eplb.load_state_dict({"phy2log": saved})
+    assert eplb.phy2log.tolist() == [[3, 2, 1, 0], [0, 1, 2, 3]]
+    with pytest.raises(ValueError, match="must be contiguous"):
+        eplb.register_weights(0, [torch.zeros(2, 4).t()])
+    assert 0 not in eplb.weights

@@ -138,6 +138,22 @@ def _check_sizes(num_logical: int, num_physical: int, num_ranks: int) -> None:
                          f"valid num_ranks: {_divisors(num_physical)}")
 
 
+def _check_policy(num_logical: int, num_groups: int, num_nodes: int, num_ranks: int) -> tuple[int, int]:
+    """ValueError for groups/nodes the policy cannot use; returns the (num_groups, num_nodes) it
+    runs with: as given for the hierarchical policy, (1, 1) for the global one."""
+    if num_groups < 1 or num_nodes < 1:
+        raise ValueError(f"num_groups ({num_groups}) and num_nodes ({num_nodes}) must be >= 1")
+    if num_groups % num_nodes != 0:  # global policy: one group, one node
+        return 1, 1
+    if num_logical % num_groups != 0:
+        raise ValueError(f"num_groups ({num_groups}) must divide the number of logical experts "
+                         f"({num_logical}); valid num_groups: {_divisors(num_logical)}")
+    if num_ranks % num_nodes != 0:
+        raise ValueError(f"num_nodes ({num_nodes}) must divide num_ranks ({num_ranks}); "
+                         f"valid num_nodes: {_divisors(num_ranks)}")
+    return num_groups, num_nodes
+
+
 def _check_phy2log(phy2log: torch.Tensor, num_layers: int, num_logical: int, num_physical: int,
                    name: str = "old_phy2log") -> torch.Tensor:
     if phy2log.dim() == 1:
@@ -328,18 +344,8 @@ def rebalance_experts(weight: torch.Tensor, num_physical: int, num_groups: int, 
         raise ValueError(f"weight must have at least one layer and one logical expert; got shape "
                          f"[num_layers, num_logical] = [{num_layers}, {num_logical}]")
     _check_sizes(num_logical, num_physical, num_ranks)
-    if num_groups < 1 or num_nodes < 1:
-        raise ValueError(f"num_groups ({num_groups}) and num_nodes ({num_nodes}) must be >= 1")
+    num_groups, num_nodes = _check_policy(num_logical, num_groups, num_nodes, num_ranks)
     old = None if old_phy2log is None else _check_phy2log(old_phy2log, num_layers, num_logical, num_physical)
-    if num_groups % num_nodes == 0:
-        if num_logical % num_groups != 0:
-            raise ValueError(f"num_groups ({num_groups}) must divide the number of logical experts "
-                             f"({num_logical}); valid num_groups: {_divisors(num_logical)}")
-        if num_ranks % num_nodes != 0:
-            raise ValueError(f"num_nodes ({num_nodes}) must divide num_ranks ({num_ranks}); "
-                             f"valid num_nodes: {_divisors(num_ranks)}")
-    else:  # global policy: one group, one node
-        num_groups, num_nodes = 1, 1
     phy2log = _hierarchical(w, num_physical, num_groups, num_nodes, num_ranks, old)
     return plan_from_phy2log(phy2log, num_logical)
 

@@ -33,7 +33,8 @@ from typing import Callable
 import torch
 
 from ..comm import GroupLike, all_reduce, resolve_group
-from .eplb_placement import Balance, balancedness, default_phy2log, logical_to_physical, plan_from_phy2log, rebalance_experts
+from .eplb_placement import (Balance, _check_policy, balancedness, default_phy2log, logical_to_physical,
+                             plan_from_phy2log, rebalance_experts)
 from ..log import get_logger
 from .eplb_migrate import MigrationError, MigrationStats, rearrange_weights
 
@@ -162,6 +163,8 @@ class Eplb:
                              f"{self.num_physical} must be divisible by the EP size ({self.ep_size}); "
                              f"valid num_redundant: {', '.join(map(str, valid))}, ...")
         self.slots_per_rank = self.num_physical // self.ep_size
+        # the policy's checks now, not at the first rebalance (`interval` steps into the run)
+        _check_policy(num_logical, self.config.num_groups, self.config.num_nodes, self.ep_size)
         self.device = torch.device(device) if device is not None else torch.device("cpu")
         self.max_replicas = self.num_physical - num_logical + 1
         shape = (num_layers, self.num_physical)
@@ -170,7 +173,7 @@ class Eplb:
                                   device=self.device)
         self.logcnt = torch.zeros(num_layers, num_logical, dtype=torch.int64, device=self.device)
         initial = default_phy2log(num_layers, num_logical, self.num_physical) if phy2log is None else phy2log
-        self._set_maps(range(num_layers), initial.reshape(shape))
+        self._set_maps(range(num_layers), initial)
         self.tracker = ExpertLoadTracker(num_layers, num_logical, self.num_physical, window=self.config.window,
                                          interval=self.config.interval, device=self.device)
         self.weights: dict[int, list[torch.Tensor]] = {}
@@ -191,6 +194,12 @@ class Eplb:
             if t.dim() == 0 or t.shape[0] != self.slots_per_rank:
                 raise ValueError(f"layer {layer} tensor {i} has shape {tuple(t.shape)}; dim 0 must be the "
                                  f"{self.slots_per_rank} local slots")
+            if not t.is_contiguous():
+                raise ValueError(f"layer {layer} tensor {i} must be contiguous (shape {tuple(t.shape)}, "
+                                 f"stride {t.stride()}): migration moves its rows in place")
+        if len({t.device for t in tensors}) > 1:
+            raise ValueError(f"layer {layer} tensors must share one device; got "
+                             f"{sorted({str(t.device) for t in tensors})}")
         self.weights[layer] = list(tensors)
 
     def route(self, layer: int, topk_ids: torch.Tensor, token_index: torch.Tensor | None = None, *,
@@ -240,23 +249,24 @@ class Eplb:
                             after=before.per_layer, overall_before=before.overall,
                             overall_after=before.overall)
         committed = old.clone()
-        for layer in range(self.num_layers):
-            if torch.equal(old[layer], plan.phy2log[layer]):
-                continue
-            if layer in self.weights:
-                try:
-                    report.migration += rearrange_weights(old[layer], plan.phy2log[layer], self.weights[layer],
-                                                          self.group, fault_hook=self.fault_hook)
-                except MigrationError as exc:
-                    if exc.transport_failed:  # the group is gone: keep the layers already moved, stop
-                        self._set_maps(report.layers_moved, committed)
-                        raise
-                    log.warning("EPLB: layer %d keeps its placement: %s", layer, exc)
-                    report.layers_failed.append(layer)
+        try:
+            for layer in range(self.num_layers):
+                if torch.equal(old[layer], plan.phy2log[layer]):
                     continue
-            committed[layer] = plan.phy2log[layer]
-            report.layers_moved.append(layer)
-        self._set_maps(report.layers_moved, committed)
+                if layer in self.weights:
+                    try:
+                        report.migration += rearrange_weights(old[layer], plan.phy2log[layer], self.weights[layer],
+                                                              self.group, fault_hook=self.fault_hook)
+                    except MigrationError as exc:
+                        if exc.transport_failed:  # the group is gone: keep the layers already moved, stop
+                            raise
+                        log.warning("EPLB: layer %d keeps its placement: %s", layer, exc)
+                        report.layers_failed.append(layer)
+                        continue
+                committed[layer] = plan.phy2log[layer]
+                report.layers_moved.append(layer)
+        finally:  # also when a layer's migration raised: the layers moved before it keep maps that match
+            self._set_maps(report.layers_moved, committed)
         after = balancedness(load, committed, self.ep_size)
         report.after, report.overall_after = after.per_layer, after.overall
         report.seconds = time.perf_counter() - start
@@ -283,9 +293,11 @@ class Eplb:
         layers = list(layers)
         if not layers:
             return
+        want = (self.num_layers, self.num_physical)
+        if tuple(phy2log.shape) != want and not (phy2log.dim() == 1 and want == (1, phy2log.shape[0])):
+            raise ValueError(f"phy2log has shape {tuple(phy2log.shape)}; expected [num_layers, num_physical] = "
+                             f"{list(want)}")
         plan = plan_from_phy2log(phy2log, self.num_logical)  # validates: every expert has a slot
-        if plan.num_physical != self.num_physical:
-            raise ValueError(f"phy2log has {plan.num_physical} slots per layer; expected {self.num_physical}")
         idx = torch.tensor(layers)
         width = plan.log2phy.shape[2]
         self.phy2log[idx] = plan.phy2log[idx].to(self.device)
