@@ -96,29 +96,36 @@ def test_decode_time_times_each_config_variant_and_restores_it(fake_cuda):
     from parallel.cp import triton_decode, triton_merge
 
     ctx, clock = fake_cuda
-    keys = [(triton_decode.CONFIG, "pdl"), (triton_merge.CONFIG, "one_round"),
-            (triton_decode.CONFIG, "paired_store_wide_narrow_fp8")]
+    configs = {"triton_decode": triton_decode.CONFIG, "triton_merge": triton_merge.CONFIG}
+    keys = [(configs[module], key) for module, change in cp.DECODE_VARIANTS.values() for key in change]
+    assert len(keys) == len(cp.DECODE_VARIANTS) >= 4
     before = [config[key] for config, key in keys]
     calls: list[tuple] = []
+    cost = {"no_pdl_us": 5.0, "merge_one_round_us": -2.0, "paired_store_us": -1.0, "ids_ahead_us": -0.5}
 
-    def call():      # 30 µs, +5 without PDL, -2 with the merge's one-round loads, -1 with paired stores
+    def call():      # 30 µs, and each variant's own change
         state = tuple(config[key] for config, key in keys)
         calls.append(state)
-        clock[0] += 30.0 + 5.0 * (not state[0]) - 2.0 * bool(state[1]) - 1.0 * bool(state[2])
-    for (config, key), value in zip(keys, (1, 0, 0)):
-        config[key] = value
+        clock[0] += 30.0 + sum(cost.get(name, -0.25) for (name, (_, change)), (config, key)
+                               in zip(cp.DECODE_VARIANTS.items(), keys) if config[key] == change[key])
+    installed = {(id(config), key): 1 - change[key] for (_, (_, change)), (config, key)
+                 in zip(cp.DECODE_VARIANTS.items(), keys)}
+    for config, key in keys:
+        config[key] = installed[(id(config), key)]
     try:
         us, cols = cp._decode_time(ctx, [call])
         assert us == pytest.approx(30.0) and cols["eager_us"] == pytest.approx(30.0)
-        assert cols["no_pdl_us"] == pytest.approx(35.0) and cols["merge_one_round_us"] == pytest.approx(28.0)
-        assert cols["paired_store_us"] == pytest.approx(29.0)
-        assert set(calls) == {(1, 0, 0), (0, 0, 0), (1, 1, 0), (1, 0, 1)}     # one option changed at a time
-        assert [config[key] for config, key in keys] == [1, 0, 0]
+        for name in cp.DECODE_VARIANTS:
+            assert cols[name] == pytest.approx(30.0 + cost.get(name, -0.25)), name
+        base = tuple(installed[(id(config), key)] for config, key in keys)
+        assert set(calls) == {base} | {tuple(1 - v if j == i else v for j, v in enumerate(base))
+                                      for i in range(len(keys))}            # one option changed at a time
+        assert tuple(config[key] for config, key in keys) == base
         # where the CONFIG already has the variant's value, the column is time_us itself (not timed again)
         triton_merge.CONFIG["one_round"] = 1
         calls.clear()
         us, cols = cp._decode_time(ctx, [call])
-        assert cols["merge_one_round_us"] == us == pytest.approx(28.0) and (1, 0, 0) not in calls
+        assert cols["merge_one_round_us"] == us == pytest.approx(28.0) and base not in calls
     finally:
         for (config, key), value in zip(keys, before):
             config[key] = value

@@ -781,8 +781,10 @@ def test_gluon_mla_narrow_swapped_on_gpu(dtype, size, rank, heads, tq, monkeypat
             _same_when_flipped(monkeypatch, td, "pipe_wide_narrow_fp8", lambda: run(cache, table), got)
         monkeypatch.setitem(td.CONFIG, "direct_wide_narrow_fp8", direct)
         monkeypatch.setitem(td.CONFIG, "direct_wide_narrow_fp8_32", direct32)
-        if applies:     # the output's dim pairs stored together (CONFIG paired_store_wide_narrow_fp8): the same
-            _same_when_flipped(monkeypatch, td, "paired_store_wide_narrow_fp8", lambda: run(cache, table), got)
+        for key in ("paired_store_direct_fp8", "ids_ahead_direct_fp8") if applies else ():
+            # the output's dim pairs stored together, the loader's first ids loaded beside the length: when
+            # and how the same values move, the same result
+            _same_when_flipped(monkeypatch, td, key, lambda: run(cache, table), got)
         forms = {f8: got}
         if applies:
             monkeypatch.setitem(td.CONFIG, "fp8_scores_wide_narrow_fp8", 1 - f8)
@@ -1057,6 +1059,9 @@ def test_gluon_gqa_direct_fp8_speculative_tokens_on_gpu(size, rank, interleave, 
         torch.testing.assert_close(got.out, ref.out, atol=2e-2, rtol=0)
         torch.testing.assert_close(got.out, plain.out, atol=4e-3, rtol=0)
         torch.testing.assert_close(got.lse[finite], plain.lse[finite], atol=4e-3, rtol=0)
+        for key in ("paired_store_direct_fp8", "ids_ahead_direct_fp8"):    # (the same values, moved otherwise)
+            _same_when_flipped(monkeypatch, td, key, run, got)
+        used.clear()
     _replays_to(run, got)
     used.clear()                # (the capture's launch)
     if tq * hq // hkv <= 16:     # (twice the tokens: more than 32 columns only where the step is wider)

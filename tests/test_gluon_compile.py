@@ -36,7 +36,9 @@ def _build(name: str) -> dict:
     pdl = name.endswith("-pdl")         # ("-pdl": launched with programmatic dependent launch)
     pipe = "-pipe" in name              # ("-pipe": the narrow direct kernel's next score MMAs issued early)
     paired = "-paired" in name          # ("-paired": the narrow direct kernel's output dim pairs stored together)
-    family, dtype, *more = name.removesuffix("-pdl").replace("-pipe", "").replace("-paired", "").split("-")
+    ahead = "-ahead" in name            # ("-ahead": its loader's first block ids loaded beside the length)
+    family, dtype, *more = (name.removesuffix("-pdl").replace("-pipe", "").replace("-paired", "")
+                            .replace("-ahead", "").split("-"))
     nq = 8 if more == ["swap"] else 0
     fp8 = dtype == "fp8"
     ptrs = {"table_ptr": "*i32", "glens_ptr": "*i64", "o_ptr": "*fp32", "lse_ptr": "*fp32", "qk_scale": "fp32"}
@@ -98,6 +100,8 @@ def _build(name: str) -> dict:
         consts["PIPE"] = pipe and gluon_mla_narrow.pairs_apply(consts["NQ"], consts["RAW"], consts["F8"])
     if "PAIRED" in kernel.arg_names:
         consts["PAIRED"] = paired
+    if "AHEAD" in kernel.arg_names:
+        consts["AHEAD"] = ahead
     names = kernel.arg_names
     sig = {n: ptrs.get(n, "constexpr" if n in consts else "i32") for n in names}
     # as Triton's launcher specializes them at run time: pointers divisible by 16 (-paired: the output's
@@ -112,6 +116,9 @@ def _build(name: str) -> dict:
         ptx.write_text(compiled.asm["ptx"])
         info = subprocess.run([str(ptxas), "-arch=sm_90a", "-v", str(ptx), "-o", str(Path(tmp, "k.o"))],
                               capture_output=True, text=True, check=True).stderr
+    if os.environ.get("GLUON_SASS_DUMP"):        # (the build's SASS, for reading the order of its loads)
+        cubin = Path(os.environ["GLUON_SASS_DUMP"])
+        cubin.write_bytes(compiled.asm["cubin"])
     return {"shared": compiled.metadata.shared, "regs": re.findall(r"Used (\d+) registers", info),
             "spill": int(re.search(r"(\d+) bytes spill stores", info).group(1)),
             "serialized": "C7514" in info,
@@ -160,27 +167,61 @@ def test_gluon_decode_kernel_builds_for_sm90(name, spill_cap):
     assert got["gdc"] == name.endswith("-pdl")
 
 
-def _built(name: str) -> dict:
-    """`_build(name)` in a child process (this one runs Triton in interpreter mode)."""
+def _built(name: str, cubin: Path | None = None) -> dict:
+    """`_build(name)` in a child process (this one runs Triton in interpreter mode); cubin: where the
+    build's cubin goes too."""
     pytest.importorskip("triton.experimental.gluon")
     env = dict(os.environ, TRITON_INTERPRET="0", PYTHONPATH=f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
+    if cubin is not None:
+        env["GLUON_SASS_DUMP"] = str(cubin)
     done = subprocess.run([sys.executable, __file__, name], env=env, cwd=ROOT,
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
-@pytest.mark.parametrize("columns", ["16-direct5s", "32-direct4s-causal"])
-def test_narrow_direct_kernel_stores_its_output_dim_pairs_together(columns):
-    """CONFIG paired_store_wide_narrow_fp8: the value warpgroup's 8 accumulators (a latent box's even
-    and odd dims) stored as 2 x NQ 8-byte pairs a thread (st.global.v2) instead of 4 x NQ 4-byte
-    stores of one parity, with the launcher's stride alignment; no more registers, spills or shared memory
+def _loader_loads_before_its_first_branch(cubin: Path) -> int:
+    """Global loads the one-warp loader partition (24 registers: its `USETMAXREG.DEALLOC` to 0x18) issues
+    after its barrier and before its first branch (the branch on the split's tile count)."""
+    import triton
+
+    sass = subprocess.run([str(Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"), "-sass",
+                           str(cubin)], capture_output=True, text=True, check=True).stdout
+    ops = re.findall(r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z0-9_.]+)([^;]*);", sass)
+    start = max(i for i, (op, args) in enumerate(ops) if op == "USETMAXREG.DEALLOC.CTAPOOL" and "0x18" in args)
+    first_bar = next(i for i in range(start, len(ops)) if ops[i][0].startswith("BAR"))
+    first_bra = next(i for i in range(first_bar, len(ops)) if ops[i][0] == "BRA")
+    return sum(op.startswith("LDG") for op, _ in ops[first_bar:first_bra])
+
+
+@pytest.mark.parametrize("kernel", ["mlan-fp8-16-direct5s", "gqa-fp8-direct10-8"])
+def test_direct_loaders_load_their_first_ids_beside_the_length(kernel, tmp_path):
+    """CONFIG ids_ahead_direct_fp8: the direct fp8 kernels' loader issues its first four block ids'
+    loads beside the sequence length's (five loads before the branch on the split's tiles), where
+    the installed form issues them after that branch, which waits for the length: one memory round
+    trip fewer before the first TMA. The same registers, spills and shared memory."""
+    plain = _built(f"{kernel}-pdl", tmp_path / "plain.cubin")
+    ahead = _built(f"{kernel}-ahead-pdl", tmp_path / "ahead.cubin")
+    assert _loader_loads_before_its_first_branch(tmp_path / "plain.cubin") == 1
+    assert _loader_loads_before_its_first_branch(tmp_path / "ahead.cubin") == 5
+    assert ahead["regs"] == plain["regs"] and ahead["spill"] <= plain["spill"] and ahead["shared"] == plain["shared"]
+
+
+@pytest.mark.parametrize("columns", ["mlan-fp8-16-direct5s", "mlan-fp8-32-direct4s-causal", "gqa-fp8-direct10-8",
+                                     "gqa-fp8-direct10-32-causal"])
+def test_direct_kernels_store_their_output_dim_pairs_together(columns):
+    """CONFIG paired_store_direct_fp8: the value warpgroup's accumulators of even and odd dims (MLA's
+    narrow tiles: a latent box's, four boxes; GQA: the head's) stored as 8-byte pairs (st.global.v2),
+    half as many stores as the 4-byte stores of one parity, with the launcher's stride alignment; no more registers, spills or shared memory
     (the joined tile's layout is the accumulators': no conversion through shared memory)."""
-    plain = _built(f"mlan-fp8-{columns}-pdl")
-    paired = _built(f"mlan-fp8-{columns}-paired-pdl")
-    nq, lse_stores = int(columns.split("-")[0]), paired["stores"]["b32"]    # (a thread: 4 x NQ output dims)
-    assert paired["stores"]["v2.b32"] == 2 * nq and plain["stores"]["v2.b32"] == 0, (plain, paired)
-    assert plain["stores"]["b32"] == 4 * nq + lse_stores, (plain, paired)
+    plain = _built(f"{columns}-pdl")
+    paired = _built(f"{columns}-paired-pdl")
+    # a thread's output elements: MLA's 4 latent boxes x 2 parities x NQ / 4 (its 128 dims x NQ columns over
+    # 128 threads); GQA's one box of 128 dims: a quarter of that
+    nq = int(columns.split("-")[2 if columns.startswith("mlan") else 3])
+    pairs, lse_stores = (2 * nq if columns.startswith("mlan") else nq // 2), paired["stores"]["b32"]
+    assert paired["stores"]["v2.b32"] == pairs and plain["stores"]["v2.b32"] == 0, (plain, paired)
+    assert plain["stores"]["b32"] == 2 * pairs + lse_stores, (plain, paired)
     assert paired["regs"] == plain["regs"] and paired["spill"] <= plain["spill"]
     assert paired["shared"] == plain["shared"] and not paired["serialized"]
 

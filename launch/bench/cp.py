@@ -237,7 +237,8 @@ def _dcp_breakdown(ctx: BenchContext) -> None:
 # removed after commit be81291
 DECODE_VARIANTS = {"no_pdl_us": ("triton_decode", {"pdl": 0}),
                    "merge_one_round_us": ("triton_merge", {"one_round": 1}),
-                   "paired_store_us": ("triton_decode", {"paired_store_wide_narrow_fp8": 1})}
+                   "paired_store_us": ("triton_decode", {"paired_store_direct_fp8": 1}),
+                   "ids_ahead_us": ("triton_decode", {"ids_ahead_direct_fp8": 1})}
 """Columns timing a decode call again with one CONFIG option of a module of parallel.cp changed."""
 
 
@@ -248,9 +249,9 @@ def _decode_time(ctx: BenchContext, fns) -> tuple[float, dict]:
     launch of the replay included), input_sets, eager_us (the call launched from Python) and, per
     DECODE_VARIANTS, the same with one CONFIG option changed: no_pdl_us without programmatic
     dependent launch, merge_one_round_us with the split merge's one-round loads
-    (`triton_merge.CONFIG`), paired_store_us with the narrow fp8 kernel's paired output stores (where
-    the CONFIG has the changed value already, or the option does not reach the call, time_us itself
-    up to the timing's spread))."""
+    (`triton_merge.CONFIG`), paired_store_us / ids_ahead_us with the direct fp8 kernels' paired output
+    stores / first block ids loaded beside the length (where the CONFIG has the changed value
+    already, time_us itself; where the option does not reach the call, time_us up to the spread))."""
     import importlib
 
     us, cols = step_time(ctx, fns)

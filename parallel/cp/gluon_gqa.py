@@ -46,7 +46,7 @@ try:
                                                                   warpgroup_mma_wait)
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
     from .gluon_mla import (HAS_GLUON, _bad_ids, _block_of, _finish, _gdc_wait_and_release, _ids_next, _ids_window,
-                            _softmax_step, _split_range)
+                            _ids_window_ahead, _softmax_step, _split_range)
 except ImportError:  # pragma: no cover - a Triton without Gluon
     HAS_GLUON = False
 
@@ -452,7 +452,7 @@ if HAS_GLUON:
 
 
 if HAS_GLUON:
-    from .gluon_mla_narrow import (LBOX, _fold_parts, _fp8_pairs, _query_split, _scores_box8, _store_half,
+    from .gluon_mla_narrow import (LBOX, _fold_parts, _fp8_pairs, _query_split, _scores_box8, _store_half, _store_pair,
                                    _zero_tail)
     from .triton_common import global_pos as _global_pos
 
@@ -639,7 +639,7 @@ if HAS_GLUON:
     @gluon.jit
     def _direct_values(v_smem, p_smem, a_smem, raw_free, p_ready, p_free, glens_ptr, o_ptr, s, kvh, split,
                        split_len, dcp_size, dcp_rank, interleave, table_w, G, TQ, so_p, so_s, so_t, so_h,
-                       PAGE: gl.constexpr, RAW: gl.constexpr, NQ: gl.constexpr):
+                       PAGE: gl.constexpr, RAW: gl.constexpr, NQ: gl.constexpr, PAIRED: gl.constexpr = False):
         """The direct fp8 kernel's value warpgroup: per step of four tiles, once their weights are
         published, O^T = alpha O^T + sum_k Vk^T Pk^T with each value box read from the raw bytes
         (`_value_operands`: one accumulator of the even dims, one of the odd), then its hold on the
@@ -687,18 +687,25 @@ if HAS_GLUON:
         rows = gl.arange(0, BLOCK, layout=key_l)
         o_q = (split.to(gl.int64) * so_p + s.to(gl.int64) * so_s + (cols // G).to(gl.int64) * so_t
                + (kvh * G + cols % G).to(gl.int64) * so_h)
-        _store_half(o_ptr, even, 0, factor, o_q, cols < TQ * G, rows)
-        _store_half(o_ptr, odd, 1, factor, o_q, cols < TQ * G, rows)
+        if PAIRED:      # (the even and odd dims' element (r, c) in one thread: one 8-byte store a pair)
+            _store_pair(o_ptr, even, odd, 0, factor, o_q, cols < TQ * G, rows)
+        else:
+            _store_half(o_ptr, even, 0, factor, o_q, cols < TQ * G, rows)
+            _store_half(o_ptr, odd, 1, factor, o_q, cols < TQ * G, rows)
 
     @gluon.jit
     def _direct_loader(k_desc, v_desc, table_ptr, glens_ptr, k_smem, v_smem, raw_ready, raw_free, s, kvh, split,
                        split_len, dcp_size, dcp_rank, interleave, table_w, num_blocks, st_s, PAGE: gl.constexpr,
-                       RAW: gl.constexpr):
+                       RAW: gl.constexpr, AHEAD: gl.constexpr = False):
         """(one warp) Each 64-key tile's key and value boxes (64 x 128 fp8 each: a tile lies in its page)
-        by TMA into the raw ring, the block ids four tiles ahead."""
+        by TMA into the raw ring, the block ids four tiles ahead (AHEAD: the first four loaded beside the
+        sequence's length, `_ids_window_ahead`)."""
+        if AHEAD:
+            b1, b2, b3, b4 = _ids_window_ahead(table_ptr, s, st_s, split * split_len, table_w, num_blocks, PAGE)
         start, end, tiles, bad = _split_range(glens_ptr, s, split, split_len, dcp_size, dcp_rank, interleave,
                                               table_w, PAGE)
-        b1, b2, b3, b4 = _ids_window(table_ptr, s, st_s, start, tiles, num_blocks, PAGE)
+        if not AHEAD:
+            b1, b2, b3, b4 = _ids_window(table_ptr, s, st_s, start, tiles, num_blocks, PAGE)
         for t in range(tiles):
             rs = t % RAW
             j0 = start + t * BLOCK
@@ -715,11 +722,13 @@ if HAS_GLUON:
                                   qk_scale, split_len, G, KV_HEADS, TQ, dcp_size, dcp_rank, interleave, table_w,
                                   num_blocks, st_s, sq_s, sq_t, sq_h, ss_b, ss_t, ss_h, svs_b, svs_t, svs_h,
                                   so_p, so_s, so_t, so_h, sl_p, sl_s, sl_t, PAGE: gl.constexpr, RAW: gl.constexpr,
-                                  NQ: gl.constexpr, CAUSAL: gl.constexpr = False, PDL: gl.constexpr = False):
+                                  NQ: gl.constexpr, CAUSAL: gl.constexpr = False, PDL: gl.constexpr = False,
+                                  PAIRED: gl.constexpr = False, AHEAD: gl.constexpr = False):
         """fp8 cache without a converter: a one-warp TMA loader fills RAW raw stages (a tile's key and
         value boxes); one warpgroup computes the scores as fp8 MMAs straight from the raw keys
         (`_direct_scores`), the other reads the raw values into its MMA's A operand (`_direct_values`),
-        one tile behind, through a double buffer of the weights."""
+        one tile behind, through a double buffer of the weights. PAIRED: the output's dim pairs stored
+        together; AHEAD: the loader's first block ids loaded beside the sequence's length."""
         pid = gl.program_id(0)
         split = gl.program_id(1)
         s = pid // KV_HEADS
@@ -746,10 +755,10 @@ if HAS_GLUON:
                               ss_b, ss_t, ss_h, svs_b, svs_t, svs_h, sl_p, sl_s, sl_t, PAGE, RAW, NQ, CAUSAL)),
             (_direct_values, (v_smem, p_smem, a_smem, raw_free, p_ready, p_free, glens_ptr, o_ptr, s, kvh, split,
                               split_len, dcp_size, dcp_rank, interleave, table_w, G, TQ, so_p, so_s, so_t, so_h,
-                              PAGE, RAW, NQ)),
+                              PAGE, RAW, NQ, PAIRED)),
             (_direct_loader, (k_desc, v_desc, table_ptr, glens_ptr, k_smem, v_smem, raw_ready, raw_free, s, kvh,
                               split, split_len, dcp_size, dcp_rank, interleave, table_w, num_blocks, st_s, PAGE,
-                              RAW)),
+                              RAW, AHEAD)),
         ], [4, 1], [DIRECT_REGS, 24])
 
 
@@ -798,14 +807,15 @@ def launch_gluon_gqa(q: Tensor, k: Tensor, v: Tensor, table: Tensor, seq_lens: T
                      scale_log2: float, splits: int, split_len: int, dcp_size: int, dcp_rank: int, interleave: int,
                      k_scale: Tensor | None = None, v_scale: Tensor | None = None, stages: int = 3,
                      raw_stages: int = 6, fp16_stages: int = 2, swap: bool = False, direct: int = 0,
-                     pdl: bool = False) -> None:
+                     pdl: bool = False, paired: bool = False, ahead: bool = False) -> None:
     """Fill the split partials o [splits, S, 1, Hq, 128] / lse [splits, S, 1, Hq] (`gluon_gqa_ok`).
     stages: the bf16 ring's (32 KB each, at most 6); over fp8, raw_stages: the raw ring's (16 KB
     each) and fp16_stages: the 16-bit ring after the converter (2 or 4), both cut to what shared
     memory holds beside the compiler's scratch. swap: the consumer with swapped operands. direct:
     over fp8, the direct kernel (no converter) with this many raw stages, cut to `direct_stages`
-    (where none apply, more than 32 query heads a kv head: the converter's form). pdl: launched with
-    programmatic dependent launch (`triton_merge.pdl_ok`)."""
+    (where none apply, more than 32 query heads a kv head: the converter's form); paired / ahead: its
+    output's dim pairs stored together / its loader's first block ids loaded beside the length. pdl:
+    launched with programmatic dependent launch (`triton_merge.pdl_ok`)."""
     s, tq, hq, d = q.shape
     nb, page, hkv = k.shape[0], k.shape[1], k.shape[2]
     fp8 = k.dtype == torch.float8_e4m3fn
@@ -825,8 +835,8 @@ def launch_gluon_gqa(q: Tensor, k: Tensor, v: Tensor, table: Tensor, seq_lens: T
             q, k_desc, v_desc, k_scale, v_scale, table, seq_lens, o, lse, scale_log2, split_len, hq // hkv, hkv, tq,
             dcp_size, dcp_rank, interleave, table.shape[1], nb, table.stride(0), q.stride(0), q.stride(1),
             q.stride(2), *k_scale.stride(), *v_scale.stride(), o.stride(0), o.stride(1), o.stride(2), o.stride(3),
-            lse.stride(0), lse.stride(1), lse.stride(2), PAGE=page, RAW=direct, NQ=nq, CAUSAL=tq > 1, num_warps=4,
-            **launch)
+            lse.stride(0), lse.stride(1), lse.stride(2), PAGE=page, RAW=direct, NQ=nq, CAUSAL=tq > 1,
+            PAIRED=bool(paired), AHEAD=bool(ahead), num_warps=4, **launch)
         return
     box = gl.NVMMASharedLayout.get_default_for([_BLOCK, _BLOCK], gl.float8e4nv if fp8 else gl.bfloat16)
     # [blocks * page, kv heads * 128]: a tile of kv head h is the boxes at columns h * 128 + 0 / 64

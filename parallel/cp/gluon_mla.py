@@ -89,6 +89,18 @@ if HAS_GLUON:
                 _block_of(table_ptr, s, st_s, start + 3 * BLOCK, tiles > 3, num_blocks, PAGE))
 
     @gluon.jit
+    def _ids_window_ahead(table_ptr, s, st_s, start, table_w, num_blocks, PAGE: gl.constexpr):
+        """`_ids_window` with its loads bounded by the table's width instead of the split's tiles: they
+        need not wait for the sequence's length, so a loader that calls it first has them in flight
+        beside that length's load (one memory round trip fewer before its first TMA). Ids of tiles past
+        the split's end are loaded and never used."""
+        last = table_w * PAGE
+        return (_block_of(table_ptr, s, st_s, start, start < last, num_blocks, PAGE),
+                _block_of(table_ptr, s, st_s, start + BLOCK, start + BLOCK < last, num_blocks, PAGE),
+                _block_of(table_ptr, s, st_s, start + 2 * BLOCK, start + 2 * BLOCK < last, num_blocks, PAGE),
+                _block_of(table_ptr, s, st_s, start + 3 * BLOCK, start + 3 * BLOCK < last, num_blocks, PAGE))
+
+    @gluon.jit
     def _ids_next(b1, b2, b3, b4, table_ptr, s, st_s, j0, t, tiles, num_blocks, PAGE: gl.constexpr):
         """(tile t's id, the window moved on: tile t + 4's id starts loading)."""
         return b1, b2, b3, b4, _block_of(table_ptr, s, st_s, j0 + 4 * BLOCK, t + 4 < tiles, num_blocks, PAGE)

@@ -49,7 +49,8 @@ if HAS_GLUON:
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
     from .gluon_mla import (BLOCK, CHUNKS, STAGES, _bad_ids, _barriers, _converter, _finish, _gdc_wait_and_release,
-                            _ids_next, _ids_window, _loader, _raw_loader, _softmax_step, _split_range)
+                            _ids_next, _ids_window, _ids_window_ahead, _loader, _raw_loader, _softmax_step,
+                            _split_range)
     from .triton_common import global_pos as _global_pos
 
 MAX_HEADS = 32      # the widest narrow tile: NQ = 32 columns (eight 64 x 32 fp32 accumulators)
@@ -670,12 +671,15 @@ if HAS_GLUON:
     @gluon.jit
     def _direct_loader(kl_desc, kr_desc, ks_desc, table_ptr, glens_ptr, kl_smem, kr_smem, ks_smem, raw_ready,
                        raw_free, s, split, split_len, dcp_size, dcp_rank, interleave, table_w, num_blocks, st_s,
-                       PAGE: gl.constexpr, RAW: gl.constexpr):
+                       PAGE: gl.constexpr, RAW: gl.constexpr, AHEAD: gl.constexpr = False):
         """(one warp) Each 64-key tile's four 64 x 128 latent boxes, its 64 x 64 rope box and its scales by
         TMA into the raw ring (whole boxes: a tile lies in its page), the block ids four tiles ahead."""
+        if AHEAD:   # the first ids' loads beside the length's, not after it
+            b1, b2, b3, b4 = _ids_window_ahead(table_ptr, s, st_s, split * split_len, table_w, num_blocks, PAGE)
         start, end, tiles, bad = _split_range(glens_ptr, s, split, split_len, dcp_size, dcp_rank, interleave,
                                               table_w, PAGE)
-        b1, b2, b3, b4 = _ids_window(table_ptr, s, st_s, start, tiles, num_blocks, PAGE)
+        if not AHEAD:
+            b1, b2, b3, b4 = _ids_window(table_ptr, s, st_s, start, tiles, num_blocks, PAGE)
         for t in range(tiles):
             rs = t % RAW
             j0 = start + t * BLOCK
@@ -697,11 +701,12 @@ if HAS_GLUON:
                                   so_p, so_s, so_t, so_h, sl_p, sl_s, sl_t, PAGE: gl.constexpr, NQ: gl.constexpr,
                                   RAW: gl.constexpr, CAUSAL: gl.constexpr = False, F8: gl.constexpr = False,
                                   PDL: gl.constexpr = False, PIPE: gl.constexpr = False,
-                                  PAIRED: gl.constexpr = False):
+                                  PAIRED: gl.constexpr = False, AHEAD: gl.constexpr = False):
         """fp8 latent cache without a converter: a one-warp TMA loader fills RAW raw stages; one warpgroup
         reads each tile's bytes straight into the scores' A operands (`_direct_scores`), the other into
         the values' (`_direct_values`) one tile behind, through a double buffer of the weights. PAIRED:
-        the output's dim pairs stored together (`_store_pair`)."""
+        the output's dim pairs stored together (`_store_pair`); AHEAD: the loader's first block ids
+        loaded beside the sequence's length (`_ids_window_ahead`)."""
         s = gl.program_id(0)
         split = gl.program_id(1)
         lbox: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=8, rank=2)
@@ -744,14 +749,14 @@ if HAS_GLUON:
                               PAGE, RAW, NQ, PAIRED)),
             (_direct_loader, (kl_desc, kr_desc, ks_desc, table_ptr, glens_ptr, kl_smem, kr_smem, ks_smem,
                               raw_ready, raw_free, s, split, split_len, dcp_size, dcp_rank, interleave, table_w,
-                              num_blocks, st_s, PAGE, RAW)),
+                              num_blocks, st_s, PAGE, RAW, AHEAD)),
         ], [4, 1], [REGS_VALUES, 24])
 
 def launch(q: Tensor, k: Tensor, table: Tensor, seq_lens: Tensor, o: Tensor, lse: Tensor, scale_log2: float,
            splits: int, split_len: int, dcp_size: int, dcp_rank: int, interleave: int,
            k_scale: Tensor | None = None, ring: int = 2, raw: int = 1, rope_raw: bool = False,
            direct: bool = False, fp8_scores: bool = False, pdl: bool = False, pipe: bool = False,
-           paired: bool = False) -> None:
+           paired: bool = False, ahead: bool = False) -> None:
     """Fill the split partials o [splits, S, Tq, Hq, 512] / lse [splits, S, Tq, Hq] of queries q [S, Tq,
     Hq, 576] (`gluon_mla.gluon_mla_ok` and `narrow_ok` of Tq x Hq columns hold; Tq > 1: causal within
     the step's tokens); over fp8 `ring` fp16 and `raw` raw stages of 64 keys (`fp8_fits`), the rope
@@ -759,7 +764,8 @@ def launch(q: Tensor, k: Tensor, table: Tensor, seq_lens: Tensor, o: Tensor, lse
     `direct` no converter and `raw` raw stages only (`direct_fits`; `fp8_scores`: the scores as fp8
     MMAs against the queries' e4m3 hi + lo parts, `pipe`: the scores in tile pairs (`pairs_apply`: with
     fp8_scores, at least two raw stages and at most PAIRS_MAX_COLUMNS columns), `paired`: the output's dim
-    pairs stored together; pdl: launched with programmatic dependent launch, `triton_merge.pdl_ok`)."""
+    pairs stored together, `ahead`: the loader's first block ids loaded beside the length; pdl: launched
+    with programmatic dependent launch, `triton_merge.pdl_ok`)."""
     s, tq, hq, d = q.shape
     nb, page = k.shape[0], k.shape[1]
     nq = columns(tq * hq)
@@ -785,7 +791,7 @@ def launch(q: Tensor, k: Tensor, table: Tensor, seq_lens: Tensor, o: Tensor, lse
             q, kl_desc, kr_desc, ks_desc, table, seq_lens, o, lse, scale_log2, split_len, hq, tq, dcp_size, dcp_rank,
             interleave, table.shape[1], nb, table.stride(0), *tail, PAGE=page, NQ=nq, RAW=raw, CAUSAL=tq > 1,
             F8=bool(fp8_scores), PIPE=bool(pipe) and pairs_apply(tq * hq, raw, fp8_scores), PAIRED=bool(paired),
-            num_warps=4, **launch)
+            AHEAD=bool(ahead), num_warps=4, **launch)
         return
     if fp8:
         raw_box = gl.NVMMASharedLayout.get_default_for([_BLOCK, _BLOCK], gl.float8e4nv)

@@ -684,13 +684,16 @@ CONFIG = {
     # (fence, atomic, the lse and partials read back from L2 by one CTA) is longer than the merge kernel's
     # launch (logs/decode-fixed2-h200.json)
     "pipe_wide_narrow_fp8": 1,
-    # the direct narrow kernel's output stored as dim pairs, one 8-byte store a pair (a thread holds
-    # dim 2r of a box in its even accumulator and 2r + 1 in its odd one at the same place): 32 vector
-    # stores a thread instead of 64 scalar ones of one parity (half-filled sectors; Nsight Compute put
-    # the value warpgroup's epilogue among a one-page call's stalls, docs/gpu.md section 24). Built and
-    # checked on the CPU only (its sm_90a PTX: st.global.v2, no shared-memory traffic added): off until
-    # `megapar bench cp` has timed it (column paired_store_us)
-    "paired_store_wide_narrow_fp8": 0,
+    # the direct fp8 kernels (MLA's narrow tiles, GQA): the output stored as dim pairs, one 8-byte store a
+    # pair (a thread holds dim 2r in its even accumulator and 2r + 1 in its odd one at the same place):
+    # 2 x NQ vector stores a thread instead of 4 x NQ scalar ones of one parity (half-filled sectors;
+    # Nsight Compute put the narrow kernel's epilogue among a one-page call's stalls, docs/gpu.md
+    # section 24). ids_ahead: their loaders' first four block ids loaded beside the sequence's length,
+    # not after it (their sm_90a SASS: the table loads issued before the length's first use, one memory
+    # round trip fewer before the first TMA). Both built and checked on the CPU only (docs/gpu.md section
+    # 26): off until `megapar bench cp` has timed them (columns paired_store_us, ids_ahead_us)
+    "paired_store_direct_fp8": 0,
+    "ids_ahead_direct_fp8": 0,
     # over fp8: a TMA ring of this many raw fp8 tiles in front of the Gluon kernel's converter (0:
     # the converter loads 64-key tiles itself into two fp16 stages; Nsight Compute had put the
     # kernel's bound in those loads, docs/gpu.md section 18). With 64-key tiles and one fp16 stage:
@@ -1189,6 +1192,7 @@ def paged_decode_triton(q: Tensor, k: Tensor, v: Tensor, k_scale: Tensor | None,
     ks_st = ks.stride() if fp8 else (0, 0, 0)
     vs_st = vs.stride() if fp8 else (0, 0, 0)
     table = block_table if block_table.stride(-1) == 1 else block_table.contiguous()
+    direct_opts = {"paired": bool(CONFIG["paired_store_direct_fp8"]), "ahead": bool(CONFIG["ids_ahead_direct_fp8"])}
     if s > 0 and splits > 0 and swapped:
         wide = tq * hq > gluon_mla_narrow.PAIRS_MAX_COLUMNS     # (no tile pairs there: fewer stages serve)
         stages = CONFIG["direct_wide_narrow_fp8_32" if wide else "direct_wide_narrow_fp8"]
@@ -1201,8 +1205,7 @@ def paged_decode_triton(q: Tensor, k: Tensor, v: Tensor, k_scale: Tensor | None,
         gluon_mla_narrow.launch(q, k, table, seq_lens, o, lse, scale * _LOG2E, splits, split_len, dcp_size, dcp_rank,
                                 interleave, k_scale if fp8 else None, ring=ring, raw=raw, rope_raw=rope,
                                 direct=bool(direct), fp8_scores=bool(CONFIG["fp8_scores_wide_narrow_fp8"]), pdl=pdl,
-                                pipe=bool(CONFIG["pipe_wide_narrow_fp8"]),
-                                paired=bool(CONFIG["paired_store_wide_narrow_fp8"]))
+                                pipe=bool(CONFIG["pipe_wide_narrow_fp8"]), **direct_opts)
     elif s > 0 and splits > 0 and gluon:
         gluon_mla.launch_gluon_mla(q, k, table, seq_lens, o, lse, scale * _LOG2E, splits, split_len, dcp_size,
                                    dcp_rank, interleave, k_scale if fp8 else None, raw_ring=CONFIG["raw_ring_wide_fp8"],
@@ -1213,7 +1216,7 @@ def paged_decode_triton(q: Tensor, k: Tensor, v: Tensor, k_scale: Tensor | None,
                                    stages=CONFIG["stages_gluon_gqa"], raw_stages=CONFIG["raw_stages_gluon_gqa"],
                                    fp16_stages=CONFIG["stages_gluon_gqa_fp8"],
                                    swap=bool(CONFIG["swap_gluon_gqa_fp8" if fp8 else "swap_gluon_gqa"]),
-                                   direct=direct_raw if fp8 else 0, pdl=pdl)
+                                   direct=direct_raw if fp8 else 0, pdl=pdl, **direct_opts)
     elif s > 0 and splits > 0:
         _paged_decode_kernel[(programs, splits)](
             q, k, v, ks, vs, table, seq_lens, o, lse,
