@@ -320,6 +320,17 @@ def test_nvfp4_zeros_and_bad_global_scale():
             quantize(torch.randn(2, 4, 16), "nvfp4", global_scale=bad)
 
 
+def test_nvfp4_rejects_a_non_finite_given_global_scale():
+    """A given tensor scale of inf (or one that overflows fp32) made every block scale
+    amax / 6 / inf = 0 and every dequantized value (e2m1 * 0) * inf = NaN, silently."""
+    x = torch.randn(2, 4, 16)
+    for bad in (float("inf"), 1e39, torch.tensor([0.1, float("inf")]), torch.tensor([-float("inf")])):
+        with pytest.raises(ValueError, match="global_scale must be > 0"):
+            quantize(x, "nvfp4", global_scale=bad)
+    q = quantize(x, "nvfp4", global_scale=torch.tensor([0.01, 3e38]))   # large but finite: accepted
+    assert not dequantize(q)[0].isnan().any()
+
+
 def test_nvfp4_per_matrix_global_scale():
     x = torch.randn(3, 4, 32) * torch.tensor([1.0, 100.0, 1e-3]).reshape(3, 1, 1)
     q = quantize(x, "nvfp4", global_scale="matrix")

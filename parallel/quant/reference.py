@@ -17,7 +17,7 @@ so a Triton kernel doing the same steps gives the same bits:
   rounded from the exact quotient (`nvfp4_codes`: |x| compared with each boundary times s * g
   in float64, where both are exact; an fp32 product or quotient would send midpoints the wrong
   way); y = x * 0 where s * g is not > 0; dequant (e2m1 * s) * g. A given global scale must be
-  > 0 (ValueError); a computed one is 0 for an all-zero tensor, which quantizes to zeros. A NaN block gets s = NaN (0x7F) when g is
+  finite and > 0 (ValueError); a computed one is 0 for an all-zero tensor, which quantizes to zeros. A NaN block gets s = NaN (0x7F) when g is
   finite; a NaN anywhere in a tensor-scaled x makes g NaN, so everything dequantizes to NaN.
 - fp8_*: a' = max(a, amax_floor); scale = a' / 448 (or, with ue8m0=True, 2^ceil(log2(a'/448))
   read off the bits); y = clamp(x / scale, -448, 448) -> e4m3 round to nearest even.
@@ -142,7 +142,7 @@ def _nvfp4_gs(x: torch.Tensor, global_scale: torch.Tensor | float | str | None) 
         return nvfp4_global_scale(x, per_matrix=global_scale == "matrix")
     gs = torch.as_tensor(global_scale, dtype=torch.float32).to(x.device)
     capturing = gs.is_cuda and torch.cuda.is_current_stream_capturing()  # (no host read inside a graph)
-    if not capturing and not bool((gs > 0).all()):  # (NaN fails too)
+    if not capturing and not bool(((gs > 0) & torch.isfinite(gs)).all()):  # (NaN and inf fail too)
         raise ValueError(f"nvfp4 global_scale must be > 0 (finite); got {gs.flatten()[:8].tolist()}"
                          f"{' ...' if gs.numel() > 8 else ''}; pass None/'tensor' or 'matrix' to compute it")
     if gs.numel() == 1:
