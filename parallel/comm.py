@@ -63,13 +63,21 @@ for _name in ("float8_e8m0fnu", "float4_e2m1fn_x2", "float8_e4m3fnuz", "float8_e
         _WIRE_DTYPES.add(getattr(torch, _name))
 
 
+_WIDE_WIRE_DTYPES = {torch.int16, torch.uint16, torch.uint32, torch.uint64}
+"""Multi-byte integer dtypes that gloo (and NCCL, for the 16-bit ones) cannot carry: moved by
+the gather / all-to-all as bytes in an extra trailing dim (their rows keep their count)."""
+
+
 def needs_wire(dtype: torch.dtype) -> bool:
     """True when collectives cannot carry `dtype` directly (fp8/fp4/bool): send it as uint8."""
     return dtype in _WIRE_DTYPES
 
 
 def to_wire(t: torch.Tensor) -> torch.Tensor:
-    """A uint8 view of `t` (last dim scaled by the element size); a no-op for plain dtypes."""
+    """A uint8 view of `t` (last dim scaled by the element size; int16/uint16/uint32/uint64 get a
+    trailing dim of their bytes instead); a no-op for plain dtypes."""
+    if t.dtype in _WIDE_WIRE_DTYPES:
+        return t.contiguous().unsqueeze(-1).view(torch.uint8)
     if not needs_wire(t.dtype):
         return t
     return t.contiguous().view(torch.uint8)
@@ -80,6 +88,8 @@ def from_wire(u8: torch.Tensor, dtype: torch.dtype, shape: torch.Size | tuple[in
     if u8.dtype == dtype:
         return u8 if shape is None else u8.reshape(shape)
     out = u8.view(dtype)
+    if dtype in _WIDE_WIRE_DTYPES:
+        out = out.squeeze(-1)
     return out if shape is None else out.reshape(shape)
 
 
@@ -168,7 +178,7 @@ def all_gather_uneven(x: torch.Tensor, group: GroupLike, dim: int = 0, *,
 
     sizes: every rank's size along `dim` when known (saves one small collective).
     """
-    pg, _, size = resolve_group(group)
+    pg, rank, size = resolve_group(group)
     dim = _check_dim(x, dim)
     if size == 1:
         return _done_handle(x) if async_op else x
@@ -176,6 +186,9 @@ def all_gather_uneven(x: torch.Tensor, group: GroupLike, dim: int = 0, *,
         sizes = gather_sizes(x.shape[dim], group, x.device)
     if len(sizes) != size:
         raise ValueError(f"sizes has {len(sizes)} entries for a group of {size}")
+    if sizes[rank] != x.shape[dim]:
+        raise ValueError(f"sizes[{rank}] ({sizes[rank]}) != this rank's x.shape[{dim}] ({x.shape[dim]}); "
+                         f"sizes {sizes}")
     dtype = x.dtype
     wire = to_wire(x.movedim(dim, 0).contiguous())
     longest = max(sizes)

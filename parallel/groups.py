@@ -65,6 +65,9 @@ class ParallelGroups:
     """The collective timeout every group was created with (also taken by groups made later,
     such as the EP communication thread's: `group_timeout()`)."""
     _mesh: object | None = field(default=None, repr=False)
+    _created: list = field(default_factory=list, repr=False)
+    """The communicators `init_parallel` created that hold this rank (not WORLD): destroyed by
+    `destroy_parallel` even when torch.distributed itself was the caller's and stays up."""
 
     def axis(self, name: str) -> Group:
         if name not in AXES and name != "world":
@@ -253,7 +256,10 @@ def init_parallel(cfg: ParallelConfig | None = None, *, backend: str | None = No
         probe = torch.ones(1, device=_probe_device(backend))
         for g in {id(x.group): x for x in groups.values() if x.size > 1}.values():
             dist.all_reduce(probe, group=g.group)
-    _GROUPS = ParallelGroups(config=cfg, rank=rank, world=world, backend=backend, timeout=timeout, **groups)
+    created = list({id(x.group): x.group for x in groups.values()
+                    if x.group is not None and x.group is not dist.group.WORLD}.values())
+    _GROUPS = ParallelGroups(config=cfg, rank=rank, world=world, backend=backend, timeout=timeout,
+                             _created=created, **groups)
     log.debug("parallel groups ready: %s", cfg.sizes())
     return _GROUPS
 
@@ -265,7 +271,22 @@ def destroy_parallel(*, sync: bool = False) -> None:
     Not after an error, where a peer stuck in a collective would make everyone wait.
     """
     global _GROUPS, _OWNS_DIST
-    _GROUPS = None
+    groups, _GROUPS = _GROUPS, None
+    if not _OWNS_DIST and groups is not None and dist.is_initialized():
+        # torch.distributed is the caller's and stays up: drop only what init_parallel (and
+        # device_mesh) made, else every init/destroy cycle leaks its communicators.
+        made = list(groups._created)
+        if groups._mesh is not None:
+            made += [groups._mesh.get_group(i) for i in range(groups._mesh.ndim)]
+        seen: set[int] = set()
+        for pg in made:
+            if pg is None or pg is dist.group.WORLD or pg == dist.GroupMember.NON_GROUP_MEMBER or id(pg) in seen:
+                continue
+            seen.add(id(pg))
+            try:
+                dist.destroy_process_group(pg)
+            except Exception:  # already destroyed by the caller
+                pass
     if _OWNS_DIST and dist.is_initialized():
         # Leave together: a rank that tears down while a peer still talks to the store it hosts
         # (rank 0) can abort the peer. Bounded, so a dead peer cannot hang the exit.

@@ -70,6 +70,7 @@ length and kinds, or None); a mismatch raises ValueError naming both.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import threading
 from dataclasses import dataclass, field
@@ -409,7 +410,9 @@ class UBatchRunner:
         torch.set_grad_enabled(modes["grad"])  # grad mode is thread-local: copy the caller's
         torch.set_num_threads(modes["threads"])  # OpenMP's count is per OS thread; a new one uses every core
         try:
-            with torch.inference_mode(modes["inference"]):
+            with torch.inference_mode(modes["inference"]), contextlib.ExitStack() as autocast:
+                for device_type, dtype, cache in modes["autocast"]:  # autocast is thread-local too
+                    autocast.enter_context(torch.autocast(device_type, dtype=dtype, cache_enabled=cache))
                 if self._streams is not None:
                     torch.cuda.set_device(self._streams.device)
                     torch.cuda.set_stream(self._streams.compute)
@@ -495,7 +498,9 @@ class UBatchRunner:
 def _thread_modes() -> dict[str, Any]:
     """Thread-local torch modes of the caller, to be reproduced in the micro-batch threads."""
     return {"grad": torch.is_grad_enabled(), "inference": torch.is_inference_mode_enabled(),
-            "threads": torch.get_num_threads()}
+            "threads": torch.get_num_threads(),
+            "autocast": [(d, torch.get_autocast_dtype(d), torch.is_autocast_cache_enabled())
+                         for d in ("cpu", "cuda") if torch.is_autocast_enabled(d)]}
 
 
 def _structure(obj: Any) -> Any:

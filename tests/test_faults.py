@@ -206,3 +206,20 @@ def test_fp8_token_of_empty_rows_raises_naming_the_shape():
         quantize(torch.randn(4, 0), "fp8_token")
     q = quantize(torch.randn(0, 8), "fp8_token")  # no rows is fine: nothing to scale
     assert q.data.shape == (0, 8) and q.scale.shape == (0, 1)
+
+
+def test_split_run_keeps_the_callers_autocast():
+    """Autocast is thread-local like grad mode: the micro-batch threads must run under the
+    caller's, or a split run silently computes in another dtype than the unsplit one."""
+    from parallel.ubatch import UBatchRunner
+
+    w = torch.randn(8, 8, generator=torch.Generator().manual_seed(1))
+    x = torch.randn(6, 8, generator=torch.Generator().manual_seed(2))
+    runner = UBatchRunner(2, min_tokens=1)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        want = x @ w
+        got = runner.run(lambda t: t @ w, x, split=True)
+        with torch.autocast("cpu", enabled=False):  # a disabled inner region stays disabled
+            plain = runner.run(lambda t: t @ w, x, split=True)
+    assert want.dtype == got.dtype == torch.bfloat16 and torch.equal(got, want)
+    assert plain.dtype == torch.float32 and torch.equal(plain, x @ w)

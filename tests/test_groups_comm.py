@@ -16,6 +16,10 @@ from parallel.layout import AXES, rank_groups
 
 
 def _groups_and_collectives(rank: int, cfg_kwargs: dict) -> dict:
+    from torch.distributed import distributed_c10d as c10d
+
+    dist.init_process_group("gloo")  # the caller's: init_parallel reuses it and must leave it up
+    baseline = len(c10d._world.pg_map)
     cfg = ParallelConfig(**cfg_kwargs)
     groups = init_parallel(cfg)
     assert get_groups() is groups
@@ -58,6 +62,21 @@ def _groups_and_collectives(rank: int, cfg_kwargs: dict) -> dict:
     f8 = (torch.randn(2, 4, generator=torch.Generator().manual_seed(rank)) ).to(torch.float8_e4m3fn)
     g8 = comm.all_gather_uneven(f8, w, dim=0)
     res["fp8"] = (g8.dtype, g8.view(torch.uint8))
+    # dtypes gloo lacks (int16 / uint16 / uint32 / uint64) move as bytes; bool too; 1-D and dim=1
+    # (values carried as int64 lists: the pickle back to the parent knows no uint16 storages)
+    res["wide"] = {}
+    for dt in (torch.int16, torch.uint16, torch.uint32, torch.uint64, torch.bool):
+        v = (torch.arange(4 * (n + w.size)) * 7 + 1000 * rank).reshape(n + w.size, 4) % 60000
+        v = v % 2 == 1 if dt == torch.bool else v.to(dt)
+        ag1 = comm.all_gather_uneven(v[:n, 0], w)
+        ag2 = comm.all_gather_uneven(v.t(), w, dim=1)
+        a2a, _ = comm.all_to_all_uneven(v[:w.size], [1] * w.size, w)
+        res["wide"][str(dt)] = [(t.dtype == dt, t.to(torch.int64)) for t in (ag1, ag2, a2a)]
+    try:  # sizes that disagree with this rank's x: refused before any collective
+        comm.all_gather_uneven(x, w, sizes=[s + 1 for s in comm.gather_sizes(n, w)])
+        res["bad_sizes"] = "no error"
+    except ValueError as e:
+        res["bad_sizes"] = str(e)
     # reduce-scatter with uneven sizes
     sizes = [(i % 3) + 1 for i in range(w.size)]
     full = torch.arange(sum(sizes) * 2, dtype=torch.float32).reshape(-1, 2) * (rank + 1)
@@ -71,6 +90,16 @@ def _groups_and_collectives(rank: int, cfg_kwargs: dict) -> dict:
     res["a2a_async_equal"] = torch.equal(h.wait()[0], recv)
     out["comm"] = res
     destroy_parallel()
+    # destroy drops the groups it made (the mesh's too) and leaves the caller's world up; a
+    # second layout then works on the same world
+    out["pgs_after_destroy"] = len(c10d._world.pg_map) - baseline
+    groups = init_parallel(ParallelConfig(world_size=8, tp=4, dcp=2, pp=2))
+    t = torch.tensor([float(rank)])
+    comm.all_reduce(t, groups.tp)
+    out["second_tp_sum"] = t.item()
+    destroy_parallel()
+    out["pgs_after_second"] = len(c10d._world.pg_map) - baseline
+    dist.destroy_process_group()
     return out
 
 
@@ -94,6 +123,17 @@ def test_eight_rank_groups_match_layout_and_collectives_sum_right():
         exp8 = torch.cat([torch.randn(2, 4, generator=torch.Generator().manual_seed(r)).to(torch.float8_e4m3fn)
                           .view(torch.uint8) for r in range(world)])
         assert torch.equal(u8, exp8)
+        for dt in (torch.int16, torch.uint16, torch.uint32, torch.uint64, torch.bool):
+            v = [(torch.arange(4 * (sizes[r] + world)) * 7 + 1000 * r).reshape(sizes[r] + world, 4) % 60000
+                 for r in range(world)]
+            if dt == torch.bool:
+                v = [(t % 2 == 1).long() for t in v]
+            (ok1, ag1), (ok2, ag2), (ok3, a2a) = res["wide"][str(dt)]
+            assert ok1 and ok2 and ok3, dt
+            assert torch.equal(ag1, torch.cat([t[:sizes[r], 0] for r, t in enumerate(v)])), dt
+            assert torch.equal(ag2, torch.cat([t.t() for t in v], dim=1)), dt
+            assert torch.equal(a2a, torch.stack([v[src][rank] for src in range(world)])), dt
+        assert res["bad_sizes"].startswith(f"sizes[{rank}] ({sizes[rank] + 1}) != this rank's x.shape[0]"), res
         rs_sizes = [(i % 3) + 1 for i in range(world)]
         total = sum(range(1, world + 1))
         full = torch.arange(sum(rs_sizes) * 2, dtype=torch.float32).reshape(-1, 2) * total
@@ -107,6 +147,8 @@ def test_eight_rank_groups_match_layout_and_collectives_sum_right():
             exp_rows.append(torch.full((k, 2), 100.0 * src + rank))
         assert rsplits == exp_splits
         assert torch.equal(recv, torch.cat(exp_rows))
+        assert out["pgs_after_destroy"] == 0 and out["pgs_after_second"] == 0, out
+        assert out["second_tp_sum"] == sum(range(rank - rank % 4, rank - rank % 4 + 4))
 
 
 def _single_rank(rank: int) -> tuple:
