@@ -345,13 +345,15 @@ class Experts(nn.Module):
             self._prepared_key = key
         return self._prepared
 
-    def takes_fp8_rows(self, num_rows: int, device: torch.device) -> bool:
-        """Whether `forward` over num_rows rows on `device` runs the W4A8 path, which reads
-        fp8_token rows: a caller may then quantize each token once, before its top-k copies, and
-        pass the quantized rows (`moe.kernels.expert_ffn`)."""
+    def takes_fp8_rows(self, num_rows: int, device: torch.device, act_dtype: torch.dtype = torch.bfloat16) -> bool:
+        """Whether `forward` over num_rows rows of act_dtype on `device` runs the W4A8 path, which
+        reads fp8_token rows: a caller may then quantize each token once, before its top-k copies,
+        and pass the quantized rows (`moe.kernels.expert_ffn`) with out_dtype=act_dtype."""
         if not self.quantized:
             return False
-        w13, w2 = self.prepared()   # (fp8_token rows: the bf16 preparation, whose expansion they use)
+        # the preparation `forward` reads for these activations (another act_dtype may pack the
+        # weights differently on CUDA: asking with bf16 re-prepared them twice a call under fp32)
+        w13, w2 = self.prepared(act_dtype)
         hint = num_rows / max(self.num_slots, 1)
         return ffn_backend(self.backend, torch.device(device), w13, w2, hint) == "triton_w4a8"
 
@@ -360,18 +362,26 @@ class Experts(nn.Module):
         """x: [N, H] rows grouped by slot in slot order (or their fp8_token QuantizedTensor, see
         `takes_fp8_rows`); counts: [S] int rows per slot; offsets: [S + 1] int block starts when
         blocks are padded (padding rows must be zero) -> [N, H] in out_dtype (default x's dtype,
-        bf16 for quantized rows), through the fused expert FFN (`moe.kernels.expert_ffn`, backend `self.backend`)."""
+        bf16 for quantized rows), through the fused expert FFN (`moe.kernels.expert_ffn`, backend `self.backend`).
+        Quantized rows read the weights' preparation for activations of out_dtype (the dtype they
+        were quantized from, which the caller asked `takes_fp8_rows` about). Quantized weights
+        under autograd (x requires grad) take the differentiable torch path with backend "auto"."""
         if len(x.shape) != 2 or x.shape[1] != self.hidden:
             raise ValueError(f"Experts input must be [N, hidden={self.hidden}]; got {tuple(x.shape)}")
         if len(counts) != self.num_slots:
             raise ValueError(f"counts has {len(counts)} entries; this rank holds {self.num_slots} expert slots")
-        w13, w2 = self.prepared(torch.bfloat16 if isinstance(x, QuantizedTensor) else x.dtype)
+        w13, w2 = self.prepared((out_dtype or torch.bfloat16) if isinstance(x, QuantizedTensor) else x.dtype)
         if not isinstance(counts, torch.Tensor):
             device = x.data.device if isinstance(x, QuantizedTensor) else x.device
             counts = torch.tensor(list(counts), dtype=torch.int64, device=device)
         rows = dict(offsets=offsets) if offsets is not None else dict(counts=counts)
+        backend = self.backend
+        if backend == "auto" and self.quantized and impl.grad_needed(x):
+            # the fused FP4/FP8 kernels "auto" picks on CUDA have no backward (their output would
+            # carry no gradient to x): as the router, "auto" keeps autograd on the torch path
+            backend = "torch"
         return expert_ffn(x, w13, w2, **rows, swiglu_limit=self.swiglu_limit, alpha=self.alpha, beta=self.beta,
-                          gate_up=self.gate_up, backend=self.backend, out_dtype=out_dtype)
+                          gate_up=self.gate_up, backend=backend, out_dtype=out_dtype)
 
     def extra_repr(self) -> str:
         return (f"slots={self.num_slots} of {self.num_experts}, hidden={self.hidden}, inter={self.inter}, "

@@ -153,6 +153,20 @@ class MoEConfig:
             raise ValueError(f"top_k ({self.top_k}) must be <= num_experts ({self.num_experts})")
         if (self.hash_layer or self.num_hash_layers) and not self.vocab:
             raise ValueError("hash layers need vocab (rows of the tid2eid table)")
+        if self.num_shared < 0:
+            raise ValueError(f"num_shared ({self.num_shared}) must be >= 0 (0 = no shared expert)")
+        if self.shared_inter is not None and self.shared_inter < 1:
+            raise ValueError(f"shared_inter ({self.shared_inter}) must be >= 1 or None (= inter); "
+                             "num_shared=0 means no shared expert")
+        for name in ("swiglu_limit", "shared_swiglu_limit"):
+            limit = getattr(self, name)
+            if limit is not None and not limit > 0:  # (NaN too)
+                raise ValueError(f"{name} ({limit}) must be > 0, or None for no clamp (DeepSeek's configs "
+                                 "write 0 for none; as a clamp, 0 zeroes the SwiGLU)")
+        if self.num_hash_layers < 0:
+            raise ValueError(f"num_hash_layers ({self.num_hash_layers}) must be >= 0")
+        if self.vocab is not None and self.vocab < 1:
+            raise ValueError(f"vocab ({self.vocab}) must be >= 1 or None")
 
     def for_layer(self, index: int) -> MoEConfig:
         """This config for MoE layer `index` (a hash layer when index < num_hash_layers)."""
@@ -293,6 +307,11 @@ class MoELayer(nn.Module):
         if eplb is not None:
             if eplb.ep_size != size:
                 raise ValueError(f"eplb was built for EP size {eplb.ep_size}; this layer's EP group has {size}")
+            if eplb.num_logical != config.num_experts:
+                raise ValueError(f"eplb was built for {eplb.num_logical} logical experts; this layer has "
+                                 f"num_experts {config.num_experts}")
+            if not 0 <= layer_index < eplb.num_layers:
+                raise ValueError(f"layer_index ({layer_index}) is outside the eplb's {eplb.num_layers} layers")
             local = eplb.local_experts(layer_index).tolist()
         else:
             local = list(range(rank * self.num_slots, (rank + 1) * self.num_slots))
@@ -355,7 +374,8 @@ class MoELayer(nn.Module):
     def forward(self, x: torch.Tensor, input_ids: torch.Tensor | None = None,
                 token_mask: torch.Tensor | None = None) -> torch.Tensor:
         """x: [T, H] (or [..., H]); input_ids: [T] int (hash layers); token_mask: [T] bool (False =
-        padding token: routed nowhere, output = shared expert only) -> [T, H] in x's dtype."""
+        padding token: routed nowhere, output = shared expert only); both may take x's leading
+        shape ([...]) -> [T, H] (x's shape) in x's dtype."""
         cfg = self.config
         if x.shape[-1] != cfg.hidden:
             raise ValueError(f"MoE hidden size mismatch: x has {x.shape[-1]}, the layer expects {cfg.hidden}")
@@ -370,6 +390,8 @@ class MoELayer(nn.Module):
         x = x.reshape(-1, cfg.hidden)
         if input_ids is not None:
             input_ids = input_ids.reshape(-1)
+        if token_mask is not None and token_mask.shape == shape[:-1]:  # ([B, S] for x [B, S, H])
+            token_mask = token_mask.reshape(-1)
         if self._graphed is not None and token_mask is None and self._replayable(x):
             return self._graphed(x, input_ids).clone().reshape(shape)
         path = self.choose_path(x)
@@ -441,7 +463,11 @@ class MoELayer(nn.Module):
         self._graphed, self._graph_counts, self._graph_key = None, (), None
 
     def _tensor_key(self) -> tuple:
-        return tuple(t.data_ptr() for t in (*self.parameters(), *self.buffers()))
+        key = tuple(t.data_ptr() for t in (*self.parameters(), *self.buffers()))
+        if self.experts.quantized:  # the graphs read these through a prepared copy (`Experts.prepared`,
+            # repacked on CUDA): an in-place rewrite (loading, EPLB migration) must recapture too
+            key += tuple(t._version for t in self.experts.slot_tensors())
+        return key
 
     def _replayable(self, x: torch.Tensor) -> bool:
         g = self._graphed
@@ -475,7 +501,7 @@ class MoELayer(nn.Module):
         if self.ep_size == 1 and self.eplb is None:
             self.expert_counts.copy_(plan.counts)
         num_rows = plan.row_token.shape[0]
-        if self.experts.takes_fp8_rows(num_rows, x.device):   # W4A8: quantize per token, then copy
+        if self.experts.takes_fp8_rows(num_rows, x.device, batch.x.dtype):  # W4A8: quantize per token, then copy
             q = quantize(batch.x, "fp8_token")
             rows = QuantizedTensor(gather_rows(q.data, plan.row_token), gather_rows(q.scale, plan.row_token),
                                    "fp8_token", (num_rows, q.shape[-1]))

@@ -526,3 +526,123 @@ def test_activation_dtype_mismatch_is_a_clear_error():
     other = torch.float64 if dense != torch.float64 else torch.float32
     with pytest.raises(ValueError, match="dense weights are"):
         layer(torch.randn(3, H, dtype=other))
+
+
+# ---------------------------------------------------------------------------- audit regressions
+def test_device_path_prepares_quantized_experts_once_for_non_bf16_activations(monkeypatch):
+    """The device path asked `takes_fp8_rows` with the bf16 preparation and then ran the experts
+    with the preparation for x's dtype: on CUDA, MXFP4 under fp32 / fp16 activations packs
+    differently from bf16 (`packing_for`), so every forward re-prepared both weights twice (a
+    repack plus the fold plan's host sync), which also broke CUDA-graph capture. The CUDA choice of
+    packings is emulated here; the weights must be prepared once, and the output stay right."""
+    import megapar.moe.experts as experts_mod
+
+    calls = []
+    real_prepare = experts_mod.prepare_weights
+
+    def counting_prepare(*args, **kwargs):
+        calls.append(kwargs.get("packing"))
+        return real_prepare(*args, **kwargs)
+
+    monkeypatch.setattr(experts_mod, "packing_for",
+                        lambda fmt, act_dtype, cuda: "natural" if act_dtype == torch.bfloat16 else "paired")
+    monkeypatch.setattr(experts_mod, "prepare_weights", counting_prepare)
+    cfg = small_config(expert_format="mxfp4", swiglu_limit=1.5)
+    state = make_state(cfg, seed=40)
+    layer = MoELayer(cfg, path="device")
+    layer.load_deepseek(state)
+    x = torch.randn(6, H, generator=torch.Generator().manual_seed(41))
+    ref = dense_reference(x, state, cfg)
+    with torch.no_grad():
+        for _ in range(3):
+            torch.testing.assert_close(layer(x), ref, rtol=1e-5, atol=1e-5)
+    assert calls == ["paired", "paired"], calls  # w13 and w2, once, in the packing for fp32 activations
+
+
+@pytest.mark.skipif(__import__("os").environ.get("TRITON_INTERPRET") != "1",
+                    reason="runs the fused kernel on CPU tensors: needs TRITON_INTERPRET=1 (set by conftest on CPU)")
+def test_quantized_experts_under_autograd_keep_the_gradient_of_x(monkeypatch):
+    """On CUDA "auto" gives FP4 experts the fused Triton kernels, which have no backward: under
+    autograd (the host path) the routed experts' part of x's gradient was silently dropped. The
+    CUDA choice is emulated (the kernel runs in the interpreter); x's gradient must match the
+    dense reference on the same dequantized weights."""
+    import megapar.moe.kernels.ffn as ffn
+
+    real = ffn.ffn_backend
+    monkeypatch.setattr(ffn, "ffn_backend", lambda backend, *a: "triton_w4a16" if backend == "auto" else real(backend, *a))
+    cfg = small_config(expert_format="mxfp4", swiglu_limit=1.5)
+    state = make_state(cfg, seed=45)
+    layer = MoELayer(cfg)
+    layer.load_deepseek(state)
+    g = torch.Generator().manual_seed(46)
+    x = torch.randn(7, H, generator=g, requires_grad=True)
+    grad_out = torch.randn(7, H, generator=g)
+    (layer(x) * grad_out).sum().backward()
+    xr = x.detach().clone().requires_grad_(True)
+    (dense_reference(xr, state, cfg) * grad_out).sum().backward()
+    torch.testing.assert_close(x.grad, xr.grad, rtol=1e-4, atol=1e-5)
+    with torch.no_grad():  # inference still takes the kernel "auto" chose
+        torch.testing.assert_close(layer(x), dense_reference(x, state, cfg), rtol=1e-5, atol=1e-5)
+
+
+def test_graph_recapture_key_sees_in_place_expert_rewrites():
+    """CUDA graphs (`enable_cuda_graphs`) read quantized experts through their prepared copy
+    (`Experts.prepared`, repacked on CUDA), so rewriting the storage in place (loading, an EPLB
+    migration) must change the key that decides a recapture, as it invalidates the prepared
+    copy; forwards (which update the load counters) must not."""
+    from parallel.ep.eplb_state import Eplb, EplbConfig
+
+    cfg = small_config(expert_format="mxfp4")
+    eplb = Eplb(1, E, config=EplbConfig(num_redundant=2))
+    layer = MoELayer(cfg, eplb=eplb)
+    layer.load_deepseek(make_state(cfg, seed=42))
+    x = torch.randn(5, H)
+    prepared, key = layer.experts.prepared(), layer._tensor_key()
+    with torch.no_grad():
+        layer(x)
+        layer(x)
+    assert layer._tensor_key() == key and layer.experts.prepared() is prepared
+    layer.load_deepseek(make_state(cfg, seed=43))  # in place: the same storage
+    assert layer.experts.prepared() is not prepared
+    assert layer._tensor_key() != key
+    prepared, key = layer.experts.prepared(), layer._tensor_key()
+    report = eplb.rebalance(torch.tensor([[100.0, 1, 1, 1, 50, 1, 1, 30]]))
+    assert report.layers_moved == [0]
+    assert layer.experts.prepared() is not prepared and layer._tensor_key() != key
+
+
+def test_inconsistent_sizes_are_refused_naming_the_values():
+    """Sizes that were accepted and then ignored or misread: a negative num_shared (no shared
+    expert), shared_inter 0 (silently `inter` wide), a SwiGLU limit <= 0 (DeepSeek's configs write
+    0 for "no clamp"; as a clamp it zeroes every routed output), negative vocab / num_hash_layers,
+    an EPLB state built for another number of experts or layers (failed at the first forward, or
+    with an IndexError)."""
+    from parallel.ep.eplb_state import Eplb, EplbConfig
+
+    for kw, match in ((dict(num_shared=-1), r"num_shared \(-1\) must be >= 0"),
+                      (dict(shared_inter=0), r"shared_inter \(0\) must be >= 1 or None"),
+                      (dict(swiglu_limit=0.0), r"swiglu_limit \(0.0\) must be > 0, or None for no clamp"),
+                      (dict(shared_swiglu_limit=-1.0), r"shared_swiglu_limit \(-1.0\) must be > 0"),
+                      (dict(swiglu_limit=float("nan")), r"swiglu_limit \(nan\) must be > 0"),
+                      (dict(num_hash_layers=-1, vocab=10), r"num_hash_layers \(-1\) must be >= 0"),
+                      (dict(hash_layer=True, vocab=-3, n_group=None, topk_group=None), r"vocab \(-3\) must be >= 1")):
+        with pytest.raises(ValueError, match=match):
+            small_config(**kw)
+    cfg = small_config()
+    with pytest.raises(ValueError, match=r"eplb was built for 6 logical experts; this layer has num_experts 8"):
+        MoELayer(cfg, eplb=Eplb(1, 6, config=EplbConfig(num_redundant=2)))
+    with pytest.raises(ValueError, match=r"layer_index \(2\) is outside the eplb's 2 layers"):
+        MoELayer(cfg, eplb=Eplb(2, E, config=EplbConfig(num_redundant=2)), layer_index=2)
+
+
+def test_token_mask_takes_the_shape_of_the_tokens():
+    """x [B, S, H] with token_mask [B, S], as input_ids [B, S] already were: the mask of the
+    flattened tokens (it was refused as not [B * S])."""
+    cfg = small_config()
+    state = make_state(cfg, seed=44)
+    layer = MoELayer(cfg)
+    layer.load_deepseek(state)
+    x = torch.randn(2, 3, H)
+    mask = torch.tensor([[True, False, True], [False, True, True]])
+    ref = dense_reference(x.reshape(6, H), state, cfg, token_mask=mask.reshape(6))
+    torch.testing.assert_close(layer(x, token_mask=mask), ref.reshape(2, 3, H), rtol=1e-5, atol=1e-5)
