@@ -756,6 +756,9 @@ def test_gluon_mla_narrow_swapped_on_gpu(dtype, size, rank, heads, tq, monkeypat
     got = run(cache, table)
     assert used, "the swapped kernel was not launched"
     _check_against_torch(got, ref, 1)
+    # the loader's first block ids loaded beside the length (bf16, and over fp8 the direct form where
+    # installed): the same result
+    _same_when_flipped(monkeypatch, td, "ids_ahead", lambda: run(cache, table), got)
     # (over fp8 the direct form's scores as fp8 MMAs, where installed, round the queries differently)
     f8 = fp8 and bool(td.CONFIG["fp8_scores_wide_narrow_fp8"] and td.CONFIG["direct_wide_narrow_fp8"])
     torch.testing.assert_close(got.out, padded.out, atol=4e-3 if f8 else 2e-3 if fp8 else 1e-3, rtol=0)
@@ -781,10 +784,8 @@ def test_gluon_mla_narrow_swapped_on_gpu(dtype, size, rank, heads, tq, monkeypat
             _same_when_flipped(monkeypatch, td, "pipe_wide_narrow_fp8", lambda: run(cache, table), got)
         monkeypatch.setitem(td.CONFIG, "direct_wide_narrow_fp8", direct)
         monkeypatch.setitem(td.CONFIG, "direct_wide_narrow_fp8_32", direct32)
-        for key in ("paired_store_direct_fp8", "ids_ahead_direct_fp8") if applies else ():
-            # the output's dim pairs stored together, the loader's first ids loaded beside the length: when
-            # and how the same values move, the same result
-            _same_when_flipped(monkeypatch, td, key, lambda: run(cache, table), got)
+        if applies:     # the output's dim pairs stored together: the same values, the same result
+            _same_when_flipped(monkeypatch, td, "paired_store_direct_fp8", lambda: run(cache, table), got)
         forms = {f8: got}
         if applies:
             monkeypatch.setitem(td.CONFIG, "fp8_scores_wide_narrow_fp8", 1 - f8)
@@ -1059,7 +1060,7 @@ def test_gluon_gqa_direct_fp8_speculative_tokens_on_gpu(size, rank, interleave, 
         torch.testing.assert_close(got.out, ref.out, atol=2e-2, rtol=0)
         torch.testing.assert_close(got.out, plain.out, atol=4e-3, rtol=0)
         torch.testing.assert_close(got.lse[finite], plain.lse[finite], atol=4e-3, rtol=0)
-        for key in ("paired_store_direct_fp8", "ids_ahead_direct_fp8"):    # (the same values, moved otherwise)
+        for key in ("paired_store_direct_fp8", "ids_ahead"):    # (the same values, moved otherwise)
             _same_when_flipped(monkeypatch, td, key, run, got)
         used.clear()
     _replays_to(run, got)
@@ -1133,8 +1134,16 @@ def test_gluon_gqa_kernel_on_gpu(dtype, size, rank, hq, hkv, monkeypatch):
         # (the direct form's scores see the queries as two e4m3 parts, ~8 significant bits: a bf16 query's)
         torch.testing.assert_close(got.out, plain.out, atol=4e-3 if ran_direct else 2e-3, rtol=0)
         torch.testing.assert_close(got.lse, plain.lse, atol=4e-3 if ran_direct else 1e-4, rtol=0)
+        # the loader's first block ids loaded beside the length (the bf16 and direct forms), the direct
+        # form's paired output stores: when and how the same values move, the same result
+        for flip in ("ids_ahead", "paired_store_direct_fp8") if gluon else ():
+            _same_when_flipped(monkeypatch, td, flip, lambda: run(cache, table), got)
+        used.clear()
+        direct_used.clear()
     bad = table.clone()
     bad[5, 0] = cache.k.shape[0] + 7
-    _nan_row_5_only(paged_decode_attention(q, cache, bad, seq, layout=layout, scale=0.088, backend="triton",
-                                           validate=False), got)
+    for ahead in (0, 1):
+        monkeypatch.setitem(td.CONFIG, "ids_ahead", ahead)
+        _nan_row_5_only(paged_decode_attention(q, cache, bad, seq, layout=layout, scale=0.088, backend="triton",
+                                               validate=False), got)
     _replays_to(lambda: run(cache, table), got)

@@ -180,30 +180,32 @@ def _built(name: str, cubin: Path | None = None) -> dict:
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
-def _loader_loads_before_its_first_branch(cubin: Path) -> int:
-    """Global loads the one-warp loader partition (24 registers: its `USETMAXREG.DEALLOC` to 0x18) issues
-    after its barrier and before its first branch (the branch on the split's tile count)."""
+def _loader_loads_before_its_first_branch(cubin: Path, regs: int = 24) -> int:
+    """Global loads the loader partition (the one whose `USETMAXREG.DEALLOC` leaves it `regs` registers)
+    issues after its barrier and before its first branch (the branch on the split's tile count)."""
     import triton
 
     sass = subprocess.run([str(Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"), "-sass",
                            str(cubin)], capture_output=True, text=True, check=True).stdout
     ops = re.findall(r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z0-9_.]+)([^;]*);", sass)
-    start = max(i for i, (op, args) in enumerate(ops) if op == "USETMAXREG.DEALLOC.CTAPOOL" and "0x18" in args)
+    start = max(i for i, (op, args) in enumerate(ops) if op == "USETMAXREG.DEALLOC.CTAPOOL" and f"{regs:#x}" in args)
     first_bar = next(i for i in range(start, len(ops)) if ops[i][0].startswith("BAR"))
     first_bra = next(i for i in range(first_bar, len(ops)) if ops[i][0] == "BRA")
     return sum(op.startswith("LDG") for op, _ in ops[first_bar:first_bra])
 
 
-@pytest.mark.parametrize("kernel", ["mlan-fp8-16-direct5s", "gqa-fp8-direct10-8"])
-def test_direct_loaders_load_their_first_ids_beside_the_length(kernel, tmp_path):
-    """CONFIG ids_ahead_direct_fp8: the direct fp8 kernels' loader issues its first four block ids'
-    loads beside the sequence length's (five loads before the branch on the split's tiles), where
-    the installed form issues them after that branch, which waits for the length: one memory round
-    trip fewer before the first TMA. The same registers, spills and shared memory."""
+@pytest.mark.parametrize("kernel,loader_regs,ids", [("mlan-fp8-16-direct5s", 24, 4), ("gqa-fp8-direct10-8", 24, 4),
+                                                    ("gqa-bf16", 64, 1), ("mlan-bf16-16", 64, 1)])
+def test_loaders_load_their_first_ids_beside_the_length(kernel, loader_regs, ids, tmp_path):
+    """CONFIG ids_ahead: the loader of a Gluon decode kernel (GQA over bf16, MLA's narrow tiles over
+    bf16, both direct fp8 kernels) issues its first block ids' loads (the direct kernels' four, the
+    others' one) beside the sequence length's, before the branch on the split's
+    tiles, where the installed form issues them after that branch, which waits for the length: one
+    memory round trip fewer before the first TMA. The same registers, spills and shared memory."""
     plain = _built(f"{kernel}-pdl", tmp_path / "plain.cubin")
     ahead = _built(f"{kernel}-ahead-pdl", tmp_path / "ahead.cubin")
-    assert _loader_loads_before_its_first_branch(tmp_path / "plain.cubin") == 1
-    assert _loader_loads_before_its_first_branch(tmp_path / "ahead.cubin") == 5
+    assert _loader_loads_before_its_first_branch(tmp_path / "plain.cubin", loader_regs) == 1
+    assert _loader_loads_before_its_first_branch(tmp_path / "ahead.cubin", loader_regs) == 1 + ids
     assert ahead["regs"] == plain["regs"] and ahead["spill"] <= plain["spill"] and ahead["shared"] == plain["shared"]
 
 

@@ -238,7 +238,7 @@ def _dcp_breakdown(ctx: BenchContext) -> None:
 DECODE_VARIANTS = {"no_pdl_us": ("triton_decode", {"pdl": 0}),
                    "merge_one_round_us": ("triton_merge", {"one_round": 1}),
                    "paired_store_us": ("triton_decode", {"paired_store_direct_fp8": 1}),
-                   "ids_ahead_us": ("triton_decode", {"ids_ahead_direct_fp8": 1})}
+                   "ids_ahead_us": ("triton_decode", {"ids_ahead": 1})}
 """Columns timing a decode call again with one CONFIG option of a module of parallel.cp changed."""
 
 

@@ -72,12 +72,17 @@ if HAS_GLUON:
     @gluon.jit
     def _bf16_loader(k_desc, v_desc, k_ptr, v_ptr, table_ptr, glens_ptr, k_smem, v_smem, ready, free,
                      s, kvh, split, split_len, dcp_size, dcp_rank, interleave, table_w, num_blocks, st_s,
-                     sk_b, sk_t, sv_b, sv_t, PAGE: gl.constexpr, STAGES: gl.constexpr):
-        """The block ids one tile ahead (four ahead measured no faster: docs/gpu.md section 18)."""
+                     sk_b, sk_t, sv_b, sv_t, PAGE: gl.constexpr, STAGES: gl.constexpr, AHEAD: gl.constexpr = False):
+        """The block ids one tile ahead (four ahead measured no faster: docs/gpu.md section 18); AHEAD:
+        the first one loaded beside the sequence's length (`_ids_window_ahead`)."""
+        if AHEAD:
+            blk_next = _block_of(table_ptr, s, st_s, split * split_len, split * split_len < table_w * PAGE,
+                                 num_blocks, PAGE)
         start, end, tiles, bad = _split_range(glens_ptr, s, split, split_len, dcp_size, dcp_rank, interleave,
                                               table_w, PAGE)
         blocked: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
-        blk_next = _block_of(table_ptr, s, st_s, start, tiles > 0, num_blocks, PAGE)
+        if not AHEAD:
+            blk_next = _block_of(table_ptr, s, st_s, start, tiles > 0, num_blocks, PAGE)
         for t in range(tiles):
             stage = t % STAGES
             j0 = start + t * BLOCK
@@ -297,7 +302,7 @@ if HAS_GLUON:
                               qk_scale, split_len, G, KV_HEADS, dcp_size, dcp_rank, interleave, table_w, num_blocks,
                               st_s, sq_s, sq_h, sk_b, sk_t, sv_b, sv_t, so_p, so_s, so_h, sl_p, sl_s,
                               PAGE: gl.constexpr, STAGES: gl.constexpr, NQ: gl.constexpr = 0,
-                              PDL: gl.constexpr = False):
+                              PDL: gl.constexpr = False, AHEAD: gl.constexpr = False):
         pid = gl.program_id(0)
         split = gl.program_id(1)
         s = pid // KV_HEADS
@@ -317,7 +322,7 @@ if HAS_GLUON:
                         G, qk_scale, so_p, so_s, so_h, sl_p, sl_s, None, None, PAGE, STAGES, NQ, False)),
             (_bf16_loader, (k_desc, v_desc, k_ptr, v_ptr, table_ptr, glens_ptr, k_smem, v_smem, ready, free, s, kvh,
                             split, split_len, dcp_size, dcp_rank, interleave, table_w, num_blocks, st_s, sk_b, sk_t,
-                            sv_b, sv_t, PAGE, STAGES)),
+                            sv_b, sv_t, PAGE, STAGES, AHEAD)),
         ], [4], [64])
 
 
@@ -813,8 +818,9 @@ def launch_gluon_gqa(q: Tensor, k: Tensor, v: Tensor, table: Tensor, seq_lens: T
     each) and fp16_stages: the 16-bit ring after the converter (2 or 4), both cut to what shared
     memory holds beside the compiler's scratch. swap: the consumer with swapped operands. direct:
     over fp8, the direct kernel (no converter) with this many raw stages, cut to `direct_stages`
-    (where none apply, more than 32 query heads a kv head: the converter's form); paired / ahead: its
-    output's dim pairs stored together / its loader's first block ids loaded beside the length. pdl:
+    (where none apply, more than 32 query heads a kv head: the converter's form); paired: its output's
+    dim pairs stored together; ahead: the loader's first block ids loaded beside the length (the direct
+    and the bf16 kernels). pdl:
     launched with programmatic dependent launch (`triton_merge.pdl_ok`)."""
     s, tq, hq, d = q.shape
     nb, page, hkv = k.shape[0], k.shape[1], k.shape[2]
@@ -855,4 +861,4 @@ def launch_gluon_gqa(q: Tensor, k: Tensor, v: Tensor, table: Tensor, seq_lens: T
     else:
         _gqa_decode_ws_kernel[(s * hkv, splits)](
             q, k_desc, v_desc, k, v, *common, k.stride(0), k.stride(1), v.stride(0), v.stride(1), *tail,
-            PAGE=page, STAGES=min(stages, 6), NQ=nq, num_warps=4, **launch)
+            PAGE=page, STAGES=min(stages, 6), NQ=nq, AHEAD=bool(ahead), num_warps=4, **launch)

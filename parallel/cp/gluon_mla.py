@@ -182,9 +182,13 @@ if HAS_GLUON:
     @gluon.jit
     def _loader(q_desc, k_desc, k_ptr, table_ptr, glens_ptr, q_smem, k_smem, q_bar, ready, free,
                 s, head0, split, split_len, dcp_size, dcp_rank, interleave, table_w, num_blocks, st_s, sk_b, sk_t,
-                PAGE: gl.constexpr):
+                PAGE: gl.constexpr, AHEAD: gl.constexpr = False):
         """Each tile's block id after its stage's wait (ids four tiles ahead measured no faster:
-        docs/gpu.md section 18)."""
+        docs/gpu.md section 18); AHEAD: the first tile's loaded beside the sequence's length (the narrow
+        kernel's: in the full head tiles' kernel its loader then spilled 24 bytes more)."""
+        if AHEAD:
+            first = _block_of(table_ptr, s, st_s, split * split_len, split * split_len < table_w * PAGE, num_blocks,
+                              PAGE)
         start, end, tiles, bad = _split_range(glens_ptr, s, split, split_len, dcp_size, dcp_rank, interleave,
                                               table_w, PAGE)
         mbarrier.expect(q_bar, CHUNKS * q_desc.block_type.nbytes)
@@ -196,8 +200,11 @@ if HAS_GLUON:
             j0 = start + t * BLOCK
             if t >= STAGES:
                 mbarrier.wait(free.index(stage), ((t // STAGES) - 1) & 1)
-            blk = gl.load(table_ptr + s.to(gl.int64) * st_s + j0 // PAGE)
-            blk = gl.where((blk >= 0) & (blk < num_blocks), blk, 0)    # (warpgroup 0 reports it)
+            if AHEAD:
+                blk = gl.where(t == 0, first, _block_of(table_ptr, s, st_s, j0, t > 0, num_blocks, PAGE))
+            else:
+                blk = gl.load(table_ptr + s.to(gl.int64) * st_s + j0 // PAGE)
+                blk = gl.where((blk >= 0) & (blk < num_blocks), blk, 0)    # (warpgroup 0 reports it)
             valid = end - j0
             if valid >= BLOCK:
                 mbarrier.expect(ready.index(stage), CHUNKS * k_desc.block_type.nbytes)

@@ -236,7 +236,7 @@ if HAS_GLUON:
     def _mla_narrow_kernel(q_desc, k_desc, k_ptr, table_ptr, glens_ptr, o_ptr, lse_ptr, qk_scale, split_len, HQ, TQ,
                            dcp_size, dcp_rank, interleave, table_w, num_blocks, st_s, sk_b, sk_t,
                            so_p, so_s, so_t, so_h, sl_p, sl_s, sl_t, PAGE: gl.constexpr, NQ: gl.constexpr,
-                           CAUSAL: gl.constexpr = False, PDL: gl.constexpr = False):
+                           CAUSAL: gl.constexpr = False, PDL: gl.constexpr = False, AHEAD: gl.constexpr = False):
         """bf16 latent cache: the loader's TMA boxes of NQ query rows (rows past the sequence's TQ x HQ
         are other rows or zeros: their columns are never stored) and of each 64-key tile."""
         s = gl.program_id(0)
@@ -256,7 +256,7 @@ if HAS_GLUON:
             (_loader, (q_desc, k_desc, k_ptr, table_ptr, glens_ptr, q_smem, k_smem, q_bar, ready, free, s,
                        s * (TQ * HQ),
                        split, split_len, dcp_size, dcp_rank, interleave, table_w, num_blocks, st_s, sk_b, sk_t,
-                       PAGE)),
+                       PAGE, AHEAD)),
         ], [4], [64])
 
     @gluon.jit
@@ -813,4 +813,4 @@ def launch(q: Tensor, k: Tensor, table: Tensor, seq_lens: Tensor, o: Tensor, lse
     _mla_narrow_kernel[(s, splits)](
         q_desc, k_desc, k, table, seq_lens, o, lse, scale_log2, split_len, hq, tq, dcp_size, dcp_rank, interleave,
         table.shape[1], nb, table.stride(0), k.stride(0), k.stride(1), *tail, PAGE=page, NQ=nq, CAUSAL=tq > 1,
-        num_warps=4, **launch)
+        AHEAD=bool(ahead), num_warps=4, **launch)

@@ -688,12 +688,13 @@ CONFIG = {
     # pair (a thread holds dim 2r in its even accumulator and 2r + 1 in its odd one at the same place):
     # 2 x NQ vector stores a thread instead of 4 x NQ scalar ones of one parity (half-filled sectors;
     # Nsight Compute put the narrow kernel's epilogue among a one-page call's stalls, docs/gpu.md
-    # section 24). ids_ahead: their loaders' first four block ids loaded beside the sequence's length,
-    # not after it (their sm_90a SASS: the table loads issued before the length's first use, one memory
-    # round trip fewer before the first TMA). Both built and checked on the CPU only (docs/gpu.md section
-    # 26): off until `megapar bench cp` has timed them (columns paired_store_us, ids_ahead_us)
+    # section 24). ids_ahead (the loaders of the GQA kernels over bf16 and the direct fp8 one, and of
+    # MLA's narrow tiles over bf16 and the direct fp8 one): the first block ids loaded beside the
+    # sequence's length, not after it (their sm_90a SASS: the table loads issued before the branch that
+    # waits on the length), one memory round trip fewer before the first TMA. Both built and checked on the CPU only (docs/gpu.md
+    # section 26): off until `megapar bench cp` has timed them (columns paired_store_us, ids_ahead_us)
     "paired_store_direct_fp8": 0,
-    "ids_ahead_direct_fp8": 0,
+    "ids_ahead": 0,
     # over fp8: a TMA ring of this many raw fp8 tiles in front of the Gluon kernel's converter (0:
     # the converter loads 64-key tiles itself into two fp16 stages; Nsight Compute had put the
     # kernel's bound in those loads, docs/gpu.md section 18). With 64-key tiles and one fp16 stage:
@@ -1192,7 +1193,7 @@ def paged_decode_triton(q: Tensor, k: Tensor, v: Tensor, k_scale: Tensor | None,
     ks_st = ks.stride() if fp8 else (0, 0, 0)
     vs_st = vs.stride() if fp8 else (0, 0, 0)
     table = block_table if block_table.stride(-1) == 1 else block_table.contiguous()
-    direct_opts = {"paired": bool(CONFIG["paired_store_direct_fp8"]), "ahead": bool(CONFIG["ids_ahead_direct_fp8"])}
+    direct_opts = {"paired": bool(CONFIG["paired_store_direct_fp8"]), "ahead": bool(CONFIG["ids_ahead"])}
     if s > 0 and splits > 0 and swapped:
         wide = tq * hq > gluon_mla_narrow.PAIRS_MAX_COLUMNS     # (no tile pairs there: fewer stages serve)
         stages = CONFIG["direct_wide_narrow_fp8_32" if wide else "direct_wide_narrow_fp8"]
