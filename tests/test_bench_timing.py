@@ -117,6 +117,8 @@ def test_decode_time_times_each_config_variant_and_restores_it(fake_cuda):
         assert us == pytest.approx(30.0) and cols["eager_us"] == pytest.approx(30.0)
         for name in cp.DECODE_VARIANTS:
             assert cols[name] == pytest.approx(30.0 + cost.get(name, -0.25)), name
+        # (a row's fixed part carries the same columns, renamed fixed_<column>)
+        assert cp._fixed_variants(cols) == {f"fixed_{name}": cols[name] for name in cp.DECODE_VARIANTS}
         base = tuple(installed[(id(config), key)] for config, key in keys)
         assert set(calls) == {base} | {tuple(1 - v if j == i else v for j, v in enumerate(base))
                                       for i in range(len(keys))}            # one option changed at a time

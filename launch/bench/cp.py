@@ -270,6 +270,11 @@ def _decode_time(ctx: BenchContext, fns) -> tuple[float, dict]:
     return us, cols
 
 
+def _fixed_variants(cols: dict) -> dict:
+    """The fixed part's DECODE_VARIANTS columns, as fixed_<column> (the variants aim at that part)."""
+    return {f"fixed_{name}": cols[name] for name in DECODE_VARIANTS if name in cols}
+
+
 def _note_graph_timing(ctx: BenchContext) -> None:
     if ctx.is_cuda and "decode timing" not in " ".join(ctx.notes):
         ctx.note("decode timing: time_us of the decode kernel rows and of their SDPA / torch bmm anchors is µs per call of "
@@ -458,7 +463,7 @@ def _paged_decode_rows(ctx: BenchContext) -> None:
                 # per rank (what is left of the time, streamed_us, is what the KV bytes cost)
                 # (the short lengths made outside the timed call: inside, their fill kernel was timed too)
                 short = torch.full_like(seq, n * block)
-                fixed_us = _decode_time(ctx, [lambda: ours(cache, table, q, short)])[0]
+                fixed_us, fixed_cols = _decode_time(ctx, [lambda: ours(cache, table, q, short)])
                 # the gathered-pages torch path expands the KV per query head: skip it where that alone
                 # would not fit (MLA at L = 128K: 288 GiB)
                 if batch * local * heads * d * 2 * 2 <= 32 * 2**30:
@@ -497,7 +502,8 @@ def _paged_decode_rows(ctx: BenchContext) -> None:
                            flop_floor_us=flop_floor, torch_gathered_us=torch_us,
                            speedup_vs_torch=torch_us / ours_us, target_fraction=0.70, anchor_timing=anchor_timing,
                            anchor_replay_us=anchor_cols.get("replay_us"), anchor_input_sets=anchor_cols["input_sets"],
-                           fixed_us=fixed_us, streamed_fraction=floor / max(ours_us - fixed_us, 1e-9), **ours_cols)
+                           fixed_us=fixed_us, streamed_fraction=floor / max(ours_us - fixed_us, 1e-9), **ours_cols,
+                           **_fixed_variants(fixed_cols))
                 del cache, table, q
     _note_graph_timing(ctx)
 
@@ -550,7 +556,7 @@ def _speculative_rows(ctx: BenchContext, batch: int = 32, context: int = 32768, 
             ours_us, ours_cols = _decode_time(ctx, [lambda c=c, t=t, q=q: ours(c, t, q) for c, t, q in sets])
             cache, table, q = sets[0]
             short = torch.full_like(seq, n * block)
-            fixed_us = _decode_time(ctx, [lambda: ours(cache, table, q, short)])[0]
+            fixed_us, fixed_cols = _decode_time(ctx, [lambda: ours(cache, table, q, short)])
             del sets
             mask = speculative_mask(layout, local, tokens, context, ctx.device)
             kvs = input_copies(ctx, lambda: [torch.randn(batch, kv_heads, local, d, device=ctx.device, dtype=dtype)
@@ -576,7 +582,7 @@ def _speculative_rows(ctx: BenchContext, batch: int = 32, context: int = 32768, 
                        ours_us, anchor=anchor, anchor_us=anchor_us, floor_us=floor, byte_floor_us=byte_floor,
                        flop_floor_us=flop_floor, anchor_timing=anchor_cols["timing"],
                        anchor_replay_us=anchor_cols.get("replay_us"), anchor_input_sets=anchor_cols["input_sets"],
-                       fixed_us=fixed_us, **ours_cols)
+                       fixed_us=fixed_us, **ours_cols, **_fixed_variants(fixed_cols))
             del cache, table, q
 
 
