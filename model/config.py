@@ -31,6 +31,7 @@ AttentionKind = Literal["gqa", "mla"]
 ATTENTION_KINDS: tuple[str, ...] = ("gqa", "mla")
 QUANT_FORMATS: tuple[str, ...] = ("mxfp4", "nvfp4", "fp8_block", "bf16")
 Scoring = Literal["softmax", "sigmoid", "sqrt_softplus"]
+SCORINGS: tuple[str, ...] = ("softmax", "sigmoid", "sqrt_softplus")
 
 # K-dim block of each routed-expert format: hidden and moe_inter must be multiples of it.
 _QUANT_BLOCK = {"mxfp4": 32, "nvfp4": 16, "fp8_block": 1, "bf16": 1}
@@ -111,11 +112,18 @@ class ModelConfig:
                 raise ValueError(f"ModelConfig.q_lora_rank ({self.q_lora_rank}) must be >= 0 (0 = q_proj)")
             if self.qk_rope_head_dim % 2:
                 raise ValueError(f"qk_rope_head_dim ({self.qk_rope_head_dim}) must be even (RoPE rotates pairs)")
-        if self.head_dim % 2:
+        if self.attention == "gqa" and self.head_dim % 2:   # (MLA uses neither head_dim nor kv_heads)
             raise ValueError(f"head_dim ({self.head_dim}) must be even (RoPE rotates pairs)")
-        if self.heads % self.kv_heads:
+        if self.attention == "gqa" and self.heads % self.kv_heads:
             raise ValueError(f"heads ({self.heads}) must be a multiple of kv_heads ({self.kv_heads}); "
                              f"valid kv_heads: {_divisors(self.heads)}")
+        if self.scoring not in SCORINGS:
+            raise ValueError(f"unknown scoring {self.scoring!r}; valid: {', '.join(SCORINGS)}")
+        if not self.rope_theta > 0:
+            raise ValueError(f"ModelConfig.rope_theta ({self.rope_theta}) must be > 0")
+        for name in ("norm_eps", "mhc_eps"):
+            if not getattr(self, name) >= 0:
+                raise ValueError(f"ModelConfig.{name} ({getattr(self, name)}) must be >= 0")
         if self.top_k > self.experts:
             raise ValueError(f"top_k ({self.top_k}) must be <= experts ({self.experts})")
         if self.quant not in QUANT_FORMATS:
@@ -176,7 +184,7 @@ def check_layout(cfg: ModelConfig, pcfg: ParallelConfig, *, prompt_len: int | No
         raise ValueError(f"the demo model has no pipeline stages; pp ({pcfg.pp}) must be 1")
     if cfg.heads % tp:
         raise ValueError(f"heads ({cfg.heads}) must be a multiple of tp ({tp}); valid tp: {_divisors(cfg.heads)}")
-    if cfg.kv_heads % tp and tp % cfg.kv_heads:
+    if cfg.attention == "gqa" and cfg.kv_heads % tp and tp % cfg.kv_heads:   # (MLA: one latent head, no kv_heads)
         raise ValueError(f"kv_heads ({cfg.kv_heads}) and tp ({tp}) must divide one another (KV heads are split "
                          f"over TP, or replicated when fewer than tp)")
     if cfg.vocab % tp:

@@ -82,6 +82,29 @@ def apply_rope(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.
     return out.flatten(-2).to(x.dtype)
 
 
+def _copy(dst: torch.Tensor, src: torch.Tensor, name: str) -> None:
+    """dst.copy_(src), refusing another shape (copy_ would broadcast a [1] or [H] tensor silently)."""
+    if tuple(src.shape) != tuple(dst.shape):
+        raise ValueError(f"{name} has shape {tuple(src.shape)}, expected {tuple(dst.shape)}")
+    dst.copy_(src)
+
+
+class _ReadLog(dict):
+    """A state dict that records the keys read, so that a load can name the ones it left unused."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.read: set[str] = set()
+
+    def __getitem__(self, key: str) -> torch.Tensor:
+        value = super().__getitem__(key)
+        self.read.add(key)
+        return value
+
+    def get(self, key: str, default=None):    # (dict.get would bypass __getitem__)
+        return self[key] if key in self else default
+
+
 class MHCParams(nn.Module):
     """fn / base / scale of one mHC site (sublayer or head), fp32 buffers."""
 
@@ -233,9 +256,11 @@ class Block(nn.Module):
         with torch.no_grad():
             for site in ("attn_mhc", "ffn_mhc"):
                 for name in ("fn", "base", "scale"):
-                    getattr(getattr(self, site), name).copy_(state[f"{prefix}.{site}.{name}"])
-            self.attn_norm.copy_(state[f"{prefix}.attn_norm.weight"])
-            self.ffn_norm.copy_(state[f"{prefix}.ffn_norm.weight"])
+                    key = f"{prefix}.{site}.{name}"
+                    _copy(getattr(getattr(self, site), name), state[key], key)
+            for norm in ("attn_norm", "ffn_norm"):
+                key = f"{prefix}.{norm}.weight"
+                _copy(getattr(self, norm), state[key], key)
         self.attn.load_full(state, f"{prefix}.attn")
         self.moe.moe.load_deepseek(state, prefix=f"{prefix}.moe.")
 
@@ -287,15 +312,28 @@ class DemoModel(nn.Module):
 
     @torch.no_grad()
     def load_full(self, state: dict[str, torch.Tensor]) -> None:
-        """Take this rank's part of the full state dict (see model/weights.py for the names)."""
-        state = {k: v.to(self.device) for k, v in state.items()}
-        self.embed.copy_(state["embed.weight"])
+        """Take this rank's part of the full state dict (see model/weights.py for the names).
+
+        A missing key raises KeyError, a tensor of another shape ValueError, and so do keys this
+        model leaves unused (another config's layers, shared experts, attention weights): the
+        model would silently differ from the checkpoint. Routed experts held by other EP ranks
+        are theirs to read."""
+        state = _ReadLog({k: v.to(self.device) for k, v in state.items()})
+        _copy(self.embed, state["embed.weight"], "embed.weight")
         for i, layer in enumerate(self.layers):
             layer.load_full(state, f"layers.{i}")
         for name in ("fn", "base", "scale"):
-            getattr(self.head_mhc, name).copy_(state[f"head_mhc.{name}"])
-        self.norm.copy_(state["norm.weight"])
+            _copy(getattr(self.head_mhc, name), state[f"head_mhc.{name}"], f"head_mhc.{name}")
+        _copy(self.norm, state["norm.weight"], "norm.weight")
         self.lm_head.load_full_weight(state["lm_head.weight"])
+        elsewhere = tuple(f"layers.{i}.moe.experts.{e}." for i, layer in enumerate(self.layers)
+                          for e in sorted(set(range(self.cfg.experts)) - set(layer.moe.moe.experts.local_experts)))
+        unused = sorted(k for k in state if k not in state.read and not k.startswith(elsewhere))
+        if unused:
+            shown = ", ".join(unused[:8]) + (f", ... ({len(unused)} in all)" if len(unused) > 8 else "")
+            raise ValueError(f"state dict keys this model leaves unused: {shown} (layers {self.cfg.layers}, "
+                             f"attention {self.cfg.attention!r}, experts {self.cfg.experts}, shared_inter "
+                             f"{self.cfg.shared_inter}); the checkpoint does not match the ModelConfig")
 
     @torch.no_grad()
     def corrupt(self, seed: int = 0) -> None:

@@ -254,3 +254,61 @@ def test_from_hf_config_fields_and_errors():
                                                                mlp_layer_types=["moe", "hash_moe", "moe", "hash_moe"]))
     with pytest.raises(ValueError, match="hidden_act"):
         MoEConfig.from_hf_config({**transformers.DeepseekV3Config().to_dict(), "hidden_act": "gelu"})
+
+
+def test_demo_reference_is_hf_deepseek_v4_with_its_attention_swapped():
+    """model/reference.py (what the demo model is checked against) against HF's DeepseekV4ForCausalLM
+    with the same weights and each layer's attention replaced by the reference's GQA (the demo's
+    stand-in for V4's compressed attention): embedding, mHC sites, norm placement and eps, top-k MoE
+    with the clamped shared expert, the mHC head, final norm and lm_head (untied)."""
+    from model import reference
+    from model.config import ModelConfig
+    from model.weights import make_state_dict
+
+    cfg = ModelConfig(vocab=VOCAB, hidden=H, layers=2, heads=4, kv_heads=2, head_dim=8, experts=E, top_k=K,
+                      moe_inter=I, shared_inter=I, quant="bf16", norm_eps=1e-5, mhc_eps=1e-4, sinkhorn_iters=7,
+                      swiglu_limit=0.8, shared_swiglu_limit=0.8)
+    state = {k: v.bfloat16().float() if ".experts." in k else v           # bf16 experts: served exactly
+             for k, v in make_state_dict(cfg, seed=11).items()}
+    config = _v4_config(mlp_layer_types=["moe", "moe"], swiglu_limit=0.8, hc_sinkhorn_iters=7, hc_eps=1e-4,
+                        rms_norm_eps=1e-5, head_dim=32, q_lora_rank=16, o_lora_rank=16, o_groups=2, index_n_heads=2,
+                        index_head_dim=16, sliding_window=16, experts_implementation="eager")
+    assert not config.tie_word_embeddings
+    hf = v4.DeepseekV4ForCausalLM(config).double().eval()
+    state64 = {k: v.double() for k, v in state.items()}
+
+    class RefAttention(torch.nn.Module):
+        def __init__(self, i: int) -> None:
+            super().__init__()
+            self.i = i
+
+        def forward(self, x, **kwargs):
+            return reference.attention(x, state64, cfg, f"layers.{self.i}.attn"), None
+
+    m = hf.model
+    with torch.no_grad():
+        m.embed_tokens.weight.copy_(state["embed.weight"])
+        for i, layer in enumerate(m.layers):
+            p = f"layers.{i}"
+            layer.self_attn = RefAttention(i)
+            for ours, site in (("attn_mhc", layer.attn_hc), ("ffn_mhc", layer.ffn_hc)):
+                for n in ("fn", "base", "scale"):
+                    getattr(site, n).copy_(state[f"{p}.{ours}.{n}"])
+            layer.input_layernorm.weight.copy_(state[f"{p}.attn_norm.weight"])
+            layer.post_attention_layernorm.weight.copy_(state[f"{p}.ffn_norm.weight"])
+            layer.mlp.gate.weight.copy_(state[f"{p}.moe.gate.weight"])
+            layer.mlp.gate.e_score_correction_bias.copy_(state[f"{p}.moe.gate.e_score_correction_bias"])
+            for e in range(E):
+                q = f"{p}.moe.experts.{e}"
+                layer.mlp.experts.gate_up_proj[e].copy_(torch.cat([state[f"{q}.w1.weight"], state[f"{q}.w3.weight"]]))
+                layer.mlp.experts.down_proj[e].copy_(state[f"{q}.w2.weight"])
+            for hf_name, ours in (("gate_proj", "w1"), ("up_proj", "w3"), ("down_proj", "w2")):
+                getattr(layer.mlp.shared_experts, hf_name).weight.copy_(state[f"{p}.moe.shared_experts.{ours}.weight"])
+        for n in ("fn", "base", "scale"):
+            getattr(m.hc_head, f"hc_{n}").copy_(state[f"head_mhc.{n}"])
+        m.norm.weight.copy_(state["norm.weight"])
+        hf.lm_head.weight.copy_(state["lm_head.weight"])
+        tokens = torch.randint(VOCAB, (2, 7), generator=torch.Generator().manual_seed(0))
+        want = hf(input_ids=tokens, use_cache=False).logits
+    got = reference.reference_logits(state, cfg, tokens)
+    torch.testing.assert_close(got, want, atol=1e-5 * want.abs().max().item(), rtol=0)   # HF's mHC runs in fp32

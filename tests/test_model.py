@@ -164,3 +164,53 @@ def test_check_layout_run_shapes():
     with pytest.raises(ValueError, match="mxfp4"):
         ModelConfig(hidden=48)
     check_layout(ModelConfig(experts=6), ParallelConfig(world_size=4), redundant_experts=2)
+
+
+def test_load_full_refuses_keys_it_would_leave_unused_and_wrong_shapes():
+    """A checkpoint that does not match the config loaded silently: its shared experts or extra
+    layers were dropped (the model then differs from the checkpoint's), a [1] norm broadcast."""
+    cfg = ModelConfig(layers=1, vocab=64)
+    state = make_state_dict(cfg, seed=0)
+
+    def load(c: ModelConfig, s: dict) -> DemoModel:
+        groups = init_parallel(ParallelConfig(world_size=1))
+        try:
+            model = DemoModel(c, groups)
+            model.load_full(s)
+            return model
+        finally:
+            destroy_parallel()
+
+    with pytest.raises(ValueError, match=r"leaves unused: layers\.0\.moe\.shared_experts\.w1\.weight.*shared_inter 0"):
+        load(ModelConfig(layers=1, vocab=64, shared_inter=0), state)
+    with pytest.raises(ValueError, match=r"leaves unused: layers\.1\.attn\.wk\.weight.*\(41 in all\)"):
+        load(cfg, make_state_dict(ModelConfig(layers=2, vocab=64), seed=0))
+    with pytest.raises(ValueError, match=r"norm\.weight has shape \(1,\), expected \(64,\)"):
+        load(cfg, {**state, "norm.weight": torch.ones(1)})
+    with pytest.raises(ValueError, match=r"layers\.0\.attn_mhc\.scale has shape \(1,\), expected \(3,\)"):
+        load(cfg, {**state, "layers.0.attn_mhc.scale": torch.ones(1)})
+    # DeepSeek's `gate.bias` for the correction bias is read, hence not unused; the values are the reference's
+    renamed = {("layers.0.moe.gate.bias" if k.endswith("e_score_correction_bias") else k): v for k, v in state.items()}
+    prompts = torch.randint(cfg.vocab, (2, 4), generator=torch.Generator().manual_seed(1))
+    tokens, logits = _generate(cfg, renamed, prompts, new_tokens=1)
+    expected = ref.reference_logits(state, cfg, tokens)[:, 3:5].transpose(0, 1)
+    assert (logits.double() - expected).abs().max() < 1e-4 * expected.abs().max()
+
+
+def test_model_config_refuses_bad_values_and_mla_ignores_kv_heads():
+    with pytest.raises(ValueError, match="unknown scoring 'sqrtsoftplus'; valid: softmax, sigmoid, sqrt_softplus"):
+        ModelConfig(scoring="sqrtsoftplus")           # the reference read any unknown name as sqrt_softplus
+    with pytest.raises(ValueError, match=r"rope_theta \(0\.0\) must be > 0"):
+        ModelConfig(rope_theta=0.0)
+    with pytest.raises(ValueError, match=r"norm_eps \(-1e-06\) must be >= 0"):
+        ModelConfig(norm_eps=-1e-6)
+    # MLA has no kv_heads (one latent head): the GQA default kv_heads=2 refused 3 or 6 heads over tp 3
+    cfg = ModelConfig(attention="mla", heads=3, layers=1, vocab=64)
+    check_layout(ModelConfig(attention="mla", heads=6, experts=6, vocab=96), ParallelConfig(world_size=3, tp=3))
+    with pytest.raises(ValueError, match="kv_heads"):
+        check_layout(ModelConfig(heads=6, experts=6, vocab=96), ParallelConfig(world_size=3, tp=3))  # GQA still checked
+    state = make_state_dict(cfg, seed=2)
+    prompts = torch.randint(cfg.vocab, (1, 3), generator=torch.Generator().manual_seed(2))
+    tokens, logits = _generate(cfg, state, prompts, new_tokens=2)
+    expected = ref.reference_logits(state, cfg, tokens)[:, 2:5].transpose(0, 1)
+    assert (logits.double() - expected).abs().max() < 1e-4 * expected.abs().max()
