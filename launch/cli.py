@@ -112,10 +112,11 @@ def _stop_on_sigterm(signum, frame):
 def cmd_bench(args: argparse.Namespace) -> int:
     """Run the suites; the recorded command is rebuilt from the parsed arguments."""
     import signal
+    import threading
 
     import torch
 
-    from megapar.launch.bench.common import BenchContext, columns, default_out_dir, format_table, write_results
+    from megapar.launch.bench.common import default_out_dir
 
     if args.suite is None and args.summary is None:
         print("megapar bench: give a suite (" + ", ".join(SUITES + ("all",)) + ") or --summary", file=sys.stderr)
@@ -132,12 +133,28 @@ def cmd_bench(args: argparse.Namespace) -> int:
         print(f"megapar bench: --world-size must be >= 1, got {args.world_size}", file=sys.stderr)
         return 2
     out = Path(args.out) if args.out else default_out_dir()
-    signal.signal(signal.SIGTERM, _stop_on_sigterm)
+    # only while the suites run: a caller's process (a test, a notebook) keeps its own handler
+    previous = None
+    if threading.current_thread() is threading.main_thread():   # signal.signal works only there
+        previous = signal.signal(signal.SIGTERM, _stop_on_sigterm)
+    try:
+        return _run_suites(args, out)
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
+
+
+def _run_suites(args: argparse.Namespace, out: Path) -> int:
+    import torch
+
+    from megapar.launch.bench.common import BenchContext, columns, format_table, write_results
+
     suites = () if args.suite is None else SUITES if args.suite == "all" else (args.suite,)
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     command = "megapar " + " ".join(shlex.quote(a) for a in args.argv)
     failed = []
-    for name in suites:
+    stopped = False
+    for i, name in enumerate(suites):
         print(f"== bench {name} on {device}{' (quick)' if args.quick else ''}", flush=True)
         try:
             module = importlib.import_module(f"megapar.launch.bench.{name}")
@@ -152,6 +169,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         except _Stopped as e:
             ctx.note(f"stopped by {e} before the suite finished: the rows above are partial")
             failed.append(name)
+            stopped = True
         except Exception:
             import traceback
 
@@ -177,6 +195,12 @@ def cmd_bench(args: argparse.Namespace) -> int:
                 else:
                     print("\n" + to_markdown(result))
                     print(f"   wrote {write_comparison(result, out / f'{name}-compare.md')}")
+        if stopped:   # SIGTERM stops the run, not only the suite it hit
+            rest = suites[i + 1:]
+            if rest:
+                print(f"   not run (SIGTERM): {', '.join(rest)}", file=sys.stderr)
+                failed += [f"{n} (not run)" for n in rest]
+            break
     if args.summary is not None:
         from megapar.launch.bench.summary import write_summary
 

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
 import os
 import sys
 import time
@@ -241,7 +242,9 @@ def check_results(spec: DemoSpec, results: list[RankResult], tolerance: float) -
     for r in results:
         first = firsts.setdefault(r.replica, r)
         if r is not first:
-            disagreement = max(disagreement, (r.logits - first.logits).abs().max().item())
+            gap = (r.logits - first.logits).abs().max().item()
+            # NaN (a rank's NaN logits) compares False with everything: max() would drop it
+            disagreement = max(disagreement, math.inf if math.isnan(gap) else gap)
             if not torch.equal(r.tokens, first.tokens):
                 disagreement = float("inf")
     replicas = [firsts[i] for i in sorted(firsts)]
@@ -252,7 +255,7 @@ def check_results(spec: DemoSpec, results: list[RankResult], tolerance: float) -
     ref_steps = ref[:, s - 1:s + spec.new_tokens].transpose(0, 1)                 # [N + 1, B, V]
     errors = (logits - ref_steps).abs()
     step_errors = errors.flatten(1).amax(1).tolist()
-    max_abs = max(step_errors)
+    max_abs = errors.max().item()     # NaN when any step has one (a Python max() of the list could drop it)
     max_rel = max_abs / ref_steps.abs().max().item()
     greedy_ref = ref_steps.argmax(-1)[:-1]                                        # tokens the reference picks
     fed = tokens[:, s:].T                                                         # [N, B]
@@ -384,7 +387,7 @@ def _torchrun_env() -> bool:
 def spec_from_args(args: argparse.Namespace, world_size: int) -> DemoSpec:
     axes = (args.tp, args.pcp, args.dcp)
     demo_layout = all(a is None for a in axes) and world_size % 4 == 0
-    tp, pcp, dcp = (2, 2, 2) if demo_layout else tuple(a or 1 for a in axes)
+    tp, pcp, dcp = (2, 2, 2) if demo_layout else tuple(1 if a is None else a for a in axes)   # 0 is refused
     pcfg = ParallelConfig(world_size=world_size, tp=tp, pcp=pcp, dcp=dcp, dp=args.dp, ep=args.ep,
                           sequence_parallel=args.sp)
     mla = args.attention == "mla"
@@ -449,6 +452,9 @@ def main(argv: list[str] | None = None) -> int:
     if not args.timeout > 0:
         print(f"megapar demo: --timeout must be > 0 seconds, got {args.timeout:g}", file=sys.stderr)
         return 2
+    if args.tolerance is not None and not 0 < args.tolerance < math.inf:
+        print(f"megapar demo: --tolerance must be a finite number > 0, got {args.tolerance:g}", file=sys.stderr)
+        return 2
     try:
         return _main(args)
     except RankError as e:
@@ -472,7 +478,7 @@ def _main(args: argparse.Namespace) -> int:
             return 2
         world = env_world
     else:
-        world = args.world_size or 4
+        world = 4 if args.world_size is None else args.world_size   # 0 is refused, not the default
     if args.device == "cuda":
         if not torch.cuda.is_available():
             print("megapar demo: --device cuda but CUDA is not available", file=sys.stderr)

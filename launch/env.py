@@ -8,16 +8,50 @@ Slurm without torchrun, SLURM_PROCID / SLURM_LOCALID / SLURM_NTASKS are mapped o
 
 from __future__ import annotations
 
+import os
+
 import torch
+import torch.distributed as dist
 
 from megapar.parallel import ParallelConfig, ParallelGroups, init_parallel
-from megapar.parallel.groups import read_launch_env, set_local_device
+from megapar.parallel.groups import LaunchEnv, default_backend, read_launch_env, set_local_device
 from megapar.parallel.log import setup_logging
 
 
 def setup_rank_logging(rank: int, level: int | str = "INFO") -> None:
     """Prefix every megapar log line with `[rank N]` (`parallel.log.setup_logging`)."""
     setup_logging(rank, level)
+
+
+def check_launch_env(env: LaunchEnv, backend: str | None = None) -> None:
+    """Refuse a launcher environment that cannot describe one rank of a job, naming the values
+    (an out-of-range RANK made the rank wait for a rendezvous that never completes)."""
+    started = dist.is_available() and dist.is_initialized()   # the caller's: init_parallel takes its rank
+    if not started:
+        if env.world_size < 1:
+            raise ValueError(f"environment variable WORLD_SIZE must be >= 1, got {env.world_size}")
+        if env.world_size > 1 and "RANK" not in os.environ:
+            raise ValueError(f"WORLD_SIZE={env.world_size} but RANK is not set: every process would be rank 0 "
+                             f"(set RANK, or SLURM_PROCID under Slurm)")
+        if not 0 <= env.rank < env.world_size:
+            raise ValueError(f"environment variable RANK={env.rank} must be in [0, WORLD_SIZE={env.world_size})")
+    if env.local_rank is None:
+        return
+    try:
+        local_world = int(os.environ["LOCAL_WORLD_SIZE"])
+    except (KeyError, ValueError):
+        local_world = None
+    if env.local_rank < 0 or (local_world is not None and env.local_rank >= local_world):
+        bound = f"in [0, LOCAL_WORLD_SIZE={local_world})" if local_world is not None else ">= 0"
+        raise ValueError(f"environment variable LOCAL_RANK={env.local_rank} must be {bound}")
+    backend = dist.get_backend() if started else backend or os.environ.get("MEGAPAR_BACKEND") or default_backend()
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    # Every process sees every GPU (no CUDA_VISIBLE_DEVICES per process): LOCAL_RANK >= the count
+    # would put this rank on another rank's GPU (LOCAL_RANK modulo the count), which NCCL refuses.
+    if backend == "nccl" and count and env.local_rank >= count and "CUDA_VISIBLE_DEVICES" not in os.environ:
+        raise ValueError(f"environment variable LOCAL_RANK={env.local_rank} but this node has {count} GPU(s): "
+                         f"NCCL runs one rank per GPU; start at most {count} processes per node "
+                         f"(torchrun --nproc-per-node {count}) or use backend='gloo'")
 
 
 def init_from_env(config: ParallelConfig | None = None, *, backend: str | None = None, **sizes: int
@@ -28,6 +62,7 @@ def init_from_env(config: ParallelConfig | None = None, *, backend: str | None =
     environment. Sets the CUDA device from LOCAL_RANK when CUDA is present.
     """
     env = read_launch_env()
+    check_launch_env(env, backend)
     if config is None:
         config = ParallelConfig(world_size=env.world_size, **sizes)
     elif sizes:

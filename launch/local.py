@@ -365,8 +365,9 @@ def _dump_stacks(ranks: list[_Rank], wait: float = 2.0) -> dict[int, str]:
                 if text.strip() and text.endswith("\n"):
                     stacks[r.rank] = text.strip()
     time.sleep(0.1)   # let a dump that was still being written finish
+    by_rank = {r.rank: r for r in live}   # `ranks` may be a subset (the ranks still running)
     for rank in list(stacks):
-        r = ranks[rank]
+        r = by_rank[rank]
         with open(r.stack_path) as f:
             f.seek(sizes[rank])
             stacks[rank] = f.read().strip()
@@ -445,6 +446,10 @@ def launch_local(fn: Callable[..., Any], world_size: int, *, backend: str = "glo
     check_world_size(world_size)
     check_backend(backend, world_size)
     timeout = check_timeout(timeout)
+    if env is not None and not (isinstance(env, dict) and all(isinstance(k, str) and isinstance(v, str)
+                                                              for k, v in env.items())):
+        # else every rank died in os.environ.update, and the first to exit was blamed
+        raise ValueError(f"launch_local: env must be a dict of str to str, got {env!r}")
     check_entry(fn, "launch_local")
     ctx = mp.get_context("spawn")
     port = free_port()

@@ -90,6 +90,12 @@ def launch_on_ray(fn: Callable[..., Any], num_workers: int, *, parallel_config: 
     bundle = dict(resources_per_worker or {"CPU": 1})
     if backend is None:
         backend = "nccl" if bundle.get("GPU", 0) > 0 else "gloo"
+    if backend not in ("gloo", "nccl"):   # else every actor started, then failed in init_parallel
+        raise ValueError(f"backend must be 'gloo' or 'nccl' (None: nccl when resources_per_worker has a GPU), "
+                         f"got {backend!r}")
+    if backend == "nccl" and not bundle.get("GPU", 0) >= 1:
+        raise ValueError(f"backend='nccl' runs one rank per GPU: resources_per_worker needs 'GPU': 1, got {bundle} "
+                         f"(or pass backend='gloo')")
     if not ray.is_initialized():
         ray.init(address=address, include_dashboard=False, log_to_driver=True, **(ray_init_kwargs or {}))
     check_resources(ray.cluster_resources(), bundle, num_workers)

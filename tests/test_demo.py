@@ -98,6 +98,39 @@ def test_demo_world1_runs_in_process(capsys):
         assert f"megapar demo: {line}" in out, line
 
 
+def test_demo_check_fails_on_nan_or_slightly_wrong_logits():
+    # the check itself, on a real one-rank run (in this process): NaN logits at a decode step, or
+    # on a second rank of the replica, were dropped by a Python max() and the run PASSED
+    import dataclasses
+    import math
+
+    from launch.demo import _rank_entry, build_parser, check_results, spec_from_args
+
+    spec = spec_from_args(build_parser().parse_args(["--world-size", "1", "--layers", "1", "--new-tokens", "3"]), 1)
+    good = _rank_entry(0, spec)
+    tol = 1e-4
+    assert check_results(spec, [good], tol).passed
+
+    def with_logits(change, rank=0):
+        logits = good.logits.clone()
+        change(logits)
+        return dataclasses.replace(good, rank=rank, logits=logits)
+
+    def nan_at_step_2(logits):
+        logits[2, 0, 5] = math.nan
+
+    check = check_results(spec, [with_logits(nan_at_step_2)], tol)
+    assert not check.passed and math.isnan(check.max_abs_error)
+    check = check_results(spec, [good, with_logits(nan_at_step_2, rank=1)], tol)   # same replica
+    assert not check.passed and check.rank_disagreement == math.inf
+    # a wrong logit 3x the tolerance (relative to the largest reference logit) fails; a 0.1x one passes
+    scale = good.logits.abs().max().item()
+    for factor, passed in ((3.0, False), (0.1, True)):
+        def off(logits, factor=factor):
+            logits[-1, 1, 7] += factor * tol * scale
+        assert check_results(spec, [with_logits(off)], tol).passed is passed, factor
+
+
 @pytest.mark.parametrize("argv, message", [
     (["--world-size", "2", "--tp", "2", "--dcp", "2", "--kv-heads", "2"], "holds different KV heads"),
     (["--world-size", "4", "--pcp", "2", "--dcp", "2"], "dcp (2) must divide tp (1)"),
@@ -108,6 +141,12 @@ def test_demo_world1_runs_in_process(capsys):
     (["--attention", "mla", "--kv-heads", "2"], "--kv-heads (2) does not apply to --attention mla"),
     (["--attention", "mla", "--kv-lora-rank", "0"], "kv_lora_rank (0) must be >= 1"),
     (["--timeout", "-5"], "--timeout must be > 0 seconds, got -5"),
+    # 0 was read as "unset": --world-size 0 ran the default 4 ranks, --tp 0 ran tp 1
+    (["--world-size", "0"], "world_size must be a positive int, got 0"),
+    (["--world-size", "4", "--tp", "0"], "tp must be a positive int, got 0"),
+    (["--world-size", "2", "--pcp", "0"], "pcp must be a positive int, got 0"),
+    (["--tolerance", "-1"], "--tolerance must be a finite number > 0, got -1"),
+    (["--tolerance", "nan"], "--tolerance must be a finite number > 0, got nan"),
 ])
 def test_demo_rejects_bad_arguments_before_starting(capsys, argv, message):
     code, out = _run(capsys, *argv)

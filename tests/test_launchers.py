@@ -32,11 +32,87 @@ def test_megapar_groups_prints_layout_and_rejects_bad_sizes(capsys):
     assert "valid dcp: 1, 2, 4" in capsys.readouterr().err
 
 
+def test_megapar_bench_sigterm_stops_the_run_and_the_handler_is_the_callers_again(tmp_path, monkeypatch, capsys):
+    # SIGTERM in the second suite of `bench all`: that suite's rows are kept, the rest are not run
+    # (they all ran, after a TERM from `timeout` or a scheduler), the exit code is 1; and the
+    # handler that did this is removed when main() returns (a later SIGTERM to the caller's
+    # process raised an exception in whatever code ran)
+    import types
+
+    from launch.cli import SUITES
+
+    ran = []
+
+    def fake(name):
+        def run(ctx):
+            ran.append(name)
+            ctx.rows.append({"case": "first", "time_us": 1.0})
+            if len(ran) == 2:
+                os.kill(os.getpid(), signal.SIGTERM)
+                time.sleep(30)              # the handler interrupts this
+        return types.SimpleNamespace(run=run)
+
+    for name in SUITES:
+        monkeypatch.setitem(sys.modules, f"megapar.launch.bench.{name}", fake(name))
+    before = signal.getsignal(signal.SIGTERM)
+    t0 = time.monotonic()
+    assert cli_main(["bench", "all", "--device", "cpu", "--out", str(tmp_path)]) == 1
+    assert time.monotonic() - t0 < 20
+    assert ran == list(SUITES[:2])
+    err = capsys.readouterr().err
+    assert f"failed suites: {SUITES[1]}, {SUITES[2]} (not run)" in err
+    assert "stopped by SIGTERM" in (tmp_path / f"{SUITES[1]}-cpu.json").read_text()
+    assert signal.getsignal(signal.SIGTERM) is before
+
+
 def test_megapar_env_lists_backends(capsys):
     assert cli_main(["env"]) == 0
     out = capsys.readouterr().out
     for name in ("torch", "gloo", "nccl", "triton", "deep_ep", "deep_gemm", "ray", "nvshmem4py"):
         assert name in out
+
+
+_LAUNCH_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "SLURM_PROCID", "SLURM_NTASKS",
+                "SLURM_LOCALID", "CUDA_VISIBLE_DEVICES", "MEGAPAR_BACKEND")
+
+
+@pytest.mark.parametrize("env, gpus, needle", [
+    # an out-of-range or missing RANK waited for a rendezvous that never completes (a hang)
+    ({"RANK": "2", "WORLD_SIZE": "2"}, 0, "RANK=2 must be in [0, WORLD_SIZE=2)"),
+    ({"RANK": "-1", "WORLD_SIZE": "2"}, 0, "RANK=-1 must be in [0, WORLD_SIZE=2)"),
+    ({"WORLD_SIZE": "2"}, 0, "WORLD_SIZE=2 but RANK is not set"),
+    ({"RANK": "0", "WORLD_SIZE": "0"}, 0, "WORLD_SIZE must be >= 1, got 0"),
+    ({"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "2", "LOCAL_WORLD_SIZE": "2"}, 0,
+     "LOCAL_RANK=2 must be in [0, LOCAL_WORLD_SIZE=2)"),
+    ({"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "-1"}, 0, "LOCAL_RANK=-1 must be >= 0"),
+    # 4 ranks on a 2-GPU node: LOCAL_RANK 2 went silently to GPU 0 (modulo), rank 0's GPU
+    ({"RANK": "2", "WORLD_SIZE": "4", "LOCAL_RANK": "2", "LOCAL_WORLD_SIZE": "4"}, 2,
+     "LOCAL_RANK=2 but this node has 2 GPU(s)"),
+    ({"RANK": "1", "WORLD_SIZE": "4", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2"}, 2, None),   # valid
+    ({"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1", "CUDA_VISIBLE_DEVICES": "1"}, 1, None),  # one GPU each
+])
+def test_init_from_env_refuses_an_inconsistent_environment(monkeypatch, env, gpus, needle):
+    import launch.env as launch_env
+
+    for k in _LAUNCH_VARS:
+        monkeypatch.delenv(k, raising=False)
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: gpus > 0)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: gpus)
+    reached = []     # nothing is started here: the checks come first
+    monkeypatch.setattr(launch_env, "setup_logging", lambda *a, **k: None)
+    monkeypatch.setattr(launch_env, "set_local_device", lambda e: reached.append(("device", e.local_rank)))
+    monkeypatch.setattr(launch_env, "init_parallel", lambda cfg, backend=None: reached.append(("init", backend)))
+    backend = "nccl" if gpus else "gloo"
+    if needle is None:
+        launch_env.init_from_env(backend=backend)
+        assert reached[-1] == ("init", backend)
+        return
+    with pytest.raises(ValueError) as err:
+        launch_env.init_from_env(backend=backend)
+    assert needle in str(err.value)
+    assert reached == []
 
 
 _TORCHRUN_SCRIPT = """
@@ -114,6 +190,57 @@ def test_launch_local_timeout_names_the_rank_that_never_reached_the_collective()
     assert _no_stray_ranks() == []
 
 
+class _PopenProc:
+    """The part of a multiprocessing.Process that the timeout report uses, over a subprocess."""
+
+    def __init__(self, popen: subprocess.Popen) -> None:
+        self.popen, self.pid = popen, popen.pid
+
+    def is_alive(self) -> bool:
+        return self.popen.poll() is None
+
+
+_STUCK = """
+import faulthandler, signal, sys, time
+stacks = open(sys.argv[1], "w")
+faulthandler.register(signal.SIGUSR1, file=stacks, all_threads=True)
+def {name}():
+    print("ready", flush=True)
+    time.sleep(1000)
+{name}()
+"""
+
+
+@pytest.mark.skipif(not hasattr(signal, "SIGUSR1"), reason="stacks are asked for with SIGUSR1")
+def test_timeout_report_after_some_ranks_returned_shows_each_stuck_ranks_own_stack(tmp_path):
+    # rank 0 returned; ranks 1 and 2 are stuck: the report asks only those two for their stacks,
+    # and must file each under its own rank (it indexed the shorter list by rank: IndexError)
+    from launch.local import _Rank, _timeout_error
+
+    ranks = [_Rank(0, _PopenProc(subprocess.Popen([sys.executable, "-c", "pass"])), None,
+                   str(tmp_path / "0.stack"), status="ok", value=0)]
+    ranks[0].proc.popen.wait(30)
+    try:
+        for rank, name in ((1, "rank_one_is_here"), (2, "rank_two_is_here")):
+            path = tmp_path / f"{rank}.stack"
+            p = subprocess.Popen([sys.executable, "-c", _STUCK.format(name=name), str(path)],
+                                 stdout=subprocess.PIPE, text=True)
+            assert p.stdout.readline().strip() == "ready"
+            ranks.append(_Rank(rank, _PopenProc(p), None, str(path)))
+        err = _timeout_error(ranks, 5.0)
+        assert isinstance(err, RankError)
+        msg = str(err)
+        assert msg.startswith("timed out after 5s waiting for ranks [1, 2]: none is in a collective"), msg
+        assert sorted(err.stacks) == [1, 2]
+        assert "rank_one_is_here" in err.stacks[1] and "rank_two_is_here" not in err.stacks[1]
+        assert "rank_two_is_here" in err.stacks[2] and "rank_one_is_here" not in err.stacks[2]
+    finally:
+        for r in ranks[1:]:
+            r.proc.popen.kill()
+            r.proc.popen.wait(10)
+            r.proc.popen.stdout.close()
+
+
 def _ok(rank: int) -> int:
     return rank * 10
 
@@ -133,10 +260,12 @@ def _nested_fn():
     (dict(fn=lambda rank: rank), "fn is a lambda"),
     (dict(fn=_nested_fn()), "is defined inside a function"),
     (dict(fn=_ok, args=(lambda: 0,)), "args must be picklable"),
+    # every rank died in os.environ.update and rank 1 was blamed
+    (dict(env={"MEGAPAR_X": 1}), "env must be a dict of str to str, got {'MEGAPAR_X': 1}"),
 ])
 def test_launch_local_refuses_bad_arguments_before_starting(kwargs, needle):
     call = dict(fn=_ok, world_size=2, timeout=30) | kwargs
-    with pytest.raises(ValueError, match="module-level function|timeout|world_size|picklable") as err:
+    with pytest.raises(ValueError, match="module-level function|timeout|world_size|picklable|env") as err:
         launch_local(call.pop("fn"), call.pop("world_size"), **call)
     assert needle in str(err.value)
     assert _no_stray_ranks() == []
@@ -296,6 +425,12 @@ def test_launch_on_ray_refuses_at_once_what_the_cluster_cannot_hold(ray_cluster)
     assert "pass resources_per_worker={'CPU': 0.5}" in str(err.value)
     with pytest.raises(ValueError, match="the cluster has no GPU"):
         launch_on_ray(_ray_job, 2, resources_per_worker={"CPU": 1, "GPU": 1})
+    # a backend that cannot work is refused before any actor starts (they started, then failed)
+    with pytest.raises(ValueError, match="backend must be 'gloo' or 'nccl'.*got 'ncl'"):
+        launch_on_ray(_ray_job, 2, backend="ncl", args=("ok",))
+    with pytest.raises(ValueError, match="backend='nccl' runs one rank per GPU.*got {'CPU': 0.5}"):
+        launch_on_ray(_ray_job, 2, backend="nccl", resources_per_worker={"CPU": 0.5}, args=("ok",))
+    assert time.monotonic() - t0 < 5
     for kwargs in (dict(timeout=0), dict(startup_timeout=-1), dict(timeout="5")):
         with pytest.raises(ValueError, match="must be a number of seconds > 0"):
             launch_on_ray(_ray_job, 2, **kwargs)

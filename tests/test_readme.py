@@ -88,6 +88,43 @@ def test_readme_ray_snippet_as_a_script(tmp_path):
     assert proc.stdout.strip().splitlines()[-1] == "[6.0, 6.0, 6.0, 6.0]", proc.stdout[-2000:]
 
 
+def _readme_commands() -> list[str]:
+    """The README's `megapar ...` and `... -m launch.demo ...` commands (```bash blocks, `$ ` lines,
+    inline code), placeholders such as SUITE or [--quick] left out."""
+    text = README.read_text()
+    lines = [ln for b in re.findall(r"```bash\n(.*?)```", text, flags=re.S) for ln in b.splitlines()]
+    lines += re.findall(r"^\$ (.*)$", text, flags=re.M) + re.findall(r"`([^`\n]+)`", text)
+    parts = [p.split("#")[0].strip() for ln in lines for p in ln.split("&&")]
+    return [p for p in parts if (p.startswith("megapar ") or "-m launch.demo" in p)
+            and "[" not in p and "SUITE" not in p]
+
+
+def test_readme_commands_match_the_cli():
+    # every command the README shows parses with the real CLI (a renamed flag fails here)
+    import shlex
+
+    from launch.cli import build_parser
+    from launch.demo import build_parser as demo_parser, spec_from_args
+
+    commands = _readme_commands()
+    assert len(commands) >= 6, commands
+    for command in commands:
+        words = shlex.split(command)
+        if "-m" in words:      # torchrun --nproc-per-node N -m launch.demo ARGS: the demo's layout at N ranks
+            world = int(words[words.index("--nproc-per-node") + 1])
+            args = demo_parser().parse_args(words[words.index("-m") + 2:])
+            spec_from_args(args, world)
+        elif words[1] == "demo":
+            args = demo_parser().parse_args(words[2:])
+            spec_from_args(args, args.world_size or 4)
+        elif words[1] == "groups":   # the layout too, not only the flags
+            from launch.cli import main as cli_main
+
+            assert cli_main(words[1:]) == 0, command
+        else:
+            build_parser().parse_args(words[1:])
+
+
 def test_numpy_is_a_base_dependency():
     # without numpy, torch prints "Failed to initialize NumPy" at every import (the first README command)
     import tomllib
