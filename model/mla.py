@@ -43,7 +43,7 @@ from megapar.parallel.groups import ParallelGroups
 from megapar.parallel.sp import RowParallelLinear, sp_all_gather
 
 from .config import ModelConfig
-from .model import rms_norm
+from .model import copy_weight, rms_norm
 from .profile import Timer
 
 
@@ -102,15 +102,18 @@ class MLAttention(nn.Module):
         lo, hi = self.head_range
         d = self.dims
         heads_rows = lambda w, per: w.view(self.cfg.heads, per, -1)[lo:hi].flatten(0, 1)
+        def load(dst: torch.Tensor, name: str, per_head: int = 0) -> None:    # (shapes checked: no broadcast)
+            key = f"{prefix}.{name}.weight"
+            copy_weight(dst, heads_rows(state[key], per_head) if per_head else state[key], key)
         if self.cfg.q_lora_rank:
-            self.q_a.copy_(state[f"{prefix}.q_a_proj.weight"])
-            self.q_a_norm.copy_(state[f"{prefix}.q_a_layernorm.weight"])
-            self.q_b.copy_(heads_rows(state[f"{prefix}.q_b_proj.weight"], d.qk_head_dim))
+            load(self.q_a, "q_a_proj")
+            load(self.q_a_norm, "q_a_layernorm")
+            load(self.q_b, "q_b_proj", d.qk_head_dim)
         else:
-            self.q_b.copy_(heads_rows(state[f"{prefix}.q_proj.weight"], d.qk_head_dim))
-        self.kv_a.copy_(state[f"{prefix}.kv_a_proj_with_mqa.weight"])
-        self.kv_a_norm.copy_(state[f"{prefix}.kv_a_layernorm.weight"])
-        self.kv_b.copy_(heads_rows(state[f"{prefix}.kv_b_proj.weight"], d.qk_nope_head_dim + d.v_head_dim))
+            load(self.q_b, "q_proj", d.qk_head_dim)
+        load(self.kv_a, "kv_a_proj_with_mqa")
+        load(self.kv_a_norm, "kv_a_layernorm")
+        load(self.kv_b, "kv_b_proj", d.qk_nope_head_dim + d.v_head_dim)
         self.o_proj.load_full_weight(state[f"{prefix}.o_proj.weight"])
 
     def allocate_cache(self, num_blocks: int, block_size: int, device: torch.device) -> None:

@@ -82,8 +82,9 @@ def apply_rope(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.
     return out.flatten(-2).to(x.dtype)
 
 
-def _copy(dst: torch.Tensor, src: torch.Tensor, name: str) -> None:
-    """dst.copy_(src), refusing another shape (copy_ would broadcast a [1] or [H] tensor silently)."""
+def copy_weight(dst: torch.Tensor, src: torch.Tensor, name: str) -> None:
+    """dst.copy_(src) for a loaded weight `name`, refusing another shape (copy_ would broadcast a
+    [1] or [H] tensor silently)."""
     if tuple(src.shape) != tuple(dst.shape):
         raise ValueError(f"{name} has shape {tuple(src.shape)}, expected {tuple(dst.shape)}")
     dst.copy_(src)
@@ -257,10 +258,10 @@ class Block(nn.Module):
             for site in ("attn_mhc", "ffn_mhc"):
                 for name in ("fn", "base", "scale"):
                     key = f"{prefix}.{site}.{name}"
-                    _copy(getattr(getattr(self, site), name), state[key], key)
+                    copy_weight(getattr(getattr(self, site), name), state[key], key)
             for norm in ("attn_norm", "ffn_norm"):
                 key = f"{prefix}.{norm}.weight"
-                _copy(getattr(self, norm), state[key], key)
+                copy_weight(getattr(self, norm), state[key], key)
         self.attn.load_full(state, f"{prefix}.attn")
         self.moe.moe.load_deepseek(state, prefix=f"{prefix}.moe.")
 
@@ -319,12 +320,12 @@ class DemoModel(nn.Module):
         model would silently differ from the checkpoint. Routed experts held by other EP ranks
         are theirs to read."""
         state = _ReadLog({k: v.to(self.device) for k, v in state.items()})
-        _copy(self.embed, state["embed.weight"], "embed.weight")
+        copy_weight(self.embed, state["embed.weight"], "embed.weight")
         for i, layer in enumerate(self.layers):
             layer.load_full(state, f"layers.{i}")
         for name in ("fn", "base", "scale"):
-            _copy(getattr(self.head_mhc, name), state[f"head_mhc.{name}"], f"head_mhc.{name}")
-        _copy(self.norm, state["norm.weight"], "norm.weight")
+            copy_weight(getattr(self.head_mhc, name), state[f"head_mhc.{name}"], f"head_mhc.{name}")
+        copy_weight(self.norm, state["norm.weight"], "norm.weight")
         self.lm_head.load_full_weight(state["lm_head.weight"])
         elsewhere = tuple(f"layers.{i}.moe.experts.{e}." for i, layer in enumerate(self.layers)
                           for e in sorted(set(range(self.cfg.experts)) - set(layer.moe.moe.experts.local_experts)))

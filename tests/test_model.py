@@ -3,6 +3,8 @@ float64 reference, the reference's pieces against independent formulas, and layo
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -189,6 +191,12 @@ def test_load_full_refuses_keys_it_would_leave_unused_and_wrong_shapes():
         load(cfg, {**state, "norm.weight": torch.ones(1)})
     with pytest.raises(ValueError, match=r"layers\.0\.attn_mhc\.scale has shape \(1,\), expected \(3,\)"):
         load(cfg, {**state, "layers.0.attn_mhc.scale": torch.ones(1)})
+    mla = ModelConfig(attention="mla", layers=1, vocab=64)         # (MLA's attention weights likewise)
+    mla_state = make_state_dict(mla, seed=0)
+    key = next(k for k in mla_state if k.endswith("kv_a_layernorm.weight"))
+    with pytest.raises(ValueError, match=rf"{re.escape(key)} has shape \(1,\), expected"):
+        load(mla, {**mla_state, key: torch.ones(1)})
+    load(mla, mla_state)                                           # (and the right shapes load)
     # DeepSeek's `gate.bias` for the correction bias is read, hence not unused; the values are the reference's
     renamed = {("layers.0.moe.gate.bias" if k.endswith("e_score_correction_bias") else k): v for k, v in state.items()}
     prompts = torch.randint(cfg.vocab, (2, 4), generator=torch.Generator().manual_seed(1))
