@@ -57,10 +57,11 @@ def test_gqa_anchor_with_the_tokens_mask_is_the_reference(tokens, rank, interlea
     k, v = _contiguous(cache, table, seq, layout)
     mask = bench_cp.speculative_mask(layout, k.shape[2], tokens, context)
     assert not bool(mask.all()) and bool(mask[-1].all())    # each case's rank holds a token the first can't see
-    out = bench_cp._sdpa_contiguous(q.transpose(1, 2).contiguous(), k, v, mask)      # [B, Hq, Tq, D]
+    rows = mask.repeat(heads // kv_heads, 1)                          # (rows: head in group, token)
+    out = bench_cp._sdpa_contiguous(q.transpose(1, 2).contiguous(), k, v, rows)      # [B, Hq, Tq, D]
     torch.testing.assert_close(out.transpose(1, 2), ref.out, rtol=1e-5, atol=1e-5)
     # and without the mask it is a different answer (the mask is doing something)
-    unmasked = bench_cp._sdpa_contiguous(q.transpose(1, 2).contiguous(), k, v, torch.ones_like(mask))
+    unmasked = bench_cp._sdpa_contiguous(q.transpose(1, 2).contiguous(), k, v, torch.ones_like(rows))
     assert not torch.allclose(unmasked.transpose(1, 2), ref.out, atol=1e-4)
 
 
@@ -79,7 +80,7 @@ def test_mla_anchor_with_the_tokens_mask_is_the_reference():
     mask = bench_cp.speculative_mask(layout, k.shape[2], tokens, context)
     assert mask.tolist()[0][-1] is False and bool(mask[1].all())     # token 0 does not see position 192
     out = bench_cp._mla_torch_contiguous(q.reshape(batch, tokens * heads, -1), k[:, 0], dims.kv_lora_rank,
-                                         dims.scale, mask.repeat_interleave(heads, 0))
+                                         dims.scale, ~mask.repeat_interleave(heads, 0))
     torch.testing.assert_close(out.view(batch, tokens, heads, -1), ref.out, rtol=1e-5, atol=1e-5)
 
 

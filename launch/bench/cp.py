@@ -380,29 +380,30 @@ def _multi_gpu(ctx: BenchContext) -> None:
 
 
 def _sdpa_contiguous(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                     mask: torch.Tensor | None = None) -> torch.Tensor:
+                     row_mask: torch.Tensor | None = None) -> torch.Tensor:
     """The anchor: SDPA of the query tokens over a contiguous KV (GQA): q [B, Hq, Tq, D], k / v
-    [B, Hkv, L, D]. mask [Tq, L] bool (speculative tokens: what each token sees): the Hq / Hkv
-    query heads of a kv head are folded into its query rows, so that SDPA reads each kv head
-    once whichever backend the mask leaves it."""
-    if mask is None:
+    [B, Hkv, L, D]. row_mask (speculative tokens): the Hq / Hkv query heads of a kv head folded
+    into its query rows, so that SDPA reads each kv head once whichever backend the mask leaves
+    it; [Hq / Hkv x Tq, L] bool, rows (head in group, token): `speculative_mask(...).repeat(Hq / Hkv,
+    1)`, made once outside the timed call."""
+    if row_mask is None:
         return torch.nn.functional.scaled_dot_product_attention(q, k, v, enable_gqa=True)
     b, hq, tq, d = q.shape
-    group = hq // k.shape[1]
-    rows = q.reshape(b, k.shape[1], group * tq, d)                       # rows (head in group, token)
-    out = torch.nn.functional.scaled_dot_product_attention(rows, k, v, attn_mask=mask.repeat(group, 1))
+    rows = q.reshape(b, k.shape[1], hq // k.shape[1] * tq, d)           # rows (head in group, token)
+    out = torch.nn.functional.scaled_dot_product_attention(rows, k, v, attn_mask=row_mask)
     return out.reshape(b, hq, tq, v.shape[-1])
 
 
 def _mla_torch_contiguous(q: torch.Tensor, latent: torch.Tensor, dv: int, scale: float,
-                          mask: torch.Tensor | None = None) -> torch.Tensor:
+                          hidden: torch.Tensor | None = None) -> torch.Tensor:
     """The MLA anchor: absorbed decode in plain torch over a contiguous latent cache, as a user
     would write it (two batched matmuls; SDPA's GQA expansion of one 576-wide head to 128
     materializes the KV per head: 64 GiB at B = 32, L = 32K). q [B, R, D] (R query rows: heads,
-    or tokens x heads), latent [B, L, D], mask [R, L] bool (speculative tokens) or None."""
+    or tokens x heads), latent [B, L, D], hidden [R, L] bool: what a row does not see
+    (speculative tokens; made once outside the timed call) or None."""
     s = torch.matmul(q, latent.transpose(1, 2)).float() * scale           # [B, R, L]
-    if mask is not None:
-        s = s.masked_fill(~mask, float("-inf"))
+    if hidden is not None:
+        s = s.masked_fill(hidden, float("-inf"))
     return torch.matmul(torch.softmax(s, -1).to(latent.dtype), latent[..., :dv])
 
 
@@ -565,13 +566,15 @@ def _speculative_rows(ctx: BenchContext, batch: int = 32, context: int = 32768, 
             if kind == "gqa":
                 anchor = "SDPA with the tokens' mask, contiguous KV of the same tokens"
                 q_heads = q.transpose(1, 2).contiguous()                     # [B, Hq, Tq, D], as SDPA takes it
-                anchor_us, anchor_cols = step_time(ctx, [lambda kc=kc, vc=vc: _sdpa_contiguous(q_heads, kc, vc, mask)
+                row_mask = mask.repeat(heads // kv_heads, 1)
+                anchor_us, anchor_cols = step_time(ctx, [lambda kc=kc, vc=vc: _sdpa_contiguous(q_heads, kc, vc,
+                                                                                               row_mask)
                                                          for kc, vc in kvs])
             else:
                 anchor = "torch absorbed MLA with the tokens' mask, contiguous latent of the same tokens"
-                rows, row_mask = q.reshape(batch, tokens * heads, d), mask.repeat_interleave(heads, 0)
+                rows, hidden = q.reshape(batch, tokens * heads, d), ~mask.repeat_interleave(heads, 0)
                 anchor_us, anchor_cols = step_time(ctx, [lambda kc=kc: _mla_torch_contiguous(rows, kc[:, 0], dv, scale,
-                                                                                             row_mask)
+                                                                                             hidden)
                                                          for kc, in kvs])
             del kvs
             byte_floor = _floor(nbytes, ceiling)
