@@ -258,6 +258,38 @@ def test_triton_merge_matches_torch_under_interpreter(monkeypatch, base, one_rou
     torch.testing.assert_close(acc, expect.out, rtol=0, atol=1e-6, equal_nan=True)
 
 
+def test_one_round_applies_only_to_tiles_that_fit_in_registers(monkeypatch):
+    """CONFIG one_round reaches the N-way kernel where its N inputs' tiles fit (a decode step's split
+    merge), not a large merge's tile, which keeps the two-pass form: the launch is checked, and the
+    result against the torch merge either way."""
+    mod = _triton_merge_module(monkeypatch)
+    monkeypatch.setitem(mod.CONFIG, "one_round", 1)
+    assert mod.one_round_fits(4, 1, 512) and mod.one_round_fits(8, 1, 512)
+    assert not mod.one_round_fits(8, 8, 512) and not mod.one_round_fits(4, 32, 128)
+    monkeypatch.setitem(mod.CONFIG, "one_round", 0)
+    assert not mod.one_round_fits(4, 1, 512)
+    monkeypatch.setitem(mod.CONFIG, "one_round", 1)
+    seen = []
+    real = mod._merge_n_kernel
+
+    class Spy:
+        def __getitem__(self, grid):
+            def launch(*args, **kw):
+                seen.append((kw["BLOCK_R"], kw["ONE_ROUND"]))
+                return real[grid](*args, **kw)
+            return launch
+    monkeypatch.setattr(mod, "_merge_n_kernel", Spy())
+    # (the interpreter keeps the whole tile, 128 rows of 32 dims here: 3 stacked inputs' exceed twice
+    # block_elems, two fit; on the GPU min_programs cuts a decode merge's tile to a row)
+    for n in (3, 2):
+        outs, lses = _edge_case_states(13, n, t=9, h=4, d=24)
+        got = mod.merge_states_triton(outs, lses)
+        expect = merge_attn_states(outs, lses, backend="torch")
+        torch.testing.assert_close(got.out, expect.out, rtol=0, atol=1e-6, equal_nan=True)
+        torch.testing.assert_close(got.lse, expect.lse, rtol=0, atol=1e-6, equal_nan=True)
+    assert seen == [(128, False), (128, True)], seen
+
+
 def test_min_programs_shrinks_only_small_merges_and_keeps_every_bit(monkeypatch):
     """CONFIG min_programs: a merge of few rows runs in more, smaller programs (down to one row),
     a large one keeps its tile (the GPU's launch; the interpreter keeps the tile, as the grid only

@@ -198,8 +198,16 @@ one_round (the N-way kernel): all N inputs' loads issued first (volatile, so tha
 ahead of the math), then one pass with the weights rescaled as a larger lse comes: one memory round
 trip a program. The two-pass form's SASS (sm_90, N = 4, D = 512, one row a program) issues the outs
 of inputs 1..3 after the exponentials, which wait on the lse loads: two round trips. Same results up
-to fp32 rounding (the rescaling order). Off until timed on the GPU: `megapar bench cp` times every
+to fp32 rounding (the rescaling order). Only where the N inputs' tiles fit (`one_round_fits`):
+large merges keep the two-pass form. Off until timed on the GPU: `megapar bench cp` times every
 decode row with it too (column merge_one_round_us)."""
+
+
+def one_round_fits(n: int, block_r: int, block_d: int) -> bool:
+    """CONFIG one_round applies to an N-way merge of this tile: its N inputs' tiles, all held at
+    once, within twice block_elems (a decode step's split merge: 4 x 1 x 512; a large merge's 8 x 8
+    x 512 would take 256 registers a thread and spill: those keep the two-pass form)."""
+    return bool(CONFIG["one_round"]) and n * block_r * block_d <= 2 * CONFIG["block_elems"]
 
 
 def _launch_config(D: int, rows: int = 0, min_programs: int = 0) -> tuple[int, int, int]:
@@ -262,7 +270,7 @@ def merge_states_triton(outs: Tensor | Sequence[Tensor], lses: Tensor | Sequence
             x, lx, y_k, ly_k, M, H,
             *x.stride(), *lx.stride(), *y_k.stride(), *ly_k.stride(),
             N=n, D=D, BLOCK_R=block_r, BLOCK_D=block_d, BASE2=(base == "2"), PDL=pdl,
-            ONE_ROUND=bool(CONFIG["one_round"]), num_warps=num_warps, **({"launch_pdl": True} if pdl else {}))
+            ONE_ROUND=one_round_fits(n, block_r, block_d), num_warps=num_warps, **({"launch_pdl": True} if pdl else {}))
     if y_rows is None:
         y.copy_(y_k.view(shape))
     if ly_rows is None:
