@@ -46,7 +46,7 @@ try:
                                                                   warpgroup_mma_wait)
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
     from .gluon_mla import (HAS_GLUON, _bad_ids, _block_of, _finish, _gdc_wait_and_release, _ids_next, _ids_window,
-                            _ids_window_ahead, _softmax_step, _split_range)
+                            _table_tiles, _softmax_step, _split_range)
 except ImportError:  # pragma: no cover - a Triton without Gluon
     HAS_GLUON = False
 
@@ -74,10 +74,10 @@ if HAS_GLUON:
                      s, kvh, split, split_len, dcp_size, dcp_rank, interleave, table_w, num_blocks, st_s,
                      sk_b, sk_t, sv_b, sv_t, PAGE: gl.constexpr, STAGES: gl.constexpr, AHEAD: gl.constexpr = False):
         """The block ids one tile ahead (four ahead measured no faster: docs/gpu.md section 18); AHEAD:
-        the first one loaded beside the sequence's length (`_ids_window_ahead`)."""
+        the first one loaded beside the sequence's length (`_table_tiles`)."""
         if AHEAD:
-            blk_next = _block_of(table_ptr, s, st_s, split * split_len, split * split_len < table_w * PAGE,
-                                 num_blocks, PAGE)
+            first = split * split_len
+            blk_next = _block_of(table_ptr, s, st_s, first, _table_tiles(first, table_w, PAGE) > 0, num_blocks, PAGE)
         start, end, tiles, bad = _split_range(glens_ptr, s, split, split_len, dcp_size, dcp_rank, interleave,
                                               table_w, PAGE)
         blocked: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
@@ -704,9 +704,11 @@ if HAS_GLUON:
                        RAW: gl.constexpr, AHEAD: gl.constexpr = False):
         """(one warp) Each 64-key tile's key and value boxes (64 x 128 fp8 each: a tile lies in its page)
         by TMA into the raw ring, the block ids four tiles ahead (AHEAD: the first four loaded beside the
-        sequence's length, `_ids_window_ahead`)."""
+        sequence's length, `_table_tiles`)."""
         if AHEAD:
-            b1, b2, b3, b4 = _ids_window_ahead(table_ptr, s, st_s, split * split_len, table_w, num_blocks, PAGE)
+            first = split * split_len
+            b1, b2, b3, b4 = _ids_window(table_ptr, s, st_s, first, _table_tiles(first, table_w, PAGE), num_blocks,
+                                         PAGE)
         start, end, tiles, bad = _split_range(glens_ptr, s, split, split_len, dcp_size, dcp_rank, interleave,
                                               table_w, PAGE)
         if not AHEAD:

@@ -89,16 +89,11 @@ if HAS_GLUON:
                 _block_of(table_ptr, s, st_s, start + 3 * BLOCK, tiles > 3, num_blocks, PAGE))
 
     @gluon.jit
-    def _ids_window_ahead(table_ptr, s, st_s, start, table_w, num_blocks, PAGE: gl.constexpr):
-        """`_ids_window` with its loads bounded by the table's width instead of the split's tiles: they
-        need not wait for the sequence's length, so a loader that calls it first has them in flight
-        beside that length's load (one memory round trip fewer before its first TMA). Ids of tiles past
-        the split's end are loaded and never used."""
-        last = table_w * PAGE
-        return (_block_of(table_ptr, s, st_s, start, start < last, num_blocks, PAGE),
-                _block_of(table_ptr, s, st_s, start + BLOCK, start + BLOCK < last, num_blocks, PAGE),
-                _block_of(table_ptr, s, st_s, start + 2 * BLOCK, start + 2 * BLOCK < last, num_blocks, PAGE),
-                _block_of(table_ptr, s, st_s, start + 3 * BLOCK, start + 3 * BLOCK < last, num_blocks, PAGE))
+    def _table_tiles(start, table_w, PAGE: gl.constexpr):
+        """Tiles from local token `start` to the block table's end: a bound on a split's tiles that
+        needs no length, so a loader's `_ids_window` under it goes out beside the length's load (one
+        memory round trip fewer before its first TMA; ids past the split's end are never used)."""
+        return (table_w * PAGE - start + BLOCK - 1) // BLOCK
 
     @gluon.jit
     def _ids_next(b1, b2, b3, b4, table_ptr, s, st_s, j0, t, tiles, num_blocks, PAGE: gl.constexpr):
@@ -187,8 +182,8 @@ if HAS_GLUON:
         docs/gpu.md section 18); AHEAD: the first tile's loaded beside the sequence's length (the narrow
         kernel's: in the full head tiles' kernel its loader then spilled 24 bytes more)."""
         if AHEAD:
-            first = _block_of(table_ptr, s, st_s, split * split_len, split * split_len < table_w * PAGE, num_blocks,
-                              PAGE)
+            j_first = split * split_len
+            first = _block_of(table_ptr, s, st_s, j_first, _table_tiles(j_first, table_w, PAGE) > 0, num_blocks, PAGE)
         start, end, tiles, bad = _split_range(glens_ptr, s, split, split_len, dcp_size, dcp_rank, interleave,
                                               table_w, PAGE)
         mbarrier.expect(q_bar, CHUNKS * q_desc.block_type.nbytes)

@@ -49,7 +49,7 @@ if HAS_GLUON:
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
     from .gluon_mla import (BLOCK, CHUNKS, STAGES, _bad_ids, _barriers, _converter, _finish, _gdc_wait_and_release,
-                            _ids_next, _ids_window, _ids_window_ahead, _loader, _raw_loader, _softmax_step,
+                            _ids_next, _ids_window, _table_tiles, _loader, _raw_loader, _softmax_step,
                             _split_range)
     from .triton_common import global_pos as _global_pos
 
@@ -675,7 +675,9 @@ if HAS_GLUON:
         """(one warp) Each 64-key tile's four 64 x 128 latent boxes, its 64 x 64 rope box and its scales by
         TMA into the raw ring (whole boxes: a tile lies in its page), the block ids four tiles ahead."""
         if AHEAD:   # the first ids' loads beside the length's, not after it
-            b1, b2, b3, b4 = _ids_window_ahead(table_ptr, s, st_s, split * split_len, table_w, num_blocks, PAGE)
+            first = split * split_len
+            b1, b2, b3, b4 = _ids_window(table_ptr, s, st_s, first, _table_tiles(first, table_w, PAGE), num_blocks,
+                                         PAGE)
         start, end, tiles, bad = _split_range(glens_ptr, s, split, split_len, dcp_size, dcp_rank, interleave,
                                               table_w, PAGE)
         if not AHEAD:
@@ -706,7 +708,7 @@ if HAS_GLUON:
         reads each tile's bytes straight into the scores' A operands (`_direct_scores`), the other into
         the values' (`_direct_values`) one tile behind, through a double buffer of the weights. PAIRED:
         the output's dim pairs stored together (`_store_pair`); AHEAD: the loader's first block ids
-        loaded beside the sequence's length (`_ids_window_ahead`)."""
+        loaded beside the sequence's length (`_table_tiles`)."""
         s = gl.program_id(0)
         split = gl.program_id(1)
         lbox: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=8, rank=2)
