@@ -437,7 +437,12 @@ class DemoModel(nn.Module):
         if self.seq_len >= self.max_len:
             raise ValueError(f"the KV cache holds {self.max_len} tokens per sequence; pass a larger max_len to "
                              f"prefill()")
+        if tokens.dim() != 1:
+            raise ValueError(f"decode_step() takes one token per sequence, shape [B]; got {tuple(tokens.shape)}")
         batch = tokens.shape[0]
+        if batch != self.block_table.shape[0]:
+            raise ValueError(f"decode_step() got {batch} tokens but prefill() cached {self.block_table.shape[0]} "
+                             f"sequences; decode one token for each")
         positions = torch.full((batch,), self.seq_len, device=self.device, dtype=torch.int64)
         padded = self._padded_rows(batch)
         table = self.block_table

@@ -378,11 +378,11 @@ def test_kernel_reports_bad_tables_as_nan_without_reading_past_them(mla, fp8, mo
         monkeypatch.setitem(td.CONFIG, "halves_wide", 1)
         monkeypatch.setitem(td.CONFIG, "block_n_wide_f32", 16)
         monkeypatch.setitem(td.CONFIG, "block_m_wide_f32", 16)
-        lens = [40, 30, 20, 16, 9]
+        lens = [40, 30, 20, 16, 12, 9]
         cache, table = _mla_cache(lens, 16, torch.float32, seed=9)
         q = torch.randn(len(lens), 1, 4, 576) * 0.2
     else:
-        lens = [40, 30, 20, 16, 9]
+        lens = [40, 30, 20, 16, 12, 9]
         cache, table, _, _, _ = _fill(lens, 2, 32, 32, 16, 1, 0, 1, torch.float8_e4m3fn if fp8 else torch.float32,
                                       seed=9)
         q = torch.randn(len(lens), 1, 8, 32)
@@ -394,10 +394,11 @@ def test_kernel_reports_bad_tables_as_nan_without_reading_past_them(mla, fp8, mo
     bad_table[1, 0] = -1
     bad_seq[2] = width * 16 + 1         # past the table's capacity
     bad_seq[3] = -4
+    bad_seq[4] = 2 ** 32 + 12           # past int32: narrowed, it would read as a valid 12
     got = paged_decode_attention(q, cache, bad_table, bad_seq, scale=0.1, backend="triton", validate=False)
-    for i in range(4):
+    for i in range(5):
         assert torch.isnan(got.out[i]).all() and torch.isnan(got.lse[i]).all(), i
-    _check(AttnState(got.out[4:], got.lse[4:]), AttnState(ref.out[4:], ref.lse[4:]), 1e-4)
+    _check(AttnState(got.out[5:], got.lse[5:]), AttnState(ref.out[5:], ref.lse[5:]), 1e-4)
     with pytest.raises(ValueError, match=r"block ids \[-1, " + str(nb + 5) + r"\] outside the cache's \[0, " + str(nb)):
         paged_decode_attention(q, cache, bad_table, seq, backend="triton")      # (CPU tensors: checked first)
 

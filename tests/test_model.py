@@ -222,3 +222,26 @@ def test_model_config_refuses_bad_values_and_mla_ignores_kv_heads():
     tokens, logits = _generate(cfg, state, prompts, new_tokens=2)
     expected = ref.reference_logits(state, cfg, tokens)[:, 2:5].transpose(0, 1)
     assert (logits.double() - expected).abs().max() < 1e-4 * expected.abs().max()
+
+
+def test_decode_step_refuses_another_batch_or_shape_before_writing():
+    cfg = ModelConfig(layers=1, vocab=64)
+    state = make_state_dict(cfg, seed=2)
+    groups = init_parallel(ParallelConfig(world_size=1))
+    try:
+        model = DemoModel(cfg, groups)
+        model.load_full(state)
+        prompts = torch.randint(cfg.vocab, (3, 4), generator=torch.Generator().manual_seed(0))
+        model.prefill(prompts, 8)
+        caches = [t.clone() for layer in model.layers for t in (layer.attn.cache.k, layer.attn.cache.v)]
+        with pytest.raises(ValueError, match=r"got 2 tokens but prefill\(\) cached 3 sequences"):
+            model.decode_step(torch.zeros(2, dtype=torch.long))
+        with pytest.raises(ValueError, match=r"shape \[B\]; got \(3, 1\)"):
+            model.decode_step(torch.zeros(3, 1, dtype=torch.long))
+        assert model.seq_len == 4                        # nothing advanced
+        after = [t for layer in model.layers for t in (layer.attn.cache.k, layer.attn.cache.v)]
+        assert all(torch.equal(a, b) for a, b in zip(caches, after))
+        model.decode_step(torch.zeros(3, dtype=torch.long))   # the right batch still decodes
+        assert model.seq_len == 5
+    finally:
+        destroy_parallel()
