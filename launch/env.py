@@ -14,7 +14,8 @@ import torch
 import torch.distributed as dist
 
 from megapar.parallel import ParallelConfig, ParallelGroups, init_parallel
-from megapar.parallel.groups import LaunchEnv, default_backend, read_launch_env, set_local_device
+from megapar.parallel.groups import (LaunchEnv, check_rank_env, default_backend, read_launch_env,
+                                     set_local_device)
 from megapar.parallel.log import setup_logging
 
 
@@ -28,13 +29,7 @@ def check_launch_env(env: LaunchEnv, backend: str | None = None) -> None:
     (an out-of-range RANK made the rank wait for a rendezvous that never completes)."""
     started = dist.is_available() and dist.is_initialized()   # the caller's: init_parallel takes its rank
     if not started:
-        if env.world_size < 1:
-            raise ValueError(f"environment variable WORLD_SIZE must be >= 1, got {env.world_size}")
-        if env.world_size > 1 and "RANK" not in os.environ:
-            raise ValueError(f"WORLD_SIZE={env.world_size} but RANK is not set: every process would be rank 0 "
-                             f"(set RANK, or SLURM_PROCID under Slurm)")
-        if not 0 <= env.rank < env.world_size:
-            raise ValueError(f"environment variable RANK={env.rank} must be in [0, WORLD_SIZE={env.world_size})")
+        check_rank_env(env)
     if env.local_rank is None:
         return
     try:

@@ -75,14 +75,18 @@ class ParallelGroups:
         return getattr(self, name)
 
     def device_mesh(self):
-        """A DeviceMesh over the same ranks with dims (dp, pp, pcp, tp) (ext_dp folded into dp)."""
+        """A DeviceMesh over the same ranks with dims (dp, pp, pcp, tp) (ext_dp folded into dp), its
+        groups made with this job's collective timeout (`timeout`), as every megapar group."""
         if self._mesh is None:
             from torch.distributed.device_mesh import DeviceMesh
 
             cfg = self.config
             mesh = rank_grid(cfg).reshape(cfg.ext_dp * cfg.dp, cfg.pp, cfg.pcp, cfg.tp)
             device_type = "cuda" if self.backend == "nccl" else "cpu"
-            self._mesh = DeviceMesh(device_type, mesh, mesh_dim_names=("dp", "pp", "pcp", "tp"))
+            options = dist.ProcessGroupNCCL.Options() if self.backend == "nccl" else dist.ProcessGroupGloo._Options()
+            options._timeout = self.timeout
+            self._mesh = DeviceMesh(device_type, mesh, mesh_dim_names=("dp", "pp", "pcp", "tp"),
+                                    backend_override=((self.backend, options),) * 4)
         return self._mesh
 
     def destroy(self) -> None:
@@ -178,6 +182,19 @@ def read_launch_env() -> LaunchEnv:
                      local_rank=values["LOCAL_RANK"])
 
 
+def check_rank_env(env: LaunchEnv) -> None:
+    """Refuse a launcher environment that cannot name one rank of a job (WORLD_SIZE < 1, RANK unset
+    in a job of several, RANK outside [0, WORLD_SIZE)), naming the values: such a rank would wait
+    for a rendezvous that never completes."""
+    if env.world_size < 1:
+        raise ValueError(f"environment variable WORLD_SIZE must be >= 1, got {env.world_size}")
+    if env.world_size > 1 and "RANK" not in os.environ:
+        raise ValueError(f"WORLD_SIZE={env.world_size} but RANK is not set: every process would be rank 0 "
+                         f"(set RANK, or SLURM_PROCID under Slurm)")
+    if not 0 <= env.rank < env.world_size:
+        raise ValueError(f"environment variable RANK={env.rank} must be in [0, WORLD_SIZE={env.world_size})")
+
+
 def set_local_device(env: LaunchEnv) -> None:
     """Make this process's GPU (LOCAL_RANK, else the global rank, modulo the GPUs) the current one."""
     count = torch.cuda.device_count()
@@ -216,6 +233,7 @@ def init_parallel(cfg: ParallelConfig | None = None, *, backend: str | None = No
         backend = dist.get_backend()
     else:
         env = read_launch_env()
+        check_rank_env(env)
         world_size, rank = env.world_size, env.rank
         backend = backend or os.environ.get("MEGAPAR_BACKEND") or default_backend()
     if cfg is None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import datetime
 import os
 import time
 
@@ -21,7 +22,7 @@ def _groups_and_collectives(rank: int, cfg_kwargs: dict) -> dict:
     dist.init_process_group("gloo")  # the caller's: init_parallel reuses it and must leave it up
     baseline = len(c10d._world.pg_map)
     cfg = ParallelConfig(**cfg_kwargs)
-    groups = init_parallel(cfg)
+    groups = init_parallel(cfg, timeout=123)   # not the default: the mesh must take this one
     assert get_groups() is groups
     layout = rank_groups(cfg)
     out = {}
@@ -46,6 +47,9 @@ def _groups_and_collectives(rank: int, cfg_kwargs: dict) -> dict:
     assert tp_ranks == list(groups.tp.ranks)
     pcp_ranks = dist.get_process_group_ranks(mesh.get_group("pcp"))
     assert pcp_ranks == list(groups.pcp.ranks)
+    for dim in mesh.mesh_dim_names:     # the mesh's groups take the job's timeout, not torch's default
+        backend = mesh.get_group(dim)._get_backend(torch.device("cpu"))
+        assert backend.options._timeout == groups.timeout == datetime.timedelta(seconds=123), dim
 
     # comm: uneven all-gather / reduce-scatter / all-to-all on the world and on the tp group
     res = {}

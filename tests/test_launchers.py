@@ -76,6 +76,32 @@ _LAUNCH_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "SLURM_P
                 "SLURM_LOCALID", "CUDA_VISIBLE_DEVICES", "MEGAPAR_BACKEND")
 
 
+@pytest.mark.parametrize("env, needle", [
+    ({"RANK": "2", "WORLD_SIZE": "2"}, "RANK=2 must be in [0, WORLD_SIZE=2)"),
+    ({"RANK": "-1", "WORLD_SIZE": "2"}, "RANK=-1 must be in [0, WORLD_SIZE=2)"),
+    ({"WORLD_SIZE": "2"}, "WORLD_SIZE=2 but RANK is not set"),
+    ({"RANK": "0", "WORLD_SIZE": "0"}, "WORLD_SIZE must be >= 1, got 0"),
+])
+def test_init_parallel_called_directly_refuses_a_bad_rank_before_any_rendezvous(monkeypatch, env, needle):
+    """init_parallel reads the same environment as init_from_env and refuses the same ranks (it
+    reached init_process_group with them, which waits for a rendezvous that never completes)."""
+    import torch.distributed as dist
+
+    from parallel import init_parallel
+    from parallel import groups as groups_mod
+
+    for k in _LAUNCH_VARS:
+        monkeypatch.delenv(k, raising=False)
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    started = []
+    monkeypatch.setattr(dist, "init_process_group", lambda *a, **k: started.append(k))
+    with pytest.raises(ValueError) as err:
+        init_parallel(backend="gloo")
+    assert needle in str(err.value)
+    assert started == [] and groups_mod.get_optional_groups() is None
+
+
 @pytest.mark.parametrize("env, gpus, needle", [
     # an out-of-range or missing RANK waited for a rendezvous that never completes (a hang)
     ({"RANK": "2", "WORLD_SIZE": "2"}, 0, "RANK=2 must be in [0, WORLD_SIZE=2)"),
