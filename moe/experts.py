@@ -375,13 +375,9 @@ class Experts(nn.Module):
             device = x.data.device if isinstance(x, QuantizedTensor) else x.device
             counts = torch.tensor(list(counts), dtype=torch.int64, device=device)
         rows = dict(offsets=offsets) if offsets is not None else dict(counts=counts)
-        backend = self.backend
-        if backend == "auto" and self.quantized and impl.grad_needed(x):
-            # the fused FP4/FP8 kernels "auto" picks on CUDA have no backward (their output would
-            # carry no gradient to x): as the router, "auto" keeps autograd on the torch path
-            backend = "torch"
+        # (under autograd "auto" passes over the fused kernels, which have no backward: grouped_gemm.GEMM)
         return expert_ffn(x, w13, w2, **rows, swiglu_limit=self.swiglu_limit, alpha=self.alpha, beta=self.beta,
-                          gate_up=self.gate_up, backend=backend, out_dtype=out_dtype)
+                          gate_up=self.gate_up, backend=self.backend, out_dtype=out_dtype)
 
     def extra_repr(self) -> str:
         return (f"slots={self.num_slots} of {self.num_experts}, hidden={self.hidden}, inter={self.inter}, "

@@ -564,12 +564,20 @@ def test_device_path_prepares_quantized_experts_once_for_non_bf16_activations(mo
 def test_quantized_experts_under_autograd_keep_the_gradient_of_x(monkeypatch):
     """On CUDA "auto" gives FP4 experts the fused Triton kernels, which have no backward: under
     autograd (the host path) the routed experts' part of x's gradient was silently dropped. The
-    CUDA choice is emulated (the kernel runs in the interpreter); x's gradient must match the
-    dense reference on the same dequantized weights."""
-    import megapar.moe.kernels.ffn as ffn
+    registry's CUDA choice is emulated (the device it is told is CUDA; the kernel runs in the
+    interpreter); x's gradient must match the dense reference on the same dequantized weights, and
+    a fused kernel asked for by name under autograd is refused (grouped_gemm and expert_ffn alike)."""
+    from megapar.moe.kernels import expert_ffn, grouped_gemm
+    from megapar.moe.kernels.grouped_gemm import GEMM
 
-    real = ffn.ffn_backend
-    monkeypatch.setattr(ffn, "ffn_backend", lambda backend, *a: "triton_w4a16" if backend == "auto" else real(backend, *a))
+    real = GEMM.resolve
+    chosen = []
+
+    def as_if_cuda(backend="auto", *, device=None, **facts):
+        chosen.append(real(backend, device=torch.device("cuda"), **facts))
+        return chosen[-1]
+
+    monkeypatch.setattr(GEMM, "resolve", as_if_cuda)
     cfg = small_config(expert_format="mxfp4", swiglu_limit=1.5)
     state = make_state(cfg, seed=45)
     layer = MoELayer(cfg)
@@ -581,8 +589,18 @@ def test_quantized_experts_under_autograd_keep_the_gradient_of_x(monkeypatch):
     xr = x.detach().clone().requires_grad_(True)
     (dense_reference(xr, state, cfg) * grad_out).sum().backward()
     torch.testing.assert_close(x.grad, xr.grad, rtol=1e-4, atol=1e-5)
+    assert chosen and set(chosen) == {"torch"}, chosen
+    chosen.clear()
     with torch.no_grad():  # inference still takes the kernel "auto" chose
         torch.testing.assert_close(layer(x), dense_reference(x, state, cfg), rtol=1e-5, atol=1e-5)
+    assert chosen and set(chosen) == {"triton_w4a16"}, chosen
+    w13, w2 = layer.experts.prepared(x.dtype)
+    counts = torch.tensor([7] + [0] * (w13.shape[0] - 1))
+    for name in ("triton_w4a16", "triton_w4a8"):
+        with pytest.raises(ValueError, match=rf"{name!r} cannot run here: has no backward"):
+            expert_ffn(x, w13, w2, counts=counts, backend=name)
+    with pytest.raises(ValueError, match="'triton_w4a16' cannot run here: has no backward"):
+        grouped_gemm(x, w2 if w2.shape[-1] == H else w13, counts=counts, backend="triton_w4a16")
 
 
 def test_graph_recapture_key_sees_in_place_expert_rewrites():

@@ -235,11 +235,14 @@ def _grouped_mm_check(f: impl.Facts) -> impl.Unusable | None:
 
 
 GEMM = impl.Op("moe.grouped_gemm", [
-    impl.Impl("triton_w4a8", impl.all_of(_w4a8_check, impl.triton_kernel(impl.cuda_unless_asked))),
-    impl.Impl("triton_w4a16", impl.all_of(_w4a16_check, impl.triton_kernel(impl.cuda_unless_asked))),
+    # The Triton and DeepGEMM kernels have no backward: under autograd "auto" passes them over and
+    # asking for one by name raises (their output would carry no gradient to x).
+    impl.Impl("triton_w4a8", impl.all_of(impl.forward_only, _w4a8_check, impl.triton_kernel(impl.cuda_unless_asked))),
+    impl.Impl("triton_w4a16", impl.all_of(impl.forward_only, _w4a16_check,
+                                          impl.triton_kernel(impl.cuda_unless_asked))),
     impl.Impl("torch_grouped_mm", impl.all_of(_grouped_mm_check, impl.cuda_unless_asked)),
     # DeepGEMM FP8 (moe/kernels/deep_gemm.py): asked for by name; "auto" only with MEGAPAR_DEEP_GEMM_AUTO=1
-    impl.Impl("deep_gemm", _deep_gemm.check, auto=_deep_gemm.AUTO),
+    impl.Impl("deep_gemm", impl.all_of(impl.forward_only, _deep_gemm.check), auto=_deep_gemm.AUTO),
     impl.Impl("torch"),
 ])
 BACKENDS = GEMM.names
@@ -253,8 +256,10 @@ def fused_fp4_fits(w: PreparedWeight) -> bool:
 def resolve_backend(backend: str, x: torch.Tensor | torch.device, w: PreparedWeight, rows_per_expert: float) -> str:
     """The backend that `backend` means for these inputs (x, or just its device; ValueError for
     impossible requests)."""
-    device = x if isinstance(x, torch.device) else x.device
-    return GEMM.resolve(backend, device=device, weight=w, rows_per_expert=rows_per_expert)
+    if isinstance(x, torch.device):     # (a question about a device: autograd unknown, taken as off)
+        return GEMM.resolve(backend, device=x, weight=w, rows_per_expert=rows_per_expert)
+    return GEMM.resolve(backend, device=x.device, weight=w, rows_per_expert=rows_per_expert,
+                        needs_grad=impl.grad_needed(x, w.data))
 
 
 def grouped_gemm(x: torch.Tensor, w: torch.Tensor | QuantizedTensor | PreparedWeight, *,
