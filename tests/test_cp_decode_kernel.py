@@ -1078,10 +1078,10 @@ def test_gluon_gqa_direct_fp8_speculative_tokens_on_gpu(size, rank, interleave, 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float8_e4m3fn], ids=["bf16", "fp8"])
 @pytest.mark.parametrize("size,rank,hq,hkv", [(1, 0, 32, 4), (2, 1, 32, 4), (4, 2, 8, 8), (1, 0, 64, 1)])
 def test_gluon_gqa_kernel_on_gpu(dtype, size, rank, hq, hkv, monkeypatch):
-    """The warp-specialized Gluon GQA kernel (CONFIG gluon_gqa / gluon_gqa_fp8) over every kind of
-    DCP rank, 1 / 8 / 64 query heads per kv head, a 2- and 4-stage fp16 ring over fp8, the
-    swapped-operand consumer, over fp8 the direct form (8, 9 raw stages; tiles in steps of four, splits
-    of every remainder of them; at 64 heads a kv head the Triton kernel serves it instead): NaN in every slot past a sequence's end (NaN scales too over fp8),
+    """The warp-specialized Gluon GQA kernels (CONFIG gluon_gqa / gluon_gqa_fp8) over every kind of
+    DCP rank, 1 / 8 / 64 query heads per kv head, 2- and 4-stage rings over bf16, over fp8 the direct
+    form (8, 9 raw stages; tiles in steps of four, splits of every remainder of them; at 64 heads a kv
+    head, or with direct_gluon_gqa_fp8 0, the Triton kernel serves it instead): NaN in every slot past a sequence's end (NaN scales too over fp8),
     lengths that end inside a tile, empty and one-token
     sequences, one split and several, against the torch path and the Triton kernel (each setting
     must launch the Gluon kernel); a bad block id gives that sequence NaN rows; a CUDA graph of it
@@ -1105,18 +1105,14 @@ def test_gluon_gqa_kernel_on_gpu(dtype, size, rank, hq, hkv, monkeypatch):
     monkeypatch.setattr(gluon_gqa, "launch_gluon_gqa", lambda *a, **kw: used.append(1) or real(*a, **kw))
     monkeypatch.setattr(gluon_gqa, "direct_stages", lambda *a: direct_used.append(real_stages(*a)) or direct_used[-1])
     fp8 = dtype == torch.float8_e4m3fn
-    # one split a sequence, then several; over fp8 a 4-stage fp16 ring; swapped operands; over fp8 the
-    # direct form (no converter) with 8, 9 and 1 (raised to its least, 8) raw stages (more than 32 heads a
-    # kv head: the Triton kernel)
-    for programs, fp16_stages, swap, direct in ((132, 2, 0, 0), (4096, 2, 0, 0), (132, 4, 0, 0), (4096, 4, 0, 0),
-                                                (132, 2, 1, 0), (4096, 4, 1, 0), (132, 2, 0, 8), (4096, 2, 0, 9),
-                                                (4096, 2, 0, 1)):
-        if direct and not fp8:
-            continue
+    # one split a sequence, then several; over bf16 a 2-, 3- and 4-stage ring; over fp8 the direct form with
+    # 8, 9 and 1 (raised to its least, 8) raw stages, and 0: the Triton kernel (as more than 32 heads a kv head)
+    settings = (((132, 3, 0), (132, 3, 8), (4096, 2, 9), (4096, 3, 1)) if fp8
+                else ((132, 3, 8), (4096, 3, 8), (132, 2, 8), (4096, 4, 8)))
+    for programs, stages, direct in settings:
         monkeypatch.setitem(td.CONFIG, "direct_gluon_gqa_fp8", direct)
-        monkeypatch.setitem(td.CONFIG, "swap_" + key, swap)
         monkeypatch.setitem(td.CONFIG, "target_programs_gluon_gqa", programs)
-        monkeypatch.setitem(td.CONFIG, "stages_gluon_gqa_fp8", fp16_stages)
+        monkeypatch.setitem(td.CONFIG, "stages_gluon_gqa", stages)
         monkeypatch.setitem(td.CONFIG, "min_split", 256)
         monkeypatch.setitem(td.CONFIG, "min_split_fp8", 256)
         monkeypatch.setitem(td.CONFIG, key, 0)
@@ -1124,9 +1120,9 @@ def test_gluon_gqa_kernel_on_gpu(dtype, size, rank, hq, hkv, monkeypatch):
         assert not used
         monkeypatch.setitem(td.CONFIG, key, 1)
         got = run(cache, table)
-        # (over fp8 with the direct form asked for, more than 32 heads a kv head go to the Triton kernel)
-        gluon = not (fp8 and direct > 0 and hq // hkv > 32)
-        assert bool(used) == gluon, f"setting {programs, fp16_stages, swap, direct}: Gluon kernel launched {used}"
+        # (over fp8 without the direct form, or more than 32 heads a kv head: the Triton kernel)
+        gluon = not fp8 or (direct > 0 and hq // hkv <= 32)
+        assert bool(used) == gluon, f"setting {programs, stages, direct}: Gluon kernel launched {used}"
         ran_direct = bool(fp8 and used and direct_used and direct_used[-1] > 0)
         assert ran_direct == (fp8 and direct > 0 and hq // hkv <= 32), (direct, direct_used)
         used.clear()

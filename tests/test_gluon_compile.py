@@ -39,7 +39,6 @@ def _build(name: str) -> dict:
     ahead = "-ahead" in name            # ("-ahead": its loader's first block ids loaded beside the length)
     family, dtype, *more = (name.removesuffix("-pdl").replace("-pipe", "").replace("-paired", "")
                             .replace("-ahead", "").split("-"))
-    nq = 8 if more == ["swap"] else 0
     fp8 = dtype == "fp8"
     ptrs = {"table_ptr": "*i32", "glens_ptr": "*i64", "o_ptr": "*fp32", "lse_ptr": "*fp32", "qk_scale": "fp32"}
     box = gl.NVMMASharedLayout.get_default_for([64, 64], gl.float8e4nv if fp8 else gl.bfloat16)
@@ -67,18 +66,14 @@ def _build(name: str) -> dict:
             ptrs.update(q_desc=f"tensordesc<bf16[{nq}, 64],{qbox}>", k_desc=desc, k_ptr="*bf16")
     elif family == "gqa":
         ptrs.update(q_ptr="*bf16", k_desc=desc, v_desc=desc)
-        if fp8 and more and more[0].startswith("direct"):     # "gqa-fp8-directRAW-NQ": the direct fp8 form
+        if fp8:     # "gqa-fp8-directRAW-NQ": the direct fp8 form (the only one over fp8)
             lbox = gl.NVMMASharedLayout(128, 8, 2)
             kernel, consts = gluon_gqa._gqa_decode_direct_kernel, {"PAGE": 64, "RAW": int(more[0][6:]),
                                                                    "NQ": int(more[1]), "CAUSAL": more[-1] == "causal"}
             ptrs.update(ks_ptr="*fp32", vs_ptr="*fp32", k_desc=f"tensordesc<fp8e4nv[64, 128],{lbox}>",
                         v_desc=f"tensordesc<fp8e4nv[64, 128],{lbox}>")
-        elif fp8:
-            kernel, consts = gluon_gqa._gqa_decode_ws_fp8_kernel, {"PAGE": 64, "STAGES": 2, "RAW": 6,
-                                                                   "NQ": nq}
-            ptrs.update(ks_ptr="*fp32", vs_ptr="*fp32")
         else:
-            kernel, consts = gluon_gqa._gqa_decode_ws_kernel, {"PAGE": 64, "STAGES": 3, "NQ": nq}
+            kernel, consts = gluon_gqa._gqa_decode_ws_kernel, {"PAGE": 64, "STAGES": 3}
             ptrs.update(k_ptr="*bf16", v_ptr="*bf16")
     elif fp8:
         # (a raw TMA ring before the converter: "raw1", "raw2", or "k32r2raw4": 32-key tiles, 2 fp16 stages)
@@ -129,8 +124,8 @@ def _build(name: str) -> dict:
 
 @pytest.mark.parametrize("name,spill_cap", [
     ("mla-bf16", 512), ("mla-fp8", 1024), ("mla-fp8-raw1", 1024), ("mla-fp8-raw2", 1024),
-    ("mla-fp8-k32r2raw2", 1024), ("mla-fp8-k32r2raw4", 1024), ("mla-fp8-k32r3raw2", 1024), ("gqa-bf16", 0), ("gqa-fp8", 0),
-    ("gqa-bf16-swap", 64), ("gqa-fp8-swap", 0), ("mlan-bf16-16", 0), ("mlan-bf16-32", 0), ("mlan-bf16-8", 0),
+    ("mla-fp8-k32r2raw2", 1024), ("mla-fp8-k32r2raw4", 1024), ("mla-fp8-k32r3raw2", 1024), ("gqa-bf16", 0),
+    ("mlan-bf16-16", 0), ("mlan-bf16-32", 0), ("mlan-bf16-8", 0),
     ("mlan-fp8-16-r2raw1", 0), ("mlan-fp8-32-r2raw1", 64), ("mlan-fp8-16-r1raw3", 256),
     ("mlan-fp8-16-r2raw2rope", 0), ("mlan-bf16-32-causal", 128), ("mlan-fp8-32-r2raw1-causal", 256),
     ("mlan-fp8-16-direct5", 0), ("mlan-fp8-16-direct5s", 0), ("mlan-fp8-16-direct5s-causal", 0),
@@ -139,7 +134,7 @@ def _build(name: str) -> dict:
     ("gqa-fp8-direct10-32-causal", 8),
     # launched with programmatic dependent launch: the wait is in the build
     ("mlan-fp8-16-direct5s-pdl", 0), ("gqa-fp8-direct10-8-pdl", 0),
-    ("gqa-bf16-pdl", 0), ("gqa-fp8-pdl", 0), ("mla-bf16-pdl", 512), ("mla-fp8-k32r2raw2-pdl", 1024),
+    ("gqa-bf16-pdl", 0), ("mla-bf16-pdl", 512), ("mla-fp8-k32r2raw2-pdl", 1024),
     ("mlan-bf16-16-pdl", 0), ("mlan-fp8-16-r2raw2rope-pdl", 0),
     # the narrow direct kernel with the next tile's score MMAs issued before the softmax
     # (at most 16 columns: at 32 the kernel keeps the unpipelined form, whose two tiles' accumulators spilled)

@@ -6,7 +6,7 @@ unheld slot, and NaN scales there over fp8; a bad block id), then whole calls ti
 1/4 of B = 32 sequences of L = 8K, 32K, 128K, bf16 and fp8, and B = 4 at 32K (several splits); the
 Triton kernel also with its whole tiles unmasked (CONFIG even / even_fp8). DGQA_SET=fp8-even times
 only the fp8 Triton kernel's forms with whole tiles unmasked (`fp8_even`) at B = 32; DGQA_SET=fp8 the fp8
-rows only (the Triton kernel, the converter's Gluon form and the direct one with 8 / 10 / 12 raw stages);
+rows only (the Triton kernel and the direct Gluon one with 8 / 10 / 12 raw stages);
 DGQA_SET=mtp a speculative step's DGQA_TQ (2) tokens at 1/4 of 32K, the Triton kernel against the direct one.
 
     python bench/debug/decode_gluon_gqa.py OUT.json        # on the GPU
@@ -70,10 +70,12 @@ def _check(rows: list, dtype: torch.dtype) -> None:
         scale = 1 / math.sqrt(d)
         ref = paged_decode_attention(q, ref_cache, table, seq, layout=layout, scale=scale, backend="torch")
         even = "even_fp8" if dtype == torch.float8_e4m3fn else "even"
-        forms = [("triton", {key: 0}), ("triton even", {key: 0, even: 1}), ("gluon", {key: 1, "direct_gluon_gqa_fp8": 0})]
+        forms = [("triton", {key: 0}), ("triton even", {key: 0, even: 1})]
         if dtype == torch.float8_e4m3fn:
             forms += [("gluon direct8", {key: 1, "direct_gluon_gqa_fp8": 8}),
                       ("gluon direct9", {key: 1, "direct_gluon_gqa_fp8": 9})]
+        else:
+            forms += [("gluon", {key: 1})]
         for name, change in forms:
             triton_decode.CONFIG.update(saved)
             triton_decode.CONFIG.update(change)
@@ -98,7 +100,7 @@ def main(path: str) -> None:
     bf16 = {"triton": {"gluon_gqa": 0}, "triton even": {"gluon_gqa": 0, "even": 1},
             "gluon s3": dict(g, stages_gluon_gqa=3)}
     fp8 = {"triton": {"gluon_gqa_fp8": 0}, "triton even": {"gluon_gqa_fp8": 0, "even_fp8": 1},
-           "gluon": dict(g8, direct_gluon_gqa_fp8=0), "direct8": dict(g8, direct_gluon_gqa_fp8=8),
+           "direct8": dict(g8, direct_gluon_gqa_fp8=8),
            "direct10": dict(g8, direct_gluon_gqa_fp8=10), "direct12": dict(g8, direct_gluon_gqa_fp8=12)}
     # the Triton kernel's whole tiles (even_fp8) with its tiles staged as 16-bit (stage16_fp8), more stages,
     # 64-key tiles over more programs (fewer registers: 4 CTAs per SM)

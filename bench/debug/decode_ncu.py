@@ -36,7 +36,7 @@ def main(gluon_gqa: bool) -> None:
     dev = torch.device("cuda")
     if gluon_gqa:
         triton_decode.CONFIG.update(gluon_gqa=1, gluon_gqa_fp8=1)
-    # e.g. DECODE_NCU_CONFIG='{"swap_gluon_gqa_fp8": 1}': CONFIG entries for the profiled calls
+    # e.g. DECODE_NCU_CONFIG='{"ids_ahead": 1}': CONFIG entries for the profiled calls
     triton_decode.CONFIG.update(json.loads(os.environ.get("DECODE_NCU_CONFIG", "{}")))
     batch, heads, kv_heads, d, page, n, context = 32, 32, 4, 128, 64, 4, 32768
     layout = DCPLayout(size=n, rank=0, block_size=page)

@@ -1,36 +1,34 @@
-"""GQA decode as a warp-specialized Gluon kernel for Hopper (sm_90): one program per (sequence,
+"""GQA decode as warp-specialized Gluon kernels for Hopper (sm_90): one program per (sequence,
 kv head, split) streams that head's keys and values through a deep shared-memory ring, so that
 one CTA per SM keeps enough bytes in flight (cuDNN's decode form) and the grid rarely needs more
-than one split, hence no merge. Partitions of one CTA:
+than one split, hence no merge.
 
+Over bf16 (`_gqa_decode_ws_kernel`):
 - the loader brings each 64-key tile's k and v (two 64-column boxes each, head dim 128) from
-  the paged cache [blocks, page, kv heads, 128] by TMA into the ring; over bf16 the split's
-  last tile, where it ends inside the tile, comes through masked loads instead (zeros past the
-  sequence's end: the cache holds anything there, NaN included, and 0 x NaN in P V is NaN);
-- over fp8, a converter warpgroup between the loader's raw fp8 ring and a 16-bit ring: each tile
-  to fp16 (exact for e4m3; value rows past the end as zeros) with its per-token scales;
+  the paged cache [blocks, page, kv heads, 128] by TMA into the ring, the block ids one tile
+  ahead; the split's last tile, where it ends inside the tile, comes through masked loads
+  instead (zeros past the sequence's end: the cache holds anything there, NaN included, and
+  0 x NaN in P V is NaN);
 - the consumer warpgroup (the default partition): the G = Hq / Hkv query rows of the kv head
   (padded to 64, wgmma's M) held in registers as the MMA's A operand, S = Q K^T, the online
-  softmax, and O += P V with P passed from registers; or, with swapped operands, S^T = K Q^T and
-  O^T += V^T P^T over the G queries only (`_consumer_t`).
+  softmax, and O += P V with P passed from registers.
 
-The loaders load block ids ahead of the tiles (a window of four over fp8, one over bf16).
-
-Over fp8 the installed form is the direct kernel (`_gqa_decode_direct_kernel`, CONFIG
-direct_gluon_gqa_fp8): no converter. A one-warp loader brings each tile's raw key and value boxes
-(64 x 128 fp8) into 8-12 stages; a scores warpgroup computes S^T = K Q^T as fp8 MMAs straight from
-the raw keys against the queries split into two e4m3 parts (hi + lo, a power of two per row), runs
-the online softmax over four tiles a step (one cross-warp maximum of the scores and one of the
-weights for all four) and publishes the weights; a value warpgroup reads the raw value boxes
-transposed (16-bit ldmatrix, each dim pair split into its even and odd dims) into its MMA's A
-operand. Its columns are the kv head's query heads times a speculative step's tokens (at most 32,
-causal within the step); wider problems stay on the Triton kernel.
+Over fp8 (`_gqa_decode_direct_kernel`, CONFIG direct_gluon_gqa_fp8), no converter: a one-warp
+loader brings each tile's raw key and value boxes (64 x 128 fp8) into 8-12 stages; a scores
+warpgroup computes S^T = K Q^T as fp8 MMAs straight from the raw keys against the queries split
+into two e4m3 parts (hi + lo, a power of two per row), runs the online softmax over four tiles a
+step (one cross-warp maximum of the scores and one of the weights for all four) and publishes the
+weights; a value warpgroup reads the raw value boxes transposed (16-bit ldmatrix, each dim pair
+split into its even and odd dims) into its MMA's A operand. Its columns are the kv head's query
+heads times a speculative step's tokens (at most 32, causal within the step); wider problems stay
+on the Triton kernel. The arithmetic is the Triton kernel's f16 path: scores times the keys'
+scales, weights p * v_scale divided by a running per-row unit r (the largest weight so far), the
+accumulator kept in units of r.
 
 Outputs are the split's partial (out, lse) in `triton_decode.paged_decode_triton`'s layout.
-`gluon_gqa_ok` says where it applies; CONFIG gluon_gqa / gluon_gqa_fp8 choose it there. Over
-fp8 the arithmetic is the Triton kernel's f16 path: queries scaled into fp16 by a power of two
-per row, scores times the keys' scales, weights p * v_scale divided by a running per-row unit r
-(the largest weight so far), the accumulator kept in units of r."""
+`gluon_gqa_ok` says where they apply; CONFIG gluon_gqa / gluon_gqa_fp8 choose them there. (Forms
+measured and removed, a converter warpgroup to an fp16 ring over fp8 and a consumer with swapped
+operands among them: triton_decode.CONFIG's notes.)"""
 
 from __future__ import annotations
 
@@ -111,10 +109,9 @@ if HAS_GLUON:
                 mbarrier.arrive(ready.index(stage))
 
     @gluon.jit
-    def _queries(q_ptr, s, kvh, G, sq_s, sq_h, qk_scale, ROWS: gl.constexpr, FP8: gl.constexpr):
+    def _queries(q_ptr, s, kvh, G, sq_s, sq_h, ROWS: gl.constexpr):
         """The kv head's G query rows (ROWS of them, zeros past G) as two fp32 halves [ROWS, 64] of the
-        head dim, and their score factor: qk_scale, or over fp8 (fp16 operands) the rows times 2^e
-        each (largest magnitude in [2^14, 2^15)) and the factors qk_scale * 2^-e [ROWS]."""
+        head dim."""
         blocked: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
         qr = gl.arange(0, ROWS, layout=gl.SliceLayout(1, blocked))
         qc = gl.arange(0, BLOCK, layout=gl.SliceLayout(0, blocked))
@@ -122,41 +119,24 @@ if HAS_GLUON:
         qmask = (qr < G)[:, None]
         q0 = gl.load(q_base, mask=qmask, other=0.0).to(gl.float32)
         q1 = gl.load(q_base + BLOCK, mask=qmask, other=0.0).to(gl.float32)
-        if FP8:
-            amax = gl.maximum(gl.max(gl.abs(q0), 1), gl.max(gl.abs(q1), 1))
-            biased = (amax.to(gl.int32, bitcast=True) >> 23) & 0xFF
-            e = gl.minimum(gl.maximum(141 - biased, -113), 100)
-            up = ((e + 127) << 23).to(gl.float32, bitcast=True)
-            q0 = q0 * up[:, None]
-            q1 = q1 * up[:, None]
-            qf = ((127 - e) << 23).to(gl.float32, bitcast=True) * qk_scale
-        else:
-            qf = qk_scale
-        return q0, q1, qf
+        return q0, q1
 
     @gluon.jit
-    def _store_out(o_ptr, lse_ptr, o0, o1, factor, lse, s, kvh, split, G, so_p, so_s, so_h, sl_p, sl_s, dims, qn,
-                   TRANSPOSED: gl.constexpr):
-        """The split's partial out (the two accumulators times factor) and lse of the kv head's G query
-        rows; qn: query indices, dims: head dims 0-63, both in the accumulators' slice layouts
-        (TRANSPOSED: accumulators [dims, queries], else [queries, dims])."""
+    def _store_out(o_ptr, lse_ptr, o0, o1, factor, lse, s, kvh, split, G, so_p, so_s, so_h, sl_p, sl_s, dims, qn):
+        """The split's partial out (the two accumulators [queries, dims] times factor) and lse of the kv
+        head's G query rows; qn: query indices, dims: head dims 0-63, both in the accumulators' slice
+        layouts."""
         head = kvh * G + qn
         o_q = split.to(gl.int64) * so_p + s.to(gl.int64) * so_s + head.to(gl.int64) * so_h
-        if TRANSPOSED:
-            mine = (qn < G)[None, :]
-            gl.store(o_ptr + o_q[None, :] + dims[:, None], o0 * factor[None, :], mask=mine)
-            gl.store(o_ptr + o_q[None, :] + (BLOCK + dims)[:, None], o1 * factor[None, :], mask=mine)
-        else:
-            mine = (qn < G)[:, None]
-            gl.store(o_ptr + o_q[:, None] + dims[None, :], o0 * factor[:, None], mask=mine)
-            gl.store(o_ptr + o_q[:, None] + (BLOCK + dims)[None, :], o1 * factor[:, None], mask=mine)
+        mine = (qn < G)[:, None]
+        gl.store(o_ptr + o_q[:, None] + dims[None, :], o0 * factor[:, None], mask=mine)
+        gl.store(o_ptr + o_q[:, None] + (BLOCK + dims)[None, :], o1 * factor[:, None], mask=mine)
         gl.store(lse_ptr + split.to(gl.int64) * sl_p + s.to(gl.int64) * sl_s + head, lse, mask=qn < G)
 
     @gluon.jit
     def _consumer(q_ptr, k_smem, v_smem, ready, free, table_ptr, glens_ptr, o_ptr, lse_ptr, s, kvh, split,
                   split_len, dcp_size, dcp_rank, interleave, table_w, num_blocks, st_s, sq_s, sq_h, G, qk_scale,
-                  so_p, so_s, so_h, sl_p, sl_s, PAGE: gl.constexpr, STAGES: gl.constexpr, ks_smem, vs_smem,
-                  FP8: gl.constexpr):
+                  so_p, so_s, so_h, sl_p, sl_s, PAGE: gl.constexpr, STAGES: gl.constexpr):
         """The query rows padded to 64 (wgmma's M) as the A operand of S = Q K^T from registers, the
         online softmax over [64 rows, 64 keys], O += P V with P from registers too."""
         mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 64, 16])
@@ -164,9 +144,7 @@ if HAS_GLUON:
         col_l: gl.constexpr = gl.SliceLayout(0, mma)
         a_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
         dtype: gl.constexpr = k_smem.dtype
-        q0, q1, qf = _queries(q_ptr, s, kvh, G, sq_s, sq_h, qk_scale, BLOCK, FP8)
-        if FP8:
-            qk_rows = gl.convert_layout(qf, row_l)
+        q0, q1 = _queries(q_ptr, s, kvh, G, sq_s, sq_h, BLOCK)
         qa0 = gl.convert_layout(q0.to(dtype), a_l)
         qa1 = gl.convert_layout(q1.to(dtype), a_l)
         start, end, tiles, bad = _split_range(glens_ptr, s, split, split_len, dcp_size, dcp_rank, interleave,
@@ -186,109 +164,17 @@ if HAS_GLUON:
             sc = warpgroup_mma(qa1, k_smem.index(stage * CHUNKS + 1).permute((1, 0)), sc, is_async=True)
             sc = warpgroup_mma_wait(num_outstanding=0, deps=(sc, ))
             live = (j0 + cols < end)[None, :]
-            if FP8:
-                ks = ks_smem.index(stage).load(col_l)
-                sc = gl.where(live, sc * qk_rows[:, None] * ks[None, :], float("-inf"))
-            else:
-                sc = gl.where(live, sc * qk_scale, float("-inf"))
-            p, alpha, m_i, l_i, r_i = _softmax_step(sc, m_i, l_i, r_i,
-                                                    vs_smem.index(stage).load(col_l) if FP8 else m_i, 1, FP8)
+            sc = gl.where(live, sc * qk_scale, float("-inf"))
+            p, alpha, m_i, l_i, r_i = _softmax_step(sc, m_i, l_i, r_i, m_i, 1, False)
             pa = gl.convert_layout(p.to(dtype), a_l)
             o0 = warpgroup_mma(pa, v_smem.index(stage * CHUNKS), o0 * alpha[:, None], is_async=True)
             o1 = warpgroup_mma(pa, v_smem.index(stage * CHUNKS + 1), o1 * alpha[:, None], is_async=True)
             o0, o1 = warpgroup_mma_wait(num_outstanding=0, deps=(o0, o1))
             mbarrier.arrive(free.index(stage))
         factor, lse = _finish(m_i, l_i, r_i, bad | _bad_ids(table_ptr, s, st_s, start, end, num_blocks, PAGE, col_l),
-                              FP8)
+                              False)
         _store_out(o_ptr, lse_ptr, o0, o1, factor, lse, s, kvh, split, G, so_p, so_s, so_h, sl_p, sl_s, cols,
-                   gl.arange(0, BLOCK, layout=row_l), False)
-
-    @gluon.jit
-    def _consumer_t(q_ptr, q_smem, p_smem, k_smem, v_smem, ready, free, table_ptr, glens_ptr, o_ptr, lse_ptr, s, kvh,
-                    split, split_len, dcp_size, dcp_rank, interleave, table_w, num_blocks, st_s, sq_s, sq_h, G,
-                    qk_scale, so_p, so_s, so_h, sl_p, sl_s, PAGE: gl.constexpr, STAGES: gl.constexpr,
-                    NQ: gl.constexpr, ks_smem, vs_smem, FP8: gl.constexpr):
-        """`_consumer` with the operands swapped (CONFIG swap_gluon_gqa*): S^T = K Q^T (M = the tile's
-        64 keys, N = NQ >= G query columns) and O^T += V^T P^T, so the accumulators and the softmax
-        hold only the kv head's NQ queries (4 + 2 x 4 fp32 registers a thread at NQ = 8, against 32 +
-        64 for 64 padded rows); per-query maxima and sums reduce across the warpgroup. The queries
-        (q_smem) and each tile's weights (p_smem) are the B operands in shared memory; the value
-        tile is the A operand, read transposed."""
-        mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, NQ, 16])
-        key_l: gl.constexpr = gl.SliceLayout(1, mma)
-        q_l: gl.constexpr = gl.SliceLayout(0, mma)
-        dtype: gl.constexpr = k_smem.dtype
-        q0, q1, qf = _queries(q_ptr, s, kvh, G, sq_s, sq_h, qk_scale, NQ, FP8)
-        if FP8:
-            qk_q = gl.convert_layout(qf, q_l)
-        q_smem.index(0).store(q0.to(dtype))
-        q_smem.index(1).store(q1.to(dtype))
-        fence_async_shared()
-        gl.thread_barrier()
-        start, end, tiles, bad = _split_range(glens_ptr, s, split, split_len, dcp_size, dcp_rank, interleave,
-                                              table_w, PAGE)
-        m_i = gl.full([NQ], float("-inf"), gl.float32, q_l)
-        l_i = gl.zeros([NQ], gl.float32, q_l)
-        r_i = gl.zeros([NQ], gl.float32, q_l)
-        o0 = gl.zeros([BLOCK, NQ], gl.float32, mma)      # O^T: head dims 0-63 x queries
-        o1 = gl.zeros([BLOCK, NQ], gl.float32, mma)      # dims 64-127
-        keys = gl.arange(0, BLOCK, layout=key_l)
-        for t in range(tiles):
-            stage = t % STAGES
-            j0 = start + t * BLOCK
-            mbarrier.wait(ready.index(stage), (t // STAGES) & 1)
-            sc = gl.zeros([BLOCK, NQ], gl.float32, mma)
-            sc = warpgroup_mma(k_smem.index(stage * CHUNKS), q_smem.index(0).permute((1, 0)), sc, is_async=True)
-            sc = warpgroup_mma(k_smem.index(stage * CHUNKS + 1), q_smem.index(1).permute((1, 0)), sc, is_async=True)
-            sc = warpgroup_mma_wait(num_outstanding=0, deps=(sc, ))
-            live = (j0 + keys < end)[:, None]
-            if FP8:
-                ks = ks_smem.index(stage).load(key_l)
-                sc = gl.where(live, sc * ks[:, None] * qk_q[None, :], float("-inf"))
-            else:
-                sc = gl.where(live, sc * qk_scale, float("-inf"))
-            p, alpha, m_i, l_i, r_i = _softmax_step(sc, m_i, l_i, r_i,
-                                                    vs_smem.index(stage).load(key_l) if FP8 else m_i, 0, FP8)
-            if t > 0:       # (the previous tile's P V read p_smem: done, its wait below returned)
-                gl.thread_barrier()
-            p_smem.store(gl.permute(p.to(dtype), [1, 0]))
-            fence_async_shared()
-            gl.thread_barrier()
-            o0 = warpgroup_mma(v_smem.index(stage * CHUNKS).permute((1, 0)), p_smem.permute((1, 0)),
-                               o0 * alpha[None, :], is_async=True)
-            o1 = warpgroup_mma(v_smem.index(stage * CHUNKS + 1).permute((1, 0)), p_smem.permute((1, 0)),
-                               o1 * alpha[None, :], is_async=True)
-            o0, o1 = warpgroup_mma_wait(num_outstanding=0, deps=(o0, o1))
-            mbarrier.arrive(free.index(stage))
-        factor, lse = _finish(m_i, l_i, r_i, bad | _bad_ids(table_ptr, s, st_s, start, end, num_blocks, PAGE, key_l),
-                              FP8)
-        _store_out(o_ptr, lse_ptr, o0, o1, factor, lse, s, kvh, split, G, so_p, so_s, so_h, sl_p, sl_s, keys,
-                   gl.arange(0, NQ, layout=q_l), True)
-
-    @gluon.jit
-    def _consume(q_ptr, q_smem, p_smem, k_smem, v_smem, ready, free, table_ptr, glens_ptr, o_ptr, lse_ptr, s, kvh,
-                 split, split_len, dcp_size, dcp_rank, interleave, table_w, num_blocks, st_s, sq_s, sq_h, G, qk_scale,
-                 so_p, so_s, so_h, sl_p, sl_s, ks_smem, vs_smem, PAGE: gl.constexpr, STAGES: gl.constexpr,
-                 NQ: gl.constexpr, FP8: gl.constexpr):
-        """The consumer partition: `_consumer_t` where NQ > 0 (swapped operands), else `_consumer`."""
-        if NQ > 0:
-            _consumer_t(q_ptr, q_smem, p_smem, k_smem, v_smem, ready, free, table_ptr, glens_ptr, o_ptr, lse_ptr, s,
-                        kvh, split, split_len, dcp_size, dcp_rank, interleave, table_w, num_blocks, st_s, sq_s, sq_h,
-                        G, qk_scale, so_p, so_s, so_h, sl_p, sl_s, PAGE, STAGES, NQ, ks_smem, vs_smem, FP8)
-        else:
-            _consumer(q_ptr, k_smem, v_smem, ready, free, table_ptr, glens_ptr, o_ptr, lse_ptr, s, kvh, split,
-                      split_len, dcp_size, dcp_rank, interleave, table_w, num_blocks, st_s, sq_s, sq_h, G, qk_scale,
-                      so_p, so_s, so_h, sl_p, sl_s, PAGE, STAGES, ks_smem, vs_smem, FP8)
-
-    @gluon.jit
-    def _swap_buffers(NQ: gl.constexpr, dtype: gl.constexpr):
-        """(q_smem [2, NQ, 64], p_smem [NQ, 64]): the swapped consumer's queries and weights as wgmma
-        B operands (NQ = 0: 8-row placeholders)."""
-        n: gl.constexpr = NQ if NQ > 0 else 8
-        layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([n, BLOCK], dtype)
-        q_smem = gl.allocate_shared_memory(dtype, [CHUNKS, n, BLOCK], layout)
-        p_smem = gl.allocate_shared_memory(dtype, [n, BLOCK], layout)
-        return q_smem, p_smem
+                   gl.arange(0, BLOCK, layout=row_l))
 
     @gluon.jit
     def _ring(n: gl.constexpr, count: gl.constexpr):
@@ -301,8 +187,8 @@ if HAS_GLUON:
     def _gqa_decode_ws_kernel(q_ptr, k_desc, v_desc, k_ptr, v_ptr, table_ptr, glens_ptr, o_ptr, lse_ptr,
                               qk_scale, split_len, G, KV_HEADS, dcp_size, dcp_rank, interleave, table_w, num_blocks,
                               st_s, sq_s, sq_h, sk_b, sk_t, sv_b, sv_t, so_p, so_s, so_h, sl_p, sl_s,
-                              PAGE: gl.constexpr, STAGES: gl.constexpr, NQ: gl.constexpr = 0,
-                              PDL: gl.constexpr = False, AHEAD: gl.constexpr = False):
+                              PAGE: gl.constexpr, STAGES: gl.constexpr, PDL: gl.constexpr = False,
+                              AHEAD: gl.constexpr = False):
         pid = gl.program_id(0)
         split = gl.program_id(1)
         s = pid // KV_HEADS
@@ -312,148 +198,18 @@ if HAS_GLUON:
         v_smem = gl.allocate_shared_memory(gl.bfloat16, [STAGES * CHUNKS, BLOCK, BLOCK], box)
         ready = _ring(STAGES, 1)
         free = _ring(STAGES, 1)
-        q_smem, p_smem = _swap_buffers(NQ, gl.bfloat16)
         fence_async_shared()
         if PDL:     # (launched early: the set-up above overlaps the kernel before)
             _gdc_wait_and_release()
         gl.warp_specialize([
-            (_consume, (q_ptr, q_smem, p_smem, k_smem, v_smem, ready, free, table_ptr, glens_ptr, o_ptr, lse_ptr, s,
-                        kvh, split, split_len, dcp_size, dcp_rank, interleave, table_w, num_blocks, st_s, sq_s, sq_h,
-                        G, qk_scale, so_p, so_s, so_h, sl_p, sl_s, None, None, PAGE, STAGES, NQ, False)),
+            (_consumer, (q_ptr, k_smem, v_smem, ready, free, table_ptr, glens_ptr, o_ptr, lse_ptr, s, kvh, split,
+                         split_len, dcp_size, dcp_rank, interleave, table_w, num_blocks, st_s, sq_s, sq_h, G, qk_scale,
+                         so_p, so_s, so_h, sl_p, sl_s, PAGE, STAGES)),
             (_bf16_loader, (k_desc, v_desc, k_ptr, v_ptr, table_ptr, glens_ptr, k_smem, v_smem, ready, free, s, kvh,
                             split, split_len, dcp_size, dcp_rank, interleave, table_w, num_blocks, st_s, sk_b, sk_t,
                             sv_b, sv_t, PAGE, STAGES, AHEAD)),
         ], [4], [64])
 
-
-    @gluon.jit
-    def _fp8_loader(k_desc, v_desc, table_ptr, glens_ptr, kr_smem, vr_smem, raw_ready, raw_free,
-                    s, kvh, split, split_len, dcp_size, dcp_rank, interleave, table_w, num_blocks, st_s,
-                    PAGE: gl.constexpr, RAW: gl.constexpr):
-        """Whole fp8 boxes by TMA (a tile lies in its page; the converter zeroes what lies past the end).
-        The block ids load four tiles ahead: with one ahead, each tile's TMA waited for an id loaded
-        the tile before, one memory round trip a tile whatever the ring (the bf16 loader keeps one:
-        its 32 KB tiles take as long as the round trip)."""
-        start, end, tiles, bad = _split_range(glens_ptr, s, split, split_len, dcp_size, dcp_rank, interleave,
-                                              table_w, PAGE)
-        b1, b2, b3, b4 = _ids_window(table_ptr, s, st_s, start, tiles, num_blocks, PAGE)
-        for t in range(tiles):
-            stage = t % RAW
-            j0 = start + t * BLOCK
-            blk, b1, b2, b3, b4 = _ids_next(b1, b2, b3, b4, table_ptr, s, st_s, j0, t, tiles, num_blocks, PAGE)
-            if t >= RAW:
-                mbarrier.wait(raw_free.index(stage), ((t // RAW) - 1) & 1)
-            _tma_kv_tile(k_desc, v_desc, blk * PAGE + j0 % PAGE, kvh, raw_ready.index(stage), kr_smem, vr_smem,
-                         stage * CHUNKS)
-
-    @gluon.jit
-    def _scales_of(ks_ptr, vs_ptr, table_ptr, s, st_s, j0, end, kvh, num_blocks, ss_b, ss_t, ss_h, svs_b, svs_t,
-                   svs_h, srows, PAGE: gl.constexpr):
-        """The key and value scales of the tile at local token j0 (0 past the split's end)."""
-        blk = _block_of(table_ptr, s, st_s, j0, j0 < end, num_blocks, PAGE).to(gl.int64)
-        token = ((j0 % PAGE) + srows).to(gl.int64)
-        slive = srows < end - j0
-        ks = gl.load(ks_ptr + blk * ss_b + token * ss_t + kvh * ss_h, mask=slive, other=0.0)
-        vs = gl.load(vs_ptr + blk * svs_b + token * svs_t + kvh * svs_h, mask=slive, other=0.0)
-        return ks, vs
-
-    @gluon.jit
-    def _convert_tile(kr_smem, vr_smem, k_smem, v_smem, rs, stage, rows, valid, blocked: gl.constexpr):
-        """Raw stage rs's fp8 boxes to fp16 in stage `stage`, value rows from `valid` on as zeros."""
-        for c in gl.static_range(CHUNKS):
-            kx = kr_smem.index(rs * CHUNKS + c).load(blocked)
-            vx = vr_smem.index(rs * CHUNKS + c).load(blocked).to(gl.float16)
-            k_smem.index(stage * CHUNKS + c).store(kx.to(gl.float16))
-            if valid < BLOCK:
-                vx = gl.where((rows < valid)[:, None], vx, 0.0)
-            v_smem.index(stage * CHUNKS + c).store(vx)
-
-    @gluon.jit
-    def _converter(ks_ptr, vs_ptr, table_ptr, glens_ptr, kr_smem, vr_smem, k_smem, v_smem, ks_smem, vs_smem,
-                   raw_ready, raw_free, ready, free, s, kvh, split, split_len, dcp_size, dcp_rank, interleave,
-                   table_w, num_blocks, st_s, ss_b, ss_t, ss_h, svs_b, svs_t, svs_h,
-                   PAGE: gl.constexpr, STAGES: gl.constexpr, RAW: gl.constexpr):
-        """Each raw fp8 tile to fp16 in the 16-bit ring (value rows past the end as zeros; key rows there
-        are masked out of the scores), with the tile's key and value scales (0 past the end)."""
-        blocked: gl.constexpr = gl.BlockedLayout([1, 16], [8, 4], [4, 1], [1, 0])
-        rows = gl.arange(0, BLOCK, layout=gl.SliceLayout(1, blocked))
-        vec: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
-        srows = gl.arange(0, BLOCK, layout=vec)
-        start, end, tiles, bad = _split_range(glens_ptr, s, split, split_len, dcp_size, dcp_rank, interleave,
-                                              table_w, PAGE)
-        # (the scales load three tiles ahead: see `_fp8_loader`)
-        k1, v1 = _scales_of(ks_ptr, vs_ptr, table_ptr, s, st_s, start, end, kvh, num_blocks,
-                            ss_b, ss_t, ss_h, svs_b, svs_t, svs_h, srows, PAGE)
-        k2, v2 = _scales_of(ks_ptr, vs_ptr, table_ptr, s, st_s, start + BLOCK, end, kvh, num_blocks,
-                            ss_b, ss_t, ss_h, svs_b, svs_t, svs_h, srows, PAGE)
-        k3, v3 = _scales_of(ks_ptr, vs_ptr, table_ptr, s, st_s, start + 2 * BLOCK, end, kvh, num_blocks,
-                            ss_b, ss_t, ss_h, svs_b, svs_t, svs_h, srows, PAGE)
-        for t in range(tiles):
-            rs = t % RAW
-            stage = t % STAGES
-            j0 = start + t * BLOCK
-            ks = k1
-            vs = v1
-            k1 = k2
-            v1 = v2
-            k2 = k3
-            v2 = v3
-            k3, v3 = _scales_of(ks_ptr, vs_ptr, table_ptr, s, st_s, j0 + 3 * BLOCK, end, kvh, num_blocks,
-                                ss_b, ss_t, ss_h, svs_b, svs_t, svs_h, srows, PAGE)
-            mbarrier.wait(raw_ready.index(rs), (t // RAW) & 1)
-            if t >= STAGES:
-                mbarrier.wait(free.index(stage), ((t // STAGES) - 1) & 1)
-            if j0 + BLOCK <= end:       # (the select cost as much as the conversion: the last tile only)
-                _convert_tile(kr_smem, vr_smem, k_smem, v_smem, rs, stage, rows, BLOCK, blocked)
-            else:
-                _convert_tile(kr_smem, vr_smem, k_smem, v_smem, rs, stage, rows, end - j0, blocked)
-            ks_smem.index(stage).store(ks)
-            vs_smem.index(stage).store(vs)
-            fence_async_shared()
-            gl.thread_barrier()
-            mbarrier.arrive(raw_free.index(rs))
-            mbarrier.arrive(ready.index(stage))
-
-    @gluon.jit
-    def _gqa_decode_ws_fp8_kernel(q_ptr, k_desc, v_desc, ks_ptr, vs_ptr, table_ptr, glens_ptr, o_ptr, lse_ptr,
-                                  qk_scale, split_len, G, KV_HEADS, dcp_size, dcp_rank, interleave, table_w,
-                                  num_blocks, st_s, sq_s, sq_h, ss_b, ss_t, ss_h, svs_b, svs_t, svs_h,
-                                  so_p, so_s, so_h, sl_p, sl_s, PAGE: gl.constexpr, STAGES: gl.constexpr,
-                                  RAW: gl.constexpr, NQ: gl.constexpr = 0, PDL: gl.constexpr = False):
-        pid = gl.program_id(0)
-        split = gl.program_id(1)
-        s = pid // KV_HEADS
-        kvh = pid % KV_HEADS
-        raw_box: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK, BLOCK], gl.float8e4nv)
-        box: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK, BLOCK], gl.float16)
-        vec: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[0])
-        kr_smem = gl.allocate_shared_memory(gl.float8e4nv, [RAW * CHUNKS, BLOCK, BLOCK], raw_box)
-        vr_smem = gl.allocate_shared_memory(gl.float8e4nv, [RAW * CHUNKS, BLOCK, BLOCK], raw_box)
-        k_smem = gl.allocate_shared_memory(gl.float16, [STAGES * CHUNKS, BLOCK, BLOCK], box)
-        v_smem = gl.allocate_shared_memory(gl.float16, [STAGES * CHUNKS, BLOCK, BLOCK], box)
-        ks_smem = gl.allocate_shared_memory(gl.float32, [STAGES, BLOCK], vec)
-        vs_smem = gl.allocate_shared_memory(gl.float32, [STAGES, BLOCK], vec)
-        raw_ready = _ring(RAW, 1)
-        raw_free = _ring(RAW, 1)
-        ready = _ring(STAGES, 1)
-        free = _ring(STAGES, 1)
-        q_smem, p_smem = _swap_buffers(NQ, gl.float16)
-        fence_async_shared()
-        if PDL:     # (launched early: the set-up above overlaps the kernel before)
-            _gdc_wait_and_release()
-        gl.warp_specialize([
-            (_consume, (q_ptr, q_smem, p_smem, k_smem, v_smem, ready, free, table_ptr, glens_ptr, o_ptr, lse_ptr,
-                        s, kvh, split, split_len, dcp_size, dcp_rank, interleave, table_w, num_blocks, st_s, sq_s,
-                        sq_h, G, qk_scale, so_p, so_s, so_h, sl_p, sl_s, ks_smem, vs_smem, PAGE, STAGES, NQ,
-                        True)),
-            (_converter, (ks_ptr, vs_ptr, table_ptr, glens_ptr, kr_smem, vr_smem, k_smem, v_smem, ks_smem,
-                          vs_smem, raw_ready, raw_free, ready, free, s, kvh, split, split_len, dcp_size,
-                          dcp_rank, interleave, table_w, num_blocks, st_s, ss_b, ss_t, ss_h, svs_b, svs_t, svs_h,
-                          PAGE, STAGES, RAW)),
-            (_fp8_loader, (k_desc, v_desc, table_ptr, glens_ptr, kr_smem, vr_smem, raw_ready, raw_free, s, kvh,
-                           split, split_len, dcp_size, dcp_rank, interleave, table_w, num_blocks, st_s, PAGE,
-                           RAW)),
-        ], [4, 1], [96, 24])
 
 
 if HAS_GLUON:
@@ -777,7 +533,7 @@ def direct_stages(g: int, raw: int) -> int:
     """The direct fp8 kernel's raw stages for g query heads per kv head: the configured `raw`, at least
     DIRECT_MIN_STAGES, cut to what shared memory holds beside the queries' two e4m3 parts, the weights'
     two steps of four buffers and 1 KB of the compiler's scratch (0: the kernel does not apply, or `raw`
-    0: the converter's form)."""
+    is 0: off)."""
     if g > DIRECT_MAX_G or raw <= 0:
         return 0
     nq = max(8, 1 << (g - 1).bit_length())
@@ -812,55 +568,44 @@ def gluon_gqa_ok(q: Tensor, k: Tensor, v: Tensor, tq: int, k_scale: Tensor | Non
 
 def launch_gluon_gqa(q: Tensor, k: Tensor, v: Tensor, table: Tensor, seq_lens: Tensor, o: Tensor, lse: Tensor,
                      scale_log2: float, splits: int, split_len: int, dcp_size: int, dcp_rank: int, interleave: int,
-                     k_scale: Tensor | None = None, v_scale: Tensor | None = None, stages: int = 3,
-                     raw_stages: int = 6, fp16_stages: int = 2, swap: bool = False, direct: int = 0,
+                     k_scale: Tensor | None = None, v_scale: Tensor | None = None, stages: int = 3, direct: int = 8,
                      pdl: bool = False, paired: bool = False, ahead: bool = False) -> None:
-    """Fill the split partials o [splits, S, 1, Hq, 128] / lse [splits, S, 1, Hq] (`gluon_gqa_ok`).
-    stages: the bf16 ring's (32 KB each, at most 6); over fp8, raw_stages: the raw ring's (16 KB
-    each) and fp16_stages: the 16-bit ring after the converter (2 or 4), both cut to what shared
-    memory holds beside the compiler's scratch. swap: the consumer with swapped operands. direct:
-    over fp8, the direct kernel (no converter) with this many raw stages, cut to `direct_stages`
-    (where none apply, more than 32 query heads a kv head: the converter's form); paired: its output's
-    dim pairs stored together; ahead: the loader's first block ids loaded beside the length (the direct
-    and the bf16 kernels). pdl:
-    launched with programmatic dependent launch (`triton_merge.pdl_ok`)."""
+    """Fill the split partials o [splits, S, Tq, Hq, 128] / lse [splits, S, Tq, Hq] (`gluon_gqa_ok`).
+    stages: the bf16 ring's (32 KB each, at most 6); direct: over fp8, the direct kernel's raw stages,
+    cut to `direct_stages` (ValueError where none apply: more than DIRECT_MAX_G columns of tokens x
+    query heads a kv head); paired: its output's dim pairs stored together; ahead: the loader's first
+    block ids loaded beside the length. pdl: launched with programmatic dependent launch
+    (`triton_merge.pdl_ok`)."""
     s, tq, hq, d = q.shape
     nb, page, hkv = k.shape[0], k.shape[1], k.shape[2]
     fp8 = k.dtype == torch.float8_e4m3fn
-    direct = direct_stages(tq * (hq // hkv), direct) if fp8 else 0
-    if tq > 1 and not direct:
-        raise ValueError(f"the Gluon GQA kernels take {tq} query tokens only in the direct fp8 form (at most "
-                         f"{DIRECT_MAX_G} columns: tokens x heads a kv head), got a {k.dtype} cache and "
-                         f"{tq} x {hq // hkv} columns")
-    nq = max(8, 1 << (tq * (hq // hkv) - 1).bit_length()) if swap or direct else 0  # (columns to a power of two)
+    raw = direct_stages(tq * (hq // hkv), direct) if fp8 else 0
+    if fp8 and not raw:
+        raise ValueError(f"the Gluon GQA kernel over fp8 takes at most {DIRECT_MAX_G} columns (tokens x query heads "
+                         f"a kv head) and >= {DIRECT_MIN_STAGES} raw stages; got {tq} x {hq // hkv} columns, "
+                         f"direct={direct}")
+    if tq > 1 and not fp8:
+        raise ValueError(f"the Gluon GQA kernel over bf16 takes one query token, got {tq}")
     launch = {"PDL": True, "launch_pdl": True} if pdl else {}
-    if direct:
+    k2, v2 = k.view(nb * page, hkv * d), v.view(nb * page, hkv * d)
+    if fp8:
+        nq = max(8, 1 << (tq * (hq // hkv) - 1).bit_length())   # (columns to a power of two)
         lbox = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=8, rank=2)
-        k2, v2 = k.view(nb * page, hkv * d), v.view(nb * page, hkv * d)
         k_desc = TensorDescriptor(k2, list(k2.shape), list(k2.stride()), [_BLOCK, _HEAD_DIM], lbox)
         v_desc = TensorDescriptor(v2, list(v2.shape), list(v2.stride()), [_BLOCK, _HEAD_DIM], lbox)
         _gqa_decode_direct_kernel[(s * hkv, splits)](
             q, k_desc, v_desc, k_scale, v_scale, table, seq_lens, o, lse, scale_log2, split_len, hq // hkv, hkv, tq,
             dcp_size, dcp_rank, interleave, table.shape[1], nb, table.stride(0), q.stride(0), q.stride(1),
             q.stride(2), *k_scale.stride(), *v_scale.stride(), o.stride(0), o.stride(1), o.stride(2), o.stride(3),
-            lse.stride(0), lse.stride(1), lse.stride(2), PAGE=page, RAW=direct, NQ=nq, CAUSAL=tq > 1,
+            lse.stride(0), lse.stride(1), lse.stride(2), PAGE=page, RAW=raw, NQ=nq, CAUSAL=tq > 1,
             PAIRED=bool(paired), AHEAD=bool(ahead), num_warps=4, **launch)
         return
-    box = gl.NVMMASharedLayout.get_default_for([_BLOCK, _BLOCK], gl.float8e4nv if fp8 else gl.bfloat16)
     # [blocks * page, kv heads * 128]: a tile of kv head h is the boxes at columns h * 128 + 0 / 64
-    k2, v2 = k.view(nb * page, hkv * d), v.view(nb * page, hkv * d)
+    box = gl.NVMMASharedLayout.get_default_for([_BLOCK, _BLOCK], gl.bfloat16)
     k_desc = TensorDescriptor(k2, list(k2.shape), list(k2.stride()), [_BLOCK, _BLOCK], box)
     v_desc = TensorDescriptor(v2, list(v2.shape), list(v2.stride()), [_BLOCK, _BLOCK], box)
-    common = (table, seq_lens, o, lse, scale_log2, split_len, hq // hkv, hkv, dcp_size, dcp_rank, interleave,
-              table.shape[1], nb, table.stride(0), q.stride(0), q.stride(2))
-    tail = (o.stride(0), o.stride(1), o.stride(3), lse.stride(0), lse.stride(1))
-    if fp8:     # (shared memory: raw x 16 KB + fp16 x 32 KB + <= 24 KB of scratch <= 227 KB)
-        fp16_stages = 4 if fp16_stages >= 4 else 2
-        raw = max(2, min(raw_stages, (203 - 32 * fp16_stages) // 16))
-        _gqa_decode_ws_fp8_kernel[(s * hkv, splits)](
-            q, k_desc, v_desc, k_scale, v_scale, *common, *k_scale.stride(), *v_scale.stride(), *tail,
-            PAGE=page, STAGES=fp16_stages, RAW=raw, NQ=nq, num_warps=4, **launch)
-    else:
-        _gqa_decode_ws_kernel[(s * hkv, splits)](
-            q, k_desc, v_desc, k, v, *common, k.stride(0), k.stride(1), v.stride(0), v.stride(1), *tail,
-            PAGE=page, STAGES=min(stages, 6), NQ=nq, AHEAD=bool(ahead), num_warps=4, **launch)
+    _gqa_decode_ws_kernel[(s * hkv, splits)](
+        q, k_desc, v_desc, k, v, table, seq_lens, o, lse, scale_log2, split_len, hq // hkv, hkv, dcp_size, dcp_rank,
+        interleave, table.shape[1], nb, table.stride(0), q.stride(0), q.stride(2), k.stride(0), k.stride(1),
+        v.stride(0), v.stride(1), o.stride(0), o.stride(1), o.stride(3), lse.stride(0), lse.stride(1),
+        PAGE=page, STAGES=min(stages, 6), AHEAD=bool(ahead), num_warps=4, **launch)

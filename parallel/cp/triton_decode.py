@@ -45,8 +45,7 @@ Structure options (CONFIG, 0/1, off until the GPU probe measures them; `launch_s
   loader ring and one consumer warpgroup over bf16; one CTA per SM, so splits planned to at most
   `target_programs_gluon_gqa` programs); over fp8 to its direct form (`direct_gluon_gqa_fp8` raw
   stages, no converter; a speculative step's tokens too, up to 32 columns of tokens x heads),
-  where that does not apply to the Triton kernel; its ring depths and operand order
-  (`swap_gluon_gqa*`) are CONFIG entries too.
+  where that does not apply to the Triton kernel; the bf16 ring's depth is `stages_gluon_gqa`.
 - `dcp_constexpr` (on): the DCP group size and interleave built into the kernel (one build per
   group), whose loop then compiles as the group-of-one build's.
 - `pdl` (on where the device and Triton allow it: `triton_merge.pdl_ok`): programmatic dependent
@@ -723,12 +722,12 @@ CONFIG = {
     # decode-gluon12-fold-h200.json): 69.3 / 210.8 / 795.3 µs -> 70.7 / 214.4 / 837.8, max error
     # against the torch path 2.8e-4 -> 3.2e-3 (one more fp16 rounding of the keys)
     "raw_ring_wide_fp8": 2, "keys_wide_fp8": 32, "ring_wide_fp8": 2,
-    # GQA (head dim 128, one query token, bf16 queries) through the warp-specialized Gluon kernel
-    # (`gluon_gqa`: a TMA loader with a ring of 64-key tiles, over fp8 a converter
-    # warpgroup to fp16, one consumer warpgroup), per cache dtype, where `gluon_gqa_ok` holds; one
-    # CTA per SM (bf16: 255 registers a thread over 8 warps, 106 KB of shared memory with 3 stages;
-    # fp8: 173 KB), so splits are planned to at most target_programs_gluon_gqa programs (B 32 x 4
-    # kv heads: one split, no merge)
+    # GQA (head dim 128, one query token, bf16 queries) through the warp-specialized Gluon kernels
+    # (`gluon_gqa`: over bf16 a TMA loader with a ring of 64-key tiles and one consumer warpgroup, over
+    # fp8 the direct kernel below), per cache dtype, where `gluon_gqa_ok` holds; one CTA per SM (bf16:
+    # 255 registers a thread over 8 warps, 106 KB of shared memory with 3 stages), so splits are
+    # planned to at most target_programs_gluon_gqa programs (B 32 x 4 kv heads: one split, no merge).
+    # Their history: a converter warpgroup to an fp16 ring over fp8 first, then the direct form
     # bench/debug/decode_gluon_gqa.py (2026-12-04, the runs of bench/results/logs/
     # decode-gluon-gqa{,2,3}-h200.json; Hq 32 / Hkv 4, B 32, 1/4 of 8K / 32K / 128K, step_time): bf16
     # Triton 38.2-39.3 / 126.9-129.7 / 476-492 µs -> Gluon 35.4-35.8 / 121.2-123.9 / 475.3-476.2 with
@@ -739,21 +738,12 @@ CONFIG = {
     # 518-527 against Triton 33.4-34.3 / 102.3-103.5 / 380-394. Over fp8 it now runs the direct form
     # (direct_gluon_gqa_fp8 below), which beats the Triton kernel everywhere measured
     "gluon_gqa": 1, "gluon_gqa_fp8": 1, "target_programs_gluon_gqa": 132,
-    # its ring: 16-bit stages over bf16 (32 KB each), raw fp8 stages over fp8 (16 KB each; two
-    # fp16 stages after the converter)
-    "stages_gluon_gqa": 3, "raw_stages_gluon_gqa": 6,
-    # over fp8: the fp16 ring after the converter (2 or 4 stages). decode-gluon-gqa4-h200.json (1/4
-    # of 8K / 32K / 128K): 2 stages with 6 raw stages 43.7 / 150.9 µs; 4 stages 40.0 / 139.4 (Triton
-    # 33.4 / 101.8 / 398.0)
-    "stages_gluon_gqa_fp8": 2,
-    # the consumer with swapped operands (S^T = K Q^T, O^T += V^T P^T: accumulators of the kv head's
-    # query columns only, not of 64 padded rows), per cache dtype. decode-gluon-gqa5-h200.json: bf16
-    # 35.6 / 125.5 / 485.3 µs against 35.9 / 125.8 / 477.1 unswapped; fp8 147-150 at 32K
-    "swap_gluon_gqa": 0, "swap_gluon_gqa_fp8": 0,
+    # its ring over bf16: 16-bit stages of 32 KB each
+    "stages_gluon_gqa": 3,
     # over fp8, the direct kernel (`gluon_gqa._gqa_decode_direct_kernel`: no converter, the raw tile's
     # key bytes into fp8 score MMAs against the queries' e4m3 hi + lo parts, its value bytes read
     # transposed into the value MMA's A operand, tiles in steps of four) with this many raw stages of
-    # 16 KB (0: the converter's form; at least 8); more than 32 columns (query heads a kv head times a
+    # 16 KB (at least 8; 0: the Triton kernel); more than 32 columns (query heads a kv head times a
     # speculative step's tokens) run the Triton kernel. bench/debug/decode_gluon_gqa.py (2026-12-04 evening, DGQA_SET=fp8; B 32, 1/4 of 8K /
     # 32K / 128K, step_time; bench/results/logs/decode-gluon-gqa-direct*-h200.json): Triton 33.4 / 98.9 /
     # 360.3 µs, the converter's Gluon form 39.0 / 136.9, direct 8 / 10 / 12 stages 25.6 / 73.1 / 263.0,
@@ -763,7 +753,12 @@ CONFIG = {
     # 2026-12-04 19:32): direct 8 / 10 / 12 stages 22.9 / 69.4 / 252.2-253.9, 23.9 / 70.0, 24.4 / 70.8 /
     # 255.2-257.5 µs (Triton 33.1 / 98.6 / 361.4): 8
     "direct_gluon_gqa_fp8": 8,
-    # Removed after their runs (code in the history): block ids four tiles ahead in the bf16 GQA
+    # Removed after their runs (code in the history): the converter's form over fp8 (a converter
+    # warpgroup from a raw ring of 6 to an fp16 ring of 2 or 4 stages: 39.0-43.7 / 136.9-150.9 µs at 1/4
+    # of 8K / 32K against the Triton kernel's 33.4 / 101.8, decode-gluon-gqa4-h200.json; removed after
+    # 78e902e, as CONFIG raw_stages_gluon_gqa / stages_gluon_gqa_fp8), the consumer with swapped operands
+    # (S^T = K Q^T; swap_gluon_gqa / _fp8, decode-gluon-gqa5-h200.json: bf16 35.6 / 125.5 / 485.3 µs
+    # against 35.9 / 125.8 / 477.1 unswapped, fp8 147-150 at 32K; removed after 78e902e), block ids four tiles ahead in the bf16 GQA
     # loader and in the MLA loader and converter (CONFIG ids_ahead_gluon_gqa / ids_ahead_wide, removed
     # after 918617a; 2026-12-04 afternoon: GQA 35.1 / 121.4 µs against 35.0 / 121.9 with one ahead, MLA
     # 16 heads 29.8 / 81.3 / 319.2 against 29.4 / 83.1 / 307.0, 128 heads at 32K 146.8 against
@@ -980,7 +975,7 @@ _VALID = {
     "lazy_rescale": (0, 1), "pdl": (0, 1), "dcp_constexpr": (0, 1), "halves": (0, 1), "tma": (0, 1),
     "diag": (0, 1, 2, 3), "f16": (0, 1),
     "gluon_wide": (0, 1), "gluon_wide_fp8": (0, 1), "gluon_wide_narrow": (0, 1), "gluon_wide_narrow_fp8": (0, 1),
-    "gluon_gqa": (0, 1), "gluon_gqa_fp8": (0, 1), "stages": range(2, 7), "raw_stages": range(2, 11),
+    "gluon_gqa": (0, 1), "gluon_gqa_fp8": (0, 1), "stages": range(2, 7),
     "swap": (0, 1), "raw_ring": (0, 1, 2, 3, 4), "keys": (32, 64), "ring": (1, 2, 3),
     "maxnreg": (0, *range(64, 256, 8)), "at_most": (0, 1), "stage16": (0, 1, 2), "even": (0, 1), "rope_raw": (0, 1),
     "direct": range(0, 13), "fp8_scores": (0, 1), "pipe": (0, 1),
@@ -1162,14 +1157,13 @@ def paged_decode_triton(q: Tensor, k: Tensor, v: Tensor, k_scale: Tensor | None,
     if gluon:       # (its tiles: 64 keys, 64 heads, the head tile padded where there are fewer; one CTA
         block_n, block_m = gluon_mla.TILE, gluon_mla.TILE      # per SM, so full tiles' split targets)
         cfg = dict(cfg, at_most=1, target_programs=CONFIG["target_programs_wide_fp8" if fp8 else "target_programs_wide"])
-    # (over fp8 the Gluon kernel where its direct form applies, or where the converter's form is asked for
-    # (direct_gluon_gqa_fp8 0): more than 32 heads a kv head run the Triton kernel, faster than the converter)
-    # (and a speculative step's tokens, up to 32 columns of tokens x heads, in the direct form only)
+    # (over fp8 the Gluon kernel where its direct form applies, a speculative step's tokens too, up to 32
+    # columns of tokens x heads; more than that, or direct_gluon_gqa_fp8 0, run the Triton kernel)
     direct_raw = CONFIG["direct_gluon_gqa_fp8"]
-    direct_cols = fp8 and direct_raw and gluon_gqa.direct_stages(tq * g, direct_raw) > 0
+    direct_cols = fp8 and gluon_gqa.direct_stages(tq * g, direct_raw) > 0
     gqa_ws = (not gluon and CONFIG["gluon_gqa_fp8" if fp8 else "gluon_gqa"] and not impl.interpreting()
-              and gluon_gqa.gluon_gqa_ok(q, k, v, tq, k_scale, v_scale, max_tq=8 if direct_cols else 1)
-              and not (fp8 and direct_raw and not direct_cols))
+              and (direct_cols or not fp8)
+              and gluon_gqa.gluon_gqa_ok(q, k, v, tq, k_scale, v_scale, max_tq=8 if direct_cols else 1))
     if gqa_ws:      # (64-key tiles, a kv head's query rows padded to 64; one CTA per SM)
         block_n, block_m = gluon_gqa.TILE, gluon_gqa.TILE
         cfg = dict(cfg, at_most=1, target_programs=CONFIG["target_programs_gluon_gqa"])
@@ -1214,10 +1208,7 @@ def paged_decode_triton(q: Tensor, k: Tensor, v: Tensor, k_scale: Tensor | None,
     elif s > 0 and splits > 0 and gqa_ws:
         gluon_gqa.launch_gluon_gqa(q, k, v, table, seq_lens, o, lse, scale * _LOG2E, splits, split_len, dcp_size,
                                    dcp_rank, interleave, k_scale if fp8 else None, v_scale if fp8 else None,
-                                   stages=CONFIG["stages_gluon_gqa"], raw_stages=CONFIG["raw_stages_gluon_gqa"],
-                                   fp16_stages=CONFIG["stages_gluon_gqa_fp8"],
-                                   swap=bool(CONFIG["swap_gluon_gqa_fp8" if fp8 else "swap_gluon_gqa"]),
-                                   direct=direct_raw if fp8 else 0, pdl=pdl, **direct_opts)
+                                   stages=CONFIG["stages_gluon_gqa"], direct=direct_raw, pdl=pdl, **direct_opts)
     elif s > 0 and splits > 0:
         _paged_decode_kernel[(programs, splits)](
             q, k, v, ks, vs, table, seq_lens, o, lse,
