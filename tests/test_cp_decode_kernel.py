@@ -727,8 +727,8 @@ def test_gluon_mla_narrow_swapped_on_gpu(dtype, size, rank, heads, tq, monkeypat
     12 heads (columns past them padding), and a speculative step's 2-4 query tokens (causal within
     the step, over DCP's interleaved positions): against the torch path and the kernel it replaces
     (the padded-tile Gluon one, or the Triton one for several tokens; rounding apart), over fp8 its
-    ring forms bit-identical; a bad block id gives NaN rows of that sequence only; a CUDA graph
-    replays it to the same result."""
+    direct form at other raw depths bit-identical; a bad block id gives NaN rows of that sequence
+    only; a CUDA graph replays it to the same result."""
     td = _compiled(monkeypatch)
     from parallel.cp import gluon_mla, gluon_mla_narrow
 
@@ -760,59 +760,32 @@ def test_gluon_mla_narrow_swapped_on_gpu(dtype, size, rank, heads, tq, monkeypat
     # the loader's first block ids loaded beside the length (bf16, and over fp8 the direct form where
     # installed): the same result
     _same_when_flipped(monkeypatch, td, "ids_ahead", lambda: run(cache, table), got)
-    # (over fp8 the direct form's scores as fp8 MMAs, where installed, round the queries differently)
-    f8 = fp8 and bool(td.CONFIG["fp8_scores_wide_narrow_fp8"] and td.CONFIG["direct_wide_narrow_fp8"])
-    torch.testing.assert_close(got.out, padded.out, atol=4e-3 if f8 else 2e-3 if fp8 else 1e-3, rtol=0)
-    torch.testing.assert_close(got.lse, padded.lse, atol=4e-3 if f8 else 1e-4, rtol=0)
-    if fp8:     # the direct form (installed: no converter) at other raw depths: the same MMAs in the same
-        # order, the same result. Its scores as fp16 MMAs (A converted in registers) and as fp8 MMAs (the
-        # queries as e4m3 hi + lo parts): each against the torch path, and within that split's rounding of
-        # each other (measured on the H200: lse 2.2e-3, out 1.5e-3 at most). The converter's ring forms
-        # (the rope box's scores from the raw stage where it fits) the same result among themselves, and
-        # the fp16 direct form's up to the order of the scores' sums (even and odd dims apart there)
-        direct, f8 = td.CONFIG["direct_wide_narrow_fp8"], td.CONFIG["fp8_scores_wide_narrow_fp8"]
-        direct32 = td.CONFIG["direct_wide_narrow_fp8_32"]
-        applies = gluon_mla_narrow.direct_stages(tq * heads, direct) > 0
-        assert all(kw["direct"] == applies and kw["fp8_scores"] == bool(f8) for kw in used)
-        for raw in (1, 3) if applies else ():     # (over more than 16 columns, direct_wide_narrow_fp8_32's)
+    # (over fp8 the direct form's scores as fp8 MMAs round the queries differently)
+    torch.testing.assert_close(got.out, padded.out, atol=4e-3 if fp8 else 1e-3, rtol=0)
+    torch.testing.assert_close(got.lse, padded.lse, atol=4e-3 if fp8 else 1e-4, rtol=0)
+    if fp8:     # the direct form (the only one over fp8) at other raw depths: the same MMAs in the same
+        # order, the same result; with direct_wide_narrow_fp8 0 the padded-tile kernel runs instead
+        direct, direct32 = td.CONFIG["direct_wide_narrow_fp8"], td.CONFIG["direct_wide_narrow_fp8_32"]
+        assert all(kw["raw"] == gluon_mla_narrow.direct_stages(tq * heads, direct if tq * heads <= 16 else direct32)
+                   for kw in used)
+        for raw in (1, 3):     # (over more than 16 columns, direct_wide_narrow_fp8_32's)
             monkeypatch.setitem(td.CONFIG, "direct_wide_narrow_fp8", raw)
             monkeypatch.setitem(td.CONFIG, "direct_wide_narrow_fp8_32", raw)
             other = run(cache, table)
             torch.testing.assert_close(other.out, got.out, atol=0, rtol=0)
             torch.testing.assert_close(other.lse, got.lse, atol=0, rtol=0)
-            # the next tile's score MMAs issued before this tile's softmax (CONFIG pipe_wide_narrow_fp8; with
-            # fp8 scores, at least 2 raw stages, at most 16 columns) or after it: the same MMAs and sums
+            # the next tile's score MMAs issued before this tile's softmax (CONFIG pipe_wide_narrow_fp8; at
+            # least 2 raw stages, at most 16 columns) or after it: the same MMAs and sums
             _same_when_flipped(monkeypatch, td, "pipe_wide_narrow_fp8", lambda: run(cache, table), got)
-        monkeypatch.setitem(td.CONFIG, "direct_wide_narrow_fp8", direct)
         monkeypatch.setitem(td.CONFIG, "direct_wide_narrow_fp8_32", direct32)
-        if applies:     # the output's dim pairs stored together: the same values, the same result
-            _same_when_flipped(monkeypatch, td, "paired_store_direct_fp8", lambda: run(cache, table), got)
-        forms = {f8: got}
-        if applies:
-            monkeypatch.setitem(td.CONFIG, "fp8_scores_wide_narrow_fp8", 1 - f8)
-            forms[1 - f8] = run(cache, table)
-            _check_against_torch(forms[1 - f8], ref, 1)
-            torch.testing.assert_close(forms[1].out, forms[0].out, atol=4e-3, rtol=0)
-            torch.testing.assert_close(forms[1].lse, forms[0].lse, atol=4e-3, rtol=0)
-            monkeypatch.setitem(td.CONFIG, "fp8_scores_wide_narrow_fp8", f8)
+        # the output's dim pairs stored together: the same values, the same result
+        _same_when_flipped(monkeypatch, td, "paired_store_direct_fp8", lambda: run(cache, table), got)
+        used.clear()
         monkeypatch.setitem(td.CONFIG, "direct_wide_narrow_fp8", 0)
-        installed = {k: td.CONFIG[f"{k}_wide_narrow_fp8"] for k in ("ring", "raw_ring", "rope_raw")}
-        first = None
-        for ring, raw, rope in ((2, 1, 0), (1, 3, 0), (2, 2, 1), (2, 1, 1)):
-            for key, value in (("ring", ring), ("raw_ring", raw), ("rope_raw", rope)):
-                monkeypatch.setitem(td.CONFIG, f"{key}_wide_narrow_fp8", value)
-            if not gluon_mla_narrow.fp8_fits(heads, ring, raw, bool(rope)):
-                continue
-            other = run(cache, table)
-            if first is None:
-                first = other
-                fp16 = forms.get(0, got)    # (32 columns at most five raw stages: the direct form runs there)
-                torch.testing.assert_close(other.out, fp16.out, atol=2e-3, rtol=0)
-                torch.testing.assert_close(other.lse, fp16.lse, atol=1e-4 if 0 in forms else 4e-3, rtol=0)
-            torch.testing.assert_close(other.out, first.out, atol=0, rtol=0)
-            torch.testing.assert_close(other.lse, first.lse, atol=0, rtol=0)
-        for key, value in installed.items():
-            monkeypatch.setitem(td.CONFIG, f"{key}_wide_narrow_fp8", value)
+        off = run(cache, table)
+        assert not used, "direct_wide_narrow_fp8 0 still launched the swapped fp8 kernel"
+        torch.testing.assert_close(off.out, padded.out, atol=0, rtol=0)
+        torch.testing.assert_close(off.lse, padded.lse, atol=0, rtol=0)
         monkeypatch.setitem(td.CONFIG, "direct_wide_narrow_fp8", direct)
     bad = table.clone()
     bad[5, 0] = nb + 7
@@ -836,28 +809,15 @@ def test_narrow_mla_tiles_of_several_tokens_get_more_warps(monkeypatch):
     assert td.launch_settings(128, bf16, fp8, 32)["num_warps"] == td.CONFIG["num_warps_fp8"]
 
 
-def test_narrow_mla_fp8_rings_that_do_not_fit_are_refused():
-    """The swapped kernel's fp8 shared memory (`gluon_mla_narrow.fp8_fits`): two 64-key fp16 stages and
-    one raw one fit at 16 and 32 heads, two raw ones do not, nor more than 32 heads; the launcher
-    refuses a form that does not fit with its numbers, before building anything."""
+def test_narrow_mla_columns_and_where_the_swapped_kernel_applies():
+    """The swapped kernel's columns (heads rounded up to a power of two, at least 8) and its
+    conditions: at most 32 query rows, over fp8 contiguous scales (its loader brings them by TMA)."""
     from parallel.cp import gluon_mla_narrow as gn
 
-    assert gn.fp8_fits(16, 2, 1) and gn.fp8_fits(32, 2, 1) and gn.fp8_fits(16, 1, 3)
-    assert not gn.fp8_fits(16, 2, 2) and not gn.fp8_fits(64, 1, 1) and not gn.fp8_fits(16, 0, 3)
-    assert gn.fp8_fits(16, 2, 2, rope_raw=True) and not gn.fp8_fits(32, 2, 2, rope_raw=True)
-    # the dispatcher's form per head count: rope from the raw stage where it fits, raw stages cut
-    assert gn.fp8_form(16, 2, 2, True) == (2, 2, True) and gn.fp8_form(32, 2, 2, True) == (2, 1, False)
-    assert gn.fp8_form(16, 2, 2, False) == (2, 1, False) and gn.fp8_form(8, 1, 3, False) == (1, 3, False)
     assert [gn.columns(h) for h in (1, 8, 12, 16, 17, 32)] == [8, 8, 16, 16, 32, 32]
     assert not gn.narrow_ok(64, torch.zeros(1, dtype=torch.bfloat16), None)
     assert not gn.narrow_ok(16, torch.zeros(1, dtype=torch.float8_e4m3fn), torch.ones(4, 2, 1)[:, :1])
-    if gn.HAS_GLUON:
-        k = torch.zeros(4, 64, 1, 576, dtype=torch.float8_e4m3fn)
-        q = torch.zeros(1, 1, 16, 576, dtype=torch.bfloat16)
-        with pytest.raises(ValueError, match="1 x 16 query rows, 2 fp16 and 2 raw stages of 64 keys .rope from the raw "
-                                             "stage: False"):
-            gn.launch(q, k, torch.zeros(1, 4, dtype=torch.int32), torch.ones(1), None, None, 0.1, 1, 256, 1, 0, 1,
-                      torch.ones(4, 64, 1), ring=2, raw=2)
+    assert gn.narrow_ok(16, torch.zeros(1, dtype=torch.float8_e4m3fn), torch.ones(4, 2, 1)) == gn.HAS_GLUON
 
 
 def test_fp8_query_parts_hold_bf16_queries():
@@ -904,15 +864,15 @@ def test_direct_narrow_mla_fp8_stages_fit_shared_memory():
     assert not gn.direct_fits(33, 1) and not gn.direct_fits(16, 0)
     assert gn.direct_stages(16, 5) == 5 and gn.direct_stages(32, 9) == 5 and gn.direct_stages(16, 0) == 0
     assert gn.direct_stages(64, 5) == 0
-    # tile pairs: fp8 scores, two raw stages (a pair's tiles) and at most 16 columns (at 32 they spilled)
-    assert gn.pairs_apply(16, 2, True) and gn.pairs_apply(8, 5, True)
-    assert not (gn.pairs_apply(32, 5, True) or gn.pairs_apply(16, 1, True) or gn.pairs_apply(16, 5, False))
+    # tile pairs: two raw stages (a pair's tiles) and at most 16 columns (at 32 they spilled)
+    assert gn.pairs_apply(16, 2) and gn.pairs_apply(8, 5)
+    assert not (gn.pairs_apply(32, 5) or gn.pairs_apply(16, 1))
     if gn.HAS_GLUON:
         k = torch.zeros(4, 64, 1, 576, dtype=torch.float8_e4m3fn)
         q = torch.zeros(1, 1, 16, 576, dtype=torch.bfloat16)
         with pytest.raises(ValueError, match="direct fp8 MLA kernel with 1 x 16 query rows and 6 raw stages"):
             gn.launch(q, k, torch.zeros(1, 4, dtype=torch.int32), torch.ones(1), None, None, 0.1, 1, 256, 1, 0, 1,
-                      torch.ones(4, 64, 1), raw=6, direct=True)
+                      torch.ones(4, 64, 1), raw=6)
 
 
 def test_gluon_gqa_applies_only_to_its_layout():

@@ -22,10 +22,9 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def _build(name: str) -> dict:
-    """(child process) Compile one kernel ("mla-bf16", "mla-fp8", "gqa-bf16", "gqa-fp8"; "-swap": the GQA
-    kernel's swapped-operand consumer; "-raw1" / "-raw2": the fp8 MLA kernel's raw TMA ring, "-k32r2raw4":
-    with 32-key tiles and two fp16 stages) for
-    sm_90a: shared bytes, ptxas spill bytes, PTX markers."""
+    """(child process) Compile one kernel ("mla-bf16", "mla-fp8", "gqa-bf16", "gqa-fp8-directRAW-NQ",
+    "mlan-..."; "-raw1" / "-raw2": the fp8 MLA kernel's raw TMA ring, "-k32r2raw4": with 32-key tiles and
+    two fp16 stages) for sm_90a: shared bytes, ptxas spill bytes, PTX markers."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon import language as gl
@@ -43,22 +42,16 @@ def _build(name: str) -> dict:
     ptrs = {"table_ptr": "*i32", "glens_ptr": "*i64", "o_ptr": "*fp32", "lse_ptr": "*fp32", "qk_scale": "fp32"}
     box = gl.NVMMASharedLayout.get_default_for([64, 64], gl.float8e4nv if fp8 else gl.bfloat16)
     desc = f"tensordesc<{'fp8e4nv' if fp8 else 'bf16'}[64, 64],{box}>"
-    if family == "mlan":     # the swapped narrow-tile MLA kernel: "mlan-DTYPE-NQ[-rRINGrawRAW|-directRAW][-causal]"
+    if family == "mlan":     # the swapped narrow-tile MLA kernel: "mlan-DTYPE-NQ[-directRAWs][-causal]"
         nq, causal = int(more[0]), more[-1] == "causal"
-        if fp8 and more[1].startswith("direct"):
+        if fp8:     # (the direct form, the only one over fp8: "s", its scores as fp8 MMAs)
+            assert more[1].startswith("direct") and more[1].endswith("s"), name
             kernel, consts = gluon_mla_narrow._mla_narrow_direct_kernel, {"PAGE": 64, "NQ": nq,
-                                                                           "RAW": int(more[1][6:].rstrip("s")),
-                                                                           "CAUSAL": causal, "F8": more[1][-1] == "s"}
+                                                                           "RAW": int(more[1][6:-1]),
+                                                                           "CAUSAL": causal}
             lbox, rbox = gl.NVMMASharedLayout(128, 8, 2), gl.NVMMASharedLayout(64, 8, 2)
             ptrs.update(q_ptr="*bf16", kl_desc=f"tensordesc<fp8e4nv[64, 128],{lbox}>",
                         kr_desc=f"tensordesc<fp8e4nv[64, 64],{rbox}>",
-                        ks_desc=f"tensordesc<fp32[1, 64],{gl.NVMMASharedLayout(0, 32, 2)}>")
-        elif fp8:
-            ring, raw, rope = re.fullmatch(r"r(\d+)raw(\d+)(rope)?", more[1]).groups()
-            kernel, consts = gluon_mla_narrow._mla_narrow_fp8_kernel, {"PAGE": 64, "NQ": nq, "RAW": int(raw),
-                                                                        "RING": int(ring), "ROPE_RAW": bool(rope),
-                                                                        "CAUSAL": causal}
-            ptrs.update(q_ptr="*bf16", k_ptr="*fp8e4nv", ks_ptr="*fp32", k_desc=desc,
                         ks_desc=f"tensordesc<fp32[1, 64],{gl.NVMMASharedLayout(0, 32, 2)}>")
         else:
             qbox = gl.NVMMASharedLayout.get_default_for([nq, 64], gl.bfloat16)
@@ -92,7 +85,7 @@ def _build(name: str) -> dict:
         consts["PDL"] = pdl
     if "PIPE" in kernel.arg_names:
         # (as `gluon_mla_narrow.launch` asks for it)
-        consts["PIPE"] = pipe and gluon_mla_narrow.pairs_apply(consts["NQ"], consts["RAW"], consts["F8"])
+        consts["PIPE"] = pipe and gluon_mla_narrow.pairs_apply(consts["NQ"], consts["RAW"])
     if "PAIRED" in kernel.arg_names:
         consts["PAIRED"] = paired
     if "AHEAD" in kernel.arg_names:
@@ -125,29 +118,25 @@ def _build(name: str) -> dict:
 @pytest.mark.parametrize("name,spill_cap", [
     ("mla-bf16", 512), ("mla-fp8", 1024), ("mla-fp8-raw1", 1024), ("mla-fp8-raw2", 1024),
     ("mla-fp8-k32r2raw2", 1024), ("mla-fp8-k32r2raw4", 1024), ("mla-fp8-k32r3raw2", 1024), ("gqa-bf16", 0),
-    ("mlan-bf16-16", 0), ("mlan-bf16-32", 0), ("mlan-bf16-8", 0),
-    ("mlan-fp8-16-r2raw1", 0), ("mlan-fp8-32-r2raw1", 64), ("mlan-fp8-16-r1raw3", 256),
-    ("mlan-fp8-16-r2raw2rope", 0), ("mlan-bf16-32-causal", 128), ("mlan-fp8-32-r2raw1-causal", 256),
-    ("mlan-fp8-16-direct5", 0), ("mlan-fp8-16-direct5s", 0), ("mlan-fp8-16-direct5s-causal", 0),
+    ("mlan-bf16-16", 0), ("mlan-bf16-32", 0), ("mlan-bf16-8", 0), ("mlan-bf16-32-causal", 128),
+    ("mlan-fp8-16-direct5s", 0), ("mlan-fp8-16-direct5s-causal", 0),
     ("mlan-fp8-8-direct1s", 0), ("mlan-fp8-32-direct5s", 32), ("mlan-fp8-32-direct4s-causal", 64),
     ("gqa-fp8-direct8-8", 0), ("gqa-fp8-direct10-32", 8), ("gqa-fp8-direct9-16", 0),
     ("gqa-fp8-direct10-32-causal", 8),
     # launched with programmatic dependent launch: the wait is in the build
     ("mlan-fp8-16-direct5s-pdl", 0), ("gqa-fp8-direct10-8-pdl", 0),
     ("gqa-bf16-pdl", 0), ("mla-bf16-pdl", 512), ("mla-fp8-k32r2raw2-pdl", 1024),
-    ("mlan-bf16-16-pdl", 0), ("mlan-fp8-16-r2raw2rope-pdl", 0),
+    ("mlan-bf16-16-pdl", 0),
     # the narrow direct kernel with the next tile's score MMAs issued before the softmax
     # (at most 16 columns: at 32 the kernel keeps the unpipelined form, whose two tiles' accumulators spilled)
     ("mlan-fp8-16-direct3s-pipe-pdl", 0), ("mlan-fp8-8-direct3s-pipe", 0), ("mlan-fp8-32-direct4s-causal-pipe", 64)])
 def test_gluon_decode_kernel_builds_for_sm90(name, spill_cap):
     """spill_cap: the committed MLA builds spill 12 B (bf16: the loader's masked tail tile) and 388-516 B
     (fp8: warpgroup 1's accumulators and the converter's loads), built with the launcher's 16-byte
-    pointer alignment; the GQA builds none but the bf16 swapped one (12 B in the loader's masked
-    tail). The swapped narrow MLA kernels ("mlan-DTYPE-HEADS[-rRINGrawRAW]"): none at 8-32 heads over
-    bf16 and at 16 over fp8's installed ring, 24 B at 32 heads, 152 B with one fp16 and three raw
-    stages; "-causal" (a speculative step's query tokens as columns) 84 B over bf16 and 168 B over
-    fp8 at 32 columns. Their direct fp8 form ("-directRAW[s]": no converter, RAW raw stages, "s" the
-    scores as fp8 MMAs): none at 8-16 columns, 12 B at 32. The direct fp8 GQA kernel
+    pointer alignment; the GQA builds none. The swapped narrow MLA kernels ("mlan-bf16-HEADS"): none
+    at 8-32 heads, "-causal" (a speculative step's query tokens as columns) 84 B at 32 columns; their
+    direct fp8 form ("mlan-fp8-HEADS-directRAWs": no converter, RAW raw stages, the scores as fp8
+    MMAs): none at 8-16 columns, 12 B at 32. The direct fp8 GQA kernel
     ("gqa-fp8-directRAW-NQ[-causal][-pdl]": "-causal" a speculative step's tokens):
     none (its caps allow 8 B at 32 columns)."""
     got = _built(name)

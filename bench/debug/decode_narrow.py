@@ -29,17 +29,10 @@ from megapar.parallel.cp.paged import paged_decode_attention
 # lost: decode-narrow-h200.json, decode-narrow2-h200.log; two consumer warpgroups: decode-narrow3)
 FORMS = {
     "fp8": (("triton", {"gluon_wide_narrow_fp8": 0}), ("padded", {"swap_wide_narrow_fp8": 0}),
-            ("swap r2raw2 rope", {"rope_raw_wide_narrow_fp8": 1, "ring_wide_narrow_fp8": 2,
-                                  "raw_ring_wide_narrow_fp8": 2, "direct_wide_narrow_fp8": 0}),
-            ("direct raw5", {"direct_wide_narrow_fp8": 5, "fp8_scores_wide_narrow_fp8": 0}),
-            ("direct raw5 fp8 scores", {"direct_wide_narrow_fp8": 5, "fp8_scores_wide_narrow_fp8": 1,
-                                        "pipe_wide_narrow_fp8": 0}),
-            ("direct raw3 fp8 scores", {"direct_wide_narrow_fp8": 3, "fp8_scores_wide_narrow_fp8": 1,
-                                        "pipe_wide_narrow_fp8": 0}),
-            ("direct raw3 fp8 scores pipe", {"direct_wide_narrow_fp8": 3, "fp8_scores_wide_narrow_fp8": 1,
-                                             "pipe_wide_narrow_fp8": 1}),
-            ("direct raw5 fp8 scores pipe", {"direct_wide_narrow_fp8": 5, "fp8_scores_wide_narrow_fp8": 1,
-                                             "pipe_wide_narrow_fp8": 1})),
+            ("direct raw5", {"direct_wide_narrow_fp8": 5, "pipe_wide_narrow_fp8": 0}),
+            ("direct raw3", {"direct_wide_narrow_fp8": 3, "pipe_wide_narrow_fp8": 0}),
+            ("direct raw3 pipe", {"direct_wide_narrow_fp8": 3, "pipe_wide_narrow_fp8": 1}),
+            ("direct raw5 pipe", {"direct_wide_narrow_fp8": 5, "pipe_wide_narrow_fp8": 1})),
     "bf16": (("triton", {"gluon_wide_narrow": 0}), ("padded", {"swap_wide_narrow": 0}), ("swap", {})),
 }
 PROBLEMS = ((torch.float8_e4m3fn, 8192, 16, 1), (torch.float8_e4m3fn, 32768, 16, 1),

@@ -1,38 +1,38 @@
 """MLA absorbed decode for narrow head tiles (at most 32 query heads: 16 under TP 8, DeepSeek's
-usual DCP deployment) as a warp-specialized Gluon kernel for Hopper with swapped operands.
+usual DCP deployment) as warp-specialized Gluon kernels for Hopper with swapped operands.
 
 `gluon_mla`'s kernels put the heads in wgmma's M dimension, which is 64: with 16 heads three
 quarters of every score and output MMA, and of the softmax, work on padding rows. Here the tile's
 64 keys are M and the NQ columns (heads, or a speculative step's tokens x heads, at most 32,
 rounded up to a power of two >= 8) are N:
 
-- S^T = K Q^T: the key tile (nine 64 x 64 boxes of the 576-wide latent + rope row) is the A
-  operand, the queries (NQ x 576, shared memory) the B operand;
+- S^T = K Q^T: the key tile (the 576-wide latent + rope row) is the A operand, the queries
+  (NQ x 576, shared memory) the B operand;
 - the online softmax runs down the keys of each head's column (per-head maxima and sums
   reduce across the warpgroup);
-- O^T += V^T P^T: the value dims (the latent's first 512, the same boxes read transposed) are M
+- O^T += V^T P^T: the value dims (the latent's first 512, the same bytes read transposed) are M
   in eight 64-row accumulators of NQ columns each (64 fp32 registers a thread at NQ 16, against
   4 x 64 in each of two warpgroups for a padded tile), the weights P^T (shared memory) are B.
 
-One consumer warpgroup does all of it. Over bf16 a loader warpgroup brings the queries and each
-tile by TMA into a 2-stage ring (the masked last tile through loads, zeros past the end, as in
-`gluon_mla._loader`); over fp8 a one-warp TMA loader fills a raw ring and a converter warpgroup
-writes each tile as fp16 with its per-token scales (`gluon_mla._converter`, the queries times a
-power of two per head), and the consumer keeps the weights in a running per-head unit. The
-output is the split's partial (out, lse) in `triton_decode.paged_decode_triton`'s layout.
-`narrow_ok` says where it applies; CONFIG swap_wide_narrow / swap_wide_narrow_fp8 choose it.
+Over bf16 (`_mla_narrow_kernel`) a loader warpgroup brings the queries and each tile by TMA into a
+2-stage ring (the masked last tile through loads, zeros past the end, as in `gluon_mla._loader`)
+and one consumer warpgroup does all of the above.
 
-The direct fp8 form (`_mla_narrow_direct_kernel`, CONFIG direct_wide_narrow_fp8) has no converter
-and no fp16 stages: the loader brings each raw tile as four 64 x 128 latent boxes, the rope box and
-the scales into up to five stages, and two warpgroups read the bytes themselves. The value
-warpgroup loads each latent box transposed with 16-bit ldmatrix (64 dim pairs x 64 keys) and splits
-each pair into its even and odd dims in registers, so each of its eight accumulators holds one
-parity of a box's 128 dims. The scores warpgroup computes S^T either with the same register A
-operand in a permuted dim order (`_key_order`: the queries take the same order) or, installed, as
-fp8 MMAs straight from shared memory against the queries as two e4m3 parts (hi + lo: one operand of
-2 NQ columns, so one MMA reads the box once), each box into its own accumulator summed in fp32, and at
-most 16 columns in tile pairs (the second tile's MMAs run under the first's softmax); it publishes P^T
-and the rescale through a double buffer."""
+Over fp8 (`_mla_narrow_direct_kernel`, CONFIG direct_wide_narrow_fp8) there is no converter and no
+fp16 stage: a one-warp loader brings each raw tile as four 64 x 128 latent boxes, the rope box and
+the scales into up to five stages, and two warpgroups read the bytes themselves. The scores
+warpgroup splits the queries into two e4m3 parts (hi + lo, one operand of 2 NQ columns, so one MMA
+reads a box once) and computes S^T as fp8 MMAs straight from shared memory, each box into its own
+accumulator summed in fp32, at most 16 columns in tile pairs (the second tile's MMAs run under the
+first's softmax); it publishes P^T and the rescale through a double buffer. The value warpgroup
+loads each latent box transposed with 16-bit ldmatrix (64 dim pairs x 64 keys) and splits each
+pair into its even and odd dims in registers, so each of its eight accumulators holds one parity
+of a box's 128 dims.
+
+The output is the split's partial (out, lse) in `triton_decode.paged_decode_triton`'s layout.
+`narrow_ok` says where they apply; CONFIG swap_wide_narrow / swap_wide_narrow_fp8 choose them.
+(Forms measured and removed, a converter warpgroup to fp16 stages over fp8 and fp16 score MMAs
+over the raw bytes among them: triton_decode.CONFIG's notes.)"""
 
 from __future__ import annotations
 
@@ -48,8 +48,8 @@ if HAS_GLUON:
                                                                   warpgroup_mma_wait)
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-    from .gluon_mla import (BLOCK, CHUNKS, STAGES, _bad_ids, _barriers, _converter, _finish, _gdc_wait_and_release,
-                            _ids_next, _ids_window, _table_tiles, _loader, _raw_loader, _softmax_step,
+    from .gluon_mla import (BLOCK, CHUNKS, STAGES, _bad_ids, _barriers, _finish, _gdc_wait_and_release,
+                            _ids_next, _ids_window, _table_tiles, _loader, _softmax_step,
                             _split_range)
     from .triton_common import global_pos as _global_pos
 
@@ -65,17 +65,6 @@ def columns(heads: int) -> int:
     return max(8, 1 << (heads - 1).bit_length())
 
 
-def fp8_fits(heads: int, ring: int, raw: int, rope_raw: bool = False) -> bool:
-    """The fp8 kernel's shared memory: queries (fp16, NQ x 576), `ring` fp16 stages of 64 x 576 (64 x
-    512 with rope_raw) and `raw` fp8 stages of 64 x 576, the weights (NQ x 64 fp16), scales and
-    barriers, plus 2 KB of the compiler's scratch."""
-    nq, width = columns(heads), _CHUNKS * _BLOCK
-    stage = (width - _BLOCK if rope_raw else width) * _BLOCK * 2
-    need = (nq * width * 2 + ring * stage + raw * _BLOCK * width + nq * _BLOCK * 2
-            + 4 * (nq + (ring + raw) * _BLOCK) + 8 * (3 + 2 * ring + 2 * raw) + 2048)
-    return heads <= MAX_HEADS and ring >= 1 and raw >= 1 and need <= SMEM_LIMIT
-
-
 def direct_fits(heads: int, raw: int) -> bool:
     """The direct fp8 kernel's shared memory (no fp16 stages): the queries (NQ x 576 at two bytes a dim:
     fp16, or e4m3 hi and lo parts), `raw` raw stages of 64 keys (four 64 x 128 latent boxes, the 64 x 64 rope box and the
@@ -89,16 +78,16 @@ def direct_fits(heads: int, raw: int) -> bool:
 
 def direct_stages(heads: int, raw: int) -> int:
     """The direct kernel's raw stages at this head count: the configured `raw` cut to what shared memory
-    holds (0: none fit, or `raw` 0: the converter's form)."""
+    holds (0: none fit, or `raw` is 0: off, the kernel does not run)."""
     while raw > 0 and not direct_fits(heads, raw):
         raw -= 1
     return raw
 
 
-def pairs_apply(rows: int, raw: int, fp8_scores: bool) -> bool:
-    """The direct fp8 form can take its scores in tile pairs: fp8 score MMAs, at least two raw stages
-    (the pair's tiles in two of them) and at most PAIRS_MAX_COLUMNS query rows."""
-    return bool(fp8_scores) and raw >= 2 and rows <= PAIRS_MAX_COLUMNS
+def pairs_apply(rows: int, raw: int) -> bool:
+    """The direct fp8 form can take its scores in tile pairs: at least two raw stages (the pair's tiles
+    in two of them) and at most PAIRS_MAX_COLUMNS query rows."""
+    return raw >= 2 and rows <= PAIRS_MAX_COLUMNS
 
 
 def narrow_ok(rows: int, k: Tensor, k_scale: Tensor | None) -> bool:
@@ -108,16 +97,6 @@ def narrow_ok(rows: int, k: Tensor, k_scale: Tensor | None) -> bool:
     if not HAS_GLUON or rows > MAX_HEADS:
         return False
     return k.dtype != torch.float8_e4m3fn or (k_scale is not None and k_scale.is_contiguous())
-
-
-def fp8_form(heads: int, ring: int, raw: int, rope_raw: bool) -> tuple[int, int, bool]:
-    """The configured fp8 ring form cut to what shared memory holds at this head count: the rope box
-    from the raw stage only where that fits, then raw stages down to one (`launch` refuses what
-    still does not fit)."""
-    rope_raw = bool(rope_raw) and fp8_fits(heads, ring, raw, True)
-    while raw > 1 and not fp8_fits(heads, ring, raw, rope_raw):
-        raw -= 1
-    return ring, raw, rope_raw
 
 
 if HAS_GLUON:
@@ -142,19 +121,13 @@ if HAS_GLUON:
         gl.store(o_ptr + o_q[None, :] + (c * BLOCK + dims)[:, None], o * factor[None, :], mask=live[None, :])
 
     @gluon.jit
-    def _consumer(q_smem, k_smem, p_smem, qf_smem, ks_smem, q_bar, ready, free, table_ptr, glens_ptr, o_ptr,
+    def _consumer(q_smem, k_smem, p_smem, q_bar, ready, free, table_ptr, glens_ptr, o_ptr,
                   lse_ptr, s, split, split_len, dcp_size, dcp_rank, interleave, table_w, num_blocks, st_s, qk_scale,
                   so_p, so_s, so_t, so_h, sl_p, sl_s, sl_t, HQ, TQ, PAGE: gl.constexpr, RING: gl.constexpr,
-                  NQ: gl.constexpr, CAUSAL: gl.constexpr,
-                  FP8: gl.constexpr, kr_smem=None, raw_ready=None, raw_free=None, RAW: gl.constexpr = 0,
-                  ROPE_RAW: gl.constexpr = False):
+                  NQ: gl.constexpr, CAUSAL: gl.constexpr):
         """S^T = K Q^T over the nine boxes, the online softmax down each column, O^T += V^T P^T. Column c
         is query token c // HQ's head c % HQ (TQ x HQ <= NQ columns); CAUSAL (TQ > 1): token t sees the
         keys at global positions <= its own, length - TQ + t.
-        FP8: the scores take the keys' scales and the heads' powers of two (qf_smem), the weights p *
-        scale go to fp16 over a running per-head unit r (`_softmax_step`). ROPE_RAW: the fp16 stages
-        hold the latent's eight boxes only; the rope box's scores come from the raw fp8 box, converted
-        in registers as the A operand (the raw stage is free once both this and the converter are done).
         (Two consumers on alternate tiles, each writing its own partial for the split merge, ran 1.5-2.2x
         slower: their registers spilled 880 B; decode-narrow3-h200.json.)"""
         mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, NQ, 16])
@@ -177,47 +150,31 @@ if HAS_GLUON:
         cols = gl.arange(0, NQ, layout=q_l)
         if CAUSAL:
             q_pos = gl.load(glens_ptr + s).to(gl.int32) - TQ + cols // HQ
-        BOXES: gl.constexpr = CHUNKS - 1 if ROPE_RAW else CHUNKS      # (boxes of a fp16 stage)
-        a_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
         mbarrier.wait(q_bar, 0)
-        if FP8:
-            qk_q = qf_smem.load(q_l) * qk_scale
         for t in range(tiles):
             stage = t % RING
             j0 = start + t * BLOCK
-            if ROPE_RAW:
-                rs = t % RAW
-                mbarrier.wait(raw_ready.index(rs), (t // RAW) & 1)
-                rope = kr_smem.index(rs * CHUNKS + CHUNKS - 1).load(a_l).to(gl.float16)
             mbarrier.wait(ready.index(stage), (t // RING) & 1)
             sc = gl.zeros([BLOCK, NQ], gl.float32, mma)
-            for c in gl.static_range(BOXES):
-                sc = warpgroup_mma(k_smem.index(stage * BOXES + c), q_smem.index(c).permute((1, 0)), sc,
+            for c in gl.static_range(CHUNKS):
+                sc = warpgroup_mma(k_smem.index(stage * CHUNKS + c), q_smem.index(c).permute((1, 0)), sc,
                                    is_async=True)
-            if ROPE_RAW:
-                sc = warpgroup_mma(rope, q_smem.index(CHUNKS - 1).permute((1, 0)), sc, is_async=True)
             sc = warpgroup_mma_wait(num_outstanding=0, deps=(sc, ))
-            if ROPE_RAW:
-                mbarrier.arrive(raw_free.index(rs))
             live = (j0 + keys < end)[:, None]
             if CAUSAL:
                 live = live & (_global_pos(j0 + keys, dcp_size, dcp_rank, interleave)[:, None] <= q_pos[None, :])
-            if FP8:
-                ks = ks_smem.index(stage).load(key_l)
-                sc = gl.where(live, sc * ks[:, None] * qk_q[None, :], float("-inf"))
-            else:
-                sc = gl.where(live, sc * qk_scale, float("-inf"))
-            p, alpha, m_i, l_i, r_i = _softmax_step(sc, m_i, l_i, r_i, ks if FP8 else m_i, 0, FP8, True)
+            sc = gl.where(live, sc * qk_scale, float("-inf"))
+            p, alpha, m_i, l_i, r_i = _softmax_step(sc, m_i, l_i, r_i, m_i, 0, False, True)
             if t > 0:       # (the previous tile's V^T P^T read p_smem: done, its wait returned)
                 gl.thread_barrier()
             p_smem.store(gl.permute(p.to(p_smem.dtype), [1, 0]))
             fence_async_shared()
             gl.thread_barrier()
             o0, o1, o2, o3, o4, o5, o6, o7 = _pv_t(o0, o1, o2, o3, o4, o5, o6, o7, alpha, p_smem, k_smem,
-                                                   stage * BOXES)
+                                                   stage * CHUNKS)
             mbarrier.arrive(free.index(stage))
         bad = bad | _bad_ids(table_ptr, s, st_s, start, end, num_blocks, PAGE, key_l)
-        factor, lse = _finish(m_i, gl.sum(l_i, 0), r_i, bad, FP8)
+        factor, lse = _finish(m_i, gl.sum(l_i, 0), r_i, bad, False)
         mine = cols < TQ * HQ
         tok = (cols // HQ).to(gl.int64)
         head = (cols % HQ).to(gl.int64)
@@ -250,60 +207,14 @@ if HAS_GLUON:
         if PDL:     # (launched early: the set-up above overlaps the kernel before)
             _gdc_wait_and_release()
         gl.warp_specialize([
-            (_consumer, (q_smem, k_smem, p_smem, None, None, q_bar, ready, free, table_ptr, glens_ptr, o_ptr, lse_ptr,
+            (_consumer, (q_smem, k_smem, p_smem, q_bar, ready, free, table_ptr, glens_ptr, o_ptr, lse_ptr,
                          s, split, split_len, dcp_size, dcp_rank, interleave, table_w, num_blocks, st_s, qk_scale,
-                         so_p, so_s, so_t, so_h, sl_p, sl_s, sl_t, HQ, TQ, PAGE, STAGES, NQ, CAUSAL, False)),
+                         so_p, so_s, so_t, so_h, sl_p, sl_s, sl_t, HQ, TQ, PAGE, STAGES, NQ, CAUSAL)),
             (_loader, (q_desc, k_desc, k_ptr, table_ptr, glens_ptr, q_smem, k_smem, q_bar, ready, free, s,
                        s * (TQ * HQ),
                        split, split_len, dcp_size, dcp_rank, interleave, table_w, num_blocks, st_s, sk_b, sk_t,
                        PAGE, AHEAD)),
         ], [4], [64])
-
-    @gluon.jit
-    def _mla_narrow_fp8_kernel(q_ptr, k_desc, ks_desc, k_ptr, ks_ptr, table_ptr, glens_ptr, o_ptr, lse_ptr, qk_scale,
-                               split_len, HQ, TQ, dcp_size, dcp_rank, interleave, table_w, num_blocks, st_s, sk_b,
-                               sk_t, ss_b, ss_t, so_p, so_s, so_t, so_h, sl_p, sl_s, sl_t, PAGE: gl.constexpr,
-                               NQ: gl.constexpr, RAW: gl.constexpr, RING: gl.constexpr, ROPE_RAW: gl.constexpr = False,
-                               CAUSAL: gl.constexpr = False, PDL: gl.constexpr = False):
-        """fp8 latent cache: a raw TMA ring of RAW 64-key tiles, the converter into RING fp16 stages (of
-        the latent's eight boxes only with ROPE_RAW: the consumer takes the rope box from the raw ring)."""
-        BOXES: gl.constexpr = CHUNKS - 1 if ROPE_RAW else CHUNKS
-        s = gl.program_id(0)
-        split = gl.program_id(1)
-        box: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK, BLOCK], gl.float16)
-        qbox: gl.constexpr = gl.NVMMASharedLayout.get_default_for([NQ, BLOCK], gl.float16)
-        raw_box: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK, BLOCK], gl.float8e4nv)
-        sc_box: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2)
-        vec: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[0])
-        q_smem = gl.allocate_shared_memory(gl.float16, [CHUNKS, NQ, BLOCK], qbox)
-        k_smem = gl.allocate_shared_memory(gl.float16, [RING * BOXES, BLOCK, BLOCK], box)
-        p_smem = gl.allocate_shared_memory(gl.float16, [NQ, BLOCK], qbox)
-        qf_smem = gl.allocate_shared_memory(gl.float32, [NQ], vec)
-        ks_smem = gl.allocate_shared_memory(gl.float32, [RING, BLOCK], vec)
-        kr_smem = gl.allocate_shared_memory(gl.float8e4nv, [RAW * CHUNKS, BLOCK, BLOCK], raw_box)
-        ksr_smem = gl.allocate_shared_memory(gl.float32, [RAW, 1, BLOCK], sc_box)
-        q_bar, ready, free, p_ready, p_free = _barriers(RING, 1)
-        raw_ready = gl.allocate_shared_memory(gl.int64, [RAW, 1], mbarrier.MBarrierLayout())
-        raw_free = gl.allocate_shared_memory(gl.int64, [RAW, 1], mbarrier.MBarrierLayout())
-        for i in gl.static_range(RAW):
-            mbarrier.init(raw_ready.index(i), count=1)
-            mbarrier.init(raw_free.index(i), count=2 if ROPE_RAW else 1)
-        fence_async_shared()
-        if PDL:     # (launched early: the set-up above overlaps the kernel before)
-            _gdc_wait_and_release()
-        gl.warp_specialize([
-            (_consumer, (q_smem, k_smem, p_smem, qf_smem, ks_smem, q_bar, ready, free, table_ptr, glens_ptr,
-                         o_ptr, lse_ptr, s, split, split_len, dcp_size, dcp_rank, interleave, table_w,
-                         num_blocks, st_s, qk_scale, so_p, so_s, so_t, so_h, sl_p, sl_s, sl_t, HQ, TQ, PAGE, RING, NQ,
-                         CAUSAL, True, kr_smem, raw_ready, raw_free, RAW, ROPE_RAW)),
-            (_converter, (q_ptr, k_ptr, ks_ptr, table_ptr, glens_ptr, q_smem, qf_smem, k_smem, ks_smem, q_bar,
-                          ready, free, s, s * (TQ * HQ), split, split_len, dcp_size, dcp_rank, interleave, table_w,
-                          num_blocks, st_s, sk_b, sk_t, ss_b, ss_t, TQ * HQ, PAGE, kr_smem, ksr_smem, raw_ready,
-                          raw_free, RAW, RING, BLOCK, NQ, BOXES)),
-            (_raw_loader, (k_desc, ks_desc, table_ptr, glens_ptr, kr_smem, ksr_smem, raw_ready, raw_free, s,
-                           split, split_len, dcp_size, dcp_rank, interleave, table_w, num_blocks, st_s, PAGE,
-                           RAW, BLOCK)),
-        ], [4, 1], [96, 24])
 
     LBOX = gl.constexpr(128)       # the direct kernel: fp8 dims of a latent box (128-byte rows)
     LBOXES = gl.constexpr(4)       # latent boxes of a key tile (4 x 128 = 512)
@@ -318,28 +229,6 @@ if HAS_GLUON:
             "{ .reg .b16 a0, a1; .reg .b32 t0, t1; mov.b32 {a0, a1}, $2; cvt.rn.f16x2.e4m3x2 t0, a0; "
             "cvt.rn.f16x2.e4m3x2 t1, a1; prmt.b32 $0, t0, t1, 0x5410; prmt.b32 $1, t0, t1, 0x7632; }",
             "=r,=r,r", [x], dtype=(gl.float16, gl.float16), is_pure=True, pack=2)
-
-    @gluon.jit
-    def _key_order(x, W: gl.constexpr):
-        """[R, W] in the dims' order of the scores' A operand: 16-bit ldmatrix gives a thread the int16
-        pairs (2t, 2t + 1) and (2t + 8, 2t + 9) of each 16, i.e. dims 4t .. 4t + 3 and 4t + 16 .. 4t + 19
-        of each 32; reading them as the fp16 operand's k = 2t, 2t + 1 (+ 8) of two k16 steps orders dim
-        32 kb + 16 h + 4 t + 2 v + u as k = 32 kb + 16 v + 8 h + 2 t + u. The queries take the same order,
-        so the products are those of the natural one, and the keys' registers need no byte permutes."""
-        y = x.reshape([x.shape[0], W // 32, 2, 4, 2, 2]).permute((0, 1, 4, 2, 3, 5))
-        return y.reshape([x.shape[0], W])
-
-    @gluon.jit
-    def _scores_box(box, q_box, sc, a_l: gl.constexpr, i16: gl.constexpr):
-        """sc + a raw fp8 box's keys [64, W] against the queries' W dims (q_box [NQ, W] fp16 in
-        `_key_order`), the A operand converted in registers: one conversion a pair of dims."""
-        W: gl.constexpr = box.shape[1]
-        x = box._reinterpret(gl.int16, [box.shape[0], W // 2], i16).load(a_l)
-        even, odd = gl.inline_asm_elementwise("{ .reg .b32 t; cvt.rn.f16x2.e4m3x2 t, $2; mov.b32 {$0, $1}, t; }",
-                                              "=h,=h,h", [x], dtype=(gl.float16, gl.float16), is_pure=True,
-                                              pack=1)
-        k = gl.convert_layout(_key_order(gl.join(even, odd).reshape([box.shape[0], W]), W), a_l)
-        return warpgroup_mma(k, q_box.permute((1, 0)), sc, is_async=True)
 
     @gluon.jit
     def _scores_box8(box, q8, first, mma: gl.constexpr, NQ: gl.constexpr):
@@ -404,12 +293,6 @@ if HAS_GLUON:
         return gl.load(ptrs, mask=(rows < q_rows)[:, None], other=0.0).to(gl.float32)
 
     @gluon.jit
-    def _query_stage(x, up, dst, W: gl.constexpr):
-        """A box of query dims times its rows' powers of two, in fp16, in `_key_order`, into dst."""
-        dst.store(_key_order((x * gl.convert_layout(up, gl.SliceLayout(1, x.type.layout))[:, None]).to(gl.float16),
-                             W))
-
-    @gluon.jit
     def _query_split(x, up, dst_hi, dst_lo):
         """A box of query dims times its rows' powers of two as two e4m3 parts, hi + lo: their sum
         carries ~8 significant bits, a bf16 query's."""
@@ -420,12 +303,10 @@ if HAS_GLUON:
 
     @gluon.jit
     def _direct_queries(q_ptr, head0, q_rows, ql_smem, qr_smem, table_ptr, s, st_s, start, end, num_blocks,
-                        PAGE: gl.constexpr, NQ: gl.constexpr, key_l: gl.constexpr, F8: gl.constexpr = False):
-        """The NQ query rows times a power of two per row, each row read once: as fp16 (the largest
-        magnitude into [2^14, 2^15), as `gluon_mla._converter`), each latent box's 128 dims (ql_smem[b])
-        and the rope's 64 (qr_smem) in the scores' `_key_order`; or F8, as e4m3 hi and lo parts (the
-        largest magnitude into [2^7, 2^8): no part saturates) in the natural order, box b's at
-        ql_smem[2b], [2b + 1] and the rope's at qr_smem[0], [1]. The split's block ids are checked while
+                        PAGE: gl.constexpr, NQ: gl.constexpr, key_l: gl.constexpr):
+        """The NQ query rows times a power of two per row (the largest magnitude into [2^7, 2^8): no
+        part saturates), each row read once, as e4m3 hi and lo parts in the natural order: box b's at
+        ql_smem[2b], [2b + 1], the rope's at qr_smem[0], [1]. The split's block ids are checked while
         those loads are in flight (`_bad_ids`). Returns (2^-e per row, whether a block id lies outside
         the cache)."""
         lat: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
@@ -439,22 +320,14 @@ if HAS_GLUON:
         amax = gl.max(gl.maximum(gl.maximum(gl.abs(x0), gl.abs(x1)), gl.maximum(gl.abs(x2), gl.abs(x3))), 1)
         amax = gl.maximum(amax, gl.max(gl.abs(xr), 1))
         biased = (amax.to(gl.int32, bitcast=True) >> 23) & 0xFF
-        if F8:      # (the largest magnitude into [2^7, 2^8): e4m3's top binade is [2^8, 448])
-            e = gl.minimum(gl.maximum(134 - biased, -120), 107)
-            up = ((e + 127) << 23).to(gl.float32, bitcast=True)
-            _query_split(x0, up, ql_smem.index(0), ql_smem.index(1))
-            _query_split(x1, up, ql_smem.index(2), ql_smem.index(3))
-            _query_split(x2, up, ql_smem.index(4), ql_smem.index(5))
-            _query_split(x3, up, ql_smem.index(6), ql_smem.index(7))
-            _query_split(xr, up, qr_smem.index(0), qr_smem.index(1))
-        else:
-            e = gl.minimum(gl.maximum(141 - biased, -113), 100)
-            up = ((e + 127) << 23).to(gl.float32, bitcast=True)
-            _query_stage(x0, up, ql_smem.index(0), LBOX)
-            _query_stage(x1, up, ql_smem.index(1), LBOX)
-            _query_stage(x2, up, ql_smem.index(2), LBOX)
-            _query_stage(x3, up, ql_smem.index(3), LBOX)
-            _query_stage(xr, up, qr_smem, BLOCK)
+        # (the largest magnitude into [2^7, 2^8): e4m3's top binade is [2^8, 448])
+        e = gl.minimum(gl.maximum(134 - biased, -120), 107)
+        up = ((e + 127) << 23).to(gl.float32, bitcast=True)
+        _query_split(x0, up, ql_smem.index(0), ql_smem.index(1))
+        _query_split(x1, up, ql_smem.index(2), ql_smem.index(3))
+        _query_split(x2, up, ql_smem.index(4), ql_smem.index(5))
+        _query_split(x3, up, ql_smem.index(6), ql_smem.index(7))
+        _query_split(xr, up, qr_smem.index(0), qr_smem.index(1))
         fence_async_shared()
         gl.thread_barrier()
         return ((127 - e) << 23).to(gl.float32, bitcast=True), bad
@@ -510,12 +383,11 @@ if HAS_GLUON:
                        p_ready, p_free, table_ptr, glens_ptr, lse_ptr, s, split, split_len, dcp_size, dcp_rank,
                        interleave, table_w, num_blocks, st_s, qk_scale, sl_p, sl_s, sl_t, HQ, TQ,
                        PAGE: gl.constexpr, RAW: gl.constexpr, NQ: gl.constexpr, CAUSAL: gl.constexpr,
-                       F8: gl.constexpr, PIPE: gl.constexpr = False):
-        """The direct fp8 kernel's first warpgroup: the queries, then per raw tile S^T = K Q^T with the A
-        operand converted in registers from the raw bytes (or F8, as fp8 MMAs from shared memory), the
-        online softmax (as `_consumer`'s over fp8: scales, a running per-column unit), the weights P^T and
+                       PIPE: gl.constexpr = False):
+        """The direct fp8 kernel's first warpgroup: the queries as e4m3 hi and lo parts, then per raw tile
+        S^T = K Q^T as fp8 MMAs straight from shared memory (`_scores_tile8`), the online softmax (as `_consumer`'s over fp8: scales, a running per-column unit), the weights P^T and
         the rescale alpha published in a double buffer for the second warpgroup; at the end the lse, and
-        the output's factor to it. PIPE (F8, RAW >= 2): tiles in pairs, the second's score MMAs issued
+        the output's factor to it. PIPE (RAW >= 2): tiles in pairs, the second's score MMAs issued
         before the first's softmax and run under it (over a stale stage where the split ends first:
         discarded; `launch` asks for it at most at PAIRS_MAX_COLUMNS columns). Across pairs no
         MMAs stay in flight: a loop-carried in-flight accumulator costs register moves, for which ptxas
@@ -525,13 +397,10 @@ if HAS_GLUON:
                                                        instr_shape=[16, 2 * NQ, 32])    # (hi and lo parts)
         key_l: gl.constexpr = gl.SliceLayout(1, mma)
         q_l: gl.constexpr = gl.SliceLayout(0, mma)
-        a_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
-        i16: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
-        i16r: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=64, element_bitwidth=16, rank=2)
         start, end, tiles, bad = _split_range(glens_ptr, s, split, split_len, dcp_size, dcp_rank, interleave,
                                               table_w, PAGE)
         qf, bad_id = _direct_queries(q_ptr, s * (TQ * HQ), TQ * HQ, ql_smem, qr_smem, table_ptr, s, st_s, start, end,
-                                     num_blocks, PAGE, NQ, key_l, F8)
+                                     num_blocks, PAGE, NQ, key_l)
         bad = bad | bad_id
         qk_q = gl.convert_layout(qf, q_l) * qk_scale
         m_i = gl.full([NQ], float("-inf"), gl.float32, q_l)
@@ -543,7 +412,7 @@ if HAS_GLUON:
             q_pos = gl.load(glens_ptr + s).to(gl.int32) - TQ + cols // HQ
         else:
             q_pos = cols
-        gl.static_assert(not PIPE or (F8 and RAW >= 2), "tile pairs need fp8 scores and two raw stages")
+        gl.static_assert(not PIPE or RAW >= 2, "tile pairs need two raw stages")
         if PIPE:    # tiles in pairs: the second's MMAs issued before the first's softmax, run under it
             for t in range(0, tiles, 2):
                 rs = t % RAW
@@ -577,21 +446,9 @@ if HAS_GLUON:
                 if end - j0 < BLOCK:    # (before the second warpgroup may read the tile: it waits for this P;
                     # fp8 score MMAs, through the async proxy, may still see those rows' old bytes: masked below)
                     _zero_tail(kl_smem, rs * LBOXES, end - j0)
-                if F8:
-                    s0, s1, s2, s3, s4 = _scores_tile8(kl_smem, kr_smem, ql_smem, qr_smem, rs, mma8, NQ)
-                    s0, s1, s2, s3, s4 = warpgroup_mma_wait(num_outstanding=0, deps=(s0, s1, s2, s3, s4))
-                    sc = gl.convert_layout(_fold_parts((s0 + s1) + (s2 + s3) + s4, NQ), mma)   # (same registers)
-                else:
-                    sc = gl.zeros([BLOCK, NQ], gl.float32, mma)
-                    sc = _scores_box(kl_smem.index(rs * LBOXES), ql_smem.index(0), sc, a_l, i16)
-                    sc = _scores_box(kl_smem.index(rs * LBOXES + 1), ql_smem.index(1), sc, a_l, i16)
-                    sc = warpgroup_mma_wait(num_outstanding=1, deps=(sc, ))
-                    sc = _scores_box(kl_smem.index(rs * LBOXES + 2), ql_smem.index(2), sc, a_l, i16)
-                    sc = warpgroup_mma_wait(num_outstanding=1, deps=(sc, ))
-                    sc = _scores_box(kl_smem.index(rs * LBOXES + 3), ql_smem.index(3), sc, a_l, i16)
-                    sc = warpgroup_mma_wait(num_outstanding=1, deps=(sc, ))
-                    sc = _scores_box(kr_smem.index(rs), qr_smem, sc, a_l, i16r)
-                    sc = warpgroup_mma_wait(num_outstanding=0, deps=(sc, ))
+                s0, s1, s2, s3, s4 = _scores_tile8(kl_smem, kr_smem, ql_smem, qr_smem, rs, mma8, NQ)
+                s0, s1, s2, s3, s4 = warpgroup_mma_wait(num_outstanding=0, deps=(s0, s1, s2, s3, s4))
+                sc = gl.convert_layout(_fold_parts((s0 + s1) + (s2 + s3) + s4, NQ), mma)   # (same registers)
                 m_i, l_i, r_i = _tile_softmax(sc, t, m_i, l_i, r_i, start, end, keys, qk_q, q_pos, ks_smem, p_smem,
                                               a_smem, raw_free, p_free, p_ready, dcp_size, dcp_rank, interleave,
                                               RAW, CAUSAL)
@@ -701,8 +558,7 @@ if HAS_GLUON:
     def _mla_narrow_direct_kernel(q_ptr, kl_desc, kr_desc, ks_desc, table_ptr, glens_ptr, o_ptr, lse_ptr, qk_scale,
                                   split_len, HQ, TQ, dcp_size, dcp_rank, interleave, table_w, num_blocks, st_s,
                                   so_p, so_s, so_t, so_h, sl_p, sl_s, sl_t, PAGE: gl.constexpr, NQ: gl.constexpr,
-                                  RAW: gl.constexpr, CAUSAL: gl.constexpr = False, F8: gl.constexpr = False,
-                                  PDL: gl.constexpr = False, PIPE: gl.constexpr = False,
+                                  RAW: gl.constexpr, CAUSAL: gl.constexpr = False, PDL: gl.constexpr = False, PIPE: gl.constexpr = False,
                                   PAIRED: gl.constexpr = False, AHEAD: gl.constexpr = False):
         """fp8 latent cache without a converter: a one-warp TMA loader fills RAW raw stages; one warpgroup
         reads each tile's bytes straight into the scores' A operands (`_direct_scores`), the other into
@@ -713,16 +569,12 @@ if HAS_GLUON:
         split = gl.program_id(1)
         lbox: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=8, rank=2)
         rbox: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=64, element_bitwidth=8, rank=2)
-        qlbox: gl.constexpr = gl.NVMMASharedLayout.get_default_for([NQ, LBOX], gl.float16)
         qrbox: gl.constexpr = gl.NVMMASharedLayout.get_default_for([NQ, BLOCK], gl.float16)
         sc_box: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2)
         vec: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[0])
-        if F8:      # (the queries' e4m3 hi and lo parts, box b's at [2b] and [2b + 1])
-            ql_smem = gl.allocate_shared_memory(gl.float8e4nv, [2 * LBOXES, NQ, LBOX], lbox)
-            qr_smem = gl.allocate_shared_memory(gl.float8e4nv, [2, NQ, BLOCK], rbox)
-        else:
-            ql_smem = gl.allocate_shared_memory(gl.float16, [LBOXES, NQ, LBOX], qlbox)
-            qr_smem = gl.allocate_shared_memory(gl.float16, [NQ, BLOCK], qrbox)
+        # (the queries' e4m3 hi and lo parts, box b's at [2b] and [2b + 1])
+        ql_smem = gl.allocate_shared_memory(gl.float8e4nv, [2 * LBOXES, NQ, LBOX], lbox)
+        qr_smem = gl.allocate_shared_memory(gl.float8e4nv, [2, NQ, BLOCK], rbox)
         p_smem = gl.allocate_shared_memory(gl.float16, [2, NQ, BLOCK], qrbox)
         a_smem = gl.allocate_shared_memory(gl.float32, [2, NQ], vec)
         kl_smem = gl.allocate_shared_memory(gl.float8e4nv, [RAW * LBOXES, BLOCK, LBOX], lbox)
@@ -745,7 +597,7 @@ if HAS_GLUON:
             (_direct_scores, (q_ptr, ql_smem, qr_smem, kl_smem, kr_smem, ks_smem, p_smem, a_smem, raw_ready,
                               raw_free, p_ready, p_free, table_ptr, glens_ptr, lse_ptr, s, split, split_len,
                               dcp_size, dcp_rank, interleave, table_w, num_blocks, st_s, qk_scale, sl_p, sl_s, sl_t,
-                              HQ, TQ, PAGE, RAW, NQ, CAUSAL, F8, PIPE)),
+                              HQ, TQ, PAGE, RAW, NQ, CAUSAL, PIPE)),
             (_direct_values, (kl_smem, p_smem, a_smem, raw_free, p_ready, p_free, glens_ptr, o_ptr, s, split,
                               split_len, dcp_size, dcp_rank, interleave, table_w, so_p, so_s, so_t, so_h, HQ, TQ,
                               PAGE, RAW, NQ, PAIRED)),
@@ -756,32 +608,25 @@ if HAS_GLUON:
 
 def launch(q: Tensor, k: Tensor, table: Tensor, seq_lens: Tensor, o: Tensor, lse: Tensor, scale_log2: float,
            splits: int, split_len: int, dcp_size: int, dcp_rank: int, interleave: int,
-           k_scale: Tensor | None = None, ring: int = 2, raw: int = 1, rope_raw: bool = False,
-           direct: bool = False, fp8_scores: bool = False, pdl: bool = False, pipe: bool = False,
+           k_scale: Tensor | None = None, raw: int = 5, pdl: bool = False, pipe: bool = False,
            paired: bool = False, ahead: bool = False) -> None:
     """Fill the split partials o [splits, S, Tq, Hq, 512] / lse [splits, S, Tq, Hq] of queries q [S, Tq,
     Hq, 576] (`gluon_mla.gluon_mla_ok` and `narrow_ok` of Tq x Hq columns hold; Tq > 1: causal within
-    the step's tokens); over fp8 `ring` fp16 and `raw` raw stages of 64 keys (`fp8_fits`), the rope
-    box's scores from the raw stage with `rope_raw` (the fp16 stages then hold 512 dims), or with
-    `direct` no converter and `raw` raw stages only (`direct_fits`; `fp8_scores`: the scores as fp8
-    MMAs against the queries' e4m3 hi + lo parts, `pipe`: the scores in tile pairs (`pairs_apply`: with
-    fp8_scores, at least two raw stages and at most PAIRS_MAX_COLUMNS columns), `paired`: the output's dim
-    pairs stored together, `ahead`: the loader's first block ids loaded beside the length; pdl: launched
-    with programmatic dependent launch, `triton_merge.pdl_ok`)."""
+    the step's tokens); over fp8 the direct kernel with `raw` raw stages of 64 keys (`direct_fits`;
+    `pipe`: the scores in tile pairs where `pairs_apply`: at least two raw stages and at most
+    PAIRS_MAX_COLUMNS columns; `paired`: the output's dim pairs stored together), over both the
+    loader's first block ids loaded beside the length with `ahead`; pdl: launched with programmatic
+    dependent launch, `triton_merge.pdl_ok`."""
     s, tq, hq, d = q.shape
     nb, page = k.shape[0], k.shape[1]
     nq = columns(tq * hq)
     launch = {"PDL": True, "launch_pdl": True} if pdl else {}
     fp8 = k.dtype == torch.float8_e4m3fn
-    if fp8 and direct and not direct_fits(tq * hq, raw):
+    if fp8 and not direct_fits(tq * hq, raw):
         raise ValueError(f"the direct fp8 MLA kernel with {tq} x {hq} query rows and {raw} raw stages of "
                          f"{_BLOCK} keys does not fit in shared memory ({SMEM_LIMIT} bytes)")
-    if fp8 and not direct and not fp8_fits(tq * hq, ring, raw, rope_raw):
-        raise ValueError(f"the narrow fp8 MLA kernel with {tq} x {hq} query rows, {ring} fp16 and {raw} raw "
-                         f"stages of {_BLOCK} keys (rope from the raw stage: {bool(rope_raw)}) does not fit in "
-                         f"shared memory ({SMEM_LIMIT} bytes)")
     tail = (o.stride(0), o.stride(1), o.stride(2), o.stride(3), lse.stride(0), lse.stride(1), lse.stride(2))
-    if fp8 and direct:
+    if fp8:
         lbox = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=8, rank=2)
         rbox = gl.NVMMASharedLayout(swizzle_byte_width=64, element_bitwidth=8, rank=2)
         sc_box = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2)
@@ -792,20 +637,8 @@ def launch(q: Tensor, k: Tensor, table: Tensor, seq_lens: Tensor, o: Tensor, lse
         _mla_narrow_direct_kernel[(s, splits)](
             q, kl_desc, kr_desc, ks_desc, table, seq_lens, o, lse, scale_log2, split_len, hq, tq, dcp_size, dcp_rank,
             interleave, table.shape[1], nb, table.stride(0), *tail, PAGE=page, NQ=nq, RAW=raw, CAUSAL=tq > 1,
-            F8=bool(fp8_scores), PIPE=bool(pipe) and pairs_apply(tq * hq, raw, fp8_scores), PAIRED=bool(paired),
-            AHEAD=bool(ahead), num_warps=4, **launch)
-        return
-    if fp8:
-        raw_box = gl.NVMMASharedLayout.get_default_for([_BLOCK, _BLOCK], gl.float8e4nv)
-        sc_box = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2)
-        k2, ks2 = k.view(nb * page, d), k_scale.view(nb, page)
-        k_desc = TensorDescriptor(k2, list(k2.shape), list(k2.stride()), [_BLOCK, _BLOCK], raw_box)
-        ks_desc = TensorDescriptor(ks2, list(ks2.shape), list(ks2.stride()), [1, _BLOCK], sc_box)
-        _mla_narrow_fp8_kernel[(s, splits)](
-            q, k_desc, ks_desc, k, k_scale, table, seq_lens, o, lse, scale_log2, split_len, hq, tq, dcp_size,
-            dcp_rank, interleave, table.shape[1], nb, table.stride(0), k.stride(0), k.stride(1), k_scale.stride(0),
-            k_scale.stride(1), *tail, PAGE=page, NQ=nq, RAW=raw, RING=ring, ROPE_RAW=bool(rope_raw), CAUSAL=tq > 1,
-            num_warps=4, **launch)
+            PIPE=bool(pipe) and pairs_apply(tq * hq, raw), PAIRED=bool(paired), AHEAD=bool(ahead), num_warps=4,
+            **launch)
         return
     box = gl.NVMMASharedLayout.get_default_for([_BLOCK, _BLOCK], gl.bfloat16)
     qbox = gl.NVMMASharedLayout.get_default_for([nq, _BLOCK], gl.bfloat16)

@@ -617,17 +617,16 @@ CONFIG = {
     # -> Gluon 34.3 / 106.5 / 390.8: on
     "gluon_wide_narrow": 1, "gluon_wide_narrow_fp8": 1,
     # ... and there (at most 32 heads) the kernel with swapped operands (`gluon_mla_narrow`: the tile's
-    # 64 keys as wgmma's M, the heads as N, so no padded rows), per cache dtype; over fp8 with
-    # ring_wide_narrow_fp8 fp16 stages after the converter and raw_ring_wide_narrow_fp8 raw stages
-    # (64-key tiles; `gluon_mla_narrow.fp8_fits`), the rope box's scores from the raw stage with
-    # rope_raw_wide_narrow_fp8 (fp16 stages of the latent's 512 dims: two raw stages fit beside two
-    # fp16 ones at <= 16 heads; where they do not, the form without it runs).
+    # 64 keys as wgmma's M, the heads as N, so no padded rows), per cache dtype; over fp8 its direct
+    # form below (the converter's forms measured here, a converter warpgroup writing fp16 stages from a
+    # raw ring, the rope box's scores from the raw stage: removed after 78e902e, as CONFIG
+    # ring_wide_narrow_fp8 / raw_ring_wide_narrow_fp8 / rope_raw_wide_narrow_fp8).
     # bench/debug/decode_narrow.py (2026-12-04, bench/results/logs/decode-narrow-h200.json; B 32, 1/4
     # of 8K / 32K / 128K, 16 heads): fp8 padded 35.4 / 107.2 / 389.8 µs -> swapped (2 fp16 stages, 1
     # raw) 26.5 / 83.9 / 303.8 (1 and 3: 30.7 / 90.4 / 317.5); bf16 29.7 / 83.0 / 317 -> 28.7 / 79.0 /
     # 273.7. At 32K: 32 heads fp8 109.4 -> 100.4, 8 heads 107.9 -> 76.8. Both on. The rope box from
     # the raw stage with two raw stages (decode-narrow2-h200.log): 16 heads fp8 26.8 / 84.1 / 304.4
-    # -> 25.1 / 75.3 / 266.2 µs: on (32 heads keep one raw stage: `gluon_mla_narrow.fp8_form`). Two
+    # -> 25.1 / 75.3 / 266.2 µs: on (32 heads kept one raw stage). Two
     # consumer warpgroups on alternate tiles (each its own partial for the split merge; commit
     # b8c79fa) ran 42.9 / 118 / 403 µs: their registers spilled (decode-narrow3-h200.json); removed.
     # Summing each key position's weights and reducing them once at the end (cab3240): 25.0 / 75.1 /
@@ -637,18 +636,18 @@ CONFIG = {
     # step's 2 query tokens (32 columns) at 32K, 16 heads (decode-narrow6-h200.json): the Triton kernel
     # 2318 µs over fp8 (its 32-row narrow tile over fp8 with the causal mask: pathological) and 114.3
     # over bf16 -> swapped 105.0 / 84.0
-    "swap_wide_narrow": 1, "swap_wide_narrow_fp8": 1, "ring_wide_narrow_fp8": 2, "raw_ring_wide_narrow_fp8": 2,
-    "rope_raw_wide_narrow_fp8": 1,
-    # over fp8 the swapped kernel's direct form (`gluon_mla_narrow._mla_narrow_direct_kernel`; 0 off,
-    # else its raw stages, cut to what fits: `direct_stages`): no converter and no fp16 stages. A TMA
+    "swap_wide_narrow": 1, "swap_wide_narrow_fp8": 1,
+    # over fp8 the swapped kernel's direct form (`gluon_mla_narrow._mla_narrow_direct_kernel`; 0 off, the
+    # padded-tile kernel then, else its raw stages, cut to what fits: `direct_stages`): no converter and
+    # no fp16 stages. A TMA
     # loader fills the raw ring; one warpgroup computes the scores and the softmax, one the values,
     # each reading the raw tile's bytes itself (a tile crosses shared memory once by TMA and is read
     # twice: ~124 KB of traffic against ~270 through the converter). The values' A operand is the raw
-    # box read transposed by 16-bit ldmatrix, split into even and odd dims in registers; the scores
-    # (fp8_scores_wide_narrow_fp8 0) likewise by plain ldmatrix in a permuted dim order that needs no
-    # byte permutes, or (1) as fp8 MMAs straight from shared memory against the queries as e4m3 hi +
-    # lo parts (~8 significant bits, a bf16 query's; each 128-dim box its own accumulator, summed in
-    # fp32): against the fp16 scores lse within 2.2e-3 and out within 1.5e-3 on the GPU test's data.
+    # box read transposed by 16-bit ldmatrix, split into even and odd dims in registers; the scores as
+    # fp8 MMAs straight from shared memory against the queries as e4m3 hi + lo parts (~8 significant
+    # bits, a bf16 query's; each 128-dim box its own accumulator, summed in fp32): against fp16 scores
+    # (the A operand by plain ldmatrix in a permuted dim order, CONFIG fp8_scores_wide_narrow_fp8 0,
+    # removed after 78e902e) lse within 2.2e-3 and out within 1.5e-3 on the GPU test's data.
     # bench/debug/decode_narrow.py (2026-12-04, DECODE_NARROW_FP8=1, bench/results/logs/
     # decode-narrow8/11-h200.json; B 32, 16 heads, 1/4 of 8K / 32K / 128K): the converter's form
     # 24.4 / 71.7 / 250.6 µs -> direct with fp16 scores 23.7 / 65.5 / 222.0 -> fp8 scores 22.6 / 60.3
@@ -664,12 +663,12 @@ CONFIG = {
     # 46.8). With the scores in tile pairs (pipe_wide_narrow_fp8 below; decode-narrow18-pairs-h200.json): raw 5
     # 22.1-22.2 / 55.6-55.9 / 182.0-192.6, raw 3 22.7 / 59.7-60.0 / 204.1-204.9 (raw 3 unpaired 22.3-22.4 /
     # 56.3-56.5 / 196.5-199.4); 32 columns (no pairs there) raw 5 79.3-83.3 against raw 3 78.0-79.2: 5
-    "direct_wide_narrow_fp8": 5, "fp8_scores_wide_narrow_fp8": 1,
+    "direct_wide_narrow_fp8": 5,
     # ... its raw stages over more than 16 columns (32 heads, or 16 x a speculative step's 2 tokens), where the
     # tile pairs do not apply: 3 (32 heads at 1/4 of 32K: 78.0-79.2 µs against 79.2-83.3 with 5,
     # decode-narrow18/19)
     "direct_wide_narrow_fp8_32": 3,
-    # ... with fp8 scores and at most 16 columns, the scores in tile pairs: the second tile's MMAs issued
+    # ... at most 16 columns, the scores in tile pairs: the second tile's MMAs issued
     # before the first's softmax, run under it (1), or each tile's after the last's softmax (0). Issuing
     # the next tile's MMAs every tile (one in flight across iterations) made ptxas serialize every wgmma
     # of the kernel (C7514: the loop-carried accumulators' register moves read in-flight registers):
@@ -977,8 +976,8 @@ _VALID = {
     "gluon_wide": (0, 1), "gluon_wide_fp8": (0, 1), "gluon_wide_narrow": (0, 1), "gluon_wide_narrow_fp8": (0, 1),
     "gluon_gqa": (0, 1), "gluon_gqa_fp8": (0, 1), "stages": range(2, 7),
     "swap": (0, 1), "raw_ring": (0, 1, 2, 3, 4), "keys": (32, 64), "ring": (1, 2, 3),
-    "maxnreg": (0, *range(64, 256, 8)), "at_most": (0, 1), "stage16": (0, 1, 2), "even": (0, 1), "rope_raw": (0, 1),
-    "direct": range(0, 13), "fp8_scores": (0, 1), "pipe": (0, 1),
+    "maxnreg": (0, *range(64, 256, 8)), "at_most": (0, 1), "stage16": (0, 1, 2), "even": (0, 1),
+    "direct": range(0, 13), "pipe": (0, 1),
 }
 _META = ("device", "sizes", "seconds", "results", "notes", "problems")
 
@@ -1149,7 +1148,14 @@ def paged_decode_triton(q: Tensor, k: Tensor, v: Tensor, k_scale: Tensor | None,
     narrow = _narrow(tq * g)
     narrow_on = CONFIG["gluon_wide_narrow_fp8" if fp8 else "gluon_wide_narrow"]
     latent = not impl.interpreting() and _halves_ok(k, v, k_scale, v_scale, d_main, gluon_mla.TILE)
+    # (over fp8 its direct form, with the raw stages that fit at these columns: none, or
+    # direct_wide_narrow_fp8 0, leaves the padded-tile kernel)
+    narrow_raw = CONFIG["direct_wide_narrow_fp8_32" if tq * hq > gluon_mla_narrow.PAIRS_MAX_COLUMNS
+                        else "direct_wide_narrow_fp8"]
+    narrow_raw = (gluon_mla_narrow.direct_stages(tq * hq, narrow_raw) if narrow and fp8 and CONFIG["direct_wide_narrow_fp8"]
+                  else 0)
     swapped = (latent and narrow and narrow_on and CONFIG["swap_wide_narrow_fp8" if fp8 else "swap_wide_narrow"]
+               and (narrow_raw > 0 or not fp8)
                and gluon_mla.gluon_mla_ok(q, k, v, tq, page, k_scale, v_scale, max_tq=8)
                and gluon_mla_narrow.narrow_ok(tq * hq, k, k_scale))
     gluon = swapped or (latent and CONFIG["gluon_wide_fp8" if fp8 else "gluon_wide"] and (not narrow or narrow_on)
@@ -1189,17 +1195,8 @@ def paged_decode_triton(q: Tensor, k: Tensor, v: Tensor, k_scale: Tensor | None,
     table = block_table if block_table.stride(-1) == 1 else block_table.contiguous()
     direct_opts = {"paired": bool(CONFIG["paired_store_direct_fp8"]), "ahead": bool(CONFIG["ids_ahead"])}
     if s > 0 and splits > 0 and swapped:
-        wide = tq * hq > gluon_mla_narrow.PAIRS_MAX_COLUMNS     # (no tile pairs there: fewer stages serve)
-        stages = CONFIG["direct_wide_narrow_fp8_32" if wide else "direct_wide_narrow_fp8"]
-        direct = gluon_mla_narrow.direct_stages(tq * hq, stages) if fp8 and CONFIG["direct_wide_narrow_fp8"] else 0
-        if direct:
-            ring, raw, rope = 0, direct, False
-        else:
-            direct, (ring, raw, rope) = 0, gluon_mla_narrow.fp8_form(tq * hq, *(CONFIG[f"{n}_wide_narrow_fp8"]
-                                                                       for n in ("ring", "raw_ring", "rope_raw")))
         gluon_mla_narrow.launch(q, k, table, seq_lens, o, lse, scale * _LOG2E, splits, split_len, dcp_size, dcp_rank,
-                                interleave, k_scale if fp8 else None, ring=ring, raw=raw, rope_raw=rope,
-                                direct=bool(direct), fp8_scores=bool(CONFIG["fp8_scores_wide_narrow_fp8"]), pdl=pdl,
+                                interleave, k_scale if fp8 else None, raw=narrow_raw, pdl=pdl,
                                 pipe=bool(CONFIG["pipe_wide_narrow_fp8"]), **direct_opts)
     elif s > 0 and splits > 0 and gluon:
         gluon_mla.launch_gluon_mla(q, k, table, seq_lens, o, lse, scale * _LOG2E, splits, split_len, dcp_size,
