@@ -637,3 +637,40 @@ def test_single_rank_slab_result_carries_its_rows_hint():
     assert res.rows_hint == pytest.approx(float(res.counts.float().mean())) == pytest.approx(30 * 4 / 16)
     small = make_dispatcher(None, 16, 24, layout="slab", capacity=3, drop_policy="drop").dispatch(x, ids, w)
     assert small.rows_hint == 3
+
+
+def _rank_unchecked_wide_ids(rank: int, world: int) -> dict:
+    """check_ids=False with int64 ids that do not fit int32: the census counts them as no expert,
+    and so must the receivers (the ids travel as int32)."""
+    from parallel import ParallelConfig, init_parallel
+
+    groups = init_parallel(ParallelConfig(world_size=world))
+    num_experts, hidden = 2 * world, 8
+    d = make_dispatcher(groups.ep, num_experts, hidden, check_ids=False)
+    x = torch.randn(3, hidden, generator=torch.Generator().manual_seed(rank))
+    # 2**32 + 1 narrows to 1 (rank 0's expert, where token 0 goes for its expert 0);
+    # -2**32 + 3 narrows to 3 (rank 1's expert, where token 2 goes for its expert 2)
+    ids = torch.tensor([[0, 2**32 + 1], [3, -1], [2, -2**32 + 3]], dtype=torch.int64)
+    w = torch.tensor([[0.5, 0.25], [1.0, 0.0], [0.75, 0.125]])
+    res = d.dispatch(x, ids, w)
+    per_rank = num_experts // world
+    y = res.x * (res.expert_ids.float()[:, None] + 1 + rank * per_rank)  # expert e scales by e + 1
+    out = d.combine(y, res.handle)
+    want = torch.zeros(3, hidden, dtype=torch.float64)
+    for t in range(3):
+        for k in range(2):
+            e = int(ids[t, k])
+            if 0 <= e < num_experts:
+                want[t] += float(w[t, k]) * (e + 1) * x[t].double()
+    return {"counts": res.counts.tolist(), "err": float((out.double() - want).abs().max())}
+
+
+def test_multirank_unchecked_ids_past_int32_count_as_no_expert():
+    """With check_ids=False an id outside [0, E) is no expert. The ids travel as int32, and an
+    int64 id past its range used to wrap onto a valid expert on the receiving rank, which the
+    census had not counted: that rank's layout broke (an index error, its peer left waiting)."""
+    from launch.local import launch_local
+
+    results = launch_local(_rank_unchecked_wide_ids, 2, args=(2,), timeout=90)
+    assert [r["counts"] for r in results] == [[2, 0], [2, 2]], results
+    assert all(r["err"] < 1e-5 for r in results), results

@@ -75,6 +75,20 @@ def test_plan_layout_matches_loops(n, k, num_local, layout, align, capacity, dro
         assert counted.num_dropped == sum(max(0, len(p) - capacity) for p in full)
 
 
+
+@pytest.mark.parametrize("layout,align,capacity,drop", [
+    ("contiguous", 4, None, None), ("slab", 1, 3, "drop"), ("slab", 1, 16, None)])
+def test_plan_layout_takes_int32_local_ids(layout, align, capacity, drop):
+    """int32 local ids (what arrives over the wire) plan like int64 ones; they used to fail
+    inside a scatter with a dtype mismatch that named neither the ids nor their dtype."""
+    ids = _random_local_ids(11, 3, 4, seed=5)
+    plan = plan_layout(ids.to(torch.int32), 4, layout=layout, align=align, capacity=capacity, drop_policy=drop)
+    per_expert, starts, row_src, row_slot, pair_pos = _loop_layout(ids, 4, align, capacity)
+    assert plan.counts.tolist() == [len(p) for p in per_expert]
+    assert plan.row_src.tolist() == row_src and plan.row_slot.tolist() == row_slot
+    assert plan.pair_pos.tolist() == pair_pos
+    assert plan.expert_ids.tolist() == [(-1 if s < 0 else int(ids[s, row_slot[j]])) for j, s in enumerate(row_src)]
+
 def test_plan_layout_overflow_and_bad_arguments_raise():
     ids = torch.zeros(5, 1, dtype=torch.int64)
     with pytest.raises(ValueError, match=r"capacity \(4\) is too small.*capacity >= 5"):

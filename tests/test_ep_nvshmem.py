@@ -235,6 +235,23 @@ def _slab_cases(group, rank: int, world: int, device: str = "cpu") -> dict:
                 out[(seed, cap)] = same
                 if cap < world * tm:
                     out[("full", seed)] = int(got.counts.max()) == cap
+        # int64 ids past int32 range are no expert: narrowed as they were (the ids travel as
+        # int32), 2**32 + 1 and -2**32 + 3 became experts 1 and 3 where their tokens were sent
+        ids = torch.tensor([[0, 2**32 + 1], [e_total - 1, -1], [2, -2**32 + 3]], dtype=torch.int64)
+        w = torch.tensor([[0.5, 0.25], [1.0, 0.0], [0.75, 0.25]])
+        x = torch.arange(3 * H, dtype=torch.float32).view(3, H) / 4 - rank
+        tr = NvshmemTransport(buf)
+        got = tr.dispatch_slab(x.to(device), ids.to(device), w.to(device))
+        y = tr.combine_slab(_expert_fn(got.x), got.handle).cpu()
+        tr.check()
+        want = torch.zeros(3, H)
+        el = e_total // world
+        for t in range(3):
+            for k in range(K):
+                g = int(ids[t, k])
+                if 0 <= g < e_total:  # _expert_fn: 2 * x + the expert's local index
+                    want[t] += float(w[t, k]) * (2 * x[t] + g % el)
+        out["wide_ids"] = torch.equal(y, want)
         # bad input: more tokens than the buffer holds, before anything is written
         try:
             NvshmemTransport(buf).dispatch(torch.zeros(tm + 1, H, device=device), torch.zeros(tm + 1, K,
@@ -484,6 +501,7 @@ def _check_results(results: list[dict], world: int) -> None:
                 continue
             assert same == [True] * 5, (rank, key, same)
         assert "tokens exceed the buffer's max_tokens (6)" in r["slab"]["too_many"], r["slab"]["too_many"]
+        assert r["slab"]["wide_ids"] is True, (rank, "int64 ids past int32 reached an expert")
         for seed, same in r["dispatcher"].items():
             assert same == [True] * 8, (rank, seed, same)
         assert r["moe"] < 1e-5, (rank, r["moe"])

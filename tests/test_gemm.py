@@ -118,6 +118,25 @@ def test_torch_grouped_mm_backend_matches_reference():
     assert (ys[1] == 0).all() and (ys[0, 3:] == 0).all()
 
 
+
+def test_torch_grouped_mm_slab_ignores_nonfinite_rows_beyond_counts():
+    """Slab rows past the count are not data (a slab's spare rows may hold anything). The
+    torch_grouped_mm path masked them by multiplying by 0, so an inf or NaN there gave NaN rows
+    instead of the zeros the reference and the contract give."""
+    if not hasattr(torch, "_grouped_mm"):
+        pytest.skip("torch._grouped_mm missing")
+    E, C, N, K = 3, 5, 32, 64
+    counts = [0, 2, 5]
+    w, wv = random_weight("bf16", E, N, K, seed=8)
+    x = torch.randn(E, C, K, generator=torch.Generator().manual_seed(9)).to(torch.bfloat16)
+    x[0] = float("nan")
+    x[1, 2:] = float("inf")
+    y = grouped_gemm(x, w, counts=torch.tensor(counts), layout="slab", backend="torch_grouped_mm")
+    assert not torch.isnan(y).any()
+    assert (y[0] == 0).all() and (y[1, 2:] == 0).all()
+    ref = loop_gemm(x.double().nan_to_num(posinf=0.0).numpy(), wv, counts, "slab")
+    assert rel_err(y, ref) < 1e-2
+
 # ---- preparation ------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("block", [32, 16])

@@ -293,6 +293,38 @@ def test_device_path_multirank_replicated_and_allgather_match_ep1(world):
         assert res["too_many"] == 1.0, (rank, res)
 
 
+
+def _allgather_wide_ids(rank: int) -> dict:
+    """Each rank brings int64 ids, some past int32 range, through the all-gather transport and
+    plans its two slots on what it receives."""
+    from parallel import ParallelConfig, destroy_parallel, init_parallel
+    from parallel.comm import resolve_group
+    from parallel.ep.static import AllGatherTransport
+
+    groups = init_parallel(ParallelConfig(world_size=2))
+    try:
+        pg, _, size = resolve_group(groups.ep)
+        x = torch.full((2, 8), float(rank + 1))
+        # 2**32 + 1 and -2**32 + 3 narrow to the valid slots 1 and 3 if cast as they are
+        ids = torch.tensor([[0, 2**32 + 1], [3, -2**32 + 3]], dtype=torch.int64)
+        batch = AllGatherTransport(pg, size, max_tokens=4).dispatch(x, ids, torch.full((2, 2), 0.5))
+        bad = torch.zeros(1, dtype=torch.int32)
+        plan = plan_static(batch.topk_ids, 2, first_slot=2 * rank, num_slots_total=4, bad_ids=bad, backend="torch")
+        return {"counts": plan.counts.tolist(), "bad": int(bad)}
+    finally:
+        destroy_parallel()
+
+
+def test_allgather_transport_keeps_int64_ids_past_int32_out_of_range():
+    """The transport moves ids as int32. An int64 id past that range is out of range (skipped,
+    counted in bad_ids); narrowed as it was, it wrapped onto a valid slot and was computed."""
+    from launch.local import launch_local
+
+    results = launch_local(_allgather_wide_ids, 2, timeout=90)
+    # every rank sees both ranks' tokens: slot 0 twice, slot 3 twice, four out-of-range ids
+    assert results == [{"counts": [2, 0], "bad": 4}, {"counts": [0, 2], "bad": 4}], results
+
+
 # ---- GPU ----------------------------------------------------------------------------------------
 
 def gpu(fn):

@@ -170,9 +170,10 @@ def dense_weight(w: PreparedWeight, dtype: torch.dtype = torch.bfloat16) -> torc
 
 
 def mask_slab_rows(y: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-    """Zero rows >= counts[e] of a slab output y [E, C, N] (in place)."""
+    """Zero rows >= counts[e] of a slab output y [E, C, N] (in place). A fill, not a product
+    with 0: padding rows may hold inf/NaN (the slab's unused rows are not read as data)."""
     keep = torch.arange(y.shape[1], device=y.device)[None, :] < counts[:, None]
-    return y.mul_(keep.unsqueeze(-1).to(y.dtype))
+    return y.masked_fill_(~keep.unsqueeze(-1), 0)
 
 
 def _gemm_grouped_mm(x: torch.Tensor, w: PreparedWeight, rows: ExpertRows, out_dtype: torch.dtype) -> torch.Tensor:

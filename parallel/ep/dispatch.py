@@ -614,7 +614,13 @@ class Dispatcher:
             assert info is not None
             route = backend.route(info, census)
             counts_host = census.expert_totals(self.rank * self.experts_per_rank, self.experts_per_rank)
-        ids = topk_ids if self.size == 1 else topk_ids.to(torch.int32)
+        if self.size == 1:
+            ids = topk_ids
+        else:
+            # ids travel as int32. The census counted every id outside [0, E) as no expert; send
+            # those as -1, or narrowing would turn one (2**32 + 1 with check_ids=False) into a
+            # valid expert on the receiver that the census never counted
+            ids = torch.where(info.valid, topk_ids, -1).to(torch.int32)
         pieces = [x] + ([x_scale] if x_scale is not None else []) + [ids, topk_weights.float()]
         pending = route.send(pieces, async_op=async_op)
         return _DispatchOp(self, route, pending, counts_host, x.dtype, x_scale is not None, worker)

@@ -105,7 +105,7 @@ def plan_layout(local_ids: torch.Tensor, num_local_experts: int, *, layout: str 
                 counts_host: list[int] | None = None) -> LayoutPlan:
     """Positions of the pairs of `local_ids` in the chosen layout.
 
-    local_ids: [n, K] int64, local expert of each (row, k) pair; -1 = not on this rank.
+    local_ids: [n, K] int64 (int32 is widened), local expert of each (row, k) pair; -1 = not on this rank.
     counts_host: pairs per local expert when the caller already knows them on the host (the
     all-to-all count exchange does); otherwise they are read from the device once (one sync),
     except for a slab with a drop policy, which needs no host value at all.
@@ -114,7 +114,7 @@ def plan_layout(local_ids: torch.Tensor, num_local_experts: int, *, layout: str 
     n, k = local_ids.shape
     device = local_ids.device
     num_e = num_local_experts
-    flat = local_ids.reshape(-1)
+    flat = local_ids.reshape(-1).long()  # (the scatters below take int64 indices and values)
     key = torch.where(flat >= 0, flat, torch.full_like(flat, num_e))  # invalid pairs sort last
     sorted_key, order = torch.sort(key, stable=True)  # pairs by expert, then (row, k)
     all_counts = count_values(key, num_e + 1)  # [E_local + 1] int64
