@@ -46,13 +46,16 @@ def test_plan_matches_loop_reference_on_awkward_routing(backend, monkeypatch):
         monkeypatch.setenv("TRITON_INTERPRET", "1")
     gen = torch.Generator().manual_seed(1)
     for t, k, slots, first, total in PLAN_CASES:
-        for variant in ("random", "one_expert", "skewed"):
+        for variant in ("random", "one_expert", "skewed", "wide"):
             ids = torch.randint(-1, total, (t, k), generator=gen)
             if variant == "one_expert" and t:
                 ids[:, 0] = first + slots - 1  # every token on one (the last) slot
             if variant == "skewed" and t > 3:
                 ids[1] = -1  # a padding token
                 ids[3, 0], ids[3, -1] = total + 3, -5  # out of range: skipped and counted
+            if variant == "wide" and t > 2 and t % 2 == 0:
+                # int64 ids past int32 (the plan reads int32): narrowed, they would be slots first and first + 1
+                ids[2, 0], ids[2, -1] = 2 ** 32 + first, -2 ** 32 + first + 1
             bad = torch.zeros(1, dtype=torch.int32)
             plan = plan_static(ids.to(torch.int32 if t % 2 else torch.int64), slots, first_slot=first,
                                num_slots_total=total, bad_ids=bad, backend=backend)

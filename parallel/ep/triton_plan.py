@@ -22,6 +22,13 @@ from megapar.parallel.ep.static import StaticPlan
 
 
 @triton.jit
+def _load_ids(ids_ptr, offs, live):
+    """Expert ids as int32; an int64 id outside int32 is clamped first (to -2 or int32 max: still out
+    of range, counted as bad) rather than wrapped onto a valid slot by the narrowing."""
+    return tl.minimum(tl.maximum(tl.load(ids_ptr + offs, mask=live, other=-1), -2), 2147483647).to(tl.int32)
+
+
+@triton.jit
 def _plan_kernel(ids_ptr, pair_pos_ptr, row_token_ptr, counts_ptr, offsets_ptr, bad_ptr,
                  num_pairs, K, first_slot, num_slots, num_slots_total,
                  S_POW2: tl.constexpr, BLOCK: tl.constexpr, NUM_BLOCKS: tl.constexpr, COUNT_BAD: tl.constexpr):
@@ -31,7 +38,7 @@ def _plan_kernel(ids_ptr, pair_pos_ptr, row_token_ptr, counts_ptr, offsets_ptr, 
     for b in range(NUM_BLOCKS):  # pass 1: pairs per slot
         offs = b * BLOCK + tl.arange(0, BLOCK)
         live = offs < num_pairs
-        gid = tl.load(ids_ptr + offs, mask=live, other=-1).to(tl.int32)
+        gid = _load_ids(ids_ptr, offs, live)
         if COUNT_BAD:
             bad += (live & ((gid < -1) | (gid >= num_slots_total))).to(tl.int32)
         local = gid - first_slot
@@ -50,7 +57,7 @@ def _plan_kernel(ids_ptr, pair_pos_ptr, row_token_ptr, counts_ptr, offsets_ptr, 
     for b in range(NUM_BLOCKS):  # pass 2: each pair's row
         offs = b * BLOCK + tl.arange(0, BLOCK)
         live = offs < num_pairs
-        gid = tl.load(ids_ptr + offs, mask=live, other=-1).to(tl.int32)
+        gid = _load_ids(ids_ptr, offs, live)
         local = gid - first_slot
         mine = live & (gid >= 0) & (gid < num_slots_total) & (local >= 0) & (local < num_slots)
         key = tl.where(mine, local, S_POW2)
