@@ -789,7 +789,9 @@ def test_gluon_mla_narrow_swapped_on_gpu(dtype, size, rank, heads, tq, monkeypat
         monkeypatch.setitem(td.CONFIG, "direct_wide_narrow_fp8", direct)
     bad = table.clone()
     bad[5, 0] = nb + 7
-    _nan_row_5_only(run(cache, bad), got)
+    for ahead in (0, 1):    # (ids_ahead: the id check's loads beside the length, evaluated after the loop)
+        monkeypatch.setitem(td.CONFIG, "ids_ahead", ahead)
+        _nan_row_5_only(run(cache, bad), got)
     _replays_to(lambda: run(cache, table), got)
 
 
@@ -1104,3 +1106,51 @@ def test_gluon_gqa_kernel_on_gpu(dtype, size, rank, hq, hkv, monkeypatch):
         _nan_row_5_only(paged_decode_attention(q, cache, bad, seq, layout=layout, scale=0.088, backend="triton",
                                                validate=False), got)
     _replays_to(lambda: run(cache, table), got)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind", ["gqa-bf16", "gqa-fp8", "mla16-bf16", "mla16-fp8"])
+def test_gluon_kernels_check_block_ids_past_a_splits_first_64_pages(kind, monkeypatch):
+    """A split longer than 64 pages (one split over 5000 tokens): a bad block id at page 70 makes that
+    sequence's rows NaN, with the check after the loop (installed) and with ids_ahead, whose first 64
+    ids are loaded beside the length and the rest after the loop (`gluon_mla._bad_ids_after`); the
+    other sequence exact, and without the bad id both forms the same to the bit."""
+    td = _compiled(monkeypatch)
+    from parallel.cp import gluon_gqa, gluon_mla
+
+    if not (torch.cuda.get_device_capability() == (9, 0) and gluon_mla.HAS_GLUON and gluon_gqa.HAS_GLUON):
+        pytest.skip("the Gluon decode kernels need an sm_90 GPU and a Triton with Gluon")
+    dtype = torch.float8_e4m3fn if kind.endswith("fp8") else torch.bfloat16
+    for key in ("target_programs_gluon_gqa", "target_programs_wide", "target_programs_wide_fp8"):
+        monkeypatch.setitem(td.CONFIG, key, 1)          # (one split a sequence)
+    lens = [5000, 300]
+    gen = torch.Generator().manual_seed(77)
+    layout = DCPLayout(size=1, rank=0, block_size=64)
+    seq = torch.tensor(lens, device="cuda")
+    if kind.startswith("gqa"):
+        cache, _, table = _nan_gqa_cache(lens, 4, layout, dtype, gen)
+        q = torch.randn(len(lens), 1, 32, 128, generator=gen).to(torch.bfloat16).cuda()
+        used, real = [], gluon_gqa.launch_gluon_gqa
+        monkeypatch.setattr(gluon_gqa, "launch_gluon_gqa", lambda *a, **kw: used.append(1) or real(*a, **kw))
+    else:
+        from parallel.cp import gluon_mla_narrow
+
+        cache, _, table, _ = _mla_dcp_cache(lens, layout, dtype, gen)
+        q = torch.randn(len(lens), 1, 16, 576, generator=gen).to(torch.bfloat16).cuda()
+        used, real = [], gluon_mla_narrow.launch
+        monkeypatch.setattr(gluon_mla_narrow, "launch", lambda *a, **kw: used.append(1) or real(*a, **kw))
+    run = lambda t: paged_decode_attention(q, cache, t, seq, layout=layout, scale=0.08, backend="triton",
+                                           validate=False)
+    bad = table.clone()
+    bad[0, 70] = cache.k.shape[0] + 3
+    results = {}
+    for ahead in (0, 1):
+        monkeypatch.setitem(td.CONFIG, "ids_ahead", ahead)
+        results[ahead] = run(table)
+        nan = run(bad)
+        assert used, "the Gluon kernel was not launched"
+        assert torch.isnan(nan.out[0]).all() and torch.isnan(nan.lse[0]).all(), ahead
+        torch.testing.assert_close(nan.out[1], results[ahead].out[1], atol=0, rtol=0)
+        assert torch.isfinite(results[ahead].out).all()
+    torch.testing.assert_close(results[1].out, results[0].out, atol=0, rtol=0)
+    torch.testing.assert_close(results[1].lse, results[0].lse, atol=0, rtol=0)

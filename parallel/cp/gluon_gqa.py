@@ -43,8 +43,8 @@ try:
     from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
                                                                   warpgroup_mma_wait)
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
-    from .gluon_mla import (HAS_GLUON, _bad_ids, _block_of, _finish, _gdc_wait_and_release, _ids_next, _ids_window,
-                            _table_tiles, _softmax_step, _split_range)
+    from .gluon_mla import (HAS_GLUON, IDS_L, _bad_ids, _bad_ids_after, _block_of, _finish, _gdc_wait_and_release,
+                            _ids_early, _ids_next, _ids_window, _table_tiles, _softmax_step, _split_range)
 except ImportError:  # pragma: no cover - a Triton without Gluon
     HAS_GLUON = False
 
@@ -136,14 +136,17 @@ if HAS_GLUON:
     @gluon.jit
     def _consumer(q_ptr, k_smem, v_smem, ready, free, table_ptr, glens_ptr, o_ptr, lse_ptr, s, kvh, split,
                   split_len, dcp_size, dcp_rank, interleave, table_w, num_blocks, st_s, sq_s, sq_h, G, qk_scale,
-                  so_p, so_s, so_h, sl_p, sl_s, PAGE: gl.constexpr, STAGES: gl.constexpr):
+                  so_p, so_s, so_h, sl_p, sl_s, PAGE: gl.constexpr, STAGES: gl.constexpr, AHEAD: gl.constexpr = False):
         """The query rows padded to 64 (wgmma's M) as the A operand of S = Q K^T from registers, the
-        online softmax over [64 rows, 64 keys], O += P V with P from registers too."""
+        online softmax over [64 rows, 64 keys], O += P V with P from registers too. AHEAD: the split's
+        block ids for the final check loaded beside the length (`_ids_early`), not after the loop."""
         mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 64, 16])
         row_l: gl.constexpr = gl.SliceLayout(1, mma)
         col_l: gl.constexpr = gl.SliceLayout(0, mma)
         a_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
         dtype: gl.constexpr = k_smem.dtype
+        if AHEAD:
+            early = _ids_early(table_ptr, s, st_s, split * split_len, table_w, PAGE, IDS_L)
         q0, q1 = _queries(q_ptr, s, kvh, G, sq_s, sq_h, BLOCK)
         qa0 = gl.convert_layout(q0.to(dtype), a_l)
         qa1 = gl.convert_layout(q1.to(dtype), a_l)
@@ -171,8 +174,11 @@ if HAS_GLUON:
             o1 = warpgroup_mma(pa, v_smem.index(stage * CHUNKS + 1), o1 * alpha[:, None], is_async=True)
             o0, o1 = warpgroup_mma_wait(num_outstanding=0, deps=(o0, o1))
             mbarrier.arrive(free.index(stage))
-        factor, lse = _finish(m_i, l_i, r_i, bad | _bad_ids(table_ptr, s, st_s, start, end, num_blocks, PAGE, col_l),
-                              False)
+        if AHEAD:
+            bad = bad | _bad_ids_after(early, table_ptr, s, st_s, start, end, num_blocks, PAGE, IDS_L)
+        else:
+            bad = bad | _bad_ids(table_ptr, s, st_s, start, end, num_blocks, PAGE, col_l)
+        factor, lse = _finish(m_i, l_i, r_i, bad, False)
         _store_out(o_ptr, lse_ptr, o0, o1, factor, lse, s, kvh, split, G, so_p, so_s, so_h, sl_p, sl_s, cols,
                    gl.arange(0, BLOCK, layout=row_l))
 
@@ -204,7 +210,7 @@ if HAS_GLUON:
         gl.warp_specialize([
             (_consumer, (q_ptr, k_smem, v_smem, ready, free, table_ptr, glens_ptr, o_ptr, lse_ptr, s, kvh, split,
                          split_len, dcp_size, dcp_rank, interleave, table_w, num_blocks, st_s, sq_s, sq_h, G, qk_scale,
-                         so_p, so_s, so_h, sl_p, sl_s, PAGE, STAGES)),
+                         so_p, so_s, so_h, sl_p, sl_s, PAGE, STAGES, AHEAD)),
             (_bf16_loader, (k_desc, v_desc, k_ptr, v_ptr, table_ptr, glens_ptr, k_smem, v_smem, ready, free, s, kvh,
                             split, split_len, dcp_size, dcp_rank, interleave, table_w, num_blocks, st_s, sk_b, sk_t,
                             sv_b, sv_t, PAGE, STAGES, AHEAD)),
@@ -221,7 +227,7 @@ if HAS_GLUON:
 
     @gluon.jit
     def _direct_queries(q_ptr, s, kvh, G, TQ, sq_s, sq_t, sq_h, ql_smem, table_ptr, st_s, start, end, num_blocks,
-                        PAGE: gl.constexpr, NQ: gl.constexpr, key_l: gl.constexpr):
+                        PAGE: gl.constexpr, NQ: gl.constexpr, key_l: gl.constexpr, IDS: gl.constexpr = True):
         """The kv head's query rows, column c = (token c // G, head c % G) of the step's TQ tokens (NQ of
         them, zeros past TQ x G), times a power of two each (the largest magnitude into [2^7, 2^8): no
         part saturates) as e4m3 hi and lo parts in ql_smem[0], [1]; the split's block ids checked while
@@ -232,7 +238,10 @@ if HAS_GLUON:
         row_off = (rows // G).to(gl.int64) * sq_t + (kvh * G + rows % G).to(gl.int64) * sq_h
         ptrs = q_ptr + s.to(gl.int64) * sq_s + row_off[:, None] + dims[None, :]
         x = gl.load(ptrs, mask=(rows < TQ * G)[:, None], other=0.0).to(gl.float32)
-        bad = _bad_ids(table_ptr, s, st_s, start, end, num_blocks, PAGE, key_l)
+        if IDS:     # (not IDS: the caller checks them)
+            bad = _bad_ids(table_ptr, s, st_s, start, end, num_blocks, PAGE, key_l)
+        else:
+            bad = False
         biased = (gl.max(gl.abs(x), 1).to(gl.int32, bitcast=True) >> 23) & 0xFF
         e = gl.minimum(gl.maximum(134 - biased, -120), 107)
         _query_split(x, ((e + 127) << 23).to(gl.float32, bitcast=True), ql_smem.index(0), ql_smem.index(1))
@@ -291,7 +300,7 @@ if HAS_GLUON:
                        p_free, table_ptr, glens_ptr, lse_ptr, s, kvh, split, split_len, dcp_size, dcp_rank,
                        interleave, table_w, num_blocks, st_s, sq_s, sq_t, sq_h, G, TQ, qk_scale, ss_b, ss_t, ss_h,
                        svs_b, svs_t, svs_h, sl_p, sl_s, sl_t, PAGE: gl.constexpr, RAW: gl.constexpr, NQ: gl.constexpr,
-                       CAUSAL: gl.constexpr):
+                       CAUSAL: gl.constexpr, AHEAD: gl.constexpr = False):
         """The direct fp8 kernel's first warpgroup: the queries, then per step of four raw tiles S^T = K Q^T
         as fp8 MMAs from shared memory (each tile's 128 key dims against the queries' hi and lo parts, one
         operand of 2 NQ columns),
@@ -307,15 +316,23 @@ if HAS_GLUON:
         key_l: gl.constexpr = gl.SliceLayout(1, mma)
         q_l: gl.constexpr = gl.SliceLayout(0, mma)
         keys = gl.arange(0, BLOCK, layout=key_l)
+        if AHEAD:   # the first two steps' block ids, and the split's for the check at the end, loaded beside
+            first = split * split_len       # the length (bounded by the table: `_table_tiles`)
+            ahead = _table_tiles(first, table_w, PAGE)
+            b0, b1, b2, b3 = _ids_window(table_ptr, s, st_s, first, ahead, num_blocks, PAGE)
+            n0, n1, n2, n3 = _ids_window(table_ptr, s, st_s, first + 4 * BLOCK, ahead - 4, num_blocks, PAGE)
+            early = _ids_early(table_ptr, s, st_s, first, table_w, PAGE, IDS_L)
         start, end, tiles, bad = _split_range(glens_ptr, s, split, split_len, dcp_size, dcp_rank, interleave,
                                               table_w, PAGE)
-        b0, b1, b2, b3 = _ids_window(table_ptr, s, st_s, start, tiles, num_blocks, PAGE)
-        n0, n1, n2, n3 = _ids_window(table_ptr, s, st_s, start + 4 * BLOCK, tiles - 4, num_blocks, PAGE)
+        if not AHEAD:
+            b0, b1, b2, b3 = _ids_window(table_ptr, s, st_s, start, tiles, num_blocks, PAGE)
+            n0, n1, n2, n3 = _ids_window(table_ptr, s, st_s, start + 4 * BLOCK, tiles - 4, num_blocks, PAGE)
         k0, v0, k1, v1, k2, v2, k3, v3 = _step_scales(ks_ptr, vs_ptr, b0, b1, b2, b3, start, end, kvh, ss_b, ss_t,
                                                       ss_h, svs_b, svs_t, svs_h, keys, PAGE)
         qf, bad_id = _direct_queries(q_ptr, s, kvh, G, TQ, sq_s, sq_t, sq_h, ql_smem, table_ptr, st_s, start, end,
-                                     num_blocks, PAGE, NQ, key_l)
-        bad = bad | bad_id
+                                     num_blocks, PAGE, NQ, key_l, not AHEAD)
+        if not AHEAD:
+            bad = bad | bad_id
         qk_q = gl.convert_layout(qf, q_l) * qk_scale
         m_i = gl.full([NQ], float("-inf"), gl.float32, q_l)
         l_i = gl.zeros([BLOCK, NQ], gl.float32, mma)
@@ -370,6 +387,8 @@ if HAS_GLUON:
             fence_async_shared()
             gl.thread_barrier()
             mbarrier.arrive(p_ready.index(pb))
+        if AHEAD:
+            bad = bad | _bad_ids_after(early, table_ptr, s, st_s, start, end, num_blocks, PAGE, IDS_L)
         factor, lse = _finish(m_i, gl.sum(l_i, 0), r_i, bad, True)
         lse_at = (split.to(gl.int64) * sl_p + s.to(gl.int64) * sl_s + (cols // G).to(gl.int64) * sl_t + kvh * G
                   + cols % G)
@@ -491,7 +510,8 @@ if HAS_GLUON:
         value boxes); one warpgroup computes the scores as fp8 MMAs straight from the raw keys
         (`_direct_scores`), the other reads the raw values into its MMA's A operand (`_direct_values`),
         one tile behind, through a double buffer of the weights. PAIRED: the output's dim pairs stored
-        together; AHEAD: the loader's first block ids loaded beside the sequence's length."""
+        together; AHEAD: the block ids the loader and the scores warpgroup need first (and the latter's
+        id check) loaded beside the sequence's length."""
         pid = gl.program_id(0)
         split = gl.program_id(1)
         s = pid // KV_HEADS
@@ -515,7 +535,8 @@ if HAS_GLUON:
             (_direct_scores, (q_ptr, ks_ptr, vs_ptr, ql_smem, k_smem, v_smem, p_smem, a_smem, raw_ready, raw_free,
                               p_ready, p_free, table_ptr, glens_ptr, lse_ptr, s, kvh, split, split_len, dcp_size,
                               dcp_rank, interleave, table_w, num_blocks, st_s, sq_s, sq_t, sq_h, G, TQ, qk_scale,
-                              ss_b, ss_t, ss_h, svs_b, svs_t, svs_h, sl_p, sl_s, sl_t, PAGE, RAW, NQ, CAUSAL)),
+                              ss_b, ss_t, ss_h, svs_b, svs_t, svs_h, sl_p, sl_s, sl_t, PAGE, RAW, NQ, CAUSAL,
+                              AHEAD)),
             (_direct_values, (v_smem, p_smem, a_smem, raw_free, p_ready, p_free, glens_ptr, o_ptr, s, kvh, split,
                               split_len, dcp_size, dcp_rank, interleave, table_w, G, TQ, so_p, so_s, so_t, so_h,
                               PAGE, RAW, NQ, PAIRED)),
@@ -573,7 +594,7 @@ def launch_gluon_gqa(q: Tensor, k: Tensor, v: Tensor, table: Tensor, seq_lens: T
     """Fill the split partials o [splits, S, Tq, Hq, 128] / lse [splits, S, Tq, Hq] (`gluon_gqa_ok`).
     stages: the bf16 ring's (32 KB each, at most 6); direct: over fp8, the direct kernel's raw stages,
     cut to `direct_stages` (ValueError where none apply: more than DIRECT_MAX_G columns of tokens x
-    query heads a kv head); paired: its output's dim pairs stored together; ahead: the loader's first
+    query heads a kv head); paired: its output's dim pairs stored together; ahead: the first
     block ids loaded beside the length. pdl: launched with programmatic dependent launch
     (`triton_merge.pdl_ok`)."""
     s, tq, hq, d = q.shape

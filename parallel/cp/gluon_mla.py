@@ -49,6 +49,7 @@ if HAS_GLUON:
     CHUNKS = gl.constexpr(9)       # 576 / 64: boxes of the latent + rope key
     VCHUNKS = gl.constexpr(4)      # boxes of output dims per warpgroup (2 x 4 x 64 = 512)
     STAGES = gl.constexpr(2)
+    IDS_L = gl.constexpr(gl.BlockedLayout([1], [32], [4], [0]))   # a warpgroup's BLOCK early block ids
 else:  # pragma: no cover
     BLOCK, CHUNKS, VCHUNKS, STAGES = 64, 9, 4, 2
 
@@ -109,6 +110,30 @@ if HAS_GLUON:
         bad = gl.zeros([BLOCK], gl.int32, layout)
         for p0 in range(start // PAGE, last, BLOCK):
             page = p0 + idx
+            blk = gl.load(table_ptr + s.to(gl.int64) * st_s + page, mask=page < last, other=0)
+            bad = bad | ((blk < 0) | (blk >= num_blocks)).to(gl.int32)
+        return gl.max(bad, 0) > 0
+
+    @gluon.jit
+    def _ids_early(table_ptr, s, st_s, first, table_w, PAGE: gl.constexpr, layout: gl.constexpr):
+        """The block ids of the first BLOCK pages from local token `first` (a split's start, known before
+        the sequence's length), bounded by the table's width: loaded beside the length's load, checked
+        after the loop by `_bad_ids_after` (CONFIG ids_ahead), so the check's memory round trip leaves
+        the chain before the first tile."""
+        page = first // PAGE + gl.arange(0, BLOCK, layout=layout)
+        return gl.load(table_ptr + s.to(gl.int64) * st_s + page, mask=page < table_w, other=0)
+
+    @gluon.jit
+    def _bad_ids_after(early, table_ptr, s, st_s, start, end, num_blocks, PAGE: gl.constexpr,
+                       layout: gl.constexpr):
+        """`_bad_ids` with the split's first BLOCK pages' ids already loaded (`_ids_early` from `start`):
+        the pages past those (splits of more than BLOCK pages) are loaded here."""
+        idx = gl.arange(0, BLOCK, layout=layout)
+        last = (end + PAGE - 1) // PAGE
+        p0 = start // PAGE
+        bad = ((p0 + idx < last) & ((early < 0) | (early >= num_blocks))).to(gl.int32)
+        for p1 in range(p0 + BLOCK, last, BLOCK):
+            page = p1 + idx
             blk = gl.load(table_ptr + s.to(gl.int64) * st_s + page, mask=page < last, other=0)
             bad = bad | ((blk < 0) | (blk >= num_blocks)).to(gl.int32)
         return gl.max(bad, 0) > 0

@@ -48,9 +48,9 @@ if HAS_GLUON:
                                                                   warpgroup_mma_wait)
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-    from .gluon_mla import (BLOCK, CHUNKS, STAGES, _bad_ids, _barriers, _finish, _gdc_wait_and_release,
-                            _ids_next, _ids_window, _table_tiles, _loader, _softmax_step,
-                            _split_range)
+    from .gluon_mla import (BLOCK, CHUNKS, IDS_L, STAGES, _bad_ids, _bad_ids_after, _barriers, _finish,
+                            _gdc_wait_and_release, _ids_early, _ids_next, _ids_window, _table_tiles, _loader,
+                            _softmax_step, _split_range)
     from .triton_common import global_pos as _global_pos
 
 MAX_HEADS = 32      # the widest narrow tile: NQ = 32 columns (eight 64 x 32 fp32 accumulators)
@@ -124,15 +124,18 @@ if HAS_GLUON:
     def _consumer(q_smem, k_smem, p_smem, q_bar, ready, free, table_ptr, glens_ptr, o_ptr,
                   lse_ptr, s, split, split_len, dcp_size, dcp_rank, interleave, table_w, num_blocks, st_s, qk_scale,
                   so_p, so_s, so_t, so_h, sl_p, sl_s, sl_t, HQ, TQ, PAGE: gl.constexpr, RING: gl.constexpr,
-                  NQ: gl.constexpr, CAUSAL: gl.constexpr):
+                  NQ: gl.constexpr, CAUSAL: gl.constexpr, AHEAD: gl.constexpr = False):
         """S^T = K Q^T over the nine boxes, the online softmax down each column, O^T += V^T P^T. Column c
         is query token c // HQ's head c % HQ (TQ x HQ <= NQ columns); CAUSAL (TQ > 1): token t sees the
-        keys at global positions <= its own, length - TQ + t.
+        keys at global positions <= its own, length - TQ + t. AHEAD: the split's block ids for the final
+        check loaded beside the length (`_ids_early`), not after the loop.
         (Two consumers on alternate tiles, each writing its own partial for the split merge, ran 1.5-2.2x
         slower: their registers spilled 880 B; decode-narrow3-h200.json.)"""
         mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, NQ, 16])
         key_l: gl.constexpr = gl.SliceLayout(1, mma)
         q_l: gl.constexpr = gl.SliceLayout(0, mma)
+        if AHEAD:
+            early = _ids_early(table_ptr, s, st_s, split * split_len, table_w, PAGE, IDS_L)
         start, end, tiles, bad = _split_range(glens_ptr, s, split, split_len, dcp_size, dcp_rank, interleave,
                                               table_w, PAGE)
         m_i = gl.full([NQ], float("-inf"), gl.float32, q_l)
@@ -173,7 +176,10 @@ if HAS_GLUON:
             o0, o1, o2, o3, o4, o5, o6, o7 = _pv_t(o0, o1, o2, o3, o4, o5, o6, o7, alpha, p_smem, k_smem,
                                                    stage * CHUNKS)
             mbarrier.arrive(free.index(stage))
-        bad = bad | _bad_ids(table_ptr, s, st_s, start, end, num_blocks, PAGE, key_l)
+        if AHEAD:
+            bad = bad | _bad_ids_after(early, table_ptr, s, st_s, start, end, num_blocks, PAGE, IDS_L)
+        else:
+            bad = bad | _bad_ids(table_ptr, s, st_s, start, end, num_blocks, PAGE, key_l)
         factor, lse = _finish(m_i, gl.sum(l_i, 0), r_i, bad, False)
         mine = cols < TQ * HQ
         tok = (cols // HQ).to(gl.int64)
@@ -209,7 +215,7 @@ if HAS_GLUON:
         gl.warp_specialize([
             (_consumer, (q_smem, k_smem, p_smem, q_bar, ready, free, table_ptr, glens_ptr, o_ptr, lse_ptr,
                          s, split, split_len, dcp_size, dcp_rank, interleave, table_w, num_blocks, st_s, qk_scale,
-                         so_p, so_s, so_t, so_h, sl_p, sl_s, sl_t, HQ, TQ, PAGE, STAGES, NQ, CAUSAL)),
+                         so_p, so_s, so_t, so_h, sl_p, sl_s, sl_t, HQ, TQ, PAGE, STAGES, NQ, CAUSAL, AHEAD)),
             (_loader, (q_desc, k_desc, k_ptr, table_ptr, glens_ptr, q_smem, k_smem, q_bar, ready, free, s,
                        s * (TQ * HQ),
                        split, split_len, dcp_size, dcp_rank, interleave, table_w, num_blocks, st_s, sk_b, sk_t,
@@ -303,12 +309,12 @@ if HAS_GLUON:
 
     @gluon.jit
     def _direct_queries(q_ptr, head0, q_rows, ql_smem, qr_smem, table_ptr, s, st_s, start, end, num_blocks,
-                        PAGE: gl.constexpr, NQ: gl.constexpr, key_l: gl.constexpr):
+                        PAGE: gl.constexpr, NQ: gl.constexpr, key_l: gl.constexpr, IDS: gl.constexpr = True):
         """The NQ query rows times a power of two per row (the largest magnitude into [2^7, 2^8): no
         part saturates), each row read once, as e4m3 hi and lo parts in the natural order: box b's at
         ql_smem[2b], [2b + 1], the rope's at qr_smem[0], [1]. The split's block ids are checked while
-        those loads are in flight (`_bad_ids`). Returns (2^-e per row, whether a block id lies outside
-        the cache)."""
+        those loads are in flight (`_bad_ids`; not IDS: the caller checks them, False here). Returns
+        (2^-e per row, whether a block id lies outside the cache)."""
         lat: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
         base = q_ptr + head0.to(gl.int64) * (CHUNKS * BLOCK)
         x0 = _query_box(base, q_rows, 0, LBOX, NQ, lat)
@@ -316,7 +322,10 @@ if HAS_GLUON:
         x2 = _query_box(base, q_rows, 2 * LBOX, LBOX, NQ, lat)
         x3 = _query_box(base, q_rows, 3 * LBOX, LBOX, NQ, lat)
         xr = _query_box(base, q_rows, LBOXES * LBOX, BLOCK, NQ, lat)
-        bad = _bad_ids(table_ptr, s, st_s, start, end, num_blocks, PAGE, key_l)
+        if IDS:
+            bad = _bad_ids(table_ptr, s, st_s, start, end, num_blocks, PAGE, key_l)
+        else:
+            bad = False
         amax = gl.max(gl.maximum(gl.maximum(gl.abs(x0), gl.abs(x1)), gl.maximum(gl.abs(x2), gl.abs(x3))), 1)
         amax = gl.maximum(amax, gl.max(gl.abs(xr), 1))
         biased = (amax.to(gl.int32, bitcast=True) >> 23) & 0xFF
@@ -383,9 +392,10 @@ if HAS_GLUON:
                        p_ready, p_free, table_ptr, glens_ptr, lse_ptr, s, split, split_len, dcp_size, dcp_rank,
                        interleave, table_w, num_blocks, st_s, qk_scale, sl_p, sl_s, sl_t, HQ, TQ,
                        PAGE: gl.constexpr, RAW: gl.constexpr, NQ: gl.constexpr, CAUSAL: gl.constexpr,
-                       PIPE: gl.constexpr = False):
+                       PIPE: gl.constexpr = False, AHEAD: gl.constexpr = False):
         """The direct fp8 kernel's first warpgroup: the queries as e4m3 hi and lo parts, then per raw tile
-        S^T = K Q^T as fp8 MMAs straight from shared memory (`_scores_tile8`), the online softmax (as `_consumer`'s over fp8: scales, a running per-column unit), the weights P^T and
+        S^T = K Q^T as fp8 MMAs straight from shared memory (`_scores_tile8`), the online softmax (over
+        fp8: scales, a running per-column unit), the weights P^T and
         the rescale alpha published in a double buffer for the second warpgroup; at the end the lse, and
         the output's factor to it. PIPE (RAW >= 2): tiles in pairs, the second's score MMAs issued
         before the first's softmax and run under it (over a stale stage where the split ends first:
@@ -397,11 +407,14 @@ if HAS_GLUON:
                                                        instr_shape=[16, 2 * NQ, 32])    # (hi and lo parts)
         key_l: gl.constexpr = gl.SliceLayout(1, mma)
         q_l: gl.constexpr = gl.SliceLayout(0, mma)
+        if AHEAD:   # (the split's block ids for the check at the end, loaded beside the length)
+            early = _ids_early(table_ptr, s, st_s, split * split_len, table_w, PAGE, IDS_L)
         start, end, tiles, bad = _split_range(glens_ptr, s, split, split_len, dcp_size, dcp_rank, interleave,
                                               table_w, PAGE)
         qf, bad_id = _direct_queries(q_ptr, s * (TQ * HQ), TQ * HQ, ql_smem, qr_smem, table_ptr, s, st_s, start, end,
-                                     num_blocks, PAGE, NQ, key_l)
-        bad = bad | bad_id
+                                     num_blocks, PAGE, NQ, key_l, not AHEAD)
+        if not AHEAD:
+            bad = bad | bad_id
         qk_q = gl.convert_layout(qf, q_l) * qk_scale
         m_i = gl.full([NQ], float("-inf"), gl.float32, q_l)
         l_i = gl.zeros([BLOCK, NQ], gl.float32, mma)
@@ -452,6 +465,8 @@ if HAS_GLUON:
                 m_i, l_i, r_i = _tile_softmax(sc, t, m_i, l_i, r_i, start, end, keys, qk_q, q_pos, ks_smem, p_smem,
                                               a_smem, raw_free, p_free, p_ready, dcp_size, dcp_rank, interleave,
                                               RAW, CAUSAL)
+        if AHEAD:
+            bad = bad | _bad_ids_after(early, table_ptr, s, st_s, start, end, num_blocks, PAGE, IDS_L)
         factor, lse = _finish(m_i, gl.sum(l_i, 0), r_i, bad, True)
         mine = cols < TQ * HQ
         tok = (cols // HQ).to(gl.int64)
@@ -563,7 +578,8 @@ if HAS_GLUON:
         """fp8 latent cache without a converter: a one-warp TMA loader fills RAW raw stages; one warpgroup
         reads each tile's bytes straight into the scores' A operands (`_direct_scores`), the other into
         the values' (`_direct_values`) one tile behind, through a double buffer of the weights. PAIRED:
-        the output's dim pairs stored together (`_store_pair`); AHEAD: the loader's first block ids
+        the output's dim pairs stored together (`_store_pair`); AHEAD: the loader's first block ids, and the
+        scores warpgroup's id check,
         loaded beside the sequence's length (`_table_tiles`)."""
         s = gl.program_id(0)
         split = gl.program_id(1)
@@ -597,7 +613,7 @@ if HAS_GLUON:
             (_direct_scores, (q_ptr, ql_smem, qr_smem, kl_smem, kr_smem, ks_smem, p_smem, a_smem, raw_ready,
                               raw_free, p_ready, p_free, table_ptr, glens_ptr, lse_ptr, s, split, split_len,
                               dcp_size, dcp_rank, interleave, table_w, num_blocks, st_s, qk_scale, sl_p, sl_s, sl_t,
-                              HQ, TQ, PAGE, RAW, NQ, CAUSAL, PIPE)),
+                              HQ, TQ, PAGE, RAW, NQ, CAUSAL, PIPE, AHEAD)),
             (_direct_values, (kl_smem, p_smem, a_smem, raw_free, p_ready, p_free, glens_ptr, o_ptr, s, split,
                               split_len, dcp_size, dcp_rank, interleave, table_w, so_p, so_s, so_t, so_h, HQ, TQ,
                               PAGE, RAW, NQ, PAIRED)),

@@ -689,8 +689,13 @@ CONFIG = {
     # section 24). ids_ahead (the loaders of the GQA kernels over bf16 and the direct fp8 one, and of
     # MLA's narrow tiles over bf16 and the direct fp8 one): the first block ids loaded beside the
     # sequence's length, not after it (their sm_90a SASS: the table loads issued before the branch that
-    # waits on the length), one memory round trip fewer before the first TMA. Both built and checked on the CPU only (docs/gpu.md
-    # section 26): off until `megapar bench cp` has timed them (columns paired_store_us, ids_ahead_us)
+    # waits on the length), one memory round trip fewer before the first TMA; and in the same kernels'
+    # consumer / scores warpgroups the split's block-id check loaded beside the length and evaluated
+    # after the loop (`gluon_mla._ids_early`), not in the prologue (the direct fp8 kernels: a round trip
+    # before the queries' split) or after the loop (the bf16 ones: one before the output's stores), and
+    # in GQA's direct scores warpgroup its first two steps' ids beside the length too (their scales'
+    # loads then wait for one round trip, not two). Both built and checked on the CPU only (docs/gpu.md
+    # sections 26, 28): off until `megapar bench cp` has timed them (columns paired_store_us, ids_ahead_us)
     "paired_store_direct_fp8": 0,
     "ids_ahead": 0,
     # over fp8: a TMA ring of this many raw fp8 tiles in front of the Gluon kernel's converter (0:
