@@ -40,10 +40,18 @@ class GraphedMoE:
         if not counts or counts[-1] < 1:
             raise ValueError(f"token_counts must be ints >= 1, got {list(token_counts)}")
         device = layer.expert_counts.device
-        if device.type != "cuda":
-            raise ValueError(f"GraphedMoE needs a layer on a CUDA device, got {device}")
         if layer.path == "host":
             raise ValueError("GraphedMoE needs the device path: build the layer with path='device' or 'auto'")
+        with torch.no_grad():   # (the path each size takes: a host-path size would sync inside the capture)
+            host = [t for t in counts
+                    if layer.choose_path(torch.empty(t, layer.config.hidden, device="meta")) != "device"]
+        if host:
+            raise ValueError(f"token counts {sorted(host)} take this layer's host path (transport "
+                             f"{layer.transport!r}; path 'auto' leaves the all-gather transport above "
+                             f"MEGAPAR_ALLGATHER_MAX_TOKENS tokens), which cannot be captured: capture only sizes "
+                             f"that take the device path, or build the layer with path='device'")
+        if device.type != "cuda":
+            raise ValueError(f"GraphedMoE needs a layer on a CUDA device, got {device}")
         self.layer = layer
         self.dtype = dtype or layer.config.dtype
         self.hidden = layer.config.hidden

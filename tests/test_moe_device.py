@@ -530,3 +530,39 @@ def test_device_path_w4a8_quantizes_each_token_once_before_the_gather(monkeypatc
         assert torch.equal(y, y_after), (t, (y - y_after).abs().max())
         # two E4M3 roundings (x, then h) against fp64: a few % relative
         assert _rel(y, _dense_reference(layer, x, r.topk_ids, r.topk_weights)) < 8e-2, t
+
+
+def _graphs_refuse_host_sizes(rank: int) -> dict:
+    from moe.graphs import GraphedMoE
+    from parallel import ParallelConfig, destroy_parallel, init_parallel
+
+    groups = init_parallel(ParallelConfig(world_size=int(__import__("os").environ["WORLD_SIZE"])))
+    out = {}
+    try:
+        cfg = _config("bf16", num_experts=4 * groups.ep.size)
+        for name, kwargs, sizes in (("allgather", dict(max_tokens=512), (1, 8, 300)),
+                                    ("all_to_all", dict(transport="all_to_all"), (1, 8))):
+            layer = MoELayer(cfg, groups.ep, **kwargs)
+            try:
+                GraphedMoE(layer, sizes)
+                out[name] = "no error"
+            except ValueError as e:
+                out[name] = str(e)
+    finally:
+        destroy_parallel()
+    return out
+
+
+def test_graphs_refuse_token_counts_that_take_the_host_path():
+    """CUDA graphs of an EP layer with path 'auto': sizes that take the host path (the all-gather
+    transport above MEGAPAR_ALLGATHER_MAX_TOKENS, or an all-to-all transport, whose decode has no
+    device path) would have synced inside the capture; they are refused by size, before anything is
+    captured (here, before the layer's CPU device is refused too)."""
+    from launch.local import launch_local
+
+    from moe.layer import ALLGATHER_MAX_TOKENS
+
+    assert ALLGATHER_MAX_TOKENS < 300
+    for res in launch_local(_graphs_refuse_host_sizes, 2, timeout=120):
+        assert "token counts [300] take this layer's host path" in res["allgather"], res
+        assert "token counts [1, 8] take this layer's host path (transport 'all_to_all'" in res["all_to_all"], res
