@@ -573,8 +573,9 @@ if HAS_GLUON:
     def _mla_narrow_direct_kernel(q_ptr, kl_desc, kr_desc, ks_desc, table_ptr, glens_ptr, o_ptr, lse_ptr, qk_scale,
                                   split_len, HQ, TQ, dcp_size, dcp_rank, interleave, table_w, num_blocks, st_s,
                                   so_p, so_s, so_t, so_h, sl_p, sl_s, sl_t, PAGE: gl.constexpr, NQ: gl.constexpr,
-                                  RAW: gl.constexpr, CAUSAL: gl.constexpr = False, PDL: gl.constexpr = False, PIPE: gl.constexpr = False,
-                                  PAIRED: gl.constexpr = False, AHEAD: gl.constexpr = False):
+                                  RAW: gl.constexpr, CAUSAL: gl.constexpr = False, PDL: gl.constexpr = False,
+                                  PIPE: gl.constexpr = False, PAIRED: gl.constexpr = False,
+                                  AHEAD: gl.constexpr = False):
         """fp8 latent cache without a converter: a one-warp TMA loader fills RAW raw stages; one warpgroup
         reads each tile's bytes straight into the scores' A operands (`_direct_scores`), the other into
         the values' (`_direct_values`) one tile behind, through a double buffer of the weights. PAIRED:

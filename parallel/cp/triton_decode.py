@@ -748,7 +748,8 @@ CONFIG = {
     # key bytes into fp8 score MMAs against the queries' e4m3 hi + lo parts, its value bytes read
     # transposed into the value MMA's A operand, tiles in steps of four) with this many raw stages of
     # 16 KB (at least 8; 0: the Triton kernel); more than 32 columns (query heads a kv head times a
-    # speculative step's tokens) run the Triton kernel. bench/debug/decode_gluon_gqa.py (2026-12-04 evening, DGQA_SET=fp8; B 32, 1/4 of 8K /
+    # speculative step's tokens) run the Triton kernel. bench/debug/decode_gluon_gqa.py (2026-12-04 evening,
+    # DGQA_SET=fp8; B 32, 1/4 of 8K /
     # 32K / 128K, step_time; bench/results/logs/decode-gluon-gqa-direct*-h200.json): Triton 33.4 / 98.9 /
     # 360.3 µs, the converter's Gluon form 39.0 / 136.9, direct 8 / 10 / 12 stages 25.6 / 73.1 / 263.0,
     # 25.3 / 71.3, 25.9 / 73.1 / 259.4 (one tile a step: 34.8 / 119.6 / 461; two: 27.2 / 89.1 / 336.6,
