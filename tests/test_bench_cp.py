@@ -92,3 +92,43 @@ def test_speculative_rows_run_at_small_sizes_on_cpu():
         assert f"Tq={tokens}" in row["case"] and (kind == "gqa") == ("Hkv" in row["case"])
         assert math.isfinite(row["time_us"]) and math.isfinite(row["anchor_us"]) and row["time_us"] > 0
         assert math.isfinite(row["fixed_us"])
+
+
+@pytest.mark.parametrize("flops_per_us", [1e4, 1e6])
+def test_dcp_breakdown_floor_is_the_longer_of_kv_bytes_and_flops(monkeypatch, flops_per_us):
+    """Section 2's roofline, as section 4's: the KV bytes the rank reads at the copy ceiling or the
+    attention FLOPs (q.k over the key width and p.v over the value width, per query head and token)
+    at the matmul rate, whichever is longer. Off CUDA neither floor exists, so both are stood in for:
+    the bytes without the device check, the FLOPs at `flops_per_us` (1e4: compute-bound, 1e6: bytes)."""
+    from megapar.parallel.cp.mla import MLADims
+
+    monkeypatch.setattr(bench_cp, "kv_read_bytes_of", lambda cache, tokens, kv_heads, d, dv, v_from_k:
+                        tokens * kv_heads * (d + (0 if v_from_k else dv)) * cache.k.element_size())
+    monkeypatch.setattr(bench_cp, "_flop_floor_us", lambda ctx, flops: flops / flops_per_us)
+    ctx = BenchContext(suite="cp", device=torch.device("cpu"), quick=True)
+    with torch.no_grad():
+        bench_cp._dcp_breakdown(ctx)
+    # the --quick sizes of the section, fp32 caches (4 bytes), copy ceiling 10 GB/s off CUDA
+    batch, context, heads, kv_heads, d = 2, 256, 4, 1, 16
+    dims = MLADims(kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=16, v_head_dim=16)
+    mla_heads, gbps = 2, bench_cp.copy_ceiling_gbps(torch.device("cpu"))
+    shapes = {"gqa": (heads, kv_heads * 2 * d * 4, d, d),                       # k and v of each kv head
+              "mla": (mla_heads, (dims.kv_lora_rank + dims.qk_rope_head_dim) * 4,  # one latent row
+                      dims.kv_lora_rank + dims.qk_rope_head_dim, dims.kv_lora_rank)}
+    rows = [r for r in ctx.rows if r["case"].startswith("dcp decode")]
+    assert len(rows) == 2 * 3
+    for row in rows:
+        kind = "gqa" if " gqa " in row["case"] else "mla"
+        n = 1 if "full KV" in row["case"] else int(row["case"].split("over 1/")[1].split(" ")[0])
+        hq, bytes_per_token, dk, dv = shapes[kind]
+        tokens = batch * context // n                                # rank 0's share, every sequence
+        byte_floor = tokens * bytes_per_token / (gbps * 1e3)
+        flop_floor = 2 * tokens * hq * (dk + dv) / flops_per_us
+        assert row["floor_us"] == pytest.approx(max(byte_floor, flop_floor), abs=1e-3), row["case"]
+        assert row["byte_floor_us"] == pytest.approx(byte_floor, abs=1e-3), row["case"]
+        assert row["flop_floor_us"] == pytest.approx(flop_floor, abs=1e-3), row["case"]
+        if n > 1:
+            full = next(r for r in rows if r["case"].startswith(f"dcp decode {kind} full"))
+            assert row["anchor_us"] == full["time_us"]
+            assert row["work_ratio_local_x_n_over_full"] == pytest.approx(
+                row["time_us"] * n / full["time_us"], rel=1e-3, abs=1e-3)

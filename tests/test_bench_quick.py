@@ -147,3 +147,68 @@ def test_speedup_bars_start_at_parity_and_show_their_values():
     assert {t.get_text() for t in ax.texts} == {"4.00x", "0.50x"}
     labels = [t.get_text().replace("\n", " ") for t in ax.get_yticklabels()]
     assert labels == [long, "slow"]
+
+
+def test_gemm_slab_rows_of_our_fp4_kernels_have_their_own_roofline(monkeypatch):
+    """The DeepGEMM section's slab rows: DeepGEMM (FP8 weights) against the FP8 roofline, ours (FP4
+    weights) against max(flops at the rate of their MMAs: bf16 for W4A16, FP8 for W4A8; the MXFP4
+    weight + bf16 activation and output bytes at the copy ceiling). The DeepGEMM module and the grouped
+    GEMM are stood in for (only the rows' bookkeeping runs); the rates are scaled down so the tiny
+    shape is compute-bound at 128 rows per expert and bound by bytes at 8."""
+    from types import SimpleNamespace
+
+    from megapar.launch.bench import gemm
+    from megapar.launch.bench.common import BenchContext
+    from megapar.moe.kernels import deep_gemm as dgm
+    from megapar.moe.kernels.grouped_gemm import GEMM
+
+    monkeypatch.setattr(GEMM, "usable", lambda **_: {"deep_gemm": None})
+    monkeypatch.setattr(dgm, "deep_gemm_weight", lambda pw: SimpleNamespace(source="stand-in", extra_bytes=0))
+    monkeypatch.setattr(dgm, "_module", lambda: None)
+    monkeypatch.setattr(dgm, "alignment", lambda dg: 1 << 30)        # no "aligned" / "gemm only" rows
+    bf16_tflops, fp8_tflops = 0.5, 0.8
+    monkeypatch.setattr(gemm, "H200_BF16_TFLOPS", bf16_tflops, raising=False)
+    monkeypatch.setattr(gemm, "H200_FP8_TFLOPS", fp8_tflops)
+
+    def grouped(x, w, counts=None, layout="contiguous", backend=None, rows_hint=None):
+        return torch.zeros(*x.shape[:-1], N, dtype=torch.bfloat16)
+
+    ctx = BenchContext(suite="gemm", device=torch.device("cpu"), quick=True)
+    E, N, K = 4, 256, 128
+    monkeypatch.setattr(gemm, "DG_PREFILL_TOKENS", (8,))
+    w = gemm._weights(ctx, E, N, K, seed=1)
+    w["fp8"] = None                                  # no fp8 anchor (its quantizer is slow interpreted)
+    assert gemm._deep_gemm_rows(ctx, "tiny", "L2", w, grouped)
+    gbps = gemm.copy_ceiling_gbps(ctx.device)
+    slab = [r for r in ctx.rows if "slab" in r["case"] or "masked" in r["case"]]
+    assert {r["tok_per_expert"] for r in slab} == set(gemm.DG_DECODE_TOKENS)
+    for r in slab:
+        M = E * min(r["tok_per_expert"], gemm.DG_SLAB_CAPACITY)
+        flops = 2.0 * M * N * K
+        fp4_bytes = E * N * K // 2 + E * N * K // 32 + M * K * 2 + M * N * 2     # e2m1 pairs, e8m0 per 32
+        fp8_bytes = E * N * K + E * (N // 128) * (K // 128) * 4 + M * K + M * (K // 128) * 4 + M * N * 2
+        if r["impl"].startswith("deep_gemm"):
+            want = max(flops / (fp8_tflops * 1e6), fp8_bytes / (gbps * 1e3))
+        else:
+            rate = fp8_tflops if r["impl"].startswith("triton_w4a8") else bf16_tflops
+            want = max(flops / (rate * 1e6), fp4_bytes / (gbps * 1e3))
+        assert r["floor_us"] == pytest.approx(want, abs=1e-3), r["case"]
+        assert r["roofline_fraction"] == pytest.approx(r["floor_us"] / r["time_us"], abs=2e-3), r["case"]
+    ours = [r for r in slab if r["impl"].startswith("triton")]
+    assert {r["impl"] for r in ours} == {"triton_w4a16 slab C=128", "triton_w4a16 slab C=128 rows_hint=8",
+                                         "triton_w4a16 slab C=128 rows_hint=32",
+                                         "triton_w4a16 slab C=128 rows_hint=128", "triton_w4a8 slab C=128",
+                                         "triton_w4a8 slab C=128 rows_hint=8", "triton_w4a8 slab C=128 rows_hint=32",
+                                         "triton_w4a8 slab C=128 rows_hint=128"}
+
+
+def test_merge_copy_reference_moves_the_ring_steps_bytes():
+    """The merge suite's copy row stands for a copy of the ring step's bytes, read + written (its
+    floor and GB/s count `moved` once): source and destination hold half of them each."""
+    from megapar.launch.bench import merge
+
+    t, h, d = 64, 8, 32                               # the --quick size of the ring step
+    moved = t * h * (d * 4 + 4) * 2 + t * h * (d * 2 + 4)    # fp32 acc read + written, bf16 block read
+    src, dst = merge._copy_buffers(moved, torch.device("cpu"))
+    assert src.shape == dst.shape
+    assert src.numel() * src.element_size() + dst.numel() * dst.element_size() == moved

@@ -87,8 +87,53 @@ def test_input_copies_cover_three_l2s(monkeypatch):
         L2_cache_size = 50 << 20
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda *a: Props)
     made.clear()
-    assert common.input_copies(ctx, lambda: made.append(1) or len(made), lambda c: 40 << 20) == [1, 2, 3, 4]
+    # 40 MiB copies: 4 give 3x the L2 between two uses, but 4 does not divide the ten calls of a graph: 5
+    assert common.input_copies(ctx, lambda: made.append(1) or len(made), lambda c: 40 << 20) == [1, 2, 3, 4, 5]
     assert common.l2_sets(ctx, 1 << 30) == 1 and common.l2_sets(ctx, 1) == common.GRAPH_REPS
+
+
+@pytest.mark.parametrize("mib", [1, 8, 20, 30, 40, 50, 60, 70, 100, 149, 150, 151, 400])
+def test_l2_sets_keep_three_l2s_between_uses_across_replays(monkeypatch, mib):
+    """A graph of GRAPH_REPS calls takes the copies in turn (call i: copy i mod n) and is replayed back
+    to back: from one use of a copy to the next, counted over the replay boundary too, at least 3x the
+    L2 is read (that copy and the others between; or n is the most there may be)."""
+    ctx = common.BenchContext(suite="t", device=torch.device("cpu"), quick=True)
+    monkeypatch.setattr(common.BenchContext, "is_cuda", property(lambda self: True))
+    l2 = 50 << 20
+
+    class Props:
+        L2_cache_size = l2
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda *a: Props)
+    nbytes = mib << 20
+    n = common.l2_sets(ctx, nbytes)
+    assert 1 <= n <= common.GRAPH_REPS
+    order = [i % n for i in range(common.GRAPH_REPS)] * 3          # three replays of one graph
+    gaps = [next(j for j in range(i + 1, len(order)) if order[j] == order[i]) - i - 1
+            for i in range(len(order) - common.GRAPH_REPS)]
+    least = (min(gaps) + 1) * nbytes                               # bytes read from one use to the next
+    assert least >= 3 * l2 or n == common.GRAPH_REPS, (n, gaps)
+
+
+def test_step_time_takes_whole_turns_of_the_copies_in_one_graph(fake_cuda, monkeypatch):
+    """Replays back to back: the copy a replay starts with is not the one the replay before ended with."""
+    ctx, clock = fake_cuda
+    calls: list[str] = []
+    replays: list[int] = []
+
+    def time_fn(fn, iters=None, **_):               # three replays of the graph, back to back
+        replays.append(len(calls))
+        before = clock[0]
+        for _ in range(3):
+            fn()
+        return (clock[0] - before) / 3
+    monkeypatch.setattr(ctx, "time_fn", time_fn)
+    fns = [_call(name, 10.0, calls, clock) for name in "abc"]
+    us, cols = common.step_time(ctx, fns)          # the default reps (10) is no multiple of 3
+    seq = calls[replays[-1]:]                       # the last graph's replays
+    reps = len(seq) // 3
+    assert reps >= common.GRAPH_REPS and reps % 3 == 0 and cols["timing"] == f"graph x{reps}"
+    assert all(seq[i] != seq[i + 1] and seq[i] != seq[i + 2] for i in range(len(seq) - 2))
+    assert seq == ["a", "b", "c"] * (len(seq) // 3) and us == pytest.approx(10.0)
 
 
 def test_decode_time_times_each_config_variant_and_restores_it(fake_cuda):

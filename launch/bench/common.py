@@ -205,6 +205,9 @@ def step_time(ctx: BenchContext, fns: Sequence[Callable[[], Any]], reps: int = G
     "eager (ExceptionName)")."""
     fns = list(fns)
     cols: dict[str, Any] = {"input_sets": len(fns)}
+    # whole turns of the copies in one graph: the replays run back to back, so a graph that ended
+    # part way through a turn would start the next replay on a copy it read a call or two before
+    reps = -(-reps // len(fns)) * len(fns)
 
     def how() -> tuple[float, str]:
         cols["replay_us"] = _per_call_in_graph(ctx, fns[:1], 1, iters)
@@ -222,11 +225,13 @@ def input_copies(ctx: BenchContext, make: Callable[[], Any], nbytes: Callable[[A
 
 def l2_sets(ctx: BenchContext, nbytes: int, most: int = GRAPH_REPS) -> int:
     """Copies of a call's inputs (`nbytes` each) that `step_time` takes in turn so that at least 3x
-    the L2 is read between two uses of one copy (1 on CPU, at most `most`)."""
+    the L2 is read between two uses of one copy (1 on CPU, at most `most`). The count divides
+    `most` (the calls a graph holds), so that the turn also holds from one replay to the next."""
     if not ctx.is_cuda or nbytes <= 0:
         return 1
     l2 = torch.cuda.get_device_properties(ctx.device).L2_cache_size
-    return max(1, min(most, -(-3 * l2 // nbytes)))
+    need = max(1, min(most, -(-3 * l2 // nbytes)))
+    return next(n for n in range(need, most + 1) if most % n == 0)
 
 
 @contextlib.contextmanager

@@ -175,7 +175,7 @@ def _dcp_breakdown(ctx: BenchContext) -> None:
                 cache, table, q, _ = _decode_setup(batch, context, heads, kv_heads, d, block, n, ctx.device,
                                                    cache_dtype)
                 return cache, table, q
-            what, scale, hq, dv = f"Hq={heads}, Hkv={kv_heads}, D={d}", d ** -0.5, heads, d
+            what, scale, hq, dk, dv = f"Hq={heads}, Hkv={kv_heads}, D={d}", d ** -0.5, heads, d, d
             read = lambda cache, tokens: kv_read_bytes_of(cache, tokens, kv_heads, d, d, False)
         else:
             hq, dims = mla
@@ -184,10 +184,19 @@ def _dcp_breakdown(ctx: BenchContext) -> None:
                 q = torch.randn(batch, hq, dims.latent_dim, device=ctx.device,
                                 dtype=torch.bfloat16 if ctx.is_cuda else torch.float32)
                 return cache.paged, table, q
-            what, scale, dv = f"MLA H={hq}, latent {dims.latent_dim}", dims.scale, dims.kv_lora_rank
+            what, scale = f"MLA H={hq}, latent {dims.latent_dim}", dims.scale
+            dk, dv = dims.latent_dim, dims.kv_lora_rank
             read = lambda cache, tokens: kv_read_bytes_of(cache, tokens, 1, dims.latent_dim, 0, True)
         call = lambda c, t, q, n, lens=seq: paged_decode_attention(q, c, t, lens, scale=scale, max_seq_len=context,
                                                                    layout=DCPLayout(size=n, rank=0, block_size=block))
+
+        def floors(cache, tokens):
+            """(floor, byte floor, FLOP floor) of the kernel over `tokens` cached tokens: the KV
+            bytes at the copy ceiling or q.k over dk and p.v over dv per query head and token at the
+            bf16 ceiling, whichever is longer (MLA's 128 heads over one latent head are compute-bound)."""
+            byte_floor = _floor(read(cache, tokens), ceiling)
+            flop_floor = _flop_floor_us(ctx, 2.0 * tokens * hq * (dk + dv))
+            return (max(byte_floor, flop_floor) if byte_floor and flop_floor else byte_floor), byte_floor, flop_floor
 
         def copies(n):
             """Rank 0's cache at 1/n, as many copies as `step_time` takes in turn."""
@@ -202,8 +211,10 @@ def _dcp_breakdown(ctx: BenchContext) -> None:
         full = copies(1)
         full_us, full_cols = _decode_time(ctx, [lambda c=c, t=t, q=q: call(c, t, q, 1) for c, t, q in full])
         full_fixed_us = fixed(*full[0], 1)
+        floor, byte_floor, flop_floor = floors(full[0][0], batch * context)
         ctx.record(f"dcp decode {kind} full KV on one GPU ({tag} cache, B={batch}, L={context}, {what})", full_us,
-                   floor_us=_floor(read(full[0][0], batch * context), ceiling), fixed_us=full_fixed_us, **full_cols)
+                   floor_us=floor, fixed_us=full_fixed_us, **full_cols, byte_floor_us=byte_floor,
+                   flop_floor_us=flop_floor)
         del full
         for n in sizes:
             local = copies(n)
@@ -218,13 +229,15 @@ def _dcp_breakdown(ctx: BenchContext) -> None:
 
             ag_rs_us, _ = graph_time(ctx, ag_rs_math)
             a2a_us, _ = graph_time(ctx, lambda: merge_attn_states(outs, lses))
+            floor, byte_floor, flop_floor = floors(local[0][0], batch * (context // n))
             ctx.record(f"dcp decode {kind} local attention over 1/{n} of the KV ({tag} cache, B={batch}, L={context}, "
                        f"{what})", local_us, anchor="the kernel over the whole KV (no DCP)", anchor_us=full_us,
-                       floor_us=_floor(read(local[0][0], batch * (context // n)), ceiling),
+                       floor_us=floor,
                        work_ratio_local_x_n_over_full=local_us * n / full_us, ideal_speedup=n, fixed_us=fixed_us,
                        streamed_ratio_x_n=(local_us - fixed_us) * n / max(full_us - full_fixed_us, 1e-9),
                        merge_ag_rs_us=ag_rs_us, merge_a2a_us=a2a_us,
-                       local_plus_merge_us=local_us + min(ag_rs_us, a2a_us), **local_cols)
+                       local_plus_merge_us=local_us + min(ag_rs_us, a2a_us), **local_cols,
+                       byte_floor_us=byte_floor, flop_floor_us=flop_floor)
             del local, outs, lses
     ctx.note("dcp breakdown: the all-gather of q and the combine collectives need >= 2 GPUs (section 3)")
     _note_graph_timing(ctx)

@@ -20,8 +20,10 @@ activation quantization + the padding copy + the GEMM), "deep_gemm aligned" (the
 DeepGEMM's 128-row layout: no copy), "deep_gemm gemm only" (fp8 inputs, MN-major scales and
 m_indices made beforehand) - anchored on torch fp8 rowwise `_scaled_grouped_mm`; decode masked
 (slab, capacity 128) at 8 / 32 / 128 tok/expert, anchored on torch bf16 bmm, beside our
-triton_w4a16 / triton_w4a8 slab calls. The roofline of these rows is the FP8 one: max(flops at
-the FP8 rate, fp8 weight + activation bytes at the copy bandwidth). When deep_gemm cannot run
+triton_w4a16 / triton_w4a8 slab calls. The roofline of DeepGEMM's rows is the FP8 one: max(flops
+at the FP8 rate, fp8 weight + activation bytes at the copy bandwidth); our slab rows read the FP4
+weight, and their roofline is max(flops at the rate of their MMAs (bf16 for W4A16, FP8 for W4A8),
+the fp4 floor's bytes) (`w4_floor_us`). When deep_gemm cannot run
 (no CUDA, not installed, not SM90, a libstdc++ mix-up) a note gives the reason and the rows are
 skipped. "routed" rows: decode batches of 1 / 8 / 64 tokens routed top-8 (V3) or top-6 (V4-Flash)
 over the 32 experts, counts on the device, the floor counting only the experts hit.
@@ -52,7 +54,8 @@ from typing import Any, Callable
 
 import torch
 
-from megapar.launch.bench.common import BenchContext, H200_FP8_TFLOPS, copy_ceiling_gbps, graph_time, precompile
+from megapar.launch.bench.common import (BenchContext, H200_BF16_TFLOPS, H200_FP8_TFLOPS, copy_ceiling_gbps,
+                                         graph_time, precompile)
 
 SHAPES = {"v3": (32, 7168, 2048), "v4flash": (32, 4096, 2048)}
 TOKENS = (1, 8, 32, 128, 512, 2048)
@@ -291,6 +294,13 @@ def fp8_floor_us(E: int, N: int, K: int, M: int, device: torch.device) -> float:
     return max(2.0 * M * N * K / (H200_FP8_TFLOPS * 1e6), nbytes / (copy_ceiling_gbps(device) * 1e3))
 
 
+def w4_floor_us(E: int, N: int, K: int, M: int, device: torch.device, backend: str) -> float:
+    """Roofline of our FP4-weight kernels: max(flops at the rate of their MMAs (bf16 for triton_w4a16,
+    FP8 for triton_w4a8), the MXFP4 weight + bf16 activation and output bytes at the copy bandwidth)."""
+    rate = H200_FP8_TFLOPS if backend == "triton_w4a8" else H200_BF16_TFLOPS
+    return max(2.0 * M * N * K / (rate * 1e6), fp4_floor_us(E, N, K, M, device))
+
+
 def _deep_gemm_rows(ctx: BenchContext, shape: str, gemm: str, w: dict[str, Any], grouped_gemm) -> bool:
     """DeepGEMM rows of one (shape, gemm); False (and a note with the reason) when it cannot run."""
     from megapar.moe.kernels import deep_gemm as dgm
@@ -308,7 +318,9 @@ def _deep_gemm_rows(ctx: BenchContext, shape: str, gemm: str, w: dict[str, Any],
     ctx.note(f"deep_gemm {shape} {gemm}: weight {dw.source}, +{dw.extra_bytes / 2**20:.0f} MiB resident")
     tag = f"{shape} {gemm}"
 
-    def row(name: str, fn, ref, tok: int, M: int, anchor: str, anchor_us: float | None, **extra) -> None:
+    def row(name: str, fn, ref, tok: int, M: int, anchor: str, anchor_us: float | None,
+            floor_us: float | None = None, **extra) -> None:
+        """One row; its floor the FP8 roofline unless `floor_us` is given (ours: `w4_floor_us`)."""
         try:
             err = rel_err(fn(), ref)
             us, how = graph_time(ctx, fn)
@@ -317,7 +329,8 @@ def _deep_gemm_rows(ctx: BenchContext, shape: str, gemm: str, w: dict[str, Any],
             return
         flops = 2.0 * M * N * K
         ctx.record(f"{tag} tok={tok} {name}", us, anchor=anchor, anchor_us=anchor_us,
-                   floor_us=fp8_floor_us(E, N, K, M, ctx.device), shape=shape, gemm=gemm, tok_per_expert=tok,
+                   floor_us=fp8_floor_us(E, N, K, M, ctx.device) if floor_us is None else floor_us,
+                   shape=shape, gemm=gemm, tok_per_expert=tok,
                    impl=name, M=M, N=N, K=K, tflops=flops / us / 1e6, rel_err=err, timing=how, **extra)
 
     def anchor_time(what: str, fn) -> float | None:
@@ -379,6 +392,7 @@ def _deep_gemm_rows(ctx: BenchContext, shape: str, gemm: str, w: dict[str, Any],
                     lambda ours=ours, hint=hint: grouped_gemm(xs_, w["pw"], counts=counts, layout="slab",
                                                               backend=ours, rows_hint=hint),
                     torch.bmm(xr, w["f32"].transpose(1, 2)) * keep, tok, M, anchor, bf16_us,
+                    floor_us=w4_floor_us(E, N, K, M, ctx.device, ours),
                     fp4_floor_us=round(fp4_floor_us(E, N, K, M, ctx.device), 2))
     return True
 
