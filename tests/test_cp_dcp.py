@@ -589,3 +589,98 @@ def test_kernel_reported_bad_tables_are_nan_on_every_nccl_rank():
         pytest.skip("needs 4 GPUs (tp 2, pcp 2, dcp 2)")
     assert launch_local(_kernel_bad_tables_nccl_rank, 4, backend="nccl", timeout=300,
                         env={"TRITON_INTERPRET": "0"}) == ["ok"] * 4
+
+
+@pytest.mark.parametrize("cache_dtype", [torch.bfloat16, torch.float8_e4m3fn], ids=["bf16", "fp8"])
+def test_slot_writes_skip_tokens_without_a_boolean_mask(cache_dtype):
+    """The KV writes of DCP's insert (GQA `write_kv_slots`, MLA `mla_write_slots`) with skipped
+    tokens (-1: another rank's, or invalid) among written ones, every token skipped, and none: each
+    written slot holds its token's values (fp8: its per-token quantization, against a per-token
+    loop), every other slot its old bytes. The writes take no boolean mask (a data-dependent shape
+    is a host sync on CUDA, which a decode step's graph cannot capture): skipped tokens rewrite a
+    written token's slot with its values, or slot 0 with its own."""
+    from parallel.cp.dcp import _quantize_fp8, write_kv_slots
+    from parallel.cp.mla import MLACache, MLADims, mla_write_slots
+
+    gen = torch.Generator().manual_seed(5)
+    nb, block = 3, 4
+    for slots in ([5, -1, 0, -1, 11], [-1, -1], [-1, 7], [], [2]):
+        slots = torch.tensor(slots, dtype=torch.int64)
+        t = slots.shape[0]
+        # GQA
+        k = torch.randn(t, 2, 8, generator=gen)
+        v = torch.randn(t, 2, 6, generator=gen)
+        cache = PagedKVCache.allocate(nb, block, 2, 8, dtype=cache_dtype, head_dim_v=6)
+        cache.k.view(torch.uint8).copy_(torch.randint(0, 120, cache.k.view(torch.uint8).shape, generator=gen))
+        cache.v.view(torch.uint8).copy_(torch.randint(0, 120, cache.v.view(torch.uint8).shape, generator=gen))
+        before = [x.clone() for x in (cache.k, cache.v) + ((cache.k_scale, cache.v_scale) if cache.is_fp8 else ())]
+        write_kv_slots(cache, k, v, slots)
+        expect = [x.clone() for x in before]
+        for i, s in enumerate(slots.tolist()):
+            if s < 0:
+                continue
+            b, o = divmod(s, block)
+            if cache.is_fp8:
+                for j, x in enumerate((k, v)):
+                    q, sc = _quantize_fp8(x[i:i + 1])
+                    expect[j][b, o] = q[0]
+                    expect[2 + j][b, o] = sc[0]
+            else:
+                expect[0][b, o], expect[1][b, o] = k[i].to(cache_dtype), v[i].to(cache_dtype)
+        got = (cache.k, cache.v) + ((cache.k_scale, cache.v_scale) if cache.is_fp8 else ())
+        for g, e in zip(got, expect):
+            assert torch.equal(g.view(torch.uint8) if g.dtype == torch.float8_e4m3fn else g,
+                               e.view(torch.uint8) if e.dtype == torch.float8_e4m3fn else e), slots
+        # MLA
+        dims = MLADims(kv_lora_rank=8, qk_rope_head_dim=4)
+        mcache = MLACache.allocate(nb, block, dims, dtype=cache_dtype)
+        mcache.kv.view(torch.uint8).copy_(torch.randint(0, 120, mcache.kv.view(torch.uint8).shape, generator=gen))
+        old = mcache.kv.view(torch.uint8).clone()
+        old_scale = None if mcache.scale is None else mcache.scale.clone()
+        c_kv, k_pe = torch.randn(t, 8, generator=gen), torch.randn(t, 4, generator=gen)
+        mla_write_slots(mcache, c_kv, k_pe, slots)
+        flat = mcache.kv.view(torch.uint8).view(nb * block, -1)
+        want = old.view(nb * block, -1).clone()
+        want_scale = None if old_scale is None else old_scale.view(-1).clone()
+        for i, s in enumerate(slots.tolist()):
+            if s < 0:
+                continue
+            row = torch.cat([c_kv[i], k_pe[i]])[None, None]
+            if mcache.scale is not None:
+                q, sc = _quantize_fp8(row)
+                want[s], want_scale[s] = q.view(torch.uint8).flatten(), sc.flatten()[0]
+            else:
+                want[s] = row.to(cache_dtype).view(torch.uint8).flatten()
+        assert torch.equal(flat, want), slots
+        if want_scale is not None:
+            assert torch.equal(mcache.scale.view(-1), want_scale), slots
+
+
+@pytest.mark.gpu
+def test_kv_inserts_are_captured_by_a_cuda_graph():
+    """DCP's GQA insert and MLA's latent write, with tokens of another rank skipped, inside a CUDA
+    graph: no host sync (the capture would fail), and the replay writes what the eager call did."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    from parallel.cp.dcp import write_kv_slots
+    from parallel.cp.mla import MLACache, MLADims, mla_write_slots
+
+    for dtype in (torch.bfloat16, torch.float8_e4m3fn):
+        cache = PagedKVCache.allocate(4, 16, 2, 128, dtype=dtype, device="cuda")
+        mcache = MLACache.allocate(4, 16, MLADims(), dtype=dtype, device="cuda")
+        slots = torch.tensor([3, -1, 17, -1], device="cuda")
+        k, v = torch.randn(4, 2, 128, device="cuda"), torch.randn(4, 2, 128, device="cuda")
+        c_kv, k_pe = torch.randn(4, 512, device="cuda"), torch.randn(4, 64, device="cuda")
+        write_kv_slots(cache, k, v, slots)
+        mla_write_slots(mcache, c_kv, k_pe, slots)
+        eager = [x.clone() for x in (cache.k, cache.v, mcache.kv)]
+        for x in (cache.k, cache.v, mcache.kv):
+            x.view(torch.uint8).zero_()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            write_kv_slots(cache, k, v, slots)
+            mla_write_slots(mcache, c_kv, k_pe, slots)
+        graph.replay()
+        torch.cuda.synchronize()
+        for got, want in zip((cache.k, cache.v, mcache.kv), eager):
+            assert torch.equal(got.view(torch.uint8), want.view(torch.uint8))

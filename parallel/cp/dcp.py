@@ -299,22 +299,43 @@ def insert_slots(layout: DCPLayout, positions: Tensor, block_table: Tensor, num_
     return torch.where(bad, -1, slots)
 
 
+def skip_free_slots(slots: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """Slots [T] int64 with -1 = skip, as a write with no skipped row and no host sync (a boolean
+    mask's data-dependent shape would sync, and a decode step's graph could not capture it):
+    (targets [T] >= 0, source token [T] of each row, whether any token is written). A skipped
+    token writes the first written token's row again with that token's values (the duplicate
+    writes carry the same bytes); where none is written, every row targets slot 0, and the caller
+    writes slot 0's own contents back (`keep`)."""
+    valid = slots >= 0
+    first = torch.argmax(valid.to(torch.int32))          # the first written token (0 if none)
+    src = torch.where(valid, torch.arange(slots.shape[0], device=slots.device), first)
+    return slots[src].clamp_min(0), src, valid.any()
+
+
+def keep(any_written: Tensor, new: Tensor, old: Tensor) -> Tensor:
+    """`new`, or where no token is written (`skip_free_slots`) the slot's `old` contents."""
+    return torch.where(any_written, new, old)
+
+
 def write_kv_slots(cache: PagedKVCache, k: Tensor, v: Tensor, slots: Tensor) -> None:
-    """Store k [T, Hkv, D] / v [T, Hkv, Dv] at cache slots [T] int64 (-1 = skip); fp8 quantizes."""
-    mine = slots >= 0
-    idx = slots[mine]
+    """Store k [T, Hkv, D] / v [T, Hkv, Dv] at cache slots [T] int64 (-1 = skip); fp8 quantizes.
+    No host sync (`skip_free_slots`): a decode step's insert is captured with the step."""
+    if slots.numel() == 0:
+        return
+    idx, src, written = skip_free_slots(slots)
     # (block, offset) indexing, not a flat view: a strided cache (k = kv[:, 0] of a joint buffer) has none
     blk, off = idx // cache.block_size, idx % cache.block_size
     if cache.is_fp8:   # fp8 indexing kernels are patchy across devices: move the bytes as uint8
-        kq, ks = _quantize_fp8(k[mine])
-        vq, vs = _quantize_fp8(v[mine])
-        cache.k.view(torch.uint8)[blk, off] = kq.view(torch.uint8)
-        cache.v.view(torch.uint8)[blk, off] = vq.view(torch.uint8)
-        cache.k_scale[blk, off] = ks
-        cache.v_scale[blk, off] = vs
+        kq, ks = _quantize_fp8(k[src])
+        vq, vs = _quantize_fp8(v[src])
+        k8, v8 = cache.k.view(torch.uint8), cache.v.view(torch.uint8)
+        k8[blk, off] = keep(written, kq.view(torch.uint8), k8[blk, off])
+        v8[blk, off] = keep(written, vq.view(torch.uint8), v8[blk, off])
+        cache.k_scale[blk, off] = keep(written, ks, cache.k_scale[blk, off])
+        cache.v_scale[blk, off] = keep(written, vs, cache.v_scale[blk, off])
     else:
-        cache.k[blk, off] = k[mine].to(cache.k.dtype)
-        cache.v[blk, off] = v[mine].to(cache.v.dtype)
+        cache.k[blk, off] = keep(written, k[src].to(cache.k.dtype), cache.k[blk, off])
+        cache.v[blk, off] = keep(written, v[src].to(cache.v.dtype), cache.v[blk, off])
 
 
 # ---------------------------------------------------------------------------------------------

@@ -30,7 +30,8 @@ import torch
 from torch import Tensor
 
 from ..comm import GroupLike
-from .dcp import DCPComm, PagedKVCache, _layout, _quantize_fp8, dcp_decode_attention, insert_slots
+from .dcp import (DCPComm, PagedKVCache, _layout, _quantize_fp8, dcp_decode_attention, insert_slots, keep,
+                  skip_free_slots)
 from .ring import ring_attention
 from .state import AttnState
 
@@ -118,17 +119,20 @@ class MLACache:
 
 
 def mla_write_slots(cache: MLACache, c_kv: Tensor, k_pe: Tensor, slots: Tensor) -> None:
-    """Store [c_kv, k_pe] of T tokens at cache slots [T] int64 (-1 = skip); fp8 quantizes per token."""
+    """Store [c_kv, k_pe] of T tokens at cache slots [T] int64 (-1 = skip); fp8 quantizes per token.
+    No host sync (`dcp.skip_free_slots`): a decode step's insert is captured with the step."""
+    if slots.numel() == 0:
+        return
     latent = torch.cat([c_kv, k_pe], dim=-1).unsqueeze(1)                # [T, 1, r + d_r]
-    mine = slots >= 0
-    idx = slots[mine]
+    idx, src, written = skip_free_slots(slots)
     flat = cache.kv.view(-1, 1, cache.kv.shape[-1])
     if cache.scale is not None:
-        data, scale = _quantize_fp8(latent[mine])
-        flat.view(torch.uint8)[idx] = data.view(torch.uint8)
-        cache.scale.view(-1, 1)[idx] = scale
+        data, scale = _quantize_fp8(latent[src])
+        bytes_ = flat.view(torch.uint8)
+        bytes_[idx] = keep(written, data.view(torch.uint8), bytes_[idx])
+        cache.scale.view(-1, 1)[idx] = keep(written, scale, cache.scale.view(-1, 1)[idx])
     else:
-        flat[idx] = latent[mine].to(cache.kv.dtype)
+        flat[idx] = keep(written, latent[src].to(cache.kv.dtype), flat[idx])
 
 
 def mla_kv_insert(cache: MLACache, c_kv: Tensor, k_pe: Tensor, positions: Tensor, block_table: Tensor,
