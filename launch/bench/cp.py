@@ -629,21 +629,18 @@ def _mla_prep_rows(ctx: BenchContext) -> None:
             table = torch.arange(cache.kv.shape[0], device=ctx.device, dtype=torch.int32).expand(tokens, -1)
             cos_sin = rope_table(max(tokens, 64), dims.qk_rope_head_dim, device=ctx.device)
             w_kv = torch.ones(dims.kv_lora_rank, device=ctx.device)
-            turn = iter(range(1 << 30))
-
-            def run(b: str):
-                i = next(turn) % sets
-                return mla_prep(qs[i], kvs[i], pos, cache, table, cos_sin, w_kv, backend=b)
-            ours_us, timing = graph_time(ctx, lambda: run("triton"))    # decode: as a graph replays it
+            def calls(b: str) -> list:
+                return [lambda i=i: mla_prep(qs[i], kvs[i], pos, cache, table, cos_sin, w_kv, backend=b)
+                        for i in range(sets)]
+            ours_us, cols = step_time(ctx, calls("triton"))    # decode: ten calls a graph, the sets in turn
             # the unfused sequence as a graph replays it too (its cache write took a boolean mask, a
             # host sync that failed the capture, until 2026-12-05: it was timed eager, launches
             # included); eager kept beside it
-            torch_eager_us = ctx.time_fn(lambda: run("torch"))
-            torch_us, anchor_timing = graph_time(ctx, lambda: run("torch"))
+            torch_eager_us = ctx.time_fn(calls("torch")[0])
+            torch_us, anchor_cols = step_time(ctx, calls("torch"))
             ctx.record(f"fused MLA prep T={tokens} H={heads} ({tag} cache)", ours_us, anchor="unfused torch sequence",
                        anchor_us=torch_us, floor_us=moved / (ceiling * 1e3), bytes_moved=moved, target_fraction=0.60,
-                       target_speedup=3.0, timing=timing, anchor_timing=anchor_timing, input_sets=sets,
-                       anchor_eager_us=torch_eager_us)
+                       target_speedup=3.0, **cols, anchor_timing=anchor_cols["timing"], anchor_eager_us=torch_eager_us)
             del cache, qs, kvs
 
 
