@@ -141,3 +141,18 @@ def plain_moe_reference(x: torch.Tensor, params: dict[str, torch.Tensor], *, top
         s1, s3, s2 = (params[f"shared_experts.{n}.weight"] for n in ("w1", "w3", "w2"))
         out = out + (F.silu(x @ s1.t()) * (x @ s3.t())) @ s2.t()
     return out
+
+
+def rel_error(a: torch.Tensor, b: torch.Tensor) -> float:
+    """||a - b|| / ||b|| in float64; a must be finite (a NaN would compare as no error)."""
+    assert torch.isfinite(a).all()
+    return float((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30))
+
+
+def w4a16_config(**kw):
+    """A W4A16 kernel config for the interpreter tests: fp32 math, 32-row programs of 16, oct
+    packing, one chunk, one stage; `kw` overrides."""
+    from moe.kernels.triton_w4a16 import W4A16Config
+    base = dict(block_n=32, block_m=16, chunks=1, num_warps=4, num_stages=1, mode="f32", packing="oct")
+    return W4A16Config(**{**base, **kw})
+

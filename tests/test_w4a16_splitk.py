@@ -23,7 +23,7 @@ import torch
 
 from moe.kernels import expert_rows, grouped_gemm, prepare_weights
 from moe.quant import quantize
-from tests.test_w4a16_tma import _cfg, _rel   # (fp32 oct config with 32-row programs; relative error)
+from tests.helpers import rel_error as _rel, w4a16_config as _cfg
 
 triton = pytest.importorskip("triton")
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"

@@ -23,6 +23,7 @@ import torch
 
 from moe.kernels import expert_rows, grouped_gemm, prepare_weights
 from moe.quant import quantize
+from tests.helpers import rel_error as _rel, w4a16_config as _cfg
 
 triton = pytest.importorskip("triton")
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
@@ -36,17 +37,6 @@ def _weight(fmt: str, E: int, N: int, K: int, seed: int, tile_n: int, device: st
     w = torch.randn(E, N, K, generator=g) * torch.exp2(torch.randint(-3, 3, (E, N, 1), generator=g).float())
     q = quantize(w.to(device), fmt, **({"global_scale": "matrix"} if fmt == "nvfp4" else {}))
     return prepare_weights(q, packing="oct", tile_n=tile_n)
-
-
-def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    assert torch.isfinite(a).all()
-    return float((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30))
-
-
-def _cfg(**kw):
-    from moe.kernels.triton_w4a16 import W4A16Config
-    base = dict(block_n=32, block_m=16, chunks=1, num_warps=4, num_stages=1, mode="f32", packing="oct")
-    return W4A16Config(**{**base, **kw})
 
 
 def _both(x, pw, rows, cfg, **kw):
