@@ -87,6 +87,18 @@ def plain_post(out, residual, post, comb):
     return new
 
 
+def plain_head(residual, fn, base, scale, eps=EPS, rms_eps=EPS):
+    t_count, m, h = residual.shape
+    want = torch.zeros(t_count, h, dtype=torch.float64)
+    for k in range(t_count):
+        flat = residual[k].reshape(-1).double()
+        rstd = 1 / math.sqrt(float((flat * flat).mean()) + rms_eps)
+        for i in range(m):
+            logit = float(fn[i].double() @ flat) * rstd * float(scale[0]) + float(base[i])
+            want[k] += (1 / (1 + math.exp(-logit)) + eps) * residual[k, i].double()
+    return want
+
+
 # ---- torch reference ----
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -172,14 +184,7 @@ def test_head_is_the_weighted_stream_sum():
     base = torch.randn(m)
     scale = torch.tensor([0.6])
     got = mhc_head(residual, fn, base, scale)
-    want = torch.zeros(t, h, dtype=torch.float64)
-    for k in range(t):
-        flat = residual[k].reshape(-1).double()
-        rstd = 1 / math.sqrt(float((flat * flat).mean()) + EPS)
-        for i in range(m):
-            w = 1 / (1 + math.exp(-(float(fn[i].double() @ flat) * rstd * 0.6 + float(base[i])))) + EPS
-            want[k] += w * residual[k, i].double()
-    torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(got.double(), plain_head(residual, fn, base, scale), rtol=1e-5, atol=1e-5)
     # With fn = 0 the weights are the constants sigmoid(base) + eps.
     const = mhc_head(residual, torch.zeros_like(fn), base, scale)
     torch.testing.assert_close(const, ((torch.sigmoid(base) + EPS)[None, :, None] * residual).sum(1),
@@ -221,6 +226,49 @@ def test_bad_shapes_and_backend_raise_value_error():
         mhc_pre_broadcast(torch.randn(3, 0), fn, base, scale)
     with pytest.raises(ValueError, match=r"M >= 1; got shape \(0, 0\)"):  # no stream: returned zeros
         mhc_pre_broadcast(torch.randn(3, 8), torch.zeros(0, 0), torch.zeros(0), scale)
+
+
+def test_modules_apply_their_own_settings_like_plain_loops():
+    """MHC / MHCHead against the plain loops with non-default, pairwise different eps, rms_eps and
+    sinkhorn_iters per module (the defaults eps == rms_eps == 1e-6 hide a swap of the two, and two
+    modules configured alike hide post_pre using this module's settings instead of next_mhc's)."""
+    torch.manual_seed(21)
+    t, m, h = 5, 4, 16
+    cfg1 = dict(sinkhorn_iters=4, eps=1e-3, rms_eps=0.3)
+    cfg2 = dict(sinkhorn_iters=2, eps=0.02, rms_eps=0.05)
+    first, second = MHC(h, m, **cfg1), MHC(h, m, **cfg2)
+    head = MHCHead(h, m, eps=0.01, rms_eps=0.4)
+    for module, seed in ((first, 22), (second, 23)):
+        with torch.no_grad():
+            for p, v in zip((module.fn, module.base, module.scale), make_params(m, h, seed=seed)):
+                p.copy_(v)
+    with torch.no_grad():
+        head.fn.copy_(torch.randn(m, m * h) * 0.2)
+        head.base.copy_(torch.randn(m))
+        head.scale.fill_(0.6)
+    p1 = [p.detach() for p in (first.fn, first.base, first.scale)]
+    p2 = [p.detach() for p in (second.fn, second.base, second.scale)]
+    iters1, iters2 = cfg1.pop("sinkhorn_iters"), cfg2.pop("sinkhorn_iters")
+    residual, out, x = torch.randn(t, m, h), torch.randn(t, h), torch.randn(t, h)
+    tol = dict(rtol=1e-5, atol=1e-5)
+    with torch.no_grad():
+        want = plain_pre(residual, *p1, iters=iters1, **cfg1)
+        for a, b in zip(first.pre(residual), want):
+            torch.testing.assert_close(a.double(), b, **tol)
+        for a, b in zip(first.pre_broadcast(x), plain_pre(mhc_broadcast(x, m), *p1, iters=iters1, **cfg1)):
+            torch.testing.assert_close(a.double(), b, **tol)
+        post, comb = want[1].float(), want[2].float()
+        new_want = plain_post(out, residual, post, comb)
+        torch.testing.assert_close(first.post(out, residual, post, comb).double(), new_want, **tol)
+        new, nxt = first.post_pre(out, residual, post, comb, second)
+        torch.testing.assert_close(new.double(), new_want, **tol)
+        for a, b in zip(nxt, plain_pre(new_want.float(), *p2, iters=iters2, **cfg2)):
+            torch.testing.assert_close(a.double(), b, **tol)
+        li, po, co = plain_pre(residual, *p2, iters=iters2, **cfg2)
+        torch.testing.assert_close(second(residual, torch.tanh).double(),
+                                   plain_post(torch.tanh(li), residual, po, co), **tol)
+        torch.testing.assert_close(head(residual).double(), plain_head(residual, *[p.detach() for p in
+                                   (head.fn, head.base, head.scale)], eps=0.01, rms_eps=0.4), **tol)
 
 
 def test_module_forward_post_pre_and_gradients():

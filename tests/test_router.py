@@ -293,6 +293,42 @@ def test_router_module_matches_route_and_passes_gradients():
     assert router.weight.grad is not None and router.weight.grad.abs().sum() > 0
 
 
+def test_router_module_passes_its_own_settings_like_the_plain_reference():
+    """Router modules with non-default settings (renormalize off, scaling, softmax, bias and groups,
+    a hash layer, a bf16 gate weight) against `plain_route` on logits x @ W^T computed here in
+    fp32: a setting the module dropped or replaced by a default, or logits rounded to the weight's
+    bf16, shows in the ids or the weights."""
+    g = torch.Generator().manual_seed(31)
+    T, H, E = 12, 24, 16
+    x = torch.randn(T, H, generator=g, dtype=torch.float64).to(torch.bfloat16)
+    mask = torch.rand(T, generator=g) > 0.3
+    ids = torch.randint(0, 7, (T,), generator=g)
+    configs = [
+        dict(top_k=3, scoring="softmax", renormalize=False, scaling=1.5),
+        dict(top_k=4, scoring="sigmoid", use_bias=True, n_group=4, topk_group=2, renormalize=False, scaling=2.5),
+        dict(top_k=2, scoring="sqrt_softplus", renormalize=False, scaling=0.5, hash_vocab=7),
+        dict(top_k=2, scoring="sigmoid", scaling=2.0, dtype=torch.bfloat16),
+    ]
+    for cfg in configs:
+        router = Router(H, E, **cfg)
+        with torch.no_grad():
+            router.weight.copy_(torch.randn(E, H, generator=g) * 0.5)
+            if router.e_score_correction_bias is not None:
+                router.e_score_correction_bias.copy_(torch.randn(E, generator=g) * 0.3)
+        logits = (x.float() @ router.weight.detach().float().t()).numpy()
+        for token_mask in (None, mask):
+            case = dict(logits=logits, top_k=cfg["top_k"], scoring=cfg["scoring"],
+                        bias=None if router.e_score_correction_bias is None else router.e_score_correction_bias.numpy(),
+                        n_group=cfg.get("n_group"), topk_group=cfg.get("topk_group"),
+                        renormalize=cfg.get("renormalize", True), scaling=cfg["scaling"],
+                        token_mask=None if token_mask is None else token_mask.numpy())
+            if router.is_hash:
+                case.update(input_ids=ids.numpy(), tid2eid=router.tid2eid.numpy())
+            with torch.no_grad():
+                res = router(x, input_ids=ids if router.is_hash else None, token_mask=token_mask, backend="torch")
+            _check_against_plain(res, case)
+
+
 def test_hash_router_needs_and_uses_input_ids():
     router = Router(8, 6, 2, scoring="sqrt_softplus", hash_vocab=10)
     x = torch.randn(5, 8)

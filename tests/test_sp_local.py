@@ -180,6 +180,26 @@ def test_sp_helpers_on_one_rank_are_identity_and_pad_with_zeros():
     x = torch.randn(5, 3)
     assert torch.equal(sp_shard(x, None), x) and torch.equal(sp_all_gather(x, None, num_tokens=5), x)
     assert torch.equal(sp_pad(x, None), x)
+    # sp_pad only reads the group size: a Group object of size P > 1 pads without communication
+    # (on one rank nothing is ever padded, so the zero padding needs P > 1 to be seen)
+    from parallel.groups import Group
+
+    g = torch.Generator().manual_seed(7)
+    for P in (2, 3, 4):
+        group = Group("tp", None, P - 1, P, tuple(range(P)))
+        for T in (0, 1, P - 1, P, P + 1, 2 * P + 1, 13):
+            for dim, shape in ((0, (T, 3)), (1, (2, T, 3)), (-2, (2, T, 3))):
+                x = (torch.randn(shape, generator=g) + 10).to(torch.bfloat16)  # no value is 0
+                padded_len = P * -(-T // P)
+                want_shape = list(shape)
+                want_shape[dim] = padded_len
+                want = torch.zeros(want_shape, dtype=torch.bfloat16)
+                for i in range(T):  # token by token: token i stays at index i, the rest is zero
+                    want.select(dim, i).copy_(x.select(dim, i))
+                got = sp_pad(x, group, dim=dim)
+                assert got.dtype == torch.bfloat16 and torch.equal(got, want), (P, T, dim)
+                if padded_len == T:
+                    assert got is x, (P, T, dim)
 
 
 def test_bad_arguments_name_the_values_and_the_choices():

@@ -163,7 +163,7 @@ def matmul_reduce_scatter_gradients_match_dense(tp, r, P):
 
 def sp_helpers_round_trip_uneven_tokens_with_gradients(tp, r, P):
     H = 3
-    for T in sorted({1, P + 1, 2 * P - 1, 13, 2 * P}):
+    for T in sorted({0, 1, P + 1, 2 * P - 1, 13, 2 * P}):  # 0: a batch with no tokens, every rank holds 0
         m = -(-T // P)
         g = _gen(100 + T)
         x = torch.randn(T, H, generator=g, dtype=torch.float64)
