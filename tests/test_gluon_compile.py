@@ -193,6 +193,43 @@ def test_loaders_load_their_first_ids_beside_the_length(kernel, loader_regs, ids
     assert ahead["regs"] == plain["regs"] and ahead["spill"] <= plain["spill"] and ahead["shared"] == plain["shared"]
 
 
+def _prologue_of_first_mma(cubin: Path, mma: str) -> tuple[int, int]:
+    """(loops, 32-bit global loads) of the partition that issues the build's first `mma` (SASS opcode
+    prefix: QGMMA for fp8 MMAs, HGMMA for 16-bit ones), between that partition's start (its
+    USETMAXREG) and that MMA: a loop there (a backward branch within the partition) waits on its
+    loads before the first tile's MMA can issue."""
+    import triton
+
+    sass = subprocess.run([str(Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"), "-sass",
+                           str(cubin)], capture_output=True, text=True, check=True).stdout
+    ops = [(int(a, 16), op, args) for a, op, args in
+           re.findall(r"/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+\s+)?([A-Z0-9_.]+)\s*([^;]*);", sass)]
+    first = next(i for i, (_, op, _) in enumerate(ops) if op.startswith(mma))
+    start = max(i for i in range(first) if ops[i][1].startswith("USETMAXREG"))
+    loops = sum(op == "BRA" and ops[start][0] < int(args.split()[0], 16) < addr for addr, op, args in ops[start:first])
+    loads = sum(op == "LDG.E" for _, op, _ in ops[start:first])
+    return loops, loads
+
+
+@pytest.mark.parametrize("kernel,mma", [("mlan-fp8-16-direct5s", "QGMMA"), ("gqa-fp8-direct10-8", "QGMMA"),
+                                        ("gqa-bf16", "HGMMA"), ("mlan-bf16-16", "HGMMA")])
+def test_ids_ahead_takes_the_block_id_check_off_the_first_tiles_chain(kernel, mma, tmp_path):
+    """CONFIG ids_ahead, the consumer / scores side (`gluon_mla._ids_early`): the direct fp8 kernels'
+    scores warpgroup ran the split's block-id check as a loop of dependent loads between the queries'
+    loads and its first fp8 MMA; ahead, no loop precedes that MMA. The bf16 kernels' consumers ran the
+    check after their loop (a round trip before the output's stores); ahead, its one id load is issued
+    before the first MMA (and read after the loop). The same registers, spills and shared memory."""
+    plain = _built(f"{kernel}-pdl", tmp_path / "plain.cubin")
+    ahead = _built(f"{kernel}-ahead-pdl", tmp_path / "ahead.cubin")
+    (loops0, loads0), (loops1, loads1) = (_prologue_of_first_mma(tmp_path / f"{n}.cubin", mma)
+                                          for n in ("plain", "ahead"))
+    if mma == "QGMMA":
+        assert loops0 >= 1 and loops1 == 0, (loops0, loops1)
+    else:
+        assert (loads0, loads1) == (0, 1) and loops0 == loops1 == 0, (loads0, loads1, loops0, loops1)
+    assert ahead["regs"] == plain["regs"] and ahead["spill"] <= plain["spill"] and ahead["shared"] == plain["shared"]
+
+
 @pytest.mark.parametrize("columns", ["mlan-fp8-16-direct5s", "mlan-fp8-32-direct4s-causal", "gqa-fp8-direct10-8",
                                      "gqa-fp8-direct10-32-causal"])
 def test_direct_kernels_store_their_output_dim_pairs_together(columns):
