@@ -100,8 +100,8 @@ def test_interp_fused_swiglu_epilogue_and_fp8_group_output(fmt):
     from moe.kernels.triton_w4a16 import W4A16Config, launch_w4a16
     from moe.kernels.triton_w4a8 import FP8Config, fp8_grouped_gemm
 
-    E, H, inter = 3, 256, 128
-    counts = [5, 0, 12]
+    E, H, inter = 3, 256, 256        # inter = 2 x 128: two fp8 groups per row of h (one group would hide
+    counts = [5, 0, 12]              # a scale written to the wrong group column)
     q13, q2, v13, v2 = _weights(fmt, E, H, inter, seed=5)
     p13 = prepare_weights(q13, packing="oct")
     x = torch.randn(sum(counts), H, generator=torch.Generator().manual_seed(6)) * 4
@@ -114,9 +114,10 @@ def test_interp_fused_swiglu_epilogue_and_fp8_group_output(fmt):
     assert _rel(h, y1) < 1e-5
     hq, hs = launch_w4a16(x, p13, rows, out_dtype=torch.float32, swiglu=(act["limit"], act["alpha"], act["beta"]),
                           quant_out=True, config=cfg)
-    assert hs.shape == (sum(counts), 1)
-    assert _rel(hq.float() * hs, y1) < 0.1             # fp8 rounding of h (the interpreter's cast is coarse)
-    ref_s = torch.as_tensor(np.abs(y1).max(axis=1, keepdims=True) / 448).float()
+    assert hs.shape == (sum(counts), inter // 128)
+    assert _rel(hq.float() * hs.repeat_interleave(128, -1), y1) < 0.1   # fp8 rounding of h (the interpreter's cast is coarse)
+    ref_s = torch.as_tensor(np.abs(y1).reshape(sum(counts), inter // 128, 128).max(axis=2) / 448).float()
+    assert not torch.allclose(ref_s[:, 0], ref_s[:, 1], rtol=1e-2)      # the two groups' scales differ
     assert torch.allclose(hs, ref_s, rtol=1e-5)
     hr = quantize(h, "fp8_group", backend="torch")      # the epilogue is parallel.quant's fp8_group, bit for bit
     assert torch.equal(hq.view(torch.uint8), hr.data.view(torch.uint8)) and torch.equal(hs, hr.scale)

@@ -113,13 +113,32 @@ def test_reference_mhc_sublayer_matches_model_mhc_functions():
 
 
 def test_reference_moe_routes_by_biased_score_and_weights_by_unbiased_one():
-    cfg = ModelConfig(hidden=32, experts=4, top_k=1, moe_inter=32, shared_inter=0, routed_scaling=2.0, vocab=16)
+    """Top-2 of 4 experts, token by token: the experts are the top-2 of score + bias, their weights
+    the unbiased scores of those two, renormalized, times routed_scaling. (With top-1 the
+    renormalized weight is 1 whatever score it is taken from, so K = 2 is needed to see the
+    weights.) The bias is big enough that the biased choice differs from the unbiased one for some
+    tokens, and small enough that it agrees for others."""
+    cfg = ModelConfig(hidden=32, experts=4, top_k=2, moe_inter=32, shared_inter=0, routed_scaling=2.0, vocab=16)
     state = make_state_dict(cfg, seed=1)
-    state["layers.0.moe.gate.e_score_correction_bias"] = torch.tensor([0.0, 0.0, 100.0, 0.0])  # expert 2 wins
-    h = torch.randn(3, cfg.hidden, dtype=torch.float64, generator=torch.Generator().manual_seed(3))
-    w1, w3, w2 = (w.double() for w in served_expert_weights(state, cfg, 0, 2))
-    g, u = (h @ w1.T).clamp(max=10.0), (h @ w3.T).clamp(-10.0, 10.0)
-    expected = 2.0 * (g * torch.sigmoid(g) * u) @ w2.T  # top-1 renormalized weight is 1, times scaling
+    bias = torch.tensor([0.0, 0.5, -0.3, 0.2])
+    state["layers.0.moe.gate.e_score_correction_bias"] = bias
+    h = torch.randn(16, cfg.hidden, dtype=torch.float64, generator=torch.Generator().manual_seed(3))
+    experts = [tuple(w.double() for w in served_expert_weights(state, cfg, 0, e)) for e in range(cfg.experts)]
+    gate = state["layers.0.moe.gate.weight"].double()
+    limit = cfg.swiglu_limit
+    expected = torch.zeros_like(h)
+    differs = 0
+    for t in range(h.shape[0]):
+        scores = F.softplus(h[t] @ gate.T).sqrt().tolist()            # sqrt_softplus, unbiased
+        biased = [s + b for s, b in zip(scores, bias.tolist())]
+        chosen = sorted(range(cfg.experts), key=lambda e: -biased[e])[:2]
+        differs += set(chosen) != set(sorted(range(cfg.experts), key=lambda e: -scores[e])[:2])
+        total = sum(scores[e] for e in chosen)
+        for e in chosen:
+            w1, w3, w2 = experts[e]
+            g, u = (h[t] @ w1.T).clamp(max=limit), (h[t] @ w3.T).clamp(-limit, limit)
+            expected[t] += cfg.routed_scaling * scores[e] / total * ((g * torch.sigmoid(g) * u) @ w2.T)
+    assert 0 < differs < h.shape[0], differs                         # the bias changes some choices, not all
     torch.testing.assert_close(ref.moe(h, state, cfg, 0), expected)
 
 

@@ -16,8 +16,8 @@ import torch
 import torch.nn.functional as F
 
 from moe import Experts, MoEConfig, MoELayer, route
-from moe.quant import dequantize, quantize
-from tests.helpers import plain_moe_reference
+from moe.quant import quantize
+from tests.helpers import plain_moe_reference, weight_values
 
 H, I, E = 64, 64, 8
 FORMATS = ("fp32", "bf16", "fp8_block", "mxfp4", "nvfp4")
@@ -51,12 +51,21 @@ def make_state(cfg: MoEConfig, seed: int = 0) -> dict[str, torch.Tensor]:
     return state
 
 
+def _decode(q) -> torch.Tensor:
+    """A quantized matrix [N, K] (or stack [E, N, K]) -> its fp32 values, decoded by the bit tables
+    of tests/helpers.py (not the library's `dequantize`, which the layer's own path calls)."""
+    if len(q.shape) == 2:  # weight_values works on [E, N, K]
+        q = type(q)(q.data[None], q.scale[None], q.fmt, torch.Size((1, *q.shape)), q.global_scale)
+        return torch.as_tensor(weight_values(q)).float()[0]
+    return torch.as_tensor(weight_values(q)).float()
+
+
 def _roundtrip(w: torch.Tensor, fmt: str) -> torch.Tensor:
     if fmt == "fp32":
         return w
     if fmt == "bf16":
         return w.bfloat16().float()
-    return dequantize(quantize(w, fmt), torch.float32)
+    return _decode(quantize(w, fmt))
 
 
 def reference_weights(state, cfg: MoEConfig):
@@ -198,7 +207,7 @@ def test_prequantized_checkpoints_load_like_their_dequantized_values():
                 ckpt[f"{base}.weight"], ckpt[f"{base}.weight_scale"] = qt.data, qt.scale
                 if fmt == "nvfp4":
                     ckpt[f"{base}.weight_scale_2"] = qt.global_scale
-            deq[k] = dequantize(qt, torch.float32)
+            deq[k] = _decode(qt)
         layer = MoELayer(cfg)
         layer.load_deepseek(ckpt)
         weights = tuple(torch.stack([deq[f"experts.{e}.{n}.weight"] for e in range(E)]) for n in ("w1", "w3", "w2"))

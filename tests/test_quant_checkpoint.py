@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -14,6 +15,7 @@ from moe.quant import (
     quantize,
     unpack_fp4,
 )
+from tests.helpers import e4m3_values, weight_values
 
 
 def _manual_dequant_mxfp4(blocks: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
@@ -93,10 +95,17 @@ def test_prepare_weight_conversions():
     q = prepare_weight(w, "mxfp4")
     assert isinstance(q, QuantizedTensor) and q.fmt == "mxfp4"
     assert prepare_weight(q, "mxfp4") is q
+    # the values, decoded by the bit tables of tests/helpers.py (not the library's dequantize,
+    # which prepare_weight itself calls)
+    want = torch.as_tensor(weight_values(q)).float()
     for fmt in ("fp8_group", "fp8_block"):
         f = prepare_weight(q, fmt, strict=True)
-        assert f.fmt == fmt and torch.equal(dequantize(f), dequantize(q))      # exact W4A8 fold
-    assert torch.equal(prepare_weight(q, "bf16"), dequantize(q, torch.bfloat16))
+        if fmt == "fp8_block":
+            got = weight_values(f)
+        else:
+            got = e4m3_values(f.data.view(torch.uint8).numpy()) * np.repeat(f.scale.numpy().astype(np.float64), 128, -1)
+        assert f.fmt == fmt and torch.equal(torch.as_tensor(got).float(), want)   # exact W4A8 fold
+    assert torch.equal(prepare_weight(q, "bf16"), want.bfloat16())
     n = prepare_weight(q, "nvfp4")                                          # lossy re-quantization
     assert n.fmt == "nvfp4" and torch.equal(n.data, quantize(dequantize(q), "nvfp4").data)
     assert prepare_weight(w, "bf16").dtype == torch.bfloat16
