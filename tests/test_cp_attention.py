@@ -249,12 +249,15 @@ def test_simulated_packed_ring_of_three_ranks_matches_per_sequence_attention():
 
 
 @pytest.mark.parametrize("variant", ["ring", "allgather"])
-def test_ring_attention_on_a_single_rank_is_plain_causal_attention(variant):
+@pytest.mark.parametrize("causal,scale", [(True, None), (True, 0.6), (False, 0.6)])
+def test_ring_attention_on_a_single_rank_is_plain_attention(variant, causal, scale):
+    """Default and explicit softmax scales (0.6, not the default 8^-0.5 = 0.354): the scale must
+    reach the forward blocks and the ring's backward, causal or not."""
     q, k, v = _qkv(9, 10, 10, 6, 3, 8, 4)
     qa, ka, va = (x.clone().requires_grad_() for x in (q, k, v))
-    out, lse = ring_attention(qa, ka, va, None, causal=True, variant=variant, return_lse=True)
+    out, lse = ring_attention(qa, ka, va, None, causal=causal, scale=scale, variant=variant, return_lse=True)
     qr, kr, vr = (x.double().requires_grad_() for x in (q, k, v))
-    ref_out, ref_lse = reference_attention(qr, kr, vr, causal=True)
+    ref_out, ref_lse = reference_attention(qr, kr, vr, causal=causal, scale=scale)
     torch.testing.assert_close(out.double(), ref_out, rtol=0, atol=1e-6)
     torch.testing.assert_close(lse.double(), ref_lse, rtol=0, atol=1e-6)
     w = torch.randn(out.shape, dtype=torch.float64)

@@ -73,7 +73,22 @@ def _block_tables(lens: list[int], tokens_per_block: int, num_blocks: int, seed:
     return table
 
 
-def _check_single_rank_decode(cache_dtype: torch.dtype, atol: float, device: str) -> None:
+def _cache_held(cache: PagedKVCache, table_row: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """What one rank's cache holds for positions 0..n-1 of a sequence (block table[p // B], offset
+    p % B), as fp32: fp8 bytes converted by torch times the per-(token, head) scale."""
+    p = torch.arange(n)
+    blk, off = table_row.long().cpu()[p // cache.block_size], p % cache.block_size
+    k, v = cache.k.cpu()[blk, off].float(), cache.v.cpu()[blk, off].float()
+    if cache.is_fp8:
+        k, v = k * cache.k_scale.cpu()[blk, off][..., None], v * cache.v_scale.cpu()[blk, off][..., None]
+    return k, v
+
+
+def _check_single_rank_decode(cache_dtype: torch.dtype, atol: float, device: str,
+                              held_atol: float | None = None) -> None:
+    """atol: against the inserted fp32 values (covers the cache's rounding). held_atol: against
+    what the cache holds (its rounding taken out), which must itself be the inserted values to
+    one step of the cache dtype."""
     lens = [1, 9, 4, 16]
     q, ks, vs = _sequences(0, lens, 4, 2, 16, 8)
     cache = PagedKVCache.allocate(32, 4, 2, 16, head_dim_v=8, dtype=cache_dtype, device=device)
@@ -90,6 +105,16 @@ def _check_single_rank_decode(cache_dtype: torch.dtype, atol: float, device: str
         ref_out, ref_lse = reference_attention(q[s:s + 1], ks[s], vs[s], causal=False)
         torch.testing.assert_close(out[s].double().cpu(), ref_out[0], rtol=0, atol=atol)
         torch.testing.assert_close(lse[s].double().cpu(), ref_lse[0], rtol=0, atol=atol)
+        if held_atol is None:
+            continue
+        k, v = _cache_held(cache, table[s], lens[s])
+        step = {torch.float32: 2.0 ** -23, torch.bfloat16: 2.0 ** -8, torch.float8_e4m3fn: 2.0 ** -4}[cache_dtype]
+        for held, orig in ((k, ks[s]), (v, vs[s])):   # fp8: +- one subnormal step of the token's scale
+            tiny = 2.0 ** -9 * orig.abs().amax(-1, keepdim=True) / 448 if cache_dtype == torch.float8_e4m3fn else 0
+            assert ((held - orig).abs() <= step * orig.abs() + tiny + 1e-30).all(), (cache_dtype, s)
+        ref_out, ref_lse = reference_attention(q[s:s + 1], k, v, causal=False)
+        torch.testing.assert_close(out[s].double().cpu(), ref_out[0], rtol=0, atol=held_atol)
+        torch.testing.assert_close(lse[s].double().cpu(), ref_lse[0], rtol=0, atol=held_atol)
 
 
 CACHE_DTYPES = [(torch.float32, 1e-6), (torch.bfloat16, 2e-2), (torch.float8_e4m3fn, 8e-2)]
@@ -97,7 +122,9 @@ CACHE_DTYPES = [(torch.float32, 1e-6), (torch.bfloat16, 2e-2), (torch.float8_e4m
 
 @pytest.mark.parametrize("cache_dtype,atol", CACHE_DTYPES)
 def test_single_rank_paged_decode_matches_full_attention(cache_dtype, atol):
-    _check_single_rank_decode(cache_dtype, atol, "cpu")
+    """fp32 math on the dequantized cache: 1e-6 against attention over what the cache holds (a wrong
+    scale on one token, within the 8e-2 allowed for fp8 rounding, does not pass)."""
+    _check_single_rank_decode(cache_dtype, atol, "cpu", held_atol=1e-6)
 
 
 @pytest.mark.gpu
@@ -122,17 +149,21 @@ def test_decode_and_insert_reject_bad_input():
         PagedKVCache(torch.zeros(1, 4, 1, 8, dtype=torch.float8_e4m3fn), torch.zeros(1, 4, 1, 8, dtype=torch.float8_e4m3fn))
 
 
-def test_module_without_groups_is_plain_attention_and_plain_paged_decode():
-    attn = ContextParallelAttention(None)
+@pytest.mark.parametrize("scale", [None, 0.6])
+def test_module_without_groups_is_plain_attention_and_plain_paged_decode(scale):
+    """The module's softmax scale (0.6, not the default 8^-0.5) reaches prefill and decode."""
+    attn = ContextParallelAttention(None, scale=scale)
     gen = torch.Generator().manual_seed(3)
     q, k, v = torch.randn(6, 4, 8, generator=gen), torch.randn(6, 2, 8, generator=gen), torch.randn(6, 2, 8, generator=gen)
-    torch.testing.assert_close(attn(q, k, v).double(), reference_attention(q, k, v, causal=True)[0], rtol=0, atol=1e-6)
+    torch.testing.assert_close(attn(q, k, v).double(), reference_attention(q, k, v, causal=True, scale=scale)[0],
+                               rtol=0, atol=1e-6)
     assert torch.equal(attn.shard(q), q) and torch.equal(attn.positions(6), torch.arange(6))
     cache = PagedKVCache.allocate(4, 4, 2, 8, dtype=torch.float32)
     table = torch.tensor([[2, 0]], dtype=torch.int32)
     attn.insert_kv(cache, k, v, torch.arange(6), table[0])
     out = attn.decode(q[5:6], cache, table, torch.tensor([6]))
-    torch.testing.assert_close(out.double(), reference_attention(q[5:6], k, v, causal=False)[0], rtol=0, atol=1e-6)
+    torch.testing.assert_close(out.double(), reference_attention(q[5:6], k, v, causal=False, scale=scale)[0], rtol=0,
+                               atol=1e-6)
 
 
 @pytest.mark.parametrize("ring_variant", ["ring", "allgather"])

@@ -67,11 +67,15 @@ def test_absorbed_decode_matches_equations(backend, cache_dtype, monkeypatch):
     for i, n in enumerate(lens):
         cc, kk = c[i:i + 1, :n], kp[i:i + 1, :n]
         if cache_dtype == torch.float8_e4m3fn:       # what the cache holds: the fp8-rounded latent
-            full = cache.paged
-            from parallel.cp.dcp import gather_local_kv
-
-            k, _, _ = gather_local_kv(full, table[i:i + 1], torch.tensor([n]))
-            cc, kk = k[:, :, 0, :DIMS.kv_lora_rank], k[:, :, 0, DIMS.kv_lora_rank:]
+            # by hand (not the decode's own gather): block table[p // B], offset p % B, e4m3 value x scale;
+            # it must be the inserted latent to one e4m3 step (relative 2^-4, or a subnormal step)
+            p = torch.arange(n)
+            blk, off = table[i].long()[p // block], p % block
+            held = cache.kv[blk, off, 0].float() * cache.scale[blk, off]                  # [n, r + d_r]
+            orig = torch.cat([c[i, :n], kp[i, :n]], -1)
+            tiny = 2.0 ** -9 * orig.abs().amax(-1, keepdim=True) / 448
+            assert ((held - orig).abs() <= 2.0 ** -4 * orig.abs() + tiny + 1e-30).all()
+            cc, kk = held[None, :, :DIMS.kv_lora_rank], held[None, :, DIMS.kv_lora_rank:]
             tol = 1e-4
         ref = mla_reference(q_nope[i:i + 1, None], q_pe[i:i + 1, None], cc, kk, w_uk, w_uv, causal=False)
         torch.testing.assert_close(got[i].double(), ref[0, 0], atol=tol, rtol=0)
@@ -128,6 +132,29 @@ def _mla_rank(rank: int, world: int) -> str:
     for comm in ("ag_rs", "a2a"):
         got = mla_decode_attention(q_nope, q_pe, cache, w_uk, w_uv, table,
                                    torch.tensor(lens), groups.pcp, comm=comm)
+        for i, n in enumerate(lens):
+            r = mla_reference(q_nope[i:i + 1, None], q_pe[i:i + 1, None], c[i % 2:i % 2 + 1, :n],
+                              kp[i % 2:i % 2 + 1, :n], w_uk, w_uv, causal=False)
+            torch.testing.assert_close(got[i].double(), r[0, 0], atol=1e-4, rtol=0)
+    # interleave 2, and the cache sharded over pcp x dcp (dcp 1 here: the PCP merge alone, the world
+    # rank is the total cp rank): each rank writes the slots of docs/numerics.md §8.2, by hand, and
+    # decode (which must use the same interleave and shards) gives the full attention. Lengths 2 mod 4:
+    # a rank's share under interleave 2 is not its share under 1 (6 tokens: 4 + 2 against 3 + 3)
+    lens = [6, 1, 14]
+    q_nope = torch.stack([qn[i % 2, n - 1] for i, n in enumerate(lens)])
+    q_pe = torch.stack([qp[i % 2, n - 1] for i, n in enumerate(lens)])
+    for interleave, group, pcp in ((2, groups.pcp, None), (1, groups.dcp, groups.pcp), (2, groups.dcp, groups.pcp)):
+        cache = MLACache.allocate(12, 4, DIMS, dtype=torch.float32)
+        for i, n in enumerate(lens):
+            slots = mla_kv_insert(cache, c[i % 2, :n], kp[i % 2, :n], torch.arange(n), table[i], group,
+                                  interleave=interleave, pcp_group=pcp)
+            p = torch.arange(n)
+            o = p % (4 * world)
+            want = torch.where((o // interleave) % world == rank, table[i].long()[p // (4 * world)] * 4
+                               + (o // (world * interleave)) * interleave + o % interleave, -1)
+            assert torch.equal(slots, want), (interleave, i, slots, want)
+        got = mla_decode_attention(q_nope, q_pe, cache, w_uk, w_uv, table, torch.tensor(lens), group,
+                                   interleave=interleave, comm="a2a" if pcp is None else "ag_rs", pcp_group=pcp)
         for i, n in enumerate(lens):
             r = mla_reference(q_nope[i:i + 1, None], q_pe[i:i + 1, None], c[i % 2:i % 2 + 1, :n],
                               kp[i % 2:i % 2 + 1, :n], w_uk, w_uv, causal=False)

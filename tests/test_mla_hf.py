@@ -80,14 +80,24 @@ def test_mla_layer_matches_hf_deepseek_v3_attention(q_lora, interleave, rope):
             for t in range(T, T + NEW):
                 ref.append(attn(h[:, t:t + 1], (cos[:, t:t + 1], sin[:, t:t + 1]), None, cache=cache)[0])
         # ours: prefill fills the latent paged cache (block 4, a shuffled table), then absorbed decode steps
+        # in which sequence 1 lags one token behind sequence 0: a step holds positions (t, t - 1), so each
+        # sequence's own position (RoPE, cache slot, length) is checked, not one shared by the batch
         layer.allocate_cache(B * 4, 4, torch.device("cpu"))
         table = torch.randperm(B * 4, generator=gen).view(B, 4)
         got = [layer.prefill(h[:, :T].reshape(B * T, HIDDEN).float(), B, T, B * T, table).view(B, T, HIDDEN)]
-        for t in range(T, T + NEW):
-            got.append(layer.decode(h[:, t].float(), B, B, torch.full((B,), t), table)[:, None])
+        decoded = [[] for _ in range(B)]
+        for j in range(NEW + 1):
+            rows = [b for b in range(B) if T <= T + j - b < T + NEW]
+            pos = torch.tensor([T + j - b for b in rows])
+            out = layer.decode(h[rows, pos].float(), len(rows), len(rows), pos, table[rows])
+            for b, o in zip(rows, out):
+                decoded[b].append(o)
+        got += list(torch.stack([torch.stack(x) for x in decoded]).unbind(1))     # [B, HIDDEN] per new token
         scale = ref[0].abs().max().item()
+        assert len(got) == len(ref) == 1 + NEW
         for step, (a, b) in enumerate(zip(got, ref)):
-            torch.testing.assert_close(a.double(), b, atol=2e-6 * scale, rtol=0, msg=lambda m: f"step {step}: {m}")
+            torch.testing.assert_close(a.double().view(b.shape), b, atol=2e-6 * scale, rtol=0,
+                                       msg=lambda m: f"step {step}: {m}")
         # the check can fail: one wrong convention (pairs vs halves) moves the outputs far off
         if not interleave:
             wrong = hf_attention_state(attn.state_dict(), layer.cfg, rope_interleave=True, out_prefix="a")
