@@ -284,7 +284,7 @@ def _routed_rows(ctx: BenchContext, shape: str, gemm: str, w: dict[str, Any], gr
             anchor_us, anchor_cols = None, {}
         del bf16_sets
         impls = ("triton_w4a16",) if ctx.is_cuda or os.environ.get("MEGAPAR_BENCH_INTERP") == "1" else ("torch",)
-        layer_sets = [w["layer"]] + [_copy_prepared(w["layer"]) for _ in range(l2_sets(ctx, fp4_hit) - 1)]
+        layer_sets = [w["layer"]] + [w["layer"].clone() for _ in range(l2_sets(ctx, fp4_hit) - 1)]
         for impl in impls:
             fns = [lambda impl=impl, pw=pw: grouped_gemm(x, pw, counts=counts, backend=impl) for pw in layer_sets]
             try:
@@ -297,14 +297,6 @@ def _routed_rows(ctx: BenchContext, shape: str, gemm: str, w: dict[str, Any], gr
                        shape=shape, gemm=gemm, tok_per_expert=round(M / hit, 2), impl=impl, M=M, N=N, K=K,
                        experts_hit=hit, tflops=2.0 * M * N * K / us / 1e6, rel_err=err, **cols,
                        anchor_input_sets=anchor_cols.get("input_sets"), anchor_timing=anchor_cols.get("timing"))
-
-
-def _copy_prepared(pw):
-    """A PreparedWeight over copies of its tensors (its derived data rebuilt on first use)."""
-    from dataclasses import replace
-
-    copy = (lambda t: None if t is None else t.clone())
-    return replace(pw, data=copy(pw.data), scale=copy(pw.scale), global_scale=copy(pw.global_scale), cache={})
 
 
 def fp8_floor_us(E: int, N: int, K: int, M: int, device: torch.device) -> float:

@@ -101,10 +101,17 @@ class PreparedWeight:
         parts = (self.data, self.scale, self.global_scale)
         return sum(t.numel() * t.element_size() for t in parts if t is not None)
 
+    def _mapped(self, fn) -> PreparedWeight:
+        """This weight over fn of each of its tensors, its derived data (cache) rebuilt on first use."""
+        f = (lambda t: None if t is None else fn(t))
+        return replace(self, data=f(self.data), scale=f(self.scale), global_scale=f(self.global_scale), cache={})
+
     def to(self, device: torch.device | str) -> PreparedWeight:
-        move = (lambda t: None if t is None else t.to(device))
-        return replace(self, data=move(self.data), scale=move(self.scale), global_scale=move(self.global_scale),
-                       cache={})
+        return self._mapped(lambda t: t.to(device))
+
+    def clone(self) -> PreparedWeight:
+        """A copy over fresh storage (e.g. a benchmark's copies, read in turn so none is in L2)."""
+        return self._mapped(torch.Tensor.clone)
 
     @property
     def fused_fp4_fits(self) -> bool:
