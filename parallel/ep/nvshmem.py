@@ -52,7 +52,7 @@ from megapar.parallel.ep import backends
 from megapar.parallel.ep.backends import (AllToAllRoute, Backend, Census, Route, RoutingInfo, _layout_rows, _pack_rows,
                                   _unpack_rows, routing_info)
 from megapar.parallel.ep.dispatch import check_int, config_from_keywords
-from megapar.parallel.ep.static import DeviceBatch
+from megapar.parallel.ep.static import DeviceBatch, int32_ids
 
 HINT = "pip install 'megapar[nvshmem]' (nvshmem4py)"
 _ALIGN = 16
@@ -485,10 +485,7 @@ class NvshmemTransport:
         w, tm, e_total = buf.size, buf.sizes.max_tokens, buf.sizes.num_experts
         t = x.shape[0]
         ids = torch.full((tm, topk_ids.shape[1]), -1, dtype=torch.int32, device=x.device)
-        if topk_ids.dtype == torch.int64:
-            # narrowing int64 would wrap an out-of-range id (2**32 + 1 -> 1) onto a valid expert;
-            # clamped, it stays out of range (-2 or int32 max), as `present` below counts it
-            topk_ids = topk_ids.clamp(-2, torch.iinfo(torch.int32).max)
+        topk_ids = int32_ids(topk_ids)     # (out of range stays out of range: `present` below counts it)
         ids[:t] = topk_ids
         weights = torch.zeros(tm, topk_ids.shape[1], dtype=torch.float32, device=x.device)
         weights[:t] = topk_weights

@@ -174,6 +174,15 @@ class ReplicatedTransport(LocalTransport):
         return comm.all_reduce(partial.contiguous(), self.group)
 
 
+def int32_ids(topk_ids: torch.Tensor) -> torch.Tensor:
+    """Expert ids ready to narrow to int32 (the transports' wire type): an int64 id outside int32 is
+    clamped to -2 or int32 max, so it stays out of range (skipped and counted), where narrowing
+    would wrap it onto a valid expert (2**32 + 1 -> 1). A device op, no host read."""
+    if topk_ids.dtype == torch.int64:
+        return topk_ids.clamp(-2, torch.iinfo(torch.int32).max)
+    return topk_ids
+
+
 class AllGatherTransport:
     """Fixed-size all-gather of each rank's padded tokens; reduce-scatter of the partial sums.
 
@@ -198,11 +207,7 @@ class AllGatherTransport:
         packed = torch.zeros(c, row, dtype=torch.uint8, device=x.device)
         packed[:t, :x_bytes] = comm.to_wire(x.contiguous()).view(torch.uint8).reshape(t, x_bytes)
         ids = torch.full((c, k), -1, dtype=torch.int32, device=x.device)
-        if topk_ids.dtype == torch.int64:
-            # narrowing int64 would wrap an out-of-range id (2**32 + 1 -> 1) onto a valid slot;
-            # clamped, it stays out of range (-2 or int32 max), so the plan skips and counts it
-            topk_ids = topk_ids.clamp(-2, torch.iinfo(torch.int32).max)
-        ids[:t] = topk_ids
+        ids[:t] = int32_ids(topk_ids)
         packed[:, x_bytes:x_bytes + 4 * k] = ids.view(torch.uint8)
         weights = torch.zeros(c, k, dtype=torch.float32, device=x.device)
         weights[:t] = topk_weights
