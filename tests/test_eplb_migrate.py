@@ -106,6 +106,19 @@ def _rank_main(rank: int) -> dict:
         except MigrationError as exc:
             failures.append(exc.failed_ranks)
         assert same_bits(weights, before)
+    # a rank whose own tensors are wrong (here rank 1's first tensor lacks a slot) raises its
+    # ValueError after the agreement; its peers raise MigrationError naming it, not a timeout
+    new = random_placement(g)
+    before = [t.clone() for t in weights]
+    wrong = [t[:-1].clone() for t in weights[:1]] + weights[1:] if rank == 1 else weights
+    try:
+        rearrange_weights(old, new, wrong, ep)
+        failures.append(None)
+    except ValueError as exc:
+        failures.append(("ValueError", "first dim must be the 3 local slots" in str(exc)))
+    except MigrationError as exc:
+        failures.append(exc.failed_ranks)
+    assert same_bits(weights, before)
     out["failures"] = failures
     new = random_placement(g)  # the group still works after aborted migrations
     rearrange_weights(old, new, weights, ep)
@@ -183,8 +196,9 @@ def test_migration_bit_exact_atomic_and_eplb_end_to_end_on_4_gloo_ranks():
     changed = [sum(r["stats"][case][2] for r in results) for case in range(len(results[0]["stats"]))]
     assert all(c > 0 for c in changed[:-1]) and changed[-1] == 0  # the last target repeats the map
     assert any(r["stats"][0][3] > 0 for r in results)  # something crossed ranks
-    for r in results:
-        assert r["failures"] == [[2], [2], [1, 3]]
+    for rank, r in enumerate(results):
+        bad_input = ("ValueError", True) if rank == 1 else [1]
+        assert r["failures"] == [[2], [2], [1, 3], bad_input]
         moved, failed, before, after = r["report"]
         assert moved and not failed and after > before
         assert r["failed_report"] == ([], [0, 1], True)

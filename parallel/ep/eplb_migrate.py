@@ -134,6 +134,12 @@ def _check_maps(old_phy2log: torch.Tensor, new_phy2log: torch.Tensor, num_ranks:
     return old, new
 
 
+def _same_map(old_phy2log: torch.Tensor, new_phy2log: torch.Tensor) -> bool:
+    """The two maps are equal (then no rank moves anything); False for maps that cannot be
+    compared, which the checks reject."""
+    return old_phy2log.shape == new_phy2log.shape and old_phy2log.tolist() == new_phy2log.tolist()
+
+
 def _byte_rows(t: torch.Tensor, slots_per_rank: int, index: int) -> torch.Tensor:
     """[slots_per_rank, bytes_per_slot] uint8 view sharing t's storage."""
     if t.dim() == 0 or t.shape[0] != slots_per_rank:
@@ -178,24 +184,40 @@ def rearrange_weights(old_phy2log: torch.Tensor, new_phy2log: torch.Tensor, tens
     group: the EP group (Group, ProcessGroup, or None = world / single process).
     fault_hook: test hook called with "prepare", "unpack" and "commit"; an exception it raises
         counts as this rank's failure.
-    Returns this rank's MigrationStats; raises MigrationError on every rank if any rank failed.
+    Returns this rank's MigrationStats; raises MigrationError on every rank if any rank failed,
+    except that a rank whose own input is wrong (maps, tensor shapes) raises its ValueError
+    (after the agreement, so that its peers raise MigrationError naming it instead of waiting).
     """
     pg, rank, size = resolve_group(group)
-    old, new = _check_maps(old_phy2log, new_phy2log, size)
-    slots_per_rank = len(old) // size
-    rows = [_byte_rows(t, slots_per_rank, i) for i, t in enumerate(tensors)]
     device = tensors[0].device if tensors else torch.device("cpu")
-    if any(t.device != device for t in tensors):
-        raise ValueError(f"tensors must share one device; got {sorted({str(t.device) for t in tensors})}")
     stats = MigrationStats()
-    if old == new or not tensors:  # nothing to move (maps alone are the caller's business)
-        return stats
-    start = time.perf_counter()
-    plan = migration_plan(old, new, size, rank)
-    peers = Peers.of(group)
-
-    failure: BaseException | None = None
+    # The input checks are agreed on like any other preparation failure: a rank whose own
+    # tensors are wrong must not raise alone while its peers wait in the first agreement.
+    bad_input: ValueError | None = None
     try:
+        old, new = _check_maps(old_phy2log, new_phy2log, size)
+        slots_per_rank = len(old) // size
+        rows = [_byte_rows(t, slots_per_rank, i) for i, t in enumerate(tensors)]
+        if any(t.device != device for t in tensors):
+            raise ValueError(f"tensors must share one device; got {sorted({str(t.device) for t in tensors})}")
+    except ValueError as exc:
+        bad_input = exc
+    if not tensors or _same_map(old_phy2log, new_phy2log):
+        # nothing to move on any rank (the maps are the same on every rank; maps alone are the
+        # caller's business): no agreement, so a bad input is this rank's own error
+        if bad_input is not None:
+            raise bad_input
+        return stats
+    if bad_input is not None and size == 1:
+        raise bad_input
+    start = time.perf_counter()
+
+    failure: BaseException | None = bad_input
+    try:
+        if bad_input is not None:
+            raise bad_input
+        plan = migration_plan(old, new, size, rank)
+        peers = Peers.of(group)
         if fault_hook is not None:
             fault_hook("prepare")
         pos = {slot: i for i, slot in enumerate(plan.changed)}
@@ -207,6 +229,8 @@ def rearrange_weights(old_phy2log: torch.Tensor, new_phy2log: torch.Tensor, tens
     except Exception as exc:  # noqa: BLE001 - any local failure must be agreed on, not raised alone
         failure = exc
     failed = _agree(failure is not None, rank, size, pg, device, "before transfer", failure)
+    if bad_input is not None:
+        raise bad_input  # this rank's own input error; its peers raise MigrationError naming it
     if failed:
         raise MigrationError(f"EPLB migration abandoned before transfer: group ranks {failed} failed "
                              f"(this rank: {failure!r})", failed) from failure
