@@ -310,10 +310,16 @@ def _allgather_wide_ids(rank: int) -> dict:
         x = torch.full((2, 8), float(rank + 1))
         # 2**32 + 1 and -2**32 + 3 narrow to the valid slots 1 and 3 if cast as they are
         ids = torch.tensor([[0, 2**32 + 1], [3, -2**32 + 3]], dtype=torch.int64)
-        batch = AllGatherTransport(pg, size, max_tokens=4).dispatch(x, ids, torch.full((2, 2), 0.5))
+        transport = AllGatherTransport(pg, size, max_tokens=4)
+        try:  # float ids (1.5 would be truncated onto expert 1 by the narrowing copy), on every rank
+            transport.dispatch(x, torch.tensor([[0.0, 1.5], [3.0, 2.0]]), torch.full((2, 2), 0.5))
+            refused = "no error"
+        except ValueError as exc:
+            refused = str(exc)
+        batch = transport.dispatch(x, ids, torch.full((2, 2), 0.5))
         bad = torch.zeros(1, dtype=torch.int32)
         plan = plan_static(batch.topk_ids, 2, first_slot=2 * rank, num_slots_total=4, bad_ids=bad, backend="torch")
-        return {"counts": plan.counts.tolist(), "bad": int(bad)}
+        return {"counts": plan.counts.tolist(), "bad": int(bad), "float_ids": refused}
     finally:
         destroy_parallel()
 
@@ -325,7 +331,9 @@ def test_allgather_transport_keeps_int64_ids_past_int32_out_of_range():
 
     results = launch_local(_allgather_wide_ids, 2, timeout=90)
     # every rank sees both ranks' tokens: slot 0 twice, slot 3 twice, four out-of-range ids
-    assert results == [{"counts": [2, 0], "bad": 4}, {"counts": [0, 2], "bad": 4}], results
+    refused = "topk_ids dtype torch.float32 is not int32 or int64"
+    assert results == [{"counts": [2, 0], "bad": 4, "float_ids": refused},
+                       {"counts": [0, 2], "bad": 4, "float_ids": refused}], results
 
 
 # ---- GPU ----------------------------------------------------------------------------------------

@@ -177,7 +177,10 @@ class ReplicatedTransport(LocalTransport):
 def int32_ids(topk_ids: torch.Tensor) -> torch.Tensor:
     """Expert ids ready to narrow to int32 (the transports' wire type): an int64 id outside int32 is
     clamped to -2 or int32 max, so it stays out of range (skipped and counted), where narrowing
-    would wrap it onto a valid expert (2**32 + 1 -> 1). A device op, no host read."""
+    would wrap it onto a valid expert (2**32 + 1 -> 1). A device op, no host read. Other dtypes
+    are refused: a float id would be truncated onto an expert by the narrowing copy."""
+    if topk_ids.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"topk_ids dtype {topk_ids.dtype} is not int32 or int64")
     if topk_ids.dtype == torch.int64:
         return topk_ids.clamp(-2, torch.iinfo(torch.int32).max)
     return topk_ids
