@@ -577,6 +577,52 @@ def test_registered_transport_joins_the_auto_order_with_its_check(monkeypatch):
         backends.select_backend("fake", size=2, device=torch.device("cpu"))
 
 
+def _transport_input_error_rank(rank: int) -> dict:
+    """A transport whose rows check refuses x (DeepEP's: 16-byte rows) on 2 gloo ranks."""
+    from parallel import ParallelConfig, destroy_parallel, init_parallel
+    from parallel.ep import backends, deepep
+    from parallel.ep.dispatch import DispatchInputError
+
+    class RowChecked(backends.AllToAllBackend):
+        name = "row_checked"
+        input_error = staticmethod(deepep.row_bytes_error)  # DeepEP's check on the all-to-all transport
+
+    backends.register_backend("row_checked", RowChecked, auto=False)
+    groups = init_parallel(ParallelConfig(world_size=2))
+    out: dict = {}
+    try:
+        ids = torch.tensor([[0, 3], [1, -1], [2, 2]])
+        w = torch.full((3, 2), 0.5)
+        d = make_dispatcher(groups.ep, 4, 8, backend="row_checked")
+        try:
+            d.dispatch(torch.ones(3, 8, dtype=torch.bfloat16), ids, w)  # 8 x 2 B = 16 B rows
+            out["refused"] = "no error"
+        except DispatchInputError as exc:
+            out["refused"] = str(exc)
+        # the group is not poisoned: 32-byte rows go through and match the plain transport
+        x = torch.arange(48, dtype=torch.float32).view(3, 16).to(torch.bfloat16) + rank
+        got = make_dispatcher(groups.ep, 4, 16, backend="row_checked").dispatch(x, ids, w)
+        want = make_dispatcher(groups.ep, 4, 16, backend="all_to_all").dispatch(x, ids, w)
+        out["same"] = torch.equal(got.x, want.x) and torch.equal(got.topk_weights, want.topk_weights)
+        return out
+    finally:
+        destroy_parallel()
+
+
+def test_transport_input_error_is_agreed_on_and_poisons_nothing():
+    """A transport's row check (DeepEP's row bytes) runs before the census: every rank raises
+    DispatchInputError together, and the next dispatch works (raised inside the transport's send,
+    it poisoned the group)."""
+    from launch.local import launch_local
+
+    results = launch_local(_transport_input_error_rank, 2, timeout=90)
+    for rank, r in enumerate(results):
+        assert r["same"] is True, r
+        assert r["refused"].startswith(f"[rank {rank}] EP dispatch: DeepEP's intranode dispatch needs rows of a "
+                                       "multiple of 32 bytes"), r
+        assert "hidden 8 x 2 B (torch.bfloat16) = 16 B" in r["refused"], r
+
+
 def test_multirank_dispatch_combine_gradients_and_errors_2_and_4_ranks():
     from launch.local import launch_local
 

@@ -305,6 +305,13 @@ class Backend:
     def available(cls) -> bool:
         return True
 
+    @staticmethod
+    def input_error(x: torch.Tensor) -> str | None:
+        """Why this transport cannot move x's rows (a host check on shape and dtype), or None.
+        The dispatcher agrees on it in its census, so every rank raises together and the
+        group stays in step (an error raised inside the transport poisons it)."""
+        return None
+
     def route(self, info: RoutingInfo, census: Census) -> Route:
         raise NotImplementedError
 

@@ -127,11 +127,19 @@ def _deep_ep() -> Any:
 ROW_ALIGN, MAX_ROW_BYTES = 32, 2 * (8192 - 8)
 
 
-def check_row_bytes(x: torch.Tensor) -> None:
+def row_bytes_error(x: torch.Tensor) -> str | None:
+    """Why DeepEP's dispatch cannot take x's rows, or None."""
     nbytes = x.shape[-1] * x.element_size()
     if nbytes % ROW_ALIGN or nbytes > MAX_ROW_BYTES:
-        raise ValueError(f"DeepEP's intranode dispatch needs rows of a multiple of {ROW_ALIGN} bytes and at most "
-                         f"{MAX_ROW_BYTES}; got hidden {x.shape[-1]} x {x.element_size()} B ({x.dtype}) = {nbytes} B")
+        return (f"DeepEP's intranode dispatch needs rows of a multiple of {ROW_ALIGN} bytes and at most "
+                f"{MAX_ROW_BYTES}; got hidden {x.shape[-1]} x {x.element_size()} B ({x.dtype}) = {nbytes} B")
+    return None
+
+
+def check_row_bytes(x: torch.Tensor) -> None:
+    error = row_bytes_error(x)
+    if error is not None:
+        raise ValueError(error)
 
 
 class DeepEPRoute(Route):
@@ -153,7 +161,7 @@ class DeepEPRoute(Route):
             return backends._done([buf.dispatch(p, handle=self.handle)[0] for p in pieces])
         x, ids, weights = pieces[0], pieces[-2].long(), pieces[-1].float()
         scale = pieces[1] if len(pieces) == 4 else None
-        check_row_bytes(x)
+        check_row_bytes(x)  # the dispatcher checked it before its census (DeepEPBackend.input_error)
         per_rank, per_rdma_rank, per_expert, in_rank, _ = buf.get_dispatch_layout(ids, self.num_experts)
         recv_x, recv_ids, recv_w, _, self.handle, _ = buf.dispatch(
             (x, scale) if scale is not None else x, topk_idx=ids, topk_weights=weights,
@@ -186,6 +194,10 @@ class DeepEPBackend(Backend):
         self.config = DeepEPConfig() if config is None else config
         self.check_config(self.config)
         self._buffer: Any = None
+
+    @staticmethod
+    def input_error(x: torch.Tensor) -> str | None:
+        return row_bytes_error(x)
 
     @staticmethod
     def check_config(config: DeepEPConfig) -> None:
