@@ -532,5 +532,8 @@ def _concat_same(results: list[Any]) -> Any:
     if isinstance(first, torch.Tensor):
         return torch.cat(results, dim=0)
     if isinstance(first, (tuple, list)):
-        return type(first)(_concat_same([r[k] for r in results]) for k in range(len(first)))
+        items = [_concat_same([r[k] for r in results]) for k in range(len(first))]
+        if isinstance(first, tuple) and hasattr(first, "_fields"):  # a NamedTuple takes its fields as arguments
+            return type(first)(*items)
+        return type(first)(items)
     raise TypeError(f"micro-batch fn must return a tensor, a tuple/list of tensors, or None; got {type(first).__name__}")

@@ -396,3 +396,19 @@ def test_outputs_of_differing_structure_raise_instead_of_being_dropped():
         runner.run(lambda x: x if get_ubatch().ubatch_id == 0 else None, torch.zeros(4), split=True)
     out = runner.run(lambda x: [x, (x * 2, None)], torch.arange(4.0), split=True)  # same nested structure: kept
     assert torch.equal(out[0], torch.arange(4.0)) and torch.equal(out[1][0], torch.arange(4.0) * 2)
+
+
+def test_named_tuple_outputs_are_concatenated_field_by_field():
+    # A NamedTuple (e.g. model.mhc.MHCPre) was rebuilt from one generator argument: TypeError.
+    from typing import NamedTuple
+
+    class Pair(NamedTuple):
+        a: torch.Tensor
+        b: torch.Tensor | None
+
+    runner = UBatchRunner(3, min_tokens=1)
+    x = torch.randn(7, 2)
+    out = runner.run(lambda t: Pair(ubatch_yield(lambda: t * 2), None), x)
+    assert type(out) is Pair and out.b is None and torch.equal(out.a, x * 2)
+    nested = runner.run(lambda t: [Pair(t, t + 1)], x)
+    assert type(nested[0]) is Pair and torch.equal(nested[0].b, x + 1)
