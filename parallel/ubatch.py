@@ -416,12 +416,15 @@ class UBatchRunner:
                 if self._streams is not None:
                     torch.cuda.set_device(self._streams.device)
                     torch.cuda.set_stream(self._streams.compute)
-                self._barrier.wait()
+                try:
+                    self._barrier.wait()
+                except threading.BrokenBarrierError:  # ours only: one raised by fn is a failure
+                    raise _Aborted() from None
                 self._wait_turn(ctx.ubatch_id)
                 results[ctx.ubatch_id] = fn(*slices, **kwargs)
                 _run_hooks(ctx)
                 switch_to_compute()
-        except (_Aborted, threading.BrokenBarrierError):
+        except _Aborted:
             pass
         except BaseException as exc:  # surfaces in the caller as UBatchError
             self._abort(ctx.ubatch_id, exc)

@@ -412,3 +412,21 @@ def test_named_tuple_outputs_are_concatenated_field_by_field():
     assert type(out) is Pair and out.b is None and torch.equal(out.a, x * 2)
     nested = runner.run(lambda t: [Pair(t, t + 1)], x)
     assert type(nested[0]) is Pair and torch.equal(nested[0].b, x + 1)
+
+
+def test_broken_barrier_error_raised_by_fn_is_a_failure_not_an_abort():
+    # fn's own threading.BrokenBarrierError was taken for the runner's abort and dropped: the
+    # run returned as if micro-batch 1 had succeeded.
+    runner = UBatchRunner(2, min_tokens=1)
+    done = []
+
+    def fn(x):
+        if get_ubatch().ubatch_id == 1:
+            raise threading.BrokenBarrierError("fn's own barrier")
+        done.append(0)
+
+    with pytest.raises(UBatchError, match="micro-batch 1 of 2 failed: BrokenBarrierError") as info:
+        runner.run(fn, torch.zeros(4))
+    assert isinstance(info.value.__cause__, threading.BrokenBarrierError) and done == [0]
+    assert _live_ubatch_threads() == []
+    assert torch.equal(runner.run(lambda x: x + 1, torch.zeros(4)), torch.ones(4))
