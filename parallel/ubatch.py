@@ -183,7 +183,7 @@ def ubatch_yield(recv_hook: Callable[[], Any] | None = None) -> Any:
     if recv_hook is not None:
         ctx._hooks.append(recv_hook)
     ctx._runner._yield_turn(ctx)
-    return _run_hooks(ctx)
+    return _run_hooks(ctx, recv_hook)
 
 
 def register_recv_hook(hook: Callable[[], Any]) -> None:
@@ -251,7 +251,7 @@ def _yield_and_switch(*, to_comm: bool, recv_hook: Callable[[], Any] | None) -> 
         ctx._hooks.append(recv_hook)
     runner._yield_turn(ctx)
     runner._switch(ctx, to_comm=to_comm, event=event)
-    result = _run_hooks(ctx)
+    result = _run_hooks(ctx, recv_hook)
     if runner._streams is not None and not to_comm:
         _record_tensors(result, torch.cuda.current_stream(), depth=2)
     return result
@@ -270,10 +270,15 @@ def _record_tensors(obj: Any, stream: Any, depth: int) -> None:
             _record_tensors(getattr(obj, f.name), stream, depth - 1)
 
 
-def _run_hooks(ctx: UBatchContext) -> Any:
+def _run_hooks(ctx: UBatchContext, recv_hook: Callable[[], Any] | None = None) -> Any:
+    """Run the queued hooks in order; return `recv_hook`'s result (None without one: the results
+    of hooks queued by `register_recv_hook` are not the yield's)."""
     result = None
     while ctx._hooks:
-        result = ctx._hooks.pop(0)()
+        hook = ctx._hooks.pop(0)
+        value = hook()
+        if recv_hook is not None and hook is recv_hook:
+            result = value
     return result
 
 

@@ -430,3 +430,23 @@ def test_broken_barrier_error_raised_by_fn_is_a_failure_not_an_abort():
     assert isinstance(info.value.__cause__, threading.BrokenBarrierError) and done == [0]
     assert _live_ubatch_threads() == []
     assert torch.equal(runner.run(lambda x: x + 1, torch.zeros(4)), torch.ones(4))
+
+
+def test_yield_returns_its_own_hooks_result_not_a_registered_hooks():
+    # Documented: ubatch_yield returns recv_hook()'s result, None without a hook. A hook queued by
+    # register_recv_hook leaked its result into the next bare yield.
+    runner = UBatchRunner(2, min_tokens=1)
+    got = []
+
+    def fn(x):
+        register_recv_hook(lambda: "registered")
+        got.append(ubatch_yield())
+        register_recv_hook(lambda: "registered")
+        got.append(yield_and_switch_to_comm())
+        register_recv_hook(lambda: "registered")
+        got.append(yield_and_switch_to_compute(lambda: "mine"))
+        got.append(ubatch_yield(lambda: None))
+        return x
+
+    runner.run(fn, torch.zeros(4))
+    assert got == [None, None, None, None, "mine", "mine", None, None]
