@@ -62,6 +62,8 @@ class MHCPre(NamedTuple):
 def _num_streams(residual: torch.Tensor) -> tuple[int, int, int]:
     if residual.dim() != 3:
         raise ValueError(f"residual must be [T, M, H], got shape {tuple(residual.shape)}")
+    if residual.shape[1] < 1 or residual.shape[2] < 1:  # no stream or no hidden: NaN coefficients
+        raise ValueError(f"residual [T, M, H] needs M >= 1 streams and H >= 1; got shape {tuple(residual.shape)}")
     return residual.shape[0], residual.shape[1], residual.shape[2]
 
 

@@ -523,3 +523,19 @@ def test_triton_is_deterministic_and_replays_in_a_cuda_graph(fp32_matmul, t):
         torch.cuda.synchronize()
         for a, b in zip(captured, first):
             assert torch.equal(a, b)
+
+
+def test_residual_without_streams_or_hidden_raises_value_error():
+    # H = 0 gave NaN post / comb (the RMS of nothing), M = 0 a reshape error or, on Triton, a
+    # ZeroDivisionError; the broadcast entry already refused both.
+    for shape in ((3, 4, 0), (3, 0, 5), (0, 0, 5)):
+        t, m, h = shape
+        fn, base, scale = torch.zeros((2 + m) * m, m * h), torch.zeros((2 + m) * m), torch.ones(3)
+        with pytest.raises(ValueError, match=rf"M >= 1 streams and H >= 1; got shape \({t}, {m}, {h}\)"):
+            mhc_pre(torch.randn(shape), fn, base, scale)
+        with pytest.raises(ValueError, match="M >= 1 streams"):
+            mhc_head(torch.randn(shape), torch.zeros(m, m * h), torch.zeros(m), torch.ones(1))
+        with pytest.raises(ValueError, match="M >= 1 streams"):
+            mhc_post(torch.randn(t, h), torch.randn(shape), torch.zeros(t, m), torch.zeros(t, m, m))
+    empty = mhc_pre(torch.randn(0, 4, 8), *make_params(4, 8))  # no tokens is fine (an SP shard)
+    assert empty.post.shape == (0, 4)
