@@ -539,3 +539,33 @@ def test_residual_without_streams_or_hidden_raises_value_error():
             mhc_post(torch.randn(t, h), torch.randn(shape), torch.zeros(t, m), torch.zeros(t, m, m))
     empty = mhc_pre(torch.randn(0, 4, 8), *make_params(4, 8))  # no tokens is fine (an SP shard)
     assert empty.post.shape == (0, 4)
+
+
+@pytest.mark.parametrize("t,m,h", [(17, 4, 65), (1, 1, 3), (3, 8, 20)])
+def test_triton_with_distinct_eps_rms_eps_and_iterations_matches_plain_loops_in_interpreter(
+        interpreted_kernels, t, m, h):
+    """The other interpreter tests use eps == rms_eps == 1e-6 and 20 iterations, which hide a swap of
+    the two epsilons or a wrong iteration count in the launchers. Here all three differ, on shapes
+    that are not multiples of the blocks (17 tokens: a second 16-token block of one; H = 65; M = 1
+    and 8), against the float64 loops, with a strided `out` in post and the fused post_pre."""
+    torch.manual_seed(100 + t * m + h)
+    cfg = dict(eps=0.03, rms_eps=0.5)
+    iters = 2
+    residual = torch.randn(t, m, h) * 0.5
+    out = torch.randn(h, t).t()  # [T, H] with H not innermost
+    fn, base, scale = make_params(m, h, seed=t + h)
+    tol = dict(rtol=2e-5, atol=2e-5)
+    want = plain_pre(residual, fn, base, scale, iters=iters, **cfg)
+    for a, b in zip(mhc_pre(residual, fn, base, scale, sinkhorn_iters=iters, backend="triton", **cfg), want):
+        torch.testing.assert_close(a.double(), b, **tol)
+    post, comb = want[1].float(), want[2].float()
+    new_want = plain_post(out, residual, post, comb)
+    torch.testing.assert_close(mhc_post(out, residual, post, comb, backend="triton").double(), new_want, **tol)
+    new, nxt = mhc_post_pre(out, residual, post, comb, fn, base, scale, sinkhorn_iters=iters + 1,
+                            backend="triton", **cfg)
+    torch.testing.assert_close(new.double(), new_want, **tol)
+    for a, b in zip(nxt, plain_pre(new_want.float(), fn, base, scale, iters=iters + 1, **cfg)):
+        torch.testing.assert_close(a.double(), b, **tol)
+    fn_head, base_head, scale_head = torch.randn(m, m * h) * 0.2, torch.randn(m), torch.tensor([0.6])
+    torch.testing.assert_close(mhc_head(residual, fn_head, base_head, scale_head, backend="triton", **cfg).double(),
+                               plain_head(residual, fn_head, base_head, scale_head, **cfg), **tol)
