@@ -107,7 +107,13 @@ class UBatchError(RuntimeError):
     def __init__(self, ubatch_id: int, num_ubatches: int, error: BaseException) -> None:
         super().__init__(f"micro-batch {ubatch_id} of {num_ubatches} failed: {type(error).__name__}: {error}")
         self.ubatch_id = ubatch_id
+        self.num_ubatches = num_ubatches
         self.error = error
+
+    def __reduce__(self):
+        # pickle's default rebuilds an exception from its message alone, which this __init__ refuses
+        # (a UBatchError sent between processes, e.g. by Ray or multiprocessing, failed to load).
+        return (type(self), (self.ubatch_id, self.num_ubatches, self.error))
 
 
 class _Aborted(BaseException):

@@ -450,3 +450,17 @@ def test_yield_returns_its_own_hooks_result_not_a_registered_hooks():
 
     runner.run(fn, torch.zeros(4))
     assert got == [None, None, None, None, "mine", "mine", None, None]
+
+
+def test_ubatch_error_survives_pickling():
+    # Exceptions cross processes pickled (multiprocessing, Ray); the default reduce rebuilt
+    # UBatchError from its message alone and loading raised TypeError.
+    import pickle
+
+    runner = UBatchRunner(2, min_tokens=1)
+    with pytest.raises(UBatchError) as info:
+        runner.run(lambda x: x if get_ubatch().ubatch_id == 0 else 1 / 0, torch.zeros(2))
+    back = pickle.loads(pickle.dumps(info.value))
+    assert type(back) is UBatchError and str(back) == str(info.value) == (
+        "micro-batch 1 of 2 failed: ZeroDivisionError: division by zero")
+    assert (back.ubatch_id, back.num_ubatches, type(back.error)) == (1, 2, ZeroDivisionError)
