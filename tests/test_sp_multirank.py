@@ -468,6 +468,14 @@ def bad_inputs_raise_value_errors_naming_the_values(tp, r, P):
         expect(lambda: matmul_reduce_scatter_fp8(torch.randn(2 * P, 32), torch.randn(32, 16), tp,
                                                  out_dtype=torch.float8_e4m3fn, backend=backend),
                "torch.float8_e4m3fn", "torch.bfloat16")
+    # nor can the plain ops take fp8 operands (no scales): the decomposed reduce-scatter used to fail in
+    # its final sum after every transfer had run, and the all-gather returned saturated unscaled products
+    x8, w8 = torch.randn(2 * P, 4).to(torch.float8_e4m3fn), torch.randn(4, 3).to(torch.float8_e4m3fn)
+    for backend in OURS:
+        expect(lambda: matmul_reduce_scatter(x8, w8, tp, backend=backend), "torch.float8_e4m3fn",
+               "matmul_reduce_scatter_fp8")
+        expect(lambda: all_gather_matmul(x8, [w8], tp, backend=backend), "torch.float8_e4m3fn",
+               "all_gather_matmul_fp8")
 
 
 def empty_inner_dims_keep_the_plain_results_shapes(tp, r, P):

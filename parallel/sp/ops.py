@@ -38,7 +38,7 @@ import torch
 import torch.distributed as dist
 
 from .. import impl
-from ..comm import GroupLike, all_gather_uneven, as_group, reduce_scatter_uneven, resolve_group
+from ..comm import GroupLike, all_gather_uneven, as_group, needs_wire, reduce_scatter_uneven, resolve_group
 from ..groups import Group
 from .ring import RingPeers, pairwise_reduce_scatter, ring_all_gather
 
@@ -122,6 +122,10 @@ def check_matmul_operands(op: str, x: torch.Tensor, weights: Sequence[torch.Tens
         raise ValueError(f"{op}: x must have at least 2 dims [..., K], got shape {tuple(x.shape)}")
     if len(weights) == 0:
         raise ValueError(f"{op}: at least one weight [K, N] is needed")
+    if needs_wire(x.dtype):  # the products (and the reduce-scatter sums) are formed in x's dtype, unscaled
+        raise ValueError(f"{op}: x is {x.dtype}, which cannot hold unscaled products or partial sums; valid "
+                         "dtypes are those of torch.mm, e.g. torch.bfloat16, torch.float16, torch.float32 (fp8 "
+                         "operands go through parallel.sp.fp8: all_gather_matmul_fp8 / matmul_reduce_scatter_fp8)")
     k = x.shape[-1]
     for i, w in enumerate(weights):
         if w.dim() != 2 or w.shape[0] != k:
