@@ -146,7 +146,7 @@ def test_decode_time_times_each_config_variant_and_restores_it(fake_cuda):
     assert len(keys) == len(cp.DECODE_VARIANTS) >= 4
     before = [config[key] for config, key in keys]
     calls: list[tuple] = []
-    cost = {"no_pdl_us": 5.0, "merge_one_round_us": -2.0, "paired_store_us": -1.0, "ids_ahead_us": -0.5}
+    cost = {"no_pdl_us": 5.0, "unpaired_store_us": 1.0, "ids_after_us": 0.5, "ids_ahead_fp8_us": -2.0}
 
     def call():      # 30 µs, and each variant's own change
         state = tuple(config[key] for config, key in keys)
@@ -169,10 +169,10 @@ def test_decode_time_times_each_config_variant_and_restores_it(fake_cuda):
                                       for i in range(len(keys))}            # one option changed at a time
         assert tuple(config[key] for config, key in keys) == base
         # where the CONFIG already has the variant's value, the column is time_us itself (not timed again)
-        triton_merge.CONFIG["one_round"] = 1
+        triton_decode.CONFIG["ids_ahead_direct_fp8"] = 1
         calls.clear()
         us, cols = cp._decode_time(ctx, [call])
-        assert cols["merge_one_round_us"] == us == pytest.approx(28.0) and base not in calls
+        assert cols["ids_ahead_fp8_us"] == us == pytest.approx(28.0) and base not in calls
     finally:
         for (config, key), value in zip(keys, before):
             config[key] = value

@@ -759,7 +759,7 @@ def test_gluon_mla_narrow_swapped_on_gpu(dtype, size, rank, heads, tq, monkeypat
     _check_against_torch(got, ref, 1)
     # the loader's first block ids loaded beside the length (bf16, and over fp8 the direct form where
     # installed): the same result
-    _same_when_flipped(monkeypatch, td, "ids_ahead", lambda: run(cache, table), got)
+    _same_when_flipped(monkeypatch, td, td.ids_ahead_key(fp8), lambda: run(cache, table), got)
     # (over fp8 the direct form's scores as fp8 MMAs round the queries differently)
     torch.testing.assert_close(got.out, padded.out, atol=4e-3 if fp8 else 1e-3, rtol=0)
     torch.testing.assert_close(got.lse, padded.lse, atol=4e-3 if fp8 else 1e-4, rtol=0)
@@ -790,7 +790,7 @@ def test_gluon_mla_narrow_swapped_on_gpu(dtype, size, rank, heads, tq, monkeypat
     bad = table.clone()
     bad[5, 0] = nb + 7
     for ahead in (0, 1):    # (ids_ahead: the id check's loads beside the length, evaluated after the loop)
-        monkeypatch.setitem(td.CONFIG, "ids_ahead", ahead)
+        monkeypatch.setitem(td.CONFIG, td.ids_ahead_key(fp8), ahead)
         _nan_row_5_only(run(cache, bad), got)
     _replays_to(lambda: run(cache, table), got)
 
@@ -1023,7 +1023,7 @@ def test_gluon_gqa_direct_fp8_speculative_tokens_on_gpu(size, rank, interleave, 
         torch.testing.assert_close(got.out, ref.out, atol=2e-2, rtol=0)
         torch.testing.assert_close(got.out, plain.out, atol=4e-3, rtol=0)
         torch.testing.assert_close(got.lse[finite], plain.lse[finite], atol=4e-3, rtol=0)
-        for key in ("paired_store_direct_fp8", "ids_ahead"):    # (the same values, moved otherwise)
+        for key in ("paired_store_direct_fp8", "ids_ahead_direct_fp8"):    # (the same values, moved otherwise)
             _same_when_flipped(monkeypatch, td, key, run, got)
         used.clear()
     _replays_to(run, got)
@@ -1095,14 +1095,14 @@ def test_gluon_gqa_kernel_on_gpu(dtype, size, rank, hq, hkv, monkeypatch):
         torch.testing.assert_close(got.lse, plain.lse, atol=4e-3 if ran_direct else 1e-4, rtol=0)
         # the loader's first block ids loaded beside the length (the bf16 and direct forms), the direct
         # form's paired output stores: when and how the same values move, the same result
-        for flip in ("ids_ahead", "paired_store_direct_fp8") if gluon else ():
+        for flip in (td.ids_ahead_key(fp8), "paired_store_direct_fp8") if gluon else ():
             _same_when_flipped(monkeypatch, td, flip, lambda: run(cache, table), got)
         used.clear()
         direct_used.clear()
     bad = table.clone()
     bad[5, 0] = cache.k.shape[0] + 7
     for ahead in (0, 1):
-        monkeypatch.setitem(td.CONFIG, "ids_ahead", ahead)
+        monkeypatch.setitem(td.CONFIG, td.ids_ahead_key(fp8), ahead)
         _nan_row_5_only(paged_decode_attention(q, cache, bad, seq, layout=layout, scale=0.088, backend="triton",
                                                validate=False), got)
     _replays_to(lambda: run(cache, table), got)
@@ -1112,7 +1112,7 @@ def test_gluon_gqa_kernel_on_gpu(dtype, size, rank, hq, hkv, monkeypatch):
 @pytest.mark.parametrize("kind", ["gqa-bf16", "gqa-fp8", "mla16-bf16", "mla16-fp8"])
 def test_gluon_kernels_check_block_ids_past_a_splits_first_64_pages(kind, monkeypatch):
     """A split longer than 64 pages (one split over 5000 tokens): a bad block id at page 70 makes that
-    sequence's rows NaN, with the check after the loop (installed) and with ids_ahead, whose first 64
+    sequence's rows NaN, with the check after the loop and with ids_ahead, whose first 64
     ids are loaded beside the length and the rest after the loop (`gluon_mla._bad_ids_after`); the
     other sequence exact, and without the bad id both forms the same to the bit."""
     td = _compiled(monkeypatch)
@@ -1145,7 +1145,7 @@ def test_gluon_kernels_check_block_ids_past_a_splits_first_64_pages(kind, monkey
     bad[0, 70] = cache.k.shape[0] + 3
     results = {}
     for ahead in (0, 1):
-        monkeypatch.setitem(td.CONFIG, "ids_ahead", ahead)
+        monkeypatch.setitem(td.CONFIG, td.ids_ahead_key(dtype == torch.float8_e4m3fn), ahead)
         results[ahead] = run(table)
         nan = run(bad)
         assert used, "the Gluon kernel was not launched"

@@ -123,10 +123,8 @@ def test_a_nan_lse_propagates_to_its_row_and_is_not_an_empty_partial():
     assert not bool(nonempty[3].any()) and all((s[3] == 0).all() for s in scales)
 
 
-@pytest.mark.parametrize("one_round", [0, 1])
-def test_a_nan_lse_propagates_in_the_triton_kernels_under_interpreter(monkeypatch, one_round):
+def test_a_nan_lse_propagates_in_the_triton_kernels_under_interpreter(monkeypatch):
     mod = _triton_merge_module(monkeypatch)
-    monkeypatch.setitem(mod.CONFIG, "one_round", one_round)
     outs, lses, want_out, want_lse = _nan_case()
     got = mod.merge_states_triton(outs, lses)                                       # N-way kernel
     _check_nan_case(got.out, got.lse, want_out, want_lse)
@@ -229,13 +227,10 @@ def _edge_case_states(seed: int, n: int, t: int = 6, h: int = 3, d: int = 20):
 
 
 @pytest.mark.parametrize("base", ["e", "2"])
-@pytest.mark.parametrize("one_round", [0, 1])
-def test_triton_merge_matches_torch_under_interpreter(monkeypatch, base, one_round):
-    """Both forms of the N-way kernel (CONFIG one_round: all loads first and one rescaling pass, or
-    two passes) against the torch merge, with NaN, +inf and all-empty rows among the inputs (the
-    garbage outs of empty inputs must not leak), and N up to 5 (the first inputs of a row empty)."""
+def test_triton_merge_matches_torch_under_interpreter(monkeypatch, base):
+    """The N-way kernel against the torch merge, with NaN, +inf and all-empty rows among the inputs
+    (the garbage outs of empty inputs must not leak), and N up to 5 (the first inputs of a row empty)."""
     mod = _triton_merge_module(monkeypatch)
-    monkeypatch.setitem(mod.CONFIG, "one_round", one_round)
     for n in (1, 2, 3, 5):
         outs, lses = _edge_case_states(n, n)
         expect = merge_attn_states(outs, lses, base=base, backend="torch")
@@ -256,38 +251,6 @@ def test_triton_merge_matches_torch_under_interpreter(monkeypatch, base, one_rou
     acc = outs[0].clone()
     merge_two_attn_states(acc, lses[0].clone(), block, lses[1], base=base, backend="triton", out=acc)
     torch.testing.assert_close(acc, expect.out, rtol=0, atol=1e-6, equal_nan=True)
-
-
-def test_one_round_applies_only_to_tiles_that_fit_in_registers(monkeypatch):
-    """CONFIG one_round reaches the N-way kernel where its N inputs' tiles fit (a decode step's split
-    merge), not a large merge's tile, which keeps the two-pass form: the launch is checked, and the
-    result against the torch merge either way."""
-    mod = _triton_merge_module(monkeypatch)
-    monkeypatch.setitem(mod.CONFIG, "one_round", 1)
-    assert mod.one_round_fits(4, 1, 512) and mod.one_round_fits(8, 1, 512)
-    assert not mod.one_round_fits(8, 8, 512) and not mod.one_round_fits(4, 32, 128)
-    monkeypatch.setitem(mod.CONFIG, "one_round", 0)
-    assert not mod.one_round_fits(4, 1, 512)
-    monkeypatch.setitem(mod.CONFIG, "one_round", 1)
-    seen = []
-    real = mod._merge_n_kernel
-
-    class Spy:
-        def __getitem__(self, grid):
-            def launch(*args, **kw):
-                seen.append((kw["BLOCK_R"], kw["ONE_ROUND"]))
-                return real[grid](*args, **kw)
-            return launch
-    monkeypatch.setattr(mod, "_merge_n_kernel", Spy())
-    # (the interpreter keeps the whole tile, 128 rows of 32 dims here: 3 stacked inputs' exceed twice
-    # block_elems, two fit; on the GPU min_programs cuts a decode merge's tile to a row)
-    for n in (3, 2):
-        outs, lses = _edge_case_states(13, n, t=9, h=4, d=24)
-        got = mod.merge_states_triton(outs, lses)
-        expect = merge_attn_states(outs, lses, backend="torch")
-        torch.testing.assert_close(got.out, expect.out, rtol=0, atol=1e-6, equal_nan=True)
-        torch.testing.assert_close(got.lse, expect.lse, rtol=0, atol=1e-6, equal_nan=True)
-    assert seen == [(128, False), (128, True)], seen
 
 
 def test_min_programs_shrinks_only_small_merges_and_keeps_every_bit(monkeypatch):
@@ -317,11 +280,7 @@ def test_min_programs_shrinks_only_small_merges_and_keeps_every_bit(monkeypatch)
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-@pytest.mark.parametrize("one_round", [0, 1])
-def test_triton_merge_matches_torch_on_cuda(dtype, one_round, monkeypatch):
-    from parallel.cp import triton_merge
-
-    monkeypatch.setitem(triton_merge.CONFIG, "one_round", one_round)
+def test_triton_merge_matches_torch_on_cuda(dtype):
     for n, (t, h, d), base in ((2, (1000, 16, 128), "e"), (4, (333, 8, 64), "2"), (3, (64, 5, 96), "e"),
                                (4, (32, 16, 512), "e"), (8, (7, 16, 512), "e")):
         outs, lses = _edge_case_states(n, n, t, h, d)
@@ -340,14 +299,10 @@ def test_triton_merge_matches_torch_on_cuda(dtype, one_round, monkeypatch):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("one_round", [0, 1])
-def test_n_way_merge_of_inputs_past_2_to_the_31_elements_on_cuda(one_round, monkeypatch):
+def test_n_way_merge_of_inputs_past_2_to_the_31_elements_on_cuda():
     """Five stacked inputs of 2^29 elements each (bf16 [131072, 32, 128]): input i starts i x 2^29
     elements in, past 2^31 from i = 4, while the stride itself fits in 32 bits (the kernel widens it
     before the product). Rows at both ends checked against the torch merge."""
-    from parallel.cp import triton_merge
-
-    monkeypatch.setitem(triton_merge.CONFIG, "one_round", one_round)
     n, t, h, d = 5, 131072, 32, 128
     gen = torch.Generator(device="cuda").manual_seed(3)
     outs = torch.randn(n, t, h, d, device="cuda", dtype=torch.bfloat16, generator=gen)

@@ -181,10 +181,10 @@ def _loader_loads_before_its_first_branch(cubin: Path, regs: int = 24) -> int:
 @pytest.mark.parametrize("kernel,loader_regs,ids", [("mlan-fp8-16-direct5s", 24, 4), ("gqa-fp8-direct10-8", 24, 4),
                                                     ("gqa-bf16", 64, 1), ("mlan-bf16-16", 64, 1)])
 def test_loaders_load_their_first_ids_beside_the_length(kernel, loader_regs, ids, tmp_path):
-    """CONFIG ids_ahead: the loader of a Gluon decode kernel (GQA over bf16, MLA's narrow tiles over
-    bf16, both direct fp8 kernels) issues its first block ids' loads (the direct kernels' four, the
-    others' one) beside the sequence length's, before the branch on the split's
-    tiles, where the installed form issues them after that branch, which waits for the length: one
+    """CONFIG ids_ahead (on: GQA over bf16, MLA's narrow tiles over bf16) / ids_ahead_direct_fp8 (off:
+    both direct fp8 kernels): the loader of a Gluon decode kernel issues its first block ids' loads (the
+    direct kernels' four, the others' one) beside the sequence length's, before the branch on the
+    split's tiles, where the form without it issues them after that branch, which waits for the length: one
     memory round trip fewer before the first TMA. The same registers, spills and shared memory."""
     plain = _built(f"{kernel}-pdl", tmp_path / "plain.cubin")
     ahead = _built(f"{kernel}-ahead-pdl", tmp_path / "ahead.cubin")

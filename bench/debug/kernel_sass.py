@@ -39,15 +39,11 @@ MERGE = {  # label -> (kernel, pointer dtypes, constexprs); unit strides and 16-
     "_merge_n_kernel N=4 fp32 pdl": ("_merge_n_kernel", dict(x_ptr="*fp32", y_ptr="*fp32", lx_ptr="*fp32", ly_ptr="*fp32"),
                                      dict(N=4, D=128, BLOCK_R=32, BLOCK_D=128, BASE2=False, sx_d=1, sy_d=1, PDL=True)),
     # a decode step's split merge (MLA: 4 splits of fp32 partials over the 512 latent dims, one row a
-    # program, launched with PDL): the two-pass form and the one-round form (CONFIG one_round)
+    # program, launched with PDL)
     "_merge_n_kernel N=4 D=512 split merge": ("_merge_n_kernel", dict(x_ptr="*fp32", y_ptr="*fp32", lx_ptr="*fp32",
                                                                      ly_ptr="*fp32"),
                                               dict(N=4, D=512, BLOCK_R=1, BLOCK_D=512, BASE2=False, sx_d=1, sy_d=1,
                                                    PDL=True)),
-    "_merge_n_kernel N=4 D=512 split merge one round": ("_merge_n_kernel", dict(x_ptr="*fp32", y_ptr="*fp32",
-                                                                               lx_ptr="*fp32", ly_ptr="*fp32"),
-                                                        dict(N=4, D=512, BLOCK_R=1, BLOCK_D=512, BASE2=False, sx_d=1,
-                                                             sy_d=1, PDL=True, ONE_ROUND=True)),
     "_merge_pair_kernel fp32 acc + bf16": ("_merge_pair_kernel",
                                            dict(a_ptr="*fp32", b_ptr="*bf16", y_ptr="*fp32", la_ptr="*fp32",
                                                 lb_ptr="*fp32", ly_ptr="*fp32"),

@@ -249,9 +249,9 @@ def _dcp_breakdown(ctx: BenchContext) -> None:
 # 1/4 of 8K / 32K / 128K: 42.1 / 131.0 / 490.7 -> 45.0 / 143.5 / 544.8 µs; docs/performance.md):
 # removed after commit be81291
 DECODE_VARIANTS = {"no_pdl_us": ("triton_decode", {"pdl": 0}),
-                   "merge_one_round_us": ("triton_merge", {"one_round": 1}),
-                   "paired_store_us": ("triton_decode", {"paired_store_direct_fp8": 1}),
-                   "ids_ahead_us": ("triton_decode", {"ids_ahead": 1})}
+                   "unpaired_store_us": ("triton_decode", {"paired_store_direct_fp8": 0}),
+                   "ids_after_us": ("triton_decode", {"ids_ahead": 0}),
+                   "ids_ahead_fp8_us": ("triton_decode", {"ids_ahead_direct_fp8": 1})}
 """Columns timing a decode call again with one CONFIG option of a module of parallel.cp changed."""
 
 
@@ -261,10 +261,11 @@ def _decode_time(ctx: BenchContext, fns) -> tuple[float, dict]:
     in turn): (µs, the extra columns timing, replay_us (one call per graph replay, the host's
     launch of the replay included), input_sets, eager_us (the call launched from Python) and, per
     DECODE_VARIANTS, the same with one CONFIG option changed: no_pdl_us without programmatic
-    dependent launch, merge_one_round_us with the split merge's one-round loads
-    (`triton_merge.CONFIG`), paired_store_us / ids_ahead_us with the direct fp8 kernels' paired output
-    stores / first block ids loaded beside the length (where the CONFIG has the changed value
-    already, time_us itself; where the option does not reach the call, time_us up to the spread))."""
+    dependent launch, unpaired_store_us with the direct fp8 kernels' output stored a dim at a time
+    (CONFIG paired_store_direct_fp8 0), ids_after_us with the bf16 Gluon kernels' first block ids
+    loaded after the length (ids_ahead 0), ids_ahead_fp8_us with the direct fp8 kernels' loaded
+    beside it (ids_ahead_direct_fp8 1) (where the CONFIG has the changed value already, time_us
+    itself; where the option does not reach the call, time_us up to the spread))."""
     import importlib
 
     us, cols = step_time(ctx, fns)

@@ -696,8 +696,19 @@ CONFIG = {
     # in GQA's direct scores warpgroup its first two steps' ids beside the length too (their scales'
     # loads then wait for one round trip, not two). Both built and checked on the CPU only (docs/gpu.md
     # sections 26, 28): off until `megapar bench cp` has timed them (columns paired_store_us, ids_ahead_us)
-    "paired_store_direct_fp8": 0,
-    "ids_ahead": 0,
+    # Timed by `megapar bench cp` of 2026-12-05 (bench/results/logs/cp-dcp-h200-2026-12-05-0410-d16f398.md,
+    # columns paired_store_us, ids_ahead_us): the paired stores won over fp8 where the epilogue weighs
+    # (MLA 16 heads at 1/4 of 8K / 32K / 128K: 22.56 / 55.06 / 180.9 µs against 25.36 / 56.69 / 184.1,
+    # over one page 11.78 against 12.17; a speculative step of 2 tokens 78.45 against 82.49) and tied
+    # on GQA (23.43 / 69.14 against 23.55 / 69.25): on. ids_ahead won a little on every bf16 row
+    # (GQA 34.43 / 122.8 / 469.9 against 35.25 / 124.1 / 474.4, over one page 3.88 against 4.10; MLA
+    # 16 heads 27.84 / 78.89 / 273.2 against 28.60 / 79.20 / 273.8) and lost on GQA's direct fp8
+    # kernel (69.25 / 252.0 -> 72.31 / 270.3 at 32K / 128K, the DCP rows likewise) while MLA's narrow
+    # fp8 kernel was mixed (25.36 / 56.69 / 184.1 -> 24.28 / 56.06 / 185.7): on for the bf16 kernels,
+    # off for the direct fp8 ones (ids_ahead_direct_fp8, column ids_ahead_fp8_us; `ids_ahead_key`)
+    "paired_store_direct_fp8": 1,
+    "ids_ahead": 1,
+    "ids_ahead_direct_fp8": 0,
     # over fp8: a TMA ring of this many raw fp8 tiles in front of the Gluon kernel's converter (0:
     # the converter loads 64-key tiles itself into two fp16 stages; Nsight Compute had put the
     # kernel's bound in those loads, docs/gpu.md section 18). With 64-key tiles and one fp16 stage:
@@ -1095,6 +1106,12 @@ def plan_splits(capacity: int, programs: int, block_n: int, min_split: int, at_m
     return -(-capacity // split_len), split_len
 
 
+def ids_ahead_key(fp8: bool) -> str:
+    """The CONFIG entry that sets ids_ahead for the Gluon kernels over this cache dtype (over fp8 they
+    are the direct kernels; the two were timed apart and differ)."""
+    return "ids_ahead_direct_fp8" if fp8 else "ids_ahead"
+
+
 def _narrow(rows: int) -> bool:
     """MLA's query-head tile is not full (e.g. 16 heads: TP 8): `rows` query rows per kv head."""
     return rows < CONFIG["block_m_wide"]
@@ -1199,7 +1216,7 @@ def paged_decode_triton(q: Tensor, k: Tensor, v: Tensor, k_scale: Tensor | None,
     ks_st = ks.stride() if fp8 else (0, 0, 0)
     vs_st = vs.stride() if fp8 else (0, 0, 0)
     table = block_table if block_table.stride(-1) == 1 else block_table.contiguous()
-    direct_opts = {"paired": bool(CONFIG["paired_store_direct_fp8"]), "ahead": bool(CONFIG["ids_ahead"])}
+    direct_opts = {"paired": bool(CONFIG["paired_store_direct_fp8"]), "ahead": bool(CONFIG[ids_ahead_key(fp8)])}
     if s > 0 and splits > 0 and swapped:
         gluon_mla_narrow.launch(q, k, table, seq_lens, o, lse, scale * _LOG2E, splits, split_len, dcp_size, dcp_rank,
                                 interleave, k_scale if fp8 else None, raw=narrow_raw, pdl=pdl,

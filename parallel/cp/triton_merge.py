@@ -110,7 +110,7 @@ def _merge_n_kernel(
     sx_n, sx_m, sx_h, sx_d, slx_n, slx_m, slx_h,
     sy_m, sy_h, sy_d, sly_m, sly_h,
     N: tl.constexpr, D: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr, BASE2: tl.constexpr,
-    PDL: tl.constexpr = False, ONE_ROUND: tl.constexpr = False,
+    PDL: tl.constexpr = False,
 ):
     if PDL:   # launched early (programmatic dependent launch): wait for the kernel before, first
         gdc_wait()
@@ -123,38 +123,6 @@ def _merge_n_kernel(
     # prefill inputs of 2^29 elements would wrap at i = 4)
     sx_n64 = tl.cast(sx_n, tl.int64)
     slx_n64 = tl.cast(slx_n, tl.int64)
-    if ONE_ROUND:
-        # every input's loads first, then one pass with the weights rescaled as a larger lse comes
-        # (online softmax over the N inputs): the N outs' loads leave together with the lse's (one
-        # memory round trip a program; the two-pass form below issues later outs' loads after the
-        # exponentials that wait on the lse: two)
-        d = tl.arange(0, BLOCK_D)
-        mask2 = rmask[:, None] & (d[None, :] < D)
-        x_off = m_idx[:, None] * sx_m + h_idx[:, None] * sx_h + d[None, :] * sx_d
-        lses = ()
-        outs = ()
-        for i in tl.static_range(N):
-            # (volatile: ptxas keeps volatile loads in program order, all before the math; plain
-            # loads it sinks each to its use, after the exponentials that wait on the lse)
-            lses = lses + (tl.load(lx_ptr + i * slx_n64 + lse_off, mask=rmask, other=float("-inf"), volatile=True),)
-            outs = outs + (tl.load(x_ptr + i * sx_n64 + x_off, mask=mask2, other=0.0, volatile=True),)
-        mx = tl.full([BLOCK_R], float("-inf"), tl.float32)
-        total = tl.full([BLOCK_R], 0.0, tl.float32)
-        acc = tl.full([BLOCK_R, BLOCK_D], 0.0, tl.float32)
-        for i in tl.static_range(N):
-            li = _clean_lse(lses[i].to(tl.float32))
-            new = tl.maximum(mx, li, propagate_nan=tl.PropagateNan.ALL)
-            ref = tl.where(new == float("-inf"), 0.0, new)
-            alpha = _pow(mx - ref, BASE2)              # 0 while every input so far is empty
-            wi = _pow(li - ref, BASE2)
-            acc = acc * alpha[:, None] + tl.where(wi[:, None] > 0, outs[i].to(tl.float32), 0.0) * wi[:, None]
-            total = total * alpha + wi
-            mx = new
-        mx = tl.where(mx == float("-inf"), 0.0, mx)
-        acc = acc / tl.where(total > 0, total, 1.0)[:, None]
-        _store_merged(y_ptr, ly_ptr, m_idx, h_idx, d, rmask, mask2, acc, mx, total, sy_m, sy_h, sy_d, sly_m, sly_h,
-                      BASE2)
-        return
     # pass 1 (LSE vectors only): max, then the sum of weights
     mx = tl.full([BLOCK_R], float("-inf"), tl.float32)
     for i in tl.static_range(N):
@@ -185,7 +153,7 @@ def _rows(x: Tensor, width: int) -> Tensor:
     return x.reshape((-1,) + tuple(x.shape[x.dim() - width:]))
 
 
-CONFIG = {"block_elems": 4096, "num_warps": 4, "min_programs": 528, "one_round": 0}
+CONFIG = {"block_elems": 4096, "num_warps": 4, "min_programs": 528}
 """Tile of one program (rows x padded head dim, in elements) and its warps; `megapar bench merge`
 sweeps both on the GPU. min_programs: fewer rows a program (down to 1) until the grid has at least
 this many programs (0: the tile as given). A decode step's split merge has few rows (B x Hq: 1024
@@ -194,20 +162,11 @@ bench/debug/decode_merge.py, H200, B 32, 1/4 of 8K / 32K; bench/results/logs/dec
 0 -> 528: GQA bf16 41.7 -> 39.3 / 132.7 -> 130.4 µs, fp8 40.6 -> 38.5 / 120.1 -> 117.1; MLA 16
 heads bf16 42.9 -> 34.2 / 101.9 -> 94.0, fp8 46.9 -> 40.4 / 129.4 -> 122.3; MLA 128 heads 86.1
 -> 84.8 / 269.4 -> 267.2 (264 and 1056 within 0.3% of it on average). Large merges keep the tile.
-one_round (the N-way kernel): all N inputs' loads issued first (volatile, so that ptxas keeps them
-ahead of the math), then one pass with the weights rescaled as a larger lse comes: one memory round
-trip a program. The two-pass form's SASS (sm_90, N = 4, D = 512, one row a program) issues the outs
-of inputs 1..3 after the exponentials, which wait on the lse loads: two round trips. Same results up
-to fp32 rounding (the rescaling order). Only where the N inputs' tiles fit (`one_round_fits`):
-large merges keep the two-pass form. Off until timed on the GPU: `megapar bench cp` times every
-decode row with it too (column merge_one_round_us)."""
-
-
-def one_round_fits(n: int, block_r: int, block_d: int) -> bool:
-    """CONFIG one_round applies to an N-way merge of this tile: its N inputs' tiles, all held at
-    once, within twice block_elems (a decode step's split merge: 4 x 1 x 512; a large merge's 8 x 8
-    x 512 would take 256 registers a thread and spill: those keep the two-pass form)."""
-    return bool(CONFIG["one_round"]) and n * block_r * block_d <= 2 * CONFIG["block_elems"]
+Measured and removed: a one-round form of the N-way kernel (every input's loads issued first, one
+rescaling pass; one memory round trip a program where the two-pass form's SASS has two). In `megapar
+bench cp` of 2026-12-05 (bench/results/logs/cp-dcp-h200-2026-12-05-0410-d16f398.md, column
+merge_one_round_us) it lost where the merge weighs most, MLA 16 heads at 1/4 of 8K / 32K: 29.96 /
+80.71 µs against 28.60 / 79.20 (over one page 11.26 against 10.09), and tied elsewhere."""
 
 
 def _launch_config(D: int, rows: int = 0, min_programs: int = 0) -> tuple[int, int, int]:
@@ -269,8 +228,8 @@ def merge_states_triton(outs: Tensor | Sequence[Tensor], lses: Tensor | Sequence
         _merge_n_kernel[grid](
             x, lx, y_k, ly_k, M, H,
             *x.stride(), *lx.stride(), *y_k.stride(), *ly_k.stride(),
-            N=n, D=D, BLOCK_R=block_r, BLOCK_D=block_d, BASE2=(base == "2"), PDL=pdl,
-            ONE_ROUND=one_round_fits(n, block_r, block_d), num_warps=num_warps, **({"launch_pdl": True} if pdl else {}))
+            N=n, D=D, BLOCK_R=block_r, BLOCK_D=block_d, BASE2=(base == "2"), PDL=pdl, num_warps=num_warps,
+            **({"launch_pdl": True} if pdl else {}))
     if y_rows is None:
         y.copy_(y_k.view(shape))
     if ly_rows is None:
