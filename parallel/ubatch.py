@@ -62,7 +62,9 @@ which unwinds; the caller gets `UBatchError` (with `.ubatch_id`, the original ex
 micro-batches stopped at arbitrary points, so collectives they left in flight are out of step
 with the peers' (whose micro-batches did not stop): before raising, the runner calls the
 listeners registered with `add_failure_listener` (the EP dispatcher poisons its communication
-there, so that its next use raises rather than pairing with the peers' old collectives).
+there, so that its next use raises rather than pairing with the peers' old collectives). An
+exception in the calling thread while it waits (KeyboardInterrupt) stops the micro-batches the
+same way at their next yield; the listeners get that exception, and it propagates unchanged.
 
 Outputs: every micro-batch must return the same structure (a tensor, or a tuple/list of the same
 length and kinds, or None); a mismatch raises ValueError naming both.
@@ -150,10 +152,19 @@ _failure_listeners: list[Callable[[BaseException], None]] = []
 
 def add_failure_listener(listener: Callable[[BaseException], None]) -> None:
     """Call `listener(ubatch_error)` whenever a split run fails, before the caller sees the
-    `UBatchError` (on the caller's thread, after every micro-batch thread ended). For layers that
-    keep collective state across calls; a listener that raises is ignored."""
+    `UBatchError` (on the caller's thread, after every micro-batch thread ended); when the caller
+    itself is interrupted while it waits (e.g. KeyboardInterrupt), `listener(that exception)`.
+    For layers that keep collective state across calls; a listener that raises is ignored."""
     if listener not in _failure_listeners:
         _failure_listeners.append(listener)
+
+
+def _notify_failure(error: BaseException) -> None:
+    for listener in list(_failure_listeners):
+        try:
+            listener(error)
+        except Exception:  # noqa: BLE001 - the error is what the caller must see
+            pass
 
 
 def get_optional_ubatch() -> UBatchContext | None:
@@ -399,21 +410,31 @@ class UBatchRunner:
             self._barrier.wait()  # every micro-batch is done
         except threading.BrokenBarrierError:
             pass
-        for t in threads:
-            t.join()
+        except BaseException as interrupt:
+            # The caller was interrupted while it waited (KeyboardInterrupt, a signal handler): stop
+            # the micro-batches at their next yield as after a failure, so that none runs on or stays
+            # parked at the barrier (where it would count as a party of the next run).
+            with self._cond:
+                self._aborted = True
+                self._cond.notify_all()
+            self._barrier.abort()
+            self._end(threads)
+            _notify_failure(interrupt)
+            raise
+        self._end(threads)
         error = self._error
-        self._barrier.reset()
-        self._streams = None
         if error is not None:
             ubatch_id, exc = error
             failure = UBatchError(ubatch_id, n, exc)
-            for listener in list(_failure_listeners):
-                try:
-                    listener(failure)
-                except Exception:  # noqa: BLE001 - the UBatchError is what the caller must see
-                    pass
+            _notify_failure(failure)
             raise failure from exc
         return _concat(results)
+
+    def _end(self, threads: list[threading.Thread]) -> None:
+        for t in threads:
+            t.join()
+        self._barrier.reset()
+        self._streams = None
 
     def _worker(self, ctx: UBatchContext, fn: Callable[..., Any], slices: tuple[torch.Tensor, ...],
                 kwargs: dict[str, Any], results: list[Any], modes: dict[str, Any]) -> None:

@@ -464,3 +464,51 @@ def test_ubatch_error_survives_pickling():
     assert type(back) is UBatchError and str(back) == str(info.value) == (
         "micro-batch 1 of 2 failed: ZeroDivisionError: division by zero")
     assert (back.ubatch_id, back.num_ubatches, type(back.error)) == (1, 2, ZeroDivisionError)
+
+
+def test_interrupted_caller_stops_the_ubatches_and_leaves_the_runner_usable(monkeypatch):
+    # An exception raised in the calling thread while it waits (KeyboardInterrupt, a signal handler)
+    # left the micro-batch threads running and then parked at the runner's barrier, where they
+    # counted as parties of the next run. Now they stop at their next yield, as after a failure.
+    import os
+    import signal
+
+    import parallel.ubatch as ubatch_module
+
+    class Interrupt(Exception):
+        pass
+
+    def raise_interrupt(signum, frame):
+        raise Interrupt()
+
+    heard: list[BaseException] = []
+    monkeypatch.setattr(ubatch_module, "_failure_listeners", [heard.append])
+    runner = UBatchRunner(2, min_tokens=1)
+    reached: list[int] = []
+
+    def fn(x):
+        me = get_ubatch().ubatch_id
+        if me == 0:
+            time.sleep(0.3)  # the caller is interrupted meanwhile
+        reached.append(me)
+        ubatch_yield()
+        reached.append(me)
+        return x
+
+    previous = signal.signal(signal.SIGUSR1, raise_interrupt)
+    timer = threading.Timer(0.05, os.kill, (os.getpid(), signal.SIGUSR1))
+    try:
+        timer.start()
+        with pytest.raises(Interrupt):
+            runner.run(fn, torch.zeros(4))
+    finally:
+        timer.cancel()
+        signal.signal(signal.SIGUSR1, previous)
+    assert _live_ubatch_threads() == [] and reached == [0]  # micro-batch 1 never got the turn
+    assert len(heard) == 1 and isinstance(heard[0], Interrupt)  # out-of-step collectives: listeners hear
+    out: list[torch.Tensor] = []
+    again = threading.Thread(target=lambda: out.append(runner.run(lambda x: ubatch_yield(lambda: x + 1),
+                                                                  torch.zeros(4))), daemon=True)
+    again.start()
+    again.join(10)  # a hang (stale threads at the barrier) fails here instead of blocking the suite
+    assert out and torch.equal(out[0], torch.ones(4))
