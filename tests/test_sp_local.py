@@ -250,9 +250,21 @@ def test_fp8_bad_scales_output_dtype_and_gather_dim_raise_value_errors():
         matmul_reduce_scatter_fp8(x, qw, None, out_dtype=torch.float8_e4m3fn)
     with pytest.raises(ValueError, match=r"out_dtype torch.int32"):
         matmul_reduce_scatter_fp8(x, qw, None, out_dtype=torch.int32)
+    # nor can the products of the all-gather variant be truncated to integers (they were, silently)
+    with pytest.raises(ValueError, match=r"all_gather_matmul_fp8: out_dtype torch.int32 .*valid: torch.bfloat16"):
+        all_gather_matmul_fp8(x, [qw], None, out_dtype=torch.int32)
+    with pytest.raises(ValueError, match=r"all_gather_matmul_fp8: out_dtype torch.float8_e4m3fn"):
+        all_gather_matmul_fp8(x, [qw], None, out_dtype=torch.float8_e4m3fn)
     # per-token scales cannot be gathered along K
     with pytest.raises(ValueError, match=r"gather_dim \(-1\) out of range"):
         all_gather_fp8(quantize_fp8_per_token(x), None, gather_dim=-1)
+    # all_gather_fp8 checks its activations like the matmuls do: a scale per token [m] instead of [m, 1]
+    # was gathered as given (and broadcast over K by dequantize), float data was gathered as float
+    q = quantize_fp8_per_token(x)
+    with pytest.raises(ValueError, match=r"all_gather_fp8: .*got torch.float8_e4m3fn \(4, 32\) and scales \(4,\)"):
+        all_gather_fp8(Fp8Activation(q.data, q.scale[:, 0]), None)
+    with pytest.raises(ValueError, match=r"all_gather_fp8: activations must be torch.float8_e4m3fn .*got torch.float32"):
+        all_gather_fp8(Fp8Activation(x, q.scale), None)
     # the documented forms still run and equal the dequantized product
     torch.testing.assert_close(matmul_reduce_scatter_fp8(x, qw, None, out_dtype=torch.float32),
                                quantize_fp8_per_token(x).dequantize() @ qw.dequantize(), rtol=1e-5, atol=1e-5)

@@ -20,7 +20,9 @@ from parallel import ParallelConfig, destroy_parallel, init_parallel
 from parallel.sp import (
     FP8_REL_TOL,
     ColumnParallelLinear,
+    Fp8Activation,
     RowParallelLinear,
+    all_gather_fp8,
     all_gather_matmul,
     all_gather_matmul_fp8,
     matmul_reduce_scatter,
@@ -476,6 +478,12 @@ def bad_inputs_raise_value_errors_naming_the_values(tp, r, P):
                "matmul_reduce_scatter_fp8")
         expect(lambda: all_gather_matmul(x8, [w8], tp, backend=backend), "torch.float8_e4m3fn",
                "all_gather_matmul_fp8")
+        expect(lambda: all_gather_matmul_fp8(torch.randn(2, 32), [torch.randn(32, 16)], tp, out_dtype=torch.int32,
+                                             backend=backend), "out_dtype torch.int32", "torch.bfloat16")
+    # a per-token scale of shape [m] (not [m, 1]) was gathered into a scale that dequantize broadcast
+    # over K: with m = 2, K = 2 * P the gathered [2P, 2P] values came out silently wrong
+    q = quantize_fp8_per_token(torch.randn(2, 2 * P))
+    expect(lambda: all_gather_fp8(Fp8Activation(q.data, q.scale[:, 0]), tp), "scales (2,)", "[..., 1]")
 
 
 def empty_inner_dims_keep_the_plain_results_shapes(tp, r, P):

@@ -158,10 +158,20 @@ def scaled_matmul(a: Fp8Activation, w: Fp8Weight, out_dtype: torch.dtype = torch
     return out.copy_(res)
 
 
-def _check_fp8_operands(op: str, a: Fp8Activation, weights: Sequence[Fp8Weight]) -> None:
+def _check_fp8_activation(op: str, a: Fp8Activation) -> None:
     if a.data.dtype != FP8_DTYPE or a.scale.shape != a.data.shape[:-1] + (1,):
         raise ValueError(f"{op}: activations must be {FP8_DTYPE} [..., K] with fp32 scales [..., 1], got "
                          f"{a.data.dtype} {tuple(a.data.shape)} and scales {tuple(a.scale.shape)}")
+
+
+def _check_out_dtype(op: str, out_dtype: torch.dtype, what: str) -> None:
+    if not out_dtype.is_floating_point or out_dtype.itemsize < 2:
+        raise ValueError(f"{op}: out_dtype {out_dtype} cannot carry {what}; valid: torch.bfloat16, torch.float16, "
+                         "torch.float32, torch.float64 (quantize the result afterwards)")
+
+
+def _check_fp8_operands(op: str, a: Fp8Activation, weights: Sequence[Fp8Weight]) -> None:
+    _check_fp8_activation(op, a)
     if a.data.dim() < 2:
         raise ValueError(f"{op}: x must have at least 2 dims [..., K], got shape {tuple(a.data.shape)}")
     if len(weights) == 0:
@@ -205,6 +215,7 @@ def all_gather_fp8(q_shard: Fp8Activation, group: GroupLike, *, gather_dim: int 
     """Gather fp8 token shards (data as uint8 on the wire, scales as fp32): [.., m, ..] -> [.., P * m, ..]."""
     group = as_group(group)  # resolved once here; the internals take the Group
     size = group.size
+    _check_fp8_activation("all_gather_fp8", q_shard)  # a mis-shaped scale gathered into a silently wrong one
     gather_dim = check_dim(q_shard.data, gather_dim, "gather_dim")  # not K: the scales are per token
     m = q_shard.data.shape[gather_dim]
     data = all_gather_uneven(q_shard.data, group, gather_dim, sizes=[m] * size)
@@ -358,6 +369,7 @@ def all_gather_matmul_fp8(x_shard: torch.Tensor | Fp8Activation, weights: Sequen
     is re-gathered in backward unless `return_gathered`). `gathered` carries no gradient.
     """
     group = as_group(group)  # resolved once here; the internals take the Group
+    _check_out_dtype("all_gather_matmul_fp8", out_dtype, "the products (no result scale is applied)")
     weights = list(weights)
     q = _as_fp8(x_shard)
     qws = [_as_fp8_weight(w) for w in weights]
@@ -438,10 +450,7 @@ def matmul_reduce_scatter_fp8(x: torch.Tensor | Fp8Activation, weight: Fp8Weight
     "auto" may use the symmetric-memory op there), grad w = deq(q(x))^T @ all_gather(dy).
     """
     group = as_group(group)  # resolved once here; the internals take the Group
-    if not out_dtype.is_floating_point or out_dtype.itemsize < 2:
-        raise ValueError(f"matmul_reduce_scatter_fp8: out_dtype {out_dtype} cannot carry the partial sums that "
-                         "are reduced over the group; valid: torch.bfloat16, torch.float16, torch.float32, "
-                         "torch.float64 (quantize the result afterwards)")
+    _check_out_dtype("matmul_reduce_scatter_fp8", out_dtype, "the partial sums that are reduced over the group")
     q = _as_fp8(x)
     qw = _as_fp8_weight(weight)
     _check_fp8_operands("matmul_reduce_scatter_fp8", q, [qw])
