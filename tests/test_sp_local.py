@@ -232,6 +232,21 @@ def test_bad_arguments_name_the_values_and_the_choices():
         sp_all_gather(torch.randn(5, 2), None, num_tokens=7)
 
 
+@pytest.mark.parametrize("cls", [ColumnParallelLinear, RowParallelLinear])
+def test_load_full_weight_with_a_bad_bias_changes_nothing(cls):
+    """A mis-shaped bias is refused before the weight is copied (the layer kept the new weight and the old bias)."""
+    g = torch.Generator().manual_seed(23)
+    layer = cls(6, 8, None, bias=True)
+    before = {k: v.clone() for k, v in layer.state_dict().items()}
+    with pytest.raises(ValueError, match=r"full bias has shape \(7,\), expected \[8\]"):
+        layer.load_full_weight(torch.randn(8, 6, generator=g), torch.randn(7, generator=g))
+    for k, v in layer.state_dict().items():
+        assert torch.equal(v, before[k]), k
+    w, b = torch.randn(8, 6, generator=g), torch.randn(8, generator=g)
+    layer.load_full_weight(w, b)
+    assert torch.equal(layer.weight, w) and torch.equal(layer.bias, b)
+
+
 def test_fp8_bad_scales_output_dtype_and_gather_dim_raise_value_errors():
     from parallel.sp import all_gather_fp8
     from parallel.sp.fp8 import Fp8Weight

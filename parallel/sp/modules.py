@@ -82,11 +82,11 @@ class ColumnParallelLinear(nn.Module):
                              f"[{sum(self.parts)}, {self.in_features}] (parts {self.parts})")
         if (bias is None) != (self.bias is None):
             raise ValueError(f"bias given: {bias is not None}, layer has a bias: {self.bias is not None}")
+        if bias is not None and tuple(bias.shape) != (sum(self.parts),):  # checked before anything is copied
+            raise ValueError(f"full bias has shape {tuple(bias.shape)}, expected [{sum(self.parts)}]")
         self.weight.copy_(torch.cat([p.narrow(0, self.tp_rank * n, n)
                                      for p, n in zip(weight.split(self.parts), self.local_parts)]))
         if bias is not None:
-            if tuple(bias.shape) != (sum(self.parts),):
-                raise ValueError(f"full bias has shape {tuple(bias.shape)}, expected [{sum(self.parts)}]")
             self.bias.copy_(torch.cat([p.narrow(0, self.tp_rank * n, n)
                                        for p, n in zip(bias.split(self.parts), self.local_parts)]))
 
@@ -140,10 +140,10 @@ class RowParallelLinear(nn.Module):
                              f"[{self.out_features}, {self.in_features}]")
         if (bias is None) != (self.bias is None):
             raise ValueError(f"bias given: {bias is not None}, layer has a bias: {self.bias is not None}")
+        if bias is not None and tuple(bias.shape) != (self.out_features,):  # checked before anything is copied
+            raise ValueError(f"full bias has shape {tuple(bias.shape)}, expected [{self.out_features}]")
         self.weight.copy_(weight.narrow(1, self.tp_rank * self.local_in, self.local_in))
         if bias is not None:
-            if tuple(bias.shape) != (self.out_features,):
-                raise ValueError(f"full bias has shape {tuple(bias.shape)}, expected [{self.out_features}]")
             self.bias.copy_(bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
