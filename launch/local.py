@@ -61,6 +61,17 @@ def torchrun_env(rank: int, world_size: int, port: int, *, local_world_size: int
             "MASTER_PORT": str(port)}
 
 
+def export_rank_env(env: dict[str, str]) -> None:
+    """Make `env` (torchrun_env's variables) this process's launch environment. TORCHELASTIC_*
+    variables inherited from a torchrun job that started the launching process describe that
+    job, not this one, and are dropped: with TORCHELASTIC_USE_AGENT_STORE=True every rank of the
+    new job connected to the store as a client, none hosted it, and init_process_group waited
+    out its timeout. Variables in `env` itself are kept."""
+    for name in [k for k in os.environ if k.startswith("TORCHELASTIC_")]:
+        del os.environ[name]
+    os.environ.update(env)
+
+
 # ---------------------------------------------------------------------------------------------
 # argument checks (shared with the Ray launcher)
 
@@ -186,7 +197,7 @@ def _die_with_parent(parent_pid: int) -> None:
 def _worker(fn: Callable[..., Any], rank: int, args: tuple, env: dict[str, str], conn: Any,
             parent_pid: int, stack_path: str) -> None:
     _die_with_parent(parent_pid)
-    os.environ.update(env)
+    export_rank_env(env)
     stacks = open(stack_path, "w")   # kept open: faulthandler writes to its descriptor
     faulthandler.enable(stacks)     # fatal signals (segfault, abort)
     if hasattr(signal, "SIGUSR1"):

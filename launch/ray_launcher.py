@@ -17,7 +17,8 @@ from typing import Any, Callable, Literal
 
 from megapar.parallel import ParallelConfig
 
-from .local import RankError, check_timeout, check_world_size, free_port, pick_primary, torchrun_env
+from .local import (RankError, check_timeout, check_world_size, export_rank_env, free_port, pick_primary,
+                    torchrun_env)
 
 
 def _require_ray():
@@ -42,7 +43,7 @@ class _RankWorker:
         return free_port()
 
     def setup(self, env: dict[str, str]) -> None:
-        os.environ.update(env)
+        export_rank_env(env)
 
     def run(self, fn: Callable[..., Any], rank: int, args: tuple, config: ParallelConfig | None,
             backend: str | None) -> Any:

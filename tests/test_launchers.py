@@ -216,6 +216,24 @@ def test_launch_local_timeout_names_the_rank_that_never_reached_the_collective()
     assert _no_stray_ranks() == []
 
 
+def test_launch_local_inside_a_torchrun_job_starts_its_own_rendezvous(monkeypatch):
+    # torchrun exports TORCHELASTIC_USE_AGENT_STORE=True to its workers; a worker that calls
+    # launch_local passed it on, every new rank then connected to the store as a client, none
+    # hosted it, and the job hung until the timeout
+    monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "True")
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "outer-job")
+    t0 = time.monotonic()
+    assert launch_local(_fault, 2, args=("none", -1), timeout=30) == [4.0, 4.0]
+    assert time.monotonic() - t0 < 25
+    # a variable given through env is the caller's choice and reaches the ranks
+    assert launch_local(_torchelastic_env, 1, env={"TORCHELASTIC_RUN_ID": "mine"}, timeout=30) == [(None, "mine")]
+    assert _no_stray_ranks() == []
+
+
+def _torchelastic_env(rank: int) -> tuple:
+    return os.environ.get("TORCHELASTIC_USE_AGENT_STORE"), os.environ.get("TORCHELASTIC_RUN_ID")
+
+
 class _PopenProc:
     """The part of a multiprocessing.Process that the timeout report uses, over a subprocess."""
 
@@ -398,14 +416,16 @@ def _ray_job(rank: int, mode: str):
     t = torch.tensor([float(rank + 1)])
     dist.all_reduce(t, group=g.ep.group)
     return {"rank": rank, "env_rank": int(os.environ["RANK"]), "sum": t.item(), "ep": list(g.ep.ranks),
-            "pid": os.getpid()}
+            "pid": os.getpid(), "agent_store": os.environ.get("TORCHELASTIC_USE_AGENT_STORE")}
 
 
 @pytest.fixture(scope="module")
 def ray_cluster():
     ray = pytest.importorskip("ray")
+    # as under a driver that torchrun started: its agent-store flag reaches every actor (a rank
+    # of the Ray job that kept it waited as a store client for a store nobody hosts)
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False,
-             runtime_env={"env_vars": {"PYTHONPATH": REPO}})
+             runtime_env={"env_vars": {"PYTHONPATH": REPO, "TORCHELASTIC_USE_AGENT_STORE": "True"}})
     yield ray
     ray.shutdown()
 
@@ -417,6 +437,7 @@ def test_launch_on_ray_runs_and_fails_fast(ray_cluster):
     cfg = ParallelConfig(world_size=2)
     res = launch_on_ray(_ray_job, 2, parallel_config=cfg, args=("ok",), timeout=120)
     assert [r["rank"] for r in res] == [0, 1] and [r["env_rank"] for r in res] == [0, 1]
+    assert [r["agent_store"] for r in res] == [None, None]     # the fixture's torchrun flag is not this job's
     assert all(r["sum"] == 3.0 and r["ep"] == [0, 1] for r in res)
 
     for mode, needle in (("raise", "rank one refuses"), ("die", "actor died"), ("hang", "timed out")):
