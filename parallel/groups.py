@@ -184,8 +184,10 @@ def read_launch_env() -> LaunchEnv:
 
 def check_rank_env(env: LaunchEnv) -> None:
     """Refuse a launcher environment that cannot name one rank of a job (WORLD_SIZE < 1, RANK unset
-    in a job of several, RANK outside [0, WORLD_SIZE)), naming the values: such a rank would wait
-    for a rendezvous that never completes."""
+    in a job of several, RANK outside [0, WORLD_SIZE)) or its rendezvous (MASTER_ADDR unset,
+    MASTER_PORT unset or not a port in [1, 65535]), naming the values: such a rank would wait for a
+    rendezvous that never completes (MASTER_PORT=0: rank 0 listened on a random port, the others
+    dialed port 0 until the timeout) or fail with a message that does not say which variable."""
     if env.world_size < 1:
         raise ValueError(f"environment variable WORLD_SIZE must be >= 1, got {env.world_size}")
     if env.world_size > 1 and "RANK" not in os.environ:
@@ -193,6 +195,20 @@ def check_rank_env(env: LaunchEnv) -> None:
                          f"(set RANK, or SLURM_PROCID under Slurm)")
     if not 0 <= env.rank < env.world_size:
         raise ValueError(f"environment variable RANK={env.rank} must be in [0, WORLD_SIZE={env.world_size})")
+    if env.world_size == 1:
+        return   # one process: no rendezvous
+    missing = [name for name in ("MASTER_ADDR", "MASTER_PORT") if not os.environ.get(name)]
+    if missing:
+        raise ValueError(f"WORLD_SIZE={env.world_size} but {' and '.join(missing)} "
+                         f"{'is' if len(missing) == 1 else 'are'} not set: the ranks meet at MASTER_ADDR:MASTER_PORT "
+                         f"(rank 0's host and a free port there; torchrun sets both, a Slurm job script exports them)")
+    raw = os.environ["MASTER_PORT"]
+    try:
+        port = int(raw)
+    except ValueError:
+        port = None
+    if port is None or not 1 <= port <= 65535:
+        raise ValueError(f"environment variable MASTER_PORT={raw!r} must be a port number in [1, 65535]")
 
 
 def set_local_device(env: LaunchEnv) -> None:

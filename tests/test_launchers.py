@@ -73,7 +73,28 @@ def test_megapar_env_lists_backends(capsys):
 
 
 _LAUNCH_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "SLURM_PROCID", "SLURM_NTASKS",
-                "SLURM_LOCALID", "CUDA_VISIBLE_DEVICES", "MEGAPAR_BACKEND")
+                "SLURM_LOCALID", "CUDA_VISIBLE_DEVICES", "MEGAPAR_BACKEND", "MASTER_ADDR", "MASTER_PORT")
+
+
+def _set_launch_env(monkeypatch, env: dict[str, str]) -> None:
+    """Only `env`'s launch variables, over a valid rendezvous address (None in env: unset)."""
+    for k in _LAUNCH_VARS:
+        monkeypatch.delenv(k, raising=False)
+    for k, v in ({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"} | env).items():
+        if v is not None:
+            monkeypatch.setenv(k, v)
+
+
+# MASTER_PORT=0 hung: rank 0 listened on a random port while the others dialed port 0 until the
+# group timeout; 'x' and 70000 failed in torch without naming the variable
+_BAD_RENDEZVOUS = [
+    ({"RANK": "1", "WORLD_SIZE": "2", "MASTER_PORT": "0"}, "MASTER_PORT='0' must be a port number in [1, 65535]"),
+    ({"RANK": "0", "WORLD_SIZE": "2", "MASTER_PORT": "x"}, "MASTER_PORT='x' must be a port number in [1, 65535]"),
+    ({"RANK": "0", "WORLD_SIZE": "2", "MASTER_PORT": "70000"}, "MASTER_PORT='70000' must be a port"),
+    ({"RANK": "1", "WORLD_SIZE": "2", "MASTER_PORT": None}, "WORLD_SIZE=2 but MASTER_PORT is not set"),
+    ({"RANK": "1", "WORLD_SIZE": "2", "MASTER_ADDR": None, "MASTER_PORT": None},
+     "WORLD_SIZE=2 but MASTER_ADDR and MASTER_PORT are not set"),
+]
 
 
 @pytest.mark.parametrize("env, needle", [
@@ -81,6 +102,7 @@ _LAUNCH_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "SLURM_P
     ({"RANK": "-1", "WORLD_SIZE": "2"}, "RANK=-1 must be in [0, WORLD_SIZE=2)"),
     ({"WORLD_SIZE": "2"}, "WORLD_SIZE=2 but RANK is not set"),
     ({"RANK": "0", "WORLD_SIZE": "0"}, "WORLD_SIZE must be >= 1, got 0"),
+    *_BAD_RENDEZVOUS,
 ])
 def test_init_parallel_called_directly_refuses_a_bad_rank_before_any_rendezvous(monkeypatch, env, needle):
     """init_parallel reads the same environment as init_from_env and refuses the same ranks (it
@@ -90,10 +112,7 @@ def test_init_parallel_called_directly_refuses_a_bad_rank_before_any_rendezvous(
     from parallel import init_parallel
     from parallel import groups as groups_mod
 
-    for k in _LAUNCH_VARS:
-        monkeypatch.delenv(k, raising=False)
-    for k, v in env.items():
-        monkeypatch.setenv(k, v)
+    _set_launch_env(monkeypatch, env)
     started = []
     monkeypatch.setattr(dist, "init_process_group", lambda *a, **k: started.append(k))
     with pytest.raises(ValueError) as err:
@@ -116,14 +135,13 @@ def test_init_parallel_called_directly_refuses_a_bad_rank_before_any_rendezvous(
      "LOCAL_RANK=2 but this node has 2 GPU(s)"),
     ({"RANK": "1", "WORLD_SIZE": "4", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2"}, 2, None),   # valid
     ({"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1", "CUDA_VISIBLE_DEVICES": "1"}, 1, None),  # one GPU each
+    *[(env, 0, needle) for env, needle in _BAD_RENDEZVOUS],
+    ({"RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": None, "MASTER_PORT": None}, 0, None),   # one process: no rendezvous
 ])
 def test_init_from_env_refuses_an_inconsistent_environment(monkeypatch, env, gpus, needle):
     import launch.env as launch_env
 
-    for k in _LAUNCH_VARS:
-        monkeypatch.delenv(k, raising=False)
-    for k, v in env.items():
-        monkeypatch.setenv(k, v)
+    _set_launch_env(monkeypatch, env)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: gpus > 0)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: gpus)
     reached = []     # nothing is started here: the checks come first
