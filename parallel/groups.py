@@ -26,7 +26,25 @@ log = get_logger(__name__)
 
 _SLURM = {"RANK": "SLURM_PROCID", "LOCAL_RANK": "SLURM_LOCALID", "WORLD_SIZE": "SLURM_NTASKS"}
 
-DEFAULT_TIMEOUT = _dt.timedelta(seconds=float(os.environ.get("MEGAPAR_PG_TIMEOUT", "300")))
+
+def _env_timeout(default: float = 300.0) -> _dt.timedelta:
+    """MEGAPAR_PG_TIMEOUT seconds (> 0; inf for none), else `default`. Anything else raises,
+    naming it: 0 or a negative value made every rendezvous and collective time out at once
+    ("timed out after 0ms"), a word failed the import with float()'s message."""
+    raw = os.environ.get("MEGAPAR_PG_TIMEOUT")
+    if raw is None:
+        return _dt.timedelta(seconds=default)
+    try:
+        seconds = float(raw)
+    except ValueError:
+        seconds = math.nan
+    if math.isnan(seconds) or seconds <= 0:
+        raise ValueError(f"environment variable MEGAPAR_PG_TIMEOUT={raw!r} must be a number of seconds > 0 "
+                         f"('inf' for none; unset: {default:g})")
+    return _dt.timedelta(seconds=min(seconds, 1e9))  # inf: ~30 years (torch counts ms in int64)
+
+
+DEFAULT_TIMEOUT = _env_timeout()
 
 
 @dataclass(frozen=True)

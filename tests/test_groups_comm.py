@@ -317,6 +317,32 @@ def test_launch_env_reads_torchrun_and_slurm_names(monkeypatch):
         read_launch_env()
 
 
+def test_megapar_pg_timeout_is_checked_naming_the_variable(monkeypatch):
+    # 0 and -5 were taken: every store connect and collective then timed out at once ("timed out
+    # after 0ms", nothing naming the variable); 'abc' failed the import with float()'s message
+    import subprocess
+    import sys
+
+    from parallel.groups import _env_timeout
+
+    needle = "environment variable MEGAPAR_PG_TIMEOUT='{}' must be a number of seconds > 0 ('inf' for none; unset: 300)"
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    proc = subprocess.run([sys.executable, "-c", "import parallel"], capture_output=True, text=True, timeout=120,
+                          env=dict(os.environ, PYTHONPATH=repo, MEGAPAR_PG_TIMEOUT="0"))
+    assert proc.returncode == 1 and proc.stderr.strip().splitlines()[-1] == "ValueError: " + needle.format("0"), \
+        proc.stderr[-2000:]
+    for raw in ("-5", "abc", "nan", ""):
+        monkeypatch.setenv("MEGAPAR_PG_TIMEOUT", raw)
+        with pytest.raises(ValueError) as err:
+            _env_timeout()
+        assert str(err.value) == needle.format(raw)
+    for raw, seconds in (("2.5", 2.5), ("inf", 1e9), ("90", 90.0)):
+        monkeypatch.setenv("MEGAPAR_PG_TIMEOUT", raw)
+        assert _env_timeout() == datetime.timedelta(seconds=seconds)
+    monkeypatch.delenv("MEGAPAR_PG_TIMEOUT")
+    assert _env_timeout() == datetime.timedelta(seconds=300)
+
+
 def test_timeouts_configs_and_sizes_are_checked_naming_the_value(monkeypatch):
     import datetime
 
