@@ -32,10 +32,14 @@ def check_launch_env(env: LaunchEnv, backend: str | None = None) -> None:
         check_rank_env(env)
     if env.local_rank is None:
         return
+    raw = os.environ.get("LOCAL_WORLD_SIZE")
     try:
-        local_world = int(os.environ["LOCAL_WORLD_SIZE"])
-    except (KeyError, ValueError):
-        local_world = None
+        local_world = None if raw is None else int(raw)
+    except ValueError:
+        local_world = 0   # refused below, naming it (it was ignored, and LOCAL_RANK went unchecked)
+    if local_world is not None and not 1 <= local_world <= env.world_size:
+        raise ValueError(f"environment variable LOCAL_WORLD_SIZE={raw!r} must be an int in "
+                         f"[1, WORLD_SIZE={env.world_size}] (the processes on this node)")
     if env.local_rank < 0 or (local_world is not None and env.local_rank >= local_world):
         bound = f"in [0, LOCAL_WORLD_SIZE={local_world})" if local_world is not None else ">= 0"
         raise ValueError(f"environment variable LOCAL_RANK={env.local_rank} must be {bound}")

@@ -130,6 +130,14 @@ def test_init_parallel_called_directly_refuses_a_bad_rank_before_any_rendezvous(
     ({"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "2", "LOCAL_WORLD_SIZE": "2"}, 0,
      "LOCAL_RANK=2 must be in [0, LOCAL_WORLD_SIZE=2)"),
     ({"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "-1"}, 0, "LOCAL_RANK=-1 must be >= 0"),
+    # a LOCAL_WORLD_SIZE that is not a count of this job's processes was ignored (and with it the
+    # bound on LOCAL_RANK)
+    ({"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "5", "LOCAL_WORLD_SIZE": "two"}, 0,
+     "LOCAL_WORLD_SIZE='two' must be an int in [1, WORLD_SIZE=2]"),
+    ({"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "8"}, 0,
+     "LOCAL_WORLD_SIZE='8' must be an int in [1, WORLD_SIZE=2]"),
+    ({"RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "0"}, 0,
+     "LOCAL_WORLD_SIZE='0' must be an int in [1, WORLD_SIZE=2]"),
     # 4 ranks on a 2-GPU node: LOCAL_RANK 2 went silently to GPU 0 (modulo), rank 0's GPU
     ({"RANK": "2", "WORLD_SIZE": "4", "LOCAL_RANK": "2", "LOCAL_WORLD_SIZE": "4"}, 2,
      "LOCAL_RANK=2 but this node has 2 GPU(s)"),
