@@ -240,6 +240,23 @@ def default_backend() -> str:
     return "nccl" if torch.cuda.is_available() and dist.is_nccl_available() else "gloo"
 
 
+def resolve_backend(backend: str | None = None) -> str:
+    """`backend`, else MEGAPAR_BACKEND, else `default_backend()`, as torch names it ("gloo" /
+    "nccl", lower case); anything else raises ValueError naming where it came from. ("NCCL" was
+    kept as given: the GPU of LOCAL_RANK was not selected and the start-up probe ran on a CPU
+    tensor, both keyed on "nccl"; a typo failed only after the rendezvous.)"""
+    if backend is not None:
+        where, value = "backend", backend
+    elif os.environ.get("MEGAPAR_BACKEND"):
+        where, value = "environment variable MEGAPAR_BACKEND", os.environ["MEGAPAR_BACKEND"]
+    else:
+        return default_backend()
+    name = value.lower() if isinstance(value, str) else value
+    if name not in ("gloo", "nccl"):
+        raise ValueError(f"{where} must be 'gloo' or 'nccl', got {value!r}")
+    return name
+
+
 def _probe_device(backend: str) -> torch.device:
     if backend == "nccl":
         return torch.device("cuda", torch.cuda.current_device())
@@ -269,7 +286,7 @@ def init_parallel(cfg: ParallelConfig | None = None, *, backend: str | None = No
         env = read_launch_env()
         check_rank_env(env)
         world_size, rank = env.world_size, env.rank
-        backend = backend or os.environ.get("MEGAPAR_BACKEND") or default_backend()
+        backend = resolve_backend(backend)
     if cfg is None:
         cfg = ParallelConfig(world_size=world_size)
     if cfg.world_size != world_size:

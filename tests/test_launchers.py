@@ -121,6 +121,46 @@ def test_init_parallel_called_directly_refuses_a_bad_rank_before_any_rendezvous(
     assert started == [] and groups_mod.get_optional_groups() is None
 
 
+@pytest.mark.parametrize("backend, env, needle", [
+    (None, {"MEGAPAR_BACKEND": "ncl"}, "environment variable MEGAPAR_BACKEND must be 'gloo' or 'nccl', got 'ncl'"),
+    ("mpi", {}, "backend must be 'gloo' or 'nccl', got 'mpi'"),
+    ("", {"MEGAPAR_BACKEND": "gloo"}, "backend must be 'gloo' or 'nccl', got ''"),
+])
+def test_init_parallel_refuses_a_backend_it_cannot_run_before_any_rendezvous(monkeypatch, backend, env, needle):
+    # a typo reached init_process_group: rank 0 waited for its peers at the store, and only after
+    # the rendezvous did torch fail ("Unknown backend type ncl", not naming MEGAPAR_BACKEND)
+    import torch.distributed as dist
+
+    from parallel import init_parallel
+    from parallel import groups as groups_mod
+
+    _set_launch_env(monkeypatch, {"RANK": "0", "WORLD_SIZE": "2"} | env)
+    started = []
+    monkeypatch.setattr(dist, "init_process_group", lambda *a, **k: started.append(k))
+    with pytest.raises(ValueError) as err:
+        init_parallel(backend=backend)
+    assert str(err.value) == needle
+    assert started == [] and groups_mod.get_optional_groups() is None
+
+
+def _backend_names(rank: int) -> tuple:
+    import torch.distributed as dist
+
+    from parallel import ParallelConfig, destroy_parallel, init_parallel
+
+    g = init_parallel(ParallelConfig(world_size=2, tp=2))
+    out = (g.backend, dist.get_backend(), dist.get_backend(g.tp.group))
+    destroy_parallel()
+    return out
+
+
+def test_init_parallel_names_the_backend_as_torch_does():
+    # MEGAPAR_BACKEND=GLOO was kept as given in groups.backend, which every check of the backend
+    # compares with "gloo" / "nccl" (NCCL: no GPU per LOCAL_RANK, the start-up probe on a CPU tensor)
+    res = launch_local(_backend_names, 2, env={"MEGAPAR_BACKEND": "GLOO"}, timeout=60)
+    assert res == [("gloo", "gloo", "gloo")] * 2
+
+
 @pytest.mark.parametrize("env, gpus, needle", [
     # an out-of-range or missing RANK waited for a rendezvous that never completes (a hang)
     ({"RANK": "2", "WORLD_SIZE": "2"}, 0, "RANK=2 must be in [0, WORLD_SIZE=2)"),
