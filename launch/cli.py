@@ -84,12 +84,13 @@ def cmd_env(args: argparse.Namespace) -> int:
     for k, v in rows:
         print(f"{k:<{width}}  {v}")
     # every op with several implementations: which can run here (for this machine's default device)
-    import moe.kernels.ffn  # noqa: F401  (importing the modules registers their ops)
-    import model.mhc  # noqa: F401
-    import parallel.cp  # noqa: F401
-    import parallel.ep  # noqa: F401
-    import parallel.ep.static  # noqa: F401
-    import parallel.sp  # noqa: F401
+    # by their megapar names: a user's moe.py or model.py in the working directory shadows the short ones
+    import megapar.model.mhc  # noqa: F401
+    import megapar.moe.kernels.ffn  # noqa: F401  (importing the modules registers their ops)
+    import megapar.parallel.cp  # noqa: F401
+    import megapar.parallel.ep  # noqa: F401
+    import megapar.parallel.ep.static  # noqa: F401
+    import megapar.parallel.sp  # noqa: F401
     from megapar.parallel import impl
 
     print(f"\nimplementations ({'cuda' if torch.cuda.is_available() else 'cpu'} tensors; '-' = cannot run here):")

@@ -72,6 +72,17 @@ def test_megapar_env_lists_backends(capsys):
         assert name in out
 
 
+def test_megapar_env_runs_next_to_stray_modules_of_generic_names(tmp_path):
+    # `python -m megapar.launch.cli env` imported the op modules as moe.kernels.ffn, model.mhc,
+    # parallel.cp: the user's moe.py in the working directory (sys.path[0]) was imported instead
+    for name in ("parallel", "model", "moe"):
+        (tmp_path / f"{name}.py").write_text("raise ImportError('the user file was imported')\n")
+    proc = subprocess.run([sys.executable, "-m", "megapar.launch.cli", "env"], cwd=tmp_path, capture_output=True,
+                          text=True, timeout=120, env=dict(os.environ, PYTHONPATH=REPO))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "implementations (" in proc.stdout and "cp.merge" in proc.stdout
+
+
 _LAUNCH_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "SLURM_PROCID", "SLURM_NTASKS",
                 "SLURM_LOCALID", "CUDA_VISIBLE_DEVICES", "MEGAPAR_BACKEND", "MASTER_ADDR", "MASTER_PORT")
 
