@@ -110,11 +110,18 @@ def _groups_and_collectives(rank: int, cfg_kwargs: dict) -> dict:
 def test_eight_rank_groups_match_layout_and_collectives_sum_right():
     cfg_kwargs = dict(world_size=8, tp=2, pcp=2, dcp=2, ep=4)
     results = launch_local(_groups_and_collectives, 8, args=(cfg_kwargs,), timeout=180)
-    layout = rank_groups(ParallelConfig(**cfg_kwargs))
+    # written out from docs/design.md's rule, not from parallel.layout (which the ranks compare
+    # their groups with): rank = 4 * dp + 2 * pcp + tp; DCP = TP here (dcp = tp = 2); EP cuts the
+    # 8 ranks of the one PP stage into blocks of 4; EDP joins equal positions of those blocks
+    expected = {"tp": [[0, 1], [2, 3], [4, 5], [6, 7]], "dcp": [[0, 1], [2, 3], [4, 5], [6, 7]],
+                "pcp": [[0, 2], [1, 3], [4, 6], [5, 7]], "pp": [[r] for r in range(8)],
+                "dp": [[0, 4], [1, 5], [2, 6], [3, 7]], "ep": [[0, 1, 2, 3], [4, 5, 6, 7]],
+                "edp": [[0, 4], [1, 5], [2, 6], [3, 7]]}
+    assert {axis: sorted(groups) for axis, groups in rank_groups(ParallelConfig(**cfg_kwargs)).items()} == expected
     world = 8
     for rank, out in enumerate(results):
         for axis in AXES:
-            mine = [g for g in layout[axis] if rank in g][0]
+            mine = [g for g in expected[axis] if rank in g][0]
             assert out[axis] == sum(r + 1 for r in mine), axis
         res = out["comm"]
         sizes = [(r + 1 if r % 3 else 0) for r in range(world)]
