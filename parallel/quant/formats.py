@@ -100,11 +100,14 @@ class QuantizedTensor:
     def __post_init__(self) -> None:
         get_format(self.fmt)
         self.shape = torch.Size(self.shape)
-        # torch's own fp4 / e8m0 / e4m3 dtypes are accepted as views of the uint8 storage
+        # torch's own fp4 / e8m0 / e4m3 dtypes are accepted as views of the uint8 storage; only
+        # the scale dtype of the format itself (e8m0 for mxfp4, e4m3 for nvfp4): the other one
+        # keeps its dtype, so that check_storage refuses it instead of reading its bits wrongly
         if self.fmt in FP4_FORMATS:
             if self.data.dtype == getattr(torch, "float4_e2m1fn_x2", None):
                 self.data = self.data.view(torch.uint8)
-            if self.scale.dtype in (getattr(torch, "float8_e8m0fnu", None), torch.float8_e4m3fn):
+            own = getattr(torch, "float8_e8m0fnu", None) if self.fmt == "mxfp4" else torch.float8_e4m3fn
+            if own is not None and self.scale.dtype == own:
                 self.scale = self.scale.view(torch.uint8)
 
     @property
