@@ -278,6 +278,36 @@ def test_zero_weight_sum_is_not_renormalized():
     assert torch.isfinite(res.topk_weights).all() and (res.topk_weights == 0).all()
 
 
+_NAN, _INF = float("nan"), float("inf")
+
+
+@pytest.mark.parametrize("logits, kw", [
+    (torch.full((2, 4), _NAN), dict(top_k=2, scoring="sigmoid")),                       # a NaN hidden state
+    (torch.full((1, 6), _NAN), dict(top_k=3, scoring="sqrt_softplus", bias=torch.zeros(6))),  # E not a power of 2
+    (torch.full((1, 8), -_INF), dict(top_k=2, scoring="softmax")),                      # softmax of all -inf: NaN
+    (torch.tensor([[0.1, _NAN, 0.3, 0.2]]), dict(top_k=2, scoring="sigmoid")),
+    (torch.tensor([[0.1, _NAN, 0.3, _NAN, -1.0]]), dict(top_k=4, scoring="sigmoid", renormalize=False)),
+    (torch.tensor([[0.1, 0.5, 0.3, _NAN, 2.0, 2.0, 0.0, 0.0]]),
+     dict(top_k=3, scoring="sigmoid", bias=torch.zeros(8), n_group=4, topk_group=2)),
+    (torch.tensor([[0.1, 0.5, 0.3, _NAN, 2.0, 2.0, 0.0, 0.0]]), dict(top_k=3, scoring="sigmoid", n_group=4, topk_group=2)),
+    (torch.tensor([[_NAN, 0.5, 0.3, 0.2, 2.0, _NAN, 0.0, 0.0]]),
+     dict(top_k=3, scoring="sigmoid", bias=torch.zeros(8), n_group=4, topk_group=2)),
+    (torch.zeros(2, 8), dict(top_k=3, scoring="sigmoid", bias=torch.tensor([0, 0, 0, 0, 0, _NAN, 0, 0]), n_group=4,
+                             topk_group=2)),
+])
+def test_nan_scores_route_like_the_torch_path(interpreted_routing, logits, kw):
+    """NaN selection scores (NaN activations, softmax over all -inf) rank above every number, ties to
+    the lowest index, as torch's sort/topk (the references' topk) order them; the fused kernel chose
+    no column for them and wrote the id BLOCK_E, outside [0, E), with weight 0 (so a NaN token was
+    silently dropped instead of propagating its NaN)."""
+    ref = route(logits, backend="torch", **kw)
+    kw = {**dict(bias=None, n_group=None, topk_group=None), **kw}
+    got = interpreted_routing.route_triton(logits, **kw)
+    assert ((got.topk_ids >= 0) & (got.topk_ids < logits.shape[1])).all(), got.topk_ids
+    assert torch.equal(got.topk_ids, ref.topk_ids), (got.topk_ids, ref.topk_ids)
+    torch.testing.assert_close(got.topk_weights, ref.topk_weights, equal_nan=True, rtol=2e-6, atol=1e-7)
+
+
 def test_router_module_matches_route_and_passes_gradients():
     torch.manual_seed(0)
     router = Router(32, 16, 4, scoring="sigmoid", use_bias=True, n_group=4, topk_group=2, scaling=2.5)

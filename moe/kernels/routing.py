@@ -87,6 +87,9 @@ def _route_kernel(
             bias = tl.load(bias_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
             select = select + bias[None, :]
         avail = col_ok[None, :] & (rows[:, None] >= 0)  # [BT, BE] bool
+        # NaN ranks above every number, ties to the lowest index, as in torch's sort and topk
+        # (tl.max skips NaN: without this a row of NaN scores matched no column)
+        sel_nan = select != select
         if N_GROUP > 1:
             GROUP_SIZE: tl.constexpr = E // N_GROUP
             gcols = tl.arange(0, BLOCK_G)
@@ -94,7 +97,7 @@ def _route_kernel(
             group_score = tl.full([BLOCK_T, BLOCK_G], float("-inf"), tl.float32)
             for g in tl.static_range(N_GROUP):
                 in_g = col_ok[None, :] & (group_of_col == g)[None, :]
-                v = tl.where(in_g, select, float("-inf"))
+                v = tl.where(in_g & ~sel_nan, select, float("-inf"))
                 top1 = tl.max(v, axis=1)
                 if HAS_BIAS and GROUP_SIZE > 1:
                     # sum of the top-2 values; a repeated maximum counts twice
@@ -103,12 +106,17 @@ def _route_kernel(
                     gs = top1 + tl.where(num_top1 >= 2, top1, below)
                 else:
                     gs = top1
+                # a NaN among the group's values makes its score NaN (as torch's topk/amax do)
+                gs = tl.where(tl.max(tl.where(in_g & sel_nan, 1, 0), axis=1) > 0, float("nan"), gs)
                 group_score = tl.where(gcols[None, :] == g, gs[:, None], group_score)
             group_free = (gcols < N_GROUP)[None, :] & (rows[:, None] >= 0)
             group_kept = (gcols[None, :] < 0) & (rows[:, None] >= 0)  # all False, [BT, BG]
+            group_nan = group_score != group_score
             for _ in tl.static_range(TOPK_GROUP):
-                best = tl.max(tl.where(group_free, group_score, float("-inf")), axis=1)
+                best = tl.max(tl.where(group_free & ~group_nan, group_score, float("-inf")), axis=1)
                 gi = tl.min(tl.where(group_free & (group_score == best[:, None]), gcols[None, :], BLOCK_G), axis=1)
+                gi_nan = tl.min(tl.where(group_free & group_nan, gcols[None, :], BLOCK_G), axis=1)
+                gi = tl.where(gi_nan < BLOCK_G, gi_nan, gi)
                 hit = gcols[None, :] == gi[:, None]
                 group_kept = group_kept | hit
                 group_free = group_free & ~hit
@@ -118,8 +126,10 @@ def _route_kernel(
                 col_kept = col_kept | ((group_of_col == g)[None, :] & (kept_g[:, None] > 0))
             avail = avail & col_kept
         for k in tl.static_range(K):
-            best = tl.max(tl.where(avail, select, float("-inf")), axis=1)
+            best = tl.max(tl.where(avail & ~sel_nan, select, float("-inf")), axis=1)
             eid = tl.min(tl.where(avail & (select == best[:, None]), cols[None, :], BLOCK_E), axis=1)
+            eid_nan = tl.min(tl.where(avail & sel_nan, cols[None, :], BLOCK_E), axis=1)
+            eid = tl.where(eid_nan < BLOCK_E, eid_nan, eid)
             hit = cols[None, :] == eid[:, None]
             w = tl.sum(tl.where(hit, score, 0.0), axis=1)
             avail = avail & ~hit
