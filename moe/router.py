@@ -172,7 +172,10 @@ def _per_value(fn, x: torch.Tensor) -> torch.Tensor:
     if x.device.type != "cpu" or x.numel() == 0:
         return out
     distinct, index = torch.unique(x.detach(), return_inverse=True)
-    return fn(distinct)[index] + (out - out.detach())     # (exactly those values; fn(x)'s gradient)
+    values = fn(distinct)[index]
+    # exactly those values with fn(x)'s gradient; where they agree, fn(x) itself (an infinite
+    # score, sqrt(softplus(inf)), stays inf: inf - inf would make it NaN)
+    return torch.where(out == values, out, values + (out - out.detach()))
 
 
 def _topk_lowest_index(x: torch.Tensor, k: int) -> torch.Tensor:

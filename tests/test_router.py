@@ -308,6 +308,22 @@ def test_nan_scores_route_like_the_torch_path(interpreted_routing, logits, kw):
     torch.testing.assert_close(got.topk_weights, ref.topk_weights, equal_nan=True, rtol=2e-6, atol=1e-7)
 
 
+def test_infinite_logit_scores_inf_as_sqrt_softplus_does():
+    """sqrt(softplus(inf)) is inf (F.softplus(x).sqrt(), the references' scoring); the CPU scoring's
+    equal-values-score-equal step added inf - inf for the gradient and made it NaN."""
+    logits = torch.tensor([[0.5, _INF, -_INF, 30.0]])
+    want = torch.nn.functional.softplus(logits).sqrt()
+    torch.testing.assert_close(score_logits(logits, "sqrt_softplus"), want)
+    res = route(logits, top_k=2, scoring="sqrt_softplus", renormalize=False, backend="torch")
+    assert res.topk_ids.tolist() == [[1, 3]] and res.topk_weights[0, 0].item() == _INF
+    x = logits.clone().requires_grad_()
+    score_logits(x, "sqrt_softplus")[:, [0, 3]].sum().backward()  # the gradient is fn(x)'s
+    y = logits.clone().requires_grad_()
+    want = torch.nn.functional.softplus(y).sqrt()[:, [0, 3]].sum()
+    want.backward()
+    torch.testing.assert_close(x.grad[:, [0, 3]], y.grad[:, [0, 3]])
+
+
 def test_router_module_matches_route_and_passes_gradients():
     torch.manual_seed(0)
     router = Router(32, 16, 4, scoring="sigmoid", use_bias=True, n_group=4, topk_group=2, scaling=2.5)
