@@ -23,3 +23,29 @@ def test_fp4_scale_of_the_other_fp4_format_is_refused():
     assert (dequantize(QuantizedTensor(data, e8m0[:, :1], "mxfp4", torch.Size((2, 32)))) == 1.0).all()
     assert (dequantize(QuantizedTensor(data, e4m3.expand(2, 2), "nvfp4", torch.Size((2, 32)),
                                        torch.tensor(1.0))) == 1.0).all()
+
+
+def test_logical_shape_that_the_format_cannot_hold_is_refused():
+    """mxfp4 K = 48 passed the storage check (data [.., 24], scale [.., 48 // 32 = 1]) and failed
+    inside dequantize's reshape with a RuntimeError (nvfp4 K = 40 too); the fold failed the same way."""
+    from moe.quant import mxfp4_to_fp8_block
+
+    for fmt, k, gs in (("mxfp4", 48, None), ("nvfp4", 40, torch.tensor(1.0))):   # 48 // 32 = 1, 40 // 16 = 2
+        blk = 32 if fmt == "mxfp4" else 16
+        q = QuantizedTensor(torch.zeros(4, k // 2, dtype=torch.uint8), torch.zeros(4, k // blk, dtype=torch.uint8),
+                            fmt, torch.Size((4, k)), gs)
+        with pytest.raises(ValueError, match=rf"{fmt} of shape \(4, {k}\).*K \({k}\).*block size {blk}"):
+            dequantize(q)
+    q = QuantizedTensor(torch.zeros(4, 24, dtype=torch.uint8), torch.zeros(4, 1, dtype=torch.uint8), "mxfp4",
+                        torch.Size((4, 48)))
+    with pytest.raises(ValueError, match=r"K \(48\)"):
+        mxfp4_to_fp8_block(q)
+    # a scale of the wrong shape reached the fold's arithmetic too
+    q = QuantizedTensor(torch.zeros(4, 32, dtype=torch.uint8), torch.zeros(4, 1, dtype=torch.uint8), "mxfp4",
+                        torch.Size((4, 64)))
+    with pytest.raises(ValueError, match=r"needs scale torch.uint8\(4, 2\)"):
+        mxfp4_to_fp8_block(q)
+    # fp8_block of a 1-d shape: "not enough values to unpack" before
+    q = QuantizedTensor(torch.zeros(64).to(torch.float8_e4m3fn), torch.ones(1), "fp8_block", torch.Size((64,)))
+    with pytest.raises(ValueError, match=r"fp8_block needs a shape with >= 2 dims, got \(64,\)"):
+        dequantize(q)

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from megapar.parallel.quant.formats import QuantizedTensor, e2m1_to_float, unpack_fp4
-from megapar.parallel.quant.reference import _pow2_f32
+from megapar.parallel.quant.reference import _pow2_f32, check_storage
 
 EXACT_SPREAD = 14  # max(e_b) - min(e_b) within a group for which the fold is exact
 
@@ -87,6 +87,7 @@ def mxfp4_to_fp8_block(q: QuantizedTensor, group: int = 128, *, tile_rows: int =
     exponents span <= 14; otherwise the lowest blocks round (strict=True: ValueError)."""
     if q.fmt != "mxfp4":
         raise ValueError(f"mxfp4_to_fp8_block needs an mxfp4 QuantizedTensor, got {q.fmt!r}")
+    check_storage(q)
     plan = mxfp4_fold_plan(q.scale, group, tile_rows=tile_rows)
     vals = e2m1_to_float(unpack_fp4(q.data))                          # [..., N, K]
     mult = _pow2_f32(plan.shift.clamp(min=-126)).repeat_interleave(32, dim=-1)

@@ -315,10 +315,17 @@ def dequantize_reference(q: QuantizedTensor, dtype: torch.dtype = torch.float32)
 
 
 def expected_storage(fmt: str, shape: torch.Size) -> tuple[tuple[int, ...], tuple[int, ...]]:
-    """(data shape, scale shape) that `fmt` stores for a logical `shape`."""
+    """(data shape, scale shape) that `fmt` stores for a logical `shape`; ValueError for a shape
+    the format cannot hold (fp4: K not a multiple of the block; fp8_block: fewer than 2 dims)."""
     info = get_format(fmt)
+    min_dims = 2 if fmt == "fp8_block" else 1
+    if len(shape) < min_dims:
+        raise ValueError(f"{fmt} needs a shape with >= {min_dims} dims, got {tuple(shape)}")
     *lead, k = shape
     if fmt in FP4_FORMATS:
+        if k % info.block[1]:
+            raise ValueError(f"{fmt} of shape {tuple(shape)}: the last dim K ({k}) must be divisible by "
+                             f"its block size {info.block[1]}")
         return (*lead, k // 2), (*lead, k // info.block[1])
     if fmt == "fp8_token":
         return tuple(shape), (*lead, 1)
