@@ -111,3 +111,18 @@ def test_prepare_weight_conversions():
     assert prepare_weight(w, "bf16").dtype == torch.bfloat16
     with pytest.raises(ValueError, match="valid: mxfp4"):
         prepare_weight(w, "int4")
+
+
+def test_nvfp4_tensor_scale_that_is_negative_or_not_finite_is_refused():
+    """A negative weight_scale_2 loaded silently (every value of the matrix negated), a NaN or inf
+    one made it all NaN (e2m1 * 0 * inf); a stored reciprocal of 0 is an inf scale."""
+    data = torch.full((2, 4, 8), 0x22, dtype=torch.uint8)             # every element 1.0
+    scale = torch.ones(2, 4, 1).to(torch.float8_e4m3fn)
+    for bad in (torch.tensor(-0.5), torch.tensor([0.5, float("nan")]), torch.tensor([float("inf"), 0.5])):
+        with pytest.raises(ValueError, match=r"weight_scale_2 must be finite and >= 0; got \["):
+            load_fp4_checkpoint(data, scale, bad)
+    with pytest.raises(ValueError, match=r"1 / weight_scale_2 must be finite and >= 0; got \[inf\]"):
+        load_fp4_checkpoint(data, scale, torch.tensor(0.0), global_scale_is_reciprocal=True)
+    # 0 (an all-zero weight's amax / 2688) and positive scales load; one per matrix here
+    q = load_fp4_checkpoint(data, scale, torch.tensor([0.0, 0.25]))
+    assert dequantize(q)[0].eq(0).all() and dequantize(q)[1].eq(0.25).all()

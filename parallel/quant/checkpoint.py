@@ -5,8 +5,8 @@ Checkpoint conventions accepted by `load_fp4_checkpoint` (shapes checked, ValueE
   or int8 / float4_e2m1fn_x2 storage), `weight_scale` E8M0 [..., N, K/32] as uint8 or
   float8_e8m0fnu; any E8M0 byte is accepted (the OCP floor rule included).
 - NVFP4 (ModelOpt): `weight` packed [..., N, K/2], `weight_scale` E4M3 [..., N, K/16] as
-  float8_e4m3fn or uint8, `weight_scale_2` fp32 tensor scale amax/2688: one element, or one per
-  matrix ([E] for stacked experts [E, N, K/2]). compressed-tensors stores the reciprocal
+  float8_e4m3fn or uint8, `weight_scale_2` fp32 tensor scale amax/2688 (finite, >= 0): one element,
+  or one per matrix ([E] for stacked experts [E, N, K/2]). compressed-tensors stores the reciprocal
   (`weight_global_scale` = 2688/amax): pass `global_scale_is_reciprocal=True`.
 Element 2i of a row is the low nibble of byte i in all of them.
 
@@ -86,6 +86,10 @@ def load_fp4_checkpoint(weight: torch.Tensor, weight_scale: torch.Tensor,
                              f"one per matrix {per_matrix} for weight {tuple(shape)}")
         if global_scale_is_reciprocal:
             gs = 1.0 / gs
+        if not gs.is_meta and not bool(((gs >= 0) & torch.isfinite(gs)).all()):   # (0: an all-zero weight)
+            given = "1 / weight_scale_2" if global_scale_is_reciprocal else "weight_scale_2"
+            raise ValueError(f"nvfp4 checkpoint: {given} must be finite and >= 0; got "
+                             f"{gs.flatten()[:8].tolist()}{' ...' if gs.numel() > 8 else ''}")
     q = QuantizedTensor(data.contiguous(), scale.contiguous(), fmt, shape, gs)
     return q.to(device) if device is not None else q
 
