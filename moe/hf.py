@@ -15,7 +15,7 @@ Every field that changes the MoE math is read (docs/numerics.md §2-3):
 | swiglu_limit | V4: swiglu_limit (routed experts) | swiglu_limit |
 | shared_swiglu_limit | V4: swiglu_limit (HF's DeepseekV4MLP clamps as well) | swiglu_limit |
 | num_shared, shared_inter | n_shared_experts, moe_intermediate_size | n_shared_experts, moe_inter_dim |
-| num_hash_layers, vocab | V4: leading "hash_moe" of mlp_layer_types (or num_hash_layers), vocab_size | n_hash_layers, vocab_size |
+| num_hash_layers, vocab | V4: leading "hash_moe" of mlp_layer_types (or num_hash_layers, else HF's default 3; at most num_hidden_layers), vocab_size | n_hash_layers, vocab_size |
 | expert_format | quantization_config: expert_dtype "fp4" -> mxfp4, fp8 -> fp8_block | expert_dtype |
 
 Where HF and DeepSeek could disagree: the V4 shared expert's clamp. DeepSeek's inference code
@@ -33,6 +33,7 @@ from typing import Any
 _SCORING = {"sigmoid": "sigmoid", "softmax": "softmax", "sqrtsoftplus": "sqrt_softplus",
             "sqrt_softplus": "sqrt_softplus"}
 MODEL_TYPES: tuple[str, ...] = ("deepseek_v3", "deepseek_v32", "deepseek_v4")
+_HF_V4_HASH_LAYERS = 3  # DeepseekV4Config.default_num_hash_layers (mlp_layer_types and num_hash_layers absent)
 
 
 def _as_dict(config: Any) -> dict:
@@ -76,7 +77,11 @@ def _num_hash_layers(d: dict) -> int:
             raise ValueError(f"mlp_layer_types has hash_moe layers at {later}, after the leading {n}; "
                              "only leading hash layers are supported")
         return n
-    return int(d.get("num_hash_layers", d.get("n_hash_layers", 0)) or 0)
+    n = d.get("num_hash_layers", d.get("n_hash_layers"))
+    if n is None:  # neither given: HF's DeepseekV4Config makes its first 3 layers hash layers
+        n = _HF_V4_HASH_LAYERS
+    layers = d.get("num_hidden_layers")
+    return min(int(n), int(layers)) if layers is not None else int(n)
 
 
 def moe_kwargs_from_hf(config: Any) -> dict:

@@ -312,3 +312,17 @@ def test_demo_reference_is_hf_deepseek_v4_with_its_attention_swapped():
         want = hf(input_ids=tokens, use_cache=False).logits
     got = reference.reference_logits(state, cfg, tokens)
     torch.testing.assert_close(got, want, atol=1e-5 * want.abs().max().item(), rtol=0)   # HF's mHC runs in fp32
+
+
+def test_v4_config_dict_without_hash_layer_fields_gets_hfs_default():
+    """A deepseek_v4 config.json dict naming neither mlp_layer_types nor num_hash_layers: HF's
+    DeepseekV4Config makes its first 3 layers (at most num_hidden_layers) hash layers; megapar read
+    0, so those layers routed by top-k instead of by token id. An explicit count is kept."""
+    base = {k: v for k, v in transformers.DeepseekV4Config().to_dict().items()
+            if k not in ("mlp_layer_types", "num_hash_layers", "transformers_version", "architectures")}
+    for extra in ({}, {"num_hidden_layers": 2}, {"num_hash_layers": 0}, {"num_hash_layers": 1}):
+        d = {**base, **extra}
+        hf = transformers.DeepseekV4Config(**d)
+        want = next((i for i, t in enumerate(hf.mlp_layer_types) if t != "hash_moe"), len(hf.mlp_layer_types))
+        assert MoEConfig.from_hf_config(d).num_hash_layers == want, extra
+        assert MoEConfig.from_hf_config(hf).num_hash_layers == want, extra
