@@ -145,6 +145,11 @@ def test_attention_rejects_bad_input():
         attention_with_lse(q, k, v, backend="flash")
     with pytest.raises(ValueError, match=r"\[T, H, D\]"):
         attention_with_lse(q[0], k, v)
+    for dtype in (torch.float8_e4m3fn, torch.int32):   # fp8 is floating point, but nothing computes with it
+        with pytest.raises(ValueError, match=f"got {dtype}"):
+            attention_with_lse(q.to(dtype), k.to(dtype), v.to(dtype))
+        with pytest.raises(ValueError, match=f"got {dtype}"):
+            ring_attention(q.to(dtype), k.to(dtype), v.to(dtype))
 
 
 def test_zigzag_shard_unshard_and_positions():

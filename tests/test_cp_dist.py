@@ -272,6 +272,9 @@ def _check_disagreement(groups, rank: int, world: int) -> None:
     _raises_on_every_rank(lambda: ring_attention(y, y, y, groups.pcp), "must be even" if rank == 0 else "rank(s) [0]")
     empty = torch.randn(0, 2, 8)
     _raises_on_every_rank(lambda: ring_attention(empty, empty, empty, groups.pcp), "T = 0")
+    f8 = x.to(torch.float8_e4m3fn)  # every rank agrees, but no path computes in fp8: refused before any KV moves
+    for variant in ("ring", "allgather"):
+        _raises_on_every_rank(lambda: ring_attention(f8, f8, f8, groups.pcp, variant=variant), "float8_e4m3fn")
     z = torch.randn(t, 2, 8)  # still in step afterwards
     out = ring_attention(z, z, z, groups.pcp, causal=False, variant="allgather")
     assert out.shape == z.shape

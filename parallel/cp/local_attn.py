@@ -37,6 +37,7 @@ from .state import AttnState
 AttnBackend = Literal["auto", "math", "flash", "efficient"]
 
 _LSE_ALIGN = 32   # the efficient kernel pads its LSE rows to a multiple of 32
+_ATTN_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -52,8 +53,8 @@ def check_qkv(q: Tensor, k: Tensor, v: Tensor) -> None:
         raise ValueError(f"q, k, v dtypes differ: {q.dtype}, {k.dtype}, {v.dtype}")
     if q.device != k.device or q.device != v.device:
         raise ValueError(f"q, k, v devices differ: {q.device}, {k.device}, {v.device}")
-    if not q.is_floating_point():
-        raise ValueError(f"attention needs floating-point inputs, got {q.dtype}")
+    if q.dtype not in _ATTN_DTYPES:   # fp8 is floating point, but no path computes with it (no promotion)
+        raise ValueError(f"attention needs {', '.join(str(d) for d in _ATTN_DTYPES)} inputs, got {q.dtype}")
     if q.dim() == 4 and not (q.shape[0] == k.shape[0] == v.shape[0]):
         raise ValueError(f"batch sizes differ: q {q.shape[0]}, k {k.shape[0]}, v {v.shape[0]}")
     if k.shape[:-1] != v.shape[:-1]:
