@@ -101,6 +101,15 @@ def test_block_decomposition_for_fused_kernels_matches_masked_math(case):
         torch.testing.assert_close(ours.grad, theirs.grad, rtol=0, atol=2e-5)
 
 
+def test_block_decomposition_of_an_empty_query_set_is_empty():
+    """No queries (the all-gather variant's first chunk of a one-token sequence): an empty result
+    on the fused-kernel path as on the math path, not an error."""
+    q, k, v = _qkv(2, 0, 5, 4, 2, 8, 6, batch=2)
+    for delta in (-3, 0, 4):
+        out, lse = _offset_causal_by_blocks(q, k, v, delta, 0.5, "math")
+        assert out.shape == (2, 0, 4, 6) and lse.shape == (2, 0, 4) and lse.dtype == torch.float32
+
+
 @pytest.mark.parametrize("causal", [False, True])
 def test_fused_block_autograd_handles_gradients_through_lse(causal):
     q, k, v = _qkv(11, 6, 6, 4, 2, 8, 8, batch=2)

@@ -293,6 +293,8 @@ def _offset_causal_by_blocks(q: Tensor, k: Tensor, v: Tensor, delta: int, scale:
     and unmasked blocks only. Rows [0, i0) see nothing; rows [i0, i1) see a full prefix of
     i0 + delta keys plus a square causal block; rows [i1, Tq) see every key."""
     tq, tk = q.shape[1], k.shape[1]
+    if tq == 0:   # no part below: the empty result (a one-token sequence's first zigzag chunk, say)
+        return _block(q, k, v, False, scale, backend)
     i0 = min(max(0, -delta), tq)
     i1 = min(max(tk - delta, i0), tq)       # row i < tk - delta still has unseen keys (or just its last)
     parts_out, parts_lse = [], []
