@@ -398,6 +398,19 @@ def test_fp8_block_partial_tiles_match_oracle():
         assert torch.equal(deq[e, i * 128:(i + 1) * 128, j * 128:(j + 1) * 128].reshape(-1), torch.tensor(want))
 
 
+def test_fp8_amax_floor_that_gives_no_finite_nonzero_scale_is_refused():
+    """amax_floor = 1e-44 passed the "> 0" check, but 1e-44 / 448 is 0 in fp32: an all-zero row
+    quantized to 0 / 0 = NaN. An infinite floor made every scale inf and every value 0."""
+    x = torch.zeros(2, 128)
+    x[1, 0] = 1.0
+    for fmt in ("fp8_token", "fp8_group", "fp8_block"):
+        for bad in (1e-44, 1e-45, float("inf"), 1e39, 0.0, -1.0, float("nan")):
+            with pytest.raises(ValueError, match="amax_floor must be > 0 and finite"):
+                quantize(x, fmt, amax_floor=bad)
+        q = quantize(x, fmt, amax_floor=1e-40)                       # subnormal scale, still > 0
+        assert q.scale.min() > 0 and torch.equal(dequantize(q), x)
+
+
 # ---------------------------------------------------------------- error bounds (hypothesis)
 
 # |x| <= 2^120 after the shift below: near fp32's max a value may round up to 4 * 2^126 = inf

@@ -224,8 +224,12 @@ def _to_e4m3(y: torch.Tensor) -> torch.Tensor:
 
 
 def _check_floor(amax_floor: float) -> None:
-    if not amax_floor > 0:
-        raise ValueError(f"amax_floor must be > 0, got {amax_floor}")
+    """amax_floor must give a finite scale > 0 in fp32: a floor whose floor / 448 is 0 in fp32
+    (below ~3e-43) made an all-zero row 0 / 0 = NaN, an infinite one every value x / inf = 0."""
+    ok = amax_floor > 0 and bool(torch.isfinite(torch.tensor(float(amax_floor))))
+    if not ok or not bool(_div(torch.tensor(float(amax_floor)), E4M3_MAX) > 0):
+        raise ValueError(f"amax_floor must be > 0 and finite with amax_floor / 448 > 0 in fp32 "
+                         f"(>= ~3e-43), got {amax_floor}")
 
 
 def quantize_fp8_token(x: torch.Tensor, *, ue8m0: bool = False,
