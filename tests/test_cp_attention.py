@@ -154,6 +154,11 @@ def test_attention_rejects_bad_input():
         attention_with_lse(q, k, v, backend="flash")
     with pytest.raises(ValueError, match=r"\[T, H, D\]"):
         attention_with_lse(q[0], k, v)
+    for scale in (math.nan, math.inf, "0.5x"):   # a NaN or infinite scale made every output NaN
+        with pytest.raises(ValueError, match=f"scale must be a finite number or None, got {scale!r}"):
+            attention_with_lse(q, k, v, scale=scale)
+        with pytest.raises(ValueError, match=f"scale must be a finite number or None, got {scale!r}"):
+            ring_attention(q, k, v, scale=scale)
     for dtype in (torch.float8_e4m3fn, torch.int32):   # fp8 is floating point, but nothing computes with it
         with pytest.raises(ValueError, match=f"got {dtype}"):
             attention_with_lse(q.to(dtype), k.to(dtype), v.to(dtype))

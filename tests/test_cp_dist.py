@@ -272,6 +272,10 @@ def _check_disagreement(groups, rank: int, world: int) -> None:
     _raises_on_every_rank(lambda: ring_attention(y, y, y, groups.pcp), "must be even" if rank == 0 else "rank(s) [0]")
     empty = torch.randn(0, 2, 8)
     _raises_on_every_rank(lambda: ring_attention(empty, empty, empty, groups.pcp), "T = 0")
+    scale = float("nan") if rank == 0 else None  # only rank 0's is bad (it computed NaN, the others went on)
+    for variant in ("ring", "allgather"):
+        _raises_on_every_rank(lambda: ring_attention(x, x, x, groups.pcp, scale=scale, variant=variant),
+                              "scale must be a finite number" if rank == 0 else "rank(s) [0]")
     f8 = x.to(torch.float8_e4m3fn)  # every rank agrees, but no path computes in fp8: refused before any KV moves
     for variant in ("ring", "allgather"):
         _raises_on_every_rank(lambda: ring_attention(f8, f8, f8, groups.pcp, variant=variant), "float8_e4m3fn")

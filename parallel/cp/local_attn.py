@@ -67,6 +67,20 @@ def check_qkv(q: Tensor, k: Tensor, v: Tensor) -> None:
         raise ValueError(f"query heads ({hq}) must be a multiple of kv heads ({hkv}); valid kv heads: {valid}")
 
 
+def resolve_scale(scale: float | None, head_dim: int) -> float:
+    """The softmax scale: `scale` as a float, or 1/sqrt(head_dim) for None; ValueError unless finite
+    (a NaN or infinite scale would make every output NaN)."""
+    if scale is None:
+        return head_dim ** -0.5
+    try:
+        value = float(scale)
+    except (TypeError, ValueError):
+        raise ValueError(f"scale must be a finite number or None, got {scale!r}") from None
+    if not math.isfinite(value):
+        raise ValueError(f"scale must be a finite number or None, got {scale!r}")
+    return value
+
+
 def _flash_fits(f: impl.Facts) -> impl.Unusable | None:
     d, dv = f.head_dim, f.v_head_dim
     if f.dtype in (torch.float16, torch.bfloat16) and d == dv and d % 8 == 0 and d <= 256:
@@ -334,7 +348,7 @@ def attention_with_lse(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False,
     squeeze = q.dim() == 3
     if squeeze:
         q, k, v = q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0)
-    scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
+    scale = resolve_scale(scale, q.shape[-1])
     backend = resolve_backend(backend, q, k, v)
     delta = int(q_offset) - int(k_offset)
     if backend == "math":

@@ -45,7 +45,7 @@ from torch import Tensor
 from ..comm import GroupLike, all_gather_flat, all_gather_uneven, reduce_scatter_uneven, resolve_group
 from ..p2p import P2PExchanger, P2PWork, Peers
 from .local_attn import (AttnBackend, attention_with_lse, block_attention_backward, block_attention_forward,
-                         check_qkv, resolve_backend)
+                         check_qkv, resolve_backend, resolve_scale)
 from .merge import AttnState, merge_two_attn_states
 
 RingVariant = Literal["ring", "allgather"]
@@ -554,6 +554,7 @@ def ring_attention(q: Tensor, k: Tensor, v: Tensor, group: GroupLike = None, *, 
             raise ValueError(f"local length ({q.shape[1]}) must be even: each rank holds two zigzag chunks; pad "
                              f"the sequence to a multiple of 2*P = {2 * size} and shard it with zigzag_shard")
         backend = resolve_backend(backend, q, k, v)   # a bad backend on one rank must not hang the others
+        scale = resolve_scale(scale, q.shape[-1])      # likewise a bad scale
         signature = _signature(q, k, v, causal, variant, cu_seqlens)
     except ValueError as exc:
         if size == 1:
@@ -561,7 +562,6 @@ def ring_attention(q: Tensor, k: Tensor, v: Tensor, group: GroupLike = None, *, 
         error = str(exc)
     if size > 1:
         _agree(signature, error, group, rank, size, q.device)
-    scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
     if variant == "allgather":
         state = _allgather_attention(q, k, v, group, rank, size, causal=causal, scale=scale, backend=backend,
                                      bounds=bounds)
