@@ -42,7 +42,7 @@ from megapar.moe.kernels import PreparedWeight, expert_ffn, packing_for, prepare
 from megapar.moe.kernels.ffn import ffn_backend
 from megapar.moe.quant import QuantizedTensor, dequantize, load_fp4_checkpoint, prepare_weight, quantize
 from megapar.parallel.quant.formats import FP4_FORMATS
-from megapar.parallel.quant.reference import expected_storage
+from megapar.parallel.quant.reference import check_storage, expected_storage
 
 EXPERT_FORMATS: tuple[str, ...] = ("bf16", "fp32", "fp8_block", "mxfp4", "nvfp4")
 GATE_UP_LAYOUTS: tuple[str, ...] = ("split", "interleaved")
@@ -70,7 +70,12 @@ def read_weight(state: Mapping[str, torch.Tensor], key: str) -> torch.Tensor | Q
         scale = _first(state, [f"{key}.weight_scale_inv", f"{key}.weight_scale", f"{key}.scale"])
         if scale is None:
             raise KeyError(f"{key}.weight_scale_inv")
-        return QuantizedTensor(weight, scale.float(), "fp8_block", weight.shape)
+        q = QuantizedTensor(weight, scale.float(), "fp8_block", weight.shape)
+        try:
+            check_storage(q)     # (a scale of other tiles would be read as 128 x 128 ones: refused here)
+        except ValueError as exc:
+            raise ValueError(f"{key}.weight: {exc}") from None
+        return q
     scale = _first(state, [f"{key}.weight_scale", f"{key}.scale"])
     if scale is None:
         raise KeyError(f"{key}.weight_scale")

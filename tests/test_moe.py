@@ -11,6 +11,8 @@ one half are re-rounded to the shared scale, 5e-2 relative norm error.
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -214,6 +216,20 @@ def test_prequantized_checkpoints_load_like_their_dequantized_values():
         x = torch.randn(12, H)
         err = _rel(layer(x), dense_reference(x, state, cfg, weights=weights))
         assert err < tol, (fmt, err)
+
+
+def test_fp8_checkpoint_scale_of_other_tiles_is_refused_naming_the_key():
+    """An fp8 weight's `weight_scale_inv` must hold one scale per 128 x 128 tile: one of another
+    shape (transposed, per row) was taken as given and failed, if at all, far from the load."""
+    from moe.experts import read_weight
+
+    w = torch.randn(256, 384).to(torch.float8_e4m3fn)
+    good = read_weight({"a.w1.weight": w, "a.w1.weight_scale_inv": torch.rand(2, 3)}, "a.w1")
+    assert good.fmt == "fp8_block" and tuple(good.scale.shape) == (2, 3)
+    for bad in (torch.rand(3, 2), torch.rand(256, 1)):
+        want = f"a.w1.weight: fp8_block of shape (256, 384) needs scale torch.float32(2, 3), got torch.float32{tuple(bad.shape)}"
+        with pytest.raises(ValueError, match=re.escape(want)):
+            read_weight({"a.w1.weight": w, "a.w1.weight_scale_inv": bad}, "a.w1")
 
 
 def test_overlapped_equals_plain_and_eplb_slots_change_nothing():
