@@ -202,6 +202,23 @@ def test_loads_are_compared_in_float32_like_the_references():
     assert rebalance_experts(weight[:, [1, 0, 2, 3]], 4, 1, 1, 2).phy2log.tolist() == [[0, 2, 1, 3]]
 
 
+@pytest.mark.parametrize("num_physical,groups,nodes,ranks,expected", [
+    (8, 1, 1, 2, [0, 2, 4, 5, 1, 3, 6, 7]),
+    (8, 4, 1, 2, [0, 2, 4, 5, 1, 3, 6, 7]),
+    (12, 1, 1, 2, [0, 2, 0, 2, 3, 4, 1, 3, 1, 5, 6, 7]),
+    (8, 4, 2, 4, [0, 4, 1, 5, 2, 6, 3, 7]),
+])
+def test_pack_loads_overflowing_float32_still_fill_every_pack_exactly(num_physical, groups, nodes, ranks, expected):
+    # finite float64 loads whose float32 pack sums overflow to inf: once a pack is at inf, a free
+    # pack at inf ties with the full ones, and the item must still go to the first FREE pack (as
+    # DeepSeek's reference does; these placements are its output). Picking the first pack of all
+    # overfilled it: a garbage index error, or an expert left without a slot.
+    weight = torch.tensor([[3e38] * 4 + [1.0] * 4], dtype=torch.float64)
+    plan = rebalance_experts(weight, num_physical, groups, nodes, ranks)
+    assert plan.phy2log.tolist() == [expected]
+    check_plan_consistent(plan, 8)
+
+
 def test_hierarchical_keeps_whole_groups_on_a_node_and_balances_groups():
     # 4 groups of 2 experts, 2 nodes x 2 ranks; group loads 10, 1, 1, 10
     weight = torch.tensor([[5.0, 5.0, 0.5, 0.5, 0.5, 0.5, 5.0, 5.0]])

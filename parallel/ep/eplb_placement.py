@@ -200,7 +200,11 @@ def _balanced_packing(load: torch.Tensor, num_packs: int) -> tuple[torch.Tensor,
     row_ids = torch.arange(rows)
     inf = torch.tensor(float("inf"), dtype=load.dtype)
     for i in range(n):
-        chosen = torch.where(pack_count < capacity, pack_load, inf).argmin(dim=1)  # [B]
+        free = pack_count < capacity
+        chosen = torch.where(free, pack_load, inf).argmin(dim=1)  # [B]
+        # a float32 load can overflow to inf: then every free pack ties with the full ones at
+        # inf, and the first free pack is the lightest (as in the reference), not pack 0
+        chosen = torch.where(free[row_ids, chosen], chosen, free.to(torch.int8).argmax(dim=1))
         pack_of_sorted[:, i] = chosen
         pos_of_sorted[:, i] = pack_count[row_ids, chosen]
         pack_load[row_ids, chosen] += sorted_load[:, i]
