@@ -327,6 +327,17 @@ def test_experts_staying_on_a_rank_keep_their_slot(groups, nodes):
      "topk_ids[0, 1] = 4 is not a logical expert: valid ids are [0, 4) and -1"),
     (lambda: logical_to_physical(torch.tensor([[-2, 1]]), torch.tensor([[0], [1], [2], [3]]), torch.ones(4, dtype=torch.long)),
      "topk_ids[0, 0] = -2 is not a logical expert"),
+    # sizes that are not integers, or no experts at all: TypeErrors and RuntimeErrors from inside torch
+    (lambda: rebalance_experts(torch.ones(1, 4), 8.0, 1, 1, 2), "num_physical must be an integer, got 8.0"),
+    (lambda: rebalance_experts(torch.ones(1, 4), 8, 1, 1, 2.0), "num_ranks must be an integer, got 2.0"),
+    (lambda: rebalance_experts(torch.ones(1, 4), 8, 2.0, 1, 2), "num_groups must be an integer, got 2.0"),
+    (lambda: default_phy2log(1, 4, 6.0), "num_physical must be an integer, got 6.0"),
+    (lambda: rank_loads(torch.ones(1, 4), torch.arange(4), 2.0), "num_ranks must be an integer, got 2.0"),
+    (lambda: plan_from_phy2log(torch.zeros(1, 0, dtype=torch.long), 0), "num_logical >= 1; got shape (1, 0)"),
+    (lambda: plan_from_phy2log(torch.zeros(0, 4, dtype=torch.long), 4), "at least one layer"),
+    (lambda: Eplb(1, 0), "num_logical (0) >= 1"),
+    (lambda: Eplb(1, 0, config=EplbConfig(num_redundant=2)), "num_logical (0) >= 1"),
+    (lambda: EplbConfig(num_redundant=1.5), "EplbConfig.num_redundant must be an integer, got 1.5"),
 ])
 def test_bad_input_raises_value_error(call, message):
     with pytest.raises(ValueError) as err:

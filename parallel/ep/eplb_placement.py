@@ -39,6 +39,7 @@ Tracking, migration and the state object the MoE layer holds live next door
 
 from __future__ import annotations
 
+import operator
 from dataclasses import dataclass
 
 import torch
@@ -127,7 +128,18 @@ def _divisors(n: int) -> str:
     return ", ".join(str(d) for d in range(1, n + 1) if n % d == 0)
 
 
+def _as_int(name: str, value) -> int:
+    """`value` as an int (Python, numpy or 0-dim torch integer); ValueError naming it otherwise
+    (a float such as 8.0 from a division failed later inside torch with a TypeError)."""
+    try:
+        return operator.index(value)
+    except TypeError:
+        raise ValueError(f"{name} must be an integer, got {value!r} ({type(value).__name__})") from None
+
+
 def _check_sizes(num_logical: int, num_physical: int, num_ranks: int) -> None:
+    if num_logical < 1:
+        raise ValueError(f"num_logical ({num_logical}) must be >= 1")
     if num_ranks < 1:
         raise ValueError(f"num_ranks ({num_ranks}) must be >= 1")
     if num_physical < num_logical:
@@ -299,7 +311,11 @@ def plan_from_phy2log(phy2log: torch.Tensor, num_logical: int) -> EplbPlan:
     """
     if phy2log.dim() not in (1, 2):
         raise ValueError(f"phy2log must be [L, P] or [P], got shape {tuple(phy2log.shape)}")
+    num_logical = _as_int("num_logical", num_logical)
     p2l = phy2log if phy2log.dim() == 2 else phy2log.unsqueeze(0)
+    if p2l.shape[0] < 1 or num_logical < 1:
+        raise ValueError(f"phy2log needs at least one layer and num_logical >= 1; got shape "
+                         f"{tuple(phy2log.shape)} and num_logical {num_logical}")
     p2l = _check_phy2log(p2l, p2l.shape[0], num_logical, p2l.shape[1], name="phy2log")
     num_layers, num_physical = p2l.shape
     logcnt = torch.zeros(num_layers, num_logical, dtype=torch.int64)
@@ -324,6 +340,8 @@ def default_phy2log(num_layers: int, num_logical: int, num_physical: int) -> tor
     Slots 0..E-1 are the experts in order (contiguous blocks per rank when P == E); the
     redundant slots E..P-1 replicate experts 0..P-E-1.
     """
+    num_layers, num_logical = _as_int("num_layers", num_layers), _as_int("num_logical", num_logical)
+    num_physical = _as_int("num_physical", num_physical)
     _check_sizes(num_logical, num_physical, 1)
     return (torch.arange(num_physical) % num_logical).expand(num_layers, num_physical).contiguous()
 
@@ -342,6 +360,8 @@ def rebalance_experts(weight: torch.Tensor, num_physical: int, num_groups: int, 
     Returns an EplbPlan on the CPU (int64 tensors). Deterministic. Loads are used in float32
     (DeepSeek's and vLLM's precision; see the module docstring).
     """
+    num_physical, num_ranks = _as_int("num_physical", num_physical), _as_int("num_ranks", num_ranks)
+    num_groups, num_nodes = _as_int("num_groups", num_groups), _as_int("num_nodes", num_nodes)
     w = _check_weight(weight).float()
     num_layers, num_logical = w.shape
     if num_layers < 1 or num_logical < 1:
@@ -444,6 +464,7 @@ def rank_loads(weight: torch.Tensor, phy2log: torch.Tensor, num_ranks: int) -> t
 
     weight: [L, E] loads; phy2log: [L, P] (or [P]) placement. Returns [L, num_ranks] float64.
     """
+    num_ranks = _as_int("num_ranks", num_ranks)
     w = _check_weight(weight)
     num_layers, num_logical = w.shape
     p2l = phy2log.detach().to("cpu", torch.int64)

@@ -33,7 +33,7 @@ from typing import Callable
 import torch
 
 from ..comm import GroupLike, all_reduce, resolve_group
-from .eplb_placement import (Balance, _check_policy, balancedness, default_phy2log, logical_to_physical,
+from .eplb_placement import (Balance, _as_int, _check_policy, balancedness, default_phy2log, logical_to_physical,
                              plan_from_phy2log, rebalance_experts)
 from ..log import get_logger
 from .eplb_migrate import MigrationError, MigrationStats, rearrange_weights
@@ -61,6 +61,8 @@ class EplbConfig:
     """log balancedness before/after and migration volume at each rebalance"""
 
     def __post_init__(self) -> None:
+        for name in ("num_redundant", "window", "interval", "num_groups", "num_nodes"):
+            _as_int(f"EplbConfig.{name}", getattr(self, name))
         for name in ("window", "interval", "num_groups", "num_nodes"):
             if getattr(self, name) < 1:
                 raise ValueError(f"EplbConfig.{name} ({getattr(self, name)}) must be >= 1")
@@ -155,6 +157,9 @@ class Eplb:
         self.config = config or EplbConfig()
         self.group, self.edp_group = group, edp_group
         _, self.rank, self.ep_size = resolve_group(group)
+        num_layers, num_logical = _as_int("num_layers", num_layers), _as_int("num_logical", num_logical)
+        if num_layers < 0 or num_logical < 1:
+            raise ValueError(f"num_layers ({num_layers}) must be >= 0 and num_logical ({num_logical}) >= 1")
         self.num_layers, self.num_logical = num_layers, num_logical
         self.num_physical = num_logical + self.config.num_redundant
         if self.num_physical % self.ep_size != 0:
