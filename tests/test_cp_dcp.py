@@ -52,6 +52,28 @@ def test_layout_rejects_block_size_not_multiple_of_interleave():
         DCPLayout(size=2, rank=2, block_size=4)
 
 
+def test_layout_rejects_non_integer_fields():
+    """A float interleave (2.0, as a config file may give it) made float positions: the decode gave
+    zeros for every sequence, no error, and the insert an IndexError. ValueError naming it; integer
+    types other than int (numpy) are taken as ints."""
+    import numpy as np
+
+    with pytest.raises(ValueError, match=r"interleave must be an int, got 2.0 \(float\)"):
+        DCPLayout(size=2, rank=0, block_size=4, interleave=2.0)
+    with pytest.raises(ValueError, match=r"rank must be an int, got True \(bool\)"):
+        DCPLayout(size=2, rank=True, block_size=4)
+    assert DCPLayout(size=np.int64(2), rank=1, block_size=4) == DCPLayout(size=2, rank=1, block_size=4)
+    cache = PagedKVCache.allocate(4, 4, 1, 8, dtype=torch.float32)
+    k, q, table = torch.randn(6, 1, 8), torch.randn(1, 2, 8), torch.tensor([[0, 1]], dtype=torch.int32)
+    dcp_kv_insert(cache, k, k, torch.arange(6), table[0])
+    for call in (lambda: dcp_kv_insert(cache, k, k, torch.arange(6), table[0], interleave=2.0),
+                 lambda: dcp_decode_attention(q, cache, table, torch.tensor([6]), interleave=2.0)):
+        with pytest.raises(ValueError, match=r"interleave must be an int, got 2.0"):
+            call()
+    out = dcp_decode_attention(q, cache, table, torch.tensor([6]), interleave=np.int64(2))
+    torch.testing.assert_close(out.double(), reference_attention(q, k, k, causal=False)[0][0:1], rtol=0, atol=1e-6)
+
+
 def _sequences(seed: int, lens: list[int], hq: int, hkv: int, d: int, dv: int):
     gen = torch.Generator().manual_seed(seed)
     q = torch.randn(len(lens), hq, d, generator=gen)

@@ -41,6 +41,7 @@ scale per (token, kv head). The local attention here is exact torch math over ga
 from __future__ import annotations
 
 import math
+import numbers
 from dataclasses import dataclass
 from typing import Literal
 
@@ -74,6 +75,11 @@ class DCPLayout:
     """Consecutive tokens per rank before moving to the next I; B % I == 0."""
 
     def __post_init__(self) -> None:
+        for name in ("size", "rank", "block_size", "interleave"):
+            value = getattr(self, name)   # (a float interleave gave float positions: zeros, no error)
+            if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+                raise ValueError(f"{name} must be an int, got {value!r} ({type(value).__name__})")
+            object.__setattr__(self, name, int(value))
         if self.size < 1 or not 0 <= self.rank < self.size:
             raise ValueError(f"rank ({self.rank}) must be in [0, size) with size ({self.size}) >= 1")
         if self.block_size < 1 or self.interleave < 1:
