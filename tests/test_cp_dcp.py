@@ -271,6 +271,44 @@ def test_bad_block_tables_and_lengths_raise_naming_the_values():
         dcp_decode_attention(q, cache, good, torch.tensor([9, 3]))
 
 
+def test_insert_rejects_non_integer_positions_and_empty_tables():
+    """Float positions or tables were truncated by `.long()` (1.5 wrote position 1); a table with no
+    block raised an IndexError from the gather (on CUDA: an out-of-bounds device gather, where an
+    invalid token must be skipped). ValueError naming them, nothing written; the MLA insert and prep
+    likewise."""
+    from parallel.cp.mla import MLACache, MLADims, mla_kv_insert
+    from parallel.cp.mla_prep import mla_prep, rope_table
+
+    cache = PagedKVCache.allocate(4, 4, 1, 8, dtype=torch.float32)
+    k, table = torch.randn(2, 1, 8), torch.tensor([0, 1], dtype=torch.int32)
+    with pytest.raises(ValueError, match=r"positions must be an integer tensor, got torch.float32"):
+        dcp_kv_insert(cache, k[:1], k[:1], torch.tensor([1.5]), table)
+    with pytest.raises(ValueError, match=r"block_table must be an integer tensor, got torch.float32"):
+        dcp_kv_insert(cache, k[:1], k[:1], torch.tensor([1]), table.float())
+    with pytest.raises(ValueError, match=r"positions\[0\] = 0 is outside the block table: positions must lie in "
+                                         r"\[0, 0 blocks x 4 tokens = 0\)"):
+        dcp_kv_insert(cache, k, k, torch.arange(2), table[:0])
+    with pytest.raises(ValueError, match=r"positions\[0\] = 3 is outside the block table.* = 0\)"):
+        dcp_kv_insert(cache, k, k, torch.tensor([3, 1]), table[:0].expand(2, 0), None, interleave=2)   # [T, 0]
+    assert not cache.k.any()
+    assert dcp_kv_insert(cache, k[:0], k[:0], torch.arange(0), table[:0]).shape == (0,)   # no token: fine
+    dims = MLADims(kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=16, v_head_dim=24)
+    latent = MLACache.allocate(2, 4, dims, dtype=torch.float32)
+    with pytest.raises(ValueError, match=r"positions must be an integer tensor, got torch.float64"):
+        mla_kv_insert(latent, torch.zeros(1, 32), torch.zeros(1, 16), torch.tensor([1.0], dtype=torch.float64), table)
+    with pytest.raises(ValueError, match=r"positions\[0\] = 1 is outside the block table"):
+        mla_kv_insert(latent, torch.zeros(1, 32), torch.zeros(1, 16), torch.tensor([1]), table[:0])
+    prep = lambda pos, tbl: mla_prep(torch.zeros(1, 2, 32), torch.ones(1, 48), pos, latent, tbl, rope_table(8, 16),
+                                     torch.ones(32), nope=16, backend="torch")
+    with pytest.raises(ValueError, match=r"positions must be an integer tensor, got torch.float32"):
+        prep(torch.tensor([1.5]), table[None])
+    with pytest.raises(ValueError, match=r"block_table must be an integer tensor, got torch.bool"):
+        prep(torch.tensor([1]), table[None].bool())
+    with pytest.raises(ValueError, match=r"positions\[0\] = 1 is outside the block table"):
+        prep(torch.tensor([1]), table[None, :0])
+    assert not latent.kv.any()
+
+
 def _rank_cache(layout: DCPLayout, kv: list[tuple[torch.Tensor, torch.Tensor]], table: torch.Tensor, nb: int,
                 cache: PagedKVCache | None = None) -> PagedKVCache:
     """This rank's shard of the sequences kv[s] = (k [L, Hkv, D], v [L, Hkv, Dv]) under `layout`."""

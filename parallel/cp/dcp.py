@@ -281,7 +281,11 @@ def insert_slots(layout: DCPLayout, positions: Tensor, block_table: Tensor, num_
     position or (CUDA) where it is invalid, so nothing is written there.
 
     positions: [T] int global; block_table: [max_blocks] or [T, max_blocks] int. ValueError (CPU
-    tensors) for a position outside the table or a block id outside [0, num_blocks)."""
+    tensors) for a position outside the table or a block id outside [0, num_blocks), and (any
+    device) for positions or a table that are not integers."""
+    for name, t in (("positions", positions), ("block_table", block_table)):
+        if t.dtype.is_floating_point or t.dtype.is_complex or t.dtype == torch.bool:   # (.long() truncated)
+            raise ValueError(f"{name} must be an integer tensor, got {t.dtype}")
     positions, table = positions.long(), block_table.long()
     if table.dim() not in (1, 2) or (table.dim() == 2 and table.shape[0] != positions.shape[0]):
         raise ValueError(f"block_table {tuple(block_table.shape)} must be [max_blocks] or [T, max_blocks] with "
@@ -290,6 +294,8 @@ def insert_slots(layout: DCPLayout, positions: Tensor, block_table: Tensor, num_
     vblock = positions // layout.virtual_block
     in_table = (positions >= 0) & (vblock < width)
     rows = table.expand(positions.shape[0], width) if table.dim() == 1 else table
+    if width == 0:   # no block: every position is outside the table (a gather would index past it)
+        rows = torch.full((positions.shape[0], 1), -1, dtype=torch.long, device=positions.device)
     ids = rows.gather(1, torch.where(in_table, vblock, 0).unsqueeze(1)).squeeze(1)          # [T]
     bad = ~in_table | _bad_block_ids(ids, num_blocks)
     if positions.device.type == "cpu" and bool(bad.any()):

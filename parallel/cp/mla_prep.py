@@ -77,6 +77,9 @@ def _check(q: Tensor, kv: Tensor, positions: Tensor, cache: MLACache, cos_sin: T
                                               tuple(q_norm_weight.shape) != (nope + dr,)):
         raise ValueError(f"kv_norm_weight {tuple(kv_norm_weight.shape)} must be [{r}] and q_norm_weight "
                          f"{None if q_norm_weight is None else tuple(q_norm_weight.shape)} [{nope + dr}] or None")
+    for name, x in (("positions", positions), ("block_table", block_table)):
+        if x.dtype.is_floating_point or x.dtype.is_complex or x.dtype == torch.bool:   # (truncated, or the kernel)
+            raise ValueError(f"{name} must be an integer tensor, got {x.dtype}")
     if block_table.dim() != 2 or block_table.shape[0] != t:
         raise ValueError(f"block_table {tuple(block_table.shape)} must be [T = {t}, max_blocks] (each token's row)")
     if dr % 2:
