@@ -309,6 +309,32 @@ def test_insert_rejects_non_integer_positions_and_empty_tables():
     assert not latent.kv.any()
 
 
+def test_decode_rejects_a_non_finite_scale_before_any_collective(monkeypatch):
+    """A NaN or infinite softmax scale made every output row NaN, silently (attention_with_lse and
+    ring_attention refuse it): ValueError naming it from the paged, DCP and MLA decode, before the
+    all-gather of q."""
+    from parallel.cp import dcp as dcp_mod
+    from parallel.cp.mla import MLACache, MLADims, mla_decode_attention
+    from parallel.cp.paged import paged_decode_attention
+
+    cache = PagedKVCache.allocate(4, 4, 1, 8, dtype=torch.float32)
+    k, q, table = torch.randn(5, 1, 8), torch.randn(1, 2, 8), torch.tensor([[0, 1]], dtype=torch.int32)
+    dcp_kv_insert(cache, k, k, torch.arange(5), table[0])
+    dims = MLADims(kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=16, v_head_dim=24)
+    latent = MLACache.allocate(2, 4, dims, dtype=torch.float32)
+    qn, qp, w_uk, w_uv = torch.randn(1, 2, 16), torch.randn(1, 2, 16), torch.randn(2, 16, 32), torch.randn(2, 24, 32)
+    monkeypatch.setattr(dcp_mod, "all_gather_uneven", lambda *a, **kw: pytest.fail("a collective ran"))
+    for scale in (float("nan"), float("inf"), "0.5x"):
+        for call in (lambda: paged_decode_attention(q, cache, table, torch.tensor([5]), scale=scale),
+                     lambda: dcp_decode_attention(q, cache, table, torch.tensor([5]), scale=scale),
+                     lambda: mla_decode_attention(qn, qp, latent, w_uk, w_uv, table, torch.tensor([3]), scale=scale)):
+            with pytest.raises(ValueError, match=f"scale must be a finite number or None, got {scale!r}"):
+                call()
+    got = paged_decode_attention(q, cache, table, torch.tensor([5]), scale=0.3)
+    torch.testing.assert_close(got.out.double(), reference_attention(q, k, k, causal=False, scale=0.3)[0],
+                               rtol=0, atol=1e-6)
+
+
 def _rank_cache(layout: DCPLayout, kv: list[tuple[torch.Tensor, torch.Tensor]], table: torch.Tensor, nb: int,
                 cache: PagedKVCache | None = None) -> PagedKVCache:
     """This rank's shard of the sequences kv[s] = (k [L, Hkv, D], v [L, Hkv, Dv]) under `layout`."""

@@ -50,7 +50,7 @@ from torch import Tensor
 
 from ..comm import GroupLike, all_gather_uneven, all_to_all_uneven, reduce_scatter_uneven, resolve_group
 from ..quant import quantize
-from .local_attn import masked_attention_math
+from .local_attn import masked_attention_math, resolve_scale
 from .merge import AttnState, combine_lse, merge_attn_states
 
 DCPComm = Literal["ag_rs", "a2a"]
@@ -448,7 +448,7 @@ def dcp_decode_attention(q: Tensor, cache: PagedKVCache, block_table: Tensor, se
         invalid = None            # the kernel's NaN rows, carried to every rank by the combine below
     else:
         invalid = _invalid_sequences(block_table.to(q.device), seq_lens.to(q.device), layout, cache.k.shape[0])
-    scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
+    scale = resolve_scale(scale, q.shape[-1])           # ValueError unless finite (NaN: every row NaN)
     q_all = all_gather_uneven(q.contiguous(), group, dim=1, sizes=[heads] * size)       # [S, N*Hq, D]
     s_len, hkv = q.shape[0], cache.kv_heads
     if same_heads and hkv > 1 and size > 1:

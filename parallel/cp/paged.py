@@ -35,7 +35,7 @@ from torch import Tensor
 
 from .. import impl
 from .dcp import DCPLayout, PagedKVCache, gather_local_kv
-from .local_attn import masked_attention_math
+from .local_attn import masked_attention_math, resolve_scale
 from .state import AttnState
 
 DecodeBackend = Literal["auto", "torch", "triton"]
@@ -180,7 +180,7 @@ def paged_decode_attention(q: Tensor, cache: PagedKVCache, block_table: Tensor, 
     if seq_lens.dim() != 1:
         raise ValueError(f"seq_lens {tuple(seq_lens.shape)} must be [S]")
     check_paged_inputs(q4, cache, block_table, seq_lens, layout, validate=validate, max_seq_len=max_seq_len)
-    scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
+    scale = resolve_scale(scale, q.shape[-1])           # ValueError unless finite (NaN: every row NaN)
     chosen = resolve_backend(q, cache, backend)
     table = block_table.to(q.device)
     if chosen == "triton":
