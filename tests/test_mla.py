@@ -427,3 +427,40 @@ def test_decode_rejects_absorb_weights_of_other_dims():
     with pytest.raises(ValueError, match=r"W_UV \(2, 24, 31\) \[H, d_v, r = 32\]"):
         mla_decode_attention(qn, qp, cache, w_uk, w_uv[..., :31], table, lens, backend="torch")
     mla_decode_attention(qn, qp, cache, w_uk, w_uv, table, lens, backend="torch")       # the right ones pass
+
+
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.float8_e4m3fn])
+def test_latent_cache_view_of_a_joint_buffer_inserts_and_decodes(cache_dtype):
+    """An MLACache whose kv (and fp8 scale) is a strided view, one layer of a [nb, layers, B, 1, r + d_r]
+    buffer: accepted and decoded, but the insert (and so the torch prep) raised a RuntimeError from
+    `.view(-1, ...)`. The tokens land at table[p // B], offset p % B of that layer only; decode matches
+    the equations."""
+    from parallel.cp.mla_prep import mla_prep, rope_table
+
+    heads, n, block, nb = 2, 7, 4, 3
+    w_uk, w_uv = _weights(heads, DIMS, 60)
+    qn, qp, c, kp = _tokens(1, n, heads, DIMS, 61)
+    buf = torch.zeros(nb, 2, block, 1, DIMS.latent_dim, dtype=cache_dtype)
+    scales = torch.ones(nb, 2, block, 1) if cache_dtype == torch.float8_e4m3fn else None
+    cache = MLACache(buf[:, 1], DIMS.kv_lora_rank, None if scales is None else scales[:, 1])
+    table = torch.tensor([2, 0], dtype=torch.int32)
+    mla_kv_insert(cache, c[0, :n - 1], kp[0, :n - 1], torch.arange(n - 1), table)
+    # the newest token through the prep's torch path (identity norm weight: c as given; rope at angle 0)
+    cos_sin = torch.cat([torch.ones(n, DIMS.qk_rope_head_dim // 2), torch.zeros(n, DIMS.qk_rope_head_dim // 2)], -1)
+    kv_new = torch.cat([c[0, n - 1:], kp[0, n - 1:]], -1)
+    rms = kv_new[:, :DIMS.kv_lora_rank].square().mean(-1, keepdim=True).add(1e-6).rsqrt()
+    mla_prep(torch.zeros(1, heads, DIMS.qk_head_dim), kv_new, torch.tensor([n - 1]), cache, table[None], cos_sin,
+             1 / rms[0].expand(DIMS.kv_lora_rank), nope=DIMS.qk_nope_head_dim, backend="torch")
+    assert not buf[:, 0].float().any()                                       # the other layer untouched
+    p = torch.arange(n)
+    held = buf[table.long()[p // block], 1, p % block, 0].float()
+    if scales is not None:
+        held = held * scales[table.long()[p // block], 1, p % block]
+    orig = torch.cat([c[0], kp[0]], -1)
+    tol = 2.0 ** -4 if scales is not None else 1e-5
+    assert ((held - orig).abs() <= tol * orig.abs() + 1e-5).all()
+    got = mla_decode_attention(qn[:, n - 1], qp[:, n - 1], cache, w_uk, w_uv, table[None], torch.tensor([n]),
+                               backend="torch")
+    ref = mla_reference(qn[:, n - 1:], qp[:, n - 1:], held[None, :, :DIMS.kv_lora_rank],
+                        held[None, :, DIMS.kv_lora_rank:], w_uk, w_uv, causal=False)
+    torch.testing.assert_close(got.double(), ref[:, 0], atol=1e-4, rtol=0)

@@ -125,14 +125,15 @@ def mla_write_slots(cache: MLACache, c_kv: Tensor, k_pe: Tensor, slots: Tensor) 
         return
     latent = torch.cat([c_kv, k_pe], dim=-1).unsqueeze(1)                # [T, 1, r + d_r]
     idx, src, written = skip_free_slots(slots)
-    flat = cache.kv.view(-1, 1, cache.kv.shape[-1])
+    # (block, offset) indexing, not a flat view: a strided cache (one layer's kv of a joint buffer) has none
+    blk, off = idx // cache.block_size, idx % cache.block_size
     if cache.scale is not None:
         data, scale = _quantize_fp8(latent[src])
-        bytes_ = flat.view(torch.uint8)
-        bytes_[idx] = keep(written, data.view(torch.uint8), bytes_[idx])
-        cache.scale.view(-1, 1)[idx] = keep(written, scale, cache.scale.view(-1, 1)[idx])
+        bytes_ = cache.kv.view(torch.uint8)
+        bytes_[blk, off] = keep(written, data.view(torch.uint8), bytes_[blk, off])
+        cache.scale[blk, off] = keep(written, scale, cache.scale[blk, off])
     else:
-        flat[idx] = keep(written, latent[src].to(cache.kv.dtype), flat[idx])
+        cache.kv[blk, off] = keep(written, latent[src].to(cache.kv.dtype), cache.kv[blk, off])
 
 
 def mla_kv_insert(cache: MLACache, c_kv: Tensor, k_pe: Tensor, positions: Tensor, block_table: Tensor,
