@@ -464,3 +464,15 @@ def test_latent_cache_view_of_a_joint_buffer_inserts_and_decodes(cache_dtype):
     ref = mla_reference(qn[:, n - 1:], qp[:, n - 1:], held[None, :, :DIMS.kv_lora_rank],
                         held[None, :, DIMS.kv_lora_rank:], w_uk, w_uv, causal=False)
     torch.testing.assert_close(got.double(), ref[:, 0], atol=1e-4, rtol=0)
+
+
+def test_rope_table_rejects_an_odd_rope_dim():
+    """rope_table(P, 15) returned a [P, 16] table (8 frequencies, cos and sin): ValueError naming it."""
+    from parallel.cp.mla_prep import rope_table
+
+    for dim in (15, 1, 0):
+        with pytest.raises(ValueError, match=rf"rope_dim \({dim}\) must be even and >= 2"):
+            rope_table(8, dim)
+    table = rope_table(5, 4, theta=100.0)
+    angles = torch.arange(5, dtype=torch.float64)[:, None] * torch.tensor([1.0, 0.1], dtype=torch.float64)
+    torch.testing.assert_close(table.double(), torch.cat([angles.cos(), angles.sin()], -1), rtol=0, atol=1e-6)

@@ -32,6 +32,8 @@ from .mla import MLACache, mla_write_slots
 def rope_table(max_pos: int, rope_dim: int, theta: float = 10000.0, *,
                device: torch.device | str | None = None) -> Tensor:
     """[max_pos, d_r] fp32: cos(p * theta^(-2i/d_r)) in [:, :d_r/2], sin in [:, d_r/2:]."""
+    if rope_dim < 2 or rope_dim % 2 or max_pos < 0:   # (an odd d_r gave a table d_r + 1 wide)
+        raise ValueError(f"rope_dim ({rope_dim}) must be even and >= 2, max_pos ({max_pos}) >= 0")
     inv_freq = theta ** (-torch.arange(0, rope_dim, 2, dtype=torch.float64) / rope_dim)
     angles = (torch.arange(max_pos, dtype=torch.float64)[:, None] * inv_freq).to(torch.float32)
     return torch.cat([angles.cos(), angles.sin()], dim=-1).to(device)
