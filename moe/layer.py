@@ -410,7 +410,7 @@ class MoELayer(nn.Module):
         if not counts_from_plan:
             self.count_experts(topk_ids)
         if self.eplb is not None:
-            topk_ids = self.eplb.route(self.layer_index, topk_ids)
+            topk_ids = self.eplb.route(self.layer_index, topk_ids, self._token_index(topk_ids))
         if path == "device":
             out = self._routed_device(x, topk_ids, topk_weights)
         elif self.tokens == "replicated" and self.ep_size > 1:
@@ -424,6 +424,16 @@ class MoELayer(nn.Module):
         elif self.shared_experts is not None:
             out = out + self.shared_experts(x)
         return out.reshape(shape)
+
+    def _token_index(self, topk_ids: torch.Tensor) -> torch.Tensor | None:
+        """The token positions EPLB picks replicas by: offset by rank when each EP rank brings its
+        own tokens (with one decode token a rank, position 0 everywhere sent every rank's pairs
+        of an expert to the same replica); None (0..T-1) when every rank holds the same tokens,
+        which must map to the same slots on every rank."""
+        if self.ep_size == 1 or self.tokens == "replicated":
+            return None
+        t = topk_ids.shape[0]
+        return torch.arange(t, device=topk_ids.device) + self.ep_rank * t
 
     def choose_path(self, x: torch.Tensor) -> str:
         """"device" or "host" for a forward on x [T, H] (see the module docstring)."""

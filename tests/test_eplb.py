@@ -13,7 +13,6 @@ import pytest
 import torch
 
 from parallel.ep.eplb import (
-    KNUTH_HASH,
     balancedness,
     default_phy2log,
     logical_to_physical,
@@ -349,9 +348,33 @@ def test_bad_input_raises_value_error(call, message):
 # routing and metrics
 
 
-def test_logical_to_physical_hashes_token_index_over_replicas():
+def test_the_moe_layer_offsets_token_positions_by_rank_when_ranks_bring_their_own_tokens():
+    """One decode token a rank, an expert with two replicas: position 0 on every rank sent every
+    rank's pair to replica 0 (the other never used); the layer's positions are offset by rank in
+    the sequence-parallel token mode, and not in the replicated one (there every rank must map the
+    same tokens to the same slots)."""
+    from types import SimpleNamespace
+
+    from moe.layer import MoELayer
+
+    plan = plan_from_phy2log(torch.tensor([0, 1, 2, 0]), 3)   # expert 0 on slots 0 (rank 0) and 3 (rank 1)
+    ids = torch.tensor([[0, 2]])
+    picked = []
+    for rank in range(2):
+        layer = SimpleNamespace(ep_size=2, ep_rank=rank, tokens="sequence_parallel")
+        index = MoELayer._token_index(layer, ids)
+        assert index.tolist() == [rank]
+        picked.append(int(logical_to_physical(ids, plan.log2phy[0], plan.logcnt[0], index)[0, 0]))
+    assert picked == [0, 3]
+    for rank in range(2):
+        assert MoELayer._token_index(SimpleNamespace(ep_size=2, ep_rank=rank, tokens="replicated"), ids) is None
+    assert MoELayer._token_index(SimpleNamespace(ep_size=1, ep_rank=0, tokens="sequence_parallel"), ids) is None
+
+
+def test_logical_to_physical_takes_replicas_by_pair_position():
     plan = plan_from_phy2log(torch.tensor([0, 1, 2, 0, 0, 2, 3, 3]), 4)
     log2phy, logcnt = plan.log2phy[0], plan.logcnt[0]  # expert 0: slots 0, 3, 4; 2: 2, 5; 3: 6, 7
+    replicas = {0: [0, 3, 4], 1: [1], 2: [2, 5], 3: [6, 7]}
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(-1, 4, (200, 3), generator=g, dtype=torch.int32)
     index = torch.randint(0, 2**40, (200,), generator=g)
@@ -360,15 +383,22 @@ def test_logical_to_physical_hashes_token_index_over_replicas():
         assert out.dtype == torch.int32 and out.shape == ids.shape
         for t in range(200):
             i = t if token_index is None else int(index[t])
-            h = (i * KNUTH_HASH) % 2**32
             for k in range(3):
                 e = int(ids[t, k])
-                want = -1 if e < 0 else plan.log2phy[0, e, h % int(logcnt[e])].item()
-                assert out[t, k].item() == want
+                want = -1 if e < 0 else replicas[e][(i + k) % len(replicas[e])]
+                assert out[t, k].item() == want, (t, k)
+    # K = 8 (a multiple of expert 2's two replicas), expert 2 always in slot 0: consecutive tokens
+    # alternate its replicas (the flattened position t * 8 + 0 would send every one to replica 0)
+    ids8 = torch.tensor([[2, 1, -1, -1, -1, -1, -1, 3]] * 6)
+    out = logical_to_physical(ids8, log2phy, logcnt)
+    assert out[:, 0].tolist() == [2, 5, 2, 5, 2, 5] and out[:, 7].tolist() == [7, 6, 7, 6, 7, 6]
     # consecutive tokens spread evenly over the three replicas of expert 0
     out = logical_to_physical(torch.zeros(3000, 1, dtype=torch.long), log2phy, logcnt)
     per_replica = torch.bincount(out.flatten(), minlength=8)[[0, 3, 4]]
-    assert per_replica.sum().item() == 3000 and (per_replica - 1000).abs().max().item() <= 5
+    assert per_replica.tolist() == [1000, 1000, 1000]
+    # six consecutive tokens over three replicas: two each (a hash of the index gave 1 / 2 / 3)
+    out = logical_to_physical(torch.zeros(6, 1, dtype=torch.long), log2phy, logcnt)
+    assert torch.bincount(out.flatten(), minlength=8)[[0, 3, 4]].tolist() == [2, 2, 2]
 
 
 def test_balancedness_per_layer_and_overall_by_hand():

@@ -13,12 +13,12 @@ Three modules, each building only on the ones before it:
 from __future__ import annotations
 
 from .eplb_migrate import MigrationError, MigrationStats, rearrange_weights
-from .eplb_placement import (KNUTH_HASH, Balance, EplbPlan, balancedness, default_phy2log, logical_to_physical,
+from .eplb_placement import (Balance, EplbPlan, balancedness, default_phy2log, logical_to_physical,
                              plan_from_phy2log, rank_loads, rebalance_experts)
 from .eplb_state import Eplb, EplbConfig, EplbReport, ExpertLoadTracker
 
 __all__ = [
     "EplbPlan", "Balance", "rebalance_experts", "plan_from_phy2log", "default_phy2log", "logical_to_physical",
-    "balancedness", "rank_loads", "KNUTH_HASH", "rearrange_weights", "MigrationError", "MigrationStats",
+    "balancedness", "rank_loads", "rearrange_weights", "MigrationError", "MigrationStats",
     "ExpertLoadTracker", "EplbConfig", "Eplb", "EplbReport",
 ]

@@ -30,8 +30,8 @@ so every rank computes the same plan from the same loads.
 
 Conventions: physical slot `p` lives on rank `p // (P // num_ranks)`; ranks `n * R/N ..
 (n+1) * R/N - 1` form node `n`. Within a rank, new slots are ordered by packing order (heaviest
-replica first) unless an old slot is kept. A token picks among an expert's replicas with a
-Knuth multiplicative hash of its index (`logical_to_physical`).
+replica first) unless an old slot is kept. A (token, k) pair picks among an expert's replicas
+by (token position + k) mod the replica count (`logical_to_physical`).
 
 Tracking, migration and the state object the MoE layer holds live next door
 (`eplb_migrate`, `eplb_state`, which build on this module); `parallel.ep.eplb` gathers all of it.
@@ -53,10 +53,8 @@ __all__ = [
     "logical_to_physical",
     "balancedness",
     "rank_loads",
-    "KNUTH_HASH",
 ]
 
-KNUTH_HASH = 2654435761  # floor(2^32 / golden ratio), odd
 
 
 @dataclass
@@ -423,15 +421,18 @@ def _hierarchical(w: torch.Tensor, num_physical: int, num_groups: int, num_nodes
 
 def logical_to_physical(topk_ids: torch.Tensor, log2phy: torch.Tensor, logcnt: torch.Tensor,
                         token_index: torch.Tensor | None = None) -> torch.Tensor:
-    """Map routed logical experts to physical slots; a token picks a replica by hashing its index.
+    """Map routed logical experts to physical slots; a (token, k) pair picks a replica by position.
 
     topk_ids: [T, K] int32/int64 logical experts in [0, E), -1 = no expert (stays -1). Other
         values raise ValueError for CPU tensors; on CUDA (no host sync: graph-capturable) they
         index out of range and trip the device-side bounds assertion instead of mapping anywhere.
     log2phy: [E, R] int64 physical slots of each expert (-1 padded); logcnt: [E] int replicas.
-    token_index: [T] int, the index hashed (default arange(T)); pass global token positions to
-        spread replicas across data-parallel ranks as well.
-    Replica = ((index * 2654435761) mod 2^32) mod logcnt[expert] (Knuth multiplicative hash).
+    token_index: [T] int, each token's position (default arange(T)); pass positions that differ
+        across ranks (each rank's own tokens) to spread replicas across ranks as well.
+    Replica = (token_index[t] + k) mod logcnt[expert]: consecutive tokens take an expert's
+    replicas in turn, whichever slot k names it. (vLLM takes the pair's flattened position,
+    (t * K + k) mod count: with K a multiple of the count, K = 8 over 2, 4 or 8 replicas, every
+    token's slot-0 pair, its top expert's, goes to replica 0.)
     Returns [T, K] physical slot ids in topk_ids' dtype and device. Graph-capturable.
     """
     if topk_ids.dim() != 2:
@@ -453,8 +454,8 @@ def logical_to_physical(topk_ids: torch.Tensor, log2phy: torch.Tensor, logcnt: t
                          f"[0, {num_logical}) and -1 (no expert)")
     valid = ids >= 0
     safe = torch.where(ids == -1, 0, torch.where(out_of_range, num_logical, ids))   # bad ids stay out of range
-    hashed = (token_index.to(topk_ids.device, torch.int64) * KNUTH_HASH) & 0xFFFFFFFF  # [T]
-    replica = hashed.unsqueeze(1) % logcnt.to(ids.device, torch.int64)[safe]  # [T, K]
+    pair = token_index.to(ids.device, torch.int64).unsqueeze(1) + torch.arange(ids.shape[1], device=ids.device)
+    replica = pair % logcnt.to(ids.device, torch.int64)[safe]  # [T, K]
     physical = log2phy.to(ids.device)[safe, replica]
     return torch.where(valid, physical, torch.full_like(physical, -1)).to(topk_ids.dtype)
 
