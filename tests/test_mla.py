@@ -184,7 +184,34 @@ def test_fused_prep_matches_unfused_sequence_on_gpu(cache_dtype, q_norm, monkeyp
     _check_prep(cache_dtype, q_norm, "cuda", exact_bf16=True)
 
 
-def _check_prep(cache_dtype, q_norm, device, exact_bf16):
+@pytest.mark.parametrize("cache_dtype", [torch.bfloat16, torch.float8_e4m3fn])
+def test_fused_prep_writes_a_cache_view_of_a_joint_buffer(cache_dtype, monkeypatch):
+    """The kernel's cache (and fp8 scales) as one layer's view of a larger buffer: the Triton prep
+    flattened it with `.view` and raised; it writes by block and token strides, as the torch prep."""
+    pytest.importorskip("triton")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    _check_prep(cache_dtype, False, "cpu", exact_bf16=False, joint=True)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("cache_dtype", [torch.bfloat16, torch.float8_e4m3fn])
+def test_fused_prep_writes_a_cache_view_of_a_joint_buffer_on_gpu(cache_dtype, monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    _check_prep(cache_dtype, True, "cuda", exact_bf16=True, joint=True)
+
+
+def _joint_view(cache: MLACache) -> MLACache:
+    """The same cache as layer 1 of a two-layer buffer [num_blocks, 2, block_size, 1, D] (and scales)."""
+    kv = torch.zeros((cache.kv.shape[0], 2) + tuple(cache.kv.shape[1:]), dtype=cache.kv.dtype,
+                     device=cache.kv.device)[:, 1]
+    scale = None
+    if cache.scale is not None:
+        scale = torch.ones((cache.scale.shape[0], 2) + tuple(cache.scale.shape[1:]), device=cache.scale.device)[:, 1]
+    assert not kv.is_contiguous()
+    return MLACache(kv, cache.kv_lora_rank, scale)
+
+
+def _check_prep(cache_dtype, q_norm, device, exact_bf16, joint=False):
     from parallel.cp.mla_prep import mla_prep, rope_table
 
     gen = torch.Generator().manual_seed(21)
@@ -202,6 +229,8 @@ def _check_prep(cache_dtype, q_norm, device, exact_bf16):
     for rank in range(2):
         layout = DCPLayout(size=2, rank=rank, block_size=4, interleave=2)
         caches = [MLACache.allocate(8, 4, DIMS, dtype=cache_dtype, device=d) for d in ("cpu", device)]  # ref, kernel
+        if joint:
+            caches[1] = _joint_view(caches[1])
         ref = mla_prep(q, kv, positions, caches[0], table, cos_sin, w_kv, layout=layout, q_norm_weight=w_q,
                        nope=nope, backend="torch")
         args = [x.to(device) for x in (q, kv, positions, table, cos_sin, w_kv)]

@@ -54,7 +54,8 @@ def test_fused_mla_prep_compiles_for_sm90(fp8, q_norm):
                 kw_ptr="*fp32", qo_ptr="*bf16", cache_ptr="*fp8e4nv" if fp8 else "*bf16", scale_ptr="*fp32",
                 slot_ptr="*i64", eps="fp32")
     ints = {n: "i32" for n in ("H", "dcp_size", "dcp_rank", "interleave", "sq_t", "sq_h", "skv_t", "sqo_t", "sqo_h",
-                               "st_t", "scs", "sc_row", "table_width", "num_blocks", "max_pos")}
+                               "st_t", "scs", "sc_blk", "sc_tok", "ss_blk", "ss_tok", "table_width", "num_blocks",
+                               "max_pos")}
     _compile("megapar.parallel.cp.triton_mla_prep", "_mla_prep_kernel", {**ptrs, **ints},
              dict(NOPE=128, BLOCK_NOPE=128, R=512, BLOCK_R=512, HALF=32, BLOCK_HALF=32, BLOCK_H=2, PAGE=16,
                   Q_NORM=q_norm, FP8=fp8, Q_TILES=8))

@@ -52,7 +52,7 @@ def _prep_query_tile(q_ptr, qw_ptr, qo_ptr, t, part, cos, sin, H, eps, sq_t, sq_
 
 @triton.jit
 def _prep_latent(kv_ptr, kw_ptr, table_ptr, cache_ptr, scale_ptr, slot_ptr, t, pos, cos, sin, eps,
-                 dcp_size, dcp_rank, interleave, skv_t, st_t, sc_row, table_width, num_blocks,
+                 dcp_size, dcp_rank, interleave, skv_t, st_t, sc_blk, sc_tok, ss_blk, ss_tok, table_width, num_blocks,
                  R: tl.constexpr, BLOCK_R: tl.constexpr, HALF: tl.constexpr, BLOCK_HALF: tl.constexpr,
                  PAGE: tl.constexpr, FP8: tl.constexpr):
     """The latent of token t: RMSNorm of c_kv, RoPE of k_pe, fp8 quantization, the sharded insert."""
@@ -83,7 +83,8 @@ def _prep_latent(kv_ptr, kw_ptr, table_ptr, cache_ptr, scale_ptr, slot_ptr, t, p
     slot = tl.where(ok, block * PAGE + offset, -1)
     tl.store(slot_ptr + t, slot)
     if slot >= 0:
-        dst = cache_ptr + slot * sc_row
+        # (the cache may be a view of a larger buffer: addressed by its block and token strides)
+        dst = cache_ptr + block * sc_blk + offset * sc_tok
         if FP8:
             amax = tl.maximum(tl.max(tl.abs(fc), 0), tl.maximum(tl.max(tl.abs(kre), 0), tl.max(tl.abs(kro), 0)))
             sc = tl.math.div_rn(tl.maximum(amax, 1e-12), 448.0)
@@ -93,7 +94,7 @@ def _prep_latent(kv_ptr, kw_ptr, table_ptr, cache_ptr, scale_ptr, slot_ptr, t, p
             tl.store(dst + c, qc.to(cache_ptr.dtype.element_ty), mask=cmask)
             tl.store(dst + R + j, tl.reshape(tl.join(qe, qo), (2 * BLOCK_HALF,)).to(cache_ptr.dtype.element_ty),
                      mask=jmask)
-            tl.store(scale_ptr + slot, sc)
+            tl.store(scale_ptr + block * ss_blk + offset * ss_tok, sc)
         else:
             tl.store(dst + c, fc.to(cache_ptr.dtype.element_ty), mask=cmask)
             tl.store(dst + R + j, tl.reshape(tl.join(kre, kro), (2 * BLOCK_HALF,)).to(cache_ptr.dtype.element_ty),
@@ -104,7 +105,7 @@ def _prep_latent(kv_ptr, kw_ptr, table_ptr, cache_ptr, scale_ptr, slot_ptr, t, p
 def _mla_prep_kernel(
     q_ptr, kv_ptr, pos_ptr, table_ptr, cs_ptr, qw_ptr, kw_ptr, qo_ptr, cache_ptr, scale_ptr, slot_ptr,
     H, eps, dcp_size, dcp_rank, interleave,
-    sq_t, sq_h, skv_t, sqo_t, sqo_h, st_t, scs, sc_row, table_width, num_blocks, max_pos,
+    sq_t, sq_h, skv_t, sqo_t, sqo_h, st_t, scs, sc_blk, sc_tok, ss_blk, ss_tok, table_width, num_blocks, max_pos,
     NOPE: tl.constexpr, BLOCK_NOPE: tl.constexpr, R: tl.constexpr, BLOCK_R: tl.constexpr,
     HALF: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_H: tl.constexpr, PAGE: tl.constexpr,
     Q_NORM: tl.constexpr, FP8: tl.constexpr, Q_TILES: tl.constexpr,
@@ -127,7 +128,8 @@ def _mla_prep_kernel(
                          NOPE, BLOCK_NOPE, HALF, BLOCK_HALF, BLOCK_H, Q_NORM)
     else:
         _prep_latent(kv_ptr, kw_ptr, table_ptr, cache_ptr, scale_ptr, slot_ptr, t, pos, cos, sin, eps,
-                     dcp_size, dcp_rank, interleave, skv_t, st_t, sc_row, table_width, num_blocks, R, BLOCK_R, HALF,
+                     dcp_size, dcp_rank, interleave, skv_t, st_t, sc_blk, sc_tok, ss_blk, ss_tok, table_width,
+                     num_blocks, R, BLOCK_R, HALF,
                      BLOCK_HALF, PAGE, FP8)
 
 
@@ -145,9 +147,12 @@ def mla_prep_triton(q: Tensor, kv: Tensor, positions: Tensor, cache: MLACache, b
     kv = kv if kv.stride(-1) == 1 else kv.contiguous()
     q_out = torch.empty_like(q)
     slots = torch.empty(t, dtype=torch.int64, device=q.device)
-    flat = cache.kv.view(-1, cache.kv.shape[-1])
+    if cache.kv.stride(-1) != 1:
+        raise ValueError(f"the Triton MLA prep writes the latent cache's values with unit stride; got stride "
+                         f"{cache.kv.stride()} (backend='torch' takes any)")
     fp8 = cache.scale is not None
-    scale = cache.scale.view(-1) if fp8 else slots
+    scale = cache.scale if fp8 else slots
+    scale_st = (scale.stride(0), scale.stride(1)) if fp8 else (0, 0)
     block_nope = triton.next_power_of_2(max(nope, 1))
     fit = max(1, CONFIG["block_elems"] // (block_nope + 2 * half))
     block_h = min(triton.next_power_of_2(heads), 1 << (fit.bit_length() - 1))   # tl.arange needs a power of two
@@ -161,10 +166,11 @@ def mla_prep_triton(q: Tensor, kv: Tensor, positions: Tensor, cache: MLACache, b
     if t > 0:
         _mla_prep_kernel[(t, q_tiles + 1)](
             q, kv, positions, table, cos_sin, q_norm_weight if q_norm_weight is not None else kv_norm_weight,
-            kv_norm_weight, q_out, flat, scale, slots,
+            kv_norm_weight, q_out, cache.kv, scale, slots,
             heads, eps, layout.size, layout.rank, layout.interleave,
             q.stride(0), q.stride(1), kv.stride(0), q_out.stride(0), q_out.stride(1), table.stride(0),
-            cos_sin.stride(0), flat.stride(0), table.shape[-1], cache.kv.shape[0], cos_sin.shape[0],
+            cos_sin.stride(0), cache.kv.stride(0), cache.kv.stride(1), *scale_st, table.shape[-1], cache.kv.shape[0],
+            cos_sin.shape[0],
             NOPE=nope, BLOCK_NOPE=block_nope, R=r, BLOCK_R=triton.next_power_of_2(r), HALF=half,
             BLOCK_HALF=triton.next_power_of_2(max(half, 1)), BLOCK_H=block_h, PAGE=cache.block_size,
             Q_NORM=q_norm_weight is not None, FP8=fp8, Q_TILES=q_tiles, num_warps=CONFIG["num_warps"])
