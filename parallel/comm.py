@@ -9,13 +9,17 @@ torch.distributed is not initialized); size-1 groups never communicate. Groups a
 
 Also here: the copy-to-region / reduce-from-region autograd pair (identity one way, sum over the
 group the other) that tensor- and expert-parallel layers wrap their per-rank work in, and
-`even_split`, the one near-equal split of a count (micro-batches, overlap chunks).
+`even_split`, the one near-equal split of a count (micro-batches, overlap chunks), and
+`input_agreement`, the one small all-gather by which a group's ranks learn that one of them had
+bad input (or that they were called differently) before a collective would leave them waiting.
 """
 
 from __future__ import annotations
 
+import struct
+import zlib
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -333,3 +337,65 @@ def even_split(total: int, parts: int) -> list[int]:
         raise ValueError(f"need total >= 0 and parts >= 1, got total={total} and parts={parts}")
     base, extra = divmod(total, parts)
     return [base + (1 if i < extra else 0) for i in range(parts)]
+
+
+# ---- agreement on input ----------------------------------------------------------------------------
+
+
+def dtype_code(dtype: torch.dtype) -> int:
+    """The same int on every rank for the same dtype (an `input_agreement` field)."""
+    return zlib.crc32(str(dtype).encode())
+
+
+def float_code(x: float) -> int:
+    """A float's exact bits as an int (an `input_agreement` field: equal floats, equal ints)."""
+    return struct.unpack("<q", struct.pack("<d", float(x)))[0]
+
+
+def _show_code(kind: str, code: int) -> str:
+    if kind == "dtype":
+        names = {dtype_code(d): str(d) for d in vars(torch).values() if isinstance(d, torch.dtype)}
+        return names.get(code, str(code))
+    if kind == "float":
+        return repr(struct.unpack("<d", struct.pack("<q", code))[0])
+    return str(code)
+
+
+def input_agreement(what: str, names: Sequence[str], values: Sequence[int] | None, error: str | None,
+                    group: GroupLike, device: torch.device | None = None,
+                    kinds: dict[str, str] | None = None) -> str | None:
+    """What this rank must raise, decided with the whole group in one all-gather of a few ints.
+
+    Call it on every rank of `group` before the collectives of `what`, with this rank's own
+    input error (None if its input was good) and the ints every rank must agree on (`names`:
+    the same on every rank; `values`: this rank's, or None where its input was too bad to have
+    them). Returns this rank's own error; else, if any rank had one, a message naming those
+    ranks; else, if the ranks' values differ, a message showing them per rank; else None. So
+    either every rank gets a message (and raises it) or none does: a bad input on one rank no
+    longer leaves its peers waiting in a collective it will never join. `kinds` marks fields to
+    print as a dtype ("dtype", from `dtype_code`) or a float ("float", from `float_code`).
+    The all-gather and its read-back are a host sync: CPU paths and eager prefill take it, a
+    CUDA-graph-captured decode step cannot."""
+    pg, _, size = resolve_group(group)
+    if size == 1:
+        return error
+    n = len(names) + 1
+    if values is not None and len(values) != len(names):
+        raise ValueError(f"{len(values)} values for {len(names)} names: {list(names)}")
+    row = torch.tensor([int(error is not None)] + list(values if values is not None else [0] * len(names)),
+                       dtype=torch.int64, device=device)
+    table = torch.empty(size * n, dtype=torch.int64, device=device)
+    all_gather_flat(table, row, pg)
+    rows = table.view(size, n).tolist()
+    if error is not None:
+        return error
+    bad = [r for r, got in enumerate(rows) if got[0]]
+    if bad:
+        return f"{what} aborted: group rank(s) {bad} had invalid input (see the error raised there)"
+    differ = [i for i in range(len(names)) if len({got[i + 1] for got in rows}) > 1]
+    if not differ:
+        return None
+    kinds = kinds or {}
+    detail = "; ".join(f"{names[i]}: {[_show_code(kinds.get(names[i], ''), got[i + 1]) for got in rows]}"
+                       for i in differ)
+    return f"{what}: the ranks of the group disagree (values per group rank) on {detail}"

@@ -806,3 +806,69 @@ def test_kv_inserts_are_captured_by_a_cuda_graph():
         torch.cuda.synchronize()
         for got, want in zip((cache.k, cache.v, mcache.kv), eager):
             assert torch.equal(got.view(torch.uint8), want.view(torch.uint8))
+
+
+# ---------------------------------------------------------------------------------------------
+# one rank's bad input, or ranks called differently, raise on every rank (CPU: the agreement)
+
+
+def _agreement_rank(rank: int) -> list[str]:
+    torch.set_num_threads(1)
+    from parallel import ParallelConfig, init_parallel
+
+    groups = init_parallel(ParallelConfig(world_size=4, tp=2, pcp=2, dcp=2))
+    gen = torch.Generator().manual_seed(3)
+    d, block, lens = 8, 2, [5, 9]
+    q = torch.randn(2, 4, d, generator=gen)
+    ks = [torch.randn(n, 1, d, generator=gen) for n in lens]
+    table = torch.tensor([[0, 1], [2, 3]], dtype=torch.int32)             # 8 tokens a virtual block over 4 ranks
+    cache = PagedKVCache.allocate(4, block, 1, d, dtype=torch.float32)
+    for s, n in enumerate(lens):
+        dcp_kv_insert(cache, ks[s], ks[s], torch.arange(n), table[s], groups.dcp, pcp_group=groups.pcp)
+    mine = slice(groups.dcp.rank * 2, groups.dcp.rank * 2 + 2)
+
+    def call(**over) -> str:
+        args = dict(q=q[:, mine].contiguous(), cache=cache, block_table=table, seq_lens=torch.tensor(lens),
+                    scale=None)
+        args.update(over)
+        try:
+            dcp_decode_attention(args["q"], args["cache"], args["block_table"], args["seq_lens"], groups.dcp,
+                                 scale=args["scale"], pcp_group=groups.pcp)
+        except ValueError as exc:
+            return str(exc)
+        return "ok"
+
+    said = []
+    # rank 3 alone: a block id outside its cache (its own error; the others learn it had one)
+    said.append(call(block_table=torch.tensor([[9, 1], [2, 3]], dtype=torch.int32)) if rank == 3 else call())
+    # rank 1 alone: a scale the others were not given
+    said.append(call(scale=0.25) if rank == 1 else call())
+    # rank 0 alone: other lengths (the table's contents and the lengths must be every rank's)
+    said.append(call(seq_lens=torch.tensor([5, 8])) if rank == 0 else call())
+    # rank 2 alone: one query head fewer (the all-gather of q would have failed or waited)
+    said.append(call(q=q[:, :1].contiguous()) if rank == 2 else call())
+    # and afterwards the group still works: the good call is exact
+    out = dcp_decode_attention(q[:, mine].contiguous(), cache, table, torch.tensor(lens), groups.dcp,
+                               pcp_group=groups.pcp)
+    for s in range(2):
+        ref = reference_attention(q[s:s + 1], ks[s], ks[s], causal=False)[0]
+        torch.testing.assert_close(out[s].double(), ref[0, mine], rtol=0, atol=1e-6)
+    return said
+
+
+def test_one_ranks_bad_input_raises_on_every_rank_instead_of_hanging():
+    """dcp_decode_attention on 4 gloo ranks (tp 2, pcp 2, dcp 2): a bad block id on one rank raised
+    there and left the other three waiting in the all-gather of q (the job timed out). Now the
+    checks are agreed over the DCP group, then the PCP group, before any collective; so are the
+    shapes, scale, table and lengths, which ranks called differently silently mixed."""
+    said = launch_local(_agreement_rank, 4, timeout=180)
+    bad_id, scale, lengths, heads = zip(*said)
+    assert "block_table holds block ids [9] outside the cache's [0, 4)" in bad_id[3] or \
+        "block_table[0, 0] = 9 is outside the cache's blocks [0, 4)" in bad_id[3], bad_id[3]
+    for r in (0, 1, 2):   # rank 2 learns it from its DCP peer's report (rank 3's DCP group is {2, 3})
+        assert "dcp_decode_attention" in bad_id[r] and "had invalid input" in bad_id[r], (r, bad_id[r])
+    for r in range(4):
+        assert ("scale: [" in scale[r] and "0.25" in scale[r]) or "had invalid input" in scale[r], (r, scale[r])
+        assert "seq_lens checksum" in lengths[r] or "had invalid input" in lengths[r], (r, lengths[r])
+        assert "local query heads: [" in heads[r] or "had invalid input" in heads[r], (r, heads[r])
+    assert "disagree" in scale[0] and "disagree" in scale[1]            # the DCP group {0, 1} saw both values

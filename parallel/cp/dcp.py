@@ -31,7 +31,10 @@ reads a bad id or holds tokens past the table, and rank 0 (total_cp_rank 0) alwa
 it holds the first token of every virtual block; the combine (ag_rs: a NaN lse makes every
 rank's scale NaN, and the reduce-scatter sums the NaN; a2a and PCP: the merge propagates a NaN
 lse) makes the row NaN on every rank, the other rows unchanged. Only the torch path runs the
-separate check (`_invalid_sequences`: ~10 small kernels per step).
+separate check (`_invalid_sequences`: ~10 small kernels per step). On CPU tensors the checks
+are agreed over the group before any collective (`comm.input_agreement`, one all-gather of a
+few ints): a bad input on one rank raises ValueError on every rank instead of leaving its peers
+waiting, and so do ranks given different shapes, scale, block tables or lengths.
 
 Cache: `PagedKVCache` with k/v `[num_blocks, B, Hkv, D]`, optionally fp8 (e4m3) with one fp32
 scale per (token, kv head). The local attention here is exact torch math over gathered pages
@@ -42,13 +45,15 @@ from __future__ import annotations
 
 import math
 import numbers
+import zlib
 from dataclasses import dataclass
 from typing import Literal
 
 import torch
 from torch import Tensor
 
-from ..comm import GroupLike, all_gather_uneven, all_to_all_uneven, reduce_scatter_uneven, resolve_group
+from ..comm import (GroupLike, all_gather_uneven, all_to_all_uneven, dtype_code, float_code, input_agreement,
+                    reduce_scatter_uneven, resolve_group)
 from ..quant import quantize
 from .local_attn import masked_attention_math, resolve_scale
 from .merge import AttnState, combine_lse, merge_attn_states
@@ -396,6 +401,64 @@ def local_decode_attention(q: Tensor, cache: PagedKVCache, block_table: Tensor, 
     return AttnState(out.squeeze(2), lse.squeeze(2))
 
 
+_DECODE_FIELDS = ("sequences", "local query heads", "head_dim", "v head_dim", "kv heads", "block_size",
+                  "block_table width", "interleave", "comm", "same_heads", "scale", "q dtype", "cache dtype",
+                  "seq_lens checksum", "block_table checksum")
+_KINDS = {"scale": "float", "q dtype": "dtype", "cache dtype": "dtype"}
+
+
+def _checksum(t: Tensor) -> int:
+    return zlib.crc32(t.detach().to("cpu", torch.int64).contiguous().numpy().tobytes())
+
+
+def _decode_fields(q: Tensor, cache: PagedKVCache, block_table: Tensor, seq_lens: Tensor, interleave: int,
+                   comm: str, same_heads: bool, scale: float) -> list[int]:
+    """The ints every rank of a DCP decode step must agree on (CPU: the table's and lengths'
+    contents too, since every rank must be given the same ones)."""
+    return [q.shape[0], q.shape[1], q.shape[2], cache.v.shape[-1], cache.kv_heads, cache.block_size,
+            block_table.shape[1], interleave, int(comm == "a2a"), int(bool(same_heads)), float_code(scale),
+            dtype_code(q.dtype), dtype_code(cache.k.dtype), _checksum(seq_lens), _checksum(block_table)]
+
+
+def _check_decode_call(q: Tensor, cache: PagedKVCache, block_table: Tensor, seq_lens: Tensor, group: GroupLike,
+                       interleave: int, comm: str, scale: float | None, same_heads: bool, backend: str,
+                       pcp_group: GroupLike | None) -> tuple[DCPLayout, int, str, Tensor | None, float]:
+    """`dcp_decode_attention`'s checks, all before any collective: (layout, local heads, backend,
+    the invalid-sequence mask or None, scale); ValueError for bad input."""
+    if comm not in ("ag_rs", "a2a"):
+        raise ValueError(f"comm must be 'ag_rs' or 'a2a', got {comm!r}")
+    if q.dim() != 3 or q.shape[-1] != cache.k.shape[-1]:
+        raise ValueError(f"q {tuple(q.shape)} must be [S, heads, head_dim] with head_dim {cache.k.shape[-1]}")
+    if q.device != cache.k.device:
+        raise ValueError(f"q on {q.device} but the cache is on {cache.k.device}")
+    if block_table.shape[0] != q.shape[0] or seq_lens.shape != q.shape[:1]:
+        raise ValueError(f"block_table {tuple(block_table.shape)} and seq_lens {tuple(seq_lens.shape)} must "
+                         f"have one row per sequence ({q.shape[0]})")
+    if block_table.dim() != 2:
+        raise ValueError(f"block_table {tuple(block_table.shape)} must be [S, max_blocks]")
+    layout = _layout(group, cache.block_size, interleave, pcp_group)
+    _, _, size = resolve_group(group)
+    from .paged import check_paged_inputs, resolve_backend
+
+    heads = q.shape[1]
+    if same_heads and heads % cache.kv_heads != 0:
+        raise ValueError(f"with same_heads, local query heads ({heads}) must be a multiple of the cache's "
+                         f"kv heads ({cache.kv_heads})")
+    if (heads * size) % cache.kv_heads != 0:
+        raise ValueError(f"gathered query heads ({heads} x dcp {size} = {heads * size}) must be a multiple of the "
+                         f"cache's kv heads ({cache.kv_heads})")
+    # the local attention's shape / dtype / cache checks before any collective (its values: just below)
+    check_paged_inputs(q[:, None, :1].expand(-1, -1, heads * size, -1), cache, block_table, seq_lens, layout,
+                       validate=False)
+    chosen = resolve_backend(q, cache, backend)
+    if _kernel_reports_bad_tables(chosen, q.device):
+        invalid = None            # the kernel's NaN rows, carried to every rank by the combine below
+    else:
+        invalid = _invalid_sequences(block_table.to(q.device), seq_lens.to(q.device), layout, cache.k.shape[0])
+    scale = resolve_scale(scale, q.shape[-1])           # ValueError unless finite (NaN: every row NaN)
+    return layout, heads, chosen, invalid, scale
+
+
 def dcp_decode_attention(q: Tensor, cache: PagedKVCache, block_table: Tensor, seq_lens: Tensor,
                          group: GroupLike = None, *, interleave: int = 1, comm: DCPComm = "ag_rs",
                          scale: float | None = None, return_lse: bool = False, same_heads: bool = False,
@@ -418,37 +481,27 @@ def dcp_decode_attention(q: Tensor, cache: PagedKVCache, block_table: Tensor, se
     ValueError (CPU tensors; NaN rows on CUDA on every rank, see the module docstring) for
     negative seq_lens, a length past the table's capacity, or a used block id outside the cache.
     """
-    if comm not in ("ag_rs", "a2a"):
-        raise ValueError(f"comm must be 'ag_rs' or 'a2a', got {comm!r}")
-    if q.dim() != 3 or q.shape[-1] != cache.k.shape[-1]:
-        raise ValueError(f"q {tuple(q.shape)} must be [S, heads, head_dim] with head_dim {cache.k.shape[-1]}")
-    if q.device != cache.k.device:
-        raise ValueError(f"q on {q.device} but the cache is on {cache.k.device}")
-    if block_table.shape[0] != q.shape[0] or seq_lens.shape != q.shape[:1]:
-        raise ValueError(f"block_table {tuple(block_table.shape)} and seq_lens {tuple(seq_lens.shape)} must "
-                         f"have one row per sequence ({q.shape[0]})")
-    if block_table.dim() != 2:
-        raise ValueError(f"block_table {tuple(block_table.shape)} must be [S, max_blocks]")
-    layout = _layout(group, cache.block_size, interleave, pcp_group)
     _, rank, size = resolve_group(group)
-    from .paged import check_paged_inputs, paged_decode_attention, resolve_backend
+    pcp_size = 1 if pcp_group is None else resolve_group(pcp_group)[2]
+    agree = q.device.type == "cpu" and size * pcp_size > 1      # (on CUDA the agreement would be a host sync)
+    error = fields = None
+    try:   # a bad input on one rank must not leave the others waiting in the collectives below
+        layout, heads, chosen, invalid, scale = _check_decode_call(
+            q, cache, block_table, seq_lens, group, interleave, comm, scale, same_heads, backend, pcp_group)
+        fields = _decode_fields(q, cache, block_table, seq_lens, interleave, comm, same_heads, scale) if agree else None
+    except ValueError as exc:
+        if not agree:
+            raise
+        error = str(exc)
+    if agree:
+        message = input_agreement("dcp_decode_attention", _DECODE_FIELDS, fields, error, group, q.device, _KINDS)
+        if pcp_size > 1:   # every PCP group holds a rank of each DCP group: a failed one reaches them all
+            message = input_agreement("dcp_decode_attention (PCP)", _DECODE_FIELDS, fields, message, pcp_group,
+                                      q.device, _KINDS)
+        if message is not None:
+            raise ValueError(message)
+    from .paged import paged_decode_attention
 
-    heads = q.shape[1]
-    if same_heads and heads % cache.kv_heads != 0:
-        raise ValueError(f"with same_heads, local query heads ({heads}) must be a multiple of the cache's "
-                         f"kv heads ({cache.kv_heads})")
-    if (heads * size) % cache.kv_heads != 0:
-        raise ValueError(f"gathered query heads ({heads} x dcp {size} = {heads * size}) must be a multiple of the "
-                         f"cache's kv heads ({cache.kv_heads})")
-    # the local attention's shape / dtype / cache checks before any collective (its values: just below)
-    check_paged_inputs(q[:, None, :1].expand(-1, -1, heads * size, -1), cache, block_table, seq_lens, layout,
-                       validate=False)
-    chosen = resolve_backend(q, cache, backend)
-    if _kernel_reports_bad_tables(chosen, q.device):
-        invalid = None            # the kernel's NaN rows, carried to every rank by the combine below
-    else:
-        invalid = _invalid_sequences(block_table.to(q.device), seq_lens.to(q.device), layout, cache.k.shape[0])
-    scale = resolve_scale(scale, q.shape[-1])           # ValueError unless finite (NaN: every row NaN)
     q_all = all_gather_uneven(q.contiguous(), group, dim=1, sizes=[heads] * size)       # [S, N*Hq, D]
     s_len, hkv = q.shape[0], cache.kv_heads
     if same_heads and hkv > 1 and size > 1:
