@@ -65,6 +65,9 @@ listeners registered with `add_failure_listener` (the EP dispatcher poisons its 
 there, so that its next use raises rather than pairing with the peers' old collectives). An
 exception in the calling thread while it waits (KeyboardInterrupt) stops the micro-batches the
 same way at their next yield; the listeners get that exception, and it propagates unchanged.
+The listeners run on the caller's thread once every micro-batch thread has ended and the runner
+is released, so a listener may run this runner (or another) again; see `add_failure_listener`
+for what happens when a listener raises or its own run fails.
 
 Outputs: every micro-batch must return the same structure (a tensor, or a tuple/list of the same
 length and kinds, or None); a mismatch raises ValueError naming both.
@@ -81,6 +84,7 @@ from typing import Any, Callable, Literal, Sequence
 import torch
 
 from .comm import even_split
+from .log import get_logger
 
 __all__ = [
     "UBatchRunner",
@@ -98,6 +102,8 @@ __all__ = [
     "record_stream",
     "add_failure_listener",
 ]
+
+log = get_logger(__name__)
 
 Mode = Literal["decode", "prefill"]
 _MODES = ("decode", "prefill")
@@ -148,23 +154,60 @@ class UBatchContext:
 _local = threading.local()
 
 _failure_listeners: list[Callable[[BaseException], None]] = []
+_notifying = threading.local()
+"""`.active`: the listeners running on this thread now (see `_notify_failure`)."""
 
 
 def add_failure_listener(listener: Callable[[BaseException], None]) -> None:
     """Call `listener(ubatch_error)` whenever a split run fails, before the caller sees the
-    `UBatchError` (on the caller's thread, after every micro-batch thread ended); when the caller
-    itself is interrupted while it waits (e.g. KeyboardInterrupt), `listener(that exception)`.
-    For layers that keep collective state across calls; a listener that raises is ignored."""
+    `UBatchError`; when the caller itself is interrupted while it waits (e.g. KeyboardInterrupt),
+    `listener(that exception)`. For layers that keep collective state across calls.
+
+    Listeners run on the caller's thread after every micro-batch thread ended and after the
+    runner was released, so a listener may call `UBatchRunner.run` again (a recovery forward, a
+    retry): that run works as any other. If that run fails too, the other listeners hear its
+    `UBatchError` first, but the listener itself is not called again for it (it gets the error
+    from its own `run` call; calling it again would recurse for as long as the retry fails).
+
+    A listener that raises an Exception does not stop the others and does not replace the
+    failure the caller sees: its exception is logged (logger "megapar.parallel.ubatch") and added
+    as a note to the failure. One that raises a BaseException that is not an Exception
+    (KeyboardInterrupt, SystemExit) also lets the remaining listeners run, then propagates in
+    place of the failure, which stays reachable as its `__context__`.
+    """
     if listener not in _failure_listeners:
         _failure_listeners.append(listener)
 
 
 def _notify_failure(error: BaseException) -> None:
+    """Call every failure listener with `error` (see `add_failure_listener` for the rules).
+
+    Skips the listeners already running on this thread: `error` is then the failure of a run
+    that one of them started, and that listener sees it raised by its own call."""
+    active: list[Callable[[BaseException], None]] = getattr(_notifying, "active", None) or []
+    _notifying.active = active
+    interrupt: BaseException | None = None
     for listener in list(_failure_listeners):
+        if any(listener is running for running in active):
+            continue
+        active.append(listener)
         try:
             listener(error)
-        except Exception:  # noqa: BLE001 - the error is what the caller must see
-            pass
+        except Exception as exc:  # noqa: BLE001 - the failure is what the caller must see
+            name = getattr(listener, "__qualname__", repr(listener))
+            log.warning("ubatch failure listener %s raised while handling %s: %s: %s", name,
+                        type(error).__name__, type(exc).__name__, exc, exc_info=exc)
+            if hasattr(error, "add_note"):  # Python >= 3.11
+                error.add_note(f"ubatch failure listener {name} raised {type(exc).__name__}: {exc}")
+        except BaseException as exc:  # KeyboardInterrupt, SystemExit: raised after the others ran
+            if interrupt is None:
+                interrupt = exc
+        finally:
+            active.pop()
+    if interrupt is not None:
+        if interrupt.__context__ is None:
+            interrupt.__context__ = error
+        raise interrupt
 
 
 def get_optional_ubatch() -> UBatchContext | None:
@@ -380,10 +423,18 @@ class UBatchRunner:
         if get_optional_ubatch() is not None:
             raise RuntimeError("UBatchRunner.run() cannot be nested inside a micro-batch")
         with self._lock:
-            return self._run_split(fn, token_inputs, kwargs, token_inputs[0].device)
+            result, failure = self._run_split(fn, token_inputs, kwargs, token_inputs[0].device)
+        if failure is not None:
+            # Outside the lock: a listener that runs this runner again would otherwise wait
+            # forever for the lock its own caller holds.
+            _notify_failure(failure)
+            raise failure
+        return _concat(result)
 
     def _run_split(self, fn: Callable[..., Any], token_inputs: Sequence[torch.Tensor], kwargs: dict[str, Any],
-                   device: torch.device) -> Any:
+                   device: torch.device) -> tuple[list[Any], BaseException | None]:
+        """Run the micro-batches; return (their outputs, None), or (_, the exception `run` must
+        raise after calling the failure listeners): a UBatchError, or what interrupted the caller."""
         n = self.num_ubatches
         num_tokens = token_inputs[0].shape[0]
         sizes = split_tokens(num_tokens, n)
@@ -419,16 +470,15 @@ class UBatchRunner:
                 self._cond.notify_all()
             self._barrier.abort()
             self._end(threads)
-            _notify_failure(interrupt)
-            raise
+            return results, interrupt
         self._end(threads)
         error = self._error
         if error is not None:
             ubatch_id, exc = error
             failure = UBatchError(ubatch_id, n, exc)
-            _notify_failure(failure)
-            raise failure from exc
-        return _concat(results)
+            failure.__cause__ = exc  # as `raise failure from exc`
+            return results, failure
+        return results, None
 
     def _end(self, threads: list[threading.Thread]) -> None:
         for t in threads:

@@ -512,3 +512,115 @@ def test_interrupted_caller_stops_the_ubatches_and_leaves_the_runner_usable(monk
     again.start()
     again.join(10)  # a hang (stale threads at the barrier) fails here instead of blocking the suite
     assert out and torch.equal(out[0], torch.ones(4))
+
+
+# ---- failure listeners ----
+
+def _failing(x):
+    """A micro-batch fn whose micro-batch 1 raises ZeroDivisionError after one yield."""
+    ubatch_yield()
+    if get_ubatch().ubatch_id == 1:
+        raise ZeroDivisionError("micro-batch 1 divides by zero")
+    return x
+
+
+def _in_thread(call, timeout: float = 10.0) -> list:
+    """Run `call()` in a daemon thread; return [("ok", value)] or [("raised", exc)], or [] if it
+    hangs past `timeout` (a deadlock fails the test instead of blocking the suite)."""
+    out: list = []
+
+    def target():
+        try:
+            out.append(("ok", call()))
+        except BaseException as exc:  # noqa: BLE001 - handed to the test
+            out.append(("raised", exc))
+
+    thread = threading.Thread(target=target, daemon=True)
+    thread.start()
+    thread.join(timeout)
+    return out
+
+
+def test_a_failure_listener_may_run_the_runner_again(monkeypatch):
+    # The listeners were called while the failed run still held the runner's (non-reentrant)
+    # lock: a listener that ran the runner again, e.g. a recovery forward, deadlocked for good.
+    import parallel.ubatch as ubatch_module
+
+    runner = UBatchRunner(2, min_tokens=1)
+    retried: list[torch.Tensor] = []
+    heard: list[BaseException] = []
+
+    def retry(error):
+        retried.append(runner.run(lambda x: ubatch_yield(lambda: x + 1), torch.zeros(4)))
+
+    monkeypatch.setattr(ubatch_module, "_failure_listeners", [retry, heard.append])
+    out = _in_thread(lambda: runner.run(_failing, torch.zeros(4)))
+    assert out, "the run whose failure listener re-entered the runner deadlocked"
+    kind, error = out[0]
+    assert kind == "raised" and isinstance(error, UBatchError) and error.ubatch_id == 1
+    assert isinstance(error.__cause__, ZeroDivisionError)
+    assert len(retried) == 1 and torch.equal(retried[0], torch.ones(4))
+    assert heard == [error] and _live_ubatch_threads() == []
+    assert torch.equal(runner.run(lambda x: x * 2, torch.ones(4)), torch.full((4,), 2.0))
+
+
+def test_a_listener_is_not_called_again_for_the_failure_of_its_own_retry(monkeypatch):
+    # A listener whose own run fails sees that UBatchError itself; calling it again for it would
+    # recurse (retry, fail, retry, ...) until the stack ran out. The other listeners hear both.
+    import parallel.ubatch as ubatch_module
+
+    runner = UBatchRunner(2, min_tokens=1)
+    calls: list[BaseException] = []
+    retry_errors: list[BaseException] = []
+    heard: list[BaseException] = []
+
+    def retry(error):
+        calls.append(error)
+        try:
+            runner.run(_failing, torch.zeros(4))
+        except UBatchError as again:
+            retry_errors.append(again)
+
+    monkeypatch.setattr(ubatch_module, "_failure_listeners", [retry, heard.append])
+    out = _in_thread(lambda: runner.run(_failing, torch.zeros(4)))
+    assert out and out[0][0] == "raised"
+    outer = out[0][1]
+    assert calls == [outer] and len(retry_errors) == 1
+    assert heard == [retry_errors[0], outer]
+
+
+def test_a_raising_listener_neither_stops_the_others_nor_masks_the_failure(monkeypatch, caplog):
+    import parallel.ubatch as ubatch_module
+
+    runner = UBatchRunner(2, min_tokens=1)
+    heard: list[BaseException] = []
+
+    def broken(error):
+        raise RuntimeError("listener bug")
+
+    monkeypatch.setattr(ubatch_module, "_failure_listeners", [broken, heard.append])
+    with caplog.at_level("WARNING", logger="megapar"):
+        with pytest.raises(UBatchError) as info:
+            runner.run(_failing, torch.zeros(4))
+    assert isinstance(info.value.__cause__, ZeroDivisionError) and heard == [info.value]
+    assert any("listener bug" in note for note in getattr(info.value, "__notes__", [])) or not hasattr(
+        info.value, "add_note")  # Python < 3.11 has no notes; the log below still says it
+    assert "listener bug" in caplog.text and "broken" in caplog.text
+
+    # A listener interrupted by a BaseException (KeyboardInterrupt, SystemExit): the others still
+    # hear the failure (the EP dispatcher must poison its communication), then the interrupt
+    # propagates with the failure as its context.
+    class Stop(BaseException):
+        pass
+
+    def interrupted(error):
+        raise Stop("ctrl-c in a listener")
+
+    heard.clear()
+    monkeypatch.setattr(ubatch_module, "_failure_listeners", [interrupted, heard.append])
+    with pytest.raises(Stop) as stop:
+        runner.run(_failing, torch.zeros(4))
+    assert len(heard) == 1 and isinstance(heard[0], UBatchError)
+    assert stop.value.__context__ is heard[0] and isinstance(heard[0].__cause__, ZeroDivisionError)
+    assert _live_ubatch_threads() == []
+    assert torch.equal(runner.run(lambda x: x + 1, torch.zeros(4)), torch.ones(4))
