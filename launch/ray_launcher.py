@@ -6,6 +6,11 @@ torchrun variables on every actor, run `init_parallel` on all at once (when a co
 given), then `fn(rank, *args)`. Results come back by rank. The first exception or dead actor
 kills every actor, removes the placement group and raises `RankError` with the rank and its
 traceback; a startup timeout and a global timeout turn hangs into errors.
+
+Ray itself: a process already connected (the caller ran `ray.init`) keeps its connection and
+cluster. Otherwise `launch_on_ray` connects with `ray.init(address=...)` (which starts a local
+cluster when there is none to join) and calls `ray.shutdown()` when the job ends, returned or
+raised, so it leaves no cluster of its own behind and the process is as unconnected as before.
 """
 
 from __future__ import annotations
@@ -76,6 +81,9 @@ def launch_on_ray(fn: Callable[..., Any], num_workers: int, *, parallel_config: 
     default {"CPU": 1} (add "GPU": 1 for one GPU per actor; backend then defaults to nccl;
     fractions such as {"CPU": 0.5} share a core). A job that the cluster's resources cannot hold
     is refused at once (ValueError saying what to pass) instead of waiting for startup_timeout.
+    address / ray_init_kwargs: for `ray.init`, called only when this process is not connected to
+    Ray yet; that connection (and the local cluster it started, if any) is shut down again when
+    the job ends, whether it returned or raised. A connection made before the call is left open.
     """
     check_world_size(num_workers, "num_workers")
     timeout = check_timeout(timeout)
@@ -85,9 +93,6 @@ def launch_on_ray(fn: Callable[..., Any], num_workers: int, *, parallel_config: 
     if parallel_config is not None and parallel_config.world_size != num_workers:
         raise ValueError(f"parallel_config.world_size ({parallel_config.world_size}) != num_workers ({num_workers})")
     ray = _require_ray()
-    from ray.util.placement_group import placement_group, remove_placement_group
-    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
-
     bundle = dict(resources_per_worker or {"CPU": 1})
     if backend is None:
         backend = "nccl" if bundle.get("GPU", 0) > 0 else "gloo"
@@ -97,9 +102,36 @@ def launch_on_ray(fn: Callable[..., Any], num_workers: int, *, parallel_config: 
     if backend == "nccl" and not bundle.get("GPU", 0) >= 1:
         raise ValueError(f"backend='nccl' runs one rank per GPU: resources_per_worker needs 'GPU': 1, got {bundle} "
                          f"(or pass backend='gloo')")
-    if not ray.is_initialized():
-        ray.init(address=address, include_dashboard=False, log_to_driver=True, **(ray_init_kwargs or {}))
-    check_resources(ray.cluster_resources(), bundle, num_workers)
+    owns_ray = not ray.is_initialized()   # then this call connects, and must disconnect again
+    try:
+        if owns_ray:
+            ray.init(address=address, include_dashboard=False, log_to_driver=True, **(ray_init_kwargs or {}))
+        check_resources(ray.cluster_resources(), bundle, num_workers)
+        results = _run_on_actors(ray, fn, num_workers, bundle=bundle, placement=placement, args=args,
+                                 parallel_config=parallel_config, backend=backend, timeout=timeout,
+                                 startup_timeout=startup_timeout)
+    except BaseException as job_error:
+        if owns_ray:
+            try:
+                ray.shutdown()
+            except Exception as e:   # noqa: BLE001 - the job's error is the one to report
+                if hasattr(job_error, "add_note"):   # Python >= 3.11
+                    job_error.add_note(f"launch_on_ray: ray.shutdown() after this error raised "
+                                       f"{type(e).__name__}: {e}")
+        raise
+    if owns_ray:
+        ray.shutdown()
+    return results
+
+
+def _run_on_actors(ray, fn: Callable[..., Any], num_workers: int, *, bundle: dict[str, float],
+                   placement: Literal["pack", "spread"], args: tuple, parallel_config: ParallelConfig | None,
+                   backend: str, timeout: float, startup_timeout: float) -> list[Any]:
+    """The job on a connected Ray: placement group, actors, rendezvous, fn; results by rank.
+    Kills its actors and removes its placement group however it ends."""
+    from ray.util.placement_group import placement_group, remove_placement_group
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
     pg = placement_group([bundle] * num_workers, strategy=placement.upper())
     actors: list = []
     try:

@@ -558,3 +558,139 @@ def test_launch_on_ray_refuses_at_once_what_the_cluster_cannot_hold(ray_cluster)
     for kwargs in (dict(timeout=0), dict(startup_timeout=-1), dict(timeout="5")):
         with pytest.raises(ValueError, match="must be a number of seconds > 0"):
             launch_on_ray(_ray_job, 2, **kwargs)
+
+
+class _FakeRay:
+    """Stands in for the `ray` module where launch_on_ray decides whether to connect and
+    disconnect: records init/shutdown, answers is_initialized and cluster_resources."""
+
+    def __init__(self, initialized: bool, cpus: float = 2.0, shutdown_error: Exception | None = None) -> None:
+        self.initialized = initialized
+        self.cpus = cpus
+        self.shutdown_error = shutdown_error
+        self.calls: list[str] = []
+
+    def is_initialized(self) -> bool:
+        return self.initialized
+
+    def init(self, **kwargs) -> None:
+        self.calls.append("init")
+        self.initialized = True
+
+    def shutdown(self) -> None:
+        self.calls.append("shutdown")
+        self.initialized = False
+        if self.shutdown_error is not None:
+            raise self.shutdown_error
+
+    def cluster_resources(self) -> dict[str, float]:
+        return {"CPU": self.cpus}
+
+
+@pytest.mark.parametrize("outcome", ["returns", "raises", "refused", "interrupted"])
+@pytest.mark.parametrize("connected_before", [False, True])
+def test_launch_on_ray_shuts_down_only_the_ray_it_started(monkeypatch, outcome, connected_before):
+    # launch_on_ray called ray.init when no Ray was running and left it running after the job
+    # (a local cluster of raylet, GCS and workers kept going in the caller's process tree).
+    from launch import ray_launcher
+
+    fake = _FakeRay(initialized=connected_before, cpus=0.5 if outcome == "refused" else 2.0)
+    monkeypatch.setattr(ray_launcher, "_require_ray", lambda: fake)
+
+    def run_on_actors(ray, fn, num_workers, **kwargs):
+        assert ray is fake and ray.initialized  # the job runs connected
+        if outcome == "raises":
+            raise RankError("rank 1 failed while running fn", rank=1)
+        if outcome == "interrupted":
+            raise KeyboardInterrupt
+        return [fn(rank) for rank in range(num_workers)]
+
+    monkeypatch.setattr(ray_launcher, "_run_on_actors", run_on_actors)
+    expected = {"returns": None, "raises": RankError, "refused": ValueError, "interrupted": KeyboardInterrupt}[outcome]
+    if expected is None:
+        assert ray_launcher.launch_on_ray(lambda rank: rank * 10, 2) == [0, 10]
+    else:
+        with pytest.raises(expected):
+            ray_launcher.launch_on_ray(lambda rank: rank * 10, 2)
+    if connected_before:  # the caller's connection (or cluster) is the caller's to end
+        assert fake.calls == [] and fake.initialized
+    else:
+        assert fake.calls == ["init", "shutdown"] and not fake.initialized
+
+
+def test_launch_on_ray_a_failing_shutdown_does_not_mask_the_jobs_error(monkeypatch):
+    from launch import ray_launcher
+
+    fake = _FakeRay(initialized=False, shutdown_error=RuntimeError("shutdown broke"))
+    monkeypatch.setattr(ray_launcher, "_require_ray", lambda: fake)
+
+    def failing_job(ray, fn, num_workers, **kwargs):
+        raise RankError("rank 0 failed while running fn", rank=0)
+
+    monkeypatch.setattr(ray_launcher, "_run_on_actors", failing_job)
+    with pytest.raises(RankError, match="rank 0 failed") as err:
+        ray_launcher.launch_on_ray(lambda rank: rank, 2)
+    assert fake.calls == ["init", "shutdown"]
+    assert any("shutdown broke" in note for note in getattr(err.value, "__notes__", [])) or sys.version_info < (3, 11)
+    # after a job that succeeded, the shutdown's own error is the caller's to see
+    monkeypatch.setattr(ray_launcher, "_run_on_actors", lambda ray, fn, n, **kwargs: [0, 1])
+    fake.calls.clear()
+    with pytest.raises(RuntimeError, match="shutdown broke"):
+        ray_launcher.launch_on_ray(lambda rank: rank, 2)
+
+
+_RAY_OWNER_SCRIPT = """
+import json, sys
+import ray
+from launch import RankError, launch_on_ray
+
+def job(rank, fail):
+    if fail and rank == 0:
+        raise ValueError("rank zero refuses")
+    return rank + 1
+
+sessions = []
+real_init = ray.init
+def init(*args, **kwargs):
+    context = real_init(*args, **kwargs)
+    sessions.append(context.address_info["session_dir"])
+    return context
+ray.init = init
+kw = dict(resources_per_worker={"CPU": 0.5}, timeout=120, ray_init_kwargs={"num_cpus": 1})
+out = {"result": launch_on_ray(job, 1, args=(False,), **kw), "after_ok": ray.is_initialized()}
+try:
+    launch_on_ray(job, 1, args=(True,), **kw)
+except RankError as e:
+    out["error"] = "rank zero refuses" in str(e)
+out["after_error"] = ray.is_initialized()
+out["sessions"] = sessions
+print("RESULT " + json.dumps(out))
+"""
+
+
+def test_launch_on_ray_stops_the_cluster_it_started_after_success_and_failure(tmp_path):
+    # The one real-cluster check of the ownership rule (Ray starts slowly on 2 cores): in a fresh
+    # process, so that no cluster of this test process (the module fixture) is in the way.
+    pytest.importorskip("ray")
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    env["PYTHONPATH"] = REPO
+    proc = subprocess.run([sys.executable, "-c", _RAY_OWNER_SCRIPT], cwd=REPO, env=env, capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    line = next(x for x in proc.stdout.splitlines() if x.startswith("RESULT "))
+    import json
+
+    out = json.loads(line[len("RESULT "):])
+    assert out["result"] == [1] and out["error"] is True
+    assert out["after_ok"] is False and out["after_error"] is False  # each call shut its cluster down
+    assert len(out["sessions"]) == 2
+    # and no process of those clusters (raylet, GCS, workers) outlives them
+    deadline = time.monotonic() + 20
+    left = []
+    while time.monotonic() < deadline:
+        ps = subprocess.run(["ps", "-eo", "pid,args"], capture_output=True, text=True).stdout
+        left = [x for x in ps.splitlines() if any(os.path.basename(s) in x for s in out["sessions"])]
+        if not left:
+            break
+        time.sleep(0.5)
+    assert left == []
