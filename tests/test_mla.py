@@ -357,6 +357,61 @@ def test_fused_prep_kernel_skips_bad_table_entries(cache_dtype, monkeypatch):
     torch.testing.assert_close(q_out[:1], ref.q, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_prep_without_host_checks_skips_positions_past_the_rope_table(backend, monkeypatch):
+    """As on CUDA (no host check): a position inside the block table but past the rope table (or
+    negative) indexed the table out of bounds (torch: a device-side assert) or rotated by zero
+    angles and wrote k_pe = 0 into the cache (Triton). Now the token is not written (slot -1) and
+    its query's rope part is NaN (its decode row reports it); the other tokens are exact."""
+    from parallel.cp.mla_prep import mla_prep, mla_prep_reference, rope_table
+
+    if backend == "triton":
+        pytest.importorskip("triton")
+        monkeypatch.setenv("TRITON_INTERPRET", "1")
+        from parallel.cp.triton_mla_prep import mla_prep_triton
+    gen = torch.Generator().manual_seed(41)
+    t, heads, nope, dr = 4, 2, DIMS.qk_nope_head_dim, DIMS.qk_rope_head_dim
+    q = torch.randn(t, heads, nope + dr, generator=gen)
+    kv = torch.randn(t, DIMS.latent_dim, generator=gen)
+    positions = torch.tensor([3, 17, 9, 20])             # a 16-row rope table; an 8 x 4 = 32-token table
+    table = torch.arange(8, dtype=torch.int32).expand(t, 8).contiguous()
+    cos_sin, w_kv, w_q = rope_table(16, dr), torch.rand(DIMS.kv_lora_rank, generator=gen) + 0.5, \
+        torch.rand(nope + dr, generator=gen) + 0.5
+    for cache_dtype in (torch.float32, torch.float8_e4m3fn):
+        cache = MLACache.allocate(8, 4, DIMS, dtype=cache_dtype)
+        cache.kv.copy_(torch.randn(cache.kv.shape, generator=gen).to(cache_dtype))       # sentinel contents
+        before = cache.kv.clone()
+        layout = DCPLayout(size=1, rank=0, block_size=4)
+        if backend == "torch":
+            got = mla_prep_reference(q, kv, positions, cache, table, cos_sin, w_kv, layout=layout, q_norm_weight=w_q,
+                                     nope=nope, eps=1e-6)
+            q_out, slots = got.q, got.slots
+        else:
+            q_out, slots = mla_prep_triton(q, kv, positions, cache, table, cos_sin, w_kv, layout, w_q, nope, 1e-6)
+        assert slots.tolist() == [3, -1, 9, -1], (cache_dtype, slots)
+        changed = (cache.kv.view(torch.uint8) != before.view(torch.uint8)).any(-1).flatten().nonzero().flatten()
+        assert set(changed.tolist()) <= {3, 9}, changed                  # slots 17 and -2 are never written
+        assert torch.isnan(q_out[[1, 3], :, nope:]).all() and not torch.isnan(q_out[[0, 2]]).any()
+        ref_cache = MLACache.allocate(8, 4, DIMS, dtype=cache_dtype)
+        ref = mla_prep(q[[0, 2]], kv[[0, 2]], positions[[0, 2]], ref_cache, table[:2], cos_sin, w_kv, q_norm_weight=w_q,
+                       nope=nope, backend="torch")
+        torch.testing.assert_close(q_out[[0, 2]], ref.q, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(q_out[[1, 3], :, :nope], _rms_ref(q[[1, 3]], w_q)[..., :nope], atol=1e-5, rtol=1e-5)
+        if cache.scale is None:   # (the interpreter's fp32 -> e4m3 rounds some values wrongly: -124.5 -> -64)
+            for slot in (3, 9):
+                torch.testing.assert_close(cache.kv.view(-1, DIMS.latent_dim)[slot],
+                                           ref_cache.kv.view(-1, DIMS.latent_dim)[slot], atol=1e-5, rtol=1e-5)
+        else:
+            torch.testing.assert_close(cache.scale.view(-1)[[3, 9]], ref_cache.scale.view(-1)[[3, 9]], atol=0, rtol=1e-6)
+    with pytest.raises(ValueError, match=r"positions in \[3, 20\] outside the rope table's \[0, 16\)"):
+        mla_prep(q, kv, positions, MLACache.allocate(8, 4, DIMS), table, cos_sin, w_kv, nope=nope, backend="torch")
+
+
+def _rms_ref(x, w, eps=1e-6):
+    x = x.double()
+    return (x * torch.rsqrt(x.square().mean(-1, keepdim=True) + eps) * w.double()).float()
+
+
 def _prep_by_hand(q, kv, positions, w_q, w_kv, nope, r, theta, eps):
     """DeepSeek-style prep in fp64: RMSNorm, then RoPE on pairs (2i, 2i+1) as complex products
     (DeepSeek's `apply_rotary_emb`), angles pos * theta^(-2i/d_r)."""

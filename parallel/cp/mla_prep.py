@@ -97,7 +97,11 @@ def mla_prep_reference(q: Tensor, kv: Tensor, positions: Tensor, cache: MLACache
                        nope: int, eps: float) -> MLAPrep:
     """The unfused torch sequence (module docstring)."""
     r, half = cache.kv_lora_rank, cos_sin.shape[1] // 2
-    cs = cos_sin[positions.long()]                                          # [T, d_r]
+    pos = positions.long()
+    # (CUDA, no host check: a position outside the rope table reads row 0 and gets NaN angles, so
+    # its query's rope part is NaN and its latent is not written; CPU tensors raised in _check)
+    in_rope = (pos >= 0) & (pos < cos_sin.shape[0])
+    cs = torch.where(in_rope[:, None], cos_sin[torch.where(in_rope, pos, 0)], torch.nan)    # [T, d_r]
     cos, sin = cs[:, :half], cs[:, half:]
     if q_norm_weight is not None:
         q = _rms(q, q_norm_weight, eps)
@@ -105,6 +109,7 @@ def mla_prep_reference(q: Tensor, kv: Tensor, positions: Tensor, cache: MLACache
     c_kv = _rms(kv[:, :r], kv_norm_weight, eps)
     k_pe = rope_pairs(kv[:, r:], cos, sin)
     slots = insert_slots(layout, positions, block_table, cache.kv.shape[0])    # -1: elsewhere / invalid
+    slots = torch.where(in_rope, slots, -1)
     mla_write_slots(cache, c_kv, k_pe, slots)
     return MLAPrep(q_out, slots)
 
@@ -116,7 +121,10 @@ def mla_prep(q: Tensor, kv: Tensor, positions: Tensor, cache: MLACache, block_ta
 
     q: [T, H, nope + d_r]; kv: [T, r + d_r]; positions: [T] int global; block_table: [T, max_blocks]
     (each token's sequence row); cos_sin: `rope_table(...)`; layout: this rank's DCP layout
-    (default one rank). Returns MLAPrep(q [T, H, nope + d_r] in q's dtype, slots [T] int64)."""
+    (default one rank). Returns MLAPrep(q [T, H, nope + d_r] in q's dtype, slots [T] int64).
+    ValueError for CPU tensors with a position outside the block table or the rope table or a
+    block id outside the cache. On CUDA (no host sync) such a token is not written (slot -1) and,
+    for a position outside the rope table, its query's rope part is NaN, so its decode row is."""
     layout = DCPLayout(size=1, rank=0, block_size=cache.block_size) if layout is None else layout
     if layout.block_size != cache.block_size:
         raise ValueError(f"layout.block_size ({layout.block_size}) must equal the cache's block size "

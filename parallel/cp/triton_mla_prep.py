@@ -53,6 +53,7 @@ def _prep_query_tile(q_ptr, qw_ptr, qo_ptr, t, part, cos, sin, H, eps, sq_t, sq_
 @triton.jit
 def _prep_latent(kv_ptr, kw_ptr, table_ptr, cache_ptr, scale_ptr, slot_ptr, t, pos, cos, sin, eps,
                  dcp_size, dcp_rank, interleave, skv_t, st_t, sc_blk, sc_tok, ss_blk, ss_tok, table_width, num_blocks,
+                 max_pos,
                  R: tl.constexpr, BLOCK_R: tl.constexpr, HALF: tl.constexpr, BLOCK_HALF: tl.constexpr,
                  PAGE: tl.constexpr, FP8: tl.constexpr):
     """The latent of token t: RMSNorm of c_kv, RoPE of k_pe, fp8 quantization, the sharded insert."""
@@ -74,12 +75,13 @@ def _prep_latent(kv_ptr, kw_ptr, table_ptr, cache_ptr, scale_ptr, slot_ptr, t, p
     o = pos % vb
     owner = (o // interleave) % dcp_size
     offset = (o // (dcp_size * interleave)) * interleave + o % interleave
-    # a bad entry (position outside the table, block id outside the cache) is not read past the
-    # table nor written anywhere: slot -1, as dcp.insert_slots does on CUDA (no host check there)
+    # a bad entry (position outside the table or the rope table, block id outside the cache) is not
+    # read past the table nor written anywhere: slot -1, as dcp.insert_slots does on CUDA (no host
+    # check there)
     vblock = pos // vb
     in_table = (pos >= 0) & (vblock < table_width)
     block = tl.load(table_ptr + t * st_t + vblock, mask=in_table, other=-1).to(tl.int64)
-    ok = in_table & (block >= 0) & (block < num_blocks) & (owner == dcp_rank)
+    ok = in_table & (block >= 0) & (block < num_blocks) & (owner == dcp_rank) & (pos < max_pos)
     slot = tl.where(ok, block * PAGE + offset, -1)
     tl.store(slot_ptr + t, slot)
     if slot >= 0:
@@ -114,13 +116,16 @@ def _mla_prep_kernel(
     part = tl.program_id(1)
     pos = tl.load(pos_ptr + t).to(tl.int64)
     i = tl.arange(0, BLOCK_HALF)
-    # (a position outside the rope table reads nothing: cos = sin = 0; its slot is -1 or the
-    # table check catches it, CPU tensors raise before the launch)
+    # a position outside the rope table reads nothing past it: its angles are NaN, so its query's
+    # rope part is NaN (the decode row reports it) and its latent is not written (slot -1), as
+    # the torch sequence does on CUDA; CPU tensors raise before the launch
     pos_ok = (pos >= 0) & (pos < max_pos)
     cs_row = tl.where(pos_ok, pos, 0) * scs
     imask = i < HALF
     cos = tl.load(cs_ptr + cs_row + i, mask=imask & pos_ok, other=0.0)
     sin = tl.load(cs_ptr + cs_row + HALF + i, mask=imask & pos_ok, other=0.0)
+    cos = tl.where(pos_ok, cos, float("nan"))      # (padding lanes stay 0 on a good row: the fp8 amax)
+    sin = tl.where(pos_ok, sin, float("nan"))
     # (each branch is a function, and no local holds a dtype: Triton 3.6 merges the locals of both
     # branches of a run-time `if`, and a dtype value breaks that merge)
     if part < Q_TILES:
@@ -129,7 +134,7 @@ def _mla_prep_kernel(
     else:
         _prep_latent(kv_ptr, kw_ptr, table_ptr, cache_ptr, scale_ptr, slot_ptr, t, pos, cos, sin, eps,
                      dcp_size, dcp_rank, interleave, skv_t, st_t, sc_blk, sc_tok, ss_blk, ss_tok, table_width,
-                     num_blocks, R, BLOCK_R, HALF,
+                     num_blocks, max_pos, R, BLOCK_R, HALF,
                      BLOCK_HALF, PAGE, FP8)
 
 
