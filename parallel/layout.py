@@ -86,7 +86,13 @@ def coords(cfg: ParallelConfig, rank: int) -> dict[str, int]:
 
 
 def format_layout(cfg: ParallelConfig, max_groups: int = 16) -> str:
-    """Human-readable table of the layout (used by `megapar groups`)."""
+    """Human-readable table of the layout (used by `megapar groups`): the sizes, the groups of
+    every axis, and (world <= 64) every rank's coordinates.
+
+    The rank table has an `ext_dp` column only when `cfg.ext_dp > 1`: ranks that differ only in
+    their ext_dp replica would otherwise print identical rows. At ext_dp = 1 (the usual case: dp
+    defaults to filling the world) that column would be all zeros, so the table is left as it was.
+    """
     groups = rank_groups(cfg)
     sizes = cfg.sizes()
     lines = ["sizes: " + "  ".join(f"{k}={v}" for k, v in sizes.items()) + f"  world={cfg.world_size}", ""]
@@ -96,8 +102,13 @@ def format_layout(cfg: ParallelConfig, max_groups: int = 16) -> str:
         shown = "  ".join(str(g) for g in gl[:max_groups]) + ("  ..." if len(gl) > max_groups else "")
         lines.append(f"{axis:<5} {len(gl[0]):>4} {len(gl):>6}  {shown}")
     if cfg.world_size <= 64:
-        lines += ["", f"{'rank':>4}  " + " ".join(f"{a:>4}" for a in ("dp", "pp", "pcp", "tp", "dcp", "ep", "edp"))]
+        columns = ("dp", "pp", "pcp", "tp", "dcp", "ep", "edp")
+        widths = {a: 4 for a in columns}
+        if cfg.ext_dp > 1:
+            columns = ("ext_dp",) + columns
+            widths["ext_dp"] = len("ext_dp")
+        lines += ["", f"{'rank':>4}  " + " ".join(f"{a:>{widths[a]}}" for a in columns)]
         for r in range(cfg.world_size):
             c = coords(cfg, r)
-            lines.append(f"{r:>4}  " + " ".join(f"{c[a]:>4}" for a in ("dp", "pp", "pcp", "tp", "dcp", "ep", "edp")))
+            lines.append(f"{r:>4}  " + " ".join(f"{c[a]:>{widths[a]}}" for a in columns))
     return "\n".join(lines)

@@ -176,3 +176,33 @@ def test_config_is_frozen():
     cfg = ParallelConfig(world_size=2)
     with pytest.raises(Exception):
         cfg.tp = 2  # type: ignore[misc]
+
+
+def test_format_layout_shows_ext_dp_when_there_are_outer_replicas():
+    # The rank table had no ext_dp column: with ext_dp = 2, rank r and rank r + 4 printed the
+    # same row. The column appears only where ext_dp > 1 (the ext_dp = 1 table is unchanged).
+    from parallel.layout import format_layout
+
+    cfg = ParallelConfig(world_size=8, dp=2, tp=2)
+    assert cfg.ext_dp == 2
+    lines = format_layout(cfg).splitlines()
+    table = lines[lines.index("rank  ext_dp   dp   pp  pcp   tp  dcp   ep  edp"):]
+    assert table[1:] == [
+        "   0       0    0    0    0    0    0    0    0",
+        "   1       0    0    0    0    1    0    1    0",
+        "   2       0    1    0    0    0    0    2    0",
+        "   3       0    1    0    0    1    0    3    0",
+        "   4       1    0    0    0    0    0    0    0",
+        "   5       1    0    0    0    1    0    1    0",
+        "   6       1    1    0    0    0    0    2    0",
+        "   7       1    1    0    0    1    0    3    0",
+    ]
+    assert len({row.split(maxsplit=1)[1] for row in table[1:]}) == 8   # no two ranks look alike
+    plain = format_layout(ParallelConfig(world_size=4, tp=2)).splitlines()
+    assert ParallelConfig(world_size=4, tp=2).ext_dp == 1
+    assert plain[plain.index("rank    dp   pp  pcp   tp  dcp   ep  edp"):][1:] == [
+        "   0     0    0    0    0    0    0    0",
+        "   1     0    0    0    1    0    1    0",
+        "   2     1    0    0    0    0    2    0",
+        "   3     1    0    0    1    0    3    0",
+    ]
