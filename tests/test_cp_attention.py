@@ -166,6 +166,52 @@ def test_attention_rejects_bad_input():
             ring_attention(q.to(dtype), k.to(dtype), v.to(dtype))
 
 
+def test_resolve_scale_accepts_real_scalars_and_refuses_the_rest():
+    """The accepted set of `scale`: None, real numbers (numpy scalars and Fractions included), 0-dim
+    real tensors and arrays; bools, strings, complex values, tensors/arrays with dims (even one
+    element) and huge ints are ValueErrors naming the value (a complex tensor raised RuntimeError,
+    which a ring rank did not turn into an agreed error)."""
+    from fractions import Fraction
+
+    import numpy as np
+
+    from parallel.cp.local_attn import resolve_scale
+
+    assert resolve_scale(None, 64) == 0.125
+    for given in (0.5, 2, np.float32(0.5), np.float64(0.5), np.int64(2), Fraction(1, 2), np.array(0.5),
+                  torch.tensor(0.5), torch.tensor(0.5, dtype=torch.bfloat16), torch.tensor(2)):
+        got = resolve_scale(given, 64)
+        assert type(got) is float and got == float(given), (given, got)
+    for given in (True, False, np.bool_(True), torch.tensor(True), np.array(True), "0.5", 1 + 0j,
+                  torch.tensor(1 + 1j), torch.tensor([0.5]), torch.tensor([[0.5]]), np.array([0.5]), 10 ** 400,
+                  torch.tensor(math.inf), np.float32(math.nan)):
+        with pytest.raises(ValueError, match=r"scale must be a finite number or None, got "):
+            resolve_scale(given, 64)
+
+
+def test_scale_that_requires_grad_is_refused_not_silently_detached():
+    """No attention path differentiates the softmax scale, so a trainable tensor scale would stop
+    training without a word (its gradient was dropped): a ValueError while grad mode is on; under
+    no_grad nothing is dropped and the value is used. A detached tensor scale works."""
+    from parallel.cp.local_attn import resolve_scale
+
+    q, k, v = _qkv(4, 6, 6, 4, 2, 8, 8)
+    trainable = torch.nn.Parameter(torch.tensor(0.3))
+    for call in (lambda s: attention_with_lse(q, k, v, causal=True, scale=s),
+                 lambda s: ring_attention(q, k, v, None, causal=True, scale=s),
+                 lambda s: ring_attention(q, k, v, None, causal=True, scale=s, variant="allgather"),
+                 lambda s: resolve_scale(s, 8)):
+        with pytest.raises(ValueError, match=r"requires grad.*does not differentiate the softmax scale.*float"):
+            call(trainable)
+    ref, _ = reference_attention(q, k, v, causal=True, scale=0.3)
+    with torch.no_grad():
+        torch.testing.assert_close(ring_attention(q, k, v, None, scale=trainable).double(), ref, rtol=0, atol=1e-6)
+    torch.testing.assert_close(ring_attention(q, k, v, None, scale=trainable.detach()).double(), ref, rtol=0,
+                               atol=1e-6)
+    torch.testing.assert_close(attention_with_lse(q, k, v, causal=True, scale=torch.tensor(0.3)).out.double(), ref,
+                               rtol=0, atol=1e-6)
+
+
 def test_zigzag_shard_unshard_and_positions():
     x = torch.arange(16).view(16, 1)
     shards = [zigzag_shard(x, r, 4) for r in range(4)]

@@ -25,6 +25,7 @@ which is what makes per-block gradients of a ring exact (FlashAttention's `D = r
 from __future__ import annotations
 
 import math
+import numbers
 from typing import Literal
 
 import torch
@@ -67,17 +68,46 @@ def check_qkv(q: Tensor, k: Tensor, v: Tensor) -> None:
         raise ValueError(f"query heads ({hq}) must be a multiple of kv heads ({hkv}); valid kv heads: {valid}")
 
 
-def resolve_scale(scale: float | None, head_dim: int) -> float:
-    """The softmax scale: `scale` as a float, or 1/sqrt(head_dim) for None; ValueError unless finite
-    (a NaN or infinite scale would make every output NaN)."""
+def resolve_scale(scale: float | Tensor | None, head_dim: int) -> float:
+    """The softmax scale as a Python float: 1/sqrt(head_dim) for None, else `scale` read as a number.
+
+    Accepted: None; a real number (int, float, a numpy integer or float scalar, Fraction); a 0-dim
+    real tensor or numpy array (read on the host: a CUDA tensor synchronizes). Refused with a
+    ValueError naming the value: NaN or infinity (every output would be NaN), bools and strings (an
+    argument slip, not a scale), complex values, tensors / arrays with dims (even of one element: a
+    per-head scale is not supported, and a [1] shape is more likely a bug than a scalar), and a tensor
+    that requires grad while grad mode is on: no attention path differentiates the scale (the ring's
+    and the fused kernels' backwards take it as a constant), so its gradient would be dropped
+    silently and the scale would stop training. Pass a float or a detached tensor instead (under
+    torch.no_grad() / inference_mode no gradient is asked for, so a trainable scale is read as is).
+    Every refusal is a ValueError, never a TypeError or RuntimeError: ring_attention turns a
+    ValueError on one rank into an error on every rank, anything else would leave the others waiting.
+    """
     if scale is None:
         return head_dim ** -0.5
+    if type(scale) is float and math.isfinite(scale):   # the common case, on every decode step: no more work
+        return scale
+    given = scale
+    bad = lambda: f"scale must be a finite number or None, got {given!r}"   # lazy: a tensor repr is ~50 us
+    if isinstance(scale, Tensor):
+        if scale.requires_grad and torch.is_grad_enabled():
+            raise ValueError(f"scale {scale!r} requires grad, but attention does not differentiate the softmax "
+                             "scale (its gradient would be dropped silently); pass a float (scale.item()) or a "
+                             "detached tensor, or call under torch.no_grad()")
+        if scale.dim() != 0 or scale.dtype == torch.bool or scale.is_complex():
+            raise ValueError(f"{bad()}: a tensor scale must be a 0-dim real tensor (shape {tuple(scale.shape)}, "
+                             f"{scale.dtype})")
+        scale = scale.item()
+    elif not isinstance(scale, numbers.Real) and getattr(scale, "shape", None) == () and hasattr(scale, "item"):
+        scale = scale.item()                            # a 0-dim numpy array (a numpy scalar is a Real already)
+    if isinstance(scale, bool) or not isinstance(scale, numbers.Real):   # np.bool_ is no Real either
+        raise ValueError(f"{bad()} (a real number: int, float, numpy scalar or 0-dim tensor)")
     try:
         value = float(scale)
-    except (TypeError, ValueError):
-        raise ValueError(f"scale must be a finite number or None, got {scale!r}") from None
+    except OverflowError:                               # an int or Fraction beyond the float range
+        raise ValueError(bad()) from None
     if not math.isfinite(value):
-        raise ValueError(f"scale must be a finite number or None, got {scale!r}")
+        raise ValueError(bad())
     return value
 
 
