@@ -37,7 +37,7 @@ def _require_ray():
 class _RankWorker:
     """The body of one actor (wrapped by ray.remote at launch time)."""
 
-    def node_info(self) -> tuple[str, list[int]]:
+    def node_info(self) -> tuple[str, str, list[int]]:
         import ray
 
         ctx = ray.get_runtime_context()
@@ -105,7 +105,7 @@ def launch_on_ray(fn: Callable[..., Any], num_workers: int, *, parallel_config: 
     owns_ray = not ray.is_initialized()   # then this call connects, and must disconnect again
     try:
         if owns_ray:
-            ray.init(address=address, include_dashboard=False, log_to_driver=True, **(ray_init_kwargs or {}))
+            ray.init(address=address, **{"include_dashboard": False, "log_to_driver": True, **(ray_init_kwargs or {})})
         check_resources(ray.cluster_resources(), bundle, num_workers)
         results = _run_on_actors(ray, fn, num_workers, bundle=bundle, placement=placement, args=args,
                                  parallel_config=parallel_config, backend=backend, timeout=timeout,

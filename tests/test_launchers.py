@@ -575,6 +575,7 @@ class _FakeRay:
 
     def init(self, **kwargs) -> None:
         self.calls.append("init")
+        self.init_kwargs = kwargs
         self.initialized = True
 
     def shutdown(self) -> None:
@@ -694,3 +695,17 @@ def test_launch_on_ray_stops_the_cluster_it_started_after_success_and_failure(tm
             break
         time.sleep(0.5)
     assert left == []
+
+
+def test_launch_on_ray_init_kwargs_may_override_its_defaults(monkeypatch):
+    # ray_init_kwargs={"include_dashboard": True} raised TypeError (the keyword given twice)
+    from launch import ray_launcher
+
+    fake = _FakeRay(initialized=False)
+    monkeypatch.setattr(ray_launcher, "_require_ray", lambda: fake)
+    monkeypatch.setattr(ray_launcher, "_run_on_actors", lambda ray, fn, n, **kwargs: [fn(r) for r in range(n)])
+    assert ray_launcher.launch_on_ray(lambda rank: rank, 2, address="auto",
+                                      ray_init_kwargs={"include_dashboard": True, "num_cpus": 2}) == [0, 1]
+    assert fake.init_kwargs == {"address": "auto", "include_dashboard": True, "log_to_driver": True, "num_cpus": 2}
+    ray_launcher.launch_on_ray(lambda rank: rank, 2)
+    assert fake.init_kwargs == {"address": None, "include_dashboard": False, "log_to_driver": True}
