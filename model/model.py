@@ -401,15 +401,41 @@ class DemoModel(nn.Module):
 
     # ---- entry points -------------------------------------------------------------------
 
+    def _check_tokens(self, tokens: torch.Tensor, what: str, *, values: bool) -> None:
+        """Integer token ids, in [0, vocab) when `values` (reads them: a host sync on CUDA)."""
+        if not isinstance(tokens, torch.Tensor) or tokens.dtype.is_floating_point or tokens.dtype.is_complex \
+                or tokens.dtype == torch.bool:
+            raise ValueError(f"{what} takes integer token ids; got "
+                             f"{tokens.dtype if isinstance(tokens, torch.Tensor) else type(tokens).__name__}")
+        if values and tokens.numel():
+            lo, hi = (int(v) for v in torch.aminmax(tokens))
+            if lo < 0 or hi >= self.cfg.vocab:
+                raise ValueError(f"{what}: token ids in [{lo}, {hi}] are outside the vocabulary [0, {self.cfg.vocab})")
+
     @torch.no_grad()
     def prefill(self, tokens: torch.Tensor, max_len: int | None = None) -> torch.Tensor:
         """tokens: [B, S] int (the full prompts, the same on every rank of the replica) ->
-        logits [B, V] fp32 of the last position. Fills the KV cache (allocated for `max_len`)."""
+        logits [B, V] fp32 of the last position. Fills the KV cache (allocated for `max_len`).
+
+        Bad tokens (shape, dtype, ids outside the vocabulary) raise ValueError before the cache is
+        touched; a prefill that fails later leaves no decode state (`decode_step` then asks for a
+        new prefill instead of reading a half-written cache)."""
+        if not isinstance(tokens, torch.Tensor) or tokens.dim() != 2 or tokens.shape[0] < 1:
+            raise ValueError(f"prefill() takes the prompts as tokens [B, S] with B >= 1; got shape "
+                             f"{tuple(tokens.shape) if isinstance(tokens, torch.Tensor) else type(tokens).__name__}")
+        self._check_tokens(tokens, "prefill()", values=True)
         batch, seq_len = tokens.shape
         check_layout(self.cfg, self.groups.config, prompt_len=seq_len)
         if max_len is not None and max_len < seq_len:
             raise ValueError(f"max_len ({max_len}) must be >= the prompt length ({seq_len})")
-        self.allocate_cache(batch, max_len or seq_len)
+        try:
+            return self._prefill(tokens, batch, seq_len, max_len or seq_len)
+        except BaseException:
+            self.block_table, self.seq_len = None, 0   # the cache is half-rewritten: nothing to decode from
+            raise
+
+    def _prefill(self, tokens: torch.Tensor, batch: int, seq_len: int, max_len: int) -> torch.Tensor:
+        self.allocate_cache(batch, max_len)
         cp = self.layers[0].attn.cp
         local = cp.shard(tokens.to(self.device), dim=1)                            # [B, S / pcp] zigzag
         num_tokens = local.numel()
@@ -431,7 +457,8 @@ class DemoModel(nn.Module):
     @torch.no_grad()
     def decode_step(self, tokens: torch.Tensor) -> torch.Tensor:
         """tokens: [B] int, one new token per sequence (the same on every rank of the replica) ->
-        logits [B, V] fp32 for the next position."""
+        logits [B, V] fp32 for the next position. Ids outside the vocabulary raise ValueError when
+        the tokens are CPU tensors (on the device, reading them would sync every step)."""
         if self.block_table is None:
             raise RuntimeError("decode_step() needs prefill() first (it fills the KV cache)")
         if self.seq_len >= self.max_len:
@@ -439,6 +466,7 @@ class DemoModel(nn.Module):
                              f"prefill()")
         if tokens.dim() != 1:
             raise ValueError(f"decode_step() takes one token per sequence, shape [B]; got {tuple(tokens.shape)}")
+        self._check_tokens(tokens, "decode_step()", values=tokens.device.type == "cpu")  # (no sync per step)
         batch = tokens.shape[0]
         if batch != self.block_table.shape[0]:
             raise ValueError(f"decode_step() got {batch} tokens but prefill() cached {self.block_table.shape[0]} "

@@ -264,3 +264,52 @@ def test_decode_step_refuses_another_batch_or_shape_before_writing():
         assert model.seq_len == 5
     finally:
         destroy_parallel()
+
+
+def test_failed_prefill_leaves_no_decode_state_and_bad_tokens_are_refused_before_the_cache():
+    """prefill() reallocated the KV cache before the tokens were looked at: a prompt with an id
+    outside the vocabulary (IndexError from the embedding) wiped the cache of the sequences being
+    decoded but kept their length, and the next decode_step ran on the empty cache with no error
+    (wrong logits). Bad tokens now raise ValueError naming the values before the cache is touched,
+    and a prefill failing anywhere later leaves no decode state."""
+    cfg = ModelConfig(layers=1, vocab=64)
+    state = make_state_dict(cfg, seed=2)
+    groups = init_parallel(ParallelConfig(world_size=1))
+    try:
+        model = DemoModel(cfg, groups)
+        model.load_full(state)
+        prompts = torch.randint(cfg.vocab, (2, 4), generator=torch.Generator().manual_seed(0))
+        model.prefill(prompts, 8)
+        expected = model.decode_step(torch.tensor([3, 5]))
+        for bad, match in ((torch.tensor([[1, 2, 64, 3], [0, 0, 0, 0]]), r"token ids in \[0, 64\] are outside the "
+                            r"vocabulary \[0, 64\)"),
+                           (torch.tensor([[1, -1, 2, 3], [1, 1, 1, 1]]), r"token ids in \[-1, 3\]"),
+                           (torch.zeros(2, 4), "integer token ids; got torch.float32"),
+                           (torch.zeros(0, 4, dtype=torch.long), r"tokens \[B, S\] with B >= 1; got shape \(0, 4\)"),
+                           (torch.zeros(4, dtype=torch.long), r"got shape \(4,\)")):
+            model.prefill(prompts, 8)
+            cache = [t.clone() for t in (model.layers[0].attn.cache.k, model.layers[0].attn.cache.v)]
+            with pytest.raises(ValueError, match=match):
+                model.prefill(bad, 8)
+            assert model.seq_len == 4 and all(torch.equal(a, b) for a, b in zip(
+                cache, (model.layers[0].attn.cache.k, model.layers[0].attn.cache.v)))   # untouched
+            torch.testing.assert_close(model.decode_step(torch.tensor([3, 5])), expected, rtol=0, atol=0)
+        with pytest.raises(ValueError, match=r"decode_step\(\): token ids in \[3, 64\]"):
+            model.decode_step(torch.tensor([3, 64]))
+        # a failure past the checks (here: in the MoE of the first layer) leaves nothing to decode from
+        model.prefill(prompts, 8)
+        moe = model.layers[0].moe
+
+        def broken(*args, **kwargs):
+            raise RuntimeError("injected")
+
+        moe.forward = broken
+        with pytest.raises(RuntimeError, match="injected"):
+            model.prefill(prompts, 8)
+        del moe.forward
+        with pytest.raises(RuntimeError, match=r"needs prefill\(\) first"):
+            model.decode_step(torch.tensor([3, 5]))
+        model.prefill(prompts, 8)                                      # and a new prefill decodes as before
+        torch.testing.assert_close(model.decode_step(torch.tensor([3, 5])), expected, rtol=0, atol=0)
+    finally:
+        destroy_parallel()
