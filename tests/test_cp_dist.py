@@ -235,6 +235,7 @@ def _cp_rank(rank: int, world: int) -> str:
     else:
         raise AssertionError("local cu_seqlens were accepted")
     _check_disagreement(groups, rank, world)
+    _check_scale_agreement(groups, rank, world, device, tol)
     return "ok"
 
 
@@ -282,6 +283,43 @@ def _check_disagreement(groups, rank: int, world: int) -> None:
     z = torch.randn(t, 2, 8)  # still in step afterwards
     out = ring_attention(z, z, z, groups.pcp, causal=False, variant="allgather")
     assert out.shape == z.shape
+
+
+def _check_scale_agreement(groups, rank: int, world: int, device: torch.device, tol: float) -> None:
+    """The softmax scale is part of the ranks' agreement: different scales (even one float32 rounding
+    apart) are a ValueError on every rank naming each rank's value (each rank computed with its own
+    and the merge was silently wrong); a trainable scale on one rank fails every rank; the same
+    non-default scale given as another type on each rank agrees and matches the reference."""
+    import numpy as np
+
+    from parallel.cp import ring_attention
+
+    x = torch.randn(2 * world, 2, 8, device=device)
+    others = ", ".join(["0.25"] * (world - 1))
+    nearly = torch.tensor(0.6) if rank == 0 else 0.6      # float32 0.6 is 0.6000000238418579, not 0.6
+    trainable = torch.nn.Parameter(torch.tensor(0.6)) if rank == 0 else 0.6
+    for variant in ("ring", "allgather"):
+        call = lambda scale, variant=variant: ring_attention(x, x, x, groups.pcp, scale=scale, variant=variant)
+        _raises_on_every_rank(lambda: call(0.5 if rank == 0 else 0.25), f"scale: [0.5, {others}]")
+        _raises_on_every_rank(lambda: call(nearly), "scale: [0.6000000238418579, 0.6")
+        _raises_on_every_rank(lambda: call(trainable), "requires grad" if rank == 0 else "rank(s) [0]")
+    forms = (0.6, np.float64(0.6), torch.tensor(0.6, dtype=torch.float64), torch.tensor(0.6, dtype=torch.float64))
+    seq = 4 * world
+    gen = torch.Generator().manual_seed(11)
+    q, k, v, dout = (torch.randn(seq, 4, 8, generator=gen), torch.randn(seq, 2, 8, generator=gen),
+                     torch.randn(seq, 2, 8, generator=gen), torch.randn(seq, 4, 8, generator=gen))
+    ref = [t.double().requires_grad_() for t in (q, k, v)]
+    ref_out, ref_lse = reference_attention(*ref, causal=True, scale=0.6)
+    (ref_out * dout.double()).sum().backward()
+    for variant in ("ring", "allgather"):
+        local = [_shard(t, rank, world, 0).to(device).requires_grad_() for t in (q, k, v)]
+        out, lse = ring_attention(*local, groups.pcp, scale=forms[rank], variant=variant, return_lse=True)
+        out.backward(_shard(dout, rank, world, 0).to(device))
+        msg = f"rank {rank}/{world} scale 0.6 as {type(forms[rank]).__name__} {variant}"
+        _close(out, _shard(ref_out, rank, world, 0), ATOL * tol, f"{msg} out")
+        _close(lse, _shard(ref_lse, rank, world, 0), ATOL * tol, f"{msg} lse")
+        for name, ours, theirs in zip("qkv", local, ref):
+            _close(ours.grad, _shard(theirs.grad, rank, world, 0), GRAD_ATOL * tol, f"{msg} d{name}")
 
 
 @pytest.mark.parametrize("world", [2, 4])

@@ -26,16 +26,19 @@ backward are the same code, over a list of per-sequence blocks instead of one. O
 kernels run once per sequence and step (no varlen kernel is used).
 
 Agreement: at P > 1 every call first all-gathers a few ints per rank (shapes, dtype, causal,
-variant, a checksum of cu_seqlens, and whether this rank's arguments are valid), so ranks that
-disagree on the head layout, the dtype or the packing, or a rank with bad input (a backend it
-cannot run included), raise ValueError on every rank before any KV moves instead of returning
-results (or hanging). It is one host sync of a few bytes per call; the cu_seqlens are read on
-the host anyway.
+variant, the softmax scale's float64 bits, a checksum of cu_seqlens, and whether this rank's
+arguments are valid), so ranks that disagree on the head layout, the dtype, the scale or the
+packing, or a rank with bad input (a backend it cannot run included), raise ValueError on every
+rank before any KV moves instead of returning results (or hanging). The scale must agree exactly:
+the ranks merge partial results that each computed with its own scale, so a difference would
+silently mix softmaxes of different temperatures. It is one host sync of a few bytes per call;
+the cu_seqlens are read on the host anyway.
 """
 
 from __future__ import annotations
 
 import operator
+import struct
 import zlib
 from typing import Literal, Sequence
 
@@ -351,7 +354,7 @@ def simulate_ring_forward(q_shards: Sequence[Tensor], k_shards: Sequence[Tensor]
     """
     size = len(q_shards)
     bounds = _bounds(q_shards[0].shape[1], size, cu_seqlens)
-    scale = q_shards[0].shape[-1] ** -0.5 if scale is None else scale
+    scale = resolve_scale(scale, q_shards[0].shape[-1])
     backend = resolve_backend(backend, q_shards[0], k_shards[0], v_shards[0])
     states = []
     for rank in range(size):
@@ -371,7 +374,7 @@ def simulate_ring_backward(dout_shards: Sequence[Tensor], q_shards: Sequence[Ten
     """Every rank's ring backward on one device: per rank (dq, dk, dv) fp32 of its own shards."""
     size = len(q_shards)
     bounds = _bounds(q_shards[0].shape[1], size, cu_seqlens)
-    scale = q_shards[0].shape[-1] ** -0.5 if scale is None else scale
+    scale = resolve_scale(scale, q_shards[0].shape[-1])
     backend = resolve_backend(backend, q_shards[0], k_shards[0], v_shards[0])
     grads = [tuple(torch.zeros(x.shape, dtype=torch.float32, device=x.device) for x in (q, k, v))
              for q, k, v in zip(q_shards, k_shards, v_shards)]
@@ -465,7 +468,7 @@ def _allgather_attention(q: Tensor, k: Tensor, v: Tensor, group: GroupLike, rank
 # agreement among the ranks
 
 _SIGNATURE = ("batch", "local tokens T", "q heads", "kv heads", "head dim", "v head dim", "dtype", "causal",
-              "variant", "sequences", "cu_seqlens checksum")
+              "variant", "scale", "sequences", "cu_seqlens checksum")
 
 
 def _dtype_code(dtype: torch.dtype) -> int:
@@ -478,16 +481,26 @@ def _dtype_name(code: int) -> str:
     return names.get(code, str(code))
 
 
-def _signature(q: Tensor, k: Tensor, v: Tensor, causal: bool, variant: str,
+def _scale_code(scale: float) -> int:
+    """The float64 bits of a resolved scale as an int64: equal floats agree, any difference does not."""
+    return struct.unpack("<q", struct.pack("<d", scale))[0]
+
+
+def _scale_value(code: int) -> float:
+    """Inverse of `_scale_code` (for the error message)."""
+    return struct.unpack("<d", struct.pack("<q", code))[0]
+
+
+def _signature(q: Tensor, k: Tensor, v: Tensor, causal: bool, variant: str, scale: float,
                cu_seqlens: Tensor | Sequence[int] | None) -> list[int]:
-    """The ints every rank of the ring must agree on ([B, T, H, D] inputs)."""
+    """The ints every rank of the ring must agree on ([B, T, H, D] inputs, the resolved float scale)."""
     if cu_seqlens is None:
         seqs, checksum = 1, 0
     else:
         offsets = [int(o) for o in (cu_seqlens.tolist() if isinstance(cu_seqlens, Tensor) else cu_seqlens)]
         seqs, checksum = len(offsets) - 1, zlib.crc32(repr(offsets).encode())
     return [q.shape[0], q.shape[1], q.shape[2], k.shape[2], q.shape[3], v.shape[3], _dtype_code(q.dtype),
-            int(causal), int(variant == "allgather"), seqs, checksum]
+            int(causal), int(variant == "allgather"), _scale_code(scale), seqs, checksum]
 
 
 def _agree(signature: list[int] | None, error: str | None, group: GroupLike, rank: int, size: int,
@@ -508,10 +521,11 @@ def _agree(signature: list[int] | None, error: str | None, group: GroupLike, ran
                          "(see their error)")
     differ = [i for i in range(len(_SIGNATURE)) if len({values[i + 1] for values in rows}) > 1]
     if differ:
-        show = lambda i, x: _dtype_name(x) if _SIGNATURE[i] == "dtype" else x
+        decode = {"dtype": _dtype_name, "scale": _scale_value}
+        show = lambda i, x: decode.get(_SIGNATURE[i], lambda c: c)(x)
         detail = "; ".join(f"{_SIGNATURE[i]}: {[show(i, values[i + 1]) for values in rows]}" for i in differ)
         raise ValueError(f"ring attention: the ranks of the group disagree (per group rank) on {detail}; every "
-                         "rank must call with the same layout, dtype, causal, variant and cu_seqlens")
+                         "rank must call with the same layout, dtype, causal, variant, softmax scale and cu_seqlens")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -526,6 +540,9 @@ def ring_attention(q: Tensor, k: Tensor, v: Tensor, group: GroupLike = None, *, 
     q: [T, Hq, D] or [B, T, Hq, D], this rank's zigzag shard (`zigzag_shard`), T = S / P;
     k: [.., T, Hkv, D]; v: [.., T, Hkv, Dv]; Hq % Hkv == 0. With causal=True at P > 1, T must be even.
     group: parallel.groups.Group, ProcessGroup, or None (the world).
+    scale: softmax scale, default 1/sqrt(D); the forms `resolve_scale` accepts (a float; not a tensor that
+    requires grad: the ring's backward treats the scale as a constant). It must be the same float on
+    every rank (ValueError on every rank otherwise, naming each rank's value).
     variant: "ring" (P2P ring, double-buffered) or "allgather" (gather all KV first).
     cu_seqlens: [N+1] int offsets of the FULL packed batch (the same on every rank, host ints or a
     tensor, read on the host), for packed [T, H, D] inputs sharded with `zigzag_shard_varlen`;
@@ -554,8 +571,8 @@ def ring_attention(q: Tensor, k: Tensor, v: Tensor, group: GroupLike = None, *, 
             raise ValueError(f"local length ({q.shape[1]}) must be even: each rank holds two zigzag chunks; pad "
                              f"the sequence to a multiple of 2*P = {2 * size} and shard it with zigzag_shard")
         backend = resolve_backend(backend, q, k, v)   # a bad backend on one rank must not hang the others
-        scale = resolve_scale(scale, q.shape[-1])      # likewise a bad scale
-        signature = _signature(q, k, v, causal, variant, cu_seqlens)
+        scale = resolve_scale(scale, q.shape[-1])      # likewise a bad scale (and, agreed below, a different one)
+        signature = _signature(q, k, v, causal, variant, scale, cu_seqlens)
     except ValueError as exc:
         if size == 1:
             raise
