@@ -454,22 +454,25 @@ class UBatchRunner:
             threads.append(threading.Thread(target=self._worker, args=(ctx, fn, slices, kwargs, results, modes),
                                             name=f"ubatch-{i}", daemon=True))
             offset += size
-        for t in threads:
-            t.start()
+        started: list[threading.Thread] = []
         try:
+            for t in threads:
+                t.start()
+                started.append(t)
             self._barrier.wait()  # every micro-batch is set up
             self._barrier.wait()  # every micro-batch is done
         except threading.BrokenBarrierError:
             pass
         except BaseException as interrupt:
-            # The caller was interrupted while it waited (KeyboardInterrupt, a signal handler): stop
-            # the micro-batches at their next yield as after a failure, so that none runs on or stays
-            # parked at the barrier (where it would count as a party of the next run).
+            # The caller was interrupted while it waited (KeyboardInterrupt, a signal handler), or a
+            # thread could not start ("can't start new thread"): stop the micro-batches at their next
+            # yield as after a failure, so that none runs on or stays parked at the barrier (where it
+            # would count as a party of the next run).
             with self._cond:
                 self._aborted = True
                 self._cond.notify_all()
             self._barrier.abort()
-            self._end(threads)
+            self._end(started)
             return results, interrupt
         self._end(threads)
         error = self._error

@@ -624,3 +624,26 @@ def test_a_raising_listener_neither_stops_the_others_nor_masks_the_failure(monke
     assert stop.value.__context__ is heard[0] and isinstance(heard[0].__cause__, ZeroDivisionError)
     assert _live_ubatch_threads() == []
     assert torch.equal(runner.run(lambda x: x + 1, torch.zeros(4)), torch.ones(4))
+
+
+def test_a_thread_that_cannot_start_leaves_no_ubatch_parked(monkeypatch):
+    # Thread.start() failing for micro-batch 1 ("can't start new thread") left micro-batch 0,
+    # already started, waiting at the barrier forever, a party of the next run's barrier.
+    import parallel.ubatch as ubatch_module
+
+    monkeypatch.setattr(ubatch_module, "_failure_listeners", [])
+    runner = UBatchRunner(2, min_tokens=1)
+    real_start = threading.Thread.start
+
+    def start(self):
+        if self.name == "ubatch-1":
+            raise RuntimeError("can't start new thread")
+        real_start(self)
+
+    monkeypatch.setattr(threading.Thread, "start", start)
+    x = torch.arange(6.0).unsqueeze(1)
+    with pytest.raises(RuntimeError, match="can't start new thread"):
+        runner.run(lambda t: t * 2, x)
+    assert not [t for t in threading.enumerate() if t.name.startswith("ubatch-")]
+    monkeypatch.setattr(threading.Thread, "start", real_start)
+    torch.testing.assert_close(runner.run(lambda t: t * 2, x), x * 2)   # the runner is usable again
