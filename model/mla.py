@@ -101,10 +101,19 @@ class MLAttention(nn.Module):
         """Take this rank's heads of the full MLA weights (names in model/weights.py, HF's)."""
         lo, hi = self.head_range
         d = self.dims
-        heads_rows = lambda w, per: w.view(self.cfg.heads, per, -1)[lo:hi].flatten(0, 1)
+
         def load(dst: torch.Tensor, name: str, per_head: int = 0) -> None:    # (shapes checked: no broadcast)
             key = f"{prefix}.{name}.weight"
-            copy_weight(dst, heads_rows(state[key], per_head) if per_head else state[key], key)
+            w = state[key]
+            if not per_head:
+                copy_weight(dst, w, key)
+                return
+            # the full [heads * per_head, in] weight is checked before this rank's heads are cut from it
+            # (a view by heads took any tensor of as many elements, e.g. a transposed one, scrambled)
+            full = (self.cfg.heads * per_head, dst.shape[1])
+            if tuple(w.shape) != full:
+                raise ValueError(f"{key} has shape {tuple(w.shape)}, expected {full}")
+            copy_weight(dst, w.view(self.cfg.heads, per_head, -1)[lo:hi].flatten(0, 1), key)
         if self.cfg.q_lora_rank:
             load(self.q_a, "q_a_proj")
             load(self.q_a_norm, "q_a_layernorm")

@@ -313,3 +313,24 @@ def test_failed_prefill_leaves_no_decode_state_and_bad_tokens_are_refused_before
         torch.testing.assert_close(model.decode_step(torch.tensor([3, 5])), expected, rtol=0, atol=0)
     finally:
         destroy_parallel()
+
+
+def test_mla_load_full_refuses_per_head_weights_of_another_shape():
+    """MLA's per-head weights (q_b_proj / q_proj, kv_b_proj) were cut by heads with a view before
+    their shape was looked at, so a tensor of the same element count, e.g. a transposed one
+    ([r, heads * d] for [heads * d, r]), loaded silently as a scrambled weight."""
+    for q_lora in (32, 0):
+        cfg = ModelConfig(attention="mla", layers=1, vocab=64, q_lora_rank=q_lora)
+        state = make_state_dict(cfg, seed=0)
+        groups = init_parallel(ParallelConfig(world_size=1))
+        try:
+            for name in ("q_b_proj" if q_lora else "q_proj", "kv_b_proj"):
+                key = f"layers.0.attn.{name}.weight"
+                want = tuple(state[key].shape)
+                assert want[0] != want[1]                                  # (a transposed one is another shape)
+                with pytest.raises(ValueError, match=rf"{re.escape(key)} has shape "
+                                   rf"{re.escape(str(want[::-1]))}, expected {re.escape(str(want))}"):
+                    DemoModel(cfg, groups).load_full({**state, key: state[key].T.contiguous()})
+            DemoModel(cfg, groups).load_full(state)                        # (the right shapes load)
+        finally:
+            destroy_parallel()
