@@ -352,18 +352,18 @@ def float_code(x: float) -> int:
     return struct.unpack("<q", struct.pack("<d", float(x)))[0]
 
 
-def _show_code(kind: str, code: int) -> str:
+def _show_code(kind: str, code: int) -> str | float | int:
     if kind == "dtype":
         names = {dtype_code(d): str(d) for d in vars(torch).values() if isinstance(d, torch.dtype)}
         return names.get(code, str(code))
     if kind == "float":
-        return repr(struct.unpack("<d", struct.pack("<q", code))[0])
-    return str(code)
+        return struct.unpack("<d", struct.pack("<q", code))[0]
+    return code
 
 
 def input_agreement(what: str, names: Sequence[str], values: Sequence[int] | None, error: str | None,
                     group: GroupLike, device: torch.device | None = None,
-                    kinds: dict[str, str] | None = None) -> str | None:
+                    kinds: dict[str, str] | None = None, hint: str = "") -> str | None:
     """What this rank must raise, decided with the whole group in one all-gather of a few ints.
 
     Call it on every rank of `group` before the collectives of `what`, with this rank's own
@@ -373,7 +373,8 @@ def input_agreement(what: str, names: Sequence[str], values: Sequence[int] | Non
     ranks; else, if the ranks' values differ, a message showing them per rank; else None. So
     either every rank gets a message (and raises it) or none does: a bad input on one rank no
     longer leaves its peers waiting in a collective it will never join. `kinds` marks fields to
-    print as a dtype ("dtype", from `dtype_code`) or a float ("float", from `float_code`).
+    print as a dtype ("dtype", from `dtype_code`) or a float ("float", from `float_code`); `hint`
+    ends a disagreement's message (what every rank must pass alike).
     The all-gather and its read-back are a host sync: CPU paths and eager prefill take it, a
     CUDA-graph-captured decode step cannot."""
     pg, _, size = resolve_group(group)
@@ -398,4 +399,4 @@ def input_agreement(what: str, names: Sequence[str], values: Sequence[int] | Non
     kinds = kinds or {}
     detail = "; ".join(f"{names[i]}: {[_show_code(kinds.get(names[i], ''), got[i + 1]) for got in rows]}"
                        for i in differ)
-    return f"{what}: the ranks of the group disagree (values per group rank) on {detail}"
+    return f"{what}: the ranks of the group disagree (values per group rank) on {detail}" + (f"; {hint}" if hint else "")

@@ -38,14 +38,14 @@ the cu_seqlens are read on the host anyway.
 from __future__ import annotations
 
 import operator
-import struct
 import zlib
 from typing import Literal, Sequence
 
 import torch
 from torch import Tensor
 
-from ..comm import GroupLike, all_gather_flat, all_gather_uneven, reduce_scatter_uneven, resolve_group
+from ..comm import (GroupLike, all_gather_uneven, dtype_code, float_code, input_agreement, reduce_scatter_uneven,
+                    resolve_group)
 from ..p2p import P2PExchanger, P2PWork, Peers
 from .local_attn import (AttnBackend, attention_with_lse, block_attention_backward, block_attention_forward,
                          check_qkv, resolve_backend, resolve_scale)
@@ -471,26 +471,6 @@ _SIGNATURE = ("batch", "local tokens T", "q heads", "kv heads", "head dim", "v h
               "variant", "scale", "sequences", "cu_seqlens checksum")
 
 
-def _dtype_code(dtype: torch.dtype) -> int:
-    """The same int on every rank for the same dtype (the KV blocks are sent as raw elements)."""
-    return zlib.crc32(str(dtype).encode())
-
-
-def _dtype_name(code: int) -> str:
-    names = {_dtype_code(d): str(d) for d in vars(torch).values() if isinstance(d, torch.dtype)}
-    return names.get(code, str(code))
-
-
-def _scale_code(scale: float) -> int:
-    """The float64 bits of a resolved scale as an int64: equal floats agree, any difference does not."""
-    return struct.unpack("<q", struct.pack("<d", scale))[0]
-
-
-def _scale_value(code: int) -> float:
-    """Inverse of `_scale_code` (for the error message)."""
-    return struct.unpack("<d", struct.pack("<q", code))[0]
-
-
 def _signature(q: Tensor, k: Tensor, v: Tensor, causal: bool, variant: str, scale: float,
                cu_seqlens: Tensor | Sequence[int] | None) -> list[int]:
     """The ints every rank of the ring must agree on ([B, T, H, D] inputs, the resolved float scale)."""
@@ -499,33 +479,8 @@ def _signature(q: Tensor, k: Tensor, v: Tensor, causal: bool, variant: str, scal
     else:
         offsets = [int(o) for o in (cu_seqlens.tolist() if isinstance(cu_seqlens, Tensor) else cu_seqlens)]
         seqs, checksum = len(offsets) - 1, zlib.crc32(repr(offsets).encode())
-    return [q.shape[0], q.shape[1], q.shape[2], k.shape[2], q.shape[3], v.shape[3], _dtype_code(q.dtype),
-            int(causal), int(variant == "allgather"), _scale_code(scale), seqs, checksum]
-
-
-def _agree(signature: list[int] | None, error: str | None, group: GroupLike, rank: int, size: int,
-           device: torch.device) -> None:
-    """One all-gather of every rank's signature (None: this rank's input is bad); ValueError on
-    every rank when a rank's input is bad or the ranks disagree."""
-    pg, _, _ = resolve_group(group)
-    n = len(_SIGNATURE) + 1
-    row = torch.tensor([int(error is not None)] + (signature or [0] * (n - 1)), dtype=torch.int64, device=device)
-    table = torch.empty(size * n, dtype=torch.int64, device=device)
-    all_gather_flat(table, row, pg)
-    rows = table.view(size, n).tolist()
-    bad = [r for r, values in enumerate(rows) if values[0]]
-    if error is not None:
-        raise ValueError(error)
-    if bad:
-        raise ValueError(f"ring attention aborted on rank {rank}: group rank(s) {bad} had invalid input "
-                         "(see their error)")
-    differ = [i for i in range(len(_SIGNATURE)) if len({values[i + 1] for values in rows}) > 1]
-    if differ:
-        decode = {"dtype": _dtype_name, "scale": _scale_value}
-        show = lambda i, x: decode.get(_SIGNATURE[i], lambda c: c)(x)
-        detail = "; ".join(f"{_SIGNATURE[i]}: {[show(i, values[i + 1]) for values in rows]}" for i in differ)
-        raise ValueError(f"ring attention: the ranks of the group disagree (per group rank) on {detail}; every "
-                         "rank must call with the same layout, dtype, causal, variant, softmax scale and cu_seqlens")
+    return [q.shape[0], q.shape[1], q.shape[2], k.shape[2], q.shape[3], v.shape[3], dtype_code(q.dtype),
+            int(causal), int(variant == "allgather"), float_code(scale), seqs, checksum]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -578,7 +533,12 @@ def ring_attention(q: Tensor, k: Tensor, v: Tensor, group: GroupLike = None, *, 
             raise
         error = str(exc)
     if size > 1:
-        _agree(signature, error, group, rank, size, q.device)
+        message = input_agreement("ring attention", _SIGNATURE, signature, error, group, q.device,
+                                  {"dtype": "dtype", "scale": "float"},
+                                  "every rank must call with the same layout, dtype, causal, variant, softmax "
+                                  "scale and cu_seqlens")
+        if message is not None:
+            raise ValueError(message)
     if variant == "allgather":
         state = _allgather_attention(q, k, v, group, rank, size, causal=causal, scale=scale, backend=backend,
                                      bounds=bounds)
