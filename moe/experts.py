@@ -297,10 +297,23 @@ class Experts(nn.Module):
 
     # ---- loading ------------------------------------------------------------------------
 
+    def check_keys(self, state: Mapping[str, torch.Tensor], prefix: str = "experts.") -> None:
+        """KeyError naming the first missing `{prefix}{e}.w{1,2,3}.weight` of the slots' experts (and
+        how many are missing); looks keys up only (a lazy state reads nothing)."""
+        missing = [f"{prefix}{e}.{w}.weight" for e in dict.fromkeys(self.local_experts) for w in ("w1", "w3", "w2")
+                   if f"{prefix}{e}.{w}.weight" not in state]
+        if missing:
+            more = f" (and {len(missing) - 1} more keys of this rank's experts)" if len(missing) > 1 else ""
+            raise KeyError(f"missing {missing[0]}{more}")
+
     def load_deepseek(self, state: Mapping[str, torch.Tensor], prefix: str = "experts.") -> None:
         """Load the slots' experts from DeepSeek-named tensors `{prefix}{e}.w{1,2,3}.weight` (+ scales),
         one expert at a time into its slot (meta storage is materialized first). Missing experts
-        raise KeyError naming the first missing key."""
+        raise KeyError naming the first missing key, before anything is written (or materialized);
+        so does a size that is not the module's (hidden, inter), found on the first expert read.
+        A checkpoint whose experts differ among themselves (a later expert of another shape, a
+        missing scale) still fails at that expert, after the earlier ones were written."""
+        self.check_keys(state, prefix)
         self.materialize()
         for slot, e in enumerate(self.local_experts):
             w1 = self._read(state, f"{prefix}{e}.w1")

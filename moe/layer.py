@@ -598,31 +598,37 @@ class MoELayer(nn.Module):
         keeping only this rank's experts. `state` may be lazy (`moe.loading`): only the keys this
         rank needs are looked up, each routed expert once, written into its slot on the layer's
         device. Quantized shared-expert tensors (DeepSeek's FP8) are dequantized. Meta tensors
-        (init="meta") are materialized first. Missing gate/shared tensors raise KeyError."""
+        (init="meta") are materialized first. A missing tensor raises KeyError and one of another
+        shape ValueError, before anything is written: the gate and shared expert are read and
+        checked, every routed expert's keys looked up (and the sizes checked on the first one
+        read) first; the gate and shared expert are written after the routed experts, which are
+        the only part that can still fail (`Experts.load_deepseek`)."""
         from megapar.moe.experts import read_dense
         from megapar.moe.loading import Prefixed
 
         sub = Prefixed(state, prefix) if prefix else state
         device = self.experts.device
         gate = Prefixed(sub, "gate.")
-        own = self.gate.state_dict()
         values = {}
-        for k in own:
+        for k in self.gate.state_dict():
             key = "bias" if k == "e_score_correction_bias" and k not in gate and "bias" in gate else k
             if key not in gate:
                 raise KeyError(f"missing {prefix}gate.{k}")
             values[k] = gate[key]
-        self._load_module(self.gate, values, "gate.", device)
-        if self.eplb is not None:  # the slots may have moved since construction
-            self.experts.local_experts = self.eplb.local_experts(self.layer_index).tolist()
-        self.experts.load_deepseek(sub, prefix="experts.")
+        self._check_module_state(self.gate, values, f"{prefix}gate.")
+        shared = {}
         if self.shared_experts is not None:
-            shared = {}
             for k in self.shared_experts.state_dict():
-                name = k[: -len(".weight")]
                 if f"shared_experts.{k}" not in sub:
                     raise KeyError(f"missing {prefix}shared_experts.{k}")
-                shared[k] = read_dense(sub, f"shared_experts.{name}")
+            for k in self.shared_experts.state_dict():
+                shared[k] = read_dense(sub, f"shared_experts.{k[: -len('.weight')]}")
+            self._check_module_state(self.shared_experts, shared, f"{prefix}shared_experts.")
+        if self.eplb is not None:  # the slots may have moved since construction
+            self.experts.local_experts = self.eplb.local_experts(self.layer_index).tolist()
+        self.experts.load_deepseek(sub, prefix="experts.")  # (every key looked up before the first write)
+        self._load_module(self.gate, values, "gate.", device)
+        if self.shared_experts is not None:
             self._load_module(self.shared_experts, shared, "shared_experts.", device)
         if self.eplb is not None:
             self.eplb.register_weights(self.layer_index, self.experts.slot_tensors())
@@ -641,20 +647,25 @@ class MoELayer(nn.Module):
         return reader
 
     @staticmethod
-    def _load_module(module: nn.Module, state: Mapping[str, torch.Tensor], what: str,
-                     device: torch.device | None = None) -> None:
-        if device is not None and any(t.is_meta for t in (*module.parameters(), *module.buffers())):
-            module.to_empty(device=device)
+    def _check_module_state(module: nn.Module, state: Mapping[str, torch.Tensor], what: str) -> None:
+        """KeyError / ValueError for a missing key or another shape in `module`'s state (writes nothing)."""
         own = module.state_dict()
         missing = [k for k in own if k not in state]
         if missing:
             raise KeyError(f"missing {', '.join(what + k for k in missing)}")
+        for k, t in own.items():
+            if tuple(state[k].shape) != tuple(t.shape):
+                raise ValueError(f"{what}{k} has shape {tuple(state[k].shape)}; expected {tuple(t.shape)}")
+
+    @classmethod
+    def _load_module(cls, module: nn.Module, state: Mapping[str, torch.Tensor], what: str,
+                     device: torch.device | None = None) -> None:
+        cls._check_module_state(module, state, what)  # (all of it before the first copy)
+        if device is not None and any(t.is_meta for t in (*module.parameters(), *module.buffers())):
+            module.to_empty(device=device)
         with torch.no_grad():
-            for k, t in own.items():
-                src = state[k]
-                if tuple(src.shape) != tuple(t.shape):
-                    raise ValueError(f"{what}{k} has shape {tuple(src.shape)}; expected {tuple(t.shape)}")
-                t.copy_(src.to(t.dtype))
+            for k, t in module.state_dict().items():
+                t.copy_(state[k].to(t.dtype))
 
     def extra_repr(self) -> str:
         return (f"ep={self.ep_rank}/{self.ep_size}, tokens={self.tokens}, path={self.path}, "

@@ -689,3 +689,47 @@ def test_token_mask_takes_the_shape_of_the_tokens():
     mask = torch.tensor([[True, False, True], [False, True, True]])
     ref = dense_reference(x.reshape(6, H), state, cfg, token_mask=mask.reshape(6))
     torch.testing.assert_close(layer(x, token_mask=mask), ref.reshape(2, 3, H), rtol=1e-5, atol=1e-5)
+
+
+def _tensors(layer: MoELayer) -> dict[str, torch.Tensor]:
+    return {k: v.detach().clone() for k, v in (*layer.named_parameters(), *layer.named_buffers())}
+
+
+def test_failed_load_writes_nothing():
+    """load_deepseek wrote the gate, then expert after expert, then the shared expert: a checkpoint
+    missing a later expert (a partial download, another EP layout) or holding a shared expert of
+    another width raised only after the gate and the first experts were overwritten, leaving a
+    layer that mixed two checkpoints (or, built with init="meta", storage materialized with
+    undefined values). Every tensor must be as before the failed call; the right state still loads."""
+    cfg = small_config(expert_format="mxfp4", num_shared=1)
+    first, second = make_state(cfg, seed=50), make_state(cfg, seed=51)
+    layer = MoELayer(cfg)
+    layer.load_deepseek(first)
+    before = _tensors(layer)
+    last = f"experts.{E - 1}.w2.weight"
+    wider = small_config(expert_format="mxfp4", num_shared=1, shared_inter=2 * I)
+    for bad, error, match in (
+            ({k: v for k, v in second.items() if k != last}, KeyError, re.escape(last)),
+            ({k: v for k, v in second.items() if not k.startswith(f"experts.{E - 1}.")}, KeyError,
+             rf"missing experts\.{E - 1}\.w1\.weight \(and 2 more"),
+            ({**second, **{k: v for k, v in make_state(wider, seed=52).items() if k.startswith("shared_experts.")}},
+             ValueError, rf"shared_experts\.w1\.weight has shape \({2 * I}, {H}\); expected \({I}, {H}\)"),
+            ({**second, "gate.e_score_correction_bias": torch.zeros(E + 1)}, ValueError,
+             rf"gate\.e_score_correction_bias has shape \({E + 1},\); expected \({E},\)"),
+            ({k: v for k, v in second.items() if k != "shared_experts.w2.weight"}, KeyError,
+             "missing shared_experts.w2.weight")):
+        with pytest.raises(error, match=match):
+            layer.load_deepseek(bad)
+        after = _tensors(layer)
+        changed = [k for k in before if not torch.equal(before[k], after[k])]
+        assert not changed, (match, changed)
+    with pytest.raises(KeyError, match=rf"missing {re.escape(last)}"):        # the Experts module alone too
+        layer.experts.load_deepseek({k: v for k, v in second.items() if k != last})
+    assert all(torch.equal(before[k], v) for k, v in _tensors(layer).items())
+    meta = MoELayer(cfg, init="meta")
+    with pytest.raises(KeyError, match=rf"missing {re.escape(last)}"):
+        meta.load_deepseek({k: v for k, v in second.items() if k != last})
+    assert not meta.experts.materialized and meta.gate.weight.is_meta
+    layer.load_deepseek(second)
+    x = torch.randn(6, H, generator=torch.Generator().manual_seed(53))
+    torch.testing.assert_close(layer(x), dense_reference(x, second, cfg), rtol=1e-5, atol=1e-5)
