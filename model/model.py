@@ -318,7 +318,18 @@ class DemoModel(nn.Module):
         A missing key raises KeyError, a tensor of another shape ValueError, and so do keys this
         model leaves unused (another config's layers, shared experts, attention weights): the
         model would silently differ from the checkpoint. Routed experts held by other EP ranks
-        are theirs to read."""
+        are theirs to read. A load that raises leaves every weight as it was (they are copied
+        first and put back: the unused keys are known only once the rest has been read)."""
+        tensors = list({id(t): t for t in (*self.parameters(), *self.buffers())}.values())
+        saved = [t.detach().clone() for t in tensors]
+        try:
+            self._load_full(state)
+        except BaseException:
+            for t, old in zip(tensors, saved):
+                t.detach().copy_(old)
+            raise
+
+    def _load_full(self, state: dict[str, torch.Tensor]) -> None:
         state = _ReadLog({k: v.to(self.device) for k, v in state.items()})
         copy_weight(self.embed, state["embed.weight"], "embed.weight")
         for i, layer in enumerate(self.layers):

@@ -334,3 +334,31 @@ def test_mla_load_full_refuses_per_head_weights_of_another_shape():
             DemoModel(cfg, groups).load_full(state)                        # (the right shapes load)
         finally:
             destroy_parallel()
+
+
+def test_failed_load_full_leaves_the_weights_as_they_were():
+    """load_full wrote layer after layer and refused keys it left unused only at the end: a
+    checkpoint of another config (an extra layer), one missing a key of the last layer or with a
+    head of another shape raised after some or all of its weights were written over the loaded
+    ones. The model must compute as before the failed call."""
+    cfg = ModelConfig(layers=2, vocab=64)
+    state = make_state_dict(cfg, seed=0)
+    other = make_state_dict(ModelConfig(layers=3, vocab=64), seed=1)
+    groups = init_parallel(ParallelConfig(world_size=1))
+    try:
+        model = DemoModel(cfg, groups)
+        model.load_full(state)
+        prompts = torch.randint(cfg.vocab, (2, 4), generator=torch.Generator().manual_seed(1))
+        expected = model.prefill(prompts)
+        last = "layers.1.moe.shared_experts.w2.weight"
+        for bad, error, match in ((other, ValueError, r"leaves unused: layers\.2\."),
+                                  ({k: v for k, v in other.items() if not k.startswith("layers.2.") and k != last},
+                                   KeyError, re.escape(last)),
+                                  ({k: v for k, v in other.items() if not k.startswith("layers.2.")}
+                                   | {"lm_head.weight": torch.zeros(cfg.vocab, cfg.hidden + 1)}, ValueError,
+                                   r"full weight has shape \(64, 65\)")):
+            with pytest.raises(error, match=match):
+                model.load_full(bad)
+            torch.testing.assert_close(model.prefill(prompts), expected, rtol=0, atol=0)
+    finally:
+        destroy_parallel()
