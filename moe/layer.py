@@ -444,15 +444,16 @@ class MoELayer(nn.Module):
             if needs_grad:
                 raise ValueError("path='device' is inference only (no autograd): call it under torch.no_grad() / "
                                  "inference_mode, or use path='host' (or 'auto') for training")
-            return "device"
-        if needs_grad or self._device_transport is None:
+        elif needs_grad or self._device_transport is None:
             return "host"
-        if isinstance(self._device_transport, static.AllGatherTransport):
-            if self.transport == "auto" and x.shape[0] > ALLGATHER_MAX_TOKENS:
-                return "host"
-            if x.shape[0] > self.max_tokens:  # type: ignore[operator]
-                raise ValueError(f"{x.shape[0]} tokens exceed max_tokens ({self.max_tokens}) of this layer's "
-                                 "allgather transport; build it with a larger max_tokens")
+        elif (isinstance(self._device_transport, static.AllGatherTransport) and self.transport == "auto"
+              and x.shape[0] > ALLGATHER_MAX_TOKENS):
+            return "host"
+        # At EP > 1 the device transports (allgather, nvshmem) pad every rank to max_tokens: more is
+        # refused here, before routing (their own check came after the expert counts and EPLB's load).
+        if self.ep_size > 1 and self.tokens == "sequence_parallel" and x.shape[0] > self.max_tokens:  # type: ignore[operator]
+            raise ValueError(f"{x.shape[0]} tokens exceed max_tokens ({self.max_tokens}) of this layer's "
+                             f"device transport; build it with a larger max_tokens")
         return "device"
 
     def enable_cuda_graphs(self, token_counts: Any = (1, 2, 4, 8, 16, 32, 64)) -> None:

@@ -733,3 +733,20 @@ def test_failed_load_writes_nothing():
     layer.load_deepseek(second)
     x = torch.randn(6, H, generator=torch.Generator().manual_seed(53))
     torch.testing.assert_close(layer(x), dense_reference(x, second, cfg), rtol=1e-5, atol=1e-5)
+
+
+def test_device_path_refuses_too_many_tokens_before_routing():
+    """path='device' at EP > 1 checked max_tokens only inside the transport's dispatch, after the
+    router had run and the tokens were counted into `expert_counts` (and, with EPLB, into the load
+    that rebalancing reads): a refused call changed the layer's load statistics. (No collective
+    runs before the refusal, so an EP group of 2 needs no second process here.)"""
+    from parallel.groups import Group
+
+    group = Group(name="ep", group=None, rank=0, size=2, ranks=(0, 1))
+    for path in ("device", "auto"):
+        layer = MoELayer(small_config(), group, path=path, transport="allgather", max_tokens=4)
+        calls = []
+        layer.gate.register_forward_hook(lambda *args: calls.append(1))
+        with torch.no_grad(), pytest.raises(ValueError, match=r"5 tokens .*exceed max_tokens \(4\)"):
+            layer(torch.randn(5, H))
+        assert not calls and not layer.expert_counts.any(), (path, layer.expert_counts)
