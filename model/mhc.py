@@ -16,8 +16,9 @@ Paths, sharing signatures (`backend="auto"|"torch"|"triton"`):
   up to 2048 tokens (the new residual is projected while still in registers, saving one read
   of `[T, M, H]` and a launch); above that it runs post then pre, which is faster there.
 
-`auto` takes Triton for CUDA tensors without autograd when triton imports, else torch (op
-"model.mhc" of `parallel.impl`); `backend="triton"` also runs CPU tensors under TRITON_INTERPRET=1.
+`auto` takes Triton for CUDA tensors without autograd when triton imports and M is a power of
+two (the kernels' stream index), else torch (op "model.mhc" of `parallel.impl`);
+`backend="triton"` also runs CPU tensors under TRITON_INTERPRET=1.
 """
 
 from __future__ import annotations
@@ -130,11 +131,20 @@ def _post_torch(out: torch.Tensor, residual: torch.Tensor, post: torch.Tensor, c
 
 # ---- backend choice ---------------------------------------------------------------------------
 
+def _power_of_two_streams(f: impl.Facts) -> impl.Unusable | None:
+    """The Triton kernels index the M streams with tl.arange: M a power of two (fact `streams`)."""
+    if f.streams is not None and f.streams & (f.streams - 1):
+        return impl.Unusable(f"the Triton mHC kernels need a power-of-two number of streams, got M={f.streams}; "
+                             f"use backend='torch'")
+    return None
+
+
 MHC_OP = impl.Op("model.mhc", [
-    impl.Impl("triton", impl.all_of(impl.needs_triton, impl.needs_gpu_tensor, impl.forward_only)),
+    impl.Impl("triton", impl.all_of(impl.needs_triton, impl.needs_gpu_tensor, impl.forward_only,
+                                    _power_of_two_streams)),
     impl.Impl("torch"),
 ])
-"""The Triton kernels (CUDA, inference; the interpreter when named), then the torch reference."""
+"""The Triton kernels (CUDA, inference, M a power of two; the interpreter when named), then the torch reference."""
 
 
 def _check_backend(backend: str) -> None:
@@ -142,11 +152,12 @@ def _check_backend(backend: str) -> None:
         MHC_OP.get(backend)  # ValueError naming the valid choices
 
 
-def _use_triton(backend: Backend, *tensors: torch.Tensor) -> bool:
+def _use_triton(backend: Backend, streams: int, *tensors: torch.Tensor) -> bool:
     if tensors[0].numel() == 0:  # no tokens: nothing to launch; the torch path handles empty tensors
         _check_backend(backend)
         return False
-    return MHC_OP.resolve(backend, device=tensors[0].device, needs_grad=impl.grad_needed(*tensors)) == "triton"
+    return MHC_OP.resolve(backend, device=tensors[0].device, needs_grad=impl.grad_needed(*tensors),
+                          streams=streams) == "triton"
 
 
 # ---- public functions -------------------------------------------------------------------------
@@ -162,7 +173,7 @@ def mhc_pre(residual: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale:
     t, m, h = _num_streams(residual)
     _check_params(fn, base, scale, m, h, rows=(2 + m) * m, num_scales=3)
     _check_sinkhorn(sinkhorn_iters)
-    if _use_triton(backend, residual, fn, base, scale):
+    if _use_triton(backend, m, residual, fn, base, scale):
         from . import triton_mhc
 
         return MHCPre(*triton_mhc.pre(residual, fn, base, scale, sinkhorn_iters, eps, rms_eps))
@@ -183,7 +194,7 @@ def mhc_post(out: torch.Tensor, residual: torch.Tensor, post: torch.Tensor, comb
     out: [T, H] the sublayer output. residual: [T, M, H]. post: [T, M] fp32. comb: [T, M, M] fp32.
     """
     _check_post_args(out, residual, post, comb)
-    if _use_triton(backend, out, residual, post, comb):
+    if _use_triton(backend, residual.shape[1], out, residual, post, comb):
         from . import triton_mhc
 
         return triton_mhc.post(out, residual, post, comb)
@@ -199,7 +210,7 @@ def mhc_post_pre(out: torch.Tensor, residual: torch.Tensor, post: torch.Tensor, 
     to 2048 tokens, one launch projects the new residual while it is written (one read of
     [T, M, H] and a launch fewer); above, post then pre (the fused kernel is slower there)."""
     _check_post_args(out, residual, post, comb)  # the fused kernel reads them unchecked
-    if _use_triton(backend, out, residual, post, comb, fn, base, scale):
+    if _use_triton(backend, residual.shape[1], out, residual, post, comb, fn, base, scale):
         t, m, h = _num_streams(residual)
         _check_params(fn, base, scale, m, h, rows=(2 + m) * m, num_scales=3)
         _check_sinkhorn(sinkhorn_iters)
@@ -235,7 +246,7 @@ def mhc_pre_broadcast(x: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, sca
     if fn.dim() != 2 or h < 1 or fn.shape[1] < h or fn.shape[1] % h:
         raise ValueError(f"fn must be [(2+M)M, M*H] with H={h} >= 1 and M >= 1; got shape {tuple(fn.shape)}")
     m = fn.shape[1] // h
-    if _use_triton(backend, x, fn, base, scale):
+    if _use_triton(backend, m, x, fn, base, scale):
         return mhc_pre(mhc_broadcast(x, m), fn, base, scale, sinkhorn_iters=sinkhorn_iters, eps=eps,
                        rms_eps=rms_eps, backend="triton")
     _check_params(fn, base, scale, m, h, rows=(2 + m) * m, num_scales=3)
@@ -255,7 +266,7 @@ def mhc_head(residual: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale
     """
     t, m, h = _num_streams(residual)
     _check_params(fn, base, scale, m, h, rows=m, num_scales=1)
-    if _use_triton(backend, residual, fn, base, scale):
+    if _use_triton(backend, m, residual, fn, base, scale):
         from . import triton_mhc
 
         return triton_mhc.head(residual, fn, base, scale, eps, rms_eps)

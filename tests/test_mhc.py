@@ -569,3 +569,40 @@ def test_triton_with_distinct_eps_rms_eps_and_iterations_matches_plain_loops_in_
     fn_head, base_head, scale_head = torch.randn(m, m * h) * 0.2, torch.randn(m), torch.tensor([0.6])
     torch.testing.assert_close(mhc_head(residual, fn_head, base_head, scale_head, backend="triton", **cfg).double(),
                                plain_head(residual, fn_head, base_head, scale_head, **cfg), **tol)
+
+
+def test_auto_backend_passes_over_triton_for_streams_not_a_power_of_two(monkeypatch):
+    """On CUDA "auto" chose the Triton kernels whatever M, and they refuse an M that is not a power
+    of two (their stream index is a tl.arange): with M = 3, model.mhc's functions (and the demo
+    model, whose mhc_streams may be 3) raised instead of taking the torch path. The registry's
+    CUDA choice is emulated (the device it is told is CUDA); nothing runs a kernel here."""
+    pytest.importorskip("triton")
+    from model.mhc import MHC_OP
+
+    assert MHC_OP.resolve("auto", device=torch.device("cuda"), streams=4) == "triton"
+    assert MHC_OP.resolve("auto", device=torch.device("cuda"), streams=3) == "torch"
+    real = MHC_OP.resolve
+    monkeypatch.setattr(MHC_OP, "resolve", lambda backend="auto", *, device=None, **facts:
+                        real(backend, device=torch.device("cuda"), **facts))
+    m, h, t = 3, 12, 5
+    fn, base, scale = make_params(m, h, seed=60)
+    g = torch.Generator().manual_seed(61)
+    residual, out = torch.randn(t, m, h, generator=g), torch.randn(t, h, generator=g)
+    tol = dict(rtol=1e-5, atol=1e-5)
+    pre = mhc_pre(residual, fn, base, scale)
+    for a, b in zip(pre, plain_pre(residual, fn, base, scale)):
+        torch.testing.assert_close(a.double(), b, **tol)
+    new = mhc_post(out, residual, pre.post, pre.comb)
+    torch.testing.assert_close(new.double(), plain_post(out, residual, pre.post, pre.comb), **tol)
+    fused, nxt = mhc_post_pre(out, residual, pre.post, pre.comb, fn, base, scale)
+    torch.testing.assert_close(fused, new, rtol=0, atol=0)
+    for a, b in zip(nxt, plain_pre(new, fn, base, scale)):
+        torch.testing.assert_close(a.double(), b, **tol)
+    x = torch.randn(t, h, generator=g)
+    for a, b in zip(mhc_pre_broadcast(x, fn, base, scale), plain_pre(mhc_broadcast(x, m), fn, base, scale)):
+        torch.testing.assert_close(a.double(), b, **tol)
+    fh, bh, sh = fn[:m], base[:m], scale[:1]
+    torch.testing.assert_close(mhc_head(residual, fh, bh, sh).double(), plain_head(residual, fh, bh, sh), **tol)
+    with pytest.raises(ValueError, match=r"'triton' cannot run here: the Triton mHC kernels need a power-of-two "
+                                         r"number of streams, got M=3"):
+        mhc_pre(residual, fn, base, scale, backend="triton")
