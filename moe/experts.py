@@ -31,6 +31,7 @@ the storage's device (quantized there), so host memory holds one expert at a tim
 
 from __future__ import annotations
 
+import numbers
 from typing import Literal, Mapping, Sequence
 
 import torch
@@ -142,6 +143,9 @@ class Experts(nn.Module):
         resident beside the FP4 ones (`PreparedWeight.keep_fp8`: 2x the FP4 bytes more), so the
         W4A8 prefill path does not expand them on every call."""
         super().__init__()
+        for name, value in (("num_experts", num_experts), ("hidden", hidden), ("inter", inter)):
+            if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
+                raise ValueError(f"Experts {name} ({value!r}) must be an int >= 1")
         if init not in INITS:
             raise ValueError(f"unknown init {init!r}; valid: {', '.join(INITS)}")
         if fmt not in EXPERT_FORMATS:

@@ -56,6 +56,7 @@ Loading: `load_deepseek(state)` takes DeepSeek names relative to the MoE module
 
 from __future__ import annotations
 
+import math
 import os
 import warnings
 from dataclasses import dataclass, replace
@@ -163,6 +164,8 @@ class MoEConfig:
             if limit is not None and not limit > 0:  # (NaN too)
                 raise ValueError(f"{name} ({limit}) must be > 0, or None for no clamp (DeepSeek's configs "
                                  "write 0 for none; as a clamp, 0 zeroes the SwiGLU)")
+        if not math.isfinite(self.routed_scaling):  # (every routed output NaN / inf)
+            raise ValueError(f"routed_scaling ({self.routed_scaling}) must be a finite number")
         if self.num_hash_layers < 0:
             raise ValueError(f"num_hash_layers ({self.num_hash_layers}) must be >= 0")
         if self.vocab is not None and self.vocab < 1:
@@ -377,6 +380,8 @@ class MoELayer(nn.Module):
         padding token: routed nowhere, output = shared expert only); both may take x's leading
         shape ([...]) -> [T, H] (x's shape) in x's dtype."""
         cfg = self.config
+        if not x.is_floating_point():  # (the device path returned integer zeros without an expert)
+            raise ValueError(f"x must hold float activations [T, H]; got {x.dtype}")
         if x.shape[-1] != cfg.hidden:
             raise ValueError(f"MoE hidden size mismatch: x has {x.shape[-1]}, the layer expects {cfg.hidden}")
         if self.shared_experts is not None and x.dtype != self.shared_experts.w1.weight.dtype:

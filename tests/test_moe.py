@@ -750,3 +750,24 @@ def test_device_path_refuses_too_many_tokens_before_routing():
         with torch.no_grad(), pytest.raises(ValueError, match=r"5 tokens .*exceed max_tokens \(4\)"):
             layer(torch.randn(5, H))
         assert not calls and not layer.expert_counts.any(), (path, layer.expert_counts)
+
+
+def test_non_finite_scaling_integer_activations_and_empty_expert_sizes_are_refused():
+    """Accepted, then wrong without an error: routed_scaling NaN / inf (every routed output NaN or
+    inf), integer x on the device path of a layer without a shared expert (an integer tensor of
+    zeros came back), an Experts module with 0 experts or an intermediate size of 0 (it failed,
+    if at all, far away in a reshape; -1 with a RuntimeError from torch.empty)."""
+    for value in (float("nan"), float("inf")):
+        with pytest.raises(ValueError, match=rf"routed_scaling \({value}\) must be a finite number"):
+            small_config(routed_scaling=value)
+    for path in ("device", "host"):
+        layer = MoELayer(small_config(num_shared=0), path=path)
+        with torch.no_grad(), pytest.raises(ValueError, match="x must hold float activations.*torch.int64"):
+            layer(torch.ones(3, H, dtype=torch.int64))
+    for args, name in (((0, H, I), r"num_experts \(0\)"), ((E, 0, I), r"hidden \(0\)"), ((E, H, 0), r"inter \(0\)"),
+                       ((E, H, -1), r"inter \(-1\)"), ((E, H, 2.0), r"inter \(2\.0\)")):
+        with pytest.raises(ValueError, match=rf"Experts {name} must be an int >= 1"):
+            Experts(*args, fmt="fp32")
+    import numpy as np
+
+    assert Experts(np.int64(2), H, I, fmt="fp32").num_slots == 2     # (integers of other types are fine)
