@@ -130,7 +130,9 @@ class MLAttention(nn.Module):
         self.rope(self.cache_positions, device)
 
     def rope(self, max_pos: int, device: torch.device) -> torch.Tensor:
-        """The RoPE table [>= max_pos, d_r] fp32: the loaded one (HF), else built from cfg.rope_theta."""
+        """The RoPE table [P, d_r] fp32: the loaded one (HF's, P = the positions it was given, which
+        max_pos does not extend: a position past it raises in prefill / decode on the CPU), else
+        one built from cfg.rope_theta with P >= max_pos."""
         if not self.rope_loaded and (self.cos_sin is None or self.cos_sin.shape[0] < max_pos):
             self.cos_sin = rope_table(max_pos, self.dims.qk_rope_head_dim, self.cfg.rope_theta, device=device)
         return self.cos_sin
@@ -209,7 +211,8 @@ class MLAttention(nn.Module):
 
     @property
     def cache_positions(self) -> int:
-        """Positions the cache can hold per sequence (a bound for the RoPE table)."""
+        """Positions of the whole cache, every sequence's blocks together: a bound on the positions
+        of any one sequence (the RoPE table's length), not its capacity."""
         return self.cache.kv.shape[0] * self.cache.block_size * self.cp.kv_shards
 
 
