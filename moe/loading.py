@@ -10,8 +10,10 @@ DeepSeek's original checkpoints (V3 inference conversion, V4 as published) use e
 under `layers.{i}.ffn.`. HF transformers names under `model.layers.{i}.mlp.` map onto them
 (`HFNames`): `gate.e_score_correction_bias`, `shared_experts.{gate,up,down}_proj`, and the routed
 experts either fused as transformers 5 stores them, `experts.gate_up_proj` [E, 2I, H] (gate rows
-then up rows) and `experts.down_proj` [E, H, I], or per expert,
-`experts.{e}.{gate,up,down}_proj.weight` [+ `weight_scale_inv`] (transformers 4, the V3 hub files).
+then up rows) and `experts.down_proj` [E, H, I] (a quantized model's with `experts.gate_up_proj_scale_inv`
+/ `experts.down_proj_scale_inv`, the per-expert scales stacked the same way: FP8 [E, 2I/128, H/128],
+FP4 [E, 2I, H/32]), or per expert, `experts.{e}.{gate,up,down}_proj.weight` [+ `weight_scale_inv`]
+(transformers 4, the V3 hub files).
 
 Every mapping here is lazy: a key is read when it is looked up, so a layer that takes its own
 experts reads only those. `SafetensorsState` reads from `.safetensors` files (one file, a list,
@@ -161,7 +163,11 @@ class HFNames(Mapping):
     gate.bias -> gate.e_score_correction_bias; shared_experts.w1/w3/w2 -> gate_proj/up_proj/
     down_proj; experts.{e}.w1/w3 -> experts.gate_up_proj[e, :I] / [e, I:] (fused, read one
     expert at a time) or experts.{e}.gate_proj / up_proj (per expert); experts.{e}.w2 ->
-    experts.down_proj[e] or experts.{e}.down_proj."""
+    experts.down_proj[e] or experts.{e}.down_proj. Scales (`.scale` / `.weight_scale_inv`) map to
+    `weight_scale_inv`, fused: `experts.gate_up_proj_scale_inv[e]` split into its gate and up rows
+    (per-row FP4 scales at I, 128-row FP8 tiles at I / 128: ValueError when I is not a multiple of
+    128, whose tile would hold gate and up rows) and `experts.down_proj_scale_inv[e]`. An expert
+    past the fused tensors' first dimension is absent (KeyError), as a missing per-expert key is."""
 
     def __init__(self, state: Mapping) -> None:
         self.state = state
@@ -177,15 +183,36 @@ class HFNames(Mapping):
             return f"shared_experts.{_HF_PROJ[parts[1]]}.{_HF_SUFFIX.get(parts[2], parts[2])}", None
         if parts[0] == "experts" and len(parts) == 4 and parts[2] in _HF_PROJ and parts[1].isdigit():
             e, w, suffix = int(parts[1]), parts[2], parts[3]
-            if self.fused:
-                if suffix != "weight":
-                    return None  # the fused tensors are dense (bf16) in transformers 5
-                if w == "w2":
-                    return "experts.down_proj", e
-                inter = _shape(self.state, "experts.gate_up_proj")[1] // 2
-                return "experts.gate_up_proj", (e, slice(0, inter) if w == "w1" else slice(inter, 2 * inter))
-            return f"experts.{e}.{_HF_PROJ[w]}.{_HF_SUFFIX.get(suffix, suffix)}", None
+            if not self.fused:
+                return f"experts.{e}.{_HF_PROJ[w]}.{_HF_SUFFIX.get(suffix, suffix)}", None
+            if suffix == "weight":
+                hf = "experts.down_proj" if w == "w2" else "experts.gate_up_proj"
+            elif _HF_SUFFIX.get(suffix, suffix) == "weight_scale_inv":   # transformers' FP8Experts
+                hf = "experts.down_proj_scale_inv" if w == "w2" else "experts.gate_up_proj_scale_inv"
+            else:
+                return None
+            if hf not in self.state or e >= _shape(self.state, hf)[0]:
+                return None
+            if w == "w2":
+                return hf, e
+            half = self._gate_rows(hf)
+            return hf, (e, slice(0, half) if w == "w1" else slice(half, 2 * half))
         return key, None
+
+    def _gate_rows(self, hf: str) -> int:
+        """Rows of the gate half of the fused `hf` (gate_up_proj or its scale): the up half follows."""
+        rows = _shape(self.state, hf)[1]
+        inter, odd = divmod(_shape(self.state, "experts.gate_up_proj")[1], 2)
+        if odd:
+            raise ValueError(f"experts.gate_up_proj has {2 * inter + 1} rows per expert; gate then up rows "
+                             "need an even count (2 x moe_intermediate_size)")
+        if hf == "experts.gate_up_proj" or rows == 2 * inter:       # the weight, or per-row scales
+            return inter
+        if inter % 128 == 0 and rows == 2 * inter // 128:          # 128-row tiles, none across the halves
+            return inter // 128
+        raise ValueError(f"{hf} has {rows} rows per expert for the {2 * inter} of experts.gate_up_proj; "
+                         f"only per-row scales ({2 * inter}) or 128-row tiles with moe_intermediate_size "
+                         f"({inter}) a multiple of 128 ({2 * inter // 128} rows) split into the gate and up halves")
 
     def __getitem__(self, key: str) -> torch.Tensor:
         m = self._map(key)

@@ -243,3 +243,94 @@ def test_gpu_v4_flash_shard_loads_in_seconds_with_little_host_memory(tmp_path):
     MoELayer(cfg, _ep_group(0, 8), device="cuda")                    # random weights, made on the GPU
     torch.cuda.synchronize()
     assert time.perf_counter() - t0 < 20.0
+
+
+_E2M1 = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0])
+
+
+def _quantized_expert(shape, kind: str, g: torch.Generator) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(data, scale, the values they hold in fp32 by plain torch) of one random checkpoint matrix:
+    "fp8": e4m3 + fp32 scales of 128 x 128 tiles (DeepSeek V3 / transformers' weight_scale_inv);
+    "fp4": packed e2m1 (low nibble first) + E8M0 scales of 32 columns (DeepSeek V4's experts)."""
+    n, k = shape
+    if kind == "fp8":
+        data = (torch.randn(shape, generator=g) * 100).clamp(-448, 448).to(torch.float8_e4m3fn)
+        scale = torch.rand(-(-n // 128), -(-k // 128), generator=g) * 1e-3 + 1e-4
+        full = scale.repeat_interleave(128, 0).repeat_interleave(128, 1)[:n, :k]
+        return data, scale, data.float() * full
+    data = torch.randint(0, 256, (n, k // 2), generator=g, dtype=torch.uint8)
+    scale = torch.randint(115, 130, (n, k // 32), generator=g, dtype=torch.uint8)
+    vals = torch.stack([_E2M1[(data & 15).long()], _E2M1[(data >> 4).long()]], dim=-1).reshape(n, k)
+    return data.view(torch.int8), scale.view(torch.float8_e8m0fnu), vals * (scale.float() - 127).exp2().repeat_interleave(32, 1)
+
+
+def _hf_fused_quantized(kind: str, h: int, inter: int, e_: int, seed: int):
+    """A quantized HF MoE module's names as transformers 5 holds them (its FP8Experts, fused):
+    experts.gate_up_proj [E, 2I, .] + gate_up_proj_scale_inv (each expert's gate then up scales),
+    experts.down_proj + down_proj_scale_inv; and the fp32 values of each expert's w1 / w3 / w2."""
+    g = torch.Generator().manual_seed(seed)
+    p = moe_prefix(3, "hf")
+    st = {f"{p}gate.weight": torch.randn(e_, h, generator=g) * h ** -0.5,
+          f"{p}gate.e_score_correction_bias": torch.randn(e_, generator=g) * 0.1}
+    want: dict[tuple[int, str], torch.Tensor] = {}
+    parts: dict[str, list] = {"gate_up": [], "gate_up_s": [], "down": [], "down_s": []}
+    for e in range(e_):
+        (d1, s1, v1), (d3, s3, v3), (d2, s2, v2) = (_quantized_expert(s, kind, g)
+                                                    for s in ((inter, h), (inter, h), (h, inter)))
+        want[e, "w1"], want[e, "w3"], want[e, "w2"] = v1, v3, v2
+        parts["gate_up"].append(torch.cat([d1, d3]))
+        parts["gate_up_s"].append(torch.cat([s1, s3]))
+        parts["down"].append(d2)
+        parts["down_s"].append(s2)
+    for name, key in (("gate_up", "gate_up_proj"), ("down", "down_proj")):
+        st[f"{p}experts.{key}"] = torch.stack(parts[name])
+        st[f"{p}experts.{key}_scale_inv"] = torch.stack(parts[f"{name}_s"])
+    for n, shape in (("gate_proj", (inter, h)), ("up_proj", (inter, h)), ("down_proj", (h, inter))):
+        st[f"{p}shared_experts.{n}.weight"] = (torch.randn(shape, generator=g) * 0.2).to(torch.bfloat16)
+    return st, want
+
+
+@pytest.mark.parametrize("kind,fmt", [("fp8", "fp8_block"), ("fp8", "fp32"), ("fp4", "mxfp4"), ("fp4", "fp32")])
+def test_hf_fused_quantized_experts_load_with_their_scale_inv(tmp_path, kind, fmt):
+    """transformers 5 keeps a quantized DeepSeek model's experts fused with `*_scale_inv` beside
+    them (V3's FP8 as the hub has it, V4's FP4 experts); reading those names raised KeyError
+    ('experts.0.w1.weight_scale_inv'). Each rank reads its experts' slices of weight and scale."""
+    h, inter, e_ = (256, 128, 4) if kind == "fp8" else (64, 32, 4)
+    st, want = _hf_fused_quantized(kind, h, inter, e_, seed=7)
+    files = _write(tmp_path, st)
+    for rank in range(2):
+        layer = MoELayer(_cfg(hidden=h, inter=inter, num_experts=e_, expert_format=fmt), _ep_group(rank, 2),
+                         init="meta")
+        reader = layer.load_safetensors(files, moe_prefix(3, "hf"))
+        assert {idx[0] if isinstance(idx, tuple) else idx for _, idx in reader.slices} == {2 * rank, 2 * rank + 1}
+        w13, w2 = layer.experts.dequantized(torch.float32)
+        for slot, e in enumerate((2 * rank, 2 * rank + 1)):
+            torch.testing.assert_close(w13[slot, :inter], want[e, "w1"], rtol=0, atol=0)
+            torch.testing.assert_close(w13[slot, inter:], want[e, "w3"], rtol=0, atol=0)
+            torch.testing.assert_close(w2[slot], want[e, "w2"], rtol=0, atol=0)
+
+
+def test_hf_fused_fp8_scale_whose_tile_spans_gate_and_up_is_refused():
+    """I = 64: a 128-row FP8 tile of the fused gate_up scale would hold gate and up rows, so which
+    rows are which cannot be told from the shapes: ValueError naming the row counts."""
+    st, _ = _hf_fused_quantized("fp8", 128, 64, 2, seed=8)
+    with pytest.raises(ValueError, match=r"gate_up_proj_scale_inv has 2 rows per expert for the 128"):
+        moe_state(st, moe_prefix(3, "hf"))["experts.0.w1.weight_scale_inv"]
+
+
+def test_hf_fused_expert_past_the_tensors_is_absent_and_an_odd_row_count_refused():
+    """An expert past the fused tensors' first dimension read as present (`in` said True) and then
+    raised IndexError; it is absent, a KeyError naming it, as a missing per-expert key is. A fused
+    gate_up_proj of an odd row count was split at floor(rows / 2), its last row dropped silently."""
+    p = moe_prefix(3, "hf")
+    g = torch.Generator().manual_seed(9)
+    st = {f"{p}experts.gate_up_proj": torch.randn(2, 2 * I, H, generator=g),
+          f"{p}experts.down_proj": torch.randn(2, H, I, generator=g)}
+    view = moe_state(st, p)
+    assert torch.equal(view["experts.1.w3.weight"], st[f"{p}experts.gate_up_proj"][1, I:])
+    assert "experts.1.w2.weight" in view and "experts.2.w1.weight" not in view and "experts.2.w2.weight" not in view
+    with pytest.raises(KeyError, match="experts.2.w3.weight"):
+        view["experts.2.w3.weight"]
+    st[f"{p}experts.gate_up_proj"] = torch.randn(2, 2 * I + 1, H, generator=g)
+    with pytest.raises(ValueError, match=f"{2 * I + 1} rows per expert"):
+        moe_state(st, p)["experts.0.w1.weight"]
