@@ -117,6 +117,25 @@ def test_v4_moe_matches_hf(layer_idx):
         assert (layer(x[0], input_ids=ids[0]) - want).abs().max() > 1e-2
 
 
+
+@pytest.mark.parametrize("n_shared", [0, 2])
+def test_v4_shared_expert_is_one_mlp_whatever_n_shared_experts_says_as_hf_builds_it(n_shared):
+    """HF's DeepseekV4SparseMoeBlock always has one shared DeepseekV4MLP of width
+    moe_intermediate_size; n_shared_experts does not enter it. megapar read it as V3's count: 0
+    dropped the shared expert (its tensors ignored, the output off by it), 2 built one twice as
+    wide, which the checkpoint's tensors did not fit (ValueError on load)."""
+    config = _v4_config(n_shared_experts=n_shared)
+    ref = v4.DeepseekV4SparseMoeBlock(config, 1).float().eval()
+    _randomize(ref, 16 + n_shared, std=1.0)
+    assert ref.shared_experts.gate_proj.weight.shape == (I, H)
+    cfg = MoEConfig.from_hf_config(config).for_layer(1)
+    assert cfg.num_shared * (cfg.shared_inter or cfg.inter) == I
+    layer = _megapar(cfg, ref.state_dict(), "hf")
+    x = torch.randn(1, 24, H, generator=torch.Generator().manual_seed(17))
+    with torch.no_grad():
+        torch.testing.assert_close(layer(x[0]), ref(x)[0], rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("layer_idx", [0, 1], ids=["hash", "topk"])
 def test_v4_moe_renormalizes_whatever_norm_topk_prob_says_as_hf_does(layer_idx):
     """HF's V4 routers (and DeepSeek's V4 code, for its non-softmax scores) always divide the K
