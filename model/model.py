@@ -135,9 +135,15 @@ class Attention(nn.Module):
         self.cache: PagedKVCache | None = None
 
     def load_full(self, state: dict[str, torch.Tensor], prefix: str) -> None:
+        d, h = self.cfg.head_dim, self.cfg.hidden
+        # each weight's own shape: the replication below views wk / wv by heads (which took any tensor
+        # of as many elements, a transposed one too), and the concatenation is checked only in all
+        for name, rows in (("wq", self.cfg.heads), ("wk", self.cfg.kv_heads), ("wv", self.cfg.kv_heads)):
+            key, want = f"{prefix}.{name}.weight", (rows * d, h)
+            if tuple(state[key].shape) != want:
+                raise ValueError(f"{key} has shape {tuple(state[key].shape)}, expected {want}")
         wk, wv = state[f"{prefix}.wk.weight"], state[f"{prefix}.wv.weight"]
         if self.replicated_kv > 1:  # repeat every KV head's rows so that each TP rank gets its copy
-            d = self.cfg.head_dim
             wk = wk.view(self.cfg.kv_heads, d, -1).repeat_interleave(self.replicated_kv, 0).flatten(0, 1)
             wv = wv.view(self.cfg.kv_heads, d, -1).repeat_interleave(self.replicated_kv, 0).flatten(0, 1)
         self.qkv.load_full_weight(torch.cat([state[f"{prefix}.wq.weight"], wk, wv]))

@@ -362,3 +362,37 @@ def test_failed_load_full_leaves_the_weights_as_they_were():
             torch.testing.assert_close(model.prefill(prompts), expected, rtol=0, atol=0)
     finally:
         destroy_parallel()
+
+
+def test_gqa_load_full_refuses_q_k_v_weights_of_another_shape():
+    """wq / wk / wv were checked only concatenated, and with KV heads replicated over TP (tp >
+    kv_heads) wk / wv were first viewed by heads: a transposed wk ([H, kv_heads * D]) loaded
+    silently, scrambled, and so did a wq one head larger with a wk one head smaller. The load
+    does no communication, so a TP group of 2 (this rank 0) needs no second process."""
+    import dataclasses
+
+    from model.model import Attention
+    from model.profile import Timer
+    from parallel.groups import Group
+
+    cfg = ModelConfig(layers=1, vocab=64, heads=4, kv_heads=1, head_dim=16, hidden=64)
+    state = make_state_dict(cfg, seed=0)
+    p = "layers.0.attn"
+    d = cfg.head_dim
+    shifted = {**state, f"{p}.wq.weight": torch.cat([state[f"{p}.wq.weight"], state[f"{p}.wk.weight"]]),
+               f"{p}.wk.weight": state[f"{p}.wk.weight"][:0]}                 # one head moved from wk to wq
+    groups = init_parallel(ParallelConfig(world_size=1))
+    try:
+        for tp in (2, 1):
+            g = dataclasses.replace(groups, tp=Group(name="tp", group=None, rank=0, size=tp, ranks=tuple(range(tp))))
+            attn = Attention(cfg, g, sequence_parallel=False, overlap=False, timer=Timer(), device=torch.device("cpu"))
+            assert attn.replicated_kv == tp
+            for name in ("wk", "wv"):
+                key = f"{p}.{name}.weight"
+                with pytest.raises(ValueError, match=rf"{re.escape(key)} has shape \(64, 16\), expected \(16, 64\)"):
+                    attn.load_full({**state, key: state[key].T.contiguous()}, p)
+            with pytest.raises(ValueError, match=rf"{p}\.wq\.weight has shape \({5 * d}, 64\), expected \({4 * d}, 64\)"):
+                attn.load_full(shifted, p)
+            attn.load_full(state, p)                                         # (the right shapes load)
+    finally:
+        destroy_parallel()
