@@ -331,6 +331,14 @@ def test_hf_fused_expert_past_the_tensors_is_absent_and_an_odd_row_count_refused
     assert "experts.1.w2.weight" in view and "experts.2.w1.weight" not in view and "experts.2.w2.weight" not in view
     with pytest.raises(KeyError, match="experts.2.w3.weight"):
         view["experts.2.w3.weight"]
+    # a layer of E experts over fused tensors of 2: refused before any slot is written (the up-front
+    # key check believed `in`; experts 0 and 1 were written, then expert 2 raised IndexError)
+    full = {**_hf_fused(_deepseek_state(10)), **st}
+    layer = MoELayer(_cfg(), init="random")
+    before = layer.experts.w13.detach().clone()
+    with pytest.raises(KeyError, match="experts.2.w1.weight"):
+        layer.load_deepseek(moe_state(full, p))
+    assert torch.equal(layer.experts.w13, before)
     st[f"{p}experts.gate_up_proj"] = torch.randn(2, 2 * I + 1, H, generator=g)
     with pytest.raises(ValueError, match=f"{2 * I + 1} rows per expert"):
         moe_state(st, p)["experts.0.w1.weight"]
