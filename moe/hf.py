@@ -14,7 +14,7 @@ Every field that changes the MoE math is read (docs/numerics.md §2-3):
 | routed_scaling | routed_scaling_factor | route_scale |
 | swiglu_limit | V4: swiglu_limit (routed experts) | swiglu_limit |
 | shared_swiglu_limit | V4: swiglu_limit (HF's DeepseekV4MLP clamps as well) | swiglu_limit |
-| num_shared, shared_inter | V3: n_shared_experts, moe_intermediate_size; V4: 1, moe_intermediate_size (HF's V4 block always builds one DeepseekV4MLP of that width, n_shared_experts unread) | n_shared_experts, moe_inter_dim |
+| num_shared, shared_inter | V3: n_shared_experts, moe_intermediate_size; V4: 1 (HF's one DeepseekV4MLP), moe_intermediate_size | n_shared_experts, moe_inter_dim |
 | num_hash_layers, vocab | V4: leading "hash_moe" of mlp_layer_types (or num_hash_layers, else HF's default 3; at most num_hidden_layers), vocab_size | n_hash_layers, vocab_size |
 | expert_format | quantization_config: expert_dtype "fp4" -> mxfp4, fp8 -> fp8_block | expert_dtype |
 
