@@ -170,6 +170,9 @@ class MLAttention(nn.Module):
                 ) -> torch.Tensor:
         """h: [T_in, H] (T = batch * seq_len / pcp local tokens, zigzag order) -> [T_in, H]."""
         d, local_len = self.dims, seq_len // self.groups.pcp.size
+        if seq_len > self.cos_sin.shape[0]:   # (positions index the table: an IndexError, a device assert on CUDA)
+            raise ValueError(f"seq_len ({seq_len}) exceeds the RoPE table's {self.cos_sin.shape[0]} positions "
+                             f"(a loaded HF table keeps the length it was given)")
         q, kv = self._project(h, batch * local_len)
         positions = self.cp.positions(seq_len, device=h.device)                     # [S/pcp]
         with self.timer.span("attn.rope"):

@@ -141,3 +141,18 @@ def test_demo_reference_mla_matches_hf(q_lora):
         ref = attn(h, (cos.double(), sin.double()), _causal_mask(T))[0]
     got = mla_attention(h, state, cfg, "layers.0.attn")
     torch.testing.assert_close(got, ref, atol=1e-6 * ref.abs().max().item(), rtol=0)
+
+
+def test_prefill_past_a_loaded_rope_table_raises_naming_the_lengths():
+    """A loaded HF table keeps its own length; a prefill past it indexed the table out of range
+    (IndexError on the CPU, a device-side assert on CUDA) instead of a ValueError."""
+    config, attn, rotary = _hf_layer(24, True, None, seed=7)
+    try:
+        layer, _ = _our_layer(config, attn, rotary)
+        layer.allocate_cache(B * 4, 4, torch.device("cpu"))
+        layer.cos_sin = layer.cos_sin[:8]                             # as if HF's table had 8 positions
+        h = torch.randn(B * T, HIDDEN)
+        with pytest.raises(ValueError, match=r"seq_len \(11\) exceeds the RoPE table's 8 positions"):
+            layer.prefill(h, B, T, B * T, torch.arange(B * 4).view(B, 4))
+    finally:
+        destroy_parallel()
