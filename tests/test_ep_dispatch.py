@@ -361,10 +361,12 @@ def error_cases(group, rank: int, world: int) -> list[str]:
     inputs = make_inputs(3000, world, num_experts, hidden, 2)
     mine = inputs[rank]
     bad_rank = world - 1
-    variants = ("bad_id", "bad_hidden", "overflow")
+    variants = ("bad_id", "bad_hidden", "overflow", "top_k")
     for variant in variants:
         x, ids = mine["x"], mine["ids"].clone()
         kwargs = {}
+        if variant == "top_k" and rank == bad_rank:
+            ids = ids[:, :1].contiguous()  # K = 1 where the others have K = 2
         if variant == "bad_id" and rank == bad_rank:
             ids = torch.full((max(ids.shape[0], 1), 2), num_experts, dtype=ids.dtype)
             x, w = torch.zeros(ids.shape[0], hidden), torch.ones(ids.shape[0], 2)
@@ -429,7 +431,12 @@ def _rank_gpu(rank: int, world: int) -> tuple[int, int]:
 def _check_error_messages(results: list[dict], world: int) -> None:
     bad_rank = world - 1
     for rank, r in enumerate(results):
-        bad_id, bad_hidden, overflow = r["errors"]
+        bad_id, bad_hidden, overflow, top_k = r["errors"]
+        # the rows are packed by K: a receiver with another K dropped (or invented) pairs the census
+        # counted, and combined a wrong result without an error
+        ks = [2] * (world - 1) + [1]
+        assert top_k.startswith(f"[rank {rank}] EP dispatch: the EP ranks' topk_ids have different top-k widths K "
+                                f"(by rank: {ks})"), top_k
         if rank == bad_rank:
             assert "outside [-1," in bad_id, bad_id
             assert "hidden size 9 != the dispatcher's hidden (8)" in bad_hidden, bad_hidden
@@ -526,6 +533,7 @@ def test_nccl_two_gpus_dispatch_combine_and_gradients_match_reference():
 def test_single_rank_bad_input_raises_value_error_naming_values():
     messages = error_cases(None, 0, 1)
     assert "outside [-1, 2)" in messages[0] and "hidden size 9" in messages[1] and "capacity >= 4" in messages[2]
+    assert messages[3] == "no error"  # one rank: any K
     d = make_dispatcher(None, 8, 16)
     x, ids, w = torch.randn(3, 16), torch.zeros(3, 2, dtype=torch.int64), torch.ones(3, 2)
     with pytest.raises(ValueError, match="int32 or int64"):

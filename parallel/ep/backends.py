@@ -12,10 +12,11 @@ Dispatch is ``send`` followed by the local layout; combine is a local weighted r
 followed by ``reduce``; the backward passes use the same two operations the other way round.
 
 Before any payload moves, every rank contributes a *census* (an error flag, its token count,
-rows for each rank, pairs for each expert) to one all-gather of a few integers. Every rank then
-knows the split sizes, the per-expert totals, and whether any rank had bad input or an expert
-overflows a slab, so every rank raises the same error before the payload collective and none
-is left waiting on a partner. The census is the one host synchronization of a dispatch.
+its top-k width K, rows for each rank, pairs for each expert) to one all-gather of a few
+integers. Every rank then knows the split sizes, the per-expert totals, and whether any rank had
+bad input, an expert overflows a slab or the ranks' K differ (rows are packed and unpacked by
+K), so every rank raises the same error before the payload collective and none is left waiting
+on a partner. The census is the one host synchronization of a dispatch.
 
 Backends: ``local`` (group of one: no communication), ``all_to_all`` (payload through
 ``all_to_all_single``; gloo and NCCL), ``allgather`` (all-gather tokens and routing, select
@@ -30,7 +31,7 @@ is not written yet).
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
@@ -54,6 +55,7 @@ class Census:
     rows: list[list[int]]  # [W][W]: rows[s][d] = deduplicated token rows rank s sends to rank d
     expert_pairs: list[int]  # [E]: (token, k) pairs routed to each expert, summed over ranks
     errors: list[int]  # [W]: nonzero where rank s reported bad input
+    top_k: list[int] = field(default_factory=list)  # [W]: K of each rank's topk_ids (0 where it reported an error)
 
     def expert_totals(self, first: int, count: int) -> list[int]:
         """Pairs arriving at experts first .. first + count - 1."""
@@ -84,8 +86,12 @@ def take_census(topk_ids: torch.Tensor | None, info: RoutingInfo | None, num_exp
                 check_ids: bool) -> Census:
     """Build this rank's census row on the device, all-gather it, read it on the host once.
 
-    topk_ids/info are None when `local_error` (this rank's input is unusable)."""
-    width = 2 + size + num_experts
+    topk_ids/info are None when `local_error` (this rank's input is unusable). Raises
+    `DispatchInputError` on every rank together when no rank reported an error but the ranks'
+    topk_ids have different K: each rank packs the rows it sends and unpacks the rows it receives
+    by its own K, so a receiver would drop (or invent) pairs the census counted."""
+    head = 3 + size  # per-rank columns: error flag, T, K, rows to each rank
+    width = head + num_experts
     if local_error or topk_ids is None or info is None:
         row = torch.zeros(width, dtype=torch.int64, device=device)
         row[0] = 1
@@ -96,7 +102,8 @@ def take_census(topk_ids: torch.Tensor | None, info: RoutingInfo | None, num_exp
         key = torch.where(info.valid, ids, torch.full_like(ids, num_experts)).reshape(-1)
         pairs = count_values(key, num_experts + 1)[:num_experts]
         num_tokens = torch.full((1,), ids.shape[0], dtype=torch.int64, device=device)
-        row = torch.cat([bad, num_tokens, info.present.sum(0), pairs]).to(torch.int64)
+        top_k = torch.full((1,), ids.shape[1], dtype=torch.int64, device=device)
+        row = torch.cat([bad, num_tokens, top_k, info.present.sum(0), pairs]).to(torch.int64)
     if size == 1:
         table = row[None]
     else:
@@ -104,10 +111,20 @@ def take_census(topk_ids: torch.Tensor | None, info: RoutingInfo | None, num_exp
         _all_gather_single(table, row, group=group)
         table = table.view(size, width)
     # one device-to-host copy: the per-rank columns and the per-expert totals
-    host = torch.cat([table[:, :2 + size].reshape(-1), table[:, 2 + size:].sum(0)]).tolist()
-    per_rank = [host[r * (2 + size):(r + 1) * (2 + size)] for r in range(size)]
-    return Census(num_tokens=[r[1] for r in per_rank], rows=[r[2:] for r in per_rank],
-                  expert_pairs=host[size * (2 + size):], errors=[r[0] for r in per_rank])
+    host = torch.cat([table[:, :head].reshape(-1), table[:, head:].sum(0)]).tolist()
+    per_rank = [host[r * head:(r + 1) * head] for r in range(size)]
+    census = Census(num_tokens=[r[1] for r in per_rank], rows=[r[3:] for r in per_rank],
+                    expert_pairs=host[size * head:], errors=[r[0] for r in per_rank],
+                    top_k=[r[2] for r in per_rank])
+    if not any(census.errors) and len(set(census.top_k)) > 1:
+        from megapar.parallel.ep.dispatch import DispatchInputError
+
+        rank = dist.get_rank(group) if size > 1 else 0
+        raise DispatchInputError(
+            f"[rank {rank}] EP dispatch: the EP ranks' topk_ids have different top-k widths K (by rank: "
+            f"{census.top_k}); rows are packed by K, so every rank must pass topk_ids [T, K] with the same K "
+            "(a rank without tokens too: [0, K])")
+    return census
 
 
 # ---------------------------------------------------------------------------------------------
