@@ -61,6 +61,10 @@ class GraphedMoE:
         self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor, torch.Tensor | None,
                                       torch.Tensor]] = {}
         pool = None
+        # the warm-up forwards are not traffic: EPLB's load tracker gets its counts back afterwards
+        # (in place: the graphs count into this very tensor on replay)
+        tracker = layer.eplb.tracker if layer.eplb is not None else None
+        saved_load = tracker.step_counts.clone() if tracker is not None else None
         with torch.no_grad():  # (not inference_mode: the static inputs must stay writable outside it)
             for t in counts:  # largest first: the smaller graphs fit in its pool
                 x = torch.zeros(t, self.hidden, dtype=self.dtype, device=device)
@@ -78,6 +82,8 @@ class GraphedMoE:
                 pool = graph.pool()
                 self._graphs[t] = (graph, x, mask, ids, out)
         layer.expert_counts.zero_()
+        if tracker is not None:
+            tracker.step_counts.copy_(saved_load)
         self._filled: dict[int, int] = {t: t for t in counts}  # rows of real tokens the static input was set up for
 
     def size_for(self, num_tokens: int) -> int:

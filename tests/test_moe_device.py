@@ -419,6 +419,26 @@ def test_gpu_plain_cuda_graph_with_eplb_counts_inside():
 
 
 @gpu
+def test_gpu_graphed_moe_warmup_is_not_counted_as_eplb_load():
+    """GraphedMoE's warm-up forwards counted warmup x sum(sizes) x top_k phantom tokens into the
+    EPLB tracker's step (at every recapture after a migration too); its replays still count."""
+    from moe.graphs import GraphedMoE
+    from parallel.ep.eplb_state import Eplb, EplbConfig
+
+    torch.manual_seed(0)
+    cfg = MoEConfig.deepseek_v4_flash(num_experts=32, expert_format="mxfp4", hidden=1024, inter=512)
+    eplb = Eplb(1, 32, config=EplbConfig(num_redundant=8), device="cuda")
+    layer = MoELayer(cfg, device="cuda", eplb=eplb)
+    eplb.tracker.step_counts[0, 3] = 5                       # a step in progress keeps its own counts
+    before = eplb.tracker.step_counts.clone()
+    graphed = GraphedMoE(layer, [4, 16])
+    assert torch.equal(eplb.tracker.step_counts, before)
+    graphed(torch.randn(4, 1024, device="cuda", dtype=torch.bfloat16))
+    torch.cuda.synchronize()
+    assert int((eplb.tracker.step_counts - before)[0, :-1].sum()) == 4 * cfg.top_k
+
+
+@gpu
 def test_gpu_launches_per_forward_are_bounded():
     from torch.profiler import ProfilerActivity, profile
 
