@@ -178,6 +178,47 @@ def test_prepare_from_checkpoint_dict():
         prepare_weights({"weight": q.data})
 
 
+def test_quantized_weights_with_storage_of_another_shape_or_dtype_are_refused_by_name():
+    """prepare_weights / grouped_gemm read a QuantizedTensor's data and scales by its format's
+    strides. A scale of another dtype (E8M0 exponents as floats or int32) or shape (an nvfp4 weight
+    holding one scale per 32) was prepared silently and the kernels read it wrongly; a missing or
+    mis-sized nvfp4 global scale raised AttributeError / RuntimeError. Now ValueError, naming them,
+    on every path (the torch reference's own check raised first only there)."""
+    E, N, K = 2, 64, 256
+    q = quantize(torch.randn(E, N, K, generator=torch.Generator().manual_seed(30)), "mxfp4")
+    qn = quantize(torch.randn(E, N, K, generator=torch.Generator().manual_seed(31)), "nvfp4", global_scale="matrix")
+    bad = [
+        (QuantizedTensor(q.data, q.scale.float(), "mxfp4", q.shape),
+         r"scale uint8 E8M0 bytes \(2, 64, 8\), got torch.float32"),
+        (QuantizedTensor(q.data, q.scale.to(torch.int32), "mxfp4", q.shape), r"got torch.int32 \(2, 64, 8\)"),
+        (QuantizedTensor(q.data, q.scale[..., :4], "mxfp4", q.shape), r"got torch.uint8 \(2, 64, 4\)"),
+        (QuantizedTensor(q.data[:, :32], q.scale, "mxfp4", q.shape), r"needs data uint8 \(2, 64, 128\), got"),
+        (QuantizedTensor(qn.data, qn.scale[..., ::2], "nvfp4", qn.shape, qn.global_scale),
+         r"scale uint8 E4M3 bytes \(2, 64, 16\), got torch.uint8 \(2, 64, 8\)"),
+        (QuantizedTensor(qn.data, qn.scale, "nvfp4", qn.shape, None), r"global_scale .* \[E=2\], got None"),
+        (QuantizedTensor(qn.data, qn.scale, "nvfp4", qn.shape, torch.ones(3)), r"\[E=2\], got torch.float32 \(3,\)"),
+    ]
+    fq = quantize(torch.randn(E, N, 160), "fp8_block")
+    bad.append((QuantizedTensor(fq.data.view(torch.uint8), fq.scale, "fp8_block", fq.shape),
+                r"needs data float8_e4m3fn \(2, 64, 160\), got torch.uint8"))
+    x = torch.randn(3, K)
+    for w, msg in bad:
+        with pytest.raises(ValueError, match=msg):
+            prepare_weights(w)
+        with pytest.raises(ValueError, match=msg):
+            grouped_gemm(x if w.shape[-1] == K else torch.randn(3, 160), w, counts=torch.tensor([1, 2]),
+                         backend="torch")
+    # the storage torch's own dtypes give (fp4x2 data, e8m0 / e4m3 scales), a 0-d or [E, 1] global scale: as before
+    ok = [QuantizedTensor(q.data, q.scale.view(torch.float8_e8m0fnu), "mxfp4", q.shape),
+          QuantizedTensor(qn.data, qn.scale.view(torch.float8_e4m3fn), "nvfp4", qn.shape, qn.global_scale[:, None]),
+          QuantizedTensor(qn.data, qn.scale, "nvfp4", qn.shape, qn.global_scale[0])]
+    for w in ok:
+        want = torch.as_tensor(weight_values(QuantizedTensor(w.data, w.scale, w.fmt, w.shape,
+                                                             None if w.global_scale is None
+                                                             else w.global_scale.reshape(-1).expand(E))))
+        assert torch.equal(dequantize_prepared(prepare_weights(w)), want.float())
+
+
 def test_fold_plan_flags_exactness_by_block_exponent_spread():
     def plan(spread: int) -> tuple[bool, bool]:
         codes = torch.full((1, 2, 256), 0x2, dtype=torch.uint8)          # all 1.0

@@ -27,6 +27,7 @@ from typing import Any, Literal
 import torch
 
 from megapar.parallel.quant import QuantizedTensor, dequantize, load_fp4_checkpoint, quantize
+from megapar.parallel.quant.reference import expected_storage
 
 _log = logging.getLogger(__name__)
 
@@ -480,9 +481,38 @@ def prepare_weights(w: torch.Tensor | QuantizedTensor | PreparedWeight | dict[st
     return out
 
 
+def _check_storage(q: QuantizedTensor) -> None:
+    """ValueError unless q's tensors are what its format stores for its shape (parallel.quant's
+    `expected_storage`): FP4 data and scale as uint8 bits (torch's fp4 / e8m0 / e4m3 views are
+    taken as such by QuantizedTensor), fp8_block data in float8_e4m3fn with float scales, and an
+    nvfp4 global scale of one element or one per expert. The kernels read these tensors by their
+    format's strides, so a scale of another shape or dtype would be read wrongly, not refused."""
+    E = q.shape[0]
+    data_shape, scale_shape = expected_storage(q.fmt, q.shape)
+    fp4 = q.fmt in FP4_BLOCK
+    data_ok = q.data.dtype == (torch.uint8 if fp4 else torch.float8_e4m3fn)
+    scale_ok = q.scale.dtype == torch.uint8 if fp4 else q.scale.is_floating_point()
+    want_data = "uint8" if fp4 else "float8_e4m3fn"
+    want_scale = {"mxfp4": "uint8 E8M0 bytes ", "nvfp4": "uint8 E4M3 bytes "}.get(q.fmt, "float ")
+    if tuple(q.data.shape) != data_shape or not data_ok:
+        raise ValueError(f"{q.fmt} expert weight {tuple(q.shape)} needs data {want_data} {data_shape}, "
+                         f"got {q.data.dtype} {tuple(q.data.shape)}")
+    if tuple(q.scale.shape) != scale_shape or not scale_ok:
+        raise ValueError(f"{q.fmt} expert weight {tuple(q.shape)} needs scale {want_scale}{scale_shape}, "
+                         f"got {q.scale.dtype} {tuple(q.scale.shape)}")
+    if q.fmt == "nvfp4":
+        gs = q.global_scale
+        if gs is None or not gs.is_floating_point() or gs.numel() not in (1, E):
+            got = None if gs is None else f"{gs.dtype} {tuple(gs.shape)}"
+            raise ValueError(f"nvfp4 expert weight {tuple(q.shape)} needs a float global_scale of one element or "
+                             f"one per expert [E={E}], got {got}")
+
+
 def _from_quantized(q: QuantizedTensor, *, packing: Packing, gate_up: GateUp | None) -> PreparedWeight:
     if len(q.shape) != 3:
         raise ValueError(f"expert weight must be [E, N, K], got shape {tuple(q.shape)}")
+    if q.fmt in FP4_BLOCK or q.fmt == "fp8_block":
+        _check_storage(q)
     E, N, K = q.shape
     if gate_up == "interleaved" and N % 2:
         raise ValueError(f"interleaved gate/up needs an even number of rows, got N={N}")
