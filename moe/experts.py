@@ -42,6 +42,7 @@ from megapar.parallel import impl
 from megapar.moe.kernels import PreparedWeight, expert_ffn, packing_for, prepare_weights, swiglu
 from megapar.moe.kernels.ffn import ffn_backend
 from megapar.moe.quant import QuantizedTensor, dequantize, load_fp4_checkpoint, prepare_weight, quantize
+from megapar.parallel.quant import e8m0_to_float
 from megapar.parallel.quant.formats import FP4_FORMATS
 from megapar.parallel.quant.reference import check_storage, expected_storage
 
@@ -62,7 +63,8 @@ def _first(state: Mapping[str, torch.Tensor], keys: Sequence[str]) -> torch.Tens
 
 def read_weight(state: Mapping[str, torch.Tensor], key: str) -> torch.Tensor | QuantizedTensor:
     """`{key}.weight` with its scales as stored in a checkpoint: a float tensor (bf16/fp16/fp32), an
-    fp8_block QuantizedTensor (e4m3 + `weight_scale_inv` / `weight_scale` / `scale`, 128x128 tiles)
+    fp8_block QuantizedTensor (e4m3 + `weight_scale_inv` / `weight_scale` / `scale`, 128x128 tiles;
+    a float scale, or E8M0 as float8_e8m0fnu or uint8 bytes)
     or an FP4 one (packed + `weight_scale` / `scale` [+ `weight_scale_2`]). KeyError if missing."""
     weight = state[f"{key}.weight"]
     if weight.is_floating_point() and weight.element_size() >= 2:
@@ -71,7 +73,9 @@ def read_weight(state: Mapping[str, torch.Tensor], key: str) -> torch.Tensor | Q
         scale = _first(state, [f"{key}.weight_scale_inv", f"{key}.weight_scale", f"{key}.scale"])
         if scale is None:
             raise KeyError(f"{key}.weight_scale_inv")
-        q = QuantizedTensor(weight, scale.float(), "fp8_block", weight.shape)
+        # a uint8 scale holds E8M0 bytes (2^(byte - 127), as transformers reads one), not multipliers
+        scale = e8m0_to_float(scale) if scale.dtype == torch.uint8 else scale.float()
+        q = QuantizedTensor(weight, scale, "fp8_block", weight.shape)
         try:
             check_storage(q)     # (a scale of other tiles would be read as 128 x 128 ones: refused here)
         except ValueError as exc:

@@ -232,6 +232,23 @@ def test_fp8_checkpoint_scale_of_other_tiles_is_refused_naming_the_key():
             read_weight({"a.w1.weight": w, "a.w1.weight_scale_inv": bad}, "a.w1")
 
 
+def test_fp8_checkpoint_with_e8m0_byte_scales_dequantizes_by_powers_of_two():
+    """uint8 `weight_scale_inv` bytes are E8M0 (2^(byte - 127), as transformers reads them): they were
+    taken as plain multipliers (a byte of 120 scaled a tile by 120, not 2^-7)."""
+    from moe.experts import read_dense
+
+    gen = torch.Generator().manual_seed(5)
+    w = (torch.randn(256, 384, generator=gen) * 8).to(torch.float8_e4m3fn)
+    byte = torch.randint(110, 135, (2, 3), generator=gen).to(torch.uint8)
+    got = read_dense({"a.w1.weight": w, "a.w1.weight_scale_inv": byte}, "a.w1")
+    tile = torch.tensor([[2.0 ** (int(b) - 127) for b in row] for row in byte.tolist()], dtype=torch.float64)
+    want = w.double() * tile.repeat_interleave(128, 0).repeat_interleave(128, 1)
+    torch.testing.assert_close(got.double(), want, rtol=0, atol=0)
+    if hasattr(torch, "float8_e8m0fnu"):   # the same bytes as torch's own E8M0 dtype
+        same = read_dense({"a.w1.weight": w, "a.w1.weight_scale_inv": byte.view(torch.float8_e8m0fnu)}, "a.w1")
+        torch.testing.assert_close(same.double(), want, rtol=0, atol=0)
+
+
 def test_overlapped_equals_plain_and_eplb_slots_change_nothing():
     from parallel.ep.eplb_state import Eplb, EplbConfig
 
