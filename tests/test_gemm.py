@@ -268,6 +268,58 @@ def test_bad_arguments_raise_value_errors_naming_the_choices():
     assert set(BACKENDS) == {"auto", "torch", "torch_grouped_mm", "triton_w4a16", "triton_w4a8", "deep_gemm"}
 
 
+@pytest.mark.parametrize("backend", ["triton_w4a16", "triton_w4a8", "torch"])
+def test_host_counts_past_the_rows_are_refused_before_any_kernel_runs(backend, monkeypatch):
+    """Counts / offsets on the host (a CPU tensor or a list) are checked by value when the rows are
+    described, before any kernel reads them: the Triton kernels trust the counts, and counts summing
+    past M made them read x and write the output past their ends (heap corruption under the
+    interpreter) while the reference raised. ValueError naming the values on every backend (and in
+    the fused FFN); the valid edges still run: counts summing to M or below (spare rows), offsets
+    ending before M, a slab expert filled to its capacity."""
+    import importlib
+
+    from moe.kernels import expert_ffn
+    from moe.kernels import triton_w4a8, triton_w4a16
+
+    gg = importlib.import_module("moe.kernels.grouped_gemm")
+
+    def launched(*a, **k):
+        raise AssertionError("a kernel ran on counts past the rows")
+
+    if backend != "torch":
+        for mod, name in ((triton_w4a16, "w4a16_grouped_gemm"), (triton_w4a16, "launch_w4a16"),
+                          (triton_w4a8, "w4a8_grouped_gemm"), (triton_w4a8, "fp8_grouped_gemm")):
+            monkeypatch.setattr(mod, name, launched)
+        monkeypatch.setattr(gg, "_gemm_grouped_mm", launched)
+    E, N, K = 2, 32, 256
+    w, _ = random_weight("mxfp4", E, N, K, seed=40)
+    pw = prepare_weights(w)
+    x = torch.randn(5, K)
+    bad = [({"counts": torch.tensor([4, 9])}, "counts sum to 13 but x has only 5 rows"),
+           ({"counts": [2, 4]}, "counts sum to 6 but x has only 5 rows"),
+           ({"counts": torch.tensor([-3, 8])}, r"counts must be >= 0, got \[-3, 8\]"),
+           ({"offsets": torch.tensor([0, 4, 9])}, r"offsets must rise from 0 to at most M=5, got \[0, 4, 9\]"),
+           ({"offsets": [1, 2, 5]}, r"offsets must rise from 0 to at most M=5, got \[1, 2, 5\]"),
+           ({"offsets": torch.tensor([0, 4, 3])}, r"got \[0, 4, 3\]")]
+    for kw, msg in bad:
+        with pytest.raises(ValueError, match=msg):
+            expert_rows(x, E, kw.get("counts"), kw.get("offsets"), "contiguous")
+        with pytest.raises(ValueError, match=msg):
+            grouped_gemm(x, pw, backend=backend, **kw)
+    w13, _ = random_weight("mxfp4", E, 2 * 128, K, seed=41)
+    w2, _ = random_weight("mxfp4", E, K, 128, seed=42)
+    with pytest.raises(ValueError, match="counts sum to 13"):
+        expert_ffn(x, prepare_weights(w13), prepare_weights(w2), counts=torch.tensor([4, 9]), backend=backend)
+    xs = torch.randn(E, 3, K)
+    with pytest.raises(ValueError, match=r"slab counts \[5, 1\] exceed the capacity 3"):
+        grouped_gemm(xs, pw, counts=torch.tensor([5, 1]), layout="slab", backend=backend)
+    # the valid edges describe their rows as given
+    for kw, ranges in (({"counts": torch.tensor([2, 3])}, [(0, 2), (2, 3)]), ({"counts": [0, 4]}, [(0, 0), (0, 4)]),
+                       ({"offsets": torch.tensor([0, 0, 4])}, [(0, 0), (0, 4)])):
+        assert expert_rows(x, E, kw.get("counts"), kw.get("offsets"), "contiguous").host_ranges(5) == ranges
+    assert expert_rows(xs, E, torch.tensor([3, 0]), None, "slab").host_ranges(0) == [(0, 3), (3, 0)]
+
+
 def test_auto_backend_on_cpu_is_the_reference():
     w, wv = random_weight("nvfp4", 2, 16, 64, seed=10)
     x = torch.randn(5, 64)

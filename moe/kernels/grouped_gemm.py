@@ -77,6 +77,11 @@ class ExpertRows:
 
     def host_ranges(self, num_rows: int) -> list[tuple[int, int]]:
         """[(start, count)] per expert, on the host (syncs); validates the layout."""
+        if self.layout == "contiguous" and self.offsets is not None:
+            offs = [int(o) for o in self.offsets.tolist()]
+            if offs[0] != 0 or offs[-1] > num_rows or any(b < a for a, b in zip(offs, offs[1:])):
+                raise ValueError(f"offsets must rise from 0 to at most M={num_rows}, got {offs}")
+            return [(offs[e], offs[e + 1] - offs[e]) for e in range(self.num_experts)]
         counts = [int(c) for c in self.counts.tolist()]
         if any(c < 0 for c in counts):
             raise ValueError(f"counts must be >= 0, got {counts}")
@@ -84,11 +89,6 @@ class ExpertRows:
             if any(c > self.capacity for c in counts):
                 raise ValueError(f"slab counts {counts} exceed the capacity {self.capacity}")
             return [(e * self.capacity, c) for e, c in enumerate(counts)]
-        if self.offsets is not None:
-            offs = [int(o) for o in self.offsets.tolist()]
-            if offs[0] != 0 or offs[-1] > num_rows or any(b < a for a, b in zip(offs, offs[1:])):
-                raise ValueError(f"offsets must rise from 0 to at most M={num_rows}, got {offs}")
-            return [(offs[e], offs[e + 1] - offs[e]) for e in range(self.num_experts)]
         if sum(counts) > num_rows:
             raise ValueError(f"contiguous layout: counts sum to {sum(counts)} but x has only {num_rows} rows")
         starts = [sum(counts[:e]) for e in range(len(counts))]
@@ -97,7 +97,13 @@ class ExpertRows:
 
 def expert_rows(x: torch.Tensor, num_experts: int, counts: torch.Tensor | None, offsets: torch.Tensor | None,
                 layout: str, rows_hint: float | None = None) -> ExpertRows:
-    """Validate the layout arguments (shapes only, no sync) -> ExpertRows."""
+    """Validate the layout arguments -> ExpertRows (counts / offsets on x's device).
+
+    Shapes always. Values (counts >= 0 and within M or the slab capacity, offsets rising from 0
+    to at most M) when counts / offsets are on the host (a list, or a CPU tensor), where reading
+    them syncs nothing: the Triton kernels trust the counts they read, and rows past M would be
+    read and written out of bounds. Counts already on the device are not read (no sync): the
+    caller vouches for them (the slab kernels clamp them to the capacity)."""
     if rows_hint is not None and (isinstance(rows_hint, bool) or not isinstance(rows_hint, (int, float))
                                   or not rows_hint >= 0):
         raise ValueError(f"rows_hint must be a number of rows per expert >= 0, got {rows_hint!r}")
@@ -113,16 +119,23 @@ def expert_rows(x: torch.Tensor, num_experts: int, counts: torch.Tensor | None, 
             raise ValueError(f"contiguous layout needs x [M, K], got {tuple(x.shape)}")
         if (counts is None) == (offsets is None):
             raise ValueError("contiguous layout needs exactly one of counts [E] or offsets [E+1]")
+    given = offsets if offsets is not None else counts
+    on_host = not isinstance(given, torch.Tensor) or given.device.type == "cpu"
     if offsets is not None:
-        offsets = torch.as_tensor(offsets, device=x.device)
+        offsets = torch.as_tensor(offsets)
         if offsets.shape != (num_experts + 1,) or offsets.is_floating_point():
             raise ValueError(f"offsets must be an int tensor [E+1={num_experts + 1}], got "
                              f"{offsets.dtype}{tuple(offsets.shape)}")
         counts = offsets[1:] - offsets[:-1]
-    counts = torch.as_tensor(counts, device=x.device)
+    counts = torch.as_tensor(counts)
     if counts.shape != (num_experts,) or counts.is_floating_point():
         raise ValueError(f"counts must be an int tensor [E={num_experts}], got {counts.dtype}{tuple(counts.shape)}")
     capacity = x.shape[1] if layout == "slab" else 0
+    if on_host:   # (host values: checked before any kernel reads them, ValueError naming them)
+        ExpertRows(layout, num_experts, counts, offsets, capacity).host_ranges(
+            x.shape[0] if layout == "contiguous" else 0)
+    counts = counts.to(x.device)
+    offsets = offsets.to(x.device) if offsets is not None else None
     if rows_hint is None:
         rows_hint = capacity if layout == "slab" else x.shape[0] / max(num_experts, 1)
     return ExpertRows(layout, num_experts, counts, offsets, capacity, float(rows_hint))
