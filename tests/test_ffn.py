@@ -221,6 +221,31 @@ def test_prequantized_fp8_token_rows(monkeypatch):
         expert_ffn(xq, p13, p2, counts=counts, layout="slab", backend="torch")
 
 
+def test_prequantized_rows_with_storage_of_another_shape_or_dtype_are_refused(monkeypatch):
+    """A pre-quantized x whose tensors disagree with its fp8_token shape: the torch path refused it
+    (dequantize checks the storage), the W4A8 path read it as it was: a scale of half the rows was
+    read past its end, a bf16 scale's bits as fp32, data of 10 rows under a shape of 14 gave 10 output
+    rows. ValueError naming the shapes and dtypes on every path (interpreter)."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    from moe.quant import QuantizedTensor
+
+    E, H, inter = 2, 128, 64
+    q13, q2, _, _ = _weights("mxfp4", E, H, inter, seed=12)
+    p13, p2 = prepare_weights(q13), prepare_weights(q2)
+    x = torch.randn(14, H, generator=torch.Generator().manual_seed(4)).to(torch.bfloat16)
+    xq = quantize(x, "fp8_token")
+    bad = [(QuantizedTensor(xq.data, xq.scale[:7], "fp8_token", xq.shape), torch.tensor([5, 9]),
+            r"needs scale torch.float32\(14, 1\), got torch.float32\(7, 1\)"),
+           (QuantizedTensor(xq.data, xq.scale.to(torch.bfloat16), "fp8_token", xq.shape), torch.tensor([5, 9]),
+            r"got torch.bfloat16\(14, 1\)"),
+           (QuantizedTensor(xq.data[:10], xq.scale[:10], "fp8_token", xq.shape), torch.tensor([4, 6]),
+            r"needs data torch.float8_e4m3fn\(14, 128\), got torch.float8_e4m3fn\(10, 128\)")]
+    for xb, counts, msg in bad:
+        for backend in ("triton_w4a8", "torch"):
+            with pytest.raises(ValueError, match=msg):
+                expert_ffn(xb, p13, p2, counts=counts, backend=backend)
+
+
 def test_resident_fp8_weights_give_the_same_w4a8_output(monkeypatch):
     """`PreparedWeight.keep_fp8`: the W4A8 path reads the resident exact FP8 copy (the same
     tensors `fp8_weight` returns from then on) and gives bit for bit what it gives when it expands

@@ -34,6 +34,7 @@ from megapar.moe.kernels.grouped_gemm import (
 )
 from megapar.moe.kernels.prepare import PreparedWeight, as_prepared, dequantize_prepared, prepare_weights
 from megapar.parallel.quant import QuantizedTensor, dequantize
+from megapar.parallel.quant.reference import check_storage
 
 
 def swiglu(gate: torch.Tensor, up: torch.Tensor, *, limit: float | None = None, alpha: float = 1.0,
@@ -111,6 +112,7 @@ def expert_ffn(x: torch.Tensor | QuantizedTensor, w13: torch.Tensor | QuantizedT
         if x.fmt != "fp8_token" or len(x.shape) != 2 or layout != "contiguous":
             raise ValueError(f"a quantized x must be an fp8_token QuantizedTensor [M, H] in the contiguous layout; "
                              f"got fmt={x.fmt!r}, shape {tuple(x.shape)}, layout {layout!r}")
+        check_storage(x)   # (the W4A8 kernels read data and one fp32 scale per row as they are)
         xq, x = x, x.data
     if x.shape[-1] != H:
         raise ValueError(f"x has H={x.shape[-1]} but w13 is [E={E}, 2I={two_i}, H={H}]")
