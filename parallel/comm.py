@@ -352,10 +352,15 @@ def float_code(x: float) -> int:
     return struct.unpack("<q", struct.pack("<d", float(x)))[0]
 
 
+def dtype_name(code: int) -> str:
+    """The dtype a `dtype_code` stands for, as str(dtype) (the code itself if none)."""
+    names = {dtype_code(d): str(d) for d in vars(torch).values() if isinstance(d, torch.dtype)}
+    return names.get(code, str(code))
+
+
 def _show_code(kind: str, code: int) -> str | float | int:
     if kind == "dtype":
-        names = {dtype_code(d): str(d) for d in vars(torch).values() if isinstance(d, torch.dtype)}
-        return names.get(code, str(code))
+        return dtype_name(code)
     if kind == "float":
         return struct.unpack("<d", struct.pack("<q", code))[0]
     return code

@@ -361,7 +361,7 @@ def error_cases(group, rank: int, world: int) -> list[str]:
     inputs = make_inputs(3000, world, num_experts, hidden, 2)
     mine = inputs[rank]
     bad_rank = world - 1
-    variants = ("bad_id", "bad_hidden", "overflow", "top_k")
+    variants = ("bad_id", "bad_hidden", "overflow", "top_k", "x_dtype")
     for variant in variants:
         x, ids = mine["x"], mine["ids"].clone()
         kwargs = {}
@@ -370,6 +370,8 @@ def error_cases(group, rank: int, world: int) -> list[str]:
         if variant == "bad_id" and rank == bad_rank:
             ids = torch.full((max(ids.shape[0], 1), 2), num_experts, dtype=ids.dtype)
             x, w = torch.zeros(ids.shape[0], hidden), torch.ones(ids.shape[0], 2)
+        if variant == "x_dtype" and rank == bad_rank:
+            x = x.to(torch.bfloat16)  # the same row width in elements, other bytes per row
         if variant == "bad_hidden" and rank == bad_rank:
             x = torch.zeros(x.shape[0], hidden + 1)
         if variant == "overflow":
@@ -431,7 +433,12 @@ def _rank_gpu(rank: int, world: int) -> tuple[int, int]:
 def _check_error_messages(results: list[dict], world: int) -> None:
     bad_rank = world - 1
     for rank, r in enumerate(results):
-        bad_id, bad_hidden, overflow, top_k = r["errors"]
+        bad_id, bad_hidden, overflow, top_k, x_dtype = r["errors"]
+        # likewise by the payload's pieces: an fp32 x beside a bf16 one aborted the process (gloo: the
+        # received size does not match) or would be misread
+        dtypes = ["'torch.float32'"] * (world - 1) + ["'torch.bfloat16'"]
+        assert x_dtype.startswith(f"[rank {rank}] EP dispatch: the EP ranks' payloads differ (by rank) in x dtype: "
+                                  f"[{', '.join(dtypes)}]"), x_dtype
         # the rows are packed by K: a receiver with another K dropped (or invented) pairs the census
         # counted, and combined a wrong result without an error
         ks = [2] * (world - 1) + [1]

@@ -31,13 +31,15 @@ is not written yet).
 from __future__ import annotations
 
 import logging
+import math
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Callable, Sequence
 
 import torch
 import torch.distributed as dist
 
 from megapar.parallel import comm, impl
+from megapar.parallel.comm import dtype_code, dtype_name
 from megapar.parallel.ep.layout import count_values, gather_reduce, gather_rows, scatter_add_rows
 
 log = logging.getLogger(__name__)
@@ -81,16 +83,33 @@ def routing_info(topk_ids: torch.Tensor, num_experts: int, size: int) -> Routing
     return RoutingInfo(valid=valid, dest=dest, present=present[:, :size])
 
 
+PAYLOAD_FIELDS = ("x dtype", "x row width", "x_scale dtype", "x_scale row width")
+"""What `payload_format` describes of a dispatch's rows besides K; every rank must send the same."""
+
+
+def payload_format(x: torch.Tensor, x_scale: torch.Tensor | None) -> list[int]:
+    """The ints of PAYLOAD_FIELDS for x [T, ...] and its optional scale [T, ...] (0s: no scale)."""
+    row = lambda t: math.prod(t.shape[1:]) if t.dim() else 0
+    if x_scale is None:
+        return [dtype_code(x.dtype), row(x), 0, 0]
+    return [dtype_code(x.dtype), row(x), dtype_code(x_scale.dtype), row(x_scale)]
+
+
 def take_census(topk_ids: torch.Tensor | None, info: RoutingInfo | None, num_experts: int, *,
                 group: dist.ProcessGroup | None, size: int, device: torch.device, local_error: bool,
-                check_ids: bool) -> Census:
+                check_ids: bool, payload: Sequence[int] | None = None) -> Census:
     """Build this rank's census row on the device, all-gather it, read it on the host once.
 
-    topk_ids/info are None when `local_error` (this rank's input is unusable). Raises
-    `DispatchInputError` on every rank together when no rank reported an error but the ranks'
-    topk_ids have different K: each rank packs the rows it sends and unpacks the rows it receives
-    by its own K, so a receiver would drop (or invent) pairs the census counted."""
-    head = 3 + size  # per-rank columns: error flag, T, K, rows to each rank
+    topk_ids/info are None when `local_error` (this rank's input is unusable). payload: this
+    rank's `payload_format` (None: not compared). Raises `DispatchInputError` on every rank
+    together when no rank reported an error but the ranks' topk_ids have different K, or their
+    payloads different dtypes or row widths: each rank packs the rows it sends and unpacks the
+    rows it receives by its own K and pieces, so a receiver would drop (or invent) pairs the
+    census counted, or misread the bytes (gloo aborts the process on the size mismatch)."""
+    fmt = [0] * len(PAYLOAD_FIELDS) if payload is None else list(payload)
+    if len(fmt) != len(PAYLOAD_FIELDS):
+        raise ValueError(f"payload has {len(fmt)} ints, expected {len(PAYLOAD_FIELDS)}: {PAYLOAD_FIELDS}")
+    head = 3 + len(fmt) + size  # per-rank columns: error flag, T, K, the payload format, rows to each rank
     width = head + num_experts
     if local_error or topk_ids is None or info is None:
         row = torch.zeros(width, dtype=torch.int64, device=device)
@@ -101,9 +120,8 @@ def take_census(topk_ids: torch.Tensor | None, info: RoutingInfo | None, num_exp
             else torch.zeros(1, dtype=torch.int64, device=device)
         key = torch.where(info.valid, ids, torch.full_like(ids, num_experts)).reshape(-1)
         pairs = count_values(key, num_experts + 1)[:num_experts]
-        num_tokens = torch.full((1,), ids.shape[0], dtype=torch.int64, device=device)
-        top_k = torch.full((1,), ids.shape[1], dtype=torch.int64, device=device)
-        row = torch.cat([bad, num_tokens, top_k, info.present.sum(0), pairs]).to(torch.int64)
+        shape = torch.tensor([ids.shape[0], ids.shape[1], *fmt], dtype=torch.int64, device=device)
+        row = torch.cat([bad, shape, info.present.sum(0), pairs]).to(torch.int64)
     if size == 1:
         table = row[None]
     else:
@@ -113,17 +131,32 @@ def take_census(topk_ids: torch.Tensor | None, info: RoutingInfo | None, num_exp
     # one device-to-host copy: the per-rank columns and the per-expert totals
     host = torch.cat([table[:, :head].reshape(-1), table[:, head:].sum(0)]).tolist()
     per_rank = [host[r * head:(r + 1) * head] for r in range(size)]
-    census = Census(num_tokens=[r[1] for r in per_rank], rows=[r[3:] for r in per_rank],
+    first = 3 + len(fmt)
+    census = Census(num_tokens=[r[1] for r in per_rank], rows=[r[first:] for r in per_rank],
                     expert_pairs=host[size * head:], errors=[r[0] for r in per_rank],
                     top_k=[r[2] for r in per_rank])
-    if not any(census.errors) and len(set(census.top_k)) > 1:
+    if any(census.errors):
+        return census
+    rank = dist.get_rank(group) if size > 1 else 0
+    if len(set(census.top_k)) > 1:
         from megapar.parallel.ep.dispatch import DispatchInputError
 
-        rank = dist.get_rank(group) if size > 1 else 0
         raise DispatchInputError(
             f"[rank {rank}] EP dispatch: the EP ranks' topk_ids have different top-k widths K (by rank: "
             f"{census.top_k}); rows are packed by K, so every rank must pass topk_ids [T, K] with the same K "
             "(a rank without tokens too: [0, K])")
+    if payload is not None:
+        formats = [r[3:first] for r in per_rank]
+        differ = [i for i, name in enumerate(PAYLOAD_FIELDS) if len({f[i] for f in formats}) > 1]
+        if differ:
+            from megapar.parallel.ep.dispatch import DispatchInputError
+
+            show = lambda i, v: (dtype_name(v) if v else "none") if "dtype" in PAYLOAD_FIELDS[i] else v
+            detail = "; ".join(f"{PAYLOAD_FIELDS[i]}: {[show(i, f[i]) for f in formats]}" for i in differ)
+            raise DispatchInputError(
+                f"[rank {rank}] EP dispatch: the EP ranks' payloads differ (by rank) in {detail}; rows are packed "
+                "by them, so every rank must send x (and x_scale, or none) of the same dtype and row width "
+                "(a rank without tokens too: [0, ...])")
     return census
 
 

@@ -68,7 +68,8 @@ import torch.distributed as dist
 
 from megapar.parallel import comm, ubatch
 from megapar.parallel.groups import group_timeout
-from megapar.parallel.ep.backends import Backend, Census, LocalRoute, Route, routing_info, select_backend, take_census
+from megapar.parallel.ep.backends import (Backend, Census, LocalRoute, Route, payload_format, routing_info,
+                                          select_backend, take_census)
 from megapar.parallel.ep.layout import (LayoutPlan, check_layout_args, gather_reduce, gather_rows, local_expert_ids,
                                 plan_layout, scatter_add_rows)
 
@@ -609,7 +610,8 @@ class Dispatcher:
             info = routing_info(topk_ids, self.num_experts, self.size) if error is None else None
             census = take_census(topk_ids if error is None else None, info, self.num_experts,
                                  group=backend.group, size=self.size, device=x.device,
-                                 local_error=error is not None, check_ids=self.check_ids)
+                                 local_error=error is not None, check_ids=self.check_ids,
+                                 payload=payload_format(x, x_scale) if error is None else None)
             self._check_census(census, error)
             assert info is not None
             route = backend.route(info, census)
