@@ -278,8 +278,7 @@ def test_host_counts_past_the_rows_are_refused_before_any_kernel_runs(backend, m
     ending before M, a slab expert filled to its capacity."""
     import importlib
 
-    from moe.kernels import expert_ffn
-    from moe.kernels import triton_w4a8, triton_w4a16
+    from moe.kernels import expert_ffn, triton_w4a8, triton_w4a16
 
     gg = importlib.import_module("moe.kernels.grouped_gemm")
 
@@ -446,6 +445,95 @@ def test_interp_fp8_gemm_with_row_and_group_scales():
         y = fp8_grouped_gemm(a, s, b, bs, rows, out_dtype=torch.float32, config=cfg)
         xd = a.float() * (s.repeat_interleave(128, -1) if group else s)
         assert rel_err(y, loop_gemm(xd.double().numpy(), wv, counts, "contiguous")) < 1e-5
+
+
+@interp
+def test_interp_one_scale_per_128_with_k_not_a_multiple_of_128():
+    """1x128 scales along a K that ends in a partial group: an fp8_block weight with K = 160 and an
+    MXFP4 weight with K = 192 whose rows span more than 14 block exponents (no rowwise fold; one
+    scale per 1x128 group is exact). "auto" on CUDA sends both to triton_w4a8, which refused them
+    ("per-128 scales need K % 128 == 0", "the 1x128 fold needs K % 128 == 0"): the default backend
+    raised for weights parallel.quant makes and the reference takes. The group fold of a row's last,
+    partial group reads that row's blocks only (bit-identical to parallel.quant's fold, a NaN
+    scale there included), and the fp8 GEMM applies the partial group's scale; results match a
+    float64 loop. Scales of another shape or dtype are refused by name."""
+    import importlib
+
+    from moe.kernels.triton_w4a8 import fp8_grouped_gemm, fp8_weight
+    from moe.kernels.triton_w4a16 import expand_fp4
+    from moe.quant import mxfp4_to_fp8_block
+
+    gg = importlib.import_module("moe.kernels.grouped_gemm")
+    g = torch.Generator().manual_seed(50)
+    E, N = 2, 16
+    counts = [3, 5]
+    # fp8_block, K = 160: two groups of 128 and 32
+    pf = prepare_weights(torch.randn(E, N, 160, generator=g), fmt="fp8_block")
+    assert pf.scale.shape == (E, N, 2) and gg.resolve_backend("auto", torch.device("cuda"), pf, 40.0) == "triton_w4a8"
+    x = torch.randn(8, 160, generator=g)
+    xq = quantize(x, "fp8_token", backend="torch")            # (what quantize_act gives, bit for bit)
+    want = loop_gemm((xq.data.float() * xq.scale).double().numpy(), dequantize_prepared(pf).double().numpy(),
+                     counts, "contiguous")
+    y = grouped_gemm(x, pf, counts=torch.tensor(counts), backend="triton_w4a8", out_dtype=torch.float32)
+    assert rel_err(y, want) < 1e-5
+    # mxfp4, K = 192: 6 blocks, groups of 4 and 2; each row's second group ~60 exponents below its
+    # first (no rowwise fold) and below the next row's first group (a read past the row would show)
+    K = 192
+    data = torch.randint(0, 256, (E, N, K // 2), generator=g, dtype=torch.uint8)
+    scale = torch.randint(120, 135, (E, N, K // 32), generator=g, dtype=torch.uint8)
+    scale[..., 4:] = torch.randint(60, 70, (E, N, 2), generator=g, dtype=torch.uint8)
+    q = QuantizedTensor(data, scale, "mxfp4", torch.Size((E, N, K)))
+    pw = prepare_weights(q)
+    assert pw.fp8_fold == "group" and gg.resolve_backend("auto", torch.device("cuda"), pw, 40.0) == "triton_w4a8"
+    b, bs = expand_fp4(pw, fold="group")
+    assert torch.equal(fp8_weight(pw)[0].view(torch.uint8), b.view(torch.uint8))
+    for nan in (False, True):                                # (and a NaN block in a partial group)
+        qn = QuantizedTensor(data, scale.clone().index_put_((torch.tensor(1), torch.tensor(3), torch.tensor(5)),
+                                                            torch.tensor(255, dtype=torch.uint8)) if nan else scale,
+                             "mxfp4", q.shape)
+        b, bs = expand_fp4(prepare_weights(qn), fold="group")
+        ref = mxfp4_to_fp8_block(qn, tile_rows=1)
+        assert bs.shape == ref.scale.shape == (E, N, 2)
+        assert torch.equal(b.view(torch.uint8), ref.data.view(torch.uint8))
+        assert torch.equal(bs.nan_to_num(-1.0), ref.scale.nan_to_num(-1.0)) and bool(torch.isnan(bs[1, 3, 1])) == nan
+    x = torch.randn(8, K, generator=g)
+    xq = quantize(x, "fp8_token", backend="torch")
+    want = loop_gemm((xq.data.float() * xq.scale).double().numpy(), weight_values(q), counts, "contiguous")
+    y = grouped_gemm(x, pw, counts=torch.tensor(counts), backend="triton_w4a8", out_dtype=torch.float32)
+    assert rel_err(y, want) < 1e-5
+    # scales the kernel would read wrongly
+    b, bs = expand_fp4(pw, fold="group")
+    a, s = xq.data, xq.scale
+    rows = expert_rows(x, E, torch.tensor(counts), None, "contiguous")
+    for args, msg in (((a, s[:4], b, bs), r"a_scale must be fp32 \[M=8, 1\] .* got torch.float32\(4, 1\)"),
+                      ((a, s.double(), b, bs), r"a_scale .* got torch.float64\(8, 1\)"),
+                      ((a, s, b, bs[..., :1].expand(E, N, 3)), r"b_scale .* \[E, N, ceil\(K/128\)=2\], got"),
+                      ((a, s, b[..., :128], bs), r"a \(8, 192\), b \(2, 16, 128\)")):
+        with pytest.raises(ValueError, match=msg):
+            fp8_grouped_gemm(*args, rows, out_dtype=torch.float32)
+
+
+@pytest.mark.gpu
+def test_gpu_auto_takes_weights_whose_k_ends_in_a_partial_128_group():
+    """On CUDA "auto" sends an fp8_block weight (K = 160) and a group-folded MXFP4 weight (K = 192)
+    to triton_w4a8 (compiled, not interpreted): it runs and matches the reference on the same fp8
+    activations. (Not yet run on a GPU when written: no device was lent to that session.)"""
+    from moe.kernels.grouped_gemm import quantize_dequantize_act
+
+    g = torch.Generator().manual_seed(51)
+    E, N, counts = 4, 256, [40, 0, 70, 50]
+    scale = torch.randint(120, 135, (E, N, 6), generator=g, dtype=torch.uint8)
+    scale[..., 4:] -= 60
+    q = QuantizedTensor(torch.randint(0, 256, (E, N, 96), generator=g, dtype=torch.uint8), scale, "mxfp4",
+                        torch.Size((E, N, 192)))
+    for w in (prepare_weights(torch.randn(E, N, 160, generator=g), fmt="fp8_block"), prepare_weights(q)):
+        w = w.to("cuda")
+        x = torch.randn(sum(counts), w.k, generator=g).to("cuda", torch.bfloat16)
+        c = torch.tensor(counts, device="cuda")
+        y = grouped_gemm(x, w, counts=c, out_dtype=torch.float32)
+        ref = grouped_gemm_reference(quantize_dequantize_act(x, "fp8_token"), dequantize_prepared(w), expert_rows(
+            x, E, c, None, "contiguous"))
+        assert rel_err(y, ref) < 2e-3, w.fmt          # (Hopper's FP8 MMA accumulates with fewer bits)
 
 
 def _act_quant_inputs(dtype: torch.dtype) -> torch.Tensor:

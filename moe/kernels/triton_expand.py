@@ -19,14 +19,15 @@ EXPAND_DEFAULTS: dict[str, int] = {"rows_per_program": 16, "num_warps": 4}   # H
 
 
 @triton.jit
-def _fold_ref(s_ptr, row_base, blk, r_mask):
+def _fold_ref(s_ptr, row_base, blk, nblk, r_mask):
     """e_ref of the 1x128 group holding block `blk` (mxfp4): max block exponent - 6, >= -126;
-    and whether the group has a NaN scale."""
-    g0 = row_base + (blk // 4) * 4
+    and whether the group has a NaN scale. A row's last group may hold fewer than 4 of its nblk
+    blocks (K not a multiple of 128): only the row's own blocks count (as parallel.quant's fold)."""
+    b0 = (blk // 4) * 4
     e_max = tl.full(r_mask.shape, -127, tl.int32)
     has_nan = r_mask & False
     for t in tl.static_range(4):
-        st = tl.load(s_ptr + g0 + t, mask=r_mask, other=0)
+        st = tl.load(s_ptr + row_base + b0 + t, mask=r_mask & (b0 + t < nblk), other=0)
         e_max = tl.maximum(e_max, tl.where(st == 255, -127, st.to(tl.int32) - 127))
         has_nan = has_nan | (st == 255)
     return tl.maximum(e_max - 6, -126), has_nan
@@ -46,10 +47,10 @@ def _expand_block(vals, s_ptr, gs_ptr, ref_ptr, out_ptr, out_scale_ptr, r64, r_m
         if OUT == 1:
             e_ref = tl.load(ref_ptr + r64, mask=r_mask, other=0)
         else:
-            e_ref, has_nan = _fold_ref(s_ptr, r64 * nblk, blk, r_mask)
+            e_ref, has_nan = _fold_ref(s_ptr, r64 * nblk, blk, nblk, r_mask)
             gscale = tl.where(has_nan, float("nan"), ((e_ref + 127) << 23).to(tl.float32, bitcast=True))
             first = (blk % 4) == 0
-            tl.store(out_scale_ptr + r64 * (K // 128) + blk // 4, gscale, mask=r_mask & first)
+            tl.store(out_scale_ptr + r64 * ((K + 127) // 128) + blk // 4, gscale, mask=r_mask & first)
         e_b = tl.where(s == 255, -127, s.to(tl.int32) - 127)
         shift = tl.maximum(e_b - e_ref, -126)
         vals = vals * ((shift + 127) << 23).to(tl.float32, bitcast=True)[:, None]
@@ -102,7 +103,8 @@ def expand_fp4(w: PreparedWeight, dtype: torch.dtype = torch.bfloat16, *, fold: 
 
     fold=None: `dtype` values equal to moe.quant.dequantize(w, dtype).
     fold="row" / "group" (mxfp4): exact E4M3 data plus fp32 scales [E, N] (2^e_ref per row) /
-    [E, N, K/128] (per 1x128 group, bit-identical to moe.quant.mxfp4_to_fp8_block(tile_rows=1)).
+    [E, N, ceil(K/128)] (per 1x128 group, the last one partial when K is not a multiple of 128;
+    bit-identical to moe.quant.mxfp4_to_fp8_block(tile_rows=1)).
     """
     if not w.is_fp4:
         raise ValueError(f"expand_fp4 needs an mxfp4/nvfp4 weight, got {w.fmt!r}")
@@ -115,8 +117,6 @@ def expand_fp4(w: PreparedWeight, dtype: torch.dtype = torch.bfloat16, *, fold: 
         raise ValueError(f"fold must be None, 'row' or 'group', got {fold!r}")
     if fold is not None and w.fmt != "mxfp4":
         raise ValueError(f"an exact FP8 fold needs mxfp4 (power-of-two scales), got {w.fmt!r}")
-    if fold == "group" and K % 128:
-        raise ValueError(f"the 1x128 fold needs K % 128 == 0, got K={K}")
     out_dtype = torch.float8_e4m3fn if fold else dtype
     if out is None:
         out = torch.empty(E, N, K, dtype=out_dtype, device=w.device)
@@ -126,7 +126,7 @@ def expand_fp4(w: PreparedWeight, dtype: torch.dtype = torch.bfloat16, *, fold: 
         ref = w.fold.e_ref
         scale_out = w.row_fold_scale()
     elif fold == "group":
-        scale_out = torch.empty(E, N, K // 128, dtype=torch.float32, device=w.device)
+        scale_out = torch.empty(E, N, -(-K // 128), dtype=torch.float32, device=w.device)
     oct = w.packing in ("oct", "octb")
     unit = (8 if oct else 2) * w.block
     chunks = chunks_for(K, unit, units or (1 if oct else 4))

@@ -289,17 +289,25 @@ def fp8_grouped_gemm(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_
                      out_dtype: torch.dtype, swiglu: tuple[float | None, float, float] | None = None,
                      quant_out: bool = False, config: FP8Config | None = None, diag: int = 0
                      ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-    """a: e4m3 [M, K] (slab rows flattened), a_scale fp32 [M, 1] or [M, K/128];
-    b: e4m3 [E, N, K], b_scale fp32 [E, N] / [E, N, 1] (per row) or [E, N, K/128].
+    """a: e4m3 [M, K] (slab rows flattened), a_scale fp32 [M, 1] or [M, ceil(K/128)];
+    b: e4m3 [E, N, K], b_scale fp32 [E, N] / [E, N, 1] (per row) or [E, N, ceil(K/128)] (per 1x128
+    group along K; the last group is partial when K is not a multiple of 128).
     Returns [M, N] (or [M, N/2] with swiglu) in out_dtype, or (e4m3, fp32 [M, N/256]) with quant_out.
     diag: the probe's subtraction variant (1: no epilogue store; the output is left unwritten)."""
+    if a.dim() != 2 or b.dim() != 3 or b.shape[-1] != a.shape[-1]:
+        raise ValueError(f"fp8 grouped GEMM needs a [M, K] and b [E, N, K], got a {tuple(a.shape)}, b {tuple(b.shape)}")
     M, K = a.shape
     E, N, _ = b.shape
+    G = -(-K // 128)
+    if a_scale.dtype != torch.float32 or tuple(a_scale.shape) not in ((M, 1), (M, G)):
+        raise ValueError(f"a_scale must be fp32 [M={M}, 1] (per token) or [M, ceil(K/128)={G}], got "
+                         f"{a_scale.dtype}{tuple(a_scale.shape)}")
+    if b_scale.dtype != torch.float32 or tuple(b_scale.shape) not in ((E, N), (E, N, 1), (E, N, G)):
+        raise ValueError(f"b_scale must be fp32 [E={E}, N={N}] (per row) or [E, N, ceil(K/128)={G}], got "
+                         f"{b_scale.dtype}{tuple(b_scale.shape)}")
     a_group = a_scale.shape[-1] > 1
     b_scale = b_scale.reshape(E, N, -1)
     b_group = b_scale.shape[-1] > 1
-    if (a_group or b_group) and K % 128:
-        raise ValueError(f"per-128 scales need K % 128 == 0, got K={K}")
     hint = rows.rows_hint
     cfg = config or pick_fp8_config(hint, a_group or b_group, swiglu is not None)
     n_out = N // 2 if swiglu is not None else N
