@@ -7,6 +7,7 @@ The interpreter cases run where TRITON_INTERPRET=1 was set before triton's first
 
 from __future__ import annotations
 
+import math
 import os
 
 import numpy as np
@@ -82,6 +83,151 @@ def test_reference_slab_ignores_rows_beyond_counts(fmt):
     assert (y[0] == 0).all() and (y[1, 3:] == 0).all()
     ref = loop_gemm(x.to(torch.bfloat16).double().nan_to_num().numpy(), wv, counts, "slab")
     assert rel_err(y, ref) < 4e-3                # one bf16 rounding of the output
+
+
+# ---- the reference against a hand decode of the bits ---------------------------------------------
+
+_E2M1_BY_HAND = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
+
+
+def _e2m1_by_hand(code: int) -> float:
+    return (-1.0 if code & 8 else 1.0) * _E2M1_BY_HAND[code & 7]
+
+
+def _e4m3_by_hand(byte: int) -> float:
+    """OCP E4M3 (the 'fn' variant NVFP4 block scales use): bias 7, subnormals at exponent 0, only
+    S.1111.111 is NaN (no infinities)."""
+    e, m = (byte >> 3) & 15, byte & 7
+    if e == 15 and m == 7:
+        return math.nan
+    mag = m / 8 * 2.0 ** -6 if e == 0 else (1 + m / 8) * 2.0 ** (e - 7)
+    return -mag if byte & 0x80 else mag
+
+
+def _e8m0_by_hand(byte: int) -> float:
+    """OCP MX E8M0: 2^(byte - 127) for 0..254 (byte 0 is 2^-127), 255 is NaN."""
+    return math.nan if byte == 255 else 2.0 ** (byte - 127)
+
+
+def _dequant_by_hand(data: torch.Tensor, scale: torch.Tensor, fmt: str, gs: list[float] | None) -> torch.Tensor:
+    """[E, N, K] float64 from the raw bytes, one element at a time: element k is the low nibble of
+    byte k // 2 when k is even, the high one when odd; times its block's scale (nvfp4: times the
+    expert's global scale too)."""
+    E, N, half = data.shape
+    block = 32 if fmt == "mxfp4" else 16
+    d, s = data.tolist(), scale.tolist()
+    out = torch.empty(E, N, 2 * half, dtype=torch.float64)
+    for e in range(E):
+        for n in range(N):
+            for k in range(2 * half):
+                byte = d[e][n][k // 2]
+                v = _e2m1_by_hand(byte & 15 if k % 2 == 0 else byte >> 4)
+                sb = s[e][n][k // block]
+                out[e, n, k] = v * (_e8m0_by_hand(sb) if fmt == "mxfp4" else _e4m3_by_hand(sb) * gs[e])
+    return out
+
+
+def _edge_weight(fmt: str, seed: int) -> tuple[QuantizedTensor, torch.Tensor]:
+    """Random bytes with the scale bytes at the edges of each format: E8M0 0 (2^-127), 1, 254 (on
+    small codes: no fp32 overflow), 255 (NaN); E4M3 subnormals, the largest (448), a negative scale,
+    0 and NaN; nvfp4 global scales of different magnitudes per expert."""
+    g = torch.Generator().manual_seed(seed)
+    E, N, K = 3, 8, 64
+    data = torch.randint(0, 256, (E, N, K // 2), generator=g, dtype=torch.uint8)
+    if fmt == "mxfp4":
+        scale = torch.randint(115, 140, (E, N, K // 32), generator=g, dtype=torch.uint8)
+        scale[0, 0, 0], scale[0, 1, 1], scale[1, 2, 0], scale[2, 3, 1] = 0, 1, 254, 255
+        data[1, 2, :16] = 0                                        # one 0.5 under 2^127: 2^126, finite in fp32
+        data[1, 2, 0] = 0x01
+        gs = None
+    else:
+        scale = torch.randint(0x20, 0x60, (E, N, K // 16), generator=g, dtype=torch.uint8)
+        for (e, n, b), byte in {(0, 0, 0): 0x01, (0, 1, 1): 0x07, (0, 2, 2): 0x7E, (1, 3, 3): 0xB8,
+                                (1, 4, 0): 0x00, (2, 5, 1): 0x7F}.items():
+            scale[e, n, b] = byte
+        gs = torch.tensor([0.5, 3.0e-3, 7.0])
+    return QuantizedTensor(data, scale, fmt, torch.Size((E, N, K)), gs), data
+
+
+@pytest.mark.parametrize("fmt", ["mxfp4", "nvfp4"])
+def test_reference_matches_a_hand_decode_of_the_bits_in_every_layout(fmt):
+    """grouped_gemm(backend="torch") against the bits decoded by hand (OCP E2M1 / E8M0 / E4M3 as
+    above; NVFP4 = e2m1 * e4m3 block scale * the expert's fp32 global scale, as ModelOpt / vLLM
+    dequantize), a per-expert loop and float64 matmuls: contiguous counts and offsets (an empty
+    expert, rows after the last expert: zero), the slab (rows past the counts: zero, NaN there
+    ignored), fp32 and bf16 activations, NaN block scales giving NaN in their rows' columns only."""
+    q, data = _edge_weight(fmt, seed=60)
+    E, N, K = q.shape
+    gs = None if q.global_scale is None else q.global_scale.tolist()
+    w = _dequant_by_hand(data, q.scale, fmt, gs)
+    g = torch.Generator().manual_seed(61)
+    counts = [2, 0, 3]
+
+    def by_hand(x: torch.Tensor, layout: str) -> torch.Tensor:
+        out = torch.zeros(*x.shape[:-1], N, dtype=torch.float64)
+        start = 0
+        for e, c in enumerate(counts):
+            for r in range(c):
+                row = (e, r) if layout == "slab" else (start + r,)
+                out[row] = w[e] @ x[row].double()
+            start += c
+        return out
+
+    def same(y: torch.Tensor, want: torch.Tensor, tol: float) -> None:
+        nan = torch.isnan(want)
+        assert torch.equal(torch.isnan(y), nan)
+        scale = want[~nan].abs().max()
+        assert float((y.double()[~nan] - want[~nan]).abs().max() / scale) < tol
+
+    x = torch.randn(7, K, generator=g) * 0.25                      # 2 spare rows after the last expert
+    for dt, tol in ((torch.float32, 1e-6), (torch.bfloat16, 2 ** -8)):
+        xd = x.to(dt)
+        want = by_hand(xd, "contiguous")
+        assert torch.isnan(want).any()
+        for kw in ({"counts": torch.tensor(counts)}, {"offsets": [0, 2, 2, 5]}):
+            y = grouped_gemm(xd, q, backend="torch", **kw)
+            assert y.dtype == dt and y.shape == (7, N)
+            same(y, want, tol)
+            assert (y[5:] == 0).all()
+        xs = torch.randn(E, 4, K, generator=g).to(dt)
+        xs[0, 2:] = float("nan")
+        xs[1] = float("nan")
+        want = by_hand(xs, "slab")
+        y = grouped_gemm(xs, q, counts=torch.tensor(counts), layout="slab", backend="torch")
+        same(y, want, tol)
+        assert (y[0, 2:] == 0).all() and (y[1] == 0).all() and (y[2, 3:] == 0).all()
+
+
+@interp
+@pytest.mark.parametrize("fmt", ["mxfp4", "nvfp4"])
+def test_interp_w4a16_matches_a_hand_decode_of_the_edge_scales(fmt):
+    """The fused W4A16 kernel (fp32 and fp16 operands) on the edge-scale weights above, against the
+    hand decode. Left out: the interpreter decodes an E4M3 NaN byte as a number (hardware: NaN);
+    fp16 operands carry 2^22 in their fp32 block scale, so an E8M0 scale of 2^127 overflows there
+    (weights near 1e38). An E8M0 byte 0 becomes 0 in the kernel, 2^-127 in the reference: below
+    fp32 resolution next to the row's other blocks."""
+    from moe.kernels.triton_w4a16 import launch_w4a16
+    from tests.helpers import w4a16_config
+
+    q, data = _edge_weight(fmt, seed=62)
+    E, N, K = q.shape
+    gs = None if q.global_scale is None else q.global_scale.tolist()
+    w = _dequant_by_hand(data, q.scale, fmt, gs)
+    counts = [2, 1, 3]
+    x = torch.randn(6, K, generator=torch.Generator().manual_seed(63)) * 0.25
+    want = torch.cat([x[0:2].double() @ w[0].T, x[2:3].double() @ w[1].T, x[3:6].double() @ w[2].T])
+    rows = expert_rows(x, E, torch.tensor(counts), None, "contiguous")
+    pw = prepare_weights(q)
+    for mode, tol in (("f32", 1e-6), ("f16", 2e-3)):
+        y = launch_w4a16(x, pw, rows, out_dtype=torch.float32, config=w4a16_config(mode=mode, packing="paired"))
+        if fmt == "mxfp4":
+            assert torch.isnan(y[3:, 3]).all() and torch.isfinite(y[:3, :2]).all()
+        cols = torch.ones(N, dtype=torch.bool)
+        cols[5 if fmt == "nvfp4" else 2] = fmt == "mxfp4" and mode == "f32"
+        got, ref = y[:, cols].double(), want[:, cols]
+        keep = ~torch.isnan(ref)
+        assert torch.equal(torch.isnan(got), ~keep)
+        assert float((got[keep] - ref[keep]).abs().max() / ref[keep].abs().max()) < tol, mode
 
 
 def test_offsets_and_counts_give_the_same_result():
