@@ -563,6 +563,16 @@ def test_interp_expansion_is_exact():
     data, scale = expand_fp4(pw, fold="row")
     assert scale.shape == (2, 8)
     assert torch.equal(data.float() * scale[..., None], torch.as_tensor(wv).float())
+    # a caller's out buffer: written in place when it is the copy's own shape and dtype; any other is
+    # refused by name (the kernel writes rows of K at r * K: a bf16 buffer took fp8 bits' values, a
+    # smaller one was written past its end)
+    buf = torch.empty(2, 8, 256, dtype=torch.float8_e4m3fn)
+    assert expand_fp4(pw, fold="row", out=buf)[0] is buf and torch.equal(buf.view(torch.uint8), data.view(torch.uint8))
+    for bad in (torch.empty(2, 8, 256, dtype=torch.bfloat16), torch.empty(2, 4, 256, dtype=torch.float8_e4m3fn),
+                torch.empty(2, 256, 8, dtype=torch.float8_e4m3fn).transpose(1, 2)):
+        with pytest.raises(ValueError, match=r"out must be a contiguous torch.float8_e4m3fn tensor \[E=2, N=8, K=256\]"
+                           r" on cpu, got torch\.\w+ \(2, \d+, \d+\)"):
+            expand_fp4(pw, fold="row", out=bad)
 
 
 @interp

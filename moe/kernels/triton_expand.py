@@ -120,6 +120,10 @@ def expand_fp4(w: PreparedWeight, dtype: torch.dtype = torch.bfloat16, *, fold: 
     out_dtype = torch.float8_e4m3fn if fold else dtype
     if out is None:
         out = torch.empty(E, N, K, dtype=out_dtype, device=w.device)
+    elif (tuple(out.shape) != (E, N, K) or out.dtype != out_dtype or out.device != w.device
+          or not out.is_contiguous()):   # (the kernel writes rows of K at r * K: nothing else fits)
+        raise ValueError(f"out must be a contiguous {out_dtype} tensor [E={E}, N={N}, K={K}] on {w.device}, got "
+                         f"{out.dtype} {tuple(out.shape)} on {out.device}, contiguous={out.is_contiguous()}")
     scale_out = out
     ref = w.scale
     if fold == "row":
