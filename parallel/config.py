@@ -49,6 +49,10 @@ class ParallelConfig:
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:  # not True, 2.0, "2"
                 none = " (or None for the default)" if name in ("dp", "ep") else ""
                 raise ValueError(f"{name} must be a positive int{none}, got {value!r}")
+        # A flag, not a size: bool() of a string ("false", "0", "no") is True, which turned SP on
+        # silently. bool / 0 / 1 (numpy bools too) and None (the default, off) are taken.
+        if sequence_parallel is not None and sequence_parallel not in (True, False):
+            raise ValueError(f"sequence_parallel must be a bool, got {sequence_parallel!r}")
         model = tp * pp * pcp
         if world_size % model != 0:
             valid = [d for d in _divisors(world_size)]

@@ -206,3 +206,65 @@ def test_format_layout_shows_ext_dp_when_there_are_outer_replicas():
         "   2     1    0    0    0    0    2    0",
         "   3     1    0    0    1    0    3    0",
     ]
+
+
+def _vllm_groups(cfg: ParallelConfig) -> dict[str, list[list[int]]]:
+    """Every axis's groups, in vLLM's listing order, from per-rank coordinates with loops (no
+    reshapes), after vllm/distributed/parallel_state.py `initialize_model_parallel`:
+    all_ranks = arange(world).reshape(-1, dp, pp, pcp, tp); TP = view(-1, tp); DCP =
+    reshape(-1, dcp); PCP / PP / DP = transpose(3|2|1, 4).reshape(-1, size); EP =
+    transpose(1, 2).reshape(-1, dp * pcp * tp) (megapar: cut into contiguous blocks of `ep`, EDP
+    = the same position of those blocks); "cp" = a DCP block and its PCP peers, pcp-major."""
+    E, D, P, C, T = cfg.ext_dp, cfg.dp, cfg.pp, cfg.pcp, cfg.tp
+
+    def r(e, d, p, c, t):
+        return (((e * D + d) * P + p) * C + c) * T + t
+    E_, D_, P_, C_, T_ = (range(n) for n in (E, D, P, C, T))
+    g = {
+        "tp": [[r(e, d, p, c, t) for t in T_] for e in E_ for d in D_ for p in P_ for c in C_],
+        "pcp": [[r(e, d, p, c, t) for c in C_] for e in E_ for d in D_ for p in P_ for t in T_],
+        # transpose(2, 4): the remaining dims in the order (ext, dp, tp, pcp)
+        "pp": [[r(e, d, p, c, t) for p in P_] for e in E_ for d in D_ for t in T_ for c in C_],
+        # transpose(1, 4): (ext, tp, pp, pcp)
+        "dp": [[r(e, d, p, c, t) for d in D_] for e in E_ for t in T_ for p in P_ for c in C_],
+        "dcp": [list(range(i, i + cfg.dcp)) for i in range(0, cfg.world_size, cfg.dcp)],
+    }
+    stages = [[r(e, d, p, c, t) for d in D_ for c in C_ for t in T_] for e in E_ for p in P_]
+    g["ep"] = [s[i:i + cfg.ep] for s in stages for i in range(0, len(s), cfg.ep)]
+    g["edp"] = [[s[b * cfg.ep + j] for b in range(len(s) // cfg.ep)] for s in stages for j in range(cfg.ep)]
+    g["cp"] = [[r(e, d, p, c, b * cfg.dcp + j) for c in C_ for j in range(cfg.dcp)]
+               for e in E_ for d in D_ for p in P_ for b in range(T // cfg.dcp)]
+    return g
+
+
+def test_every_shape_up_to_16_ranks_matches_vllm_brute_force():
+    # world 1..16, every tp x pp x pcp dividing it, every dp (so ext_dp > 1 too), dcp | tp, ep | stage
+    def divisors(n):
+        return [d for d in range(1, n + 1) if n % d == 0]
+    shapes = 0
+    for world in range(1, 17):
+        for tp, pp, pcp in itertools.product(divisors(world), repeat=3):
+            if world % (tp * pp * pcp):
+                continue
+            for dp in divisors(world // (tp * pp * pcp)):
+                for dcp, ep in itertools.product(divisors(tp), divisors(dp * pcp * tp)):
+                    cfg = ParallelConfig(world_size=world, tp=tp, pp=pp, pcp=pcp, dp=dp, dcp=dcp, ep=ep)
+                    assert cfg.ext_dp * dp * pp * pcp * tp == world
+                    got, want = rank_groups(cfg, derived=True), _vllm_groups(cfg)
+                    assert got == want, cfg
+                    for rank in range(world):
+                        c = coords(cfg, rank)
+                        for axis in AXES + ("cp",):
+                            mine = next(grp for grp in want[axis] if rank in grp)
+                            assert c[axis] == mine.index(rank), (cfg, rank, axis)
+                    shapes += 1
+    assert shapes > 1000
+
+
+@pytest.mark.parametrize("value", ["false", "0", "no", "", 2, 0.5, [0]])
+def test_sequence_parallel_must_be_a_bool(value):
+    # bool("false") is True: a flag read from the command line or the environment turned SP on
+    with pytest.raises(ValueError, match=r"sequence_parallel must be a bool, got "):
+        ParallelConfig(world_size=2, sequence_parallel=value)
+    for ok, want in ((True, True), (False, False), (1, True), (0, False), (None, False)):
+        assert ParallelConfig(world_size=2, sequence_parallel=ok).sequence_parallel is want
