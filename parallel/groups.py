@@ -81,7 +81,9 @@ class ParallelGroups:
     backend: str
     timeout: _dt.timedelta = DEFAULT_TIMEOUT
     """The collective timeout every group was created with (also taken by groups made later,
-    such as the EP communication thread's: `group_timeout()`)."""
+    such as the EP communication thread's: `group_timeout()`). Where torch.distributed is the
+    caller's and `init_parallel` got no timeout, the axes over every rank are its WORLD, with the
+    caller's timeout."""
     _mesh: object | None = field(default=None, repr=False)
     _created: list = field(default_factory=list, repr=False)
     """The communicators `init_parallel` created that hold this rank (not WORLD): destroyed by
@@ -119,6 +121,9 @@ class ParallelGroups:
 
 _GROUPS: ParallelGroups | None = None
 _OWNS_DIST = False
+_GENERATION = 0
+"""How many times `init_parallel` started torch.distributed in this process: the key prefix of
+that generation in the rendezvous store (every rank counts the same)."""
 
 
 def get_groups() -> ParallelGroups:
@@ -257,6 +262,39 @@ def resolve_backend(backend: str | None = None) -> str:
     return name
 
 
+def _world_backend() -> str:
+    """The backend of a torch.distributed the caller started, as "gloo" / "nccl" where that is what
+    its collectives run on. `init_process_group()` without a backend reports "undefined" (torch
+    picks one per tensor device at the first collective: nccl for CUDA tensors where it can, gloo
+    for CPU ones) and a device map such as "cpu:gloo,cuda:nccl" names both; either was kept as
+    given, so `backend == "nccl"` was false on a GPU job: the start-up probe, `device_mesh()` and
+    the benchmarks chose the CPU. Any other name (mpi, ucc, ...) is kept."""
+    name = str(dist.get_backend())
+    if name in ("gloo", "nccl"):
+        return name
+    if name == "undefined":
+        return default_backend()
+    devices = dict(part.split(":", 1) for part in name.split(",") if ":" in part)
+    if "cuda" in devices and torch.cuda.is_available():
+        return devices["cuda"]
+    return devices.get("cpu", name)
+
+
+def _start_dist(backend: str, rank: int, world_size: int, timeout: _dt.timedelta) -> None:
+    """`init_process_group` over the env:// rendezvous (MASTER_ADDR / MASTER_PORT, or torchrun's
+    agent store), its keys under a prefix of this generation. Without one, starting again after
+    `destroy_parallel()` hung: the rendezvous store is shared by every TCPStore of the process on
+    that port (torch's multi-tenant store), and outlives `destroy_process_group` while anything
+    holds a group of the old generation (the old ParallelGroups, a layer, a dispatcher) or is
+    torchrun's agent store; the new generation then read the old one's keys."""
+    global _GENERATION
+    store, _, _ = next(dist.rendezvous("env://", rank, world_size, timeout=timeout))
+    store.set_timeout(timeout)
+    _GENERATION += 1
+    dist.init_process_group(backend=backend, store=dist.PrefixStore(f"megapar_{_GENERATION}/default_pg", store),
+                            rank=rank, world_size=world_size, timeout=timeout)
+
+
 def _probe_device(backend: str) -> torch.device:
     if backend == "nccl":
         return torch.device("cuda", torch.cuda.current_device())
@@ -270,7 +308,9 @@ def init_parallel(cfg: ParallelConfig | None = None, *, backend: str | None = No
     cfg: sizes; None reads WORLD_SIZE from the environment and uses dp only.
     backend: "nccl" / "gloo"; default nccl when CUDA is present, else gloo.
     timeout: every collective's timeout, for every group made here and later (`group_timeout()`):
-    a timedelta or seconds > 0; None = DEFAULT_TIMEOUT.
+    a timedelta or seconds > 0; None = DEFAULT_TIMEOUT. When torch.distributed is the caller's,
+    axes over every rank (and `world`) use its WORLD group, with the caller's timeout, unless a
+    timeout is given here: then they get a group of all ranks made with it.
     """
     global _GROUPS, _OWNS_DIST
     if _GROUPS is not None:
@@ -278,10 +318,12 @@ def init_parallel(cfg: ParallelConfig | None = None, *, backend: str | None = No
     if cfg is not None and not isinstance(cfg, ParallelConfig):
         hint = " (pass ParallelConfig(**cfg))" if isinstance(cfg, dict) else ""
         raise ValueError(f"cfg must be a ParallelConfig or None, got {type(cfg).__name__} {cfg!r}{hint}")
+    timeout_given = timeout is not None
     timeout = check_timeout(timeout)
-    if dist.is_available() and dist.is_initialized():
+    callers = dist.is_available() and dist.is_initialized()
+    if callers:
         world_size, rank = dist.get_world_size(), dist.get_rank()
-        backend = dist.get_backend()
+        backend = _world_backend()
     else:
         env = read_launch_env()
         check_rank_env(env)
@@ -296,13 +338,18 @@ def init_parallel(cfg: ParallelConfig | None = None, *, backend: str | None = No
     if world_size > 1 and not dist.is_initialized():
         if backend == "nccl":
             set_local_device(env)
-        dist.init_process_group(backend=backend, rank=rank, world_size=world_size, timeout=timeout)
+        _start_dist(backend, rank, world_size, timeout)
         _OWNS_DIST = True
         # A process that exits with live communicator threads can abort ("terminate called
         # without an active exception"): tear down at exit if the user did not.
         atexit.register(destroy_parallel, sync=True)
 
     made: dict[tuple[int, ...], dist.ProcessGroup | None] = {}
+    everyone = tuple(range(world_size))
+    if world_size > 1 and callers and timeout_given:
+        # The caller's WORLD keeps the caller's timeout (torch's default: 30 min on gloo): an axis
+        # over every rank (EP with tp = pp = pcp = 1) waited that long instead of `timeout`.
+        made[everyone] = dist.new_group(list(everyone), timeout=timeout, group_desc="megapar_world")
 
     def make(axis: str) -> Group:
         mine = group_of(layout[axis], rank)
@@ -320,12 +367,13 @@ def init_parallel(cfg: ParallelConfig | None = None, *, backend: str | None = No
         return Group(axis, made[tuple(mine)], mine.index(rank), len(mine), tuple(mine))
 
     groups = {axis: make(axis) for axis in AXES}
-    world = Group("world", dist.group.WORLD if world_size > 1 else None, rank, world_size, tuple(range(world_size)))
+    world = Group("world", made.get(everyone, dist.group.WORLD) if world_size > 1 else None, rank, world_size,
+                  everyone)
     if world_size > 1:
         probe = torch.ones(1, device=_probe_device(backend))
         for g in {id(x.group): x for x in groups.values() if x.size > 1}.values():
             dist.all_reduce(probe, group=g.group)
-    created = list({id(x.group): x.group for x in groups.values()
+    created = list({id(x.group): x.group for x in (*groups.values(), world)
                     if x.group is not None and x.group is not dist.group.WORLD}.values())
     _GROUPS = ParallelGroups(config=cfg, rank=rank, world=world, backend=backend, timeout=timeout,
                              _created=created, **groups)

@@ -162,6 +162,48 @@ def test_eight_rank_groups_match_layout_and_collectives_sum_right():
         assert out["second_tp_sum"] == sum(range(rank - rank % 4, rank - rank % 4 + 4))
 
 
+def _callers_world_then_restarts(rank: int) -> dict:
+    out: dict = {}
+    # the caller's torch.distributed, started without a backend (torch picks one per tensor
+    # device: get_backend() says "undefined") and with its own timeout
+    dist.init_process_group(timeout=datetime.timedelta(seconds=600))
+    groups = init_parallel(ParallelConfig(world_size=2), timeout=9)     # dp = ep = every rank
+    out["backend"] = groups.backend
+    out["timeouts"] = {name: groups.axis(name).group._get_backend(torch.device("cpu")).options._timeout.total_seconds()
+                       for name in ("world", "dp", "ep")}
+    destroy_parallel()
+    dist.destroy_process_group()
+    # then init_parallel's own torch.distributed, rebuilt three times while the previous groups are
+    # still referenced (as layers and dispatchers hold them), a mesh among them (its dp group is
+    # a new group of both ranks): the rendezvous store and those groups' connections live on
+    sums = []
+    for _ in range(3):
+        previous = groups  # noqa: F841
+        groups = init_parallel(ParallelConfig(world_size=2), timeout=10)
+        groups.device_mesh()
+        t = torch.tensor([rank + 1.0])
+        comm.all_reduce(t, groups.ep)
+        sums.append(t.item())
+        destroy_parallel()
+    out["sums"] = sums
+    out["initialized_after"] = dist.is_initialized()
+    return out
+
+
+def test_callers_world_without_backend_and_restarts_after_destroy():
+    # A caller's init_process_group() without a backend made groups.backend "undefined" (not
+    # "nccl" on a GPU job: the probe, device_mesh and the benchmarks chose the CPU); an explicit
+    # timeout did not reach the axes over every rank (they were the caller's WORLD: 600 s here);
+    # init_parallel after destroy_parallel hung (or paired with the old connections) while the old
+    # groups were alive: group names restart, and the new generation read the old one's keys in
+    # the rendezvous store, which lives on.
+    results = launch_local(_callers_world_then_restarts, 2, timeout=90)
+    for out in results:
+        assert out["backend"] == "gloo", out
+        assert out["timeouts"] == {"world": 9.0, "dp": 9.0, "ep": 9.0}, out
+        assert out["sums"] == [3.0, 3.0, 3.0] and out["initialized_after"] is False, out
+
+
 def _single_rank(rank: int) -> tuple:
     g = init_parallel(ParallelConfig(world_size=1))
     x = torch.randn(3, 2)
