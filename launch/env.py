@@ -14,7 +14,8 @@ import torch
 import torch.distributed as dist
 
 from megapar.parallel import ParallelConfig, ParallelGroups, init_parallel
-from megapar.parallel.groups import LaunchEnv, check_rank_env, read_launch_env, resolve_backend, set_local_device
+from megapar.parallel.groups import (LaunchEnv, check_rank_env, read_launch_env, resolve_backend, set_local_device,
+                                     world_backend)
 from megapar.parallel.log import setup_logging
 
 
@@ -42,7 +43,7 @@ def check_launch_env(env: LaunchEnv, backend: str | None = None) -> None:
     if env.local_rank < 0 or (local_world is not None and env.local_rank >= local_world):
         bound = f"in [0, LOCAL_WORLD_SIZE={local_world})" if local_world is not None else ">= 0"
         raise ValueError(f"environment variable LOCAL_RANK={env.local_rank} must be {bound}")
-    backend = dist.get_backend() if started else resolve_backend(backend)
+    backend = world_backend() if started else resolve_backend(backend)   # ("undefined" -> what it runs on)
     count = torch.cuda.device_count() if torch.cuda.is_available() else 0
     # Every process sees every GPU (no CUDA_VISIBLE_DEVICES per process): LOCAL_RANK >= the count
     # would put this rank on another rank's GPU (LOCAL_RANK modulo the count), which NCCL refuses.

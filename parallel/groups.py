@@ -262,7 +262,7 @@ def resolve_backend(backend: str | None = None) -> str:
     return name
 
 
-def _world_backend() -> str:
+def world_backend() -> str:
     """The backend of a torch.distributed the caller started, as "gloo" / "nccl" where that is what
     its collectives run on. `init_process_group()` without a backend reports "undefined" (torch
     picks one per tensor device at the first collective: nccl for CUDA tensors where it can, gloo
@@ -323,7 +323,7 @@ def init_parallel(cfg: ParallelConfig | None = None, *, backend: str | None = No
     callers = dist.is_available() and dist.is_initialized()
     if callers:
         world_size, rank = dist.get_world_size(), dist.get_rank()
-        backend = _world_backend()
+        backend = world_backend()
     else:
         env = read_launch_env()
         check_rank_env(env)

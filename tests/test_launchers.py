@@ -218,6 +218,24 @@ def test_init_from_env_refuses_an_inconsistent_environment(monkeypatch, env, gpu
     assert reached == []
 
 
+@pytest.mark.parametrize("started_backend", ["undefined", "cpu:gloo,cuda:nccl", "nccl"])
+def test_launch_env_reads_a_callers_backend_as_what_it_runs_on(monkeypatch, started_backend):
+    # a torch.distributed the caller started without a backend reports "undefined" (or a device map):
+    # the check compared it with "nccl" and let LOCAL_RANK 2 of a 2-GPU node through (to GPU 0)
+    import torch.distributed as dist
+
+    import launch.env as launch_env
+
+    _set_launch_env(monkeypatch, {"RANK": "2", "WORLD_SIZE": "4", "LOCAL_RANK": "2", "LOCAL_WORLD_SIZE": "4"})
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(dist, "is_nccl_available", lambda: True)
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(dist, "get_backend", lambda group=None: started_backend)
+    with pytest.raises(ValueError, match="LOCAL_RANK=2 but this node has 2 GPU"):
+        launch_env.check_launch_env(launch_env.read_launch_env())
+
+
 _TORCHRUN_SCRIPT = """
 import torch, torch.distributed as dist
 from launch import init_from_env
