@@ -548,6 +548,45 @@ def test_interp_w4a16_prescaled_operands_match_loop_with_wide_block_exponents():
 
 
 @interp
+def test_interp_slab_rows_past_the_count_stay_zero_under_a_nan_weight_scale():
+    """Slab rows past an expert's count are zero by contract (the reference, torch_grouped_mm and
+    deep_gemm zero them). The Triton kernels computed them as 0 times the row's scales, so a NaN
+    block scale (MXFP4 byte 255, a NaN fp8_block scale) made them NaN in that column: in the W4A16
+    kernel (per-block and prescaled scales, split-K) and the W4A8 kernels (one-tile and persistent).
+    The expert's own rows still get NaN in that column, as in the reference."""
+    from moe.kernels.triton_w4a8 import FP8Config, fp8_grouped_gemm
+    from moe.kernels.triton_w4a16 import launch_w4a16
+    from tests.helpers import w4a16_config
+
+    E, C, N, K = 2, 4, 32, 256
+    g = torch.Generator().manual_seed(70)
+    q = quantize(torch.randn(E, N, K, generator=g), "mxfp4")
+    q.scale[0, 5, 3] = 255
+    pw = prepare_weights(q)
+    xs = torch.randn(E, C, K, generator=g)
+    counts = torch.tensor([2, 0])
+    rows = expert_rows(xs, E, counts, None, "slab")
+    ref = grouped_gemm(xs, q, counts=counts, layout="slab", backend="torch")
+    assert torch.isnan(ref[0, :2, 5]).all() and (ref[0, 2:] == 0).all() and (ref[1] == 0).all()
+
+    def check(y: torch.Tensor) -> None:
+        assert torch.isnan(y[0, :2, 5]).all() and (y[0, 2:] == 0).all() and (y[1] == 0).all()
+
+    for cfg in (w4a16_config(), w4a16_config(mode="f16", prescale=True), w4a16_config(mode="f16", split_k=2)):
+        check(launch_w4a16(xs, pw, rows, out_dtype=torch.float32, config=cfg))
+    f = quantize(torch.randn(E, N, K, generator=g), "fp8_block")
+    f.scale[0, 0, 1] = float("nan")                          # rows 0..31, second 128 of K
+    pf = prepare_weights(f)
+    a = quantize(xs.reshape(-1, K), "fp8_token", backend="torch")
+    for persistent in (0, 2):
+        for bs in (pf.scale, pf.scale[..., 1:].contiguous()):   # group scales / row scales (the NaN one)
+            cfg = FP8Config(block_m=16, block_n=32, num_warps=4, num_stages=1, persistent=persistent)
+            y = fp8_grouped_gemm(a.data, a.scale, pf.data, bs, rows, out_dtype=torch.float32, config=cfg)
+            check(y.view(E, C, N))
+            assert torch.isnan(y[:2]).all()
+
+
+@interp
 def test_interp_expansion_is_exact():
     from moe.kernels.triton_w4a16 import expand_fp4
     from moe.quant import mxfp4_to_fp8_block

@@ -545,6 +545,11 @@ def _w4a16_program(
         g = tl.load(gs_ptr + e, mask=e < num_experts, other=1.0)
         acc = acc * g
         acc_u = acc_u * g
+    if SLAB:   # (contiguous tiles store only the expert's rows)
+        # token columns past the count hold 0 times the row scales: 0 * NaN (a NaN block or global
+        # scale) would put NaN into the slab rows past the count, which are zero by contract
+        acc = tl.where(m_mask[None, :], acc, 0.0)
+        acc_u = tl.where(m_mask[None, :], acc_u, 0.0)
     if SPLIT_K == 1:
         _epilogue(acc, acc_u, out_ptr, out_scale_ptr, row0, offs_m, store_rows, offs_n, n_mask, pid_n,
                   stride_om, stride_osm, limit, alpha, beta, SWIGLU, HAS_LIMIT, QUANT_OUT)

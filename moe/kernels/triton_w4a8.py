@@ -149,6 +149,11 @@ def _fp8_gemm_kernel(
         if SWIGLU:
             sb_u = tl.load(bs_rows + up_rows * stride_bsn, mask=n_mask & has_e, other=0.0)
             acc_u = acc_u * (sa[:, None] * sb_u[None, :])
+    if SLAB:   # (contiguous tiles store only the expert's rows)
+        # rows past the count hold 0 times the scales: 0 * NaN (a NaN weight scale) would put NaN
+        # into the slab rows past the count, which are zero by contract
+        acc = tl.where(m_mask[:, None], acc, 0.0)
+        acc_u = tl.where(m_mask[:, None], acc_u, 0.0)
     if SWIGLU:
         acc = swiglu_tile(acc, acc_u, limit, alpha, beta, HAS_LIMIT)
     row_ok = offs_m < store_rows
@@ -208,7 +213,9 @@ def _fp8_row_tile(tile, a_ptr, as_ptr, b_ptr, bs_ptr, out_ptr, counts_ptr, offse
     sa = tl.load(as_ptr + a_rows * stride_asm, mask=m_mask, other=0.0)
     sb = tl.load(bs_ptr + e64 * stride_bse + offs_n.to(tl.int64) * stride_bsn, mask=n_mask & has_e, other=0.0)
     acc = acc * (sa[:, None] * sb[None, :])
-    if TMA_LOAD:   # (rows / columns of other experts' operands: NaN * 0 stays NaN)
+    # slab rows past the count (zero by contract): 0 times a NaN weight scale; with TMA loads, rows
+    # and columns of other experts' operands (NaN * 0 stays NaN)
+    if TMA_LOAD or SLAB:
         acc = tl.where(m_mask[:, None] & n_mask[None, :], acc, 0.0)
     mask = (offs_m < store_rows)[:, None] & n_mask[None, :]
     tl.store(out_ptr + a_rows[:, None] * stride_om + offs_n[None, :], acc.to(out_ptr.dtype.element_ty), mask=mask)
