@@ -291,3 +291,40 @@ def test_gpu_experts_with_resident_fp8_match_per_call_expansion():
     assert torch.equal(got, want)
     w13, _ = b.prepared()
     assert "fp8_resident" in w13.cache and b(x, counts).equal(want)
+
+
+_SWIGLU_PTX = """
+import inspect, json, re
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from megapar.moe.kernels.triton_swiglu import _swiglu_kernel as k
+types = dict(g_ptr="*bf16", u_ptr="*bf16", out_ptr="*bf16", n="i32", limit="fp32", alpha="fp32", beta="fp32")
+names = list(inspect.signature(k.fn).parameters)
+sig = {n: types.get(n, "constexpr") for n in names}
+consts = {(names.index("HAS_LIMIT"),): True, (names.index("BLOCK"),): 1024}
+ptx = triton.compile(ASTSource(k, sig, consts), target=GPUTarget("cuda", 90, 32), options={"num_warps": 4}).asm["ptx"]
+print(json.dumps(sorted(set(re.findall(r"\\b(?:min|max)\\.[\\w.]+", ptx)))))
+"""
+
+
+def test_dense_swiglu_kernel_clamps_propagate_nan_on_sm90():
+    """The one-launch SwiGLU of the shared expert (moe.kernels.triton_swiglu, CUDA) clamps with
+    min / max. Without NaN propagation they compile to PTX min.f32 / max.f32, which return the
+    other operand for a NaN: a NaN gate became the limit and a NaN up -limit, a finite output
+    where torch's clamp (moe.kernels.ffn.swiglu, the CPU / autograd path) and the routed experts'
+    SwiGLU epilogue give NaN. (The interpreter's min / max propagate NaN either way, so the sm_90
+    code is what is checked: compiled on the CPU, as tests/test_triton_compile.py does.)"""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    pytest.importorskip("triton")
+    repo = Path(__file__).resolve().parent.parent
+    env = dict(os.environ, TRITON_INTERPRET="0", PYTHONPATH=str(repo))
+    proc = subprocess.run([sys.executable, "-c", _SWIGLU_PTX], env=env, capture_output=True, text=True, timeout=240,
+                          cwd=repo)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    ops = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert ops and all(".NaN." in op for op in ops), ops

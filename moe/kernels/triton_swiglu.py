@@ -17,9 +17,10 @@ def _swiglu_kernel(g_ptr, u_ptr, out_ptr, n, limit, alpha, beta, HAS_LIMIT: tl.c
     m = offs < n
     g = tl.load(g_ptr + offs, mask=m, other=0.0).to(tl.float32)
     u = tl.load(u_ptr + offs, mask=m, other=0.0).to(tl.float32)
-    if HAS_LIMIT:
-        g = tl.minimum(g, limit)
-        u = tl.minimum(tl.maximum(u, -limit), limit)
+    if HAS_LIMIT:   # (NaN propagates, as torch's clamp: min / max without it return the other operand)
+        g = tl.minimum(g, limit, propagate_nan=tl.PropagateNan.ALL)
+        u = tl.minimum(tl.maximum(u, -limit, propagate_nan=tl.PropagateNan.ALL), limit,
+                       propagate_nan=tl.PropagateNan.ALL)
     h = g * tl.sigmoid(alpha * g) * (u + beta)
     tl.store(out_ptr + offs, h.to(out_ptr.dtype.element_ty), mask=m)
 
