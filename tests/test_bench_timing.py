@@ -176,3 +176,71 @@ def test_decode_time_times_each_config_variant_and_restores_it(fake_cuda):
     finally:
         for (config, key), value in zip(keys, before):
             config[key] = value
+
+
+class _FakeGPU:
+    """One CUDA stream on a simulated clock (µs): the host queues kernels and goes on; a kernel
+    starts when both the host has launched it and the stream is free; an event completes when the
+    work queued before it is done; synchronize waits for the stream."""
+
+    def __init__(self):
+        self.host = 0.0            # the host's clock
+        self.free = 0.0            # when the stream has run everything queued so far
+
+    def launch(self, us):
+        self.free = max(self.host, self.free) + us
+
+    def synchronize(self, *args, **kwargs):
+        self.host = max(self.host, self.free)
+
+    def event_class(self):
+        gpu = self
+
+        class Event:
+            def __init__(self, enable_timing=False):
+                self.at = None
+
+            def record(self, stream=None):
+                self.at = max(gpu.host, gpu.free)
+
+            def synchronize(self):
+                gpu.host = max(gpu.host, self.at)
+
+            def elapsed_time(self, end):      # ms, as torch's
+                return (end.at - self.at) / 1e3
+        return Event
+
+
+def test_time_fn_flush_keeps_the_calls_host_work_in_the_time(monkeypatch):
+    """CUDA timing of an eager call (100 µs of host work, then a 10 µs kernel) from an idle GPU is
+    110 µs, with or without the L2 flush before it: the flush (an 80 µs memset) must be over before
+    the start event, not queued ahead of it (the event then fired when the memset ended, while
+    the host was already 80 µs into the call: 30 µs)."""
+    gpu = _FakeGPU()
+    monkeypatch.setattr(common.BenchContext, "is_cuda", property(lambda self: True))
+    monkeypatch.setattr(torch.cuda, "synchronize", gpu.synchronize)
+    monkeypatch.setattr(torch.cuda, "Event", gpu.event_class())
+    real_empty = torch.empty
+    flushes = []
+
+    class FlushBuffer:
+        def zero_(self):
+            flushes.append(gpu.host)
+            gpu.launch(80.0)
+
+    def empty(*size, **kwargs):
+        if kwargs.get("dtype") == torch.int32 and size and size[0] * 4 >= 128 << 20:   # the L2 flush buffer
+            return FlushBuffer()
+        return real_empty(*size, **kwargs)
+    monkeypatch.setattr(torch, "empty", empty)
+    ctx = common.BenchContext(suite="t", device=torch.device("cpu"))
+    calls = []
+
+    def call():
+        calls.append(gpu.host)
+        gpu.host += 100.0                  # Python and launch work
+        gpu.launch(10.0)                   # the kernel
+    assert ctx.time_fn(call, warmup=1, iters=5) == pytest.approx(110.0)
+    calls.clear()
+    assert ctx.time_fn(call, warmup=1, iters=5, flush_l2=True) == pytest.approx(110.0)
+    assert len(flushes) == 5 and len(calls) == 6          # one flush before each timed call

@@ -65,7 +65,12 @@ class BenchContext:
 
     def time_fn(self, fn: Callable[[], Any], *, warmup: int | None = None, iters: int | None = None,
                 flush_l2: bool = False) -> float:
-        """Median time of `fn()` in microseconds (CUDA events on GPU, perf_counter on CPU)."""
+        """Median time of `fn()` in microseconds (CUDA events on GPU, perf_counter on CPU), each
+        call started from an idle GPU, so that the host's work for the call (Python, launches)
+        counts. flush_l2 (CUDA): a 256 MiB memset before each call evicts its inputs from L2; the
+        clock starts once the memset has finished (were the start event queued behind it, it
+        would fire while the host is already running `fn`, and up to the memset's duration of
+        that host work would go uncounted)."""
         warmup = (1 if self.quick else 3) if warmup is None else warmup
         iters = (3 if self.quick else (50 if self.is_cuda else 10)) if iters is None else iters
         for _ in range(warmup):
@@ -77,6 +82,7 @@ class BenchContext:
             for _ in range(iters):
                 if cache is not None:
                     cache.zero_()
+                    torch.cuda.synchronize(self.device)
                 start = torch.cuda.Event(enable_timing=True)
                 end = torch.cuda.Event(enable_timing=True)
                 start.record()
