@@ -212,3 +212,33 @@ def test_merge_copy_reference_moves_the_ring_steps_bytes():
     src, dst = merge._copy_buffers(moved, torch.device("cpu"))
     assert src.shape == dst.shape
     assert src.numel() * src.element_size() + dst.numel() * dst.element_size() == moved
+
+
+def test_ep_local_floors_count_the_bytes_each_mover_moves(monkeypatch):
+    """The local permute writes every layout row (align 128: padding rows too, as zeros) and reads
+    each token's row once: (T + R) * H * 2 bytes; the unpermute and combine read only the rows of
+    the T * K pairs (never the padding) and write each token once: (T * K + T) * H * 2. Both aligns
+    run (CUDA stood in for: the CPU run stops after align 1, where R = T * K); the floors are
+    recomputed from the routing by hand."""
+    from megapar.launch.bench import ep
+    from megapar.launch.bench.common import BenchContext, copy_ceiling_gbps
+
+    monkeypatch.setattr(BenchContext, "is_cuda", property(lambda self: True))
+    ctx = BenchContext(suite="ep", device=torch.device("cpu"), quick=True)
+    monkeypatch.setattr(ctx, "time_fn", lambda fn, **kw: (fn(), 2.0)[1])
+    ep._local_cases(ctx)
+    t, h, k, e = 64, 256, 4, 16                                    # the --quick sizes
+    ids, _ = ep._routing(t, e, k, torch.device("cpu"), 0)
+    counts = torch.bincount(ids.flatten(), minlength=e).tolist()
+    gbps = copy_ceiling_gbps(torch.device("cpu"))
+    for align in (1, 128):
+        rows = sum(-(-c // align) * align for c in counts)
+        permute, unpermute = (t + rows) * h * 2, (t * k + t) * h * 2
+        got = {r["case"].split(" T=")[0]: r for r in ctx.rows if r["case"].endswith(f"align={align}")}
+        assert set(got) == {"local permute rows", "local dispatch (plan + permute)", "local unpermute rows",
+                            "local combine"}
+        assert got["local permute rows"]["rows"] == rows and (align == 1) == (rows == t * k)
+        for case, nbytes in (("local permute rows", permute), ("local dispatch (plan + permute)", permute),
+                             ("local unpermute rows", unpermute), ("local combine", unpermute)):
+            assert got[case]["floor_us"] == pytest.approx(nbytes / (gbps * 1e3), abs=1e-3), (align, case)
+            assert got[case]["gbps"] == pytest.approx(nbytes / 2.0 / 1e3, rel=1e-3), (align, case)

@@ -2,9 +2,11 @@
 
 1. Local permute/unpermute (EP = 1, one device): on a GPU at T=4096, H=7168, K=8, E=256 bf16
    (docs/performance.md target: >= 60% of the copy ceiling), small sizes on CPU. Rows: the data
-   movers alone (Triton on CUDA) against the torch eager movers (anchor) and the copy floor
-   ((T + R) * H * 2 bytes, each source row read once, each layout row written once), then
-   the whole `dispatch` / `combine` (routing plan + movers + the one host sync).
+   movers alone (Triton on CUDA) against the torch eager movers (anchor) and the copy floor, then
+   the whole `dispatch` / `combine` (routing plan + movers + the one host sync). Floors: permute
+   (T + R) * H * 2 bytes (each source row read once, each of the R layout rows written once,
+   padding rows as zeros); unpermute (P + T) * H * 2 (the P = T * K pairs' rows read once, each
+   token's row written once: the padding rows of align > 1 are not read).
 2. Multi-rank dispatch + combine for T tokens per rank: gloo ranks on CPU (launch_local), or
    NCCL with one rank per GPU when >= 2 GPUs exist (else a note). World size:
    `--world-size N` or MEGAPAR_BENCH_EP_WORLD (default 2 with --quick, 4 on CPU, all GPUs).
@@ -68,12 +70,15 @@ def _local_cases(ctx: BenchContext) -> None:
         res = d.dispatch(x, ids, w)
         plan = res.handle.plan
         rows = plan.num_rows
-        nbytes = (t + rows) * h * x.element_size()
-        floor = nbytes / (ceiling * 1e3)
+        nbytes, back_bytes = mover_bytes(plan, t, h, x.element_size())
+        floor, back_floor = nbytes / (ceiling * 1e3), back_bytes / (ceiling * 1e3)
         shape = f"T={t} H={h} K={k} E={e} align={align}"
         flush = ctx.is_cuda
-        copy_src = torch.empty(nbytes // 4, dtype=torch.int16, device=dev)
-        copy_us = ctx.time_fn(lambda: copy_src.clone(), flush_l2=flush)  # same bytes read + written
+
+        def copy_us_of(moved: int) -> float:   # a copy reading and writing `moved` bytes in all
+            copy_src = torch.empty(moved // 4, dtype=torch.int16, device=dev)
+            return ctx.time_fn(lambda: copy_src.clone(), flush_l2=flush)
+        copy_us = copy_us_of(nbytes)
         ours = ctx.time_fn(lambda: gather_rows(x, plan.row_src), flush_l2=flush)
         eager = ctx.time_fn(lambda: gather_rows_torch(x, plan.row_src), flush_l2=flush)
         ctx.record(f"local permute rows {shape}", ours, anchor="torch index_select + mask", anchor_us=eager,
@@ -85,15 +90,25 @@ def _local_cases(ctx: BenchContext) -> None:
         wf = w.float()
         ours = ctx.time_fn(lambda: gather_reduce(y, plan.pair_pos, wf), flush_l2=flush)
         eager = ctx.time_fn(lambda: gather_reduce_torch(y, plan.pair_pos, wf), flush_l2=flush)
+        back_copy_us = copy_us if back_bytes == nbytes else copy_us_of(back_bytes)
         ctx.record(f"local unpermute rows {shape}", ours, anchor="torch K x (index_select, mul, add)",
-                   anchor_us=eager, floor_us=floor, gbps=nbytes / ours / 1e3, copy_same_bytes_us=copy_us)
+                   anchor_us=eager, floor_us=back_floor, gbps=back_bytes / ours / 1e3, copy_same_bytes_us=back_copy_us)
         full = ctx.time_fn(lambda: d.combine(y, res.handle), flush_l2=flush)
-        ctx.record(f"local combine {shape}", full, anchor="unpermute rows only", anchor_us=ours, floor_us=floor,
-                   gbps=nbytes / full / 1e3)
+        ctx.record(f"local combine {shape}", full, anchor="unpermute rows only", anchor_us=ours, floor_us=back_floor,
+                   gbps=back_bytes / full / 1e3)
         if not ctx.is_cuda:
             ctx.note("CPU: the movers are the torch reference itself (Triton runs on CUDA), so ours vs anchor "
                      "is 1x up to noise; the GPU rows are the ones that count")
             break  # align only matters for GPU grouped GEMMs
+
+
+def mover_bytes(plan, t: int, h: int, elem: int) -> tuple[int, int]:
+    """(permute, unpermute) bytes that must move for `t` tokens of width `h` (`elem` bytes each)
+    and a layout plan: the permute reads each token's row once and writes every layout row
+    (padding rows of align > 1 as zeros); the unpermute reads only the rows of the pairs (the
+    padding rows hold no pair) and writes each token's row once."""
+    pairs = int((plan.pair_pos >= 0).sum())
+    return (t + plan.num_rows) * h * elem, (pairs + t) * h * elem
 
 
 # ---------------------------------------------------------------------------------------------
