@@ -242,3 +242,24 @@ def test_ep_local_floors_count_the_bytes_each_mover_moves(monkeypatch):
                              ("local unpermute rows", unpermute), ("local combine", unpermute)):
             assert got[case]["floor_us"] == pytest.approx(nbytes / (gbps * 1e3), abs=1e-3), (align, case)
             assert got[case]["gbps"] == pytest.approx(nbytes / 2.0 / 1e3, rel=1e-3), (align, case)
+
+
+def test_mhc_floors_count_each_cases_bytes_once():
+    """mHC floors from the sizes, by hand (bf16 residual [T, 4, H] = R bytes, a row [T, H] = W):
+    pre R + W, post 2R + W, post+pre fused 2R + 2W (post's bytes and the layer input; the read of
+    the new residual that fusing saves is not in its floor: with it, the fused floor was the
+    unfused pair's 3R + 2W)."""
+    from megapar.launch.bench import mhc
+    from megapar.launch.bench.common import BenchContext, copy_ceiling_gbps
+
+    ctx = BenchContext(suite="mhc", device=torch.device("cpu"), quick=True)
+    mhc.run(ctx)
+    gbps = copy_ceiling_gbps(ctx.device)
+    seen = set()
+    for r in ctx.rows:
+        name = r["case"].split(" T=")[0]
+        res, row = r["T"] * mhc.M * r["H"] * 2, r["T"] * r["H"] * 2
+        nbytes = {"pre": res + row, "post": 2 * res + row, "post+pre fused": 2 * res + 2 * row}[name]
+        assert r["floor_us"] == pytest.approx(nbytes / (gbps * 1e3), abs=1e-3), r["case"]
+        seen.add(name)
+    assert seen == {"pre", "post", "post+pre fused"}

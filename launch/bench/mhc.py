@@ -10,7 +10,12 @@ Cases (M = 4 streams, bf16 residual [T, M, H], fp32 parameters, 20 Sinkhorn iter
 - CUDA graph (T <= 128): pre, post and post+pre captured once and replayed, against the same
   calls launched eagerly. At small T the eager numbers are host launch time (Python + Triton's
   launcher); inside a decode CUDA graph only the GPU time remains.
-Floor = bytes read + written / the measured copy ceiling (4264 GB/s on the H200). Anchor =
+Floor = bytes read + written / the measured copy ceiling (4264 GB/s on the H200), with R the
+residual's bytes and W a row's ([T, H]): pre R + W; post 2R + W (R and the sublayer output read,
+R written); post+pre 2R + 2W (post's bytes and the layer input: fusing saves pre's read of the
+new residual, so the floor does not pay it, also above FUSE_MAX_TOKENS where `mhc_post_pre`
+runs post then pre; as in pre's floor, the streams' weighted sum for the layer input is not
+counted as a second read). Anchor =
 the torch reference (`backend="torch"`) on the same inputs. L2 is flushed before each timed
 call (small cases would otherwise be served from L2 and beat the HBM floor).
 T = 1 .. 16384 and H = 4096 (V4-Flash), 7168 (V4-Pro) on CUDA; `--quick`: tiny, CPU, the
@@ -80,7 +85,7 @@ def _run(ctx: BenchContext) -> None:
                     "pre": (lambda b: mhc_pre(residual, fn, base, scale, backend=b), res_bytes + row_bytes),
                     "post": (lambda b: mhc_post(out, residual, post_w, comb, backend=b), 2 * res_bytes + row_bytes),
                     "post+pre fused": (lambda b: mhc_post_pre(out, residual, post_w, comb, fn, base, scale, backend=b),
-                                       3 * res_bytes + 2 * row_bytes),
+                                       2 * res_bytes + 2 * row_bytes),
                 }
                 shape = dict(T=t, H=h, M=M)
                 for name, (call, nbytes) in cases.items():
