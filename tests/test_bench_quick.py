@@ -263,3 +263,36 @@ def test_mhc_floors_count_each_cases_bytes_once():
         assert r["floor_us"] == pytest.approx(nbytes / (gbps * 1e3), abs=1e-3), r["case"]
         seen.add(name)
     assert seen == {"pre", "post", "post+pre fused"}
+
+
+@pytest.mark.parametrize("fmt", ["mxfp4", "bf16"])
+def test_moe_serving_flop_floor_takes_the_shared_expert_at_the_bf16_rate(monkeypatch, fmt):
+    """The serving rows' FLOP floor, by hand: the routed experts' 2 x 3 H I per token and pick at the
+    fp8 rate for mxfp4 experts (bf16 rate for bf16 experts), plus the shared expert's 2 x 3 H I_s per
+    token at the bf16 rate in both formats (its weights are bf16; it was taken at the fp8 rate with
+    mxfp4 experts). The CUDA-only steps are stood in for (tiny layer on CPU, rates scaled down so
+    the FLOPs decide the floor)."""
+    from megapar.launch.bench import moe
+    from megapar.launch.bench.common import BenchContext
+    from megapar.moe.layer import MoEConfig, MoELayer
+
+    cfg = MoEConfig(hidden=64, inter=32, num_experts=8, top_k=2, n_group=4, topk_group=2, shared_inter=48,
+                    expert_format="mxfp4", dtype=torch.bfloat16)
+    monkeypatch.setattr(moe, "_shard_config", lambda name, f, dtype: MoEConfig(**{**cfg.__dict__, "expert_format": f}))
+    monkeypatch.setattr(moe, "SERVING_TOKENS", (1, 4))
+    monkeypatch.setattr(moe, "_graph_replay_us", lambda ctx, fn, flush: 1.0)
+    monkeypatch.setattr(MoELayer, "enable_cuda_graphs", lambda self, sizes: None)
+    fp8, bf16 = 2e-3, 1e-3                                       # TFLOP/s
+    monkeypatch.setattr(moe, "H200_FP8_TFLOPS", fp8)
+    monkeypatch.setattr(moe, "H200_BF16_TFLOPS", bf16)
+    ctx = BenchContext(suite="moe", device=torch.device("cpu"), quick=True)
+    monkeypatch.setattr(ctx, "time_fn", lambda fn, **kw: 1.0)
+    moe._bench_serving(ctx, "v3")
+    rows = [r for r in ctx.rows if r["case"].endswith("eager") and r.get("fmt") == fmt and "flop_floor_us" in r]
+    assert [r["T"] for r in rows] == [1, 4]
+    for r in rows:
+        routed = 2 * r["T"] * cfg.top_k * 3 * cfg.hidden * cfg.inter
+        shared = 2 * r["T"] * 3 * cfg.hidden * cfg.shared_inter
+        want = routed / ((fp8 if fmt == "mxfp4" else bf16) * 1e6) + shared / (bf16 * 1e6)
+        assert r["flop_floor_us"] == pytest.approx(want, abs=1e-3), r["case"]
+        assert r["floor_us"] == pytest.approx(max(want, r["byte_floor_us"]), abs=1e-3), r["case"]
