@@ -296,3 +296,23 @@ def test_moe_serving_flop_floor_takes_the_shared_expert_at_the_bf16_rate(monkeyp
         want = routed / ((fp8 if fmt == "mxfp4" else bf16) * 1e6) + shared / (bf16 * 1e6)
         assert r["flop_floor_us"] == pytest.approx(want, abs=1e-3), r["case"]
         assert r["floor_us"] == pytest.approx(max(want, r["byte_floor_us"]), abs=1e-3), r["case"]
+
+
+def test_moe_cpu_layer_floor_counts_the_shared_expert():
+    """The CPU rows' byte floor (`bench_layer`), by hand: the weights of the experts the tokens hit
+    (fp32: 3 H I x 4 bytes each) plus the shared expert's (3 H I_s x 4; it runs on every token and
+    was left out) plus the activations, at the CPU copy ceiling."""
+    from megapar.launch.bench import moe
+    from megapar.launch.bench.common import BenchContext, copy_ceiling_gbps
+    from megapar.moe.layer import MoELayer
+
+    ctx = BenchContext(suite="moe", device=torch.device("cpu"), quick=True)
+    cfg = moe._quick_config("fp32")
+    layer = MoELayer(cfg, device=ctx.device)
+    torch.manual_seed(0)
+    moe.bench_layer(ctx, "tiny fp32", layer, 16)
+    hit = int((layer.expert_counts > 0).sum())
+    inter_s = cfg.num_shared * (cfg.shared_inter or cfg.inter)
+    nbytes = hit * 3 * cfg.hidden * cfg.inter * 4 + 3 * cfg.hidden * inter_s * 4 + 2 * 16 * cfg.hidden * 4 * (1 + cfg.top_k)
+    assert 0 < hit <= cfg.num_experts and ctx.rows[0]["T"] == 16
+    assert ctx.rows[0]["floor_us"] == pytest.approx(nbytes / (copy_ceiling_gbps(ctx.device) * 1e3), abs=1e-3)

@@ -6,8 +6,8 @@ tokens, MXFP4 and bf16 experts. Each row is the whole layer (`time_us`), next to
 each timed alone on the same inputs: routing (gate linear + route), local dispatch work
 (permute into expert blocks), the expert GEMMs (fused FFN), combine (weighted un-permute) and
 the shared expert. `anchor_us` is the sum of the parts, so `speedup_vs_anchor` < 1 shows the
-layer's own overhead. The floor is the bytes of the experts' weights that the tokens touch
-plus the activations, at the copy ceiling.
+layer's own overhead. The floor is the bytes of the experts' weights that the tokens touch,
+the shared expert's and the activations, at the copy ceiling.
 
 EP > 1 (when this machine has >= 2 GPUs, or `--world-size` ranks on CPU/gloo in a full
 CPU run): the full model layer (256 experts) at EP = 2, 4, 8 over NCCL, T tokens per rank,
@@ -60,7 +60,10 @@ def bench_layer(ctx: BenchContext, name: str, layer: MoELayer, num_tokens: int) 
         full_us = ctx.time_fn(lambda: layer(x))
     total = sum(parts.values())
     act_bytes = 2 * num_tokens * cfg.hidden * x.element_size() * (1 + cfg.top_k)
-    floor_us = (_weight_bytes(layer, res.counts) + act_bytes) / (copy_ceiling_gbps(ctx.device) * 1e3)
+    shared_bytes = (0 if layer.shared_experts is None
+                    else sum(p.numel() * p.element_size() for p in layer.shared_experts.parameters()))
+    floor_us = ((_weight_bytes(layer, res.counts) + shared_bytes + act_bytes)
+                / (copy_ceiling_gbps(ctx.device) * 1e3))
     ctx.record(f"{name} T={num_tokens}", full_us, anchor="sum of parts measured alone", anchor_us=total,
                floor_us=floor_us, overhead_us=full_us - total, T=num_tokens, **parts)
 
