@@ -316,3 +316,45 @@ def test_moe_cpu_layer_floor_counts_the_shared_expert():
     nbytes = hit * 3 * cfg.hidden * cfg.inter * 4 + 3 * cfg.hidden * inter_s * 4 + 2 * 16 * cfg.hidden * 4 * (1 + cfg.top_k)
     assert 0 < hit <= cfg.num_experts and ctx.rows[0]["T"] == 16
     assert ctx.rows[0]["floor_us"] == pytest.approx(nbytes / (copy_ceiling_gbps(ctx.device) * 1e3), abs=1e-3)
+
+
+def test_gemm_plot_keeps_routed_and_deep_gemm_rows_out_of_the_main_lines(tmp_path, monkeypatch):
+    """A gemm panel's series and reference lines hold one problem each: the routed rows (only the
+    experts hit; same impl name as a main row) are their own series, and the floor and anchor lines
+    come from the main rows alone (not from a routed row's floor over the experts hit, nor from a
+    DeepGEMM slab row's floor or its whole-slab bmm anchor)."""
+    pytest.importorskip("matplotlib")
+    from launch.bench import plot
+
+    plt = plot._pyplot()
+    figs = []
+
+    class Keep:                           # pyplot, but the figures stay open for the test to read
+        def __getattr__(self, name):
+            return getattr(plt, name)
+
+        def subplots(self, *a, **k):
+            fig, axes = plt.subplots(*a, **k)
+            figs.append(fig)
+            return fig, axes
+
+        def close(self, fig=None):
+            pass
+    monkeypatch.setattr(plot, "_pyplot", lambda: Keep())
+    main = [{"case": f"v3 L1 tok={t} triton_w4a16", "time_us": us, "anchor": "torch bf16 _grouped_mm",
+             "anchor_us": a, "fp8_anchor_us": a8, "floor_us": f, "shape": "v3", "gemm": "L1", "tok_per_expert": t,
+             "impl": "triton_w4a16"} for t, us, a, a8, f in ((1, 100.0, 300.0, 250.0, 50.0), (8, 200.0, 400.0, 350.0, 60.0))]
+    routed = {"case": "v3 L1 routed T=1 top8 triton_w4a16", "time_us": 30.0, "anchor": "torch bf16 _grouped_mm",
+              "anchor_us": 90.0, "floor_us": 10.0, "shape": "v3", "gemm": "L1", "tok_per_expert": 1.0,
+              "impl": "triton_w4a16", "experts_hit": 8}
+    slab = {"case": "v3 L1 tok=8 triton_w4a16 slab C=128", "time_us": 150.0, "anchor": "torch bf16 bmm (whole slab)",
+            "anchor_us": 500.0, "floor_us": 70.0, "shape": "v3", "gemm": "L1", "tok_per_expert": 8,
+            "impl": "triton_w4a16 slab C=128"}
+    plot.plot_gemm(main + [routed, slab], tmp_path / "g.png", "t")
+    lines = {ln.get_label(): [tuple(map(float, p)) for p in ln.get_xydata()] for ln in figs[0].axes[0].get_lines()}
+    assert lines["ours: triton_w4a16"] == [(1.0, 100.0), (8.0, 200.0)]
+    assert lines["torch bf16 _grouped_mm"] == [(1.0, 300.0), (8.0, 400.0)]
+    assert lines["torch fp8 _scaled_grouped_mm"] == [(1.0, 250.0), (8.0, 350.0)]
+    assert lines["FP4 floor (bytes / copy bw)"] == [(1.0, 50.0), (8.0, 60.0)]
+    assert lines["ours: triton_w4a16 slab C=128"] == [(8.0, 150.0)]
+    assert [pts for label, pts in lines.items() if "routed" in label] == [[(1.0, 30.0)]]

@@ -2,6 +2,9 @@
 
 gemm: the grouped-GEMM roofline per (shape, gemm) panel: time against tokens per expert for our
 kernels, torch bf16 `_grouped_mm`, torch fp8 `_scaled_grouped_mm` and the FP4 floor (log-log).
+The reference lines come from the main rows (every expert given `tok` rows: anchor "torch bf16
+_grouped_mm"); the routed rows (only the experts hit, x = rows per expert hit) are series of
+their own, and the DeepGEMM section's rows carry their own floors and anchors (not drawn).
 Other suites: the speedup over the anchor per case, bars from 1.0 with the values printed.
 """
 
@@ -22,21 +25,33 @@ def _pyplot():
     return plt
 
 
+MAIN_ANCHOR = "torch bf16 _grouped_mm"
+
+
+def _routed(row: dict) -> bool:
+    """A routed row (`gemm._routed_rows`): only the experts hit, tok_per_expert = rows per expert hit."""
+    return "experts_hit" in row or " routed " in str(row.get("case", ""))
+
+
 def plot_gemm(rows: list[dict], out: Path, title: str) -> Path:
     plt = _pyplot()
     panels = sorted({(r["shape"], r["gemm"]) for r in rows if "tok_per_expert" in r})
     fig, axes = plt.subplots(1, max(1, len(panels)), figsize=(5 * max(1, len(panels)), 4), squeeze=False)
     for ax, (shape, gemm) in zip(axes[0], panels):
-        mine = [r for r in rows if r.get("shape") == shape and r.get("gemm") == gemm]
-        impls = sorted({r["impl"] for r in mine})
-        for impl in impls:
-            pts = sorted((r["tok_per_expert"], r["time_us"]) for r in mine if r["impl"] == impl)
-            ax.plot(*zip(*pts), marker="o", label=f"ours: {impl}")
-        for key, label, style in (("anchor_us", "torch bf16 _grouped_mm", "k--"),
+        mine = [r for r in rows if r.get("shape") == shape and r.get("gemm") == gemm and "tok_per_expert" in r]
+        for routed in (False, True):      # the same impl routed is another problem: a series of its own
+            for impl in sorted({r["impl"] for r in mine if _routed(r) == routed}):
+                pts = sorted((r["tok_per_expert"], r["time_us"]) for r in mine
+                             if r["impl"] == impl and _routed(r) == routed)
+                ax.plot(*zip(*pts), marker="x" if routed else "o", linestyle=":" if routed else "-",
+                        label=f"ours: {impl}" + (" routed (x: rows per expert hit)" if routed else ""))
+        # the reference lines of the main rows only: the routed rows' floors count the experts hit
+        # alone, the DeepGEMM rows' are FP8 rooflines and their decode anchor a whole-slab bmm
+        main = [r for r in mine if not _routed(r) and r.get("anchor") == MAIN_ANCHOR]
+        for key, label, style in (("anchor_us", MAIN_ANCHOR, "k--"),
                                   ("fp8_anchor_us", "torch fp8 _scaled_grouped_mm", "k:"),
                                   ("floor_us", "FP4 floor (bytes / copy bw)", "g-")):
-            pts = sorted({(r["tok_per_expert"], r[key]) for r in mine
-                          if key in r and (key != "anchor_us" or r.get("anchor", "").startswith("torch bf16"))})
+            pts = sorted({(r["tok_per_expert"], r[key]) for r in main if r.get(key) is not None})
             if pts:
                 ax.plot(*zip(*pts), style, label=label)
         ax.set_xscale("log", base=2)
