@@ -391,3 +391,33 @@ def test_simulated_packed_ring_with_fused_kernels_matches_per_sequence_attention
     """Packed batches on CUDA run the fused kernels once per sequence and ring step."""
     _simulated_packed_ring_check(4, [8, 24, 72], "flash", "cuda", torch.bfloat16, 3e-2, 1.5e-1, d=64)
     _simulated_packed_ring_check(2, [4, 12, 100], "efficient", "cuda", torch.float32, 2e-4, 1e-3, d=64)
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_nan_or_inf_in_q_or_a_visible_key_makes_exactly_its_rows_nan_never_empty(causal):
+    """A row with a NaN score (NaN in q or in a key it sees) or a +inf one (inf in q) came out
+    of the math path with out NaN but lse -inf (`total > 0` is False for a NaN total) or +inf (a
+    +inf max was reset to 0): both mark a row empty, so the LSE merges of a ring (or of DCP shards)
+    dropped it, giving finite values on every row that saw the NaN, and out 0 with lse -inf on a
+    NaN query row. Now out and lse are NaN on exactly those rows (directly and through a 2-rank
+    ring), every other row as in the float64 reference."""
+    q, k, v = _qkv(31, 8, 8, 4, 2, 8, 8, batch=1)
+    k[0, 1, 1, 3] = math.nan          # key 1 of kv head 1: q heads 2, 3 of every row that sees key 1
+    q[0, 5, 0, 0] = math.inf          # query row 5, head 0: scores of +-inf
+    rows = torch.arange(8)[:, None]
+    bad = ((rows >= 1) if causal else torch.ones(8, 1, dtype=torch.bool)) & (torch.arange(4) >= 2)
+    bad[5, 0] = True
+    ref_out, ref_lse = reference_attention(q[0], k[0], v[0], causal=causal)
+
+    def check(out, lse, what):
+        assert torch.equal(torch.isnan(lse), bad), (what, lse)
+        assert torch.equal(torch.isnan(out).all(-1), bad) and not torch.isnan(out[~bad]).any(), what
+        torch.testing.assert_close(out[~bad].double(), ref_out[~bad], rtol=0, atol=1e-6)
+        torch.testing.assert_close(lse[~bad].double(), ref_lse[~bad], rtol=0, atol=1e-6)
+
+    got = attention_with_lse(q, k, v, causal=causal, backend="math")
+    check(got.out[0], got.lse[0], "local")
+    shard = lambda x: [zigzag_shard(x, r, 2, dim=1) for r in range(2)]
+    states = simulate_ring_forward(shard(q), shard(k), shard(v), causal=causal, backend="math")
+    check(zigzag_unshard([s.out for s in states], dim=1)[0], zigzag_unshard([s.lse for s in states], dim=1)[0],
+          "ring of 2")

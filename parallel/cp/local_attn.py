@@ -7,11 +7,13 @@ attention: query head h reads kv head `h // (Hq // Hkv)`.
 
 Masks are given by positions: with `causal=True`, query i (global position `q_offset + i`) sees
 key j (global position `k_offset + j`) iff `k_offset + j <= q_offset + i`; rows that see no key
-give `out = 0, lse = -inf`. This is the block-causal mask of one ring step.
+give `out = 0, lse = -inf`. This is the block-causal mask of one ring step. On the math path a row
+with a NaN or +inf score (NaN in q or in a key it sees, or an inf there that makes a score +inf)
+gives out and lse NaN, never -inf, so that an LSE merge cannot take it for empty and drop it.
 
 Backends. `math` is exact torch math (scores in fp32 or wider), runs anywhere and is differentiable
 through autograd (out and lse): it is the specification. On CUDA, `flash` (bf16/fp16) and
-`efficient` (any float) call PyTorch's fused kernels that return the LSE
+`efficient` (fp32/bf16/fp16) call PyTorch's fused kernels that return the LSE
 (`aten._scaled_dot_product_flash_attention` / `_efficient_attention`); those only know "no mask"
 and square top-left causal, so an offset mask is cut into at most three blocks (rows that see
 nothing, a band = full prefix + square causal block, rows that see everything) merged by LSE.
@@ -176,20 +178,24 @@ def masked_attention_math(q: Tensor, k: Tensor, v: Tensor, scale: float,
                           allowed: Tensor | None = None) -> tuple[Tensor, Tensor]:
     """Exact attention on [B, H, T, D] views with an optional boolean mask `allowed` that
     broadcasts to [B, Hkv, G, Tq, Tk] (G = Hq // Hkv). Returns out [B, Hq, Tq, Dv] in q's dtype
-    and lse [B, Hq, Tq] fp32 (-inf, out 0 where no key is allowed); differentiable in both."""
+    and lse [B, Hq, Tq] fp32 (-inf, out 0 where no key is allowed; NaN, out NaN, on a row with a
+    NaN or +inf score, so that no merge takes it for empty); differentiable in both."""
     b, hq, tq, _ = q.shape
     tk, dv = v.shape[2], v.shape[3]
     if tk == 0:
         return q.new_zeros(b, hq, tq, dv), torch.full((b, hq, tq), -math.inf, device=q.device)
     s = _math_scores(q, k, scale, allowed)
     m = s.amax(-1, keepdim=True).detach()
-    m = torch.where(torch.isfinite(m), m, 0.0)
+    # Only a row whose scores are all -inf (no key visible) is empty. A NaN score (NaN in q or a
+    # visible key) or a +inf one (an inf in them) makes the row's max, weights, out and lse NaN: an
+    # lse of -inf (or +inf) would mark the row empty, and the LSE merge would drop the NaN silently.
+    m = torch.where(m == -math.inf, 0.0, m)
     e = torch.exp(s - m)
     total = e.sum(-1, keepdim=True)
-    nonempty = total > 0
-    safe = torch.where(nonempty, total, 1.0)
+    empty = total == 0
+    safe = torch.where(empty, 1.0, total)
     out = torch.matmul(e / safe, v.to(s.dtype).unsqueeze(2))
-    lse = torch.where(nonempty, m + torch.log(safe), -math.inf).squeeze(-1)
+    lse = torch.where(empty, -math.inf, m + torch.log(safe)).squeeze(-1)
     return out.reshape(b, hq, tq, dv).to(q.dtype), lse.reshape(b, hq, tq).float()
 
 
