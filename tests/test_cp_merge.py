@@ -315,3 +315,136 @@ def test_n_way_merge_of_inputs_past_2_to_the_31_elements_on_cuda():
         torch.testing.assert_close(got.lse[rows], expect.lse, rtol=0, atol=1e-5)
     torch.testing.assert_close(got.out[-1].float(), outs[4, -1].float(), rtol=0, atol=0)
 
+
+
+# ---- an independent float64 reference on fresh random inputs ---------------------------------------
+
+
+def _merge_float64(outs: torch.Tensor, lses: torch.Tensor, base: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """The merge computed in float64 from its definition (docs/numerics.md §7), written apart from
+    merge.py: lse = torch.logsumexp over the non-empty parts (+inf counts as empty), out = the sum
+    of exp(lse_i - lse) * out_i over them; 0 and -inf where every part is empty; NaN rows where
+    some lse is NaN."""
+    l64 = lses.double() * (LN2 if base == "2" else 1.0)
+    nan_row = torch.isnan(l64).any(0)
+    empty = torch.isnan(l64) | torch.isinf(l64)
+    l64 = l64.masked_fill(empty, -math.inf)
+    lse = torch.logsumexp(l64, 0)
+    all_empty = empty.all(0)
+    w = torch.exp(l64 - lse.masked_fill(all_empty, 0.0)).masked_fill(empty, 0.0)
+    # normalized by sum(w), not 1: at |lse| ~ 3e38 even float64 loses the log(2) of two equal parts
+    out = torch.einsum("n...,n...d->...d", w, outs.double().masked_fill(empty[..., None], 0.0))
+    out = out / w.sum(0).masked_fill(all_empty, 1.0)[..., None]
+    out = out.masked_fill(nan_row[..., None], math.nan)
+    lse = (lse / (LN2 if base == "2" else 1.0)).masked_fill(nan_row, math.nan)
+    return out, lse
+
+
+def _awkward_states(seed: int, n: int, t: int = 12, h: int = 3, d: int = 10):
+    """Random partial states [n, t, h, d] / [n, t, h] with: rows empty in every part (some -inf,
+    some +inf), rows with one non-empty part, -inf / +inf mixed with finite values, lse gaps up to
+    ~1e4 (exp underflows), magnitudes near the fp32 limit, a NaN lse; garbage (NaN / inf) outs
+    wherever a part is empty."""
+    gen = torch.Generator().manual_seed(seed)
+    outs = torch.randn(n, t, h, d, generator=gen)
+    lses = torch.randn(n, t, h, generator=gen) * 20
+    pick = lambda: (torch.rand(n, t, h, generator=gen) < 0.2)
+    lses[pick()] = -math.inf
+    lses[pick()] = math.inf
+    lses[:, 0] = -math.inf                                               # empty everywhere
+    lses[:, 1, 0] = math.inf
+    lses[:, 1, 1:] = torch.tensor([-math.inf, math.inf])[torch.arange(n) % 2][:, None]
+    lses[:, 2] = -math.inf
+    lses[n - 1, 2] = torch.randn(h, generator=gen)                       # one part only
+    lses[0, 3] += 1e4                                                    # the others underflow
+    lses[:, 4] = torch.tensor([3e38, -3e38, 1e38])[torch.arange(n) % 3][:, None]
+    if n > 1:
+        lses[1, 5, 1] = math.nan
+    outs[torch.isinf(lses)] = torch.tensor([math.nan, math.inf])[torch.randint(0, 2, (1,), generator=gen)]
+    return outs, lses
+
+
+def _assert_merge(out, lse, want_out, want_lse, dtype, what):
+    assert out.dtype == dtype and lse.dtype == torch.float32, what
+    atol = 1e-5 if dtype == torch.float32 else 1e-2
+    torch.testing.assert_close(out.double(), want_out, rtol=0, atol=atol, equal_nan=True, msg=what)
+    torch.testing.assert_close(lse.double(), want_lse, rtol=2e-7, atol=1e-5, equal_nan=True, msg=what)
+
+
+@pytest.mark.parametrize("base", ["e", "2"])
+def test_torch_merge_matches_a_float64_reference_on_random_awkward_states(base):
+    """N-way (stacked and as a list) and pairwise merges, N = 1..6, several seeds, fp32 / bf16 outs:
+    every row against `_merge_float64` (no defect found; a check of the whole contract)."""
+    for seed in range(4):
+        for n in (1, 2, 3, 6):
+            outs, lses = _awkward_states(100 * seed + n, n)
+            want_out, want_lse = _merge_float64(outs, lses, base)
+            for dtype in (torch.float32, torch.bfloat16):
+                x = outs.to(dtype)
+                want = want_out if dtype == torch.float32 else _merge_float64(x.float(), lses, base)[0]
+                for form in ("stacked", "list"):
+                    got = merge_attn_states(x if form == "stacked" else list(x), lses if form == "stacked"
+                                            else list(lses), base=base, backend="torch")
+                    _assert_merge(*got, want, want_lse, dtype, (seed, n, dtype, form))
+                if n == 2:
+                    got = merge_two_attn_states(x[0], lses[0], x[1], lses[1], base=base, backend="torch")
+                    _assert_merge(*got, want, want_lse, dtype, (seed, n, dtype, "pair"))
+
+
+@pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")   # numpy: -3e38 - 3e38 = -inf, meant
+@pytest.mark.parametrize("base", ["e", "2"])
+def test_triton_merges_match_a_float64_reference_under_interpreter(monkeypatch, base):
+    """The N-way kernel (stacked / list) and the pair kernel on the same awkward random states,
+    fp32 and fp16 outs, against `_merge_float64` (no defect found)."""
+    mod = _triton_merge_module(monkeypatch)
+    for seed in range(2):
+        for n in (1, 2, 3, 5):
+            outs, lses = _awkward_states(7 + 100 * seed + n, n, t=8)
+            for dtype in (torch.float32, torch.float16):
+                x = outs.to(dtype)
+                want_out, want_lse = _merge_float64(x.float(), lses, base)
+                got = mod.merge_states_triton(x, lses, base=base)                 # N-way, stacked
+                _assert_merge(*got, want_out, want_lse, dtype, (seed, n, dtype, "stacked"))
+                if n == 2:                                                       # pair kernel
+                    got = mod.merge_states_triton(list(x), list(lses), base=base)
+                    _assert_merge(*got, want_out, want_lse, dtype, (seed, n, dtype, "pair"))
+
+
+def test_merge_gradient_matches_autograd_of_the_plain_formula():
+    """Gradients of the torch merge (fp32, base e and 2) through out and lse against autograd of
+    lse = logsumexp(lse_i), out = sum exp(lse_i - lse) out_i in float64, with empty (-inf) parts
+    among finite ones; on a row empty in every part every gradient is 0 (no defect found)."""
+    for seed in range(3):
+        gen = torch.Generator().manual_seed(seed)
+        outs = torch.randn(3, 5, 2, 6, generator=gen, dtype=torch.float64)
+        lses = torch.randn(3, 5, 2, generator=gen, dtype=torch.float64) * 5
+        lses[0, 1] = -math.inf
+        lses[1:, 2, 1] = -math.inf
+        g_out = torch.randn(5, 2, 6, generator=gen, dtype=torch.float64)
+        g_lse = torch.randn(5, 2, generator=gen, dtype=torch.float64)
+        o64, l64 = outs.clone().requires_grad_(), lses.clone().requires_grad_()
+        lse = torch.logsumexp(l64, 0)
+        out = (torch.exp(l64 - lse)[..., None] * o64).sum(0)
+        ((out * g_out).sum() + (lse * g_lse).sum()).backward()
+        for base in ("e", "2"):
+            o32, l32 = outs.float().requires_grad_(), (lses / (LN2 if base == "2" else 1.0)).float().requires_grad_()
+            got = merge_attn_states(list(o32.unbind(0)), list(l32.unbind(0)), base=base)
+            lse_e = got.lse.double() * (LN2 if base == "2" else 1.0)
+            ((got.out.double() * g_out).sum() + (lse_e * g_lse).sum()).backward()
+            torch.testing.assert_close(o32.grad.double(), o64.grad, rtol=0, atol=1e-5)
+            l_grad = l32.grad.double() / (LN2 if base == "2" else 1.0)
+            torch.testing.assert_close(l_grad, l64.grad, rtol=0, atol=1e-5)
+    o32, l32 = torch.randn(2, 1, 1, 4, requires_grad=True), torch.full((2, 1, 1), -math.inf, requires_grad=True)
+    got = merge_attn_states(o32, l32)
+    (got.out.sum() + torch.where(torch.isfinite(got.lse), got.lse, 0.0).sum()).backward()
+    assert torch.equal(o32.grad, torch.zeros_like(o32)) and torch.equal(l32.grad, torch.zeros_like(l32))
+
+
+def test_merge_rejects_integer_outs_naming_the_dtype():
+    """The merged out takes input 0's dtype: integer outs were merged in fp32 and truncated back
+    to integers silently (the `out` destination was already refused for an integer dtype)."""
+    outs, lses = torch.randint(-3, 4, (2, 3, 2, 4), dtype=torch.int32), torch.randn(2, 3, 2)
+    with pytest.raises(ValueError, match=r"input 0: out must have a float dtype, got torch.int32"):
+        merge_attn_states(outs, lses)
+    with pytest.raises(ValueError, match=r"input 1: out must have a float dtype, got torch.int64"):
+        merge_two_attn_states(outs[0].float(), lses[0], outs[1].long(), lses[1])

@@ -53,6 +53,9 @@ def _check_base(base: str) -> None:
 def _check_state(out: Tensor, lse: Tensor, what: str) -> None:
     if out.dim() < 2 or tuple(out.shape[:-1]) != tuple(lse.shape):
         raise ValueError(f"{what}: out {tuple(out.shape)} must be lse {tuple(lse.shape)} plus a head-dim axis")
+    if not out.dtype.is_floating_point:
+        # the merged out takes input 0's dtype: an integer one truncated the merged values silently
+        raise ValueError(f"{what}: out must have a float dtype, got {out.dtype}")
     if out.device != lse.device:
         raise ValueError(f"{what}: out on {out.device} but lse on {lse.device}")
 
