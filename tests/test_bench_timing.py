@@ -244,3 +244,14 @@ def test_time_fn_flush_keeps_the_calls_host_work_in_the_time(monkeypatch):
     calls.clear()
     assert ctx.time_fn(call, warmup=1, iters=5, flush_l2=True) == pytest.approx(110.0)
     assert len(flushes) == 5 and len(calls) == 6          # one flush before each timed call
+
+
+@pytest.mark.parametrize("name,tag", [("NVIDIA H200", "h200"), ("NVIDIA H100 80GB HBM3", "h100"),
+                                      ("NVIDIA H20", "h20"), ("NVIDIA H800", "h800"), ("NVIDIA B200", "b200"),
+                                      ("NVIDIA GB200", "gb200"), ("NVIDIA GH200 480GB", "gh200"),
+                                      ("NVIDIA A100-SXM4-80GB", "a100"), ("NVIDIA L40S", "nvidia_l40s")])
+def test_device_tag_names_the_device(monkeypatch, name, tag):
+    """The device in result files' names and `device` field: a GB200 is not a B200, a GH200 not an H200."""
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: name)
+    assert common.device_tag(torch.device("cuda")) == tag
+    assert common.device_tag(torch.device("cpu")) == "cpu"

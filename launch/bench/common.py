@@ -25,11 +25,12 @@ import torch
 
 
 def device_tag(device: torch.device) -> str:
-    """Short device name for result files: 'cpu', 'h200', 'h100', ..."""
+    """Short device name for result files: 'cpu', 'h200', 'h100', ... The first tag found in the
+    name wins, so a tag that holds another (gb200 holds b200, gh200 holds h200) comes first."""
     if device.type != "cuda":
         return "cpu"
     name = torch.cuda.get_device_name(device).lower()
-    for tag in ("h200", "h100", "h800", "h20", "b200", "gb200", "a100"):
+    for tag in ("gh200", "h200", "h100", "h800", "h20", "gb200", "b200", "a100"):
         if tag in name:
             return tag
     return name.replace(" ", "_")
