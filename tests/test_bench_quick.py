@@ -358,3 +358,48 @@ def test_gemm_plot_keeps_routed_and_deep_gemm_rows_out_of_the_main_lines(tmp_pat
     assert lines["FP4 floor (bytes / copy bw)"] == [(1.0, 50.0), (8.0, 60.0)]
     assert lines["ours: triton_w4a16 slab C=128"] == [(8.0, 150.0)]
     assert [pts for label, pts in lines.items() if "routed" in label] == [[(1.0, 30.0)]]
+
+
+@pytest.mark.parametrize("cuda", [False, True])
+def test_world_size_picks_the_ranks_of_every_multi_process_suite(monkeypatch, cuda):
+    """`--world-size N` (ctx.options["world_size"]) is the rank count of every suite's multi-process
+    cases: cp multi, sp overlap, ubatch, eplb migration, moe EP > 1 (on CUDA with 8 GPUs: N alone, not
+    2, 4 and 8; on CPU: N gloo processes, not 2 or 4). The processes are stood in for: the test
+    records the world size each launch asks for."""
+    import megapar.launch.local as local
+    from megapar.launch.bench import cp, eplb, moe, sp, ubatch
+    from megapar.launch.bench.common import BenchContext
+
+    asked: list[tuple[str, int]] = []
+
+    def launch(fn, world, **kwargs):
+        asked.append((fn.__module__.rsplit(".", 1)[-1], world))
+        if fn.__module__.endswith("eplb"):
+            return [dict(us=1.0, allgather_us=1.0, sent=1, received=1, changed=1, slot_bytes=1, slots=world)] * world
+        return [{}] if fn.__module__.endswith("moe") else [[]] * world
+    monkeypatch.setattr(local, "launch_local", launch)
+    if cuda:
+        monkeypatch.setattr(BenchContext, "is_cuda", property(lambda self: True))
+        monkeypatch.setattr(torch.cuda, "device_count", lambda: 8)
+        monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
+        monkeypatch.setattr(moe, "_bench_serving", lambda ctx, name: None)
+
+    def ctx_of(suite, world=3):
+        return BenchContext(suite=suite, device=torch.device("cpu"), options={"world_size": world})
+    cp._multi_gpu(ctx_of("cp"))
+    sp._overlap(ctx_of("sp"))
+    if cuda:
+        monkeypatch.setattr(ubatch, "_single_device", lambda ctx, shape: None)
+        moe.run(ctx_of("moe"))
+    else:
+        eplb._bench_migration(ctx_of("eplb"))
+    ubatch.run(ctx_of("ubatch"))
+    want = ["cp", "sp"] + (["moe", "moe"] if cuda else ["eplb"]) + ["ubatch"]     # moe: the v3 and v4flash layers
+    assert asked == [(name, 3) for name in want]
+    if cuda:                      # more ranks than GPUs: not run, and a note says so
+        asked.clear()
+        ctx = ctx_of("sp", 16)
+        sp._overlap(ctx)
+        assert asked == [] and any("--world-size 16 > 8 GPUs" in n for n in ctx.notes)
+        sp._overlap(BenchContext(suite="sp", device=torch.device("cpu")))       # default: every size up to 8
+        assert asked == [("sp", 2), ("sp", 4), ("sp", 8)]

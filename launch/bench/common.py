@@ -128,6 +128,17 @@ class BenchContext:
         finally:
             torch.set_num_threads(threads)
 
+    def world_sizes(self, default: Sequence[int], available: int | None = None) -> list[int]:
+        """Rank counts of the suite's multi-process cases: `--world-size N` runs N ranks alone, else
+        `default`; with `available` (GPUs), an N above it is not run (a note says so)."""
+        n = self.options.get("world_size")
+        if not n:
+            return list(default)
+        if available is not None and n > available:
+            self.note(f"--world-size {n} > {available} GPUs here: the multi-process cases are not run")
+            return []
+        return [int(n)]
+
     def note(self, text: str) -> None:
         """Add a line to the results' notes, once: a suite's loops may reach the same note for
         several rows (the rows' own columns already tell them apart)."""

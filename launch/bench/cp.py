@@ -14,8 +14,9 @@
    tokens per sequence: where GQA's min_split decides between 1 and 2 splits).
 3. With >= 2 GPUs (NCCL): ring attention over P GPUs against one GPU's attention over the whole
    sequence (efficiency = T1 / (P * TP); target >= 85%) for both variants, and the DCP decode
-   latency with both combine modes. Without them the section is skipped with a note; on CPU it
-   runs as a 2-rank gloo smoke test (numbers say nothing about GPUs).
+   latency with both combine modes, for P = 2, 4, 8 up to the GPU count (`--world-size P`: that P
+   alone). Without them the section is skipped with a note; on CPU it runs as a 2-rank gloo smoke
+   test (numbers say nothing about GPUs; `--world-size P`: P ranks).
 4. Paged decode kernel (CUDA; `parallel.cp.paged`, op "cp.decode"): the split-KV Triton kernel
    over this rank's 1/N of a paged cache, GQA (Hq = 32, Hkv = 4) and MLA (128 heads over one
    576-wide latent head), B = 32, L = 8K, 32K, 128K, bf16 and fp8, against the torch path
@@ -373,10 +374,10 @@ def _multi_gpu(ctx: BenchContext) -> None:
             ctx.note(f"multi-GPU ring scaling and DCP latency skipped: they need >= 2 GPUs (found {available}); "
                      "`megapar bench cp --device cuda` on a multi-GPU machine runs them for P = 2, 4, 8")
             return
-        sizes = [p for p in (2, 4, 8) if p <= available]
+        sizes = ctx.world_sizes([p for p in (2, 4, 8) if p <= available], available)
         backend, seq, heads, d, batch, context = "nccl", 65536, 32, 128, 32, 32768
     else:
-        sizes, backend = [2], "gloo"
+        sizes, backend = ctx.world_sizes([2]), "gloo"
         seq, heads, d, batch, context = (64, 2, 16, 2, 64) if ctx.quick else (1024, 4, 64, 4, 2048)
         ctx.note("CPU: the multi-rank section runs on 2 gloo processes as a smoke test; the numbers say nothing "
                  "about GPUs")

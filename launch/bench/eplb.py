@@ -9,8 +9,9 @@
    measured on a fresh window routed through `logical_to_physical` (so hash imbalance across
    replicas and window-to-window noise count).
 3. Migration of one MoE layer between two placements over gloo (CPU processes via
-   launch_local; MXFP4-like uint8 weights + E8M0 scales, scaled-down H/I): bytes moved and
-   time, against the naive all-gather of every slot's weights.
+   launch_local, 4 of them, 2 with --quick, `--world-size N`: N; MXFP4-like uint8 weights + E8M0
+   scales, scaled-down H/I): bytes moved and time, against the naive all-gather of every slot's
+   weights.
 The time column is the placement / migration time; balance rows carry the ratios as extras.
 """
 
@@ -152,6 +153,7 @@ def _bench_migration(ctx: BenchContext) -> None:
         world, slots, hidden, inter, iters = 2, 5, 256, 128, 3
     else:
         world, slots, hidden, inter, iters = 4, 9, 2048, 1024, 5
+    world = ctx.world_sizes([world])[0]
     results = launch_local(_migration_rank, world, args=(world, slots, hidden, inter, iters), timeout=300)
     slowest = max(r["us"] for r in results)
     anchor = max(r["allgather_us"] for r in results)

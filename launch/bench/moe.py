@@ -10,7 +10,8 @@ layer's own overhead. The floor is the bytes of the experts' weights that the to
 the shared expert's and the activations, at the copy ceiling.
 
 EP > 1 (when this machine has >= 2 GPUs, or `--world-size` ranks on CPU/gloo in a full
-CPU run): the full model layer (256 experts) at EP = 2, 4, 8 over NCCL, T tokens per rank,
+CPU run): the full model layer (256 experts) at EP = 2, 4, 8 over NCCL (up to the GPU count;
+`--world-size N`: EP = N alone), T tokens per rank,
 plain (`overlap_chunks=1`) against the overlapped pipeline (2 and 4 chunks); the slowest
 rank's median is recorded.
 """
@@ -86,7 +87,9 @@ def run(ctx: BenchContext) -> None:
     n = torch.cuda.device_count()
     worlds = [w for w in (2, 4, 8) if w <= n]
     if worlds:
-        _bench_ep(ctx, worlds, backend="nccl")
+        worlds = ctx.world_sizes(worlds, n)
+        if worlds:
+            _bench_ep(ctx, worlds, backend="nccl")
     else:
         ctx.note(f"EP > 1 not run: {n} GPU(s) here; on a machine with >= 2 GPUs this suite runs EP = 2..8 "
                  "plain vs overlapped")

@@ -24,7 +24,8 @@
    For each op and backend: time of the op, of its collective alone and of its GEMM alone;
    hidden fraction = (comm + gemm - op) / min(comm, gemm). The anchor is the plain
    un-overlapped collective + matmul ("reference"). PyTorch's symmetric-memory ops run as
-   another backend. With fewer than 2 GPUs these cases are skipped with a note.
+   another backend. tp = 2, 4, 8 up to the GPU count; `--world-size N`: tp = N alone (on CPU:
+   N gloo processes instead of 2). With fewer than 2 GPUs these cases are skipped with a note.
 `--quick`: tiny shapes on CPU, decomposition cost only (the overlap code runs on 2 gloo
 processes in tests/test_sp_multirank.py; `megapar bench sp` on CPU without --quick runs it
 too, a smoke test whose CPU times say nothing about GPUs).
@@ -248,11 +249,10 @@ def _overlap(ctx: BenchContext) -> None:
                      "`megapar bench sp --device cuda` runs them for tp = 2, 4, 8 up to the GPU count "
                      "(--world-size N picks one size)")
             return
-        limit = ctx.options.get("world_size") or available
-        sizes = [p for p in tps if p <= min(limit, available)]
+        sizes = ctx.world_sizes([p for p in tps if p <= available], available)
         backend = "nccl"
     else:
-        sizes, backend = [2], "gloo"
+        sizes, backend = ctx.world_sizes([2]), "gloo"
         ctx.note("CPU: overlap cases run on 2 gloo processes as a smoke test; the numbers say nothing about GPUs")
     for P in sizes:
         rows = launch_local(_overlap_rank, P, backend=backend, args=(M, H, inter, ctx.quick), timeout=600)[0]

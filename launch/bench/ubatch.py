@@ -23,7 +23,7 @@ permutes compete with the other micro-batch's compute for the same two cores.
 
 CPU: 2 gloo processes, 1 compute thread each. CUDA: NCCL over all visible GPUs (2, 4, 8) when
 there are >= 2; with one GPU only the EP = 1 case runs (the runner's overhead; nothing to hide)
-and a note says so.
+and a note says so. `--world-size N`: N processes (ranks) alone.
 """
 
 from __future__ import annotations
@@ -234,9 +234,9 @@ def run(ctx: BenchContext) -> None:
             ctx.note(f"multi-GPU overlap cases skipped: they need >= 2 GPUs (found {available}); on a multi-GPU "
                      "machine `megapar bench ubatch --device cuda` runs EP = 2, 4, 8 over NCCL")
             return
-        sizes, backend, counts = [p for p in (2, 4, 8) if p <= available], "nccl", (2, 3)
+        sizes, backend, counts = ctx.world_sizes([p for p in (2, 4, 8) if p <= available], available), "nccl", (2, 3)
     else:
-        sizes, backend, counts = [2], "gloo", ((2,) if ctx.quick else (2, 3))
+        sizes, backend, counts = ctx.world_sizes([2]), "gloo", ((2,) if ctx.quick else (2, 3))
         ctx.note(f"CPU: 2 gloo processes with 1 compute thread each on a machine with {os.cpu_count()} cores; "
                  "the all-to-all goes over loopback TCP (see comm_cpu_cores)")
     for p in sizes:
