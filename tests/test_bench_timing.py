@@ -255,3 +255,24 @@ def test_device_tag_names_the_device(monkeypatch, name, tag):
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: name)
     assert common.device_tag(torch.device("cuda")) == tag
     assert common.device_tag(torch.device("cpu")) == "cpu"
+
+
+def test_results_record_the_environment_that_picks_what_ran(tmp_path, monkeypatch):
+    """The sections, sizes and kernel settings that MEGAPAR_* variables choose are in the result
+    files beside the command (JSON `env`, and the Markdown), the output folder's variable aside."""
+    import json
+
+    monkeypatch.setenv("MEGAPAR_BENCH_CP_SECTIONS", "dcp,decode")
+    monkeypatch.setenv("MEGAPAR_BENCH_CP_DCP_CONTEXT", "8192")
+    monkeypatch.setenv("MEGAPAR_BENCH_DIR", str(tmp_path))
+    ctx = common.BenchContext(suite="cp", device=torch.device("cpu"))
+    ctx.record("a", 1.0)
+    path = common.write_results(ctx, tmp_path, "megapar bench cp --device cpu")
+    data = json.loads(path.read_text())
+    assert data["command"] == "megapar bench cp --device cpu"
+    assert data["env"]["MEGAPAR_BENCH_CP_SECTIONS"] == "dcp,decode"
+    assert data["env"]["MEGAPAR_BENCH_CP_DCP_CONTEXT"] == "8192" and "MEGAPAR_BENCH_DIR" not in data["env"]
+    md = path.with_suffix(".md").read_text()
+    assert "`MEGAPAR_BENCH_CP_SECTIONS=dcp,decode`" in md and "`MEGAPAR_BENCH_CP_DCP_CONTEXT=8192`" in md
+    from launch.bench.summary import write_summary
+    assert "`MEGAPAR_BENCH_CP_SECTIONS=dcp,decode`" in write_summary(tmp_path).read_text()

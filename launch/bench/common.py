@@ -3,9 +3,9 @@
 A suite is a module `launch.bench.<name>` with `run(ctx: BenchContext) -> None`. It times
 our code and its anchor in the same run (`ctx.time_fn`) and records one row per case
 (`ctx.record`). The runner writes `<out>/<suite>-<device>[-quick].json` and `.md` with the
-command line, versions and device, and prints the rows as an aligned table. Times are medians
-in microseconds. A run at reduced sizes (`--quick`, or a suite that has no full size on this
-device: `ctx.label_quick`) is tagged `-quick`.
+command line, the MEGAPAR_* environment (`run_env`), versions and device, and prints the rows
+as an aligned table. Times are medians in microseconds. A run at reduced sizes (`--quick`, or a
+suite that has no full size on this device: `ctx.label_quick`) is tagged `-quick`.
 """
 
 from __future__ import annotations
@@ -373,9 +373,19 @@ def progress_line(row: dict[str, Any]) -> str:
     return "  ".join(parts)
 
 
-def _markdown(ctx: BenchContext, command: str) -> str:
+def run_env() -> dict[str, str]:
+    """The environment that changes what a run measures, recorded with its command: every MEGAPAR_*
+    variable set (sections, sizes, tuning files, backends, kernel thresholds; the output folder's
+    MEGAPAR_BENCH_DIR aside) and TRITON_INTERPRET."""
+    return {k: v for k, v in sorted(os.environ.items())
+            if (k.startswith("MEGAPAR_") and k != "MEGAPAR_BENCH_DIR") or k == "TRITON_INTERPRET"}
+
+
+def _markdown(ctx: BenchContext, command: str, env: dict[str, str]) -> str:
     cols = columns(ctx.rows)
     lines = [f"# bench {ctx.suite} on {ctx.tag}", "", f"Command: `{command}`", ""]
+    if env:
+        lines += ["Environment: " + " ".join(f"`{k}={v}`" for k, v in env.items()), ""]
     if cols:
         lines.append(format_table(ctx.rows, cols, markdown=True))
     if ctx.notes:
@@ -390,9 +400,11 @@ def write_results(ctx: BenchContext, out_dir: str | os.PathLike | None = None,
     out.mkdir(parents=True, exist_ok=True)
     command = command or "megapar " + " ".join(sys.argv[1:])
     tag = ctx.tag
+    env = run_env()
     payload = {
         "suite": ctx.suite,
         "command": command,
+        "env": env,
         "device": tag,
         "versions": versions(),
         "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
@@ -402,5 +414,5 @@ def write_results(ctx: BenchContext, out_dir: str | os.PathLike | None = None,
     }
     path = out / f"{ctx.suite}-{tag}.json"
     path.write_text(json.dumps(payload, indent=1) + "\n")
-    (out / f"{ctx.suite}-{tag}.md").write_text(_markdown(ctx, command))
+    (out / f"{ctx.suite}-{tag}.md").write_text(_markdown(ctx, command, env))
     return path

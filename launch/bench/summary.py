@@ -36,6 +36,8 @@ def write_summary(results_dir: str | Path, out: str | Path | None = None) -> Pat
         link = Path(os.path.relpath(path, out.parent)).as_posix()
         parts += [f"## {data.get('suite', path.stem)} on {data.get('device', '?')} ([{path.name}]({link}))",
                   "", f"Command: `{data.get('command', '?')}`, {data.get('date', '')}", ""]
+        if data.get("env"):
+            parts += ["Environment: " + " ".join(f"`{k}={v}`" for k, v in data["env"].items()), ""]
         if rows:
             parts.append(format_table(rows[:MAX_ROWS], columns(rows, extra=4), markdown=True))
             if len(rows) > MAX_ROWS:
