@@ -132,3 +132,71 @@ def test_dcp_breakdown_floor_is_the_longer_of_kv_bytes_and_flops(monkeypatch, fl
             assert row["anchor_us"] == full["time_us"]
             assert row["work_ratio_local_x_n_over_full"] == pytest.approx(
                 row["time_us"] * n / full["time_us"], rel=1e-3, abs=1e-3)
+
+
+@pytest.mark.parametrize("kind", ["gqa", "mla"])
+@pytest.mark.parametrize("cache_dtype", [torch.bfloat16, torch.float8_e4m3fn])
+def test_kv_read_floor_is_the_bytes_a_token_holds_in_the_cache(kind, cache_dtype):
+    """The decode rows' byte floor (`kv_read_bytes_of`, with the arguments the rows pass), checked
+    against the cache itself: per token, the bytes of each distinct tensor it lives in (GQA: k, v
+    and with fp8 their two fp32 scales per kv head; MLA: the one latent row, k and v being views
+    of it, and its one scale). The rows' shapes by hand too: GQA Hkv 4 D 128: 2048 B bf16, 1056 B
+    fp8; MLA latent 576: 1152 B bf16, 580 B fp8."""
+    from types import SimpleNamespace
+
+    from megapar.parallel.cp.mla import MLADims
+
+    batch, context, block, n = 2, 4 * 16 * 2, 16, 4
+    if kind == "gqa":
+        kv_heads, d, dv, v_from_k = 2, 16, 16, False
+        cache, _, _, _ = bench_cp._decode_setup(batch, context, 4, kv_heads, d, block, n, torch.device("cpu"),
+                                                cache_dtype)
+    else:
+        dims = MLADims(kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=16, v_head_dim=16)
+        kv_heads, d, dv, v_from_k = 1, dims.latent_dim, dims.kv_lora_rank, True
+        cache = bench_cp._mla_decode_setup(batch, context, dims, block, n, torch.device("cpu"), cache_dtype)[0].paged
+    slots = cache.k.shape[0] * cache.k.shape[1]
+    parts = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
+             for t in (cache.k, cache.v, cache.k_scale, cache.v_scale) if t is not None}
+    per_token = sum(parts.values()) // slots
+    on_cuda = SimpleNamespace(k=SimpleNamespace(device=torch.device("cuda"), element_size=cache.k.element_size),
+                              is_fp8=cache.is_fp8)          # (the floor exists for CUDA caches only)
+    tokens = batch * context // n
+    assert bench_cp.kv_read_bytes_of(on_cuda, tokens, kv_heads, d, dv, v_from_k) == tokens * per_token
+    assert bench_cp.kv_read_bytes_of(cache, tokens, kv_heads, d, dv, v_from_k) is None       # CPU: none
+    full = {("gqa", False): 4 * (128 + 128) * 2, ("gqa", True): 4 * (128 + 128) + 4 * 4 * 2,
+            ("mla", False): 576 * 2, ("mla", True): 576 + 4}[(kind, cache.is_fp8)]
+    elem = SimpleNamespace(k=SimpleNamespace(device=torch.device("cuda"), element_size=lambda: 1 if cache.is_fp8 else 2),
+                           is_fp8=cache.is_fp8)
+    args = (4, 128, 128, False) if kind == "gqa" else (1, 576, 512, True)
+    assert bench_cp.kv_read_bytes_of(elem, 1000, *args) == 1000 * full
+
+
+@pytest.mark.parametrize("flops_per_us", [1e2, 1e7])
+def test_speculative_floor_is_one_kv_read_or_every_tokens_flops(monkeypatch, flops_per_us):
+    """The speculative rows' roofline: the KV is read once for all Tq tokens (bytes: rank 0's share
+    of every sequence, k and v per kv head for GQA, one latent row for MLA), the FLOPs are per query
+    token and head (q.k over the key width, p.v over the value width); the longer of the two. Off
+    CUDA neither exists, so both are stood in for as in the breakdown test (1e2: FLOPs, 1e7: bytes)."""
+    from megapar.parallel.cp.mla import MLADims
+
+    monkeypatch.setattr(bench_cp, "kv_read_bytes_of", lambda cache, tokens, kv_heads, d, dv, v_from_k:
+                        tokens * kv_heads * (d + (0 if v_from_k else dv)) * cache.k.element_size())
+    monkeypatch.setattr(bench_cp, "_flop_floor_us", lambda ctx, flops: flops / flops_per_us)
+    ctx = BenchContext(suite="cp", device=torch.device("cpu"), quick=True)
+    batch, context, n, block = 2, 16 * 4 * 3 + 9, 4, 16
+    with torch.no_grad():
+        bench_cp._speculative_rows(ctx, batch=batch, context=context, n=n, block=block)
+    local = int(DCPLayout(size=n, rank=0, block_size=block).local_lengths(context))
+    dims, gbps = MLADims(), bench_cp.copy_ceiling_gbps(torch.device("cpu"))
+    for (kind, heads, tokens), row in zip([s for s in bench_cp.SPECULATIVE for _ in range(2)], ctx.rows):
+        elem = 2 if "(bfloat16 cache" in row["case"] else 1                # the stand-in counts no scales
+        if kind == "gqa":
+            per_token, dk, dv = 4 * (128 + 128) * elem, 128, 128          # Hkv 4
+        else:
+            per_token, dk, dv = dims.latent_dim * elem, dims.latent_dim, dims.kv_lora_rank
+        byte_floor = batch * local * per_token / (gbps * 1e3)
+        flop_floor = 2 * batch * local * heads * tokens * (dk + dv) / flops_per_us
+        assert row["byte_floor_us"] == pytest.approx(byte_floor, abs=1e-3), row["case"]
+        assert row["flop_floor_us"] == pytest.approx(flop_floor, abs=1e-3), row["case"]
+        assert row["floor_us"] == pytest.approx(max(byte_floor, flop_floor), abs=1e-3), row["case"]
