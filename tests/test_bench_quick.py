@@ -403,3 +403,29 @@ def test_world_size_picks_the_ranks_of_every_multi_process_suite(monkeypatch, cu
         assert asked == [] and any("--world-size 16 > 8 GPUs" in n for n in ctx.notes)
         sp._overlap(BenchContext(suite="sp", device=torch.device("cpu")))       # default: every size up to 8
         assert asked == [("sp", 2), ("sp", 4), ("sp", 8)]
+
+
+def test_eplb_balance_time_is_a_median_of_warm_calls(monkeypatch):
+    """The balance rows' time_us is a median over warm calls of the planner, as every time in the
+    results: on a fake clock where a (shape, policy)'s first call costs 100 µs and the next ones
+    10 µs, it reads 10 (it was one call, the first: 100)."""
+    import time as time_mod
+
+    from megapar.launch.bench import eplb
+    from megapar.launch.bench.common import BenchContext
+
+    clock = [0.0]
+    seen: set = set()
+    real = eplb.rebalance_experts
+
+    def planner(load, num_physical, groups, nodes, ranks, *rest):
+        key = (tuple(load.shape), num_physical, groups, nodes, ranks)
+        clock[0] += 10e-6 if key in seen else 100e-6
+        seen.add(key)
+        return real(load, num_physical, groups, nodes, ranks, *rest)
+    monkeypatch.setattr(eplb, "rebalance_experts", planner)
+    monkeypatch.setattr(time_mod, "perf_counter", lambda: clock[0])
+    ctx = BenchContext(suite="eplb", device=torch.device("cpu"), quick=True)
+    eplb._bench_balance(ctx)
+    rows = [r for r in ctx.rows if r["case"].startswith("balance")]
+    assert len(rows) == 6 and all(r["time_us"] == pytest.approx(10.0) for r in rows), [r["time_us"] for r in rows]

@@ -12,7 +12,8 @@
    launch_local, 4 of them, 2 with --quick, `--world-size N`: N; MXFP4-like uint8 weights + E8M0
    scales, scaled-down H/I): bytes moved and time, against the naive all-gather of every slot's
    weights.
-The time column is the placement / migration time; balance rows carry the ratios as extras.
+The time column is the placement / migration time (medians); balance rows carry the ratios as
+extras.
 """
 
 from __future__ import annotations
@@ -77,9 +78,8 @@ def _bench_balance(ctx: BenchContext) -> None:
             num_physical = NUM_LOGICAL + ep
             nodes = max(1, ep // 8)
             for policy, groups in (("global", 1), ("hierarchical", 8)):
-                start = time.perf_counter()
                 plan = rebalance_experts(load, num_physical, groups, nodes, ep)
-                plan_us = (time.perf_counter() - start) * 1e6
+                plan_us = ctx.time_fn(lambda: rebalance_experts(load, num_physical, groups, nodes, ep))
                 before = balancedness(load, blocks, ep)
                 planned = balancedness(load, plan.phy2log, ep)
                 spr, old_spr = num_physical // ep, NUM_LOGICAL // ep
