@@ -432,6 +432,61 @@ def test_tracker_folds_steps_into_a_logical_window():
     assert tracker.window_load().tolist() == [[0, 2, 0], [0, 0, 1]]
 
 
+def _tracker(num_layers=2, num_logical=4, num_physical=4, **kw):
+    return ExpertLoadTracker(num_layers, num_logical, num_physical, **kw)
+
+
+@pytest.mark.parametrize("call,message", [
+    # a map of the wrong shape: scatter_add_ filled the rows it had and dropped the other layers' counts
+    (lambda t: t.end_step(torch.tensor([[0, 1, 2, 3]])),
+     "phy2log has shape (1, 4); expected [num_layers, num_physical] = [2, 4]"),
+    (lambda t: t.end_step(torch.tensor([[0, 1, 2, 7], [0, 1, 2, 3]])), "phy2log values must lie in [0, 4)"),
+    (lambda t: t.end_step(torch.tensor([[0.0, 1, 2, 3], [0, 1, 2, 3]])), "phy2log must be an integer tensor"),
+    # slot id P and ids below -1 were counted as "no expert"; a float id was truncated to a slot
+    (lambda t: t.record(0, torch.tensor([[1, 4]])),
+     "physical_ids[0, 1] = 4 is not a physical slot: valid ids are [0, 4) and -1 (no expert)"),
+    (lambda t: t.record(1, torch.tensor([[-5], [2]])), "physical_ids[0, 0] = -5 is not a physical slot"),
+    (lambda t: t.record(0, torch.tensor([[1.7, 2.0]])), "physical_ids must be an integer tensor, got torch.float32"),
+    # a negative count lowered the window's load; a float count was truncated
+    (lambda t: t.record_counts(0, torch.tensor([3, -2, 0, 0])), "counts must be non-negative; counts[1] = -2"),
+    (lambda t: t.record_counts(0, torch.tensor([1.9, 0, 0, 0])), "counts must be an integer tensor, got torch.float32"),
+])
+def test_tracker_rejects_what_it_would_miscount(call, message):
+    tracker = _tracker()
+    tracker.record(0, torch.tensor([[0, 3]]))
+    with pytest.raises(ValueError) as err:
+        call(tracker)
+    assert message in str(err.value)
+    # nothing was counted or folded by the rejected call
+    assert tracker.num_steps == 0 and tracker.step_counts[0].tolist() == [1, 0, 0, 1, 0]
+    assert tracker.step_counts[1].sum() == 0 and tracker.window_counts.sum() == 0
+
+
+@pytest.mark.parametrize("kwargs,message", [
+    (dict(num_physical=2), "num_physical (2) must be >= num_logical (4)"),
+    (dict(num_logical=0, num_physical=0), "num_logical (0) must be >= 1"),
+    (dict(num_layers=-1), "num_layers (-1) must be >= 0"),
+    (dict(window=2.0), "window must be an integer, got 2.0"),       # was a TypeError from torch.zeros
+    (dict(interval=0), "window (1000) and interval (0) must be >= 1"),
+])
+def test_tracker_checks_its_sizes(kwargs, message):
+    with pytest.raises(ValueError) as err:
+        _tracker(**kwargs)
+    assert message in str(err.value)
+
+
+def test_tracker_window_ring_wraps_and_interval_fires_on_multiples():
+    tracker = _tracker(num_layers=1, num_logical=2, num_physical=3, window=3, interval=4)
+    phy2log = torch.tensor([[0, 1, 1]])
+    due = []
+    for step in range(1, 11):  # step s sends s tokens to slot 0 and one to slot 2
+        tracker.record(0, torch.tensor([[0]] * step + [[2], [-1]]))
+        due.append(tracker.end_step(phy2log))
+        last = list(range(max(1, step - 2), step + 1))   # the last min(step, 3) steps
+        assert tracker.window_load().tolist() == [[sum(last), len(last)]], step
+    assert due == [s % 4 == 0 for s in range(1, 11)]
+
+
 def test_eplb_single_rank_rebalances_maps_and_weights_together():
     num_layers, num_logical, hidden = 2, 6, 4
     eplb = Eplb(num_layers, num_logical, config=EplbConfig(num_redundant=2, window=4, interval=2))

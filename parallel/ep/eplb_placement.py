@@ -135,6 +135,12 @@ def _as_int(name: str, value) -> int:
         raise ValueError(f"{name} must be an integer, got {value!r} ({type(value).__name__})") from None
 
 
+def _check_integer(name: str, t: torch.Tensor) -> None:
+    """ValueError unless `t` holds integers (a float id or count was truncated silently)."""
+    if t.dtype.is_floating_point or t.dtype == torch.bool or t.is_complex():
+        raise ValueError(f"{name} must be an integer tensor, got {t.dtype}")
+
+
 def _check_sizes(num_logical: int, num_physical: int, num_ranks: int) -> None:
     if num_logical < 1:
         raise ValueError(f"num_logical ({num_logical}) must be >= 1")
@@ -171,8 +177,7 @@ def _check_phy2log(phy2log: torch.Tensor, num_layers: int, num_logical: int, num
     if tuple(phy2log.shape) != (num_layers, num_physical):
         raise ValueError(f"{name} has shape {tuple(phy2log.shape)}; expected [num_layers, num_physical] = "
                          f"[{num_layers}, {num_physical}]")
-    if phy2log.dtype.is_floating_point or phy2log.dtype == torch.bool or phy2log.is_complex():
-        raise ValueError(f"{name} must be an integer tensor, got {phy2log.dtype}")
+    _check_integer(name, phy2log)
     p = phy2log.detach().to("cpu", torch.int64)
     if p.numel() and (p.min() < 0 or p.max() >= num_logical):
         raise ValueError(f"{name} values must lie in [0, {num_logical}); got min {p.min().item()}, "

@@ -33,8 +33,8 @@ from typing import Callable
 import torch
 
 from ..comm import GroupLike, all_reduce, resolve_group
-from .eplb_placement import (Balance, _as_int, _check_policy, balancedness, default_phy2log, logical_to_physical,
-                             plan_from_phy2log, rebalance_experts)
+from .eplb_placement import (Balance, _as_int, _check_integer, _check_policy, balancedness, default_phy2log,
+                             logical_to_physical, plan_from_phy2log, rebalance_experts)
 from ..log import get_logger
 from .eplb_migrate import MigrationError, MigrationStats, rearrange_weights
 
@@ -75,6 +75,15 @@ class ExpertLoadTracker:
 
     def __init__(self, num_layers: int, num_logical: int, num_physical: int, *, window: int = 1000,
                  interval: int = 3000, device: torch.device | str | None = None) -> None:
+        num_layers, num_logical = _as_int("num_layers", num_layers), _as_int("num_logical", num_logical)
+        num_physical = _as_int("num_physical", num_physical)
+        window, interval = _as_int("window", window), _as_int("interval", interval)
+        if num_layers < 0:
+            raise ValueError(f"num_layers ({num_layers}) must be >= 0")
+        if num_logical < 1:
+            raise ValueError(f"num_logical ({num_logical}) must be >= 1")
+        if num_physical < num_logical:
+            raise ValueError(f"num_physical ({num_physical}) must be >= num_logical ({num_logical})")
         if window < 1 or interval < 1:
             raise ValueError(f"window ({window}) and interval ({interval}) must be >= 1")
         self.num_layers, self.num_logical, self.num_physical = num_layers, num_logical, num_physical
@@ -86,23 +95,48 @@ class ExpertLoadTracker:
         self.num_steps = 0
 
     def record(self, layer: int, physical_ids: torch.Tensor) -> None:
-        """Count the tokens routed to each slot. physical_ids: [T, K] int, -1 = none."""
+        """Count the tokens routed to each slot. physical_ids: [T, K] int in [0, P), -1 = none.
+
+        Other ids raise ValueError for CPU tensors; on CUDA (no host sync: graph-capturable) they
+        index out of range and trip the device-side bounds assertion instead of counting as none.
+        """
+        _check_integer("physical_ids", physical_ids)
+        num_physical = self.num_physical
+        out_of_range = (physical_ids < -1) | (physical_ids >= num_physical)
+        if physical_ids.device.type == "cpu" and bool(out_of_range.any()):
+            where = out_of_range.nonzero()[0].tolist()
+            index = ", ".join(map(str, where))
+            raise ValueError(f"physical_ids[{index}] = {int(physical_ids[tuple(where)])} is not a physical slot: "
+                             f"valid ids are [0, {num_physical}) and -1 (no expert)")
         ids = physical_ids.reshape(-1).long()
-        ids = torch.where(ids < 0, torch.full_like(ids, self.num_physical), ids)
+        # -1 goes to column P (no expert); a bad id past column P, out of range
+        ids = torch.where(ids == -1, num_physical, torch.where(out_of_range.reshape(-1), num_physical + 1, ids))
         self.step_counts[layer].scatter_add_(0, ids, torch.ones_like(ids))
 
     def record_counts(self, layer: int, counts: torch.Tensor) -> None:
-        """Add precomputed counts. counts: [P] int, tokens per physical slot."""
+        """Add precomputed counts. counts: [P] int >= 0 (checked on CPU), tokens per physical slot."""
         if counts.shape != (self.num_physical,):
             raise ValueError(f"counts must be [num_physical] = [{self.num_physical}], got {tuple(counts.shape)}")
+        _check_integer("counts", counts)
+        if counts.device.type == "cpu" and bool((counts < 0).any()):
+            slot = int((counts < 0).nonzero()[0, 0])
+            raise ValueError(f"counts must be non-negative; counts[{slot}] = {int(counts[slot])}")
         self.step_counts[layer, : self.num_physical] += counts.to(self.step_counts.device, torch.int64)
 
     def end_step(self, phy2log: torch.Tensor) -> bool:
         """Close the step: fold its counts into the window with the placement used during it.
 
-        phy2log: [L, P] int64, the maps in force during the step. Returns True when a
-        rebalance is due (every `interval` steps).
+        phy2log: [L, P] int64, the maps in force during the step (values checked on CPU).
+        Returns True when a rebalance is due (every `interval` steps).
         """
+        want = (self.num_layers, self.num_physical)
+        if tuple(phy2log.shape) != want:
+            raise ValueError(f"phy2log has shape {tuple(phy2log.shape)}; expected [num_layers, num_physical] = "
+                             f"{list(want)}")
+        _check_integer("phy2log", phy2log)
+        if phy2log.device.type == "cpu" and phy2log.numel() and (phy2log.min() < 0 or phy2log.max() >= self.num_logical):
+            raise ValueError(f"phy2log values must lie in [0, {self.num_logical}); got min {phy2log.min().item()}, "
+                             f"max {phy2log.max().item()}")
         logical = torch.zeros(self.num_layers, self.num_logical, dtype=torch.int64, device=self.step_counts.device)
         logical.scatter_add_(1, phy2log.to(logical.device), self.step_counts[:, : self.num_physical])
         self.window_counts[self.num_steps % self.window] = logical.to(torch.int32)
