@@ -245,10 +245,12 @@ def test_ep_local_floors_count_the_bytes_each_mover_moves(monkeypatch):
 
 
 def test_mhc_floors_count_each_cases_bytes_once():
-    """mHC floors from the sizes, by hand (bf16 residual [T, 4, H] = R bytes, a row [T, H] = W):
-    pre R + W, post 2R + W, post+pre fused 2R + 2W (post's bytes and the layer input; the read of
-    the new residual that fusing saves is not in its floor: with it, the fused floor was the
-    unfused pair's 3R + 2W)."""
+    """mHC floors from the sizes, by hand (bf16 residual [T, 4, H] = R bytes, a row [T, H] = W, the
+    fp32 parameters fn [24, 4H], base [24], scale [3] = F, the fp32 post [T, 4] + comb [T, 4, 4] = S):
+    pre R + F + W + S, post 2R + W + S, post+pre fused 2R + 2W + 2S + F (post's bytes, F and pre's
+    outputs; the read of the new residual that fusing saves is not in its floor: with it, the fused
+    floor was the unfused pair's 3R + 2W). F (fn is read once a call) was left out: at T = 1 it is
+    most of pre's bytes."""
     from megapar.launch.bench import mhc
     from megapar.launch.bench.common import BenchContext, copy_ceiling_gbps
 
@@ -258,8 +260,11 @@ def test_mhc_floors_count_each_cases_bytes_once():
     seen = set()
     for r in ctx.rows:
         name = r["case"].split(" T=")[0]
-        res, row = r["T"] * mhc.M * r["H"] * 2, r["T"] * r["H"] * 2
-        nbytes = {"pre": res + row, "post": 2 * res + row, "post+pre fused": 2 * res + 2 * row}[name]
+        t, h = r["T"], r["H"]
+        res, row = t * 4 * h * 2, t * h * 2
+        params, mix = (24 * 4 * h + 24 + 3) * 4, (t * 4 + t * 16) * 4
+        nbytes = {"pre": res + params + row + mix, "post": 2 * res + row + mix,
+                  "post+pre fused": 2 * res + 2 * row + 2 * mix + params}[name]
         assert r["floor_us"] == pytest.approx(nbytes / (gbps * 1e3), abs=1e-3), r["case"]
         seen.add(name)
     assert seen == {"pre", "post", "post+pre fused"}

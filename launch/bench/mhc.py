@@ -10,12 +10,14 @@ Cases (M = 4 streams, bf16 residual [T, M, H], fp32 parameters, 20 Sinkhorn iter
 - CUDA graph (T <= 128): pre, post and post+pre captured once and replayed, against the same
   calls launched eagerly. At small T the eager numbers are host launch time (Python + Triton's
   launcher); inside a decode CUDA graph only the GPU time remains.
-Floor = bytes read + written / the measured copy ceiling (4264 GB/s on the H200), with R the
-residual's bytes and W a row's ([T, H]): pre R + W; post 2R + W (R and the sublayer output read,
-R written); post+pre 2R + 2W (post's bytes and the layer input: fusing saves pre's read of the
-new residual, so the floor does not pay it, also above FUSE_MAX_TOKENS where `mhc_post_pre`
-runs post then pre; as in pre's floor, the streams' weighted sum for the layer input is not
-counted as a second read). Anchor =
+Floor = bytes read + written / the measured copy ceiling (4264 GB/s on the H200), `case_bytes`:
+with R the residual [T, M, H], W a row [T, H], F the parameters fn [(2+M)M, M H] + base + scale
+(fp32; at T = 1 they outweigh R) and S the mixing weights post [T, M] + comb [T, M, M] (fp32):
+pre R + F + W + S; post 2R + W + S (R, the sublayer output and S read, R written); post+pre
+2R + 2W + 2S + F (post's bytes, F and pre's outputs: fusing saves pre's read of the new
+residual, so the floor does not pay it, also above FUSE_MAX_TOKENS where `mhc_post_pre` runs
+post then pre; as in pre's floor, the streams' weighted sum for the layer input is not counted
+as a second read). Anchor =
 the torch reference (`backend="torch"`) on the same inputs. L2 is flushed before each timed
 call (small cases would otherwise be served from L2 and beat the HBM floor).
 T = 1 .. 16384 and H = 4096 (V4-Flash), 7168 (V4-Pro) on CUDA; `--quick`: tiny, CPU, the
@@ -40,6 +42,17 @@ def _params(m: int, h: int, device: torch.device) -> tuple[torch.Tensor, torch.T
     base = (torch.randn(n, generator=g) * 0.1).to(device)
     scale = torch.tensor([1.0, 1.0, 1.0], device=device)
     return fn, base, scale
+
+
+def case_bytes(case: str, t: int, h: int, m: int = M, elem: int = 2) -> int:
+    """Bytes a case must read and write (module docstring): R, W in the residual's dtype (`elem`
+    bytes), F and S fp32."""
+    res, row = t * m * h * elem, t * h * elem
+    params = ((2 + m) * m * (m * h + 1) + 3) * 4          # fn, base, scale
+    mix = t * (m + m * m) * 4                             # post, comb
+    return {"pre": res + params + row + mix,
+            "post": row + res + mix + res,
+            "post+pre fused": row + res + mix + params + res + row + mix}[case]
 
 
 def run(ctx: BenchContext) -> None:
@@ -80,12 +93,11 @@ def _run(ctx: BenchContext) -> None:
             with torch.no_grad():
                 first = mhc_pre(residual, fn, base, scale, backend=ours)
                 post_w, comb = first.post, first.comb
-                res_bytes, row_bytes = t * M * h * 2, t * h * 2
                 cases = {
-                    "pre": (lambda b: mhc_pre(residual, fn, base, scale, backend=b), res_bytes + row_bytes),
-                    "post": (lambda b: mhc_post(out, residual, post_w, comb, backend=b), 2 * res_bytes + row_bytes),
+                    "pre": (lambda b: mhc_pre(residual, fn, base, scale, backend=b), case_bytes("pre", t, h)),
+                    "post": (lambda b: mhc_post(out, residual, post_w, comb, backend=b), case_bytes("post", t, h)),
                     "post+pre fused": (lambda b: mhc_post_pre(out, residual, post_w, comb, fn, base, scale, backend=b),
-                                       2 * res_bytes + 2 * row_bytes),
+                                       case_bytes("post+pre fused", t, h)),
                 }
                 shape = dict(T=t, H=h, M=M)
                 for name, (call, nbytes) in cases.items():
