@@ -337,6 +337,11 @@ def test_experts_staying_on_a_rank_keep_their_slot(groups, nodes):
     (lambda: Eplb(1, 0), "num_logical (0) >= 1"),
     (lambda: Eplb(1, 0, config=EplbConfig(num_redundant=2)), "num_logical (0) >= 1"),
     (lambda: EplbConfig(num_redundant=1.5), "EplbConfig.num_redundant must be an integer, got 1.5"),
+    # float ids were truncated to an expert (0.5 -> expert 0) and came back as floats
+    (lambda: logical_to_physical(torch.tensor([[0.5, 1.0]]), torch.tensor([[0], [1]]), torch.ones(2, dtype=torch.long)),
+     "topk_ids must be an integer tensor, got torch.float32"),
+    (lambda: logical_to_physical(torch.tensor([[0, 1]]), torch.tensor([[0], [1]]), torch.ones(2, dtype=torch.long),
+                                 torch.tensor([0.5])), "token_index must be an integer tensor, got torch.float32"),
 ])
 def test_bad_input_raises_value_error(call, message):
     with pytest.raises(ValueError) as err:

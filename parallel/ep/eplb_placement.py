@@ -445,11 +445,14 @@ def logical_to_physical(topk_ids: torch.Tensor, log2phy: torch.Tensor, logcnt: t
     if log2phy.dim() != 2 or logcnt.dim() != 1 or logcnt.shape[0] != log2phy.shape[0]:
         raise ValueError(f"log2phy must be [E, R] and logcnt [E] for one layer; got {tuple(log2phy.shape)} "
                          f"and {tuple(logcnt.shape)}")
+    _check_integer("topk_ids", topk_ids)
     num_tokens = topk_ids.shape[0]
     if token_index is None:
         token_index = torch.arange(num_tokens, device=topk_ids.device)
     elif token_index.shape != (num_tokens,):
         raise ValueError(f"token_index must be [T] = [{num_tokens}], got {tuple(token_index.shape)}")
+    else:
+        _check_integer("token_index", token_index)
     ids = topk_ids.long()
     num_logical = log2phy.shape[0]
     out_of_range = (ids < -1) | (ids >= num_logical)
