@@ -492,6 +492,17 @@ def test_tracker_window_ring_wraps_and_interval_fires_on_multiples():
     assert due == [s % 4 == 0 for s in range(1, 11)]
 
 
+def test_eplb_without_moe_layers_steps_through_its_rebalance():
+    """Eplb accepts num_layers = 0; its first due rebalance raised ValueError (rebalance_experts
+    needs a layer) `interval` steps into the run, and balance() a RuntimeError from a reshape."""
+    eplb = Eplb(0, 4, config=EplbConfig(num_redundant=2, interval=2))
+    assert eplb.step() is None
+    report = eplb.step()
+    assert report is not None and report.layers_moved == [] and report.overall_after == 1.0
+    assert report.before.shape == (0,) and eplb.balance().overall == 1.0
+    assert rank_loads(torch.zeros(0, 4), torch.zeros(0, 6, dtype=torch.long), 2).shape == (0, 2)
+
+
 def test_eplb_single_rank_rebalances_maps_and_weights_together():
     num_layers, num_logical, hidden = 2, 6, 4
     eplb = Eplb(num_layers, num_logical, config=EplbConfig(num_redundant=2, window=4, interval=2))

@@ -483,7 +483,7 @@ def rank_loads(weight: torch.Tensor, phy2log: torch.Tensor, num_ranks: int) -> t
     _check_sizes(num_logical, p2l.shape[1], num_ranks)
     logcnt = torch.zeros(num_layers, num_logical, dtype=torch.int64).scatter_add_(1, p2l, torch.ones_like(p2l))
     per_slot = (w / logcnt.clamp(min=1)).gather(1, p2l)  # an expert without a slot contributes nothing
-    return per_slot.view(num_layers, num_ranks, -1).sum(dim=2)
+    return per_slot.view(num_layers, num_ranks, p2l.shape[1] // num_ranks).sum(dim=2)  # -1 fails for L = 0
 
 
 def balancedness(weight: torch.Tensor, phy2log: torch.Tensor, num_ranks: int) -> Balance:

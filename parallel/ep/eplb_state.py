@@ -281,8 +281,11 @@ class Eplb:
             raise ValueError(f"load must be a tensor [num_layers, num_logical] = {list(want)}, got {got}")
         load = load.detach().cpu()
         old = self.phy2log.cpu()
-        plan = rebalance_experts(load, self.num_physical, self.config.num_groups, self.config.num_nodes,
-                                 self.ep_size, old_phy2log=old)
+        if self.num_layers == 0:  # no MoE layer: nothing to place (rebalance_experts needs a layer)
+            new = old
+        else:
+            new = rebalance_experts(load, self.num_physical, self.config.num_groups, self.config.num_nodes,
+                                    self.ep_size, old_phy2log=old).phy2log
         before = balancedness(load, old, self.ep_size)
         report = EplbReport(step=self.tracker.num_steps if step is None else step, before=before.per_layer,
                             after=before.per_layer, overall_before=before.overall,
@@ -290,11 +293,11 @@ class Eplb:
         committed = old.clone()
         try:
             for layer in range(self.num_layers):
-                if torch.equal(old[layer], plan.phy2log[layer]):
+                if torch.equal(old[layer], new[layer]):
                     continue
                 if layer in self.weights:
                     try:
-                        report.migration += rearrange_weights(old[layer], plan.phy2log[layer], self.weights[layer],
+                        report.migration += rearrange_weights(old[layer], new[layer], self.weights[layer],
                                                               self.group, fault_hook=self.fault_hook)
                     except MigrationError as exc:
                         if exc.transport_failed:  # the group is gone: keep the layers already moved, stop
@@ -302,7 +305,7 @@ class Eplb:
                         log.warning("EPLB: layer %d keeps its placement: %s", layer, exc)
                         report.layers_failed.append(layer)
                         continue
-                committed[layer] = plan.phy2log[layer]
+                committed[layer] = new[layer]
                 report.layers_moved.append(layer)
         finally:  # also when a layer's migration raised: the layers moved before it keep maps that match
             self._set_maps(report.layers_moved, committed)
