@@ -184,6 +184,45 @@ def test_placement_equals_deepseeks_published_steps(num_logical, num_physical, g
         assert plan.logcnt[layer].tolist() == logcnt, f"layer {layer}"
 
 
+def awkward_loads(num_logical: int) -> torch.Tensor:
+    """Layers of awkward loads: zero everywhere, one expert carrying all of it (first, middle,
+    last), two equal hot experts, all equal, and small integers full of ties."""
+    rows = [torch.zeros(num_logical), torch.full((num_logical,), 7.0)]
+    for e in (0, num_logical // 2, num_logical - 1):
+        rows.append(torch.zeros(num_logical).index_fill_(0, torch.tensor([e]), 1000.0))
+    rows.append(torch.zeros(num_logical).index_fill_(0, torch.tensor([1, num_logical - 2]), 50.0))
+    rows.append(torch.arange(num_logical, dtype=torch.float32) % 3)
+    return torch.stack(rows)
+
+
+@pytest.mark.parametrize("num_logical,num_physical,groups,nodes,ranks", [
+    (16, 16, 4, 2, 4),    # num_redundant = 0
+    (16, 24, 4, 2, 4),    # hierarchical
+    (16, 20, 1, 1, 4),    # one node, global
+    (10, 30, 5, 1, 1),    # one GPU
+    (12, 18, 3, 2, 6),    # fallback to global
+    (8, 16, 2, 2, 2),     # one GPU per node
+])
+def test_awkward_loads_match_deepseeks_steps_in_every_dtype(num_logical, num_physical, groups, nodes, ranks):
+    weight = awkward_loads(num_logical)
+    plan = rebalance_experts(weight, num_physical, groups, nodes, ranks)   # all layers at once
+    check_plan_consistent(plan, num_logical)
+    for layer in range(weight.shape[0]):
+        phy2log, logcnt = deepseek_steps(weight[layer].tolist(), num_physical, groups, nodes, ranks)
+        assert plan.phy2log[layer].tolist() == phy2log, f"layer {layer}"
+        assert plan.logcnt[layer].tolist() == logcnt, f"layer {layer}"
+        # one layer alone gives the same placement as inside the batch
+        alone = rebalance_experts(weight[layer:layer + 1], num_physical, groups, nodes, ranks)
+        assert torch.equal(alone.phy2log[0], plan.phy2log[layer])
+    # the hot expert of a one-hot layer takes every redundant slot of its node
+    if groups % nodes == 0:
+        assert plan.logcnt[2, 0].item() == 1 + (num_physical - num_logical) // nodes
+    # integer and float loads of the same counts place the same
+    for dtype in (torch.int64, torch.int32, torch.float16, torch.float64):
+        again = rebalance_experts(weight.to(dtype), num_physical, groups, nodes, ranks)
+        assert torch.equal(again.phy2log, plan.phy2log), dtype
+
+
 def test_one_item_per_pack_keeps_the_order_like_deepseek():
     assert rebalance_experts(torch.tensor([[1, 2, 3, 4]]), 4, 1, 1, 4).phy2log.tolist() == [[0, 1, 2, 3]]
     # 4 groups on 4 nodes: group g on node g (not heaviest group first); one rank per node takes its
