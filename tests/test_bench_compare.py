@@ -121,3 +121,16 @@ def test_cli_bench_compare_writes_the_table(tmp_path):
     assert "Only in" not in table
     assert cli_main(["bench", "all", "--compare", str(old)]) == 2
     assert cli_main(["bench", "merge", "--compare", str(tmp_path / "missing.json")]) == 2
+
+
+def test_files_of_different_devices_say_so_in_the_verdict():
+    """An H100 run against an H200 file: the rows still compare, but the verdict and the table's
+    header say the devices differ (a ratio is then the devices' difference as much as the code's)."""
+    new = dict(_file("moe", NEW), device="h100", versions={"torch": "2.11", "gpu": "NVIDIA H100"})
+    c = compare(new, _file("moe", OLD))
+    assert c.verdict().startswith("different devices (new h100, old h200): ratios compare the devices too; "
+                                  "1 of 3 rows slower by > 5% in time_us")
+    assert c.devices == ("h100", "h200") and [r.name for r in c.regressions] == ["a"]
+    md = to_markdown(c)
+    assert "- new: `<new>` (device h100;" in md and "- old: `<old>` (device h200;" in md
+    assert not compare(_file("moe", NEW), _file("moe", OLD)).verdict().startswith("different devices")

@@ -13,7 +13,8 @@ column both files measured, the ratio new/old is reported (> 1: slower). Floors 
 A regression is a ratio above 1 + threshold (5 %) in a *flagged* column: `time_us`, the time of
 our code in every suite; other timing columns (anchors, breakdowns) are shown with their ratios
 and marked when over the threshold, but decide nothing. Rows present in only one file are
-listed. `compare` returns a `Comparison`; `to_markdown` renders it as a table.
+listed. Files of different devices (`device`: h100 against h200, cpu-quick against cpu) are
+compared, and the verdict says that the ratios hold the devices' difference too. `compare` returns a `Comparison`; `to_markdown` renders it as a table.
 """
 
 from __future__ import annotations
@@ -100,9 +101,21 @@ class Comparison:
     def regressions(self) -> list[RowComparison]:
         return [r for r in self.rows if r.regressions]
 
+    @property
+    def devices(self) -> tuple[Any, Any]:
+        """(new, old) device tags of the files."""
+        return self.new_meta.get("device"), self.old_meta.get("device")
+
     def verdict(self) -> str:
         n = len(self.rows)
         cols = ", ".join(self.flagged)
+        new_dev, old_dev = self.devices
+        if new_dev != old_dev:   # the ratios then hold the devices' difference, not only the code's
+            caveat = f"different devices (new {new_dev}, old {old_dev}): ratios compare the devices too; "
+            return caveat + self._verdict(n, cols)
+        return self._verdict(n, cols)
+
+    def _verdict(self, n: int, cols: str) -> str:
         if not n:
             return "no rows in common: nothing compared"
         if self.regressions:
@@ -174,7 +187,8 @@ def to_markdown(c: Comparison) -> str:
     def source(label: str, path: str, m: dict[str, Any]) -> str:
         v = m.get("versions") or {}
         versions = ", ".join(f"{k} {v[k]}" for k in ("gpu", "torch", "triton") if v.get(k))
-        return f"- {label}: `{path}` ({m.get('date') or 'no date'}; {versions or 'no versions'})"
+        return (f"- {label}: `{path}` (device {m.get('device') or '?'}; {m.get('date') or 'no date'}; "
+                f"{versions or 'no versions'})")
 
     lines = [f"# bench {c.suite}: new vs old", "", source("new", c.new_path, c.new_meta),
              source("old", c.old_path, c.old_meta), "",
