@@ -505,5 +505,5 @@ class DemoModel(nn.Module):
         if self.eplb is None:
             return None
         with self.timer.span("eplb.rebalance"):
-            self.eplb.step()
-            return self.eplb.rebalance()
+            report = self.eplb.step()     # (rebalances by itself when the step lands on the interval)
+            return report if report is not None else self.eplb.rebalance()

@@ -396,3 +396,19 @@ def test_gqa_load_full_refuses_q_k_v_weights_of_another_shape():
             attn.load_full(state, p)                                         # (the right shapes load)
     finally:
         destroy_parallel()
+
+
+def test_rebalance_experts_rebalances_once_when_the_step_lands_on_the_interval():
+    """`rebalance_experts` called `eplb.step()`, which rebalances by itself on a multiple of the
+    interval, and then `rebalance()` again: two rounds of planning and collectives."""
+    from dataclasses import replace
+
+    groups = init_parallel(ParallelConfig(world_size=1))
+    try:
+        model = DemoModel(ModelConfig(), groups, eplb_redundant=2)
+        model.eplb.config = replace(model.eplb.config, interval=2)
+        reports = [model.rebalance_experts() for _ in range(4)]     # steps 1..4: due at 2 and 4
+        assert [r.step for r in reports] == [1, 2, 3, 4]
+        assert len(model.eplb.reports) == 4                         # one rebalance per call
+    finally:
+        destroy_parallel()
