@@ -120,8 +120,9 @@ def take_census(topk_ids: torch.Tensor | None, info: RoutingInfo | None, num_exp
             else torch.zeros(1, dtype=torch.int64, device=device)
         key = torch.where(info.valid, ids, torch.full_like(ids, num_experts)).reshape(-1)
         pairs = count_values(key, num_experts + 1)[:num_experts]
-        shape = torch.tensor([ids.shape[0], ids.shape[1], *fmt], dtype=torch.int64, device=device)
-        row = torch.cat([bad, shape, info.present.sum(0), pairs]).to(torch.int64)
+        # (fills, not torch.tensor(list, device=...): a host-to-device copy would wait for the stream here)
+        shape = [torch.full((1,), v, dtype=torch.int64, device=device) for v in (ids.shape[0], ids.shape[1], *fmt)]
+        row = torch.cat([bad, *shape, info.present.sum(0), pairs]).to(torch.int64)
     if size == 1:
         table = row[None]
     else:
