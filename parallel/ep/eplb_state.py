@@ -97,20 +97,22 @@ class ExpertLoadTracker:
     def record(self, layer: int, physical_ids: torch.Tensor) -> None:
         """Count the tokens routed to each slot. physical_ids: [T, K] int in [0, P), -1 = none.
 
-        Other ids raise ValueError for CPU tensors; on CUDA (no host sync: graph-capturable) they
-        index out of range and trip the device-side bounds assertion instead of counting as none.
+        Other ids raise ValueError for CPU tensors. On CUDA (no host sync: graph-capturable) they
+        are not checked: this runs in every MoE layer of a decode step, on ids that
+        `logical_to_physical` makes, and each extra elementwise kernel there costs every step; an
+        id below -1 or equal to P counts as none, one past P trips the device's bounds assertion.
         """
         _check_integer("physical_ids", physical_ids)
         num_physical = self.num_physical
-        out_of_range = (physical_ids < -1) | (physical_ids >= num_physical)
-        if physical_ids.device.type == "cpu" and bool(out_of_range.any()):
-            where = out_of_range.nonzero()[0].tolist()
-            index = ", ".join(map(str, where))
-            raise ValueError(f"physical_ids[{index}] = {int(physical_ids[tuple(where)])} is not a physical slot: "
-                             f"valid ids are [0, {num_physical}) and -1 (no expert)")
+        if physical_ids.device.type == "cpu":
+            out_of_range = (physical_ids < -1) | (physical_ids >= num_physical)
+            if bool(out_of_range.any()):
+                where = out_of_range.nonzero()[0].tolist()
+                index = ", ".join(map(str, where))
+                raise ValueError(f"physical_ids[{index}] = {int(physical_ids[tuple(where)])} is not a physical slot: "
+                                 f"valid ids are [0, {num_physical}) and -1 (no expert)")
         ids = physical_ids.reshape(-1).long()
-        # -1 goes to column P (no expert); a bad id past column P, out of range
-        ids = torch.where(ids == -1, num_physical, torch.where(out_of_range.reshape(-1), num_physical + 1, ids))
+        ids = torch.where(ids < 0, num_physical, ids)          # -1: column P (no expert)
         self.step_counts[layer].scatter_add_(0, ids, torch.ones_like(ids))
 
     def record_counts(self, layer: int, counts: torch.Tensor) -> None:
