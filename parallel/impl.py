@@ -23,7 +23,9 @@ The rule:
 
 Capabilities are read here only: CUDA, whether Triton imports, whether the Triton interpreter
 is on (``TRITON_INTERPRET=1``, read at each call so tests can set it), autograd, and optional
-packages. `report()` lists every registered op and what is usable (``megapar env``).
+packages. `report()` lists every registered op and what is usable (``megapar env``): it has no
+inputs, so a check that reads a fact of the inputs it was not given (a dtype, a head dim, a
+group's size) is passed over there, and the answer is about this machine's capabilities.
 """
 
 from __future__ import annotations
@@ -53,6 +55,11 @@ class Unusable:
         return f"{self.reason} ({self.hint})" if self.hint else self.reason
 
 
+class UnknownFact(Exception):
+    """A check read a fact of the inputs that `Op.usable` / `report()` was not given (see
+    `Facts.inputs_unknown`); the check is passed over there."""
+
+
 @dataclass
 class Facts:
     """What a check may look at: the device of the inputs, whether autograd needs the op, and
@@ -63,14 +70,29 @@ class Facts:
     extra: dict[str, Any] = field(default_factory=dict)
     asked: bool = False
     """the implementation was asked for by name (not chosen by "auto"); set by `Op.resolve`"""
+    inputs_unknown: bool = False
+    """`Op.usable` / `report()`: there are no inputs, so reading an op-specific fact that was not
+    given raises `UnknownFact` (instead of None, which checks of dtypes and sizes took for "does
+    not fit", or could not compare at all) and the check that read it is passed over."""
 
     def __getattr__(self, name: str) -> Any:
         if name.startswith("__"):
             raise AttributeError(name)
-        return self.extra.get(name)
+        extra = self.__dict__.get("extra") or {}
+        if name not in extra and self.__dict__.get("inputs_unknown"):
+            raise UnknownFact(name)
+        return extra.get(name)
 
 
 Check = Callable[[Facts], "Unusable | None"]
+
+
+def _ask(check: Check, f: Facts) -> Unusable | None:
+    """`check(f)`; None when it needs a fact of the inputs that `f` does not have (report mode)."""
+    try:
+        return check(f)
+    except UnknownFact:
+        return None
 
 
 # ---- capabilities (the only place that reads them) -------------------------------------------------
@@ -166,7 +188,7 @@ def all_of(*checks: Check) -> Check:
 
     def check(f: Facts) -> Unusable | None:
         for c in checks:
-            why = c(f)
+            why = _ask(c, f)   # (one that needs an unknown input fact: the later checks still count)
             if why is not None:
                 return why
         return None
@@ -191,7 +213,7 @@ class Impl:
     """False: never chosen by "auto" (e.g. a slow reference that exists for tests)."""
 
     def why_not(self, facts: Facts) -> Unusable | None:
-        return None if self.check is None else self.check(facts)
+        return None if self.check is None else _ask(self.check, facts)
 
 
 _OPS: dict[str, "Op"] = {}
@@ -257,8 +279,12 @@ class Op:
         raise ValueError(f"{self.name}: no implementation can run here ({reasons})")
 
     def usable(self, **facts: Any) -> dict[str, str | None]:
-        """{implementation: None if usable else the reason} for these facts."""
-        f = Facts(facts.pop("device", None), facts.pop("needs_grad", False), facts)
+        """{implementation: None if usable else the reason} for these facts. Facts not given are
+        unknown, not None: a check that reads one is passed over (`report()` gives only the
+        device, and answers for the machine's capabilities)."""
+        device = facts.pop("device", None)
+        f = Facts(torch.device(device) if isinstance(device, str) else device, facts.pop("needs_grad", False),
+                  facts, inputs_unknown=True)
         return {i.name: (None if (w := i.why_not(f)) is None else w.message()) for i in self.impls}
 
 

@@ -72,3 +72,33 @@ def test_no_usable_and_report():
     assert "test.op4" in rep and rep["test.op4"]["gpu"].startswith("needs CUDA")
     with pytest.raises(ValueError, match="unique"):
         impl.Op("test.bad", [impl.Impl("x"), impl.Impl("x")])
+
+
+def test_report_answers_for_capabilities_not_for_inputs_it_does_not_have():
+    # `megapar env` on a GPU machine: report() gives only the device, so a check of the inputs read
+    # None for their dtype / head dim / group size. The kernels were listed as unable to run there
+    # ("got None"), and a size comparison raised TypeError (sp.matmul's check: `megapar env` crashed).
+    def fits(f):
+        return None if f.dtype in (torch.float16, torch.bfloat16) else impl.Unusable(f"needs fp16/bf16, got {f.dtype}")
+
+    def group(f):
+        return None if f.size >= 2 else impl.Unusable("a group of one")
+
+    op = impl.Op("test.op6", [
+        impl.Impl("kernel", impl.all_of(impl.needs_cuda_tensor, fits)),
+        impl.Impl("lib", impl.all_of(fits, impl.needs_package("no_such_pkg_megapar", "pip install no-such-pkg"))),
+        impl.Impl("fused", impl.all_of(impl.needs_cuda_tensor, group)),
+        impl.Impl("torch"),
+    ])
+    cuda = torch.device("cuda")
+    rep = op.usable(device=cuda)
+    assert rep["kernel"] is None and rep["fused"] is None and rep["torch"] is None, rep
+    assert "no-such-pkg" in rep["lib"]        # a capability after an input check still counts
+    assert op.usable(device="cpu")["kernel"] == "needs CUDA tensors, got cpu"
+    # facts that are given count, in usable() and resolve(); resolve() reads absent ones as None
+    assert "got torch.float32" in op.usable(device=cuda, dtype=torch.float32)["kernel"]
+    assert op.usable(device=cuda, size=1)["fused"] == "a group of one"
+    assert op.resolve(device=cuda, dtype=torch.bfloat16, size=2) == "kernel"
+    assert op.resolve(device=cuda, dtype=torch.float32, size=2) == "fused"
+    with pytest.raises(ValueError, match="needs fp16/bf16, got None"):
+        op.resolve("kernel", device=cuda)
