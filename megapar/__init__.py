@@ -89,8 +89,11 @@ class _AliasFinder(importlib.abc.MetaPathFinder):
         if ours is None or sys.modules.get(top) is not ours:
             return None  # the short name is someone else's package: leave it alone
         canonical = f"megapar.{name}"
-        return importlib.machinery.ModuleSpec(name, _AliasLoader(canonical),
-                                              is_package=hasattr(importlib.import_module(canonical), "__path__"))
+        module = importlib.import_module(canonical)
+        # origin: the canonical file. `python -m launch.demo` (runpy) sets __main__.__file__ from it;
+        # without it the script looked like `python -c` to launch_local, which refused to start ranks
+        return importlib.machinery.ModuleSpec(name, _AliasLoader(canonical), origin=getattr(module, "__file__", None),
+                                              is_package=hasattr(module, "__path__"))
 
 
 if not any(isinstance(f, _AliasFinder) for f in sys.meta_path):

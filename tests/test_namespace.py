@@ -79,3 +79,22 @@ def test_short_name_import_of_a_submodule_keeps_the_package_name_it_shares():
     root = __import__("os").path.dirname(__import__("os").path.dirname(__file__))
     out = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-2000:]
+
+
+def test_python_dash_m_short_name_of_the_demo_starts_its_ranks(tmp_path):
+    """`python -m launch.demo` (the demo's own docstring; the torchrun form in the README) with local
+    ranks: the alias module spec had no origin, so runpy left __main__.__file__ None and
+    launch_local took the script for `python -c` and refused to start any rank."""
+    import importlib.util
+
+    import megapar.launch.demo
+
+    assert importlib.util.find_spec("launch.demo").origin == megapar.launch.demo.__file__
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(k, None)
+    proc = subprocess.run([sys.executable, "-m", "launch.demo", "--world-size", "2", "--tp", "2", "--layers", "1",
+                           "--new-tokens", "1", "--prompt-len", "4", "--vocab", "64"],
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    assert "2 rank(s), launcher local" in proc.stdout and "PASS: max error" in proc.stdout
