@@ -10,6 +10,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib
 import shlex
 import sys
@@ -133,6 +134,17 @@ def cmd_bench(args: argparse.Namespace) -> int:
     if args.world_size is not None and args.world_size < 1:
         print(f"megapar bench: --world-size must be >= 1, got {args.world_size}", file=sys.stderr)
         return 2
+    args.compare_old = None
+    if args.compare is not None:
+        # read now: the run writes OUT/SUITE-DEVICE.json, which may be this very file (comparing with
+        # the last run in the same folder); read after the run, it compared the new rows with themselves
+        from megapar.launch.bench.compare import _load
+
+        try:
+            args.compare_old = _load(args.compare)
+        except ValueError as e:
+            print(f"megapar bench: --compare: {e}", file=sys.stderr)
+            return 2
     out = Path(args.out) if args.out else default_out_dir()
     # only while the suites run: a caller's process (a test, a notebook) keeps its own handler
     previous = None
@@ -164,7 +176,7 @@ def _run_suites(args: argparse.Namespace, out: Path) -> int:
             failed.append(name)
             continue
         ctx = BenchContext(suite=name, device=device, quick=args.quick,
-                           options={k: v for k, v in vars(args).items() if k not in ("func", "argv")})
+                           options={k: v for k, v in vars(args).items() if k not in ("func", "argv", "compare_old")})
         try:
             module.run(ctx)
         except _Stopped as e:
@@ -189,7 +201,10 @@ def _run_suites(args: argparse.Namespace, out: Path) -> int:
                 from megapar.launch.bench.compare import compare, to_markdown, write_comparison
 
                 try:
-                    result = compare(path, args.compare)
+                    result = compare(path, args.compare_old)
+                    replaced = Path(args.compare).resolve() == path.resolve()
+                    result = dataclasses.replace(result, old_path=str(args.compare) + (
+                        " (as it was before this run, which replaced it)" if replaced else ""))
                 except ValueError as e:
                     print(f"megapar bench: --compare: {e}", file=sys.stderr)
                     failed.append(f"{name} (compare)")

@@ -65,6 +65,33 @@ def test_megapar_bench_sigterm_stops_the_run_and_the_handler_is_the_callers_agai
     assert signal.getsignal(signal.SIGTERM) is before
 
 
+def test_megapar_bench_compare_with_the_file_the_run_replaces_compares_with_the_old_rows(tmp_path, monkeypatch):
+    # `megapar bench SUITE --out DIR --compare DIR/SUITE-DEVICE.json` (the last run in the same folder):
+    # the old file was read after the run had overwritten it, so every ratio was 1.000 and the
+    # verdict "no regression" whatever the code did
+    import json
+    import types
+
+    times = iter([100.0, 200.0])
+
+    def run(ctx):
+        ctx.rows.append({"case": "one", "time_us": next(times)})
+
+    monkeypatch.setitem(sys.modules, "megapar.launch.bench.merge", types.SimpleNamespace(run=run))
+    argv = ["bench", "merge", "--device", "cpu", "--out", str(tmp_path)]
+    assert cli_main(argv) == 0
+    old = tmp_path / "merge-cpu.json"
+    assert cli_main(argv + ["--compare", str(old)]) == 0
+    assert json.loads(old.read_text())["rows"][0]["time_us"] == 200.0          # the new run's file
+    table = (tmp_path / "merge-compare.md").read_text()
+    assert "| one | 100.0 | 200.0 | 2.000! | **yes** |" in table, table
+    assert "as it was before this run" in table
+    # a file that is not a result file is refused before the suite runs
+    (tmp_path / "bad.json").write_text("{}")
+    assert cli_main(argv + ["--compare", str(tmp_path / "bad.json")]) == 2
+    assert json.loads(old.read_text())["rows"][0]["time_us"] == 200.0
+
+
 def test_megapar_env_lists_backends(capsys):
     assert cli_main(["env"]) == 0
     out = capsys.readouterr().out
