@@ -1154,3 +1154,229 @@ def test_gluon_kernels_check_block_ids_past_a_splits_first_64_pages(kind, monkey
         assert torch.isfinite(results[ahead].out).all()
     torch.testing.assert_close(results[1].out, results[0].out, atol=0, rtol=0)
     torch.testing.assert_close(results[1].lse, results[0].lse, atol=0, rtol=0)
+
+
+# ---- the kernel against float64 attention computed by hand on awkward cases (interpreter, tiny) ----
+
+
+def _poisoned_cache(lens, tq, hkv, d, dv, layout, width, dtype, gen, latent=False, table_dtype=torch.int32):
+    """A cache whose slots hold random values for this rank's tokens of each sequence and NaN everywhere
+    else (spare blocks, slots past a length), and a table of `width` entries a sequence whose unused
+    entries are garbage: ids outside the cache (negative, past it, near int32's end) or poisoned spare
+    blocks. fp8 caches are built by torch (the interpreter's fp32 -> fp8 rounding is not trusted), with
+    per-(token, head) scales; latent: one head whose value is the key's first dv dims (MLA's layout)."""
+    bs = layout.block_size
+    local = [int(layout.local_lengths(n)) for n in lens]
+    used = [-(-n // bs) for n in local]
+    nb = sum(used) + 3                                           # 3 spare (poisoned) blocks
+    ids = torch.randperm(nb, generator=gen)
+    table = torch.empty(len(lens), width, dtype=torch.int64)
+    garbage = [-1, -7, nb, nb + 5, 2 ** 31 - 1, *ids[-3:].tolist()]
+    at = 0
+    for s, u in enumerate(used):
+        table[s, :u] = ids[at:at + u]
+        at += u
+        for w in range(u, width):
+            table[s, w] = garbage[(s + w) % len(garbage)]
+    k = torch.full((nb, bs, hkv, d), float("nan"))
+    v = torch.full((nb, bs, hkv, dv), float("nan"))
+    ks = torch.full((nb, bs, hkv), float("nan"))
+    vs = torch.full((nb, bs, hkv), float("nan"))
+    for s, n in enumerate(local):
+        for j in range(n):
+            b, o = int(table[s, j // bs]), j % bs
+            k[b, o] = torch.randn(hkv, d, generator=gen)
+            v[b, o] = torch.randn(hkv, dv, generator=gen)
+            ks[b, o] = torch.rand(hkv, generator=gen) * 0.1 + 0.01
+            vs[b, o] = torch.rand(hkv, generator=gen) * 0.1 + 0.01
+    if latent:
+        v, vs = k[..., :dv], ks
+    if dtype == torch.float8_e4m3fn:
+        k8 = (k / ks[..., None]).to(torch.float8_e4m3fn)                                  # (NaN stays NaN)
+        v8 = k8[..., :dv] if latent else (v / vs[..., None]).to(torch.float8_e4m3fn)
+        return PagedKVCache(k8, v8, ks, vs), table.to(table_dtype)
+    return PagedKVCache(k, v), table.to(table_dtype)
+
+
+def _attention_by_hand(q, cache, table, seq_lens, layout, scale):
+    """float64 (out, lse) of each query over this rank's tokens of its sequence: the rank's tokens are
+    the global positions p < L with (p // I) % N == rank, stored densely in position order (local token
+    j at block table[s, j // B], offset j % B), dequantized by their scales; query t sits at
+    L - Tq + t and sees the tokens at positions <= its own."""
+    s_count, tq, hq, d = q.shape
+    hkv, bs, dv = cache.k.shape[2], cache.block_size, cache.v.shape[-1]
+    n, i, rank = layout.size, layout.interleave, layout.rank
+    out = torch.zeros(s_count, tq, hq, dv, dtype=torch.float64)
+    lse = torch.full((s_count, tq, hq), -math.inf, dtype=torch.float64)
+    for s in range(s_count):
+        length = int(seq_lens[s])
+        mine = [p for p in range(length) if (p // i) % n == rank]
+        if not mine:
+            continue
+        slots = [(int(table[s, j // bs]), j % bs) for j in range(len(mine))]
+        k = torch.stack([cache.k[b, o].double() for b, o in slots])                 # [n, Hkv, D]
+        v = torch.stack([cache.v[b, o].double() for b, o in slots])
+        if cache.is_fp8:
+            k = k * torch.stack([cache.k_scale[b, o].double() for b, o in slots])[..., None]
+            v = v * torch.stack([cache.v_scale[b, o].double() for b, o in slots])[..., None]
+        pos = torch.tensor(mine)
+        for t in range(tq):
+            seen = pos <= length - tq + t
+            if not seen.any():
+                continue
+            for h in range(hq):
+                kv_head = h // (hq // hkv)
+                scores = (k[seen, kv_head] @ q[s, t, h].double()) * scale
+                lse[s, t, h] = torch.logsumexp(scores, 0)
+                out[s, t, h] = torch.softmax(scores, 0) @ v[seen, kv_head]
+    return out, lse
+
+
+AWKWARD = {
+    # one token, GQA 4 heads per kv head; an empty sequence, one ending at a block's end, one a token past it
+    "tq1-gqa": dict(lens=[5, 0, 16, 17], tq=1, hq=8, hkv=2, d=32, dv=32, size=1, rank=0, interleave=1, block=8,
+                    width=5, dtype=torch.float32, table_dtype=torch.int32),
+    # speculative tokens, one kv head for 4 query heads, v narrower than k, int64 table, several splits
+    "tq3-splits": dict(lens=[3, 24, 9, 40], tq=3, hq=4, hkv=1, d=16, dv=32, size=1, rank=0, interleave=1, block=8,
+                       width=7, dtype=torch.float32, table_dtype=torch.int64, splits=True),
+    # one sequence, 8 speculative tokens, DCP rank 1 of 2 with interleave 2, fp8 with per-(token, head) scales
+    "tq8-dcp-fp8": dict(lens=[27], tq=8, hq=4, hkv=2, d=16, dv=16, size=2, rank=1, interleave=2, block=4,
+                        width=6, dtype=torch.float8_e4m3fn, table_dtype=torch.int32),
+    # DCP rank 2 of 3, interleave 2: the first sequence has no token here (lse -inf, out 0), one ends at a
+    # virtual block's end (3 ranks x 4); fp8 with bf16 queries (fp16 operands) and several splits
+    "tq2-dcp-empty-fp8": dict(lens=[4, 12, 60, 2], tq=2, hq=4, hkv=2, d=16, dv=16, size=3, rank=2, interleave=2,
+                              block=4, width=8, dtype=torch.float8_e4m3fn, table_dtype=torch.int32, splits=True,
+                              q_dtype=torch.bfloat16),
+    # MLA's latent layout (one head, v = k[..., :32] of a 48-wide key), fp8 with one scale per token,
+    # DCP rank 0 of 2, speculative tokens
+    "mla-latent-fp8": dict(lens=[6, 19], tq=4, hq=4, hkv=1, d=48, dv=32, size=2, rank=0, interleave=1, block=4,
+                           width=4, dtype=torch.float8_e4m3fn, table_dtype=torch.int32, latent=True),
+}
+
+
+@pytest.mark.parametrize("case", list(AWKWARD))
+def test_kernel_matches_float64_attention_by_hand(case, monkeypatch):
+    """The Triton kernel (and the torch path) against float64 attention gathered token by token from the
+    block table, with NaN in every slot no sequence holds and garbage past each table's used entries;
+    the grid sized by the table (max_seq_len None) and by the longest sequence (max_seq_len given)."""
+    from parallel.cp import triton_decode as td
+
+    c = AWKWARD[case]
+    if c.get("splits"):     # (short splits: several per sequence, some past a sequence's end, then the merge)
+        for key in ("min_split", "min_split_fp8", "block_n", "block_n_fp8"):
+            monkeypatch.setitem(td.CONFIG, key, 16)
+        for key in ("target_programs", "target_programs_fp8"):
+            monkeypatch.setitem(td.CONFIG, key, 1 << 12)
+    gen = torch.Generator().manual_seed(sum(map(ord, case)))
+    layout = DCPLayout(size=c["size"], rank=c["rank"], block_size=c["block"], interleave=c["interleave"])
+    cache, table = _poisoned_cache(c["lens"], c["tq"], c["hkv"], c["d"], c["dv"], layout, c["width"], c["dtype"], gen,
+                                   latent=c.get("latent", False), table_dtype=c["table_dtype"])
+    q = torch.randn(len(c["lens"]), c["tq"], c["hq"], c["d"], generator=gen).to(c.get("q_dtype", torch.float32))
+    seq = torch.tensor(c["lens"])
+    scale = 0.3
+    want_out, want_lse = _attention_by_hand(q, cache, table, seq, layout, scale)
+    empty = torch.isinf(want_lse)
+    if c.get("splits"):
+        settings = td.launch_settings(c["d"], q.dtype, cache.k.dtype, c["tq"] * c["hq"] // c["hkv"])
+        assert td.plan_splits(c["width"] * c["block"], 1, settings["block_n"], settings["min_split"])[0] > 1
+    atol = 2e-3 if q.dtype == torch.bfloat16 else 2e-5     # (bf16 queries over fp8: fp16 weights)
+    for backend in ("triton", "torch"):
+        for max_seq_len in (None, max(c["lens"])):
+            got = paged_decode_attention(q, cache, table, seq, layout=layout, scale=scale, backend=backend,
+                                         max_seq_len=max_seq_len)
+            where = f"{backend}, max_seq_len {max_seq_len}"
+            assert torch.equal(torch.isinf(got.lse), empty) and (got.lse[empty] < 0).all(), where
+            assert (got.out[empty] == 0).all() and torch.isfinite(got.out).all(), where
+            torch.testing.assert_close(got.lse.double(), want_lse, atol=atol, rtol=1e-5, msg=where)
+            torch.testing.assert_close(got.out.double(), want_out, atol=atol, rtol=1e-5, msg=where)
+    if case == "tq2-dcp-empty-fp8":
+        # (4 and 2 tokens: ranks 0 and 1 hold them all)
+        assert empty[0].all() and empty[3].all() and not empty[1:3].any()
+
+
+def test_kernel_is_not_chosen_for_queries_of_another_dtype_than_the_cache(monkeypatch):
+    """The kernel's MMAs take both operands in one dtype (an fp8 cache is converted to the queries'):
+    fp32 queries over a bf16 cache, or bf16 over fp32, are the torch path's under "auto" on CUDA and a
+    ValueError naming the dtypes when "triton" is asked for, before any launch (it failed inside the
+    Triton compile: "Both operands must be same dtype")."""
+    from parallel.cp import triton_decode
+    from parallel.cp.paged import DECODE
+
+    cuda = dict(device=torch.device("cuda"), head_dim=16, v_head_dim=16)
+    assert DECODE.resolve("auto", dtype=torch.float32, cache_dtype=torch.bfloat16, **cuda) == "torch"
+    assert DECODE.resolve("auto", dtype=torch.float16, cache_dtype=torch.bfloat16, **cuda) == "torch"
+    for q_dtype in (torch.float32, torch.bfloat16, torch.float16):
+        assert DECODE.resolve("auto", dtype=q_dtype, cache_dtype=q_dtype, **cuda) == "triton"
+        assert DECODE.resolve("auto", dtype=q_dtype, cache_dtype=torch.float8_e4m3fn, **cuda) == "triton"
+
+    launched = []
+    monkeypatch.setattr(triton_decode, "paged_decode_triton", lambda *a, **kw: launched.append(1))
+    cache = PagedKVCache(torch.randn(4, 8, 1, 16), torch.randn(4, 8, 1, 16))
+    table, seq = torch.tensor([[0, 1]], dtype=torch.int32), torch.tensor([5])
+    q = torch.randn(1, 2, 16)
+    with pytest.raises(ValueError, match=r"'triton' cannot run here: the kernel reads a torch.float32 cache with "
+                                         r"torch.float32 queries .*got torch.bfloat16 queries"):
+        paged_decode_attention(q.bfloat16(), cache, table, seq, backend="triton")
+    assert not launched
+    ref = paged_decode_attention(q, cache, table, seq, backend="torch")
+    got = paged_decode_attention(q.bfloat16(), cache, table, seq)           # ("auto": the torch path)
+    torch.testing.assert_close(got.lse, ref.lse, atol=0.05, rtol=0)
+
+
+def test_bad_input_raises_naming_the_values_before_any_launch(monkeypatch):
+    """Values checked on CPU tensors before the kernel is launched: a used block id past int32 in an
+    int64 table, a length past max_seq_len, a negative length, a length past the table's capacity that
+    this DCP rank's own share would fit (rank 1 of 2), head counts that do not divide, an fp8 cache
+    whose scales went missing."""
+    from parallel.cp import triton_decode
+
+    def launch(*args, **kwargs):
+        raise RuntimeError("launched")
+
+    monkeypatch.setattr(triton_decode, "paged_decode_triton", launch)
+    cache = PagedKVCache(torch.randn(4, 4, 2, 16), torch.randn(4, 4, 2, 16))
+    table, q = torch.tensor([[0, 1], [2, 3]]), torch.randn(2, 4, 16)
+    run = lambda *a, **kw: paged_decode_attention(*a, backend="triton", **kw)
+    with pytest.raises(ValueError, match=r"block ids \[1099511627776\] outside the cache's \[0, 4\)"):
+        run(q, cache, torch.tensor([[0, 2 ** 40], [2, 3]]), torch.tensor([5, 3]))
+    with pytest.raises(ValueError, match=r"seq_lens\[0\] = 5 exceeds max_seq_len \(4\)"):
+        run(q, cache, table, torch.tensor([5, 3]), max_seq_len=4)
+    with pytest.raises(ValueError, match=r"seq_lens must be >= 0; seq_lens\[1\] = -1"):
+        run(q, cache, table, torch.tensor([5, -1]))
+    with pytest.raises(ValueError, match=r"seq_lens\[1\] = 17 exceeds the block table's capacity: 2 blocks x 8 "
+                                         r"tokens \(block_size 4 x 2 ranks\) = 16"):
+        run(q, cache, table, torch.tensor([5, 17]), layout=DCPLayout(2, 1, 4))
+    with pytest.raises(ValueError, match=r"query heads \(5\) must be a multiple of the cache's kv heads \(2\)"):
+        run(torch.randn(2, 5, 16), cache, table, torch.tensor([5, 3]))
+    fp8 = PagedKVCache.allocate(4, 4, 2, 16, dtype=torch.float8_e4m3fn)
+    fp8.v_scale = None
+    with pytest.raises(ValueError, match=r"fp8 cache needs v_scale float32 \(4, 4, 2\), got None"):
+        run(q, fp8, table, torch.tensor([5, 3]))
+    with pytest.raises(RuntimeError, match="launched"):      # (good values reach the launch)
+        run(q, cache, table, torch.tensor([5, 3]), max_seq_len=5)
+
+
+def test_apply_tuning_sets_every_config_entry_and_refuses_a_bad_config_whole():
+    """Every CONFIG entry is settable through {"config": {...}} (ids_ahead, ids_ahead_direct_fp8 and
+    paired_store_direct_fp8 raised KeyError: no validity rule matched their names); a "config" that is
+    not a dict and a bad entry after good ones raise ValueError and install nothing."""
+    from parallel.cp import triton_decode as td
+
+    before = dict(td.CONFIG)
+    try:
+        for name, value in before.items():
+            td.apply_tuning({"config": {name: value}})
+        td.apply_tuning({"config": {"ids_ahead": 0, "ids_ahead_direct_fp8": 1, "paired_store_direct_fp8": 0}})
+        assert (td.CONFIG["ids_ahead"], td.CONFIG["ids_ahead_direct_fp8"], td.CONFIG["paired_store_direct_fp8"]) == (0, 1, 0)
+        td.CONFIG.update(before)
+        for bad, match in (({"config": {"ids_ahead": 2}}, r"decode CONFIG ids_ahead = 2 is invalid; valid: 0, 1"),
+                           ({"config": {"paired_store_direct_fp8": True}}, r"paired_store_direct_fp8 = True is invalid"),
+                           ({"gqa": {"block_n": 16}, "config": [("pdl", 0)]}, r"'config' must be a dict"),
+                           ({"gqa": {"block_n": 16}, "mla": {"num_warps": 8},
+                             "config": {"pdl": 0, "ids_ahead": 0, "min_split": 0}}, r"min_split = 0 is invalid")):
+            with pytest.raises(ValueError, match=match):
+                td.apply_tuning(bad)
+            assert td.CONFIG == before, bad
+    finally:
+        td.CONFIG.clear()
+        td.CONFIG.update(before)

@@ -46,6 +46,10 @@ MAX_QUERY_TOKENS = 8
 def _kernel_fits(f: impl.Facts) -> impl.Unusable | None:
     if f.dtype not in (torch.float32, torch.float16, torch.bfloat16):
         return impl.Unusable(f"the kernel reads fp32/fp16/bf16 queries, got {f.dtype}")
+    if f.cache_dtype is not None and f.cache_dtype not in (torch.float8_e4m3fn, f.dtype):
+        # (its MMAs take both operands in one dtype; an fp8 cache is converted to the queries')
+        return impl.Unusable(f"the kernel reads a {f.cache_dtype} cache with {f.cache_dtype} queries (or an fp8 "
+                             f"cache with any), got {f.dtype} queries")
     if f.head_dim < 16 or f.v_head_dim < 16:
         return impl.Unusable(f"the kernel needs head dims >= 16, got {f.head_dim}/{f.v_head_dim}")
     if f.kv_strides is not None and any(st[-1] != 1 for st in f.kv_strides):
@@ -136,7 +140,7 @@ def check_paged_inputs(q: Tensor, cache: PagedKVCache, block_table: Tensor, seq_
 def resolve_backend(q: Tensor, cache: PagedKVCache, backend: DecodeBackend = "auto") -> str:
     """The implementation ("triton" | "torch") `paged_decode_attention` runs for q and this cache."""
     return DECODE.resolve(backend, device=q.device, needs_grad=impl.grad_needed(q), dtype=q.dtype,
-                          head_dim=q.shape[-1], v_head_dim=cache.v.shape[-1],
+                          cache_dtype=cache.k.dtype, head_dim=q.shape[-1], v_head_dim=cache.v.shape[-1],
                           kv_strides=(tuple(cache.k.stride()), tuple(cache.v.stride())))
 
 

@@ -994,7 +994,7 @@ _VALID = {
     "gluon_gqa": (0, 1), "gluon_gqa_fp8": (0, 1), "stages": range(2, 7),
     "swap": (0, 1), "raw_ring": (0, 1, 2, 3, 4), "keys": (32, 64), "ring": (1, 2, 3),
     "maxnreg": (0, *range(64, 256, 8)), "at_most": (0, 1), "stage16": (0, 1, 2), "even": (0, 1),
-    "direct": range(0, 13), "pipe": (0, 1),
+    "direct": range(0, 13), "pipe": (0, 1), "paired_store": (0, 1), "ids_ahead": (0, 1),
 }
 _META = ("device", "sizes", "seconds", "results", "notes", "problems")
 
@@ -1057,7 +1057,10 @@ def apply_tuning(tuning: dict) -> None:
     for kind, fp8_kind in _FP8_OF.items():
         if "min_split" in tuning.get(kind, {}) and "min_split" not in tuning.get(fp8_kind, {}):
             new[_FAMILIES[fp8_kind][0]["min_split"]] = tuning[kind]["min_split"]
-    for name, value in tuning.get("config", {}).items():
+    config = tuning.get("config", {})
+    if not isinstance(config, dict):
+        raise ValueError(f"decode tuning 'config' must be a dict of CONFIG entries, got {config!r}")
+    for name, value in config.items():
         base = next((k for k in _VALID if name == k or name.startswith(k + "_")), name)
         if name not in CONFIG:
             raise ValueError(f"unknown decode CONFIG key {name!r}; valid: {', '.join(CONFIG)}")
