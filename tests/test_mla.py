@@ -560,3 +560,29 @@ def test_rope_table_rejects_an_odd_rope_dim():
     table = rope_table(5, 4, theta=100.0)
     angles = torch.arange(5, dtype=torch.float64)[:, None] * torch.tensor([1.0, 0.1], dtype=torch.float64)
     torch.testing.assert_close(table.double(), torch.cat([angles.cos(), angles.sin()], -1), rtol=0, atol=1e-6)
+
+
+def test_absorb_and_output_helpers_refuse_weights_of_other_heads():
+    """absorb_query / mla_output with a one-head W_UK / W_UV beside H = 3 heads: ValueError naming the
+    shapes (einsum broadcast the one head's weights over every head, a silently wrong result), and
+    heads or dims that disagree otherwise: ValueError, not a RuntimeError from einsum / cat. The right
+    shapes give the per-head products."""
+    heads = 3
+    w_uk, w_uv = _weights(heads, DIMS, 60)
+    qn, qp = torch.randn(2, heads, DIMS.qk_nope_head_dim), torch.randn(2, heads, DIMS.qk_rope_head_dim)
+    o_lat = torch.randn(2, heads, DIMS.kv_lora_rank)
+    with pytest.raises(ValueError, match=r"W_UK \(1, 16, 32\) \[H, d_n, r\] with H and d_n of q_nope"):
+        absorb_query(qn, qp, w_uk[:1])
+    with pytest.raises(ValueError, match=r"q_pe \(2, 2, 16\) must be \[\.\.\., H, d\] with the same leading dims"):
+        absorb_query(qn, qp[:, :2], w_uk)
+    with pytest.raises(ValueError, match=r"W_UK \(3, 15, 32\)"):
+        absorb_query(qn, qp, w_uk[:, :15])
+    with pytest.raises(ValueError, match=r"o_lat \(2, 3, 32\) must be \[\.\.\., H, r\] and W_UV \(1, 24, 32\)"):
+        mla_output(o_lat, w_uv[:1])
+    with pytest.raises(ValueError, match=r"W_UV \(3, 24, 31\)"):
+        mla_output(o_lat, w_uv[..., :31])
+    got = absorb_query(qn, qp, w_uk)
+    for h in range(heads):
+        torch.testing.assert_close(got[:, h, :DIMS.kv_lora_rank], qn[:, h] @ w_uk[h])
+        torch.testing.assert_close(got[:, h, DIMS.kv_lora_rank:], qp[:, h])
+        torch.testing.assert_close(mla_output(o_lat, w_uv)[:, h], o_lat[:, h] @ w_uv[h].T)

@@ -164,13 +164,22 @@ def mla_kv_insert(cache: MLACache, c_kv: Tensor, k_pe: Tensor, positions: Tensor
 
 def absorb_query(q_nope: Tensor, q_pe: Tensor, w_uk: Tensor) -> Tensor:
     """[W_UK[h]^T q_nope[h], q_pe[h]]: q_nope [..., H, d_n], q_pe [..., H, d_r], W_UK [H, d_n, r]
-    -> [..., H, r + d_r] in q_nope's dtype (fp32 accumulation)."""
+    -> [..., H, r + d_r] in q_nope's dtype (fp32 accumulation). ValueError for shapes that disagree
+    (einsum would broadcast a one-head W_UK over every head)."""
+    if (q_nope.dim() < 2 or w_uk.dim() != 3 or q_pe.shape[:-1] != q_nope.shape[:-1]
+            or tuple(w_uk.shape[:2]) != tuple(q_nope.shape[-2:])):
+        raise ValueError(f"q_nope {tuple(q_nope.shape)} / q_pe {tuple(q_pe.shape)} must be [..., H, d] with the "
+                         f"same leading dims and W_UK {tuple(w_uk.shape)} [H, d_n, r] with H and d_n of q_nope")
     q_lat = torch.einsum("...hn,hnr->...hr", q_nope.float(), w_uk.float())
     return torch.cat([q_lat, q_pe.float()], dim=-1).to(q_nope.dtype)
 
 
 def mla_output(o_lat: Tensor, w_uv: Tensor) -> Tensor:
-    """o[h] = W_UV[h] o_lat[h]: o_lat [..., H, r], W_UV [H, d_v, r] -> [..., H, d_v] fp32."""
+    """o[h] = W_UV[h] o_lat[h]: o_lat [..., H, r], W_UV [H, d_v, r] -> [..., H, d_v] fp32. ValueError
+    for shapes that disagree (einsum would broadcast a one-head W_UV over every head)."""
+    if o_lat.dim() < 2 or w_uv.dim() != 3 or w_uv.shape[0] != o_lat.shape[-2] or w_uv.shape[-1] != o_lat.shape[-1]:
+        raise ValueError(f"o_lat {tuple(o_lat.shape)} must be [..., H, r] and W_UV {tuple(w_uv.shape)} [H, d_v, r] "
+                         f"with the same H and r")
     return torch.einsum("...hr,hvr->...hv", o_lat.float(), w_uv.float())
 
 
