@@ -34,6 +34,7 @@ import math
 import os
 import sys
 import time
+import traceback
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -47,6 +48,9 @@ from megapar.parallel.config import ParallelConfig
 # kernels (SDPA, Triton mHC with tf32x3 dots) get some slack.
 DEFAULT_TOLERANCE = {"cpu": 1e-4, "cuda": 1e-3}
 LAUNCHERS = ("auto", "local", "torchrun", "ray")
+EPLB_PER_RANK = object()
+"""`--eplb` given alone: one slot per EP rank (not a number: `--eplb -1` is refused like any other
+negative count; not a string either: argparse would convert a string const with type=int)"""
 
 
 @dataclass(frozen=True)
@@ -370,7 +374,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0, help="weights and prompts")
     p.add_argument("--ubatch", type=int, nargs="?", const=2, default=1,
                    help="micro-batches around the MoE dispatch/combine (flag alone: 2)")
-    p.add_argument("--eplb", type=int, nargs="?", const=-1, default=None, metavar="REDUNDANT",
+    p.add_argument("--eplb", type=int, nargs="?", const=EPLB_PER_RANK, default=None, metavar="REDUNDANT",
                    help="EPLB with REDUNDANT extra expert slots (flag alone: one per EP rank); rebalances after prefill")
     p.add_argument("--tolerance", type=float, default=None,
                    help=f"max relative logit error (default {DEFAULT_TOLERANCE['cpu']:g} cpu, "
@@ -404,8 +408,10 @@ def spec_from_args(args: argparse.Namespace, world_size: int) -> DemoSpec:
     replicas = pcfg.dp * pcfg.ext_dp
     batch = args.batch if args.batch is not None else 2 * replicas
     redundant = args.eplb
-    if redundant == -1:
+    if redundant is EPLB_PER_RANK:
         redundant = pcfg.ep
+    elif redundant is not None and redundant < 0:   # (EplbConfig refused it inside every rank)
+        raise ValueError(f"--eplb ({redundant}) must be >= 0 extra expert slots (the flag alone: one per EP rank)")
     if args.new_tokens < 0:
         raise ValueError(f"--new-tokens ({args.new_tokens}) must be >= 0")
     if args.ubatch < 1:
@@ -463,6 +469,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _main(args: argparse.Namespace) -> int:
+    from megapar.launch.local import RankError
+
     launcher = args.launcher
     if launcher == "auto":
         launcher = "torchrun" if _torchrun_env() else "local"
@@ -514,7 +522,11 @@ def _main(args: argparse.Namespace) -> int:
             return 2
     elif world == 1:
         say("one rank, in this process ...")
-        results = [_rank_entry(0, spec)]
+        try:
+            results = [_rank_entry(0, spec)]
+        except Exception as e:   # a failed job (exit 3), as launch_local reports a rank's error, not FAIL (1)
+            text = f"{type(e).__name__}: {e}\n{traceback.format_exc()}"
+            raise RankError(f"rank 0 failed:\n{text}", rank=0, remote_traceback=text) from None
     else:
         from megapar.launch.local import launch_local
 

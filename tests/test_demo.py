@@ -98,6 +98,20 @@ def test_demo_world1_runs_in_process(capsys):
         assert f"megapar demo: {line}" in out, line
 
 
+def test_demo_world1_job_error_exits_3_with_one_message_not_1(capsys, monkeypatch):
+    # the in-process rank's exception escaped main() (a traceback, and exit code 1, which means FAIL)
+    import launch.demo as demo
+
+    def broken(groups, spec):
+        raise RuntimeError("kernel exploded")
+
+    monkeypatch.setattr(demo, "run_rank", broken)
+    code, out = _run(capsys, "--world-size", "1", "--layers", "1", "--new-tokens", "1")
+    assert code == 3, out
+    assert "megapar demo: the job failed: rank 0 failed:\nRuntimeError: kernel exploded" in out
+    assert "PASS" not in out and "FAIL" not in out
+
+
 def test_demo_check_fails_on_nan_or_slightly_wrong_logits():
     # the check itself, on a real one-rank run (in this process): NaN logits at a decode step, or
     # on a second rank of the replica, were dropped by a Python max() and the run PASSED
@@ -147,6 +161,10 @@ def test_demo_check_fails_on_nan_or_slightly_wrong_logits():
     (["--world-size", "2", "--pcp", "0"], "pcp must be a positive int, got 0"),
     (["--tolerance", "-1"], "--tolerance must be a finite number > 0, got -1"),
     (["--tolerance", "nan"], "--tolerance must be a finite number > 0, got nan"),
+    # a negative count reached EplbConfig inside the ranks (a traceback, exit 1 = FAIL, at one rank);
+    # -1 was the flag-alone marker and ran one slot per EP rank
+    (["--world-size", "1", "--eplb", "-2"], "--eplb (-2) must be >= 0 extra expert slots"),
+    (["--world-size", "1", "--eplb", "-1"], "--eplb (-1) must be >= 0 extra expert slots"),
 ])
 def test_demo_rejects_bad_arguments_before_starting(capsys, argv, message):
     code, out = _run(capsys, *argv)
