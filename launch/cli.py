@@ -134,6 +134,16 @@ def cmd_bench(args: argparse.Namespace) -> int:
     if args.world_size is not None and args.world_size < 1:
         print(f"megapar bench: --world-size must be >= 1, got {args.world_size}", file=sys.stderr)
         return 2
+    if args.plot:
+        # before the suites: the ImportError came after the first suite had run, as a traceback
+        # that ended the run (`bench all --plot` never ran the other suites)
+        from megapar.launch.bench.plot import _pyplot
+
+        try:
+            _pyplot()
+        except ImportError as e:
+            print(f"megapar bench: {e}", file=sys.stderr)
+            return 2
     args.compare_old = None
     if args.compare is not None:
         # read now: the run writes OUT/SUITE-DEVICE.json, which may be this very file (comparing with

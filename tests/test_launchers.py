@@ -92,6 +92,22 @@ def test_megapar_bench_compare_with_the_file_the_run_replaces_compares_with_the_
     assert json.loads(old.read_text())["rows"][0]["time_us"] == 200.0
 
 
+def test_megapar_bench_plot_without_matplotlib_is_refused_before_any_suite_runs(tmp_path, monkeypatch, capsys):
+    # the ImportError came after the first suite had run and ended `bench all` with a traceback
+    import types
+
+    ran = []
+
+    def run(ctx):
+        ran.append(ctx.suite)
+        ctx.rows.append({"case": "one", "time_us": 1.0})
+
+    monkeypatch.setitem(sys.modules, "matplotlib", None)          # import matplotlib -> ImportError
+    monkeypatch.setitem(sys.modules, "megapar.launch.bench.merge", types.SimpleNamespace(run=run))
+    assert cli_main(["bench", "merge", "--device", "cpu", "--plot", "--out", str(tmp_path)]) == 2
+    assert ran == [] and "--plot needs matplotlib" in capsys.readouterr().err
+
+
 def test_megapar_env_lists_backends(capsys):
     assert cli_main(["env"]) == 0
     out = capsys.readouterr().out
