@@ -517,7 +517,7 @@ def _main(args: argparse.Namespace) -> int:
             results = launch_on_ray(_rank_entry, world, parallel_config=spec.parallel,
                                     resources_per_worker=resources, args=(spec,), backend=backend,
                                     timeout=args.timeout)
-        except ValueError as e:   # the cluster cannot hold the job
+        except (ValueError, ImportError) as e:   # the cluster cannot hold the job; Ray is not installed
             print(f"megapar demo: {e}", file=sys.stderr)
             return 2
     elif world == 1:

@@ -112,6 +112,16 @@ def test_demo_world1_job_error_exits_3_with_one_message_not_1(capsys, monkeypatc
     assert "PASS" not in out and "FAIL" not in out
 
 
+def test_demo_launcher_ray_without_ray_is_an_argument_error(capsys, monkeypatch):
+    # the ImportError escaped main() as a traceback with exit code 1 (FAIL)
+    import sys
+
+    monkeypatch.setitem(sys.modules, "ray", None)
+    code, out = _run(capsys, "--launcher", "ray", "--world-size", "1", "--layers", "1")
+    assert code == 2, out
+    assert "launch_on_ray needs Ray: pip install 'megapar[ray]'" in out and "Traceback" not in out
+
+
 def test_demo_check_fails_on_nan_or_slightly_wrong_logits():
     # the check itself, on a real one-rank run (in this process): NaN logits at a decode step, or
     # on a second rank of the replica, were dropped by a Python max() and the run PASSED
