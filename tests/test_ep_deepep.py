@@ -23,6 +23,11 @@ import torch.distributed as dist
 calls = []
 buffers = []  # the arguments of every Buffer made
 
+def _row_check(x):
+    """DeepEP's host asserts on the rows it moves (buffer.hpp: intranode_dispatch / _combine)."""
+    assert x.dim() == 2 and x.is_contiguous(), "DeepEP asserts x.dim() == 2 and x.is_contiguous()"
+    assert (x.shape[1] * x.element_size()) % 16 == 0, f"DeepEP asserts rows of whole int4s, got {tuple(x.shape)} {x.dtype}"
+
 class _Handle:
     def __init__(self, sent, recv_counts, num_tokens):
         self.sent, self.recv_counts, self.num_tokens = sent, recv_counts, num_tokens
@@ -62,12 +67,16 @@ class Buffer:
                  is_token_in_rank=None, num_tokens_per_expert=None, topk_idx=None, topk_weights=None, **kw):
         if handle is not None:
             assert isinstance(x, torch.Tensor) and x.shape[0] == handle.num_tokens, (x.shape, handle.num_tokens)
+            _row_check(x)
             calls.append(("dispatch_cached", tuple(x.shape)))
             everyone = self._all([x[handle.sent[d]] for d in range(self.size)])
             return torch.cat([everyone[s][self.rank] for s in range(self.size)]), None, None, None, handle, None
         x, scale = x if isinstance(x, tuple) else (x, None)
         t = x.shape[0]
+        _row_check(x)
         assert topk_idx.shape[0] == t and topk_weights.shape == topk_idx.shape and topk_weights.dtype == torch.float32
+        assert topk_idx.is_contiguous() and topk_weights.is_contiguous(), "DeepEP asserts contiguous topk tensors"
+        assert scale is None or (scale.dtype == torch.float32 and scale.dim() == 2 and scale.shape[0] == t)
         assert is_token_in_rank.shape == (t, self.size) and num_tokens_per_rank.shape == (self.size,)
         calls.append(("dispatch", tuple(x.shape), str(x.dtype), scale is not None))
         sent = [is_token_in_rank[:, d].nonzero().reshape(-1) for d in range(self.size)]
@@ -82,21 +91,32 @@ class Buffer:
         if scale is not None:
             recv_x = (recv_x, torch.cat([m[1] for m in mine]))
         handle = _Handle(sent, [m[0].shape[0] for m in mine], t)
-        return recv_x, local, torch.cat([m[3] for m in mine]), None, handle, None
+        recv_w = torch.cat([m[3] for m in mine])
+        recv_w = torch.where(local >= 0, recv_w, torch.zeros_like(recv_w))  # as its kernel: 0 off this rank
+        return recv_x, local, recv_w, None, handle, None
 
-    def combine(self, x, handle, **kw):
+    def combine(self, x, handle, topk_weights=None, **kw):
+        """Sums (no weights) the rows sent back; topk_weights [n, num_topk] fp32 are summed the same way."""
         assert x.dtype == torch.bfloat16, x.dtype  # DeepEP combines bf16
+        _row_check(x)
         assert x.shape[0] == sum(handle.recv_counts), (x.shape, handle.recv_counts)
-        calls.append(("combine", tuple(x.shape)))
-        blocks = list(torch.split(x, handle.recv_counts))  # block s: rows from rank s
-        everyone = self._all(blocks)
-        out = torch.zeros(handle.num_tokens, x.shape[1], dtype=torch.float32)
-        for d in range(self.size):
-            out.index_add_(0, handle.sent[d], everyone[d][self.rank].float())
-        return out.to(torch.bfloat16), None, None
+        calls.append(("combine", tuple(x.shape), topk_weights is not None))
+        sums = []
+        for t in [x] + ([] if topk_weights is None else [topk_weights]):
+            if t is topk_weights:
+                assert t.dtype == torch.float32 and t.dim() == 2 and t.is_contiguous() and t.shape[0] == x.shape[0]
+                assert t.shape[1] <= 32  # EP_DEVICE_ASSERT(num_topk <= 32)
+            blocks = list(torch.split(t, handle.recv_counts))  # block s: rows from rank s
+            everyone = self._all(blocks)
+            out = torch.zeros(handle.num_tokens, t.shape[1], dtype=torch.float32)
+            for d in range(self.size):
+                out.index_add_(0, handle.sent[d], everyone[d][self.rank].float())
+            sums.append(out)
+        return sums[0].to(torch.bfloat16), (sums[1] if topk_weights is not None else None), None
 
     def low_latency_dispatch(self, x, topk_idx, num_max_dispatch_tokens_per_rank, num_experts, use_fp8=False, **kw):
         assert self.ll and topk_idx.dtype == torch.int64 and x.shape[0] <= num_max_dispatch_tokens_per_rank
+        assert x.is_contiguous() and topk_idx.is_contiguous(), "DeepEP asserts contiguous x and topk_idx"
         calls.append(("low_latency_dispatch", tuple(x.shape), num_max_dispatch_tokens_per_rank, num_experts))
         el = num_experts // self.size
         recv = torch.zeros(el, self.size * num_max_dispatch_tokens_per_rank, x.shape[1], dtype=x.dtype)
@@ -104,6 +124,7 @@ class Buffer:
 
     def low_latency_combine(self, x, topk_idx, topk_weights, handle, **kw):
         assert handle == "ll-handle" and x.dim() == 3 and topk_weights.shape == topk_idx.shape
+        assert topk_idx.is_contiguous() and topk_weights.is_contiguous() and topk_weights.dtype == torch.float32
         calls.append(("low_latency_combine", tuple(x.shape)))
         return torch.zeros(topk_idx.shape[0], x.shape[2], dtype=x.dtype), None, None
 
@@ -141,31 +162,52 @@ def _inputs(rank: int, world: int, e_total: int, hidden: int = H) -> tuple[torch
 
 def _normal_case(pg, rank: int, world: int, e_total: int, device: str) -> dict:
     """backend "deepep" (on `device`) against "all_to_all" (on the CPU): rows, counts, offsets,
-    row weights, expert ids, combine output and the gradient of x."""
+    row weights, expert ids, combine output and the gradients of x and of the router weights
+    (also alone); the combine output and the weight gradients also against a plain loop.
+    x and the weights are non-contiguous views (DeepEP asserts contiguous tensors; the
+    dispatcher takes any strides)."""
     from parallel.ep import DeepEPConfig, make_dispatcher
 
     # the real DeepEP's SM90 intranode dispatch traps unless a row is a multiple of 32 bytes (its
     # TMA copies move half rows of int4s): 256 bf16 values, with the fake too (the backend checks)
     hidden = NORMAL_HIDDEN
     x, ids, w = _inputs(rank, world, e_total, hidden)
-    res = {}
+    if ids.shape[0]:
+        ids[0, 1] = ids[0, 0] = 2 * rank + 1  # a token choosing one expert twice
+    res, ref = {}, {}
     for backend in ("all_to_all", "deepep"):
         dev = device if backend == "deepep" else "cpu"
         cfg = DeepEPConfig(num_nvl_bytes=1 << 22, num_qps_per_rank=3) if backend == "deepep" else None
         d = make_dispatcher(pg, e_total, hidden, backend=backend, comm_thread=False, backend_config=cfg)
-        xx = x.clone().to(dev).requires_grad_(True)
-        r = d.dispatch(xx, ids.to(dev), w.to(dev))
+        xt = x.t().contiguous().to(dev).requires_grad_(True)  # leaves [H, T] and [K, T]: x, w are their .t()
+        wt = w.t().contiguous().to(dev).requires_grad_(True)
+        r = d.dispatch(xt.t(), ids.to(dev), wt.t())
         y = d.combine(r.x * 2, r.handle)
         (y.float() * torch.arange(hidden, device=dev)).sum().backward()
+        # only the router weights need a gradient: dispatch's backward reduces the [n, K] piece alone
+        wt2 = w.t().contiguous().to(dev).requires_grad_(True)
+        r2 = d.dispatch(x.to(dev), ids.to(dev), wt2.t())
+        (d.combine(r2.x * 2, r2.handle).float() * torch.arange(hidden, device=dev)).sum().backward()
         res[backend] = [t.detach().cpu() for t in (r.x, r.counts, r.offsets, r.topk_weights, r.expert_ids, y,
-                                                   xx.grad)]
+                                                   xt.grad, wt.grad, wt2.grad)]
         if backend == "deepep":
             d.backend.destroy()
+    # a plain loop (experts: y = 2 x): out[t] = sum_k w[t, k] 2 x[t], dL/dw[t, k] = 2 x[t] . arange(H)
+    # over the valid k; every value is exact in fp32 and bf16
+    y_ref, gw_ref = torch.zeros(x.shape[0], hidden), torch.zeros(w.shape)
+    for t in range(x.shape[0]):
+        for k in range(ids.shape[1]):
+            if ids[t, k] >= 0:
+                y_ref[t] += float(w[t, k]) * 2 * x[t].float()
+                gw_ref[t, k] = float((2 * x[t].float() * torch.arange(hidden)).sum())
+    same = [torch.equal(a, b) for a, b in zip(res["all_to_all"], res["deepep"])]
+    loop = [torch.equal(res["deepep"][5].float(), y_ref), torch.equal(res["deepep"][7].t(), gw_ref),
+            torch.equal(res["deepep"][8].t(), gw_ref)]
     # the default normal-mode buffer: NVL_BYTES, no RDMA, DeepEP's qps default
     d = make_dispatcher(pg, e_total, hidden, backend="deepep", comm_thread=False)
     assert d.backend.buffer is not None
     d.backend.destroy()
-    return {"same": [torch.equal(a, b) for a, b in zip(res["all_to_all"], res["deepep"])]}
+    return {"same": same, "loop": loop}
 
 
 def _low_latency_case(pg, rank: int, world: int, e_total: int, device: str, hidden: int,
@@ -186,6 +228,7 @@ def _low_latency_case(pg, rank: int, world: int, e_total: int, device: str, hidd
     ll = DeepEPLowLatency(pg, DeepEPConfig(low_latency_mode=True, max_dispatch_tokens_per_rank=8, hidden=hidden,
                                            num_experts=e_total))
     x, ids, w = (t.to(device) for t in _inputs(rank, world, e_total, hidden))
+    ids, w = ids.t().contiguous().t(), w.t().contiguous().t()  # non-contiguous (DeepEP asserts contiguous)
     got = ll.dispatch(x, ids, w)
     y = ll.combine(got.x, got)
     out["ll_shapes"] = (tuple(got.x.shape), tuple(y.shape))
@@ -242,12 +285,13 @@ def test_deepep_backend_matches_all_to_all_through_a_fake_deep_ep(fake_dir):
 
     world = 2
     for rank, r in enumerate(launch_local(_rank, world, args=(world, fake_dir), timeout=200)):
-        assert r["same"] == [True] * 7, (rank, r["same"])
+        assert r["same"] == [True] * 9 and r["loop"] == [True] * 3, (rank, r["same"], r["loop"])
         assert r["ll_shapes"] == ((2, world * 8, H), ([5, 0][rank], H)), r["ll_shapes"]
         calls = r["calls"]
-        # one buffer; layout + dispatch forward, a cached dispatch (combine's backward), combines
+        # one buffer; layout + dispatch forward, a cached dispatch (combine's backward), combines:
+        # per dispatch one forward and one for its backward (x's rows with the weights' gradients)
         assert calls[:4] == ["Buffer", "get_dispatch_layout", "dispatch", "combine"], calls
-        assert "dispatch_cached" in calls and calls.count("combine") == 2, calls
+        assert "dispatch_cached" in calls and calls.count("combine") == 4, calls
         assert calls[-4:] == ["Buffer", "low_latency_dispatch", "low_latency_combine", "destroy"], calls
         assert calls.count("destroy") == 3, calls  # every buffer the body frees, freed once
         # Buffer(group, nvl, rdma, low_latency_mode, num_qps_per_rank) from each DeepEPConfig (fake default qps 1)
@@ -274,7 +318,7 @@ def test_deepep_normal_mode_two_ranks_on_one_gpu():
     results = launch_local(_rank, world, args=(world, None, "cuda", ("normal",)), timeout=110,
                            env={"CUDA_MPS_ACTIVE_THREAD_PERCENTAGE": str(100 // world)})
     for rank, r in enumerate(results):
-        assert r["same"] == [True] * 7, (rank, r["same"])
+        assert r["same"] == [True] * 9 and r["loop"] == [True] * 3, (rank, r["same"], r["loop"])
 
 
 @pytest.mark.gpu

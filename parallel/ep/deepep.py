@@ -7,7 +7,8 @@
   ``combine(t, handle)``. DeepEP returns received rows ordered by source rank then token and
   local expert ids (-1 off this rank), which are turned back into global ids, so the layout,
   combine and backward passes are those of ``all_to_all``. DeepEP combines bf16 only: partial
-  sums travel as bf16.
+  sums travel as bf16; the router weights' gradients (dispatch's backward) travel in fp32 as
+  combine's ``topk_weights``, which DeepEP sums across ranks like the rows.
 - `DeepEPLowLatency`: ``low_latency_dispatch`` -> ``[E_local, W * max_tokens, H]`` (DeepEP's
   layout) with per-expert counts, and ``low_latency_combine``.
 
@@ -151,6 +152,8 @@ class DeepEPRoute(Route):
         self.num_recv = sum(census.rows[s][backend.rank] for s in range(backend.size))
         self.num_experts = len(census.expert_pairs)
         self.handle: Any = None
+        self.top_k: int | None = None  # K and the bytes of one x row, set by the first send
+        self.row_bytes = 0
 
     def reduce_dtype(self, dtype: torch.dtype, out_dtype: torch.dtype) -> torch.dtype:
         return torch.bfloat16  # DeepEP's combine takes bf16
@@ -159,9 +162,11 @@ class DeepEPRoute(Route):
         buf = self.backend.buffer
         if self.handle is not None:  # cached dispatch along the first one's routing
             return backends._done([buf.dispatch(p, handle=self.handle)[0] for p in pieces])
-        x, ids, weights = pieces[0], pieces[-2].long(), pieces[-1].float()
-        scale = pieces[1] if len(pieces) == 4 else None
+        # DeepEP asserts contiguous x, scales, ids and weights (buffer.hpp); the dispatcher takes any strides
+        x, ids, weights = pieces[0].contiguous(), pieces[-2].long().contiguous(), pieces[-1].float().contiguous()
+        scale = pieces[1].contiguous() if len(pieces) == 4 else None
         check_row_bytes(x)  # the dispatcher checked it before its census (DeepEPBackend.input_error)
+        self.top_k, self.row_bytes = ids.shape[1], x.shape[1] * x.element_size()
         per_rank, per_rdma_rank, per_expert, in_rank, _ = buf.get_dispatch_layout(ids, self.num_experts)
         recv_x, recv_ids, recv_w, _, self.handle, _ = buf.dispatch(
             (x, scale) if scale is not None else x, topk_idx=ids, topk_weights=weights,
@@ -177,9 +182,26 @@ class DeepEPRoute(Route):
         return backends._done([recv_x] + ([recv_scale] if recv_scale is not None else []) + [global_ids, recv_w])
 
     def reduce(self, pieces: list[torch.Tensor], *, async_op: bool = False) -> Any:
+        """DeepEP's combine sums the rows sent back, without weights: the hidden-wide partial sums
+        travel as bf16 (`reduce_dtype`). The fp32 [n_recv, K] piece of dispatch's backward (the
+        router weights' gradients, always last) travels as combine's ``topk_weights``, which
+        DeepEP sums the same way in fp32: as bf16 rows it lost precision, and DeepEP refuses rows
+        of K bf16 values unless 2K bytes are whole int4s (K = 2: 4 bytes)."""
         buf = self.backend.buffer
-        return backends._done([buf.combine(p.to(torch.bfloat16).contiguous(), self.handle)[0].float()
-                               for p in pieces])
+        pieces = list(pieces)
+        weights = None
+        if pieces and pieces[-1].dtype == torch.float32 and pieces[-1].dim() == 2 \
+                and pieces[-1].shape[1] == self.top_k:
+            weights = pieces.pop().contiguous()
+        rows = [p.to(torch.bfloat16).contiguous() for p in pieces]
+        if weights is None:
+            return backends._done([buf.combine(r, self.handle)[0].float() for r in rows])
+        # the weights ride on the last rows' combine; alone, on rows of zeros (the dispatched x's bytes)
+        carrier = rows.pop() if rows else torch.zeros(weights.shape[0], self.row_bytes // 2, dtype=torch.bfloat16,
+                                                      device=weights.device)
+        out = [buf.combine(r, self.handle)[0].float() for r in rows]
+        summed, summed_weights = buf.combine(carrier, self.handle, topk_weights=weights)[:2]
+        return backends._done(out + ([summed.float()] if pieces else []) + [summed_weights.float()])
 
 
 class DeepEPBackend(Backend):
@@ -262,10 +284,10 @@ class DeepEPLowLatency:
     def dispatch(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> LowLatencyResult:
         if x.dim() != 2 or x.shape[1] != self.hidden or x.shape[0] > self.max_tokens:
             raise ValueError(f"x must be [T <= max_tokens={self.max_tokens}, H={self.hidden}], got {tuple(x.shape)}")
-        ids = topk_ids.long()
-        recv, counts, handle, _, _ = self.buffer.low_latency_dispatch(x, ids, self.max_tokens, self.num_experts,
-                                                                      use_fp8=self.use_fp8)
-        return LowLatencyResult(recv, counts, handle, ids, topk_weights.float())
+        ids = topk_ids.long().contiguous()  # DeepEP asserts contiguous x, topk_idx (and the weights in combine)
+        recv, counts, handle, _, _ = self.buffer.low_latency_dispatch(x.contiguous(), ids, self.max_tokens,
+                                                                      self.num_experts, use_fp8=self.use_fp8)
+        return LowLatencyResult(recv, counts, handle, ids, topk_weights.float().contiguous())
 
     def combine(self, expert_out: torch.Tensor, result: LowLatencyResult) -> torch.Tensor:
         """expert_out: [E_local, W * max_tokens, H] bf16 -> [T, H] (sum_k w_k y_k)."""
