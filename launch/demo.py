@@ -424,13 +424,14 @@ def spec_from_args(args: argparse.Namespace, world_size: int) -> DemoSpec:
                     eplb_redundant=redundant, corrupt_rank=args.corrupt_rank)
 
 
-def _run_torchrun(spec: DemoSpec, tolerance: float) -> int:
+def _run_torchrun(spec: DemoSpec, tolerance: float, timeout: float) -> int:
     import torch.distributed as dist
 
     from megapar.launch.env import init_from_env
     from megapar.parallel import destroy_parallel
 
-    groups = init_from_env(spec.parallel, backend="nccl" if spec.device == "cuda" else "gloo")
+    # --timeout as every collective's timeout: a hung rank makes the others raise after it
+    groups = init_from_env(spec.parallel, backend="nccl" if spec.device == "cuda" else "gloo", timeout=timeout)
     try:
         result = run_rank(groups, spec)
         gathered: list[Any] = [None] * groups.world.size
@@ -504,7 +505,7 @@ def _main(args: argparse.Namespace) -> int:
     backend = "nccl" if args.device == "cuda" else "gloo"
     spec = dataclasses.replace(spec, progress=True)
     if launcher == "torchrun":
-        return _run_torchrun(spec, tolerance)
+        return _run_torchrun(spec, tolerance, args.timeout)
     start = time.perf_counter()
     if launcher == "ray":
         from megapar.launch.ray_launcher import launch_on_ray

@@ -53,12 +53,13 @@ def check_launch_env(env: LaunchEnv, backend: str | None = None) -> None:
                          f"(torchrun --nproc-per-node {count}) or use backend='gloo'")
 
 
-def init_from_env(config: ParallelConfig | None = None, *, backend: str | None = None, **sizes: int
-                  ) -> ParallelGroups:
+def init_from_env(config: ParallelConfig | None = None, *, backend: str | None = None,
+                  timeout: float | None = None, **sizes: int) -> ParallelGroups:
     """Initialize from the launcher's environment.
 
     config: the layout; or pass sizes (tp=2, pcp=2, ...) and the world size comes from the
-    environment. Sets the CUDA device from LOCAL_RANK when CUDA is present.
+    environment. timeout: seconds, every collective's timeout (`init_parallel`'s). Sets the CUDA
+    device from LOCAL_RANK when CUDA is present.
     """
     env = read_launch_env()
     check_launch_env(env, backend)
@@ -69,4 +70,4 @@ def init_from_env(config: ParallelConfig | None = None, *, backend: str | None =
     setup_logging(env.rank)
     if torch.cuda.is_available() and (backend in (None, "nccl")):
         set_local_device(env)
-    return init_parallel(config, backend=backend)
+    return init_parallel(config, backend=backend, timeout=timeout)

@@ -249,7 +249,8 @@ def test_init_from_env_refuses_an_inconsistent_environment(monkeypatch, env, gpu
     reached = []     # nothing is started here: the checks come first
     monkeypatch.setattr(launch_env, "setup_logging", lambda *a, **k: None)
     monkeypatch.setattr(launch_env, "set_local_device", lambda e: reached.append(("device", e.local_rank)))
-    monkeypatch.setattr(launch_env, "init_parallel", lambda cfg, backend=None: reached.append(("init", backend)))
+    monkeypatch.setattr(launch_env, "init_parallel",
+                        lambda cfg, backend=None, timeout=None: reached.append(("init", backend)))
     backend = "nccl" if gpus else "gloo"
     if needle is None:
         launch_env.init_from_env(backend=backend)
@@ -277,6 +278,20 @@ def test_launch_env_reads_a_callers_backend_as_what_it_runs_on(monkeypatch, star
     monkeypatch.setattr(dist, "get_backend", lambda group=None: started_backend)
     with pytest.raises(ValueError, match="LOCAL_RANK=2 but this node has 2 GPU"):
         launch_env.check_launch_env(launch_env.read_launch_env())
+
+
+def test_init_from_env_passes_its_timeout_to_init_parallel(monkeypatch):
+    # the demo's --timeout was ignored under torchrun: init_from_env had no way to pass it on
+    import launch.env as launch_env
+
+    _set_launch_env(monkeypatch, {"RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": None, "MASTER_PORT": None})
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(launch_env, "setup_logging", lambda *a, **k: None)
+    got = []
+    monkeypatch.setattr(launch_env, "init_parallel", lambda cfg, backend=None, timeout=None: got.append(timeout))
+    launch_env.init_from_env(backend="gloo", timeout=42.0)
+    launch_env.init_from_env(backend="gloo")
+    assert got == [42.0, None]
 
 
 _TORCHRUN_SCRIPT = """
