@@ -98,8 +98,9 @@ def _ask(check: Check, f: Facts) -> Unusable | None:
 # ---- capabilities (the only place that reads them) -------------------------------------------------
 
 def interpreting() -> bool:
-    """The Triton interpreter is on (CPU tensors run Triton kernels; tests only)."""
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+    """The Triton interpreter is on (CPU tensors run Triton kernels; tests only): TRITON_INTERPRET
+    as Triton reads it (1 / true / on / yes, any case)."""
+    return os.environ.get("TRITON_INTERPRET", "0").strip().lower() in ("1", "true", "on", "yes")
 
 
 @functools.lru_cache(maxsize=None)

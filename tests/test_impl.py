@@ -102,3 +102,14 @@ def test_report_answers_for_capabilities_not_for_inputs_it_does_not_have():
     assert op.resolve(device=cuda, dtype=torch.float32, size=2) == "fused"
     with pytest.raises(ValueError, match="needs fp16/bf16, got None"):
         op.resolve("kernel", device=cuda)
+
+
+@pytest.mark.parametrize("value,on", [("1", True), ("true", True), ("On", True), ("yes", True), ("0", False),
+                                      ("false", False), ("", False)])
+def test_interpreting_reads_triton_interpret_as_triton_does(monkeypatch, value, on):
+    # only "1" counted: TRITON_INTERPRET=true ran Triton's interpreter while a named Triton backend on
+    # CPU tensors was refused as if it were off
+    from parallel import impl
+
+    monkeypatch.setenv("TRITON_INTERPRET", value)
+    assert impl.interpreting() is on

@@ -115,11 +115,11 @@ class Case:
 
 def _weights(ctx: BenchContext, E: int, N: int, K: int, seed: int) -> dict[str, Any]:
     from megapar.moe.kernels import packing_for, prepare_weights
-    from megapar.parallel.impl import triton_importable
+    from megapar.parallel.impl import interpreting, triton_importable
 
     q = random_mxfp4(E, N, K, ctx.device, seed)
     pw = prepare_weights(q)
-    if (ctx.is_cuda or os.environ.get("TRITON_INTERPRET") == "1") and triton_importable():
+    if (ctx.is_cuda or interpreting()) and triton_importable():
         from megapar.moe.kernels.triton_w4a16 import expand_fp4
         bf16 = expand_fp4(pw, torch.bfloat16)
         fp8, fp8_scale = expand_fp4(pw, fold="row")
