@@ -22,7 +22,13 @@ Three pieces on one `NvshmemBuffer` (symmetric memory, peer pointers, two `PeerC
   per-expert counts on the device (rows ordered by source rank, token, k: the order of the
   host-synced slab), `combine_slab` -> the weighted fp32 sum per token. `check()` reads the
   device error word (a sync: call it where the caller synchronizes anyway) and raises naming
-  the rank that never arrived, or the capacity an overflowing expert needed.
+  the rank that never arrived, or the capacity an overflowing expert needed. Without a host
+  sync, inputs are checked on the calling rank only: a call that raises there (more than
+  max_tokens tokens, shapes, dtypes) raises before anything is written, on that rank alone; it
+  never joined the transfer, so its peers' waits time out and their `check()` names it, and
+  the ranks' buffers are out of step: build new ones on every rank. The rows' byte layout
+  follows x's dtype and x_scale's width, so every rank must pass the same ones (x_scale given
+  on all ranks or none); nothing can compare them without a sync.
 - backend ``"nvshmem"`` of `parallel.ep.make_dispatcher` (normal mode, prefill): the census
   gives every split on the host, as for ``all_to_all``; the payload moves by device writes into
   the receivers' symmetric regions instead of NCCL, in the same order, so `DispatchResult`,
@@ -478,7 +484,9 @@ class NvshmemTransport:
                  x_scale: torch.Tensor | None = None) -> NvshmemBatch:
         """x: [T, H]; topk_ids [T, K] global ids (-1 = none); topk_weights [T, K] -> a batch of
         N = W * max_tokens rows (row s * max_tokens + t: token t of rank s; rows of tokens with
-        no expert here hold stale x and are never read: their ids here are all off this rank)."""
+        no expert here hold stale x and are never read: their ids here are all off this rank).
+        Every rank calls it (T = 0 included) with the same x dtype and x_scale width; a ValueError
+        (T > max_tokens, shapes) is raised on this rank alone, before any write (module docstring)."""
         buf = self.buffer
         buf.usable()
         self._check(x, topk_ids, topk_weights, x_scale)
