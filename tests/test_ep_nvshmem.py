@@ -262,6 +262,58 @@ def _slab_cases(group, rank: int, world: int, device: str = "cpu") -> dict:
     return out
 
 
+def _format_cases(group, rank: int, world: int, device: str = "cpu") -> list[bool]:
+    """A bf16 buffer carrying fp8 x with two fp32 scales a row, top-k = every expert, a token
+    choosing one expert twice, -1 ids, T = 0 on some ranks and T changing between calls (the
+    rows a call leaves in the regions must not reach the next one): dispatch_slab + combine_slab
+    and dispatch + combine against a plain loop over this rank's tokens."""
+    from parallel.ep.nvshmem import NvshmemConfig, NvshmemTransport
+
+    e_total, tm = 2 * world, 5
+    el, first = 2, 2 * rank
+    out = []
+    tr = NvshmemTransport.create(group, NvshmemConfig(max_tokens=tm, hidden=H, top_k=e_total, num_experts=e_total,
+                                                      dtype=torch.bfloat16, scale_width=2), device=device)
+    with tr.buffer:
+        for call, counts in enumerate(([tm, 0, 3, tm], [tm, 2, 0, 4])):
+            t = counts[rank % 4]
+            g = torch.Generator().manual_seed(100 * call + rank)
+            if call == 0:  # most tokens on every rank
+                ids = torch.randint(-1, e_total, (t, e_total), generator=g)
+                if t:
+                    ids[0, :2] = 1  # expert 1 twice
+                    ids[-1] = torch.randperm(e_total, generator=g)  # every expert
+            else:  # each token on one rank (one of its experts twice), token 2 on none: the other
+                ids = torch.full((t, e_total), -1)  # ranks' rows of the first call stay behind
+                for i in range(t):
+                    owner = (i + rank) % world
+                    ids[i, :3] = torch.tensor([2 * owner + 1, 2 * owner, 2 * owner + 1])
+                ids[2:3] = -1
+            w = torch.randint(0, 4, (t, e_total), generator=g).float() / 4
+            x = (torch.randint(-8, 8, (t, H), generator=g).float() / 4).to(torch.float8_e4m3fn)
+            scale = torch.randint(1, 4, (t, 2), generator=g).float()
+            want = torch.zeros(t, H)  # experts: y = 2 * x * scale[0] + the local expert index
+            for i in range(t):
+                for k in range(e_total):
+                    if ids[i, k] >= 0:
+                        want[i] += float(w[i, k]) * (2 * x[i].float() * scale[i, 0] + int(ids[i, k]) % el)
+            xd, idd, wd, sd = (v.to(device) for v in (x, ids, w, scale))
+            d = tr.dispatch_slab(xd, idd, wd, sd)
+            e = torch.arange(el, device=device)[:, None, None]
+            y = tr.combine_slab(2 * d.x.float() * d.x_scale[..., :1] + e, d.handle)
+            out.append(y.dtype == torch.float32 and torch.equal(y.cpu(), want))
+            b = tr.dispatch(xd, idd, wd, sd)
+            part = torch.zeros(b.x.shape[0], H)
+            bx, bs, bids, bw = (v.cpu() for v in (b.x, b.x_scale, b.topk_ids, b.topk_weights))
+            for n in range(bx.shape[0]):
+                for k in range(e_total):
+                    if first <= bids[n, k] < first + el:
+                        part[n] += float(bw[n, k]) * (2 * bx[n].float() * bs[n, 0] + int(bids[n, k]) % el)
+            out.append(torch.equal(tr.combine(part.to(device), b).cpu(), want))
+        tr.check()
+    return out
+
+
 def _dispatcher_cases(group, rank: int, world: int, device: str = "cpu") -> dict:
     """backend="nvshmem" against "all_to_all": layout, combine, gradients, async handles."""
     from parallel.ep import NvshmemConfig, make_dispatcher
@@ -439,8 +491,8 @@ def _rank(rank: int, world: int, fake_dir: str | None, device: str = "cpu") -> d
         pg = groups.ep.group  # the raw ProcessGroup (gloo: NCCL refuses two ranks on one GPU)
         if device != "cpu":  # keep NVSHMEM initialized throughout (no finalize + re-init between cases)
             keeper = NvshmemBuffer(pg, NvshmemConfig(max_tokens=1, hidden=4, top_k=1, num_experts=world), device=device)
-        cases = {"slab": _slab_cases, "dispatcher": _dispatcher_cases, "moe": _moe_layer_case,
-                 "errors": _error_cases}
+        cases = {"slab": _slab_cases, "formats": _format_cases, "dispatcher": _dispatcher_cases,
+                 "moe": _moe_layer_case, "errors": _error_cases}
         if device != "cpu":
             cases["graph"] = _graph_case
         out = {}
@@ -502,6 +554,7 @@ def _check_results(results: list[dict], world: int) -> None:
             assert same == [True] * 5, (rank, key, same)
         assert "tokens exceed the buffer's max_tokens (6)" in r["slab"]["too_many"], r["slab"]["too_many"]
         assert r["slab"]["wide_ids"] is True, (rank, "int64 ids past int32 reached an expert")
+        assert r["formats"] == [True] * 4, (rank, r["formats"])
         for seed, same in r["dispatcher"].items():
             assert same == [True] * 8, (rank, seed, same)
         assert r["moe"] < 1e-5, (rank, r["moe"])
