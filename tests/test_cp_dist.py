@@ -1,4 +1,5 @@
-"""Context parallelism on real gloo process groups (2 and 4 ranks, fp32, tight tolerances):
+"""Context parallelism on real gloo process groups (2 and 4 ranks, fp32, tight tolerances; ring
+attention also on 3 ranks, fp32 and bf16):
 ring and all-gather attention forward/backward (also on packed variable-length batches), DCP
 decode with both combine modes, and the attention module, all against the independent
 full-attention reference."""
@@ -273,6 +274,10 @@ def _check_disagreement(groups, rank: int, world: int) -> None:
     _raises_on_every_rank(lambda: ring_attention(y, y, y, groups.pcp), "must be even" if rank == 0 else "rank(s) [0]")
     empty = torch.randn(0, 2, 8)
     _raises_on_every_rank(lambda: ring_attention(empty, empty, empty, groups.pcp), "T = 0")
+    flat = torch.randn(t, 2, 0 if rank == 0 else 8)  # 1/sqrt(D) undefined on rank 0 only: not a ZeroDivisionError there
+    for variant in ("ring", "allgather"):
+        _raises_on_every_rank(lambda: ring_attention(flat, flat, flat, groups.pcp, variant=variant),
+                              "head dim D = 0" if rank == 0 else "rank(s) [0]")
     scale = float("nan") if rank == 0 else None  # only rank 0's is bad (it computed NaN, the others went on)
     for variant in ("ring", "allgather"):
         _raises_on_every_rank(lambda: ring_attention(x, x, x, groups.pcp, scale=scale, variant=variant),
@@ -341,3 +346,58 @@ def test_ring_attention_without_tokens_raises_naming_t():
     for causal in (True, False):
         with pytest.raises(ValueError, match=r"T = 0"):
             ring_attention(empty, empty, empty, causal=causal)
+
+
+def _ring_three_rank(rank: int) -> str:
+    """Three real ranks (an odd ring: the dK/dV accumulators come home in the other buffer than at
+    P = 2 or 4), each case against plain float64 attention over the whole packed batch: GQA
+    (Hq 4, Hkv 1), Dv != D, a custom scale, sequences of different lengths with an empty one,
+    fp32 and bf16, return_lse; the backward with only k requiring grad and with all three,
+    twice (retain_graph); the forward again under torch.no_grad."""
+    torch.set_num_threads(1)
+    from parallel import ParallelConfig, init_parallel
+    from parallel.cp import ring_attention, zigzag_shard_varlen
+
+    world = 3
+    groups = init_parallel(ParallelConfig(world_size=world, pcp=world))
+    lengths = [2 * world, 0, 6 * world, 4 * world]
+    cu = [0, 6, 6, 24, 36]
+    gen = torch.Generator().manual_seed(5)
+    q, k, v, dout = (torch.randn(cu[-1], h, d, generator=gen, dtype=torch.float64)
+                     for h, d in ((4, 8), (1, 8), (1, 6), (4, 6)))
+    shard = lambda x: zigzag_shard_varlen(x, cu, rank, world)
+    for causal in (True, False):
+        ref = [x.clone().requires_grad_() for x in (q, k, v)]
+        per_seq = [reference_attention(*(x[a:b] for x in ref), causal=causal, scale=0.3)
+                   for a, b, n in zip(cu[:-1], cu[1:], lengths) if n]
+        ref_out, ref_lse = (torch.cat([p[i] for p in per_seq]) for i in (0, 1))
+        (ref_out * dout).sum().backward()
+        for variant, dtype, needs in (("ring", torch.float32, (True, True, True)),
+                                      ("ring", torch.bfloat16, (False, True, False)),
+                                      ("allgather", torch.float32, (False, True, False)),
+                                      ("allgather", torch.bfloat16, (True, True, True))):
+            atol, grad_atol = (ATOL, GRAD_ATOL) if dtype == torch.float32 else (3e-2, 5e-2)
+            msg = f"rank {rank}/{world} {variant} {dtype} causal={causal} requires_grad={needs}"
+            local = [shard(x).to(dtype).requires_grad_(n) for x, n in zip((q, k, v), needs)]
+            out, lse = ring_attention(*local, groups.pcp, causal=causal, scale=0.3, variant=variant, return_lse=True,
+                                      cu_seqlens=cu)
+            _close(out, shard(ref_out), atol, f"{msg} out")
+            _close(lse, shard(ref_lse), atol, f"{msg} lse")
+            out.backward(shard(dout).to(dtype), retain_graph=True)
+            first = [None if x.grad is None else x.grad.clone() for x in local]
+            out.backward(shard(dout).to(dtype))
+            for name, x, n, g, r in zip("qkv", local, needs, first, ref):
+                assert (x.grad is not None) == n, f"{msg}: d{name}"
+                if n:
+                    _close(g, shard(r.grad), grad_atol, f"{msg} d{name}")
+                    _close(x.grad, 2 * g, 0.0, f"{msg} d{name} after a second backward")
+            with torch.no_grad():
+                again = ring_attention(*local, groups.pcp, causal=causal, scale=0.3, variant=variant,
+                                       cu_seqlens=torch.tensor(cu))
+            assert not again.requires_grad, msg
+            _close(again, out, 0.0, f"{msg} under no_grad")
+    return "ok"
+
+
+def test_ring_attention_on_three_gloo_ranks():
+    assert launch_local(_ring_three_rank, 3, timeout=120) == ["ok"] * 3
