@@ -86,6 +86,9 @@ def resolve_scale(scale: float | Tensor | None, head_dim: int) -> float:
     ValueError on one rank into an error on every rank, anything else would leave the others waiting.
     """
     if scale is None:
+        if head_dim < 1:   # (0 ** -0.5: a ZeroDivisionError, which the ranks' agreements do not report)
+            raise ValueError(f"head dim D = {head_dim}: the default scale 1/sqrt(D) is undefined; pass scale= "
+                             f"explicitly")
         return head_dim ** -0.5
     if type(scale) is float and math.isfinite(scale):   # the common case, on every decode step: no more work
         return scale

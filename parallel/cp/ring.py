@@ -526,9 +526,6 @@ def ring_attention(q: Tensor, k: Tensor, v: Tensor, group: GroupLike = None, *, 
             raise ValueError(f"local length ({q.shape[1]}) must be even: each rank holds two zigzag chunks; pad "
                              f"the sequence to a multiple of 2*P = {2 * size} and shard it with zigzag_shard")
         backend = resolve_backend(backend, q, k, v)   # a bad backend on one rank must not hang the others
-        if scale is None and q.shape[-1] == 0:          # resolve_scale would raise ZeroDivisionError (this rank only)
-            raise ValueError(f"head dim D = 0 (q {tuple(q.shape)}): the default scale 1/sqrt(D) is undefined; "
-                             f"pass scale= explicitly")
         scale = resolve_scale(scale, q.shape[-1])      # likewise a bad scale (and, agreed below, a different one)
         signature = _signature(q, k, v, causal, variant, scale, cu_seqlens)
     except ValueError as exc:
