@@ -166,6 +166,26 @@ def test_single_rank_fp8_ops_backward_is_straight_through_in_the_input_dtype():
     assert rms_norm_quantize_all_gather(xn.detach(), nw.detach(), None).ste is None
 
 
+@pytest.mark.parametrize("x_dtype,w_dtype", [(torch.bfloat16, torch.float32), (torch.float16, torch.float64),
+                                              (torch.float32, torch.bfloat16), (torch.float32, torch.float32)])
+def test_fp8_matmul_reduce_scatter_weight_gradient_keeps_the_output_gradient_in_the_weight_dtype(x_dtype, w_dtype):
+    """dw = deq(q(x))^T @ dy in w's dtype: dy was first cast to x's dtype (gathered once for dx and dw), so
+    with x bf16, w fp32 and an fp32 output the fp32 weight gradient carried bf16 rounding (~3e-3 relative)."""
+    g = torch.Generator().manual_seed(24)
+    x = torch.randn(6, 32, generator=g, dtype=torch.float64).to(x_dtype).requires_grad_()
+    w = torch.randn(32, 16, generator=g, dtype=torch.float64).to(w_dtype).requires_grad_()
+    gy = torch.randn(6, 16, generator=g)
+    out = matmul_reduce_scatter_fp8(x, w, None, out_dtype=torch.float32)
+    (out * gy).sum().backward()
+    assert x.grad.dtype == x_dtype and w.grad.dtype == w_dtype
+    want_w = _deq_e4m3(x, -1).t() @ gy.double()  # dy stays fp32: exact in w's dtype when w is fp32 / fp64
+    tol = 1e-2 if w_dtype == torch.bfloat16 else 1e-6
+    torch.testing.assert_close(w.grad.double(), want_w, rtol=tol, atol=tol * want_w.abs().max().item())
+    want_x = gy.double() @ _deq_e4m3(w, 0).t()  # dx in x's dtype: its own rounding only
+    err = ((x.grad.double() - want_x).norm() / want_x.norm()).item()
+    assert err < (1e-2 if x_dtype.itemsize == 2 else 1e-6), err
+
+
 def test_single_rank_parallel_linears_equal_nn_linear():
     torch.manual_seed(4)
     lin1, lin2 = torch.nn.Linear(6, 8), torch.nn.Linear(8, 6)

@@ -486,6 +486,106 @@ def bad_inputs_raise_value_errors_naming_the_values(tp, r, P):
     expect(lambda: all_gather_fp8(Fp8Activation(q.data, q.scale[:, 0]), tp), "scales (2,)", "[..., 1]")
 
 
+def _awkward_ops_against_plain_autograd(grp) -> None:
+    """One group's awkward cases against autograd of the plain formulas (float64, tight tolerance)."""
+    r, P = grp.rank, grp.size
+    f64 = torch.float64
+
+    def weights(K, g):  # both layouts the API takes: [K, N] contiguous and nn.Linear's [N, K] transposed
+        return [torch.randn(K, 3, generator=g, dtype=f64), torch.randn(2, K, generator=g, dtype=f64).t()]
+
+    # all_gather_matmul: one token a rank, none at all, a middle gather dim (non-contiguous shard, batch dims)
+    for shape, gd in (((1, 4), 0), ((0, 4), 0), ((2, 3, 4), 1), ((2, 1, 3, 4), -3)):
+        full = list(shape)
+        full[gd] *= P
+        g = _gen(30 + len(shape))
+        X = torch.randn(full, generator=g, dtype=f64)
+        Ws = weights(shape[-1], g)
+        m, gdn = shape[gd], gd % len(shape)
+        for backend in OURS:
+            for ret in (False, True):
+                what = f"P={P} ranks={list(grp.ranks)} all_gather_matmul {shape} gather_dim={gd} {backend} ret={ret}"
+                x = X.narrow(gdn, r * m, m).clone().requires_grad_()
+                ws = [W.clone().requires_grad_() if i == 0 else W.t().clone().t().requires_grad_()
+                      for i, W in enumerate(Ws)]
+                outs = all_gather_matmul(x, ws, grp, gather_dim=gd, return_gathered=ret, backend=backend)
+                Xd = X.clone().requires_grad_()
+                Wd = [W.clone().requires_grad_() for W in Ws]
+                dense = ([Xd] if ret else []) + [Xd @ W for W in Wd]  # all_gather then matmul, every rank
+                Gs = [torch.randn((P,) + tuple(d.shape), generator=_gen(40 + i), dtype=f64) for i, d in enumerate(dense)]
+                for o, d in zip(outs, dense):
+                    _close(o, d.detach(), f"{what} forward", 1e-12)
+                sum((o * G[r]).sum() for o, G in zip(outs, Gs)).backward()
+                # x feeds every rank's outputs (rank q's loss weights Gs[.][q]); the weights only this rank's
+                (gx,) = torch.autograd.grad(sum((d * G.sum(0)).sum() for d, G in zip(dense, Gs)), [Xd], retain_graph=True)
+                gws = torch.autograd.grad(sum((d * G[r]).sum() for d, G in zip(dense, Gs)), Wd)
+                _close(x.grad, gx.narrow(gdn, r * m, m), f"{what} grad x", 1e-12)
+                for i, (w, gw) in enumerate(zip(ws, gws)):
+                    _close(w.grad, gw, f"{what} grad w{i}", 1e-12)
+    # matmul_reduce_scatter: one token a rank, none, a middle scatter dim; every rank's own partial input
+    for shape, sd in (((1, 4), 0), ((0, 4), 0), ((2, 3, 4), 1)):
+        full = list(shape)
+        full[sd] *= P
+        g = _gen(50 + len(shape))
+        Xs = torch.randn((P,) + tuple(full), generator=g, dtype=f64)
+        Ws = torch.randn(P, 3, shape[-1], generator=g, dtype=f64).transpose(1, 2)  # rank q's [K, N], transposed
+        G = torch.randn(full[:-1] + [3], generator=g, dtype=f64)
+        m, sdn = shape[sd], sd % len(shape)
+        Xd, Wd = Xs.clone().requires_grad_(), Ws.clone().requires_grad_()
+        dense = sum(Xd[q] @ Wd[q] for q in range(P))  # matmul then reduce_scatter (sum)
+        (dense * G).sum().backward()
+        for backend in OURS:
+            what = f"P={P} ranks={list(grp.ranks)} matmul_reduce_scatter {shape} scatter_dim={sd} {backend}"
+            x, w = Xs[r].clone().requires_grad_(), Ws[r].clone().requires_grad_()
+            out = matmul_reduce_scatter(x, w, grp, scatter_dim=sd, backend=backend)
+            _close(out, dense.detach().narrow(sdn, r * m, m), f"{what} forward", 1e-12)
+            (out * G.narrow(sdn, r * m, m)).sum().backward()
+            _close(x.grad, Xd.grad[r], f"{what} grad x", 1e-12)
+            _close(w.grad, Wd.grad[r], f"{what} grad w", 1e-12)
+    # bf16 operands: bf16 results within bf16 rounding of the fp32 products
+    g = _gen(60)
+    X = torch.randn(P * 3, 16, generator=g).bfloat16()
+    W = torch.randn(16, 8, generator=g).bfloat16()
+    Xs = torch.randn(P, P * 3, 16, generator=g).bfloat16()
+    for backend in OURS:
+        (o,) = all_gather_matmul(X[r * 3:(r + 1) * 3], [W], grp, backend=backend)
+        want = X.float() @ W.float()
+        assert o.dtype == torch.bfloat16 and ((o.float() - want).norm() / want.norm()).item() < 1e-2, backend
+        o = matmul_reduce_scatter(Xs[r], W, grp, backend=backend)
+        want = sum(Xs[q].float() @ W.float() for q in range(P))[r * 3:(r + 1) * 3]
+        assert o.dtype == torch.bfloat16 and ((o.float() - want).norm() / want.norm()).item() < 1e-2, backend
+    # fp8 matmul-reduce-scatter, x bf16 and w fp32 with an fp32 output: dw keeps dy in fp32 (it was
+    # rounded to x's bf16 on the way), dx is bf16
+    g = _gen(61)
+    X = torch.randn(P, 2 * P, 32, generator=g).bfloat16()
+    W = torch.randn(P, 32, 16, generator=g)
+    G = torch.randn(2 * P, 16, generator=g)
+    rows = slice(r * 2, (r + 1) * 2)
+    Wd = W.clone().requires_grad_()
+    (sum(_fake_fp8(X[q].float(), -1) @ _ste(Wd[q], 0) for q in range(P)) * G).sum().backward()
+    for backend in OURS:
+        x, w = X[r].clone().requires_grad_(), W[r].clone().requires_grad_()
+        out = matmul_reduce_scatter_fp8(x, w, grp, out_dtype=torch.float32, backend=backend)
+        (out * G[rows]).sum().backward()
+        assert x.grad.dtype == torch.bfloat16 and w.grad.dtype == torch.float32, backend
+        _close(w.grad, Wd.grad[r], f"P={P} {backend} fp8 grad w (x bf16, w fp32)", FP8_GRAD_TOL)
+
+
+def awkward_shapes_match_plain_autograd_on_the_group_and_a_three_rank_subgroup(tp, r, P):
+    """One token a rank, zero tokens, batch dims, a middle gather / scatter dim, both weight layouts, bf16,
+    float64 gradients against autograd of all_gather-then-matmul and matmul-then-reduce_scatter; on the
+    4-rank job also on the group of global ranks 1, 2, 3 (TP = 3, group ranks != global ranks)."""
+    _awkward_ops_against_plain_autograd(tp)
+    if P == 4:
+        from parallel.comm import as_group
+
+        pg = torch.distributed.new_group([1, 2, 3])  # every rank takes part in creating it
+        if r in (1, 2, 3):
+            sub = as_group(pg)
+            assert sub.size == 3 and sub.ranks == (1, 2, 3) and sub.rank == r - 1, sub
+            _awkward_ops_against_plain_autograd(sub)
+
+
 def empty_inner_dims_keep_the_plain_results_shapes(tp, r, P):
     """A zero-size dim beside the gathered / scattered one: the plain collective's shapes, not [0, 0, N]."""
     K, N, m = 8, 5, 3

@@ -423,13 +423,19 @@ class _MatmulReduceScatterFp8(torch.autograd.Function):
     def backward(ctx, grad_out: torch.Tensor):
         group, sd = ctx.group, ctx.scatter_dim
         grad_x = grad_w = None
+        g_full = None
         if ctx.needs_input_grad[7]:
-            g_full, (grad_x,) = _all_gather_matmul_impl(grad_out.to(ctx.x_dtype).contiguous(),
-                                                        [ctx.qw.dequantize(ctx.x_dtype).t()], group, sd,
-                                                        ctx.bw_backend, need_gathered=True)
-        else:
-            g_full = _gather_hp(grad_out.contiguous(), group, sd)
+            # the dy gathered for dx (in x's dtype) serves dw only when that cast lost nothing dw keeps:
+            # x bf16 with w fp32 and an fp32 dy rounded dw's dy to bf16 (a relative error ~2^-9)
+            reuse = ctx.needs_input_grad[8] and (ctx.w_dtype == ctx.x_dtype
+                                                 or torch.promote_types(grad_out.dtype, ctx.x_dtype) == ctx.x_dtype)
+            gathered, (grad_x,) = _all_gather_matmul_impl(grad_out.to(ctx.x_dtype).contiguous(),
+                                                          [ctx.qw.dequantize(ctx.x_dtype).t()], group, sd,
+                                                          ctx.bw_backend, need_gathered=True)
+            g_full = gathered if reuse else None
         if ctx.needs_input_grad[8]:
+            if g_full is None:
+                g_full = _gather_hp(grad_out.contiguous(), group, sd)
             grad_w = _weight_grad(ctx.q.dequantize(ctx.w_dtype), g_full.to(ctx.w_dtype))
         return None, None, None, None, None, None, None, grad_x, grad_w
 
