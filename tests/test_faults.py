@@ -108,6 +108,21 @@ def _rank_late_peer(rank: int, late: str) -> dict[str, str]:
         else:
             time.sleep(8)  # 'late': longer than the 3 s timeout
         dist.monitored_barrier(timeout=datetime.timedelta(seconds=20))
+
+        def recreate():  # what EPPoisonedError tells the user to do
+            nonlocal d
+            destroy_parallel()
+            d = make_dispatcher(init_parallel(ParallelConfig(world_size=2), timeout=3).ep, num_experts=4, hidden=8)
+
+        if late == "collective":
+            recreate()
+            out["recreated"] = _outcome(call)  # rank 0 was poisoned: no longer
+            if rank == 0:
+                d.dispatch(x, ids, w, async_op=True)  # its peer never joins: the job times out in 3 s, ...
+            recreate()
+            time.sleep(3.5)  # ... under the next torch.distributed, whose dispatchers it must not poison
+            out["after_stale"] = _outcome(call)
+            dist.monitored_barrier(timeout=datetime.timedelta(seconds=20))
         return out
     finally:
         destroy_parallel()
@@ -116,12 +131,17 @@ def _rank_late_peer(rank: int, late: str) -> dict[str, str]:
 @pytest.mark.parametrize("late", ["create", "collective"])
 def test_async_ep_takes_the_init_parallel_timeout(late):
     """A peer 8 s late: with timeout=3 the async dispatch fails after ~3 s (torch's default for a
-    new group is 30 min), both where it creates its private group and in a collective on it."""
+    new group is 30 min), both where it creates its private group and in a collective on it.
+    Recreating torch.distributed and the dispatcher then clears the poisoning; a job of the old
+    communication thread that fails after that (its peer never came) does not poison the new one
+    (it did: the new dispatcher refused, and its peer waited out the timeout)."""
     from launch.local import launch_local
 
     r0, r1 = launch_local(_rank_late_peer, 2, args=(late,), timeout=40)
     if late == "collective":
         assert r0["first"] == r1["first"] == "ok", (r0, r1)
+        assert r0["recreated"] == r1["recreated"] == "ok", (r0, r1)
+        assert r0["after_stale"] == r1["after_stale"] == "ok", (r0, r1)
     assert r0["late"] != "ok" and 2 < float(r0["late_s"]) < 6.5, r0
     assert r0["next"].startswith("EPPoisonedError"), r0  # and it does not try again out of step
 

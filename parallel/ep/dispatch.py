@@ -41,7 +41,8 @@ garbage). So a failure poisons EP communication on the rank: a collective of a d
 combine that raised, a job of the communication thread that raised, or any failed `UBatchRunner`
 run (`parallel.ubatch.add_failure_listener`). Every later dispatch/combine on that rank raises
 `EPPoisonedError`, naming the first failure, until torch.distributed is made again
-(`destroy_parallel()`, `init_parallel()`, new dispatchers). The peers fail in their pending
+(`destroy_parallel()`, `init_parallel()`, new dispatchers); a collective of the earlier one that
+fails after that (a job of its thread that times out later) poisons nothing. The peers fail in their pending
 collective within the group timeout (the private group takes `init_parallel(timeout=...)`,
 `parallel.groups.group_timeout()`) and are then poisoned in turn. Bad input found by the census
 raises `DispatchInputError` (a ValueError) on every rank together and poisons nothing.
@@ -102,9 +103,20 @@ def _world() -> Any:
     return dist.group.WORLD if dist.is_available() and dist.is_initialized() else None
 
 
-def poison(ranks: tuple[int, ...] | None, reason: str) -> None:
-    """Mark EP communication on `ranks` (None: on every rank set) out of step; the first reason stays."""
-    world = _world()
+_CURRENT: Any = object()  # `poison`'s default world: the torch.distributed of now
+
+
+def poison(ranks: tuple[int, ...] | None, reason: str, world: Any = _CURRENT) -> None:
+    """Mark EP communication on `ranks` (None: on every rank set) out of step; the first reason stays.
+
+    world: the WORLD group of the torch.distributed the failed collectives belonged to (default:
+    the current one). A failure under an earlier one, destroyed and made again since (a job of
+    the old communication thread that times out after the re-creation), marks nothing: its groups
+    are gone, and the re-created ones are in step."""
+    current = _world()
+    if world is not _CURRENT and world is not current:
+        return
+    world = current
     with _poison_lock:
         entry = _poisoned.get(ranks)
         if entry is None or entry[1] is not world:
@@ -135,15 +147,16 @@ def _describe(exc: BaseException) -> str:
 
 
 @contextlib.contextmanager
-def _poison_on_failure(ranks: tuple[int, ...] | None, what: str):
-    """Poison `ranks` when the block (a collective sequence) raises anything but an agreed input error."""
+def _poison_on_failure(ranks: tuple[int, ...] | None, what: str, world: Any = _CURRENT):
+    """Poison `ranks` when the block (a collective sequence) raises anything but an agreed input
+    error; `world`: the torch.distributed its collectives belong to (see `poison`)."""
     try:
         yield
     except (DispatchInputError, EPPoisonedError):
         raise
     except BaseException as exc:
         if ranks is not None:
-            poison(ranks, f"{what} failed on this rank: {_describe(exc)}")
+            poison(ranks, f"{what} failed on this rank: {_describe(exc)}", world)
         raise
 
 
@@ -196,6 +209,7 @@ class _CommWorker:
 
     def __init__(self, group: dist.ProcessGroup, ranks: tuple[int, ...]) -> None:
         self.group, self.ranks = group, ranks
+        self.world = _world()  # the torch.distributed `group` belongs to
         self._jobs: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._loop, name=f"ep-comm-{'-'.join(map(str, ranks))}", daemon=True)
         self._thread.start()
@@ -207,7 +221,8 @@ class _CommWorker:
                 job.fn = functools.partial(_raise, EPPoisonedError("communication job", self.ranks, reason))
             job.run()
             if job.error is not None and not isinstance(job.error, (DispatchInputError, EPPoisonedError)):
-                poison(self.ranks, f"a collective on the EP communication thread failed: {_describe(job.error)}")
+                poison(self.ranks, f"a collective on the EP communication thread failed: {_describe(job.error)}",
+                       self.world)
 
     def submit(self, fn: Callable[[], Any]) -> _Job:
         reason = poison_reason(self.ranks)
@@ -273,6 +288,7 @@ class CombineHandle:
     owner: int  # id() of the Dispatcher that made it
     worker: _CommWorker | None = None  # route on the worker's private group: its collectives go there
     ranks: tuple[int, ...] | None = None  # the EP group's ranks (None: one rank); poisoned together
+    world: Any = None  # the WORLD group of the torch.distributed the route's collectives belong to
 
 
 @dataclass
@@ -371,7 +387,8 @@ class _DispatchOp:
             counts=plan.counts, offsets=plan.offsets,
             topk_weights=row_weights.view(shape()),
             expert_ids=plan.expert_ids.view(shape()),
-            handle=CombineHandle(self.route, plan, row_weights, out_dtype, d.hidden, id(d), self.worker, d.ranks),
+            handle=CombineHandle(self.route, plan, row_weights, out_dtype, d.hidden, id(d), self.worker, d.ranks,
+                                 d._world),
             num_recv_tokens=self.route.num_recv,
             num_dropped=plan.num_dropped,
             rows_hint=expected_rows_per_expert(self.route.num_recv, k, d.experts_per_rank, d.num_experts,
@@ -439,7 +456,7 @@ class _CombineFn(torch.autograd.Function):
         send = lambda: handle.route.send([grad_out]).wait()[0]  # noqa: E731
         if handle.ranks is not None and (reason := poison_reason(handle.ranks)) is not None:
             raise EPPoisonedError("combine backward", handle.ranks, reason)
-        with _poison_on_failure(handle.ranks, "combine backward"):
+        with _poison_on_failure(handle.ranks, "combine backward", handle.world):
             grad_recv = handle.worker.call(send) if handle.worker is not None else send()  # [n_recv, H]
         grad_rows = grad_w = None
         if ctx.needs_input_grad[0]:
@@ -468,6 +485,7 @@ class Dispatcher:
         check_backend_config(backend, backend_config)
         self.group, self.rank, self.size = pg, rank, size
         self.ranks: tuple[int, ...] | None = tuple(comm.group_ranks(group)) if size > 1 else None
+        self._world = _world()  # the torch.distributed its groups belong to: failures poison under it
         self.num_experts, self.hidden = num_experts, hidden
         self.experts_per_rank = num_experts // size
         self.layout, self.align, self.capacity, self.drop_policy = layout, align, capacity, drop_policy
@@ -502,7 +520,7 @@ class Dispatcher:
 
     def _guard(self, what: str):
         """Context: a failure inside it poisons this dispatcher's rank set (see the module docstring)."""
-        return _poison_on_failure(self.ranks, what)
+        return _poison_on_failure(self.ranks, what, self._world)
 
     def _input_error(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
                      x_scale: torch.Tensor | None) -> str | None:
