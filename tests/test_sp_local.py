@@ -305,6 +305,37 @@ def test_fp8_bad_scales_output_dtype_and_gather_dim_raise_value_errors():
                                quantize_fp8_per_token(x).dequantize() @ qw.dequantize(), rtol=1e-5, atol=1e-5)
 
 
+def test_scaled_matmul_keeps_the_straight_through_gradient_off_scaled_mm():
+    """On CUDA with bf16 out, scaled_matmul ran torch._scaled_mm on the fp8 bytes even for an
+    activation carrying a straight-through gradient (rms_norm_quantize_all_gather's, in training):
+    the gradient was dropped silently. Then it takes the dequantized product (CUDA emulated: the
+    decision's inputs stood in)."""
+    from types import SimpleNamespace
+
+    from parallel.sp.fp8 import _scaled_mm_ok
+
+    cuda_data = SimpleNamespace(is_cuda=True)
+    plain = SimpleNamespace(data=cuda_data, ste=None)
+    ste = SimpleNamespace(data=cuda_data, ste=torch.zeros(2, 2, requires_grad=True))
+    assert _scaled_mm_ok(plain, torch.bfloat16) and not _scaled_mm_ok(plain, torch.float32)
+    assert not _scaled_mm_ok(ste, torch.bfloat16)
+    with torch.no_grad():
+        assert _scaled_mm_ok(ste, torch.bfloat16)
+    assert not _scaled_mm_ok(SimpleNamespace(data=SimpleNamespace(is_cuda=False), ste=None), torch.bfloat16)
+
+
+@pytest.mark.gpu
+def test_cuda_scaled_matmul_passes_the_straight_through_gradient():
+    from parallel.sp.fp8 import Fp8Activation
+
+    x = torch.randn(32, 64, device="cuda", requires_grad=True)
+    q = quantize_fp8_per_token(x.detach())
+    a = Fp8Activation(q.data, q.scale, ste=x + (q.dequantize() - x).detach())
+    qw = quantize_fp8_weight(torch.randn(64, 32, device="cuda"))
+    scaled_matmul(a, qw, torch.bfloat16).float().sum().backward()
+    torch.testing.assert_close(x.grad, qw.dequantize().sum(1).expand(32, -1), rtol=1e-5, atol=1e-5)
+
+
 # ---------------------------------------------------------------------------------------------
 # GPU machine
 

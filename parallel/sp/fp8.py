@@ -141,13 +141,21 @@ def _rms_norm_fp32(op: str, x: torch.Tensor, weight: torch.Tensor, eps: float) -
     return xf * torch.rsqrt(xf.pow(2).mean(dim=-1, keepdim=True) + eps) * weight.float()
 
 
+def _scaled_mm_ok(a: Fp8Activation, out_dtype: torch.dtype) -> bool:
+    """`scaled_matmul` may use torch._scaled_mm: CUDA, bf16 out, no straight-through gradient asked for."""
+    wants_grad = a.ste is not None and a.ste.requires_grad and torch.is_grad_enabled()
+    return a.data.is_cuda and out_dtype == torch.bfloat16 and not wants_grad
+
+
 def scaled_matmul(a: Fp8Activation, w: Fp8Weight, out_dtype: torch.dtype = torch.bfloat16,
                   out: torch.Tensor | None = None) -> torch.Tensor:
     """(a.data * a.scale) @ (w.data * w.scale): a [M, K], w [K, N] -> [M, N] out_dtype (into `out` if given).
 
-    CUDA with bf16 output: `torch._scaled_mm` with row-wise scales. Otherwise the fp32 reference.
+    CUDA with bf16 output: `torch._scaled_mm` with row-wise scales. Otherwise the fp32 reference,
+    which is also taken where `a` carries a straight-through gradient (`ste`, with grad mode on):
+    `_scaled_mm` reads the fp8 bytes, so that gradient would be dropped silently.
     """
-    if a.data.is_cuda and out_dtype == torch.bfloat16:
+    if _scaled_mm_ok(a, out_dtype):
         args = (a.data, w.data, a.scale, w.scale)
         if out is None:
             return torch._scaled_mm(*args, out_dtype=out_dtype)
