@@ -123,6 +123,15 @@ def _rank_late_peer(rank: int, late: str) -> dict[str, str]:
             time.sleep(3.5)  # ... under the next torch.distributed, whose dispatchers it must not poison
             out["after_stale"] = _outcome(call)
             dist.monitored_barrier(timeout=datetime.timedelta(seconds=20))
+        else:
+            recreate()
+            res = d.dispatch(x, ids, w, async_op=True).wait()  # (its combine runs on the communication thread)
+            y = res.x[:-1] if rank == 0 else res.x  # rank 0 passes rows of another layout; rank 1 goes on
+            out["refused"] = _outcome(lambda: d.combine(y, res.handle))  # ... into the combine's collective
+            t0 = time.monotonic()
+            out["after_refused"] = _outcome(call)  # rank 0: must not pair this with rank 1's combine
+            out["after_refused_s"] = f"{time.monotonic() - t0:.1f}"
+            dist.monitored_barrier(timeout=datetime.timedelta(seconds=20))
         return out
     finally:
         destroy_parallel()
@@ -134,7 +143,8 @@ def test_async_ep_takes_the_init_parallel_timeout(late):
     new group is 30 min), both where it creates its private group and in a collective on it.
     Recreating torch.distributed and the dispatcher then clears the poisoning; a job of the old
     communication thread that fails after that (its peer never came) does not poison the new one
-    (it did: the new dispatcher refused, and its peer waited out the timeout)."""
+    (it did: the new dispatcher refused, and its peer waited out the timeout). A combine that one
+    rank refuses (expert_out of another layout) poisons that rank."""
     from launch.local import launch_local
 
     r0, r1 = launch_local(_rank_late_peer, 2, args=(late,), timeout=40)
@@ -142,6 +152,14 @@ def test_async_ep_takes_the_init_parallel_timeout(late):
         assert r0["first"] == r1["first"] == "ok", (r0, r1)
         assert r0["recreated"] == r1["recreated"] == "ok", (r0, r1)
         assert r0["after_stale"] == r1["after_stale"] == "ok", (r0, r1)
+    else:
+        # combine's argument checks are rank-local (no census): the refusing rank is poisoned at once
+        # (it went on, and its next census paired with the peer's pending combine), the peer by the timeout
+        assert r0["refused"].startswith("ValueError: expert_out shape"), r0
+        assert r0["after_refused"].startswith("EPPoisonedError: EP dispatch on ranks [0, 1]"), r0
+        assert "combine refused its arguments on this rank: ValueError: expert_out shape" in r0["after_refused"], r0
+        assert float(r0["after_refused_s"]) < 1.0, r0
+        assert r1["refused"] != "ok" and r1["after_refused"].startswith("EPPoisonedError"), r1
     assert r0["late"] != "ok" and 2 < float(r0["late_s"]) < 6.5, r0
     assert r0["next"].startswith("EPPoisonedError"), r0  # and it does not try again out of step
 

@@ -38,12 +38,13 @@ Faults: a failure inside a collective sequence leaves this rank's EP collectives
 with its peers' (a micro-batch that raised on one rank leaves the others inside a dispatch or
 combine; a rank that went on would pair its next census with their old payloads and compute on
 garbage). So a failure poisons EP communication on the rank: a collective of a dispatch or
-combine that raised, a job of the communication thread that raised, or any failed `UBatchRunner`
-run (`parallel.ubatch.add_failure_listener`). Every later dispatch/combine on that rank raises
-`EPPoisonedError`, naming the first failure, until torch.distributed is made again
+combine that raised, a job of the communication thread that raised, any failed `UBatchRunner`
+run (`parallel.ubatch.add_failure_listener`), or a combine that refused its arguments (no census
+agrees on them: the peers went on into its collective). Every later dispatch/combine on that
+rank raises `EPPoisonedError`, naming the first failure, until torch.distributed is made again
 (`destroy_parallel()`, `init_parallel()`, new dispatchers); a collective of the earlier one that
-fails after that (a job of its thread that times out later) poisons nothing. The peers fail in their pending
-collective within the group timeout (the private group takes `init_parallel(timeout=...)`,
+fails after that (a job of its thread that times out later) poisons nothing. The peers fail in
+their pending collective within the group timeout (the private group takes `init_parallel(timeout=...)`,
 `parallel.groups.group_timeout()`) and are then poisoned in turn. Bad input found by the census
 raises `DispatchInputError` (a ValueError) on every rank together and poisons nothing.
 
@@ -667,6 +668,21 @@ class Dispatcher:
 
     # -- combine ----------------------------------------------------------------------------
 
+    def _combine_error(self, expert_out: torch.Tensor, handle: CombineHandle) -> str | None:
+        """Why `combine` cannot take these arguments (checked on the host, on this rank alone), or None."""
+        if not isinstance(handle, CombineHandle):
+            return f"handle must be the CombineHandle of a DispatchResult, got {type(handle).__name__}"
+        if handle.owner != id(self):
+            return "this handle was made by another Dispatcher; combine with the one that dispatched"
+        plan = handle.plan
+        expected = plan.shape(self.hidden)
+        if tuple(expert_out.shape) != expected and tuple(expert_out.shape) != (plan.num_rows, self.hidden):
+            return (f"expert_out shape {tuple(expert_out.shape)} != the dispatched layout {expected} "
+                    f"(hidden={self.hidden})")
+        if not expert_out.dtype.is_floating_point or comm.needs_wire(expert_out.dtype):
+            return f"expert_out dtype {expert_out.dtype} must be bf16, fp16 or fp32"
+        return None
+
     def combine(self, expert_out: torch.Tensor, handle: CombineHandle, *, weighted: bool = False,
                 async_op: bool = False) -> torch.Tensor | comm.CommHandle:
         """Return expert outputs to their tokens and sum them in fp32.
@@ -676,19 +692,20 @@ class Dispatcher:
         weight (then they are summed as they are); False multiplies by DispatchResult.topk_weights.
         Returns [T, H] in the dispatched x's dtype (expert_out's dtype for quantized x), or with
         async_op a handle whose wait() returns it.
+
+        A handle or expert_out it refuses raises ValueError on this rank alone (combine takes no
+        census); on a group of more than one rank that also poisons EP communication on the rank,
+        as its peers may be inside the combine's collective (see the module docstring).
         """
-        if not isinstance(handle, CombineHandle):
-            raise ValueError(f"handle must be the CombineHandle of a DispatchResult, got {type(handle).__name__}")
-        if handle.owner != id(self):
-            raise ValueError("this handle was made by another Dispatcher; combine with the one that dispatched")
+        error = self._combine_error(expert_out, handle)
+        if error is not None:
+            # no census agrees on combine's arguments: the peers may have gone on into its collective,
+            # and this rank's next EP collective would pair with theirs
+            if self.ranks is not None:
+                poison(self.ranks, f"combine refused its arguments on this rank: ValueError: {error}", self._world)
+            raise ValueError(error)
         self._check_poison("combine")
         plan = handle.plan
-        expected = plan.shape(self.hidden)
-        if tuple(expert_out.shape) != expected and tuple(expert_out.shape) != (plan.num_rows, self.hidden):
-            raise ValueError(f"expert_out shape {tuple(expert_out.shape)} != the dispatched layout {expected} "
-                             f"(hidden={self.hidden})")
-        if not expert_out.dtype.is_floating_point or comm.needs_wire(expert_out.dtype):
-            raise ValueError(f"expert_out dtype {expert_out.dtype} must be bf16, fp16 or fp32")
         rows = expert_out.reshape(plan.num_rows, self.hidden)
         row_weights = handle.row_weights
         out_dtype = handle.out_dtype or expert_out.dtype
