@@ -162,6 +162,9 @@ def test_async_ep_takes_the_init_parallel_timeout(late):
         assert r1["refused"] != "ok" and r1["after_refused"].startswith("EPPoisonedError"), r1
     assert r0["late"] != "ok" and 2 < float(r0["late_s"]) < 6.5, r0
     assert r0["next"].startswith("EPPoisonedError"), r0  # and it does not try again out of step
+    # what clears it: destroy_parallel() leaves a torch.distributed the user started up (and its WORLD,
+    # under which the failure is recorded), so the message names its own teardown too
+    assert "destroy_parallel(); init_parallel()" in r0["next"] and "destroy_process_group()" in r0["next"], r0
 
 
 # ---- EPLB migration: all tensors or none, MigrationError for a dead peer ----------------------

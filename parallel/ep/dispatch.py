@@ -90,8 +90,10 @@ class EPPoisonedError(RuntimeError):
     def __init__(self, what: str, ranks: tuple[int, ...], reason: str) -> None:
         super().__init__(
             f"EP {what} on ranks {list(ranks)} refused: an earlier failure left this rank's EP collectives out "
-            f"of step with its peers' ({reason}); a result would pair with the wrong collectives. Recreate the "
-            "groups (destroy_parallel(); init_parallel()) and the layers that hold dispatchers")
+            f"of step with its peers' ({reason}); a result would pair with the wrong collectives. Recreate "
+            "torch.distributed and the layers that hold dispatchers: destroy_parallel(); init_parallel() (a "
+            "torch.distributed you started yourself stays up through destroy_parallel(): destroy_process_group() "
+            "and init_process_group() it in between)")
         self.ranks, self.reason = ranks, reason
 
 
