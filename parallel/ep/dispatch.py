@@ -306,7 +306,7 @@ class DispatchResult:
     expert_ids: torch.Tensor  # [R] / [E_local, capacity] int32: local expert of each row, -1 = padding
     handle: CombineHandle
     num_recv_tokens: int  # distinct token rows received (a token is sent once per rank)
-    num_dropped: int | None  # slab with drop_policy="drop": pairs dropped on this rank
+    num_dropped: int | None  # slab with drop_policy="drop": pairs dropped on this rank (None on the graph-safe path)
     # expected rows per local expert under uniform routing, a host value (no sync): the `rows_hint`
     # that `moe.kernels.grouped_gemm` / `expert_ffn` want for a slab sized for the worst case
     # (without it the capacity picks the prefill kernel settings: 5x slower at decode sizes)
@@ -690,8 +690,11 @@ class Dispatcher:
         """Return expert outputs to their tokens and sum them in fp32.
 
         expert_out: the dispatched layout's shape with last dim H ([R, H] or [E_local, capacity, H]),
-        bf16/fp16/fp32. weighted: True when the rows are already multiplied by their router
-        weight (then they are summed as they are); False multiplies by DispatchResult.topk_weights.
+        bf16/fp16/fp32, of one dtype on every EP rank: the partial rows travel in it (all_to_all;
+        for quantized x the output and its gradient take it too) and nothing compares the ranks'
+        dtypes without a sync; a mismatch makes the transfer sizes differ (gloo aborts the process).
+        weighted: True when the rows are already multiplied by their router weight (then they are
+        summed as they are); False multiplies by DispatchResult.topk_weights.
         Returns [T, H] in the dispatched x's dtype (expert_out's dtype for quantized x), or with
         async_op a handle whose wait() returns it.
 
