@@ -284,6 +284,59 @@ def gradient_cases(group, rank: int, world: int, *, backends: tuple[str, ...], d
     return checked
 
 
+def awkward_gradient_cases(group, rank: int, world: int) -> int:
+    """Gradients to x and topk_weights (combine weighted and not, sync and async) against autograd
+    of a plain loop out[t] = sum_k w[t, k] * f_e(x[t]) over the pairs that survive, with an expert
+    chosen twice (and three times) by one token, -1 ids, a token routed nowhere, and a slab that
+    drops its last arrivals (and a padded contiguous layout)."""
+    num_experts, top_k, hidden = 2 * world, 3, 6
+    mats = torch.randn(num_experts, hidden, hidden, generator=torch.Generator().manual_seed(11)) / 3
+    g = torch.Generator().manual_seed(5000 + world)
+    inputs = []
+    for r in range(world):
+        t = 5 + r
+        ids = torch.randint(0, num_experts, (t, top_k), generator=g)
+        ids[0, 1] = ids[0, 0]  # one expert twice
+        ids[1, :] = ids[1, 0]  # three times
+        ids[2, 1] = -1
+        ids[3] = -1  # routed nowhere
+        inputs.append({"x": torch.randn(t, hidden, generator=g), "ids": ids, "w": torch.rand(t, top_k, generator=g)})
+    mine = inputs[rank]
+    g_out = torch.randn(mine["x"].shape, generator=torch.Generator().manual_seed(rank))
+    checked = 0
+    for layout, kwargs in (("slab", dict(capacity=2, drop_policy="drop")), ("contiguous", dict(align=4))):
+        kept = kept_pairs(inputs, num_experts, kwargs.get("capacity"))
+        d = make_dispatcher(group, num_experts, hidden, layout=layout, **kwargs)
+        for weighted, async_op in ((False, False), (True, True)):
+            label = f"[rank {rank}] awkward grad {layout} weighted={weighted} async={async_op}"
+            x, w = mine["x"].clone().requires_grad_(True), mine["w"].clone().requires_grad_(True)
+            res = d.dispatch(x, mine["ids"], w, async_op=async_op)
+            res = res.wait() if async_op else res
+            eids = res.expert_ids.reshape(-1).long()
+            row_mats = mats[(eids + rank * num_experts // world).clamp(min=0)]
+            y = torch.bmm(res.x.reshape(-1, 1, hidden), row_mats)[:, 0]
+            y = torch.where(eids[:, None] >= 0, y, torch.full_like(y, 1e4))  # padding: garbage
+            if weighted:
+                y = y * res.topk_weights.reshape(-1, 1)
+            out = d.combine(y.view(res.x.shape), res.handle, weighted=weighted, async_op=async_op)
+            out = out.wait() if async_op else out
+            (out * g_out).sum().backward()
+
+            xr, wr = mine["x"].double().requires_grad_(True), mine["w"].double().requires_grad_(True)
+            rows = [0 * (xr[t] + wr[t].sum()) for t in range(xr.shape[0])]
+            for t, row in enumerate(mine["ids"].tolist()):
+                for k, e in enumerate(row):
+                    if e >= 0 and (rank, t, k) in kept:
+                        rows[t] = rows[t] + wr[t, k] * (xr[t] @ mats[e].double())
+            want = torch.stack(rows)
+            (want * g_out.double()).sum().backward()
+            assert_close(out, want, atol=1e-5, rtol=1e-5, label=f"{label} out")
+            assert_close(x.grad, xr.grad, atol=1e-5, rtol=1e-5, label=f"{label} dx")
+            assert_close(w.grad, wr.grad, atol=1e-5, rtol=1e-5, label=f"{label} dw")
+            checked += 1
+    return checked
+
+
 def empty_cases(group, world: int) -> int:
     """No tokens anywhere, or tokens routed nowhere: empty layouts, zero outputs and gradients."""
     checked = 0
@@ -411,11 +464,13 @@ def _rank_main(rank: int, world: int) -> dict:
         pair = pairs[rank // 2]
         out[2] = {"cases": dispatch_combine_cases(pair, rank % 2, 2, backends=backends, full=True)
                   + empty_cases(pair, 2),
-                  "grads": gradient_cases(pair, rank % 2, 2, backends=backends),
+                  "grads": gradient_cases(pair, rank % 2, 2, backends=backends)
+                  + awkward_gradient_cases(pair, rank % 2, 2),
                   "errors": error_cases(pair, rank % 2, 2)}
     out[world] = {"cases": dispatch_combine_cases(groups.ep, rank, world, backends=backends, full=False)
                   + pipelined_cases(groups.ep, rank, world),
-                  "grads": gradient_cases(groups.ep, rank, world, backends=("all_to_all",)),
+                  "grads": gradient_cases(groups.ep, rank, world, backends=("all_to_all",))
+                  + awkward_gradient_cases(groups.ep, rank, world),
                   "errors": error_cases(groups.ep, rank, world)}
     return out
 
@@ -461,7 +516,7 @@ def test_single_rank_dispatch_combine_match_reference_without_communication():
 
 
 def test_single_rank_gradients_match_dense_computation():
-    assert gradient_cases(None, 0, 1, backends=("auto",)) == 3
+    assert gradient_cases(None, 0, 1, backends=("auto",)) == 3 and awkward_gradient_cases(None, 0, 1) == 4
     assert empty_cases(None, 1) == 4 and pipelined_cases(None, 0, 1) == 2
 
 
@@ -642,7 +697,7 @@ def test_multirank_dispatch_combine_gradients_and_errors_2_and_4_ranks():
     from launch.local import launch_local
 
     results = launch_local(_rank_main, 4, args=(4,), timeout=150)
-    for world, cases, grads in ((2, 18, 6), (4, 10, 3)):
+    for world, cases, grads in ((2, 18, 10), (4, 10, 7)):
         per_rank = [r[world] for r in results[:world]]  # ranks 2, 3 repeat the 2-rank cases
         assert all(r["cases"] == cases and r["grads"] == grads for r in per_rank), per_rank
         _check_error_messages(per_rank, world)
@@ -653,7 +708,7 @@ def test_multirank_dispatch_combine_8_ranks():
     from launch.local import launch_local
 
     results = [r[8] for r in launch_local(_rank_main, 8, args=(8,), timeout=180)]
-    assert all(r["cases"] == 10 and r["grads"] == 3 for r in results), results
+    assert all(r["cases"] == 10 and r["grads"] == 7 for r in results), results
     _check_error_messages(results, 8)
 
 
