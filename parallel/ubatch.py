@@ -495,7 +495,10 @@ class UBatchRunner:
         torch.set_grad_enabled(modes["grad"])  # grad mode is thread-local: copy the caller's
         torch.set_num_threads(modes["threads"])  # OpenMP's count is per OS thread; a new one uses every core
         try:
-            with torch.inference_mode(modes["inference"]), contextlib.ExitStack() as autocast:
+            # Only a caller in inference mode is followed into it: torch.inference_mode(False) is not a
+            # no-op but switches grad mode on, which would undo a caller's no_grad.
+            inference = torch.inference_mode() if modes["inference"] else contextlib.nullcontext()
+            with inference, contextlib.ExitStack() as autocast:
                 for device_type, dtype, cache in modes["autocast"]:  # autocast is thread-local too
                     autocast.enter_context(torch.autocast(device_type, dtype=dtype, cache_enabled=cache))
                 if self._streams is not None:

@@ -235,6 +235,35 @@ def test_grad_mode_reaches_ubatch_threads_and_backward_works():
     torch.testing.assert_close(w.grad, 2 * x.T @ (x @ w.detach()))
 
 
+def test_callers_grad_mode_holds_inside_the_ubatches():
+    """The worker entered torch.inference_mode(False) for a caller outside inference mode, and that
+    context switches grad mode ON: under torch.no_grad() every micro-batch recorded autograd graphs
+    (and layers that ask `impl.grad_needed`, e.g. mHC's or MoE's inference-only kernels, took their
+    autograd path or refused). The test above only looked at the concatenation, made on the caller's
+    thread under no_grad."""
+    from parallel.impl import grad_needed
+
+    runner = UBatchRunner(2, min_tokens=1)
+    w = torch.randn(4, 3, requires_grad=True)
+    seen = []
+
+    def fn(t):
+        y = t @ w
+        seen.append((torch.is_grad_enabled(), y.requires_grad, grad_needed(w), torch.is_inference_mode_enabled()))
+        return y
+
+    for mode, want in ((torch.no_grad, (False, False, False, False)), (torch.enable_grad, (True, True, True, False)),
+                       (torch.inference_mode, (False, False, False, True))):
+        seen.clear()
+        with mode():
+            runner.run(fn, torch.randn(6, 4))
+        assert seen == [want, want], mode.__name__
+    seen.clear()
+    with torch.inference_mode(), torch.inference_mode(False), torch.no_grad():  # out of inference, no grad
+        runner.run(fn, torch.randn(6, 4))
+    assert seen == [(False, False, False, False)] * 2
+
+
 def test_bad_inputs_raise_value_error():
     runner = UBatchRunner(2, min_tokens=1)
     with pytest.raises(ValueError, match="dim 0 = 4"):
