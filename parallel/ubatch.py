@@ -501,6 +501,8 @@ class UBatchRunner:
             with inference, contextlib.ExitStack() as autocast:
                 for device_type, dtype, cache in modes["autocast"]:  # autocast is thread-local too
                     autocast.enter_context(torch.autocast(device_type, dtype=dtype, cache_enabled=cache))
+                if modes["device"] is not None:  # and so is the default device of factory calls
+                    autocast.enter_context(torch.device(modes["device"]))
                 if self._streams is not None:
                     torch.cuda.set_device(self._streams.device)
                     torch.cuda.set_stream(self._streams.compute)
@@ -590,6 +592,8 @@ def _thread_modes() -> dict[str, Any]:
     """Thread-local torch modes of the caller, to be reproduced in the micro-batch threads."""
     return {"grad": torch.is_grad_enabled(), "inference": torch.is_inference_mode_enabled(),
             "threads": torch.get_num_threads(),
+            # a new thread's default device is the CPU; follow the caller's only where it is not
+            "device": None if (device := torch.get_default_device()).type == "cpu" else device,
             "autocast": [(d, torch.get_autocast_dtype(d), torch.is_autocast_cache_enabled())
                          for d in ("cpu", "cuda") if torch.is_autocast_enabled(d)]}
 

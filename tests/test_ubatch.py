@@ -264,6 +264,29 @@ def test_callers_grad_mode_holds_inside_the_ubatches():
     assert seen == [(False, False, False, False)] * 2
 
 
+def test_split_run_keeps_the_callers_default_device():
+    """The default device (torch.set_default_device, `with torch.device(...)`) is thread-local like
+    grad mode: a factory call without device= in a micro-batch made CPU tensors where the unsplit
+    run, on the caller's thread, made them on the caller's default device."""
+    runner = UBatchRunner(2, min_tokens=1)
+    seen = []
+
+    def fn(t):
+        made = torch.ones(t.shape[0], 1)
+        seen.append(made.device.type)
+        return t + made
+
+    with torch.device("meta"):
+        x = torch.zeros(6, 3)
+        want = fn(x)
+        got = runner.run(fn, x, split=True)
+    assert want.device.type == got.device.type == "meta" and got.shape == (6, 3)
+    assert seen == ["meta"] * 3
+    seen.clear()
+    runner.run(fn, torch.zeros(6, 3), split=True)  # and none leaks into the next run
+    assert seen == ["cpu"] * 2 and torch.get_default_device().type == "cpu"
+
+
 def test_bad_inputs_raise_value_error():
     runner = UBatchRunner(2, min_tokens=1)
     with pytest.raises(ValueError, match="dim 0 = 4"):
