@@ -606,3 +606,88 @@ def test_auto_backend_passes_over_triton_for_streams_not_a_power_of_two(monkeypa
     with pytest.raises(ValueError, match=r"'triton' cannot run here: the Triton mHC kernels need a power-of-two "
                                          r"number of streams, got M=3"):
         mhc_pre(residual, fn, base, scale, backend="triton")
+
+
+# ---- gradients of the torch path against autograd of HF transformers' formulas in float64 ----
+
+def _hf_pre(res, fn, base, scale, iters, eps, rms_eps):
+    """DeepseekV4HyperConnection.forward (transformers 5.x, models/deepseek_v4), written for [T, M, H]."""
+    t, m, h = res.shape
+    flat = res.reshape(t, m * h)
+    flat = flat * torch.rsqrt(flat.square().mean(-1, keepdim=True) + rms_eps)
+    pre_w, post_w, comb_w = (flat @ fn.t()).split([m, m, m * m], dim=-1)
+    pre_b, post_b, comb_b = base.split([m, m, m * m])
+    pre_s, post_s, comb_s = scale.unbind(0)
+    pre = torch.sigmoid(pre_w * pre_s + pre_b) + eps
+    post = 2 * torch.sigmoid(post_w * post_s + post_b)
+    comb = torch.softmax(comb_w.view(t, m, m) * comb_s + comb_b.view(m, m), dim=-1) + eps
+    comb = comb / (comb.sum(dim=-2, keepdim=True) + eps)
+    for _ in range(iters - 1):
+        comb = comb / (comb.sum(dim=-1, keepdim=True) + eps)
+        comb = comb / (comb.sum(dim=-2, keepdim=True) + eps)
+    return (pre.unsqueeze(-1) * res).sum(dim=1), post, comb
+
+
+def _hf_post(out, res, post, comb):
+    """DeepseekV4DecoderLayer's mixing: post * out + comb^T @ residual."""
+    return post.unsqueeze(-1) * out.unsqueeze(-2) + torch.matmul(comb.transpose(-1, -2), res)
+
+
+def _hf_head(res, fn, base, scale, eps, rms_eps):
+    """DeepseekV4HyperHead.forward."""
+    t, m, h = res.shape
+    flat = res.reshape(t, m * h)
+    flat = flat * torch.rsqrt(flat.square().mean(-1, keepdim=True) + rms_eps)
+    pre = torch.sigmoid(flat @ fn.t() * scale + base) + eps
+    return (pre.unsqueeze(-1) * res).sum(dim=1)
+
+
+def _grads(f, inputs, weights):
+    """Gradients of sum_k <f(*inputs)[k], weights[k]> w.r.t. inputs (float64 weights)."""
+    leaves = [x.detach().clone().requires_grad_(True) for x in inputs]
+    outs = f(*leaves)
+    outs = (outs,) if isinstance(outs, torch.Tensor) else tuple(outs)
+    loss = sum((o.double() * w).sum() for o, w in zip(outs, weights))
+    return outs, torch.autograd.grad(loss, leaves, allow_unused=True)
+
+
+@pytest.mark.parametrize("t,m,h,iters,eps,rms_eps,dtype", [
+    (5, 4, 8, 20, 1e-6, 1e-6, torch.float32), (1, 1, 3, 1, 1e-3, 0.3, torch.float32),
+    (3, 3, 5, 2, 0.05, 0.1, torch.float32), (0, 4, 8, 3, 1e-6, 1e-6, torch.float32),
+    (4, 2, 7, 1, 0.0, 1e-6, torch.float32), (6, 4, 10, 20, 1e-6, 1e-6, torch.bfloat16)])
+def test_torch_path_gradients_match_hf_formulas_in_float64(t, m, h, iters, eps, rms_eps, dtype):
+    """Forward and every input's gradient of mhc_pre / mhc_pre_broadcast / mhc_post / mhc_head
+    (torch path) against autograd of HF's DeepseekV4 formulas in float64, on M = 1 and odd M, T = 0
+    and 1, odd H, one Sinkhorn iteration, eps = 0 and a non-contiguous bf16 residual and fn."""
+    g = torch.Generator().manual_seed(t * 100 + m * 10 + h)
+    n = (2 + m) * m
+    residual = torch.randn(t, h, m, generator=g).transpose(1, 2).to(dtype)  # [T, M, H], H not innermost
+    fn = (torch.randn(m * h, n, generator=g) * 0.3).t()  # non-contiguous
+    base, scale = torch.randn(n, generator=g) * 0.5, torch.tensor([0.7, 1.3, 0.9])
+    x, out = torch.randn(t, h, generator=g).to(dtype), torch.randn(t, h, generator=g).to(dtype)
+    post, comb = torch.rand(t, m, generator=g) * 2, torch.rand(t, m, m, generator=g)
+    fh, bh, sh = torch.randn(m, m * h, generator=g) * 0.3, torch.randn(m, generator=g), torch.tensor([0.6])
+    w3 = [torch.randn(t, h, generator=g, dtype=torch.float64), torch.randn(t, m, generator=g, dtype=torch.float64),
+          torch.randn(t, m, m, generator=g, dtype=torch.float64)]
+    w_new, w_head = torch.randn(t, m, h, generator=g, dtype=torch.float64), w3[0]
+    kw = dict(sinkhorn_iters=iters, eps=eps, rms_eps=rms_eps, backend="torch")
+    if dtype == torch.float32:
+        tol = dict(rtol=1e-4, atol=1e-5)
+    else:  # bf16 outputs and input gradients: compare the float64 formula on the same bf16 values
+        tol = dict(rtol=2e-2, atol=2e-2)
+    cases = [
+        (lambda *a: mhc_pre(*a, **kw), lambda *a: _hf_pre(*a, iters, eps, rms_eps), (residual, fn, base, scale), w3),
+        (lambda *a: mhc_pre_broadcast(*a, **kw),
+         lambda xx, *a: _hf_pre(xx.unsqueeze(1).expand(t, m, h), *a, iters, eps, rms_eps), (x, fn, base, scale), w3),
+        (lambda *a: mhc_post(*a, backend="torch"), _hf_post, (out, residual, post, comb), [w_new]),
+        (lambda *a: mhc_head(*a, eps=eps, rms_eps=rms_eps, backend="torch"),
+         lambda *a: _hf_head(*a, eps, rms_eps), (residual, fh, bh, sh), [w_head]),
+    ]
+    for ours, hf, inputs, weights in cases:
+        got, got_grads = _grads(ours, inputs, weights)
+        want, want_grads = _grads(hf, [v.double() for v in inputs], weights)
+        for a, b in zip(got, want):
+            torch.testing.assert_close(a.double(), b.detach(), **tol)
+        for v, a, b in zip(inputs, got_grads, want_grads):
+            assert a.dtype == v.dtype and a.shape == v.shape
+            torch.testing.assert_close(a.double(), b, **tol)
