@@ -122,16 +122,20 @@ def route_torch(
     else:
         select = scores.detach() if bias is None else scores.detach() + bias.float()
         if n_group is not None:
-            grouped = select.view(num_tokens, n_group, num_experts // n_group)
+            size = num_experts // n_group
+            grouped = select.view(num_tokens, n_group, size)
             if bias is not None:
-                group_scores = grouped.topk(min(2, grouped.shape[-1]), dim=-1).values.sum(-1)
+                group_scores = grouped.topk(min(2, size), dim=-1).values.sum(-1)
             else:
                 group_scores = grouped.amax(dim=-1)  # [T, G]
-            keep = torch.zeros_like(group_scores, dtype=torch.bool)
-            keep.scatter_(1, _topk_lowest_index(group_scores, topk_group), True)
-            keep = keep.repeat_interleave(num_experts // n_group, dim=1)  # [T, E]
-            select = select.masked_fill(~keep, float("-inf"))
-        topk_ids = _topk_lowest_index(select, top_k)
+            # the kept groups' experts in ascending id order (so the stable sort still ties to the lowest
+            # id), and the top-k over them alone: filling the dropped groups with -inf instead let them
+            # tie with a kept expert whose selection score is -inf (a bias of -inf) and win on index
+            kept = _topk_lowest_index(group_scores, topk_group).sort(dim=-1).values  # [T, topk_group]
+            candidates = (kept[:, :, None] * size + torch.arange(size, device=kept.device)).flatten(1)
+            topk_ids = candidates.gather(1, _topk_lowest_index(select.gather(1, candidates), top_k))
+        else:
+            topk_ids = _topk_lowest_index(select, top_k)
     weights = scores.gather(1, topk_ids)  # [T, K] fp32
     if renormalize:
         total = weights.sum(dim=-1, keepdim=True)
