@@ -295,8 +295,21 @@ def test_zero_weight_sum_is_not_renormalized():
 _NAN, _INF = float("nan"), float("inf")
 
 
+@pytest.fixture
+def compiled_min_max(monkeypatch):
+    """The interpreter with the compiled kernel's NaN rule for tl.minimum / tl.maximum. Their default
+    (propagate_nan=NONE) is minnumf / maxnumf, IEEE minNum / maxNum: a NaN operand yields the other
+    one (PTX min.f32 / max.f32 on NVIDIA; Triton's own test_core checks that a NaN does not come out).
+    The interpreter runs them as np.minimum / np.maximum, which return the NaN, so a kernel that
+    relies on the NaN coming through passes here and fails on the GPU; np.fmin / np.fmax are minNum."""
+    from triton.runtime import interpreter
 
-@pytest.mark.parametrize("logits, kw", [
+    builder = interpreter.InterpreterBuilder
+    monkeypatch.setattr(builder, "create_minnumf", lambda self, a, b: self.binary_op(a, b, np.fmin))
+    monkeypatch.setattr(builder, "create_maxnumf", lambda self, a, b: self.binary_op(a, b, np.fmax))
+
+
+_NAN_CASES = [
     (torch.full((2, 4), _NAN), dict(top_k=2, scoring="sigmoid")),                       # a NaN hidden state
     (torch.full((1, 6), _NAN), dict(top_k=3, scoring="sqrt_softplus", bias=torch.zeros(6))),  # E not a power of 2
     (torch.full((1, 8), -_INF), dict(top_k=2, scoring="softmax")),                      # softmax of all -inf: NaN
@@ -309,18 +322,41 @@ _NAN, _INF = float("nan"), float("inf")
      dict(top_k=3, scoring="sigmoid", bias=torch.zeros(8), n_group=4, topk_group=2)),
     (torch.zeros(2, 8), dict(top_k=3, scoring="sigmoid", bias=torch.tensor([0, 0, 0, 0, 0, _NAN, 0, 0]), n_group=4,
                              topk_group=2)),
-])
-def test_nan_scores_route_like_the_torch_path(interpreted_routing, logits, kw):
+    # one NaN logit among numbers under sqrt(softplus) (V4): with the compiled kernel's minimum (below) it
+    # scored sqrt(softplus(20)) = 4.47 and lost to the numbers, with a finite weight
+    (torch.tensor([[0.1, _NAN, 0.3, 0.2, -1.0, 2.0]]), dict(top_k=2, scoring="sqrt_softplus")),
+    (torch.tensor([[0.1, 0.5, 0.3, _NAN, 2.0, 2.0, 0.0, 0.0], [_NAN] * 8]),
+     dict(top_k=3, scoring="sqrt_softplus", bias=torch.zeros(8), n_group=4, topk_group=2, scaling=1.5)),
+    (torch.tensor([[_NAN, 1.0, 25.0, -30.0]]), dict(top_k=2, scoring="sqrt_softplus", tid2eid=torch.tensor([[3, 0]]),
+                                                     input_ids=torch.tensor([0]))),
+]
+
+
+@pytest.mark.parametrize("logits, kw", _NAN_CASES)
+def test_nan_scores_route_like_the_torch_path(interpreted_routing, compiled_min_max, logits, kw):
     """NaN selection scores (NaN activations, softmax over all -inf) rank above every number, ties to
     the lowest index, as torch's sort/topk (the references' topk) order them; the fused kernel chose
     no column for them and wrote the id BLOCK_E, outside [0, E), with weight 0 (so a NaN token was
-    silently dropped instead of propagating its NaN)."""
+    silently dropped instead of propagating its NaN). Run with the compiled kernel's NaN rule for
+    tl.minimum / tl.maximum (`compiled_min_max`): sqrt(softplus) clamped the logit with tl.minimum,
+    which on the GPU turned a NaN logit into 20 and its score into a finite 4.47."""
     ref = route(logits, backend="torch", **kw)
     kw = {**dict(bias=None, n_group=None, topk_group=None), **kw}
     got = interpreted_routing.route_triton(logits, **kw)
     assert ((got.topk_ids >= 0) & (got.topk_ids < logits.shape[1])).all(), got.topk_ids
     assert torch.equal(got.topk_ids, ref.topk_ids), (got.topk_ids, ref.topk_ids)
     torch.testing.assert_close(got.topk_weights, ref.topk_weights, equal_nan=True, rtol=2e-6, atol=1e-7)
+
+
+@pytest.mark.gpu
+def test_nan_scores_route_like_the_torch_path_on_gpu():
+    """The compiled kernel on the NaN cases (its tl.minimum is minNum, which the CPU test models)."""
+    for logits, kw in _NAN_CASES:
+        kw = {k: v.cuda() if isinstance(v, torch.Tensor) else v for k, v in kw.items()}
+        ref = route(logits.cuda(), backend="torch", **kw)
+        got = route(logits.cuda(), backend="triton", **kw)
+        assert torch.equal(got.topk_ids, ref.topk_ids), (logits, kw, got.topk_ids, ref.topk_ids)
+        torch.testing.assert_close(got.topk_weights, ref.topk_weights, equal_nan=True, rtol=1e-5, atol=1e-6)
 
 
 def test_infinite_logit_scores_inf_as_sqrt_softplus_does():

@@ -58,8 +58,10 @@ def _route_kernel(
         score = 1.0 / (1.0 + tl.exp(-logit))
     else:
         # softplus(x) = x above 20 (torch's threshold); log1p(y) via log(u) * y / (u - 1), u = 1 + y,
-        # which keeps full relative precision for small y
-        y = tl.exp(tl.minimum(logit, 20.0))
+        # which keeps full relative precision for small y. The clamp is a where, not tl.minimum: that is
+        # IEEE minNum when compiled (a NaN operand yields the other one), which made a NaN logit score
+        # sqrt(softplus(20)) = 4.47 on the GPU instead of NaN (the interpreter's minimum kept the NaN)
+        y = tl.exp(tl.where(logit > 20.0, 20.0, logit))
         u = 1.0 + y
         log1p_y = tl.where(u == 1.0, y, tl.log(u) * (y / (u - 1.0)))
         score = tl.sqrt(tl.where(logit > 20.0, logit, log1p_y))
