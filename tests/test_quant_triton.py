@@ -390,6 +390,22 @@ def test_fp8_dequantize_matches_reference_bits(tq, monkeypatch, variant):
             assert _same_bits(tq.dequantize(q, dtype), dequantize(q, dtype, backend="torch")), (fmt, dtype)
 
 
+@interp
+@pytest.mark.parametrize("fmt,opts", [("mxfp4", {"global_scale": 0.5}), ("mxfp4", {"global_scale": "matrix"}),
+                                      ("nvfp4", {"scale_rule": "floor"}), ("nvfp4", {"scale_rule": "bogus"})])
+def test_fp4_quantize_refuses_the_other_fp4_formats_option_as_the_reference_does(tq, fmt, opts):
+    """Same contract on both backends: an option of the other FP4 format is a TypeError (it was
+    silently ignored by the Triton path: an mxfp4 global scale or an nvfp4 floor rule on CUDA
+    quantized without it, where the torch path refused it)."""
+    x = torch.randn(2, 3, 64)
+    with pytest.raises(TypeError, match="unexpected keyword argument"):
+        quantize(x, fmt, backend="torch", **opts)
+    with pytest.raises(TypeError, match="unexpected keyword argument"):
+        tq.quantize(x, fmt, **opts)
+    own = {"mxfp4": {"scale_rule": "floor"}, "nvfp4": {"global_scale": 0.5}}[fmt]   # its own option still works
+    _assert_same_q(tq.quantize(x, fmt, **own), quantize(x, fmt, backend="torch", **own))
+
+
 def test_backend_choice():
     x = torch.randn(4, 64)
     ref = quantize(x, "mxfp4", backend="torch")

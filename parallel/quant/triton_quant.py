@@ -1078,11 +1078,23 @@ def _nvfp4_global(x: torch.Tensor, global_scale) -> torch.Tensor:
 
 def quantize(x: torch.Tensor, fmt: str, **opts) -> QuantizedTensor:
     """Same contract as `parallel.quant.quantize` (opts per format)."""
-    info = check_quantizable(x, fmt)
+    check_quantizable(x, fmt)
     x = x.contiguous()
-    if fmt in FP4_FORMATS:
-        return _quantize_fp4(x, fmt, info.block[1], **opts)
+    if fmt == "mxfp4":
+        return _quantize_mxfp4(x, **opts)
+    if fmt == "nvfp4":
+        return _quantize_nvfp4(x, **opts)
     return _quantize_fp8(x, fmt, **opts)
+
+
+# Each FP4 format takes its own option only, as the reference's quantize_mxfp4 / quantize_nvfp4 do
+# (the other one is a TypeError there; a shared signature ignored it here).
+def _quantize_mxfp4(x: torch.Tensor, *, scale_rule: str = "ceil") -> QuantizedTensor:
+    return _quantize_fp4(x, "mxfp4", 32, scale_rule=scale_rule)
+
+
+def _quantize_nvfp4(x: torch.Tensor, *, global_scale=None) -> QuantizedTensor:
+    return _quantize_fp4(x, "nvfp4", 16, global_scale=global_scale)
 
 
 def _fp4_launch_args(n_blocks: int, bs: int, gs: torch.Tensor | None, shape: torch.Size, cfg: str) -> tuple:
