@@ -49,3 +49,22 @@ def test_logical_shape_that_the_format_cannot_hold_is_refused():
     q = QuantizedTensor(torch.zeros(64).to(torch.float8_e4m3fn), torch.ones(1), "fp8_block", torch.Size((64,)))
     with pytest.raises(ValueError, match=r"fp8_block needs a shape with >= 2 dims, got \(64,\)"):
         dequantize(q)
+
+
+def test_global_scale_on_a_format_without_one_is_refused():
+    """global_scale is nvfp4's alone (the QuantizedTensor docstring); an mxfp4 or fp8 tensor that
+    carried one dequantized without it, silently (x2 here), and the fold dropped it the same way.
+    load_fp4_checkpoint already refuses an mxfp4 weight_scale_2."""
+    from moe.quant import mxfp4_to_fp8_block, quantize
+
+    x = torch.randn(3, 64)
+    for fmt in ("mxfp4", "fp8_token", "fp8_group", "fp8_block"):
+        q = quantize(x, fmt, backend="torch")
+        bad = QuantizedTensor(q.data, q.scale, fmt, q.shape, torch.tensor(2.0))
+        with pytest.raises(ValueError, match=rf"{fmt} has no global_scale \(nvfp4 only\), got torch.float32 \(\)"):
+            dequantize(bad, backend="torch")
+        assert torch.equal(dequantize(q, backend="torch"), dequantize(QuantizedTensor(q.data, q.scale, fmt, q.shape),
+                                                                       backend="torch"))
+    q = quantize(x, "mxfp4", backend="torch")
+    with pytest.raises(ValueError, match=r"mxfp4 has no global_scale"):
+        mxfp4_to_fp8_block(QuantizedTensor(q.data, q.scale, "mxfp4", q.shape, torch.ones(1)))

@@ -355,6 +355,10 @@ def check_storage(q: QuantizedTensor) -> None:
     if tuple(q.scale.shape) != scale_shape or q.scale.dtype != scale_dtype:
         raise ValueError(f"{q.fmt} of shape {tuple(q.shape)} needs scale {scale_dtype}{scale_shape}, "
                          f"got {q.scale.dtype}{tuple(q.scale.shape)}")
+    if q.fmt != "nvfp4" and q.global_scale is not None:   # (dequantization would drop it silently)
+        gs = q.global_scale
+        got = f"{gs.dtype} {tuple(gs.shape)}" if isinstance(gs, torch.Tensor) else type(gs).__name__
+        raise ValueError(f"{q.fmt} has no global_scale (nvfp4 only), got {got}")
     if q.fmt == "nvfp4":
         gs = q.global_scale
         if gs is None or gs.dtype != torch.float32 or (gs.dim() and tuple(gs.shape) != tuple(q.shape[:-2])):
