@@ -178,6 +178,22 @@ def test_views_interoperate_with_torch_fp4_and_e8m0_dtypes():
         qn.scale_as_e8m0()
 
 
+def test_e8m0_to_float_takes_torch_e8m0_as_its_bytes_and_refuses_float_values():
+    """e8m0_to_float(float8_e8m0fnu) converted the scale VALUES to int and read them as bytes
+    (1.0 -> byte 1 -> 2^-126; 2^127 -> int overflow -> 0.0), silently; a float scale tensor was
+    read the same way. torch's E8M0 dtype is a view of the bytes (as for QuantizedTensor and
+    unpack_fp4); other float dtypes are refused."""
+    every = torch.arange(256, dtype=torch.int32).to(torch.uint8)
+    want = [2.0 ** (b - 127) for b in range(255)]                    # hand decode; 255 is NaN
+    got = e8m0_to_float(every.view(torch.float8_e8m0fnu))
+    assert got.dtype == torch.float32 and got[:255].double().tolist() == want and got[255].isnan()
+    assert _bits_equal(got[:255], e8m0_to_float(every)[:255])
+    with pytest.raises(ValueError, match=r"e8m0_to_float needs uint8 .*E8M0 bytes.*got torch.float32"):
+        e8m0_to_float(torch.ones(3))
+    with pytest.raises(ValueError, match="bfloat16"):
+        e8m0_to_float(torch.ones(3, dtype=torch.bfloat16))
+
+
 # ---------------------------------------------------------------- MXFP4 scale rules
 
 

@@ -88,7 +88,14 @@ def mxfp4_scale_bytes(amax: torch.Tensor, rule: str = "ceil") -> torch.Tensor:
 
 
 def e8m0_to_float(scale: torch.Tensor) -> torch.Tensor:
-    """uint8 E8M0 bytes -> fp32 2^(byte-127); byte 0 is 2^-127 (subnormal fp32), 255 is NaN."""
+    """uint8 E8M0 bytes -> fp32 2^(byte-127); byte 0 is 2^-127 (subnormal fp32), 255 is NaN.
+    torch.float8_e8m0fnu is taken as a view of its bytes; other float dtypes are refused (their
+    values would be read as bytes)."""
+    if scale.dtype == getattr(torch, "float8_e8m0fnu", None):
+        scale = scale.view(torch.uint8)
+    elif scale.is_floating_point():
+        raise ValueError(f"e8m0_to_float needs uint8 (or float8_e8m0fnu) E8M0 bytes, got {scale.dtype}; "
+                         f"a float scale holds values, not E8M0 bytes")
     b = scale.to(torch.int32)
     bits = torch.where(b == 0, 0x00400000, b << 23)
     bits = torch.where(b == 255, 0x7FC00000, bits)
