@@ -247,6 +247,26 @@ def test_negative_zero_keeps_its_sign():
     assert unpack_fp4(qn.data)[:2].tolist() == [8, 8] and torch.signbit(dequantize(qn)[0])
 
 
+def test_round_to_e2m1_of_every_float_dtype():
+    """round_to_e2m1 read the sign by viewing y as int32: a bf16 / fp16 row of 2 values became one
+    int32 whose sign went to both codes ([-1, 2] -> [2, 4]), other shapes (and float64) raised a
+    broadcasting RuntimeError. Each dtype now gives the codes of its own values (all of them are
+    exact in the dtype, and so are the E2M1 midpoints), checked against the oracle."""
+    from moe.quant import round_to_e2m1
+
+    mids = [0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0]
+    vals = [0.0, -0.0, 6.0, 7.0, 4096.0, float("inf"), float("-inf"), float("nan"), 2.0**-20, -(2.0**-20)]
+    vals += mids + [-m for m in mids] + [m * (1 + 2.0**-5) for m in mids] + [-m * (1 - 2.0**-5) for m in mids]
+    want = [0 if math.isnan(v) else oracle_e2m1_code(v) for v in vals]
+    for dtype in (torch.float32, torch.bfloat16, torch.float16, torch.float64):
+        y = torch.tensor(vals, dtype=dtype)
+        assert torch.equal(y.double().nan_to_num(0.0), torch.tensor(vals, dtype=torch.float64).nan_to_num(0.0))   # exact
+        assert round_to_e2m1(y).tolist() == want, dtype
+        assert round_to_e2m1(y[:2].reshape(1, 2)).tolist() == [want[:2]], dtype
+        pair = torch.tensor([[-1.0, 2.0]], dtype=dtype)
+        assert round_to_e2m1(pair).tolist() == [[10, 4]], dtype
+
+
 def test_nan_block_dequantizes_to_nan_and_spares_other_blocks():
     x = torch.randn(64)
     x[3] = float("nan")

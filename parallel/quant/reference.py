@@ -51,14 +51,16 @@ _E2M1_BOUNDS_GE = (0.75, 1.75, 3.5)        # passed when |y| >= bound
 
 
 def round_to_e2m1(y: torch.Tensor) -> torch.Tensor:
-    """y: fp32 -> uint8 E2M1 codes, round to nearest even, |y| > 6 saturates, sign kept."""
+    """y: float (fp32 in the quantizers; any float dtype, compared as is: the bounds are exact in
+    each) -> uint8 E2M1 codes, round to nearest even, |y| > 6 saturates, sign kept."""
     a = y.abs()
     idx = torch.zeros(y.shape, dtype=torch.int32, device=y.device)
     for b in _E2M1_BOUNDS_GT:
         idx += (a > b).int()
     for b in _E2M1_BOUNDS_GE:
         idx += (a >= b).int()
-    sign = torch.where(torch.isnan(y), 0, (y.view(torch.int32) >> 31) & 1)  # NaN -> +0: its sign bit is platform noise
+    # (signbit, not a view as int32: that paired the halves of a bf16 / fp16 tensor)
+    sign = torch.where(torch.isnan(y), 0, torch.signbit(y).int())  # NaN -> +0: its sign bit is platform noise
     return (idx | (sign << 3)).to(torch.uint8)
 
 
