@@ -3,6 +3,7 @@ float64 reference, the reference's pieces against independent formulas, and layo
 
 from __future__ import annotations
 
+import contextlib
 import re
 
 import pytest
@@ -243,13 +244,22 @@ def test_model_config_refuses_bad_values_and_mla_ignores_kv_heads():
     assert (logits.double() - expected).abs().max() < 1e-4 * expected.abs().max()
 
 
-def test_decode_step_refuses_another_batch_or_shape_before_writing():
-    cfg = ModelConfig(layers=1, vocab=64)
-    state = make_state_dict(cfg, seed=2)
+@contextlib.contextmanager
+def _loaded_one_rank_model(cfg: ModelConfig, seed: int = 2):
+    """A DemoModel at world size 1 with `make_state_dict(cfg, seed)` loaded; the groups destroyed after."""
+    state = make_state_dict(cfg, seed=seed)
     groups = init_parallel(ParallelConfig(world_size=1))
     try:
         model = DemoModel(cfg, groups)
         model.load_full(state)
+        yield model
+    finally:
+        destroy_parallel()
+
+
+def test_decode_step_refuses_another_batch_or_shape_before_writing():
+    cfg = ModelConfig(layers=1, vocab=64)
+    with _loaded_one_rank_model(cfg) as model:
         prompts = torch.randint(cfg.vocab, (3, 4), generator=torch.Generator().manual_seed(0))
         model.prefill(prompts, 8)
         caches = [t.clone() for layer in model.layers for t in (layer.attn.cache.k, layer.attn.cache.v)]
@@ -262,8 +272,6 @@ def test_decode_step_refuses_another_batch_or_shape_before_writing():
         assert all(torch.equal(a, b) for a, b in zip(caches, after))
         model.decode_step(torch.zeros(3, dtype=torch.long))   # the right batch still decodes
         assert model.seq_len == 5
-    finally:
-        destroy_parallel()
 
 
 def test_failed_prefill_leaves_no_decode_state_and_bad_tokens_are_refused_before_the_cache():
@@ -273,11 +281,7 @@ def test_failed_prefill_leaves_no_decode_state_and_bad_tokens_are_refused_before
     (wrong logits). Bad tokens now raise ValueError naming the values before the cache is touched,
     and a prefill failing anywhere later leaves no decode state."""
     cfg = ModelConfig(layers=1, vocab=64)
-    state = make_state_dict(cfg, seed=2)
-    groups = init_parallel(ParallelConfig(world_size=1))
-    try:
-        model = DemoModel(cfg, groups)
-        model.load_full(state)
+    with _loaded_one_rank_model(cfg) as model:
         prompts = torch.randint(cfg.vocab, (2, 4), generator=torch.Generator().manual_seed(0))
         model.prefill(prompts, 8)
         expected = model.decode_step(torch.tensor([3, 5]))
@@ -311,8 +315,6 @@ def test_failed_prefill_leaves_no_decode_state_and_bad_tokens_are_refused_before
             model.decode_step(torch.tensor([3, 5]))
         model.prefill(prompts, 8)                                      # and a new prefill decodes as before
         torch.testing.assert_close(model.decode_step(torch.tensor([3, 5])), expected, rtol=0, atol=0)
-    finally:
-        destroy_parallel()
 
 
 def test_mla_load_full_refuses_per_head_weights_of_another_shape():
