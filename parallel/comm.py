@@ -184,15 +184,17 @@ def all_gather_uneven(x: torch.Tensor, group: GroupLike, dim: int = 0, *,
     """
     pg, rank, size = resolve_group(group)
     dim = _check_dim(x, dim)
-    if size == 1:
-        return _done_handle(x) if async_op else x
     if sizes is None:
-        sizes = gather_sizes(x.shape[dim], group, x.device)
+        sizes = [x.shape[dim]] if size == 1 else gather_sizes(x.shape[dim], group, x.device)
     if len(sizes) != size:
         raise ValueError(f"sizes has {len(sizes)} entries for a group of {size}")
     if sizes[rank] != x.shape[dim]:
         raise ValueError(f"sizes[{rank}] ({sizes[rank]}) != this rank's x.shape[{dim}] ({x.shape[dim]}); "
                          f"sizes {sizes}")
+    if any(n < 0 for n in sizes):
+        raise ValueError(f"sizes {sizes} must not be negative")
+    if size == 1:
+        return _done_handle(x) if async_op else x
     dtype = x.dtype
     wire = to_wire(x.movedim(dim, 0).contiguous())
     longest = max(sizes)
@@ -217,8 +219,8 @@ def reduce_scatter_uneven(x: torch.Tensor, sizes: list[int], group: GroupLike,
     """Sum `x` over the group, then give rank i the i-th slice (of `sizes[i]`) along `dim`."""
     pg, rank, size = resolve_group(group)
     dim = _check_dim(x, dim)
-    if len(sizes) != size or sum(sizes) != x.shape[dim]:
-        raise ValueError(f"sizes {sizes} must have {size} entries summing to x.shape[{dim}] = {x.shape[dim]}")
+    if len(sizes) != size or sum(sizes) != x.shape[dim] or any(n < 0 for n in sizes):
+        raise ValueError(f"sizes {sizes} must have {size} entries >= 0 summing to x.shape[{dim}] = {x.shape[dim]}")
     if size == 1:
         return _done_handle(x) if async_op else x
     if needs_wire(x.dtype):
@@ -252,8 +254,10 @@ def all_to_all_uneven(x: torch.Tensor, send_splits: list[int], group: GroupLike,
     recv_splits), or a handle whose wait() returns that pair.
     """
     pg, _, size = resolve_group(group)
-    if len(send_splits) != size or sum(send_splits) != x.shape[0]:
-        raise ValueError(f"send_splits {send_splits} must have {size} entries summing to x.shape[0] = {x.shape[0]}")
+    if len(send_splits) != size or sum(send_splits) != x.shape[0] or any(n < 0 for n in send_splits):
+        raise ValueError(f"send_splits {send_splits} must have {size} entries >= 0 summing to x.shape[0] = {x.shape[0]}")
+    if recv_splits is not None and (len(recv_splits) != size or any(n < 0 for n in recv_splits)):
+        raise ValueError(f"recv_splits {recv_splits} must have {size} entries >= 0")
     if size == 1:
         result = (x, list(send_splits))
         return _done_handle(result) if async_op else result

@@ -420,3 +420,116 @@ def test_timeouts_configs_and_sizes_are_checked_naming_the_value(monkeypatch):
             ParallelConfig(**kw)
         assert needle in str(info.value)
     assert ParallelConfig(world_size=4, dp=2, tp=2).dp == 2
+
+
+# ---- the thin collectives against plain single-process formulas, awkward cases ---------------------
+
+
+def _rank_rows(r: int) -> torch.Tensor:
+    """Rank r's [4, n_r, 5] block (n_r = 0, 3, 1, ...: uneven, one rank empty)."""
+    n = (0, 3, 1)[r % 3]
+    return torch.arange(n * 20, dtype=torch.float32).reshape(4, n, 5) + 100 * r
+
+
+def _cast(t: torch.Tensor, dt: torch.dtype) -> torch.Tensor:
+    return (t.long() % 3 == 0) if dt == torch.bool else t.to(dt)
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:   # comparable (and picklable) form of any dtype
+    return t.view(torch.uint8) if t.dtype.itemsize == 1 else t
+
+
+def _plain_vs_comm(rank: int, world: int) -> dict:
+    import threading
+
+    g = init_parallel(ParallelConfig(world_size=world)).world
+    out: dict = {}
+    for dt in (torch.bfloat16, torch.float8_e4m3fn, torch.bool, torch.int64):
+        x = _cast(_rank_rows(rank), dt)
+        out[f"ag {dt}"] = [_bits(comm.all_gather_uneven(x.transpose(0, 2), g, dim=1)).clone(),   # non-contiguous
+                           _bits(comm.all_gather_uneven(x.permute(0, 2, 1), g, dim=-1)).clone(),
+                           _bits(comm.all_gather_uneven(x.permute(1, 0, 2), g, dim=0)).clone()]
+        send = [(rank + j) % 3 for j in range(world)]
+        rows = _cast(torch.cat([torch.full((send[j], 2), 10.0 * rank + j) for j in range(world)]), dt)[:, ::2]
+        out[f"a2a {dt}"] = _bits(comm.all_to_all_uneven(rows, send, g)[0]).clone()
+    sizes = [(0, 3, 1)[i % 3] for i in range(world)]
+    for dt in (torch.bfloat16, torch.int64):
+        full = (torch.arange(5 * sum(sizes)).reshape(5, sum(sizes)) * (rank + 1)).to(dt)
+        out[f"rs {dt}"] = [comm.reduce_scatter_uneven(full, sizes, g, dim=1).clone(),
+                           comm.reduce_scatter_uneven(full.t().contiguous().t(), sizes, g, dim=-1,
+                                                      async_op=True).wait().clone()]
+    h = comm.all_gather_uneven(_rank_rows(rank)[0], g, async_op=True)
+    got: list = []
+    waiter = threading.Thread(target=lambda: got.append(h.wait()))
+    waiter.start()
+    waiter.join()
+    out["handle"] = (got[0], h.wait() is got[0])
+    out["all_reduce"] = comm.all_reduce(torch.full((3, 2), rank + 1.0, dtype=torch.bfloat16).t(), g).clone()
+    out["sizes"] = comm.gather_sizes(rank * 2, g)
+    # the region pair: z = sum_r sin(x^T) * (r + 1) on every rank; gradient of x against plain autograd
+    x = torch.linspace(-1, 1, 6).view(2, 3).requires_grad_()
+    z = comm.reduce_from_region(torch.sin(comm.copy_to_region(x, g).t()) * (rank + 1), g)
+    (z * torch.arange(6.0).view(3, 2)).sum().backward()
+    out["region"] = (z.detach(), x.grad)
+    # arguments that cannot be right, the same on every rank: ValueError naming them, no collective
+    # (the all-gather after them still pairs up)
+    x = torch.zeros(2, 3)
+    bad = {"ag sizes": lambda: comm.all_gather_uneven(x, g, sizes=[5] * world),
+           "ag negative": lambda: comm.all_gather_uneven(x, g, sizes=[2] + [-2] * (world - 1)),
+           "rs negative": lambda: comm.reduce_scatter_uneven(x, [3, -1] + [0] * (world - 2), g) if world > 1 else
+           comm.reduce_scatter_uneven(x, [2, 0], g),
+           "a2a negative": lambda: comm.all_to_all_uneven(x, [3] + [-1] * (world - 1), g) if world > 1 else
+           comm.all_to_all_uneven(x, [-1], g),
+           "a2a recv_splits": lambda: comm.all_to_all_uneven(x, [2] + [0] * (world - 1), g, recv_splits=[2] * (world + 1))}
+    for name, call in bad.items():
+        try:
+            call()
+            out[name] = "no error"
+        except ValueError as e:
+            out[name] = str(e)
+    out["after"] = comm.all_gather_uneven(torch.full((1,), rank), g)
+    destroy_parallel()
+    return out
+
+
+@pytest.mark.parametrize("world", [1, 2, 3])
+def test_thin_collectives_match_plain_formulas_on_awkward_inputs(world):
+    # negative sizes / splits summing right were taken: reduce_scatter_uneven returned a zero-padded
+    # slice longer than its size on one rank and zeros on the other, silently; all_to_all_uneven failed
+    # inside gloo; a recv_splits of the wrong length raised gloo's RuntimeError; on one rank,
+    # all_gather_uneven returned x for sizes that disagreed with it
+    results = launch_local(_plain_vs_comm, world, args=(world,), timeout=120)
+    sizes = [(0, 3, 1)[i % 3] for i in range(world)]
+    offs = [sum(sizes[:i]) for i in range(world + 1)]
+    total = sum(r + 1 for r in range(world))
+    for rank, out in enumerate(results):
+        for dt in (torch.bfloat16, torch.float8_e4m3fn, torch.bool, torch.int64):
+            xs = [_cast(_rank_rows(r), dt) for r in range(world)]
+            expect = [torch.cat([t.transpose(0, 2) for t in xs], 1), torch.cat([t.permute(0, 2, 1) for t in xs], -1),
+                      torch.cat([t.permute(1, 0, 2) for t in xs], 0)]
+            for got, exp in zip(out[f"ag {dt}"], expect):
+                assert torch.equal(got, _bits(exp)), dt
+            rows = torch.cat([torch.full(((src + rank) % 3, 1), 10.0 * src + rank) for src in range(world)])
+            assert torch.equal(out[f"a2a {dt}"], _bits(_cast(rows, dt))), dt
+        for dt in (torch.bfloat16, torch.int64):
+            full = (torch.arange(5 * offs[-1]).reshape(5, offs[-1]) * total).to(dt)
+            for got in out[f"rs {dt}"]:
+                assert got.dtype == dt and torch.equal(got, full[:, offs[rank]:offs[rank + 1]]), dt
+        got, same = out["handle"]
+        assert same and torch.equal(got, torch.cat([_rank_rows(r)[0] for r in range(world)]))
+        assert torch.equal(out["all_reduce"], torch.full((2, 3), float(total), dtype=torch.bfloat16))
+        assert out["sizes"] == [2 * r for r in range(world)]
+        x = torch.linspace(-1, 1, 6).view(2, 3).requires_grad_()
+        z = sum(torch.sin(x.t()) * (r + 1) for r in range(world))
+        (z * torch.arange(6.0).view(3, 2)).sum().backward()
+        torch.testing.assert_close(out["region"][0], z.detach())
+        torch.testing.assert_close(out["region"][1], x.grad)
+        assert out["ag sizes"].startswith(f"sizes[{rank}] (5) != this rank's x.shape[0] (2)"), out["ag sizes"]
+        if world > 1:   # every rank refuses (rank 0, whose own entry is right, too)
+            assert out["ag negative"].startswith("sizes") and str([2] + [-2] * (world - 1)) in out["ag negative"], \
+                out["ag negative"]
+        assert "sizes [" in out["rs negative"] and ">= 0" in out["rs negative"], out["rs negative"]
+        assert out["a2a negative"].startswith("send_splits [") and ">= 0" in out["a2a negative"], out["a2a negative"]
+        assert out["a2a recv_splits"].startswith(f"recv_splits {[2] * (world + 1)} must have {world} entries"), \
+            out["a2a recv_splits"]
+        assert torch.equal(out["after"], torch.arange(world)), out["after"]
