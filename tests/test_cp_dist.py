@@ -282,6 +282,12 @@ def _check_disagreement(groups, rank: int, world: int) -> None:
     for variant in ("ring", "allgather"):
         _raises_on_every_rank(lambda: ring_attention(x, x, x, groups.pcp, scale=scale, variant=variant),
                               "scale must be a finite number" if rank == 0 else "rank(s) [0]")
+    g = x.clone().requires_grad_(rank == 0)  # the backward is collective: the others would wait in it forever
+    for variant in ("ring", "allgather"):
+        _raises_on_every_rank(lambda: ring_attention(g, g, g, groups.pcp, variant=variant),
+                              "grad (1: q, 2: k or v): [3, " + ", ".join(["0"] * (world - 1)))
+    with torch.no_grad():  # no graph anywhere: agreed
+        assert ring_attention(g, g, g, groups.pcp).shape == g.shape
     f8 = x.to(torch.float8_e4m3fn)  # every rank agrees, but no path computes in fp8: refused before any KV moves
     for variant in ("ring", "allgather"):
         _raises_on_every_rank(lambda: ring_attention(f8, f8, f8, groups.pcp, variant=variant), "float8_e4m3fn")

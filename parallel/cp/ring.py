@@ -468,19 +468,29 @@ def _allgather_attention(q: Tensor, k: Tensor, v: Tensor, group: GroupLike, rank
 # agreement among the ranks
 
 _SIGNATURE = ("batch", "local tokens T", "q heads", "kv heads", "head dim", "v head dim", "dtype", "causal",
-              "variant", "scale", "sequences", "cu_seqlens checksum")
+              "variant", "scale", "sequences", "cu_seqlens checksum", "grad (1: q, 2: k or v)")
 
 
 def _signature(q: Tensor, k: Tensor, v: Tensor, causal: bool, variant: str, scale: float,
                cu_seqlens: Tensor | Sequence[int] | None) -> list[int]:
-    """The ints every rank of the ring must agree on ([B, T, H, D] inputs, the resolved float scale)."""
+    """The ints every rank of the ring must agree on ([B, T, H, D] inputs, the resolved float scale).
+
+    The last is which inputs autograd will differentiate: the backward is collective too (the ring
+    passes dK / dV around, the all-gather's backward reduce-scatters them), so a rank that records
+    no graph, or none for k and v, would leave the others waiting in it."""
     if cu_seqlens is None:
         seqs, checksum = 1, 0
     else:
         offsets = [int(o) for o in (cu_seqlens.tolist() if isinstance(cu_seqlens, Tensor) else cu_seqlens)]
         seqs, checksum = len(offsets) - 1, zlib.crc32(repr(offsets).encode())
     return [q.shape[0], q.shape[1], q.shape[2], k.shape[2], q.shape[3], v.shape[3], dtype_code(q.dtype),
-            int(causal), int(variant == "allgather"), float_code(scale), seqs, checksum]
+            int(causal), int(variant == "allgather"), float_code(scale), seqs, checksum, _grad_code(q, k, v)]
+
+
+def _grad_code(q: Tensor, k: Tensor, v: Tensor) -> int:
+    if not torch.is_grad_enabled():
+        return 0
+    return int(q.requires_grad) + 2 * int(k.requires_grad or v.requires_grad)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -536,7 +546,7 @@ def ring_attention(q: Tensor, k: Tensor, v: Tensor, group: GroupLike = None, *, 
         message = input_agreement("ring attention", _SIGNATURE, signature, error, group, q.device,
                                   {"dtype": "dtype", "scale": "float"},
                                   "every rank must call with the same layout, dtype, causal, variant, softmax "
-                                  "scale and cu_seqlens")
+                                  "scale, cu_seqlens and inputs requiring grad")
         if message is not None:
             raise ValueError(message)
     if variant == "allgather":
