@@ -306,7 +306,8 @@ def init_parallel(cfg: ParallelConfig | None = None, *, backend: str | None = No
     """Create (or reuse) torch.distributed and build every axis group.
 
     cfg: sizes; None reads WORLD_SIZE from the environment and uses dp only.
-    backend: "nccl" / "gloo"; default nccl when CUDA is present, else gloo.
+    backend: "nccl" / "gloo"; default nccl when CUDA is present, else gloo. When torch.distributed
+    is the caller's, its backend is used; a different one given here is a ValueError.
     timeout: every collective's timeout, for every group made here and later (`group_timeout()`):
     a timedelta or seconds > 0; None = DEFAULT_TIMEOUT. When torch.distributed is the caller's,
     axes over every rank (and `world`) use its WORLD group, with the caller's timeout, unless a
@@ -323,7 +324,12 @@ def init_parallel(cfg: ParallelConfig | None = None, *, backend: str | None = No
     callers = dist.is_available() and dist.is_initialized()
     if callers:
         world_size, rank = dist.get_world_size(), dist.get_rank()
-        backend = world_backend()
+        running = world_backend()
+        if backend is not None and resolve_backend(backend) != running:  # it was ignored: gloo groups on nccl
+            raise ValueError(f"backend={backend!r}, but the caller's torch.distributed already runs on "
+                             f"{running!r} (dist.get_backend() = {str(dist.get_backend())!r}); leave backend "
+                             f"unset to use it, or start torch.distributed with the backend wanted")
+        backend = running
     else:
         env = read_launch_env()
         check_rank_env(env)

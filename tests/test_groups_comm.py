@@ -167,7 +167,11 @@ def _callers_world_then_restarts(rank: int) -> dict:
     # the caller's torch.distributed, started without a backend (torch picks one per tensor
     # device: get_backend() says "undefined") and with its own timeout
     dist.init_process_group(timeout=datetime.timedelta(seconds=600))
-    groups = init_parallel(ParallelConfig(world_size=2), timeout=9)     # dp = ep = every rank
+    try:  # another backend than the running one was ignored: refused, before any group is made
+        init_parallel(ParallelConfig(world_size=2), backend="nccl")
+    except ValueError as e:
+        out["refused"] = str(e)
+    groups = init_parallel(ParallelConfig(world_size=2), backend="GLOO", timeout=9)  # dp = ep = every rank
     out["backend"] = groups.backend
     out["timeouts"] = {name: groups.axis(name).group._get_backend(torch.device("cpu")).options._timeout.total_seconds()
                        for name in ("world", "dp", "ep")}
@@ -200,6 +204,7 @@ def test_callers_world_without_backend_and_restarts_after_destroy():
     results = launch_local(_callers_world_then_restarts, 2, timeout=90)
     for out in results:
         assert out["backend"] == "gloo", out
+        assert "backend='nccl', but the caller's torch.distributed already runs on 'gloo'" in out["refused"], out
         assert out["timeouts"] == {"world": 9.0, "dp": 9.0, "ep": 9.0}, out
         assert out["sums"] == [3.0, 3.0, 3.0] and out["initialized_after"] is False, out
 
