@@ -116,6 +116,7 @@ class Buffer:
 
     def low_latency_dispatch(self, x, topk_idx, num_max_dispatch_tokens_per_rank, num_experts, use_fp8=False, **kw):
         assert self.ll and topk_idx.dtype == torch.int64 and x.shape[0] <= num_max_dispatch_tokens_per_rank
+        assert ((topk_idx >= -1) & (topk_idx < num_experts)).all(), "DeepEP would address a rank that is not there"
         assert x.is_contiguous() and topk_idx.is_contiguous(), "DeepEP asserts contiguous x and topk_idx"
         calls.append(("low_latency_dispatch", tuple(x.shape), num_max_dispatch_tokens_per_rank, num_experts))
         el = num_experts // self.size
@@ -232,6 +233,13 @@ def _low_latency_case(pg, rank: int, world: int, e_total: int, device: str, hidd
     got = ll.dispatch(x, ids, w)
     y = ll.combine(got.x, got)
     out["ll_shapes"] = (tuple(got.x.shape), tuple(y.shape))
+    if fake and ids.shape[0]:  # ids outside [0, E) count as no expert, as elsewhere (DeepEP would address rank E // E_local)
+        bad = ids.clone()
+        bad[0, 0], bad[-1, -1] = e_total, -7
+        sent = ll.dispatch(x, bad, w).topk_ids
+        want = bad.clone()
+        want[0, 0] = want[-1, -1] = -1
+        out["ll_bad_ids"] = torch.equal(sent.cpu(), want.long().cpu())
     if not fake:
         per = e_total // world
         counts, rows = [], []
@@ -287,12 +295,14 @@ def test_deepep_backend_matches_all_to_all_through_a_fake_deep_ep(fake_dir):
     for rank, r in enumerate(launch_local(_rank, world, args=(world, fake_dir), timeout=200)):
         assert r["same"] == [True] * 9 and r["loop"] == [True] * 3, (rank, r["same"], r["loop"])
         assert r["ll_shapes"] == ((2, world * 8, H), ([5, 0][rank], H)), r["ll_shapes"]
+        assert r.get("ll_bad_ids", rank == 1), rank   # rank 1 has no tokens
         calls = r["calls"]
         # one buffer; layout + dispatch forward, a cached dispatch (combine's backward), combines:
         # per dispatch one forward and one for its backward (x's rows with the weights' gradients)
         assert calls[:4] == ["Buffer", "get_dispatch_layout", "dispatch", "combine"], calls
         assert "dispatch_cached" in calls and calls.count("combine") == 4, calls
-        assert calls[-4:] == ["Buffer", "low_latency_dispatch", "low_latency_combine", "destroy"], calls
+        tail = ["Buffer", "low_latency_dispatch", "low_latency_combine"] + ["low_latency_dispatch"] * (rank == 0)
+        assert calls[-len(tail) - 1:] == tail + ["destroy"], calls      # rank 0 also sent ids out of range
         assert calls.count("destroy") == 3, calls  # every buffer the body frees, freed once
         # Buffer(group, nvl, rdma, low_latency_mode, num_qps_per_rank) from each DeepEPConfig (fake default qps 1)
         rdma_hint = 8 * H * world * 16  # the fake's get_low_latency_rdma_size_hint
