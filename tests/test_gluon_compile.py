@@ -6,9 +6,11 @@ where Triton device functions cannot be called from Gluon."""
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -21,7 +23,7 @@ SMEM_LIMIT = 232448          # bytes of dynamic shared memory a CTA may take on 
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def _build(name: str) -> dict:
+def _build(name: str, cubin: Path | None = None) -> dict:
     """(child process) Compile one kernel ("mla-bf16", "mla-fp8", "gqa-bf16", "gqa-fp8-directRAW-NQ",
     "mlan-..."; "-raw1" / "-raw2": the fp8 MLA kernel's raw TMA ring, "-k32r2raw4": with 32-key tiles and
     two fp16 stages) for sm_90a: shared bytes, ptxas spill bytes, PTX markers."""
@@ -104,8 +106,7 @@ def _build(name: str) -> dict:
         ptx.write_text(compiled.asm["ptx"])
         info = subprocess.run([str(ptxas), "-arch=sm_90a", "-v", str(ptx), "-o", str(Path(tmp, "k.o"))],
                               capture_output=True, text=True, check=True).stderr
-    if os.environ.get("GLUON_SASS_DUMP"):        # (the build's SASS, for reading the order of its loads)
-        cubin = Path(os.environ["GLUON_SASS_DUMP"])
+    if cubin is not None:        # (the build's SASS, for reading the order of its loads)
         cubin.write_bytes(compiled.asm["cubin"])
     return {"shared": compiled.metadata.shared, "regs": re.findall(r"Used (\d+) registers", info),
             "spill": int(re.search(r"(\d+) bytes spill stores", info).group(1)),
@@ -115,7 +116,7 @@ def _build(name: str) -> dict:
             "stores": {w: len(re.findall(rf"st\.global\.{w}\b", compiled.asm["ptx"])) for w in ("b32", "v2.b32")}}
 
 
-@pytest.mark.parametrize("name,spill_cap", [
+BUILDS = [
     ("mla-bf16", 512), ("mla-fp8", 1024), ("mla-fp8-raw1", 1024), ("mla-fp8-raw2", 1024),
     ("mla-fp8-k32r2raw2", 1024), ("mla-fp8-k32r2raw4", 1024), ("mla-fp8-k32r3raw2", 1024), ("gqa-bf16", 0),
     ("mlan-bf16-16", 0), ("mlan-bf16-32", 0), ("mlan-bf16-8", 0), ("mlan-bf16-32-causal", 128),
@@ -129,7 +130,18 @@ def _build(name: str) -> dict:
     ("mlan-bf16-16-pdl", 0),
     # the narrow direct kernel with the next tile's score MMAs issued before the softmax
     # (at most 16 columns: at 32 the kernel keeps the unpipelined form, whose two tiles' accumulators spilled)
-    ("mlan-fp8-16-direct3s-pipe-pdl", 0), ("mlan-fp8-8-direct3s-pipe", 0), ("mlan-fp8-32-direct4s-causal-pipe", 64)])
+    ("mlan-fp8-16-direct3s-pipe-pdl", 0), ("mlan-fp8-8-direct3s-pipe", 0), ("mlan-fp8-32-direct4s-causal-pipe", 64)]
+LOADERS = [("mlan-fp8-16-direct5s", 24, 4), ("gqa-fp8-direct10-8", 24, 4), ("gqa-bf16", 64, 1), ("mlan-bf16-16", 64, 1)]
+FIRST_MMAS = [("mlan-fp8-16-direct5s", "QGMMA"), ("gqa-fp8-direct10-8", "QGMMA"), ("gqa-bf16", "HGMMA"),
+              ("mlan-bf16-16", "HGMMA")]
+PAIRED = ["mlan-fp8-16-direct5s", "mlan-fp8-32-direct4s-causal", "gqa-fp8-direct10-8", "gqa-fp8-direct10-32-causal"]
+# every build the tests below read, made once per session by a few child processes (each build in its
+# own process paid ~2 s of imports, 100+ s of the suite)
+ALL_BUILDS = sorted({n for n, _ in BUILDS} | {f"{k}{v}-pdl" for k, *_ in LOADERS + FIRST_MMAS for v in ("", "-ahead")}
+                    | {f"{k}{v}-pdl" for k in PAIRED for v in ("", "-paired")})
+
+
+@pytest.mark.parametrize("name,spill_cap", BUILDS)
 def test_gluon_decode_kernel_builds_for_sm90(name, spill_cap):
     """spill_cap: the committed MLA builds spill 12 B (bf16: the loader's masked tail tile) and 388-516 B
     (fp8: warpgroup 1's accumulators and the converter's loads), built with the launcher's 16-byte
@@ -151,17 +163,32 @@ def test_gluon_decode_kernel_builds_for_sm90(name, spill_cap):
     assert got["gdc"] == name.endswith("-pdl")
 
 
+_BUILT: dict[str, dict] = {}
+_CUBINS = Path(tempfile.mkdtemp(prefix="gluon-cubins-"))
+atexit.register(shutil.rmtree, _CUBINS, True)
+
+
 def _built(name: str, cubin: Path | None = None) -> dict:
-    """`_build(name)` in a child process (this one runs Triton in interpreter mode); cubin: where the
-    build's cubin goes too."""
+    """`_build(name)`, done in child processes (this one runs Triton in interpreter mode): at the first
+    call every build of ALL_BUILDS, split over two processes; cubin: where the build's cubin is copied."""
     pytest.importorskip("triton.experimental.gluon")
-    env = dict(os.environ, TRITON_INTERPRET="0", PYTHONPATH=f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
+    if name not in _BUILT:
+        names = ALL_BUILDS if name in ALL_BUILDS else [name]
+        env = dict(os.environ, TRITON_INTERPRET="0",
+                   PYTHONPATH=f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
+        jobs = [subprocess.Popen([sys.executable, __file__, str(_CUBINS), *names[i::2]], env=env, cwd=ROOT,
+                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for i in range(2)]
+        for job in jobs:
+            out, err = job.communicate(timeout=900)
+            assert job.returncode == 0, err[-3000:]
+            for line in out.splitlines():
+                got = json.loads(line)
+                _BUILT[got.pop("name")] = got
+    got = _BUILT[name]
+    assert "error" not in got, f"{name}: {got['error']}"
     if cubin is not None:
-        env["GLUON_SASS_DUMP"] = str(cubin)
-    done = subprocess.run([sys.executable, __file__, name], env=env, cwd=ROOT,
-                          capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr[-3000:]
-    return json.loads(done.stdout.strip().splitlines()[-1])
+        shutil.copyfile(_CUBINS / f"{name}.cubin", cubin)
+    return got
 
 
 def _loader_loads_before_its_first_branch(cubin: Path, regs: int = 24) -> int:
@@ -178,8 +205,7 @@ def _loader_loads_before_its_first_branch(cubin: Path, regs: int = 24) -> int:
     return sum(op.startswith("LDG") for op, _ in ops[first_bar:first_bra])
 
 
-@pytest.mark.parametrize("kernel,loader_regs,ids", [("mlan-fp8-16-direct5s", 24, 4), ("gqa-fp8-direct10-8", 24, 4),
-                                                    ("gqa-bf16", 64, 1), ("mlan-bf16-16", 64, 1)])
+@pytest.mark.parametrize("kernel,loader_regs,ids", LOADERS)
 def test_loaders_load_their_first_ids_beside_the_length(kernel, loader_regs, ids, tmp_path):
     """CONFIG ids_ahead (on: GQA over bf16, MLA's narrow tiles over bf16) / ids_ahead_direct_fp8 (off:
     both direct fp8 kernels): the loader of a Gluon decode kernel issues its first block ids' loads (the
@@ -211,8 +237,7 @@ def _prologue_of_first_mma(cubin: Path, mma: str) -> tuple[int, int]:
     return loops, loads
 
 
-@pytest.mark.parametrize("kernel,mma", [("mlan-fp8-16-direct5s", "QGMMA"), ("gqa-fp8-direct10-8", "QGMMA"),
-                                        ("gqa-bf16", "HGMMA"), ("mlan-bf16-16", "HGMMA")])
+@pytest.mark.parametrize("kernel,mma", FIRST_MMAS)
 def test_ids_ahead_takes_the_block_id_check_off_the_first_tiles_chain(kernel, mma, tmp_path):
     """CONFIG ids_ahead, the consumer / scores side (`gluon_mla._ids_early`): the direct fp8 kernels'
     scores warpgroup ran the split's block-id check as a loop of dependent loads between the queries'
@@ -230,8 +255,7 @@ def test_ids_ahead_takes_the_block_id_check_off_the_first_tiles_chain(kernel, mm
     assert ahead["regs"] == plain["regs"] and ahead["spill"] <= plain["spill"] and ahead["shared"] == plain["shared"]
 
 
-@pytest.mark.parametrize("columns", ["mlan-fp8-16-direct5s", "mlan-fp8-32-direct4s-causal", "gqa-fp8-direct10-8",
-                                     "gqa-fp8-direct10-32-causal"])
+@pytest.mark.parametrize("columns", PAIRED)
 def test_direct_kernels_store_their_output_dim_pairs_together(columns):
     """CONFIG paired_store_direct_fp8: the value warpgroup's accumulators of even and odd dims (MLA's
     narrow tiles: a latent box's, four boxes; GQA: the head's) stored as 8-byte pairs (st.global.v2),
@@ -270,5 +294,12 @@ def test_fp8_mla_ring_fits_shared_memory(keys, ring, raw, fits, monkeypatch):
             triton_decode.apply_tuning({"config": {"keys_wide_fp8": keys}})
 
 
-if __name__ == "__main__":
-    print(json.dumps(_build(sys.argv[1])))
+if __name__ == "__main__":     # (child) python test_gluon_compile.py CUBIN_DIR NAME...: a JSON line a build
+    import traceback
+
+    for name in sys.argv[2:]:
+        try:
+            got = _build(name, Path(sys.argv[1]) / f"{name}.cubin")
+        except Exception:
+            got = {"error": traceback.format_exc()[-3000:]}
+        print(json.dumps({"name": name, **got}), flush=True)
