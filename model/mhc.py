@@ -23,6 +23,7 @@ two (the kernels' stream index), else torch (op "model.mhc" of `parallel.impl`);
 
 from __future__ import annotations
 
+import contextlib
 from typing import Callable, Literal, NamedTuple
 
 import torch
@@ -105,15 +106,26 @@ def _coefficients(mix: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, m:
     return pre, post, comb
 
 
+def _fp32(device: torch.device) -> contextlib.AbstractContextManager:
+    """autocast off on `device` where it is on: the torch path is fp32 math (the specification,
+    and what the Triton kernels compute whatever autocast says); under autocast its matmul / bmm /
+    einsum ran in bf16 (mix logits ~1e-2 off, an fp32 residual mixed in bf16)."""
+    if torch.amp.is_autocast_available(device.type) and torch.is_autocast_enabled(device.type):
+        return torch.autocast(device.type, enabled=False)
+    return contextlib.nullcontext()
+
+
 def _rms_mix(xf: torch.Tensor, fn: torch.Tensor, rms_eps: float) -> torch.Tensor:
     """xf: [T, K] fp32 -> (xf @ fn^T) * rsqrt(mean(xf^2) + rms_eps), [T, rows] fp32."""
-    rstd = torch.rsqrt(xf.square().mean(-1, keepdim=True) + rms_eps)
-    return (xf @ fn.float().t()) * rstd
+    with _fp32(xf.device):
+        rstd = torch.rsqrt(xf.square().mean(-1, keepdim=True) + rms_eps)
+        return (xf @ fn.float().t()) * rstd
 
 
 def _weighted_streams(weights: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
     """sum_i weights[:, i] * residual[:, i] in fp32: [T, M], [T, M, H] -> [T, H] residual dtype."""
-    return torch.einsum("tm,tmh->th", weights, residual.float()).to(residual.dtype)
+    with _fp32(residual.device):
+        return torch.einsum("tm,tmh->th", weights, residual.float()).to(residual.dtype)
 
 
 def _pre_torch(residual: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor,
@@ -125,8 +137,9 @@ def _pre_torch(residual: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, sca
 
 
 def _post_torch(out: torch.Tensor, residual: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
-    mixed = torch.bmm(comb.float().transpose(1, 2), residual.float())  # [T, M(j), H] = sum_i comb[i, j] x_i
-    return (mixed + post.float().unsqueeze(-1) * out.float().unsqueeze(1)).to(residual.dtype)
+    with _fp32(residual.device):
+        mixed = torch.bmm(comb.float().transpose(1, 2), residual.float())  # [T, M(j), H] = sum_i comb[i, j] x_i
+        return (mixed + post.float().unsqueeze(-1) * out.float().unsqueeze(1)).to(residual.dtype)
 
 
 # ---- backend choice ---------------------------------------------------------------------------

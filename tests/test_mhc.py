@@ -691,3 +691,33 @@ def test_torch_path_gradients_match_hf_formulas_in_float64(t, m, h, iters, eps, 
         for v, a, b in zip(inputs, got_grads, want_grads):
             assert a.dtype == v.dtype and a.shape == v.shape
             torch.testing.assert_close(a.double(), b, **tol)
+
+
+def test_torch_path_stays_fp32_under_autocast():
+    """Under torch.autocast (bf16) the torch path's matmul / bmm / einsum ran in bf16: on an fp32
+    residual the mix logits, post, comb, the layer input and the new residual were ~1e-2 off (the
+    Triton kernels ignore autocast, so training and inference disagreed). Against the float64 loops."""
+    g = torch.Generator().manual_seed(70)
+    t, m, h = 6, 4, 64
+    fn, base, scale = make_params(m, h, seed=71)
+    residual, out, x = torch.randn(t, m, h, generator=g), torch.randn(t, h, generator=g), torch.randn(t, h, generator=g)
+    fh, bh, sh = torch.randn(m, m * h, generator=g) * 0.2, torch.randn(m, generator=g), torch.tensor([0.6])
+    tol = dict(rtol=1e-5, atol=1e-5)
+    want = plain_pre(residual, fn, base, scale)
+    post, comb = want[1].float(), want[2].float()
+    new_want = plain_post(out, residual, post, comb)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got = mhc_pre(residual, fn, base, scale, backend="torch")
+        new = mhc_post(out, residual, post, comb, backend="torch")
+        fused, nxt = mhc_post_pre(out, residual, post, comb, fn, base, scale, backend="torch")
+        entry = mhc_pre_broadcast(x, fn, base, scale, backend="torch")
+        collapsed = mhc_head(residual, fh, bh, sh, backend="torch")
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a.double(), b, **tol)
+    torch.testing.assert_close(new.double(), new_want, **tol)
+    torch.testing.assert_close(fused.double(), new_want, **tol)
+    for a, b in zip(nxt, plain_pre(new_want.float(), fn, base, scale)):
+        torch.testing.assert_close(a.double(), b, **tol)
+    for a, b in zip(entry, plain_pre(mhc_broadcast(x, m), fn, base, scale)):
+        torch.testing.assert_close(a.double(), b, **tol)
+    torch.testing.assert_close(collapsed.double(), plain_head(residual, fh, bh, sh), **tol)
