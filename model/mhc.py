@@ -66,6 +66,8 @@ def _num_streams(residual: torch.Tensor) -> tuple[int, int, int]:
         raise ValueError(f"residual must be [T, M, H], got shape {tuple(residual.shape)}")
     if residual.shape[1] < 1 or residual.shape[2] < 1:  # no stream or no hidden: NaN coefficients
         raise ValueError(f"residual [T, M, H] needs M >= 1 streams and H >= 1; got shape {tuple(residual.shape)}")
+    if not residual.is_floating_point():  # the fp32 sums were truncated back to the integer dtype
+        raise ValueError(f"residual must be floating point, got {residual.dtype}")
     return residual.shape[0], residual.shape[1], residual.shape[2]
 
 
@@ -78,8 +80,9 @@ def _check_params(fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, m: 
 
 
 def _check_sinkhorn(iters: int) -> None:
-    if iters < 1:
-        raise ValueError(f"sinkhorn_iters must be >= 1, got {iters}")
+    # an int (numpy's too): a float count was a TypeError in range() / a Triton compile error
+    if isinstance(iters, bool) or not hasattr(iters, "__index__") or iters < 1:
+        raise ValueError(f"sinkhorn_iters must be an integer >= 1, got {iters!r}")
 
 
 # ---- torch reference --------------------------------------------------------------------------
@@ -253,8 +256,8 @@ def mhc_pre_broadcast(x: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, sca
     mean(xf^2) = mean(x^2), xf @ fn^T = x @ (sum_m fn[:, m*H:(m+1)*H])^T and the layer input
     is (sum_i pre_i) x. On Triton the general kernels read the stride-0 view instead.
     """
-    if x.dim() != 2:
-        raise ValueError(f"x must be [T, H], got shape {tuple(x.shape)}")
+    if x.dim() != 2 or not x.is_floating_point():
+        raise ValueError(f"x must be a floating-point [T, H], got shape {tuple(x.shape)}, {x.dtype}")
     t, h = x.shape
     if fn.dim() != 2 or h < 1 or fn.shape[1] < h or fn.shape[1] % h:
         raise ValueError(f"fn must be [(2+M)M, M*H] with H={h} >= 1 and M >= 1; got shape {tuple(fn.shape)}")

@@ -7,6 +7,7 @@ import importlib
 import math
 import os
 
+import numpy as np
 import pytest
 import torch
 
@@ -721,3 +722,28 @@ def test_torch_path_stays_fp32_under_autocast():
     for a, b in zip(entry, plain_pre(mhc_broadcast(x, m), fn, base, scale)):
         torch.testing.assert_close(a.double(), b, **tol)
     torch.testing.assert_close(collapsed.double(), plain_head(residual, fh, bh, sh), **tol)
+
+
+def test_non_integer_iterations_and_integer_residual_raise_value_error():
+    """sinkhorn_iters=20.0 was a TypeError inside range() (a compile error on Triton); an integer
+    residual ran and truncated the fp32 layer input / new residual to integers."""
+    m, h = 4, 8
+    fn, base, scale = make_params(m, h, seed=80)
+    residual = torch.randn(3, m, h, generator=torch.Generator().manual_seed(81))
+    for iters in (20.0, 2.5, "3"):
+        with pytest.raises(ValueError, match=rf"sinkhorn_iters must be an integer >= 1, got {iters!r}"):
+            mhc_pre(residual, fn, base, scale, sinkhorn_iters=iters)
+        with pytest.raises(ValueError, match="sinkhorn_iters must be an integer"):
+            MHC(h, m, sinkhorn_iters=iters)
+    want = plain_pre(residual, fn, base, scale, iters=3)
+    for a, b in zip(mhc_pre(residual, fn, base, scale, sinkhorn_iters=np.int64(3)), want):  # numpy ints are fine
+        torch.testing.assert_close(a.double(), b, rtol=1e-5, atol=1e-5)
+    ints = torch.randint(-3, 4, (3, m, h), generator=torch.Generator().manual_seed(82))
+    with pytest.raises(ValueError, match="residual must be floating point, got torch.int64"):
+        mhc_pre(ints, fn, base, scale)
+    with pytest.raises(ValueError, match="residual must be floating point, got torch.int64"):
+        mhc_post(torch.randn(3, h), ints, torch.rand(3, m), torch.rand(3, m, m))
+    with pytest.raises(ValueError, match="residual must be floating point"):
+        mhc_head(ints, torch.zeros(m, m * h), torch.zeros(m), torch.ones(1))
+    with pytest.raises(ValueError, match=r"x must be a floating-point \[T, H\], got shape \(3, 8\), torch.int64"):
+        mhc_pre_broadcast(ints[:, 0], fn, base, scale)
