@@ -606,6 +606,31 @@ def empty_inner_dims_keep_the_plain_results_shapes(tp, r, P):
         assert res.gathered.scale.shape == (P * m, 0, 1), (backend, res.gathered.scale.shape)
         out = matmul_reduce_scatter_fp8(torch.randn(2 * P, 0, K), qw, tp, out_dtype=torch.float32, backend=backend)
         assert out.shape == (2, 0, N), (backend, out.shape)
+    # K = 0 (no contraction) and N = 0 (no output column), forward and gradients against the plain formulas
+    # (a reshape(-1, 0) of the row view and of the weight gradient raised "ambiguous" on every backend)
+    rows = slice(r * 2, (r + 1) * 2)
+    for k0, n0 in ((0, 3), (4, 0)):
+        g = _gen(19)
+        X, Xs = torch.randn(P * 2, k0, generator=g), torch.randn(P, P * 2, k0, generator=g)
+        W = torch.randn(k0, n0, generator=g)
+        Gg, Go = torch.randn(P, P * 2, k0, generator=g), torch.randn(P, P * 2, n0, generator=g)
+        Gr = torch.randn(P * 2, n0, generator=g)
+        for backend in OURS:
+            what = f"K={k0} N={n0} {backend}"
+            x, w = X[rows].clone().requires_grad_(), W.clone().requires_grad_()
+            gathered, out = all_gather_matmul(x, [w], tp, return_gathered=True, backend=backend)
+            assert torch.equal(gathered, X) and out.shape == (P * 2, n0), (what, out.shape)
+            _close(out, X @ W, f"{what} all_gather_matmul")
+            ((gathered * Gg[r]).sum() + (out * Go[r]).sum()).backward()
+            _close(x.grad, (Gg.sum(0) + Go.sum(0) @ W.t())[rows], f"{what} all_gather_matmul grad x")
+            _close(w.grad, X.t() @ Go[r], f"{what} all_gather_matmul grad w")
+            x, w = Xs[r].clone().requires_grad_(), W.clone().requires_grad_()
+            out = matmul_reduce_scatter(x, w, tp, backend=backend)
+            assert out.shape == (2, n0), (what, out.shape)
+            _close(out, sum(Xs[q] @ W for q in range(P))[rows], f"{what} matmul_reduce_scatter")
+            (out * Gr[rows]).sum().backward()
+            _close(x.grad, Gr @ W.t(), f"{what} matmul_reduce_scatter grad x")
+            _close(w.grad, Xs[r].t() @ Gr, f"{what} matmul_reduce_scatter grad w")
 
 
 def bench_overlap_rows_time_every_backend_on_gloo(tp, r, P):

@@ -151,7 +151,7 @@ def rows_view(x: torch.Tensor, dim: int) -> tuple[torch.Tensor, Callable[..., to
     then R' = 0 whatever the size along `dim`); None derives it from R'."""
     moved = x.movedim(dim, 0)
     inner = tuple(moved.shape[1:-1])
-    rows = moved.reshape(-1, moved.shape[-1]).contiguous()
+    rows = moved.reshape(math.prod(moved.shape[:-1]), moved.shape[-1]).contiguous()  # not -1: K may be 0
 
     def unflatten(t: torch.Tensor, outer: int | None = None) -> torch.Tensor:
         if outer is None:
@@ -256,7 +256,8 @@ def _gather(x_shard: torch.Tensor, group: Group, dim: int) -> torch.Tensor:
 
 def _weight_grad(inp: torch.Tensor, grad_out: torch.Tensor) -> torch.Tensor:
     """sum over all rows of inp[..., K]^T grad_out[..., N] -> [K, N]."""
-    return inp.reshape(-1, inp.shape[-1]).t() @ grad_out.reshape(-1, grad_out.shape[-1])
+    rows = math.prod(inp.shape[:-1])  # not -1: K or N may be 0
+    return inp.reshape(rows, inp.shape[-1]).t() @ grad_out.reshape(rows, grad_out.shape[-1])
 
 
 class _AllGatherMatmul(torch.autograd.Function):
