@@ -120,6 +120,36 @@ def _rank_main(rank: int) -> dict:
         failures.append(exc.failed_ranks)
     assert same_bits(weights, before)
     out["failures"] = failures
+    # ranks that disagree on the maps or the tensors' layout: every rank raises MigrationError
+    # naming the odd rank and the values, nothing moves (before: rank 1's swap of two of its own
+    # new slots "succeeded" with rows under the wrong expert per its peers' maps; rank 3 seeing
+    # no change returned while its peers waited; a float32 table on rank 2 aborted the process)
+    disagree = []
+    new = random_placement(g)
+    mine = new[SLOTS:2 * SLOTS]
+    j, k = next((j, k) for j in range(SLOTS) for k in range(SLOTS) if int(mine[j]) != int(mine[k]))
+    swapped = new.clone()
+    swapped[SLOTS + j], swapped[SLOTS + k] = new[SLOTS + k], new[SLOTS + j]
+    p = SLOTS + min(j, k)
+    cases = [
+        ({1: swapped}, {}, f"rank 1 has new_phy2log[{p}] = {int(swapped[p])}, ranks [0, 2, 3] have {int(new[p])}"),
+        ({3: old.clone()}, {}, None),
+        ({}, {2: 3}, "rank 2's tensors are (dtype, per-slot shape) [('torch.bfloat16', (5, 7)), "
+                     "('torch.uint8', (5, 4)), ('torch.uint8', (5,)), ('torch.float32', (2, 3))], ranks [0, 1, 3]'s "
+                     "[('torch.bfloat16', (5, 7)), ('torch.uint8', (5, 4)), ('torch.uint8', (5,)), "
+                     "('torch.float8_e4m3fn', (2, 3))]"),
+    ]
+    for maps, widened, text in cases:
+        before = [t.clone() for t in weights]
+        mine_new = maps.get(rank, new)
+        mine_tensors = [t.float() if i == widened.get(rank) else t for i, t in enumerate(weights)]
+        try:
+            rearrange_weights(old, mine_new, mine_tensors, ep)
+            disagree.append(None)
+        except MigrationError as exc:
+            disagree.append((exc.failed_ranks, text is None or text in str(exc)))
+        assert same_bits(weights, before)
+    out["disagree"] = disagree
     new = random_placement(g)  # the group still works after aborted migrations
     rearrange_weights(old, new, weights, ep)
     assert same_bits(weights, local_rows(tables, new, rank))
@@ -199,6 +229,7 @@ def test_migration_bit_exact_atomic_and_eplb_end_to_end_on_4_gloo_ranks():
     for rank, r in enumerate(results):
         bad_input = ("ValueError", True) if rank == 1 else [1]
         assert r["failures"] == [[2], [2], [1, 3], bad_input]
+        assert r["disagree"] == [([1], True), ([3], True), ([2], True)]
         moved, failed, before, after = r["report"]
         assert moved and not failed and after > before
         assert r["failed_report"] == ([], [0, 1], True)

@@ -20,12 +20,18 @@ agreed on once more, and then every rank restores its old rows. Either way every
 all new), never some of each. A transport that fails (a peer killed mid-migration) also
 raises `MigrationError` on the ranks that can still run: a failed agreement leaves the
 tensors old (before the commit) or restores them (after it), since the peers' outcome is
-unknown. `fault_hook(stage)` is called at stages "prepare", "unpack" and "commit" (between two
-tensors' commits) so tests can inject failures.
+unknown. The first agreement also checks that every rank passed the same two maps and the
+same tensor layout (dtype and per-slot shape of each tensor, compared by a digest; only when the
+digests differ are the values gathered, to name them): ranks that disagree would derive
+different plans, and their transfers would pair wrong rows silently, hang or abort; instead
+every rank raises MigrationError naming the odd ranks and values. So an unchanged map is agreed
+on too (one small all-reduce, no transfer). `fault_hook(stage)` is called at stages "prepare",
+"unpack" and "commit" (between two tensors' commits) so tests can inject failures.
 """
 
 from __future__ import annotations
 
+import hashlib
 import time
 from dataclasses import dataclass
 from typing import Callable, Sequence
@@ -135,8 +141,8 @@ def _check_maps(old_phy2log: torch.Tensor, new_phy2log: torch.Tensor, num_ranks:
 
 
 def _same_map(old_phy2log: torch.Tensor, new_phy2log: torch.Tensor) -> bool:
-    """The two maps are equal (then no rank moves anything); False for maps that cannot be
-    compared, which the checks reject."""
+    """The two maps are equal (then this rank moves nothing, and neither do its peers once the
+    group has agreed on the maps); False for maps that cannot be compared, which the checks reject."""
     return old_phy2log.shape == new_phy2log.shape and old_phy2log.tolist() == new_phy2log.tolist()
 
 
@@ -151,17 +157,74 @@ def _byte_rows(t: torch.Tensor, slots_per_rank: int, index: int) -> torch.Tensor
     return t.reshape(slots_per_rank, -1).view(torch.uint8)
 
 
-def _agree(failed: bool, rank: int, size: int, pg: dist.ProcessGroup | None, device: torch.device,
-           stage: str, failure: BaseException | None, restore: Callable[[], None] | None = None) -> list[int]:
-    """All-reduce of per-rank failure flags; returns the failed group ranks (same on all ranks).
+_NO_SIGNATURE = -(2**62)
 
+
+def _signature(old: list[int], new: list[int], tensors: list[torch.Tensor]) -> tuple:
+    """What every rank of the group must agree on before a transfer: both maps and the layout
+    (dtype, per-slot shape) of each tensor. Ranks that disagree derive different plans: their
+    transfers mismatch (a hang, or rows landing under the wrong expert with no error)."""
+    return (old, new, [(str(t.dtype), tuple(t.shape[1:])) for t in tensors])
+
+
+def _fingerprint(signature: tuple) -> int:
+    """56-bit digest of a signature (deterministic across processes)."""
+    return int.from_bytes(hashlib.blake2b(repr(signature).encode(), digest_size=7).digest(), "little")
+
+
+def _disagreement(signature: tuple | None, failed: list[int], size: int,
+                  pg: dist.ProcessGroup | None) -> tuple[list[int], str]:
+    """(ranks whose signature differs from the majority's, a message naming the values); collective.
+    Only called when the fingerprints differ, which every rank sees alike."""
+    everyone: list = [None] * size
+    dist.all_gather_object(everyone, signature, group=pg)
+    candidates = [r for r in range(size) if r not in failed and everyone[r] is not None]
+    if not candidates:
+        return [], ""
+    counts = {r: sum(everyone[q] == everyone[r] for q in candidates) for r in candidates}
+    ref = max(candidates, key=lambda r: (counts[r], -r))
+    same = [q for q in candidates if everyone[q] == everyone[ref]]
+    odd = [r for r in candidates if everyone[r] != everyone[ref]]
+    parts = []
+    for r in odd:
+        for k, name in enumerate(("old_phy2log", "new_phy2log")):
+            mine, theirs = everyone[r][k], everyone[ref][k]
+            if mine != theirs:
+                if len(mine) != len(theirs):
+                    parts.append(f"rank {r}'s {name} has {len(mine)} slots, ranks {same}'s {len(theirs)}")
+                else:
+                    p = next(i for i, (a, b) in enumerate(zip(mine, theirs)) if a != b)
+                    parts.append(f"rank {r} has {name}[{p}] = {mine[p]}, ranks {same} have {theirs[p]}")
+        if everyone[r][2] != everyone[ref][2]:
+            parts.append(f"rank {r}'s tensors are (dtype, per-slot shape) {everyone[r][2]}, "
+                         f"ranks {same}'s {everyone[ref][2]}")
+    return odd, "; ".join(parts)
+
+
+def _agree(failed: bool, rank: int, size: int, pg: dist.ProcessGroup | None, device: torch.device,
+           stage: str, failure: BaseException | None, restore: Callable[[], None] | None = None,
+           signature: tuple | None = None) -> tuple[list[int], str]:
+    """All-reduce of per-rank failure flags; returns (the failed group ranks, a message naming the
+    values the ranks disagree on, or "") (the same on all ranks).
+
+    With `signature` (this rank's maps and tensor layout, None where its input is bad), the ranks
+    also agree on it: ranks whose signature differs from the majority's count as failed (one
+    more collective, only then, to name the values).
     When the all-reduce itself fails (a peer died), `restore()` runs (if given) and
     MigrationError names the stage: no rank can learn the others' outcome any more."""
-    flags = torch.zeros(size, dtype=torch.int32, device=device)
+    fp = _NO_SIGNATURE if signature is None else _fingerprint(signature)
+    # MAX of [flags, fp, -fp]: the flags, and the largest and smallest fingerprint
+    flags = torch.zeros(size + 2, dtype=torch.int64, device=device)
     flags[rank] = int(failed)
+    flags[size], flags[size + 1] = fp, (_NO_SIGNATURE if signature is None else -fp)
     if size > 1:
         try:
-            dist.all_reduce(flags, group=pg)
+            dist.all_reduce(flags, group=pg, op=dist.ReduceOp.MAX)
+            result = flags.tolist()
+            ranks = [r for r in range(size) if result[r]]
+            if result[size] != _NO_SIGNATURE and result[size] != -result[size + 1]:
+                odd, message = _disagreement(signature, ranks, size, pg)
+                return sorted(set(ranks) | set(odd)), message
         except Exception as exc:  # noqa: BLE001 - the transport is gone: fail as a migration
             if restore is not None:
                 restore()
@@ -169,7 +232,8 @@ def _agree(failed: bool, rank: int, size: int, pg: dist.ProcessGroup | None, dev
             raise MigrationError(f"EPLB migration abandoned {stage}: the agreement among the group's ranks failed "
                                  f"({type(exc).__name__}: {exc}); a peer may have died; this rank's {kept} "
                                  f"(this rank's own failure: {failure!r})", [], transport_failed=True) from exc
-    return flags.nonzero().flatten().tolist()
+        return ranks, ""
+    return flags[:size].nonzero().flatten().tolist(), ""
 
 
 def rearrange_weights(old_phy2log: torch.Tensor, new_phy2log: torch.Tensor, tensors: list[torch.Tensor],
@@ -184,56 +248,69 @@ def rearrange_weights(old_phy2log: torch.Tensor, new_phy2log: torch.Tensor, tens
     group: the EP group (Group, ProcessGroup, or None = world / single process).
     fault_hook: test hook called with "prepare", "unpack" and "commit"; an exception it raises
         counts as this rank's failure.
-    Returns this rank's MigrationStats; raises MigrationError on every rank if any rank failed,
+    Returns this rank's MigrationStats; raises MigrationError on every rank if any rank failed
+    or the ranks' maps or tensor layouts differ (collective even when nothing moves),
     except that a rank whose own input is wrong (maps, tensor shapes) raises its ValueError
     (after the agreement, so that its peers raise MigrationError naming it instead of waiting).
     """
     pg, rank, size = resolve_group(group)
-    device = tensors[0].device if tensors else torch.device("cpu")
+    if tensors:
+        device = tensors[0].device
+    elif size > 1 and str(dist.get_backend(pg)) == "nccl":
+        device = torch.device("cuda", torch.cuda.current_device())
+    else:
+        device = torch.device("cpu")
     stats = MigrationStats()
     # The input checks are agreed on like any other preparation failure: a rank whose own
     # tensors are wrong must not raise alone while its peers wait in the first agreement.
     bad_input: ValueError | None = None
+    signature: tuple | None = None
     try:
         old, new = _check_maps(old_phy2log, new_phy2log, size)
         slots_per_rank = len(old) // size
         rows = [_byte_rows(t, slots_per_rank, i) for i, t in enumerate(tensors)]
         if any(t.device != device for t in tensors):
             raise ValueError(f"tensors must share one device; got {sorted({str(t.device) for t in tensors})}")
+        signature = _signature(old, new, tensors)
     except ValueError as exc:
         bad_input = exc
-    if not tensors or _same_map(old_phy2log, new_phy2log):
-        # nothing to move on any rank (the maps are the same on every rank; maps alone are the
-        # caller's business): no agreement, so a bad input is this rank's own error
+    # nothing to move here; the group still agrees (below) that it is so everywhere: a rank
+    # whose maps or tensors differ from its peers' must not return while they wait in a transfer
+    nothing_to_move = not tensors or _same_map(old_phy2log, new_phy2log)
+    if size == 1 and (bad_input is not None or nothing_to_move):
         if bad_input is not None:
             raise bad_input
         return stats
-    if bad_input is not None and size == 1:
-        raise bad_input
     start = time.perf_counter()
 
     failure: BaseException | None = bad_input
     try:
         if bad_input is not None:
             raise bad_input
-        plan = migration_plan(old, new, size, rank)
-        peers = Peers.of(group)
-        if fault_hook is not None:
-            fault_hook("prepare")
-        pos = {slot: i for i, slot in enumerate(plan.changed)}
-        staged = [torch.empty(len(plan.changed), r.shape[1], dtype=torch.uint8, device=device) for r in rows]
-        send_bufs = {dst: torch.cat([r[src_slots] for r in rows], dim=1) for dst, src_slots in plan.send.items()}
-        bytes_per_expert = sum(r.shape[1] for r in rows)
-        recv_bufs = {src: torch.empty(len(slot_lists), bytes_per_expert, dtype=torch.uint8, device=device)
-                     for src, slot_lists in plan.recv.items()}
+        if not nothing_to_move:
+            plan = migration_plan(old, new, size, rank)
+            peers = Peers.of(group)
+            if fault_hook is not None:
+                fault_hook("prepare")
+            pos = {slot: i for i, slot in enumerate(plan.changed)}
+            staged = [torch.empty(len(plan.changed), r.shape[1], dtype=torch.uint8, device=device) for r in rows]
+            send_bufs = {dst: torch.cat([r[src_slots] for r in rows], dim=1) for dst, src_slots in plan.send.items()}
+            bytes_per_expert = sum(r.shape[1] for r in rows)
+            recv_bufs = {src: torch.empty(len(slot_lists), bytes_per_expert, dtype=torch.uint8, device=device)
+                         for src, slot_lists in plan.recv.items()}
     except Exception as exc:  # noqa: BLE001 - any local failure must be agreed on, not raised alone
         failure = exc
-    failed = _agree(failure is not None, rank, size, pg, device, "before transfer", failure)
+    failed, disagreement = _agree(failure is not None, rank, size, pg, device, "before transfer", failure,
+                                  signature=signature)
     if bad_input is not None:
         raise bad_input  # this rank's own input error; its peers raise MigrationError naming it
     if failed:
-        raise MigrationError(f"EPLB migration abandoned before transfer: group ranks {failed} failed "
+        why = (f"the ranks disagree on the maps or the tensors' layout ({disagreement}); "
+               if disagreement else "")
+        raise MigrationError(f"EPLB migration abandoned before transfer: {why}group ranks {failed} failed "
                              f"(this rank: {failure!r})", failed) from failure
+    if nothing_to_move:
+        return stats
 
     try:
         P2PExchanger(peers, device).post(list(send_bufs.items()), list(recv_bufs.items())).wait()
@@ -259,7 +336,7 @@ def rearrange_weights(old_phy2log: torch.Tensor, new_phy2log: torch.Tensor, tens
             torch.cuda.synchronize(device)  # asynchronous errors of the staging surface here
     except Exception as exc:  # noqa: BLE001
         failure = exc
-    failed = _agree(failure is not None, rank, size, pg, device, "after transfer", failure)
+    failed, _ = _agree(failure is not None, rank, size, pg, device, "after transfer", failure)
     if failed:
         raise MigrationError(f"EPLB migration abandoned after transfer, old weights kept: group ranks "
                              f"{failed} failed (this rank: {failure!r})", failed) from failure
@@ -282,7 +359,7 @@ def rearrange_weights(old_phy2log: torch.Tensor, new_phy2log: torch.Tensor, tens
     except Exception as exc:  # noqa: BLE001 - put every tensor back, then let the others know
         failure = exc
         restore()
-    failed = _agree(failure is not None, rank, size, pg, device, "during the commit", failure, restore)
+    failed, _ = _agree(failure is not None, rank, size, pg, device, "during the commit", failure, restore)
     if failed:
         if failure is None:
             restore()  # a peer could not commit: every rank goes back to the old rows
