@@ -208,6 +208,16 @@ def _rank_main(rank: int) -> dict:
     for l in range(num_layers):
         assert torch.equal(moe_output(eplb, l, layer_weights[l], x, ids[l], gate[l]), reference[l])
     eplb.fault_hook = None
+    # 5. ranks given different loads would place differently: a rank whose map did not change skipped a
+    # layer's migration its peers waited in. Refused on every rank before any transfer
+    other = flipped.clone()
+    other[:, 1] = 80.0
+    try:
+        eplb.rebalance(other if rank == 2 else flipped)
+    except ValueError as exc:
+        out["load_disagreement"] = str(exc)
+    assert torch.equal(eplb.phy2log, maps_before)
+    assert all(torch.equal(a, b) for a, b in zip(layer_weights, weights_before))
     report = eplb.rebalance(flipped)
     out["retry"] = (report.layers_moved, eplb.logcnt[:, 0].tolist())
     for l in range(num_layers):
@@ -234,6 +244,9 @@ def test_migration_bit_exact_atomic_and_eplb_end_to_end_on_4_gloo_ranks():
         assert moved and not failed and after > before
         assert r["failed_report"] == ([], [0, 1], True)
         assert r["retry"][0] == [0, 1] and min(r["retry"][1]) >= 2
+        msg = r.get("load_disagreement", "")
+        assert "EPLB rebalance: the ranks of the group disagree" in msg and "new phy2log checksum" in msg, (rank, msg)
+        assert "old phy2log checksum" not in msg, msg       # only the new maps differ
     assert all(r["report"] == results[0]["report"] for r in results)
 
 

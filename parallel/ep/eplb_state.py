@@ -27,12 +27,13 @@ all ranks of the EP group in the same order.
 from __future__ import annotations
 
 import time
+import zlib
 from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
 
-from ..comm import GroupLike, all_reduce, resolve_group
+from ..comm import GroupLike, all_reduce, input_agreement, resolve_group
 from .eplb_placement import (Balance, _as_int, _check_integer, _check_policy, balancedness, default_phy2log,
                              logical_to_physical, plan_from_phy2log, rebalance_experts)
 from ..log import get_logger
@@ -159,6 +160,13 @@ class ExpertLoadTracker:
         self.window_counts.zero_()
 
 
+_REBALANCE_FIELDS = ("old phy2log checksum", "new phy2log checksum", "registered layers checksum")
+
+
+def _checksum(t: torch.Tensor) -> int:
+    return zlib.crc32(t.to(torch.int64).contiguous().numpy().tobytes())
+
+
 @dataclass
 class EplbReport:
     """What one rebalance did. Balancedness = mean / max per-rank load on the window's load."""
@@ -277,17 +285,31 @@ class Eplb:
         start = time.perf_counter()
         if load is None:
             load = self.tracker.window_load(self.group, self._extra_groups())
-        want = (self.num_layers, self.num_logical)
-        if not isinstance(load, torch.Tensor) or tuple(load.shape) != want:
-            got = tuple(load.shape) if isinstance(load, torch.Tensor) else type(load).__name__
-            raise ValueError(f"load must be a tensor [num_layers, num_logical] = {list(want)}, got {got}")
-        load = load.detach().cpu()
         old = self.phy2log.cpu()
-        if self.num_layers == 0:  # no MoE layer: nothing to place (rebalance_experts needs a layer)
-            new = old
-        else:
-            new = rebalance_experts(load, self.num_physical, self.config.num_groups, self.config.num_nodes,
-                                    self.ep_size, old_phy2log=old).phy2log
+        error = agreed = None
+        try:
+            want = (self.num_layers, self.num_logical)
+            if not isinstance(load, torch.Tensor) or tuple(load.shape) != want:
+                got = tuple(load.shape) if isinstance(load, torch.Tensor) else type(load).__name__
+                raise ValueError(f"load must be a tensor [num_layers, num_logical] = {list(want)}, got {got}")
+            load = load.detach().cpu()
+            if self.num_layers == 0:  # no MoE layer: nothing to place (rebalance_experts needs a layer)
+                new = old
+            else:
+                new = rebalance_experts(load, self.num_physical, self.config.num_groups, self.config.num_nodes,
+                                        self.ep_size, old_phy2log=old).phy2log
+            agreed = [_checksum(old), _checksum(new), _checksum(torch.tensor(sorted(self.weights), dtype=torch.int64))]
+        except ValueError as exc:
+            error = str(exc)
+        # Each layer's migration is collective, and a rank whose new map equals its old one skips it: ranks
+        # given different loads (or holding different maps, or weights of other layers) would wait in a
+        # migration their peers never join, or pair one layer's transfers with another's.
+        message = input_agreement("EPLB rebalance", _REBALANCE_FIELDS, agreed, error, self.group,
+                                  self.tracker.window_counts.device,
+                                  hint="every rank must pass the same load (the default, the all-reduced window, "
+                                       "is the same) and hold the same maps and registered layers")
+        if message is not None:
+            raise ValueError(message)
         before = balancedness(load, old, self.ep_size)
         report = EplbReport(step=self.tracker.num_steps if step is None else step, before=before.per_layer,
                             after=before.per_layer, overall_before=before.overall,
