@@ -218,6 +218,17 @@ def _rank_main(rank: int) -> dict:
         out["load_disagreement"] = str(exc)
     assert torch.equal(eplb.phy2log, maps_before)
     assert all(torch.equal(a, b) for a, b in zip(layer_weights, weights_before))
+    # 6. one rank's own tensors of layer 0 are wrong: it raised its ValueError at once while its peers
+    # (a MigrationError: layer 0 kept) went on to wait in layer 1's migration; now every rank goes
+    # through every layer first
+    if rank == 3:
+        eplb.weights[0] = [layer_weights[0][:-1]]
+    try:
+        report = eplb.rebalance(flipped)
+        out["own_bad"] = (report.layers_moved, report.layers_failed)
+    except ValueError as exc:
+        out["own_bad"] = str(exc)
+    eplb.weights[0] = [layer_weights[0]]
     report = eplb.rebalance(flipped)
     out["retry"] = (report.layers_moved, eplb.logcnt[:, 0].tolist())
     for l in range(num_layers):
@@ -243,7 +254,8 @@ def test_migration_bit_exact_atomic_and_eplb_end_to_end_on_4_gloo_ranks():
         moved, failed, before, after = r["report"]
         assert moved and not failed and after > before
         assert r["failed_report"] == ([], [0, 1], True)
-        assert r["retry"][0] == [0, 1] and min(r["retry"][1]) >= 2
+        assert r["retry"][0] == [0] and min(r["retry"][1]) >= 2
+        assert r["own_bad"] == ([1], [0]) if rank != 3 else "tensors[0] has shape (2, 8, 8)" in r["own_bad"], (rank, r["own_bad"])
         msg = r.get("load_disagreement", "")
         assert "EPLB rebalance: the ranks of the group disagree" in msg and "new phy2log checksum" in msg, (rank, msg)
         assert "old phy2log checksum" not in msg, msg       # only the new maps differ

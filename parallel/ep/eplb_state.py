@@ -315,6 +315,7 @@ class Eplb:
                             after=before.per_layer, overall_before=before.overall,
                             overall_after=before.overall)
         committed = old.clone()
+        own_error: ValueError | None = None
         try:
             for layer in range(self.num_layers):
                 if torch.equal(old[layer], new[layer]):
@@ -329,6 +330,10 @@ class Eplb:
                         log.warning("EPLB: layer %d keeps its placement: %s", layer, exc)
                         report.layers_failed.append(layer)
                         continue
+                    except ValueError as exc:  # this rank's own tensors: raised once every layer is done,
+                        own_error = own_error or exc    # since its peers (a MigrationError) go on to the next
+                        report.layers_failed.append(layer)
+                        continue
                 committed[layer] = new[layer]
                 report.layers_moved.append(layer)
         finally:  # also when a layer's migration raised: the layers moved before it keep maps that match
@@ -339,6 +344,8 @@ class Eplb:
         self.reports.append(report)
         if self.config.log_balance:
             log.info("%s", report.summary())
+        if own_error is not None:
+            raise own_error
         return report
 
     # ---- persistence -------------------------------------------------------------------
