@@ -8,7 +8,7 @@ Every field that changes the MoE math is read (docs/numerics.md §2-3):
 | hidden, inter | hidden_size, moe_intermediate_size | dim, moe_inter_dim |
 | num_experts, top_k | n_routed_experts, num_experts_per_tok | n_routed_experts, n_activated_experts |
 | scoring | V3: sigmoid (HF's router always uses it); V4: scoring_func | score_func |
-| use_bias | V3: topk_method == "noaux_tc"; V4: always (non-hash layers) | V3: n_group style; V4: always |
+| use_bias | always (HF's V3 / V3.2 routers have e_score_correction_bias whatever topk_method says; V4: non-hash layers) | V3: dim == 7168; V4: always |
 | n_group, topk_group | V3: n_group, topk_group; V4: none (HF's V4 router has no groups) | n_expert_groups, n_limited_groups |
 | renormalize | V3: norm_topk_prob; V4: always (HF's V4 routers ignore norm_topk_prob) | V3: sigmoid; V4: `score_func != "softmax"` |
 | routed_scaling | routed_scaling_factor | route_scale |
@@ -17,6 +17,10 @@ Every field that changes the MoE math is read (docs/numerics.md §2-3):
 | num_shared, shared_inter | V3: n_shared_experts, moe_intermediate_size; V4: 1 (HF's one DeepseekV4MLP), moe_intermediate_size | n_shared_experts, moe_inter_dim |
 | num_hash_layers, vocab | V4: leading "hash_moe" of mlp_layer_types (or num_hash_layers, else HF's default 3; at most num_hidden_layers), vocab_size | n_hash_layers, vocab_size |
 | expert_format | quantization_config: expert_dtype "fp4" -> mxfp4, fp8 -> fp8_block | expert_dtype |
+
+A field an HF config.json dict leaves out takes the HF config class's default (`_HF_DEFAULTS`:
+e.g. V3 routed_scaling_factor 2.5, n_shared_experts 1, n_group 8 / topk_group 4; V4 1.5), as
+`AutoConfig` gives it. V4's mlp_bias=True (biases in HF's shared DeepseekV4MLP) is refused.
 
 Where HF and DeepSeek could disagree: the V4 shared expert's clamp. DeepSeek's inference code
 (V4 `MoE`: `Expert(dim, moe_inter_dim, swiglu_limit=args.swiglu_limit)` for the shared expert,
@@ -34,6 +38,17 @@ _SCORING = {"sigmoid": "sigmoid", "softmax": "softmax", "sqrtsoftplus": "sqrt_so
             "sqrt_softplus": "sqrt_softplus"}
 MODEL_TYPES: tuple[str, ...] = ("deepseek_v3", "deepseek_v32", "deepseek_v4")
 _HF_V4_HASH_LAYERS = 3  # DeepseekV4Config.default_num_hash_layers (mlp_layer_types and num_hash_layers absent)
+# HF's config-class defaults of the fields read here: a config.json dict that leaves one out gets
+# this value from AutoConfig / DeepseekV3Config(**d), so it gets it here too (V3.2 shares V3's)
+_HF_V3_DEFAULTS: dict[str, Any] = dict(
+    hidden_size=7168, moe_intermediate_size=2048, n_routed_experts=256, num_experts_per_tok=8, n_shared_experts=1,
+    routed_scaling_factor=2.5, n_group=8, topk_group=4, norm_topk_prob=True, hidden_act="silu")
+_HF_DEFAULTS: dict[str, dict[str, Any]] = {
+    "deepseek_v3": _HF_V3_DEFAULTS, "deepseek_v32": _HF_V3_DEFAULTS,
+    "deepseek_v4": dict(hidden_size=4096, moe_intermediate_size=2048, n_routed_experts=256, num_experts_per_tok=6,
+                        routed_scaling_factor=1.5, scoring_func="sqrtsoftplus", swiglu_limit=10.0, vocab_size=129280,
+                        num_hidden_layers=43, norm_topk_prob=True, hidden_act="silu", mlp_bias=False),
+}
 
 
 def _as_dict(config: Any) -> dict:
@@ -93,7 +108,8 @@ def moe_kwargs_from_hf(config: Any) -> dict:
     if model_type not in MODEL_TYPES:
         raise ValueError(f"unsupported model_type {model_type!r}; valid: {', '.join(MODEL_TYPES)} "
                          "(or DeepSeek's inference config.json)")
-    act = d.get("hidden_act", "silu")
+    d = {**_HF_DEFAULTS[model_type], **d}
+    act = d["hidden_act"]
     if act != "silu":
         raise ValueError(f"hidden_act {act!r}: the MoE layer implements SwiGLU (silu) experts only")
     v4 = model_type == "deepseek_v4"
@@ -105,10 +121,13 @@ def moe_kwargs_from_hf(config: Any) -> dict:
         num_shared=int(d.get("n_shared_experts") or 0), shared_inter=int(d["moe_intermediate_size"]),
     )
     if v4:
-        scoring = d.get("scoring_func", "sqrtsoftplus")
+        scoring = d["scoring_func"]
         if scoring not in _SCORING:
             raise ValueError(f"unknown scoring_func {scoring!r}; valid: {', '.join(_SCORING)}")
-        limit = _limit(d.get("swiglu_limit", 10.0))
+        if d["mlp_bias"]:  # (HF's DeepseekV4MLP, the shared expert, then has biases; SharedExpert has none)
+            raise ValueError(f"mlp_bias ({d['mlp_bias']!r}): the shared expert has no bias terms here; "
+                             "only mlp_bias=False is supported")
+        limit = _limit(d["swiglu_limit"])
         hashes = _num_hash_layers(d)
         # HF's DeepseekV4TopKRouter and DeepseekV4HashRouter divide by the weights' sum whatever
         # norm_topk_prob says (DeepSeek's V4 code does too for its non-softmax scores)
@@ -119,7 +138,9 @@ def moe_kwargs_from_hf(config: Any) -> dict:
                   shared_swiglu_limit=limit, num_hash_layers=hashes, vocab=int(d["vocab_size"]) if hashes else None)
     else:
         n_group = d.get("n_group")
-        kw.update(scoring="sigmoid", use_bias=d.get("topk_method", "noaux_tc") == "noaux_tc",
+        # HF's DeepseekV3TopkRouter (and V3.2's) always adds its e_score_correction_bias buffer and
+        # ranks groups by their top-2 sums, whatever topk_method says (HF's config has no such field)
+        kw.update(scoring="sigmoid", use_bias=True,
                   n_group=int(n_group) if n_group and n_group > 1 else None,
                   topk_group=int(d["topk_group"]) if n_group and n_group > 1 else None,
                   swiglu_limit=None, shared_swiglu_limit=None)

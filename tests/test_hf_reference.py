@@ -259,7 +259,8 @@ def test_from_hf_config_fields_and_errors():
     v3d = transformers.DeepseekV3Config(topk_method="greedy", n_group=1).to_dict()
     v3d["quantization_config"] = {"quant_method": "fp8", "weight_block_size": [128, 128]}
     c3 = MoEConfig.from_hf_config(v3d)
-    assert (c3.use_bias, c3.n_group, c3.expert_format) == (False, None, "fp8_block")
+    # (HF's V3 router keeps its e_score_correction_bias whatever topk_method says)
+    assert (c3.use_bias, c3.n_group, c3.expert_format) == (True, None, "fp8_block")
     # DeepSeek's inference config.json (ModelArgs names)
     ds = {"dim": 4096, "moe_inter_dim": 2048, "n_routed_experts": 256, "n_activated_experts": 6, "n_shared_experts": 1,
           "score_func": "sqrtsoftplus", "route_scale": 1.5, "swiglu_limit": 10.0, "n_hash_layers": 3,
@@ -345,3 +346,46 @@ def test_v4_config_dict_without_hash_layer_fields_gets_hfs_default():
         want = next((i for i, t in enumerate(hf.mlp_layer_types) if t != "hash_moe"), len(hf.mlp_layer_types))
         assert MoEConfig.from_hf_config(d).num_hash_layers == want, extra
         assert MoEConfig.from_hf_config(hf).num_hash_layers == want, extra
+
+
+def test_v3_router_ignores_topk_method_as_hf_does():
+    """HF's DeepseekV3TopkRouter always adds e_score_correction_bias and ranks groups by their
+    top-2 sums; topk_method is not one of its config's fields. megapar read topk_method="greedy" as
+    use_bias=False: the checkpoint's bias dropped and groups ranked by their max (other experts)."""
+    config = _v3_config(topk_method="greedy")
+    ref = v3.DeepseekV3MoE(config).float().eval()
+    _randomize(ref, 20)
+    cfg = MoEConfig.from_hf_config(config)
+    assert cfg.use_bias
+    layer = _megapar(cfg, ref.state_dict(), "hf")
+    x = torch.randn(1, 24, H, generator=torch.Generator().manual_seed(21))
+    with torch.no_grad():
+        torch.testing.assert_close(layer(x[0]), ref(x)[0], rtol=1e-5, atol=1e-5)
+
+
+_MOE_FIELDS = ("hidden_size", "moe_intermediate_size", "n_routed_experts", "num_experts_per_tok", "n_shared_experts",
+               "routed_scaling_factor", "n_group", "topk_group", "norm_topk_prob", "hidden_act", "scoring_func",
+               "swiglu_limit", "vocab_size", "num_hidden_layers", "mlp_bias", "mlp_layer_types", "layer_types")
+
+
+@pytest.mark.parametrize("drop", ["optional", "all"])
+@pytest.mark.parametrize("cls", ["DeepseekV3Config", "DeepseekV32Config", "DeepseekV4Config"])
+def test_config_dict_without_moe_fields_gets_hfs_defaults(cls, drop):
+    """A config.json dict that leaves the MoE fields out: HF's config class fills in its defaults
+    (V3: routed_scaling_factor 2.5, n_shared_experts 1, n_group 8 / topk_group 4; V4 1.5); megapar
+    read 1.0, no shared expert and no group limit, or raised KeyError for the sizes."""
+    config_cls = getattr(transformers, cls)
+    fields = _MOE_FIELDS if drop == "all" else ("routed_scaling_factor", "n_shared_experts", "n_group", "topk_group")
+    d = {k: v for k, v in config_cls().to_dict().items() if k not in (*fields, "transformers_version")}
+    assert _math(MoEConfig.from_hf_config(d)) == _math(MoEConfig.from_hf_config(config_cls(**d)))
+
+
+def test_v4_mlp_bias_is_refused():
+    """mlp_bias=True gives HF's shared DeepseekV4MLP bias terms, which megapar's shared expert has
+    not: the checkpoint's biases were dropped without a word."""
+    config = _v4_config(mlp_bias=True)
+    assert v4.DeepseekV4MLP(config).gate_proj.bias is not None
+    with pytest.raises(ValueError, match=r"mlp_bias \(True\)"):
+        MoEConfig.from_hf_config(config)
+    with pytest.raises(ValueError, match="mlp_bias"):
+        MoEConfig.from_hf_config(config.to_dict())
