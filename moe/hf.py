@@ -67,13 +67,29 @@ def _as_dict(config: Any) -> dict:
     return d
 
 
+_UNQUANTIZED = (None, "bf16", "bfloat16")
+
+
 def _expert_format(d: dict) -> str | None:
+    """The routed experts' format from expert_dtype (DeepSeek's name) or quantization_config's
+    quant_method; None: the layer's default. A value it does not know is a ValueError: taken as
+    the default, the checkpoint's quantized tensors failed to load (or loaded as something else)."""
     q = d.get("quantization_config") or {}
     dtype = q.get("expert_dtype", d.get("expert_dtype"))
+    method = q.get("quant_method")
     if dtype in ("fp4", "mxfp4"):
         return "mxfp4"
-    if dtype == "fp8" or (dtype is None and q.get("quant_method") == "fp8"):
+    if dtype == "fp8":
         return "fp8_block"
+    if dtype not in _UNQUANTIZED:
+        raise ValueError(f"expert_dtype {dtype!r} is not supported (fp4 / mxfp4, fp8, bf16)")
+    if dtype is None and method == "fp8":
+        return "fp8_block"
+    if dtype is None and method == "mxfp4":
+        return "mxfp4"
+    if dtype is None and method is not None:
+        raise ValueError(f"quantization_config quant_method {method!r} is not supported (fp8 with [128, 128] "
+                         f"blocks, mxfp4)")
     return None
 
 

@@ -261,6 +261,13 @@ def test_from_hf_config_fields_and_errors():
     c3 = MoEConfig.from_hf_config(v3d)
     # (HF's V3 router keeps its e_score_correction_bias whatever topk_method says)
     assert (c3.use_bias, c3.n_group, c3.expert_format) == (True, None, "fp8_block")
+    # the experts' format: quant_method mxfp4 maps; an unknown expert_dtype / quant_method is refused (it
+    # loaded as the default bf16 format, or failed on the checkpoint's tensors)
+    assert MoEConfig.from_hf_config({**v3d, "quantization_config": {"quant_method": "mxfp4"}}).expert_format == "mxfp4"
+    assert MoEConfig.from_hf_config({**v3d, "quantization_config": {"expert_dtype": "bf16"}}).expert_format == "bf16"
+    for q, needle in (({"expert_dtype": "int4"}, "expert_dtype 'int4'"), ({"quant_method": "awq"}, "quant_method 'awq'")):
+        with pytest.raises(ValueError, match=needle):
+            MoEConfig.from_hf_config({**v3d, "quantization_config": q})
     # DeepSeek's inference config.json (ModelArgs names)
     ds = {"dim": 4096, "moe_inter_dim": 2048, "n_routed_experts": 256, "n_activated_experts": 6, "n_shared_experts": 1,
           "score_func": "sqrtsoftplus", "route_scale": 1.5, "swiglu_limit": 10.0, "n_hash_layers": 3,
