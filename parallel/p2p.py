@@ -23,6 +23,7 @@ single-device benchmarks run an engine's compute schedule with it.
 
 from __future__ import annotations
 
+import numbers
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
@@ -91,6 +92,17 @@ class P2PWork:
         self.done = True
 
 
+def _checked(messages: Sequence[tuple[int, torch.Tensor]], what: str, p: Peers) -> list[tuple[int, torch.Tensor]]:
+    """`messages` as a list, every peer a group rank in [0, size) (a negative one indexed `ranks` from the
+    end: -1 reached the last rank, and -size this rank itself over the transport)."""
+    out = list(messages)
+    for peer, _ in out:
+        if isinstance(peer, bool) or not isinstance(peer, numbers.Integral) or not 0 <= peer < p.size:
+            raise ValueError(f"{what}: peer {peer!r} is not a group rank of this group of {p.size} "
+                             f"(valid: 0..{p.size - 1}; this rank is {p.rank})")
+    return [(int(peer), t) for peer, t in out]
+
+
 class P2PExchanger:
     """Posts P2P steps among `peers` under one of the two stream rules of the module docstring."""
 
@@ -110,10 +122,20 @@ class P2PExchanger:
         the sends were just written on the current stream.
         """
         p = self.peers
+        sends, recvs = _checked(sends, "sends", p), _checked(recvs, "recvs", p)
         if p.loopback:
             return P2PWork(done=True)
         # messages to this rank itself are local copies, matched in order
-        for (_, t), (_, r) in zip([m for m in sends if m[0] == p.rank], [m for m in recvs if m[0] == p.rank]):
+        own_sends = [t for dst, t in sends if dst == p.rank]
+        own_recvs = [r for src, r in recvs if src == p.rank]
+        if len(own_sends) != len(own_recvs):   # zip() dropped the extra ones: a buffer kept stale data
+            raise ValueError(f"P2P step on group rank {p.rank} of {p.size}: {len(own_sends)} send(s) to itself "
+                             f"but {len(own_recvs)} receive(s) from itself; they are copied in pairs, in order")
+        for i, (t, r) in enumerate(zip(own_sends, own_recvs)):
+            if t.shape != r.shape or t.dtype != r.dtype:   # copy_ would broadcast or cast silently
+                raise ValueError(f"P2P step on group rank {p.rank}: message {i} to itself is {tuple(t.shape)} "
+                                 f"{t.dtype} but its receive buffer is {tuple(r.shape)} {r.dtype} (must match)")
+        for t, r in zip(own_sends, own_recvs):
             r.copy_(t)
         ops = [dist.P2POp(dist.isend, t, p.ranks[dst], group=p.pg) for dst, t in sends if dst != p.rank]
         ops += [dist.P2POp(dist.irecv, t, p.ranks[src], group=p.pg) for src, t in recvs if src != p.rank]

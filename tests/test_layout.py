@@ -268,3 +268,48 @@ def test_sequence_parallel_must_be_a_bool(value):
         ParallelConfig(world_size=2, sequence_parallel=value)
     for ok, want in ((True, True), (False, False), (1, True), (0, False), (None, False)):
         assert ParallelConfig(world_size=2, sequence_parallel=ok).sequence_parallel is want
+
+
+def _peers(rank: int, size: int):
+    from parallel.p2p import Peers
+    return Peers(None, rank, size, tuple(range(size)))   # no process group: only local copies may run
+
+
+def test_p2p_peer_must_be_a_group_rank():
+    # A negative peer indexed `ranks` from the end: -1 on rank 0 of 2 went to rank 1, -2 to this
+    # rank itself over the transport; size raised a bare IndexError. Refused before any op is posted.
+    from parallel.p2p import P2PExchanger
+
+    ex = P2PExchanger(_peers(0, 2), torch.device("cpu"))
+    t, r = torch.ones(3), torch.zeros(3)
+    for bad in (-1, -2, 2, 1.0, True):
+        with pytest.raises(ValueError, match=rf"peer {bad!r} is not a group rank of this group of 2 \(valid: 0..1"):
+            ex.post([(bad, t)], [(1, r)])
+        with pytest.raises(ValueError, match=rf"recvs: peer {bad!r} is not a group rank"):
+            ex.post([(1, t)], [(bad, r)])
+    assert torch.equal(r, torch.zeros(3))
+
+
+def test_p2p_messages_to_self_pair_up_exactly():
+    # Sends to itself and receives from itself are copied in pairs: an extra receive kept its old
+    # data (zip dropped it) and a mismatched buffer was broadcast or cast by copy_.
+    from parallel.p2p import P2PExchanger
+
+    ex = P2PExchanger(_peers(0, 1), torch.device("cpu"))
+    a, b = torch.zeros(2), torch.zeros(2)
+    with pytest.raises(ValueError, match=r"1 send\(s\) to itself but 2 receive\(s\) from itself"):
+        ex.post([(0, torch.ones(2))], [(0, a), (0, b)])
+    with pytest.raises(ValueError, match=r"2 send\(s\) to itself but 0 receive\(s\)"):
+        ex.post([(0, torch.ones(2)), (0, torch.ones(2))], [])
+    with pytest.raises(ValueError, match=r"message 0 to itself is \(1,\) torch.float32 but its receive buffer is "
+                                         r"\(4,\) torch.float32"):
+        ex.post([(0, torch.ones(1))], [(0, torch.zeros(4))])
+    with pytest.raises(ValueError, match=r"is \(3,\) torch.float32 but its receive buffer is \(3,\) torch.int64"):
+        ex.post([(0, torch.tensor([1.7, 2.2, 3.9]))], [(0, torch.zeros(3, dtype=torch.int64))])
+    assert torch.equal(a, torch.zeros(2)) and torch.equal(b, torch.zeros(2))
+    # matched pairs are copied in order; a size-1 ring shift is a copy
+    ex.post([(0, torch.full((2,), 1.0)), (0, torch.full((2,), 2.0))], [(0, a), (0, b)]).wait()
+    assert a.tolist() == [1.0, 1.0] and b.tolist() == [2.0, 2.0]
+    c = torch.zeros(2, 2, dtype=torch.bfloat16)
+    ex.shift([torch.full((2, 2), 3.0, dtype=torch.bfloat16)], [c], send_offset=5, recv_offset=-7).wait()
+    assert c.float().tolist() == [[3.0, 3.0], [3.0, 3.0]]
