@@ -7,6 +7,7 @@ ranks of one PP stage unless a smaller `ep` dividing it is given. Pure: no torch
 
 from __future__ import annotations
 
+import numbers
 from dataclasses import dataclass
 
 
@@ -46,9 +47,12 @@ class ParallelConfig:
             raise ValueError("ParallelConfig needs world_size")
         for name, value in (("world_size", world_size), ("tp", tp), ("pp", pp), ("pcp", pcp), ("dcp", dcp),
                             ("dp", 1 if dp is None else dp), ("ep", 1 if ep is None else ep)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:  # not True, 2.0, "2"
+            # not True, 2.0, "2"; numpy integers are ints (np.prod of a mesh shape), as in every other config
+            if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
                 none = " (or None for the default)" if name in ("dp", "ep") else ""
                 raise ValueError(f"{name} must be a positive int{none}, got {value!r}")
+        world_size, tp, pp, pcp, dcp = int(world_size), int(tp), int(pp), int(pcp), int(dcp)
+        dp, ep = (None if v is None else int(v) for v in (dp, ep))
         # A flag, not a size: bool() of a string ("false", "0", "no") is True, which turned SP on
         # silently. bool / 0 / 1 (numpy bools too) and None (the default, off) are taken.
         if sequence_parallel is not None and sequence_parallel not in (True, False):

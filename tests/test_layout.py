@@ -270,6 +270,22 @@ def test_sequence_parallel_must_be_a_bool(value):
         assert ParallelConfig(world_size=2, sequence_parallel=ok).sequence_parallel is want
 
 
+def test_numpy_integer_sizes_are_ints():
+    # np.int64(8) (np.prod of a mesh shape) was refused as "world_size must be a positive int";
+    # every other config of the project takes numbers.Integral. Stored as plain ints.
+    np = pytest.importorskip("numpy")
+    cfg = ParallelConfig(world_size=np.int64(16), tp=np.int32(2), pp=np.int64(2), pcp=np.int64(2),
+                         dcp=np.int64(2), dp=np.int64(2), ep=np.int64(4))
+    plain = ParallelConfig(world_size=16, tp=2, pp=2, pcp=2, dcp=2, dp=2, ep=4)
+    assert cfg == plain and rank_groups(cfg) == rank_groups(plain)
+    assert all(type(v) is int for v in cfg.sizes().values()) and type(cfg.world_size) is int
+    # EP: contiguous blocks of 4 over the (dp, pcp, tp) ranks of each pp stage; stage 0 = 0-3 and 8-11
+    assert rank_groups(cfg)["ep"] == [[0, 1, 2, 3], [8, 9, 10, 11], [4, 5, 6, 7], [12, 13, 14, 15]]
+    for bad in (np.float64(2.0), np.bool_(True)):
+        with pytest.raises(ValueError, match=r"tp must be a positive int, got "):
+            ParallelConfig(world_size=4, tp=bad)
+
+
 def _peers(rank: int, size: int):
     from parallel.p2p import Peers
     return Peers(None, rank, size, tuple(range(size)))   # no process group: only local copies may run
