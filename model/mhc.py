@@ -11,10 +11,11 @@ Paths, sharing signatures (`backend="auto"|"torch"|"triton"`):
 - torch (fp32 math, results in the residual's dtype): the specification; differentiable.
 - Triton (model/triton_mhc.py, CUDA, inference): the projection (split-K over H), the
   coefficients with all Sinkhorn iterations and the weighted stream sum in one launch up to
-  4096 tokens (the last split of each token block finishes it), the weighted sum as a second
-  launch above. `mhc_post_pre` fuses one sublayer's post with the next one's pre in one launch
-  up to 2048 tokens (the new residual is projected while still in registers, saving one read
-  of `[T, M, H]` and a launch); above that it runs post then pre, which is faster there.
+  512 tokens (the last split of each token block finishes it), the weighted sum as a second
+  launch above (`triton_mhc.SINGLE_LAUNCH_MAX_TOKENS`, from measurements). `mhc_post_pre` fuses
+  one sublayer's post with the next one's pre in one launch as long as pre is one launch (the
+  new residual is projected while still in registers, saving one read of `[T, M, H]` and a
+  launch); above that it runs post then pre.
 
 `auto` takes Triton for CUDA tensors without autograd when triton imports and M is a power of
 two (the kernels' stream index), else torch (op "model.mhc" of `parallel.impl`);
@@ -223,8 +224,9 @@ def mhc_post_pre(out: torch.Tensor, residual: torch.Tensor, post: torch.Tensor, 
                  ) -> tuple[torch.Tensor, MHCPre]:
     """`mhc_post` of one sublayer followed by `mhc_pre` of the next (fn/base/scale are the next
     sublayer's). Returns (new residual [T, M, H], MHCPre of the next sublayer). On Triton, up
-    to 2048 tokens, one launch projects the new residual while it is written (one read of
-    [T, M, H] and a launch fewer); above, post then pre (the fused kernel is slower there)."""
+    to min(FUSE_MAX_TOKENS, SINGLE_LAUNCH_MAX_TOKENS) tokens (model/triton_mhc.py), one launch
+    projects the new residual while it is written (one read of [T, M, H] and a launch fewer);
+    above, post then pre."""
     _check_post_args(out, residual, post, comb)  # the fused kernel reads them unchecked
     if _use_triton(backend, residual.shape[1], out, residual, post, comb, fn, base, scale):
         t, m, h = _num_streams(residual)

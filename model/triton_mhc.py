@@ -239,11 +239,15 @@ def _streams_sum_kernel(res_ptr, s_rt, s_rm, s_rh, w_ptr, out_ptr, T, H,
 
 # ---- launchers --------------------------------------------------------------------------------
 
-SINGLE_LAUNCH_MAX_TOKENS = 4096
+SINGLE_LAUNCH_MAX_TOKENS = 512
 """Up to this many tokens `pre` is one launch: the last split of each 16-token block also writes
-the layer input (on the H200 host each launch costs ~100 us of Python, more than the GPU time
-up to T ~ 4096). Above it the projection uses 64-token blocks (Hopper MMA; fn is re-read from
-L2 once per block) and the layer input is a second, fully parallel kernel."""
+the layer input (at small T a launch's host time outweighs the GPU time). Above it the
+projection uses 64-token blocks (Hopper MMA; fn is re-read from L2 once per block) and the layer
+input is a second, fully parallel kernel. Measured on the H200 (`megapar bench mhc`, eager
+calls), two launches against one: T = 1024 177 / 407 us (H = 7168), 172 / 252 (H = 4096);
+T = 4096 331 / 1047, 250 / 664 (it was 4096, which those rows contradicted in the runs of
+2026-12-01 and -05). Between 128 and 1024 not yet measured: the bench times the other form at
+T = 128 too."""
 
 FUSE_MAX_TOKENS = 2048
 """Up to this many tokens `post_pre` is one fused launch; above, post then pre (the fused

@@ -450,7 +450,7 @@ def fp32_matmul():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("t", [1, 7, 300, 4096, 4133])  # 4133: the two-launch pre, unfused post_pre
+@pytest.mark.parametrize("t", [1, 7, 300, 512, 513, 4133])  # 513 on: the two-launch pre, unfused post_pre
 @pytest.mark.parametrize("h", [4096, 7168])
 def test_triton_kernels_match_reference_on_gpu(fp32_matmul, t, h):
     m = 4
@@ -491,7 +491,7 @@ def test_auto_backend_uses_triton_on_gpu_and_torch_under_autograd(fp32_matmul, m
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("t", [1, 16, 2048, 2049, 4096, 4097])
+@pytest.mark.parametrize("t", [1, 16, 512, 513, 2048, 4097])  # pre: one launch up to 512 (SINGLE_LAUNCH_MAX_TOKENS)
 def test_triton_is_deterministic_and_replays_in_a_cuda_graph(fp32_matmul, t):
     # The last split of a token block finishes it (atomic counter): a missing barrier or a stale
     # read would show as results that move between identical calls, or differ under graph replay.

@@ -133,7 +133,7 @@ def _run(ctx: BenchContext) -> None:
 
 
 GRAPH_MAX_TOKENS = 128
-SWITCH_CHECK_TOKENS = (1024, 4096)
+SWITCH_CHECK_TOKENS = (128, 1024, 4096)
 
 
 def _record_switch(ctx: BenchContext, t: int, h: int, call: Callable[[str], object], nbytes: int, gbps: float,
