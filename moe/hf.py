@@ -79,6 +79,10 @@ def _expert_format(d: dict) -> str | None:
     method = q.get("quant_method")
     if dtype in ("fp4", "mxfp4"):
         return "mxfp4"
+    block = q.get("weight_block_size")
+    if (dtype == "fp8" or dtype is None and method == "fp8") and block is not None and list(block) != [128, 128]:
+        raise ValueError(f"quantization_config weight_block_size {list(block)} is not supported: fp8 experts "
+                         f"take [128, 128] blocks")
     if dtype == "fp8":
         return "fp8_block"
     if dtype not in _UNQUANTIZED:

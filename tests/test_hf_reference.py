@@ -265,7 +265,8 @@ def test_from_hf_config_fields_and_errors():
     # loaded as the default bf16 format, or failed on the checkpoint's tensors)
     assert MoEConfig.from_hf_config({**v3d, "quantization_config": {"quant_method": "mxfp4"}}).expert_format == "mxfp4"
     assert MoEConfig.from_hf_config({**v3d, "quantization_config": {"expert_dtype": "bf16"}}).expert_format == "bf16"
-    for q, needle in (({"expert_dtype": "int4"}, "expert_dtype 'int4'"), ({"quant_method": "awq"}, "quant_method 'awq'")):
+    for q, needle in (({"expert_dtype": "int4"}, "expert_dtype 'int4'"), ({"quant_method": "awq"}, "quant_method 'awq'"),
+                      ({"quant_method": "fp8", "weight_block_size": [1, 128]}, r"weight_block_size \[1, 128\]")):
         with pytest.raises(ValueError, match=needle):
             MoEConfig.from_hf_config({**v3d, "quantization_config": q})
     # DeepSeek's inference config.json (ModelArgs names)
