@@ -16,7 +16,7 @@ Every field that changes the MoE math is read (docs/numerics.md §2-3):
 | shared_swiglu_limit | V4: swiglu_limit (HF's DeepseekV4MLP clamps as well) | swiglu_limit |
 | num_shared, shared_inter | V3: n_shared_experts, moe_intermediate_size; V4: 1 (HF's one DeepseekV4MLP), moe_intermediate_size | n_shared_experts, moe_inter_dim |
 | num_hash_layers, vocab | V4: leading "hash_moe" of mlp_layer_types (or num_hash_layers, else HF's default 3; at most num_hidden_layers), vocab_size | n_hash_layers, vocab_size |
-| expert_format | quantization_config: expert_dtype "fp4" -> mxfp4, fp8 -> fp8_block | expert_dtype |
+| expert_format | quantization_config: expert_dtype "fp4" -> mxfp4, fp8 -> fp8_block (else quant_method fp8 / mxfp4); other values, and fp8 blocks other than [128, 128], refused | expert_dtype |
 
 A field an HF config.json dict leaves out takes the HF config class's default (`_HF_DEFAULTS`:
 e.g. V3 routed_scaling_factor 2.5, n_shared_experts 1, n_group 8 / topk_group 4; V4 1.5), as

@@ -285,12 +285,11 @@ class DeepEPLowLatency:
         """x [T, H], topk_ids / topk_weights [T, K]; ids outside [0, num_experts) go nowhere."""
         if x.dim() != 2 or x.shape[1] != self.hidden or x.shape[0] > self.max_tokens:
             raise ValueError(f"x must be [T <= max_tokens={self.max_tokens}, H={self.hidden}], got {tuple(x.shape)}")
-        # DeepEP reads an id as an expert when >= 0 and sends to rank id // E_local: an id >= E (or < -1)
-        # addressed a peer that does not exist. As on every other backend, it counts as no expert (-1),
+        # DeepEP reads an id as an expert when >= 0 and sends to rank id // E_local: an id >= E addressed
+        # a peer that does not exist. As on every other backend it counts as no expert (-1, as do ids < -1),
         # here without a host check (this path is captured in decode graphs). The result is contiguous,
         # as DeepEP asserts for x, topk_idx (and the weights in combine).
-        ids = topk_ids.long()
-        ids = torch.where(ids.clamp(-1, self.num_experts) == self.num_experts, -1, ids.clamp_min(-1)).contiguous()
+        ids = topk_ids.long().masked_fill(topk_ids >= self.num_experts, -1).clamp_min(-1).contiguous()
         recv, counts, handle, _, _ = self.buffer.low_latency_dispatch(x.contiguous(), ids, self.max_tokens,
                                                                       self.num_experts, use_fp8=self.use_fp8)
         return LowLatencyResult(recv, counts, handle, ids, topk_weights.float().contiguous())
