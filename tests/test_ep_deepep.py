@@ -255,6 +255,18 @@ def _low_latency_case(pg, rank: int, world: int, e_total: int, device: str, hidd
         out["ll_counts"] = (got.counts.cpu().tolist(), counts)
         out["ll_rows"] = rows
         out["ll_combine"] = torch.allclose(y.float().cpu(), ref, rtol=2 ** -7, atol=0)
+        # the same step captured in a CUDA graph (as a decode step runs it: no host sync inside), replayed
+        # on copies of the inputs: the same counts and combined rows as the eager calls
+        sx, sids, sw = x.clone(), ids.clone(), w.clone()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            g_got = ll.dispatch(sx, sids, sw)
+            g_y = ll.combine(g_got.x, g_got)
+        for _ in range(2):
+            g_y.zero_()
+            graph.replay()
+        torch.cuda.synchronize()
+        out["ll_graph"] = [torch.equal(g_got.counts.cpu(), got.counts.cpu()), torch.equal(g_y.cpu(), y.cpu())]
     ll.destroy()
     return out
 
@@ -335,7 +347,8 @@ def test_deepep_normal_mode_two_ranks_on_one_gpu():
 @pytest.mark.skipif(not (MPG and LL), reason=_WHY + " (a build with NVSHMEM: MEGAPAR_DEEPEP_LL=1)")
 def test_deepep_low_latency_two_ranks_on_one_gpu():
     """DeepEPLowLatency with the real DeepEP (NVSHMEM), both ranks on cuda:0: slab shapes,
-    per-expert counts and rows against every rank's inputs, combine against x * sum_k w_k."""
+    per-expert counts and rows against every rank's inputs, combine against x * sum_k w_k, and
+    dispatch + combine captured in one CUDA graph giving the eager results on replay."""
     from launch.local import launch_local
 
     world = 2
@@ -347,6 +360,7 @@ def test_deepep_low_latency_two_ranks_on_one_gpu():
         assert got == want, (rank, got, want)
         assert r["ll_rows"] == [True] * 2, (rank, r["ll_rows"])
         assert r["ll_combine"], rank
+        assert r["ll_graph"] == [True, True], (rank, r["ll_graph"])
 
 
 def test_deepep_config_validates_and_reaches_the_dispatcher_only_by_name():

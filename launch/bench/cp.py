@@ -168,18 +168,20 @@ def _dcp_breakdown(ctx: BenchContext) -> None:
     ceiling = copy_ceiling_gbps(ctx.device)
     dtypes = [torch.bfloat16, torch.float8_e4m3fn] if ctx.is_cuda else [torch.float32]
     seq = torch.full((batch,), context, device=ctx.device)
-    cases = [("gqa", dt) for dt in dtypes] + [("mla", dtypes[0])]
-    for kind, cache_dtype in cases:
+    # MLA: DeepSeek's 128 heads (one GPU, or DP attention) and 16 (TP 8: vLLM's `-tp 8 -dcp 8`), each cache dtype
+    mla_heads = (mla[0], 16) if ctx.is_cuda and not ctx.quick else (mla[0],)
+    cases = [("gqa", dt, heads) for dt in dtypes] + [("mla", dt, h) for h in mla_heads for dt in dtypes]
+    for kind, cache_dtype, hq in cases:
         tag = str(cache_dtype).replace("torch.", "")
         if kind == "gqa":
             def setup(n):
                 cache, table, q, _ = _decode_setup(batch, context, heads, kv_heads, d, block, n, ctx.device,
                                                    cache_dtype)
                 return cache, table, q
-            what, scale, hq, dk, dv = f"Hq={heads}, Hkv={kv_heads}, D={d}", d ** -0.5, heads, d, d
+            what, scale, dk, dv = f"Hq={heads}, Hkv={kv_heads}, D={d}", d ** -0.5, d, d
             read = lambda cache, tokens: kv_read_bytes_of(cache, tokens, kv_heads, d, d, False)
         else:
-            hq, dims = mla
+            dims = mla[1]
             def setup(n):
                 cache, table = _mla_decode_setup(batch, context, dims, block, n, ctx.device, cache_dtype)
                 q = torch.randn(batch, hq, dims.latent_dim, device=ctx.device,
