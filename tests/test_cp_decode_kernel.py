@@ -363,6 +363,37 @@ def test_mla_halves_fp8_f16_operands(monkeypatch, tma, tq):
 
 @pytest.mark.parametrize("mla,fp8", [(False, False), (False, True), (True, False)],
                          ids=["gqa", "gqa-fp8-scan", "mla-halves"])
+def test_a_length_past_the_splits_reach_is_nan_not_its_first_tokens(mla, fp8, monkeypatch):
+    """A CUDA call does not read the lengths on the host: the grid is sized by max_seq_len. A
+    sequence longer than the splits reach (splits x split_len) was attention over its first
+    tokens, silently; now its out and lse are NaN, and the sequences within reach stay exact."""
+    from parallel.cp import triton_decode as td
+
+    reach = []
+    plan = td.plan_splits
+    monkeypatch.setattr(td, "plan_splits", lambda *a, **kw: reach.append(plan(*a, **kw)) or reach[-1])
+    lens = [150, 9]
+    if mla:
+        monkeypatch.setitem(td.CONFIG, "halves_wide", 1)
+        monkeypatch.setitem(td.CONFIG, "block_n_wide_f32", 16)
+        monkeypatch.setitem(td.CONFIG, "block_m_wide_f32", 16)
+        cache, table = _mla_cache(lens, 16, torch.float32, seed=3)
+        q = torch.randn(len(lens), 1, 4, 576) * 0.2
+    else:
+        cache, table, _, _, _ = _fill(lens, 2, 32, 32, 16, 1, 0, 1, torch.float8_e4m3fn if fp8 else torch.float32,
+                                      seed=3)
+        q = torch.randn(len(lens), 1, 8, 32)
+    seq = torch.tensor(lens)
+    ref = paged_decode_attention(q, cache, table, seq, scale=0.1, backend="torch")
+    got = paged_decode_attention(q, cache, table, seq, scale=0.1, backend="triton", validate=False, max_seq_len=9)
+    splits, split_len = reach[-1]
+    assert 9 <= splits * split_len < 150, reach
+    assert torch.isnan(got.out[0]).all() and torch.isnan(got.lse[0]).all()
+    _check(AttnState(got.out[1:], got.lse[1:]), AttnState(ref.out[1:], ref.lse[1:]), 1e-4)
+
+
+@pytest.mark.parametrize("mla,fp8", [(False, False), (False, True), (True, False)],
+                         ids=["gqa", "gqa-fp8-scan", "mla-halves"])
 def test_kernel_reports_bad_tables_as_nan_without_reading_past_them(mla, fp8, monkeypatch):
     """A CUDA call reads no values on the host (validate=False here): a used block id outside the
     cache, a length past the table's capacity or a negative length make that sequence's out and
@@ -1114,7 +1145,8 @@ def test_gluon_kernels_check_block_ids_past_a_splits_first_64_pages(kind, monkey
     """A split longer than 64 pages (one split over 5000 tokens): a bad block id at page 70 makes that
     sequence's rows NaN, with the check after the loop and with ids_ahead, whose first 64
     ids are loaded beside the length and the rest after the loop (`gluon_mla._bad_ids_after`); the
-    other sequence exact, and without the bad id both forms the same to the bit."""
+    other sequence exact, and without the bad id both forms the same to the bit. A grid sized by a
+    max_seq_len below a sequence's length makes that sequence NaN too."""
     td = _compiled(monkeypatch)
     from parallel.cp import gluon_gqa, gluon_mla
 
@@ -1154,6 +1186,13 @@ def test_gluon_kernels_check_block_ids_past_a_splits_first_64_pages(kind, monkey
         assert torch.isfinite(results[ahead].out).all()
     torch.testing.assert_close(results[1].out, results[0].out, atol=0, rtol=0)
     torch.testing.assert_close(results[1].lse, results[0].lse, atol=0, rtol=0)
+    # the grid sized by max_seq_len 300: sequence 0 (5000 tokens) lies past every split's reach -> NaN, not
+    # attention over its first tokens; sequence 1 as before
+    short = paged_decode_attention(q, cache, table, seq, layout=layout, scale=0.08, backend="triton", validate=False,
+                                   max_seq_len=300)
+    assert torch.isnan(short.out[0]).all() and torch.isnan(short.lse[0]).all()
+    torch.testing.assert_close(short.out[1], results[0].out[1])
+    torch.testing.assert_close(short.lse[1], results[0].lse[1])
 
 
 # ---- the kernel against float64 attention computed by hand on awkward cases (interpreter, tiny) ----

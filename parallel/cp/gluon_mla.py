@@ -57,12 +57,13 @@ if HAS_GLUON:
     @gluon.jit
     def _split_range(glens_ptr, s, split, split_len, dcp_size, dcp_rank, interleave, table_w, PAGE: gl.constexpr,
                      KEYS: gl.constexpr = 64):
-        """(start, end, tiles of KEYS keys, bad) of this split: bad where the length is negative or past the
-        table."""
+        """(start, end, tiles of KEYS keys, bad) of this split: bad where the length is negative, past the
+        table or past what the grid's splits reach (program_id(1) is the split: a length past the
+        max_seq_len the grid was sized by, whose tail no split would read)."""
         local = _dcp_local_len(glens_ptr, s, dcp_size, dcp_rank, interleave)
         start = split * split_len
         end = gl.minimum(gl.minimum(start + split_len, local), table_w * PAGE)
-        bad = (gl.load(glens_ptr + s) < 0) | (local > table_w * PAGE)
+        bad = (gl.load(glens_ptr + s) < 0) | (local > table_w * PAGE) | (local > gl.num_programs(1) * split_len)
         tiles = (gl.maximum(end - start, 0) + KEYS - 1) // KEYS
         return start, end, tiles, bad
 

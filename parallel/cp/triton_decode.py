@@ -87,17 +87,20 @@ def _dot(a, b, acc, IEEE: tl.constexpr):
 
 
 @triton.jit
-def _checked_range(glens_ptr, table_ptr, s, s64, st_s, start, end, local_len, num_blocks, table_w,
+def _checked_range(glens_ptr, table_ptr, s, s64, st_s, start, end, local_len, num_blocks, table_w, split_len,
                    PAGE: tl.constexpr, SCAN: tl.constexpr):
     """A split's tokens [start, end) of sequence s, which holds local_len here -> (end, bad).
-    bad = 1 where the sequence's length is negative or past the table's capacity (the range is
-    cut to it: no read past the table's row), or (SCAN) a block id the split would read lies
+    bad = 1 where the sequence's length is negative, past the table's capacity (the range is
+    cut to it: no read past the table's row) or past what the grid's splits reach (splits x
+    split_len: a length past the max_seq_len the grid was sized by, whose tail no split would
+    read), or (SCAN) a block id the split would read lies
     outside [0, num_blocks): the range is then emptied. A program with bad = 1 reports NaN, a
     CUDA call's device-side answer to bad input (its values are not read on the host there).
     SCAN is one pass over the split's ids before the loop (MLA's latent tiles, and every tile over
     an fp8 cache); GQA's tiles over bf16 check their own ids instead (`_checked_block`; the sm_90a
     compile of that loop came out shorter with it, 1216 -> 1144 instructions)."""
-    bad = tl.where((tl.load(glens_ptr + s) < 0) | (local_len > table_w * PAGE), 1, 0)
+    bad = tl.where((tl.load(glens_ptr + s) < 0) | (local_len > table_w * PAGE)
+                   | (local_len > tl.num_programs(1) * split_len), 1, 0)
     end = tl.minimum(end, table_w * PAGE)
     if SCAN:
         p = start // PAGE
@@ -417,7 +420,7 @@ def _halves_body(q_ptr, k_ptr, ks_ptr, table_ptr, glens_ptr, o_ptr, lse_ptr, spl
     local_len = _local_len(glens_ptr, s, dcp_size, dcp_rank, interleave)
     start = split * split_len
     end, bad = _checked_range(glens_ptr, table_ptr, s, s64, st_s, start, tl.minimum(start + split_len, local_len),
-                              local_len, NUM_BLOCKS, TABLE_W, PAGE, True)
+                              local_len, NUM_BLOCKS, TABLE_W, split_len, PAGE, True)
     if CAUSAL:
         q_pos = tl.load(glens_ptr + s) - Tq + t_idx
     else:
@@ -524,7 +527,7 @@ def _paged_decode_kernel(
         # the scan leaves it at 0 spills (2848 instructions) and 44.0 / 124.1 / 440.1 µs in the
         # next run (bench/results/cp-dcp-h200.md). bf16 keeps the per-tile check (no spill there).
         end, bad = _checked_range(glens_ptr, table_ptr, s, s64, st_s, start, tl.minimum(start + split_len, local_len),
-                                  local_len, NUM_BLOCKS, TABLE_W, PAGE, FP8)
+                                  local_len, NUM_BLOCKS, TABLE_W, split_len, PAGE, FP8)
         if CAUSAL:
             q_pos = tl.load(glens_ptr + s) - Tq + t_idx                                  # [BLOCK_M]
         else:
