@@ -204,8 +204,8 @@ def test_interp_w4a16_matches_a_hand_decode_of_the_edge_scales(fmt):
     """The fused W4A16 kernel (fp32 and fp16 operands) on the edge-scale weights above, against the
     hand decode. Left out: the interpreter decodes an E4M3 NaN byte as a number (hardware: NaN);
     fp16 operands carry 2^22 in their fp32 block scale, so an E8M0 scale of 2^127 overflows there
-    (weights near 1e38). An E8M0 byte 0 becomes 0 in the kernel, 2^-127 in the reference: below
-    fp32 resolution next to the row's other blocks."""
+    (weights near 1e38). E8M0 byte 0 is 2^-127 in both (below fp32 resolution next to the row's
+    other blocks here; rows of byte 0 blocks: the test after the expansion one)."""
     from moe.kernels.triton_w4a16 import launch_w4a16
     from tests.helpers import w4a16_config
 
@@ -612,6 +612,104 @@ def test_interp_expansion_is_exact():
         with pytest.raises(ValueError, match=r"out must be a contiguous torch.float8_e4m3fn tensor \[E=2, N=8, K=256\]"
                            r" on cpu, got torch\.\w+ \(2, \d+, \d+\)"):
             expand_fp4(pw, fold="row", out=bad)
+
+
+def _e8m0_ldexp(byte: int, shift: int = 0) -> float:
+    """Independent E8M0 decode: 2^(byte - 127 + shift) from math.ldexp in float64 (byte 0 is
+    2^-127, not 0), NaN for 255; rounded to fp32 by the caller."""
+    return math.nan if byte == 255 else math.ldexp(1.0, byte - 127 + shift)
+
+
+def _same_f32(got: torch.Tensor, want: list[float]) -> None:
+    """got (fp32) equals want (float64 values, each exact in fp32 or inf) bit for bit, NaN included."""
+    w = torch.tensor(want, dtype=torch.float64).float()
+    nan = torch.isnan(w)
+    assert torch.equal(torch.isnan(got), nan)
+    bad = (got[~nan].view(torch.int32) != w[~nan].view(torch.int32)).nonzero().flatten().tolist()
+    assert not bad, [(i, float(got[~nan][i]), float(w[~nan][i])) for i in bad[:4]]
+
+
+if INTERPRET:
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def _e8m0_helpers_kernel(s_ptr, out_ptr, N: tl.constexpr):
+        from megapar.moe.kernels.triton_common import block_scale
+        from megapar.moe.kernels.triton_w4a16 import _prescale_factor
+        i = tl.arange(0, N)
+        s = tl.load(s_ptr + i)
+        r = s.to(tl.int32)
+        tl.store(out_ptr + i, block_scale(s, False, 2))
+        tl.store(out_ptr + N + i, block_scale(s, False, 0))
+        tl.store(out_ptr + 2 * N + i, _prescale_factor(r, 0))
+        tl.store(out_ptr + 3 * N + i, _prescale_factor(r, 5))
+        tl.store(out_ptr + 4 * N + i, _prescale_factor(r, 7))
+
+
+@interp
+def test_interp_e8m0_device_decodes_every_byte_exactly():
+    """The kernels' E8M0 decodes against math.ldexp, every byte: block_scale read byte 0 as 0
+    (its bits b << 23), not 2^-127; _prescale_factor took 2^(r_max - 127) from exp2, an ulp off at
+    r_max 254 in the interpreter (and an approximate instruction on the GPU). fp16 operand modes
+    carry 2^22 (block_scale) / 2^7 (prescale) in the factor; MODE 7 reads r_max at most 253."""
+    every = torch.arange(256, dtype=torch.int32).to(torch.uint8)
+    out = torch.empty(5, 256, dtype=torch.float32)
+    _e8m0_helpers_kernel[(1,)](every, out, N=256)
+    b = range(256)
+    _same_f32(out[0], [_e8m0_ldexp(i) for i in b])                                 # MODE 1 / 2
+    _same_f32(out[1], [_e8m0_ldexp(i, 22) for i in b])                             # MODE 0, 3, 4
+    _same_f32(out[2], [_e8m0_ldexp(i, 7) for i in b])                              # prescale, fp16
+    _same_f32(out[3], [_e8m0_ldexp(i) for i in b])                                 # prescale, bf16
+    _same_f32(out[4], [_e8m0_ldexp(min(i, 253)) if i < 255 else math.nan for i in b])   # MODE 7
+
+
+@interp
+def test_interp_e8m0_byte_0_blocks_in_expansion_and_w4a16_match_ldexp_decode():
+    """Blocks with E8M0 byte 0 (2^-127) on rows of their own (all blocks 0, or next to byte 1 / 2 of
+    comparable size) and random bytes elsewhere, edge bytes 1, 254, 255 in the dense expansion.
+    The kernels read byte 0 as 0: those rows expanded to zeros and multiplied to zeros. Checked
+    per column against float64 products of an ldexp decode, so tiny rows are not hidden by big ones."""
+    from moe.kernels.triton_w4a16 import W4A16Config, expand_fp4, launch_w4a16
+
+    g = torch.Generator().manual_seed(71)
+    E, N, K = 2, 8, 256
+    data = torch.randint(0, 256, (E, N, K // 2), generator=g, dtype=torch.uint8)
+    scale = torch.randint(120, 136, (E, N, K // 32), generator=g, dtype=torch.uint8)
+    scale[0, 0] = 0
+    scale[0, 1] = torch.tensor([0, 1] * 4, dtype=torch.uint8)
+    scale[1, 2] = torch.tensor([2, 0, 0, 1, 0, 2, 1, 0], dtype=torch.uint8)
+    q = QuantizedTensor(data, scale, "mxfp4", torch.Size((E, N, K)))
+    codes = torch.stack((data & 15, data >> 4), -1).reshape(E, N, K).long()
+    e2m1 = torch.tensor([0, .5, 1, 1.5, 2, 3, 4, 6], dtype=torch.float64)
+    mag = e2m1[codes & 7]
+    vals = torch.where(codes >= 8, -mag, mag)
+    mult = torch.tensor([[[_e8m0_ldexp(int(b)) for b in row] for row in ex] for ex in scale.tolist()],
+                        dtype=torch.float64).repeat_interleave(32, -1)
+    w = vals * mult                                                     # [E, N, K] float64
+
+    # dense expansion (fp32 holds every product exactly, 2^-128 .. 6 * 2^-127 as subnormals)
+    edge = scale.clone()
+    edge[1, 5] = torch.tensor([254, 1, 255, 0, 0, 254, 1, 0], dtype=torch.uint8)
+    qe = QuantizedTensor(data, edge, "mxfp4", torch.Size((E, N, K)))
+    multe = torch.tensor([[[_e8m0_ldexp(int(b)) for b in row] for row in ex] for ex in edge.tolist()],
+                         dtype=torch.float64).repeat_interleave(32, -1)
+    dense = expand_fp4(prepare_weights(qe), torch.float32)
+    _same_f32(dense.reshape(-1), (vals * multe).reshape(-1).tolist())
+    assert (dense[0, 0] != 0).any() and dense[0, 0].abs().max() < 2.0 ** -124
+
+    counts = [5, 3]
+    x = torch.randn(sum(counts), K, generator=g)
+    rows = expert_rows(x, E, torch.tensor(counts), None, "contiguous")
+    want = torch.cat([x[:5].double() @ w[0].T, x[5:].double() @ w[1].T])
+    for mode, packing, prescale, tol in (("f32", "paired", False, 1e-5), ("f32", "oct", False, 1e-5),
+                                         ("f16", "paired", False, 2e-3), ("f16", "oct", False, 2e-3),
+                                         ("f16", "oct", True, 2e-3)):
+        cfg = W4A16Config(block_n=32, block_m=16, chunks=1, num_warps=4, num_stages=1, mode=mode, packing=packing,
+                          prescale=prescale)
+        y = launch_w4a16(x, prepare_weights(q, packing=cfg.packing), rows, out_dtype=torch.float32, config=cfg)
+        err = (y.double() - want).abs().amax(0) / want.abs().amax(0)   # per output column
+        assert float(err.max()) < tol, (mode, packing, prescale, err.tolist())
 
 
 @interp

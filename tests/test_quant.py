@@ -234,6 +234,60 @@ def test_mxfp4_subnormal_inputs():
     assert dequantize(q)[0].item() == 3 * 2.0**-128
 
 
+def _e8m0_ldexp(byte: int) -> float:
+    """Independent E8M0 decode (OCP MX): 2^(byte - 127) by math.ldexp in float64, byte 0 included
+    (2^-127, not 0); 255 is NaN."""
+    return math.nan if byte == 255 else math.ldexp(1.0, byte - 127)
+
+
+def _tiny_blocks() -> torch.Tensor:
+    """[8, 32] fp32 blocks whose amax sits at the bottom of the E8M0 range: 0, the smallest
+    subnormal, subnormals, 2^-126 (the smallest normal), 6 * 2^-127 (the largest amax byte 0
+    holds without clipping), the next fp32 above it (byte 1), and random values of each size."""
+    g = torch.Generator().manual_seed(7)
+    x = torch.zeros(8, 32)
+    amaxes = [0.0, 2.0**-149, 2.0**-133, 2.0**-127, 2.0**-126, 6 * 2.0**-127,
+              float(torch.nextafter(torch.tensor(6 * 2.0**-127), torch.tensor(1.0))), 2.0**-124]
+    for i, a in enumerate(amaxes):
+        x[i] = (torch.rand(32, generator=g) * 2 - 1) * a
+        x[i, i] = -a if i % 2 else a
+    return x
+
+
+def test_e8m0_byte_0_decodes_to_2_pow_minus_127_and_tiny_blocks_encode_to_it():
+    """E8M0 byte 0 is 2^-127 (an exact fp32 subnormal), not 0 (a decode by bits b << 23 gives 0):
+    e8m0_to_float and mxfp4 dequantize on fresh random bytes plus 0, 1, 254, 255 against math.ldexp.
+    Encode: a block whose ceil(log2(amax / 6)) is below -127 clamps to byte 0, and the codes are
+    those of x * 2^127, so dequantize(quantize(x)) is what the oracle gives with byte 0 = 2^-127."""
+    g = torch.Generator().manual_seed(29)
+    edges = torch.tensor([0, 1, 254, 255, 0, 127], dtype=torch.uint8)
+    b = torch.cat([edges, torch.randint(0, 256, (58,), generator=g, dtype=torch.uint8)])
+    want = torch.tensor([_e8m0_ldexp(v) for v in b.tolist()], dtype=torch.float64)
+    for scale in (b, b.view(torch.float8_e8m0fnu)):
+        got = e8m0_to_float(scale)
+        assert got.dtype == torch.float32 and torch.equal(torch.isnan(got), torch.isnan(want))
+        assert got.double()[~torch.isnan(want)].tolist() == want[~torch.isnan(want)].tolist()
+    assert e8m0_to_float(edges)[0].item() == 2.0**-127 != 0
+    codes = torch.randint(0, 16, (64, 32), generator=g, dtype=torch.uint8)
+    q = QuantizedTensor(pack_fp4(codes), b.reshape(64, 1), "mxfp4", torch.Size((64, 32)))
+    vals = torch.tensor(decode_codes(codes.reshape(-1).tolist()), dtype=torch.float64).reshape(64, 32)
+    exact = (vals * want[:, None]).float()                            # fp32 rounding: 6 * 2^127 -> inf
+    deq = dequantize(q, torch.float32)
+    assert torch.equal(torch.isnan(deq), torch.isnan(exact)) and _bits_equal(deq[~deq.isnan()], exact[~exact.isnan()])
+    # encode: tiny blocks clamp to byte 0 and round-trip through the same 2^-127
+    x = _tiny_blocks()
+    qx = quantize(x, "mxfp4", backend="torch")
+    assert qx.scale.reshape(-1).tolist() == [0, 0, 0, 0, 0, 0, 1, 1]
+    ocodes, oscales = oracle_mxfp4(x.numpy().reshape(-1))
+    assert qx.scale.reshape(-1).tolist() == oscales and unpack_fp4(qx.data).reshape(-1).tolist() == ocodes
+    back = [v * _e8m0_ldexp(oscales[i // 32]) for i, v in enumerate(decode_codes(ocodes))]
+    assert dequantize(qx, torch.float64).reshape(-1).tolist() == back
+    assert dequantize(qx)[5, 5].item() == -6 * 2.0**-127                 # the largest byte-0 value, exact
+    on_grid = torch.tensor([2.0**-128, -(2.0**-127), 1.5 * 2.0**-127, 3 * 2.0**-127, 6 * 2.0**-127] + [0.0] * 27)
+    assert torch.equal(dequantize(quantize(on_grid, "mxfp4", backend="torch")), on_grid)
+    assert quantize(on_grid, "mxfp4", scale_rule="floor", backend="torch").scale.item() == 0
+
+
 def test_negative_zero_keeps_its_sign():
     x = torch.zeros(32)
     x[0] = -0.0

@@ -187,6 +187,32 @@ def test_fp4_dequantize_matches_reference_bits_for_every_scale_byte(tq, fmt):
 
 
 @interp
+@pytest.mark.parametrize("variant", ["lines", "blocks"])
+def test_mxfp4_tiny_blocks_clamp_to_e8m0_byte_0_and_dequantize_to_2_pow_minus_127(tq, monkeypatch, variant):
+    """Blocks whose amax is 0, subnormal, 2^-126 or up to 6 * 2^-127 get scale byte 0 (2^-127, the
+    bottom of E8M0) as in the reference, the next fp32 up byte 1; the kernel's dequantize reads
+    byte 0 as 2^-127 (math.ldexp), not 0, so on-grid values come back exactly."""
+    import math
+    monkeypatch.setitem(tq.VARIANTS, "mxfp4_quant", variant)
+    g = torch.Generator().manual_seed(31)
+    amaxes = [0.0, 2.0**-149, 2.0**-133, 2.0**-127, 2.0**-126, 6 * 2.0**-127,
+              float(torch.nextafter(torch.tensor(6 * 2.0**-127), torch.tensor(1.0))), 2.0**-124]
+    x = (torch.rand(8, 32, generator=g) * 2 - 1) * torch.tensor(amaxes)[:, None]
+    x[torch.arange(8), torch.arange(8)] = torch.tensor(amaxes) * torch.tensor([1.0, -1.0] * 4)
+    q = tq.quantize(x, "mxfp4")
+    _assert_same_q(q, quantize(x, "mxfp4", backend="torch"))
+    assert q.scale.reshape(-1).tolist() == [0, 0, 0, 0, 0, 0, 1, 1]
+    codes = unpack_fp4(q.data)
+    e2m1 = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0]
+    want = torch.tensor([[(-1 if c & 8 else 1) * math.ldexp(e2m1[c & 7], s - 127) for c in row]
+                         for row, s in zip(codes.tolist(), q.scale.reshape(-1).tolist())], dtype=torch.float64)
+    assert torch.equal(tq.dequantize(q, torch.float64), want)
+    assert tq.dequantize(q)[5, 5].item() == -6 * 2.0**-127
+    on_grid = torch.tensor([2.0**-128, -(2.0**-127), 1.5 * 2.0**-127, 3 * 2.0**-127, 6 * 2.0**-127] + [0.0] * 27)
+    assert torch.equal(tq.dequantize(tq.quantize(on_grid.reshape(1, 32), "mxfp4")), on_grid.reshape(1, 32))
+
+
+@interp
 @pytest.mark.parametrize("ue8m0", [False, True])
 def test_fp8_quantize_matches_reference_bits(tq, ue8m0):
     x = _awkward((4, 200), 4)

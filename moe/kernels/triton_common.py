@@ -14,7 +14,7 @@ import triton
 import triton.language as tl
 
 from megapar.parallel.quant import DEFAULT_AMAX_FLOOR, E4M3_MAX
-from megapar.parallel.quant.triton_quant import _abs_max_bits, _fast_div_ok, _fp8_tile, fp8_scale
+from megapar.parallel.quant.triton_quant import _abs_max_bits, _fast_div_ok, _fp8_tile, e8m0_value, fp8_scale
 
 FP8_MAX = tl.constexpr(E4M3_MAX)
 AMAX_FLOOR = tl.constexpr(DEFAULT_AMAX_FLOOR)   # parallel.quant's fp8 amax floor
@@ -79,8 +79,7 @@ def block_scale(s, NVFP4: tl.constexpr, MODE: tl.constexpr):
     if NVFP4:
         f = s.to(tl.float8e4nv, bitcast=True).to(tl.float32)
     else:
-        f = (s.to(tl.int32) << 23).to(tl.float32, bitcast=True)   # 2^(s-127); byte 0 -> 0 (2^-127)
-        f = tl.where(s == 255, float("nan"), f)
+        f = e8m0_value(s)   # 2^(s-127): byte 0 -> 2^-127 (an fp32 subnormal, not 0), 255 -> NaN
     if MODE == 0 or MODE >= 3:
         f = f * 4194304.0   # 2^22 = 2^14 (fp16 weight bits) * 2^8 (activation pre-scale)
     return f

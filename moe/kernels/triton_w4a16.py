@@ -61,6 +61,7 @@ from megapar.moe.kernels.triton_common import (  # noqa: F401  (FP8_MAX, AMAX_FL
     block_scale,
     chunks_for,
     e2m1_pair,
+    e8m0_value,
     expert_tile,
     fp8_group_quant,
     layout_args,
@@ -309,11 +310,13 @@ def _prescaled(op, s_i, r_max, MODE: tl.constexpr):
 def _prescale_factor(r_max, MODE: tl.constexpr):
     """fp32 [BN] that takes a prescaled accumulator back: 2^(r_max - 127) * 2^14 (fp16 weight
     bits) * 2^8 (activation pre-scale) / 2^15 (the operand's 2^15); MODES 5, 6: 2^(r_max - 127)
-    (bf16 operands, activations as they are); r_max 255 (NaN scale) -> NaN."""
+    (bf16 operands, activations as they are); r_max 255 (NaN scale) -> NaN. Built from the bits as
+    the E8M0 decode (r_max 0 -> 2^-127, a subnormal), not by exp2: that is an approximation (the
+    interpreter's exp2(127) is an ulp off; the GPU's ex2 may flush a subnormal result to 0)."""
     if MODE == 7:   # operands relative to R = min(r_max, 253) (_OCTB_PS_ASM)
-        f = tl.exp2((tl.minimum(r_max, 253) - 127).to(tl.float32))
+        f = e8m0_value(tl.minimum(r_max, 253))
     else:
-        f = tl.exp2((r_max - 127).to(tl.float32))
+        f = e8m0_value(r_max)
     if MODE < 5:
         f = f * 128.0
     return tl.where(r_max == 255, float("nan"), f)
