@@ -608,7 +608,12 @@ class MoELayer(nn.Module):
         shape ValueError, before anything is written: the gate and shared expert are read and
         checked, every routed expert's keys looked up (and the sizes checked on the first one
         read) first; the gate and shared expert are written after the routed experts, which are
-        the only part that can still fail (`Experts.load_deepseek`)."""
+        the only part that can still fail (`Experts.load_deepseek`).
+
+        The one exception: a router whose checkpoint has no `gate.e_score_correction_bias` (nor
+        DeepSeek's `gate.bias`) gets a zero bias and one warning naming the key, as HF transformers
+        loads it (its DeepSeek V3 / V3.2 / V4 routers register the buffer as zeros and report the
+        key missing)."""
         from megapar.moe.experts import read_dense
         from megapar.moe.loading import Prefixed
 
@@ -616,8 +621,14 @@ class MoELayer(nn.Module):
         device = self.experts.device
         gate = Prefixed(sub, "gate.")
         values = {}
+        zero_filled: list[str] = []
         for k in self.gate.state_dict():
             key = "bias" if k == "e_score_correction_bias" and k not in gate and "bias" in gate else k
+            if key not in gate and k == "e_score_correction_bias":
+                values[k] = torch.zeros(self.gate.e_score_correction_bias.shape, dtype=torch.float32)
+                names = dict.fromkeys(_checkpoint_key(gate, n) for n in (k, "bias"))   # (HF maps both to one)
+                zero_filled.append(" / ".join(names))
+                continue
             if key not in gate:
                 raise KeyError(f"missing {prefix}gate.{k}")
             values[k] = gate[key]
@@ -638,6 +649,9 @@ class MoELayer(nn.Module):
             self._load_module(self.shared_experts, shared, "shared_experts.", device)
         if self.eplb is not None:
             self.eplb.register_weights(self.layer_index, self.experts.slot_tensors())
+        if zero_filled:
+            warnings.warn(f"missing router bias {', '.join(zero_filled)}: loaded as zeros (as HF transformers "
+                          f"initializes a missing e_score_correction_bias)", stacklevel=2)
 
     def load_safetensors(self, paths: Any, prefix: str = "", *, naming: str = "auto") -> SafetensorsState:
         """Load this layer from .safetensors files (a file, a list, or a checkpoint directory),
@@ -676,3 +690,20 @@ class MoELayer(nn.Module):
     def extra_repr(self) -> str:
         return (f"ep={self.ep_rank}/{self.ep_size}, tokens={self.tokens}, path={self.path}, "
                 f"transport={self.transport}, overlap_chunks={self.overlap_chunks}, slots={self.num_slots}")
+
+
+def _checkpoint_key(state: Mapping, key: str) -> str:
+    """The name `key` of a (possibly wrapped) `moe.loading` view has in the checkpoint itself:
+    the prefixes of `Prefixed` views added, `HFNames`' DeepSeek names mapped to HF's."""
+    from megapar.moe.loading import HFNames, Prefixed
+
+    while True:
+        if isinstance(state, Prefixed):
+            state, key = state.state, state.prefix + key
+        elif isinstance(state, HFNames):
+            m = state._map(key)
+            if m is None:
+                return key
+            state, key = state.state, m[0]
+        else:
+            return key

@@ -188,6 +188,52 @@ def test_v4_flash_shard_builds_without_weights_in_seconds():
     assert shard == 32 * (2 * 2048 * 4096 // 2 + 2 * 2048 * 4096 // 32 + 4096 * 2048 // 2 + 4096 * 2048 // 32)
 
 
+def test_deepseek_v3_checkpoint_without_router_bias_loads_it_as_zeros_with_one_warning(tmp_path):
+    """A deepseek_v3 checkpoint whose router has no e_score_correction_bias raised KeyError ('missing
+    gate.e_score_correction_bias'). HF transformers' DeepseekV3 router registers that buffer as
+    zeros and loads such a checkpoint with the bias 0 (reporting the key missing): so here, with
+    one warning naming the key in the file. The layer computes what the same checkpoint with an
+    explicit zero bias gives. Any other missing tensor is still a KeyError."""
+    import warnings
+
+    hf_config = {"model_type": "deepseek_v3", "hidden_size": H, "moe_intermediate_size": I, "n_routed_experts": E,
+                 "num_experts_per_tok": 2, "n_group": 2, "topk_group": 1, "n_shared_experts": 1}
+    cfg = MoEConfig.from_hf_config(hf_config, expert_format="fp32", dtype=torch.float32)
+    assert cfg.use_bias
+    p = moe_prefix(3, "hf")
+    st = _hf_fused(_deepseek_state(11))
+    no_bias = {k: v for k, v in st.items() if k != f"{p}gate.e_score_correction_bias"}
+    zero_bias = {**no_bias, f"{p}gate.e_score_correction_bias": torch.zeros(E)}
+    x = torch.randn(12, H, generator=torch.Generator().manual_seed(12))
+    (tmp_path / "zero").mkdir()
+    (tmp_path / "none").mkdir()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        ref = MoELayer(cfg, init="meta")
+        ref.load_safetensors(_write(tmp_path / "zero", zero_bias), p)
+    assert not [w for w in caught if "bias" in str(w.message)]
+    layer = MoELayer(cfg, init="meta")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        layer.load_safetensors(_write(tmp_path / "none", no_bias), p)
+    msgs = [str(w.message) for w in caught if "bias" in str(w.message)]
+    assert len(msgs) == 1 and f"{p}gate.e_score_correction_bias" in msgs[0], msgs
+    assert torch.equal(layer.gate.e_score_correction_bias, torch.zeros(E))
+    with torch.no_grad():
+        assert torch.equal(layer(x), ref(x))
+    # DeepSeek names: the warning names both of the router bias' names; in-memory states load the same
+    ds = {k: v for k, v in _deepseek_state(11).items() if k != "layers.3.ffn.gate.bias"}
+    mem = MoELayer(cfg, init="empty")
+    with pytest.warns(UserWarning, match=r"layers\.3\.ffn\.gate\.e_score_correction_bias / layers\.3\.ffn\.gate\.bias"):
+        mem.load_deepseek(ds, prefix="layers.3.ffn.")
+    with torch.no_grad():
+        assert torch.equal(mem(x), ref(x))
+    # the router weight (or anything but the bias) missing is still an error, before anything is written
+    del no_bias[f"{p}gate.weight"]
+    with pytest.raises(KeyError, match="missing gate.weight"):
+        MoELayer(cfg, init="meta").load_deepseek(moe_state(no_bias, p))
+
+
 def test_naming_errors_and_lazy_views():
     st = _deepseek_state(5)
     with pytest.raises(ValueError, match="naming"):
