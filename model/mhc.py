@@ -25,6 +25,8 @@ two (the kernels' stream index), else torch (op "model.mhc" of `parallel.impl`);
 from __future__ import annotations
 
 import contextlib
+import math
+import numbers
 from typing import Callable, Literal, NamedTuple
 
 import torch
@@ -86,11 +88,24 @@ def _check_sinkhorn(iters: int) -> None:
         raise ValueError(f"sinkhorn_iters must be an integer >= 1, got {iters!r}")
 
 
+def _check_eps(**values: float) -> None:
+    """eps (added to pre, to the softmax and to every Sinkhorn division) and rms_eps (under the
+    RMS's rsqrt) must be finite numbers >= 0 (0 as ModelConfig allows). All ran without an error:
+    eps = -0.05 gave comb entries near -15 (softmax + eps below 0, Sinkhorn sums near 0), a negative
+    rms_eps NaN on a token of small RMS (rsqrt of a negative), eps = inf or NaN NaN coefficients,
+    rms_eps = inf a zero projection (coefficients from base alone)."""
+    for name, value in values.items():
+        if (isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value)
+                or value < 0):
+            raise ValueError(f"{name} must be a finite number >= 0, got {value!r}")
+
+
 # ---- torch reference --------------------------------------------------------------------------
 
 def sinkhorn(comb: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
     """Sinkhorn-Knopp as in DeepSeek-V4: normalize columns, then (iters - 1) times rows and
     columns. comb: [..., M, M] positive fp32 (softmax + eps); each division adds eps."""
+    _check_eps(eps=eps)
     comb = comb / (comb.sum(-2, keepdim=True) + eps)
     for _ in range(iters - 1):
         comb = comb / (comb.sum(-1, keepdim=True) + eps)
@@ -190,6 +205,7 @@ def mhc_pre(residual: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale:
     t, m, h = _num_streams(residual)
     _check_params(fn, base, scale, m, h, rows=(2 + m) * m, num_scales=3)
     _check_sinkhorn(sinkhorn_iters)
+    _check_eps(eps=eps, rms_eps=rms_eps)
     if _use_triton(backend, m, residual, fn, base, scale):
         from . import triton_mhc
 
@@ -232,6 +248,7 @@ def mhc_post_pre(out: torch.Tensor, residual: torch.Tensor, post: torch.Tensor, 
         t, m, h = _num_streams(residual)
         _check_params(fn, base, scale, m, h, rows=(2 + m) * m, num_scales=3)
         _check_sinkhorn(sinkhorn_iters)
+        _check_eps(eps=eps, rms_eps=rms_eps)
         from . import triton_mhc
 
         new, layer_input, post2, comb2 = triton_mhc.post_pre(out, residual, post, comb, fn, base, scale,
@@ -269,6 +286,7 @@ def mhc_pre_broadcast(x: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, sca
                        rms_eps=rms_eps, backend="triton")
     _check_params(fn, base, scale, m, h, rows=(2 + m) * m, num_scales=3)
     _check_sinkhorn(sinkhorn_iters)
+    _check_eps(eps=eps, rms_eps=rms_eps)
     folded = fn.float().reshape(fn.shape[0], m, h).sum(1)  # [(2+M)M, H]
     mix = _rms_mix(x.float(), folded, rms_eps)
     pre, post, comb = _coefficients(mix, base, scale, m, sinkhorn_iters, eps)
@@ -284,6 +302,7 @@ def mhc_head(residual: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale
     """
     t, m, h = _num_streams(residual)
     _check_params(fn, base, scale, m, h, rows=m, num_scales=1)
+    _check_eps(eps=eps, rms_eps=rms_eps)
     if _use_triton(backend, m, residual, fn, base, scale):
         from . import triton_mhc
 
@@ -309,6 +328,7 @@ class MHC(nn.Module):
         if hidden_size < 1 or num_streams < 1:
             raise ValueError(f"need hidden_size >= 1 and num_streams >= 1, got {hidden_size}, {num_streams}")
         _check_sinkhorn(sinkhorn_iters)
+        _check_eps(eps=eps, rms_eps=rms_eps)
         _check_backend(backend)
         m = num_streams
         self.hidden_size, self.num_streams = hidden_size, m
@@ -356,6 +376,7 @@ class MHCHead(nn.Module):
         super().__init__()
         if hidden_size < 1 or num_streams < 1:
             raise ValueError(f"need hidden_size >= 1 and num_streams >= 1, got {hidden_size}, {num_streams}")
+        _check_eps(eps=eps, rms_eps=rms_eps)
         _check_backend(backend)
         m = num_streams
         self.hidden_size, self.num_streams, self.eps, self.rms_eps, self.backend = hidden_size, m, eps, rms_eps, backend

@@ -30,7 +30,7 @@ bf16 residual x is exact in bf16 and fn is split into three bf16 parts (three bf
 accumulation); otherwise `tl.dot(..., input_precision="tf32x3")`. The interpreter's bf16 dot
 is wrong, so there the same three products run as fp32 dots (BF16_DOT=False). M must be a
 power of two (tl.arange); residual tensors may have any strides (the first-layer broadcast is
-a stride-0 view).
+a stride-0 view; a layout whose offsets within a token pass int32 gets a WIDE, int64 variant).
 """
 
 from __future__ import annotations
@@ -53,12 +53,14 @@ def _mix_kernel(res_ptr, s_rt, s_rm, s_rh,
                 BLOCK_S: tl.constexpr, BLOCK_HO: tl.constexpr, H_LOOP: tl.constexpr, SUB_T: tl.constexpr,
                 FUSE_POST: tl.constexpr, PROJECT: tl.constexpr, FINISH: tl.constexpr,
                 DOT_PRECISION: tl.constexpr, X_BF16: tl.constexpr,
-                BF16_DOT: tl.constexpr):
+                BF16_DOT: tl.constexpr, WIDE: tl.constexpr = False):
     pid_t = tl.program_id(0)
     pid_s = tl.program_id(1)
     offs_t = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
     t_mask = offs_t < T
     offs_t = offs_t.to(tl.int64)  # T * M * H may pass 2^31
+    if WIDE:  # an offset within a token passes 2^31 - 1 (_needs_int64): j * s_rm, h * s_rh, h * s_oh in int64
+        s_rm = tl.cast(s_rm, tl.int64)  # (also _finish's s_m)
     if PROJECT:
         offs_n = tl.arange(0, NPAD)
         acc = tl.zeros((BLOCK_T, NPAD), dtype=tl.float32)
@@ -68,6 +70,8 @@ def _mix_kernel(res_ptr, s_rt, s_rm, s_rh,
         offs_h = pid_s * H_PER_SPLIT + step + tl.arange(0, BLOCK_H)
         h_mask = offs_h < H
         mask2 = t_mask[:, None] & h_mask[None, :]
+        if WIDE:
+            offs_h = offs_h.to(tl.int64)
         if FUSE_POST:
             out = tl.load(out_ptr + offs_t[:, None] * s_ot + offs_h[None, :] * s_oh, mask=mask2,
                           other=0.0).to(tl.float32)
@@ -130,27 +134,27 @@ def _mix_kernel(res_ptr, s_rt, s_rm, s_rh,
                     if FUSE_POST:
                         _finish(new_ptr, M * H, H, 1, part_ptr, sq_ptr, base_ptr, scale_ptr, x_ptr, post2_ptr,
                                 comb2_ptr, pid_t, T, H, inv_k, eps, rms_eps, S, ITERS, M, NPAD, BLOCK_T, BLOCK_S,
-                                BLOCK_HO, H_LOOP, SUB_T, FINISH)
+                                BLOCK_HO, H_LOOP, SUB_T, FINISH, WIDE)
                     else:
                         _finish(res_ptr, s_rt, s_rm, s_rh, part_ptr, sq_ptr, base_ptr, scale_ptr, x_ptr, post2_ptr,
                                 comb2_ptr, pid_t, T, H, inv_k, eps, rms_eps, S, ITERS, M, NPAD, BLOCK_T, BLOCK_S,
-                                BLOCK_HO, H_LOOP, SUB_T, FINISH)
+                                BLOCK_HO, H_LOOP, SUB_T, FINISH, WIDE)
             else:
                 if FUSE_POST:
                     _finish(new_ptr, M * H, H, 1, part_ptr, sq_ptr, base_ptr, scale_ptr, x_ptr, post2_ptr,
                             comb2_ptr, pid_t, T, H, inv_k, eps, rms_eps, S, ITERS, M, NPAD, BLOCK_T, BLOCK_S,
-                            BLOCK_HO, H_LOOP, SUB_T, FINISH)
+                            BLOCK_HO, H_LOOP, SUB_T, FINISH, WIDE)
                 else:
                     _finish(res_ptr, s_rt, s_rm, s_rh, part_ptr, sq_ptr, base_ptr, scale_ptr, x_ptr, post2_ptr,
                             comb2_ptr, pid_t, T, H, inv_k, eps, rms_eps, S, ITERS, M, NPAD, BLOCK_T, BLOCK_S,
-                            BLOCK_HO, H_LOOP, SUB_T, FINISH)
+                            BLOCK_HO, H_LOOP, SUB_T, FINISH, WIDE)
 
 
 @triton.jit
 def _finish(src_ptr, s_t, s_m, s_h, part_ptr, sq_ptr, base_ptr, scale_ptr, x_ptr, post_ptr, comb_ptr,
             pid_t, T, H, inv_k, eps, rms_eps, S: tl.constexpr, ITERS: tl.constexpr, M: tl.constexpr,
             NPAD: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_HO: tl.constexpr,
-            H_LOOP: tl.constexpr, SUB_T: tl.constexpr, FINISH: tl.constexpr):
+            H_LOOP: tl.constexpr, SUB_T: tl.constexpr, FINISH: tl.constexpr, WIDE: tl.constexpr):
     """One token block after its projection: sum the S partials, pre/post/comb (Sinkhorn in
     registers on [BLOCK_T, M, M]); the pre weights go to w [T, M] (after the partials). With
     FINISH == 2 also the layer input = sum_i pre_i src_i over all of H."""
@@ -211,6 +215,8 @@ def _finish(src_ptr, s_t, s_m, s_h, part_ptr, sq_ptr, base_ptr, scale_ptr, x_ptr
         for h0 in range(0, H_LOOP, BLOCK_HO):
             offs_h = h0 + tl.arange(0, BLOCK_HO)
             h_ok = offs_h < H
+            if WIDE:  # as in _mix_kernel (s_m comes from it in int64)
+                offs_h = offs_h.to(tl.int64)
             xs = tl.load(src_ptr + offs_u[:, None, None] * s_t + offs_m[None, :, None] * s_m
                          + offs_h[None, None, :] * s_h, mask=u_mask[:, None, None] & h_ok[None, None, :],
                          other=0.0, cache_modifier=".cg").to(tl.float32)
@@ -221,7 +227,7 @@ def _finish(src_ptr, s_t, s_m, s_h, part_ptr, sq_ptr, base_ptr, scale_ptr, x_ptr
 
 @triton.jit
 def _streams_sum_kernel(res_ptr, s_rt, s_rm, s_rh, w_ptr, out_ptr, T, H,
-                        M: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr):
+                        M: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, WIDE: tl.constexpr = False):
     pid_t = tl.program_id(0)
     pid_h = tl.program_id(1)
     offs_t = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
@@ -229,6 +235,9 @@ def _streams_sum_kernel(res_ptr, s_rt, s_rm, s_rh, w_ptr, out_ptr, T, H,
     t_mask = offs_t < T
     offs_t = offs_t.to(tl.int64)
     mask2 = t_mask[:, None] & (offs_h[None, :] < H)
+    if WIDE:  # as in _mix_kernel: i * s_rm and h * s_rh in int64
+        s_rm = tl.cast(s_rm, tl.int64)
+        offs_h = offs_h.to(tl.int64)
     y = tl.zeros((BLOCK_T, BLOCK_H), dtype=tl.float32)
     for i in tl.static_range(M):
         w_i = tl.load(w_ptr + offs_t * M + i, mask=t_mask, other=0.0)  # [BLOCK_T] fp32
@@ -265,6 +274,25 @@ def _cdiv(a: int, b: int) -> int:
 
 def _pow2(n: int) -> int:
     return 1 if n <= 1 else 1 << (n - 1).bit_length()
+
+
+_INT32_MAX = 2**31 - 1
+
+
+def _needs_int64(*tensors: torch.Tensor) -> bool:
+    """True when an offset within one token of one of `tensors` ([T, ...]: the sum of index * stride
+    over the dims after T) can pass 2^31 - 1. The kernels then compute the stream and H offsets in
+    int64 (WIDE), as they always do the token offsets: in int32, h * s_rh wrapped on a residual
+    [T, M, H] whose H is not innermost (likewise j * s_rm with the streams outermost, h * s_oh on a
+    transposed out) and the loads read before the tensor. Only then, because 64-bit offsets cost the
+    one-launch pre 15 registers (80 -> 95 at 8 warps, sm_90: 2 programs per SM instead of 3)."""
+    for t in tensors:
+        span = 0
+        for n, s in zip(t.shape[1:], t.stride()[1:]):
+            span += (n - 1) * abs(s)
+        if span > _INT32_MAX:
+            return True
+    return False
 
 
 def _check_streams(m: int) -> None:
@@ -331,8 +359,10 @@ def _launch(residual: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale:
         fn = fn.float().contiguous()
     scratch = torch.empty(splits * t * (npad + 1) + t * m, dtype=torch.float32, device=dev)
     new = post2 = comb2 = x = None
+    wide = _needs_int64(residual)
     if post_inputs is not None:
         out, post_w, comb = post_inputs
+        wide = wide or _needs_int64(out)
         new = torch.empty(t, m, h, dtype=residual.dtype, device=dev)
         out_args = (out, out.stride(0), out.stride(1), _f32(post_w), _f32(comb), new)
     else:
@@ -359,7 +389,7 @@ def _launch(residual: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale:
                       BLOCK_HO=block_ho, H_LOOP=_cdiv(h, block_ho) * block_ho, SUB_T=sub_t,
                       FUSE_POST=post_inputs is not None, PROJECT=True, FINISH=finish,
                       DOT_PRECISION=_DOT_PRECISION, X_BF16=residual.dtype == torch.bfloat16,
-                      BF16_DOT=dev.type == "cuda", num_warps=num_warps, num_stages=2)
+                      BF16_DOT=dev.type == "cuda", WIDE=wide, num_warps=num_warps, num_stages=2)
     return scratch, x, post2, comb2, new
 
 
@@ -374,7 +404,7 @@ def _streams_sum(residual: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
     block_h = max(64, min(1024, 4096 // (m * block_t)))
     grid = (_cdiv(t, block_t), _cdiv(h, block_h))
     _streams_sum_kernel[grid](residual, *residual.stride(), _f32(weights), out, t, h,
-                              M=m, BLOCK_T=block_t, BLOCK_H=block_h)
+                              M=m, BLOCK_T=block_t, BLOCK_H=block_h, WIDE=_needs_int64(residual))
     return out
 
 
@@ -409,7 +439,7 @@ def post(out: torch.Tensor, residual: torch.Tensor, post_w: torch.Tensor, comb: 
                       r, r, r, r, r, r, r, r, t, h, 0, 1.0, 0.0, 0.0, block_h, 1, 1,
                       M=m, NPAD=16, BLOCK_T=block_t, BLOCK_H=block_h, BLOCK_S=1, BLOCK_HO=16, H_LOOP=16, SUB_T=1,
                       FUSE_POST=True, PROJECT=False, FINISH=0, DOT_PRECISION=_DOT_PRECISION, X_BF16=False,
-                      BF16_DOT=False)
+                      BF16_DOT=False, WIDE=_needs_int64(residual, out))
     return new
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import importlib
 import math
 import os
+import re
 
 import numpy as np
 import pytest
@@ -747,3 +748,105 @@ def test_non_integer_iterations_and_integer_residual_raise_value_error():
         mhc_head(ints, torch.zeros(m, m * h), torch.zeros(m), torch.ones(1))
     with pytest.raises(ValueError, match=r"x must be a floating-point \[T, H\], got shape \(3, 8\), torch.int64"):
         mhc_pre_broadcast(ints[:, 0], fn, base, scale)
+
+
+def test_triton_offsets_within_a_token_past_int32_use_int64_in_interpreter(interpreted_kernels, monkeypatch):
+    """On a residual [T, M, H] whose H is not innermost (or whose streams are outermost), or a
+    transposed out [T, H], h * s_rh (j * s_rm, h * s_oh) can pass 2^31 - 1 elements; the kernels
+    computed them in int32 (only the token offsets in int64), which wrapped to addresses before the
+    tensor. Nothing that large is allocated here: the launchers see small tensors, each launch gets
+    huge strides in place of theirs (and the launchers' choice for such a layout, from meta
+    tensors), and the interpreter's loads record their addresses instead of reading them."""
+    from triton.runtime import interpreter
+
+    kernels = interpreted_kernels
+    meta = lambda shape, stride: torch.empty_strided(shape, stride, device="meta")
+    # The launchers' choice: contiguous residuals keep the int32 kernels (their token offsets were
+    # int64 already), whatever their size.
+    assert not kernels._needs_int64(meta((2**16, 4, 2**14), (2**16, 2**14, 1)))
+    assert kernels._needs_int64(meta((2**16, 4, 2**14), (4, 1, 2**18)))  # stored [H, T, M]
+    assert kernels._needs_int64(meta((2**16, 4, 2**14), (2**14, 2**30, 1)))  # stored [M, T, H]
+    assert kernels._needs_int64(meta((2**18, 2**14), (1, 2**18)))  # out stored [H, T]
+
+    t, m, h = 3, 4, 3
+    big = 2**30  # (h - 1) * big and (m - 1) * big pass 2^31 - 1
+    layouts = {"[H, T, M]": (m, 1, big), "[M, T, H]": (h, big, 1)}
+    out_strides = (1, big)  # out [T, H] stored [H, T]
+    loads = []
+
+    def record(self, ptrs, mask, other, *args):
+        dtype = ptrs.get_element_ty()
+        loads.append((str(dtype), ptrs.data[np.broadcast_to(mask.data, ptrs.data.shape)]))
+        return interpreter.TensorHandle(np.zeros(ptrs.data.shape, interpreter._get_np_dtype(dtype)), dtype)
+
+    class Launch:  # kernel[grid](residual, *strides, out, *strides, ...) with the huge strides
+        def __init__(self, kernel, strides):
+            self.kernel, self.strides = kernel, strides
+
+        def __getitem__(self, grid):
+            def launch(*args, **kw):
+                args = list(args)
+                args[1:4] = self.strides
+                fake = [meta((t, m, h), self.strides)]
+                if kw.get("FUSE_POST"):
+                    args[5:7] = out_strides
+                    fake.append(meta((t, h), out_strides))
+                return self.kernel[grid](*args, **{**kw, "WIDE": kernels._needs_int64(*fake)})
+            return launch
+
+    monkeypatch.setattr(interpreter.InterpreterBuilder, "create_masked_load", record)
+    residual = torch.zeros(t, m, h, dtype=torch.float16)
+    out = torch.zeros(t, h, dtype=torch.bfloat16)
+    post, comb = torch.rand(t, m), torch.rand(t, m, m)
+    fn, base, scale = make_params(m, h)
+    fn_head, base_head, scale_head = torch.randn(m, m * h), torch.randn(m), torch.ones(1)
+    real = {name: getattr(kernels, name) for name in ("_mix_kernel", "_streams_sum_kernel")}
+    for name, (s_t, s_m, s_h) in layouts.items():
+        for kernel, fn_ in real.items():
+            monkeypatch.setattr(kernels, kernel, Launch(fn_, (s_t, s_m, s_h)))
+        loads.clear()
+        mhc_pre(residual, fn, base, scale, backend="triton")  # projection + layer input in one launch
+        mhc_head(residual, fn_head, base_head, scale_head, backend="triton")  # + the weighted-sum kernel
+        mhc_post(out, residual, post, comb, backend="triton")  # (the fused post_pre's loads are post's)
+        s_ot, s_oh = out_strides
+        for dtype, base_ptr, want in (
+                ("fp16", residual.data_ptr(), {i * s_t + j * s_m + k * s_h
+                                               for i in range(t) for j in range(m) for k in range(h)}),
+                ("bf16", out.data_ptr(), {i * s_ot + k * s_oh for i in range(t) for k in range(h)})):
+            got = [((a - np.uint64(base_ptr)).view(np.int64) // 2) for d, a in loads if d == dtype]
+            assert got, (name, dtype)
+            assert set(np.concatenate(got).tolist()) == want, (name, dtype)
+
+
+@pytest.mark.parametrize("value", [-1e-6, float("nan"), float("inf"), -float("inf"), "1e-6", None])
+def test_negative_or_non_finite_eps_and_rms_eps_raise_value_error(value):
+    """A negative, NaN or infinite eps (pre, softmax and Sinkhorn) or rms_eps (the RMS's rsqrt), or
+    one that is no number, was accepted: eps = -0.05 gave comb entries near -15, rms_eps < 0 NaN on
+    a token of small RMS, inf / NaN NaN coefficients (rms_eps = inf: a zero projection), without an
+    error. Zero stays valid (ModelConfig allows it)."""
+    m, h = 4, 8
+    fn, base, scale = make_params(m, h, seed=90)
+    residual = torch.randn(3, m, h, generator=torch.Generator().manual_seed(91))
+    out, post, comb = torch.randn(3, h), torch.rand(3, m), torch.rand(3, m, m)
+    head = (torch.randn(m, m * h), torch.randn(m), torch.ones(1))
+    backends = ["torch"] + (["triton"] if not torch.cuda.is_available() else [])  # the checks precede any launch
+    for name in ("eps", "rms_eps"):
+        kw = {name: value}
+        msg = rf"^{name} must be a finite number >= 0, got {re.escape(repr(value))}"
+        for backend in backends:
+            with pytest.raises(ValueError, match=msg):
+                mhc_pre(residual, fn, base, scale, backend=backend, **kw)
+            with pytest.raises(ValueError, match=msg):
+                mhc_post_pre(out, residual, post, comb, fn, base, scale, backend=backend, **kw)
+            with pytest.raises(ValueError, match=msg):
+                mhc_pre_broadcast(residual[:, 0], fn, base, scale, backend=backend, **kw)
+            with pytest.raises(ValueError, match=msg):
+                mhc_head(residual, *head, backend=backend, **kw)
+        with pytest.raises(ValueError, match=msg):
+            MHC(h, m, **kw)
+        with pytest.raises(ValueError, match=msg):
+            MHCHead(h, m, **kw)
+    with pytest.raises(ValueError, match=rf"^eps must be a finite number >= 0, got {re.escape(repr(value))}"):
+        sinkhorn(torch.rand(2, m, m), 3, value)
+    zero = mhc_pre(residual, fn, base, scale, eps=0, rms_eps=0.0, backend="torch")
+    assert torch.isfinite(zero.comb).all()
