@@ -57,8 +57,23 @@ class Peers:
 
     @classmethod
     def of(cls, group: GroupLike) -> "Peers":
+        """This process's place in `group`; a group it is not a member of is a ValueError naming its
+        global rank and the group's ranks (torch.distributed answers rank -1, size -1 and no ranks
+        for the NON_GROUP_MEMBER that new_group returns outside the group: every step then went wrong)."""
         pg, rank, size = resolve_group(group)
-        return cls(pg, rank, size, tuple(group_ranks(group)))
+        ranks = tuple(group_ranks(group))
+        me = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+        if not 0 <= rank < size or len(ranks) != size or ranks[rank] != me:
+            if me in ranks:
+                raise ValueError(f"Peers.of: this process (global rank {me}) is group rank {ranks.index(me)} of the "
+                                 f"group of global ranks {list(ranks)}, but the group says rank {rank} of {size}")
+            where = (f"the group of global ranks {list(ranks)}" if ranks else
+                     f"the group given (rank {rank} of {size}, no global ranks: torch.distributed's "
+                     f"GroupMember.NON_GROUP_MEMBER, what new_group returns outside the group, whose ranks "
+                     f"are not known here)")
+            raise ValueError(f"Peers.of: this process (global rank {me}) is not a member of {where}; only the "
+                             f"group's members can exchange within it")
+        return cls(pg, rank, size, ranks)
 
     @classmethod
     def loopback_of(cls, rank: int, size: int) -> "Peers":

@@ -336,6 +336,43 @@ def test_p2p_exchanger_and_region_pair_match_references_on_gloo(world):
         torch.testing.assert_close(grad, torch.arange(6.0).view(2, 3) * total)
 
 
+def _peers_of_a_group_without_this_process(rank: int) -> dict:
+    from parallel.groups import Group
+    from parallel.p2p import Peers
+
+    dist.init_process_group("gloo")
+    pair = dist.new_group([0, 1])   # every rank calls it; rank 2 gets torch's NON_GROUP_MEMBER
+    other = Group(name="tp", group=None, rank=min(rank, 1), size=2, ranks=(0, 1))  # rank 2: rank 1's copy
+    wrong = Group(name="tp", group=None, rank=0, size=2, ranks=(0, 1))   # rank 1: says group rank 0
+    out: dict = {}
+    for name, group in (("pg", pair), ("group", other), ("wrong", wrong)):
+        try:
+            peers = Peers.of(group)
+            out[name] = (peers.rank, peers.size, peers.ranks)
+        except ValueError as e:
+            out[name] = str(e)
+    dist.destroy_process_group()
+    return out
+
+
+def test_peers_of_a_group_this_process_is_not_in_raise_value_error():
+    """Peers.of on a group that excludes this process gave Peers(rank=-1, size=-1, ranks=()) for
+    the NON_GROUP_MEMBER that new_group returns to it (its first step then failed on a confusing
+    "group of -1" or an IndexError of the empty ranks), and a Group of other ranks (or one whose rank is not this process's
+    place in its ranks) was taken as is: ValueErrors naming the global rank and the group's ranks."""
+    results = launch_local(_peers_of_a_group_without_this_process, 3, timeout=60)
+    for rank in (0, 1):
+        assert results[rank]["pg"] == (rank, 2, (0, 1))
+        assert results[rank]["group"] == (rank, 2, (0, 1))
+    assert results[0]["wrong"] == (0, 2, (0, 1))
+    assert "(global rank 1) is group rank 1 of the group of global ranks [0, 1], but the group says rank 0 of 2" \
+        in results[1]["wrong"]
+    assert "(global rank 2) is not a member of the group given (rank -1 of -1" in results[2]["pg"]
+    assert "NON_GROUP_MEMBER" in results[2]["pg"]
+    for name in ("group", "wrong"):
+        assert "(global rank 2) is not a member of the group of global ranks [0, 1]" in results[2][name]
+
+
 def test_even_split_on_awkward_sizes():
     assert comm.even_split(7, 3) == [3, 2, 2]
     assert comm.even_split(0, 3) == [0, 0, 0]
