@@ -20,6 +20,8 @@ their heads (any number of KV heads per rank when dcp == 1).
 
 from __future__ import annotations
 
+import math
+
 from dataclasses import asdict, dataclass
 from typing import Literal
 
@@ -122,8 +124,8 @@ class ModelConfig:
         if not self.rope_theta > 0:
             raise ValueError(f"ModelConfig.rope_theta ({self.rope_theta}) must be > 0")
         for name in ("norm_eps", "mhc_eps"):
-            if not getattr(self, name) >= 0:
-                raise ValueError(f"ModelConfig.{name} ({getattr(self, name)}) must be >= 0")
+            if not 0 <= getattr(self, name) < math.inf:
+                raise ValueError(f"ModelConfig.{name} ({getattr(self, name)}) must be >= 0 and finite")
         if self.top_k > self.experts:
             raise ValueError(f"top_k ({self.top_k}) must be <= experts ({self.experts})")
         if self.quant not in QUANT_FORMATS:

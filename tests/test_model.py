@@ -232,6 +232,9 @@ def test_model_config_refuses_bad_values_and_mla_ignores_kv_heads():
         ModelConfig(rope_theta=0.0)
     with pytest.raises(ValueError, match=r"norm_eps \(-1e-06\) must be >= 0"):
         ModelConfig(norm_eps=-1e-6)
+    for name, bad in (("norm_eps", float("inf")), ("mhc_eps", float("nan"))):     # (passed the >= 0 check)
+        with pytest.raises(ValueError, match=rf"{name} \({bad}\) must be >= 0 and finite"):
+            ModelConfig(**{name: bad})
     # MLA has no kv_heads (one latent head): the GQA default kv_heads=2 refused 3 or 6 heads over tp 3
     cfg = ModelConfig(attention="mla", heads=3, layers=1, vocab=64)
     check_layout(ModelConfig(attention="mla", heads=6, experts=6, vocab=96), ParallelConfig(world_size=3, tp=3))
