@@ -305,7 +305,13 @@ class _Events:
             r.conn.close()
             r.conn = None
             return
-        self.settle(r, status, pickle.loads(value) if status == "ok" else value)
+        if status == "ok":
+            try:
+                value = pickle.loads(value)
+            except Exception as exc:  # noqa: BLE001 - it escaped launch_local raw, naming no rank
+                status, value = "error", (f"fn returned a value that the launching process cannot unpickle: "
+                                          f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}")
+        self.settle(r, status, value)
 
 
 def _exit_text(code: int | None) -> str:
@@ -461,6 +467,7 @@ def launch_local(fn: Callable[..., Any], world_size: int, *, backend: str = "glo
                                                               for k, v in env.items())):
         # else every rank died in os.environ.update, and the first to exit was blamed
         raise ValueError(f"launch_local: env must be a dict of str to str, got {env!r}")
+    _check_env_keys(env or {}, world_size)
     check_entry(fn, "launch_local")
     ctx = mp.get_context("spawn")
     port = free_port()
@@ -489,6 +496,20 @@ def launch_local(fn: Callable[..., Any], world_size: int, *, backend: str = "glo
             for r in ranks:
                 if r.conn is not None:
                     r.conn.close()
+
+
+def _check_env_keys(env: dict[str, str], world_size: int) -> None:
+    """Refuse an `env` that overrides a variable launch_local sets per rank with a value some rank
+    must not have: RANK="0" made every rank rank 0 (the second failed with "address already in
+    use", blamed on rank 0), WORLD_SIZE="3" for 2 processes waited for a third until the timeout.
+    Passing the caller's own torchrun environment (env=dict(os.environ)) did both."""
+    per_rank = [torchrun_env(rank, world_size, 0) for rank in range(world_size)]
+    bad = {k: v for k, v in env.items() if k in per_rank[0] and k not in ("MASTER_ADDR", "MASTER_PORT")
+           and any(v != mine[k] for mine in per_rank)}
+    if bad:
+        raise ValueError(f"launch_local: env sets {bad}, which launch_local sets itself for each of the "
+                         f"{world_size} rank(s) (RANK, LOCAL_RANK, GROUP_RANK differ per rank; WORLD_SIZE and "
+                         f"LOCAL_WORLD_SIZE are {world_size}); leave them out of env")
 
 
 def _supervise(ranks: list[_Rank], timeout: float, grace: float = 1.0) -> list[Any]:

@@ -459,12 +459,39 @@ def _nested_fn():
     (dict(fn=_ok, args=(lambda: 0,)), "args must be picklable"),
     # every rank died in os.environ.update and rank 1 was blamed
     (dict(env={"MEGAPAR_X": 1}), "env must be a dict of str to str, got {'MEGAPAR_X': 1}"),
+    # every rank became rank 0 ("address already in use", blamed on rank 0) / waited for a third rank
+    (dict(env={"RANK": "0", "MASTER_PORT": "29500"}), "env sets {'RANK': '0'}, which launch_local sets itself"),
+    (dict(env={"WORLD_SIZE": "3"}), "env sets {'WORLD_SIZE': '3'}"),
 ])
 def test_launch_local_refuses_bad_arguments_before_starting(kwargs, needle):
     call = dict(fn=_ok, world_size=2, timeout=30) | kwargs
     with pytest.raises(ValueError, match="module-level function|timeout|world_size|picklable|env") as err:
         launch_local(call.pop("fn"), call.pop("world_size"), **call)
     assert needle in str(err.value)
+    assert _no_stray_ranks() == []
+
+
+def _refuse_rebuild():
+    raise RuntimeError("not rebuilt in the parent")
+
+
+class _NoRebuild:
+    def __reduce__(self):   # pickles in the rank; unpickling (in the parent only) raises
+        return (_refuse_rebuild, ())
+
+
+def _returns_unrebuildable(rank: int):
+    return _NoRebuild() if rank == 1 else rank
+
+
+@pytest.mark.timeout(120)
+def test_launch_local_a_result_the_parent_cannot_unpickle_names_its_rank():
+    # the unpickling error escaped launch_local bare (RuntimeError), naming no rank
+    with pytest.raises(RankError) as err:
+        launch_local(_returns_unrebuildable, 2, timeout=60)
+    assert err.value.rank == 1
+    assert "rank 1 failed:\nfn returned a value that the launching process cannot unpickle: " \
+           "RuntimeError: not rebuilt in the parent" in str(err.value)
     assert _no_stray_ranks() == []
 
 
