@@ -15,6 +15,7 @@ raised, so it leaves no cluster of its own behind and the process is as unconnec
 
 from __future__ import annotations
 
+import math
 import os
 import sys
 import time
@@ -34,14 +35,27 @@ def _require_ray():
     return ray
 
 
+def _gpu_key(gpu: str) -> tuple[int, int, str]:
+    """Order GPU ids numerically where they are indices ("2" before "10"), else by name."""
+    return (0, int(gpu), "") if gpu.isdigit() else (1, 0, gpu)
+
+
+def _ray_seconds(seconds: float) -> float | None:
+    """A timeout for ray.wait / ray.get: they count milliseconds in an int, and float('inf') (which
+    check_timeout accepts as "no limit") raised OverflowError there; None is Ray's "no limit"."""
+    return None if math.isinf(seconds) else seconds
+
+
 class _RankWorker:
     """The body of one actor (wrapped by ray.remote at launch time)."""
 
-    def node_info(self) -> tuple[str, str, list[int]]:
+    def node_info(self) -> tuple[str, str, list[str]]:
         import ray
 
         ctx = ray.get_runtime_context()
-        gpus = [int(g) for g in ray.get_gpu_ids()] if hasattr(ray, "get_gpu_ids") else []
+        # As Ray gives them: indices, or the entries of a CUDA_VISIBLE_DEVICES the node started
+        # with, which may be GPU-/MIG- UUIDs (int() of those failed every GPU job there).
+        gpus = sorted((str(g) for g in ray.get_gpu_ids()), key=_gpu_key) if hasattr(ray, "get_gpu_ids") else []
         return ctx.get_node_id(), ray.util.get_node_ip_address(), gpus
 
     def free_port(self) -> int:
@@ -139,7 +153,7 @@ def _run_on_actors(ray, fn: Callable[..., Any], num_workers: int, *, bundle: dic
         if not ready and startup_timeout > 5.0:
             print(f"launch_on_ray: waiting up to {startup_timeout:.0f}s for Ray to reserve {num_workers} x {bundle} "
                   f"(available now: {ray.available_resources()})", file=sys.stderr, flush=True)
-            ready, _ = ray.wait([pg.ready()], timeout=startup_timeout - 5.0)
+            ready, _ = ray.wait([pg.ready()], timeout=_ray_seconds(startup_timeout - 5.0))
         if not ready:
             raise RankError(f"Ray could not reserve {num_workers} x {bundle} within {startup_timeout:.0f}s "
                             f"(cluster resources: {ray.cluster_resources()})")
@@ -153,11 +167,11 @@ def _run_on_actors(ray, fn: Callable[..., Any], num_workers: int, *, bundle: dic
                 runtime_env={"env_vars": {"PYTHONPATH": pythonpath}}, max_restarts=0,
             ).remote())
         infos = _get_all(ray, [a.node_info.remote() for a in actors], startup_timeout, "starting actors")
-        order = sorted(range(num_workers), key=lambda i: (infos[i][0], infos[i][2], i))
+        order = sorted(range(num_workers), key=lambda i: (infos[i][0], [_gpu_key(g) for g in infos[i][2]], i))
         actors = [actors[i] for i in order]
         infos = [infos[i] for i in order]
         master_addr = infos[0][1]
-        port = ray.get(actors[0].free_port.remote(), timeout=startup_timeout)
+        port = _get_all(ray, [actors[0].free_port.remote()], startup_timeout, "choosing the rendezvous port")[0]
         node_ranks: dict[str, list[int]] = {}
         for rank, (node, _, _) in enumerate(infos):
             node_ranks.setdefault(node, []).append(rank)
@@ -241,3 +255,6 @@ def _collect(ray, ref, rank: int, results: dict[int, Any], failures: list[tuple[
         failures.append((rank, str(e), True))
     except ray.exceptions.RayTaskError as e:
         failures.append((rank, str(e), False))
+    except Exception as e:  # noqa: BLE001 - e.g. RaySystemError: the result does not deserialize here
+        # (it escaped launch_on_ray as Ray's own error, naming no rank)
+        failures.append((rank, f"its result could not be received by the caller: {type(e).__name__}: {e}", False))

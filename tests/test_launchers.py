@@ -640,6 +640,42 @@ def test_launch_on_ray_runs_and_fails_fast(ray_cluster):
     assert alive == []
 
 
+def _ray_unrebuildable(rank: int):
+    return _NoRebuild() if rank == 1 else rank
+
+
+@pytest.mark.timeout(300)
+def test_launch_on_ray_no_time_limit_and_a_result_the_caller_cannot_unpickle(ray_cluster):
+    # float('inf') (accepted: "no limit") raised OverflowError in ray.get / ray.wait, which count
+    # milliseconds in an int; a result that does not deserialize on the driver escaped as Ray's
+    # RaySystemError, naming no rank
+    from launch import launch_on_ray
+
+    with pytest.raises(RankError) as err:
+        launch_on_ray(_ray_unrebuildable, 2, timeout=math.inf, startup_timeout=math.inf)
+    assert err.value.rank == 1, str(err.value)[:1000]
+    assert "rank 1 failed while running fn:\nits result could not be received by the caller" in str(err.value)
+    assert "not rebuilt in the parent" in str(err.value)
+
+
+def test_ray_rank_order_takes_gpu_ids_that_are_uuids(monkeypatch):
+    # a node started with CUDA_VISIBLE_DEVICES=MIG-... (or GPU-...) UUIDs: Ray returns those as the
+    # actor's GPU ids, and int() of them failed every GPU job there while starting the actors
+    ray = pytest.importorskip("ray")
+    from launch.ray_launcher import _RankWorker
+
+    class Context:
+        def get_node_id(self):
+            return "node"
+
+    monkeypatch.setattr(ray, "get_runtime_context", lambda: Context())
+    monkeypatch.setattr(ray.util, "get_node_ip_address", lambda: "10.0.0.1")
+    monkeypatch.setattr(ray, "get_gpu_ids", lambda: ["MIG-b", "MIG-a"])
+    assert _RankWorker().node_info() == ("node", "10.0.0.1", ["MIG-a", "MIG-b"])
+    monkeypatch.setattr(ray, "get_gpu_ids", lambda: [10, "2"])
+    assert _RankWorker().node_info()[2] == ["2", "10"]      # indices in numeric order
+
+
 def test_launch_on_ray_refuses_at_once_what_the_cluster_cannot_hold(ray_cluster):
     from launch import launch_on_ray
     from parallel import ParallelConfig
