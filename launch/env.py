@@ -30,6 +30,11 @@ def check_launch_env(env: LaunchEnv, backend: str | None = None) -> None:
     started = dist.is_available() and dist.is_initialized()   # the caller's: init_parallel takes its rank
     if not started:
         check_rank_env(env)
+        addr = os.environ.get("MASTER_ADDR", "")
+        if env.world_size > 1 and addr != addr.strip():
+            # torch looked the host up as given: every rank retried it until the group timeout
+            raise ValueError(f"environment variable MASTER_ADDR={addr!r} has whitespace around the host name; "
+                             f"no rank could reach the rendezvous at it (strip it in the job script)")
     if env.local_rank is None:
         return
     raw = os.environ.get("LOCAL_WORLD_SIZE")
@@ -62,6 +67,12 @@ def init_from_env(config: ParallelConfig | None = None, *, backend: str | None =
     device from LOCAL_RANK when CUDA is present.
     """
     env = read_launch_env()
+    if dist.is_available() and dist.is_initialized():
+        # The caller's torch.distributed says where this process is (init_parallel uses it): the
+        # environment may not (init_process_group(rank=..., init_method="tcp://...")), and its
+        # RANK default of 0 put every rank's log under "[rank 0]" and, without LOCAL_RANK, every
+        # rank on GPU 0; WORLD_SIZE's default of 1 made the layout of `sizes` a 1-process one.
+        env = LaunchEnv(rank=dist.get_rank(), world_size=dist.get_world_size(), local_rank=env.local_rank)
     check_launch_env(env, backend)
     if config is None:
         config = ParallelConfig(world_size=env.world_size, **sizes)

@@ -239,6 +239,8 @@ def test_init_parallel_names_the_backend_as_torch_does():
     ({"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1", "CUDA_VISIBLE_DEVICES": "1"}, 1, None),  # one GPU each
     *[(env, 0, needle) for env, needle in _BAD_RENDEZVOUS],
     ({"RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": None, "MASTER_PORT": None}, 0, None),   # one process: no rendezvous
+    # torch looked up "node1\n" as given: every rank retried the rendezvous until the group timeout
+    ({"RANK": "1", "WORLD_SIZE": "2", "MASTER_ADDR": "node1\n"}, 0, "MASTER_ADDR='node1\\n' has whitespace"),
 ])
 def test_init_from_env_refuses_an_inconsistent_environment(monkeypatch, env, gpus, needle):
     import launch.env as launch_env
@@ -278,6 +280,28 @@ def test_launch_env_reads_a_callers_backend_as_what_it_runs_on(monkeypatch, star
     monkeypatch.setattr(dist, "get_backend", lambda group=None: started_backend)
     with pytest.raises(ValueError, match="LOCAL_RANK=2 but this node has 2 GPU"):
         launch_env.check_launch_env(launch_env.read_launch_env())
+
+
+def test_init_from_env_takes_the_rank_of_a_callers_torch_distributed(monkeypatch):
+    # init_process_group(rank=1, world_size=2, init_method="tcp://...") sets no RANK / WORLD_SIZE:
+    # init_from_env took rank 0 (every rank logged as "[rank 0]" and, with CUDA, went to GPU 0)
+    # and world size 1 (sizes laid out for one process)
+    import torch.distributed as dist
+
+    import launch.env as launch_env
+
+    _set_launch_env(monkeypatch, {"MASTER_ADDR": None, "MASTER_PORT": None})
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(dist, "get_rank", lambda group=None: 1)
+    monkeypatch.setattr(dist, "get_world_size", lambda group=None: 2)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    got = []
+    monkeypatch.setattr(launch_env, "setup_logging", lambda rank, *a, **k: got.append(("log", rank)))
+    monkeypatch.setattr(launch_env, "set_local_device", lambda e: got.append(("device", e.rank, e.local_rank)))
+    monkeypatch.setattr(launch_env, "init_parallel", lambda cfg, backend=None, timeout=None:
+                        got.append(("init", cfg.world_size, cfg.tp)))
+    launch_env.init_from_env(backend="nccl", tp=2)
+    assert got == [("log", 1), ("device", 1, None), ("init", 2, 2)]
 
 
 def test_init_from_env_passes_its_timeout_to_init_parallel(monkeypatch):
