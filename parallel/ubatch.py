@@ -64,7 +64,9 @@ with the peers' (whose micro-batches did not stop): before raising, the runner c
 listeners registered with `add_failure_listener` (the EP dispatcher poisons its communication
 there, so that its next use raises rather than pairing with the peers' old collectives). An
 exception in the calling thread while it waits (KeyboardInterrupt) stops the micro-batches the
-same way at their next yield; the listeners get that exception, and it propagates unchanged.
+same way at their next yield; the listeners get that exception, and it propagates unchanged (a
+thread whose `start()` the interrupt cut short is not joined: it finds its run aborted and ends
+on its own, without touching the runner's next run).
 The listeners run on the caller's thread once every micro-batch thread has ended and the runner
 is released, so a listener may run this runner (or another) again; see `add_failure_listener`
 for what happens when a listener raises or its own run fails.
@@ -144,6 +146,9 @@ class UBatchContext:
     _runner: UBatchRunner = field(repr=False)
     _hooks: list[Callable[[], Any]] = field(default_factory=list, repr=False)
     _on_comm: bool = field(default=False, repr=False)
+    _barrier: threading.Barrier | None = field(default=None, repr=False)
+    """The barrier of this micro-batch's run (each run has its own; see `UBatchRunner._reset`)."""
+    _generation: int = field(default=0, repr=False)
 
     @property
     def token_slice(self) -> slice:
@@ -371,18 +376,25 @@ class UBatchRunner:
         self.min_tokens = min_tokens
         self.decode_min_tokens = decode_min_tokens
         self.prefill_min_tokens = prefill_min_tokens
-        self._barrier = threading.Barrier(num_ubatches + 1)
         self._cond = threading.Condition()
         self._lock = threading.Lock()  # one run at a time
         self._comm_streams: dict[torch.device, Any] = {}
+        self._generation = 0
         self._reset()
 
     def _reset(self) -> None:
-        self._turn = 0
-        self._finished = [False] * self.num_ubatches
-        self._aborted = False
-        self._error: tuple[int, BaseException] | None = None
-        self._streams: _Streams | None = None
+        # A fresh barrier and generation per run: a thread of an interrupted run that was started
+        # but never recorded (the interrupt landed inside Thread.start, after the OS thread existed)
+        # still finds its own run's barrier broken and leaves, instead of parking at a barrier the
+        # next run waits at (as a surplus party) and then running its stale fn in that run's turns.
+        with self._cond:
+            self._generation += 1
+            self._barrier = threading.Barrier(self.num_ubatches + 1)
+            self._turn = 0
+            self._finished = [False] * self.num_ubatches
+            self._aborted = False
+            self._error: tuple[int, BaseException] | None = None
+            self._streams: _Streams | None = None
 
     # -- splitting --
 
@@ -443,13 +455,15 @@ class UBatchRunner:
             if device.index is None:
                 device = torch.device("cuda", torch.cuda.current_device())
             self._streams = _Streams(device, torch.cuda.current_stream(device), self._comm_stream(device))
+        barrier = self._barrier
         results: list[Any] = [None] * n
         modes = _thread_modes()
         threads = []
         offset = 0
         for i, size in enumerate(sizes):
             ctx = UBatchContext(ubatch_id=i, num_ubatches=n, token_offset=offset, num_tokens=size,
-                                total_tokens=num_tokens, _runner=self)
+                                total_tokens=num_tokens, _runner=self, _barrier=barrier,
+                                _generation=self._generation)
             slices = tuple(t[offset:offset + size] for t in token_inputs)
             threads.append(threading.Thread(target=self._worker, args=(ctx, fn, slices, kwargs, results, modes),
                                             name=f"ubatch-{i}", daemon=True))
@@ -459,8 +473,8 @@ class UBatchRunner:
             for t in threads:
                 t.start()
                 started.append(t)
-            self._barrier.wait()  # every micro-batch is set up
-            self._barrier.wait()  # every micro-batch is done
+            barrier.wait()  # every micro-batch is set up
+            barrier.wait()  # every micro-batch is done
         except threading.BrokenBarrierError:
             pass
         except BaseException as interrupt:
@@ -471,7 +485,7 @@ class UBatchRunner:
             with self._cond:
                 self._aborted = True
                 self._cond.notify_all()
-            self._barrier.abort()
+            barrier.abort()
             self._end(started)
             return results, interrupt
         self._end(threads)
@@ -486,12 +500,12 @@ class UBatchRunner:
     def _end(self, threads: list[threading.Thread]) -> None:
         for t in threads:
             t.join()
-        self._barrier.reset()
-        self._streams = None
+        self._streams = None  # the barrier stays as it is: the next run makes its own
 
     def _worker(self, ctx: UBatchContext, fn: Callable[..., Any], slices: tuple[torch.Tensor, ...],
                 kwargs: dict[str, Any], results: list[Any], modes: dict[str, Any]) -> None:
         _local.ctx = ctx
+        streams = self._streams
         torch.set_grad_enabled(modes["grad"])  # grad mode is thread-local: copy the caller's
         torch.set_num_threads(modes["threads"])  # OpenMP's count is per OS thread; a new one uses every core
         try:
@@ -503,34 +517,34 @@ class UBatchRunner:
                     autocast.enter_context(torch.autocast(device_type, dtype=dtype, cache_enabled=cache))
                 if modes["device"] is not None:  # and so is the default device of factory calls
                     autocast.enter_context(torch.device(modes["device"]))
-                if self._streams is not None:
-                    torch.cuda.set_device(self._streams.device)
-                    torch.cuda.set_stream(self._streams.compute)
+                if streams is not None:
+                    torch.cuda.set_device(streams.device)
+                    torch.cuda.set_stream(streams.compute)
                 try:
-                    self._barrier.wait()
+                    ctx._barrier.wait()
                 except threading.BrokenBarrierError:  # ours only: one raised by fn is a failure
                     raise _Aborted() from None
-                self._wait_turn(ctx.ubatch_id)
+                self._wait_turn(ctx)
                 results[ctx.ubatch_id] = fn(*slices, **kwargs)
                 _run_hooks(ctx)
                 switch_to_compute()
         except _Aborted:
             pass
         except BaseException as exc:  # surfaces in the caller as UBatchError
-            self._abort(ctx.ubatch_id, exc)
+            self._abort(ctx, exc)
         finally:
             _local.ctx = None
-            self._finish(ctx.ubatch_id)
+            self._finish(ctx)
         try:
-            self._barrier.wait()
+            ctx._barrier.wait()
         except threading.BrokenBarrierError:
             pass
 
-    def _wait_turn(self, ubatch_id: int) -> None:
+    def _wait_turn(self, ctx: UBatchContext) -> None:
         with self._cond:
-            while self._turn != ubatch_id and not self._aborted:
+            while self._turn != ctx.ubatch_id and not self._aborted and ctx._generation == self._generation:
                 self._cond.wait()
-            if self._aborted:
+            if self._aborted or ctx._generation != self._generation:
                 raise _Aborted()
 
     def _next_live(self, ubatch_id: int) -> int:
@@ -543,26 +557,31 @@ class UBatchRunner:
 
     def _yield_turn(self, ctx: UBatchContext) -> None:
         with self._cond:
-            if self._aborted:
+            if self._aborted or ctx._generation != self._generation:
                 raise _Aborted()
             self._turn = self._next_live(ctx.ubatch_id)
             self._cond.notify_all()
-        self._wait_turn(ctx.ubatch_id)
+        self._wait_turn(ctx)
 
-    def _finish(self, ubatch_id: int) -> None:
+    def _finish(self, ctx: UBatchContext) -> None:
+        ubatch_id = ctx.ubatch_id
         with self._cond:
+            if ctx._generation != self._generation:  # a thread of an earlier run: not this run's state
+                return
             self._finished[ubatch_id] = True
             if self._turn == ubatch_id:
                 self._turn = self._next_live(ubatch_id)
             self._cond.notify_all()
 
-    def _abort(self, ubatch_id: int, exc: BaseException) -> None:
+    def _abort(self, ctx: UBatchContext, exc: BaseException) -> None:
         with self._cond:
+            if ctx._generation != self._generation:  # a thread of an earlier run: not this run's state
+                return
             if self._error is None:
-                self._error = (ubatch_id, exc)
+                self._error = (ctx.ubatch_id, exc)
             self._aborted = True
             self._cond.notify_all()
-        self._barrier.abort()
+        ctx._barrier.abort()
 
     # -- CUDA streams --
 

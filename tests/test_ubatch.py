@@ -699,3 +699,53 @@ def test_a_thread_that_cannot_start_leaves_no_ubatch_parked(monkeypatch):
     assert not [t for t in threading.enumerate() if t.name.startswith("ubatch-")]
     monkeypatch.setattr(threading.Thread, "start", real_start)
     torch.testing.assert_close(runner.run(lambda t: t * 2, x), x * 2)   # the runner is usable again
+
+
+def test_an_interrupt_inside_thread_start_leaves_no_stale_ubatch_for_the_next_run(monkeypatch):
+    # The interrupt (Ctrl-C in a notebook, a signal handler) can land inside Thread.start after the
+    # OS thread exists but before start() returns: that thread was not among those the caller
+    # joined, and the caller reset the shared barrier behind it, so it parked at the barrier of
+    # the next runs (a surplus party) and stayed alive for good.
+    import parallel.ubatch as ubatch_module
+
+    class Interrupt(Exception):
+        pass
+
+    heard: list[BaseException] = []
+    monkeypatch.setattr(ubatch_module, "_failure_listeners", [heard.append])
+    runner = UBatchRunner(2, min_tokens=1)
+    real_start = threading.Thread.start
+
+    def start(self):
+        if self.name == "ubatch-0" and not getattr(start, "done", False):
+            start.done = True
+            target = self._target
+
+            def scheduled_late(*args):
+                time.sleep(0.2)  # created, not yet scheduled when the interrupt lands
+                target(*args)
+
+            self._target = scheduled_late
+            real_start(self)
+            raise Interrupt("signal in Thread.start")
+        real_start(self)
+
+    monkeypatch.setattr(threading.Thread, "start", start)
+    stale_ran: list[int] = []
+    x = torch.arange(6.0)
+    try:
+        with pytest.raises(Interrupt):
+            runner.run(lambda t: stale_ran.append(1) or t, x)
+        assert len(heard) == 1 and isinstance(heard[0], Interrupt)
+        # The next run, while the stale thread has not even started its work yet.
+        out = _in_thread(lambda: runner.run(lambda t: ubatch_yield(lambda: t * (get_ubatch().ubatch_id + 1)), x))
+        assert out and out[0][0] == "ok", out
+        assert torch.equal(out[0][1], torch.tensor([0.0, 1, 2, 6, 8, 10]))
+        deadline = time.monotonic() + 1.0
+        while _live_ubatch_threads() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert _live_ubatch_threads() == [] and stale_ran == []
+        out = _in_thread(lambda: runner.run(lambda t: ubatch_yield(lambda: t + 1), x))
+        assert out and out[0][0] == "ok" and torch.equal(out[0][1], x + 1), out
+    finally:
+        runner._barrier.abort()  # on failure, frees a thread parked there for the rest of the session
