@@ -79,6 +79,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import numbers
 import threading
 from dataclasses import dataclass, field
 from typing import Any, Callable, Literal, Sequence
@@ -366,12 +367,14 @@ class UBatchRunner:
 
     def __init__(self, num_ubatches: int = 2, *, min_tokens: int | None = None,
                  decode_min_tokens: int = 32, prefill_min_tokens: int = 512) -> None:
-        if num_ubatches < 1:
-            raise ValueError(f"num_ubatches must be >= 1, got {num_ubatches}")
-        for name, value in (("min_tokens", min_tokens), ("decode_min_tokens", decode_min_tokens),
-                            ("prefill_min_tokens", prefill_min_tokens)):
-            if value is not None and value < 1:
-                raise ValueError(f"{name} must be >= 1, got {value}")
+        # Integers only: NaN passed `< 1` and then never split (every comparison with it is False),
+        # and a float num_ubatches failed inside as a TypeError about list repetition.
+        for name, value in (("num_ubatches", num_ubatches), ("min_tokens", min_tokens),
+                            ("decode_min_tokens", decode_min_tokens), ("prefill_min_tokens", prefill_min_tokens)):
+            if value is None and name == "min_tokens":
+                continue
+            if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
+                raise ValueError(f"{name} must be an int >= 1, got {value!r}")
         self.num_ubatches = num_ubatches
         self.min_tokens = min_tokens
         self.decode_min_tokens = decode_min_tokens
@@ -421,11 +424,18 @@ class UBatchRunner:
         None = `should_split(T, mode)`. fn returns a tensor [t, ...], a tuple/list of them,
         or None; the result has the same structure over the whole batch.
         """
+        if mode not in _MODES:  # also with split= given, where should_split does not look at it
+            raise ValueError(f"mode must be one of {_MODES}, got {mode!r}")
         if not token_inputs:
             raise ValueError("run() needs at least one token input tensor [T, ...]")
+        for i, t in enumerate(token_inputs):
+            if not isinstance(t, torch.Tensor) or t.dim() == 0:
+                got = f"shape {tuple(t.shape)}" if isinstance(t, torch.Tensor) else type(t).__name__
+                raise ValueError(f"token input {i} is {got}; token inputs must be tensors [T, ...] with the "
+                                 "tokens along dim 0 (pass other arguments to fn as keyword arguments)")
         num_tokens = token_inputs[0].shape[0]
         for i, t in enumerate(token_inputs):
-            if t.dim() == 0 or t.shape[0] != num_tokens:
+            if t.shape[0] != num_tokens:
                 raise ValueError(f"token input {i} has shape {tuple(t.shape)}; every token input needs "
                                  f"dim 0 = {num_tokens} (the token count of input 0)")
         if split is None:

@@ -749,3 +749,26 @@ def test_an_interrupt_inside_thread_start_leaves_no_stale_ubatch_for_the_next_ru
         assert out and out[0][0] == "ok" and torch.equal(out[0][1], x + 1), out
     finally:
         runner._barrier.abort()  # on failure, frees a thread parked there for the rest of the session
+
+
+def test_malformed_arguments_raise_value_error_naming_them():
+    # A 0-dim input 0 raised IndexError (its dim-0 check came after reading shape[0]); a non-tensor
+    # token input (an argument meant for fn) raised AttributeError; mode was not looked at when
+    # split= was given; min_tokens=NaN passed `< 1` and then never split; num_ubatches=2.0 was a
+    # TypeError about list repetition, True a runner of one micro-batch.
+    runner = UBatchRunner(2, min_tokens=1)
+    with pytest.raises(ValueError, match=r"token input 0 is shape \(\)"):
+        runner.run(lambda x: x, torch.tensor(1.0))
+    with pytest.raises(ValueError, match="token input 1 is int; token inputs must be tensors"):
+        runner.run(lambda x, k: x, torch.zeros(4), 3)
+    with pytest.raises(ValueError, match="token input 0 is list"):
+        runner.run(lambda x: x, [1.0, 2.0])
+    for split in (True, False):
+        with pytest.raises(ValueError, match=r"mode must be one of \('decode', 'prefill'\), got 'train'"):
+            runner.run(lambda x: x, torch.zeros(4), mode="train", split=split)
+    for kwargs, name in (({"min_tokens": float("nan")}, "min_tokens"), ({"min_tokens": 2.5}, "min_tokens"),
+                         ({"num_ubatches": 2.0}, "num_ubatches"), ({"num_ubatches": True}, "num_ubatches"),
+                         ({"decode_min_tokens": 0}, "decode_min_tokens")):
+        with pytest.raises(ValueError, match=f"{name} must be an int >= 1, got {kwargs[name]!r}"):
+            UBatchRunner(**kwargs)
+    assert torch.equal(runner.run(lambda x: x + 1, torch.zeros(4), mode="decode", split=True), torch.ones(4))
