@@ -47,8 +47,11 @@ class RankError(RuntimeError):
 
 
 def free_port() -> int:
+    """A port that no IPv4 socket of this host is bound to, at any address: the rendezvous store
+    listens on 0.0.0.0. (Asking on 127.0.0.1 alone could give a port that a server holds on
+    another address, e.g. the host's own IP, and rank 0 failed with EADDRINUSE.)"""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
+        s.bind(("", 0))
         return s.getsockname()[1]
 
 

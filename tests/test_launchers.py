@@ -495,6 +495,36 @@ def test_launch_local_refuses_bad_arguments_before_starting(kwargs, needle):
     assert _no_stray_ranks() == []
 
 
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="binds 127.0.0.2 (all of 127/8 is loopback on Linux)")
+def test_free_port_is_free_on_every_address_the_store_listens_on():
+    # it asked for a port on 127.0.0.1 only: one that a server held on another address of the host
+    # came back, and rank 0's store (which listens on 0.0.0.0) failed with EADDRINUSE
+    import resource
+    import socket
+
+    with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+        low, high = map(int, f.read().split())
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    count = min(4000, (high - low) // 2, (hard if hard != resource.RLIM_INFINITY else 8192) - 200)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, count + 200), hard))
+    held = {}
+    try:
+        for port in range(low, high + 1, max(1, (high - low) // count)):
+            s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            try:
+                s.bind(("127.0.0.2", port))
+                s.listen()
+                held[port] = s
+            except OSError:
+                s.close()
+        assert len(held) > count // 2
+        assert [p for p in (free_port() for _ in range(100)) if p in held] == []
+    finally:
+        for s in held.values():
+            s.close()
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+
+
 def _refuse_rebuild():
     raise RuntimeError("not rebuilt in the parent")
 
