@@ -30,11 +30,6 @@ def check_launch_env(env: LaunchEnv, backend: str | None = None) -> None:
     started = dist.is_available() and dist.is_initialized()   # the caller's: init_parallel takes its rank
     if not started:
         check_rank_env(env)
-        addr = os.environ.get("MASTER_ADDR", "")
-        if env.world_size > 1 and addr != addr.strip():
-            # torch looked the host up as given: every rank retried it until the group timeout
-            raise ValueError(f"environment variable MASTER_ADDR={addr!r} has whitespace around the host name; "
-                             f"no rank could reach the rendezvous at it (strip it in the job script)")
     if env.local_rank is None:
         return
     raw = os.environ.get("LOCAL_WORLD_SIZE")

@@ -207,8 +207,8 @@ def read_launch_env() -> LaunchEnv:
 
 def check_rank_env(env: LaunchEnv) -> None:
     """Refuse a launcher environment that cannot name one rank of a job (WORLD_SIZE < 1, RANK unset
-    in a job of several, RANK outside [0, WORLD_SIZE)) or its rendezvous (MASTER_ADDR unset,
-    MASTER_PORT unset or not a port in [1, 65535]), naming the values: such a rank would wait for a
+    in a job of several, RANK outside [0, WORLD_SIZE)) or its rendezvous (MASTER_ADDR unset or with
+    whitespace around the host, MASTER_PORT unset or not a port in [1, 65535]), naming the values: such a rank would wait for a
     rendezvous that never completes (MASTER_PORT=0: rank 0 listened on a random port, the others
     dialed port 0 until the timeout) or fail with a message that does not say which variable."""
     if env.world_size < 1:
@@ -225,6 +225,10 @@ def check_rank_env(env: LaunchEnv) -> None:
         raise ValueError(f"WORLD_SIZE={env.world_size} but {' and '.join(missing)} "
                          f"{'is' if len(missing) == 1 else 'are'} not set: the ranks meet at MASTER_ADDR:MASTER_PORT "
                          f"(rank 0's host and a free port there; torchrun sets both, a Slurm job script exports them)")
+    addr = os.environ["MASTER_ADDR"]
+    if addr != addr.strip():    # (torch looked the host up as given: every rank retried it until the group timeout)
+        raise ValueError(f"environment variable MASTER_ADDR={addr!r} has whitespace around the host name; "
+                         f"no rank could reach the rendezvous at it (strip it in the job script)")
     raw = os.environ["MASTER_PORT"]
     try:
         port = int(raw)

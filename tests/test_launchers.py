@@ -148,6 +148,8 @@ _BAD_RENDEZVOUS = [
     ({"RANK": "1", "WORLD_SIZE": "2", "MASTER_PORT": None}, "WORLD_SIZE=2 but MASTER_PORT is not set"),
     ({"RANK": "1", "WORLD_SIZE": "2", "MASTER_ADDR": None, "MASTER_PORT": None},
      "WORLD_SIZE=2 but MASTER_ADDR and MASTER_PORT are not set"),
+    # (torch looked ' node1' up as given: every rank retried the rendezvous until the group timeout)
+    ({"RANK": "1", "WORLD_SIZE": "2", "MASTER_ADDR": " node1"}, "MASTER_ADDR=' node1' has whitespace"),
 ]
 
 
