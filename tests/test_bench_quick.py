@@ -167,8 +167,7 @@ def test_gemm_slab_rows_of_our_fp4_kernels_have_their_own_roofline(monkeypatch):
     monkeypatch.setattr(dgm, "_module", lambda: None)
     monkeypatch.setattr(dgm, "alignment", lambda dg: 1 << 30)        # no "aligned" / "gemm only" rows
     bf16_tflops, fp8_tflops = 0.5, 0.8
-    monkeypatch.setattr(gemm, "H200_BF16_TFLOPS", bf16_tflops, raising=False)
-    monkeypatch.setattr(gemm, "H200_FP8_TFLOPS", fp8_tflops)
+    monkeypatch.setenv("MEGAPAR_BENCH_CEILINGS", f"10,{bf16_tflops},{fp8_tflops}")
 
     def grouped(x, w, counts=None, layout="contiguous", backend=None, rows_hint=None):
         return torch.zeros(*x.shape[:-1], N, dtype=torch.bfloat16)
@@ -288,8 +287,7 @@ def test_moe_serving_flop_floor_takes_the_shared_expert_at_the_bf16_rate(monkeyp
     monkeypatch.setattr(moe, "_graph_replay_us", lambda ctx, fn, flush: 1.0)
     monkeypatch.setattr(MoELayer, "enable_cuda_graphs", lambda self, sizes: None)
     fp8, bf16 = 2e-3, 1e-3                                       # TFLOP/s
-    monkeypatch.setattr(moe, "H200_FP8_TFLOPS", fp8)
-    monkeypatch.setattr(moe, "H200_BF16_TFLOPS", bf16)
+    monkeypatch.setenv("MEGAPAR_BENCH_CEILINGS", f"10,{bf16},{fp8}")
     ctx = BenchContext(suite="moe", device=torch.device("cpu"), quick=True)
     monkeypatch.setattr(ctx, "time_fn", lambda fn, **kw: 1.0)
     moe._bench_serving(ctx, "v3")

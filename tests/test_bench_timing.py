@@ -276,3 +276,58 @@ def test_results_record_the_environment_that_picks_what_ran(tmp_path, monkeypatc
     assert "`MEGAPAR_BENCH_CP_SECTIONS=dcp,decode`" in md and "`MEGAPAR_BENCH_CP_DCP_CONTEXT=8192`" in md
     from launch.bench.summary import write_summary
     assert "`MEGAPAR_BENCH_CP_SECTIONS=dcp,decode`" in write_summary(tmp_path).read_text()
+
+
+def test_ceilings_are_the_devices_own(monkeypatch, tmp_path):
+    """Roofline fractions use the ceilings of the GPU that ran: the H200's measured constants on an
+    H200, numbers measured once on any other GPU (an H100 given the H200's copy rate read ~30% low),
+    MEGAPAR_BENCH_CEILINGS over both; the results name the ceilings their floors used."""
+    import json
+
+    measured = []
+
+    def measure(device):
+        measured.append(device)
+        return common.Ceilings(3000.0, 700.0, 1300.0, "measured stand-in")
+
+    monkeypatch.setattr(common, "measure_ceilings", measure)
+    monkeypatch.setattr(common, "_measured", {})
+    monkeypatch.setattr(common, "_consulted", {})
+    monkeypatch.delenv(common.CEILINGS_ENV, raising=False)
+    names = {0: "NVIDIA H100 80GB HBM3", 1: "NVIDIA H200"}
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda d=None: names[torch.device(d).index])
+    h100, h200 = torch.device("cuda", 0), torch.device("cuda", 1)
+    assert common.ceilings(h200) == common.H200_CEILINGS and measured == []
+    assert common.ceilings(h100).copy_gbps == 3000.0 and common.copy_ceiling_gbps(h100) == 3000.0
+    assert measured == [h100]                          # measured once, then kept
+    assert common.ceilings(torch.device("cpu")) == common.CPU_CEILINGS
+    ctx = common.BenchContext(suite="t", device=h100)
+    ctx.record("a", 1.0)
+    data = json.loads(common.write_results(ctx, tmp_path, "megapar bench t").read_text())
+    assert data["device"] == "h100" and data["ceilings"]["copy_gbps"] == 3000.0
+    assert "roofline ceilings: measured stand-in" in data["notes"]
+    monkeypatch.setenv(common.CEILINGS_ENV, "1000, 400,800")
+    got = common.ceilings(h200)
+    assert (got.copy_gbps, got.bf16_tflops, got.fp8_tflops) == (1000.0, 400.0, 800.0)
+    for bad in ("1000,400", "1000,x,800", "1000,-1,800", "1000,inf,800"):
+        monkeypatch.setenv(common.CEILINGS_ENV, bad)
+        with pytest.raises(ValueError, match="MEGAPAR_BENCH_CEILINGS"):
+            common.ceilings(h100)
+
+
+def test_results_without_floors_name_no_ceilings(monkeypatch, tmp_path):
+    import json
+
+    monkeypatch.setattr(common, "_consulted", {})
+    ctx = common.BenchContext(suite="t", device=torch.device("cpu"))
+    ctx.record("a", 1.0)
+    data = json.loads(common.write_results(ctx, tmp_path, "megapar bench t").read_text())
+    assert "ceilings" not in data and not any("ceilings" in n for n in data["notes"])
+
+
+@pytest.mark.gpu
+def test_measured_ceilings_are_plausible():
+    """The run-time measurement on the GPU at hand: positive rates in a Hopper-class range."""
+    c = common.measure_ceilings(torch.device("cuda"), copy_mib=256, n=4096, iters=5)
+    assert 500 < c.copy_gbps < 10000 and 50 < c.bf16_tflops < 3000 and c.fp8_tflops > 0, c
+    assert "measured on this" in c.source

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import os
 import platform
 import statistics
@@ -294,15 +295,111 @@ def probe_main(suite: str, doc: str, probe: Callable[..., Any], writes: str, arg
     return cli_main(["bench", suite, "--out", args.out] + (["--device", args.device] if args.device else []))
 
 
-# Measured ceilings of the H200 test machine; used for roofline fractions.
-H200_COPY_GBPS = 4264.0
-H200_BF16_TFLOPS = 799.0
-H200_FP8_TFLOPS = 1459.0
+@dataclass(frozen=True)
+class Ceilings:
+    """What the GPU can reach, the denominators of every roofline fraction: a device-to-device
+    copy's bytes read + written per second (GB/s), and dense bf16 / fp8 matmul rates (TFLOP/s)."""
+
+    copy_gbps: float
+    bf16_tflops: float
+    fp8_tflops: float
+    source: str
+    """where the numbers come from (written into the results' notes)"""
+
+
+H200_CEILINGS = Ceilings(4264.0, 799.0, 1459.0, "the H200 test machine's measured ceilings "
+                         "(docs/performance.md: copy 4264 GB/s, bf16 799 TFLOP/s, fp8 1459 TFLOP/s)")
+# the CPU has no meaningful ceiling: nominal numbers, so that the CPU runs' rows keep their columns
+CPU_CEILINGS = Ceilings(10.0, H200_CEILINGS.bf16_tflops, H200_CEILINGS.fp8_tflops,
+                        "nominal CPU numbers (copy 10 GB/s; roofline fractions on the CPU mean nothing)")
+H200_COPY_GBPS = H200_CEILINGS.copy_gbps
+H200_BF16_TFLOPS = H200_CEILINGS.bf16_tflops
+H200_FP8_TFLOPS = H200_CEILINGS.fp8_tflops
+CEILINGS_ENV = "MEGAPAR_BENCH_CEILINGS"
+"""'copy_gbps,bf16_tflops,fp8_tflops': ceilings to use instead of the known or measured ones"""
+_measured: dict[int, Ceilings] = {}
+_consulted: dict[str, Ceilings] = {}
+"""the ceilings each device type's rows were given this process (written into its results)"""
+
+
+def ceilings(device: torch.device) -> Ceilings:
+    """The ceilings of `device`'s roofline fractions: MEGAPAR_BENCH_CEILINGS where set; the H200's
+    measured constants on an H200; on any other GPU, measured on it once per process
+    (`measure_ceilings`): the H200's numbers would make an H100's fractions ~30% low."""
+    device = torch.device(device)
+    tag = device_tag(device)
+    if os.environ.get(CEILINGS_ENV):
+        found = parse_ceilings(os.environ[CEILINGS_ENV])
+    elif device.type != "cuda":
+        found = CPU_CEILINGS
+    elif tag == "h200":
+        found = H200_CEILINGS
+    else:
+        index = torch.cuda.current_device() if device.index is None else device.index
+        if index not in _measured:
+            _measured[index] = measure_ceilings(torch.device("cuda", index))
+        found = _measured[index]
+    _consulted[tag] = found
+    return found
+
+
+def parse_ceilings(text: str) -> Ceilings:
+    parts = [p.strip() for p in text.split(",")]
+    try:
+        values = [float(p) for p in parts]
+    except ValueError:
+        values = []
+    if len(values) != 3 or not all(math.isfinite(v) and v > 0 for v in values):
+        raise ValueError(f"{CEILINGS_ENV}={text!r}: want three positive numbers 'copy_gbps,bf16_tflops,fp8_tflops'")
+    return Ceilings(*values, source=f"given by {CEILINGS_ENV}={text}")
+
+
+def measure_ceilings(device: torch.device, copy_mib: int = 1024, n: int = 8192, iters: int = 20) -> Ceilings:
+    """Measure the ceilings on this GPU as the H200's were measured: the median of `iters` timed
+    runs (CUDA events, after warm-up) of a `copy_mib` MiB device-to-device copy (bytes read +
+    written over the time), an n x n x n bf16 matmul and the same over fp8 e4m3 (torch._scaled_mm,
+    per-tensor scales, bf16 out). A rate that cannot be measured (no fp8 matmul) falls back to the
+    H200's, and the source says so."""
+
+    def median_ms(fn) -> float:
+        for _ in range(3):
+            fn()
+        times = []
+        for _ in range(iters):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end))
+        return statistics.median(times)
+
+    with torch.cuda.device(device):
+        src = torch.empty(copy_mib << 20, dtype=torch.uint8, device=device)
+        dst = torch.empty_like(src)
+        copy_gbps = 2 * src.numel() / (median_ms(lambda: dst.copy_(src)) * 1e6)
+        del src, dst
+        a = torch.randn(n, n, device=device, dtype=torch.bfloat16)
+        b = torch.randn(n, n, device=device, dtype=torch.bfloat16)
+        bf16 = 2.0 * n ** 3 / (median_ms(lambda: a @ b) * 1e9)
+        note = ""
+        try:
+            a8, b8 = a.to(torch.float8_e4m3fn), b.to(torch.float8_e4m3fn).t().contiguous().t()
+            one = torch.ones((), device=device)
+            fp8 = 2.0 * n ** 3 / (median_ms(lambda: torch._scaled_mm(a8, b8, one, one, out_dtype=torch.bfloat16))
+                                  * 1e9)
+        except Exception as e:  # (an fp8 matmul this torch / GPU does not have)
+            fp8, note = H200_CEILINGS.fp8_tflops, f"; fp8 not measurable ({type(e).__name__}): the H200's"
+        name = torch.cuda.get_device_name(device)
+    return Ceilings(round(copy_gbps, 1), round(bf16, 1), round(fp8, 1),
+                    f"measured on this {name} at the start of the run (copy of {copy_mib} MiB, "
+                    f"{n}^3 matmuls): copy {copy_gbps:.0f} GB/s, bf16 {bf16:.0f} TFLOP/s, fp8 {fp8:.0f} TFLOP/s"
+                    + note)
 
 
 def copy_ceiling_gbps(device: torch.device) -> float:
     """Bytes read + written per second that a device-to-device copy reaches (GB/s)."""
-    return H200_COPY_GBPS if device.type == "cuda" else 10.0
+    return ceilings(device).copy_gbps
 
 
 DEFAULT_OUT = "megapar-bench"
@@ -412,6 +509,13 @@ def write_results(ctx: BenchContext, out_dir: str | os.PathLike | None = None,
         "rows": ctx.rows,
         "notes": ctx.notes,
     }
+    used = _consulted.get(device_tag(ctx.device))
+    if used is not None:     # (the suite computed roofline floors: say over which ceilings)
+        payload["ceilings"] = {"copy_gbps": used.copy_gbps, "bf16_tflops": used.bf16_tflops,
+                               "fp8_tflops": used.fp8_tflops, "source": used.source}
+        note = f"roofline ceilings: {used.source}"
+        if note not in ctx.notes:
+            ctx.notes.append(note)
     path = out / f"{ctx.suite}-{tag}.json"
     path.write_text(json.dumps(payload, indent=1) + "\n")
     (out / f"{ctx.suite}-{tag}.md").write_text(_markdown(ctx, command, env))

@@ -47,7 +47,7 @@ import sys
 
 import torch
 
-from megapar.launch.bench.common import (H200_BF16_TFLOPS, BenchContext, copy_ceiling_gbps, graph_time,
+from megapar.launch.bench.common import (BenchContext, ceilings, copy_ceiling_gbps, graph_time,
                                          input_copies, l2_sets, probe_main, step_time)
 from megapar.parallel.cp import PagedKVCache, attention_with_lse, dcp_kv_insert, zigzag_shard
 from megapar.parallel.cp.dcp import DCPLayout, write_kv_slots
@@ -63,7 +63,7 @@ def _causal_flops(s: int, heads: int, d: int) -> float:
 
 
 def _flop_floor_us(ctx: BenchContext, flops: float) -> float | None:
-    return flops / (H200_BF16_TFLOPS * 1e12) * 1e6 if ctx.is_cuda else None
+    return flops / (ceilings(ctx.device).bf16_tflops * 1e12) * 1e6 if ctx.is_cuda else None
 
 
 def _one_call(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:

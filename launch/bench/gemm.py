@@ -56,7 +56,7 @@ from typing import Any, Callable
 
 import torch
 
-from megapar.launch.bench.common import (BenchContext, H200_BF16_TFLOPS, H200_FP8_TFLOPS, copy_ceiling_gbps,
+from megapar.launch.bench.common import (BenchContext, ceilings, copy_ceiling_gbps,
                                          graph_time, l2_sets, precompile, step_time)
 
 SHAPES = {"v3": (32, 7168, 2048), "v4flash": (32, 4096, 2048)}
@@ -185,7 +185,7 @@ def _run_case(ctx: BenchContext, c: Case, grouped_gemm) -> None:
     w = c.w
     flops = 2.0 * c.M * c.N * c.K
     floor = fp4_floor_us(c.E, c.N, c.K, c.M, ctx.device)
-    fp8_floor = max(flops / (H200_FP8_TFLOPS * 1e6), floor)
+    fp8_floor = max(flops / (ceilings(ctx.device).fp8_tflops * 1e6), floor)
     ref = c.reference()
     anchors: dict[str, float] = {}
     try:
@@ -303,13 +303,14 @@ def fp8_floor_us(E: int, N: int, K: int, M: int, device: torch.device) -> float:
     """FP8 roofline: max(flops at the FP8 rate, fp8 weight + fp8 activation + bf16 output bytes at
     the copy bandwidth)."""
     nbytes = E * N * K + E * N * K // 128 // 128 * 4 + M * K + M * K // 128 * 4 + M * N * 2
-    return max(2.0 * M * N * K / (H200_FP8_TFLOPS * 1e6), nbytes / (copy_ceiling_gbps(device) * 1e3))
+    return max(2.0 * M * N * K / (ceilings(device).fp8_tflops * 1e6), nbytes / (copy_ceiling_gbps(device) * 1e3))
 
 
 def w4_floor_us(E: int, N: int, K: int, M: int, device: torch.device, backend: str) -> float:
     """Roofline of our FP4-weight kernels: max(flops at the rate of their MMAs (bf16 for triton_w4a16,
     FP8 for triton_w4a8), the MXFP4 weight + bf16 activation and output bytes at the copy bandwidth)."""
-    rate = H200_FP8_TFLOPS if backend == "triton_w4a8" else H200_BF16_TFLOPS
+    c = ceilings(device)
+    rate = c.fp8_tflops if backend == "triton_w4a8" else c.bf16_tflops
     return max(2.0 * M * N * K / (rate * 1e6), fp4_floor_us(E, N, K, M, device))
 
 

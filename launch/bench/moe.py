@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import torch
 
-from megapar.launch.bench.common import H200_BF16_TFLOPS, H200_FP8_TFLOPS, BenchContext, copy_ceiling_gbps
+from megapar.launch.bench.common import BenchContext, ceilings, copy_ceiling_gbps
 from megapar.moe.layer import MoEConfig, MoELayer
 
 SHARD_EXPERTS = 32  # experts per rank of an EP = 8 job
@@ -154,14 +154,15 @@ def _graph_replay_us(ctx: BenchContext, fn, flush: bool) -> float | None:
         return None
 
 
-def _flop_floor_us(cfg: MoEConfig, shared, t: int, fmt: str) -> float:
+def _flop_floor_us(cfg: MoEConfig, shared, t: int, fmt: str, device: torch.device) -> float:
     """The layer's matmul FLOPs at their rates: the routed experts' (3 H x I per token and pick)
     at the fp8 rate for mxfp4 experts, the bf16 one for bf16 experts, plus the shared expert's
     (its w1, w3, w2: bf16 in both formats) at the bf16 rate."""
     routed = 2.0 * t * cfg.top_k * 3 * cfg.hidden * cfg.inter
     shared_flops = 0.0 if shared is None else 2.0 * t * sum(p.numel() for p in shared.parameters())
-    rate = H200_FP8_TFLOPS if fmt == "mxfp4" else H200_BF16_TFLOPS
-    return routed / (rate * 1e6) + shared_flops / (H200_BF16_TFLOPS * 1e6)
+    c = ceilings(device)
+    rate = c.fp8_tflops if fmt == "mxfp4" else c.bf16_tflops
+    return routed / (rate * 1e6) + shared_flops / (c.bf16_tflops * 1e6)
 
 
 def _bench_serving(ctx: BenchContext, name: str) -> None:
@@ -198,7 +199,7 @@ def _bench_serving(ctx: BenchContext, name: str) -> None:
                 hit = int((counts > 0).sum())
                 bytes_ = (_weight_bytes(layer, counts) + shared_bytes
                           + 2 * t * cfg.hidden * x.element_size() * (1 + cfg.top_k))
-                flop_us = _flop_floor_us(cfg, se, t, fmt)
+                flop_us = _flop_floor_us(cfg, se, t, fmt, ctx.device)
                 floor_us = max(bytes_ / (gbps * 1e3), flop_us)
                 graphed, layer._graphed = layer._graphed, None  # plain eager: Python launches every kernel
                 eager_us = ctx.time_fn(lambda: layer(x), flush_l2=flush)

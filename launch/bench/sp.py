@@ -41,7 +41,7 @@ from typing import TYPE_CHECKING, Callable
 import torch
 import torch.distributed as dist
 
-from megapar.launch.bench.common import H200_BF16_TFLOPS, BenchContext
+from megapar.launch.bench.common import BenchContext, ceilings
 
 if TYPE_CHECKING:
     from megapar.parallel.groups import Group
@@ -51,7 +51,7 @@ _SLEEP_CYCLES = 2_000_000  # ~1 ms of GPU spin before each timed sample: the hos
 
 
 def _gemm_floor_us(ctx: BenchContext, m: int, k: int, n: int) -> float | None:
-    return 2.0 * m * k * n / (H200_BF16_TFLOPS * 1e12) * 1e6 if ctx.is_cuda else None
+    return 2.0 * m * k * n / (ceilings(ctx.device).bf16_tflops * 1e12) * 1e6 if ctx.is_cuda else None
 
 
 def _shapes(ctx: BenchContext) -> tuple[int, int, int, tuple[int, ...]]:
