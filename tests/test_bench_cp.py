@@ -134,6 +134,30 @@ def test_dcp_breakdown_floor_is_the_longer_of_kv_bytes_and_flops(monkeypatch, fl
                 row["time_us"] * n / full["time_us"], rel=1e-3, abs=1e-3)
 
 
+def test_dcp_breakdown_times_the_merges_a_rank_runs(monkeypatch):
+    """The combine's merge as one rank of N runs it: the a2a form merges the N ranks' partials of its
+    own hq / N heads (it timed all hq heads: N times a rank's work, 38 against ~5 µs at N = 8 for
+    MLA's 128 heads); the ag_rs form rescales the rank's local o over every head it attended."""
+    real_merge, real_combine = bench_cp.merge_attn_states, bench_cp.combine_lse
+    merged, combined = [], []
+    monkeypatch.setattr(bench_cp, "merge_attn_states",
+                        lambda o, lse: merged.append(tuple(o.shape)) or real_merge(o, lse))
+    monkeypatch.setattr(bench_cp, "combine_lse",
+                        lambda lses: combined.append((len(lses), tuple(lses[0].shape))) or real_combine(lses))
+    ctx = BenchContext(suite="cp", device=torch.device("cpu"), quick=True)
+    with torch.no_grad():
+        bench_cp._dcp_breakdown(ctx)
+    rows = [r for r in ctx.rows if r["case"].startswith("dcp decode") and "over 1/" in r["case"]]
+    want_merged, want_combined = set(), set()
+    for row in rows:
+        n = int(row["case"].split("over 1/")[1].split(" ")[0])
+        # the section's --quick sizes: GQA 4 heads of 16 dims, MLA 2 heads over a 32-wide latent
+        hq, dv = (4, 16) if " gqa " in row["case"] else (2, 32)
+        want_merged.add((n, 2, max(1, hq // n), dv))
+        want_combined.add((n, (2, hq)))
+    assert want_merged <= set(merged) and want_combined <= set(combined)
+
+
 @pytest.mark.parametrize("kind", ["gqa", "mla"])
 @pytest.mark.parametrize("cache_dtype", [torch.bfloat16, torch.float8_e4m3fn])
 def test_kv_read_floor_is_the_bytes_a_token_holds_in_the_cache(kind, cache_dtype):

@@ -223,15 +223,19 @@ def _dcp_breakdown(ctx: BenchContext) -> None:
             local = copies(n)
             local_us, local_cols = _decode_time(ctx, [lambda c=c, t=t, q=q: call(c, t, q, n) for c, t, q in local])
             fixed_us = fixed(*local[0], n)
+            # the combine's merge as a rank runs it: ag_rs rescales its local o over all hq heads it
+            # attended; a2a merges the n ranks' partials of its own hq / n heads
             outs = torch.randn(n, batch, hq, dv, device=ctx.device)
             lses = torch.randn(n, batch, hq, device=ctx.device)
+            own = max(1, hq // n)
+            a2a_outs, a2a_lses = outs[:, :, :own].contiguous(), lses[:, :, :own].contiguous()
 
             def ag_rs_math():
                 _, _, scales = combine_lse(list(lses.unbind(0)))
                 return outs[0] * scales[0].unsqueeze(-1)
 
             ag_rs_us, _ = graph_time(ctx, ag_rs_math)
-            a2a_us, _ = graph_time(ctx, lambda: merge_attn_states(outs, lses))
+            a2a_us, _ = graph_time(ctx, lambda: merge_attn_states(a2a_outs, a2a_lses))
             floor, byte_floor, flop_floor = floors(local[0][0], batch * (context // n))
             ctx.record(f"dcp decode {kind} local attention over 1/{n} of the KV ({tag} cache, B={batch}, L={context}, "
                        f"{what})", local_us, anchor="the kernel over the whole KV (no DCP)", anchor_us=full_us,
@@ -241,7 +245,7 @@ def _dcp_breakdown(ctx: BenchContext) -> None:
                        merge_ag_rs_us=ag_rs_us, merge_a2a_us=a2a_us,
                        local_plus_merge_us=local_us + min(ag_rs_us, a2a_us), **local_cols,
                        byte_floor_us=byte_floor, flop_floor_us=flop_floor)
-            del local, outs, lses
+            del local, outs, lses, a2a_outs, a2a_lses
     ctx.note("dcp breakdown: the all-gather of q and the combine collectives need >= 2 GPUs (section 3)")
     _note_graph_timing(ctx)
 
