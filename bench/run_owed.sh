@@ -8,6 +8,7 @@
 # bench/debug/decode_narrow.py; cvtrate: bench/debug/cvt_rate.py; dgqa:
 # bench/debug/decode_gluon_gqa.py; dstream: bench/debug/decode_stream.py; dsplits:
 # bench/debug/decode_splits.py; dwaves: bench/debug/decode_waves.py; dfixed: bench/debug/decode_fixed.py; ncugqa: Nsight Compute over bench/debug/decode_ncu.py gluon-gqa;
+# ceilings: this GPU's copy / bf16 / fp8 ceilings (launch/bench/common.measure_ceilings);
 # ncusrc: per-instruction stall samples (SASS, csv) of the kernel NCU_KERNEL names, decode_ncu.py NCU_ARGS)
 # Each step runs under `timeout` (its own limit, cut to what is left of DEADLINE, default 570 s
 # from the start), logs to STEP.log and writes its results beside it; a step that would get
@@ -96,6 +97,9 @@ for s in "$@"; do
     deepep)     step deepep "${DEEPEP_LIMIT:-480}" env DEEPEP_BENCH="$res/deepep-bench" \
                   bash bench/run_deepep_mpg.sh .device-pkgs/deepep-src.tar.gz "$res/deepep" ;;
     ab)         step ab "${AB_LIMIT:-300}" bash bench/run_ab.sh .ab-old "$res/ab" ${AB_SUITES:-merge quant} ;;
+    ceilings)   step ceilings "${CEILINGS_LIMIT:-60}" python3 -c "import json, sys, torch; from dataclasses import asdict; \
+                  from launch.bench.common import measure_ceilings; c = asdict(measure_ceilings(torch.device('cuda'))); \
+                  print(c); json.dump(c, open(sys.argv[1], 'w'), indent=1)" "$res/ceilings.json" ;;
     bench-*)    step "$s" "${BENCH_LIMIT:-240}" python3 -m launch.cli bench "${s#bench-}" --device cuda --out "$res/results" ;;
     *)          echo "=== $s: unknown step" ;;
   esac
