@@ -41,14 +41,16 @@ as kernels on the current stream (symmetric memory, DeepEP-style) goes on the co
     pending = launch_dispatch_kernels(...)
     res = yield_and_switch_to_compute(recv_hook=pending.wait)
 
-Streams (CUDA): the compute stream is the caller's current stream when `run` is called (so
-the outputs are ordered after the micro-batches without extra synchronization); one comm
-stream per device is shared by all micro-batches. An event is recorded *before* yielding,
-never after: after the turn comes back the stream also holds the other micro-batch's work,
-and waiting on that would serialize the two. The tensors a hook returns to
-`yield_and_switch_to_compute` are marked as used on the compute stream; any other tensor
-made on one stream and used on the other needs `record_stream(...)` (or to stay alive until
-the next switch back), as in any multi-stream code.
+Streams (CUDA): the compute stream is the caller's current stream on the token inputs' device
+when `run` is called (so the outputs are ordered after the micro-batches without extra
+synchronization); one comm stream per device is shared by all micro-batches. The token inputs
+must all be on one device: `run` refuses others with a ValueError naming each input's device,
+split or not, before any thread starts. An event is recorded *before* yielding, never after:
+after the turn comes back the stream also holds the other micro-batch's work, and waiting on
+that would serialize the two. The tensors a hook returns to `yield_and_switch_to_compute` are
+marked as used on the compute stream; any other tensor made on one stream and used on the other
+needs `record_stream(...)` (or to stay alive until the next switch back), as in any
+multi-stream code.
 
 Splitting: only when the batch has at least `min_tokens` tokens (defaults: 32 for decode,
 512 for prefill); below that `fn` runs once on the calling thread with no runner active.
@@ -71,8 +73,18 @@ The listeners run on the caller's thread once every micro-batch thread has ended
 is released, so a listener may run this runner (or another) again; see `add_failure_listener`
 for what happens when a listener raises or its own run fails.
 
+Thread-local state of the caller is reproduced in every micro-batch thread, as a layer sees it
+unsplit: grad and inference mode, autocast, the default device, torch's thread count, the
+innermost `torch.autograd.graph.saved_tensors_hooks` pair (activation offloading and
+checkpointing pack through it) and `disable_saved_tensors_hooks`, and the active TorchFunctionMode
+and TorchDispatchMode stacks (the caller's mode objects themselves; the concatenation of the
+outputs, on the caller's thread, also runs under them).
+
 Outputs: every micro-batch must return the same structure (a tensor, or a tuple/list of the same
-length and kinds, or None); a mismatch raises ValueError naming both.
+length and kinds, or None); a mismatch raises ValueError naming both. Each tensor output must have
+the same dtype, device and shape past dim 0 in every micro-batch (torch.cat would promote mixed
+dtypes silently); a mismatch raises ValueError naming the micro-batches, the output's place
+("output[1]") and the two values, before anything is concatenated.
 """
 
 from __future__ import annotations
@@ -419,7 +431,7 @@ class UBatchRunner:
             split: bool | None = None, **kwargs: Any) -> Any:
         """Call `fn(*slices, **kwargs)` per micro-batch and concatenate the outputs along dim 0.
 
-        token_inputs: tensors [T, ...] sharing T; each micro-batch gets rows of its token range.
+        token_inputs: tensors [T, ...] sharing T and a device; each micro-batch gets rows of its token range.
         kwargs: passed unchanged to every call. split: force the decision (same on all ranks);
         None = `should_split(T, mode)`. fn returns a tensor [t, ...], a tuple/list of them,
         or None; the result has the same structure over the whole batch.
@@ -438,6 +450,13 @@ class UBatchRunner:
             if t.shape[0] != num_tokens:
                 raise ValueError(f"token input {i} has shape {tuple(t.shape)}; every token input needs "
                                  f"dim 0 = {num_tokens} (the token count of input 0)")
+        device = token_inputs[0].device
+        if any(t.device != device for t in token_inputs):
+            # The streams (the caller's current stream and the comm stream) and the micro-batch threads'
+            # current CUDA device are those of one device; input 0's were used for all of them.
+            each = ", ".join(f"token input {i} on {t.device}" for i, t in enumerate(token_inputs))
+            raise ValueError(f"token inputs are on different devices: {each}; every token input must be on one "
+                             "device (its streams are the micro-batches' streams)")
         if split is None:
             split = self.should_split(num_tokens, mode)
         if not split or self.num_ubatches == 1:
@@ -445,7 +464,7 @@ class UBatchRunner:
         if get_optional_ubatch() is not None:
             raise RuntimeError("UBatchRunner.run() cannot be nested inside a micro-batch")
         with self._lock:
-            result, failure = self._run_split(fn, token_inputs, kwargs, token_inputs[0].device)
+            result, failure = self._run_split(fn, token_inputs, kwargs, device)
         if failure is not None:
             # Outside the lock: a listener that runs this runner again would otherwise wait
             # forever for the lock its own caller holds.
@@ -530,6 +549,7 @@ class UBatchRunner:
                 if streams is not None:
                     torch.cuda.set_device(streams.device)
                     torch.cuda.set_stream(streams.compute)
+                _enter_mode_stacks(autocast, modes)
                 try:
                     ctx._barrier.wait()
                 except threading.BrokenBarrierError:  # ours only: one raised by fn is a failure
@@ -619,12 +639,50 @@ class UBatchRunner:
 
 def _thread_modes() -> dict[str, Any]:
     """Thread-local torch modes of the caller, to be reproduced in the micro-batch threads."""
+    from torch.overrides import _get_current_function_mode_stack
+    from torch.utils._device import DeviceContext
+    from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
+
     return {"grad": torch.is_grad_enabled(), "inference": torch.is_inference_mode_enabled(),
             "threads": torch.get_num_threads(),
             # a new thread's default device is the CPU; follow the caller's only where it is not
             "device": None if (device := torch.get_default_device()).type == "cpu" else device,
             "autocast": [(d, torch.get_autocast_dtype(d), torch.is_autocast_cache_enabled())
-                         for d in ("cpu", "cuda") if torch.is_autocast_enabled(d)]}
+                         for d in ("cpu", "cuda") if torch.is_autocast_enabled(d)],
+            # torch.autograd.graph.saved_tensors_hooks (activation offloading, checkpointing): only the
+            # innermost pair applies, so it is all a thread needs; and disable_saved_tensors_hooks' message
+            "saved_hooks": torch._C._autograd._top_saved_tensors_default_hooks(False),
+            "saved_hooks_disabled": torch._C._autograd._saved_tensors_hooks_get_disabled_error_message(),
+            # TorchDispatchMode / TorchFunctionMode stacks, bottom first. The default device's
+            # DeviceContext is a function mode too; "device" above enters it (it sits at the bottom).
+            "dispatch_modes": _get_current_dispatch_mode_stack(),
+            "function_modes": [m for m in _get_current_function_mode_stack() if not isinstance(m, DeviceContext)]}
+
+
+def _enter_mode_stacks(stack: contextlib.ExitStack, modes: dict[str, Any]) -> None:
+    """Push the caller's torch function and dispatch modes and saved-tensor hooks (`_thread_modes`)
+    on this thread, undone by `stack`.
+
+    The mode objects are the caller's own, pushed as they are (not entered again: a mode's
+    `__enter__` may reset its state, e.g. a counter's); turn-taking means no two micro-batches run
+    in a mode's Python code at once. They are popped before the thread ends, while Python can
+    still release them."""
+    from torch import overrides
+    from torch.utils import _python_dispatch
+
+    for mode in modes["function_modes"]:
+        overrides._push_mode(mode)
+        stack.callback(overrides._pop_mode)
+    for mode in modes["dispatch_modes"]:
+        _python_dispatch._push_mode(mode)
+        # an infrastructure mode (FakeTensorMode, ...) has its own slot, named by its _mode_key
+        stack.callback(_python_dispatch._pop_mode, getattr(mode, "_mode_key", None))
+    if modes["saved_hooks"] is not None:
+        torch._C._autograd._push_saved_tensors_default_hooks(*modes["saved_hooks"])
+        stack.callback(torch._C._autograd._pop_saved_tensors_default_hooks)
+    if modes["saved_hooks_disabled"] is not None:
+        torch._C._autograd._saved_tensors_hooks_disable(modes["saved_hooks_disabled"])
+        stack.callback(torch._C._autograd._saved_tensors_hooks_enable)
 
 
 def _structure(obj: Any) -> Any:
@@ -646,7 +704,34 @@ def _concat(results: list[Any]) -> Any:
             raise ValueError(f"micro-batch outputs differ in structure: micro-batch 0 returned {want}, "
                              f"micro-batch {i} returned {_structure(r)}; every micro-batch must return the same "
                              "structure (a tensor, a tuple/list of them, or None)")
+    _check_tensors(results, "output")  # all of it before any torch.cat
     return _concat_same(results)
+
+
+def _check_tensors(results: list[Any], where: str) -> None:
+    """Refuse tensors that torch.cat would not join as one output: a 0-dim one, or ones that differ
+    in dtype (torch.cat promotes: bf16 from micro-batch 0 and fp32 from 1 gave fp32), device or
+    shape past dim 0 (torch.cat's own message names neither the micro-batch nor the output).
+    `where` names the output's place in the structure, e.g. "output[1][0]"."""
+    first = results[0]
+    if isinstance(first, torch.Tensor):
+        for i, r in enumerate(results):
+            if r.dim() == 0:
+                raise ValueError(f"micro-batch {i} returned a 0-dim tensor as {where}; outputs need the "
+                                 "tokens along dim 0")
+        for i, r in enumerate(results[1:], start=1):
+            for what, a, b, same in (("dtype", first.dtype, r.dtype, first.dtype == r.dtype),
+                                     ("device", first.device, r.device, first.device == r.device),
+                                     ("shape past dim 0", tuple(first.shape), tuple(r.shape),
+                                      first.shape[1:] == r.shape[1:])):
+                if not same:
+                    raise ValueError(f"micro-batch outputs differ in {what} at {where}: micro-batch 0 returned "
+                                     f"{a}, micro-batch {i} returned {b}; every micro-batch must return the same "
+                                     "dtype, device and shape past dim 0 for each output")
+    elif isinstance(first, (tuple, list)):
+        fields = getattr(first, "_fields", None) if isinstance(first, tuple) else None
+        for k in range(len(first)):
+            _check_tensors([r[k] for r in results], f"{where}.{fields[k]}" if fields else f"{where}[{k}]")
 
 
 def _concat_same(results: list[Any]) -> Any:
