@@ -11,6 +11,13 @@ Used by every multi-rank test and by `megapar demo`. Fail fast and name the root
 
 Ranks die with their parent (Linux `PR_SET_PDEATHSIG`, else a watchdog thread): killing the
 process that called `launch_local`, even with SIGKILL, leaves no rank behind.
+
+The rendezvous store is hosted by the launching process, not by rank 0: it binds a TCPStore on
+port 0 (the OS picks a free port and the store holds it from that moment), exports that port as
+MASTER_PORT and TORCHELASTIC_USE_AGENT_STORE=True (as torchrun does for its workers), and every
+rank, rank 0 included, joins the store as a client. A port chosen first and bound later by rank 0
+could be taken in between by another process: rank 0 then failed with EADDRINUSE, or the ranks
+met at a stranger's server.
 """
 
 from __future__ import annotations
@@ -47,12 +54,31 @@ class RankError(RuntimeError):
 
 
 def free_port() -> int:
-    """A port that no IPv4 socket of this host is bound to, at any address: the rendezvous store
-    listens on 0.0.0.0. (Asking on 127.0.0.1 alone could give a port that a server holds on
-    another address, e.g. the host's own IP, and rank 0 failed with EADDRINUSE.)"""
+    """A port that no IPv4 socket of this host is bound to, at any address, when this returns: a
+    store listens on 0.0.0.0. (Asking on 127.0.0.1 alone could give a port that a server holds on
+    another address, e.g. the host's own IP, and rank 0 failed with EADDRINUSE.)
+
+    Nothing holds the port afterwards: another process may take it before it is used. For a
+    `torchrun --master-port` of a script; the launchers here do not use it, they bind their
+    store on port 0 and keep it (`host_store`)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("", 0))
         return s.getsockname()[1]
+
+
+AGENT_STORE = "TORCHELASTIC_USE_AGENT_STORE"
+
+
+def host_store(addr: str = "127.0.0.1") -> Any:
+    """A TCPStore server of this process on a port the OS picks (port 0), listening on every
+    address of the host; `.port` is the port, held until the store is garbage collected. Ranks
+    that get MASTER_PORT=<.port> and TORCHELASTIC_USE_AGENT_STORE=True join it as clients
+    (torch.distributed's env:// and tcp:// rendezvous then host no store of their own), so no
+    other process can take the port between choosing and using it. `addr` is where this
+    process's own client of the store connects."""
+    import torch.distributed as dist
+
+    return dist.TCPStore(addr, 0, is_master=True, wait_for_workers=False)
 
 
 def torchrun_env(rank: int, world_size: int, port: int, *, local_world_size: int | None = None,
@@ -67,9 +93,10 @@ def torchrun_env(rank: int, world_size: int, port: int, *, local_world_size: int
 def export_rank_env(env: dict[str, str]) -> None:
     """Make `env` (torchrun_env's variables) this process's launch environment. TORCHELASTIC_*
     variables inherited from a torchrun job that started the launching process describe that
-    job, not this one, and are dropped: with TORCHELASTIC_USE_AGENT_STORE=True every rank of the
-    new job connected to the store as a client, none hosted it, and init_process_group waited
-    out its timeout. Variables in `env` itself are kept."""
+    job, not this one, and are dropped: with an inherited TORCHELASTIC_USE_AGENT_STORE=True
+    every rank of the new job connected as a client to a store that nobody hosted for it, and
+    init_process_group waited out its timeout. Variables in `env` itself are kept (the launchers
+    put the flag there when they host the job's store themselves)."""
     for name in [k for k in os.environ if k.startswith("TORCHELASTIC_")]:
         del os.environ[name]
     os.environ.update(env)
@@ -462,6 +489,12 @@ def launch_local(fn: Callable[..., Any], world_size: int, *, backend: str = "glo
     fn: a module-level function of an importable module (the ranks import it by name).
     backend: exported as MEGAPAR_BACKEND for `init_parallel` ("nccl" needs one GPU per rank).
     timeout: seconds (> 0) for the whole job. env: extra environment for every rank.
+
+    The rendezvous store is this process's (`host_store`), alive until the ranks are stopped;
+    the ranks get MASTER_PORT=its port and TORCHELASTIC_USE_AGENT_STORE=True, so a
+    torch.distributed rendezvous in a rank (env://, or tcp:// at MASTER_ADDR:MASTER_PORT) joins
+    it instead of hosting one. An `env` that sets MASTER_PORT chooses the port itself: then no
+    store is hosted here, the flag is not set, and rank 0 hosts the store at that port.
     """
     check_world_size(world_size)
     check_backend(backend, world_size)
@@ -473,14 +506,17 @@ def launch_local(fn: Callable[..., Any], world_size: int, *, backend: str = "glo
     _check_env_keys(env or {}, world_size)
     check_entry(fn, "launch_local")
     ctx = mp.get_context("spawn")
-    port = free_port()
+    # Bound now and held until the ranks are stopped (below): no other process can take the port.
+    store = None if "MASTER_PORT" in (env or {}) else host_store()
     with tempfile.TemporaryDirectory(prefix="megapar-ranks-") as tmp:
         ranks: list[_Rank] = []
         try:
             for rank in range(world_size):
-                rank_env = torchrun_env(rank, world_size, port)
+                rank_env = torchrun_env(rank, world_size, store.port if store is not None else 0)
+                if store is not None:
+                    rank_env[AGENT_STORE] = "True"
                 rank_env["MEGAPAR_BACKEND"] = backend
-                rank_env.update(env or {})
+                rank_env.update(env or {})   # (MASTER_PORT from env replaces the 0 above)
                 recv, send = ctx.Pipe(duplex=False)
                 stack_path = os.path.join(tmp, f"rank{rank}.stack")
                 p = ctx.Process(target=_worker, args=(fn, rank, args, rank_env, send, os.getpid(), stack_path),
@@ -499,6 +535,7 @@ def launch_local(fn: Callable[..., Any], world_size: int, *, backend: str = "glo
             for r in ranks:
                 if r.conn is not None:
                     r.conn.close()
+            del store   # the ranks are gone: close the rendezvous store and free its port
 
 
 def _check_env_keys(env: dict[str, str], world_size: int) -> None:

@@ -1,9 +1,11 @@
 """launch_on_ray: one Ray actor per rank, torchrun variables on each, fail fast.
 
 Reserve a placement group (one bundle per rank), start one actor per bundle, sort the actors
-by (node, GPU), take rank 0's address and a free port there as the rendezvous, export the
-torchrun variables on every actor, run `init_parallel` on all at once (when a config is
-given), then `fn(rank, *args)`. Results come back by rank. The first exception or dead actor
+by (node, GPU), have rank 0's actor host the rendezvous store (bound on port 0, so the port is
+held from the moment it is chosen; see `_RankWorker.host_store`), export the torchrun variables
+on every actor (MASTER_ADDR = rank 0's node, MASTER_PORT = that store's port,
+TORCHELASTIC_USE_AGENT_STORE=True so that every rank joins the store as a client), run
+`init_parallel` on all at once (when a config is given), then `fn(rank, *args)`. Results come back by rank. The first exception or dead actor
 kills every actor, removes the placement group and raises `RankError` with the rank and its
 traceback; a startup timeout and a global timeout turn hangs into errors.
 
@@ -23,8 +25,8 @@ from typing import Any, Callable, Literal
 
 from megapar.parallel import ParallelConfig
 
-from .local import (RankError, check_timeout, check_world_size, export_rank_env, free_port, pick_primary,
-                    torchrun_env)
+from .local import (AGENT_STORE, RankError, check_timeout, check_world_size, export_rank_env, host_store,
+                    pick_primary, torchrun_env)
 
 
 def _require_ray():
@@ -58,8 +60,14 @@ class _RankWorker:
         gpus = sorted((str(g) for g in ray.get_gpu_ids()), key=_gpu_key) if hasattr(ray, "get_gpu_ids") else []
         return ctx.get_node_id(), ray.util.get_node_ip_address(), gpus
 
-    def free_port(self) -> int:
-        return free_port()
+    def host_store(self) -> int:
+        """Host the job's rendezvous store in this actor (rank 0's) and return its port. Bound on
+        port 0 and kept by the actor until it is killed: a port chosen here and bound later by
+        rank 0's init could be taken in between (EADDRINUSE, or the ranks met at a stranger's
+        server). Asked again, it returns the same store's port."""
+        if getattr(self, "_store", None) is None:
+            self._store = host_store()
+        return self._store.port
 
     def setup(self, env: dict[str, str]) -> None:
         export_rank_env(env)
@@ -171,7 +179,7 @@ def _run_on_actors(ray, fn: Callable[..., Any], num_workers: int, *, bundle: dic
         actors = [actors[i] for i in order]
         infos = [infos[i] for i in order]
         master_addr = infos[0][1]
-        port = _get_all(ray, [actors[0].free_port.remote()], startup_timeout, "choosing the rendezvous port")[0]
+        port = _get_all(ray, [actors[0].host_store.remote()], startup_timeout, "starting the rendezvous store")[0]
         node_ranks: dict[str, list[int]] = {}
         for rank, (node, _, _) in enumerate(infos):
             node_ranks.setdefault(node, []).append(rank)
@@ -182,6 +190,7 @@ def _run_on_actors(ray, fn: Callable[..., Any], num_workers: int, *, bundle: dic
             env["LOCAL_RANK"] = str(node_ranks[node].index(rank))
             env["GROUP_RANK"] = str(list(node_ranks).index(node))
             env["MEGAPAR_BACKEND"] = backend
+            env[AGENT_STORE] = "True"   # rank 0's actor hosts the store: no rank binds the port again
             setups.append(actor.setup.remote(env))
         _get_all(ray, setups, startup_timeout, "exporting the torchrun environment")
         refs = [a.run.remote(fn, rank, args, parallel_config, backend) for rank, a in enumerate(actors)]

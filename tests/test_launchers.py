@@ -404,8 +404,9 @@ def test_launch_local_inside_a_torchrun_job_starts_its_own_rendezvous(monkeypatc
     t0 = time.monotonic()
     assert launch_local(_fault, 2, args=("none", -1), timeout=30) == [4.0, 4.0]
     assert time.monotonic() - t0 < 25
-    # a variable given through env is the caller's choice and reaches the ranks
-    assert launch_local(_torchelastic_env, 1, env={"TORCHELASTIC_RUN_ID": "mine"}, timeout=30) == [(None, "mine")]
+    # a variable given through env is the caller's choice and reaches the ranks; the agent-store
+    # flag they see is this job's own (launch_local hosts its store), not the outer job's
+    assert launch_local(_torchelastic_env, 1, env={"TORCHELASTIC_RUN_ID": "mine"}, timeout=30) == [("True", "mine")]
     assert _no_stray_ranks() == []
 
 
@@ -673,7 +674,9 @@ def test_launch_on_ray_runs_and_fails_fast(ray_cluster):
     cfg = ParallelConfig(world_size=2)
     res = launch_on_ray(_ray_job, 2, parallel_config=cfg, args=("ok",), timeout=120)
     assert [r["rank"] for r in res] == [0, 1] and [r["env_rank"] for r in res] == [0, 1]
-    assert [r["agent_store"] for r in res] == [None, None]     # the fixture's torchrun flag is not this job's
+    # the flag is this job's own: rank 0's actor hosts the store and every rank joins it (the
+    # fixture's flag, passed on while nobody hosted a store for the job, hung it)
+    assert [r["agent_store"] for r in res] == ["True", "True"]
     assert all(r["sum"] == 3.0 and r["ep"] == [0, 1] for r in res)
 
     for mode, needle in (("raise", "rank one refuses"), ("die", "actor died"), ("hang", "timed out")):
