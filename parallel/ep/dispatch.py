@@ -30,17 +30,25 @@ modified in place before ``wait()``. On CUDA the payload collectives are already
 their own stream and the caller's thread is used (``comm_thread=False`` forces that on CPU).
 
 The census is the one device-to-host sync of a dispatch (split sizes must be known on the
-host); combine has none. On one rank with ``layout="slab"``, a ``drop_policy`` and
-``check_ids=False`` nothing needs a host value, the census is skipped, and dispatch + combine
-can be captured in a CUDA graph. (Multi-rank graph capture needs a symmetric-memory backend.)
+host). Combine has none on CUDA. On CPU it first agrees (`comm.input_agreement`, one all-gather
+of three ints, on the route's group and in order with its transfer: on the communication thread
+when the route lives there) on expert_out's dtype and row width and on whether autograd records
+it: a bf16 expert_out beside an fp32 one made the return transfer's sizes differ (gloo aborted the
+process), beside an fp16 one it was misread as garbage, and a rank recording no graph never joins
+the backward's transfer. A difference raises `CombineInputError` (a ValueError) on every rank
+together and poisons nothing. On CUDA the agreement's read-back would wait for the expert GEMMs
+queued before it, delaying the return transfer, so the ranks must agree by contract there.
+On one rank with ``layout="slab"``, a ``drop_policy`` and ``check_ids=False`` nothing needs a
+host value, the census is skipped, and dispatch + combine can be captured in a CUDA graph. (Multi-rank graph capture needs a symmetric-memory backend.)
 
 Faults: a failure inside a collective sequence leaves this rank's EP collectives out of step
 with its peers' (a micro-batch that raised on one rank leaves the others inside a dispatch or
 combine; a rank that went on would pair its next census with their old payloads and compute on
 garbage). So a failure poisons EP communication on the rank: a collective of a dispatch or
 combine that raised, a job of the communication thread that raised, any failed `UBatchRunner`
-run (`parallel.ubatch.add_failure_listener`), or a combine that refused its arguments (no census
-agrees on them: the peers went on into its collective). Every later dispatch/combine on that
+run (`parallel.ubatch.add_failure_listener`), or a combine that refused its arguments on this
+rank alone (a foreign handle, an expert_out of another layout or dtype: checked before the
+agreement, which the peers went on into). Every later dispatch/combine on that
 rank raises `EPPoisonedError`, naming the first failure, until torch.distributed is made again
 (`destroy_parallel()`, `init_parallel()`, new dispatchers); a collective of the earlier one that
 fails after that (a job of its thread that times out later) poisons nothing. The peers fail in
@@ -81,6 +89,16 @@ _PLAIN_FLOATS = (torch.float32, torch.bfloat16, torch.float16)
 class DispatchInputError(ValueError):
     """Bad dispatch input (or a slab overflow) found by the census. Every EP rank raises it at
     the same dispatch, so the group stays in step: it poisons nothing."""
+
+
+class CombineInputError(DispatchInputError):
+    """EP ranks that passed combine different expert_out dtypes or row widths (or inputs requiring
+    grad), found by the combine's agreement. Every EP rank raises it at the same combine, before its
+    transfer, so it poisons nothing (a DispatchInputError: what exempts agreed input errors from
+    poisoning exempts it too)."""
+
+
+_COMBINE_FIELDS = ("expert_out dtype", "expert_out row width", "autograd records the combine")
 
 
 class EPPoisonedError(RuntimeError):
@@ -691,16 +709,20 @@ class Dispatcher:
 
         expert_out: the dispatched layout's shape with last dim H ([R, H] or [E_local, capacity, H]),
         bf16/fp16/fp32, of one dtype on every EP rank: the partial rows travel in it (all_to_all;
-        for quantized x the output and its gradient take it too) and nothing compares the ranks'
-        dtypes without a sync; a mismatch makes the transfer sizes differ (gloo aborts the process).
+        for quantized x the output and its gradient take it too). On CPU the ranks agree on it
+        first: a rank with another dtype or row width (or that records autograd where a peer does
+        not) makes every rank raise `CombineInputError` (a ValueError naming each rank's value),
+        at the call, or at wait() where the combine runs on the communication thread. On CUDA
+        nothing compares them (no host sync): a mismatch there makes the transfer sizes differ.
         weighted: True when the rows are already multiplied by their router weight (then they are
         summed as they are); False multiplies by DispatchResult.topk_weights.
         Returns [T, H] in the dispatched x's dtype (expert_out's dtype for quantized x), or with
         async_op a handle whose wait() returns it.
 
-        A handle or expert_out it refuses raises ValueError on this rank alone (combine takes no
-        census); on a group of more than one rank that also poisons EP communication on the rank,
-        as its peers may be inside the combine's collective (see the module docstring).
+        A handle or expert_out that this rank refuses on its own (not this dispatcher's handle,
+        another layout, a dtype that is not bf16/fp16/fp32) raises ValueError on this rank alone,
+        before the agreement; on a group of more than one rank that also poisons EP communication
+        on the rank, as its peers may be inside the combine's agreement (see the module docstring).
         """
         error = self._combine_error(expert_out, handle)
         if error is not None:
@@ -718,6 +740,21 @@ class Dispatcher:
         worker = handle.worker
         reduce_dtype = route.reduce_dtype(rows.dtype, out_dtype)
         rows_in, weights_in = rows.detach(), None if weighted else row_weights.detach()
+        needs_grad = torch.is_grad_enabled() and (rows.requires_grad or (not weighted and row_weights.requires_grad))
+        # what sizes the return transfer (and whether its backward transfer runs), agreed on CPU only
+        agree = self.size > 1 and rows_in.device.type == "cpu"
+        fields = [comm.dtype_code(expert_out.dtype), expert_out.shape[-1], int(needs_grad)]
+
+        def agreement(group: Any) -> None:
+            """CombineInputError on every rank when the ranks' fields differ (a collective on `group`)."""
+            message = comm.input_agreement(
+                "EP combine", _COMBINE_FIELDS, fields, None, group, rows_in.device,
+                {"expert_out dtype": "dtype"},
+                "the partial rows travel in expert_out's dtype and width, so every EP rank must pass expert_out "
+                "of one dtype (and hidden size), and every rank or none must record autograd (its backward is a "
+                "transfer too)")
+            if message is not None:
+                raise CombineInputError(f"[rank {self.rank}] {message}")
 
         def launch(async_launch: bool) -> comm.CommHandle:
             """Local weighted reduction per received row, then the return transfer."""
@@ -728,13 +765,18 @@ class Dispatcher:
                 partial = gather_reduce(rows_in, plan.pair_pos, pair_w, reduce_dtype)
             return route.reduce([partial], async_op=async_launch)
 
-        if worker is not None:  # the route lives on the worker's group: the transfer goes there
-            job = worker.submit(lambda: launch(False).wait())
-            op = _CombineOp(handle, _joined(job), out_dtype)
+        if worker is not None:  # the route lives on the worker's group: the agreement and transfer go there
+            def job() -> list[torch.Tensor]:
+                if agree:
+                    agreement(worker.group)
+                return launch(False).wait()
+
+            op = _CombineOp(handle, _joined(worker.submit(job)), out_dtype)
         else:
             with self._guard("combine"), torch.no_grad():
+                if agree:
+                    agreement(self.group)
                 op = _CombineOp(handle, launch(async_op), out_dtype)
-        needs_grad = torch.is_grad_enabled() and (rows.requires_grad or (not weighted and row_weights.requires_grad))
 
         def finish() -> torch.Tensor:
             with self._guard("combine"):
