@@ -37,6 +37,12 @@ of all-gather-matmul re-gathers the fp8 shard (half the bytes) unless it was ret
 Inputs given already quantized (`Fp8Activation`, `Fp8Weight`) receive no gradient; the
 quantizers themselves (`quantize_fp8_per_token`, ...) are not differentiable. Calls with no
 gradient needed (no_grad, or nothing requires grad) run the plain forward, unchanged.
+
+Agreement (CPU tensors, as in `ops.py`, `shard.agree_call`): every public op here first agrees
+with the group on the fp8 shard's shape, its scales' dtype, the dim, the backend, the dtypes that
+travel (out_dtype for the partial sums, x's high-precision dtype in backward) and which inputs
+require grad; a rank that differs, or has bad arguments, makes every rank raise ValueError
+before anything moves. CUDA skips that host sync.
 """
 
 from __future__ import annotations
@@ -46,20 +52,23 @@ from typing import Sequence
 
 import torch
 
-from ..comm import GroupLike, all_gather_uneven, as_group, reduce_scatter_uneven, to_wire
+from ..comm import GroupLike, all_gather_uneven, as_group, dtype_code, reduce_scatter_uneven, to_wire
 from ..quant import E4M3_MAX as FP8_MAX  # noqa: F401  (the old name)
 from ..quant import quantize
 from .ops import (
+    BACKEND_FIELD,
     Backend,
     _all_gather_matmul_impl,
     _matmul_reduce_scatter_impl,
     _weight_grad,
+    backend_code,
     check_dim,
     resolve_backend,
     rows_view,
     symm_mem_group_name,
 )
 from .ring import RingPeers, pairwise_reduce_scatter, ring_all_gather
+from .shard import UNEVEN_HINT, agree_call, grad_code, shape_fields, shape_names
 
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_REL_TOL = 0.06
@@ -219,12 +228,38 @@ def _gather_hp(x: torch.Tensor, group: GroupLike, dim: int) -> torch.Tensor:
     return all_gather_uneven(x, group, dim, sizes=[x.shape[dim]] * size)
 
 
+def _q_device(q: object) -> torch.device | None:
+    """The device of an fp8 operand's data (a tensor's own), None for anything else."""
+    data = q.data if isinstance(q, Fp8Activation) else q
+    return data.device if isinstance(data, torch.Tensor) else None
+
+
+def _scale_dtype(q: Fp8Activation) -> int:
+    return dtype_code(q.scale.dtype) if isinstance(q.scale, torch.Tensor) else 0
+
+
+_GATHER_FP8_FIELDS = shape_names("q_shard.data") + ("q_shard.scale dtype", "gather_dim")
+
+
 def all_gather_fp8(q_shard: Fp8Activation, group: GroupLike, *, gather_dim: int = 0) -> Fp8Activation:
-    """Gather fp8 token shards (data as uint8 on the wire, scales as fp32): [.., m, ..] -> [.., P * m, ..]."""
+    """Gather fp8 token shards (data as uint8 on the wire, scales as fp32): [.., m, ..] -> [.., P * m, ..].
+
+    Every rank's shard has the same shape (uneven token counts padded first): on CPU a rank whose
+    shard differs makes every rank raise ValueError naming the per-rank sizes."""
     group = as_group(group)  # resolved once here; the internals take the Group
-    size = group.size
-    _check_fp8_activation("all_gather_fp8", q_shard)  # a mis-shaped scale gathered into a silently wrong one
-    gather_dim = check_dim(q_shard.data, gather_dim, "gather_dim")  # not K: the scales are per token
+
+    def check() -> tuple[int, list[int]]:
+        _check_fp8_activation("all_gather_fp8", q_shard)  # a mis-shaped scale gathered into a silently wrong one
+        dim = check_dim(q_shard.data, gather_dim, "gather_dim")  # not K: the scales are per token
+        return dim, shape_fields(q_shard.data) + [_scale_dtype(q_shard), dim]
+
+    dim = agree_call("all_gather_fp8", group, _q_device(q_shard), _GATHER_FP8_FIELDS, check, UNEVEN_HINT)
+    return _all_gather_fp8(q_shard, group, dim)
+
+
+def _all_gather_fp8(q_shard: Fp8Activation, group: GroupLike, gather_dim: int) -> Fp8Activation:
+    """`all_gather_fp8` on checked, agreed operands (gather_dim normalized)."""
+    size = as_group(group).size
     m = q_shard.data.shape[gather_dim]
     data = all_gather_uneven(q_shard.data, group, gather_dim, sizes=[m] * size)
     scale = all_gather_uneven(q_shard.scale, group, gather_dim, sizes=[m] * size)
@@ -239,7 +274,7 @@ class _QuantizeAllGather(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, normed: torch.Tensor, group, gather_dim: int, box: dict):
-        gathered = all_gather_fp8(quantize_fp8_per_token(normed.detach()), group, gather_dim=gather_dim)
+        gathered = _all_gather_fp8(quantize_fp8_per_token(normed.detach()), group, gather_dim)
         ctx.group, ctx.gather_dim = group, gather_dim
         box["gathered"] = gathered
         return gathered.dequantize()
@@ -269,14 +304,25 @@ def rms_norm_quantize_all_gather(x_shard: torch.Tensor, norm_weight: torch.Tenso
     parameter: all-reduce it over the group). The fp8 bytes are the same as without grad.
     """
     group = as_group(group)  # resolved once here; the internals take the Group
-    if not _wants_grad(x_shard, norm_weight):
-        q = rms_norm_quantize_fp8(x_shard, norm_weight, eps)
-        return all_gather_fp8(q, group, gather_dim=check_dim(q.data, gather_dim, "gather_dim"))
-    normed = _rms_norm_fp32("rms_norm_quantize_all_gather", x_shard, norm_weight, eps)
+    wants_grad = _wants_grad(x_shard, norm_weight)
+
+    def check() -> tuple[tuple[torch.Tensor, int], list[int]]:
+        normed = _rms_norm_fp32("rms_norm_quantize_all_gather", x_shard, norm_weight, eps)
+        dim = check_dim(normed, gather_dim, "gather_dim")
+        return (normed, dim), shape_fields(x_shard) + [dim, dtype_code(x_shard.dtype),
+                                                       grad_code(x_shard, [norm_weight])]
+
+    normed, dim = agree_call("rms_norm_quantize_all_gather", group, _q_device(x_shard), _NORM_GATHER_FIELDS, check,
+                             UNEVEN_HINT)
+    if not wants_grad:
+        return _all_gather_fp8(quantize_fp8_per_token(normed), group, dim)
     box: dict = {}
-    ste = _QuantizeAllGather.apply(normed, group, check_dim(normed, gather_dim, "gather_dim"), box)
+    ste = _QuantizeAllGather.apply(normed, group, dim, box)
     gathered = box["gathered"]
     return Fp8Activation(gathered.data, gathered.scale, ste)
+
+
+_NORM_GATHER_FIELDS = shape_names("x_shard") + ("gather_dim", "dtype", "grad (1: x_shard, 2: norm_weight)")
 
 
 def _all_gather_matmul_fp8_impl(q: Fp8Activation, weights: list[Fp8Weight], group: GroupLike, gather_dim: int,
@@ -301,7 +347,7 @@ def _all_gather_matmul_fp8_impl(q: Fp8Activation, weights: list[Fp8Weight], grou
     scale2d, _ = rows_view(q.scale, gather_dim)
     m = data2d.shape[0]
     if chosen == "reference" or data2d.numel() == 0:
-        full = all_gather_fp8(Fp8Activation(data2d, scale2d), group)
+        full = _all_gather_fp8(Fp8Activation(data2d, scale2d), group, 0)
         outs2d = [scaled_matmul(full, w, out_dtype) for w in weights]
         full_data, full_scale = full.data, full.scale
     else:
@@ -352,7 +398,7 @@ class _AllGatherMatmulFp8(torch.autograd.Function):
                 grad_x = _matmul_reduce_scatter_impl(g_cat, w_cat.t(), group, gd, ctx.bw_backend)
         grad_ws: list[torch.Tensor | None] = [None] * len(ctx.qws)
         if any(ctx.needs_input_grad[first_w:]):
-            full = ctx.gathered if ctx.gathered is not None else all_gather_fp8(ctx.q, group, gather_dim=gd)
+            full = ctx.gathered if ctx.gathered is not None else _all_gather_fp8(ctx.q, group, gd)
             for i, g in enumerate(grads):
                 if g is not None and ctx.needs_input_grad[first_w + i]:
                     dt = ctx.w_dtypes[i]
@@ -377,13 +423,21 @@ def all_gather_matmul_fp8(x_shard: torch.Tensor | Fp8Activation, weights: Sequen
     is re-gathered in backward unless `return_gathered`). `gathered` carries no gradient.
     """
     group = as_group(group)  # resolved once here; the internals take the Group
-    _check_out_dtype("all_gather_matmul_fp8", out_dtype, "the products (no result scale is applied)")
     weights = list(weights)
-    q = _as_fp8(x_shard)
-    qws = [_as_fp8_weight(w) for w in weights]
-    _check_fp8_operands("all_gather_matmul_fp8", q, qws)
-    gather_dim = check_dim(q.data, gather_dim, "gather_dim")
-    chosen = resolve_backend(backend, q.data, group)
+
+    def check() -> tuple[tuple[Fp8Activation, list, int, str], list[int]]:
+        _check_out_dtype("all_gather_matmul_fp8", out_dtype, "the products (no result scale is applied)")
+        q = _as_fp8(x_shard)
+        qws = [_as_fp8_weight(w) for w in weights]
+        _check_fp8_operands("all_gather_matmul_fp8", q, qws)
+        dim = check_dim(q.data, gather_dim, "gather_dim")
+        chosen = resolve_backend(backend, q.data, group)
+        return (q, qws, dim, chosen), shape_fields(q.data) + [
+            _scale_dtype(q), dim, _hp_dtype(x_shard), backend_code(chosen), int(return_gathered),
+            grad_code(x_shard, weights)]
+
+    q, qws, gather_dim, chosen = agree_call("all_gather_matmul_fp8", group, _q_device(x_shard), _AGM_FP8_FIELDS,
+                                            check, UNEVEN_HINT)
     if not _wants_grad(x_shard, *weights):
         return _all_gather_matmul_fp8_impl(q, qws, group, gather_dim, return_gathered, out_dtype, chosen)
     box: dict = {}
@@ -464,20 +518,43 @@ def matmul_reduce_scatter_fp8(x: torch.Tensor | Fp8Activation, weight: Fp8Weight
     "auto" may use the symmetric-memory op there), grad w = deq(q(x))^T @ all_gather(dy).
     """
     group = as_group(group)  # resolved once here; the internals take the Group
-    _check_out_dtype("matmul_reduce_scatter_fp8", out_dtype, "the partial sums that are reduced over the group")
-    q = _as_fp8(x)
-    qw = _as_fp8_weight(weight)
-    _check_fp8_operands("matmul_reduce_scatter_fp8", q, [qw])
-    scatter_dim = check_dim(q.data, scatter_dim, "scatter_dim")
-    chosen = resolve_backend("decomposed" if backend in ("auto", "symm_mem") else backend, q.data, group)
-    size = group.size
-    if q.data.shape[scatter_dim] % size:
-        raise ValueError(f"matmul_reduce_scatter_fp8: x.shape[{scatter_dim}] = {q.data.shape[scatter_dim]} is not "
-                         f"divisible by the group size {size}; pad it first (parallel.sp.sp_pad)")
-    if not _wants_grad(x, weight):
+    wants_grad = _wants_grad(x, weight)
+
+    def check() -> tuple[tuple[Fp8Activation, Fp8Weight, int, str, str], list[int]]:
+        _check_out_dtype("matmul_reduce_scatter_fp8", out_dtype, "the partial sums that are reduced over the group")
+        q = _as_fp8(x)
+        qw = _as_fp8_weight(weight)
+        _check_fp8_operands("matmul_reduce_scatter_fp8", q, [qw])
+        dim = check_dim(q.data, scatter_dim, "scatter_dim")
+        chosen = resolve_backend("decomposed" if backend in ("auto", "symm_mem") else backend, q.data, group)
+        size = group.size
+        if q.data.shape[dim] % size:
+            raise ValueError(f"matmul_reduce_scatter_fp8: x.shape[{dim}] = {q.data.shape[dim]} is not "
+                             f"divisible by the group size {size}; pad it first (parallel.sp.sp_pad)")
+        bw_backend = resolve_backend(backend, q.data, group) if wants_grad else "none"  # (only backward uses it)
+        return (q, qw, dim, chosen, bw_backend), shape_fields(q.data) + [
+            _scale_dtype(q), qw.data.shape[1], dim, dtype_code(out_dtype), _hp_dtype(x), backend_code(chosen),
+            backend_code(bw_backend), grad_code(x, [weight])]
+
+    q, qw, scatter_dim, chosen, bw_backend = agree_call(
+        "matmul_reduce_scatter_fp8", group, _q_device(x), _MRS_FP8_FIELDS, check,
+        "every rank must pass x of the same shape (M a multiple of the group size: pad with sp_pad), a weight of "
+        "the same N, and the same out_dtype, x dtype, backend and inputs requiring grad")
+    if not wants_grad:
         return _matmul_reduce_scatter_fp8_impl(q, qw, group, scatter_dim, out_dtype, chosen)
-    bw_backend = resolve_backend(backend, q.data, group)
     return _MatmulReduceScatterFp8.apply(q, qw, group, scatter_dim, out_dtype, chosen, bw_backend, x, weight)
+
+
+def _hp_dtype(x: object) -> int:
+    """x's own dtype code (its gradient's dtype in backward); 0 for an already quantized input."""
+    return dtype_code(x.dtype) if isinstance(x, torch.Tensor) else 0
+
+
+_AGM_FP8_FIELDS = shape_names("q.data") + ("q.scale dtype", "gather_dim", "x_shard dtype", BACKEND_FIELD,
+                                          "return_gathered", "grad (1: x_shard, 2: a weight)")
+_MRS_FP8_FIELDS = shape_names("q.data") + ("q.scale dtype", "w.shape[1] (N)", "scatter_dim", "out_dtype", "x dtype",
+                                          "forward " + BACKEND_FIELD, "backward " + BACKEND_FIELD,
+                                          "grad (1: x, 2: weight)")
 
 
 def _scaled_matmul_nd(q: Fp8Activation, w: Fp8Weight, out_dtype: torch.dtype) -> torch.Tensor:

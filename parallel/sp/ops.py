@@ -22,7 +22,11 @@ Backends (`backend=`):
 A size-1 group never communicates (one matmul).
 
 Shapes: the gathered / scattered dim is any dim but the last (K); every rank holds the same
-shard shape, so uneven token counts are padded first (`sp_shard`). Autograd: the backward
+shard shape, so uneven token counts are padded first (`sp_shard`). On CPU tensors the ranks
+agree on it first (`shard.agree_call`): a rank with another shape, dtype, dim, backend or
+inputs requiring grad, or with bad arguments, makes every rank raise ValueError before anything
+moves (gloo aborted the process, or the gather misread the bytes); CUDA skips that host sync.
+Autograd: the backward
 of one op is the other (grad of the input of all_gather_matmul is a matmul-reduce-scatter,
 and vice versa); the gathered input is not kept for the weight gradient but gathered again
 in backward (sequence parallelism exists to save that memory) unless it was returned.
@@ -38,9 +42,10 @@ import torch
 import torch.distributed as dist
 
 from .. import impl
-from ..comm import GroupLike, all_gather_uneven, as_group, needs_wire, reduce_scatter_uneven, resolve_group
+from ..comm import GroupLike, all_gather_uneven, as_group, dtype_code, needs_wire, reduce_scatter_uneven, resolve_group
 from ..groups import Group
 from .ring import RingPeers, pairwise_reduce_scatter, ring_all_gather
+from .shard import UNEVEN_HINT, agree_call, grad_code, shape_fields, shape_names
 
 Backend = Literal["auto", "decomposed", "symm_mem", "reference"]
 
@@ -323,17 +328,24 @@ def all_gather_matmul(x_shard: torch.Tensor, weights: Sequence[torch.Tensor],
                       return_gathered: bool = False, backend: Backend = "auto") -> list[torch.Tensor]:
     """`[all_gather(x_shard, gather_dim) @ w for w in weights]`, the gather overlapped with the matmuls.
 
-    x_shard: [..., m, ..., K] this rank's shard (m along `gather_dim`, the same on every rank).
+    x_shard: [..., m, ..., K] this rank's shard (m along `gather_dim`; the same shape and dtype
+    on every rank: on CPU a rank whose shard differs makes every rank raise ValueError).
     weights: [K, N_i] each, x_shard's dtype (e.g. the Q, K, V or gate/up shards of this rank;
     several weights share one gather). Returns [..., P * m, ..., N_i] per weight, preceded by
     the gathered input [..., P * m, ..., K] when `return_gathered`. Differentiable.
     """
     weights = list(weights)
     group = as_group(group)  # resolved once here; the internals take the Group
-    check_matmul_operands("all_gather_matmul", x_shard, weights)
-    gather_dim = check_dim(x_shard, gather_dim, "gather_dim")
-    chosen = resolve_backend(backend, x_shard, group)
-    return list(_AllGatherMatmul.apply(x_shard, group, gather_dim, return_gathered, chosen, *weights))
+
+    def check() -> tuple[tuple[int, str], list[int]]:
+        check_matmul_operands("all_gather_matmul", x_shard, weights)
+        dim = check_dim(x_shard, gather_dim, "gather_dim")
+        chosen = resolve_backend(backend, x_shard, group)
+        return (dim, chosen), shape_fields(x_shard) + [dim, dtype_code(x_shard.dtype), backend_code(chosen),
+                                                       int(return_gathered), grad_code(x_shard, weights)]
+
+    dim, chosen = agree_call("all_gather_matmul", group, _device(x_shard), _GATHER_FIELDS, check, UNEVEN_HINT)
+    return list(_AllGatherMatmul.apply(x_shard, group, dim, return_gathered, chosen, *weights))
 
 
 def matmul_reduce_scatter(x: torch.Tensor, w: torch.Tensor, group: GroupLike, *,
@@ -341,16 +353,47 @@ def matmul_reduce_scatter(x: torch.Tensor, w: torch.Tensor, group: GroupLike, *,
     """`reduce_scatter(x @ w, scatter_dim)` (sum), each block's partial product sent while the next is computed.
 
     x: [..., M, ..., K] this rank's partial-sum input (M along `scatter_dim`, divisible by
-    the group size P; pad tokens with `sp_shard`/`sp_reduce_scatter` otherwise).
+    the group size P; pad tokens with `sp_shard`/`sp_reduce_scatter` otherwise), the same shape
+    and dtype on every rank, with a weight of the same N (on CPU a rank that differs makes every
+    rank raise ValueError).
     w: [K, N], x's dtype. Returns [..., M / P, ..., N]: rank r gets block r. Differentiable.
     """
-    check_matmul_operands("matmul_reduce_scatter", x, [w])
-    scatter_dim = check_dim(x, scatter_dim, "scatter_dim")
     group = as_group(group)  # resolved once here; the internals take the Group
-    size = group.size
-    if x.shape[scatter_dim] % size:
-        raise ValueError(f"matmul_reduce_scatter: x.shape[{scatter_dim}] = {x.shape[scatter_dim]} is not "
-                         f"divisible by the group size {size}; pad it to a multiple of {size} first "
-                         "(parallel.sp.sp_pad)")
-    chosen = resolve_backend(backend, x, group)
-    return _MatmulReduceScatter.apply(x, w, group, scatter_dim, chosen)
+
+    def check() -> tuple[tuple[int, str], list[int]]:
+        check_matmul_operands("matmul_reduce_scatter", x, [w])
+        dim = check_dim(x, scatter_dim, "scatter_dim")
+        size = group.size
+        if x.shape[dim] % size:
+            raise ValueError(f"matmul_reduce_scatter: x.shape[{dim}] = {x.shape[dim]} is not "
+                             f"divisible by the group size {size}; pad it to a multiple of {size} first "
+                             "(parallel.sp.sp_pad)")
+        chosen = resolve_backend(backend, x, group)
+        return (dim, chosen), shape_fields(x) + [w.shape[1], dim, dtype_code(x.dtype), backend_code(chosen),
+                                                 grad_code(x, [w])]
+
+    dim, chosen = agree_call("matmul_reduce_scatter", group, _device(x), _SCATTER_FIELDS, check,
+                             "every rank must pass x of the same shape and dtype (M a multiple of the group size: "
+                             "pad with sp_pad), a weight of the same N, and the same options")
+    return _MatmulReduceScatter.apply(x, w, group, dim, chosen)
+
+
+_BACKEND_CODES = ("local",) + tuple(b for b in BACKENDS if b != "auto")
+BACKEND_FIELD = f"backend ({', '.join(f'{i}: {b}' for i, b in enumerate(_BACKEND_CODES))})"
+"""The agreement field of the resolved backend (`backend_code`): ranks running different engines
+would pair a ring's sends with a plain collective."""
+
+
+def backend_code(chosen: str) -> int:
+    """The resolved backend `chosen` as an int of BACKEND_FIELD (len of the table for an unknown one)."""
+    return _BACKEND_CODES.index(chosen) if chosen in _BACKEND_CODES else len(_BACKEND_CODES)
+
+
+_GATHER_FIELDS = shape_names("x_shard") + ("gather_dim", "dtype", BACKEND_FIELD, "return_gathered",
+                                          "grad (1: x, 2: a weight)")
+_SCATTER_FIELDS = shape_names("x") + ("w.shape[1] (N)", "scatter_dim", "dtype", BACKEND_FIELD,
+                                      "grad (1: x, 2: w)")
+
+
+def _device(x: object) -> torch.device | None:
+    return x.device if isinstance(x, torch.Tensor) else None

@@ -16,14 +16,89 @@ All three helpers are differentiable with the Megatron conventions: the backward
 all-gather, and of `sp_all_gather` a reduce-scatter when the consumers of the gathered
 tensor are tensor-parallel (each rank holds a partial gradient, `reduce_grad=True`), or just
 this rank's slice when they are replicated (`reduce_grad=False`, e.g. the model output).
+
+Agreement: the collectives here and in `ops.py` / `fp8.py` move equal shards, and a rank whose
+shard differs (one token more, another hidden size or dtype) made gloo abort the process or
+the gather return misread bytes. So on CPU tensors every public op first agrees with the group
+(`agree_call`: one all-gather of a few ints, `comm.input_agreement`) on the shapes, dtypes and
+options that size its collectives (and on which inputs require grad: the backward passes are
+collectives too); a rank with other values, or with bad arguments, makes every rank raise
+ValueError naming the per-rank values before anything moves. Uneven shards are not supported
+(pad first: `sp_shard` / `sp_pad`). On CUDA the agreement would be a host sync on every TP
+linear (and decode steps are captured in CUDA graphs), so it is skipped there: the ranks must
+pass equal shards, and a rank's bad arguments raise on that rank alone.
 """
 
 from __future__ import annotations
 
+import zlib
+from typing import Callable, Sequence, TypeVar
+
 import torch
 import torch.nn.functional as F
 
-from ..comm import GroupLike, all_gather_uneven, reduce_scatter_uneven, resolve_group
+from ..comm import GroupLike, all_gather_uneven, dtype_code, input_agreement, reduce_scatter_uneven, resolve_group
+
+T = TypeVar("T")
+
+SHAPE_DIMS = 6
+"""Dims of a tensor's shape that `shape_fields` shows one by one (the rest go into one checksum)."""
+
+
+def shape_names(name: str) -> tuple[str, ...]:
+    """The `input_agreement` field names for the shape of tensor `name` (see `shape_fields`)."""
+    return ((f"{name} dims",) + tuple(f"{name}.shape[{i}]" for i in range(SHAPE_DIMS))
+            + (f"{name}.shape[{SHAPE_DIMS}:] (crc32)",))
+
+
+def shape_fields(t: torch.Tensor) -> list[int]:
+    """The ints of `shape_names` for `t`: its dim count, its first SHAPE_DIMS sizes (-1 past its
+    last dim), and a crc32 of any later sizes (0 if none), so that any two shapes differ somewhere."""
+    shape = list(t.shape)
+    head = shape[:SHAPE_DIMS] + [-1] * (SHAPE_DIMS - min(len(shape), SHAPE_DIMS))
+    tail = shape[SHAPE_DIMS:]
+    return [len(shape)] + head + [zlib.crc32(repr(tail).encode()) if tail else 0]
+
+
+def agree_call(what: str, group: GroupLike, device: torch.device | None, names: Sequence[str],
+               check: Callable[[], tuple[T, Sequence[int]]], hint: str) -> T:
+    """`check()`'s result, after the group agreed that every rank may go on into `what`'s collectives.
+
+    check: this rank's argument checks; returns (result, the ints of `names`) or raises ValueError.
+    On a group of more than one rank with CPU tensors (`device`), every rank joins one
+    `input_agreement`: a ValueError on any rank, or values that differ between the ranks, raise
+    ValueError on every rank (the per-rank values in the message, `hint` at its end), so none is
+    left in a collective its peers never join, or pairs equal transfers of different bytes.
+    Elsewhere (one rank; CUDA, where it would be a host sync) `check()` runs alone. Fields whose
+    name ends in "dtype" are `dtype_code`s and are shown as dtypes."""
+    _, _, size = resolve_group(group)
+    if size == 1 or device is None or device.type != "cpu":
+        return check()[0]
+    result: T | None = None
+    values: Sequence[int] | None = None
+    error = None
+    try:
+        result, values = check()
+    except ValueError as exc:
+        error = str(exc)
+    kinds = {n: "dtype" for n in names if n.endswith("dtype")}
+    message = input_agreement(what, names, values, error, group, device, kinds, hint)
+    if message is not None:
+        raise ValueError(message)
+    return result  # type: ignore[return-value]
+
+
+def grad_code(x: object, weights: Sequence[object] = ()) -> int:
+    """Which inputs autograd will differentiate (0 under no_grad): 1 for x, 2 for any weight; an
+    agreement field, as the backward passes are collectives too."""
+    if not torch.is_grad_enabled():
+        return 0
+    req = lambda t: isinstance(t, torch.Tensor) and t.requires_grad  # noqa: E731
+    return int(req(x)) + 2 * int(any(req(w) for w in weights))
+
+
+UNEVEN_HINT = ("every rank must pass a shard of the same shape and dtype (and the same options): uneven token "
+               "counts are not supported, pad them to a multiple of the group size first (sp_shard / sp_pad)")
 
 
 
@@ -75,7 +150,17 @@ class _Shard(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
+        # the forward moved nothing: the shards' shapes meet here first (a rank given an x of
+        # another length has a shard of another size, or another num_tokens to cut the gather to)
+        fields = lambda: (None, shape_fields(grad) + [ctx.dim, dtype_code(grad.dtype), ctx.num_tokens])  # noqa: E731
+        agree_call("sp_shard backward", ctx.group, grad.device, _SHARD_BACKWARD_FIELDS, fields,
+                   "every rank must shard the same replicated x (the same length T along the same dim)")
         return _gather_tokens(grad, ctx.group, ctx.dim, ctx.num_tokens), None, None
+
+
+_SHARD_BACKWARD_FIELDS = shape_names("grad") + ("dim", "dtype", "num_tokens T")
+_GATHER_FIELDS = shape_names("x_shard") + ("dim", "dtype", "num_tokens", "reduce_grad", "grad")
+_REDUCE_SCATTER_FIELDS = shape_names("x") + ("dim", "dtype", "grad")
 
 
 class _AllGather(torch.autograd.Function):
@@ -121,25 +206,44 @@ def sp_all_gather(x_shard: torch.Tensor, group: GroupLike, *, num_tokens: int | 
                   reduce_grad: bool = True) -> torch.Tensor:
     """All token shards concatenated in rank order, the padding dropped.
 
-    x_shard: [..., m, ...], the same m on every rank -> [..., num_tokens, ...] (default P * m).
+    x_shard: [..., m, ...], the same shape (and dtype) on every rank -> [..., num_tokens, ...]
+    (default P * m). Shards of different sizes are refused (ValueError on every rank, see the
+    module docstring): pad with `sp_shard` first.
     reduce_grad: backward reduce-scatters (consumers are tensor-parallel) when True, keeps
     this rank's slice of the gradient (consumers are replicated) when False.
     """
-    dim = _check_dim(x_shard, dim)
-    _, _, size = resolve_group(group)
-    padded_len = size * x_shard.shape[dim]
-    num_tokens = padded_len if num_tokens is None else num_tokens
-    lowest = max(padded_len - size + 1, 0)  # sp_shard gives ceil(T / P) tokens a rank
-    if not lowest <= num_tokens <= padded_len:
-        raise ValueError(f"num_tokens ({num_tokens}) does not match shards of {x_shard.shape[dim]} tokens on "
-                         f"{size} ranks: valid num_tokens are {lowest}..{padded_len}")
-    return _AllGather.apply(x_shard, group, dim, num_tokens, reduce_grad)
+    def check() -> tuple[tuple[int, int], list[int]]:
+        d = _check_dim(x_shard, dim)
+        _, _, size = resolve_group(group)
+        padded_len = size * x_shard.shape[d]
+        n = padded_len if num_tokens is None else num_tokens
+        lowest = max(padded_len - size + 1, 0)  # sp_shard gives ceil(T / P) tokens a rank
+        if not lowest <= n <= padded_len:
+            raise ValueError(f"num_tokens ({n}) does not match shards of {x_shard.shape[d]} tokens on "
+                             f"{size} ranks: valid num_tokens are {lowest}..{padded_len}")
+        return (d, n), shape_fields(x_shard) + [d, dtype_code(x_shard.dtype), n, int(reduce_grad),
+                                                grad_code(x_shard)]
+
+    d, n = agree_call("sp_all_gather", group, _device(x_shard), _GATHER_FIELDS, check, UNEVEN_HINT)
+    return _AllGather.apply(x_shard, group, d, n, reduce_grad)
 
 
 def sp_reduce_scatter(x: torch.Tensor, group: GroupLike, dim: int = 0) -> torch.Tensor:
     """Sum over the group of partial sums `x`, this rank keeping its token shard.
 
-    x: [..., T, ...] partial sums (e.g. a row-parallel linear's output) -> [..., ceil(T / P), ...],
-    rows past T zero. Backward: all-gather.
+    x: [..., T, ...] partial sums (e.g. a row-parallel linear's output), the same shape (and
+    dtype) on every rank (they are summed) -> [..., ceil(T / P), ...], rows past T zero;
+    ValueError on every rank otherwise (see the module docstring). Backward: all-gather.
     """
-    return _ReduceScatter.apply(x, group, _check_dim(x, dim))
+    def check() -> tuple[int, list[int]]:
+        d = _check_dim(x, dim)
+        return d, shape_fields(x) + [d, dtype_code(x.dtype), grad_code(x)]
+
+    d = agree_call("sp_reduce_scatter", group, _device(x), _REDUCE_SCATTER_FIELDS, check,
+                   "every rank must pass partial sums of the same shape and dtype along the same dim")
+    return _ReduceScatter.apply(x, group, d)
+
+
+def _device(x: object) -> torch.device | None:
+    """x's device, or None for a non-tensor (whose checks then raise on this rank alone)."""
+    return x.device if isinstance(x, torch.Tensor) else None
