@@ -138,12 +138,12 @@ def test_dcp_breakdown_times_the_merges_a_rank_runs(monkeypatch):
     """The combine's merge as one rank of N runs it: the a2a form merges the N ranks' partials of its
     own hq / N heads (it timed all hq heads: N times a rank's work, 38 against ~5 µs at N = 8 for
     MLA's 128 heads); the ag_rs form rescales the rank's local o over every head it attended."""
-    real_merge, real_combine = bench_cp.merge_attn_states, bench_cp.combine_lse
+    real_merge, real_rescale = bench_cp.merge_attn_states, bench_cp.rescale_to_merged
     merged, combined = [], []
     monkeypatch.setattr(bench_cp, "merge_attn_states",
                         lambda o, lse: merged.append(tuple(o.shape)) or real_merge(o, lse))
-    monkeypatch.setattr(bench_cp, "combine_lse",
-                        lambda lses: combined.append((len(lses), tuple(lses[0].shape))) or real_combine(lses))
+    monkeypatch.setattr(bench_cp, "rescale_to_merged",
+                        lambda o, lses, i: combined.append((len(lses), tuple(o.shape[:-1]))) or real_rescale(o, lses, i))
     ctx = BenchContext(suite="cp", device=torch.device("cpu"), quick=True)
     with torch.no_grad():
         bench_cp._dcp_breakdown(ctx)

@@ -448,3 +448,114 @@ def test_merge_rejects_integer_outs_naming_the_dtype():
         merge_attn_states(outs, lses)
     with pytest.raises(ValueError, match=r"input 1: out must have a float dtype, got torch.int64"):
         merge_two_attn_states(outs[0].float(), lses[0], outs[1].long(), lses[1])
+
+
+# ---- one partial's share of a merge (DCP's all-gather + reduce-scatter combine) ----------------------
+
+
+def _share_float64(outs: torch.Tensor, lses: torch.Tensor, base: str, i: int) -> torch.Tensor:
+    """Partial i's out times exp(lse_i - lse) in float64 (0 where part i is empty, NaN on NaN rows),
+    written apart from merge.py as `_merge_float64` is."""
+    l64 = lses.double() * (LN2 if base == "2" else 1.0)
+    nan_row = torch.isnan(l64).any(0)
+    empty = torch.isnan(l64) | torch.isinf(l64)
+    l64 = l64.masked_fill(empty, -math.inf)
+    m = l64.max(0).values.masked_fill(empty.all(0), 0.0)
+    w = torch.exp(l64 - m).masked_fill(empty, 0.0)
+    scale = w[i] / w.sum(0).masked_fill(empty.all(0), 1.0)
+    out = outs[i].double().masked_fill(empty[i][..., None], 0.0) * scale[..., None]
+    return out.masked_fill(nan_row[..., None], math.nan)
+
+
+def _check_shares(rescale, seeds, ns, dtypes, base):
+    for seed in seeds:
+        for n in ns:
+            outs, lses = _awkward_states(300 + 100 * seed + n, n, t=8)
+            for dtype in dtypes:
+                x = outs.to(dtype)
+                want_out, want_lse = _merge_float64(x.float(), lses, base)
+                total = None
+                for i in range(n):
+                    got = rescale(x[i], lses if i % 2 else list(lses), i)
+                    what = (seed, n, dtype, i)
+                    assert got.out.dtype == torch.float32 and got.lse.dtype == torch.float32, what
+                    torch.testing.assert_close(got.out.double(), _share_float64(x.float(), lses, base, i), rtol=0,
+                                               atol=1e-5, equal_nan=True, msg=what)
+                    torch.testing.assert_close(got.lse.double(), want_lse, rtol=2e-7, atol=1e-5, equal_nan=True,
+                                               msg=what)
+                    total = got.out.double() if total is None else total + got.out.double()
+                # the reduce-scatter's sum of every share is the merge
+                torch.testing.assert_close(total, want_out, rtol=0, atol=1e-5, equal_nan=True, msg=(seed, n, dtype))
+
+
+@pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")
+@pytest.mark.parametrize("base", ["e", "2"])
+def test_rescale_to_merged_is_a_partials_share_of_the_merge(base):
+    """`rescale_to_merged` (torch): each partial's scaled out against a float64 reference on the
+    awkward states (empty / +inf / NaN rows, garbage outs of empty parts, huge lse gaps), N = 1..6,
+    every index, fp32 / bf16 outs; the shares sum to the merge and carry its lse."""
+    from parallel.cp.merge import rescale_to_merged
+
+    _check_shares(lambda o, l, i: rescale_to_merged(o, l, i, base=base, backend="torch"), range(3), (1, 2, 3, 6),
+                  (torch.float32, torch.bfloat16), base)
+
+
+@pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")
+@pytest.mark.parametrize("base", ["e", "2"])
+def test_rescale_kernel_matches_the_float64_share_under_interpreter(monkeypatch, base):
+    """The one-kernel form (`triton_merge.rescale_triton`) on the same states, fp32 / fp16 outs,
+    strided outs ([T, H, D] views of [H, T, D] memory)."""
+    mod = _triton_merge_module(monkeypatch)
+
+    def rescale(o, l, i):
+        stacked = l if isinstance(l, torch.Tensor) else torch.stack(l)
+        strided = o.transpose(0, 1).contiguous().transpose(0, 1)
+        return mod.rescale_triton(strided, stacked, i, base=base)
+
+    _check_shares(rescale, range(2), (1, 2, 3, 5), (torch.float32, torch.float16), base)
+
+
+def test_rescale_to_merged_rejects_bad_input():
+    from parallel.cp.merge import rescale_to_merged
+
+    out, lses = torch.randn(4, 2, 8), torch.randn(3, 4, 2)
+    for index in (3, -1, 1.0, True):
+        with pytest.raises(ValueError, match=r"index .* must be an int in \[0, 3\)"):
+            rescale_to_merged(out, lses, index)
+    with pytest.raises(ValueError, match=r"lse 1 is \(4, 3\)"):
+        rescale_to_merged(out, [lses[0], torch.randn(4, 3), lses[2]], 0)
+    with pytest.raises(ValueError, match="out"):
+        rescale_to_merged(torch.randn(4, 3, 8), lses, 0)
+    with pytest.raises(ValueError, match="float dtype"):
+        rescale_to_merged(out.to(torch.int32), lses, 0)
+    with pytest.raises(ValueError, match="N >= 1"):
+        rescale_to_merged(out, [], 0)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rescale_to_merged_on_cuda_is_one_kernel_matching_torch(dtype):
+    """On CUDA without autograd the Triton kernel runs (one launch, captured in a CUDA graph) and
+    matches the torch form, DCP's shapes included (B 32, 128 heads x 512 latent, N 8)."""
+    from parallel.cp.merge import rescale_to_merged
+
+    for n, (t, h, d) in ((2, (1000, 16, 128)), (8, (32, 128, 512)), (3, (7, 5, 96))):
+        outs, lses = _edge_case_states(n, n, t, h, d)
+        outs, lses = outs.cuda().to(dtype), lses.cuda()
+        for i in (0, n - 1):
+            want = rescale_to_merged(outs[i], lses, i, backend="torch")
+            got = rescale_to_merged(outs[i], lses, i)
+            torch.testing.assert_close(got.out, want.out, rtol=0, atol=1e-5, equal_nan=True)
+            torch.testing.assert_close(got.lse, want.lse, rtol=0, atol=1e-5, equal_nan=True)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        rescale_to_merged(outs[0], lses, 0)
+        torch.cuda.synchronize()
+    kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    assert len(kernels) == 1, [e.name for e in kernels]
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = rescale_to_merged(outs[0], lses, 0)
+    graph.replay()
+    torch.cuda.synchronize()
+    torch.testing.assert_close(captured.out, rescale_to_merged(outs[0], lses, 0, backend="torch").out, rtol=0,
+                               atol=1e-5, equal_nan=True)

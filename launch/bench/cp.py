@@ -51,7 +51,7 @@ from megapar.launch.bench.common import (BenchContext, ceilings, copy_ceiling_gb
                                          input_copies, l2_sets, probe_main, step_time)
 from megapar.parallel.cp import PagedKVCache, attention_with_lse, dcp_kv_insert, zigzag_shard
 from megapar.parallel.cp.dcp import DCPLayout, write_kv_slots
-from megapar.parallel.cp.merge import combine_lse, merge_attn_states
+from megapar.parallel.cp.merge import merge_attn_states, rescale_to_merged
 from megapar.parallel.cp.ring import simulate_ring_backward, simulate_ring_forward
 
 RING_TARGET = 1.15
@@ -230,11 +230,7 @@ def _dcp_breakdown(ctx: BenchContext) -> None:
             own = max(1, hq // n)
             a2a_outs, a2a_lses = outs[:, :, :own].contiguous(), lses[:, :, :own].contiguous()
 
-            def ag_rs_math():
-                _, _, scales = combine_lse(list(lses.unbind(0)))
-                return outs[0] * scales[0].unsqueeze(-1)
-
-            ag_rs_us, _ = graph_time(ctx, ag_rs_math)
+            ag_rs_us, _ = graph_time(ctx, lambda: rescale_to_merged(outs[0], lses, 0))
             a2a_us, _ = graph_time(ctx, lambda: merge_attn_states(a2a_outs, a2a_lses))
             floor, byte_floor, flop_floor = floors(local[0][0], batch * (context // n))
             ctx.record(f"dcp decode {kind} local attention over 1/{n} of the KV ({tag} cache, B={batch}, L={context}, "

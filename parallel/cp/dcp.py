@@ -56,7 +56,7 @@ from ..comm import (GroupLike, all_gather_uneven, all_to_all_uneven, dtype_code,
                     reduce_scatter_uneven, resolve_group)
 from ..quant import quantize
 from .local_attn import masked_attention_math, resolve_scale
-from .merge import AttnState, combine_lse, merge_attn_states
+from .merge import AttnState, merge_attn_states, rescale_to_merged
 
 DCPComm = Literal["ag_rs", "a2a"]
 
@@ -518,11 +518,9 @@ def dcp_decode_attention(q: Tensor, cache: PagedKVCache, block_table: Tensor, se
         state = local
     elif comm == "ag_rs":
         lses = all_gather_uneven(local.lse.unsqueeze(0).contiguous(), group, dim=0, sizes=[1] * size)
-        lse_all, _, scales = combine_lse(list(lses.unbind(0)))
-        mine = scales[rank].unsqueeze(-1)
-        scaled = torch.where(mine > 0, local.out, 0.0) * mine
-        out = reduce_scatter_uneven(scaled, [heads] * size, group, dim=1)
-        state = AttnState(out, lse_all[:, rank * heads:(rank + 1) * heads])
+        scaled = rescale_to_merged(local.out, lses, rank)      # (one kernel on CUDA)
+        out = reduce_scatter_uneven(scaled.out, [heads] * size, group, dim=1)
+        state = AttnState(out, scaled.lse[:, rank * heads:(rank + 1) * heads])
     else:
         s, dv = q.shape[0], local.out.shape[-1]
         packed = torch.cat([local.out, local.lse.unsqueeze(-1)], dim=-1)                  # [S, N*Hq, Dv+1]

@@ -148,6 +148,71 @@ def _merge_n_kernel(
                   BASE2)
 
 
+@triton.jit
+def _rescale_kernel(
+    x_ptr, lx_ptr, y_ptr, ly_ptr,
+    M, H, INDEX,
+    sx_m, sx_h, sx_d, slx_n, slx_m, slx_h,
+    sy_m, sy_h, sy_d, sly_m, sly_h,
+    N: tl.constexpr, D: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr, BASE2: tl.constexpr,
+    PDL: tl.constexpr = False,
+):
+    """One partial's share of an N-way merge (the all-gather + reduce-scatter form): its out times
+    w_INDEX / sum_i w_i from the N lses, and the merged lse; the same arithmetic as `_merge_n_kernel`
+    with one out read instead of N."""
+    if PDL:
+        gdc_wait()
+    rows = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R).to(tl.int64)
+    rmask = rows < M * H
+    m_idx = rows // H
+    h_idx = rows % H
+    lse_off = m_idx * slx_m + h_idx * slx_h
+    slx_n64 = tl.cast(slx_n, tl.int64)
+    mx = tl.full([BLOCK_R], float("-inf"), tl.float32)
+    for i in tl.static_range(N):
+        li = _clean_lse(tl.load(lx_ptr + i * slx_n64 + lse_off, mask=rmask, other=float("-inf")).to(tl.float32))
+        mx = tl.maximum(mx, li, propagate_nan=tl.PropagateNan.ALL)
+    mx = tl.where(mx == float("-inf"), 0.0, mx)
+    total = tl.full([BLOCK_R], 0.0, tl.float32)
+    for i in tl.static_range(N):
+        li = _clean_lse(tl.load(lx_ptr + i * slx_n64 + lse_off, mask=rmask, other=float("-inf")).to(tl.float32))
+        total += _pow(li - mx, BASE2)
+    safe = tl.where(total > 0, total, 1.0)
+    mine = _clean_lse(tl.load(lx_ptr + tl.cast(INDEX, tl.int64) * slx_n64 + lse_off, mask=rmask,
+                              other=float("-inf")).to(tl.float32))
+    # (NaN on a row where any lse is NaN: mx is NaN there, hence the scale, and 0 * NaN below)
+    si = _pow(mine - mx, BASE2) / safe
+    d = tl.arange(0, BLOCK_D)
+    mask2 = rmask[:, None] & (d[None, :] < D)
+    o = tl.load(x_ptr + m_idx[:, None] * sx_m + h_idx[:, None] * sx_h + d[None, :] * sx_d, mask=mask2, other=0.0)
+    acc = tl.where(si[:, None] > 0, o.to(tl.float32), 0.0) * si[:, None]
+    _store_merged(y_ptr, ly_ptr, m_idx, h_idx, d, rmask, mask2, acc, mx, total, sy_m, sy_h, sy_d, sly_m, sly_h,
+                  BASE2)
+
+
+def rescale_triton(out: Tensor, lses: Tensor, index: int, *, base: str = "e", pdl: bool = False) -> AttnState:
+    """Triton version of `merge.rescale_to_merged` (inputs validated there): out [..., T, H, D],
+    lses [N, ..., T, H] stacked. Returns (fp32 scaled out, fp32 merged lse), fresh tensors."""
+    pdl = pdl and pdl_ok(out.device)
+    shape, n = out.shape, lses.shape[0]
+    H, D = shape[-2], shape[-1]
+    x = _rows(out, 2)
+    lx = lses.reshape(n, -1, H)
+    M = x.shape[0]
+    y = torch.empty((M, H, D), dtype=torch.float32, device=out.device)
+    ly = torch.empty((M, H), dtype=torch.float32, device=out.device)
+    from .. import impl
+
+    block_r, block_d, num_warps = _launch_config(D, M * H, 0 if impl.interpreting() else CONFIG["min_programs"])
+    if M * H > 0:
+        _rescale_kernel[(triton.cdiv(M * H, block_r),)](
+            x, lx, y, ly, M, H, index,
+            *x.stride(), *lx.stride(), *y.stride(), *ly.stride(),
+            N=n, D=D, BLOCK_R=block_r, BLOCK_D=block_d, BASE2=(base == "2"), PDL=pdl, num_warps=num_warps,
+            **({"launch_pdl": True} if pdl else {}))
+    return AttnState(y.view(shape), ly.view(shape[:-1]))
+
+
 def _rows(x: Tensor, width: int) -> Tensor:
     """View `x [..., H(, D)]` as `[M, H(, D)]` (a copy only when the leading dims do not merge)."""
     return x.reshape((-1,) + tuple(x.shape[x.dim() - width:]))
