@@ -395,6 +395,8 @@ def _deep_gemm_rows(ctx: BenchContext, shape: str, gemm: str, w: dict[str, Any],
         row(f"deep_gemm masked C={C} expected_m={tok}",
             lambda: dgm.deep_gemm_grouped_gemm(xs_, w["pw"], slab_rows, out_dtype=torch.bfloat16, expected_m=tok),
             ref8, tok, M, anchor, bf16_us)
+        # ours take the weight as the MoE layer prepares it (w["layer"]: octb under bf16 activations on
+        # CUDA), as the main and routed rows do; w["pw"] (oct) is the probe's, a slower decode kernel
         for ours, act in (("triton_w4a16", None), ("triton_w4a8", "fp8_token")):   # each against its own inputs
             xr = quantize_dequantize_act(xs_.reshape(E * C, K), act).view(E, C, K)
             # without a hint the slab's capacity picks the kernel settings; with rows_hint = the
@@ -402,7 +404,7 @@ def _deep_gemm_rows(ctx: BenchContext, shape: str, gemm: str, w: dict[str, Any],
             # the decode ones
             for hint in (None, tok):
                 row(f"{ours} slab C={C}" + (f" rows_hint={hint}" if hint else ""),
-                    lambda ours=ours, hint=hint: grouped_gemm(xs_, w["pw"], counts=counts, layout="slab",
+                    lambda ours=ours, hint=hint: grouped_gemm(xs_, w["layer"], counts=counts, layout="slab",
                                                               backend=ours, rows_hint=hint),
                     torch.bmm(xr, w["f32"].transpose(1, 2)) * keep, tok, M, anchor, bf16_us,
                     floor_us=w4_floor_us(E, N, K, M, ctx.device, ours),

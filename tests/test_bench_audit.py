@@ -1,0 +1,42 @@
+"""Audit of `megapar bench` rows that did not measure what they say: each test fails on the code
+before its fix (a row timing a different weight or path than a user's, an anchor timed another way
+than ours in the same row, a result recorded without being compared to its reference)."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import torch
+
+from megapar.launch.bench.common import BenchContext
+
+
+def test_gemm_deep_gemm_section_times_our_slab_calls_on_the_layers_weight(monkeypatch):
+    """The DeepGEMM section's "triton_w4a16 / triton_w4a8 slab" rows call grouped_gemm with the
+    weight as the MoE layer prepares it (w["layer"]: octb under bf16 activations on CUDA), as the
+    main and routed rows do; they took w["pw"] (oct), the probe's packing, whose W4A16 decode
+    kernel is 1.10-1.24x slower, so ours were timed on a path no layer runs."""
+    from megapar.launch.bench import gemm
+    from megapar.moe.kernels import deep_gemm as dgm
+    from megapar.moe.kernels.grouped_gemm import GEMM
+
+    monkeypatch.setattr(GEMM, "usable", lambda **_: {"deep_gemm": None})
+    monkeypatch.setattr(dgm, "deep_gemm_weight", lambda pw: SimpleNamespace(source="stand-in", extra_bytes=0))
+    monkeypatch.setattr(dgm, "_module", lambda: None)
+    monkeypatch.setattr(dgm, "alignment", lambda dg: 1 << 30)
+    monkeypatch.setattr(gemm, "DG_PREFILL_TOKENS", (8,))
+    E, N, K = 4, 256, 128
+    ctx = BenchContext(suite="gemm", device=torch.device("cpu"), quick=True)
+    w = gemm._weights(ctx, E, N, K, seed=1)
+    w["fp8"] = None
+    w["layer"] = SimpleNamespace(name="the layer's weight")     # (on CPU the two are one object)
+    calls = []
+
+    def grouped(x, weight, counts=None, layout="contiguous", backend=None, rows_hint=None):
+        calls.append((backend, layout, weight))
+        return torch.zeros(*x.shape[:-1], N, dtype=torch.bfloat16)
+
+    assert gemm._deep_gemm_rows(ctx, "tiny", "L2", w, grouped)
+    ours = [c for c in calls if c[0].startswith("triton")]
+    assert ours and {c[1] for c in ours} == {"slab"}
+    assert all(c[2] is w["layer"] for c in ours), [(c[0], c[2] is w["pw"]) for c in ours]
