@@ -40,3 +40,38 @@ def test_gemm_deep_gemm_section_times_our_slab_calls_on_the_layers_weight(monkey
     ours = [c for c in calls if c[0].startswith("triton")]
     assert ours and {c[1] for c in ours} == {"slab"}
     assert all(c[2] is w["layer"] for c in ours), [(c[0], c[2] is w["pw"]) for c in ours]
+
+
+def test_quant_anchor_is_timed_as_ours_is(monkeypatch):
+    """Each quantize / dequantize row times ours as a CUDA-graph replay (`graph_time`); its torch
+    anchor was an eager call between events (`ctx.time_fn` straight), so the anchor's Python and
+    its many kernel launches counted against it alone and speedup_vs_anchor was inflated. Both
+    sides now go through graph_time (eager on CPU and where a capture fails: column anchor_timing)."""
+    from megapar.launch.bench import quant as bench_quant
+
+    state = {"depth": 0}
+    real_graph_time = bench_quant.graph_time
+
+    def graph_time(ctx, fn, iters=None):
+        state["depth"] += 1
+        try:
+            return real_graph_time(ctx, fn, iters=iters)
+        finally:
+            state["depth"] -= 1
+
+    class Ctx(BenchContext):
+        timed: list = []
+
+        def time_fn(self, fn, **kw):
+            self.timed.append(state["depth"] > 0)
+            return super().time_fn(fn, **kw)
+
+    monkeypatch.setattr(bench_quant, "graph_time", graph_time)
+    monkeypatch.setattr(bench_quant, "WEIGHT_FORMATS", (("mxfp4", {}),))
+    monkeypatch.setattr(bench_quant, "ACT_FORMATS", (("fp8_token", {}),))
+    ctx = Ctx(suite="quant", device=torch.device("cpu"), quick=True)
+    bench_quant.run(ctx)
+    rows = [r for r in ctx.rows if "anchor_us" in r]
+    assert len(rows) == 4
+    assert len(ctx.timed) == 2 * len(rows) and all(ctx.timed), ctx.timed   # ours and anchor, both in graph_time
+    assert all(r["anchor_timing"] == r["timing"] == "eager" for r in rows)    # (CPU: graph_time is eager)
