@@ -75,3 +75,31 @@ def test_quant_anchor_is_timed_as_ours_is(monkeypatch):
     assert len(rows) == 4
     assert len(ctx.timed) == 2 * len(rows) and all(ctx.timed), ctx.timed   # ours and anchor, both in graph_time
     assert all(r["anchor_timing"] == r["timing"] == "eager" for r in rows)    # (CPU: graph_time is eager)
+
+
+def test_merge_ring_step_row_says_whether_the_in_place_merge_is_right(monkeypatch):
+    """The ring step's row (fp32 accumulator merged in place with a block) recorded a time without
+    comparing the in-place result to the reference, unlike the N-way rows (matches_reference): a
+    wrong in-place kernel gave a row like a right one. A stand-in that drops the block must now
+    read matches_reference=False, the real merge True."""
+    from megapar.launch.bench import merge as bench_merge
+
+    def ring_rows(fn):
+        monkeypatch.setattr(bench_merge, "merge_two_attn_states", fn)
+        ctx = BenchContext(suite="merge", device=torch.device("cpu"), quick=True)
+        bench_merge.run(ctx)
+        return [r for r in ctx.rows if r["case"].startswith("ring step")]
+
+    real = bench_merge.merge_two_attn_states
+
+    def wrong(out_a, lse_a, out_b, lse_b, *, out=None, out_lse=None, backend="auto"):
+        if backend == "torch":
+            return real(out_a, lse_a, out_b, lse_b, out=out, out_lse=out_lse, backend=backend)
+        # "ours" keeps the accumulator as it was: the block is lost
+        return SimpleNamespace(out=out if out is not None else out_a.clone(),
+                               lse=out_lse if out_lse is not None else lse_a.clone())
+
+    (bad,) = ring_rows(wrong)
+    assert bad.get("matches_reference") is False
+    (good,) = ring_rows(real)
+    assert good.get("matches_reference") is True
