@@ -103,3 +103,41 @@ def test_merge_ring_step_row_says_whether_the_in_place_merge_is_right(monkeypatc
     assert bad.get("matches_reference") is False
     (good,) = ring_rows(real)
     assert good.get("matches_reference") is True
+
+
+def test_route_fused_rows_say_whether_the_kernel_routes_as_torch_does(monkeypatch):
+    """On CUDA each preset's "triton" and "triton graph" rows timed the fused kernel with no look at
+    what it returned: a kernel routing to the wrong experts gave a row like a right one. The rows
+    now carry matches_reference (experts per token as sets, weights id by id). CUDA is stood in for:
+    a context that says CUDA, the timers stubbed, `route(backend="triton")` the torch path
+    (right) or the torch path with a token's experts shifted (wrong)."""
+    from megapar.launch.bench import route as bench_route
+
+    class FakeCuda(BenchContext):
+        @property
+        def is_cuda(self) -> bool:
+            return True
+
+        def time_fn(self, fn, **kw):
+            fn()
+            return 1.0
+
+    monkeypatch.setattr(bench_route, "_loop_us", lambda fn, **kw: 1.0)
+    monkeypatch.setattr(bench_route, "_graph_us", lambda ctx, fn, **kw: (fn(), 1.0)[1])
+    real = bench_route.route
+
+    def rows(shift: int):
+        def route(logits, backend="auto", **kw):
+            res = real(logits, backend="torch", **kw)
+            if backend == "triton" and shift:
+                res.topk_ids[0] = (res.topk_ids[0] + shift) % logits.shape[1]
+            return res
+        monkeypatch.setattr(bench_route, "route", route)
+        ctx = FakeCuda(suite="route", device=torch.device("cpu"), quick=True)
+        bench_route.run(ctx)
+        fused = [r for r in ctx.rows if "triton" in r["case"]]
+        assert len(fused) == 2 * len(bench_route.PRESETS) * 2        # (T = 1, 64) x (triton, triton graph)
+        return fused
+
+    assert all(r.get("matches_reference") is True for r in rows(0))
+    assert all(r.get("matches_reference") is False for r in rows(1))

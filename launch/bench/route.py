@@ -14,6 +14,8 @@ model makes it (`route(logits, bias=..., backend=...)`, fresh outputs every call
 - row "<preset> T=<T> triton graph": the same call captured 20 times in a CUDA graph and
   replayed, per call (device time only: what a graph-captured decode step pays). Its anchor
   is the torch path captured the same way.
+Each fused row says whether the kernel's routing matches the torch path's on its inputs
+(`matches_reference`: the same experts per token, weights id by id to fp32 rounding).
 With `--device cuda` a short (BLOCK_T, num_warps) sweep at T=4096 follows if time allows. The
 suite keeps itself under ~40 s (each new kernel specialization compiles first): cases left
 when the budget is spent are skipped with a note.
@@ -51,6 +53,17 @@ def _inputs(ctx: BenchContext, T: int, E: int) -> tuple[torch.Tensor, torch.Tens
     logits = torch.randn(T, E, generator=g).to(ctx.device)
     bias = (torch.randn(E, generator=g) * 0.1).to(ctx.device)
     return logits, bias
+
+
+def matches(fast, ref) -> bool:
+    """The fused kernel's routing against the torch path's: per token the same experts (as sets:
+    the order among the top-k is free) with the same weights id by id, to fp32 rounding."""
+    ids, order = fast.topk_ids.sort(dim=1)
+    rids, rorder = ref.topk_ids.sort(dim=1)
+    if not torch.equal(ids, rids):
+        return False
+    return bool(torch.allclose(fast.topk_weights.gather(1, order), ref.topk_weights.gather(1, rorder),
+                               rtol=1e-5, atol=1e-6))
 
 
 def _loop_us(fn: Callable[[], Any], calls: int = LOOP_CALLS, repeats: int = 5) -> float:
@@ -120,15 +133,17 @@ def run(ctx: BenchContext) -> None:
                 continue
             fast = lambda: route(logits, bias=bias, backend="triton", **kw)  # noqa: E731
             target = TARGET_US[name] if T <= 4096 else None
+            ok = matches(fast(), eager())
             fast_us = ctx.time_fn(fast)
             ctx.record(f"{name} T={T} triton", fast_us, anchor="torch eager route", anchor_us=eager_us,
                        floor_us=floor_us, target_us=target, meets_target=(fast_us <= target) if target else None,
-                       loop_us=_loop_us(fast), E=E, K=kw["top_k"], T=T)
+                       loop_us=_loop_us(fast), E=E, K=kw["top_k"], T=T, matches_reference=ok)
             graph_us = _graph_us(ctx, fast)
             if graph_us is not None:
                 ctx.record(f"{name} T={T} triton graph", graph_us, anchor="torch route (graph)",
                            anchor_us=_graph_us(ctx, eager), floor_us=floor_us, target_us=target,
-                           meets_target=(graph_us <= target) if target else None, E=E, K=kw["top_k"], T=T)
+                           meets_target=(graph_us <= target) if target else None, E=E, K=kw["top_k"], T=T,
+                           matches_reference=ok)
     if skipped:
         ctx.note(f"time budget ({BUDGET_S:.0f} s) spent: skipped {', '.join(skipped)}")
     if fused and not ctx.quick:
