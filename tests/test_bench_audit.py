@@ -141,3 +141,33 @@ def test_route_fused_rows_say_whether_the_kernel_routes_as_torch_does(monkeypatc
 
     assert all(r.get("matches_reference") is True for r in rows(0))
     assert all(r.get("matches_reference") is False for r in rows(1))
+
+
+def test_ep_local_mover_rows_say_whether_ours_match_the_torch_movers(monkeypatch):
+    """The local permute / unpermute rows timed our movers (Triton on CUDA) beside the torch ones
+    without comparing what they wrote: a mover dropping rows gave a row like a right one. The rows
+    now carry matches_reference; stand-ins that drop a row must read False, the real movers True."""
+    import megapar.parallel.ep as ep_pkg
+    from megapar.launch.bench import ep as bench_ep
+
+    monkeypatch.setenv("MEGAPAR_BENCH_EP_SECTIONS", "local")
+    real_rows, real_reduce = ep_pkg.gather_rows, ep_pkg.gather_reduce
+
+    def movers(broken: bool):
+        def gather_rows(x, row_src, *a, **kw):
+            out = real_rows(x, row_src, *a, **kw)
+            return out[1:].new_zeros(1, out.shape[1]).expand_as(out).clone() if broken else out
+
+        def gather_reduce(y, pair_pos, w, *a, **kw):
+            out = real_reduce(y, pair_pos, w, *a, **kw)
+            return out * 0 if broken else out
+        monkeypatch.setattr(ep_pkg, "gather_rows", gather_rows)
+        monkeypatch.setattr(ep_pkg, "gather_reduce", gather_reduce)
+        ctx = BenchContext(suite="ep", device=torch.device("cpu"), quick=True)
+        bench_ep.run(ctx)
+        rows = [r for r in ctx.rows if "permute rows" in r["case"]]
+        assert len(rows) == 2
+        return rows
+
+    assert all(r.get("matches_reference") is True for r in movers(False))
+    assert all(r.get("matches_reference") is False for r in movers(True))

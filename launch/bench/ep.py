@@ -6,7 +6,8 @@
    the whole `dispatch` / `combine` (routing plan + movers + the one host sync). Floors: permute
    (T + R) * H * 2 bytes (each source row read once, each of the R layout rows written once,
    padding rows as zeros); unpermute (P + T) * H * 2 (the P = T * K pairs' rows read once, each
-   token's row written once: the padding rows of align > 1 are not read).
+   token's row written once: the padding rows of align > 1 are not read). The movers' rows say
+   whether ours match the torch movers on the same inputs (`matches_reference`).
 2. Multi-rank dispatch + combine for T tokens per rank: gloo ranks on CPU (launch_local), or
    NCCL with one rank per GPU when >= 2 GPUs exist (else a note). World size:
    `--world-size N` or MEGAPAR_BENCH_EP_WORLD (default 2 with --quick, 4 on CPU, all GPUs).
@@ -79,20 +80,26 @@ def _local_cases(ctx: BenchContext) -> None:
             copy_src = torch.empty(moved // 4, dtype=torch.int16, device=dev)
             return ctx.time_fn(lambda: copy_src.clone(), flush_l2=flush)
         copy_us = copy_us_of(nbytes)
+        ok = torch.equal(gather_rows(x, plan.row_src), gather_rows_torch(x, plan.row_src))
         ours = ctx.time_fn(lambda: gather_rows(x, plan.row_src), flush_l2=flush)
         eager = ctx.time_fn(lambda: gather_rows_torch(x, plan.row_src), flush_l2=flush)
         ctx.record(f"local permute rows {shape}", ours, anchor="torch index_select + mask", anchor_us=eager,
-                   floor_us=floor, gbps=nbytes / ours / 1e3, copy_same_bytes_us=copy_us, rows=rows)
+                   floor_us=floor, gbps=nbytes / ours / 1e3, copy_same_bytes_us=copy_us, rows=rows,
+                   matches_reference=ok)
         full = ctx.time_fn(lambda: d.dispatch(x, ids, w), flush_l2=flush)
         ctx.record(f"local dispatch (plan + permute) {shape}", full, anchor="permute rows only", anchor_us=ours,
                    floor_us=floor, gbps=nbytes / full / 1e3)
         y = res.x
         wf = w.float()
+        back_ref = gather_reduce_torch(y, plan.pair_pos, wf).float()
+        ok = bool(torch.allclose(gather_reduce(y, plan.pair_pos, wf).float(), back_ref, rtol=1e-2, atol=1e-2))
         ours = ctx.time_fn(lambda: gather_reduce(y, plan.pair_pos, wf), flush_l2=flush)
         eager = ctx.time_fn(lambda: gather_reduce_torch(y, plan.pair_pos, wf), flush_l2=flush)
         back_copy_us = copy_us if back_bytes == nbytes else copy_us_of(back_bytes)
         ctx.record(f"local unpermute rows {shape}", ours, anchor="torch K x (index_select, mul, add)",
-                   anchor_us=eager, floor_us=back_floor, gbps=back_bytes / ours / 1e3, copy_same_bytes_us=back_copy_us)
+                   anchor_us=eager, floor_us=back_floor, gbps=back_bytes / ours / 1e3, copy_same_bytes_us=back_copy_us,
+                   matches_reference=ok)
+        del back_ref
         full = ctx.time_fn(lambda: d.combine(y, res.handle), flush_l2=flush)
         ctx.record(f"local combine {shape}", full, anchor="unpermute rows only", anchor_us=ours, floor_us=back_floor,
                    gbps=back_bytes / full / 1e3)
