@@ -198,6 +198,10 @@ def _run_suites(args: argparse.Namespace, out: Path) -> int:
 
             traceback.print_exc()
             failed.append(name)
+        if ctx.wrong:
+            print(f"   {name}: {len(ctx.wrong)} row(s) did not match their reference: {', '.join(ctx.wrong)}",
+                  file=sys.stderr)
+            failed.append(f"{name} (wrong results)")
         if ctx.rows:
             print("\n" + format_table(ctx.rows, columns(ctx.rows, extra=4)) + "\n", flush=True)
         if ctx.rows or ctx.notes:

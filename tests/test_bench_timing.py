@@ -331,3 +331,28 @@ def test_measured_ceilings_are_plausible():
     c = common.measure_ceilings(torch.device("cuda"), copy_mib=256, n=4096, iters=5)
     assert 500 < c.copy_gbps < 10000 and 50 < c.bf16_tflops < 3000 and c.fp8_tflops > 0, c
     assert "measured on this" in c.source
+
+
+def test_a_row_that_does_not_match_its_reference_fails_the_suite(tmp_path, monkeypatch, capsys):
+    """A fast wrong kernel is not a result: a row recorded with matches_reference=False (or
+    bit_identical=False) is marked in its case and the notes, and `megapar bench` exits 1 naming
+    the suite; rows that match are untouched."""
+    import sys
+    import types
+
+    from launch.cli import main as cli_main
+
+    def run(ctx):
+        ctx.record("good", 2.0, matches_reference=True)
+        ctx.record("fast but wrong", 1.0, anchor="torch", anchor_us=5.0, matches_reference=False)
+        ctx.record("bits", 1.0, bit_identical=False)
+
+    monkeypatch.setitem(sys.modules, "megapar.launch.bench.merge", types.SimpleNamespace(run=run))
+    assert cli_main(["bench", "merge", "--device", "cpu", "--out", str(tmp_path)]) == 1
+    err = capsys.readouterr().err
+    assert "failed suites: merge (wrong results)" in err and "fast but wrong, bits" in err
+    import json
+
+    data = json.loads((tmp_path / "merge-cpu.json").read_text())
+    assert [r["case"] for r in data["rows"]] == ["good", "fast but wrong [WRONG RESULT]", "bits [WRONG RESULT]"]
+    assert sum("WRONG RESULT" in n for n in data["notes"]) == 2

@@ -37,6 +37,10 @@ def device_tag(device: torch.device) -> str:
     return name.replace(" ", "_")
 
 
+CORRECTNESS_FLAGS = ("matches_reference", "bit_identical")
+"""row fields by which a suite says whether the timed call's output matched its reference"""
+
+
 @dataclass
 class BenchContext:
     """What a suite gets: where to run, how big, and where its rows go."""
@@ -49,6 +53,8 @@ class BenchContext:
     options: dict[str, Any] = field(default_factory=dict)
     sizes_quick: bool = False
     """the suite ran reduced sizes without --quick (no full size on this device)"""
+    wrong: list[str] = field(default_factory=list)
+    """cases whose result did not match their reference (`record`): the run fails"""
 
     @property
     def tag(self) -> str:
@@ -114,6 +120,14 @@ class BenchContext:
             row["roofline_fraction"] = round(floor_us / time_us, 3) if time_us > 0 else None
         for k, v in extra.items():
             row[k] = round(v, 4) if isinstance(v, float) else v
+        # a fast wrong result is not a result: the row stays (its time says what ran), marked, and
+        # `megapar bench` fails the suite
+        if any(extra.get(k) is False for k in CORRECTNESS_FLAGS):
+            row["case"] = f"{case} [WRONG RESULT]"
+            self.wrong.append(case)
+            self.note(f"WRONG RESULT: {case!r} does not match its reference "
+                      f"({', '.join(f'{k}=False' for k in CORRECTNESS_FLAGS if extra.get(k) is False)}): "
+                      "its time is not a result")
         self.rows.append(row)
         print("  " + progress_line(row), flush=True)
         return row
