@@ -6,16 +6,19 @@ the ring's in-place two-way merge (fp32 accumulator + bf16 block). Ours is `merg
 (Triton on CUDA); the anchor is the torch reference on the same device; the floor is the bytes
 that must move (N outs + N LSEs read, one out + one LSE written) at the copy ceiling; target
 >= 70% of it. Each row also says whether the result matches the reference (the ring step's
-in-place call too). On CUDA (full run)
-a sweep of tile size x warps follows, to check `parallel.cp.triton_merge.CONFIG`.
+in-place call too). DCP's all-gather + reduce-scatter combine, one rank's rescale of its fp32 local
+out by the N ranks' lses (`rescale_to_merged`) at decode shapes (B = 32: GQA 32 heads x 128, MLA 128
+heads x 512 latent; N = 2 / 4 / 8), timed as a decode step runs it, in a CUDA graph, ours and the
+torch form alike. On CUDA (full run) a sweep of tile size x warps follows, to check
+`parallel.cp.triton_merge.CONFIG`.
 """
 
 from __future__ import annotations
 
 import torch
 
-from megapar.launch.bench.common import BenchContext, copy_ceiling_gbps
-from megapar.parallel.cp import merge_attn_states, merge_two_attn_states
+from megapar.launch.bench.common import BenchContext, copy_ceiling_gbps, graph_time
+from megapar.parallel.cp import merge_attn_states, merge_two_attn_states, rescale_to_merged
 
 TARGET = 0.70
 
@@ -93,8 +96,30 @@ def run(ctx: BenchContext) -> None:
                    floor_us=floor_us, gbps=moved / copy_us / 1e3)
         del copy_src, copy_dst
     del outs, lses, acc, acc_lse
+    _dcp_rescale(ctx, ceiling)
     if ctx.is_cuda and not ctx.quick:
         _sweep(ctx, dtype)
+
+
+def _dcp_rescale(ctx: BenchContext, ceiling: float) -> None:
+    """DCP ag_rs's local step: this rank's fp32 out [B, H, D] scaled by its weight among the N
+    ranks' lses [N, B, H], and the merged lse; floor: out and N lses read, out and lse written."""
+    batch = 2 if ctx.quick else 32
+    shapes = [(4, 16), (8, 32)] if ctx.quick else [(32, 128), (128, 512)]
+    for heads, d in shapes:
+        for n in (2, 4, 8):
+            outs, lses = _states(n, batch, heads, d, ctx.device, torch.float32)
+            ref = rescale_to_merged(outs[0], lses, 0, backend="torch")
+            got = rescale_to_merged(outs[0], lses, 0)
+            ok = _close(got.out, ref.out, 1e-5) and _close(got.lse, ref.lse, 1e-5)
+            moved = batch * heads * (d * 4 * 2 + 4 * (n + 1))
+            ours_us, how = graph_time(ctx, lambda: rescale_to_merged(outs[0], lses, 0))
+            anchor_us, anchor_how = graph_time(ctx, lambda: rescale_to_merged(outs[0], lses, 0, backend="torch"))
+            floor_us = moved / (ceiling * 1e3)
+            ctx.record(f"dcp ag_rs rescale N={n} B={batch} H={heads} D={d} fp32", ours_us,
+                       anchor="its torch form (elementwise ops per rank)", anchor_us=anchor_us, floor_us=floor_us,
+                       timing=how, anchor_timing=anchor_how, matches_reference=ok)
+            del outs, lses, ref, got
 
 
 def _sweep(ctx: BenchContext, dtype: torch.dtype) -> None:
