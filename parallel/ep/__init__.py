@@ -11,9 +11,16 @@ Modules: `dispatch` (the Dispatcher, autograd), `backends` (transports and the c
 low-latency `NvshmemTransport`; options `NvshmemConfig`), `deepep` (DeepEP's Buffer: backend
 "deepep" and `DeepEPLowLatency`; options `DeepEPConfig`). A transport's options reach the
 dispatcher as ``make_dispatcher(..., backend="nvshmem", backend_config=NvshmemConfig(mode="normal"))``.
+
+Errors: `DispatchInputError` (bad input found by a dispatch's census, raised on every EP rank
+together), `CombineInputError` (a DispatchInputError: combine arguments refused or differing
+between the ranks, raised on every EP rank together by the combine's agreement), `EPPoisonedError`
+(this rank's EP collectives are out of step after an earlier failure). The two input errors
+are ValueErrors and poison nothing.
 """
 
-from megapar.parallel.ep.dispatch import CombineHandle, DispatcherConfig, DispatchResult, Dispatcher, make_dispatcher
+from megapar.parallel.ep.dispatch import (CombineHandle, CombineInputError, DispatcherConfig, DispatchInputError,
+                                           DispatchResult, Dispatcher, EPPoisonedError, make_dispatcher)
 from megapar.parallel.ep.eplb import (Eplb, EplbConfig, EplbPlan, balancedness, logical_to_physical, rearrange_weights,
                               rebalance_experts)
 from megapar.parallel.ep.layout import LayoutPlan, gather_reduce, gather_rows, plan_layout
@@ -26,6 +33,7 @@ from megapar.parallel.ep.nvshmem import NvshmemConfig  # noqa: E402
 _nvshmem.register()
 _deepep.register()
 
-__all__ = ["make_dispatcher", "DispatcherConfig", "NvshmemConfig", "DeepEPConfig", "Dispatcher", "DispatchResult", "CombineHandle", "LayoutPlan", "plan_layout",
+__all__ = ["make_dispatcher", "DispatcherConfig", "NvshmemConfig", "DeepEPConfig", "Dispatcher", "DispatchResult", "CombineHandle",
+           "DispatchInputError", "CombineInputError", "EPPoisonedError", "LayoutPlan", "plan_layout",
            "gather_rows", "gather_reduce", "rebalance_experts", "EplbPlan", "logical_to_physical",
            "rearrange_weights", "balancedness", "Eplb", "EplbConfig"]

@@ -36,8 +36,10 @@ when the route lives there) on expert_out's dtype and row width and on whether a
 it: a bf16 expert_out beside an fp32 one made the return transfer's sizes differ (gloo aborted the
 process), beside an fp16 one it was misread as garbage, and a rank recording no graph never joins
 the backward's transfer. A difference raises `CombineInputError` (a ValueError) on every rank
-together and poisons nothing. On CUDA the agreement's read-back would wait for the expert GEMMs
-queued before it, delaying the return transfer, so the ranks must agree by contract there.
+together and poisons nothing; so does an argument that one rank refuses on its own (not this
+dispatcher's handle, an expert_out of another layout or dtype): that rank joins the agreement
+with its error instead of its values. On CUDA the agreement's read-back would wait for the expert
+GEMMs queued before it, delaying the return transfer, so the ranks must agree by contract there.
 On one rank with ``layout="slab"``, a ``drop_policy`` and ``check_ids=False`` nothing needs a
 host value, the census is skipped, and dispatch + combine can be captured in a CUDA graph. (Multi-rank graph capture needs a symmetric-memory backend.)
 
@@ -47,8 +49,8 @@ combine; a rank that went on would pair its next census with their old payloads 
 garbage). So a failure poisons EP communication on the rank: a collective of a dispatch or
 combine that raised, a job of the communication thread that raised, any failed `UBatchRunner`
 run (`parallel.ubatch.add_failure_listener`), or a combine that refused its arguments on this
-rank alone (a foreign handle, an expert_out of another layout or dtype: checked before the
-agreement, which the peers went on into). Every later dispatch/combine on that
+rank where no agreement runs (CUDA; a handle it cannot use before this dispatcher ever
+dispatched: the peers went on into the collective). Every later dispatch/combine on that
 rank raises `EPPoisonedError`, naming the first failure, until torch.distributed is made again
 (`destroy_parallel()`, `init_parallel()`, new dispatchers); a collective of the earlier one that
 fails after that (a job of its thread that times out later) poisons nothing. The peers fail in
@@ -93,7 +95,8 @@ class DispatchInputError(ValueError):
 
 class CombineInputError(DispatchInputError):
     """EP ranks that passed combine different expert_out dtypes or row widths (or inputs requiring
-    grad), found by the combine's agreement. Every EP rank raises it at the same combine, before its
+    grad), or a rank that refused its own arguments (a handle or expert_out it cannot combine),
+    found by the combine's agreement. Every EP rank raises it at the same combine, before its
     transfer, so it poisons nothing (a DispatchInputError: what exempts agreed input errors from
     poisoning exempts it too)."""
 
@@ -515,6 +518,9 @@ class Dispatcher:
         self.backend_config = backend_config
         self.backend: Backend = self._new_backend(select_backend(backend, size=size), pg)
         self._worker_backend: Backend | None = None  # self.backend's class on the worker's private group
+        # (communication thread or None, device) of the latest dispatch: where a combine whose
+        # handle this rank cannot use still meets its peers' combine agreement (`_refusal_route`)
+        self._last_route: tuple[_CommWorker | None, torch.device] | None = None
         # one rank, a slab that drops overflow and no id check: nothing needs a host value, so
         # dispatch/combine never synchronize the device (CUDA-graph capturable)
         self._graph_safe = size == 1 and layout == "slab" and drop_policy is not None and not check_ids
@@ -610,6 +616,7 @@ class Dispatcher:
         needs_grad = torch.is_grad_enabled() and (x.requires_grad or topk_weights.requires_grad)
         with self._guard("creating the EP communication thread"):  # a collective among the members
             worker = self._worker(x.device) if async_op else None
+        self._last_route = (worker, x.device)
         if worker is not None:
             # census, payload and (without autograd) the layout on the communication thread
             def job() -> _DispatchOp:
@@ -694,6 +701,8 @@ class Dispatcher:
             return f"handle must be the CombineHandle of a DispatchResult, got {type(handle).__name__}"
         if handle.owner != id(self):
             return "this handle was made by another Dispatcher; combine with the one that dispatched"
+        if not isinstance(expert_out, torch.Tensor):
+            return f"expert_out must be a tensor, got {type(expert_out).__name__}"
         plan = handle.plan
         expected = plan.shape(self.hidden)
         if tuple(expert_out.shape) != expected and tuple(expert_out.shape) != (plan.num_rows, self.hidden):
@@ -702,6 +711,63 @@ class Dispatcher:
         if not expert_out.dtype.is_floating_point or comm.needs_wire(expert_out.dtype):
             return f"expert_out dtype {expert_out.dtype} must be bf16, fp16 or fp32"
         return None
+
+    def _combine_agreement(self, fields: list[int] | None, error: str | None, group: Any,
+                           device: torch.device) -> None:
+        """The combine's agreement (a collective on `group`): CombineInputError on every rank when
+        a rank refused its arguments (`error`, with `fields` None) or the ranks' fields differ."""
+        message = comm.input_agreement(
+            "EP combine", _COMBINE_FIELDS, fields, error, group, device, {"expert_out dtype": "dtype"},
+            "the partial rows travel in expert_out's dtype and width, so every EP rank must pass expert_out "
+            "of one dtype (and hidden size), and every rank or none must record autograd (its backward is a "
+            "transfer too)")
+        if message is not None:
+            raise CombineInputError(f"[rank {self.rank}] EP combine: {message}" if error is not None
+                                    else f"[rank {self.rank}] {message}")
+
+    def _refusal_route(self, handle: Any) -> tuple[_CommWorker | None, torch.device] | None:
+        """(communication thread or None, device) on which this rank's peers run the agreement of
+        the combine whose arguments this rank refused, or None where they run none (CUDA) or this
+        rank cannot tell. The peers agree on their handle's group: the communication thread's for
+        an async dispatch (one per rank set, shared by every dispatcher on it), else this
+        dispatcher's group. This rank's own handle names it; an unusable one (not a handle, another
+        dispatcher's) does not, and the latest dispatch of this rank stands in for it (the peers
+        combine that dispatch's handle when every rank runs the same program)."""
+        if self._world is not _world():  # made under an earlier torch.distributed: its groups are gone
+            return None
+        if isinstance(handle, CombineHandle) and handle.owner == id(self):
+            route = (handle.worker, handle.row_weights.device)
+        elif self._last_route is not None:
+            route = self._last_route
+        else:
+            return None
+        worker, device = route
+        if device.type != "cpu" or (worker is not None and worker.world is not self._world):
+            return None
+        return route
+
+    def _refuse(self, error: str, handle: Any, async_op: bool) -> comm.CommHandle:
+        """Raise `error` (this rank's refusal of combine's arguments) at the call, or at wait()
+        where the agreement runs on the communication thread, as an accepted combine would raise
+        a disagreement: with every rank through the agreement where there is one (CombineInputError,
+        nothing poisoned), else on this rank alone (ValueError; poisons this rank when it has peers)."""
+        route = self._refusal_route(handle) if self.ranks is not None else None
+        if route is None or poison_reason(self.ranks) is not None:  # type: ignore[arg-type]
+            if self.ranks is not None:  # the peers may have gone on into the combine's collective
+                poison(self.ranks, f"combine refused its arguments on this rank: ValueError: {error}", self._world)
+            raise ValueError(error)
+        worker, device = route
+        if worker is None:
+            with self._guard("combine"):
+                self._combine_agreement(None, error, self.group, device)
+            raise AssertionError("unreachable: the agreement raises for a rank with an error")
+        job = _joined(worker.submit(lambda: self._combine_agreement(None, error, worker.group, device)))
+
+        def finish() -> Any:
+            with self._guard("combine"):
+                return job.wait()
+
+        return comm.CommHandle(work=None, finish=finish) if async_op else finish()
 
     def combine(self, expert_out: torch.Tensor, handle: CombineHandle, *, weighted: bool = False,
                 async_op: bool = False) -> torch.Tensor | comm.CommHandle:
@@ -719,18 +785,20 @@ class Dispatcher:
         Returns [T, H] in the dispatched x's dtype (expert_out's dtype for quantized x), or with
         async_op a handle whose wait() returns it.
 
-        A handle or expert_out that this rank refuses on its own (not this dispatcher's handle,
-        another layout, a dtype that is not bf16/fp16/fp32) raises ValueError on this rank alone,
-        before the agreement; on a group of more than one rank that also poisons EP communication
-        on the rank, as its peers may be inside the combine's agreement (see the module docstring).
+        A handle or expert_out that this rank refuses on its own (not a tensor, not this
+        dispatcher's handle, another layout, a dtype that is not bf16/fp16/fp32) raises
+        `CombineInputError` on this rank and, through the same agreement, on every EP rank (theirs
+        names the group rank that had bad input), where the agreement runs (CPU), so it poisons
+        nothing. The refusing rank meets its peers on the group its handle's dispatch used (the
+        communication thread's for an async dispatch); a handle it cannot use names none, so it
+        takes its own latest dispatch's. Where there is no agreement (CUDA, a handle unusable before
+        any dispatch, an already poisoned rank) the rank raises ValueError alone and poisons EP
+        communication on itself, as its peers may be inside the combine's collective (see the
+        module docstring).
         """
         error = self._combine_error(expert_out, handle)
         if error is not None:
-            # no census agrees on combine's arguments: the peers may have gone on into its collective,
-            # and this rank's next EP collective would pair with theirs
-            if self.ranks is not None:
-                poison(self.ranks, f"combine refused its arguments on this rank: ValueError: {error}", self._world)
-            raise ValueError(error)
+            return self._refuse(error, handle, async_op)
         self._check_poison("combine")
         plan = handle.plan
         rows = expert_out.reshape(plan.num_rows, self.hidden)
@@ -746,15 +814,7 @@ class Dispatcher:
         fields = [comm.dtype_code(expert_out.dtype), expert_out.shape[-1], int(needs_grad)]
 
         def agreement(group: Any) -> None:
-            """CombineInputError on every rank when the ranks' fields differ (a collective on `group`)."""
-            message = comm.input_agreement(
-                "EP combine", _COMBINE_FIELDS, fields, None, group, rows_in.device,
-                {"expert_out dtype": "dtype"},
-                "the partial rows travel in expert_out's dtype and width, so every EP rank must pass expert_out "
-                "of one dtype (and hidden size), and every rank or none must record autograd (its backward is a "
-                "transfer too)")
-            if message is not None:
-                raise CombineInputError(f"[rank {self.rank}] {message}")
+            self._combine_agreement(fields, None, group, rows_in.device)
 
         def launch(async_launch: bool) -> comm.CommHandle:
             """Local weighted reduction per received row, then the return transfer."""
