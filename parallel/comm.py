@@ -8,7 +8,8 @@ torch.distributed is not initialized); size-1 groups never communicate. Groups a
 (`resolve_group`) at these public entry points, never further down.
 
 Also here: the copy-to-region / reduce-from-region autograd pair (identity one way, sum over the
-group the other) that tensor- and expert-parallel layers wrap their per-rank work in, and
+group the other) that tensor- and expert-parallel layers wrap their per-rank work in (on CPU
+each first agrees with the group on its tensor's shape and dtype: `region_agreement`), and
 `even_split`, the one near-equal split of a count (micro-batches, overlap chunks), and
 `input_agreement`, the one small all-gather by which a group's ranks learn that one of them had
 bad input (or that they were called differently) before a collective would leave them waiting.
@@ -318,18 +319,76 @@ class _ReduceFromRegion(torch.autograd.Function):
         return grad, None
 
 
-def copy_to_region(x: torch.Tensor, group: GroupLike) -> torch.Tensor:
+_REGION_DIMS = 8  # dims of a region tensor whose sizes the agreement shows one by one (the rest as one code)
+
+
+def region_agreement(what: str, x: torch.Tensor, group: GroupLike, *, records_grad: bool | None = None,
+                     extra: dict[str, int] | None = None) -> None:
+    """ValueError on every rank of `group` when the ranks' `x` differ in shape or dtype (or, with
+    `records_grad` given, in whether autograd records the region; or in an `extra` field), decided
+    by one `input_agreement` naming `what` and the per-rank values.
+
+    Why: the regions' all-reduce sums equal-sized buffers. A rank with another shape makes gloo
+    abort the process ("Received data size doesn't match") or wait forever, one with another dtype
+    of the same byte size sums misread values, and a rank whose region autograd does not record
+    never joins the backward's all-reduce. A layer calls it itself before a computation that could
+    fail on one rank alone (a matmul of mismatched dtypes), with `extra` fields (its weight's dtype)
+    that fix the region tensor's shape and dtype, and then passes agreed=True to the region.
+    CPU tensors only: on CUDA the read-back is a host sync (a graph-captured step cannot take it),
+    so the ranks must agree by contract there. One rank (or no tensor): nothing."""
+    _, _, size = resolve_group(group)
+    if size == 1 or not isinstance(x, torch.Tensor) or x.device.type != "cpu":
+        return
+    shape = tuple(x.shape)
+    head = list(shape[:_REGION_DIMS]) + [-1] * (_REGION_DIMS - min(len(shape), _REGION_DIMS))
+    rest = zlib.crc32(str(shape[_REGION_DIMS:]).encode()) if len(shape) > _REGION_DIMS else 0
+    extra = extra or {}
+    names = (["dtype", "dims"] + [f"shape[{i}]" for i in range(_REGION_DIMS)] + [f"shape[{_REGION_DIMS}:] code"]
+             + list(extra) + (["autograd records it"] if records_grad is not None else []))
+    values = ([dtype_code(x.dtype), len(shape)] + head + [rest] + list(extra.values())
+              + ([int(records_grad)] if records_grad is not None else []))
+    kinds = {n: "dtype" for n in names if n.endswith("dtype")}
+    message = input_agreement(
+        what, names, values, None, group, x.device, kinds,
+        "every rank of the group must pass a tensor of one shape and dtype (shape[i] = -1: no such dim)"
+        + (", and every rank or none must record autograd (the backward is an all-reduce)"
+           if records_grad is not None else ""))
+    if message is not None:
+        raise ValueError(message)
+
+
+def copy_to_region(x: torch.Tensor, group: GroupLike, *, agreed: bool = False) -> torch.Tensor:
     """A tensor replicated over `group` entering per-rank work (a column-parallel layer's input,
     the tokens every EP rank sends to its experts): `x` itself forward; backward, the per-rank
-    gradients are summed over the group, so every rank gets the gradient of the replicated x."""
+    gradients are summed over the group, so every rank gets the gradient of the replicated x.
+
+    On CPU every rank of the group first agrees (`region_agreement`) on x's shape and dtype and
+    on whether autograd records the call (one small all-gather, even under no_grad: a rank that
+    records it would be alone in the backward's all-reduce); a difference raises ValueError on
+    every rank, naming the per-rank values. agreed=True: the caller ran that agreement already.
+    CUDA skips that host sync."""
+    if not agreed:
+        region_agreement("copy_to_region", x, group, records_grad=_records_grad(x))
     return _CopyToRegion.apply(x, group)
 
 
-def reduce_from_region(x: torch.Tensor, group: GroupLike) -> torch.Tensor:
+def reduce_from_region(x: torch.Tensor, group: GroupLike, *, agreed: bool = False) -> torch.Tensor:
     """Per-rank partial results leaving that work (a row-parallel layer's output, EP partial
     outputs): their sum on every rank forward (a new tensor; `x` is untouched); the gradient
-    passes through unchanged backward (each partial contributed to the sum with weight 1)."""
+    passes through unchanged backward (each partial contributed to the sum with weight 1).
+
+    On CPU every rank of the group first agrees (`region_agreement`) on x's shape and dtype (one
+    small all-gather): a difference raises ValueError on every rank, naming the per-rank values,
+    instead of an all-reduce of unequal buffers. agreed=True: the caller ran an agreement that
+    fixes x's shape and dtype already. CUDA skips that host sync."""
+    if not agreed:
+        region_agreement("reduce_from_region", x, group)
     return _ReduceFromRegion.apply(x, group)
+
+
+def _records_grad(x: Any) -> bool:
+    """Whether autograd records a region entered with `x` (its backward then all-reduces)."""
+    return torch.is_grad_enabled() and isinstance(x, torch.Tensor) and x.requires_grad
 
 
 # ---- sizes ---------------------------------------------------------------------------------------

@@ -14,7 +14,11 @@ sequence_parallel=True: the column layer takes a token shard and gathers it
 (`all_gather_matmul`), the row layer reduce-scatters its output over tokens
 (`matmul_reduce_scatter`); token counts must be padded to a multiple of P (`sp_shard`).
 sequence_parallel=False: plain TP, the column layer takes the full (replicated) input and
-all-reduces its gradient, the row layer all-reduces its output.
+all-reduces its gradient, the row layer all-reduces its output. On CPU each first agrees with
+the group on its input's shape and dtype and its weight's dtype (the column layer also on whether
+autograd records its input; `comm.region_agreement`): a rank that differs raises ValueError on
+every rank, naming the per-rank values, where the all-reduce of unequal buffers made gloo abort
+the process or hang. CUDA skips that host sync.
 overlap=False runs the same maths with plain, un-overlapped collectives ("reference").
 
 The row layer adds its bias after the reduction; under sequence parallelism every rank then
@@ -29,7 +33,7 @@ from typing import Sequence
 import torch
 from torch import nn
 
-from ..comm import GroupLike, copy_to_region, reduce_from_region, resolve_group
+from ..comm import GroupLike, copy_to_region, dtype_code, reduce_from_region, region_agreement, resolve_group
 from .ops import Backend, all_gather_matmul, matmul_reduce_scatter
 
 
@@ -94,7 +98,11 @@ class ColumnParallelLinear(nn.Module):
         if self.sequence_parallel:
             (y,) = all_gather_matmul(x, [self.weight.t()], self.group, backend=self.backend)
         else:
-            y = copy_to_region(x, self.group) @ self.weight.t()
+            # on CPU the ranks agree before the matmul too (one of mismatched dtypes raises on one rank alone)
+            region_agreement("ColumnParallelLinear (sequence_parallel=False) input", x, self.group,
+                             records_grad=torch.is_grad_enabled() and x.requires_grad,
+                             extra={"weight dtype": dtype_code(self.weight.dtype)})
+            y = copy_to_region(x, self.group, agreed=True) @ self.weight.t()
         if self.bias is not None:
             y = y + self.bias
         return list(y.split(self.local_parts, dim=-1)) if self.is_fused else y
@@ -150,7 +158,11 @@ class RowParallelLinear(nn.Module):
         if self.sequence_parallel:
             y = matmul_reduce_scatter(x, self.weight.t(), self.group, backend=self.backend)
         else:
-            y = reduce_from_region(x @ self.weight.t(), self.group)
+            # agreed on the input: a rank whose matmul fails (another dtype) must not leave its peers
+            # in the all-reduce; equal x and weight shapes and dtypes then give equal partials
+            region_agreement("RowParallelLinear (sequence_parallel=False) input", x, self.group,
+                             extra={"weight dtype": dtype_code(self.weight.dtype), "out_features": self.out_features})
+            y = reduce_from_region(x @ self.weight.t(), self.group, agreed=True)
         if self.bias is not None:
             y = y + self.bias
         return y
