@@ -15,7 +15,9 @@
    with all_to_all_single, combined with index_add_). Bandwidth: logical bytes = valid
    pairs * H * 2 each way; physical = bytes this rank sends to other ranks (deduplicated
    rows, packed with scales/ids/weights) in dispatch plus the partial rows of combine.
-   GPU target (8 ranks, 4K tokens): >= 80% of 450 GB/s NVLink per direction.
+   GPU target (8 ranks, 4K tokens): >= 80% of 450 GB/s NVLink per direction. Each row says whether
+   every rank's round trip (identity experts) matched the anchor's result on that rank, x times
+   the token's summed routing weights (`matches_reference`).
 3. NVSHMEM on one GPU (only with MEGAPAR_NVSHMEM_MPG=1, which bench/run_nvshmem_mpg.sh sets,
    under MPS): W = 2 and 4 processes share cuda:0 and bootstrap NVSHMEM over a gloo group.
    Dispatch + combine at T = 128 (decode: the low-latency `NvshmemTransport`, and the
@@ -178,6 +180,9 @@ def _rank_bench(rank: int, world: int, cases: list[dict], iters: int, warmup: in
         x = torch.randn(t, h, device=dev).to(torch.bfloat16)
         ids, w = _routing(t, e, k, dev, 100 + rank)
         row = {"case": case, "pairs": int((ids >= 0).sum())}
+        # identity experts: the naive anchor's round trip is x times each token's summed weights;
+        # each backend's round trip is compared with it on this rank (`round_trip_matches`)
+        want = _naive_dispatch_combine(x, ids, w, groups.ep.group, world, e // world)
         for backend in ("all_to_all", "allgather"):
             d = make_dispatcher(groups.ep, e, h, backend=backend)
             res = d.dispatch(x, ids, w)
@@ -188,12 +193,20 @@ def _rank_bench(rank: int, world: int, cases: list[dict], iters: int, warmup: in
                 row["a2a_phys_bytes"] = remote_rows * (packed_row + h * 2)
             else:  # every token to every other rank; fp32 partial sums reduce-scattered back
                 row["ag_phys_bytes"] = (world - 1) * t * (packed_row + h * 4)
+            row[f"{backend}_matches"] = round_trip_matches(_round_trip(d, x, ids, w), want)
             row[f"{backend}_dispatch_us"] = timed(lambda: d.dispatch(x, ids, w))
             row[f"{backend}_combine_us"] = timed(lambda: d.combine(res.x, res.handle))
             row[f"{backend}_us"] = timed(lambda: _round_trip(d, x, ids, w))
         row["naive_us"] = timed(lambda: _naive_dispatch_combine(x, ids, w, groups.ep.group, world, e // world))
         out.append(row)
     return out
+
+
+def round_trip_matches(got: torch.Tensor, want: torch.Tensor) -> bool:
+    """combine(dispatch(x)) with identity experts against the naive anchor's (x times the token's
+    summed weights, both rounded to x's bf16 once from an fp32 sum): bf16 rounding apart at most
+    (2^-8 relative; the sums may run in another order)."""
+    return got.shape == want.shape and bool(torch.allclose(got.float(), want.float(), rtol=2e-2, atol=2e-2))
 
 
 def _aligned(nbytes: int) -> int:
@@ -245,7 +258,8 @@ def _multirank_cases(ctx: BenchContext) -> None:
                        f"E={case['e']} ({backend})", total, anchor="torch all_to_all_single per (token, k) pair",
                        anchor_us=naive, dispatch_us=max(r[f"{backend_name}_dispatch_us"] for r in rows),
                        combine_us=max(r[f"{backend_name}_combine_us"] for r in rows),
-                       logical_gbps=logical / total / 1e3, physical_gbps=phys / total / 1e3, **extra)
+                       logical_gbps=logical / total / 1e3, physical_gbps=phys / total / 1e3,
+                       matches_reference=all(r[f"{backend_name}_matches"] for r in rows), **extra)
 
 
 def _mpg_setup(world: int) -> tuple:

@@ -18,7 +18,9 @@ pre R + F + W + S; post 2R + W + S (R, the sublayer output and S read, R written
 residual, so the floor does not pay it, also above FUSE_MAX_TOKENS where `mhc_post_pre` runs
 post then pre; as in pre's floor, the streams' weighted sum for the layer input is not counted
 as a second read). Anchor =
-the torch reference (`backend="torch"`) on the same inputs. L2 is flushed before each timed
+the torch reference (`backend="torch"`) on the same inputs. On CUDA every Triton row says whether
+its result matches the reference's on its inputs (`matches_reference`, checked once before timing
+at the GPU tests' tolerances: `check_against_reference`); until 2026-12-05 they were timed unchecked. L2 is flushed before each timed
 call (small cases would otherwise be served from L2 and beat the HBM floor).
 T = 1 .. 16384 and H = 4096 (V4-Flash), 7168 (V4-Pro) on CUDA; `--quick`: tiny, CPU, the
 torch reference only (Triton needs CUDA).
@@ -100,13 +102,15 @@ def _run(ctx: BenchContext) -> None:
                                        case_bytes("post+pre fused", t, h)),
                 }
                 shape = dict(T=t, H=h, M=M)
+                # ours against the torch reference on these inputs, once before timing (CUDA: Triton)
+                checks = check_against_reference(residual, out, fn, base, scale, post_w, comb) if ctx.is_cuda else {}
                 for name, (call, nbytes) in cases.items():
                     us = ctx.time_fn(lambda: call(ours), **time_kw)
                     floor = nbytes / (gbps * 1e9) * 1e6
                     if ctx.is_cuda:
                         anchor_us = ctx.time_fn(lambda: call("torch"), **time_kw)
                         ctx.record(f"{name} T={t} H={h}", us, anchor="torch reference", anchor_us=anchor_us,
-                                   floor_us=floor, gbps=nbytes / us / 1e3, **shape)
+                                   floor_us=floor, gbps=nbytes / us / 1e3, matches_reference=checks[name], **shape)
                     else:
                         ctx.record(f"{name} T={t} H={h} (torch)", us, floor_us=floor, gbps=nbytes / us / 1e3, **shape)
                 if ctx.is_cuda:
@@ -115,9 +119,10 @@ def _run(ctx: BenchContext) -> None:
                     fused = ctx.time_fn(lambda: mhc_post_pre(out, residual, post_w, comb, fn, base, scale,
                                                              backend=ours), **time_kw)
                     ctx.record(f"post+pre fused vs unfused T={t} H={h}", fused, anchor="our post then our pre",
-                               anchor_us=unfused, **shape)
+                               anchor_us=unfused, matches_reference=checks["post+pre fused"], **shape)
                     if t in SWITCH_CHECK_TOKENS:
-                        _record_switch(ctx, t, h, cases["pre"][0], cases["pre"][1], gbps, time_kw, shape)
+                        _record_switch(ctx, t, h, cases["pre"][0], cases["pre"][1], gbps, time_kw, shape,
+                                       checks["pre reference"])
                     if t <= GRAPH_MAX_TOKENS:
                         for name, (call, nbytes) in cases.items():
                             try:
@@ -129,7 +134,50 @@ def _run(ctx: BenchContext) -> None:
                             us = ctx.time_fn(replay, **time_kw)
                             ctx.record(f"{name} T={t} H={h} (CUDA graph)", us, anchor="same call, eager",
                                        anchor_us=eager, floor_us=nbytes / (gbps * 1e9) * 1e6,
-                                       gbps=nbytes / us / 1e3, **shape)
+                                       gbps=nbytes / us / 1e3, matches_reference=checks[name], **shape)
+
+
+# Tolerances of the GPU tests (tests/test_mhc.py, test_triton_kernels_match_reference_on_gpu): bf16
+# outputs (layer input, new residual; 2^-8 relative spacing, fp32 sums that differ in the last bits
+# may round apart) 2e-2; pre's fp32 mixing weights (post, comb) 1e-4 / 1e-5 against a reference in
+# true fp32 (TF32 off while it runs). The fused call's pre is checked against the torch pre of the
+# torch post's residual at 2e-2 throughout, as the GPU test does (its input may differ in a last bit).
+BF16_TOL = dict(rtol=2e-2, atol=2e-2)
+MIX_TOL = dict(rtol=1e-4, atol=1e-5)
+
+
+def _close(got: torch.Tensor, want: torch.Tensor, tol: dict) -> bool:
+    return got.shape == want.shape and bool(torch.allclose(got.float(), want.float(), **tol))
+
+
+def _pre_matches(got, want, mix_tol: dict) -> bool:
+    return (_close(got.layer_input, want.layer_input, BF16_TOL) and _close(got.post, want.post, mix_tol)
+            and _close(got.comb, want.comb, mix_tol))
+
+
+def _fp32_reference(fn: Callable[[], object]) -> object:
+    """The torch reference with its matmul in true fp32 (TF32 would put ~1e-3 into post / comb)."""
+    saved = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = False
+    try:
+        return fn()
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = saved
+
+
+def check_against_reference(residual, out, fn, base, scale, post_w, comb, backend: str = "triton") -> dict[str, bool]:
+    """Whether `backend`'s pre, post and fused post+pre match the torch reference on these inputs
+    (tolerances above); key "pre reference" holds the torch pre, for the switch rows' check."""
+    from megapar.model.mhc import mhc_post, mhc_post_pre, mhc_pre
+
+    want_pre = _fp32_reference(lambda: mhc_pre(residual, fn, base, scale, backend="torch"))
+    want_new = _fp32_reference(lambda: mhc_post(out, residual, post_w, comb, backend="torch"))
+    want_next = _fp32_reference(lambda: mhc_pre(want_new, fn, base, scale, backend="torch"))
+    got_new, got_next = mhc_post_pre(out, residual, post_w, comb, fn, base, scale, backend=backend)
+    return {"pre": _pre_matches(mhc_pre(residual, fn, base, scale, backend=backend), want_pre, MIX_TOL),
+            "post": _close(mhc_post(out, residual, post_w, comb, backend=backend), want_new, BF16_TOL),
+            "post+pre fused": _close(got_new, want_new, BF16_TOL) and _pre_matches(got_next, want_next, BF16_TOL),
+            "pre reference": want_pre}
 
 
 GRAPH_MAX_TOKENS = 128
@@ -137,22 +185,26 @@ SWITCH_CHECK_TOKENS = (128, 1024, 4096)
 
 
 def _record_switch(ctx: BenchContext, t: int, h: int, call: Callable[[str], object], nbytes: int, gbps: float,
-                   time_kw: dict, shape: dict) -> None:
+                   time_kw: dict, shape: dict, want=None) -> None:
     """Where pre switches from one launch to two (triton_mhc.SINGLE_LAUNCH_MAX_TOKENS): time the
-    other path at the same T, to place the switch from measurements."""
+    other path at the same T, to place the switch from measurements. want: the torch reference's
+    pre on these inputs (the other path's result is compared with it: matches_reference)."""
     from megapar.model import triton_mhc
 
     saved = triton_mhc.SINGLE_LAUNCH_MAX_TOKENS
     single = t <= saved
+    ok = None
     try:
         triton_mhc.SINGLE_LAUNCH_MAX_TOKENS = t - 1 if single else t
+        if want is not None:
+            ok = _pre_matches(call("triton"), want, MIX_TOL)
         other = ctx.time_fn(lambda: call("triton"), **time_kw)
     finally:
         triton_mhc.SINGLE_LAUNCH_MAX_TOKENS = saved
     default = ctx.time_fn(lambda: call("triton"), **time_kw)
     ctx.record(f"pre T={t} H={h} {'two launches' if single else 'one launch'} (not the default)", other,
                anchor=f"default: {'one launch' if single else 'two launches'}", anchor_us=default,
-               floor_us=nbytes / (gbps * 1e9) * 1e6, gbps=nbytes / other / 1e3, **shape)
+               floor_us=nbytes / (gbps * 1e9) * 1e6, gbps=nbytes / other / 1e3, matches_reference=ok, **shape)
 
 
 def _graph_replay(call: Callable[[], object]) -> Callable[[], None]:

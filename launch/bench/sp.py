@@ -103,18 +103,59 @@ def time_interleaved(ctx: BenchContext, fns: list[Callable[[], object]], *, samp
 
 def _record_pair(ctx: BenchContext, op: str, P: int, ours: Callable[[int], Callable[[], object]],
                  one: Callable[[], object], blocks: Callable[[], object], floor_us: float | None,
-                 shape: dict[str, int]) -> None:
-    """Time the op (default lanes; on CUDA also 2 lanes), one matmul and the bare block matmuls, interleaved."""
+                 shape: dict[str, int], check: Callable[[Callable[[], object]], bool]) -> None:
+    """Time the op (default lanes; on CUDA also 2 lanes), one matmul and the bare block matmuls, interleaved.
+    check(call): whether the op's result (each lane count's, computed once before timing) is right."""
     from megapar.parallel.sp.ops import COMPUTE_LANES
 
     variants = [COMPUTE_LANES] + ([2 if COMPUTE_LANES == 1 else 1] if ctx.is_cuda else [])
+    ok = {lanes: check(ours(lanes)) for lanes in variants}
     times = time_interleaved(ctx, [one, blocks] + [ours(lanes) for lanes in variants])
     one_us, blocks_us = times[0], times[1]
     for lanes, us in zip(variants, times[2:]):
         suffix = "" if lanes == COMPUTE_LANES else f" lanes={lanes}"
         ctx.record(f"decomposition {op} tp={P}{suffix}", us, anchor="one matmul", anchor_us=one_us, floor_us=floor_us,
                    ratio_vs_one=us / one_us, blocks_ratio=blocks_us / one_us, target_ratio=1.05, lanes=lanes,
-                   **shape)
+                   matches_reference=ok[lanes], **shape)
+
+
+def tolerance(dtype: torch.dtype) -> dict[str, float]:
+    """How far a sum of block matmuls may sit from one matmul (or the reference backend's
+    collective + matmul): bf16 outputs round apart in the last bit (2^-8 relative); fp32 sums in
+    another order by a few ulps of the K-long dot products."""
+    return dict(rtol=2e-2, atol=2e-2) if dtype in (torch.bfloat16, torch.float16) else dict(rtol=1e-4, atol=1e-4)
+
+
+def _close(got: torch.Tensor, want: torch.Tensor) -> bool:
+    return got.shape == want.shape and bool(torch.allclose(got.float(), want.float(), **tolerance(want.dtype)))
+
+
+class _Delivered:
+    """While active, a loopback exchanger delivers each send into the receive posted beside it
+    (as if every peer were this rank), so the engine's result becomes checkable: the timed loopback
+    run posts nothing and its receive buffers keep whatever they held."""
+
+    def __enter__(self) -> "_Delivered":
+        from megapar.parallel.p2p import P2PWork
+        from megapar.parallel.sp import ring
+
+        real = self.real = ring.P2PExchanger
+
+        class Delivering(real):  # type: ignore[misc, valid-type]
+            def post(self, sends=(), recvs=(), *, after_compute=True):
+                if not self.peers.loopback:
+                    return super().post(sends, recvs, after_compute=after_compute)
+                for (_, t), (_, r) in zip(sends, recvs, strict=True):
+                    r.copy_(t)
+                return P2PWork(done=True)
+
+        ring.P2PExchanger = Delivering
+        return self
+
+    def __exit__(self, *exc) -> None:
+        from megapar.parallel.sp import ring
+
+        ring.P2PExchanger = self.real
 
 
 def _decomposition_cost(ctx: BenchContext) -> None:
@@ -142,8 +183,13 @@ def _decomposition_cost(ctx: BenchContext) -> None:
             return lambda: decomposed_all_gather_matmul(x_shard, [w], peers, need_gathered=False, gathered=received,
                                                         lanes=lanes)
 
+        # the loopback gather's receive buffer holds x_full (the own block, rows 0..m, is x_shard):
+        # the op's output is x_full @ w, what the reference backend (gather, one matmul) computes
+        ag_want = torch.mm(x_full, w)
         _record_pair(ctx, "all_gather_matmul", P, ag_op, lambda: torch.mm(x_full, w), ag_blocks,
-                     _gemm_floor_us(ctx, M, H, n), dict(M=M, K=H, N=n))
+                     _gemm_floor_us(ctx, M, H, n), dict(M=M, K=H, N=n),
+                     lambda call: _close(call()[1][0], ag_want))
+        del ag_want
         del x_full, w, x_shard, received, out_blocks
         # matmul-reduce-scatter: x [M, n] @ w [n, H], P destination blocks, then the reduction
         x2 = torch.randn(M, n, generator=g).to(ctx.device, dtype)
@@ -157,8 +203,18 @@ def _decomposition_cost(ctx: BenchContext) -> None:
         def rs_op(lanes: int) -> Callable[[], object]:
             return lambda: decomposed_matmul_reduce_scatter(x2, w2, peers, lanes=lanes)
 
+        # the loopback reduction sums receive buffers nothing was sent to: checked with each send
+        # delivered into its receive (`_Delivered`), which makes the result the sum of this rank's
+        # P partials, x2 @ w2 summed over the P row blocks
+        rs_want = torch.mm(x2, w2).view(P, m, H).sum(0)
+
+        def rs_check(call: Callable[[], object]) -> bool:
+            with _Delivered():
+                return _close(call(), rs_want)
+
         _record_pair(ctx, "matmul_reduce_scatter", P, rs_op, lambda: torch.mm(x2, w2), rs_blocks,
-                     _gemm_floor_us(ctx, M, n, H), dict(M=M, K=n, N=H))
+                     _gemm_floor_us(ctx, M, n, H), dict(M=M, K=n, N=H), rs_check)
+        del rs_want
         del x2, w2, parts
 
 
@@ -222,20 +278,39 @@ def overlap_rows(tp: Group, M: int, H: int, inter: int, *, quick: bool) -> list[
     }
     with torch.no_grad():
         for op, (call, comm_us, gemm_us, shape) in ops.items():
-            times = {}
+            times, results = {}, {}
             for b in backends:
                 try:
+                    results[b] = _output(call(b))   # once before timing, for the check below
                     times[b] = timed(lambda: call(b))
                 except Exception as e:  # a backend that fails here is reported, not fatal
                     rows.append(dict(case=f"{op} tp={P} {b}", error=f"{type(e).__name__}: {e}"[:300]))
+            # each backend's result against the reference backend's on this rank; a row (rank 0's)
+            # says whether every rank matched (every rank takes part in each all_reduce)
+            want = results.get("reference")
+            matched = {}
+            for b in backends:
+                if b == "reference":
+                    continue
+                mine = torch.tensor([int(want is not None and b in results and _close(results[b], want))],
+                                    dtype=torch.int32, device=device)
+                dist.all_reduce(mine, op=dist.ReduceOp.MIN, group=pg)
+                matched[b] = bool(mine.item())
+            del results, want
             for b, us in times.items():
                 hidden = (comm_us + gemm_us - us) / min(comm_us, gemm_us)
+                extra = {"matches_reference": matched[b]} if b in matched else {}
                 rows.append(dict(case=f"{op} tp={P} {b}", time_us=us, anchor="reference (plain collective + matmul)",
                                  anchor_us=times.get("reference"), comm_us=comm_us, gemm_us=gemm_us,
-                                 hidden_fraction=hidden, target_hidden=0.8, **shape))
+                                 hidden_fraction=hidden, target_hidden=0.8, **extra, **shape))
     if reason is not None and device.type == "cuda":
         rows.append(dict(case=f"symm_mem tp={P}", error=f"not run: {reason}"))
     return rows
+
+
+def _output(result) -> torch.Tensor:
+    """The op's output: all_gather_matmul returns [outputs...] (+ gathered), matmul_reduce_scatter a tensor."""
+    return result if isinstance(result, torch.Tensor) else result[0]
 
 
 def _overlap(ctx: BenchContext) -> None:
