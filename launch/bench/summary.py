@@ -22,7 +22,8 @@ def write_summary(results_dir: str | Path, out: str | Path | None = None) -> Pat
     parts = ["# Benchmarks", "",
              f"Generated from {results_dir.as_posix()}/*.json by `megapar bench --summary` (launch/bench/summary.py).",
              "Times are medians in µs; `speedup_vs_anchor` = anchor time / our time; `roofline_fraction` =",
-             "floor time / our time, the floor from the H200's measured ceilings.",
+             "floor time / our time, the floor from the measured ceilings of the GPU that ran (the H200's",
+             "constants on an H200, measured at the run's start elsewhere: each file's notes name them).",
              "Files ending in `-quick` ran reduced sizes (CI-sized smoke runs on CPU), not performance results.", ""]
     files = sorted(results_dir.glob("*.json"), key=lambda p: ("quick" in p.name, p.name))
     for path in files:
