@@ -376,17 +376,7 @@ def measure_ceilings(device: torch.device, copy_mib: int = 1024, n: int = 8192, 
     H200's, and the source says so."""
 
     def median_ms(fn) -> float:
-        for _ in range(3):
-            fn()
-        times = []
-        for _ in range(iters):
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end))
-        return statistics.median(times)
+        return event_median_us(fn, iters, warmup=3) / 1e3
 
     with torch.cuda.device(device):
         src = torch.empty(copy_mib << 20, dtype=torch.uint8, device=device)
@@ -409,6 +399,23 @@ def measure_ceilings(device: torch.device, copy_mib: int = 1024, n: int = 8192, 
                     f"measured on this {name} at the start of the run (copy of {copy_mib} MiB, "
                     f"{n}^3 matmuls): copy {copy_gbps:.0f} GB/s, bf16 {bf16:.0f} TFLOP/s, fp8 {fp8:.0f} TFLOP/s"
                     + note)
+
+
+def event_median_us(fn: Callable[[], Any], iters: int, warmup: int = 1) -> float:
+    """Median µs of fn() between CUDA events on the current stream, each call started from an
+    idle GPU (so the host's Python and launch time before its first kernel counts)."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    samples = []
+    for _ in range(iters):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        samples.append(start.elapsed_time(end) * 1e3)
+    return statistics.median(samples)
 
 
 def copy_ceiling_gbps(device: torch.device) -> float:

@@ -44,7 +44,6 @@ from __future__ import annotations
 
 import json
 import os
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -52,7 +51,7 @@ from typing import Any, Callable
 
 import torch
 
-from megapar.launch.bench.common import BenchContext, copy_ceiling_gbps, graph_time
+from megapar.launch.bench.common import BenchContext, copy_ceiling_gbps, event_median_us, graph_time
 from megapar.moe.quant import QuantizedTensor, dequantize, quantize
 
 TARGET = 0.70
@@ -292,17 +291,7 @@ def _time_us(fn: Callable[[], Any], cuda: bool, iters: int) -> float:
         t0 = time.perf_counter()
         fn()
         return (time.perf_counter() - t0) * 1e6
-    fn()
-    torch.cuda.synchronize()
-    samples = []
-    for _ in range(iters):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        samples.append(start.elapsed_time(end) * 1e3)
-    return statistics.median(samples)
+    return event_median_us(fn, iters)
 
 
 def _probe_rows(cfg: dict, cuda: bool) -> list[dict[str, Any]]:
