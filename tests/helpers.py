@@ -156,3 +156,13 @@ def w4a16_config(**kw):
     base = dict(block_n=32, block_m=16, chunks=1, num_warps=4, num_stages=1, mode="f32", packing="oct")
     return W4A16Config(**{**base, **kw})
 
+
+
+def outcome(fn) -> str:
+    """'ok', or the ValueError (or subclass) fn raised as 'TypeName: message': what a rank of a
+    multi-rank test reports back for each case, so the test can compare every rank's outcome."""
+    try:
+        fn()
+    except ValueError as e:
+        return f"{type(e).__name__}: {e}"
+    return "ok"

@@ -18,14 +18,8 @@ from __future__ import annotations
 import torch
 
 from launch.local import launch_local
+from tests.helpers import outcome as _outcome
 
-
-def _outcome(fn) -> str:
-    try:
-        fn()
-    except ValueError as e:
-        return f"{type(e).__name__}: {e}"
-    return "ok"
 
 
 def _rank_cases(rank: int) -> dict[str, str]:

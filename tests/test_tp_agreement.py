@@ -14,16 +14,10 @@ from __future__ import annotations
 import torch
 
 from launch.local import launch_local
+from tests.helpers import outcome as _outcome
 
 T, H, F = 5, 8, 6
 
-
-def _outcome(fn) -> str:
-    try:
-        fn()
-    except ValueError as e:
-        return f"ValueError: {e}"
-    return "ok"
 
 
 def _rank_cases(rank: int) -> dict[str, str]:

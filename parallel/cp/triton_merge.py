@@ -67,6 +67,22 @@ def _store_merged(y_ptr, ly_ptr, m_idx, h_idx, d, rmask, mask2, acc, mx, total, 
 
 
 @triton.jit
+def _max_and_total(lx_ptr, lse_off, slx_n64, rmask, N: tl.constexpr, BLOCK_R: tl.constexpr, BASE2: tl.constexpr):
+    """The N-way merge's first pass over the stacked LSE vectors only: the rows' max (0 where every
+    partial is empty, NaN where one is NaN) and the sum of the weights relative to it."""
+    mx = tl.full([BLOCK_R], float("-inf"), tl.float32)
+    for i in tl.static_range(N):
+        li = _clean_lse(tl.load(lx_ptr + i * slx_n64 + lse_off, mask=rmask, other=float("-inf")).to(tl.float32))
+        mx = tl.maximum(mx, li, propagate_nan=tl.PropagateNan.ALL)
+    mx = tl.where(mx == float("-inf"), 0.0, mx)
+    total = tl.full([BLOCK_R], 0.0, tl.float32)
+    for i in tl.static_range(N):
+        li = _clean_lse(tl.load(lx_ptr + i * slx_n64 + lse_off, mask=rmask, other=float("-inf")).to(tl.float32))
+        total += _pow(li - mx, BASE2)
+    return mx, total
+
+
+@triton.jit
 def _merge_pair_kernel(
     a_ptr, la_ptr, b_ptr, lb_ptr, y_ptr, ly_ptr,
     M, H,
@@ -123,16 +139,7 @@ def _merge_n_kernel(
     # prefill inputs of 2^29 elements would wrap at i = 4)
     sx_n64 = tl.cast(sx_n, tl.int64)
     slx_n64 = tl.cast(slx_n, tl.int64)
-    # pass 1 (LSE vectors only): max, then the sum of weights
-    mx = tl.full([BLOCK_R], float("-inf"), tl.float32)
-    for i in tl.static_range(N):
-        li = _clean_lse(tl.load(lx_ptr + i * slx_n64 + lse_off, mask=rmask, other=float("-inf")).to(tl.float32))
-        mx = tl.maximum(mx, li, propagate_nan=tl.PropagateNan.ALL)
-    mx = tl.where(mx == float("-inf"), 0.0, mx)
-    total = tl.full([BLOCK_R], 0.0, tl.float32)
-    for i in tl.static_range(N):
-        li = _clean_lse(tl.load(lx_ptr + i * slx_n64 + lse_off, mask=rmask, other=float("-inf")).to(tl.float32))
-        total += _pow(li - mx, BASE2)
+    mx, total = _max_and_total(lx_ptr, lse_off, slx_n64, rmask, N, BLOCK_R, BASE2)
     safe = tl.where(total > 0, total, 1.0)
     # pass 2: the weighted sum of the outs
     d = tl.arange(0, BLOCK_D)
@@ -168,15 +175,7 @@ def _rescale_kernel(
     h_idx = rows % H
     lse_off = m_idx * slx_m + h_idx * slx_h
     slx_n64 = tl.cast(slx_n, tl.int64)
-    mx = tl.full([BLOCK_R], float("-inf"), tl.float32)
-    for i in tl.static_range(N):
-        li = _clean_lse(tl.load(lx_ptr + i * slx_n64 + lse_off, mask=rmask, other=float("-inf")).to(tl.float32))
-        mx = tl.maximum(mx, li, propagate_nan=tl.PropagateNan.ALL)
-    mx = tl.where(mx == float("-inf"), 0.0, mx)
-    total = tl.full([BLOCK_R], 0.0, tl.float32)
-    for i in tl.static_range(N):
-        li = _clean_lse(tl.load(lx_ptr + i * slx_n64 + lse_off, mask=rmask, other=float("-inf")).to(tl.float32))
-        total += _pow(li - mx, BASE2)
+    mx, total = _max_and_total(lx_ptr, lse_off, slx_n64, rmask, N, BLOCK_R, BASE2)
     safe = tl.where(total > 0, total, 1.0)
     mine = _clean_lse(tl.load(lx_ptr + tl.cast(INDEX, tl.int64) * slx_n64 + lse_off, mask=rmask,
                               other=float("-inf")).to(tl.float32))
