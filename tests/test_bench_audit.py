@@ -113,14 +113,7 @@ def test_route_fused_rows_say_whether_the_kernel_routes_as_torch_does(monkeypatc
     (right) or the torch path with a token's experts shifted (wrong)."""
     from megapar.launch.bench import route as bench_route
 
-    class FakeCuda(BenchContext):
-        @property
-        def is_cuda(self) -> bool:
-            return True
-
-        def time_fn(self, fn, **kw):
-            fn()
-            return 1.0
+    FakeCuda = _FakeCuda
 
     monkeypatch.setattr(bench_route, "_loop_us", lambda fn, **kw: 1.0)
     monkeypatch.setattr(bench_route, "_graph_us", lambda ctx, fn, **kw: (fn(), 1.0)[1])
