@@ -67,6 +67,13 @@ def _store_merged(y_ptr, ly_ptr, m_idx, h_idx, d, rmask, mask2, acc, mx, total, 
 
 
 @triton.jit
+def _program_rows(M, H, BLOCK_R: tl.constexpr):
+    """This program's BLOCK_R rows (token x head) of the M x H: (in range, token, head), 64-bit."""
+    rows = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R).to(tl.int64)
+    return rows < M * H, rows // H, rows % H
+
+
+@triton.jit
 def _max_and_total(lx_ptr, lse_off, slx_n64, rmask, N: tl.constexpr, BLOCK_R: tl.constexpr, BASE2: tl.constexpr):
     """The N-way merge's first pass over the stacked LSE vectors only: the rows' max (0 where every
     partial is empty, NaN where one is NaN) and the sum of the weights relative to it."""
@@ -93,10 +100,7 @@ def _merge_pair_kernel(
 ):
     if PDL:   # launched early (programmatic dependent launch): wait for the kernel before, first
         gdc_wait()
-    rows = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R).to(tl.int64)
-    rmask = rows < M * H
-    m_idx = rows // H
-    h_idx = rows % H
+    rmask, m_idx, h_idx = _program_rows(M, H, BLOCK_R)
     la = tl.load(la_ptr + m_idx * sla_m + h_idx * sla_h, mask=rmask, other=float("-inf")).to(tl.float32)
     lb = tl.load(lb_ptr + m_idx * slb_m + h_idx * slb_h, mask=rmask, other=float("-inf")).to(tl.float32)
     la = _clean_lse(la)
@@ -130,10 +134,7 @@ def _merge_n_kernel(
 ):
     if PDL:   # launched early (programmatic dependent launch): wait for the kernel before, first
         gdc_wait()
-    rows = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R).to(tl.int64)
-    rmask = rows < M * H
-    m_idx = rows // H
-    h_idx = rows % H
+    rmask, m_idx, h_idx = _program_rows(M, H, BLOCK_R)
     lse_off = m_idx * slx_m + h_idx * slx_h
     # input i starts i strides in: 64-bit (a stride that fits in 32 bits arrives as i32, and 4 stacked
     # prefill inputs of 2^29 elements would wrap at i = 4)
@@ -169,10 +170,7 @@ def _rescale_kernel(
     with one out read instead of N."""
     if PDL:
         gdc_wait()
-    rows = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R).to(tl.int64)
-    rmask = rows < M * H
-    m_idx = rows // H
-    h_idx = rows % H
+    rmask, m_idx, h_idx = _program_rows(M, H, BLOCK_R)
     lse_off = m_idx * slx_m + h_idx * slx_h
     slx_n64 = tl.cast(slx_n, tl.int64)
     mx, total = _max_and_total(lx_ptr, lse_off, slx_n64, rmask, N, BLOCK_R, BASE2)
