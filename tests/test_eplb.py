@@ -640,7 +640,10 @@ def test_eplb_checks_its_policy_and_maps_at_construction():
         Eplb(1, 6, config=EplbConfig(num_groups=4))
     with pytest.raises(ValueError, match=r"num_nodes \(2\) must divide num_ranks \(1\)"):
         Eplb(1, 6, config=EplbConfig(num_groups=2, num_nodes=2))
-    Eplb(1, 6, config=EplbConfig(num_groups=4, num_nodes=3))  # 4 % 3 != 0: the global policy, valid
+    # 4 % 3 != 0 picks the global policy, but one rank cannot span 3 nodes under either policy
+    # (DeepSeek's and vLLM's entry points: the rank count must be a multiple of num_nodes)
+    with pytest.raises(ValueError, match=r"num_nodes \(3\) must divide num_ranks \(1\)"):
+        Eplb(1, 6, config=EplbConfig(num_groups=4, num_nodes=3))
     placement = torch.tensor([[3, 2, 1, 0, 0, 1, 2, 3]])
     with pytest.raises(ValueError, match=r"phy2log has shape \(1, 8\); expected \[num_layers, num_physical\] = \[2, 4\]"):
         Eplb(2, 4, phy2log=placement)

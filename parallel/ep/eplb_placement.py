@@ -25,8 +25,19 @@ Precision and parity: loads are cast to float32 on the CPU, as DeepSeek's refere
 replica, pack loads accumulated item by item) is the same float32 operation in the same order,
 so on loads without ties `phy2log` and `logcnt` equal the reference's placement for placement
 (float32 holds integer token counts exactly up to 2^24 per expert; above that, loads closer than
-one part in 1.7e7 may tie). Ties go to the lowest index (the reference's sort is unstable there),
-so every rank computes the same plan from the same loads.
+one part in 1.7e7 may tie). Integer loads go to float32 in one rounding, as in the reference.
+vLLM's numpy port of the reference divides and sums packs in float64, so it can part from
+DeepSeek's (and this) placement where float32 cannot tell two loads apart. Ties go to the
+lowest index (the reference's sort is unstable there: torch's CPU order among equal loads is
+unspecified and already shuffles rows above 16 items), so every rank computes the same plan
+from the same loads. `log2phy` lists an expert's slots in ascending order; the reference lists
+them in the order the replicas were created (the same slots). tests/test_eplb_reference.py
+checks all of this against a restatement of the reference.
+
+Input checks (ValueError, before any work): loads finite and >= 0; num_physical >= E and a
+multiple of num_ranks; num_ranks a multiple of num_nodes under either policy (ranks are numbered
+node-major; the references state it at their entry point); num_groups dividing E under the
+hierarchical policy (the global one ignores groups, as the reference does).
 
 Conventions: physical slot `p` lives on rank `p // (P // num_ranks)`; ranks `n * R/N ..
 (n+1) * R/N - 1` form node `n`. Within a rank, new slots are ordered by packing order (heaviest
@@ -159,14 +170,17 @@ def _check_policy(num_logical: int, num_groups: int, num_nodes: int, num_ranks: 
     runs with: as given for the hierarchical policy, (1, 1) for the global one."""
     if num_groups < 1 or num_nodes < 1:
         raise ValueError(f"num_groups ({num_groups}) and num_nodes ({num_nodes}) must be >= 1")
-    if num_groups % num_nodes != 0:  # global policy: one group, one node
+    # ranks are numbered node-major, R / N to a node: a topology whatever the policy (DeepSeek's
+    # entry point states num_gpus must be a multiple of num_nodes; its global branch only asserts
+    # it for N = 1, so e.g. 4 GPUs on 3 nodes went through there)
+    if num_ranks % num_nodes != 0:
+        raise ValueError(f"num_nodes ({num_nodes}) must divide num_ranks ({num_ranks}); "
+                         f"valid num_nodes: {_divisors(num_ranks)}")
+    if num_groups % num_nodes != 0:  # global policy: one group, one node; groups unused (as in the reference)
         return 1, 1
     if num_logical % num_groups != 0:
         raise ValueError(f"num_groups ({num_groups}) must divide the number of logical experts "
                          f"({num_logical}); valid num_groups: {_divisors(num_logical)}")
-    if num_ranks % num_nodes != 0:
-        raise ValueError(f"num_nodes ({num_nodes}) must divide num_ranks ({num_ranks}); "
-                         f"valid num_nodes: {_divisors(num_ranks)}")
     return num_groups, num_nodes
 
 
@@ -365,7 +379,10 @@ def rebalance_experts(weight: torch.Tensor, num_physical: int, num_groups: int, 
     """
     num_physical, num_ranks = _as_int("num_physical", num_physical), _as_int("num_ranks", num_ranks)
     num_groups, num_nodes = _as_int("num_groups", num_groups), _as_int("num_nodes", num_nodes)
-    w = _check_weight(weight).float()
+    _check_weight(weight)
+    # one rounding, straight to float32 as the reference does: int64 loads above 2^53 rounded
+    # first to float64 could land on a float32 midpoint and round the other way (double rounding)
+    w = weight.detach().to("cpu").float()
     num_layers, num_logical = w.shape
     if num_layers < 1 or num_logical < 1:
         raise ValueError(f"weight must have at least one layer and one logical expert; got shape "
