@@ -6,7 +6,9 @@ axis come from swapping that axis with the last one and reshaping to `(-1, size)
 DCP (vLLM's rule, whatever PCP is): `grid.reshape(-1, dcp)`, contiguous sub-blocks of each TP
 group (`tp % dcp == 0`). With PCP > 1 the KV cache is sharded over the `pcp * dcp` ranks of a
 DCP group and its PCP peers ("cp" below), `total_cp_rank = pcp_rank * dcp + dcp_rank`
-(docs/numerics.md §8); those ranks, in that order, are ascending, so "cp" is a rank list too.
+(docs/numerics.md §8; vLLM's meaning as PCP landed, PR #28718: its current main instead keeps a
+full replica per PCP rank, sharded over DCP only); those ranks, in that order, are ascending, so
+"cp" is a rank list too.
 Every group's rank list is ascending, which is the order torch.distributed gives a new group's
 ranks (older torch has no way to ask for another), so a rank's index in the list is its rank
 in the communicator.

@@ -6,7 +6,10 @@ its own paged cache. The block table is shared: virtual block `p // (B*N)` (B*N 
 rank) maps to the same physical block id on every rank. `DCPLayout` holds these formulas.
 With PCP > 1 (`pcp_group` given) the cache is sharded over the N = pcp * dcp ranks of the DCP
 group and its PCP peers, this rank being shard `total_cp_rank = pcp_rank * dcp + dcp_rank`
-(vLLM's `total_cp_world_size` / `total_cp_rank`); the per-rank cache format is unchanged.
+(`total_cp_world_size` / `total_cp_rank` of vLLM's block table as PCP first landed, PR #28718);
+the per-rank cache format is unchanged. vLLM's current main no longer shards over PCP: every PCP
+rank keeps a full replica (K/V all-gathered over PCP before the write) sharded over the DCP group
+alone; here that is `pcp_group=None` on every PCP rank (tests/test_dcp_vllm_layout.py checks both).
 
 Decode step (`dcp_decode_attention`): each rank holds the query heads of its TP slice, but all
 ranks of a DCP group share the same KV heads; so (1) all-gather q over the group (heads), (2)
