@@ -6,6 +6,10 @@ the input weights `pre [M]`, the output weights `post [M]` and a mixing matrix `
 made nearly doubly stochastic by Sinkhorn-Knopp; the sublayer sees `sum_i pre_i x_i`.
 After it, `mhc_post` writes `new_j = sum_i comb[i, j] x_i + post_j * f(x)` (docs/numerics.md).
 Everything is per token, so a token shard (sequence parallelism) needs nothing special.
+Checked against HF transformers' DeepseekV4HyperConnection / HyperHead / DecoderLayer / Model
+(tests/test_mhc_hf.py): the same formulas; the one difference is that HF's decoder layer rounds
+post and comb to the residual's dtype and mixes in it, where DeepSeek's hc_post and this module
+mix in fp32 and round once (on bf16: correctly rounded here, a few ulps off in HF).
 
 Paths, sharing signatures (`backend="auto"|"torch"|"triton"`):
 - torch (fp32 math, results in the residual's dtype): the specification; differentiable.

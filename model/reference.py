@@ -155,6 +155,15 @@ def mhc_sublayer(streams: torch.Tensor, state: dict[str, torch.Tensor], cfg: Mod
     return mixed + post[..., None] * f[:, :, None, :]
 
 
+def mhc_collapse(streams: torch.Tensor, state: dict[str, torch.Tensor], cfg: ModelConfig,
+                 prefix: str = "head_mhc") -> torch.Tensor:
+    """streams: [B, L, M, H] -> [B, L, H]: the head's mHC after the last layer (before the final norm)."""
+    b, length, m, hdim = streams.shape
+    mix = rms_norm(streams.reshape(b, length, m * hdim), None, cfg.norm_eps) @ _w(state, f"{prefix}.fn").T
+    pre = torch.sigmoid(mix * _w(state, f"{prefix}.scale")[0] + _w(state, f"{prefix}.base")) + cfg.mhc_eps
+    return (pre[..., None] * streams).sum(2)
+
+
 def reference_logits(state: dict[str, torch.Tensor], cfg: ModelConfig, tokens: torch.Tensor) -> torch.Tensor:
     """tokens: [B, L] int -> logits [B, L, V] float64 (causal: position p sees tokens 0..p)."""
     b, length = tokens.shape
@@ -167,10 +176,5 @@ def reference_logits(state: dict[str, torch.Tensor], cfg: ModelConfig, tokens: t
                                lambda h: attend(h, state, cfg, f"{p}.attn"))
         streams = mhc_sublayer(streams, state, cfg, f"{p}.ffn_mhc", f"{p}.ffn_norm.weight",
                                lambda h: moe(h.reshape(-1, cfg.hidden), state, cfg, i).reshape(h.shape))
-    m = cfg.mhc_streams
-    flat = streams.reshape(b, length, m * cfg.hidden)
-    mix = rms_norm(flat, None, cfg.norm_eps) @ _w(state, "head_mhc.fn").T
-    pre = torch.sigmoid(mix * _w(state, "head_mhc.scale")[0] + _w(state, "head_mhc.base")) + cfg.mhc_eps
-    h = (pre[..., None] * streams).sum(2)
-    h = rms_norm(h, _w(state, "norm.weight"), cfg.norm_eps)
+    h = rms_norm(mhc_collapse(streams, state, cfg), _w(state, "norm.weight"), cfg.norm_eps)
     return h @ _w(state, "lm_head.weight").T
