@@ -2,7 +2,10 @@
 
 A sequence of S tokens is cut into 2P chunks; rank r holds chunks r and 2P-1-r (zigzag), so
 every rank does the same causal work. Local tensors are `[T, H, D]` or `[B, T, H, D]` with
-T = S/P (the two chunks concatenated); see `zigzag_shard`.
+T = S/P (the two chunks concatenated); see `zigzag_shard`. This is the layout of
+ring-flash-attention's zigzag ring, Megatron-LM's / TransformerEngine's load-balanced CP
+(get_batch_on_this_cp_rank, THD: thd_get_partitioned_indices per sequence) and torch's
+_HeadTailLoadBalancer, with the same ring step masks (tests/test_ring_reference_layout.py).
 
 Ring (`variant="ring"`): P steps; at step s a rank holds the KV of rank `src = r - s`, sends it on
 to r+1 while computing against it (asynchronous P2P into the other of two buffers), and merges
@@ -58,6 +61,25 @@ RingVariant = Literal["ring", "allgather"]
 # zigzag layout
 
 
+def _int(value, what: str) -> int:
+    """`value` as an int: integers only (a float, even 8.0, or a bool is a ValueError naming it)."""
+    if isinstance(value, bool) or (isinstance(value, Tensor) and value.dtype == torch.bool):
+        raise ValueError(f"{what} must be an integer, got {value!r}")
+    try:
+        return operator.index(value)
+    except TypeError:
+        raise ValueError(f"{what} must be an integer, got {value!r}") from None
+
+
+def _check_rank(rank: int, size: int) -> tuple[int, int]:
+    size, rank = _int(size, "group size"), _int(rank, "rank")
+    if size < 1:
+        raise ValueError(f"group size must be >= 1, got {size}")
+    if not 0 <= rank < size:
+        raise ValueError(f"rank ({rank}) must be in [0, {size})")
+    return rank, size
+
+
 def _check_zigzag(length: int, size: int, what: str) -> int:
     if size < 1:
         raise ValueError(f"group size must be >= 1, got {size}")
@@ -74,8 +96,7 @@ def zigzag_shard(x: Tensor, rank: int, size: int, *, dim: int = 0) -> Tensor:
     x: [..., S, ...] with the sequence along `dim`; S % (2*size) == 0 (else ValueError saying how
     much to pad). Returns [..., S/size, ...] (a copy).
     """
-    if not 0 <= rank < size:
-        raise ValueError(f"rank ({rank}) must be in [0, {size})")
+    rank, size = _check_rank(rank, size)
     chunk = _check_zigzag(x.shape[dim], size, "sequence length")
     first = x.narrow(dim, rank * chunk, chunk)
     second = x.narrow(dim, (2 * size - 1 - rank) * chunk, chunk)
@@ -97,18 +118,27 @@ def zigzag_unshard(shards: Sequence[Tensor], *, dim: int = 0) -> Tensor:
 
 
 def zigzag_positions(seq_len: int, rank: int, size: int, *, device: torch.device | str | None = None) -> Tensor:
-    """Global positions [seq_len / size] int64 of the tokens rank `rank` holds (for RoPE etc.)."""
-    return zigzag_shard(torch.arange(seq_len, device=device), rank, size)
+    """Global positions [seq_len / size] int64 of the tokens rank `rank` holds (for RoPE etc.).
+
+    seq_len: a non-negative integer, a multiple of 2*size (a float such as 8.0 is refused: it made
+    float positions)."""
+    seq_len = _int(seq_len, "seq_len")
+    if seq_len < 0:
+        raise ValueError(f"seq_len must be >= 0, got {seq_len}")
+    return zigzag_shard(torch.arange(seq_len, dtype=torch.int64, device=device), rank, size)
 
 
 def _seq_lengths(cu_seqlens: Tensor | Sequence[int]) -> list[int]:
     """Lengths of the packed sequences in `cu_seqlens` [N+1] (host ints or an integer tensor)."""
     if isinstance(cu_seqlens, Tensor):
-        if cu_seqlens.dim() != 1 or cu_seqlens.is_floating_point():
+        if cu_seqlens.dim() != 1 or cu_seqlens.is_floating_point() or cu_seqlens.is_complex() \
+                or cu_seqlens.dtype == torch.bool:
             raise ValueError(f"cu_seqlens must be a 1-D integer tensor, got {cu_seqlens.dtype} "
                              f"{tuple(cu_seqlens.shape)}")
         cu_seqlens = cu_seqlens.tolist()   # host sync on CUDA: the blocks are planned on the host
-    try:   # int() would truncate 7.5 to 7 silently; integers only, like the tensor path
+    try:   # int() would truncate 7.5 to 7 silently; integers only (no bools), like the tensor path
+        if any(isinstance(c, bool) for c in cu_seqlens):
+            raise TypeError
         cu = [operator.index(c) for c in cu_seqlens]
     except TypeError:
         raise ValueError(f"cu_seqlens must be integer offsets, got {cu_seqlens!r}") from None
@@ -152,8 +182,7 @@ def zigzag_shard_varlen(x: Tensor, cu_seqlens: Tensor | Sequence[int], rank: int
     how to pad). Returns [..., S_total/size, ...]: per sequence its two chunks, sequences in order;
     the local offsets are cu_seqlens / size.
     """
-    if not 0 <= rank < size:
-        raise ValueError(f"rank ({rank}) must be in [0, {size})")
+    rank, size = _check_rank(rank, size)
     lengths = _zigzag_lengths(cu_seqlens, size)
     if sum(lengths) != x.shape[dim]:
         raise ValueError(f"cu_seqlens covers {sum(lengths)} tokens but x has {x.shape[dim]} along dim {dim}")
@@ -177,6 +206,7 @@ def zigzag_unshard_varlen(shards: Sequence[Tensor], cu_seqlens: Tensor | Sequenc
 def zigzag_positions_varlen(cu_seqlens: Tensor | Sequence[int], rank: int, size: int, *,
                             device: torch.device | str | None = None) -> Tensor:
     """Positions within its own sequence [S_total / size] int64 of each token rank `rank` holds."""
+    rank, size = _check_rank(rank, size)
     return torch.cat([zigzag_positions(n, rank, size, device=device) for n in _zigzag_lengths(cu_seqlens, size)])
 
 
