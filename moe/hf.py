@@ -137,7 +137,8 @@ def moe_kwargs_from_hf(config: Any) -> dict:
         hidden=int(d["hidden_size"]), inter=int(d["moe_intermediate_size"]),
         num_experts=int(d["n_routed_experts"]), top_k=int(d["num_experts_per_tok"]),
         renormalize=bool(d.get("norm_topk_prob", True)),
-        routed_scaling=float(d.get("routed_scaling_factor") or 1.0),
+        # (None: 1; a 0 is kept, HF multiplies the weights by it: `or 1.0` had made it 1)
+        routed_scaling=1.0 if d.get("routed_scaling_factor") is None else float(d["routed_scaling_factor"]),
         num_shared=int(d.get("n_shared_experts") or 0), shared_inter=int(d["moe_intermediate_size"]),
     )
     if v4:

@@ -15,6 +15,13 @@ then up rows) and `experts.down_proj` [E, H, I] (a quantized model's with `exper
 FP4 [E, 2I, H/32]), or per expert, `experts.{e}.{gate,up,down}_proj.weight` [+ `weight_scale_inv`]
 (transformers 4, the V3 hub files).
 
+What transformers 5 writes (`save_pretrained`): V3 / V3.2 per expert under `model.layers.{i}.mlp.`
+(it fuses the experts in memory only); V4 under DeepSeek's names below `model.`
+(`model.layers.{i}.ffn.experts.{e}.w1.weight`, `gate.bias`, `gate.tid2eid`): `find_moe_prefix`
+tells which of the three prefixes a checkpoint uses. Keys the layer does not look up (other
+layers, experts past its `num_experts`, tensors it has no use for) are ignored, as HF's
+`from_pretrained` ignores unexpected keys (tests/test_hf_checkpoint_e2e.py).
+
 Every mapping here is lazy: a key is read when it is looked up, so a layer that takes its own
 experts reads only those. `SafetensorsState` reads from `.safetensors` files (one file, a list,
 or a directory with or without `model.safetensors.index.json`), a fused expert tensor one
@@ -258,3 +265,18 @@ def moe_prefix(layer: int, naming: str) -> str:
     if naming == "deepseek":
         return f"layers.{layer}.ffn."
     raise ValueError(f"unknown checkpoint naming {naming!r}; valid: deepseek, hf")
+
+
+_PREFIXES = ("model.layers.{}.mlp.", "layers.{}.ffn.", "model.layers.{}.ffn.")
+
+
+def find_moe_prefix(state: Mapping, layer: int) -> str:
+    """The MoE module prefix of decoder layer `layer` that `state` (full checkpoint names) holds:
+    HF's `model.layers.{i}.mlp.`, DeepSeek's `layers.{i}.ffn.`, or `model.layers.{i}.ffn.` (a V4
+    model written by transformers' save_pretrained). ValueError when none or several hold a router."""
+    found = [p.format(layer) for p in _PREFIXES if f"{p.format(layer)}gate.weight" in state]
+    if len(found) != 1:
+        tried = ", ".join(p.format(layer) for p in _PREFIXES)
+        raise ValueError(f"{'no' if not found else 'more than one'} MoE router (gate.weight) for layer {layer} "
+                         f"under {', '.join(found) if found else tried}")
+    return found[0]
