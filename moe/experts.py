@@ -32,7 +32,7 @@ the storage's device (quantized there), so host memory holds one expert at a tim
 from __future__ import annotations
 
 import numbers
-from typing import Literal, Mapping, Sequence
+from typing import Any, Literal, Mapping, Sequence
 
 import torch
 from torch import nn
@@ -59,6 +59,10 @@ def _first(state: Mapping[str, torch.Tensor], keys: Sequence[str]) -> torch.Tens
         if k in state:
             return state[k]
     return None
+
+
+_STORED_SUFFIXES = ("weight", "weight_scale_inv", "weight_scale", "scale", "weight_scale_2")
+"""what `read_weight` may read of one weight: the tensor and its scales' names"""
 
 
 def read_weight(state: Mapping[str, torch.Tensor], key: str) -> torch.Tensor | QuantizedTensor:
@@ -314,24 +318,44 @@ class Experts(nn.Module):
             more = f" (and {len(missing) - 1} more keys of this rank's experts)" if len(missing) > 1 else ""
             raise KeyError(f"missing {missing[0]}{more}")
 
+    def check_uniform(self, state: Mapping[str, torch.Tensor], prefix: str = "experts.") -> None:
+        """ValueError naming both keys when one of the slots' experts stores a tensor (weight or
+        scale) of another shape than the first expert's, or has a scale it lacks (or the other way
+        round). Reads stored shapes only (`moe.loading`'s lazy states read no tensor data)."""
+        from megapar.moe.loading import _shape, checkpoint_key
+
+        first: tuple[int, dict[str, tuple[int, ...] | None]] | None = None
+        for e in dict.fromkeys(self.local_experts):
+            sig = {f"{w}.{suffix}": (tuple(_shape(state, f"{prefix}{e}.{w}.{suffix}"))
+                                     if f"{prefix}{e}.{w}.{suffix}" in state else None)
+                   for w in ("w1", "w3", "w2") for suffix in _STORED_SUFFIXES}
+            if first is None:
+                first = (e, sig)
+                continue
+            e0, sig0 = first
+            for name, got in sig.items():
+                if got != sig0[name]:
+                    show = lambda x, shape: (f"{checkpoint_key(state, f'{prefix}{x}.{name}')} "
+                                             + ("absent" if shape is None else f"of shape {list(shape)}"))
+                    raise ValueError(f"the experts differ: {show(e, got)}, {show(e0, sig0[name])}; every "
+                                     "expert must be stored alike (nothing was written)")
+
     def load_deepseek(self, state: Mapping[str, torch.Tensor], prefix: str = "experts.") -> None:
         """Load the slots' experts from DeepSeek-named tensors `{prefix}{e}.w{1,2,3}.weight` (+ scales),
         one expert at a time into its slot (meta storage is materialized first). Missing experts
         raise KeyError naming the first missing key, before anything is written (or materialized);
-        so does a size that is not the module's (hidden, inter), found on the first expert read.
-        A checkpoint whose experts differ among themselves (a later expert of another shape, a
-        missing scale) still fails at that expert, after the earlier ones were written."""
+        a checkpoint whose experts differ among themselves (a later expert's tensor of another stored
+        shape, a scale one expert has and another lacks) ValueError naming both experts' keys, also
+        before the first write (`check_uniform`: stored shapes only, no data read from a lazy
+        state); a size that is not the module's (hidden, inter) ValueError on the first expert read,
+        which every expert then shares."""
         self.check_keys(state, prefix)
+        experts = list(self.local_experts)
+        first = self._read_expert(state, prefix, experts[0]) if experts else None    # (the sizes checked)
+        self.check_uniform(state, prefix)
         self.materialize()
-        for slot, e in enumerate(self.local_experts):
-            w1 = self._read(state, f"{prefix}{e}.w1")
-            w3 = self._read(state, f"{prefix}{e}.w3")
-            w2 = self._read(state, f"{prefix}{e}.w2")
-            for name, w, shape in (("w1", w1, (self.inter, self.hidden)), ("w3", w3, (self.inter, self.hidden)),
-                                   ("w2", w2, (self.hidden, self.inter))):
-                if tuple(w.shape) != shape:
-                    raise ValueError(f"{prefix}{e}.{name}.weight has logical shape {tuple(w.shape)}; "
-                                     f"expected {shape} (hidden={self.hidden}, inter={self.inter})")
+        for slot, e in enumerate(experts):
+            w1, w3, w2 = first if slot == 0 else self._read_expert(state, prefix, e)
             w1, w3 = self._convert(w1), self._convert(w3)
             if isinstance(w1, QuantizedTensor) and isinstance(w3, QuantizedTensor) and self.quantized:
                 w13 = _fuse_quantized(w1, w3, self.gate_up)
@@ -339,6 +363,23 @@ class Experts(nn.Module):
                 w1, w3 = (dequantize(w, torch.float32) if isinstance(w, QuantizedTensor) else w for w in (w1, w3))
                 w13 = fuse_gate_up(w1, w3, self.gate_up)
             self._write_slot(slot, w13, w2)
+
+    def _read_expert(self, state: Mapping[str, torch.Tensor], prefix: str, e: int) -> tuple[Any, Any, Any]:
+        """Expert e's (w1, w3, w2) as stored, ValueError unless their logical shapes are the module's."""
+        w1 = self._read(state, f"{prefix}{e}.w1")
+        w3 = self._read(state, f"{prefix}{e}.w3")
+        w2 = self._read(state, f"{prefix}{e}.w2")
+        for name, w, shape in (("w1", w1, (self.inter, self.hidden)), ("w3", w3, (self.inter, self.hidden)),
+                               ("w2", w2, (self.hidden, self.inter))):
+            if tuple(w.shape) != shape:
+                from megapar.moe.loading import checkpoint_key
+
+                key = f"{prefix}{e}.{name}.weight"
+                stored = checkpoint_key(state, key)
+                also = "" if stored == key else f", read as {key}"
+                raise ValueError(f"{stored} has logical shape {tuple(w.shape)}; expected {shape} "
+                                 f"(hidden={self.hidden}, inter={self.inter}{also})")
+        return w1, w3, w2
 
     def _read(self, state: Mapping[str, torch.Tensor], key: str) -> torch.Tensor | QuantizedTensor:
         return read_weight(state, key)

@@ -615,18 +615,30 @@ class MoELayer(nn.Module):
         loads it (its DeepSeek V3 / V3.2 / V4 routers register the buffer as zeros and report the
         key missing)."""
         from megapar.moe.experts import read_dense
-        from megapar.moe.loading import Prefixed
+        from megapar.moe.loading import Prefixed, checkpoint_key
 
         sub = Prefixed(state, prefix) if prefix else state
         device = self.experts.device
         gate = Prefixed(sub, "gate.")
+        wanted = self.gate.state_dict()
+        # a router tensor the checkpoint holds and this layer's config does not use (a hash layer's
+        # tid2eid loaded as a top-k layer, a bias with use_bias=False) would be dropped and the
+        # layer route unlike the checkpoint's model: the config does not describe this layer
+        for name, needs, why in (("tid2eid", "tid2eid", "a hash-routed layer's table; this layer routes by "
+                                  "top-k (is the layer index / num_hash_layers right?)"),
+                                 ("e_score_correction_bias", "e_score_correction_bias", "a router bias; this "
+                                  "layer's config has none (use_bias / topk_method)"),
+                                 ("bias", "e_score_correction_bias", "a router bias; this layer's config has none "
+                                  "(use_bias / topk_method)")):
+            if name in gate and needs not in wanted:
+                raise ValueError(f"the checkpoint has {checkpoint_key(gate, name)}, {why}: refusing to drop it")
         values = {}
         zero_filled: list[str] = []
-        for k in self.gate.state_dict():
+        for k in wanted:
             key = "bias" if k == "e_score_correction_bias" and k not in gate and "bias" in gate else k
             if key not in gate and k == "e_score_correction_bias":
                 values[k] = torch.zeros(self.gate.e_score_correction_bias.shape, dtype=torch.float32)
-                names = dict.fromkeys(_checkpoint_key(gate, n) for n in (k, "bias"))   # (HF maps both to one)
+                names = dict.fromkeys(checkpoint_key(gate, n) for n in (k, "bias"))   # (HF maps both to one)
                 zero_filled.append(" / ".join(names))
                 continue
             if key not in gate:
@@ -690,20 +702,3 @@ class MoELayer(nn.Module):
     def extra_repr(self) -> str:
         return (f"ep={self.ep_rank}/{self.ep_size}, tokens={self.tokens}, path={self.path}, "
                 f"transport={self.transport}, overlap_chunks={self.overlap_chunks}, slots={self.num_slots}")
-
-
-def _checkpoint_key(state: Mapping, key: str) -> str:
-    """The name `key` of a (possibly wrapped) `moe.loading` view has in the checkpoint itself:
-    the prefixes of `Prefixed` views added, `HFNames`' DeepSeek names mapped to HF's."""
-    from megapar.moe.loading import HFNames, Prefixed
-
-    while True:
-        if isinstance(state, Prefixed):
-            state, key = state.state, state.prefix + key
-        elif isinstance(state, HFNames):
-            m = state._map(key)
-            if m is None:
-                return key
-            state, key = state.state, m[0]
-        else:
-            return key

@@ -228,6 +228,15 @@ class HFNames(Mapping):
         hf, index = m
         return self.state[hf] if index is None else _slice(self.state, hf, index)
 
+    def shape(self, key: str) -> list[int]:
+        """The shape `self[key]` has, from the stored shapes (a lazy state reads no data)."""
+        m = self._map(key)
+        if m is None or m[0] not in self.state:
+            raise KeyError(key)
+        hf, index = m
+        stored = _shape(self.state, hf)
+        return stored if index is None else list(torch.empty(stored, device="meta")[index].shape)
+
     def __contains__(self, key: object) -> bool:
         m = self._map(key) if isinstance(key, str) else None
         return m is not None and m[0] in self.state
@@ -237,6 +246,21 @@ class HFNames(Mapping):
 
     def __len__(self) -> int:
         return len(self.state)
+
+
+def checkpoint_key(state: Mapping, key: str) -> str:
+    """The name `key` of a (possibly wrapped) view of this module has in the checkpoint itself:
+    the prefixes of `Prefixed` views added, `HFNames`' DeepSeek names mapped to HF's."""
+    while True:
+        if isinstance(state, Prefixed):
+            state, key = state.state, state.prefix + key
+        elif isinstance(state, HFNames):
+            m = state._map(key)
+            if m is None:
+                return key
+            state, key = state.state, m[0]
+        else:
+            return key
 
 
 def detect_naming(state: Mapping) -> str:

@@ -388,3 +388,65 @@ def test_hf_fused_expert_past_the_tensors_is_absent_and_an_odd_row_count_refused
     st[f"{p}experts.gate_up_proj"] = torch.randn(2, 2 * I + 1, H, generator=g)
     with pytest.raises(ValueError, match=f"{2 * I + 1} rows per expert"):
         moe_state(st, p)["experts.0.w1.weight"]
+
+
+@pytest.mark.parametrize("naming", ["deepseek", "hf_per_expert", "safetensors"])
+def test_experts_stored_unlike_each_other_are_refused_before_any_write(tmp_path, naming):
+    """A checkpoint whose experts differ among themselves (a later expert's w2 of another shape, a
+    scale one expert lacks) loaded expert 0, 1, ... into their slots and failed at the odd one,
+    leaving the layer half-written. Now a ValueError names both experts' keys first (stored shapes
+    only: the lazy reader reads no tensor data for it) and the layer is untouched."""
+    p = moe_prefix(3, "deepseek")
+    cases = []
+    st = _deepseek_state(21)
+    st[f"{p}experts.5.w2.weight"] = torch.randn(H, I + 2).to(torch.bfloat16)
+    cases.append((st, r"experts\.5\.(w2|down_proj)\.weight of shape \[64, 34\].*experts\.0\.(w2|down_proj)\.weight "
+                      r"of shape \[64, 32\]", "fp32"))
+    st = _deepseek_state(22, fp4="mxfp4")
+    del st[f"{p}experts.6.w3.scale"]
+    st[f"{p}experts.6.w3.weight_scale"] = torch.zeros(1, dtype=torch.uint8)      # (not the scale's shape)
+    cases.append((st, r"experts\.6\.w3\.(weight_)?scale (absent|of shape \[1\]).*experts\.0\.w3\.(weight_)?scale "
+                      r"(absent|of shape)", "mxfp4"))
+    for i, (state, match, fmt) in enumerate(cases):
+        if naming != "deepseek" and fmt != "fp32":
+            continue
+        if naming == "hf_per_expert":
+            hp = moe_prefix(3, "hf")
+            names = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
+            src = {k[len(p):]: v for k, v in state.items()}
+            state = {f"{hp}gate.weight": src["gate.weight"], f"{hp}gate.e_score_correction_bias": src["gate.bias"]}
+            for k, v in src.items():
+                parts = k.split(".")
+                if parts[0] in ("experts", "shared_experts"):
+                    parts[-2] = names[parts[-2]]
+                    state[hp + ".".join(parts)] = v
+            prefix = hp
+        else:
+            prefix = p
+        layer = MoELayer(_cfg(expert_format=fmt), init="random")
+        before = {k: v.clone() for k, v in layer.state_dict().items()}
+        with pytest.raises(ValueError, match="the experts differ: .*" + match):
+            if naming == "safetensors":
+                (tmp_path / str(i)).mkdir()
+                reader = SafetensorsState(_write(tmp_path / str(i), state))
+                layer.load_deepseek(moe_state(reader, prefix))
+            else:
+                layer.load_deepseek(moe_state(state, prefix))
+        if naming == "safetensors":
+            assert not any(".experts.5." in k or ".experts.6." in k for k in reader.reads), reader.reads
+        after = layer.state_dict()
+        assert all(torch.equal(before[k], after[k]) for k in before)
+
+
+def test_a_router_bias_the_config_does_not_use_is_refused():
+    """A checkpoint's router bias under a config without one (use_bias False) was dropped silently:
+    the layer routed unlike the checkpoint's model. Now a ValueError names the key, before any write."""
+    st = _deepseek_state(23)
+    layer = MoELayer(_cfg(use_bias=False), init="random")
+    before = {k: v.clone() for k, v in layer.state_dict().items()}
+    with pytest.raises(ValueError, match=r"layers\.3\.ffn\.gate\.bias, a router bias; this layer's config has none"):
+        layer.load_deepseek(st, prefix="layers.3.ffn.")
+    assert all(torch.equal(before[k], v) for k, v in layer.state_dict().items())
+    hf = _hf_fused(st)
+    with pytest.raises(ValueError, match=r"model\.layers\.3\.mlp\.gate\.e_score_correction_bias, a router bias"):
+        MoELayer(_cfg(use_bias=False), init="random").load_deepseek(moe_state(hf, moe_prefix(3, "hf")))
