@@ -53,12 +53,15 @@ class Buffer:
 
     def get_dispatch_layout(self, topk_idx, num_experts):
         assert topk_idx.dtype == torch.int64 and topk_idx.dim() == 2, topk_idx.dtype
+        assert topk_idx.is_contiguous(), "DeepEP asserts a contiguous topk_idx"
         per = num_experts // self.size
-        dest = torch.where(topk_idx >= 0, topk_idx // per, self.size)
+        # its kernel tests ranges: an id outside [0, num_experts) (not only -1) counts for no expert and no rank
+        valid = (topk_idx >= 0) & (topk_idx < num_experts)
+        dest = torch.where(valid, topk_idx // per, self.size)
         in_rank = torch.zeros(topk_idx.shape[0], self.size + 1, dtype=torch.bool)
         in_rank.scatter_(1, dest, True)
         in_rank = in_rank[:, :self.size]
-        key = torch.where(topk_idx >= 0, topk_idx, num_experts).reshape(-1)
+        key = torch.where(valid, topk_idx, num_experts).reshape(-1)
         per_expert = torch.bincount(key, minlength=num_experts + 1)[:num_experts].int()
         calls.append(("get_dispatch_layout", tuple(topk_idx.shape), num_experts))
         return in_rank.sum(0).int(), None, per_expert, in_rank, None
@@ -68,32 +71,40 @@ class Buffer:
         if handle is not None:
             assert isinstance(x, torch.Tensor) and x.shape[0] == handle.num_tokens, (x.shape, handle.num_tokens)
             _row_check(x)
+            assert topk_idx is None and topk_weights is None, "DeepEP's cached dispatch takes no topk tensors"
             calls.append(("dispatch_cached", tuple(x.shape)))
             everyone = self._all([x[handle.sent[d]] for d in range(self.size)])
-            return torch.cat([everyone[s][self.rank] for s in range(self.size)]), None, None, None, handle, None
+            # (the cached mode returns no ids, weights, counts or handle)
+            return torch.cat([everyone[s][self.rank] for s in range(self.size)]), None, None, None, None, None
         x, scale = x if isinstance(x, tuple) else (x, None)
         t = x.shape[0]
         _row_check(x)
         assert topk_idx.shape[0] == t and topk_weights.shape == topk_idx.shape and topk_weights.dtype == torch.float32
         assert topk_idx.is_contiguous() and topk_weights.is_contiguous(), "DeepEP asserts contiguous topk tensors"
-        assert scale is None or (scale.dtype == torch.float32 and scale.dim() == 2 and scale.shape[0] == t)
+        assert topk_idx.dtype == torch.int64, "DeepEP reads topk_idx as topk_idx_t (int64)"
+        assert topk_idx.shape[1] <= 32, "EP_DEVICE_ASSERT(num_topk <= 32)"
+        assert scale is None or x.element_size() == 1, "DeepEP asserts 1-byte x with x_scales"
+        assert scale is None or (scale.dtype in (torch.float32, torch.int32) and scale.dim() == 2 and scale.shape[0] == t)
         assert is_token_in_rank.shape == (t, self.size) and num_tokens_per_rank.shape == (self.size,)
         calls.append(("dispatch", tuple(x.shape), str(x.dtype), scale is not None))
         sent = [is_token_in_rank[:, d].nonzero().reshape(-1) for d in range(self.size)]
         per = num_tokens_per_expert.shape[0] // self.size
-        everyone = self._all([(x[i], None if scale is None else scale[i], topk_idx[i], topk_weights[i])
+        xb = x.view(torch.uint8) if x.element_size() == 1 else x  # (fp8 does not pickle: move its bytes)
+        everyone = self._all([(xb[i], None if scale is None else scale[i], topk_idx[i], topk_weights[i])
                               for i in sent])
         mine = [everyone[s][self.rank] for s in range(self.size)]
         ids = torch.cat([m[2] for m in mine])
         first = self.rank * per
         local = torch.where((ids >= first) & (ids < first + per), ids - first, torch.full_like(ids, -1))
-        recv_x = torch.cat([m[0] for m in mine])
+        recv_x = torch.cat([m[0] for m in mine]).view(x.dtype)
         if scale is not None:
             recv_x = (recv_x, torch.cat([m[1] for m in mine]))
         handle = _Handle(sent, [m[0].shape[0] for m in mine], t)
         recv_w = torch.cat([m[3] for m in mine])
         recv_w = torch.where(local >= 0, recv_w, torch.zeros_like(recv_w))  # as its kernel: 0 off this rank
-        return recv_x, local, recv_w, None, handle, None
+        # received pairs per local expert (a token naming one expert twice counts twice), as a host list
+        per_expert = [int((local == e).sum()) for e in range(per)]
+        return recv_x, local, recv_w, per_expert, handle, None
 
     def combine(self, x, handle, topk_weights=None, **kw):
         """Sums (no weights) the rows sent back; topk_weights [n, num_topk] fp32 are summed the same way."""
@@ -116,6 +127,7 @@ class Buffer:
 
     def low_latency_dispatch(self, x, topk_idx, num_max_dispatch_tokens_per_rank, num_experts, use_fp8=False, **kw):
         assert self.ll and topk_idx.dtype == torch.int64 and x.shape[0] <= num_max_dispatch_tokens_per_rank
+        assert x.dtype == torch.bfloat16 and x.shape[1] % 128 == 0, "DeepEP asserts bf16 x, hidden % 128 == 0"
         assert ((topk_idx >= -1) & (topk_idx < num_experts)).all(), "DeepEP would address a rank that is not there"
         assert x.is_contiguous() and topk_idx.is_contiguous(), "DeepEP asserts contiguous x and topk_idx"
         calls.append(("low_latency_dispatch", tuple(x.shape), num_max_dispatch_tokens_per_rank, num_experts))
@@ -125,6 +137,7 @@ class Buffer:
 
     def low_latency_combine(self, x, topk_idx, topk_weights, handle, **kw):
         assert handle == "ll-handle" and x.dim() == 3 and topk_weights.shape == topk_idx.shape
+        assert x.dtype == torch.bfloat16 and x.is_contiguous() and topk_idx.dtype == torch.int64
         assert topk_idx.is_contiguous() and topk_weights.is_contiguous() and topk_weights.dtype == torch.float32
         calls.append(("low_latency_combine", tuple(x.shape)))
         return torch.zeros(topk_idx.shape[0], x.shape[2], dtype=x.dtype), None, None
@@ -145,6 +158,7 @@ def fake_dir(tmp_path_factory) -> str:
 
 
 LL_HIDDEN = 2048  # the smallest hidden size DeepEP's low-latency kernels are compiled for
+FAKE_LL_HIDDEN = 128  # the fake asserts what DeepEP's host code does: bf16 rows, hidden % 128 == 0
 NORMAL_HIDDEN = 256
 
 
@@ -289,7 +303,7 @@ def _rank(rank: int, world: int, fake_dir: str | None = None, device: str = "cpu
         if "normal" in cases:
             out.update(_normal_case(pg, rank, world, e_total, device))
         if "low_latency" in cases:
-            hidden = H if fake_dir is not None else LL_HIDDEN
+            hidden = FAKE_LL_HIDDEN if fake_dir is not None else LL_HIDDEN
             out.update(_low_latency_case(pg, rank, world, e_total, device, hidden, fake_dir is not None))
         if fake_dir is not None:
             import deep_ep
@@ -306,7 +320,7 @@ def test_deepep_backend_matches_all_to_all_through_a_fake_deep_ep(fake_dir):
     world = 2
     for rank, r in enumerate(launch_local(_rank, world, args=(world, fake_dir), timeout=200)):
         assert r["same"] == [True] * 9 and r["loop"] == [True] * 3, (rank, r["same"], r["loop"])
-        assert r["ll_shapes"] == ((2, world * 8, H), ([5, 0][rank], H)), r["ll_shapes"]
+        assert r["ll_shapes"] == ((2, world * 8, FAKE_LL_HIDDEN), ([5, 0][rank], FAKE_LL_HIDDEN)), r["ll_shapes"]
         assert r.get("ll_bad_ids", rank == 1), rank   # rank 1 has no tokens
         calls = r["calls"]
         # one buffer; layout + dispatch forward, a cached dispatch (combine's backward), combines:
@@ -317,7 +331,7 @@ def test_deepep_backend_matches_all_to_all_through_a_fake_deep_ep(fake_dir):
         assert calls[-len(tail) - 1:] == tail + ["destroy"], calls      # rank 0 also sent ids out of range
         assert calls.count("destroy") == 3, calls  # every buffer the body frees, freed once
         # Buffer(group, nvl, rdma, low_latency_mode, num_qps_per_rank) from each DeepEPConfig (fake default qps 1)
-        rdma_hint = 8 * H * world * 16  # the fake's get_low_latency_rdma_size_hint
+        rdma_hint = 8 * FAKE_LL_HIDDEN * world * 16  # the fake's get_low_latency_rdma_size_hint
         assert r["buffers"] == [(1 << 22, 0, False, 3), (r["nvl_default"], 0, False, 1), (0, rdma_hint, True, 2),
                                 (0, rdma_hint, True, 2)], r["buffers"]
         assert len(r["warned"]) == 1 and "DeepEPLowLatency(max_tokens=, hidden=, num_experts=) is deprecated" in \
@@ -408,3 +422,75 @@ def test_deepep_rows_that_would_trap_its_dispatch_are_refused():
     for hidden, dtype in ((8, torch.bfloat16), (7176, torch.float8_e4m3fn), (MAX_ROW_BYTES // 2 + 16, torch.bfloat16)):
         with pytest.raises(ValueError, match=rf"hidden {hidden} x \d B .* = \d+ B"):
             check_row_bytes(torch.zeros(1, hidden, dtype=dtype))
+
+
+def _awkward_rank(rank: int, world: int, fake_dir: str) -> dict:
+    """Through the fake: payloads DeepEP's host code refuses are refused by the census on every
+    rank (nothing reaches deep_ep, nothing poisoned); awkward routings give what all_to_all gives."""
+    sys.path.insert(0, fake_dir)
+    from parallel import ParallelConfig, destroy_parallel, init_parallel
+    from parallel.ep import DispatchInputError, make_dispatcher
+
+    groups = init_parallel(ParallelConfig(world_size=world))
+    out: dict = {"refused": [], "same": []}
+    try:
+        import deep_ep
+
+        pg, e_total, hidden = groups.ep.group, 2 * world, NORMAL_HIDDEN
+        g = torch.Generator().manual_seed(rank)
+        t = [4, 6][rank]
+        x = (torch.randint(-8, 8, (t, hidden), generator=g).float() / 4).to(torch.bfloat16)
+        d = make_dispatcher(pg, e_total, hidden, backend="deepep", comm_thread=False)
+        ids2, w2 = torch.zeros(t, 2, dtype=torch.int64), torch.ones(t, 2)
+        wide = torch.zeros(t, 33, dtype=torch.int64)
+        for args, kw in (((x, ids2, w2), {"x_scale": torch.ones(t, 2)}),  # a scale beside bf16 x
+                         ((x.to(torch.float8_e4m3fn), ids2, w2), {"x_scale": torch.ones(t, 2, dtype=torch.float16)}),
+                         ((x, wide, torch.ones(t, 33)), {})):  # K = 33 > DeepEP's 32
+            before = len(deep_ep.calls)
+            try:
+                d.dispatch(*args, **kw)
+                out["refused"].append("accepted")
+            except DispatchInputError as exc:
+                out["refused"].append("DeepEP" in str(exc) or "rank(s)" in str(exc))
+            out["refused"].append(not any(c[0].startswith("dispatch") for c in deep_ep.calls[before:]))
+        # fp8 with fp32 scales goes through (and matches all_to_all below)
+        # awkward routings: every token to rank 0's experts, K = 3 > 2 experts a rank, repeats,
+        # ids out of range with check_ids=False (DeepEP's layout counts them for no rank)
+        routes = {"one_rank": torch.randint(0, 2, (t, 3), generator=g),
+                  "odd_ids": torch.randint(-1, e_total + 3, (t, 3), generator=g)}
+        w = torch.randint(1, 8, (t, 3), generator=g).float() / 8
+        for name, ids in routes.items():
+            res = {}
+            for backend in ("all_to_all", "deepep"):
+                dd = make_dispatcher(pg, e_total, hidden, backend=backend, comm_thread=False, check_ids=False)
+                r = dd.dispatch(x, ids, w)
+                y = dd.combine(r.x * 2, r.handle)
+                res[backend] = (r.x, r.counts, r.topk_weights, r.expert_ids, y)
+                if backend == "deepep":
+                    dd.backend.destroy()
+            out["same"].append([torch.equal(a, b) for a, b in zip(res["all_to_all"], res["deepep"])])
+        xs = torch.ones(t, 1)
+        res = []
+        for backend in ("all_to_all", "deepep"):
+            dd = make_dispatcher(pg, e_total, hidden, backend=backend, comm_thread=False)
+            r = dd.dispatch(x.to(torch.float8_e4m3fn), routes["one_rank"], w, x_scale=xs)
+            res.append((r.x.view(torch.uint8), r.x_scale, r.counts))
+            if backend == "deepep":
+                dd.backend.destroy()
+        out["same"].append([torch.equal(a, b) for a, b in zip(*res)])
+        d.backend.destroy()
+        return out
+    finally:
+        destroy_parallel()
+
+
+def test_deepep_refuses_what_deepep_asserts_and_matches_all_to_all_on_awkward_routings(fake_dir):
+    """Old code: a scale beside bf16 x, or K > 32, reached DeepEP (its host / device asserts:
+    the rank crashed inside the collective, its peers hung); now the census refuses them on every
+    rank. Routings with every token on one rank, K above the experts a rank and out-of-range ids
+    give what all_to_all gives."""
+    from launch.local import launch_local
+
+    for rank, r in enumerate(launch_local(_awkward_rank, 2, args=(2, fake_dir), timeout=120)):
+        assert r["refused"] == [True] * 6, (rank, r["refused"])
+        assert r["same"] == [[True] * 5, [True] * 5, [True] * 3], (rank, r["same"])

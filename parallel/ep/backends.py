@@ -363,6 +363,11 @@ class Backend:
         group stays in step (an error raised inside the transport poisons it)."""
         return None
 
+    def payload_error(self, x: torch.Tensor, x_scale: torch.Tensor | None, top_k: int) -> str | None:
+        """Why this transport cannot move x with x_scale and K = top_k slots a token (host checks,
+        agreed in the census like `input_error`), or None. Default: `input_error(x)`."""
+        return self.input_error(x)
+
     def route(self, info: RoutingInfo, census: Census) -> Route:
         raise NotImplementedError
 

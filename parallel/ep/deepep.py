@@ -8,7 +8,9 @@
   local expert ids (-1 off this rank), which are turned back into global ids, so the layout,
   combine and backward passes are those of ``all_to_all``. DeepEP combines bf16 only: partial
   sums travel as bf16; the router weights' gradients (dispatch's backward) travel in fp32 as
-  combine's ``topk_weights``, which DeepEP sums across ranks like the rows.
+  combine's ``topk_weights``, which DeepEP sums across ranks like the rows. Payloads DeepEP
+  asserts against (x_scale beside x wider than one byte, scales not fp32/int32, K > 32) are
+  refused by the dispatcher's census on every rank (`DeepEPBackend.payload_error`).
 - `DeepEPLowLatency`: ``low_latency_dispatch`` -> ``[E_local, W * max_tokens, H]`` (DeepEP's
   layout) with per-expert counts, and ``low_latency_combine``.
 
@@ -126,6 +128,7 @@ def _deep_ep() -> Any:
 # bytes, or whose half (+ an 8-byte mbarrier) exceeds 8 KiB, traps the kernel ("unspecified
 # launch failure", seen on the H200 with 8 bf16 values a row).
 ROW_ALIGN, MAX_ROW_BYTES = 32, 2 * (8192 - 8)
+MAX_TOP_K = 32  # EP_DEVICE_ASSERT(num_topk <= 32) in its dispatch and combine kernels
 
 
 def row_bytes_error(x: torch.Tensor) -> str | None:
@@ -219,6 +222,18 @@ class DeepEPBackend(Backend):
 
     @staticmethod
     def input_error(x: torch.Tensor) -> str | None:
+        return row_bytes_error(x)
+
+    def payload_error(self, x: torch.Tensor, x_scale: torch.Tensor | None, top_k: int) -> str | None:
+        """DeepEP's host asserts (buffer.hpp, intranode_dispatch) and device assert (num_topk <= 32)
+        beyond the row bytes: x_scale only with 1-byte x (fp8, packed fp4) and of fp32 or int32."""
+        if top_k > MAX_TOP_K:
+            return f"DeepEP's dispatch takes at most {MAX_TOP_K} experts a token (num_topk); got K = {top_k}"
+        if x_scale is not None and x.element_size() != 1:
+            return (f"DeepEP's dispatch takes x_scale only with 1-byte x (fp8 / packed fp4); got x {x.dtype} "
+                    "with x_scale")
+        if x_scale is not None and x_scale.dtype not in (torch.float32, torch.int32):
+            return f"DeepEP's dispatch takes x_scale of float32 or int32; got {x_scale.dtype}"
         return row_bytes_error(x)
 
     @staticmethod

@@ -574,7 +574,7 @@ class Dispatcher:
             devices.add(x_scale.device)
         if len(devices) > 1:
             return f"x, topk_ids, topk_weights and x_scale must be on one device, got {sorted(map(str, devices))}"
-        return self.backend.input_error(x)
+        return self.backend.payload_error(x, x_scale, topk_ids.shape[1])
 
     def _check_census(self, census: Census, own_error: str | None) -> None:
         """Raise the same error on every rank when any rank's input is bad or a slab overflows."""
