@@ -31,7 +31,9 @@ V2's buffer runs over an NCCL communicator, which refuses two ranks on one GPU; 
 checks the calls and shapes it receives. DeepEP's last pre-V2 source (commit 567632d: the same
 ``Buffer`` API, NVSHMEM optional) can be built there and run with two ranks on the one GPU under
 MPS (its intranode kernels share buffers through CUDA IPC): bench/fetch_deepep.sh and
-bench/run_deepep_mpg.sh (docs/gpu.md); that run has not been made yet.
+bench/run_deepep_mpg.sh (docs/gpu.md). Built that way, it passes this project's DeepEP GPU tests,
+normal and low-latency mode (the latter captured in a CUDA graph), two ranks on one GPU: on the H200
+and, on 2026-12-05, on an H100 (docs/gpu.md §37). NVLink runs across GPUs have not been made.
 """
 
 from __future__ import annotations
