@@ -19,7 +19,8 @@ Backends (`backend=`):
 - "reference": one plain collective and one matmul, nothing overlapped (the specification).
 - "auto": "symm_mem" where it is available, else "decomposed" (op "sp.matmul" of `parallel.impl`;
   it warns once when only the torch build stands in the way).
-A size-1 group never communicates (one matmul).
+A size-1 group never communicates (one matmul); the gathered input it returns (`return_gathered`)
+is x_shard's own storage, not a copy, as Megatron's one-rank gather returns its input.
 
 Shapes: the gathered / scattered dim is any dim but the last (K); every rank holds the same
 shard shape, so uneven token counts are padded first (`sp_shard`). On CPU tensors the ranks
