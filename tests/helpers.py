@@ -166,3 +166,70 @@ def outcome(fn) -> str:
     except ValueError as e:
         return f"{type(e).__name__}: {e}"
     return "ok"
+
+
+def launch_once(fn, world_size: int, *args, timeout: float = 120):
+    """Every rank's return of `fn(rank, world_size, *args)` from one `launch_local` of `world_size`
+    gloo ranks, or the launch's error as text; kept per (fn, world_size, args), so a test module's
+    cases share one launch and a crash is not relaunched per case."""
+    key = (fn, world_size, args)
+    if key not in _LAUNCHED:
+        from launch.local import launch_local
+
+        try:
+            _LAUNCHED[key] = tuple(launch_local(fn, world_size, args=(world_size, *args), timeout=timeout))
+        except Exception as e:  # RankError with the failing rank's traceback, or a timeout
+            _LAUNCHED[key] = f"{type(e).__name__}: {e}"
+    return _LAUNCHED[key]
+
+
+_LAUNCHED: dict = {}
+
+
+def run_tp_cases(rank: int, world_size: int, module: str, any_error: bool) -> dict:
+    """A rank's part of running every case of the test module `module` (its CASES, each
+    `case(tp, rank, size)`) on one TP group of all ranks: {case name: None, or its traceback}.
+    any_error: report every exception per case (cases whose ValueErrors every rank raises
+    alike), else AssertionErrors only. A barrier after each case leaves no collective
+    half-done for the next one."""
+    import importlib
+    import traceback
+
+    from parallel import ParallelConfig, destroy_parallel, init_parallel
+
+    torch.set_num_threads(1)
+    cases = importlib.import_module(module).CASES
+    tp = init_parallel(ParallelConfig(world_size=world_size, tp=world_size)).tp
+    caught = Exception if any_error else AssertionError
+    out: dict = {}
+    try:
+        for case in cases:
+            try:
+                case(tp, tp.rank, tp.size)
+                out[case.__name__] = None
+            except caught:
+                out[case.__name__] = traceback.format_exc()
+            if tp.size > 1:
+                torch.distributed.barrier(group=tp.group)
+    finally:
+        destroy_parallel()
+    return out
+
+
+def assert_case_passed(results, case: str) -> None:
+    """`launch_once(run_tp_cases, ...)`'s results: the launch worked and no rank failed `case`."""
+    assert not isinstance(results, str), results
+    failures = [f"rank {r}:\n{res[case]}" for r, res in enumerate(results) if res[case]]
+    assert not failures, "\n".join(failures)
+
+
+def assert_value_error(fn, *needles: str) -> None:
+    """fn() raises ValueError whose message holds every one of `needles` (from a rank's case, where
+    pytest.raises' context would not report back)."""
+    try:
+        fn()
+    except ValueError as e:
+        for n in needles:
+            assert n in str(e), (n, str(e))
+        return
+    raise AssertionError(f"no ValueError (wanted one naming {needles})")

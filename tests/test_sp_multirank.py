@@ -8,15 +8,12 @@ independent dense computation (plain matmuls over the full tensors, loops over r
 
 from __future__ import annotations
 
-import functools
-import traceback
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from launch.local import launch_local
-from parallel import ParallelConfig, destroy_parallel, init_parallel
+from tests.helpers import assert_case_passed, assert_value_error, launch_once, run_tp_cases
 from parallel.sp import (
     FP8_REL_TOL,
     ColumnParallelLinear,
@@ -440,14 +437,7 @@ def fp8_rms_norm_quantize_all_gather_gradients_match_dense_ste(tp, r, P):
 
 
 def bad_inputs_raise_value_errors_naming_the_values(tp, r, P):
-    def expect(fn, *needles):
-        try:
-            fn()
-        except ValueError as e:
-            for n in needles:
-                assert n in str(e), (n, str(e))
-            return
-        raise AssertionError(f"no ValueError (expected one mentioning {needles})")
+    expect = assert_value_error
 
     x = torch.randn(P * 2 + (1 if P > 1 else 0), 4)
     w = torch.randn(4, 3)
@@ -650,38 +640,7 @@ CASES = [f for name, f in sorted(globals().items()) if callable(f) and getattr(f
          and not name.startswith(("_", "test")) and f.__code__.co_varnames[:3] == ("tp", "r", "P")]
 
 
-def _run_cases(rank: int, world_size: int) -> dict[str, str | None]:
-    torch.set_num_threads(1)
-    groups = init_parallel(ParallelConfig(world_size=world_size, tp=world_size))
-    tp = groups.tp
-    out: dict[str, str | None] = {}
-    try:
-        for case in CASES:
-            try:
-                case(tp, tp.rank, tp.size)
-                out[case.__name__] = None
-            except AssertionError:
-                out[case.__name__] = traceback.format_exc()
-            if tp.size > 1:  # a failed case leaves no collective half-done for the next one
-                torch.distributed.barrier(group=tp.group)
-    finally:
-        destroy_parallel()
-    return out
-
-
-@functools.lru_cache(maxsize=None)
-def _results(world_size: int) -> tuple[dict[str, str | None], ...] | str:
-    """Every rank's case results, or the launch's error (kept, so a crash is not relaunched per case)."""
-    try:
-        return tuple(launch_local(_run_cases, world_size, args=(world_size,), timeout=120))
-    except Exception as e:  # RankError with the failing rank's traceback, or a timeout
-        return f"{type(e).__name__}: {e}"
-
-
 @pytest.mark.parametrize("case", [c.__name__ for c in CASES])
 @pytest.mark.parametrize("world_size", WORLD_SIZES)
 def test_sp(world_size: int, case: str) -> None:
-    results = _results(world_size)
-    assert not isinstance(results, str), results
-    failures = [f"rank {r}:\n{res[case]}" for r, res in enumerate(results) if res[case]]
-    assert not failures, "\n".join(failures)
+    assert_case_passed(launch_once(run_tp_cases, world_size, __name__, False), case)

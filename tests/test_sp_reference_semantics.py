@@ -39,14 +39,12 @@ One launch per world size (1, 2, 4) runs every case, as in tests/test_sp_multira
 
 from __future__ import annotations
 
-import functools
 import inspect
-import traceback
 
 import pytest
 import torch
 
-from launch.local import launch_local
+from tests.helpers import assert_case_passed, assert_value_error, launch_once, run_tp_cases
 
 WORLD_SIZES = (1, 2, 4)
 BACKENDS = ("decomposed", "reference", "auto")
@@ -107,14 +105,7 @@ def _fp8(shape, g: torch.Generator) -> torch.Tensor:
     return (torch.randn(shape, generator=g) * 4).to(FP8)
 
 
-def _raises(fn, *needles: str) -> None:
-    try:
-        fn()
-    except ValueError as e:
-        for n in needles:
-            assert n in str(e), (n, str(e))
-        return
-    raise AssertionError(f"no ValueError (wanted one naming {needles})")
+_raises = assert_value_error
 
 
 # ---------------------------------------------------------------------------------------------
@@ -464,39 +455,8 @@ CASES = [f for name, f in sorted(globals().items()) if callable(f) and getattr(f
          and not name.startswith(("_", "test", "ref")) and f.__code__.co_varnames[:3] == ("tp", "r", "P")]
 
 
-def _run_cases(rank: int, world_size: int) -> dict[str, str | None]:
-    torch.set_num_threads(1)
-    from parallel import ParallelConfig, destroy_parallel, init_parallel
-
-    tp = init_parallel(ParallelConfig(world_size=world_size, tp=world_size)).tp
-    out: dict[str, str | None] = {}
-    try:
-        for case in CASES:
-            try:
-                case(tp, tp.rank, tp.size)
-                out[case.__name__] = None
-            except Exception:  # noqa: BLE001 - reported per case; ValueErrors are agreed, so no rank is left behind
-                out[case.__name__] = traceback.format_exc()
-            if tp.size > 1:
-                torch.distributed.barrier(group=tp.group)
-    finally:
-        destroy_parallel()
-    return out
-
-
-@functools.lru_cache(maxsize=None)
-def _results(world_size: int) -> tuple[dict[str, str | None], ...] | str:
-    try:
-        return tuple(launch_local(_run_cases, world_size, args=(world_size,), timeout=120))
-    except Exception as e:  # noqa: BLE001
-        return f"{type(e).__name__}: {e}"
-
-
 @pytest.mark.parametrize("case", [c.__name__ for c in CASES])
 @pytest.mark.parametrize("world_size", WORLD_SIZES)
 def test_reference_semantics(world_size: int, case: str) -> None:
-    results = _results(world_size)
-    assert not isinstance(results, str), results
-    failures = [f"rank {r}:\n{res[case]}" for r, res in enumerate(results) if res[case]]
-    assert not failures, "\n".join(failures)
+    assert_case_passed(launch_once(run_tp_cases, world_size, __name__, True), case)
 
