@@ -9,7 +9,9 @@
 # bench/debug/decode_gluon_gqa.py; dstream: bench/debug/decode_stream.py; dsplits:
 # bench/debug/decode_splits.py; dwaves: bench/debug/decode_waves.py; dfixed: bench/debug/decode_fixed.py; ncugqa: Nsight Compute over bench/debug/decode_ncu.py gluon-gqa;
 # ceilings: this GPU's copy / bf16 / fp8 ceilings (launch/bench/common.measure_ceilings);
-# ncusrc: per-instruction stall samples (SASS, csv) of the kernel NCU_KERNEL names, decode_ncu.py NCU_ARGS)
+# ncusrc: per-instruction stall samples (SASS, csv) of the kernel NCU_KERNEL names, decode_ncu.py NCU_ARGS;
+# flashmla: FlashMLA's dense decode built from the carried .device-pkgs/flashmla-src.tar.gz and tested, then timed
+# beside ours by the bench-cp steps after it)
 # Each step runs under `timeout` (its own limit, cut to what is left of DEADLINE, default 570 s
 # from the start), logs to STEP.log and writes its results beside it; a step that would get
 # under 20 s is skipped and said so. Everything is packed into $OUT/owed.tgz at exit (the device
@@ -90,6 +92,21 @@ for s in "$@"; do
                   "$N" --clock-control none --profile-from-start off --kernel-name regex:${NCU_KERNEL:-_gqa_decode_ws_fp8} \
                   --section SourceCounters --section WarpStateStats --page source --print-source sass --csv \
                   python3 bench/debug/decode_ncu.py ${NCU_ARGS-gluon-gqa}' ;;
+    flashmla)   # FlashMLA's dense decode, the anchor of bench cp's MLA bf16 rows (launch/bench/flashmla.py):
+                # unpacked from the carried tarball (bench/fetch_flashmla.sh), built, its GPU test run; the
+                # steps after it (bench-cp) then time it (MEGAPAR_FLASHMLA_SRC stays set for them)
+                if [ -f .device-pkgs/flashmla-src.tar.gz ]; then
+                  mkdir -p /tmp/megapar-flashmla && tar xzf .device-pkgs/flashmla-src.tar.gz -C /tmp/megapar-flashmla \
+                    && export MEGAPAR_FLASHMLA_SRC=/tmp/megapar-flashmla/flashmla-src
+                  if ! command -v ninja > /dev/null && ! python3 -c 'import ninja' 2> /dev/null; then
+                    whl=$(ls .device-pkgs/deepep-ninja/ninja-*.whl 2> /dev/null | head -n 1)
+                    [ -n "$whl" ] && python3 -m pip install -q --no-deps "$whl"
+                  fi
+                fi
+                step flashmla "${FLASHMLA_LIMIT:-300}" bash -c 'python3 -c "import os, time; t = time.time(); \
+                  from megapar.launch.bench import flashmla; flashmla.build(os.environ[\"MEGAPAR_FLASHMLA_SRC\"], verbose=True); \
+                  print(\"built in %.0f s\" % (time.time() - t))" && python3 -m pytest -q -m gpu -p no:cacheprovider -rs \
+                  tests/test_bench_flashmla.py' ;;
     mlaprep)    step mlaprep "${MLAPREP_LIMIT:-120}" python3 bench/debug/mla_prep_sweep.py "$res/mla-prep-sweep.json" ;;
     prefill2)   step prefill2 "${PREFILL_LIMIT:-180}" python3 -m megapar.launch.bench.gemm --probe --sections prefill2 --out "$res/prefill2" ;;
     quantprobe) step quantprobe "${QPROBE_LIMIT:-170}" python3 -m megapar.launch.bench.quant --probe --out "$res/quantprobe" ;;

@@ -24,7 +24,10 @@
    copy ceiling (target >= 70% and faster than SDPA). The fused MLA prep (`parallel.cp.mla_prep`)
    against the unfused torch sequence at 1, 16, 64, 256 tokens (target >= 60% of copy, >= 3x).
    Speculative decode (Tq = 2, 4 new tokens a sequence, causal over their global positions) at
-   L = 32K: GQA and MLA with 16 heads against the same anchors given the tokens' mask.
+   L = 32K: GQA and MLA with 16 heads against the same anchors given the tokens' mask. Where
+   MEGAPAR_FLASHMLA_SRC names FlashMLA's source (`launch.bench.flashmla`, bench/fetch_flashmla.sh),
+   the MLA bf16 rows also time FlashMLA's dense decode over the same paged cache (flashmla_*
+   columns: what a DeepSeek server runs, the anchor that says what the MLA targets ask of a kernel).
 Sections 2 and 4 time every decode call (ours and the SDPA / torch bmm anchors) as a decode step's
 CUDA graph runs it (`common.step_time`): µs per call of ten calls captured in one graph, over
 copies of the inputs taken in turn so that a call reads its KV from DRAM, not from the L2 the call
@@ -443,6 +446,7 @@ def _paged_decode_rows(ctx: BenchContext) -> None:
     ceiling = copy_ceiling_gbps(ctx.device)
     batch, block, n = 32, 64, 4
     dims = MLADims()
+    flash = _flashmla_anchor(ctx)
     # MLA with all 128 heads on the rank (TP 1: compute-bound) and with 16 (TP 8, vLLM's
     # `-tp 8 -dcp 8`: bound by the latent bytes)
     for kind, mla_heads in (("gqa", 0), ("mla", 128), ("mla", 16)):
@@ -482,6 +486,10 @@ def _paged_decode_rows(ctx: BenchContext) -> None:
                 # (the short lengths made outside the timed call: inside, their fill kernel was timed too)
                 short = torch.full_like(seq, n * block)
                 fixed_us, fixed_cols = _decode_time(ctx, [lambda: ours(cache, table, q, short)])
+                flash_cols = {}
+                if flash is not None and kind == "mla" and cache_dtype == torch.bfloat16:
+                    flash_cols = flashmla_columns(ctx, flash, sets, layout, seq, short, scale,
+                                                  ours(cache, table, q, seq).out, ours_us)
                 # the gathered-pages torch path expands the KV per query head: skip it where that alone
                 # would not fit (MLA at L = 128K: 288 GiB)
                 if batch * local * heads * d * 2 * 2 <= 32 * 2**30:
@@ -521,9 +529,52 @@ def _paged_decode_rows(ctx: BenchContext) -> None:
                            speedup_vs_torch=torch_us / ours_us, target_fraction=0.70, anchor_timing=anchor_timing,
                            anchor_replay_us=anchor_cols.get("replay_us"), anchor_input_sets=anchor_cols["input_sets"],
                            fixed_us=fixed_us, streamed_fraction=floor / max(ours_us - fixed_us, 1e-9), **ours_cols,
-                           **_fixed_variants(fixed_cols))
+                           **_fixed_variants(fixed_cols), **flash_cols)
                 del cache, table, q
     _note_graph_timing(ctx)
+
+
+def _flashmla_anchor(ctx: BenchContext):
+    """FlashMLA's dense decode (`launch.bench.flashmla`) where MEGAPAR_FLASHMLA_SRC names its source
+    on a CUDA run, else None; a failed build is noted and leaves its columns out."""
+    from megapar.launch.bench import flashmla
+
+    if not ctx.is_cuda or not os.environ.get(flashmla.ENV):
+        return None
+    try:
+        module = flashmla.load_from_env()
+    except Exception as exc:  # (a compiler's log: the note keeps its end)
+        ctx.note(f"FlashMLA anchor: the build from ${flashmla.ENV} failed, its columns are left out: "
+                 f"{type(exc).__name__}: ...{str(exc)[-600:]}")
+        return None
+    ctx.note(f"flashmla_* columns (MLA bf16 rows): FlashMLA's dense sm90 decode (deepseek-ai/FlashMLA "
+             f"{flashmla.FLASHMLA_COMMIT}, the split-KV kernel and its combine; its split plan made once outside the "
+             "graph, as its Python interface does) over the same paged latent cache, block table and this rank's "
+             "lengths, timed like ours (graph x10 over the same input copies); flashmla_fixed_us over one page per "
+             "rank; speedup_vs_flashmla = flashmla_us / time_us; matches_reference: FlashMLA's output equals ours "
+             "(max |diff| <= 2% of max |out|). FlashMLA's sm90 dense decode has no fp8 cache: no fp8 columns.")
+    return module
+
+
+def flashmla_columns(ctx: BenchContext, module, sets, layout: DCPLayout, seq: torch.Tensor,
+                     short: torch.Tensor, scale: float, ours_out: torch.Tensor, ours_us: float) -> dict:
+    """The FlashMLA anchor's columns of an MLA bf16 decode row (see `_flashmla_anchor`'s note):
+    FlashMLA over each input set (c: the latent `PagedKVCache`, t: its table, q [B, H, 576]) with
+    this rank's lengths of `seq`, checked against our output `ours_out` on the first set (our call
+    took `ours_us`), and its fixed part over the lengths `short`."""
+    from megapar.launch.bench.flashmla import FlashMLADecode
+
+    lens, lens_short = (layout.local_lengths(x).to(torch.int32) for x in (seq, short))
+    run, run_short = FlashMLADecode(module, scale), FlashMLADecode(module, scale)
+    cache, table, q = sets[0]
+    out, _ = run(q, cache.k, table, lens)                 # (plans the splits: outside the timed calls)
+    run_short(q, cache.k, table, lens_short)
+    err = (out.float() - ours_out).abs().max().item()
+    ok = err <= 0.02 * ours_out.abs().max().item()
+    us, cols = step_time(ctx, [lambda c=c, t=t, q=q: run(q, c.k, t, lens) for c, t, q in sets])
+    fixed_us, _ = step_time(ctx, [lambda: run_short(q, cache.k, table, lens_short)])
+    return {"flashmla_us": us, "speedup_vs_flashmla": us / ours_us, "flashmla_replay_us": cols.get("replay_us"),
+            "flashmla_fixed_us": fixed_us, "flashmla_max_abs_diff": err, "matches_reference": ok}
 
 
 SPECULATIVE = (("gqa", 32, 2), ("gqa", 32, 4), ("mla", 16, 2))
