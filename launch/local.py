@@ -59,8 +59,9 @@ def free_port() -> int:
     another address, e.g. the host's own IP, and rank 0 failed with EADDRINUSE.)
 
     Nothing holds the port afterwards: another process may take it before it is used. For a
-    `torchrun --master-port` of a script; the launchers here do not use it, they bind their
-    store on port 0 and keep it (`host_store`)."""
+    `torchrun --master-port` of a script where the port must be named; on one node `torchrun
+    --standalone` has no such race (its store binds port 0 and keeps it), and the launchers here
+    do not use it either: they bind their store on port 0 and keep it (`host_store`)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("", 0))
         return s.getsockname()[1]

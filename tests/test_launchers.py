@@ -335,7 +335,7 @@ def test_torchrun_two_processes(tmp_path):
     script.write_text(_TORCHRUN_SCRIPT)
     env = dict(os.environ, PYTHONPATH=REPO, MEGAPAR_BACKEND="gloo")
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-                           "--master-port", str(free_port()), str(script)],
+                           "--standalone", str(script)],
                           capture_output=True, text=True, timeout=120, env=env, cwd=REPO)
     assert proc.returncode == 0, proc.stderr[-3000:]
     # the two ranks share stdout: their lines may interleave without a newline between them

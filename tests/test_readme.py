@@ -17,7 +17,6 @@ from pathlib import Path
 
 import pytest
 
-from launch.local import free_port
 
 REPO = Path(__file__).resolve().parent.parent
 README = REPO / "README.md"
@@ -69,8 +68,10 @@ def test_readme_moe_snippet_under_torchrun(tmp_path):
         assert old in code, f"the README MoE snippet no longer contains {old!r}: update SHRINK"
         code = code.replace(old, new)
     (tmp_path / "moe_job.py").write_text(code)
-    proc = _run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
-                 str(free_port()), "moe_job.py"], tmp_path, timeout=120)
+    # (--standalone: torchrun's own store binds port 0 and keeps it; a port chosen before the launch
+    # could be taken by another process in between)
+    proc = _run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--standalone",
+                 "moe_job.py"], tmp_path, timeout=120)
     lines = sorted(re.findall(r"rank \d: y \(\d+, \d+\) torch\.(?:bfloat16|float16|float32)", proc.stdout))
     assert lines == ["rank 0: y (16, 64) torch.bfloat16", "rank 1: y (16, 64) torch.bfloat16"], proc.stdout
 
