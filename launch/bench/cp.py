@@ -171,7 +171,9 @@ def _dcp_breakdown(ctx: BenchContext) -> None:
     ceiling = copy_ceiling_gbps(ctx.device)
     dtypes = [torch.bfloat16, torch.float8_e4m3fn] if ctx.is_cuda else [torch.float32]
     seq = torch.full((batch,), context, device=ctx.device)
-    # MLA: DeepSeek's 128 heads (one GPU, or DP attention) and 16 (TP 8: vLLM's `-tp 8 -dcp 8`), each cache dtype
+    # MLA: DeepSeek's 128 heads and 16 (a TP 8 rank's), each cache dtype. DCP gathers the group's query
+    # heads (here and in vLLM), so `-tp 8 -dcp 8` runs the 128-head kernel over 1/8 of the KV: the
+    # 128-head rows at N = 8; the 16-head rows at N > 1 stand for `same_heads` layouts (PCP peers)
     mla_heads = (mla[0], 16) if ctx.is_cuda and not ctx.quick else (mla[0],)
     cases = [("gqa", dt, heads) for dt in dtypes] + [("mla", dt, h) for h in mla_heads for dt in dtypes]
     for kind, cache_dtype, hq in cases:
@@ -447,8 +449,9 @@ def _paged_decode_rows(ctx: BenchContext) -> None:
     batch, block, n = 32, 64, 4
     dims = MLADims()
     flash = _flashmla_anchor(ctx)
-    # MLA with all 128 heads on the rank (TP 1: compute-bound) and with 16 (TP 8, vLLM's
-    # `-tp 8 -dcp 8`: bound by the latent bytes)
+    # MLA with all 128 heads on the rank (TP 1, or a DCP group's gathered heads: compute-bound) and
+    # with 16 (a TP 8 rank's own heads over the latent cache, as vLLM's `-tp 8` without DCP runs them:
+    # bound by the latent bytes; over L / 4 tokens here, a TP 8 rank's decode at a quarter of L)
     for kind, mla_heads in (("gqa", 0), ("mla", 128), ("mla", 16)):
         for context in (8192, 32768, 131072):
             for cache_dtype in (torch.bfloat16, torch.float8_e4m3fn):
