@@ -98,9 +98,13 @@ for s in "$@"; do
                 if [ -f .device-pkgs/flashmla-src.tar.gz ]; then
                   mkdir -p /tmp/megapar-flashmla && tar xzf .device-pkgs/flashmla-src.tar.gz -C /tmp/megapar-flashmla \
                     && export MEGAPAR_FLASHMLA_SRC=/tmp/megapar-flashmla/flashmla-src
-                  if ! command -v ninja > /dev/null && ! python3 -c 'import ninja' 2> /dev/null; then
+                  if ! command -v ninja > /dev/null; then    # (torch's builder runs the ninja binary)
                     whl=$(ls .device-pkgs/deepep-ninja/ninja-*.whl 2> /dev/null | head -n 1)
-                    [ -n "$whl" ] && python3 -m pip install -q --no-deps "$whl"
+                    if [ -n "$whl" ]; then
+                      python3 -m zipfile -e "$whl" /tmp/megapar-flashmla/ninja-whl
+                      bin=$(find /tmp/megapar-flashmla/ninja-whl -path '*scripts/ninja' -type f | head -n 1)
+                      [ -n "$bin" ] && chmod +x "$bin" && export PATH="$(dirname "$bin"):$PATH"
+                    fi
                   fi
                 fi
                 step flashmla "${FLASHMLA_LIMIT:-300}" bash -c 'python3 -c "import os, time; t = time.time(); \
