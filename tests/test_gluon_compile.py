@@ -80,8 +80,9 @@ def _build(name: str, cubin: Path | None = None) -> dict:
             raw_box = gl.NVMMASharedLayout.get_default_for([keys, 64], gl.float8e4nv)
             ptrs.update(k_desc=f"tensordesc<fp8e4nv[{keys}, 64],{raw_box}>",
                         ks_desc=f"tensordesc<fp32[1, {keys}],{gl.NVMMASharedLayout(0, 32, 2)}>")
-    else:
-        kernel, consts = gluon_mla._mla_decode_ws_kernel, {"PAGE": 64}
+    else:   # ("mla-bf16-seesaw": the seesaw form, CONFIG seesaw_wide)
+        kernel = gluon_mla._mla_decode_seesaw_kernel if more == ["seesaw"] else gluon_mla._mla_decode_ws_kernel
+        consts = {"PAGE": 64}
         ptrs.update(q_desc=desc, k_desc=desc, k_ptr="*bf16")
     if "PDL" in kernel.arg_names:      # (a constexpr: left out, it would build as a run-time argument)
         consts["PDL"] = pdl
@@ -130,7 +131,10 @@ BUILDS = [
     ("mlan-bf16-16-pdl", 0),
     # the narrow direct kernel with the next tile's score MMAs issued before the softmax
     # (at most 16 columns: at 32 the kernel keeps the unpipelined form, whose two tiles' accumulators spilled)
-    ("mlan-fp8-16-direct3s-pipe-pdl", 0), ("mlan-fp8-8-direct3s-pipe", 0), ("mlan-fp8-32-direct4s-causal-pipe", 64)]
+    ("mlan-fp8-16-direct3s-pipe-pdl", 0), ("mlan-fp8-8-direct3s-pipe", 0), ("mlan-fp8-32-direct4s-causal-pipe", 64),
+    # the bf16 MLA kernel's seesaw form (both warpgroups score alternate tiles): its spills are the
+    # hoisted wgmma descriptors of the fixed stages each warpgroup reads (1344 B at 224 registers)
+    ("mla-bf16-seesaw", 1536), ("mla-bf16-seesaw-pdl", 1536)]
 LOADERS = [("mlan-fp8-16-direct5s", 24, 4), ("gqa-fp8-direct10-8", 24, 4), ("gqa-bf16", 64, 1), ("mlan-bf16-16", 64, 1)]
 FIRST_MMAS = [("mlan-fp8-16-direct5s", "QGMMA"), ("gqa-fp8-direct10-8", "QGMMA"), ("gqa-bf16", "HGMMA"),
               ("mlan-bf16-16", "HGMMA")]

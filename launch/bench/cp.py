@@ -259,7 +259,8 @@ def _dcp_breakdown(ctx: BenchContext) -> None:
 DECODE_VARIANTS = {"no_pdl_us": ("triton_decode", {"pdl": 0}),
                    "unpaired_store_us": ("triton_decode", {"paired_store_direct_fp8": 0}),
                    "ids_after_us": ("triton_decode", {"ids_ahead": 0}),
-                   "ids_ahead_fp8_us": ("triton_decode", {"ids_ahead_direct_fp8": 1})}
+                   "ids_ahead_fp8_us": ("triton_decode", {"ids_ahead_direct_fp8": 1}),
+                   "seesaw_us": ("triton_decode", {"seesaw_wide": 1})}
 """Columns timing a decode call again with one CONFIG option of a module of parallel.cp changed."""
 
 
@@ -272,7 +273,8 @@ def _decode_time(ctx: BenchContext, fns) -> tuple[float, dict]:
     dependent launch, unpaired_store_us with the direct fp8 kernels' output stored a dim at a time
     (CONFIG paired_store_direct_fp8 0), ids_after_us with the bf16 Gluon kernels' first block ids
     loaded after the length (ids_ahead 0), ids_ahead_fp8_us with the direct fp8 kernels' loaded
-    beside it (ids_ahead_direct_fp8 1) (where the CONFIG has the changed value already, time_us
+    beside it (ids_ahead_direct_fp8 1), seesaw_us with the bf16 Gluon MLA kernel in its seesaw form
+    (seesaw_wide 1) (where the CONFIG has the changed value already, time_us
     itself; where the option does not reach the call, time_us up to the spread))."""
     import importlib
 

@@ -395,6 +395,225 @@ if HAS_GLUON:
                        PAGE)),
         ], [4, 4], [200, 48])
 
+    # ---- the "seesaw" form (CONFIG seesaw_wide): both warpgroups take scores and softmax in turn ----
+    # Tiles go in pairs (A, B): warpgroup 0 scores tile A while warpgroup 1 scores tile B, so one
+    # warpgroup's softmax runs beside the other's MMAs (in the form above warpgroup 0 does every
+    # tile's scores and softmax and warpgroup 1 waits for it). Each keeps its half of the output
+    # dims; with m the running row maximum (base 2) before the pair:
+    #   warpgroup 0: mA = max(m, max S_A), sA = 2^(m - mA), P_A = 2^(S_A - mA); publishes P_A, mA, sA;
+    #                O_L = O_L sA + P_A V_A,L (P_A from its registers); then, given sB:
+    #                O_L = O_L sB + P_B V_B,L (P_B from shared memory)
+    #   warpgroup 1: O_R = O_R sA + P_A V_A,R (P_A from shared memory), while it takes
+    #                mB = max(mA, max S_B), sB = 2^(mA - mB), P_B = 2^(S_B - mB); publishes P_B, sB, mB;
+    #                O_R = O_R sB + P_B V_B,R (P_B from its registers)
+    # which is FlashAttention's online softmax over A then B (the order of the rescales aside). One
+    # weights buffer serves both: warpgroup 1 overwrites P_A with P_B only after its own P_A V_A,R
+    # has finished, warpgroup 0 writes the next P_A only after its own P_B V_B,L (neither reads the
+    # buffer otherwise). The sums: warpgroup 0 keeps (l0 sA + sum P_A) sB, warpgroup 1 l1 sA sB +
+    # sum P_B; l = l0 + l1 at the end. (FlashMLA's dense decode schedules its two warpgroups this
+    # way; its deep-dive note calls it "seesaw" scheduling.)
+
+    REGS_SEESAW = gl.constexpr(224)     # registers a thread of warpgroup 1 in the seesaw form (it scores too)
+
+    @gluon.jit
+    def _pv_local(o0, o1, o2, o3, scale, p, k_smem, first, a_l: gl.constexpr):
+        """The four 64-wide accumulators times the per-row `scale`, plus P V with P ([64, 64] bf16, the
+        scores' layout) from registers as wgmma's A operand, over the ring's boxes first .. first + 3;
+        issued, not waited for."""
+        pa = gl.convert_layout(p, a_l)
+        o0 = warpgroup_mma(pa, k_smem.index(first), o0 * scale[:, None], is_async=True)
+        o1 = warpgroup_mma(pa, k_smem.index(first + 1), o1 * scale[:, None], is_async=True)
+        o2 = warpgroup_mma(pa, k_smem.index(first + 2), o2 * scale[:, None], is_async=True)
+        o3 = warpgroup_mma(pa, k_smem.index(first + 3), o3 * scale[:, None], is_async=True)
+        return o0, o1, o2, o3
+
+    @gluon.jit
+    def _pv_shared(o0, o1, o2, o3, scale, p_smem, k_smem, first):
+        """As `_pv_local` with P from shared memory (the other warpgroup's weights); issued."""
+        o0 = warpgroup_mma(p_smem, k_smem.index(first), o0 * scale[:, None], is_async=True)
+        o1 = warpgroup_mma(p_smem, k_smem.index(first + 1), o1 * scale[:, None], is_async=True)
+        o2 = warpgroup_mma(p_smem, k_smem.index(first + 2), o2 * scale[:, None], is_async=True)
+        o3 = warpgroup_mma(p_smem, k_smem.index(first + 3), o3 * scale[:, None], is_async=True)
+        return o0, o1, o2, o3
+
+    @gluon.jit
+    def _scores(q_smem, k_smem, stage, qk_scale, j0, end, mma: gl.constexpr):
+        """S = Q K^T of the ring stage's tile, base 2 (times qk_scale), keys past `end` -inf."""
+        col_l: gl.constexpr = gl.SliceLayout(0, mma)
+        sc = gl.zeros([BLOCK, BLOCK], gl.float32, mma)
+        for c in gl.static_range(CHUNKS):
+            sc = warpgroup_mma(q_smem.index(c), k_smem.index(stage * CHUNKS + c).permute((1, 0)), sc, is_async=True)
+        sc = warpgroup_mma_wait(num_outstanding=0, deps=(sc, ))
+        cols = gl.arange(0, BLOCK, layout=col_l)
+        return gl.where((j0 + cols < end)[None, :], sc * qk_scale, float("-inf"))
+
+    @gluon.jit
+    def _seesaw_step(sc, m_old):
+        """(P = 2^(S - m_new), 2^(m_old - m_new), m_new, the rows' sums of P) with m_new = max(m_old, max S)
+        (0 in place of an m_new of -inf: rows that saw no key keep P = 0 and a factor 0)."""
+        m_new = gl.maximum(m_old, gl.max(sc, 1))
+        m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
+        p = gl.exp2(sc - m_safe[:, None])
+        return p, gl.exp2(m_old - m_safe), m_new, gl.sum(p, 1)
+
+    @gluon.jit
+    def _seesaw_lead(q_smem, k_smem, p_smem, st_smem, q_bar, ready, free, a_ready, b_ready, table_ptr, glens_ptr,
+                     o_ptr, lse_ptr, s, head0_in_seq, split, split_len, dcp_size, dcp_rank, interleave, table_w,
+                     num_blocks, st_s, qk_scale, so_p, so_s, so_h, sl_p, sl_s, HQ, PAGE: gl.constexpr):
+        """Warpgroup 0 of the seesaw form: tile A of each pair, output dims [0, 256), the block-id check,
+        the final factor and the lse. st_smem rows: 0 mA, 1 sA, 2 sB, 3 mB, 4 warpgroup 1's sum, 5 the
+        factor."""
+        mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 64, 16])
+        a_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
+        row_l: gl.constexpr = gl.SliceLayout(1, mma)
+        start, end, tiles, bad = _split_range(glens_ptr, s, split, split_len, dcp_size, dcp_rank, interleave,
+                                              table_w, PAGE)
+        m_i = gl.full([BLOCK], float("-inf"), gl.float32, row_l)
+        l_i = gl.zeros([BLOCK], gl.float32, row_l)
+        o0 = gl.zeros([BLOCK, BLOCK], gl.float32, mma)
+        o1 = gl.zeros([BLOCK, BLOCK], gl.float32, mma)
+        o2 = gl.zeros([BLOCK, BLOCK], gl.float32, mma)
+        o3 = gl.zeros([BLOCK, BLOCK], gl.float32, mma)
+        mbarrier.wait(q_bar, 0)
+        pairs = (tiles + 1) // 2
+        for i in range(pairs):
+            j0 = start + 2 * i * BLOCK
+            has_b = 2 * i + 1 < tiles
+            blk = gl.load(table_ptr + s.to(gl.int64) * st_s + j0 // PAGE)
+            bad = bad | (blk < 0) | (blk >= num_blocks)
+            if has_b:
+                blk = gl.load(table_ptr + s.to(gl.int64) * st_s + (j0 + BLOCK) // PAGE)
+                bad = bad | (blk < 0) | (blk >= num_blocks)
+            mbarrier.wait(ready.index(0), i & 1)
+            sc = _scores(q_smem, k_smem, 0, qk_scale, j0, end, mma)
+            p, s_a, m_i, rows_sum = _seesaw_step(sc, m_i)
+            l_i = l_i * s_a + rows_sum
+            p = p.to(gl.bfloat16)
+            # (the buffer is this warpgroup's again: warpgroup 1 published P_B of the last pair, whose
+            # P_B V_B,L below has finished)
+            p_smem.store(p)
+            st_smem.index(0).store(m_i)
+            st_smem.index(1).store(s_a)
+            fence_async_shared()
+            gl.thread_barrier()
+            mbarrier.arrive(a_ready)
+            o0, o1, o2, o3 = _pv_local(o0, o1, o2, o3, s_a, p, k_smem, 0, a_l)
+            mbarrier.wait(b_ready, i & 1)
+            s_b = st_smem.index(2).load(row_l)
+            m_i = st_smem.index(3).load(row_l)
+            o0, o1, o2, o3 = warpgroup_mma_wait(num_outstanding=0, deps=(o0, o1, o2, o3))
+            mbarrier.arrive(free.index(0))
+            l_i = l_i * s_b
+            if has_b:
+                mbarrier.wait(ready.index(1), i & 1)
+                o0, o1, o2, o3 = _pv_shared(o0, o1, o2, o3, s_b, p_smem, k_smem, CHUNKS)
+                o0, o1, o2, o3 = warpgroup_mma_wait(num_outstanding=0, deps=(o0, o1, o2, o3))
+                mbarrier.arrive(free.index(1))
+        # warpgroup 1's sum, then the factor 1 / l (NaN for a bad table) back to it
+        mbarrier.wait(b_ready, pairs & 1)
+        l_i = l_i + st_smem.index(4).load(row_l)
+        factor, lse = _finish(m_i, l_i, l_i, bad, False)
+        st_smem.index(5).store(factor)
+        gl.thread_barrier()
+        mbarrier.arrive(a_ready)
+        rows = gl.arange(0, BLOCK, layout=row_l)
+        live = head0_in_seq + rows < HQ
+        gl.store(lse_ptr + split.to(gl.int64) * sl_p + s.to(gl.int64) * sl_s + head0_in_seq + rows, lse, mask=live)
+        ocols = gl.arange(0, BLOCK, layout=gl.SliceLayout(0, mma))
+        o_row = split.to(gl.int64) * so_p + s.to(gl.int64) * so_s + (head0_in_seq + rows).to(gl.int64) * so_h
+        _store_quarter_rows(o_ptr + o_row[:, None] + ocols[None, :], o0, o1, o2, o3, factor, live)
+
+    @gluon.jit
+    def _seesaw_follow(q_smem, k_smem, p_smem, st_smem, q_bar, ready, free, a_ready, b_ready, glens_ptr, o_ptr, s,
+                       head0_in_seq, split, split_len, dcp_size, dcp_rank, interleave, table_w, qk_scale, so_p, so_s,
+                       so_h, HQ, PAGE: gl.constexpr):
+        """Warpgroup 1 of the seesaw form: tile B of each pair, output dims [256, 512)."""
+        mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 64, 16])
+        a_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
+        row_l: gl.constexpr = gl.SliceLayout(1, mma)
+        start, end, tiles, bad = _split_range(glens_ptr, s, split, split_len, dcp_size, dcp_rank, interleave,
+                                              table_w, PAGE)
+        l_i = gl.zeros([BLOCK], gl.float32, row_l)
+        o0 = gl.zeros([BLOCK, BLOCK], gl.float32, mma)
+        o1 = gl.zeros([BLOCK, BLOCK], gl.float32, mma)
+        o2 = gl.zeros([BLOCK, BLOCK], gl.float32, mma)
+        o3 = gl.zeros([BLOCK, BLOCK], gl.float32, mma)
+        mbarrier.wait(q_bar, 0)
+        pairs = (tiles + 1) // 2
+        for i in range(pairs):
+            j0 = start + 2 * i * BLOCK
+            has_b = 2 * i + 1 < tiles
+            # (no tile B, the pair's last: scores all -inf, so P_B = 0, sB = 1 and mB = mA)
+            sc = gl.full([BLOCK, BLOCK], float("-inf"), gl.float32, mma)
+            if has_b:       # (tile B's scores run beside warpgroup 0's softmax of tile A)
+                mbarrier.wait(ready.index(1), i & 1)
+                sc = _scores(q_smem, k_smem, 1, qk_scale, j0 + BLOCK, end, mma)
+            mbarrier.wait(a_ready, i & 1)
+            m_a = st_smem.index(0).load(row_l)
+            s_a = st_smem.index(1).load(row_l)
+            mbarrier.wait(ready.index(0), i & 1)
+            o0, o1, o2, o3 = _pv_shared(o0, o1, o2, o3, s_a, p_smem, k_smem, 4)
+            p, s_b, m_b, rows_sum = _seesaw_step(sc, m_a)
+            l_i = l_i * s_a * s_b + rows_sum
+            p = p.to(gl.bfloat16)
+            o0, o1, o2, o3 = warpgroup_mma_wait(num_outstanding=0, deps=(o0, o1, o2, o3))
+            mbarrier.arrive(free.index(0))
+            if has_b:       # (P_A V_A,R has finished: the buffer takes P_B)
+                p_smem.store(p)
+            st_smem.index(2).store(s_b)
+            st_smem.index(3).store(m_b)
+            fence_async_shared()
+            gl.thread_barrier()
+            mbarrier.arrive(b_ready)
+            if has_b:
+                o0, o1, o2, o3 = _pv_local(o0, o1, o2, o3, s_b, p, k_smem, CHUNKS + 4, a_l)
+                o0, o1, o2, o3 = warpgroup_mma_wait(num_outstanding=0, deps=(o0, o1, o2, o3))
+                mbarrier.arrive(free.index(1))
+        st_smem.index(4).store(l_i)
+        gl.thread_barrier()
+        mbarrier.arrive(b_ready)
+        mbarrier.wait(a_ready, pairs & 1)
+        factor = st_smem.index(5).load(row_l)
+        rows = gl.arange(0, BLOCK, layout=row_l)
+        cols = gl.arange(0, BLOCK, layout=gl.SliceLayout(0, mma))
+        o_row = split.to(gl.int64) * so_p + s.to(gl.int64) * so_s + (head0_in_seq + rows).to(gl.int64) * so_h
+        _store_quarter_rows(o_ptr + o_row[:, None] + (4 * BLOCK + cols)[None, :], o0, o1, o2, o3, factor,
+                            head0_in_seq + rows < HQ)
+
+    @gluon.jit
+    def _mla_decode_seesaw_kernel(q_desc, k_desc, k_ptr, table_ptr, glens_ptr, o_ptr, lse_ptr,
+                                  qk_scale, split_len, M_TILES, HQ, dcp_size, dcp_rank, interleave, table_w,
+                                  num_blocks, st_s, sk_b, sk_t, so_p, so_s, so_h, sl_p, sl_s, PAGE: gl.constexpr,
+                                  PDL: gl.constexpr = False):
+        """`_mla_decode_ws_kernel`'s problem (bf16 latent cache, 64-head tiles) in the seesaw form: the
+        same loader and two-stage ring (a pair's tiles A and B in stages 0 and 1), one weights buffer,
+        the rows' statistics in st_smem."""
+        pid = gl.program_id(0)
+        split = gl.program_id(1)
+        s = pid // M_TILES
+        head0_in_seq = (pid % M_TILES) * BLOCK
+        head0 = s * HQ + head0_in_seq
+        box: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK, BLOCK], gl.bfloat16)
+        q_smem = gl.allocate_shared_memory(gl.bfloat16, [CHUNKS, BLOCK, BLOCK], box)
+        k_smem = gl.allocate_shared_memory(gl.bfloat16, [STAGES * CHUNKS, BLOCK, BLOCK], box)
+        p_smem = gl.allocate_shared_memory(gl.bfloat16, [BLOCK, BLOCK], box)
+        st_smem = gl.allocate_shared_memory(gl.float32, [6, BLOCK], gl.SwizzledSharedLayout(1, 1, 1, order=[0]))
+        q_bar, ready, free, a_ready, b_ready = _barriers()
+        if PDL:
+            _gdc_wait_and_release()
+        gl.warp_specialize([
+            (_seesaw_lead, (q_smem, k_smem, p_smem, st_smem, q_bar, ready, free, a_ready, b_ready, table_ptr,
+                            glens_ptr, o_ptr, lse_ptr, s, head0_in_seq, split, split_len, dcp_size, dcp_rank,
+                            interleave, table_w, num_blocks, st_s, qk_scale, so_p, so_s, so_h, sl_p, sl_s, HQ,
+                            PAGE)),
+            (_seesaw_follow, (q_smem, k_smem, p_smem, st_smem, q_bar, ready, free, a_ready, b_ready, glens_ptr,
+                              o_ptr, s, head0_in_seq, split, split_len, dcp_size, dcp_rank, interleave, table_w,
+                              qk_scale, so_p, so_s, so_h, HQ, PAGE)),
+            (_loader, (q_desc, k_desc, k_ptr, table_ptr, glens_ptr, q_smem, k_smem, q_bar, ready, free, s, head0,
+                       split, split_len, dcp_size, dcp_rank, interleave, table_w, num_blocks, st_s, sk_b, sk_t,
+                       PAGE)),
+        ], [4, 4], [REGS_SEESAW, 48])
+
 
 if HAS_GLUON:
     @gluon.jit
@@ -627,14 +846,15 @@ def fp8_ring_fits(keys: int, ring: int, raw: int) -> bool:
 def launch_gluon_mla(q: Tensor, k: Tensor, table: Tensor, seq_lens: Tensor, o: Tensor, lse: Tensor, scale_log2: float,
                      splits: int, split_len: int, dcp_size: int, dcp_rank: int, interleave: int,
                      k_scale: Tensor | None = None, raw_ring: int = 0, keys: int = 64, ring: int = 1,
-                     pdl: bool = False) -> None:
+                     pdl: bool = False, seesaw: bool = False) -> None:
     """Fill the split partials o [splits, S, 1, Hq, 512] / lse [splits, S, 1, Hq] (`gluon_mla_ok`;
     k_scale: the fp8 cache's per-token scales;
     raw_ring: over fp8, a TMA ring of that many raw fp8 tiles in front of the converter, where the
     scales are contiguous [nb, page, 1] (0: the converter loads 64-key tiles itself into two fp16
     stages); then `keys` keys a tile (64 or 32) and `ring` fp16 stages after the converter, within
     shared memory (`fp8_ring_fits`)); pdl: launched with programmatic dependent launch
-    (`triton_merge.pdl_ok`))."""
+    (`triton_merge.pdl_ok`)); seesaw: over bf16, the seesaw form (`_mla_decode_seesaw_kernel`: both
+    warpgroups take scores and softmax on alternate tiles)."""
     fp8 = k.dtype == torch.float8_e4m3fn
     launch = {"PDL": True, "launch_pdl": True} if pdl else {}
     raw = max(int(raw_ring), 0) if fp8 and k_scale.is_contiguous() else 0
@@ -664,7 +884,8 @@ def launch_gluon_mla(q: Tensor, k: Tensor, table: Tensor, seq_lens: Tensor, o: T
     k2 = k.view(nb * page, d)
     q_desc = TensorDescriptor(q2, list(q2.shape), list(q2.stride()), [_BLOCK, _BLOCK], box)
     k_desc = TensorDescriptor(k2, list(k2.shape), list(k2.stride()), [_BLOCK, _BLOCK], box)
-    _mla_decode_ws_kernel[(s * m_tiles, splits)](
+    kernel = _mla_decode_seesaw_kernel if seesaw else _mla_decode_ws_kernel
+    kernel[(s * m_tiles, splits)](
         q_desc, k_desc, k, table, seq_lens, o, lse, scale_log2, split_len, m_tiles, hq, dcp_size, dcp_rank,
         interleave, table.shape[1], nb, table.stride(0), k.stride(0), k.stride(1), *tail, PAGE=page,
         num_warps=4, **launch)

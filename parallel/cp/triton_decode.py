@@ -604,6 +604,12 @@ CONFIG = {
     # B 32, 1/4 of 8K / 32K / 128K, step_time): Triton 86.0 / 273.2 / 1039.6 µs -> Gluon 49.7 /
     # 151.0 / 640.3, bit-identical outputs (the same wgmma steps in the same order)
     "gluon_wide": 1,
+    # ... in the seesaw form (0/1; `gluon_mla._mla_decode_seesaw_kernel`, bf16): the two warpgroups take
+    # the scores and softmax of alternate tiles, each rescaling its half of the output by the other's
+    # statistics (FlashMLA's dense decode schedule), so that one warpgroup's softmax runs beside the
+    # other's MMAs. Built (sm_90a: 231 KB of shared memory, 1.3 KB of spilled wgmma descriptors) and
+    # not yet run on a GPU: off until its GPU test and `megapar bench cp`'s seesaw_us column say
+    "seesaw_wide": 0,
     # ... and over an fp8 latent cache (its loader converts each tile to fp16 into shared memory, the
     # scores and weights take the per-token scales as `f16_wide_fp8` does): Triton 106.6 / 359.0 /
     # 1356.7 µs -> Gluon 94.6 / 289.3 / 1062.4 at 1/4 of 8K / 32K / 128K (decode-gluon2-h200.json).
@@ -994,6 +1000,7 @@ _VALID = {
     "lazy_rescale": (0, 1), "pdl": (0, 1), "dcp_constexpr": (0, 1), "halves": (0, 1), "tma": (0, 1),
     "diag": (0, 1, 2, 3), "f16": (0, 1),
     "gluon_wide": (0, 1), "gluon_wide_fp8": (0, 1), "gluon_wide_narrow": (0, 1), "gluon_wide_narrow_fp8": (0, 1),
+    "seesaw_wide": (0, 1),
     "gluon_gqa": (0, 1), "gluon_gqa_fp8": (0, 1), "stages": range(2, 7),
     "swap": (0, 1), "raw_ring": (0, 1, 2, 3, 4), "keys": (32, 64), "ring": (1, 2, 3),
     "maxnreg": (0, *range(64, 256, 8)), "at_most": (0, 1), "stage16": (0, 1, 2), "even": (0, 1),
@@ -1230,7 +1237,8 @@ def paged_decode_triton(q: Tensor, k: Tensor, v: Tensor, k_scale: Tensor | None,
     elif s > 0 and splits > 0 and gluon:
         gluon_mla.launch_gluon_mla(q, k, table, seq_lens, o, lse, scale * _LOG2E, splits, split_len, dcp_size,
                                    dcp_rank, interleave, k_scale if fp8 else None, raw_ring=CONFIG["raw_ring_wide_fp8"],
-                                   keys=CONFIG["keys_wide_fp8"], ring=CONFIG["ring_wide_fp8"], pdl=pdl)
+                                   keys=CONFIG["keys_wide_fp8"], ring=CONFIG["ring_wide_fp8"], pdl=pdl,
+                                   seesaw=bool(CONFIG["seesaw_wide"]))
     elif s > 0 and splits > 0 and gqa_ws:
         gluon_gqa.launch_gluon_gqa(q, k, v, table, seq_lens, o, lse, scale * _LOG2E, splits, split_len, dcp_size,
                                    dcp_rank, interleave, k_scale if fp8 else None, v_scale if fp8 else None,
