@@ -461,8 +461,8 @@ if HAS_GLUON:
                      o_ptr, lse_ptr, s, head0_in_seq, split, split_len, dcp_size, dcp_rank, interleave, table_w,
                      num_blocks, st_s, qk_scale, so_p, so_s, so_h, sl_p, sl_s, HQ, PAGE: gl.constexpr):
         """Warpgroup 0 of the seesaw form: tile A of each pair, output dims [0, 256), the block-id check,
-        the final factor and the lse. st_smem rows: 0 mA, 1 sA, 2 sB, 3 mB, 4 warpgroup 1's sum, 5 the
-        factor."""
+        the final factor and the lse. st_smem rows: 0 mA, 1 sA, 2 sB, 3 mB, 4 warpgroup 1's running sum, 5
+        the factor."""
         mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 64, 16])
         a_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
         row_l: gl.constexpr = gl.SliceLayout(1, mma)
@@ -509,9 +509,11 @@ if HAS_GLUON:
                 o0, o1, o2, o3 = _pv_shared(o0, o1, o2, o3, s_b, p_smem, k_smem, CHUNKS)
                 o0, o1, o2, o3 = warpgroup_mma_wait(num_outstanding=0, deps=(o0, o1, o2, o3))
                 mbarrier.arrive(free.index(1))
-        # warpgroup 1's sum, then the factor 1 / l (NaN for a bad table) back to it
-        mbarrier.wait(b_ready, pairs & 1)
-        l_i = l_i + st_smem.index(4).load(row_l)
+        # warpgroup 1's sum (published with its last pair's statistics), then the factor 1 / l (NaN for a
+        # bad table) back to it. (An arrival of its own for the sum could complete b_ready's next phase
+        # before a lagging warp here had waited for the last pair's: that warp would then wait forever.)
+        if pairs > 0:
+            l_i = l_i + st_smem.index(4).load(row_l)
         factor, lse = _finish(m_i, l_i, l_i, bad, False)
         st_smem.index(5).store(factor)
         gl.thread_barrier()
@@ -562,6 +564,7 @@ if HAS_GLUON:
                 p_smem.store(p)
             st_smem.index(2).store(s_b)
             st_smem.index(3).store(m_b)
+            st_smem.index(4).store(l_i)
             fence_async_shared()
             gl.thread_barrier()
             mbarrier.arrive(b_ready)
@@ -569,9 +572,6 @@ if HAS_GLUON:
                 o0, o1, o2, o3 = _pv_local(o0, o1, o2, o3, s_b, p, k_smem, CHUNKS + 4, a_l)
                 o0, o1, o2, o3 = warpgroup_mma_wait(num_outstanding=0, deps=(o0, o1, o2, o3))
                 mbarrier.arrive(free.index(1))
-        st_smem.index(4).store(l_i)
-        gl.thread_barrier()
-        mbarrier.arrive(b_ready)
         mbarrier.wait(a_ready, pairs & 1)
         factor = st_smem.index(5).load(row_l)
         rows = gl.arange(0, BLOCK, layout=row_l)
