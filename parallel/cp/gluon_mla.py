@@ -416,24 +416,15 @@ if HAS_GLUON:
     REGS_SEESAW = gl.constexpr(224)     # registers a thread of warpgroup 1 in the seesaw form (it scores too)
 
     @gluon.jit
-    def _pv_local(o0, o1, o2, o3, scale, p, k_smem, first, a_l: gl.constexpr):
-        """The four 64-wide accumulators times the per-row `scale`, plus P V with P ([64, 64] bf16, the
-        scores' layout) from registers as wgmma's A operand, over the ring's boxes first .. first + 3;
+    def _pv_issue(o0, o1, o2, o3, scale, p, k_smem, first):
+        """The four 64-wide accumulators times the per-row `scale`, plus P V over the ring's boxes first ..
+        first + 3, with P ([64, 64] bf16) as wgmma's A operand: from shared memory (the other warpgroup's
+        weights) or from registers in the dot-operand layout of the scores' (this warpgroup's own);
         issued, not waited for."""
-        pa = gl.convert_layout(p, a_l)
-        o0 = warpgroup_mma(pa, k_smem.index(first), o0 * scale[:, None], is_async=True)
-        o1 = warpgroup_mma(pa, k_smem.index(first + 1), o1 * scale[:, None], is_async=True)
-        o2 = warpgroup_mma(pa, k_smem.index(first + 2), o2 * scale[:, None], is_async=True)
-        o3 = warpgroup_mma(pa, k_smem.index(first + 3), o3 * scale[:, None], is_async=True)
-        return o0, o1, o2, o3
-
-    @gluon.jit
-    def _pv_shared(o0, o1, o2, o3, scale, p_smem, k_smem, first):
-        """As `_pv_local` with P from shared memory (the other warpgroup's weights); issued."""
-        o0 = warpgroup_mma(p_smem, k_smem.index(first), o0 * scale[:, None], is_async=True)
-        o1 = warpgroup_mma(p_smem, k_smem.index(first + 1), o1 * scale[:, None], is_async=True)
-        o2 = warpgroup_mma(p_smem, k_smem.index(first + 2), o2 * scale[:, None], is_async=True)
-        o3 = warpgroup_mma(p_smem, k_smem.index(first + 3), o3 * scale[:, None], is_async=True)
+        o0 = warpgroup_mma(p, k_smem.index(first), o0 * scale[:, None], is_async=True)
+        o1 = warpgroup_mma(p, k_smem.index(first + 1), o1 * scale[:, None], is_async=True)
+        o2 = warpgroup_mma(p, k_smem.index(first + 2), o2 * scale[:, None], is_async=True)
+        o3 = warpgroup_mma(p, k_smem.index(first + 3), o3 * scale[:, None], is_async=True)
         return o0, o1, o2, o3
 
     @gluon.jit
@@ -446,6 +437,12 @@ if HAS_GLUON:
         sc = warpgroup_mma_wait(num_outstanding=0, deps=(sc, ))
         cols = gl.arange(0, BLOCK, layout=col_l)
         return gl.where((j0 + cols < end)[None, :], sc * qk_scale, float("-inf"))
+
+    @gluon.jit
+    def _zero_quarter(mma: gl.constexpr):
+        """A warpgroup's four 64-wide output accumulators (its 256 of the 512 value dims), zero."""
+        return (gl.zeros([BLOCK, BLOCK], gl.float32, mma), gl.zeros([BLOCK, BLOCK], gl.float32, mma),
+                gl.zeros([BLOCK, BLOCK], gl.float32, mma), gl.zeros([BLOCK, BLOCK], gl.float32, mma))
 
     @gluon.jit
     def _seesaw_step(sc, m_old):
@@ -470,10 +467,7 @@ if HAS_GLUON:
                                               table_w, PAGE)
         m_i = gl.full([BLOCK], float("-inf"), gl.float32, row_l)
         l_i = gl.zeros([BLOCK], gl.float32, row_l)
-        o0 = gl.zeros([BLOCK, BLOCK], gl.float32, mma)
-        o1 = gl.zeros([BLOCK, BLOCK], gl.float32, mma)
-        o2 = gl.zeros([BLOCK, BLOCK], gl.float32, mma)
-        o3 = gl.zeros([BLOCK, BLOCK], gl.float32, mma)
+        o0, o1, o2, o3 = _zero_quarter(mma)
         mbarrier.wait(q_bar, 0)
         pairs = (tiles + 1) // 2
         for i in range(pairs):
@@ -497,7 +491,7 @@ if HAS_GLUON:
             fence_async_shared()
             gl.thread_barrier()
             mbarrier.arrive(a_ready)
-            o0, o1, o2, o3 = _pv_local(o0, o1, o2, o3, s_a, p, k_smem, 0, a_l)
+            o0, o1, o2, o3 = _pv_issue(o0, o1, o2, o3, s_a, gl.convert_layout(p, a_l), k_smem, 0)
             mbarrier.wait(b_ready, i & 1)
             s_b = st_smem.index(2).load(row_l)
             m_i = st_smem.index(3).load(row_l)
@@ -506,7 +500,7 @@ if HAS_GLUON:
             l_i = l_i * s_b
             if has_b:
                 mbarrier.wait(ready.index(1), i & 1)
-                o0, o1, o2, o3 = _pv_shared(o0, o1, o2, o3, s_b, p_smem, k_smem, CHUNKS)
+                o0, o1, o2, o3 = _pv_issue(o0, o1, o2, o3, s_b, p_smem, k_smem, CHUNKS)
                 o0, o1, o2, o3 = warpgroup_mma_wait(num_outstanding=0, deps=(o0, o1, o2, o3))
                 mbarrier.arrive(free.index(1))
         # warpgroup 1's sum (published with its last pair's statistics), then the factor 1 / l (NaN for a
@@ -536,10 +530,7 @@ if HAS_GLUON:
         start, end, tiles, bad = _split_range(glens_ptr, s, split, split_len, dcp_size, dcp_rank, interleave,
                                               table_w, PAGE)
         l_i = gl.zeros([BLOCK], gl.float32, row_l)
-        o0 = gl.zeros([BLOCK, BLOCK], gl.float32, mma)
-        o1 = gl.zeros([BLOCK, BLOCK], gl.float32, mma)
-        o2 = gl.zeros([BLOCK, BLOCK], gl.float32, mma)
-        o3 = gl.zeros([BLOCK, BLOCK], gl.float32, mma)
+        o0, o1, o2, o3 = _zero_quarter(mma)
         mbarrier.wait(q_bar, 0)
         pairs = (tiles + 1) // 2
         for i in range(pairs):
@@ -554,7 +545,7 @@ if HAS_GLUON:
             m_a = st_smem.index(0).load(row_l)
             s_a = st_smem.index(1).load(row_l)
             mbarrier.wait(ready.index(0), i & 1)
-            o0, o1, o2, o3 = _pv_shared(o0, o1, o2, o3, s_a, p_smem, k_smem, 4)
+            o0, o1, o2, o3 = _pv_issue(o0, o1, o2, o3, s_a, p_smem, k_smem, 4)
             p, s_b, m_b, rows_sum = _seesaw_step(sc, m_a)
             l_i = l_i * s_a * s_b + rows_sum
             p = p.to(gl.bfloat16)
@@ -569,7 +560,8 @@ if HAS_GLUON:
             gl.thread_barrier()
             mbarrier.arrive(b_ready)
             if has_b:
-                o0, o1, o2, o3 = _pv_local(o0, o1, o2, o3, s_b, p, k_smem, CHUNKS + 4, a_l)
+                o0, o1, o2, o3 = _pv_issue(o0, o1, o2, o3, s_b, gl.convert_layout(p, a_l), k_smem,
+                                          CHUNKS + 4)
                 o0, o1, o2, o3 = warpgroup_mma_wait(num_outstanding=0, deps=(o0, o1, o2, o3))
                 mbarrier.arrive(free.index(1))
         mbarrier.wait(a_ready, pairs & 1)
