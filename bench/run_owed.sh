@@ -95,16 +95,18 @@ for s in "$@"; do
     flashmla)   # FlashMLA's dense decode, the anchor of bench cp's MLA bf16 rows (launch/bench/flashmla.py):
                 # unpacked from the carried tarball (bench/fetch_flashmla.sh), built, its GPU test run; the
                 # steps after it (bench-cp) then time it (MEGAPAR_FLASHMLA_SRC stays set for them)
-                if [ -f .device-pkgs/flashmla-src.tar.gz ]; then
-                  mkdir -p /tmp/megapar-flashmla && tar xzf .device-pkgs/flashmla-src.tar.gz -C /tmp/megapar-flashmla \
-                    && export MEGAPAR_FLASHMLA_SRC=/tmp/megapar-flashmla/flashmla-src
-                  if ! command -v ninja > /dev/null; then    # (torch's builder runs the ninja binary)
-                    whl=$(ls .device-pkgs/deepep-ninja/ninja-*.whl 2> /dev/null | head -n 1)
-                    if [ -n "$whl" ]; then
-                      python3 -m zipfile -e "$whl" /tmp/megapar-flashmla/ninja-whl
-                      bin=$(find /tmp/megapar-flashmla/ninja-whl -path '*scripts/ninja' -type f | head -n 1)
-                      [ -n "$bin" ] && chmod +x "$bin" && export PATH="$(dirname "$bin"):$PATH"
-                    fi
+                if [ ! -f .device-pkgs/flashmla-src.tar.gz ]; then
+                  echo "=== flashmla: skipped (no .device-pkgs/flashmla-src.tar.gz: bench/fetch_flashmla.sh makes it)"
+                  continue
+                fi
+                mkdir -p /tmp/megapar-flashmla && tar xzf .device-pkgs/flashmla-src.tar.gz -C /tmp/megapar-flashmla \
+                  && export MEGAPAR_FLASHMLA_SRC=/tmp/megapar-flashmla/flashmla-src
+                if ! command -v ninja > /dev/null; then    # (torch's builder runs the ninja binary)
+                  whl=$(ls .device-pkgs/deepep-ninja/ninja-*.whl 2> /dev/null | head -n 1)
+                  if [ -n "$whl" ]; then
+                    python3 -m zipfile -e "$whl" /tmp/megapar-flashmla/ninja-whl
+                    bin=$(find /tmp/megapar-flashmla/ninja-whl -path '*scripts/ninja' -type f | head -n 1)
+                    [ -n "$bin" ] && chmod +x "$bin" && export PATH="$(dirname "$bin"):$PATH"
                   fi
                 fi
                 step flashmla "${FLASHMLA_LIMIT:-300}" bash -c 'python3 -c "import os, time; t = time.time(); \

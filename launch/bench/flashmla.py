@@ -39,8 +39,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) { m.def("dense_decode_fwd", &dense_attn
 NVCC_FLAGS = ("-O3", "-std=c++20", "-DNDEBUG", "-D_USE_MATH_DEFINES", "-DFLASH_MLA_DISABLE_FP16",
               "-Wno-deprecated-declarations", "-U__CUDA_NO_HALF_OPERATORS__", "-U__CUDA_NO_HALF_CONVERSIONS__",
               "-U__CUDA_NO_HALF2_OPERATORS__", "-U__CUDA_NO_BFLOAT16_CONVERSIONS__", "--expt-relaxed-constexpr",
-              "--expt-extended-lambda", "--use_fast_math", "-gencode", "arch=compute_90a,code=sm_90a")
-"""FlashMLA's own nvcc flags for its sm90 build (fp16 instantiations left out)."""
+              "--expt-extended-lambda", "--use_fast_math", "--ptxas-options=--register-usage-level=10",
+              "-gencode", "arch=compute_90a,code=sm_90a")
+"""FlashMLA's own nvcc flags for its sm90 build (its ptxas register-usage level included: the machine code
+it ships; its fp16 instantiations, its diagnostics and line info left out)."""
+CXX_FLAGS = ("-O3", "-std=c++20", "-DNDEBUG", "-Wno-deprecated-declarations", "-DFLASH_MLA_DISABLE_FP16")
+"""... and its host compiler's, for the binding."""
 
 _loaded: dict[str, Any] = {}
 
@@ -74,7 +78,7 @@ def build(src: str | os.PathLike, build_dir: str | os.PathLike | None = None, ve
     if cccl.is_dir():
         includes.append(str(cccl))
     return load(name="megapar_flashmla", sources=[str(binding)] + [str(root / s) for s in SOURCES],
-                extra_include_paths=includes, extra_cflags=["-O3", "-std=c++20", "-DFLASH_MLA_DISABLE_FP16"],
+                extra_include_paths=includes, extra_cflags=list(CXX_FLAGS),
                 extra_cuda_cflags=list(NVCC_FLAGS), build_directory=str(out), verbose=verbose)
 
 
@@ -94,7 +98,8 @@ class FlashMLADecode:
     H, 576] or [B, Tq, H, 576] bf16, cache [nb, 64, 1, 576] bf16 (`MLACache.kv`), table [B, nbmax]
     int32, lens [B] int32 (this cache's tokens of each sequence). The first call plans the splits
     and keeps the plan (valid while the shapes and the lengths stay those of that call, as
-    FlashMLA's own metadata is); returns (out [B, (Tq,) H, 512] bf16, lse [B, H, (Tq)] fp32)."""
+    FlashMLA's own metadata is); returns (out [B, (Tq,) H, 512] bf16, lse [B, H, Tq] fp32, natural log;
+    Tq = 1 for a 3-D q)."""
 
     def __init__(self, module, scale: float, causal: bool = False):
         self.module, self.scale, self.causal = module, float(scale), causal
