@@ -427,16 +427,112 @@ if HAS_GLUON:
         o3 = warpgroup_mma(p, k_smem.index(first + 3), o3 * scale[:, None], is_async=True)
         return o0, o1, o2, o3
 
+    # The seesaw ring's boxes go in three groups a stage, each with its own ready and free barrier
+    # (index stage * GROUPS + group; a group's boxes are group * 4 .. group * 4 + 3 of the nine): the
+    # left value boxes (0-3), free after warpgroup 0's P V of the tile; the right ones (4-7), after
+    # warpgroup 1's; the rope box (8), free once the tile's scores are in (loaded first). So the
+    # loader refills a stage by groups as they free (a pair's tile A's value boxes while tile B's P V
+    # runs) instead of waiting for the whole stage, and a tile's scores start on the boxes that are
+    # in. (The loader goes in tile order: tile B's rope box waits behind the next tile A's groups.)
+    GROUPS = gl.constexpr(3)
+    LEFT, RIGHT, ROPE = gl.constexpr(0), gl.constexpr(1), gl.constexpr(2)
+
     @gluon.jit
-    def _scores(q_smem, k_smem, stage, qk_scale, j0, end, mma: gl.constexpr):
-        """S = Q K^T of the ring stage's tile, base 2 (times qk_scale), keys past `end` -inf."""
+    def _score_group(q_smem, k_smem, stage, ready_g, phase, sc, group: gl.constexpr):
+        """sc plus the scores' products over a group's boxes, issued once the group is in."""
+        mbarrier.wait(ready_g.index(stage * GROUPS + group), phase)
+        for c in gl.static_range(group * VCHUNKS, group * VCHUNKS + VCHUNKS):
+            if c < CHUNKS:
+                sc = warpgroup_mma(q_smem.index(c), k_smem.index(stage * CHUNKS + c).permute((1, 0)), sc,
+                                   is_async=True)
+        return sc
+
+    @gluon.jit
+    def _load_group(k_desc, k_smem, ready_g, free_g, stage, phase, reuse, row, group: gl.constexpr):
+        """A tile's group of boxes (first row `row` of the cache) into the stage, once that group of
+        the stage's last tile is free (`reuse`: the stage had one)."""
+        boxes: gl.constexpr = 1 if group == ROPE else VCHUNKS
+        if reuse:
+            mbarrier.wait(free_g.index(stage * GROUPS + group), phase)
+        bar = ready_g.index(stage * GROUPS + group)
+        mbarrier.expect(bar, boxes * k_desc.block_type.nbytes)
+        for c in gl.static_range(group * VCHUNKS, group * VCHUNKS + boxes):
+            tma.async_copy_global_to_shared(k_desc, [row, c * BLOCK], bar, k_smem.index(stage * CHUNKS + c))
+
+    @gluon.jit
+    def _scores(q_smem, k_smem, stage, ready_g, free_g, phase, qk_scale, j0, end, mma: gl.constexpr):
+        """S = Q K^T of the ring stage's tile, base 2 (times qk_scale), keys past `end` -inf: each group's
+        boxes issued once that group is in (ready_g, `phase`); the stage's rope box released after."""
         col_l: gl.constexpr = gl.SliceLayout(0, mma)
         sc = gl.zeros([BLOCK, BLOCK], gl.float32, mma)
-        for c in gl.static_range(CHUNKS):
-            sc = warpgroup_mma(q_smem.index(c), k_smem.index(stage * CHUNKS + c).permute((1, 0)), sc, is_async=True)
+        sc = _score_group(q_smem, k_smem, stage, ready_g, phase, sc, ROPE)    # (the loader's order)
+        sc = _score_group(q_smem, k_smem, stage, ready_g, phase, sc, LEFT)
+        sc = _score_group(q_smem, k_smem, stage, ready_g, phase, sc, RIGHT)
         sc = warpgroup_mma_wait(num_outstanding=0, deps=(sc, ))
+        gl.thread_barrier()     # (every warp past its ready waits and its MMAs before the one arrival)
+        mbarrier.arrive(free_g.index(stage * GROUPS + ROPE))
         cols = gl.arange(0, BLOCK, layout=col_l)
         return gl.where((j0 + cols < end)[None, :], sc * qk_scale, float("-inf"))
+
+    @gluon.jit
+    def _seesaw_barriers():
+        """q_bar, ready_g / free_g (a group of a stage is in / its last reader is done with it), a_ready,
+        b_ready (a pair's tile A's / tile B's weights and statistics are published), initialized."""
+        q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        ready_g = gl.allocate_shared_memory(gl.int64, [STAGES * GROUPS, 1], mbarrier.MBarrierLayout())
+        free_g = gl.allocate_shared_memory(gl.int64, [STAGES * GROUPS, 1], mbarrier.MBarrierLayout())
+        a_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        b_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        mbarrier.init(q_bar, count=1)
+        mbarrier.init(a_ready, count=1)
+        mbarrier.init(b_ready, count=1)
+        for i in gl.static_range(STAGES * GROUPS):
+            mbarrier.init(ready_g.index(i), count=1)
+            mbarrier.init(free_g.index(i), count=1)
+        fence_async_shared()
+        return q_bar, ready_g, free_g, a_ready, b_ready
+
+    @gluon.jit
+    def _seesaw_loader(q_desc, k_desc, k_ptr, table_ptr, glens_ptr, q_smem, k_smem, q_bar, ready_g, free_g,
+                       s, head0, split, split_len, dcp_size, dcp_rank, interleave, table_w, num_blocks, st_s, sk_b,
+                       sk_t, PAGE: gl.constexpr):
+        """`_loader` for the seesaw ring: each tile's groups (rope, left, right), each once the group's
+        boxes of the stage's last tile are free; the split's last tile, when it ends inside it, through
+        masked loads once all three are free."""
+        start, end, tiles, bad = _split_range(glens_ptr, s, split, split_len, dcp_size, dcp_rank, interleave,
+                                              table_w, PAGE)
+        mbarrier.expect(q_bar, CHUNKS * q_desc.block_type.nbytes)
+        for c in gl.static_range(CHUNKS):
+            tma.async_copy_global_to_shared(q_desc, [head0, c * BLOCK], q_bar, q_smem.index(c))
+        blocked: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
+        for t in range(tiles):
+            stage = t % STAGES
+            j0 = start + t * BLOCK
+            reuse = t >= STAGES
+            phase = ((t // STAGES) - 1) & 1
+            blk = gl.load(table_ptr + s.to(gl.int64) * st_s + j0 // PAGE)
+            blk = gl.where((blk >= 0) & (blk < num_blocks), blk, 0)    # (warpgroup 0 reports it)
+            valid = end - j0
+            if valid >= BLOCK:
+                row = blk * PAGE + j0 % PAGE
+                # (the rope box frees first: once the stage's last tile is scored)
+                _load_group(k_desc, k_smem, ready_g, free_g, stage, phase, reuse, row, ROPE)
+                _load_group(k_desc, k_smem, ready_g, free_g, stage, phase, reuse, row, LEFT)
+                _load_group(k_desc, k_smem, ready_g, free_g, stage, phase, reuse, row, RIGHT)
+            else:   # the split's last tile ends inside it: rows past the end as zeros
+                if reuse:
+                    for group in gl.static_range(GROUPS):
+                        mbarrier.wait(free_g.index(stage * GROUPS + group), phase)
+                rows = gl.arange(0, BLOCK, layout=gl.SliceLayout(1, blocked))
+                cols = gl.arange(0, BLOCK, layout=gl.SliceLayout(0, blocked))
+                base = k_ptr + blk.to(gl.int64) * sk_b + ((j0 % PAGE) + rows).to(gl.int64)[:, None] * sk_t
+                for c in gl.static_range(CHUNKS):
+                    x = gl.load(base + (c * BLOCK + cols)[None, :], mask=(rows < valid)[:, None], other=0.0)
+                    k_smem.index(stage * CHUNKS + c).store(x)
+                fence_async_shared()
+                gl.thread_barrier()
+                for group in gl.static_range(GROUPS):
+                    mbarrier.arrive(ready_g.index(stage * GROUPS + group))
 
     @gluon.jit
     def _zero_quarter(mma: gl.constexpr):
@@ -454,7 +550,7 @@ if HAS_GLUON:
         return p, gl.exp2(m_old - m_safe), m_new, gl.sum(p, 1)
 
     @gluon.jit
-    def _seesaw_lead(q_smem, k_smem, p_smem, st_smem, q_bar, ready, free, a_ready, b_ready, table_ptr, glens_ptr,
+    def _seesaw_lead(q_smem, k_smem, p_smem, st_smem, q_bar, ready_g, free_g, a_ready, b_ready, table_ptr, glens_ptr,
                      o_ptr, lse_ptr, s, head0_in_seq, split, split_len, dcp_size, dcp_rank, interleave, table_w,
                      num_blocks, st_s, qk_scale, so_p, so_s, so_h, sl_p, sl_s, HQ, PAGE: gl.constexpr):
         """Warpgroup 0 of the seesaw form: tile A of each pair, output dims [0, 256), the block-id check,
@@ -478,8 +574,7 @@ if HAS_GLUON:
             if has_b:
                 blk = gl.load(table_ptr + s.to(gl.int64) * st_s + (j0 + BLOCK) // PAGE)
                 bad = bad | (blk < 0) | (blk >= num_blocks)
-            mbarrier.wait(ready.index(0), i & 1)
-            sc = _scores(q_smem, k_smem, 0, qk_scale, j0, end, mma)
+            sc = _scores(q_smem, k_smem, 0, ready_g, free_g, i & 1, qk_scale, j0, end, mma)
             p, s_a, m_i, rows_sum = _seesaw_step(sc, m_i)
             l_i = l_i * s_a + rows_sum
             p = p.to(gl.bfloat16)
@@ -496,13 +591,13 @@ if HAS_GLUON:
             s_b = st_smem.index(2).load(row_l)
             m_i = st_smem.index(3).load(row_l)
             o0, o1, o2, o3 = warpgroup_mma_wait(num_outstanding=0, deps=(o0, o1, o2, o3))
-            mbarrier.arrive(free.index(0))
+            mbarrier.arrive(free_g.index(LEFT))
             l_i = l_i * s_b
-            if has_b:
-                mbarrier.wait(ready.index(1), i & 1)
+            if has_b:       # (tile B is in: warpgroup 1 scored it before b_ready; waited here too)
+                mbarrier.wait(ready_g.index(GROUPS + LEFT), i & 1)
                 o0, o1, o2, o3 = _pv_issue(o0, o1, o2, o3, s_b, p_smem, k_smem, CHUNKS)
                 o0, o1, o2, o3 = warpgroup_mma_wait(num_outstanding=0, deps=(o0, o1, o2, o3))
-                mbarrier.arrive(free.index(1))
+                mbarrier.arrive(free_g.index(GROUPS + LEFT))
         # warpgroup 1's sum (published with its last pair's statistics), then the factor 1 / l (NaN for a
         # bad table) back to it. (An arrival of its own for the sum could complete b_ready's next phase
         # before a lagging warp here had waited for the last pair's: that warp would then wait forever.)
@@ -520,7 +615,7 @@ if HAS_GLUON:
         _store_quarter_rows(o_ptr + o_row[:, None] + ocols[None, :], o0, o1, o2, o3, factor, live)
 
     @gluon.jit
-    def _seesaw_follow(q_smem, k_smem, p_smem, st_smem, q_bar, ready, free, a_ready, b_ready, glens_ptr, o_ptr, s,
+    def _seesaw_follow(q_smem, k_smem, p_smem, st_smem, q_bar, ready_g, free_g, a_ready, b_ready, glens_ptr, o_ptr, s,
                        head0_in_seq, split, split_len, dcp_size, dcp_rank, interleave, table_w, qk_scale, so_p, so_s,
                        so_h, HQ, PAGE: gl.constexpr):
         """Warpgroup 1 of the seesaw form: tile B of each pair, output dims [256, 512)."""
@@ -539,18 +634,17 @@ if HAS_GLUON:
             # (no tile B, the pair's last: scores all -inf, so P_B = 0, sB = 1 and mB = mA)
             sc = gl.full([BLOCK, BLOCK], float("-inf"), gl.float32, mma)
             if has_b:       # (tile B's scores run beside warpgroup 0's softmax of tile A)
-                mbarrier.wait(ready.index(1), i & 1)
-                sc = _scores(q_smem, k_smem, 1, qk_scale, j0 + BLOCK, end, mma)
+                sc = _scores(q_smem, k_smem, 1, ready_g, free_g, i & 1, qk_scale, j0 + BLOCK, end, mma)
             mbarrier.wait(a_ready, i & 1)
             m_a = st_smem.index(0).load(row_l)
             s_a = st_smem.index(1).load(row_l)
-            mbarrier.wait(ready.index(0), i & 1)
+            mbarrier.wait(ready_g.index(RIGHT), i & 1)     # (in: warpgroup 0 scored it before a_ready)
             o0, o1, o2, o3 = _pv_issue(o0, o1, o2, o3, s_a, p_smem, k_smem, 4)
             p, s_b, m_b, rows_sum = _seesaw_step(sc, m_a)
             l_i = l_i * s_a * s_b + rows_sum
             p = p.to(gl.bfloat16)
             o0, o1, o2, o3 = warpgroup_mma_wait(num_outstanding=0, deps=(o0, o1, o2, o3))
-            mbarrier.arrive(free.index(0))
+            mbarrier.arrive(free_g.index(RIGHT))
             if has_b:       # (P_A V_A,R has finished: the buffer takes P_B)
                 p_smem.store(p)
             st_smem.index(2).store(s_b)
@@ -563,7 +657,7 @@ if HAS_GLUON:
                 o0, o1, o2, o3 = _pv_issue(o0, o1, o2, o3, s_b, gl.convert_layout(p, a_l), k_smem,
                                           CHUNKS + 4)
                 o0, o1, o2, o3 = warpgroup_mma_wait(num_outstanding=0, deps=(o0, o1, o2, o3))
-                mbarrier.arrive(free.index(1))
+                mbarrier.arrive(free_g.index(GROUPS + RIGHT))
         mbarrier.wait(a_ready, pairs & 1)
         factor = st_smem.index(5).load(row_l)
         rows = gl.arange(0, BLOCK, layout=row_l)
@@ -578,8 +672,8 @@ if HAS_GLUON:
                                   num_blocks, st_s, sk_b, sk_t, so_p, so_s, so_h, sl_p, sl_s, PAGE: gl.constexpr,
                                   PDL: gl.constexpr = False):
         """`_mla_decode_ws_kernel`'s problem (bf16 latent cache, 64-head tiles) in the seesaw form: the
-        same loader and two-stage ring (a pair's tiles A and B in stages 0 and 1), one weights buffer,
-        the rows' statistics in st_smem."""
+        two-stage ring (a pair's tiles A and B in stages 0 and 1) filled by groups of boxes as they free
+        (`_seesaw_loader`), one weights buffer, the rows' statistics in st_smem."""
         pid = gl.program_id(0)
         split = gl.program_id(1)
         s = pid // M_TILES
@@ -590,20 +684,20 @@ if HAS_GLUON:
         k_smem = gl.allocate_shared_memory(gl.bfloat16, [STAGES * CHUNKS, BLOCK, BLOCK], box)
         p_smem = gl.allocate_shared_memory(gl.bfloat16, [BLOCK, BLOCK], box)
         st_smem = gl.allocate_shared_memory(gl.float32, [6, BLOCK], gl.SwizzledSharedLayout(1, 1, 1, order=[0]))
-        q_bar, ready, free, a_ready, b_ready = _barriers()
+        q_bar, ready_g, free_g, a_ready, b_ready = _seesaw_barriers()
         if PDL:
             _gdc_wait_and_release()
         gl.warp_specialize([
-            (_seesaw_lead, (q_smem, k_smem, p_smem, st_smem, q_bar, ready, free, a_ready, b_ready, table_ptr,
+            (_seesaw_lead, (q_smem, k_smem, p_smem, st_smem, q_bar, ready_g, free_g, a_ready, b_ready, table_ptr,
                             glens_ptr, o_ptr, lse_ptr, s, head0_in_seq, split, split_len, dcp_size, dcp_rank,
                             interleave, table_w, num_blocks, st_s, qk_scale, so_p, so_s, so_h, sl_p, sl_s, HQ,
                             PAGE)),
-            (_seesaw_follow, (q_smem, k_smem, p_smem, st_smem, q_bar, ready, free, a_ready, b_ready, glens_ptr,
+            (_seesaw_follow, (q_smem, k_smem, p_smem, st_smem, q_bar, ready_g, free_g, a_ready, b_ready, glens_ptr,
                               o_ptr, s, head0_in_seq, split, split_len, dcp_size, dcp_rank, interleave, table_w,
                               qk_scale, so_p, so_s, so_h, HQ, PAGE)),
-            (_loader, (q_desc, k_desc, k_ptr, table_ptr, glens_ptr, q_smem, k_smem, q_bar, ready, free, s, head0,
-                       split, split_len, dcp_size, dcp_rank, interleave, table_w, num_blocks, st_s, sk_b, sk_t,
-                       PAGE)),
+            (_seesaw_loader, (q_desc, k_desc, k_ptr, table_ptr, glens_ptr, q_smem, k_smem, q_bar, ready_g, free_g,
+                              s, head0, split, split_len, dcp_size, dcp_rank, interleave, table_w, num_blocks, st_s,
+                              sk_b, sk_t, PAGE)),
         ], [4, 4], [REGS_SEESAW, 48])
 
 
