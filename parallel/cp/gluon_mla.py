@@ -541,6 +541,14 @@ if HAS_GLUON:
                 gl.zeros([BLOCK, BLOCK], gl.float32, mma), gl.zeros([BLOCK, BLOCK], gl.float32, mma))
 
     @gluon.jit
+    def _opaque_zero(i):
+        """0, from a value the compiler cannot see through that changes with the loop counter i: ring
+        indices offset by it are computed where they are used instead of hoisted out of the loop (a
+        shared-memory descriptor for each fixed box the warpgroup reads, held in registers across the
+        loop, spilled 1.4 KB a thread)."""
+        return gl.inline_asm_elementwise("and.b32 $0, $1, 0;", "=r,r", [i], dtype=gl.int32, is_pure=True, pack=1)
+
+    @gluon.jit
     def _seesaw_step(sc, m_old):
         """(P = 2^(S - m_new), 2^(m_old - m_new), m_new, the rows' sums of P) with m_new = max(m_old, max S)
         (0 in place of an m_new of -inf: rows that saw no key keep P = 0 and a factor 0)."""
@@ -574,7 +582,8 @@ if HAS_GLUON:
             if has_b:
                 blk = gl.load(table_ptr + s.to(gl.int64) * st_s + (j0 + BLOCK) // PAGE)
                 bad = bad | (blk < 0) | (blk >= num_blocks)
-            sc = _scores(q_smem, k_smem, 0, ready_g, free_g, i & 1, qk_scale, j0, end, mma)
+            st0 = _opaque_zero(i)
+            sc = _scores(q_smem, k_smem, st0, ready_g, free_g, i & 1, qk_scale, j0, end, mma)
             p, s_a, m_i, rows_sum = _seesaw_step(sc, m_i)
             l_i = l_i * s_a + rows_sum
             p = p.to(gl.bfloat16)
@@ -586,7 +595,7 @@ if HAS_GLUON:
             fence_async_shared()
             gl.thread_barrier()
             mbarrier.arrive(a_ready)
-            o0, o1, o2, o3 = _pv_issue(o0, o1, o2, o3, s_a, gl.convert_layout(p, a_l), k_smem, 0)
+            o0, o1, o2, o3 = _pv_issue(o0, o1, o2, o3, s_a, gl.convert_layout(p, a_l), k_smem, st0)
             mbarrier.wait(b_ready, i & 1)
             s_b = st_smem.index(2).load(row_l)
             m_i = st_smem.index(3).load(row_l)
@@ -595,7 +604,7 @@ if HAS_GLUON:
             l_i = l_i * s_b
             if has_b:       # (tile B is in: warpgroup 1 scored it before b_ready; waited here too)
                 mbarrier.wait(ready_g.index(GROUPS + LEFT), i & 1)
-                o0, o1, o2, o3 = _pv_issue(o0, o1, o2, o3, s_b, p_smem, k_smem, CHUNKS)
+                o0, o1, o2, o3 = _pv_issue(o0, o1, o2, o3, s_b, p_smem, k_smem, st0 + CHUNKS)
                 o0, o1, o2, o3 = warpgroup_mma_wait(num_outstanding=0, deps=(o0, o1, o2, o3))
                 mbarrier.arrive(free_g.index(GROUPS + LEFT))
         # warpgroup 1's sum (published with its last pair's statistics), then the factor 1 / l (NaN for a
@@ -631,15 +640,16 @@ if HAS_GLUON:
         for i in range(pairs):
             j0 = start + 2 * i * BLOCK
             has_b = 2 * i + 1 < tiles
+            st0 = _opaque_zero(i)
             # (no tile B, the pair's last: scores all -inf, so P_B = 0, sB = 1 and mB = mA)
             sc = gl.full([BLOCK, BLOCK], float("-inf"), gl.float32, mma)
             if has_b:       # (tile B's scores run beside warpgroup 0's softmax of tile A)
-                sc = _scores(q_smem, k_smem, 1, ready_g, free_g, i & 1, qk_scale, j0 + BLOCK, end, mma)
+                sc = _scores(q_smem, k_smem, st0 + 1, ready_g, free_g, i & 1, qk_scale, j0 + BLOCK, end, mma)
             mbarrier.wait(a_ready, i & 1)
             m_a = st_smem.index(0).load(row_l)
             s_a = st_smem.index(1).load(row_l)
             mbarrier.wait(ready_g.index(RIGHT), i & 1)     # (in: warpgroup 0 scored it before a_ready)
-            o0, o1, o2, o3 = _pv_issue(o0, o1, o2, o3, s_a, p_smem, k_smem, 4)
+            o0, o1, o2, o3 = _pv_issue(o0, o1, o2, o3, s_a, p_smem, k_smem, st0 + 4)
             p, s_b, m_b, rows_sum = _seesaw_step(sc, m_a)
             l_i = l_i * s_a * s_b + rows_sum
             p = p.to(gl.bfloat16)
@@ -655,7 +665,7 @@ if HAS_GLUON:
             mbarrier.arrive(b_ready)
             if has_b:
                 o0, o1, o2, o3 = _pv_issue(o0, o1, o2, o3, s_b, gl.convert_layout(p, a_l), k_smem,
-                                          CHUNKS + 4)
+                                          st0 + CHUNKS + 4)
                 o0, o1, o2, o3 = warpgroup_mma_wait(num_outstanding=0, deps=(o0, o1, o2, o3))
                 mbarrier.arrive(free_g.index(GROUPS + RIGHT))
         mbarrier.wait(a_ready, pairs & 1)
