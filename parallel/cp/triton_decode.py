@@ -607,9 +607,10 @@ CONFIG = {
     # ... in the seesaw form (0/1; `gluon_mla._mla_decode_seesaw_kernel`, bf16): the two warpgroups take
     # the scores and softmax of alternate tiles, each rescaling its half of the output by the other's
     # statistics (FlashMLA's dense decode schedule), so that one warpgroup's softmax runs beside the
-    # other's MMAs. Built (sm_90a: 231 KB of shared memory, 1.3 KB of spilled wgmma descriptors; a
-    # barrier race a review found, fixed) and not yet run on a GPU: off until its GPU test and `megapar
-    # bench cp`'s seesaw_us column say
+    # other's MMAs. Passes its GPU tests; measured slower (bench cp's seesaw_us column, 1/4 of 8K / 32K /
+    # 128K): 58.9 / 161.9 / 612.1 µs against 53.0 / 153.9 / 597.7 on an H100, 53.8 / 160.1 / 616.9
+    # against 49.2 / 151.1 / 607.7 on an H200 (2.5x slower before its ring indices stopped the
+    # compiler hoisting and spilling every box's wgmma descriptor; docs/gpu.md §41)
     "seesaw_wide": 0,
     # ... and over an fp8 latent cache (its loader converts each tile to fp16 into shared memory, the
     # scores and weights take the per-token scales as `f16_wide_fp8` does): Triton 106.6 / 359.0 /
