@@ -201,6 +201,28 @@ if HAS_GLUON:
         gl.store(ptr + 3 * BLOCK, o3 * factor[:, None], mask=live[:, None])
 
     @gluon.jit
+    def _load_queries(q_desc, q_smem, q_bar, head0):
+        """The program's 64 query rows (nine boxes) by TMA, arriving on q_bar."""
+        mbarrier.expect(q_bar, CHUNKS * q_desc.block_type.nbytes)
+        for c in gl.static_range(CHUNKS):
+            tma.async_copy_global_to_shared(q_desc, [head0, c * BLOCK], q_bar, q_smem.index(c))
+
+    @gluon.jit
+    def _store_masked_tile(k_ptr, k_smem, stage, blk, j0, valid, sk_b, sk_t, PAGE: gl.constexpr):
+        """A split's last tile that ends inside it (`valid` keys from local token j0, cache block blk)
+        into the ring stage through masked loads, rows past the end as zeros, then fenced for the
+        MMAs and every warp past its stores (the caller arrives on the stage's ready barriers)."""
+        blocked: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
+        rows = gl.arange(0, BLOCK, layout=gl.SliceLayout(1, blocked))
+        cols = gl.arange(0, BLOCK, layout=gl.SliceLayout(0, blocked))
+        base = k_ptr + blk.to(gl.int64) * sk_b + ((j0 % PAGE) + rows).to(gl.int64)[:, None] * sk_t
+        for c in gl.static_range(CHUNKS):
+            x = gl.load(base + (c * BLOCK + cols)[None, :], mask=(rows < valid)[:, None], other=0.0)
+            k_smem.index(stage * CHUNKS + c).store(x)
+        fence_async_shared()
+        gl.thread_barrier()
+
+    @gluon.jit
     def _loader(q_desc, k_desc, k_ptr, table_ptr, glens_ptr, q_smem, k_smem, q_bar, ready, free,
                 s, head0, split, split_len, dcp_size, dcp_rank, interleave, table_w, num_blocks, st_s, sk_b, sk_t,
                 PAGE: gl.constexpr, AHEAD: gl.constexpr = False):
@@ -212,10 +234,7 @@ if HAS_GLUON:
             first = _block_of(table_ptr, s, st_s, j_first, _table_tiles(j_first, table_w, PAGE) > 0, num_blocks, PAGE)
         start, end, tiles, bad = _split_range(glens_ptr, s, split, split_len, dcp_size, dcp_rank, interleave,
                                               table_w, PAGE)
-        mbarrier.expect(q_bar, CHUNKS * q_desc.block_type.nbytes)
-        for c in gl.static_range(CHUNKS):
-            tma.async_copy_global_to_shared(q_desc, [head0, c * BLOCK], q_bar, q_smem.index(c))
-        blocked: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
+        _load_queries(q_desc, q_smem, q_bar, head0)
         for t in range(tiles):
             stage = t % STAGES
             j0 = start + t * BLOCK
@@ -234,14 +253,7 @@ if HAS_GLUON:
                     tma.async_copy_global_to_shared(k_desc, [row, c * BLOCK], ready.index(stage),
                                                     k_smem.index(stage * CHUNKS + c))
             else:   # the split's last tile ends inside it: rows past the end as zeros
-                rows = gl.arange(0, BLOCK, layout=gl.SliceLayout(1, blocked))
-                cols = gl.arange(0, BLOCK, layout=gl.SliceLayout(0, blocked))
-                base = k_ptr + blk.to(gl.int64) * sk_b + ((j0 % PAGE) + rows).to(gl.int64)[:, None] * sk_t
-                for c in gl.static_range(CHUNKS):
-                    x = gl.load(base + (c * BLOCK + cols)[None, :], mask=(rows < valid)[:, None], other=0.0)
-                    k_smem.index(stage * CHUNKS + c).store(x)
-                fence_async_shared()
-                gl.thread_barrier()
+                _store_masked_tile(k_ptr, k_smem, stage, blk, j0, valid, sk_b, sk_t, PAGE)
                 mbarrier.arrive(ready.index(stage))
 
     @gluon.jit
@@ -501,10 +513,7 @@ if HAS_GLUON:
         masked loads once all three are free."""
         start, end, tiles, bad = _split_range(glens_ptr, s, split, split_len, dcp_size, dcp_rank, interleave,
                                               table_w, PAGE)
-        mbarrier.expect(q_bar, CHUNKS * q_desc.block_type.nbytes)
-        for c in gl.static_range(CHUNKS):
-            tma.async_copy_global_to_shared(q_desc, [head0, c * BLOCK], q_bar, q_smem.index(c))
-        blocked: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
+        _load_queries(q_desc, q_smem, q_bar, head0)
         for t in range(tiles):
             stage = t % STAGES
             j0 = start + t * BLOCK
@@ -523,14 +532,7 @@ if HAS_GLUON:
                 if reuse:
                     for group in gl.static_range(GROUPS):
                         mbarrier.wait(free_g.index(stage * GROUPS + group), phase)
-                rows = gl.arange(0, BLOCK, layout=gl.SliceLayout(1, blocked))
-                cols = gl.arange(0, BLOCK, layout=gl.SliceLayout(0, blocked))
-                base = k_ptr + blk.to(gl.int64) * sk_b + ((j0 % PAGE) + rows).to(gl.int64)[:, None] * sk_t
-                for c in gl.static_range(CHUNKS):
-                    x = gl.load(base + (c * BLOCK + cols)[None, :], mask=(rows < valid)[:, None], other=0.0)
-                    k_smem.index(stage * CHUNKS + c).store(x)
-                fence_async_shared()
-                gl.thread_barrier()
+                _store_masked_tile(k_ptr, k_smem, stage, blk, j0, valid, sk_b, sk_t, PAGE)
                 for group in gl.static_range(GROUPS):
                     mbarrier.arrive(ready_g.index(stage * GROUPS + group))
 
