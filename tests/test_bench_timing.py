@@ -356,3 +356,32 @@ def test_a_row_that_does_not_match_its_reference_fails_the_suite(tmp_path, monke
     data = json.loads((tmp_path / "merge-cpu.json").read_text())
     assert [r["case"] for r in data["rows"]] == ["good", "fast but wrong [WRONG RESULT]", "bits [WRONG RESULT]"]
     assert sum("WRONG RESULT" in n for n in data["notes"]) == 2
+
+
+def test_decode_time_times_only_the_variants_asked_for(fake_cuda):
+    """`row_variants` names the options that reach a row's kernel (ids_ahead not the 128-head MLA
+    kernel, the seesaw form only it over bf16, the paired stores only the direct fp8 kernels), and
+    `_decode_time` times those alone: no column and no graph for the rest."""
+    from launch.bench import cp
+
+    assert cp.row_variants("gqa", 32, False) == ("no_pdl_us", "ids_after_us")
+    assert cp.row_variants("gqa", 32, True) == ("no_pdl_us", "unpaired_store_us", "ids_ahead_fp8_us")
+    assert cp.row_variants("mla", 128, False) == ("no_pdl_us", "seesaw_us")
+    assert cp.row_variants("mla", 128, True) == ("no_pdl_us",)
+    assert cp.row_variants("mla", 16, False) == ("no_pdl_us", "ids_after_us")
+    assert cp.row_variants("mla", 16, True) == ("no_pdl_us", "unpaired_store_us", "ids_ahead_fp8_us")
+    ctx, clock = fake_cuda
+    calls = []
+
+    def call():
+        calls.append(1)
+        clock[0] += 30.0
+    cp._decode_time(ctx, [call])
+    every = len(calls)
+    calls.clear()
+    us, cols = cp._decode_time(ctx, [call], ("no_pdl_us",))
+    assert set(cols) & set(cp.DECODE_VARIANTS) == {"no_pdl_us"} and cols["no_pdl_us"] == pytest.approx(30.0)
+    assert 0 < len(calls) < every
+    calls.clear()
+    us, cols = cp._decode_time(ctx, [call], ())
+    assert not set(cols) & set(cp.DECODE_VARIANTS) and us == pytest.approx(30.0)

@@ -214,10 +214,11 @@ def _dcp_breakdown(ctx: BenchContext) -> None:
             """The part that does not shrink with N: the same grid, splits and merge (capacity L)
             over one page per rank (lengths n x page), timed in a step's graph like the rest."""
             short = torch.full_like(seq, n * block)
-            return _decode_time(ctx, [lambda: call(c, t, q, n, short)])[0]
+            return step_time(ctx, [lambda: call(c, t, q, n, short)])[0]
 
+        variants = row_variants(kind, hq, cache_dtype == torch.float8_e4m3fn)
         full = copies(1)
-        full_us, full_cols = _decode_time(ctx, [lambda c=c, t=t, q=q: call(c, t, q, 1) for c, t, q in full])
+        full_us, full_cols = _decode_time(ctx, [lambda c=c, t=t, q=q: call(c, t, q, 1) for c, t, q in full], variants)
         full_fixed_us = fixed(*full[0], 1)
         floor, byte_floor, flop_floor = floors(full[0][0], batch * context)
         ctx.record(f"dcp decode {kind} full KV on one GPU ({tag} cache, B={batch}, L={context}, {what})", full_us,
@@ -226,7 +227,8 @@ def _dcp_breakdown(ctx: BenchContext) -> None:
         del full
         for n in sizes:
             local = copies(n)
-            local_us, local_cols = _decode_time(ctx, [lambda c=c, t=t, q=q: call(c, t, q, n) for c, t, q in local])
+            local_us, local_cols = _decode_time(ctx, [lambda c=c, t=t, q=q: call(c, t, q, n) for c, t, q in local],
+                                                variants)
             fixed_us = fixed(*local[0], n)
             # the combine's merge as a rank runs it: ag_rs rescales its local o over all hq heads it
             # attended; a2a merges the n ranks' partials of its own hq / n heads
@@ -264,7 +266,21 @@ DECODE_VARIANTS = {"no_pdl_us": ("triton_decode", {"pdl": 0}),
 """Columns timing a decode call again with one CONFIG option of a module of parallel.cp changed."""
 
 
-def _decode_time(ctx: BenchContext, fns) -> tuple[float, dict]:
+def row_variants(kind: str, heads: int, fp8: bool) -> tuple[str, ...]:
+    """The DECODE_VARIANTS whose option reaches a decode row's kernel (GQA or MLA, query heads,
+    over an fp8 cache or not), as `triton_decode` picks it: programmatic dependent launch every
+    kernel; the paired stores only the direct fp8 kernels; the ids loaded ahead the GQA kernels and
+    MLA's narrow head tiles (at most 32 heads: `gluon_mla_narrow`), over bf16 (ids_ahead) or fp8
+    (ids_ahead_direct_fp8); the seesaw form only MLA's wider tiles over bf16. (Elsewhere a variant
+    would time the same kernel again: device time for a column equal to time_us up to the spread.)"""
+    swapped_or_gqa = kind == "gqa" or heads <= 32
+    reach = {"no_pdl_us": True, "unpaired_store_us": fp8 and swapped_or_gqa,
+             "ids_after_us": not fp8 and swapped_or_gqa, "ids_ahead_fp8_us": fp8 and swapped_or_gqa,
+             "seesaw_us": kind == "mla" and heads > 32 and not fp8}
+    return tuple(name for name in DECODE_VARIANTS if reach[name])
+
+
+def _decode_time(ctx: BenchContext, fns, variants=None) -> tuple[float, dict]:
     """A decode call timed as serving runs it, inside a decode step's CUDA graph (`step_time`:
     µs per call of ten captured in one graph, `fns` = the call over each copy of its inputs, taken
     in turn): (µs, the extra columns timing, replay_us (one call per graph replay, the host's
@@ -275,12 +291,15 @@ def _decode_time(ctx: BenchContext, fns) -> tuple[float, dict]:
     loaded after the length (ids_ahead 0), ids_ahead_fp8_us with the direct fp8 kernels' loaded
     beside it (ids_ahead_direct_fp8 1), seesaw_us with the bf16 Gluon MLA kernel in its seesaw form
     (seesaw_wide 1) (where the CONFIG has the changed value already, time_us
-    itself; where the option does not reach the call, time_us up to the spread))."""
+    itself). `variants`: the names of those to time (`row_variants`: those that reach the row's
+    kernel), all when None."""
     import importlib
 
     us, cols = step_time(ctx, fns)
     cols["eager_us"] = ctx.time_fn(fns[0]) if ctx.is_cuda else us
-    for name, (module, change) in DECODE_VARIANTS.items() if ctx.is_cuda else ():
+    names = DECODE_VARIANTS if variants is None else variants
+    for name in names if ctx.is_cuda else ():
+        module, change = DECODE_VARIANTS[name]
         config = importlib.import_module(f"megapar.parallel.cp.{module}").CONFIG
         before = {k: config[k] for k in change}
         if before == change:
@@ -484,13 +503,15 @@ def _paged_decode_rows(ctx: BenchContext) -> None:
                 sets = input_copies(ctx, make, lambda c: kv_read_bytes_of(c[0], batch * local, kv_heads, d, dv,
                                                                           v_from_k))
                 nbytes = kv_read_bytes_of(sets[0][0], batch * local, kv_heads, d, dv, v_from_k)
-                ours_us, ours_cols = _decode_time(ctx, [lambda c=c, t=t, q=q: ours(c, t, q, seq) for c, t, q in sets])
+                variants = row_variants(kind, heads, cache_dtype == torch.float8_e4m3fn)
+                ours_us, ours_cols = _decode_time(ctx, [lambda c=c, t=t, q=q: ours(c, t, q, seq) for c, t, q in sets],
+                                                  variants)
                 cache, table, q = sets[0]
                 # the part that does not scale with L: the same grid, splits and merge over one page
                 # per rank (what is left of the time, streamed_us, is what the KV bytes cost)
                 # (the short lengths made outside the timed call: inside, their fill kernel was timed too)
                 short = torch.full_like(seq, n * block)
-                fixed_us, fixed_cols = _decode_time(ctx, [lambda: ours(cache, table, q, short)])
+                fixed_us, fixed_cols = _decode_time(ctx, [lambda: ours(cache, table, q, short)], variants)
                 flash_cols = {}
                 if flash is not None and kind == "mla" and cache_dtype == torch.bfloat16:
                     try:        # (an anchor's failure leaves its columns out, not the suite's other rows)
@@ -640,10 +661,11 @@ def _speculative_rows(ctx: BenchContext, batch: int = 32, context: int = 32768, 
                                               max_seq_len=context)
             sets = input_copies(ctx, make, lambda c: kv_read_bytes_of(c[0], batch * local, kv_heads, d, dv, v_from_k))
             nbytes = kv_read_bytes_of(sets[0][0], batch * local, kv_heads, d, dv, v_from_k)
-            ours_us, ours_cols = _decode_time(ctx, [lambda c=c, t=t, q=q: ours(c, t, q) for c, t, q in sets])
+            variants = row_variants(kind, heads, cache_dtype == torch.float8_e4m3fn)
+            ours_us, ours_cols = _decode_time(ctx, [lambda c=c, t=t, q=q: ours(c, t, q) for c, t, q in sets], variants)
             cache, table, q = sets[0]
             short = torch.full_like(seq, n * block)
-            fixed_us, fixed_cols = _decode_time(ctx, [lambda: ours(cache, table, q, short)])
+            fixed_us, fixed_cols = _decode_time(ctx, [lambda: ours(cache, table, q, short)], variants)
             del sets
             mask = speculative_mask(layout, local, tokens, context, ctx.device)
             kvs = input_copies(ctx, lambda: [torch.randn(batch, kv_heads, local, d, device=ctx.device, dtype=dtype)
