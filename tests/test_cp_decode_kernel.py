@@ -795,7 +795,7 @@ def test_gluon_mla_narrow_swapped_on_gpu(dtype, size, rank, heads, tq, monkeypat
     _check_against_torch(got, ref, 1)
     # the loader's first block ids loaded beside the length (bf16, and over fp8 the direct form where
     # installed): the same result
-    _same_when_flipped(monkeypatch, td, td.ids_ahead_key(fp8), lambda: run(cache, table), got)
+    _same_when_flipped(monkeypatch, td, td.ids_ahead_key(fp8, narrow=True), lambda: run(cache, table), got)
     # (over fp8 the direct form's scores as fp8 MMAs round the queries differently)
     torch.testing.assert_close(got.out, padded.out, atol=4e-3 if fp8 else 1e-3, rtol=0)
     torch.testing.assert_close(got.lse, padded.lse, atol=4e-3 if fp8 else 1e-4, rtol=0)
@@ -826,7 +826,7 @@ def test_gluon_mla_narrow_swapped_on_gpu(dtype, size, rank, heads, tq, monkeypat
     bad = table.clone()
     bad[5, 0] = nb + 7
     for ahead in (0, 1):    # (ids_ahead: the id check's loads beside the length, evaluated after the loop)
-        monkeypatch.setitem(td.CONFIG, td.ids_ahead_key(fp8), ahead)
+        monkeypatch.setitem(td.CONFIG, td.ids_ahead_key(fp8, narrow=True), ahead)
         _nan_row_5_only(run(cache, bad), got)
     _replays_to(lambda: run(cache, table), got)
 
@@ -1182,7 +1182,8 @@ def test_gluon_kernels_check_block_ids_past_a_splits_first_64_pages(kind, monkey
     bad[0, 70] = cache.k.shape[0] + 3
     results = {}
     for ahead in (0, 1):
-        monkeypatch.setitem(td.CONFIG, td.ids_ahead_key(dtype == torch.float8_e4m3fn), ahead)
+        monkeypatch.setitem(td.CONFIG, td.ids_ahead_key(dtype == torch.float8_e4m3fn, narrow=kind.startswith("mla")),
+                            ahead)
         results[ahead] = run(table)
         nan = run(bad)
         assert used, "the Gluon kernel was not launched"

@@ -213,7 +213,7 @@ def _loader_loads_before_its_first_branch(cubin: Path, regs: int = 24) -> int:
 @pytest.mark.parametrize("kernel,loader_regs,ids", LOADERS)
 def test_loaders_load_their_first_ids_beside_the_length(kernel, loader_regs, ids, tmp_path):
     """CONFIG ids_ahead (on: GQA over bf16, MLA's narrow tiles over bf16) / ids_ahead_direct_fp8 (off:
-    both direct fp8 kernels): the loader of a Gluon decode kernel issues its first block ids' loads (the
+    GQA's direct fp8 kernel) / ids_ahead_narrow_fp8 (on: MLA's narrow direct fp8 kernel): the loader of a Gluon decode kernel issues its first block ids' loads (the
     direct kernels' four, the others' one) beside the sequence length's, before the branch on the
     split's tiles, where the form without it issues them after that branch, which waits for the length: one
     memory round trip fewer before the first TMA. The same registers, spills and shared memory."""

@@ -262,6 +262,7 @@ DECODE_VARIANTS = {"no_pdl_us": ("triton_decode", {"pdl": 0}),
                    "unpaired_store_us": ("triton_decode", {"paired_store_direct_fp8": 0}),
                    "ids_after_us": ("triton_decode", {"ids_ahead": 0}),
                    "ids_ahead_fp8_us": ("triton_decode", {"ids_ahead_direct_fp8": 1}),
+                   "ids_after_narrow_fp8_us": ("triton_decode", {"ids_ahead_narrow_fp8": 0}),
                    "seesaw_us": ("triton_decode", {"seesaw_wide": 1})}
 """Columns timing a decode call again with one CONFIG option of a module of parallel.cp changed."""
 
@@ -271,12 +272,13 @@ def row_variants(kind: str, heads: int, fp8: bool) -> tuple[str, ...]:
     over an fp8 cache or not), as `triton_decode` picks it: programmatic dependent launch every
     kernel; the paired stores only the direct fp8 kernels; the ids loaded ahead the GQA kernels and
     MLA's narrow head tiles (at most 32 heads: `gluon_mla_narrow`), over bf16 (ids_ahead) or fp8
-    (ids_ahead_direct_fp8); the seesaw form only MLA's wider tiles over bf16. (Elsewhere a variant
-    would time the same kernel again: device time for a column equal to time_us up to the spread.)"""
-    swapped_or_gqa = kind == "gqa" or heads <= 32
-    reach = {"no_pdl_us": True, "unpaired_store_us": fp8 and swapped_or_gqa,
-             "ids_after_us": not fp8 and swapped_or_gqa, "ids_ahead_fp8_us": fp8 and swapped_or_gqa,
-             "seesaw_us": kind == "mla" and heads > 32 and not fp8}
+    (GQA's ids_ahead_direct_fp8, MLA's ids_ahead_narrow_fp8); the seesaw form only MLA's wider tiles
+    over bf16. (Elsewhere a variant would time the same kernel again: device time for a column equal
+    to time_us up to the spread.)"""
+    narrow = kind == "mla" and heads <= 32
+    reach = {"no_pdl_us": True, "unpaired_store_us": fp8 and (kind == "gqa" or narrow),
+             "ids_after_us": not fp8 and (kind == "gqa" or narrow), "ids_ahead_fp8_us": fp8 and kind == "gqa",
+             "ids_after_narrow_fp8_us": fp8 and narrow, "seesaw_us": kind == "mla" and not narrow and not fp8}
     return tuple(name for name in DECODE_VARIANTS if reach[name])
 
 
@@ -288,8 +290,9 @@ def _decode_time(ctx: BenchContext, fns, variants=None) -> tuple[float, dict]:
     DECODE_VARIANTS, the same with one CONFIG option changed: no_pdl_us without programmatic
     dependent launch, unpaired_store_us with the direct fp8 kernels' output stored a dim at a time
     (CONFIG paired_store_direct_fp8 0), ids_after_us with the bf16 Gluon kernels' first block ids
-    loaded after the length (ids_ahead 0), ids_ahead_fp8_us with the direct fp8 kernels' loaded
-    beside it (ids_ahead_direct_fp8 1), seesaw_us with the bf16 Gluon MLA kernel in its seesaw form
+    loaded after the length (ids_ahead 0), ids_ahead_fp8_us with GQA's direct fp8 kernel's loaded
+    beside it (ids_ahead_direct_fp8 1), ids_after_narrow_fp8_us with MLA's narrow direct fp8
+    kernel's loaded after it (ids_ahead_narrow_fp8 0), seesaw_us with the bf16 Gluon MLA kernel in its seesaw form
     (seesaw_wide 1) (where the CONFIG has the changed value already, time_us
     itself). `variants`: the names of those to time (`row_variants`: those that reach the row's
     kernel), all when None."""

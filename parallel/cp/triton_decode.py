@@ -716,10 +716,17 @@ CONFIG = {
     # 16 heads 27.84 / 78.89 / 273.2 against 28.60 / 79.20 / 273.8) and lost on GQA's direct fp8
     # kernel (69.25 / 252.0 -> 72.31 / 270.3 at 32K / 128K, the DCP rows likewise) while MLA's narrow
     # fp8 kernel was mixed (25.36 / 56.69 / 184.1 -> 24.28 / 56.06 / 185.7): on for the bf16 kernels,
-    # off for the direct fp8 ones (ids_ahead_direct_fp8, column ids_ahead_fp8_us; `ids_ahead_key`)
+    # off for the direct fp8 ones (ids_ahead_direct_fp8, column ids_ahead_fp8_us; `ids_ahead_key`);
+    # since 2026-12-05 evening its own key for MLA's narrow direct fp8 kernel, ids_ahead_narrow_fp8
+    # (column ids_after_narrow_fp8_us): on. On the H200 at 9f2a766 (bench/results/cp-dcp-h200.md, the
+    # ids_ahead_fp8_us column) it was faster on every MLA 16-head fp8 row, 22.74 / 54.81 / 185.98 µs
+    # against 23.59 / 55.95 / 192.70 at 1/4 of 8K / 32K / 128K, over one page 10.48 against 11.09, at
+    # DCP N = 8 33.58 against 34.37, while GQA's direct kernel lost again (73.04 / 275.73 against 70.50 /
+    # 262.58 at 32K / 128K); on the H100 a tie for MLA (within 0.2%) and a 1.5-3% win for GQA
     "paired_store_direct_fp8": 1,
     "ids_ahead": 1,
     "ids_ahead_direct_fp8": 0,
+    "ids_ahead_narrow_fp8": 1,
     # over fp8: a TMA ring of this many raw fp8 tiles in front of the Gluon kernel's converter (0:
     # the converter loads 64-key tiles itself into two fp16 stages; Nsight Compute had put the
     # kernel's bound in those loads, docs/gpu.md section 18). With 64-key tiles and one fp16 stage:
@@ -1121,10 +1128,13 @@ def plan_splits(capacity: int, programs: int, block_n: int, min_split: int, at_m
     return -(-capacity // split_len), split_len
 
 
-def ids_ahead_key(fp8: bool) -> str:
+def ids_ahead_key(fp8: bool, narrow: bool = False) -> str:
     """The CONFIG entry that sets ids_ahead for the Gluon kernels over this cache dtype (over fp8 they
-    are the direct kernels; the two were timed apart and differ)."""
-    return "ids_ahead_direct_fp8" if fp8 else "ids_ahead"
+    are the direct kernels, GQA's or, `narrow`, MLA's narrow head tiles': each timed apart, and they
+    differ)."""
+    if not fp8:
+        return "ids_ahead"
+    return "ids_ahead_narrow_fp8" if narrow else "ids_ahead_direct_fp8"
 
 
 def _narrow(rows: int) -> bool:
@@ -1231,7 +1241,8 @@ def paged_decode_triton(q: Tensor, k: Tensor, v: Tensor, k_scale: Tensor | None,
     ks_st = ks.stride() if fp8 else (0, 0, 0)
     vs_st = vs.stride() if fp8 else (0, 0, 0)
     table = block_table if block_table.stride(-1) == 1 else block_table.contiguous()
-    direct_opts = {"paired": bool(CONFIG["paired_store_direct_fp8"]), "ahead": bool(CONFIG[ids_ahead_key(fp8)])}
+    direct_opts = {"paired": bool(CONFIG["paired_store_direct_fp8"]),
+                   "ahead": bool(CONFIG[ids_ahead_key(fp8, narrow=swapped)])}
     if s > 0 and splits > 0 and swapped:
         gluon_mla_narrow.launch(q, k, table, seq_lens, o, lse, scale * _LOG2E, splits, split_len, dcp_size, dcp_rank,
                                 interleave, k_scale if fp8 else None, raw=narrow_raw, pdl=pdl,
