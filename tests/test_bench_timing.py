@@ -366,11 +366,11 @@ def test_decode_time_times_only_the_variants_asked_for(fake_cuda):
 
     assert cp.row_variants("gqa", 32, False) == ("no_pdl_us", "ids_after_us")
     assert cp.row_variants("gqa", 32, True) == ("no_pdl_us", "unpaired_store_us", "ids_ahead_fp8_us")
-    assert cp.row_variants("mla", 32, True) == ("no_pdl_us", "unpaired_store_us", "ids_after_narrow_fp8_us")
+    assert cp.row_variants("mla", 32, True) == ("pdl_narrow_us", "unpaired_store_us", "ids_after_narrow_fp8_us")
     assert cp.row_variants("mla", 128, False) == ("no_pdl_us", "seesaw_us")
     assert cp.row_variants("mla", 128, True) == ("no_pdl_us",)
-    assert cp.row_variants("mla", 16, False) == ("no_pdl_us", "ids_after_us")
-    assert cp.row_variants("mla", 16, True) == ("no_pdl_us", "unpaired_store_us", "ids_after_narrow_fp8_us")
+    assert cp.row_variants("mla", 16, False) == ("pdl_narrow_us", "ids_after_us")
+    assert cp.row_variants("mla", 16, True) == ("pdl_narrow_us", "unpaired_store_us", "ids_after_narrow_fp8_us")
     ctx, clock = fake_cuda
     calls = []
 

@@ -474,9 +474,12 @@ def test_pdl_chain_in_a_graph_matches_plain_launches(hq, hkv, d, dv, monkeypatch
     qs = [torch.randn(len(lens), hq, d, device="cuda", dtype=torch.bfloat16) for _ in range(4)]
     run = lambda q: paged_decode_attention(q, cache, table, seq, layout=layout, backend="triton", scale=0.06,
                                            max_seq_len=max(lens))
+    # ("pdl_wide_narrow": MLA's narrow head tiles' own switch, off as installed: on here with the rest)
     monkeypatch.setitem(triton_decode.CONFIG, "pdl", 0)
+    monkeypatch.setitem(triton_decode.CONFIG, "pdl_wide_narrow", 0)
     plain = [run(q) for q in qs]
     monkeypatch.setitem(triton_decode.CONFIG, "pdl", 1)
+    monkeypatch.setitem(triton_decode.CONFIG, "pdl_wide_narrow", 1)
     outs = []
 
     def chain():
