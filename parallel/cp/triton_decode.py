@@ -598,14 +598,14 @@ CONFIG = {
     # while the kernel before each finishes, and wait for it in-kernel before touching memory
     "pdl": 1,
     # ... except for MLA's narrow head tiles' swapped kernels (`gluon_mla_narrow`, bf16 and fp8) and
-    # their split merge: off. Launched without it they were faster on nearly every MLA 16-head row in
+    # their split merge: off. Launched without it they were faster on 52 of 56 MLA 16-head rows in
     # the four runs of 2026-12-05 that timed both (bench cp's no_pdl_us: H200 11:01 and 19:31, H100
-    # 19:10 and 19:28), at 1/4 of 8K / 32K / 128K on the H200 at 19:31 bf16 27.26 / 78.16 / 277.31 µs
-    # against 27.72 / 79.68 / 278.71 and fp8 22.76 / 54.22 / 190.45 against 23.59 / 55.95 / 192.70,
-    # over one page 8.48 against 9.83 (bf16) and 10.19 against 11.09 (fp8), at DCP N = 8 44.76
-    # against 46.35 (bf16) and 33.13 against 34.37 (fp8) (one row of sixteen slower: fp8 at 128K, 8%
-    # in the 11:01 run, a row that moves by 5-8% between runs); for the other kernels it stays on
-    # (without it GQA fp8 at 8K 5.4% slower, MLA 128 heads bf16 at 128K 9%)
+    # 19:10 and 19:28; slower: the speculative step's fp8 row by 0.6-1.4% in three, fp8 at 128K
+    # once, a row that moves by 5-8% between runs); on the H200 at 19:31, 1/4 of 8K / 32K / 128K,
+    # bf16 27.26 / 78.16 / 277.31 µs against 27.72 / 79.68 / 278.71 and fp8 22.76 / 54.22 / 190.45
+    # against 23.59 / 55.95 / 192.70, over one page 8.48 against 9.83 (bf16) and 10.19 against 11.09
+    # (fp8), at DCP N = 8 44.76 against 46.35 (bf16) and 33.13 against 34.37 (fp8). The other
+    # kernels keep it (without it GQA fp8 at 8K 5.4% slower, MLA 128 heads bf16 at 128K 9%)
     "pdl_wide_narrow": 0,
     # MLA with full 64-head tiles over a bf16 cache through the warp-specialized Gluon kernel
     # (`gluon_mla`: a TMA loader warpgroup, one warpgroup for the scores, softmax and output dims
