@@ -271,11 +271,12 @@ DECODE_VARIANTS = {"no_pdl_us": ("triton_decode", {"pdl": 0}),
 def row_variants(kind: str, heads: int, fp8: bool) -> tuple[str, ...]:
     """The DECODE_VARIANTS whose option reaches a decode row's kernel (GQA or MLA, query heads,
     over an fp8 cache or not), as `triton_decode` picks it: programmatic dependent launch every
-    kernel (MLA's narrow head tiles through its own switch, pdl_wide_narrow); the paired stores only the direct fp8 kernels; the ids loaded ahead the GQA kernels and
-    MLA's narrow head tiles (at most 32 heads: `gluon_mla_narrow`), over bf16 (ids_ahead) or fp8
-    (GQA's ids_ahead_direct_fp8, MLA's ids_ahead_narrow_fp8); the seesaw form only MLA's wider tiles
-    over bf16. (Elsewhere a variant would time the same kernel again: device time for a column equal
-    to time_us up to the spread.)"""
+    kernel (MLA's narrow head tiles through their own switch, pdl_wide_narrow); the paired stores
+    only the direct fp8 kernels; the ids loaded ahead the GQA kernels and MLA's narrow head tiles
+    (at most 32 heads: `gluon_mla_narrow`), over bf16 (ids_ahead) or fp8 (GQA's
+    ids_ahead_direct_fp8, MLA's ids_ahead_narrow_fp8); the seesaw form only MLA's wider tiles over
+    bf16. (Elsewhere a variant would time the same kernel again: device time for a column equal to
+    time_us up to the spread.)"""
     narrow = kind == "mla" and heads <= 32
     reach = {"no_pdl_us": not narrow, "pdl_narrow_us": narrow, "unpaired_store_us": fp8 and (kind == "gqa" or narrow),
              "ids_after_us": not fp8 and (kind == "gqa" or narrow), "ids_ahead_fp8_us": fp8 and kind == "gqa",
@@ -289,14 +290,14 @@ def _decode_time(ctx: BenchContext, fns, variants=None) -> tuple[float, dict]:
     in turn): (µs, the extra columns timing, replay_us (one call per graph replay, the host's
     launch of the replay included), input_sets, eager_us (the call launched from Python) and, per
     DECODE_VARIANTS, the same with one CONFIG option changed: no_pdl_us without programmatic
-    dependent launch, pdl_narrow_us with it for MLA's narrow head tiles (pdl_wide_narrow 1), unpaired_store_us with the direct fp8 kernels' output stored a dim at a time
-    (CONFIG paired_store_direct_fp8 0), ids_after_us with the bf16 Gluon kernels' first block ids
-    loaded after the length (ids_ahead 0), ids_ahead_fp8_us with GQA's direct fp8 kernel's loaded
-    beside it (ids_ahead_direct_fp8 1), ids_after_narrow_fp8_us with MLA's narrow direct fp8
-    kernel's loaded after it (ids_ahead_narrow_fp8 0), seesaw_us with the bf16 Gluon MLA kernel in its seesaw form
-    (seesaw_wide 1) (where the CONFIG has the changed value already, time_us
-    itself). `variants`: the names of those to time (`row_variants`: those that reach the row's
-    kernel), all when None."""
+    dependent launch, pdl_narrow_us with it for MLA's narrow head tiles (pdl_wide_narrow 1),
+    unpaired_store_us with the direct fp8 kernels' output stored a dim at a time (CONFIG
+    paired_store_direct_fp8 0), ids_after_us with the bf16 Gluon kernels' first block ids loaded
+    after the length (ids_ahead 0), ids_ahead_fp8_us with GQA's direct fp8 kernel's loaded beside it
+    (ids_ahead_direct_fp8 1), ids_after_narrow_fp8_us with MLA's narrow direct fp8 kernel's loaded
+    after it (ids_ahead_narrow_fp8 0), seesaw_us with the bf16 Gluon MLA kernel in its seesaw form
+    (seesaw_wide 1) (where the CONFIG has the changed value already, time_us itself). `variants`:
+    the names of those to time (`row_variants`: those that reach the row's kernel), all when None."""
     import importlib
 
     us, cols = step_time(ctx, fns)
