@@ -560,6 +560,18 @@ if HAS_GLUON:
         return p, gl.exp2(m_old - m_safe), m_new, gl.sum(p, 1)
 
     @gluon.jit
+    def _seesaw_start(glens_ptr, s, split, split_len, dcp_size, dcp_rank, interleave, table_w, q_bar,
+                      PAGE: gl.constexpr, mma: gl.constexpr):
+        """A seesaw warpgroup's start: (start, end, tiles, bad) of its split, its running sum and four
+        output accumulators at zero, and its pairs of tiles, once the queries are in."""
+        start, end, tiles, bad = _split_range(glens_ptr, s, split, split_len, dcp_size, dcp_rank, interleave,
+                                              table_w, PAGE)
+        l_i = gl.zeros([BLOCK], gl.float32, gl.SliceLayout(1, mma))
+        o0, o1, o2, o3 = _zero_quarter(mma)
+        mbarrier.wait(q_bar, 0)
+        return start, end, tiles, bad, l_i, o0, o1, o2, o3, (tiles + 1) // 2
+
+    @gluon.jit
     def _seesaw_lead(q_smem, k_smem, p_smem, st_smem, q_bar, ready_g, free_g, a_ready, b_ready, table_ptr, glens_ptr,
                      o_ptr, lse_ptr, s, head0_in_seq, split, split_len, dcp_size, dcp_rank, interleave, table_w,
                      num_blocks, st_s, qk_scale, so_p, so_s, so_h, sl_p, sl_s, HQ, PAGE: gl.constexpr):
@@ -569,13 +581,9 @@ if HAS_GLUON:
         mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 64, 16])
         a_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
         row_l: gl.constexpr = gl.SliceLayout(1, mma)
-        start, end, tiles, bad = _split_range(glens_ptr, s, split, split_len, dcp_size, dcp_rank, interleave,
-                                              table_w, PAGE)
+        start, end, tiles, bad, l_i, o0, o1, o2, o3, pairs = _seesaw_start(
+            glens_ptr, s, split, split_len, dcp_size, dcp_rank, interleave, table_w, q_bar, PAGE, mma)
         m_i = gl.full([BLOCK], float("-inf"), gl.float32, row_l)
-        l_i = gl.zeros([BLOCK], gl.float32, row_l)
-        o0, o1, o2, o3 = _zero_quarter(mma)
-        mbarrier.wait(q_bar, 0)
-        pairs = (tiles + 1) // 2
         for i in range(pairs):
             j0 = start + 2 * i * BLOCK
             has_b = 2 * i + 1 < tiles
@@ -633,12 +641,8 @@ if HAS_GLUON:
         mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 64, 16])
         a_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
         row_l: gl.constexpr = gl.SliceLayout(1, mma)
-        start, end, tiles, bad = _split_range(glens_ptr, s, split, split_len, dcp_size, dcp_rank, interleave,
-                                              table_w, PAGE)
-        l_i = gl.zeros([BLOCK], gl.float32, row_l)
-        o0, o1, o2, o3 = _zero_quarter(mma)
-        mbarrier.wait(q_bar, 0)
-        pairs = (tiles + 1) // 2
+        start, end, tiles, bad, l_i, o0, o1, o2, o3, pairs = _seesaw_start(
+            glens_ptr, s, split, split_len, dcp_size, dcp_rank, interleave, table_w, q_bar, PAGE, mma)
         for i in range(pairs):
             j0 = start + 2 * i * BLOCK
             has_b = 2 * i + 1 < tiles
