@@ -5,7 +5,7 @@
 # bench/debug/decode_merge.py; ncu / ncustall: Nsight Compute sections / stall reasons over
 # bench/debug/decode_ncu.py; expand: bench/debug/expand_packing.py; prefill2: the gemm probe's
 # FP8-GEMM-alone sweep at V3 L2; dectiming: bench/debug/decode_timing.py (dtmla: its MLA 16-head and GQA fp8 runs); dgluon: bench/debug/decode_gluon.py; dnarrow:
-# bench/debug/decode_narrow.py; cvtrate: bench/debug/cvt_rate.py; dgqa:
+# bench/debug/decode_narrow.py; dtiles: bench/debug/decode_tiles.py; cvtrate: bench/debug/cvt_rate.py; dgqa:
 # bench/debug/decode_gluon_gqa.py; dstream: bench/debug/decode_stream.py; dsplits:
 # bench/debug/decode_splits.py; dwaves: bench/debug/decode_waves.py; dfixed: bench/debug/decode_fixed.py; ncugqa: Nsight Compute over bench/debug/decode_ncu.py gluon-gqa;
 # ceilings: this GPU's copy / bf16 / fp8 ceilings (launch/bench/common.measure_ceilings);
@@ -54,6 +54,7 @@ for s in "$@"; do
     expand)     step expand "${EXPAND_LIMIT:-120}" python3 bench/debug/expand_packing.py "$res/expand.json" ;;
     dgluon)     step dgluon "${DGLUON_LIMIT:-150}" python3 bench/debug/decode_gluon.py "$res/decode-gluon.json" ;;
     dnarrow)    step dnarrow "${DNARROW_LIMIT:-200}" python3 bench/debug/decode_narrow.py "$res/decode-narrow.json" ;;
+    dtiles)     step dtiles "${DTILES_LIMIT:-240}" python3 bench/debug/decode_tiles.py "$res/decode-tiles.json" ;;
     dstream)    step dstream "${DSTREAM_LIMIT:-150}" python3 bench/debug/decode_stream.py "$res/decode-stream.json" ;;
     dsplits)    step dsplits "${DSPLITS_LIMIT:-150}" python3 bench/debug/decode_splits.py "$res/decode-splits.json" ;;
     dfixed)     step dfixed "${DFIXED_LIMIT:-120}" python3 bench/debug/decode_fixed.py "$res/decode-fixed.json" ;;

@@ -38,8 +38,9 @@ def _build(name: str, cubin: Path | None = None) -> dict:
     pipe = "-pipe" in name              # ("-pipe": the narrow direct kernel's next score MMAs issued early)
     paired = "-paired" in name          # ("-paired": the narrow direct kernel's output dim pairs stored together)
     ahead = "-ahead" in name            # ("-ahead": its loader's first block ids loaded beside the length)
+    tiles = re.search(r"-tiles(\d+)", name)  # ("-tilesN": the narrow direct kernel over N head tiles a sequence)
     family, dtype, *more = (name.removesuffix("-pdl").replace("-pipe", "").replace("-paired", "")
-                            .replace("-ahead", "").split("-"))
+                            .replace("-ahead", "").replace(tiles.group(0) if tiles else "-tiles", "").split("-"))
     fp8 = dtype == "fp8"
     ptrs = {"table_ptr": "*i32", "glens_ptr": "*i64", "o_ptr": "*fp32", "lse_ptr": "*fp32", "qk_scale": "fp32"}
     box = gl.NVMMASharedLayout.get_default_for([64, 64], gl.float8e4nv if fp8 else gl.bfloat16)
@@ -93,6 +94,8 @@ def _build(name: str, cubin: Path | None = None) -> dict:
         consts["PAIRED"] = paired
     if "AHEAD" in kernel.arg_names:
         consts["AHEAD"] = ahead
+    if tiles:
+        consts["TILES"] = int(tiles.group(1))
     names = kernel.arg_names
     sig = {n: ptrs.get(n, "constexpr" if n in consts else "i32") for n in names}
     # as Triton's launcher specializes them at run time: pointers divisible by 16 (-paired: the output's
@@ -135,7 +138,10 @@ BUILDS = [
     # the bf16 MLA kernel's seesaw form (both warpgroups score alternate tiles): 244 B of spills; 1.4 KB
     # (the wgmma descriptors of every fixed ring box a warpgroup reads, hoisted out of its loop) before
     # its ring indices were offset by an opaque zero
-    ("mla-bf16-seesaw", 512), ("mla-bf16-seesaw-pdl", 512)]
+    ("mla-bf16-seesaw", 512), ("mla-bf16-seesaw-pdl", 512),
+    # (the direct fp8 kernel in head tiles, CONFIG tiles_wide_fp8: 128 heads, 16 x 3 / 128 x 2 tokens)
+    ("mlan-fp8-32-direct5s-tiles4-ahead-paired-pdl", 0), ("mlan-fp8-32-direct3s-tiles4-ahead-paired-pdl", 0),
+    ("mlan-fp8-32-direct3s-tiles8-causal-ahead-paired-pdl", 64)]
 LOADERS = [("mlan-fp8-16-direct5s", 24, 4), ("gqa-fp8-direct10-8", 24, 4), ("gqa-bf16", 64, 1), ("mlan-bf16-16", 64, 1)]
 FIRST_MMAS = [("mlan-fp8-16-direct5s", "QGMMA"), ("gqa-fp8-direct10-8", "QGMMA"), ("gqa-bf16", "HGMMA"),
               ("mlan-bf16-16", "HGMMA")]

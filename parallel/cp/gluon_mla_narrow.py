@@ -90,6 +90,23 @@ def pairs_apply(rows: int, raw: int) -> bool:
     return raw >= 2 and rows <= PAIRS_MAX_COLUMNS
 
 
+def head_tiles(rows: int) -> tuple[int, int]:
+    """(NQ, tiles) of the direct fp8 kernel over `rows` query columns (tokens x heads): one tile of
+    `columns(rows)` up to MAX_HEADS, else tiles of MAX_HEADS (the last one's columns past `rows`
+    padding, never stored)."""
+    if rows <= MAX_HEADS:
+        return columns(rows), 1
+    return MAX_HEADS, -(-rows // MAX_HEADS)
+
+
+def tiles_ok(rows: int, k: Tensor, k_scale: Tensor | None) -> bool:
+    """The direct fp8 kernel applies to `rows` query columns in head tiles (`head_tiles`; where
+    `gluon_mla.gluon_mla_ok` holds, up to 8 query tokens): an fp8 cache with contiguous scales
+    [nb, page, 1] (its loader brings them by TMA)."""
+    return (HAS_GLUON and rows >= 1 and k.dtype == torch.float8_e4m3fn and k_scale is not None
+            and k_scale.is_contiguous())
+
+
 def narrow_ok(rows: int, k: Tensor, k_scale: Tensor | None) -> bool:
     """The swapped kernel applies (where `gluon_mla.gluon_mla_ok` holds, up to 8 query tokens): at most
     32 query rows (tokens x heads), and over fp8 contiguous scales [nb, page, 1] (its loader brings
@@ -389,7 +406,7 @@ if HAS_GLUON:
 
     @gluon.jit
     def _direct_scores(q_ptr, ql_smem, qr_smem, kl_smem, kr_smem, ks_smem, p_smem, a_smem, raw_ready, raw_free,
-                       p_ready, p_free, table_ptr, glens_ptr, lse_ptr, s, split, split_len, dcp_size, dcp_rank,
+                       p_ready, p_free, table_ptr, glens_ptr, lse_ptr, s, c0, split, split_len, dcp_size, dcp_rank,
                        interleave, table_w, num_blocks, st_s, qk_scale, sl_p, sl_s, sl_t, HQ, TQ,
                        PAGE: gl.constexpr, RAW: gl.constexpr, NQ: gl.constexpr, CAUSAL: gl.constexpr,
                        PIPE: gl.constexpr = False, AHEAD: gl.constexpr = False):
@@ -411,8 +428,8 @@ if HAS_GLUON:
             early = _ids_early(table_ptr, s, st_s, split * split_len, table_w, PAGE, IDS_L)
         start, end, tiles, bad = _split_range(glens_ptr, s, split, split_len, dcp_size, dcp_rank, interleave,
                                               table_w, PAGE)
-        qf, bad_id = _direct_queries(q_ptr, s * (TQ * HQ), TQ * HQ, ql_smem, qr_smem, table_ptr, s, st_s, start, end,
-                                     num_blocks, PAGE, NQ, key_l, not AHEAD)
+        qf, bad_id = _direct_queries(q_ptr, s * (TQ * HQ) + c0, TQ * HQ - c0, ql_smem, qr_smem, table_ptr, s, st_s,
+                                     start, end, num_blocks, PAGE, NQ, key_l, not AHEAD)
         if not AHEAD:
             bad = bad | bad_id
         qk_q = gl.convert_layout(qf, q_l) * qk_scale
@@ -420,7 +437,7 @@ if HAS_GLUON:
         l_i = gl.zeros([BLOCK, NQ], gl.float32, mma)
         r_i = gl.zeros([NQ], gl.float32, q_l)
         keys = gl.arange(0, BLOCK, layout=key_l)
-        cols = gl.arange(0, NQ, layout=q_l)
+        cols = c0 + gl.arange(0, NQ, layout=q_l)     # (this head tile's columns of the TQ x HQ)
         if CAUSAL:
             q_pos = gl.load(glens_ptr + s).to(gl.int32) - TQ + cols // HQ
         else:
@@ -479,9 +496,9 @@ if HAS_GLUON:
         mbarrier.arrive(p_ready.index(tiles % 2))
 
     @gluon.jit
-    def _direct_values(kl_smem, p_smem, a_smem, raw_free, p_ready, p_free, glens_ptr, o_ptr, s, split, split_len,
-                       dcp_size, dcp_rank, interleave, table_w, so_p, so_s, so_t, so_h, HQ, TQ, PAGE: gl.constexpr,
-                       RAW: gl.constexpr, NQ: gl.constexpr, PAIRED: gl.constexpr = False):
+    def _direct_values(kl_smem, p_smem, a_smem, raw_free, p_ready, p_free, glens_ptr, o_ptr, s, c0, split,
+                       split_len, dcp_size, dcp_rank, interleave, table_w, so_p, so_s, so_t, so_h, HQ, TQ,
+                       PAGE: gl.constexpr, RAW: gl.constexpr, NQ: gl.constexpr, PAIRED: gl.constexpr = False):
         """The direct fp8 kernel's value warpgroup: per tile, once its weights are published, O^T += V^T
         P^T with the A operand converted in registers from the raw bytes (each accumulator one parity
         of a latent box's dims), its hold on the raw stage and the weights then released; at the end the
@@ -520,7 +537,7 @@ if HAS_GLUON:
             mbarrier.arrive(raw_free.index(rs))
         mbarrier.wait(p_ready.index(tiles % 2), (tiles // 2) & 1)
         factor = a_smem.index(tiles % 2).load(q_l)
-        cols = gl.arange(0, NQ, layout=q_l)
+        cols = c0 + gl.arange(0, NQ, layout=q_l)
         rows = gl.arange(0, BLOCK, layout=key_l)
         mine = cols < TQ * HQ
         o_q = (split.to(gl.int64) * so_p + s.to(gl.int64) * so_s + (cols // HQ).to(gl.int64) * so_t
@@ -575,14 +592,16 @@ if HAS_GLUON:
                                   so_p, so_s, so_t, so_h, sl_p, sl_s, sl_t, PAGE: gl.constexpr, NQ: gl.constexpr,
                                   RAW: gl.constexpr, CAUSAL: gl.constexpr = False, PDL: gl.constexpr = False,
                                   PIPE: gl.constexpr = False, PAIRED: gl.constexpr = False,
-                                  AHEAD: gl.constexpr = False):
+                                  AHEAD: gl.constexpr = False, TILES: gl.constexpr = 1):
         """fp8 latent cache without a converter: a one-warp TMA loader fills RAW raw stages; one warpgroup
         reads each tile's bytes straight into the scores' A operands (`_direct_scores`), the other into
         the values' (`_direct_values`) one tile behind, through a double buffer of the weights. PAIRED:
         the output's dim pairs stored together (`_store_pair`); AHEAD: the loader's first block ids, and the
-        scores warpgroup's id check,
-        loaded beside the sequence's length (`_table_tiles`)."""
-        s = gl.program_id(0)
+        scores warpgroup's id check, loaded beside the sequence's length (`_table_tiles`). TILES: the
+        sequence's TQ x HQ columns in this many tiles of NQ, program_id(0) = sequence x TILES + tile (a
+        sequence's tiles launched side by side read its keys at about the same time: from L2 but once)."""
+        s = gl.program_id(0) // TILES
+        c0 = (gl.program_id(0) % TILES) * NQ
         split = gl.program_id(1)
         lbox: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=8, rank=2)
         rbox: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=64, element_bitwidth=8, rank=2)
@@ -612,10 +631,10 @@ if HAS_GLUON:
             _gdc_wait_and_release()
         gl.warp_specialize([
             (_direct_scores, (q_ptr, ql_smem, qr_smem, kl_smem, kr_smem, ks_smem, p_smem, a_smem, raw_ready,
-                              raw_free, p_ready, p_free, table_ptr, glens_ptr, lse_ptr, s, split, split_len,
+                              raw_free, p_ready, p_free, table_ptr, glens_ptr, lse_ptr, s, c0, split, split_len,
                               dcp_size, dcp_rank, interleave, table_w, num_blocks, st_s, qk_scale, sl_p, sl_s, sl_t,
                               HQ, TQ, PAGE, RAW, NQ, CAUSAL, PIPE, AHEAD)),
-            (_direct_values, (kl_smem, p_smem, a_smem, raw_free, p_ready, p_free, glens_ptr, o_ptr, s, split,
+            (_direct_values, (kl_smem, p_smem, a_smem, raw_free, p_ready, p_free, glens_ptr, o_ptr, s, c0, split,
                               split_len, dcp_size, dcp_rank, interleave, table_w, so_p, so_s, so_t, so_h, HQ, TQ,
                               PAGE, RAW, NQ, PAIRED)),
             (_direct_loader, (kl_desc, kr_desc, ks_desc, table_ptr, glens_ptr, kl_smem, kr_smem, ks_smem,
@@ -628,20 +647,23 @@ def launch(q: Tensor, k: Tensor, table: Tensor, seq_lens: Tensor, o: Tensor, lse
            k_scale: Tensor | None = None, raw: int = 5, pdl: bool = False, pipe: bool = False,
            paired: bool = False, ahead: bool = False) -> None:
     """Fill the split partials o [splits, S, Tq, Hq, 512] / lse [splits, S, Tq, Hq] of queries q [S, Tq,
-    Hq, 576] (`gluon_mla.gluon_mla_ok` and `narrow_ok` of Tq x Hq columns hold; Tq > 1: causal within
-    the step's tokens); over fp8 the direct kernel with `raw` raw stages of 64 keys (`direct_fits`;
+    Hq, 576] (`gluon_mla.gluon_mla_ok` and `narrow_ok` of Tq x Hq columns hold, or over fp8 `tiles_ok`:
+    more than MAX_HEADS columns in `head_tiles`; Tq > 1: causal within the step's tokens); over fp8 the
+    direct kernel with `raw` raw stages of 64 keys (`direct_fits` of a tile's columns;
     `pipe`: the scores in tile pairs where `pairs_apply`: at least two raw stages and at most
     PAIRS_MAX_COLUMNS columns; `paired`: the output's dim pairs stored together), over both the
     loader's first block ids loaded beside the length with `ahead`; pdl: launched with programmatic
     dependent launch, `triton_merge.pdl_ok`."""
     s, tq, hq, d = q.shape
     nb, page = k.shape[0], k.shape[1]
-    nq = columns(tq * hq)
+    nq, tiles = head_tiles(tq * hq)
     launch = {"PDL": True, "launch_pdl": True} if pdl else {}
     fp8 = k.dtype == torch.float8_e4m3fn
-    if fp8 and not direct_fits(tq * hq, raw):
-        raise ValueError(f"the direct fp8 MLA kernel with {tq} x {hq} query rows and {raw} raw stages of "
-                         f"{_BLOCK} keys does not fit in shared memory ({SMEM_LIMIT} bytes)")
+    if not fp8 and tiles > 1:
+        raise ValueError(f"the narrow bf16 MLA kernel takes at most {MAX_HEADS} query rows, not {tq} x {hq}")
+    if fp8 and not direct_fits(nq, raw):
+        raise ValueError(f"the direct fp8 MLA kernel with {tq} x {hq} query rows in {tiles} tile(s) of {nq} columns and "
+                         f"{raw} raw stages of {_BLOCK} keys does not fit in shared memory ({SMEM_LIMIT} bytes)")
     tail = (o.stride(0), o.stride(1), o.stride(2), o.stride(3), lse.stride(0), lse.stride(1), lse.stride(2))
     if fp8:
         lbox = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=8, rank=2)
@@ -651,10 +673,10 @@ def launch(q: Tensor, k: Tensor, table: Tensor, seq_lens: Tensor, o: Tensor, lse
         kl_desc = TensorDescriptor(k2, list(k2.shape), list(k2.stride()), [_BLOCK, _LBOX], lbox)
         kr_desc = TensorDescriptor(k2, list(k2.shape), list(k2.stride()), [_BLOCK, _BLOCK], rbox)
         ks_desc = TensorDescriptor(ks2, list(ks2.shape), list(ks2.stride()), [1, _BLOCK], sc_box)
-        _mla_narrow_direct_kernel[(s, splits)](
+        _mla_narrow_direct_kernel[(s * tiles, splits)](
             q, kl_desc, kr_desc, ks_desc, table, seq_lens, o, lse, scale_log2, split_len, hq, tq, dcp_size, dcp_rank,
             interleave, table.shape[1], nb, table.stride(0), *tail, PAGE=page, NQ=nq, RAW=raw, CAUSAL=tq > 1,
-            PIPE=bool(pipe) and pairs_apply(tq * hq, raw), PAIRED=bool(paired), AHEAD=bool(ahead), num_warps=4,
+            PIPE=bool(pipe) and pairs_apply(nq, raw), PAIRED=bool(paired), AHEAD=bool(ahead), TILES=tiles, num_warps=4,
             **launch)
         return
     box = gl.NVMMASharedLayout.get_default_for([_BLOCK, _BLOCK], gl.bfloat16)

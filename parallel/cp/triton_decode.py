@@ -948,6 +948,15 @@ CONFIG = {
     # 264 -> 86.4 / 267.1; cp-probe13 with it installed: 264 86.0 / 286.9 against 86.7 / 268.8),
     # fp8 (cp-probe13) 108.5 / 382.2 -> 108.5 / 362.6. MLA's narrow tiles keep theirs
     "target_programs_wide": 132, "target_programs_wide_fp8": 132, "target_programs_wide_narrow": 264,
+    # MLA over fp8 with more than 32 query columns (tokens x heads: 128 heads at TP 1, 64 at TP 2, a
+    # speculative step's tokens) through the narrow direct kernel in head tiles of 32 columns
+    # (`gluon_mla_narrow.head_tiles`: a sequence's tiles side by side in the grid, its keys read from
+    # L2 by all but the first) instead of the converter kernel (full 64-head tiles, fp16 stages) or,
+    # over more than one query token, the Triton kernel: no conversion pass through shared memory,
+    # the scores as fp8 MMAs over the raw bytes. Splits planned to at most target_programs_tiles_fp8
+    # programs (132: one wave of one CTA per SM, B 32 x 4 tiles = one split and no merge)
+    # and this many raw stages of 64 keys (at most 5 fit beside 32 columns' queries)
+    "tiles_wide_fp8": 0, "target_programs_tiles_fp8": 132, "direct_tiles_fp8": 3,
 }
 # H200, B = 32, 1/4 of L = 8K and 32K (`python -m megapar.launch.bench.cp --probe`, CUDA-graph
 # replays, two runs: bench/results/cp-probe-h200.json, cp-probe2-h200.json): MLA with 64-token
@@ -1023,7 +1032,7 @@ _VALID = {
     "gluon_gqa": (0, 1), "gluon_gqa_fp8": (0, 1), "stages": range(2, 7),
     "swap": (0, 1), "raw_ring": (0, 1, 2, 3, 4), "keys": (32, 64), "ring": (1, 2, 3),
     "maxnreg": (0, *range(64, 256, 8)), "at_most": (0, 1), "stage16": (0, 1, 2), "even": (0, 1),
-    "direct": range(0, 13), "pipe": (0, 1), "paired_store": (0, 1), "ids_ahead": (0, 1),
+    "direct": range(0, 13), "pipe": (0, 1), "paired_store": (0, 1), "ids_ahead": (0, 1), "tiles": (0, 1),
 }
 _META = ("device", "sizes", "seconds", "results", "notes", "problems")
 
@@ -1216,11 +1225,22 @@ def paged_decode_triton(q: Tensor, k: Tensor, v: Tensor, k_scale: Tensor | None,
                and (narrow_raw > 0 or not fp8)
                and gluon_mla.gluon_mla_ok(q, k, v, tq, page, k_scale, v_scale, max_tq=8)
                and gluon_mla_narrow.narrow_ok(tq * hq, k, k_scale))
+    # (wider fp8 problems: the same direct kernel in head tiles of 32 columns, tiles_wide_fp8)
+    tiled = (latent and fp8 and tq * hq > gluon_mla_narrow.MAX_HEADS and bool(CONFIG["tiles_wide_fp8"])
+             and gluon_mla.gluon_mla_ok(q, k, v, tq, page, k_scale, v_scale, max_tq=8)
+             and gluon_mla_narrow.tiles_ok(tq * hq, k, k_scale))
+    if tiled:
+        narrow_raw = gluon_mla_narrow.direct_stages(gluon_mla_narrow.MAX_HEADS, CONFIG["direct_tiles_fp8"])
+        tiled = narrow_raw > 0
+    head_tiles = gluon_mla_narrow.head_tiles(tq * hq)[1] if tiled else 1
+    swapped = swapped or tiled
     gluon = swapped or (latent and CONFIG["gluon_wide_fp8" if fp8 else "gluon_wide"] and (not narrow or narrow_on)
                         and gluon_mla.gluon_mla_ok(q, k, v, tq, page, k_scale, v_scale))
     if gluon:       # (its tiles: 64 keys, 64 heads, the head tile padded where there are fewer; one CTA
         block_n, block_m = gluon_mla.TILE, gluon_mla.TILE      # per SM, so full tiles' split targets)
         cfg = dict(cfg, at_most=1, target_programs=CONFIG["target_programs_wide_fp8" if fp8 else "target_programs_wide"])
+    if tiled:       # (one program a head tile of 32 columns; one CTA per SM)
+        cfg = dict(cfg, at_most=1, target_programs=CONFIG["target_programs_tiles_fp8"])
     # (over fp8 the Gluon kernel where its direct form applies, a speculative step's tokens too, up to 32
     # columns of tokens x heads; more than that, or direct_gluon_gqa_fp8 0, run the Triton kernel)
     direct_raw = CONFIG["direct_gluon_gqa_fp8"]
@@ -1239,9 +1259,9 @@ def paged_decode_triton(q: Tensor, k: Tensor, v: Tensor, k_scale: Tensor | None,
     even = bool(cfg["even"]) and tq == 1 and not halves and not tma
     if tma:
         impl.ensure_triton_scratch()
-    pdl = bool(CONFIG["pdl_wide_narrow" if swapped else "pdl"]) and pdl_ok(q.device)
+    pdl = bool(CONFIG["pdl_wide_narrow" if swapped and not tiled else "pdl"]) and pdl_ok(q.device)
     m_tiles = -(-(tq * g) // block_m)
-    programs = s * hkv * m_tiles
+    programs = s * head_tiles if tiled else s * hkv * m_tiles
     splits, split_len = plan_splits(capacity, programs, block_n, cfg["min_split"], bool(cfg["at_most"]),
                                     cfg["target_programs"])
     o = torch.empty(splits, s, tq, hq, dv, dtype=torch.float32, device=q.device)
