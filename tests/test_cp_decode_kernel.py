@@ -835,17 +835,19 @@ def test_gluon_mla_narrow_swapped_on_gpu(dtype, size, rank, heads, tq, monkeypat
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float8_e4m3fn], ids=["bf16", "fp8"])
 @pytest.mark.parametrize("size,rank,heads,tq", [(1, 0, 128, 1), (4, 3, 128, 1), (2, 1, 64, 1), (1, 0, 48, 1),
                                                 (2, 1, 16, 3), (4, 1, 128, 2)])
-def test_gluon_mla_fp8_head_tiles_on_gpu(size, rank, heads, tq, monkeypatch):
-    """More than 32 query columns over an fp8 latent cache through the narrow direct kernel in head
-    tiles of 32 (CONFIG tiles_wide_fp8, `gluon_mla_narrow.head_tiles`): 128 / 64 heads (4 / 2 tiles),
-    48 (a last tile half padding), a speculative step's tokens (16 x 3, 128 x 2: causal within the step,
-    over DCP ranks), at full size with NaN in every unheld slot, lengths ending inside a tile, empty and
-    one-token sequences, one split and several: against the torch path and the kernel it replaces
-    (the converter's Gluon kernel, or the Triton one over several tokens; the queries' fp8 parts round
-    apart), every tile's columns stored; a bad block id gives NaN rows of that sequence only; a CUDA
-    graph replays it to the same result."""
+def test_gluon_mla_head_tiles_on_gpu(dtype, size, rank, heads, tq, monkeypatch):
+    """More than 32 query columns through the swapped narrow kernels in head tiles of 32 (CONFIG
+    tiles_wide / tiles_wide_fp8 2: everywhere; `gluon_mla_narrow.head_tiles`): 128 / 64 heads (4 / 2
+    tiles), 48 (a last tile half padding), a speculative step's tokens (16 x 3, 128 x 2: causal within
+    the step, over DCP ranks), at full size with NaN in every unheld slot, lengths ending inside a
+    tile, empty and one-token sequences, one split and several: against the torch path and the kernel
+    it replaces (the full-head-tile Gluon kernels, or the Triton one over several tokens; over fp8 the
+    queries' fp8 parts round apart), every tile's columns stored; over fp8 other raw depths
+    bit-identical; a bad block id gives NaN rows of that sequence only; a CUDA graph replays it to the
+    same result."""
     td = _compiled(monkeypatch)
     from parallel.cp import gluon_mla, gluon_mla_narrow
 
@@ -854,47 +856,57 @@ def test_gluon_mla_fp8_head_tiles_on_gpu(size, rank, heads, tq, monkeypatch):
     lens = [3000, 0, 77, 1, 640, 4096, 129]
     gen = torch.Generator().manual_seed(57 + rank + heads + tq)
     layout = DCPLayout(size=size, rank=rank, block_size=64)
-    cache, ref_cache, table, nb = _mla_dcp_cache(lens, layout, torch.float8_e4m3fn, gen)
+    fp8 = dtype == torch.float8_e4m3fn
+    key = "tiles_wide_fp8" if fp8 else "tiles_wide"
+    cache, ref_cache, table, nb = _mla_dcp_cache(lens, layout, dtype, gen)
     q = torch.randn(len(lens), tq, heads, 576, generator=gen).to(torch.bfloat16).cuda()
     seq = torch.tensor(lens, device="cuda")
     run = lambda c, t: paged_decode_attention(q, c, t, seq, layout=layout, scale=0.07,
                                               backend="torch" if c is ref_cache else "triton", validate=False)
     ref = run(ref_cache, table)
-    monkeypatch.setitem(td.CONFIG, "tiles_wide_fp8", 0)
+    monkeypatch.setitem(td.CONFIG, key, 0)
     before = run(cache, table)
     used = []
     real = gluon_mla_narrow.launch
     monkeypatch.setattr(gluon_mla_narrow, "launch", lambda *a, **kw: used.append(kw) or real(*a, **kw))
-    monkeypatch.setitem(td.CONFIG, "tiles_wide_fp8", 1)
+    monkeypatch.setitem(td.CONFIG, key, 2)
     for target in (132, 1000):     # (one split, and several: their merge)
-        monkeypatch.setitem(td.CONFIG, "target_programs_tiles_fp8", target)
-        monkeypatch.setitem(td.CONFIG, "min_split_wide_fp8", 256)
+        monkeypatch.setitem(td.CONFIG, "target_programs_tiles", target)
+        for split_key in ("min_split_wide", "min_split_wide_fp8", "min_split_wide_narrow"):
+            monkeypatch.setitem(td.CONFIG, split_key, 256)
         used.clear()
         got = run(cache, table)
-        assert used and all(kw["raw"] == gluon_mla_narrow.direct_stages(32, td.CONFIG["direct_tiles_fp8"])
-                            for kw in used), "the head-tiled direct kernel was not launched"
+        assert used, "the head-tiled kernel was not launched"
+        if fp8:
+            assert all(kw["raw"] == gluon_mla_narrow.direct_stages(32, td.CONFIG["direct_tiles_fp8"]) for kw in used)
         _check_against_torch(got, ref, 1)
-        torch.testing.assert_close(got.out, before.out, atol=4e-3, rtol=0)
-        torch.testing.assert_close(got.lse, before.lse, atol=4e-3, rtol=0)
-    for raw in (1, 5):      # (other raw depths: the same MMAs in the same order)
-        monkeypatch.setitem(td.CONFIG, "direct_tiles_fp8", raw)
-        other = run(cache, table)
-        torch.testing.assert_close(other.out, got.out, atol=0, rtol=0)
-        torch.testing.assert_close(other.lse, got.lse, atol=0, rtol=0)
-    _same_when_flipped(monkeypatch, td, "paired_store_direct_fp8", lambda: run(cache, table), got)
+        torch.testing.assert_close(got.out, before.out, atol=4e-3 if fp8 else 1e-3, rtol=0)
+        torch.testing.assert_close(got.lse, before.lse, atol=4e-3 if fp8 else 1e-4, rtol=0)
+    if fp8:
+        for raw in (1, 5):      # (other raw depths: the same MMAs in the same order)
+            monkeypatch.setitem(td.CONFIG, "direct_tiles_fp8", raw)
+            other = run(cache, table)
+            torch.testing.assert_close(other.out, got.out, atol=0, rtol=0)
+            torch.testing.assert_close(other.lse, got.lse, atol=0, rtol=0)
+        _same_when_flipped(monkeypatch, td, "paired_store_direct_fp8", lambda: run(cache, table), got)
+    # the installed setting (1): tiles for a speculative step's tokens only
+    monkeypatch.setitem(td.CONFIG, key, 1)
+    used.clear()
+    run(cache, table)
+    assert bool(used) == (tq > 1)
+    monkeypatch.setitem(td.CONFIG, key, 2)
     bad = table.clone()
     bad[5, 0] = nb + 7
     for ahead in (0, 1):
-        monkeypatch.setitem(td.CONFIG, td.ids_ahead_key(True, narrow=True), ahead)
+        monkeypatch.setitem(td.CONFIG, td.ids_ahead_key(fp8, narrow=True), ahead)
         _nan_row_5_only(run(cache, bad), got)
     _replays_to(lambda: run(cache, table), got)
 
 
-def test_fp8_head_tiles_and_where_they_apply():
-    """The direct fp8 kernel's head tiles (`gluon_mla_narrow.head_tiles`): one tile of the columns
-    rounded up to a power of two up to 32, else tiles of 32 (the last one padded); they apply over an
-    fp8 cache with contiguous scales only (`tiles_ok`), and the bf16 narrow kernel refuses more than
-    32 columns, naming them, before any launch."""
+def test_head_tiles_and_where_they_apply():
+    """The swapped kernels' head tiles (`gluon_mla_narrow.head_tiles`): one tile of the columns rounded
+    up to a power of two up to 32, else tiles of 32 (the last one padded); over an fp8 cache they
+    need contiguous scales (`tiles_ok`: the direct kernel's loader brings them by TMA)."""
     from parallel.cp import gluon_mla_narrow as gn
 
     assert [gn.head_tiles(r) for r in (1, 12, 32, 33, 48, 64, 128, 256)] == [
@@ -902,13 +914,8 @@ def test_fp8_head_tiles_and_where_they_apply():
     fp8, bf16 = torch.zeros(1, dtype=torch.float8_e4m3fn), torch.zeros(1, dtype=torch.bfloat16)
     assert gn.tiles_ok(128, fp8, torch.ones(4, 2, 1)) == gn.HAS_GLUON
     assert not gn.tiles_ok(128, fp8, torch.ones(4, 2, 1)[:, :1])
-    assert not gn.tiles_ok(128, bf16, None) and not gn.tiles_ok(0, fp8, torch.ones(4, 2, 1))
-    if gn.HAS_GLUON:
-        q = torch.zeros(2, 1, 64, 576, dtype=torch.bfloat16)
-        k = torch.zeros(4, 64, 1, 576, dtype=torch.bfloat16)
-        with pytest.raises(ValueError, match="at most 32 query rows, not 1 x 64"):
-            gn.launch(q, k, torch.zeros(2, 1, dtype=torch.int32), torch.ones(2, dtype=torch.int32),
-                      torch.empty(1, 2, 1, 64, 512), torch.empty(1, 2, 1, 64), 1.0, 1, 64, 1, 0, 1)
+    assert not gn.tiles_ok(128, fp8, None) and not gn.tiles_ok(0, fp8, torch.ones(4, 2, 1))
+    assert gn.tiles_ok(128, bf16, None) == gn.HAS_GLUON
 
 
 def test_narrow_mla_tiles_of_several_tokens_get_more_warps(monkeypatch):

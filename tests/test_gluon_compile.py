@@ -94,8 +94,8 @@ def _build(name: str, cubin: Path | None = None) -> dict:
         consts["PAIRED"] = paired
     if "AHEAD" in kernel.arg_names:
         consts["AHEAD"] = ahead
-    if tiles:
-        consts["TILES"] = int(tiles.group(1))
+    if "TILES" in kernel.arg_names:
+        consts["TILES"] = int(tiles.group(1)) if tiles else 1
     names = kernel.arg_names
     sig = {n: ptrs.get(n, "constexpr" if n in consts else "i32") for n in names}
     # as Triton's launcher specializes them at run time: pointers divisible by 16 (-paired: the output's

@@ -264,23 +264,31 @@ DECODE_VARIANTS = {"no_pdl_us": ("triton_decode", {"pdl": 0}),
                    "ids_after_us": ("triton_decode", {"ids_ahead": 0}),
                    "ids_ahead_fp8_us": ("triton_decode", {"ids_ahead_direct_fp8": 1}),
                    "ids_after_narrow_fp8_us": ("triton_decode", {"ids_ahead_narrow_fp8": 0}),
-                   "seesaw_us": ("triton_decode", {"seesaw_wide": 1})}
+                   "seesaw_us": ("triton_decode", {"seesaw_wide": 1}),
+                   "untiled_us": ("triton_decode", {"tiles_wide": 0}),
+                   "untiled_fp8_us": ("triton_decode", {"tiles_wide_fp8": 0})}
 """Columns timing a decode call again with one CONFIG option of a module of parallel.cp changed."""
 
 
-def row_variants(kind: str, heads: int, fp8: bool) -> tuple[str, ...]:
+def row_variants(kind: str, heads: int, fp8: bool, tokens: int = 1) -> tuple[str, ...]:
     """The DECODE_VARIANTS whose option reaches a decode row's kernel (GQA or MLA, query heads,
-    over an fp8 cache or not), as `triton_decode` picks it: programmatic dependent launch every
-    kernel (MLA's narrow head tiles through their own switch, pdl_wide_narrow); the paired stores
-    only the direct fp8 kernels; the ids loaded ahead the GQA kernels and MLA's narrow head tiles
-    (at most 32 heads: `gluon_mla_narrow`), over bf16 (ids_ahead) or fp8 (GQA's
-    ids_ahead_direct_fp8, MLA's ids_ahead_narrow_fp8); the seesaw form only MLA's wider tiles over
-    bf16. (Elsewhere a variant would time the same kernel again: device time for a column equal to
-    time_us up to the spread.)"""
-    narrow = kind == "mla" and heads <= 32
-    reach = {"no_pdl_us": not narrow, "pdl_narrow_us": narrow, "unpaired_store_us": fp8 and (kind == "gqa" or narrow),
-             "ids_after_us": not fp8 and (kind == "gqa" or narrow), "ids_ahead_fp8_us": fp8 and kind == "gqa",
-             "ids_after_narrow_fp8_us": fp8 and narrow, "seesaw_us": kind == "mla" and not narrow and not fp8}
+    over an fp8 cache or not, query tokens a sequence), as `triton_decode` picks it: programmatic
+    dependent launch every kernel (MLA's narrow head tiles, at most 32 columns of tokens x heads,
+    through their own switch, pdl_wide_narrow); the paired stores only the direct fp8 kernels; the
+    ids loaded ahead the GQA kernels and MLA's swapped kernels (`gluon_mla_narrow`: narrow tiles,
+    and wider speculative steps in head tiles), over bf16 (ids_ahead) or fp8 (GQA's
+    ids_ahead_direct_fp8, MLA's ids_ahead_narrow_fp8); the seesaw form only MLA's full head tiles
+    over bf16; untiled (the Triton kernel instead of the head tiles) only MLA's speculative steps of
+    more than 32 columns. (Elsewhere a variant would time the same kernel again: device time for a
+    column equal to time_us up to the spread.)"""
+    narrow = kind == "mla" and heads * tokens <= 32
+    tiled = kind == "mla" and heads * tokens > 32 and tokens > 1
+    swapped = narrow or tiled
+    reach = {"no_pdl_us": not narrow, "pdl_narrow_us": narrow,
+             "unpaired_store_us": fp8 and (kind == "gqa" or swapped),
+             "ids_after_us": not fp8 and (kind == "gqa" or swapped), "ids_ahead_fp8_us": fp8 and kind == "gqa",
+             "ids_after_narrow_fp8_us": fp8 and swapped, "seesaw_us": kind == "mla" and not swapped and not fp8,
+             "untiled_us": tiled and not fp8, "untiled_fp8_us": tiled and fp8}
     return tuple(name for name in DECODE_VARIANTS if reach[name])
 
 
@@ -290,7 +298,9 @@ def _decode_time(ctx: BenchContext, fns, variants=None) -> tuple[float, dict]:
     in turn): (µs, the extra columns timing, replay_us (one call per graph replay, the host's
     launch of the replay included), input_sets, eager_us (the call launched from Python) and, per
     DECODE_VARIANTS, the same with one CONFIG option changed: no_pdl_us without programmatic
-    dependent launch, pdl_narrow_us with it for MLA's narrow head tiles (pdl_wide_narrow 1),
+    dependent launch, pdl_narrow_us with it for MLA's narrow head tiles (pdl_wide_narrow 1), untiled_us /
+    untiled_fp8_us with MLA's wider speculative steps through the Triton kernel, not head tiles
+    (tiles_wide / tiles_wide_fp8 0),
     unpaired_store_us with the direct fp8 kernels' output stored a dim at a time (CONFIG
     paired_store_direct_fp8 0), ids_after_us with the bf16 Gluon kernels' first block ids loaded
     after the length (ids_ahead 0), ids_ahead_fp8_us with GQA's direct fp8 kernel's loaded beside it
@@ -621,15 +631,16 @@ def flashmla_columns(ctx: BenchContext, module, sets, layout: DCPLayout, seq: to
             "flashmla_max_lse_diff": lse_err, "flashmla_matches": ok}
 
 
-SPECULATIVE = (("gqa", 32, 2), ("gqa", 32, 4), ("mla", 16, 2))
+SPECULATIVE = (("gqa", 32, 2), ("gqa", 32, 4), ("mla", 16, 2), ("mla", 16, 3), ("mla", 128, 2))
 """The speculative rows: (kind, query heads, new tokens a sequence)."""
 
 
 def _speculative_rows(ctx: BenchContext, batch: int = 32, context: int = 32768, n: int = 4, block: int = 64) -> None:
     """Speculative decode (MTP / draft verification: Tq new tokens a sequence, each causal over the
-    global positions): GQA (Hq 32, Hkv 4) at Tq = 2 and 4 and MLA with 16 heads at Tq = 2, bf16 and
-    fp8 caches, rank 0's 1/N of the paged KV, against the decode rows' anchors given the tokens'
-    mask (SDPA with the kv head's query heads folded into its rows; torch absorbed MLA). The KV
+    global positions): GQA (Hq 32, Hkv 4) at Tq = 2 and 4 and MLA with 16 heads at Tq = 2 and 3 and
+    128 heads at Tq = 2, bf16 and fp8 caches, rank 0's 1/N of the paged KV, against the decode rows'
+    anchors given the tokens' mask (SDPA with the kv head's query heads folded into its rows; torch
+    absorbed MLA). The KV
     bytes are one token's, so floor_us is the decode rows' floor; the issue's targets are for Tq = 1
     (none is recorded here). Runs anywhere (the torch path off CUDA: the CPU test's small sizes)."""
     from megapar.parallel.cp.mla import MLADims
@@ -666,7 +677,7 @@ def _speculative_rows(ctx: BenchContext, batch: int = 32, context: int = 32768, 
                                               max_seq_len=context)
             sets = input_copies(ctx, make, lambda c: kv_read_bytes_of(c[0], batch * local, kv_heads, d, dv, v_from_k))
             nbytes = kv_read_bytes_of(sets[0][0], batch * local, kv_heads, d, dv, v_from_k)
-            variants = row_variants(kind, heads, cache_dtype == torch.float8_e4m3fn)
+            variants = row_variants(kind, heads, cache_dtype == torch.float8_e4m3fn, tokens)
             ours_us, ours_cols = _decode_time(ctx, [lambda c=c, t=t, q=q: ours(c, t, q) for c, t, q in sets], variants)
             cache, table, q = sets[0]
             short = torch.full_like(seq, n * block)

@@ -100,11 +100,11 @@ def head_tiles(rows: int) -> tuple[int, int]:
 
 
 def tiles_ok(rows: int, k: Tensor, k_scale: Tensor | None) -> bool:
-    """The direct fp8 kernel applies to `rows` query columns in head tiles (`head_tiles`; where
-    `gluon_mla.gluon_mla_ok` holds, up to 8 query tokens): an fp8 cache with contiguous scales
-    [nb, page, 1] (its loader brings them by TMA)."""
-    return (HAS_GLUON and rows >= 1 and k.dtype == torch.float8_e4m3fn and k_scale is not None
-            and k_scale.is_contiguous())
+    """The swapped kernels apply to `rows` query columns in head tiles (`head_tiles`; where
+    `gluon_mla.gluon_mla_ok` holds, up to 8 query tokens): over fp8 contiguous scales [nb, page, 1]
+    (the direct kernel's loader brings them by TMA)."""
+    return HAS_GLUON and rows >= 1 and (k.dtype != torch.float8_e4m3fn or (k_scale is not None
+                                                                           and k_scale.is_contiguous()))
 
 
 def narrow_ok(rows: int, k: Tensor, k_scale: Tensor | None) -> bool:
@@ -117,6 +117,12 @@ def narrow_ok(rows: int, k: Tensor, k_scale: Tensor | None) -> bool:
 
 
 if HAS_GLUON:
+    @gluon.jit
+    def _first_column(TILES: gl.constexpr, NQ: gl.constexpr):
+        """The first of this program's NQ columns (tokens x heads) of its sequence: program_id(0) is
+        sequence x TILES + head tile (0 where TILES is 1: the build of one tile a sequence folds it)."""
+        return (gl.program_id(0) % TILES) * NQ
+
     @gluon.jit
     def _pv_t(o0, o1, o2, o3, o4, o5, o6, o7, alpha, p_smem, k_smem, first):
         """The eight value-dim accumulators O^T [64, NQ] rescaled per head by alpha, plus V^T P^T over
@@ -139,13 +145,15 @@ if HAS_GLUON:
 
     @gluon.jit
     def _consumer(q_smem, k_smem, p_smem, q_bar, ready, free, table_ptr, glens_ptr, o_ptr,
-                  lse_ptr, s, split, split_len, dcp_size, dcp_rank, interleave, table_w, num_blocks, st_s, qk_scale,
-                  so_p, so_s, so_t, so_h, sl_p, sl_s, sl_t, HQ, TQ, PAGE: gl.constexpr, RING: gl.constexpr,
-                  NQ: gl.constexpr, CAUSAL: gl.constexpr, AHEAD: gl.constexpr = False):
+                  lse_ptr, s, split, split_len, dcp_size, dcp_rank, interleave, table_w, num_blocks, st_s,
+                  qk_scale, so_p, so_s, so_t, so_h, sl_p, sl_s, sl_t, HQ, TQ, PAGE: gl.constexpr, RING: gl.constexpr,
+                  NQ: gl.constexpr, CAUSAL: gl.constexpr, AHEAD: gl.constexpr = False,
+                  TILES: gl.constexpr = 1):
         """S^T = K Q^T over the nine boxes, the online softmax down each column, O^T += V^T P^T. Column c
-        is query token c // HQ's head c % HQ (TQ x HQ <= NQ columns); CAUSAL (TQ > 1): token t sees the
-        keys at global positions <= its own, length - TQ + t. AHEAD: the split's block ids for the final
-        check loaded beside the length (`_ids_early`), not after the loop.
+        is query token (c0 + c) // HQ's head (c0 + c) % HQ (c0: the head tile's first column,
+        `_first_column`); CAUSAL (TQ > 1):
+        token t sees the keys at global positions <= its own, length - TQ + t. AHEAD: the split's block ids
+        for the final check loaded beside the length (`_ids_early`), not after the loop.
         (Two consumers on alternate tiles, each writing its own partial for the split merge, ran 1.5-2.2x
         slower: their registers spilled 880 B; decode-narrow3-h200.json.)"""
         mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, NQ, 16])
@@ -167,7 +175,7 @@ if HAS_GLUON:
         o6 = gl.zeros([BLOCK, NQ], gl.float32, mma)
         o7 = gl.zeros([BLOCK, NQ], gl.float32, mma)
         keys = gl.arange(0, BLOCK, layout=key_l)
-        cols = gl.arange(0, NQ, layout=q_l)
+        cols = _first_column(TILES, NQ) + gl.arange(0, NQ, layout=q_l)
         if CAUSAL:
             q_pos = gl.load(glens_ptr + s).to(gl.int32) - TQ + cols // HQ
         mbarrier.wait(q_bar, 0)
@@ -216,10 +224,12 @@ if HAS_GLUON:
     def _mla_narrow_kernel(q_desc, k_desc, k_ptr, table_ptr, glens_ptr, o_ptr, lse_ptr, qk_scale, split_len, HQ, TQ,
                            dcp_size, dcp_rank, interleave, table_w, num_blocks, st_s, sk_b, sk_t,
                            so_p, so_s, so_t, so_h, sl_p, sl_s, sl_t, PAGE: gl.constexpr, NQ: gl.constexpr,
-                           CAUSAL: gl.constexpr = False, PDL: gl.constexpr = False, AHEAD: gl.constexpr = False):
+                           CAUSAL: gl.constexpr = False, PDL: gl.constexpr = False, AHEAD: gl.constexpr = False,
+                           TILES: gl.constexpr = 1):
         """bf16 latent cache: the loader's TMA boxes of NQ query rows (rows past the sequence's TQ x HQ
-        are other rows or zeros: their columns are never stored) and of each 64-key tile."""
-        s = gl.program_id(0)
+        are other rows or zeros: their columns are never stored) and of each 64-key tile. TILES: as in
+        `_mla_narrow_direct_kernel`."""
+        s = gl.program_id(0) // TILES
         split = gl.program_id(1)
         box: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK, BLOCK], gl.bfloat16)
         qbox: gl.constexpr = gl.NVMMASharedLayout.get_default_for([NQ, BLOCK], gl.bfloat16)
@@ -231,10 +241,11 @@ if HAS_GLUON:
             _gdc_wait_and_release()
         gl.warp_specialize([
             (_consumer, (q_smem, k_smem, p_smem, q_bar, ready, free, table_ptr, glens_ptr, o_ptr, lse_ptr,
-                         s, split, split_len, dcp_size, dcp_rank, interleave, table_w, num_blocks, st_s, qk_scale,
-                         so_p, so_s, so_t, so_h, sl_p, sl_s, sl_t, HQ, TQ, PAGE, STAGES, NQ, CAUSAL, AHEAD)),
+                         s, split, split_len, dcp_size, dcp_rank, interleave, table_w, num_blocks, st_s,
+                         qk_scale, so_p, so_s, so_t, so_h, sl_p, sl_s, sl_t, HQ, TQ, PAGE, STAGES, NQ, CAUSAL, AHEAD,
+                         TILES)),
             (_loader, (q_desc, k_desc, k_ptr, table_ptr, glens_ptr, q_smem, k_smem, q_bar, ready, free, s,
-                       s * (TQ * HQ),
+                       s * (TQ * HQ) + _first_column(TILES, NQ),
                        split, split_len, dcp_size, dcp_rank, interleave, table_w, num_blocks, st_s, sk_b, sk_t,
                        PAGE, AHEAD)),
         ], [4], [64])
@@ -406,10 +417,10 @@ if HAS_GLUON:
 
     @gluon.jit
     def _direct_scores(q_ptr, ql_smem, qr_smem, kl_smem, kr_smem, ks_smem, p_smem, a_smem, raw_ready, raw_free,
-                       p_ready, p_free, table_ptr, glens_ptr, lse_ptr, s, c0, split, split_len, dcp_size, dcp_rank,
+                       p_ready, p_free, table_ptr, glens_ptr, lse_ptr, s, split, split_len, dcp_size, dcp_rank,
                        interleave, table_w, num_blocks, st_s, qk_scale, sl_p, sl_s, sl_t, HQ, TQ,
                        PAGE: gl.constexpr, RAW: gl.constexpr, NQ: gl.constexpr, CAUSAL: gl.constexpr,
-                       PIPE: gl.constexpr = False, AHEAD: gl.constexpr = False):
+                       PIPE: gl.constexpr = False, AHEAD: gl.constexpr = False, TILES: gl.constexpr = 1):
         """The direct fp8 kernel's first warpgroup: the queries as e4m3 hi and lo parts, then per raw tile
         S^T = K Q^T as fp8 MMAs straight from shared memory (`_scores_tile8`), the online softmax (over
         fp8: scales, a running per-column unit), the weights P^T and
@@ -428,6 +439,7 @@ if HAS_GLUON:
             early = _ids_early(table_ptr, s, st_s, split * split_len, table_w, PAGE, IDS_L)
         start, end, tiles, bad = _split_range(glens_ptr, s, split, split_len, dcp_size, dcp_rank, interleave,
                                               table_w, PAGE)
+        c0 = _first_column(TILES, NQ)
         qf, bad_id = _direct_queries(q_ptr, s * (TQ * HQ) + c0, TQ * HQ - c0, ql_smem, qr_smem, table_ptr, s, st_s,
                                      start, end, num_blocks, PAGE, NQ, key_l, not AHEAD)
         if not AHEAD:
@@ -496,9 +508,9 @@ if HAS_GLUON:
         mbarrier.arrive(p_ready.index(tiles % 2))
 
     @gluon.jit
-    def _direct_values(kl_smem, p_smem, a_smem, raw_free, p_ready, p_free, glens_ptr, o_ptr, s, c0, split,
-                       split_len, dcp_size, dcp_rank, interleave, table_w, so_p, so_s, so_t, so_h, HQ, TQ,
-                       PAGE: gl.constexpr, RAW: gl.constexpr, NQ: gl.constexpr, PAIRED: gl.constexpr = False):
+    def _direct_values(kl_smem, p_smem, a_smem, raw_free, p_ready, p_free, glens_ptr, o_ptr, s, split, split_len,
+                       dcp_size, dcp_rank, interleave, table_w, so_p, so_s, so_t, so_h, HQ, TQ, PAGE: gl.constexpr,
+                       RAW: gl.constexpr, NQ: gl.constexpr, PAIRED: gl.constexpr = False, TILES: gl.constexpr = 1):
         """The direct fp8 kernel's value warpgroup: per tile, once its weights are published, O^T += V^T
         P^T with the A operand converted in registers from the raw bytes (each accumulator one parity
         of a latent box's dims), its hold on the raw stage and the weights then released; at the end the
@@ -537,7 +549,7 @@ if HAS_GLUON:
             mbarrier.arrive(raw_free.index(rs))
         mbarrier.wait(p_ready.index(tiles % 2), (tiles // 2) & 1)
         factor = a_smem.index(tiles % 2).load(q_l)
-        cols = c0 + gl.arange(0, NQ, layout=q_l)
+        cols = _first_column(TILES, NQ) + gl.arange(0, NQ, layout=q_l)
         rows = gl.arange(0, BLOCK, layout=key_l)
         mine = cols < TQ * HQ
         o_q = (split.to(gl.int64) * so_p + s.to(gl.int64) * so_s + (cols // HQ).to(gl.int64) * so_t
@@ -601,7 +613,6 @@ if HAS_GLUON:
         sequence's TQ x HQ columns in this many tiles of NQ, program_id(0) = sequence x TILES + tile (a
         sequence's tiles launched side by side read its keys at about the same time: from L2 but once)."""
         s = gl.program_id(0) // TILES
-        c0 = (gl.program_id(0) % TILES) * NQ
         split = gl.program_id(1)
         lbox: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=8, rank=2)
         rbox: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=64, element_bitwidth=8, rank=2)
@@ -631,12 +642,12 @@ if HAS_GLUON:
             _gdc_wait_and_release()
         gl.warp_specialize([
             (_direct_scores, (q_ptr, ql_smem, qr_smem, kl_smem, kr_smem, ks_smem, p_smem, a_smem, raw_ready,
-                              raw_free, p_ready, p_free, table_ptr, glens_ptr, lse_ptr, s, c0, split, split_len,
+                              raw_free, p_ready, p_free, table_ptr, glens_ptr, lse_ptr, s, split, split_len,
                               dcp_size, dcp_rank, interleave, table_w, num_blocks, st_s, qk_scale, sl_p, sl_s, sl_t,
-                              HQ, TQ, PAGE, RAW, NQ, CAUSAL, PIPE, AHEAD)),
-            (_direct_values, (kl_smem, p_smem, a_smem, raw_free, p_ready, p_free, glens_ptr, o_ptr, s, c0, split,
+                              HQ, TQ, PAGE, RAW, NQ, CAUSAL, PIPE, AHEAD, TILES)),
+            (_direct_values, (kl_smem, p_smem, a_smem, raw_free, p_ready, p_free, glens_ptr, o_ptr, s, split,
                               split_len, dcp_size, dcp_rank, interleave, table_w, so_p, so_s, so_t, so_h, HQ, TQ,
-                              PAGE, RAW, NQ, PAIRED)),
+                              PAGE, RAW, NQ, PAIRED, TILES)),
             (_direct_loader, (kl_desc, kr_desc, ks_desc, table_ptr, glens_ptr, kl_smem, kr_smem, ks_smem,
                               raw_ready, raw_free, s, split, split_len, dcp_size, dcp_rank, interleave, table_w,
                               num_blocks, st_s, PAGE, RAW, AHEAD)),
@@ -659,8 +670,6 @@ def launch(q: Tensor, k: Tensor, table: Tensor, seq_lens: Tensor, o: Tensor, lse
     nq, tiles = head_tiles(tq * hq)
     launch = {"PDL": True, "launch_pdl": True} if pdl else {}
     fp8 = k.dtype == torch.float8_e4m3fn
-    if not fp8 and tiles > 1:
-        raise ValueError(f"the narrow bf16 MLA kernel takes at most {MAX_HEADS} query rows, not {tq} x {hq}")
     if fp8 and not direct_fits(nq, raw):
         raise ValueError(f"the direct fp8 MLA kernel with {tq} x {hq} query rows in {tiles} tile(s) of {nq} columns and "
                          f"{raw} raw stages of {_BLOCK} keys does not fit in shared memory ({SMEM_LIMIT} bytes)")
@@ -676,15 +685,15 @@ def launch(q: Tensor, k: Tensor, table: Tensor, seq_lens: Tensor, o: Tensor, lse
         _mla_narrow_direct_kernel[(s * tiles, splits)](
             q, kl_desc, kr_desc, ks_desc, table, seq_lens, o, lse, scale_log2, split_len, hq, tq, dcp_size, dcp_rank,
             interleave, table.shape[1], nb, table.stride(0), *tail, PAGE=page, NQ=nq, RAW=raw, CAUSAL=tq > 1,
-            PIPE=bool(pipe) and pairs_apply(nq, raw), PAIRED=bool(paired), AHEAD=bool(ahead), TILES=tiles, num_warps=4,
-            **launch)
+            PIPE=bool(pipe) and pairs_apply(nq, raw), PAIRED=bool(paired), AHEAD=bool(ahead), TILES=tiles,
+            num_warps=4, **launch)
         return
     box = gl.NVMMASharedLayout.get_default_for([_BLOCK, _BLOCK], gl.bfloat16)
     qbox = gl.NVMMASharedLayout.get_default_for([nq, _BLOCK], gl.bfloat16)
     q2, k2 = q.reshape(s * tq * hq, d), k.view(nb * page, d)
     q_desc = TensorDescriptor(q2, list(q2.shape), list(q2.stride()), [nq, _BLOCK], qbox)
     k_desc = TensorDescriptor(k2, list(k2.shape), list(k2.stride()), [_BLOCK, _BLOCK], box)
-    _mla_narrow_kernel[(s, splits)](
+    _mla_narrow_kernel[(s * tiles, splits)](
         q_desc, k_desc, k, table, seq_lens, o, lse, scale_log2, split_len, hq, tq, dcp_size, dcp_rank, interleave,
         table.shape[1], nb, table.stride(0), k.stride(0), k.stride(1), *tail, PAGE=page, NQ=nq, CAUSAL=tq > 1,
-        AHEAD=bool(ahead), num_warps=4, **launch)
+        AHEAD=bool(ahead), TILES=tiles, num_warps=4, **launch)

@@ -948,15 +948,20 @@ CONFIG = {
     # 264 -> 86.4 / 267.1; cp-probe13 with it installed: 264 86.0 / 286.9 against 86.7 / 268.8),
     # fp8 (cp-probe13) 108.5 / 382.2 -> 108.5 / 362.6. MLA's narrow tiles keep theirs
     "target_programs_wide": 132, "target_programs_wide_fp8": 132, "target_programs_wide_narrow": 264,
-    # MLA over fp8 with more than 32 query columns (tokens x heads: 128 heads at TP 1, 64 at TP 2, a
-    # speculative step's tokens) through the narrow direct kernel in head tiles of 32 columns
-    # (`gluon_mla_narrow.head_tiles`: a sequence's tiles side by side in the grid, its keys read from
-    # L2 by all but the first) instead of the converter kernel (full 64-head tiles, fp16 stages) or,
-    # over more than one query token, the Triton kernel: no conversion pass through shared memory,
-    # the scores as fp8 MMAs over the raw bytes. Splits planned to at most target_programs_tiles_fp8
-    # programs (132: one wave of one CTA per SM, B 32 x 4 tiles = one split and no merge)
-    # and this many raw stages of 64 keys (at most 5 fit beside 32 columns' queries)
-    "tiles_wide_fp8": 0, "target_programs_tiles_fp8": 132, "direct_tiles_fp8": 3,
+    # MLA with more than 32 query columns (tokens x heads) through the swapped narrow kernels in head
+    # tiles of 32 columns (`gluon_mla_narrow.head_tiles`: a sequence's tiles side by side in the grid,
+    # its keys read from L2 by all but the first), per cache dtype (bf16 / fp8): 0 never, 1 where the
+    # full-head-tile Gluon kernels do not apply (a speculative step's tokens: 128 heads x 2, 16 x 3;
+    # the Triton kernel otherwise), 2 wherever there are more than 32 columns. bench/debug/
+    # decode_tiles.py (H100, 2026-12-05 21:23, bench/results/logs/decode-tiles-h100.json; fp8, B 32,
+    # 1/4 of L): 16 heads x 3 tokens at 32K, Triton 454.4 / 453.7 µs -> tiles 140.4 / 136.4; 128
+    # heads x 2 tokens 664.8 / 667.2 -> 510.9 / 512.3; one token (2) slower than the converter's
+    # kernel: 128 heads at 8K / 32K / 128K 70.1 / 212.3 / 776.3 -> 69.5 / 251.2 / 994.4, 64 heads at
+    # 32K 115.5 -> 134.9. Splits planned to at most target_programs_tiles programs (132: one wave of
+    # one CTA per SM; 264 lost everywhere but a tie at 128 x 2), over fp8 direct_tiles_fp8 raw
+    # stages of 64 keys (3 and 5 within 1-2%; at most 5 fit beside 32 columns' queries). Over bf16
+    # installed before its first GPU timing (the same kernel family; bench cp's untiled_us column)
+    "tiles_wide": 1, "tiles_wide_fp8": 1, "target_programs_tiles": 132, "direct_tiles_fp8": 3,
 }
 # H200, B = 32, 1/4 of L = 8K and 32K (`python -m megapar.launch.bench.cp --probe`, CUDA-graph
 # replays, two runs: bench/results/cp-probe-h200.json, cp-probe2-h200.json): MLA with 64-token
@@ -1032,7 +1037,7 @@ _VALID = {
     "gluon_gqa": (0, 1), "gluon_gqa_fp8": (0, 1), "stages": range(2, 7),
     "swap": (0, 1), "raw_ring": (0, 1, 2, 3, 4), "keys": (32, 64), "ring": (1, 2, 3),
     "maxnreg": (0, *range(64, 256, 8)), "at_most": (0, 1), "stage16": (0, 1, 2), "even": (0, 1),
-    "direct": range(0, 13), "pipe": (0, 1), "paired_store": (0, 1), "ids_ahead": (0, 1), "tiles": (0, 1),
+    "direct": range(0, 13), "pipe": (0, 1), "paired_store": (0, 1), "ids_ahead": (0, 1), "tiles": (0, 1, 2),
 }
 _META = ("device", "sizes", "seconds", "results", "notes", "problems")
 
@@ -1225,11 +1230,12 @@ def paged_decode_triton(q: Tensor, k: Tensor, v: Tensor, k_scale: Tensor | None,
                and (narrow_raw > 0 or not fp8)
                and gluon_mla.gluon_mla_ok(q, k, v, tq, page, k_scale, v_scale, max_tq=8)
                and gluon_mla_narrow.narrow_ok(tq * hq, k, k_scale))
-    # (wider fp8 problems: the same direct kernel in head tiles of 32 columns, tiles_wide_fp8)
-    tiled = (latent and fp8 and tq * hq > gluon_mla_narrow.MAX_HEADS and bool(CONFIG["tiles_wide_fp8"])
+    # (wider problems: the same kernels in head tiles of 32 columns, CONFIG tiles_wide / tiles_wide_fp8)
+    tiles_mode = CONFIG["tiles_wide_fp8" if fp8 else "tiles_wide"]
+    tiled = (latent and tq * hq > gluon_mla_narrow.MAX_HEADS and (tiles_mode == 2 or tiles_mode == 1 and tq > 1)
              and gluon_mla.gluon_mla_ok(q, k, v, tq, page, k_scale, v_scale, max_tq=8)
              and gluon_mla_narrow.tiles_ok(tq * hq, k, k_scale))
-    if tiled:
+    if tiled and fp8:
         narrow_raw = gluon_mla_narrow.direct_stages(gluon_mla_narrow.MAX_HEADS, CONFIG["direct_tiles_fp8"])
         tiled = narrow_raw > 0
     head_tiles = gluon_mla_narrow.head_tiles(tq * hq)[1] if tiled else 1
@@ -1240,7 +1246,7 @@ def paged_decode_triton(q: Tensor, k: Tensor, v: Tensor, k_scale: Tensor | None,
         block_n, block_m = gluon_mla.TILE, gluon_mla.TILE      # per SM, so full tiles' split targets)
         cfg = dict(cfg, at_most=1, target_programs=CONFIG["target_programs_wide_fp8" if fp8 else "target_programs_wide"])
     if tiled:       # (one program a head tile of 32 columns; one CTA per SM)
-        cfg = dict(cfg, at_most=1, target_programs=CONFIG["target_programs_tiles_fp8"])
+        cfg = dict(cfg, at_most=1, target_programs=CONFIG["target_programs_tiles"])
     # (over fp8 the Gluon kernel where its direct form applies, a speculative step's tokens too, up to 32
     # columns of tokens x heads; more than that, or direct_gluon_gqa_fp8 0, run the Triton kernel)
     direct_raw = CONFIG["direct_gluon_gqa_fp8"]
