@@ -139,9 +139,10 @@ BUILDS = [
     # (the wgmma descriptors of every fixed ring box a warpgroup reads, hoisted out of its loop) before
     # its ring indices were offset by an opaque zero
     ("mla-bf16-seesaw", 512), ("mla-bf16-seesaw-pdl", 512),
-    # (the direct fp8 kernel in head tiles, CONFIG tiles_wide_fp8: 128 heads, 16 x 3 / 128 x 2 tokens)
+    # (the swapped kernels in head tiles of 32 / 16 columns, CONFIG tiles_wide(_fp8): 128 heads, 128 x 2 tokens)
     ("mlan-fp8-32-direct5s-tiles4-ahead-paired-pdl", 0), ("mlan-fp8-32-direct3s-tiles4-ahead-paired-pdl", 0),
-    ("mlan-fp8-32-direct3s-tiles8-causal-ahead-paired-pdl", 64)]
+    ("mlan-fp8-32-direct3s-tiles8-causal-ahead-paired-pdl", 64), ("mlan-fp8-16-direct5s-tiles8-pipe-ahead-paired-pdl", 0),
+    ("mlan-bf16-16-tiles8-ahead-pdl", 0), ("mlan-bf16-32-tiles8-causal-ahead-pdl", 128)]
 LOADERS = [("mlan-fp8-16-direct5s", 24, 4), ("gqa-fp8-direct10-8", 24, 4), ("gqa-bf16", 64, 1), ("mlan-bf16-16", 64, 1)]
 FIRST_MMAS = [("mlan-fp8-16-direct5s", "QGMMA"), ("gqa-fp8-direct10-8", "QGMMA"), ("gqa-bf16", "HGMMA"),
               ("mlan-bf16-16", "HGMMA")]

@@ -1,10 +1,9 @@
-"""MLA over an fp8 latent cache with more than 32 query columns (128 heads at TP 1, 64 at TP 2, a
-speculative step's tokens): the narrow direct kernel in head tiles of 32 columns (CONFIG
-tiles_wide_fp8, `parallel.cp.gluon_mla_narrow.head_tiles`) at several raw depths and split targets,
-against the converter's Gluon kernel (full 64-head tiles; tq = 1) or the Triton kernel (tq > 1), and
-the bf16 Gluon kernel over the same tokens for scale. Whole `paged_decode_attention` calls timed
+"""MLA with more than 32 query columns (128 heads at TP 1, a speculative step's tokens): the swapped
+narrow kernels in head tiles (CONFIG tiles_wide / tiles_wide_fp8, `parallel.cp.gluon_mla_narrow.
+head_tiles`) of 32 and 16 columns, against the full-head-tile Gluon kernels (tq = 1) or the Triton
+kernel (tq > 1). Whole `paged_decode_attention` calls timed
 with `common.step_time` (CUDA-graph replays over input copies taken in turn: no call finds its KV
-in L2), two rounds, over rank 0's 1/4 of B = 32 sequences of L = 8K, 32K, 128K; each row's max
+in L2), two rounds, over rank 0's 1/4 of B = 32 sequences of L = 8K and 32K; each row's max
 difference against the problem's first row (the installed form before tiles).
 
     python bench/debug/decode_tiles.py OUT.json        # on the GPU (DECODE_TILES_FORMS=a,b: those forms only)
@@ -25,16 +24,18 @@ from megapar.parallel.cp.dcp import DCPLayout
 from megapar.parallel.cp.mla import MLADims
 from megapar.parallel.cp.paged import paged_decode_attention
 
-FORMS = (("before", {"tiles_wide_fp8": 0}),
-         ("tiles raw3 t132", {"tiles_wide_fp8": 1, "direct_tiles_fp8": 3, "target_programs_tiles_fp8": 132}),
-         ("tiles raw5 t132", {"tiles_wide_fp8": 1, "direct_tiles_fp8": 5, "target_programs_tiles_fp8": 132}),
-         ("tiles raw3 t264", {"tiles_wide_fp8": 1, "direct_tiles_fp8": 3, "target_programs_tiles_fp8": 264}),
-         ("tiles raw5 t264", {"tiles_wide_fp8": 1, "direct_tiles_fp8": 5, "target_programs_tiles_fp8": 264}))
-# (cache dtype, L, heads, query tokens); the bf16 rows time the installed bf16 kernel only
+# (name, CONFIG entries): "before" the tiles off (the full-head-tile Gluon kernels, or the Triton
+# kernel over several tokens), then the tiles everywhere (2) at 32 and 16 columns
+FORMS = {"fp8": (("before", {"tiles_wide_fp8": 0}),
+                 ("w32 raw3", {"tiles_wide_fp8": 2, "tile_columns_fp8": 32, "direct_tiles_fp8": 3}),
+                 ("w16 raw3", {"tiles_wide_fp8": 2, "tile_columns_fp8": 16, "direct_tiles_fp8": 3}),
+                 ("w16 raw5", {"tiles_wide_fp8": 2, "tile_columns_fp8": 16, "direct_tiles_fp8": 5})),
+         "bf16": (("before", {"tiles_wide": 0}), ("w32", {"tiles_wide": 2, "tile_columns": 32}),
+                  ("w16", {"tiles_wide": 2, "tile_columns": 16}))}
+# (cache dtype, L, heads, query tokens)
 PROBLEMS = ((torch.float8_e4m3fn, 8192, 128, 1), (torch.float8_e4m3fn, 32768, 128, 1),
-            (torch.float8_e4m3fn, 131072, 128, 1), (torch.float8_e4m3fn, 32768, 64, 1),
-            (torch.float8_e4m3fn, 32768, 128, 2), (torch.float8_e4m3fn, 32768, 16, 3),
-            (torch.bfloat16, 8192, 128, 1), (torch.bfloat16, 32768, 128, 1))
+            (torch.float8_e4m3fn, 32768, 16, 3), (torch.float8_e4m3fn, 32768, 128, 2),
+            (torch.bfloat16, 32768, 128, 1), (torch.bfloat16, 32768, 16, 3), (torch.bfloat16, 32768, 128, 2))
 
 
 def main(path: str) -> None:
@@ -58,7 +59,7 @@ def main(path: str) -> None:
                                                     backend="triton", max_seq_len=context) for s in sets]
         ref = None
         for rep in range(2):
-            for name, entries in FORMS if fp8 else (("bf16", {}),):
+            for name, entries in FORMS["fp8" if fp8 else "bf16"]:
                 if only and name not in only and name != "before":
                     continue
                 triton_decode.CONFIG.update(saved)

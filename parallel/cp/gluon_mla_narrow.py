@@ -90,13 +90,15 @@ def pairs_apply(rows: int, raw: int) -> bool:
     return raw >= 2 and rows <= PAIRS_MAX_COLUMNS
 
 
-def head_tiles(rows: int) -> tuple[int, int]:
-    """(NQ, tiles) of the direct fp8 kernel over `rows` query columns (tokens x heads): one tile of
-    `columns(rows)` up to MAX_HEADS, else tiles of MAX_HEADS (the last one's columns past `rows`
-    padding, never stored)."""
-    if rows <= MAX_HEADS:
+def head_tiles(rows: int, width: int = MAX_HEADS) -> tuple[int, int]:
+    """(NQ, tiles) of the swapped kernels over `rows` query columns (tokens x heads): one tile of
+    `columns(rows)` up to `width` (16 or 32), else tiles of `width` (the last one's columns past
+    `rows` padding, never stored)."""
+    if width not in (16, MAX_HEADS):
+        raise ValueError(f"head tiles are 16 or {MAX_HEADS} columns wide, not {width}")
+    if rows <= width:
         return columns(rows), 1
-    return MAX_HEADS, -(-rows // MAX_HEADS)
+    return width, -(-rows // width)
 
 
 def tiles_ok(rows: int, k: Tensor, k_scale: Tensor | None) -> bool:
@@ -656,10 +658,10 @@ if HAS_GLUON:
 def launch(q: Tensor, k: Tensor, table: Tensor, seq_lens: Tensor, o: Tensor, lse: Tensor, scale_log2: float,
            splits: int, split_len: int, dcp_size: int, dcp_rank: int, interleave: int,
            k_scale: Tensor | None = None, raw: int = 5, pdl: bool = False, pipe: bool = False,
-           paired: bool = False, ahead: bool = False) -> None:
+           paired: bool = False, ahead: bool = False, width: int = MAX_HEADS) -> None:
     """Fill the split partials o [splits, S, Tq, Hq, 512] / lse [splits, S, Tq, Hq] of queries q [S, Tq,
     Hq, 576] (`gluon_mla.gluon_mla_ok` and `narrow_ok` of Tq x Hq columns hold, or over fp8 `tiles_ok`:
-    more than MAX_HEADS columns in `head_tiles`; Tq > 1: causal within the step's tokens); over fp8 the
+    more columns in `head_tiles` of `width`; Tq > 1: causal within the step's tokens); over fp8 the
     direct kernel with `raw` raw stages of 64 keys (`direct_fits` of a tile's columns;
     `pipe`: the scores in tile pairs where `pairs_apply`: at least two raw stages and at most
     PAIRS_MAX_COLUMNS columns; `paired`: the output's dim pairs stored together), over both the
@@ -667,7 +669,7 @@ def launch(q: Tensor, k: Tensor, table: Tensor, seq_lens: Tensor, o: Tensor, lse
     dependent launch, `triton_merge.pdl_ok`."""
     s, tq, hq, d = q.shape
     nb, page = k.shape[0], k.shape[1]
-    nq, tiles = head_tiles(tq * hq)
+    nq, tiles = head_tiles(tq * hq, width)
     launch = {"PDL": True, "launch_pdl": True} if pdl else {}
     fp8 = k.dtype == torch.float8_e4m3fn
     if fp8 and not direct_fits(nq, raw):

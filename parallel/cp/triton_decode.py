@@ -962,6 +962,8 @@ CONFIG = {
     # stages of 64 keys (3 and 5 within 1-2%; at most 5 fit beside 32 columns' queries). Over bf16
     # installed before its first GPU timing (the same kernel family; bench cp's untiled_us column)
     "tiles_wide": 1, "tiles_wide_fp8": 1, "target_programs_tiles": 132, "direct_tiles_fp8": 3,
+    # the tiles' columns (16 or 32; over fp8 at 16 the scores go in tile pairs, pipe_wide_narrow_fp8)
+    "tile_columns": 32, "tile_columns_fp8": 32,
 }
 # H200, B = 32, 1/4 of L = 8K and 32K (`python -m megapar.launch.bench.cp --probe`, CUDA-graph
 # replays, two runs: bench/results/cp-probe-h200.json, cp-probe2-h200.json): MLA with 64-token
@@ -1038,6 +1040,7 @@ _VALID = {
     "swap": (0, 1), "raw_ring": (0, 1, 2, 3, 4), "keys": (32, 64), "ring": (1, 2, 3),
     "maxnreg": (0, *range(64, 256, 8)), "at_most": (0, 1), "stage16": (0, 1, 2), "even": (0, 1),
     "direct": range(0, 13), "pipe": (0, 1), "paired_store": (0, 1), "ids_ahead": (0, 1), "tiles": (0, 1, 2),
+    "tile_columns": (16, 32),
 }
 _META = ("device", "sizes", "seconds", "results", "notes", "problems")
 
@@ -1232,13 +1235,14 @@ def paged_decode_triton(q: Tensor, k: Tensor, v: Tensor, k_scale: Tensor | None,
                and gluon_mla_narrow.narrow_ok(tq * hq, k, k_scale))
     # (wider problems: the same kernels in head tiles of 32 columns, CONFIG tiles_wide / tiles_wide_fp8)
     tiles_mode = CONFIG["tiles_wide_fp8" if fp8 else "tiles_wide"]
+    width = CONFIG["tile_columns_fp8" if fp8 else "tile_columns"]
     tiled = (latent and tq * hq > gluon_mla_narrow.MAX_HEADS and (tiles_mode == 2 or tiles_mode == 1 and tq > 1)
              and gluon_mla.gluon_mla_ok(q, k, v, tq, page, k_scale, v_scale, max_tq=8)
              and gluon_mla_narrow.tiles_ok(tq * hq, k, k_scale))
     if tiled and fp8:
-        narrow_raw = gluon_mla_narrow.direct_stages(gluon_mla_narrow.MAX_HEADS, CONFIG["direct_tiles_fp8"])
+        narrow_raw = gluon_mla_narrow.direct_stages(width, CONFIG["direct_tiles_fp8"])
         tiled = narrow_raw > 0
-    head_tiles = gluon_mla_narrow.head_tiles(tq * hq)[1] if tiled else 1
+    head_tiles = gluon_mla_narrow.head_tiles(tq * hq, width)[1] if tiled else 1
     swapped = swapped or tiled
     gluon = swapped or (latent and CONFIG["gluon_wide_fp8" if fp8 else "gluon_wide"] and (not narrow or narrow_on)
                         and gluon_mla.gluon_mla_ok(q, k, v, tq, page, k_scale, v_scale))
@@ -1282,7 +1286,8 @@ def paged_decode_triton(q: Tensor, k: Tensor, v: Tensor, k_scale: Tensor | None,
     if s > 0 and splits > 0 and swapped:
         gluon_mla_narrow.launch(q, k, table, seq_lens, o, lse, scale * _LOG2E, splits, split_len, dcp_size, dcp_rank,
                                 interleave, k_scale if fp8 else None, raw=narrow_raw, pdl=pdl,
-                                pipe=bool(CONFIG["pipe_wide_narrow_fp8"]), **direct_opts)
+                                pipe=bool(CONFIG["pipe_wide_narrow_fp8"]),
+                                width=width if tiled else gluon_mla_narrow.MAX_HEADS, **direct_opts)
     elif s > 0 and splits > 0 and gluon:
         gluon_mla.launch_gluon_mla(q, k, table, seq_lens, o, lse, scale * _LOG2E, splits, split_len, dcp_size,
                                    dcp_rank, interleave, k_scale if fp8 else None, raw_ring=CONFIG["raw_ring_wide_fp8"],
