@@ -374,7 +374,10 @@ def test_decode_time_times_only_the_variants_asked_for(fake_cuda):
     # wider speculative steps (more than 32 columns) run the swapped kernels in head tiles: untiled_us
     assert cp.row_variants("mla", 16, True, 3) == ("no_pdl_us", "unpaired_store_us", "ids_after_narrow_fp8_us",
                                                    "untiled_fp8_us")
-    assert cp.row_variants("mla", 128, False, 2) == ("no_pdl_us", "ids_after_us", "untiled_us")
+    # and those over full 64-head tiles as one-token decodes (the full-tile kernels): unexpanded_us
+    assert cp.row_variants("mla", 128, False, 2) == ("no_pdl_us", "seesaw_us", "unexpanded_us")
+    assert cp.row_variants("mla", 128, True, 2) == ("no_pdl_us", "unexpanded_fp8_us")
+    assert cp.row_variants("mla", 48, False, 2) == ("no_pdl_us", "ids_after_us", "untiled_us")
     assert cp.row_variants("mla", 16, False, 2) == cp.row_variants("mla", 16, False)
     ctx, clock = fake_cuda
     calls = []

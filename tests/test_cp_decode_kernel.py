@@ -116,6 +116,35 @@ def test_kernel_dcp_shards_merge_to_full_attention(size, interleave, tq, dcp_con
     _check(merged, full, 1e-4)
 
 
+@pytest.mark.parametrize("size,rank,interleave", [(1, 0, 1), (3, 1, 2), (4, 3, 1)])
+def test_speculative_tokens_as_one_token_decodes(size, rank, interleave):
+    """`triton_decode._expanded` (CONFIG expand_wide: a speculative step's tokens over full head tiles
+    as one-token decodes of lengths L - Tq + 1 + t over the sequence's table row, repeated): the
+    causal attention of the step's tokens on every DCP rank, lengths shorter than the step included
+    (tokens that see no key: lse -inf, out 0), as the torch path and the kernel over the Tq tokens
+    give it (here the interpreted Triton kernel)."""
+    from parallel.cp import triton_decode
+
+    lens, tq = [3, 70, 1, 200, 0, 2], 3
+    hq, hkv, d, dv = 8, 2, 32, 16
+    cache, table, layout, _, _ = _fill(lens, hkv, d, dv, 8, size, rank, interleave, torch.float32, seed=11)
+    q = torch.randn(len(lens), tq, hq, d, generator=torch.Generator().manual_seed(12))
+    seq = torch.tensor(lens)
+    # (lengths under the step's tokens are refused by validation; unvalidated the kernels give the
+    # tokens that see no key lse -inf, and so does the torch path)
+    ref = paged_decode_attention(q, cache, table, seq, layout=layout, backend="torch", validate=False)
+    kw = dict(dcp_size=size, dcp_rank=rank, interleave=interleave, capacity=table.shape[1] * 8)
+    got = triton_decode._expanded(q, cache.k, cache.v, None, None, table, seq, d ** -0.5, **kw)
+    direct = triton_decode.paged_decode_triton(q, cache.k, cache.v, None, None, table, seq, d ** -0.5, **kw)
+    _check(got, ref, 1e-4)
+    _check(got, direct, 1e-4)
+    assert torch.isinf(got.lse[4]).all() and torch.isinf(got.lse[5, 0]).all() and (got.out[4] == 0).all()
+    # a negative length stays the kernels' bad length (NaN), not a clamped empty one
+    bad = triton_decode._expanded(q, cache.k, cache.v, None, None, table, torch.tensor([3, 70, 1, 200, 0, -5]),
+                                  d ** -0.5, **kw)
+    assert torch.isnan(bad.lse[5]).all() and torch.equal(bad.lse[:5], got.lse[:5])
+
+
 def test_kernel_splits_and_fp8_cache(monkeypatch):
     """Long sequences cut into several splits, fp8 cache with per-(token, head) scales."""
     from parallel.cp import triton_decode
@@ -903,6 +932,50 @@ def test_gluon_mla_head_tiles_on_gpu(dtype, size, rank, heads, tq, monkeypatch):
     for ahead in (0, 1):
         monkeypatch.setitem(td.CONFIG, td.ids_ahead_key(fp8, narrow=True), ahead)
         _nan_row_5_only(run(cache, bad), got)
+    _replays_to(lambda: run(cache, table), got)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float8_e4m3fn], ids=["bf16", "fp8"])
+@pytest.mark.parametrize("size,rank,heads,tq", [(1, 0, 128, 2), (4, 3, 128, 2), (2, 1, 64, 3), (4, 1, 128, 4)])
+def test_gluon_mla_speculative_tokens_expanded_on_gpu(dtype, size, rank, heads, tq, monkeypatch):
+    """A speculative step's tokens over full 64-head tiles as one-token decodes through the
+    full-head-tile Gluon kernels (CONFIG expand_wide / expand_wide_fp8, `triton_decode._expanded`) at
+    full size over DCP ranks, NaN in every unheld slot, lengths ending inside a tile, empty, one-token
+    and shorter than the step: against the torch path and the head tiles it precedes (rounding apart);
+    the full-tile kernel launched, the tiles not; a bad block id gives NaN rows of that sequence only;
+    a CUDA graph replays it to the same result."""
+    td = _compiled(monkeypatch)
+    from parallel.cp import gluon_mla, gluon_mla_narrow
+
+    if not (torch.cuda.get_device_capability() == (9, 0) and gluon_mla.HAS_GLUON):
+        pytest.skip("the Gluon MLA kernels need an sm_90 GPU and a Triton with Gluon")
+    fp8 = dtype == torch.float8_e4m3fn
+    key = "expand_wide_fp8" if fp8 else "expand_wide"
+    lens = [3000, 0, 77, 1, 640, 4096, 129]
+    gen = torch.Generator().manual_seed(71 + rank + heads + tq)
+    layout = DCPLayout(size=size, rank=rank, block_size=64)
+    cache, ref_cache, table, nb = _mla_dcp_cache(lens, layout, dtype, gen)
+    q = torch.randn(len(lens), tq, heads, 576, generator=gen).to(torch.bfloat16).cuda()
+    seq = torch.tensor(lens, device="cuda")
+    run = lambda c, t: paged_decode_attention(q, c, t, seq, layout=layout, scale=0.07,
+                                              backend="torch" if c is ref_cache else "triton", validate=False)
+    ref = run(ref_cache, table)
+    monkeypatch.setitem(td.CONFIG, key, 0)
+    tiles = run(cache, table)
+    wide, narrow = [], []
+    real_wide, real_narrow = gluon_mla.launch_gluon_mla, gluon_mla_narrow.launch
+    monkeypatch.setattr(gluon_mla, "launch_gluon_mla", lambda *a, **kw: wide.append(a[0].shape) or real_wide(*a, **kw))
+    monkeypatch.setattr(gluon_mla_narrow, "launch", lambda *a, **kw: narrow.append(1) or real_narrow(*a, **kw))
+    monkeypatch.setitem(td.CONFIG, key, 1)
+    got = run(cache, table)
+    assert wide == [(len(lens) * tq, 1, heads, 576)] and not narrow
+    _check_against_torch(got, ref, 1)
+    torch.testing.assert_close(got.out, tiles.out, atol=4e-3 if fp8 else 2e-3, rtol=0)
+    torch.testing.assert_close(got.lse, tiles.lse, atol=4e-3 if fp8 else 1e-4, rtol=0)
+    bad = table.clone()
+    bad[5, 0] = nb + 7
+    _nan_row_5_only(run(cache, bad), got)
     _replays_to(lambda: run(cache, table), got)
 
 

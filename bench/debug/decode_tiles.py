@@ -1,10 +1,10 @@
 """MLA with more than 32 query columns (128 heads at TP 1, a speculative step's tokens): the swapped
 narrow kernels in head tiles (CONFIG tiles_wide / tiles_wide_fp8, `parallel.cp.gluon_mla_narrow.
-head_tiles`) of 32 and 16 columns, against the full-head-tile Gluon kernels (tq = 1) or the Triton
-kernel (tq > 1). Whole `paged_decode_attention` calls timed
+head_tiles`) of 32 and 16 columns and a speculative step over full 64-head tiles as one-token decodes
+(CONFIG expand_wide / expand_wide_fp8), against the Triton kernel. Whole `paged_decode_attention` calls timed
 with `common.step_time` (CUDA-graph replays over input copies taken in turn: no call finds its KV
 in L2), two rounds, over rank 0's 1/4 of B = 32 sequences of L = 8K and 32K; each row's max
-difference against the problem's first row (the installed form before tiles).
+difference against the problem's first row (the Triton kernel's).
 
     python bench/debug/decode_tiles.py OUT.json        # on the GPU (DECODE_TILES_FORMS=a,b: those forms only)
 """
@@ -24,18 +24,23 @@ from megapar.parallel.cp.dcp import DCPLayout
 from megapar.parallel.cp.mla import MLADims
 from megapar.parallel.cp.paged import paged_decode_attention
 
-# (name, CONFIG entries): "before" the tiles off (the full-head-tile Gluon kernels, or the Triton
-# kernel over several tokens), then the tiles everywhere (2) at 32 and 16 columns
-FORMS = {"fp8": (("before", {"tiles_wide_fp8": 0}),
-                 ("w32 raw3", {"tiles_wide_fp8": 2, "tile_columns_fp8": 32, "direct_tiles_fp8": 3}),
-                 ("w16 raw3", {"tiles_wide_fp8": 2, "tile_columns_fp8": 16, "direct_tiles_fp8": 3}),
-                 ("w16 raw5", {"tiles_wide_fp8": 2, "tile_columns_fp8": 16, "direct_tiles_fp8": 5})),
-         "bf16": (("before", {"tiles_wide": 0}), ("w32", {"tiles_wide": 2, "tile_columns": 32}),
-                  ("w16", {"tiles_wide": 2, "tile_columns": 16}))}
-# (cache dtype, L, heads, query tokens)
-PROBLEMS = ((torch.float8_e4m3fn, 8192, 128, 1), (torch.float8_e4m3fn, 32768, 128, 1),
-            (torch.float8_e4m3fn, 32768, 16, 3), (torch.float8_e4m3fn, 32768, 128, 2),
-            (torch.bfloat16, 32768, 128, 1), (torch.bfloat16, 32768, 16, 3), (torch.bfloat16, 32768, 128, 2))
+# (name, CONFIG entries): "untiled" the tiles and the expansion off (the full-head-tile Gluon kernels at
+# one token, the Triton kernel over several), the tiles everywhere (2) at 32 and 16 columns, and a
+# speculative step over full head tiles as one-token decodes (expand)
+FORMS = {"fp8": (("untiled", {"tiles_wide_fp8": 0, "expand_wide_fp8": 0}),
+                 ("w32 raw3", {"tiles_wide_fp8": 2, "tile_columns_fp8": 32, "direct_tiles_fp8": 3,
+                               "expand_wide_fp8": 0}),
+                 ("w16 raw5", {"tiles_wide_fp8": 2, "tile_columns_fp8": 16, "direct_tiles_fp8": 5,
+                               "expand_wide_fp8": 0}),
+                 ("expand", {"expand_wide_fp8": 1})),
+         "bf16": (("untiled", {"tiles_wide": 0, "expand_wide": 0}),
+                  ("w32", {"tiles_wide": 2, "tile_columns": 32, "expand_wide": 0}),
+                  ("w16", {"tiles_wide": 2, "tile_columns": 16, "expand_wide": 0}),
+                  ("expand", {"expand_wide": 1}))}
+# (cache dtype, L, heads, query tokens): "expand" applies to the full 64-head tiles' speculative steps
+PROBLEMS = ((torch.float8_e4m3fn, 8192, 128, 2), (torch.float8_e4m3fn, 32768, 128, 2),
+            (torch.bfloat16, 8192, 128, 2), (torch.bfloat16, 32768, 128, 2), (torch.bfloat16, 32768, 128, 4),
+            (torch.bfloat16, 32768, 64, 3), (torch.float8_e4m3fn, 32768, 64, 3))
 
 
 def main(path: str) -> None:
@@ -60,7 +65,7 @@ def main(path: str) -> None:
         ref = None
         for rep in range(2):
             for name, entries in FORMS["fp8" if fp8 else "bf16"]:
-                if only and name not in only and name != "before":
+                if only and name not in only and name != "untiled":
                     continue
                 triton_decode.CONFIG.update(saved)
                 triton_decode.CONFIG.update(entries)
@@ -70,7 +75,7 @@ def main(path: str) -> None:
                 err = max((got.out - ref.out).abs().max().item(), (got.lse[fin] - ref.lse[fin]).abs().max().item())
                 us, cols = step_time(ctx, calls)
                 row = {"cache": str(dtype), "L": context, "heads": heads, "tq": tq, "kernel": name, "rep": rep,
-                       "us": round(us, 1), "max_diff_vs_before": err, "input_sets": len(sets),
+                       "us": round(us, 1), "max_diff_vs_untiled": err, "input_sets": len(sets),
                        "timing": cols["timing"]}
                 rows.append(row)
                 print(row, flush=True)

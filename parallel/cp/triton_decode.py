@@ -962,8 +962,16 @@ CONFIG = {
     # stages of 64 keys (3 and 5 within 1-2%; at most 5 fit beside 32 columns' queries). Over bf16
     # installed before its first GPU timing (the same kernel family; bench cp's untiled_us column)
     "tiles_wide": 1, "tiles_wide_fp8": 1, "target_programs_tiles": 132, "direct_tiles_fp8": 3,
-    # the tiles' columns (16 or 32; over fp8 at 16 the scores go in tile pairs, pipe_wide_narrow_fp8)
+    # the tiles' columns (16 or 32; over fp8 at 16 the scores go in tile pairs, pipe_wide_narrow_fp8).
+    # bench/debug/decode_tiles.py (H100, 2026-12-05 21:40, logs/decode-tiles2-h100.json, B 32, 1/4 of
+    # 32K): 16 columns slower everywhere, bf16 16 x 3 122.8-123.6 µs at 32 against 172.5-175.0, fp8
+    # 138.9-139.4 against 163.7-179.4; 128 x 2 bf16 422.5-436.6 / 647.3-651.5, fp8 506.9-507.4 /
+    # 654.3-687.9
     "tile_columns": 32, "tile_columns_fp8": 32,
+    # a speculative step over full 64-head tiles (128 heads: TP 1 / DP attention) as one-token decodes
+    # through the full-head-tile kernels (`_expanded`; per cache dtype), before the head tiles: at one
+    # token those kernels beat the tiles (bf16 128 heads at 32K 150.4-151.5 µs against 212.9-218.4)
+    "expand_wide": 1, "expand_wide_fp8": 1,
 }
 # H200, B = 32, 1/4 of L = 8K and 32K (`python -m megapar.launch.bench.cp --probe`, CUDA-graph
 # replays, two runs: bench/results/cp-probe-h200.json, cp-probe2-h200.json): MLA with 64-token
@@ -1040,7 +1048,7 @@ _VALID = {
     "swap": (0, 1), "raw_ring": (0, 1, 2, 3, 4), "keys": (32, 64), "ring": (1, 2, 3),
     "maxnreg": (0, *range(64, 256, 8)), "at_most": (0, 1), "stage16": (0, 1, 2), "even": (0, 1),
     "direct": range(0, 13), "pipe": (0, 1), "paired_store": (0, 1), "ids_ahead": (0, 1), "tiles": (0, 1, 2),
-    "tile_columns": (16, 32),
+    "tile_columns": (16, 32), "expand": (0, 1),
 }
 _META = ("device", "sizes", "seconds", "results", "notes", "problems")
 
@@ -1198,6 +1206,23 @@ def launch_settings(d: int, q_dtype: torch.dtype, cache_dtype: torch.dtype, rows
     return out
 
 
+def _expanded(q: Tensor, k: Tensor, v: Tensor, k_scale: Tensor | None, v_scale: Tensor | None, block_table: Tensor,
+              seq_lens: Tensor, scale: float, **layout) -> AttnState:
+    """A speculative step's Tq query tokens as Tq one-token decodes (CONFIG expand_wide / expand_wide_fp8):
+    token t of a sequence of global length L sees the positions < L - Tq + 1 + t, which is a decode of
+    that length (DCP's local share taken from it as from any length), so q [S, Tq, Hq, D] runs as
+    [S x Tq, 1, Hq, D] over lengths L - Tq + 1 + t (0 where that is negative: no key, lse -inf, as the
+    causal kernels give; a negative L stays itself: the kernels' bad length) and each sequence's block
+    table row repeated Tq times: device ops only (capturable), the same sequence's tokens side by side
+    in the grid (its keys read from L2 by all but the first)."""
+    s, tq, hq, d = q.shape
+    lens = seq_lens.to(torch.int64)[:, None]
+    each = torch.where(lens < 0, lens, (lens - (tq - 1) + torch.arange(tq, device=q.device)).clamp_min(0))
+    got = paged_decode_triton(q.view(s * tq, 1, hq, d), k, v, k_scale, v_scale, block_table.repeat_interleave(tq, 0),
+                              each.view(-1), scale, **layout)
+    return AttnState(got.out.view(s, tq, hq, -1), got.lse.view(s, tq, hq))
+
+
 def paged_decode_triton(q: Tensor, k: Tensor, v: Tensor, k_scale: Tensor | None, v_scale: Tensor | None,
                         block_table: Tensor, seq_lens: Tensor, scale: float, *,
                         dcp_size: int, dcp_rank: int, interleave: int, capacity: int) -> AttnState:
@@ -1223,6 +1248,10 @@ def paged_decode_triton(q: Tensor, k: Tensor, v: Tensor, k_scale: Tensor | None,
     narrow = _narrow(tq * g)
     narrow_on = CONFIG["gluon_wide_narrow_fp8" if fp8 else "gluon_wide_narrow"]
     latent = not impl.interpreting() and _halves_ok(k, v, k_scale, v_scale, d_main, gluon_mla.TILE)
+    if (latent and tq > 1 and hq % gluon_mla.TILE == 0 and CONFIG["expand_wide_fp8" if fp8 else "expand_wide"]
+            and gluon_mla.gluon_mla_ok(q, k, v, 1, page, k_scale, v_scale)):
+        return _expanded(q, k, v, k_scale, v_scale, block_table, seq_lens, scale, dcp_size=dcp_size,
+                         dcp_rank=dcp_rank, interleave=interleave, capacity=capacity)
     # (over fp8 its direct form, with the raw stages that fit at these columns: none, or
     # direct_wide_narrow_fp8 0, leaves the padded-tile kernel)
     narrow_raw = CONFIG["direct_wide_narrow_fp8_32" if tq * hq > gluon_mla_narrow.PAIRS_MAX_COLUMNS
