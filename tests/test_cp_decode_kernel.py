@@ -676,6 +676,23 @@ def _mla_dcp_cache(lens, layout, dtype, gen):
     return (PagedKVCache(k8, k8[..., :512], sc, sc), PagedKVCache(c8, c8[..., :512], sc_clean, sc_clean), table, nb)
 
 
+def _mla_gpu_problem(dtype, size, rank, heads, tq, seed):
+    """A full-size MLA decode on the GPU over DCP rank `rank` of `size` (`_mla_dcp_cache`: NaN in every
+    unheld slot; lengths ending inside a tile, empty and one-token sequences), bf16 queries of tq
+    tokens x heads: (cache, table, the cache's block count, run(cache, table) -> the Triton path's
+    AttnState, the torch path's result)."""
+    lens = [3000, 0, 77, 1, 640, 4096, 129]
+    gen = torch.Generator().manual_seed(seed)
+    layout = DCPLayout(size=size, rank=rank, block_size=64)
+    cache, ref_cache, table, nb = _mla_dcp_cache(lens, layout, dtype, gen)
+    q = torch.randn(len(lens), tq, heads, 576, generator=gen).to(torch.bfloat16).cuda()
+    seq = torch.tensor(lens, device="cuda")
+
+    def run(c, t, backend="triton"):
+        return paged_decode_attention(q, c, t, seq, layout=layout, scale=0.07, backend=backend, validate=False)
+    return cache, table, nb, run, run(ref_cache, table, "torch")
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("seesaw", [0, 1], ids=["ws", "seesaw"])
 @pytest.mark.parametrize("size,rank,heads", [(1, 0, 128), (2, 1, 128), (4, 2, 128), (2, 1, 16), (1, 0, 32)])
@@ -807,15 +824,7 @@ def test_gluon_mla_narrow_swapped_on_gpu(dtype, size, rank, heads, tq, monkeypat
     for key in ("min_split_wide", "min_split_wide_fp8", "min_split_wide_narrow"):
         monkeypatch.setitem(td.CONFIG, key, 256)
     monkeypatch.setitem(td.CONFIG, "gluon_wide_narrow_fp8" if fp8 else "gluon_wide_narrow", 1)
-    lens = [3000, 0, 77, 1, 640, 4096, 129]
-    gen = torch.Generator().manual_seed(31 + rank + heads + tq)
-    layout = DCPLayout(size=size, rank=rank, block_size=64)
-    cache, ref_cache, table, nb = _mla_dcp_cache(lens, layout, dtype, gen)
-    q = torch.randn(len(lens), tq, heads, 576, generator=gen).to(torch.bfloat16).cuda()
-    seq = torch.tensor(lens, device="cuda")
-    run = lambda c, t: paged_decode_attention(q, c, t, seq, layout=layout, scale=0.07,
-                                              backend="torch" if c is ref_cache else "triton", validate=False)
-    ref = run(ref_cache, table)
+    cache, table, nb, run, ref = _mla_gpu_problem(dtype, size, rank, heads, tq, 31 + rank + heads + tq)
     monkeypatch.setitem(td.CONFIG, swap, 0)
     padded = run(cache, table)
     used = []
@@ -882,17 +891,9 @@ def test_gluon_mla_head_tiles_on_gpu(dtype, size, rank, heads, tq, monkeypatch):
 
     if not (torch.cuda.get_device_capability() == (9, 0) and gluon_mla.HAS_GLUON):
         pytest.skip("the Gluon MLA kernels need an sm_90 GPU and a Triton with Gluon")
-    lens = [3000, 0, 77, 1, 640, 4096, 129]
-    gen = torch.Generator().manual_seed(57 + rank + heads + tq)
-    layout = DCPLayout(size=size, rank=rank, block_size=64)
     fp8 = dtype == torch.float8_e4m3fn
     key = "tiles_wide_fp8" if fp8 else "tiles_wide"
-    cache, ref_cache, table, nb = _mla_dcp_cache(lens, layout, dtype, gen)
-    q = torch.randn(len(lens), tq, heads, 576, generator=gen).to(torch.bfloat16).cuda()
-    seq = torch.tensor(lens, device="cuda")
-    run = lambda c, t: paged_decode_attention(q, c, t, seq, layout=layout, scale=0.07,
-                                              backend="torch" if c is ref_cache else "triton", validate=False)
-    ref = run(ref_cache, table)
+    cache, table, nb, run, ref = _mla_gpu_problem(dtype, size, rank, heads, tq, 57 + rank + heads + tq)
     monkeypatch.setitem(td.CONFIG, key, 0)
     before = run(cache, table)
     used = []
@@ -952,15 +953,7 @@ def test_gluon_mla_speculative_tokens_expanded_on_gpu(dtype, size, rank, heads, 
         pytest.skip("the Gluon MLA kernels need an sm_90 GPU and a Triton with Gluon")
     fp8 = dtype == torch.float8_e4m3fn
     key = "expand_wide_fp8" if fp8 else "expand_wide"
-    lens = [3000, 0, 77, 1, 640, 4096, 129]
-    gen = torch.Generator().manual_seed(71 + rank + heads + tq)
-    layout = DCPLayout(size=size, rank=rank, block_size=64)
-    cache, ref_cache, table, nb = _mla_dcp_cache(lens, layout, dtype, gen)
-    q = torch.randn(len(lens), tq, heads, 576, generator=gen).to(torch.bfloat16).cuda()
-    seq = torch.tensor(lens, device="cuda")
-    run = lambda c, t: paged_decode_attention(q, c, t, seq, layout=layout, scale=0.07,
-                                              backend="torch" if c is ref_cache else "triton", validate=False)
-    ref = run(ref_cache, table)
+    cache, table, nb, run, ref = _mla_gpu_problem(dtype, size, rank, heads, tq, 71 + rank + heads + tq)
     monkeypatch.setitem(td.CONFIG, key, 0)
     tiles = run(cache, table)
     wide, narrow = [], []
@@ -969,7 +962,7 @@ def test_gluon_mla_speculative_tokens_expanded_on_gpu(dtype, size, rank, heads, 
     monkeypatch.setattr(gluon_mla_narrow, "launch", lambda *a, **kw: narrow.append(1) or real_narrow(*a, **kw))
     monkeypatch.setitem(td.CONFIG, key, 1)
     got = run(cache, table)
-    assert wide == [(len(lens) * tq, 1, heads, 576)] and not narrow
+    assert wide == [(table.shape[0] * tq, 1, heads, 576)] and not narrow
     _check_against_torch(got, ref, 1)
     torch.testing.assert_close(got.out, tiles.out, atol=4e-3 if fp8 else 2e-3, rtol=0)
     torch.testing.assert_close(got.lse, tiles.lse, atol=4e-3 if fp8 else 1e-4, rtol=0)
