@@ -129,7 +129,7 @@ def test_speculative_tokens_as_one_token_decodes(size, rank, interleave):
     hq, hkv, d, dv = 8, 2, 32, 16
     cache, table, layout, _, _ = _fill(lens, hkv, d, dv, 8, size, rank, interleave, torch.float32, seed=11)
     q = torch.randn(len(lens), tq, hq, d, generator=torch.Generator().manual_seed(12))
-    seq = torch.tensor(lens)
+    seq = torch.tensor(lens, dtype=torch.int32 if size == 3 else torch.int64)
     # (lengths under the step's tokens are refused by validation; unvalidated the kernels give the
     # tokens that see no key lse -inf, and so does the torch path)
     ref = paged_decode_attention(q, cache, table, seq, layout=layout, backend="torch", validate=False)
@@ -140,8 +140,8 @@ def test_speculative_tokens_as_one_token_decodes(size, rank, interleave):
     _check(got, direct, 1e-4)
     assert torch.isinf(got.lse[4]).all() and torch.isinf(got.lse[5, 0]).all() and (got.out[4] == 0).all()
     # a negative length stays the kernels' bad length (NaN), not a clamped empty one
-    bad = triton_decode._expanded(q, cache.k, cache.v, None, None, table, torch.tensor([3, 70, 1, 200, 0, -5]),
-                                  d ** -0.5, **kw)
+    bad = triton_decode._expanded(q, cache.k, cache.v, None, None, table.long(),
+                                  torch.tensor([3, 70, 1, 200, 0, -5]), d ** -0.5, **kw)
     assert torch.isnan(bad.lse[5]).all() and torch.equal(bad.lse[:5], got.lse[:5])
 
 

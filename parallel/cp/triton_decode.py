@@ -1206,6 +1206,23 @@ def launch_settings(d: int, q_dtype: torch.dtype, cache_dtype: torch.dtype, rows
     return out
 
 
+@triton.jit
+def _expand_rows_kernel(lens_ptr, table_ptr, out_lens_ptr, out_table_ptr, st_s, TABLE_W: tl.constexpr,
+                        TQ: tl.constexpr, TQ_P2: tl.constexpr, BLOCK: tl.constexpr):
+    """(one program a sequence s) Its TQ rows of the expanded step: lengths L - TQ + 1 + t (0 where that
+    is negative; a negative L stays L) and TQ copies of its block-table row."""
+    s = tl.program_id(0).to(tl.int64)
+    n = tl.load(lens_ptr + s).to(tl.int64)
+    t = tl.arange(0, TQ_P2)
+    each = tl.where(n < 0, n, tl.maximum(n - (TQ - 1) + t, 0))
+    tl.store(out_lens_ptr + s * TQ + t, each, mask=t < TQ)
+    for c0 in tl.static_range(0, TABLE_W, BLOCK):
+        cols = c0 + tl.arange(0, BLOCK)
+        ids = tl.load(table_ptr + s * st_s + cols, mask=cols < TABLE_W)
+        for r in tl.static_range(TQ):
+            tl.store(out_table_ptr + (s * TQ + r) * TABLE_W + cols, ids, mask=cols < TABLE_W)
+
+
 def _expanded(q: Tensor, k: Tensor, v: Tensor, k_scale: Tensor | None, v_scale: Tensor | None, block_table: Tensor,
               seq_lens: Tensor, scale: float, **layout) -> AttnState:
     """A speculative step's Tq query tokens as Tq one-token decodes (CONFIG expand_wide / expand_wide_fp8):
@@ -1213,13 +1230,16 @@ def _expanded(q: Tensor, k: Tensor, v: Tensor, k_scale: Tensor | None, v_scale: 
     that length (DCP's local share taken from it as from any length), so q [S, Tq, Hq, D] runs as
     [S x Tq, 1, Hq, D] over lengths L - Tq + 1 + t (0 where that is negative: no key, lse -inf, as the
     causal kernels give; a negative L stays itself: the kernels' bad length) and each sequence's block
-    table row repeated Tq times: device ops only (capturable), the same sequence's tokens side by side
-    in the grid (its keys read from L2 by all but the first)."""
+    table row repeated Tq times, both by one launch (`_expand_rows_kernel`; capturable), the same
+    sequence's tokens side by side in the grid (its keys read from L2 by all but the first)."""
     s, tq, hq, d = q.shape
-    lens = seq_lens.to(torch.int64)[:, None]
-    each = torch.where(lens < 0, lens, (lens - (tq - 1) + torch.arange(tq, device=q.device)).clamp_min(0))
-    got = paged_decode_triton(q.view(s * tq, 1, hq, d), k, v, k_scale, v_scale, block_table.repeat_interleave(tq, 0),
-                              each.view(-1), scale, **layout)
+    width = block_table.shape[1]
+    each = torch.empty(s * tq, dtype=torch.int64, device=q.device)
+    table = torch.empty(s * tq, width, dtype=block_table.dtype, device=q.device)
+    if s > 0:
+        _expand_rows_kernel[(s,)](seq_lens, block_table, each, table, block_table.stride(0), TABLE_W=width, TQ=tq,
+                                  TQ_P2=triton.next_power_of_2(tq), BLOCK=min(1024, triton.next_power_of_2(width)))
+    got = paged_decode_triton(q.view(s * tq, 1, hq, d), k, v, k_scale, v_scale, table, each, scale, **layout)
     return AttnState(got.out.view(s, tq, hq, -1), got.lse.view(s, tq, hq))
 
 
