@@ -358,7 +358,7 @@ def test_a_row_that_does_not_match_its_reference_fails_the_suite(tmp_path, monke
     assert sum("WRONG RESULT" in n for n in data["notes"]) == 2
 
 
-def test_decode_time_times_only_the_variants_asked_for(fake_cuda):
+def test_decode_time_times_only_the_variants_asked_for(fake_cuda, monkeypatch):
     """`row_variants` names the options that reach a row's kernel (ids_ahead not the 128-head MLA
     kernel, the seesaw form only it over bf16, the paired stores only the direct fp8 kernels), and
     `_decode_time` times those alone: no column and no graph for the rest."""
@@ -374,9 +374,18 @@ def test_decode_time_times_only_the_variants_asked_for(fake_cuda):
     # wider speculative steps (more than 32 columns) run the swapped kernels in head tiles: untiled_us
     assert cp.row_variants("mla", 16, True, 3) == ("no_pdl_us", "unpaired_store_us", "ids_after_narrow_fp8_us",
                                                    "untiled_fp8_us")
-    # and those over full 64-head tiles as one-token decodes (the full-tile kernels): unexpanded_us
-    assert cp.row_variants("mla", 128, False, 2) == ("no_pdl_us", "seesaw_us", "unexpanded_us")
-    assert cp.row_variants("mla", 128, True, 2) == ("no_pdl_us", "unexpanded_fp8_us")
+    # and those over full 64-head tiles, which the installed CONFIG may run as one-token decodes through
+    # the full-tile kernels (expand_wide*): expanded_us either way, the other columns those of the kernel
+    # that runs
+    from parallel.cp import triton_decode
+    for on in (0, 1):
+        monkeypatch.setitem(triton_decode.CONFIG, "expand_wide", on)
+        monkeypatch.setitem(triton_decode.CONFIG, "expand_wide_fp8", on)
+        assert cp.row_variants("mla", 128, False, 2) == (("no_pdl_us", "seesaw_us", "expanded_us") if on else
+                                                         ("no_pdl_us", "ids_after_us", "untiled_us", "expanded_us"))
+        assert cp.row_variants("mla", 128, True, 2) == (
+            ("no_pdl_us", "expanded_fp8_us") if on else
+            ("no_pdl_us", "unpaired_store_us", "ids_after_narrow_fp8_us", "untiled_fp8_us", "expanded_fp8_us"))
     assert cp.row_variants("mla", 48, False, 2) == ("no_pdl_us", "ids_after_us", "untiled_us")
     assert cp.row_variants("mla", 16, False, 2) == cp.row_variants("mla", 16, False)
     ctx, clock = fake_cuda

@@ -267,8 +267,8 @@ DECODE_VARIANTS = {"no_pdl_us": ("triton_decode", {"pdl": 0}),
                    "seesaw_us": ("triton_decode", {"seesaw_wide": 1}),
                    "untiled_us": ("triton_decode", {"tiles_wide": 0}),
                    "untiled_fp8_us": ("triton_decode", {"tiles_wide_fp8": 0}),
-                   "unexpanded_us": ("triton_decode", {"expand_wide": 0}),
-                   "unexpanded_fp8_us": ("triton_decode", {"expand_wide_fp8": 0})}
+                   "expanded_us": ("triton_decode", {"expand_wide": 1}),
+                   "expanded_fp8_us": ("triton_decode", {"expand_wide_fp8": 1})}
 """Columns timing a decode call again with one CONFIG option of a module of parallel.cp changed."""
 
 
@@ -280,12 +280,15 @@ def row_variants(kind: str, heads: int, fp8: bool, tokens: int = 1) -> tuple[str
     ids loaded ahead the GQA kernels and MLA's swapped kernels (`gluon_mla_narrow`: narrow tiles,
     and wider speculative steps in head tiles), over bf16 (ids_ahead) or fp8 (GQA's
     ids_ahead_direct_fp8, MLA's ids_ahead_narrow_fp8); the seesaw form only MLA's full head tiles
-    over bf16; unexpanded (a speculative step over full 64-head tiles in head tiles, not as one-token
-    decodes) only those steps; untiled (the Triton kernel instead of the head tiles) only MLA's
-    other speculative steps of more than 32 columns. (Elsewhere a variant would time the same kernel
+    over bf16; expanded (a speculative step over full 64-head tiles as one-token decodes) only those
+    steps; untiled (the Triton kernel instead of the head tiles) only MLA's speculative steps of more
+    than 32 columns that the installed CONFIG does not expand. (Elsewhere a variant would time the same kernel
     again: device time for a column equal to time_us up to the spread.)"""
+    from megapar.parallel.cp.triton_decode import CONFIG
+
     narrow = kind == "mla" and heads * tokens <= 32
-    expanded = kind == "mla" and tokens > 1 and heads % 64 == 0
+    expandable = kind == "mla" and tokens > 1 and heads % 64 == 0
+    expanded = expandable and bool(CONFIG["expand_wide_fp8" if fp8 else "expand_wide"])
     tiled = kind == "mla" and heads * tokens > 32 and tokens > 1 and not expanded
     swapped = narrow or tiled
     reach = {"no_pdl_us": not narrow, "pdl_narrow_us": narrow,
@@ -293,7 +296,7 @@ def row_variants(kind: str, heads: int, fp8: bool, tokens: int = 1) -> tuple[str
              "ids_after_us": not fp8 and (kind == "gqa" or swapped), "ids_ahead_fp8_us": fp8 and kind == "gqa",
              "ids_after_narrow_fp8_us": fp8 and swapped, "seesaw_us": kind == "mla" and not swapped and not fp8,
              "untiled_us": tiled and not fp8, "untiled_fp8_us": tiled and fp8,
-             "unexpanded_us": expanded and not fp8, "unexpanded_fp8_us": expanded and fp8}
+             "expanded_us": expandable and not fp8, "expanded_fp8_us": expandable and fp8}
     return tuple(name for name in DECODE_VARIANTS if reach[name])
 
 
@@ -305,8 +308,8 @@ def _decode_time(ctx: BenchContext, fns, variants=None) -> tuple[float, dict]:
     DECODE_VARIANTS, the same with one CONFIG option changed: no_pdl_us without programmatic
     dependent launch, pdl_narrow_us with it for MLA's narrow head tiles (pdl_wide_narrow 1), untiled_us /
     untiled_fp8_us with MLA's wider speculative steps through the Triton kernel, not head tiles
-    (tiles_wide / tiles_wide_fp8 0), unexpanded_us / unexpanded_fp8_us with those over full 64-head
-    tiles in head tiles, not as one-token decodes (expand_wide / expand_wide_fp8 0),
+    (tiles_wide / tiles_wide_fp8 0), expanded_us / expanded_fp8_us with those over full 64-head
+    tiles as one-token decodes (expand_wide / expand_wide_fp8 1),
     unpaired_store_us with the direct fp8 kernels' output stored a dim at a time (CONFIG
     paired_store_direct_fp8 0), ids_after_us with the bf16 Gluon kernels' first block ids loaded
     after the length (ids_ahead 0), ids_ahead_fp8_us with GQA's direct fp8 kernel's loaded beside it

@@ -970,8 +970,10 @@ CONFIG = {
     "tile_columns": 32, "tile_columns_fp8": 32,
     # a speculative step over full 64-head tiles (128 heads: TP 1 / DP attention) as one-token decodes
     # through the full-head-tile kernels (`_expanded`; per cache dtype), before the head tiles: at one
-    # token those kernels beat the tiles (bf16 128 heads at 32K 150.4-151.5 µs against 212.9-218.4)
-    "expand_wide": 1, "expand_wide_fp8": 1,
+    # token those kernels beat the tiles (bf16 128 heads at 32K 150.4-151.5 µs against 212.9-218.4).
+    # Off until it has run on a GPU (tested on the CPU interpreter only; no device came for it on
+    # 2026-12-05 22:00-22:15): bench cp's unexpanded_us columns and bench/debug/decode_tiles.py time it
+    "expand_wide": 0, "expand_wide_fp8": 0,
 }
 # H200, B = 32, 1/4 of L = 8K and 32K (`python -m megapar.launch.bench.cp --probe`, CUDA-graph
 # replays, two runs: bench/results/cp-probe-h200.json, cp-probe2-h200.json): MLA with 64-token
