@@ -660,8 +660,8 @@ def launch(q: Tensor, k: Tensor, table: Tensor, seq_lens: Tensor, o: Tensor, lse
            k_scale: Tensor | None = None, raw: int = 5, pdl: bool = False, pipe: bool = False,
            paired: bool = False, ahead: bool = False, width: int = MAX_HEADS) -> None:
     """Fill the split partials o [splits, S, Tq, Hq, 512] / lse [splits, S, Tq, Hq] of queries q [S, Tq,
-    Hq, 576] (`gluon_mla.gluon_mla_ok` and `narrow_ok` of Tq x Hq columns hold, or over fp8 `tiles_ok`:
-    more columns in `head_tiles` of `width`; Tq > 1: causal within the step's tokens); over fp8 the
+    Hq, 576] (`gluon_mla.gluon_mla_ok` and `narrow_ok` of Tq x Hq columns hold, or `tiles_ok`: more
+    columns, in `head_tiles` of `width`; Tq > 1: causal within the step's tokens); over fp8 the
     direct kernel with `raw` raw stages of 64 keys (`direct_fits` of a tile's columns;
     `pipe`: the scores in tile pairs where `pairs_apply`: at least two raw stages and at most
     PAIRS_MAX_COLUMNS columns; `paired`: the output's dim pairs stored together), over both the

@@ -959,8 +959,9 @@ CONFIG = {
     # kernel: 128 heads at 8K / 32K / 128K 70.1 / 212.3 / 776.3 -> 69.5 / 251.2 / 994.4, 64 heads at
     # 32K 115.5 -> 134.9. Splits planned to at most target_programs_tiles programs (132: one wave of
     # one CTA per SM; 264 lost everywhere but a tie at 128 x 2), over fp8 direct_tiles_fp8 raw
-    # stages of 64 keys (3 and 5 within 1-2%; at most 5 fit beside 32 columns' queries). Over bf16
-    # installed before its first GPU timing (the same kernel family; bench cp's untiled_us column)
+    # stages of 64 keys (3 and 5 within 1-2%; at most 5 fit beside 32 columns' queries). bench cp
+    # (H100, 21:31, bench/results/cp-h100.md, untiled_us the Triton kernel), 1/4 of 32K: bf16 16 x 3
+    # 364.1 -> 125.5 µs, 128 x 2 524.2 -> 422.5; fp8 16 x 3 454.1 -> 139.6, 128 x 2 661.8 -> 503.9
     "tiles_wide": 1, "tiles_wide_fp8": 1, "target_programs_tiles": 132, "direct_tiles_fp8": 3,
     # the tiles' columns (16 or 32; over fp8 at 16 the scores go in tile pairs, pipe_wide_narrow_fp8).
     # bench/debug/decode_tiles.py (H100, 2026-12-05 21:40, logs/decode-tiles2-h100.json, B 32, 1/4 of
@@ -972,7 +973,7 @@ CONFIG = {
     # through the full-head-tile kernels (`_expanded`; per cache dtype), before the head tiles: at one
     # token those kernels beat the tiles (bf16 128 heads at 32K 150.4-151.5 µs against 212.9-218.4).
     # Off until it has run on a GPU (tested on the CPU interpreter only; no device came for it on
-    # 2026-12-05 22:00-22:15): bench cp's unexpanded_us columns and bench/debug/decode_tiles.py time it
+    # 2026-12-05 22:00-22:15): bench cp's expanded_us columns and bench/debug/decode_tiles.py time it
     "expand_wide": 0, "expand_wide_fp8": 0,
 }
 # H200, B = 32, 1/4 of L = 8K and 32K (`python -m megapar.launch.bench.cp --probe`, CUDA-graph
