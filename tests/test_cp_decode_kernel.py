@@ -676,6 +676,25 @@ def _mla_dcp_cache(lens, layout, dtype, gen):
     return (PagedKVCache(k8, k8[..., :512], sc, sc), PagedKVCache(c8, c8[..., :512], sc_clean, sc_clean), table, nb)
 
 
+def _spy(monkeypatch, module, name):
+    """module.name replaced by a wrapper that records each call's (args, kwargs) in the list returned
+    and then makes the call."""
+    calls, real = [], getattr(module, name)
+    monkeypatch.setattr(module, name, lambda *a, **kw: calls.append((a, kw)) or real(*a, **kw))
+    return calls
+
+
+def _gluon_mla_kernels(monkeypatch):
+    """(triton_decode, gluon_mla, gluon_mla_narrow) built for the GPU (`_compiled`); the test is skipped
+    without an sm_90 GPU and a Triton with Gluon."""
+    td = _compiled(monkeypatch)
+    from parallel.cp import gluon_mla, gluon_mla_narrow
+
+    if not (torch.cuda.get_device_capability() == (9, 0) and gluon_mla.HAS_GLUON):
+        pytest.skip("the Gluon MLA kernels need an sm_90 GPU and a Triton with Gluon")
+    return td, gluon_mla, gluon_mla_narrow
+
+
 def _mla_gpu_problem(dtype, size, rank, heads, tq, seed):
     """A full-size MLA decode on the GPU over DCP rank `rank` of `size` (`_mla_dcp_cache`: NaN in every
     unheld slot; lengths ending inside a tile, empty and one-token sequences), bf16 queries of tq
@@ -814,11 +833,7 @@ def test_gluon_mla_narrow_swapped_on_gpu(dtype, size, rank, heads, tq, monkeypat
     (the padded-tile Gluon one, or the Triton one for several tokens; rounding apart), over fp8 its
     direct form at other raw depths bit-identical; a bad block id gives NaN rows of that sequence
     only; a CUDA graph replays it to the same result."""
-    td = _compiled(monkeypatch)
-    from parallel.cp import gluon_mla, gluon_mla_narrow
-
-    if not (torch.cuda.get_device_capability() == (9, 0) and gluon_mla.HAS_GLUON):
-        pytest.skip("the Gluon MLA kernels need an sm_90 GPU and a Triton with Gluon")
+    td, gluon_mla, gluon_mla_narrow = _gluon_mla_kernels(monkeypatch)
     fp8 = dtype == torch.float8_e4m3fn
     swap = "swap_wide_narrow_fp8" if fp8 else "swap_wide_narrow"
     for key in ("min_split_wide", "min_split_wide_fp8", "min_split_wide_narrow"):
@@ -827,9 +842,7 @@ def test_gluon_mla_narrow_swapped_on_gpu(dtype, size, rank, heads, tq, monkeypat
     cache, table, nb, run, ref = _mla_gpu_problem(dtype, size, rank, heads, tq, 31 + rank + heads + tq)
     monkeypatch.setitem(td.CONFIG, swap, 0)
     padded = run(cache, table)
-    used = []
-    real = gluon_mla_narrow.launch
-    monkeypatch.setattr(gluon_mla_narrow, "launch", lambda *a, **kw: used.append(kw) or real(*a, **kw))
+    used = _spy(monkeypatch, gluon_mla_narrow, "launch")
     monkeypatch.setitem(td.CONFIG, swap, 1)
     got = run(cache, table)
     assert used, "the swapped kernel was not launched"
@@ -844,7 +857,7 @@ def test_gluon_mla_narrow_swapped_on_gpu(dtype, size, rank, heads, tq, monkeypat
         # order, the same result; with direct_wide_narrow_fp8 0 the padded-tile kernel runs instead
         direct, direct32 = td.CONFIG["direct_wide_narrow_fp8"], td.CONFIG["direct_wide_narrow_fp8_32"]
         assert all(kw["raw"] == gluon_mla_narrow.direct_stages(tq * heads, direct if tq * heads <= 16 else direct32)
-                   for kw in used)
+                   for _, kw in used)
         for raw in (1, 3):     # (over more than 16 columns, direct_wide_narrow_fp8_32's)
             monkeypatch.setitem(td.CONFIG, "direct_wide_narrow_fp8", raw)
             monkeypatch.setitem(td.CONFIG, "direct_wide_narrow_fp8_32", raw)
@@ -886,19 +899,13 @@ def test_gluon_mla_head_tiles_on_gpu(dtype, size, rank, heads, tq, monkeypatch):
     queries' fp8 parts round apart), every tile's columns stored; over fp8 other raw depths
     bit-identical; a bad block id gives NaN rows of that sequence only; a CUDA graph replays it to the
     same result."""
-    td = _compiled(monkeypatch)
-    from parallel.cp import gluon_mla, gluon_mla_narrow
-
-    if not (torch.cuda.get_device_capability() == (9, 0) and gluon_mla.HAS_GLUON):
-        pytest.skip("the Gluon MLA kernels need an sm_90 GPU and a Triton with Gluon")
+    td, gluon_mla, gluon_mla_narrow = _gluon_mla_kernels(monkeypatch)
     fp8 = dtype == torch.float8_e4m3fn
     key = "tiles_wide_fp8" if fp8 else "tiles_wide"
     cache, table, nb, run, ref = _mla_gpu_problem(dtype, size, rank, heads, tq, 57 + rank + heads + tq)
     monkeypatch.setitem(td.CONFIG, key, 0)
     before = run(cache, table)
-    used = []
-    real = gluon_mla_narrow.launch
-    monkeypatch.setattr(gluon_mla_narrow, "launch", lambda *a, **kw: used.append(kw) or real(*a, **kw))
+    used = _spy(monkeypatch, gluon_mla_narrow, "launch")
     monkeypatch.setitem(td.CONFIG, key, 2)
     for target, width in ((132, 32), (1000, 32), (132, 16)):     # (one split and several: their merge)
         monkeypatch.setitem(td.CONFIG, "target_programs_tiles", target)
@@ -908,9 +915,10 @@ def test_gluon_mla_head_tiles_on_gpu(dtype, size, rank, heads, tq, monkeypatch):
         used.clear()
         got = run(cache, table)
         assert used, "the head-tiled kernel was not launched"
-        assert all(kw["width"] == width for kw in used)
+        assert all(kw["width"] == width for _, kw in used)
         if fp8:
-            assert all(kw["raw"] == gluon_mla_narrow.direct_stages(width, td.CONFIG["direct_tiles_fp8"]) for kw in used)
+            assert all(kw["raw"] == gluon_mla_narrow.direct_stages(width, td.CONFIG["direct_tiles_fp8"])
+                       for _, kw in used)
         _check_against_torch(got, ref, 1)
         # (bf16: P rounded to bf16 in both, sums in another order: 1.05-1.15e-3 seen at 1 or 2 of 2e5-5e5)
         torch.testing.assert_close(got.out, before.out, atol=4e-3 if fp8 else 2e-3, rtol=0)
@@ -946,23 +954,16 @@ def test_gluon_mla_speculative_tokens_expanded_on_gpu(dtype, size, rank, heads, 
     and shorter than the step: against the torch path and the head tiles it precedes (rounding apart);
     the full-tile kernel launched, the tiles not; a bad block id gives NaN rows of that sequence only;
     a CUDA graph replays it to the same result."""
-    td = _compiled(monkeypatch)
-    from parallel.cp import gluon_mla, gluon_mla_narrow
-
-    if not (torch.cuda.get_device_capability() == (9, 0) and gluon_mla.HAS_GLUON):
-        pytest.skip("the Gluon MLA kernels need an sm_90 GPU and a Triton with Gluon")
+    td, gluon_mla, gluon_mla_narrow = _gluon_mla_kernels(monkeypatch)
     fp8 = dtype == torch.float8_e4m3fn
     key = "expand_wide_fp8" if fp8 else "expand_wide"
     cache, table, nb, run, ref = _mla_gpu_problem(dtype, size, rank, heads, tq, 71 + rank + heads + tq)
     monkeypatch.setitem(td.CONFIG, key, 0)
     tiles = run(cache, table)
-    wide, narrow = [], []
-    real_wide, real_narrow = gluon_mla.launch_gluon_mla, gluon_mla_narrow.launch
-    monkeypatch.setattr(gluon_mla, "launch_gluon_mla", lambda *a, **kw: wide.append(a[0].shape) or real_wide(*a, **kw))
-    monkeypatch.setattr(gluon_mla_narrow, "launch", lambda *a, **kw: narrow.append(1) or real_narrow(*a, **kw))
+    wide, narrow = _spy(monkeypatch, gluon_mla, "launch_gluon_mla"), _spy(monkeypatch, gluon_mla_narrow, "launch")
     monkeypatch.setitem(td.CONFIG, key, 1)
     got = run(cache, table)
-    assert wide == [(table.shape[0] * tq, 1, heads, 576)] and not narrow
+    assert [a[0].shape for a, _ in wide] == [(table.shape[0] * tq, 1, heads, 576)] and not narrow
     _check_against_torch(got, ref, 1)
     torch.testing.assert_close(got.out, tiles.out, atol=4e-3 if fp8 else 2e-3, rtol=0)
     torch.testing.assert_close(got.lse, tiles.lse, atol=4e-3 if fp8 else 1e-4, rtol=0)
