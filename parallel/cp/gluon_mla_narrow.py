@@ -29,6 +29,10 @@ loads each latent box transposed with 16-bit ldmatrix (64 dim pairs x 64 keys) a
 pair into its even and odd dims in registers, so each of its eight accumulators holds one parity
 of a box's 128 dims.
 
+More than 32 columns (a speculative step's tokens x heads) run in head tiles of 32 (`head_tiles`:
+one program a sequence x tile, a sequence's tiles side by side in the grid, so that all but the
+first find its keys in L2).
+
 The output is the split's partial (out, lse) in `triton_decode.paged_decode_triton`'s layout.
 `narrow_ok` says where they apply; CONFIG swap_wide_narrow / swap_wide_narrow_fp8 choose them.
 (Forms measured and removed, a converter warpgroup to fp16 stages over fp8 and fp16 score MMAs
@@ -153,9 +157,9 @@ if HAS_GLUON:
                   TILES: gl.constexpr = 1):
         """S^T = K Q^T over the nine boxes, the online softmax down each column, O^T += V^T P^T. Column c
         is query token (c0 + c) // HQ's head (c0 + c) % HQ (c0: the head tile's first column,
-        `_first_column`); CAUSAL (TQ > 1):
-        token t sees the keys at global positions <= its own, length - TQ + t. AHEAD: the split's block ids
-        for the final check loaded beside the length (`_ids_early`), not after the loop.
+        `_first_column`); CAUSAL (TQ > 1): token t sees the keys at global positions <= its own, length -
+        TQ + t. AHEAD: the split's block ids for the final check loaded beside the length (`_ids_early`),
+        not after the loop.
         (Two consumers on alternate tiles, each writing its own partial for the split merge, ran 1.5-2.2x
         slower: their registers spilled 880 B; decode-narrow3-h200.json.)"""
         mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, NQ, 16])
