@@ -284,11 +284,13 @@ def row_variants(kind: str, heads: int, fp8: bool, tokens: int = 1) -> tuple[str
     steps; untiled (the Triton kernel instead of the head tiles) only MLA's speculative steps of more
     than 32 columns that the installed CONFIG does not expand. (Elsewhere a variant would time the same kernel
     again: device time for a column equal to time_us up to the spread.)"""
-    from megapar.parallel.cp.triton_decode import CONFIG
-
+    try:
+        from megapar.parallel.cp.triton_decode import CONFIG
+    except ImportError:     # (no Triton: no kernel runs, the expansion included)
+        CONFIG = {}
     narrow = kind == "mla" and heads * tokens <= 32
     expandable = kind == "mla" and tokens > 1 and heads % 64 == 0
-    expanded = expandable and bool(CONFIG["expand_wide_fp8" if fp8 else "expand_wide"])
+    expanded = expandable and bool(CONFIG.get("expand_wide_fp8" if fp8 else "expand_wide", 0))
     tiled = kind == "mla" and heads * tokens > 32 and tokens > 1 and not expanded
     swapped = narrow or tiled
     reach = {"no_pdl_us": not narrow, "pdl_narrow_us": narrow,
