@@ -140,6 +140,10 @@ def test_speculative_tokens_as_one_token_decodes(size, rank, interleave):
     _check(got, direct, 1e-4)
     assert torch.isinf(got.lse[4]).all() and torch.isinf(got.lse[5, 0]).all() and (got.out[4] == 0).all()
     # a negative length stays the kernels' bad length (NaN), not a clamped empty one
+    # a table in another layout (int64, column-major): the same rows
+    other = triton_decode._expanded(q, cache.k, cache.v, None, None, table.long().t().contiguous().t(), seq,
+                                    d ** -0.5, **kw)
+    _check(other, got, 0)
     bad = triton_decode._expanded(q, cache.k, cache.v, None, None, table.long(),
                                   torch.tensor([3, 70, 1, 200, 0, -5]), d ** -0.5, **kw)
     assert torch.isnan(bad.lse[5]).all() and torch.equal(bad.lse[:5], got.lse[:5])

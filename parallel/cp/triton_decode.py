@@ -1237,6 +1237,8 @@ def _expanded(q: Tensor, k: Tensor, v: Tensor, k_scale: Tensor | None, v_scale: 
     sequence's tokens side by side in the grid (its keys read from L2 by all but the first)."""
     s, tq, hq, d = q.shape
     width = block_table.shape[1]
+    if block_table.stride(-1) != 1:     # (the copy reads rows of unit stride)
+        block_table = block_table.contiguous()
     each = torch.empty(s * tq, dtype=torch.int64, device=q.device)
     table = torch.empty(s * tq, width, dtype=block_table.dtype, device=q.device)
     if s > 0:
