@@ -334,6 +334,8 @@ def _decode_time(ctx: BenchContext, fns, variants=None) -> tuple[float, dict]:
         config.update(change)
         try:
             cols[name] = step_time(ctx, fns)[0]
+        except Exception as exc:    # (a variant that fails leaves its column out, not the row)
+            ctx.note(f"decode variant {name} failed: {type(exc).__name__}: {str(exc)[:300]}")
         finally:
             config.update(before)
     return us, cols
