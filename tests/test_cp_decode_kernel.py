@@ -170,6 +170,49 @@ def test_kernel_splits_and_fp8_cache(monkeypatch):
     assert torch.isinf(got.lse[2]).all()
 
 
+@pytest.mark.parametrize("q_dtype,fp8", [(torch.float16, False), (torch.bfloat16, True)], ids=["f16", "bf16-fp8"])
+def test_half_partials_are_merged_in_fp32(q_dtype, fp8, monkeypatch):
+    """CONFIG half_partials: a call of several splits stores its partials in the query's 16-bit
+    dtype and merges them in fp32 (the output stays fp32); one split keeps its fp32 output. Against
+    the torch path, and within one rounding of the output's scale of the fp32 partials' result.
+    (On the interpreter a bf16 cache is not run: its bf16 dots are wrong there, not on a GPU.)"""
+    from parallel.cp import triton_decode
+
+    lens = [600, 3, 0, 1100]
+    dtype = torch.float8_e4m3fn if fp8 else q_dtype
+    cache, table, layout, _, _ = _fill(lens, 2, 64, 64, 16, 2, 1, 1, dtype, seed=21)
+    q = torch.randn(len(lens), 8, 64, generator=torch.Generator().manual_seed(22)).to(q_dtype)
+    seq = torch.tensor(lens)
+    ref = paged_decode_attention(q.float(), cache, table, seq, layout=layout, backend="torch")
+    seen = []
+    merge = triton_decode.merge_states_triton
+    monkeypatch.setattr(triton_decode, "merge_states_triton",
+                        lambda o, lse, **kw: seen.append(o.dtype) or merge(o, lse, **kw))
+    for key in ("min_split", "min_split_fp8"):
+        monkeypatch.setitem(triton_decode.CONFIG, key, 64)       # several splits at these lengths
+    runs = {}
+    for half in (0, 1):
+        monkeypatch.setitem(triton_decode.CONFIG, "half_partials", half)
+        runs[half] = paged_decode_attention(q, cache, table, seq, layout=layout, backend="triton")
+    assert seen == [torch.float32, q_dtype]
+    span = (cache.v.float().abs() * (cache.v_scale[..., None] if fp8 else 1)).amax()
+    for half, got in runs.items():
+        assert got.out.dtype == torch.float32 and got.lse.dtype == torch.float32
+        torch.testing.assert_close(got.lse, ref.lse, atol=2e-2, rtol=0)
+        err = (got.out - ref.out).abs().max() / span
+        assert err <= (2e-2 if half else 1.5e-2), (half, err)
+        assert torch.isinf(got.lse[2]).all() and (got.out[2] == 0).all()
+    assert (runs[1].out - runs[0].out).abs().max() <= 2.0 ** -8 * span
+    assert not torch.equal(runs[1].out, runs[0].out)        # (the bf16 rounding did happen)
+    # one split: no partials to halve, the kernel's fp32 output is the call's
+    for key in ("min_split", "min_split_fp8"):
+        monkeypatch.setitem(triton_decode.CONFIG, key, 1 << 20)
+    seen.clear()
+    one = paged_decode_attention(q, cache, table, seq, layout=layout, backend="triton")
+    assert seen == [] and one.out.dtype == torch.float32
+    torch.testing.assert_close(one.out, runs[0].out, atol=2.0 ** -8 * span, rtol=0)
+
+
 def test_kernel_mla_layout_v_is_prefix_of_k():
     """One latent 'kv head' with k = [c_kv, k_rope] (D = 80 = 64 + 16) and v = c_kv = k[..., :64]."""
     nb, block, lens = 20, 8, [17, 40, 2]
@@ -971,6 +1014,38 @@ def test_gluon_mla_speculative_tokens_expanded_on_gpu(dtype, size, rank, heads, 
     _check_against_torch(got, ref, 1)
     torch.testing.assert_close(got.out, tiles.out, atol=4e-3 if fp8 else 2e-3, rtol=0)
     torch.testing.assert_close(got.lse, tiles.lse, atol=4e-3 if fp8 else 1e-4, rtol=0)
+    bad = table.clone()
+    bad[5, 0] = nb + 7
+    _nan_row_5_only(run(cache, bad), got)
+    _replays_to(lambda: run(cache, table), got)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float8_e4m3fn], ids=["bf16", "fp8"])
+@pytest.mark.parametrize("size,rank,heads", [(1, 0, 128), (4, 2, 128), (2, 1, 16)])
+def test_gluon_mla_half_partials_on_gpu(dtype, size, rank, heads, monkeypatch):
+    """CONFIG half_partials on the Gluon MLA kernels (full head tiles; 16 heads: the swapped narrow
+    kernel) at full size over DCP ranks with several splits: the partials reach the merge in bf16, the
+    result is fp32, against the torch path and within one bf16 rounding (2^-8 of the partials' largest
+    magnitude) of the fp32 partials' result; a bad block id gives NaN rows of that sequence only; a
+    CUDA graph replays it to the same result."""
+    td, gluon_mla, gluon_mla_narrow = _gluon_mla_kernels(monkeypatch)
+    for key in ("min_split_wide", "min_split_wide_fp8", "min_split_wide_narrow"):
+        monkeypatch.setitem(td.CONFIG, key, 256)         # several splits at these lengths
+    cache, table, nb, run, ref = _mla_gpu_problem(dtype, size, rank, heads, 1, 83 + rank + heads)
+    monkeypatch.setitem(td.CONFIG, "half_partials", 0)
+    full = run(cache, table)
+    merges = _spy(monkeypatch, td, "merge_states_triton")
+    launched = _spy(monkeypatch, gluon_mla_narrow if heads < 64 else gluon_mla,
+                    "launch" if heads < 64 else "launch_gluon_mla")
+    monkeypatch.setitem(td.CONFIG, "half_partials", 1)
+    got = run(cache, table)
+    assert launched and [a[0].dtype for a, _ in merges] == [torch.bfloat16] and merges[0][0][0].shape[0] > 1
+    assert got.out.dtype == torch.float32
+    _check_against_torch(got, ref, 1)
+    span = merges[0][0][0].float().nan_to_num(0).abs().max()     # (merged with weights that sum to 1)
+    torch.testing.assert_close(got.out, full.out, atol=float(2.0 ** -8 * span), rtol=0)
+    torch.testing.assert_close(got.lse, full.lse, atol=0, rtol=0)       # (the lse stays fp32)
     bad = table.clone()
     bad[5, 0] = nb + 7
     _nan_row_5_only(run(cache, bad), got)

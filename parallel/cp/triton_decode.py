@@ -975,6 +975,12 @@ CONFIG = {
     # Off until it has run on a GPU (tested on the CPU interpreter only; no device came for it on
     # 2026-12-05 22:00-22:15): bench cp's expanded_us columns and bench/debug/decode_tiles.py time it
     "expand_wide": 0, "expand_wide_fp8": 0,
+    # the split partials (a call of several splits) in the query's 16-bit dtype instead of fp32: half
+    # the bytes written by the kernel and read back by the merge (MLA 128 heads at 1/4 of 8K: 2 x 32 x
+    # 128 x 512 partials, 16.8 MB in fp32), at the cost of one more rounding of each split's normalized
+    # output (relative 2^-9 in bf16) before the fp32 merge. FlashMLA and FlashAttention keep fp32.
+    # Off: bench cp's half_partials_us column times it
+    "half_partials": 0,
 }
 # H200, B = 32, 1/4 of L = 8K and 32K (`python -m megapar.launch.bench.cp --probe`, CUDA-graph
 # replays, two runs: bench/results/cp-probe-h200.json, cp-probe2-h200.json): MLA with 64-token
@@ -1051,7 +1057,7 @@ _VALID = {
     "swap": (0, 1), "raw_ring": (0, 1, 2, 3, 4), "keys": (32, 64), "ring": (1, 2, 3),
     "maxnreg": (0, *range(64, 256, 8)), "at_most": (0, 1), "stage16": (0, 1, 2), "even": (0, 1),
     "direct": range(0, 13), "pipe": (0, 1), "paired_store": (0, 1), "ids_ahead": (0, 1), "tiles": (0, 1, 2),
-    "tile_columns": (16, 32), "expand": (0, 1),
+    "tile_columns": (16, 32), "expand": (0, 1), "half_partials": (0, 1),
 }
 _META = ("device", "sizes", "seconds", "results", "notes", "problems")
 
@@ -1328,7 +1334,9 @@ def paged_decode_triton(q: Tensor, k: Tensor, v: Tensor, k_scale: Tensor | None,
     programs = s * head_tiles if tiled else s * hkv * m_tiles
     splits, split_len = plan_splits(capacity, programs, block_n, cfg["min_split"], bool(cfg["at_most"]),
                                     cfg["target_programs"])
-    o = torch.empty(splits, s, tq, hq, dv, dtype=torch.float32, device=q.device)
+    # (the kernels store through o's dtype; one split's partial is the call's fp32 output)
+    half = splits > 1 and bool(CONFIG["half_partials"]) and q.dtype in (torch.bfloat16, torch.float16)
+    o = torch.empty(splits, s, tq, hq, dv, dtype=q.dtype if half else torch.float32, device=q.device)
     lse = torch.empty(splits, s, tq, hq, dtype=torch.float32, device=q.device)
     ks = k_scale if fp8 else _no_scale(q)
     vs = v_scale if fp8 else ks
@@ -1370,7 +1378,8 @@ def paged_decode_triton(q: Tensor, k: Tensor, v: Tensor, k_scale: Tensor | None,
             **({"maxnreg": cfg["maxnreg"]} if cfg["maxnreg"] else {}), **({"launch_pdl": True} if pdl else {}))
     if splits == 1:
         return AttnState(o[0], lse[0])
-    merged = merge_states_triton(o.view(splits, s * tq, hq, dv), lse.view(splits, s * tq, hq), pdl=pdl)
+    merged = merge_states_triton(o.view(splits, s * tq, hq, dv), lse.view(splits, s * tq, hq), pdl=pdl,
+                                 out=torch.empty(s * tq, hq, dv, dtype=torch.float32, device=q.device) if half else None)
     return AttnState(merged.out.view(s, tq, hq, dv), merged.lse.view(s, tq, hq))
 
 
