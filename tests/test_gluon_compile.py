@@ -39,10 +39,13 @@ def _build(name: str, cubin: Path | None = None) -> dict:
     paired = "-paired" in name          # ("-paired": the narrow direct kernel's output dim pairs stored together)
     ahead = "-ahead" in name            # ("-ahead": its loader's first block ids loaded beside the length)
     tiles = re.search(r"-tiles(\d+)", name)  # ("-tilesN": the narrow direct kernel over N head tiles a sequence)
+    half = "-half" in name              # ("-half": bf16 split partials, CONFIG half_partials)
     family, dtype, *more = (name.removesuffix("-pdl").replace("-pipe", "").replace("-paired", "")
-                            .replace("-ahead", "").replace(tiles.group(0) if tiles else "-tiles", "").split("-"))
+                            .replace("-ahead", "").replace("-half", "")
+                            .replace(tiles.group(0) if tiles else "-tiles", "").split("-"))
     fp8 = dtype == "fp8"
-    ptrs = {"table_ptr": "*i32", "glens_ptr": "*i64", "o_ptr": "*fp32", "lse_ptr": "*fp32", "qk_scale": "fp32"}
+    ptrs = {"table_ptr": "*i32", "glens_ptr": "*i64", "o_ptr": "*bf16" if half else "*fp32", "lse_ptr": "*fp32",
+            "qk_scale": "fp32"}
     box = gl.NVMMASharedLayout.get_default_for([64, 64], gl.float8e4nv if fp8 else gl.bfloat16)
     desc = f"tensordesc<{'fp8e4nv' if fp8 else 'bf16'}[64, 64],{box}>"
     if family == "mlan":     # the swapped narrow-tile MLA kernel: "mlan-DTYPE-NQ[-directRAWs][-causal]"
@@ -117,7 +120,7 @@ def _build(name: str, cubin: Path | None = None) -> dict:
             "serialized": "C7514" in info,
             "setmaxnreg": "setmaxnreg" in compiled.asm["ptx"], "wgmma": "wgmma.mma_async" in compiled.asm["ptx"],
             "gdc": "griddepcontrol.wait" in compiled.asm["ptx"],
-            "stores": {w: len(re.findall(rf"st\.global\.{w}\b", compiled.asm["ptx"])) for w in ("b32", "v2.b32")}}
+            "stores": {w: len(re.findall(rf"st\.global\.{w}\b", compiled.asm["ptx"])) for w in ("b16", "b32", "v2.b32")}}
 
 
 BUILDS = [
@@ -142,7 +145,10 @@ BUILDS = [
     # (the swapped kernels in head tiles of 32 / 16 columns, CONFIG tiles_wide(_fp8): 128 heads, 128 x 2 tokens)
     ("mlan-fp8-32-direct5s-tiles4-ahead-paired-pdl", 0), ("mlan-fp8-32-direct3s-tiles4-ahead-paired-pdl", 0),
     ("mlan-fp8-32-direct3s-tiles8-causal-ahead-paired-pdl", 64), ("mlan-fp8-16-direct5s-tiles8-pipe-ahead-paired-pdl", 0),
-    ("mlan-bf16-16-tiles8-ahead-pdl", 0), ("mlan-bf16-32-tiles8-causal-ahead-pdl", 128)]
+    ("mlan-bf16-16-tiles8-ahead-pdl", 0), ("mlan-bf16-32-tiles8-causal-ahead-pdl", 128),
+    # bf16 split partials (CONFIG half_partials): the installed forms with a bf16 output pointer
+    ("mla-bf16-half-pdl", 512), ("mla-fp8-k32r2raw2-half-pdl", 1024), ("mlan-bf16-16-ahead-half", 0),
+    ("mlan-fp8-16-direct5s-ahead-paired-half", 0), ("gqa-bf16-ahead-half-pdl", 0), ("gqa-fp8-direct8-8-paired-half-pdl", 0)]
 LOADERS = [("mlan-fp8-16-direct5s", 24, 4), ("gqa-fp8-direct10-8", 24, 4), ("gqa-bf16", 64, 1), ("mlan-bf16-16", 64, 1)]
 FIRST_MMAS = [("mlan-fp8-16-direct5s", "QGMMA"), ("gqa-fp8-direct10-8", "QGMMA"), ("gqa-bf16", "HGMMA"),
               ("mlan-bf16-16", "HGMMA")]
