@@ -268,8 +268,7 @@ DECODE_VARIANTS = {"no_pdl_us": ("triton_decode", {"pdl": 0}),
                    "untiled_us": ("triton_decode", {"tiles_wide": 0}),
                    "untiled_fp8_us": ("triton_decode", {"tiles_wide_fp8": 0}),
                    "expanded_us": ("triton_decode", {"expand_wide": 1}),
-                   "expanded_fp8_us": ("triton_decode", {"expand_wide_fp8": 1}),
-                   "half_partials_us": ("triton_decode", {"half_partials": 1})}
+                   "expanded_fp8_us": ("triton_decode", {"expand_wide_fp8": 1})}
 """Columns timing a decode call again with one CONFIG option of a module of parallel.cp changed."""
 
 
@@ -283,9 +282,8 @@ def row_variants(kind: str, heads: int, fp8: bool, tokens: int = 1) -> tuple[str
     ids_ahead_direct_fp8, MLA's ids_ahead_narrow_fp8); the seesaw form only MLA's full head tiles
     over bf16; expanded (a speculative step over full 64-head tiles as one-token decodes) only those
     steps; untiled (the Triton kernel instead of the head tiles) only MLA's speculative steps of more
-    than 32 columns that the installed CONFIG does not expand; the bf16 partials every MLA row.
-    (Elsewhere a variant would time the same kernel again: device time for a column equal to
-    time_us up to the spread.)"""
+    than 32 columns that the installed CONFIG does not expand. (Elsewhere a variant would time the same
+    kernel again: device time for a column equal to time_us up to the spread.)"""
     try:
         from megapar.parallel.cp.triton_decode import CONFIG
     except ImportError:     # (no Triton: no kernel runs, the expansion included)
@@ -300,8 +298,7 @@ def row_variants(kind: str, heads: int, fp8: bool, tokens: int = 1) -> tuple[str
              "ids_after_us": not fp8 and (kind == "gqa" or swapped), "ids_ahead_fp8_us": fp8 and kind == "gqa",
              "ids_after_narrow_fp8_us": fp8 and swapped, "seesaw_us": kind == "mla" and not swapped and not fp8,
              "untiled_us": tiled and not fp8, "untiled_fp8_us": tiled and fp8,
-             "expanded_us": expandable and not fp8, "expanded_fp8_us": expandable and fp8,
-             "half_partials_us": kind == "mla"}
+             "expanded_us": expandable and not fp8, "expanded_fp8_us": expandable and fp8}
     return tuple(name for name in DECODE_VARIANTS if reach[name])
 
 
@@ -320,9 +317,8 @@ def _decode_time(ctx: BenchContext, fns, variants=None) -> tuple[float, dict]:
     after the length (ids_ahead 0), ids_ahead_fp8_us with GQA's direct fp8 kernel's loaded beside it
     (ids_ahead_direct_fp8 1), ids_after_narrow_fp8_us with MLA's narrow direct fp8 kernel's loaded
     after it (ids_ahead_narrow_fp8 0), seesaw_us with the bf16 Gluon MLA kernel in its seesaw form
-    (seesaw_wide 1), half_partials_us with a call's split partials in bf16, not fp32 (half_partials
-    1) (where the CONFIG has the changed value already, time_us itself). `variants`: the names of
-    those to time (`row_variants`: those that reach the row's kernel), all when None."""
+    (seesaw_wide 1) (where the CONFIG has the changed value already, time_us itself). `variants`:
+    the names of those to time (`row_variants`: those that reach the row's kernel), all when None."""
     import importlib
 
     us, cols = step_time(ctx, fns)

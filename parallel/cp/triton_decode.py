@@ -972,14 +972,22 @@ CONFIG = {
     # a speculative step over full 64-head tiles (128 heads: TP 1 / DP attention) as one-token decodes
     # through the full-head-tile kernels (`_expanded`; per cache dtype), before the head tiles: at one
     # token those kernels beat the tiles (bf16 128 heads at 32K 150.4-151.5 µs against 212.9-218.4).
-    # Off until it has run on a GPU (tested on the CPU interpreter only; no device came for it on
-    # 2026-12-05 22:00-22:15): bench cp's expanded_us columns and bench/debug/decode_tiles.py time it
-    "expand_wide": 0, "expand_wide_fp8": 0,
+    # bench/debug/decode_tiles.py (H100, 2026-12-06 00:32, logs/decode-tiles3-h100.json, B 32, 1/4 of L,
+    # two runs each), expanded against the installed 32-column tiles: bf16 128 x 2 at 8K 74.8-75.0 µs
+    # against 118.1-118.7, at 32K 291.5-306.8 / 429.5-434.2, 128 x 4 at 32K 557.9-580.3 / 841.1-871.8,
+    # 64 x 3 at 32K 257.2-257.4 / 426.3-429.0; fp8 128 x 2 at 8K 110.9-114.3 / 138.0-142.4, at 32K
+    # 397.4-400.3 / 509.9-510.4, 64 x 3 at 32K 387.0-390.3 / 537.9-542.4; bench cp (00:30,
+    # bench/results/cp-h100.md) 128 x 2 at 32K bf16 423.0 -> 291.0, fp8 507.8 -> 393.4
+    "expand_wide": 1, "expand_wide_fp8": 1,
     # the split partials (a call of several splits) in the query's 16-bit dtype instead of fp32: half
     # the bytes written by the kernel and read back by the merge (MLA 128 heads at 1/4 of 8K: 2 x 32 x
     # 128 x 512 partials, 16.8 MB in fp32), at the cost of one more rounding of each split's normalized
     # output (relative 2^-9 in bf16) before the fp32 merge. FlashMLA and FlashAttention keep fp32.
-    # Off: bench cp's half_partials_us column times it
+    # Measured off (bench cp, H100, 2026-12-06 00:30, bench/results/cp-h100.md, column
+    # half_partials_us, since removed): slower on the 128-head rows, where the full-tile kernels store
+    # the partials a 16-bit element at a time (bf16 1/4 of 8K / 32K 53.1 -> 55.5 / 153.7 -> 159.5 µs,
+    # fp8 70.1 -> 71.8 / 212.7 -> 215.6), 0.5-2.3 µs faster on every 16-head row (8K bf16 35.7 -> 34.9,
+    # fp8 25.8 -> 24.9; DCP at N = 8 fp8 40.2 -> 39.2): not worth a second rounding
     "half_partials": 0,
 }
 # H200, B = 32, 1/4 of L = 8K and 32K (`python -m megapar.launch.bench.cp --probe`, CUDA-graph
