@@ -120,7 +120,8 @@ def _build(name: str, cubin: Path | None = None) -> dict:
             "serialized": "C7514" in info,
             "setmaxnreg": "setmaxnreg" in compiled.asm["ptx"], "wgmma": "wgmma.mma_async" in compiled.asm["ptx"],
             "gdc": "griddepcontrol.wait" in compiled.asm["ptx"],
-            "stores": {w: len(re.findall(rf"st\.global\.{w}\b", compiled.asm["ptx"])) for w in ("b16", "b32", "v2.b32")}}
+            "stores": {w: len(re.findall(rf"st\.global\.{w}\b", compiled.asm["ptx"]))
+                       for w in ("b16", "b32", "v2.b32")}}
 
 
 BUILDS = [

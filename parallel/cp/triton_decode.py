@@ -984,10 +984,11 @@ CONFIG = {
     # 128 x 512 partials, 16.8 MB in fp32), at the cost of one more rounding of each split's normalized
     # output (relative 2^-9 in bf16) before the fp32 merge. FlashMLA and FlashAttention keep fp32.
     # Measured off (bench cp, H100, 2026-12-06 00:30, bench/results/cp-h100.md, column
-    # half_partials_us, since removed): slower on the 128-head rows, where the full-tile kernels store
-    # the partials a 16-bit element at a time (bf16 1/4 of 8K / 32K 53.1 -> 55.5 / 153.7 -> 159.5 µs,
-    # fp8 70.1 -> 71.8 / 212.7 -> 215.6), 0.5-2.3 µs faster on every 16-head row (8K bf16 35.7 -> 34.9,
-    # fp8 25.8 -> 24.9; DCP at N = 8 fp8 40.2 -> 39.2): not worth a second rounding
+    # half_partials_us, since removed): slower on the 128-head rows, whose fixed part grew by ~2 µs
+    # (the full-tile kernels' epilogue issues as many stores, b32 pairs of bf16 for v2.b32 pairs of
+    # fp32: bf16 1/4 of 8K / 32K 53.1 -> 55.5 / 153.7 -> 159.5 µs, fp8 70.1 -> 71.8 / 212.7 -> 215.6),
+    # 0.5-2.3 µs faster on every 16-head row (8K bf16 35.7 -> 34.9, fp8 25.8 -> 24.9; DCP at N = 8 fp8
+    # 40.2 -> 39.2): not worth a second rounding
     "half_partials": 0,
 }
 # H200, B = 32, 1/4 of L = 8K and 32K (`python -m megapar.launch.bench.cp --probe`, CUDA-graph
@@ -1386,8 +1387,8 @@ def paged_decode_triton(q: Tensor, k: Tensor, v: Tensor, k_scale: Tensor | None,
             **({"maxnreg": cfg["maxnreg"]} if cfg["maxnreg"] else {}), **({"launch_pdl": True} if pdl else {}))
     if splits == 1:
         return AttnState(o[0], lse[0])
-    merged = merge_states_triton(o.view(splits, s * tq, hq, dv), lse.view(splits, s * tq, hq), pdl=pdl,
-                                 out=torch.empty(s * tq, hq, dv, dtype=torch.float32, device=q.device) if half else None)
+    out = torch.empty(s * tq, hq, dv, dtype=torch.float32, device=q.device) if half else None
+    merged = merge_states_triton(o.view(splits, s * tq, hq, dv), lse.view(splits, s * tq, hq), pdl=pdl, out=out)
     return AttnState(merged.out.view(s, tq, hq, dv), merged.lse.view(s, tq, hq))
 
 
