@@ -155,6 +155,9 @@ def test_dcp_breakdown_times_the_merges_a_rank_runs(monkeypatch):
         hq, dv = (4, 16) if " gqa " in row["case"] else (2, 32)
         want_merged.add((n, 2, max(1, hq // n), dv))
         want_combined.add((n, (2, hq)))
+        # a rank's whole work between ag_rs's collectives, both forms: the splits merged, then rescaled,
+        # or (unmerged, `rescale_parts_to_merged`) both in one kernel
+        assert row["ag_rs_step_us"] > 0 and row["ag_rs_fused_us"] > 0 and row["splits"] >= 1, row
     assert want_merged <= set(merged) and want_combined <= set(combined)
 
 

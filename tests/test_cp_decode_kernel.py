@@ -510,6 +510,33 @@ def test_kernel_reports_bad_tables_as_nan_without_reading_past_them(mla, fp8, mo
         paged_decode_attention(q, cache, bad_table, seq, backend="triton")      # (CPU tensors: checked first)
 
 
+@pytest.mark.parametrize("tq,fp8", [(1, False), (1, True), (2, False)])
+def test_unmerged_splits_are_the_kernels_partials(tq, fp8, monkeypatch):
+    """merge=False: the split-KV kernel's P partial states as it leaves them (P > 1 here, DCP rank 1
+    of 2, an empty sequence among them), whose merge is the merged call's result; the torch path
+    gives its merged state as P = 1."""
+    from parallel.cp import triton_decode as td
+    from parallel.cp.merge import merge_attn_states
+
+    for key in ("min_split", "min_split_fp8", "block_n", "block_n_fp8"):    # (several splits at these lengths)
+        monkeypatch.setitem(td.CONFIG, key, 16)
+    lens = [80, 30, 0, 47, 9] if tq == 1 else [80, 30, 2, 47, 9]
+    cache, table, layout, _, _ = _fill(lens, 2, 32, 32, 16, 2, 1, 1, torch.float8_e4m3fn if fp8 else torch.float32,
+                                       seed=17)
+    q = torch.randn(len(lens), tq, 8, 32)
+    q = q[:, 0] if tq == 1 else q
+    seq = torch.tensor(lens)
+    merged = paged_decode_attention(q, cache, table, seq, layout=layout, scale=0.1, backend="triton")
+    parts = paged_decode_attention(q, cache, table, seq, layout=layout, scale=0.1, backend="triton", merge=False)
+    assert parts.out.shape[0] > 1 and parts.out.shape[1:] == merged.out.shape, parts.out.shape
+    assert parts.lse.shape == parts.out.shape[:-1]
+    _check(merge_attn_states(parts.out, parts.lse, backend="torch"), merged, 1e-6)
+    ref = paged_decode_attention(q, cache, table, seq, layout=layout, scale=0.1, backend="torch")
+    ref_parts = paged_decode_attention(q, cache, table, seq, layout=layout, scale=0.1, backend="torch", merge=False)
+    assert torch.equal(ref_parts.out, ref.out.unsqueeze(0)) and torch.equal(ref_parts.lse, ref.lse.unsqueeze(0))
+    _check(merged, ref, 1e-4 if fp8 else 1e-5)
+
+
 def test_pdl_is_off_where_it_cannot_apply_and_its_switch_is_validated():
     """Programmatic dependent launch only on CUDA (sm_90+), never under the interpreter; CONFIG
     "pdl" takes 0/1 through apply_tuning like every launch setting."""
@@ -754,8 +781,9 @@ def _mla_gpu_problem(dtype, size, rank, heads, tq, seed):
     q = torch.randn(len(lens), tq, heads, 576, generator=gen).to(torch.bfloat16).cuda()
     seq = torch.tensor(lens, device="cuda")
 
-    def run(c, t, backend="triton"):
-        return paged_decode_attention(q, c, t, seq, layout=layout, scale=0.07, backend=backend, validate=False)
+    def run(c, t, backend="triton", merge=True):
+        return paged_decode_attention(q, c, t, seq, layout=layout, scale=0.07, backend=backend, validate=False,
+                                      merge=merge)
     return cache, table, nb, run, run(ref_cache, table, "torch")
 
 
@@ -1052,6 +1080,44 @@ def test_gluon_mla_half_partials_on_gpu(dtype, size, rank, heads, monkeypatch):
     bad[5, 0] = nb + 7
     _nan_row_5_only(run(cache, bad), got)
     _replays_to(lambda: run(cache, table), got)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float8_e4m3fn], ids=["bf16", "fp8"])
+@pytest.mark.parametrize("heads", [128, 16])
+def test_unmerged_splits_fuse_with_the_dcp_rescale_on_gpu(dtype, heads, monkeypatch):
+    """DCP's ag_rs combine on the GPU as one rank runs it (rank 2 of 4, the Gluon MLA kernels, several
+    splits): the kernel's splits unmerged (merge=False) and `rescale_parts_to_merged` over every rank's
+    split lses (the other ranks' made up) give what the merged call and `rescale_to_merged` give, to
+    fp32 rounding, in one merge launch; the torch forms agree; a CUDA graph replays it."""
+    from parallel.cp.merge import rescale_parts_to_merged, rescale_to_merged
+
+    td, _, _ = _gluon_mla_kernels(monkeypatch)
+    for key in ("min_split_wide", "min_split_wide_fp8", "min_split_wide_narrow"):
+        monkeypatch.setitem(td.CONFIG, key, 256)         # several splits at these lengths
+    size, rank = 4, 2
+    cache, table, _, run, ref = _mla_gpu_problem(dtype, size, rank, heads, 1, 97 + heads)
+    merged = run(cache, table)
+    parts = run(cache, table, merge=False)
+    p = parts.lse.shape[0]
+    assert p > 1 and parts.out.shape[1:] == merged.out.shape
+    gen = torch.Generator(device="cuda").manual_seed(5)
+    near = torch.where(torch.isfinite(merged.lse), merged.lse, 0.0)      # (the other ranks' lses near this one's)
+    lses = torch.randn(size, p, *parts.lse.shape[1:], device="cuda", generator=gen) * 3 + near
+    lses[rank] = parts.lse
+    lses[1, :, 1] = float("-inf")                          # (a rank with nothing of a sequence)
+    one_each = torch.logsumexp(lses, 1)                    # each rank's merged lse, as the merged path gathers
+    one_each[rank] = merged.lse
+    want = rescale_to_merged(merged.out, one_each, rank)
+    merges = _spy(monkeypatch, td, "merge_states_triton")
+    got = rescale_parts_to_merged(parts.out, lses, rank)
+    assert not merges
+    torch.testing.assert_close(got.lse, want.lse, atol=1e-5, rtol=0, equal_nan=True)
+    torch.testing.assert_close(got.out, want.out, atol=1e-5, rtol=0, equal_nan=True)
+    slow = rescale_parts_to_merged(parts.out, lses, rank, backend="torch")
+    torch.testing.assert_close(got.out, slow.out, atol=1e-6, rtol=0, equal_nan=True)
+    _check_against_torch(merged, ref, 1)
+    _replays_to(lambda: rescale_parts_to_merged(run(cache, table, merge=False).out, lses, rank), got)
 
 
 def test_head_tiles_and_where_they_apply():

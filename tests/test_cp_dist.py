@@ -122,21 +122,22 @@ def _check_ring_varlen(groups, case, group_arg, seed: int, device: torch.device,
 def _fill_cache(cache, attn_insert, ks, vs, table, split_last: bool) -> None:
     for s in range(len(ks)):
         n = ks[s].shape[0]
-        cut = n - 1 if split_last else n
+        cut = max(n - 1, 0) if split_last else n
         for lo, hi in ((0, cut), (cut, n)):
             if hi > lo:
                 attn_insert(cache, ks[s][lo:hi], vs[s][lo:hi], torch.arange(lo, hi, device=table.device),
                             table[s].expand(hi - lo, -1))
 
 
-def _check_dcp(group, case, seed: int, device: torch.device, tol: float, same_heads: bool = False) -> None:
-    """dcp_decode_attention over `group` (any group of ranks sharding one cache)."""
+def _check_dcp(group, case, seed: int, device: torch.device, tol: float, same_heads: bool = False,
+               backend: str = "auto", dims: tuple[int, int] = (8, 6)) -> None:
+    """dcp_decode_attention over `group` (any group of ranks sharding one cache); dims: (D, Dv)."""
     from parallel.cp import PagedKVCache, dcp_decode_attention, dcp_kv_insert
 
     interleave, block, lens, hl, hkv, comm, cache_dtype, atol = case
     rank, size = group.rank, group.size
     gen = torch.Generator().manual_seed(seed)
-    d, dv = 8, 6
+    d, dv = dims
     q = torch.randn(len(lens), hl * (1 if same_heads else size), d, generator=gen)
     ks = [torch.randn(n, hkv, d, generator=gen) for n in lens]
     vs = [torch.randn(n, hkv, dv, generator=gen) for n in lens]
@@ -152,7 +153,7 @@ def _check_dcp(group, case, seed: int, device: torch.device, tol: float, same_he
     mine = slice(0, hl) if same_heads else slice(rank * hl, (rank + 1) * hl)
     out, lse = dcp_decode_attention(q[:, mine].contiguous().to(device), cache, table.to(device),
                                     torch.tensor(lens, device=device), group, interleave=interleave, comm=comm,
-                                    return_lse=True, same_heads=same_heads)
+                                    return_lse=True, same_heads=same_heads, backend=backend)
     for s, n in enumerate(lens):
         ref_out, ref_lse = reference_attention(q[s:s + 1], ks[s], vs[s], causal=False)
         msg = f"rank {rank}/{size} case {case} seq {s}"
@@ -343,6 +344,52 @@ def test_context_parallel_attention_on_gloo_ranks(world):
 def test_context_parallel_attention_on_nccl_ranks():
     world = min(torch.cuda.device_count(), 4)
     assert launch_local(_cp_rank, world, args=(world,), backend="nccl", timeout=300) == ["ok"] * world
+
+
+# (interleave, block_size, seq_lens, local q heads, kv heads, comm, cache dtype, atol): long enough for several
+# splits of the kernel's 16-key tiles on each rank, an empty sequence among them
+SPLIT_DCP_CASES = [
+    (1, 16, [150, 40, 0, 97], 2, 2, "ag_rs", torch.float32, ATOL),
+    (2, 16, [150, 40, 0, 97], 2, 2, "a2a", torch.float32, ATOL),
+    (1, 16, [211, 3, 64], 2, 1, "ag_rs", torch.float8_e4m3fn, 8e-2),
+]
+
+
+def _dcp_split_rank(rank: int, world: int) -> str:
+    """DCP decode through the split-KV kernel (the interpreter) with several splits a rank: ag_rs
+    takes them unmerged and merges and rescales them in one kernel (`rescale_parts_to_merged`), a2a
+    merges them first; both against exact attention over the whole sequence."""
+    torch.set_num_threads(1)
+    from parallel import ParallelConfig, init_parallel
+    from parallel.cp import triton_decode
+    from parallel.cp.dcp import DCPLayout, PagedKVCache
+    from parallel.cp.paged import paged_decode_attention
+
+    for key in ("min_split", "min_split_fp8", "block_n", "block_n_fp8"):
+        triton_decode.CONFIG[key] = 16
+    groups = init_parallel(ParallelConfig(world_size=world, pcp=world))
+    cache = PagedKVCache.allocate(4, 16, 2, 32, head_dim_v=16, dtype=torch.float32)   # (the splits: a precondition)
+    parts = paged_decode_attention(torch.randn(1, 4, 32), cache, torch.tensor([[0, 1, 2, 3]]), torch.tensor([64 * world]),
+                                   layout=DCPLayout(world, rank, 16), backend="triton", merge=False)
+    assert parts.out.shape[0] > 1, parts.out.shape
+    for i, case in enumerate(SPLIT_DCP_CASES):
+        _check_dcp(groups.pcp, case, 300 + i, torch.device("cpu"), 1.0, backend="triton", dims=(32, 16))
+        if case[3] % case[4] == 0:
+            _check_dcp(groups.pcp, case, 400 + i, torch.device("cpu"), 1.0, same_heads=True, backend="triton",
+                       dims=(32, 16))
+    from parallel.cp import dcp as dcp_mod
+
+    dcp_mod.MAX_RESCALE_PARTIALS = 1        # more splits than one kernel merges: merged on the rank first
+    _check_dcp(groups.pcp, SPLIT_DCP_CASES[0], 500, torch.device("cpu"), 1.0, backend="triton", dims=(32, 16))
+    return "ok"
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_dcp_decode_with_kernel_splits_on_gloo_ranks(world, monkeypatch):
+    pytest.importorskip("triton")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert launch_local(_dcp_split_rank, world, args=(world,), timeout=240, env={"TRITON_INTERPRET": "1"}) == \
+        ["ok"] * world
 
 
 def test_ring_attention_without_tokens_raises_naming_t():

@@ -510,9 +510,66 @@ def test_rescale_kernel_matches_the_float64_share_under_interpreter(monkeypatch,
     def rescale(o, l, i):
         stacked = l if isinstance(l, torch.Tensor) else torch.stack(l)
         strided = o.transpose(0, 1).contiguous().transpose(0, 1)
-        return mod.rescale_triton(strided, stacked, i, base=base)
+        return mod.rescale_triton(strided.unsqueeze(0), stacked.unsqueeze(1), i, base=base)
 
     _check_shares(rescale, range(2), (1, 2, 3, 5), (torch.float32, torch.float16), base)
+
+
+@pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")
+@pytest.mark.parametrize("base", ["e", "2"])
+@pytest.mark.parametrize("kernel", [False, True])
+def test_rescale_parts_is_the_sum_of_a_ranks_partials_shares(monkeypatch, base, kernel):
+    """`rescale_parts_to_merged` (torch, and the kernel under the interpreter): rank i's P partials'
+    shares of the N x P-way merge summed, against the float64 shares of the awkward states (empty /
+    +inf / NaN rows, garbage outs of empty parts, huge lse gaps), fp32 / bf16 outs, N x P from 1 x 1
+    to 4 x 3; the ranks' results sum to the merge of all N x P partials and carry its lse."""
+    if kernel:
+        rescale = _triton_merge_module(monkeypatch).rescale_triton
+    else:
+        from parallel.cp.merge import rescale_parts_to_merged
+
+        rescale = lambda o, l, i, base: rescale_parts_to_merged(o, l, i, base=base, backend="torch")
+    for n, p in ((1, 1), (1, 3), (2, 2), (3, 1), (4, 3)):
+        outs, lses = _awkward_states(700 + 10 * n + p, n * p, t=8)
+        for dtype in (torch.float32, torch.bfloat16):
+            x = outs.to(dtype)
+            want_out, want_lse = _merge_float64(x.float(), lses, base)
+            total = None
+            for i in range(n):
+                got = rescale(x[i * p:(i + 1) * p], lses.view(n, p, *lses.shape[1:]), i, base=base)
+                share = sum(_share_float64(x.float(), lses, base, i * p + j) for j in range(p))
+                what = (n, p, dtype, i)
+                assert got.out.dtype == torch.float32 and got.lse.dtype == torch.float32, what
+                torch.testing.assert_close(got.out.double(), share, rtol=0, atol=1e-5, equal_nan=True, msg=what)
+                torch.testing.assert_close(got.lse.double(), want_lse, rtol=2e-7, atol=1e-5, equal_nan=True,
+                                           msg=what)
+                total = got.out.double() if total is None else total + got.out.double()
+            torch.testing.assert_close(total, want_out, rtol=0, atol=1e-5, equal_nan=True, msg=(n, p, dtype))
+
+
+def test_rescale_parts_rejects_bad_input():
+    from parallel.cp.merge import MAX_RESCALE_PARTIALS, rescale_parts_to_merged, rescale_to_merged
+
+    outs, lses = torch.randn(2, 4, 3, 8), torch.randn(3, 2, 4, 3)
+    with pytest.raises(ValueError, match=r"outs \(2, 4, 3, 8\) must be \[P, ..., T, H, D\] and lses \(3, 3, 4, 3\)"):
+        rescale_parts_to_merged(outs, torch.randn(3, 3, 4, 3), 0)             # another P
+    with pytest.raises(ValueError, match="must be"):
+        rescale_parts_to_merged(outs[0, 0], lses[:, 0, 0], 0)                  # [H, D]: no partials axis
+    with pytest.raises(ValueError, match=r"index 3 must be an int in \[0, 3\)"):
+        rescale_parts_to_merged(outs, lses, 3)
+    with pytest.raises(ValueError, match="float dtypes"):
+        rescale_parts_to_merged(outs.to(torch.int32), lses, 0)
+    with pytest.raises(ValueError, match="P >= 1"):
+        rescale_parts_to_merged(outs[:0], lses[:, :0], 0)
+    # past what one kernel merges, "auto" runs the torch form (here on CPU it does anyway): still exact
+    n, p = 5, -(-(MAX_RESCALE_PARTIALS + 1) // 5)
+    many_lses = torch.randn(n, p, 2, 3)
+    got = rescale_parts_to_merged(torch.randn(p, 2, 3, 8), many_lses, 4)
+    torch.testing.assert_close(got.lse, torch.logsumexp(many_lses.reshape(n * p, 2, 3), 0))
+    # one partial a rank is `rescale_to_merged`
+    got = rescale_parts_to_merged(outs[:1], lses[:, :1], 1)
+    want = rescale_to_merged(outs[0], lses[:, 0], 1)
+    assert torch.equal(got.out, want.out) and torch.equal(got.lse, want.lse)
 
 
 def test_rescale_to_merged_rejects_bad_input():
@@ -559,3 +616,16 @@ def test_rescale_to_merged_on_cuda_is_one_kernel_matching_torch(dtype):
     torch.cuda.synchronize()
     torch.testing.assert_close(captured.out, rescale_to_merged(outs[0], lses, 0, backend="torch").out, rtol=0,
                                atol=1e-5, equal_nan=True)
+    # several partials a rank (the split-KV kernel's splits, unmerged): one kernel too
+    from parallel.cp.merge import rescale_parts_to_merged
+
+    outs, lses = _edge_case_states(9, 8 * 3, 32, 128, 512)
+    outs, lses = outs.cuda().to(dtype).view(8, 3, 32, 128, 512), lses.cuda().view(8, 3, 32, 128)
+    for i in (0, 5):
+        want = rescale_parts_to_merged(outs[i], lses, i, backend="torch")
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+            got = rescale_parts_to_merged(outs[i], lses, i)
+            torch.cuda.synchronize()
+        assert len([e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]) == 1
+        torch.testing.assert_close(got.out, want.out, rtol=0, atol=1e-5, equal_nan=True)
+        torch.testing.assert_close(got.lse, want.lse, rtol=0, atol=1e-5, equal_nan=True)

@@ -54,7 +54,7 @@ from megapar.launch.bench.common import (BenchContext, ceilings, copy_ceiling_gb
                                          input_copies, l2_sets, probe_main, step_time)
 from megapar.parallel.cp import PagedKVCache, attention_with_lse, dcp_kv_insert, zigzag_shard
 from megapar.parallel.cp.dcp import DCPLayout, write_kv_slots
-from megapar.parallel.cp.merge import merge_attn_states, rescale_to_merged
+from megapar.parallel.cp.merge import merge_attn_states, rescale_parts_to_merged, rescale_to_merged
 from megapar.parallel.cp.ring import simulate_ring_backward, simulate_ring_forward
 
 RING_TARGET = 1.15
@@ -154,7 +154,9 @@ def _dcp_breakdown(ctx: BenchContext) -> None:
     DCP), the ratio N * local / full (1.0 = DCP splits the work perfectly), fixed_us (the same
     launch over one page per rank: grid, splits, merge; what does not shrink with N) and
     streamed_ratio_x_n, the ratio without it, and the merge of the N partial states (ag_rs: LSE
-    combine + rescale; a2a: the N-way merge). Collectives: section 3."""
+    combine + rescale; a2a: the N-way merge); ag_rs_step_us / ag_rs_fused_us: a rank's work between
+    ag_rs's collectives in one graph, the kernel's splits merged and then rescaled, or merged and
+    rescaled in one kernel (what `dcp_decode_attention` runs). Collectives: section 3."""
     from megapar.parallel.cp.mla import MLADims
     from megapar.parallel.cp.paged import paged_decode_attention
 
@@ -195,8 +197,9 @@ def _dcp_breakdown(ctx: BenchContext) -> None:
             what, scale = f"MLA H={hq}, latent {dims.latent_dim}", dims.scale
             dk, dv = dims.latent_dim, dims.kv_lora_rank
             read = lambda cache, tokens: kv_read_bytes_of(cache, tokens, 1, dims.latent_dim, 0, True)
-        call = lambda c, t, q, n, lens=seq: paged_decode_attention(q, c, t, lens, scale=scale, max_seq_len=context,
-                                                                   layout=DCPLayout(size=n, rank=0, block_size=block))
+        call = lambda c, t, q, n, lens=seq, merge=True: paged_decode_attention(
+            q, c, t, lens, scale=scale, max_seq_len=context, layout=DCPLayout(size=n, rank=0, block_size=block),
+            merge=merge)
 
         def floors(cache, tokens):
             """(floor, byte floor, FLOP floor) of the kernel over `tokens` cached tokens: the KV
@@ -239,6 +242,16 @@ def _dcp_breakdown(ctx: BenchContext) -> None:
 
             ag_rs_us, _ = graph_time(ctx, lambda: rescale_to_merged(outs[0], lses, 0))
             a2a_us, _ = graph_time(ctx, lambda: merge_attn_states(a2a_outs, a2a_lses))
+            # what a rank runs between ag_rs's collectives, in one step's graph: the kernel, its split
+            # merge and the rescale (ag_rs_step_us), against the kernel's splits unmerged and merged with
+            # the rescale in one kernel (ag_rs_fused_us, as dcp_decode_attention runs it); the other
+            # ranks' lses made up, the same for both
+            p = call(*local[0], n, merge=False).lse.shape[0]
+            split_lses = torch.randn(n, p, batch, hq, device=ctx.device)
+            ag_rs_step_us, _ = step_time(ctx, [lambda c=c, t=t, q=q: rescale_to_merged(
+                call(c, t, q, n).out, lses, 0) for c, t, q in local])
+            ag_rs_fused_us, _ = step_time(ctx, [lambda c=c, t=t, q=q: rescale_parts_to_merged(
+                call(c, t, q, n, merge=False).out, split_lses, 0) for c, t, q in local])
             floor, byte_floor, flop_floor = floors(local[0][0], batch * (context // n))
             ctx.record(f"dcp decode {kind} local attention over 1/{n} of the KV ({tag} cache, B={batch}, L={context}, "
                        f"{what})", local_us, anchor="the kernel over the whole KV (no DCP)", anchor_us=full_us,
@@ -246,7 +259,8 @@ def _dcp_breakdown(ctx: BenchContext) -> None:
                        work_ratio_local_x_n_over_full=local_us * n / full_us, ideal_speedup=n, fixed_us=fixed_us,
                        streamed_ratio_x_n=(local_us - fixed_us) * n / max(full_us - full_fixed_us, 1e-9),
                        merge_ag_rs_us=ag_rs_us, merge_a2a_us=a2a_us,
-                       local_plus_merge_us=local_us + min(ag_rs_us, a2a_us), **local_cols,
+                       local_plus_merge_us=local_us + min(ag_rs_us, a2a_us), ag_rs_step_us=ag_rs_step_us,
+                       ag_rs_fused_us=ag_rs_fused_us, splits=p, **local_cols,
                        byte_floor_us=byte_floor, flop_floor_us=flop_floor)
             del local, outs, lses, a2a_outs, a2a_lses
     ctx.note("dcp breakdown: the all-gather of q and the combine collectives need >= 2 GPUs (section 3)")

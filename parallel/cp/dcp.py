@@ -59,7 +59,7 @@ from ..comm import (GroupLike, all_gather_uneven, all_to_all_uneven, dtype_code,
                     reduce_scatter_uneven, resolve_group)
 from ..quant import quantize
 from .local_attn import masked_attention_math, resolve_scale
-from .merge import AttnState, merge_attn_states, rescale_to_merged
+from .merge import MAX_RESCALE_PARTIALS, AttnState, merge_attn_states, rescale_parts_to_merged
 
 DCPComm = Literal["ag_rs", "a2a"]
 
@@ -510,21 +510,30 @@ def dcp_decode_attention(q: Tensor, cache: PagedKVCache, block_table: Tensor, se
     if same_heads and hkv > 1 and size > 1:
         # [S, N, Hkv, G, D] -> kv-head-major so the plain GQA mapping (head // (N*G)) picks kv head j.
         q_all = q_all.view(s_len, size, hkv, heads // hkv, -1).transpose(1, 2).reshape(s_len, size * heads, -1)
-    # (values: checked above, a ValueError on CPU, or reported by the kernel)
-    local = paged_decode_attention(q_all, cache, block_table.to(q.device), seq_lens.to(q.device), layout=layout,
-                                   scale=scale, backend=chosen, validate=False)
-    if same_heads and hkv > 1 and size > 1:
-        back = lambda t: t.view(s_len, hkv, size, heads // hkv, *t.shape[2:]).transpose(1, 2).reshape(
-            s_len, size * heads, *t.shape[2:])
-        local = AttnState(back(local.out), back(local.lse))
+    # (values: checked above, a ValueError on CPU, or reported by the kernel). The ag_rs combine takes
+    # the split-KV kernel's splits unmerged: their merge and its rescale are one kernel
+    # (`rescale_parts_to_merged`); the other combines exchange one state a rank.
+    fused = comm == "ag_rs" and size > 1
+    parts = paged_decode_attention(q_all, cache, block_table.to(q.device), seq_lens.to(q.device), layout=layout,
+                                   scale=scale, backend=chosen, validate=False, merge=not fused)
+    if not fused:
+        parts = AttnState(parts.out.unsqueeze(0), parts.lse.unsqueeze(0))
+    elif parts.lse.shape[0] * size > MAX_RESCALE_PARTIALS:     # (more splits than one kernel merges)
+        parts = merge_attn_states(parts.out, parts.lse)
+        parts = AttnState(parts.out.unsqueeze(0), parts.lse.unsqueeze(0))
+    if same_heads and hkv > 1 and size > 1:     # [P, S, N * Hq, ...] back to the group's head order
+        back = lambda t: t.view(t.shape[0], s_len, hkv, size, heads // hkv, *t.shape[3:]).transpose(2, 3).reshape(
+            t.shape[0], s_len, size * heads, *t.shape[3:])
+        parts = AttnState(back(parts.out), back(parts.lse))
     if size == 1:
-        state = local
+        state = AttnState(parts.out[0], parts.lse[0])
     elif comm == "ag_rs":
-        lses = all_gather_uneven(local.lse.unsqueeze(0).contiguous(), group, dim=0, sizes=[1] * size)
-        scaled = rescale_to_merged(local.out, lses, rank)      # (one kernel on CUDA)
+        lses = all_gather_uneven(parts.lse.unsqueeze(0).contiguous(), group, dim=0, sizes=[1] * size)
+        scaled = rescale_parts_to_merged(parts.out, lses, rank)      # (one kernel on CUDA)
         out = reduce_scatter_uneven(scaled.out, [heads] * size, group, dim=1)
         state = AttnState(out, scaled.lse[:, rank * heads:(rank + 1) * heads])
     else:
+        local = AttnState(parts.out[0], parts.lse[0])
         s, dv = q.shape[0], local.out.shape[-1]
         packed = torch.cat([local.out, local.lse.unsqueeze(-1)], dim=-1)                  # [S, N*Hq, Dv+1]
         send = packed.view(s, size, heads, dv + 1).transpose(0, 1).reshape(size * s, heads, dv + 1)

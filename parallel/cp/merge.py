@@ -30,6 +30,9 @@ Base = Literal["e", "2"]
 MergeBackend = Literal["auto", "torch", "triton"]
 
 _KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+MAX_RESCALE_PARTIALS = 64
+"""The most partials (N ranks x P) `rescale_parts_to_merged` merges in one Triton kernel (its loops
+are unrolled); past it the torch reference runs ("auto"), or ValueError ("triton")."""
 
 
 def _kernel_dtypes(f: impl.Facts) -> impl.Unusable | None:
@@ -96,6 +99,11 @@ def combine_lse(lses: Sequence[Tensor], base: Base = "e") -> tuple[Tensor, Tenso
 def _merge_torch(outs: Sequence[Tensor], lses: Sequence[Tensor], base: Base) -> AttnState:
     """Reference merge: fp32 out [..., D] and lse [...]."""
     lse, _, scales = combine_lse(lses, base)
+    return AttnState(_weighted_sum(outs, scales), lse)
+
+
+def _weighted_sum(outs: Sequence[Tensor], scales: Sequence[Tensor]) -> Tensor:
+    """sum_i scales_i outs_i in fp32 ([..., D] outs, [...] scales)."""
     acc = None
     for o, s in zip(outs, scales):
         s = s.unsqueeze(-1)
@@ -103,7 +111,7 @@ def _merge_torch(outs: Sequence[Tensor], lses: Sequence[Tensor], base: Base) -> 
         # NaN scale (a NaN lse in the row) makes the term NaN: 0 * NaN.
         term = torch.where(s > 0, o.float(), 0.0) * s
         acc = term if acc is None else acc + term
-    return AttnState(acc, lse)
+    return acc
 
 
 def _finish(result: AttnState, dtype: torch.dtype, out: Tensor | None, out_lse: Tensor | None) -> AttnState:
@@ -185,21 +193,62 @@ def rescale_to_merged(out: Tensor, lses: Tensor | Sequence[Tensor], index: int, 
     lse_list = list(lses.unbind(0)) if isinstance(lses, Tensor) else list(lses)
     if not lse_list:
         raise ValueError("need N >= 1 lses")
-    if not isinstance(index, int) or isinstance(index, bool) or not 0 <= index < len(lse_list):
-        raise ValueError(f"index {index!r} must be an int in [0, {len(lse_list)}) (one of the {len(lse_list)} lses)")
+    _check_index(index, len(lse_list))
     _check_state(out, lse_list[0], "out")
     for i, l in enumerate(lse_list):
         if l.shape != lse_list[0].shape or l.device != out.device or not l.dtype.is_floating_point:
             raise ValueError(f"lse {i} is {tuple(l.shape)} {l.dtype} on {l.device}; every lse must be a float "
                              f"{tuple(out.shape[:-1])} on {out.device} (out {tuple(out.shape)})")
-    if _backend(backend, [out], lse_list) == "triton":
+    stacked = lses if isinstance(lses, Tensor) else torch.stack(lse_list)
+    return _rescale_parts(out.unsqueeze(0), stacked.unsqueeze(1), index, base, backend)
+
+
+def rescale_parts_to_merged(outs: Tensor, lses: Tensor, index: int, *, base: Base = "e",
+                            backend: MergeBackend = "auto") -> AttnState:
+    """`rescale_to_merged` for a rank that holds P partial states of its own, unmerged: the sum of
+    their shares of the N x P-way merge of every rank's P partials. The split-KV decode kernel
+    leaves its splits so (`paged_decode_attention(merge=False)`): DCP's ag_rs combine then merges
+    the splits and rescales in one pass, where the split merge and the rescale were two (each a
+    read and a write of the rank's [S, Hq, Dv] fp32 out, and a launch).
+
+    outs: [P, ..., T, H, D] any float dtype; lses: [N, P, ..., T, H] float, every rank's P lses
+    (this rank's at `index`). The sum over the N ranks' results is `merge_attn_states` over all
+    N x P partials; empty and NaN rows as in `rescale_to_merged`. Returns AttnState(fp32
+    [..., T, H, D], fp32 merged lse [..., T, H])."""
+    _check_base(base)
+    if outs.dim() < 3 or lses.dim() != outs.dim() or tuple(lses.shape[1:]) != tuple(outs.shape[:-1]):
+        raise ValueError(f"outs {tuple(outs.shape)} must be [P, ..., T, H, D] and lses {tuple(lses.shape)} "
+                         f"[N, P, ..., T, H] of the same P, ..., T, H")
+    if not outs.dtype.is_floating_point or not lses.dtype.is_floating_point:
+        raise ValueError(f"outs ({outs.dtype}) and lses ({lses.dtype}) must have float dtypes")
+    if outs.device != lses.device:
+        raise ValueError(f"outs on {outs.device} but lses on {lses.device}")
+    if lses.shape[0] < 1 or outs.shape[0] < 1:
+        raise ValueError(f"need N >= 1 ranks and P >= 1 partials, got lses {tuple(lses.shape)}")
+    _check_index(index, lses.shape[0])
+    return _rescale_parts(outs, lses, index, base, backend)
+
+
+def _check_index(index: int, n: int) -> None:
+    if not isinstance(index, int) or isinstance(index, bool) or not 0 <= index < n:
+        raise ValueError(f"index {index!r} must be an int in [0, {n}) (one of the {n} lses)")
+
+
+def _rescale_parts(outs: Tensor, lses: Tensor, index: int, base: Base, backend: MergeBackend) -> AttnState:
+    """(validated) outs [P, ..., D], lses [N, P, ...]: the Triton kernel or the torch reference."""
+    p = outs.shape[0]
+    if _backend(backend, [outs], [lses]) == "triton":
         from .triton_merge import rescale_triton
 
-        stacked = lses if isinstance(lses, Tensor) else torch.stack(lse_list)
-        return rescale_triton(out, stacked, index, base=base)
-    lse, _, scales = combine_lse(lse_list, base)
-    s = scales[index].unsqueeze(-1)
-    return AttnState(torch.where(s > 0, out.float(), 0.0) * s, lse)
+        if lses.shape[0] * p <= MAX_RESCALE_PARTIALS:
+            return rescale_triton(outs, lses, index, base=base)
+        if backend == "triton":
+            raise ValueError(f"{lses.shape[0]} ranks x {p} partials = {lses.shape[0] * p} is more than the kernel "
+                             f"merges ({MAX_RESCALE_PARTIALS}): merge each rank's partials first, or use the torch "
+                             f"backend")
+    flat = lses.reshape((-1,) + tuple(lses.shape[2:]))                      # [N * P, ...]: rank-major
+    lse, _, scales = combine_lse(list(flat.unbind(0)), base)
+    return AttnState(_weighted_sum(outs.unbind(0), scales[index * p:(index + 1) * p]), lse)
 
 
 def merge_two_attn_states(out_a: Tensor, lse_a: Tensor, out_b: Tensor, lse_b: Tensor, *, base: Base = "e",

@@ -1242,7 +1242,7 @@ def _expand_rows_kernel(lens_ptr, table_ptr, out_lens_ptr, out_table_ptr, st_s, 
 
 
 def _expanded(q: Tensor, k: Tensor, v: Tensor, k_scale: Tensor | None, v_scale: Tensor | None, block_table: Tensor,
-              seq_lens: Tensor, scale: float, **layout) -> AttnState:
+              seq_lens: Tensor, scale: float, merge: bool = True, **layout) -> AttnState:
     """A speculative step's Tq query tokens as Tq one-token decodes (CONFIG expand_wide / expand_wide_fp8):
     token t of a sequence of global length L sees the positions < L - Tq + 1 + t, which is a decode of
     that length (DCP's local share taken from it as from any length), so q [S, Tq, Hq, D] runs as
@@ -1259,20 +1259,25 @@ def _expanded(q: Tensor, k: Tensor, v: Tensor, k_scale: Tensor | None, v_scale: 
     if s > 0:
         _expand_rows_kernel[(s,)](seq_lens, block_table, each, table, block_table.stride(0), TABLE_W=width, TQ=tq,
                                   TQ_P2=triton.next_power_of_2(tq), BLOCK=min(1024, triton.next_power_of_2(width)))
-    got = paged_decode_triton(q.view(s * tq, 1, hq, d), k, v, k_scale, v_scale, table, each, scale, **layout)
-    return AttnState(got.out.view(s, tq, hq, -1), got.lse.view(s, tq, hq))
+    got = paged_decode_triton(q.view(s * tq, 1, hq, d), k, v, k_scale, v_scale, table, each, scale, merge=merge,
+                              **layout)
+    lead = got.lse.shape[:-3]        # (merge=False: the splits)
+    return AttnState(got.out.view(*lead, s, tq, hq, -1), got.lse.view(*lead, s, tq, hq))
 
 
 def paged_decode_triton(q: Tensor, k: Tensor, v: Tensor, k_scale: Tensor | None, v_scale: Tensor | None,
                         block_table: Tensor, seq_lens: Tensor, scale: float, *,
-                        dcp_size: int, dcp_rank: int, interleave: int, capacity: int) -> AttnState:
+                        dcp_size: int, dcp_rank: int, interleave: int, capacity: int,
+                        merge: bool = True) -> AttnState:
     """Launch (inputs validated by `paged.paged_decode_attention`).
 
     q: [S, Tq, Hq, D]; k: [nb, B, Hkv, D]; v: [nb, B, Hkv, Dv] (may be the view k[..., :Dv]);
     scales [nb, B, Hkv] fp32 for fp8; block_table [S, max_blocks]; seq_lens [S] int32 / int64
     global lengths (the kernel takes this rank's share of each); capacity: tokens per sequence the
     grid covers.
-    Returns AttnState(out [S, Tq, Hq, Dv] fp32, lse [S, Tq, Hq] fp32).
+    Returns AttnState(out [S, Tq, Hq, Dv] fp32, lse [S, Tq, Hq] fp32); merge=False: the P splits'
+    partials unmerged, out [P, S, Tq, Hq, Dv] (fp32, or q's dtype under CONFIG half_partials), lse
+    [P, S, Tq, Hq] (P = 1 where one split covers the grid).
     """
     s, tq, hq, d = q.shape
     page, hkv, dv = k.shape[1], k.shape[2], v.shape[-1]
@@ -1290,7 +1295,7 @@ def paged_decode_triton(q: Tensor, k: Tensor, v: Tensor, k_scale: Tensor | None,
     latent = not impl.interpreting() and _halves_ok(k, v, k_scale, v_scale, d_main, gluon_mla.TILE)
     if (latent and tq > 1 and hq % gluon_mla.TILE == 0 and CONFIG["expand_wide_fp8" if fp8 else "expand_wide"]
             and gluon_mla.gluon_mla_ok(q, k, v, 1, page, k_scale, v_scale)):
-        return _expanded(q, k, v, k_scale, v_scale, block_table, seq_lens, scale, dcp_size=dcp_size,
+        return _expanded(q, k, v, k_scale, v_scale, block_table, seq_lens, scale, merge, dcp_size=dcp_size,
                          dcp_rank=dcp_rank, interleave=interleave, capacity=capacity)
     # (over fp8 its direct form, with the raw stages that fit at these columns: none, or
     # direct_wide_narrow_fp8 0, leaves the padded-tile kernel)
@@ -1385,6 +1390,8 @@ def paged_decode_triton(q: Tensor, k: Tensor, v: Tensor, k_scale: Tensor | None,
             TABLE_W=table.shape[1], **({"DCP_N": dcp_size, "DCP_I": interleave} if CONFIG["dcp_constexpr"] else {}),
             num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
             **({"maxnreg": cfg["maxnreg"]} if cfg["maxnreg"] else {}), **({"launch_pdl": True} if pdl else {}))
+    if not merge:
+        return AttnState(o, lse)
     if splits == 1:
         return AttnState(o[0], lse[0])
     out = torch.empty(s * tq, hq, dv, dtype=torch.float32, device=q.device) if half else None

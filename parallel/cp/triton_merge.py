@@ -160,44 +160,51 @@ def _merge_n_kernel(
 def _rescale_kernel(
     x_ptr, lx_ptr, y_ptr, ly_ptr,
     M, H, INDEX,
-    sx_m, sx_h, sx_d, slx_n, slx_m, slx_h,
+    sx_p, sx_m, sx_h, sx_d, slx_n, slx_m, slx_h,
     sy_m, sy_h, sy_d, sly_m, sly_h,
-    N: tl.constexpr, D: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr, BASE2: tl.constexpr,
-    PDL: tl.constexpr = False,
+    N: tl.constexpr, P: tl.constexpr, D: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr,
+    BASE2: tl.constexpr, PDL: tl.constexpr = False,
 ):
-    """One partial's share of an N-way merge (the all-gather + reduce-scatter form): its out times
-    w_INDEX / sum_i w_i from the N lses, and the merged lse; the same arithmetic as `_merge_n_kernel`
-    with one out read instead of N."""
+    """The P partials of rank INDEX, their shares of an N-way merge summed (the all-gather +
+    reduce-scatter form): sum_p out_p w_(INDEX P + p) / sum_i w_i over the N lses (rank-major: rank
+    r's P partials at r P ..), and the merged lse; the same arithmetic as `_merge_n_kernel` with P
+    outs read instead of N (P = 1: one partial's share)."""
     if PDL:
         gdc_wait()
     rmask, m_idx, h_idx = _program_rows(M, H, BLOCK_R)
     lse_off = m_idx * slx_m + h_idx * slx_h
     slx_n64 = tl.cast(slx_n, tl.int64)
+    sx_p64 = tl.cast(sx_p, tl.int64)
     mx, total = _max_and_total(lx_ptr, lse_off, slx_n64, rmask, N, BLOCK_R, BASE2)
     safe = tl.where(total > 0, total, 1.0)
-    mine = _clean_lse(tl.load(lx_ptr + tl.cast(INDEX, tl.int64) * slx_n64 + lse_off, mask=rmask,
-                              other=float("-inf")).to(tl.float32))
-    # (NaN on a row where any lse is NaN: mx is NaN there, hence the scale, and 0 * NaN below)
-    si = _pow(mine - mx, BASE2) / safe
     d = tl.arange(0, BLOCK_D)
     mask2 = rmask[:, None] & (d[None, :] < D)
-    o = tl.load(x_ptr + m_idx[:, None] * sx_m + h_idx[:, None] * sx_h + d[None, :] * sx_d, mask=mask2, other=0.0)
-    acc = tl.where(si[:, None] > 0, o.to(tl.float32), 0.0) * si[:, None]
+    x_off = m_idx[:, None] * sx_m + h_idx[:, None] * sx_h + d[None, :] * sx_d
+    acc = tl.full([BLOCK_R, BLOCK_D], 0.0, tl.float32)
+    for j in tl.static_range(P):
+        mine = _clean_lse(tl.load(lx_ptr + (tl.cast(INDEX, tl.int64) * P + j) * slx_n64 + lse_off, mask=rmask,
+                                  other=float("-inf")).to(tl.float32))
+        # (NaN on a row where any lse is NaN: mx is NaN there, hence the scale, and 0 * NaN below)
+        si = _pow(mine - mx, BASE2) / safe
+        o = tl.load(x_ptr + j * sx_p64 + x_off, mask=mask2, other=0.0)
+        acc += tl.where(si[:, None] > 0, o.to(tl.float32), 0.0) * si[:, None]
     _store_merged(y_ptr, ly_ptr, m_idx, h_idx, d, rmask, mask2, acc, mx, total, sy_m, sy_h, sy_d, sly_m, sly_h,
                   BASE2)
 
 
-def rescale_triton(out: Tensor, lses: Tensor, index: int, *, base: str = "e", pdl: bool = False) -> AttnState:
-    """Triton version of `merge.rescale_to_merged` (inputs validated there): out [..., T, H, D],
-    lses [N, ..., T, H] stacked. Returns (fp32 scaled out, fp32 merged lse), fresh tensors."""
-    pdl = pdl and pdl_ok(out.device)
-    shape, n = out.shape, lses.shape[0]
+def rescale_triton(outs: Tensor, lses: Tensor, index: int, *, base: str = "e", pdl: bool = False) -> AttnState:
+    """Triton version of `merge.rescale_parts_to_merged` (inputs validated there): outs [P, ..., T, H,
+    D], lses [N, P, ..., T, H] stacked (N x P at most merge.MAX_RESCALE_PARTIALS: the kernel's loops
+    over them are unrolled). Returns (fp32 out, fp32 merged lse), fresh tensors."""
+    pdl = pdl and pdl_ok(outs.device)
+    n, p = lses.shape[0], outs.shape[0]
+    shape = outs.shape[1:]
     H, D = shape[-2], shape[-1]
-    x = _rows(out, 2)
-    lx = lses.reshape(n, -1, H)
-    M = x.shape[0]
-    y = torch.empty((M, H, D), dtype=torch.float32, device=out.device)
-    ly = torch.empty((M, H), dtype=torch.float32, device=out.device)
+    x = outs.reshape(p, -1, H, D)
+    lx = lses.reshape(n * p, -1, H)
+    M = x.shape[1]
+    y = torch.empty((M, H, D), dtype=torch.float32, device=outs.device)
+    ly = torch.empty((M, H), dtype=torch.float32, device=outs.device)
     from .. import impl
 
     block_r, block_d, num_warps = _launch_config(D, M * H, 0 if impl.interpreting() else CONFIG["min_programs"])
@@ -205,7 +212,7 @@ def rescale_triton(out: Tensor, lses: Tensor, index: int, *, base: str = "e", pd
         _rescale_kernel[(triton.cdiv(M * H, block_r),)](
             x, lx, y, ly, M, H, index,
             *x.stride(), *lx.stride(), *y.stride(), *ly.stride(),
-            N=n, D=D, BLOCK_R=block_r, BLOCK_D=block_d, BASE2=(base == "2"), PDL=pdl, num_warps=num_warps,
+            N=n * p, P=p, D=D, BLOCK_R=block_r, BLOCK_D=block_d, BASE2=(base == "2"), PDL=pdl, num_warps=num_warps,
             **({"launch_pdl": True} if pdl else {}))
     return AttnState(y.view(shape), ly.view(shape[:-1]))
 
