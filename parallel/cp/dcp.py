@@ -521,19 +521,25 @@ def dcp_decode_attention(q: Tensor, cache: PagedKVCache, block_table: Tensor, se
     elif parts.lse.shape[0] * size > MAX_RESCALE_PARTIALS:     # (more splits than one kernel merges)
         parts = merge_attn_states(parts.out, parts.lse)
         parts = AttnState(parts.out.unsqueeze(0), parts.lse.unsqueeze(0))
-    if same_heads and hkv > 1 and size > 1:     # [P, S, N * Hq, ...] back to the group's head order
-        back = lambda t: t.view(t.shape[0], s_len, hkv, size, heads // hkv, *t.shape[3:]).transpose(2, 3).reshape(
-            t.shape[0], s_len, size * heads, *t.shape[3:])
-        parts = AttnState(back(parts.out), back(parts.lse))
+    # [S, N * Hq, ...] of the kernel's head order back to the group's, once a rank holds one state (the
+    # rescale is per row, and every rank's rows are in the same order)
+    back = None
+    if same_heads and hkv > 1 and size > 1:
+        back = lambda t: t.view(s_len, hkv, size, heads // hkv, *t.shape[2:]).transpose(1, 2).reshape(
+            s_len, size * heads, *t.shape[2:])
     if size == 1:
         state = AttnState(parts.out[0], parts.lse[0])
     elif comm == "ag_rs":
         lses = all_gather_uneven(parts.lse.unsqueeze(0).contiguous(), group, dim=0, sizes=[1] * size)
         scaled = rescale_parts_to_merged(parts.out, lses, rank)      # (one kernel on CUDA)
+        if back is not None:
+            scaled = AttnState(back(scaled.out), back(scaled.lse))
         out = reduce_scatter_uneven(scaled.out, [heads] * size, group, dim=1)
         state = AttnState(out, scaled.lse[:, rank * heads:(rank + 1) * heads])
     else:
         local = AttnState(parts.out[0], parts.lse[0])
+        if back is not None:
+            local = AttnState(back(local.out), back(local.lse))
         s, dv = q.shape[0], local.out.shape[-1]
         packed = torch.cat([local.out, local.lse.unsqueeze(-1)], dim=-1)                  # [S, N*Hq, Dv+1]
         send = packed.view(s, size, heads, dv + 1).transpose(0, 1).reshape(size * s, heads, dv + 1)
