@@ -1112,8 +1112,9 @@ def test_unmerged_splits_fuse_with_the_dcp_rescale_on_gpu(dtype, heads, monkeypa
     merges = _spy(monkeypatch, td, "merge_states_triton")
     got = rescale_parts_to_merged(parts.out, lses, rank)
     assert not merges
-    torch.testing.assert_close(got.lse, want.lse, atol=1e-5, rtol=0, equal_nan=True)
-    torch.testing.assert_close(got.out, want.out, atol=1e-5, rtol=0, equal_nan=True)
+    # (fp32 rounding: the merged path rounds the splits' merge and its lse once more)
+    torch.testing.assert_close(got.lse, want.lse, atol=5e-5, rtol=0, equal_nan=True)
+    torch.testing.assert_close(got.out, want.out, atol=5e-5, rtol=0, equal_nan=True)
     slow = rescale_parts_to_merged(parts.out, lses, rank, backend="torch")
     torch.testing.assert_close(got.out, slow.out, atol=1e-6, rtol=0, equal_nan=True)
     _check_against_torch(merged, ref, 1)
