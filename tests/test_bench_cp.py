@@ -158,6 +158,9 @@ def test_dcp_breakdown_times_the_merges_a_rank_runs(monkeypatch):
         # a rank's whole work between ag_rs's collectives, both forms: the splits merged, then rescaled,
         # or (unmerged, `rescale_parts_to_merged`) both in one kernel
         assert row["ag_rs_step_us"] > 0 and row["ag_rs_fused_us"] > 0 and row["splits"] >= 1, row
+    for row in ctx.rows:      # the one-GPU rows: the out in q's dtype, cast after the call or written by it
+        if row["case"].startswith("dcp decode") and " full KV " in row["case"]:
+            assert row["cast_out_us"] > 0 and row["q_dtype_out_us"] > 0, row
     assert want_merged <= set(merged) and want_combined <= set(combined)
 
 

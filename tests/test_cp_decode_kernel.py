@@ -537,6 +537,43 @@ def test_unmerged_splits_are_the_kernels_partials(tq, fp8, monkeypatch):
     _check(merged, ref, 1e-4 if fp8 else 1e-5)
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("several", [False, True], ids=["one-split", "splits"])
+def test_out_dtype_is_written_by_the_merge_or_the_single_split(dtype, several, monkeypatch):
+    """out_dtype: the merged out in a 16-bit dtype, written by the split merge (several splits) or by
+    the kernel itself (one split): the fp32 call's out rounded once (fp16 exactly; bf16 within one
+    step: the interpreter converts by its own rules), the lse the fp32 call's; the torch path
+    casts; refused with merge=False and for other dtypes."""
+    from parallel.cp import triton_decode as td
+
+    for key in ("min_split", "min_split_fp8"):
+        monkeypatch.setitem(td.CONFIG, key, 16 if several else 4096)
+    for key in ("block_n", "block_n_fp8"):
+        monkeypatch.setitem(td.CONFIG, key, 16)
+    merges = []
+    real = td.merge_states_triton
+    monkeypatch.setattr(td, "merge_states_triton", lambda *a, **kw: merges.append(kw["out"].dtype) or real(*a, **kw))
+    lens = [80, 30, 0, 47, 9]
+    cache, table, layout, _, _ = _fill(lens, 2, 32, 32, 16, 2, 1, 1, torch.float32, seed=23)
+    q, seq = torch.randn(len(lens), 8, 32), torch.tensor(lens)
+    call = lambda **kw: paged_decode_attention(q, cache, table, seq, layout=layout, scale=0.1, **kw)
+    full = call(backend="triton")
+    got = call(backend="triton", out_dtype=dtype)
+    assert got.out.dtype == dtype and got.lse.dtype == torch.float32
+    assert merges == ([torch.float32, dtype] if several else [])
+    if dtype == torch.float16:
+        assert torch.equal(got.out, full.out.to(dtype))
+    else:
+        torch.testing.assert_close(got.out.float(), full.out, atol=0, rtol=2.0 ** -7)     # (one bf16 step)
+    assert torch.equal(got.lse, full.lse)
+    ref = call(backend="torch", out_dtype=dtype)
+    assert ref.out.dtype == dtype and torch.equal(ref.out, call(backend="torch").out.to(dtype))
+    with pytest.raises(ValueError, match="applies to the merged out"):
+        call(backend="triton", out_dtype=dtype, merge=False)
+    with pytest.raises(ValueError, match="out_dtype must be"):
+        call(backend="triton", out_dtype=torch.float8_e4m3fn)
+
+
 def test_pdl_is_off_where_it_cannot_apply_and_its_switch_is_validated():
     """Programmatic dependent launch only on CUDA (sm_90+), never under the interpreter; CONFIG
     "pdl" takes 0/1 through apply_tuning like every launch setting."""
@@ -1119,6 +1156,42 @@ def test_unmerged_splits_fuse_with_the_dcp_rescale_on_gpu(dtype, heads, monkeypa
     torch.testing.assert_close(got.out, slow.out, atol=1e-6, rtol=0, equal_nan=True)
     _check_against_torch(merged, ref, 1)
     _replays_to(lambda: rescale_parts_to_merged(run(cache, table, merge=False).out, lses, rank), got)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float8_e4m3fn], ids=["bf16", "fp8"])
+@pytest.mark.parametrize("kind", ["gqa", "mla128", "mla16", "mla128x2"])
+def test_out_dtype_on_gpu(dtype, kind, monkeypatch):
+    """out_dtype=bf16 through the installed kernels (Gluon GQA; MLA's full head tiles, its narrow ones,
+    a speculative step through the expansion), rank 1 of 2, one split a sequence and several: the
+    fp32 call's out rounded once (the split merge, or one split's kernel, stores it), the same lse;
+    a CUDA graph replays it."""
+    td = _compiled(monkeypatch)
+    gen = torch.Generator().manual_seed(41)
+    layout = DCPLayout(size=2, rank=1, block_size=64)
+    lens = [3000, 0, 77, 1, 640, 4096, 129, 64]
+    if kind == "gqa":
+        cache, _, table = _nan_gqa_cache(lens, 4, layout, dtype, gen)
+        q = torch.randn(len(lens), 1, 32, 128, generator=gen).to(torch.bfloat16).cuda()
+    else:
+        cache, _, table, _ = _mla_dcp_cache(lens, layout, dtype, gen)
+        tq, heads = (2, 128) if kind == "mla128x2" else (1, int(kind[3:]))
+        q = torch.randn(len(lens), tq, heads, 576, generator=gen).to(torch.bfloat16).cuda()
+    seq = torch.tensor(lens, device="cuda")
+    run = lambda **kw: paged_decode_attention(q, cache, table, seq, layout=layout, scale=0.08, backend="triton",
+                                              validate=False, **kw)
+    for key in ("min_split", "min_split_fp8", "min_split_wide", "min_split_wide_fp8", "min_split_wide_narrow"):
+        monkeypatch.setitem(td.CONFIG, key, 256)
+    for programs in (1, 4096):      # (one split a sequence, then several)
+        for key in ("target_programs_gluon_gqa", "target_programs_wide", "target_programs_wide_fp8",
+                    "target_programs_tiles"):
+            monkeypatch.setitem(td.CONFIG, key, programs)
+        full = run()
+        got = run(out_dtype=torch.bfloat16)
+        assert got.out.dtype == torch.bfloat16
+        torch.testing.assert_close(got.out.float(), full.out, atol=0, rtol=2.0 ** -8)    # (one rounding)
+        torch.testing.assert_close(got.lse, full.lse, atol=0, rtol=0)
+    _replays_to(lambda: run(out_dtype=torch.bfloat16), got)
 
 
 def test_head_tiles_and_where_they_apply():

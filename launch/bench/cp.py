@@ -156,7 +156,9 @@ def _dcp_breakdown(ctx: BenchContext) -> None:
     streamed_ratio_x_n, the ratio without it, and the merge of the N partial states (ag_rs: LSE
     combine + rescale; a2a: the N-way merge); ag_rs_step_us / ag_rs_fused_us: a rank's work between
     ag_rs's collectives in one graph, the kernel's splits merged and then rescaled, or merged and
-    rescaled in one kernel (what `dcp_decode_attention` runs). Collectives: section 3."""
+    rescaled in one kernel (what `dcp_decode_attention` runs); on the full-KV rows cast_out_us /
+    q_dtype_out_us: the call with its fp32 out cast to q's dtype after it, or written in it by the
+    merge (`out_dtype`, what `dcp_decode_attention` asks for on one rank). Collectives: section 3."""
     from megapar.parallel.cp.mla import MLADims
     from megapar.parallel.cp.paged import paged_decode_attention
 
@@ -197,9 +199,9 @@ def _dcp_breakdown(ctx: BenchContext) -> None:
             what, scale = f"MLA H={hq}, latent {dims.latent_dim}", dims.scale
             dk, dv = dims.latent_dim, dims.kv_lora_rank
             read = lambda cache, tokens: kv_read_bytes_of(cache, tokens, 1, dims.latent_dim, 0, True)
-        call = lambda c, t, q, n, lens=seq, merge=True: paged_decode_attention(
+        call = lambda c, t, q, n, lens=seq, merge=True, out_dtype=torch.float32: paged_decode_attention(
             q, c, t, lens, scale=scale, max_seq_len=context, layout=DCPLayout(size=n, rank=0, block_size=block),
-            merge=merge)
+            merge=merge, out_dtype=out_dtype)
 
         def floors(cache, tokens):
             """(floor, byte floor, FLOP floor) of the kernel over `tokens` cached tokens: the KV
@@ -224,9 +226,15 @@ def _dcp_breakdown(ctx: BenchContext) -> None:
         full_us, full_cols = _decode_time(ctx, [lambda c=c, t=t, q=q: call(c, t, q, 1) for c, t, q in full], variants)
         full_fixed_us = fixed(*full[0], 1)
         floor, byte_floor, flop_floor = floors(full[0][0], batch * context)
+        # a model wants the out in q's dtype: the call's fp32 out cast after it (cast_out_us), against the
+        # merge (or one split's kernel) writing it (q_dtype_out_us, what dcp_decode_attention asks for)
+        half = full[0][2].dtype != torch.float32
+        cast_us = step_time(ctx, [lambda c=c, t=t, q=q: call(c, t, q, 1).out.to(q.dtype) for c, t, q in full])[0]
+        direct_us = step_time(ctx, [lambda c=c, t=t, q=q: call(c, t, q, 1, out_dtype=q.dtype)
+                                    for c, t, q in full])[0] if half else cast_us
         ctx.record(f"dcp decode {kind} full KV on one GPU ({tag} cache, B={batch}, L={context}, {what})", full_us,
                    floor_us=floor, fixed_us=full_fixed_us, **full_cols, byte_floor_us=byte_floor,
-                   flop_floor_us=flop_floor)
+                   flop_floor_us=flop_floor, cast_out_us=cast_us, q_dtype_out_us=direct_us)
         del full
         for n in sizes:
             local = copies(n)

@@ -462,6 +462,9 @@ def _check_decode_call(q: Tensor, cache: PagedKVCache, block_table: Tensor, seq_
     return layout, heads, chosen, invalid, scale
 
 
+_OUT_DTYPES = (torch.float16, torch.bfloat16)
+
+
 def dcp_decode_attention(q: Tensor, cache: PagedKVCache, block_table: Tensor, seq_lens: Tensor,
                          group: GroupLike = None, *, interleave: int = 1, comm: DCPComm = "ag_rs",
                          scale: float | None = None, return_lse: bool = False, same_heads: bool = False,
@@ -514,8 +517,11 @@ def dcp_decode_attention(q: Tensor, cache: PagedKVCache, block_table: Tensor, se
     # the split-KV kernel's splits unmerged: their merge and its rescale are one kernel
     # (`rescale_parts_to_merged`); the other combines exchange one state a rank.
     fused = comm == "ag_rs" and size > 1
+    # (one rank and no PCP merge after it: the local out is the result, written in q's dtype at once)
+    last = size == 1 and layout.size == size
     parts = paged_decode_attention(q_all, cache, block_table.to(q.device), seq_lens.to(q.device), layout=layout,
-                                   scale=scale, backend=chosen, validate=False, merge=not fused)
+                                   scale=scale, backend=chosen, validate=False, merge=not fused,
+                                   out_dtype=q.dtype if last and q.dtype in _OUT_DTYPES else torch.float32)
     if not fused:
         parts = AttnState(parts.out.unsqueeze(0), parts.lse.unsqueeze(0))
     elif parts.lse.shape[0] * size > MAX_RESCALE_PARTIALS:     # (more splits than one kernel merges)

@@ -162,7 +162,8 @@ def paged_decode_reference(q: Tensor, cache: PagedKVCache, block_table: Tensor, 
 def paged_decode_attention(q: Tensor, cache: PagedKVCache, block_table: Tensor, seq_lens: Tensor, *,
                            layout: DCPLayout | None = None, scale: float | None = None,
                            backend: DecodeBackend = "auto", max_seq_len: int | None = None,
-                           validate: bool | None = None, merge: bool = True) -> AttnState:
+                           validate: bool | None = None, merge: bool = True,
+                           out_dtype: torch.dtype = torch.float32) -> AttnState:
     """Attention of the newest Tq tokens of each sequence over this rank's cached tokens.
 
     q: [S, Hq, D] (one token per sequence) or [S, Tq, Hq, D] (Tq <= 8); cache: this rank's
@@ -173,12 +174,19 @@ def paged_decode_attention(q: Tensor, cache: PagedKVCache, block_table: Tensor, 
     global lengths known to the caller (a Python int, no sync), used to size the split-KV grid;
     default the table's capacity. validate: read values (block ids, lengths) even on CUDA
     (synchronizes); default only for CPU tensors.
-    Returns AttnState(out [S, (Tq,) Hq, Dv] fp32, lse [S, (Tq,) Hq] fp32), lse -inf (out 0)
+    Returns AttnState(out [S, (Tq,) Hq, Dv] fp32 (or out_dtype), lse [S, (Tq,) Hq] fp32), lse -inf (out 0)
     where a query sees no token here. merge=False: the split-KV kernel's P partial states as it
     leaves them, out [P, S, (Tq,) Hq, Dv] (float), lse [P, S, (Tq,) Hq], for a caller that merges
     them with other partials anyway (`merge.rescale_parts_to_merged`: DCP's ag_rs combine); P = 1
-    for the torch path or a single split.
+    for the torch path or a single split. out_dtype: the dtype of the merged out, fp32 or a 16-bit
+    one (a caller that casts to it: the kernel's split merge, or a single split, writes it once, where
+    a cast after the call would read and write the whole out again); not with merge=False.
     """
+    if out_dtype not in (torch.float32, torch.float16, torch.bfloat16):
+        raise ValueError(f"out_dtype must be torch.float32, torch.float16 or torch.bfloat16, got {out_dtype}")
+    if not merge and out_dtype != torch.float32:
+        raise ValueError(f"out_dtype ({out_dtype}) applies to the merged out; merge=False returns the kernel's "
+                         f"partials as they are")
     layout = DCPLayout(size=1, rank=0, block_size=cache.block_size) if layout is None else layout
     if layout.block_size != cache.block_size:
         raise ValueError(f"layout block_size ({layout.block_size}) != the cache's ({cache.block_size})")
@@ -201,12 +209,15 @@ def paged_decode_attention(q: Tensor, cache: PagedKVCache, block_table: Tensor, 
         state = paged_decode_triton(q4.contiguous() if q4.stride(-1) != 1 else q4, cache.k, cache.v,
                                     cache.k_scale, cache.v_scale, table, seq_lens.to(q.device).contiguous(),
                                     scale, dcp_size=layout.size, dcp_rank=layout.rank,
-                                    interleave=layout.interleave, capacity=capacity, merge=merge)
+                                    interleave=layout.interleave, capacity=capacity, merge=merge,
+                                    out_dtype=out_dtype)
     else:
         seq = seq_lens.to(q.device)
         state = paged_decode_reference(q4, cache, table, layout.local_lengths(seq.long()), seq, scale, layout)
         if not merge:
             state = AttnState(state.out.unsqueeze(0), state.lse.unsqueeze(0))
+        elif out_dtype != torch.float32:
+            state = AttnState(state.out.to(out_dtype), state.lse)
     if single:      # (the token axis, after the splits' where they are kept)
         return AttnState(state.out.squeeze(-3), state.lse.squeeze(-2))
     return state

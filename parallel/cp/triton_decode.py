@@ -1242,7 +1242,8 @@ def _expand_rows_kernel(lens_ptr, table_ptr, out_lens_ptr, out_table_ptr, st_s, 
 
 
 def _expanded(q: Tensor, k: Tensor, v: Tensor, k_scale: Tensor | None, v_scale: Tensor | None, block_table: Tensor,
-              seq_lens: Tensor, scale: float, merge: bool = True, **layout) -> AttnState:
+              seq_lens: Tensor, scale: float, merge: bool = True, out_dtype: torch.dtype = torch.float32,
+              **layout) -> AttnState:
     """A speculative step's Tq query tokens as Tq one-token decodes (CONFIG expand_wide / expand_wide_fp8):
     token t of a sequence of global length L sees the positions < L - Tq + 1 + t, which is a decode of
     that length (DCP's local share taken from it as from any length), so q [S, Tq, Hq, D] runs as
@@ -1260,7 +1261,7 @@ def _expanded(q: Tensor, k: Tensor, v: Tensor, k_scale: Tensor | None, v_scale: 
         _expand_rows_kernel[(s,)](seq_lens, block_table, each, table, block_table.stride(0), TABLE_W=width, TQ=tq,
                                   TQ_P2=triton.next_power_of_2(tq), BLOCK=min(1024, triton.next_power_of_2(width)))
     got = paged_decode_triton(q.view(s * tq, 1, hq, d), k, v, k_scale, v_scale, table, each, scale, merge=merge,
-                              **layout)
+                              out_dtype=out_dtype, **layout)
     lead = got.lse.shape[:-3]        # (merge=False: the splits)
     return AttnState(got.out.view(*lead, s, tq, hq, -1), got.lse.view(*lead, s, tq, hq))
 
@@ -1268,7 +1269,7 @@ def _expanded(q: Tensor, k: Tensor, v: Tensor, k_scale: Tensor | None, v_scale: 
 def paged_decode_triton(q: Tensor, k: Tensor, v: Tensor, k_scale: Tensor | None, v_scale: Tensor | None,
                         block_table: Tensor, seq_lens: Tensor, scale: float, *,
                         dcp_size: int, dcp_rank: int, interleave: int, capacity: int,
-                        merge: bool = True) -> AttnState:
+                        merge: bool = True, out_dtype: torch.dtype = torch.float32) -> AttnState:
     """Launch (inputs validated by `paged.paged_decode_attention`).
 
     q: [S, Tq, Hq, D]; k: [nb, B, Hkv, D]; v: [nb, B, Hkv, Dv] (may be the view k[..., :Dv]);
@@ -1277,7 +1278,8 @@ def paged_decode_triton(q: Tensor, k: Tensor, v: Tensor, k_scale: Tensor | None,
     grid covers.
     Returns AttnState(out [S, Tq, Hq, Dv] fp32, lse [S, Tq, Hq] fp32); merge=False: the P splits'
     partials unmerged, out [P, S, Tq, Hq, Dv] (fp32, or q's dtype under CONFIG half_partials), lse
-    [P, S, Tq, Hq] (P = 1 where one split covers the grid).
+    [P, S, Tq, Hq] (P = 1 where one split covers the grid). out_dtype: the merged out's dtype (fp32,
+    or the 16-bit dtype the caller casts to: the split merge, or one split's kernel, writes it).
     """
     s, tq, hq, d = q.shape
     page, hkv, dv = k.shape[1], k.shape[2], v.shape[-1]
@@ -1295,7 +1297,7 @@ def paged_decode_triton(q: Tensor, k: Tensor, v: Tensor, k_scale: Tensor | None,
     latent = not impl.interpreting() and _halves_ok(k, v, k_scale, v_scale, d_main, gluon_mla.TILE)
     if (latent and tq > 1 and hq % gluon_mla.TILE == 0 and CONFIG["expand_wide_fp8" if fp8 else "expand_wide"]
             and gluon_mla.gluon_mla_ok(q, k, v, 1, page, k_scale, v_scale)):
-        return _expanded(q, k, v, k_scale, v_scale, block_table, seq_lens, scale, merge, dcp_size=dcp_size,
+        return _expanded(q, k, v, k_scale, v_scale, block_table, seq_lens, scale, merge, out_dtype, dcp_size=dcp_size,
                          dcp_rank=dcp_rank, interleave=interleave, capacity=capacity)
     # (over fp8 its direct form, with the raw stages that fit at these columns: none, or
     # direct_wide_narrow_fp8 0, leaves the padded-tile kernel)
@@ -1348,9 +1350,10 @@ def paged_decode_triton(q: Tensor, k: Tensor, v: Tensor, k_scale: Tensor | None,
     programs = s * head_tiles if tiled else s * hkv * m_tiles
     splits, split_len = plan_splits(capacity, programs, block_n, cfg["min_split"], bool(cfg["at_most"]),
                                     cfg["target_programs"])
-    # (the kernels store through o's dtype; one split's partial is the call's fp32 output)
+    # (the kernels store through o's dtype: one split's partial is the call's output, in out_dtype)
     half = splits > 1 and bool(CONFIG["half_partials"]) and q.dtype in (torch.bfloat16, torch.float16)
-    o = torch.empty(splits, s, tq, hq, dv, dtype=q.dtype if half else torch.float32, device=q.device)
+    o_dtype = q.dtype if half else out_dtype if splits == 1 and merge else torch.float32
+    o = torch.empty(splits, s, tq, hq, dv, dtype=o_dtype, device=q.device)
     lse = torch.empty(splits, s, tq, hq, dtype=torch.float32, device=q.device)
     ks = k_scale if fp8 else _no_scale(q)
     vs = v_scale if fp8 else ks
@@ -1394,7 +1397,7 @@ def paged_decode_triton(q: Tensor, k: Tensor, v: Tensor, k_scale: Tensor | None,
         return AttnState(o, lse)
     if splits == 1:
         return AttnState(o[0], lse[0])
-    out = torch.empty(s * tq, hq, dv, dtype=torch.float32, device=q.device) if half else None
+    out = torch.empty(s * tq, hq, dv, dtype=out_dtype, device=q.device)
     merged = merge_states_triton(o.view(splits, s * tq, hq, dv), lse.view(splits, s * tq, hq), pdl=pdl, out=out)
     return AttnState(merged.out.view(s, tq, hq, dv), merged.lse.view(s, tq, hq))
 
