@@ -44,7 +44,8 @@ try:
                                                                   warpgroup_mma_wait)
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
     from .gluon_mla import (HAS_GLUON, IDS_L, _bad_ids, _bad_ids_after, _block_of, _finish, _gdc_wait_and_release,
-                            _ids_early, _ids_next, _ids_window, _table_tiles, _softmax_step, _split_range)
+                            _ids_early, _ids_window, _table_tiles, _softmax_step, _split_range, _window_start,
+                            _window_tile)
 except ImportError:  # pragma: no cover - a Triton without Gluon
     HAS_GLUON = False
 
@@ -480,20 +481,11 @@ if HAS_GLUON:
         """(one warp) Each 64-key tile's key and value boxes (64 x 128 fp8 each: a tile lies in its page)
         by TMA into the raw ring, the block ids four tiles ahead (AHEAD: the first four loaded beside the
         sequence's length, `_table_tiles`)."""
-        if AHEAD:
-            first = split * split_len
-            b1, b2, b3, b4 = _ids_window(table_ptr, s, st_s, first, _table_tiles(first, table_w, PAGE), num_blocks,
-                                         PAGE)
-        start, end, tiles, bad = _split_range(glens_ptr, s, split, split_len, dcp_size, dcp_rank, interleave,
-                                              table_w, PAGE)
-        if not AHEAD:
-            b1, b2, b3, b4 = _ids_window(table_ptr, s, st_s, start, tiles, num_blocks, PAGE)
+        start, tiles, b1, b2, b3, b4 = _window_start(table_ptr, glens_ptr, s, st_s, split, split_len, dcp_size,
+                                                     dcp_rank, interleave, table_w, num_blocks, PAGE, AHEAD)
         for t in range(tiles):
-            rs = t % RAW
-            j0 = start + t * BLOCK
-            blk, b1, b2, b3, b4 = _ids_next(b1, b2, b3, b4, table_ptr, s, st_s, j0, t, tiles, num_blocks, PAGE)
-            if t >= RAW:
-                mbarrier.wait(raw_free.index(rs), ((t // RAW) - 1) & 1)
+            rs, j0, blk, b1, b2, b3, b4 = _window_tile(b1, b2, b3, b4, table_ptr, s, st_s, start, t, tiles, num_blocks,
+                                                       raw_free, PAGE, RAW)
             mbarrier.expect(raw_ready.index(rs), 2 * k_desc.block_type.nbytes)
             row = blk * PAGE + j0 % PAGE
             tma.async_copy_global_to_shared(k_desc, [row, kvh * LBOX], raw_ready.index(rs), k_smem.index(rs))

@@ -103,6 +103,33 @@ if HAS_GLUON:
         return b1, b2, b3, b4, _block_of(table_ptr, s, st_s, j0 + 4 * BLOCK, t + 4 < tiles, num_blocks, PAGE)
 
     @gluon.jit
+    def _window_start(table_ptr, glens_ptr, s, st_s, split, split_len, dcp_size, dcp_rank, interleave, table_w,
+                      num_blocks, PAGE: gl.constexpr, AHEAD: gl.constexpr):
+        """A direct loader's (start, tiles) of its split and its first `_ids_window` (AHEAD: loaded beside
+        the sequence's length, bounded by `_table_tiles`; else after it, bounded by the split's tiles)."""
+        if AHEAD:
+            first = split * split_len
+            b1, b2, b3, b4 = _ids_window(table_ptr, s, st_s, first, _table_tiles(first, table_w, PAGE), num_blocks,
+                                         PAGE)
+        start, end, tiles, bad = _split_range(glens_ptr, s, split, split_len, dcp_size, dcp_rank, interleave,
+                                              table_w, PAGE)
+        if not AHEAD:
+            b1, b2, b3, b4 = _ids_window(table_ptr, s, st_s, start, tiles, num_blocks, PAGE)
+        return start, tiles, b1, b2, b3, b4
+
+    @gluon.jit
+    def _window_tile(b1, b2, b3, b4, table_ptr, s, st_s, start, t, tiles, num_blocks, raw_free, PAGE: gl.constexpr,
+                     RAW: gl.constexpr):
+        """A direct loader's tile t: (its raw stage, its first local token, its block id, the window moved
+        on: `_ids_next`), once its raw stage's last tile is consumed (raw_free)."""
+        rs = t % RAW
+        j0 = start + t * BLOCK
+        blk, b1, b2, b3, b4 = _ids_next(b1, b2, b3, b4, table_ptr, s, st_s, j0, t, tiles, num_blocks, PAGE)
+        if t >= RAW:
+            mbarrier.wait(raw_free.index(rs), ((t // RAW) - 1) & 1)
+        return rs, j0, blk, b1, b2, b3, b4
+
+    @gluon.jit
     def _bad_ids(table_ptr, s, st_s, start, end, num_blocks, PAGE: gl.constexpr, layout: gl.constexpr):
         """Whether any block id of the split's pages [start, end) lies outside [0, num_blocks): read once
         after the loop (the loaders clamp the ids they load), not a load a tile in the consumer's loop."""
@@ -208,6 +235,15 @@ if HAS_GLUON:
             tma.async_copy_global_to_shared(q_desc, [head0, c * BLOCK], q_bar, q_smem.index(c))
 
     @gluon.jit
+    def _range_and_queries(q_desc, q_smem, q_bar, head0, glens_ptr, s, split, split_len, dcp_size, dcp_rank,
+                           interleave, table_w, PAGE: gl.constexpr):
+        """A bf16 loader's start: its split's (start, end, tiles), then its queries' TMA (`_load_queries`)."""
+        start, end, tiles, bad = _split_range(glens_ptr, s, split, split_len, dcp_size, dcp_rank, interleave,
+                                              table_w, PAGE)
+        _load_queries(q_desc, q_smem, q_bar, head0)
+        return start, end, tiles
+
+    @gluon.jit
     def _store_masked_tile(k_ptr, k_smem, stage, blk, j0, valid, sk_b, sk_t, PAGE: gl.constexpr):
         """A split's last tile that ends inside it (`valid` keys from local token j0, cache block blk)
         into the ring stage through masked loads, rows past the end as zeros, then fenced for the
@@ -232,9 +268,8 @@ if HAS_GLUON:
         if AHEAD:
             j_first = split * split_len
             first = _block_of(table_ptr, s, st_s, j_first, _table_tiles(j_first, table_w, PAGE) > 0, num_blocks, PAGE)
-        start, end, tiles, bad = _split_range(glens_ptr, s, split, split_len, dcp_size, dcp_rank, interleave,
-                                              table_w, PAGE)
-        _load_queries(q_desc, q_smem, q_bar, head0)
+        start, end, tiles = _range_and_queries(q_desc, q_smem, q_bar, head0, glens_ptr, s, split, split_len, dcp_size,
+                                               dcp_rank, interleave, table_w, PAGE)
         for t in range(tiles):
             stage = t % STAGES
             j0 = start + t * BLOCK
@@ -511,9 +546,8 @@ if HAS_GLUON:
         """`_loader` for the seesaw ring: each tile's groups (rope, left, right), each once the group's
         boxes of the stage's last tile are free; the split's last tile, when it ends inside it, through
         masked loads once all three are free."""
-        start, end, tiles, bad = _split_range(glens_ptr, s, split, split_len, dcp_size, dcp_rank, interleave,
-                                              table_w, PAGE)
-        _load_queries(q_desc, q_smem, q_bar, head0)
+        start, end, tiles = _range_and_queries(q_desc, q_smem, q_bar, head0, glens_ptr, s, split, split_len, dcp_size,
+                                               dcp_rank, interleave, table_w, PAGE)
         for t in range(tiles):
             stage = t % STAGES
             j0 = start + t * BLOCK

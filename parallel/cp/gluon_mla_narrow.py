@@ -53,8 +53,8 @@ if HAS_GLUON:
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
     from .gluon_mla import (BLOCK, CHUNKS, IDS_L, STAGES, _bad_ids, _bad_ids_after, _barriers, _finish,
-                            _gdc_wait_and_release, _ids_early, _ids_next, _ids_window, _table_tiles, _loader,
-                            _softmax_step, _split_range)
+                            _gdc_wait_and_release, _ids_early, _loader, _softmax_step, _split_range, _window_start,
+                            _window_tile)
     from .triton_common import global_pos as _global_pos
 
 MAX_HEADS = 32      # the widest narrow tile: NQ = 32 columns (eight 64 x 32 fp32 accumulators)
@@ -581,20 +581,11 @@ if HAS_GLUON:
                        PAGE: gl.constexpr, RAW: gl.constexpr, AHEAD: gl.constexpr = False):
         """(one warp) Each 64-key tile's four 64 x 128 latent boxes, its 64 x 64 rope box and its scales by
         TMA into the raw ring (whole boxes: a tile lies in its page), the block ids four tiles ahead."""
-        if AHEAD:   # the first ids' loads beside the length's, not after it
-            first = split * split_len
-            b1, b2, b3, b4 = _ids_window(table_ptr, s, st_s, first, _table_tiles(first, table_w, PAGE), num_blocks,
-                                         PAGE)
-        start, end, tiles, bad = _split_range(glens_ptr, s, split, split_len, dcp_size, dcp_rank, interleave,
-                                              table_w, PAGE)
-        if not AHEAD:
-            b1, b2, b3, b4 = _ids_window(table_ptr, s, st_s, start, tiles, num_blocks, PAGE)
+        start, tiles, b1, b2, b3, b4 = _window_start(table_ptr, glens_ptr, s, st_s, split, split_len, dcp_size,
+                                                     dcp_rank, interleave, table_w, num_blocks, PAGE, AHEAD)
         for t in range(tiles):
-            rs = t % RAW
-            j0 = start + t * BLOCK
-            blk, b1, b2, b3, b4 = _ids_next(b1, b2, b3, b4, table_ptr, s, st_s, j0, t, tiles, num_blocks, PAGE)
-            if t >= RAW:
-                mbarrier.wait(raw_free.index(rs), ((t // RAW) - 1) & 1)
+            rs, j0, blk, b1, b2, b3, b4 = _window_tile(b1, b2, b3, b4, table_ptr, s, st_s, start, t, tiles, num_blocks,
+                                                       raw_free, PAGE, RAW)
             mbarrier.expect(raw_ready.index(rs), LBOXES * kl_desc.block_type.nbytes + kr_desc.block_type.nbytes
                             + ks_desc.block_type.nbytes)
             row = blk * PAGE + j0 % PAGE
