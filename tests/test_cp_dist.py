@@ -369,8 +369,9 @@ def _dcp_split_rank(rank: int, world: int) -> str:
         triton_decode.CONFIG[key] = 16
     groups = init_parallel(ParallelConfig(world_size=world, pcp=world))
     cache = PagedKVCache.allocate(4, 16, 2, 32, head_dim_v=16, dtype=torch.float32)   # (the splits: a precondition)
-    parts = paged_decode_attention(torch.randn(1, 4, 32), cache, torch.tensor([[0, 1, 2, 3]]), torch.tensor([64 * world]),
-                                   layout=DCPLayout(world, rank, 16), backend="triton", merge=False)
+    parts = paged_decode_attention(torch.randn(1, 4, 32), cache, torch.tensor([[0, 1, 2, 3]]),
+                                   torch.tensor([64 * world]), layout=DCPLayout(world, rank, 16), backend="triton",
+                                   merge=False)
     assert parts.out.shape[0] > 1, parts.out.shape
     for i, case in enumerate(SPLIT_DCP_CASES):
         _check_dcp(groups.pcp, case, 300 + i, torch.device("cpu"), 1.0, backend="triton", dims=(32, 16))
