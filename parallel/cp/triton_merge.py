@@ -90,6 +90,23 @@ def _max_and_total(lx_ptr, lse_off, slx_n64, rmask, N: tl.constexpr, BLOCK_R: tl
 
 
 @triton.jit
+def _weighted_outs(x_ptr, x_off, sx_n64, lx_ptr, lse_off, slx_n64, first, mx, total, rmask, mask2, P: tl.constexpr,
+                   BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr, BASE2: tl.constexpr):
+    """Pass 2 of a merge: sum_j out_j w_(first + j) / sum_i w_i over P outs (j strides of sx_n64 in)
+    whose lses stand at first, first + 1, .. of the stacked lses (`_max_and_total`'s mx and total).
+    NaN on a row where any lse is NaN: mx is NaN there, hence the scale, and 0 * NaN."""
+    safe = tl.where(total > 0, total, 1.0)
+    acc = tl.full([BLOCK_R, BLOCK_D], 0.0, tl.float32)
+    for j in tl.static_range(P):
+        lj = _clean_lse(tl.load(lx_ptr + (first + j) * slx_n64 + lse_off, mask=rmask, other=float("-inf"))
+                        .to(tl.float32))
+        sj = _pow(lj - mx, BASE2) / safe
+        oj = tl.load(x_ptr + j * sx_n64 + x_off, mask=mask2, other=0.0)
+        acc += tl.where(sj[:, None] > 0, oj.to(tl.float32), 0.0) * sj[:, None]
+    return acc
+
+
+@triton.jit
 def _merge_pair_kernel(
     a_ptr, la_ptr, b_ptr, lb_ptr, y_ptr, ly_ptr,
     M, H,
@@ -141,17 +158,12 @@ def _merge_n_kernel(
     sx_n64 = tl.cast(sx_n, tl.int64)
     slx_n64 = tl.cast(slx_n, tl.int64)
     mx, total = _max_and_total(lx_ptr, lse_off, slx_n64, rmask, N, BLOCK_R, BASE2)
-    safe = tl.where(total > 0, total, 1.0)
     # pass 2: the weighted sum of the outs
     d = tl.arange(0, BLOCK_D)
     mask2 = rmask[:, None] & (d[None, :] < D)
     x_off = m_idx[:, None] * sx_m + h_idx[:, None] * sx_h + d[None, :] * sx_d
-    acc = tl.full([BLOCK_R, BLOCK_D], 0.0, tl.float32)
-    for i in tl.static_range(N):
-        li = _clean_lse(tl.load(lx_ptr + i * slx_n64 + lse_off, mask=rmask, other=float("-inf")).to(tl.float32))
-        si = _pow(li - mx, BASE2) / safe
-        oi = tl.load(x_ptr + i * sx_n64 + x_off, mask=mask2, other=0.0)
-        acc += tl.where(si[:, None] > 0, oi.to(tl.float32), 0.0) * si[:, None]
+    acc = _weighted_outs(x_ptr, x_off, sx_n64, lx_ptr, lse_off, slx_n64, 0, mx, total, rmask, mask2, N, BLOCK_R,
+                         BLOCK_D, BASE2)
     _store_merged(y_ptr, ly_ptr, m_idx, h_idx, d, rmask, mask2, acc, mx, total, sy_m, sy_h, sy_d, sly_m, sly_h,
                   BASE2)
 
@@ -176,18 +188,11 @@ def _rescale_kernel(
     slx_n64 = tl.cast(slx_n, tl.int64)
     sx_p64 = tl.cast(sx_p, tl.int64)
     mx, total = _max_and_total(lx_ptr, lse_off, slx_n64, rmask, N, BLOCK_R, BASE2)
-    safe = tl.where(total > 0, total, 1.0)
     d = tl.arange(0, BLOCK_D)
     mask2 = rmask[:, None] & (d[None, :] < D)
     x_off = m_idx[:, None] * sx_m + h_idx[:, None] * sx_h + d[None, :] * sx_d
-    acc = tl.full([BLOCK_R, BLOCK_D], 0.0, tl.float32)
-    for j in tl.static_range(P):
-        mine = _clean_lse(tl.load(lx_ptr + (tl.cast(INDEX, tl.int64) * P + j) * slx_n64 + lse_off, mask=rmask,
-                                  other=float("-inf")).to(tl.float32))
-        # (NaN on a row where any lse is NaN: mx is NaN there, hence the scale, and 0 * NaN below)
-        si = _pow(mine - mx, BASE2) / safe
-        o = tl.load(x_ptr + j * sx_p64 + x_off, mask=mask2, other=0.0)
-        acc += tl.where(si[:, None] > 0, o.to(tl.float32), 0.0) * si[:, None]
+    acc = _weighted_outs(x_ptr, x_off, sx_p64, lx_ptr, lse_off, slx_n64, tl.cast(INDEX, tl.int64) * P, mx, total,
+                         rmask, mask2, P, BLOCK_R, BLOCK_D, BASE2)
     _store_merged(y_ptr, ly_ptr, m_idx, h_idx, d, rmask, mask2, acc, mx, total, sy_m, sy_h, sy_d, sly_m, sly_h,
                   BASE2)
 
