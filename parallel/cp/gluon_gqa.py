@@ -220,8 +220,8 @@ if HAS_GLUON:
 
 
 if HAS_GLUON:
-    from .gluon_mla_narrow import (LBOX, _fold_parts, _fp8_pairs, _query_split, _scores_box8, _store_half, _store_pair,
-                                   _zero_tail)
+    from .gluon_mla_narrow import (LBOX, _fold_parts, _query_pos, _query_split, _scores_box8, _softmax_start,
+                                   _store_box, _value_operands, _zero_tail)
     from .triton_common import global_pos as _global_pos
 
     DIRECT_REGS = gl.constexpr(128)     # registers a thread of the direct kernel's value warpgroup
@@ -335,14 +335,9 @@ if HAS_GLUON:
         if not AHEAD:
             bad = bad | bad_id
         qk_q = gl.convert_layout(qf, q_l) * qk_scale
-        m_i = gl.full([NQ], float("-inf"), gl.float32, q_l)
-        l_i = gl.zeros([BLOCK, NQ], gl.float32, mma)
-        r_i = gl.zeros([NQ], gl.float32, q_l)
+        m_i, l_i, r_i = _softmax_start(NQ, mma)
         cols = gl.arange(0, NQ, layout=q_l)
-        if CAUSAL:      # (a speculative step's tokens: the last TQ of the sequence, column c's is c // G)
-            q_pos = gl.load(glens_ptr + s).to(gl.int32) - TQ + cols // G
-        else:
-            q_pos = cols
+        q_pos = _query_pos(glens_ptr, s, TQ, cols, G, CAUSAL)
         steps = (tiles + 3) // 4
         for i in range(steps):
             t = 4 * i
@@ -412,12 +407,6 @@ if HAS_GLUON:
         return ks, vs
 
     @gluon.jit
-    def _value_operands(box, a_l: gl.constexpr, i16: gl.constexpr):
-        """A raw value box [64 keys, 128 dims] read transposed (16-bit ldmatrix .trans: 64 dim pairs x 64
-        keys), each pair split into its even and its odd dim: the two A operands, fp16 (exact)."""
-        return _fp8_pairs(box._reinterpret(gl.int16, [BLOCK, LBOX // 2], i16).permute((1, 0)).load(a_l))
-
-    @gluon.jit
     def _direct_values(v_smem, p_smem, a_smem, raw_free, p_ready, p_free, glens_ptr, o_ptr, s, kvh, split,
                        split_len, dcp_size, dcp_rank, interleave, table_w, G, TQ, so_p, so_s, so_t, so_h,
                        PAGE: gl.constexpr, RAW: gl.constexpr, NQ: gl.constexpr, PAIRED: gl.constexpr = False):
@@ -468,11 +457,7 @@ if HAS_GLUON:
         rows = gl.arange(0, BLOCK, layout=key_l)
         o_q = (split.to(gl.int64) * so_p + s.to(gl.int64) * so_s + (cols // G).to(gl.int64) * so_t
                + (kvh * G + cols % G).to(gl.int64) * so_h)
-        if PAIRED:      # (the even and odd dims' element (r, c) in one thread: one 8-byte store a pair)
-            _store_pair(o_ptr, even, odd, 0, factor, o_q, cols < TQ * G, rows)
-        else:
-            _store_half(o_ptr, even, 0, factor, o_q, cols < TQ * G, rows)
-            _store_half(o_ptr, odd, 1, factor, o_q, cols < TQ * G, rows)
+        _store_box(o_ptr, even, odd, 0, factor, o_q, cols < TQ * G, rows, PAIRED)
 
     @gluon.jit
     def _direct_loader(k_desc, v_desc, table_ptr, glens_ptr, k_smem, v_smem, raw_ready, raw_free, s, kvh, split,

@@ -130,6 +130,24 @@ if HAS_GLUON:
         return (gl.program_id(0) % TILES) * NQ
 
     @gluon.jit
+    def _query_pos(glens_ptr, s, TQ, cols, H, CAUSAL: gl.constexpr):
+        """CAUSAL: each column's token position (a speculative step's tokens: the last TQ of the
+        sequence, column c's is c // H); else cols (unused)."""
+        if CAUSAL:
+            q_pos = gl.load(glens_ptr + s).to(gl.int32) - TQ + cols // H
+        else:
+            q_pos = cols
+        return q_pos
+
+    @gluon.jit
+    def _softmax_start(NQ: gl.constexpr, mma: gl.constexpr):
+        """The online softmax's (m, l, r) before the first tile, keys along axis 0 of mma (l per key
+        position: summed over the keys at the end)."""
+        q_l: gl.constexpr = gl.SliceLayout(0, mma)
+        return (gl.full([NQ], float("-inf"), gl.float32, q_l), gl.zeros([BLOCK, NQ], gl.float32, mma),
+                gl.zeros([NQ], gl.float32, q_l))
+
+    @gluon.jit
     def _pv_t(o0, o1, o2, o3, o4, o5, o6, o7, alpha, p_smem, k_smem, first):
         """The eight value-dim accumulators O^T [64, NQ] rescaled per head by alpha, plus V^T P^T over
         the stage's boxes first .. first + 7 (the latent's 512 dims) read transposed."""
@@ -169,9 +187,7 @@ if HAS_GLUON:
             early = _ids_early(table_ptr, s, st_s, split * split_len, table_w, PAGE, IDS_L)
         start, end, tiles, bad = _split_range(glens_ptr, s, split, split_len, dcp_size, dcp_rank, interleave,
                                               table_w, PAGE)
-        m_i = gl.full([NQ], float("-inf"), gl.float32, q_l)
-        l_i = gl.zeros([BLOCK, NQ], gl.float32, mma)     # (per key position: summed over the keys at the end)
-        r_i = gl.zeros([NQ], gl.float32, q_l)
+        m_i, l_i, r_i = _softmax_start(NQ, mma)
         o0 = gl.zeros([BLOCK, NQ], gl.float32, mma)
         o1 = gl.zeros([BLOCK, NQ], gl.float32, mma)
         o2 = gl.zeros([BLOCK, NQ], gl.float32, mma)
@@ -182,8 +198,7 @@ if HAS_GLUON:
         o7 = gl.zeros([BLOCK, NQ], gl.float32, mma)
         keys = gl.arange(0, BLOCK, layout=key_l)
         cols = _first_column(TILES, NQ) + gl.arange(0, NQ, layout=q_l)
-        if CAUSAL:
-            q_pos = gl.load(glens_ptr + s).to(gl.int32) - TQ + cols // HQ
+        q_pos = _query_pos(glens_ptr, s, TQ, cols, HQ, CAUSAL)
         mbarrier.wait(q_bar, 0)
         for t in range(tiles):
             stage = t % RING
@@ -300,12 +315,17 @@ if HAS_GLUON:
         return hi + lo
 
     @gluon.jit
+    def _value_operands(box, a_l: gl.constexpr, i16: gl.constexpr):
+        """A raw box [64 keys, 128 dims] read transposed (16-bit ldmatrix .trans: 64 dim pairs x 64 keys),
+        each pair split into its even and its odd dim: the two A operands, fp16 (exact)."""
+        return _fp8_pairs(box._reinterpret(gl.int16, [BLOCK, LBOX // 2], i16).permute((1, 0)).load(a_l))
+
+    @gluon.jit
     def _values_box(box, pt, o_even, o_odd, alpha, a_l: gl.constexpr, i16: gl.constexpr):
         """The two accumulators of a latent box's 128 value dims (its 64 even dims, its 64 odd dims),
-        rescaled per column by alpha, plus V^T P^T: the box read transposed as 64 dim pairs x 64 keys
-        (16-bit ldmatrix .trans over the raw bytes), split into the even and the odd dims in registers."""
-        y = box._reinterpret(gl.int16, [BLOCK, LBOX // 2], i16).permute((1, 0)).load(a_l)
-        even, odd = _fp8_pairs(y)
+        rescaled per column by alpha, plus V^T P^T: the box's A operands from its raw bytes
+        (`_value_operands`)."""
+        even, odd = _value_operands(box, a_l, i16)
         o_even = warpgroup_mma(even, pt, o_even * alpha[None, :], is_async=True)
         o_odd = warpgroup_mma(odd, pt, o_odd * alpha[None, :], is_async=True)
         return o_even, o_odd
@@ -395,6 +415,16 @@ if HAS_GLUON:
         gl.store(o_ptr + off3, vals, mask=mask3)
 
     @gluon.jit
+    def _store_box(o_ptr, even, odd, first, factor, o_q, live, rows, PAIRED: gl.constexpr):
+        """Output dims first .. first + 127 (a raw box's, from its even and odd accumulators) of the
+        columns `live`: PAIRED, one `_store_pair`; else two `_store_half`."""
+        if PAIRED:
+            _store_pair(o_ptr, even, odd, first, factor, o_q, live, rows)
+        else:
+            _store_half(o_ptr, even, first, factor, o_q, live, rows)
+            _store_half(o_ptr, odd, first + 1, factor, o_q, live, rows)
+
+    @gluon.jit
     def _tile_softmax(sc, t, m_i, l_i, r_i, start, end, keys, qk_q, q_pos, ks_smem, p_smem, a_smem, raw_free,
                       p_free, p_ready, dcp_size, dcp_rank, interleave, RAW: gl.constexpr, CAUSAL: gl.constexpr):
         """Tile t's raw scores sc (its MMAs complete) through the online softmax: times its keys' scales
@@ -451,15 +481,10 @@ if HAS_GLUON:
         if not AHEAD:
             bad = bad | bad_id
         qk_q = gl.convert_layout(qf, q_l) * qk_scale
-        m_i = gl.full([NQ], float("-inf"), gl.float32, q_l)
-        l_i = gl.zeros([BLOCK, NQ], gl.float32, mma)
-        r_i = gl.zeros([NQ], gl.float32, q_l)
+        m_i, l_i, r_i = _softmax_start(NQ, mma)
         keys = gl.arange(0, BLOCK, layout=key_l)
         cols = c0 + gl.arange(0, NQ, layout=q_l)     # (this head tile's columns of the TQ x HQ)
-        if CAUSAL:
-            q_pos = gl.load(glens_ptr + s).to(gl.int32) - TQ + cols // HQ
-        else:
-            q_pos = cols
+        q_pos = _query_pos(glens_ptr, s, TQ, cols, HQ, CAUSAL)
         gl.static_assert(not PIPE or RAW >= 2, "tile pairs need two raw stages")
         if PIPE:    # tiles in pairs: the second's MMAs issued before the first's softmax, run under it
             for t in range(0, tiles, 2):
@@ -560,20 +585,10 @@ if HAS_GLUON:
         mine = cols < TQ * HQ
         o_q = (split.to(gl.int64) * so_p + s.to(gl.int64) * so_s + (cols // HQ).to(gl.int64) * so_t
                + (cols % HQ).to(gl.int64) * so_h)
-        if PAIRED:
-            _store_pair(o_ptr, e0, d0, 0, factor, o_q, mine, rows)
-            _store_pair(o_ptr, e1, d1, LBOX, factor, o_q, mine, rows)
-            _store_pair(o_ptr, e2, d2, 2 * LBOX, factor, o_q, mine, rows)
-            _store_pair(o_ptr, e3, d3, 3 * LBOX, factor, o_q, mine, rows)
-        else:
-            _store_half(o_ptr, e0, 0, factor, o_q, mine, rows)
-            _store_half(o_ptr, d0, 1, factor, o_q, mine, rows)
-            _store_half(o_ptr, e1, LBOX, factor, o_q, mine, rows)
-            _store_half(o_ptr, d1, LBOX + 1, factor, o_q, mine, rows)
-            _store_half(o_ptr, e2, 2 * LBOX, factor, o_q, mine, rows)
-            _store_half(o_ptr, d2, 2 * LBOX + 1, factor, o_q, mine, rows)
-            _store_half(o_ptr, e3, 3 * LBOX, factor, o_q, mine, rows)
-            _store_half(o_ptr, d3, 3 * LBOX + 1, factor, o_q, mine, rows)
+        _store_box(o_ptr, e0, d0, 0, factor, o_q, mine, rows, PAIRED)
+        _store_box(o_ptr, e1, d1, LBOX, factor, o_q, mine, rows, PAIRED)
+        _store_box(o_ptr, e2, d2, 2 * LBOX, factor, o_q, mine, rows, PAIRED)
+        _store_box(o_ptr, e3, d3, 3 * LBOX, factor, o_q, mine, rows, PAIRED)
 
     @gluon.jit
     def _direct_loader(kl_desc, kr_desc, ks_desc, table_ptr, glens_ptr, kl_smem, kr_smem, ks_smem, raw_ready,
