@@ -2,7 +2,8 @@
 
 Tensor layout everywhere: `[T, H, D]` (packed tokens) or `[B, T, H, D]`; LSEs `[.., T, H]` fp32.
 - `merge_attn_states` / `merge_two_attn_states`: combine partial attention results (docs/numerics.md §7);
-  `rescale_to_merged`: one partial's share of a merge (DCP's all-gather + reduce-scatter combine).
+  `rescale_to_merged`: one partial's share of a merge (DCP's all-gather + reduce-scatter combine);
+  `rescale_parts_to_merged`: the same for a rank's several partials (the decode kernel's splits).
 - `attention_with_lse`: local attention returning (out, lse), with offset causal masks and GQA.
 - `ring_attention`, `zigzag_shard` / `zigzag_unshard`: PCP prefill over a zigzag-sharded sequence;
   `zigzag_*_varlen` shard packed batches (cu_seqlens) sequence by sequence for `ring_attention(cu_seqlens=)`.
@@ -15,7 +16,7 @@ Tensor layout everywhere: `[T, H, D]` (packed tokens) or `[B, T, H, D]`; LSEs `[
 
 from .dcp import DCPLayout, PagedKVCache, dcp_decode_attention, dcp_kv_insert
 from .local_attn import attention_with_lse
-from .merge import AttnState, merge_attn_states, merge_two_attn_states, rescale_to_merged
+from .merge import AttnState, merge_attn_states, merge_two_attn_states, rescale_parts_to_merged, rescale_to_merged
 from .mla import MLACache, MLADims, mla_decode_attention, mla_kv_insert, mla_prefill_attention
 from .mla_prep import mla_prep, rope_table
 from .module import ContextParallelAttention
@@ -24,7 +25,8 @@ from .ring import (ring_attention, zigzag_positions, zigzag_positions_varlen, zi
                    zigzag_unshard, zigzag_unshard_varlen)
 
 __all__ = [
-    "AttnState", "merge_attn_states", "merge_two_attn_states", "rescale_to_merged", "attention_with_lse", "ring_attention",
+    "AttnState", "merge_attn_states", "merge_two_attn_states", "rescale_to_merged", "rescale_parts_to_merged",
+    "attention_with_lse", "ring_attention",
     "zigzag_shard", "zigzag_unshard", "zigzag_positions", "zigzag_shard_varlen", "zigzag_unshard_varlen",
     "zigzag_positions_varlen", "DCPLayout", "PagedKVCache", "dcp_kv_insert",
     "dcp_decode_attention", "ContextParallelAttention", "paged_decode_attention", "MLACache", "MLADims",
