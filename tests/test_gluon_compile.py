@@ -40,8 +40,9 @@ def _build(name: str, cubin: Path | None = None) -> dict:
     ahead = "-ahead" in name            # ("-ahead": its loader's first block ids loaded beside the length)
     tiles = re.search(r"-tiles(\d+)", name)  # ("-tilesN": the narrow direct kernel over N head tiles a sequence)
     half = "-half" in name              # ("-half": bf16 split partials, CONFIG half_partials)
+    planned = "-planned" in name        # ("-planned": the grid's splits a length plan's items)
     family, dtype, *more = (name.removesuffix("-pdl").replace("-pipe", "").replace("-paired", "")
-                            .replace("-ahead", "").replace("-half", "")
+                            .replace("-ahead", "").replace("-half", "").replace("-planned", "")
                             .replace(tiles.group(0) if tiles else "-tiles", "").split("-"))
     fp8 = dtype == "fp8"
     ptrs = {"table_ptr": "*i32", "glens_ptr": "*i64", "o_ptr": "*bf16" if half else "*fp32", "lse_ptr": "*fp32",
@@ -99,6 +100,11 @@ def _build(name: str, cubin: Path | None = None) -> dict:
         consts["AHEAD"] = ahead
     if "TILES" in kernel.arg_names:
         consts["TILES"] = int(tiles.group(1)) if tiles else 1
+    consts["PLANNED"] = planned
+    if planned:
+        ptrs["plan_ptr"] = "*i32"
+    else:
+        consts["plan_ptr"] = None
     names = kernel.arg_names
     sig = {n: ptrs.get(n, "constexpr" if n in consts else "i32") for n in names}
     # as Triton's launcher specializes them at run time: pointers divisible by 16 (-paired: the output's
@@ -149,7 +155,12 @@ BUILDS = [
     ("mlan-bf16-16-tiles8-ahead-pdl", 0), ("mlan-bf16-32-tiles8-causal-ahead-pdl", 128),
     # bf16 split partials (CONFIG half_partials): the installed forms with a bf16 output pointer
     ("mla-bf16-half-pdl", 512), ("mla-fp8-k32r2raw2-half-pdl", 1024), ("mlan-bf16-16-ahead-half", 0),
-    ("mlan-fp8-16-direct5s-ahead-paired-half", 0), ("gqa-bf16-ahead-half-pdl", 0), ("gqa-fp8-direct8-8-paired-half-pdl", 0)]
+    ("mlan-fp8-16-direct5s-ahead-paired-half", 0), ("gqa-bf16-ahead-half-pdl", 0), ("gqa-fp8-direct8-8-paired-half-pdl", 0),
+    # the installed forms with a length plan's items as the grid's splits (`triton_decode.LengthPlan`)
+    ("mla-bf16-planned-pdl", 512), ("mla-fp8-k32r2raw2-planned-pdl", 1024), ("mlan-bf16-16-ahead-planned", 0),
+    ("mlan-fp8-16-direct5s-ahead-paired-planned", 0), ("mlan-fp8-32-direct3s-tiles4-ahead-paired-planned-pdl", 0),
+    ("gqa-bf16-ahead-planned-pdl", 0), ("gqa-fp8-direct8-8-paired-planned-pdl", 0),
+    ("mla-bf16-seesaw-planned-pdl", 512)]
 LOADERS = [("mlan-fp8-16-direct5s", 24, 4), ("gqa-fp8-direct10-8", 24, 4), ("gqa-bf16", 64, 1), ("mlan-bf16-16", 64, 1)]
 FIRST_MMAS = [("mlan-fp8-16-direct5s", "QGMMA"), ("gqa-fp8-direct10-8", "QGMMA"), ("gqa-bf16", "HGMMA"),
               ("mlan-bf16-16", "HGMMA")]

@@ -35,7 +35,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from .gluon_mla import SMEM_LIMIT
+from .gluon_mla import SMEM_LIMIT, grid_rows, planned_launch
 
 try:
     from triton.experimental import gluon
@@ -46,6 +46,7 @@ try:
     from .gluon_mla import (HAS_GLUON, IDS_L, _bad_ids, _bad_ids_after, _block_of, _finish, _gdc_wait_and_release,
                             _ids_early, _ids_window, _table_tiles, _softmax_step, _split_range, _window_start,
                             _window_tile)
+    from .triton_common import work_item as _work_item
 except ImportError:  # pragma: no cover - a Triton without Gluon
     HAS_GLUON = False
 
@@ -195,7 +196,8 @@ if HAS_GLUON:
                               qk_scale, split_len, G, KV_HEADS, dcp_size, dcp_rank, interleave, table_w, num_blocks,
                               st_s, sq_s, sq_h, sk_b, sk_t, sv_b, sv_t, so_p, so_s, so_h, sl_p, sl_s,
                               PAGE: gl.constexpr, STAGES: gl.constexpr, PDL: gl.constexpr = False,
-                              AHEAD: gl.constexpr = False):
+                              AHEAD: gl.constexpr = False,
+                              plan_ptr=None, PLANNED: gl.constexpr = False):
         pid = gl.program_id(0)
         split = gl.program_id(1)
         s = pid // KV_HEADS
@@ -208,6 +210,8 @@ if HAS_GLUON:
         fence_async_shared()
         if PDL:     # (launched early: the set-up above overlaps the kernel before)
             _gdc_wait_and_release()
+        if PLANNED:     # (the grid's splits are a length plan's items: each names its sequence and split)
+            s, split, split_len, o_ptr, lse_ptr = _work_item(plan_ptr, split, o_ptr, lse_ptr, so_p, sl_p)
         gl.warp_specialize([
             (_consumer, (q_ptr, k_smem, v_smem, ready, free, table_ptr, glens_ptr, o_ptr, lse_ptr, s, kvh, split,
                          split_len, dcp_size, dcp_rank, interleave, table_w, num_blocks, st_s, sq_s, sq_h, G, qk_scale,
@@ -482,7 +486,8 @@ if HAS_GLUON:
                                   num_blocks, st_s, sq_s, sq_t, sq_h, ss_b, ss_t, ss_h, svs_b, svs_t, svs_h,
                                   so_p, so_s, so_t, so_h, sl_p, sl_s, sl_t, PAGE: gl.constexpr, RAW: gl.constexpr,
                                   NQ: gl.constexpr, CAUSAL: gl.constexpr = False, PDL: gl.constexpr = False,
-                                  PAIRED: gl.constexpr = False, AHEAD: gl.constexpr = False):
+                                  PAIRED: gl.constexpr = False, AHEAD: gl.constexpr = False,
+                                  plan_ptr=None, PLANNED: gl.constexpr = False):
         """fp8 cache without a converter: a one-warp TMA loader fills RAW raw stages (a tile's key and
         value boxes); one warpgroup computes the scores as fp8 MMAs straight from the raw keys
         (`_direct_scores`), the other reads the raw values into its MMA's A operand (`_direct_values`),
@@ -508,6 +513,8 @@ if HAS_GLUON:
         fence_async_shared()
         if PDL:     # (launched early: the barriers above are set up while the kernel before finishes)
             _gdc_wait_and_release()
+        if PLANNED:     # (the grid's splits are a length plan's items: each names its sequence and split)
+            s, split, split_len, o_ptr, lse_ptr = _work_item(plan_ptr, split, o_ptr, lse_ptr, so_p, sl_p)
         gl.warp_specialize([
             (_direct_scores, (q_ptr, ks_ptr, vs_ptr, ql_smem, k_smem, v_smem, p_smem, a_smem, raw_ready, raw_free,
                               p_ready, p_free, table_ptr, glens_ptr, lse_ptr, s, kvh, split, split_len, dcp_size,
@@ -567,13 +574,15 @@ def gluon_gqa_ok(q: Tensor, k: Tensor, v: Tensor, tq: int, k_scale: Tensor | Non
 def launch_gluon_gqa(q: Tensor, k: Tensor, v: Tensor, table: Tensor, seq_lens: Tensor, o: Tensor, lse: Tensor,
                      scale_log2: float, splits: int, split_len: int, dcp_size: int, dcp_rank: int, interleave: int,
                      k_scale: Tensor | None = None, v_scale: Tensor | None = None, stages: int = 3, direct: int = 8,
-                     pdl: bool = False, paired: bool = False, ahead: bool = False) -> None:
+                     pdl: bool = False, paired: bool = False, ahead: bool = False,
+                     plan: Tensor | None = None) -> None:
     """Fill the split partials o [splits, S, Tq, Hq, 128] / lse [splits, S, Tq, Hq] (`gluon_gqa_ok`).
     stages: the bf16 ring's (32 KB each, at most 6); direct: over fp8, the direct kernel's raw stages,
     cut to `direct_stages` (ValueError where none apply: more than DIRECT_MAX_G columns of tokens x
     query heads a kv head); paired: its output's dim pairs stored together; ahead: the first
     block ids loaded beside the length. pdl: launched with programmatic dependent launch
-    (`triton_merge.pdl_ok`)."""
+    (`triton_merge.pdl_ok`). plan: a length plan's item table (`triton_decode.LengthPlan`): the
+    grid's `splits` are its items, o's sequence stride 0."""
     s, tq, hq, d = q.shape
     nb, page, hkv = k.shape[0], k.shape[1], k.shape[2]
     fp8 = k.dtype == torch.float8_e4m3fn
@@ -585,13 +594,14 @@ def launch_gluon_gqa(q: Tensor, k: Tensor, v: Tensor, table: Tensor, seq_lens: T
     if tq > 1 and not fp8:
         raise ValueError(f"the Gluon GQA kernel over bf16 takes one query token, got {tq}")
     launch = {"PDL": True, "launch_pdl": True} if pdl else {}
+    launch.update(planned_launch(plan))
     k2, v2 = k.view(nb * page, hkv * d), v.view(nb * page, hkv * d)
     if fp8:
         nq = max(8, 1 << (tq * (hq // hkv) - 1).bit_length())   # (columns to a power of two)
         lbox = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=8, rank=2)
         k_desc = TensorDescriptor(k2, list(k2.shape), list(k2.stride()), [_BLOCK, _HEAD_DIM], lbox)
         v_desc = TensorDescriptor(v2, list(v2.shape), list(v2.stride()), [_BLOCK, _HEAD_DIM], lbox)
-        _gqa_decode_direct_kernel[(s * hkv, splits)](
+        _gqa_decode_direct_kernel[(grid_rows(s, plan) * hkv, splits)](
             q, k_desc, v_desc, k_scale, v_scale, table, seq_lens, o, lse, scale_log2, split_len, hq // hkv, hkv, tq,
             dcp_size, dcp_rank, interleave, table.shape[1], nb, table.stride(0), q.stride(0), q.stride(1),
             q.stride(2), *k_scale.stride(), *v_scale.stride(), o.stride(0), o.stride(1), o.stride(2), o.stride(3),
@@ -602,7 +612,7 @@ def launch_gluon_gqa(q: Tensor, k: Tensor, v: Tensor, table: Tensor, seq_lens: T
     box = gl.NVMMASharedLayout.get_default_for([_BLOCK, _BLOCK], gl.bfloat16)
     k_desc = TensorDescriptor(k2, list(k2.shape), list(k2.stride()), [_BLOCK, _BLOCK], box)
     v_desc = TensorDescriptor(v2, list(v2.shape), list(v2.stride()), [_BLOCK, _BLOCK], box)
-    _gqa_decode_ws_kernel[(s * hkv, splits)](
+    _gqa_decode_ws_kernel[(grid_rows(s, plan) * hkv, splits)](
         q, k_desc, v_desc, k, v, table, seq_lens, o, lse, scale_log2, split_len, hq // hkv, hkv, dcp_size, dcp_rank,
         interleave, table.shape[1], nb, table.stride(0), q.stride(0), q.stride(2), k.stride(0), k.stride(1),
         v.stride(0), v.stride(1), o.stride(0), o.stride(1), o.stride(3), lse.stride(0), lse.stride(1),

@@ -37,6 +37,7 @@ try:
                                                                   warpgroup_mma_wait)
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
     from .triton_common import local_len as _dcp_local_len
+    from .triton_common import work_item as _work_item
     HAS_GLUON = True
 except ImportError:  # pragma: no cover - a Triton without Gluon
     HAS_GLUON = False
@@ -416,7 +417,8 @@ if HAS_GLUON:
     def _mla_decode_ws_kernel(q_desc, k_desc, k_ptr, table_ptr, glens_ptr, o_ptr, lse_ptr,
                               qk_scale, split_len, M_TILES, HQ, dcp_size, dcp_rank, interleave, table_w, num_blocks,
                               st_s, sk_b, sk_t, so_p, so_s, so_h, sl_p, sl_s, PAGE: gl.constexpr,
-                              PDL: gl.constexpr = False):
+                              PDL: gl.constexpr = False,
+                              plan_ptr=None, PLANNED: gl.constexpr = False):
         pid = gl.program_id(0)
         split = gl.program_id(1)
         s = pid // M_TILES
@@ -430,6 +432,9 @@ if HAS_GLUON:
         q_bar, ready, free, p_ready, p_free = _barriers()
         if PDL:     # (launched early: the set-up above overlaps the kernel before)
             _gdc_wait_and_release()
+        if PLANNED:     # (the grid's splits are a length plan's items: each names its sequence and split)
+            s, split, split_len, o_ptr, lse_ptr = _work_item(plan_ptr, split, o_ptr, lse_ptr, so_p, sl_p)
+            head0 = s * HQ + head0_in_seq
         gl.warp_specialize([
             (_scores_and_low_half, (q_smem, k_smem, p_smem, a_smem, q_bar, ready, free, p_ready, p_free, table_ptr,
                                     glens_ptr, o_ptr, lse_ptr, s, head0_in_seq, split, split_len, dcp_size, dcp_rank,
@@ -720,7 +725,8 @@ if HAS_GLUON:
     def _mla_decode_seesaw_kernel(q_desc, k_desc, k_ptr, table_ptr, glens_ptr, o_ptr, lse_ptr,
                                   qk_scale, split_len, M_TILES, HQ, dcp_size, dcp_rank, interleave, table_w,
                                   num_blocks, st_s, sk_b, sk_t, so_p, so_s, so_h, sl_p, sl_s, PAGE: gl.constexpr,
-                                  PDL: gl.constexpr = False):
+                                  PDL: gl.constexpr = False,
+                                  plan_ptr=None, PLANNED: gl.constexpr = False):
         """`_mla_decode_ws_kernel`'s problem (bf16 latent cache, 64-head tiles) in the seesaw form: the
         two-stage ring (a pair's tiles A and B in stages 0 and 1) filled by groups of boxes as they free
         (`_seesaw_loader`), one weights buffer, the rows' statistics in st_smem."""
@@ -737,6 +743,9 @@ if HAS_GLUON:
         q_bar, ready_g, free_g, a_ready, b_ready = _seesaw_barriers()
         if PDL:
             _gdc_wait_and_release()
+        if PLANNED:     # (the grid's splits are a length plan's items: each names its sequence and split)
+            s, split, split_len, o_ptr, lse_ptr = _work_item(plan_ptr, split, o_ptr, lse_ptr, so_p, sl_p)
+            head0 = s * HQ + head0_in_seq
         gl.warp_specialize([
             (_seesaw_lead, (q_smem, k_smem, p_smem, st_smem, q_bar, ready_g, free_g, a_ready, b_ready, table_ptr,
                             glens_ptr, o_ptr, lse_ptr, s, head0_in_seq, split, split_len, dcp_size, dcp_rank,
@@ -875,7 +884,8 @@ if HAS_GLUON:
                                   qk_scale, split_len, M_TILES, HQ, dcp_size, dcp_rank, interleave, table_w, num_blocks,
                                   st_s, sk_b, sk_t, ss_b, ss_t, so_p, so_s, so_h, sl_p, sl_s, PAGE: gl.constexpr,
                                   k_desc=None, ks_desc=None, RAW: gl.constexpr = 0, RING: gl.constexpr = 1,
-                                  KEYS: gl.constexpr = 64, PDL: gl.constexpr = False):
+                                  KEYS: gl.constexpr = 64, PDL: gl.constexpr = False,
+                                  plan_ptr=None, PLANNED: gl.constexpr = False):
         """RAW 0: the converter loads each 64-key tile's fp8 rows itself (two fp16 stages); RAW > 0: a
         TMA loader fills a raw ring of RAW fp8 tiles of KEYS keys in front of it, and the fp16 ring
         after it has RING stages (shared memory: queries 72 KB + 18 KB a fp16 stage and 9 KB a raw
@@ -911,6 +921,9 @@ if HAS_GLUON:
             fence_async_shared()
             if PDL:     # (launched early: the set-up above overlaps the kernel before)
                 _gdc_wait_and_release()
+            if PLANNED:     # (the grid's splits are a length plan's items: each names its sequence and split)
+                s, split, split_len, o_ptr, lse_ptr = _work_item(plan_ptr, split, o_ptr, lse_ptr, so_p, sl_p)
+                head0 = s * HQ + head0_in_seq
             gl.warp_specialize([
                 (_scores_and_low_half, (q_smem, k_smem, p_smem, a_smem, q_bar, ready, free, p_ready, p_free,
                                         table_ptr, glens_ptr, o_ptr, lse_ptr, s, head0_in_seq, split, split_len,
@@ -930,6 +943,9 @@ if HAS_GLUON:
         else:
             if PDL:     # (launched early: the set-up above overlaps the kernel before)
                 _gdc_wait_and_release()
+            if PLANNED:     # (the grid's splits are a length plan's items: each names its sequence and split)
+                s, split, split_len, o_ptr, lse_ptr = _work_item(plan_ptr, split, o_ptr, lse_ptr, so_p, sl_p)
+                head0 = s * HQ + head0_in_seq
             gl.warp_specialize([
                 (_scores_and_low_half, (q_smem, k_smem, p_smem, a_smem, q_bar, ready, free, p_ready, p_free, table_ptr,
                                         glens_ptr, o_ptr, lse_ptr, s, head0_in_seq, split, split_len, dcp_size, dcp_rank,
@@ -970,6 +986,17 @@ def gluon_mla_ok(q: Tensor, k: Tensor, v: Tensor, tq: int, page: int, k_scale: T
 SMEM_LIMIT = 232448      # bytes of dynamic shared memory a CTA may take on sm_90
 
 
+def grid_rows(s: int, plan: Tensor | None) -> int:
+    """The sequences a launch's grid spans: all of them, or one under a length plan (whose items,
+    the grid's second axis, name their sequences)."""
+    return s if plan is None else 1
+
+
+def planned_launch(plan: Tensor | None) -> dict:
+    """A launch's arguments for a length plan's item table (none without one)."""
+    return {} if plan is None else {"plan_ptr": plan, "PLANNED": True}
+
+
 def fp8_ring_fits(keys: int, ring: int, raw: int) -> bool:
     """The fp8 kernel's shared memory with a raw ring: queries (fp16, 64 x 576), `ring` fp16 and `raw`
     fp8 stages of `keys` x 576, the weights (64 x keys fp16), the scales and barriers."""
@@ -982,7 +1009,7 @@ def fp8_ring_fits(keys: int, ring: int, raw: int) -> bool:
 def launch_gluon_mla(q: Tensor, k: Tensor, table: Tensor, seq_lens: Tensor, o: Tensor, lse: Tensor, scale_log2: float,
                      splits: int, split_len: int, dcp_size: int, dcp_rank: int, interleave: int,
                      k_scale: Tensor | None = None, raw_ring: int = 0, keys: int = 64, ring: int = 1,
-                     pdl: bool = False, seesaw: bool = False) -> None:
+                     pdl: bool = False, seesaw: bool = False, plan: Tensor | None = None) -> None:
     """Fill the split partials o [splits, S, 1, Hq, 512] / lse [splits, S, 1, Hq] (`gluon_mla_ok`;
     k_scale: the fp8 cache's per-token scales;
     raw_ring: over fp8, a TMA ring of that many raw fp8 tiles in front of the converter, where the
@@ -990,9 +1017,11 @@ def launch_gluon_mla(q: Tensor, k: Tensor, table: Tensor, seq_lens: Tensor, o: T
     stages); then `keys` keys a tile (64 or 32) and `ring` fp16 stages after the converter, within
     shared memory (`fp8_ring_fits`)); pdl: launched with programmatic dependent launch
     (`triton_merge.pdl_ok`)); seesaw: over bf16, the seesaw form (`_mla_decode_seesaw_kernel`: both
-    warpgroups take scores and softmax on alternate tiles)."""
+    warpgroups take scores and softmax on alternate tiles); plan: a length plan's item table
+    (`triton_decode.LengthPlan`): the grid's `splits` are its items, o's sequence stride 0."""
     fp8 = k.dtype == torch.float8_e4m3fn
     launch = {"PDL": True, "launch_pdl": True} if pdl else {}
+    launch.update(planned_launch(plan))
     raw = max(int(raw_ring), 0) if fp8 and k_scale.is_contiguous() else 0
     if raw and not fp8_ring_fits(keys, ring, raw):
         raise ValueError(f"an fp8 ring of {ring} fp16 and {raw} raw stages of {keys} keys does not fit in "
@@ -1010,7 +1039,7 @@ def launch_gluon_mla(q: Tensor, k: Tensor, table: Tensor, seq_lens: Tensor, o: T
             descs = {"k_desc": TensorDescriptor(k2, list(k2.shape), list(k2.stride()), [keys, _BLOCK], raw_box),
                      "ks_desc": TensorDescriptor(ks2, list(ks2.shape), list(ks2.stride()), [1, keys], sc_box)}
             consts = {"RING": ring, "KEYS": keys}
-        _mla_decode_ws_fp8_kernel[(s * m_tiles, splits)](
+        _mla_decode_ws_fp8_kernel[(grid_rows(s, plan) * m_tiles, splits)](
             q, k, k_scale, table, seq_lens, o, lse, scale_log2, split_len, m_tiles, hq, dcp_size, dcp_rank,
             interleave, table.shape[1], nb, table.stride(0), k.stride(0), k.stride(1), k_scale.stride(0),
             k_scale.stride(1), *tail, PAGE=page, RAW=raw, num_warps=4, **descs, **consts, **launch)
@@ -1021,7 +1050,7 @@ def launch_gluon_mla(q: Tensor, k: Tensor, table: Tensor, seq_lens: Tensor, o: T
     q_desc = TensorDescriptor(q2, list(q2.shape), list(q2.stride()), [_BLOCK, _BLOCK], box)
     k_desc = TensorDescriptor(k2, list(k2.shape), list(k2.stride()), [_BLOCK, _BLOCK], box)
     kernel = _mla_decode_seesaw_kernel if seesaw else _mla_decode_ws_kernel
-    kernel[(s * m_tiles, splits)](
+    kernel[(grid_rows(s, plan) * m_tiles, splits)](
         q_desc, k_desc, k, table, seq_lens, o, lse, scale_log2, split_len, m_tiles, hq, dcp_size, dcp_rank,
         interleave, table.shape[1], nb, table.stride(0), k.stride(0), k.stride(1), *tail, PAGE=page,
         num_warps=4, **launch)

@@ -43,7 +43,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from .gluon_mla import _BLOCK, _CHUNKS, HAS_GLUON, SMEM_LIMIT
+from .gluon_mla import _BLOCK, _CHUNKS, HAS_GLUON, SMEM_LIMIT, grid_rows, planned_launch
 
 if HAS_GLUON:
     from triton.experimental import gluon
@@ -56,6 +56,7 @@ if HAS_GLUON:
                             _gdc_wait_and_release, _ids_early, _loader, _softmax_step, _split_range, _window_start,
                             _window_tile)
     from .triton_common import global_pos as _global_pos
+    from .triton_common import work_item as _work_item
 
 MAX_HEADS = 32      # the widest narrow tile: NQ = 32 columns (eight 64 x 32 fp32 accumulators)
 PAIRS_MAX_COLUMNS = 16  # the direct fp8 form's widest tile whose scores go in tile pairs (at 32 two tiles'
@@ -246,7 +247,8 @@ if HAS_GLUON:
                            dcp_size, dcp_rank, interleave, table_w, num_blocks, st_s, sk_b, sk_t,
                            so_p, so_s, so_t, so_h, sl_p, sl_s, sl_t, PAGE: gl.constexpr, NQ: gl.constexpr,
                            CAUSAL: gl.constexpr = False, PDL: gl.constexpr = False, AHEAD: gl.constexpr = False,
-                           TILES: gl.constexpr = 1):
+                           TILES: gl.constexpr = 1,
+                           plan_ptr=None, PLANNED: gl.constexpr = False):
         """bf16 latent cache: the loader's TMA boxes of NQ query rows (rows past the sequence's TQ x HQ
         are other rows or zeros: their columns are never stored) and of each 64-key tile. TILES: as in
         `_mla_narrow_direct_kernel`."""
@@ -260,6 +262,8 @@ if HAS_GLUON:
         q_bar, ready, free, p_ready, p_free = _barriers(STAGES, 1)
         if PDL:     # (launched early: the set-up above overlaps the kernel before)
             _gdc_wait_and_release()
+        if PLANNED:     # (the grid's splits are a length plan's items: each names its sequence and split)
+            s, split, split_len, o_ptr, lse_ptr = _work_item(plan_ptr, split, o_ptr, lse_ptr, so_p, sl_p)
         gl.warp_specialize([
             (_consumer, (q_smem, k_smem, p_smem, q_bar, ready, free, table_ptr, glens_ptr, o_ptr, lse_ptr,
                          s, split, split_len, dcp_size, dcp_rank, interleave, table_w, num_blocks, st_s,
@@ -616,7 +620,8 @@ if HAS_GLUON:
                                   so_p, so_s, so_t, so_h, sl_p, sl_s, sl_t, PAGE: gl.constexpr, NQ: gl.constexpr,
                                   RAW: gl.constexpr, CAUSAL: gl.constexpr = False, PDL: gl.constexpr = False,
                                   PIPE: gl.constexpr = False, PAIRED: gl.constexpr = False,
-                                  AHEAD: gl.constexpr = False, TILES: gl.constexpr = 1):
+                                  AHEAD: gl.constexpr = False, TILES: gl.constexpr = 1,
+                                  plan_ptr=None, PLANNED: gl.constexpr = False):
         """fp8 latent cache without a converter: a one-warp TMA loader fills RAW raw stages; one warpgroup
         reads each tile's bytes straight into the scores' A operands (`_direct_scores`), the other into
         the values' (`_direct_values`) one tile behind, through a double buffer of the weights. PAIRED:
@@ -652,6 +657,8 @@ if HAS_GLUON:
         fence_async_shared()
         if PDL:     # (launched early: the barriers above are set up while the kernel before finishes)
             _gdc_wait_and_release()
+        if PLANNED:     # (the grid's splits are a length plan's items: each names its sequence and split)
+            s, split, split_len, o_ptr, lse_ptr = _work_item(plan_ptr, split, o_ptr, lse_ptr, so_p, sl_p)
         gl.warp_specialize([
             (_direct_scores, (q_ptr, ql_smem, qr_smem, kl_smem, kr_smem, ks_smem, p_smem, a_smem, raw_ready,
                               raw_free, p_ready, p_free, table_ptr, glens_ptr, lse_ptr, s, split, split_len,
@@ -668,7 +675,7 @@ if HAS_GLUON:
 def launch(q: Tensor, k: Tensor, table: Tensor, seq_lens: Tensor, o: Tensor, lse: Tensor, scale_log2: float,
            splits: int, split_len: int, dcp_size: int, dcp_rank: int, interleave: int,
            k_scale: Tensor | None = None, raw: int = 5, pdl: bool = False, pipe: bool = False,
-           paired: bool = False, ahead: bool = False, width: int = MAX_HEADS) -> None:
+           paired: bool = False, ahead: bool = False, width: int = MAX_HEADS, plan: Tensor | None = None) -> None:
     """Fill the split partials o [splits, S, Tq, Hq, 512] / lse [splits, S, Tq, Hq] of queries q [S, Tq,
     Hq, 576] (`gluon_mla.gluon_mla_ok` and `narrow_ok` of Tq x Hq columns hold, or `tiles_ok`: more
     columns, in `head_tiles` of `width`; Tq > 1: causal within the step's tokens); over fp8 the
@@ -676,11 +683,13 @@ def launch(q: Tensor, k: Tensor, table: Tensor, seq_lens: Tensor, o: Tensor, lse
     `pipe`: the scores in tile pairs where `pairs_apply`: at least two raw stages and at most
     PAIRS_MAX_COLUMNS columns; `paired`: the output's dim pairs stored together), over both the
     loader's first block ids loaded beside the length with `ahead`; pdl: launched with programmatic
-    dependent launch, `triton_merge.pdl_ok`."""
+    dependent launch, `triton_merge.pdl_ok`. plan: a length plan's item table (`triton_decode.LengthPlan`):
+    the grid's `splits` are its items, o's sequence stride 0."""
     s, tq, hq, d = q.shape
     nb, page = k.shape[0], k.shape[1]
     nq, tiles = head_tiles(tq * hq, width)
     launch = {"PDL": True, "launch_pdl": True} if pdl else {}
+    launch.update(planned_launch(plan))
     fp8 = k.dtype == torch.float8_e4m3fn
     if fp8 and not direct_fits(nq, raw):
         raise ValueError(f"the direct fp8 MLA kernel with {tq} x {hq} query rows in {tiles} tile(s) of {nq} columns and "
@@ -694,7 +703,7 @@ def launch(q: Tensor, k: Tensor, table: Tensor, seq_lens: Tensor, o: Tensor, lse
         kl_desc = TensorDescriptor(k2, list(k2.shape), list(k2.stride()), [_BLOCK, _LBOX], lbox)
         kr_desc = TensorDescriptor(k2, list(k2.shape), list(k2.stride()), [_BLOCK, _BLOCK], rbox)
         ks_desc = TensorDescriptor(ks2, list(ks2.shape), list(ks2.stride()), [1, _BLOCK], sc_box)
-        _mla_narrow_direct_kernel[(s * tiles, splits)](
+        _mla_narrow_direct_kernel[(grid_rows(s, plan) * tiles, splits)](
             q, kl_desc, kr_desc, ks_desc, table, seq_lens, o, lse, scale_log2, split_len, hq, tq, dcp_size, dcp_rank,
             interleave, table.shape[1], nb, table.stride(0), *tail, PAGE=page, NQ=nq, RAW=raw, CAUSAL=tq > 1,
             PIPE=bool(pipe) and pairs_apply(nq, raw), PAIRED=bool(paired), AHEAD=bool(ahead), TILES=tiles,
@@ -705,7 +714,7 @@ def launch(q: Tensor, k: Tensor, table: Tensor, seq_lens: Tensor, o: Tensor, lse
     q2, k2 = q.reshape(s * tq * hq, d), k.view(nb * page, d)
     q_desc = TensorDescriptor(q2, list(q2.shape), list(q2.stride()), [nq, _BLOCK], qbox)
     k_desc = TensorDescriptor(k2, list(k2.shape), list(k2.stride()), [_BLOCK, _BLOCK], box)
-    _mla_narrow_kernel[(s * tiles, splits)](
+    _mla_narrow_kernel[(grid_rows(s, plan) * tiles, splits)](
         q_desc, k_desc, k, table, seq_lens, o, lse, scale_log2, split_len, hq, tq, dcp_size, dcp_rank, interleave,
         table.shape[1], nb, table.stride(0), k.stride(0), k.stride(1), *tail, PAGE=page, NQ=nq, CAUSAL=tq > 1,
         AHEAD=bool(ahead), TILES=tiles, num_warps=4, **launch)

@@ -28,7 +28,7 @@ it (rank 0 among them); `dcp_decode_attention`'s merges carry that NaN to every 
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 import torch
 from torch import Tensor
@@ -37,6 +37,9 @@ from .. import impl
 from .dcp import DCPLayout, PagedKVCache, gather_local_kv
 from .local_attn import masked_attention_math, resolve_scale
 from .state import AttnState
+
+if TYPE_CHECKING:
+    from .triton_decode import LengthPlan
 
 DecodeBackend = Literal["auto", "torch", "triton"]
 
@@ -163,7 +166,7 @@ def paged_decode_attention(q: Tensor, cache: PagedKVCache, block_table: Tensor, 
                            layout: DCPLayout | None = None, scale: float | None = None,
                            backend: DecodeBackend = "auto", max_seq_len: int | None = None,
                            validate: bool | None = None, merge: bool = True,
-                           out_dtype: torch.dtype = torch.float32) -> AttnState:
+                           out_dtype: torch.dtype = torch.float32, plan: "LengthPlan | None" = None) -> AttnState:
     """Attention of the newest Tq tokens of each sequence over this rank's cached tokens.
 
     q: [S, Hq, D] (one token per sequence) or [S, Tq, Hq, D] (Tq <= 8); cache: this rank's
@@ -181,6 +184,11 @@ def paged_decode_attention(q: Tensor, cache: PagedKVCache, block_table: Tensor, 
     for the torch path or a single split. out_dtype: the dtype of the merged out, fp32 or a 16-bit
     one (a caller that casts to it: the kernel's split merge, or a single split, writes it once, where
     a cast after the call would read and write the whole out again); not with merge=False.
+    plan: a length plan of `plan_paged_decode` for this call's shapes, table and layout (made once
+    a decode step, given to every layer's call): the kernel's splits cut from the lengths instead of
+    the table's capacity, for batches of very different lengths; the call's out is the same (the
+    torch path only checks it). With it max_seq_len bounds nothing (the plan covers every token), and
+    merge=False returns the plan's merged splits as one partial (P = 1).
     """
     if out_dtype not in (torch.float32, torch.float16, torch.bfloat16):
         raise ValueError(f"out_dtype must be torch.float32, torch.float16 or torch.bfloat16, got {out_dtype}")
@@ -198,6 +206,8 @@ def paged_decode_attention(q: Tensor, cache: PagedKVCache, block_table: Tensor, 
     scale = resolve_scale(scale, q.shape[-1])           # ValueError unless finite (NaN: every row NaN)
     chosen = resolve_backend(q, cache, backend)
     table = block_table.to(q.device)
+    if plan is not None:
+        _check_plan(plan, q4, cache, table, layout, chosen)
     if chosen == "triton":
         from .triton_decode import paged_decode_triton
 
@@ -210,7 +220,7 @@ def paged_decode_attention(q: Tensor, cache: PagedKVCache, block_table: Tensor, 
                                     cache.k_scale, cache.v_scale, table, seq_lens.to(q.device).contiguous(),
                                     scale, dcp_size=layout.size, dcp_rank=layout.rank,
                                     interleave=layout.interleave, capacity=capacity, merge=merge,
-                                    out_dtype=out_dtype)
+                                    out_dtype=out_dtype, plan=plan)
     else:
         seq = seq_lens.to(q.device)
         state = paged_decode_reference(q4, cache, table, layout.local_lengths(seq.long()), seq, scale, layout)
@@ -221,3 +231,78 @@ def paged_decode_attention(q: Tensor, cache: PagedKVCache, block_table: Tensor, 
     if single:      # (the token axis, after the splits' where they are kept)
         return AttnState(state.out.squeeze(-3), state.lse.squeeze(-2))
     return state
+
+
+def plan_paged_decode(q: Tensor, cache: PagedKVCache, block_table: Tensor, seq_lens: Tensor, *,
+                      layout: DCPLayout | None = None, backend: DecodeBackend = "auto",
+                      validate: bool | None = None) -> "LengthPlan":
+    """A split-KV plan from the sequences' lengths for `paged_decode_attention(..., plan=)`: every
+    sequence's local tokens cut into splits of one length, about as many splits over the batch as
+    the kernel's programs fill the GPU with (`triton_decode.LengthPlan`). Without it the kernel
+    cuts every sequence into the same number of splits of the table's capacity, so a few long
+    sequences among short ones run on a few programs while the rest of the GPU waits; FlashMLA and
+    FlashInfer plan from the lengths the same way. One kernel launch, on the device (CUDA-graph
+    capturable); make it once a decode step (the lengths change) and give it to every layer's call,
+    which must have q's shapes, the cache's page and dtype, this table's width and this layout.
+    Arguments as `paged_decode_attention`'s (same checks). On the torch path (CPU) the same tables
+    come from torch ops (`plan_reference`), since the call there only checks the plan."""
+    layout = DCPLayout(size=1, rank=0, block_size=cache.block_size) if layout is None else layout
+    q4 = q.unsqueeze(1) if q.dim() == 3 else q
+    check_paged_inputs(q4, cache, block_table, seq_lens, layout, validate=validate)
+    from . import triton_decode
+
+    table = block_table.to(q.device)
+    rows, key = triton_decode.plan_settings(q4, cache.k, cache.v, cache.k_scale, cache.v_scale, table,
+                                            dcp_size=layout.size, dcp_rank=layout.rank, interleave=layout.interleave)
+    if resolve_backend(q, cache, backend) == "triton":
+        return triton_decode.plan_by_lengths(seq_lens.to(q.device).contiguous(), rows, key)
+    return plan_reference(seq_lens.to(q.device), rows, key)
+
+
+def plan_reference(seq_lens: Tensor, rows: int, key: tuple) -> "LengthPlan":
+    """`triton_decode.plan_by_lengths` in torch ops (the specification of its tables): rows r = token
+    r % Tq of sequence r // Tq (Tq = the key's expand), its local length n_r (0 where the global one
+    is negative or the local share past the table), chunk = ceil(sum n_r / items_target) up to a
+    multiple of unit, at least min_chunk; row r's items are splits 0 .. max(ceil(n_r / chunk), 1) - 1
+    in row order, the rest split ceil(capacity / chunk) of row 0 (empty)."""
+    from .triton_decode import LengthPlan
+
+    kv = dict(key)
+    tq, (size, rank, interleave) = kv["expand"], kv["dcp"]
+    g = seq_lens.long().repeat_interleave(tq)
+    if tq > 1:
+        t = torch.arange(rows, device=g.device) % tq
+        g = torch.where(g < 0, g, (g - (tq - 1) + t).clamp(min=0))
+    cap = kv["table_blocks"] * kv["page"]
+    local = DCPLayout(size=size, rank=rank, block_size=kv["page"], interleave=interleave).local_lengths(g.clamp(min=0))
+    n = torch.where((g < 0) | (local > cap), torch.zeros_like(local), local)
+    items_target, unit = kv["items_target"], kv["unit"]
+    chunk = max(-(-(-(-int(n.sum()) // items_target)) // unit) * unit, kv["min_chunk"])
+    count = ((n + chunk - 1) // chunk).clamp(min=1)
+    segments = torch.zeros(rows + 1, dtype=torch.long, device=g.device)
+    segments[1:] = count.cumsum(0)
+    items = items_target + rows
+    table = torch.zeros(items, 2, dtype=torch.long, device=g.device)
+    used = int(segments[-1])
+    table[:used, 0] = torch.arange(rows, device=g.device).repeat_interleave(count)
+    table[:used, 1] = torch.arange(used, device=g.device) - segments[:-1].repeat_interleave(count)
+    table[used:, 1] = -(-cap // chunk)
+    head = torch.tensor([chunk, 0], dtype=torch.long, device=g.device)
+    return LengthPlan(torch.cat([head, table.flatten()]).to(torch.int32), segments.to(torch.int32), items, rows, key)
+
+
+def _check_plan(plan: "LengthPlan", q: Tensor, cache: PagedKVCache, table: Tensor, layout: DCPLayout,
+                chosen: str) -> None:
+    """A plan given to a call must be one made for it (ValueError naming both otherwise): its type and
+    device here, its rows and key by the kernel's launch (`paged_decode_triton`), which knows the
+    key; the torch path, whose out does not depend on it, checks both here."""
+    from .triton_decode import LengthPlan, plan_settings
+
+    if not isinstance(plan, LengthPlan):
+        raise ValueError(f"plan must be a LengthPlan of plan_paged_decode, got {type(plan).__name__}")
+    if chosen != "triton":
+        rows, key = plan_settings(q, cache.k, cache.v, cache.k_scale, cache.v_scale, table, dcp_size=layout.size,
+                                  dcp_rank=layout.rank, interleave=layout.interleave)
+        plan.check(rows, key)
+    if plan.items_table.device != q.device:
+        raise ValueError(f"the plan's tables are on {plan.items_table.device}, q on {q.device}")

@@ -62,6 +62,9 @@ FLOP floor. GQA (8 query heads per kv head: 8 FLOP/B) is bound by the bytes.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from types import SimpleNamespace
+
 import torch
 import triton
 import triton.language as tl
@@ -72,7 +75,9 @@ from . import gluon_gqa, gluon_mla, gluon_mla_narrow
 from .state import AttnState
 from .triton_common import global_pos as _global_pos
 from .triton_common import local_len as _local_len
-from .triton_merge import gdc_launch_dependents, gdc_wait, merge_states_triton, pdl_ok
+from .triton_common import local_of as _local_of
+from .triton_common import work_item as _work_item
+from .triton_merge import gdc_launch_dependents, gdc_wait, merge_segments_triton, merge_states_triton, pdl_ok
 
 _LOG2E = 1.4426950408889634
 
@@ -483,7 +488,7 @@ def _paged_decode_kernel(
     INTERPRETED: tl.constexpr, LAZY: tl.constexpr = False, HALVES: tl.constexpr = False,
     TMA: tl.constexpr = False, DIAG: tl.constexpr = 0, F16: tl.constexpr = False, PDL: tl.constexpr = False,
     STAGE: tl.constexpr = 0, NUM_BLOCKS=1, TABLE_W=1, DCP_N: tl.constexpr = 0, DCP_I: tl.constexpr = 0,
-    EVEN: tl.constexpr = False,
+    EVEN: tl.constexpr = False, plan_ptr=None, PLANNED: tl.constexpr = False,
 ):
     if DCP_N > 0:   # (CONFIG dcp_constexpr: the DCP group size and interleave built into the kernel)
         dcp_size = DCP_N
@@ -496,6 +501,8 @@ def _paged_decode_kernel(
     tile = pid % M_TILES
     kvh = (pid // M_TILES) % KV_HEADS
     s = pid // (M_TILES * KV_HEADS)
+    if PLANNED:     # (the grid's splits are a length plan's items: each names its sequence and split)
+        s, split, split_len, o_ptr, lse_ptr = _work_item(plan_ptr, split, o_ptr, lse_ptr, so_p, sl_p)
     s64 = s.to(tl.int64)
     # rows of this tile: r = t * G + g  (query token t, head kvh * G + g)
     r = tile * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -1181,6 +1188,133 @@ def plan_splits(capacity: int, programs: int, block_n: int, min_split: int, at_m
     return -(-capacity // split_len), split_len
 
 
+@dataclass(frozen=True)
+class LengthPlan:
+    """A split-KV plan made on the device from the sequences' lengths (`plan_by_lengths`; the public
+    maker is `paged.plan_paged_decode`): each sequence's local tokens are cut into splits of one
+    length `chunk` (a device value: the batch's local tokens over about `items_target` splits), so a
+    batch of very different lengths keeps every program busy, where the capacity's plan
+    (`plan_splits`) gives every sequence the same number of splits and a few long sequences among
+    short ones run on a few programs. Capturable: one launch, nothing read on the host.
+
+    items_table: int32 [2 + 2 x items]: chunk, 0, then (sequence, split) per item; items past the
+    batch's own name an empty split (of sequence 0, past the table). segments: int32 [rows + 1]:
+    row r's items are [segments[r], segments[r + 1]). items: the grid's splits, items_target + rows
+    (a bound on the count: a row takes at most one split more than its share of the tokens). rows:
+    the sequences (x Tq where a speculative step runs as one-token rows, `_expanded`). key: what it
+    was planned for (the kernel's settings, the table's width, the cache's page, the DCP layout),
+    checked by every call it is given to.
+    """
+
+    items_table: Tensor
+    segments: Tensor
+    items: int
+    rows: int
+    key: tuple
+
+    def check(self, rows: int, key: tuple) -> None:
+        if rows != self.rows or key != self.key:
+            raise ValueError(f"this length plan was made for {self.rows} rows and {dict(self.key)}; the call has "
+                             f"{rows} rows and {dict(key)}: make the plan for the call's shapes and layout "
+                             f"(plan_paged_decode)")
+
+
+def _plan_key(c: SimpleNamespace, table: Tensor, page: int, dcp_size: int, dcp_rank: int, interleave: int,
+              expand: int) -> tuple:
+    """A length plan's settings for the kernel `_choose` picked: its target of splits over the batch
+    (the capacity plan's programs over a sequence's programs, rounded as there), the split unit (the
+    kernel's key tile) and the shortest split (its min_split)."""
+    target, programs = c.cfg["target_programs"], max(c.row_programs, 1)
+    items = max(1, target // programs if c.cfg["at_most"] else -(-target // programs))
+    unit = c.block_n
+    min_chunk = -(-max(c.cfg["min_split"], 1) // unit) * unit
+    return (("items_target", items), ("unit", unit), ("min_chunk", min_chunk), ("table_blocks", table.shape[1]),
+            ("page", page), ("dcp", (dcp_size, dcp_rank, interleave)), ("expand", expand))
+
+
+@triton.jit
+def _plan_lengths(glens_ptr, r, rmask, cap, dcp_size, dcp_rank, interleave, TQ: tl.constexpr):
+    """Rows r's local lengths for the plan: row r is token r % TQ of sequence r // TQ (TQ > 1: a
+    speculative step run as one-token rows, `_expanded`'s lengths); 0 where the row is masked, its
+    length negative or its local share past the table (the kernel reports those: NaN)."""
+    g = tl.load(glens_ptr + r // TQ, mask=rmask, other=0).to(tl.int64)
+    if TQ > 1:
+        g = tl.where(g < 0, g, tl.maximum(g - (TQ - 1) + r % TQ, 0))
+    n = _local_of(g, dcp_size, dcp_rank, interleave)
+    return tl.where(rmask & (g >= 0) & (n <= cap), n, 0)
+
+
+@triton.jit
+def _plan_kernel(glens_ptr, items_ptr, seg_ptr, R, V, ITEMS, UNIT, MIN_CHUNK, cap, dcp_size, dcp_rank, interleave,
+                 TQ: tl.constexpr, BLOCK: tl.constexpr):
+    """(one program) `LengthPlan`'s tables: chunk = the rows' local tokens over ITEMS, up to a multiple
+    of UNIT, at least MIN_CHUNK; row r takes max(ceil(n_r / chunk), 1) items (one for an empty or
+    bad row: its partial carries the row's lse -inf or NaN), in row order; the items past them name
+    split ceil(cap / chunk) of row 0, which starts past the table (empty)."""
+    total = tl.zeros([], tl.int64)
+    r0 = 0
+    while r0 < R:
+        r = r0 + tl.arange(0, BLOCK)
+        total += tl.sum(_plan_lengths(glens_ptr, r, r < R, cap, dcp_size, dcp_rank, interleave, TQ).to(tl.int64), 0)
+        r0 += BLOCK
+    chunk = (((total + ITEMS - 1) // ITEMS + UNIT - 1) // UNIT) * UNIT
+    chunk = tl.maximum(chunk, MIN_CHUNK).to(tl.int32)
+    tl.store(items_ptr, chunk)
+    tl.store(items_ptr + 1, 0)
+    base = tl.zeros([], tl.int32)
+    r0 = 0
+    while r0 < R:
+        r = r0 + tl.arange(0, BLOCK)
+        rmask = r < R
+        n = _plan_lengths(glens_ptr, r, rmask, cap, dcp_size, dcp_rank, interleave, TQ)
+        count = tl.where(rmask, tl.maximum((n + chunk - 1) // chunk, 1), 0)
+        first = base + tl.cumsum(count, 0) - count
+        tl.store(seg_ptr + r, first, mask=rmask)
+        most = tl.max(count, 0)
+        k = 0
+        while k < most:
+            mk = rmask & (k < count)
+            tl.store(items_ptr + 2 + 2 * (first + k), r, mask=mk)
+            tl.store(items_ptr + 3 + 2 * (first + k), tl.zeros_like(r) + k, mask=mk)
+            k += 1
+        base += tl.sum(count, 0)
+        r0 += BLOCK
+    tl.store(seg_ptr + R, base)
+    empty = (cap + chunk - 1) // chunk
+    v0 = base
+    while v0 < V:
+        v = v0 + tl.arange(0, BLOCK)
+        tl.store(items_ptr + 2 + 2 * v, tl.zeros_like(v), mask=v < V)
+        tl.store(items_ptr + 3 + 2 * v, tl.zeros_like(v) + empty, mask=v < V)
+        v0 += BLOCK
+
+
+def plan_settings(q: Tensor, k: Tensor, v: Tensor, k_scale: Tensor | None, v_scale: Tensor | None,
+                  block_table: Tensor, *, dcp_size: int, dcp_rank: int, interleave: int) -> tuple[int, tuple]:
+    """(rows, key) of the length plan for a call with these shapes (`_choose`; a speculative step that
+    `_expanded` runs as one-token rows is planned over those rows)."""
+    s, tq, hq, d = q.shape
+    c, expand = _choose(q, k, v, k_scale, v_scale), 1
+    if c.expand:
+        expand = tq
+        c = _choose(q.view(s * tq, 1, hq, d), k, v, k_scale, v_scale)
+    return s * expand, _plan_key(c, block_table, k.shape[1], dcp_size, dcp_rank, interleave, expand)
+
+
+def plan_by_lengths(seq_lens: Tensor, rows: int, key: tuple) -> LengthPlan:
+    """The length plan of `plan_settings`' (rows, key) over the global lengths seq_lens [S] (one
+    launch of `_plan_kernel`, on seq_lens' device: CUDA, or the interpreter)."""
+    kv = dict(key)
+    items = kv["items_target"] + rows
+    table = torch.empty(2 + 2 * items, dtype=torch.int32, device=seq_lens.device)
+    segments = torch.empty(rows + 1, dtype=torch.int32, device=seq_lens.device)
+    size, rank, interleave = kv["dcp"]
+    _plan_kernel[(1,)](seq_lens, table, segments, rows, items, kv["items_target"], kv["unit"], kv["min_chunk"],
+                       kv["table_blocks"] * kv["page"], size, rank, interleave, TQ=kv["expand"],
+                       BLOCK=max(16, min(1024, triton.next_power_of_2(max(rows, 1)))))
+    return LengthPlan(table, segments, items, rows, key)
+
+
 def ids_ahead_key(fp8: bool, narrow: bool = False) -> str:
     """The CONFIG entry that sets ids_ahead for the Gluon kernels over this cache dtype (over fp8 they
     are the direct kernels, GQA's or, `narrow`, MLA's narrow head tiles': each timed apart, and they
@@ -1243,7 +1377,7 @@ def _expand_rows_kernel(lens_ptr, table_ptr, out_lens_ptr, out_table_ptr, st_s, 
 
 def _expanded(q: Tensor, k: Tensor, v: Tensor, k_scale: Tensor | None, v_scale: Tensor | None, block_table: Tensor,
               seq_lens: Tensor, scale: float, merge: bool = True, out_dtype: torch.dtype = torch.float32,
-              **layout) -> AttnState:
+              plan: LengthPlan | None = None, **layout) -> AttnState:
     """A speculative step's Tq query tokens as Tq one-token decodes (CONFIG expand_wide / expand_wide_fp8):
     token t of a sequence of global length L sees the positions < L - Tq + 1 + t, which is a decode of
     that length (DCP's local share taken from it as from any length), so q [S, Tq, Hq, D] runs as
@@ -1261,26 +1395,15 @@ def _expanded(q: Tensor, k: Tensor, v: Tensor, k_scale: Tensor | None, v_scale: 
         _expand_rows_kernel[(s,)](seq_lens, block_table, each, table, block_table.stride(0), TABLE_W=width, TQ=tq,
                                   TQ_P2=triton.next_power_of_2(tq), BLOCK=min(1024, triton.next_power_of_2(width)))
     got = paged_decode_triton(q.view(s * tq, 1, hq, d), k, v, k_scale, v_scale, table, each, scale, merge=merge,
-                              out_dtype=out_dtype, **layout)
+                              out_dtype=out_dtype, plan=plan, expand_of=tq, **layout)
     lead = got.lse.shape[:-3]        # (merge=False: the splits)
     return AttnState(got.out.view(*lead, s, tq, hq, -1), got.lse.view(*lead, s, tq, hq))
 
 
-def paged_decode_triton(q: Tensor, k: Tensor, v: Tensor, k_scale: Tensor | None, v_scale: Tensor | None,
-                        block_table: Tensor, seq_lens: Tensor, scale: float, *,
-                        dcp_size: int, dcp_rank: int, interleave: int, capacity: int,
-                        merge: bool = True, out_dtype: torch.dtype = torch.float32) -> AttnState:
-    """Launch (inputs validated by `paged.paged_decode_attention`).
-
-    q: [S, Tq, Hq, D]; k: [nb, B, Hkv, D]; v: [nb, B, Hkv, Dv] (may be the view k[..., :Dv]);
-    scales [nb, B, Hkv] fp32 for fp8; block_table [S, max_blocks]; seq_lens [S] int32 / int64
-    global lengths (the kernel takes this rank's share of each); capacity: tokens per sequence the
-    grid covers.
-    Returns AttnState(out [S, Tq, Hq, Dv] fp32, lse [S, Tq, Hq] fp32); merge=False: the P splits'
-    partials unmerged, out [P, S, Tq, Hq, Dv] (fp32, or q's dtype under CONFIG half_partials), lse
-    [P, S, Tq, Hq] (P = 1 where one split covers the grid). out_dtype: the merged out's dtype (fp32,
-    or the 16-bit dtype the caller casts to: the split merge, or one split's kernel, writes it).
-    """
+def _choose(q: Tensor, k: Tensor, v: Tensor, k_scale: Tensor | None, v_scale: Tensor | None) -> SimpleNamespace:
+    """Which kernel a call runs and its launch settings (shapes and CONFIG only: what the split plan
+    and a length plan, `plan_by_lengths`, are made from). expand: a speculative step of MLA's full head
+    tiles that runs as one-token decodes (`_expanded`), whose own choice is the one-token call's."""
     s, tq, hq, d = q.shape
     page, hkv, dv = k.shape[1], k.shape[2], v.shape[-1]
     g = hq // hkv
@@ -1295,10 +1418,8 @@ def paged_decode_triton(q: Tensor, k: Tensor, v: Tensor, k_scale: Tensor | None,
     narrow = _narrow(tq * g)
     narrow_on = CONFIG["gluon_wide_narrow_fp8" if fp8 else "gluon_wide_narrow"]
     latent = not impl.interpreting() and _halves_ok(k, v, k_scale, v_scale, d_main, gluon_mla.TILE)
-    if (latent and tq > 1 and hq % gluon_mla.TILE == 0 and CONFIG["expand_wide_fp8" if fp8 else "expand_wide"]
-            and gluon_mla.gluon_mla_ok(q, k, v, 1, page, k_scale, v_scale)):
-        return _expanded(q, k, v, k_scale, v_scale, block_table, seq_lens, scale, merge, out_dtype, dcp_size=dcp_size,
-                         dcp_rank=dcp_rank, interleave=interleave, capacity=capacity)
+    expand = bool(latent and tq > 1 and hq % gluon_mla.TILE == 0 and CONFIG["expand_wide_fp8" if fp8 else "expand_wide"]
+                  and gluon_mla.gluon_mla_ok(q, k, v, 1, page, k_scale, v_scale))
     # (over fp8 its direct form, with the raw stages that fit at these columns: none, or
     # direct_wide_narrow_fp8 0, leaves the padded-tile kernel)
     narrow_raw = CONFIG["direct_wide_narrow_fp8_32" if tq * hq > gluon_mla_narrow.PAIRS_MAX_COLUMNS
@@ -1343,56 +1464,111 @@ def paged_decode_triton(q: Tensor, k: Tensor, v: Tensor, k_scale: Tensor | None,
     stage16 = cfg["stage16"] if fp8 and not halves and not impl.interpreting() else 0
     tma = bool(cfg["tma"]) and (_tma_ok(k) if halves else _gqa_tma_ok(k, v, d_rest, dv, block_n, v_from_k))
     even = bool(cfg["even"]) and tq == 1 and not halves and not tma
-    if tma:
-        impl.ensure_triton_scratch()
     pdl = bool(CONFIG["pdl_wide_narrow" if swapped and not tiled else "pdl"]) and pdl_ok(q.device)
     m_tiles = -(-(tq * g) // block_m)
-    programs = s * head_tiles if tiled else s * hkv * m_tiles
-    splits, split_len = plan_splits(capacity, programs, block_n, cfg["min_split"], bool(cfg["at_most"]),
-                                    cfg["target_programs"])
+    return SimpleNamespace(
+        expand=expand, cfg=cfg, block_n=block_n, block_m=block_m, halves=halves, narrow=narrow, narrow_raw=narrow_raw,
+        swapped=swapped, tiled=tiled, width=width, gluon=gluon, gqa_ws=gqa_ws, direct_raw=direct_raw, f16=f16,
+        stage16=stage16, tma=tma, even=even, pdl=pdl, m_tiles=m_tiles, fp8=fp8, v_from_k=v_from_k, d_main=d_main,
+        d_rest=d_rest, block_rest=block_rest, g=g,
+        row_programs=head_tiles if tiled else hkv * m_tiles)      # programs a sequence (a split of it)
+
+
+def paged_decode_triton(q: Tensor, k: Tensor, v: Tensor, k_scale: Tensor | None, v_scale: Tensor | None,
+                        block_table: Tensor, seq_lens: Tensor, scale: float, *,
+                        dcp_size: int, dcp_rank: int, interleave: int, capacity: int,
+                        merge: bool = True, out_dtype: torch.dtype = torch.float32,
+                        plan: LengthPlan | None = None, expand_of: int = 1) -> AttnState:
+    """Launch (inputs validated by `paged.paged_decode_attention`).
+
+    q: [S, Tq, Hq, D]; k: [nb, B, Hkv, D]; v: [nb, B, Hkv, Dv] (may be the view k[..., :Dv]);
+    scales [nb, B, Hkv] fp32 for fp8; block_table [S, max_blocks]; seq_lens [S] int32 / int64
+    global lengths (the kernel takes this rank's share of each); capacity: tokens per sequence the
+    grid covers.
+    Returns AttnState(out [S, Tq, Hq, Dv] fp32, lse [S, Tq, Hq] fp32); merge=False: the P splits'
+    partials unmerged, out [P, S, Tq, Hq, Dv] (fp32, or q's dtype under CONFIG half_partials), lse
+    [P, S, Tq, Hq] (P = 1 where one split covers the grid). out_dtype: the merged out's dtype (fp32,
+    or the 16-bit dtype the caller casts to: the split merge, or one split's kernel, writes it).
+    plan: a length plan (`plan_by_lengths`, for these shapes) in place of the capacity's split plan:
+    its work items are the grid's splits, merged per sequence (`merge_segments_triton`); merge=False
+    then returns that merge as one partial (P = 1). expand_of: the Tq of the speculative step that
+    `_expanded` runs as these one-token rows (the plan's key names it).
+    """
+    s, tq, hq, d = q.shape
+    dv = v.shape[-1]
+    c = _choose(q, k, v, k_scale, v_scale)
+    if c.expand:
+        return _expanded(q, k, v, k_scale, v_scale, block_table, seq_lens, scale, merge, out_dtype, dcp_size=dcp_size,
+                         dcp_rank=dcp_rank, interleave=interleave, capacity=capacity, plan=plan)
+    cfg, block_n, block_m, m_tiles, pdl = c.cfg, c.block_n, c.block_m, c.m_tiles, c.pdl
+    if c.tma:
+        impl.ensure_triton_scratch()
+    if plan is not None:
+        plan.check(s, _plan_key(c, block_table, k.shape[1], dcp_size, dcp_rank, interleave, expand_of))
+        splits, split_len, rows = plan.items, 0, 1      # (the grid: a sequence's programs x the plan's items)
+    else:
+        splits, split_len = plan_splits(capacity, c.row_programs, block_n, cfg["min_split"], bool(cfg["at_most"]),
+                                        cfg["target_programs"])
+        rows = s
+    programs = rows * c.row_programs
     # (the kernels store through o's dtype: one split's partial is the call's output, in out_dtype)
-    half = splits > 1 and bool(CONFIG["half_partials"]) and q.dtype in (torch.bfloat16, torch.float16)
-    o_dtype = q.dtype if half else out_dtype if splits == 1 and merge else torch.float32
-    o = torch.empty(splits, s, tq, hq, dv, dtype=o_dtype, device=q.device)
-    lse = torch.empty(splits, s, tq, hq, dtype=torch.float32, device=q.device)
+    half = (splits > 1 or plan is not None) and bool(CONFIG["half_partials"]) and q.dtype in (torch.bfloat16,
+                                                                                               torch.float16)
+    o_dtype = q.dtype if half else out_dtype if splits == 1 and merge and plan is None else torch.float32
+    if plan is None:
+        o = torch.empty(splits, s, tq, hq, dv, dtype=o_dtype, device=q.device)
+        lse = torch.empty(splits, s, tq, hq, dtype=torch.float32, device=q.device)
+    else:       # (item v's partial at row v: the sequence's stride 0, the kernels offset o by the item)
+        o_items = torch.empty(splits, tq, hq, dv, dtype=o_dtype, device=q.device)
+        lse_items = torch.empty(splits, tq, hq, dtype=torch.float32, device=q.device)
+        o = o_items.unsqueeze(1).expand(splits, s, tq, hq, dv)
+        lse = lse_items.unsqueeze(1).expand(splits, s, tq, hq)
+    fp8 = c.fp8
     ks = k_scale if fp8 else _no_scale(q)
     vs = v_scale if fp8 else ks
     ks_st = ks.stride() if fp8 else (0, 0, 0)
     vs_st = vs.stride() if fp8 else (0, 0, 0)
     table = block_table if block_table.stride(-1) == 1 else block_table.contiguous()
     direct_opts = {"paired": bool(CONFIG["paired_store_direct_fp8"]),
-                   "ahead": bool(CONFIG[ids_ahead_key(fp8, narrow=swapped)])}
-    if s > 0 and splits > 0 and swapped:
+                   "ahead": bool(CONFIG[ids_ahead_key(fp8, narrow=c.swapped)])}
+    planned = {} if plan is None else {"plan": plan.items_table}
+    if s > 0 and splits > 0 and c.swapped:
         gluon_mla_narrow.launch(q, k, table, seq_lens, o, lse, scale * _LOG2E, splits, split_len, dcp_size, dcp_rank,
-                                interleave, k_scale if fp8 else None, raw=narrow_raw, pdl=pdl,
+                                interleave, k_scale if fp8 else None, raw=c.narrow_raw, pdl=pdl,
                                 pipe=bool(CONFIG["pipe_wide_narrow_fp8"]),
-                                width=width if tiled else gluon_mla_narrow.MAX_HEADS, **direct_opts)
-    elif s > 0 and splits > 0 and gluon:
+                                width=c.width if c.tiled else gluon_mla_narrow.MAX_HEADS, **direct_opts, **planned)
+    elif s > 0 and splits > 0 and c.gluon:
         gluon_mla.launch_gluon_mla(q, k, table, seq_lens, o, lse, scale * _LOG2E, splits, split_len, dcp_size,
                                    dcp_rank, interleave, k_scale if fp8 else None, raw_ring=CONFIG["raw_ring_wide_fp8"],
                                    keys=CONFIG["keys_wide_fp8"], ring=CONFIG["ring_wide_fp8"], pdl=pdl,
-                                   seesaw=bool(CONFIG["seesaw_wide"]))
-    elif s > 0 and splits > 0 and gqa_ws:
+                                   seesaw=bool(CONFIG["seesaw_wide"]), **planned)
+    elif s > 0 and splits > 0 and c.gqa_ws:
         gluon_gqa.launch_gluon_gqa(q, k, v, table, seq_lens, o, lse, scale * _LOG2E, splits, split_len, dcp_size,
                                    dcp_rank, interleave, k_scale if fp8 else None, v_scale if fp8 else None,
-                                   stages=CONFIG["stages_gluon_gqa"], direct=direct_raw, pdl=pdl, **direct_opts)
+                                   stages=CONFIG["stages_gluon_gqa"], direct=c.direct_raw, pdl=pdl, **direct_opts,
+                                   **planned)
     elif s > 0 and splits > 0:
         _paged_decode_kernel[(programs, splits)](
             q, k, v, ks, vs, table, seq_lens, o, lse,
-            scale * _LOG2E, split_len, tq, g, m_tiles, hkv, hq,
+            scale * _LOG2E, split_len, tq, c.g, m_tiles, k.shape[2], hq,
             dcp_size, dcp_rank, interleave,
             q.stride(0), q.stride(1), q.stride(2),
             k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2), *ks_st, *vs_st,
             table.stride(0),
             o.stride(0), o.stride(1), o.stride(2), o.stride(3), lse.stride(0), lse.stride(1), lse.stride(2),
-            D_MAIN=d_main, D_REST=d_rest, BLOCK_REST=block_rest, DV=dv, BLOCK_DV=triton.next_power_of_2(dv),
-            BLOCK_M=block_m, BLOCK_N=block_n, PAGE=page, FP8=fp8, V_FROM_K=v_from_k, CAUSAL=tq > 1,
+            D_MAIN=c.d_main, D_REST=c.d_rest, BLOCK_REST=c.block_rest, DV=dv, BLOCK_DV=triton.next_power_of_2(dv),
+            BLOCK_M=block_m, BLOCK_N=block_n, PAGE=k.shape[1], FP8=fp8, V_FROM_K=c.v_from_k, CAUSAL=tq > 1,
             IEEE=q.dtype == torch.float32, INTERPRETED=impl.interpreting(), LAZY=bool(cfg["lazy_rescale"]),
-            HALVES=halves, TMA=tma, DIAG=cfg["diag"] if halves else 0, F16=f16, PDL=pdl, STAGE=stage16,
-            NUM_BLOCKS=k.shape[0], EVEN=even,
+            HALVES=c.halves, TMA=c.tma, DIAG=cfg["diag"] if c.halves else 0, F16=c.f16, PDL=pdl, STAGE=c.stage16,
+            NUM_BLOCKS=k.shape[0], EVEN=c.even,
             TABLE_W=table.shape[1], **({"DCP_N": dcp_size, "DCP_I": interleave} if CONFIG["dcp_constexpr"] else {}),
+            plan_ptr=plan.items_table if plan is not None else None, PLANNED=plan is not None,
             num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
             **({"maxnreg": cfg["maxnreg"]} if cfg["maxnreg"] else {}), **({"launch_pdl": True} if pdl else {}))
+    if plan is not None:
+        out = torch.empty(s, tq, hq, dv, dtype=out_dtype if merge else torch.float32, device=q.device)
+        merged = merge_segments_triton(o_items, lse_items, plan.segments, out, pdl=pdl)
+        return merged if merge else AttnState(merged.out.unsqueeze(0), merged.lse.unsqueeze(0))
     if not merge:
         return AttnState(o, lse)
     if splits == 1:

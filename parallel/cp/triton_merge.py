@@ -197,6 +197,51 @@ def _rescale_kernel(
                   BASE2)
 
 
+@triton.jit
+def _merge_segments_kernel(
+    x_ptr, lx_ptr, seg_ptr, y_ptr, ly_ptr,
+    M, H, T,
+    sx_v, sx_t, sx_h, sx_d, slx_v, slx_t, slx_h,
+    sy_m, sy_h, sy_d, sly_m, sly_h,
+    D: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr = False,
+):
+    """Row m = (r, t) of the M = R x T merges the partials [seg[r], seg[r + 1]) of x [V, T, H, D]
+    (a length plan's items, `merge_segments_triton`): a count per row, so the loops run to the
+    program's largest count under a mask; the same weights as `_merge_n_kernel` (natural log)."""
+    if PDL:
+        gdc_wait()
+    rmask, m_idx, h_idx = _program_rows(M, H, BLOCK_R)
+    r = m_idx // T
+    lse_off = (m_idx % T) * slx_t + h_idx * slx_h
+    lo = tl.load(seg_ptr + r, mask=rmask, other=0).to(tl.int64)
+    count = tl.load(seg_ptr + r + 1, mask=rmask, other=0).to(tl.int64) - lo
+    most = tl.max(count, 0)
+    mx = tl.full([BLOCK_R], float("-inf"), tl.float32)
+    i = 0
+    while i < most:
+        li = tl.load(lx_ptr + (lo + i) * slx_v + lse_off, mask=rmask & (i < count), other=float("-inf"))
+        mx = tl.maximum(mx, _clean_lse(li.to(tl.float32)), propagate_nan=tl.PropagateNan.ALL)
+        i += 1
+    mx = tl.where(mx == float("-inf"), 0.0, mx)
+    d = tl.arange(0, BLOCK_D)
+    mask2 = rmask[:, None] & (d[None, :] < D)
+    x_off = (m_idx % T)[:, None] * sx_t + h_idx[:, None] * sx_h + d[None, :] * sx_d
+    total = tl.full([BLOCK_R], 0.0, tl.float32)
+    acc = tl.full([BLOCK_R, BLOCK_D], 0.0, tl.float32)
+    i = 0
+    while i < most:
+        valid = rmask & (i < count)
+        li = _clean_lse(tl.load(lx_ptr + (lo + i) * slx_v + lse_off, mask=valid, other=float("-inf")).to(tl.float32))
+        wi = tl.exp(li - mx)
+        oi = tl.load(x_ptr + (lo + i)[:, None] * sx_v + x_off, mask=mask2 & valid[:, None], other=0.0)
+        acc += tl.where(wi[:, None] > 0, oi.to(tl.float32), 0.0) * wi[:, None]
+        total += wi
+        i += 1
+    acc = acc / tl.where(total > 0, total, 1.0)[:, None]
+    _store_merged(y_ptr, ly_ptr, m_idx, h_idx, d, rmask, mask2, acc, mx, total, sy_m, sy_h, sy_d, sly_m, sly_h,
+                  False)
+
+
 def rescale_triton(outs: Tensor, lses: Tensor, index: int, *, base: str = "e", pdl: bool = False) -> AttnState:
     """Triton version of `merge.rescale_parts_to_merged` (inputs validated there): outs [P, ..., T, H,
     D], lses [N, P, ..., T, H] stacked (N x P at most merge.MAX_RESCALE_PARTIALS: the kernel's loops
@@ -220,6 +265,29 @@ def rescale_triton(outs: Tensor, lses: Tensor, index: int, *, base: str = "e", p
             N=n * p, P=p, D=D, BLOCK_R=block_r, BLOCK_D=block_d, BASE2=(base == "2"), PDL=pdl, num_warps=num_warps,
             **({"launch_pdl": True} if pdl else {}))
     return AttnState(y.view(shape), ly.view(shape[:-1]))
+
+
+def merge_segments_triton(outs: Tensor, lses: Tensor, segments: Tensor, out: Tensor, *,
+                          pdl: bool = False) -> AttnState:
+    """Merge runs of partials: row r of out [R, T, H, D] (any float dtype, written) and of the fresh
+    lse [R, T, H] from outs [V, T, H, D] / lses [V, T, H] (natural log) at [segments[r],
+    segments[r + 1]) (int32 [R + 1], on the device: a length plan's, read by the kernel, never on
+    the host). A row with no partial gets out 0 and lse -inf, one with a NaN lse NaN."""
+    pdl = pdl and pdl_ok(outs.device)
+    R, T, H, D = out.shape
+    ly = torch.empty((R, T, H), dtype=torch.float32, device=out.device)
+    y = out.view(R * T, H, D)
+    M = R * T
+    from .. import impl
+
+    block_r, block_d, num_warps = _launch_config(D, M * H, 0 if impl.interpreting() else CONFIG["min_programs"])
+    if M * H > 0:
+        _merge_segments_kernel[(triton.cdiv(M * H, block_r),)](
+            outs, lses, segments, y, ly, M, H, T,
+            *outs.stride(), *lses.stride(), *y.stride(), *ly.view(M, H).stride(),
+            D=D, BLOCK_R=block_r, BLOCK_D=block_d, PDL=pdl, num_warps=num_warps,
+            **({"launch_pdl": True} if pdl else {}))
+    return AttnState(out, ly)
 
 
 def _rows(x: Tensor, width: int) -> Tensor:

@@ -1,0 +1,263 @@
+"""Length plans for the split-KV decode kernel (`paged.plan_paged_decode`, `triton_decode.LengthPlan`):
+the planner kernel against its torch specification, the planned kernels against the torch path
+(TRITON_INTERPRET=1 on CPU; the Gluon kernels on a GPU), the segment merge, and the checks."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from parallel.cp import DCPLayout, PagedKVCache
+from parallel.cp.paged import paged_decode_attention, plan_paged_decode, plan_reference
+from parallel.cp.state import AttnState
+
+triton = pytest.importorskip("triton")
+
+from test_cp_decode_kernel import _check, _compiled, _fill, _mla_cache  # noqa: E402
+
+
+@pytest.fixture(autouse=True)
+def _interpret(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+
+
+def _small_splits(monkeypatch, target: int = 24) -> None:
+    """Short splits and few programs (the interpreter runs programs one by one), so that the plans
+    below cut the long sequences into many items."""
+    from parallel.cp import triton_decode
+
+    for key in [k for k in triton_decode.CONFIG if k.startswith("min_split")]:
+        monkeypatch.setitem(triton_decode.CONFIG, key, 16)
+    for key in [k for k in triton_decode.CONFIG if k.startswith("target_programs")]:
+        monkeypatch.setitem(triton_decode.CONFIG, key, target)
+
+
+def _spans(plan) -> dict[int, list[tuple[int, int]]]:
+    """Row -> the (split, chunk) of its items, from the plan's tables (host copies)."""
+    table = plan.items_table.cpu()
+    chunk, pairs = int(table[0]), table[2:].view(-1, 2)
+    seg = plan.segments.cpu()
+    return {r: [(int(pairs[v, 1]), chunk) for v in range(int(seg[r]), int(seg[r + 1]))] for r in range(plan.rows)} | {
+        "rows_of": [int(pairs[v, 0]) for v in range(int(seg[-1]))]}
+
+
+@pytest.mark.parametrize("size,rank,interleave,tq", [(1, 0, 1, 1), (3, 1, 2, 1), (4, 3, 1, 1), (2, 0, 1, 3)])
+def test_planner_kernel_matches_its_torch_specification(size, rank, interleave, tq, monkeypatch):
+    """The planner kernel's tables = `plan_reference`'s, on lengths with 0, 1, long, negative and past
+    the table (both give one item to those: their partial carries lse -inf or the kernel's NaN), and
+    the items of each row cover its local tokens once, in order, with at most items_target + rows
+    items in all."""
+    from parallel.cp import triton_decode
+
+    _small_splits(monkeypatch)
+    gen = torch.Generator().manual_seed(size * 10 + rank)
+    lens = [0, 1, 700, 3, 1500, 64, 5, -2, 10_000] + torch.randint(0, 400, (20,), generator=gen).tolist()
+    if tq > 1:
+        lens = [max(n, tq) if n >= 0 else n for n in lens]
+    seq = torch.tensor(lens)
+    layout = DCPLayout(size=size, rank=rank, block_size=16, interleave=interleave)
+    table = torch.zeros(len(lens), 40, dtype=torch.int32)          # 640 local tokens: 10_000 is past it
+    q = torch.randn(len(lens), tq, 8, 32)
+    k = torch.zeros(4, 16, 2, 32)
+    rows, key = triton_decode.plan_settings(q, k, k, None, None, table, dcp_size=size, dcp_rank=rank,
+                                            interleave=interleave)
+    assert rows == len(lens)        # (the expansion is the GPU's: never under the interpreter)
+    got = triton_decode.plan_by_lengths(seq, rows, key)
+    ref = plan_reference(seq, rows, key)
+    assert torch.equal(got.items_table, ref.items_table) and torch.equal(got.segments, ref.segments)
+    assert got.items == ref.items == dict(key)["items_target"] + rows
+    spans = _spans(got)
+    local = layout.local_lengths(seq.clamp(min=0))
+    for r, n in enumerate(local.tolist()):
+        n = 0 if lens[r] < 0 or n > 640 else n
+        ks = [k for k, _ in spans[r]]
+        chunk = spans[r][0][1]
+        assert ks == list(range(len(ks))) and len(ks) == max(1, -(-n // chunk)), (r, n, ks)
+    assert spans["rows_of"] == sorted(spans["rows_of"])
+    assert int(got.segments[-1]) <= got.items
+
+
+@pytest.mark.parametrize("tq", [1, 3])
+@pytest.mark.parametrize("size,rank,interleave", [(1, 0, 1), (3, 1, 2)])
+@pytest.mark.parametrize("fp8", [False, True])
+def test_planned_gqa_kernel_matches_the_torch_path(tq, size, rank, interleave, fp8, monkeypatch):
+    """A batch of very different lengths (0, 1, a few pages, many) through the kernel under a length
+    plan = the torch path, merged (fp32 and q's dtype) and unmerged (one partial)."""
+    _small_splits(monkeypatch)
+    lens = [3, 700, 5, 0 if tq == 1 else 4, 60, 1200, 1]
+    if tq > 1:
+        lens = [max(n, tq) for n in lens]
+    hq, hkv, d, dv = 8, 2, 32, 32
+    cache, table, layout, _, _ = _fill(lens, hkv, d, dv, 16, size, rank, interleave, torch.float32, seed=3)
+    q = torch.randn(len(lens), tq, hq, d)
+    if fp8:     # (fp16 queries over an fp8 cache: the interpreter's bf16 dots are wrong)
+        scale = cache.k.abs().amax(-1).clamp(min=1e-3) / 448
+        cache = PagedKVCache((cache.k / scale[..., None]).to(torch.float8_e4m3fn),
+                             (cache.v / scale[..., None]).to(torch.float8_e4m3fn), scale.clone(), scale.clone())
+        q = q.half()
+    seq = torch.tensor(lens)
+    plan = plan_paged_decode(q, cache, table, seq, layout=layout, backend="triton")
+    assert int(plan.segments[-1]) > len(lens)           # (several items for the long sequences)
+    ref = paged_decode_attention(q, cache, table, seq, layout=layout, backend="torch")
+    got = paged_decode_attention(q, cache, table, seq, layout=layout, backend="triton", plan=plan)
+    atol = 2e-3 if fp8 else 1e-4
+    _check(got, ref, atol)
+    half = paged_decode_attention(q, cache, table, seq, layout=layout, backend="triton", plan=plan,
+                                  out_dtype=torch.float16)
+    assert half.out.dtype == torch.float16
+    torch.testing.assert_close(half.out.float(), ref.out, atol=atol + 2e-3, rtol=0)
+    parts = paged_decode_attention(q, cache, table, seq, layout=layout, backend="triton", plan=plan, merge=False)
+    assert parts.out.shape == (1, *ref.out.shape)
+    _check(AttnState(parts.out[0], parts.lse[0]), ref, atol)
+
+
+def test_planned_mla_layout_matches_the_torch_path(monkeypatch):
+    """The latent layout (one 576-wide head, v its first 512) with NaN in every slot past a sequence's
+    length: a plan's items end where the sequence does."""
+    _small_splits(monkeypatch)
+    lens = [1, 300, 0, 47, 9]
+    cache, table = _mla_cache(lens, 16, torch.float32, seed=4)
+    q = torch.randn(len(lens), 1, 4, 576)
+    seq = torch.tensor(lens)
+    plan = plan_paged_decode(q, cache, table, seq, backend="triton")
+    ref = paged_decode_attention(q, cache, table, seq, scale=0.05, backend="torch")
+    got = paged_decode_attention(q, cache, table, seq, scale=0.05, backend="triton", plan=plan)
+    _check(got, ref, 1e-4)
+
+
+def test_planned_bad_rows_are_nan_and_the_rest_exact(monkeypatch):
+    """Unvalidated values (as on CUDA): a negative length and one past the table give NaN rows under a
+    plan as without one; the other rows keep their values."""
+    _small_splits(monkeypatch)
+    lens = [40, 300, 7, 200]
+    cache, table, layout, _, _ = _fill(lens, 1, 16, 16, 16, 1, 0, 1, torch.float32, seed=6)
+    q = torch.randn(len(lens), 1, 2, 16)
+    seq = torch.tensor(lens)
+    ref = paged_decode_attention(q, cache, table, seq, backend="torch")
+    bad = torch.tensor([40, -1, 7, 10_000])
+    plan = plan_paged_decode(q, cache, table, bad, backend="triton", validate=False)
+    got = paged_decode_attention(q, cache, table, bad, backend="triton", plan=plan, validate=False)
+    assert got.out[[1, 3]].isnan().all() and got.lse[[1, 3]].isnan().all()
+    _check(AttnState(got.out[[0, 2]], got.lse[[0, 2]]), AttnState(ref.out[[0, 2]], ref.lse[[0, 2]]), 1e-4)
+
+
+def test_a_plan_is_checked_against_its_call(monkeypatch):
+    lens = [5, 30]
+    cache, table, layout, _, _ = _fill(lens, 2, 16, 16, 4, 1, 0, 1, torch.float32, seed=1)
+    q = torch.randn(2, 4, 16)
+    seq = torch.tensor(lens)
+    plan = plan_paged_decode(q, cache, table, seq, backend="triton")
+    for backend in ("triton", "torch"):
+        with pytest.raises(ValueError, match=r"made for 2 rows .* the call has 3 rows"):
+            paged_decode_attention(torch.randn(3, 4, 16), cache, torch.cat([table, table[:1]]),
+                                   torch.tensor([5, 30, 5]), backend=backend, plan=plan)
+        with pytest.raises(ValueError, match=r"'table_blocks': 8.* 'table_blocks': 9"):
+            paged_decode_attention(q, cache, torch.cat([table, table[:, :1]], 1), seq, backend=backend, plan=plan)
+        with pytest.raises(ValueError, match=r"'dcp': \(1, 0, 1\).* 'dcp': \(2, 1, 1\)"):
+            paged_decode_attention(q, cache, table, seq, layout=DCPLayout(size=2, rank=1, block_size=4),
+                                   backend=backend, plan=plan)
+    with pytest.raises(ValueError, match="plan must be a LengthPlan of plan_paged_decode, got tuple"):
+        paged_decode_attention(q, cache, table, seq, backend="triton", plan=(1, 2))
+    # the torch path's plan (CPU, "auto") is the reference's tables, and its call takes it
+    auto = plan_paged_decode(q, cache, table, seq)
+    assert torch.equal(auto.items_table, plan.items_table)
+    _check(paged_decode_attention(q, cache, table, seq, plan=auto), paged_decode_attention(q, cache, table, seq), 0)
+    with pytest.raises(ValueError, match=r"local lengths \[40\] outside \[0, 32\]"):
+        plan_paged_decode(q, cache, table, torch.tensor([5, 40]))
+
+
+def _segments_reference(outs, lses, segments):
+    """Each row's run of partials merged in float64 (lse -inf and out 0 for an empty run; NaN rows)."""
+    rows = []
+    for r in range(segments.numel() - 1):
+        lo, hi = int(segments[r]), int(segments[r + 1])
+        lse = lses[lo:hi].double()
+        m = torch.logsumexp(lse, 0) if hi > lo else torch.full(lses.shape[1:], float("-inf"), dtype=torch.float64)
+        w = torch.exp(lse - m).nan_to_num(0.0) if hi > lo else lse
+        o = (outs[lo:hi].double() * w[..., None]).sum(0) if hi > lo else torch.zeros(outs.shape[1:], dtype=torch.float64)
+        nan = lse.isnan().any(0) if hi > lo else torch.zeros(lses.shape[1:], dtype=torch.bool)
+        rows.append(AttnState(torch.where(nan[..., None], float("nan"), o), torch.where(nan, float("nan"), m)))
+    return AttnState(torch.stack([r.out for r in rows]).float(), torch.stack([r.lse for r in rows]).float())
+
+
+def test_segment_merge_matches_float64_runs():
+    """Runs of 0, 1 and many partials, all-empty partials (lse -inf), a NaN partial, +inf as empty."""
+    from parallel.cp.triton_merge import merge_segments_triton
+
+    gen = torch.Generator().manual_seed(2)
+    counts = [3, 1, 0, 7, 2, 1]
+    segments = torch.tensor([0] + torch.tensor(counts).cumsum(0).tolist(), dtype=torch.int32)
+    v, t, h, d = sum(counts) + 2, 2, 3, 24
+    outs = torch.randn(v, t, h, d, generator=gen)
+    lses = torch.randn(v, t, h, generator=gen) * 4
+    lses[4, 0, 1] = float("-inf")
+    lses[0:3, 1, 2] = float("-inf")            # (row 0 token 1 head 2: every partial empty)
+    lses[9, 1, 0] = float("nan")
+    lses[12, 0, 0] = float("inf")
+    got = merge_segments_triton(outs, lses, segments, torch.empty(len(counts), t, h, d))
+    want = _segments_reference(outs, torch.where(lses == float("inf"), float("-inf"), lses), segments)
+    torch.testing.assert_close(got.lse, want.lse, atol=1e-5, rtol=0, equal_nan=True)
+    torch.testing.assert_close(got.out, want.out, atol=1e-5, rtol=0, equal_nan=True)
+    assert (got.lse[2] == float("-inf")).all() and (got.out[2] == 0).all()
+
+
+# ---- the GPU: every kernel family under a plan, against the torch path and the capacity plan ----
+
+GPU_CASES = [  # (kind, heads, tq, cache dtype)
+    ("gqa", 32, 1, torch.bfloat16), ("gqa", 32, 1, torch.float8_e4m3fn), ("gqa", 32, 4, torch.float8_e4m3fn),
+    ("mla", 128, 1, torch.bfloat16), ("mla", 128, 1, torch.float8_e4m3fn), ("mla", 16, 1, torch.bfloat16),
+    ("mla", 16, 1, torch.float8_e4m3fn), ("mla", 16, 4, torch.bfloat16), ("mla", 128, 2, torch.bfloat16),
+    ("mla", 128, 2, torch.float8_e4m3fn)]
+
+
+def _gpu_problem(kind, heads, tq, dtype, size, rank, seed):
+    """A skewed batch on the GPU: two long sequences among short ones (and one empty, one of 1)."""
+    gen = torch.Generator().manual_seed(seed)
+    lens = [9000, 1, 40, 6000] + torch.randint(max(tq, 1), 300, (12,), generator=gen).tolist()
+    lens[2] = max(lens[2], tq)
+    layout = DCPLayout(size=size, rank=rank, block_size=64)
+    if kind == "mla":
+        cache, table = _mla_cache(layout.local_lengths(torch.tensor(lens)).tolist(), 64, dtype, seed, device="cuda")
+        q = (torch.randn(len(lens), tq, heads, 576, generator=gen) * 0.3).to(torch.bfloat16).cuda()
+    else:
+        cache, table, layout, _, _ = _fill(lens, 4, 128, 128, 64, size, rank, 1, torch.float32, seed, device="cuda")
+        if dtype == torch.float8_e4m3fn:
+            scale = cache.k.abs().amax(-1).clamp(min=1e-3) / 448
+            cache = PagedKVCache((cache.k / scale[..., None]).to(dtype), (cache.v / scale[..., None]).to(dtype),
+                                 scale.clone(), scale.clone())
+        else:
+            cache = PagedKVCache(cache.k.to(dtype), cache.v.to(dtype))
+        q = torch.randn(len(lens), tq, heads, 128, generator=gen).to(torch.bfloat16).cuda()
+    return q, cache, table, torch.tensor(lens).cuda(), layout
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind,heads,tq,dtype", GPU_CASES, ids=lambda v: str(v).replace("torch.", ""))
+@pytest.mark.parametrize("size,rank", [(1, 0), (4, 3)])
+def test_planned_kernels_on_gpu(kind, heads, tq, dtype, size, rank, monkeypatch):
+    """Each kernel family (GQA's Gluon bf16 and direct fp8, MLA's 64-head tiles bf16 / fp8, its narrow
+    swapped kernels, the head tiles and the one-token expansion of a speculative step) under a length
+    plan against the torch path and against the capacity plan's call; the plan and the call replayed
+    in a CUDA graph after the lengths changed in place."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    _compiled(monkeypatch)
+    q, cache, table, seq, layout = _gpu_problem(kind, heads, tq, dtype, size, rank, seed=heads + tq)
+    scale = 0.07
+    ref = paged_decode_attention(q, cache, table, seq, layout=layout, scale=scale, backend="torch")
+    plain = paged_decode_attention(q, cache, table, seq, layout=layout, scale=scale, backend="triton")
+    plan = plan_paged_decode(q, cache, table, seq, layout=layout)
+    got = paged_decode_attention(q, cache, table, seq, layout=layout, scale=scale, plan=plan)
+    atol = 2e-2 if dtype == torch.float8_e4m3fn else 1e-2
+    _check(got, ref, atol)
+    _check(got, plain, atol)
+    # capture: the plan and the call in one graph; new lengths written in place, then a replay
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        plan_g = plan_paged_decode(q, cache, table, seq, layout=layout)
+        out_g = paged_decode_attention(q, cache, table, seq, layout=layout, scale=scale, plan=plan_g)
+    seq.copy_(torch.where(seq > 1000, seq // 3, seq))
+    graph.replay()
+    torch.cuda.synchronize()
+    ref2 = paged_decode_attention(q, cache, table, seq, layout=layout, scale=scale, backend="torch")
+    _check(out_g, ref2, atol)
