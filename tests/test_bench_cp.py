@@ -230,3 +230,27 @@ def test_speculative_floor_is_one_kv_read_or_every_tokens_flops(monkeypatch, flo
         assert row["byte_floor_us"] == pytest.approx(byte_floor, abs=1e-3), row["case"]
         assert row["flop_floor_us"] == pytest.approx(flop_floor, abs=1e-3), row["case"]
         assert row["floor_us"] == pytest.approx(max(byte_floor, flop_floor), abs=1e-3), row["case"]
+
+
+def test_mixed_length_rows_run_and_match_on_cpu(monkeypatch):
+    """The mixed-length rows (`_mixed_length_rows`) at small sizes on the CPU (the kernels under the
+    interpreter): every kind recorded for both batches, the planned call matching the capacity plan's,
+    and the batches as documented (two long among short; log-uniform, seeded)."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    from megapar.launch.bench.common import BenchContext
+    from megapar.parallel.cp import triton_decode
+
+    for key in [k for k in triton_decode.CONFIG if k.startswith(("min_split", "target_programs"))]:
+        monkeypatch.setitem(triton_decode.CONFIG, key, 16)
+    monkeypatch.setattr(bench_cp, "MIXED_KINDS", (("gqa", 4, torch.float32), ("mla", 2, torch.float32)))
+    batches = bench_cp.mixed_batches(4, 2048)
+    assert batches["2 x 2K among 2 x 32"] == [2048] * 2 + [32] * 2
+    assert all(16 <= n <= 2048 for n in batches["log-uniform 16-2K"])
+    assert list(bench_cp.mixed_batches()) == ["2 x 128K among 30 x 2K", "log-uniform 1K-128K"]
+    ctx = BenchContext(suite="cp", device=torch.device("cpu"))
+    monkeypatch.setattr(ctx, "time_fn", lambda fn, **kw: (fn(), 1.0)[1])
+    bench_cp._mixed_length_rows(ctx, batch=4, context=2048, n=2, block=16)
+    assert len(ctx.rows) == 4 and not ctx.wrong
+    for row in ctx.rows:
+        assert row["matches"] and row["local_tokens"] > 0, row
+

@@ -614,6 +614,103 @@ def _paged_decode_rows(ctx: BenchContext) -> None:
     _note_graph_timing(ctx)
 
 
+MIXED_KINDS = (("gqa", 32, torch.bfloat16), ("gqa", 32, torch.float8_e4m3fn), ("mla", 128, torch.bfloat16),
+               ("mla", 128, torch.float8_e4m3fn), ("mla", 16, torch.bfloat16), ("mla", 16, torch.float8_e4m3fn))
+"""The mixed-length rows' kernels: (kind, query heads, cache dtype)."""
+
+
+def mixed_batches(batch: int = 32, context: int = 131072) -> dict[str, list[int]]:
+    """The mixed-length rows' batches of global lengths: two long sequences among short ones of 1/64
+    their length (a serving batch with two long contexts), and lengths log-uniform in [context / 128,
+    context] (seeded)."""
+    gen = torch.Generator().manual_seed(0)
+    spread = (context * 2 ** (-7 * torch.rand(batch, generator=gen))).long().tolist()
+    size = lambda n: f"{n // 1024}K" if n % 1024 == 0 else str(n)
+    short = max(context // 64, 1)
+    return {f"2 x {size(context)} among {batch - 2} x {size(short)}": [context] * 2 + [short] * (batch - 2),
+            f"log-uniform {size(context // 128)}-{size(context)}": spread}
+
+
+def _mixed_length_rows(ctx: BenchContext, batch: int = 32, context: int = 131072, n: int = 4,
+                       block: int = 64) -> None:
+    """Batches of very different lengths (`mixed_batches`) over rank 0's 1/N of the paged KV: the
+    kernel under a length plan (`plan_paged_decode`, made once a step outside the call as a model
+    makes it for all its layers; plan_and_call_us: made inside each call) against the same call
+    with the capacity's split plan (every sequence in as many splits: the long ones on a few
+    programs), FlashMLA's dense decode (MLA bf16: it plans from the lengths too), and the floor of
+    the bytes the batch's tokens hold (MLA 128 heads: or the FLOPs)."""
+    from megapar.parallel.cp.mla import MLADims
+    from megapar.parallel.cp.paged import paged_decode_attention, plan_paged_decode
+
+    ceiling = copy_ceiling_gbps(ctx.device)
+    dims = MLADims()
+    flash = _flashmla_anchor(ctx)
+    layout = DCPLayout(size=n, rank=0, block_size=block)
+    for kind, heads, cache_dtype in MIXED_KINDS:
+        tag = str(cache_dtype).replace("torch.", "")
+        if kind == "gqa":
+            kv_heads, d, dv, scale, v_from_k = 4, 128, 128, 128 ** -0.5, False
+            make = lambda: _decode_setup(batch, context, heads, kv_heads, d, block, n, ctx.device, cache_dtype)[:3]
+            what = f"Hq={heads}, Hkv={kv_heads}"
+        else:
+            kv_heads, d, dv, scale, v_from_k = 1, dims.latent_dim, dims.kv_lora_rank, dims.scale, True
+
+            def make():
+                latent, table = _mla_decode_setup(batch, context, dims, block, n, ctx.device, cache_dtype)
+                return latent.paged, table, torch.randn(batch, heads, d, device=ctx.device,
+                                                        dtype=torch.bfloat16 if ctx.is_cuda else torch.float32)
+            what = f"MLA H={heads}, latent {d}"
+        batches = mixed_batches(batch, context)
+        fewest = min(int(layout.local_lengths(torch.tensor(lens)).sum()) for lens in batches.values())
+        # (copies of the cache for the batch that reads the fewest bytes, enough for both)
+        sets = input_copies(ctx, make, lambda c: kv_read_bytes_of(c[0], fewest, kv_heads, d, dv, v_from_k))
+        for name, lens in batches.items():
+            seq = torch.tensor(lens, device=ctx.device)
+            tokens = int(layout.local_lengths(seq).sum())
+            cache, table, q = sets[0]
+            nbytes = kv_read_bytes_of(cache, tokens, kv_heads, d, dv, v_from_k)
+            call = lambda c, t, q, plan=None: paged_decode_attention(q, c, t, seq, layout=layout, scale=scale,
+                                                                     backend="triton", max_seq_len=context, plan=plan)
+            plans = [plan_paged_decode(q_, c, t, seq, layout=layout) for c, t, q_ in sets]
+            cap_us, cap_cols = step_time(ctx, [lambda c=c, t=t, q=q: call(c, t, q) for c, t, q in sets])
+            ours_us, ours_cols = step_time(ctx, [lambda c=c, t=t, q=q, p=p: call(c, t, q, p)
+                                                 for (c, t, q), p in zip(sets, plans)])
+            both_us, _ = step_time(ctx, [lambda c=c, t=t, q=q: call(c, t, q, plan_paged_decode(q, c, t, seq,
+                                                                                                 layout=layout))
+                                         for c, t, q in sets])
+            plain, planned = call(cache, table, q), call(cache, table, q, plans[0])
+            err = (planned.out - plain.out).abs().max().item()
+            matches = err <= 2e-2 * max(plain.out.abs().max().item(), 1e-6)
+            if not matches:
+                ctx.note(f"mixed lengths {kind} H={heads} {tag} {name}: the planned call differs from the capacity "
+                         f"plan's by {err:.3g}")
+            flash_cols = {}
+            if flash is not None and kind == "mla" and cache_dtype == torch.bfloat16:
+                from megapar.launch.bench.flashmla import FlashMLADecode
+
+                lens_local = layout.local_lengths(seq).to(torch.int32)
+                runs = [FlashMLADecode(flash, scale) for _ in sets]
+                for run_, (c, t, q_) in zip(runs, sets):      # (its plan made outside the graph, as ours)
+                    run_(q_, c.k, t, lens_local)
+                f_us, f_cols = step_time(ctx, [lambda r=r, c=c, t=t, q=q: r(q, c.k, t, lens_local)
+                                               for r, (c, t, q) in zip(runs, sets)])
+                flash_cols = {"flashmla_us": f_us, "speedup_vs_flashmla": f_us / ours_us,
+                              "flashmla_timing": f_cols["timing"]}
+            byte_floor = _floor(nbytes, ceiling)
+            flop_floor = _flop_floor_us(ctx, 2.0 * tokens * heads * (d + dv))
+            floor = max(byte_floor, flop_floor) if byte_floor and flop_floor else byte_floor
+            label = "paged decode kernel" if kind == "gqa" else "MLA absorbed decode kernel"
+            ctx.record(f"mixed lengths: {label}, length plan, 1/{n} KV ({tag} cache, B={batch}, {name}, {what})",
+                       ours_us, anchor="the same call with the capacity's split plan", anchor_us=cap_us,
+                       floor_us=floor, byte_floor_us=byte_floor, flop_floor_us=flop_floor, local_tokens=tokens,
+                       speedup_vs_capacity_plan=cap_us / ours_us, plan_and_call_us=both_us,
+                       capacity_plan_timing=cap_cols["timing"], max_abs_diff=err, matches=matches,
+                       **ours_cols, **flash_cols)
+            del plans, cache, table, q
+        del sets
+    _note_graph_timing(ctx)
+
+
 def _flashmla_anchor(ctx: BenchContext):
     """FlashMLA's dense decode (`launch.bench.flashmla`) where MEGAPAR_FLASHMLA_SRC names its source
     on a CUDA run, else None; a failed build is noted and leaves its columns out."""
@@ -791,8 +888,8 @@ def _mla_prep_rows(ctx: BenchContext) -> None:
 
 
 def run(ctx: BenchContext) -> None:
-    """MEGAPAR_BENCH_CP_SECTIONS (comma list of ring, dcp, decode, multi; default all) picks sections."""
-    sections = set(os.environ.get("MEGAPAR_BENCH_CP_SECTIONS", "ring,dcp,decode,multi").split(","))
+    """MEGAPAR_BENCH_CP_SECTIONS (comma list of ring, dcp, decode, mixed, multi; default all) picks sections."""
+    sections = set(os.environ.get("MEGAPAR_BENCH_CP_SECTIONS", "ring,dcp,decode,mixed,multi").split(","))
     if "ring" in sections:
         _ring_compute(ctx)
     with torch.no_grad():
@@ -805,6 +902,11 @@ def run(ctx: BenchContext) -> None:
                 _mla_prep_rows(ctx)
             else:
                 ctx.note("paged decode kernel, MLA decode and fused MLA prep rows run on CUDA only")
+        if "mixed" in sections:
+            if ctx.is_cuda and not ctx.quick:
+                _mixed_length_rows(ctx)
+            else:
+                ctx.note("the mixed-length decode rows run on CUDA only")
     if "multi" in sections:
         _multi_gpu(ctx)
 
