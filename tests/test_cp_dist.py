@@ -130,9 +130,10 @@ def _fill_cache(cache, attn_insert, ks, vs, table, split_last: bool) -> None:
 
 
 def _check_dcp(group, case, seed: int, device: torch.device, tol: float, same_heads: bool = False,
-               backend: str = "auto", dims: tuple[int, int] = (8, 6)) -> None:
-    """dcp_decode_attention over `group` (any group of ranks sharding one cache); dims: (D, Dv)."""
-    from parallel.cp import PagedKVCache, dcp_decode_attention, dcp_kv_insert
+               backend: str = "auto", dims: tuple[int, int] = (8, 6), planned: bool = False) -> None:
+    """dcp_decode_attention over `group` (any group of ranks sharding one cache); dims: (D, Dv);
+    planned: with this rank's length plan (`plan_dcp_decode`)."""
+    from parallel.cp import PagedKVCache, dcp_decode_attention, dcp_kv_insert, plan_dcp_decode
 
     interleave, block, lens, hl, hkv, comm, cache_dtype, atol = case
     rank, size = group.rank, group.size
@@ -151,9 +152,13 @@ def _check_dcp(group, case, seed: int, device: torch.device, tol: float, same_he
                                                  interleave=interleave)
     _fill_cache(cache, insert, ks, vs, table.to(device), split_last=True)
     mine = slice(0, hl) if same_heads else slice(rank * hl, (rank + 1) * hl)
-    out, lse = dcp_decode_attention(q[:, mine].contiguous().to(device), cache, table.to(device),
-                                    torch.tensor(lens, device=device), group, interleave=interleave, comm=comm,
-                                    return_lse=True, same_heads=same_heads, backend=backend)
+    q_mine, seq = q[:, mine].contiguous().to(device), torch.tensor(lens, device=device)
+    plan = (plan_dcp_decode(q_mine, cache, table.to(device), seq, group, interleave=interleave, backend=backend)
+            if planned else None)
+    if planned and backend == "triton":     # (several items for the long sequences: the precondition)
+        assert int(plan.segments[-1]) > len(lens), plan.segments
+    out, lse = dcp_decode_attention(q_mine, cache, table.to(device), seq, group, interleave=interleave, comm=comm,
+                                    return_lse=True, same_heads=same_heads, backend=backend, plan=plan)
     for s, n in enumerate(lens):
         ref_out, ref_lse = reference_attention(q[s:s + 1], ks[s], vs[s], causal=False)
         msg = f"rank {rank}/{size} case {case} seq {s}"
@@ -382,6 +387,13 @@ def _dcp_split_rank(rank: int, world: int) -> str:
 
     dcp_mod.MAX_RESCALE_PARTIALS = 1        # more splits than one kernel merges: merged on the rank first
     _check_dcp(groups.pcp, SPLIT_DCP_CASES[0], 500, torch.device("cpu"), 1.0, backend="triton", dims=(32, 16))
+    # length plans (few programs: the long sequences in several items), each combine, same_heads too
+    for key in [k for k in triton_decode.CONFIG if k.startswith("target_programs")]:
+        triton_decode.CONFIG[key] = 12
+    for i, case in enumerate(SPLIT_DCP_CASES):
+        _check_dcp(groups.pcp, case, 600 + i, torch.device("cpu"), 1.0, backend="triton", dims=(32, 16), planned=True)
+    _check_dcp(groups.pcp, SPLIT_DCP_CASES[0], 700, torch.device("cpu"), 1.0, same_heads=True, backend="triton",
+               dims=(32, 16), planned=True)
     return "ok"
 
 

@@ -8,19 +8,21 @@ Tensor layout everywhere: `[T, H, D]` (packed tokens) or `[B, T, H, D]`; LSEs `[
 - `ring_attention`, `zigzag_shard` / `zigzag_unshard`: PCP prefill over a zigzag-sharded sequence;
   `zigzag_*_varlen` shard packed batches (cu_seqlens) sequence by sequence for `ring_attention(cu_seqlens=)`.
 - `DCPLayout`, `PagedKVCache`, `dcp_kv_insert`, `dcp_decode_attention`: DCP decode (docs/numerics.md §8).
-- `paged_decode_attention`: the DCP local part, a split-KV Triton kernel (op "cp.decode") or torch.
+- `paged_decode_attention`: the DCP local part, a split-KV Triton kernel (op "cp.decode") or torch;
+  `plan_paged_decode` / `plan_dcp_decode`: its splits cut from the lengths on the device (batches of
+  very different lengths), made once a decode step and given to every layer's call (plan=).
 - `MLACache`, `mla_kv_insert`, `mla_decode_attention`, `mla_prefill_attention`, `mla_prep`: DeepSeek's
   multi-head latent attention over a latent paged cache (absorbed DCP decode, ring prefill, fused prep).
 - `ContextParallelAttention`: the module a model layer uses (ring / DCP / plain).
 """
 
-from .dcp import DCPLayout, PagedKVCache, dcp_decode_attention, dcp_kv_insert
+from .dcp import DCPLayout, PagedKVCache, dcp_decode_attention, dcp_kv_insert, plan_dcp_decode
 from .local_attn import attention_with_lse
 from .merge import AttnState, merge_attn_states, merge_two_attn_states, rescale_parts_to_merged, rescale_to_merged
 from .mla import MLACache, MLADims, mla_decode_attention, mla_kv_insert, mla_prefill_attention
 from .mla_prep import mla_prep, rope_table
 from .module import ContextParallelAttention
-from .paged import paged_decode_attention
+from .paged import paged_decode_attention, plan_paged_decode
 from .ring import (ring_attention, zigzag_positions, zigzag_positions_varlen, zigzag_shard, zigzag_shard_varlen,
                    zigzag_unshard, zigzag_unshard_varlen)
 
@@ -30,5 +32,6 @@ __all__ = [
     "zigzag_shard", "zigzag_unshard", "zigzag_positions", "zigzag_shard_varlen", "zigzag_unshard_varlen",
     "zigzag_positions_varlen", "DCPLayout", "PagedKVCache", "dcp_kv_insert",
     "dcp_decode_attention", "ContextParallelAttention", "paged_decode_attention", "MLACache", "MLADims",
-    "mla_kv_insert", "mla_decode_attention", "mla_prefill_attention", "mla_prep", "rope_table",
+    "mla_kv_insert", "mla_decode_attention", "mla_prefill_attention", "mla_prep", "rope_table", "plan_paged_decode",
+    "plan_dcp_decode",
 ]

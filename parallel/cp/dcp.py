@@ -50,7 +50,7 @@ import math
 import numbers
 import zlib
 from dataclasses import dataclass
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 import torch
 from torch import Tensor
@@ -61,8 +61,10 @@ from ..quant import quantize
 from .local_attn import masked_attention_math, resolve_scale
 from .merge import MAX_RESCALE_PARTIALS, AttnState, merge_attn_states, rescale_parts_to_merged
 
-DCPComm = Literal["ag_rs", "a2a"]
+if TYPE_CHECKING:
+    from .triton_decode import LengthPlan
 
+DCPComm = Literal["ag_rs", "a2a"]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -468,7 +470,8 @@ _OUT_DTYPES = (torch.float16, torch.bfloat16)
 def dcp_decode_attention(q: Tensor, cache: PagedKVCache, block_table: Tensor, seq_lens: Tensor,
                          group: GroupLike = None, *, interleave: int = 1, comm: DCPComm = "ag_rs",
                          scale: float | None = None, return_lse: bool = False, same_heads: bool = False,
-                         backend: str = "auto", pcp_group: GroupLike | None = None) -> Tensor | AttnState:
+                         backend: str = "auto", pcp_group: GroupLike | None = None,
+                         plan: "LengthPlan | None" = None) -> Tensor | AttnState:
     """One decode step over a DCP-sharded KV cache.
 
     q: [S, Hq_local, D], this rank's query heads (one token per sequence); the group's gathered
@@ -483,6 +486,8 @@ def dcp_decode_attention(q: Tensor, cache: PagedKVCache, block_table: Tensor, se
     pcp_group: with PCP > 1, the PCP group; the cache is then sharded over pcp * dcp ranks
     (vLLM's total_cp_rank) and the partial results are merged over both groups. None: the
     cache is sharded over `group` alone.
+    plan: the length plan of this rank's local call (`plan_dcp_decode`, made once a decode step and
+    given to every layer's call): its splits cut from the lengths (`paged.plan_paged_decode`).
     Returns out [S, Hq_local, Dv] in q's dtype (or AttnState with lse [S, Hq_local] fp32).
     ValueError (CPU tensors; NaN rows on CUDA on every rank, see the module docstring) for
     negative seq_lens, a length past the table's capacity, or a used block id outside the cache.
@@ -521,7 +526,7 @@ def dcp_decode_attention(q: Tensor, cache: PagedKVCache, block_table: Tensor, se
     last = size == 1 and layout.size == size
     parts = paged_decode_attention(q_all, cache, block_table.to(q.device), seq_lens.to(q.device), layout=layout,
                                    scale=scale, backend=chosen, validate=False, merge=not fused,
-                                   out_dtype=q.dtype if last and q.dtype in _OUT_DTYPES else torch.float32)
+                                   out_dtype=q.dtype if last and q.dtype in _OUT_DTYPES else torch.float32, plan=plan)
     if not fused:
         parts = AttnState(parts.out.unsqueeze(0), parts.lse.unsqueeze(0))
     elif parts.lse.shape[0] * size > MAX_RESCALE_PARTIALS:     # (more splits than one kernel merges)
@@ -565,3 +570,19 @@ def dcp_decode_attention(q: Tensor, cache: PagedKVCache, block_table: Tensor, se
     out = out.to(q.dtype)
     return AttnState(out, lse) if return_lse else out
 
+
+def plan_dcp_decode(q: Tensor, cache: PagedKVCache, block_table: Tensor, seq_lens: Tensor, group: GroupLike = None,
+                    *, interleave: int = 1, backend: str = "auto", pcp_group: GroupLike | None = None) -> "LengthPlan":
+    """The length plan of `dcp_decode_attention`'s local call on this rank (`paged.plan_paged_decode`
+    for the group's gathered query heads over this rank's shard; q: this rank's [S, Hq_local, D], the
+    other arguments as that call's). One kernel launch, nothing read on the host and no collective:
+    make it once a decode step, after the lengths are written, and give it to every layer's call
+    (plan=)."""
+    from .paged import plan_paged_decode
+
+    size = resolve_group(group)[2]
+    layout = _layout(group, cache.block_size, interleave, pcp_group)
+    # (the gathered heads' shape and dtype, as the call's all-gather makes them: no value is read)
+    gathered = q.new_empty(q.shape[0], size * q.shape[1], q.shape[2])
+    return plan_paged_decode(gathered, cache, block_table.to(q.device), seq_lens.to(q.device), layout=layout,
+                             backend=backend, validate=False)
