@@ -646,6 +646,12 @@ def _mixed_length_rows(ctx: BenchContext, batch: int = 32, context: int = 131072
     dims = MLADims()
     flash = _flashmla_anchor(ctx)
     layout = DCPLayout(size=n, rank=0, block_size=block)
+    ctx.note("mixed lengths rows: time_us is the call under a length plan made once outside it (as a decode step "
+             "makes it for all layers), graph-timed like the decode rows; anchor_us the same call with the "
+             "capacity's split plan (max_seq_len = the longest length); plan_and_call_us the plan made inside "
+             "each call; floor_us the bytes of the batch's local tokens at the copy ceiling (MLA 128 heads: or "
+             "their FLOPs); matches: the planned out within 2% of the capacity plan's; flashmla_us (MLA bf16): "
+             "FlashMLA over the same lengths, its plan made outside the graph")
     for kind, heads, cache_dtype in MIXED_KINDS:
         tag = str(cache_dtype).replace("torch.", "")
         if kind == "gqa":
