@@ -261,3 +261,21 @@ def test_planned_kernels_on_gpu(kind, heads, tq, dtype, size, rank, monkeypatch)
     torch.cuda.synchronize()
     ref2 = paged_decode_attention(q, cache, table, seq, layout=layout, scale=scale, backend="torch")
     _check(out_g, ref2, atol)
+
+
+def test_the_capacity_plan_counts_the_batchs_programs(monkeypatch):
+    """Without a plan the split count comes from the batch's programs (sequences x kv heads x row
+    tiles) against target_programs: a batch of more sequences takes fewer splits of each."""
+    from parallel.cp import triton_decode
+
+    monkeypatch.setitem(triton_decode.CONFIG, "min_split", 16)
+    counts = {}
+    for s in (2, 16):
+        cache, table, layout, _, _ = _fill([1024] * s, 2, 16, 16, 16, 1, 0, 1, torch.float32, seed=s)
+        q = torch.randn(s, 1, 4, 16)
+        parts = paged_decode_attention(q, cache, table, torch.full((s,), 1024), backend="triton", merge=False)
+        block_n = triton_decode.launch_settings(16, q.dtype, cache.k.dtype, 2)["block_n"]
+        want = triton_decode.plan_splits(1024, s * 2, block_n, 16, False, triton_decode.CONFIG["target_programs"])
+        counts[s] = parts.out.shape[0]
+        assert counts[s] == want[0], (s, counts[s], want)
+    assert counts[16] < counts[2], counts

@@ -1507,7 +1507,7 @@ def paged_decode_triton(q: Tensor, k: Tensor, v: Tensor, k_scale: Tensor | None,
         plan.check(s, _plan_key(c, block_table, k.shape[1], dcp_size, dcp_rank, interleave, expand_of))
         splits, split_len, rows = plan.items, 0, 1      # (the grid: a sequence's programs x the plan's items)
     else:
-        splits, split_len = plan_splits(capacity, c.row_programs, block_n, cfg["min_split"], bool(cfg["at_most"]),
+        splits, split_len = plan_splits(capacity, s * c.row_programs, block_n, cfg["min_split"], bool(cfg["at_most"]),
                                         cfg["target_programs"])
         rows = s
     programs = rows * c.row_programs
