@@ -50,17 +50,20 @@ def _spans(plan) -> dict[int, list[tuple[int, int]]]:
         "rows_of": [int(pairs[v, 0]) for v in range(int(seg[-1]))]}
 
 
-@pytest.mark.parametrize("size,rank,interleave,tq", [(1, 0, 1, 1), (3, 1, 2, 1), (4, 3, 1, 1), (2, 0, 1, 3)])
-def test_planner_kernel_matches_its_torch_specification(size, rank, interleave, tq, monkeypatch):
+@pytest.mark.parametrize("size,rank,interleave,tq,extra", [(1, 0, 1, 1, 20), (3, 1, 2, 1, 20), (4, 3, 1, 1, 20),
+                                                             (2, 0, 1, 3, 20), (1, 0, 1, 1, 0), (2, 1, 1, 1, 2),
+                                                             (1, 0, 1, 1, 40)])
+def test_planner_kernel_matches_its_torch_specification(size, rank, interleave, tq, extra, monkeypatch):
     """The planner kernel's tables = `plan_reference`'s, on lengths with 0, 1, long, negative and past
     the table (both give one item to those: their partial carries lse -inf or the kernel's NaN), and
     the items of each row cover its local tokens once, in order, with at most items_target + rows
-    items in all."""
+    items in all; the chunk is the shortest that fits items_target (fewer rows than that: `extra` 0
+    or 2), or one item a row (more rows: `extra` 40)."""
     from parallel.cp import triton_decode
 
-    _small_splits(monkeypatch)
+    _small_splits(monkeypatch, target=64)
     gen = torch.Generator().manual_seed(size * 10 + rank)
-    lens = [0, 1, 700, 3, 1500, 64, 5, -2, 10_000] + torch.randint(0, 400, (20,), generator=gen).tolist()
+    lens = [0, 1, 700, 3, 1500, 64, 5, -2, 10_000] + torch.randint(0, 400, (extra,), generator=gen).tolist()
     if tq > 1:
         lens = [max(n, tq) if n >= 0 else n for n in lens]
     seq = torch.tensor(lens)
@@ -84,6 +87,14 @@ def test_planner_kernel_matches_its_torch_specification(size, rank, interleave, 
         assert ks == list(range(len(ks))) and len(ks) == max(1, -(-n // chunk)), (r, n, ks)
     assert spans["rows_of"] == sorted(spans["rows_of"])
     assert int(got.segments[-1]) <= got.items
+    # the chunk: the shortest (in units, from min_chunk) whose items fit items_target, else one a row
+    kv, n_eff = dict(key), [0 if g < 0 or n > 640 else n for g, n in zip(lens, local.tolist())]
+    items = lambda c: sum(max(-(-n // c), 1) for n in n_eff)
+    chunk = int(got.items_table[0])
+    if items(chunk) <= kv["items_target"]:
+        assert chunk == kv["min_chunk"] or items(chunk - kv["unit"]) > kv["items_target"], chunk
+    else:
+        assert items(chunk) == len(lens) and chunk >= max(n_eff), chunk
 
 
 @pytest.mark.parametrize("tq", [1, 3])

@@ -1245,20 +1245,42 @@ def _plan_lengths(glens_ptr, r, rmask, cap, dcp_size, dcp_rank, interleave, TQ: 
 
 
 @triton.jit
-def _plan_kernel(glens_ptr, items_ptr, seg_ptr, R, V, ITEMS, UNIT, MIN_CHUNK, cap, dcp_size, dcp_rank, interleave,
-                 TQ: tl.constexpr, BLOCK: tl.constexpr):
-    """(one program) `LengthPlan`'s tables: chunk = the rows' local tokens over ITEMS, up to a multiple
-    of UNIT, at least MIN_CHUNK; row r takes max(ceil(n_r / chunk), 1) items (one for an empty or
-    bad row: its partial carries the row's lse -inf or NaN), in row order; the items past them name
-    split ceil(cap / chunk) of row 0, which starts past the table (empty)."""
-    total = tl.zeros([], tl.int64)
+def _plan_count(glens_ptr, R, chunk, cap, dcp_size, dcp_rank, interleave, TQ: tl.constexpr, BLOCK: tl.constexpr):
+    """The items the rows take with splits of `chunk` tokens: sum of max(ceil(n_r / chunk), 1)."""
+    count = tl.zeros([], tl.int32)
     r0 = 0
     while r0 < R:
         r = r0 + tl.arange(0, BLOCK)
-        total += tl.sum(_plan_lengths(glens_ptr, r, r < R, cap, dcp_size, dcp_rank, interleave, TQ).to(tl.int64), 0)
+        n = _plan_lengths(glens_ptr, r, r < R, cap, dcp_size, dcp_rank, interleave, TQ)
+        count += tl.sum(tl.where(r < R, tl.maximum((n + chunk - 1) // chunk, 1), 0), 0)
         r0 += BLOCK
-    chunk = (((total + ITEMS - 1) // ITEMS + UNIT - 1) // UNIT) * UNIT
-    chunk = tl.maximum(chunk, MIN_CHUNK).to(tl.int32)
+    return count
+
+
+@triton.jit
+def _plan_kernel(glens_ptr, items_ptr, seg_ptr, R, V, ITEMS, UNIT, MIN_CHUNK, cap, dcp_size, dcp_rank, interleave,
+                 TQ: tl.constexpr, BLOCK: tl.constexpr):
+    """(one program) `LengthPlan`'s tables: chunk = the shortest multiple of UNIT, at least MIN_CHUNK,
+    with which the rows take at most ITEMS items (a binary search: the count only falls as the chunk
+    grows), or one item a row where even the longest row's length does not get there; row r takes
+    max(ceil(n_r / chunk), 1) items (one for an empty or bad row: its partial carries the row's lse
+    -inf or NaN), in row order; the items past them name split ceil(cap / chunk) of row 0, which
+    starts past the table (empty)."""
+    longest = tl.zeros([], tl.int32)
+    r0 = 0
+    while r0 < R:
+        r = r0 + tl.arange(0, BLOCK)
+        longest = tl.maximum(longest, tl.max(_plan_lengths(glens_ptr, r, r < R, cap, dcp_size, dcp_rank, interleave,
+                                                           TQ), 0))
+        r0 += BLOCK
+    lo = tl.zeros([], tl.int32) + MIN_CHUNK // UNIT
+    hi = tl.maximum((longest + UNIT - 1) // UNIT, lo)
+    while lo < hi:
+        mid = (lo + hi) // 2
+        fits = _plan_count(glens_ptr, R, mid * UNIT, cap, dcp_size, dcp_rank, interleave, TQ, BLOCK) <= ITEMS
+        hi = tl.where(fits, mid, hi)
+        lo = tl.where(fits, lo, mid + 1)
+    chunk = lo * UNIT
     tl.store(items_ptr, chunk)
     tl.store(items_ptr + 1, 0)
     base = tl.zeros([], tl.int32)
