@@ -13,7 +13,7 @@ import torch
 from launch.local import launch_local
 from parallel.cp import DCPLayout, zigzag_shard
 from parallel.cp.mla import (MLACache, MLADims, absorb_query, mla_decode_attention, mla_kv_insert, mla_output,
-                             mla_prefill_attention, mla_reference, split_kv_b)
+                             mla_prefill_attention, mla_reference, plan_mla_decode, split_kv_b)
 from parallel.cp.paged import paged_decode_attention
 
 DIMS = MLADims(kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=16, v_head_dim=24)
@@ -79,6 +79,19 @@ def test_absorbed_decode_matches_equations(backend, cache_dtype, monkeypatch):
             tol = 1e-4
         ref = mla_reference(q_nope[i:i + 1, None], q_pe[i:i + 1, None], cc, kk, w_uk, w_uv, causal=False)
         torch.testing.assert_close(got[i].double(), ref[0, 0], atol=tol, rtol=0)
+    # under a length plan (short splits: the 30-token sequence in several items on the kernel's path)
+    if backend == "triton":
+        from parallel.cp import triton_decode
+
+        for key in [k for k in triton_decode.CONFIG if k.startswith(("min_split", "block_n"))]:
+            monkeypatch.setitem(triton_decode.CONFIG, key, 16)
+        for key in [k for k in triton_decode.CONFIG if k.startswith("target_programs")]:
+            monkeypatch.setitem(triton_decode.CONFIG, key, 64)
+    plan = plan_mla_decode(q_nope, cache, table, torch.tensor(lens), backend=backend)
+    assert int(plan.segments[-1]) > len(lens) or backend == "torch"
+    planned = mla_decode_attention(q_nope, q_pe, cache, w_uk, w_uv, table, torch.tensor(lens), backend=backend,
+                                   plan=plan)
+    torch.testing.assert_close(planned, got, atol=1e-5, rtol=0)
 
 
 def test_absorbed_speculative_tokens_via_paged_kernel_op():

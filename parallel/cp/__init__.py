@@ -9,7 +9,7 @@ Tensor layout everywhere: `[T, H, D]` (packed tokens) or `[B, T, H, D]`; LSEs `[
   `zigzag_*_varlen` shard packed batches (cu_seqlens) sequence by sequence for `ring_attention(cu_seqlens=)`.
 - `DCPLayout`, `PagedKVCache`, `dcp_kv_insert`, `dcp_decode_attention`: DCP decode (docs/numerics.md §8).
 - `paged_decode_attention`: the DCP local part, a split-KV Triton kernel (op "cp.decode") or torch;
-  `plan_paged_decode` / `plan_dcp_decode`: its splits cut from the lengths on the device (batches of
+  `plan_paged_decode` / `plan_dcp_decode` / `plan_mla_decode`: its splits cut from the lengths on the device (batches of
   very different lengths), made once a decode step and given to every layer's call (plan=).
 - `MLACache`, `mla_kv_insert`, `mla_decode_attention`, `mla_prefill_attention`, `mla_prep`: DeepSeek's
   multi-head latent attention over a latent paged cache (absorbed DCP decode, ring prefill, fused prep).
@@ -19,7 +19,7 @@ Tensor layout everywhere: `[T, H, D]` (packed tokens) or `[B, T, H, D]`; LSEs `[
 from .dcp import DCPLayout, PagedKVCache, dcp_decode_attention, dcp_kv_insert, plan_dcp_decode
 from .local_attn import attention_with_lse
 from .merge import AttnState, merge_attn_states, merge_two_attn_states, rescale_parts_to_merged, rescale_to_merged
-from .mla import MLACache, MLADims, mla_decode_attention, mla_kv_insert, mla_prefill_attention
+from .mla import MLACache, MLADims, mla_decode_attention, mla_kv_insert, mla_prefill_attention, plan_mla_decode
 from .mla_prep import mla_prep, rope_table
 from .module import ContextParallelAttention
 from .paged import paged_decode_attention, plan_paged_decode
@@ -33,5 +33,5 @@ __all__ = [
     "zigzag_positions_varlen", "DCPLayout", "PagedKVCache", "dcp_kv_insert",
     "dcp_decode_attention", "ContextParallelAttention", "paged_decode_attention", "MLACache", "MLADims",
     "mla_kv_insert", "mla_decode_attention", "mla_prefill_attention", "mla_prep", "rope_table", "plan_paged_decode",
-    "plan_dcp_decode",
+    "plan_dcp_decode", "plan_mla_decode",
 ]

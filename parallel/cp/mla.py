@@ -25,15 +25,19 @@ ring / all-gather context-parallel attention of `ring.py` (`mla_prefill_attentio
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
 
 from ..comm import GroupLike
 from .dcp import (DCPComm, PagedKVCache, _layout, _quantize_fp8, dcp_decode_attention, insert_slots, keep,
-                  skip_free_slots)
+                  plan_dcp_decode, skip_free_slots)
 from .ring import ring_attention
 from .state import AttnState
+
+if TYPE_CHECKING:
+    from .triton_decode import LengthPlan
 
 
 @dataclass(frozen=True)
@@ -186,14 +190,16 @@ def mla_output(o_lat: Tensor, w_uv: Tensor) -> Tensor:
 def mla_decode_attention(q_nope: Tensor, q_pe: Tensor, cache: MLACache, w_uk: Tensor, w_uv: Tensor,
                          block_table: Tensor, seq_lens: Tensor, group: GroupLike = None, *, interleave: int = 1,
                          comm: DCPComm = "ag_rs", scale: float | None = None, backend: str = "auto",
-                         return_lse: bool = False, pcp_group: GroupLike | None = None) -> Tensor | AttnState:
+                         return_lse: bool = False, pcp_group: GroupLike | None = None,
+                         plan: "LengthPlan | None" = None) -> Tensor | AttnState:
     """One absorbed MLA decode step over a DCP-sharded latent cache.
 
     q_nope: [S, H_local, d_n], q_pe: [S, H_local, d_r] (RoPE applied); W_UK [H_local, d_n, r],
     W_UV [H_local, d_v, r] (this rank's heads); seq_lens [S] global lengths with the new token
     inserted. scale: default (d_n + d_r)^-1/2. pcp_group: with PCP > 1, the PCP group (the cache
-    is sharded over pcp * dcp ranks; partial results merged over both, `dcp_decode_attention`). Returns o [S, H_local, d_v] in q_nope's dtype
-    (or AttnState with the lse [S, H_local] fp32)."""
+    is sharded over pcp * dcp ranks; partial results merged over both, `dcp_decode_attention`). plan:
+    this rank's length plan (`plan_mla_decode`, once a decode step for every layer). Returns o [S,
+    H_local, d_v] in q_nope's dtype (or AttnState with the lse [S, H_local] fp32)."""
     if q_nope.dim() != 3 or q_pe.shape[:2] != q_nope.shape[:2] or w_uk.shape[0] != q_nope.shape[1] \
             or w_uv.shape[0] != q_nope.shape[1]:
         raise ValueError(f"q_nope {tuple(q_nope.shape)} / q_pe {tuple(q_pe.shape)} must be [S, H, d] and "
@@ -209,9 +215,19 @@ def mla_decode_attention(q_nope: Tensor, q_pe: Tensor, cache: MLACache, w_uk: Te
         scale = (q_nope.shape[-1] + q_pe.shape[-1]) ** -0.5
     q = absorb_query(q_nope, q_pe, w_uk)                                    # [S, H, r + d_r]
     state = dcp_decode_attention(q, cache.paged, block_table, seq_lens, group, interleave=interleave, comm=comm,
-                                 scale=scale, return_lse=True, backend=backend, pcp_group=pcp_group)
+                                 scale=scale, return_lse=True, backend=backend, pcp_group=pcp_group, plan=plan)
     out = mla_output(state.out, w_uv).to(q_nope.dtype)
     return AttnState(out, state.lse) if return_lse else out
+
+
+def plan_mla_decode(q_nope: Tensor, cache: MLACache, block_table: Tensor, seq_lens: Tensor, group: GroupLike = None,
+                    *, interleave: int = 1, backend: str = "auto", pcp_group: GroupLike | None = None) -> "LengthPlan":
+    """`mla_decode_attention`'s length plan on this rank (`dcp.plan_dcp_decode` for its absorbed queries:
+    [S, H_local, r + d_r] in q_nope's dtype; no value of q_nope is read). Once a decode step, after the
+    lengths are written; every layer's call takes it (plan=)."""
+    absorbed = q_nope.new_empty(q_nope.shape[0], q_nope.shape[1], cache.kv.shape[-1])
+    return plan_dcp_decode(absorbed, cache.paged, block_table, seq_lens, group, interleave=interleave,
+                           backend=backend, pcp_group=pcp_group)
 
 
 def mla_prefill_attention(q_nope: Tensor, q_pe: Tensor, c_kv: Tensor, k_pe: Tensor, w_uk: Tensor, w_uv: Tensor,

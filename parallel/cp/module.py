@@ -18,16 +18,20 @@ Tensors use this package's layout: `[T, H, D]` (packed tokens) or `[B, T, H, D]`
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
 
 from ..comm import all_gather_uneven
 from ..groups import Group, ParallelGroups
-from .dcp import DCPComm, PagedKVCache, dcp_decode_attention, dcp_kv_insert
+from .dcp import DCPComm, PagedKVCache, dcp_decode_attention, dcp_kv_insert, plan_dcp_decode
 from .local_attn import AttnBackend, attention_with_lse
 from .ring import (RingVariant, _seq_lengths, ring_attention, zigzag_positions, zigzag_positions_varlen,
                    zigzag_shard, zigzag_shard_varlen, zigzag_unshard, zigzag_unshard_varlen)
+
+if TYPE_CHECKING:
+    from .triton_decode import LengthPlan
 
 CuSeqlens = Tensor | Sequence[int]   # [N+1] int offsets of the full packed batch (host ints or a tensor)
 
@@ -128,13 +132,21 @@ class ContextParallelAttention(torch.nn.Module):
                              pcp_group=self._kv_pcp())
 
     def decode(self, q: Tensor, cache: PagedKVCache, block_table: Tensor, seq_lens: Tensor, *,
-               same_heads: bool = False) -> Tensor:
+               same_heads: bool = False, plan: LengthPlan | None = None) -> Tensor:
         """One decode step. q [S, Hq_local, D] -> [S, Hq_local, Dv].
 
-        same_heads: every DCP rank holds the same query heads (see `dcp_decode_attention`)."""
+        same_heads: every DCP rank holds the same query heads (see `dcp_decode_attention`). plan: the
+        step's length plan (`plan_decode`)."""
         return dcp_decode_attention(q, cache, block_table, seq_lens, self.dcp, interleave=self.interleave,
                                     comm=self.dcp_comm, scale=self.scale, same_heads=same_heads,
-                                    pcp_group=self._kv_pcp())
+                                    pcp_group=self._kv_pcp(), plan=plan)
+
+    def plan_decode(self, q: Tensor, cache: PagedKVCache, block_table: Tensor, seq_lens: Tensor) -> LengthPlan:
+        """The length plan of `decode` with these arguments (`plan_dcp_decode`): make it once a decode
+        step, after the lengths are written, and give it to every layer's `decode` (a batch of very
+        different lengths then keeps the whole GPU busy)."""
+        return plan_dcp_decode(q, cache, block_table, seq_lens, self.dcp, interleave=self.interleave,
+                               pcp_group=self._kv_pcp())
 
     @property
     def kv_shards(self) -> int:
