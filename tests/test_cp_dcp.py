@@ -186,6 +186,10 @@ def test_module_without_groups_is_plain_attention_and_plain_paged_decode(scale):
     out = attn.decode(q[5:6], cache, table, torch.tensor([6]))
     torch.testing.assert_close(out.double(), reference_attention(q[5:6], k, v, causal=False, scale=scale)[0], rtol=0,
                                atol=1e-6)
+    # the step's length plan (one sequence, the torch path: its tables, and the same out)
+    plan = attn.plan_decode(q[5:6], cache, table, torch.tensor([6]))
+    assert plan.rows == 1 and plan.segments.tolist() == [0, 1]
+    assert torch.equal(attn.decode(q[5:6], cache, table, torch.tensor([6]), plan=plan), out)
 
 
 @pytest.mark.parametrize("ring_variant", ["ring", "allgather"])
