@@ -53,15 +53,18 @@ def _spans(plan) -> dict[int, list[tuple[int, int]]]:
 @pytest.mark.parametrize("size,rank,interleave,tq,extra", [(1, 0, 1, 1, 20), (3, 1, 2, 1, 20), (4, 3, 1, 1, 20),
                                                              (2, 0, 1, 3, 20), (1, 0, 1, 1, 0), (2, 1, 1, 1, 2),
                                                              (1, 0, 1, 1, 40)])
-def test_planner_kernel_matches_its_torch_specification(size, rank, interleave, tq, extra, monkeypatch):
+@pytest.mark.parametrize("fit", [0, 1])
+def test_planner_kernel_matches_its_torch_specification(size, rank, interleave, tq, extra, fit, monkeypatch):
     """The planner kernel's tables = `plan_reference`'s, on lengths with 0, 1, long, negative and past
     the table (both give one item to those: their partial carries lse -inf or the kernel's NaN), and
     the items of each row cover its local tokens once, in order, with at most items_target + rows
-    items in all; the chunk is the shortest that fits items_target (fewer rows than that: `extra` 0
-    or 2), or one item a row (more rows: `extra` 40)."""
+    items in all; the chunk (CONFIG plan_fit 1) is the shortest that fits items_target (fewer rows
+    than that: `extra` 0 or 2), or one item a row (more rows: `extra` 40); (plan_fit 0) the local
+    tokens over items_target."""
     from parallel.cp import triton_decode
 
     _small_splits(monkeypatch, target=64)
+    monkeypatch.setitem(triton_decode.CONFIG, "plan_fit", fit)
     gen = torch.Generator().manual_seed(size * 10 + rank)
     lens = [0, 1, 700, 3, 1500, 64, 5, -2, 10_000] + torch.randint(0, 400, (extra,), generator=gen).tolist()
     if tq > 1:
@@ -91,7 +94,10 @@ def test_planner_kernel_matches_its_torch_specification(size, rank, interleave, 
     kv, n_eff = dict(key), [0 if g < 0 or n > 640 else n for g, n in zip(lens, local.tolist())]
     items = lambda c: sum(max(-(-n // c), 1) for n in n_eff)
     chunk = int(got.items_table[0])
-    if items(chunk) <= kv["items_target"]:
+    if not fit:     # the local tokens over the target, up to a unit, at least min_chunk
+        share = -(-sum(n_eff) // kv["items_target"])
+        assert chunk == max(-(-share // kv["unit"]) * kv["unit"], kv["min_chunk"]), chunk
+    elif items(chunk) <= kv["items_target"]:
         assert chunk == kv["min_chunk"] or items(chunk - kv["unit"]) > kv["items_target"], chunk
     else:
         assert items(chunk) == len(lens) and chunk >= max(n_eff), chunk

@@ -614,6 +614,11 @@ def _paged_decode_rows(ctx: BenchContext) -> None:
     _note_graph_timing(ctx)
 
 
+PLAN_VARIANTS = {"fit_us": {"plan_fit": 1}, "waves2_us": {"plan_waves": 2},
+                 "fit_waves2_us": {"plan_fit": 1, "plan_waves": 2}}
+"""The mixed rows' columns of other length-plan settings (`triton_decode.CONFIG` plan_fit / plan_waves;
+time_us has the installed ones): the plan made under them, the call timed as time_us is."""
+
 MIXED_KINDS = (("gqa", 32, torch.bfloat16), ("gqa", 32, torch.float8_e4m3fn), ("mla", 128, torch.bfloat16),
                ("mla", 128, torch.float8_e4m3fn), ("mla", 16, torch.bfloat16), ("mla", 16, torch.float8_e4m3fn))
 """The mixed-length rows' kernels: (kind, query heads, cache dtype)."""
@@ -639,6 +644,7 @@ def _mixed_length_rows(ctx: BenchContext, batch: int = 32, context: int = 131072
     with the capacity's split plan (every sequence in as many splits: the long ones on a few
     programs), FlashMLA's dense decode (MLA bf16: it plans from the lengths too), and the floor of
     the bytes the batch's tokens hold (MLA 128 heads: or the FLOPs)."""
+    from megapar.parallel.cp import triton_decode
     from megapar.parallel.cp.mla import MLADims
     from megapar.parallel.cp.paged import paged_decode_attention, plan_paged_decode
 
@@ -649,7 +655,8 @@ def _mixed_length_rows(ctx: BenchContext, batch: int = 32, context: int = 131072
     ctx.note("mixed lengths rows: time_us is the call under a length plan made once outside it (as a decode step "
              "makes it for all layers), graph-timed like the decode rows; anchor_us the same call with the "
              "capacity's split plan (max_seq_len = the longest length); plan_and_call_us the plan made inside "
-             "each call; floor_us the bytes of the batch's local tokens at the copy ceiling (MLA 128 heads: or "
+             "each call; fit_us / waves2_us / fit_waves2_us: plans made with CONFIG plan_fit 1 / plan_waves 2 / both; "
+             "floor_us the bytes of the batch's local tokens at the copy ceiling (MLA 128 heads: or "
              "their FLOPs); matches: the planned out within 2% of the capacity plan's; flashmla_us (MLA bf16): "
              "FlashMLA over the same lengths, its plan made outside the graph")
     for kind, heads, cache_dtype in MIXED_KINDS:
@@ -677,10 +684,20 @@ def _mixed_length_rows(ctx: BenchContext, batch: int = 32, context: int = 131072
             nbytes = kv_read_bytes_of(cache, tokens, kv_heads, d, dv, v_from_k)
             call = lambda c, t, q, plan=None: paged_decode_attention(q, c, t, seq, layout=layout, scale=scale,
                                                                      backend="triton", max_seq_len=context, plan=plan)
-            plans = [plan_paged_decode(q_, c, t, seq, layout=layout) for c, t, q_ in sets]
+            planned_us = lambda: step_time(ctx, [lambda c=c, t=t, q=q, p=p: call(c, t, q, p) for (c, t, q), p in
+                                                 zip(sets, [plan_paged_decode(q_, c, t, seq, layout=layout)
+                                                            for c, t, q_ in sets])])
             cap_us, cap_cols = step_time(ctx, [lambda c=c, t=t, q=q: call(c, t, q) for c, t, q in sets])
-            ours_us, ours_cols = step_time(ctx, [lambda c=c, t=t, q=q, p=p: call(c, t, q, p)
-                                                 for (c, t, q), p in zip(sets, plans)])
+            plans = [plan_paged_decode(q_, c, t, seq, layout=layout) for c, t, q_ in sets]
+            ours_us, ours_cols = planned_us()
+            variants = {}
+            for column, change in PLAN_VARIANTS.items() if ctx.is_cuda else ():
+                before = {k: triton_decode.CONFIG[k] for k in change}
+                triton_decode.CONFIG.update(change)
+                try:
+                    variants[column] = planned_us()[0]
+                finally:
+                    triton_decode.CONFIG.update(before)
             both_us, _ = step_time(ctx, [lambda c=c, t=t, q=q: call(c, t, q, plan_paged_decode(q, c, t, seq,
                                                                                                  layout=layout))
                                          for c, t, q in sets])
@@ -711,7 +728,7 @@ def _mixed_length_rows(ctx: BenchContext, batch: int = 32, context: int = 131072
                        floor_us=floor, byte_floor_us=byte_floor, flop_floor_us=flop_floor, local_tokens=tokens,
                        speedup_vs_capacity_plan=cap_us / ours_us, plan_and_call_us=both_us,
                        capacity_plan_timing=cap_cols["timing"], max_abs_diff=err, matches=matches,
-                       **ours_cols, **flash_cols)
+                       **ours_cols, **variants, **flash_cols)
             del plans, cache, table, q
         del sets
     _note_graph_timing(ctx)

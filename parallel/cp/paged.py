@@ -262,10 +262,11 @@ def plan_paged_decode(q: Tensor, cache: PagedKVCache, block_table: Tensor, seq_l
 def plan_reference(seq_lens: Tensor, rows: int, key: tuple) -> "LengthPlan":
     """`triton_decode.plan_by_lengths` in torch ops (the specification of its tables): rows r = token
     r % Tq of sequence r // Tq (Tq = the key's expand), its local length n_r (0 where the global one
-    is negative or the local share past the table), chunk = the shortest multiple of unit, at least
-    min_chunk, with which sum max(ceil(n_r / chunk), 1) <= items_target (else one item a row: the
-    longest row's length up to a multiple of unit); row r's items are splits 0 .. max(ceil(n_r /
-    chunk), 1) - 1 in row order, the rest split ceil(capacity / chunk) of row 0 (empty)."""
+    is negative or the local share past the table), chunk = (the key's fit) the shortest multiple of
+    unit, at least min_chunk, with which sum max(ceil(n_r / chunk), 1) <= items_target (else one item
+    a row: the longest row's length up to a multiple of unit), or (else) ceil(sum n_r / items_target)
+    up to a multiple of unit, at least min_chunk; row r's items are splits 0 .. max(ceil(n_r / chunk),
+    1) - 1 in row order, the rest split ceil(capacity / chunk) of row 0 (empty)."""
     from .triton_decode import LengthPlan
 
     kv = dict(key)
@@ -278,12 +279,15 @@ def plan_reference(seq_lens: Tensor, rows: int, key: tuple) -> "LengthPlan":
     local = DCPLayout(size=size, rank=rank, block_size=kv["page"], interleave=interleave).local_lengths(g.clamp(min=0))
     n = torch.where((g < 0) | (local > cap), torch.zeros_like(local), local)
     items_target, unit = kv["items_target"], kv["unit"]
-    lo = kv["min_chunk"] // unit
-    hi = max(-(-int(n.max()) // unit) if rows else 0, lo)
-    ks = torch.arange(lo, hi + 1, device=g.device)
-    counts = ((n[None, :] + ks[:, None] * unit - 1) // (ks[:, None] * unit)).clamp(min=1).sum(1)   # [K]
-    fit = (counts <= items_target).nonzero()
-    chunk = int(ks[fit[0, 0]] if fit.numel() else hi) * unit
+    if kv["fit"]:
+        lo = kv["min_chunk"] // unit
+        hi = max(-(-int(n.max()) // unit) if rows else 0, lo)
+        ks = torch.arange(lo, hi + 1, device=g.device)
+        counts = ((n[None, :] + ks[:, None] * unit - 1) // (ks[:, None] * unit)).clamp(min=1).sum(1)   # [K]
+        fit = (counts <= items_target).nonzero()
+        chunk = int(ks[fit[0, 0]] if fit.numel() else hi) * unit
+    else:
+        chunk = max(-(-(-(-int(n.sum()) // items_target)) // unit) * unit, kv["min_chunk"])
     count = ((n + chunk - 1) // chunk).clamp(min=1)
     segments = torch.zeros(rows + 1, dtype=torch.long, device=g.device)
     segments[1:] = count.cumsum(0)

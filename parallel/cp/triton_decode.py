@@ -604,6 +604,13 @@ CONFIG = {
     # programmatic dependent launch (sm_90+, 0/1): the kernel and the split merge after it launch
     # while the kernel before each finishes, and wait for it in-kernel before touching memory
     "pdl": 1,
+    # length plans (`plan_by_lengths`): items_target = the capacity plan's splits' target x plan_waves;
+    # plan_fit 0: chunk = the batch's local tokens over it, 1: the shortest chunk whose items fit it.
+    # bench cp's mixed rows (H100, B 32, 1/4 of the KV, two 128K among thirty 2K / log-uniform 1K-128K;
+    # docs/gpu.md §49): fit 0 against the capacity plan GQA bf16 5.3x / 2.0x, fp8 4.9x / 2.0x, MLA 128
+    # bf16 5.7x / 2.7x, MLA 16 bf16 2.6x / 1.5x; fit 1 GQA 1.0x (32 rows for 33 items: one item a row),
+    # MLA 16 bf16 2.8x / 1.7x, fp8 3.4x / 2.6x (fewer items than SMs: one wave)
+    "plan_waves": 1, "plan_fit": 0,
     # ... except for MLA's narrow head tiles' swapped kernels (`gluon_mla_narrow`, bf16 and fp8) and
     # their split merge: off. Launched without it they were faster on 52 of 56 MLA 16-head rows in
     # the four runs of 2026-12-05 that timed both (bench cp's no_pdl_us: H200 11:01 and 19:31, H100
@@ -1073,7 +1080,8 @@ _VALID = {
     "swap": (0, 1), "raw_ring": (0, 1, 2, 3, 4), "keys": (32, 64), "ring": (1, 2, 3),
     "maxnreg": (0, *range(64, 256, 8)), "at_most": (0, 1), "stage16": (0, 1, 2), "even": (0, 1),
     "direct": range(0, 13), "pipe": (0, 1), "paired_store": (0, 1), "ids_ahead": (0, 1), "tiles": (0, 1, 2),
-    "tile_columns": (16, 32), "expand": (0, 1), "half_partials": (0, 1),
+    "tile_columns": (16, 32), "expand": (0, 1), "half_partials": (0, 1), "plan_waves": range(1, 9),
+    "plan_fit": (0, 1),
 }
 _META = ("device", "sizes", "seconds", "results", "notes", "problems")
 
@@ -1222,14 +1230,16 @@ class LengthPlan:
 def _plan_key(c: SimpleNamespace, table: Tensor, page: int, dcp_size: int, dcp_rank: int, interleave: int,
               expand: int) -> tuple:
     """A length plan's settings for the kernel `_choose` picked: its target of splits over the batch
-    (the capacity plan's programs over a sequence's programs, rounded as there), the split unit (the
-    kernel's key tile) and the shortest split (its min_split)."""
+    (the capacity plan's programs over a sequence's programs, rounded as there, times CONFIG
+    plan_waves), the split unit (the kernel's key tile), the shortest split (its min_split) and the
+    chunk's rule (CONFIG plan_fit, `_plan_kernel`)."""
     target, programs = c.cfg["target_programs"], max(c.row_programs, 1)
-    items = max(1, target // programs if c.cfg["at_most"] else -(-target // programs))
+    items = max(1, target // programs if c.cfg["at_most"] else -(-target // programs)) * CONFIG["plan_waves"]
     unit = c.block_n
     min_chunk = -(-max(c.cfg["min_split"], 1) // unit) * unit
-    return (("items_target", items), ("unit", unit), ("min_chunk", min_chunk), ("table_blocks", table.shape[1]),
-            ("page", page), ("dcp", (dcp_size, dcp_rank, interleave)), ("expand", expand))
+    return (("items_target", items), ("unit", unit), ("min_chunk", min_chunk), ("fit", CONFIG["plan_fit"]),
+            ("table_blocks", table.shape[1]), ("page", page), ("dcp", (dcp_size, dcp_rank, interleave)),
+            ("expand", expand))
 
 
 @triton.jit
@@ -1259,28 +1269,35 @@ def _plan_count(glens_ptr, R, chunk, cap, dcp_size, dcp_rank, interleave, TQ: tl
 
 @triton.jit
 def _plan_kernel(glens_ptr, items_ptr, seg_ptr, R, V, ITEMS, UNIT, MIN_CHUNK, cap, dcp_size, dcp_rank, interleave,
-                 TQ: tl.constexpr, BLOCK: tl.constexpr):
-    """(one program) `LengthPlan`'s tables: chunk = the shortest multiple of UNIT, at least MIN_CHUNK,
-    with which the rows take at most ITEMS items (a binary search: the count only falls as the chunk
-    grows), or one item a row where even the longest row's length does not get there; row r takes
+                 TQ: tl.constexpr, BLOCK: tl.constexpr, FIT: tl.constexpr):
+    """(one program) `LengthPlan`'s tables. The chunk: FIT, the shortest multiple of UNIT, at least
+    MIN_CHUNK, with which the rows take at most ITEMS items (a binary search: the count only falls as
+    the chunk grows), or one item a row where even the longest row's length does not get there; else
+    the rows' local tokens over ITEMS, up to a multiple of UNIT, at least MIN_CHUNK. Row r takes
     max(ceil(n_r / chunk), 1) items (one for an empty or bad row: its partial carries the row's lse
     -inf or NaN), in row order; the items past them name split ceil(cap / chunk) of row 0, which
     starts past the table (empty)."""
     longest = tl.zeros([], tl.int32)
+    total = tl.zeros([], tl.int64)
     r0 = 0
     while r0 < R:
         r = r0 + tl.arange(0, BLOCK)
-        longest = tl.maximum(longest, tl.max(_plan_lengths(glens_ptr, r, r < R, cap, dcp_size, dcp_rank, interleave,
-                                                           TQ), 0))
+        n = _plan_lengths(glens_ptr, r, r < R, cap, dcp_size, dcp_rank, interleave, TQ)
+        longest = tl.maximum(longest, tl.max(n, 0))
+        total += tl.sum(n.to(tl.int64), 0)
         r0 += BLOCK
-    lo = tl.zeros([], tl.int32) + MIN_CHUNK // UNIT
-    hi = tl.maximum((longest + UNIT - 1) // UNIT, lo)
-    while lo < hi:
-        mid = (lo + hi) // 2
-        fits = _plan_count(glens_ptr, R, mid * UNIT, cap, dcp_size, dcp_rank, interleave, TQ, BLOCK) <= ITEMS
-        hi = tl.where(fits, mid, hi)
-        lo = tl.where(fits, lo, mid + 1)
-    chunk = lo * UNIT
+    if FIT:
+        lo = tl.zeros([], tl.int32) + MIN_CHUNK // UNIT
+        hi = tl.maximum((longest + UNIT - 1) // UNIT, lo)
+        while lo < hi:
+            mid = (lo + hi) // 2
+            fits = _plan_count(glens_ptr, R, mid * UNIT, cap, dcp_size, dcp_rank, interleave, TQ, BLOCK) <= ITEMS
+            hi = tl.where(fits, mid, hi)
+            lo = tl.where(fits, lo, mid + 1)
+        chunk = lo * UNIT
+    else:
+        chunk = (((total + ITEMS - 1) // ITEMS + UNIT - 1) // UNIT) * UNIT
+        chunk = tl.maximum(chunk, MIN_CHUNK).to(tl.int32)
     tl.store(items_ptr, chunk)
     tl.store(items_ptr + 1, 0)
     base = tl.zeros([], tl.int32)
@@ -1333,7 +1350,7 @@ def plan_by_lengths(seq_lens: Tensor, rows: int, key: tuple) -> LengthPlan:
     size, rank, interleave = kv["dcp"]
     _plan_kernel[(1,)](seq_lens, table, segments, rows, items, kv["items_target"], kv["unit"], kv["min_chunk"],
                        kv["table_blocks"] * kv["page"], size, rank, interleave, TQ=kv["expand"],
-                       BLOCK=max(16, min(1024, triton.next_power_of_2(max(rows, 1)))))
+                       BLOCK=max(16, min(1024, triton.next_power_of_2(max(rows, 1)))), FIT=bool(kv["fit"]))
     return LengthPlan(table, segments, items, rows, key)
 
 
