@@ -614,10 +614,10 @@ def _paged_decode_rows(ctx: BenchContext) -> None:
     _note_graph_timing(ctx)
 
 
-PLAN_VARIANTS = {"fit_us": {"plan_fit": 1}, "waves2_us": {"plan_waves": 2},
-                 "fit_waves2_us": {"plan_fit": 1, "plan_waves": 2}}
-"""The mixed rows' columns of other length-plan settings (`triton_decode.CONFIG` plan_fit / plan_waves;
-time_us has the installed ones): the plan made under them, the call timed as time_us is."""
+PLAN_VARIANTS = {"fit_us": {"plan_fit": 1, "plan_fit_wide": 1}, "tokens_us": {"plan_fit": 0, "plan_fit_wide": 0},
+                 "waves2_us": {"plan_waves": 2}}
+"""The mixed rows' columns of other length-plan settings (`triton_decode.CONFIG` plan_fit(_wide) /
+plan_waves; time_us has the installed ones): the plan made under them, the call timed as time_us is."""
 
 MIXED_KINDS = (("gqa", 32, torch.bfloat16), ("gqa", 32, torch.float8_e4m3fn), ("mla", 128, torch.bfloat16),
                ("mla", 128, torch.float8_e4m3fn), ("mla", 16, torch.bfloat16), ("mla", 16, torch.float8_e4m3fn))
@@ -655,7 +655,8 @@ def _mixed_length_rows(ctx: BenchContext, batch: int = 32, context: int = 131072
     ctx.note("mixed lengths rows: time_us is the call under a length plan made once outside it (as a decode step "
              "makes it for all layers), graph-timed like the decode rows; anchor_us the same call with the "
              "capacity's split plan (max_seq_len = the longest length); plan_and_call_us the plan made inside "
-             "each call; fit_us / waves2_us / fit_waves2_us: plans made with CONFIG plan_fit 1 / plan_waves 2 / both; "
+             "each call; fit_us / tokens_us / waves2_us: plans whose chunk fits the items' target / is the tokens' share "
+             "of it (CONFIG plan_fit and plan_fit_wide 1 / 0) / with twice the target (plan_waves 2); "
              "floor_us the bytes of the batch's local tokens at the copy ceiling (MLA 128 heads: or "
              "their FLOPs); matches: the planned out within 2% of the capacity plan's; flashmla_us (MLA bf16): "
              "FlashMLA over the same lengths, its plan made outside the graph")

@@ -605,12 +605,14 @@ CONFIG = {
     # while the kernel before each finishes, and wait for it in-kernel before touching memory
     "pdl": 1,
     # length plans (`plan_by_lengths`): items_target = the capacity plan's splits' target x plan_waves;
-    # plan_fit 0: chunk = the batch's local tokens over it, 1: the shortest chunk whose items fit it.
-    # bench cp's mixed rows (H100, B 32, 1/4 of the KV, two 128K among thirty 2K / log-uniform 1K-128K;
-    # docs/gpu.md §49): fit 0 against the capacity plan GQA bf16 5.3x / 2.0x, fp8 4.9x / 2.0x, MLA 128
-    # bf16 5.7x / 2.7x, MLA 16 bf16 2.6x / 1.5x; fit 1 GQA 1.0x (32 rows for 33 items: one item a row),
-    # MLA 16 bf16 2.8x / 1.7x, fp8 3.4x / 2.6x (fewer items than SMs: one wave)
-    "plan_waves": 1, "plan_fit": 0,
+    # plan_fit 0: chunk = the batch's local tokens over it, 1: the shortest chunk whose items fit it
+    # (plan_fit_wide: MLA's kernels). bench cp's mixed rows, all four settings in one run (H100, 04:52
+    # UTC, B 32, 1/4 of the KV, two 128K among thirty 2K / log-uniform 1K-128K, µs; docs/gpu.md §49):
+    # GQA bf16 fit 0 68.8 / 177.8, fit 1 373.8 / 332.7 (32 rows for 33 items: no row split), waves 2
+    # 81.8 / 166.9; GQA fp8 49.6 / 106.9 against 249.1 / 214.8 and 62.5 / 102.1; MLA 128 heads bf16
+    # fit 0 82.7 / 183.1, fit 1 83.0 / 160.5; fp8 108.1 / 261.5 against 113.7 / 240.1; MLA 16 bf16 67.4
+    # / 119.9 against 62.5 / 103.1, fp8 58.4 / 84.4 against 51.4 / 66.7 (waves 2 slower on every MLA row)
+    "plan_waves": 1, "plan_fit": 0, "plan_fit_wide": 1,
     # ... except for MLA's narrow head tiles' swapped kernels (`gluon_mla_narrow`, bf16 and fp8) and
     # their split merge: off. Launched without it they were faster on 52 of 56 MLA 16-head rows in
     # the four runs of 2026-12-05 that timed both (bench cp's no_pdl_us: H200 11:01 and 19:31, H100
@@ -1081,7 +1083,7 @@ _VALID = {
     "maxnreg": (0, *range(64, 256, 8)), "at_most": (0, 1), "stage16": (0, 1, 2), "even": (0, 1),
     "direct": range(0, 13), "pipe": (0, 1), "paired_store": (0, 1), "ids_ahead": (0, 1), "tiles": (0, 1, 2),
     "tile_columns": (16, 32), "expand": (0, 1), "half_partials": (0, 1), "plan_waves": range(1, 9),
-    "plan_fit": (0, 1),
+    "plan_fit": (0, 1), "plan_fit_wide": (0, 1),
 }
 _META = ("device", "sizes", "seconds", "results", "notes", "problems")
 
@@ -1232,12 +1234,13 @@ def _plan_key(c: SimpleNamespace, table: Tensor, page: int, dcp_size: int, dcp_r
     """A length plan's settings for the kernel `_choose` picked: its target of splits over the batch
     (the capacity plan's programs over a sequence's programs, rounded as there, times CONFIG
     plan_waves), the split unit (the kernel's key tile), the shortest split (its min_split) and the
-    chunk's rule (CONFIG plan_fit, `_plan_kernel`)."""
+    chunk's rule (CONFIG plan_fit, plan_fit_wide for MLA's latent head; `_plan_kernel`)."""
     target, programs = c.cfg["target_programs"], max(c.row_programs, 1)
     items = max(1, target // programs if c.cfg["at_most"] else -(-target // programs)) * CONFIG["plan_waves"]
     unit = c.block_n
     min_chunk = -(-max(c.cfg["min_split"], 1) // unit) * unit
-    return (("items_target", items), ("unit", unit), ("min_chunk", min_chunk), ("fit", CONFIG["plan_fit"]),
+    fit = CONFIG["plan_fit_wide" if c.d_main + c.d_rest > 256 else "plan_fit"]
+    return (("items_target", items), ("unit", unit), ("min_chunk", min_chunk), ("fit", fit),
             ("table_blocks", table.shape[1]), ("page", page), ("dcp", (dcp_size, dcp_rank, interleave)),
             ("expand", expand))
 
