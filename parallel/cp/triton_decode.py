@@ -1202,7 +1202,7 @@ def plan_splits(capacity: int, programs: int, block_n: int, min_split: int, at_m
 class LengthPlan:
     """A split-KV plan made on the device from the sequences' lengths (`plan_by_lengths`; the public
     maker is `paged.plan_paged_decode`): each sequence's local tokens are cut into splits of one
-    length `chunk` (a device value: the batch's local tokens over about `items_target` splits), so a
+    length `chunk` (a device value made from the lengths and `items_target`: `_plan_kernel`), so a
     batch of very different lengths keeps every program busy, where the capacity's plan
     (`plan_splits`) gives every sequence the same number of splits and a few long sequences among
     short ones run on a few programs. Capturable: one launch, nothing read on the host.
