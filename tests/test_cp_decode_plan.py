@@ -305,3 +305,14 @@ def test_the_capacity_plan_counts_the_batchs_programs(monkeypatch):
         counts[s] = parts.out.shape[0]
         assert counts[s] == want[0], (s, counts[s], want)
     assert counts[16] < counts[2], counts
+
+
+def test_an_empty_batch_plans_and_runs():
+    """No sequence: a plan of no rows (its items all empty), and an empty out from either path."""
+    cache = PagedKVCache.allocate(4, 16, 2, 32, dtype=torch.float32)
+    q, table, seq = torch.randn(0, 1, 4, 32), torch.zeros(0, 3, dtype=torch.int32), torch.zeros(0, dtype=torch.long)
+    for backend in ("triton", "torch"):
+        plan = plan_paged_decode(q, cache, table, seq, backend=backend)
+        assert plan.rows == 0 and plan.segments.tolist() == [0]
+        got = paged_decode_attention(q, cache, table, seq, backend=backend, plan=plan)
+        assert got.out.shape == (0, 1, 4, 32) and got.lse.shape == (0, 1, 4)
