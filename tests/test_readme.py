@@ -54,9 +54,9 @@ def _run(args: list[str], tmp_path: Path, timeout: float) -> subprocess.Complete
 
 def test_every_readme_snippet_is_valid_python_and_covered():
     blocks = snippets()
-    # 3 run here; the CUDA-graph one continues the MoE job on a GPU (tests/test_moe_device.py runs
+    # 4 run here; the CUDA-graph one continues the MoE job on a GPU (tests/test_moe_device.py runs
     # the same calls there)
-    assert len(blocks) == 4, f"README has {len(blocks)} python snippets; this file knows 4: update it"
+    assert len(blocks) == 5, f"README has {len(blocks)} python snippets; this file knows 5: update it"
     for block in blocks:
         ast.parse(block)
     assert "GraphedMoE(layer" in _find("from moe.graphs import GraphedMoE")
@@ -74,6 +74,12 @@ def test_readme_moe_snippet_under_torchrun(tmp_path):
                  "moe_job.py"], tmp_path, timeout=120)
     lines = sorted(re.findall(r"rank \d: y \(\d+, \d+\) torch\.(?:bfloat16|float16|float32)", proc.stdout))
     assert lines == ["rank 0: y (16, 64) torch.bfloat16", "rank 1: y (16, 64) torch.bfloat16"], proc.stdout
+
+
+def test_readme_decode_plan_snippet_as_a_script(tmp_path):
+    (tmp_path / "decode_job.py").write_text(_find("plan_paged_decode(q"))
+    proc = _run([sys.executable, "decode_job.py"], tmp_path, timeout=120)
+    assert proc.stdout.strip().splitlines()[-1] == "(4, 32, 128) (4, 32)", proc.stdout
 
 
 def test_readme_launch_local_snippet_as_a_script(tmp_path):
