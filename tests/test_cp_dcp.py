@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from launch.local import launch_local
-from parallel.cp import ContextParallelAttention, DCPLayout, PagedKVCache, dcp_decode_attention, dcp_kv_insert
+from parallel.cp import (ContextParallelAttention, DCPLayout, PagedKVCache, dcp_decode_attention, dcp_kv_insert,
+                         plan_dcp_decode)
 from tests.helpers import reference_attention
 
 
@@ -833,11 +834,11 @@ def _agreement_rank(rank: int) -> list[str]:
 
     def call(**over) -> str:
         args = dict(q=q[:, mine].contiguous(), cache=cache, block_table=table, seq_lens=torch.tensor(lens),
-                    scale=None)
+                    scale=None, plan=None)
         args.update(over)
         try:
             dcp_decode_attention(args["q"], args["cache"], args["block_table"], args["seq_lens"], groups.dcp,
-                                 scale=args["scale"], pcp_group=groups.pcp)
+                                 scale=args["scale"], pcp_group=groups.pcp, plan=args["plan"])
         except ValueError as exc:
             return str(exc)
         return "ok"
@@ -851,6 +852,10 @@ def _agreement_rank(rank: int) -> list[str]:
     said.append(call(seq_lens=torch.tensor([5, 8])) if rank == 0 else call())
     # rank 2 alone: one query head fewer (the all-gather of q would have failed or waited)
     said.append(call(q=q[:, :1].contiguous()) if rank == 2 else call())
+    # rank 1 alone: a length plan made for another table width (its own error, before any collective)
+    wide = torch.cat([table, table[:, :1]], 1)
+    other = plan_dcp_decode(q[:, mine].contiguous(), cache, wide, torch.tensor(lens), groups.dcp, pcp_group=groups.pcp)
+    said.append(call(plan=other) if rank == 1 else call())
     # and afterwards the group still works: the good call is exact
     out = dcp_decode_attention(q[:, mine].contiguous(), cache, table, torch.tensor(lens), groups.dcp,
                                pcp_group=groups.pcp)
@@ -866,7 +871,10 @@ def test_one_ranks_bad_input_raises_on_every_rank_instead_of_hanging():
     checks are agreed over the DCP group, then the PCP group, before any collective; so are the
     shapes, scale, table and lengths, which ranks called differently silently mixed."""
     said = launch_local(_agreement_rank, 4, timeout=180)
-    bad_id, scale, lengths, heads = zip(*said)
+    bad_id, scale, lengths, heads, plan = zip(*said)
+    assert "this length plan was made for 2 rows and" in plan[1] and "'table_blocks': 3" in plan[1], plan[1]
+    for r in (0, 2, 3):   # rank 1's DCP peer (rank 0) and, through PCP, the others
+        assert "had invalid input" in plan[r], (r, plan[r])
     assert "block_table holds block ids [9] outside the cache's [0, 4)" in bad_id[3] or \
         "block_table[0, 0] = 9 is outside the cache's blocks [0, 4)" in bad_id[3], bad_id[3]
     for r in (0, 1, 2):   # rank 2 learns it from its DCP peer's report (rank 3's DCP group is {2, 3})

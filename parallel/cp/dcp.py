@@ -427,9 +427,11 @@ def _decode_fields(q: Tensor, cache: PagedKVCache, block_table: Tensor, seq_lens
 
 def _check_decode_call(q: Tensor, cache: PagedKVCache, block_table: Tensor, seq_lens: Tensor, group: GroupLike,
                        interleave: int, comm: str, scale: float | None, same_heads: bool, backend: str,
-                       pcp_group: GroupLike | None) -> tuple[DCPLayout, int, str, Tensor | None, float]:
+                       pcp_group: GroupLike | None, plan: LengthPlan | None = None
+                       ) -> tuple[DCPLayout, int, str, Tensor | None, float]:
     """`dcp_decode_attention`'s checks, all before any collective: (layout, local heads, backend,
-    the invalid-sequence mask or None, scale); ValueError for bad input."""
+    the invalid-sequence mask or None, scale); ValueError for bad input (a plan made for another
+    call's shapes or layout among it)."""
     if comm not in ("ag_rs", "a2a"):
         raise ValueError(f"comm must be 'ag_rs' or 'a2a', got {comm!r}")
     if q.dim() != 3 or q.shape[-1] != cache.k.shape[-1]:
@@ -443,7 +445,7 @@ def _check_decode_call(q: Tensor, cache: PagedKVCache, block_table: Tensor, seq_
         raise ValueError(f"block_table {tuple(block_table.shape)} must be [S, max_blocks]")
     layout = _layout(group, cache.block_size, interleave, pcp_group)
     _, _, size = resolve_group(group)
-    from .paged import check_paged_inputs, resolve_backend
+    from .paged import check_paged_inputs, check_plan, resolve_backend
 
     heads = q.shape[1]
     if same_heads and heads % cache.kv_heads != 0:
@@ -456,6 +458,9 @@ def _check_decode_call(q: Tensor, cache: PagedKVCache, block_table: Tensor, seq_
     check_paged_inputs(q[:, None, :1].expand(-1, -1, heads * size, -1), cache, block_table, seq_lens, layout,
                        validate=False)
     chosen = resolve_backend(q, cache, backend)
+    if plan is not None:        # (the gathered queries' shape: no value is read)
+        check_plan(plan, q.new_empty(q.shape[0], 1, heads * size, q.shape[-1]), cache, block_table.to(q.device),
+                   layout)
     if _kernel_reports_bad_tables(chosen, q.device):
         invalid = None            # the kernel's NaN rows, carried to every rank by the combine below
     else:
@@ -498,7 +503,7 @@ def dcp_decode_attention(q: Tensor, cache: PagedKVCache, block_table: Tensor, se
     error = fields = None
     try:   # a bad input on one rank must not leave the others waiting in the collectives below
         layout, heads, chosen, invalid, scale = _check_decode_call(
-            q, cache, block_table, seq_lens, group, interleave, comm, scale, same_heads, backend, pcp_group)
+            q, cache, block_table, seq_lens, group, interleave, comm, scale, same_heads, backend, pcp_group, plan)
         fields = _decode_fields(q, cache, block_table, seq_lens, interleave, comm, same_heads, scale) if agree else None
     except ValueError as exc:
         if not agree:

@@ -207,7 +207,7 @@ def paged_decode_attention(q: Tensor, cache: PagedKVCache, block_table: Tensor, 
     chosen = resolve_backend(q, cache, backend)
     table = block_table.to(q.device)
     if plan is not None:
-        _check_plan(plan, q4, cache, table, layout, chosen)
+        check_plan(plan, q4, cache, table, layout)
     if chosen == "triton":
         from .triton_decode import paged_decode_triton
 
@@ -301,18 +301,15 @@ def plan_reference(seq_lens: Tensor, rows: int, key: tuple) -> "LengthPlan":
     return LengthPlan(torch.cat([head, table.flatten()]).to(torch.int32), segments.to(torch.int32), items, rows, key)
 
 
-def _check_plan(plan: "LengthPlan", q: Tensor, cache: PagedKVCache, table: Tensor, layout: DCPLayout,
-                chosen: str) -> None:
-    """A plan given to a call must be one made for it (ValueError naming both otherwise): its type and
-    device here, its rows and key by the kernel's launch (`paged_decode_triton`), which knows the
-    key; the torch path, whose out does not depend on it, checks both here."""
+def check_plan(plan: "LengthPlan", q: Tensor, cache: PagedKVCache, table: Tensor, layout: DCPLayout) -> None:
+    """A plan given to a call (q [S, Tq, Hq, D]) must be a `LengthPlan` made for its shapes, table width,
+    cache page and layout, on q's device: ValueError naming both sides otherwise, before any launch."""
     from .triton_decode import LengthPlan, plan_settings
 
     if not isinstance(plan, LengthPlan):
         raise ValueError(f"plan must be a LengthPlan of plan_paged_decode, got {type(plan).__name__}")
-    if chosen != "triton":
-        rows, key = plan_settings(q, cache.k, cache.v, cache.k_scale, cache.v_scale, table, dcp_size=layout.size,
-                                  dcp_rank=layout.rank, interleave=layout.interleave)
-        plan.check(rows, key)
+    rows, key = plan_settings(q, cache.k, cache.v, cache.k_scale, cache.v_scale, table, dcp_size=layout.size,
+                              dcp_rank=layout.rank, interleave=layout.interleave)
+    plan.check(rows, key)
     if plan.items_table.device != q.device:
         raise ValueError(f"the plan's tables are on {plan.items_table.device}, q on {q.device}")

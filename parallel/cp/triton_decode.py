@@ -1437,7 +1437,7 @@ def _expanded(q: Tensor, k: Tensor, v: Tensor, k_scale: Tensor | None, v_scale: 
         _expand_rows_kernel[(s,)](seq_lens, block_table, each, table, block_table.stride(0), TABLE_W=width, TQ=tq,
                                   TQ_P2=triton.next_power_of_2(tq), BLOCK=min(1024, triton.next_power_of_2(width)))
     got = paged_decode_triton(q.view(s * tq, 1, hq, d), k, v, k_scale, v_scale, table, each, scale, merge=merge,
-                              out_dtype=out_dtype, plan=plan, expand_of=tq, **layout)
+                              out_dtype=out_dtype, plan=plan, **layout)
     lead = got.lse.shape[:-3]        # (merge=False: the splits)
     return AttnState(got.out.view(*lead, s, tq, hq, -1), got.lse.view(*lead, s, tq, hq))
 
@@ -1520,7 +1520,7 @@ def paged_decode_triton(q: Tensor, k: Tensor, v: Tensor, k_scale: Tensor | None,
                         block_table: Tensor, seq_lens: Tensor, scale: float, *,
                         dcp_size: int, dcp_rank: int, interleave: int, capacity: int,
                         merge: bool = True, out_dtype: torch.dtype = torch.float32,
-                        plan: LengthPlan | None = None, expand_of: int = 1) -> AttnState:
+                        plan: LengthPlan | None = None) -> AttnState:
     """Launch (inputs validated by `paged.paged_decode_attention`).
 
     q: [S, Tq, Hq, D]; k: [nb, B, Hkv, D]; v: [nb, B, Hkv, Dv] (may be the view k[..., :Dv]);
@@ -1533,8 +1533,7 @@ def paged_decode_triton(q: Tensor, k: Tensor, v: Tensor, k_scale: Tensor | None,
     or the 16-bit dtype the caller casts to: the split merge, or one split's kernel, writes it).
     plan: a length plan (`plan_by_lengths`, for these shapes) in place of the capacity's split plan:
     its work items are the grid's splits, merged per sequence (`merge_segments_triton`); merge=False
-    then returns that merge as one partial (P = 1). expand_of: the Tq of the speculative step that
-    `_expanded` runs as these one-token rows (the plan's key names it).
+    then returns that merge as one partial (P = 1).
     """
     s, tq, hq, d = q.shape
     dv = v.shape[-1]
@@ -1545,8 +1544,7 @@ def paged_decode_triton(q: Tensor, k: Tensor, v: Tensor, k_scale: Tensor | None,
     cfg, block_n, block_m, m_tiles, pdl = c.cfg, c.block_n, c.block_m, c.m_tiles, c.pdl
     if c.tma:
         impl.ensure_triton_scratch()
-    if plan is not None:
-        plan.check(s, _plan_key(c, block_table, k.shape[1], dcp_size, dcp_rank, interleave, expand_of))
+    if plan is not None:      # (made for this call: `paged.check_plan`)
         splits, split_len, rows = plan.items, 0, 1      # (the grid: a sequence's programs x the plan's items)
     else:
         splits, split_len = plan_splits(capacity, s * c.row_programs, block_n, cfg["min_split"], bool(cfg["at_most"]),
