@@ -254,3 +254,26 @@ def test_mixed_length_rows_run_and_match_on_cpu(monkeypatch):
     for row in ctx.rows:
         assert row["matches"] and row["local_tokens"] > 0, row
 
+    assert all(row["padded_torch_us"] > 0 for row in ctx.rows)
+
+
+def test_the_padded_anchors_equal_each_sequence_alone():
+    """The mixed rows' plain-torch anchors over a padded batch with a key mask (`_sdpa_contiguous`
+    key_mask, `_mla_torch_contiguous` hidden [B, 1, L]) = each sequence's attention over its own
+    keys only, whatever the padding holds."""
+    gen = torch.Generator().manual_seed(5)
+    lens, b, hq, hkv, d = [7, 1, 12], 3, 4, 2, 8
+    q = torch.randn(b, hq, 1, d, generator=gen)
+    k, v = (torch.randn(b, hkv, 12, d, generator=gen) for _ in range(2))
+    held = torch.arange(12)[None, :] < torch.tensor(lens)[:, None]
+    got = bench_cp._sdpa_contiguous(q, k, v, key_mask=held)
+    for i, n in enumerate(lens):
+        want = torch.nn.functional.scaled_dot_product_attention(q[i:i + 1], k[i:i + 1, :, :n], v[i:i + 1, :, :n],
+                                                                enable_gqa=True)
+        torch.testing.assert_close(got[i:i + 1], want, atol=1e-5, rtol=1e-5)
+    latent = torch.randn(b, 12, 10, generator=gen)
+    ql = torch.randn(b, hq, 10, generator=gen)
+    got = bench_cp._mla_torch_contiguous(ql, latent, 6, 0.3, ~held[:, None, :])
+    for i, n in enumerate(lens):
+        s = (ql[i] @ latent[i, :n].T) * 0.3
+        torch.testing.assert_close(got[i], torch.softmax(s, -1) @ latent[i, :n, :6], atol=1e-5, rtol=1e-5)

@@ -42,29 +42,50 @@ def _small_splits(monkeypatch, target: int | None = 24) -> None:
 
 
 def _spans(plan) -> dict[int, list[tuple[int, int]]]:
-    """Row -> the (split, chunk) of its items, from the plan's tables (host copies)."""
+    """Row -> the (split, chunk) of its items at its out rows, from the plan's tables (host copies);
+    "rows_of": the row of each out row in use; the launch slots' out rows are a permutation."""
     table = plan.items_table.cpu()
-    chunk, pairs = int(table[0]), table[2:].view(-1, 2)
+    chunk, slots = int(table[0]), table[2:].view(-1, 3)
+    assert sorted(slots[:, 2].tolist()) == list(range(plan.items)), slots[:, 2]
+    by_out = slots[slots[:, 2].argsort()]
     seg = plan.segments.cpu()
-    return {r: [(int(pairs[v, 1]), chunk) for v in range(int(seg[r]), int(seg[r + 1]))] for r in range(plan.rows)} | {
-        "rows_of": [int(pairs[v, 0]) for v in range(int(seg[-1]))]}
+    return {r: [(int(by_out[v, 1]), chunk) for v in range(int(seg[r]), int(seg[r + 1]))] for r in range(plan.rows)} | {
+        "rows_of": [int(by_out[v, 0]) for v in range(int(seg[-1]))]}
+
+
+def _launch_classes(plan, lens_local: list[int]) -> list[int]:
+    """The length class of each launch slot in use (`PLAN_CLASSES` for a full chunk; the slots past
+    the batch's items left out)."""
+    from parallel.cp.triton_decode import PLAN_CLASSES
+
+    table = plan.items_table.cpu()
+    chunk, slots = int(table[0]), table[2:].view(-1, 3)
+    used = int(plan.segments[-1])
+    out = []
+    for row, split, o in slots.tolist():
+        if o < used:
+            size = min(lens_local[row] - split * chunk, chunk)
+            out.append(PLAN_CLASSES if size == chunk else size * PLAN_CLASSES // chunk)
+    return out
 
 
 @pytest.mark.parametrize("size,rank,interleave,tq,extra", [(1, 0, 1, 1, 20), (3, 1, 2, 1, 20), (4, 3, 1, 1, 20),
                                                              (2, 0, 1, 3, 20), (1, 0, 1, 1, 0), (2, 1, 1, 1, 2),
                                                              (1, 0, 1, 1, 40)])
-@pytest.mark.parametrize("fit", [0, 1])
-def test_planner_kernel_matches_its_torch_specification(size, rank, interleave, tq, extra, fit, monkeypatch):
+@pytest.mark.parametrize("fit,order", [(0, 0), (1, 0), (0, 1), (1, 1)])
+def test_planner_kernel_matches_its_torch_specification(size, rank, interleave, tq, extra, fit, order, monkeypatch):
     """The planner kernel's tables = `plan_reference`'s, on lengths with 0, 1, long, negative and past
     the table (both give one item to those: their partial carries lse -inf or the kernel's NaN), and
     the items of each row cover its local tokens once, in order, with at most items_target + rows
     items in all; the chunk (CONFIG plan_fit 1) is the shortest that fits items_target (fewer rows
     than that: `extra` 0 or 2), or one item a row (more rows: `extra` 40); (plan_fit 0) the local
-    tokens over items_target."""
+    tokens over items_target. The launch order (CONFIG plan_order): the out rows' (0), or (1) longest
+    first: full chunks, then the partial items by length class."""
     from parallel.cp import triton_decode
 
     _small_splits(monkeypatch, target=64)
     monkeypatch.setitem(triton_decode.CONFIG, "plan_fit", fit)
+    monkeypatch.setitem(triton_decode.CONFIG, "plan_order", order)
     gen = torch.Generator().manual_seed(size * 10 + rank)
     lens = [0, 1, 700, 3, 1500, 64, 5, -2, 10_000] + torch.randint(0, 400, (extra,), generator=gen).tolist()
     if tq > 1:
@@ -90,8 +111,16 @@ def test_planner_kernel_matches_its_torch_specification(size, rank, interleave, 
         assert ks == list(range(len(ks))) and len(ks) == max(1, -(-n // chunk)), (r, n, ks)
     assert spans["rows_of"] == sorted(spans["rows_of"])
     assert int(got.segments[-1]) <= got.items
+    n_eff = [0 if g < 0 or n > 640 else n for g, n in zip(lens, local.tolist())]
+    classes = _launch_classes(got, n_eff)
+    outs = got.items_table[2:].view(-1, 3)[:, 2].tolist()
+    if order:       # (longest first; the empty slots after every item)
+        assert classes == sorted(classes, reverse=True), classes
+        assert outs[len(classes):] == list(range(len(classes), got.items)), outs
+    else:
+        assert outs == list(range(got.items)), outs
     # the chunk: the shortest (in units, from min_chunk) whose items fit items_target, else one a row
-    kv, n_eff = dict(key), [0 if g < 0 or n > 640 else n for g, n in zip(lens, local.tolist())]
+    kv = dict(key)
     items = lambda c: sum(max(-(-n // c), 1) for n in n_eff)
     chunk = int(got.items_table[0])
     if not fit:     # the local tokens over the target, up to a unit, at least min_chunk
@@ -108,8 +137,12 @@ def test_planner_kernel_matches_its_torch_specification(size, rank, interleave, 
 @pytest.mark.parametrize("fp8", [False, True])
 def test_planned_gqa_kernel_matches_the_torch_path(tq, size, rank, interleave, fp8, monkeypatch):
     """A batch of very different lengths (0, 1, a few pages, many) through the kernel under a length
-    plan = the torch path, merged (fp32 and q's dtype) and unmerged (one partial)."""
+    plan = the torch path, merged (fp32 and q's dtype) and unmerged (one partial); the items launched
+    in out-row order on one rank, longest first on a DCP rank (CONFIG plan_order)."""
+    from parallel.cp import triton_decode
+
     _small_splits(monkeypatch)
+    monkeypatch.setitem(triton_decode.CONFIG, "plan_order", int(size > 1))
     lens = [3, 700, 5, 0 if tq == 1 else 4, 60, 1200, 1]
     if tq > 1:
         lens = [max(n, tq) for n in lens]
@@ -137,8 +170,11 @@ def test_planned_gqa_kernel_matches_the_torch_path(tq, size, rank, interleave, f
 
 def test_planned_mla_layout_matches_the_torch_path(monkeypatch):
     """The latent layout (one 576-wide head, v its first 512) with NaN in every slot past a sequence's
-    length: a plan's items end where the sequence does."""
+    length: a plan's items end where the sequence does (launched longest first)."""
+    from parallel.cp import triton_decode
+
     _small_splits(monkeypatch)
+    monkeypatch.setitem(triton_decode.CONFIG, "plan_order", 1)
     lens = [1, 300, 0, 47, 9]
     cache, table = _mla_cache(lens, 16, torch.float32, seed=4)
     q = torch.randn(len(lens), 1, 4, 576)
@@ -258,14 +294,19 @@ def _gpu_problem(kind, heads, tq, dtype, size, rank, seed):
 @pytest.mark.gpu
 @pytest.mark.parametrize("kind,heads,tq,dtype", GPU_CASES, ids=lambda v: str(v).replace("torch.", ""))
 @pytest.mark.parametrize("size,rank", [(1, 0), (4, 3)])
-def test_planned_kernels_on_gpu(kind, heads, tq, dtype, size, rank, monkeypatch):
+@pytest.mark.parametrize("order", [0, 1])
+def test_planned_kernels_on_gpu(kind, heads, tq, dtype, size, rank, order, monkeypatch):
     """Each kernel family (GQA's Gluon bf16 and direct fp8, MLA's 64-head tiles bf16 / fp8, its narrow
     swapped kernels, the head tiles and the one-token expansion of a speculative step) under a length
     plan against the torch path and against the capacity plan's call; the plan and the call replayed
-    in a CUDA graph after the lengths changed in place."""
+    in a CUDA graph after the lengths changed in place; the items launched in out-row order and
+    longest first (CONFIG plan_order)."""
+    from parallel.cp import triton_decode
+
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
     _compiled(monkeypatch)
+    monkeypatch.setitem(triton_decode.CONFIG, "plan_order", order)
     _small_splits(monkeypatch, target=None)     # (the long sequences in many items on every rank)
     q, cache, table, seq, layout = _gpu_problem(kind, heads, tq, dtype, size, rank, seed=heads + tq)
     scale = 0.07

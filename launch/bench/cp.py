@@ -472,18 +472,22 @@ def _multi_gpu(ctx: BenchContext) -> None:
 # paged decode kernel, MLA decode, fused MLA prep (CUDA)
 
 
-def _sdpa_contiguous(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                     row_mask: torch.Tensor | None = None) -> torch.Tensor:
+def _sdpa_contiguous(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, row_mask: torch.Tensor | None = None,
+                     key_mask: torch.Tensor | None = None) -> torch.Tensor:
     """The anchor: SDPA of the query tokens over a contiguous KV (GQA): q [B, Hq, Tq, D], k / v
-    [B, Hkv, L, D]. row_mask (speculative tokens): the Hq / Hkv query heads of a kv head folded
-    into its query rows, so that SDPA reads each kv head once whichever backend the mask leaves
-    it; [Hq / Hkv x Tq, L] bool, rows (head in group, token): `speculative_mask(...).repeat(Hq / Hkv,
-    1)`, made once outside the timed call."""
-    if row_mask is None:
+    [B, Hkv, L, D]. With a mask the Hq / Hkv query heads of a kv head are folded into its query
+    rows, so that SDPA reads each kv head once whichever backend the mask leaves it: row_mask
+    (speculative tokens) [Hq / Hkv x Tq, L] bool, rows (head in group, token):
+    `speculative_mask(...).repeat(Hq / Hkv, 1)`; key_mask (a batch padded to its longest sequence)
+    [B, L] bool, the keys each sequence holds. Masks are made once outside the timed call."""
+    if row_mask is None and key_mask is None:
         return torch.nn.functional.scaled_dot_product_attention(q, k, v, enable_gqa=True)
     b, hq, tq, d = q.shape
     rows = q.reshape(b, k.shape[1], hq // k.shape[1] * tq, d)           # rows (head in group, token)
-    out = torch.nn.functional.scaled_dot_product_attention(rows, k, v, attn_mask=row_mask)
+    mask = row_mask if key_mask is None else key_mask[:, None, None, :]
+    if row_mask is not None and key_mask is not None:
+        mask = mask & row_mask
+    out = torch.nn.functional.scaled_dot_product_attention(rows, k, v, attn_mask=mask)
     return out.reshape(b, hq, tq, v.shape[-1])
 
 
@@ -614,10 +618,14 @@ def _paged_decode_rows(ctx: BenchContext) -> None:
     _note_graph_timing(ctx)
 
 
-PLAN_VARIANTS = {"fit_us": {"plan_fit": 1, "plan_fit_wide": 1}, "tokens_us": {"plan_fit": 0, "plan_fit_wide": 0},
-                 "waves2_us": {"plan_waves": 2}}
+_FIT, _TOKENS = {"plan_fit": 1, "plan_fit_wide": 1}, {"plan_fit": 0, "plan_fit_wide": 0}
+PLAN_VARIANTS = {"fit_us": {**_FIT, "plan_order": 0}, "tokens_us": {**_TOKENS, "plan_order": 0},
+                 "waves2_us": {"plan_waves": 2, "plan_order": 0}, "fit_longest_first_us": {**_FIT, "plan_order": 1},
+                 "tokens_longest_first_us": {**_TOKENS, "plan_order": 1},
+                 "tokens_waves2_longest_first_us": {**_TOKENS, "plan_waves": 2, "plan_order": 1}}
 """The mixed rows' columns of other length-plan settings (`triton_decode.CONFIG` plan_fit(_wide) /
-plan_waves; time_us has the installed ones): the plan made under them, the call timed as time_us is."""
+plan_waves / plan_order; time_us has the installed ones): the plan made under them, the call timed
+as time_us is."""
 
 MIXED_KINDS = (("gqa", 32, torch.bfloat16), ("gqa", 32, torch.float8_e4m3fn), ("mla", 128, torch.bfloat16),
                ("mla", 128, torch.float8_e4m3fn), ("mla", 16, torch.bfloat16), ("mla", 16, torch.float8_e4m3fn))
@@ -656,7 +664,11 @@ def _mixed_length_rows(ctx: BenchContext, batch: int = 32, context: int = 131072
              "makes it for all layers), graph-timed like the decode rows; anchor_us the same call with the "
              "capacity's split plan (max_seq_len = the longest length); plan_and_call_us the plan made inside "
              "each call; fit_us / tokens_us / waves2_us: plans whose chunk fits the items' target / is the tokens' share "
-             "of it (CONFIG plan_fit and plan_fit_wide 1 / 0) / with twice the target (plan_waves 2); "
+             "of it (CONFIG plan_fit and plan_fit_wide 1 / 0) / with twice the target (plan_waves 2), items launched "
+             "in row order; *_longest_first_us: the same with the items launched longest first (plan_order 1); "
+             "padded_torch_us: the plain-torch call a user would otherwise write, over a contiguous bf16 KV of "
+             "the batch padded to its longest local length with a key mask (GQA: SDPA, heads folded into rows; "
+             "MLA: the absorbed bmm / masked softmax / bmm); "
              "floor_us the bytes of the batch's local tokens at the copy ceiling (MLA 128 heads: or "
              "their FLOPs); matches: the planned out within 2% of the capacity plan's; flashmla_us (MLA bf16): "
              "FlashMLA over the same lengths, its plan made outside the graph")
@@ -720,6 +732,7 @@ def _mixed_length_rows(ctx: BenchContext, batch: int = 32, context: int = 131072
                                                for r, (c, t, q) in zip(runs, sets)])
                 flash_cols = {"flashmla_us": f_us, "speedup_vs_flashmla": f_us / ours_us,
                               "flashmla_timing": f_cols["timing"]}
+            padded_us = _padded_torch_us(ctx, kind, q, seq, layout, kv_heads, d, dv, scale)
             byte_floor = _floor(nbytes, ceiling)
             flop_floor = _flop_floor_us(ctx, 2.0 * tokens * heads * (d + dv))
             floor = max(byte_floor, flop_floor) if byte_floor and flop_floor else byte_floor
@@ -729,10 +742,32 @@ def _mixed_length_rows(ctx: BenchContext, batch: int = 32, context: int = 131072
                        floor_us=floor, byte_floor_us=byte_floor, flop_floor_us=flop_floor, local_tokens=tokens,
                        speedup_vs_capacity_plan=cap_us / ours_us, plan_and_call_us=both_us,
                        capacity_plan_timing=cap_cols["timing"], max_abs_diff=err, matches=matches,
+                       padded_torch_us=padded_us, speedup_vs_padded_torch=padded_us / ours_us,
                        **ours_cols, **variants, **flash_cols)
             del plans, cache, table, q
         del sets
     _note_graph_timing(ctx)
+
+
+def _padded_torch_us(ctx: BenchContext, kind: str, q: torch.Tensor, seq: torch.Tensor, layout: DCPLayout,
+                     kv_heads: int, d: int, dv: int, scale: float) -> float:
+    """The mixed rows' plain-torch anchor: the call a user would write over a contiguous KV of the
+    batch (q [B, Hq, D]), padded to its longest local length and masked past each sequence's own,
+    timed as the decode anchors are (`step_time` over `input_copies`)."""
+    local = layout.local_lengths(seq)
+    pad = int(local.max())
+    held = torch.arange(pad, device=q.device)[None, :] < local[:, None]            # [B, pad]
+    dtype = torch.bfloat16 if ctx.is_cuda else q.dtype
+    kvs = input_copies(ctx, lambda: [torch.randn(q.shape[0], kv_heads, pad, d, device=q.device, dtype=dtype)
+                                     for _ in range(1 + (kind == "gqa"))],
+                       lambda kv: sum(t.numel() * t.element_size() for t in kv))
+    qc = q.to(dtype)
+    if kind == "gqa":
+        fns = [lambda kc=kc, vc=vc: _sdpa_contiguous(qc.unsqueeze(2), kc, vc, key_mask=held) for kc, vc in kvs]
+    else:
+        hidden = ~held[:, None, :]
+        fns = [lambda kc=kc: _mla_torch_contiguous(qc, kc[:, 0], dv, scale, hidden) for kc, in kvs]
+    return step_time(ctx, fns)[0]
 
 
 def _flashmla_anchor(ctx: BenchContext):

@@ -266,8 +266,11 @@ def plan_reference(seq_lens: Tensor, rows: int, key: tuple) -> "LengthPlan":
     unit, at least min_chunk, with which sum max(ceil(n_r / chunk), 1) <= items_target (else one item
     a row: the longest row's length up to a multiple of unit), or (else) ceil(sum n_r / items_target)
     up to a multiple of unit, at least min_chunk; row r's items are splits 0 .. max(ceil(n_r / chunk),
-    1) - 1 in row order, the rest split ceil(capacity / chunk) of row 0 (empty)."""
-    from .triton_decode import LengthPlan
+    1) - 1 at out rows [segments[r], segments[r + 1]) in row order, the rest split ceil(capacity /
+    chunk) of row 0 (empty) at their own out rows; the launch slots (the key's order) in out-row
+    order, or every full chunk first in row order, then the rows' last partial items (an empty row's
+    one) by class floor(length x PLAN_CLASSES / chunk), highest first, in row order within one."""
+    from .triton_decode import PLAN_CLASSES, LengthPlan
 
     kv = dict(key)
     tq, (size, rank, interleave) = kv["expand"], kv["dcp"]
@@ -292,11 +295,16 @@ def plan_reference(seq_lens: Tensor, rows: int, key: tuple) -> "LengthPlan":
     segments = torch.zeros(rows + 1, dtype=torch.long, device=g.device)
     segments[1:] = count.cumsum(0)
     items = items_target + rows
-    table = torch.zeros(items, 2, dtype=torch.long, device=g.device)
+    table = torch.zeros(items, 3, dtype=torch.long, device=g.device)
     used = int(segments[-1])
     table[:used, 0] = torch.arange(rows, device=g.device).repeat_interleave(count)
     table[:used, 1] = torch.arange(used, device=g.device) - segments[:-1].repeat_interleave(count)
     table[used:, 1] = -(-cap // chunk)
+    table[:, 2] = torch.arange(items, device=g.device)
+    if kv["order"]:     # (a stable sort: full chunks (class PLAN_CLASSES) first, then by class)
+        size = (n.repeat_interleave(count) - table[:used, 1] * chunk).clamp(max=chunk)
+        cls = torch.where(size == chunk, PLAN_CLASSES, size * PLAN_CLASSES // chunk)
+        table[:used] = table[:used][torch.sort(-cls, stable=True).indices]
     head = torch.tensor([chunk, 0], dtype=torch.long, device=g.device)
     return LengthPlan(torch.cat([head, table.flatten()]).to(torch.int32), segments.to(torch.int32), items, rows, key)
 

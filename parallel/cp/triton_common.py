@@ -28,10 +28,10 @@ def global_pos(j, dcp_size, dcp_rank, interleave):
 
 @triton.jit
 def work_item(plan_ptr, v, o_ptr, lse_ptr, so_p, sl_p):
-    """Item v of a length plan (`triton_decode.LengthPlan`'s table: the split length, then (sequence,
-    split) per item) -> (its sequence, its split of that sequence, the split length, o and lse moved
-    so that a kernel's store at (split, sequence) lands on row v: the launch passes the sequences'
-    output strides as 0)."""
-    lead = (v - tl.load(plan_ptr + 3 + 2 * v)).to(tl.int64)
-    return (tl.load(plan_ptr + 2 + 2 * v), tl.load(plan_ptr + 3 + 2 * v), tl.load(plan_ptr),
-            o_ptr + lead * so_p, lse_ptr + lead * sl_p)
+    """Launch slot v of a length plan (`triton_decode.LengthPlan`'s table: the split length, then
+    (sequence, split, out row) per slot) -> (its sequence, its split of that sequence, the split
+    length, o and lse moved so that a kernel's store at (split, sequence) lands on the out row: the
+    launch passes the sequences' output strides as 0)."""
+    split = tl.load(plan_ptr + 3 + 3 * v)
+    lead = (tl.load(plan_ptr + 4 + 3 * v) - split).to(tl.int64)
+    return (tl.load(plan_ptr + 2 + 3 * v), split, tl.load(plan_ptr), o_ptr + lead * so_p, lse_ptr + lead * sl_p)

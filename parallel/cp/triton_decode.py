@@ -612,7 +612,9 @@ CONFIG = {
     # 81.8 / 166.9; GQA fp8 49.6 / 106.9 against 249.1 / 214.8 and 62.5 / 102.1; MLA 128 heads bf16
     # fit 0 82.7 / 183.1, fit 1 83.0 / 160.5; fp8 108.1 / 261.5 against 113.7 / 240.1; MLA 16 bf16 67.4
     # / 119.9 against 62.5 / 103.1, fp8 58.4 / 84.4 against 51.4 / 66.7 (waves 2 slower on every MLA row)
-    "plan_waves": 1, "plan_fit": 0, "plan_fit_wide": 1,
+    # plan_order 1: the items launch longest first (every full chunk, then the partial ones by length)
+    # instead of in row order (`_plan_kernel`)
+    "plan_waves": 1, "plan_fit": 0, "plan_fit_wide": 1, "plan_order": 0,
     # ... except for MLA's narrow head tiles' swapped kernels (`gluon_mla_narrow`, bf16 and fp8) and
     # their split merge: off. Launched without it they were faster on 52 of 56 MLA 16-head rows in
     # the four runs of 2026-12-05 that timed both (bench cp's no_pdl_us: H200 11:01 and 19:31, H100
@@ -1083,7 +1085,7 @@ _VALID = {
     "maxnreg": (0, *range(64, 256, 8)), "at_most": (0, 1), "stage16": (0, 1, 2), "even": (0, 1),
     "direct": range(0, 13), "pipe": (0, 1), "paired_store": (0, 1), "ids_ahead": (0, 1), "tiles": (0, 1, 2),
     "tile_columns": (16, 32), "expand": (0, 1), "half_partials": (0, 1), "plan_waves": range(1, 9),
-    "plan_fit": (0, 1), "plan_fit_wide": (0, 1),
+    "plan_fit": (0, 1), "plan_fit_wide": (0, 1), "plan_order": (0, 1),
 }
 _META = ("device", "sizes", "seconds", "results", "notes", "problems")
 
@@ -1198,6 +1200,10 @@ def plan_splits(capacity: int, programs: int, block_n: int, min_split: int, at_m
     return -(-capacity // split_len), split_len
 
 
+PLAN_CLASSES = 8
+"""The length classes a plan with CONFIG plan_order 1 sorts its partial items into (`_plan_kernel`)."""
+
+
 @dataclass(frozen=True)
 class LengthPlan:
     """A split-KV plan made on the device from the sequences' lengths (`plan_by_lengths`; the public
@@ -1207,9 +1213,11 @@ class LengthPlan:
     (`plan_splits`) gives every sequence the same number of splits and a few long sequences among
     short ones run on a few programs. Capturable: one launch, nothing read on the host.
 
-    items_table: int32 [2 + 2 x items]: chunk, 0, then (sequence, split) per item; items past the
-    batch's own name an empty split (of sequence 0, past the table). segments: int32 [rows + 1]:
-    row r's items are [segments[r], segments[r + 1]). items: the grid's splits, items_target + rows
+    items_table: int32 [2 + 3 x items]: chunk, 0, then per launch slot (the grid's split axis)
+    (sequence, split, out row): the item's split of that sequence, stored at that row of the
+    partials; items past the batch's own name an empty split (of sequence 0, past the table).
+    segments: int32 [rows + 1]: row r's out rows are [segments[r], segments[r + 1]) (the launch
+    order is another: CONFIG plan_order, `_plan_kernel`). items: the grid's splits, items_target + rows
     (a bound on the count: a row takes at most one split more than its share of the tokens). rows:
     the sequences (x Tq where a speculative step runs as one-token rows, `_expanded`). key: what it
     was planned for (the kernel's settings, the table's width, the cache's page, the DCP layout),
@@ -1234,7 +1242,8 @@ def _plan_key(c: SimpleNamespace, table: Tensor, page: int, dcp_size: int, dcp_r
     """A length plan's settings for the kernel `_choose` picked: its target of splits over the batch
     (the capacity plan's programs over a sequence's programs, rounded as there, times CONFIG
     plan_waves), the split unit (the kernel's key tile), the shortest split (its min_split) and the
-    chunk's rule (CONFIG plan_fit, plan_fit_wide for MLA's latent head; `_plan_kernel`)."""
+    chunk's rule (CONFIG plan_fit, plan_fit_wide for MLA's latent head) and the launch order (CONFIG
+    plan_order; `_plan_kernel`)."""
     target, programs = c.cfg["target_programs"], max(c.row_programs, 1)
     items = max(1, target // programs if c.cfg["at_most"] else -(-target // programs)) * CONFIG["plan_waves"]
     unit = c.block_n
@@ -1242,7 +1251,7 @@ def _plan_key(c: SimpleNamespace, table: Tensor, page: int, dcp_size: int, dcp_r
     fit = CONFIG["plan_fit_wide" if c.d_main + c.d_rest > 256 else "plan_fit"]
     return (("items_target", items), ("unit", unit), ("min_chunk", min_chunk), ("fit", fit),
             ("table_blocks", table.shape[1]), ("page", page), ("dcp", (dcp_size, dcp_rank, interleave)),
-            ("expand", expand))
+            ("expand", expand), ("order", CONFIG["plan_order"]))
 
 
 @triton.jit
@@ -1272,14 +1281,18 @@ def _plan_count(glens_ptr, R, chunk, cap, dcp_size, dcp_rank, interleave, TQ: tl
 
 @triton.jit
 def _plan_kernel(glens_ptr, items_ptr, seg_ptr, R, V, ITEMS, UNIT, MIN_CHUNK, cap, dcp_size, dcp_rank, interleave,
-                 TQ: tl.constexpr, BLOCK: tl.constexpr, FIT: tl.constexpr):
+                 TQ: tl.constexpr, BLOCK: tl.constexpr, FIT: tl.constexpr, ORDER: tl.constexpr, NB: tl.constexpr):
     """(one program) `LengthPlan`'s tables. The chunk: FIT, the shortest multiple of UNIT, at least
     MIN_CHUNK, with which the rows take at most ITEMS items (a binary search: the count only falls as
     the chunk grows), or one item a row where even the longest row's length does not get there; else
     the rows' local tokens over ITEMS, up to a multiple of UNIT, at least MIN_CHUNK. Row r takes
     max(ceil(n_r / chunk), 1) items (one for an empty or bad row: its partial carries the row's lse
-    -inf or NaN), in row order; the items past them name split ceil(cap / chunk) of row 0, which
-    starts past the table (empty)."""
+    -inf or NaN), whose out rows are row r's segment [first_r, first_r + count_r) in row order; the
+    items past them name split ceil(cap / chunk) of row 0, which starts past the table (empty). The
+    launch order (the table's slots; a grid runs its CTAs about in that order): ORDER 0 the out
+    rows'; ORDER 1 every row's full chunks first, then the rows' last, partial items longest first
+    (in NB classes of chunk / NB), so that the short items fill in behind the long ones (a greedy
+    longest-first schedule, where in row order a long row's items may start last)."""
     longest = tl.zeros([], tl.int32)
     total = tl.zeros([], tl.int64)
     r0 = 0
@@ -1303,7 +1316,10 @@ def _plan_kernel(glens_ptr, items_ptr, seg_ptr, R, V, ITEMS, UNIT, MIN_CHUNK, ca
         chunk = tl.maximum(chunk, MIN_CHUNK).to(tl.int32)
     tl.store(items_ptr, chunk)
     tl.store(items_ptr + 1, 0)
+    # pass 1: the segments (row r's out rows [first, first + count)) and the items that launch first:
+    # all of a row's (ORDER 0), or its full chunks (ORDER 1), in row order
     base = tl.zeros([], tl.int32)
+    lead = tl.zeros([], tl.int32)
     r0 = 0
     while r0 < R:
         r = r0 + tl.arange(0, BLOCK)
@@ -1312,23 +1328,52 @@ def _plan_kernel(glens_ptr, items_ptr, seg_ptr, R, V, ITEMS, UNIT, MIN_CHUNK, ca
         count = tl.where(rmask, tl.maximum((n + chunk - 1) // chunk, 1), 0)
         first = base + tl.cumsum(count, 0) - count
         tl.store(seg_ptr + r, first, mask=rmask)
-        most = tl.max(count, 0)
+        if ORDER:
+            early = tl.where(rmask, n // chunk, 0)
+        else:
+            early = count
+        slot = lead + tl.cumsum(early, 0) - early
+        most = tl.max(early, 0)
         k = 0
         while k < most:
-            mk = rmask & (k < count)
-            tl.store(items_ptr + 2 + 2 * (first + k), r, mask=mk)
-            tl.store(items_ptr + 3 + 2 * (first + k), tl.zeros_like(r) + k, mask=mk)
+            _plan_store(items_ptr, slot + k, r, tl.zeros_like(r) + k, first + k, rmask & (k < early))
             k += 1
         base += tl.sum(count, 0)
+        lead += tl.sum(early, 0)
         r0 += BLOCK
     tl.store(seg_ptr + R, base)
+    if ORDER:   # pass 2: the rows' last, partial items (an empty row's one), longest first in NB classes
+        b = NB - 1
+        while b >= 0:
+            r0 = 0
+            while r0 < R:
+                r = r0 + tl.arange(0, BLOCK)
+                rmask = r < R
+                n = _plan_lengths(glens_ptr, r, rmask, cap, dcp_size, dcp_rank, interleave, TQ)
+                count = tl.where(rmask, tl.maximum((n + chunk - 1) // chunk, 1), 0)
+                first = tl.load(seg_ptr + r, mask=rmask, other=0)
+                full = n // chunk
+                part = rmask & (count > full) & ((n - full * chunk) * NB // chunk == b)
+                take = part.to(tl.int32)
+                slot = lead + tl.cumsum(take, 0) - take
+                _plan_store(items_ptr, slot, r, full, first + full, part)
+                lead += tl.sum(take, 0)
+                r0 += BLOCK
+            b -= 1
     empty = (cap + chunk - 1) // chunk
     v0 = base
     while v0 < V:
         v = v0 + tl.arange(0, BLOCK)
-        tl.store(items_ptr + 2 + 2 * v, tl.zeros_like(v), mask=v < V)
-        tl.store(items_ptr + 3 + 2 * v, tl.zeros_like(v) + empty, mask=v < V)
+        _plan_store(items_ptr, v, tl.zeros_like(v), tl.zeros_like(v) + empty, v, v < V)
         v0 += BLOCK
+
+
+@triton.jit
+def _plan_store(items_ptr, slot, row, split, out, mask):
+    """Launch slot `slot` of a plan's table runs split `split` of row `row` into out row `out`."""
+    tl.store(items_ptr + 2 + 3 * slot, row, mask=mask)
+    tl.store(items_ptr + 3 + 3 * slot, split, mask=mask)
+    tl.store(items_ptr + 4 + 3 * slot, out, mask=mask)
 
 
 def plan_settings(q: Tensor, k: Tensor, v: Tensor, k_scale: Tensor | None, v_scale: Tensor | None,
@@ -1348,12 +1393,13 @@ def plan_by_lengths(seq_lens: Tensor, rows: int, key: tuple) -> LengthPlan:
     launch of `_plan_kernel`, on seq_lens' device: CUDA, or the interpreter)."""
     kv = dict(key)
     items = kv["items_target"] + rows
-    table = torch.empty(2 + 2 * items, dtype=torch.int32, device=seq_lens.device)
+    table = torch.empty(2 + 3 * items, dtype=torch.int32, device=seq_lens.device)
     segments = torch.empty(rows + 1, dtype=torch.int32, device=seq_lens.device)
     size, rank, interleave = kv["dcp"]
     _plan_kernel[(1,)](seq_lens, table, segments, rows, items, kv["items_target"], kv["unit"], kv["min_chunk"],
                        kv["table_blocks"] * kv["page"], size, rank, interleave, TQ=kv["expand"],
-                       BLOCK=max(16, min(1024, triton.next_power_of_2(max(rows, 1)))), FIT=bool(kv["fit"]))
+                       BLOCK=max(16, min(1024, triton.next_power_of_2(max(rows, 1)))), FIT=bool(kv["fit"]),
+                       ORDER=bool(kv["order"]), NB=PLAN_CLASSES)
     return LengthPlan(table, segments, items, rows, key)
 
 
