@@ -301,11 +301,9 @@ def test_planned_kernels_on_gpu(kind, heads, tq, dtype, size, rank, order, monke
     plan against the torch path and against the capacity plan's call; the plan and the call replayed
     in a CUDA graph after the lengths changed in place; the items launched in out-row order and
     longest first (CONFIG plan_order)."""
-    from parallel.cp import triton_decode
-
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
-    _compiled(monkeypatch)
+    triton_decode = _compiled(monkeypatch)
     monkeypatch.setitem(triton_decode.CONFIG, "plan_order", order)
     _small_splits(monkeypatch, target=None)     # (the long sequences in many items on every rank)
     q, cache, table, seq, layout = _gpu_problem(kind, heads, tq, dtype, size, rank, seed=heads + tq)

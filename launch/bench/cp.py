@@ -618,14 +618,14 @@ def _paged_decode_rows(ctx: BenchContext) -> None:
     _note_graph_timing(ctx)
 
 
-_FIT, _TOKENS = {"plan_fit": 1, "plan_fit_wide": 1}, {"plan_fit": 0, "plan_fit_wide": 0}
+_FIT = {"plan_fit": 1, "plan_fit_wide": 1, "plan_fit_wide_narrow": 1}
+_TOKENS = {"plan_fit": 0, "plan_fit_wide": 0, "plan_fit_wide_narrow": 0}
 PLAN_VARIANTS = {"fit_us": {**_FIT, "plan_order": 0}, "tokens_us": {**_TOKENS, "plan_order": 0},
-                 "waves2_us": {"plan_waves": 2, "plan_order": 0}, "fit_longest_first_us": {**_FIT, "plan_order": 1},
-                 "tokens_longest_first_us": {**_TOKENS, "plan_order": 1},
-                 "tokens_waves2_longest_first_us": {**_TOKENS, "plan_waves": 2, "plan_order": 1}}
-"""The mixed rows' columns of other length-plan settings (`triton_decode.CONFIG` plan_fit(_wide) /
-plan_waves / plan_order; time_us has the installed ones): the plan made under them, the call timed
-as time_us is."""
+                 "fit_longest_first_us": {**_FIT, "plan_order": 1},
+                 "tokens_longest_first_us": {**_TOKENS, "plan_order": 1}, "waves2_us": {"plan_waves": 2}}
+"""The mixed rows' columns of other length-plan settings (`triton_decode.CONFIG` plan_fit(_wide,
+_wide_narrow) / plan_order / plan_waves; time_us has the installed ones): the plan made under them,
+the call timed as time_us is."""
 
 MIXED_KINDS = (("gqa", 32, torch.bfloat16), ("gqa", 32, torch.float8_e4m3fn), ("mla", 128, torch.bfloat16),
                ("mla", 128, torch.float8_e4m3fn), ("mla", 16, torch.bfloat16), ("mla", 16, torch.float8_e4m3fn))
@@ -663,9 +663,10 @@ def _mixed_length_rows(ctx: BenchContext, batch: int = 32, context: int = 131072
     ctx.note("mixed lengths rows: time_us is the call under a length plan made once outside it (as a decode step "
              "makes it for all layers), graph-timed like the decode rows; anchor_us the same call with the "
              "capacity's split plan (max_seq_len = the longest length); plan_and_call_us the plan made inside "
-             "each call; fit_us / tokens_us / waves2_us: plans whose chunk fits the items' target / is the tokens' share "
-             "of it (CONFIG plan_fit and plan_fit_wide 1 / 0) / with twice the target (plan_waves 2), items launched "
-             "in row order; *_longest_first_us: the same with the items launched longest first (plan_order 1); "
+             "each call; fit_us / tokens_us: plans whose chunk fits the items' target / is the tokens' share of it "
+             "(CONFIG plan_fit, plan_fit_wide and plan_fit_wide_narrow 1 / 0), items launched in row order; "
+             "*_longest_first_us: the same with the items launched longest first (plan_order 1); waves2_us: the "
+             "installed plan with twice the target (plan_waves 2); "
              "padded_torch_us: the plain-torch call a user would otherwise write, over a contiguous bf16 KV of "
              "the batch padded to its longest local length with a key mask (GQA: SDPA, heads folded into rows; "
              "MLA: the absorbed bmm / masked softmax / bmm); "

@@ -613,8 +613,14 @@ CONFIG = {
     # fit 0 82.7 / 183.1, fit 1 83.0 / 160.5; fp8 108.1 / 261.5 against 113.7 / 240.1; MLA 16 bf16 67.4
     # / 119.9 against 62.5 / 103.1, fp8 58.4 / 84.4 against 51.4 / 66.7 (waves 2 slower on every MLA row)
     # plan_order 1: the items launch longest first (every full chunk, then the partial ones by length)
-    # instead of in row order (`_plan_kernel`)
-    "plan_waves": 1, "plan_fit": 0, "plan_fit_wide": 1, "plan_order": 0,
+    # instead of in row order (`_plan_kernel`); plan_fit_wide_narrow: plan_fit of MLA's narrow head
+    # tiles (16 heads, `gluon_mla_narrow`), plan_fit_wide of its full ones. The run with all the
+    # settings side by side (H100, 2026-12-06 ~06:05 UTC, commit 97c4367, the same batches, µs, row
+    # order -> longest first): GQA bf16 tokens' share 68.5 / 178.6 -> 68.9 / 156.3, fp8 49.3 / 107.4 ->
+    # 49.4 / 94.1; MLA 128 heads bf16 fit 83.4 / 163.6, share 81.2 / 183.6 -> 82.1 / 159.6, fp8 fit
+    # 113.0 / 239.3, share 109.7 / 260.7 -> 108.8 / 214.0; MLA 16 heads bf16 fit 63.0 / 103.0 -> 61.3 /
+    # 103.2 (share 63.8 / 108.0), fp8 fit 51.2 / 66.2 -> 51.3 / 66.4 (share 52.0 / 71.7)
+    "plan_waves": 1, "plan_fit": 0, "plan_fit_wide": 0, "plan_fit_wide_narrow": 1, "plan_order": 1,
     # ... except for MLA's narrow head tiles' swapped kernels (`gluon_mla_narrow`, bf16 and fp8) and
     # their split merge: off. Launched without it they were faster on 52 of 56 MLA 16-head rows in
     # the four runs of 2026-12-05 that timed both (bench cp's no_pdl_us: H200 11:01 and 19:31, H100
@@ -1085,7 +1091,7 @@ _VALID = {
     "maxnreg": (0, *range(64, 256, 8)), "at_most": (0, 1), "stage16": (0, 1, 2), "even": (0, 1),
     "direct": range(0, 13), "pipe": (0, 1), "paired_store": (0, 1), "ids_ahead": (0, 1), "tiles": (0, 1, 2),
     "tile_columns": (16, 32), "expand": (0, 1), "half_partials": (0, 1), "plan_waves": range(1, 9),
-    "plan_fit": (0, 1), "plan_fit_wide": (0, 1), "plan_order": (0, 1),
+    "plan_fit": (0, 1), "plan_fit_wide": (0, 1), "plan_fit_wide_narrow": (0, 1), "plan_order": (0, 1),
 }
 _META = ("device", "sizes", "seconds", "results", "notes", "problems")
 
@@ -1242,13 +1248,15 @@ def _plan_key(c: SimpleNamespace, table: Tensor, page: int, dcp_size: int, dcp_r
     """A length plan's settings for the kernel `_choose` picked: its target of splits over the batch
     (the capacity plan's programs over a sequence's programs, rounded as there, times CONFIG
     plan_waves), the split unit (the kernel's key tile), the shortest split (its min_split) and the
-    chunk's rule (CONFIG plan_fit, plan_fit_wide for MLA's latent head) and the launch order (CONFIG
+    chunk's rule (CONFIG plan_fit; for MLA's latent head plan_fit_wide, over its narrow head tiles
+    plan_fit_wide_narrow) and the launch order (CONFIG
     plan_order; `_plan_kernel`)."""
     target, programs = c.cfg["target_programs"], max(c.row_programs, 1)
     items = max(1, target // programs if c.cfg["at_most"] else -(-target // programs)) * CONFIG["plan_waves"]
     unit = c.block_n
     min_chunk = -(-max(c.cfg["min_split"], 1) // unit) * unit
-    fit = CONFIG["plan_fit_wide" if c.d_main + c.d_rest > 256 else "plan_fit"]
+    fit = CONFIG["plan_fit" if c.d_main + c.d_rest <= 256 else "plan_fit_wide_narrow" if c.swapped else
+                 "plan_fit_wide"]
     return (("items_target", items), ("unit", unit), ("min_chunk", min_chunk), ("fit", fit),
             ("table_blocks", table.shape[1]), ("page", page), ("dcp", (dcp_size, dcp_rank, interleave)),
             ("expand", expand), ("order", CONFIG["plan_order"]))
