@@ -203,11 +203,15 @@ def _merge_segments_kernel(
     M, H, T,
     sx_v, sx_t, sx_h, sx_d, slx_v, slx_t, slx_h,
     sy_m, sy_h, sy_d, sly_m, sly_h,
-    D: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr = False,
+    D: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_V: tl.constexpr, UNROLL: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
     """Row m = (r, t) of the M = R x T merges the partials [seg[r], seg[r + 1]) of x [V, T, H, D]
     (a length plan's items, `merge_segments_triton`): a count per row, so the loops run to the
-    program's largest count under a mask; the same weights as `_merge_n_kernel` (natural log)."""
+    program's largest count under a mask; the same weights as `_merge_n_kernel` (natural log). A
+    long sequence has tens of items: the lse of BLOCK_V of them are loaded at once and the partials
+    UNROLL at a time, so that the loads of a round are in flight together (one item a round waited
+    out a memory latency per item: ~22 µs for 26 items of 128 heads x 512 on an H100)."""
     if PDL:
         gdc_wait()
     rmask, m_idx, h_idx = _program_rows(M, H, BLOCK_R)
@@ -217,11 +221,17 @@ def _merge_segments_kernel(
     count = tl.load(seg_ptr + r + 1, mask=rmask, other=0).to(tl.int64) - lo
     most = tl.max(count, 0)
     mx = tl.full([BLOCK_R], float("-inf"), tl.float32)
+    nan = tl.full([BLOCK_R], 0, tl.int32)
+    j = tl.arange(0, BLOCK_V)
     i = 0
     while i < most:
-        li = tl.load(lx_ptr + (lo + i) * slx_v + lse_off, mask=rmask & (i < count), other=float("-inf"))
-        mx = tl.maximum(mx, _clean_lse(li.to(tl.float32)), propagate_nan=tl.PropagateNan.ALL)
-        i += 1
+        valid = rmask[:, None] & ((i + j)[None, :] < count[:, None])
+        li = tl.load(lx_ptr + (lo[:, None] + i + j[None, :]) * slx_v + lse_off[:, None], mask=valid,
+                     other=float("-inf")).to(tl.float32)
+        mx = tl.maximum(mx, tl.max(_clean_lse(li), 1))
+        nan += tl.sum((li != li).to(tl.int32), 1)
+        i += BLOCK_V
+    mx = tl.where(nan > 0, float("nan"), mx)       # (a NaN partial: the row's max, weights, out and lse NaN)
     mx = tl.where(mx == float("-inf"), 0.0, mx)
     d = tl.arange(0, BLOCK_D)
     mask2 = rmask[:, None] & (d[None, :] < D)
@@ -230,13 +240,15 @@ def _merge_segments_kernel(
     acc = tl.full([BLOCK_R, BLOCK_D], 0.0, tl.float32)
     i = 0
     while i < most:
-        valid = rmask & (i < count)
-        li = _clean_lse(tl.load(lx_ptr + (lo + i) * slx_v + lse_off, mask=valid, other=float("-inf")).to(tl.float32))
-        wi = tl.exp(li - mx)
-        oi = tl.load(x_ptr + (lo + i)[:, None] * sx_v + x_off, mask=mask2 & valid[:, None], other=0.0)
-        acc += tl.where(wi[:, None] > 0, oi.to(tl.float32), 0.0) * wi[:, None]
-        total += wi
-        i += 1
+        for u in tl.static_range(UNROLL):
+            valid = rmask & (i + u < count)
+            li = _clean_lse(tl.load(lx_ptr + (lo + i + u) * slx_v + lse_off, mask=valid,
+                                    other=float("-inf")).to(tl.float32))
+            wi = tl.exp(li - mx)
+            oi = tl.load(x_ptr + (lo + i + u)[:, None] * sx_v + x_off, mask=mask2 & valid[:, None], other=0.0)
+            acc += tl.where(wi[:, None] > 0, oi.to(tl.float32), 0.0) * wi[:, None]
+            total += wi
+        i += UNROLL
     acc = acc / tl.where(total > 0, total, 1.0)[:, None]
     _store_merged(y_ptr, ly_ptr, m_idx, h_idx, d, rmask, mask2, acc, mx, total, sy_m, sy_h, sy_d, sly_m, sly_h,
                   False)
@@ -285,8 +297,8 @@ def merge_segments_triton(outs: Tensor, lses: Tensor, segments: Tensor, out: Ten
         _merge_segments_kernel[(triton.cdiv(M * H, block_r),)](
             outs, lses, segments, y, ly, M, H, T,
             *outs.stride(), *lses.stride(), *y.stride(), *ly.view(M, H).stride(),
-            D=D, BLOCK_R=block_r, BLOCK_D=block_d, PDL=pdl, num_warps=num_warps,
-            **({"launch_pdl": True} if pdl else {}))
+            D=D, BLOCK_R=block_r, BLOCK_D=block_d, BLOCK_V=CONFIG["segment_lse_block"],
+            UNROLL=CONFIG["segment_unroll"], PDL=pdl, num_warps=num_warps, **({"launch_pdl": True} if pdl else {}))
     return AttnState(out, ly)
 
 
@@ -295,7 +307,7 @@ def _rows(x: Tensor, width: int) -> Tensor:
     return x.reshape((-1,) + tuple(x.shape[x.dim() - width:]))
 
 
-CONFIG = {"block_elems": 4096, "num_warps": 4, "min_programs": 528}
+CONFIG = {"block_elems": 4096, "num_warps": 4, "min_programs": 528, "segment_lse_block": 32, "segment_unroll": 4}
 """Tile of one program (rows x padded head dim, in elements) and its warps; `megapar bench merge`
 sweeps both on the GPU. min_programs: fewer rows a program (down to 1) until the grid has at least
 this many programs (0: the tile as given). A decode step's split merge has few rows (B x Hq: 1024
@@ -308,7 +320,9 @@ Measured and removed: a one-round form of the N-way kernel (every input's loads 
 rescaling pass; one memory round trip a program where the two-pass form's SASS has two). In `megapar
 bench cp` of 2026-12-05 (bench/results/logs/cp-dcp-h200-2026-12-05-0410-d16f398.md, column
 merge_one_round_us) it lost where the merge weighs most, MLA 16 heads at 1/4 of 8K / 32K: 29.96 /
-80.71 µs against 28.60 / 79.20 (over one page 11.26 against 10.09), and tied elsewhere."""
+80.71 µs against 28.60 / 79.20 (over one page 11.26 against 10.09), and tied elsewhere.
+segment_lse_block / segment_unroll: a length plan's segment merge (`_merge_segments_kernel`) loads
+the lse of that many items at once, and the partials that many at a time."""
 
 
 def _launch_config(D: int, rows: int = 0, min_programs: int = 0) -> tuple[int, int, int]:
