@@ -59,7 +59,7 @@ for s in "$@"; do
     dsplits)    step dsplits "${DSPLITS_LIMIT:-150}" python3 bench/debug/decode_splits.py "$res/decode-splits.json" ;;
     dfused)     step dfused "${DFUSED_LIMIT:-150}" python3 bench/debug/dcp_fused.py "$res/dcp-fused.json" ;;
     dfixed)     step dfixed "${DFIXED_LIMIT:-120}" python3 bench/debug/decode_fixed.py "$res/decode-fixed.json" ;;
-    dmixed)     step dmixed "${DMIXED_LIMIT:-150}" bash -c "python3 bench/debug/mixed_probe.py $res/mixed-probe.json; \
+    dmixed)     step dmixed "${DMIXED_LIMIT:-150}" bash -c "MIXED_PROBE_MERGE=1 python3 bench/debug/mixed_probe.py $res/mixed-probe.json; \
                   MIXED_PROBE_DTYPE=fp8 python3 bench/debug/mixed_probe.py $res/mixed-probe-fp8.json" ;;
     dwaves)     step dwaves "${DWAVES_LIMIT:-240}" python3 bench/debug/decode_waves.py "$res/decode-waves.json" ;;
     cvtrate)    step cvtrate "${CVTRATE_LIMIT:-90}" python3 bench/debug/cvt_rate.py "$res/cvt-rate.json" ;;

@@ -2,7 +2,10 @@
 device times (torch.profiler, eager calls) of the decode kernel, the segment merge and the planner,
 for MLA 128 heads over the mixed rows' batches (`launch.bench.cp.mixed_batches`, 1/4 of the KV),
 under the installed length plan and with one setting changed (items target, order, chunk rule),
-and over the batch's long rows and short rows alone.
+and over the batch's long rows and short rows alone; then (MIXED_PROBE_MERGE=1, bf16 only) the
+segment merge alone (launched without programmatic dependent launch, so that its time holds no wait
+for the kernel before) under segment_unroll x min_programs settings (`triton_merge.CONFIG`), for
+MLA 128 heads and GQA (Hq 32, Hkv 4, D 128).
 
     python bench/debug/mixed_probe.py OUT.json        # on the GPU (MIXED_PROBE_DTYPE=fp8: fp8 cache)
 """
@@ -15,8 +18,8 @@ import sys
 import torch
 from _rows import dump_rows
 
-from megapar.launch.bench.cp import _mla_decode_setup, mixed_batches
-from megapar.parallel.cp import triton_decode
+from megapar.launch.bench.cp import _decode_setup, _mla_decode_setup, mixed_batches
+from megapar.parallel.cp import triton_decode, triton_merge
 from megapar.parallel.cp.dcp import DCPLayout
 from megapar.parallel.cp.mla import MLADims
 from megapar.parallel.cp.paged import paged_decode_attention, plan_paged_decode
@@ -75,6 +78,28 @@ def main(path: str) -> None:
                              "slots": plan.items, "kernels_us": times, "sum_us": round(sum(times.values()), 2)})
                 print(rows[-1], flush=True)
     triton_decode.CONFIG.update(saved)
+    if os.environ.get("MIXED_PROBE_MERGE") and dtype == torch.bfloat16:
+        gqa_cache, gqa_table, gqa_q, _ = _decode_setup(batch, context, 32, 4, 128, block, n, device, dtype)
+        families = {"mla128": (cache, table, q, dims.scale), "gqa": (gqa_cache, gqa_table, gqa_q, 128 ** -0.5)}
+        merge_saved = dict(triton_merge.CONFIG)
+        triton_decode.CONFIG["pdl"] = 0
+        for family, (c, t, qf, scale) in families.items():
+            for name, lens in mixed_batches(batch, context).items():
+                seq = torch.tensor(lens, device=device)
+                plan = plan_paged_decode(qf, c, t, seq, layout=layout)
+                for unroll in (1, 4, 8):
+                    for least in (528, 2048, 8192):
+                        triton_merge.CONFIG.update(merge_saved)
+                        triton_merge.CONFIG.update(segment_unroll=unroll, min_programs=least)
+                        call = lambda: paged_decode_attention(qf, c, t, seq, layout=layout, scale=scale,
+                                                              max_seq_len=context, plan=plan)
+                        times = kernel_times(call)
+                        merge = sum(v for k, v in times.items() if "merge" in k)
+                        rows.append({"merge_sweep": family, "batch": name, "segment_unroll": unroll,
+                                     "min_programs": least, "merge_us": round(merge, 2), "kernels_us": times})
+                        print(rows[-1], flush=True)
+        triton_merge.CONFIG.update(merge_saved)
+        triton_decode.CONFIG.update(saved)
     dump_rows(path, "mixed_probe.py", rows)
 
 
