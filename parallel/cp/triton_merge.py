@@ -292,7 +292,8 @@ def merge_segments_triton(outs: Tensor, lses: Tensor, segments: Tensor, out: Ten
     M = R * T
     from .. import impl
 
-    block_r, block_d, num_warps = _launch_config(D, M * H, 0 if impl.interpreting() else CONFIG["min_programs"])
+    least = 0 if impl.interpreting() else CONFIG["segment_min_programs"]
+    block_r, block_d, num_warps = _launch_config(D, M * H, least)
     if M * H > 0:
         _merge_segments_kernel[(triton.cdiv(M * H, block_r),)](
             outs, lses, segments, y, ly, M, H, T,
@@ -307,7 +308,8 @@ def _rows(x: Tensor, width: int) -> Tensor:
     return x.reshape((-1,) + tuple(x.shape[x.dim() - width:]))
 
 
-CONFIG = {"block_elems": 4096, "num_warps": 4, "min_programs": 528, "segment_lse_block": 32, "segment_unroll": 4}
+CONFIG = {"block_elems": 4096, "num_warps": 4, "min_programs": 528, "segment_lse_block": 32, "segment_unroll": 4,
+          "segment_min_programs": 8192}
 """Tile of one program (rows x padded head dim, in elements) and its warps; `megapar bench merge`
 sweeps both on the GPU. min_programs: fewer rows a program (down to 1) until the grid has at least
 this many programs (0: the tile as given). A decode step's split merge has few rows (B x Hq: 1024
@@ -322,7 +324,14 @@ bench cp` of 2026-12-05 (bench/results/logs/cp-dcp-h200-2026-12-05-0410-d16f398.
 merge_one_round_us) it lost where the merge weighs most, MLA 16 heads at 1/4 of 8K / 32K: 29.96 /
 80.71 µs against 28.60 / 79.20 (over one page 11.26 against 10.09), and tied elsewhere.
 segment_lse_block / segment_unroll: a length plan's segment merge (`_merge_segments_kernel`) loads
-the lse of that many items at once, and the partials that many at a time."""
+the lse of that many items at once, and the partials that many at a time; segment_min_programs its
+min_programs. Its sweep (bench/debug/mixed_probe.py, H100, 2026-12-06 06:20 UTC, the merge alone
+without programmatic dependent launch, B 32 at 1/4 of the KV, µs, two 128K among thirty 2K /
+log-uniform 1K-128K): MLA 128 heads (82 / 85 items) unroll 1, 4, 8 at min_programs 528: 18.6 / 12.7,
+16.1 / 13.1, 16.0 / 14.5; at 8192 (one (row, head) a program): 13.5 / 12.2, 10.5 / 12.0, 13.7 /
+13.7; GQA (Hq 32, D 128: one a program at 528 already) unroll 1 5.9 / 3.8, 4 3.9 / 3.6, 8 3.9 / 4.0.
+One item a round and one lse at a time (before 087963e) took ~22 µs of the MLA row (the call's
+graph time less its kernel's)."""
 
 
 def _launch_config(D: int, rows: int = 0, min_programs: int = 0) -> tuple[int, int, int]:
