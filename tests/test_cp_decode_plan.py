@@ -132,6 +132,34 @@ def test_planner_kernel_matches_its_torch_specification(size, rank, interleave, 
         assert items(chunk) == len(lens) and chunk >= max(n_eff), chunk
 
 
+@pytest.mark.parametrize("fit", [0, 1])
+def test_planner_over_more_rows_than_one_block(fit, monkeypatch):
+    """More rows than the planner's block (1024): its passes over the rows carry the item counts and
+    the launch slots from block to block (launched longest first); the tables = `plan_reference`'s."""
+    from parallel.cp import triton_decode
+
+    _small_splits(monkeypatch, target=512)
+    monkeypatch.setitem(triton_decode.CONFIG, "plan_fit", fit)
+    monkeypatch.setitem(triton_decode.CONFIG, "plan_order", 1)
+    gen = torch.Generator().manual_seed(11 + fit)
+    lens = torch.randint(0, 300, (1500,), generator=gen)
+    lens[[3, 1100, 1499, 7]] = torch.tensor([5000, 4000, 640, 7000])      # (7000: past the table)
+    table = torch.zeros(len(lens), 400, dtype=torch.int32)
+    q, k = torch.randn(len(lens), 1, 4, 16), torch.zeros(4, 16, 2, 16)
+    rows, key = triton_decode.plan_settings(q, k, k, None, None, table, dcp_size=1, dcp_rank=0, interleave=1)
+    got = triton_decode.plan_by_lengths(lens, rows, key)
+    ref = plan_reference(lens, rows, key)
+    assert torch.equal(got.items_table, ref.items_table) and torch.equal(got.segments, ref.segments)
+    n_eff = [0 if n > 6400 else n for n in lens.tolist()]
+    classes = _launch_classes(got, n_eff)
+    assert classes == sorted(classes, reverse=True) and len(classes) == int(got.segments[-1])
+    spans = _spans(got)
+    if fit:     # (more rows than the target: one item a row)
+        assert all(len(spans[r]) == 1 for r in range(rows))
+    else:       # (the long rows split; the one past the table takes one item)
+        assert len(spans[3]) > 1 and len(spans[1100]) > 1 and len(spans[7]) == 1
+
+
 @pytest.mark.parametrize("tq", [1, 3])
 @pytest.mark.parametrize("size,rank,interleave", [(1, 0, 1), (3, 1, 2)])
 @pytest.mark.parametrize("fp8", [False, True])
