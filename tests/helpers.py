@@ -19,6 +19,9 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from parallel.cp import DCPLayout, PagedKVCache
+from parallel.cp.dcp import write_kv_slots
+
 # ---------------------------------------------------------------------------- attention
 
 
@@ -233,3 +236,72 @@ def assert_value_error(fn, *needles: str) -> None:
             assert n in str(e), (n, str(e))
         return
     raise AssertionError(f"no ValueError (wanted one naming {needles})")
+
+
+# ---- paged decode tests: caches, checks and the compiled-kernel guard (test_cp_decode_*) ----
+
+
+def compiled_decode_kernels(monkeypatch):
+    """A GPU test's first step: Triton makes each kernel compiled or interpreted when the module
+    that defines it is imported (TRITON_INTERPRET then), and the decode tests' autouse fixture
+    turns the interpreter on, so a GPU test that imported the kernel modules before turning it off left every
+    later test of its process running the kernels in the interpreter (the GPU tests failed in
+    seconds when run alone or in another order). Returns triton_decode."""
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    from triton.runtime.interpreter import InterpretedFunction
+
+    from parallel.cp import triton_decode
+    assert not isinstance(triton_decode._paged_decode_kernel, InterpretedFunction), \
+        "the decode kernels were defined under TRITON_INTERPRET=1 (a CPU test imported them first in this process)"
+    return triton_decode
+
+
+def fill_paged_cache(lens, hkv, d, dv, block, size, rank, interleave, dtype, seed, device="cpu", num_blocks=None):
+    """Dense k/v per sequence and this rank's shard of them in a paged cache with a shuffled table."""
+    gen = torch.Generator().manual_seed(seed)
+    layout = DCPLayout(size=size, rank=rank, block_size=block, interleave=interleave)
+    per_seq = max(1, -(-max(lens) // (block * size)))
+    nb = num_blocks or len(lens) * per_seq + 3
+    table = torch.randperm(nb, generator=gen)[: len(lens) * per_seq].view(len(lens), per_seq).int()
+    gen = torch.Generator().manual_seed(seed + 1)       # the same k/v whatever the table
+    cache = PagedKVCache.allocate(nb, block, hkv, d, dtype=dtype, head_dim_v=dv)
+    ks, vs = [], []
+    for i, n in enumerate(lens):
+        k = torch.randn(n, hkv, d, generator=gen)
+        v = torch.randn(n, hkv, dv, generator=gen)
+        ks.append(k)
+        vs.append(v)
+        if n:
+            write_kv_slots(cache, k, v, layout.slot_mapping(torch.arange(n), table[i]))
+    to = lambda c: PagedKVCache(c.k.to(device), c.v.to(device), None if c.k_scale is None else c.k_scale.to(device),
+                                None if c.v_scale is None else c.v_scale.to(device))
+    return to(cache), table.to(device), layout, ks, vs
+
+
+def check_state(a, b, atol):
+    torch.testing.assert_close(a.lse, b.lse, atol=atol, rtol=0)
+    torch.testing.assert_close(a.out, b.out, atol=atol, rtol=0)
+
+
+def mla_paged_cache(lens, block, dtype, seed, device="cpu"):
+    """A latent cache (one 576-wide head, v = its first 512) whose slots past each sequence's length
+    hold NaN (a kernel must never let them reach the output), and its block table."""
+    gen = torch.Generator().manual_seed(seed)
+    per_seq = -(-max(lens) // block)
+    nb = len(lens) * per_seq + 2
+    table = torch.randperm(nb, generator=gen)[: len(lens) * per_seq].view(len(lens), per_seq).int()
+    kv = torch.full((nb, block, 1, 576), float("nan"))
+    scale = torch.full((nb, block, 1), float("nan")) if dtype == torch.float8_e4m3fn else None
+    for i, n in enumerate(lens):
+        for t in range(n):
+            row = torch.randn(576, generator=gen)
+            b, o = int(table[i, t // block]), t % block
+            if scale is None:
+                kv[b, o, 0] = row
+            else:
+                sc = row.abs().max() / 448.0
+                kv[b, o, 0] = (row / sc).to(torch.float8_e4m3fn).float()
+                scale[b, o, 0] = sc
+    kv = kv.to(dtype).to(device)
+    scale = None if scale is None else scale.to(device)
+    return PagedKVCache(kv, kv[..., :512], scale, scale), table.to(device)

@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from parallel.cp import DCPLayout, PagedKVCache
-from parallel.cp.dcp import write_kv_slots
 from parallel.cp.paged import paged_decode_attention
 from parallel.cp.state import AttnState
+from tests.helpers import check_state, compiled_decode_kernels, fill_paged_cache, mla_paged_cache
 
 triton = pytest.importorskip("triton")
 
@@ -22,58 +22,16 @@ def _interpret(monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "1")
 
 
-def _compiled(monkeypatch):
-    """A GPU test's first step: Triton makes each kernel compiled or interpreted when the module
-    that defines it is imported (TRITON_INTERPRET then), and this file's autouse fixture turns the
-    interpreter on, so a GPU test that imported the kernel modules before turning it off left every
-    later test of its process running the kernels in the interpreter (the GPU tests failed in
-    seconds when run alone or in another order). Returns triton_decode."""
-    monkeypatch.setenv("TRITON_INTERPRET", "0")
-    from triton.runtime.interpreter import InterpretedFunction
-
-    from parallel.cp import triton_decode
-    assert not isinstance(triton_decode._paged_decode_kernel, InterpretedFunction), \
-        "the decode kernels were defined under TRITON_INTERPRET=1 (a CPU test imported them first in this process)"
-    return triton_decode
-
-
-def _fill(lens, hkv, d, dv, block, size, rank, interleave, dtype, seed, device="cpu", num_blocks=None):
-    """Dense k/v per sequence and this rank's shard of them in a paged cache with a shuffled table."""
-    gen = torch.Generator().manual_seed(seed)
-    layout = DCPLayout(size=size, rank=rank, block_size=block, interleave=interleave)
-    per_seq = max(1, -(-max(lens) // (block * size)))
-    nb = num_blocks or len(lens) * per_seq + 3
-    table = torch.randperm(nb, generator=gen)[: len(lens) * per_seq].view(len(lens), per_seq).int()
-    gen = torch.Generator().manual_seed(seed + 1)       # the same k/v whatever the table
-    cache = PagedKVCache.allocate(nb, block, hkv, d, dtype=dtype, head_dim_v=dv)
-    ks, vs = [], []
-    for i, n in enumerate(lens):
-        k = torch.randn(n, hkv, d, generator=gen)
-        v = torch.randn(n, hkv, dv, generator=gen)
-        ks.append(k)
-        vs.append(v)
-        if n:
-            write_kv_slots(cache, k, v, layout.slot_mapping(torch.arange(n), table[i]))
-    to = lambda c: PagedKVCache(c.k.to(device), c.v.to(device), None if c.k_scale is None else c.k_scale.to(device),
-                                None if c.v_scale is None else c.v_scale.to(device))
-    return to(cache), table.to(device), layout, ks, vs
-
-
-def _check(a, b, atol):
-    torch.testing.assert_close(a.lse, b.lse, atol=atol, rtol=0)
-    torch.testing.assert_close(a.out, b.out, atol=atol, rtol=0)
-
-
 @pytest.mark.parametrize("hq,hkv", [(4, 4), (8, 2), (8, 1)])
 @pytest.mark.parametrize("tq", [1, 4])
 def test_kernel_matches_reference_single_rank(hq, hkv, tq):
     lens = [1, 37, 0, 130, 5] if tq == 1 else [4, 37, 130, 9]
-    cache, table, layout, ks, vs = _fill(lens, hkv, 32, 32, 16, 1, 0, 1, torch.float32, seed=hq * 10 + tq)
+    cache, table, layout, ks, vs = fill_paged_cache(lens, hkv, 32, 32, 16, 1, 0, 1, torch.float32, seed=hq * 10 + tq)
     q = torch.randn(len(lens), tq, hq, 32)
     seq = torch.tensor(lens)
     ref = paged_decode_attention(q, cache, table, seq, backend="torch")
     got = paged_decode_attention(q, cache, table, seq, backend="triton")
-    _check(got, ref, 1e-4)
+    check_state(got, ref, 1e-4)
     # independent check: dense causal attention of the last tq tokens over each sequence
     for i, n in enumerate(lens):
         if n == 0:
@@ -105,15 +63,15 @@ def test_kernel_dcp_shards_merge_to_full_attention(size, interleave, tq, dcp_con
     seq = torch.tensor(lens).clamp(min=tq) if tq > 1 else torch.tensor(lens)
     states = []
     for rank in range(size):
-        cache, table, layout, ks, vs = _fill(lens, hkv, d, dv, 8, size, rank, interleave, torch.float32, seed=7)
+        cache, table, layout, ks, vs = fill_paged_cache(lens, hkv, d, dv, 8, size, rank, interleave, torch.float32, seed=7)
         ref = paged_decode_attention(q, cache, table, seq, layout=layout, backend="torch")
         got = paged_decode_attention(q, cache, table, seq, layout=layout, backend="triton")
-        _check(got, ref, 1e-4)
+        check_state(got, ref, 1e-4)
         states.append(got)
     merged = merge_attn_states([s.out for s in states], [s.lse for s in states], backend="torch")
-    full_cache, full_table, full_layout, _, _ = _fill(lens, hkv, d, dv, 8, 1, 0, 1, torch.float32, seed=7)
+    full_cache, full_table, full_layout, _, _ = fill_paged_cache(lens, hkv, d, dv, 8, 1, 0, 1, torch.float32, seed=7)
     full = paged_decode_attention(q, full_cache, full_table, seq, backend="torch")
-    _check(merged, full, 1e-4)
+    check_state(merged, full, 1e-4)
 
 
 @pytest.mark.parametrize("size,rank,interleave", [(1, 0, 1), (3, 1, 2), (4, 3, 1)])
@@ -127,7 +85,7 @@ def test_speculative_tokens_as_one_token_decodes(size, rank, interleave):
 
     lens, tq = [3, 70, 1, 200, 0, 2], 3
     hq, hkv, d, dv = 8, 2, 32, 16
-    cache, table, layout, _, _ = _fill(lens, hkv, d, dv, 8, size, rank, interleave, torch.float32, seed=11)
+    cache, table, layout, _, _ = fill_paged_cache(lens, hkv, d, dv, 8, size, rank, interleave, torch.float32, seed=11)
     q = torch.randn(len(lens), tq, hq, d, generator=torch.Generator().manual_seed(12))
     seq = torch.tensor(lens, dtype=torch.int32 if size == 3 else torch.int64)
     # (lengths under the step's tokens are refused by validation; unvalidated the kernels give the
@@ -136,14 +94,14 @@ def test_speculative_tokens_as_one_token_decodes(size, rank, interleave):
     kw = dict(dcp_size=size, dcp_rank=rank, interleave=interleave, capacity=table.shape[1] * 8)
     got = triton_decode._expanded(q, cache.k, cache.v, None, None, table, seq, d ** -0.5, **kw)
     direct = triton_decode.paged_decode_triton(q, cache.k, cache.v, None, None, table, seq, d ** -0.5, **kw)
-    _check(got, ref, 1e-4)
-    _check(got, direct, 1e-4)
+    check_state(got, ref, 1e-4)
+    check_state(got, direct, 1e-4)
     assert torch.isinf(got.lse[4]).all() and torch.isinf(got.lse[5, 0]).all() and (got.out[4] == 0).all()
     # a negative length stays the kernels' bad length (NaN), not a clamped empty one
     # a table in another layout (int64, column-major): the same rows
     other = triton_decode._expanded(q, cache.k, cache.v, None, None, table.long().t().contiguous().t(), seq,
                                     d ** -0.5, **kw)
-    _check(other, got, 0)
+    check_state(other, got, 0)
     bad = triton_decode._expanded(q, cache.k, cache.v, None, None, table.long(),
                                   torch.tensor([3, 70, 1, 200, 0, -5]), d ** -0.5, **kw)
     assert torch.isnan(bad.lse[5]).all() and torch.equal(bad.lse[:5], got.lse[:5])
@@ -156,7 +114,7 @@ def test_kernel_splits_and_fp8_cache(monkeypatch):
     monkeypatch.setitem(triton_decode.CONFIG, "min_split_fp8", 256)   # several splits at these lengths
 
     lens = [600, 3, 0, 1100]
-    cache, table, layout, _, _ = _fill(lens, 2, 64, 64, 16, 2, 1, 1, torch.float8_e4m3fn, seed=3)
+    cache, table, layout, _, _ = fill_paged_cache(lens, 2, 64, 64, 16, 2, 1, 1, torch.float8_e4m3fn, seed=3)
     assert cache.is_fp8
     q = torch.randn(len(lens), 8, 64)
     seq = torch.tensor(lens)
@@ -166,7 +124,7 @@ def test_kernel_splits_and_fp8_cache(monkeypatch):
     assert splits > 1
     ref = paged_decode_attention(q, cache, table, seq, layout=layout, backend="torch")
     got = paged_decode_attention(q, cache, table, seq, layout=layout, backend="triton")
-    _check(got, ref, 1e-4)
+    check_state(got, ref, 1e-4)
     assert torch.isinf(got.lse[2]).all()
 
 
@@ -180,7 +138,7 @@ def test_half_partials_are_merged_in_fp32(q_dtype, fp8, monkeypatch):
 
     lens = [600, 3, 0, 1100]
     dtype = torch.float8_e4m3fn if fp8 else q_dtype
-    cache, table, layout, _, _ = _fill(lens, 2, 64, 64, 16, 2, 1, 1, dtype, seed=21)
+    cache, table, layout, _, _ = fill_paged_cache(lens, 2, 64, 64, 16, 2, 1, 1, dtype, seed=21)
     q = torch.randn(len(lens), 8, 64, generator=torch.Generator().manual_seed(22)).to(q_dtype)
     seq = torch.tensor(lens)
     ref = paged_decode_attention(q.float(), cache, table, seq, layout=layout, backend="torch")
@@ -224,11 +182,11 @@ def test_kernel_mla_layout_v_is_prefix_of_k():
     seq = torch.tensor(lens)
     ref = paged_decode_attention(q, cache, table, seq, scale=0.1, backend="torch")
     got = paged_decode_attention(q, cache, table, seq, scale=0.1, backend="triton")
-    _check(got, ref, 1e-4)
+    check_state(got, ref, 1e-4)
 
 
 def test_auto_keeps_cpu_on_torch_and_bad_input_raises():
-    cache, table, layout, _, _ = _fill([5, 9], 2, 16, 16, 4, 1, 0, 1, torch.float32, seed=1)
+    cache, table, layout, _, _ = fill_paged_cache([5, 9], 2, 16, 16, 4, 1, 0, 1, torch.float32, seed=1)
     q = torch.randn(2, 4, 16)
     seq = torch.tensor([5, 9])
     from parallel.cp.paged import DECODE
@@ -281,7 +239,7 @@ def test_kernel_full_size_on_gpu(cache_dtype, f16, stage16, hq, hkv, d, dv, tq, 
         monkeypatch.setitem(triton_decode.CONFIG, "block_n_fp8", 64)
     lens = [8192, 1, 0, 3000, 20000, 77]
     lens = [max(n, tq) if n else 0 for n in lens]
-    cache, table, layout, _, _ = _fill(lens, hkv, d, dv, 64, 4, 2, 1, cache_dtype, seed=11, device="cuda")
+    cache, table, layout, _, _ = fill_paged_cache(lens, hkv, d, dv, 64, 4, 2, 1, cache_dtype, seed=11, device="cuda")
     if dv != d:    # MLA: v is the prefix of k
         cache = PagedKVCache(cache.k, cache.k[..., :dv], cache.k_scale, cache.k_scale)
     q = torch.randn(len(lens), tq, hq, d, device="cuda", dtype=torch.bfloat16)
@@ -298,30 +256,6 @@ STRUCTURE = [dict(halves_wide=1), dict(halves_wide=1, tma_wide=1), dict(halves_w
              dict(lazy_rescale_wide=1), dict(halves_wide=1, tma_wide=1, lazy_rescale_wide=1)]
 
 
-def _mla_cache(lens, block, dtype, seed, device="cpu"):
-    """A latent cache (one 576-wide head, v = its first 512) whose slots past each sequence's length
-    hold NaN (a kernel must never let them reach the output), and its block table."""
-    gen = torch.Generator().manual_seed(seed)
-    per_seq = -(-max(lens) // block)
-    nb = len(lens) * per_seq + 2
-    table = torch.randperm(nb, generator=gen)[: len(lens) * per_seq].view(len(lens), per_seq).int()
-    kv = torch.full((nb, block, 1, 576), float("nan"))
-    scale = torch.full((nb, block, 1), float("nan")) if dtype == torch.float8_e4m3fn else None
-    for i, n in enumerate(lens):
-        for t in range(n):
-            row = torch.randn(576, generator=gen)
-            b, o = int(table[i, t // block]), t % block
-            if scale is None:
-                kv[b, o, 0] = row
-            else:
-                sc = row.abs().max() / 448.0
-                kv[b, o, 0] = (row / sc).to(torch.float8_e4m3fn).float()
-                scale[b, o, 0] = sc
-    kv = kv.to(dtype).to(device)
-    scale = None if scale is None else scale.to(device)
-    return PagedKVCache(kv, kv[..., :512], scale, scale), table.to(device)
-
-
 @pytest.mark.parametrize("structure", STRUCTURE, ids=lambda s: "+".join(sorted(s)))
 @pytest.mark.parametrize("tq", [1, 2])
 def test_mla_structure_options_match_reference(structure, tq, monkeypatch):
@@ -336,13 +270,13 @@ def test_mla_structure_options_match_reference(structure, tq, monkeypatch):
     for key, value in structure.items():
         monkeypatch.setitem(td.CONFIG, key, value)
     lens = [33, 0, 5, 16] if tq == 1 else [33, 2, 5, 16]
-    cache, table = _mla_cache(lens, 16, torch.float32, seed=3 + tq)
+    cache, table = mla_paged_cache(lens, 16, torch.float32, seed=3 + tq)
     q = torch.randn(len(lens), tq, 4, 576) * 0.2
     seq = torch.tensor(lens)
     ref = paged_decode_attention(q, cache, table, seq, scale=0.05, backend="torch")
     got = paged_decode_attention(q, cache, table, seq, scale=0.05, backend="triton")
     assert torch.isfinite(got.out).all()
-    _check(got, ref, 1e-4)
+    check_state(got, ref, 1e-4)
     if lens[1] == 0:
         assert torch.isinf(got.lse[1]).all() and (got.out[1] == 0).all()
 
@@ -353,11 +287,11 @@ def test_mla_structure_options_match_reference(structure, tq, monkeypatch):
 def test_mla_structure_options_on_gpu(cache_dtype, structure, monkeypatch):
     """The MLA structure options at full size (128 heads, 576 / 512, page 64) on the GPU: NaN past
     every sequence's end, lengths that end inside a tile, one empty sequence, several splits."""
-    td = _compiled(monkeypatch)
+    td = compiled_decode_kernels(monkeypatch)
     for key, value in structure.items():
         monkeypatch.setitem(td.CONFIG, key, value)
     lens = [3000, 0, 77, 1, 640]
-    cache, table = _mla_cache(lens, 64, cache_dtype, seed=9, device="cuda")
+    cache, table = mla_paged_cache(lens, 64, cache_dtype, seed=9, device="cuda")
     q = torch.randn(len(lens), 1, 128, 576, device="cuda", dtype=torch.bfloat16)
     seq = torch.tensor(lens, device="cuda")
     ref = paged_decode_attention(q, cache, table, seq, scale=0.07, backend="torch")
@@ -381,7 +315,7 @@ def test_kernel_fp8_cache_f16_operands(monkeypatch, q_exp, tq, d):
     monkeypatch.setitem(triton_decode.CONFIG, "f16_fp8", 1)
     monkeypatch.setitem(triton_decode.CONFIG, "maxnreg_fp8", 168)     # (a launch option; the interpreter drops it)
     lens = [300, 2, 0, 190]
-    cache, table, layout, _, _ = _fill(lens, 2, d, 64, 16, 1, 0, 1, torch.float8_e4m3fn, seed=11 + d)
+    cache, table, layout, _, _ = fill_paged_cache(lens, 2, d, 64, 16, 1, 0, 1, torch.float8_e4m3fn, seed=11 + d)
     gen = torch.Generator().manual_seed(q_exp + 100)
     cache.v_scale.mul_(torch.exp2(torch.randint(-40, 41, cache.v_scale.shape, generator=gen).float()))
     cache.k_scale.mul_(torch.exp2(torch.randint(-20, 21, cache.k_scale.shape, generator=gen).float()) / 2 ** 10)
@@ -413,7 +347,7 @@ def test_mla_halves_fp8_f16_operands(monkeypatch, tma, tq):
                        ("f16_wide_fp8", 1)):
         monkeypatch.setitem(td.CONFIG, key, value)
     lens = [70, 0, 5, 33] if tq == 1 else [70, 2, 5, 33]
-    cache, table = _mla_cache(lens, 16, torch.float8_e4m3fn, seed=21 + tq)
+    cache, table = mla_paged_cache(lens, 16, torch.float8_e4m3fn, seed=21 + tq)
     gen = torch.Generator().manual_seed(5 + tq)
     finite = torch.isfinite(cache.k_scale)
     spread = torch.exp2(torch.randint(-30, 31, cache.k_scale.shape, generator=gen).float())
@@ -453,10 +387,10 @@ def test_a_length_past_the_splits_reach_is_nan_not_its_first_tokens(mla, fp8, mo
         monkeypatch.setitem(td.CONFIG, "halves_wide", 1)
         monkeypatch.setitem(td.CONFIG, "block_n_wide_f32", 16)
         monkeypatch.setitem(td.CONFIG, "block_m_wide_f32", 16)
-        cache, table = _mla_cache(lens, 16, torch.float32, seed=3)
+        cache, table = mla_paged_cache(lens, 16, torch.float32, seed=3)
         q = torch.randn(len(lens), 1, 4, 576) * 0.2
     else:
-        cache, table, _, _, _ = _fill(lens, 2, 32, 32, 16, 1, 0, 1, torch.float8_e4m3fn if fp8 else torch.float32,
+        cache, table, _, _, _ = fill_paged_cache(lens, 2, 32, 32, 16, 1, 0, 1, torch.float8_e4m3fn if fp8 else torch.float32,
                                       seed=3)
         q = torch.randn(len(lens), 1, 8, 32)
     seq = torch.tensor(lens)
@@ -465,7 +399,7 @@ def test_a_length_past_the_splits_reach_is_nan_not_its_first_tokens(mla, fp8, mo
     splits, split_len = reach[-1]
     assert 9 <= splits * split_len < 150, reach
     assert torch.isnan(got.out[0]).all() and torch.isnan(got.lse[0]).all()
-    _check(AttnState(got.out[1:], got.lse[1:]), AttnState(ref.out[1:], ref.lse[1:]), 1e-4)
+    check_state(AttnState(got.out[1:], got.lse[1:]), AttnState(ref.out[1:], ref.lse[1:]), 1e-4)
 
 
 @pytest.mark.parametrize("mla,fp8", [(False, False), (False, True), (True, False)],
@@ -486,11 +420,11 @@ def test_kernel_reports_bad_tables_as_nan_without_reading_past_them(mla, fp8, mo
         monkeypatch.setitem(td.CONFIG, "block_n_wide_f32", 16)
         monkeypatch.setitem(td.CONFIG, "block_m_wide_f32", 16)
         lens = [40, 30, 20, 16, 12, 9]
-        cache, table = _mla_cache(lens, 16, torch.float32, seed=9)
+        cache, table = mla_paged_cache(lens, 16, torch.float32, seed=9)
         q = torch.randn(len(lens), 1, 4, 576) * 0.2
     else:
         lens = [40, 30, 20, 16, 12, 9]
-        cache, table, _, _, _ = _fill(lens, 2, 32, 32, 16, 1, 0, 1, torch.float8_e4m3fn if fp8 else torch.float32,
+        cache, table, _, _, _ = fill_paged_cache(lens, 2, 32, 32, 16, 1, 0, 1, torch.float8_e4m3fn if fp8 else torch.float32,
                                       seed=9)
         q = torch.randn(len(lens), 1, 8, 32)
     nb, width = cache.k.shape[0], table.shape[1]
@@ -505,7 +439,7 @@ def test_kernel_reports_bad_tables_as_nan_without_reading_past_them(mla, fp8, mo
     got = paged_decode_attention(q, cache, bad_table, bad_seq, scale=0.1, backend="triton", validate=False)
     for i in range(5):
         assert torch.isnan(got.out[i]).all() and torch.isnan(got.lse[i]).all(), i
-    _check(AttnState(got.out[5:], got.lse[5:]), AttnState(ref.out[5:], ref.lse[5:]), 1e-4)
+    check_state(AttnState(got.out[5:], got.lse[5:]), AttnState(ref.out[5:], ref.lse[5:]), 1e-4)
     with pytest.raises(ValueError, match=r"block ids \[-1, " + str(nb + 5) + r"\] outside the cache's \[0, " + str(nb)):
         paged_decode_attention(q, cache, bad_table, seq, backend="triton")      # (CPU tensors: checked first)
 
@@ -521,7 +455,7 @@ def test_unmerged_splits_are_the_kernels_partials(tq, fp8, monkeypatch):
     for key in ("min_split", "min_split_fp8", "block_n", "block_n_fp8"):    # (several splits at these lengths)
         monkeypatch.setitem(td.CONFIG, key, 16)
     lens = [80, 30, 0, 47, 9] if tq == 1 else [80, 30, 2, 47, 9]
-    cache, table, layout, _, _ = _fill(lens, 2, 32, 32, 16, 2, 1, 1, torch.float8_e4m3fn if fp8 else torch.float32,
+    cache, table, layout, _, _ = fill_paged_cache(lens, 2, 32, 32, 16, 2, 1, 1, torch.float8_e4m3fn if fp8 else torch.float32,
                                        seed=17)
     q = torch.randn(len(lens), tq, 8, 32)
     q = q[:, 0] if tq == 1 else q
@@ -530,11 +464,11 @@ def test_unmerged_splits_are_the_kernels_partials(tq, fp8, monkeypatch):
     parts = paged_decode_attention(q, cache, table, seq, layout=layout, scale=0.1, backend="triton", merge=False)
     assert parts.out.shape[0] > 1 and parts.out.shape[1:] == merged.out.shape, parts.out.shape
     assert parts.lse.shape == parts.out.shape[:-1]
-    _check(merge_attn_states(parts.out, parts.lse, backend="torch"), merged, 1e-6)
+    check_state(merge_attn_states(parts.out, parts.lse, backend="torch"), merged, 1e-6)
     ref = paged_decode_attention(q, cache, table, seq, layout=layout, scale=0.1, backend="torch")
     ref_parts = paged_decode_attention(q, cache, table, seq, layout=layout, scale=0.1, backend="torch", merge=False)
     assert torch.equal(ref_parts.out, ref.out.unsqueeze(0)) and torch.equal(ref_parts.lse, ref.lse.unsqueeze(0))
-    _check(merged, ref, 1e-4 if fp8 else 1e-5)
+    check_state(merged, ref, 1e-4 if fp8 else 1e-5)
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
@@ -554,7 +488,7 @@ def test_out_dtype_is_written_by_the_merge_or_the_single_split(dtype, several, m
     real = td.merge_states_triton
     monkeypatch.setattr(td, "merge_states_triton", lambda *a, **kw: merges.append(kw["out"].dtype) or real(*a, **kw))
     lens = [80, 30, 0, 47, 9]
-    cache, table, layout, _, _ = _fill(lens, 2, 32, 32, 16, 2, 1, 1, torch.float32, seed=23)
+    cache, table, layout, _, _ = fill_paged_cache(lens, 2, 32, 32, 16, 2, 1, 1, torch.float32, seed=23)
     q, seq = torch.randn(len(lens), 8, 32), torch.tensor(lens)
     call = lambda **kw: paged_decode_attention(q, cache, table, seq, layout=layout, scale=0.1, **kw)
     full = call(backend="triton")
@@ -607,7 +541,7 @@ def test_pdl_chain_in_a_graph_matches_plain_launches(hq, hkv, d, dv, monkeypatch
     if not pdl_ok(torch.device("cuda")):
         pytest.skip("programmatic dependent launch needs sm_90+ and a Triton that launches with it")
     lens = [6000, 1, 0, 2500, 9000, 64]
-    cache, table, layout, _, _ = _fill(lens, hkv, d, dv, 64, 2, 1, 1, torch.bfloat16, seed=5, device="cuda")
+    cache, table, layout, _, _ = fill_paged_cache(lens, hkv, d, dv, 64, 2, 1, 1, torch.bfloat16, seed=5, device="cuda")
     if dv != d:
         cache = PagedKVCache(cache.k, cache.k[..., :dv], None, None)
     seq = torch.tensor(lens, device="cuda")
@@ -660,7 +594,7 @@ def test_gqa_tma_tiles_match_reference(dtype, tq, option, monkeypatch):
     real = triton_decode._gqa_tma_ok
     monkeypatch.setattr(triton_decode, "_gqa_tma_ok", lambda *a: used.append(real(*a)) or used[-1])
     lens = [300, 1, 0, 170, 64, 47] if tq == 1 else [300, 2, 5, 170, 64, 47]     # (q_len 2: no empty one)
-    cache, table, layout, _, _ = _fill(lens, 2, 32, 32, 16, 2, 1, 1, dtype, seed=41)
+    cache, table, layout, _, _ = fill_paged_cache(lens, 2, 32, 32, 16, 2, 1, 1, dtype, seed=41)
     # past every sequence's end the cache holds NaN: a whole-tile load there must not reach out
     held = torch.zeros(cache.k.shape[:2], dtype=torch.bool)
     for i, n in enumerate(lens):
@@ -674,7 +608,7 @@ def test_gqa_tma_tiles_match_reference(dtype, tq, option, monkeypatch):
     ref = paged_decode_attention(q, cache, table, seq, layout=layout, backend="torch")
     got = paged_decode_attention(q, cache, table, seq, layout=layout, backend="triton")
     assert (used and all(used)) if option == "tma" else not used
-    _check(got, ref, 1e-4 if dtype == torch.float32 else 2e-2)
+    check_state(got, ref, 1e-4 if dtype == torch.float32 else 2e-2)
     # where TMA does not apply, the pointer loads run: key dims with a rest part (80 = 64 + 16), a
     # 512-wide value (past a box), tiles across pages, v a prefix view of k, unaligned strides
     k = torch.zeros(4, 16, 2, 128)
@@ -689,7 +623,7 @@ def test_gqa_tma_tiles_match_reference(dtype, tq, option, monkeypatch):
     got = paged_decode_attention(q, cache, bad, seq, layout=layout, backend="triton", validate=False)
     assert torch.isnan(got.lse[3]).all() and torch.isnan(got.out[3]).all()
     keep = torch.arange(len(lens)) != 3
-    _check(AttnState(got.out[keep], got.lse[keep]), AttnState(ref.out[keep], ref.lse[keep]),
+    check_state(AttnState(got.out[keep], got.lse[keep]), AttnState(ref.out[keep], ref.lse[keep]),
            1e-4 if dtype == torch.float32 else 2e-2)
 
 
@@ -798,7 +732,7 @@ def _spy(monkeypatch, module, name):
 def _gluon_mla_kernels(monkeypatch):
     """(triton_decode, gluon_mla, gluon_mla_narrow) built for the GPU (`_compiled`); the test is skipped
     without an sm_90 GPU and a Triton with Gluon."""
-    td = _compiled(monkeypatch)
+    td = compiled_decode_kernels(monkeypatch)
     from parallel.cp import gluon_mla, gluon_mla_narrow
 
     if not (torch.cuda.get_device_capability() == (9, 0) and gluon_mla.HAS_GLUON):
@@ -835,7 +769,7 @@ def test_gluon_mla_kernel_on_gpu(size, rank, heads, seesaw, monkeypatch):
     CUDA graph of it replays to the same result. 16 and 32 heads (TP 8 / 4: one head tile padded
     to 64 rows, CONFIG gluon_wide_narrow) too. seesaw: its seesaw form (CONFIG seesaw_wide; the
     rescales in another order: the Triton kernel's results to rounding)."""
-    td = _compiled(monkeypatch)
+    td = compiled_decode_kernels(monkeypatch)
     from parallel.cp import gluon_mla
 
     if not (torch.cuda.get_device_capability() == (9, 0) and gluon_mla.HAS_GLUON):
@@ -875,7 +809,7 @@ def test_gluon_mla_kernel_over_fp8_on_gpu(heads, monkeypatch):
     converter's forms (64-key tiles with or without a raw TMA ring: one result; 32-key tiles with two
     or three fp16 stages: one result, the 64-key one to rounding; replayed in a CUDA graph); a bad
     block id gives NaN rows."""
-    td = _compiled(monkeypatch)
+    td = compiled_decode_kernels(monkeypatch)
     from parallel.cp import gluon_mla
 
     if not (torch.cuda.get_device_capability() == (9, 0) and gluon_mla.HAS_GLUON):
@@ -885,7 +819,7 @@ def test_gluon_mla_kernel_over_fp8_on_gpu(heads, monkeypatch):
     monkeypatch.setitem(td.CONFIG, "gluon_wide_narrow_fp8", 1)
     monkeypatch.setitem(td.CONFIG, "swap_wide_narrow_fp8", 0)  # (the padded tile: the swapped kernel's own test)
     lens = [3000, 0, 77, 1, 640]
-    cache, table = _mla_cache(lens, 64, torch.float8_e4m3fn, seed=19, device="cuda")
+    cache, table = mla_paged_cache(lens, 64, torch.float8_e4m3fn, seed=19, device="cuda")
     q = torch.randn(len(lens), 1, heads, 576, device="cuda", dtype=torch.bfloat16)
     seq = torch.tensor(lens, device="cuda")
     ref = paged_decode_attention(q, cache, table, seq, scale=0.07, backend="torch")
@@ -1166,7 +1100,7 @@ def test_out_dtype_on_gpu(dtype, kind, monkeypatch):
     a speculative step through the expansion), rank 1 of 2, one split a sequence and several: the
     fp32 call's out rounded once (the split merge, or one split's kernel, stores it), the same lse;
     a CUDA graph replays it."""
-    td = _compiled(monkeypatch)
+    td = compiled_decode_kernels(monkeypatch)
     gen = torch.Generator().manual_seed(41)
     layout = DCPLayout(size=2, rank=1, block_size=64)
     lens = [3000, 0, 77, 1, 640, 4096, 129, 64]
@@ -1356,7 +1290,7 @@ def test_gluon_gqa_direct_fp8_extreme_scales_on_gpu(q_exp, hq, hkv, monkeypatch)
     largest sum_d |q_d k_d| over the sequence's keys (the fp8 score MMAs accumulate with ~14 bits, which
     bounds a score's error by its terms, not by itself: a score near zero carries their error whole),
     each output within 4e-3 of the largest |v * v_scale| among the sequence's tokens."""
-    td = _compiled(monkeypatch)
+    td = compiled_decode_kernels(monkeypatch)
     from parallel.cp import gluon_gqa
 
     if not (torch.cuda.get_device_capability() == (9, 0) and gluon_gqa.HAS_GLUON):
@@ -1368,7 +1302,7 @@ def test_gluon_gqa_direct_fp8_extreme_scales_on_gpu(q_exp, hq, hkv, monkeypatch)
     real = gluon_gqa.direct_stages
     monkeypatch.setattr(gluon_gqa, "direct_stages", lambda *a: ran.append(real(*a)) or ran[-1])
     lens = [3000, 2, 0, 190, 1100, 64]
-    cache, table, layout, _, _ = _fill(lens, hkv, 128, 128, 64, 1, 0, 1, torch.float8_e4m3fn, seed=7 + hq,
+    cache, table, layout, _, _ = fill_paged_cache(lens, hkv, 128, 128, 64, 1, 0, 1, torch.float8_e4m3fn, seed=7 + hq,
                                        device="cuda")
     gen = torch.Generator(device="cuda").manual_seed(q_exp + 200)
     cache.v_scale.mul_(torch.exp2(torch.randint(-40, 41, cache.v_scale.shape, generator=gen, device="cuda").float()))
@@ -1409,7 +1343,7 @@ def test_gluon_gqa_direct_fp8_speculative_tokens_on_gpu(size, rank, interleave, 
     the torch path and the Triton kernel that serves it elsewhere, NaN in every unheld slot, lengths
     ending inside a tile, one split and several; more than 32 columns stay on the Triton kernel; a CUDA
     graph replays it to the same result."""
-    td = _compiled(monkeypatch)
+    td = compiled_decode_kernels(monkeypatch)
     from parallel.cp import gluon_gqa
 
     if not (torch.cuda.get_device_capability() == (9, 0) and gluon_gqa.HAS_GLUON):
@@ -1465,7 +1399,7 @@ def test_gluon_gqa_kernel_on_gpu(dtype, size, rank, hq, hkv, monkeypatch):
     sequences, one split and several, against the torch path and the Triton kernel (each setting
     must launch the Gluon kernel); a bad block id gives that sequence NaN rows; a CUDA graph of it
     replays to the same result."""
-    td = _compiled(monkeypatch)
+    td = compiled_decode_kernels(monkeypatch)
     from parallel.cp import gluon_gqa
 
     if not (torch.cuda.get_device_capability() == (9, 0) and gluon_gqa.HAS_GLUON):
@@ -1533,7 +1467,7 @@ def test_gluon_kernels_check_block_ids_past_a_splits_first_64_pages(kind, monkey
     ids are loaded beside the length and the rest after the loop (`gluon_mla._bad_ids_after`); the
     other sequence exact, and without the bad id both forms the same to the bit. A grid sized by a
     max_seq_len below a sequence's length makes that sequence NaN too."""
-    td = _compiled(monkeypatch)
+    td = compiled_decode_kernels(monkeypatch)
     from parallel.cp import gluon_gqa, gluon_mla
 
     if not (torch.cuda.get_device_capability() == (9, 0) and gluon_mla.HAS_GLUON and gluon_gqa.HAS_GLUON):

@@ -4,6 +4,11 @@ the planner kernel against its torch specification, the planned kernels against 
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -13,7 +18,7 @@ from parallel.cp.state import AttnState
 
 triton = pytest.importorskip("triton")
 
-from test_cp_decode_kernel import _check, _compiled, _fill, _mla_cache  # noqa: E402
+from tests.helpers import check_state, compiled_decode_kernels, fill_paged_cache, mla_paged_cache  # noqa: E402
 
 
 @pytest.fixture(autouse=True)
@@ -132,6 +137,32 @@ def test_planner_kernel_matches_its_torch_specification(size, rank, interleave, 
         assert items(chunk) == len(lens) and chunk >= max(n_eff), chunk
 
 
+_PLANNER_BUILD = """
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from parallel.cp import triton_decode
+sig = {"glens_ptr": "*i64", "items_ptr": "*i32", "seg_ptr": "*i32", "R": "i32", "V": "i32", "ITEMS": "i32",
+       "UNIT": "i32", "MIN_CHUNK": "i32", "cap": "i32", "dcp_size": "i32", "dcp_rank": "i32", "interleave": "i32",
+       "TQ": "constexpr", "BLOCK": "constexpr", "FIT": "constexpr", "ORDER": "constexpr", "NB": "constexpr"}
+for fit in (0, 1):
+    for order in (0, 1):
+        src = ASTSource(fn=triton_decode._plan_kernel, signature=sig,
+                        constexprs={"TQ": 2, "BLOCK": 1024, "FIT": fit, "ORDER": order, "NB": 8})
+        assert triton.compile(src, target=GPUTarget("cuda", 90, 64)).asm["cubin"]
+print("built")
+"""
+
+
+def test_planner_kernel_builds_for_sm90():
+    """The planner in each form (the chunk's two rules x the two launch orders) compiles for sm_90 (a
+    child process: this file's kernels are interpreted; the interpreter accepts what the compiler may not)."""
+    env = {**os.environ, "TRITON_INTERPRET": "0", "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    done = subprocess.run([sys.executable, "-c", _PLANNER_BUILD], env=env, capture_output=True, text=True,
+                          timeout=600)
+    assert done.returncode == 0 and "built" in done.stdout, done.stderr[-3000:]
+
+
 @pytest.mark.parametrize("fit", [0, 1])
 def test_planner_over_more_rows_than_one_block(fit, monkeypatch):
     """More rows than the planner's block (1024): its passes over the rows carry the item counts and
@@ -175,7 +206,7 @@ def test_planned_gqa_kernel_matches_the_torch_path(tq, size, rank, interleave, f
     if tq > 1:
         lens = [max(n, tq) for n in lens]
     hq, hkv, d, dv = 8, 2, 32, 32
-    cache, table, layout, _, _ = _fill(lens, hkv, d, dv, 16, size, rank, interleave, torch.float32, seed=3)
+    cache, table, layout, _, _ = fill_paged_cache(lens, hkv, d, dv, 16, size, rank, interleave, torch.float32, seed=3)
     q = torch.randn(len(lens), tq, hq, d)
     if fp8:     # (fp16 queries over an fp8 cache: the interpreter's bf16 dots are wrong)
         cache = _fp8(cache)
@@ -186,14 +217,14 @@ def test_planned_gqa_kernel_matches_the_torch_path(tq, size, rank, interleave, f
     ref = paged_decode_attention(q, cache, table, seq, layout=layout, backend="torch")
     got = paged_decode_attention(q, cache, table, seq, layout=layout, backend="triton", plan=plan)
     atol = 2e-3 if fp8 else 1e-4
-    _check(got, ref, atol)
+    check_state(got, ref, atol)
     half = paged_decode_attention(q, cache, table, seq, layout=layout, backend="triton", plan=plan,
                                   out_dtype=torch.float16)
     assert half.out.dtype == torch.float16
     torch.testing.assert_close(half.out.float(), ref.out, atol=atol + 2e-3, rtol=0)
     parts = paged_decode_attention(q, cache, table, seq, layout=layout, backend="triton", plan=plan, merge=False)
     assert parts.out.shape == (1, *ref.out.shape)
-    _check(AttnState(parts.out[0], parts.lse[0]), ref, atol)
+    check_state(AttnState(parts.out[0], parts.lse[0]), ref, atol)
 
 
 def test_planned_mla_layout_matches_the_torch_path(monkeypatch):
@@ -204,13 +235,13 @@ def test_planned_mla_layout_matches_the_torch_path(monkeypatch):
     _small_splits(monkeypatch)
     monkeypatch.setitem(triton_decode.CONFIG, "plan_order", 1)
     lens = [1, 300, 0, 47, 9]
-    cache, table = _mla_cache(lens, 16, torch.float32, seed=4)
+    cache, table = mla_paged_cache(lens, 16, torch.float32, seed=4)
     q = torch.randn(len(lens), 1, 4, 576)
     seq = torch.tensor(lens)
     plan = plan_paged_decode(q, cache, table, seq, backend="triton")
     ref = paged_decode_attention(q, cache, table, seq, scale=0.05, backend="torch")
     got = paged_decode_attention(q, cache, table, seq, scale=0.05, backend="triton", plan=plan)
-    _check(got, ref, 1e-4)
+    check_state(got, ref, 1e-4)
 
 
 def test_planned_bad_rows_are_nan_and_the_rest_exact(monkeypatch):
@@ -218,7 +249,7 @@ def test_planned_bad_rows_are_nan_and_the_rest_exact(monkeypatch):
     plan as without one; the other rows keep their values."""
     _small_splits(monkeypatch)
     lens = [40, 300, 7, 200]
-    cache, table, layout, _, _ = _fill(lens, 1, 16, 16, 16, 1, 0, 1, torch.float32, seed=6)
+    cache, table, layout, _, _ = fill_paged_cache(lens, 1, 16, 16, 16, 1, 0, 1, torch.float32, seed=6)
     q = torch.randn(len(lens), 1, 2, 16)
     seq = torch.tensor(lens)
     ref = paged_decode_attention(q, cache, table, seq, backend="torch")
@@ -226,12 +257,12 @@ def test_planned_bad_rows_are_nan_and_the_rest_exact(monkeypatch):
     plan = plan_paged_decode(q, cache, table, bad, backend="triton", validate=False)
     got = paged_decode_attention(q, cache, table, bad, backend="triton", plan=plan, validate=False)
     assert got.out[[1, 3]].isnan().all() and got.lse[[1, 3]].isnan().all()
-    _check(AttnState(got.out[[0, 2]], got.lse[[0, 2]]), AttnState(ref.out[[0, 2]], ref.lse[[0, 2]]), 1e-4)
+    check_state(AttnState(got.out[[0, 2]], got.lse[[0, 2]]), AttnState(ref.out[[0, 2]], ref.lse[[0, 2]]), 1e-4)
 
 
 def test_a_plan_is_checked_against_its_call(monkeypatch):
     lens = [5, 30]
-    cache, table, layout, _, _ = _fill(lens, 2, 16, 16, 4, 1, 0, 1, torch.float32, seed=1)
+    cache, table, layout, _, _ = fill_paged_cache(lens, 2, 16, 16, 4, 1, 0, 1, torch.float32, seed=1)
     q = torch.randn(2, 4, 16)
     seq = torch.tensor(lens)
     plan = plan_paged_decode(q, cache, table, seq, backend="triton")
@@ -249,7 +280,7 @@ def test_a_plan_is_checked_against_its_call(monkeypatch):
     # the torch path's plan (CPU, "auto") is the reference's tables, and its call takes it
     auto = plan_paged_decode(q, cache, table, seq)
     assert torch.equal(auto.items_table, plan.items_table)
-    _check(paged_decode_attention(q, cache, table, seq, plan=auto), paged_decode_attention(q, cache, table, seq), 0)
+    check_state(paged_decode_attention(q, cache, table, seq, plan=auto), paged_decode_attention(q, cache, table, seq), 0)
     with pytest.raises(ValueError, match=r"local lengths \[40\] outside \[0, 32\]"):
         plan_paged_decode(q, cache, table, torch.tensor([5, 40]))
 
@@ -307,10 +338,10 @@ def _gpu_problem(kind, heads, tq, dtype, size, rank, seed):
     lens[2] = max(lens[2], tq)
     layout = DCPLayout(size=size, rank=rank, block_size=64)
     if kind == "mla":
-        cache, table = _mla_cache(layout.local_lengths(torch.tensor(lens)).tolist(), 64, dtype, seed, device="cuda")
+        cache, table = mla_paged_cache(layout.local_lengths(torch.tensor(lens)).tolist(), 64, dtype, seed, device="cuda")
         q = (torch.randn(len(lens), tq, heads, 576, generator=gen) * 0.3).to(torch.bfloat16).cuda()
     else:
-        cache, table, layout, _, _ = _fill(lens, 4, 128, 128, 64, size, rank, 1, torch.float32, seed, device="cuda")
+        cache, table, layout, _, _ = fill_paged_cache(lens, 4, 128, 128, 64, size, rank, 1, torch.float32, seed, device="cuda")
         if dtype == torch.float8_e4m3fn:
             cache = _fp8(cache)
         else:
@@ -331,7 +362,7 @@ def test_planned_kernels_on_gpu(kind, heads, tq, dtype, size, rank, order, monke
     longest first (CONFIG plan_order)."""
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
-    triton_decode = _compiled(monkeypatch)
+    triton_decode = compiled_decode_kernels(monkeypatch)
     monkeypatch.setitem(triton_decode.CONFIG, "plan_order", order)
     _small_splits(monkeypatch, target=None)     # (the long sequences in many items on every rank)
     q, cache, table, seq, layout = _gpu_problem(kind, heads, tq, dtype, size, rank, seed=heads + tq)
@@ -342,8 +373,8 @@ def test_planned_kernels_on_gpu(kind, heads, tq, dtype, size, rank, order, monke
     got = paged_decode_attention(q, cache, table, seq, layout=layout, scale=scale, plan=plan)
     assert int(plan.segments[-1]) >= len(seq) + 4, plan.segments
     atol = 2e-2 if dtype == torch.float8_e4m3fn else 1e-2
-    _check(got, ref, atol)
-    _check(got, plain, atol)
+    check_state(got, ref, atol)
+    check_state(got, plain, atol)
     # capture: the plan and the call in one graph; new lengths written in place, then a replay
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
@@ -353,7 +384,7 @@ def test_planned_kernels_on_gpu(kind, heads, tq, dtype, size, rank, order, monke
     graph.replay()
     torch.cuda.synchronize()
     ref2 = paged_decode_attention(q, cache, table, seq, layout=layout, scale=scale, backend="torch")
-    _check(out_g, ref2, atol)
+    check_state(out_g, ref2, atol)
 
 
 def test_the_capacity_plan_counts_the_batchs_programs(monkeypatch):
@@ -364,7 +395,7 @@ def test_the_capacity_plan_counts_the_batchs_programs(monkeypatch):
     monkeypatch.setitem(triton_decode.CONFIG, "min_split", 16)
     counts = {}
     for s in (2, 16):
-        cache, table, layout, _, _ = _fill([1024] * s, 2, 16, 16, 16, 1, 0, 1, torch.float32, seed=s)
+        cache, table, layout, _, _ = fill_paged_cache([1024] * s, 2, 16, 16, 16, 1, 0, 1, torch.float32, seed=s)
         q = torch.randn(s, 1, 4, 16)
         parts = paged_decode_attention(q, cache, table, torch.full((s,), 1024), backend="triton", merge=False)
         block_n = triton_decode.launch_settings(16, q.dtype, cache.k.dtype, 2)["block_n"]

@@ -1280,9 +1280,8 @@ def _plan_count(glens_ptr, R, chunk, cap, dcp_size, dcp_rank, interleave, TQ: tl
     count = tl.zeros([], tl.int32)
     r0 = 0
     while r0 < R:
-        r = r0 + tl.arange(0, BLOCK)
-        n = _plan_lengths(glens_ptr, r, r < R, cap, dcp_size, dcp_rank, interleave, TQ)
-        count += tl.sum(tl.where(r < R, tl.maximum((n + chunk - 1) // chunk, 1), 0), 0)
+        r, rmask, n, items = _plan_rows(glens_ptr, r0, R, chunk, cap, dcp_size, dcp_rank, interleave, TQ, BLOCK)
+        count += tl.sum(items, 0)
         r0 += BLOCK
     return count
 
@@ -1330,10 +1329,7 @@ def _plan_kernel(glens_ptr, items_ptr, seg_ptr, R, V, ITEMS, UNIT, MIN_CHUNK, ca
     lead = tl.zeros([], tl.int32)
     r0 = 0
     while r0 < R:
-        r = r0 + tl.arange(0, BLOCK)
-        rmask = r < R
-        n = _plan_lengths(glens_ptr, r, rmask, cap, dcp_size, dcp_rank, interleave, TQ)
-        count = tl.where(rmask, tl.maximum((n + chunk - 1) // chunk, 1), 0)
+        r, rmask, n, count = _plan_rows(glens_ptr, r0, R, chunk, cap, dcp_size, dcp_rank, interleave, TQ, BLOCK)
         first = base + tl.cumsum(count, 0) - count
         tl.store(seg_ptr + r, first, mask=rmask)
         if ORDER:
@@ -1355,10 +1351,8 @@ def _plan_kernel(glens_ptr, items_ptr, seg_ptr, R, V, ITEMS, UNIT, MIN_CHUNK, ca
         while b >= 0:
             r0 = 0
             while r0 < R:
-                r = r0 + tl.arange(0, BLOCK)
-                rmask = r < R
-                n = _plan_lengths(glens_ptr, r, rmask, cap, dcp_size, dcp_rank, interleave, TQ)
-                count = tl.where(rmask, tl.maximum((n + chunk - 1) // chunk, 1), 0)
+                r, rmask, n, count = _plan_rows(glens_ptr, r0, R, chunk, cap, dcp_size, dcp_rank, interleave, TQ,
+                                                BLOCK)
                 first = tl.load(seg_ptr + r, mask=rmask, other=0)
                 full = n // chunk
                 part = rmask & (count > full) & ((n - full * chunk) * NB // chunk == b)
@@ -1374,6 +1368,17 @@ def _plan_kernel(glens_ptr, items_ptr, seg_ptr, R, V, ITEMS, UNIT, MIN_CHUNK, ca
         v = v0 + tl.arange(0, BLOCK)
         _plan_store(items_ptr, v, tl.zeros_like(v), tl.zeros_like(v) + empty, v, v < V)
         v0 += BLOCK
+
+
+@triton.jit
+def _plan_rows(glens_ptr, r0, R, chunk, cap, dcp_size, dcp_rank, interleave, TQ: tl.constexpr,
+               BLOCK: tl.constexpr):
+    """The planner's rows [r0, r0 + BLOCK): (r, r < R, their local lengths, their item counts with
+    splits of `chunk` tokens: max(ceil(n / chunk), 1), 0 past R)."""
+    r = r0 + tl.arange(0, BLOCK)
+    rmask = r < R
+    n = _plan_lengths(glens_ptr, r, rmask, cap, dcp_size, dcp_rank, interleave, TQ)
+    return r, rmask, n, tl.where(rmask, tl.maximum((n + chunk - 1) // chunk, 1), 0)
 
 
 @triton.jit
