@@ -615,11 +615,14 @@ CONFIG = {
     # plan_order 1: the items launch longest first (every full chunk, then the partial ones by length)
     # instead of in row order (`_plan_kernel`); plan_fit_wide_narrow: plan_fit of MLA's narrow head
     # tiles (16 heads, `gluon_mla_narrow`), plan_fit_wide of its full ones. The run with all the
-    # settings side by side (H100, 2026-12-06 ~06:05 UTC, commit 97c4367, the same batches, µs, row
+    # settings side by side (H100, 2026-12-06 06:00 UTC, commit 97c4367, the same batches, µs, row
     # order -> longest first): GQA bf16 tokens' share 68.5 / 178.6 -> 68.9 / 156.3, fp8 49.3 / 107.4 ->
     # 49.4 / 94.1; MLA 128 heads bf16 fit 83.4 / 163.6, share 81.2 / 183.6 -> 82.1 / 159.6, fp8 fit
     # 113.0 / 239.3, share 109.7 / 260.7 -> 108.8 / 214.0; MLA 16 heads bf16 fit 63.0 / 103.0 -> 61.3 /
-    # 103.2 (share 63.8 / 108.0), fp8 fit 51.2 / 66.2 -> 51.3 / 66.4 (share 52.0 / 71.7)
+    # 103.2 (the share longest first 63.8 / 108.0), fp8 fit 51.2 / 66.2 -> 51.3 / 66.4 (52.0 / 71.7).
+    # With the segment merge's rounds (06:18, a4f6e13; bench/results/cp-mixed-h100.md) the installed
+    # plans ran GQA 67.3 / 159.7 and 46.7 / 95.6, MLA 128 heads 74.0 / 154.5 and 93.8 / 211.7, MLA 16
+    # heads 49.5 / 101.3 and 38.0 / 63.4 (bf16 / fp8), the other settings as columns beside them
     "plan_waves": 1, "plan_fit": 0, "plan_fit_wide": 0, "plan_fit_wide_narrow": 1, "plan_order": 1,
     # ... except for MLA's narrow head tiles' swapped kernels (`gluon_mla_narrow`, bf16 and fp8) and
     # their split merge: off. Launched without it they were faster on 52 of 56 MLA 16-head rows in
@@ -1249,8 +1252,7 @@ def _plan_key(c: SimpleNamespace, table: Tensor, page: int, dcp_size: int, dcp_r
     (the capacity plan's programs over a sequence's programs, rounded as there, times CONFIG
     plan_waves), the split unit (the kernel's key tile), the shortest split (its min_split) and the
     chunk's rule (CONFIG plan_fit; for MLA's latent head plan_fit_wide, over its narrow head tiles
-    plan_fit_wide_narrow) and the launch order (CONFIG
-    plan_order; `_plan_kernel`)."""
+    plan_fit_wide_narrow) and the launch order (CONFIG plan_order; `_plan_kernel`)."""
     target, programs = c.cfg["target_programs"], max(c.row_programs, 1)
     items = max(1, target // programs if c.cfg["at_most"] else -(-target // programs)) * CONFIG["plan_waves"]
     unit = c.block_n

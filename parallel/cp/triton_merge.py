@@ -325,9 +325,10 @@ merge_one_round_us) it lost where the merge weighs most, MLA 16 heads at 1/4 of 
 80.71 µs against 28.60 / 79.20 (over one page 11.26 against 10.09), and tied elsewhere.
 segment_lse_block / segment_unroll: a length plan's segment merge (`_merge_segments_kernel`) loads
 the lse of that many items at once, and the partials that many at a time; segment_min_programs its
-min_programs. Its sweep (bench/debug/mixed_probe.py, H100, 2026-12-06 06:20 UTC, the merge alone
-without programmatic dependent launch, B 32 at 1/4 of the KV, µs, two 128K among thirty 2K /
-log-uniform 1K-128K): MLA 128 heads (82 / 85 items) unroll 1, 4, 8 at min_programs 528: 18.6 / 12.7,
+min_programs. Its sweep (bench/debug/mixed_probe.py, H100, 2026-12-06 06:14 UTC, bench/results/logs/
+mixed-probe-h100-2026-12-06-0614-1afd972.json; the merge alone without programmatic dependent launch,
+its lse 32 at a time, B 32 at 1/4 of the KV, µs, two 128K among thirty 2K / log-uniform 1K-128K):
+MLA 128 heads (82 / 85 items) partials unroll 1, 4, 8 at min_programs 528: 18.6 / 12.7,
 16.1 / 13.1, 16.0 / 14.5; at 8192 (one (row, head) a program): 13.5 / 12.2, 10.5 / 12.0, 13.7 /
 13.7; GQA (Hq 32, D 128: one a program at 528 already) unroll 1 5.9 / 3.8, 4 3.9 / 3.6, 8 3.9 / 4.0.
 One item a round and one lse at a time (before 087963e) took ~22 µs of the MLA row (the call's
