@@ -214,6 +214,8 @@ def test_planned_gqa_kernel_matches_the_torch_path(tq, size, rank, interleave, f
     seq = torch.tensor(lens)
     plan = plan_paged_decode(q, cache, table, seq, layout=layout, backend="triton")
     assert int(plan.segments[-1]) > len(lens)           # (several items for the long sequences)
+    outs = plan.items_table[2:].view(-1, 3)[:, 2]
+    assert torch.equal(outs, torch.arange(plan.items, dtype=outs.dtype)) == (size == 1), outs  # (reordered on DCP)
     ref = paged_decode_attention(q, cache, table, seq, layout=layout, backend="torch")
     got = paged_decode_attention(q, cache, table, seq, layout=layout, backend="triton", plan=plan)
     atol = 2e-3 if fp8 else 1e-4
@@ -283,6 +285,14 @@ def test_a_plan_is_checked_against_its_call(monkeypatch):
     check_state(paged_decode_attention(q, cache, table, seq, plan=auto), paged_decode_attention(q, cache, table, seq), 0)
     with pytest.raises(ValueError, match=r"local lengths \[40\] outside \[0, 32\]"):
         plan_paged_decode(q, cache, table, torch.tensor([5, 40]))
+    # the DCP and MLA makers: their call's query shapes, named
+    from parallel.cp import MLACache, MLADims, plan_dcp_decode, plan_mla_decode
+
+    with pytest.raises(ValueError, match=r"q \(2, 64\) must be \[S, Hq_local, D\]"):
+        plan_dcp_decode(torch.randn(2, 64), cache, table, seq)
+    latent = MLACache.allocate(4, 16, MLADims())
+    with pytest.raises(ValueError, match=r"q_nope \(2, 128\) must be \[S, H_local, d_n\]"):
+        plan_mla_decode(torch.randn(2, 128), latent, table, seq)
 
 
 def _segments_reference(outs, lses, segments):

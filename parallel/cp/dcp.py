@@ -585,6 +585,8 @@ def plan_dcp_decode(q: Tensor, cache: PagedKVCache, block_table: Tensor, seq_len
     (plan=)."""
     from .paged import plan_paged_decode
 
+    if q.dim() != 3:
+        raise ValueError(f"q {tuple(q.shape)} must be [S, Hq_local, D], as dcp_decode_attention's")
     size = resolve_group(group)[2]
     layout = _layout(group, cache.block_size, interleave, pcp_group)
     # (the gathered heads' shape and dtype, as the call's all-gather makes them: no value is read)

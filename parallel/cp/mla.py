@@ -225,6 +225,8 @@ def plan_mla_decode(q_nope: Tensor, cache: MLACache, block_table: Tensor, seq_le
     """`mla_decode_attention`'s length plan on this rank (`dcp.plan_dcp_decode` for its absorbed queries:
     [S, H_local, r + d_r] in q_nope's dtype; no value of q_nope is read). Once a decode step, after the
     lengths are written; every layer's call takes it (plan=)."""
+    if q_nope.dim() != 3:
+        raise ValueError(f"q_nope {tuple(q_nope.shape)} must be [S, H_local, d_n], as mla_decode_attention's")
     absorbed = q_nope.new_empty(q_nope.shape[0], q_nope.shape[1], cache.kv.shape[-1])
     return plan_dcp_decode(absorbed, cache.paged, block_table, seq_lens, group, interleave=interleave,
                            backend=backend, pcp_group=pcp_group)

@@ -302,8 +302,8 @@ def plan_reference(seq_lens: Tensor, rows: int, key: tuple) -> "LengthPlan":
     table[used:, 1] = -(-cap // chunk)
     table[:, 2] = torch.arange(items, device=g.device)
     if kv["order"]:     # (a stable sort: full chunks (class PLAN_CLASSES) first, then by class)
-        size = (n.repeat_interleave(count) - table[:used, 1] * chunk).clamp(max=chunk)
-        cls = torch.where(size == chunk, PLAN_CLASSES, size * PLAN_CLASSES // chunk)
+        length = (n.repeat_interleave(count) - table[:used, 1] * chunk).clamp(max=chunk)
+        cls = torch.where(length == chunk, PLAN_CLASSES, length * PLAN_CLASSES // chunk)
         table[:used] = table[:used][torch.sort(-cls, stable=True).indices]
     head = torch.tensor([chunk, 0], dtype=torch.long, device=g.device)
     return LengthPlan(torch.cat([head, table.flatten()]).to(torch.int32), segments.to(torch.int32), items, rows, key)
