@@ -95,6 +95,78 @@ def _ask(check: Check, f: Facts) -> Unusable | None:
         return None
 
 
+class Settings(dict):
+    """A module's launch settings (its CONFIG): a dict of ints whose every change, by any dict method,
+    bumps `version`, so that what is worked out from it (a kernel choice per call shape) can be kept
+    and looked up instead of worked out again on every eager call (`Memo`)."""
+
+    version = 0
+
+    def _changed(self) -> None:
+        self.version += 1
+
+    def __setitem__(self, key, value) -> None:
+        super().__setitem__(key, value)
+        self._changed()
+
+    def __delitem__(self, key) -> None:
+        super().__delitem__(key)
+        self._changed()
+
+    def __ior__(self, other):
+        self.update(other)
+        return self
+
+    def update(self, *args, **kwargs) -> None:
+        super().update(*args, **kwargs)
+        self._changed()
+
+    def clear(self) -> None:
+        super().clear()
+        self._changed()
+
+    def pop(self, *args):
+        self._changed()
+        return super().pop(*args)
+
+    def popitem(self):
+        self._changed()
+        return super().popitem()
+
+    def setdefault(self, key, default=None):
+        self._changed()
+        return super().setdefault(key, default)
+
+
+class Memo:
+    """What a pure function of a call's shapes, dtypes, strides and settings returned, by a key the
+    caller builds from exactly those facts (the host work of choosing a kernel costs tens of µs
+    a call in Python, more than many decode kernels run). Bounded: cleared when it holds `size`
+    keys. `clear_memos()` empties every one (tests that patch what a choice reads call it)."""
+
+    _all: list["Memo"] = []
+
+    def __init__(self, size: int = 256) -> None:
+        self.size, self.table = size, {}
+        Memo._all.append(self)
+
+    def get(self, key, make: Callable[[], Any]) -> Any:
+        hit = self.table.get(key, _MISSING)
+        if hit is _MISSING:
+            if len(self.table) >= self.size:
+                self.table.clear()
+            hit = self.table[key] = make()
+        return hit
+
+
+_MISSING = object()
+
+
+def clear_memos() -> None:
+    for m in Memo._all:
+        m.table.clear()
+
+
 # ---- capabilities (the only place that reads them) -------------------------------------------------
 
 def interpreting() -> bool:

@@ -23,3 +23,13 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip_gpu)
         if "multigpu" in item.keywords and n_gpus < 2:
             item.add_marker(skip_multi)
+
+
+@pytest.fixture(autouse=True)
+def _fresh_memos():
+    """Every test starts with no kept kernel choice (`impl.Memo`): a test that patches what a choice
+    reads (a helper, a capability) then sees it worked out again."""
+    from megapar.parallel import impl
+
+    impl.clear_memos()
+    yield

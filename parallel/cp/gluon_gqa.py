@@ -35,7 +35,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from .gluon_mla import SMEM_LIMIT, grid_rows, planned_launch
+from .gluon_mla import SMEM_LIMIT, grid_rows, planned_launch, shared_box
 
 try:
     from triton.experimental import gluon
@@ -609,7 +609,7 @@ def launch_gluon_gqa(q: Tensor, k: Tensor, v: Tensor, table: Tensor, seq_lens: T
             PAIRED=bool(paired), AHEAD=bool(ahead), num_warps=4, **launch)
         return
     # [blocks * page, kv heads * 128]: a tile of kv head h is the boxes at columns h * 128 + 0 / 64
-    box = gl.NVMMASharedLayout.get_default_for([_BLOCK, _BLOCK], gl.bfloat16)
+    box = shared_box(_BLOCK, _BLOCK, gl.bfloat16)
     k_desc = TensorDescriptor(k2, list(k2.shape), list(k2.stride()), [_BLOCK, _BLOCK], box)
     v_desc = TensorDescriptor(v2, list(v2.shape), list(v2.stride()), [_BLOCK, _BLOCK], box)
     _gqa_decode_ws_kernel[(grid_rows(s, plan) * hkv, splits)](

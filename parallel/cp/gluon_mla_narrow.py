@@ -43,7 +43,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from .gluon_mla import _BLOCK, _CHUNKS, HAS_GLUON, SMEM_LIMIT, grid_rows, planned_launch
+from .gluon_mla import _BLOCK, _CHUNKS, HAS_GLUON, SMEM_LIMIT, grid_rows, planned_launch, shared_box
 
 if HAS_GLUON:
     from triton.experimental import gluon
@@ -709,8 +709,8 @@ def launch(q: Tensor, k: Tensor, table: Tensor, seq_lens: Tensor, o: Tensor, lse
             PIPE=bool(pipe) and pairs_apply(nq, raw), PAIRED=bool(paired), AHEAD=bool(ahead), TILES=tiles,
             num_warps=4, **launch)
         return
-    box = gl.NVMMASharedLayout.get_default_for([_BLOCK, _BLOCK], gl.bfloat16)
-    qbox = gl.NVMMASharedLayout.get_default_for([nq, _BLOCK], gl.bfloat16)
+    box = shared_box(_BLOCK, _BLOCK, gl.bfloat16)
+    qbox = shared_box(nq, _BLOCK, gl.bfloat16)
     q2, k2 = q.reshape(s * tq * hq, d), k.view(nb * page, d)
     q_desc = TensorDescriptor(q2, list(q2.shape), list(q2.stride()), [nq, _BLOCK], qbox)
     k_desc = TensorDescriptor(k2, list(k2.shape), list(k2.stride()), [_BLOCK, _BLOCK], box)

@@ -140,11 +140,18 @@ def check_paged_inputs(q: Tensor, cache: PagedKVCache, block_table: Tensor, seq_
         raise ValueError(f"block_table holds block ids {bad[:8]} outside the cache's [0, {nb})")
 
 
+_RESOLVED = impl.Memo()
+
+
 def resolve_backend(q: Tensor, cache: PagedKVCache, backend: DecodeBackend = "auto") -> str:
-    """The implementation ("triton" | "torch") `paged_decode_attention` runs for q and this cache."""
-    return DECODE.resolve(backend, device=q.device, needs_grad=impl.grad_needed(q), dtype=q.dtype,
-                          cache_dtype=cache.k.dtype, head_dim=q.shape[-1], v_head_dim=cache.v.shape[-1],
-                          kv_strides=(tuple(cache.k.stride()), tuple(cache.v.stride())))
+    """The implementation ("triton" | "torch") `paged_decode_attention` runs for q and this cache
+    (kept per facts, interpreter switch and registered implementations: `impl.Memo`; a refusal is
+    raised again every time)."""
+    facts = {"dtype": q.dtype, "cache_dtype": cache.k.dtype, "head_dim": q.shape[-1], "v_head_dim": cache.v.shape[-1],
+             "kv_strides": (cache.k.stride(), cache.v.stride())}
+    needs_grad = impl.grad_needed(q)
+    key = (backend, q.device, needs_grad, *facts.values(), impl.interpreting(), tuple(map(id, DECODE.impls)))
+    return _RESOLVED.get(key, lambda: DECODE.resolve(backend, device=q.device, needs_grad=needs_grad, **facts))
 
 
 def paged_decode_reference(q: Tensor, cache: PagedKVCache, block_table: Tensor, local_lens: Tensor,

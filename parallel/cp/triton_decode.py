@@ -595,7 +595,7 @@ def _paged_decode_kernel(
         tl.store(lse_ptr + l_row, lse, mask=rmask)
 
 
-CONFIG = {
+CONFIG = impl.Settings({
     # ~2 waves of 132 SMs (H200). One split wherever B x Hkv programs fill the SMs once (no merge
     # kernel, as cuDNN's SDPA runs this problem: 128 CTAs) lost in the probe of 2026-12-03 (bench/
     # results/cp-probe7-h200.json, GQA B 32, 1/4 of 8K / 32K: bf16 49.7 -> 66.4 / 135.5 -> 232.5 µs,
@@ -1017,7 +1017,7 @@ CONFIG = {
     # 0.5-2.3 µs faster on every 16-head row (8K bf16 35.7 -> 34.9, fp8 25.8 -> 24.9; DCP at N = 8 fp8
     # 40.2 -> 39.2): not worth a second rounding
     "half_partials": 0,
-}
+})
 # H200, B = 32, 1/4 of L = 8K and 32K (`python -m megapar.launch.bench.cp --probe`, CUDA-graph
 # replays, two runs: bench/results/cp-probe-h200.json, cp-probe2-h200.json): MLA with 64-token
 # tiles and 3 stages 272 -> 192 µs and 937 -> 604 µs (was 32 / 2), then 64 query heads per tile
@@ -1503,10 +1503,31 @@ def _expanded(q: Tensor, k: Tensor, v: Tensor, k_scale: Tensor | None, v_scale: 
     return AttnState(got.out.view(*lead, s, tq, hq, -1), got.lse.view(*lead, s, tq, hq))
 
 
+_CHOICES = impl.Memo()
+
+
+def _facts(t: Tensor | None) -> tuple | None:
+    """What a kernel choice reads of a tensor (`_choose`'s helpers): shape, dtype, strides, 16-byte
+    alignment of its base, contiguity."""
+    return None if t is None else (t.shape, t.dtype, t.stride(), t.data_ptr() % 16, t.is_contiguous())
+
+
 def _choose(q: Tensor, k: Tensor, v: Tensor, k_scale: Tensor | None, v_scale: Tensor | None) -> SimpleNamespace:
     """Which kernel a call runs and its launch settings (shapes and CONFIG only: what the split plan
     and a length plan, `plan_by_lengths`, are made from). expand: a speculative step of MLA's full head
-    tiles that runs as one-token decodes (`_expanded`), whose own choice is the one-token call's."""
+    tiles that runs as one-token decodes (`_expanded`), whose own choice is the one-token call's.
+    Kept per call shape (`_CHOICES`: the facts `_choose_now` reads of the tensors, the interpreter
+    switch, CONFIG's version): an eager call pays ~5 µs for it instead of ~15-30 (the caller must not
+    change what it returns)."""
+    same_v = v.data_ptr() - k.data_ptr()
+    same_scale = k_scale is not None and v_scale is not None and v_scale.data_ptr() == k_scale.data_ptr()
+    key = (q.shape, q.dtype, q.device, q.is_contiguous(), _facts(k), _facts(v), same_v, _facts(k_scale),
+           _facts(v_scale), same_scale, impl.interpreting(), CONFIG.version)
+    return _CHOICES.get(key, lambda: _choose_now(q, k, v, k_scale, v_scale))
+
+
+def _choose_now(q: Tensor, k: Tensor, v: Tensor, k_scale: Tensor | None, v_scale: Tensor | None) -> SimpleNamespace:
+    """`_choose` worked out."""
     s, tq, hq, d = q.shape
     page, hkv, dv = k.shape[1], k.shape[2], v.shape[-1]
     g = hq // hkv

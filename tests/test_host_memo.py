@@ -1,0 +1,97 @@
+"""The host work an eager decode call keeps between calls (`impl.Memo`): the kernel choice per call
+shape and the backend per facts, forgotten whenever CONFIG changes (`impl.Settings`)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from megapar.parallel import impl
+from megapar.parallel.cp import triton_decode as td
+from megapar.parallel.cp.dcp import PagedKVCache
+from megapar.parallel.cp.paged import resolve_backend
+
+
+def test_settings_bump_their_version_on_every_change():
+    s = impl.Settings({"a": 1, "b": 2})
+    seen = [s.version]
+
+    def changed():
+        assert s.version != seen[-1]
+        seen.append(s.version)
+
+    s["a"] = 3; changed()                              # noqa: E702
+    s.update(b=4); changed()                           # noqa: E702
+    s |= {"c": 5}; changed()                           # noqa: E702
+    del s["c"]; changed()                              # noqa: E702
+    assert s.pop("b") == 4; changed()                  # noqa: E702
+    s.setdefault("d", 6); changed()                    # noqa: E702
+    s.popitem(); changed()                             # noqa: E702
+    s.clear(); changed()                               # noqa: E702
+    assert s == {} and isinstance(td.CONFIG, impl.Settings)
+    assert dict(td.CONFIG) == td.CONFIG                # (a plain copy for saving and restoring)
+
+
+def test_memo_keeps_by_key_and_stays_bounded():
+    m = impl.Memo(size=3)
+    made = []
+    make = lambda v: (lambda: made.append(v) or v)    # noqa: E731
+    assert [m.get(k, make(k)) for k in (1, 2, 1, 2)] == [1, 2, 1, 2] and made == [1, 2]
+    for k in (3, 4, 5):
+        m.get(k, make(k))
+    assert len(m.table) <= 3
+    impl.clear_memos()
+    assert m.table == {}
+
+
+def _latent(dtype, page=64, nb=6):
+    k = torch.randn(nb, page, 1, 576).to(dtype)
+    scale = torch.rand(nb, page, 1) + 0.5 if dtype == torch.float8_e4m3fn else None
+    return k, k[..., :512], scale
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float8_e4m3fn])
+def test_kernel_choice_is_kept_per_call_shape_and_forgotten_on_a_config_change(monkeypatch, dtype):
+    made = []
+    real = td._choose_now
+    monkeypatch.setattr(td, "_choose_now", lambda *a: made.append(1) or real(*a))
+    k, v, scale = _latent(dtype)
+    gen = torch.Generator().manual_seed(3)
+    for heads, tq in ((16, 1), (128, 1), (16, 2)):
+        q = torch.randn(4, tq, heads, 576, generator=gen).to(torch.bfloat16)
+        first = td._choose(q, k, v, scale, scale)
+        again = td._choose(torch.randn_like(q.float()).to(torch.bfloat16), k, v, scale, scale)
+        assert again is first and first == real(q, k, v, scale, scale)
+    assert len(made) == 3
+    # a change of CONFIG, of q's layout, of the value view or of the scales is another choice
+    q = torch.randn(4, 1, 16, 576).to(torch.bfloat16)
+    base = td._choose(q, k, v, scale, scale)
+    n = len(made)
+    monkeypatch.setitem(td.CONFIG, "target_programs", td.CONFIG["target_programs"] + 1)
+    changed = td._choose(q, k, v, scale, scale)
+    assert len(made) == n + 1 and changed == real(q, k, v, scale, scale) and changed is not base
+    td._choose(torch.cat([q, q], -1)[..., :576], k, v, scale, scale)      # (q not contiguous)
+    v_apart = v.clone()
+    td._choose(q, k, v_apart, scale, scale)
+    assert len(made) == n + 3
+    if scale is not None:
+        td._choose(q, k, v, scale, scale.clone())        # (keys' and values' scales no longer one tensor)
+        assert len(made) == n + 4
+
+
+def test_backend_resolution_is_kept_but_a_refusal_raises_every_time(monkeypatch):
+    cache = PagedKVCache.allocate(4, 16, 2, 32, dtype=torch.float32, device="cpu")
+    q = torch.randn(3, 4, 32)
+    asked = []
+    real = td_resolve = resolve_backend.__globals__["DECODE"].resolve
+    monkeypatch.setattr(resolve_backend.__globals__["DECODE"], "resolve",
+                        lambda *a, **kw: asked.append(1) or td_resolve(*a, **kw))
+    assert resolve_backend(q, cache) == resolve_backend(q, cache) == real("auto", device=q.device, dtype=q.dtype,
+                                                                          cache_dtype=cache.k.dtype, head_dim=32,
+                                                                          v_head_dim=32, kv_strides=None)
+    assert len(asked) == 1
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    for _ in range(2):
+        with pytest.raises(ValueError, match="triton"):
+            resolve_backend(q, cache, "triton")          # (CPU tensors without the interpreter)
+    assert len(asked) == 3
