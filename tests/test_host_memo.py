@@ -95,3 +95,53 @@ def test_backend_resolution_is_kept_but_a_refusal_raises_every_time(monkeypatch)
         with pytest.raises(ValueError, match="triton"):
             resolve_backend(q, cache, "triton")          # (CPU tensors without the interpreter)
     assert len(asked) == 3
+
+
+def _layouts(device):
+    """Calls whose every fact `_choose_now` reads differs from some other's: heads, query tokens, q's
+    dtype and contiguity, the cache's dtype and page, the value as a view of the key, as the same view
+    of another tensor (same strides) or a tensor of its own, scales absent / shared / apart / strided,
+    a base 2 bytes off 16-byte alignment (read only by the GPU kernels' conditions)."""
+    gen = torch.Generator().manual_seed(11)
+    out = []
+    for cache_dtype in (torch.bfloat16, torch.float8_e4m3fn, torch.float32):
+        fp8 = cache_dtype == torch.float8_e4m3fn
+        for page in (16, 64):
+            store = torch.randn(5, page, 1, 577, generator=gen).to(cache_dtype).to(device)
+            for k in (store[..., :576], store[..., 1:]):          # (the second 1 element off: unaligned)
+                scales = [None] if not fp8 else [torch.rand(5, page, 1, device=device),
+                                                 torch.rand(5, page, 2, device=device)[..., :1]]
+                for ks in scales:
+                    for vs in ([ks] if ks is None else [ks, ks.clone()]):
+                        for v in (k[..., :512], k.clone()[..., :512], k[..., :512].clone()):
+                            for heads, tq in ((16, 1), (128, 1), (16, 3), (64, 2)):
+                                for qd in (torch.bfloat16, torch.float32):
+                                    q = torch.randn(2, tq, heads, 576, generator=gen).to(qd).to(device)
+                                    out.append((q, k, v, ks, vs))
+                                    out.append((torch.cat([q, q], -1)[..., :576], k, v, ks, vs))
+    gqa = torch.randn(5, 64, 4, 128, generator=gen).to(device)
+    for hq in (4, 32):
+        out.append((torch.randn(3, 1, hq, 128, generator=gen).to(device), gqa, gqa.clone(), None, None))
+        out.append((torch.randn(3, 1, hq, 128, generator=gen).to(device), gqa, gqa, None, None))
+    return out
+
+
+def _check_kept_choices(device):
+    calls = _layouts(device)
+    order = torch.randperm(len(calls), generator=torch.Generator().manual_seed(5)).tolist()
+    for i in order + order:        # (every call once more, all of them kept by then)
+        got = td._choose(*calls[i])
+        assert got == td._choose_now(*calls[i]), i
+
+
+@pytest.mark.parametrize("interpreting", ["0", "1"])
+def test_kept_choices_equal_fresh_ones_over_many_layouts(monkeypatch, interpreting):
+    """No two of many calls that a fact tells apart share a kept choice (on CPU; the GPU test below
+    reaches the Gluon kernels' conditions)."""
+    monkeypatch.setenv("TRITON_INTERPRET", interpreting)
+    _check_kept_choices("cpu")
+
+
+@pytest.mark.gpu
+def test_kept_choices_equal_fresh_ones_on_gpu():
+    _check_kept_choices("cuda")
