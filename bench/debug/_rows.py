@@ -30,3 +30,24 @@ def check_row(check: str, kernel: str, call, ref, table, bad_block: int) -> dict
            "bad_row_nan": bool(torch.isnan(bad.lse[5]).all()) and bool(torch.isfinite(bad.lse[6]).all())}
     print(row, flush=True)
     return row
+
+
+HEADS = {"mla16": 16, "mla128": 128}
+"""Query heads of the MLA families the decode scripts time (16: TP 8; 128: TP 1, DCP's `-dcp 8`)."""
+
+
+def family_case(family: str, cache_dtype: torch.dtype, batch: int, context: int, block: int, n: int,
+                device: torch.device):
+    """(cache, block table, q, scale) of one decode family as bench cp builds it, rank 0 of n: "gqa" (Hq 32,
+    Hkv 4, D 128) or "mla16" / "mla128" (the latent cache, bf16 queries of that many heads)."""
+    from megapar.launch.bench.cp import _decode_setup, _mla_decode_setup
+    from megapar.parallel.cp.mla import MLADims
+
+    if family == "gqa":
+        cache, table, q, _ = _decode_setup(batch, context, 32, 4, 128, block, n, device, cache_dtype)
+        return cache, table, q, 128 ** -0.5
+    dims = MLADims()
+    latent, table = _mla_decode_setup(batch, context, dims, block, n, device, cache_dtype)
+    q = torch.randn(batch, HEADS[family], dims.latent_dim, device=device, dtype=torch.bfloat16)
+    return latent.paged, table, q, dims.scale
+

@@ -22,13 +22,11 @@ import os
 import sys
 
 import torch
-from _rows import dump_rows
+from _rows import dump_rows, family_case
 
 from megapar.launch.bench.common import BenchContext, step_time
-from megapar.launch.bench.cp import _decode_setup, _mla_decode_setup
 from megapar.parallel.cp import triton_decode
 from megapar.parallel.cp.dcp import DCPLayout
-from megapar.parallel.cp.mla import MLADims
 from megapar.parallel.cp.paged import paged_decode_attention
 from megapar.parallel.cp.state import AttnState
 from megapar.parallel.cp.triton_merge import merge_states_triton
@@ -36,13 +34,11 @@ from megapar.parallel.cp.triton_merge import merge_states_triton
 # (the Gluon MLA kernels plan their splits with the full head tiles' targets, narrow or not)
 SPLIT_KEYS = {"mla16": ("target_programs_wide", "target_programs_wide_fp8"),
               "mla128": ("target_programs_wide", "target_programs_wide_fp8"), "gqa": ("target_programs_gluon_gqa",)}
-HEADS = {"mla16": 16, "mla128": 128}
 
 
 def main(path: str) -> None:
     ctx = BenchContext("cp", torch.device("cuda"))
     batch, block, n, context = 32, 64, 4, 8192
-    dims = MLADims()
     rows: list = []
     saved = dict(triton_decode.CONFIG)
     real_merge = triton_decode.merge_states_triton
@@ -52,13 +48,7 @@ def main(path: str) -> None:
     families = os.environ.get("DECODE_FIXED_FAMILIES", "mla16,mla128,gqa").split(",")
     for family in families:
         for cache_dtype in (torch.float8_e4m3fn, torch.bfloat16):
-            if family == "gqa":
-                cache, table, q, _ = _decode_setup(batch, context, 32, 4, 128, block, n, ctx.device, cache_dtype)
-                scale = 128 ** -0.5
-            else:
-                latent, table = _mla_decode_setup(batch, context, dims, block, n, ctx.device, cache_dtype)
-                cache, scale = latent.paged, dims.scale
-                q = torch.randn(batch, HEADS[family], dims.latent_dim, device=ctx.device, dtype=torch.bfloat16)
+            cache, table, q, scale = family_case(family, cache_dtype, batch, context, block, n, ctx.device)
             layout = DCPLayout(size=n, rank=0, block_size=block)
             one = torch.full((batch,), n * block, device=ctx.device)
             zero = torch.zeros_like(one)

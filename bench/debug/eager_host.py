@@ -19,17 +19,12 @@ import sys
 import time
 
 import torch
-from _rows import dump_rows
+from _rows import dump_rows, family_case
 
 from megapar.launch.bench.common import BenchContext, step_time
-from megapar.launch.bench.cp import _decode_setup, _mla_decode_setup
 from megapar.parallel import impl
 from megapar.parallel.cp.dcp import DCPLayout
-from megapar.parallel.cp.mla import MLADims
 from megapar.parallel.cp.paged import paged_decode_attention, plan_paged_decode
-
-HEADS = {"mla16": 16, "mla128": 128}
-
 
 def _top(prof: cProfile.Profile, calls: int, key: str, n: int = 18) -> list[dict]:
     st = pstats.Stats(prof)
@@ -61,18 +56,11 @@ def _host_us(fn, calls: int, repeats: int = 5) -> float:
 def main(path: str) -> None:
     ctx = BenchContext("cp", torch.device("cuda"))
     batch, block, n, context = 32, 64, 4, 8192
-    dims = MLADims()
     calls = int(os.environ.get("EAGER_HOST_PROFILE", "200"))
     rows: list = []
     for family in os.environ.get("EAGER_HOST_CASES", "gqa,mla16,mla128").split(","):
         for cache_dtype in (torch.bfloat16, torch.float8_e4m3fn):
-            if family == "gqa":
-                cache, table, q, _ = _decode_setup(batch, context, 32, 4, 128, block, n, ctx.device, cache_dtype)
-                scale = 128 ** -0.5
-            else:
-                latent, table = _mla_decode_setup(batch, context, dims, block, n, ctx.device, cache_dtype)
-                cache, scale = latent.paged, dims.scale
-                q = torch.randn(batch, HEADS[family], dims.latent_dim, device=ctx.device, dtype=torch.bfloat16)
+            cache, table, q, scale = family_case(family, cache_dtype, batch, context, block, n, ctx.device)
             layout = DCPLayout(size=n, rank=0, block_size=block)
             lens = torch.full((batch,), context, device=ctx.device)
             for planned in (False, True):
