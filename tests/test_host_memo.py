@@ -9,7 +9,8 @@ import torch
 from megapar.parallel import impl
 from megapar.parallel.cp import triton_decode as td
 from megapar.parallel.cp.dcp import PagedKVCache
-from megapar.parallel.cp.paged import resolve_backend
+from megapar.parallel.cp.paged import paged_decode_attention, resolve_backend
+from tests.helpers import check_state, mla_paged_cache
 
 
 def test_settings_bump_their_version_on_every_change():
@@ -101,7 +102,7 @@ def _layouts(device):
     """Calls whose every fact `_choose_now` reads differs from some other's: heads, query tokens, q's
     dtype and contiguity, the cache's dtype and page, the value as a view of the key, as the same view
     of another tensor (same strides) or a tensor of its own, scales absent / shared / apart / strided,
-    a base 2 bytes off 16-byte alignment (read only by the GPU kernels' conditions)."""
+    the cache's or q's base off 16-byte alignment (read only by the GPU kernels' conditions)."""
     gen = torch.Generator().manual_seed(11)
     out = []
     for cache_dtype in (torch.bfloat16, torch.float8_e4m3fn, torch.float32):
@@ -119,6 +120,8 @@ def _layouts(device):
                                     q = torch.randn(2, tq, heads, 576, generator=gen).to(qd).to(device)
                                     out.append((q, k, v, ks, vs))
                                     out.append((torch.cat([q, q], -1)[..., :576], k, v, ks, vs))
+                                    off = torch.empty(q.numel() + 8, dtype=qd, device=device)[1:q.numel() + 1]
+                                    out.append((off.view(q.shape).copy_(q), k, v, ks, vs))   # (base unaligned)
     gqa = torch.randn(5, 64, 4, 128, generator=gen).to(device)
     for hq in (4, 32):
         out.append((torch.randn(3, 1, hq, 128, generator=gen).to(device), gqa, gqa.clone(), None, None))
@@ -145,3 +148,22 @@ def test_kept_choices_equal_fresh_ones_over_many_layouts(monkeypatch, interpreti
 @pytest.mark.gpu
 def test_kept_choices_equal_fresh_ones_on_gpu():
     _check_kept_choices("cuda")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("heads", [16, 128])
+def test_an_unaligned_query_runs_and_matches_an_aligned_one_on_gpu(heads):
+    """A contiguous q whose base is off 16-byte alignment cannot back the Gluon kernels' TMA descriptor
+    (Triton's TensorDescriptor refuses it): it runs the Triton kernel, and its out matches the aligned q's
+    through the Gluon kernels and the torch path. Kept choices tell the two apart."""
+    lens = [700, 1, 0, 130]
+    cache, table = mla_paged_cache(lens, 64, torch.bfloat16, seed=heads, device="cuda")
+    q = torch.randn(len(lens), 1, heads, 576, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16).cuda()
+    off = torch.empty(q.numel() + 8, dtype=q.dtype, device="cuda")[1:q.numel() + 1].view(q.shape).copy_(q)
+    assert off.is_contiguous() and off.data_ptr() % 16 != 0
+    seq = torch.tensor(lens, device="cuda")
+    run = lambda x, backend="triton": paged_decode_attention(x, cache, table, seq, scale=0.07, backend=backend)  # noqa: E731
+    aligned, unaligned, ref = run(q), run(off), run(q.float(), "torch")
+    assert td._choose(q, cache.k, cache.v, None, None).gluon and not td._choose(off, cache.k, cache.v, None, None).gluon
+    check_state(unaligned, ref, 2e-2)
+    check_state(aligned, ref, 2e-2)

@@ -967,7 +967,8 @@ def gluon_mla_ok(q: Tensor, k: Tensor, v: Tensor, tq: int, page: int, k_scale: T
     contiguous, v its first 512 dims), or an fp8 one with one fp32 scale per token [nb, page, 1]
     serving keys and values (v_scale is k_scale); one query token (up to max_tq: the swapped narrow
     kernel takes a speculative step's few), heads a multiple of 64, pages a multiple of 64 (or fewer
-    than 64: one padded head tile), an sm_90 GPU."""
+    than 64: one padded head tile), an sm_90 GPU; 16-byte aligned bases (the TMA descriptors over q and
+    the cache refuse others: an unaligned q runs the Triton kernel)."""
     if not (HAS_GLUON and q.is_cuda and torch.cuda.get_device_capability(q.device) == (9, 0)):
         return False
     if k.dtype == torch.float8_e4m3fn:
@@ -982,7 +983,7 @@ def gluon_mla_ok(q: Tensor, k: Tensor, v: Tensor, tq: int, page: int, k_scale: T
             and k.shape[-1] == _CHUNKS * _BLOCK and page % _BLOCK == 0 and k.stride(-1) == 1
             and k.stride(1) == _CHUNKS * _BLOCK and k.stride(0) == page * _CHUNKS * _BLOCK
             and v.data_ptr() == k.data_ptr() and v.shape[-1] == 2 * _VCHUNKS * _BLOCK
-            and q.is_contiguous() and k.data_ptr() % 16 == 0)
+            and q.is_contiguous() and q.data_ptr() % 16 == 0 and k.data_ptr() % 16 == 0)
 
 
 SMEM_LIMIT = 232448      # bytes of dynamic shared memory a CTA may take on sm_90

@@ -1521,8 +1521,8 @@ def _choose(q: Tensor, k: Tensor, v: Tensor, k_scale: Tensor | None, v_scale: Te
     change what it returns)."""
     same_v = v.data_ptr() - k.data_ptr()
     same_scale = k_scale is not None and v_scale is not None and v_scale.data_ptr() == k_scale.data_ptr()
-    key = (q.shape, q.dtype, q.device, q.is_contiguous(), _facts(k), _facts(v), same_v, _facts(k_scale),
-           _facts(v_scale), same_scale, impl.interpreting(), CONFIG.version)
+    key = (q.shape, q.dtype, q.device, q.is_contiguous(), q.data_ptr() % 16, _facts(k), _facts(v), same_v,
+           _facts(k_scale), _facts(v_scale), same_scale, impl.interpreting(), CONFIG.version)
     return _CHOICES.get(key, lambda: _choose_now(q, k, v, k_scale, v_scale))
 
 
