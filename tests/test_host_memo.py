@@ -167,3 +167,24 @@ def test_an_unaligned_query_runs_and_matches_an_aligned_one_on_gpu(heads):
     assert td._choose(q, cache.k, cache.v, None, None).gluon and not td._choose(off, cache.k, cache.v, None, None).gluon
     check_state(unaligned, ref, 2e-2)
     check_state(aligned, ref, 2e-2)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("heads", [16, 128])
+def test_unaligned_fp8_scales_run_and_match_on_gpu(heads):
+    """An fp8 latent cache whose scales sit on a base off 16-byte alignment (contiguous, 4 bytes in)
+    cannot back the direct kernels' or the raw ring's TMA descriptor: the call takes a kernel that
+    reads them by pointer, and its out matches the same cache with aligned scales and the torch path."""
+    lens = [700, 1, 0, 130]
+    cache, table = mla_paged_cache(lens, 64, torch.float8_e4m3fn, seed=heads + 1, device="cuda")
+    sc = cache.k_scale
+    off = torch.empty(sc.numel() + 4, dtype=sc.dtype, device="cuda")[1:sc.numel() + 1].view(sc.shape).copy_(sc)
+    assert off.is_contiguous() and off.data_ptr() % 16 != 0
+    moved = PagedKVCache(cache.k, cache.v, off, off)
+    q = torch.randn(len(lens), 1, heads, 576, generator=torch.Generator().manual_seed(4)).to(torch.bfloat16).cuda()
+    seq = torch.tensor(lens, device="cuda")
+    run = lambda c, x=q, backend="triton": paged_decode_attention(x, c, table, seq, scale=0.07,  # noqa: E731
+                                                                  backend=backend)
+    ref = run(cache, q.float(), "torch")
+    check_state(run(moved), ref, 2e-2)
+    check_state(run(cache), ref, 2e-2)

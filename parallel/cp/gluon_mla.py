@@ -986,6 +986,12 @@ def gluon_mla_ok(q: Tensor, k: Tensor, v: Tensor, tq: int, page: int, k_scale: T
             and q.is_contiguous() and q.data_ptr() % 16 == 0 and k.data_ptr() % 16 == 0)
 
 
+def scales_by_tma(k_scale: Tensor | None) -> bool:
+    """An fp8 cache's per-token scales [nb, page, 1] can back a TMA descriptor ([nb, page]): contiguous,
+    on a 16-byte aligned base (Triton's TensorDescriptor refuses any other base)."""
+    return k_scale is not None and k_scale.is_contiguous() and k_scale.data_ptr() % 16 == 0
+
+
 SMEM_LIMIT = 232448      # bytes of dynamic shared memory a CTA may take on sm_90
 
 
@@ -1032,7 +1038,7 @@ def launch_gluon_mla(q: Tensor, k: Tensor, table: Tensor, seq_lens: Tensor, o: T
     fp8 = k.dtype == torch.float8_e4m3fn
     launch = {"PDL": True, "launch_pdl": True} if pdl else {}
     launch.update(planned_launch(plan))
-    raw = max(int(raw_ring), 0) if fp8 and k_scale.is_contiguous() else 0
+    raw = max(int(raw_ring), 0) if fp8 and scales_by_tma(k_scale) else 0
     if raw and not fp8_ring_fits(keys, ring, raw):
         raise ValueError(f"an fp8 ring of {ring} fp16 and {raw} raw stages of {keys} keys does not fit in "
                          f"shared memory ({SMEM_LIMIT} bytes; key tiles of 32 or 64)")

@@ -43,7 +43,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from .gluon_mla import _BLOCK, _CHUNKS, HAS_GLUON, SMEM_LIMIT, grid_rows, planned_launch, shared_box
+from .gluon_mla import (_BLOCK, _CHUNKS, HAS_GLUON, SMEM_LIMIT, grid_rows, planned_launch, scales_by_tma,
+                        shared_box)
 
 if HAS_GLUON:
     from triton.experimental import gluon
@@ -108,19 +109,18 @@ def head_tiles(rows: int, width: int = MAX_HEADS) -> tuple[int, int]:
 
 def tiles_ok(rows: int, k: Tensor, k_scale: Tensor | None) -> bool:
     """The swapped kernels apply to `rows` query columns in head tiles (`head_tiles`; where
-    `gluon_mla.gluon_mla_ok` holds, up to 8 query tokens): over fp8 contiguous scales [nb, page, 1]
-    (the direct kernel's loader brings them by TMA)."""
-    return HAS_GLUON and rows >= 1 and (k.dtype != torch.float8_e4m3fn or (k_scale is not None
-                                                                           and k_scale.is_contiguous()))
+    `gluon_mla.gluon_mla_ok` holds, up to 8 query tokens): over fp8 scales [nb, page, 1] its loader can
+    bring by TMA (`gluon_mla.scales_by_tma`)."""
+    return HAS_GLUON and rows >= 1 and (k.dtype != torch.float8_e4m3fn or scales_by_tma(k_scale))
 
 
 def narrow_ok(rows: int, k: Tensor, k_scale: Tensor | None) -> bool:
     """The swapped kernel applies (where `gluon_mla.gluon_mla_ok` holds, up to 8 query tokens): at most
-    32 query rows (tokens x heads), and over fp8 contiguous scales [nb, page, 1] (its loader brings
-    them by TMA)."""
+    32 query rows (tokens x heads), and over fp8 scales [nb, page, 1] its loader can bring by TMA
+    (`gluon_mla.scales_by_tma`)."""
     if not HAS_GLUON or rows > MAX_HEADS:
         return False
-    return k.dtype != torch.float8_e4m3fn or (k_scale is not None and k_scale.is_contiguous())
+    return k.dtype != torch.float8_e4m3fn or scales_by_tma(k_scale)
 
 
 if HAS_GLUON:
