@@ -142,7 +142,7 @@ class Memo:
     """What a pure function of a call's shapes, dtypes, strides and settings returned, by a key the
     caller builds from exactly those facts (the host work of choosing a kernel costs tens of µs
     a call in Python, more than many decode kernels run). Bounded: cleared when it holds `size`
-    keys. `clear_memos()` empties every one (tests that patch what a choice reads call it)."""
+    keys. `clear_memos()` empties every one (tests/conftest.py does, before every test)."""
 
     _all: list["Memo"] = []
 

@@ -1519,7 +1519,7 @@ def _choose(q: Tensor, k: Tensor, v: Tensor, k_scale: Tensor | None, v_scale: Te
     Kept per call shape (`_CHOICES`: the facts `_choose_now` reads of the tensors, the interpreter
     switch, CONFIG's version): an eager call pays ~5 µs for it instead of ~15-30 (the caller must not
     change what it returns)."""
-    same_v = v.data_ptr() - k.data_ptr()
+    same_v = v.data_ptr() == k.data_ptr()      # (a layer's own cache tensors: one key for every layer)
     same_scale = k_scale is not None and v_scale is not None and v_scale.data_ptr() == k_scale.data_ptr()
     key = (q.shape, q.dtype, q.device, q.is_contiguous(), q.data_ptr() % 16, _facts(k), _facts(v), same_v,
            _facts(k_scale), _facts(v_scale), same_scale, impl.interpreting(), CONFIG.version)
