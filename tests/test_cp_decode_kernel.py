@@ -818,6 +818,7 @@ def test_gluon_mla_kernel_over_fp8_on_gpu(heads, monkeypatch):
     monkeypatch.setitem(td.CONFIG, "min_split_wide_narrow", 256)
     monkeypatch.setitem(td.CONFIG, "gluon_wide_narrow_fp8", 1)
     monkeypatch.setitem(td.CONFIG, "swap_wide_narrow_fp8", 0)  # (the padded tile: the swapped kernel's own test)
+    monkeypatch.setitem(td.CONFIG, "direct_wide_fp8", 0)       # (the converter's kernel: the direct one's own test)
     lens = [3000, 0, 77, 1, 640]
     cache, table = mla_paged_cache(lens, 64, torch.float8_e4m3fn, seed=19, device="cuda")
     q = torch.randn(len(lens), 1, heads, 576, device="cuda", dtype=torch.bfloat16)
@@ -864,6 +865,88 @@ def test_gluon_mla_kernel_over_fp8_on_gpu(heads, monkeypatch):
         bad[4, 0] = cache.k.shape[0] + 1
         nan = paged_decode_attention(q, cache, bad, seq, scale=0.07, backend="triton", validate=False)
         assert torch.isnan(nan.lse[4]).all() and torch.isfinite(nan.lse[0]).all()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("size,rank,heads", [(1, 0, 128), (4, 3, 128), (2, 1, 64), (1, 0, 256)])
+def test_gluon_mla_direct_wide_fp8_on_gpu(size, rank, heads, monkeypatch):
+    """The direct fp8 kernel over full 64-head tiles (`gluon_mla_direct`, CONFIG direct_wide_fp8: no
+    converter) at full size over DCP ranks: NaN bytes and NaN scales in every unheld slot, lengths ending
+    inside a tile, empty and one-token sequences, several splits and one (its partial the output, in q's
+    dtype where asked), a length plan; against the torch path and the converter's kernel (rounding
+    apart: the direct kernel's queries are e4m3 hi + lo parts); 1-3 raw stages, the ids loaded ahead or
+    not, the output's dim pairs stored together or not: the same result; a speculative step expanded
+    into one-token decodes runs it too; a bad block id gives NaN rows of that sequence only; a CUDA
+    graph replays it to the same result."""
+    td, _, _ = _gluon_mla_kernels(monkeypatch)
+    from parallel.cp import gluon_mla_direct
+    from parallel.cp.paged import plan_paged_decode
+
+    monkeypatch.setitem(td.CONFIG, "min_split_wide_fp8", 256)      # several splits at these lengths
+    lens = [3000, 0, 77, 1, 640, 4096, 129]
+    gen = torch.Generator().manual_seed(43 + rank + heads)
+    layout = DCPLayout(size=size, rank=rank, block_size=64)
+    cache, ref_cache, table, nb = _mla_dcp_cache(lens, layout, torch.float8_e4m3fn, gen)
+    q = torch.randn(len(lens), 1, heads, 576, generator=gen).to(torch.bfloat16).cuda()
+    seq = torch.tensor(lens, device="cuda")
+    run = lambda t=table, **kw: paged_decode_attention(q, cache, t, seq, layout=layout, scale=0.07,
+                                                        backend="triton", validate=False, **kw)
+    ref = paged_decode_attention(q, ref_cache, table, seq, layout=layout, scale=0.07, backend="torch")
+    monkeypatch.setitem(td.CONFIG, "direct_wide_fp8", 0)
+    conv = run()
+    used = _spy(monkeypatch, gluon_mla_direct, "launch")
+    monkeypatch.setitem(td.CONFIG, "direct_wide_fp8", 3)
+    got = run()
+    assert used and all(kw["raw"] == 3 for _, kw in used), "the direct kernel was not launched"
+    assert used[0][0][7] > 1, "expected several splits"
+    _check_against_torch(got, ref, 1)
+    torch.testing.assert_close(got.out, conv.out, atol=4e-3, rtol=0)
+    torch.testing.assert_close(got.lse, conv.lse, atol=4e-3, rtol=0)
+    for raw in (1, 2):      # (the same MMAs in the same order at any ring depth)
+        monkeypatch.setitem(td.CONFIG, "direct_wide_fp8", raw)
+        other = run()
+        torch.testing.assert_close(other.out, got.out, atol=0, rtol=0)
+        torch.testing.assert_close(other.lse, got.lse, atol=0, rtol=0)
+    monkeypatch.setitem(td.CONFIG, "direct_wide_fp8", 3)
+    _same_when_flipped(monkeypatch, td, "ids_ahead_wide_fp8", run, got)
+    _same_when_flipped(monkeypatch, td, "paired_store_direct_fp8", run, got)
+    # unmerged splits, and one split a sequence whose partial is the output (in q's dtype where asked)
+    parts = run(merge=False)
+    assert parts.lse.shape[0] > 1
+    used.clear()
+    monkeypatch.setitem(td.CONFIG, "min_split_wide_fp8", 1 << 16)
+    one = run(out_dtype=torch.bfloat16)
+    assert used and used[0][0][7] == 1 and one.out.dtype == torch.bfloat16
+    torch.testing.assert_close(one.out.float(), got.out, atol=1e-2, rtol=0)
+    torch.testing.assert_close(one.lse, got.lse, atol=1e-4, rtol=0, equal_nan=True)
+    monkeypatch.setitem(td.CONFIG, "min_split_wide_fp8", 256)
+    # a length plan: the splits cut from the lengths, the items the grid's second axis
+    plan = plan_paged_decode(q, cache, table, seq, layout=layout, backend="triton")
+    used.clear()
+    planned = run(plan=plan)
+    assert used and used[0][1].get("plan") is not None
+    _check_against_torch(planned, ref, 1)
+    torch.testing.assert_close(planned.out, got.out, atol=1e-4, rtol=0)
+    bad = table.clone()
+    bad[5, 0] = nb + 7
+    for ahead in (0, 1):    # (ids ahead: the check's loads beside the length, evaluated after the loop)
+        monkeypatch.setitem(td.CONFIG, "ids_ahead_wide_fp8", ahead)
+        _nan_row_5_only(run(bad), got)
+    _replays_to(run, got)
+    # a speculative step's 2 tokens over full head tiles, expanded into one-token decodes (expand_wide_fp8)
+    monkeypatch.setitem(td.CONFIG, "expand_wide_fp8", 1)
+    long = torch.tensor([i for i, n in enumerate(lens) if n >= 2], device="cuda")     # (2 tokens held)
+    q2 = torch.randn(len(long), 2, heads, 576, generator=gen).to(torch.bfloat16).cuda()
+    used.clear()
+    spec = paged_decode_attention(q2, cache, table[long], seq[long], layout=layout, scale=0.07, backend="triton",
+                                  validate=False)
+    assert used, "the expanded step did not run the direct kernel"
+    spec_ref = paged_decode_attention(q2, ref_cache, table[long], seq[long], layout=layout, scale=0.07,
+                                      backend="torch")
+    torch.testing.assert_close(spec.out, spec_ref.out, atol=2e-2, rtol=0)
+    fin = torch.isfinite(spec_ref.lse)
+    assert torch.equal(fin, torch.isfinite(spec.lse))
+    torch.testing.assert_close(spec.lse[fin], spec_ref.lse[fin], atol=2e-2, rtol=0)
 
 
 @pytest.mark.gpu
@@ -1005,6 +1088,7 @@ def test_gluon_mla_speculative_tokens_expanded_on_gpu(dtype, size, rank, heads, 
     td, gluon_mla, gluon_mla_narrow = _gluon_mla_kernels(monkeypatch)
     fp8 = dtype == torch.float8_e4m3fn
     key = "expand_wide_fp8" if fp8 else "expand_wide"
+    monkeypatch.setitem(td.CONFIG, "direct_wide_fp8", 0)       # (the converter's kernel: the direct one's own test)
     cache, table, nb, run, ref = _mla_gpu_problem(dtype, size, rank, heads, tq, 71 + rank + heads + tq)
     monkeypatch.setitem(td.CONFIG, key, 0)
     tiles = run(cache, table)
@@ -1031,14 +1115,16 @@ def test_gluon_mla_half_partials_on_gpu(dtype, size, rank, heads, monkeypatch):
     magnitude) of the fp32 partials' result; a bad block id gives NaN rows of that sequence only; a
     CUDA graph replays it to the same result."""
     td, gluon_mla, gluon_mla_narrow = _gluon_mla_kernels(monkeypatch)
+    from parallel.cp import gluon_mla_direct
     for key in ("min_split_wide", "min_split_wide_fp8", "min_split_wide_narrow"):
         monkeypatch.setitem(td.CONFIG, key, 256)         # several splits at these lengths
     cache, table, nb, run, ref = _mla_gpu_problem(dtype, size, rank, heads, 1, 83 + rank + heads)
     monkeypatch.setitem(td.CONFIG, "half_partials", 0)
     full = run(cache, table)
     merges = _spy(monkeypatch, td, "merge_states_triton")
-    launched = _spy(monkeypatch, gluon_mla_narrow if heads < 64 else gluon_mla,
-                    "launch" if heads < 64 else "launch_gluon_mla")
+    direct = dtype == torch.float8_e4m3fn and heads >= 64 and td.CONFIG["direct_wide_fp8"]
+    launched = _spy(monkeypatch, gluon_mla_narrow if heads < 64 else gluon_mla_direct if direct else gluon_mla,
+                    "launch" if heads < 64 or direct else "launch_gluon_mla")
     monkeypatch.setitem(td.CONFIG, "half_partials", 1)
     got = run(cache, table)
     assert launched and [a[0].dtype for a, _ in merges] == [torch.bfloat16] and merges[0][0][0].shape[0] > 1

@@ -32,7 +32,7 @@ def _build(name: str, cubin: Path | None = None) -> dict:
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon._runtime import GluonASTSource
 
-    from parallel.cp import gluon_gqa, gluon_mla, gluon_mla_narrow
+    from parallel.cp import gluon_gqa, gluon_mla, gluon_mla_direct, gluon_mla_narrow
 
     pdl = name.endswith("-pdl")         # ("-pdl": launched with programmatic dependent launch)
     pipe = "-pipe" in name              # ("-pipe": the narrow direct kernel's next score MMAs issued early)
@@ -64,6 +64,12 @@ def _build(name: str, cubin: Path | None = None) -> dict:
             qbox = gl.NVMMASharedLayout.get_default_for([nq, 64], gl.bfloat16)
             kernel, consts = gluon_mla_narrow._mla_narrow_kernel, {"PAGE": 64, "NQ": nq, "CAUSAL": causal}
             ptrs.update(q_desc=f"tensordesc<bf16[{nq}, 64],{qbox}>", k_desc=desc, k_ptr="*bf16")
+    elif family == "mlaw":   # the direct fp8 kernel over full 64-head tiles: "mlaw-fp8-directRAW" (2 head tiles)
+        kernel, consts = gluon_mla_direct._mla_wide_direct_kernel, {"PAGE": 64, "RAW": int(more[0][6:]), "TILES": 2}
+        lbox, rbox = gl.NVMMASharedLayout(128, 8, 2), gl.NVMMASharedLayout(64, 8, 2)
+        ptrs.update(q_ptr="*bf16", kl_desc=f"tensordesc<fp8e4nv[64, 128],{lbox}>",
+                    kr_desc=f"tensordesc<fp8e4nv[64, 64],{rbox}>",
+                    ks_desc=f"tensordesc<fp32[1, 64],{gl.NVMMASharedLayout(0, 32, 2)}>")
     elif family == "gqa":
         ptrs.update(q_ptr="*bf16", k_desc=desc, v_desc=desc)
         if fp8:     # "gqa-fp8-directRAW-NQ": the direct fp8 form (the only one over fp8)
@@ -160,7 +166,10 @@ BUILDS = [
     ("mla-bf16-planned-pdl", 512), ("mla-fp8-k32r2raw2-planned-pdl", 1024), ("mlan-bf16-16-ahead-planned", 0),
     ("mlan-fp8-16-direct5s-ahead-paired-planned", 0), ("mlan-fp8-32-direct3s-tiles4-ahead-paired-planned-pdl", 0),
     ("gqa-bf16-ahead-planned-pdl", 0), ("gqa-fp8-direct8-8-paired-planned-pdl", 0),
-    ("mla-bf16-seesaw-planned-pdl", 512)]
+    ("mla-bf16-seesaw-planned-pdl", 512),
+    # the direct fp8 kernel over full 64-head tiles (no converter; its scores warpgroup keeps 120 registers
+    # beside two value warpgroups of 184: a few of its addresses spill, outside the loop but one load)
+    ("mlaw-fp8-direct3", 64), ("mlaw-fp8-direct3-paired-ahead-pdl", 128), ("mlaw-fp8-direct2-paired-ahead-planned-pdl", 128)]
 LOADERS = [("mlan-fp8-16-direct5s", 24, 4), ("gqa-fp8-direct10-8", 24, 4), ("gqa-bf16", 64, 1), ("mlan-bf16-16", 64, 1)]
 FIRST_MMAS = [("mlan-fp8-16-direct5s", "QGMMA"), ("gqa-fp8-direct10-8", "QGMMA"), ("gqa-bf16", "HGMMA"),
               ("mlan-bf16-16", "HGMMA")]

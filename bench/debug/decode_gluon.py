@@ -1,11 +1,11 @@
-"""The warp-specialized Gluon MLA decode kernel (`parallel.cp.gluon_mla`, CONFIG gluon_wide)
-against the Triton kernel: max abs error of both against the torch path on awkward lengths (0,
-1, 63, 64, 65 tokens, long ones; DCP group of 1 and rank 1 of 2; a bad block id), then whole
-calls timed with `common.step_time` (ten a CUDA graph, alternating, two rounds) over rank 0's 1/4
-of B = 32 sequences: 128 heads over fp8 at L = 8K, 32K, 128K and 16 (TP 8: one head tile padded
-to 64 rows, CONFIG gluon_wide_narrow*) at 32K, with the fp8 kernel's forms (`FP8_FORMS`: CONFIG
-raw_ring_wide_fp8 raw stages, keys_wide_fp8 keys a tile, ring_wide_fp8 fp16 stages), and 128 heads
-over bf16 at 32K.
+"""The Gluon MLA decode kernels over full 64-head tiles against the Triton kernel: max abs error of
+each against the torch path on awkward lengths (0, 1, 63, 64, 65 tokens, long ones; DCP group of 1
+and rank 1 of 2; a bad block id), 128 heads over fp8, then whole calls timed with
+`common.step_time` (ten a CUDA graph, alternating, two rounds) over rank 0's 1/4 of B = 32
+sequences: 128 heads over fp8 at L = 8K, 32K, 128K in the converter's installed form and the direct
+kernel's (`FP8_FORMS`: CONFIG raw_ring_wide_fp8 raw stages, keys_wide_fp8 keys a tile,
+ring_wide_fp8 fp16 stages, direct_wide_fp8 the direct kernel's raw stages), and 128 heads over bf16
+at 32K (the bf16 kernel's speed beside them).
 
     python bench/debug/decode_gluon.py OUT.json        # on the GPU
 """
@@ -24,14 +24,18 @@ from megapar.parallel.cp.dcp import DCPLayout
 from megapar.parallel.cp.mla import MLADims
 from megapar.parallel.cp.paged import PagedKVCache, paged_decode_attention
 
-# (name, Gluon on, raw_ring_wide_fp8, keys_wide_fp8, ring_wide_fp8): the Triton kernel, 64-key tiles
-# with one fp16 stage, 32-key tiles with two (installed; 2-4 raw stages and 3 fp16 stages measured
-# slower, decode-gluon8-h200.json)
-FP8_FORMS = (("triton", 0, 0, 64, 1), ("gluon raw1", 1, 1, 64, 1), ("gluon k32 ring2 raw2", 1, 2, 32, 2))
+# (name, Gluon on, raw_ring_wide_fp8, keys_wide_fp8, ring_wide_fp8, direct_wide_fp8): the Triton kernel,
+# 64-key tiles with one fp16 stage, 32-key tiles with two (the converter's installed form; 2-4 raw stages
+# and 3 fp16 stages measured slower, decode-gluon8-h200.json), the direct kernel (`gluon_mla_direct`: no
+# converter) with 3 and 2 raw stages
+FP8_FORMS = (("triton", 0, 0, 64, 1, 0), ("gluon raw1", 1, 1, 64, 1, 0), ("gluon k32 ring2 raw2", 1, 2, 32, 2, 0),
+             ("direct raw3", 1, 2, 32, 2, 3), ("direct raw2", 1, 2, 32, 2, 2))
+TIMED = ("gluon k32 ring2 raw2", "direct raw3", "direct raw2")     # (the forms timed over fp8)
 
 
-def _form(key: str, on: int, raw: int, keys: int, ring: int) -> None:
-    triton_decode.CONFIG.update({key: on, "raw_ring_wide_fp8": raw, "keys_wide_fp8": keys, "ring_wide_fp8": ring})
+def _form(key: str, on: int, raw: int, keys: int, ring: int, direct: int = 0) -> None:
+    triton_decode.CONFIG.update({key: on, "raw_ring_wide_fp8": raw, "keys_wide_fp8": keys, "ring_wide_fp8": ring,
+                                 "direct_wide_fp8": direct})
 
 
 def _check(rows: list, dtype: torch.dtype, heads: int = 128) -> None:
@@ -87,15 +91,13 @@ def main(path: str) -> None:
     rows: list = []
     saved = dict(triton_decode.CONFIG)
     triton_decode.CONFIG["gluon_wide_narrow"] = 1
-    for dtype in (torch.float8_e4m3fn, torch.bfloat16):
-        for heads in (128, 16):
+    for dtype in (torch.float8_e4m3fn,):
+        for heads in (128,):
             _check(rows, dtype, heads)
             triton_decode.CONFIG["gluon_wide_narrow"] = 1
     dims = MLADims()
     for dtype, context, heads in ((torch.float8_e4m3fn, 8192, 128), (torch.float8_e4m3fn, 32768, 128),
-                                  (torch.float8_e4m3fn, 131072, 128), (torch.float8_e4m3fn, 8192, 16),
-                                  (torch.float8_e4m3fn, 32768, 16), (torch.float8_e4m3fn, 131072, 16),
-                                  (torch.bfloat16, 32768, 128)):
+                                  (torch.float8_e4m3fn, 131072, 128), (torch.bfloat16, 32768, 128)):
         key = "gluon_wide_fp8" if dtype == torch.float8_e4m3fn else "gluon_wide"
         latent, table = _mla_decode_setup(32, context, dims, 64, 4, ctx.device, dtype)
         layout = DCPLayout(size=4, rank=0, block_size=64)
@@ -107,7 +109,8 @@ def main(path: str) -> None:
         triton_decode.CONFIG[key] = 0
         ref = call()
         for rep in range(2):
-            for name, on, *form in FP8_FORMS if dtype == torch.float8_e4m3fn else FP8_FORMS[:2]:
+            for name, on, *form in ([f for f in FP8_FORMS if f[0] in TIMED] if dtype == torch.float8_e4m3fn
+                                    else FP8_FORMS[:2]):
                 _form(key, on, *form)
                 triton_decode.CONFIG["gluon_wide_narrow"] = on
                 triton_decode.CONFIG["gluon_wide_narrow_fp8"] = on

@@ -71,7 +71,7 @@ import triton.language as tl
 from torch import Tensor
 
 from .. import impl
-from . import gluon_gqa, gluon_mla, gluon_mla_narrow
+from . import gluon_gqa, gluon_mla, gluon_mla_direct, gluon_mla_narrow
 from .state import AttnState
 from .triton_common import global_pos as _global_pos
 from .triton_common import local_len as _local_len
@@ -792,6 +792,13 @@ CONFIG = impl.Settings({
     # decode-gluon12-fold-h200.json): 69.3 / 210.8 / 795.3 µs -> 70.7 / 214.4 / 837.8, max error
     # against the torch path 2.8e-4 -> 3.2e-3 (one more fp16 rounding of the keys)
     "raw_ring_wide_fp8": 2, "keys_wide_fp8": 32, "ring_wide_fp8": 2,
+    # over fp8, full 64-head tiles of one query token through the direct kernel instead
+    # (`gluon_mla_direct`: no converter; the scores as fp8 MMAs from the raw key boxes against the
+    # queries' e4m3 hi + lo parts, two value warpgroups reading the raw boxes transposed into their
+    # MMAs' A operands), its raw stages (0: off, the converter's kernel above; at most 3 fit), and its
+    # first block ids loaded beside the length (ids_ahead_wide_fp8). Built 2026-12-06; on before it was timed
+    # (bench cp's converter_fp8_us column times the converter's kernel beside it)
+    "direct_wide_fp8": 3, "ids_ahead_wide_fp8": 1,
     # GQA (head dim 128, one query token, bf16 queries) through the warp-specialized Gluon kernels
     # (`gluon_gqa`: over bf16 a TMA loader with a ring of 64-key tiles and one consumer warpgroup, over
     # fp8 the direct kernel below), per cache dtype, where `gluon_gqa_ok` holds; one CTA per SM (bf16:
@@ -1567,6 +1574,9 @@ def _choose_now(q: Tensor, k: Tensor, v: Tensor, k_scale: Tensor | None, v_scale
     swapped = swapped or tiled
     gluon = swapped or (latent and CONFIG["gluon_wide_fp8" if fp8 else "gluon_wide"] and (not narrow or narrow_on)
                         and gluon_mla.gluon_mla_ok(q, k, v, tq, page, k_scale, v_scale))
+    # (over fp8 full head tiles of one token: the direct kernel, with the raw stages that fit, where on)
+    wide_raw = min(CONFIG["direct_wide_fp8"], gluon_mla_direct.MAX_RAW)
+    wide_raw = wide_raw if gluon and not swapped and fp8 and gluon_mla_direct.direct_ok(q, k, k_scale) else 0
     if gluon:       # (its tiles: 64 keys, 64 heads, the head tile padded where there are fewer; one CTA
         block_n, block_m = gluon_mla.TILE, gluon_mla.TILE      # per SM, so full tiles' split targets)
         cfg = dict(cfg, at_most=1, target_programs=CONFIG["target_programs_wide_fp8" if fp8 else "target_programs_wide"])
@@ -1592,6 +1602,7 @@ def _choose_now(q: Tensor, k: Tensor, v: Tensor, k_scale: Tensor | None, v_scale
     m_tiles = -(-(tq * g) // block_m)
     return SimpleNamespace(
         expand=expand, cfg=cfg, block_n=block_n, block_m=block_m, halves=halves, narrow=narrow, narrow_raw=narrow_raw,
+        wide_raw=wide_raw,
         swapped=swapped, tiled=tiled, width=width, gluon=gluon, gqa_ws=gqa_ws, direct_raw=direct_raw, f16=f16,
         stage16=stage16, tma=tma, even=even, pdl=pdl, m_tiles=m_tiles, fp8=fp8, v_from_k=v_from_k, d_main=d_main,
         d_rest=d_rest, block_rest=block_rest, g=g,
@@ -1659,6 +1670,10 @@ def paged_decode_triton(q: Tensor, k: Tensor, v: Tensor, k_scale: Tensor | None,
                                 interleave, k_scale if fp8 else None, raw=c.narrow_raw, pdl=pdl,
                                 pipe=bool(CONFIG["pipe_wide_narrow_fp8"]),
                                 width=c.width if c.tiled else gluon_mla_narrow.MAX_HEADS, **direct_opts, **planned)
+    elif s > 0 and splits > 0 and c.wide_raw:
+        gluon_mla_direct.launch(q, k, table, seq_lens, o, lse, scale * _LOG2E, splits, split_len, dcp_size, dcp_rank,
+                                interleave, k_scale, raw=c.wide_raw, pdl=pdl, paired=direct_opts["paired"],
+                                ahead=bool(CONFIG["ids_ahead_wide_fp8"]), **planned)
     elif s > 0 and splits > 0 and c.gluon:
         gluon_mla.launch_gluon_mla(q, k, table, seq_lens, o, lse, scale * _LOG2E, splits, split_len, dcp_size,
                                    dcp_rank, interleave, k_scale if fp8 else None, raw_ring=CONFIG["raw_ring_wide_fp8"],
