@@ -926,7 +926,7 @@ def test_gluon_mla_direct_wide_fp8_on_gpu(size, rank, heads, monkeypatch):
     planned = run(plan=plan)
     assert used and used[0][1].get("plan") is not None
     _check_against_torch(planned, ref, 1)
-    torch.testing.assert_close(planned.out, got.out, atol=1e-4, rtol=0)
+    torch.testing.assert_close(planned.out, got.out, atol=1e-3, rtol=0)       # (other splits, other sums)
     bad = table.clone()
     bad[5, 0] = nb + 7
     for ahead in (0, 1):    # (ids ahead: the check's loads beside the length, evaluated after the loop)

@@ -129,7 +129,7 @@ def _build(name: str, cubin: Path | None = None) -> dict:
         cubin.write_bytes(compiled.asm["cubin"])
     return {"shared": compiled.metadata.shared, "regs": re.findall(r"Used (\d+) registers", info),
             "spill": int(re.search(r"(\d+) bytes spill stores", info).group(1)),
-            "serialized": "C7514" in info,
+            "serialized": any(code in info for code in ("C7511", "C7512", "C7514")),
             "setmaxnreg": "setmaxnreg" in compiled.asm["ptx"], "wgmma": "wgmma.mma_async" in compiled.asm["ptx"],
             "gdc": "griddepcontrol.wait" in compiled.asm["ptx"],
             "stores": {w: len(re.findall(rf"st\.global\.{w}\b", compiled.asm["ptx"]))
@@ -167,9 +167,10 @@ BUILDS = [
     ("mlan-fp8-16-direct5s-ahead-paired-planned", 0), ("mlan-fp8-32-direct3s-tiles4-ahead-paired-planned-pdl", 0),
     ("gqa-bf16-ahead-planned-pdl", 0), ("gqa-fp8-direct8-8-paired-planned-pdl", 0),
     ("mla-bf16-seesaw-planned-pdl", 512),
-    # the direct fp8 kernel over full 64-head tiles (no converter; its scores warpgroup keeps 120 registers
-    # beside two value warpgroups of 184: a few of its addresses spill, outside the loop but one load)
-    ("mlaw-fp8-direct3", 64), ("mlaw-fp8-direct3-paired-ahead-pdl", 128), ("mlaw-fp8-direct2-paired-ahead-planned-pdl", 128)]
+    # the direct fp8 kernel over full 64-head tiles (no converter; its scores warpgroup keeps 104 registers
+    # beside two value warpgroups of 192: its boxes' smem descriptors spill, ~20 L1 loads and stores a tile)
+    ("mlaw-fp8-direct2", 256), ("mlaw-fp8-direct3-paired-ahead-pdl", 320),
+    ("mlaw-fp8-direct2-paired-ahead-planned-pdl", 320)]
 LOADERS = [("mlan-fp8-16-direct5s", 24, 4), ("gqa-fp8-direct10-8", 24, 4), ("gqa-bf16", 64, 1), ("mlan-bf16-16", 64, 1)]
 FIRST_MMAS = [("mlan-fp8-16-direct5s", "QGMMA"), ("gqa-fp8-direct10-8", "QGMMA"), ("gqa-bf16", "HGMMA"),
               ("mlan-bf16-16", "HGMMA")]
@@ -196,7 +197,8 @@ def test_gluon_decode_kernel_builds_for_sm90(name, spill_cap):
     # partitions (the CTA's registers move between them: setmaxnreg) and async wgmma
     assert got["setmaxnreg"] and got["wgmma"]
     # ptxas keeps the wgmma pipeline (its C7514: every wgmma serialized where other instructions read an
-    # in-flight accumulator's registers, e.g. moves of a loop-carried one)
+    # in-flight accumulator's registers, e.g. moves of a loop-carried one; C7511 / C7512: too few registers
+    # for the pipeline, a partition's in-flight accumulators and operands beside its other live values)
     assert not got["serialized"], "ptxas serialized the kernel's wgmma instructions (C7514)"
     # programmatic dependent launch ("-pdl"): the kernel waits for the one before it
     assert got["gdc"] == name.endswith("-pdl")

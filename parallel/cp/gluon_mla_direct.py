@@ -63,7 +63,9 @@ def direct_ok(q: Tensor, k: Tensor, k_scale: Tensor | None) -> bool:
 
 if HAS_GLUON:
     HALF = gl.constexpr(32)         # query rows read at a time (a 32 x 128 fp32 box: 32 registers a thread)
-    REGS_VALUES = gl.constexpr(168)     # registers a thread of each value warpgroup
+    # registers a thread of each value warpgroup (the scores warpgroup keeps 104: 512 - 2 x 192 - 24 for the
+    # loader's warpgroup; at 184 / 200 ptxas serializes the wgmma pipeline of one side or the other)
+    REGS_VALUES = gl.constexpr(192)
 
     @gluon.jit
     def _query_rows(base, r0: gl.constexpr, first, WIDTH: gl.constexpr, layout: gl.constexpr):
@@ -102,23 +104,25 @@ if HAS_GLUON:
         return warpgroup_mma(q8.index(first + 1), kt, acc, is_async=True)
 
     @gluon.jit
+    def _box_done(acc):
+        """A box's score accumulator once its MMAs are complete."""
+        return warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+
+    @gluon.jit
     def _tile_scores(kl_smem, kr_smem, ql_smem, qr_smem, rs, mma8: gl.constexpr):
         """Raw stage rs's scores S [64 heads, 64 keys]: each box (four latent, the rope) hi + lo into an
-        accumulator of its own, summed in fp32 as the next box's MMAs run (two accumulators in turn): a
-        chain of fp8 MMAs on one accumulator rounds its running sum to ~14 bits at every step (one chain
-        over the 576 dims put the output 1.3e-2 off the converter's fp16 MMAs on the GPU test's data)."""
+        accumulator of its own, added to the fp32 sum once complete. A chain of fp8 MMAs on one
+        accumulator rounds its running sum to ~14 bits at every step (one chain over the 576 dims put
+        the output 1.3e-2 off the converter's fp16 MMAs on the GPU test's data); the next box issued
+        before the sum (two accumulators in flight) leaves ptxas too few registers for the wgmma
+        pipeline beside the value warpgroups: it serializes every wgmma of the kernel (C7511 / C7512)."""
         zero = gl.zeros([BLOCK, BLOCK], gl.float32, mma8)
         first = rs * LBOXES
-        a = _box_scores(zero, ql_smem, 0, kl_smem.index(first))
-        b = _box_scores(zero, ql_smem, 2, kl_smem.index(first + 1))
-        sc = warpgroup_mma_wait(num_outstanding=2, deps=(a,))
-        a = _box_scores(zero, ql_smem, 4, kl_smem.index(first + 2))
-        sc = sc + warpgroup_mma_wait(num_outstanding=2, deps=(b,))
-        b = _box_scores(zero, ql_smem, 6, kl_smem.index(first + 3))
-        sc = sc + warpgroup_mma_wait(num_outstanding=2, deps=(a,))
-        a = _box_scores(zero, qr_smem, 0, kr_smem.index(rs))
-        sc = sc + warpgroup_mma_wait(num_outstanding=2, deps=(b,))
-        return sc + warpgroup_mma_wait(num_outstanding=0, deps=(a,))
+        sc = _box_done(_box_scores(zero, ql_smem, 0, kl_smem.index(first)))
+        sc = sc + _box_done(_box_scores(zero, ql_smem, 2, kl_smem.index(first + 1)))
+        sc = sc + _box_done(_box_scores(zero, ql_smem, 4, kl_smem.index(first + 2)))
+        sc = sc + _box_done(_box_scores(zero, ql_smem, 6, kl_smem.index(first + 3)))
+        return sc + _box_done(_box_scores(zero, qr_smem, 0, kr_smem.index(rs)))
 
     @gluon.jit
     def _scores(q_ptr, ql_smem, qr_smem, qf_smem, kl_smem, kr_smem, ks_smem, p_smem, a_smem, raw_ready, raw_free,
@@ -188,8 +192,10 @@ if HAS_GLUON:
                 PART: gl.constexpr, TILES: gl.constexpr, PAIRED: gl.constexpr):
         """A value warpgroup (PART 0 or 1: latent boxes 2 PART and 2 PART + 1, value dims 256 PART ..): per
         tile, once its weights are published, O^T += V^T P^T with the A operands converted in registers from
-        the raw bytes (each accumulator one parity of a box's dims, 64 x 64 heads), its hold on the raw
-        stage and the weights then released; at the end the output times the scores warpgroup's factor."""
+        the raw bytes (each accumulator one parity of a box's dims, 64 x 64 heads; the second box's operands
+        loaded once the first's MMAs are complete: with both boxes' operands live ptxas serializes the
+        wgmma pipeline, C7511), its hold on the raw stage and the weights then released; at the end the
+        output times the scores warpgroup's factor."""
         mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                       instr_shape=[16, BLOCK, 16])
         dim_l: gl.constexpr = gl.SliceLayout(1, mma)
@@ -210,6 +216,7 @@ if HAS_GLUON:
             pt = p_smem.index(pb).permute((1, 0))
             first = rs * LBOXES + 2 * PART
             e0, d0 = _values_box(kl_smem.index(first), pt, e0, d0, alpha, a_l, i16)
+            e0, d0 = warpgroup_mma_wait(num_outstanding=0, deps=(e0, d0))
             e1, d1 = _values_box(kl_smem.index(first + 1), pt, e1, d1, alpha, a_l, i16)
             e0, d0, e1, d1 = warpgroup_mma_wait(num_outstanding=0, deps=(e0, d0, e1, d1))
             mbarrier.arrive(p_free.index(pb))
