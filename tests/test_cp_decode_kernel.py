@@ -898,6 +898,10 @@ def test_gluon_mla_direct_wide_fp8_on_gpu(size, rank, heads, monkeypatch):
     monkeypatch.setitem(td.CONFIG, "direct_wide_fp8", 3)
     got = run()
     assert used and all(kw["raw"] == 3 for _, kw in used), "the direct kernel was not launched"
+    # (more stages than fit run the most that do)
+    monkeypatch.setitem(td.CONFIG, "direct_wide_fp8", 12)
+    torch.testing.assert_close(run().out, got.out, atol=0, rtol=0)
+    assert used[-1][1]["raw"] == gluon_mla_direct.MAX_RAW
     assert used[0][0][7] > 1, "expected several splits"
     _check_against_torch(got, ref, 1)
     torch.testing.assert_close(got.out, conv.out, atol=4e-3, rtol=0)

@@ -37,7 +37,7 @@ if HAS_GLUON:
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
     from .gluon_mla import (BLOCK, CHUNKS, IDS_L, _bad_ids, _bad_ids_after, _finish, _gdc_wait_and_release,
-                            _ids_early, _softmax_step, _split_range)
+                            _ids_early, _opaque_zero, _softmax_step, _split_range)
     from .gluon_mla_narrow import (LBOX, LBOXES, _direct_loader, _first_column, _query_split, _store_box,
                                    _values_box, _zero_tail)
     from .triton_common import work_item as _work_item
@@ -109,20 +109,22 @@ if HAS_GLUON:
         return warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
 
     @gluon.jit
-    def _tile_scores(kl_smem, kr_smem, ql_smem, qr_smem, rs, mma8: gl.constexpr):
+    def _tile_scores(kl_smem, kr_smem, ql_smem, qr_smem, rs, z, mma8: gl.constexpr):
         """Raw stage rs's scores S [64 heads, 64 keys]: each box (four latent, the rope) hi + lo into an
         accumulator of its own, added to the fp32 sum once complete. A chain of fp8 MMAs on one
         accumulator rounds its running sum to ~14 bits at every step (one chain over the 576 dims put
         the output 1.3e-2 off the converter's fp16 MMAs on the GPU test's data); the next box issued
         before the sum (two accumulators in flight) leaves ptxas too few registers for the wgmma
-        pipeline beside the value warpgroups: it serializes every wgmma of the kernel (C7511 / C7512)."""
+        pipeline beside the value warpgroups: it serializes every wgmma of the kernel (C7511 / C7512). z:
+        an opaque 0 (`gluon_mla._opaque_zero`) offsetting the queries' boxes, so that their ten descriptors
+        are made where used instead of held across the loop (they spilled)."""
         zero = gl.zeros([BLOCK, BLOCK], gl.float32, mma8)
         first = rs * LBOXES
-        sc = _box_done(_box_scores(zero, ql_smem, 0, kl_smem.index(first)))
-        sc = sc + _box_done(_box_scores(zero, ql_smem, 2, kl_smem.index(first + 1)))
-        sc = sc + _box_done(_box_scores(zero, ql_smem, 4, kl_smem.index(first + 2)))
-        sc = sc + _box_done(_box_scores(zero, ql_smem, 6, kl_smem.index(first + 3)))
-        return sc + _box_done(_box_scores(zero, qr_smem, 0, kr_smem.index(rs)))
+        sc = _box_done(_box_scores(zero, ql_smem, z, kl_smem.index(first)))
+        sc = sc + _box_done(_box_scores(zero, ql_smem, z + 2, kl_smem.index(first + 1)))
+        sc = sc + _box_done(_box_scores(zero, ql_smem, z + 4, kl_smem.index(first + 2)))
+        sc = sc + _box_done(_box_scores(zero, ql_smem, z + 6, kl_smem.index(first + 3)))
+        return sc + _box_done(_box_scores(zero, qr_smem, z, kr_smem.index(rs)))
 
     @gluon.jit
     def _scores(q_ptr, ql_smem, qr_smem, qf_smem, kl_smem, kr_smem, ks_smem, p_smem, a_smem, raw_ready, raw_free,
@@ -162,7 +164,7 @@ if HAS_GLUON:
             if end - j0 < BLOCK:    # (zeros past the split's end before the value warpgroups read the stage:
                 # they wait for this tile's P; the score MMAs may still see the old bytes, masked below)
                 _zero_tail(kl_smem, rs * LBOXES, end - j0)
-            sc = _tile_scores(kl_smem, kr_smem, ql_smem, qr_smem, rs, mma8)
+            sc = _tile_scores(kl_smem, kr_smem, ql_smem, qr_smem, rs, _opaque_zero(t), mma8)
             key_live = j0 + keys < end
             ks = gl.where(key_live, ks_smem.index(rs).reshape([BLOCK]).load(key_l), 0.0)
             mbarrier.arrive(raw_free.index(rs))

@@ -796,9 +796,12 @@ CONFIG = impl.Settings({
     # (`gluon_mla_direct`: no converter; the scores as fp8 MMAs from the raw key boxes against the
     # queries' e4m3 hi + lo parts, two value warpgroups reading the raw boxes transposed into their
     # MMAs' A operands), its raw stages (0: off, the converter's kernel above; at most 3 fit), and its
-    # first block ids loaded beside the length (ids_ahead_wide_fp8). Built 2026-12-06; on before it was timed
-    # (bench cp's converter_fp8_us column times the converter's kernel beside it)
-    "direct_wide_fp8": 3, "ids_ahead_wide_fp8": 1,
+    # first block ids loaded beside the length (ids_ahead_wide_fp8). bench/debug/decode_gluon.py (H100,
+    # 2026-12-06 09:50, B 32, 1/4 of 8K / 32K / 128K, two rounds): the converter's form 70.4 / 214.7 /
+    # 776-811 µs, direct with 2 raw stages 64.6-64.9 / 186.4-186.8 / 701.0-701.6, with 3 70.8-71.7 / 215.9-
+    # 216.6 / 811-837 (its 202 KB of shared memory leave L1 ~30 KB for the scores warpgroup's spilled
+    # descriptors, since made where used). bench cp's converter_fp8_us column times the converter beside it
+    "direct_wide_fp8": 2, "ids_ahead_wide_fp8": 1,
     # GQA (head dim 128, one query token, bf16 queries) through the warp-specialized Gluon kernels
     # (`gluon_gqa`: over bf16 a TMA loader with a ring of 64-key tiles and one consumer warpgroup, over
     # fp8 the direct kernel below), per cache dtype, where `gluon_gqa_ok` holds; one CTA per SM (bf16:
