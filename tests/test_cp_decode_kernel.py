@@ -1037,6 +1037,9 @@ def test_gluon_mla_head_tiles_on_gpu(dtype, size, rank, heads, tq, monkeypatch):
     key = "tiles_wide_fp8" if fp8 else "tiles_wide"
     # (a step over full 64-head tiles runs as one-token decodes where expand_wide* is on: the tiles' own test)
     monkeypatch.setitem(td.CONFIG, "expand_wide_fp8" if fp8 else "expand_wide", 0)
+    # (over fp8 the full-tile kernel compared against is the converter's, whose fp16 MMAs round least: the
+    # direct one's e4m3 query parts round apart from the tiles', up to 4.7e-3 between the two in lse)
+    monkeypatch.setitem(td.CONFIG, "direct_wide_fp8", 0)
     cache, table, nb, run, ref = _mla_gpu_problem(dtype, size, rank, heads, tq, 57 + rank + heads + tq)
     monkeypatch.setitem(td.CONFIG, key, 0)
     before = run(cache, table)
