@@ -796,11 +796,14 @@ CONFIG = impl.Settings({
     # (`gluon_mla_direct`: no converter; the scores as fp8 MMAs from the raw key boxes against the
     # queries' e4m3 hi + lo parts, two value warpgroups reading the raw boxes transposed into their
     # MMAs' A operands), its raw stages (0: off, the converter's kernel above; at most 3 fit), and its
-    # first block ids loaded beside the length (ids_ahead_wide_fp8). bench/debug/decode_gluon.py (H100,
-    # 2026-12-06 09:50, B 32, 1/4 of 8K / 32K / 128K, two rounds): the converter's form 70.4 / 214.7 /
-    # 776-811 µs, direct with 2 raw stages 64.6-64.9 / 186.4-186.8 / 701.0-701.6, with 3 70.8-71.7 / 215.9-
-    # 216.6 / 811-837 (its 202 KB of shared memory leave L1 ~30 KB for the scores warpgroup's spilled
-    # descriptors, since made where used). bench cp's converter_fp8_us column times the converter beside it
+    # first block ids loaded beside the length (ids_ahead_wide_fp8). bench/debug/decode_gluon.py (2026-12-06,
+    # B 32, 1/4 of 8K / 32K / 128K, two rounds, bench/results/logs/decode-gluon-direct1..4-*.json), with 2
+    # raw stages (3 ran slower or alike): every wgmma serialized by ptxas (C7511, too few registers), H100
+    # 68.0 / 204.0 / 732-749 µs against the converter's 70 / 215 / 776-811, H200 68.0 / 207.5 / 770-773
+    # against 68 / 211 / 784-791; unserialized with 196 B of spilled descriptors (H100) 64.6 / 186.4 / 701;
+    # the descriptors made where used (H100) 58.7 / 166.7 / 624-638 against 70 / 215 / 773-776. bench cp
+    # (H100, logs/cp-dcp-h100-2026-12-06-1000-fe2eb55.md) 58.97 / 171.4 / 629.7 against the converter's
+    # 70.4 / 214.2 / 775.8 in the same run (column converter_fp8_us): 1.19 / 1.25 / 1.23x
     "direct_wide_fp8": 2, "ids_ahead_wide_fp8": 1,
     # GQA (head dim 128, one query token, bf16 queries) through the warp-specialized Gluon kernels
     # (`gluon_gqa`: over bf16 a TMA loader with a ring of 64-key tiles and one consumer warpgroup, over
