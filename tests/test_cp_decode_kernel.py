@@ -759,16 +759,17 @@ def _mla_gpu_problem(dtype, size, rank, heads, tq, seed):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("seesaw", [0, 1], ids=["ws", "seesaw"])
+@pytest.mark.parametrize("seesaw,split", [(0, 0), (1, 0), (0, 1)], ids=["ws", "seesaw", "split"])
 @pytest.mark.parametrize("size,rank,heads", [(1, 0, 128), (2, 1, 128), (4, 2, 128), (2, 1, 16), (1, 0, 32)])
-def test_gluon_mla_kernel_on_gpu(size, rank, heads, seesaw, monkeypatch):
+def test_gluon_mla_kernel_on_gpu(size, rank, heads, seesaw, split, monkeypatch):
     """The warp-specialized Gluon MLA kernel (CONFIG gluon_wide) at full size over every kind of
     DCP rank: NaN in every slot past a sequence's end, lengths that end inside a tile, empty and
     one-token sequences, several splits, against the torch path; the Triton kernel's results to
     1e-5 (the same arithmetic) for full head tiles; a bad block id gives that sequence NaN rows; a
     CUDA graph of it replays to the same result. 16 and 32 heads (TP 8 / 4: one head tile padded
     to 64 rows, CONFIG gluon_wide_narrow) too. seesaw: its seesaw form (CONFIG seesaw_wide; the
-    rescales in another order: the Triton kernel's results to rounding)."""
+    rescales in another order: the Triton kernel's results to rounding). split: its split form (CONFIG
+    split_wide: the same MMAs and sums in other warpgroups, the Triton kernel's results to 1e-5)."""
     td = compiled_decode_kernels(monkeypatch)
     from parallel.cp import gluon_mla
 
@@ -778,6 +779,7 @@ def test_gluon_mla_kernel_on_gpu(size, rank, heads, seesaw, monkeypatch):
     monkeypatch.setitem(td.CONFIG, "gluon_wide_narrow", 1)
     monkeypatch.setitem(td.CONFIG, "swap_wide_narrow", 0)      # (the padded tile: the swapped kernel's own test)
     monkeypatch.setitem(td.CONFIG, "seesaw_wide", seesaw)
+    monkeypatch.setitem(td.CONFIG, "split_wide", split)
     lens = [3000, 0, 77, 1, 640, 4096, 129]
     gen = torch.Generator().manual_seed(21 + rank)
     layout = DCPLayout(size=size, rank=rank, block_size=64)

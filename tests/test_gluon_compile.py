@@ -94,9 +94,13 @@ def _build(name: str, cubin: Path | None = None) -> dict:
     else:   # ("mla-bf16-seesaw": the seesaw form, CONFIG seesaw_wide)
         kernel = gluon_mla._mla_decode_seesaw_kernel if more == ["seesaw"] else gluon_mla._mla_decode_ws_kernel
         consts = {"PAGE": 64}
+        if more == ["split"]:       # ("mla-bf16-split": scores and two value warpgroups, CONFIG split_wide)
+            consts["SPLIT"] = True
         ptrs.update(q_desc=desc, k_desc=desc, k_ptr="*bf16")
     if "PDL" in kernel.arg_names:      # (a constexpr: left out, it would build as a run-time argument)
         consts["PDL"] = pdl
+    if "SPLIT" in kernel.arg_names:
+        consts.setdefault("SPLIT", False)
     if "PIPE" in kernel.arg_names:
         # (as `gluon_mla_narrow.launch` asks for it)
         consts["PIPE"] = pipe and gluon_mla_narrow.pairs_apply(consts["NQ"], consts["RAW"])
@@ -167,6 +171,8 @@ BUILDS = [
     ("mlan-fp8-16-direct5s-ahead-paired-planned", 0), ("mlan-fp8-32-direct3s-tiles4-ahead-paired-planned-pdl", 0),
     ("gqa-bf16-ahead-planned-pdl", 0), ("gqa-fp8-direct8-8-paired-planned-pdl", 0),
     ("mla-bf16-seesaw-planned-pdl", 512),
+    # the bf16 MLA kernel's split form (scores and softmax in one warpgroup, the output's halves in two others)
+    ("mla-bf16-split-pdl", 64), ("mla-bf16-split-planned-pdl", 64),
     # the direct fp8 kernel over full 64-head tiles (no converter; its scores warpgroup keeps 104 registers
     # beside two value warpgroups of 192: its boxes' smem descriptors spill, ~20 L1 loads and stores a tile)
     ("mlaw-fp8-direct2", 256), ("mlaw-fp8-direct3-paired-ahead-pdl", 320),

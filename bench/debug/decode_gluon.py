@@ -5,7 +5,8 @@ and rank 1 of 2; a bad block id), 128 heads over fp8, then whole calls timed wit
 sequences: 128 heads over fp8 at L = 8K, 32K, 128K in the converter's installed form and the direct
 kernel's (`FP8_FORMS`: CONFIG raw_ring_wide_fp8 raw stages, keys_wide_fp8 keys a tile,
 ring_wide_fp8 fp16 stages, direct_wide_fp8 the direct kernel's raw stages), and 128 heads over bf16
-at 32K (the bf16 kernel's speed beside them).
+at the same lengths in the bf16 kernel's installed form and its split form (`BF16_FORMS`, CONFIG
+split_wide).
 
     python bench/debug/decode_gluon.py OUT.json        # on the GPU
 """
@@ -31,11 +32,17 @@ from megapar.parallel.cp.paged import PagedKVCache, paged_decode_attention
 FP8_FORMS = (("triton", 0, 0, 64, 1, 0), ("gluon raw1", 1, 1, 64, 1, 0), ("gluon k32 ring2 raw2", 1, 2, 32, 2, 0),
              ("direct raw3", 1, 2, 32, 2, 3), ("direct raw2", 1, 2, 32, 2, 2))
 TIMED = ("gluon k32 ring2 raw2", "direct raw3", "direct raw2")     # (the forms timed over fp8)
+# over bf16: (name, Gluon on, split_wide): the Gluon kernel as installed, and in its split form
+BF16_FORMS = (("gluon", 1, 0), ("gluon split", 1, 1))
 
 
 def _form(key: str, on: int, raw: int, keys: int, ring: int, direct: int = 0) -> None:
     triton_decode.CONFIG.update({key: on, "raw_ring_wide_fp8": raw, "keys_wide_fp8": keys, "ring_wide_fp8": ring,
                                  "direct_wide_fp8": direct})
+
+
+def _form16(key: str, on: int, split: int) -> None:
+    triton_decode.CONFIG.update({key: on, "split_wide": split})
 
 
 def _check(rows: list, dtype: torch.dtype, heads: int = 128) -> None:
@@ -97,7 +104,8 @@ def main(path: str) -> None:
             triton_decode.CONFIG["gluon_wide_narrow"] = 1
     dims = MLADims()
     for dtype, context, heads in ((torch.float8_e4m3fn, 8192, 128), (torch.float8_e4m3fn, 32768, 128),
-                                  (torch.float8_e4m3fn, 131072, 128), (torch.bfloat16, 32768, 128)):
+                                  (torch.float8_e4m3fn, 131072, 128), (torch.bfloat16, 8192, 128),
+                                  (torch.bfloat16, 32768, 128), (torch.bfloat16, 131072, 128)):
         key = "gluon_wide_fp8" if dtype == torch.float8_e4m3fn else "gluon_wide"
         latent, table = _mla_decode_setup(32, context, dims, 64, 4, ctx.device, dtype)
         layout = DCPLayout(size=4, rank=0, block_size=64)
@@ -109,9 +117,9 @@ def main(path: str) -> None:
         triton_decode.CONFIG[key] = 0
         ref = call()
         for rep in range(2):
-            for name, on, *form in ([f for f in FP8_FORMS if f[0] in TIMED] if dtype == torch.float8_e4m3fn
-                                    else FP8_FORMS[:2]):
-                _form(key, on, *form)
+            fp8 = dtype == torch.float8_e4m3fn
+            for name, on, *form in [f for f in FP8_FORMS if f[0] in TIMED] if fp8 else BF16_FORMS:
+                (_form if fp8 else _form16)(key, on, *form)
                 triton_decode.CONFIG["gluon_wide_narrow"] = on
                 triton_decode.CONFIG["gluon_wide_narrow_fp8"] = on
                 got = call()

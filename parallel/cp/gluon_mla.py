@@ -299,12 +299,14 @@ if HAS_GLUON:
                              table_ptr, glens_ptr, o_ptr, lse_ptr, s, head0_in_seq, split, split_len, dcp_size,
                              dcp_rank, interleave, table_w, num_blocks, st_s, qk_scale, so_p, so_s, so_h, sl_p, sl_s, HQ,
                              PAGE: gl.constexpr, ks_smem=None, qf_smem=None, FP8: gl.constexpr = False,
-                             RING: gl.constexpr = STAGES, KEYS: gl.constexpr = 64):
+                             RING: gl.constexpr = STAGES, KEYS: gl.constexpr = 64, PV: gl.constexpr = True):
         """FP8 (fp16 operands over an fp8 cache): the scores take the query rows' powers of two
         (qf_smem) and the keys' scales (ks_smem); the weights p * scale go to fp16 over a running
         per-row unit r (the largest weight so far: no fp16 overflow), the accumulators are kept in
         units of r and rescaled by the unit's change with alpha. KEYS: keys a tile (64, or 32 over
-        fp8, where the smaller stages let the ring hold two converted tiles)."""
+        fp8, where the smaller stages let the ring hold two converted tiles). Not PV (the split form):
+        scores and softmax only, the stage released once the score MMAs are done; two `_value_half`
+        warpgroups take the output's halves."""
         mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 64, 16])
         mma_s: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                         instr_shape=[16, KEYS, 16])
@@ -314,10 +316,11 @@ if HAS_GLUON:
                                               table_w, PAGE, KEYS)
         m_i = gl.full([BLOCK], float("-inf"), gl.float32, row_l)
         l_i = gl.zeros([BLOCK], gl.float32, row_l)
-        o0 = gl.zeros([BLOCK, BLOCK], gl.float32, mma)
-        o1 = gl.zeros([BLOCK, BLOCK], gl.float32, mma)
-        o2 = gl.zeros([BLOCK, BLOCK], gl.float32, mma)
-        o3 = gl.zeros([BLOCK, BLOCK], gl.float32, mma)
+        if PV:
+            o0 = gl.zeros([BLOCK, BLOCK], gl.float32, mma)
+            o1 = gl.zeros([BLOCK, BLOCK], gl.float32, mma)
+            o2 = gl.zeros([BLOCK, BLOCK], gl.float32, mma)
+            o3 = gl.zeros([BLOCK, BLOCK], gl.float32, mma)
         cols = gl.arange(0, KEYS, layout=col_l)
         r_i = gl.zeros([BLOCK], gl.float32, row_l)
         mbarrier.wait(q_bar, 0)
@@ -334,6 +337,8 @@ if HAS_GLUON:
                 sc = warpgroup_mma(q_smem.index(c), k_smem.index(stage * CHUNKS + c).permute((1, 0)), sc,
                                    is_async=True)
             sc = warpgroup_mma_wait(num_outstanding=0, deps=(sc, ))
+            if not PV:
+                mbarrier.arrive(free.index(stage))
             if FP8:
                 ks = ks_smem.index(stage).load(col_l)
                 sc = gl.where((j0 + cols < end)[None, :], sc * qk_rows[:, None] * ks[None, :], float("-inf"))
@@ -347,9 +352,10 @@ if HAS_GLUON:
             fence_async_shared()
             gl.thread_barrier()
             mbarrier.arrive(p_ready)
-            o0, o1, o2, o3 = _pv(o0, o1, o2, o3, gl.convert_layout(alpha, gl.SliceLayout(1, mma)), p_smem, k_smem,
-                                 stage * CHUNKS + 0)
-            mbarrier.arrive(free.index(stage))
+            if PV:
+                o0, o1, o2, o3 = _pv(o0, o1, o2, o3, gl.convert_layout(alpha, gl.SliceLayout(1, mma)), p_smem,
+                                     k_smem, stage * CHUNKS + 0)
+                mbarrier.arrive(free.index(stage))
         # the final factor 1 / l (NaN for a bad table) to warpgroup 1, then this half and the lse
         factor, lse = _finish(m_i, l_i, r_i, bad, FP8)
         if tiles > 0:
@@ -360,16 +366,27 @@ if HAS_GLUON:
         rows = gl.arange(0, BLOCK, layout=row_l)
         live = head0_in_seq + rows < HQ
         gl.store(lse_ptr + split.to(gl.int64) * sl_p + s.to(gl.int64) * sl_s + head0_in_seq + rows, lse, mask=live)
-        rows = gl.arange(0, BLOCK, layout=gl.SliceLayout(1, mma))
-        ocols = gl.arange(0, BLOCK, layout=gl.SliceLayout(0, mma))
-        o_row = split.to(gl.int64) * so_p + s.to(gl.int64) * so_s + (head0_in_seq + rows).to(gl.int64) * so_h
-        _store_quarter_rows(o_ptr + o_row[:, None] + ocols[None, :], o0, o1, o2, o3,
-                            gl.convert_layout(factor, gl.SliceLayout(1, mma)), head0_in_seq + rows < HQ)
+        if PV:
+            rows = gl.arange(0, BLOCK, layout=gl.SliceLayout(1, mma))
+            ocols = gl.arange(0, BLOCK, layout=gl.SliceLayout(0, mma))
+            o_row = split.to(gl.int64) * so_p + s.to(gl.int64) * so_s + (head0_in_seq + rows).to(gl.int64) * so_h
+            _store_quarter_rows(o_ptr + o_row[:, None] + ocols[None, :], o0, o1, o2, o3,
+                                gl.convert_layout(factor, gl.SliceLayout(1, mma)), head0_in_seq + rows < HQ)
 
     @gluon.jit
     def _high_half(k_smem, p_smem, a_smem, ready, free, p_ready, p_free, glens_ptr, o_ptr, s, head0_in_seq, split,
                    split_len, dcp_size, dcp_rank, interleave, table_w, so_p, so_s, so_h, HQ, PAGE: gl.constexpr,
                    RING: gl.constexpr = STAGES, KEYS: gl.constexpr = 64):
+        """Warpgroup 1: the output's high half (value boxes 4 .. 7) from the published weights."""
+        _value_half(k_smem, p_smem, a_smem, ready, free, p_ready, p_free, glens_ptr, o_ptr, s, head0_in_seq, split,
+                    split_len, dcp_size, dcp_rank, interleave, table_w, so_p, so_s, so_h, HQ, PAGE, RING, KEYS, 4)
+
+    @gluon.jit
+    def _value_half(k_smem, p_smem, a_smem, ready, free, p_ready, p_free, glens_ptr, o_ptr, s, head0_in_seq, split,
+                    split_len, dcp_size, dcp_rank, interleave, table_w, so_p, so_s, so_h, HQ, PAGE: gl.constexpr,
+                    RING: gl.constexpr, KEYS: gl.constexpr, FIRST: gl.constexpr):
+        """A value warpgroup: the output's dims FIRST * 64 .. + 255 (value boxes FIRST .. FIRST + 3), P V per
+        tile once its weights are published, its hold on the stage and the weights then released."""
         mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 64, 16])
         row_l: gl.constexpr = gl.SliceLayout(1, mma)
         col_l: gl.constexpr = gl.SliceLayout(0, mma)
@@ -384,7 +401,7 @@ if HAS_GLUON:
             mbarrier.wait(ready.index(stage), (t // RING) & 1)
             mbarrier.wait(p_ready, t & 1)
             alpha = a_smem.load(row_l)
-            o0, o1, o2, o3 = _pv(o0, o1, o2, o3, alpha, p_smem, k_smem, stage * CHUNKS + 4)
+            o0, o1, o2, o3 = _pv(o0, o1, o2, o3, alpha, p_smem, k_smem, stage * CHUNKS + FIRST)
             gl.thread_barrier()
             mbarrier.arrive(p_free)
             mbarrier.arrive(free.index(stage))
@@ -393,14 +410,14 @@ if HAS_GLUON:
         rows = gl.arange(0, BLOCK, layout=row_l)
         cols = gl.arange(0, BLOCK, layout=col_l)
         o_row = split.to(gl.int64) * so_p + s.to(gl.int64) * so_s + (head0_in_seq + rows).to(gl.int64) * so_h
-        _store_quarter_rows(o_ptr + o_row[:, None] + (4 * BLOCK + cols)[None, :], o0, o1, o2, o3, factor,
+        _store_quarter_rows(o_ptr + o_row[:, None] + (FIRST * BLOCK + cols)[None, :], o0, o1, o2, o3, factor,
                             head0_in_seq + rows < HQ)
 
     @gluon.jit
-    def _barriers(RING: gl.constexpr = STAGES, CONSUMERS: gl.constexpr = 2):
+    def _barriers(RING: gl.constexpr = STAGES, CONSUMERS: gl.constexpr = 2, P_CONSUMERS: gl.constexpr = 1):
         """The kernels' mbarriers, initialized: q_bar (the queries are in), ready / free per ring stage
         (a tile is in / its CONSUMERS warpgroups are done with it), p_ready / p_free (a tile's weights
-        and factors are published / warpgroup 1 is done with them)."""
+        and factors are published / the P_CONSUMERS warpgroups that read them are done with them)."""
         q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
         ready = gl.allocate_shared_memory(gl.int64, [RING, 1], mbarrier.MBarrierLayout())
         free = gl.allocate_shared_memory(gl.int64, [RING, 1], mbarrier.MBarrierLayout())
@@ -408,7 +425,7 @@ if HAS_GLUON:
         p_free = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
         mbarrier.init(q_bar, count=1)
         mbarrier.init(p_ready, count=1)
-        mbarrier.init(p_free, count=1)
+        mbarrier.init(p_free, count=P_CONSUMERS)
         for i in gl.static_range(RING):
             mbarrier.init(ready.index(i), count=1)
             mbarrier.init(free.index(i), count=CONSUMERS)
@@ -420,7 +437,11 @@ if HAS_GLUON:
                               qk_scale, split_len, M_TILES, HQ, dcp_size, dcp_rank, interleave, table_w, num_blocks,
                               st_s, sk_b, sk_t, so_p, so_s, so_h, sl_p, sl_s, PAGE: gl.constexpr,
                               PDL: gl.constexpr = False,
-                              plan_ptr=None, PLANNED: gl.constexpr = False):
+                              plan_ptr=None, PLANNED: gl.constexpr = False, SPLIT: gl.constexpr = False):
+        """bf16 latent cache: a loader warpgroup fills the ring; warpgroup 0 computes the scores, the
+        softmax and the output's low half, warpgroup 1 its high half. SPLIT (CONFIG split_wide): warpgroup
+        0 the scores and softmax only, two value warpgroups the two halves (its P V no longer waits behind
+        the next tile's scores in one warpgroup)."""
         pid = gl.program_id(0)
         split = gl.program_id(1)
         s = pid // M_TILES
@@ -431,23 +452,45 @@ if HAS_GLUON:
         k_smem = gl.allocate_shared_memory(gl.bfloat16, [STAGES * CHUNKS, BLOCK, BLOCK], box)
         p_smem = gl.allocate_shared_memory(gl.bfloat16, [BLOCK, BLOCK], box)
         a_smem = gl.allocate_shared_memory(gl.float32, [BLOCK], gl.SwizzledSharedLayout(1, 1, 1, order=[0]))
-        q_bar, ready, free, p_ready, p_free = _barriers()
+        if SPLIT:
+            q_bar, ready, free, p_ready, p_free = _barriers(STAGES, 3, 2)
+        else:
+            q_bar, ready, free, p_ready, p_free = _barriers()
         if PDL:     # (launched early: the set-up above overlaps the kernel before)
             _gdc_wait_and_release()
         if PLANNED:     # (the grid's splits are a length plan's items: each names its sequence and split)
             s, split, split_len, o_ptr, lse_ptr = _work_item(plan_ptr, split, o_ptr, lse_ptr, so_p, sl_p)
             head0 = s * HQ + head0_in_seq
-        gl.warp_specialize([
-            (_scores_and_low_half, (q_smem, k_smem, p_smem, a_smem, q_bar, ready, free, p_ready, p_free, table_ptr,
-                                    glens_ptr, o_ptr, lse_ptr, s, head0_in_seq, split, split_len, dcp_size, dcp_rank,
-                                    interleave, table_w, num_blocks, st_s, qk_scale, so_p, so_s, so_h, sl_p, sl_s,
-                                    HQ, PAGE)),
-            (_high_half, (k_smem, p_smem, a_smem, ready, free, p_ready, p_free, glens_ptr, o_ptr, s, head0_in_seq,
-                          split, split_len, dcp_size, dcp_rank, interleave, table_w, so_p, so_s, so_h, HQ, PAGE)),
-            (_loader, (q_desc, k_desc, k_ptr, table_ptr, glens_ptr, q_smem, k_smem, q_bar, ready, free, s, head0,
-                       split, split_len, dcp_size, dcp_rank, interleave, table_w, num_blocks, st_s, sk_b, sk_t,
-                       PAGE)),
-        ], [4, 4], [200, 48])
+        if SPLIT:
+            LOW: gl.constexpr = 0
+            HIGH: gl.constexpr = 4
+            gl.warp_specialize([
+                (_scores_and_low_half, (q_smem, k_smem, p_smem, a_smem, q_bar, ready, free, p_ready, p_free,
+                                        table_ptr, glens_ptr, o_ptr, lse_ptr, s, head0_in_seq, split, split_len,
+                                        dcp_size, dcp_rank, interleave, table_w, num_blocks, st_s, qk_scale, so_p,
+                                        so_s, so_h, sl_p, sl_s, HQ, PAGE, None, None, False, STAGES, BLOCK, False)),
+                (_value_half, (k_smem, p_smem, a_smem, ready, free, p_ready, p_free, glens_ptr, o_ptr, s,
+                               head0_in_seq, split, split_len, dcp_size, dcp_rank, interleave, table_w, so_p, so_s,
+                               so_h, HQ, PAGE, STAGES, BLOCK, LOW)),
+                (_value_half, (k_smem, p_smem, a_smem, ready, free, p_ready, p_free, glens_ptr, o_ptr, s,
+                               head0_in_seq, split, split_len, dcp_size, dcp_rank, interleave, table_w, so_p, so_s,
+                               so_h, HQ, PAGE, STAGES, BLOCK, HIGH)),
+                (_loader, (q_desc, k_desc, k_ptr, table_ptr, glens_ptr, q_smem, k_smem, q_bar, ready, free, s, head0,
+                           split, split_len, dcp_size, dcp_rank, interleave, table_w, num_blocks, st_s, sk_b, sk_t,
+                           PAGE)),
+            ], [4, 4, 4], [REGS_SPLIT, REGS_SPLIT, 48])
+        else:
+            gl.warp_specialize([
+                (_scores_and_low_half, (q_smem, k_smem, p_smem, a_smem, q_bar, ready, free, p_ready, p_free, table_ptr,
+                                        glens_ptr, o_ptr, lse_ptr, s, head0_in_seq, split, split_len, dcp_size, dcp_rank,
+                                        interleave, table_w, num_blocks, st_s, qk_scale, so_p, so_s, so_h, sl_p, sl_s,
+                                        HQ, PAGE)),
+                (_high_half, (k_smem, p_smem, a_smem, ready, free, p_ready, p_free, glens_ptr, o_ptr, s, head0_in_seq,
+                              split, split_len, dcp_size, dcp_rank, interleave, table_w, so_p, so_s, so_h, HQ, PAGE)),
+                (_loader, (q_desc, k_desc, k_ptr, table_ptr, glens_ptr, q_smem, k_smem, q_bar, ready, free, s, head0,
+                           split, split_len, dcp_size, dcp_rank, interleave, table_w, num_blocks, st_s, sk_b, sk_t,
+                           PAGE)),
+            ], [4, 4], [200, 48])
 
     # ---- the "seesaw" form (CONFIG seesaw_wide): both warpgroups take scores and softmax in turn ----
     # Tiles go in pairs (A, B): warpgroup 0 scores tile A while warpgroup 1 scores tile B, so one
@@ -467,6 +510,7 @@ if HAS_GLUON:
     # sum P_B; l = l0 + l1 at the end. (FlashMLA's dense decode schedules its two warpgroups this
     # way; its deep-dive note calls it "seesaw" scheduling.)
 
+    REGS_SPLIT = gl.constexpr(168)      # registers a thread of each value warpgroup in the split form
     REGS_SEESAW = gl.constexpr(224)     # registers a thread of warpgroup 1 in the seesaw form (it scores too)
 
     @gluon.jit
@@ -1025,7 +1069,8 @@ def fp8_ring_fits(keys: int, ring: int, raw: int) -> bool:
 def launch_gluon_mla(q: Tensor, k: Tensor, table: Tensor, seq_lens: Tensor, o: Tensor, lse: Tensor, scale_log2: float,
                      splits: int, split_len: int, dcp_size: int, dcp_rank: int, interleave: int,
                      k_scale: Tensor | None = None, raw_ring: int = 0, keys: int = 64, ring: int = 1,
-                     pdl: bool = False, seesaw: bool = False, plan: Tensor | None = None) -> None:
+                     pdl: bool = False, seesaw: bool = False, split: bool = False,
+                     plan: Tensor | None = None) -> None:
     """Fill the split partials o [splits, S, 1, Hq, 512] / lse [splits, S, 1, Hq] (`gluon_mla_ok`;
     k_scale: the fp8 cache's per-token scales;
     raw_ring: over fp8, a TMA ring of that many raw fp8 tiles in front of the converter, where the
@@ -1033,7 +1078,8 @@ def launch_gluon_mla(q: Tensor, k: Tensor, table: Tensor, seq_lens: Tensor, o: T
     stages); then `keys` keys a tile (64 or 32) and `ring` fp16 stages after the converter, within
     shared memory (`fp8_ring_fits`)); pdl: launched with programmatic dependent launch
     (`triton_merge.pdl_ok`)); seesaw: over bf16, the seesaw form (`_mla_decode_seesaw_kernel`: both
-    warpgroups take scores and softmax on alternate tiles); plan: a length plan's item table
+    warpgroups take scores and softmax on alternate tiles); split: over bf16 (not seesaw), the split form
+    (scores and softmax in one warpgroup, the output's halves in two others); plan: a length plan's item table
     (`triton_decode.LengthPlan`): the grid's `splits` are its items, o's sequence stride 0."""
     fp8 = k.dtype == torch.float8_e4m3fn
     launch = {"PDL": True, "launch_pdl": True} if pdl else {}
@@ -1066,6 +1112,8 @@ def launch_gluon_mla(q: Tensor, k: Tensor, table: Tensor, seq_lens: Tensor, o: T
     q_desc = TensorDescriptor(q2, list(q2.shape), list(q2.stride()), [_BLOCK, _BLOCK], box)
     k_desc = TensorDescriptor(k2, list(k2.shape), list(k2.stride()), [_BLOCK, _BLOCK], box)
     kernel = _mla_decode_seesaw_kernel if seesaw else _mla_decode_ws_kernel
+    if split and not seesaw:
+        launch["SPLIT"] = True
     kernel[(grid_rows(s, plan) * m_tiles, splits)](
         q_desc, k_desc, k, table, seq_lens, o, lse, scale_log2, split_len, m_tiles, hq, dcp_size, dcp_rank,
         interleave, table.shape[1], nb, table.stride(0), k.stride(0), k.stride(1), *tail, PAGE=page,

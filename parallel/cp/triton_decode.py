@@ -649,6 +649,11 @@ CONFIG = impl.Settings({
     # against 49.2 / 151.1 / 607.7 on an H200 (2.5x slower before its ring indices stopped the
     # compiler hoisting and spilling every box's wgmma descriptor; docs/gpu.md §41)
     "seesaw_wide": 0,
+    # ... in the split form (0/1; `gluon_mla._mla_decode_ws_kernel` SPLIT, bf16): warpgroup 0 the scores and
+    # softmax only, two value warpgroups the output's halves (168 registers each), so that no warpgroup's
+    # P V waits behind the next tile's scores. Built 2026-12-06; off until bench cp's split_us column has
+    # timed it
+    "split_wide": 0,
     # ... and over an fp8 latent cache (its loader converts each tile to fp16 into shared memory, the
     # scores and weights take the per-token scales as `f16_wide_fp8` does): Triton 106.6 / 359.0 /
     # 1356.7 µs -> Gluon 94.6 / 289.3 / 1062.4 at 1/4 of 8K / 32K / 128K (decode-gluon2-h200.json).
@@ -1101,7 +1106,7 @@ _VALID = {
     "lazy_rescale": (0, 1), "pdl": (0, 1), "dcp_constexpr": (0, 1), "halves": (0, 1), "tma": (0, 1),
     "diag": (0, 1, 2, 3), "f16": (0, 1),
     "gluon_wide": (0, 1), "gluon_wide_fp8": (0, 1), "gluon_wide_narrow": (0, 1), "gluon_wide_narrow_fp8": (0, 1),
-    "seesaw_wide": (0, 1),
+    "seesaw_wide": (0, 1), "split_wide": (0, 1),
     "gluon_gqa": (0, 1), "gluon_gqa_fp8": (0, 1), "stages": range(2, 7),
     "swap": (0, 1), "raw_ring": (0, 1, 2, 3, 4), "keys": (32, 64), "ring": (1, 2, 3),
     "maxnreg": (0, *range(64, 256, 8)), "at_most": (0, 1), "stage16": (0, 1, 2), "even": (0, 1),
@@ -1684,7 +1689,7 @@ def paged_decode_triton(q: Tensor, k: Tensor, v: Tensor, k_scale: Tensor | None,
         gluon_mla.launch_gluon_mla(q, k, table, seq_lens, o, lse, scale * _LOG2E, splits, split_len, dcp_size,
                                    dcp_rank, interleave, k_scale if fp8 else None, raw_ring=CONFIG["raw_ring_wide_fp8"],
                                    keys=CONFIG["keys_wide_fp8"], ring=CONFIG["ring_wide_fp8"], pdl=pdl,
-                                   seesaw=bool(CONFIG["seesaw_wide"]), **planned)
+                                   seesaw=bool(CONFIG["seesaw_wide"]), split=bool(CONFIG["split_wide"]), **planned)
     elif s > 0 and splits > 0 and c.gqa_ws:
         gluon_gqa.launch_gluon_gqa(q, k, v, table, seq_lens, o, lse, scale * _LOG2E, splits, split_len, dcp_size,
                                    dcp_rank, interleave, k_scale if fp8 else None, v_scale if fp8 else None,
