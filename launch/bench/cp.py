@@ -287,7 +287,6 @@ DECODE_VARIANTS = {"no_pdl_us": ("triton_decode", {"pdl": 0}),
                    "ids_ahead_fp8_us": ("triton_decode", {"ids_ahead_direct_fp8": 1}),
                    "ids_after_narrow_fp8_us": ("triton_decode", {"ids_ahead_narrow_fp8": 0}),
                    "seesaw_us": ("triton_decode", {"seesaw_wide": 1}),
-                   "split_us": ("triton_decode", {"split_wide": 1}),
                    "untiled_us": ("triton_decode", {"tiles_wide": 0}),
                    "untiled_fp8_us": ("triton_decode", {"tiles_wide_fp8": 0}),
                    "expanded_us": ("triton_decode", {"expand_wide": 1}),
@@ -326,7 +325,6 @@ def row_variants(kind: str, heads: int, fp8: bool, tokens: int = 1) -> tuple[str
              "unpaired_store_us": fp8 and (kind == "gqa" or swapped),
              "ids_after_us": not fp8 and (kind == "gqa" or swapped), "ids_ahead_fp8_us": fp8 and kind == "gqa",
              "ids_after_narrow_fp8_us": fp8 and swapped, "seesaw_us": kind == "mla" and not swapped and not fp8,
-             "split_us": kind == "mla" and not swapped and not fp8,
              "untiled_us": tiled and not fp8, "untiled_fp8_us": tiled and fp8,
              "expanded_us": expandable and not fp8, "expanded_fp8_us": expandable and fp8,
              "converter_fp8_us": full_fp8}
@@ -348,7 +346,7 @@ def _decode_time(ctx: BenchContext, fns, variants=None) -> tuple[float, dict]:
     after the length (ids_ahead 0), ids_ahead_fp8_us with GQA's direct fp8 kernel's loaded beside it
     (ids_ahead_direct_fp8 1), ids_after_narrow_fp8_us with MLA's narrow direct fp8 kernel's loaded
     after it (ids_ahead_narrow_fp8 0), seesaw_us with the bf16 Gluon MLA kernel in its seesaw form
-    (seesaw_wide 1), split_us with it in its split form (split_wide 1), converter_fp8_us with MLA's full head tiles over fp8 through the converter's kernel
+    (seesaw_wide 1), converter_fp8_us with MLA's full head tiles over fp8 through the converter's kernel
     instead of the direct one (direct_wide_fp8 0) (where the CONFIG has the changed value
     already, time_us itself). `variants`:
     the names of those to time (`row_variants`: those that reach the row's kernel), all when None."""

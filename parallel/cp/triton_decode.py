@@ -651,8 +651,10 @@ CONFIG = impl.Settings({
     "seesaw_wide": 0,
     # ... in the split form (0/1; `gluon_mla._mla_decode_ws_kernel` SPLIT, bf16): warpgroup 0 the scores and
     # softmax only, two value warpgroups the output's halves (168 registers each), so that no warpgroup's
-    # P V waits behind the next tile's scores. Built 2026-12-06; off until bench cp's split_us column has
-    # timed it
+    # P V waits behind the next tile's scores. Passes its GPU tests (the Triton kernel's results exactly);
+    # measured no faster: bench/debug/decode_gluon.py (H100, 2026-12-06 10:27, logs/decode-gluon-split-h100-
+    # 2026-12-06-1027-d2b21f4.json; 1/4 of 8K / 32K / 128K, two rounds) 53.0-53.2 / 156.3-158.0 / 613.3-619.1 µs
+    # against 52.6-53.0 / 153.3-157.7 / 601.1-602.8: what bounds the bf16 kernel is not warpgroup 0's serial P V
     "split_wide": 0,
     # ... and over an fp8 latent cache (its loader converts each tile to fp16 into shared memory, the
     # scores and weights take the per-token scales as `f16_wide_fp8` does): Triton 106.6 / 359.0 /
