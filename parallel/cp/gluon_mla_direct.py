@@ -38,8 +38,8 @@ if HAS_GLUON:
 
     from .gluon_mla import (BLOCK, CHUNKS, IDS_L, _bad_ids, _bad_ids_after, _finish, _gdc_wait_and_release,
                             _ids_early, _opaque_zero, _softmax_step, _split_range)
-    from .gluon_mla_narrow import (LBOX, LBOXES, _direct_loader, _first_column, _query_split, _store_box,
-                                   _values_box, _zero_tail)
+    from .gluon_mla_narrow import (LBOX, LBOXES, _direct_loader, _final_factor, _first_column, _publish,
+                                   _publish_factor, _published, _query_split, _store_box, _values_box, _zero_tail)
     from .triton_common import work_item as _work_item
 
 MAX_RAW = 3     # raw stages that fit beside the queries' e4m3 parts and the weights' double buffer
@@ -158,7 +158,6 @@ if HAS_GLUON:
         keys = gl.arange(0, BLOCK, layout=key_l)
         for t in range(tiles):
             rs = t % RAW
-            pb = t % 2
             j0 = start + t * BLOCK
             mbarrier.wait(raw_ready.index(rs), (t // RAW) & 1)
             if end - j0 < BLOCK:    # (zeros past the split's end before the value warpgroups read the stage:
@@ -170,23 +169,13 @@ if HAS_GLUON:
             mbarrier.arrive(raw_free.index(rs))
             sc = gl.where(key_live[None, :], sc * ks[None, :] * qk_q[:, None], float("-inf"))
             p, alpha, m_i, l_i, r_i = _softmax_step(sc, m_i, l_i, r_i, ks, 1, True)
-            if t >= 2:
-                mbarrier.wait(p_free.index(pb), ((t // 2) - 1) & 1)
-            p_smem.index(pb).store(p.to(gl.float16))
-            a_smem.index(pb).store(alpha)
-            fence_async_shared()
-            gl.thread_barrier()
-            mbarrier.arrive(p_ready.index(pb))
+            _publish(p_smem, a_smem, p_free, p_ready, t, p.to(gl.float16), alpha)
         if AHEAD:
             bad = bad | _bad_ids_after(early, table_ptr, s, st_s, start, end, num_blocks, PAGE, IDS_L)
         factor, lse = _finish(m_i, l_i, r_i, bad, True)
         heads = (c0 + gl.arange(0, BLOCK, layout=row_l)).to(gl.int64)
         gl.store(lse_ptr + split.to(gl.int64) * sl_p + s.to(gl.int64) * sl_s + heads, lse)
-        if tiles >= 2:
-            mbarrier.wait(p_free.index(tiles % 2), ((tiles // 2) - 1) & 1)
-        a_smem.index(tiles % 2).store(factor)
-        gl.thread_barrier()
-        mbarrier.arrive(p_ready.index(tiles % 2))
+        _publish_factor(a_smem, p_free, p_ready, tiles, factor)
 
     @gluon.jit
     def _values(kl_smem, p_smem, a_smem, raw_free, p_ready, p_free, glens_ptr, o_ptr, s, split, split_len,
@@ -212,19 +201,15 @@ if HAS_GLUON:
         d1 = gl.zeros([BLOCK, BLOCK], gl.float32, mma)
         for t in range(tiles):
             rs = t % RAW
-            pb = t % 2
-            mbarrier.wait(p_ready.index(pb), (t // 2) & 1)
-            alpha = a_smem.index(pb).load(head_l)
-            pt = p_smem.index(pb).permute((1, 0))
+            alpha, pt = _published(p_smem, a_smem, p_ready, t, head_l)
             first = rs * LBOXES + 2 * PART
             e0, d0 = _values_box(kl_smem.index(first), pt, e0, d0, alpha, a_l, i16)
             e0, d0 = warpgroup_mma_wait(num_outstanding=0, deps=(e0, d0))
             e1, d1 = _values_box(kl_smem.index(first + 1), pt, e1, d1, alpha, a_l, i16)
             e0, d0, e1, d1 = warpgroup_mma_wait(num_outstanding=0, deps=(e0, d0, e1, d1))
-            mbarrier.arrive(p_free.index(pb))
+            mbarrier.arrive(p_free.index(t % 2))
             mbarrier.arrive(raw_free.index(rs))
-        mbarrier.wait(p_ready.index(tiles % 2), (tiles // 2) & 1)
-        factor = a_smem.index(tiles % 2).load(head_l)
+        factor = _final_factor(a_smem, p_ready, tiles, head_l)
         heads = _first_column(TILES, BLOCK) + gl.arange(0, BLOCK, layout=head_l)
         rows = gl.arange(0, BLOCK, layout=dim_l)
         o_q = split.to(gl.int64) * so_p + s.to(gl.int64) * so_s + heads.to(gl.int64) * so_h

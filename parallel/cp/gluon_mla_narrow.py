@@ -429,6 +429,42 @@ if HAS_GLUON:
             _store_half(o_ptr, odd, first + 1, factor, o_q, live, rows)
 
     @gluon.jit
+    def _publish(p_smem, a_smem, p_free, p_ready, t, pw, alpha):
+        """Tile t's weights pw (the stored orientation) and rescale alpha into double buffer t % 2 for the
+        value warpgroup(s), once they are done with tile t - 2's."""
+        pb = t % 2
+        if t >= 2:
+            mbarrier.wait(p_free.index(pb), ((t // 2) - 1) & 1)
+        p_smem.index(pb).store(pw)
+        a_smem.index(pb).store(alpha)
+        fence_async_shared()
+        gl.thread_barrier()
+        mbarrier.arrive(p_ready.index(pb))
+
+    @gluon.jit
+    def _publish_factor(a_smem, p_free, p_ready, tiles, factor):
+        """The output's final factor after the split's `tiles` tiles, in the buffer the next tile's weights
+        would have taken."""
+        if tiles >= 2:
+            mbarrier.wait(p_free.index(tiles % 2), ((tiles // 2) - 1) & 1)
+        a_smem.index(tiles % 2).store(factor)
+        gl.thread_barrier()
+        mbarrier.arrive(p_ready.index(tiles % 2))
+
+    @gluon.jit
+    def _published(p_smem, a_smem, p_ready, t, col_l: gl.constexpr):
+        """(the rescale per column, the weights P^T as the B operand) of tile t, once published (`_publish`)."""
+        pb = t % 2
+        mbarrier.wait(p_ready.index(pb), (t // 2) & 1)
+        return a_smem.index(pb).load(col_l), p_smem.index(pb).permute((1, 0))
+
+    @gluon.jit
+    def _final_factor(a_smem, p_ready, tiles, col_l: gl.constexpr):
+        """The output's final factor per column (`_publish_factor`)."""
+        mbarrier.wait(p_ready.index(tiles % 2), (tiles // 2) & 1)
+        return a_smem.index(tiles % 2).load(col_l)
+
+    @gluon.jit
     def _tile_softmax(sc, t, m_i, l_i, r_i, start, end, keys, qk_q, q_pos, ks_smem, p_smem, a_smem, raw_free,
                       p_free, p_ready, dcp_size, dcp_rank, interleave, RAW: gl.constexpr, CAUSAL: gl.constexpr):
         """Tile t's raw scores sc (its MMAs complete) through the online softmax: times its keys' scales
@@ -436,7 +472,6 @@ if HAS_GLUON:
         each column's token), the weights P^T and the rescale published in buffer t % 2 for the value
         warpgroup. Returns the new (m, l, r)."""
         rs = t % RAW
-        pb = t % 2
         j0 = start + t * BLOCK
         key_live = j0 + keys < end
         live = key_live[:, None]
@@ -446,13 +481,7 @@ if HAS_GLUON:
         mbarrier.arrive(raw_free.index(rs))
         sc = gl.where(live, sc * ks[:, None] * qk_q[None, :], float("-inf"))
         p, alpha, m_i, l_i, r_i = _softmax_step(sc, m_i, l_i, r_i, ks, 0, True, True)
-        if t >= 2:
-            mbarrier.wait(p_free.index(pb), ((t // 2) - 1) & 1)
-        p_smem.index(pb).store(gl.permute(p.to(gl.float16), [1, 0]))
-        a_smem.index(pb).store(alpha)
-        fence_async_shared()
-        gl.thread_barrier()
-        mbarrier.arrive(p_ready.index(pb))
+        _publish(p_smem, a_smem, p_free, p_ready, t, gl.permute(p.to(gl.float16), [1, 0]), alpha)
         return m_i, l_i, r_i
 
     @gluon.jit
@@ -536,11 +565,7 @@ if HAS_GLUON:
         tok = (cols // HQ).to(gl.int64)
         head = (cols % HQ).to(gl.int64)
         gl.store(lse_ptr + split.to(gl.int64) * sl_p + s.to(gl.int64) * sl_s + tok * sl_t + head, lse, mask=mine)
-        if tiles >= 2:
-            mbarrier.wait(p_free.index(tiles % 2), ((tiles // 2) - 1) & 1)
-        a_smem.index(tiles % 2).store(factor)
-        gl.thread_barrier()
-        mbarrier.arrive(p_ready.index(tiles % 2))
+        _publish_factor(a_smem, p_free, p_ready, tiles, factor)
 
     @gluon.jit
     def _direct_values(kl_smem, p_smem, a_smem, raw_free, p_ready, p_free, glens_ptr, o_ptr, s, split, split_len,
@@ -568,10 +593,7 @@ if HAS_GLUON:
         d3 = gl.zeros([BLOCK, NQ], gl.float32, mma)
         for t in range(tiles):
             rs = t % RAW
-            pb = t % 2
-            mbarrier.wait(p_ready.index(pb), (t // 2) & 1)
-            alpha = a_smem.index(pb).load(q_l)
-            pt = p_smem.index(pb).permute((1, 0))
+            alpha, pt = _published(p_smem, a_smem, p_ready, t, q_l)
             first = rs * LBOXES
             e0, d0 = _values_box(kl_smem.index(first), pt, e0, d0, alpha, a_l, i16)
             e1, d1 = _values_box(kl_smem.index(first + 1), pt, e1, d1, alpha, a_l, i16)
@@ -580,10 +602,9 @@ if HAS_GLUON:
             e1, d1 = warpgroup_mma_wait(num_outstanding=2, deps=(e1, d1))
             e3, d3 = _values_box(kl_smem.index(first + 3), pt, e3, d3, alpha, a_l, i16)
             e2, d2, e3, d3 = warpgroup_mma_wait(num_outstanding=0, deps=(e2, d2, e3, d3))
-            mbarrier.arrive(p_free.index(pb))
+            mbarrier.arrive(p_free.index(t % 2))
             mbarrier.arrive(raw_free.index(rs))
-        mbarrier.wait(p_ready.index(tiles % 2), (tiles // 2) & 1)
-        factor = a_smem.index(tiles % 2).load(q_l)
+        factor = _final_factor(a_smem, p_ready, tiles, q_l)
         cols = _first_column(TILES, NQ) + gl.arange(0, NQ, layout=q_l)
         rows = gl.arange(0, BLOCK, layout=key_l)
         mine = cols < TQ * HQ
