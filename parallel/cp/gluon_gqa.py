@@ -224,8 +224,8 @@ if HAS_GLUON:
 
 
 if HAS_GLUON:
-    from .gluon_mla_narrow import (LBOX, _fold_parts, _query_pos, _query_split, _scores_box8, _softmax_start,
-                                   _store_box, _value_operands, _zero_tail)
+    from .gluon_mla_narrow import (LBOX, _fold_parts, _publish_factor, _query_pos, _query_split, _scores_box8,
+                                   _softmax_start, _store_box, _value_operands, _zero_tail)
     from .triton_common import global_pos as _global_pos
 
     DIRECT_REGS = gl.constexpr(128)     # registers a thread of the direct kernel's value warpgroup
@@ -393,11 +393,7 @@ if HAS_GLUON:
         lse_at = (split.to(gl.int64) * sl_p + s.to(gl.int64) * sl_s + (cols // G).to(gl.int64) * sl_t + kvh * G
                   + cols % G)
         gl.store(lse_ptr + lse_at, lse, mask=cols < TQ * G)
-        if steps >= 2:
-            mbarrier.wait(p_free.index(steps % 2), ((steps // 2) - 1) & 1)
-        a_smem.index(steps % 2).store(factor)
-        gl.thread_barrier()
-        mbarrier.arrive(p_ready.index(steps % 2))
+        _publish_factor(a_smem, p_free, p_ready, steps, factor)
 
     @gluon.jit
     def _scales_at(ks_ptr, vs_ptr, blk, j0, end, kvh, ss_b, ss_t, ss_h, svs_b, svs_t, svs_h, srows,
