@@ -65,8 +65,7 @@ def _build(name: str, cubin: Path | None = None) -> dict:
             kernel, consts = gluon_mla_narrow._mla_narrow_kernel, {"PAGE": 64, "NQ": nq, "CAUSAL": causal}
             ptrs.update(q_desc=f"tensordesc<bf16[{nq}, 64],{qbox}>", k_desc=desc, k_ptr="*bf16")
     elif family == "mlaw":   # the direct fp8 kernel over full 64-head tiles: "mlaw-fp8-directRAW" (2 head tiles)
-        kernel, consts = gluon_mla_direct._mla_wide_direct_kernel, {"PAGE": 64, "RAW": int(more[0][6:]), "TILES": 2,
-                                                                     "CHAIN": 2 if more[1:] == ["chain2"] else 1}
+        kernel, consts = gluon_mla_direct._mla_wide_direct_kernel, {"PAGE": 64, "RAW": int(more[0][6:]), "TILES": 2}
         lbox, rbox = gl.NVMMASharedLayout(128, 8, 2), gl.NVMMASharedLayout(64, 8, 2)
         ptrs.update(q_ptr="*bf16", kl_desc=f"tensordesc<fp8e4nv[64, 128],{lbox}>",
                     kr_desc=f"tensordesc<fp8e4nv[64, 64],{rbox}>",

@@ -30,15 +30,15 @@ from megapar.parallel.cp.paged import PagedKVCache, paged_decode_attention
 # and 3 fp16 stages measured slower, decode-gluon8-h200.json), the direct kernel (`gluon_mla_direct`: no
 # converter) with 3 and 2 raw stages
 FP8_FORMS = (("triton", 0, 0, 64, 1, 0), ("gluon raw1", 1, 1, 64, 1, 0), ("gluon k32 ring2 raw2", 1, 2, 32, 2, 0),
-             ("direct raw3", 1, 2, 32, 2, 3), ("direct raw2", 1, 2, 32, 2, 2), ("direct raw2 chain2", 1, 2, 32, 2, 2, 2))
-TIMED = ("gluon k32 ring2 raw2", "direct raw2", "direct raw2 chain2")     # (the forms timed over fp8)
+             ("direct raw3", 1, 2, 32, 2, 3), ("direct raw2", 1, 2, 32, 2, 2))
+TIMED = ("gluon k32 ring2 raw2", "direct raw3", "direct raw2")     # (the forms timed over fp8)
 # over bf16: (name, Gluon on, split_wide): the Gluon kernel as installed, and in its split form
 BF16_FORMS = (("gluon", 1, 0), ("gluon split", 1, 1))
 
 
-def _form(key: str, on: int, raw: int, keys: int, ring: int, direct: int = 0, chain: int = 1) -> None:
+def _form(key: str, on: int, raw: int, keys: int, ring: int, direct: int = 0) -> None:
     triton_decode.CONFIG.update({key: on, "raw_ring_wide_fp8": raw, "keys_wide_fp8": keys, "ring_wide_fp8": ring,
-                                 "direct_wide_fp8": direct, "direct_chain_wide_fp8": chain})
+                                 "direct_wide_fp8": direct})
 
 
 def _form16(key: str, on: int, split: int) -> None:
@@ -104,7 +104,8 @@ def main(path: str) -> None:
             triton_decode.CONFIG["gluon_wide_narrow"] = 1
     dims = MLADims()
     for dtype, context, heads in ((torch.float8_e4m3fn, 8192, 128), (torch.float8_e4m3fn, 32768, 128),
-                                  (torch.float8_e4m3fn, 131072, 128)):
+                                  (torch.float8_e4m3fn, 131072, 128), (torch.bfloat16, 8192, 128),
+                                  (torch.bfloat16, 32768, 128), (torch.bfloat16, 131072, 128)):
         key = "gluon_wide_fp8" if dtype == torch.float8_e4m3fn else "gluon_wide"
         latent, table = _mla_decode_setup(32, context, dims, 64, 4, ctx.device, dtype)
         layout = DCPLayout(size=4, rank=0, block_size=64)

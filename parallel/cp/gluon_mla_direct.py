@@ -109,7 +109,7 @@ if HAS_GLUON:
         return warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
 
     @gluon.jit
-    def _tile_scores(kl_smem, kr_smem, ql_smem, qr_smem, rs, z, mma8: gl.constexpr, CHAIN: gl.constexpr = 1):
+    def _tile_scores(kl_smem, kr_smem, ql_smem, qr_smem, rs, z, mma8: gl.constexpr):
         """Raw stage rs's scores S [64 heads, 64 keys]: each box (four latent, the rope) hi + lo into an
         accumulator of its own, added to the fp32 sum once complete. A chain of fp8 MMAs on one
         accumulator rounds its running sum to ~14 bits at every step (one chain over the 576 dims put
@@ -117,27 +117,20 @@ if HAS_GLUON:
         before the sum (two accumulators in flight) leaves ptxas too few registers for the wgmma
         pipeline beside the value warpgroups: it serializes every wgmma of the kernel (C7511 / C7512). z:
         an opaque 0 (`gluon_mla._opaque_zero`) offsetting the queries' boxes, so that their ten descriptors
-        are made where used instead of held across the loop (they spilled). CHAIN 2 (CONFIG
-        direct_chain_wide_fp8): two latent boxes a chain (three waits a tile instead of five)."""
+        are made where used instead of held across the loop (they spilled)."""
         zero = gl.zeros([BLOCK, BLOCK], gl.float32, mma8)
         first = rs * LBOXES
-        if CHAIN == 2:
-            sc = _box_done(_box_scores(_box_scores(zero, ql_smem, z, kl_smem.index(first)), ql_smem, z + 2,
-                                       kl_smem.index(first + 1)))
-            sc = sc + _box_done(_box_scores(_box_scores(zero, ql_smem, z + 4, kl_smem.index(first + 2)), ql_smem,
-                                            z + 6, kl_smem.index(first + 3)))
-        else:
-            sc = _box_done(_box_scores(zero, ql_smem, z, kl_smem.index(first)))
-            sc = sc + _box_done(_box_scores(zero, ql_smem, z + 2, kl_smem.index(first + 1)))
-            sc = sc + _box_done(_box_scores(zero, ql_smem, z + 4, kl_smem.index(first + 2)))
-            sc = sc + _box_done(_box_scores(zero, ql_smem, z + 6, kl_smem.index(first + 3)))
+        sc = _box_done(_box_scores(zero, ql_smem, z, kl_smem.index(first)))
+        sc = sc + _box_done(_box_scores(zero, ql_smem, z + 2, kl_smem.index(first + 1)))
+        sc = sc + _box_done(_box_scores(zero, ql_smem, z + 4, kl_smem.index(first + 2)))
+        sc = sc + _box_done(_box_scores(zero, ql_smem, z + 6, kl_smem.index(first + 3)))
         return sc + _box_done(_box_scores(zero, qr_smem, z, kr_smem.index(rs)))
 
     @gluon.jit
     def _scores(q_ptr, ql_smem, qr_smem, qf_smem, kl_smem, kr_smem, ks_smem, p_smem, a_smem, raw_ready, raw_free,
                 p_ready, p_free, table_ptr, glens_ptr, lse_ptr, s, split, split_len, dcp_size, dcp_rank, interleave,
                 table_w, num_blocks, st_s, qk_scale, sl_p, sl_s, HQ, PAGE: gl.constexpr, RAW: gl.constexpr,
-                TILES: gl.constexpr, AHEAD: gl.constexpr, CHAIN: gl.constexpr = 1):
+                TILES: gl.constexpr, AHEAD: gl.constexpr):
         """The scores warpgroup: the queries as e4m3 hi and lo parts, then per raw tile the scores
         (`_tile_scores`), the online softmax along each head's row (the keys' scales, a running per-head
         unit), the weights P and the rescale published in buffer t % 2 for the value warpgroups; at the end
@@ -170,7 +163,7 @@ if HAS_GLUON:
             if end - j0 < BLOCK:    # (zeros past the split's end before the value warpgroups read the stage:
                 # they wait for this tile's P; the score MMAs may still see the old bytes, masked below)
                 _zero_tail(kl_smem, rs * LBOXES, end - j0)
-            sc = _tile_scores(kl_smem, kr_smem, ql_smem, qr_smem, rs, _opaque_zero(t), mma8, CHAIN)
+            sc = _tile_scores(kl_smem, kr_smem, ql_smem, qr_smem, rs, _opaque_zero(t), mma8)
             key_live = j0 + keys < end
             ks = gl.where(key_live, ks_smem.index(rs).reshape([BLOCK]).load(key_l), 0.0)
             mbarrier.arrive(raw_free.index(rs))
@@ -229,8 +222,7 @@ if HAS_GLUON:
                                 split_len, HQ, dcp_size, dcp_rank, interleave, table_w, num_blocks, st_s, so_p, so_s,
                                 so_h, sl_p, sl_s, PAGE: gl.constexpr, RAW: gl.constexpr, TILES: gl.constexpr,
                                 PDL: gl.constexpr = False, PAIRED: gl.constexpr = False,
-                                AHEAD: gl.constexpr = False, plan_ptr=None, PLANNED: gl.constexpr = False,
-                                CHAIN: gl.constexpr = 1):
+                                AHEAD: gl.constexpr = False, plan_ptr=None, PLANNED: gl.constexpr = False):
         """fp8 latent cache, 64 heads a program (program_id(0) = sequence x TILES + head tile), without a
         converter: a one-warp TMA loader fills RAW raw stages; the scores warpgroup (`_scores`) and two value
         warpgroups (`_values`) read each tile's bytes themselves. PAIRED: the output's dim pairs stored
@@ -272,7 +264,7 @@ if HAS_GLUON:
             (_scores, (q_ptr, ql_smem, qr_smem, qf_smem, kl_smem, kr_smem, ks_smem, p_smem, a_smem, raw_ready,
                        raw_free, p_ready, p_free, table_ptr, glens_ptr, lse_ptr, s, split, split_len, dcp_size,
                        dcp_rank, interleave, table_w, num_blocks, st_s, qk_scale, sl_p, sl_s, HQ, PAGE, RAW, TILES,
-                       AHEAD, CHAIN)),
+                       AHEAD)),
             (_values, (kl_smem, p_smem, a_smem, raw_free, p_ready, p_free, glens_ptr, o_ptr, s, split, split_len,
                        dcp_size, dcp_rank, interleave, table_w, so_p, so_s, so_h, PAGE, RAW, LOW, TILES, PAIRED)),
             (_values, (kl_smem, p_smem, a_smem, raw_free, p_ready, p_free, glens_ptr, o_ptr, s, split, split_len,
@@ -286,13 +278,13 @@ if HAS_GLUON:
 def launch(q: Tensor, k: Tensor, table: Tensor, seq_lens: Tensor, o: Tensor, lse: Tensor, scale_log2: float,
            splits: int, split_len: int, dcp_size: int, dcp_rank: int, interleave: int, k_scale: Tensor,
            raw: int = MAX_RAW, pdl: bool = False, paired: bool = False, ahead: bool = False,
-           plan: Tensor | None = None, chain: int = 1) -> None:
+           plan: Tensor | None = None) -> None:
     """Fill the split partials o [splits, S, 1, Hq, 512] / lse [splits, S, 1, Hq] of queries q [S, 1, Hq,
     576] over an fp8 latent cache (`gluon_mla.gluon_mla_ok` and `direct_ok` hold) with `raw` raw stages
     (`direct_fits`); paired: the output's dim pairs stored together; ahead: the loader's first block ids
     loaded beside the length; pdl: launched with programmatic dependent launch (`triton_merge.pdl_ok`);
     plan: a length plan's item table (`triton_decode.LengthPlan`): the grid's `splits` are its items, o's
-    sequence stride 0; chain: latent boxes a score accumulator (1 or 2, `_tile_scores`)."""
+    sequence stride 0."""
     s, tq, hq, d = q.shape
     if not direct_fits(raw):
         raise ValueError(f"the direct fp8 MLA kernel with {raw} raw stages of {_BLOCK} keys does not fit in shared "
@@ -311,5 +303,5 @@ def launch(q: Tensor, k: Tensor, table: Tensor, seq_lens: Tensor, o: Tensor, lse
     _mla_wide_direct_kernel[(grid_rows(s, plan) * tiles, splits)](
         q, kl_desc, kr_desc, ks_desc, table, seq_lens, o, lse, scale_log2, split_len, hq, dcp_size, dcp_rank,
         interleave, table.shape[1], nb, table.stride(0), o.stride(0), o.stride(1), o.stride(3), lse.stride(0),
-        lse.stride(1), PAGE=page, RAW=raw, TILES=tiles, PAIRED=bool(paired), AHEAD=bool(ahead), CHAIN=chain,
-        num_warps=4, **launch)
+        lse.stride(1), PAGE=page, RAW=raw, TILES=tiles, PAIRED=bool(paired), AHEAD=bool(ahead), num_warps=4,
+        **launch)

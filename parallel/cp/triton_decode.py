@@ -810,11 +810,11 @@ CONFIG = impl.Settings({
     # against 68 / 211 / 784-791; unserialized with 196 B of spilled descriptors (H100) 64.6 / 186.4 / 701;
     # the descriptors made where used (H100) 58.7 / 166.7 / 624-638 against 70 / 215 / 773-776. bench cp
     # (H100, logs/cp-dcp-h100-2026-12-06-1000-fe2eb55.md) 58.97 / 171.4 / 629.7 against the converter's
-    # 70.4 / 214.2 / 775.8 in the same run (column converter_fp8_us): 1.19 / 1.25 / 1.23x
+    # 70.4 / 214.2 / 775.8 in the same run (column converter_fp8_us): 1.19 / 1.25 / 1.23x. Two latent boxes a
+    # score accumulator (three waits on the MMAs a tile instead of five; commit e67b929, since removed): 57.4-57.9 /
+    # 166.1-168.8 / 629-646 µs against 58.2-58.5 / 165.9-168.6 / 655-661, within the spread, with the output
+    # 3.7e-3 off the Triton kernel at 32K against 1.4e-3 (logs/decode-gluon-chain2-h100-2026-12-06-1050-e67b929.json)
     "direct_wide_fp8": 2, "ids_ahead_wide_fp8": 1,
-    # its latent boxes a score accumulator (1 or 2: `gluon_mla_direct._tile_scores`; 2 waits on the MMAs three
-    # times a tile instead of five, at the cost of longer fp8 accumulation chains). Not yet timed
-    "direct_chain_wide_fp8": 1,
     # GQA (head dim 128, one query token, bf16 queries) through the warp-specialized Gluon kernels
     # (`gluon_gqa`: over bf16 a TMA loader with a ring of 64-key tiles and one consumer warpgroup, over
     # fp8 the direct kernel below), per cache dtype, where `gluon_gqa_ok` holds; one CTA per SM (bf16:
@@ -1111,7 +1111,7 @@ _VALID = {
     "lazy_rescale": (0, 1), "pdl": (0, 1), "dcp_constexpr": (0, 1), "halves": (0, 1), "tma": (0, 1),
     "diag": (0, 1, 2, 3), "f16": (0, 1),
     "gluon_wide": (0, 1), "gluon_wide_fp8": (0, 1), "gluon_wide_narrow": (0, 1), "gluon_wide_narrow_fp8": (0, 1),
-    "seesaw_wide": (0, 1), "split_wide": (0, 1), "direct_chain_wide_fp8": (1, 2),
+    "seesaw_wide": (0, 1), "split_wide": (0, 1),
     "gluon_gqa": (0, 1), "gluon_gqa_fp8": (0, 1), "stages": range(2, 7),
     "swap": (0, 1), "raw_ring": (0, 1, 2, 3, 4), "keys": (32, 64), "ring": (1, 2, 3),
     "maxnreg": (0, *range(64, 256, 8)), "at_most": (0, 1), "stage16": (0, 1, 2), "even": (0, 1),
@@ -1689,8 +1689,7 @@ def paged_decode_triton(q: Tensor, k: Tensor, v: Tensor, k_scale: Tensor | None,
     elif s > 0 and splits > 0 and c.wide_raw:
         gluon_mla_direct.launch(q, k, table, seq_lens, o, lse, scale * _LOG2E, splits, split_len, dcp_size, dcp_rank,
                                 interleave, k_scale, raw=c.wide_raw, pdl=pdl, paired=direct_opts["paired"],
-                                ahead=bool(CONFIG["ids_ahead_wide_fp8"]), chain=CONFIG["direct_chain_wide_fp8"],
-                                **planned)
+                                ahead=bool(CONFIG["ids_ahead_wide_fp8"]), **planned)
     elif s > 0 and splits > 0 and c.gluon:
         gluon_mla.launch_gluon_mla(q, k, table, seq_lens, o, lse, scale * _LOG2E, splits, split_len, dcp_size,
                                    dcp_rank, interleave, k_scale if fp8 else None, raw_ring=CONFIG["raw_ring_wide_fp8"],
