@@ -652,8 +652,8 @@ CONFIG = impl.Settings({
     # ... in the split form (0/1; `gluon_mla._mla_decode_ws_kernel` SPLIT, bf16): warpgroup 0 the scores and
     # softmax only, two value warpgroups the output's halves (168 registers each), so that no warpgroup's
     # P V waits behind the next tile's scores. Passes its GPU tests (the Triton kernel's results exactly);
-    # measured no faster: bench/debug/decode_gluon.py (H100, 2026-12-06 10:27, logs/decode-gluon-split-h100-
-    # 2026-12-06-1027-d2b21f4.json; 1/4 of 8K / 32K / 128K, two rounds) 53.0-53.2 / 156.3-158.0 / 613.3-619.1 µs
+    # measured no faster: bench/debug/decode_gluon.py (H100, 2026-12-06 10:16, logs/decode-gluon-split-h100-
+    # 2026-12-06-1016-d2b21f4.json; 1/4 of 8K / 32K / 128K, two rounds) 53.0-53.2 / 156.3-158.0 / 613.3-619.1 µs
     # against 52.6-53.0 / 153.3-157.7 / 601.1-602.8: what bounds the bf16 kernel is not warpgroup 0's serial P V
     "split_wide": 0,
     # ... and over an fp8 latent cache (its loader converts each tile to fp16 into shared memory, the
@@ -813,7 +813,7 @@ CONFIG = impl.Settings({
     # 70.4 / 214.2 / 775.8 in the same run (column converter_fp8_us): 1.19 / 1.25 / 1.23x. Two latent boxes a
     # score accumulator (three waits on the MMAs a tile instead of five; commit e67b929, since removed): 57.4-57.9 /
     # 166.1-168.8 / 629-646 µs against 58.2-58.5 / 165.9-168.6 / 655-661, within the spread, with the output
-    # 3.7e-3 off the Triton kernel at 32K against 1.4e-3 (logs/decode-gluon-chain2-h100-2026-12-06-1050-e67b929.json)
+    # 3.7e-3 off the Triton kernel at 32K against 1.4e-3 (logs/decode-gluon-chain2-h100-2026-12-06-1040-e67b929.json)
     "direct_wide_fp8": 2, "ids_ahead_wide_fp8": 1,
     # GQA (head dim 128, one query token, bf16 queries) through the warp-specialized Gluon kernels
     # (`gluon_gqa`: over bf16 a TMA loader with a ring of 64-key tiles and one consumer warpgroup, over
