@@ -8,10 +8,10 @@ warpgroups and crosses shared memory once:
 
 - the scores warpgroup computes S = Q K^T with the heads as wgmma's M (64) and the tile's 64 keys as
   N: fp8 MMAs straight from the raw key boxes against the queries split into two e4m3 parts
-  (hi + lo, ~8 significant bits: a bf16 query's), in two accumulators (the first two latent boxes;
-  the last two and the rope box) summed in fp32. The online softmax then runs along each head's
-  row (no cross-warp reduction), with the keys' scales, and publishes the weights P (fp16, over a
-  running per-head unit as in every fp8 kernel here) and the rescale through a double buffer;
+  (hi + lo, ~8 significant bits: a bf16 query's), each box (four latent, the rope) into an
+  accumulator of its own, summed in fp32 (`_tile_scores`). The online softmax then runs along each
+  head's row (no cross-warp reduction), with the keys' scales, and publishes the weights P (fp16,
+  over a running per-head unit as in every fp8 kernel here) and the rescale through a double buffer;
 - two value warpgroups, each for two latent boxes (256 of the 512 value dims), compute O^T += V^T
   P^T: the A operand is the raw box read transposed by 16-bit ldmatrix and split into its even and
   odd dims in registers (`gluon_mla_narrow._values_box`), P^T is the B operand from shared memory;
@@ -19,7 +19,10 @@ warpgroups and crosses shared memory once:
   TMA into a ring of raw stages (`gluon_mla_narrow._direct_loader`).
 
 The output is the split's partial (out, lse) in `triton_decode.paged_decode_triton`'s layout;
-CONFIG direct_wide_fp8 chooses it (its raw stages; 0: the converter's kernel)."""
+CONFIG direct_wide_fp8 chooses it (its raw stages; 0: the converter's kernel). Registers shape it: the
+O accumulators alone take half the register file, so one box's scores are in flight at a time and the
+value boxes' operands are loaded one box at a time (`REGS_VALUES`); a tighter split makes ptxas
+serialize every wgmma of the kernel (its C7511 / C7512, which tests/test_gluon_compile.py fails on)."""
 
 from __future__ import annotations
 
