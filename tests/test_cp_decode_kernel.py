@@ -1323,6 +1323,32 @@ def test_direct_narrow_mla_fp8_stages_fit_shared_memory():
                       torch.ones(4, 64, 1), raw=6)
 
 
+def test_direct_wide_mla_fp8_stages_fit_shared_memory():
+    """The full-head-tile direct fp8 kernel's shared memory (`gluon_mla_direct.direct_fits`: the queries'
+    e4m3 parts, raw stages of 37.1 KB, two weight buffers): three raw stages fit (its sm_90a build takes
+    202.6 KB, under the estimate), four do not; where it applies (`direct_ok`: an fp8 cache with scales a
+    TMA can read, one query token, heads a multiple of 64); the launcher refuses a depth that does not
+    fit with the numbers, before building anything."""
+    from parallel.cp import gluon_mla_direct as gd
+
+    assert gd.direct_fits(gd.MAX_RAW) and not gd.direct_fits(gd.MAX_RAW + 1) and not gd.direct_fits(0)
+    if not gd.HAS_GLUON:
+        return
+    k8 = torch.zeros(4, 64, 1, 576, dtype=torch.float8_e4m3fn)
+    scales = torch.ones(4, 64, 1)
+    q = torch.zeros(2, 1, 128, 576, dtype=torch.bfloat16)
+    assert gd.direct_ok(q, k8, scales)
+    assert not gd.direct_ok(q, k8.view(torch.uint8).view(torch.float8_e4m3fn), None)     # (no scales)
+    assert not gd.direct_ok(q, k8, scales.transpose(0, 1))              # (not contiguous: no TMA over them)
+    assert not gd.direct_ok(q, k8, torch.ones(4 * 64 + 1)[1:].view(4, 64, 1))   # (an unaligned base)
+    assert not gd.direct_ok(torch.zeros(2, 2, 128, 576, dtype=torch.bfloat16), k8, scales)   # (two tokens)
+    assert not gd.direct_ok(torch.zeros(2, 1, 96, 576, dtype=torch.bfloat16), k8, scales)    # (96 heads)
+    assert not gd.direct_ok(q, torch.zeros(4, 64, 1, 576, dtype=torch.bfloat16), scales)     # (bf16)
+    with pytest.raises(ValueError, match=r"direct fp8 MLA kernel with 4 raw stages of 64 keys does not fit"):
+        gd.launch(q, k8, torch.zeros(2, 4, dtype=torch.int32), torch.ones(2), None, None, 0.1, 1, 256, 1, 0, 1,
+                  scales, raw=4)
+
+
 def test_gluon_gqa_applies_only_to_its_layout():
     """The Gluon GQA kernel's conditions (`gluon_gqa_ok`): bf16 queries [S, 1, Hq, 128], a bf16 or
     fp8 (with fp32 scales) cache of separate contiguous k and v, <= 64 query heads per kv head,

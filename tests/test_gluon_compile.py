@@ -347,6 +347,16 @@ def test_fp8_mla_ring_fits_shared_memory(keys, ring, raw, fits, monkeypatch):
             triton_decode.apply_tuning({"config": {"keys_wide_fp8": keys}})
 
 
+@pytest.mark.parametrize("name,raw", [("mlaw-fp8-direct2", 2), ("mlaw-fp8-direct3-paired-ahead-pdl", 3)])
+def test_direct_wide_mla_shared_memory_is_within_its_estimate(name, raw):
+    """`gluon_mla_direct.shared_bytes`, what `direct_fits` (the dispatcher's only check before a launch)
+    reads, bounds what the full-head-tile direct kernel's sm_90a build takes, within 1 KB of it."""
+    from parallel.cp import gluon_mla_direct
+
+    got, estimate = _built(name)["shared"], gluon_mla_direct.shared_bytes(raw)
+    assert gluon_mla_direct.direct_fits(raw) and estimate - 1024 <= got <= estimate, (got, estimate)
+
+
 if __name__ == "__main__":     # (child) python test_gluon_compile.py CUBIN_DIR NAME...: a JSON line a build
     import traceback
 

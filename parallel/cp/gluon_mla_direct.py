@@ -48,13 +48,17 @@ if HAS_GLUON:
 MAX_RAW = 3     # raw stages that fit beside the queries' e4m3 parts and the weights' double buffer
 
 
-def direct_fits(raw: int) -> bool:
+def shared_bytes(raw: int) -> int:
     """The kernel's shared memory: the queries' e4m3 hi and lo parts (64 x 576 each), their factors,
     `raw` raw stages (four 64 x 128 latent boxes, the 64 x 64 rope box, the keys' scales), two buffers
     of the weights (64 x 64 fp16) and their rescale, barriers and 1 KB of the compiler's scratch."""
-    need = (2 * _BLOCK * _CHUNKS * _BLOCK + 4 * _BLOCK + raw * _DIRECT_STAGE + 2 * (_BLOCK * _BLOCK * 2 + 4 * _BLOCK)
+    return (2 * _BLOCK * _CHUNKS * _BLOCK + 4 * _BLOCK + raw * _DIRECT_STAGE + 2 * (_BLOCK * _BLOCK * 2 + 4 * _BLOCK)
             + 8 * (2 * raw + 4) + 1024)
-    return raw >= 1 and need <= SMEM_LIMIT
+
+
+def direct_fits(raw: int) -> bool:
+    """`raw` raw stages (at least one) fit sm_90's shared memory (`shared_bytes`)."""
+    return raw >= 1 and shared_bytes(raw) <= SMEM_LIMIT
 
 
 def direct_ok(q: Tensor, k: Tensor, k_scale: Tensor | None) -> bool:
