@@ -41,8 +41,9 @@ if HAS_GLUON:
 
     from .gluon_mla import (BLOCK, CHUNKS, IDS_L, _bad_ids, _bad_ids_after, _finish, _gdc_wait_and_release,
                             _ids_early, _opaque_zero, _softmax_step, _split_range)
-    from .gluon_mla_narrow import (LBOX, LBOXES, _direct_loader, _final_factor, _first_column, _publish,
-                                   _publish_factor, _published, _query_split, _store_box, _values_box, _zero_tail)
+    from .gluon_mla_narrow import (LBOX, LBOXES, _direct_loader, _e4m3_scale, _final_factor, _first_column,
+                                   _publish, _publish_factor, _published, _query_split, _store_box, _values_box,
+                                   _zero_tail)
     from .triton_common import work_item as _work_item
 
 MAX_RAW = 3     # raw stages that fit beside the queries' e4m3 parts and the weights' double buffer
@@ -91,16 +92,13 @@ if HAS_GLUON:
         amax = gl.max(gl.abs(_query_rows(base, r0, LBOXES * LBOX, BLOCK, lat)), 1)
         for b in gl.static_range(LBOXES):
             amax = gl.maximum(amax, gl.max(gl.abs(_query_rows(base, r0, b * LBOX, LBOX, lat)), 1))
-        biased = (amax.to(gl.int32, bitcast=True) >> 23) & 0xFF
-        # (e4m3's top binade is [2^8, 448])
-        e = gl.minimum(gl.maximum(134 - biased, -120), 107)
-        up = ((e + 127) << 23).to(gl.float32, bitcast=True)
+        up, down = _e4m3_scale(amax)
         for b in gl.static_range(LBOXES):
             _query_split(_query_rows(base, r0, b * LBOX, LBOX, lat), up, ql_smem.index(2 * b).slice(r0, HALF),
                          ql_smem.index(2 * b + 1).slice(r0, HALF))
         _query_split(_query_rows(base, r0, LBOXES * LBOX, BLOCK, lat), up, qr_smem.index(0).slice(r0, HALF),
                      qr_smem.index(1).slice(r0, HALF))
-        qf_smem.slice(r0, HALF).store(((127 - e) << 23).to(gl.float32, bitcast=True))
+        qf_smem.slice(r0, HALF).store(down)
 
     @gluon.jit
     def _box_scores(acc, q8, first, box):

@@ -357,6 +357,14 @@ if HAS_GLUON:
         return gl.load(ptrs, mask=(rows < q_rows)[:, None], other=0.0).to(gl.float32)
 
     @gluon.jit
+    def _e4m3_scale(amax):
+        """(2^e, 2^-e) per query row of largest magnitude amax: 2^e puts it into [2^7, 2^8), so that no e4m3
+        part saturates (e4m3's top binade is [2^8, 448]); e clamped to what fp32 exponents hold."""
+        biased = (amax.to(gl.int32, bitcast=True) >> 23) & 0xFF
+        e = gl.minimum(gl.maximum(134 - biased, -120), 107)
+        return ((e + 127) << 23).to(gl.float32, bitcast=True), ((127 - e) << 23).to(gl.float32, bitcast=True)
+
+    @gluon.jit
     def _query_split(x, up, dst_hi, dst_lo):
         """A box of query dims times its rows' powers of two as two e4m3 parts, hi + lo: their sum
         carries ~8 significant bits, a bf16 query's."""
@@ -386,10 +394,7 @@ if HAS_GLUON:
             bad = False
         amax = gl.max(gl.maximum(gl.maximum(gl.abs(x0), gl.abs(x1)), gl.maximum(gl.abs(x2), gl.abs(x3))), 1)
         amax = gl.maximum(amax, gl.max(gl.abs(xr), 1))
-        biased = (amax.to(gl.int32, bitcast=True) >> 23) & 0xFF
-        # (the largest magnitude into [2^7, 2^8): e4m3's top binade is [2^8, 448])
-        e = gl.minimum(gl.maximum(134 - biased, -120), 107)
-        up = ((e + 127) << 23).to(gl.float32, bitcast=True)
+        up, down = _e4m3_scale(amax)
         _query_split(x0, up, ql_smem.index(0), ql_smem.index(1))
         _query_split(x1, up, ql_smem.index(2), ql_smem.index(3))
         _query_split(x2, up, ql_smem.index(4), ql_smem.index(5))
@@ -397,7 +402,7 @@ if HAS_GLUON:
         _query_split(xr, up, qr_smem.index(0), qr_smem.index(1))
         fence_async_shared()
         gl.thread_barrier()
-        return ((127 - e) << 23).to(gl.float32, bitcast=True), bad
+        return down, bad
 
     @gluon.jit
     def _store_half(o_ptr, o, first, factor, o_q, live, rows):
