@@ -49,6 +49,31 @@ if HAS_GLUON:
 MAX_RAW = 3     # raw stages that fit beside the queries' e4m3 parts and the weights' double buffer
 
 
+_COUNTERS: dict[tuple[int, int], Tensor] = {}
+_RETIRED: list[Tensor] = []
+
+
+def merge_counters(device: torch.device, n: int) -> Tensor | None:
+    """The in-kernel split merge's int32 counters (4 a program) for launches on the current stream of
+    `device`: zeros, which every launch leaves at zero again (its last split of each program resets
+    them). One set a stream: launches on one stream run one after the other, and two streams never share a
+    set. Made outside CUDA-graph capture only (a zero-fill captured would run at replay, and the memory
+    would be the graph's): None where a capture finds none large enough for its stream, and the caller
+    merges with the merge kernel instead. (A graph keeps the set of the stream it was captured on: replay
+    it on that stream, or on one where no eager call of this kernel runs at the same time.)"""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    key = (index, torch.cuda.current_stream(index).stream_id)
+    have = _COUNTERS.get(key)
+    if have is not None and have.numel() >= n:
+        return have
+    if torch.cuda.is_current_stream_capturing():
+        return None
+    if have is not None:    # (kept: a graph captured with it holds its address)
+        _RETIRED.append(have)
+    _COUNTERS[key] = torch.zeros(max(n, 1024), dtype=torch.int32, device=device)
+    return _COUNTERS[key]
+
+
 def shared_bytes(raw: int) -> int:
     """The kernel's shared memory: the queries' e4m3 hi and lo parts (64 x 576 each), their factors,
     `raw` raw stages (four 64 x 128 latent boxes, the 64 x 64 rope box, the keys' scales), two buffers
@@ -184,14 +209,15 @@ if HAS_GLUON:
 
     @gluon.jit
     def _values(kl_smem, p_smem, a_smem, raw_free, p_ready, p_free, glens_ptr, o_ptr, s, split, split_len,
-                dcp_size, dcp_rank, interleave, table_w, so_p, so_s, so_h, PAGE: gl.constexpr, RAW: gl.constexpr,
-                PART: gl.constexpr, TILES: gl.constexpr, PAIRED: gl.constexpr):
+                dcp_size, dcp_rank, interleave, table_w, so_p, so_s, so_h, lse_ptr, sl_p, sl_s, out_ptr, olse_ptr,
+                cnt_ptr, fo_s, fo_h, fl_s, PAGE: gl.constexpr, RAW: gl.constexpr, PART: gl.constexpr,
+                TILES: gl.constexpr, PAIRED: gl.constexpr, MERGE: gl.constexpr):
         """A value warpgroup (PART 0 or 1: latent boxes 2 PART and 2 PART + 1, value dims 256 PART ..): per
         tile, once its weights are published, O^T += V^T P^T with the A operands converted in registers from
         the raw bytes (each accumulator one parity of a box's dims, 64 x 64 heads; the second box's operands
         loaded once the first's MMAs are complete: with both boxes' operands live ptxas serializes the
         wgmma pipeline, C7511), its hold on the raw stage and the weights then released; at the end the
-        output times the scores warpgroup's factor."""
+        output times the scores warpgroup's factor (`_values_end`: a partial, or MERGE merged)."""
         mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                       instr_shape=[16, BLOCK, 16])
         dim_l: gl.constexpr = gl.SliceLayout(1, mma)
@@ -219,20 +245,122 @@ if HAS_GLUON:
         rows = gl.arange(0, BLOCK, layout=dim_l)
         o_q = split.to(gl.int64) * so_p + s.to(gl.int64) * so_s + heads.to(gl.int64) * so_h
         live = heads >= 0
-        _store_box(o_ptr, e0, d0, 2 * PART * LBOX, factor, o_q, live, rows, PAIRED)
-        _store_box(o_ptr, e1, d1, (2 * PART + 1) * LBOX, factor, o_q, live, rows, PAIRED)
+        if MERGE:
+            _merged_end(e0, d0, e1, d1, factor, o_ptr, o_q, live, lse_ptr, out_ptr, olse_ptr, cnt_ptr, s, so_p, so_s,
+                        so_h, sl_p, sl_s, fo_s, fo_h, fl_s, split, rows, TILES, PART, PAIRED)
+        else:
+            _store_box(o_ptr, e0, d0, 2 * PART * LBOX, factor, o_q, live, rows, PAIRED)
+            _store_box(o_ptr, e1, d1, (2 * PART + 1) * LBOX, factor, o_q, live, rows, PAIRED)
+
+    @gluon.jit
+    def _fence_gpu():
+        """This thread's earlier writes (and what it has observed of other threads') ordered before its later
+        accesses for the whole GPU: fence.acq_rel.gpu."""
+        gl.inline_asm_elementwise("fence.acq_rel.gpu; // $0", "=r", [], dtype=gl.int32, is_pure=False, pack=1)
+
+    @gluon.jit
+    def _clean(lse):
+        """A partial's lse as the split merge reads it: +inf as -inf (`triton_merge._clean_lse`)."""
+        return gl.where(lse == float("inf"), float("-inf"), lse)
+
+    @gluon.jit
+    def _merge_stats(l_base, heads, sl_p, nsplits):
+        """Per head: (max, sum of the weights relative to it) over the `nsplits` partial lse at l_base + split
+        x sl_p + heads, as `triton_merge._max_and_total` takes them: the max 0 where every split is empty,
+        NaN where any lse is NaN (the sum then NaN too)."""
+        mx = gl.full(heads.shape, float("-inf"), gl.float32, heads.type.layout)
+        nan = mx != mx
+        for sp in range(nsplits):
+            li = _clean(gl.load(l_base + sp * sl_p + heads, cache_modifier=".cg"))
+            nan = nan | (li != li)
+            mx = gl.maximum(mx, li)
+        mx = gl.where(nan, float("nan"), gl.where(mx == float("-inf"), 0.0, mx))
+        total = gl.zeros_like(mx)
+        for sp in range(nsplits):
+            total += gl.exp(_clean(gl.load(l_base + sp * sl_p + heads, cache_modifier=".cg")) - mx)
+        return mx, total
+
+    @gluon.jit
+    def _merge_add(acc, o_at, l_at, mx, safe):
+        """acc + a split's stored partial (o_at: its elements' addresses) times its weight per head (lse at
+        l_at), left out where the weight is 0 (an empty split's partial may hold anything; a NaN weight, a
+        NaN row's, stays NaN)."""
+        w = gl.exp(_clean(gl.load(l_at, cache_modifier=".cg")) - mx) / safe
+        return acc + gl.where(w[None, :] > 0, gl.load(o_at, cache_modifier=".cg"), 0.0) * w[None, :]
+
+    @gluon.jit
+    def _merge_box(o_base, l_base, f_base, even, odd, first, mine, mx, safe, h_o, h_f, heads, rows, so_p, sl_p,
+                   split, nsplits, PAIRED: gl.constexpr):
+        """The merged out of output dims first .. first + 127 (a latent box's: this split's even and odd
+        accumulators times `mine`, its factor and weight per head) with the other splits' stored partials
+        (at o_base + split x so_p + h_o + dim), stored at f_base + h_f + dim."""
+        even = even * mine[None, :]
+        odd = odd * mine[None, :]
+        for sp in range(nsplits):
+            if sp != split:     # (the offsets made here, not held across the loop: `_opaque_zero`)
+                at = o_base + sp.to(gl.int64) * so_p + ((first + 2 * rows + _opaque_zero(sp))[:, None] + h_o[None, :])
+                even = _merge_add(even, at, l_base + sp * sl_p + heads, mx, safe)
+                odd = _merge_add(odd, at + 1, l_base + sp * sl_p + heads, mx, safe)
+        _store_box(f_base, even, odd, first, gl.full_like(mx, 1.0), h_f, heads >= 0, rows, PAIRED)
+
+    @gluon.jit
+    def _merged_end(e0, d0, e1, d1, factor, o_ptr, o_q, live, lse_ptr, out_ptr, olse_ptr, cnt_ptr, s, so_p, so_s, so_h,
+                    sl_p, sl_s, fo_s, fo_h, fl_s, split, rows, TILES: gl.constexpr, PART: gl.constexpr,
+                    PAIRED: gl.constexpr):
+        """A value warpgroup's output with the split merge in the kernel (the partials: at o_ptr + o_q + dim
+        for this split, the lse stored by the scores warpgroup). The warpgroup counts its split in (this part's
+        counter at cnt_ptr[PART]); the last of the `num_programs(1)` splits to come merges this part's 256
+        dims of every split into out (part 0 also the lse into olse), once the others have stored their
+        partials (counted at cnt_ptr[2 + PART]); the others store theirs. The last puts both counters back
+        to 0 for the next launch. (What the merge needs is made in its branch: made before, the compiler
+        kept it across the kernel, and the scores warpgroup's loop spilled.)"""
+        nsplits = gl.num_programs(1)
+        _fence_gpu()        # (the scores warpgroup's lse, seen through the factor's barrier, before the count)
+        gl.thread_barrier()
+        last = gl.atomic_add(cnt_ptr + PART, 1, sem="acq_rel", scope="gpu") == nsplits - 1
+        _fence_gpu()
+        if last:
+            while gl.load(cnt_ptr + 2 + PART, volatile=True) < nsplits - 1:
+                pass
+            _fence_gpu()
+            gl.store(cnt_ptr + PART, 0)
+            gl.store(cnt_ptr + 2 + PART, 0)
+            s64 = s.to(gl.int64)
+            o_base = o_ptr + s64 * so_s
+            l_base = lse_ptr + s64 * sl_s
+            f_base = out_ptr + s64 * fo_s
+            heads = _first_column(TILES, BLOCK) + gl.arange(0, BLOCK, layout=factor.type.layout)
+            mx, total = _merge_stats(l_base, heads, sl_p, nsplits)
+            safe = gl.where(total > 0, total, 1.0)
+            # (this split's factor times its weight: the merge kernel's weight of the stored partial)
+            mine = factor * (gl.exp(_clean(gl.load(l_base + split * sl_p + heads, cache_modifier=".cg")) - mx)
+                             / safe)
+            _merge_box(o_base, l_base, f_base, e0, d0, 2 * PART * LBOX, mine, mx, safe, heads * so_h,
+                       heads * fo_h, heads, rows, so_p, sl_p, split, nsplits, PAIRED)
+            _merge_box(o_base, l_base, f_base, e1, d1, (2 * PART + 1) * LBOX, mine, mx, safe, heads * so_h,
+                       heads * fo_h, heads, rows, so_p, sl_p, split, nsplits, PAIRED)
+            if PART == 0:
+                gl.store(olse_ptr + s64 * fl_s + heads, gl.where(total == 0, float("-inf"), mx + gl.log(safe)))
+        else:
+            _store_box(o_ptr, e0, d0, 2 * PART * LBOX, factor, o_q, live, rows, PAIRED)
+            _store_box(o_ptr, e1, d1, (2 * PART + 1) * LBOX, factor, o_q, live, rows, PAIRED)
+            _fence_gpu()
+            gl.thread_barrier()
+            gl.atomic_add(cnt_ptr + 2 + PART, 1, sem="release", scope="gpu")
 
     @gluon.jit
     def _mla_wide_direct_kernel(q_ptr, kl_desc, kr_desc, ks_desc, table_ptr, glens_ptr, o_ptr, lse_ptr, qk_scale,
                                 split_len, HQ, dcp_size, dcp_rank, interleave, table_w, num_blocks, st_s, so_p, so_s,
-                                so_h, sl_p, sl_s, PAGE: gl.constexpr, RAW: gl.constexpr, TILES: gl.constexpr,
-                                PDL: gl.constexpr = False, PAIRED: gl.constexpr = False,
-                                AHEAD: gl.constexpr = False, plan_ptr=None, PLANNED: gl.constexpr = False):
+                                so_h, sl_p, sl_s, out_ptr, olse_ptr, cnt_ptr, fo_s, fo_h, fl_s, PAGE: gl.constexpr,
+                                RAW: gl.constexpr, TILES: gl.constexpr, PDL: gl.constexpr = False,
+                                PAIRED: gl.constexpr = False, AHEAD: gl.constexpr = False, plan_ptr=None,
+                                PLANNED: gl.constexpr = False, MERGE: gl.constexpr = False):
         """fp8 latent cache, 64 heads a program (program_id(0) = sequence x TILES + head tile), without a
         converter: a one-warp TMA loader fills RAW raw stages; the scores warpgroup (`_scores`) and two value
         warpgroups (`_values`) read each tile's bytes themselves. PAIRED: the output's dim pairs stored
         together; AHEAD: the loader's first block ids, and the scores warpgroup's id check, loaded beside the
-        sequence's length."""
+        sequence's length; MERGE: the splits merged in the kernel into out / olse (`_values_end`, counters
+        cnt_ptr[4 program_id(0) ..]; not with a length plan)."""
         s = gl.program_id(0) // TILES
         split = gl.program_id(1)
         lbox: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=8, rank=2)
@@ -263,6 +391,7 @@ if HAS_GLUON:
             _gdc_wait_and_release()
         if PLANNED:     # (the grid's splits are a length plan's items: each names its sequence and split)
             s, split, split_len, o_ptr, lse_ptr = _work_item(plan_ptr, split, o_ptr, lse_ptr, so_p, sl_p)
+        cnt_ptr = cnt_ptr + gl.program_id(0) * 4
         LOW: gl.constexpr = 0
         HIGH: gl.constexpr = 1
         gl.warp_specialize([
@@ -271,9 +400,11 @@ if HAS_GLUON:
                        dcp_rank, interleave, table_w, num_blocks, st_s, qk_scale, sl_p, sl_s, HQ, PAGE, RAW, TILES,
                        AHEAD)),
             (_values, (kl_smem, p_smem, a_smem, raw_free, p_ready, p_free, glens_ptr, o_ptr, s, split, split_len,
-                       dcp_size, dcp_rank, interleave, table_w, so_p, so_s, so_h, PAGE, RAW, LOW, TILES, PAIRED)),
+                       dcp_size, dcp_rank, interleave, table_w, so_p, so_s, so_h, lse_ptr, sl_p, sl_s, out_ptr,
+                       olse_ptr, cnt_ptr, fo_s, fo_h, fl_s, PAGE, RAW, LOW, TILES, PAIRED, MERGE)),
             (_values, (kl_smem, p_smem, a_smem, raw_free, p_ready, p_free, glens_ptr, o_ptr, s, split, split_len,
-                       dcp_size, dcp_rank, interleave, table_w, so_p, so_s, so_h, PAGE, RAW, HIGH, TILES, PAIRED)),
+                       dcp_size, dcp_rank, interleave, table_w, so_p, so_s, so_h, lse_ptr, sl_p, sl_s, out_ptr,
+                       olse_ptr, cnt_ptr, fo_s, fo_h, fl_s, PAGE, RAW, HIGH, TILES, PAIRED, MERGE)),
             (_direct_loader, (kl_desc, kr_desc, ks_desc, table_ptr, glens_ptr, kl_smem, kr_smem, ks_smem,
                               raw_ready, raw_free, s, split, split_len, dcp_size, dcp_rank, interleave, table_w,
                               num_blocks, st_s, PAGE, RAW, AHEAD)),
@@ -283,13 +414,15 @@ if HAS_GLUON:
 def launch(q: Tensor, k: Tensor, table: Tensor, seq_lens: Tensor, o: Tensor, lse: Tensor, scale_log2: float,
            splits: int, split_len: int, dcp_size: int, dcp_rank: int, interleave: int, k_scale: Tensor,
            raw: int = MAX_RAW, pdl: bool = False, paired: bool = False, ahead: bool = False,
-           plan: Tensor | None = None) -> None:
+           plan: Tensor | None = None, merged: tuple[Tensor, Tensor, Tensor] | None = None) -> None:
     """Fill the split partials o [splits, S, 1, Hq, 512] / lse [splits, S, 1, Hq] of queries q [S, 1, Hq,
     576] over an fp8 latent cache (`gluon_mla.gluon_mla_ok` and `direct_ok` hold) with `raw` raw stages
     (`direct_fits`); paired: the output's dim pairs stored together; ahead: the loader's first block ids
     loaded beside the length; pdl: launched with programmatic dependent launch (`triton_merge.pdl_ok`);
     plan: a length plan's item table (`triton_decode.LengthPlan`): the grid's `splits` are its items, o's
-    sequence stride 0."""
+    sequence stride 0. merged (no plan): (out [S, 1, Hq, 512] in the output's dtype, lse [S, 1, Hq] fp32,
+    `merge_counters` for this grid): the splits merged in the kernel into them; o / lse then hold the
+    partials only of the splits that did not merge."""
     s, tq, hq, d = q.shape
     if not direct_fits(raw):
         raise ValueError(f"the direct fp8 MLA kernel with {raw} raw stages of {_BLOCK} keys does not fit in shared "
@@ -305,8 +438,14 @@ def launch(q: Tensor, k: Tensor, table: Tensor, seq_lens: Tensor, o: Tensor, lse
     kr_desc = TensorDescriptor(k2, list(k2.shape), list(k2.stride()), [_BLOCK, _BLOCK], rbox)
     ks_desc = TensorDescriptor(ks2, list(ks2.shape), list(ks2.stride()), [1, _BLOCK], sc_box)
     tiles = hq // _BLOCK
+    if merged is not None and plan is not None:
+        raise ValueError("the in-kernel split merge does not take a length plan (its items merge by segments)")
+    out, olse, counters = merged if merged is not None else (o, lse, lse)
+    if merged is not None and counters.numel() < 4 * s * tiles:
+        raise ValueError(f"merge counters of {counters.numel()} elements for a grid of {s * tiles} programs "
+                         f"(4 each)")
     _mla_wide_direct_kernel[(grid_rows(s, plan) * tiles, splits)](
         q, kl_desc, kr_desc, ks_desc, table, seq_lens, o, lse, scale_log2, split_len, hq, dcp_size, dcp_rank,
         interleave, table.shape[1], nb, table.stride(0), o.stride(0), o.stride(1), o.stride(3), lse.stride(0),
-        lse.stride(1), PAGE=page, RAW=raw, TILES=tiles, PAIRED=bool(paired), AHEAD=bool(ahead), num_warps=4,
-        **launch)
+        lse.stride(1), out, olse, counters, out.stride(-4), out.stride(-2), olse.stride(-3), PAGE=page, RAW=raw,
+        TILES=tiles, PAIRED=bool(paired), AHEAD=bool(ahead), MERGE=merged is not None, num_warps=4, **launch)

@@ -815,6 +815,10 @@ CONFIG = impl.Settings({
     # 166.1-168.8 / 629-646 µs against 58.2-58.5 / 165.9-168.6 / 655-661, within the spread, with the output
     # 3.7e-3 off the Triton kernel at 32K against 1.4e-3 (logs/decode-gluon-chain2-h100-2026-12-06-1040-e67b929.json)
     "direct_wide_fp8": 2, "ids_ahead_wide_fp8": 1,
+    # the full-tile direct kernel merges a call's splits itself (no plan, merged out asked for): the last
+    # split of each sequence's head tile to finish reads the others' partials back from L2 and writes the
+    # merged out, in place of the merge kernel after it (`gluon_mla_direct._values_end`). 0: the merge kernel
+    "merge_wide_fp8": 1,
     # GQA (head dim 128, one query token, bf16 queries) through the warp-specialized Gluon kernels
     # (`gluon_gqa`: over bf16 a TMA loader with a ring of 64-key tiles and one consumer warpgroup, over
     # fp8 the direct kernel below), per cache dtype, where `gluon_gqa_ok` holds; one CTA per SM (bf16:
@@ -1117,7 +1121,7 @@ _VALID = {
     "maxnreg": (0, *range(64, 256, 8)), "at_most": (0, 1), "stage16": (0, 1, 2), "even": (0, 1),
     "direct": range(0, 13), "pipe": (0, 1), "paired_store": (0, 1), "ids_ahead": (0, 1), "tiles": (0, 1, 2),
     "tile_columns": (16, 32), "expand": (0, 1), "half_partials": (0, 1), "plan_waves": range(1, 9),
-    "plan_fit": (0, 1), "plan_fit_wide": (0, 1), "plan_fit_wide_narrow": (0, 1), "plan_order": (0, 1),
+    "merge": (0, 1), "plan_fit": (0, 1), "plan_fit_wide": (0, 1), "plan_fit_wide_narrow": (0, 1), "plan_order": (0, 1),
 }
 _META = ("device", "sizes", "seconds", "results", "notes", "problems")
 
@@ -1687,9 +1691,18 @@ def paged_decode_triton(q: Tensor, k: Tensor, v: Tensor, k_scale: Tensor | None,
                                 pipe=bool(CONFIG["pipe_wide_narrow_fp8"]),
                                 width=c.width if c.tiled else gluon_mla_narrow.MAX_HEADS, **direct_opts, **planned)
     elif s > 0 and splits > 0 and c.wide_raw:
+        # (the splits merged in the kernel: its last split of a sequence's head tile merges them)
+        counters = (gluon_mla_direct.merge_counters(q.device, 4 * s * (hq // 64))
+                    if merge and splits > 1 and plan is None and CONFIG["merge_wide_fp8"] else None)
+        merged = None
+        if counters is not None:
+            merged = (torch.empty(s, tq, hq, dv, dtype=out_dtype, device=q.device),
+                      torch.empty(s, tq, hq, dtype=torch.float32, device=q.device), counters)
         gluon_mla_direct.launch(q, k, table, seq_lens, o, lse, scale * _LOG2E, splits, split_len, dcp_size, dcp_rank,
                                 interleave, k_scale, raw=c.wide_raw, pdl=pdl, paired=direct_opts["paired"],
-                                ahead=bool(CONFIG["ids_ahead_wide_fp8"]), **planned)
+                                ahead=bool(CONFIG["ids_ahead_wide_fp8"]), merged=merged, **planned)
+        if merged is not None:
+            return AttnState(merged[0], merged[1])
     elif s > 0 and splits > 0 and c.gluon:
         gluon_mla.launch_gluon_mla(q, k, table, seq_lens, o, lse, scale * _LOG2E, splits, split_len, dcp_size,
                                    dcp_rank, interleave, k_scale if fp8 else None, raw_ring=CONFIG["raw_ring_wide_fp8"],

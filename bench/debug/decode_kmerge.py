@@ -1,0 +1,105 @@
+"""The full-tile direct fp8 MLA kernel with its splits merged in the kernel (CONFIG merge_wide_fp8 1)
+against the merge kernel after it (0): first the two against each other and the torch path on awkward
+lengths (0, 1, 63, 64, 65 tokens, long ones; DCP group of 1 and rank 1 of 2; a bad block id) at B = 8 and
+B = 2 (33 and 66 splits a head tile), then public calls timed with `common.step_time` (ten a CUDA graph,
+the two forms alternating, two rounds): 128 heads, B = 32, rank 0's 1/4 of L = 8K / 32K / 128K, one page
+per rank (the fixed part) and 1/8 of 32K (DCP N = 8).
+
+    python bench/debug/decode_kmerge.py OUT.json        # on the GPU
+"""
+
+from __future__ import annotations
+
+import sys
+
+import torch
+from _rows import check_row, dump_rows, family_case
+
+from megapar.launch.bench.common import BenchContext, step_time
+from megapar.parallel.cp import triton_decode
+from megapar.parallel.cp.dcp import DCPLayout
+from megapar.parallel.cp.mla import MLADims
+from megapar.parallel.cp.paged import PagedKVCache, paged_decode_attention
+
+FORMS = (("merge kernel", 0), ("merged in the kernel", 1))
+
+
+def _check(rows: list, batch_lens: list[int]) -> None:
+    dims = MLADims()
+    gen = torch.Generator(device="cuda").manual_seed(5)
+    for size, rank in ((1, 0), (2, 1)):
+        block = 64
+        layout = DCPLayout(size=size, rank=rank, block_size=block)
+        lens = batch_lens
+        per_seq = -(-max(lens) // (block * size)) + 1
+        nb = len(lens) * per_seq + 5
+        kv = torch.full((nb, block, 1, dims.latent_dim), float("nan"), device="cuda", dtype=torch.bfloat16)
+        clean = torch.zeros_like(kv)
+        sc = torch.full((nb, block, 1), float("nan"), device="cuda")
+        sc_clean = torch.ones_like(sc)
+        table = torch.randperm(nb, device="cuda", generator=gen)[: len(lens) * per_seq].view(len(lens), per_seq).int()
+        for s, n in enumerate(lens):
+            if n:
+                slots = layout.slot_mapping(torch.arange(n, device="cuda"), table[s])
+                x = torch.randn(n, 1, dims.latent_dim, device="cuda", generator=gen).to(torch.bfloat16)
+                mine = slots >= 0
+                kv.view(-1, 1, dims.latent_dim)[slots[mine]] = x[mine]
+                clean.view(-1, 1, dims.latent_dim)[slots[mine]] = x[mine]
+                amax = x[mine].float().abs().amax(-1)
+                sc.view(-1, 1)[slots[mine]] = amax / 448.0
+                sc_clean.view(-1, 1)[slots[mine]] = amax / 448.0
+        q8 = (kv.float() / sc[..., None]).to(torch.float8_e4m3fn)
+        q8_clean = (clean.float() / sc_clean[..., None]).to(torch.float8_e4m3fn)
+        cache = PagedKVCache(q8, q8[..., :dims.kv_lora_rank], sc, sc)
+        ref_cache = PagedKVCache(q8_clean, q8_clean[..., :dims.kv_lora_rank], sc_clean, sc_clean)
+        q = torch.randn(len(lens), 128, dims.latent_dim, device="cuda", generator=gen).to(torch.bfloat16)
+        seq = torch.tensor(lens, device="cuda")
+        ref = paged_decode_attention(q, ref_cache, table, seq, layout=layout, scale=dims.scale, backend="torch")
+        outs = {}
+        for name, merge in FORMS:
+            triton_decode.CONFIG["merge_wide_fp8"] = merge
+            call = lambda t: paged_decode_attention(q, cache, t, seq, layout=layout, scale=dims.scale,
+                                                    backend="triton", validate=False)
+            rows.append(check_row(f"fp8 128 heads B={len(lens)} dcp {size} rank {rank}", name, call, ref, table,
+                                  nb + 3))
+            outs[name] = call(table)
+            again = call(table)      # (the counters put back to 0: the same result a second time)
+            rows[-1]["repeat_equal"] = bool(torch.equal(again.out, outs[name].out))
+        a, b = (outs[n] for n, _ in FORMS)
+        fin = torch.isfinite(a.lse)
+        rows.append({"check": f"B={len(lens)} dcp {size} rank {rank}", "merged_vs_kernel_out": (a.out - b.out)
+                     .abs().max().item(), "merged_vs_kernel_lse": (a.lse[fin] - b.lse[fin]).abs().max().item(),
+                     "lse_inf_same": bool(torch.equal(torch.isfinite(a.lse), torch.isfinite(b.lse)))})
+        print(rows[-1], flush=True)
+
+
+def main(path: str) -> None:
+    ctx = BenchContext("cp", torch.device("cuda"))
+    rows: list = []
+    saved = dict(triton_decode.CONFIG)
+    _check(rows, [0, 1, 63, 64, 65, 700, 2500, 129])
+    _check(rows, [2500, 65])
+    triton_decode.CONFIG.update(saved)
+    for context, n, short in ((8192, 4, False), (8192, 4, True), (32768, 4, False), (32768, 8, False),
+                              (131072, 4, False)):
+        cache, table, q, scale = family_case("mla128", torch.float8_e4m3fn, 32, context, 64, n, ctx.device)
+        layout = DCPLayout(size=n, rank=0, block_size=64)
+        seq = torch.full((32,), n * 64 if short else context, device=ctx.device)
+        call = lambda: paged_decode_attention(q, cache, table, seq, layout=layout, scale=scale, backend="triton",
+                                              max_seq_len=context, )
+        for rep in range(2):
+            for name, merge in FORMS:
+                triton_decode.CONFIG["merge_wide_fp8"] = merge
+                us, cols = step_time(ctx, [call])
+                row = {"L": context, "n": n, "one_page": short, "form": name, "rep": rep, "us": round(us, 2),
+                       "timing": cols["timing"]}
+                rows.append(row)
+                print(row, flush=True)
+        triton_decode.CONFIG.update(saved)
+        del cache, table
+        torch.cuda.empty_cache()
+    dump_rows(path, "decode_kmerge.py", rows)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1] if len(sys.argv) > 1 else "decode-kmerge.json")
