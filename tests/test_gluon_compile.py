@@ -41,9 +41,9 @@ def _build(name: str, cubin: Path | None = None) -> dict:
     tiles = re.search(r"-tiles(\d+)", name)  # ("-tilesN": the narrow direct kernel over N head tiles a sequence)
     half = "-half" in name              # ("-half": bf16 split partials, CONFIG half_partials)
     planned = "-planned" in name        # ("-planned": the grid's splits a length plan's items)
-    merge = "-merge" in name            # ("-merge": the full-tile direct kernel merging its splits itself)
+    merge = re.search(r"-merge(\d)", name)  # ("-mergeM": the full-tile direct kernel merging its splits itself)
     family, dtype, *more = (name.removesuffix("-pdl").replace("-pipe", "").replace("-paired", "")
-                            .replace("-ahead", "").replace("-half", "").replace("-planned", "").replace("-merge", "")
+                            .replace("-ahead", "").replace("-half", "").replace("-planned", "").replace(merge.group(0) if merge else "-merge", "")
                             .replace(tiles.group(0) if tiles else "-tiles", "").split("-"))
     fp8 = dtype == "fp8"
     ptrs = {"table_ptr": "*i32", "glens_ptr": "*i64", "o_ptr": "*bf16" if half else "*fp32", "lse_ptr": "*fp32",
@@ -71,7 +71,7 @@ def _build(name: str, cubin: Path | None = None) -> dict:
         ptrs.update(q_ptr="*bf16", kl_desc=f"tensordesc<fp8e4nv[64, 128],{lbox}>",
                     kr_desc=f"tensordesc<fp8e4nv[64, 64],{rbox}>",
                     ks_desc=f"tensordesc<fp32[1, 64],{gl.NVMMASharedLayout(0, 32, 2)}>")
-        consts["MERGE"] = merge
+        consts["MERGE"] = int(merge.group(1)) if merge else 0
         ptrs.update(out_ptr="*bf16" if merge else "*fp32", olse_ptr="*fp32", cnt_ptr="*i32" if merge else "*fp32")
     elif family == "gqa":
         ptrs.update(q_ptr="*bf16", k_desc=desc, v_desc=desc)
@@ -181,7 +181,8 @@ BUILDS = [
     ("mlaw-fp8-direct2", 256), ("mlaw-fp8-direct3-paired-ahead-pdl", 320),
     ("mlaw-fp8-direct2-paired-ahead-planned-pdl", 320),
     # (its splits merged in the kernel, CONFIG merge_wide_fp8: the merged out in bf16)
-    ("mlaw-fp8-direct2-paired-ahead-merge-pdl", 320), ("mlaw-fp8-direct2-merge", 320)]
+    ("mlaw-fp8-direct2-paired-ahead-merge2-pdl", 320), ("mlaw-fp8-direct2-merge2", 320),
+    ("mlaw-fp8-direct2-paired-ahead-merge1-pdl", 2048)]
 # builds whose wgmma pipeline ptxas serializes (C7512: too few registers), kept as they are: the fp8 converter
 # kernel loading its 64-key tiles itself into fp16 stages (raw_ring_wide_fp8 0, not installed; measured slower
 # than the installed raw ring in 2026-12-04's runs, built with this serialization)

@@ -245,7 +245,10 @@ if HAS_GLUON:
         rows = gl.arange(0, BLOCK, layout=dim_l)
         o_q = split.to(gl.int64) * so_p + s.to(gl.int64) * so_s + heads.to(gl.int64) * so_h
         live = heads >= 0
-        if MERGE:
+        if MERGE == 2:
+            _stored_end(e0, d0, e1, d1, factor, o_ptr, o_q, live, lse_ptr, out_ptr, olse_ptr, cnt_ptr, s, so_p, so_s,
+                        so_h, sl_p, sl_s, fo_s, fo_h, fl_s, rows, TILES, PART, PAIRED)
+        elif MERGE == 1:
             _merged_end(e0, d0, e1, d1, factor, o_ptr, o_q, live, lse_ptr, out_ptr, olse_ptr, cnt_ptr, s, so_p, so_s,
                         so_h, sl_p, sl_s, fo_s, fo_h, fl_s, split, rows, TILES, PART, PAIRED)
         else:
@@ -304,6 +307,52 @@ if HAS_GLUON:
         _store_box(f_base, even, odd, first, gl.full_like(mx, 1.0), h_f, heads >= 0, rows, PAIRED)
 
     @gluon.jit
+    def _merge_stored_box(o_base, l_base, f_base, first, mx, safe, h_o, h_f, heads, rows, so_p, sl_p, nsplits, like,
+                          PAIRED: gl.constexpr):
+        """The merged out of output dims first .. first + 127 (a latent box's even and odd dims, in `like`'s
+        layout) from every split's stored partial, summed in split order as the merge kernel sums them,
+        stored at f_base + h_f + dim."""
+        even = gl.zeros_like(like)
+        odd = gl.zeros_like(like)
+        for sp in range(nsplits):
+            at = o_base + sp.to(gl.int64) * so_p + ((first + 2 * rows)[:, None] + h_o[None, :])
+            even = _merge_add(even, at, l_base + sp * sl_p + heads, mx, safe)
+            odd = _merge_add(odd, at + 1, l_base + sp * sl_p + heads, mx, safe)
+        _store_box(f_base, even, odd, first, gl.full_like(mx, 1.0), h_f, heads >= 0, rows, PAIRED)
+
+    @gluon.jit
+    def _stored_end(e0, d0, e1, d1, factor, o_ptr, o_q, live, lse_ptr, out_ptr, olse_ptr, cnt_ptr, s, so_p, so_s,
+                    so_h, sl_p, sl_s, fo_s, fo_h, fl_s, rows, TILES: gl.constexpr, PART: gl.constexpr,
+                    PAIRED: gl.constexpr):
+        """A value warpgroup's output with the split merge in the kernel, every split's partial stored first:
+        the warpgroup stores this split's part (at o_ptr + o_q + dim) and counts it in (cnt_ptr[PART]);
+        the last of the `num_programs(1)` splits to come reads every split's part back (L2) and writes
+        their merge into out (part 0 also the lse into olse), in the merge kernel's order: deterministic
+        whichever split comes last. It puts the counter back to 0 for the next launch."""
+        _store_box(o_ptr, e0, d0, 2 * PART * LBOX, factor, o_q, live, rows, PAIRED)
+        _store_box(o_ptr, e1, d1, (2 * PART + 1) * LBOX, factor, o_q, live, rows, PAIRED)
+        nsplits = gl.num_programs(1)
+        _fence_gpu()        # (this part's stores and the scores warpgroup's lse before the count)
+        gl.thread_barrier()
+        last = gl.atomic_add(cnt_ptr + PART, 1, sem="acq_rel", scope="gpu") == nsplits - 1
+        _fence_gpu()
+        if last:
+            gl.store(cnt_ptr + PART, 0)
+            s64 = s.to(gl.int64)
+            o_base = o_ptr + s64 * so_s
+            l_base = lse_ptr + s64 * sl_s
+            f_base = out_ptr + s64 * fo_s
+            heads = _first_column(TILES, BLOCK) + gl.arange(0, BLOCK, layout=factor.type.layout)
+            mx, total = _merge_stats(l_base, heads, sl_p, nsplits)
+            safe = gl.where(total > 0, total, 1.0)
+            _merge_stored_box(o_base, l_base, f_base, 2 * PART * LBOX, mx, safe, heads * so_h, heads * fo_h, heads,
+                              rows, so_p, sl_p, nsplits, e0, PAIRED)
+            _merge_stored_box(o_base, l_base, f_base, (2 * PART + 1) * LBOX, mx, safe, heads * so_h, heads * fo_h,
+                              heads, rows, so_p, sl_p, nsplits, e0, PAIRED)
+            if PART == 0:
+                gl.store(olse_ptr + s64 * fl_s + heads, gl.where(total == 0, float("-inf"), mx + gl.log(safe)))
+
+    @gluon.jit
     def _merged_end(e0, d0, e1, d1, factor, o_ptr, o_q, live, lse_ptr, out_ptr, olse_ptr, cnt_ptr, s, so_p, so_s, so_h,
                     sl_p, sl_s, fo_s, fo_h, fl_s, split, rows, TILES: gl.constexpr, PART: gl.constexpr,
                     PAIRED: gl.constexpr):
@@ -354,7 +403,7 @@ if HAS_GLUON:
                                 so_h, sl_p, sl_s, out_ptr, olse_ptr, cnt_ptr, fo_s, fo_h, fl_s, PAGE: gl.constexpr,
                                 RAW: gl.constexpr, TILES: gl.constexpr, PDL: gl.constexpr = False,
                                 PAIRED: gl.constexpr = False, AHEAD: gl.constexpr = False, plan_ptr=None,
-                                PLANNED: gl.constexpr = False, MERGE: gl.constexpr = False):
+                                PLANNED: gl.constexpr = False, MERGE: gl.constexpr = 0):
         """fp8 latent cache, 64 heads a program (program_id(0) = sequence x TILES + head tile), without a
         converter: a one-warp TMA loader fills RAW raw stages; the scores warpgroup (`_scores`) and two value
         warpgroups (`_values`) read each tile's bytes themselves. PAIRED: the output's dim pairs stored
@@ -414,7 +463,8 @@ if HAS_GLUON:
 def launch(q: Tensor, k: Tensor, table: Tensor, seq_lens: Tensor, o: Tensor, lse: Tensor, scale_log2: float,
            splits: int, split_len: int, dcp_size: int, dcp_rank: int, interleave: int, k_scale: Tensor,
            raw: int = MAX_RAW, pdl: bool = False, paired: bool = False, ahead: bool = False,
-           plan: Tensor | None = None, merged: tuple[Tensor, Tensor, Tensor] | None = None) -> None:
+           plan: Tensor | None = None, merged: tuple[Tensor, Tensor, Tensor] | None = None,
+           merge_form: int = 2) -> None:
     """Fill the split partials o [splits, S, 1, Hq, 512] / lse [splits, S, 1, Hq] of queries q [S, 1, Hq,
     576] over an fp8 latent cache (`gluon_mla.gluon_mla_ok` and `direct_ok` hold) with `raw` raw stages
     (`direct_fits`); paired: the output's dim pairs stored together; ahead: the loader's first block ids
@@ -448,4 +498,5 @@ def launch(q: Tensor, k: Tensor, table: Tensor, seq_lens: Tensor, o: Tensor, lse
         q, kl_desc, kr_desc, ks_desc, table, seq_lens, o, lse, scale_log2, split_len, hq, dcp_size, dcp_rank,
         interleave, table.shape[1], nb, table.stride(0), o.stride(0), o.stride(1), o.stride(3), lse.stride(0),
         lse.stride(1), out, olse, counters, out.stride(-4), out.stride(-2), olse.stride(-3), PAGE=page, RAW=raw,
-        TILES=tiles, PAIRED=bool(paired), AHEAD=bool(ahead), MERGE=merged is not None, num_warps=4, **launch)
+        TILES=tiles, PAIRED=bool(paired), AHEAD=bool(ahead), MERGE=merge_form if merged is not None else 0, num_warps=4,
+        **launch)

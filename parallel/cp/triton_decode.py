@@ -818,7 +818,7 @@ CONFIG = impl.Settings({
     # the full-tile direct kernel merges a call's splits itself (no plan, merged out asked for): the last
     # split of each sequence's head tile to finish reads the others' partials back from L2 and writes the
     # merged out, in place of the merge kernel after it (`gluon_mla_direct._values_end`). 0: the merge kernel
-    "merge_wide_fp8": 1,
+    "merge_wide_fp8": 2,
     # GQA (head dim 128, one query token, bf16 queries) through the warp-specialized Gluon kernels
     # (`gluon_gqa`: over bf16 a TMA loader with a ring of 64-key tiles and one consumer warpgroup, over
     # fp8 the direct kernel below), per cache dtype, where `gluon_gqa_ok` holds; one CTA per SM (bf16:
@@ -1121,7 +1121,7 @@ _VALID = {
     "maxnreg": (0, *range(64, 256, 8)), "at_most": (0, 1), "stage16": (0, 1, 2), "even": (0, 1),
     "direct": range(0, 13), "pipe": (0, 1), "paired_store": (0, 1), "ids_ahead": (0, 1), "tiles": (0, 1, 2),
     "tile_columns": (16, 32), "expand": (0, 1), "half_partials": (0, 1), "plan_waves": range(1, 9),
-    "merge": (0, 1), "plan_fit": (0, 1), "plan_fit_wide": (0, 1), "plan_fit_wide_narrow": (0, 1), "plan_order": (0, 1),
+    "merge": (0, 1, 2), "plan_fit": (0, 1), "plan_fit_wide": (0, 1), "plan_fit_wide_narrow": (0, 1), "plan_order": (0, 1),
 }
 _META = ("device", "sizes", "seconds", "results", "notes", "problems")
 
@@ -1700,7 +1700,8 @@ def paged_decode_triton(q: Tensor, k: Tensor, v: Tensor, k_scale: Tensor | None,
                       torch.empty(s, tq, hq, dtype=torch.float32, device=q.device), counters)
         gluon_mla_direct.launch(q, k, table, seq_lens, o, lse, scale * _LOG2E, splits, split_len, dcp_size, dcp_rank,
                                 interleave, k_scale, raw=c.wide_raw, pdl=pdl, paired=direct_opts["paired"],
-                                ahead=bool(CONFIG["ids_ahead_wide_fp8"]), merged=merged, **planned)
+                                ahead=bool(CONFIG["ids_ahead_wide_fp8"]), merged=merged,
+                                merge_form=CONFIG["merge_wide_fp8"], **planned)
         if merged is not None:
             return AttnState(merged[0], merged[1])
     elif s > 0 and splits > 0 and c.gluon:
