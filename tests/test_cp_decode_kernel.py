@@ -956,6 +956,86 @@ def test_gluon_mla_direct_wide_fp8_on_gpu(size, rank, heads, monkeypatch):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("size,rank,heads,min_split", [(1, 0, 128, 256), (2, 1, 64, 64), (4, 3, 256, 1024)])
+def test_direct_wide_fp8_merges_its_splits_in_the_kernel_on_gpu(size, rank, heads, min_split, monkeypatch):
+    """The full-tile direct fp8 kernel merging its splits itself (CONFIG merge_wide_fp8 2: every split
+    stores its partial, the last of each program to finish merges them in the merge kernel's order):
+    bit-identical to the merge kernel after it (0), out and lse, in fp32 and in bf16, with empty splits,
+    empty and one-token sequences, NaN bytes and scales in unheld slots, 2-33 splits; the counters back at
+    zero after every call (a second call, and a call of another grid, the same); a bad block id NaN in its
+    sequence only; captured in a CUDA graph (its counters made in the capture) and replayed, alone and
+    beside eager calls on another stream; merge=False and a length plan leave it to the merge kernels."""
+    td, _, _ = _gluon_mla_kernels(monkeypatch)
+    from parallel.cp import gluon_mla_direct
+    from parallel.cp.paged import plan_paged_decode
+
+    monkeypatch.setitem(td.CONFIG, "min_split_wide_fp8", min_split)
+    lens = [3000, 0, 77, 1, 640, 4096, 129]
+    gen = torch.Generator().manual_seed(71 + rank + heads)
+    layout = DCPLayout(size=size, rank=rank, block_size=64)
+    cache, ref_cache, table, nb = _mla_dcp_cache(lens, layout, torch.float8_e4m3fn, gen)
+    q = torch.randn(len(lens), 1, heads, 576, generator=gen).to(torch.bfloat16).cuda()
+    seq = torch.tensor(lens, device="cuda")
+    run = lambda t=table, **kw: paged_decode_attention(q, cache, t, seq, layout=layout, scale=0.07,
+                                                        backend="triton", validate=False, **kw)
+    used = _spy(monkeypatch, gluon_mla_direct, "launch")
+    monkeypatch.setitem(td.CONFIG, "merge_wide_fp8", 0)
+    want = run()
+    want16 = run(out_dtype=torch.bfloat16)
+    assert used and used[0][0][7] > 1 and used[0][1]["merged"] is None, "expected several splits, merged after"
+    used.clear()
+    monkeypatch.setitem(td.CONFIG, "merge_wide_fp8", 2)
+    got = run()
+    assert used and used[0][1]["merged"] is not None and used[0][1]["merge_form"] == 2
+    for a, b in ((got, want), (run(), want), (run(out_dtype=torch.bfloat16), want16)):
+        assert a.out.dtype == b.out.dtype
+        torch.testing.assert_close(a.out, b.out, atol=0, rtol=0)
+        torch.testing.assert_close(a.lse, b.lse, atol=0, rtol=0)
+    _check_against_torch(got, paged_decode_attention(q, ref_cache, table, seq, layout=layout, scale=0.07,
+                                                     backend="torch"), 1)
+    # another grid (fewer sequences: more splits each) on the same counters, then this one again
+    few = paged_decode_attention(q[:2], cache, table[:2], seq[:2], layout=layout, scale=0.07, backend="triton",
+                                 validate=False)
+    monkeypatch.setitem(td.CONFIG, "merge_wide_fp8", 0)
+    torch.testing.assert_close(few.out, paged_decode_attention(q[:2], cache, table[:2], seq[:2], layout=layout,
+                                                               scale=0.07, backend="triton", validate=False).out,
+                               atol=0, rtol=0)
+    monkeypatch.setitem(td.CONFIG, "merge_wide_fp8", 2)
+    torch.testing.assert_close(run().out, want.out, atol=0, rtol=0)
+    counters = gluon_mla_direct.merge_counters(q.device, 0)
+    torch.cuda.synchronize()
+    assert int(counters.abs().sum()) == 0, "the counters were not put back to zero"
+    bad = table.clone()
+    bad[5, 0] = nb + 7
+    _nan_row_5_only(run(bad), want)
+    # captured: the capture stream's counters made in the capture; replayed beside eager calls elsewhere
+    used.clear()
+    _replays_to(run, want, times=3)
+    assert used[-1][1]["merged"] is not None
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = run()
+    with torch.cuda.stream(side):
+        eager = [run() for _ in range(3)]
+    graph.replay()
+    torch.cuda.synchronize()
+    torch.testing.assert_close(captured.out, want.out, atol=0, rtol=0)
+    for e in eager:
+        torch.testing.assert_close(e.out, want.out, atol=0, rtol=0)
+    # unmerged splits and a length plan: the kernel's partials, merged by the merge kernels as before
+    used.clear()
+    parts = run(merge=False)
+    assert parts.lse.shape[0] > 1 and used[0][1]["merged"] is None
+    plan = plan_paged_decode(q, cache, table, seq, layout=layout, backend="triton")
+    used.clear()
+    planned = run(plan=plan)
+    assert used[0][1]["merged"] is None
+    torch.testing.assert_close(planned.out, want.out, atol=1e-3, rtol=0)
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float8_e4m3fn], ids=["bf16", "fp8"])
 @pytest.mark.parametrize("size,rank,heads,tq", [(1, 0, 16, 1), (4, 3, 16, 1), (2, 1, 12, 1), (1, 0, 32, 1),
                                                 (2, 0, 8, 1), (1, 0, 16, 2), (4, 1, 8, 4), (2, 1, 12, 2)])

@@ -53,21 +53,17 @@ _COUNTERS: dict[tuple[int, int], Tensor] = {}
 _RETIRED: list[Tensor] = []
 
 
-def merge_counters(device: torch.device, n: int) -> Tensor | None:
+def merge_counters(device: torch.device, n: int) -> Tensor:
     """The in-kernel split merge's int32 counters (4 a program) for launches on the current stream of
-    `device`: zeros, which every launch leaves at zero again (its last split of each program resets
-    them). One set a stream: launches on one stream run one after the other, and two streams never share a
-    set. Made outside CUDA-graph capture only (a zero-fill captured would run at replay, and the memory
-    would be the graph's): None where a capture finds none large enough for its stream, and the caller
-    merges with the merge kernel instead. (A graph keeps the set of the stream it was captured on: replay
-    it on that stream, or on one where no eager call of this kernel runs at the same time.)"""
+    `device`: zeros, which every launch leaves at zero again (the last split of each program resets its
+    own). One set a stream: launches on one stream run one after another, and two streams never share a
+    set. Under CUDA-graph capture the set is the capture stream's, made there where it has none (its
+    zero-fill then a node of the graph, run at each replay before the kernels that use it)."""
     index = device.index if device.index is not None else torch.cuda.current_device()
     key = (index, torch.cuda.current_stream(index).stream_id)
     have = _COUNTERS.get(key)
     if have is not None and have.numel() >= n:
         return have
-    if torch.cuda.is_current_stream_capturing():
-        return None
     if have is not None:    # (kept: a graph captured with it holds its address)
         _RETIRED.append(have)
     _COUNTERS[key] = torch.zeros(max(n, 1024), dtype=torch.int32, device=device)
@@ -334,15 +330,19 @@ if HAS_GLUON:
         nsplits = gl.num_programs(1)
         _fence_gpu()        # (this part's stores and the scores warpgroup's lse before the count)
         gl.thread_barrier()
-        last = gl.atomic_add(cnt_ptr + PART, 1, sem="acq_rel", scope="gpu") == nsplits - 1
+        came = gl.atomic_add(cnt_ptr + PART, 1, sem="acq_rel", scope="gpu")
         _fence_gpu()
-        if last:
+        if came == nsplits - 1:
             gl.store(cnt_ptr + PART, 0)
-            s64 = s.to(gl.int64)
+            # (the merge's offsets made from the count: made before it, the compiler moved them to the
+            # kernel's start and spilled them there)
+            z = _opaque_zero(came)
+            s64 = (s + z).to(gl.int64)
             o_base = o_ptr + s64 * so_s
             l_base = lse_ptr + s64 * sl_s
             f_base = out_ptr + s64 * fo_s
-            heads = _first_column(TILES, BLOCK) + gl.arange(0, BLOCK, layout=factor.type.layout)
+            heads = _first_column(TILES, BLOCK) + z + gl.arange(0, BLOCK, layout=factor.type.layout)
+            rows = rows + z
             mx, total = _merge_stats(l_base, heads, sl_p, nsplits)
             safe = gl.where(total > 0, total, 1.0)
             _merge_stored_box(o_base, l_base, f_base, 2 * PART * LBOX, mx, safe, heads * so_h, heads * fo_h, heads,
@@ -366,19 +366,21 @@ if HAS_GLUON:
         nsplits = gl.num_programs(1)
         _fence_gpu()        # (the scores warpgroup's lse, seen through the factor's barrier, before the count)
         gl.thread_barrier()
-        last = gl.atomic_add(cnt_ptr + PART, 1, sem="acq_rel", scope="gpu") == nsplits - 1
+        came = gl.atomic_add(cnt_ptr + PART, 1, sem="acq_rel", scope="gpu")
         _fence_gpu()
-        if last:
+        if came == nsplits - 1:
             while gl.load(cnt_ptr + 2 + PART, volatile=True) < nsplits - 1:
                 pass
             _fence_gpu()
             gl.store(cnt_ptr + PART, 0)
             gl.store(cnt_ptr + 2 + PART, 0)
-            s64 = s.to(gl.int64)
+            z = _opaque_zero(came)
+            s64 = (s + z).to(gl.int64)
             o_base = o_ptr + s64 * so_s
             l_base = lse_ptr + s64 * sl_s
             f_base = out_ptr + s64 * fo_s
-            heads = _first_column(TILES, BLOCK) + gl.arange(0, BLOCK, layout=factor.type.layout)
+            heads = _first_column(TILES, BLOCK) + z + gl.arange(0, BLOCK, layout=factor.type.layout)
+            rows = rows + z
             mx, total = _merge_stats(l_base, heads, sl_p, nsplits)
             safe = gl.where(total > 0, total, 1.0)
             # (this split's factor times its weight: the merge kernel's weight of the stored partial)

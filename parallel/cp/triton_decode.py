@@ -1695,7 +1695,7 @@ def paged_decode_triton(q: Tensor, k: Tensor, v: Tensor, k_scale: Tensor | None,
         counters = (gluon_mla_direct.merge_counters(q.device, 4 * s * (hq // 64))
                     if merge and splits > 1 and plan is None and CONFIG["merge_wide_fp8"] else None)
         merged = None
-        if counters is not None:
+        if counters is not None:    # (None: merged by the merge kernel after the kernel)
             merged = (torch.empty(s, tq, hq, dv, dtype=out_dtype, device=q.device),
                       torch.empty(s, tq, hq, dtype=torch.float32, device=q.device), counters)
         gluon_mla_direct.launch(q, k, table, seq_lens, o, lse, scale * _LOG2E, splits, split_len, dcp_size, dcp_rank,
