@@ -628,6 +628,99 @@ if HAS_GLUON:
                 gl.zeros([BLOCK, BLOCK], gl.float32, mma), gl.zeros([BLOCK, BLOCK], gl.float32, mma))
 
     @gluon.jit
+    def _fence_gpu():
+        """This thread's earlier writes (and what it has observed of other threads') ordered before its later
+        accesses for the whole GPU: fence.acq_rel.gpu."""
+        gl.inline_asm_elementwise("fence.acq_rel.gpu; // $0", "=r", [], dtype=gl.int32, is_pure=False, pack=1)
+
+    @gluon.jit
+    def _clean(lse):
+        """A partial's lse as the split merge reads it: +inf as -inf (`triton_merge._clean_lse`)."""
+        return gl.where(lse == float("inf"), float("-inf"), lse)
+
+    @gluon.jit
+    def _lse_at(at, live):
+        """Partial lse at `at` (rows `live`; None: every row), as the split merge reads them (+inf as -inf;
+        a masked row -inf)."""
+        if live is None:
+            lse = gl.load(at, cache_modifier=".cg")
+        else:
+            lse = gl.load(at, mask=live, other=float("-inf"), cache_modifier=".cg")
+        return _clean(lse)
+
+    @gluon.jit
+    def _merge_stats(l_base, heads, sl_p, nsplits, live=None):
+        """Per head (rows `live`, None: all; heads: their lse offsets from l_base): (max, sum of the weights
+        relative to it) over the `nsplits` partial lse at l_base + split x sl_p + heads, as
+        `triton_merge._max_and_total` takes them: the max 0 where every split is empty, NaN where any lse
+        is NaN (the sum then NaN too)."""
+        mx = gl.full(heads.shape, float("-inf"), gl.float32, heads.type.layout)
+        nan = mx != mx
+        for sp in range(nsplits):
+            li = _lse_at(l_base + sp * sl_p + heads, live)
+            nan = nan | (li != li)
+            mx = gl.maximum(mx, li)
+        mx = gl.where(nan, float("nan"), gl.where(mx == float("-inf"), 0.0, mx))
+        total = gl.zeros_like(mx)
+        for sp in range(nsplits):
+            total += gl.exp(_lse_at(l_base + sp * sl_p + heads, live) - mx)
+        return mx, total
+
+    @gluon.jit
+    def _merge_add(acc, o_at, l_at, mx, safe, live):
+        """acc + a split's stored partial (o_at: its elements' addresses, [heads, dims]) times its weight per
+        head (lse at l_at; heads `live`), left out where the weight is 0 (an empty split's partial may hold
+        anything; a NaN weight, a NaN row's, stays NaN)."""
+        w = gl.exp(_lse_at(l_at, live) - mx) / safe
+        x = gl.load(o_at, mask=live[:, None], other=0.0, cache_modifier=".cg")
+        return acc + gl.where(w[:, None] > 0, x, 0.0) * w[:, None]
+
+    @gluon.jit
+    def _merge_add_t(acc, o_at, l_at, mx, safe):
+        """`_merge_add` over a transposed partial ([dims, heads]: the weight per column), every head live."""
+        w = gl.exp(_lse_at(l_at, None) - mx) / safe
+        return acc + gl.where(w[None, :] > 0, gl.load(o_at, cache_modifier=".cg"), 0.0) * w[None, :]
+
+    @gluon.jit
+    def _counted_last(cnt_ptr, PART: gl.constexpr):
+        """(every thread of a warpgroup whose stores, and what it saw of its CTA's, are to be seen by the last
+        split) This split counted in at cnt_ptr[PART]: the count before it (the last of `num_programs(1)`
+        splits finds num_programs(1) - 1, and puts the counter back to 0 for the next launch)."""
+        _fence_gpu()
+        gl.thread_barrier()
+        came = gl.atomic_add(cnt_ptr + PART, 1, sem="acq_rel", scope="gpu")
+        _fence_gpu()
+        if came == gl.num_programs(1) - 1:
+            gl.store(cnt_ptr + PART, 0)
+        return came
+
+    @gluon.jit
+    def _merge_stored_rows(o_ptr, lse_ptr, out_ptr, olse_ptr, s, head0_in_seq, HQ, so_p, so_s, so_h, sl_p, sl_s, fo_s,
+                           fo_h, fl_s, z, like, FIRST: gl.constexpr, LSE: gl.constexpr):
+        """The split merge of the output dims FIRST x 64 .. + 255 of this program's 64 heads (rows, in `like`'s
+        layout) from every split's stored partial, summed in split order as the merge kernel sums them, into
+        out (LSE: the merged lse into olse too). z: an opaque 0 that keeps the offsets from being made
+        before the caller's count (`_counted_last`)."""
+        nsplits = gl.num_programs(1)
+        s64 = (s + z).to(gl.int64)
+        rows = head0_in_seq + z + gl.arange(0, BLOCK, layout=gl.SliceLayout(1, like.type.layout))
+        cols = FIRST * BLOCK + gl.arange(0, BLOCK, layout=gl.SliceLayout(0, like.type.layout))
+        live = rows < HQ
+        l_base = lse_ptr + s64 * sl_s
+        mx, total = _merge_stats(l_base, rows, sl_p, nsplits, live)
+        safe = gl.where(total > 0, total, 1.0)
+        at = o_ptr + s64 * so_s + (rows[:, None] * so_h + cols[None, :])
+        to = out_ptr + s64 * fo_s + (rows[:, None] * fo_h + cols[None, :])
+        for c in gl.static_range(4):
+            acc = gl.zeros_like(like)
+            for sp in range(nsplits):
+                acc = _merge_add(acc, at + (sp.to(gl.int64) * so_p + c * BLOCK), l_base + sp * sl_p + rows, mx,
+                                 safe, live)
+            gl.store(to + c * BLOCK, acc, mask=live[:, None])
+        if LSE:
+            gl.store(olse_ptr + s64 * fl_s + rows, gl.where(total == 0, float("-inf"), mx + gl.log(safe)), mask=live)
+
+    @gluon.jit
     def _opaque_zero(i):
         """0, from a value the compiler cannot see through that changes with the loop counter i: ring
         indices offset by it are computed where they are used instead of hoisted out of the loop (a

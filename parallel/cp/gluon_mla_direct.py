@@ -39,8 +39,10 @@ if HAS_GLUON:
                                                                   warpgroup_mma_wait)
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-    from .gluon_mla import (BLOCK, CHUNKS, IDS_L, _bad_ids, _bad_ids_after, _finish, _gdc_wait_and_release,
-                            _ids_early, _opaque_zero, _softmax_step, _split_range)
+    from .gluon_mla import (BLOCK, CHUNKS, IDS_L, _bad_ids, _bad_ids_after, _clean, _fence_gpu, _finish,
+                            _gdc_wait_and_release, _ids_early, _counted_last, _merge_add_t, _merge_stats,
+                            _opaque_zero,
+                            _softmax_step, _split_range)
     from .gluon_mla_narrow import (LBOX, LBOXES, _direct_loader, _e4m3_scale, _final_factor, _first_column,
                                    _publish, _publish_factor, _published, _query_split, _store_box, _values_box,
                                    _zero_tail)
@@ -252,42 +254,6 @@ if HAS_GLUON:
             _store_box(o_ptr, e1, d1, (2 * PART + 1) * LBOX, factor, o_q, live, rows, PAIRED)
 
     @gluon.jit
-    def _fence_gpu():
-        """This thread's earlier writes (and what it has observed of other threads') ordered before its later
-        accesses for the whole GPU: fence.acq_rel.gpu."""
-        gl.inline_asm_elementwise("fence.acq_rel.gpu; // $0", "=r", [], dtype=gl.int32, is_pure=False, pack=1)
-
-    @gluon.jit
-    def _clean(lse):
-        """A partial's lse as the split merge reads it: +inf as -inf (`triton_merge._clean_lse`)."""
-        return gl.where(lse == float("inf"), float("-inf"), lse)
-
-    @gluon.jit
-    def _merge_stats(l_base, heads, sl_p, nsplits):
-        """Per head: (max, sum of the weights relative to it) over the `nsplits` partial lse at l_base + split
-        x sl_p + heads, as `triton_merge._max_and_total` takes them: the max 0 where every split is empty,
-        NaN where any lse is NaN (the sum then NaN too)."""
-        mx = gl.full(heads.shape, float("-inf"), gl.float32, heads.type.layout)
-        nan = mx != mx
-        for sp in range(nsplits):
-            li = _clean(gl.load(l_base + sp * sl_p + heads, cache_modifier=".cg"))
-            nan = nan | (li != li)
-            mx = gl.maximum(mx, li)
-        mx = gl.where(nan, float("nan"), gl.where(mx == float("-inf"), 0.0, mx))
-        total = gl.zeros_like(mx)
-        for sp in range(nsplits):
-            total += gl.exp(_clean(gl.load(l_base + sp * sl_p + heads, cache_modifier=".cg")) - mx)
-        return mx, total
-
-    @gluon.jit
-    def _merge_add(acc, o_at, l_at, mx, safe):
-        """acc + a split's stored partial (o_at: its elements' addresses) times its weight per head (lse at
-        l_at), left out where the weight is 0 (an empty split's partial may hold anything; a NaN weight, a
-        NaN row's, stays NaN)."""
-        w = gl.exp(_clean(gl.load(l_at, cache_modifier=".cg")) - mx) / safe
-        return acc + gl.where(w[None, :] > 0, gl.load(o_at, cache_modifier=".cg"), 0.0) * w[None, :]
-
-    @gluon.jit
     def _merge_box(o_base, l_base, f_base, even, odd, first, mine, mx, safe, h_o, h_f, heads, rows, so_p, sl_p,
                    split, nsplits, PAIRED: gl.constexpr):
         """The merged out of output dims first .. first + 127 (a latent box's: this split's even and odd
@@ -298,8 +264,8 @@ if HAS_GLUON:
         for sp in range(nsplits):
             if sp != split:     # (the offsets made here, not held across the loop: `_opaque_zero`)
                 at = o_base + sp.to(gl.int64) * so_p + ((first + 2 * rows + _opaque_zero(sp))[:, None] + h_o[None, :])
-                even = _merge_add(even, at, l_base + sp * sl_p + heads, mx, safe)
-                odd = _merge_add(odd, at + 1, l_base + sp * sl_p + heads, mx, safe)
+                even = _merge_add_t(even, at, l_base + sp * sl_p + heads, mx, safe)
+                odd = _merge_add_t(odd, at + 1, l_base + sp * sl_p + heads, mx, safe)
         _store_box(f_base, even, odd, first, gl.full_like(mx, 1.0), h_f, heads >= 0, rows, PAIRED)
 
     @gluon.jit
@@ -312,8 +278,8 @@ if HAS_GLUON:
         odd = gl.zeros_like(like)
         for sp in range(nsplits):
             at = o_base + sp.to(gl.int64) * so_p + ((first + 2 * rows)[:, None] + h_o[None, :])
-            even = _merge_add(even, at, l_base + sp * sl_p + heads, mx, safe)
-            odd = _merge_add(odd, at + 1, l_base + sp * sl_p + heads, mx, safe)
+            even = _merge_add_t(even, at, l_base + sp * sl_p + heads, mx, safe)
+            odd = _merge_add_t(odd, at + 1, l_base + sp * sl_p + heads, mx, safe)
         _store_box(f_base, even, odd, first, gl.full_like(mx, 1.0), h_f, heads >= 0, rows, PAIRED)
 
     @gluon.jit
@@ -328,12 +294,8 @@ if HAS_GLUON:
         _store_box(o_ptr, e0, d0, 2 * PART * LBOX, factor, o_q, live, rows, PAIRED)
         _store_box(o_ptr, e1, d1, (2 * PART + 1) * LBOX, factor, o_q, live, rows, PAIRED)
         nsplits = gl.num_programs(1)
-        _fence_gpu()        # (this part's stores and the scores warpgroup's lse before the count)
-        gl.thread_barrier()
-        came = gl.atomic_add(cnt_ptr + PART, 1, sem="acq_rel", scope="gpu")
-        _fence_gpu()
+        came = _counted_last(cnt_ptr, PART)     # (this part's stores and the scores warpgroup's lse before it)
         if came == nsplits - 1:
-            gl.store(cnt_ptr + PART, 0)
             # (the merge's offsets made from the count: made before it, the compiler moved them to the
             # kernel's start and spilled them there)
             z = _opaque_zero(came)
