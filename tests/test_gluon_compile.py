@@ -100,6 +100,12 @@ def _build(name: str, cubin: Path | None = None) -> dict:
         if more == ["split"]:       # ("mla-bf16-split": scores and two value warpgroups, CONFIG split_wide)
             consts["SPLIT"] = True
         ptrs.update(q_desc=desc, k_desc=desc, k_ptr="*bf16")
+        if "MERGE" in kernel.arg_names:     # ("mla-bf16-merge1": the splits merged in the kernel, CONFIG merge_wide)
+            consts["MERGE"] = bool(merge)
+            if merge:
+                ptrs.update(out_ptr="*bf16", olse_ptr="*fp32", cnt_ptr="*i32")
+            else:
+                consts.update(out_ptr=None, olse_ptr=None, cnt_ptr=None)
     if "PDL" in kernel.arg_names:      # (a constexpr: left out, it would build as a run-time argument)
         consts["PDL"] = pdl
     if "SPLIT" in kernel.arg_names:
@@ -182,7 +188,9 @@ BUILDS = [
     ("mlaw-fp8-direct2-paired-ahead-planned-pdl", 320),
     # (its splits merged in the kernel, CONFIG merge_wide_fp8 2, the merged out in bf16: the last split's
     # merge spills its offsets in the epilogue, the loops as without it)
-    ("mlaw-fp8-direct2-paired-ahead-merge2-pdl", 400)]
+    ("mlaw-fp8-direct2-paired-ahead-merge2-pdl", 400),
+    # (the bf16 kernel's, CONFIG merge_wide)
+    ("mla-bf16-merge1-pdl", 512)]
 # builds whose wgmma pipeline ptxas serializes (C7512: too few registers), kept as they are: the fp8 converter
 # kernel loading its 64-key tiles itself into fp16 stages (raw_ring_wide_fp8 0, not installed; measured slower
 # than the installed raw ring in 2026-12-04's runs, built with this serialization)

@@ -3,7 +3,8 @@ against the merge kernel after it (0): first the two against each other and the 
 lengths (0, 1, 63, 64, 65 tokens, long ones; DCP group of 1 and rank 1 of 2; a bad block id) at B = 8 and
 B = 7 (8 and 9 splits a head tile), then public calls timed with `common.step_time` (ten a CUDA graph,
 the two forms alternating, two rounds): 128 heads, B = 32, rank 0's 1/4 of L = 8K / 32K / 128K, one page
-per rank (the fixed part) and 1/8 of 32K (DCP N = 8).
+per rank (the fixed part) and 1/8 of 32K (DCP N = 8); and the bf16 kernel's in-kernel merge (CONFIG
+merge_wide) against the merge kernel, checked and timed at 8K / its one page / 1/8 of 32K.
 
     python bench/debug/decode_kmerge.py OUT.json        # on the GPU
 """
@@ -83,19 +84,35 @@ def main(path: str) -> None:
     _check(rows, [0, 1, 63, 64, 65, 700, 2500, 129])
     _check(rows, [2500, 65, 0, 1, 3000, 4096, 700])     # (7 sequences: 9 splits a head tile)
     triton_decode.CONFIG.update(saved)
-    for context, n, short in ((8192, 4, False), (8192, 4, True), (32768, 4, False), (32768, 8, False),
-                              (131072, 4, False)):
-        cache, table, q, scale = family_case("mla128", torch.float8_e4m3fn, 32, context, 64, n, ctx.device)
+    # the bf16 kernel's in-kernel merge (CONFIG merge_wide) against the merge kernel, bit for bit
+    for name, on in (("bf16 merge kernel", 0), ("bf16 merged in the kernel", 1)):
+        triton_decode.CONFIG["merge_wide"] = on
+        cache, table, q, scale = family_case("mla128", torch.bfloat16, 7, 8192, 64, 2, ctx.device)
+        lens = torch.tensor([3000, 0, 77, 1, 640, 4096, 129], device=ctx.device)
+        got = paged_decode_attention(q, cache, table, lens, layout=DCPLayout(size=2, rank=1, block_size=64),
+                                     scale=scale, backend="triton", max_seq_len=8192)
+        if on:
+            rows.append({"check": "bf16 merged vs merge kernel", "out": (got.out - base.out).abs().max().item(),
+                         "lse": (got.lse - base.lse).nan_to_num(0.0, 0.0, 0.0).abs().max().item()})
+            print(rows[-1], flush=True)
+        base = got
+    triton_decode.CONFIG.update(saved)
+    for context, n, short, dtype in ((8192, 4, False, torch.float8_e4m3fn), (8192, 4, True, torch.float8_e4m3fn),
+                                     (32768, 4, False, torch.float8_e4m3fn), (32768, 8, False, torch.float8_e4m3fn),
+                                     (131072, 4, False, torch.float8_e4m3fn), (8192, 4, False, torch.bfloat16),
+                                     (8192, 4, True, torch.bfloat16), (32768, 8, False, torch.bfloat16)):
+        fp8 = dtype == torch.float8_e4m3fn
+        cache, table, q, scale = family_case("mla128", dtype, 32, context, 64, n, ctx.device)
         layout = DCPLayout(size=n, rank=0, block_size=64)
         seq = torch.full((32,), n * 64 if short else context, device=ctx.device)
         call = lambda: paged_decode_attention(q, cache, table, seq, layout=layout, scale=scale, backend="triton",
                                               max_seq_len=context, )
         for rep in range(2):
-            for name, merge in FORMS:
-                triton_decode.CONFIG["merge_wide_fp8"] = merge
+            for name, merge in FORMS if fp8 else (("merge kernel", 0), ("stored merge", 1)):
+                triton_decode.CONFIG["merge_wide_fp8" if fp8 else "merge_wide"] = merge
                 us, cols = step_time(ctx, [call])
-                row = {"L": context, "n": n, "one_page": short, "form": name, "rep": rep, "us": round(us, 2),
-                       "timing": cols["timing"]}
+                row = {"cache": str(dtype), "L": context, "n": n, "one_page": short, "form": name, "rep": rep,
+                       "us": round(us, 2), "timing": cols["timing"]}
                 rows.append(row)
                 print(row, flush=True)
         triton_decode.CONFIG.update(saved)

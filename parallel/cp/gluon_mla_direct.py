@@ -29,7 +29,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from .gluon_mla import _BLOCK, _CHUNKS, HAS_GLUON, SMEM_LIMIT, grid_rows, planned_launch, scales_by_tma
+from .gluon_mla import (_BLOCK, _CHUNKS, HAS_GLUON, SMEM_LIMIT, grid_rows, merge_counters,  # noqa: F401
+                        planned_launch, scales_by_tma)
 from .gluon_mla_narrow import _DIRECT_STAGE, _LBOX, _LBOXES
 
 if HAS_GLUON:
@@ -49,27 +50,6 @@ if HAS_GLUON:
     from .triton_common import work_item as _work_item
 
 MAX_RAW = 3     # raw stages that fit beside the queries' e4m3 parts and the weights' double buffer
-
-
-_COUNTERS: dict[tuple[int, int], Tensor] = {}
-_RETIRED: list[Tensor] = []
-
-
-def merge_counters(device: torch.device, n: int) -> Tensor:
-    """The in-kernel split merge's int32 counters (4 a program) for launches on the current stream of
-    `device`: zeros, which every launch leaves at zero again (the last split of each program resets its
-    own). One set a stream: launches on one stream run one after another, and two streams never share a
-    set. Under CUDA-graph capture the set is the capture stream's, made there where it has none (its
-    zero-fill then a node of the graph, run at each replay before the kernels that use it)."""
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    key = (index, torch.cuda.current_stream(index).stream_id)
-    have = _COUNTERS.get(key)
-    if have is not None and have.numel() >= n:
-        return have
-    if have is not None:    # (kept: a graph captured with it holds its address)
-        _RETIRED.append(have)
-    _COUNTERS[key] = torch.zeros(max(n, 1024), dtype=torch.int32, device=device)
-    return _COUNTERS[key]
 
 
 def shared_bytes(raw: int) -> int:

@@ -819,6 +819,9 @@ CONFIG = impl.Settings({
     # split of each sequence's head tile to finish reads the others' partials back from L2 and writes the
     # merged out, in place of the merge kernel after it (`gluon_mla_direct._values_end`). 0: the merge kernel
     "merge_wide_fp8": 2,
+    # the same for the bf16 kernel's installed form (not seesaw or split): each warpgroup's half of the
+    # output merged by the last split to count that half in (`gluon_mla._merged_half`). 0: the merge kernel
+    "merge_wide": 1,
     # GQA (head dim 128, one query token, bf16 queries) through the warp-specialized Gluon kernels
     # (`gluon_gqa`: over bf16 a TMA loader with a ring of 64-key tiles and one consumer warpgroup, over
     # fp8 the direct kernel below), per cache dtype, where `gluon_gqa_ok` holds; one CTA per SM (bf16:
@@ -1691,13 +1694,7 @@ def paged_decode_triton(q: Tensor, k: Tensor, v: Tensor, k_scale: Tensor | None,
                                 pipe=bool(CONFIG["pipe_wide_narrow_fp8"]),
                                 width=c.width if c.tiled else gluon_mla_narrow.MAX_HEADS, **direct_opts, **planned)
     elif s > 0 and splits > 0 and c.wide_raw:
-        # (the splits merged in the kernel: its last split of a sequence's head tile merges them)
-        counters = (gluon_mla_direct.merge_counters(q.device, 4 * s * (hq // 64))
-                    if merge and splits > 1 and plan is None and CONFIG["merge_wide_fp8"] else None)
-        merged = None
-        if counters is not None:    # (None: merged by the merge kernel after the kernel)
-            merged = (torch.empty(s, tq, hq, dv, dtype=out_dtype, device=q.device),
-                      torch.empty(s, tq, hq, dtype=torch.float32, device=q.device), counters)
+        merged = _merged_in_kernel(q, dv, out_dtype, splits, merge and plan is None and CONFIG["merge_wide_fp8"])
         gluon_mla_direct.launch(q, k, table, seq_lens, o, lse, scale * _LOG2E, splits, split_len, dcp_size, dcp_rank,
                                 interleave, k_scale, raw=c.wide_raw, pdl=pdl, paired=direct_opts["paired"],
                                 ahead=bool(CONFIG["ids_ahead_wide_fp8"]), merged=merged,
@@ -1705,10 +1702,15 @@ def paged_decode_triton(q: Tensor, k: Tensor, v: Tensor, k_scale: Tensor | None,
         if merged is not None:
             return AttnState(merged[0], merged[1])
     elif s > 0 and splits > 0 and c.gluon:
+        seesaw, split_form = bool(CONFIG["seesaw_wide"]), bool(CONFIG["split_wide"])
+        merged = _merged_in_kernel(q, dv, out_dtype, splits, merge and plan is None and not fp8 and not seesaw
+                                   and not split_form and CONFIG["merge_wide"])
         gluon_mla.launch_gluon_mla(q, k, table, seq_lens, o, lse, scale * _LOG2E, splits, split_len, dcp_size,
                                    dcp_rank, interleave, k_scale if fp8 else None, raw_ring=CONFIG["raw_ring_wide_fp8"],
                                    keys=CONFIG["keys_wide_fp8"], ring=CONFIG["ring_wide_fp8"], pdl=pdl,
-                                   seesaw=bool(CONFIG["seesaw_wide"]), split=bool(CONFIG["split_wide"]), **planned)
+                                   seesaw=seesaw, split=split_form, merged=merged, **planned)
+        if merged is not None:
+            return AttnState(merged[0], merged[1])
     elif s > 0 and splits > 0 and c.gqa_ws:
         gluon_gqa.launch_gluon_gqa(q, k, v, table, seq_lens, o, lse, scale * _LOG2E, splits, split_len, dcp_size,
                                    dcp_rank, interleave, k_scale if fp8 else None, v_scale if fp8 else None,
@@ -1743,6 +1745,19 @@ def paged_decode_triton(q: Tensor, k: Tensor, v: Tensor, k_scale: Tensor | None,
     out = torch.empty(s * tq, hq, dv, dtype=out_dtype, device=q.device)
     merged = merge_states_triton(o.view(splits, s * tq, hq, dv), lse.view(splits, s * tq, hq), pdl=pdl, out=out)
     return AttnState(merged.out.view(s, tq, hq, dv), merged.lse.view(s, tq, hq))
+
+
+def _merged_in_kernel(q: Tensor, dv: int, out_dtype: torch.dtype, splits: int,
+                      on: bool) -> tuple[Tensor, Tensor, Tensor] | None:
+    """(out, lse, counters) for a full-head-tile MLA kernel that merges a call's splits itself (CONFIG
+    merge_wide / merge_wide_fp8: the last split of each program to finish merges them, in place of the
+    merge kernel after it), where `on` and there are several splits; None otherwise."""
+    if not on or splits < 2:
+        return None
+    s, tq, hq, _ = q.shape
+    return (torch.empty(s, tq, hq, dv, dtype=out_dtype, device=q.device),
+            torch.empty(s, tq, hq, dtype=torch.float32, device=q.device),
+            gluon_mla.merge_counters(q.device, 4 * s * -(-hq // 64)))
 
 
 def _halves_ok(k: Tensor, v: Tensor, k_scale: Tensor | None, v_scale: Tensor | None, d_main: int,
