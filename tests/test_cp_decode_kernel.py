@@ -1036,6 +1036,56 @@ def test_direct_wide_fp8_merges_its_splits_in_the_kernel_on_gpu(size, rank, head
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("size,rank,heads", [(1, 0, 128), (2, 1, 48), (4, 3, 64)])
+def test_bf16_wide_mla_merges_its_splits_in_the_kernel_on_gpu(size, rank, heads, monkeypatch):
+    """The bf16 full-tile MLA kernel merging its splits itself (CONFIG merge_wide: each warpgroup's half of
+    the output by the last split to count it in): bit-identical to the merge kernel after it, fp32 and
+    bf16 out, with empty splits and sequences, NaN in unheld slots, a padded head tile (48 heads); the
+    counters back at zero; a bad block id NaN in its sequence only; a CUDA graph replays it; the seesaw
+    and split forms, merge=False and a length plan keep the merge kernel."""
+    td, gluon_mla, _ = _gluon_mla_kernels(monkeypatch)
+    monkeypatch.setitem(td.CONFIG, "min_split_wide", 256)
+    lens = [3000, 0, 77, 1, 640, 4096, 129]
+    gen = torch.Generator().manual_seed(97 + rank + heads)
+    layout = DCPLayout(size=size, rank=rank, block_size=64)
+    cache, ref_cache, table, nb = _mla_dcp_cache(lens, layout, torch.bfloat16, gen)
+    q = torch.randn(len(lens), 1, heads, 576, generator=gen).to(torch.bfloat16).cuda()
+    seq = torch.tensor(lens, device="cuda")
+    run = lambda t=table, **kw: paged_decode_attention(q, cache, t, seq, layout=layout, scale=0.07,
+                                                        backend="triton", validate=False, **kw)
+    used = _spy(monkeypatch, gluon_mla, "launch_gluon_mla")
+    monkeypatch.setitem(td.CONFIG, "merge_wide", 0)
+    want, want16 = run(), run(out_dtype=torch.bfloat16)
+    assert used and used[0][0][7] > 1 and used[0][1]["merged"] is None, "expected several splits, merged after"
+    used.clear()
+    monkeypatch.setitem(td.CONFIG, "merge_wide", 1)
+    got = run()
+    assert used and used[0][1]["merged"] is not None
+    for a, b in ((got, want), (run(), want), (run(out_dtype=torch.bfloat16), want16)):
+        assert a.out.dtype == b.out.dtype
+        torch.testing.assert_close(a.out, b.out, atol=0, rtol=0)
+        torch.testing.assert_close(a.lse, b.lse, atol=0, rtol=0)
+    _check_against_torch(got, paged_decode_attention(q, ref_cache, table, seq, layout=layout, scale=0.07,
+                                                     backend="torch"), 1)
+    counters = gluon_mla.merge_counters(q.device, 0)
+    torch.cuda.synchronize()
+    assert int(counters.abs().sum()) == 0, "the counters were not put back to zero"
+    bad = table.clone()
+    bad[5, 0] = nb + 7
+    _nan_row_5_only(run(bad), want)
+    _replays_to(run, want, times=3)
+    for key in ("seesaw_wide", "split_wide"):
+        monkeypatch.setitem(td.CONFIG, key, 1)
+        used.clear()
+        other = run()
+        assert used[0][1]["merged"] is None
+        torch.testing.assert_close(other.out, want.out, atol=2e-3, rtol=0)
+        monkeypatch.setitem(td.CONFIG, key, 0)
+    used.clear()
+    assert run(merge=False).lse.shape[0] > 1 and used[0][1]["merged"] is None
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float8_e4m3fn], ids=["bf16", "fp8"])
 @pytest.mark.parametrize("size,rank,heads,tq", [(1, 0, 16, 1), (4, 3, 16, 1), (2, 1, 12, 1), (1, 0, 32, 1),
                                                 (2, 0, 8, 1), (1, 0, 16, 2), (4, 1, 8, 4), (2, 1, 12, 2)])
