@@ -1079,7 +1079,7 @@ def test_bf16_wide_mla_merges_its_splits_in_the_kernel_on_gpu(size, rank, heads,
         used.clear()
         other = run()
         assert used[0][1]["merged"] is None
-        torch.testing.assert_close(other.out, want.out, atol=2e-3, rtol=0)
+        torch.testing.assert_close(other.out, want.out, atol=1e-2, rtol=0)
         monkeypatch.setitem(td.CONFIG, key, 0)
     used.clear()
     assert run(merge=False).lse.shape[0] > 1 and used[0][1]["merged"] is None
