@@ -815,13 +815,16 @@ CONFIG = impl.Settings({
     # 166.1-168.8 / 629-646 µs against 58.2-58.5 / 165.9-168.6 / 655-661, within the spread, with the output
     # 3.7e-3 off the Triton kernel at 32K against 1.4e-3 (logs/decode-gluon-chain2-h100-2026-12-06-1040-e67b929.json)
     "direct_wide_fp8": 2, "ids_ahead_wide_fp8": 1,
-    # the full-tile direct kernel merges a call's splits itself (no plan, merged out asked for): the last
-    # split of each sequence's head tile to finish reads the others' partials back from L2 and writes the
-    # merged out, in place of the merge kernel after it (`gluon_mla_direct._values_end`). 0: the merge kernel
-    "merge_wide_fp8": 2,
-    # the same for the bf16 kernel's installed form (not seesaw or split): each warpgroup's half of the
-    # output merged by the last split to count that half in (`gluon_mla._merged_half`). 0: the merge kernel
-    "merge_wide": 1,
+    # the full-tile direct kernel merging a call's splits itself (no plan, a merged out asked for), in place
+    # of the merge kernel after it: 2, every split stores its partial and the last of each sequence's head
+    # tile to count in reads them all back (L2) and writes the merged out in the merge kernel's order
+    # (`gluon_mla_direct._stored_end`: bit-identical to it); 1, the last keeps its own partial in registers
+    # (`_merged_end`: the sum in arrival order, so its rounding varies from run to run; measured only).
+    # 0: the merge kernel after the kernel
+    "merge_wide_fp8": 0,
+    # the same for the bf16 kernel's installed form (not seesaw or split): 1, each warpgroup's half of the
+    # output merged by the last split to count that half in (`gluon_mla._merged_half`, the stored form)
+    "merge_wide": 0,
     # GQA (head dim 128, one query token, bf16 queries) through the warp-specialized Gluon kernels
     # (`gluon_gqa`: over bf16 a TMA loader with a ring of 64-key tiles and one consumer warpgroup, over
     # fp8 the direct kernel below), per cache dtype, where `gluon_gqa_ok` holds; one CTA per SM (bf16:
