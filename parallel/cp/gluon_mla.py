@@ -1212,7 +1212,8 @@ def merge_counters(device: torch.device, n: int) -> Tensor:
     `device`: zeros, which every launch leaves at zero again (the last split of each program resets its
     own). One set a stream: launches on one stream run one after another, and two streams never share a
     set. Under CUDA-graph capture the set is the capture stream's, made there where it has none (its
-    zero-fill then a node of the graph, run at each replay before the kernels that use it)."""
+    zero-fill then a node of the graph, run at each replay before the kernels that use it). Graphs
+    captured on one stream share its set: replay them one after another, not at once on two streams."""
     index = device.index if device.index is not None else torch.cuda.current_device()
     key = (index, torch.cuda.current_stream(index).stream_id)
     have = _COUNTERS.get(key)
