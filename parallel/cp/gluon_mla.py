@@ -755,12 +755,18 @@ if HAS_GLUON:
         safe = gl.where(total > 0, total, 1.0)
         at = o_ptr + s64 * so_s + (rows[:, None] * so_h + cols[None, :])
         to = out_ptr + s64 * fo_s + (rows[:, None] * fo_h + cols[None, :])
-        for c in gl.static_range(4):
-            acc = gl.zeros_like(like)
-            for sp in range(nsplits):
-                acc = _merge_add(acc, at + (sp.to(gl.int64) * so_p + c * BLOCK), l_base + sp * sl_p + rows, mx,
-                                 safe, live)
-            gl.store(to + c * BLOCK, acc, mask=live[:, None])
+        if nsplits == 2:    # (the usual count at 128 heads: both splits' loads issued before their sums)
+            for c in gl.static_range(4):
+                acc = _merge_add(gl.zeros_like(like), at + c * BLOCK, l_base + rows, mx, safe, live)
+                acc = _merge_add(acc, at + (so_p + c * BLOCK), l_base + sl_p + rows, mx, safe, live)
+                gl.store(to + c * BLOCK, acc, mask=live[:, None])
+        else:
+            for c in gl.static_range(4):
+                acc = gl.zeros_like(like)
+                for sp in range(nsplits):
+                    acc = _merge_add(acc, at + (sp.to(gl.int64) * so_p + c * BLOCK), l_base + sp * sl_p + rows, mx,
+                                     safe, live)
+                gl.store(to + c * BLOCK, acc, mask=live[:, None])
         if LSE:
             gl.store(olse_ptr + s64 * fl_s + rows, gl.where(total == 0, float("-inf"), mx + gl.log(safe)), mask=live)
 

@@ -256,10 +256,16 @@ if HAS_GLUON:
         stored at f_base + h_f + dim."""
         even = gl.zeros_like(like)
         odd = gl.zeros_like(like)
-        for sp in range(nsplits):
-            at = o_base + sp.to(gl.int64) * so_p + ((first + 2 * rows)[:, None] + h_o[None, :])
-            even = _merge_add_t(even, at, l_base + sp * sl_p + heads, mx, safe)
-            odd = _merge_add_t(odd, at + 1, l_base + sp * sl_p + heads, mx, safe)
+        at = o_base + ((first + 2 * rows)[:, None] + h_o[None, :])
+        if nsplits == 2:    # (the usual count at 128 heads: both splits' loads issued before their sums)
+            even = _merge_add_t(even, at, l_base + heads, mx, safe)
+            odd = _merge_add_t(odd, at + 1, l_base + heads, mx, safe)
+            even = _merge_add_t(even, at + so_p, l_base + sl_p + heads, mx, safe)
+            odd = _merge_add_t(odd, at + (so_p + 1), l_base + sl_p + heads, mx, safe)
+        else:
+            for sp in range(nsplits):
+                even = _merge_add_t(even, at + sp.to(gl.int64) * so_p, l_base + sp * sl_p + heads, mx, safe)
+                odd = _merge_add_t(odd, at + (sp.to(gl.int64) * so_p + 1), l_base + sp * sl_p + heads, mx, safe)
         _store_box(f_base, even, odd, first, gl.full_like(mx, 1.0), h_f, heads >= 0, rows, PAIRED)
 
     @gluon.jit
