@@ -955,63 +955,69 @@ def test_gluon_mla_direct_wide_fp8_on_gpu(size, rank, heads, monkeypatch):
     torch.testing.assert_close(spec.lse[fin], spec_ref.lse[fin], atol=2e-2, rtol=0)
 
 
-@pytest.mark.gpu
-@pytest.mark.parametrize("size,rank,heads,min_split", [(1, 0, 128, 256), (2, 1, 64, 64), (4, 3, 256, 1024)])
-def test_direct_wide_fp8_merges_its_splits_in_the_kernel_on_gpu(size, rank, heads, min_split, monkeypatch):
-    """The full-tile direct fp8 kernel merging its splits itself (CONFIG merge_wide_fp8 2: every split
-    stores its partial, the last of each program to finish merges them in the merge kernel's order):
-    bit-identical to the merge kernel after it (0), out and lse, in fp32 and in bf16, with empty splits,
-    empty and one-token sequences, NaN bytes and scales in unheld slots, 2-33 splits; the counters back at
-    zero after every call (a second call, and a call of another grid, the same); a bad block id NaN in its
-    sequence only; captured in a CUDA graph (its counters made in the capture) and replayed, alone and
-    beside eager calls on another stream; merge=False and a length plan leave it to the merge kernels."""
-    td, _, _ = _gluon_mla_kernels(monkeypatch)
-    from parallel.cp import gluon_mla_direct
-    from parallel.cp.paged import plan_paged_decode
-
-    monkeypatch.setitem(td.CONFIG, "min_split_wide_fp8", min_split)
+def _merged_in_kernel_case(monkeypatch, td, dtype, size, rank, heads, key, on, module, launcher):
+    """The checks both in-kernel split merges share (CONFIG `key` set to `on` against 0: the merge kernel
+    after the kernel) at full size over a DCP rank, NaN in unheld slots, empty splits and sequences: the
+    same out and lse bit for bit, fp32 and 16-bit; within the GPU bound of the torch path; the counters back
+    at zero; a bad block id NaN in its sequence only; a CUDA graph (its counters made in the capture)
+    replays it. Returns (run(table=..., rows=..., **kw): the call over the first `rows` sequences, the
+    merge kernel's result, the spied launches)."""
     lens = [3000, 0, 77, 1, 640, 4096, 129]
     gen = torch.Generator().manual_seed(71 + rank + heads)
     layout = DCPLayout(size=size, rank=rank, block_size=64)
-    cache, ref_cache, table, nb = _mla_dcp_cache(lens, layout, torch.float8_e4m3fn, gen)
+    cache, ref_cache, table, nb = _mla_dcp_cache(lens, layout, dtype, gen)
     q = torch.randn(len(lens), 1, heads, 576, generator=gen).to(torch.bfloat16).cuda()
     seq = torch.tensor(lens, device="cuda")
-    run = lambda t=table, **kw: paged_decode_attention(q, cache, t, seq, layout=layout, scale=0.07,
-                                                        backend="triton", validate=False, **kw)
-    used = _spy(monkeypatch, gluon_mla_direct, "launch")
-    monkeypatch.setitem(td.CONFIG, "merge_wide_fp8", 0)
-    want = run()
-    want16 = run(out_dtype=torch.bfloat16)
+
+    def run(t=table, rows=len(lens), **kw):
+        return paged_decode_attention(q[:rows], cache, t[:rows], seq[:rows], layout=layout, scale=0.07,
+                                      backend="triton", validate=False, **kw)
+
+    used = _spy(monkeypatch, module, launcher)
+    monkeypatch.setitem(td.CONFIG, key, 0)
+    want, want16 = run(), run(out_dtype=torch.bfloat16)
     assert used and used[0][0][7] > 1 and used[0][1]["merged"] is None, "expected several splits, merged after"
     used.clear()
-    monkeypatch.setitem(td.CONFIG, "merge_wide_fp8", 2)
+    monkeypatch.setitem(td.CONFIG, key, on)
     got = run()
-    assert used and used[0][1]["merged"] is not None and used[0][1]["merge_form"] == 2
+    assert used and used[0][1]["merged"] is not None
     for a, b in ((got, want), (run(), want), (run(out_dtype=torch.bfloat16), want16)):
         assert a.out.dtype == b.out.dtype
         torch.testing.assert_close(a.out, b.out, atol=0, rtol=0)
         torch.testing.assert_close(a.lse, b.lse, atol=0, rtol=0)
     _check_against_torch(got, paged_decode_attention(q, ref_cache, table, seq, layout=layout, scale=0.07,
                                                      backend="torch"), 1)
-    # another grid (fewer sequences: more splits each) on the same counters, then this one again
-    few = paged_decode_attention(q[:2], cache, table[:2], seq[:2], layout=layout, scale=0.07, backend="triton",
-                                 validate=False)
-    monkeypatch.setitem(td.CONFIG, "merge_wide_fp8", 0)
-    torch.testing.assert_close(few.out, paged_decode_attention(q[:2], cache, table[:2], seq[:2], layout=layout,
-                                                               scale=0.07, backend="triton", validate=False).out,
-                               atol=0, rtol=0)
-    monkeypatch.setitem(td.CONFIG, "merge_wide_fp8", 2)
-    torch.testing.assert_close(run().out, want.out, atol=0, rtol=0)
-    counters = gluon_mla_direct.merge_counters(q.device, 0)
+    counters = td.gluon_mla.merge_counters(q.device, 0)
     torch.cuda.synchronize()
     assert int(counters.abs().sum()) == 0, "the counters were not put back to zero"
     bad = table.clone()
     bad[5, 0] = nb + 7
     _nan_row_5_only(run(bad), want)
-    # captured: the capture stream's counters made in the capture; replayed beside eager calls elsewhere
     used.clear()
     _replays_to(run, want, times=3)
     assert used[-1][1]["merged"] is not None
+    return run, want, used
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("size,rank,heads,min_split", [(1, 0, 128, 256), (2, 1, 64, 64), (4, 3, 256, 1024)])
+def test_direct_wide_fp8_merges_its_splits_in_the_kernel_on_gpu(size, rank, heads, min_split, monkeypatch):
+    """The full-tile direct fp8 kernel merging its splits itself (CONFIG merge_wide_fp8 2: every split
+    stores its partial, the last of each program to finish merges them in the merge kernel's order):
+    `_merged_in_kernel_case` with 2-33 splits; a call of another grid on the same counters, then this one
+    again; a graph replayed beside eager calls on another stream (each stream its own counters);
+    merge=False and a length plan leave it to the merge kernels."""
+    td, _, _ = _gluon_mla_kernels(monkeypatch)
+    from parallel.cp import gluon_mla_direct
+
+    monkeypatch.setitem(td.CONFIG, "min_split_wide_fp8", min_split)
+    run, want, used = _merged_in_kernel_case(monkeypatch, td, torch.float8_e4m3fn, size, rank, heads,
+                                             "merge_wide_fp8", 2, gluon_mla_direct, "launch")
+    few = run(rows=2)       # (another grid: fewer sequences, more splits each, on the same counters)
+    monkeypatch.setitem(td.CONFIG, "merge_wide_fp8", 0)
+    torch.testing.assert_close(few.out, run(rows=2).out, atol=0, rtol=0)
+    monkeypatch.setitem(td.CONFIG, "merge_wide_fp8", 2)
+    torch.testing.assert_close(run().out, want.out, atol=0, rtol=0)
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     graph = torch.cuda.CUDAGraph()
@@ -1024,56 +1030,20 @@ def test_direct_wide_fp8_merges_its_splits_in_the_kernel_on_gpu(size, rank, head
     torch.testing.assert_close(captured.out, want.out, atol=0, rtol=0)
     for e in eager:
         torch.testing.assert_close(e.out, want.out, atol=0, rtol=0)
-    # unmerged splits and a length plan: the kernel's partials, merged by the merge kernels as before
     used.clear()
-    parts = run(merge=False)
-    assert parts.lse.shape[0] > 1 and used[0][1]["merged"] is None
-    plan = plan_paged_decode(q, cache, table, seq, layout=layout, backend="triton")
-    used.clear()
-    planned = run(plan=plan)
-    assert used[0][1]["merged"] is None
-    torch.testing.assert_close(planned.out, want.out, atol=1e-3, rtol=0)
+    assert run(merge=False).lse.shape[0] > 1 and used[0][1]["merged"] is None
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("size,rank,heads", [(1, 0, 128), (2, 1, 48), (4, 3, 64)])
 def test_bf16_wide_mla_merges_its_splits_in_the_kernel_on_gpu(size, rank, heads, monkeypatch):
     """The bf16 full-tile MLA kernel merging its splits itself (CONFIG merge_wide: each warpgroup's half of
-    the output by the last split to count it in): bit-identical to the merge kernel after it, fp32 and
-    bf16 out, with empty splits and sequences, NaN in unheld slots, a padded head tile (48 heads); the
-    counters back at zero; a bad block id NaN in its sequence only; a CUDA graph replays it; the seesaw
-    and split forms, merge=False and a length plan keep the merge kernel."""
+    the output by the last split to count that half in): `_merged_in_kernel_case`, a padded head tile (48
+    heads) among them; the seesaw and split forms and merge=False keep the merge kernel."""
     td, gluon_mla, _ = _gluon_mla_kernels(monkeypatch)
     monkeypatch.setitem(td.CONFIG, "min_split_wide", 256)
-    lens = [3000, 0, 77, 1, 640, 4096, 129]
-    gen = torch.Generator().manual_seed(97 + rank + heads)
-    layout = DCPLayout(size=size, rank=rank, block_size=64)
-    cache, ref_cache, table, nb = _mla_dcp_cache(lens, layout, torch.bfloat16, gen)
-    q = torch.randn(len(lens), 1, heads, 576, generator=gen).to(torch.bfloat16).cuda()
-    seq = torch.tensor(lens, device="cuda")
-    run = lambda t=table, **kw: paged_decode_attention(q, cache, t, seq, layout=layout, scale=0.07,
-                                                        backend="triton", validate=False, **kw)
-    used = _spy(monkeypatch, gluon_mla, "launch_gluon_mla")
-    monkeypatch.setitem(td.CONFIG, "merge_wide", 0)
-    want, want16 = run(), run(out_dtype=torch.bfloat16)
-    assert used and used[0][0][7] > 1 and used[0][1]["merged"] is None, "expected several splits, merged after"
-    used.clear()
-    monkeypatch.setitem(td.CONFIG, "merge_wide", 1)
-    got = run()
-    assert used and used[0][1]["merged"] is not None
-    for a, b in ((got, want), (run(), want), (run(out_dtype=torch.bfloat16), want16)):
-        assert a.out.dtype == b.out.dtype
-        torch.testing.assert_close(a.out, b.out, atol=0, rtol=0)
-        torch.testing.assert_close(a.lse, b.lse, atol=0, rtol=0)
-    _check_against_torch(got, paged_decode_attention(q, ref_cache, table, seq, layout=layout, scale=0.07,
-                                                     backend="torch"), 1)
-    counters = gluon_mla.merge_counters(q.device, 0)
-    torch.cuda.synchronize()
-    assert int(counters.abs().sum()) == 0, "the counters were not put back to zero"
-    bad = table.clone()
-    bad[5, 0] = nb + 7
-    _nan_row_5_only(run(bad), want)
-    _replays_to(run, want, times=3)
+    run, want, used = _merged_in_kernel_case(monkeypatch, td, torch.bfloat16, size, rank, heads, "merge_wide", 1,
+                                             gluon_mla, "launch_gluon_mla")
     for key in ("seesaw_wide", "split_wide"):
         monkeypatch.setitem(td.CONFIG, key, 1)
         used.clear()

@@ -51,3 +51,37 @@ def family_case(family: str, cache_dtype: torch.dtype, batch: int, context: int,
     q = torch.randn(batch, HEADS[family], dims.latent_dim, device=device, dtype=torch.bfloat16)
     return latent.paged, table, q, dims.scale
 
+
+def mla_awkward_cache(lens: list[int], layout, fp8: bool, gen: torch.Generator):
+    """(cache, ref_cache, table, blocks) for the decode scripts' checks: an MLA latent cache on the GPU in a DCP
+    rank's layout (`layout`) holding `lens` tokens of random bf16 latents, its unheld slots NaN (over fp8 NaN
+    bytes and NaN scales: anything may be there), tokens quantized per token over fp8; and a copy with zeros
+    there (unit scales) that the torch path reads."""
+    from megapar.parallel.cp.mla import MLADims
+    from megapar.parallel.cp.paged import PagedKVCache
+
+    dims, block = MLADims(), layout.block_size
+    per_seq = -(-max(lens) // (block * layout.size)) + 1
+    nb = len(lens) * per_seq + 5
+    kv = torch.full((nb, block, 1, dims.latent_dim), float("nan"), device="cuda", dtype=torch.bfloat16)
+    clean = torch.zeros_like(kv)
+    sc = torch.full((nb, block, 1), float("nan"), device="cuda")
+    sc_clean = torch.ones_like(sc)
+    table = torch.randperm(nb, device="cuda", generator=gen)[: len(lens) * per_seq].view(len(lens), per_seq).int()
+    for s, n in enumerate(lens):
+        if n:
+            slots = layout.slot_mapping(torch.arange(n, device="cuda"), table[s])
+            x = torch.randn(n, 1, dims.latent_dim, device="cuda", generator=gen).to(torch.bfloat16)
+            mine = slots >= 0
+            kv.view(-1, 1, dims.latent_dim)[slots[mine]] = x[mine]
+            clean.view(-1, 1, dims.latent_dim)[slots[mine]] = x[mine]
+            amax = x[mine].float().abs().amax(-1)
+            sc.view(-1, 1)[slots[mine]] = amax / 448.0
+            sc_clean.view(-1, 1)[slots[mine]] = amax / 448.0
+    if not fp8:
+        return (PagedKVCache(kv, kv[..., :dims.kv_lora_rank]), PagedKVCache(clean, clean[..., :dims.kv_lora_rank]),
+                table, nb)
+    q8 = (kv.float() / sc[..., None]).to(torch.float8_e4m3fn)
+    q8_clean = (clean.float() / sc_clean[..., None]).to(torch.float8_e4m3fn)
+    return (PagedKVCache(q8, q8[..., :dims.kv_lora_rank], sc, sc),
+            PagedKVCache(q8_clean, q8_clean[..., :dims.kv_lora_rank], sc_clean, sc_clean), table, nb)

@@ -16,14 +16,14 @@ from __future__ import annotations
 import sys
 
 import torch
-from _rows import check_row, dump_rows
+from _rows import check_row, dump_rows, mla_awkward_cache
 
 from megapar.launch.bench.cp import _mla_decode_setup
 from megapar.launch.bench.common import BenchContext, step_time
 from megapar.parallel.cp import triton_decode
 from megapar.parallel.cp.dcp import DCPLayout
 from megapar.parallel.cp.mla import MLADims
-from megapar.parallel.cp.paged import PagedKVCache, paged_decode_attention
+from megapar.parallel.cp.paged import paged_decode_attention
 
 # (name, Gluon on, raw_ring_wide_fp8, keys_wide_fp8, ring_wide_fp8, direct_wide_fp8): the Triton kernel,
 # 64-key tiles with one fp16 stage, 32-key tiles with two (the converter's installed form; 2-4 raw stages
@@ -53,35 +53,8 @@ def _check(rows: list, dtype: torch.dtype, heads: int = 128) -> None:
     gen = torch.Generator(device="cuda").manual_seed(3)
     lens = [0, 1, 63, 64, 65, 700, 2500, 129]
     for size, rank in ((1, 0), (2, 1)):
-        block = 64
-        layout = DCPLayout(size=size, rank=rank, block_size=block)
-        per_seq = -(-max(lens) // (block * size)) + 1
-        nb = len(lens) * per_seq + 5
-        # the kernels read a cache whose unheld slots hold NaN (anything may be there); the torch
-        # reference reads a copy with zeros there
-        kv = torch.full((nb, block, 1, dims.latent_dim), float("nan"), device="cuda", dtype=torch.bfloat16)
-        clean = torch.zeros_like(kv)
-        sc = torch.full((nb, block, 1), float("nan"), device="cuda")       # (fp8: per-token scales)
-        sc_clean = torch.ones_like(sc)
-        table = torch.randperm(nb, device="cuda", generator=gen)[: len(lens) * per_seq].view(len(lens), per_seq).int()
-        for s, n in enumerate(lens):
-            if n:
-                slots = layout.slot_mapping(torch.arange(n, device="cuda"), table[s])
-                x = torch.randn(n, 1, dims.latent_dim, device="cuda", generator=gen).to(torch.bfloat16)
-                mine = slots >= 0
-                kv.view(-1, 1, dims.latent_dim)[slots[mine]] = x[mine]
-                clean.view(-1, 1, dims.latent_dim)[slots[mine]] = x[mine]
-                amax = x[mine].float().abs().amax(-1)
-                sc.view(-1, 1)[slots[mine]] = amax / 448.0
-                sc_clean.view(-1, 1)[slots[mine]] = amax / 448.0
-        if fp8:     # the same tokens quantized per token; unheld slots NaN bytes and NaN scales
-            q8 = (kv.float() / sc[..., None]).to(torch.float8_e4m3fn)
-            q8_clean = (clean.float() / sc_clean[..., None]).to(torch.float8_e4m3fn)
-            cache = PagedKVCache(q8, q8[..., :dims.kv_lora_rank], sc, sc)
-            ref_cache = PagedKVCache(q8_clean, q8_clean[..., :dims.kv_lora_rank], sc_clean, sc_clean)
-        else:
-            cache = PagedKVCache(kv, kv[..., :dims.kv_lora_rank])
-            ref_cache = PagedKVCache(clean, clean[..., :dims.kv_lora_rank])
+        layout = DCPLayout(size=size, rank=rank, block_size=64)
+        cache, ref_cache, table, nb = mla_awkward_cache(lens, layout, fp8, gen)
         q = torch.randn(len(lens), heads, dims.latent_dim, device="cuda", generator=gen).to(torch.bfloat16)
         seq = torch.tensor(lens, device="cuda")
         ref = paged_decode_attention(q, ref_cache, table, seq, layout=layout, scale=dims.scale, backend="torch")

@@ -14,13 +14,13 @@ from __future__ import annotations
 import sys
 
 import torch
-from _rows import check_row, dump_rows, family_case
+from _rows import check_row, dump_rows, family_case, mla_awkward_cache
 
 from megapar.launch.bench.common import BenchContext, step_time
 from megapar.parallel.cp import triton_decode
 from megapar.parallel.cp.dcp import DCPLayout
 from megapar.parallel.cp.mla import MLADims
-from megapar.parallel.cp.paged import PagedKVCache, paged_decode_attention
+from megapar.parallel.cp.paged import paged_decode_attention
 
 # CONFIG merge_wide_fp8: the merge kernel after the kernel; the last split merging every split's stored
 # partial (2); the last split merging its own registers with the others' stored partials (1: its order,
@@ -28,34 +28,12 @@ from megapar.parallel.cp.paged import PagedKVCache, paged_decode_attention
 FORMS = (("merge kernel", 0), ("stored merge", 2), ("register merge", 1))
 
 
-def _check(rows: list, batch_lens: list[int]) -> None:
+def _check(rows: list, lens: list[int]) -> None:
     dims = MLADims()
     gen = torch.Generator(device="cuda").manual_seed(5)
     for size, rank in ((1, 0), (2, 1)):
-        block = 64
-        layout = DCPLayout(size=size, rank=rank, block_size=block)
-        lens = batch_lens
-        per_seq = -(-max(lens) // (block * size)) + 1
-        nb = len(lens) * per_seq + 5
-        kv = torch.full((nb, block, 1, dims.latent_dim), float("nan"), device="cuda", dtype=torch.bfloat16)
-        clean = torch.zeros_like(kv)
-        sc = torch.full((nb, block, 1), float("nan"), device="cuda")
-        sc_clean = torch.ones_like(sc)
-        table = torch.randperm(nb, device="cuda", generator=gen)[: len(lens) * per_seq].view(len(lens), per_seq).int()
-        for s, n in enumerate(lens):
-            if n:
-                slots = layout.slot_mapping(torch.arange(n, device="cuda"), table[s])
-                x = torch.randn(n, 1, dims.latent_dim, device="cuda", generator=gen).to(torch.bfloat16)
-                mine = slots >= 0
-                kv.view(-1, 1, dims.latent_dim)[slots[mine]] = x[mine]
-                clean.view(-1, 1, dims.latent_dim)[slots[mine]] = x[mine]
-                amax = x[mine].float().abs().amax(-1)
-                sc.view(-1, 1)[slots[mine]] = amax / 448.0
-                sc_clean.view(-1, 1)[slots[mine]] = amax / 448.0
-        q8 = (kv.float() / sc[..., None]).to(torch.float8_e4m3fn)
-        q8_clean = (clean.float() / sc_clean[..., None]).to(torch.float8_e4m3fn)
-        cache = PagedKVCache(q8, q8[..., :dims.kv_lora_rank], sc, sc)
-        ref_cache = PagedKVCache(q8_clean, q8_clean[..., :dims.kv_lora_rank], sc_clean, sc_clean)
+        layout = DCPLayout(size=size, rank=rank, block_size=64)
+        cache, ref_cache, table, nb = mla_awkward_cache(lens, layout, True, gen)
         q = torch.randn(len(lens), 128, dims.latent_dim, device="cuda", generator=gen).to(torch.bfloat16)
         seq = torch.tensor(lens, device="cuda")
         ref = paged_decode_attention(q, ref_cache, table, seq, layout=layout, scale=dims.scale, backend="torch")
