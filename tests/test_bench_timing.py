@@ -367,8 +367,8 @@ def test_decode_time_times_only_the_variants_asked_for(fake_cuda, monkeypatch):
     assert cp.row_variants("gqa", 32, False) == ("no_pdl_us", "ids_after_us")
     assert cp.row_variants("gqa", 32, True) == ("no_pdl_us", "unpaired_store_us", "ids_ahead_fp8_us")
     assert cp.row_variants("mla", 32, True) == ("pdl_narrow_us", "unpaired_store_us", "ids_after_narrow_fp8_us")
-    assert cp.row_variants("mla", 128, False) == ("no_pdl_us", "seesaw_us", "merged_in_kernel_us")
-    assert cp.row_variants("mla", 128, True) == ("no_pdl_us", "converter_fp8_us", "merged_in_kernel_fp8_us")
+    assert cp.row_variants("mla", 128, False) == ("no_pdl_us", "seesaw_us")
+    assert cp.row_variants("mla", 128, True) == ("no_pdl_us", "converter_fp8_us")
     assert cp.row_variants("mla", 16, False) == ("pdl_narrow_us", "ids_after_us")
     assert cp.row_variants("mla", 16, True) == ("pdl_narrow_us", "unpaired_store_us", "ids_after_narrow_fp8_us")
     # wider speculative steps (more than 32 columns) run the swapped kernels in head tiles: untiled_us
@@ -381,11 +381,10 @@ def test_decode_time_times_only_the_variants_asked_for(fake_cuda, monkeypatch):
     for on in (0, 1):
         monkeypatch.setitem(triton_decode.CONFIG, "expand_wide", on)
         monkeypatch.setitem(triton_decode.CONFIG, "expand_wide_fp8", on)
-        assert cp.row_variants("mla", 128, False, 2) == (("no_pdl_us", "seesaw_us", "expanded_us",
-                                                          "merged_in_kernel_us") if on else
+        assert cp.row_variants("mla", 128, False, 2) == (("no_pdl_us", "seesaw_us", "expanded_us") if on else
                                                          ("no_pdl_us", "ids_after_us", "untiled_us", "expanded_us"))
         assert cp.row_variants("mla", 128, True, 2) == (
-            ("no_pdl_us", "expanded_fp8_us", "converter_fp8_us", "merged_in_kernel_fp8_us") if on else
+            ("no_pdl_us", "expanded_fp8_us", "converter_fp8_us") if on else
             ("no_pdl_us", "unpaired_store_us", "ids_after_narrow_fp8_us", "untiled_fp8_us", "expanded_fp8_us"))
     assert cp.row_variants("mla", 48, False, 2) == ("no_pdl_us", "ids_after_us", "untiled_us")
     assert cp.row_variants("mla", 16, False, 2) == cp.row_variants("mla", 16, False)

@@ -41,9 +41,8 @@ def _build(name: str, cubin: Path | None = None) -> dict:
     tiles = re.search(r"-tiles(\d+)", name)  # ("-tilesN": the narrow direct kernel over N head tiles a sequence)
     half = "-half" in name              # ("-half": bf16 split partials, CONFIG half_partials)
     planned = "-planned" in name        # ("-planned": the grid's splits a length plan's items)
-    merge = re.search(r"-merge(\d)", name)  # ("-mergeM": the full-tile direct kernel merging its splits itself)
     family, dtype, *more = (name.removesuffix("-pdl").replace("-pipe", "").replace("-paired", "")
-                            .replace("-ahead", "").replace("-half", "").replace("-planned", "").replace(merge.group(0) if merge else "-merge", "")
+                            .replace("-ahead", "").replace("-half", "").replace("-planned", "")
                             .replace(tiles.group(0) if tiles else "-tiles", "").split("-"))
     fp8 = dtype == "fp8"
     ptrs = {"table_ptr": "*i32", "glens_ptr": "*i64", "o_ptr": "*bf16" if half else "*fp32", "lse_ptr": "*fp32",
@@ -71,8 +70,6 @@ def _build(name: str, cubin: Path | None = None) -> dict:
         ptrs.update(q_ptr="*bf16", kl_desc=f"tensordesc<fp8e4nv[64, 128],{lbox}>",
                     kr_desc=f"tensordesc<fp8e4nv[64, 64],{rbox}>",
                     ks_desc=f"tensordesc<fp32[1, 64],{gl.NVMMASharedLayout(0, 32, 2)}>")
-        consts["MERGE"] = int(merge.group(1)) if merge else 0
-        ptrs.update(out_ptr="*bf16" if merge else "*fp32", olse_ptr="*fp32", cnt_ptr="*i32" if merge else "*fp32")
     elif family == "gqa":
         ptrs.update(q_ptr="*bf16", k_desc=desc, v_desc=desc)
         if fp8:     # "gqa-fp8-directRAW-NQ": the direct fp8 form (the only one over fp8)
@@ -100,12 +97,6 @@ def _build(name: str, cubin: Path | None = None) -> dict:
         if more == ["split"]:       # ("mla-bf16-split": scores and two value warpgroups, CONFIG split_wide)
             consts["SPLIT"] = True
         ptrs.update(q_desc=desc, k_desc=desc, k_ptr="*bf16")
-        if "MERGE" in kernel.arg_names:     # ("mla-bf16-merge1": the splits merged in the kernel, CONFIG merge_wide)
-            consts["MERGE"] = bool(merge)
-            if merge:
-                ptrs.update(out_ptr="*bf16", olse_ptr="*fp32", cnt_ptr="*i32")
-            else:
-                consts.update(out_ptr=None, olse_ptr=None, cnt_ptr=None)
     if "PDL" in kernel.arg_names:      # (a constexpr: left out, it would build as a run-time argument)
         consts["PDL"] = pdl
     if "SPLIT" in kernel.arg_names:
@@ -129,7 +120,7 @@ def _build(name: str, cubin: Path | None = None) -> dict:
     # as Triton's launcher specializes them at run time: pointers divisible by 16 (-paired: the output's
     # strides too, multiples of its 512 latent dims, which the 8-byte stores' alignment rests on)
     aligned = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names)
-               if sig[n].startswith("*") or paired and (n.startswith("so_") or n.startswith("fo_"))}
+               if sig[n].startswith("*") or paired and n.startswith("so_")}
     compiled = triton.compile(GluonASTSource(kernel, sig, {(names.index(n),): v for n, v in consts.items()}, aligned),
                               target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
     ptxas = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
@@ -185,12 +176,7 @@ BUILDS = [
     # the direct fp8 kernel over full 64-head tiles (no converter; its scores warpgroup keeps 104 registers
     # beside two value warpgroups of 192: its boxes' smem descriptors spill, ~20 L1 loads and stores a tile)
     ("mlaw-fp8-direct2", 256), ("mlaw-fp8-direct3-paired-ahead-pdl", 320),
-    ("mlaw-fp8-direct2-paired-ahead-planned-pdl", 320),
-    # (its splits merged in the kernel, CONFIG merge_wide_fp8 2, the merged out in bf16: the last split's
-    # merge spills in the epilogue, its two splits' loads in flight at once; the loops spill as without it)
-    ("mlaw-fp8-direct2-paired-ahead-merge2-pdl", 1700),
-    # (the bf16 kernel's, CONFIG merge_wide)
-    ("mla-bf16-merge1-pdl", 512)]
+    ("mlaw-fp8-direct2-paired-ahead-planned-pdl", 320)]
 # builds whose wgmma pipeline ptxas serializes (C7512: too few registers), kept as they are: the fp8 converter
 # kernel loading its 64-key tiles itself into fp16 stages (raw_ring_wide_fp8 0, not installed; measured slower
 # than the installed raw ring in 2026-12-04's runs, built with this serialization)

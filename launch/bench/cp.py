@@ -291,9 +291,7 @@ DECODE_VARIANTS = {"no_pdl_us": ("triton_decode", {"pdl": 0}),
                    "untiled_fp8_us": ("triton_decode", {"tiles_wide_fp8": 0}),
                    "expanded_us": ("triton_decode", {"expand_wide": 1}),
                    "expanded_fp8_us": ("triton_decode", {"expand_wide_fp8": 1}),
-                   "converter_fp8_us": ("triton_decode", {"direct_wide_fp8": 0}),
-                   "merged_in_kernel_us": ("triton_decode", {"merge_wide": 1}),
-                   "merged_in_kernel_fp8_us": ("triton_decode", {"merge_wide_fp8": 2})}
+                   "converter_fp8_us": ("triton_decode", {"direct_wide_fp8": 0})}
 """Columns timing a decode call again with one CONFIG option of a module of parallel.cp changed."""
 
 
@@ -308,9 +306,7 @@ def row_variants(kind: str, heads: int, fp8: bool, tokens: int = 1) -> tuple[str
     over bf16; expanded (a speculative step over full 64-head tiles as one-token decodes) only those
     steps; untiled (the Triton kernel instead of the head tiles) only MLA's speculative steps of more
     than 32 columns that the installed CONFIG does not expand; converter (MLA's full head tiles over fp8
-    through the converter's kernel) only those tiles of one token, or expanded; merged_in_kernel (the
-    full-tile kernels merging their splits themselves, not the merge kernel after them) MLA's full head
-    tiles of one token (or expanded), bf16 (not in the seesaw or split form) and fp8.
+    through the converter's kernel) only those tiles of one token, or expanded.
     (Elsewhere a variant would time the same
     kernel again: device time for a column equal to time_us up to the spread.)"""
     try:
@@ -325,15 +321,13 @@ def row_variants(kind: str, heads: int, fp8: bool, tokens: int = 1) -> tuple[str
     # (MLA's full head tiles of one token over fp8, a speculative step's expanded included: the direct
     # kernel, or the converter's, CONFIG direct_wide_fp8)
     full_fp8 = kind == "mla" and fp8 and heads % 64 == 0 and (tokens == 1 or expanded)
-    full_bf16 = (kind == "mla" and not fp8 and heads % 64 == 0 and (tokens == 1 or expanded)
-                 and not CONFIG.get("seesaw_wide", 0) and not CONFIG.get("split_wide", 0))
     reach = {"no_pdl_us": not narrow, "pdl_narrow_us": narrow,
              "unpaired_store_us": fp8 and (kind == "gqa" or swapped),
              "ids_after_us": not fp8 and (kind == "gqa" or swapped), "ids_ahead_fp8_us": fp8 and kind == "gqa",
              "ids_after_narrow_fp8_us": fp8 and swapped, "seesaw_us": kind == "mla" and not swapped and not fp8,
              "untiled_us": tiled and not fp8, "untiled_fp8_us": tiled and fp8,
              "expanded_us": expandable and not fp8, "expanded_fp8_us": expandable and fp8,
-             "converter_fp8_us": full_fp8, "merged_in_kernel_us": full_bf16, "merged_in_kernel_fp8_us": full_fp8}
+             "converter_fp8_us": full_fp8}
     return tuple(name for name in DECODE_VARIANTS if reach[name])
 
 
@@ -353,9 +347,7 @@ def _decode_time(ctx: BenchContext, fns, variants=None) -> tuple[float, dict]:
     (ids_ahead_direct_fp8 1), ids_after_narrow_fp8_us with MLA's narrow direct fp8 kernel's loaded
     after it (ids_ahead_narrow_fp8 0), seesaw_us with the bf16 Gluon MLA kernel in its seesaw form
     (seesaw_wide 1), converter_fp8_us with MLA's full head tiles over fp8 through the converter's kernel
-    instead of the direct one (direct_wide_fp8 0), merged_in_kernel_us with the full-tile MLA kernels
-    merging their splits themselves over bf16 (merge_wide 1), merged_in_kernel_fp8_us over fp8 (merge_wide_fp8
-    2) (where the CONFIG has the changed value
+    instead of the direct one (direct_wide_fp8 0) (where the CONFIG has the changed value
     already, time_us itself). `variants`:
     the names of those to time (`row_variants`: those that reach the row's kernel), all when None."""
     import importlib

@@ -299,16 +299,14 @@ if HAS_GLUON:
                              table_ptr, glens_ptr, o_ptr, lse_ptr, s, head0_in_seq, split, split_len, dcp_size,
                              dcp_rank, interleave, table_w, num_blocks, st_s, qk_scale, so_p, so_s, so_h, sl_p, sl_s, HQ,
                              PAGE: gl.constexpr, ks_smem=None, qf_smem=None, FP8: gl.constexpr = False,
-                             RING: gl.constexpr = STAGES, KEYS: gl.constexpr = 64, PV: gl.constexpr = True,
-                             merge=None, MERGE: gl.constexpr = False):
+                             RING: gl.constexpr = STAGES, KEYS: gl.constexpr = 64, PV: gl.constexpr = True):
         """FP8 (fp16 operands over an fp8 cache): the scores take the query rows' powers of two
         (qf_smem) and the keys' scales (ks_smem); the weights p * scale go to fp16 over a running
         per-row unit r (the largest weight so far: no fp16 overflow), the accumulators are kept in
         units of r and rescaled by the unit's change with alpha. KEYS: keys a tile (64, or 32 over
         fp8, where the smaller stages let the ring hold two converted tiles). Not PV (the split form):
         scores and softmax only, the stage released once the score MMAs are done; two `_value_half`
-        warpgroups take the output's halves. MERGE (with PV; merge: `_merge_args`): the splits merged in the
-        kernel, this warpgroup's half by the last split to count it in (`_counted_last`)."""
+        warpgroups take the output's halves."""
         mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 64, 16])
         mma_s: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                         instr_shape=[16, KEYS, 16])
@@ -360,58 +358,35 @@ if HAS_GLUON:
                 mbarrier.arrive(free.index(stage))
         # the final factor 1 / l (NaN for a bad table) to warpgroup 1, then this half and the lse
         factor, lse = _finish(m_i, l_i, r_i, bad, FP8)
-        if MERGE:   # (the lse stored before the factor is published: the high half's count covers it then)
-            rows = gl.arange(0, BLOCK, layout=row_l)
-            gl.store(lse_ptr + split.to(gl.int64) * sl_p + s.to(gl.int64) * sl_s + head0_in_seq + rows, lse,
-                     mask=head0_in_seq + rows < HQ)
         if tiles > 0:
             mbarrier.wait(p_free, (tiles - 1) & 1)
         a_smem.store(factor)
         gl.thread_barrier()
         mbarrier.arrive(p_ready)
-        if not MERGE:
-            rows = gl.arange(0, BLOCK, layout=row_l)
-            live = head0_in_seq + rows < HQ
-            gl.store(lse_ptr + split.to(gl.int64) * sl_p + s.to(gl.int64) * sl_s + head0_in_seq + rows, lse, mask=live)
+        rows = gl.arange(0, BLOCK, layout=row_l)
+        live = head0_in_seq + rows < HQ
+        gl.store(lse_ptr + split.to(gl.int64) * sl_p + s.to(gl.int64) * sl_s + head0_in_seq + rows, lse, mask=live)
         if PV:
             rows = gl.arange(0, BLOCK, layout=gl.SliceLayout(1, mma))
             ocols = gl.arange(0, BLOCK, layout=gl.SliceLayout(0, mma))
             o_row = split.to(gl.int64) * so_p + s.to(gl.int64) * so_s + (head0_in_seq + rows).to(gl.int64) * so_h
             _store_quarter_rows(o_ptr + o_row[:, None] + ocols[None, :], o0, o1, o2, o3,
                                 gl.convert_layout(factor, gl.SliceLayout(1, mma)), head0_in_seq + rows < HQ)
-            if MERGE:
-                _merged_half(merge, o_ptr, lse_ptr, s, head0_in_seq, HQ, so_p, so_s, so_h, sl_p, sl_s, o0, 0)
 
     @gluon.jit
     def _high_half(k_smem, p_smem, a_smem, ready, free, p_ready, p_free, glens_ptr, o_ptr, s, head0_in_seq, split,
                    split_len, dcp_size, dcp_rank, interleave, table_w, so_p, so_s, so_h, HQ, PAGE: gl.constexpr,
-                   RING: gl.constexpr = STAGES, KEYS: gl.constexpr = 64, lse_ptr=None, sl_p=0, sl_s=0, merge=None,
-                   MERGE: gl.constexpr = False):
+                   RING: gl.constexpr = STAGES, KEYS: gl.constexpr = 64):
         """Warpgroup 1: the output's high half (value boxes 4 .. 7) from the published weights."""
         _value_half(k_smem, p_smem, a_smem, ready, free, p_ready, p_free, glens_ptr, o_ptr, s, head0_in_seq, split,
-                    split_len, dcp_size, dcp_rank, interleave, table_w, so_p, so_s, so_h, HQ, PAGE, RING, KEYS, 4,
-                    lse_ptr, sl_p, sl_s, merge, MERGE)
-
-    @gluon.jit
-    def _merged_half(merge, o_ptr, lse_ptr, s, head0_in_seq, HQ, so_p, so_s, so_h, sl_p, sl_s, like,
-                     FIRST: gl.constexpr):
-        """(a warpgroup that has stored its half of this split's partial, dims FIRST x 64 .., and seen the lse
-        stored) This split counted in for that half; the last of the splits to come merges that half of
-        every split into the out (the low half's also the lse). merge: `_merge_args`'s tuple."""
-        out_ptr, olse_ptr, cnt_ptr, fo_s, fo_h, fl_s = merge
-        came = _counted_last(cnt_ptr, FIRST // 4)
-        if came == gl.num_programs(1) - 1:
-            _merge_stored_rows(o_ptr, lse_ptr, out_ptr, olse_ptr, s, head0_in_seq, HQ, so_p, so_s, so_h, sl_p, sl_s,
-                               fo_s, fo_h, fl_s, _opaque_zero(came), like, FIRST, FIRST == 0)
+                    split_len, dcp_size, dcp_rank, interleave, table_w, so_p, so_s, so_h, HQ, PAGE, RING, KEYS, 4)
 
     @gluon.jit
     def _value_half(k_smem, p_smem, a_smem, ready, free, p_ready, p_free, glens_ptr, o_ptr, s, head0_in_seq, split,
                     split_len, dcp_size, dcp_rank, interleave, table_w, so_p, so_s, so_h, HQ, PAGE: gl.constexpr,
-                    RING: gl.constexpr, KEYS: gl.constexpr, FIRST: gl.constexpr, lse_ptr=None, sl_p=0, sl_s=0,
-                    merge=None, MERGE: gl.constexpr = False):
+                    RING: gl.constexpr, KEYS: gl.constexpr, FIRST: gl.constexpr):
         """A value warpgroup: the output's dims FIRST * 64 .. + 255 (value boxes FIRST .. FIRST + 3), P V per
-        tile once its weights are published, its hold on the stage and the weights then released. MERGE: then
-        the split merge in the kernel of those dims (`_merged_half`)."""
+        tile once its weights are published, its hold on the stage and the weights then released."""
         mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 64, 16])
         row_l: gl.constexpr = gl.SliceLayout(1, mma)
         col_l: gl.constexpr = gl.SliceLayout(0, mma)
@@ -437,8 +412,6 @@ if HAS_GLUON:
         o_row = split.to(gl.int64) * so_p + s.to(gl.int64) * so_s + (head0_in_seq + rows).to(gl.int64) * so_h
         _store_quarter_rows(o_ptr + o_row[:, None] + (FIRST * BLOCK + cols)[None, :], o0, o1, o2, o3, factor,
                             head0_in_seq + rows < HQ)
-        if MERGE:
-            _merged_half(merge, o_ptr, lse_ptr, s, head0_in_seq, HQ, so_p, so_s, so_h, sl_p, sl_s, o0, FIRST)
 
     @gluon.jit
     def _barriers(RING: gl.constexpr = STAGES, CONSUMERS: gl.constexpr = 2, P_CONSUMERS: gl.constexpr = 1):
@@ -464,14 +437,11 @@ if HAS_GLUON:
                               qk_scale, split_len, M_TILES, HQ, dcp_size, dcp_rank, interleave, table_w, num_blocks,
                               st_s, sk_b, sk_t, so_p, so_s, so_h, sl_p, sl_s, PAGE: gl.constexpr,
                               PDL: gl.constexpr = False,
-                              plan_ptr=None, PLANNED: gl.constexpr = False, SPLIT: gl.constexpr = False,
-                              out_ptr=None, olse_ptr=None, cnt_ptr=None, fo_s=0, fo_h=0, fl_s=0,
-                              MERGE: gl.constexpr = False):
+                              plan_ptr=None, PLANNED: gl.constexpr = False, SPLIT: gl.constexpr = False):
         """bf16 latent cache: a loader warpgroup fills the ring; warpgroup 0 computes the scores, the
         softmax and the output's low half, warpgroup 1 its high half. SPLIT (CONFIG split_wide): warpgroup
         0 the scores and softmax only, two value warpgroups the two halves (its P V no longer waits behind
-        the next tile's scores in one warpgroup). MERGE (not SPLIT, not PLANNED): the splits merged in the
-        kernel into out / olse, each half by the last split to count it in (counters cnt_ptr[4 pid ..])."""
+        the next tile's scores in one warpgroup)."""
         pid = gl.program_id(0)
         split = gl.program_id(1)
         s = pid // M_TILES
@@ -509,20 +479,6 @@ if HAS_GLUON:
                            split, split_len, dcp_size, dcp_rank, interleave, table_w, num_blocks, st_s, sk_b, sk_t,
                            PAGE)),
             ], [4, 4, 4], [REGS_SPLIT, REGS_SPLIT, 48])
-        elif MERGE:
-            merge = (out_ptr, olse_ptr, cnt_ptr + pid * 4, fo_s, fo_h, fl_s)
-            gl.warp_specialize([
-                (_scores_and_low_half, (q_smem, k_smem, p_smem, a_smem, q_bar, ready, free, p_ready, p_free, table_ptr,
-                                        glens_ptr, o_ptr, lse_ptr, s, head0_in_seq, split, split_len, dcp_size, dcp_rank,
-                                        interleave, table_w, num_blocks, st_s, qk_scale, so_p, so_s, so_h, sl_p, sl_s,
-                                        HQ, PAGE, None, None, False, STAGES, BLOCK, True, merge, True)),
-                (_high_half, (k_smem, p_smem, a_smem, ready, free, p_ready, p_free, glens_ptr, o_ptr, s, head0_in_seq,
-                              split, split_len, dcp_size, dcp_rank, interleave, table_w, so_p, so_s, so_h, HQ, PAGE,
-                              STAGES, BLOCK, lse_ptr, sl_p, sl_s, merge, True)),
-                (_loader, (q_desc, k_desc, k_ptr, table_ptr, glens_ptr, q_smem, k_smem, q_bar, ready, free, s, head0,
-                           split, split_len, dcp_size, dcp_rank, interleave, table_w, num_blocks, st_s, sk_b, sk_t,
-                           PAGE)),
-            ], [4, 4], [200, 48])
         else:
             gl.warp_specialize([
                 (_scores_and_low_half, (q_smem, k_smem, p_smem, a_smem, q_bar, ready, free, p_ready, p_free, table_ptr,
@@ -670,105 +626,6 @@ if HAS_GLUON:
         """A warpgroup's four 64-wide output accumulators (its 256 of the 512 value dims), zero."""
         return (gl.zeros([BLOCK, BLOCK], gl.float32, mma), gl.zeros([BLOCK, BLOCK], gl.float32, mma),
                 gl.zeros([BLOCK, BLOCK], gl.float32, mma), gl.zeros([BLOCK, BLOCK], gl.float32, mma))
-
-    @gluon.jit
-    def _fence_gpu():
-        """This thread's earlier writes (and what it has observed of other threads') ordered before its later
-        accesses for the whole GPU: fence.acq_rel.gpu."""
-        gl.inline_asm_elementwise("fence.acq_rel.gpu; // $0", "=r", [], dtype=gl.int32, is_pure=False, pack=1)
-
-    @gluon.jit
-    def _clean(lse):
-        """A partial's lse as the split merge reads it: +inf as -inf (`triton_merge._clean_lse`)."""
-        return gl.where(lse == float("inf"), float("-inf"), lse)
-
-    @gluon.jit
-    def _lse_at(at, live):
-        """Partial lse at `at` (rows `live`; None: every row), as the split merge reads them (+inf as -inf;
-        a masked row -inf)."""
-        if live is None:
-            lse = gl.load(at, cache_modifier=".cg")
-        else:
-            lse = gl.load(at, mask=live, other=float("-inf"), cache_modifier=".cg")
-        return _clean(lse)
-
-    @gluon.jit
-    def _merge_stats(l_base, heads, sl_p, nsplits, live=None):
-        """Per head (rows `live`, None: all; heads: their lse offsets from l_base): (max, sum of the weights
-        relative to it) over the `nsplits` partial lse at l_base + split x sl_p + heads, as
-        `triton_merge._max_and_total` takes them: the max 0 where every split is empty, NaN where any lse
-        is NaN (the sum then NaN too)."""
-        mx = gl.full(heads.shape, float("-inf"), gl.float32, heads.type.layout)
-        nan = mx != mx
-        for sp in range(nsplits):
-            li = _lse_at(l_base + sp * sl_p + heads, live)
-            nan = nan | (li != li)
-            mx = gl.maximum(mx, li)
-        mx = gl.where(nan, float("nan"), gl.where(mx == float("-inf"), 0.0, mx))
-        total = gl.zeros_like(mx)
-        for sp in range(nsplits):
-            total += gl.exp(_lse_at(l_base + sp * sl_p + heads, live) - mx)
-        return mx, total
-
-    @gluon.jit
-    def _merge_add(acc, o_at, l_at, mx, safe, live):
-        """acc + a split's stored partial (o_at: its elements' addresses, [heads, dims]) times its weight per
-        head (lse at l_at; heads `live`), left out where the weight is 0 (an empty split's partial may hold
-        anything; a NaN weight, a NaN row's, stays NaN)."""
-        w = gl.exp(_lse_at(l_at, live) - mx) / safe
-        x = gl.load(o_at, mask=live[:, None], other=0.0, cache_modifier=".cg")
-        return acc + gl.where(w[:, None] > 0, x, 0.0) * w[:, None]
-
-    @gluon.jit
-    def _merge_add_t(acc, o_at, l_at, mx, safe):
-        """`_merge_add` over a transposed partial ([dims, heads]: the weight per column), every head live."""
-        w = gl.exp(_lse_at(l_at, None) - mx) / safe
-        return acc + gl.where(w[None, :] > 0, gl.load(o_at, cache_modifier=".cg"), 0.0) * w[None, :]
-
-    @gluon.jit
-    def _counted_last(cnt_ptr, PART: gl.constexpr):
-        """(every thread of a warpgroup whose stores, and what it saw of its CTA's, are to be seen by the last
-        split) This split counted in at cnt_ptr[PART]: the count before it (the last of `num_programs(1)`
-        splits finds num_programs(1) - 1, and puts the counter back to 0 for the next launch)."""
-        _fence_gpu()
-        gl.thread_barrier()
-        came = gl.atomic_add(cnt_ptr + PART, 1, sem="acq_rel", scope="gpu")
-        _fence_gpu()
-        if came == gl.num_programs(1) - 1:
-            gl.store(cnt_ptr + PART, 0)
-        return came
-
-    @gluon.jit
-    def _merge_stored_rows(o_ptr, lse_ptr, out_ptr, olse_ptr, s, head0_in_seq, HQ, so_p, so_s, so_h, sl_p, sl_s, fo_s,
-                           fo_h, fl_s, z, like, FIRST: gl.constexpr, LSE: gl.constexpr):
-        """The split merge of the output dims FIRST x 64 .. + 255 of this program's 64 heads (rows, in `like`'s
-        layout) from every split's stored partial, summed in split order as the merge kernel sums them, into
-        out (LSE: the merged lse into olse too). z: an opaque 0 that keeps the offsets from being made
-        before the caller's count (`_counted_last`)."""
-        nsplits = gl.num_programs(1)
-        s64 = (s + z).to(gl.int64)
-        rows = head0_in_seq + z + gl.arange(0, BLOCK, layout=gl.SliceLayout(1, like.type.layout))
-        cols = FIRST * BLOCK + gl.arange(0, BLOCK, layout=gl.SliceLayout(0, like.type.layout))
-        live = rows < HQ
-        l_base = lse_ptr + s64 * sl_s
-        mx, total = _merge_stats(l_base, rows, sl_p, nsplits, live)
-        safe = gl.where(total > 0, total, 1.0)
-        at = o_ptr + s64 * so_s + (rows[:, None] * so_h + cols[None, :])
-        to = out_ptr + s64 * fo_s + (rows[:, None] * fo_h + cols[None, :])
-        if nsplits == 2:    # (the usual count at 128 heads: both splits' loads issued before their sums)
-            for c in gl.static_range(4):
-                acc = _merge_add(gl.zeros_like(like), at + c * BLOCK, l_base + rows, mx, safe, live)
-                acc = _merge_add(acc, at + (so_p + c * BLOCK), l_base + sl_p + rows, mx, safe, live)
-                gl.store(to + c * BLOCK, acc, mask=live[:, None])
-        else:
-            for c in gl.static_range(4):
-                acc = gl.zeros_like(like)
-                for sp in range(nsplits):
-                    acc = _merge_add(acc, at + (sp.to(gl.int64) * so_p + c * BLOCK), l_base + sp * sl_p + rows, mx,
-                                     safe, live)
-                gl.store(to + c * BLOCK, acc, mask=live[:, None])
-        if LSE:
-            gl.store(olse_ptr + s64 * fl_s + rows, gl.where(total == 0, float("-inf"), mx + gl.log(safe)), mask=live)
 
     @gluon.jit
     def _opaque_zero(i):
@@ -1209,33 +1066,11 @@ def fp8_ring_fits(keys: int, ring: int, raw: int) -> bool:
     return keys in (32, 64) and ring >= 1 and raw >= 1 and need <= SMEM_LIMIT
 
 
-_COUNTERS: dict[tuple[int, int], Tensor] = {}
-_RETIRED: list[Tensor] = []
-
-
-def merge_counters(device: torch.device, n: int) -> Tensor:
-    """The in-kernel split merge's int32 counters (4 a program: `_counted_last`) for launches on the current stream of
-    `device`: zeros, which every launch leaves at zero again (the last split of each program resets its
-    own). One set a stream: launches on one stream run one after another, and two streams never share a
-    set. Under CUDA-graph capture the set is the capture stream's, made there where it has none (its
-    zero-fill then a node of the graph, run at each replay before the kernels that use it). Graphs
-    captured on one stream share its set: replay them one after another, not at once on two streams."""
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    key = (index, torch.cuda.current_stream(index).stream_id)
-    have = _COUNTERS.get(key)
-    if have is not None and have.numel() >= n:
-        return have
-    if have is not None:    # (kept: a graph captured with it holds its address)
-        _RETIRED.append(have)
-    _COUNTERS[key] = torch.zeros(max(n, 1024), dtype=torch.int32, device=device)
-    return _COUNTERS[key]
-
-
 def launch_gluon_mla(q: Tensor, k: Tensor, table: Tensor, seq_lens: Tensor, o: Tensor, lse: Tensor, scale_log2: float,
                      splits: int, split_len: int, dcp_size: int, dcp_rank: int, interleave: int,
                      k_scale: Tensor | None = None, raw_ring: int = 0, keys: int = 64, ring: int = 1,
                      pdl: bool = False, seesaw: bool = False, split: bool = False,
-                     plan: Tensor | None = None, merged: tuple[Tensor, Tensor, Tensor] | None = None) -> None:
+                     plan: Tensor | None = None) -> None:
     """Fill the split partials o [splits, S, 1, Hq, 512] / lse [splits, S, 1, Hq] (`gluon_mla_ok`;
     k_scale: the fp8 cache's per-token scales;
     raw_ring: over fp8, a TMA ring of that many raw fp8 tiles in front of the converter, where the
@@ -1245,9 +1080,7 @@ def launch_gluon_mla(q: Tensor, k: Tensor, table: Tensor, seq_lens: Tensor, o: T
     (`triton_merge.pdl_ok`)); seesaw: over bf16, the seesaw form (`_mla_decode_seesaw_kernel`: both
     warpgroups take scores and softmax on alternate tiles); split: over bf16 (not seesaw), the split form
     (scores and softmax in one warpgroup, the output's halves in two others); plan: a length plan's item table
-    (`triton_decode.LengthPlan`): the grid's `splits` are its items, o's sequence stride 0; merged (bf16, not
-    seesaw, split or plan): (out [S, 1, Hq, 512] in the output's dtype, lse [S, 1, Hq] fp32, `merge_counters`
-    for the grid): the splits merged in the kernel into them (every split's partial stored first)."""
+    (`triton_decode.LengthPlan`): the grid's `splits` are its items, o's sequence stride 0."""
     fp8 = k.dtype == torch.float8_e4m3fn
     launch = {"PDL": True, "launch_pdl": True} if pdl else {}
     launch.update(planned_launch(plan))
@@ -1281,16 +1114,6 @@ def launch_gluon_mla(q: Tensor, k: Tensor, table: Tensor, seq_lens: Tensor, o: T
     kernel = _mla_decode_seesaw_kernel if seesaw else _mla_decode_ws_kernel
     if split and not seesaw:
         launch["SPLIT"] = True
-    if merged is not None:
-        if seesaw or split or plan is not None:
-            raise ValueError("the in-kernel split merge runs in the bf16 kernel's installed form only (not seesaw, "
-                             "split or a length plan)")
-        out, olse, counters = merged
-        if counters.numel() < 4 * s * m_tiles:
-            raise ValueError(f"merge counters of {counters.numel()} elements for a grid of {s * m_tiles} programs "
-                             f"(4 each)")
-        launch.update(out_ptr=out, olse_ptr=olse, cnt_ptr=counters, fo_s=out.stride(-4), fo_h=out.stride(-2),
-                      fl_s=olse.stride(-3), MERGE=True)
     kernel[(grid_rows(s, plan) * m_tiles, splits)](
         q_desc, k_desc, k, table, seq_lens, o, lse, scale_log2, split_len, m_tiles, hq, dcp_size, dcp_rank,
         interleave, table.shape[1], nb, table.stride(0), k.stride(0), k.stride(1), *tail, PAGE=page,

@@ -29,8 +29,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from .gluon_mla import (_BLOCK, _CHUNKS, HAS_GLUON, SMEM_LIMIT, grid_rows, merge_counters,  # noqa: F401
-                        planned_launch, scales_by_tma)
+from .gluon_mla import _BLOCK, _CHUNKS, HAS_GLUON, SMEM_LIMIT, grid_rows, planned_launch, scales_by_tma
 from .gluon_mla_narrow import _DIRECT_STAGE, _LBOX, _LBOXES
 
 if HAS_GLUON:
@@ -40,10 +39,8 @@ if HAS_GLUON:
                                                                   warpgroup_mma_wait)
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-    from .gluon_mla import (BLOCK, CHUNKS, IDS_L, _bad_ids, _bad_ids_after, _clean, _fence_gpu, _finish,
-                            _gdc_wait_and_release, _ids_early, _counted_last, _merge_add_t, _merge_stats,
-                            _opaque_zero,
-                            _softmax_step, _split_range)
+    from .gluon_mla import (BLOCK, CHUNKS, IDS_L, _bad_ids, _bad_ids_after, _finish, _gdc_wait_and_release,
+                            _ids_early, _opaque_zero, _softmax_step, _split_range)
     from .gluon_mla_narrow import (LBOX, LBOXES, _direct_loader, _e4m3_scale, _final_factor, _first_column,
                                    _publish, _publish_factor, _published, _query_split, _store_box, _values_box,
                                    _zero_tail)
@@ -187,15 +184,14 @@ if HAS_GLUON:
 
     @gluon.jit
     def _values(kl_smem, p_smem, a_smem, raw_free, p_ready, p_free, glens_ptr, o_ptr, s, split, split_len,
-                dcp_size, dcp_rank, interleave, table_w, so_p, so_s, so_h, lse_ptr, sl_p, sl_s, out_ptr, olse_ptr,
-                cnt_ptr, fo_s, fo_h, fl_s, PAGE: gl.constexpr, RAW: gl.constexpr, PART: gl.constexpr,
-                TILES: gl.constexpr, PAIRED: gl.constexpr, MERGE: gl.constexpr):
+                dcp_size, dcp_rank, interleave, table_w, so_p, so_s, so_h, PAGE: gl.constexpr, RAW: gl.constexpr,
+                PART: gl.constexpr, TILES: gl.constexpr, PAIRED: gl.constexpr):
         """A value warpgroup (PART 0 or 1: latent boxes 2 PART and 2 PART + 1, value dims 256 PART ..): per
         tile, once its weights are published, O^T += V^T P^T with the A operands converted in registers from
         the raw bytes (each accumulator one parity of a box's dims, 64 x 64 heads; the second box's operands
         loaded once the first's MMAs are complete: with both boxes' operands live ptxas serializes the
         wgmma pipeline, C7511), its hold on the raw stage and the weights then released; at the end the
-        output times the scores warpgroup's factor (`_values_end`: a partial, or MERGE merged)."""
+        output times the scores warpgroup's factor."""
         mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                       instr_shape=[16, BLOCK, 16])
         dim_l: gl.constexpr = gl.SliceLayout(1, mma)
@@ -223,143 +219,20 @@ if HAS_GLUON:
         rows = gl.arange(0, BLOCK, layout=dim_l)
         o_q = split.to(gl.int64) * so_p + s.to(gl.int64) * so_s + heads.to(gl.int64) * so_h
         live = heads >= 0
-        if MERGE == 2:
-            _stored_end(e0, d0, e1, d1, factor, o_ptr, o_q, live, lse_ptr, out_ptr, olse_ptr, cnt_ptr, s, so_p, so_s,
-                        so_h, sl_p, sl_s, fo_s, fo_h, fl_s, rows, TILES, PART, PAIRED)
-        elif MERGE == 1:
-            _merged_end(e0, d0, e1, d1, factor, o_ptr, o_q, live, lse_ptr, out_ptr, olse_ptr, cnt_ptr, s, so_p, so_s,
-                        so_h, sl_p, sl_s, fo_s, fo_h, fl_s, split, rows, TILES, PART, PAIRED)
-        else:
-            _store_box(o_ptr, e0, d0, 2 * PART * LBOX, factor, o_q, live, rows, PAIRED)
-            _store_box(o_ptr, e1, d1, (2 * PART + 1) * LBOX, factor, o_q, live, rows, PAIRED)
-
-    @gluon.jit
-    def _merge_box(o_base, l_base, f_base, even, odd, first, mine, mx, safe, h_o, h_f, heads, rows, so_p, sl_p,
-                   split, nsplits, PAIRED: gl.constexpr):
-        """The merged out of output dims first .. first + 127 (a latent box's: this split's even and odd
-        accumulators times `mine`, its factor and weight per head) with the other splits' stored partials
-        (at o_base + split x so_p + h_o + dim), stored at f_base + h_f + dim."""
-        even = even * mine[None, :]
-        odd = odd * mine[None, :]
-        for sp in range(nsplits):
-            if sp != split:     # (the offsets made here, not held across the loop: `_opaque_zero`)
-                at = o_base + sp.to(gl.int64) * so_p + ((first + 2 * rows + _opaque_zero(sp))[:, None] + h_o[None, :])
-                even = _merge_add_t(even, at, l_base + sp * sl_p + heads, mx, safe)
-                odd = _merge_add_t(odd, at + 1, l_base + sp * sl_p + heads, mx, safe)
-        _store_box(f_base, even, odd, first, gl.full_like(mx, 1.0), h_f, heads >= 0, rows, PAIRED)
-
-    @gluon.jit
-    def _merge_stored_box(o_base, l_base, f_base, first, mx, safe, h_o, h_f, heads, rows, so_p, sl_p, nsplits, like,
-                          PAIRED: gl.constexpr):
-        """The merged out of output dims first .. first + 127 (a latent box's even and odd dims, in `like`'s
-        layout) from every split's stored partial, summed in split order as the merge kernel sums them,
-        stored at f_base + h_f + dim."""
-        even = gl.zeros_like(like)
-        odd = gl.zeros_like(like)
-        at = o_base + ((first + 2 * rows)[:, None] + h_o[None, :])
-        if nsplits == 2:    # (the usual count at 128 heads: both splits' loads issued before their sums)
-            even = _merge_add_t(even, at, l_base + heads, mx, safe)
-            odd = _merge_add_t(odd, at + 1, l_base + heads, mx, safe)
-            even = _merge_add_t(even, at + so_p, l_base + sl_p + heads, mx, safe)
-            odd = _merge_add_t(odd, at + (so_p + 1), l_base + sl_p + heads, mx, safe)
-        else:
-            for sp in range(nsplits):
-                even = _merge_add_t(even, at + sp.to(gl.int64) * so_p, l_base + sp * sl_p + heads, mx, safe)
-                odd = _merge_add_t(odd, at + (sp.to(gl.int64) * so_p + 1), l_base + sp * sl_p + heads, mx, safe)
-        _store_box(f_base, even, odd, first, gl.full_like(mx, 1.0), h_f, heads >= 0, rows, PAIRED)
-
-    @gluon.jit
-    def _stored_end(e0, d0, e1, d1, factor, o_ptr, o_q, live, lse_ptr, out_ptr, olse_ptr, cnt_ptr, s, so_p, so_s,
-                    so_h, sl_p, sl_s, fo_s, fo_h, fl_s, rows, TILES: gl.constexpr, PART: gl.constexpr,
-                    PAIRED: gl.constexpr):
-        """A value warpgroup's output with the split merge in the kernel, every split's partial stored first:
-        the warpgroup stores this split's part (at o_ptr + o_q + dim) and counts it in (cnt_ptr[PART]);
-        the last of the `num_programs(1)` splits to come reads every split's part back (L2) and writes
-        their merge into out (part 0 also the lse into olse), in the merge kernel's order: deterministic
-        whichever split comes last. It puts the counter back to 0 for the next launch."""
         _store_box(o_ptr, e0, d0, 2 * PART * LBOX, factor, o_q, live, rows, PAIRED)
         _store_box(o_ptr, e1, d1, (2 * PART + 1) * LBOX, factor, o_q, live, rows, PAIRED)
-        nsplits = gl.num_programs(1)
-        came = _counted_last(cnt_ptr, PART)     # (this part's stores and the scores warpgroup's lse before it)
-        if came == nsplits - 1:
-            # (the merge's offsets made from the count: made before it, the compiler moved them to the
-            # kernel's start and spilled them there)
-            z = _opaque_zero(came)
-            s64 = (s + z).to(gl.int64)
-            o_base = o_ptr + s64 * so_s
-            l_base = lse_ptr + s64 * sl_s
-            f_base = out_ptr + s64 * fo_s
-            heads = _first_column(TILES, BLOCK) + z + gl.arange(0, BLOCK, layout=factor.type.layout)
-            rows = rows + z
-            mx, total = _merge_stats(l_base, heads, sl_p, nsplits)
-            safe = gl.where(total > 0, total, 1.0)
-            _merge_stored_box(o_base, l_base, f_base, 2 * PART * LBOX, mx, safe, heads * so_h, heads * fo_h, heads,
-                              rows, so_p, sl_p, nsplits, e0, PAIRED)
-            _merge_stored_box(o_base, l_base, f_base, (2 * PART + 1) * LBOX, mx, safe, heads * so_h, heads * fo_h,
-                              heads, rows, so_p, sl_p, nsplits, e0, PAIRED)
-            if PART == 0:
-                gl.store(olse_ptr + s64 * fl_s + heads, gl.where(total == 0, float("-inf"), mx + gl.log(safe)))
-
-    @gluon.jit
-    def _merged_end(e0, d0, e1, d1, factor, o_ptr, o_q, live, lse_ptr, out_ptr, olse_ptr, cnt_ptr, s, so_p, so_s, so_h,
-                    sl_p, sl_s, fo_s, fo_h, fl_s, split, rows, TILES: gl.constexpr, PART: gl.constexpr,
-                    PAIRED: gl.constexpr):
-        """A value warpgroup's output with the split merge in the kernel (the partials: at o_ptr + o_q + dim
-        for this split, the lse stored by the scores warpgroup). The warpgroup counts its split in (this part's
-        counter at cnt_ptr[PART]); the last of the `num_programs(1)` splits to come merges this part's 256
-        dims of every split into out (part 0 also the lse into olse), once the others have stored their
-        partials (counted at cnt_ptr[2 + PART]); the others store theirs. The last puts both counters back
-        to 0 for the next launch. (What the merge needs is made in its branch: made before, the compiler
-        kept it across the kernel, and the scores warpgroup's loop spilled.)"""
-        nsplits = gl.num_programs(1)
-        _fence_gpu()        # (the scores warpgroup's lse, seen through the factor's barrier, before the count)
-        gl.thread_barrier()
-        came = gl.atomic_add(cnt_ptr + PART, 1, sem="acq_rel", scope="gpu")
-        _fence_gpu()
-        if came == nsplits - 1:
-            while gl.load(cnt_ptr + 2 + PART, volatile=True) < nsplits - 1:
-                pass
-            _fence_gpu()
-            gl.store(cnt_ptr + PART, 0)
-            gl.store(cnt_ptr + 2 + PART, 0)
-            z = _opaque_zero(came)
-            s64 = (s + z).to(gl.int64)
-            o_base = o_ptr + s64 * so_s
-            l_base = lse_ptr + s64 * sl_s
-            f_base = out_ptr + s64 * fo_s
-            heads = _first_column(TILES, BLOCK) + z + gl.arange(0, BLOCK, layout=factor.type.layout)
-            rows = rows + z
-            mx, total = _merge_stats(l_base, heads, sl_p, nsplits)
-            safe = gl.where(total > 0, total, 1.0)
-            # (this split's factor times its weight: the merge kernel's weight of the stored partial)
-            mine = factor * (gl.exp(_clean(gl.load(l_base + split * sl_p + heads, cache_modifier=".cg")) - mx)
-                             / safe)
-            _merge_box(o_base, l_base, f_base, e0, d0, 2 * PART * LBOX, mine, mx, safe, heads * so_h,
-                       heads * fo_h, heads, rows, so_p, sl_p, split, nsplits, PAIRED)
-            _merge_box(o_base, l_base, f_base, e1, d1, (2 * PART + 1) * LBOX, mine, mx, safe, heads * so_h,
-                       heads * fo_h, heads, rows, so_p, sl_p, split, nsplits, PAIRED)
-            if PART == 0:
-                gl.store(olse_ptr + s64 * fl_s + heads, gl.where(total == 0, float("-inf"), mx + gl.log(safe)))
-        else:
-            _store_box(o_ptr, e0, d0, 2 * PART * LBOX, factor, o_q, live, rows, PAIRED)
-            _store_box(o_ptr, e1, d1, (2 * PART + 1) * LBOX, factor, o_q, live, rows, PAIRED)
-            _fence_gpu()
-            gl.thread_barrier()
-            gl.atomic_add(cnt_ptr + 2 + PART, 1, sem="release", scope="gpu")
 
     @gluon.jit
     def _mla_wide_direct_kernel(q_ptr, kl_desc, kr_desc, ks_desc, table_ptr, glens_ptr, o_ptr, lse_ptr, qk_scale,
                                 split_len, HQ, dcp_size, dcp_rank, interleave, table_w, num_blocks, st_s, so_p, so_s,
-                                so_h, sl_p, sl_s, out_ptr, olse_ptr, cnt_ptr, fo_s, fo_h, fl_s, PAGE: gl.constexpr,
-                                RAW: gl.constexpr, TILES: gl.constexpr, PDL: gl.constexpr = False,
-                                PAIRED: gl.constexpr = False, AHEAD: gl.constexpr = False, plan_ptr=None,
-                                PLANNED: gl.constexpr = False, MERGE: gl.constexpr = 0):
+                                so_h, sl_p, sl_s, PAGE: gl.constexpr, RAW: gl.constexpr, TILES: gl.constexpr,
+                                PDL: gl.constexpr = False, PAIRED: gl.constexpr = False,
+                                AHEAD: gl.constexpr = False, plan_ptr=None, PLANNED: gl.constexpr = False):
         """fp8 latent cache, 64 heads a program (program_id(0) = sequence x TILES + head tile), without a
         converter: a one-warp TMA loader fills RAW raw stages; the scores warpgroup (`_scores`) and two value
         warpgroups (`_values`) read each tile's bytes themselves. PAIRED: the output's dim pairs stored
         together; AHEAD: the loader's first block ids, and the scores warpgroup's id check, loaded beside the
-        sequence's length; MERGE: the splits merged in the kernel into out / olse (`_values_end`, counters
-        cnt_ptr[4 program_id(0) ..]; not with a length plan)."""
+        sequence's length."""
         s = gl.program_id(0) // TILES
         split = gl.program_id(1)
         lbox: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=8, rank=2)
@@ -390,7 +263,6 @@ if HAS_GLUON:
             _gdc_wait_and_release()
         if PLANNED:     # (the grid's splits are a length plan's items: each names its sequence and split)
             s, split, split_len, o_ptr, lse_ptr = _work_item(plan_ptr, split, o_ptr, lse_ptr, so_p, sl_p)
-        cnt_ptr = cnt_ptr + gl.program_id(0) * 4
         LOW: gl.constexpr = 0
         HIGH: gl.constexpr = 1
         gl.warp_specialize([
@@ -399,11 +271,9 @@ if HAS_GLUON:
                        dcp_rank, interleave, table_w, num_blocks, st_s, qk_scale, sl_p, sl_s, HQ, PAGE, RAW, TILES,
                        AHEAD)),
             (_values, (kl_smem, p_smem, a_smem, raw_free, p_ready, p_free, glens_ptr, o_ptr, s, split, split_len,
-                       dcp_size, dcp_rank, interleave, table_w, so_p, so_s, so_h, lse_ptr, sl_p, sl_s, out_ptr,
-                       olse_ptr, cnt_ptr, fo_s, fo_h, fl_s, PAGE, RAW, LOW, TILES, PAIRED, MERGE)),
+                       dcp_size, dcp_rank, interleave, table_w, so_p, so_s, so_h, PAGE, RAW, LOW, TILES, PAIRED)),
             (_values, (kl_smem, p_smem, a_smem, raw_free, p_ready, p_free, glens_ptr, o_ptr, s, split, split_len,
-                       dcp_size, dcp_rank, interleave, table_w, so_p, so_s, so_h, lse_ptr, sl_p, sl_s, out_ptr,
-                       olse_ptr, cnt_ptr, fo_s, fo_h, fl_s, PAGE, RAW, HIGH, TILES, PAIRED, MERGE)),
+                       dcp_size, dcp_rank, interleave, table_w, so_p, so_s, so_h, PAGE, RAW, HIGH, TILES, PAIRED)),
             (_direct_loader, (kl_desc, kr_desc, ks_desc, table_ptr, glens_ptr, kl_smem, kr_smem, ks_smem,
                               raw_ready, raw_free, s, split, split_len, dcp_size, dcp_rank, interleave, table_w,
                               num_blocks, st_s, PAGE, RAW, AHEAD)),
@@ -413,16 +283,13 @@ if HAS_GLUON:
 def launch(q: Tensor, k: Tensor, table: Tensor, seq_lens: Tensor, o: Tensor, lse: Tensor, scale_log2: float,
            splits: int, split_len: int, dcp_size: int, dcp_rank: int, interleave: int, k_scale: Tensor,
            raw: int = MAX_RAW, pdl: bool = False, paired: bool = False, ahead: bool = False,
-           plan: Tensor | None = None, merged: tuple[Tensor, Tensor, Tensor] | None = None,
-           merge_form: int = 2) -> None:
+           plan: Tensor | None = None) -> None:
     """Fill the split partials o [splits, S, 1, Hq, 512] / lse [splits, S, 1, Hq] of queries q [S, 1, Hq,
     576] over an fp8 latent cache (`gluon_mla.gluon_mla_ok` and `direct_ok` hold) with `raw` raw stages
     (`direct_fits`); paired: the output's dim pairs stored together; ahead: the loader's first block ids
     loaded beside the length; pdl: launched with programmatic dependent launch (`triton_merge.pdl_ok`);
     plan: a length plan's item table (`triton_decode.LengthPlan`): the grid's `splits` are its items, o's
-    sequence stride 0. merged (no plan): (out [S, 1, Hq, 512] in the output's dtype, lse [S, 1, Hq] fp32,
-    `merge_counters` for this grid): the splits merged in the kernel into them; o / lse then hold the
-    partials only of the splits that did not merge."""
+    sequence stride 0."""
     s, tq, hq, d = q.shape
     if not direct_fits(raw):
         raise ValueError(f"the direct fp8 MLA kernel with {raw} raw stages of {_BLOCK} keys does not fit in shared "
@@ -438,15 +305,8 @@ def launch(q: Tensor, k: Tensor, table: Tensor, seq_lens: Tensor, o: Tensor, lse
     kr_desc = TensorDescriptor(k2, list(k2.shape), list(k2.stride()), [_BLOCK, _BLOCK], rbox)
     ks_desc = TensorDescriptor(ks2, list(ks2.shape), list(ks2.stride()), [1, _BLOCK], sc_box)
     tiles = hq // _BLOCK
-    if merged is not None and plan is not None:
-        raise ValueError("the in-kernel split merge does not take a length plan (its items merge by segments)")
-    out, olse, counters = merged if merged is not None else (o, lse, lse)
-    if merged is not None and counters.numel() < 4 * s * tiles:
-        raise ValueError(f"merge counters of {counters.numel()} elements for a grid of {s * tiles} programs "
-                         f"(4 each)")
     _mla_wide_direct_kernel[(grid_rows(s, plan) * tiles, splits)](
         q, kl_desc, kr_desc, ks_desc, table, seq_lens, o, lse, scale_log2, split_len, hq, dcp_size, dcp_rank,
         interleave, table.shape[1], nb, table.stride(0), o.stride(0), o.stride(1), o.stride(3), lse.stride(0),
-        lse.stride(1), out, olse, counters, out.stride(-4), out.stride(-2), olse.stride(-3), PAGE=page, RAW=raw,
-        TILES=tiles, PAIRED=bool(paired), AHEAD=bool(ahead), MERGE=merge_form if merged is not None else 0, num_warps=4,
+        lse.stride(1), PAGE=page, RAW=raw, TILES=tiles, PAIRED=bool(paired), AHEAD=bool(ahead), num_warps=4,
         **launch)

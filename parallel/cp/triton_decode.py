@@ -815,16 +815,18 @@ CONFIG = impl.Settings({
     # 166.1-168.8 / 629-646 µs against 58.2-58.5 / 165.9-168.6 / 655-661, within the spread, with the output
     # 3.7e-3 off the Triton kernel at 32K against 1.4e-3 (logs/decode-gluon-chain2-h100-2026-12-06-1040-e67b929.json)
     "direct_wide_fp8": 2, "ids_ahead_wide_fp8": 1,
-    # the full-tile direct kernel merging a call's splits itself (no plan, a merged out asked for), in place
-    # of the merge kernel after it: 2, every split stores its partial and the last of each sequence's head
-    # tile to count in reads them all back (L2) and writes the merged out in the merge kernel's order
-    # (`gluon_mla_direct._stored_end`: bit-identical to it); 1, the last keeps its own partial in registers
-    # (`_merged_end`: the sum in arrival order, so its rounding varies from run to run; measured only).
-    # 0: the merge kernel after the kernel
-    "merge_wide_fp8": 0,
-    # the same for the bf16 kernel's installed form (not seesaw or split): 1, each warpgroup's half of the
-    # output merged by the last split to count that half in (`gluon_mla._merged_half`, the stored form)
-    "merge_wide": 0,
+    # The split merge inside the full-tile kernels (bf16 and direct fp8), where the merge kernel after them
+    # reads back 16.8 MB of fp32 partials at 128 heads and B = 32, measured slower and removed after commit
+    # 3c98e6e (2026-12-06; docs/gpu.md §57): every split stored its partial and counted itself in (an acq_rel
+    # atomic a value warpgroup), the last of each program read them back from L2 in the merge kernel's
+    # order (bit-identical to it; 10 GPU tests passed). H100, B = 32, 128 heads, µs, merge kernel -> in
+    # the kernel: fp8 1/4 of 8K 58.4 -> 105, of 32K 166 -> 213, of 128K 640 -> 688-710, 1/8 of 32K 94 ->
+    # 140, one page 20.6 -> 52; bf16 1/4 of 8K 53.0 -> 62.6, 1/8 of 32K 85 -> 96, one page 18.5 -> 28.1
+    # (logs/decode-kmerge-h100-2026-12-06-1359-3c98e6e.json). The merging warpgroups' reads back are a
+    # chain of L2 round trips beside a full register file (its epilogue spilled 0.4-1.6 KB a thread);
+    # the merge kernel spreads the same bytes over every SM. A form that kept the last split's own
+    # partial in registers was as slow (43.6 µs at one page) and summed in arrival order (not
+    # deterministic). The narrow fp8 kernel's in-kernel merge (2026-12-04, §24) lost the same way.
     # GQA (head dim 128, one query token, bf16 queries) through the warp-specialized Gluon kernels
     # (`gluon_gqa`: over bf16 a TMA loader with a ring of 64-key tiles and one consumer warpgroup, over
     # fp8 the direct kernel below), per cache dtype, where `gluon_gqa_ok` holds; one CTA per SM (bf16:
@@ -1127,7 +1129,7 @@ _VALID = {
     "maxnreg": (0, *range(64, 256, 8)), "at_most": (0, 1), "stage16": (0, 1, 2), "even": (0, 1),
     "direct": range(0, 13), "pipe": (0, 1), "paired_store": (0, 1), "ids_ahead": (0, 1), "tiles": (0, 1, 2),
     "tile_columns": (16, 32), "expand": (0, 1), "half_partials": (0, 1), "plan_waves": range(1, 9),
-    "merge": (0, 1, 2), "plan_fit": (0, 1), "plan_fit_wide": (0, 1), "plan_fit_wide_narrow": (0, 1), "plan_order": (0, 1),
+    "plan_fit": (0, 1), "plan_fit_wide": (0, 1), "plan_fit_wide_narrow": (0, 1), "plan_order": (0, 1),
 }
 _META = ("device", "sizes", "seconds", "results", "notes", "problems")
 
@@ -1697,23 +1699,14 @@ def paged_decode_triton(q: Tensor, k: Tensor, v: Tensor, k_scale: Tensor | None,
                                 pipe=bool(CONFIG["pipe_wide_narrow_fp8"]),
                                 width=c.width if c.tiled else gluon_mla_narrow.MAX_HEADS, **direct_opts, **planned)
     elif s > 0 and splits > 0 and c.wide_raw:
-        merged = _merged_in_kernel(q, dv, out_dtype, splits, merge and plan is None and CONFIG["merge_wide_fp8"])
         gluon_mla_direct.launch(q, k, table, seq_lens, o, lse, scale * _LOG2E, splits, split_len, dcp_size, dcp_rank,
                                 interleave, k_scale, raw=c.wide_raw, pdl=pdl, paired=direct_opts["paired"],
-                                ahead=bool(CONFIG["ids_ahead_wide_fp8"]), merged=merged,
-                                merge_form=CONFIG["merge_wide_fp8"], **planned)
-        if merged is not None:
-            return AttnState(merged[0], merged[1])
+                                ahead=bool(CONFIG["ids_ahead_wide_fp8"]), **planned)
     elif s > 0 and splits > 0 and c.gluon:
-        seesaw, split_form = bool(CONFIG["seesaw_wide"]), bool(CONFIG["split_wide"])
-        merged = _merged_in_kernel(q, dv, out_dtype, splits, merge and plan is None and not fp8 and not seesaw
-                                   and not split_form and CONFIG["merge_wide"])
         gluon_mla.launch_gluon_mla(q, k, table, seq_lens, o, lse, scale * _LOG2E, splits, split_len, dcp_size,
                                    dcp_rank, interleave, k_scale if fp8 else None, raw_ring=CONFIG["raw_ring_wide_fp8"],
                                    keys=CONFIG["keys_wide_fp8"], ring=CONFIG["ring_wide_fp8"], pdl=pdl,
-                                   seesaw=seesaw, split=split_form, merged=merged, **planned)
-        if merged is not None:
-            return AttnState(merged[0], merged[1])
+                                   seesaw=bool(CONFIG["seesaw_wide"]), split=bool(CONFIG["split_wide"]), **planned)
     elif s > 0 and splits > 0 and c.gqa_ws:
         gluon_gqa.launch_gluon_gqa(q, k, v, table, seq_lens, o, lse, scale * _LOG2E, splits, split_len, dcp_size,
                                    dcp_rank, interleave, k_scale if fp8 else None, v_scale if fp8 else None,
@@ -1748,19 +1741,6 @@ def paged_decode_triton(q: Tensor, k: Tensor, v: Tensor, k_scale: Tensor | None,
     out = torch.empty(s * tq, hq, dv, dtype=out_dtype, device=q.device)
     merged = merge_states_triton(o.view(splits, s * tq, hq, dv), lse.view(splits, s * tq, hq), pdl=pdl, out=out)
     return AttnState(merged.out.view(s, tq, hq, dv), merged.lse.view(s, tq, hq))
-
-
-def _merged_in_kernel(q: Tensor, dv: int, out_dtype: torch.dtype, splits: int,
-                      on: bool) -> tuple[Tensor, Tensor, Tensor] | None:
-    """(out, lse, counters) for a full-head-tile MLA kernel that merges a call's splits itself (CONFIG
-    merge_wide / merge_wide_fp8: the last split of each program to finish merges them, in place of the
-    merge kernel after it), where `on` and there are several splits; None otherwise."""
-    if not on or splits < 2:
-        return None
-    s, tq, hq, _ = q.shape
-    return (torch.empty(s, tq, hq, dv, dtype=out_dtype, device=q.device),
-            torch.empty(s, tq, hq, dtype=torch.float32, device=q.device),
-            gluon_mla.merge_counters(q.device, 4 * s * -(-hq // 64)))
 
 
 def _halves_ok(k: Tensor, v: Tensor, k_scale: Tensor | None, v_scale: Tensor | None, d_main: int,
