@@ -822,11 +822,12 @@ CONFIG = impl.Settings({
     # order (bit-identical to it; 10 GPU tests passed). H100, B = 32, 128 heads, µs, merge kernel -> in
     # the kernel: fp8 1/4 of 8K 58.4 -> 105, of 32K 166 -> 213, of 128K 640 -> 688-710, 1/8 of 32K 94 ->
     # 140, one page 20.6 -> 52; bf16 1/4 of 8K 53.0 -> 62.6, 1/8 of 32K 85 -> 96, one page 18.5 -> 28.1
-    # (logs/decode-kmerge-h100-2026-12-06-1359-3c98e6e.json). The merging warpgroups' reads back are a
-    # chain of L2 round trips beside a full register file (its epilogue spilled 0.4-1.6 KB a thread);
-    # the merge kernel spreads the same bytes over every SM. A form that kept the last split's own
-    # partial in registers was as slow (43.6 µs at one page) and summed in arrival order (not
-    # deterministic). The narrow fp8 kernel's in-kernel merge (2026-12-04, §24) lost the same way.
+    # (logs/decode-kmerge-h100-2026-12-06-1359-3c98e6e.json). Likely why (not profiled): the merging
+    # warpgroups' reads back are a chain of L2 round trips beside a full register file (its epilogue
+    # spilled 0.4-1.6 KB a thread), where the merge kernel spreads the same bytes over every SM. A form
+    # that kept the last split's own partial in registers was as slow (43.6 µs at one page) and summed in
+    # arrival order (not deterministic). The narrow fp8 kernel's in-kernel merge (2026-12-04, §24) lost
+    # the same way.
     # GQA (head dim 128, one query token, bf16 queries) through the warp-specialized Gluon kernels
     # (`gluon_gqa`: over bf16 a TMA loader with a ring of 64-key tiles and one consumer warpgroup, over
     # fp8 the direct kernel below), per cache dtype, where `gluon_gqa_ok` holds; one CTA per SM (bf16:
