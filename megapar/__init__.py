@@ -48,16 +48,22 @@ class _AliasLoader(importlib.abc.Loader):
 
     def __init__(self, canonical: str) -> None:
         self.canonical = canonical
+        self.spec: importlib.machinery.ModuleSpec | None = None
 
     def create_module(self, spec: importlib.machinery.ModuleSpec):
         module = importlib.import_module(self.canonical)
+        self.spec = getattr(module, "__spec__", None)
         parent = sys.modules.get(self.canonical.rpartition(".")[0])
         if parent is not None and type(parent) is types.ModuleType:
             parent.__class__ = _Package
         return module
 
-    def exec_module(self, module) -> None:  # the canonical module already ran
-        pass
+    def exec_module(self, module) -> None:
+        # The canonical module already ran. The import machinery has just set its __spec__ to the alias
+        # spec; put the canonical one back, so that __spec__.parent agrees with __package__ again (a
+        # relative import inside a function warns where they differ, and Python 3.15 resolves it by the spec)
+        if self.spec is not None and module is sys.modules.get(self.canonical):
+            module.__spec__ = self.spec
 
     # `python -m launch.cli` (runpy) runs the code of the canonical module's file as __main__
     def _real(self):

@@ -39,6 +39,23 @@ def test_short_names_are_the_same_module_objects():
     assert moe.MoELayer is megapar.moe.layer.MoELayer
 
 
+def test_an_alias_import_keeps_the_modules_spec_so_relative_imports_do_not_warn(tmp_path):
+    # `import parallel.cp.paged` after `megapar.parallel.cp.paged` gave the module the alias's __spec__:
+    # __spec__.parent ("parallel.cp") then differed from __package__ ("megapar.parallel.cp"), and every
+    # relative import run inside a function warned (ImportWarning; a DeprecationWarning since 3.12)
+    proc = _run("import warnings\n"
+                "warnings.simplefilter('error', ImportWarning)\n"
+                "warnings.simplefilter('error', DeprecationWarning)\n"
+                "import megapar.parallel.cp.paged\n"
+                "import parallel.cp.paged as p, parallel.cp as pkg\n"
+                "assert p is megapar.parallel.cp.paged and pkg is megapar.parallel.cp\n"
+                "exec('from . import merge', dict(p.__dict__))\n"
+                "exec('from .. import impl', dict(p.__dict__))\n"
+                "print(p.__spec__.name, p.__spec__.parent == p.__package__, pkg.__spec__.name)", tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.split() == ["megapar.parallel.cp.paged", "True", "megapar.parallel.cp"]
+
+
 def test_a_users_own_package_of_a_generic_name_is_left_alone(tmp_path):
     pkg = tmp_path / "model"
     pkg.mkdir()
