@@ -139,3 +139,38 @@ def test_flashmla_build_matches_torch_mla_decode(heads):
     assert torch.equal(out, again)
     assert (out.double() - ref).abs().max().item() <= 2e-2 * ref.abs().max().item()
     assert torch.allclose(lse.double().reshape(ref_lse.shape), ref_lse, atol=1e-2)   # (natural log, as FA's)
+
+
+def test_dcp_rows_time_flashmla_over_the_same_shards(monkeypatch):
+    """bench cp's DCP section puts FlashMLA beside our MLA rows (not the GQA ones): over the full KV
+    and over rank 0's 1/N, with this rank's lengths, checked against our result, and its own
+    N x local / full (flashmla_work_ratio_local_x_n_over_full) from its own times. The --quick
+    sizes with DeepSeek's MLA dims (FlashMLA's only value width, 512) and a stand-in module."""
+    from megapar.launch.bench import cp as bench_cp
+    from megapar.parallel.cp import mla as mla_module
+
+    real = mla_module.MLADims
+    monkeypatch.setattr(mla_module, "MLADims", lambda **kw: real())
+    module = StandIn()
+    monkeypatch.setattr(bench_cp, "_flashmla_anchor", lambda ctx: module)
+    ctx = BenchContext(suite="cp", device=torch.device("cpu"), quick=True)
+    with torch.no_grad():
+        bench_cp._dcp_breakdown(ctx)
+    rows = [r for r in ctx.rows if r["case"].startswith("dcp decode")]
+    assert not [r for r in rows if " gqa " in r["case"] and "flashmla_us" in r]
+    mla = [r for r in rows if " mla " in r["case"]]
+    full = next(r for r in mla if "full KV" in r["case"])
+    assert len(mla) == 3 and full["flashmla_matches"] is True and full["flashmla_us"] > 0, ctx.notes
+    assert not [note for note in ctx.notes if "FlashMLA" in note and "differs" in note]
+    seen = {int(lens.sum()) for lens in module.lens}
+    for row in mla:
+        if "full KV" in row["case"]:
+            continue
+        n = int(row["case"].split("over 1/")[1].split(" ")[0])
+        assert row["flashmla_matches"] is True and row["speedup_vs_flashmla"] == pytest.approx(
+            row["flashmla_us"] / row["time_us"], rel=1e-3)
+        assert row["flashmla_work_ratio_local_x_n_over_full"] == pytest.approx(
+            row["flashmla_us"] * n / full["flashmla_us"], rel=1e-3)
+        # FlashMLA was given rank 0's share of the lengths, not the global ones
+        layout = DCPLayout(size=n, rank=0, block_size=16)
+        assert int(layout.local_lengths(torch.full((2,), 256)).sum()) in seen

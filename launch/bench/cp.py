@@ -158,7 +158,9 @@ def _dcp_breakdown(ctx: BenchContext) -> None:
     ag_rs's collectives in one graph, the kernel's splits merged and then rescaled, or merged and
     rescaled in one kernel (what `dcp_decode_attention` runs); on the full-KV rows cast_out_us /
     q_dtype_out_us: the call with its fp32 out cast to q's dtype after it, or written in it by the
-    merge (`out_dtype`, what `dcp_decode_attention` asks for on one rank). Collectives: section 3."""
+    merge (`out_dtype`, what `dcp_decode_attention` asks for on one rank); on the MLA bf16 rows,
+    where FlashMLA is built (`_flashmla_anchor`), its columns over the same shards and its own
+    flashmla_work_ratio_local_x_n_over_full. Collectives: section 3."""
     from megapar.parallel.cp.mla import MLADims
     from megapar.parallel.cp.paged import paged_decode_attention
 
@@ -175,6 +177,7 @@ def _dcp_breakdown(ctx: BenchContext) -> None:
     ceiling = copy_ceiling_gbps(ctx.device)
     dtypes = [torch.bfloat16, torch.float8_e4m3fn] if ctx.is_cuda else [torch.float32]
     seq = torch.full((batch,), context, device=ctx.device)
+    flash = _flashmla_anchor(ctx)
     # MLA: DeepSeek's 128 heads and 16 (a TP 8 rank's), each cache dtype. DCP gathers the group's query
     # heads (here and in vLLM), so `-tp 8 -dcp 8` runs the 128-head kernel over 1/8 of the KV: the
     # 128-head rows at N = 8; the 16-head rows at N > 1 stand for `same_heads` layouts (PCP peers)
@@ -232,9 +235,24 @@ def _dcp_breakdown(ctx: BenchContext) -> None:
         cast_us = step_time(ctx, [lambda c=c, t=t, q=q: call(c, t, q, 1).out.to(q.dtype) for c, t, q in full])[0]
         direct_us = step_time(ctx, [lambda c=c, t=t, q=q: call(c, t, q, 1, out_dtype=q.dtype)
                                     for c, t, q in full])[0] if half else cast_us
+        # DeepSeek's FlashMLA over the same shards (MLA, not over fp8: its dense decode has none), as a
+        # check of what the N-way target asks: its own N x local / full beside ours
+        anchored = flash is not None and kind == "mla" and cache_dtype != torch.float8_e4m3fn
+
+        def flash_columns(sets, n, ours_us):
+            try:        # (an anchor's failure leaves its columns out, not the row)
+                layout = DCPLayout(size=n, rank=0, block_size=block)
+                return flashmla_columns(ctx, flash, sets, layout, seq, torch.full_like(seq, n * block), scale,
+                                        call(*sets[0], n), ours_us)
+            except Exception as exc:
+                ctx.note(f"FlashMLA anchor, dcp H={hq} N={n}: {type(exc).__name__}: {str(exc)[-400:]}; its columns "
+                         "are left out of that row")
+                return {}
+
+        flash_full = flash_columns(full, 1, full_us) if anchored else {}
         ctx.record(f"dcp decode {kind} full KV on one GPU ({tag} cache, B={batch}, L={context}, {what})", full_us,
                    floor_us=floor, fixed_us=full_fixed_us, **full_cols, byte_floor_us=byte_floor,
-                   flop_floor_us=flop_floor, cast_out_us=cast_us, q_dtype_out_us=direct_us)
+                   flop_floor_us=flop_floor, cast_out_us=cast_us, q_dtype_out_us=direct_us, **flash_full)
         del full
         for n in sizes:
             local = copies(n)
@@ -261,6 +279,10 @@ def _dcp_breakdown(ctx: BenchContext) -> None:
             ag_rs_fused_us, _ = step_time(ctx, [lambda c=c, t=t, q=q: rescale_parts_to_merged(
                 call(c, t, q, n, merge=False).out, split_lses, 0) for c, t, q in local])
             floor, byte_floor, flop_floor = floors(local[0][0], batch * (context // n))
+            flash_local = flash_columns(local, n, local_us) if flash_full else {}
+            if flash_local:
+                flash_local["flashmla_work_ratio_local_x_n_over_full"] = (
+                    flash_local["flashmla_us"] * n / flash_full["flashmla_us"])
             ctx.record(f"dcp decode {kind} local attention over 1/{n} of the KV ({tag} cache, B={batch}, L={context}, "
                        f"{what})", local_us, anchor="the kernel over the whole KV (no DCP)", anchor_us=full_us,
                        floor_us=floor,
@@ -269,7 +291,7 @@ def _dcp_breakdown(ctx: BenchContext) -> None:
                        merge_ag_rs_us=ag_rs_us, merge_a2a_us=a2a_us,
                        local_plus_merge_us=local_us + min(ag_rs_us, a2a_us), ag_rs_step_us=ag_rs_step_us,
                        ag_rs_fused_us=ag_rs_fused_us, splits=p, **local_cols,
-                       byte_floor_us=byte_floor, flop_floor_us=flop_floor)
+                       byte_floor_us=byte_floor, flop_floor_us=flop_floor, **flash_local)
             del local, outs, lses, a2a_outs, a2a_lses
     ctx.note("dcp breakdown: the all-gather of q and the combine collectives need >= 2 GPUs (section 3)")
     _note_graph_timing(ctx)
