@@ -278,3 +278,30 @@ def test_the_padded_anchors_equal_each_sequence_alone():
     for i, n in enumerate(lens):
         s = (ql[i] @ latent[i, :n].T) * 0.3
         torch.testing.assert_close(got[i], torch.softmax(s, -1) @ latent[i, :n, :6], atol=1e-5, rtol=1e-5)
+
+
+def test_dcp_section_runs_once_per_context_of_the_env_list(monkeypatch):
+    """MEGAPAR_BENCH_CP_DCP_CONTEXT as a comma list: the DCP section's rows at each L (full KV and
+    every N, both kinds), each local row against the full-KV row of its own L; its note once; a bad
+    list is refused with the value named."""
+    monkeypatch.setenv("MEGAPAR_BENCH_CP_DCP_CONTEXT", "256,512")
+    ctx = BenchContext(suite="cp", device=torch.device("cpu"), quick=True)
+    with torch.no_grad():
+        bench_cp._dcp_breakdown(ctx)
+    rows = [r for r in ctx.rows if r["case"].startswith("dcp decode")]
+    assert len(rows) == 2 * 2 * 3          # two lengths x (gqa, mla) x (full, N = 2, 4)
+    for length in (256, 512):
+        mine = [r for r in rows if f"L={length}," in r["case"]]
+        assert len(mine) == 6
+        for kind in ("gqa", "mla"):
+            full = next(r for r in mine if f" {kind} full KV" in r["case"])
+            for r in mine:
+                if f" {kind} local" in r["case"]:
+                    assert r["anchor_us"] == full["time_us"], r["case"]
+    assert sum("dcp breakdown" in note for note in ctx.notes) == 1
+    for bad in ("32K", "0", "4096,,8192"):
+        monkeypatch.setenv("MEGAPAR_BENCH_CP_DCP_CONTEXT", bad)
+        with pytest.raises(ValueError, match="MEGAPAR_BENCH_CP_DCP_CONTEXT"):
+            bench_cp.dcp_contexts(32768)
+    monkeypatch.delenv("MEGAPAR_BENCH_CP_DCP_CONTEXT")
+    assert bench_cp.dcp_contexts(32768) == [32768]

@@ -6,12 +6,14 @@
    (`simulate_ring_forward`), against ONE attention call over the whole sequence (the anchor,
    `aten._scaled_dot_product_flash_attention`). Target: <= 1.15x at S = 32K, P = 4. The floor is
    the causal attention FLOPs at the bf16 matmul ceiling. At 32K the backward is timed too.
-2. DCP decode end to end on one GPU (GQA bf16/fp8, MLA bf16): rank 0's local attention (the
+2. DCP decode end to end on one GPU (GQA and MLA, bf16 and fp8 on CUDA): rank 0's local attention (the
    decode kernel) over 1/N of the paged KV for N = 2, 4, 8 next to the kernel over the whole
    KV (what one GPU without DCP does), the ratio N * local / full, and the merge of the N
    partial states (LSE rescale of ag_rs; N-way merge of a2a). Collectives are not in these numbers.
    L = 32K; MEGAPAR_BENCH_CP_DCP_CONTEXT=8192 runs it at another L (at 8K, 1/8 of the KV is 1024
-   tokens per sequence: where GQA's min_split decides between 1 and 2 splits).
+   tokens per sequence: where GQA's min_split decides between 1 and 2 splits), a comma list at
+   each (32768,131072: at 128K a call's fixed part weighs a quarter as much). Where FlashMLA is
+   built (MEGAPAR_FLASHMLA_SRC), it runs over the same shards beside the MLA bf16 rows.
 3. With >= 2 GPUs (NCCL): ring attention over P GPUs against one GPU's attention over the whole
    sequence (efficiency = T1 / (P * TP); target >= 85%) for both variants, and the DCP decode
    latency with both combine modes, for P = 2, 4, 8 up to the GPU count (`--world-size P`: that P
@@ -148,6 +150,23 @@ def _mla_decode_setup(batch: int, context: int, dims, block: int, size: int, dev
     return cache, table
 
 
+def dcp_contexts(default: int) -> list[int]:
+    """The L (global tokens a sequence) of each pass of the DCP section: MEGAPAR_BENCH_CP_DCP_CONTEXT, a
+    comma list (e.g. 32768,131072: the fixed part of a call weighs less at the longer one), else
+    `default`."""
+    raw = os.environ.get("MEGAPAR_BENCH_CP_DCP_CONTEXT", "").strip()
+    if not raw:
+        return [default]
+    try:
+        values = [int(x) for x in raw.split(",")]
+    except ValueError:
+        raise ValueError(f"MEGAPAR_BENCH_CP_DCP_CONTEXT={raw!r} must be a comma list of token counts, "
+                         f"e.g. 32768,131072") from None
+    if any(v <= 0 for v in values):
+        raise ValueError(f"MEGAPAR_BENCH_CP_DCP_CONTEXT={raw!r}: every token count must be > 0")
+    return values
+
+
 def _dcp_breakdown(ctx: BenchContext) -> None:
     """DCP decode on one GPU: rank 0's local attention over 1/N of the paged KV (the kernel, op
     "cp.decode" auto) for N = 2, 4, 8 next to the same kernel over the whole KV (one GPU without
@@ -169,130 +188,132 @@ def _dcp_breakdown(ctx: BenchContext) -> None:
         mla = (2, MLADims(kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=16, v_head_dim=16))
     elif ctx.is_cuda:
         batch, context, heads, kv_heads, d, block, sizes = 32, 32768, 32, 4, 128, 64, (2, 4, 8)
-        context = int(os.environ.get("MEGAPAR_BENCH_CP_DCP_CONTEXT", context))
         mla = (128, MLADims())
     else:
         batch, context, heads, kv_heads, d, block, sizes = 4, 4096, 8, 2, 64, 16, (2, 4)
         mla = (8, MLADims(kv_lora_rank=64, qk_nope_head_dim=32, qk_rope_head_dim=32, v_head_dim=32))
     ceiling = copy_ceiling_gbps(ctx.device)
     dtypes = [torch.bfloat16, torch.float8_e4m3fn] if ctx.is_cuda else [torch.float32]
-    seq = torch.full((batch,), context, device=ctx.device)
     flash = _flashmla_anchor(ctx)
-    # MLA: DeepSeek's 128 heads and 16 (a TP 8 rank's), each cache dtype. DCP gathers the group's query
-    # heads (here and in vLLM), so `-tp 8 -dcp 8` runs the 128-head kernel over 1/8 of the KV: the
-    # 128-head rows at N = 8; the 16-head rows at N > 1 stand for `same_heads` layouts (PCP peers)
-    mla_heads = (mla[0], 16) if ctx.is_cuda and not ctx.quick else (mla[0],)
-    cases = [("gqa", dt, heads) for dt in dtypes] + [("mla", dt, h) for h in mla_heads for dt in dtypes]
-    for kind, cache_dtype, hq in cases:
-        tag = str(cache_dtype).replace("torch.", "")
-        if kind == "gqa":
-            def setup(n):
-                cache, table, q, _ = _decode_setup(batch, context, heads, kv_heads, d, block, n, ctx.device,
-                                                   cache_dtype)
-                return cache, table, q
-            what, scale, dk, dv = f"Hq={heads}, Hkv={kv_heads}, D={d}", d ** -0.5, d, d
-            read = lambda cache, tokens: kv_read_bytes_of(cache, tokens, kv_heads, d, d, False)
-        else:
-            dims = mla[1]
-            def setup(n):
-                cache, table = _mla_decode_setup(batch, context, dims, block, n, ctx.device, cache_dtype)
-                q = torch.randn(batch, hq, dims.latent_dim, device=ctx.device,
-                                dtype=torch.bfloat16 if ctx.is_cuda else torch.float32)
-                return cache.paged, table, q
-            what, scale = f"MLA H={hq}, latent {dims.latent_dim}", dims.scale
-            dk, dv = dims.latent_dim, dims.kv_lora_rank
-            read = lambda cache, tokens: kv_read_bytes_of(cache, tokens, 1, dims.latent_dim, 0, True)
-        call = lambda c, t, q, n, lens=seq, merge=True, out_dtype=torch.float32: paged_decode_attention(
-            q, c, t, lens, scale=scale, max_seq_len=context, layout=DCPLayout(size=n, rank=0, block_size=block),
-            merge=merge, out_dtype=out_dtype)
+    for context in dcp_contexts(context):   # (MEGAPAR_BENCH_CP_DCP_CONTEXT: the L of each pass)
+        seq = torch.full((batch,), context, device=ctx.device)
+        # MLA: DeepSeek's 128 heads and 16 (a TP 8 rank's), each cache dtype. DCP gathers the group's query
+        # heads (here and in vLLM), so `-tp 8 -dcp 8` runs the 128-head kernel over 1/8 of the KV: the
+        # 128-head rows at N = 8; the 16-head rows at N > 1 stand for `same_heads` layouts (PCP peers)
+        mla_heads = (mla[0], 16) if ctx.is_cuda and not ctx.quick else (mla[0],)
+        cases = [("gqa", dt, heads) for dt in dtypes] + [("mla", dt, h) for h in mla_heads for dt in dtypes]
+        for kind, cache_dtype, hq in cases:
+            tag = str(cache_dtype).replace("torch.", "")
+            if kind == "gqa":
+                def setup(n):
+                    cache, table, q, _ = _decode_setup(batch, context, heads, kv_heads, d, block, n, ctx.device,
+                                                       cache_dtype)
+                    return cache, table, q
+                what, scale, dk, dv = f"Hq={heads}, Hkv={kv_heads}, D={d}", d ** -0.5, d, d
+                read = lambda cache, tokens: kv_read_bytes_of(cache, tokens, kv_heads, d, d, False)
+            else:
+                dims = mla[1]
+                def setup(n):
+                    cache, table = _mla_decode_setup(batch, context, dims, block, n, ctx.device, cache_dtype)
+                    q = torch.randn(batch, hq, dims.latent_dim, device=ctx.device,
+                                    dtype=torch.bfloat16 if ctx.is_cuda else torch.float32)
+                    return cache.paged, table, q
+                what, scale = f"MLA H={hq}, latent {dims.latent_dim}", dims.scale
+                dk, dv = dims.latent_dim, dims.kv_lora_rank
+                read = lambda cache, tokens: kv_read_bytes_of(cache, tokens, 1, dims.latent_dim, 0, True)
+            call = lambda c, t, q, n, lens=seq, merge=True, out_dtype=torch.float32: paged_decode_attention(
+                q, c, t, lens, scale=scale, max_seq_len=context, layout=DCPLayout(size=n, rank=0, block_size=block),
+                merge=merge, out_dtype=out_dtype)
 
-        def floors(cache, tokens):
-            """(floor, byte floor, FLOP floor) of the kernel over `tokens` cached tokens: the KV
-            bytes at the copy ceiling or q.k over dk and p.v over dv per query head and token at the
-            bf16 ceiling, whichever is longer (MLA's 128 heads over one latent head are compute-bound)."""
-            byte_floor = _floor(read(cache, tokens), ceiling)
-            flop_floor = _flop_floor_us(ctx, 2.0 * tokens * hq * (dk + dv))
-            return (max(byte_floor, flop_floor) if byte_floor and flop_floor else byte_floor), byte_floor, flop_floor
+            def floors(cache, tokens):
+                """(floor, byte floor, FLOP floor) of the kernel over `tokens` cached tokens: the KV
+                bytes at the copy ceiling or q.k over dk and p.v over dv per query head and token at the
+                bf16 ceiling, whichever is longer (MLA's 128 heads over one latent head are compute-bound)."""
+                byte_floor = _floor(read(cache, tokens), ceiling)
+                flop_floor = _flop_floor_us(ctx, 2.0 * tokens * hq * (dk + dv))
+                floor = max(byte_floor, flop_floor) if byte_floor and flop_floor else byte_floor
+                return floor, byte_floor, flop_floor
 
-        def copies(n):
-            """Rank 0's cache at 1/n, as many copies as `step_time` takes in turn."""
-            return input_copies(ctx, lambda: setup(n), lambda c: read(c[0], batch * (context // n)))
+            def copies(n):
+                """Rank 0's cache at 1/n, as many copies as `step_time` takes in turn."""
+                return input_copies(ctx, lambda: setup(n), lambda c: read(c[0], batch * (context // n)))
 
-        def fixed(c, t, q, n):
-            """The part that does not shrink with N: the same grid, splits and merge (capacity L)
-            over one page per rank (lengths n x page), timed in a step's graph like the rest."""
-            short = torch.full_like(seq, n * block)
-            return step_time(ctx, [lambda: call(c, t, q, n, short)])[0]
+            def fixed(c, t, q, n):
+                """The part that does not shrink with N: the same grid, splits and merge (capacity L)
+                over one page per rank (lengths n x page), timed in a step's graph like the rest."""
+                short = torch.full_like(seq, n * block)
+                return step_time(ctx, [lambda: call(c, t, q, n, short)])[0]
 
-        variants = row_variants(kind, hq, cache_dtype == torch.float8_e4m3fn)
-        full = copies(1)
-        full_us, full_cols = _decode_time(ctx, [lambda c=c, t=t, q=q: call(c, t, q, 1) for c, t, q in full], variants)
-        full_fixed_us = fixed(*full[0], 1)
-        floor, byte_floor, flop_floor = floors(full[0][0], batch * context)
-        # a model wants the out in q's dtype: the call's fp32 out cast after it (cast_out_us), against the
-        # merge (or one split's kernel) writing it (q_dtype_out_us, what dcp_decode_attention asks for)
-        half = full[0][2].dtype != torch.float32
-        cast_us = step_time(ctx, [lambda c=c, t=t, q=q: call(c, t, q, 1).out.to(q.dtype) for c, t, q in full])[0]
-        direct_us = step_time(ctx, [lambda c=c, t=t, q=q: call(c, t, q, 1, out_dtype=q.dtype)
-                                    for c, t, q in full])[0] if half else cast_us
-        # DeepSeek's FlashMLA over the same shards (MLA, not over fp8: its dense decode has none), as a
-        # check of what the N-way target asks: its own N x local / full beside ours
-        anchored = flash is not None and kind == "mla" and cache_dtype != torch.float8_e4m3fn
+            variants = row_variants(kind, hq, cache_dtype == torch.float8_e4m3fn)
+            full = copies(1)
+            full_us, full_cols = _decode_time(ctx, [lambda c=c, t=t, q=q: call(c, t, q, 1) for c, t, q in full],
+                                              variants)
+            full_fixed_us = fixed(*full[0], 1)
+            floor, byte_floor, flop_floor = floors(full[0][0], batch * context)
+            # a model wants the out in q's dtype: the call's fp32 out cast after it (cast_out_us), against the
+            # merge (or one split's kernel) writing it (q_dtype_out_us, what dcp_decode_attention asks for)
+            half = full[0][2].dtype != torch.float32
+            cast_us = step_time(ctx, [lambda c=c, t=t, q=q: call(c, t, q, 1).out.to(q.dtype) for c, t, q in full])[0]
+            direct_us = step_time(ctx, [lambda c=c, t=t, q=q: call(c, t, q, 1, out_dtype=q.dtype)
+                                        for c, t, q in full])[0] if half else cast_us
+            # DeepSeek's FlashMLA over the same shards (MLA, not over fp8: its dense decode has none), as a
+            # check of what the N-way target asks: its own N x local / full beside ours
+            anchored = flash is not None and kind == "mla" and cache_dtype != torch.float8_e4m3fn
 
-        def flash_columns(sets, n, ours_us):
-            try:        # (an anchor's failure leaves its columns out, not the row)
-                layout = DCPLayout(size=n, rank=0, block_size=block)
-                return flashmla_columns(ctx, flash, sets, layout, seq, torch.full_like(seq, n * block), scale,
-                                        call(*sets[0], n), ours_us)
-            except Exception as exc:
-                ctx.note(f"FlashMLA anchor, dcp H={hq} N={n}: {type(exc).__name__}: {str(exc)[-400:]}; its columns "
-                         "are left out of that row")
-                return {}
+            def flash_columns(sets, n, ours_us):
+                try:        # (an anchor's failure leaves its columns out, not the row)
+                    layout = DCPLayout(size=n, rank=0, block_size=block)
+                    return flashmla_columns(ctx, flash, sets, layout, seq, torch.full_like(seq, n * block), scale,
+                                            call(*sets[0], n), ours_us)
+                except Exception as exc:
+                    ctx.note(f"FlashMLA anchor, dcp H={hq} N={n}: {type(exc).__name__}: {str(exc)[-400:]}; its columns "
+                             "are left out of that row")
+                    return {}
 
-        flash_full = flash_columns(full, 1, full_us) if anchored else {}
-        ctx.record(f"dcp decode {kind} full KV on one GPU ({tag} cache, B={batch}, L={context}, {what})", full_us,
-                   floor_us=floor, fixed_us=full_fixed_us, **full_cols, byte_floor_us=byte_floor,
-                   flop_floor_us=flop_floor, cast_out_us=cast_us, q_dtype_out_us=direct_us, **flash_full)
-        del full
-        for n in sizes:
-            local = copies(n)
-            local_us, local_cols = _decode_time(ctx, [lambda c=c, t=t, q=q: call(c, t, q, n) for c, t, q in local],
-                                                variants)
-            fixed_us = fixed(*local[0], n)
-            # the combine's merge as a rank runs it: ag_rs rescales its local o over all hq heads it
-            # attended; a2a merges the n ranks' partials of its own hq / n heads
-            outs = torch.randn(n, batch, hq, dv, device=ctx.device)
-            lses = torch.randn(n, batch, hq, device=ctx.device)
-            own = max(1, hq // n)
-            a2a_outs, a2a_lses = outs[:, :, :own].contiguous(), lses[:, :, :own].contiguous()
+            flash_full = flash_columns(full, 1, full_us) if anchored else {}
+            ctx.record(f"dcp decode {kind} full KV on one GPU ({tag} cache, B={batch}, L={context}, {what})", full_us,
+                       floor_us=floor, fixed_us=full_fixed_us, **full_cols, byte_floor_us=byte_floor,
+                       flop_floor_us=flop_floor, cast_out_us=cast_us, q_dtype_out_us=direct_us, **flash_full)
+            del full
+            for n in sizes:
+                local = copies(n)
+                local_us, local_cols = _decode_time(ctx, [lambda c=c, t=t, q=q: call(c, t, q, n) for c, t, q in local],
+                                                    variants)
+                fixed_us = fixed(*local[0], n)
+                # the combine's merge as a rank runs it: ag_rs rescales its local o over all hq heads it
+                # attended; a2a merges the n ranks' partials of its own hq / n heads
+                outs = torch.randn(n, batch, hq, dv, device=ctx.device)
+                lses = torch.randn(n, batch, hq, device=ctx.device)
+                own = max(1, hq // n)
+                a2a_outs, a2a_lses = outs[:, :, :own].contiguous(), lses[:, :, :own].contiguous()
 
-            ag_rs_us, _ = graph_time(ctx, lambda: rescale_to_merged(outs[0], lses, 0))
-            a2a_us, _ = graph_time(ctx, lambda: merge_attn_states(a2a_outs, a2a_lses))
-            # what a rank runs between ag_rs's collectives, in one step's graph: the kernel, its split
-            # merge and the rescale (ag_rs_step_us), against the kernel's splits unmerged and merged with
-            # the rescale in one kernel (ag_rs_fused_us, as dcp_decode_attention runs it); the other
-            # ranks' lses made up, the same for both
-            p = call(*local[0], n, merge=False).lse.shape[0]
-            split_lses = torch.randn(n, p, batch, hq, device=ctx.device)
-            ag_rs_step_us, _ = step_time(ctx, [lambda c=c, t=t, q=q: rescale_to_merged(
-                call(c, t, q, n).out, lses, 0) for c, t, q in local])
-            ag_rs_fused_us, _ = step_time(ctx, [lambda c=c, t=t, q=q: rescale_parts_to_merged(
-                call(c, t, q, n, merge=False).out, split_lses, 0) for c, t, q in local])
-            floor, byte_floor, flop_floor = floors(local[0][0], batch * (context // n))
-            flash_local = flash_columns(local, n, local_us) if flash_full else {}
-            if flash_local:
-                flash_local["flashmla_work_ratio_local_x_n_over_full"] = (
-                    flash_local["flashmla_us"] * n / flash_full["flashmla_us"])
-            ctx.record(f"dcp decode {kind} local attention over 1/{n} of the KV ({tag} cache, B={batch}, L={context}, "
-                       f"{what})", local_us, anchor="the kernel over the whole KV (no DCP)", anchor_us=full_us,
-                       floor_us=floor,
-                       work_ratio_local_x_n_over_full=local_us * n / full_us, ideal_speedup=n, fixed_us=fixed_us,
-                       streamed_ratio_x_n=(local_us - fixed_us) * n / max(full_us - full_fixed_us, 1e-9),
-                       merge_ag_rs_us=ag_rs_us, merge_a2a_us=a2a_us,
-                       local_plus_merge_us=local_us + min(ag_rs_us, a2a_us), ag_rs_step_us=ag_rs_step_us,
-                       ag_rs_fused_us=ag_rs_fused_us, splits=p, **local_cols,
-                       byte_floor_us=byte_floor, flop_floor_us=flop_floor, **flash_local)
-            del local, outs, lses, a2a_outs, a2a_lses
+                ag_rs_us, _ = graph_time(ctx, lambda: rescale_to_merged(outs[0], lses, 0))
+                a2a_us, _ = graph_time(ctx, lambda: merge_attn_states(a2a_outs, a2a_lses))
+                # what a rank runs between ag_rs's collectives, in one step's graph: the kernel, its split
+                # merge and the rescale (ag_rs_step_us), against the kernel's splits unmerged and merged with
+                # the rescale in one kernel (ag_rs_fused_us, as dcp_decode_attention runs it); the other
+                # ranks' lses made up, the same for both
+                p = call(*local[0], n, merge=False).lse.shape[0]
+                split_lses = torch.randn(n, p, batch, hq, device=ctx.device)
+                ag_rs_step_us, _ = step_time(ctx, [lambda c=c, t=t, q=q: rescale_to_merged(
+                    call(c, t, q, n).out, lses, 0) for c, t, q in local])
+                ag_rs_fused_us, _ = step_time(ctx, [lambda c=c, t=t, q=q: rescale_parts_to_merged(
+                    call(c, t, q, n, merge=False).out, split_lses, 0) for c, t, q in local])
+                floor, byte_floor, flop_floor = floors(local[0][0], batch * (context // n))
+                flash_local = flash_columns(local, n, local_us) if flash_full else {}
+                if flash_local:
+                    flash_local["flashmla_work_ratio_local_x_n_over_full"] = (
+                        flash_local["flashmla_us"] * n / flash_full["flashmla_us"])
+                ctx.record(f"dcp decode {kind} local attention over 1/{n} of the KV ({tag} cache, B={batch}, "
+                           f"L={context}, {what})", local_us, anchor="the kernel over the whole KV (no DCP)", anchor_us=full_us,
+                           floor_us=floor,
+                           work_ratio_local_x_n_over_full=local_us * n / full_us, ideal_speedup=n, fixed_us=fixed_us,
+                           streamed_ratio_x_n=(local_us - fixed_us) * n / max(full_us - full_fixed_us, 1e-9),
+                           merge_ag_rs_us=ag_rs_us, merge_a2a_us=a2a_us,
+                           local_plus_merge_us=local_us + min(ag_rs_us, a2a_us), ag_rs_step_us=ag_rs_step_us,
+                           ag_rs_fused_us=ag_rs_fused_us, splits=p, **local_cols,
+                           byte_floor_us=byte_floor, flop_floor_us=flop_floor, **flash_local)
+                del local, outs, lses, a2a_outs, a2a_lses
     ctx.note("dcp breakdown: the all-gather of q and the combine collectives need >= 2 GPUs (section 3)")
     _note_graph_timing(ctx)
 
