@@ -305,8 +305,8 @@ def _dcp_breakdown(ctx: BenchContext) -> None:
                     flash_local["flashmla_work_ratio_local_x_n_over_full"] = (
                         flash_local["flashmla_us"] * n / flash_full["flashmla_us"])
                 ctx.record(f"dcp decode {kind} local attention over 1/{n} of the KV ({tag} cache, B={batch}, "
-                           f"L={context}, {what})", local_us, anchor="the kernel over the whole KV (no DCP)", anchor_us=full_us,
-                           floor_us=floor,
+                           f"L={context}, {what})", local_us, anchor="the kernel over the whole KV (no DCP)",
+                           anchor_us=full_us, floor_us=floor,
                            work_ratio_local_x_n_over_full=local_us * n / full_us, ideal_speedup=n, fixed_us=fixed_us,
                            streamed_ratio_x_n=(local_us - fixed_us) * n / max(full_us - full_fixed_us, 1e-9),
                            merge_ag_rs_us=ag_rs_us, merge_a2a_us=a2a_us,
