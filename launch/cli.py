@@ -170,6 +170,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
 def _run_suites(args: argparse.Namespace, out: Path) -> int:
     import torch
 
+    from megapar.launch.bench.clocks import ClockSampler
+    from megapar.launch.bench.clocks import finish as finish_clocks
     from megapar.launch.bench.common import BenchContext, columns, format_table, write_results
 
     suites = () if args.suite is None else SUITES if args.suite == "all" else (args.suite,)
@@ -187,6 +189,7 @@ def _run_suites(args: argparse.Namespace, out: Path) -> int:
             continue
         ctx = BenchContext(suite=name, device=device, quick=args.quick,
                            options={k: v for k, v in vars(args).items() if k not in ("func", "argv", "compare_old")})
+        ctx.clocks = ClockSampler.start(device)
         try:
             module.run(ctx)
         except _Stopped as e:
@@ -198,6 +201,9 @@ def _run_suites(args: argparse.Namespace, out: Path) -> int:
 
             traceback.print_exc()
             failed.append(name)
+        finally:
+            if ctx.clocks is not None:
+                finish_clocks(ctx)
         if ctx.wrong:
             print(f"   {name}: {len(ctx.wrong)} row(s) did not match their reference: {', '.join(ctx.wrong)}",
                   file=sys.stderr)

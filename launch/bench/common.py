@@ -55,6 +55,14 @@ class BenchContext:
     """the suite ran reduced sizes without --quick (no full size on this device)"""
     wrong: list[str] = field(default_factory=list)
     """cases whose result did not match their reference (`record`): the run fails"""
+    clocks: Any = field(default=None, repr=False)
+    """a `clocks.ClockSampler` of the device, or None: `clocks.finish` gives each row the clock
+    columns of its timed loops once the suite has run"""
+    spans: list[tuple[float, float]] = field(default_factory=list, repr=False)
+    """the (start, end) of each timed loop (`time_fn`, its warm-up included; time.time() seconds)
+    since the last `record`"""
+    clocked: list[tuple[dict[str, Any], list[tuple[float, float]]]] = field(default_factory=list, repr=False)
+    """(row, the spans of its timed loops) of each row recorded while `clocks` sampled"""
 
     @property
     def tag(self) -> str:
@@ -81,6 +89,7 @@ class BenchContext:
         that host work would go uncounted)."""
         warmup = (1 if self.quick else 3) if warmup is None else warmup
         iters = (3 if self.quick else (50 if self.is_cuda else 10)) if iters is None else iters
+        began = time.time()
         for _ in range(warmup):
             fn()
         samples: list[float] = []
@@ -103,6 +112,7 @@ class BenchContext:
                 t0 = time.perf_counter()
                 fn()
                 samples.append((time.perf_counter() - t0) * 1e6)
+        self.spans.append((began, time.time()))
         return statistics.median(samples)
 
     def record(self, case: str, time_us: float, *, anchor: str | None = None, anchor_us: float | None = None,
@@ -120,6 +130,9 @@ class BenchContext:
             row["roofline_fraction"] = round(floor_us / time_us, 3) if time_us > 0 else None
         for k, v in extra.items():
             row[k] = round(v, 4) if isinstance(v, float) else v
+        if self.clocks is not None:     # (what the GPU ran at in this row's timed loops: `clocks.finish`)
+            self.clocked.append((row, self.spans))
+        self.spans = []
         # a fast wrong result is not a result: the row stays (its time says what ran), marked, and
         # `megapar bench` fails the suite
         if any(extra.get(k) is False for k in CORRECTNESS_FLAGS):
