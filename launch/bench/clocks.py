@@ -134,7 +134,6 @@ class ClockSampler:
         self._thread.join(timeout=5)
 
 
-
 def finish(ctx) -> None:
     """Stop `ctx.clocks`, give each row it sampled the columns of its timed loops (only now: a pipe
     may hold nvidia-smi's last lines back until it ends), and say in a note what they are, or that
