@@ -174,3 +174,24 @@ def test_dcp_rows_time_flashmla_over_the_same_shards(monkeypatch):
         # FlashMLA was given rank 0's share of the lengths, not the global ones
         layout = DCPLayout(size=n, rank=0, block_size=16)
         assert int(layout.local_lengths(torch.full((2,), 256)).sum()) in seen
+
+
+def test_a_failing_anchor_leaves_its_columns_out_with_a_note_and_keeps_the_row(monkeypatch):
+    """A FlashMLA that raises (a build for another card, a shape it refuses) costs its columns on the
+    DCP rows and a note naming the row, not the rows themselves."""
+    from megapar.launch.bench import cp as bench_cp
+    from megapar.parallel.cp import mla as mla_module
+
+    class Broken:
+        def dense_decode_fwd(self, *args):
+            raise RuntimeError("no kernel image for this device")
+
+    real = mla_module.MLADims
+    monkeypatch.setattr(mla_module, "MLADims", lambda **kw: real())
+    monkeypatch.setattr(bench_cp, "_flashmla_anchor", lambda ctx: Broken())
+    ctx = BenchContext(suite="cp", device=torch.device("cpu"), quick=True)
+    with torch.no_grad():
+        bench_cp._dcp_breakdown(ctx)
+    mla = [r for r in ctx.rows if r["case"].startswith("dcp decode mla")]
+    assert len(mla) == 3 and not [r for r in mla if "flashmla_us" in r] and all(r["time_us"] > 0 for r in mla)
+    assert any(n.startswith("FlashMLA anchor, dcp H=2 N=1: RuntimeError: no kernel image") for n in ctx.notes)

@@ -49,6 +49,7 @@ from __future__ import annotations
 
 import os
 import sys
+from typing import Any, Callable
 
 import torch
 
@@ -261,14 +262,9 @@ def _dcp_breakdown(ctx: BenchContext) -> None:
             anchored = flash is not None and kind == "mla" and cache_dtype != torch.float8_e4m3fn
 
             def flash_columns(sets, n, ours_us):
-                try:        # (an anchor's failure leaves its columns out, not the row)
-                    layout = DCPLayout(size=n, rank=0, block_size=block)
-                    return flashmla_columns(ctx, flash, sets, layout, seq, torch.full_like(seq, n * block), scale,
-                                            call(*sets[0], n), ours_us)
-                except Exception as exc:
-                    ctx.note(f"FlashMLA anchor, dcp H={hq} N={n}: {type(exc).__name__}: {str(exc)[-400:]}; its columns "
-                             "are left out of that row")
-                    return {}
+                return flashmla_columns_or_note(
+                    ctx, f"dcp H={hq} N={n}", flash, sets, DCPLayout(size=n, rank=0, block_size=block), seq,
+                    torch.full_like(seq, n * block), scale, lambda: call(*sets[0], n), ours_us)
 
             flash_full = flash_columns(full, 1, full_us) if anchored else {}
             ctx.record(f"dcp decode {kind} full KV on one GPU ({tag} cache, B={batch}, L={context}, {what})", full_us,
@@ -620,12 +616,8 @@ def _paged_decode_rows(ctx: BenchContext) -> None:
                 fixed_us, fixed_cols = _decode_time(ctx, [lambda: ours(cache, table, q, short)], variants)
                 flash_cols = {}
                 if flash is not None and kind == "mla" and cache_dtype == torch.bfloat16:
-                    try:        # (an anchor's failure leaves its columns out, not the suite's other rows)
-                        flash_cols = flashmla_columns(ctx, flash, sets, layout, seq, short, scale,
-                                                      ours(cache, table, q, seq), ours_us)
-                    except Exception as exc:
-                        ctx.note(f"FlashMLA anchor, L={context} H={heads}: {type(exc).__name__}: {str(exc)[-400:]}; "
-                                 "its columns are left out of that row")
+                    flash_cols = flashmla_columns_or_note(ctx, f"L={context} H={heads}", flash, sets, layout, seq,
+                                                          short, scale, lambda: ours(cache, table, q, seq), ours_us)
                 # the gathered-pages torch path expands the KV per query head: skip it where that alone
                 # would not fit (MLA at L = 128K: 288 GiB)
                 if batch * local * heads * d * 2 * 2 <= 32 * 2**30:
@@ -873,6 +865,18 @@ def flashmla_columns(ctx: BenchContext, module, sets, layout: DCPLayout, seq: to
             "flashmla_replay_us": cols.get("replay_us"), "flashmla_fixed_us": fixed_us,
             "flashmla_fixed_timing": fixed_cols["timing"], "flashmla_max_abs_diff": err,
             "flashmla_max_lse_diff": lse_err, "flashmla_matches": ok}
+
+
+def flashmla_columns_or_note(ctx: BenchContext, where: str, module, sets, layout: DCPLayout, seq: torch.Tensor,
+                             short: torch.Tensor, scale: float, ours: Callable[[], Any], ours_us: float) -> dict:
+    """`flashmla_columns` with our state from `ours()`; where either fails, a note naming the row
+    (`where`) and no columns: an anchor's failure leaves its columns out, not the row."""
+    try:
+        return flashmla_columns(ctx, module, sets, layout, seq, short, scale, ours(), ours_us)
+    except Exception as exc:  # noqa: BLE001 - said in the note
+        ctx.note(f"FlashMLA anchor, {where}: {type(exc).__name__}: {str(exc)[-400:]}; its columns are left out of "
+                 "that row")
+        return {}
 
 
 SPECULATIVE = (("gqa", 32, 2), ("gqa", 32, 4), ("mla", 16, 2), ("mla", 16, 3), ("mla", 128, 2))
