@@ -142,12 +142,16 @@ def finish(ctx) -> None:
     sampler.stop()
     for row, spans in ctx.clocked:
         row.update(sampler.window(spans))
+    timed = [span for _, spans in ctx.clocked for span in spans]
     ctx.clocked = []
     if not sampler.samples:
         ctx.note(f"no clock columns: `{' '.join(sampler.command)}` gave no sample")
         return
     mhz = [s.sm_mhz for s in sampler.samples]
+    busy = [s.sm_mhz for s in sampler.samples if any(t0 <= s.t <= t1 for t0, t1 in timed)]
+    during = f"{min(busy):.0f}-{max(busy):.0f} MHz in {len(busy)} samples" if busy else "not sampled"
     ctx.note(f"sm_clock_mhz_min / sm_clock_mhz_median, power_w_max, temp_c_max: nvidia-smi every {INTERVAL_MS} ms "
-             f"during a row's timed loops (ours, its variants and anchors, warm-ups included; a row whose loops "
-             f"all fit between two samples has none); over the whole run the SM clock was {min(mhz):.0f}-"
-             f"{max(mhz):.0f} MHz in {len(mhz)} samples")
+             f"during a row's timed loops (ours, its variants and anchors, warm-ups included: one row's columns "
+             f"do not say which of its loops ran at which clock; a row whose loops all fit between two samples "
+             f"has none); inside the rows' timed loops the SM clock was {during}, over the whole run (idle and "
+             f"set-up included) {min(mhz):.0f}-{max(mhz):.0f} MHz in {len(mhz)} samples")
