@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from megapar.launch.bench import clocks
-from megapar.launch.bench.common import BenchContext
+from megapar.launch.bench.common import BenchContext, step_time
 
 
 def stamp(t: float) -> str:
@@ -70,8 +70,8 @@ def test_a_row_gets_the_samples_of_its_own_timed_loops_once_the_suite_has_run():
     ctx.clocks = None
     ctx.time_fn(lambda: None)
     c = ctx.record("c", 1.0)                           # recorded without a sampler
-    (first, second), = [spans for row, spans in ctx.clocked if row is a]
-    assert first[1] < second[0] and [spans for row, spans in ctx.clocked if row is b] == [[]]
+    (first, second), = [spans for row, spans, _ in ctx.clocked if row is a]
+    assert first[1] < second[0] and [spans for row, spans, _ in ctx.clocked if row is b] == [[]]
     # samples inside a's two loops, one between them, one while b was recorded
     inside = [(first[0] + first[1]) / 2, (second[0] + second[1]) / 2]
     sampler.samples = [clocks.Sample(inside[0], 1500.0, 300.0, 40.0), clocks.Sample(inside[1], 1900.0, 350.0, 45.0),
@@ -80,6 +80,7 @@ def test_a_row_gets_the_samples_of_its_own_timed_loops_once_the_suite_has_run():
     ctx.clocks = sampler
     clocks.finish(ctx)
     assert a["sm_clock_mhz_min"] == 1500 and a["sm_clock_mhz_median"] == 1700 and a["power_w_max"] == 350
+    assert "time_sm_clock_mhz_median" not in a        # (no step_time said which loop gave its time)
     assert "sm_clock_mhz_min" not in b and "sm_clock_mhz_min" not in c and ctx.clocked == []
     # the range inside the rows' loops leaves out the samples taken between them
     assert any("timed loops the SM clock was 1500-1900 MHz in 2 samples" in n and "800-1900 MHz in 4 samples" in n
@@ -102,3 +103,24 @@ def test_finish_says_when_the_sampler_gave_nothing():
     row = ctx.record("a", 1.0)
     clocks.finish(ctx)
     assert "sm_clock_mhz_min" not in row and any("gave no sample" in n for n in ctx.notes)
+
+
+def test_step_time_says_which_loop_gave_the_rows_time_and_only_its_samples_make_time_sm_clock():
+    """A row recorded with `step_time`'s columns gets time_sm_clock_mhz_* from the samples of the loop
+    that gave its time_us alone, not of the anchor timed after it; clock_span is no column of its own."""
+    ctx = BenchContext(suite="t", device=torch.device("cpu"), quick=True)
+    sampler = clocks.ClockSampler([sys.executable, "-c", "pass"])
+    ctx.clocks = sampler
+    us, cols = step_time(ctx, [lambda: time.sleep(0.002)])
+    time.sleep(0.02)
+    anchor_us, anchor_cols = step_time(ctx, [lambda: time.sleep(0.002)])
+    row = ctx.record("a", us, anchor="b", anchor_us=anchor_us, **cols)
+    assert "clock_span" not in row
+    (spans, own), = [(spans, own) for r, spans, own in ctx.clocked if r is row]
+    assert own == cols["clock_span"] and own in spans and anchor_cols["clock_span"] in spans
+    t_own, t_anchor = sum(own) / 2, sum(anchor_cols["clock_span"]) / 2
+    sampler.samples = [clocks.Sample(t_own, 1400.0, 600.0, 50.0), clocks.Sample(t_anchor, 1980.0, 300.0, 40.0)]
+    clocks.finish(ctx)
+    assert row["time_sm_clock_mhz_min"] == row["time_sm_clock_mhz_median"] == 1400
+    assert row["sm_clock_mhz_min"] == 1400 and row["sm_clock_mhz_median"] == 1690 and row["power_w_max"] == 600
+    assert "time_power_w_max" not in row

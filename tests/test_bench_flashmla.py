@@ -167,10 +167,12 @@ def test_dcp_rows_time_flashmla_over_the_same_shards(monkeypatch):
         if "full KV" in row["case"]:
             continue
         n = int(row["case"].split("over 1/")[1].split(" ")[0])
+        # (the row keeps 4 decimals of a ratio: a stand-in much faster than ours on a loaded CPU gives a
+        # speedup of ~0.01, where that rounding alone is over 1e-3 of it)
         assert row["flashmla_matches"] is True and row["speedup_vs_flashmla"] == pytest.approx(
-            row["flashmla_us"] / row["time_us"], rel=1e-3)
+            row["flashmla_us"] / row["time_us"], rel=1e-3, abs=1e-4)
         assert row["flashmla_work_ratio_local_x_n_over_full"] == pytest.approx(
-            row["flashmla_us"] * n / full["flashmla_us"], rel=1e-3)
+            row["flashmla_us"] * n / full["flashmla_us"], rel=1e-3, abs=1e-4)
         # FlashMLA was given rank 0's share of the lengths, not the global ones
         layout = DCPLayout(size=n, rank=0, block_size=16)
         assert int(layout.local_lengths(torch.full((2,), 256)).sum()) in seen

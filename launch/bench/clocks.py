@@ -6,8 +6,10 @@ limits), and a row timed under a lower clock reads slower for a reason that is n
 `BenchContext.record` keeps the spans of each row's timed loops (`time_fn`, which every graph
 timing goes through: ours, its variants and its anchors), and once the suite has run `finish`
 gives each row the columns sm_clock_mhz_min / sm_clock_mhz_median / power_w_max / temp_c_max of
-the samples inside them. Off with MEGAPAR_BENCH_CLOCKS=0; absent off CUDA, without nvidia-smi, or
-where the device cannot be named to it unambiguously.
+the samples inside them, and time_sm_clock_mhz_min / time_sm_clock_mhz_median of those inside the
+loop that gave its time_us alone, where `step_time` timed it (its clock_span). Off with
+MEGAPAR_BENCH_CLOCKS=0; absent off CUDA, without nvidia-smi, or where the device cannot be named to
+it unambiguously.
 """
 
 from __future__ import annotations
@@ -140,9 +142,11 @@ def finish(ctx) -> None:
     the sampler gave none."""
     sampler = ctx.clocks
     sampler.stop()
-    for row, spans in ctx.clocked:
+    for row, spans, own in ctx.clocked:
         row.update(sampler.window(spans))
-    timed = [span for _, spans in ctx.clocked for span in spans]
+        if own is not None:       # the clock of the loop that gave time_us alone
+            row.update({f"time_{k}": v for k, v in sampler.window([own]).items() if k.startswith("sm_clock")})
+    timed = [span for _, spans, _ in ctx.clocked for span in spans]
     ctx.clocked = []
     if not sampler.samples:
         ctx.note(f"no clock columns: `{' '.join(sampler.command)}` gave no sample")
@@ -151,7 +155,7 @@ def finish(ctx) -> None:
     busy = [s.sm_mhz for s in sampler.samples if any(t0 <= s.t <= t1 for t0, t1 in timed)]
     during = f"{min(busy):.0f}-{max(busy):.0f} MHz in {len(busy)} samples" if busy else "not sampled"
     ctx.note(f"sm_clock_mhz_min / sm_clock_mhz_median, power_w_max, temp_c_max: nvidia-smi every {INTERVAL_MS} ms "
-             f"during a row's timed loops (ours, its variants and anchors, warm-ups included: one row's columns "
-             f"do not say which of its loops ran at which clock; a row whose loops all fit between two samples "
+             f"during a row's timed loops (ours, its variants and anchors, warm-ups included); time_sm_clock_mhz_min "
+             f"/ _median: inside the loop that gave time_us alone (a row whose loops all fit between two samples "
              f"has none); inside the rows' timed loops the SM clock was {during}, over the whole run (idle and "
              f"set-up included) {min(mhz):.0f}-{max(mhz):.0f} MHz in {len(mhz)} samples")

@@ -61,8 +61,10 @@ class BenchContext:
     spans: list[tuple[float, float]] = field(default_factory=list, repr=False)
     """the (start, end) of each timed loop (`time_fn`, its warm-up included; time.time() seconds)
     since the last `record`"""
-    clocked: list[tuple[dict[str, Any], list[tuple[float, float]]]] = field(default_factory=list, repr=False)
-    """(row, the spans of its timed loops) of each row recorded while `clocks` sampled"""
+    clocked: list[tuple[dict[str, Any], list[tuple[float, float]], tuple[float, float] | None]] = field(
+        default_factory=list, repr=False)
+    """(row, the spans of its timed loops, the span of the loop that gave its time_us where `step_time`
+    said which: its `clock_span` column) of each row recorded while `clocks` sampled"""
 
     @property
     def tag(self) -> str:
@@ -119,6 +121,7 @@ class BenchContext:
                floor_us: float | None = None, **extra: Any) -> dict[str, Any]:
         """One result row. `anchor_us / time_us` is the speedup over the anchor; `floor_us /
         time_us` the fraction of the roofline (floor = bytes/bandwidth or flops/rate)."""
+        own_span = extra.pop("clock_span", None)      # (`step_time`'s: not a column of its own)
         row: dict[str, Any] = {"case": case, "time_us": round(time_us, 3)}
         if anchor is not None:
             row["anchor"] = anchor
@@ -131,7 +134,7 @@ class BenchContext:
         for k, v in extra.items():
             row[k] = round(v, 4) if isinstance(v, float) else v
         if self.clocks is not None:     # (what the GPU ran at in this row's timed loops: `clocks.finish`)
-            self.clocked.append((row, self.spans))
+            self.clocked.append((row, self.spans, own_span))
         self.spans = []
         # a fast wrong result is not a result: the row stays (its time says what ran), marked, and
         # `megapar bench` fails the suite
@@ -247,8 +250,9 @@ def step_time(ctx: BenchContext, fns: Sequence[Callable[[], Any]], reps: int = G
     the call before left them in. One replay of a graph holding a single call also holds the
     host's launch of that replay (5-10 µs on the H200's host), which a step's graph of a whole
     model's kernels pays once, not per kernel: that time is kept as `replay_us`. Returns (µs,
-    columns timing / replay_us / input_sets); eager on CPU, and where capture fails (timing
-    "eager (ExceptionName)")."""
+    columns timing / replay_us / input_sets, and clock_span: when the loop that gave the µs ran, which
+    `BenchContext.record` takes from a row's columns for its time_sm_clock_* columns); eager on CPU,
+    and where capture fails (timing "eager (ExceptionName)")."""
     fns = list(fns)
     cols: dict[str, Any] = {"input_sets": len(fns)}
     # whole turns of the copies in one graph: the replays run back to back, so a graph that ended
@@ -259,7 +263,8 @@ def step_time(ctx: BenchContext, fns: Sequence[Callable[[], Any]], reps: int = G
         cols["replay_us"] = _per_call_in_graph(ctx, fns[:1], 1, iters)
         return _per_call_in_graph(ctx, fns, reps, iters), f"graph x{reps}"
     us, timing = _timed_in_graphs(ctx, fns, how, iters)
-    return us, {**cols, "timing": timing}
+    # (the last loop timed gave `us`; none where a stand-in took time_fn's place)
+    return us, {**cols, "timing": timing, "clock_span": ctx.spans[-1] if ctx.spans else None}
 
 
 def input_copies(ctx: BenchContext, make: Callable[[], Any], nbytes: Callable[[Any], int]) -> list[Any]:
