@@ -134,6 +134,33 @@ def test_dcp_breakdown_floor_is_the_longer_of_kv_bytes_and_flops(monkeypatch, fl
                 row["time_us"] * n / full["time_us"], rel=1e-3, abs=1e-3)
 
 
+def test_dcp_local_rows_time_the_full_kv_again_right_after_them(monkeypatch):
+    """Each local row times the full-KV call again right after its own (full_again_us; the clock drifts
+    under a long load, and a full-KV time taken minutes before moves the ratio) and gives its ratio to
+    that time (work_ratio_over_full_again). A stand-in step_time returns 1000 + the DCP size of the call it
+    timed, so each column names the call behind it."""
+    import megapar.parallel.cp.paged as paged
+
+    sizes, real = [], paged.paged_decode_attention
+    monkeypatch.setattr(paged, "paged_decode_attention",
+                        lambda *a, layout=None, **kw: sizes.append(layout.size) or real(*a, layout=layout, **kw))
+
+    def stand_in(ctx, fns, **kw):
+        sizes.clear()
+        fns[0]()
+        return 1000.0 + sizes[-1], {"timing": "stand-in", "input_sets": len(fns)}
+    monkeypatch.setattr(bench_cp, "step_time", stand_in)
+    ctx = BenchContext(suite="cp", device=torch.device("cpu"), quick=True)
+    with torch.no_grad():
+        bench_cp._dcp_breakdown(ctx)
+    local = [r for r in ctx.rows if r["case"].startswith("dcp decode") and "full KV" not in r["case"]]
+    assert len(local) == 4
+    for row in local:
+        n = int(row["case"].split("over 1/")[1].split(" ")[0])
+        assert row["time_us"] == 1000 + n and row["full_again_us"] == 1001
+        assert row["work_ratio_over_full_again"] == pytest.approx((1000 + n) * n / 1001, abs=1e-4)
+
+
 def test_dcp_breakdown_times_the_merges_a_rank_runs(monkeypatch):
     """The combine's merge as one rank of N runs it: the a2a form merges the N ranks' partials of its
     own hq / N heads (it timed all hq heads: N times a rank's work, 38 against ~5 µs at N = 8 for

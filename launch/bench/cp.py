@@ -171,7 +171,9 @@ def dcp_contexts(default: int) -> list[int]:
 def _dcp_breakdown(ctx: BenchContext) -> None:
     """DCP decode on one GPU: rank 0's local attention over 1/N of the paged KV (the kernel, op
     "cp.decode" auto) for N = 2, 4, 8 next to the same kernel over the whole KV (one GPU without
-    DCP), the ratio N * local / full (1.0 = DCP splits the work perfectly), fixed_us (the same
+    DCP), the ratio N * local / full (1.0 = DCP splits the work perfectly) and the same against the full
+    KV timed again right after the local call (full_again_us, work_ratio_over_full_again: the SM clock
+    drifts under a long tensor load), fixed_us (the same
     launch over one page per rank: grid, splits, merge; what does not shrink with N) and
     streamed_ratio_x_n, the ratio without it, and the merge of the N partial states (ag_rs: LSE
     combine + rescale; a2a: the N-way merge); ag_rs_step_us / ag_rs_fused_us: a rank's work between
@@ -270,11 +272,13 @@ def _dcp_breakdown(ctx: BenchContext) -> None:
             ctx.record(f"dcp decode {kind} full KV on one GPU ({tag} cache, B={batch}, L={context}, {what})", full_us,
                        floor_us=floor, fixed_us=full_fixed_us, **full_cols, byte_floor_us=byte_floor,
                        flop_floor_us=flop_floor, cast_out_us=cast_us, q_dtype_out_us=direct_us, **flash_full)
-            del full
             for n in sizes:
                 local = copies(n)
                 local_us, local_cols = _decode_time(ctx, [lambda c=c, t=t, q=q: call(c, t, q, n) for c, t, q in local],
                                                     variants)
+                # the full KV timed again right after: under a long tensor load the SM clock drifts, and a
+                # full-KV time taken minutes before at another clock moves the ratio (docs/performance.md 5.1)
+                full_again_us = step_time(ctx, [lambda c=c, t=t, q=q: call(c, t, q, 1) for c, t, q in full])[0]
                 fixed_us = fixed(*local[0], n)
                 # the combine's merge as a rank runs it: ag_rs rescales its local o over all hq heads it
                 # attended; a2a merges the n ranks' partials of its own hq / n heads
@@ -303,13 +307,15 @@ def _dcp_breakdown(ctx: BenchContext) -> None:
                 ctx.record(f"dcp decode {kind} local attention over 1/{n} of the KV ({tag} cache, B={batch}, "
                            f"L={context}, {what})", local_us, anchor="the kernel over the whole KV (no DCP)",
                            anchor_us=full_us, floor_us=floor,
-                           work_ratio_local_x_n_over_full=local_us * n / full_us, ideal_speedup=n, fixed_us=fixed_us,
+                           work_ratio_local_x_n_over_full=local_us * n / full_us, full_again_us=full_again_us,
+                           work_ratio_over_full_again=local_us * n / full_again_us, ideal_speedup=n, fixed_us=fixed_us,
                            streamed_ratio_x_n=(local_us - fixed_us) * n / max(full_us - full_fixed_us, 1e-9),
                            merge_ag_rs_us=ag_rs_us, merge_a2a_us=a2a_us,
                            local_plus_merge_us=local_us + min(ag_rs_us, a2a_us), ag_rs_step_us=ag_rs_step_us,
                            ag_rs_fused_us=ag_rs_fused_us, splits=p, **local_cols,
                            byte_floor_us=byte_floor, flop_floor_us=flop_floor, **flash_local)
                 del local, outs, lses, a2a_outs, a2a_lses
+            del full
     ctx.note("dcp breakdown: the all-gather of q and the combine collectives need >= 2 GPUs (section 3)")
     _note_graph_timing(ctx)
 
