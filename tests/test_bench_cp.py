@@ -277,7 +277,7 @@ def test_mixed_length_rows_run_and_match_on_cpu(monkeypatch):
     ctx = BenchContext(suite="cp", device=torch.device("cpu"))
     # (one interpreted call a timing: step_time's warm-up call and its timed one each cost seconds here)
     monkeypatch.setattr(bench_cp, "step_time", lambda ctx, fns, **kw: ((fns[0](), 1.0)[1], {"timing": "eager"}))
-    bench_cp._mixed_length_rows(ctx, batch=4, context=2048, n=2, block=16)
+    bench_cp._mixed_length_rows(ctx, batch=4, context=1024, n=2, block=16)
     assert len(ctx.rows) == 4 and not ctx.wrong
     for row in ctx.rows:
         assert row["matches"] and row["local_tokens"] > 0, row
