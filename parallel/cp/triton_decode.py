@@ -532,7 +532,7 @@ def _paged_decode_kernel(
         # register cap (sm_90a, 168 registers: 152 B of spill stores, 2768 -> 3424 instructions;
         # bench cp on the H200, 1/4 of the KV, B 32, 8K / 32K / 128K: 55.7 / 159.4 / 569.4 µs);
         # the scan leaves it at 0 spills (2848 instructions) and 44.0 / 124.1 / 440.1 µs in the
-        # next run (bench/results/cp-dcp-h200.md). bf16 keeps the per-tile check (no spill there).
+        # next run (bench/results/cp-dcp-h200.md of commit ba3cff7). bf16 keeps the per-tile check (no spill there).
         end, bad = _checked_range(glens_ptr, table_ptr, s, s64, st_s, start, tl.minimum(start + split_len, local_len),
                                   local_len, NUM_BLOCKS, TABLE_W, split_len, PAGE, FP8)
         if CAUSAL:
@@ -762,7 +762,7 @@ CONFIG = impl.Settings({
     # fp8 kernel was mixed (25.36 / 56.69 / 184.1 -> 24.28 / 56.06 / 185.7): on for the bf16 kernels,
     # off for the direct fp8 ones (ids_ahead_direct_fp8, column ids_ahead_fp8_us; `ids_ahead_key`);
     # since 2026-12-05 evening its own key for MLA's narrow direct fp8 kernel, ids_ahead_narrow_fp8
-    # (column ids_after_narrow_fp8_us): on. On the H200 at 9f2a766 (bench/results/cp-dcp-h200.md, the
+    # (column ids_after_narrow_fp8_us): on. On the H200 at 9f2a766 (logs/cp-dcp-h200-2026-12-05-1931-9f2a766.md, the
     # ids_ahead_fp8_us column) it was faster on every MLA 16-head fp8 row, 22.74 / 54.81 / 185.98 µs
     # against 23.59 / 55.95 / 192.70 at 1/4 of 8K / 32K / 128K, over one page 10.48 against 11.09, at
     # DCP N = 8 33.58 against 34.37, while GQA's direct kernel lost again (73.04 / 275.73 against 70.50 /
@@ -1082,7 +1082,7 @@ CONFIG = impl.Settings({
 # way (135.4 µs). MLA keeps 1024 (probe 3: 138.8 -> 120.0 µs at 8K against 512). GQA over fp8
 # takes 512 too without a measurement of its own (same grid: B x Hkv = 128 programs per split;
 # probes 3 / 4 ran it at 512 / 1024 but with other kernels), MLA over fp8 keeps 1024. These
-# 512s came from probe 5; `megapar bench cp` on 2026-12-03 (bench/results/cp-dcp-h200.md) has GQA
+# 512s came from probe 5; `megapar bench cp` on 2026-12-03 (cp-dcp-h200.md of commit ba3cff7) has GQA
 # bf16 at 8K, 1/4 of the KV, at 45.3 µs against 49.6 on 2026-12-02 (cross-run). Its dcp section
 # runs L = 32K, where 1/8 of the KV (4096 tokens) gets 3 splits under 512 and 1024 alike: the
 # change moves GQA only where a sequence holds < 3 x 1024 tokens here (1/4 of 8K: 2 -> 3 splits;
