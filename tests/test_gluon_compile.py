@@ -32,7 +32,7 @@ def _build(name: str, cubin: Path | None = None) -> dict:
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon._runtime import GluonASTSource
 
-    from parallel.cp import gluon_gqa, gluon_mla, gluon_mla_direct, gluon_mla_narrow
+    from parallel.cp import gluon_gqa, gluon_mla, gluon_mla_direct, gluon_mla_narrow, gluon_mla_runs
 
     pdl = name.endswith("-pdl")         # ("-pdl": launched with programmatic dependent launch)
     pipe = "-pipe" in name              # ("-pipe": the narrow direct kernel's next score MMAs issued early)
@@ -70,6 +70,9 @@ def _build(name: str, cubin: Path | None = None) -> dict:
         ptrs.update(q_ptr="*bf16", kl_desc=f"tensordesc<fp8e4nv[64, 128],{lbox}>",
                     kr_desc=f"tensordesc<fp8e4nv[64, 64],{rbox}>",
                     ks_desc=f"tensordesc<fp32[1, 64],{gl.NVMMASharedLayout(0, 32, 2)}>")
+    elif family == "mlaruns":  # the bf16 kernel over token runs (`gluon_mla_runs`): "mlaruns-bf16"
+        kernel, consts = gluon_mla_runs._mla_decode_runs_kernel, {"PAGE": 64}
+        ptrs.update(q_desc=desc, k_desc=desc, k_ptr="*bf16", plan_ptr="*i32")
     elif family == "gqa":
         ptrs.update(q_ptr="*bf16", k_desc=desc, v_desc=desc)
         if fp8:     # "gqa-fp8-directRAW-NQ": the direct fp8 form (the only one over fp8)
@@ -110,11 +113,12 @@ def _build(name: str, cubin: Path | None = None) -> dict:
         consts["AHEAD"] = ahead
     if "TILES" in kernel.arg_names:
         consts["TILES"] = int(tiles.group(1)) if tiles else 1
-    consts["PLANNED"] = planned
-    if planned:
-        ptrs["plan_ptr"] = "*i32"
-    else:
-        consts["plan_ptr"] = None
+    if "PLANNED" in kernel.arg_names:
+        consts["PLANNED"] = planned
+        if planned:
+            ptrs["plan_ptr"] = "*i32"
+        else:
+            consts["plan_ptr"] = None
     names = kernel.arg_names
     sig = {n: ptrs.get(n, "constexpr" if n in consts else "i32") for n in names}
     # as Triton's launcher specializes them at run time: pointers divisible by 16 (-paired: the output's
@@ -176,7 +180,10 @@ BUILDS = [
     # the direct fp8 kernel over full 64-head tiles (no converter; its scores warpgroup keeps 104 registers
     # beside two value warpgroups of 192: its boxes' smem descriptors spill, ~20 L1 loads and stores a tile)
     ("mlaw-fp8-direct2", 256), ("mlaw-fp8-direct3-paired-ahead-pdl", 320),
-    ("mlaw-fp8-direct2-paired-ahead-planned-pdl", 320)]
+    ("mlaw-fp8-direct2-paired-ahead-planned-pdl", 320),
+    # the bf16 kernel over token runs (`gluon_mla_runs`, CONFIG runs_wide): the partitions of "mla-bf16"
+    # looping over a program's segments
+    ("mlaruns-bf16", 512), ("mlaruns-bf16-pdl", 512)]
 # builds whose wgmma pipeline ptxas serializes (C7512: too few registers), kept as they are: the fp8 converter
 # kernel loading its 64-key tiles itself into fp16 stages (raw_ring_wide_fp8 0, not installed; measured slower
 # than the installed raw ring in 2026-12-04's runs, built with this serialization)

@@ -276,7 +276,10 @@ def plan_reference(seq_lens: Tensor, rows: int, key: tuple) -> "LengthPlan":
     1) - 1 at out rows [segments[r], segments[r + 1]) in row order, the rest split ceil(capacity /
     chunk) of row 0 (empty) at their own out rows; the launch slots (the key's order) in out-row
     order, or every full chunk first in row order, then the rows' last partial items (an empty row's
-    one) by class floor(length x PLAN_CLASSES / chunk), highest first, in row order within one."""
+    one) by class floor(length x PLAN_CLASSES / chunk), highest first, in row order within one.
+    With the key's runs > 0 the plan is a token-run plan instead (`gluon_mla_runs.runs_plan`: these
+    torch ops are its maker on every device), items = runs + rows segment slots."""
+    from .gluon_mla_runs import runs_plan
     from .triton_decode import PLAN_CLASSES, LengthPlan
 
     kv = dict(key)
@@ -287,7 +290,11 @@ def plan_reference(seq_lens: Tensor, rows: int, key: tuple) -> "LengthPlan":
         g = torch.where(g < 0, g, (g - (tq - 1) + t).clamp(min=0))
     cap = kv["table_blocks"] * kv["page"]
     local = DCPLayout(size=size, rank=rank, block_size=kv["page"], interleave=interleave).local_lengths(g.clamp(min=0))
-    n = torch.where((g < 0) | (local > cap), torch.zeros_like(local), local)
+    bad = (g < 0) | (local > cap)
+    n = torch.where(bad, torch.zeros_like(local), local)
+    if kv.get("runs"):
+        table, segments = runs_plan(n, bad, kv["runs"], kv["unit"])
+        return LengthPlan(table, segments, kv["runs"] + rows, rows, key)
     items_target, unit = kv["items_target"], kv["unit"]
     if kv["fit"]:
         lo = kv["min_chunk"] // unit

@@ -71,7 +71,7 @@ import triton.language as tl
 from torch import Tensor
 
 from .. import impl
-from . import gluon_gqa, gluon_mla, gluon_mla_direct, gluon_mla_narrow
+from . import gluon_gqa, gluon_mla, gluon_mla_direct, gluon_mla_narrow, gluon_mla_runs
 from .state import AttnState
 from .triton_common import global_pos as _global_pos
 from .triton_common import local_len as _local_len
@@ -656,6 +656,12 @@ CONFIG = impl.Settings({
     # 2026-12-06-1016-d2b21f4.json; 1/4 of 8K / 32K / 128K, two rounds) 53.0-53.2 / 156.3-158.0 / 613.3-619.1 µs
     # against 52.6-53.0 / 153.3-157.7 / 601.1-602.8: what bounds the bf16 kernel is not warpgroup 0's serial P V
     "split_wide": 0,
+    # ... under a length plan, over equal runs of key tiles that cross sequence boundaries (0/1;
+    # `gluon_mla_runs`, FlashMLA's schedule: one program per SM pair of head tiles, one wave, a query
+    # load per segment instead of a prologue per item): the plan (`plan_by_lengths`) is then made for
+    # it; bf16, one query token, full head tiles, not the seesaw or split forms. Off until a GPU run
+    # times it beside the installed plan (bench cp's mixed rows, column runs_us)
+    "runs_wide": 0,
     # ... and over an fp8 latent cache (its loader converts each tile to fp16 into shared memory, the
     # scores and weights take the per-token scales as `f16_wide_fp8` does): Triton 106.6 / 359.0 /
     # 1356.7 µs -> Gluon 94.6 / 289.3 / 1062.4 at 1/4 of 8K / 32K / 128K (decode-gluon2-h200.json).
@@ -1124,7 +1130,7 @@ _VALID = {
     "lazy_rescale": (0, 1), "pdl": (0, 1), "dcp_constexpr": (0, 1), "halves": (0, 1), "tma": (0, 1),
     "diag": (0, 1, 2, 3), "f16": (0, 1),
     "gluon_wide": (0, 1), "gluon_wide_fp8": (0, 1), "gluon_wide_narrow": (0, 1), "gluon_wide_narrow_fp8": (0, 1),
-    "seesaw_wide": (0, 1), "split_wide": (0, 1),
+    "seesaw_wide": (0, 1), "split_wide": (0, 1), "runs_wide": (0, 1),
     "gluon_gqa": (0, 1), "gluon_gqa_fp8": (0, 1), "stages": range(2, 7),
     "swap": (0, 1), "raw_ring": (0, 1, 2, 3, 4), "keys": (32, 64), "ring": (1, 2, 3),
     "maxnreg": (0, *range(64, 256, 8)), "at_most": (0, 1), "stage16": (0, 1, 2), "even": (0, 1),
@@ -1288,7 +1294,8 @@ def _plan_key(c: SimpleNamespace, table: Tensor, page: int, dcp_size: int, dcp_r
     (the capacity plan's programs over a sequence's programs, rounded as there, times CONFIG
     plan_waves), the split unit (the kernel's key tile), the shortest split (its min_split) and the
     chunk's rule (CONFIG plan_fit; for MLA's latent head plan_fit_wide, over its narrow head tiles
-    plan_fit_wide_narrow) and the launch order (CONFIG plan_order; `_plan_kernel`)."""
+    plan_fit_wide_narrow) and the launch order (CONFIG plan_order; `_plan_kernel`); runs: the programs of a
+    token-run plan (`gluon_mla_runs.runs_plan`, CONFIG runs_wide) where the kernel takes one, else 0."""
     target, programs = c.cfg["target_programs"], max(c.row_programs, 1)
     items = max(1, target // programs if c.cfg["at_most"] else -(-target // programs)) * CONFIG["plan_waves"]
     unit = c.block_n
@@ -1297,7 +1304,7 @@ def _plan_key(c: SimpleNamespace, table: Tensor, page: int, dcp_size: int, dcp_r
                  "plan_fit_wide"]
     return (("items_target", items), ("unit", unit), ("min_chunk", min_chunk), ("fit", fit),
             ("table_blocks", table.shape[1]), ("page", page), ("dcp", (dcp_size, dcp_rank, interleave)),
-            ("expand", expand), ("order", CONFIG["plan_order"]))
+            ("expand", expand), ("order", CONFIG["plan_order"]), ("runs", c.runs))
 
 
 @triton.jit
@@ -1443,6 +1450,10 @@ def plan_by_lengths(seq_lens: Tensor, rows: int, key: tuple) -> LengthPlan:
     """The length plan of `plan_settings`' (rows, key) over the global lengths seq_lens [S] (one
     launch of `_plan_kernel`, on seq_lens' device: CUDA, or the interpreter)."""
     kv = dict(key)
+    if kv["runs"]:
+        from .paged import plan_reference
+
+        return plan_reference(seq_lens, rows, key)     # (its torch ops: the token-run plan's maker)
     items = kv["items_target"] + rows
     table = torch.empty(2 + 3 * items, dtype=torch.int32, device=seq_lens.device)
     segments = torch.empty(rows + 1, dtype=torch.int32, device=seq_lens.device)
@@ -1629,12 +1640,16 @@ def _choose_now(q: Tensor, k: Tensor, v: Tensor, k_scale: Tensor | None, v_scale
     even = bool(cfg["even"]) and tq == 1 and not halves and not tma
     pdl = bool(CONFIG["pdl_wide_narrow" if swapped and not tiled else "pdl"]) and pdl_ok(q.device)
     m_tiles = -(-(tq * g) // block_m)
+    # (under a length plan, equal runs of key tiles across sequences: the programs of one wave, or 0)
+    runs = (gluon_mla_runs.programs_for(q.device, m_tiles)
+            if gluon and not swapped and not fp8 and tq == 1 and hq % gluon_mla.TILE == 0 and CONFIG["runs_wide"]
+            and not CONFIG["seesaw_wide"] and not CONFIG["split_wide"] else 0)
     return SimpleNamespace(
         expand=expand, cfg=cfg, block_n=block_n, block_m=block_m, halves=halves, narrow=narrow, narrow_raw=narrow_raw,
         wide_raw=wide_raw,
         swapped=swapped, tiled=tiled, width=width, gluon=gluon, gqa_ws=gqa_ws, direct_raw=direct_raw, f16=f16,
         stage16=stage16, tma=tma, even=even, pdl=pdl, m_tiles=m_tiles, fp8=fp8, v_from_k=v_from_k, d_main=d_main,
-        d_rest=d_rest, block_rest=block_rest, g=g,
+        d_rest=d_rest, block_rest=block_rest, g=g, runs=runs,
         row_programs=head_tiles if tiled else hkv * m_tiles)      # programs a sequence (a split of it)
 
 
@@ -1694,7 +1709,10 @@ def paged_decode_triton(q: Tensor, k: Tensor, v: Tensor, k_scale: Tensor | None,
     direct_opts = {"paired": bool(CONFIG["paired_store_direct_fp8"]),
                    "ahead": bool(CONFIG[ids_ahead_key(fp8, narrow=c.swapped)])}
     planned = {} if plan is None else {"plan": plan.items_table}
-    if s > 0 and splits > 0 and c.swapped:
+    if s > 0 and plan is not None and c.runs:
+        gluon_mla_runs.launch(q, k, table, seq_lens, o_items, lse_items, scale * _LOG2E, dcp_size, dcp_rank,
+                              interleave, plan.items_table, c.runs, pdl=pdl)
+    elif s > 0 and splits > 0 and c.swapped:
         gluon_mla_narrow.launch(q, k, table, seq_lens, o, lse, scale * _LOG2E, splits, split_len, dcp_size, dcp_rank,
                                 interleave, k_scale if fp8 else None, raw=c.narrow_raw, pdl=pdl,
                                 pipe=bool(CONFIG["pipe_wide_narrow_fp8"]),

@@ -1,0 +1,191 @@
+"""Token-run plans for MLA's full head tiles (`gluon_mla_runs`, CONFIG runs_wide): the plan's tables
+against a plain Python walk of the tile stream on CPU, and the Gluon kernel under it against the torch
+path on a GPU (several segments a program, empty and bad rows, DCP shards, a CUDA graph)."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from parallel.cp import DCPLayout
+from parallel.cp.gluon_mla_runs import runs_plan
+from parallel.cp.paged import paged_decode_attention, plan_paged_decode, plan_reference
+from parallel.cp.state import AttnState
+
+from tests.helpers import check_state, compiled_decode_kernels, mla_paged_cache
+
+
+def _walk(n: list[int], bad: list[bool], programs: int, unit: int) -> tuple[list[list[tuple]], list[int]]:
+    """The plan by hand: the rows' tiles end to end, program p owning tiles [p * per, (p + 1) * per);
+    -> (each program's segments (row, start, end) in stream order, each row's segment count)."""
+    tiles = [-(-x // unit) for x in n]
+    per = max(-(-sum(tiles) // programs), 1)
+    progs: list[list[tuple]] = [[] for _ in range(programs)]
+    counts = [0] * len(n)
+    pos = 0
+    for r, (x, t_r) in enumerate(zip(n, tiles)):
+        if t_r == 0:
+            if bad[r]:
+                progs[min(pos // per, programs - 1)].append((r, 0, 0))
+                counts[r] = 1
+            continue
+        t = 0
+        while t < t_r:
+            p = (pos + t) // per
+            stop = min(t_r, (p + 1) * per - pos)
+            progs[p].append((r, t * unit, min(stop * unit, x)))
+            counts[r] += 1
+            t = stop
+        pos += t_r
+    return progs, counts
+
+
+def _tables(table: torch.Tensor, programs: int) -> list[list[tuple]]:
+    """Each program's segments read back from a plan's table."""
+    t = table.tolist()
+    lo, seg = t[:programs + 1], t[programs + 1:]
+    return [[tuple(seg[3 * k:3 * k + 3]) for k in range(lo[p], lo[p + 1])] for p in range(programs)]
+
+
+CASES = [  # (local lengths, bad rows, programs)
+    ([3000, 1, 40, 2200, 64, 128, 65, 0], [], 66),
+    ([3000, 1, 40, 2200, 64, 128, 65, 0], [], 3),
+    ([0, 0, 0], [], 4),                          # nothing to read: no segment at all
+    ([0, 5, 0], [0, 2], 4),                      # bad rows: one empty segment each
+    ([64] * 10, [], 10),                         # one tile each, one program each
+    ([64] * 10, [], 32),                         # more programs than tiles
+    ([1], [], 1),
+    ([640, 640], [], 7),                         # boundaries off the programs' edges
+    ([], [], 5),
+]
+
+
+@pytest.mark.parametrize("lens,bad,programs", CASES)
+def test_runs_plan_matches_a_walk_of_the_tile_stream(lens, bad, programs):
+    bad_t = torch.zeros(len(lens), dtype=torch.bool)
+    bad_t[bad] = True
+    n = torch.tensor(lens, dtype=torch.long)
+    table, segments = runs_plan(n, bad_t, programs)
+    want, counts = _walk(lens, bad_t.tolist(), programs, 64)
+    assert _tables(table, programs) == want
+    assert segments.tolist() == [0] + torch.tensor(counts, dtype=torch.long).cumsum(0).tolist()
+    assert table.dtype == torch.int32 and table.numel() == programs + 1 + 3 * (programs + len(lens))
+
+
+def test_runs_plan_on_random_batches():
+    """Random lengths and program counts: the walk's tables; every row's segments tile [0, n) in order,
+    and no program holds more than its share of tiles."""
+    rng = random.Random(0)
+    for _ in range(200):
+        rows = rng.randint(0, 40)
+        lens = [rng.choice([0, 1, 63, 64, 65, rng.randint(0, 5000)]) for _ in range(rows)]
+        bad = [rng.random() < 0.05 for _ in range(rows)]
+        lens = [0 if b else x for x, b in zip(lens, bad)]
+        programs = rng.randint(1, 140)
+        table, segments = runs_plan(torch.tensor(lens, dtype=torch.long), torch.tensor(bad, dtype=torch.bool),
+                                    programs)
+        got = _tables(table, programs)
+        want, _ = _walk(lens, bad, programs, 64)
+        assert got == want
+        flat = [s for p in got for s in p]
+        seg = segments.tolist()
+        per = max(-(-sum(-(-x // 64) for x in lens) // programs), 1)
+        assert all(sum(-(-(e - s) // 64) for _, s, e in p) <= per for p in got)
+        for r, x in enumerate(lens):
+            mine = flat[seg[r]:seg[r + 1]]
+            assert all(row == r for row, _, _ in mine)
+            assert [s for _, s, _ in mine] == [0] + [e for _, _, e in mine[:-1]] if x else True
+            assert (mine[-1][2] if mine else 0) == x
+
+
+def test_plan_reference_makes_a_runs_plan_from_its_key():
+    """A key with runs > 0 (what `plan_settings` gives the 128-head bf16 Gluon kernel under CONFIG
+    runs_wide) makes the token-run plan of the DCP shard's local lengths, bad rows marked."""
+    layout = DCPLayout(size=4, rank=3, block_size=64, interleave=1)
+    lens = torch.tensor([5000, -1, 0, 300, 10 ** 6])
+    key = (("items_target", 2), ("unit", 64), ("min_chunk", 64), ("fit", 0), ("table_blocks", 32), ("page", 64),
+           ("dcp", (4, 3, 1)), ("expand", 1), ("order", 1), ("runs", 6))
+    plan = plan_reference(lens, 5, key)
+    local = layout.local_lengths(lens.clamp(min=0))
+    bad = (lens < 0) | (local > 32 * 64)
+    table, segments = runs_plan(torch.where(bad, 0, local), bad, 6)
+    assert torch.equal(plan.items_table, table) and torch.equal(plan.segments, segments)
+    assert plan.items == 6 + 5 and plan.rows == 5
+    assert _walk(torch.where(bad, 0, local).tolist(), bad.tolist(), 6, 64)[1][1] == 1    # the bad row's segment
+
+
+def test_runs_plan_refuses_no_programs():
+    with pytest.raises(ValueError, match="at least one program, got 0"):
+        runs_plan(torch.tensor([5]), torch.tensor([False]), 0)
+
+
+# ---- the GPU: the kernel under token-run plans against the torch path ----
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("heads", [128, 64])
+@pytest.mark.parametrize("programs", [None, 1, 3, 7])
+@pytest.mark.parametrize("size,rank", [(1, 0), (4, 3)])
+def test_runs_kernel_matches_the_torch_path(heads, programs, size, rank, monkeypatch):
+    """Two long sequences among short ones (one of 1 token, one empty on some ranks) over a latent
+    cache whose slots past each length hold NaN, under a token-run plan with the GPU's programs or with
+    few (every program then walks many segments: the ring and the barriers' phases run on across
+    them): against the torch path and the length plan's call; then plan and call captured in a CUDA
+    graph and replayed after the lengths changed in place."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    triton_decode = compiled_decode_kernels(monkeypatch)
+    from parallel.cp import gluon_mla_runs
+
+    if programs is not None:
+        monkeypatch.setattr(gluon_mla_runs, "programs_for", lambda device, m_tiles: programs)
+    gen = torch.Generator().manual_seed(heads + (programs or 0))
+    lens = [3000, 1, 40, 2200, 0] + torch.randint(1, 300, (4,), generator=gen).tolist()
+    layout = DCPLayout(size=size, rank=rank, block_size=64)
+    cache, table = mla_paged_cache(layout.local_lengths(torch.tensor(lens)).tolist(), 64, torch.bfloat16, heads,
+                                   device="cuda")
+    q = (torch.randn(len(lens), 1, heads, 576, generator=gen) * 0.3).to(torch.bfloat16).cuda()
+    seq = torch.tensor(lens).cuda()
+    scale = 0.07
+    ref = paged_decode_attention(q, cache, table, seq, layout=layout, scale=scale, backend="torch")
+    items = plan_paged_decode(q, cache, table, seq, layout=layout)
+    by_items = paged_decode_attention(q, cache, table, seq, layout=layout, scale=scale, plan=items)
+    monkeypatch.setitem(triton_decode.CONFIG, "runs_wide", 1)
+    plan = plan_paged_decode(q, cache, table, seq, layout=layout)
+    want_programs = programs or gluon_mla_runs.programs_for(q.device, heads // 64)
+    assert dict(plan.key)["runs"] == want_programs
+    got = paged_decode_attention(q, cache, table, seq, layout=layout, scale=scale, plan=plan)
+    check_state(got, ref, 1e-2)
+    check_state(got, by_items, 1e-2)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        plan_g = plan_paged_decode(q, cache, table, seq, layout=layout)
+        out_g = paged_decode_attention(q, cache, table, seq, layout=layout, scale=scale, plan=plan_g)
+    seq.copy_(torch.where(seq > 1000, seq // 3, seq + 1))
+    graph.replay()
+    torch.cuda.synchronize()
+    ref2 = paged_decode_attention(q, cache, table, seq, layout=layout, scale=scale, backend="torch")
+    check_state(out_g, ref2, 1e-2)
+
+
+@pytest.mark.gpu
+def test_runs_kernel_bad_rows_are_nan_and_the_rest_exact(monkeypatch):
+    """Unvalidated lengths: a negative one and one past the table give NaN rows, the others their values
+    (three programs: the bad rows' empty segments sit between the others')."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    triton_decode = compiled_decode_kernels(monkeypatch)
+    from parallel.cp import gluon_mla_runs
+
+    monkeypatch.setattr(gluon_mla_runs, "programs_for", lambda device, m_tiles: 3)
+    monkeypatch.setitem(triton_decode.CONFIG, "runs_wide", 1)
+    lens = [400, 300, 70, 200]
+    cache, table = mla_paged_cache(lens, 64, torch.bfloat16, 9, device="cuda")
+    q = (torch.randn(len(lens), 1, 128, 576) * 0.3).to(torch.bfloat16).cuda()
+    ref = paged_decode_attention(q, cache, table, torch.tensor(lens).cuda(), scale=0.07, backend="torch")
+    bad = torch.tensor([400, -1, 70, 10_000]).cuda()
+    plan = plan_paged_decode(q, cache, table, bad, validate=False)
+    got = paged_decode_attention(q, cache, table, bad, scale=0.07, plan=plan, validate=False)
+    assert got.out[[1, 3]].isnan().all() and got.lse[[1, 3]].isnan().all()
+    check_state(AttnState(got.out[[0, 2]], got.lse[[0, 2]]), AttnState(ref.out[[0, 2]], ref.lse[[0, 2]]), 1e-2)
