@@ -17,11 +17,13 @@ from parallel.cp.state import AttnState
 from tests.helpers import check_state, compiled_decode_kernels, mla_paged_cache
 
 
-def _walk(n: list[int], bad: list[bool], programs: int, unit: int) -> tuple[list[list[tuple]], list[int]]:
-    """The plan by hand: the rows' tiles end to end, program p owning tiles [p * per, (p + 1) * per);
-    -> (each program's segments (row, start, end) in stream order, each row's segment count)."""
+def _walk(n: list[int], bad: list[bool], programs: int, unit: int,
+          overhead: int = 0) -> tuple[list[list[tuple]], list[int]]:
+    """The plan by hand: each row with a tile as `overhead` units, then its tiles, end to end; program p
+    owning units [p * per, (p + 1) * per) -> (each program's segments (row, start, end) in stream order,
+    each row's segment count)."""
     tiles = [-(-x // unit) for x in n]
-    per = max(-(-sum(tiles) // programs), 1)
+    per = max(-(-sum(t + overhead for t in tiles if t) // programs), 1)
     progs: list[list[tuple]] = [[] for _ in range(programs)]
     counts = [0] * len(n)
     pos = 0
@@ -31,6 +33,7 @@ def _walk(n: list[int], bad: list[bool], programs: int, unit: int) -> tuple[list
                 progs[min(pos // per, programs - 1)].append((r, 0, 0))
                 counts[r] = 1
             continue
+        pos += overhead
         t = 0
         while t < t_r:
             p = (pos + t) // per
@@ -62,13 +65,14 @@ CASES = [  # (local lengths, bad rows, programs)
 ]
 
 
+@pytest.mark.parametrize("overhead", [0, 5])
 @pytest.mark.parametrize("lens,bad,programs", CASES)
-def test_runs_plan_matches_a_walk_of_the_tile_stream(lens, bad, programs):
+def test_runs_plan_matches_a_walk_of_the_tile_stream(lens, bad, programs, overhead):
     bad_t = torch.zeros(len(lens), dtype=torch.bool)
     bad_t[bad] = True
     n = torch.tensor(lens, dtype=torch.long)
-    table, segments = runs_plan(n, bad_t, programs)
-    want, counts = _walk(lens, bad_t.tolist(), programs, 64)
+    table, segments = runs_plan(n, bad_t, programs, overhead=overhead)
+    want, counts = _walk(lens, bad_t.tolist(), programs, 64, overhead)
     assert _tables(table, programs) == want
     assert segments.tolist() == [0] + torch.tensor(counts, dtype=torch.long).cumsum(0).tolist()
     assert table.dtype == torch.int32 and table.numel() == programs + 1 + 3 * (programs + len(lens))
@@ -83,15 +87,15 @@ def test_runs_plan_on_random_batches():
         lens = [rng.choice([0, 1, 63, 64, 65, rng.randint(0, 5000)]) for _ in range(rows)]
         bad = [rng.random() < 0.05 for _ in range(rows)]
         lens = [0 if b else x for x, b in zip(lens, bad)]
-        programs = rng.randint(1, 140)
+        programs, overhead = rng.randint(1, 140), rng.choice([0, 1, 5, 9])
         table, segments = runs_plan(torch.tensor(lens, dtype=torch.long), torch.tensor(bad, dtype=torch.bool),
-                                    programs)
+                                    programs, overhead=overhead)
         got = _tables(table, programs)
-        want, _ = _walk(lens, bad, programs, 64)
+        want, _ = _walk(lens, bad, programs, 64, overhead)
         assert got == want
         flat = [s for p in got for s in p]
         seg = segments.tolist()
-        per = max(-(-sum(-(-x // 64) for x in lens) // programs), 1)
+        per = max(-(-sum(-(-x // 64) + overhead for x in lens if x) // programs), 1)
         assert all(sum(-(-(e - s) // 64) for _, s, e in p) <= per for p in got)
         for r, x in enumerate(lens):
             mine = flat[seg[r]:seg[r + 1]]
@@ -106,19 +110,21 @@ def test_plan_reference_makes_a_runs_plan_from_its_key():
     layout = DCPLayout(size=4, rank=3, block_size=64, interleave=1)
     lens = torch.tensor([5000, -1, 0, 300, 10 ** 6])
     key = (("items_target", 2), ("unit", 64), ("min_chunk", 64), ("fit", 0), ("table_blocks", 32), ("page", 64),
-           ("dcp", (4, 3, 1)), ("expand", 1), ("order", 1), ("runs", 6))
+           ("dcp", (4, 3, 1)), ("expand", 1), ("order", 1), ("runs", 6), ("runs_overhead", 3))
     plan = plan_reference(lens, 5, key)
     local = layout.local_lengths(lens.clamp(min=0))
     bad = (lens < 0) | (local > 32 * 64)
-    table, segments = runs_plan(torch.where(bad, 0, local), bad, 6)
+    table, segments = runs_plan(torch.where(bad, 0, local), bad, 6, overhead=3)
     assert torch.equal(plan.items_table, table) and torch.equal(plan.segments, segments)
     assert plan.items == 6 + 5 and plan.rows == 5
     assert _walk(torch.where(bad, 0, local).tolist(), bad.tolist(), 6, 64)[1][1] == 1    # the bad row's segment
 
 
-def test_runs_plan_refuses_no_programs():
+def test_runs_plan_refuses_no_programs_and_a_negative_overhead():
     with pytest.raises(ValueError, match="at least one program, got 0"):
         runs_plan(torch.tensor([5]), torch.tensor([False]), 0)
+    with pytest.raises(ValueError, match="count of tiles >= 0, got -1"):
+        runs_plan(torch.tensor([5]), torch.tensor([False]), 2, overhead=-1)
 
 
 # ---- the GPU: the kernel under token-run plans against the torch path ----
@@ -162,7 +168,7 @@ def test_runs_kernel_matches_the_torch_path(heads, programs, size, rank, monkeyp
     with torch.cuda.graph(graph):
         plan_g = plan_paged_decode(q, cache, table, seq, layout=layout)
         out_g = paged_decode_attention(q, cache, table, seq, layout=layout, scale=scale, plan=plan_g)
-    seq.copy_(torch.where(seq > 1000, seq // 3, seq + 1))
+    seq.copy_(torch.where(seq > 1000, seq // 3, seq // 2))      # (within the cache's rows: NaN past them)
     graph.replay()
     torch.cuda.synchronize()
     ref2 = paged_decode_attention(q, cache, table, seq, layout=layout, scale=scale, backend="torch")

@@ -3,9 +3,11 @@ each program an equal run of key tiles across sequence boundaries, one wave) aga
 length plan (one (sequence, chunk) item a program) and the capacity's split plan, B = 32, rank 0 of
 4: uniform batches at L = 8K / 32K / 128K and the mixed rows' two batches
 (`launch.bench.cp.mixed_batches`). Each call timed as `megapar bench cp` times one (`common.step_time`:
-ten calls a CUDA graph over rotated copies of the cache), the plans made outside the graph; then
-the kernels' device times of one eager call (torch.profiler: the decode kernel and the segment merge
-apart), and the runs plan's largest difference from the length plan's output.
+ten calls a CUDA graph over rotated copies of the cache), the plans made outside the graph, the
+token-run plan at each overhead of DECODE_RUNS_OVERHEADS (default 0,2,5,8 tiles a sequence: CONFIG
+runs_overhead_wide); then the kernels' device times of one eager call (torch.profiler: the decode
+kernel and the segment merge apart; under programmatic dependent launch the merge's time holds its
+wait for the kernel), and the runs plan's largest difference from the length plan's output.
 
     python bench/debug/decode_runs.py OUT.json        # on the GPU (DECODE_RUNS_HEADS=64,128 for more)
 """
@@ -35,6 +37,7 @@ def main(path: str) -> None:
     batches = {f"uniform {c // 1024}K": [c] * batch for c in (8192, 32768, 131072)}
     batches.update(mixed_batches(batch, context))
     rows: list = []
+    saved = triton_decode.CONFIG["runs_overhead_wide"]
     for heads in [int(h) for h in os.environ.get("DECODE_RUNS_HEADS", "128").split(",")]:
         make = lambda: (*_mla_decode_setup(batch, context, dims, block, n, ctx.device, torch.bfloat16),
                         torch.randn(batch, heads, dims.latent_dim, device=ctx.device, dtype=torch.bfloat16))
@@ -47,9 +50,11 @@ def main(path: str) -> None:
                                                                      max_seq_len=context, plan=plan)
             row = {"heads": heads, "batch": name, "local_tokens": tokens}
             outs = {}
-            for how, runs in (("capacity", None), ("items", 0), ("runs", 1)):
+            overheads = [int(f) for f in os.environ.get("DECODE_RUNS_OVERHEADS", "0,2,5,8").split(",")]
+            ways = [("capacity", None, 0), ("items", 0, 0)] + [(f"runs{f}", 1, f) for f in overheads]
+            for how, runs, overhead in ways:
                 if runs is not None:
-                    triton_decode.CONFIG["runs_wide"] = runs
+                    triton_decode.CONFIG.update(runs_wide=runs, runs_overhead_wide=overhead)
                 plans = [None if runs is None else plan_paged_decode(q, c.paged, t, seq, layout=layout)
                          for c, t, q in sets]
                 us, cols = step_time(ctx, [lambda c=c, t=t, q=q, p=p: call(c, t, q, p)
@@ -59,15 +64,18 @@ def main(path: str) -> None:
                 c, t, q = sets[0]
                 row[f"{how}_kernels_us"] = kernel_times(lambda: call(c, t, q, plans[0]))
                 if runs == 1:
-                    row["segments"] = int(plans[0].segments[-1])
+                    row[f"{how}_segments"] = int(plans[0].segments[-1])
                     row["programs"] = dict(plans[0].key)["runs"]
                 elif runs == 0:
                     row["items"] = int(plans[0].segments[-1])
                 outs[how] = call(c, t, q, plans[0])
-            triton_decode.CONFIG["runs_wide"] = 0
-            row["runs_max_abs_diff"] = (outs["runs"].out - outs["items"].out).abs().max().item()
-            row["runs_lse_max_abs_diff"] = (outs["runs"].lse - outs["items"].lse).abs().max().item()
-            row["speedup_runs_vs_items"] = round(row["items_us"] / row["runs_us"], 3)
+            triton_decode.CONFIG.update(runs_wide=0, runs_overhead_wide=saved)
+            runs_ways = [how for how, runs, _ in ways if runs == 1]
+            row["runs_max_abs_diff"] = max((outs[h].out - outs["items"].out).abs().max().item() for h in runs_ways)
+            row["runs_lse_max_abs_diff"] = max((outs[h].lse - outs["items"].lse).abs().max().item() for h in runs_ways)
+            best = min(runs_ways, key=lambda h: row[f"{h}_us"])
+            row["best_runs"] = best
+            row["speedup_best_runs_vs_items"] = round(row["items_us"] / row[f"{best}_us"], 3)
             rows.append(row)
             print(row, flush=True)
         del sets

@@ -44,19 +44,28 @@ if HAS_GLUON:
     from .triton_common import local_len as _dcp_local_len
 
 
-def runs_plan(local: Tensor, bad: Tensor, programs: int, unit: int = _BLOCK) -> tuple[Tensor, Tensor]:
+def runs_plan(local: Tensor, bad: Tensor, programs: int, unit: int = _BLOCK,
+              overhead: int = 0) -> tuple[Tensor, Tensor]:
     """(items_table int32 [programs + 1 + 3 x (programs + R)], segments int32 [R + 1]) of rows with
-    local lengths `local` [R] (0 where `bad`) for `programs` programs (module docstring). Torch ops
-    on local's device with fixed shapes and no host read: capturable in a CUDA graph."""
+    local lengths `local` [R] (0 where `bad`) for `programs` programs (module docstring). overhead:
+    what a sequence's segment costs beyond its tiles, in tiles (its query load, pipeline fill and
+    partial row): each sequence with a tile takes that many units of the stream before its tiles,
+    so that a program of many short sequences gets fewer tiles (FlashMLA's scheduler charges 5 blocks
+    a sequence the same way); a program whose share ends inside those units leaves the sequence to
+    the next. Torch ops on local's device with fixed shapes and no host read: capturable."""
     if programs < 1:
         raise ValueError(f"a token-run plan needs at least one program, got {programs}")
+    if overhead < 0:
+        raise ValueError(f"a token-run plan's overhead is a count of tiles >= 0, got {overhead}")
     dev, rows = local.device, local.shape[0]
     n = local.long().clamp(min=0)
     tiles = (n + unit - 1) // unit
-    ends = tiles.cumsum(0)
-    starts = ends - tiles
-    per = ((ends[-1:] if rows else torch.zeros(1, dtype=torch.long, device=dev)) + programs - 1) // programs
-    per = per.clamp(min=1)                                        # tiles a program: [1], a device value
+    units = torch.where(tiles > 0, tiles + overhead, tiles)     # (the stream: overhead, then the tiles)
+    ends_u = units.cumsum(0)
+    starts = ends_u - units + torch.where(tiles > 0, overhead, 0)     # a row's first tile in the stream
+    ends = starts + tiles
+    per = ((ends_u[-1:] if rows else torch.zeros(1, dtype=torch.long, device=dev)) + programs - 1) // programs
+    per = per.clamp(min=1)                                        # units a program: [1], a device value
     first = torch.minimum(starts // per, torch.full_like(starts, programs - 1))
     last = torch.where(tiles > 0, (ends - 1) // per, first)
     count = torch.where(tiles > 0, last - first + 1, bad.long())

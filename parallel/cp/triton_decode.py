@@ -660,8 +660,14 @@ CONFIG = impl.Settings({
     # `gluon_mla_runs`, FlashMLA's schedule: one program per SM pair of head tiles, one wave, a query
     # load per segment instead of a prologue per item): the plan (`plan_by_lengths`) is then made for
     # it; bf16, one query token, full head tiles, not the seesaw or split forms. Off until a GPU run
-    # times it beside the installed plan (bench cp's mixed rows, column runs_us)
-    "runs_wide": 0,
+    # times it beside the installed plan (bench cp's mixed rows, column runs_us). runs_overhead_wide: what a
+    # sequence's segment costs in the plan beyond its tiles, in 64-key tiles (`runs_plan`'s overhead;
+    # FlashMLA's scheduler charges 5). H100, 2026-12-06 23:40 (bench/debug/decode_runs.py, B 32, 1/4 of
+    # the KV, overhead 0): uniform 8K / 32K / 128K 58.1 / 159.6 / 597.0 µs against the length plan's 59.4 /
+    # 160.3 / 655.7 (capacity plan 78.1 / 253.6 / 603.9); two 128K among thirty 2K 81.0 against 74.3,
+    # log-uniform 1K-128K 158.8 against 158.0: the programs of many short sequences paid a query load
+    # and a partial row per segment uncounted
+    "runs_wide": 0, "runs_overhead_wide": 5,
     # ... and over an fp8 latent cache (its loader converts each tile to fp16 into shared memory, the
     # scores and weights take the per-token scales as `f16_wide_fp8` does): Triton 106.6 / 359.0 /
     # 1356.7 µs -> Gluon 94.6 / 289.3 / 1062.4 at 1/4 of 8K / 32K / 128K (decode-gluon2-h200.json).
@@ -1130,7 +1136,7 @@ _VALID = {
     "lazy_rescale": (0, 1), "pdl": (0, 1), "dcp_constexpr": (0, 1), "halves": (0, 1), "tma": (0, 1),
     "diag": (0, 1, 2, 3), "f16": (0, 1),
     "gluon_wide": (0, 1), "gluon_wide_fp8": (0, 1), "gluon_wide_narrow": (0, 1), "gluon_wide_narrow_fp8": (0, 1),
-    "seesaw_wide": (0, 1), "split_wide": (0, 1), "runs_wide": (0, 1),
+    "seesaw_wide": (0, 1), "split_wide": (0, 1), "runs_wide": (0, 1), "runs_overhead_wide": range(0, 65),
     "gluon_gqa": (0, 1), "gluon_gqa_fp8": (0, 1), "stages": range(2, 7),
     "swap": (0, 1), "raw_ring": (0, 1, 2, 3, 4), "keys": (32, 64), "ring": (1, 2, 3),
     "maxnreg": (0, *range(64, 256, 8)), "at_most": (0, 1), "stage16": (0, 1, 2), "even": (0, 1),
@@ -1295,7 +1301,8 @@ def _plan_key(c: SimpleNamespace, table: Tensor, page: int, dcp_size: int, dcp_r
     plan_waves), the split unit (the kernel's key tile), the shortest split (its min_split) and the
     chunk's rule (CONFIG plan_fit; for MLA's latent head plan_fit_wide, over its narrow head tiles
     plan_fit_wide_narrow) and the launch order (CONFIG plan_order; `_plan_kernel`); runs: the programs of a
-    token-run plan (`gluon_mla_runs.runs_plan`, CONFIG runs_wide) where the kernel takes one, else 0."""
+    token-run plan (`gluon_mla_runs.runs_plan`, CONFIG runs_wide) where the kernel takes one, else 0, and
+    its overhead (CONFIG runs_overhead_wide)."""
     target, programs = c.cfg["target_programs"], max(c.row_programs, 1)
     items = max(1, target // programs if c.cfg["at_most"] else -(-target // programs)) * CONFIG["plan_waves"]
     unit = c.block_n
@@ -1304,7 +1311,8 @@ def _plan_key(c: SimpleNamespace, table: Tensor, page: int, dcp_size: int, dcp_r
                  "plan_fit_wide"]
     return (("items_target", items), ("unit", unit), ("min_chunk", min_chunk), ("fit", fit),
             ("table_blocks", table.shape[1]), ("page", page), ("dcp", (dcp_size, dcp_rank, interleave)),
-            ("expand", expand), ("order", CONFIG["plan_order"]), ("runs", c.runs))
+            ("expand", expand), ("order", CONFIG["plan_order"]), ("runs", c.runs),
+            ("runs_overhead", CONFIG["runs_overhead_wide"] if c.runs else 0))
 
 
 @triton.jit
