@@ -195,3 +195,60 @@ def test_runs_kernel_bad_rows_are_nan_and_the_rest_exact(monkeypatch):
     got = paged_decode_attention(q, cache, table, bad, scale=0.07, plan=plan, validate=False)
     assert got.out[[1, 3]].isnan().all() and got.lse[[1, 3]].isnan().all()
     check_state(AttnState(got.out[[0, 2]], got.lse[[0, 2]]), AttnState(ref.out[[0, 2]], ref.lse[[0, 2]]), 1e-2)
+
+
+@pytest.mark.parametrize("size,rank,interleave,tq", [(1, 0, 1, 1), (4, 3, 1, 1), (3, 1, 2, 1), (2, 0, 1, 3)])
+@pytest.mark.parametrize("programs,overhead", [(66, 5), (3, 0), (7, 2), (200, 5)])
+def test_runs_planner_kernel_matches_the_torch_plan(size, rank, interleave, tq, programs, overhead, monkeypatch):
+    """The planner kernel (`triton_decode._runs_plan_kernel`, what `plan_paged_decode` launches on a GPU;
+    here in the interpreter) against `runs_plan` through `plan_reference`: lengths with 0, 1, tile edges,
+    long ones, a negative one and one past the table, over more rows than one of the kernel's blocks."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    triton = pytest.importorskip("triton")  # noqa: F841
+    from parallel.cp import triton_decode
+
+    gen = torch.Generator().manual_seed(programs + size)
+    lens = [0, 1, 64, 65, 5000, -3, 10 ** 7] + torch.randint(0, 9000, (90,), generator=gen).tolist()
+    rows = len(lens) * tq
+    key = (("items_target", 2), ("unit", 64), ("min_chunk", 64), ("fit", 0), ("table_blocks", 60), ("page", 64),
+           ("dcp", (size, rank, interleave)), ("expand", tq), ("order", 1), ("runs", programs),
+           ("runs_overhead", overhead))
+    seq = torch.tensor(lens)
+    got = triton_decode.plan_by_lengths(seq, rows, key)
+    want = plan_reference(seq, rows, key)
+    assert torch.equal(got.items_table, want.items_table)
+    assert torch.equal(got.segments, want.segments)
+    assert (got.items, got.rows) == (want.items, want.rows)
+
+
+_RUNS_PLANNER_BUILD = """
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from parallel.cp import triton_decode
+sig = {"glens_ptr": "*i64", "table_ptr": "*i32", "seg_ptr": "*i32", "R": "i32", "P": "i32", "cap": "i32",
+       "dcp_size": "i32", "dcp_rank": "i32", "interleave": "i32", "UNIT": "i32", "OVERHEAD": "i32",
+       "TQ": "constexpr", "BLOCK": "constexpr", "BLOCK_P": "constexpr"}
+for tq in (1, 2):
+    src = ASTSource(fn=triton_decode._runs_plan_kernel, signature=sig,
+                    constexprs={"TQ": tq, "BLOCK": 64, "BLOCK_P": 128})
+    c = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 8})
+    assert c.asm["cubin"]
+    print("built")
+"""
+
+
+def test_runs_planner_kernel_builds_for_sm90():
+    """The token-run planner compiles for sm_90 (a child process: the interpreter accepts what the
+    compiler may not)."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    pytest.importorskip("triton")
+    env = {**os.environ, "TRITON_INTERPRET": "0", "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    done = subprocess.run([sys.executable, "-c", _RUNS_PLANNER_BUILD], env=env, capture_output=True, text=True,
+                          timeout=600)
+    assert done.returncode == 0 and done.stdout.split() == ["built", "built"], (done.stdout,
+                                                                                          done.stderr[-3000:])

@@ -79,8 +79,8 @@ def runs_plan(local: Tensor, bad: Tensor, programs: int, unit: int = _BLOCK,
         prog = first[row] + (k - seg_first[row])
         t0 = torch.maximum(starts[row], prog * per) - starts[row]
         t1 = torch.minimum(ends[row], (prog + 1) * per) - starts[row]
-        start = t0 * unit
-        end = torch.minimum(t1 * unit, n[row])
+        start = torch.where(tiles[row] > 0, t0 * unit, 0)         # (a bad row's segment: empty)
+        end = torch.where(tiles[row] > 0, torch.minimum(t1 * unit, n[row]), 0)
     else:
         prog = start = end = torch.zeros(slots, dtype=torch.long, device=dev)
     prog = torch.where(used, prog, torch.full_like(prog, programs))

@@ -1320,11 +1320,83 @@ def _plan_lengths(glens_ptr, r, rmask, cap, dcp_size, dcp_rank, interleave, TQ: 
     """Rows r's local lengths for the plan: row r is token r % TQ of sequence r // TQ (TQ > 1: a
     speculative step run as one-token rows, `_expanded`'s lengths); 0 where the row is masked, its
     length negative or its local share past the table (the kernel reports those: NaN)."""
+    return _plan_bad_lengths(glens_ptr, r, rmask, cap, dcp_size, dcp_rank, interleave, TQ)[0]
+
+
+@triton.jit
+def _plan_bad_lengths(glens_ptr, r, rmask, cap, dcp_size, dcp_rank, interleave, TQ: tl.constexpr):
+    """(`_plan_lengths`, the rows whose length is negative or past the table)."""
     g = tl.load(glens_ptr + r // TQ, mask=rmask, other=0).to(tl.int64)
     if TQ > 1:
         g = tl.where(g < 0, g, tl.maximum(g - (TQ - 1) + r % TQ, 0))
     n = _local_of(g, dcp_size, dcp_rank, interleave)
-    return tl.where(rmask & (g >= 0) & (n <= cap), n, 0)
+    bad = rmask & ((g < 0) | (n > cap))
+    return tl.where(rmask & ~bad, n, 0), bad
+
+
+@triton.jit
+def _runs_plan_kernel(glens_ptr, table_ptr, seg_ptr, R, P, cap, dcp_size, dcp_rank, interleave, UNIT, OVERHEAD,
+                      TQ: tl.constexpr, BLOCK: tl.constexpr, BLOCK_P: tl.constexpr):
+    """(one program) `gluon_mla_runs.runs_plan`'s tables from the global lengths: pass 1 the stream's
+    units (a row with a tile: OVERHEAD + its tiles), pass 2 per block of rows their first tile in the
+    stream, their programs' range, segment counts and segments, and the programs' starts as
+    lo[q] = sum over rows of clamp(q - first_r, 0, count_r) (the segments before program q)."""
+    total = tl.zeros([], tl.int64)
+    r0 = 0
+    while r0 < R:
+        r = r0 + tl.arange(0, BLOCK)
+        n = _plan_lengths(glens_ptr, r, r < R, cap, dcp_size, dcp_rank, interleave, TQ).to(tl.int64)
+        tiles = (n + UNIT - 1) // UNIT
+        total += tl.sum(tl.where(tiles > 0, tiles + OVERHEAD, 0), 0)
+        r0 += BLOCK
+    per = tl.maximum((total + P - 1) // P, 1)
+    q = tl.arange(0, BLOCK_P)
+    lo = tl.zeros([BLOCK_P], tl.int32)
+    base_u = tl.zeros([], tl.int64)
+    base_s = tl.zeros([], tl.int64)
+    r0 = 0
+    while r0 < R:
+        r = r0 + tl.arange(0, BLOCK)
+        rmask = r < R
+        n, bad = _plan_bad_lengths(glens_ptr, r, rmask, cap, dcp_size, dcp_rank, interleave, TQ)
+        n = n.to(tl.int64)
+        tiles = (n + UNIT - 1) // UNIT
+        units = tl.where(tiles > 0, tiles + OVERHEAD, 0)
+        cum_u = base_u + tl.cumsum(units, 0)
+        starts = cum_u - units + tl.where(tiles > 0, OVERHEAD, 0)
+        ends = starts + tiles
+        first = tl.minimum(starts // per, P - 1)
+        last = tl.where(tiles > 0, (ends - 1) // per, first)
+        count = tl.where(tiles > 0, last - first + 1, bad.to(tl.int64))
+        seg_first = base_s + tl.cumsum(count, 0) - count
+        tl.store(seg_ptr + r, seg_first.to(tl.int32), mask=rmask)
+        lo += tl.sum(tl.minimum(tl.maximum(q[None, :] - first.to(tl.int32)[:, None], 0),
+                                count.to(tl.int32)[:, None]), 0)
+        most = tl.max(count, 0)
+        i = 0
+        while i < most:
+            m = rmask & (i < count)
+            prog = first + i
+            t0 = tl.maximum(starts, prog * per) - starts
+            t1 = tl.minimum(ends, (prog + 1) * per) - starts
+            start = tl.where(tiles > 0, t0 * UNIT, 0)
+            end = tl.where(tiles > 0, tl.minimum(t1 * UNIT, n), 0)
+            slot = table_ptr + P + 1 + 3 * (seg_first + i)
+            tl.store(slot, r, mask=m)
+            tl.store(slot + 1, start.to(tl.int32), mask=m)
+            tl.store(slot + 2, end.to(tl.int32), mask=m)
+            i += 1
+        base_u += tl.sum(units, 0)
+        base_s += tl.sum(count, 0)
+        r0 += BLOCK
+    tl.store(table_ptr + q, lo, mask=q <= P)
+    tl.store(seg_ptr + R, base_s.to(tl.int32))
+    k0 = base_s
+    while k0 < P + R:       # (the slots past the segments: sequence 0's empty range, never read)
+        k = k0 + tl.arange(0, BLOCK)
+        for c in tl.static_range(3):
+            tl.store(table_ptr + P + 1 + 3 * k + c, tl.zeros_like(k).to(tl.int32), mask=k < P + R)
+        k0 += BLOCK
 
 
 @triton.jit
@@ -1458,17 +1530,22 @@ def plan_by_lengths(seq_lens: Tensor, rows: int, key: tuple) -> LengthPlan:
     """The length plan of `plan_settings`' (rows, key) over the global lengths seq_lens [S] (one
     launch of `_plan_kernel`, on seq_lens' device: CUDA, or the interpreter)."""
     kv = dict(key)
-    if kv["runs"]:
-        from .paged import plan_reference
-
-        return plan_reference(seq_lens, rows, key)     # (its torch ops: the token-run plan's maker)
+    size, rank, interleave = kv["dcp"]
+    block = max(16, min(1024, triton.next_power_of_2(max(rows, 1))))
+    if kv["runs"]:      # (a token-run plan: `gluon_mla_runs.runs_plan`'s tables, `_runs_plan_kernel`)
+        programs = kv["runs"]
+        table = torch.empty(programs + 1 + 3 * (programs + rows), dtype=torch.int32, device=seq_lens.device)
+        segments = torch.empty(rows + 1, dtype=torch.int32, device=seq_lens.device)
+        _runs_plan_kernel[(1,)](seq_lens, table, segments, rows, programs, kv["table_blocks"] * kv["page"], size,
+                                rank, interleave, kv["unit"], kv["runs_overhead"], TQ=kv["expand"],
+                                BLOCK=min(block, 64), BLOCK_P=triton.next_power_of_2(programs + 1), num_warps=8)
+        return LengthPlan(table, segments, programs + rows, rows, key)
     items = kv["items_target"] + rows
     table = torch.empty(2 + 3 * items, dtype=torch.int32, device=seq_lens.device)
     segments = torch.empty(rows + 1, dtype=torch.int32, device=seq_lens.device)
-    size, rank, interleave = kv["dcp"]
     _plan_kernel[(1,)](seq_lens, table, segments, rows, items, kv["items_target"], kv["unit"], kv["min_chunk"],
                        kv["table_blocks"] * kv["page"], size, rank, interleave, TQ=kv["expand"],
-                       BLOCK=max(16, min(1024, triton.next_power_of_2(max(rows, 1)))), FIT=bool(kv["fit"]),
+                       BLOCK=block, FIT=bool(kv["fit"]),
                        ORDER=bool(kv["order"]), NB=PLAN_CLASSES)
     return LengthPlan(table, segments, items, rows, key)
 
