@@ -281,18 +281,31 @@ if HAS_GLUON:
             if AHEAD:
                 blk = gl.where(t == 0, first, _block_of(table_ptr, s, st_s, j0, t > 0, num_blocks, PAGE))
             else:
-                blk = gl.load(table_ptr + s.to(gl.int64) * st_s + j0 // PAGE)
-                blk = gl.where((blk >= 0) & (blk < num_blocks), blk, 0)    # (warpgroup 0 reports it)
-            valid = end - j0
-            if valid >= BLOCK:
-                mbarrier.expect(ready.index(stage), CHUNKS * k_desc.block_type.nbytes)
-                row = blk * PAGE + j0 % PAGE
-                for c in gl.static_range(CHUNKS):
-                    tma.async_copy_global_to_shared(k_desc, [row, c * BLOCK], ready.index(stage),
-                                                    k_smem.index(stage * CHUNKS + c))
-            else:   # the split's last tile ends inside it: rows past the end as zeros
-                _store_masked_tile(k_ptr, k_smem, stage, blk, j0, valid, sk_b, sk_t, PAGE)
-                mbarrier.arrive(ready.index(stage))
+                blk = _checked_id(table_ptr, s, st_s, j0, num_blocks, PAGE)
+            _load_tile(k_desc, k_ptr, k_smem, ready, stage, blk, j0, end, sk_b, sk_t, PAGE)
+
+    @gluon.jit
+    def _checked_id(table_ptr, s, st_s, j0, num_blocks, PAGE: gl.constexpr):
+        """The cache block of sequence s's local token j0, 0 where the table's id is outside the cache
+        (warpgroup 0 reports it: NaN)."""
+        blk = gl.load(table_ptr + s.to(gl.int64) * st_s + j0 // PAGE)
+        return gl.where((blk >= 0) & (blk < num_blocks), blk, 0)
+
+    @gluon.jit
+    def _load_tile(k_desc, k_ptr, k_smem, ready, stage, blk, j0, end, sk_b, sk_t, PAGE: gl.constexpr):
+        """The 64-key tile from local token j0 (cache block blk) into ring stage `stage`, arriving on its
+        ready barrier: by TMA, or, where the range ends inside it at `end`, through masked loads with
+        the rows past the end as zeros."""
+        valid = end - j0
+        if valid >= BLOCK:
+            mbarrier.expect(ready.index(stage), CHUNKS * k_desc.block_type.nbytes)
+            row = blk * PAGE + j0 % PAGE
+            for c in gl.static_range(CHUNKS):
+                tma.async_copy_global_to_shared(k_desc, [row, c * BLOCK], ready.index(stage),
+                                                k_smem.index(stage * CHUNKS + c))
+        else:
+            _store_masked_tile(k_ptr, k_smem, stage, blk, j0, valid, sk_b, sk_t, PAGE)
+            mbarrier.arrive(ready.index(stage))
 
     @gluon.jit
     def _scores_and_low_half(q_smem, k_smem, p_smem, a_smem, q_bar, ready, free, p_ready, p_free,
@@ -331,12 +344,8 @@ if HAS_GLUON:
             j0 = start + t * KEYS
             blk = gl.load(table_ptr + s.to(gl.int64) * st_s + j0 // PAGE)
             bad = bad | (blk < 0) | (blk >= num_blocks)
-            mbarrier.wait(ready.index(stage), (t // RING) & 1)
-            sc = gl.zeros([BLOCK, KEYS], gl.float32, mma_s)
-            for c in gl.static_range(CHUNKS):
-                sc = warpgroup_mma(q_smem.index(c), k_smem.index(stage * CHUNKS + c).permute((1, 0)), sc,
-                                   is_async=True)
-            sc = warpgroup_mma_wait(num_outstanding=0, deps=(sc, ))
+            sc = _score_tile(q_smem, k_smem, ready, stage, (t // RING) & 1,
+                             gl.zeros([BLOCK, KEYS], gl.float32, mma_s))
             if not PV:
                 mbarrier.arrive(free.index(stage))
             if FP8:
@@ -372,6 +381,15 @@ if HAS_GLUON:
             o_row = split.to(gl.int64) * so_p + s.to(gl.int64) * so_s + (head0_in_seq + rows).to(gl.int64) * so_h
             _store_quarter_rows(o_ptr + o_row[:, None] + ocols[None, :], o0, o1, o2, o3,
                                 gl.convert_layout(factor, gl.SliceLayout(1, mma)), head0_in_seq + rows < HQ)
+
+    @gluon.jit
+    def _score_tile(q_smem, k_smem, ready, stage, phase, sc):
+        """S = Q K^T of ring stage `stage` (once its ready barrier passes `phase`) over the nine boxes,
+        into the zeroed accumulator sc, waited for."""
+        mbarrier.wait(ready.index(stage), phase)
+        for c in gl.static_range(CHUNKS):
+            sc = warpgroup_mma(q_smem.index(c), k_smem.index(stage * CHUNKS + c).permute((1, 0)), sc, is_async=True)
+        return warpgroup_mma_wait(num_outstanding=0, deps=(sc, ))
 
     @gluon.jit
     def _high_half(k_smem, p_smem, a_smem, ready, free, p_ready, p_free, glens_ptr, o_ptr, s, head0_in_seq, split,

@@ -35,13 +35,15 @@ from .gluon_mla import _BLOCK, HAS_GLUON
 if HAS_GLUON:
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
-    from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
-                                                                  warpgroup_mma_wait)
+    from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-    from .gluon_mla import (BLOCK, CHUNKS, STAGES, _barriers, _finish, _gdc_wait_and_release, _load_queries, _pv,
-                            _softmax_step, _store_masked_tile, _store_quarter_rows, shared_box)
+    from .gluon_mla import (BLOCK, CHUNKS, STAGES, _barriers, _checked_id, _finish, _gdc_wait_and_release,
+                            _load_queries, _load_tile, _pv, _score_tile, _softmax_step, _store_quarter_rows,
+                            shared_box)
     from .triton_common import local_len as _dcp_local_len
+
+    MMA = gl.constexpr(gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 64, 16]))
 
 
 def runs_plan(local: Tensor, bad: Tensor, programs: int, unit: int = _BLOCK,
@@ -107,9 +109,23 @@ def programs_for(device: torch.device, m_tiles: int) -> int:
 if HAS_GLUON:
     @gluon.jit
     def _segment(plan_ptr, k):
-        """(sequence, start, end) of segment slot k (after the P + 1 program starts)."""
+        """(sequence, start, end, its 64-key tiles) of segment slot k (after the P + 1 program starts)."""
         base = plan_ptr + gl.num_programs(1) + 1 + 3 * k
-        return gl.load(base), gl.load(base + 1), gl.load(base + 2)
+        start, end = gl.load(base + 1), gl.load(base + 2)
+        return gl.load(base), start, end, (gl.maximum(end - start, 0) + BLOCK - 1) // BLOCK
+
+    @gluon.jit
+    def _zero_quarters():
+        """A warpgroup's four 64-wide fp32 output accumulators, zero."""
+        return (gl.zeros([BLOCK, BLOCK], gl.float32, MMA), gl.zeros([BLOCK, BLOCK], gl.float32, MMA),
+                gl.zeros([BLOCK, BLOCK], gl.float32, MMA), gl.zeros([BLOCK, BLOCK], gl.float32, MMA))
+
+    @gluon.jit
+    def _head_rows(head0_in_seq, HQ):
+        """(the tile's 64 output columns, its 64 head rows, which rows are the sequence's heads)."""
+        cols = gl.arange(0, BLOCK, layout=gl.SliceLayout(0, MMA))
+        rows = gl.arange(0, BLOCK, layout=gl.SliceLayout(1, MMA))
+        return cols, rows, head0_in_seq + rows < HQ
 
     @gluon.jit
     def _my_segments(plan_ptr):
@@ -126,8 +142,7 @@ if HAS_GLUON:
         lo, hi = _my_segments(plan_ptr)
         n = 0
         for k in range(lo, hi):
-            s, start, end = _segment(plan_ptr, k)
-            tiles = (gl.maximum(end - start, 0) + BLOCK - 1) // BLOCK
+            s, start, end, tiles = _segment(plan_ptr, k)
             head0 = s * HQ + head0_in_seq
             if tiles == 0:
                 if k > lo:
@@ -138,18 +153,8 @@ if HAS_GLUON:
                 j0 = start + t * BLOCK
                 if n >= STAGES:
                     mbarrier.wait(free.index(stage), ((n // STAGES) - 1) & 1)
-                blk = gl.load(table_ptr + s.to(gl.int64) * st_s + j0 // PAGE)
-                blk = gl.where((blk >= 0) & (blk < num_blocks), blk, 0)    # (warpgroup 0 reports it)
-                valid = end - j0
-                if valid >= BLOCK:
-                    mbarrier.expect(ready.index(stage), CHUNKS * k_desc.block_type.nbytes)
-                    row = blk * PAGE + j0 % PAGE
-                    for c in gl.static_range(CHUNKS):
-                        tma.async_copy_global_to_shared(k_desc, [row, c * BLOCK], ready.index(stage),
-                                                        k_smem.index(stage * CHUNKS + c))
-                else:   # the sequence's last tile ends inside it: rows past the end as zeros
-                    _store_masked_tile(k_ptr, k_smem, stage, blk, j0, valid, sk_b, sk_t, PAGE)
-                    mbarrier.arrive(ready.index(stage))
+                blk = _checked_id(table_ptr, s, st_s, j0, num_blocks, PAGE)
+                _load_tile(k_desc, k_ptr, k_smem, ready, stage, blk, j0, end, sk_b, sk_t, PAGE)
                 if t == 0:
                     if k > lo:
                         mbarrier.wait(q_free, (k - lo - 1) & 1)
@@ -164,39 +169,27 @@ if HAS_GLUON:
         """Warpgroup 0, per segment: the scores, the online softmax, the weights and factors published
         for warpgroup 1 (pub counts them across segments), output dims [0, 256) and the lse stored at
         the segment's partial row."""
-        mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 64, 16])
-        row_l: gl.constexpr = gl.SliceLayout(1, mma)
-        col_l: gl.constexpr = gl.SliceLayout(0, mma)
-        cols = gl.arange(0, BLOCK, layout=col_l)
-        rows = gl.arange(0, BLOCK, layout=row_l)
-        live = head0_in_seq + rows < HQ
+        row_l: gl.constexpr = gl.SliceLayout(1, MMA)
+        cols, rows, live = _head_rows(head0_in_seq, HQ)
         lo, hi = _my_segments(plan_ptr)
         n = 0
         pub = 0
         for k in range(lo, hi):
-            s, start, end = _segment(plan_ptr, k)
-            tiles = (gl.maximum(end - start, 0) + BLOCK - 1) // BLOCK
+            s, start, end, tiles = _segment(plan_ptr, k)
             local = _dcp_local_len(glens_ptr, s, dcp_size, dcp_rank, interleave)
             bad = (gl.load(glens_ptr + s) < 0) | (local > table_w * PAGE)
             m_i = gl.full([BLOCK], float("-inf"), gl.float32, row_l)
             l_i = gl.zeros([BLOCK], gl.float32, row_l)
             r_i = gl.zeros([BLOCK], gl.float32, row_l)
-            o0 = gl.zeros([BLOCK, BLOCK], gl.float32, mma)
-            o1 = gl.zeros([BLOCK, BLOCK], gl.float32, mma)
-            o2 = gl.zeros([BLOCK, BLOCK], gl.float32, mma)
-            o3 = gl.zeros([BLOCK, BLOCK], gl.float32, mma)
+            o0, o1, o2, o3 = _zero_quarters()
             mbarrier.wait(q_bar, (k - lo) & 1)
             for t in range(tiles):
                 stage = n % STAGES
                 j0 = start + t * BLOCK
                 blk = gl.load(table_ptr + s.to(gl.int64) * st_s + j0 // PAGE)
                 bad = bad | (blk < 0) | (blk >= num_blocks)
-                mbarrier.wait(ready.index(stage), (n // STAGES) & 1)
-                sc = gl.zeros([BLOCK, BLOCK], gl.float32, mma)
-                for c in gl.static_range(CHUNKS):
-                    sc = warpgroup_mma(q_smem.index(c), k_smem.index(stage * CHUNKS + c).permute((1, 0)), sc,
-                                       is_async=True)
-                sc = warpgroup_mma_wait(num_outstanding=0, deps=(sc, ))
+                sc = _score_tile(q_smem, k_smem, ready, stage, (n // STAGES) & 1,
+                                 gl.zeros([BLOCK, BLOCK], gl.float32, MMA))
                 if t == tiles - 1:      # (the segment's queries are free for the next one's)
                     mbarrier.arrive(q_free)
                 sc = gl.where((j0 + cols < end)[None, :], sc * qk_scale, float("-inf"))
@@ -230,22 +223,14 @@ if HAS_GLUON:
                         so_k, so_h, HQ):
         """Warpgroup 1, per segment: output dims [256, 512) from the published weights; every publication
         acked on p_free (the final factors too)."""
-        mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 64, 16])
-        row_l: gl.constexpr = gl.SliceLayout(1, mma)
-        col_l: gl.constexpr = gl.SliceLayout(0, mma)
-        cols = gl.arange(0, BLOCK, layout=col_l)
-        rows = gl.arange(0, BLOCK, layout=row_l)
-        live = head0_in_seq + rows < HQ
+        row_l: gl.constexpr = gl.SliceLayout(1, MMA)
+        cols, rows, live = _head_rows(head0_in_seq, HQ)
         lo, hi = _my_segments(plan_ptr)
         n = 0
         pub = 0
         for k in range(lo, hi):
-            s, start, end = _segment(plan_ptr, k)
-            tiles = (gl.maximum(end - start, 0) + BLOCK - 1) // BLOCK
-            o0 = gl.zeros([BLOCK, BLOCK], gl.float32, mma)
-            o1 = gl.zeros([BLOCK, BLOCK], gl.float32, mma)
-            o2 = gl.zeros([BLOCK, BLOCK], gl.float32, mma)
-            o3 = gl.zeros([BLOCK, BLOCK], gl.float32, mma)
+            s, start, end, tiles = _segment(plan_ptr, k)
+            o0, o1, o2, o3 = _zero_quarters()
             for t in range(tiles):
                 stage = n % STAGES
                 mbarrier.wait(ready.index(stage), (n // STAGES) & 1)
