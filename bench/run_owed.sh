@@ -45,7 +45,8 @@ step() {  # name limit_s command...
 }
 tests=(tests/test_quant_triton.py tests/test_gemm_gpu.py tests/test_w4a16_tma.py tests/test_w4a16_splitk.py tests/test_w4a16_bf16asm.py
        tests/test_stream_probe.py tests/test_ffn.py tests/test_moe_device.py tests/test_mla.py
-       tests/test_cp_decode_kernel.py tests/test_cp_merge.py tests/test_decode_probe.py tests/test_demo.py)
+       tests/test_cp_decode_kernel.py tests/test_cp_decode_runs.py tests/test_cp_merge.py tests/test_decode_probe.py
+       tests/test_demo.py)
 for s in "$@"; do
   case $s in
     tests)      step tests "${TESTS_LIMIT:-300}" python3 -m pytest -q -m gpu -p no:cacheprovider --timeout ${TESTS_TIMEOUT:-240} -rf ${TESTS_N:+-n $TESTS_N} \
