@@ -2,10 +2,12 @@
 bf16 latent cache: `gluon_mla._mla_decode_ws_kernel`'s three partitions, but each program walks a
 run of the batch's key tiles that crosses sequence boundaries, instead of one (sequence, split).
 
-The plan (`runs_plan`, torch ops on the lengths' device: capturable, made once a decode step) lays
-the batch's local tokens end to end as one stream of 64-key tiles (a sequence's last tile may be
-partial) and gives each of P programs (a head tile each: the grid is head tiles x P) an equal run
-of ceil(tiles / P) of them. Where a run crosses a sequence boundary it is cut into segments; a
+The plan (made once a decode step by `paged.plan_paged_decode` under CONFIG runs_wide: on a GPU one
+launch of `triton_decode._runs_plan_kernel`, capturable; `runs_plan` here is its torch specification)
+lays the batch's local tokens end to end as one stream of 64-key tiles (a sequence's last tile may
+be partial), each sequence's tiles after `overhead` units that stand for its segment's fixed cost,
+and gives each of P programs (one per SM pair of head tiles: the grid is head tiles x P) an equal
+run of the stream. Where a run crosses a sequence boundary it is cut into segments; a
 segment is one (sequence, start, end) range and one partial row, merged per sequence by
 `triton_merge.merge_segments_triton` as a length plan's items are. Against a length plan's items
 (one prologue, pipeline fill and query load each, a second wave where they outnumber the

@@ -277,8 +277,8 @@ def plan_reference(seq_lens: Tensor, rows: int, key: tuple) -> "LengthPlan":
     chunk) of row 0 (empty) at their own out rows; the launch slots (the key's order) in out-row
     order, or every full chunk first in row order, then the rows' last partial items (an empty row's
     one) by class floor(length x PLAN_CLASSES / chunk), highest first, in row order within one.
-    With the key's runs > 0 the plan is a token-run plan instead (`gluon_mla_runs.runs_plan`: these
-    torch ops are its maker on every device), items = runs + rows segment slots."""
+    With the key's runs > 0 the plan is a token-run plan instead (`gluon_mla_runs.runs_plan`, the
+    specification of `triton_decode._runs_plan_kernel`), items = runs + rows segment slots."""
     from .gluon_mla_runs import runs_plan
     from .triton_decode import PLAN_CLASSES, LengthPlan
 

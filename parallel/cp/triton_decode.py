@@ -660,7 +660,8 @@ CONFIG = impl.Settings({
     # `gluon_mla_runs`, FlashMLA's schedule: one program per SM pair of head tiles, one wave, a query
     # load per segment instead of a prologue per item): the plan (`plan_by_lengths`) is then made for
     # it; bf16, one query token, full head tiles, not the seesaw or split forms. Off until a GPU run
-    # times it beside the installed plan (bench cp's mixed rows, column runs_us). runs_overhead_wide: what a
+    # times it beside the installed plan (bench cp's mixed rows, column runs_us; neither the overhead
+    # below nor the planner kernel has run on a GPU yet: docs/gpu.md §67). runs_overhead_wide: what a
     # sequence's segment costs in the plan beyond its tiles, in 64-key tiles (`runs_plan`'s overhead;
     # FlashMLA's scheduler charges 5). H100, 2026-12-06 23:40 (bench/debug/decode_runs.py, B 32, 1/4 of
     # the KV, overhead 0): uniform 8K / 32K / 128K 58.1 / 159.6 / 597.0 µs against the length plan's 59.4 /
@@ -1528,7 +1529,8 @@ def plan_settings(q: Tensor, k: Tensor, v: Tensor, k_scale: Tensor | None, v_sca
 
 def plan_by_lengths(seq_lens: Tensor, rows: int, key: tuple) -> LengthPlan:
     """The length plan of `plan_settings`' (rows, key) over the global lengths seq_lens [S] (one
-    launch of `_plan_kernel`, on seq_lens' device: CUDA, or the interpreter)."""
+    launch of `_plan_kernel`, or of `_runs_plan_kernel` for a token-run key, on seq_lens' device:
+    CUDA, or the interpreter)."""
     kv = dict(key)
     size, rank, interleave = kv["dcp"]
     block = max(16, min(1024, triton.next_power_of_2(max(rows, 1))))
