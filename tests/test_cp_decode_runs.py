@@ -100,7 +100,8 @@ def test_runs_plan_on_random_batches():
         for r, x in enumerate(lens):
             mine = flat[seg[r]:seg[r + 1]]
             assert all(row == r for row, _, _ in mine)
-            assert [s for _, s, _ in mine] == [0] + [e for _, _, e in mine[:-1]] if x else True
+            if x:       # (contiguous from 0 to the row's length)
+                assert [s for _, s, _ in mine] == [0] + [e for _, _, e in mine[:-1]]
             assert (mine[-1][2] if mine else 0) == x
 
 

@@ -1,6 +1,8 @@
 """MLA 128 heads over a bf16 latent cache under a token-run plan (`gluon_mla_runs`, CONFIG runs_wide:
 each program an equal run of key tiles across sequence boundaries, one wave) against the installed
-length plan (one (sequence, chunk) item a program) and the capacity's split plan, B = 32, rank 0 of
+length plan (one (sequence, chunk) item a program) and the capacity's split plan (max_seq_len the
+batch's longest length, as bench cp's mixed rows give it; the run of 2026-12-06 23:40 gave it 128K
+for every batch, so its uniform 8K / 32K capacity_us timed a grid sized for 128K), B = 32, rank 0 of
 4: uniform batches at L = 8K / 32K / 128K and the mixed rows' two batches
 (`launch.bench.cp.mixed_batches`). Each call timed as `megapar bench cp` times one (`common.step_time`:
 ten calls a CUDA graph over rotated copies of the cache), the plans made outside the graph, the
@@ -47,7 +49,7 @@ def main(path: str) -> None:
             tokens = int(layout.local_lengths(seq).sum())
             call = lambda c, t, q, plan=None: paged_decode_attention(q, c.paged, t, seq, layout=layout,
                                                                      scale=dims.scale, backend="triton",
-                                                                     max_seq_len=context, plan=plan)
+                                                                     max_seq_len=max(lens), plan=plan)
             row = {"heads": heads, "batch": name, "local_tokens": tokens}
             outs = {}
             overheads = [int(f) for f in os.environ.get("DECODE_RUNS_OVERHEADS", "0,2,5,8").split(",")]
