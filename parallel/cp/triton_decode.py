@@ -665,7 +665,7 @@ CONFIG = impl.Settings({
     # sequence's segment costs in the plan beyond its tiles, in 64-key tiles (`runs_plan`'s overhead;
     # FlashMLA's scheduler charges 5). H100, 2026-12-06 23:40 (bench/debug/decode_runs.py, B 32, 1/4 of
     # the KV, overhead 0): uniform 8K / 32K / 128K 58.1 / 159.6 / 597.0 µs against the length plan's 59.4 /
-    # 160.3 / 655.7 (capacity plan 78.1 / 253.6 / 603.9); two 128K among thirty 2K 81.0 against 74.3,
+    # 160.3 / 655.7 (at 128K the same within 0.5% replayed alone: the clocks); two 128K among thirty 2K 81.0 against 74.3,
     # log-uniform 1K-128K 158.8 against 158.0: the programs of many short sequences paid a query load
     # and a partial row per segment uncounted
     "runs_wide": 0, "runs_overhead_wide": 5,
