@@ -370,7 +370,9 @@ def test_decode_time_times_only_the_variants_asked_for(fake_cuda, monkeypatch):
     assert cp.row_variants("mla", 128, False) == ("no_pdl_us", "seesaw_us")
     assert cp.row_variants("mla", 128, True) == ("no_pdl_us", "converter_fp8_us")
     assert cp.row_variants("mla", 16, False) == ("pdl_narrow_us", "ids_after_us")
-    assert cp.row_variants("mla", 16, True) == ("pdl_narrow_us", "unpaired_store_us", "ids_after_narrow_fp8_us")
+    # (the fp8 value MMAs: MLA's narrow direct fp8 kernel at most 16 columns)
+    assert cp.row_variants("mla", 16, True) == ("pdl_narrow_us", "unpaired_store_us", "ids_after_narrow_fp8_us",
+                                                "values8_us")
     # wider speculative steps (more than 32 columns) run the swapped kernels in head tiles: untiled_us
     assert cp.row_variants("mla", 16, True, 3) == ("no_pdl_us", "unpaired_store_us", "ids_after_narrow_fp8_us",
                                                    "untiled_fp8_us")

@@ -1005,6 +1005,22 @@ def test_gluon_mla_narrow_swapped_on_gpu(dtype, size, rank, heads, tq, monkeypat
         monkeypatch.setitem(td.CONFIG, "direct_wide_narrow_fp8_32", direct32)
         # the output's dim pairs stored together: the same values, the same result
         _same_when_flipped(monkeypatch, td, "paired_store_direct_fp8", lambda: run(cache, table), got)
+        # the value MMAs in fp8 against the weights' e4m3 hi + lo parts (CONFIG values8_narrow_fp8, at most
+        # 16 columns a tile): the same scores, so the same lse; the output within the parts' rounding
+        monkeypatch.setitem(td.CONFIG, "values8_narrow_fp8", 1)
+        used.clear()
+        v8 = run(cache, table)
+        assert used and all(kw["values8"] for _, kw in used)
+        _check_against_torch(v8, ref, 1)
+        torch.testing.assert_close(v8.lse, got.lse, atol=0, rtol=0)
+        torch.testing.assert_close(v8.out, got.out, atol=4e-3, rtol=0)
+        if gluon_mla_narrow.values8_apply(tq * heads):
+            assert not torch.equal(v8.out, got.out), "values8 changed nothing: the fp8 value MMAs did not run"
+        bad8 = table.clone()
+        bad8[5, 0] = nb + 7
+        _nan_row_5_only(run(cache, bad8), v8)
+        _replays_to(lambda: run(cache, table), v8)
+        monkeypatch.setitem(td.CONFIG, "values8_narrow_fp8", 0)
         used.clear()
         monkeypatch.setitem(td.CONFIG, "direct_wide_narrow_fp8", 0)
         off = run(cache, table)

@@ -41,8 +41,9 @@ def _build(name: str, cubin: Path | None = None) -> dict:
     tiles = re.search(r"-tiles(\d+)", name)  # ("-tilesN": the narrow direct kernel over N head tiles a sequence)
     half = "-half" in name              # ("-half": bf16 split partials, CONFIG half_partials)
     planned = "-planned" in name        # ("-planned": the grid's splits a length plan's items)
+    v8 = "-v8" in name                  # ("-v8": the narrow direct kernel's value MMAs in fp8, CONFIG values8_narrow_fp8)
     family, dtype, *more = (name.removesuffix("-pdl").replace("-pipe", "").replace("-paired", "")
-                            .replace("-ahead", "").replace("-half", "").replace("-planned", "")
+                            .replace("-ahead", "").replace("-half", "").replace("-planned", "").replace("-v8", "")
                             .replace(tiles.group(0) if tiles else "-tiles", "").split("-"))
     fp8 = dtype == "fp8"
     ptrs = {"table_ptr": "*i32", "glens_ptr": "*i64", "o_ptr": "*bf16" if half else "*fp32", "lse_ptr": "*fp32",
@@ -113,6 +114,8 @@ def _build(name: str, cubin: Path | None = None) -> dict:
         consts["AHEAD"] = ahead
     if "TILES" in kernel.arg_names:
         consts["TILES"] = int(tiles.group(1)) if tiles else 1
+    if "V8" in kernel.arg_names:
+        consts["V8"] = v8
     if "PLANNED" in kernel.arg_names:
         consts["PLANNED"] = planned
         if planned:
@@ -181,6 +184,9 @@ BUILDS = [
     # beside two value warpgroups of 192: its boxes' smem descriptors spill, ~20 L1 loads and stores a tile)
     ("mlaw-fp8-direct2", 256), ("mlaw-fp8-direct3-paired-ahead-pdl", 320),
     ("mlaw-fp8-direct2-paired-ahead-planned-pdl", 320),
+    # the narrow direct kernel's value MMAs in fp8 (CONFIG values8_narrow_fp8; at most 16 columns: at 32 its
+    # accumulators and operands spill 456-468 B)
+    ("mlan-fp8-16-direct5s-ahead-paired-v8-pdl", 0), ("mlan-fp8-16-direct5s-ahead-paired-planned-v8", 0),
     # the bf16 kernel over token runs (`gluon_mla_runs`, CONFIG runs_wide): the partitions of "mla-bf16"
     # looping over a program's segments
     ("mlaruns-bf16", 512), ("mlaruns-bf16-pdl", 512)]

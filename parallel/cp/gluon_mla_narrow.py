@@ -60,6 +60,8 @@ if HAS_GLUON:
     from .triton_common import work_item as _work_item
 
 MAX_HEADS = 32      # the widest narrow tile: NQ = 32 columns (eight 64 x 32 fp32 accumulators)
+VALUES8_MAX_COLUMNS = 16  # the widest tile whose value MMAs go in fp8 (`values8_apply`; at 32 its accumulators
+#                           and operands spill 456-468 B)
 PAIRS_MAX_COLUMNS = 16  # the direct fp8 form's widest tile whose scores go in tile pairs (at 32 two tiles'
 #                         score accumulators spill 0.6-0.8 KB)
 _LBOX, _LBOXES = 128, 4     # the direct fp8 kernel's latent boxes: 128 dims (128-byte rows), four of them
@@ -94,6 +96,12 @@ def pairs_apply(rows: int, raw: int) -> bool:
     """The direct fp8 form can take its scores in tile pairs: at least two raw stages (the pair's tiles
     in two of them) and at most PAIRS_MAX_COLUMNS query rows."""
     return raw >= 2 and rows <= PAIRS_MAX_COLUMNS
+
+
+def values8_apply(rows: int) -> bool:
+    """The direct fp8 kernel's value MMAs may go in fp8 (`_direct_values8`): at most VALUES8_MAX_COLUMNS
+    columns a tile."""
+    return rows <= VALUES8_MAX_COLUMNS
 
 
 def head_tiles(rows: int, width: int = MAX_HEADS) -> tuple[int, int]:
@@ -334,6 +342,57 @@ if HAS_GLUON:
         o_odd = warpgroup_mma(odd, pt, o_odd * alpha[None, :], is_async=True)
         return o_even, o_odd
 
+    # The value MMAs in fp8 (CONFIG values8_narrow_fp8): a thread's 16-bit ldmatrix registers, taken in
+    # the order (key + 1, key + 8) of `_V16`, hold keys k, k + 1, k + 8, k + 9 of one dim pair; two byte
+    # permutes make of them the even and the odd dim's four keys, which is one register of an fp8 A
+    # operand once the keys are relabelled k -> b0 + 2 b3 + 4 b1 + 8 b2 + 16 b4 + 32 b5 (`_relabel_keys`, a
+    # layout change only). The weights are stored under the same relabelling (`_publish8`), so the MMA's sum
+    # over the keys is unchanged.
+    _V16 = gl.constexpr(gl.DistributedLinearLayout(
+        reg_bases=[[0, 1], [0, 8], [8, 0], [0, 16], [0, 32]], lane_bases=[[0, 2], [0, 4], [1, 0], [2, 0], [4, 0]],
+        warp_bases=[[16, 0], [32, 0]], block_bases=[], shape=[64, 64]))
+    P8_UNIT = gl.constexpr(256.0)    # the weights (at most 1) times this as e4m3 hi + lo parts: no part saturates
+
+    @gluon.jit
+    def _split_bytes(x):
+        """int16 elements (two e4m3 values each, the low byte the even dim) -> (the even bytes, the odd
+        bytes) as int8, in x's layout: two byte permutes a four elements."""
+        return gl.inline_asm_elementwise(
+            "{ prmt.b32 $0, $2, $3, 0x6420; prmt.b32 $1, $2, $3, 0x7531; }",
+            "=r,=r,r,r", [x], dtype=(gl.int8, gl.int8), is_pure=True, pack=4)
+
+    @gluon.jit
+    def _relabel_keys(x, AXIS: gl.constexpr):
+        """x [64, N] (AXIS 0) or [M, 64] (AXIS 1) with its 64 keys relabelled k -> b0 + 2 b3 + 4 b1 + 8 b2 +
+        16 b4 + 32 b5 (bi: bit i of k)."""
+        if AXIS == 0:
+            y = x.reshape([2, 2, 2, 2, 2, 2, x.shape[1]]).permute((0, 1, 3, 4, 2, 5, 6)).reshape([64, x.shape[1]])
+        else:
+            y = x.reshape([x.shape[0], 2, 2, 2, 2, 2, 2]).permute((0, 1, 2, 4, 5, 3, 6)).reshape([x.shape[0], 64])
+        return y
+
+    @gluon.jit
+    def _value_operands8(box, a8: gl.constexpr, i16: gl.constexpr):
+        """A raw box [64 keys, 128 dims] as the two fp8 A operands of its even and odd dims [64, 64 keys
+        relabelled] (`_relabel_keys`): ldmatrix .trans and byte permutes, no conversion."""
+        even, odd = _split_bytes(box._reinterpret(gl.int16, [BLOCK, LBOX // 2], i16).permute((1, 0)).load(_V16))
+        even = gl.convert_layout(_relabel_keys(even.to(gl.float8e4nv, bitcast=True), 1), a8)
+        odd = gl.convert_layout(_relabel_keys(odd.to(gl.float8e4nv, bitcast=True), 1), a8)
+        return even, odd
+
+    @gluon.jit
+    def _values_box8(box, ph, pl, acc: gl.constexpr, a8: gl.constexpr, i16: gl.constexpr, NQ: gl.constexpr):
+        """V^T P^T of a latent box's even and odd dims against the weights' e4m3 hi and lo parts (ph, pl:
+        [64 keys relabelled, NQ]), each parity into a fresh accumulator (four fp8 MMAs of 32 keys a chain:
+        summed into the fp32 outputs by the caller, as DeepGEMM promotes its fp8 sums)."""
+        even, odd = _value_operands8(box, a8, i16)
+        zero = gl.zeros([BLOCK, NQ], gl.float32, acc)
+        te = warpgroup_mma(even, ph, zero, use_acc=False, is_async=True)
+        te = warpgroup_mma(even, pl, te, is_async=True)
+        to = warpgroup_mma(odd, ph, zero, use_acc=False, is_async=True)
+        to = warpgroup_mma(odd, pl, to, is_async=True)
+        return te, to
+
     @gluon.jit
     def _zero_tail(kl_smem, first, valid, BOXES: gl.constexpr = 4):
         """Rows valid.. of a raw stage's BOXES 64 x 128 fp8 boxes (MLA: its four latent boxes) to zero
@@ -464,6 +523,33 @@ if HAS_GLUON:
         return a_smem.index(pb).load(col_l), p_smem.index(pb).permute((1, 0))
 
     @gluon.jit
+    def _publish8(p8_smem, a_smem, p_free, p_ready, t, p, alpha):
+        """`_publish` of the weights p [64 keys, NQ] (at most 1) times P8_UNIT as e4m3 hi and lo parts (~8
+        significant bits, a bf16 weight's), keys relabelled as the value operands' (`_relabel_keys`), into
+        buffer t % 2 of p8_smem [2 buffer + part, NQ, 64]."""
+        x = p * P8_UNIT
+        hi = x.to(gl.float8e4nv)
+        lo = (x - hi.to(gl.float32)).to(gl.float8e4nv)
+        pb = t % 2
+        if t >= 2:
+            mbarrier.wait(p_free.index(pb), ((t // 2) - 1) & 1)
+        p8_smem.index(2 * pb).store(gl.permute(_relabel_keys(hi, 0), [1, 0]))
+        p8_smem.index(2 * pb + 1).store(gl.permute(_relabel_keys(lo, 0), [1, 0]))
+        a_smem.index(pb).store(alpha)
+        fence_async_shared()
+        gl.thread_barrier()
+        mbarrier.arrive(p_ready.index(pb))
+
+    @gluon.jit
+    def _published8(p8_smem, a_smem, p_ready, t, col_l: gl.constexpr):
+        """(the rescale per column, the weights' hi and lo parts [64 keys relabelled, NQ] as B operands) of
+        tile t, once published (`_publish8`)."""
+        pb = t % 2
+        mbarrier.wait(p_ready.index(pb), (t // 2) & 1)
+        return (a_smem.index(pb).load(col_l), p8_smem.index(2 * pb).permute((1, 0)),
+                p8_smem.index(2 * pb + 1).permute((1, 0)))
+
+    @gluon.jit
     def _final_factor(a_smem, p_ready, tiles, col_l: gl.constexpr):
         """The output's final factor per column (`_publish_factor`)."""
         mbarrier.wait(p_ready.index(tiles % 2), (tiles // 2) & 1)
@@ -471,7 +557,8 @@ if HAS_GLUON:
 
     @gluon.jit
     def _tile_softmax(sc, t, m_i, l_i, r_i, start, end, keys, qk_q, q_pos, ks_smem, p_smem, a_smem, raw_free,
-                      p_free, p_ready, dcp_size, dcp_rank, interleave, RAW: gl.constexpr, CAUSAL: gl.constexpr):
+                      p_free, p_ready, dcp_size, dcp_rank, interleave, RAW: gl.constexpr, CAUSAL: gl.constexpr,
+                      V8: gl.constexpr = False):
         """Tile t's raw scores sc (its MMAs complete) through the online softmax: times its keys' scales
         (the raw stage then released) and the queries' factors, masked past the end (CAUSAL: and past
         each column's token), the weights P^T and the rescale published in buffer t % 2 for the value
@@ -486,7 +573,10 @@ if HAS_GLUON:
         mbarrier.arrive(raw_free.index(rs))
         sc = gl.where(live, sc * ks[:, None] * qk_q[None, :], float("-inf"))
         p, alpha, m_i, l_i, r_i = _softmax_step(sc, m_i, l_i, r_i, ks, 0, True, True)
-        _publish(p_smem, a_smem, p_free, p_ready, t, gl.permute(p.to(gl.float16), [1, 0]), alpha)
+        if V8:
+            _publish8(p_smem, a_smem, p_free, p_ready, t, p, alpha)
+        else:
+            _publish(p_smem, a_smem, p_free, p_ready, t, gl.permute(p.to(gl.float16), [1, 0]), alpha)
         return m_i, l_i, r_i
 
     @gluon.jit
@@ -494,7 +584,8 @@ if HAS_GLUON:
                        p_ready, p_free, table_ptr, glens_ptr, lse_ptr, s, split, split_len, dcp_size, dcp_rank,
                        interleave, table_w, num_blocks, st_s, qk_scale, sl_p, sl_s, sl_t, HQ, TQ,
                        PAGE: gl.constexpr, RAW: gl.constexpr, NQ: gl.constexpr, CAUSAL: gl.constexpr,
-                       PIPE: gl.constexpr = False, AHEAD: gl.constexpr = False, TILES: gl.constexpr = 1):
+                       PIPE: gl.constexpr = False, AHEAD: gl.constexpr = False, TILES: gl.constexpr = 1,
+                       V8: gl.constexpr = False):
         """The direct fp8 kernel's first warpgroup: the queries as e4m3 hi and lo parts, then per raw tile
         S^T = K Q^T as fp8 MMAs straight from shared memory (`_scores_tile8`), the online softmax (over
         fp8: scales, a running per-column unit), the weights P^T and
@@ -503,7 +594,8 @@ if HAS_GLUON:
         before the first's softmax and run under it (over a stale stage where the split ends first:
         discarded; `launch` asks for it at most at PAIRS_MAX_COLUMNS columns). Across pairs no
         MMAs stay in flight: a loop-carried in-flight accumulator costs register moves, for which ptxas
-        serializes every wgmma of the kernel (its warning C7514)."""
+        serializes every wgmma of the kernel (its warning C7514). V8: the weights published as e4m3 parts for
+        fp8 value MMAs (`_publish8`)."""
         mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, NQ, 16])
         mma8: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, 2 * NQ, 32])    # (hi and lo parts)
@@ -542,13 +634,13 @@ if HAS_GLUON:
                 sc = gl.convert_layout(_fold_parts((a0 + a1) + (a2 + a3) + a4, NQ), mma)
                 m_i, l_i, r_i = _tile_softmax(sc, t, m_i, l_i, r_i, start, end, keys, qk_q, q_pos, ks_smem, p_smem,
                                               a_smem, raw_free, p_free, p_ready, dcp_size, dcp_rank, interleave,
-                                              RAW, CAUSAL)
+                                              RAW, CAUSAL, V8)
                 b0, b1, b2, b3, b4 = warpgroup_mma_wait(num_outstanding=0, deps=(b0, b1, b2, b3, b4))
                 if two:
                     sc = gl.convert_layout(_fold_parts((b0 + b1) + (b2 + b3) + b4, NQ), mma)
                     m_i, l_i, r_i = _tile_softmax(sc, t + 1, m_i, l_i, r_i, start, end, keys, qk_q, q_pos, ks_smem,
                                                   p_smem, a_smem, raw_free, p_free, p_ready, dcp_size, dcp_rank,
-                                                  interleave, RAW, CAUSAL)
+                                                  interleave, RAW, CAUSAL, V8)
         else:
             for t in range(tiles):
                 rs = t % RAW
@@ -562,7 +654,7 @@ if HAS_GLUON:
                 sc = gl.convert_layout(_fold_parts((s0 + s1) + (s2 + s3) + s4, NQ), mma)   # (same registers)
                 m_i, l_i, r_i = _tile_softmax(sc, t, m_i, l_i, r_i, start, end, keys, qk_q, q_pos, ks_smem, p_smem,
                                               a_smem, raw_free, p_free, p_ready, dcp_size, dcp_rank, interleave,
-                                              RAW, CAUSAL)
+                                              RAW, CAUSAL, V8)
         if AHEAD:
             bad = bad | _bad_ids_after(early, table_ptr, s, st_s, start, end, num_blocks, PAGE, IDS_L)
         factor, lse = _finish(m_i, gl.sum(l_i, 0), r_i, bad, True)
@@ -621,6 +713,64 @@ if HAS_GLUON:
         _store_box(o_ptr, e3, d3, 3 * LBOX, factor, o_q, mine, rows, PAIRED)
 
     @gluon.jit
+    def _direct_values8(kl_smem, p8_smem, a_smem, raw_free, p_ready, p_free, glens_ptr, o_ptr, s, split, split_len,
+                        dcp_size, dcp_rank, interleave, table_w, so_p, so_s, so_t, so_h, HQ, TQ, PAGE: gl.constexpr,
+                        RAW: gl.constexpr, NQ: gl.constexpr, PAIRED: gl.constexpr = False,
+                        TILES: gl.constexpr = 1):
+        """`_direct_values` with fp8 value MMAs (CONFIG values8_narrow_fp8): each box's even and odd dims
+        as fp8 A operands made by byte permutes (`_value_operands8`, no conversion), against the weights'
+        e4m3 hi and lo parts, into fresh accumulators that the fp32 outputs take up rescaled
+        (o = o alpha + tile); the output's factor then carries the parts' unit (1 / P8_UNIT)."""
+        mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, NQ, 16])
+        acc: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, NQ, 32])
+        key_l: gl.constexpr = gl.SliceLayout(1, mma)
+        q_l: gl.constexpr = gl.SliceLayout(0, mma)
+        a8: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc, k_width=4)
+        i16: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
+        start, end, tiles, bad = _split_range(glens_ptr, s, split, split_len, dcp_size, dcp_rank, interleave,
+                                              table_w, PAGE)
+        e0 = gl.zeros([BLOCK, NQ], gl.float32, mma)
+        d0 = gl.zeros([BLOCK, NQ], gl.float32, mma)
+        e1 = gl.zeros([BLOCK, NQ], gl.float32, mma)
+        d1 = gl.zeros([BLOCK, NQ], gl.float32, mma)
+        e2 = gl.zeros([BLOCK, NQ], gl.float32, mma)
+        d2 = gl.zeros([BLOCK, NQ], gl.float32, mma)
+        e3 = gl.zeros([BLOCK, NQ], gl.float32, mma)
+        d3 = gl.zeros([BLOCK, NQ], gl.float32, mma)
+        for t in range(tiles):
+            rs = t % RAW
+            alpha, ph, pl = _published8(p8_smem, a_smem, p_ready, t, q_l)
+            a2 = alpha[None, :]
+            first = rs * LBOXES
+            te0, to0 = _values_box8(kl_smem.index(first), ph, pl, acc, a8, i16, NQ)
+            te1, to1 = _values_box8(kl_smem.index(first + 1), ph, pl, acc, a8, i16, NQ)
+            te0, to0 = warpgroup_mma_wait(num_outstanding=4, deps=(te0, to0))
+            e0 = e0 * a2 + gl.convert_layout(te0, mma)
+            d0 = d0 * a2 + gl.convert_layout(to0, mma)
+            te2, to2 = _values_box8(kl_smem.index(first + 2), ph, pl, acc, a8, i16, NQ)
+            te1, to1 = warpgroup_mma_wait(num_outstanding=4, deps=(te1, to1))
+            e1 = e1 * a2 + gl.convert_layout(te1, mma)
+            d1 = d1 * a2 + gl.convert_layout(to1, mma)
+            te3, to3 = _values_box8(kl_smem.index(first + 3), ph, pl, acc, a8, i16, NQ)
+            te2, to2, te3, to3 = warpgroup_mma_wait(num_outstanding=0, deps=(te2, to2, te3, to3))
+            mbarrier.arrive(p_free.index(t % 2))
+            mbarrier.arrive(raw_free.index(rs))
+            e2 = e2 * a2 + gl.convert_layout(te2, mma)
+            d2 = d2 * a2 + gl.convert_layout(to2, mma)
+            e3 = e3 * a2 + gl.convert_layout(te3, mma)
+            d3 = d3 * a2 + gl.convert_layout(to3, mma)
+        factor = _final_factor(a_smem, p_ready, tiles, q_l) * (1.0 / P8_UNIT)
+        cols = _first_column(TILES, NQ) + gl.arange(0, NQ, layout=q_l)
+        rows = gl.arange(0, BLOCK, layout=key_l)
+        mine = cols < TQ * HQ
+        o_q = (split.to(gl.int64) * so_p + s.to(gl.int64) * so_s + (cols // HQ).to(gl.int64) * so_t
+               + (cols % HQ).to(gl.int64) * so_h)
+        _store_box(o_ptr, e0, d0, 0, factor, o_q, mine, rows, PAIRED)
+        _store_box(o_ptr, e1, d1, LBOX, factor, o_q, mine, rows, PAIRED)
+        _store_box(o_ptr, e2, d2, 2 * LBOX, factor, o_q, mine, rows, PAIRED)
+        _store_box(o_ptr, e3, d3, 3 * LBOX, factor, o_q, mine, rows, PAIRED)
+
+    @gluon.jit
     def _direct_loader(kl_desc, kr_desc, ks_desc, table_ptr, glens_ptr, kl_smem, kr_smem, ks_smem, raw_ready,
                        raw_free, s, split, split_len, dcp_size, dcp_rank, interleave, table_w, num_blocks, st_s,
                        PAGE: gl.constexpr, RAW: gl.constexpr, AHEAD: gl.constexpr = False):
@@ -647,7 +797,7 @@ if HAS_GLUON:
                                   RAW: gl.constexpr, CAUSAL: gl.constexpr = False, PDL: gl.constexpr = False,
                                   PIPE: gl.constexpr = False, PAIRED: gl.constexpr = False,
                                   AHEAD: gl.constexpr = False, TILES: gl.constexpr = 1,
-                                  plan_ptr=None, PLANNED: gl.constexpr = False):
+                                  plan_ptr=None, PLANNED: gl.constexpr = False, V8: gl.constexpr = False):
         """fp8 latent cache without a converter: a one-warp TMA loader fills RAW raw stages; one warpgroup
         reads each tile's bytes straight into the scores' A operands (`_direct_scores`), the other into
         the values' (`_direct_values`) one tile behind, through a double buffer of the weights. PAIRED:
@@ -665,7 +815,10 @@ if HAS_GLUON:
         # (the queries' e4m3 hi and lo parts, box b's at [2b] and [2b + 1])
         ql_smem = gl.allocate_shared_memory(gl.float8e4nv, [2 * LBOXES, NQ, LBOX], lbox)
         qr_smem = gl.allocate_shared_memory(gl.float8e4nv, [2, NQ, BLOCK], rbox)
-        p_smem = gl.allocate_shared_memory(gl.float16, [2, NQ, BLOCK], qrbox)
+        if V8:      # (the weights' e4m3 hi and lo parts, [2 buffer + part, NQ, 64 keys]: as many bytes as fp16)
+            p_smem = gl.allocate_shared_memory(gl.float8e4nv, [4, NQ, BLOCK], rbox)
+        else:
+            p_smem = gl.allocate_shared_memory(gl.float16, [2, NQ, BLOCK], qrbox)
         a_smem = gl.allocate_shared_memory(gl.float32, [2, NQ], vec)
         kl_smem = gl.allocate_shared_memory(gl.float8e4nv, [RAW * LBOXES, BLOCK, LBOX], lbox)
         kr_smem = gl.allocate_shared_memory(gl.float8e4nv, [RAW, BLOCK, BLOCK], rbox)
@@ -689,10 +842,10 @@ if HAS_GLUON:
             (_direct_scores, (q_ptr, ql_smem, qr_smem, kl_smem, kr_smem, ks_smem, p_smem, a_smem, raw_ready,
                               raw_free, p_ready, p_free, table_ptr, glens_ptr, lse_ptr, s, split, split_len,
                               dcp_size, dcp_rank, interleave, table_w, num_blocks, st_s, qk_scale, sl_p, sl_s, sl_t,
-                              HQ, TQ, PAGE, RAW, NQ, CAUSAL, PIPE, AHEAD, TILES)),
-            (_direct_values, (kl_smem, p_smem, a_smem, raw_free, p_ready, p_free, glens_ptr, o_ptr, s, split,
-                              split_len, dcp_size, dcp_rank, interleave, table_w, so_p, so_s, so_t, so_h, HQ, TQ,
-                              PAGE, RAW, NQ, PAIRED, TILES)),
+                              HQ, TQ, PAGE, RAW, NQ, CAUSAL, PIPE, AHEAD, TILES, V8)),
+            (_direct_values8 if V8 else _direct_values,
+             (kl_smem, p_smem, a_smem, raw_free, p_ready, p_free, glens_ptr, o_ptr, s, split, split_len, dcp_size,
+              dcp_rank, interleave, table_w, so_p, so_s, so_t, so_h, HQ, TQ, PAGE, RAW, NQ, PAIRED, TILES)),
             (_direct_loader, (kl_desc, kr_desc, ks_desc, table_ptr, glens_ptr, kl_smem, kr_smem, ks_smem,
                               raw_ready, raw_free, s, split, split_len, dcp_size, dcp_rank, interleave, table_w,
                               num_blocks, st_s, PAGE, RAW, AHEAD)),
@@ -701,14 +854,16 @@ if HAS_GLUON:
 def launch(q: Tensor, k: Tensor, table: Tensor, seq_lens: Tensor, o: Tensor, lse: Tensor, scale_log2: float,
            splits: int, split_len: int, dcp_size: int, dcp_rank: int, interleave: int,
            k_scale: Tensor | None = None, raw: int = 5, pdl: bool = False, pipe: bool = False,
-           paired: bool = False, ahead: bool = False, width: int = MAX_HEADS, plan: Tensor | None = None) -> None:
+           paired: bool = False, ahead: bool = False, width: int = MAX_HEADS, plan: Tensor | None = None,
+           values8: bool = False) -> None:
     """Fill the split partials o [splits, S, Tq, Hq, 512] / lse [splits, S, Tq, Hq] of queries q [S, Tq,
     Hq, 576] (`gluon_mla.gluon_mla_ok` and `narrow_ok` of Tq x Hq columns hold, or `tiles_ok`: more
     columns, in `head_tiles` of `width`; Tq > 1: causal within the step's tokens); over fp8 the
     direct kernel with `raw` raw stages of 64 keys (`direct_fits` of a tile's columns;
     `pipe`: the scores in tile pairs where `pairs_apply`: at least two raw stages and at most
     PAIRS_MAX_COLUMNS columns; `paired`: the output's dim pairs stored together), over both the
-    loader's first block ids loaded beside the length with `ahead`; pdl: launched with programmatic
+    loader's first block ids loaded beside the length with `ahead`; over fp8 `values8`: the value MMAs in
+    fp8 against the weights' e4m3 hi and lo parts (`_direct_values8`) where `values8_apply`; pdl: launched with programmatic
     dependent launch, `triton_merge.pdl_ok`. plan: a length plan's item table (`triton_decode.LengthPlan`):
     the grid's `splits` are its items, o's sequence stride 0."""
     s, tq, hq, d = q.shape
@@ -733,7 +888,7 @@ def launch(q: Tensor, k: Tensor, table: Tensor, seq_lens: Tensor, o: Tensor, lse
             q, kl_desc, kr_desc, ks_desc, table, seq_lens, o, lse, scale_log2, split_len, hq, tq, dcp_size, dcp_rank,
             interleave, table.shape[1], nb, table.stride(0), *tail, PAGE=page, NQ=nq, RAW=raw, CAUSAL=tq > 1,
             PIPE=bool(pipe) and pairs_apply(nq, raw), PAIRED=bool(paired), AHEAD=bool(ahead), TILES=tiles,
-            num_warps=4, **launch)
+            V8=bool(values8) and values8_apply(nq), num_warps=4, **launch)
         return
     box = shared_box(_BLOCK, _BLOCK, gl.bfloat16)
     qbox = shared_box(nq, _BLOCK, gl.bfloat16)

@@ -781,6 +781,14 @@ CONFIG = impl.Settings({
     # DCP N = 8 33.58 against 34.37, while GQA's direct kernel lost again (73.04 / 275.73 against 70.50 /
     # 262.58 at 32K / 128K); on the H100 a tie for MLA (within 0.2%) and a 1.5-3% win for GQA
     "paired_store_direct_fp8": 1,
+    # MLA's narrow direct fp8 kernel at most 16 columns (`gluon_mla_narrow.values8_apply`): the value MMAs in
+    # fp8 (`_direct_values8`): each box's even / odd dims made into fp8 A operands by byte permutes (no
+    # e4m3 -> fp16 conversion: its sm_90a loop 242 instructions a tile against 452, of which 128 F2FP and
+    # 128 PRMT), against the weights published as e4m3 hi + lo parts (~8 significant bits, a bf16
+    # weight's), into a fresh accumulator a tile that the fp32 outputs take up; its scores warpgroup ~33
+    # instructions a tile more for the parts. Built and checked on the CPU only: off until a GPU has run
+    # its test and `megapar bench cp` has timed it (column values8_us)
+    "values8_narrow_fp8": 0,
     "ids_ahead": 1,
     "ids_ahead_direct_fp8": 0,
     "ids_ahead_narrow_fp8": 1,
@@ -1141,7 +1149,7 @@ _VALID = {
     "gluon_gqa": (0, 1), "gluon_gqa_fp8": (0, 1), "stages": range(2, 7),
     "swap": (0, 1), "raw_ring": (0, 1, 2, 3, 4), "keys": (32, 64), "ring": (1, 2, 3),
     "maxnreg": (0, *range(64, 256, 8)), "at_most": (0, 1), "stage16": (0, 1, 2), "even": (0, 1),
-    "direct": range(0, 13), "pipe": (0, 1), "paired_store": (0, 1), "ids_ahead": (0, 1), "tiles": (0, 1, 2),
+    "direct": range(0, 13), "pipe": (0, 1), "paired_store": (0, 1), "values8": (0, 1), "ids_ahead": (0, 1), "tiles": (0, 1, 2),
     "tile_columns": (16, 32), "expand": (0, 1), "half_partials": (0, 1), "plan_waves": range(1, 9),
     "plan_fit": (0, 1), "plan_fit_wide": (0, 1), "plan_fit_wide_narrow": (0, 1), "plan_order": (0, 1),
 }
@@ -1802,7 +1810,7 @@ def paged_decode_triton(q: Tensor, k: Tensor, v: Tensor, k_scale: Tensor | None,
     elif s > 0 and splits > 0 and c.swapped:
         gluon_mla_narrow.launch(q, k, table, seq_lens, o, lse, scale * _LOG2E, splits, split_len, dcp_size, dcp_rank,
                                 interleave, k_scale if fp8 else None, raw=c.narrow_raw, pdl=pdl,
-                                pipe=bool(CONFIG["pipe_wide_narrow_fp8"]),
+                                pipe=bool(CONFIG["pipe_wide_narrow_fp8"]), values8=bool(CONFIG["values8_narrow_fp8"]),
                                 width=c.width if c.tiled else gluon_mla_narrow.MAX_HEADS, **direct_opts, **planned)
     elif s > 0 and splits > 0 and c.wide_raw:
         gluon_mla_direct.launch(q, k, table, seq_lens, o, lse, scale * _LOG2E, splits, split_len, dcp_size, dcp_rank,
