@@ -27,7 +27,11 @@ accumulator summed in fp32, at most 16 columns in tile pairs (the second tile's 
 first's softmax); it publishes P^T and the rescale through a double buffer. The value warpgroup
 loads each latent box transposed with 16-bit ldmatrix (64 dim pairs x 64 keys) and splits each
 pair into its even and odd dims in registers, so each of its eight accumulators holds one parity
-of a box's 128 dims.
+of a box's 128 dims. Those splits are e4m3 -> fp16 conversions (and the byte permutes that feed
+them) in the installed form; with CONFIG values8_narrow_fp8 (`_direct_values8`, at most 16 columns)
+they are byte permutes only, the value MMAs run in fp8 against the weights published as e4m3 hi + lo
+parts, and each tile's MMAs start a fresh accumulator that the fp32 outputs take up (the tensor
+cores' fp8 sums are not kept in fp32 over long chains).
 
 More than 32 columns (a speculative step's tokens x heads) run in head tiles of 32 (`head_tiles`:
 one program a sequence x tile, a sequence's tiles side by side in the grid, so that all but the
