@@ -339,6 +339,31 @@ def test_direct_kernels_store_their_output_dim_pairs_together(columns):
     assert paired["shared"] == plain["shared"] and not paired["serialized"]
 
 
+def test_narrow_fp8_value_mmas_take_their_operands_without_conversion(tmp_path):
+    """CONFIG values8_narrow_fp8: the narrow direct kernel's value warpgroup builds its A operands by byte
+    permutes alone (the keys' relabelling a layout change: no conversion through shared memory) and
+    runs its MMAs in fp8: of the installed build's e4m3 -> fp16 conversions (128 a tile in its value loop)
+    only the scores warpgroup's remain (the weights' hi parts back to fp32, and its tail tiles); per
+    tile 32 fp8 value MMAs of 32 keys (two parities x hi, lo x four boxes) in place of 32 fp16 ones of 16;
+    the same shared memory, no spills."""
+    import triton
+
+    dump = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+    base, v8 = "mlan-fp8-16-direct5s-ahead-paired-pdl", "mlan-fp8-16-direct5s-ahead-paired-v8-pdl"
+    sass = {}
+    for name in (base, v8):
+        _built(name, tmp_path / f"{name}.cubin")
+        sass[name] = subprocess.run([str(dump), "-sass", str(tmp_path / f"{name}.cubin")], capture_output=True,
+                                    text=True, check=True).stdout
+    unpack = {n: sass[n].count("E4M3.UNPACK_B") for n in sass}
+    assert unpack[base] >= 128 and unpack[v8] <= unpack[base] - 120, unpack
+    hgmma = {n: len(re.findall(r"HGMMA\.64x16x16", sass[n])) for n in sass}
+    assert hgmma[base] == 32 and hgmma[v8] == 0, hgmma
+    assert len(re.findall(r"QGMMA\.64x16x32\.F32\.E4M3\.E4M3 R\d+, R\d+", sass[v8])) == 32     # (A from registers)
+    got, ref = _built(v8), _built(base)
+    assert got["shared"] == ref["shared"] and got["spill"] == 0 and not got["serialized"]
+
+
 @pytest.mark.parametrize("keys,ring,raw,fits", [(64, 1, 1, True), (64, 1, 2, True), (64, 2, 1, False),
                                                 (32, 2, 2, True), (32, 2, 4, True), (32, 3, 2, True),
                                                 (32, 3, 4, False), (48, 2, 2, False), (32, 0, 2, False)])
