@@ -105,6 +105,36 @@ def test_runs_plan_on_random_batches():
             assert (mine[-1][2] if mine else 0) == x
 
 
+def test_runs_charge_is_the_cheapest_walk():
+    """`runs_plan(choose=True)`: of RUNS_CHARGES the charge whose walk of the tile stream (`_walk`) has the
+    cheapest busiest program, a segment costing `cost` tiles beyond its tiles (the first of equal ones),
+    and that charge's plan; at uniform lengths that halve into the programs no charge, among many short
+    sequences and a few long ones a charge."""
+    from parallel.cp.gluon_mla_runs import RUNS_CHARGES, runs_charge
+
+    def span(lens, bad, programs, charge, cost):
+        got, _ = _walk(lens, bad, programs, 64, charge)
+        return max(sum(-(-(e - s) // 64) + cost for _, s, e in p if e > s) for p in got)
+
+    rng = random.Random(3)
+    cases = [([2048] * 32, [False] * 32, 66, 5), ([32768] * 2 + [512] * 30, [False] * 32, 66, 5)]
+    for _ in range(60):
+        rows = rng.randint(1, 40)
+        lens = [rng.choice([0, 1, 65, rng.randint(0, 3000), rng.randint(0, 40000)]) for _ in range(rows)]
+        bad = [rng.random() < 0.05 for _ in range(rows)]
+        cases.append(([0 if b else x for x, b in zip(lens, bad)], bad, rng.randint(1, 140), rng.choice([0, 3, 5])))
+    for lens, bad, programs, cost in cases:
+        spans = [span(lens, bad, programs, f, cost) for f in RUNS_CHARGES]
+        want = RUNS_CHARGES[spans.index(min(spans))]
+        n, b = torch.tensor(lens, dtype=torch.long), torch.tensor(bad, dtype=torch.bool)
+        assert int(runs_charge(n, programs, 64, cost)) == want, (lens, programs, cost, spans)
+        table, segments = runs_plan(n, b, programs, overhead=cost, choose=True)
+        t2, s2 = runs_plan(n, b, programs, overhead=want)
+        assert torch.equal(table, t2) and torch.equal(segments, s2)
+    assert int(runs_charge(torch.tensor([2048] * 32), 66, 64, 5)) == 0
+    assert int(runs_charge(torch.tensor([32768] * 2 + [512] * 30), 66, 64, 5)) > 0
+
+
 def test_plan_reference_makes_a_runs_plan_from_its_key():
     """A key with runs > 0 (what `plan_settings` gives the 128-head bf16 Gluon kernel under CONFIG
     runs_wide) makes the token-run plan of the DCP shard's local lengths, bad rows marked."""
@@ -199,11 +229,14 @@ def test_runs_kernel_bad_rows_are_nan_and_the_rest_exact(monkeypatch):
 
 
 @pytest.mark.parametrize("size,rank,interleave,tq", [(1, 0, 1, 1), (4, 3, 1, 1), (3, 1, 2, 1), (2, 0, 1, 3)])
-@pytest.mark.parametrize("programs,overhead", [(66, 5), (3, 0), (7, 2), (200, 5)])
-def test_runs_planner_kernel_matches_the_torch_plan(size, rank, interleave, tq, programs, overhead, monkeypatch):
+@pytest.mark.parametrize("programs,overhead,choose", [(66, 5, 0), (3, 0, 0), (7, 2, 0), (200, 5, 0), (66, 5, 1),
+                                                     (7, 3, 1)])
+def test_runs_planner_kernel_matches_the_torch_plan(size, rank, interleave, tq, programs, overhead, choose,
+                                                     monkeypatch):
     """The planner kernel (`triton_decode._runs_plan_kernel`, what `plan_paged_decode` launches on a GPU;
     here in the interpreter) against `runs_plan` through `plan_reference`: lengths with 0, 1, tile edges,
-    long ones, a negative one and one past the table, over more rows than one of the kernel's blocks."""
+    long ones, a negative one and one past the table, over more rows than one of the kernel's blocks; with
+    the charge chosen (CONFIG runs_choose_wide) the same choice."""
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     triton = pytest.importorskip("triton")  # noqa: F841
     from parallel.cp import triton_decode
@@ -213,7 +246,7 @@ def test_runs_planner_kernel_matches_the_torch_plan(size, rank, interleave, tq, 
     rows = len(lens) * tq
     key = (("items_target", 2), ("unit", 64), ("min_chunk", 64), ("fit", 0), ("table_blocks", 60), ("page", 64),
            ("dcp", (size, rank, interleave)), ("expand", tq), ("order", 1), ("runs", programs),
-           ("runs_overhead", overhead))
+           ("runs_overhead", overhead), ("runs_choose", choose))
     seq = torch.tensor(lens)
     got = triton_decode.plan_by_lengths(seq, rows, key)
     want = plan_reference(seq, rows, key)
@@ -230,9 +263,11 @@ from parallel.cp import triton_decode
 sig = {"glens_ptr": "*i64", "table_ptr": "*i32", "seg_ptr": "*i32", "R": "i32", "P": "i32", "cap": "i32",
        "dcp_size": "i32", "dcp_rank": "i32", "interleave": "i32", "UNIT": "i32", "OVERHEAD": "i32",
        "TQ": "constexpr", "BLOCK": "constexpr", "BLOCK_P": "constexpr"}
-for tq in (1, 2):
+charges = dict(zip(("C0", "C1", "C2", "C3"), triton_decode.gluon_mla_runs.RUNS_CHARGES))
+sig.update(dict.fromkeys(["CHOOSE", *charges], "constexpr"))
+for tq, choose in ((1, True), (2, False)):
     src = ASTSource(fn=triton_decode._runs_plan_kernel, signature=sig,
-                    constexprs={"TQ": tq, "BLOCK": 64, "BLOCK_P": 128})
+                    constexprs={"TQ": tq, "BLOCK": 64, "BLOCK_P": 128, "CHOOSE": choose, **charges})
     c = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 8})
     assert c.asm["cubin"]
     print("built")

@@ -40,6 +40,7 @@ def main(path: str) -> None:
     batches.update(mixed_batches(batch, context))
     rows: list = []
     saved = triton_decode.CONFIG["runs_overhead_wide"]
+    saved_on, saved_choose = triton_decode.CONFIG["runs_wide"], triton_decode.CONFIG["runs_choose_wide"]
     for heads in [int(h) for h in os.environ.get("DECODE_RUNS_HEADS", "128").split(",")]:
         make = lambda: (*_mla_decode_setup(batch, context, dims, block, n, ctx.device, torch.bfloat16),
                         torch.randn(batch, heads, dims.latent_dim, device=ctx.device, dtype=torch.bfloat16))
@@ -53,10 +54,14 @@ def main(path: str) -> None:
             row = {"heads": heads, "batch": name, "local_tokens": tokens}
             outs = {}
             overheads = [int(f) for f in os.environ.get("DECODE_RUNS_OVERHEADS", "0,2,5,8").split(",")]
-            ways = [("capacity", None, 0), ("items", 0, 0)] + [(f"runs{f}", 1, f) for f in overheads]
+            # (runsF: the charge F a sequence; chosen: the installed choice among gluon_mla_runs.RUNS_CHARGES with
+            # a segment costing `saved` tiles, CONFIG runs_choose_wide)
+            ways = ([("capacity", None, 0), ("items", 0, 0)] + [(f"runs{f}", 1, f) for f in overheads]
+                    + [("chosen", 1, saved)])
             for how, runs, overhead in ways:
                 if runs is not None:
-                    triton_decode.CONFIG.update(runs_wide=runs, runs_overhead_wide=overhead)
+                    triton_decode.CONFIG.update(runs_wide=runs, runs_overhead_wide=overhead,
+                                                runs_choose_wide=int(how == "chosen"))
                 plans = [None if runs is None else plan_paged_decode(q, c.paged, t, seq, layout=layout)
                          for c, t, q in sets]
                 us, cols = step_time(ctx, [lambda c=c, t=t, q=q, p=p: call(c, t, q, p)
@@ -71,13 +76,14 @@ def main(path: str) -> None:
                 elif runs == 0:
                     row["items"] = int(plans[0].segments[-1])
                 outs[how] = call(c, t, q, plans[0])
-            triton_decode.CONFIG.update(runs_wide=0, runs_overhead_wide=saved)
-            runs_ways = [how for how, runs, _ in ways if runs == 1]
+            triton_decode.CONFIG.update(runs_wide=saved_on, runs_overhead_wide=saved, runs_choose_wide=saved_choose)
+            runs_ways = [how for how, runs, _ in ways if runs == 1 and how != "chosen"]
             row["runs_max_abs_diff"] = max((outs[h].out - outs["items"].out).abs().max().item() for h in runs_ways)
             row["runs_lse_max_abs_diff"] = max((outs[h].lse - outs["items"].lse).abs().max().item() for h in runs_ways)
             best = min(runs_ways, key=lambda h: row[f"{h}_us"])
             row["best_runs"] = best
             row["speedup_best_runs_vs_items"] = round(row["items_us"] / row[f"{best}_us"], 3)
+            row["speedup_chosen_vs_items"] = round(row["items_us"] / row["chosen_us"], 3)
             rows.append(row)
             print(row, flush=True)
         del sets

@@ -48,28 +48,68 @@ if HAS_GLUON:
     MMA = gl.constexpr(gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 64, 16]))
 
 
+RUNS_CHARGES = (0, 2, 5, 8)     # the charges a sequence a chosen plan tries (`runs_plan`'s choose)
+
+
+def _stream(local: Tensor, unit: int, charge) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """(n, tiles, stream start, stream end, cumulative units) per row: the rows' local lengths laid end
+    to end as tiles, each row with a tile after `charge` units (an int, or a 0-d device tensor)."""
+    n = local.long().clamp(min=0)
+    tiles = (n + unit - 1) // unit
+    units = torch.where(tiles > 0, tiles + charge, tiles)       # (the stream: the charge, then the tiles)
+    ends_u = units.cumsum(0)
+    starts = ends_u - units + torch.where(tiles > 0, charge, 0)
+    return n, tiles, starts, starts + tiles, ends_u
+
+
+def _share(ends_u: Tensor, programs: int) -> Tensor:
+    """The units of the stream (its rows' cumulative units ends_u) a program takes: ceil(stream /
+    programs), at least 1 ([1], on the device)."""
+    total = ends_u[-1:] if ends_u.shape[0] else torch.zeros(1, dtype=torch.long, device=ends_u.device)
+    return ((total + programs - 1) // programs).clamp(min=1)
+
+
+def runs_makespan(local: Tensor, programs: int, unit: int, charge, cost: int) -> Tensor:
+    """The most a program of the plan at `charge` (`runs_plan`'s overhead) costs, a segment counted as
+    `cost` tiles beyond its tiles (its query load, pipeline fill and partial row): max over programs of
+    tiles + cost x segments, a 0-d tensor on local's device (no host read)."""
+    _, _, starts, ends, ends_u = _stream(local, unit, charge)
+    per = _share(ends_u, programs)
+    lo = torch.arange(programs, device=local.device) * per
+    overlap = (torch.minimum(ends[:, None], lo[None, :] + per) - torch.maximum(starts[:, None], lo[None, :]))
+    overlap = overlap.clamp(min=0)
+    return (overlap.sum(0) + cost * (overlap > 0).sum(0)).max()
+
+
+def runs_charge(local: Tensor, programs: int, unit: int, cost: int) -> Tensor:
+    """Of RUNS_CHARGES, the charge whose plan has the least `runs_makespan` at `cost` (the first of equal
+    ones), a 0-d long tensor on local's device: at uniform lengths no charge (each sequence in halves,
+    as a length plan cuts it), where many short sequences share a program the charge that keeps their
+    segments' costs in its share."""
+    spans = torch.stack([runs_makespan(local, programs, unit, f, cost) for f in RUNS_CHARGES])
+    return torch.tensor(RUNS_CHARGES, device=local.device)[spans.argmin()]
+
+
 def runs_plan(local: Tensor, bad: Tensor, programs: int, unit: int = _BLOCK,
-              overhead: int = 0) -> tuple[Tensor, Tensor]:
+              overhead: int = 0, choose: bool = False) -> tuple[Tensor, Tensor]:
     """(items_table int32 [programs + 1 + 3 x (programs + R)], segments int32 [R + 1]) of rows with
     local lengths `local` [R] (0 where `bad`) for `programs` programs (module docstring). overhead:
     what a sequence's segment costs beyond its tiles, in tiles (its query load, pipeline fill and
     partial row): each sequence with a tile takes that many units of the stream before its tiles,
     so that a program of many short sequences gets fewer tiles (FlashMLA's scheduler charges 5 blocks
     a sequence the same way); a program whose share ends inside those units leaves the sequence to
-    the next. Torch ops on local's device with fixed shapes and no host read: capturable."""
+    the next. choose: the charge is instead the one of RUNS_CHARGES whose plan costs least with a
+    segment costing `overhead` tiles (`runs_charge`). Torch ops on local's device with fixed shapes and
+    no host read: capturable."""
     if programs < 1:
         raise ValueError(f"a token-run plan needs at least one program, got {programs}")
     if overhead < 0:
         raise ValueError(f"a token-run plan's overhead is a count of tiles >= 0, got {overhead}")
     dev, rows = local.device, local.shape[0]
-    n = local.long().clamp(min=0)
-    tiles = (n + unit - 1) // unit
-    units = torch.where(tiles > 0, tiles + overhead, tiles)     # (the stream: overhead, then the tiles)
-    ends_u = units.cumsum(0)
-    starts = ends_u - units + torch.where(tiles > 0, overhead, 0)     # a row's first tile in the stream
-    ends = starts + tiles
-    per = ((ends_u[-1:] if rows else torch.zeros(1, dtype=torch.long, device=dev)) + programs - 1) // programs
-    per = per.clamp(min=1)                                        # units a program: [1], a device value
+    if choose:
+        overhead = runs_charge(local, programs, unit, overhead) if rows else 0
+    n, tiles, starts, ends, ends_u = _stream(local, unit, overhead)    # (a row's first tile in the stream ..)
+    per = _share(ends_u, programs)                                 # units a program: [1], a device value
     first = torch.minimum(starts // per, torch.full_like(starts, programs - 1))
     last = torch.where(tiles > 0, (ends - 1) // per, first)
     count = torch.where(tiles > 0, last - first + 1, bad.long())

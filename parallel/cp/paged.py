@@ -293,7 +293,7 @@ def plan_reference(seq_lens: Tensor, rows: int, key: tuple) -> "LengthPlan":
     bad = (g < 0) | (local > cap)
     n = torch.where(bad, torch.zeros_like(local), local)
     if kv.get("runs"):
-        table, segments = runs_plan(n, bad, kv["runs"], kv["unit"], kv["runs_overhead"])
+        table, segments = runs_plan(n, bad, kv["runs"], kv["unit"], kv["runs_overhead"], bool(kv.get("runs_choose")))
         return LengthPlan(table, segments, kv["runs"] + rows, rows, key)
     items_target, unit = kv["items_target"], kv["unit"]
     if kv["fit"]:

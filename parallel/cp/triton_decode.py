@@ -620,7 +620,7 @@ CONFIG = impl.Settings({
     # 49.4 / 94.1; MLA 128 heads bf16 fit 83.4 / 163.6, share 81.2 / 183.6 -> 82.1 / 159.6, fp8 fit
     # 113.0 / 239.3, share 109.7 / 260.7 -> 108.8 / 214.0; MLA 16 heads bf16 fit 63.0 / 103.0 -> 61.3 /
     # 103.2 (the share longest first 63.8 / 108.0), fp8 fit 51.2 / 66.2 -> 51.3 / 66.4 (52.0 / 71.7).
-    # With the segment merge's rounds (06:18, a4f6e13; bench/results/cp-mixed-h100.md) the installed
+    # With the segment merge's rounds (06:18, a4f6e13; bench/results/logs/cp-mixed-h100-2026-12-06-0618-a4f6e13.md) the installed
     # plans ran GQA 67.3 / 159.7 and 46.7 / 95.6, MLA 128 heads 74.0 / 154.5 and 93.8 / 211.7, MLA 16
     # heads 49.5 / 101.3 and 38.0 / 63.4 (bf16 / fp8), the other settings as columns beside them
     "plan_waves": 1, "plan_fit": 0, "plan_fit_wide": 0, "plan_fit_wide_narrow": 1, "plan_order": 1,
@@ -659,16 +659,30 @@ CONFIG = impl.Settings({
     # ... under a length plan, over equal runs of key tiles that cross sequence boundaries (0/1;
     # `gluon_mla_runs`, FlashMLA's schedule: one program per SM pair of head tiles, one wave, a query
     # load per segment instead of a prologue per item): the plan (`plan_by_lengths`) is then made for
-    # it; bf16, one query token, full head tiles, not the seesaw or split forms. Off until a GPU run
-    # times it beside the installed plan (bench cp's mixed rows, column runs_us; neither the overhead
-    # below nor the planner kernel has run on a GPU yet: docs/gpu.md §67). runs_overhead_wide: what a
-    # sequence's segment costs in the plan beyond its tiles, in 64-key tiles (`runs_plan`'s overhead;
-    # FlashMLA's scheduler charges 5). H100, 2026-12-06 23:40 (bench/debug/decode_runs.py, B 32, 1/4 of
-    # the KV, overhead 0): uniform 8K / 32K / 128K 58.1 / 159.6 / 597.0 µs against the length plan's 59.4 /
-    # 160.3 / 655.7 (at 128K the same within 0.5% replayed alone: the clocks); two 128K among thirty 2K 81.0 against 74.3,
-    # log-uniform 1K-128K 158.8 against 158.0: the programs of many short sequences paid a query load
-    # and a partial row per segment uncounted
-    "runs_wide": 0, "runs_overhead_wide": 5,
+    # it; bf16, one query token (a speculative step's expanded rows included), full head tiles, not the
+    # seesaw or split forms. runs_overhead_wide: what a segment costs beyond its tiles, in 64-key tiles
+    # (FlashMLA's scheduler charges 5). H100, 2026-12-06 23:40 (overhead charged: none): uniform 8K / 32K
+    # 58.1 / 159.6 µs against the length plan's 59.4 / 160.3; two 128K among thirty 2K 81.0 against
+    # 74.3, log-uniform 1K-128K 158.8 against 158.0: the programs of many short sequences paid a query
+    # load and a partial row per segment uncounted. H100, 2026-12-07 02:40 (bench/results/logs/
+    # decode-runs-h100-2026-12-07-0240-3b4dcf0.json, B 32, 1/4 of the KV, graph µs; the length plan's
+    # items in brackets), a charge of 0 / 2 / 5 / 8 tiles a sequence: uniform 8K 59.4 / 59.9 / 62.1 /
+    # 64.9 (60.2), 32K 161.1 / 163.9 / 162.2 / 161.6 (161.7), 128K 621 / 619 / 607 / 618 (617); two 128K
+    # among thirty 2K 83.0 / 76.5 / 76.3 / 78.1 (75.0), log-uniform 1K-128K 158.6 / 150.0 / 144.1 / 142.4
+    # (157.7); bench cp's mixed rows in the next call (bench/results/cp-mixed-h100.md) 74.3 / 142.6 at a
+    # charge of 5 against the items' 73.4 / 157.0, FlashMLA 57.3 / 123.4. No one charge wins everywhere:
+    # the plan chooses it (runs_choose_wide below), and with the choice the token runs tie the items on
+    # the uniform batches and on two 128K among thirty 2K (within 2%) and are 9% faster on the log-uniform
+    # one: on
+    "runs_wide": 1, "runs_overhead_wide": 5,
+    # ... runs_choose_wide: the plan's charge a sequence not runs_overhead_wide itself but, of
+    # `gluon_mla_runs.RUNS_CHARGES` (0 / 2 / 5 / 8), the one whose plan's busiest program costs least with a
+    # segment costing runs_overhead_wide tiles (`runs_charge`, in the planner kernel `_runs_span`): the H100
+    # run of 2026-12-07 02:40 (bench/results/logs/decode-runs-h100-2026-12-07-0240-3b4dcf0.json): on each of its
+    # five batches the charge this model picks ran within 1.2% of the fastest charge (uniform 8K: none, 59.4
+    # against 62.1 µs at 5; 32K and 128K: 5; two 128K among thirty 2K: 5; log-uniform 1K-128K: 5, 144.1
+    # against 142.4 at 8 and 158.6 at none)
+    "runs_choose_wide": 1,
     # ... and over an fp8 latent cache (its loader converts each tile to fp16 into shared memory, the
     # scores and weights take the per-token scales as `f16_wide_fp8` does): Triton 106.6 / 359.0 /
     # 1356.7 µs -> Gluon 94.6 / 289.3 / 1062.4 at 1/4 of 8K / 32K / 128K (decode-gluon2-h200.json).
@@ -1145,7 +1159,7 @@ _VALID = {
     "lazy_rescale": (0, 1), "pdl": (0, 1), "dcp_constexpr": (0, 1), "halves": (0, 1), "tma": (0, 1),
     "diag": (0, 1, 2, 3), "f16": (0, 1),
     "gluon_wide": (0, 1), "gluon_wide_fp8": (0, 1), "gluon_wide_narrow": (0, 1), "gluon_wide_narrow_fp8": (0, 1),
-    "seesaw_wide": (0, 1), "split_wide": (0, 1), "runs_wide": (0, 1), "runs_overhead_wide": range(0, 65),
+    "seesaw_wide": (0, 1), "split_wide": (0, 1), "runs_wide": (0, 1), "runs_overhead_wide": range(0, 65), "runs_choose_wide": (0, 1),
     "gluon_gqa": (0, 1), "gluon_gqa_fp8": (0, 1), "stages": range(2, 7),
     "swap": (0, 1), "raw_ring": (0, 1, 2, 3, 4), "keys": (32, 64), "ring": (1, 2, 3),
     "maxnreg": (0, *range(64, 256, 8)), "at_most": (0, 1), "stage16": (0, 1, 2), "even": (0, 1),
@@ -1311,7 +1325,7 @@ def _plan_key(c: SimpleNamespace, table: Tensor, page: int, dcp_size: int, dcp_r
     chunk's rule (CONFIG plan_fit; for MLA's latent head plan_fit_wide, over its narrow head tiles
     plan_fit_wide_narrow) and the launch order (CONFIG plan_order; `_plan_kernel`); runs: the programs of a
     token-run plan (`gluon_mla_runs.runs_plan`, CONFIG runs_wide) where the kernel takes one, else 0, and
-    its overhead (CONFIG runs_overhead_wide)."""
+    its overhead (CONFIG runs_overhead_wide) and whether it chooses its charge (runs_choose_wide)."""
     target, programs = c.cfg["target_programs"], max(c.row_programs, 1)
     items = max(1, target // programs if c.cfg["at_most"] else -(-target // programs)) * CONFIG["plan_waves"]
     unit = c.block_n
@@ -1321,7 +1335,8 @@ def _plan_key(c: SimpleNamespace, table: Tensor, page: int, dcp_size: int, dcp_r
     return (("items_target", items), ("unit", unit), ("min_chunk", min_chunk), ("fit", fit),
             ("table_blocks", table.shape[1]), ("page", page), ("dcp", (dcp_size, dcp_rank, interleave)),
             ("expand", expand), ("order", CONFIG["plan_order"]), ("runs", c.runs),
-            ("runs_overhead", CONFIG["runs_overhead_wide"] if c.runs else 0))
+            ("runs_overhead", CONFIG["runs_overhead_wide"] if c.runs else 0),
+            ("runs_choose", CONFIG["runs_choose_wide"] if c.runs else 0))
 
 
 @triton.jit
@@ -1344,12 +1359,60 @@ def _plan_bad_lengths(glens_ptr, r, rmask, cap, dcp_size, dcp_rank, interleave, 
 
 
 @triton.jit
+def _runs_span(glens_ptr, R, P, cap, dcp_size, dcp_rank, interleave, UNIT, charge, cost, TQ: tl.constexpr,
+               BLOCK: tl.constexpr, BLOCK_P: tl.constexpr):
+    """`gluon_mla_runs.runs_makespan` in one program: the stream's units at `charge` a row (pass 1), then
+    per block of rows their tiles' overlap with each program's share, summed per program as tiles and
+    segments; the largest tiles + cost x segments."""
+    total = tl.zeros([], tl.int64)
+    r0 = 0
+    while r0 < R:
+        r = r0 + tl.arange(0, BLOCK)
+        n = _plan_lengths(glens_ptr, r, r < R, cap, dcp_size, dcp_rank, interleave, TQ).to(tl.int64)
+        tiles = (n + UNIT - 1) // UNIT
+        total += tl.sum(tl.where(tiles > 0, tiles + charge, 0), 0)
+        r0 += BLOCK
+    per = tl.maximum((total + P - 1) // P, 1)
+    lo = tl.arange(0, BLOCK_P).to(tl.int64) * per
+    got = tl.zeros([BLOCK_P], tl.int64)
+    base = tl.zeros([], tl.int64)
+    r0 = 0
+    while r0 < R:
+        r = r0 + tl.arange(0, BLOCK)
+        n = _plan_lengths(glens_ptr, r, r < R, cap, dcp_size, dcp_rank, interleave, TQ).to(tl.int64)
+        tiles = (n + UNIT - 1) // UNIT
+        units = tl.where(tiles > 0, tiles + charge, 0)
+        starts = base + tl.cumsum(units, 0) - units + tl.where(tiles > 0, charge, 0)
+        ends = starts + tiles
+        over = tl.minimum(ends[:, None], lo[None, :] + per) - tl.maximum(starts[:, None], lo[None, :])
+        over = tl.maximum(over, 0)
+        got += tl.sum(over, 0) + cost * tl.sum((over > 0).to(tl.int64), 0)
+        base += tl.sum(units, 0)
+        r0 += BLOCK
+    return tl.max(tl.where(tl.arange(0, BLOCK_P) < P, got, 0), 0)
+
+
+@triton.jit
 def _runs_plan_kernel(glens_ptr, table_ptr, seg_ptr, R, P, cap, dcp_size, dcp_rank, interleave, UNIT, OVERHEAD,
-                      TQ: tl.constexpr, BLOCK: tl.constexpr, BLOCK_P: tl.constexpr):
+                      TQ: tl.constexpr, BLOCK: tl.constexpr, BLOCK_P: tl.constexpr, CHOOSE: tl.constexpr = False,
+                      C0: tl.constexpr = 0, C1: tl.constexpr = 2, C2: tl.constexpr = 5, C3: tl.constexpr = 8):
     """(one program) `gluon_mla_runs.runs_plan`'s tables from the global lengths: pass 1 the stream's
     units (a row with a tile: OVERHEAD + its tiles), pass 2 per block of rows their first tile in the
     stream, their programs' range, segment counts and segments, and the programs' starts as
-    lo[q] = sum over rows of clamp(q - first_r, 0, count_r) (the segments before program q)."""
+    lo[q] = sum over rows of clamp(q - first_r, 0, count_r) (the segments before program q). CHOOSE: the
+    charge a row is instead the one of C0..C3 (`gluon_mla_runs.RUNS_CHARGES`) whose plan costs least with
+    a segment costing OVERHEAD tiles (`_runs_span`; the first of equal ones)."""
+    if CHOOSE:
+        charge = tl.full([], C0, tl.int64)
+        best = _runs_span(glens_ptr, R, P, cap, dcp_size, dcp_rank, interleave, UNIT, charge, OVERHEAD, TQ, BLOCK,
+                          BLOCK_P)
+        for j in tl.static_range(3):
+            f = tl.full([], C1 if j == 0 else C2 if j == 1 else C3, tl.int64)
+            span = _runs_span(glens_ptr, R, P, cap, dcp_size, dcp_rank, interleave, UNIT, f, OVERHEAD, TQ, BLOCK,
+                              BLOCK_P)
+            charge = tl.where(span < best, f, charge)
+            best = tl.minimum(span, best)
+        OVERHEAD = charge
     total = tl.zeros([], tl.int64)
     r0 = 0
     while r0 < R:
@@ -1546,9 +1609,11 @@ def plan_by_lengths(seq_lens: Tensor, rows: int, key: tuple) -> LengthPlan:
         programs = kv["runs"]
         table = torch.empty(programs + 1 + 3 * (programs + rows), dtype=torch.int32, device=seq_lens.device)
         segments = torch.empty(rows + 1, dtype=torch.int32, device=seq_lens.device)
+        c0, c1, c2, c3 = gluon_mla_runs.RUNS_CHARGES
         _runs_plan_kernel[(1,)](seq_lens, table, segments, rows, programs, kv["table_blocks"] * kv["page"], size,
                                 rank, interleave, kv["unit"], kv["runs_overhead"], TQ=kv["expand"],
-                                BLOCK=min(block, 64), BLOCK_P=triton.next_power_of_2(programs + 1), num_warps=8)
+                                BLOCK=min(block, 64), BLOCK_P=triton.next_power_of_2(programs + 1),
+                                CHOOSE=bool(kv.get("runs_choose", 0)), C0=c0, C1=c1, C2=c2, C3=c3, num_warps=8)
         return LengthPlan(table, segments, programs + rows, rows, key)
     items = kv["items_target"] + rows
     table = torch.empty(2 + 3 * items, dtype=torch.int32, device=seq_lens.device)
