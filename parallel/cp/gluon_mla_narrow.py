@@ -669,6 +669,29 @@ if HAS_GLUON:
         _publish_factor(a_smem, p_free, p_ready, tiles, factor)
 
     @gluon.jit
+    def _zero_outputs(NQ: gl.constexpr, mma: gl.constexpr):
+        """The value warpgroup's eight fp32 accumulators [64, NQ] (even, odd dims of four latent boxes), zero."""
+        return (gl.zeros([BLOCK, NQ], gl.float32, mma), gl.zeros([BLOCK, NQ], gl.float32, mma),
+                gl.zeros([BLOCK, NQ], gl.float32, mma), gl.zeros([BLOCK, NQ], gl.float32, mma),
+                gl.zeros([BLOCK, NQ], gl.float32, mma), gl.zeros([BLOCK, NQ], gl.float32, mma),
+                gl.zeros([BLOCK, NQ], gl.float32, mma), gl.zeros([BLOCK, NQ], gl.float32, mma))
+
+    @gluon.jit
+    def _store_outputs(o_ptr, e0, d0, e1, d1, e2, d2, e3, d3, factor, s, split, so_p, so_s, so_t, so_h, HQ, TQ,
+                       NQ: gl.constexpr, TILES: gl.constexpr, PAIRED: gl.constexpr, mma: gl.constexpr):
+        """The split's partial output: the eight accumulators times the factor per column, the tile's columns
+        that are this sequence's TQ x HQ (`_store_box`)."""
+        cols = _first_column(TILES, NQ) + gl.arange(0, NQ, layout=gl.SliceLayout(0, mma))
+        rows = gl.arange(0, BLOCK, layout=gl.SliceLayout(1, mma))
+        mine = cols < TQ * HQ
+        o_q = (split.to(gl.int64) * so_p + s.to(gl.int64) * so_s + (cols // HQ).to(gl.int64) * so_t
+               + (cols % HQ).to(gl.int64) * so_h)
+        _store_box(o_ptr, e0, d0, 0, factor, o_q, mine, rows, PAIRED)
+        _store_box(o_ptr, e1, d1, LBOX, factor, o_q, mine, rows, PAIRED)
+        _store_box(o_ptr, e2, d2, 2 * LBOX, factor, o_q, mine, rows, PAIRED)
+        _store_box(o_ptr, e3, d3, 3 * LBOX, factor, o_q, mine, rows, PAIRED)
+
+    @gluon.jit
     def _direct_values(kl_smem, p_smem, a_smem, raw_free, p_ready, p_free, glens_ptr, o_ptr, s, split, split_len,
                        dcp_size, dcp_rank, interleave, table_w, so_p, so_s, so_t, so_h, HQ, TQ, PAGE: gl.constexpr,
                        RAW: gl.constexpr, NQ: gl.constexpr, PAIRED: gl.constexpr = False, TILES: gl.constexpr = 1):
@@ -678,20 +701,12 @@ if HAS_GLUON:
         output times the scores warpgroup's factor. (Two value warpgroups of two boxes each ran 3-7%
         slower: decode-narrow10/12-values2-h200.json.)"""
         mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, NQ, 16])
-        key_l: gl.constexpr = gl.SliceLayout(1, mma)
         q_l: gl.constexpr = gl.SliceLayout(0, mma)
         a_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
         i16: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
         start, end, tiles, bad = _split_range(glens_ptr, s, split, split_len, dcp_size, dcp_rank, interleave,
                                               table_w, PAGE)
-        e0 = gl.zeros([BLOCK, NQ], gl.float32, mma)
-        d0 = gl.zeros([BLOCK, NQ], gl.float32, mma)
-        e1 = gl.zeros([BLOCK, NQ], gl.float32, mma)
-        d1 = gl.zeros([BLOCK, NQ], gl.float32, mma)
-        e2 = gl.zeros([BLOCK, NQ], gl.float32, mma)
-        d2 = gl.zeros([BLOCK, NQ], gl.float32, mma)
-        e3 = gl.zeros([BLOCK, NQ], gl.float32, mma)
-        d3 = gl.zeros([BLOCK, NQ], gl.float32, mma)
+        e0, d0, e1, d1, e2, d2, e3, d3 = _zero_outputs(NQ, mma)
         for t in range(tiles):
             rs = t % RAW
             alpha, pt = _published(p_smem, a_smem, p_ready, t, q_l)
@@ -706,15 +721,8 @@ if HAS_GLUON:
             mbarrier.arrive(p_free.index(t % 2))
             mbarrier.arrive(raw_free.index(rs))
         factor = _final_factor(a_smem, p_ready, tiles, q_l)
-        cols = _first_column(TILES, NQ) + gl.arange(0, NQ, layout=q_l)
-        rows = gl.arange(0, BLOCK, layout=key_l)
-        mine = cols < TQ * HQ
-        o_q = (split.to(gl.int64) * so_p + s.to(gl.int64) * so_s + (cols // HQ).to(gl.int64) * so_t
-               + (cols % HQ).to(gl.int64) * so_h)
-        _store_box(o_ptr, e0, d0, 0, factor, o_q, mine, rows, PAIRED)
-        _store_box(o_ptr, e1, d1, LBOX, factor, o_q, mine, rows, PAIRED)
-        _store_box(o_ptr, e2, d2, 2 * LBOX, factor, o_q, mine, rows, PAIRED)
-        _store_box(o_ptr, e3, d3, 3 * LBOX, factor, o_q, mine, rows, PAIRED)
+        _store_outputs(o_ptr, e0, d0, e1, d1, e2, d2, e3, d3, factor, s, split, so_p, so_s, so_t, so_h, HQ, TQ, NQ,
+                       TILES, PAIRED, mma)
 
     @gluon.jit
     def _direct_values8(kl_smem, p8_smem, a_smem, raw_free, p_ready, p_free, glens_ptr, o_ptr, s, split, split_len,
@@ -727,20 +735,12 @@ if HAS_GLUON:
         (o = o alpha + tile); the output's factor then carries the parts' unit (1 / P8_UNIT)."""
         mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, NQ, 16])
         acc: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, NQ, 32])
-        key_l: gl.constexpr = gl.SliceLayout(1, mma)
         q_l: gl.constexpr = gl.SliceLayout(0, mma)
         a8: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc, k_width=4)
         i16: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
         start, end, tiles, bad = _split_range(glens_ptr, s, split, split_len, dcp_size, dcp_rank, interleave,
                                               table_w, PAGE)
-        e0 = gl.zeros([BLOCK, NQ], gl.float32, mma)
-        d0 = gl.zeros([BLOCK, NQ], gl.float32, mma)
-        e1 = gl.zeros([BLOCK, NQ], gl.float32, mma)
-        d1 = gl.zeros([BLOCK, NQ], gl.float32, mma)
-        e2 = gl.zeros([BLOCK, NQ], gl.float32, mma)
-        d2 = gl.zeros([BLOCK, NQ], gl.float32, mma)
-        e3 = gl.zeros([BLOCK, NQ], gl.float32, mma)
-        d3 = gl.zeros([BLOCK, NQ], gl.float32, mma)
+        e0, d0, e1, d1, e2, d2, e3, d3 = _zero_outputs(NQ, mma)
         for t in range(tiles):
             rs = t % RAW
             alpha, ph, pl = _published8(p8_smem, a_smem, p_ready, t, q_l)
@@ -764,15 +764,8 @@ if HAS_GLUON:
             e3 = e3 * a2 + gl.convert_layout(te3, mma)
             d3 = d3 * a2 + gl.convert_layout(to3, mma)
         factor = _final_factor(a_smem, p_ready, tiles, q_l) * (1.0 / P8_UNIT)
-        cols = _first_column(TILES, NQ) + gl.arange(0, NQ, layout=q_l)
-        rows = gl.arange(0, BLOCK, layout=key_l)
-        mine = cols < TQ * HQ
-        o_q = (split.to(gl.int64) * so_p + s.to(gl.int64) * so_s + (cols // HQ).to(gl.int64) * so_t
-               + (cols % HQ).to(gl.int64) * so_h)
-        _store_box(o_ptr, e0, d0, 0, factor, o_q, mine, rows, PAIRED)
-        _store_box(o_ptr, e1, d1, LBOX, factor, o_q, mine, rows, PAIRED)
-        _store_box(o_ptr, e2, d2, 2 * LBOX, factor, o_q, mine, rows, PAIRED)
-        _store_box(o_ptr, e3, d3, 3 * LBOX, factor, o_q, mine, rows, PAIRED)
+        _store_outputs(o_ptr, e0, d0, e1, d1, e2, d2, e3, d3, factor, s, split, so_p, so_s, so_t, so_h, HQ, TQ, NQ,
+                       TILES, PAIRED, mma)
 
     @gluon.jit
     def _direct_loader(kl_desc, kr_desc, ks_desc, table_ptr, glens_ptr, kl_smem, kr_smem, ks_smem, raw_ready,

@@ -1359,11 +1359,10 @@ def _plan_bad_lengths(glens_ptr, r, rmask, cap, dcp_size, dcp_rank, interleave, 
 
 
 @triton.jit
-def _runs_span(glens_ptr, R, P, cap, dcp_size, dcp_rank, interleave, UNIT, charge, cost, TQ: tl.constexpr,
-               BLOCK: tl.constexpr, BLOCK_P: tl.constexpr):
-    """`gluon_mla_runs.runs_makespan` in one program: the stream's units at `charge` a row (pass 1), then
-    per block of rows their tiles' overlap with each program's share, summed per program as tiles and
-    segments; the largest tiles + cost x segments."""
+def _runs_share(glens_ptr, R, P, cap, dcp_size, dcp_rank, interleave, UNIT, charge, TQ: tl.constexpr,
+                BLOCK: tl.constexpr):
+    """The units of the token-run stream a program takes (`gluon_mla_runs._share`): the stream's units at
+    `charge` a row with a tile, over P, rounded up, at least 1."""
     total = tl.zeros([], tl.int64)
     r0 = 0
     while r0 < R:
@@ -1372,18 +1371,36 @@ def _runs_span(glens_ptr, R, P, cap, dcp_size, dcp_rank, interleave, UNIT, charg
         tiles = (n + UNIT - 1) // UNIT
         total += tl.sum(tl.where(tiles > 0, tiles + charge, 0), 0)
         r0 += BLOCK
-    per = tl.maximum((total + P - 1) // P, 1)
+    return tl.maximum((total + P - 1) // P, 1)
+
+
+@triton.jit
+def _runs_rows(glens_ptr, r, rmask, cap, dcp_size, dcp_rank, interleave, UNIT, charge, base, TQ: tl.constexpr):
+    """Rows r of the token-run stream (`gluon_mla_runs._stream`), the stream's units before them `base`:
+    (local length, bad, tiles, units, first tile's place in the stream, its end)."""
+    n, bad = _plan_bad_lengths(glens_ptr, r, rmask, cap, dcp_size, dcp_rank, interleave, TQ)
+    n = n.to(tl.int64)
+    tiles = (n + UNIT - 1) // UNIT
+    units = tl.where(tiles > 0, tiles + charge, 0)
+    starts = base + tl.cumsum(units, 0) - units + tl.where(tiles > 0, charge, 0)
+    return n, bad, tiles, units, starts, starts + tiles
+
+
+@triton.jit
+def _runs_span(glens_ptr, R, P, cap, dcp_size, dcp_rank, interleave, UNIT, charge, cost, TQ: tl.constexpr,
+               BLOCK: tl.constexpr, BLOCK_P: tl.constexpr):
+    """`gluon_mla_runs.runs_makespan` in one program: a program's share of the stream at `charge` a row,
+    then per block of rows their tiles' overlap with each program's share, summed per program as tiles
+    and segments; the largest tiles + cost x segments."""
+    per = _runs_share(glens_ptr, R, P, cap, dcp_size, dcp_rank, interleave, UNIT, charge, TQ, BLOCK)
     lo = tl.arange(0, BLOCK_P).to(tl.int64) * per
     got = tl.zeros([BLOCK_P], tl.int64)
     base = tl.zeros([], tl.int64)
     r0 = 0
     while r0 < R:
         r = r0 + tl.arange(0, BLOCK)
-        n = _plan_lengths(glens_ptr, r, r < R, cap, dcp_size, dcp_rank, interleave, TQ).to(tl.int64)
-        tiles = (n + UNIT - 1) // UNIT
-        units = tl.where(tiles > 0, tiles + charge, 0)
-        starts = base + tl.cumsum(units, 0) - units + tl.where(tiles > 0, charge, 0)
-        ends = starts + tiles
+        _, _, _, units, starts, ends = _runs_rows(glens_ptr, r, r < R, cap, dcp_size, dcp_rank, interleave, UNIT,
+                                                  charge, base, TQ)
         over = tl.minimum(ends[:, None], lo[None, :] + per) - tl.maximum(starts[:, None], lo[None, :])
         over = tl.maximum(over, 0)
         got += tl.sum(over, 0) + cost * tl.sum((over > 0).to(tl.int64), 0)
@@ -1413,15 +1430,7 @@ def _runs_plan_kernel(glens_ptr, table_ptr, seg_ptr, R, P, cap, dcp_size, dcp_ra
             charge = tl.where(span < best, f, charge)
             best = tl.minimum(span, best)
         OVERHEAD = charge
-    total = tl.zeros([], tl.int64)
-    r0 = 0
-    while r0 < R:
-        r = r0 + tl.arange(0, BLOCK)
-        n = _plan_lengths(glens_ptr, r, r < R, cap, dcp_size, dcp_rank, interleave, TQ).to(tl.int64)
-        tiles = (n + UNIT - 1) // UNIT
-        total += tl.sum(tl.where(tiles > 0, tiles + OVERHEAD, 0), 0)
-        r0 += BLOCK
-    per = tl.maximum((total + P - 1) // P, 1)
+    per = _runs_share(glens_ptr, R, P, cap, dcp_size, dcp_rank, interleave, UNIT, OVERHEAD, TQ, BLOCK)
     q = tl.arange(0, BLOCK_P)
     lo = tl.zeros([BLOCK_P], tl.int32)
     base_u = tl.zeros([], tl.int64)
@@ -1430,13 +1439,8 @@ def _runs_plan_kernel(glens_ptr, table_ptr, seg_ptr, R, P, cap, dcp_size, dcp_ra
     while r0 < R:
         r = r0 + tl.arange(0, BLOCK)
         rmask = r < R
-        n, bad = _plan_bad_lengths(glens_ptr, r, rmask, cap, dcp_size, dcp_rank, interleave, TQ)
-        n = n.to(tl.int64)
-        tiles = (n + UNIT - 1) // UNIT
-        units = tl.where(tiles > 0, tiles + OVERHEAD, 0)
-        cum_u = base_u + tl.cumsum(units, 0)
-        starts = cum_u - units + tl.where(tiles > 0, OVERHEAD, 0)
-        ends = starts + tiles
+        n, bad, tiles, units, starts, ends = _runs_rows(glens_ptr, r, rmask, cap, dcp_size, dcp_rank, interleave, UNIT,
+                                                        OVERHEAD, base_u, TQ)
         first = tl.minimum(starts // per, P - 1)
         last = tl.where(tiles > 0, (ends - 1) // per, first)
         count = tl.where(tiles > 0, last - first + 1, bad.to(tl.int64))
