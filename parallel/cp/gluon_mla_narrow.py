@@ -28,7 +28,7 @@ first's softmax); it publishes P^T and the rescale through a double buffer. The 
 loads each latent box transposed with 16-bit ldmatrix (64 dim pairs x 64 keys) and splits each
 pair into its even and odd dims in registers, so each of its eight accumulators holds one parity
 of a box's 128 dims. Those splits are e4m3 -> fp16 conversions (and the byte permutes that feed
-them) in the installed form; with CONFIG values8_narrow_fp8 (`_direct_values8`, at most 16 columns)
+them) in the installed form; with CONFIG values8_narrow_fp8 (`_values_tile8`, at most 16 columns)
 they are byte permutes only, the value MMAs run in fp8 against the weights published as e4m3 hi + lo
 parts, and each tile's MMAs start a fresh accumulator that the fp32 outputs take up (the tensor
 cores' fp8 sums are not kept in fp32 over long chains).
@@ -103,7 +103,7 @@ def pairs_apply(rows: int, raw: int) -> bool:
 
 
 def values8_apply(rows: int) -> bool:
-    """The direct fp8 kernel's value MMAs may go in fp8 (`_direct_values8`): at most VALUES8_MAX_COLUMNS
+    """The direct fp8 kernel's value MMAs may go in fp8 (`_values_tile8`): at most VALUES8_MAX_COLUMNS
     columns a tile."""
     return rows <= VALUES8_MAX_COLUMNS
 
@@ -694,12 +694,14 @@ if HAS_GLUON:
     @gluon.jit
     def _direct_values(kl_smem, p_smem, a_smem, raw_free, p_ready, p_free, glens_ptr, o_ptr, s, split, split_len,
                        dcp_size, dcp_rank, interleave, table_w, so_p, so_s, so_t, so_h, HQ, TQ, PAGE: gl.constexpr,
-                       RAW: gl.constexpr, NQ: gl.constexpr, PAIRED: gl.constexpr = False, TILES: gl.constexpr = 1):
+                       RAW: gl.constexpr, NQ: gl.constexpr, PAIRED: gl.constexpr = False, TILES: gl.constexpr = 1,
+                       V8: gl.constexpr = False):
         """The direct fp8 kernel's value warpgroup: per tile, once its weights are published, O^T += V^T
         P^T with the A operand converted in registers from the raw bytes (each accumulator one parity
         of a latent box's dims), its hold on the raw stage and the weights then released; at the end the
         output times the scores warpgroup's factor. (Two value warpgroups of two boxes each ran 3-7%
-        slower: decode-narrow10/12-values2-h200.json.)"""
+        slower: decode-narrow10/12-values2-h200.json.) V8 (CONFIG values8_narrow_fp8): the value MMAs in
+        fp8 (`_values_tile8`)."""
         mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, NQ, 16])
         q_l: gl.constexpr = gl.SliceLayout(0, mma)
         a_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
@@ -709,63 +711,56 @@ if HAS_GLUON:
         e0, d0, e1, d1, e2, d2, e3, d3 = _zero_outputs(NQ, mma)
         for t in range(tiles):
             rs = t % RAW
-            alpha, pt = _published(p_smem, a_smem, p_ready, t, q_l)
             first = rs * LBOXES
-            e0, d0 = _values_box(kl_smem.index(first), pt, e0, d0, alpha, a_l, i16)
-            e1, d1 = _values_box(kl_smem.index(first + 1), pt, e1, d1, alpha, a_l, i16)
-            e0, d0 = warpgroup_mma_wait(num_outstanding=2, deps=(e0, d0))
-            e2, d2 = _values_box(kl_smem.index(first + 2), pt, e2, d2, alpha, a_l, i16)
-            e1, d1 = warpgroup_mma_wait(num_outstanding=2, deps=(e1, d1))
-            e3, d3 = _values_box(kl_smem.index(first + 3), pt, e3, d3, alpha, a_l, i16)
-            e2, d2, e3, d3 = warpgroup_mma_wait(num_outstanding=0, deps=(e2, d2, e3, d3))
+            if V8:
+                e0, d0, e1, d1, e2, d2, e3, d3 = _values_tile8(kl_smem, p_smem, a_smem, p_ready, t, first, e0, d0, e1,
+                                                               d1, e2, d2, e3, d3, NQ, mma)
+            else:
+                alpha, pt = _published(p_smem, a_smem, p_ready, t, q_l)
+                e0, d0 = _values_box(kl_smem.index(first), pt, e0, d0, alpha, a_l, i16)
+                e1, d1 = _values_box(kl_smem.index(first + 1), pt, e1, d1, alpha, a_l, i16)
+                e0, d0 = warpgroup_mma_wait(num_outstanding=2, deps=(e0, d0))
+                e2, d2 = _values_box(kl_smem.index(first + 2), pt, e2, d2, alpha, a_l, i16)
+                e1, d1 = warpgroup_mma_wait(num_outstanding=2, deps=(e1, d1))
+                e3, d3 = _values_box(kl_smem.index(first + 3), pt, e3, d3, alpha, a_l, i16)
+                e2, d2, e3, d3 = warpgroup_mma_wait(num_outstanding=0, deps=(e2, d2, e3, d3))
             mbarrier.arrive(p_free.index(t % 2))
             mbarrier.arrive(raw_free.index(rs))
         factor = _final_factor(a_smem, p_ready, tiles, q_l)
+        if V8:
+            factor = factor * (1.0 / P8_UNIT)
         _store_outputs(o_ptr, e0, d0, e1, d1, e2, d2, e3, d3, factor, s, split, so_p, so_s, so_t, so_h, HQ, TQ, NQ,
                        TILES, PAIRED, mma)
 
     @gluon.jit
-    def _direct_values8(kl_smem, p8_smem, a_smem, raw_free, p_ready, p_free, glens_ptr, o_ptr, s, split, split_len,
-                        dcp_size, dcp_rank, interleave, table_w, so_p, so_s, so_t, so_h, HQ, TQ, PAGE: gl.constexpr,
-                        RAW: gl.constexpr, NQ: gl.constexpr, PAIRED: gl.constexpr = False,
-                        TILES: gl.constexpr = 1):
-        """`_direct_values` with fp8 value MMAs (CONFIG values8_narrow_fp8): each box's even and odd dims
-        as fp8 A operands made by byte permutes (`_value_operands8`, no conversion), against the weights'
-        e4m3 hi and lo parts, into fresh accumulators that the fp32 outputs take up rescaled
-        (o = o alpha + tile); the output's factor then carries the parts' unit (1 / P8_UNIT)."""
-        mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, NQ, 16])
+    def _values_tile8(kl_smem, p8_smem, a_smem, p_ready, t, first, e0, d0, e1, d1, e2, d2, e3, d3, NQ: gl.constexpr,
+                      mma: gl.constexpr):
+        """Tile t's value MMAs in fp8 (CONFIG values8_narrow_fp8), once its weights are published: each box's
+        even and odd dims as fp8 A operands made by byte permutes (`_value_operands8`, no conversion),
+        against the weights' e4m3 hi and lo parts, into fresh accumulators that the fp32 outputs take up
+        rescaled (o = o alpha + tile; the output's factor then carries the parts' unit, 1 / P8_UNIT).
+        Returns the eight outputs, every MMA complete."""
         acc: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, NQ, 32])
-        q_l: gl.constexpr = gl.SliceLayout(0, mma)
         a8: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc, k_width=4)
         i16: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
-        start, end, tiles, bad = _split_range(glens_ptr, s, split, split_len, dcp_size, dcp_rank, interleave,
-                                              table_w, PAGE)
-        e0, d0, e1, d1, e2, d2, e3, d3 = _zero_outputs(NQ, mma)
-        for t in range(tiles):
-            rs = t % RAW
-            alpha, ph, pl = _published8(p8_smem, a_smem, p_ready, t, q_l)
-            a2 = alpha[None, :]
-            first = rs * LBOXES
-            te0, to0 = _values_box8(kl_smem.index(first), ph, pl, acc, a8, i16, NQ)
-            te1, to1 = _values_box8(kl_smem.index(first + 1), ph, pl, acc, a8, i16, NQ)
-            te0, to0 = warpgroup_mma_wait(num_outstanding=4, deps=(te0, to0))
-            e0 = e0 * a2 + gl.convert_layout(te0, mma)
-            d0 = d0 * a2 + gl.convert_layout(to0, mma)
-            te2, to2 = _values_box8(kl_smem.index(first + 2), ph, pl, acc, a8, i16, NQ)
-            te1, to1 = warpgroup_mma_wait(num_outstanding=4, deps=(te1, to1))
-            e1 = e1 * a2 + gl.convert_layout(te1, mma)
-            d1 = d1 * a2 + gl.convert_layout(to1, mma)
-            te3, to3 = _values_box8(kl_smem.index(first + 3), ph, pl, acc, a8, i16, NQ)
-            te2, to2, te3, to3 = warpgroup_mma_wait(num_outstanding=0, deps=(te2, to2, te3, to3))
-            mbarrier.arrive(p_free.index(t % 2))
-            mbarrier.arrive(raw_free.index(rs))
-            e2 = e2 * a2 + gl.convert_layout(te2, mma)
-            d2 = d2 * a2 + gl.convert_layout(to2, mma)
-            e3 = e3 * a2 + gl.convert_layout(te3, mma)
-            d3 = d3 * a2 + gl.convert_layout(to3, mma)
-        factor = _final_factor(a_smem, p_ready, tiles, q_l) * (1.0 / P8_UNIT)
-        _store_outputs(o_ptr, e0, d0, e1, d1, e2, d2, e3, d3, factor, s, split, so_p, so_s, so_t, so_h, HQ, TQ, NQ,
-                       TILES, PAIRED, mma)
+        alpha, ph, pl = _published8(p8_smem, a_smem, p_ready, t, gl.SliceLayout(0, mma))
+        a2 = alpha[None, :]
+        te0, to0 = _values_box8(kl_smem.index(first), ph, pl, acc, a8, i16, NQ)
+        te1, to1 = _values_box8(kl_smem.index(first + 1), ph, pl, acc, a8, i16, NQ)
+        te0, to0 = warpgroup_mma_wait(num_outstanding=4, deps=(te0, to0))
+        e0 = e0 * a2 + gl.convert_layout(te0, mma)
+        d0 = d0 * a2 + gl.convert_layout(to0, mma)
+        te2, to2 = _values_box8(kl_smem.index(first + 2), ph, pl, acc, a8, i16, NQ)
+        te1, to1 = warpgroup_mma_wait(num_outstanding=4, deps=(te1, to1))
+        e1 = e1 * a2 + gl.convert_layout(te1, mma)
+        d1 = d1 * a2 + gl.convert_layout(to1, mma)
+        te3, to3 = _values_box8(kl_smem.index(first + 3), ph, pl, acc, a8, i16, NQ)
+        te2, to2, te3, to3 = warpgroup_mma_wait(num_outstanding=0, deps=(te2, to2, te3, to3))
+        e2 = e2 * a2 + gl.convert_layout(te2, mma)
+        d2 = d2 * a2 + gl.convert_layout(to2, mma)
+        e3 = e3 * a2 + gl.convert_layout(te3, mma)
+        d3 = d3 * a2 + gl.convert_layout(to3, mma)
+        return e0, d0, e1, d1, e2, d2, e3, d3
 
     @gluon.jit
     def _direct_loader(kl_desc, kr_desc, ks_desc, table_ptr, glens_ptr, kl_smem, kr_smem, ks_smem, raw_ready,
@@ -840,9 +835,9 @@ if HAS_GLUON:
                               raw_free, p_ready, p_free, table_ptr, glens_ptr, lse_ptr, s, split, split_len,
                               dcp_size, dcp_rank, interleave, table_w, num_blocks, st_s, qk_scale, sl_p, sl_s, sl_t,
                               HQ, TQ, PAGE, RAW, NQ, CAUSAL, PIPE, AHEAD, TILES, V8)),
-            (_direct_values8 if V8 else _direct_values,
-             (kl_smem, p_smem, a_smem, raw_free, p_ready, p_free, glens_ptr, o_ptr, s, split, split_len, dcp_size,
-              dcp_rank, interleave, table_w, so_p, so_s, so_t, so_h, HQ, TQ, PAGE, RAW, NQ, PAIRED, TILES)),
+            (_direct_values, (kl_smem, p_smem, a_smem, raw_free, p_ready, p_free, glens_ptr, o_ptr, s, split,
+                              split_len, dcp_size, dcp_rank, interleave, table_w, so_p, so_s, so_t, so_h, HQ, TQ,
+                              PAGE, RAW, NQ, PAIRED, TILES, V8)),
             (_direct_loader, (kl_desc, kr_desc, ks_desc, table_ptr, glens_ptr, kl_smem, kr_smem, ks_smem,
                               raw_ready, raw_free, s, split, split_len, dcp_size, dcp_rank, interleave, table_w,
                               num_blocks, st_s, PAGE, RAW, AHEAD)),
@@ -860,7 +855,7 @@ def launch(q: Tensor, k: Tensor, table: Tensor, seq_lens: Tensor, o: Tensor, lse
     `pipe`: the scores in tile pairs where `pairs_apply`: at least two raw stages and at most
     PAIRS_MAX_COLUMNS columns; `paired`: the output's dim pairs stored together), over both the
     loader's first block ids loaded beside the length with `ahead`; over fp8 `values8`: the value MMAs in
-    fp8 against the weights' e4m3 hi and lo parts (`_direct_values8`) where `values8_apply`; pdl: launched with programmatic
+    fp8 against the weights' e4m3 hi and lo parts (`_values_tile8`) where `values8_apply`; pdl: launched with programmatic
     dependent launch, `triton_merge.pdl_ok`. plan: a length plan's item table (`triton_decode.LengthPlan`):
     the grid's `splits` are its items, o's sequence stride 0."""
     s, tq, hq, d = q.shape

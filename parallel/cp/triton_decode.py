@@ -796,7 +796,7 @@ CONFIG = impl.Settings({
     # 262.58 at 32K / 128K); on the H100 a tie for MLA (within 0.2%) and a 1.5-3% win for GQA
     "paired_store_direct_fp8": 1,
     # MLA's narrow direct fp8 kernel at most 16 columns (`gluon_mla_narrow.values8_apply`): the value MMAs in
-    # fp8 (`_direct_values8`): each box's even / odd dims made into fp8 A operands by byte permutes (no
+    # fp8 (`_values_tile8`): each box's even / odd dims made into fp8 A operands by byte permutes (no
     # e4m3 -> fp16 conversion: its sm_90a loop 242 instructions a tile against 452, of which 128 F2FP and
     # 128 PRMT), against the weights published as e4m3 hi + lo parts (~8 significant bits, a bf16
     # weight's), into a fresh accumulator a tile that the fp32 outputs take up; its scores warpgroup ~33
