@@ -186,7 +186,7 @@ BUILDS = [
     ("mlaw-fp8-direct2-paired-ahead-planned-pdl", 320),
     # the narrow direct kernel's value MMAs in fp8 (CONFIG values8_narrow_fp8; at most 16 columns: at 32 its
     # accumulators and operands spill 456-468 B)
-    ("mlan-fp8-16-direct5s-ahead-paired-v8-pdl", 0), ("mlan-fp8-16-direct5s-ahead-paired-planned-v8", 0),
+    ("mlan-fp8-16-direct5s-ahead-paired-v8-pdl", 0),
     # the bf16 kernel over token runs (`gluon_mla_runs`, CONFIG runs_wide): the partitions of "mla-bf16"
     # looping over a program's segments
     ("mlaruns-bf16", 512), ("mlaruns-bf16-pdl", 512)]
