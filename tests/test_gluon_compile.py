@@ -41,7 +41,7 @@ def _build(name: str, cubin: Path | None = None) -> dict:
     tiles = re.search(r"-tiles(\d+)", name)  # ("-tilesN": the narrow direct kernel over N head tiles a sequence)
     half = "-half" in name              # ("-half": bf16 split partials, CONFIG half_partials)
     planned = "-planned" in name        # ("-planned": the grid's splits a length plan's items)
-    v8 = "-v8" in name                  # ("-v8": the narrow direct kernel's value MMAs in fp8, CONFIG values8_narrow_fp8)
+    v8 = "-v8" in name                  # ("-v8": the narrow direct kernel's value MMAs in fp8, values8_narrow_fp8)
     family, dtype, *more = (name.removesuffix("-pdl").replace("-pipe", "").replace("-paired", "")
                             .replace("-ahead", "").replace("-half", "").replace("-planned", "").replace("-v8", "")
                             .replace(tiles.group(0) if tiles else "-tiles", "").split("-"))

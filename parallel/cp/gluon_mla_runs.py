@@ -5,8 +5,9 @@ run of the batch's key tiles that crosses sequence boundaries, instead of one (s
 The plan (made once a decode step by `paged.plan_paged_decode` under CONFIG runs_wide: on a GPU one
 launch of `triton_decode._runs_plan_kernel`, capturable; `runs_plan` here is its torch specification)
 lays the batch's local tokens end to end as one stream of 64-key tiles (a sequence's last tile may
-be partial), each sequence's tiles after `overhead` units that stand for its segment's fixed cost,
-and gives each of P programs (one per SM pair of head tiles: the grid is head tiles x P) an equal
+be partial), each sequence's tiles after a charge of a few units that stand for its segment's fixed
+cost (CONFIG runs_choose_wide: the charge of RUNS_CHARGES whose plan's busiest program costs least,
+`runs_charge`), and gives each of P programs (one per SM pair of head tiles: the grid is head tiles x P) an equal
 run of the stream. Where a run crosses a sequence boundary it is cut into segments; a
 segment is one (sequence, start, end) range and one partial row, merged per sequence by
 `triton_merge.merge_segments_triton` as a length plan's items are. Against a length plan's items
@@ -83,8 +84,8 @@ def runs_makespan(local: Tensor, programs: int, unit: int, charge, cost: int) ->
 
 def runs_charge(local: Tensor, programs: int, unit: int, cost: int) -> Tensor:
     """Of RUNS_CHARGES, the charge whose plan has the least `runs_makespan` at `cost` (the first of equal
-    ones), a 0-d long tensor on local's device: at uniform lengths no charge (each sequence in halves,
-    as a length plan cuts it), where many short sequences share a program the charge that keeps their
+    ones), a 0-d long tensor on local's device: where equal sequences halve into the programs no charge
+    (a charge would cut them in three), where many short sequences share a program one that keeps their
     segments' costs in its share."""
     spans = torch.stack([runs_makespan(local, programs, unit, f, cost) for f in RUNS_CHARGES])
     return torch.tensor(RUNS_CHARGES, device=local.device)[spans.argmin()]

@@ -620,8 +620,8 @@ CONFIG = impl.Settings({
     # 49.4 / 94.1; MLA 128 heads bf16 fit 83.4 / 163.6, share 81.2 / 183.6 -> 82.1 / 159.6, fp8 fit
     # 113.0 / 239.3, share 109.7 / 260.7 -> 108.8 / 214.0; MLA 16 heads bf16 fit 63.0 / 103.0 -> 61.3 /
     # 103.2 (the share longest first 63.8 / 108.0), fp8 fit 51.2 / 66.2 -> 51.3 / 66.4 (52.0 / 71.7).
-    # With the segment merge's rounds (06:18, a4f6e13; bench/results/logs/cp-mixed-h100-2026-12-06-0618-a4f6e13.md) the installed
-    # plans ran GQA 67.3 / 159.7 and 46.7 / 95.6, MLA 128 heads 74.0 / 154.5 and 93.8 / 211.7, MLA 16
+    # With the segment merge's rounds (06:18, a4f6e13;
+    # bench/results/logs/cp-mixed-h100-2026-12-06-0618-a4f6e13.md) the installed plans ran GQA 67.3 / 159.7 and 46.7 / 95.6, MLA 128 heads 74.0 / 154.5 and 93.8 / 211.7, MLA 16
     # heads 49.5 / 101.3 and 38.0 / 63.4 (bf16 / fp8), the other settings as columns beside them
     "plan_waves": 1, "plan_fit": 0, "plan_fit_wide": 0, "plan_fit_wide_narrow": 1, "plan_order": 1,
     # ... except for MLA's narrow head tiles' swapped kernels (`gluon_mla_narrow`, bf16 and fp8) and
@@ -1159,11 +1159,13 @@ _VALID = {
     "lazy_rescale": (0, 1), "pdl": (0, 1), "dcp_constexpr": (0, 1), "halves": (0, 1), "tma": (0, 1),
     "diag": (0, 1, 2, 3), "f16": (0, 1),
     "gluon_wide": (0, 1), "gluon_wide_fp8": (0, 1), "gluon_wide_narrow": (0, 1), "gluon_wide_narrow_fp8": (0, 1),
-    "seesaw_wide": (0, 1), "split_wide": (0, 1), "runs_wide": (0, 1), "runs_overhead_wide": range(0, 65), "runs_choose_wide": (0, 1),
+    "seesaw_wide": (0, 1), "split_wide": (0, 1), "runs_wide": (0, 1), "runs_overhead_wide": range(0, 65),
+    "runs_choose_wide": (0, 1),
     "gluon_gqa": (0, 1), "gluon_gqa_fp8": (0, 1), "stages": range(2, 7),
     "swap": (0, 1), "raw_ring": (0, 1, 2, 3, 4), "keys": (32, 64), "ring": (1, 2, 3),
     "maxnreg": (0, *range(64, 256, 8)), "at_most": (0, 1), "stage16": (0, 1, 2), "even": (0, 1),
-    "direct": range(0, 13), "pipe": (0, 1), "paired_store": (0, 1), "values8": (0, 1), "ids_ahead": (0, 1), "tiles": (0, 1, 2),
+    "direct": range(0, 13), "pipe": (0, 1), "paired_store": (0, 1), "values8": (0, 1), "ids_ahead": (0, 1),
+    "tiles": (0, 1, 2),
     "tile_columns": (16, 32), "expand": (0, 1), "half_partials": (0, 1), "plan_waves": range(1, 9),
     "plan_fit": (0, 1), "plan_fit_wide": (0, 1), "plan_fit_wide_narrow": (0, 1), "plan_order": (0, 1),
 }
