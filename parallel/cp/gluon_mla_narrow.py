@@ -856,7 +856,8 @@ def launch(q: Tensor, k: Tensor, table: Tensor, seq_lens: Tensor, o: Tensor, lse
     PAIRS_MAX_COLUMNS columns; `paired`: the output's dim pairs stored together), over both the
     loader's first block ids loaded beside the length with `ahead`; over fp8 `values8`: the value MMAs in
     fp8 against the weights' e4m3 hi and lo parts (`_values_tile8`) where `values8_apply`; pdl: launched
-    with programmatic dependent launch, `triton_merge.pdl_ok`. plan: a length plan's item table (`triton_decode.LengthPlan`):
+    with programmatic dependent launch, `triton_merge.pdl_ok`. plan: a length plan's item table
+    (`triton_decode.LengthPlan`):
     the grid's `splits` are its items, o's sequence stride 0."""
     s, tq, hq, d = q.shape
     nb, page = k.shape[0], k.shape[1]

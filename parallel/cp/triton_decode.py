@@ -621,7 +621,8 @@ CONFIG = impl.Settings({
     # 113.0 / 239.3, share 109.7 / 260.7 -> 108.8 / 214.0; MLA 16 heads bf16 fit 63.0 / 103.0 -> 61.3 /
     # 103.2 (the share longest first 63.8 / 108.0), fp8 fit 51.2 / 66.2 -> 51.3 / 66.4 (52.0 / 71.7).
     # With the segment merge's rounds (06:18, a4f6e13;
-    # bench/results/logs/cp-mixed-h100-2026-12-06-0618-a4f6e13.md) the installed plans ran GQA 67.3 / 159.7 and 46.7 / 95.6, MLA 128 heads 74.0 / 154.5 and 93.8 / 211.7, MLA 16
+    # bench/results/logs/cp-mixed-h100-2026-12-06-0618-a4f6e13.md) the installed plans ran GQA 67.3 / 159.7
+    # and 46.7 / 95.6, MLA 128 heads 74.0 / 154.5 and 93.8 / 211.7, MLA 16
     # heads 49.5 / 101.3 and 38.0 / 63.4 (bf16 / fp8), the other settings as columns beside them
     "plan_waves": 1, "plan_fit": 0, "plan_fit_wide": 0, "plan_fit_wide_narrow": 1, "plan_order": 1,
     # ... except for MLA's narrow head tiles' swapped kernels (`gluon_mla_narrow`, bf16 and fp8) and
