@@ -8,8 +8,8 @@ for every batch, so its uniform 8K / 32K capacity_us timed a grid sized for 128K
 ten calls a CUDA graph over rotated copies of the cache), the plans made outside the graph, the
 token-run plan at each overhead of DECODE_RUNS_OVERHEADS (default 0,2,5,8 tiles a sequence: CONFIG
 runs_overhead_wide, runs_choose_wide 0) and with the charge the plan chooses (column chosen_us: CONFIG
-runs_choose_wide 1, a segment costing the installed runs_overhead_wide); then the kernels' device times of one eager call (torch.profiler: the decode
-kernel and the segment merge apart; under programmatic dependent launch the merge's time holds its
+runs_choose_wide 1, a segment costing the installed runs_overhead_wide); then the kernels' device
+times of one eager call (torch.profiler: the decode kernel and the segment merge apart; under programmatic dependent launch the merge's time holds its
 wait for the kernel), and the runs plan's largest difference from the length plan's output.
 
     python bench/debug/decode_runs.py OUT.json        # on the GPU (DECODE_RUNS_HEADS=64,128 for more)

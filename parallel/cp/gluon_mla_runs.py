@@ -7,8 +7,8 @@ launch of `triton_decode._runs_plan_kernel`, capturable; `runs_plan` here is its
 lays the batch's local tokens end to end as one stream of 64-key tiles (a sequence's last tile may
 be partial), each sequence's tiles after a charge of a few units that stand for its segment's fixed
 cost (CONFIG runs_choose_wide: the charge of RUNS_CHARGES whose plan's busiest program costs least,
-`runs_charge`), and gives each of P programs (one per SM pair of head tiles: the grid is head tiles x P) an equal
-run of the stream. Where a run crosses a sequence boundary it is cut into segments; a
+`runs_charge`), and gives each of P programs (one per SM pair of head tiles: the grid is head tiles x
+P) an equal run of the stream. Where a run crosses a sequence boundary it is cut into segments; a
 segment is one (sequence, start, end) range and one partial row, merged per sequence by
 `triton_merge.merge_segments_triton` as a length plan's items are. Against a length plan's items
 (one prologue, pipeline fill and query load each, a second wave where they outnumber the
@@ -87,8 +87,11 @@ def runs_charge(local: Tensor, programs: int, unit: int, cost: int) -> Tensor:
     ones), a 0-d long tensor on local's device: where equal sequences halve into the programs no charge
     (a charge would cut them in three), where many short sequences share a program one that keeps their
     segments' costs in its share."""
-    spans = torch.stack([runs_makespan(local, programs, unit, f, cost) for f in RUNS_CHARGES])
-    return torch.tensor(RUNS_CHARGES, device=local.device)[spans.argmin()]
+    best = torch.stack([runs_makespan(local, programs, unit, f, cost) for f in RUNS_CHARGES]).argmin()
+    charge = torch.zeros((), dtype=torch.long, device=local.device)
+    for i, f in enumerate(RUNS_CHARGES):        # (no host tensor copied in: capturable)
+        charge = torch.where(best == i, f, charge)
+    return charge
 
 
 def runs_plan(local: Tensor, bad: Tensor, programs: int, unit: int = _BLOCK,
