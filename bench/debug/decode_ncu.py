@@ -14,7 +14,9 @@ gluon_gqa_fp8 forced on) instead, same problem (`bash bench/run_owed.sh ncugqa`)
 (JSON) sets CONFIG entries first; DECODE_NCU_MLA_FP8=1 gives the MLA call an fp8 cache,
 DECODE_NCU_MLA_HEADS its head count (128; 16: the narrow kernel, `parallel.cp.gluon_mla_narrow`),
 DECODE_NCU_MLA_CONTEXT its L (8192; DECODE_NCU_MLA_LEN: the sequences' lengths, L unless given, e.g. 0 or
-one page per rank for the fixed part of a call).
+one page per rank for the fixed part of a call), DECODE_NCU_POOL_MB a pool its block ids are taken
+modulo (that many MB of pages: after the first touches every tile an L2 hit, the kernel's own pace
+without DRAM's, as bench/debug/decode_l2pace.py times it).
 """
 
 from __future__ import annotations
@@ -50,6 +52,11 @@ def main(gluon_gqa: bool) -> None:
         dims, mla_context = MLADims(), int(os.environ.get("DECODE_NCU_MLA_CONTEXT", "8192"))
         mla_dtype = torch.float8_e4m3fn if os.environ.get("DECODE_NCU_MLA_FP8") else torch.bfloat16
         latent, table = _mla_decode_setup(batch, mla_context, dims, page, n, dev, mla_dtype)
+        pool_mb = float(os.environ.get("DECODE_NCU_POOL_MB", "0"))
+        if pool_mb > 0:     # (a page: 64 rows of the 576-wide latent, and over fp8 its fp32 scales)
+            page_bytes = page * dims.latent_dim * latent.kv.element_size() + (page * 4 if latent.kv.element_size() == 1
+                                                                               else 0)
+            table = (table.long() % max(1, int(pool_mb * 2 ** 20 // page_bytes))).to(table.dtype)
         mla_heads = int(os.environ.get("DECODE_NCU_MLA_HEADS", "128"))
         q_mla = torch.randn(batch, mla_heads, dims.latent_dim, device=dev, dtype=torch.bfloat16)
         seq_mla = torch.full((batch,), int(os.environ.get("DECODE_NCU_MLA_LEN", mla_context)), device=dev)
