@@ -332,3 +332,53 @@ def test_dcp_section_runs_once_per_context_of_the_env_list(monkeypatch):
             bench_cp.dcp_contexts(32768)
     monkeypatch.delenv("MEGAPAR_BENCH_CP_DCP_CONTEXT")
     assert bench_cp.dcp_contexts(32768) == [32768]
+
+
+@pytest.mark.parametrize("rows,width,page_bytes,pool_bytes", [(32, 128, 37120, 12 * 2 ** 20), (3, 5, 100, 250),
+                                                               (2, 4, 1000, 10 ** 9), (4, 3, 10 ** 9, 100)])
+def test_pooled_table_reads_the_same_lengths_from_a_small_pool(rows, width, page_bytes, pool_bytes):
+    table = torch.randperm(rows * width * 2, dtype=torch.int32)[: rows * width].view(rows, width)
+    pooled = bench_cp.pooled_table(table, page_bytes, pool_bytes)
+    pool = max(1, min(table.numel(), pool_bytes // page_bytes))
+    assert pooled.shape == table.shape and pooled.dtype == table.dtype
+    assert torch.equal(pooled.long(), table.long() % pool)       # every id inside the pool, table order kept
+    assert int(pooled.max()) < pool and int(pooled.min()) >= 0
+    assert int(pooled.max()) * page_bytes < max(pool_bytes, page_bytes)
+    with pytest.raises(ValueError, match="page_bytes must be positive, got 0"):
+        bench_cp.pooled_table(table, 0)
+
+
+def test_a_decode_over_the_pooled_table_reads_the_pool_pages():
+    # the pooled call is a valid decode: the torch path over it equals the one over a table that names
+    # the pool's pages explicitly
+    torch.manual_seed(3)
+    layout = DCPLayout(size=2, rank=1, block_size=8)
+    cache = bench_cp.PagedKVCache.allocate(40, 8, 2, 16, dtype=torch.float32)
+    cache.k.normal_()
+    cache.v.normal_()
+    table = torch.arange(3 * 10, dtype=torch.int32).view(3, 10)
+    seq, q = torch.tensor([150, 3, 97]), torch.randn(3, 4, 16)
+    pooled = bench_cp.pooled_table(table, 8 * 2 * 16 * 4 * 2, 7 * 8 * 2 * 16 * 4 * 2)     # 7 pages
+    explicit = torch.tensor([[(s * 10 + j) % 7 for j in range(10)] for s in range(3)], dtype=torch.int32)
+    got = paged_decode_attention(q, cache, pooled, seq, layout=layout, backend="torch")
+    want = paged_decode_attention(q, cache, explicit, seq, layout=layout, backend="torch")
+    torch.testing.assert_close(got.out, want.out, rtol=0, atol=0)
+    assert not torch.allclose(got.out, paged_decode_attention(q, cache, table, seq, layout=layout,
+                                                              backend="torch").out)
+
+
+@pytest.mark.parametrize("us,l2_us,fixed,ceiling,paced", [
+    (70.0, 50.0, 10.0, 3000.0, "reads"),       # DRAM under the ceiling, L2 over it: the reads pace it
+    (54.0, 50.0, 10.0, 4264.0, "kernel"),      # from L2 still under the ceiling: the kernel paces it
+    (150.0, 160.0, 20.0, 3000.0, "kernel"),    # L2 slower than DRAM (contention) and DRAM under the ceiling
+    (51.0, 60.0, 1.0, 3000.0, "reads"),        # DRAM at the ceiling, L2 slower: still the reads
+    (5.0, 4.0, 6.0, 3000.0, "kernel")])        # no streamed part left: no rate, nothing says reads
+def test_pace_columns_name_what_paces_a_row(us, l2_us, fixed, ceiling, paced):
+    nbytes = 150e6
+    cols = bench_cp.pace_columns(nbytes, us, l2_us, fixed, ceiling)
+    assert cols["paced_by"] == paced and cols["l2_us"] == l2_us
+    for key, t in (("streamed_gbps", us), ("l2_streamed_gbps", l2_us)):
+        if t > fixed:
+            assert cols[key] == pytest.approx(nbytes / ((t - fixed) * 1e-6) / 1e9)
+        else:
+            assert cols[key] is None

@@ -7,7 +7,8 @@ ten calls a CUDA graph), three ways:
 
 - dram: the bench's block table (every page its own);
 - l2: the same lengths and grid, the block ids taken modulo a pool of pages of DECODE_L2PACE_POOL_MB
-  (default 12 MB, a quarter of an H100's L2), so that after the first touches every tile is an L2 hit;
+  (default 12 MB, a quarter of an H100's L2; `launch.bench.cp.pooled_table`, which bench cp's decode
+  rows time too: columns l2_us, paced_by), so that after the first touches every tile is an L2 hit;
 - one page: one page per rank (the call's fixed part: launch, the dependent loads, the split merge).
 
 Columns: the µs of each; streamed GB/s = the local KV's bytes / (µs - one page µs), for dram and l2;
@@ -29,6 +30,7 @@ import torch
 from _rows import dump_rows, family_case
 
 from megapar.launch.bench.common import BenchContext, step_time
+from megapar.launch.bench.cp import pooled_table
 from megapar.parallel.cp import triton_decode
 from megapar.parallel.cp.dcp import DCPLayout
 from megapar.parallel.cp.paged import paged_decode_attention
@@ -57,8 +59,8 @@ def main(path: str) -> None:
         for cache_dtype in (torch.float8_e4m3fn, torch.bfloat16):
             cache, table, q, scale = family_case(family, cache_dtype, batch, context, block, n, ctx.device)
             page = kv_bytes_per_page(cache)
-            pool = max(1, min(int(table.numel()), int(pool_bytes // page)))
-            pooled = (table.long() % pool).to(table.dtype)
+            pooled = pooled_table(table, page, pool_bytes)
+            pool = int(pooled.max()) + 1
             full = torch.full((batch,), context, device=ctx.device)
             one = torch.full((batch,), n * block, device=ctx.device)
             local = int(layout.local_lengths(full).sum())

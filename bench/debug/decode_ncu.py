@@ -27,7 +27,7 @@ import sys
 
 import torch
 
-from megapar.launch.bench.cp import _decode_setup, _mla_decode_setup
+from megapar.launch.bench.cp import _decode_setup, _mla_decode_setup, pooled_table
 from megapar.parallel.cp import triton_decode
 from megapar.parallel.cp.dcp import DCPLayout
 from megapar.parallel.cp.mla import MLADims
@@ -56,7 +56,7 @@ def main(gluon_gqa: bool) -> None:
         if pool_mb > 0:     # (a page: 64 rows of the 576-wide latent, and over fp8 its fp32 scales)
             page_bytes = page * dims.latent_dim * latent.kv.element_size() + (page * 4 if latent.kv.element_size() == 1
                                                                                else 0)
-            table = (table.long() % max(1, int(pool_mb * 2 ** 20 // page_bytes))).to(table.dtype)
+            table = pooled_table(table, page_bytes, pool_mb * 2 ** 20)
         mla_heads = int(os.environ.get("DECODE_NCU_MLA_HEADS", "128"))
         q_mla = torch.randn(batch, mla_heads, dims.latent_dim, device=dev, dtype=torch.bfloat16)
         seq_mla = torch.full((batch,), int(os.environ.get("DECODE_NCU_MLA_LEN", mla_context)), device=dev)

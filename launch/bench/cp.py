@@ -30,6 +30,10 @@
    MEGAPAR_FLASHMLA_SRC names FlashMLA's source (`launch.bench.flashmla`, bench/fetch_flashmla.sh),
    the MLA bf16 rows also time FlashMLA's dense decode over the same paged cache (flashmla_*
    columns: what a DeepSeek server runs, the anchor that says what the MLA targets ask of a kernel).
+   Each decode row also times the same call with its block ids taken modulo 12 MB of pages
+   (`pooled_table`: its tiles from L2, column l2_us) and says what paces it on this card
+   (`pace_columns`: streamed_gbps / l2_streamed_gbps, the KV's bytes over the time less fixed_us;
+   paced_by "kernel" where even from L2 it streams under 0.95 of the copy ceiling, else "reads").
 Sections 2 and 4 time every decode call (ours and the SDPA / torch bmm anchors) as a decode step's
 CUDA graph runs it (`common.step_time`): µs per call of ten calls captured in one graph, over
 copies of the inputs taken in turn so that a call reads its KV from DRAM, not from the L2 the call
@@ -448,6 +452,35 @@ def kv_read_bytes_of(cache: PagedKVCache, tokens: int, kv_heads: int, d: int, dv
     return kv_read_bytes(tokens, kv_heads, d, dv, cache.k.element_size(), v_from_k=v_from_k, fp8=cache.is_fp8)
 
 
+L2_POOL_BYTES = 12 * 2 ** 20
+"""The pool of pages a decode row's L2 timing reads (`pooled_table`): a quarter of an H100's or H200's L2."""
+
+
+def pooled_table(table: torch.Tensor, page_bytes: float, pool_bytes: float = L2_POOL_BYTES) -> torch.Tensor:
+    """`table` with its block ids taken modulo a pool of `pool_bytes` of pages (`page_bytes` each; at
+    least one page, at most the table's own): a decode over it has the same lengths, grid and splits
+    and, after its first touches, finds every tile in L2, so that its time is the kernel's own pace
+    and not the DRAM's."""
+    if page_bytes <= 0:
+        raise ValueError(f"page_bytes must be positive, got {page_bytes}")
+    pool = max(1, min(table.numel(), int(pool_bytes // page_bytes)))
+    return (table.long() % pool).to(table.dtype)
+
+
+def pace_columns(nbytes: float, us: float, l2_us: float, fixed_us: float, ceiling_gbps: float) -> dict:
+    """A decode row's streamed rates (the KV's bytes over the time less its fixed part) reading from
+    DRAM (`us`) and with its tiles in L2 (`l2_us`, `pooled_table`), and what paces the row on this
+    card: "reads" where the kernel streamed at 0.95 of the copy ceiling or more either way (it would
+    go faster with faster reads), else "kernel" (with its tiles in L2 it still streams slower than
+    this card's DRAM: a card with more bandwidth would not make it faster)."""
+    def rate(t: float) -> float | None:
+        return nbytes / (t - fixed_us) / 1e3 if t > fixed_us else None
+    dram, l2 = rate(us), rate(l2_us)
+    best = max(r for r in (dram, l2, 0.0) if r is not None)
+    return {"l2_us": l2_us, "streamed_gbps": dram, "l2_streamed_gbps": l2,
+            "paced_by": "reads" if best >= 0.95 * ceiling_gbps else "kernel"}
+
+
 # ---------------------------------------------------------------------------------------------
 # multi-GPU section
 
@@ -623,6 +656,10 @@ def _paged_decode_rows(ctx: BenchContext) -> None:
                 # (the short lengths made outside the timed call: inside, their fill kernel was timed too)
                 short = torch.full_like(seq, n * block)
                 fixed_us, fixed_cols = _decode_time(ctx, [lambda: ours(cache, table, q, short)], variants)
+                # the same call with its tiles in L2: does the kernel or the card's DRAM pace the row?
+                pooled = pooled_table(table, nbytes / (batch * local) * block)
+                l2_us, _ = step_time(ctx, [lambda: ours(cache, pooled, q, seq)])
+                pace = pace_columns(nbytes, ours_us, l2_us, fixed_us, ceiling)
                 flash_cols = {}
                 if flash is not None and kind == "mla" and cache_dtype == torch.bfloat16:
                     flash_cols = flashmla_columns_or_note(ctx, f"L={context} H={heads}", flash, sets, layout, seq,
@@ -665,9 +702,9 @@ def _paged_decode_rows(ctx: BenchContext) -> None:
                            flop_floor_us=flop_floor, torch_gathered_us=torch_us,
                            speedup_vs_torch=torch_us / ours_us, target_fraction=0.70, anchor_timing=anchor_timing,
                            anchor_replay_us=anchor_cols.get("replay_us"), anchor_input_sets=anchor_cols["input_sets"],
-                           fixed_us=fixed_us, streamed_fraction=floor / max(ours_us - fixed_us, 1e-9), **ours_cols,
-                           **_fixed_variants(fixed_cols), **flash_cols)
-                del cache, table, q
+                           fixed_us=fixed_us, streamed_fraction=floor / max(ours_us - fixed_us, 1e-9), **pace,
+                           **ours_cols, **_fixed_variants(fixed_cols), **flash_cols)
+                del cache, table, q, pooled
     _note_graph_timing(ctx)
 
 
