@@ -7,7 +7,7 @@
 # FP8-GEMM-alone sweep at V3 L2; dectiming: bench/debug/decode_timing.py (dtmla: its MLA 16-head and GQA fp8 runs); dgluon: bench/debug/decode_gluon.py; dnarrow:
 # bench/debug/decode_narrow.py; dtiles: bench/debug/decode_tiles.py; cvtrate: bench/debug/cvt_rate.py; dgqa:
 # bench/debug/decode_gluon_gqa.py; dstream: bench/debug/decode_stream.py; dsplits:
-# bench/debug/decode_splits.py; dmixed: bench/debug/mixed_probe.py (bf16 and fp8); dwaves: bench/debug/decode_waves.py; dfixed: bench/debug/decode_fixed.py; dl2pace: bench/debug/decode_l2pace.py; druns: bench/debug/decode_runs.py; dfused: bench/debug/dcp_fused.py; deager: bench/debug/eager_host.py; ncugqa: Nsight Compute over bench/debug/decode_ncu.py gluon-gqa;
+# bench/debug/decode_splits.py; dmixed: bench/debug/mixed_probe.py (bf16 and fp8); dwaves: bench/debug/decode_waves.py; dfixed: bench/debug/decode_fixed.py; dl2pace: bench/debug/decode_l2pace.py; wgmma: bench/debug/wgmma_rate.py; druns: bench/debug/decode_runs.py; dfused: bench/debug/dcp_fused.py; deager: bench/debug/eager_host.py; ncugqa: Nsight Compute over bench/debug/decode_ncu.py gluon-gqa;
 # ceilings: this GPU's copy / bf16 / fp8 ceilings (launch/bench/common.measure_ceilings);
 # ncusrc: per-instruction stall samples (SASS, csv) of the kernel NCU_KERNEL names, decode_ncu.py NCU_ARGS;
 # flashmla: FlashMLA's dense decode built from the carried .device-pkgs/flashmla-src.tar.gz and tested, then timed
@@ -61,6 +61,7 @@ for s in "$@"; do
     dfused)     step dfused "${DFUSED_LIMIT:-150}" python3 bench/debug/dcp_fused.py "$res/dcp-fused.json" ;;
     deager)     step deager "${DEAGER_LIMIT:-150}" python3 bench/debug/eager_host.py "$res/eager-host.json" ;;
     druns)      step druns "${DRUNS_LIMIT:-200}" python3 bench/debug/decode_runs.py "$res/decode-runs.json" ;;
+    wgmma)      step wgmma "${WGMMA_LIMIT:-120}" python3 bench/debug/wgmma_rate.py "$res/wgmma-rate.json" ;;
     dl2pace)    step dl2pace "${DL2PACE_LIMIT:-200}" python3 bench/debug/decode_l2pace.py "$res/decode-l2pace.json" ;;
     dfixed)     step dfixed "${DFIXED_LIMIT:-120}" python3 bench/debug/decode_fixed.py "$res/decode-fixed.json" ;;
     dmixed)     step dmixed "${DMIXED_LIMIT:-150}" bash -c "MIXED_PROBE_MERGE=1 python3 bench/debug/mixed_probe.py $res/mixed-probe.json; \
