@@ -7,7 +7,7 @@ fraction of the dense peak of that dtype (2 x 64 x N x K FLOPs an instruction ag
 measured matmul ceiling, `launch.bench.common.measure_ceilings`).
 
 Why: the narrow kernels take 1.27-1.40 µs a 64-key tile an SM over either dtype even with their
-tiles in L2 (bench/debug/decode_l2pace.py), with only 0.2-0.35 instructions a cycle issued a sub-
+tiles in L2 (bench/debug/decode_l2pace.py), with only 0.2-0.4 instructions a cycle issued a sub-
 partition; halving the reductions (two tiles a softmax step) or the value warpgroup's instructions
 (values8_narrow_fp8) did not move it. A tile is 68 m64n16k16 wgmma over bf16 and 18 m64n32k32 + 32
 m64n16k16 over fp8: if an N = 16 instruction costs ~32-40 cycles (a quarter of the dense rate), the
