@@ -32,6 +32,16 @@ def check_row(check: str, kernel: str, call, ref, table, bad_block: int) -> dict
     return row
 
 
+def kv_bytes_per_page(cache) -> int:
+    """Bytes of one page of `cache` over its distinct storages (MLA's values are a view of its keys, its
+    two scale tensors one tensor)."""
+    seen: dict[int, int] = {}
+    for t in (cache.k, cache.v, cache.k_scale, cache.v_scale):
+        if t is not None:
+            seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+    return sum(seen.values()) // cache.k.shape[0]
+
+
 HEADS = {"mla16": 16, "mla128": 128}
 """Query heads of the MLA families the decode scripts time (16: TP 8; 128: TP 1, DCP's `-dcp 8`)."""
 

@@ -27,23 +27,13 @@ import os
 import sys
 
 import torch
-from _rows import dump_rows, family_case
+from _rows import dump_rows, family_case, kv_bytes_per_page
 
 from megapar.launch.bench.common import BenchContext, step_time
 from megapar.launch.bench.cp import pooled_table
 from megapar.parallel.cp import triton_decode
 from megapar.parallel.cp.dcp import DCPLayout
 from megapar.parallel.cp.paged import paged_decode_attention
-
-
-def kv_bytes_per_page(cache) -> int:
-    """Bytes of one page of `cache` over its distinct storages (MLA's values are a view of its keys, its
-    two scale tensors one tensor)."""
-    seen: dict[int, int] = {}
-    for t in (cache.k, cache.v, cache.k_scale, cache.v_scale):
-        if t is not None:
-            seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
-    return sum(seen.values()) // cache.k.shape[0]
 
 
 def main(path: str) -> None:

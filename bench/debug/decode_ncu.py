@@ -26,6 +26,7 @@ import os
 import sys
 
 import torch
+from _rows import kv_bytes_per_page
 
 from megapar.launch.bench.cp import _decode_setup, _mla_decode_setup, pooled_table
 from megapar.parallel.cp import triton_decode
@@ -53,10 +54,8 @@ def main(gluon_gqa: bool) -> None:
         mla_dtype = torch.float8_e4m3fn if os.environ.get("DECODE_NCU_MLA_FP8") else torch.bfloat16
         latent, table = _mla_decode_setup(batch, mla_context, dims, page, n, dev, mla_dtype)
         pool_mb = float(os.environ.get("DECODE_NCU_POOL_MB", "0"))
-        if pool_mb > 0:     # (a page: 64 rows of the 576-wide latent, and over fp8 its fp32 scales)
-            page_bytes = page * dims.latent_dim * latent.kv.element_size() + (page * 4 if latent.kv.element_size() == 1
-                                                                               else 0)
-            table = pooled_table(table, page_bytes, pool_mb * 2 ** 20)
+        if pool_mb > 0:
+            table = pooled_table(table, kv_bytes_per_page(latent.paged), pool_mb * 2 ** 20)
         mla_heads = int(os.environ.get("DECODE_NCU_MLA_HEADS", "128"))
         q_mla = torch.randn(batch, mla_heads, dims.latent_dim, device=dev, dtype=torch.bfloat16)
         seq_mla = torch.full((batch,), int(os.environ.get("DECODE_NCU_MLA_LEN", mla_context)), device=dev)
