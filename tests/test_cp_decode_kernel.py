@@ -1021,6 +1021,34 @@ def test_gluon_mla_narrow_swapped_on_gpu(dtype, size, rank, heads, tq, monkeypat
         _nan_row_5_only(run(cache, bad8), v8)
         _replays_to(lambda: run(cache, table), v8)
         monkeypatch.setitem(td.CONFIG, "values8_narrow_fp8", 0)
+        # one softmax maximum a tile (CONFIG one_max_narrow_fp8: the maximum over the scores plus log2 of the
+        # keys' scales): the same weights and sums up to fp32 rounding, alone and with the fp8 value MMAs
+        for values8 in (0, 1):
+            monkeypatch.setitem(td.CONFIG, "values8_narrow_fp8", values8)
+            monkeypatch.setitem(td.CONFIG, "one_max_narrow_fp8", 1)
+            used.clear()
+            one = run(cache, table)
+            assert used and all(kw["one_max"] for _, kw in used)
+            _check_against_torch(one, ref, 1)
+            torch.testing.assert_close(one.lse, got.lse, atol=2e-4, rtol=0)
+            torch.testing.assert_close(one.out, v8.out if values8 else got.out, atol=4e-3, rtol=0)
+            _nan_row_5_only(run(cache, bad8), one)
+            _replays_to(lambda: run(cache, table), one)
+            monkeypatch.setitem(td.CONFIG, "one_max_narrow_fp8", 0)
+        monkeypatch.setitem(td.CONFIG, "values8_narrow_fp8", 0)
+        # keys of scale 0 (zero bytes: a score of 0, a weight in the sums, nothing in the values): the
+        # first three slots of sequence 0's first block, which every rank holds
+        zk, zs = cache.k.clone(), cache.k_scale.clone()
+        zk[table[0, 0].long(), :3] = 0
+        zs[table[0, 0].long(), :3] = 0
+        zeros = PagedKVCache(zk, zk[..., :512], zs, zs)
+        two_max = run(zeros, table)
+        monkeypatch.setitem(td.CONFIG, "one_max_narrow_fp8", 1)
+        one = run(zeros, table)
+        monkeypatch.setitem(td.CONFIG, "one_max_narrow_fp8", 0)
+        assert not torch.equal(two_max.lse[0], got.lse[0]), "the zero-scale keys changed nothing"
+        torch.testing.assert_close(one.lse, two_max.lse, atol=2e-4, rtol=0)
+        torch.testing.assert_close(one.out, two_max.out, atol=4e-3, rtol=0)
         used.clear()
         monkeypatch.setitem(td.CONFIG, "direct_wide_narrow_fp8", 0)
         off = run(cache, table)

@@ -42,8 +42,10 @@ def _build(name: str, cubin: Path | None = None) -> dict:
     half = "-half" in name              # ("-half": bf16 split partials, CONFIG half_partials)
     planned = "-planned" in name        # ("-planned": the grid's splits a length plan's items)
     v8 = "-v8" in name                  # ("-v8": the narrow direct kernel's value MMAs in fp8, values8_narrow_fp8)
+    one = "-one" in name                # ("-one": its softmax with one maximum a tile, one_max_narrow_fp8)
     family, dtype, *more = (name.removesuffix("-pdl").replace("-pipe", "").replace("-paired", "")
                             .replace("-ahead", "").replace("-half", "").replace("-planned", "").replace("-v8", "")
+                            .replace("-one", "")
                             .replace(tiles.group(0) if tiles else "-tiles", "").split("-"))
     fp8 = dtype == "fp8"
     ptrs = {"table_ptr": "*i32", "glens_ptr": "*i64", "o_ptr": "*bf16" if half else "*fp32", "lse_ptr": "*fp32",
@@ -116,6 +118,8 @@ def _build(name: str, cubin: Path | None = None) -> dict:
         consts["TILES"] = int(tiles.group(1)) if tiles else 1
     if "V8" in kernel.arg_names:
         consts["V8"] = v8
+    if "ONE" in kernel.arg_names:
+        consts["ONE"] = one
     if "PLANNED" in kernel.arg_names:
         consts["PLANNED"] = planned
         if planned:
@@ -187,6 +191,9 @@ BUILDS = [
     # the narrow direct kernel's value MMAs in fp8 (CONFIG values8_narrow_fp8; at most 16 columns: at 32 its
     # accumulators and operands spill 456-468 B)
     ("mlan-fp8-16-direct5s-ahead-paired-v8-pdl", 0),
+    # its softmax with one maximum a tile (CONFIG one_max_narrow_fp8), with the tiles in pairs and with v8
+    ("mlan-fp8-16-direct5s-pipe-ahead-paired-one-pdl", 0), ("mlan-fp8-16-direct5s-pipe-ahead-paired-one-v8-pdl", 0),
+    ("mlan-fp8-32-direct3s-tiles4-ahead-paired-one-pdl", 32),
     # the bf16 kernel over token runs (`gluon_mla_runs`, CONFIG runs_wide): the partitions of "mla-bf16"
     # looping over a program's segments
     ("mlaruns-bf16", 512), ("mlaruns-bf16-pdl", 512)]
@@ -361,6 +368,28 @@ def test_narrow_fp8_value_mmas_take_their_operands_without_conversion(tmp_path):
     assert hgmma[base] == 32 and hgmma[v8] == 0, hgmma
     assert len(re.findall(r"QGMMA\.64x16x32\.F32\.E4M3\.E4M3 R\d+, R\d+", sass[v8])) == 32     # (A from registers)
     got, ref = _built(v8), _built(base)
+    assert got["shared"] == ref["shared"] and got["spill"] == 0 and not got["serialized"]
+
+
+def test_narrow_fp8_one_max_takes_one_cross_warp_maximum_a_tile(tmp_path):
+    """CONFIG one_max_narrow_fp8: the narrow direct kernel's scores warpgroup reduces one maximum a tile
+    across its warps instead of two (the scores plus log2 of the keys' scales; no running unit): over a
+    pair of tiles 24 fewer shuffles (12 a maximum: three lane distances x four columns a thread) and
+    fewer bar.sync; the same shared memory, no spills."""
+    import triton
+
+    dump = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+    base, one = "mlan-fp8-16-direct5s-pipe-ahead-paired-pdl", "mlan-fp8-16-direct5s-pipe-ahead-paired-one-pdl"
+    sass = {}
+    for name in (base, one):
+        _built(name, tmp_path / f"{name}.cubin")
+        sass[name] = subprocess.run([str(dump), "-sass", str(tmp_path / f"{name}.cubin")], capture_output=True,
+                                    text=True, check=True).stdout
+    shfl = {n: sass[n].count("SHFL.") for n in sass}
+    bars = {n: sass[n].count("BAR.SYNC") for n in sass}
+    assert shfl[one] <= shfl[base] - 24 and bars[one] < bars[base], (shfl, bars)
+    assert sass[base].count("QGMMA") == sass[one].count("QGMMA")
+    got, ref = _built(one), _built(base)
     assert got["shared"] == ref["shared"] and got["spill"] == 0 and not got["serialized"]
 
 

@@ -1,6 +1,6 @@
 """The pace of a decode kernel's streamed part when its keys come from L2 instead of DRAM: what bounds
 a row on a card with more DRAM bandwidth than this one (the H200's 4.8 TB/s against the H100's 3.35)
-when only this one is lent. B = 32, rank 0 of 4, 1/4 of L = DECODE_L2PACE_CONTEXT (default 32K) a
+when only this one is lent. B = 32, rank 0 of 4, 1/4 of L = DECODE_L2PACE_CONTEXT (default 32K; a comma list: each) a
 sequence, each family as bench cp builds it (`_rows.family_case`: GQA Hq 32 / Hkv 4 / D 128, MLA 16
 and 128 heads; fp8 and bf16), each call timed as `megapar bench cp` times one (`common.step_time`,
 ten calls a CUDA graph), three ways:
@@ -15,7 +15,8 @@ Columns: the µs of each; streamed GB/s = the local KV's bytes / (µs - one page
 ns a tile an SM = (µs - one page µs) x SMs / (64-key tiles x head tiles of 64 (MLA 128: 2)). Where
 l2's streamed rate is under a card's DRAM rate, that card's row is paced by the kernel, not its
 reads. The MLA 16 fp8 rows also run with the narrow kernel's fp8 value MMAs (CONFIG
-values8_narrow_fp8 1, kernel "v8").
+values8_narrow_fp8 1, kernel "v8"), its softmax with one maximum a tile (one_max_narrow_fp8 1, "one")
+and both ("one v8").
 
     python bench/debug/decode_l2pace.py OUT.json        # on the GPU (DECODE_FIXED_FAMILIES-like:
                                                         # DECODE_L2PACE_FAMILIES=mla16,gqa picks some)
@@ -39,14 +40,14 @@ from megapar.parallel.cp.paged import paged_decode_attention
 def main(path: str) -> None:
     ctx = BenchContext("cp", torch.device("cuda"))
     batch, block, n = 32, 64, 4
-    context = int(os.environ.get("DECODE_L2PACE_CONTEXT", "32768"))
+    contexts = [int(c) for c in os.environ.get("DECODE_L2PACE_CONTEXT", "32768").split(",")]
     pool_bytes = float(os.environ.get("DECODE_L2PACE_POOL_MB", "12")) * 2 ** 20
     sms = torch.cuda.get_device_properties(ctx.device).multi_processor_count
     saved = dict(triton_decode.CONFIG)
     rows: list = []
     layout = DCPLayout(size=n, rank=0, block_size=block)
     for family in os.environ.get("DECODE_L2PACE_FAMILIES", "mla16,mla128,gqa").split(","):
-        for cache_dtype in (torch.float8_e4m3fn, torch.bfloat16):
+        for cache_dtype, context in ((d, c) for d in (torch.float8_e4m3fn, torch.bfloat16) for c in contexts):
             cache, table, q, scale = family_case(family, cache_dtype, batch, context, block, n, ctx.device)
             page = kv_bytes_per_page(cache)
             pooled = pooled_table(table, page, pool_bytes)
@@ -58,7 +59,8 @@ def main(path: str) -> None:
             tiles = -(-local // 64) * head_tiles
             forms = [("installed", {})]
             if family == "mla16" and cache_dtype == torch.float8_e4m3fn:
-                forms.append(("v8", {"values8_narrow_fp8": 1}))
+                forms += [("v8", {"values8_narrow_fp8": 1}), ("one", {"one_max_narrow_fp8": 1}),
+                          ("one v8", {"one_max_narrow_fp8": 1, "values8_narrow_fp8": 1})]
             for kernel, entries in forms:
                 triton_decode.CONFIG.update(saved)
                 triton_decode.CONFIG.update(entries)

@@ -35,7 +35,11 @@ FORMS = {
             ("direct raw5 pipe", {"direct_wide_narrow_fp8": 5, "pipe_wide_narrow_fp8": 1}),
             # (the value MMAs in fp8 against the weights' e4m3 hi + lo parts, values8_narrow_fp8)
             ("direct raw5 pipe v8", {"direct_wide_narrow_fp8": 5, "pipe_wide_narrow_fp8": 1, "values8_narrow_fp8": 1}),
-            ("direct raw3 pipe v8", {"direct_wide_narrow_fp8": 3, "pipe_wide_narrow_fp8": 1, "values8_narrow_fp8": 1})),
+            ("direct raw3 pipe v8", {"direct_wide_narrow_fp8": 3, "pipe_wide_narrow_fp8": 1, "values8_narrow_fp8": 1}),
+            # (one softmax maximum a tile, one_max_narrow_fp8)
+            ("direct raw5 pipe one", {"direct_wide_narrow_fp8": 5, "pipe_wide_narrow_fp8": 1, "one_max_narrow_fp8": 1}),
+            ("direct raw5 pipe one v8", {"direct_wide_narrow_fp8": 5, "pipe_wide_narrow_fp8": 1, "one_max_narrow_fp8": 1,
+                                         "values8_narrow_fp8": 1})),
     "bf16": (("triton", {"gluon_wide_narrow": 0}), ("padded", {"swap_wide_narrow": 0}), ("swap", {})),
 }
 PROBLEMS = ((torch.float8_e4m3fn, 8192, 16, 1), (torch.float8_e4m3fn, 32768, 16, 1),

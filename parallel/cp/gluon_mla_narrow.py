@@ -560,13 +560,33 @@ if HAS_GLUON:
         return a_smem.index(tiles % 2).load(col_l)
 
     @gluon.jit
+    def _softmax_step_one(sc, ks, live, m_i, l_i):
+        """`gluon_mla._softmax_step` over fp8 (keys along axis 0, l deferred) with one maximum a tile
+        instead of two: the running maximum m is taken over the scaled scores sc [64 keys, NQ] plus
+        log2 of the keys' value scales ks, so that the weights w exp2(s - m) are at most 1 (fp16
+        holds them) without a second maximum over them (the other form's running unit r). l sums
+        exp2(s - m) = the weight / w (a key of scale 0, whose score is 0: exp2(-m)); the output's
+        factor is 1 / l. (weights, alpha, new m, new l)."""
+        lw = gl.log2(ks)     # (-inf at a scale of 0 and past the end)
+        sw = gl.where(live, sc + lw[:, None], float("-inf"))
+        m_new = gl.maximum(m_i, gl.max(sw, 0))
+        m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
+        p = gl.exp2(sw - m_safe[None, :])
+        alpha = gl.exp2(m_i - m_safe)
+        inv = gl.where(ks > 0, 1.0 / gl.where(ks > 0, ks, 1.0), 0.0)
+        zero_scale = gl.where(live & (ks == 0)[:, None], gl.exp2(-m_safe)[None, :], 0.0)
+        l_i = l_i * alpha[None, :] + (p * inv[:, None] + zero_scale)
+        return p, alpha, m_new, l_i
+
+    @gluon.jit
     def _tile_softmax(sc, t, m_i, l_i, r_i, start, end, keys, qk_q, q_pos, ks_smem, p_smem, a_smem, raw_free,
                       p_free, p_ready, dcp_size, dcp_rank, interleave, RAW: gl.constexpr, CAUSAL: gl.constexpr,
-                      V8: gl.constexpr = False):
+                      V8: gl.constexpr = False, ONE: gl.constexpr = False):
         """Tile t's raw scores sc (its MMAs complete) through the online softmax: times its keys' scales
         (the raw stage then released) and the queries' factors, masked past the end (CAUSAL: and past
         each column's token), the weights P^T and the rescale published in buffer t % 2 for the value
-        warpgroup. Returns the new (m, l, r)."""
+        warpgroup. ONE: one maximum a tile (`_softmax_step_one`; r stays as it came). Returns the new
+        (m, l, r)."""
         rs = t % RAW
         j0 = start + t * BLOCK
         key_live = j0 + keys < end
@@ -575,8 +595,11 @@ if HAS_GLUON:
             live = live & (_global_pos(j0 + keys, dcp_size, dcp_rank, interleave)[:, None] <= q_pos[None, :])
         ks = gl.where(key_live, ks_smem.index(rs).reshape([BLOCK]).load(keys.type.layout), 0.0)
         mbarrier.arrive(raw_free.index(rs))
-        sc = gl.where(live, sc * ks[:, None] * qk_q[None, :], float("-inf"))
-        p, alpha, m_i, l_i, r_i = _softmax_step(sc, m_i, l_i, r_i, ks, 0, True, True)
+        if ONE:
+            p, alpha, m_i, l_i = _softmax_step_one(sc * ks[:, None] * qk_q[None, :], ks, live, m_i, l_i)
+        else:
+            sc = gl.where(live, sc * ks[:, None] * qk_q[None, :], float("-inf"))
+            p, alpha, m_i, l_i, r_i = _softmax_step(sc, m_i, l_i, r_i, ks, 0, True, True)
         if V8:
             _publish8(p_smem, a_smem, p_free, p_ready, t, p, alpha)
         else:
@@ -589,7 +612,7 @@ if HAS_GLUON:
                        interleave, table_w, num_blocks, st_s, qk_scale, sl_p, sl_s, sl_t, HQ, TQ,
                        PAGE: gl.constexpr, RAW: gl.constexpr, NQ: gl.constexpr, CAUSAL: gl.constexpr,
                        PIPE: gl.constexpr = False, AHEAD: gl.constexpr = False, TILES: gl.constexpr = 1,
-                       V8: gl.constexpr = False):
+                       V8: gl.constexpr = False, ONE: gl.constexpr = False):
         """The direct fp8 kernel's first warpgroup: the queries as e4m3 hi and lo parts, then per raw tile
         S^T = K Q^T as fp8 MMAs straight from shared memory (`_scores_tile8`), the online softmax (over
         fp8: scales, a running per-column unit), the weights P^T and
@@ -599,7 +622,7 @@ if HAS_GLUON:
         discarded; `launch` asks for it at most at PAIRS_MAX_COLUMNS columns). Across pairs no
         MMAs stay in flight: a loop-carried in-flight accumulator costs register moves, for which ptxas
         serializes every wgmma of the kernel (its warning C7514). V8: the weights published as e4m3 parts for
-        fp8 value MMAs (`_publish8`)."""
+        fp8 value MMAs (`_publish8`). ONE: one maximum a tile (`_softmax_step_one`)."""
         mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, NQ, 16])
         mma8: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, 2 * NQ, 32])    # (hi and lo parts)
@@ -638,13 +661,13 @@ if HAS_GLUON:
                 sc = gl.convert_layout(_fold_parts((a0 + a1) + (a2 + a3) + a4, NQ), mma)
                 m_i, l_i, r_i = _tile_softmax(sc, t, m_i, l_i, r_i, start, end, keys, qk_q, q_pos, ks_smem, p_smem,
                                               a_smem, raw_free, p_free, p_ready, dcp_size, dcp_rank, interleave,
-                                              RAW, CAUSAL, V8)
+                                              RAW, CAUSAL, V8, ONE)
                 b0, b1, b2, b3, b4 = warpgroup_mma_wait(num_outstanding=0, deps=(b0, b1, b2, b3, b4))
                 if two:
                     sc = gl.convert_layout(_fold_parts((b0 + b1) + (b2 + b3) + b4, NQ), mma)
                     m_i, l_i, r_i = _tile_softmax(sc, t + 1, m_i, l_i, r_i, start, end, keys, qk_q, q_pos, ks_smem,
                                                   p_smem, a_smem, raw_free, p_free, p_ready, dcp_size, dcp_rank,
-                                                  interleave, RAW, CAUSAL, V8)
+                                                  interleave, RAW, CAUSAL, V8, ONE)
         else:
             for t in range(tiles):
                 rs = t % RAW
@@ -658,10 +681,10 @@ if HAS_GLUON:
                 sc = gl.convert_layout(_fold_parts((s0 + s1) + (s2 + s3) + s4, NQ), mma)   # (same registers)
                 m_i, l_i, r_i = _tile_softmax(sc, t, m_i, l_i, r_i, start, end, keys, qk_q, q_pos, ks_smem, p_smem,
                                               a_smem, raw_free, p_free, p_ready, dcp_size, dcp_rank, interleave,
-                                              RAW, CAUSAL, V8)
+                                              RAW, CAUSAL, V8, ONE)
         if AHEAD:
             bad = bad | _bad_ids_after(early, table_ptr, s, st_s, start, end, num_blocks, PAGE, IDS_L)
-        factor, lse = _finish(m_i, gl.sum(l_i, 0), r_i, bad, True)
+        factor, lse = _finish(m_i, gl.sum(l_i, 0), r_i, bad, not ONE)
         mine = cols < TQ * HQ
         tok = (cols // HQ).to(gl.int64)
         head = (cols % HQ).to(gl.int64)
@@ -789,7 +812,8 @@ if HAS_GLUON:
                                   RAW: gl.constexpr, CAUSAL: gl.constexpr = False, PDL: gl.constexpr = False,
                                   PIPE: gl.constexpr = False, PAIRED: gl.constexpr = False,
                                   AHEAD: gl.constexpr = False, TILES: gl.constexpr = 1,
-                                  plan_ptr=None, PLANNED: gl.constexpr = False, V8: gl.constexpr = False):
+                                  plan_ptr=None, PLANNED: gl.constexpr = False, V8: gl.constexpr = False,
+                                  ONE: gl.constexpr = False):
         """fp8 latent cache without a converter: a one-warp TMA loader fills RAW raw stages; one warpgroup
         reads each tile's bytes straight into the scores' A operands (`_direct_scores`), the other into
         the values' (`_direct_values`) one tile behind, through a double buffer of the weights. PAIRED:
@@ -834,7 +858,7 @@ if HAS_GLUON:
             (_direct_scores, (q_ptr, ql_smem, qr_smem, kl_smem, kr_smem, ks_smem, p_smem, a_smem, raw_ready,
                               raw_free, p_ready, p_free, table_ptr, glens_ptr, lse_ptr, s, split, split_len,
                               dcp_size, dcp_rank, interleave, table_w, num_blocks, st_s, qk_scale, sl_p, sl_s, sl_t,
-                              HQ, TQ, PAGE, RAW, NQ, CAUSAL, PIPE, AHEAD, TILES, V8)),
+                              HQ, TQ, PAGE, RAW, NQ, CAUSAL, PIPE, AHEAD, TILES, V8, ONE)),
             (_direct_values, (kl_smem, p_smem, a_smem, raw_free, p_ready, p_free, glens_ptr, o_ptr, s, split,
                               split_len, dcp_size, dcp_rank, interleave, table_w, so_p, so_s, so_t, so_h, HQ, TQ,
                               PAGE, RAW, NQ, PAIRED, TILES, V8)),
@@ -847,7 +871,7 @@ def launch(q: Tensor, k: Tensor, table: Tensor, seq_lens: Tensor, o: Tensor, lse
            splits: int, split_len: int, dcp_size: int, dcp_rank: int, interleave: int,
            k_scale: Tensor | None = None, raw: int = 5, pdl: bool = False, pipe: bool = False,
            paired: bool = False, ahead: bool = False, width: int = MAX_HEADS, plan: Tensor | None = None,
-           values8: bool = False) -> None:
+           values8: bool = False, one_max: bool = False) -> None:
     """Fill the split partials o [splits, S, Tq, Hq, 512] / lse [splits, S, Tq, Hq] of queries q [S, Tq,
     Hq, 576] (`gluon_mla.gluon_mla_ok` and `narrow_ok` of Tq x Hq columns hold, or `tiles_ok`: more
     columns, in `head_tiles` of `width`; Tq > 1: causal within the step's tokens); over fp8 the
@@ -855,7 +879,8 @@ def launch(q: Tensor, k: Tensor, table: Tensor, seq_lens: Tensor, o: Tensor, lse
     `pipe`: the scores in tile pairs where `pairs_apply`: at least two raw stages and at most
     PAIRS_MAX_COLUMNS columns; `paired`: the output's dim pairs stored together), over both the
     loader's first block ids loaded beside the length with `ahead`; over fp8 `values8`: the value MMAs in
-    fp8 against the weights' e4m3 hi and lo parts (`_values_tile8`) where `values8_apply`; pdl: launched
+    fp8 against the weights' e4m3 hi and lo parts (`_values_tile8`) where `values8_apply`, `one_max`: one
+    softmax maximum a tile (`_softmax_step_one`); pdl: launched
     with programmatic dependent launch, `triton_merge.pdl_ok`. plan: a length plan's item table
     (`triton_decode.LengthPlan`):
     the grid's `splits` are its items, o's sequence stride 0."""
@@ -881,7 +906,7 @@ def launch(q: Tensor, k: Tensor, table: Tensor, seq_lens: Tensor, o: Tensor, lse
             q, kl_desc, kr_desc, ks_desc, table, seq_lens, o, lse, scale_log2, split_len, hq, tq, dcp_size, dcp_rank,
             interleave, table.shape[1], nb, table.stride(0), *tail, PAGE=page, NQ=nq, RAW=raw, CAUSAL=tq > 1,
             PIPE=bool(pipe) and pairs_apply(nq, raw), PAIRED=bool(paired), AHEAD=bool(ahead), TILES=tiles,
-            V8=bool(values8) and values8_apply(nq), num_warps=4, **launch)
+            V8=bool(values8) and values8_apply(nq), ONE=bool(one_max), num_warps=4, **launch)
         return
     box = shared_box(_BLOCK, _BLOCK, gl.bfloat16)
     qbox = shared_box(nq, _BLOCK, gl.bfloat16)

@@ -806,6 +806,14 @@ CONFIG = impl.Settings({
     # column values8_us), and with the tiles in L2 (bench/debug/decode_l2pace.py, the kernel's own pace,
     # which bounds this row on an H200) 3795 against 3849 GB/s of tiles: the unpacking is not the pacer
     "values8_narrow_fp8": 0,
+    # MLA's narrow direct fp8 kernel: one softmax maximum a tile instead of two (`_softmax_step_one`: the
+    # running maximum over the scores plus log2 of the keys' scales, so that the published weights are at
+    # most 1 without the running unit's second maximum). Over 16 columns a tile's keys span the scores
+    # warpgroup's four warps, so each maximum is a cross-warp reduction (12 SHFL, shared memory and bar.sync
+    # a tile); Nsight Compute's stall samples with the tiles in L2 (H100, 2026-12-07) put that chain
+    # (FMNMX, SHFL, LDS, BAR, FSEL) at ~40% of the scores warpgroup, the pacer (the value warpgroup waits
+    # on its weights for a third of its samples)
+    "one_max_narrow_fp8": 0,
     "ids_ahead": 1,
     "ids_ahead_direct_fp8": 0,
     "ids_ahead_narrow_fp8": 1,
@@ -1168,6 +1176,7 @@ _VALID = {
     "swap": (0, 1), "raw_ring": (0, 1, 2, 3, 4), "keys": (32, 64), "ring": (1, 2, 3),
     "maxnreg": (0, *range(64, 256, 8)), "at_most": (0, 1), "stage16": (0, 1, 2), "even": (0, 1),
     "direct": range(0, 13), "pipe": (0, 1), "paired_store": (0, 1), "values8": (0, 1), "ids_ahead": (0, 1),
+    "one_max": (0, 1),
     "tiles": (0, 1, 2),
     "tile_columns": (16, 32), "expand": (0, 1), "half_partials": (0, 1), "plan_waves": range(1, 9),
     "plan_fit": (0, 1), "plan_fit_wide": (0, 1), "plan_fit_wide_narrow": (0, 1), "plan_order": (0, 1),
@@ -1885,6 +1894,7 @@ def paged_decode_triton(q: Tensor, k: Tensor, v: Tensor, k_scale: Tensor | None,
         gluon_mla_narrow.launch(q, k, table, seq_lens, o, lse, scale * _LOG2E, splits, split_len, dcp_size, dcp_rank,
                                 interleave, k_scale if fp8 else None, raw=c.narrow_raw, pdl=pdl,
                                 pipe=bool(CONFIG["pipe_wide_narrow_fp8"]), values8=bool(CONFIG["values8_narrow_fp8"]),
+                                one_max=bool(CONFIG["one_max_narrow_fp8"]),
                                 width=c.width if c.tiled else gluon_mla_narrow.MAX_HEADS, **direct_opts, **planned)
     elif s > 0 and splits > 0 and c.wide_raw:
         gluon_mla_direct.launch(q, k, table, seq_lens, o, lse, scale * _LOG2E, splits, split_len, dcp_size, dcp_rank,
