@@ -812,8 +812,12 @@ CONFIG = impl.Settings({
     # warpgroup's four warps, so each maximum is a cross-warp reduction (12 SHFL, shared memory and bar.sync
     # a tile); Nsight Compute's stall samples with the tiles in L2 (H100, 2026-12-07) put that chain
     # (FMNMX, SHFL, LDS, BAR, FSEL) at ~40% of the scores warpgroup, the pacer (the value warpgroup waits
-    # on its weights for a third of its samples)
-    "one_max_narrow_fp8": 0,
+    # on its weights for a third of its samples). Measured on (H100, 2026-12-07, commit c8438d7): bench cp
+    # (column one_max_us) 16 heads at 1/4 of 8K / 32K / 128K 25.72 / 63.54 / 208.73 µs against 25.96 / 64.72
+    # / 211.71 off (read-bound there), speculative steps of 2 / 3 tokens 72.3 / 123.1 against 77.1 / 138.5;
+    # with the tiles in L2 (bench/debug/decode_l2pace.py, the kernel's own pace, which bounds the row on an
+    # H200) 935 / 1256 / 1152 ns a tile an SM against 1106 / 1262 / 1337
+    "one_max_narrow_fp8": 1,
     "ids_ahead": 1,
     "ids_ahead_direct_fp8": 0,
     "ids_ahead_narrow_fp8": 1,
