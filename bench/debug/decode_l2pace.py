@@ -15,8 +15,8 @@ Columns: the µs of each; streamed GB/s = the local KV's bytes / (µs - one page
 ns a tile an SM = (µs - one page µs) x SMs / (64-key tiles x head tiles of 64 (MLA 128: 2)). Where
 l2's streamed rate is under a card's DRAM rate, that card's row is paced by the kernel, not its
 reads. The MLA 16 fp8 rows also run with the narrow kernel's fp8 value MMAs (CONFIG
-values8_narrow_fp8 1, kernel "v8"), its softmax with one maximum a tile (one_max_narrow_fp8 1, "one")
-and both ("one v8").
+values8_narrow_fp8 1, kernel "v8") and with its softmax's two maxima a tile (one_max_narrow_fp8 0,
+"two max"; installed since 2026-12-07: one).
 
     python bench/debug/decode_l2pace.py OUT.json        # on the GPU (DECODE_FIXED_FAMILIES-like:
                                                         # DECODE_L2PACE_FAMILIES=mla16,gqa picks some)
@@ -59,8 +59,7 @@ def main(path: str) -> None:
             tiles = -(-local // 64) * head_tiles
             forms = [("installed", {})]
             if family == "mla16" and cache_dtype == torch.float8_e4m3fn:
-                forms += [("v8", {"values8_narrow_fp8": 1}), ("one", {"one_max_narrow_fp8": 1}),
-                          ("one v8", {"one_max_narrow_fp8": 1, "values8_narrow_fp8": 1})]
+                forms += [("v8", {"values8_narrow_fp8": 1}), ("two max", {"one_max_narrow_fp8": 0})]
             for kernel, entries in forms:
                 triton_decode.CONFIG.update(saved)
                 triton_decode.CONFIG.update(entries)
