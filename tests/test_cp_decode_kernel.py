@@ -1022,16 +1022,22 @@ def test_gluon_mla_narrow_swapped_on_gpu(dtype, size, rank, heads, tq, monkeypat
         _replays_to(lambda: run(cache, table), v8)
         monkeypatch.setitem(td.CONFIG, "values8_narrow_fp8", 0)
         # one softmax maximum a tile (CONFIG one_max_narrow_fp8: the maximum over the scores plus log2 of the
-        # keys' scales): the same weights and sums up to fp32 rounding, alone and with the fp8 value MMAs
+        # keys' scales) against two (the running unit's): the same weights and sums up to fp32 rounding,
+        # alone and with the fp8 value MMAs
         for values8 in (0, 1):
             monkeypatch.setitem(td.CONFIG, "values8_narrow_fp8", values8)
+            monkeypatch.setitem(td.CONFIG, "one_max_narrow_fp8", 0)
+            used.clear()
+            two = run(cache, table)
+            assert used and not any(kw["one_max"] for _, kw in used)
             monkeypatch.setitem(td.CONFIG, "one_max_narrow_fp8", 1)
             used.clear()
             one = run(cache, table)
             assert used and all(kw["one_max"] for _, kw in used)
             _check_against_torch(one, ref, 1)
-            torch.testing.assert_close(one.lse, got.lse, atol=2e-4, rtol=0)
-            torch.testing.assert_close(one.out, v8.out if values8 else got.out, atol=4e-3, rtol=0)
+            _check_against_torch(two, ref, 1)
+            torch.testing.assert_close(one.lse, two.lse, atol=2e-4, rtol=0)
+            torch.testing.assert_close(one.out, two.out, atol=4e-3, rtol=0)
             _nan_row_5_only(run(cache, bad8), one)
             _replays_to(lambda: run(cache, table), one)
             monkeypatch.setitem(td.CONFIG, "one_max_narrow_fp8", 0)

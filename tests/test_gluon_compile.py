@@ -346,6 +346,19 @@ def test_direct_kernels_store_their_output_dim_pairs_together(columns):
     assert paired["shared"] == plain["shared"] and not paired["serialized"]
 
 
+def _sass_of(tmp_path: Path, *names: str) -> dict[str, str]:
+    """The SASS of each build (cuobjdump over its cubin), by name."""
+    import triton
+
+    dump = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+    sass = {}
+    for name in names:
+        _built(name, tmp_path / f"{name}.cubin")
+        sass[name] = subprocess.run([str(dump), "-sass", str(tmp_path / f"{name}.cubin")], capture_output=True,
+                                    text=True, check=True).stdout
+    return sass
+
+
 def test_narrow_fp8_value_mmas_take_their_operands_without_conversion(tmp_path):
     """CONFIG values8_narrow_fp8: the narrow direct kernel's value warpgroup builds its A operands by byte
     permutes alone (the keys' relabelling a layout change: no conversion through shared memory) and
@@ -353,15 +366,8 @@ def test_narrow_fp8_value_mmas_take_their_operands_without_conversion(tmp_path):
     only the scores warpgroup's remain (the weights' hi parts back to fp32, and its tail tiles); per
     tile 32 fp8 value MMAs of 32 keys (two parities x hi, lo x four boxes) in place of 32 fp16 ones of 16;
     the same shared memory, no spills."""
-    import triton
-
-    dump = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
     base, v8 = "mlan-fp8-16-direct5s-ahead-paired-pdl", "mlan-fp8-16-direct5s-ahead-paired-v8-pdl"
-    sass = {}
-    for name in (base, v8):
-        _built(name, tmp_path / f"{name}.cubin")
-        sass[name] = subprocess.run([str(dump), "-sass", str(tmp_path / f"{name}.cubin")], capture_output=True,
-                                    text=True, check=True).stdout
+    sass = _sass_of(tmp_path, base, v8)
     unpack = {n: sass[n].count("E4M3.UNPACK_B") for n in sass}
     assert unpack[base] >= 128 and unpack[v8] <= unpack[base] - 120, unpack
     hgmma = {n: len(re.findall(r"HGMMA\.64x16x16", sass[n])) for n in sass}
@@ -376,15 +382,8 @@ def test_narrow_fp8_one_max_takes_one_cross_warp_maximum_a_tile(tmp_path):
     across its warps instead of two (the scores plus log2 of the keys' scales; no running unit): over a
     pair of tiles 24 fewer shuffles (12 a maximum: three lane distances x four columns a thread) and
     fewer bar.sync; the same shared memory, no spills."""
-    import triton
-
-    dump = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
     base, one = "mlan-fp8-16-direct5s-pipe-ahead-paired-pdl", "mlan-fp8-16-direct5s-pipe-ahead-paired-one-pdl"
-    sass = {}
-    for name in (base, one):
-        _built(name, tmp_path / f"{name}.cubin")
-        sass[name] = subprocess.run([str(dump), "-sass", str(tmp_path / f"{name}.cubin")], capture_output=True,
-                                    text=True, check=True).stdout
+    sass = _sass_of(tmp_path, base, one)
     shfl = {n: sass[n].count("SHFL.") for n in sass}
     bars = {n: sass[n].count("BAR.SYNC") for n in sass}
     assert shfl[one] <= shfl[base] - 24 and bars[one] < bars[base], (shfl, bars)
