@@ -1048,11 +1048,15 @@ def test_gluon_mla_narrow_swapped_on_gpu(dtype, size, rank, heads, tq, monkeypat
         zk[table[0, 0].long(), :3] = 0
         zs[table[0, 0].long(), :3] = 0
         zeros = PagedKVCache(zk, zk[..., :512], zs, zs)
-        two_max = run(zeros, table)
+        plain, two_max = run(cache, table), run(zeros, table)
         monkeypatch.setitem(td.CONFIG, "one_max_narrow_fp8", 1)
-        one = run(zeros, table)
+        one_plain, one = run(cache, table), run(zeros, table)
         monkeypatch.setitem(td.CONFIG, "one_max_narrow_fp8", 0)
-        assert not torch.equal(two_max.lse[0], got.lse[0]), "the zero-scale keys changed nothing"
+        # (only sequence 0's keys changed, in either form: its rows move, the others' are the same bits)
+        for a, b in ((two_max, plain), (one, one_plain)):
+            assert not torch.equal(a.lse[0], b.lse[0]), "the zero-scale keys changed nothing"
+            torch.testing.assert_close(a.lse[1:], b.lse[1:], atol=0, rtol=0)
+            torch.testing.assert_close(a.out[1:], b.out[1:], atol=0, rtol=0)
         torch.testing.assert_close(one.lse, two_max.lse, atol=2e-4, rtol=0)
         torch.testing.assert_close(one.out, two_max.out, atol=4e-3, rtol=0)
         used.clear()

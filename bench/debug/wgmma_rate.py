@@ -11,7 +11,10 @@ tiles in L2 (bench/debug/decode_l2pace.py), with only 0.2-0.4 instructions a cyc
 partition; halving the reductions (two tiles a softmax step) or the value warpgroup's instructions
 (values8_narrow_fp8) did not move it. A tile is 68 m64n16k16 wgmma over bf16 and 18 m64n32k32 + 32
 m64n16k16 over fp8: if an N = 16 instruction costs ~32-40 cycles (a quarter of the dense rate), the
-MMAs alone are most of a tile's ~2500-2760 cycles (docs/performance.md §5.3).
+MMAs alone are most of a tile's ~2500-2760 cycles (docs/performance.md §5.3). Found on an H100
+(2026-12-07, docs/gpu.md §73): N = 16 costs 2.7x a FLOP's share at N = 128, about half of the fp8
+tile's time and two thirds of the bf16 tile's, not all of it. (fraction_of_dense_peak can exceed 1:
+the peak is torch's measured matmul ceiling, which this loop of back-to-back wgmma beats.)
 
     python bench/debug/wgmma_rate.py OUT.json        # on the GPU
     python bench/debug/wgmma_rate.py --build DIR     # anywhere: compile every case for sm_90a into DIR
