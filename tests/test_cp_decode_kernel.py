@@ -1023,7 +1023,8 @@ def test_gluon_mla_narrow_swapped_on_gpu(dtype, size, rank, heads, tq, monkeypat
         monkeypatch.setitem(td.CONFIG, "values8_narrow_fp8", 0)
         # one softmax maximum a tile (CONFIG one_max_narrow_fp8: the maximum over the scores plus log2 of the
         # keys' scales) against two (the running unit's): the same weights and sums up to fp32 rounding,
-        # alone and with the fp8 value MMAs
+        # alone and with the fp8 value MMAs (the installed choice put back after, for the checks below)
+        one_installed = td.CONFIG["one_max_narrow_fp8"]
         for values8 in (0, 1):
             monkeypatch.setitem(td.CONFIG, "values8_narrow_fp8", values8)
             monkeypatch.setitem(td.CONFIG, "one_max_narrow_fp8", 0)
@@ -1059,6 +1060,7 @@ def test_gluon_mla_narrow_swapped_on_gpu(dtype, size, rank, heads, tq, monkeypat
             torch.testing.assert_close(a.out[1:], b.out[1:], atol=0, rtol=0)
         torch.testing.assert_close(one.lse, two_max.lse, atol=2e-4, rtol=0)
         torch.testing.assert_close(one.out, two_max.out, atol=4e-3, rtol=0)
+        monkeypatch.setitem(td.CONFIG, "one_max_narrow_fp8", one_installed)
         used.clear()
         monkeypatch.setitem(td.CONFIG, "direct_wide_narrow_fp8", 0)
         off = run(cache, table)
