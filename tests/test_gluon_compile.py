@@ -19,6 +19,10 @@ from pathlib import Path
 import pytest
 import torch
 
+# (every build is made once, at the first test's call, in this process: under pytest-xdist the file runs on
+# one worker, or each worker would make them all)
+pytestmark = pytest.mark.xdist_group("gluon_builds")
+
 SMEM_LIMIT = 232448          # bytes of dynamic shared memory a CTA may take on sm_90
 ROOT = Path(__file__).resolve().parents[1]
 

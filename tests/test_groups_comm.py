@@ -351,6 +351,9 @@ def _peers_of_a_group_without_this_process(rank: int) -> dict:
             out[name] = (peers.rank, peers.size, peers.ranks)
         except ValueError as e:
             out[name] = str(e)
+    # (no rank leaves before every rank is through init_process_group and new_group: rank 2, which new_group
+    # leaves out, could otherwise close its gloo pairs while rank 0 was still connecting them, under load)
+    dist.barrier()
     dist.destroy_process_group()
     return out
 

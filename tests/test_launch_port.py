@@ -72,6 +72,7 @@ def test_launch_local_a_master_port_given_in_env_is_used_as_before():
     assert launch_local(_port_job, 2, env={"MASTER_PORT": str(port)}, timeout=60) == [(3.0, port)] * 2
 
 
+@pytest.mark.xdist_group("ray")
 def test_ray_rank0_actor_hosts_the_store_on_a_port_it_holds():
     # launch_on_ray asked rank 0's actor for free_port() and let rank 0 bind it later (the same
     # race, on rank 0's node); the actor now hosts the store itself, bound on port 0, until it dies

@@ -667,6 +667,7 @@ def ray_cluster():
     ray.shutdown()
 
 
+@pytest.mark.xdist_group("ray")
 def test_launch_on_ray_runs_and_fails_fast(ray_cluster):
     from launch import launch_on_ray
     from parallel import ParallelConfig
@@ -704,6 +705,7 @@ def _ray_unrebuildable(rank: int):
 
 
 @pytest.mark.timeout(300)
+@pytest.mark.xdist_group("ray")
 def test_launch_on_ray_no_time_limit_and_a_result_the_caller_cannot_unpickle(ray_cluster):
     # float('inf') (accepted: "no limit") raised OverflowError in ray.get / ray.wait, which count
     # milliseconds in an int; a result that does not deserialize on the driver escaped as Ray's
@@ -735,6 +737,7 @@ def test_ray_rank_order_takes_gpu_ids_that_are_uuids(monkeypatch):
     assert _RankWorker().node_info()[2] == ["2", "10"]      # indices in numeric order
 
 
+@pytest.mark.xdist_group("ray")
 def test_launch_on_ray_refuses_at_once_what_the_cluster_cannot_hold(ray_cluster):
     from launch import launch_on_ray
     from parallel import ParallelConfig
@@ -867,6 +870,7 @@ print("RESULT " + json.dumps(out))
 """
 
 
+@pytest.mark.xdist_group("ray")
 def test_launch_on_ray_stops_the_cluster_it_started_after_success_and_failure(tmp_path):
     # The one real-cluster check of the ownership rule (Ray starts slowly on 2 cores): in a fresh
     # process, so that no cluster of this test process (the module fixture) is in the way.

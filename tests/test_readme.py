@@ -88,6 +88,7 @@ def test_readme_launch_local_snippet_as_a_script(tmp_path):
     assert proc.stdout.strip().splitlines()[-1] == "[3.0, 3.0]", proc.stdout
 
 
+@pytest.mark.xdist_group("ray")
 def test_readme_ray_snippet_as_a_script(tmp_path):
     pytest.importorskip("ray")
     (tmp_path / "ray_job.py").write_text(_find("launch_on_ray(fn"))
