@@ -366,18 +366,18 @@ def test_decode_time_times_only_the_variants_asked_for(fake_cuda, monkeypatch):
 
     assert cp.row_variants("gqa", 32, False) == ("no_pdl_us", "ids_after_us")
     assert cp.row_variants("gqa", 32, True) == ("no_pdl_us", "unpaired_store_us", "ids_ahead_fp8_us")
-    # (one softmax maximum a tile, one_max_us: MLA's swapped fp8 kernel, narrow tiles and head tiles)
+    # (two softmax maxima a tile, two_max_us: MLA's swapped fp8 kernel, narrow tiles and head tiles)
     assert cp.row_variants("mla", 32, True) == ("pdl_narrow_us", "unpaired_store_us", "ids_after_narrow_fp8_us",
-                                                "one_max_us")
+                                                "two_max_us")
     assert cp.row_variants("mla", 128, False) == ("no_pdl_us", "seesaw_us")
     assert cp.row_variants("mla", 128, True) == ("no_pdl_us", "converter_fp8_us")
     assert cp.row_variants("mla", 16, False) == ("pdl_narrow_us", "ids_after_us")
     # (the fp8 value MMAs: MLA's narrow direct fp8 kernel at most 16 columns)
     assert cp.row_variants("mla", 16, True) == ("pdl_narrow_us", "unpaired_store_us", "ids_after_narrow_fp8_us",
-                                                "values8_us", "one_max_us")
+                                                "values8_us", "two_max_us")
     # wider speculative steps (more than 32 columns) run the swapped kernels in head tiles: untiled_us
     assert cp.row_variants("mla", 16, True, 3) == ("no_pdl_us", "unpaired_store_us", "ids_after_narrow_fp8_us",
-                                                   "untiled_fp8_us", "one_max_us")
+                                                   "untiled_fp8_us", "two_max_us")
     # and those over full 64-head tiles, which the installed CONFIG may run as one-token decodes through
     # the full-tile kernels (expand_wide*): expanded_us either way, the other columns those of the kernel
     # that runs
@@ -390,7 +390,7 @@ def test_decode_time_times_only_the_variants_asked_for(fake_cuda, monkeypatch):
         assert cp.row_variants("mla", 128, True, 2) == (
             ("no_pdl_us", "expanded_fp8_us", "converter_fp8_us") if on else
             ("no_pdl_us", "unpaired_store_us", "ids_after_narrow_fp8_us", "untiled_fp8_us", "expanded_fp8_us",
-             "one_max_us"))
+             "two_max_us"))
     assert cp.row_variants("mla", 48, False, 2) == ("no_pdl_us", "ids_after_us", "untiled_us")
     assert cp.row_variants("mla", 16, False, 2) == cp.row_variants("mla", 16, False)
     ctx, clock = fake_cuda

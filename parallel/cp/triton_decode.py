@@ -816,7 +816,8 @@ CONFIG = impl.Settings({
     # (column one_max_us) 16 heads at 1/4 of 8K / 32K / 128K 25.72 / 63.54 / 208.73 µs against 25.96 / 64.72
     # / 211.71 off (read-bound there), speculative steps of 2 / 3 tokens 72.3 / 123.1 against 77.1 / 138.5;
     # with the tiles in L2 (bench/debug/decode_l2pace.py, the kernel's own pace, which bounds the row on an
-    # H200) 935 / 1256 / 1152 ns a tile an SM against 1106 / 1262 / 1337
+    # H200) 935 / 1256 / 1152 ns a tile an SM against 1106 / 1262 / 1337. Installed since; bench cp's column
+    # two_max_us times the form before it beside each row
     "one_max_narrow_fp8": 1,
     "ids_ahead": 1,
     "ids_ahead_direct_fp8": 0,
