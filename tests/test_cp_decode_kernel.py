@@ -1049,6 +1049,12 @@ def test_gluon_mla_narrow_swapped_on_gpu(dtype, size, rank, heads, tq, monkeypat
         zk[table[0, 0].long(), :3] = 0
         zs[table[0, 0].long(), :3] = 0
         zeros = PagedKVCache(zk, zk[..., :512], zs, zs)
+        # (the torch path's copy: the unheld slots' NaN bytes and scales as zeros and unit scales)
+        unheld = torch.isnan(zs)
+        zc = zk.clone()
+        zc.view(torch.uint8).masked_fill_(unheld[..., None], 0)
+        zcs = zs.masked_fill(unheld, 1.0)
+        zeros_ref = run(PagedKVCache(zc, zc[..., :512], zcs, zcs), table, "torch")
         plain, two_max = run(cache, table), run(zeros, table)
         monkeypatch.setitem(td.CONFIG, "one_max_narrow_fp8", 1)
         one_plain, one = run(cache, table), run(zeros, table)
@@ -1058,6 +1064,8 @@ def test_gluon_mla_narrow_swapped_on_gpu(dtype, size, rank, heads, tq, monkeypat
             assert not torch.equal(a.lse[0], b.lse[0]), "the zero-scale keys changed nothing"
             torch.testing.assert_close(a.lse[1:], b.lse[1:], atol=0, rtol=0)
             torch.testing.assert_close(a.out[1:], b.out[1:], atol=0, rtol=0)
+        _check_against_torch(one, zeros_ref, 1)
+        _check_against_torch(two_max, zeros_ref, 1)
         torch.testing.assert_close(one.lse, two_max.lse, atol=2e-4, rtol=0)
         torch.testing.assert_close(one.out, two_max.out, atol=4e-3, rtol=0)
         monkeypatch.setitem(td.CONFIG, "one_max_narrow_fp8", one_installed)
