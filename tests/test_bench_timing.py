@@ -366,6 +366,10 @@ def test_decode_time_times_only_the_variants_asked_for(fake_cuda, monkeypatch):
 
     assert cp.row_variants("gqa", 32, False) == ("no_pdl_us", "ids_after_us")
     assert cp.row_variants("gqa", 32, True) == ("no_pdl_us", "unpaired_store_us", "ids_ahead_fp8_us")
+    # (a speculative step over bf16: the Triton kernel beside the Gluon one, triton_tokens_us; over fp8 the
+    # direct kernel serves both)
+    assert cp.row_variants("gqa", 32, False, 4) == ("no_pdl_us", "ids_after_us", "triton_tokens_us")
+    assert cp.row_variants("gqa", 32, True, 2) == cp.row_variants("gqa", 32, True)
     # (two softmax maxima a tile, two_max_us: MLA's swapped fp8 kernel, narrow tiles and head tiles)
     assert cp.row_variants("mla", 32, True) == ("pdl_narrow_us", "unpaired_store_us", "ids_after_narrow_fp8_us",
                                                 "two_max_us")

@@ -1573,6 +1573,63 @@ def test_gluon_gqa_direct_fp8_speculative_tokens_on_gpu(size, rank, interleave, 
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("size,rank,interleave,hq,hkv,tq", [(1, 0, 1, 32, 4, 2), (2, 1, 1, 32, 4, 4),
+                                                            (4, 3, 16, 16, 4, 4), (2, 0, 1, 64, 8, 8),
+                                                            (2, 1, 1, 8, 8, 3)])
+def test_gluon_gqa_bf16_speculative_tokens_on_gpu(size, rank, interleave, hq, hkv, tq, monkeypatch):
+    """The bf16 Gluon GQA kernel with a speculative step's query tokens as more rows of its 64-row tile
+    (tokens x heads a kv head, at most 64; CONFIG gluon_gqa_tokens), causal within the step over DCP's
+    (interleaved) global positions: against the torch path and the Triton kernel that served those
+    steps before, NaN in every unheld slot, lengths ending inside a tile, sequences as short as the
+    step (where a rank holds no key at or before a token's position, that row's lse is -inf and its
+    out 0), one split and several; the ids loaded ahead or after give the same bits; more than 64 rows
+    stay on the Triton kernel; a CUDA graph replays it to the same result."""
+    td = compiled_decode_kernels(monkeypatch)
+    from parallel.cp import gluon_gqa
+
+    if not (torch.cuda.get_device_capability() == (9, 0) and gluon_gqa.HAS_GLUON):
+        pytest.skip("the Gluon GQA kernel needs an sm_90 GPU and a Triton with Gluon")
+    lens = [max(n, tq) for n in (3000, 2, 77, 5, 640, 4096, 129, 64)]
+    gen = torch.Generator().manual_seed(83 + rank + tq)
+    layout = DCPLayout(size=size, rank=rank, block_size=64, interleave=interleave)
+    cache, ref_cache, table = _nan_gqa_cache(lens, hkv, layout, torch.bfloat16, gen)
+    q = torch.randn(len(lens), tq, hq, 128, generator=gen).to(torch.bfloat16).cuda()
+    seq = torch.tensor(lens, device="cuda")
+    run = lambda: paged_decode_attention(q, cache, table, seq, layout=layout, scale=0.088, backend="triton")
+    ref = paged_decode_attention(q, ref_cache, table, seq, layout=layout, scale=0.088, backend="torch")
+    used = []
+    real = gluon_gqa.launch_gluon_gqa
+    monkeypatch.setattr(gluon_gqa, "launch_gluon_gqa", lambda *a, **kw: used.append(kw) or real(*a, **kw))
+    monkeypatch.setitem(td.CONFIG, "gluon_gqa_tokens", 0)
+    plain = run()
+    assert not used, "with gluon_gqa_tokens 0 a step of several tokens went to the Gluon kernel"
+    monkeypatch.setitem(td.CONFIG, "gluon_gqa_tokens", 1)
+    for programs in (132, 4096):        # (one split a sequence, then several)
+        monkeypatch.setitem(td.CONFIG, "target_programs_gluon_gqa", programs)
+        monkeypatch.setitem(td.CONFIG, "min_split", 64)
+        got = run()
+        assert used, "the step did not launch the Gluon kernel"
+        used.clear()
+        finite = torch.isfinite(ref.lse)        # (a rank may hold none of a short sequence's tokens)
+        assert torch.equal(finite, torch.isfinite(got.lse)) and torch.isfinite(got.out).all()
+        assert (got.lse[~finite] == float("-inf")).all() and (got.out[~finite] == 0).all()
+        torch.testing.assert_close(got.lse[finite], ref.lse[finite], atol=2e-2, rtol=0)
+        torch.testing.assert_close(got.out, ref.out, atol=2e-2, rtol=0)
+        torch.testing.assert_close(got.out, plain.out, atol=2e-3, rtol=0)
+        torch.testing.assert_close(got.lse[finite], plain.lse[finite], atol=1e-4, rtol=0)
+        _same_when_flipped(monkeypatch, td, td.ids_ahead_key(False), run, got)
+        used.clear()
+    _replays_to(run, got)
+    used.clear()                # (the capture's launch)
+    if 2 * tq * hq // hkv <= 64:     # (twice the tokens: more than 64 rows only where the step is wider)
+        return
+    q2 = torch.cat([q, q], 1)
+    seq2 = seq.clamp(min=2 * tq)
+    paged_decode_attention(q2, cache, table, seq2, layout=layout, scale=0.088, backend="triton")
+    assert not used, "more than 64 rows went to the Gluon kernel"
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float8_e4m3fn], ids=["bf16", "fp8"])
 @pytest.mark.parametrize("size,rank,hq,hkv", [(1, 0, 32, 4), (2, 1, 32, 4), (4, 2, 8, 8), (1, 0, 64, 1)])
 def test_gluon_gqa_kernel_on_gpu(dtype, size, rank, hq, hkv, monkeypatch):

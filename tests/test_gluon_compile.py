@@ -89,7 +89,8 @@ def _build(name: str, cubin: Path | None = None) -> dict:
             ptrs.update(ks_ptr="*fp32", vs_ptr="*fp32", k_desc=f"tensordesc<fp8e4nv[64, 128],{lbox}>",
                         v_desc=f"tensordesc<fp8e4nv[64, 128],{lbox}>")
         else:
-            kernel, consts = gluon_gqa._gqa_decode_ws_kernel, {"PAGE": 64, "STAGES": 3}
+            kernel, consts = gluon_gqa._gqa_decode_ws_kernel, {"PAGE": 64, "STAGES": 3,
+                                                               "CAUSAL": more[-1:] == ["causal"]}
             ptrs.update(k_ptr="*bf16", v_ptr="*bf16")
     elif fp8:
         # (a raw TMA ring before the converter: "raw1", "raw2", or "k32r2raw4": 32-key tiles, 2 fp16 stages)
@@ -162,7 +163,8 @@ BUILDS = [
     ("mlan-fp8-16-direct5s", 0), ("mlan-fp8-16-direct5s-causal", 0),
     ("mlan-fp8-8-direct1s", 0), ("mlan-fp8-32-direct5s", 32), ("mlan-fp8-32-direct4s-causal", 64),
     ("gqa-fp8-direct8-8", 0), ("gqa-fp8-direct10-32", 8), ("gqa-fp8-direct9-16", 0),
-    ("gqa-fp8-direct10-32-causal", 8),
+    ("gqa-fp8-direct10-32-causal", 8), ("gqa-bf16-causal", 0),
+    ("gqa-bf16-causal-ahead-pdl", 0),
     # launched with programmatic dependent launch: the wait is in the build
     ("mlan-fp8-16-direct5s-pdl", 0), ("gqa-fp8-direct10-8-pdl", 0),
     ("gqa-bf16-pdl", 0), ("mla-bf16-pdl", 512), ("mla-fp8-k32r2raw2-pdl", 1024),

@@ -342,7 +342,8 @@ DECODE_VARIANTS = {"no_pdl_us": ("triton_decode", {"pdl": 0}),
                    "expanded_fp8_us": ("triton_decode", {"expand_wide_fp8": 1}),
                    "converter_fp8_us": ("triton_decode", {"direct_wide_fp8": 0}),
                    "values8_us": ("triton_decode", {"values8_narrow_fp8": 1}),
-                   "two_max_us": ("triton_decode", {"one_max_narrow_fp8": 0})}
+                   "two_max_us": ("triton_decode", {"one_max_narrow_fp8": 0}),
+                   "triton_tokens_us": ("triton_decode", {"gluon_gqa_tokens": 0})}
 """Columns timing a decode call again with one CONFIG option of a module of parallel.cp changed."""
 
 
@@ -359,7 +360,8 @@ def row_variants(kind: str, heads: int, fp8: bool, tokens: int = 1) -> tuple[str
     than 32 columns that the installed CONFIG does not expand; converter (MLA's full head tiles over fp8
     through the converter's kernel) only those tiles of one token, or expanded; values8 (MLA's narrow direct
     fp8 kernel's value MMAs in fp8) only that kernel at most 16 columns; two_max (its softmax with two
-    maxima a tile) that kernel.
+    maxima a tile) that kernel; triton_tokens (a speculative step through the Triton kernel instead of
+    the Gluon one) only GQA's steps of more than one token over bf16.
     (Elsewhere a variant would time the same
     kernel again: device time for a column equal to time_us up to the spread.)"""
     try:
@@ -381,7 +383,7 @@ def row_variants(kind: str, heads: int, fp8: bool, tokens: int = 1) -> tuple[str
              "untiled_us": tiled and not fp8, "untiled_fp8_us": tiled and fp8,
              "expanded_us": expandable and not fp8, "expanded_fp8_us": expandable and fp8,
              "converter_fp8_us": full_fp8, "values8_us": fp8 and swapped and heads * tokens <= 16,
-             "two_max_us": fp8 and swapped}
+             "two_max_us": fp8 and swapped, "triton_tokens_us": kind == "gqa" and not fp8 and tokens > 1}
     return tuple(name for name in DECODE_VARIANTS if reach[name])
 
 
@@ -403,7 +405,8 @@ def _decode_time(ctx: BenchContext, fns, variants=None) -> tuple[float, dict]:
     (seesaw_wide 1), converter_fp8_us with MLA's full head tiles over fp8 through the converter's kernel
     instead of the direct one (direct_wide_fp8 0), values8_us with MLA's narrow direct fp8 kernel's
     value MMAs in fp8 (values8_narrow_fp8 1), two_max_us with its softmax taking two maxima a tile, the
-    form before one_max_narrow_fp8 (one_max_narrow_fp8 0) (where the CONFIG has the changed value
+    form before one_max_narrow_fp8 (one_max_narrow_fp8 0), triton_tokens_us with GQA's speculative steps
+    over bf16 through the Triton kernel (gluon_gqa_tokens 0) (where the CONFIG has the changed value
     already, time_us itself). `variants`:
     the names of those to time (`row_variants`: those that reach the row's kernel), all when None."""
     import importlib

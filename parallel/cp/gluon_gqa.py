@@ -11,7 +11,10 @@ Over bf16 (`_gqa_decode_ws_kernel`):
   0 x NaN in P V is NaN);
 - the consumer warpgroup (the default partition): the G = Hq / Hkv query rows of the kv head
   (padded to 64, wgmma's M) held in registers as the MMA's A operand, S = Q K^T, the online
-  softmax, and O += P V with P passed from registers.
+  softmax, and O += P V with P passed from registers. A speculative step's Tq tokens are more rows
+  of the same tile (row = token x G + head, Tq x G <= 64: the MMAs of one token), causal within
+  the step over DCP's global positions; the mask is applied only to tiles that reach past the
+  step's first token.
 
 Over fp8 (`_gqa_decode_direct_kernel`, CONFIG direct_gluon_gqa_fp8), no converter: a one-warp
 loader brings each tile's raw key and value boxes (64 x 128 fp8) into 8-12 stages; a scores
@@ -46,6 +49,9 @@ try:
     from .gluon_mla import (HAS_GLUON, IDS_L, _bad_ids, _bad_ids_after, _block_of, _finish, _gdc_wait_and_release,
                             _ids_early, _ids_window, _table_tiles, _softmax_step, _split_range, _window_start,
                             _window_tile)
+    from .gluon_mla_narrow import (LBOX, _fold_parts, _publish_factor, _query_pos, _query_split, _scores_box8,
+                                   _softmax_start, _store_box, _value_operands, _zero_tail)
+    from .triton_common import global_pos as _global_pos
     from .triton_common import work_item as _work_item
 except ImportError:  # pragma: no cover - a Triton without Gluon
     HAS_GLUON = False
@@ -111,37 +117,52 @@ if HAS_GLUON:
                 mbarrier.arrive(ready.index(stage))
 
     @gluon.jit
-    def _queries(q_ptr, s, kvh, G, sq_s, sq_h, ROWS: gl.constexpr):
-        """The kv head's G query rows (ROWS of them, zeros past G) as two fp32 halves [ROWS, 64] of the
-        head dim."""
+    def _queries(q_ptr, s, kvh, G, TQ, sq_s, sq_t, sq_h, ROWS: gl.constexpr, TOKENS: gl.constexpr):
+        """The kv head's query rows, row r = (token r // G, head r % G) of the step's TQ tokens (ROWS of
+        them, zeros past TQ x G; not TOKENS: one token, row r = head r), as two fp32 halves [ROWS, 64]
+        of the head dim."""
         blocked: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
         qr = gl.arange(0, ROWS, layout=gl.SliceLayout(1, blocked))
         qc = gl.arange(0, BLOCK, layout=gl.SliceLayout(0, blocked))
-        q_base = q_ptr + s.to(gl.int64) * sq_s + (kvh * G + qr).to(gl.int64)[:, None] * sq_h + qc[None, :]
-        qmask = (qr < G)[:, None]
+        if TOKENS:
+            row_off = (qr // G).to(gl.int64) * sq_t + (kvh * G + qr % G).to(gl.int64) * sq_h
+        else:
+            row_off = (kvh * G + qr).to(gl.int64) * sq_h
+        q_base = q_ptr + s.to(gl.int64) * sq_s + row_off[:, None] + qc[None, :]
+        qmask = (qr < TQ * G)[:, None]
         q0 = gl.load(q_base, mask=qmask, other=0.0).to(gl.float32)
         q1 = gl.load(q_base + BLOCK, mask=qmask, other=0.0).to(gl.float32)
         return q0, q1
 
     @gluon.jit
-    def _store_out(o_ptr, lse_ptr, o0, o1, factor, lse, s, kvh, split, G, so_p, so_s, so_h, sl_p, sl_s, dims, qn):
-        """The split's partial out (the two accumulators [queries, dims] times factor) and lse of the kv
-        head's G query rows; qn: query indices, dims: head dims 0-63, both in the accumulators' slice
-        layouts."""
-        head = kvh * G + qn
-        o_q = split.to(gl.int64) * so_p + s.to(gl.int64) * so_s + head.to(gl.int64) * so_h
-        mine = (qn < G)[:, None]
-        gl.store(o_ptr + o_q[:, None] + dims[None, :], o0 * factor[:, None], mask=mine)
-        gl.store(o_ptr + o_q[:, None] + (BLOCK + dims)[None, :], o1 * factor[:, None], mask=mine)
-        gl.store(lse_ptr + split.to(gl.int64) * sl_p + s.to(gl.int64) * sl_s + head, lse, mask=qn < G)
+    def _store_out(o_ptr, lse_ptr, o0, o1, factor, lse, s, kvh, split, G, TQ, so_p, so_s, so_t, so_h, sl_p, sl_s,
+                   sl_t, dims, qn, TOKENS: gl.constexpr):
+        """The split's partial out (the two accumulators [rows, dims] times factor) and lse of the kv
+        head's TQ x G query rows (row r: token r // G, head r % G; not TOKENS: one token, row r = head
+        r); qn: row indices, dims: head dims 0-63, both in the accumulators' slice layouts."""
+        if TOKENS:
+            token = qn // G
+            head = kvh * G + qn % G
+        else:
+            token = qn * 0
+            head = kvh * G + qn
+        o_q = (split.to(gl.int64) * so_p + s.to(gl.int64) * so_s + token.to(gl.int64) * so_t
+               + head.to(gl.int64) * so_h)
+        mine = qn < TQ * G
+        gl.store(o_ptr + o_q[:, None] + dims[None, :], o0 * factor[:, None], mask=mine[:, None])
+        gl.store(o_ptr + o_q[:, None] + (BLOCK + dims)[None, :], o1 * factor[:, None], mask=mine[:, None])
+        gl.store(lse_ptr + split.to(gl.int64) * sl_p + s.to(gl.int64) * sl_s + token * sl_t + head, lse, mask=mine)
 
     @gluon.jit
     def _consumer(q_ptr, k_smem, v_smem, ready, free, table_ptr, glens_ptr, o_ptr, lse_ptr, s, kvh, split,
-                  split_len, dcp_size, dcp_rank, interleave, table_w, num_blocks, st_s, sq_s, sq_h, G, qk_scale,
-                  so_p, so_s, so_h, sl_p, sl_s, PAGE: gl.constexpr, STAGES: gl.constexpr, AHEAD: gl.constexpr = False):
-        """The query rows padded to 64 (wgmma's M) as the A operand of S = Q K^T from registers, the
-        online softmax over [64 rows, 64 keys], O += P V with P from registers too. AHEAD: the split's
-        block ids for the final check loaded beside the length (`_ids_early`), not after the loop."""
+                  split_len, dcp_size, dcp_rank, interleave, table_w, num_blocks, st_s, sq_s, sq_t, sq_h, G, TQ,
+                  qk_scale, so_p, so_s, so_t, so_h, sl_p, sl_s, sl_t, PAGE: gl.constexpr, STAGES: gl.constexpr,
+                  AHEAD: gl.constexpr = False, CAUSAL: gl.constexpr = False):
+        """The query rows (a speculative step's TQ tokens x the kv head's G query heads) padded to 64
+        (wgmma's M) as the A operand of S = Q K^T from registers, the online softmax over [64 rows, 64
+        keys], O += P V with P from registers too. AHEAD: the split's block ids for the final check
+        loaded beside the length (`_ids_early`), not after the loop. CAUSAL: a key counts for a row
+        where its global position is at most the row's token's (the step's last TQ positions)."""
         mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 64, 16])
         row_l: gl.constexpr = gl.SliceLayout(1, mma)
         col_l: gl.constexpr = gl.SliceLayout(0, mma)
@@ -149,7 +170,7 @@ if HAS_GLUON:
         dtype: gl.constexpr = k_smem.dtype
         if AHEAD:
             early = _ids_early(table_ptr, s, st_s, split * split_len, table_w, PAGE, IDS_L)
-        q0, q1 = _queries(q_ptr, s, kvh, G, sq_s, sq_h, BLOCK)
+        q0, q1 = _queries(q_ptr, s, kvh, G, TQ, sq_s, sq_t, sq_h, BLOCK, CAUSAL)
         qa0 = gl.convert_layout(q0.to(dtype), a_l)
         qa1 = gl.convert_layout(q1.to(dtype), a_l)
         start, end, tiles, bad = _split_range(glens_ptr, s, split, split_len, dcp_size, dcp_rank, interleave,
@@ -160,6 +181,10 @@ if HAS_GLUON:
         o0 = gl.zeros([BLOCK, BLOCK], gl.float32, mma)
         o1 = gl.zeros([BLOCK, BLOCK], gl.float32, mma)
         cols = gl.arange(0, BLOCK, layout=col_l)
+        rows = gl.arange(0, BLOCK, layout=row_l)
+        q_pos = _query_pos(glens_ptr, s, TQ, rows, G, CAUSAL)
+        if CAUSAL:  # (the step's first token's position: tiles wholly at or before it need no causal mask)
+            q_first = gl.load(glens_ptr + s).to(gl.int32) - TQ
         for t in range(tiles):
             stage = t % STAGES
             j0 = start + t * BLOCK
@@ -170,6 +195,10 @@ if HAS_GLUON:
             sc = warpgroup_mma_wait(num_outstanding=0, deps=(sc, ))
             live = (j0 + cols < end)[None, :]
             sc = gl.where(live, sc * qk_scale, float("-inf"))
+            if CAUSAL:  # (global positions rise with the local index: the tile's last key is its latest)
+                if _global_pos(j0 + BLOCK - 1, dcp_size, dcp_rank, interleave) > q_first:
+                    seen = _global_pos(j0 + cols, dcp_size, dcp_rank, interleave)[None, :] <= q_pos[:, None]
+                    sc = gl.where(seen, sc, float("-inf"))
             p, alpha, m_i, l_i, r_i = _softmax_step(sc, m_i, l_i, r_i, m_i, 1, False)
             pa = gl.convert_layout(p.to(dtype), a_l)
             o0 = warpgroup_mma(pa, v_smem.index(stage * CHUNKS), o0 * alpha[:, None], is_async=True)
@@ -181,8 +210,8 @@ if HAS_GLUON:
         else:
             bad = bad | _bad_ids(table_ptr, s, st_s, start, end, num_blocks, PAGE, col_l)
         factor, lse = _finish(m_i, l_i, r_i, bad, False)
-        _store_out(o_ptr, lse_ptr, o0, o1, factor, lse, s, kvh, split, G, so_p, so_s, so_h, sl_p, sl_s, cols,
-                   gl.arange(0, BLOCK, layout=row_l))
+        _store_out(o_ptr, lse_ptr, o0, o1, factor, lse, s, kvh, split, G, TQ, so_p, so_s, so_t, so_h, sl_p, sl_s,
+                   sl_t, cols, rows, CAUSAL)
 
     @gluon.jit
     def _ring(n: gl.constexpr, count: gl.constexpr):
@@ -193,10 +222,10 @@ if HAS_GLUON:
 
     @gluon.jit
     def _gqa_decode_ws_kernel(q_ptr, k_desc, v_desc, k_ptr, v_ptr, table_ptr, glens_ptr, o_ptr, lse_ptr,
-                              qk_scale, split_len, G, KV_HEADS, dcp_size, dcp_rank, interleave, table_w, num_blocks,
-                              st_s, sq_s, sq_h, sk_b, sk_t, sv_b, sv_t, so_p, so_s, so_h, sl_p, sl_s,
-                              PAGE: gl.constexpr, STAGES: gl.constexpr, PDL: gl.constexpr = False,
-                              AHEAD: gl.constexpr = False,
+                              qk_scale, split_len, G, KV_HEADS, TQ, dcp_size, dcp_rank, interleave, table_w,
+                              num_blocks, st_s, sq_s, sq_t, sq_h, sk_b, sk_t, sv_b, sv_t, so_p, so_s, so_t, so_h, sl_p,
+                              sl_s, sl_t, PAGE: gl.constexpr, STAGES: gl.constexpr, PDL: gl.constexpr = False,
+                              AHEAD: gl.constexpr = False, CAUSAL: gl.constexpr = False,
                               plan_ptr=None, PLANNED: gl.constexpr = False):
         pid = gl.program_id(0)
         split = gl.program_id(1)
@@ -214,8 +243,8 @@ if HAS_GLUON:
             s, split, split_len, o_ptr, lse_ptr = _work_item(plan_ptr, split, o_ptr, lse_ptr, so_p, sl_p)
         gl.warp_specialize([
             (_consumer, (q_ptr, k_smem, v_smem, ready, free, table_ptr, glens_ptr, o_ptr, lse_ptr, s, kvh, split,
-                         split_len, dcp_size, dcp_rank, interleave, table_w, num_blocks, st_s, sq_s, sq_h, G, qk_scale,
-                         so_p, so_s, so_h, sl_p, sl_s, PAGE, STAGES, AHEAD)),
+                         split_len, dcp_size, dcp_rank, interleave, table_w, num_blocks, st_s, sq_s, sq_t, sq_h, G, TQ,
+                         qk_scale, so_p, so_s, so_t, so_h, sl_p, sl_s, sl_t, PAGE, STAGES, AHEAD, CAUSAL)),
             (_bf16_loader, (k_desc, v_desc, k_ptr, v_ptr, table_ptr, glens_ptr, k_smem, v_smem, ready, free, s, kvh,
                             split, split_len, dcp_size, dcp_rank, interleave, table_w, num_blocks, st_s, sk_b, sk_t,
                             sv_b, sv_t, PAGE, STAGES, AHEAD)),
@@ -224,10 +253,6 @@ if HAS_GLUON:
 
 
 if HAS_GLUON:
-    from .gluon_mla_narrow import (LBOX, _fold_parts, _publish_factor, _query_pos, _query_split, _scores_box8,
-                                   _softmax_start, _store_box, _value_operands, _zero_tail)
-    from .triton_common import global_pos as _global_pos
-
     DIRECT_REGS = gl.constexpr(128)     # registers a thread of the direct kernel's value warpgroup
 
     @gluon.jit
@@ -545,10 +570,17 @@ def direct_stages(g: int, raw: int) -> int:
     return raw
 
 
+def bf16_max_tq(g: int) -> int:
+    """The most query tokens a step the bf16 kernel takes at g query heads per kv head: its rows, tokens
+    x heads, fill at most one 64-row MMA tile (so a speculative step costs the MMAs of one token)."""
+    return _BLOCK // g if 0 < g <= _BLOCK else 0
+
+
 def gluon_gqa_ok(q: Tensor, k: Tensor, v: Tensor, tq: int, k_scale: Tensor | None = None,
                  v_scale: Tensor | None = None, max_tq: int = 1) -> bool:
     """The Gluon GQA kernels apply: bf16 queries [S, Tq, Hq, 128] (contiguous; Tq <= max_tq: one query
-    token, or a speculative step's few in the direct fp8 form, `direct_stages` of Tq x Hq / Hkv columns);
+    token, or a speculative step's few: over bf16 `bf16_max_tq`, in the direct fp8 form `direct_stages`
+    of Tq x Hq / Hkv columns);
     a bf16 cache, or an fp8 one with fp32 scales [nb, page, Hkv] for keys and values; separate k
     and v tensors [nb, page, Hkv, 128], each contiguous; at most 64 query heads per kv head; pages
     a multiple of 64 tokens; an sm_90 GPU."""
@@ -587,8 +619,9 @@ def launch_gluon_gqa(q: Tensor, k: Tensor, v: Tensor, table: Tensor, seq_lens: T
         raise ValueError(f"the Gluon GQA kernel over fp8 takes at most {DIRECT_MAX_G} columns (tokens x query heads "
                          f"a kv head) and >= {DIRECT_MIN_STAGES} raw stages; got {tq} x {hq // hkv} columns, "
                          f"direct={direct}")
-    if tq > 1 and not fp8:
-        raise ValueError(f"the Gluon GQA kernel over bf16 takes one query token, got {tq}")
+    if tq * (hq // hkv) > _BLOCK and not fp8:
+        raise ValueError(f"the Gluon GQA kernel over bf16 takes at most {_BLOCK} rows (tokens x query heads a kv "
+                         f"head); got {tq} x {hq // hkv}")
     launch = {"PDL": True, "launch_pdl": True} if pdl else {}
     launch.update(planned_launch(plan))
     k2, v2 = k.view(nb * page, hkv * d), v.view(nb * page, hkv * d)
@@ -609,7 +642,8 @@ def launch_gluon_gqa(q: Tensor, k: Tensor, v: Tensor, table: Tensor, seq_lens: T
     k_desc = TensorDescriptor(k2, list(k2.shape), list(k2.stride()), [_BLOCK, _BLOCK], box)
     v_desc = TensorDescriptor(v2, list(v2.shape), list(v2.stride()), [_BLOCK, _BLOCK], box)
     _gqa_decode_ws_kernel[(grid_rows(s, plan) * hkv, splits)](
-        q, k_desc, v_desc, k, v, table, seq_lens, o, lse, scale_log2, split_len, hq // hkv, hkv, dcp_size, dcp_rank,
-        interleave, table.shape[1], nb, table.stride(0), q.stride(0), q.stride(2), k.stride(0), k.stride(1),
-        v.stride(0), v.stride(1), o.stride(0), o.stride(1), o.stride(3), lse.stride(0), lse.stride(1),
-        PAGE=page, STAGES=min(stages, 6), AHEAD=bool(ahead), num_warps=4, **launch)
+        q, k_desc, v_desc, k, v, table, seq_lens, o, lse, scale_log2, split_len, hq // hkv, hkv, tq, dcp_size,
+        dcp_rank, interleave, table.shape[1], nb, table.stride(0), q.stride(0), q.stride(1), q.stride(2), k.stride(0),
+        k.stride(1), v.stride(0), v.stride(1), o.stride(0), o.stride(1), o.stride(2), o.stride(3), lse.stride(0),
+        lse.stride(1), lse.stride(2), PAGE=page, STAGES=min(stages, 6), AHEAD=bool(ahead), CAUSAL=tq > 1,
+        num_warps=4, **launch)

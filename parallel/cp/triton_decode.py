@@ -40,9 +40,10 @@ Structure options (CONFIG, 0/1, off until the GPU probe measures them; `launch_s
   `gluon_mla.py` instead (a loader warpgroup, one warpgroup for the scores, softmax and output
   dims [0, 256), one for [256, 512) from the same published weights); this module still plans
   the splits and merges them.
-- `gluon_gqa` (on), `gluon_gqa_fp8` (on): GQA with head dim 128, one query token and bf16 queries
+- `gluon_gqa` (on), `gluon_gqa_fp8` (on): GQA with head dim 128 and bf16 queries
   (`gluon_gqa.gluon_gqa_ok`) goes to the warp-specialized Gluon kernel of `gluon_gqa.py` (a TMA
-  loader ring and one consumer warpgroup over bf16; one CTA per SM, so splits planned to at most
+  loader ring and one consumer warpgroup over bf16, a speculative step's tokens too where tokens x
+  heads fill at most 64 rows, `gluon_gqa_tokens`; one CTA per SM, so splits planned to at most
   `target_programs_gluon_gqa` programs); over fp8 to its direct form (`direct_gluon_gqa_fp8` raw
   stages, no converter; a speculative step's tokens too, up to 32 columns of tokens x heads),
   where that does not apply to the Triton kernel; the bf16 ring's depth is `stages_gluon_gqa`.
@@ -895,6 +896,12 @@ CONFIG = impl.Settings({
     # 518-527 against Triton 33.4-34.3 / 102.3-103.5 / 380-394. Over fp8 it now runs the direct form
     # (direct_gluon_gqa_fp8 below), which beats the Triton kernel everywhere measured
     "gluon_gqa": 1, "gluon_gqa_fp8": 1, "target_programs_gluon_gqa": 132,
+    # a speculative step's query tokens over bf16 in the Gluon kernel too: rows = tokens x the kv head's
+    # query heads, at most one 64-row tile (`gluon_gqa.bf16_max_tq`), causal within the step; the MMAs
+    # are those of one token, the rows padded to 64 either way. 0: those steps run the Triton kernel,
+    # which timed them at 0.95x SDPA over 4 tokens (bench cp's speculative rows, H200 828a783 and H100
+    # fa94e68; column triton_tokens_us times it beside)
+    "gluon_gqa_tokens": 1,
     # its ring over bf16: 16-bit stages of 32 KB each
     "stages_gluon_gqa": 3,
     # over fp8, the direct kernel (`gluon_gqa._gqa_decode_direct_kernel`: no converter, the raw tile's
@@ -1809,9 +1816,11 @@ def _choose_now(q: Tensor, k: Tensor, v: Tensor, k_scale: Tensor | None, v_scale
     # columns of tokens x heads; more than that, or direct_gluon_gqa_fp8 0, run the Triton kernel)
     direct_raw = CONFIG["direct_gluon_gqa_fp8"]
     direct_cols = fp8 and gluon_gqa.direct_stages(tq * g, direct_raw) > 0
+    bf16_tokens = gluon_gqa.bf16_max_tq(g) if CONFIG["gluon_gqa_tokens"] and not fp8 else 1
     gqa_ws = (not gluon and CONFIG["gluon_gqa_fp8" if fp8 else "gluon_gqa"] and not impl.interpreting()
               and (direct_cols or not fp8)
-              and gluon_gqa.gluon_gqa_ok(q, k, v, tq, k_scale, v_scale, max_tq=8 if direct_cols else 1))
+              and gluon_gqa.gluon_gqa_ok(q, k, v, tq, k_scale, v_scale,
+                                         max_tq=8 if direct_cols else bf16_tokens))
     if gqa_ws:      # (64-key tiles, a kv head's query rows padded to 64; one CTA per SM)
         block_n, block_m = gluon_gqa.TILE, gluon_gqa.TILE
         cfg = dict(cfg, at_most=1, target_programs=CONFIG["target_programs_gluon_gqa"])
