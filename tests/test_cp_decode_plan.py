@@ -334,6 +334,7 @@ def test_segment_merge_matches_float64_runs():
 
 GPU_CASES = [  # (kind, heads, tq, cache dtype)
     ("gqa", 32, 1, torch.bfloat16), ("gqa", 32, 1, torch.float8_e4m3fn), ("gqa", 32, 4, torch.float8_e4m3fn),
+    ("gqa", 32, 4, torch.bfloat16),
     ("mla", 128, 1, torch.bfloat16), ("mla", 128, 1, torch.float8_e4m3fn), ("mla", 16, 1, torch.bfloat16),
     ("mla", 16, 1, torch.float8_e4m3fn), ("mla", 16, 4, torch.bfloat16), ("mla", 128, 2, torch.bfloat16),
     ("mla", 128, 2, torch.float8_e4m3fn)]
