@@ -943,13 +943,13 @@ def flashmla_columns_or_note(ctx: BenchContext, where: str, module, sets, layout
         return {}
 
 
-SPECULATIVE = (("gqa", 32, 2), ("gqa", 32, 4), ("mla", 16, 2), ("mla", 16, 3), ("mla", 128, 2))
+SPECULATIVE = (("gqa", 32, 2), ("gqa", 32, 4), ("gqa", 32, 8), ("mla", 16, 2), ("mla", 16, 3), ("mla", 128, 2))
 """The speculative rows: (kind, query heads, new tokens a sequence)."""
 
 
 def _speculative_rows(ctx: BenchContext, batch: int = 32, context: int = 32768, n: int = 4, block: int = 64) -> None:
     """Speculative decode (MTP / draft verification: Tq new tokens a sequence, each causal over the
-    global positions): GQA (Hq 32, Hkv 4) at Tq = 2 and 4 and MLA with 16 heads at Tq = 2 and 3 and
+    global positions): GQA (Hq 32, Hkv 4) at Tq = 2, 4 and 8 and MLA with 16 heads at Tq = 2 and 3 and
     128 heads at Tq = 2, bf16 and fp8 caches, rank 0's 1/N of the paged KV, against the decode rows'
     anchors given the tokens' mask (SDPA with the kv head's query heads folded into its rows; torch
     absorbed MLA). The KV
