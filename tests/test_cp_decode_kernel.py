@@ -1575,7 +1575,7 @@ def test_gluon_gqa_direct_fp8_speculative_tokens_on_gpu(size, rank, interleave, 
 @pytest.mark.gpu
 @pytest.mark.parametrize("size,rank,interleave,hq,hkv,tq", [(1, 0, 1, 32, 4, 2), (2, 1, 1, 32, 4, 4),
                                                             (4, 3, 16, 16, 4, 4), (2, 0, 1, 64, 8, 8),
-                                                            (2, 1, 1, 8, 8, 3)])
+                                                            (2, 1, 1, 8, 8, 3), (1, 0, 1, 64, 4, 2)])
 def test_gluon_gqa_bf16_speculative_tokens_on_gpu(size, rank, interleave, hq, hkv, tq, monkeypatch):
     """The bf16 Gluon GQA kernel with a speculative step's query tokens as more rows of its 64-row tile
     (tokens x heads a kv head, at most 64; CONFIG gluon_gqa_tokens), causal within the step over DCP's
@@ -1621,11 +1621,11 @@ def test_gluon_gqa_bf16_speculative_tokens_on_gpu(size, rank, interleave, hq, hk
         used.clear()
     _replays_to(run, got)
     used.clear()                # (the capture's launch)
-    if 2 * tq * hq // hkv <= 64:     # (twice the tokens: more than 64 rows only where the step is wider)
+    wide = 64 // (hq // hkv) + 1     # (the fewest tokens that take more than 64 rows: where the API allows them)
+    if wide > 8:
         return
-    q2 = torch.cat([q, q], 1)
-    seq2 = seq.clamp(min=2 * tq)
-    paged_decode_attention(q2, cache, table, seq2, layout=layout, scale=0.088, backend="triton")
+    q2 = torch.randn(len(lens), wide, hq, 128, generator=gen).to(torch.bfloat16).cuda()
+    paged_decode_attention(q2, cache, table, seq.clamp(min=wide), layout=layout, scale=0.088, backend="triton")
     assert not used, "more than 64 rows went to the Gluon kernel"
 
 
