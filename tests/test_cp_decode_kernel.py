@@ -1519,6 +1519,30 @@ def test_gluon_gqa_direct_fp8_extreme_scales_on_gpu(q_exp, hq, hkv, monkeypatch)
     assert (got.out[2] == 0).all()
 
 
+def _gqa_step_problem(monkeypatch, size, rank, interleave, hq, hkv, tq, dtype, seed):
+    """A speculative GQA step on the GPU for the Gluon kernels' tests: NaN in every unheld slot, lengths
+    ending inside a tile and as short as the step. Returns (the kernels' CONFIG module, call(q, seq) on
+    the Triton backend, the torch path's result, the list the Gluon launches append their options to,
+    q, seq, gen); skips without an sm_90 GPU and Gluon."""
+    td = compiled_decode_kernels(monkeypatch)
+    from parallel.cp import gluon_gqa
+
+    if not (torch.cuda.get_device_capability() == (9, 0) and gluon_gqa.HAS_GLUON):
+        pytest.skip("the Gluon GQA kernel needs an sm_90 GPU and a Triton with Gluon")
+    lens = [max(n, tq) for n in (3000, 2, 77, 5, 640, 4096, 129, 64)]
+    gen = torch.Generator().manual_seed(seed + rank + tq)
+    layout = DCPLayout(size=size, rank=rank, block_size=64, interleave=interleave)
+    cache, ref_cache, table = _nan_gqa_cache(lens, hkv, layout, dtype, gen)
+    q = torch.randn(len(lens), tq, hq, 128, generator=gen).to(torch.bfloat16).cuda()
+    seq = torch.tensor(lens, device="cuda")
+    call = lambda q, seq: paged_decode_attention(q, cache, table, seq, layout=layout, scale=0.088, backend="triton")
+    ref = paged_decode_attention(q, ref_cache, table, seq, layout=layout, scale=0.088, backend="torch")
+    used = []
+    real = gluon_gqa.launch_gluon_gqa
+    monkeypatch.setattr(gluon_gqa, "launch_gluon_gqa", lambda *a, **kw: used.append(kw) or real(*a, **kw))
+    return td, call, ref, used, q, seq, gen
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("size,rank,interleave,hq,hkv,tq", [(1, 0, 1, 32, 4, 2), (2, 1, 1, 32, 4, 4),
                                                             (4, 3, 16, 16, 4, 4), (2, 0, 1, 8, 8, 3)])
@@ -1528,22 +1552,9 @@ def test_gluon_gqa_direct_fp8_speculative_tokens_on_gpu(size, rank, interleave, 
     the torch path and the Triton kernel that serves it elsewhere, NaN in every unheld slot, lengths
     ending inside a tile, one split and several; more than 32 columns stay on the Triton kernel; a CUDA
     graph replays it to the same result."""
-    td = compiled_decode_kernels(monkeypatch)
-    from parallel.cp import gluon_gqa
-
-    if not (torch.cuda.get_device_capability() == (9, 0) and gluon_gqa.HAS_GLUON):
-        pytest.skip("the Gluon GQA kernel needs an sm_90 GPU and a Triton with Gluon")
-    lens = [max(n, tq) for n in (3000, 2, 77, 5, 640, 4096, 129, 64)]
-    gen = torch.Generator().manual_seed(71 + rank + tq)
-    layout = DCPLayout(size=size, rank=rank, block_size=64, interleave=interleave)
-    cache, ref_cache, table = _nan_gqa_cache(lens, hkv, layout, torch.float8_e4m3fn, gen)
-    q = torch.randn(len(lens), tq, hq, 128, generator=gen).to(torch.bfloat16).cuda()
-    seq = torch.tensor(lens, device="cuda")
-    run = lambda: paged_decode_attention(q, cache, table, seq, layout=layout, scale=0.088, backend="triton")
-    ref = paged_decode_attention(q, ref_cache, table, seq, layout=layout, scale=0.088, backend="torch")
-    used = []
-    real = gluon_gqa.launch_gluon_gqa
-    monkeypatch.setattr(gluon_gqa, "launch_gluon_gqa", lambda *a, **kw: used.append(kw) or real(*a, **kw))
+    td, call, ref, used, q, seq, _ = _gqa_step_problem(monkeypatch, size, rank, interleave, hq, hkv, tq,
+                                                       torch.float8_e4m3fn, 71)
+    run = lambda: call(q, seq)
     monkeypatch.setitem(td.CONFIG, "gluon_gqa_fp8", 0)
     plain = run()
     assert not used
@@ -1566,9 +1577,7 @@ def test_gluon_gqa_direct_fp8_speculative_tokens_on_gpu(size, rank, interleave, 
     used.clear()                # (the capture's launch)
     if tq * hq // hkv <= 16:     # (twice the tokens: more than 32 columns only where the step is wider)
         return
-    q2 = torch.cat([q, q], 1)
-    seq2 = seq.clamp(min=2 * tq)
-    paged_decode_attention(q2, cache, table, seq2, layout=layout, scale=0.088, backend="triton")
+    call(torch.cat([q, q], 1), seq.clamp(min=2 * tq))
     assert not used, "more than 32 columns went to the Gluon kernel"
 
 
@@ -1584,22 +1593,9 @@ def test_gluon_gqa_bf16_speculative_tokens_on_gpu(size, rank, interleave, hq, hk
     step (where a rank holds no key at or before a token's position, that row's lse is -inf and its
     out 0), one split and several; the ids loaded ahead or after give the same bits; more than 64 rows
     stay on the Triton kernel; a CUDA graph replays it to the same result."""
-    td = compiled_decode_kernels(monkeypatch)
-    from parallel.cp import gluon_gqa
-
-    if not (torch.cuda.get_device_capability() == (9, 0) and gluon_gqa.HAS_GLUON):
-        pytest.skip("the Gluon GQA kernel needs an sm_90 GPU and a Triton with Gluon")
-    lens = [max(n, tq) for n in (3000, 2, 77, 5, 640, 4096, 129, 64)]
-    gen = torch.Generator().manual_seed(83 + rank + tq)
-    layout = DCPLayout(size=size, rank=rank, block_size=64, interleave=interleave)
-    cache, ref_cache, table = _nan_gqa_cache(lens, hkv, layout, torch.bfloat16, gen)
-    q = torch.randn(len(lens), tq, hq, 128, generator=gen).to(torch.bfloat16).cuda()
-    seq = torch.tensor(lens, device="cuda")
-    run = lambda: paged_decode_attention(q, cache, table, seq, layout=layout, scale=0.088, backend="triton")
-    ref = paged_decode_attention(q, ref_cache, table, seq, layout=layout, scale=0.088, backend="torch")
-    used = []
-    real = gluon_gqa.launch_gluon_gqa
-    monkeypatch.setattr(gluon_gqa, "launch_gluon_gqa", lambda *a, **kw: used.append(kw) or real(*a, **kw))
+    td, call, ref, used, q, seq, gen = _gqa_step_problem(monkeypatch, size, rank, interleave, hq, hkv, tq,
+                                                         torch.bfloat16, 83)
+    run = lambda: call(q, seq)
     monkeypatch.setitem(td.CONFIG, "gluon_gqa_tokens", 0)
     plain = run()
     assert not used, "with gluon_gqa_tokens 0 a step of several tokens went to the Gluon kernel"
@@ -1624,8 +1620,7 @@ def test_gluon_gqa_bf16_speculative_tokens_on_gpu(size, rank, interleave, hq, hk
     wide = 64 // (hq // hkv) + 1     # (the fewest tokens that take more than 64 rows: where the API allows them)
     if wide > 8:
         return
-    q2 = torch.randn(len(lens), wide, hq, 128, generator=gen).to(torch.bfloat16).cuda()
-    paged_decode_attention(q2, cache, table, seq.clamp(min=wide), layout=layout, scale=0.088, backend="triton")
+    call(torch.randn(len(seq), wide, hq, 128, generator=gen).to(torch.bfloat16).cuda(), seq.clamp(min=wide))
     assert not used, "more than 64 rows went to the Gluon kernel"
 
 
