@@ -1387,6 +1387,21 @@ def test_direct_narrow_mla_fp8_stages_fit_shared_memory():
                       torch.ones(4, 64, 1), raw=6)
 
 
+def test_bf16_gqa_kernel_takes_a_step_of_at_most_64_rows():
+    """The bf16 Gluon GQA kernel's speculative steps (`gluon_gqa.bf16_max_tq`): tokens x query heads a kv
+    head fill at most its 64-row tile, so 8 tokens at 8 heads a kv head, 4 at 16, 1 at 64, none past 64
+    heads; the launcher refuses a wider step with its numbers, before building anything."""
+    from parallel.cp import gluon_gqa
+
+    assert [gluon_gqa.bf16_max_tq(g) for g in (1, 8, 16, 33, 64, 65, 0)] == [64, 8, 4, 1, 1, 0, 0]
+    if gluon_gqa.HAS_GLUON:
+        k = torch.zeros(4, 64, 2, 128, dtype=torch.bfloat16)
+        q = torch.zeros(1, 5, 32, 128, dtype=torch.bfloat16)
+        with pytest.raises(ValueError, match=r"at most 64 rows \(tokens x query heads a kv head\); got 5 x 16"):
+            gluon_gqa.launch_gluon_gqa(q, k, k.clone(), torch.zeros(1, 4, dtype=torch.int32), torch.ones(1),
+                                       None, None, 0.1, 1, 256, 1, 0, 1)
+
+
 def test_direct_wide_mla_fp8_stages_fit_shared_memory():
     """The full-head-tile direct fp8 kernel's shared memory (`gluon_mla_direct.direct_fits`: the queries'
     e4m3 parts, raw stages of 37.1 KB, two weight buffers): three raw stages fit (its sm_90a build takes
